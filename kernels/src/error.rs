@@ -1,0 +1,98 @@
+//! The one error type of the kernels crate.
+//!
+//! Every variant names the operation that failed and carries the offending value next to the
+//! limit it broke, so a message is actionable without a debugger (STYLE.md, "Errors").
+
+/// Why a kernel refused its inputs.
+#[derive(thiserror::Error, Debug, Clone, PartialEq)]
+pub enum KernelError {
+    /// A buffer had the wrong length for the shape the operation was given.
+    #[error("{op}: `{what}` must have length {expected}, got {got}")]
+    ShapeMismatch {
+        /// Operation, e.g. `"linear"`.
+        op: &'static str,
+        /// Which argument, e.g. `"out"`.
+        what: &'static str,
+        /// Length the other arguments imply.
+        expected: usize,
+        /// Length actually passed.
+        got: usize,
+    },
+    /// A flat buffer's length is not a whole number of rows.
+    #[error("{op}: `{what}` length {len} is not a multiple of the row width {width}")]
+    NotDivisible {
+        /// Operation.
+        op: &'static str,
+        /// Which argument.
+        what: &'static str,
+        /// Length passed.
+        len: usize,
+        /// Row width it must divide by.
+        width: usize,
+    },
+    /// A dimension or parameter that must satisfy a constraint does not.
+    #[error("{op}: `{field}` must be {limit}, got {value}")]
+    InvalidParam {
+        /// Operation.
+        op: &'static str,
+        /// Which dimension or parameter.
+        field: &'static str,
+        /// The constraint, in words (e.g. `"even and > 0"`).
+        limit: &'static str,
+        /// The value passed, formatted.
+        value: String,
+    },
+    /// An index (row, block id, expert id) is past the end of what it indexes.
+    #[error("{op}: `{what}` index {index} out of range (must be < {len})")]
+    IndexOutOfRange {
+        /// Operation.
+        op: &'static str,
+        /// What was indexed.
+        what: &'static str,
+        /// Index passed.
+        index: usize,
+        /// Number of valid entries.
+        len: usize,
+    },
+    /// The tiled MLA kernel puts query heads on the rows of 16-row tiles and only takes the
+    /// head counts the production kernels take; pad through `mla_absorbed_attention` instead.
+    #[error("{op}: tiled kernel takes 4, 8 or a multiple of 16 heads, got {heads}")]
+    UnsupportedHeadCount {
+        /// Operation.
+        op: &'static str,
+        /// Head count passed.
+        heads: usize,
+    },
+    /// A sequence's block table does not cover all the positions it attends to.
+    #[error(
+        "{op}: block table has {blocks} blocks of {page_size} tokens, needs {needed_tokens} tokens"
+    )]
+    BlockTableTooShort {
+        /// Operation.
+        op: &'static str,
+        /// Blocks in the table.
+        blocks: usize,
+        /// Tokens per block.
+        page_size: usize,
+        /// Tokens the sequence needs (`start_pos + num_queries`).
+        needed_tokens: usize,
+    },
+    /// A sampling parameter is outside its valid range.
+    #[error("sampling: `{field}` must be {limit}, got {value}")]
+    InvalidSamplingParam {
+        /// Field of `SamplingParams`.
+        field: &'static str,
+        /// The value passed.
+        value: f64,
+        /// The valid range, in words.
+        limit: &'static str,
+    },
+    /// A probability vector has nothing left to sample or renormalise (all zero, or non-finite).
+    #[error("{op}: distribution has no positive finite mass (sum {sum})")]
+    DegenerateDistribution {
+        /// Operation.
+        op: &'static str,
+        /// The normaliser that was found.
+        sum: f64,
+    },
+}

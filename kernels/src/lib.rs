@@ -1,0 +1,25 @@
+//! Compute backends for ferry.
+//!
+//! Today this crate holds the CPU reference backend: plain, f32-accumulating implementations
+//! of every operation a DeepSeek-V3-family (MLA + MoE) forward pass needs, written to match
+//! Hugging Face transformers' float32 `DeepseekV3ForCausalLM` to about 1e-5 relative. GPU
+//! backends are tested against it.
+//!
+//! | module | owns |
+//! |---|---|
+//! | [`error`] | [`KernelError`], the one error type |
+//! | [`ops`] | backend-independent planning (the MLA head-pad plan) |
+//! | [`cpu::gemm`] | weights ([`cpu::Matrix`]) and `x · Wᵀ` |
+//! | [`cpu::norm`] | RMSNorm |
+//! | [`cpu::rope`] | RoPE / YaRN tables and rotation |
+//! | [`cpu::mlp`] | SwiGLU MLP |
+//! | [`cpu::moe`] | grouped sigmoid routing and the MoE layer |
+//! | [`cpu::softmax`] | row softmax |
+//! | [`cpu::mla`] | MLA attention over a paged latent cache (MHA form, absorbed form, tiled kernel) |
+//! | [`cpu::sample`] | sampling parameters, filters and the seeded sampler |
+
+pub mod cpu;
+pub mod error;
+pub mod ops;
+
+pub use error::KernelError;

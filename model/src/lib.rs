@@ -1,0 +1,19 @@
+//! DeepSeek-V3-family models (DeepSeek-V3, Kimi K2, the K3-shaped embedded model) for ferry.
+//!
+//! | module | owns |
+//! |---|---|
+//! | [`config`] | Hugging Face `config.json` → validated [`config::ModelConfig`] |
+//! | [`weights`] | memory-mapped safetensors (bf16, f32, fp8 e4m3 with 128×128 block scales) |
+//! | [`tokenizer`] | `tokenizer.json` through `tokenizers`, chat templates through `minijinja` |
+//! | [`kv`] | the paged latent KV pool, block allocation and per-sequence block tables |
+//! | [`deepseek`] | the batched forward: prefill of many sequences, decode steps, cached-prefix reuse |
+//! | [`embedded`] | where the embedded default model lives |
+pub mod config;
+pub mod deepseek;
+pub mod embedded;
+pub mod error;
+pub mod kv;
+pub mod tokenizer;
+pub mod weights;
+
+pub use error::ModelError;

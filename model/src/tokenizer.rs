@@ -1,0 +1,497 @@
+//! `tokenizer.json` through Hugging Face `tokenizers`, chat templates through `minijinja`, and a
+//! streaming detokenizer for token-by-token output.
+//!
+//! | item | what |
+//! |---|---|
+//! | [`Tokenizer`] | encode/decode plus the model's chat template, loaded from a model directory |
+//! | [`ChatMessage`] | one `{role, content}` turn handed to the template |
+//! | [`DecodeStream`] | turns one id at a time into text, holding back incomplete UTF-8 |
+//!
+//! Templates render the way transformers renders them (`trim_blocks` and `lstrip_blocks` on;
+//! variables `messages`, `add_generation_prompt`, `bos_token`, `eos_token`; a
+//! `raise_exception(msg)` function; Python string/dict methods such as `.strip()` and
+//! `.get()` through minijinja-contrib's pycompat; and a `tojson` filter that writes JSON the way
+//! Python's `json.dumps(..., ensure_ascii=False)` does, including the `indent` and `separators`
+//! arguments Kimi's template uses). The template comes from `chat_template.jinja` when that file
+//! exists, else from `chat_template` in `tokenizer_config.json`.
+//!
+//! Tokenization is CPU work: callers on an async runtime run it on `spawn_blocking`.
+use std::path::Path;
+
+use minijinja::value::{Kwargs, Value, ValueKind};
+use minijinja::{Environment, ErrorKind};
+use serde::{Deserialize, Serialize};
+
+use crate::error::ModelError;
+
+/// The tokenizer file every model directory must have.
+pub const TOKENIZER_FILE: &str = "tokenizer.json";
+/// Optional file with the chat template and special-token strings.
+pub const TOKENIZER_CONFIG_FILE: &str = "tokenizer_config.json";
+/// Optional file holding the chat template alone (newer transformers layout); wins over
+/// `tokenizer_config.json`'s `chat_template`.
+pub const CHAT_TEMPLATE_FILE: &str = "chat_template.jinja";
+
+const TEMPLATE_NAME: &str = "chat_template";
+
+/// One conversation turn as chat templates see it (`message['role']`, `message['content']`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChatMessage {
+    /// `system`, `user`, `assistant`, … — whatever the template understands.
+    pub role: String,
+    /// The turn's text.
+    pub content: String,
+}
+
+impl ChatMessage {
+    /// A message with `role` and `content`.
+    pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
+        Self {
+            role: role.into(),
+            content: content.into(),
+        }
+    }
+}
+
+/// A model's tokenizer and, when it ships one, its chat template.
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    /// Compiled template (registered as [`TEMPLATE_NAME`]); `None` when the model has none.
+    template: Option<Environment<'static>>,
+    bos_token: Option<String>,
+    eos_token: Option<String>,
+}
+
+impl std::fmt::Debug for Tokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tokenizer")
+            .field("vocab_size", &self.vocab_size())
+            .field("has_chat_template", &self.template.is_some())
+            .field("bos_token", &self.bos_token)
+            .field("eos_token", &self.eos_token)
+            .finish()
+    }
+}
+
+impl Tokenizer {
+    /// Loads `tokenizer.json` (required: [`ModelError::MissingFile`] if absent) and, when
+    /// present, `tokenizer_config.json` and `chat_template.jinja` from `dir`.
+    ///
+    /// The chat template is compiled here, so a template with a syntax error fails loading
+    /// ([`ModelError::ChatTemplate`]) rather than the first request.
+    pub fn from_dir(dir: &Path) -> Result<Self, ModelError> {
+        let path = dir.join(TOKENIZER_FILE);
+        if !path.exists() {
+            return Err(ModelError::MissingFile(path));
+        }
+        let inner = tokenizers::Tokenizer::from_file(&path)
+            .map_err(|e| ModelError::Tokenizer(format!("cannot load `{}`: {e}", path.display())))?;
+
+        let config_path = dir.join(TOKENIZER_CONFIG_FILE);
+        let config = if config_path.exists() {
+            let text = read(&config_path)?;
+            serde_json::from_str::<serde_json::Value>(&text).map_err(|e| {
+                ModelError::Tokenizer(format!("invalid `{}`: {e}", config_path.display()))
+            })?
+        } else {
+            serde_json::Value::Null
+        };
+        let bos_token = special_token(&config, "bos_token");
+        let eos_token = special_token(&config, "eos_token");
+
+        let template_path = dir.join(CHAT_TEMPLATE_FILE);
+        let source = if template_path.exists() {
+            Some(read(&template_path)?)
+        } else {
+            template_from_config(&config)
+        };
+        let template = source.map(compile_template).transpose()?;
+        Ok(Self {
+            inner,
+            template,
+            bos_token,
+            eos_token,
+        })
+    }
+
+    /// Token ids of `text`; `add_special_tokens` applies the tokenizer's post-processor (e.g.
+    /// a leading BOS). Prompts rendered by a chat template already contain their special tokens.
+    pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, ModelError> {
+        self.inner
+            .encode(text, add_special_tokens)
+            .map(|e| e.get_ids().to_vec())
+            .map_err(|e| ModelError::Tokenizer(format!("encode failed: {e}")))
+    }
+
+    /// Text of `ids`; `skip_special_tokens` drops special tokens such as BOS/EOS.
+    pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String, ModelError> {
+        self.inner
+            .decode(ids, skip_special_tokens)
+            .map_err(|e| ModelError::Tokenizer(format!("decode failed: {e}")))
+    }
+
+    /// Number of ids the tokenizer can produce, added tokens included. May be smaller than the
+    /// model's `vocab_size`, whose embedding is often padded.
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    /// The id of token `token` (e.g. `"<|im_end|>"`), if it is in the vocabulary.
+    pub fn token_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
+    /// `bos_token` from `tokenizer_config.json`, if set.
+    pub fn bos_token(&self) -> Option<&str> {
+        self.bos_token.as_deref()
+    }
+
+    /// `eos_token` from `tokenizer_config.json`, if set.
+    pub fn eos_token(&self) -> Option<&str> {
+        self.eos_token.as_deref()
+    }
+
+    /// Whether the model ships a chat template.
+    pub fn has_chat_template(&self) -> bool {
+        self.template.is_some()
+    }
+
+    /// The wrapped `tokenizers` tokenizer, for features this wrapper does not expose.
+    pub fn inner(&self) -> &tokenizers::Tokenizer {
+        &self.inner
+    }
+
+    /// Renders `messages` with the model's chat template; `add_generation_prompt` appends the
+    /// assistant-turn opener so the model answers next.
+    ///
+    /// [`ModelError::ChatTemplate`] when the model has no template, or rendering fails
+    /// (including the template's own `raise_exception`).
+    pub fn apply_chat_template(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String, ModelError> {
+        let env = self.template.as_ref().ok_or_else(|| {
+            ModelError::ChatTemplate(format!(
+                "this model has no chat template (neither `{CHAT_TEMPLATE_FILE}` nor \
+                 `chat_template` in `{TOKENIZER_CONFIG_FILE}`)"
+            ))
+        })?;
+        let template = env
+            .get_template(TEMPLATE_NAME)
+            .map_err(|e| ModelError::ChatTemplate(e.to_string()))?;
+        template
+            .render(minijinja::context! {
+                messages => messages,
+                add_generation_prompt => add_generation_prompt,
+                bos_token => self.bos_token.as_deref().unwrap_or(""),
+                eos_token => self.eos_token.as_deref().unwrap_or(""),
+            })
+            .map_err(|e| ModelError::ChatTemplate(render_error(&e)))
+    }
+}
+
+/// Incremental detokenizer: feed ids one at a time, get text as soon as it is complete.
+///
+/// Byte-level BPE tokens can end in the middle of a UTF-8 character; decoding such a prefix
+/// yields U+FFFD, so the stream holds text back until the character completes. It decodes a
+/// short window of recent ids (not only the new one) because decoders such as Metaspace change
+/// a token's text depending on what precedes it. This is the algorithm of `tokenizers`'
+/// `DecodeStream`, with owned state so it can live in per-sequence state without borrowing
+/// the tokenizer. Concatenating every chunk from [`DecodeStream::step`] and
+/// [`DecodeStream::finish`] equals `decode(all ids)`.
+#[derive(Debug, Clone, Default)]
+pub struct DecodeStream {
+    skip_special_tokens: bool,
+    /// Window of recent ids: those already emitted as `prefix`, then pending ones.
+    ids: Vec<u32>,
+    /// Text of `ids[..prefix_index]`.
+    prefix: String,
+    prefix_index: usize,
+}
+
+impl DecodeStream {
+    /// An empty stream; `skip_special_tokens` as in [`Tokenizer::decode`].
+    pub fn new(skip_special_tokens: bool) -> Self {
+        Self {
+            skip_special_tokens,
+            ..Self::default()
+        }
+    }
+
+    /// Adds `id`; returns the newly completed text, or `None` while a character is incomplete.
+    pub fn step(&mut self, tokenizer: &Tokenizer, id: u32) -> Result<Option<String>, ModelError> {
+        tokenizers::step_decode_stream(
+            &tokenizer.inner,
+            vec![id],
+            self.skip_special_tokens,
+            &mut self.ids,
+            &mut self.prefix,
+            &mut self.prefix_index,
+        )
+        .map_err(|e| ModelError::Tokenizer(format!("streaming decode failed: {e}")))
+    }
+
+    /// Flushes text still held back (an incomplete character at the end of generation decodes
+    /// as U+FFFD, as in a full decode) and resets the stream.
+    pub fn finish(&mut self, tokenizer: &Tokenizer) -> Result<Option<String>, ModelError> {
+        let text = tokenizer.decode(&self.ids, self.skip_special_tokens)?;
+        let prefix = std::mem::take(&mut self.prefix);
+        self.ids.clear();
+        self.prefix_index = 0;
+        match text.strip_prefix(prefix.as_str()) {
+            Some("") => Ok(None),
+            Some(rest) => Ok(Some(rest.to_string())),
+            None => Err(ModelError::Tokenizer(format!(
+                "streaming decode: window text {text:?} does not start with emitted {prefix:?}"
+            ))),
+        }
+    }
+}
+
+fn read(path: &Path) -> Result<String, ModelError> {
+    std::fs::read_to_string(path).map_err(|source| ModelError::Io {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+/// `bos_token`/`eos_token` in `tokenizer_config.json`: a string or an AddedToken object.
+fn special_token(config: &serde_json::Value, key: &str) -> Option<String> {
+    match config.get(key)? {
+        serde_json::Value::String(s) => Some(s.clone()),
+        serde_json::Value::Object(o) => o.get("content")?.as_str().map(str::to_string),
+        _ => None,
+    }
+}
+
+/// `chat_template` in `tokenizer_config.json`: a string, or a list of `{name, template}` from
+/// which the one named `default` (else the first) is used.
+fn template_from_config(config: &serde_json::Value) -> Option<String> {
+    match config.get("chat_template")? {
+        serde_json::Value::String(s) => Some(s.clone()),
+        serde_json::Value::Array(items) => {
+            let named = |item: &&serde_json::Value| {
+                item.get("name").and_then(serde_json::Value::as_str) == Some("default")
+            };
+            let chosen = items.iter().find(named).or_else(|| items.first())?;
+            chosen.get("template")?.as_str().map(str::to_string)
+        }
+        _ => None,
+    }
+}
+
+fn compile_template(source: String) -> Result<Environment<'static>, ModelError> {
+    let mut env = Environment::new();
+    env.set_trim_blocks(true);
+    env.set_lstrip_blocks(true);
+    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    env.add_function("raise_exception", raise_exception);
+    env.add_filter("tojson", tojson);
+    env.add_template_owned(TEMPLATE_NAME, source)
+        .map_err(|e| ModelError::ChatTemplate(format!("does not compile: {}", render_error(&e))))?;
+    Ok(env)
+}
+
+/// A minijinja error with its chain of causes (the template's line is in the message).
+fn render_error(e: &minijinja::Error) -> String {
+    let mut message = e.to_string();
+    let mut source = std::error::Error::source(e);
+    while let Some(cause) = source {
+        message.push_str(&format!(": {cause}"));
+        source = cause.source();
+    }
+    message
+}
+
+/// `raise_exception(msg)`: how HF templates reject conversations they cannot render.
+fn raise_exception(message: String) -> Result<Value, minijinja::Error> {
+    Err(minijinja::Error::new(ErrorKind::InvalidOperation, message))
+}
+
+/// `tojson` as transformers defines it: `json.dumps(value, ensure_ascii=False, indent=indent,
+/// separators=separators)`, keys in insertion order, output marked safe.
+fn tojson(value: Value, kwargs: Kwargs) -> Result<Value, minijinja::Error> {
+    let indent: Option<usize> = kwargs.get("indent")?;
+    let separators: Option<Vec<String>> = kwargs.get("separators")?;
+    kwargs.assert_all_used()?;
+    let (item_sep, key_sep) = match separators.as_deref() {
+        Some([item, key]) => (item.clone(), key.clone()),
+        Some(_) => {
+            return Err(minijinja::Error::new(
+                ErrorKind::InvalidOperation,
+                "tojson: `separators` must be a pair (item_separator, key_separator)",
+            ))
+        }
+        // Python's defaults: ", " without indent, "," with it.
+        None if indent.is_some() => (",".to_string(), ": ".to_string()),
+        None => (", ".to_string(), ": ".to_string()),
+    };
+    let format = JsonFormat {
+        indent,
+        item_sep,
+        key_sep,
+    };
+    let mut out = String::new();
+    write_json(&mut out, &value, &format, 0)?;
+    Ok(Value::from_safe_string(out))
+}
+
+struct JsonFormat {
+    indent: Option<usize>,
+    item_sep: String,
+    key_sep: String,
+}
+
+impl JsonFormat {
+    fn newline(&self, out: &mut String, level: usize) {
+        if let Some(width) = self.indent {
+            out.push('\n');
+            out.extend(std::iter::repeat_n(' ', width * level));
+        }
+    }
+}
+
+fn write_json(
+    out: &mut String,
+    value: &Value,
+    format: &JsonFormat,
+    level: usize,
+) -> Result<(), minijinja::Error> {
+    let to_err = |e: serde_json::Error| {
+        minijinja::Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}"))
+    };
+    match value.kind() {
+        ValueKind::Undefined | ValueKind::None => out.push_str("null"),
+        ValueKind::Bool => out.push_str(if value.is_true() { "true" } else { "false" }),
+        ValueKind::Number => {
+            if value.is_integer() {
+                out.push_str(&value.to_string());
+            } else {
+                let x = f64::try_from(value.clone())?;
+                out.push_str(&python_float(x));
+            }
+        }
+        ValueKind::String => {
+            let s = value.as_str().unwrap_or_default();
+            out.push_str(&serde_json::to_string(s).map_err(to_err)?);
+        }
+        ValueKind::Seq | ValueKind::Iterable => {
+            let items: Vec<Value> = value.try_iter()?.collect();
+            write_container(out, format, level, ('[', ']'), &items, |out, item, level| {
+                write_json(out, item, format, level)
+            })?;
+        }
+        ValueKind::Map => {
+            let keys: Vec<Value> = value.try_iter()?.collect();
+            write_container(out, format, level, ('{', '}'), &keys, |out, key, level| {
+                let key_text = match key.as_str() {
+                    Some(s) => s.to_string(),
+                    None => key.to_string(),
+                };
+                out.push_str(&serde_json::to_string(&key_text).map_err(to_err)?);
+                out.push_str(&format.key_sep);
+                write_json(out, &value.get_item(key)?, format, level)
+            })?;
+        }
+        _ => out.push_str(&serde_json::to_string(value).map_err(to_err)?),
+    }
+    Ok(())
+}
+
+fn write_container(
+    out: &mut String,
+    format: &JsonFormat,
+    level: usize,
+    (open, close): (char, char),
+    items: &[Value],
+    mut write_item: impl FnMut(&mut String, &Value, usize) -> Result<(), minijinja::Error>,
+) -> Result<(), minijinja::Error> {
+    out.push(open);
+    if items.is_empty() {
+        out.push(close);
+        return Ok(());
+    }
+    for (i, item) in items.iter().enumerate() {
+        if i > 0 {
+            out.push_str(&format.item_sep);
+        }
+        format.newline(out, level + 1);
+        write_item(out, item, level + 1)?;
+    }
+    format.newline(out, level);
+    out.push(close);
+    Ok(())
+}
+
+/// Python's `repr(float)` for the common cases: integral values keep a `.0`.
+fn python_float(x: f64) -> String {
+    if x.is_nan() {
+        "NaN".to_string()
+    } else if x.is_infinite() {
+        if x > 0.0 { "Infinity" } else { "-Infinity" }.to_string()
+    } else if x.fract() == 0.0 && x.abs() < 1e16 {
+        format!("{x:.1}")
+    } else {
+        x.to_string()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn render(template: &str, ctx: Value) -> Result<String, ModelError> {
+        let env = compile_template(template.to_string())?;
+        env.get_template(TEMPLATE_NAME)
+            .and_then(|t| t.render(ctx))
+            .map_err(|e| ModelError::ChatTemplate(render_error(&e)))
+    }
+
+    #[test]
+    fn tojson_matches_python_json_dumps() -> Result<(), ModelError> {
+        let x = r#"{% set x = {"b": [1, 2.0, "é\n"], "a": none, "c": true} %}"#;
+        let ctx = Value::UNDEFINED;
+        // Insertion order kept, Python's default separators, no ASCII escaping.
+        assert_eq!(
+            render(&format!("{x}{{{{ x | tojson }}}}"), ctx.clone())?,
+            r#"{"b": [1, 2.0, "é\n"], "a": null, "c": true}"#
+        );
+        assert_eq!(
+            render(&format!("{x}{{{{ x | tojson(separators=(',', ':')) }}}}"), ctx.clone())?,
+            r#"{"b":[1,2.0,"é\n"],"a":null,"c":true}"#
+        );
+        assert_eq!(
+            render(&format!("{x}{{{{ x | tojson(indent=2) }}}}"), ctx)?,
+            "{\n  \"b\": [\n    1,\n    2.0,\n    \"é\\n\"\n  ],\n  \"a\": null,\n  \"c\": true\n}"
+        );
+        Ok(())
+    }
+
+    #[test]
+    fn raise_exception_becomes_a_chat_template_error() {
+        let err = render("{{ raise_exception('no tools here') }}", Value::UNDEFINED);
+        let message = err.map_or_else(|e| e.to_string(), |ok| ok);
+        assert!(message.contains("no tools here"), "{message}");
+    }
+
+    #[test]
+    fn special_tokens_accept_strings_and_added_token_objects() {
+        let config = serde_json::json!({
+            "bos_token": "<s>",
+            "eos_token": {"content": "</s>", "special": true},
+        });
+        assert_eq!(special_token(&config, "bos_token").as_deref(), Some("<s>"));
+        assert_eq!(special_token(&config, "eos_token").as_deref(), Some("</s>"));
+        assert_eq!(special_token(&config, "pad_token"), None);
+    }
+
+    #[test]
+    fn template_lists_prefer_default() {
+        let config = serde_json::json!({"chat_template": [
+            {"name": "tool_use", "template": "T"},
+            {"name": "default", "template": "D"},
+        ]});
+        assert_eq!(template_from_config(&config).as_deref(), Some("D"));
+    }
+}

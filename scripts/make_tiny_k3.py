@@ -1,0 +1,361 @@
+#!/usr/bin/env python3
+"""Make ferry's embedded default model `models/tiny-k3/` and its parity golden data.
+
+The model is a Hugging Face `DeepseekV3ForCausalLM` with Kimi K3's proportions at tiny scale:
+12 attention heads (K3's per-rank count at TP8), low-rank q and kv projections, separate
+qk_nope / qk_rope / v head dims, a dense first layer, sigmoid-gated routed experts with an
+`e_score_correction_bias`, group-limited top-k, 2 shared experts, and YaRN RoPE. Its tokenizer is
+a 2,048-token byte-level BPE trained with the `tokenizers` library on the King James Bible
+(Debian's `bible-kjv`), and the model is briefly trained on the same text so that greedy
+continuations are readable and have clear margins.
+
+Everything is deterministic: fixed seeds, fixed data order, `torch.use_deterministic_algorithms`.
+
+Stages (each can be run alone):
+  corpus     write the cleaned KJV text (needs Debian's `bible` command)      -> --corpus
+  tokenizer  train the BPE tokenizer on the corpus                           -> OUT/tokenizer.json
+  train      initialise (seed 0) and train the model, save bf16 safetensors  -> OUT/model.safetensors
+  golden     float32 reference logits and greedy continuations with transformers, on CPU
+                                                                              -> OUT/golden/
+
+Typical use (the training stage is fast on a GPU, minutes on a CPU):
+  python3 scripts/make_tiny_k3.py corpus --corpus /tmp/kjv.txt
+  python3 scripts/make_tiny_k3.py tokenizer train --corpus /tmp/kjv.txt
+  python3 scripts/make_tiny_k3.py golden
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = ROOT / "models" / "tiny-k3"
+
+SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>"]
+VOCAB_SIZE = 2048
+
+# A chat template in the Hugging Face convention (rendered by minijinja in ferry).
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('unknown role: ' ~ message['role']) }}"
+    "{% endif %}"
+    "<|{{ message['role'] }}|>{{ message['content'] }}<|end|>"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+# K3 proportions at tiny scale. K3 (per rank at TP8): 12 heads, q_lora 1536, kv_lora 512,
+# qk_nope 128, qk_rope 64, v 128, 896 experts top-16 + 2 shared, first layer dense.
+MODEL_CONFIG = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=256,
+    intermediate_size=512,
+    moe_intermediate_size=32,
+    num_hidden_layers=4,
+    num_attention_heads=12,
+    num_key_value_heads=12,
+    q_lora_rank=96,
+    kv_lora_rank=64,
+    qk_nope_head_dim=32,
+    qk_rope_head_dim=16,
+    v_head_dim=32,
+    n_routed_experts=16,
+    num_experts_per_tok=4,
+    n_group=4,
+    topk_group=2,
+    n_shared_experts=2,
+    first_k_dense_replace=1,
+    norm_topk_prob=True,
+    routed_scaling_factor=2.5,
+    hidden_act="silu",
+    max_position_embeddings=1024,
+    rms_norm_eps=1e-6,
+    rope_interleave=True,
+    rope_parameters=dict(
+        rope_type="yarn",
+        rope_theta=10000.0,
+        factor=4.0,
+        original_max_position_embeddings=256,
+        beta_fast=32.0,
+        beta_slow=1.0,
+        mscale=1.0,
+        mscale_all_dim=1.0,
+    ),
+    tie_word_embeddings=False,
+    attention_bias=False,
+    bos_token_id=0,
+    eos_token_id=1,
+    pad_token_id=None,
+    initializer_range=0.02,
+)
+
+# Parity prompts: short, medium, and one longer than two 64-token KV pages.
+GOLDEN_PROMPTS = [
+    "In the beginning God created",
+    "And the LORD spake unto Moses, saying, Speak unto the children of Israel,",
+    (
+        "Blessed is the man that walketh not in the counsel of the ungodly, nor standeth in the "
+        "way of sinners, nor sitteth in the seat of the scornful. But his delight is in the law "
+        "of the LORD; and in his law doth he meditate day and night. And he shall be like a tree "
+        "planted by the rivers of water, that bringeth forth his fruit in his season; his leaf "
+        "also shall not wither; and whatsoever he doeth shall prosper. The ungodly are not so: "
+        "but are like the chaff which the wind driveth away. Therefore the ungodly shall not "
+        "stand in the judgment, nor sinners in the congregation of the righteous. For the LORD "
+        "knoweth the way of the righteous: but the way of the ungodly shall perish. Why do the "
+        "heathen rage, and the people imagine a vain thing?"
+    ),
+]
+GOLDEN_NEW_TOKENS = 32
+
+
+def stage_corpus(args: argparse.Namespace) -> None:
+    """Write one verse per line, references stripped, from Debian's `bible` command."""
+    raw = subprocess.run(
+        ["bible", "-f", "gen1:1-rev22:21"], check=True, capture_output=True, text=True
+    ).stdout
+    lines = []
+    for line in raw.splitlines():
+        text = re.sub(r"^\S+\d+:\d+\s+", "", line).strip()
+        if text:
+            lines.append(text)
+    Path(args.corpus).write_text("\n".join(lines) + "\n", encoding="utf-8")
+    print(f"corpus: {len(lines)} verses -> {args.corpus}")
+
+
+def stage_tokenizer(args: argparse.Namespace) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.TemplateProcessing(
+        single="<|bos|> $A", special_tokens=[("<|bos|>", 0)]
+    )
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train([str(args.corpus)], trainer)
+    assert tok.get_vocab_size() == VOCAB_SIZE, tok.get_vocab_size()
+    assert tok.token_to_id("<|bos|>") == 0 and tok.token_to_id("<|eos|>") == 1
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": "<|bos|>",
+                "eos_token": "<|eos|>",
+                "chat_template": CHAT_TEMPLATE,
+                "model_max_length": MODEL_CONFIG["max_position_embeddings"],
+                "tokenizer_class": "PreTrainedTokenizerFast",
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+    print(f"tokenizer: {tok.get_vocab_size()} tokens -> {out}")
+
+
+def build_model(torch):
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(0)
+    config = DeepseekV3Config(**MODEL_CONFIG)
+    model = DeepseekV3ForCausalLM(config)
+    # The correction bias is a buffer the HF init zeroes; give it real values so the test data
+    # exercises the "bias changes selection but not weights" rule of noaux_tc routing.
+    gen = torch.Generator().manual_seed(1)
+    for layer in model.model.layers:
+        gate = getattr(layer.mlp, "gate", None)
+        if gate is not None:
+            gate.e_score_correction_bias.copy_(
+                torch.randn(gate.e_score_correction_bias.shape, generator=gen) * 0.05
+            )
+    return config, model
+
+
+def to_deepseek_state_dict(model) -> dict:
+    """The state dict in the original DeepSeek-V3 checkpoint layout (one tensor per expert
+    projection), which is what real DeepSeek-V3 / Kimi K2 checkpoints look like on disk."""
+    import torch
+
+    out = {}
+    for name, t in model.state_dict().items():
+        m = re.match(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$", name)
+        if m is None:
+            out[name] = t
+            continue
+        prefix, kind = m.groups()
+        for e in range(t.shape[0]):
+            if kind == "gate_up_proj":
+                gate, up = t[e].chunk(2, dim=0)
+                out[f"{prefix}.{e}.gate_proj.weight"] = gate
+                out[f"{prefix}.{e}.up_proj.weight"] = up
+            else:
+                out[f"{prefix}.{e}.down_proj.weight"] = t[e]
+    # Real checkpoints keep the correction bias in f32 and everything else in bf16.
+    for name in list(out):
+        if name.endswith("e_score_correction_bias"):
+            out[name] = out[name].to(torch.float32).contiguous()
+        else:
+            out[name] = out[name].to(torch.bfloat16).contiguous()
+    return out
+
+
+def stage_train(args: argparse.Namespace) -> None:
+    import torch
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer
+
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    out = Path(args.out)
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    text = Path(args.corpus).read_text(encoding="utf-8")
+    ids = torch.tensor(tok.encode(text, add_special_tokens=False).ids, dtype=torch.long)
+    print(f"train: {ids.numel()} corpus tokens on {device}")
+
+    config, model = build_model(torch)
+    model.to(device)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.OneCycleLR(
+        opt, max_lr=args.lr, total_steps=args.steps, pct_start=0.05
+    )
+    gen = torch.Generator().manual_seed(2)
+    seq = args.seq_len
+    for step in range(args.steps):
+        starts = torch.randint(0, ids.numel() - seq - 1, (args.batch,), generator=gen)
+        batch = torch.stack([ids[s : s + seq] for s in starts.tolist()]).to(device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            # transformers shifts the labels itself: label t is predicted from tokens < t.
+            loss = model(input_ids=batch, labels=batch).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        if step % 100 == 0 or step == args.steps - 1:
+            print(f"step {step:5d} loss {loss.item():.3f}", flush=True)
+
+    model.to("cpu")
+    state = to_deepseek_state_dict(model)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    cfg = config.to_dict()
+    cfg["architectures"] = ["DeepseekV3ForCausalLM"]
+    cfg["torch_dtype"] = "bfloat16"
+    for k in ("transformers_version", "dtype"):
+        cfg.pop(k, None)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    nparams = sum(t.numel() for t in state.values())
+    print(f"train: saved {nparams} parameters -> {out}")
+
+
+def stage_golden(args: argparse.Namespace) -> None:
+    """Float32 reference on CPU: logits at every prompt position and 32 greedy tokens."""
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer
+    from transformers import DeepseekV3ForCausalLM
+
+    torch.manual_seed(0)
+    out = Path(args.out)
+    gold = out / "golden"
+    gold.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    model = DeepseekV3ForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    model.eval()
+    # Guard against a silent checkpoint-layout mismatch: every routed expert must have loaded.
+    missing = [n for n, p in model.named_parameters() if torch.all(p == 0) and "bias" not in n]
+    assert not missing, f"parameters left at zero after loading: {missing}"
+
+    # Sanity check that the checkpoint is the trained model: next-token loss on a fixed slice of
+    # the corpus (an untrained model scores ~7.6 = ln 2048).
+    corpus = Path(args.corpus)
+    if corpus.exists():
+        sample = corpus.read_text(encoding="utf-8")[100_000:104_000]
+        ids = torch.tensor([tok.encode(sample, add_special_tokens=False).ids[:512]])
+        with torch.no_grad():
+            loss = model(input_ids=ids, labels=ids).loss.item()
+        print(f"golden: next-token loss on a corpus slice {loss:.3f}")
+        assert loss < 4.0, "the checkpoint does not look trained"
+
+    tensors = {}
+    cases = []
+    for i, prompt in enumerate(GOLDEN_PROMPTS):
+        prompt_ids = tok.encode(prompt, add_special_tokens=True).ids
+        input_ids = torch.tensor([prompt_ids])
+        with torch.no_grad():
+            logits = model(input_ids=input_ids).logits[0].float()
+            gen = model.generate(
+                input_ids=input_ids,
+                max_new_tokens=GOLDEN_NEW_TOKENS,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=1,
+                output_scores=True,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+        new_tokens = gen.sequences[0, len(prompt_ids) :].tolist()
+        margins = []
+        for step_logits in gen.logits:
+            top2 = torch.topk(step_logits[0].float(), 2).values
+            margins.append(float(top2[0] - top2[1]))
+        tensors[f"prompt{i}.logits"] = logits.contiguous()
+        cases.append(
+            {
+                "prompt": prompt,
+                "prompt_ids": prompt_ids,
+                "greedy_ids": new_tokens,
+                "greedy_text": tok.decode(new_tokens, skip_special_tokens=False),
+                "min_greedy_margin": min(margins),
+                "logits_tensor": f"prompt{i}.logits",
+                "max_abs_logit": float(logits.abs().max()),
+            }
+        )
+        print(f"golden {i}: {len(prompt_ids)} prompt tokens, min margin {min(margins):.4f}")
+        print(f"  {prompt[:40]!r} -> {cases[-1]['greedy_text']!r}")
+    save_file(tensors, str(gold / "logits.safetensors"))
+    meta = {
+        "produced_by": "scripts/make_tiny_k3.py golden",
+        "reference": "transformers DeepseekV3ForCausalLM, float32, CPU, eager attention",
+        "torch_version": torch.__version__,
+        "transformers_version": transformers.__version__,
+        "cases": cases,
+    }
+    (gold / "cases.json").write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("stages", nargs="+", choices=["corpus", "tokenizer", "train", "golden"])
+    p.add_argument("--out", default=str(DEFAULT_OUT))
+    p.add_argument("--corpus", default="/tmp/kjv.txt")
+    p.add_argument("--device", default=None, help="torch device for training (default: cuda if present)")
+    p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--lr", type=float, default=3e-3)
+    args = p.parse_args()
+    stages = {"corpus": stage_corpus, "tokenizer": stage_tokenizer, "train": stage_train, "golden": stage_golden}
+    for name in ["corpus", "tokenizer", "train", "golden"]:
+        if name in args.stages:
+            stages[name](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
