@@ -18,6 +18,8 @@
 //! | [`cpu::mla`] | MLA attention over a paged latent cache (MHA form, absorbed form, tiled kernel) |
 //! | [`cpu::sample`] | sampling parameters, filters and the seeded sampler |
 
+#![warn(missing_docs)]
+
 pub mod cpu;
 pub mod error;
 pub mod ops;

@@ -184,28 +184,13 @@ fn parse(f: &Fields<'_>) -> Result<ModelConfig, ModelError> {
     }
 
     // Features of other model families that the forward does not implement.
-    if let Some(s) = f.opt_str("scoring_func")? {
-        if s != "sigmoid" {
-            return Err(f.err(
-                "scoring_func",
-                format!("must be \"sigmoid\" (DeepSeek-V3 routing), got {s:?}"),
-            ));
-        }
-    }
-    if let Some(s) = f.opt_str("topk_method")? {
-        if s != "noaux_tc" {
-            return Err(f.err(
-                "topk_method",
-                format!(
-                    "must be \"noaux_tc\" (sigmoid scores plus e_score_correction_bias), got {s:?}"
-                ),
-            ));
-        }
-    }
-    let act = f.opt_str("hidden_act")?.unwrap_or_else(|| "silu".into());
-    if act != "silu" {
-        return Err(f.err("hidden_act", format!("must be \"silu\", got {act:?}")));
-    }
+    f.require_str("scoring_func", "sigmoid", "DeepSeek-V3 routing")?;
+    f.require_str(
+        "topk_method",
+        "noaux_tc",
+        "sigmoid scores plus e_score_correction_bias",
+    )?;
+    f.require_str("hidden_act", "silu", "SwiGLU experts")?;
     if f.opt_bool("attention_bias")?.unwrap_or(false) {
         return Err(f.err(
             "attention_bias",
@@ -246,13 +231,7 @@ fn parse(f: &Fields<'_>) -> Result<ModelConfig, ModelError> {
 
     let moe = parse_moe(f, num_hidden_layers)?;
 
-    let rms_norm_eps = f.opt_f64("rms_norm_eps")?.unwrap_or(1e-6);
-    if !(rms_norm_eps.is_finite() && rms_norm_eps > 0.0) {
-        return Err(f.err(
-            "rms_norm_eps",
-            format!("must be finite and > 0, got {rms_norm_eps}"),
-        ));
-    }
+    let rms_norm_eps = f.positive_f64("rms_norm_eps", Some(1e-6))?;
     let num_nextn_predict_layers = f.opt_usize("num_nextn_predict_layers")?.unwrap_or(0);
     let rope = parse_rope(f, qk_rope_head_dim, max_position_embeddings)?;
     let tie_word_embeddings = f.opt_bool("tie_word_embeddings")?.unwrap_or(false);
@@ -359,7 +338,9 @@ fn parse_moe(f: &Fields<'_>, num_hidden_layers: usize) -> Result<Moe, ModelError
     if first_k_dense_replace > num_hidden_layers {
         return Err(f.err(
             "first_k_dense_replace",
-            format!("must be <= num_hidden_layers ({num_hidden_layers}), got {first_k_dense_replace}"),
+            format!(
+                "must be <= num_hidden_layers ({num_hidden_layers}), got {first_k_dense_replace}"
+            ),
         ));
     }
     let norm_topk_prob = f.opt_bool("norm_topk_prob")?.unwrap_or(true);
@@ -416,15 +397,7 @@ fn parse_moe(f: &Fields<'_>, num_hidden_layers: usize) -> Result<Moe, ModelError
             ),
         ));
     }
-    let routed_scaling_factor = f
-        .opt_f64("routed_scaling_factor")?
-        .ok_or_else(|| f.err("routed_scaling_factor", "missing (required for MoE models)"))?;
-    if !(routed_scaling_factor.is_finite() && routed_scaling_factor > 0.0) {
-        return Err(f.err(
-            "routed_scaling_factor",
-            format!("must be finite and > 0, got {routed_scaling_factor}"),
-        ));
-    }
+    let routed_scaling_factor = f.positive_f64("routed_scaling_factor", None)?;
     Ok(Moe {
         n_routed_experts,
         n_shared_experts,
@@ -471,7 +444,9 @@ fn parse_rope(
                 Some(other) => {
                     return Err(p.err(
                         type_key,
-                        format!("unsupported RoPE scaling {other:?}: only \"default\" and \"yarn\""),
+                        format!(
+                            "unsupported RoPE scaling {other:?}: only \"default\" and \"yarn\""
+                        ),
                     ))
                 }
             }
@@ -486,25 +461,15 @@ fn parse_rope(
 }
 
 fn parse_yarn(p: &Fields<'_>, max_position_embeddings: usize) -> Result<YarnParams, ModelError> {
-    let factor = p
-        .opt_f64("factor")?
-        .ok_or_else(|| p.err("factor", "missing (required for YaRN)"))?;
-    if !(factor.is_finite() && factor > 0.0) {
-        return Err(p.err("factor", format!("must be finite and > 0, got {factor}")));
-    }
+    let factor = p.positive_f64("factor", None)?;
     let original_max_position_embeddings = p
         .opt_usize("original_max_position_embeddings")?
         .unwrap_or(max_position_embeddings);
     if original_max_position_embeddings == 0 {
         return Err(p.err("original_max_position_embeddings", "must be > 0, got 0"));
     }
-    let beta_fast = p.opt_f64("beta_fast")?.unwrap_or(32.0);
-    let beta_slow = p.opt_f64("beta_slow")?.unwrap_or(1.0);
-    for (key, v) in [("beta_fast", beta_fast), ("beta_slow", beta_slow)] {
-        if !(v.is_finite() && v > 0.0) {
-            return Err(p.err(key, format!("must be finite and > 0, got {v}")));
-        }
-    }
+    let beta_fast = p.positive_f64("beta_fast", Some(32.0))?;
+    let beta_slow = p.positive_f64("beta_slow", Some(1.0))?;
     Ok(YarnParams {
         factor,
         original_max_position_embeddings,
@@ -550,7 +515,8 @@ fn parse_quantization(f: &Fields<'_>) -> Result<Option<Fp8BlockQuant>, ModelErro
             "weight_block_size",
             format!(
                 "must be [{FP8_BLOCK}, {FP8_BLOCK}], got {}",
-                q.get("weight_block_size").map_or_else(String::new, Value::to_string)
+                q.get("weight_block_size")
+                    .map_or_else(String::new, Value::to_string)
             ),
         ));
     }
@@ -564,7 +530,12 @@ fn token_id(f: &Fields<'_>, key: &str, v: &Value, vocab_size: usize) -> Result<u
     let id = v
         .as_u64()
         .and_then(|n| u32::try_from(n).ok())
-        .ok_or_else(|| f.err(key, format!("must be a token id (u32) or a list of them, got {v}")))?;
+        .ok_or_else(|| {
+            f.err(
+                key,
+                format!("must be a token id (u32) or a list of them, got {v}"),
+            )
+        })?;
     if id as usize >= vocab_size {
         return Err(f.err(
             key,
@@ -638,6 +609,29 @@ impl<'a> Fields<'a> {
         v.as_f64()
             .map(Some)
             .ok_or_else(|| self.err(key, format!("must be a number, got {v}")))
+    }
+
+    /// A finite number > 0; `default` when absent, or a "missing" error when there is none.
+    fn positive_f64(&self, key: &str, default: Option<f64>) -> Result<f64, ModelError> {
+        let x = self
+            .opt_f64(key)?
+            .or(default)
+            .ok_or_else(|| self.err(key, "missing"))?;
+        if x.is_finite() && x > 0.0 {
+            Ok(x)
+        } else {
+            Err(self.err(key, format!("must be finite and > 0, got {x}")))
+        }
+    }
+
+    /// Errors unless the string at `key` is absent or equals `want` (`why` says what it means).
+    fn require_str(&self, key: &str, want: &str, why: &str) -> Result<(), ModelError> {
+        match self.opt_str(key)? {
+            Some(got) if got != want => {
+                Err(self.err(key, format!("must be {want:?} ({why}), got {got:?}")))
+            }
+            _ => Ok(()),
+        }
     }
 
     fn opt_bool(&self, key: &str) -> Result<Option<bool>, ModelError> {

@@ -7,12 +7,14 @@
 //! | [`tokenizer`] | `tokenizer.json` through `tokenizers`, chat templates through `minijinja` |
 //! | [`kv`] | the paged latent KV pool, block allocation and per-sequence block tables |
 //! | [`deepseek`] | the batched forward: prefill of many sequences, decode steps, cached-prefix reuse |
+//! | [`session`] | one sequence over a pool: reserve blocks, run, advance (CLI and tests) |
 //! | [`embedded`] | where the embedded default model lives |
 pub mod config;
 pub mod deepseek;
 pub mod embedded;
 pub mod error;
 pub mod kv;
+pub mod session;
 pub mod tokenizer;
 pub mod weights;
 

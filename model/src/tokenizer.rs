@@ -350,6 +350,22 @@ impl JsonFormat {
             out.extend(std::iter::repeat_n(' ', width * level));
         }
     }
+
+    /// Separator and indentation before item `index` of a container at `level`.
+    fn item_start(&self, out: &mut String, index: usize, level: usize) {
+        if index > 0 {
+            out.push_str(&self.item_sep);
+        }
+        self.newline(out, level + 1);
+    }
+
+    /// Closes a container at `level`; Python puts `[]`/`{}` of empty ones on one line.
+    fn close(&self, out: &mut String, non_empty: bool, level: usize, bracket: char) {
+        if non_empty {
+            self.newline(out, level);
+        }
+        out.push(bracket);
+    }
 }
 
 fn write_json(
@@ -378,49 +394,30 @@ fn write_json(
         }
         ValueKind::Seq | ValueKind::Iterable => {
             let items: Vec<Value> = value.try_iter()?.collect();
-            write_container(out, format, level, ('[', ']'), &items, |out, item, level| {
-                write_json(out, item, format, level)
-            })?;
+            out.push('[');
+            for (i, item) in items.iter().enumerate() {
+                format.item_start(out, i, level);
+                write_json(out, item, format, level + 1)?;
+            }
+            format.close(out, !items.is_empty(), level, ']');
         }
         ValueKind::Map => {
             let keys: Vec<Value> = value.try_iter()?.collect();
-            write_container(out, format, level, ('{', '}'), &keys, |out, key, level| {
+            out.push('{');
+            for (i, key) in keys.iter().enumerate() {
+                format.item_start(out, i, level);
                 let key_text = match key.as_str() {
                     Some(s) => s.to_string(),
                     None => key.to_string(),
                 };
                 out.push_str(&serde_json::to_string(&key_text).map_err(to_err)?);
                 out.push_str(&format.key_sep);
-                write_json(out, &value.get_item(key)?, format, level)
-            })?;
+                write_json(out, &value.get_item(key)?, format, level + 1)?;
+            }
+            format.close(out, !keys.is_empty(), level, '}');
         }
         _ => out.push_str(&serde_json::to_string(value).map_err(to_err)?),
     }
-    Ok(())
-}
-
-fn write_container(
-    out: &mut String,
-    format: &JsonFormat,
-    level: usize,
-    (open, close): (char, char),
-    items: &[Value],
-    mut write_item: impl FnMut(&mut String, &Value, usize) -> Result<(), minijinja::Error>,
-) -> Result<(), minijinja::Error> {
-    out.push(open);
-    if items.is_empty() {
-        out.push(close);
-        return Ok(());
-    }
-    for (i, item) in items.iter().enumerate() {
-        if i > 0 {
-            out.push_str(&format.item_sep);
-        }
-        format.newline(out, level + 1);
-        write_item(out, item, level + 1)?;
-    }
-    format.newline(out, level);
-    out.push(close);
     Ok(())
 }
 
@@ -458,7 +455,10 @@ mod tests {
             r#"{"b": [1, 2.0, "é\n"], "a": null, "c": true}"#
         );
         assert_eq!(
-            render(&format!("{x}{{{{ x | tojson(separators=(',', ':')) }}}}"), ctx.clone())?,
+            render(
+                &format!("{x}{{{{ x | tojson(separators=(',', ':')) }}}}"),
+                ctx.clone()
+            )?,
             r#"{"b":[1,2.0,"é\n"],"a":null,"c":true}"#
         );
         assert_eq!(
@@ -469,9 +469,36 @@ mod tests {
     }
 
     #[test]
+    fn deepseek_style_constructs_render_like_jinja2() -> Result<(), ModelError> {
+        // namespace(), `in`/`not in`, `.split()[-1]` (pycompat), `{% break %}` (transformers
+        // enables jinja2's loopcontrols) and `{%-`/`{{-` trimming, as DeepSeek's templates use.
+        let template = "{% set ns = namespace(system_prompt='', first=true) %}\n{%- for message in messages %}\n    {%- if message['role'] == 'system' %}{% set ns.system_prompt = ns.system_prompt + message['content'] %}{%- endif %}\n{%- endfor %}\n{{- bos_token }}{{ ns.system_prompt }}\n{%- for message in messages %}\n    {%- if message.role == 'user' %}{{ '<｜User｜>' + message['content'] }}\n    {%- elif message.role == 'assistant' and 'tool_calls' not in message %}{{ '<｜Assistant｜>' + message['content'].split('</think>')[-1] + eos_token }}\n    {%- elif message.role == 'stop' %}{% break %}\n    {%- endif %}\n{%- endfor %}\n{%- if add_generation_prompt %}{{ '<｜Assistant｜>' }}{% endif %}";
+        let messages = [
+            ChatMessage::new("system", "S."),
+            ChatMessage::new("user", "Hi"),
+            ChatMessage::new("assistant", "<think>x</think>Yo"),
+            ChatMessage::new("user", "Q"),
+            ChatMessage::new("stop", ""),
+            ChatMessage::new("user", "never"),
+        ];
+        let ctx = minijinja::context! {
+            messages => messages,
+            add_generation_prompt => true,
+            bos_token => "<｜begin▁of▁sentence｜>",
+            eos_token => "<｜end▁of▁sentence｜>",
+        };
+        // Expected: Python jinja2 3.1.6 with transformers' environment settings.
+        assert_eq!(
+            render(template, ctx)?,
+            "<｜begin▁of▁sentence｜>S.<｜User｜>Hi<｜Assistant｜>Yo<｜end▁of▁sentence｜><｜User｜>Q<｜Assistant｜>"
+        );
+        Ok(())
+    }
+
+    #[test]
     fn raise_exception_becomes_a_chat_template_error() {
         let err = render("{{ raise_exception('no tools here') }}", Value::UNDEFINED);
-        let message = err.map_or_else(|e| e.to_string(), |ok| ok);
+        let message = err.unwrap_or_else(|e| e.to_string());
         assert!(message.contains("no tools here"), "{message}");
     }
 

@@ -377,8 +377,8 @@ fn read_index(path: &Path) -> Result<HashMap<String, String>, ModelError> {
         .map_err(|e| ModelError::weights(INDEX_FILE, format!("invalid index: {e}")))?;
     for file in index.weight_map.values() {
         let mut components = Path::new(file).components();
-        let plain = matches!(components.next(), Some(Component::Normal(_)))
-            && components.next().is_none();
+        let plain =
+            matches!(components.next(), Some(Component::Normal(_))) && components.next().is_none();
         if !plain {
             return Err(ModelError::weights(
                 INDEX_FILE,

@@ -14,7 +14,9 @@ fn fixture(name: &str) -> PathBuf {
 }
 
 fn fixture_json(name: &str) -> anyhow::Result<Value> {
-    Ok(serde_json::from_str(&std::fs::read_to_string(fixture(name))?)?)
+    Ok(serde_json::from_str(&std::fs::read_to_string(fixture(
+        name,
+    ))?)?)
 }
 
 /// K2's config with `edit` applied, parsed.
@@ -107,7 +109,11 @@ fn kimi_k2_config_parses() -> anyhow::Result<()> {
 
     // mla.md: 192^-0.5 · (0.1·ln 32 + 1)² = 0.130861. Tolerance: the reference is rounded to
     // 6 decimals and the result is f32.
-    assert!((cfg.softmax_scale() - 0.130_861).abs() < 1e-5, "{}", cfg.softmax_scale());
+    assert!(
+        (cfg.softmax_scale() - 0.130_861).abs() < 1e-5,
+        "{}",
+        cfg.softmax_scale()
+    );
 
     assert!(!cfg.is_moe_layer(0));
     assert!((1..61).all(|l| cfg.is_moe_layer(l)));
@@ -134,7 +140,11 @@ fn deepseek_v3_config_parses() -> anyhow::Result<()> {
     assert_eq!(y.factor, 40.0);
     assert_eq!((y.beta_fast, y.beta_slow), (32.0, 1.0));
     // mla.md: 0.135234, same tolerance reasoning as for K2.
-    assert!((cfg.softmax_scale() - 0.135_234).abs() < 1e-5, "{}", cfg.softmax_scale());
+    assert!(
+        (cfg.softmax_scale() - 0.135_234).abs() < 1e-5,
+        "{}",
+        cfg.softmax_scale()
+    );
     assert!(!cfg.is_moe_layer(2));
     assert!(cfg.is_moe_layer(3));
     assert!(cfg.is_moe_layer(60));
@@ -236,7 +246,10 @@ fn missing_file_and_bad_json() -> anyhow::Result<()> {
     match ModelConfig::from_json_str("{\"hidden_size\": 7168,") {
         Err(e @ ModelError::Config { .. }) => {
             let text = e.to_string();
-            assert!(text.contains("invalid JSON") && text.contains("line 1"), "{text}");
+            assert!(
+                text.contains("invalid JSON") && text.contains("line 1"),
+                "{text}"
+            );
         }
         other => anyhow::bail!("expected a Config error, got {other:?}"),
     }

@@ -132,7 +132,10 @@ fn chat_template_renders_like_transformers() -> anyhow::Result<()> {
     // The template's own raise_exception surfaces as a ChatTemplate error.
     match tok.apply_chat_template(&[ChatMessage::new("tool", "{}")], false) {
         Err(e @ ModelError::ChatTemplate(_)) => {
-            assert!(e.to_string().contains("tool messages are not supported"), "{e}");
+            assert!(
+                e.to_string().contains("tool messages are not supported"),
+                "{e}"
+            );
         }
         other => anyhow::bail!("expected a ChatTemplate error, got {other:?}"),
     }
@@ -152,7 +155,10 @@ fn chat_template_jinja_file_wins_and_bad_templates_fail_at_load() -> anyhow::Res
         "[user]hi"
     );
 
-    std::fs::write(dir.path().join("chat_template.jinja"), "{% for m in messages %}")?;
+    std::fs::write(
+        dir.path().join("chat_template.jinja"),
+        "{% for m in messages %}",
+    )?;
     match Tokenizer::from_dir(dir.path()) {
         Err(ModelError::ChatTemplate(_)) => {}
         other => anyhow::bail!("expected a ChatTemplate error, got {other:?}"),
@@ -173,7 +179,10 @@ fn streaming_decode_equals_full_decode() -> anyhow::Result<()> {
     for &id in &ids {
         match stream.step(&tok, id)? {
             Some(chunk) => {
-                assert!(!chunk.contains('\u{FFFD}'), "emitted a partial character: {chunk:?}");
+                assert!(
+                    !chunk.contains('\u{FFFD}'),
+                    "emitted a partial character: {chunk:?}"
+                );
                 chunks.push(chunk);
             }
             None => held_back += 1,
@@ -208,7 +217,9 @@ fn missing_files_and_templates() -> anyhow::Result<()> {
     match Tokenizer::from_dir(empty.path()) {
         Err(e @ ModelError::MissingFile(_)) => {
             assert!(e.to_string().contains("tokenizer.json"), "{e}");
-            assert!(matches!(e, ModelError::MissingFile(p) if p == empty.path().join("tokenizer.json")));
+            assert!(
+                matches!(e, ModelError::MissingFile(p) if p == empty.path().join("tokenizer.json"))
+            );
         }
         other => anyhow::bail!("expected MissingFile, got {other:?}"),
     }
@@ -229,8 +240,17 @@ fn missing_files_and_templates() -> anyhow::Result<()> {
     // A corrupt tokenizer.json names the file.
     std::fs::write(dir.path().join("tokenizer.json"), "{ not json")?;
     match Tokenizer::from_dir(dir.path()) {
-        Err(e @ ModelError::Tokenizer(_)) => assert!(e.to_string().contains("tokenizer.json"), "{e}"),
+        Err(e @ ModelError::Tokenizer(_)) => {
+            assert!(e.to_string().contains("tokenizer.json"), "{e}")
+        }
         other => anyhow::bail!("expected a Tokenizer error, got {other:?}"),
     }
     Ok(())
+}
+
+#[test]
+fn tokenizer_can_be_shared_across_threads() {
+    fn assert_send_sync<T: Send + Sync>() {}
+    assert_send_sync::<Tokenizer>();
+    assert_send_sync::<DecodeStream>();
 }

@@ -16,7 +16,9 @@ type Spec = (&'static str, Dtype, Vec<usize>, Vec<u8>);
 fn write_safetensors(path: &Path, tensors: &[Spec]) -> anyhow::Result<()> {
     let views = tensors
         .iter()
-        .map(|(name, dtype, shape, bytes)| Ok((*name, TensorView::new(*dtype, shape.clone(), bytes)?)))
+        .map(|(name, dtype, shape, bytes)| {
+            Ok((*name, TensorView::new(*dtype, shape.clone(), bytes)?))
+        })
         .collect::<anyhow::Result<Vec<_>>>()?;
     std::fs::write(path, safetensors::serialize(views, None)?)?;
     Ok(())
@@ -67,12 +69,27 @@ fn checkpoint(dir: &Path) -> anyhow::Result<()> {
     write_safetensors(
         &dir.join("model.safetensors"),
         &[
-            ("embed", Dtype::BF16, vec![2, 3], bf16_bytes(&[1.0, -2.0, 0.5, 3.0, 0.0, -0.25])),
+            (
+                "embed",
+                Dtype::BF16,
+                vec![2, 3],
+                bf16_bytes(&[1.0, -2.0, 0.5, 3.0, 0.0, -0.25]),
+            ),
             ("norm", Dtype::F32, vec![3], f32_bytes(&[1.0, 1.1, 1.2])),
-            ("half", Dtype::F16, vec![2, 2], f16_bytes(&[1.0, 0.5, -4.0, 65504.0])),
+            (
+                "half",
+                Dtype::F16,
+                vec![2, 2],
+                f16_bytes(&[1.0, 0.5, -4.0, 65504.0]),
+            ),
             ("ids", Dtype::I64, vec![2], vec![0; 16]),
             ("proj.weight", Dtype::F8_E4M3, vec![FP8_ROWS, FP8_COLS], fp8),
-            ("proj.weight_scale_inv", Dtype::F32, vec![2, 3], f32_bytes(&SCALES)),
+            (
+                "proj.weight_scale_inv",
+                Dtype::F32,
+                vec![2, 3],
+                f32_bytes(&SCALES),
+            ),
             ("lonely.weight", Dtype::F8_E4M3, vec![2, 2], vec![0x38; 4]),
         ],
     )
@@ -89,7 +106,10 @@ fn reads_bf16_f16_f32_and_builds_matrices() -> anyhow::Result<()> {
     assert_eq!(w.dtype_name("proj.weight").as_deref(), Some("F8_E4M3"));
 
     // All stored values are exact in every dtype involved: comparisons are exact.
-    assert_eq!(w.get_f32("embed", &[2, 3])?, vec![1.0, -2.0, 0.5, 3.0, 0.0, -0.25]);
+    assert_eq!(
+        w.get_f32("embed", &[2, 3])?,
+        vec![1.0, -2.0, 0.5, 3.0, 0.0, -0.25]
+    );
     assert_eq!(w.get_f32("norm", &[3])?, vec![1.0, 1.1, 1.2]);
     assert_eq!(w.get_f32("half", &[2, 2])?, vec![1.0, 0.5, -4.0, 65504.0]);
 
@@ -147,16 +167,29 @@ fn errors_name_the_tensor() -> anyhow::Result<()> {
 
     let err = w.get_f32("embed", &[3, 2]).err();
     match &err {
-        Some(ModelError::ShapeMismatch { tensor, expected, got }) => {
-            assert_eq!((tensor.as_str(), expected.as_slice(), got.as_slice()), ("embed", &[3, 2][..], &[2, 3][..]));
+        Some(ModelError::ShapeMismatch {
+            tensor,
+            expected,
+            got,
+        }) => {
+            assert_eq!(
+                (tensor.as_str(), expected.as_slice(), got.as_slice()),
+                ("embed", &[3, 2][..], &[2, 3][..])
+            );
         }
         other => anyhow::bail!("expected ShapeMismatch, got {other:?}"),
     }
     let text = err.map(|e| e.to_string()).unwrap_or_default();
-    assert!(text.contains("`embed`") && text.contains("[2, 3]") && text.contains("[3, 2]"), "{text}");
+    assert!(
+        text.contains("`embed`") && text.contains("[2, 3]") && text.contains("[3, 2]"),
+        "{text}"
+    );
 
     let err = w.get_f32("model.layers.0.missing", &[1]).err();
-    assert!(matches!(&err, Some(ModelError::MissingTensor(n)) if n == "model.layers.0.missing"), "{err:?}");
+    assert!(
+        matches!(&err, Some(ModelError::MissingTensor(n)) if n == "model.layers.0.missing"),
+        "{err:?}"
+    );
     let text = err.map(|e| e.to_string()).unwrap_or_default();
     assert!(text.contains("model.layers.0.missing"), "{text}");
 
@@ -186,7 +219,9 @@ fn wrong_scale_shape_is_a_shape_mismatch_on_the_scale() -> anyhow::Result<()> {
     )?;
     let w = Weights::open(dir.path())?;
     match w.get_f32("w", &[129, 2]) {
-        Err(ModelError::ShapeMismatch { tensor, expected, .. }) => {
+        Err(ModelError::ShapeMismatch {
+            tensor, expected, ..
+        }) => {
             assert_eq!(tensor, "w_scale_inv");
             assert_eq!(expected, vec![2, 1]);
         }
@@ -239,7 +274,10 @@ fn sharded_checkpoints_follow_the_index() -> anyhow::Result<()> {
     }
 
     // The index names a shard that does not exist.
-    std::fs::write(&index_path, index(&[("c", "model-00009-of-00009.safetensors")]))?;
+    std::fs::write(
+        &index_path,
+        index(&[("c", "model-00009-of-00009.safetensors")]),
+    )?;
     match Weights::open(dir.path()) {
         Err(ModelError::MissingFile(p)) => assert!(p.ends_with("model-00009-of-00009.safetensors")),
         other => anyhow::bail!("expected MissingFile, got {other:?}"),
@@ -247,7 +285,10 @@ fn sharded_checkpoints_follow_the_index() -> anyhow::Result<()> {
 
     // Shard names may not leave the directory.
     std::fs::write(&index_path, index(&[("c", "../elsewhere.safetensors")]))?;
-    assert!(matches!(Weights::open(dir.path()), Err(ModelError::Weights { .. })));
+    assert!(matches!(
+        Weights::open(dir.path()),
+        Err(ModelError::Weights { .. })
+    ));
     Ok(())
 }
 
@@ -261,7 +302,10 @@ fn missing_and_corrupt_files() -> anyhow::Result<()> {
     let gone = dir.path().join("gone");
     assert!(matches!(Weights::open(&gone), Err(ModelError::MissingFile(p)) if p == gone));
 
-    std::fs::write(dir.path().join("model.safetensors"), b"not a safetensors file")?;
+    std::fs::write(
+        dir.path().join("model.safetensors"),
+        b"not a safetensors file",
+    )?;
     match Weights::open(dir.path()) {
         Err(e @ ModelError::Weights { .. }) => {
             assert!(e.to_string().contains("model.safetensors"), "{e}");
@@ -269,4 +313,11 @@ fn missing_and_corrupt_files() -> anyhow::Result<()> {
         other => anyhow::bail!("expected a Weights error, got {other:?}"),
     }
     Ok(())
+}
+
+#[test]
+fn weights_can_be_shared_across_threads() {
+    fn assert_send_sync<T: Send + Sync>() {}
+    assert_send_sync::<Weights>();
+    assert_send_sync::<ferry_model::config::ModelConfig>();
 }

@@ -1,14 +1,14 @@
 //! DeepSeek-V3 mixture of experts: grouped sigmoid routing and the expert sum.
 //!
-//! Routing follows transformers' `DeepseekV3TopkRouter` (the `noaux_tc` method) step by step:
+//! Routing follows transformers' (5.x) `DeepseekV3TopkRouter` (the `noaux_tc` method) step by
+//! step:
 //!
 //! 1. `scores = sigmoid(logits)`; `choice = scores + e_score_correction_bias`.
 //! 2. Group score = sum of the two largest `choice` values in each of `n_group` equal groups
 //!    (one value if a group has a single expert); keep the `topk_group` best groups.
-//! 3. Experts outside kept groups get choice `0.0` — exactly what transformers does
-//!    (`masked_fill(~mask, 0.0)`). DeepSeek's own inference code and vLLM/SGLang fill `-inf`
-//!    instead; the two agree whenever the `top_k`-th best kept expert has a positive choice
-//!    score, which holds unless the correction bias drives choices below zero.
+//! 3. Experts outside kept groups get choice `-inf` (`masked_fill(~mask, -inf)`, as in
+//!    transformers 5.x and DeepSeek's inference code; transformers 4.x filled `0.0`, which only
+//!    differs when the correction bias drives a kept expert's choice below zero).
 //! 4. Pick the `top_k` experts by choice; their weights are the *unbiased* `scores`, divided by
 //!    `sum + 1e-20` when `norm_topk_prob`, then multiplied by `routed_scaling_factor`.
 //!
@@ -123,7 +123,7 @@ impl MoeRouting {
         }
         for (g, block) in choice.chunks_exact_mut(group_size).enumerate() {
             if !kept[g] {
-                block.fill(0.0);
+                block.fill(f32::NEG_INFINITY);
             }
         }
 

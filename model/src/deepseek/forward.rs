@@ -1,0 +1,144 @@
+//! The batched forward.
+
+use ferry_kernels::cpu::gemm::linear;
+use ferry_kernels::cpu::norm::rms_norm_inplace;
+
+use super::attention::{BatchGeometry, FormPolicy};
+use super::batch::{BatchInputs, BatchOutput, LogitsWanted};
+use super::{DeepseekModel, Ffn};
+use crate::kv::KvPool;
+use crate::ModelError;
+
+impl DeepseekModel {
+    /// Runs one batch with the cost model choosing each chunk's attention form.
+    ///
+    /// Every sequence's new tokens are appended to its block table's positions in `kv`; the
+    /// caller owns the tables (and advances them afterwards). The batch is validated first, so
+    /// a bad sequence fails the batch before any cache row is written.
+    pub fn forward(
+        &self,
+        batch: &BatchInputs<'_>,
+        kv: &mut KvPool,
+    ) -> Result<BatchOutput, ModelError> {
+        self.forward_with(batch, kv, FormPolicy::CostModel)
+    }
+
+    /// [`Self::forward`] with an explicit attention-form policy.
+    pub fn forward_with(
+        &self,
+        batch: &BatchInputs<'_>,
+        kv: &mut KvPool,
+        policy: FormPolicy,
+    ) -> Result<BatchOutput, ModelError> {
+        self.validate(batch, kv)?;
+        let hidden = self.config.hidden_size;
+        let geo = BatchGeometry::new(&batch.seqs);
+        let t = geo.positions.len();
+
+        let mut h = vec![0.0f32; t * hidden];
+        let tokens = batch.seqs.iter().flat_map(|s| s.tokens.iter());
+        for (row, &tok) in h.chunks_exact_mut(hidden).zip(tokens) {
+            self.embed.row_f32(tok as usize, row)?;
+        }
+
+        let mut x = vec![0.0f32; t * hidden];
+        let mut ffn_out = vec![0.0f32; t * hidden];
+        for (l, layer) in self.layers.iter().enumerate() {
+            x.copy_from_slice(&h);
+            rms_norm_inplace(&mut x, &layer.input_norm, self.config.rms_norm_eps)?;
+            let attn = self.attention(l, &x, &batch.seqs, &geo, kv, policy)?;
+            add_assign(&mut h, &attn);
+
+            x.copy_from_slice(&h);
+            rms_norm_inplace(&mut x, &layer.post_norm, self.config.rms_norm_eps)?;
+            match &layer.ffn {
+                Ffn::Dense(mlp) => mlp.forward(&x, &mut ffn_out)?,
+                Ffn::Moe(moe) => moe.forward(&x, &mut ffn_out)?,
+            }
+            add_assign(&mut h, &ffn_out);
+        }
+
+        // Final norm and LM head only on the rows someone asked for.
+        let mut picked = Vec::new();
+        let mut rows_per_seq = Vec::with_capacity(batch.seqs.len());
+        for (s, &(first, rows)) in batch.seqs.iter().zip(&geo.spans) {
+            let range = match s.logits {
+                LogitsWanted::Last => first + rows - 1..first + rows,
+                LogitsWanted::All => first..first + rows,
+            };
+            rows_per_seq.push(range.len());
+            picked.extend_from_slice(&h[range.start * hidden..range.end * hidden]);
+        }
+        rms_norm_inplace(&mut picked, &self.norm, self.config.rms_norm_eps)?;
+        let vocab = self.config.vocab_size;
+        let n_rows = picked.len() / hidden;
+        let mut logits = vec![0.0f32; n_rows * vocab];
+        linear(&picked, self.lm_head(), &mut logits)?;
+
+        let mut out = Vec::with_capacity(rows_per_seq.len());
+        let mut rest = logits.as_slice();
+        for rows in rows_per_seq {
+            let (mine, tail) = rest.split_at(rows * vocab);
+            out.push(mine.to_vec());
+            rest = tail;
+        }
+        Ok(BatchOutput { logits: out, vocab })
+    }
+
+    /// Rejects a batch that would index out of range anywhere, naming the sequence and field.
+    fn validate(&self, batch: &BatchInputs<'_>, kv: &KvPool) -> Result<(), ModelError> {
+        let layout = kv.layout();
+        if layout.num_layers != self.layers.len() || layout.width != self.config.latent_width() {
+            return Err(ModelError::Kv(format!(
+                "KV pool geometry ({} layers × {} wide) does not match the model ({} × {})",
+                layout.num_layers,
+                layout.width,
+                self.layers.len(),
+                self.config.latent_width()
+            )));
+        }
+        let vocab = self.config.vocab_size;
+        let max_pos = self.config.max_position_embeddings;
+        for (i, s) in batch.seqs.iter().enumerate() {
+            if s.tokens.is_empty() {
+                return Err(ModelError::Invalid(format!(
+                    "sequence {i}: `tokens` must not be empty"
+                )));
+            }
+            if let Some(bad) = s.tokens.iter().find(|&&t| t as usize >= vocab) {
+                return Err(ModelError::Invalid(format!(
+                    "sequence {i}: token id {bad} is outside the vocabulary of {vocab}"
+                )));
+            }
+            let end = s.start_pos + s.tokens.len();
+            if end > max_pos {
+                return Err(ModelError::PromptTooLong {
+                    tokens: end,
+                    limit: max_pos,
+                });
+            }
+            if layout.blocks_for(end) > s.block_table.len() {
+                return Err(ModelError::Kv(format!(
+                    "sequence {i}: block table of {} blocks cannot hold {end} positions",
+                    s.block_table.len()
+                )));
+            }
+            if let Some(b) = s
+                .block_table
+                .iter()
+                .find(|b| b.0 as usize >= layout.num_blocks)
+            {
+                return Err(ModelError::Kv(format!(
+                    "sequence {i}: {b} is outside the pool"
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+fn add_assign(acc: &mut [f32], x: &[f32]) {
+    for (a, b) in acc.iter_mut().zip(x) {
+        *a += b;
+    }
+}

@@ -1,0 +1,195 @@
+//! Latent storage and the ref-counted block allocator.
+//!
+//! Invariants: a block is either on the free list with refcount 0, or off it with refcount ≥ 1;
+//! `release` of the last reference puts it back. Double frees and foreign ids are errors, never
+//! silent corruption.
+
+use std::fmt;
+
+use super::KvLayout;
+use crate::ModelError;
+
+/// Index of a block in the pool (the same index in every layer).
+#[repr(transparent)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct BlockId(pub u32);
+
+impl fmt::Display for BlockId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "block#{}", self.0)
+    }
+}
+
+/// The latent KV pool of one engine: storage for every layer plus the block allocator.
+#[derive(Debug)]
+pub struct KvPool {
+    layout: KvLayout,
+    /// One contiguous region per layer: `[block][page][width]`.
+    layers: Vec<Vec<f32>>,
+    refcounts: Vec<u32>,
+    /// Free blocks; allocation pops from the end, so low ids are handed out first.
+    free: Vec<u32>,
+}
+
+impl KvPool {
+    /// Allocates zeroed storage for `layout`.
+    pub fn new(layout: KvLayout) -> Result<Self, ModelError> {
+        layout.validate()?;
+        let layers = (0..layout.num_layers)
+            .map(|_| vec![0.0f32; layout.layer_floats()])
+            .collect();
+        let n = u32::try_from(layout.num_blocks)
+            .map_err(|_| ModelError::Kv("`num_blocks` must fit in u32".into()))?;
+        Ok(Self {
+            layout,
+            layers,
+            refcounts: vec![0; layout.num_blocks],
+            free: (0..n).rev().collect(),
+        })
+    }
+
+    /// The pool's geometry.
+    pub fn layout(&self) -> &KvLayout {
+        &self.layout
+    }
+
+    /// Blocks not referenced by any sequence.
+    pub fn free_blocks(&self) -> usize {
+        self.free.len()
+    }
+
+    /// References held on `block` (0 when free).
+    pub fn refcount(&self, block: BlockId) -> Option<u32> {
+        self.refcounts.get(block.0 as usize).copied()
+    }
+
+    /// Takes `n` free blocks (refcount 1 each), all or nothing.
+    pub fn allocate(&mut self, n: usize) -> Result<Vec<BlockId>, ModelError> {
+        if n > self.free.len() {
+            return Err(ModelError::Kv(format!(
+                "out of KV blocks: need {n}, {} free of {}",
+                self.free.len(),
+                self.layout.num_blocks
+            )));
+        }
+        let split = self.free.len() - n;
+        let taken: Vec<BlockId> = self.free.drain(split..).rev().map(BlockId).collect();
+        for b in &taken {
+            self.refcounts[b.0 as usize] = 1;
+        }
+        Ok(taken)
+    }
+
+    /// Adds a reference to an allocated block (prefix sharing).
+    pub fn retain(&mut self, block: BlockId) -> Result<(), ModelError> {
+        match self.refcounts.get_mut(block.0 as usize) {
+            Some(rc) if *rc > 0 => {
+                *rc += 1;
+                Ok(())
+            }
+            Some(_) => Err(ModelError::Kv(format!("retain of free {block}"))),
+            None => Err(ModelError::Kv(format!("retain of unknown {block}"))),
+        }
+    }
+
+    /// Drops one reference; the block returns to the free list when none are left.
+    pub fn release(&mut self, block: BlockId) -> Result<(), ModelError> {
+        match self.refcounts.get_mut(block.0 as usize) {
+            Some(rc) if *rc > 0 => {
+                *rc -= 1;
+                if *rc == 0 {
+                    self.free.push(block.0);
+                }
+                Ok(())
+            }
+            Some(_) => Err(ModelError::Kv(format!("double free of {block}"))),
+            None => Err(ModelError::Kv(format!("release of unknown {block}"))),
+        }
+    }
+
+    /// Releases every block in `blocks`, reporting the first failure after trying them all.
+    pub fn release_all(&mut self, blocks: &[BlockId]) -> Result<(), ModelError> {
+        let mut first_err = None;
+        for &b in blocks {
+            if let Err(e) = self.release(b) {
+                first_err.get_or_insert(e);
+            }
+        }
+        first_err.map_or(Ok(()), Err)
+    }
+
+    /// One layer's whole region, `[block][page][width]`.
+    pub fn layer(&self, layer: usize) -> Result<&[f32], ModelError> {
+        self.layers
+            .get(layer)
+            .map(Vec::as_slice)
+            .ok_or_else(|| ModelError::Kv(format!("layer {layer} out of range")))
+    }
+
+    /// The row of `layer` that holds position `pos` of a sequence with `table`, for writing.
+    pub fn row_mut(
+        &mut self,
+        layer: usize,
+        table: &[BlockId],
+        pos: usize,
+    ) -> Result<&mut [f32], ModelError> {
+        let KvLayout {
+            page_size, width, ..
+        } = self.layout;
+        let block = table.get(pos / page_size).ok_or_else(|| {
+            ModelError::Kv(format!(
+                "position {pos} is beyond the block table ({} blocks)",
+                table.len()
+            ))
+        })?;
+        let start = (block.0 as usize * page_size + pos % page_size) * width;
+        self.layers
+            .get_mut(layer)
+            .and_then(|l| l.get_mut(start..start + width))
+            .ok_or_else(|| ModelError::Kv(format!("{block} or layer {layer} out of range")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pool(blocks: usize) -> KvPool {
+        KvPool::new(KvLayout {
+            num_layers: 2,
+            num_blocks: blocks,
+            page_size: 4,
+            width: 3,
+        })
+        .expect("valid layout")
+    }
+
+    #[test]
+    fn allocate_release_roundtrip() {
+        let mut p = pool(4);
+        let a = p.allocate(3).unwrap();
+        assert_eq!(p.free_blocks(), 1);
+        assert!(p.allocate(2).is_err(), "all-or-nothing allocation");
+        assert_eq!(p.free_blocks(), 1);
+        p.retain(a[0]).unwrap();
+        p.release_all(&a).unwrap();
+        assert_eq!(p.free_blocks(), 3, "the shared block is still held");
+        p.release(a[0]).unwrap();
+        assert_eq!(p.free_blocks(), 4);
+        assert!(p.release(a[0]).is_err(), "double free is an error");
+        assert!(p.retain(BlockId(99)).is_err());
+    }
+
+    #[test]
+    fn rows_follow_the_block_table() {
+        let mut p = pool(4);
+        let table = [BlockId(2), BlockId(0)];
+        p.row_mut(1, &table, 5)
+            .unwrap()
+            .copy_from_slice(&[1.0, 2.0, 3.0]);
+        let layer = p.layer(1).unwrap();
+        // position 5 = block table[1] = block 0, row 1.
+        assert_eq!(&layer[3..6], &[1.0, 2.0, 3.0]);
+        assert!(p.row_mut(0, &table, 8).is_err());
+    }
+}
