@@ -1,0 +1,49 @@
+//! `ferry`: a disaggregated prefill/decode serving cluster for MLA + MoE models.
+//!
+//! This binary is the only place that uses `anyhow`; every library crate returns typed errors.
+#![forbid(unsafe_code)]
+
+mod cmd;
+mod embedded;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// ferry: serve DeepSeek-V3 / Kimi K2 / Kimi K3-family models.
+#[derive(Debug, Parser)]
+#[command(name = "ferry", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Generate a continuation of a prompt in this process and stream it to stdout.
+    Generate(cmd::generate::GenerateArgs),
+    /// Measure prefill and decode tokens/s of the in-process engine.
+    BenchEngine(cmd::bench_engine::BenchEngineArgs),
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("FERRY_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Generate(args) => cmd::generate::run(args),
+        Command::BenchEngine(args) => cmd::bench_engine::run(args),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
