@@ -1,8 +1,36 @@
-//! ferry's wire contracts (not yet built).
+//! ferry's wire contracts.
 //!
-//! This crate will own the versioned protobuf packages and their tonic/prost stubs: the public
-//! `ferry.v1.Inference` service (Generate, Tokenize, ListModels), the internal worker, registry
-//! and transfer-control services, the newtype ids shared by every process (`RequestId`,
-//! `WorkerId`, `BlockHash`, ...), wire → domain conversions and W3C trace-context propagation on
-//! gRPC metadata. See `docs/architecture.md`.
+//! | module | owns |
+//! |---|---|
+//! | [`v1`] | the public `ferry.v1.Inference` service (Generate, Tokenize, ListModels) |
+//! | [`internal`] | worker services (prefill, decode), the registry (registration, heartbeats, load, KV events) and KV-transfer control frames |
+//! | [`ids`] | newtype ids shared by every process |
+//! | [`FILE_DESCRIPTOR_SET`] | the encoded descriptors, for gRPC server reflection |
+//!
+//! Stubs are generated at build time by `tonic-prost-build` with a vendored `protoc`.
 #![forbid(unsafe_code)]
+
+pub mod ids;
+
+/// Generated code, nested like the protobuf packages so cross-package references resolve.
+pub mod ferry {
+    /// The public API, package `ferry.v1`.
+    pub mod v1 {
+        #![allow(missing_docs, clippy::all)]
+        tonic::include_proto!("ferry.v1");
+    }
+    /// Internal packages.
+    pub mod internal {
+        /// Internal services, package `ferry.internal.v1`.
+        pub mod v1 {
+            #![allow(missing_docs, clippy::all)]
+            tonic::include_proto!("ferry.internal.v1");
+        }
+    }
+}
+
+pub use ferry::internal::v1 as internal;
+pub use ferry::v1;
+
+/// Encoded `FileDescriptorSet` of every ferry proto, for `tonic-reflection`.
+pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("ferry_descriptor");
