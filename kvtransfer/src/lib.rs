@@ -1,6 +1,328 @@
-//! KV-cache movement between workers (not yet built).
+//! KV-cache movement between workers: a prefill worker writes a prompt's latent KV blocks,
+//! layer by layer, straight into a decode worker's KV pool.
 //!
-//! This crate will own block descriptors, the layout handshake (layers, page size, latent width,
-//! dtype), the `Transport` trait shaped for one-sided RDMA writes into registered remote memory,
-//! and its TCP, in-process and UCX implementations, including layer-by-layer streaming so a
-//! prefill worker's transfer overlaps its compute. See `docs/architecture.md`.
+//! | module | owns |
+//! |---|---|
+//! | `lib.rs` | the layout ([`KvLayoutDesc`], [`Dtype`]), keys, and the three traits: [`KvRegion`] (the receiving memory), [`Transport`] (register / connect), [`RemoteWriter`] (write / flush) |
+//! | [`descriptor`] | [`WriteBatch`] / [`BlockWrite`]: which blocks of which layer go where, and their validation |
+//! | [`handshake`] | [`check_compatible`]: layout compatibility with an explicit mismatch error |
+//! | [`tcp`] | [`TcpTransport`], the default: one listener per process, length-prefixed frames |
+//! | [`local`] | [`LocalTransport`]: in-process, for tests and single-process clusters |
+//! | [`layerwise`] | [`LayerStreamer`] / [`LayerSink`]: send each layer as soon as it is computed |
+//! | [`error`] | [`TransferError`] |
+//!
+//! The model is one-sided RDMA, so a UCX transport fits the same traits: the decode worker
+//! *registers* its pool as a [`KvRegion`] and gets a [`Registration`] (address + [`RemoteKey`]),
+//! which travels to the prefill worker inside the prefill request. The prefill worker *connects*
+//! to that address and key with its own layout (the layout handshake runs here, and a mismatch
+//! fails the connect), then *writes* batches and *flushes*: a flush returns once every earlier
+//! write has landed in the region.
+//!
+//! ```text
+//!  prefill engine thread          tokio (prefill)                 tokio (decode)
+//!  layer 0 done ─ sink.send ─►  LayerStreamer task ─ write ──►  receiver task ─ region.write
+//!  layer 1 done ─ sink.send ─►       (in order)    ─ write ──►                 ─ region.write
+//!  ...                          finish: flush ───────────────►  ack(total bytes)
+//! ```
+
+#![warn(missing_docs)]
+#![cfg_attr(not(test), warn(clippy::unwrap_used, clippy::expect_used))]
+
+use std::fmt;
+use std::str::FromStr;
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use ferry_proto::internal::KvLayout;
+
+pub mod descriptor;
+pub mod error;
+pub mod handshake;
+pub mod layerwise;
+pub mod local;
+mod registry;
+pub mod tcp;
+
+pub use descriptor::{check_write, BlockWrite, WriteBatch};
+pub use error::{ParseDtypeError, TransferError};
+pub use handshake::check_compatible;
+pub use layerwise::{LayerSink, LayerStreamer};
+pub use local::LocalTransport;
+pub use tcp::TcpTransport;
+
+/// Element type of the KV pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Dtype {
+    /// 32-bit float.
+    F32,
+    /// bfloat16.
+    Bf16,
+}
+
+impl Dtype {
+    /// The wire / config name: `"f32"` or `"bf16"`.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Dtype::F32 => "f32",
+            Dtype::Bf16 => "bf16",
+        }
+    }
+
+    /// Size of one element in bytes.
+    pub const fn elem_size(self) -> usize {
+        match self {
+            Dtype::F32 => 4,
+            Dtype::Bf16 => 2,
+        }
+    }
+}
+
+impl fmt::Display for Dtype {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for Dtype {
+    type Err = ParseDtypeError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "f32" => Ok(Dtype::F32),
+            "bf16" => Ok(Dtype::Bf16),
+            other => Err(ParseDtypeError { got: other.into() }),
+        }
+    }
+}
+
+/// Geometry and dtype of a paged latent KV pool, `[layer][block][page][latent]`.
+///
+/// The domain form of the wire [`KvLayout`]; convert with `KvLayout::from` / `KvLayoutDesc::try_from`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct KvLayoutDesc {
+    /// Attention layers with a KV cache.
+    pub num_layers: u32,
+    /// Tokens per block (page).
+    pub page_size: u32,
+    /// Latent width per token (576 for DeepSeek-V3 MLA: 512 compressed + 64 rope).
+    pub latent_width: u32,
+    /// Element type.
+    pub dtype: Dtype,
+    /// Blocks per layer in this pool (may differ between peers).
+    pub num_blocks: u32,
+}
+
+impl KvLayoutDesc {
+    /// Bytes of one block of one layer: `page_size × latent_width × dtype size`
+    /// (saturating, so an absurd peer layout cannot overflow).
+    pub fn block_bytes(&self) -> usize {
+        (self.page_size as usize)
+            .saturating_mul(self.latent_width as usize)
+            .saturating_mul(self.dtype.elem_size())
+    }
+}
+
+impl From<&KvLayoutDesc> for KvLayout {
+    fn from(d: &KvLayoutDesc) -> Self {
+        KvLayout {
+            num_layers: d.num_layers,
+            page_size: d.page_size,
+            latent_width: d.latent_width,
+            dtype: d.dtype.as_str().to_owned(),
+            num_blocks: d.num_blocks,
+        }
+    }
+}
+
+impl From<KvLayoutDesc> for KvLayout {
+    fn from(d: KvLayoutDesc) -> Self {
+        KvLayout::from(&d)
+    }
+}
+
+impl TryFrom<&KvLayout> for KvLayoutDesc {
+    type Error = TransferError;
+
+    /// Parses a wire layout: `dtype` must be `"f32"` or `"bf16"` and `num_layers`, `page_size`
+    /// and `latent_width` must be > 0; otherwise [`TransferError::Protocol`] naming the field.
+    fn try_from(w: &KvLayout) -> Result<Self, Self::Error> {
+        let dtype = w
+            .dtype
+            .parse::<Dtype>()
+            .map_err(|e| TransferError::Protocol(format!("KvLayout: {e}")))?;
+        for (name, value) in [
+            ("num_layers", w.num_layers),
+            ("page_size", w.page_size),
+            ("latent_width", w.latent_width),
+        ] {
+            if value == 0 {
+                return Err(TransferError::Protocol(format!(
+                    "KvLayout: `{name}` must be > 0, got 0"
+                )));
+            }
+        }
+        Ok(KvLayoutDesc {
+            num_layers: w.num_layers,
+            page_size: w.page_size,
+            latent_width: w.latent_width,
+            dtype,
+            num_blocks: w.num_blocks,
+        })
+    }
+}
+
+impl TryFrom<KvLayout> for KvLayoutDesc {
+    type Error = TransferError;
+
+    fn try_from(w: KvLayout) -> Result<Self, Self::Error> {
+        KvLayoutDesc::try_from(&w)
+    }
+}
+
+/// Names a registered [`KvRegion`] within a transport's address (like an RDMA rkey).
+///
+/// Keys are unpredictable per process start (seeded from time and pid), so a stale writer from
+/// before a receiver restart does not find the new region under an old key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[repr(transparent)]
+pub struct RemoteKey(pub u64);
+
+impl fmt::Display for RemoteKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:#018x}", self.0)
+    }
+}
+
+/// What a writer needs to reach a registered region: sent to the prefill worker in the
+/// prefill request (`KvDestination.transfer_address` / `remote_key`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Registration {
+    /// Transport-specific address (`"host:port"` for TCP, `"local"` in-process).
+    pub address: String,
+    /// The region's key at that address.
+    pub key: RemoteKey,
+}
+
+/// Memory that remote writers may write whole blocks into: the decode worker's KV pool.
+///
+/// Transports call [`KvRegion::write`] from their receiving task (a tokio task for TCP, the
+/// writer's own task in-process), so **`write` must be cheap and never block**: copy the bytes
+/// into the pool, or hand them to the engine thread over a non-blocking channel. `write`
+/// returning `Ok` must mean the bytes are applied, or ordered before anything that reads those
+/// blocks: a writer's flush reports completion on that basis.
+///
+/// Transports validate every write against [`KvRegion::layout`] before calling `write`
+/// (`layer < num_layers`, `block < num_blocks`, `data.len() == block_bytes()`); the layout must
+/// not change while the region is registered.
+pub trait KvRegion: Send + Sync + 'static {
+    /// The pool's layout (read at registration and at each connection).
+    fn layout(&self) -> KvLayoutDesc;
+
+    /// Stores one whole block of one layer.
+    fn write(&self, layer: u32, block: u32, data: &[u8]) -> Result<(), TransferError>;
+}
+
+/// A way to move KV blocks into remote memory: TCP, in-process, later UCX.
+///
+/// The receiving side [`register`](Transport::register)s its pool; the sending side
+/// [`connect`](Transport::connect)s to the returned address and key. One transport value
+/// serves both roles.
+#[async_trait]
+pub trait Transport: Send + Sync {
+    /// Short name, as in `KvDestination.transport`: `"tcp"`, `"local"`.
+    fn name(&self) -> &'static str;
+
+    /// Makes `region` writable by remote writers; returns where and under which key.
+    async fn register(&self, region: Arc<dyn KvRegion>) -> Result<Registration, TransferError>;
+
+    /// Stops accepting connections and writes for `key`
+    /// ([`TransferError::UnknownRegion`] if it is not registered).
+    ///
+    /// A write already past its checks may still land; deregister a pool only once nothing
+    /// is being written into it.
+    async fn deregister(&self, key: RemoteKey) -> Result<(), TransferError>;
+
+    /// Connects to the region `key` at `address` and runs the layout handshake: the region's
+    /// layout must be compatible with `writer_layout` ([`check_compatible`]), else
+    /// [`TransferError::LayoutMismatch`] with `ours` = the writer's value. An unknown key is
+    /// [`TransferError::UnknownRegion`].
+    async fn connect(
+        &self,
+        address: &str,
+        key: RemoteKey,
+        writer_layout: &KvLayoutDesc,
+    ) -> Result<Box<dyn RemoteWriter>, TransferError>;
+}
+
+/// A connection that writes into one remote region.
+///
+/// Writes are applied in order. A batch is validated as a whole against the destination layout
+/// before any of it is sent, so an [`TransferError::OutOfRange`] from `write` sends nothing and
+/// leaves the writer usable. Any other error (the destination refused a write, the connection
+/// broke) poisons the writer: later calls return [`TransferError::Closed`]. Dropping the writer
+/// closes the connection.
+#[async_trait]
+pub trait RemoteWriter: Send {
+    /// Sends one batch. It may not have landed yet when this returns; see [`RemoteWriter::flush`].
+    async fn write(&mut self, batch: WriteBatch) -> Result<(), TransferError>;
+
+    /// Completion: returns once every write so far has landed in the remote region, with the
+    /// total block bytes written on this connection.
+    async fn flush(&mut self) -> Result<u64, TransferError>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dtype_round_trips_and_sizes() {
+        for d in [Dtype::F32, Dtype::Bf16] {
+            assert_eq!(d.as_str().parse::<Dtype>(), Ok(d));
+        }
+        assert_eq!(Dtype::F32.elem_size(), 4);
+        assert_eq!(Dtype::Bf16.elem_size(), 2);
+        let err = "fp8".parse::<Dtype>().unwrap_err();
+        assert!(err.to_string().contains("\"fp8\""));
+    }
+
+    #[test]
+    fn layout_round_trips_through_the_wire_form() {
+        let d = KvLayoutDesc {
+            num_layers: 61,
+            page_size: 64,
+            latent_width: 576,
+            dtype: Dtype::Bf16,
+            num_blocks: 4096,
+        };
+        assert_eq!(d.block_bytes(), 64 * 576 * 2);
+        let wire = KvLayout::from(&d);
+        assert_eq!(wire.dtype, "bf16");
+        assert_eq!(KvLayoutDesc::try_from(wire).unwrap(), d);
+    }
+
+    #[test]
+    fn bad_wire_layouts_name_the_field() {
+        let good = KvLayout::from(KvLayoutDesc {
+            num_layers: 1,
+            page_size: 1,
+            latent_width: 1,
+            dtype: Dtype::F32,
+            num_blocks: 1,
+        });
+        let bad_dtype = KvLayout {
+            dtype: "int4".into(),
+            ..good.clone()
+        };
+        let e = KvLayoutDesc::try_from(&bad_dtype).unwrap_err();
+        assert!(
+            matches!(&e, TransferError::Protocol(m) if m.contains("`dtype`") && m.contains("int4"))
+        );
+        let zero = KvLayout {
+            page_size: 0,
+            ..good
+        };
+        let e = KvLayoutDesc::try_from(&zero).unwrap_err();
+        assert!(matches!(&e, TransferError::Protocol(m) if m.contains("`page_size`")));
+    }
+}

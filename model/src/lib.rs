@@ -8,9 +8,11 @@
 //! | [`kv`] | the paged latent KV pool, block allocation and per-sequence block tables |
 //! | [`deepseek`] | the batched forward: prefill of many sequences, decode steps, cached-prefix reuse |
 //! | [`session`] | one sequence over a pool: reserve blocks, run, advance (CLI and tests) |
+//! | [`engine`] | the engine thread: continuous batching, local and remote prefill, prefill jobs with per-layer KV streaming |
 //! | [`embedded`] | where the embedded default model lives |
 pub mod config;
 pub mod deepseek;
+pub mod engine;
 pub mod embedded;
 pub mod error;
 pub mod kv;

@@ -9,6 +9,9 @@ use super::{DeepseekModel, Ffn};
 use crate::kv::KvPool;
 use crate::ModelError;
 
+/// Called after each layer's KV is written: `(layer, pool)`.
+pub type LayerHook<'a> = dyn FnMut(usize, &KvPool) -> Result<(), ModelError> + 'a;
+
 impl DeepseekModel {
     /// Runs one batch with the cost model choosing each chunk's attention form.
     ///
@@ -30,6 +33,19 @@ impl DeepseekModel {
         kv: &mut KvPool,
         policy: FormPolicy,
     ) -> Result<BatchOutput, ModelError> {
+        self.forward_hooked(batch, kv, policy, &mut |_, _| Ok(()))
+    }
+
+    /// [`Self::forward_with`], calling `after_layer(l, kv)` as soon as layer `l`'s latent rows
+    /// for every new token are in the cache (right after its attention, before its MLP), so a
+    /// prefill worker can ship that layer's KV while the next layers compute.
+    pub fn forward_hooked(
+        &self,
+        batch: &BatchInputs<'_>,
+        kv: &mut KvPool,
+        policy: FormPolicy,
+        after_layer: &mut LayerHook<'_>,
+    ) -> Result<BatchOutput, ModelError> {
         self.validate(batch, kv)?;
         let hidden = self.config.hidden_size;
         let geo = BatchGeometry::new(&batch.seqs);
@@ -47,6 +63,7 @@ impl DeepseekModel {
             x.copy_from_slice(&h);
             rms_norm_inplace(&mut x, &layer.input_norm, self.config.rms_norm_eps)?;
             let attn = self.attention(l, &x, &batch.seqs, &geo, kv, policy)?;
+            after_layer(l, kv)?;
             add_assign(&mut h, &attn);
 
             x.copy_from_slice(&h);

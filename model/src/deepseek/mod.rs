@@ -23,6 +23,7 @@ use ferry_kernels::cpu::rope::Rope;
 
 pub use attention::{AttentionForm, FormPolicy};
 pub use batch::{BatchInputs, BatchOutput, LogitsWanted, SeqInput};
+pub use forward::LayerHook;
 
 use crate::config::ModelConfig;
 use crate::kv::{KvLayout, KvPool};

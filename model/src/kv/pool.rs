@@ -126,6 +126,26 @@ impl KvPool {
             .ok_or_else(|| ModelError::Kv(format!("layer {layer} out of range")))
     }
 
+    /// One block of one layer, `[page][width]`, for reading (shipping KV to a peer).
+    pub fn block(&self, layer: usize, block: BlockId) -> Result<&[f32], ModelError> {
+        let n = self.layout.block_floats();
+        let start = block.0 as usize * n;
+        self.layers
+            .get(layer)
+            .and_then(|l| l.get(start..start + n))
+            .ok_or_else(|| ModelError::Kv(format!("{block} or layer {layer} out of range")))
+    }
+
+    /// One block of one layer, for writing (KV received from a peer).
+    pub fn block_mut(&mut self, layer: usize, block: BlockId) -> Result<&mut [f32], ModelError> {
+        let n = self.layout.block_floats();
+        let start = block.0 as usize * n;
+        self.layers
+            .get_mut(layer)
+            .and_then(|l| l.get_mut(start..start + n))
+            .ok_or_else(|| ModelError::Kv(format!("{block} or layer {layer} out of range")))
+    }
+
     /// The row of `layer` that holds position `pos` of a sequence with `table`, for writing.
     pub fn row_mut(
         &mut self,

@@ -18,6 +18,12 @@ impl BlockTable {
         Self::default()
     }
 
+    /// A table over `blocks` whose first `len` positions are already filled, taking over one
+    /// reference on each block the caller already holds (the KV manager's cached-prefix reuse).
+    pub(crate) fn from_cached(blocks: Vec<BlockId>, len: usize) -> Self {
+        Self { blocks, len }
+    }
+
     /// The blocks, in position order.
     pub fn blocks(&self) -> &[BlockId] {
         &self.blocks

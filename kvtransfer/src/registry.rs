@@ -1,0 +1,96 @@
+//! Key → region map shared by a transport's `register` and its receiving side.
+//!
+//! A plain `RwLock<HashMap>`: every critical section is a lookup, insert or remove, never held
+//! across an `.await`, and writes read an `AtomicBool` on the entry rather than the map.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, PoisonError, RwLock};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use crate::{KvLayoutDesc, KvRegion, RemoteKey, TransferError};
+
+/// A registered region and its layout, read once at registration.
+pub(crate) struct Entry {
+    pub(crate) region: Arc<dyn KvRegion>,
+    pub(crate) layout: KvLayoutDesc,
+    live: AtomicBool,
+}
+
+impl Entry {
+    /// False once deregistered: connections holding the entry stop writing.
+    pub(crate) fn is_live(&self) -> bool {
+        self.live.load(Ordering::Acquire)
+    }
+}
+
+/// The regions of one transport (or one in-process fabric).
+pub(crate) struct Registry {
+    regions: RwLock<HashMap<RemoteKey, Arc<Entry>>>,
+    seed: u64,
+    counter: AtomicU64,
+}
+
+impl Registry {
+    pub(crate) fn new() -> Self {
+        let nanos = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0);
+        Registry {
+            regions: RwLock::new(HashMap::new()),
+            seed: nanos ^ (u64::from(std::process::id()) << 32),
+            counter: AtomicU64::new(0),
+        }
+    }
+
+    /// Registers `region` under a fresh non-zero key.
+    pub(crate) fn insert(&self, region: Arc<dyn KvRegion>) -> RemoteKey {
+        let entry = Arc::new(Entry {
+            layout: region.layout(),
+            region,
+            live: AtomicBool::new(true),
+        });
+        let mut map = self.regions.write().unwrap_or_else(PoisonError::into_inner);
+        loop {
+            let n = self.counter.fetch_add(1, Ordering::Relaxed);
+            let key = RemoteKey(splitmix64(self.seed.wrapping_add(n)));
+            if key.0 != 0 && !map.contains_key(&key) {
+                map.insert(key, entry);
+                return key;
+            }
+        }
+    }
+
+    pub(crate) fn remove(&self, key: RemoteKey) -> Result<(), TransferError> {
+        let removed = self
+            .regions
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&key);
+        match removed {
+            Some(entry) => {
+                entry.live.store(false, Ordering::Release);
+                Ok(())
+            }
+            None => Err(TransferError::UnknownRegion(key)),
+        }
+    }
+
+    pub(crate) fn get(&self, key: RemoteKey) -> Result<Arc<Entry>, TransferError> {
+        self.regions
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(&key)
+            .cloned()
+            .ok_or(TransferError::UnknownRegion(key))
+    }
+}
+
+/// SplitMix64 finaliser: spreads a counter over the key space.
+fn splitmix64(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}

@@ -1,0 +1,546 @@
+//! One contract, every transport: the same tests run over [`TcpTransport`] (on 127.0.0.1:0)
+//! and [`LocalTransport`], plus TCP-only tests that speak the wire protocol by hand.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use ferry_kvtransfer::{
+    check_write, BlockWrite, Dtype, KvLayoutDesc, KvRegion, LayerStreamer, LocalTransport,
+    RemoteKey, RemoteWriter, TcpTransport, TransferError, Transport, WriteBatch,
+};
+
+/// 4 layers × 16 blocks of 4 tokens × 8 bf16 = 64-byte blocks.
+const LAYOUT: KvLayoutDesc = KvLayoutDesc {
+    num_layers: 4,
+    page_size: 4,
+    latent_width: 8,
+    dtype: Dtype::Bf16,
+    num_blocks: 16,
+};
+
+/// What every byte of a region holds before anything is written.
+const SENTINEL: u8 = 0xA5;
+
+/// A KV pool in one `Mutex<Vec<u8>>`, `[layer][block][bytes]`, optionally refusing one block.
+struct TestRegion {
+    layout: KvLayoutDesc,
+    data: Mutex<Vec<u8>>,
+    refuse_block: Option<u32>,
+}
+
+impl TestRegion {
+    fn new(layout: KvLayoutDesc) -> Arc<Self> {
+        Self::build(layout, None)
+    }
+
+    fn refusing(layout: KvLayoutDesc, block: u32) -> Arc<Self> {
+        Self::build(layout, Some(block))
+    }
+
+    fn build(layout: KvLayoutDesc, refuse_block: Option<u32>) -> Arc<Self> {
+        let len = layout.num_layers as usize * layout.num_blocks as usize * layout.block_bytes();
+        Arc::new(TestRegion {
+            layout,
+            data: Mutex::new(vec![SENTINEL; len]),
+            refuse_block,
+        })
+    }
+
+    fn offset(&self, layer: u32, block: u32) -> usize {
+        (layer as usize * self.layout.num_blocks as usize + block as usize)
+            * self.layout.block_bytes()
+    }
+
+    fn block(&self, layer: u32, block: u32) -> Vec<u8> {
+        let start = self.offset(layer, block);
+        self.data.lock().unwrap()[start..start + self.layout.block_bytes()].to_vec()
+    }
+
+    /// Every block in `expected` holds exactly those bytes; every other block is untouched.
+    fn assert_only(&self, expected: &HashMap<(u32, u32), Vec<u8>>) {
+        for layer in 0..self.layout.num_layers {
+            for block in 0..self.layout.num_blocks {
+                let got = self.block(layer, block);
+                match expected.get(&(layer, block)) {
+                    Some(want) => assert!(
+                        got == *want,
+                        "layer {layer} block {block}: wrong bytes landed"
+                    ),
+                    None => assert!(
+                        got.iter().all(|&b| b == SENTINEL),
+                        "layer {layer} block {block} was written but should not have been"
+                    ),
+                }
+            }
+        }
+    }
+}
+
+impl KvRegion for TestRegion {
+    fn layout(&self) -> KvLayoutDesc {
+        self.layout
+    }
+
+    fn write(&self, layer: u32, block: u32, data: &[u8]) -> Result<(), TransferError> {
+        check_write(&self.layout, layer, block, data.len())?;
+        if self.refuse_block == Some(block) {
+            return Err(TransferError::Region(format!(
+                "injected failure on block {block}"
+            )));
+        }
+        let start = self.offset(layer, block);
+        self.data.lock().unwrap()[start..start + data.len()].copy_from_slice(data);
+        Ok(())
+    }
+}
+
+/// Deterministic block contents, different for every (seed, layer, block).
+fn pattern(seed: u32, layer: u32, block: u32, len: usize) -> Vec<u8> {
+    let base = seed.wrapping_mul(131) ^ layer.wrapping_mul(31) ^ block.wrapping_mul(7);
+    (0..len)
+        .map(|i| (base as usize).wrapping_add(i.wrapping_mul(13)) as u8)
+        .collect()
+}
+
+fn batch(seed: u32, layout: &KvLayoutDesc, layer: u32, blocks: &[u32]) -> WriteBatch {
+    WriteBatch {
+        layer,
+        writes: blocks
+            .iter()
+            .map(|&block| BlockWrite {
+                block,
+                data: pattern(seed, layer, block, layout.block_bytes()),
+            })
+            .collect(),
+    }
+}
+
+fn expect_err(r: Result<Box<dyn RemoteWriter>, TransferError>) -> TransferError {
+    match r {
+        Ok(_) => panic!("expected the connect to fail"),
+        Err(e) => e,
+    }
+}
+
+async fn tcp() -> Arc<dyn Transport> {
+    Arc::new(TcpTransport::bind("127.0.0.1:0".parse().unwrap()).unwrap())
+}
+
+async fn local() -> Arc<dyn Transport> {
+    Arc::new(LocalTransport::new())
+}
+
+/// The test bodies, each run once per transport by `transport_contract!`.
+mod contract {
+    use super::*;
+
+    /// Per layer, which (non-contiguous) blocks are written; the last layer writes fewer.
+    fn plan(layer: u32) -> &'static [u32] {
+        if layer == 3 {
+            &[7, 2]
+        } else {
+            &[11, 2, 7, 15]
+        }
+    }
+
+    /// Streams `layers` through a `LayerStreamer` fed from a plain OS thread; returns the total
+    /// bytes and what should have landed.
+    async fn stream_from_thread(
+        t: &dyn Transport,
+        region: &Arc<TestRegion>,
+        seed: u32,
+    ) -> (u64, HashMap<(u32, u32), Vec<u8>>) {
+        let reg = t.register(region.clone()).await.unwrap();
+        // The prefill pool is a different size: only geometry and dtype must match.
+        let writer_layout = KvLayoutDesc {
+            num_blocks: 3,
+            ..LAYOUT
+        };
+        let writer = t
+            .connect(&reg.address, reg.key, &writer_layout)
+            .await
+            .unwrap();
+        let (sink, streamer) = LayerStreamer::spawn(writer);
+        let producer = sink.clone();
+        let (done_tx, done_rx) = tokio::sync::oneshot::channel();
+        std::thread::spawn(move || {
+            for layer in 0..LAYOUT.num_layers {
+                producer
+                    .send(batch(seed, &LAYOUT, layer, plan(layer)))
+                    .unwrap();
+            }
+            let _ = done_tx.send(());
+        });
+        done_rx.await.unwrap();
+        let total = streamer.finish(sink).await.unwrap();
+        let mut expected = HashMap::new();
+        for layer in 0..LAYOUT.num_layers {
+            for &block in plan(layer) {
+                expected.insert(
+                    (layer, block),
+                    pattern(seed, layer, block, LAYOUT.block_bytes()),
+                );
+            }
+        }
+        (total, expected)
+    }
+
+    pub async fn streams_layers_into_the_right_blocks(t: Arc<dyn Transport>) {
+        let region = TestRegion::new(LAYOUT);
+        let (total, expected) = stream_from_thread(&*t, &region, 1).await;
+        assert_eq!(total, expected.len() as u64 * LAYOUT.block_bytes() as u64);
+        assert_eq!(total, 14 * 64);
+        region.assert_only(&expected);
+    }
+
+    pub async fn flush_counts_bytes_and_large_blocks_arrive_whole(t: Arc<dyn Transport>) {
+        // 9 MiB blocks: larger than one socket write.
+        let layout = KvLayoutDesc {
+            num_layers: 2,
+            page_size: 2,
+            latent_width: (9 << 20) / 8,
+            dtype: Dtype::F32,
+            num_blocks: 2,
+        };
+        assert_eq!(layout.block_bytes(), 9 << 20);
+        let region = TestRegion::new(layout);
+        let reg = t.register(region.clone()).await.unwrap();
+        let mut writer = t.connect(&reg.address, reg.key, &layout).await.unwrap();
+        assert_eq!(writer.flush().await.unwrap(), 0);
+        writer.write(batch(2, &layout, 1, &[0])).await.unwrap();
+        assert_eq!(writer.flush().await.unwrap(), 9 << 20);
+        writer.write(batch(2, &layout, 0, &[1])).await.unwrap();
+        assert_eq!(writer.flush().await.unwrap(), 18 << 20);
+        let mut expected = HashMap::new();
+        expected.insert((1, 0), pattern(2, 1, 0, layout.block_bytes()));
+        expected.insert((0, 1), pattern(2, 0, 1, layout.block_bytes()));
+        region.assert_only(&expected);
+    }
+
+    pub async fn layout_mismatch_fails_the_connect_naming_the_field(t: Arc<dyn Transport>) {
+        let region = TestRegion::new(LAYOUT);
+        let reg = t.register(region.clone()).await.unwrap();
+        let with = |change: fn(&mut KvLayoutDesc)| {
+            let mut l = LAYOUT;
+            change(&mut l);
+            l
+        };
+        let cases = [
+            ("num_layers", with(|l| l.num_layers = 5), "5", "4"),
+            ("page_size", with(|l| l.page_size = 8), "8", "4"),
+            ("latent_width", with(|l| l.latent_width = 16), "16", "8"),
+            ("dtype", with(|l| l.dtype = Dtype::F32), "f32", "bf16"),
+        ];
+        for (name, writer_layout, want_ours, want_theirs) in cases {
+            match expect_err(t.connect(&reg.address, reg.key, &writer_layout).await) {
+                TransferError::LayoutMismatch {
+                    field,
+                    ours,
+                    theirs,
+                } => {
+                    assert_eq!(field, name);
+                    assert_eq!((ours.as_str(), theirs.as_str()), (want_ours, want_theirs));
+                }
+                other => panic!("{name}: expected a layout mismatch, got {other:?}"),
+            }
+        }
+        // The receiver still serves compatible writers.
+        let mut writer = t.connect(&reg.address, reg.key, &LAYOUT).await.unwrap();
+        writer.write(batch(3, &LAYOUT, 0, &[4])).await.unwrap();
+        assert_eq!(writer.flush().await.unwrap(), 64);
+        let mut expected = HashMap::new();
+        expected.insert((0, 4), pattern(3, 0, 4, 64));
+        region.assert_only(&expected);
+    }
+
+    pub async fn unknown_and_deregistered_keys_fail(t: Arc<dyn Transport>) {
+        let region = TestRegion::new(LAYOUT);
+        let reg = t.register(region.clone()).await.unwrap();
+        let wrong = RemoteKey(reg.key.0 ^ 0x5555);
+        match expect_err(t.connect(&reg.address, wrong, &LAYOUT).await) {
+            TransferError::UnknownRegion(k) => assert_eq!(k, wrong),
+            other => panic!("expected an unknown region, got {other:?}"),
+        }
+
+        // A writer connected before the deregistration stops landing writes.
+        let mut writer = t.connect(&reg.address, reg.key, &LAYOUT).await.unwrap();
+        t.deregister(reg.key).await.unwrap();
+        let wrote = writer.write(batch(4, &LAYOUT, 0, &[1])).await;
+        let flushed = writer.flush().await;
+        assert!(
+            matches!(wrote, Err(TransferError::UnknownRegion(k)) if k == reg.key)
+                || matches!(flushed, Err(TransferError::UnknownRegion(k)) if k == reg.key),
+            "write {wrote:?}, flush {flushed:?}"
+        );
+        assert!(writer.flush().await.is_err());
+        region.assert_only(&HashMap::new());
+
+        match expect_err(t.connect(&reg.address, reg.key, &LAYOUT).await) {
+            TransferError::UnknownRegion(k) => assert_eq!(k, reg.key),
+            other => panic!("expected an unknown region, got {other:?}"),
+        }
+        assert!(matches!(
+            t.deregister(reg.key).await,
+            Err(TransferError::UnknownRegion(_))
+        ));
+    }
+
+    pub async fn out_of_range_writes_fail_cleanly(t: Arc<dyn Transport>) {
+        let region = TestRegion::new(LAYOUT);
+        let reg = t.register(region.clone()).await.unwrap();
+        // The writer's own pool is larger: the destination's num_blocks is the limit.
+        let writer_layout = KvLayoutDesc {
+            num_blocks: 64,
+            ..LAYOUT
+        };
+        let mut writer = t
+            .connect(&reg.address, reg.key, &writer_layout)
+            .await
+            .unwrap();
+        let short = WriteBatch {
+            layer: 1,
+            writes: vec![BlockWrite {
+                block: 3,
+                data: vec![0; 63],
+            }],
+        };
+        let bad = [
+            (batch(5, &LAYOUT, 0, &[1, 16]), (0, 16, 64)),
+            (batch(5, &LAYOUT, 4, &[1]), (4, 1, 64)),
+            (short, (1, 3, 63)),
+        ];
+        for (b, want) in bad {
+            match writer.write(b).await {
+                Err(TransferError::OutOfRange { layer, block, len }) => {
+                    assert_eq!((layer, block, len), want)
+                }
+                other => panic!("expected out of range {want:?}, got {other:?}"),
+            }
+        }
+        // Nothing of a rejected batch was sent, and the writer is still usable.
+        writer.write(batch(5, &LAYOUT, 2, &[9])).await.unwrap();
+        assert_eq!(writer.flush().await.unwrap(), 64);
+        let mut expected = HashMap::new();
+        expected.insert((2, 9), pattern(5, 2, 9, 64));
+        region.assert_only(&expected);
+
+        // Through the streamer, a bad batch in the middle is reported by finish, and later
+        // sends are refused.
+        let writer = t.connect(&reg.address, reg.key, &LAYOUT).await.unwrap();
+        let (sink, streamer) = LayerStreamer::spawn(writer);
+        let late = sink.clone();
+        sink.send(batch(6, &LAYOUT, 0, &[5])).unwrap();
+        sink.send(batch(6, &LAYOUT, 1, &[99])).unwrap();
+        match streamer.finish(sink).await {
+            Err(TransferError::OutOfRange { layer, block, .. }) => {
+                assert_eq!((layer, block), (1, 99))
+            }
+            other => panic!("expected out of range, got {other:?}"),
+        }
+        assert!(late.is_closed());
+        assert!(matches!(
+            late.send(batch(6, &LAYOUT, 2, &[5])),
+            Err(TransferError::Closed)
+        ));
+
+        // Other connections are still served.
+        let mut writer = t.connect(&reg.address, reg.key, &LAYOUT).await.unwrap();
+        writer.write(batch(7, &LAYOUT, 3, &[0])).await.unwrap();
+        assert_eq!(writer.flush().await.unwrap(), 64);
+        assert_eq!(region.block(3, 0), pattern(7, 3, 0, 64));
+    }
+
+    pub async fn region_refusal_is_reported_by_finish(t: Arc<dyn Transport>) {
+        let region = TestRegion::refusing(LAYOUT, 5);
+        let reg = t.register(region.clone()).await.unwrap();
+        let writer = t.connect(&reg.address, reg.key, &LAYOUT).await.unwrap();
+        let (sink, streamer) = LayerStreamer::spawn(writer);
+        let late = sink.clone();
+        sink.send(batch(8, &LAYOUT, 0, &[1, 5, 9])).unwrap();
+        match streamer.finish(sink).await {
+            Err(TransferError::Region(msg)) => assert!(msg.contains("block 5"), "{msg}"),
+            other => panic!("expected a region error, got {other:?}"),
+        }
+        assert!(matches!(
+            late.send(batch(8, &LAYOUT, 1, &[1])),
+            Err(TransferError::Closed)
+        ));
+        // Writes after the refused one were not applied.
+        assert!(region.block(0, 9).iter().all(|&b| b == SENTINEL));
+
+        // The receiver keeps serving new connections.
+        let mut writer = t.connect(&reg.address, reg.key, &LAYOUT).await.unwrap();
+        writer.write(batch(9, &LAYOUT, 2, &[6])).await.unwrap();
+        assert_eq!(writer.flush().await.unwrap(), 64);
+        assert_eq!(region.block(2, 6), pattern(9, 2, 6, 64));
+    }
+
+    pub async fn concurrent_writers_to_two_regions(t: Arc<dyn Transport>) {
+        let a = TestRegion::new(LAYOUT);
+        let b = TestRegion::new(LAYOUT);
+        let ((total_a, want_a), (total_b, want_b)) = tokio::join!(
+            stream_from_thread(&*t, &a, 10),
+            stream_from_thread(&*t, &b, 20)
+        );
+        assert_eq!((total_a, total_b), (14 * 64, 14 * 64));
+        a.assert_only(&want_a);
+        b.assert_only(&want_b);
+        assert_ne!(want_a, want_b);
+    }
+}
+
+macro_rules! transport_contract {
+    ($module:ident, $make:ident) => {
+        mod $module {
+            use super::*;
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn streams_layers_into_the_right_blocks() {
+                contract::streams_layers_into_the_right_blocks($make().await).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn flush_counts_bytes_and_large_blocks_arrive_whole() {
+                contract::flush_counts_bytes_and_large_blocks_arrive_whole($make().await).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn layout_mismatch_fails_the_connect_naming_the_field() {
+                contract::layout_mismatch_fails_the_connect_naming_the_field($make().await).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn unknown_and_deregistered_keys_fail() {
+                contract::unknown_and_deregistered_keys_fail($make().await).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn out_of_range_writes_fail_cleanly() {
+                contract::out_of_range_writes_fail_cleanly($make().await).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn region_refusal_is_reported_by_finish() {
+                contract::region_refusal_is_reported_by_finish($make().await).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn concurrent_writers_to_two_regions() {
+                contract::concurrent_writers_to_two_regions($make().await).await;
+            }
+        }
+    };
+}
+
+transport_contract!(tcp_transport, tcp);
+transport_contract!(local_transport, local);
+
+/// TCP only: a peer that bypasses the writer's checks, and transport construction.
+mod tcp_only {
+    use super::*;
+    use ferry_proto::internal::{KvLayout, TransferFailure, TransferHello, TransferHelloAck};
+    use prost::Message;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpStream;
+
+    async fn send_frame(s: &mut TcpStream, tag: u8, body: &[u8]) {
+        let len = (body.len() + 1) as u32;
+        s.write_all(&len.to_be_bytes()).await.unwrap();
+        s.write_all(&[tag]).await.unwrap();
+        s.write_all(body).await.unwrap();
+    }
+
+    async fn recv_frame(s: &mut TcpStream) -> (u8, Vec<u8>) {
+        let len = s.read_u32().await.unwrap();
+        let tag = s.read_u8().await.unwrap();
+        let mut body = vec![0; len as usize - 1];
+        s.read_exact(&mut body).await.unwrap();
+        (tag, body)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn receiver_rejects_a_raw_out_of_range_frame_and_keeps_serving() {
+        let t = TcpTransport::bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let region = TestRegion::new(LAYOUT);
+        let reg = t.register(region.clone()).await.unwrap();
+
+        let mut raw = TcpStream::connect(&reg.address).await.unwrap();
+        let hello = TransferHello {
+            layout: Some(KvLayout::from(&LAYOUT)),
+            remote_key: reg.key.0,
+        };
+        send_frame(&mut raw, 1, &hello.encode_to_vec()).await;
+        let (tag, body) = recv_frame(&mut raw).await;
+        assert_eq!(tag, 2);
+        let ack = TransferHelloAck::decode(body.as_slice()).unwrap();
+        assert!(ack.error.is_empty(), "{}", ack.error);
+        assert_eq!(ack.layout, Some(KvLayout::from(&LAYOUT)));
+
+        // Block 16 of a 16-block pool, with a correctly sized payload.
+        let mut data = Vec::new();
+        data.extend_from_slice(&0u32.to_be_bytes());
+        data.extend_from_slice(&16u32.to_be_bytes());
+        data.extend_from_slice(&[1; 64]);
+        send_frame(&mut raw, 3, &data).await;
+        // More frames after the bad one are discarded, not answered with a reset.
+        send_frame(&mut raw, 3, &data).await;
+        let (tag, body) = recv_frame(&mut raw).await;
+        assert_eq!(tag, 6);
+        let failure = TransferFailure::decode(body.as_slice()).unwrap();
+        assert_eq!(failure.kind, "out_of_range");
+        assert_eq!((failure.layer, failure.block, failure.len), (0, 16, 64));
+        drop(raw);
+
+        // A frame with a bad tag before the hello just closes that connection.
+        let mut garbage = TcpStream::connect(&reg.address).await.unwrap();
+        send_frame(&mut garbage, 42, b"nonsense").await;
+        let mut rest = Vec::new();
+        // Closed with unread input, the socket may end in a reset rather than a clean EOF.
+        if garbage.read_to_end(&mut rest).await.is_ok() {
+            assert!(rest.is_empty());
+        }
+
+        let mut writer = t.connect(&reg.address, reg.key, &LAYOUT).await.unwrap();
+        writer.write(batch(11, &LAYOUT, 0, &[15])).await.unwrap();
+        assert_eq!(writer.flush().await.unwrap(), 64);
+        let mut expected = HashMap::new();
+        expected.insert((0, 15), pattern(11, 0, 15, 64));
+        region.assert_only(&expected);
+    }
+
+    #[tokio::test]
+    async fn a_client_connects_but_cannot_register() {
+        let server = TcpTransport::bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let addr = server.local_addr().unwrap();
+        let region = TestRegion::new(LAYOUT);
+        let reg = server.register(region.clone()).await.unwrap();
+        assert_eq!(reg.address, addr.to_string());
+
+        let client = TcpTransport::client();
+        assert_eq!(client.local_addr(), None);
+        assert!(matches!(
+            client.register(region.clone()).await,
+            Err(TransferError::Protocol(_))
+        ));
+        let mut writer = client
+            .connect(&reg.address, reg.key, &LAYOUT)
+            .await
+            .unwrap();
+        writer.write(batch(12, &LAYOUT, 1, &[0, 3])).await.unwrap();
+        assert_eq!(writer.flush().await.unwrap(), 128);
+
+        let advertised = TcpTransport::bind("127.0.0.1:0".parse().unwrap())
+            .unwrap()
+            .with_advertised_address("decode-0.ferry:7000");
+        let reg = advertised.register(region).await.unwrap();
+        assert_eq!(reg.address, "decode-0.ferry:7000");
+    }
+
+    #[test]
+    fn bind_outside_a_runtime_is_an_error_not_a_panic() {
+        assert!(matches!(
+            TcpTransport::bind("127.0.0.1:0".parse().unwrap()),
+            Err(TransferError::Io(_))
+        ));
+    }
+}

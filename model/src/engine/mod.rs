@@ -1,0 +1,403 @@
+//! The engine: one OS thread per device owning the model, the KV manager and the scheduler.
+//!
+//! | file | owns |
+//! |---|---|
+//! | [`mod@self`] | [`EngineHandle`] (clone-able, async-friendly), commands, events, config |
+//! | [`sequence`] | per-request state ([`sequence::Phase`]) |
+//! | [`scheduler`] | the loop: commands → batch under a token budget → forward → sample → events |
+//!
+//! ```text
+//!  tokio tasks (gRPC services, transport receivers)
+//!      │ EngineCommand (unbounded; admission is counted by the handle)
+//!      ▼
+//!  engine thread: KvManager + DeepseekModel + running/waiting sequences
+//!      │ EngineEvent per request (tokio mpsc)   │ oneshot replies (prefill jobs, stats)
+//!      ▼                                         ▼
+//!  the request's stream                        the caller
+//! ```
+//!
+//! Compute never runs on the tokio runtime. Every request owns its blocks through its sequence;
+//! a finished, failed or cancelled (receiver dropped) request frees them in the same step.
+pub mod scheduler;
+pub mod sequence;
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use ferry_kernels::cpu::sample::SamplingParams;
+use tokio::sync::{mpsc, oneshot};
+
+use crate::deepseek::DeepseekModel;
+use crate::kv::{BlockId, KvEvent, KvPool};
+use crate::ModelError;
+
+/// Identifies a request inside one engine.
+#[repr(transparent)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SeqId(pub u64);
+
+/// Engine sizing and policy.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// KV blocks in the pool.
+    pub num_blocks: usize,
+    /// Tokens per block.
+    pub page_size: usize,
+    /// New tokens per forward (prefill chunks + decode tokens).
+    pub max_batch_tokens: usize,
+    /// Sequences decoding at once.
+    pub max_running: usize,
+    /// Requests queued or running before new ones are refused (overload).
+    pub max_in_flight: usize,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            num_blocks: 1024,
+            page_size: crate::kv::layout::DEFAULT_PAGE_SIZE,
+            max_batch_tokens: 2048,
+            max_running: 64,
+            max_in_flight: 512,
+        }
+    }
+}
+
+/// Why a request stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An end-of-sequence token.
+    Stop,
+    /// `max_tokens` reached.
+    Length,
+}
+
+/// When generation stops.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StopParams {
+    /// New tokens at most (≥ 1).
+    pub max_tokens: usize,
+    /// Keep going past end-of-sequence tokens.
+    pub ignore_eos: bool,
+}
+
+/// Where a decode request's prompt KV comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PrefillSource {
+    /// This engine computes it.
+    Local,
+    /// A peer writes it into blocks this engine reserves, unless at most `local_threshold`
+    /// prompt tokens are uncached here, in which case it is computed locally after all.
+    Remote {
+        /// Uncached prompt tokens at or below which local prefill is cheaper than a transfer.
+        local_threshold: usize,
+    },
+}
+
+/// A generation request.
+#[derive(Debug)]
+pub struct GenerateJob {
+    /// Prompt token ids (validated by the caller against vocab and context).
+    pub prompt: Vec<u32>,
+    /// Sampling parameters.
+    pub sampling: SamplingParams,
+    /// Stop conditions.
+    pub stop: StopParams,
+    /// Where the prompt KV comes from.
+    pub prefill: PrefillSource,
+}
+
+/// What a request's stream receives.
+#[derive(Debug, Clone, PartialEq)]
+pub enum EngineEvent {
+    /// Remote prefill: blocks reserved for the prompt. Positions below `cached_tokens` are
+    /// already here; the peer must fill the rest of `blocks` and then [`EngineHandle::remote_done`]
+    /// (or [`EngineHandle::remote_failed`]) is called.
+    Reserved {
+        /// The prompt's blocks, in position order.
+        blocks: Vec<BlockId>,
+        /// Prompt positions this engine already holds (whole blocks).
+        cached_tokens: usize,
+    },
+    /// The prompt will be prefilled here (`cached_tokens` of it came from the prefix cache).
+    LocalPrefill {
+        /// Prompt positions reused from the prefix cache.
+        cached_tokens: usize,
+    },
+    /// A new token.
+    Token(u32),
+    /// The request ended normally.
+    Finished(FinishReason),
+    /// The request failed; its blocks are already free.
+    Failed(String),
+}
+
+/// A prefill-only job (prefill workers): compute the prompt's KV, stream each layer's blocks
+/// from `skip_tokens` on through `on_layer`, sample the first token.
+pub struct PrefillJob {
+    /// Prompt token ids.
+    pub prompt: Vec<u32>,
+    /// Parameters for the first token.
+    pub sampling: SamplingParams,
+    /// Prompt positions the destination already holds (whole blocks): not shipped.
+    pub skip_tokens: usize,
+    /// Called on the engine thread with `(layer, blocks to ship from skip_tokens on, pool)`
+    /// as soon as the layer is computed; an error fails this job only.
+    pub on_layer: Box<dyn FnMut(usize, &[BlockId], &KvPool) -> Result<(), String> + Send>,
+    /// The outcome.
+    pub reply: oneshot::Sender<Result<PrefillOutcome, String>>,
+}
+
+impl std::fmt::Debug for PrefillJob {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PrefillJob")
+            .field("prompt_len", &self.prompt.len())
+            .field("skip_tokens", &self.skip_tokens)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Result of a prefill job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PrefillOutcome {
+    /// The first generated token.
+    pub first_token: u32,
+    /// Prompt tokens computed.
+    pub computed_tokens: usize,
+    /// Prompt tokens reused from this engine's prefix cache.
+    pub reused_tokens: usize,
+}
+
+/// Counters since start and current gauges.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct EngineStats {
+    /// Prompt tokens computed by prefills.
+    pub prefill_computed_tokens: u64,
+    /// Prompt tokens reused from the prefix cache.
+    pub prefill_reused_tokens: u64,
+    /// Requests ended (any outcome).
+    pub requests_finished: u64,
+    /// Decode requests whose prompt KV came from a peer / was computed here / was recomputed
+    /// here after a peer failed.
+    pub remote_prefills: u64,
+    /// See `remote_prefills`.
+    pub local_prefills: u64,
+    /// See `remote_prefills`.
+    pub recomputed_prefills: u64,
+    /// KV bytes received from peers.
+    pub kv_bytes_received: u64,
+    /// Blocks referenced by live requests.
+    pub kv_blocks_used: usize,
+    /// Pool size.
+    pub kv_blocks_total: usize,
+    /// Blocks held only by the prefix cache.
+    pub kv_blocks_cached: usize,
+    /// Sequences in the running batch.
+    pub running: usize,
+    /// Sequences waiting (queued prefill or awaiting a peer's KV).
+    pub waiting: usize,
+    /// Prompt tokens queued and not yet computed.
+    pub queued_prefill_tokens: u64,
+}
+
+/// Commands the engine thread executes, in order.
+pub(crate) enum Command {
+    Generate {
+        id: SeqId,
+        job: GenerateJob,
+        events: mpsc::UnboundedSender<EngineEvent>,
+    },
+    Prefill(PrefillJob),
+    WriteKv {
+        layer: usize,
+        block: BlockId,
+        data: Vec<u8>,
+    },
+    RemoteDone {
+        id: SeqId,
+        first_token: u32,
+    },
+    RemoteFailed {
+        id: SeqId,
+        recompute: bool,
+        reason: String,
+    },
+    Stats(oneshot::Sender<EngineStats>),
+    DrainEvents(oneshot::Sender<Vec<KvEvent>>),
+    Snapshot(oneshot::Sender<(Vec<ferry_proto::ids::BlockHash>, ferry_proto::ids::EventId)>),
+}
+
+/// Errors of the handle itself (the engine's per-request errors arrive as events).
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    /// Too many requests in flight.
+    #[error("engine overloaded: {in_flight} requests in flight, limit {limit}")]
+    Overloaded {
+        /// Requests queued or running.
+        in_flight: usize,
+        /// The configured limit.
+        limit: usize,
+    },
+    /// The engine thread is gone.
+    #[error("the engine has stopped")]
+    Stopped,
+    /// A job failed.
+    #[error("{0}")]
+    Job(String),
+}
+
+/// A cheap, clone-able handle to one engine thread.
+#[derive(Clone)]
+pub struct EngineHandle {
+    tx: mpsc::UnboundedSender<Command>,
+    next_id: Arc<AtomicU64>,
+    in_flight: Arc<AtomicUsize>,
+    max_in_flight: usize,
+    layout: crate::kv::KvLayout,
+    config: Arc<crate::config::ModelConfig>,
+}
+
+/// Decrements the in-flight count when a request's handle-side state is dropped.
+struct InFlight(Arc<AtomicUsize>);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// A running generation: its id and event stream.
+pub struct Generation {
+    /// The engine's id for the request (for remote prefill completion).
+    pub id: SeqId,
+    /// Events until `Finished` or `Failed`; dropping it cancels the request.
+    pub events: mpsc::UnboundedReceiver<EngineEvent>,
+    _in_flight: InFlight,
+}
+
+impl EngineHandle {
+    /// Starts the engine thread for `model` with a pool sized by `config`.
+    pub fn spawn(model: DeepseekModel, config: EngineConfig) -> Result<Self, ModelError> {
+        let pool = model.new_kv_pool(config.num_blocks, config.page_size)?;
+        let layout = *pool.layout();
+        let model_config = Arc::new(model.config().clone());
+        let (tx, rx) = mpsc::unbounded_channel();
+        let max_in_flight = config.max_in_flight;
+        std::thread::Builder::new()
+            .name("ferry-engine".into())
+            .spawn(move || scheduler::Scheduler::new(model, pool, config).run(rx))
+            .map_err(|e| ModelError::Invalid(format!("cannot start the engine thread: {e}")))?;
+        Ok(Self {
+            tx,
+            next_id: Arc::new(AtomicU64::new(1)),
+            in_flight: Arc::new(AtomicUsize::new(0)),
+            max_in_flight,
+            layout,
+            config: model_config,
+        })
+    }
+
+    /// The KV pool geometry.
+    pub fn kv_layout(&self) -> crate::kv::KvLayout {
+        self.layout
+    }
+
+    /// The model configuration.
+    pub fn model_config(&self) -> &crate::config::ModelConfig {
+        &self.config
+    }
+
+    fn admit(&self) -> Result<InFlight, EngineError> {
+        let n = self.in_flight.fetch_add(1, Ordering::AcqRel);
+        let guard = InFlight(self.in_flight.clone());
+        if n >= self.max_in_flight {
+            return Err(EngineError::Overloaded {
+                in_flight: n,
+                limit: self.max_in_flight,
+            });
+        }
+        Ok(guard)
+    }
+
+    fn send(&self, cmd: Command) -> Result<(), EngineError> {
+        self.tx.send(cmd).map_err(|_| EngineError::Stopped)
+    }
+
+    /// Submits a generation request.
+    pub fn generate(&self, job: GenerateJob) -> Result<Generation, EngineError> {
+        let guard = self.admit()?;
+        let id = SeqId(self.next_id.fetch_add(1, Ordering::Relaxed));
+        let (events, rx) = mpsc::unbounded_channel();
+        self.send(Command::Generate { id, job, events })?;
+        Ok(Generation {
+            id,
+            events: rx,
+            _in_flight: guard,
+        })
+    }
+
+    /// Runs a prefill job and waits for its outcome.
+    pub async fn prefill(
+        &self,
+        prompt: Vec<u32>,
+        sampling: SamplingParams,
+        skip_tokens: usize,
+        on_layer: Box<dyn FnMut(usize, &[BlockId], &KvPool) -> Result<(), String> + Send>,
+    ) -> Result<PrefillOutcome, EngineError> {
+        let _guard = self.admit()?;
+        let (reply, rx) = oneshot::channel();
+        self.send(Command::Prefill(PrefillJob {
+            prompt,
+            sampling,
+            skip_tokens,
+            on_layer,
+            reply,
+        }))?;
+        rx.await
+            .map_err(|_| EngineError::Stopped)?
+            .map_err(EngineError::Job)
+    }
+
+    /// Writes one block of one layer received from a peer (only into blocks reserved for a
+    /// remote prefill; anything else is dropped with a warning).
+    pub fn write_kv(&self, layer: usize, block: BlockId, data: Vec<u8>) -> Result<(), EngineError> {
+        self.send(Command::WriteKv { layer, block, data })
+    }
+
+    /// The peer finished the prompt KV of `id` and sampled `first_token`.
+    pub fn remote_done(&self, id: SeqId, first_token: u32) -> Result<(), EngineError> {
+        self.send(Command::RemoteDone { id, first_token })
+    }
+
+    /// The peer or the transfer failed for `id`: recompute locally, or fail the request.
+    pub fn remote_failed(&self, id: SeqId, recompute: bool, reason: String) -> Result<(), EngineError> {
+        self.send(Command::RemoteFailed {
+            id,
+            recompute,
+            reason,
+        })
+    }
+
+    /// Current counters and gauges.
+    pub async fn stats(&self) -> Result<EngineStats, EngineError> {
+        let (tx, rx) = oneshot::channel();
+        self.send(Command::Stats(tx))?;
+        rx.await.map_err(|_| EngineError::Stopped)
+    }
+
+    /// KV events since the last drain.
+    pub async fn drain_kv_events(&self) -> Result<Vec<KvEvent>, EngineError> {
+        let (tx, rx) = oneshot::channel();
+        self.send(Command::DrainEvents(tx))?;
+        rx.await.map_err(|_| EngineError::Stopped)
+    }
+
+    /// Every cached block hash and the last event id (for (re)registration).
+    pub async fn kv_snapshot(
+        &self,
+    ) -> Result<(Vec<ferry_proto::ids::BlockHash>, ferry_proto::ids::EventId), EngineError> {
+        let (tx, rx) = oneshot::channel();
+        self.send(Command::Snapshot(tx))?;
+        rx.await.map_err(|_| EngineError::Stopped)
+    }
+}

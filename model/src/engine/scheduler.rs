@@ -1,0 +1,606 @@
+//! The engine loop: continuous batching under a token budget.
+//!
+//! Each step: apply queued commands; drop cancelled requests; build one batch of every
+//! decoding sequence's next token plus prefill work (prefill jobs whole, local prompt prefills
+//! chunked) up to `max_batch_tokens`; run the forward; sample; emit events; finish and free.
+//! A failing forward fails the requests of that batch only, frees their blocks, and the loop
+//! goes on.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+
+use ferry_kernels::cpu::sample::Sampler;
+use tokio::sync::mpsc;
+use tracing::{debug, warn};
+
+use super::sequence::{sample_step, Next, Origin, Phase, PrefillTask, Sequence};
+use super::{Command, EngineConfig, EngineEvent, EngineStats, FinishReason, PrefillOutcome};
+use super::{GenerateJob, PrefillSource, SeqId};
+use crate::deepseek::{BatchInputs, DeepseekModel, FormPolicy, LogitsWanted, SeqInput};
+use crate::kv::{BlockId, KvManager, KvPool};
+use crate::ModelError;
+
+/// One entry of a batch.
+enum Work {
+    /// Decode step of `running[i]`.
+    Decode(usize),
+    /// A chunk of `n` prompt tokens of `waiting[i]`.
+    Chunk(usize, usize),
+    /// The whole uncached prompt of `prefills[i]`.
+    Prefill(usize),
+}
+
+/// The state the engine thread owns.
+pub(crate) struct Scheduler {
+    model: DeepseekModel,
+    kv: KvManager,
+    config: EngineConfig,
+    running: Vec<Sequence>,
+    waiting: VecDeque<Sequence>,
+    awaiting: HashMap<SeqId, Sequence>,
+    prefills: Vec<PrefillTask>,
+    /// Blocks peers may write into (reserved for an awaited remote prefill).
+    remote_blocks: HashSet<BlockId>,
+    stats: EngineStats,
+}
+
+impl Scheduler {
+    pub(crate) fn new(model: DeepseekModel, pool: KvPool, config: EngineConfig) -> Self {
+        Self {
+            model,
+            kv: KvManager::new(pool),
+            config,
+            running: Vec::new(),
+            waiting: VecDeque::new(),
+            awaiting: HashMap::new(),
+            prefills: Vec::new(),
+            remote_blocks: HashSet::new(),
+            stats: EngineStats::default(),
+        }
+    }
+
+    /// Runs until every handle is dropped.
+    pub(crate) fn run(mut self, mut rx: mpsc::UnboundedReceiver<Command>) {
+        loop {
+            if self.idle() {
+                match rx.blocking_recv() {
+                    Some(cmd) => self.handle(cmd),
+                    None => return,
+                }
+            }
+            loop {
+                match rx.try_recv() {
+                    Ok(cmd) => self.handle(cmd),
+                    Err(mpsc::error::TryRecvError::Empty) => break,
+                    Err(mpsc::error::TryRecvError::Disconnected) => return,
+                }
+            }
+            self.drop_cancelled();
+            self.step();
+        }
+    }
+
+    fn idle(&self) -> bool {
+        self.running.is_empty() && self.waiting.is_empty() && self.prefills.is_empty()
+    }
+
+    fn eos(&self) -> &[u32] {
+        &self.model.config().eos_token_ids
+    }
+
+    fn handle(&mut self, cmd: Command) {
+        match cmd {
+            Command::Generate { id, job, events } => self.admit(id, job, events),
+            Command::Prefill(job) => self.admit_prefill(job),
+            Command::WriteKv { layer, block, data } => self.write_kv(layer, block, &data),
+            Command::RemoteDone { id, first_token } => self.remote_done(id, first_token),
+            Command::RemoteFailed {
+                id,
+                recompute,
+                reason,
+            } => self.remote_failed(id, recompute, reason),
+            Command::Stats(tx) => {
+                let _ = tx.send(self.snapshot_stats());
+            }
+            Command::DrainEvents(tx) => {
+                let _ = tx.send(self.kv.drain_events());
+            }
+            Command::Snapshot(tx) => {
+                // Pending events are covered by the snapshot: the router starts from its id.
+                let _ = self.kv.drain_events();
+                let _ = tx.send(self.kv.snapshot());
+            }
+        }
+    }
+
+    fn admit(&mut self, id: SeqId, job: GenerateJob, events: mpsc::UnboundedSender<EngineEvent>) {
+        let prompt_len = job.prompt.len();
+        let reuse_cap = prompt_len.saturating_sub(1);
+        let (table, cached) = match self.kv.start_sequence(&job.prompt, reuse_cap) {
+            Ok(t) => t,
+            Err(e) => {
+                let _ = events.send(EngineEvent::Failed(e.to_string()));
+                self.stats.requests_finished += 1;
+                return;
+            }
+        };
+        let mut seq = Sequence {
+            id,
+            tokens: job.prompt[..cached].to_vec(),
+            prompt: job.prompt,
+            rng: Sampler::for_params(&job.sampling),
+            sampling: job.sampling,
+            stop: job.stop,
+            table,
+            phase: Phase::Prefilling { done: cached },
+            generated: 0,
+            cached_tokens: cached,
+            origin: Origin::Local,
+            events,
+        };
+        match job.prefill {
+            PrefillSource::Remote { local_threshold } if prompt_len - cached > local_threshold => {
+                if let Err(e) = self.kv.reserve(&mut seq.table, prompt_len - cached) {
+                    self.fail(seq, &e.to_string());
+                    return;
+                }
+                let first_remote = cached / self.kv.page_size();
+                self.remote_blocks
+                    .extend(seq.table.blocks().iter().skip(first_remote).copied());
+                seq.phase = Phase::AwaitingKv;
+                seq.origin = Origin::Remote;
+                seq.emit(EngineEvent::Reserved {
+                    blocks: seq.table.blocks().to_vec(),
+                    cached_tokens: cached,
+                });
+                self.awaiting.insert(id, seq);
+            }
+            _ => {
+                seq.emit(EngineEvent::LocalPrefill {
+                    cached_tokens: cached,
+                });
+                self.waiting.push_back(seq);
+            }
+        }
+    }
+
+    fn admit_prefill(&mut self, job: super::PrefillJob) {
+        let reuse_cap = job.prompt.len().saturating_sub(1);
+        match self.kv.start_sequence(&job.prompt, reuse_cap) {
+            Ok((mut table, reused)) => {
+                if let Err(e) = self.kv.reserve(&mut table, job.prompt.len() - reused) {
+                    let _ = self.kv.free(&mut table);
+                    let _ = job.reply.send(Err(e.to_string()));
+                    return;
+                }
+                let rng = Sampler::for_params(&job.sampling);
+                self.prefills.push(PrefillTask {
+                    job,
+                    table,
+                    reused,
+                    rng,
+                });
+            }
+            Err(e) => {
+                let _ = job.reply.send(Err(e.to_string()));
+            }
+        }
+    }
+
+    fn write_kv(&mut self, layer: usize, block: BlockId, data: &[u8]) {
+        if !self.remote_blocks.contains(&block) {
+            warn!(%block, layer, "dropping a KV write into a block not reserved for a peer");
+            return;
+        }
+        let dst = match self.kv.pool_mut().block_mut(layer, block) {
+            Ok(d) => d,
+            Err(e) => {
+                warn!(%block, layer, error = %e, "dropping an out-of-range KV write");
+                return;
+            }
+        };
+        if data.len() != dst.len() * 4 {
+            warn!(%block, layer, bytes = data.len(), "dropping a KV write of the wrong size");
+            return;
+        }
+        for (d, b) in dst.iter_mut().zip(data.chunks_exact(4)) {
+            *d = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+        }
+        self.stats.kv_bytes_received += data.len() as u64;
+    }
+
+    fn release_remote_blocks(&mut self, seq: &Sequence) {
+        for b in seq.table.blocks() {
+            self.remote_blocks.remove(b);
+        }
+    }
+
+    fn remote_done(&mut self, id: SeqId, first_token: u32) {
+        let Some(mut seq) = self.awaiting.remove(&id) else {
+            return; // cancelled meanwhile
+        };
+        self.release_remote_blocks(&seq);
+        let new = seq.prompt.len() - seq.cached_tokens;
+        if let Err(e) = seq.table.advance(new, self.kv.page_size()) {
+            self.fail(seq, &e.to_string());
+            return;
+        }
+        seq.tokens = seq.prompt.clone();
+        self.stats.remote_prefills += 1;
+        let eos = self.eos().to_vec();
+        match seq.accept(first_token, &eos) {
+            Next::Continue(t) => {
+                seq.phase = Phase::Decoding { next: t };
+                self.running.push(seq);
+            }
+            Next::Finish(r) => self.finish(seq, r),
+        }
+    }
+
+    fn remote_failed(&mut self, id: SeqId, recompute: bool, reason: String) {
+        let Some(mut seq) = self.awaiting.remove(&id) else {
+            return;
+        };
+        self.release_remote_blocks(&seq);
+        if recompute {
+            warn!(seq = id.0, %reason, "remote prefill failed; recomputing locally");
+            seq.origin = Origin::Recomputed;
+            seq.phase = Phase::Prefilling {
+                done: seq.cached_tokens,
+            };
+            self.waiting.push_back(seq);
+        } else {
+            self.fail(seq, &format!("remote prefill failed: {reason}"));
+        }
+    }
+
+    fn drop_cancelled(&mut self) {
+        let mut gone = Vec::new();
+        let mut i = 0;
+        while i < self.running.len() {
+            if self.running[i].cancelled() {
+                gone.push(self.running.swap_remove(i));
+            } else {
+                i += 1;
+            }
+        }
+        let (keep, cancelled): (Vec<_>, Vec<_>) =
+            self.waiting.drain(..).partition(|s| !s.cancelled());
+        self.waiting = keep.into();
+        gone.extend(cancelled);
+        let ids: Vec<SeqId> = self
+            .awaiting
+            .iter()
+            .filter(|(_, s)| s.cancelled())
+            .map(|(id, _)| *id)
+            .collect();
+        for id in ids {
+            if let Some(s) = self.awaiting.remove(&id) {
+                self.release_remote_blocks(&s);
+                gone.push(s);
+            }
+        }
+        for s in gone {
+            debug!(seq = s.id.0, "request cancelled");
+            self.release(s);
+        }
+    }
+
+    /// Builds and runs one batch.
+    fn step(&mut self) {
+        // Every decoding sequence needs room for one more position. One that cannot get it
+        // fails alone (no preemption yet); the others go on.
+        let mut i = 0;
+        while i < self.running.len() {
+            let s = &mut self.running[i];
+            match self.kv.reserve(&mut s.table, 1) {
+                Ok(()) => i += 1,
+                Err(e) => {
+                    let s = self.running.swap_remove(i);
+                    self.fail(s, &e.to_string());
+                }
+            }
+        }
+        let mut budget = self.config.max_batch_tokens;
+        let mut work = Vec::new();
+        for i in 0..self.running.len() {
+            work.push(Work::Decode(i));
+            budget = budget.saturating_sub(1);
+        }
+        for i in 0..self.prefills.len() {
+            let need = self.prefills[i].job.prompt.len() - self.prefills[i].reused;
+            if need > budget && !work.is_empty() {
+                break;
+            }
+            work.push(Work::Prefill(i));
+            budget = budget.saturating_sub(need);
+        }
+        let mut admitted = self.running.len();
+        for i in 0..self.waiting.len() {
+            if budget == 0 || admitted >= self.config.max_running {
+                break;
+            }
+            let n = self.waiting[i].remaining_prompt().min(budget);
+            let seq = &mut self.waiting[i];
+            if let Err(e) = self.kv.reserve(&mut seq.table, n) {
+                if work.is_empty() {
+                    // Nothing else will ever free blocks for it: fail it now.
+                    if let Some(s) = self.waiting.remove(i) {
+                        self.fail(s, &e.to_string());
+                    }
+                    return;
+                }
+                break;
+            }
+            work.push(Work::Chunk(i, n));
+            budget -= n;
+            admitted += 1;
+        }
+        if work.is_empty() {
+            return;
+        }
+        self.run_batch(work);
+    }
+
+    fn run_batch(&mut self, work: Vec<Work>) {
+        // Prefill jobs run whole in this batch: take their layer sinks and the blocks each ships.
+        let page = self.kv.page_size();
+        let mut sinks = Vec::new();
+        for w in &work {
+            if let Work::Prefill(i) = *w {
+                let t = &mut self.prefills[i];
+                let skip = (t.job.skip_tokens / page).min(t.table.blocks().len());
+                let blocks = t.table.blocks()[skip..].to_vec();
+                let sink = std::mem::replace(&mut t.job.on_layer, Box::new(|_, _, _| Ok(())));
+                sinks.push((i, sink, blocks));
+            }
+        }
+        let decode_inputs: Vec<[u32; 1]> = self
+            .running
+            .iter()
+            .map(|s| match s.phase {
+                Phase::Decoding { next } => [next],
+                _ => [0],
+            })
+            .collect();
+        let mut seqs = Vec::with_capacity(work.len());
+        for w in &work {
+            seqs.push(match *w {
+                Work::Decode(i) => SeqInput {
+                    tokens: &decode_inputs[i],
+                    start_pos: self.running[i].table.len(),
+                    block_table: self.running[i].table.blocks(),
+                    logits: LogitsWanted::Last,
+                },
+                Work::Chunk(i, n) => {
+                    let s = &self.waiting[i];
+                    let done = s.table.len();
+                    SeqInput {
+                        tokens: &s.prompt[done..done + n],
+                        start_pos: done,
+                        block_table: s.table.blocks(),
+                        logits: LogitsWanted::Last,
+                    }
+                }
+                Work::Prefill(i) => {
+                    let t = &self.prefills[i];
+                    SeqInput {
+                        tokens: &t.job.prompt[t.reused..],
+                        start_pos: t.reused,
+                        block_table: t.table.blocks(),
+                        logits: LogitsWanted::Last,
+                    }
+                }
+            });
+        }
+        let batch = BatchInputs { seqs };
+
+        // A failing sink fails its own job only; the forward goes on.
+        let mut hook_errors: HashMap<usize, String> = HashMap::new();
+        let mut hook = |layer: usize, pool: &KvPool| -> Result<(), ModelError> {
+            for (i, sink, blocks) in sinks.iter_mut() {
+                if hook_errors.contains_key(i) {
+                    continue;
+                }
+                if let Err(e) = sink(layer, blocks, pool) {
+                    hook_errors.insert(*i, e);
+                }
+            }
+            Ok(())
+        };
+        let result =
+            self.model
+                .forward_hooked(&batch, self.kv.pool_mut(), FormPolicy::CostModel, &mut hook);
+        drop(batch);
+        match result {
+            Ok(out) => self.apply(work, &out.logits, hook_errors),
+            Err(e) => self.fail_batch(work, &e.to_string()),
+        }
+    }
+
+    /// Commits a successful forward: advance tables, sample, emit, finish.
+    fn apply(&mut self, work: Vec<Work>, logits: &[Vec<f32>], hook_errors: HashMap<usize, String>) {
+        let page = self.kv.page_size();
+        let eos = self.eos().to_vec();
+        let mut finished_running = Vec::new();
+        let mut promoted = Vec::new();
+        let mut done_prefills = Vec::new();
+        for (w, l) in work.iter().zip(logits) {
+            match *w {
+                Work::Decode(i) => {
+                    let s = &mut self.running[i];
+                    let Phase::Decoding { next } = s.phase else {
+                        continue;
+                    };
+                    if let Err(e) = s.table.advance(1, page) {
+                        finished_running.push((i, Err(e.to_string())));
+                        continue;
+                    }
+                    s.tokens.push(next);
+                    match sample_step(l, &s.sampling, s.generated, &mut s.rng) {
+                        Ok(tok) => match s.accept(tok, &eos) {
+                            Next::Continue(t) => s.phase = Phase::Decoding { next: t },
+                            Next::Finish(r) => finished_running.push((i, Ok(r))),
+                        },
+                        Err(e) => finished_running.push((i, Err(e.to_string()))),
+                    }
+                }
+                Work::Chunk(i, n) => {
+                    let s = &mut self.waiting[i];
+                    if let Err(e) = s.table.advance(n, page) {
+                        promoted.push((i, Err(e.to_string())));
+                        continue;
+                    }
+                    let done = s.table.len();
+                    s.tokens.extend_from_slice(&s.prompt[done - n..done]);
+                    self.stats.prefill_computed_tokens += n as u64;
+                    s.phase = Phase::Prefilling { done };
+                    if done < s.prompt.len() {
+                        continue;
+                    }
+                    self.stats.prefill_reused_tokens += s.cached_tokens as u64;
+                    match sample_step(l, &s.sampling, s.generated, &mut s.rng) {
+                        Ok(tok) => promoted.push((i, Ok(s.accept(tok, &eos)))),
+                        Err(e) => promoted.push((i, Err(e.to_string()))),
+                    }
+                }
+                Work::Prefill(i) => {
+                    let t = &mut self.prefills[i];
+                    let computed = t.job.prompt.len() - t.reused;
+                    let outcome = match hook_errors.get(&i) {
+                        Some(e) => Err(format!("KV transfer failed: {e}")),
+                        None => sample_step(l, &t.job.sampling, 0, &mut t.rng)
+                            .map(|first_token| PrefillOutcome {
+                                first_token,
+                                computed_tokens: computed,
+                                reused_tokens: t.reused,
+                            })
+                            .map_err(|e| e.to_string()),
+                    };
+                    if let Err(e) = t.table.advance(computed, page) {
+                        done_prefills.push((i, Err(e.to_string())));
+                        continue;
+                    }
+                    self.stats.prefill_computed_tokens += computed as u64;
+                    self.stats.prefill_reused_tokens += t.reused as u64;
+                    done_prefills.push((i, outcome));
+                }
+            }
+        }
+        // Remove from the highest index down so earlier indices stay valid.
+        finished_running.sort_by(|a, b| b.0.cmp(&a.0));
+        for (i, r) in finished_running {
+            let s = self.running.swap_remove(i);
+            match r {
+                Ok(reason) => self.finish(s, reason),
+                Err(e) => self.fail(s, &e),
+            }
+        }
+        promoted.sort_by(|a, b| b.0.cmp(&a.0));
+        for (i, r) in promoted {
+            let Some(mut s) = self.waiting.remove(i) else {
+                continue;
+            };
+            match s.origin {
+                Origin::Local => self.stats.local_prefills += 1,
+                Origin::Recomputed => self.stats.recomputed_prefills += 1,
+                Origin::Remote => {}
+            }
+            match r {
+                Ok(Next::Continue(t)) => {
+                    s.phase = Phase::Decoding { next: t };
+                    self.running.push(s);
+                }
+                Ok(Next::Finish(reason)) => self.finish(s, reason),
+                Err(e) => self.fail(s, &e),
+            }
+        }
+        done_prefills.sort_by(|a, b| b.0.cmp(&a.0));
+        for (i, r) in done_prefills {
+            let mut t = self.prefills.swap_remove(i);
+            if t.table.len() == t.job.prompt.len() {
+                if let Err(e) = self.kv.cache_full_blocks(&t.table, &t.job.prompt) {
+                    warn!(error = %e, "could not cache a prefilled prompt");
+                }
+            }
+            if let Err(e) = self.kv.free(&mut t.table) {
+                warn!(error = %e, "freeing a prefill job's blocks");
+            }
+            self.stats.requests_finished += 1;
+            let _ = t.job.reply.send(r);
+        }
+    }
+
+    /// A forward failed: every request in it fails and frees its blocks.
+    fn fail_batch(&mut self, work: Vec<Work>, err: &str) {
+        warn!(error = err, requests = work.len(), "batch failed");
+        let mut running = Vec::new();
+        let mut waiting = Vec::new();
+        let mut prefills = Vec::new();
+        for w in work {
+            match w {
+                Work::Decode(i) => running.push(i),
+                Work::Chunk(i, _) => waiting.push(i),
+                Work::Prefill(i) => prefills.push(i),
+            }
+        }
+        running.sort_unstable_by(|a, b| b.cmp(a));
+        for i in running {
+            let s = self.running.swap_remove(i);
+            self.fail(s, err);
+        }
+        waiting.sort_unstable_by(|a, b| b.cmp(a));
+        for i in waiting {
+            if let Some(s) = self.waiting.remove(i) {
+                self.fail(s, err);
+            }
+        }
+        prefills.sort_unstable_by(|a, b| b.cmp(a));
+        for i in prefills {
+            let mut t = self.prefills.swap_remove(i);
+            let _ = self.kv.free(&mut t.table);
+            self.stats.requests_finished += 1;
+            let _ = t.job.reply.send(Err(err.to_string()));
+        }
+    }
+
+    fn finish(&mut self, s: Sequence, reason: FinishReason) {
+        s.emit(EngineEvent::Finished(reason));
+        self.release(s);
+    }
+
+    fn fail(&mut self, s: Sequence, err: &str) {
+        s.emit(EngineEvent::Failed(err.to_string()));
+        self.release(s);
+    }
+
+    /// Caches the sequence's full blocks and frees its references.
+    fn release(&mut self, mut s: Sequence) {
+        if !s.tokens.is_empty() && s.tokens.len() == s.table.len() {
+            if let Err(e) = self.kv.cache_full_blocks(&s.table, &s.tokens) {
+                warn!(error = %e, "could not cache a finished sequence");
+            }
+        }
+        if let Err(e) = self.kv.free(&mut s.table) {
+            warn!(error = %e, "freeing a sequence's blocks");
+        }
+        self.stats.requests_finished += 1;
+    }
+
+    fn snapshot_stats(&self) -> EngineStats {
+        let queued: usize = self.waiting.iter().map(Sequence::remaining_prompt).sum::<usize>()
+            + self
+                .prefills
+                .iter()
+                .map(|t| t.job.prompt.len() - t.reused)
+                .sum::<usize>();
+        EngineStats {
+            kv_blocks_used: self.kv.blocks_in_use(),
+            kv_blocks_total: self.kv.blocks_total(),
+            kv_blocks_cached: self.kv.blocks_cached_only(),
+            running: self.running.len() + self.prefills.len(),
+            waiting: self.waiting.len() + self.awaiting.len(),
+            queued_prefill_tokens: queued as u64,
+            ..self.stats.clone()
+        }
+    }
+}

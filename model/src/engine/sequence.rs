@@ -1,0 +1,131 @@
+//! Per-request state on the engine thread.
+
+use ferry_kernels::cpu::sample::{Sampler, SamplingParams};
+use tokio::sync::mpsc;
+
+use super::{EngineEvent, FinishReason, PrefillJob, SeqId, StopParams};
+use crate::kv::BlockTable;
+use crate::ModelError;
+
+/// Where a decode sequence is in its life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    /// A peer is writing the prompt KV into the reserved blocks.
+    AwaitingKv,
+    /// Prompt positions `0..done` are in the cache; the rest is prefilled here in chunks.
+    Prefilling {
+        /// Prompt positions already in the cache.
+        done: usize,
+    },
+    /// Generating: `next` was sampled and is not yet in the cache.
+    Decoding {
+        /// The token the next step feeds.
+        next: u32,
+    },
+}
+
+/// How a decode sequence's prompt KV was obtained (for counters).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Origin {
+    /// Written by a peer.
+    Remote,
+    /// Computed here by choice.
+    Local,
+    /// Computed here after a peer failed.
+    Recomputed,
+}
+
+/// A decode request.
+pub struct Sequence {
+    pub(crate) id: SeqId,
+    pub(crate) prompt: Vec<u32>,
+    pub(crate) sampling: SamplingParams,
+    pub(crate) stop: StopParams,
+    pub(crate) table: BlockTable,
+    /// Tokens whose KV is in `table` (prompt, then generated tokens once fed back).
+    pub(crate) tokens: Vec<u32>,
+    pub(crate) phase: Phase,
+    pub(crate) generated: usize,
+    pub(crate) cached_tokens: usize,
+    pub(crate) origin: Origin,
+    pub(crate) events: mpsc::UnboundedSender<EngineEvent>,
+    pub(crate) rng: Sampler,
+}
+
+/// A prefill-only job in flight.
+pub struct PrefillTask {
+    pub(crate) job: PrefillJob,
+    pub(crate) table: BlockTable,
+    pub(crate) reused: usize,
+    pub(crate) rng: Sampler,
+}
+
+/// What sampling a token led to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Next {
+    /// Keep decoding with this token.
+    Continue(u32),
+    /// The request is done.
+    Finish(FinishReason),
+}
+
+impl Sequence {
+    /// Whether the client has gone away.
+    pub(crate) fn cancelled(&self) -> bool {
+        self.events.is_closed()
+    }
+
+    /// Sends an event; a closed channel is noticed as cancellation on the next step.
+    pub(crate) fn emit(&self, e: EngineEvent) {
+        let _ = self.events.send(e);
+    }
+
+    /// Prompt tokens still to compute here.
+    pub(crate) fn remaining_prompt(&self) -> usize {
+        match self.phase {
+            Phase::Prefilling { done } => self.prompt.len() - done,
+            _ => 0,
+        }
+    }
+
+    /// Applies the stop rules to a freshly sampled token, emitting it when it is output.
+    pub(crate) fn accept(&mut self, token: u32, eos: &[u32]) -> Next {
+        self.generated += 1;
+        if !self.stop.ignore_eos && eos.contains(&token) {
+            return Next::Finish(FinishReason::Stop);
+        }
+        self.emit(EngineEvent::Token(token));
+        if self.generated >= self.stop.max_tokens {
+            Next::Finish(FinishReason::Length)
+        } else {
+            Next::Continue(token)
+        }
+    }
+}
+
+/// Samples the token at generation step `step` of a request.
+///
+/// With a seed, every step draws from its own generator derived from `(seed, step)`, so a
+/// seeded request produces the same tokens whether its first token was sampled by a prefill
+/// peer or here. Without one, the request's own entropy-seeded generator is used.
+pub(crate) fn sample_step(
+    logits: &[f32],
+    params: &SamplingParams,
+    step: usize,
+    rng: &mut Sampler,
+) -> Result<u32, ModelError> {
+    match params.seed {
+        Some(seed) => {
+            let mut s = Sampler::new(Some(splitmix64(seed ^ splitmix64(step as u64))));
+            Ok(s.sample(logits, params)?)
+        }
+        None => Ok(rng.sample(logits, params)?),
+    }
+}
+
+fn splitmix64(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}

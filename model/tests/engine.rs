@@ -1,0 +1,246 @@
+//! The engine thread through its handle: continuous batching, prefix reuse, remote prefill
+//! (a second engine playing the prefill peer), failure policies, cancellation, block accounting.
+
+use std::time::Duration;
+
+use ferry_kernels::cpu::sample::SamplingParams;
+use ferry_model::deepseek::DeepseekModel;
+use ferry_model::engine::{
+    EngineConfig, EngineEvent, EngineHandle, FinishReason, GenerateJob, Generation,
+    PrefillSource, StopParams,
+};
+use ferry_model::kv::BlockId;
+use ferry_model::tokenizer::Tokenizer;
+
+fn engine(blocks: usize) -> EngineHandle {
+    let dir = ferry_model::embedded::default_model_dir();
+    let model = DeepseekModel::load(&dir).expect("model");
+    EngineHandle::spawn(
+        model,
+        EngineConfig {
+            num_blocks: blocks,
+            max_batch_tokens: 256,
+            ..EngineConfig::default()
+        },
+    )
+    .expect("engine")
+}
+
+fn greedy() -> SamplingParams {
+    SamplingParams {
+        temperature: 0.0,
+        ..SamplingParams::default()
+    }
+}
+
+fn prompt(text: &str) -> Vec<u32> {
+    let tok = Tokenizer::from_dir(&ferry_model::embedded::default_model_dir()).unwrap();
+    tok.encode(text, true).unwrap()
+}
+
+fn job(prompt: Vec<u32>, max_tokens: usize, prefill: PrefillSource) -> GenerateJob {
+    GenerateJob {
+        prompt,
+        sampling: greedy(),
+        stop: StopParams {
+            max_tokens,
+            ignore_eos: true,
+        },
+        prefill,
+    }
+}
+
+/// Collects tokens until the end; returns (tokens, finish or failure).
+async fn collect(mut g: Generation) -> (Vec<u32>, Result<FinishReason, String>) {
+    let mut toks = Vec::new();
+    while let Some(e) = g.events.recv().await {
+        match e {
+            EngineEvent::Token(t) => toks.push(t),
+            EngineEvent::Finished(r) => return (toks, Ok(r)),
+            EngineEvent::Failed(e) => return (toks, Err(e)),
+            _ => {}
+        }
+    }
+    (toks, Err("stream ended".into()))
+}
+
+async fn wait_idle(e: &EngineHandle) {
+    for _ in 0..200 {
+        let s = e.stats().await.unwrap();
+        if s.kv_blocks_used == 0 && s.running == 0 && s.waiting == 0 {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("engine did not go idle: {:?}", e.stats().await.unwrap());
+}
+
+fn golden_case(i: usize) -> (Vec<u32>, Vec<u32>) {
+    let dir = ferry_model::embedded::default_model_dir().join("golden/cases.json");
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir).unwrap()).unwrap();
+    let ids = |x: &serde_json::Value| -> Vec<u32> {
+        x.as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect()
+    };
+    (ids(&v["cases"][i]["prompt_ids"]), ids(&v["cases"][i]["greedy_ids"]))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_requests_match_the_reference_and_free_every_block() {
+    let e = engine(128);
+    let mut gens = Vec::new();
+    for i in 0..3 {
+        let (p, _) = golden_case(i);
+        gens.push(e.generate(job(p, 32, PrefillSource::Local)).unwrap());
+    }
+    for (i, g) in gens.into_iter().enumerate() {
+        let (toks, end) = collect(g).await;
+        assert_eq!(end, Ok(FinishReason::Length));
+        assert_eq!(toks, golden_case(i).1, "request {i} in a continuous batch");
+    }
+    wait_idle(&e).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shared_prefix_is_reused_not_recomputed() {
+    let e = engine(128);
+    let (long, _) = golden_case(2);
+    let (_, end) = collect(e.generate(job(long.clone(), 2, PrefillSource::Local)).unwrap()).await;
+    assert!(end.is_ok());
+    let before = e.stats().await.unwrap();
+    let mut second = long[..150].to_vec();
+    second.extend(prompt(" and the LORD said"));
+    let (_, end) = collect(e.generate(job(second.clone(), 2, PrefillSource::Local)).unwrap()).await;
+    assert!(end.is_ok());
+    let after = e.stats().await.unwrap();
+    assert_eq!(after.prefill_reused_tokens - before.prefill_reused_tokens, 128);
+    assert_eq!(
+        after.prefill_computed_tokens - before.prefill_computed_tokens,
+        second.len() as u64 - 128
+    );
+    wait_idle(&e).await;
+}
+
+/// Plays the prefill peer: runs a prefill job on `p` and copies each layer's blocks into the
+/// decode engine `d` (the in-process equivalent of a transport).
+async fn remote_prefill(
+    p: &EngineHandle,
+    d: &EngineHandle,
+    prompt: Vec<u32>,
+    dest: Vec<BlockId>,
+    skip_tokens: usize,
+) -> Result<u32, String> {
+    let d2 = d.clone();
+    let page = p.kv_layout().page_size;
+    let first_dest = skip_tokens / page;
+    let out = p
+        .prefill(
+            prompt,
+            greedy(),
+            skip_tokens,
+            Box::new(move |layer, blocks, pool| {
+                for (j, b) in blocks.iter().enumerate() {
+                    let data: Vec<u8> = pool
+                        .block(layer, *b)
+                        .map_err(|e| e.to_string())?
+                        .iter()
+                        .flat_map(|f| f.to_le_bytes())
+                        .collect();
+                    d2.write_kv(layer, dest[first_dest + j], data)
+                        .map_err(|e| e.to_string())?;
+                }
+                Ok(())
+            }),
+        )
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok(out.first_token)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn remote_prefill_gives_the_same_tokens_as_local() {
+    let (p, d) = (engine(64), engine(64));
+    let (prompt_ids, expected) = golden_case(2);
+    let mut g = d
+        .generate(job(prompt_ids.clone(), 32, PrefillSource::Remote { local_threshold: 0 }))
+        .unwrap();
+    let Some(EngineEvent::Reserved { blocks, cached_tokens }) = g.events.recv().await else {
+        panic!("expected a reservation");
+    };
+    assert_eq!(cached_tokens, 0);
+    let first = remote_prefill(&p, &d, prompt_ids, blocks, cached_tokens).await.unwrap();
+    d.remote_done(g.id, first).unwrap();
+    let (toks, end) = collect(g).await;
+    assert_eq!(end, Ok(FinishReason::Length));
+    assert_eq!(toks, expected);
+    assert_eq!(d.stats().await.unwrap().remote_prefills, 1);
+    assert_eq!(p.stats().await.unwrap().prefill_computed_tokens, golden_case(2).0.len() as u64);
+    wait_idle(&d).await;
+    wait_idle(&p).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failed_remote_prefill_recomputes_or_fails_by_policy() {
+    let d = engine(64);
+    let (prompt_ids, expected) = golden_case(1);
+    let remote = PrefillSource::Remote { local_threshold: 0 };
+
+    let mut g = d.generate(job(prompt_ids.clone(), 32, remote)).unwrap();
+    assert!(matches!(g.events.recv().await, Some(EngineEvent::Reserved { .. })));
+    d.remote_failed(g.id, true, "peer died".into()).unwrap();
+    let (toks, end) = collect(g).await;
+    assert_eq!(end, Ok(FinishReason::Length));
+    assert_eq!(toks, expected, "recomputed locally");
+
+    let mut g = d.generate(job(prompt_ids, 32, remote)).unwrap();
+    assert!(matches!(g.events.recv().await, Some(EngineEvent::Reserved { .. })));
+    d.remote_failed(g.id, false, "peer died".into()).unwrap();
+    let (toks, end) = collect(g).await;
+    assert!(toks.is_empty());
+    assert!(end.unwrap_err().contains("peer died"));
+    let s = d.stats().await.unwrap();
+    assert_eq!(s.recomputed_prefills, 1);
+    wait_idle(&d).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn short_uncached_prompts_prefill_locally() {
+    let d = engine(64);
+    let mut g = d
+        .generate(job(prompt("And God said"), 4, PrefillSource::Remote { local_threshold: 32 }))
+        .unwrap();
+    assert!(matches!(g.events.recv().await, Some(EngineEvent::LocalPrefill { .. })));
+    let (toks, _) = collect(g).await;
+    assert_eq!(toks.len(), 4);
+    wait_idle(&d).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropping_the_stream_cancels_and_frees() {
+    let d = engine(64);
+    let mut g = d.generate(job(golden_case(2).0, 500, PrefillSource::Local)).unwrap();
+    loop {
+        if let Some(EngineEvent::Token(_)) = g.events.recv().await {
+            break;
+        }
+    }
+    drop(g);
+    wait_idle(&d).await;
+    // A fresh request still runs after the cancellation.
+    let (toks, _) = collect(d.generate(job(prompt("And"), 3, PrefillSource::Local)).unwrap()).await;
+    assert_eq!(toks.len(), 3);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_that_cannot_fit_fails_alone() {
+    // 4 blocks of 64 = 256 positions: the 211-token prompt + 100 new tokens cannot fit, a small
+    // request next to it can.
+    let d = engine(4);
+    let big = d.generate(job(golden_case(2).0, 100, PrefillSource::Local)).unwrap();
+    let small = d.generate(job(prompt("And"), 3, PrefillSource::Local)).unwrap();
+    let (_, end) = collect(big).await;
+    assert!(end.unwrap_err().contains("out of KV blocks"));
+    let (toks, end) = collect(small).await;
+    assert_eq!(end, Ok(FinishReason::Length));
+    assert_eq!(toks.len(), 3);
+    wait_idle(&d).await;
+}

@@ -1,0 +1,231 @@
+//! The router's configuration: one struct, parsed by clap (flags and `FERRY_ROUTER_*`
+//! environment variables, read by clap in the CLI, never by this library) or deserialized, and
+//! checked once by [`RouterConfig::check`] before anything starts.
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::str::FromStr;
+use std::time::Duration;
+
+use crate::error::RouterError;
+
+/// Which routing policy picks the (prefill, decode) pair of each request.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, Default, clap::ValueEnum, serde::Deserialize,
+)]
+#[serde(rename_all = "snake_case")]
+#[value(rename_all = "snake_case")]
+pub enum PolicyKind {
+    /// Rotate through the workers of each role; ignores load and cache.
+    RoundRobin,
+    /// Fewest queued prefill blocks on P, fewest active requests on D; ignores the cache.
+    LeastLoaded,
+    /// Cost in blocks: queued + uncached prefill work on P, active blocks on D.
+    #[default]
+    CacheAware,
+}
+
+impl PolicyKind {
+    /// Every policy, in declaration order.
+    pub const ALL: [PolicyKind; 3] = [Self::RoundRobin, Self::LeastLoaded, Self::CacheAware];
+
+    /// The snake_case name used on the command line and in config files.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::RoundRobin => "round_robin",
+            Self::LeastLoaded => "least_loaded",
+            Self::CacheAware => "cache_aware",
+        }
+    }
+}
+
+impl fmt::Display for PolicyKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for PolicyKind {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Self::ALL
+            .into_iter()
+            .find(|k| k.as_str() == s)
+            .ok_or_else(|| {
+                format!("unknown policy `{s}`; expected round_robin, least_loaded or cache_aware")
+            })
+    }
+}
+
+/// Everything the router needs to start.
+#[derive(Debug, Clone, PartialEq, clap::Args, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RouterConfig {
+    /// Address of the gRPC server (public Inference, internal Registry, health, reflection).
+    #[arg(long, env = "FERRY_ROUTER_GRPC_ADDR", default_value = "127.0.0.1:50051")]
+    pub grpc_addr: SocketAddr,
+
+    /// Address of the OpenAI-compatible HTTP server.
+    #[arg(long, env = "FERRY_ROUTER_HTTP_ADDR", default_value = "127.0.0.1:8000")]
+    pub http_addr: SocketAddr,
+
+    /// Model directory (tokenizer.json, tokenizer_config.json, config.json); the router reads
+    /// only the tokenizer and the config, never the weights.
+    #[arg(long = "model", env = "FERRY_MODEL", default_value_os_t = ferry_model::embedded::default_model_dir())]
+    pub model_dir: PathBuf,
+
+    /// Name clients use in `model`; empty means the model directory's name.
+    #[arg(long, env = "FERRY_SERVED_MODEL_NAME", default_value = "")]
+    pub served_model_name: String,
+
+    /// Routing policy.
+    #[arg(long, env = "FERRY_ROUTER_POLICY", value_enum, default_value_t = PolicyKind::CacheAware)]
+    pub policy: PolicyKind,
+
+    /// A worker whose last heartbeat is older than this is dropped from routing and removed.
+    #[arg(long, env = "FERRY_ROUTER_HEARTBEAT_TIMEOUT_MS", default_value_t = 3000)]
+    pub heartbeat_timeout_ms: u64,
+
+    /// Tokens per KV block; must equal every worker's page size (block hashes depend on it).
+    #[arg(long, env = "FERRY_PAGE_SIZE", default_value_t = 64)]
+    pub page_size: usize,
+
+    /// Requests in flight at most; beyond it RESOURCE_EXHAUSTED (gRPC) / 429 (HTTP).
+    #[arg(long, env = "FERRY_ROUTER_MAX_CONCURRENT_REQUESTS", default_value_t = 256)]
+    pub max_concurrent_requests: usize,
+
+    /// On shutdown, how long open streams may run before they are ended with an error.
+    #[arg(long, env = "FERRY_ROUTER_DRAIN_TIMEOUT_MS", default_value_t = 5000)]
+    pub drain_timeout_ms: u64,
+}
+
+impl Default for RouterConfig {
+    fn default() -> Self {
+        Self {
+            grpc_addr: SocketAddr::from(([127, 0, 0, 1], 50051)),
+            http_addr: SocketAddr::from(([127, 0, 0, 1], 8000)),
+            model_dir: ferry_model::embedded::default_model_dir(),
+            served_model_name: String::new(),
+            policy: PolicyKind::CacheAware,
+            heartbeat_timeout_ms: 3000,
+            page_size: 64,
+            max_concurrent_requests: 256,
+            drain_timeout_ms: 5000,
+        }
+    }
+}
+
+impl RouterConfig {
+    /// A config for tests: both servers on `127.0.0.1:0` (ephemeral ports), the rest default.
+    pub fn ephemeral() -> Self {
+        Self {
+            grpc_addr: SocketAddr::from(([127, 0, 0, 1], 0)),
+            http_addr: SocketAddr::from(([127, 0, 0, 1], 0)),
+            ..Self::default()
+        }
+    }
+
+    /// Checks the values that have limits; the error names the field, the limit and the value.
+    pub fn check(&self) -> Result<(), RouterError> {
+        let positive = [
+            ("heartbeat_timeout_ms", self.heartbeat_timeout_ms),
+            ("page_size", self.page_size as u64),
+            ("max_concurrent_requests", self.max_concurrent_requests as u64),
+        ];
+        for (field, value) in positive {
+            if value == 0 {
+                return Err(RouterError::Config {
+                    field,
+                    message: "must be >= 1, got 0".into(),
+                });
+            }
+        }
+        if self.max_concurrent_requests > tokio::sync::Semaphore::MAX_PERMITS {
+            return Err(RouterError::Config {
+                field: "max_concurrent_requests",
+                message: format!(
+                    "must be <= {}, got {}",
+                    tokio::sync::Semaphore::MAX_PERMITS,
+                    self.max_concurrent_requests
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// The name clients must use: `served_model_name`, or the model directory's last
+    /// component when that is empty (`"ferry"` if the directory has no name).
+    pub fn model_name(&self) -> String {
+        if !self.served_model_name.is_empty() {
+            return self.served_model_name.clone();
+        }
+        self.model_dir
+            .components()
+            .filter_map(|c| match c {
+                std::path::Component::Normal(s) => Some(s.to_string_lossy().into_owned()),
+                _ => None,
+            })
+            .next_back()
+            .unwrap_or_else(|| "ferry".to_string())
+    }
+
+    /// `heartbeat_timeout_ms` as a duration.
+    pub fn heartbeat_timeout(&self) -> Duration {
+        Duration::from_millis(self.heartbeat_timeout_ms)
+    }
+
+    /// `drain_timeout_ms` as a duration.
+    pub fn drain_timeout(&self) -> Duration {
+        Duration::from_millis(self.drain_timeout_ms)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        router: RouterConfig,
+    }
+
+    #[test]
+    fn clap_defaults_match_default_impl() {
+        let cli = Cli::try_parse_from(["x"]).expect("defaults parse");
+        assert_eq!(cli.router, RouterConfig::default());
+    }
+
+    #[test]
+    fn policy_names_round_trip() {
+        for kind in PolicyKind::ALL {
+            assert_eq!(kind.to_string().parse::<PolicyKind>(), Ok(kind));
+        }
+        let cli = Cli::try_parse_from(["x", "--policy", "least_loaded"]).expect("parses");
+        assert_eq!(cli.router.policy, PolicyKind::LeastLoaded);
+        assert!("nope".parse::<PolicyKind>().is_err());
+    }
+
+    #[test]
+    fn model_name_falls_back_to_dir_name() {
+        let config = RouterConfig::default();
+        assert_eq!(config.model_name(), "tiny-k3");
+        let named = RouterConfig {
+            served_model_name: "kimi".into(),
+            ..RouterConfig::default()
+        };
+        assert_eq!(named.model_name(), "kimi");
+    }
+
+    #[test]
+    fn zero_limits_are_rejected_with_the_field() {
+        let config = RouterConfig {
+            page_size: 0,
+            ..RouterConfig::default()
+        };
+        let err = config.check().expect_err("page_size 0");
+        assert!(err.to_string().contains("`page_size`"), "{err}");
+    }
+}

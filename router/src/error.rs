@@ -1,0 +1,211 @@
+//! The router's errors and their one mapping to wire codes.
+//!
+//! | type | raised by | wire |
+//! |---|---|---|
+//! | [`RequestError`] | one client request (validation, admission, dispatch) | [`RequestError::code`] → `tonic::Status` here, HTTP status in `http/error.rs` from the same code |
+//! | [`RegistryError`] | one worker's Registry call | INVALID_ARGUMENT |
+//! | [`RouterError`] | starting or running the router | none: returned to the CLI |
+//!
+//! Nothing here logs: errors are logged once, at the edge, in the request span.
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use ferry_proto::ids::WorkerId;
+use tonic::{Code, Status};
+
+use crate::validate::ValidationError;
+
+/// Why one client request failed.
+#[derive(Debug, thiserror::Error)]
+pub enum RequestError {
+    /// The request is malformed or out of limits; names the field.
+    #[error(transparent)]
+    Invalid(#[from] ValidationError),
+
+    /// Too many requests in flight.
+    #[error("the router is at its limit of {limit} concurrent requests; retry later")]
+    Overloaded {
+        /// `max_concurrent_requests`.
+        limit: usize,
+    },
+
+    /// No decode worker is registered and healthy.
+    #[error("no healthy decode worker is registered")]
+    NoDecodeWorker,
+
+    /// A decode worker refused or failed the request.
+    #[error("decode worker `{worker}` failed: {message}")]
+    Worker {
+        /// The worker.
+        worker: WorkerId,
+        /// The code the worker answered with (or UNAVAILABLE for a broken stream).
+        code: Code,
+        /// The worker's message.
+        message: String,
+    },
+
+    /// The router is shutting down and ended the stream.
+    #[error("the router is shutting down")]
+    ShuttingDown,
+
+    /// A bug or an unexpected failure inside the router (e.g. the tokenizer failed on valid
+    /// input).
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+impl RequestError {
+    /// A worker failure from a tonic status.
+    pub fn worker(worker: &WorkerId, status: &Status) -> Self {
+        Self::Worker {
+            worker: worker.clone(),
+            code: status.code(),
+            message: status.message().to_string(),
+        }
+    }
+
+    /// The gRPC code of this error; HTTP statuses derive from it (`http/error.rs`).
+    pub fn code(&self) -> Code {
+        match self {
+            Self::Invalid(_) => Code::InvalidArgument,
+            Self::Overloaded { .. } => Code::ResourceExhausted,
+            Self::NoDecodeWorker | Self::ShuttingDown => Code::Unavailable,
+            Self::Worker { code, .. } => match code {
+                Code::InvalidArgument
+                | Code::ResourceExhausted
+                | Code::Internal
+                | Code::Cancelled
+                | Code::OutOfRange => *code,
+                _ => Code::Unavailable,
+            },
+            Self::Internal(_) => Code::Internal,
+        }
+    }
+
+    /// A stable snake_case name, for metrics labels and the `code` of HTTP error bodies.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Invalid(e) => e.kind(),
+            Self::Overloaded { .. } => "overloaded",
+            Self::NoDecodeWorker => "no_decode_worker",
+            Self::Worker { .. } => "worker_failed",
+            Self::ShuttingDown => "shutting_down",
+            Self::Internal(_) => "internal",
+        }
+    }
+
+    /// The request field at fault, for validation errors.
+    pub fn param(&self) -> Option<&'static str> {
+        match self {
+            Self::Invalid(e) => Some(e.field),
+            _ => None,
+        }
+    }
+}
+
+impl From<RequestError> for Status {
+    fn from(e: RequestError) -> Self {
+        Status::new(e.code(), e.to_string())
+    }
+}
+
+/// Why a worker's Registry call was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum RegistryError {
+    /// A field of the worker's message is missing or out of limits.
+    #[error("`{field}` {message}")]
+    Invalid {
+        /// The message field, as spelled in registry.proto.
+        field: &'static str,
+        /// The limit and the value.
+        message: String,
+    },
+}
+
+impl RegistryError {
+    /// An [`RegistryError::Invalid`] for `field`.
+    pub fn invalid(field: &'static str, message: impl Into<String>) -> Self {
+        Self::Invalid {
+            field,
+            message: message.into(),
+        }
+    }
+}
+
+impl From<RegistryError> for Status {
+    fn from(e: RegistryError) -> Self {
+        Status::invalid_argument(e.to_string())
+    }
+}
+
+/// Why the router could not start or stopped abnormally.
+#[derive(Debug, thiserror::Error)]
+pub enum RouterError {
+    /// A config value is out of limits.
+    #[error("config `{field}` {message}")]
+    Config {
+        /// The config field.
+        field: &'static str,
+        /// The limit and the value.
+        message: String,
+    },
+
+    /// The tokenizer or `config.json` could not be loaded.
+    #[error("cannot load the model from `{}`: {source}", dir.display())]
+    Model {
+        /// The model directory.
+        dir: PathBuf,
+        /// What failed.
+        #[source]
+        source: ferry_model::ModelError,
+    },
+
+    /// A listening socket could not be bound.
+    #[error("cannot bind the {server} server to {addr}: {source}")]
+    Bind {
+        /// `grpc` or `http`.
+        server: &'static str,
+        /// The address asked for.
+        addr: SocketAddr,
+        /// The operating-system error.
+        #[source]
+        source: std::io::Error,
+    },
+
+    /// The gRPC server failed.
+    #[error("gRPC server: {0}")]
+    Grpc(#[from] tonic::transport::Error),
+
+    /// The HTTP server failed.
+    #[error("HTTP server: {0}")]
+    Http(#[source] std::io::Error),
+
+    /// The reflection service could not be built from the descriptor set.
+    #[error("gRPC reflection: {0}")]
+    Reflection(#[from] tonic_reflection::server::Error),
+
+    /// A server task panicked or was cancelled.
+    #[error("server task: {0}")]
+    Task(String),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn codes_are_mapped_once() {
+        let invalid = RequestError::Invalid(ValidationError::new("max_tokens", "must be >= 1, got 0"));
+        assert_eq!(invalid.code(), Code::InvalidArgument);
+        assert_eq!(invalid.param(), Some("max_tokens"));
+        let status = Status::from(invalid);
+        assert_eq!(status.message(), "`max_tokens` must be >= 1, got 0");
+        assert_eq!(
+            RequestError::Overloaded { limit: 1 }.code(),
+            Code::ResourceExhausted
+        );
+        assert_eq!(RequestError::NoDecodeWorker.code(), Code::Unavailable);
+        let broken = RequestError::worker(&WorkerId::from("d0"), &Status::unknown("reset"));
+        assert_eq!(broken.code(), Code::Unavailable);
+    }
+}

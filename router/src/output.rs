@@ -1,0 +1,179 @@
+//! Turns a decode worker's token stream into client-facing events: incremental
+//! detokenization, stop strings, usage.
+use std::sync::Arc;
+
+use ferry_model::tokenizer::{DecodeStream, Tokenizer};
+
+use crate::error::RequestError;
+use crate::stop::{StopMatcher, StopOutcome};
+
+/// Why generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An end-of-sequence token or a stop string.
+    Stop,
+    /// `max_tokens` reached.
+    Length,
+}
+
+impl FinishReason {
+    /// The OpenAI spelling: `stop` or `length`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Stop => "stop",
+            Self::Length => "length",
+        }
+    }
+}
+
+/// Token counts of a finished request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Usage {
+    /// Prompt tokens.
+    pub prompt_tokens: u32,
+    /// Generated tokens received from the decode worker (including any after a stop string
+    /// in the same chunk).
+    pub completion_tokens: u32,
+    /// Prompt tokens the decode worker already had cached.
+    pub cached_prompt_tokens: u32,
+}
+
+/// One step of a generation as clients see it.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct GenerationEvent {
+    /// New token ids.
+    pub token_ids: Vec<u32>,
+    /// Their text; may be empty while a character or a possible stop string is incomplete.
+    pub text: String,
+    /// Set on the last event only.
+    pub finish: Option<FinishReason>,
+    /// Set on the last event only.
+    pub usage: Option<Usage>,
+}
+
+/// Per-request output state.
+#[derive(Debug)]
+pub struct OutputState {
+    tokenizer: Arc<Tokenizer>,
+    decoder: DecodeStream,
+    stop: StopMatcher,
+    usage: Usage,
+}
+
+impl OutputState {
+    /// State for a request with `stops` and a prompt of `prompt_tokens`.
+    pub fn new(tokenizer: Arc<Tokenizer>, stops: &[String], prompt_tokens: usize) -> Self {
+        Self {
+            tokenizer,
+            decoder: DecodeStream::new(true),
+            stop: StopMatcher::new(stops),
+            usage: Usage {
+                prompt_tokens: u32::try_from(prompt_tokens).unwrap_or(u32::MAX),
+                ..Usage::default()
+            },
+        }
+    }
+
+    /// Records the decode worker's cached prompt tokens (from its first message).
+    pub fn set_cached_prompt_tokens(&mut self, n: u32) {
+        self.usage.cached_prompt_tokens = n;
+    }
+
+    /// Feeds one worker message: `ids` and, on the last one, `finish`. The returned event has
+    /// `finish` set when the request is over (the worker finished, or a stop string matched:
+    /// the caller then drops the worker stream, which cancels the request there).
+    pub fn on_tokens(
+        &mut self,
+        ids: &[u32],
+        finish: Option<FinishReason>,
+    ) -> Result<GenerationEvent, RequestError> {
+        let added = u32::try_from(ids.len()).unwrap_or(u32::MAX);
+        self.usage.completion_tokens = self.usage.completion_tokens.saturating_add(added);
+        let mut text = String::new();
+        for &id in ids {
+            if let Some(piece) = self.decoder.step(&self.tokenizer, id).map_err(detok)? {
+                text.push_str(&piece);
+            }
+        }
+        if finish.is_some() {
+            if let Some(rest) = self.decoder.finish(&self.tokenizer).map_err(detok)? {
+                text.push_str(&rest);
+            }
+        }
+        let (text, finish) = match self.stop.push(&text) {
+            StopOutcome::Stopped(before) => (before, Some(FinishReason::Stop)),
+            StopOutcome::Continue(mut safe) => {
+                if finish.is_some() {
+                    safe.push_str(&self.stop.finish());
+                }
+                (safe, finish)
+            }
+        };
+        Ok(GenerationEvent {
+            token_ids: ids.to_vec(),
+            text,
+            finish,
+            usage: finish.map(|_| self.usage),
+        })
+    }
+}
+
+fn detok(e: ferry_model::ModelError) -> RequestError {
+    RequestError::Internal(format!("detokenization failed: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tokenizer() -> Arc<Tokenizer> {
+        let dir = ferry_model::embedded::default_model_dir();
+        Arc::new(Tokenizer::from_dir(&dir).expect("embedded tokenizer"))
+    }
+
+    #[test]
+    fn streams_text_and_counts_usage() {
+        let tok = tokenizer();
+        let ids = tok.encode("hello there, general", false).expect("encode");
+        let mut out = OutputState::new(tok.clone(), &[], 7);
+        out.set_cached_prompt_tokens(4);
+        let mut text = String::new();
+        let (last, init) = ids.split_last().expect("some tokens");
+        for id in init {
+            let e = out.on_tokens(&[*id], None).expect("step");
+            assert_eq!(e.finish, None);
+            text.push_str(&e.text);
+        }
+        let e = out.on_tokens(&[*last], Some(FinishReason::Length)).expect("last");
+        text.push_str(&e.text);
+        assert_eq!(text, tok.decode(&ids, true).expect("decode"));
+        assert_eq!(e.finish, Some(FinishReason::Length));
+        assert_eq!(
+            e.usage,
+            Some(Usage {
+                prompt_tokens: 7,
+                completion_tokens: ids.len() as u32,
+                cached_prompt_tokens: 4
+            })
+        );
+    }
+
+    #[test]
+    fn a_stop_string_truncates_and_finishes() {
+        let tok = tokenizer();
+        let ids = tok.encode("one two three four", false).expect("encode");
+        let mut out = OutputState::new(tok, &[" three".to_string()], 1);
+        let mut text = String::new();
+        let mut finished = None;
+        for id in ids {
+            let e = out.on_tokens(&[id], None).expect("step");
+            text.push_str(&e.text);
+            if e.finish.is_some() {
+                finished = e.finish;
+                break;
+            }
+        }
+        assert_eq!(finished, Some(FinishReason::Stop));
+        assert_eq!(text, "one two");
+    }
+}

@@ -1,0 +1,576 @@
+//! The worker registry: who is up, in which role, at which address, under what load.
+//!
+//! ```text
+//!  worker ──Register(snapshot)──► RegistryService ──► Registry.register ──► index.replace
+//!         ──Heartbeat(load)─────►                 ──► Registry.heartbeat
+//!         ──PublishKvEvents─────►                 ──► index.apply (gap → in_sync = false)
+//!  reaper task (spawn_reaper): every timeout/4, removes workers silent for > timeout
+//!  Selector ──► Registry.healthy_workers() (a copy: id, role, load, channel)
+//! ```
+//!
+//! The workers map is the one owner of worker state; it is a `DashMap` because it is read on
+//! every request and written once per heartbeat (no lock is held across an `.await`). Each
+//! entry keeps a lazily connected tonic [`Channel`] so requests reuse one HTTP/2 connection per
+//! worker. Router-side predictive load ([`PendingLoad`]) is kept per worker id across
+//! re-registrations, because requests dispatched before a re-registration are still running.
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use dashmap::DashMap;
+use ferry_proto::ids::{BlockHash, EventId, WorkerId};
+use ferry_proto::internal::{self, registry_server};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use tonic::transport::{Channel, Endpoint};
+use tonic::{Request, Response, Status};
+
+use crate::error::RegistryError;
+use crate::index::{KvEvent, KvEventData, OutOfSync, PrefixIndex, Snapshot};
+use crate::load::{PendingLoad, PendingSnapshot};
+
+/// What a worker does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Role {
+    /// Computes prompts' KV for decode workers.
+    Prefill,
+    /// Generates tokens (and prefills locally when no prefill worker helps).
+    Decode,
+}
+
+impl std::fmt::Display for Role {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Prefill => "prefill",
+            Self::Decode => "decode",
+        })
+    }
+}
+
+/// A worker's last reported load.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct WorkerLoad {
+    /// Requests running.
+    pub running_requests: u32,
+    /// Requests queued.
+    pub waiting_requests: u32,
+    /// KV blocks referenced by live requests.
+    pub kv_blocks_used: u32,
+    /// KV pool size in blocks.
+    pub kv_blocks_total: u32,
+    /// Prompt tokens queued for prefill and not yet computed.
+    pub queued_prefill_tokens: u64,
+}
+
+impl From<internal::WorkerLoad> for WorkerLoad {
+    fn from(w: internal::WorkerLoad) -> Self {
+        Self {
+            running_requests: w.running_requests,
+            waiting_requests: w.waiting_requests,
+            kv_blocks_used: w.kv_blocks_used,
+            kv_blocks_total: w.kv_blocks_total,
+            queued_prefill_tokens: w.queued_prefill_tokens,
+        }
+    }
+}
+
+/// A parsed `RegisterRequest`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Registration {
+    /// The worker.
+    pub id: WorkerId,
+    /// Its role.
+    pub role: Role,
+    /// Its gRPC address, `host:port` (or a full `http://` URI).
+    pub grpc_address: String,
+    /// Tokens per KV block.
+    pub page_size: usize,
+    /// KV pool size in blocks.
+    pub total_blocks: u32,
+    /// Its cache at registration.
+    pub snapshot: Snapshot,
+}
+
+impl TryFrom<internal::RegisterRequest> for Registration {
+    type Error = RegistryError;
+
+    fn try_from(r: internal::RegisterRequest) -> Result<Self, Self::Error> {
+        let id = worker_id(r.worker_id)?;
+        let role = match internal::WorkerRole::try_from(r.role) {
+            Ok(internal::WorkerRole::Prefill) => Role::Prefill,
+            Ok(internal::WorkerRole::Decode) => Role::Decode,
+            _ => {
+                return Err(RegistryError::invalid(
+                    "role",
+                    format!(
+                        "must be WORKER_ROLE_PREFILL (1) or WORKER_ROLE_DECODE (2), got {}",
+                        r.role
+                    ),
+                ))
+            }
+        };
+        if r.grpc_address.trim().is_empty() {
+            return Err(RegistryError::invalid("grpc_address", "must not be empty"));
+        }
+        Ok(Self {
+            id,
+            role,
+            grpc_address: r.grpc_address,
+            page_size: r.page_size as usize,
+            total_blocks: r.total_blocks,
+            snapshot: Snapshot {
+                blocks: r.cached_block_hashes.into_iter().map(BlockHash).collect(),
+                last_event: EventId(r.last_event_id),
+            },
+        })
+    }
+}
+
+fn worker_id(raw: String) -> Result<WorkerId, RegistryError> {
+    if raw.is_empty() {
+        return Err(RegistryError::invalid("worker_id", "must not be empty"));
+    }
+    Ok(WorkerId(raw))
+}
+
+impl TryFrom<internal::KvEvent> for KvEvent {
+    type Error = RegistryError;
+
+    fn try_from(e: internal::KvEvent) -> Result<Self, Self::Error> {
+        use internal::kv_event::Data;
+        let data = match e.data {
+            Some(Data::Stored(s)) => {
+                KvEventData::Stored(s.block_hashes.into_iter().map(BlockHash).collect())
+            }
+            Some(Data::Removed(r)) => {
+                KvEventData::Removed(r.block_hashes.into_iter().map(BlockHash).collect())
+            }
+            None => {
+                return Err(RegistryError::invalid(
+                    "events.data",
+                    format!("must be `stored` or `removed`, got neither in event {}", e.event_id),
+                ))
+            }
+        };
+        Ok(Self {
+            id: EventId(e.event_id),
+            data,
+        })
+    }
+}
+
+/// One worker as the selector sees it: a copy taken at selection time.
+#[derive(Debug, Clone)]
+pub struct WorkerSnapshot {
+    /// The worker.
+    pub id: WorkerId,
+    /// Its role.
+    pub role: Role,
+    /// Its gRPC address as registered.
+    pub grpc_address: String,
+    /// Its last heartbeat's load.
+    pub load: WorkerLoad,
+    /// Router-side load not yet reflected in heartbeats.
+    pub pending: PendingSnapshot,
+    /// Handle to charge predictive load to.
+    pub pending_handle: Arc<PendingLoad>,
+    /// Lazily connected channel to the worker.
+    pub channel: Channel,
+}
+
+#[derive(Debug, Clone)]
+struct Entry {
+    role: Role,
+    grpc_address: String,
+    load: WorkerLoad,
+    last_seen: Instant,
+    channel: Channel,
+}
+
+#[derive(Debug)]
+struct Inner {
+    workers: DashMap<WorkerId, Entry>,
+    pending: DashMap<WorkerId, Arc<PendingLoad>>,
+    index: Arc<dyn PrefixIndex>,
+    timeout: Duration,
+    page_size: usize,
+}
+
+/// How to build a [`Registry`].
+#[derive(Debug, Clone)]
+pub struct RegistryParams {
+    /// The prefix index fed by registrations and events.
+    pub index: Arc<dyn PrefixIndex>,
+    /// Workers silent for longer are unhealthy and reaped.
+    pub heartbeat_timeout: Duration,
+    /// The router's page size; workers must match it.
+    pub page_size: usize,
+}
+
+/// A handle to the registry (cheap to clone).
+#[derive(Debug, Clone)]
+pub struct Registry {
+    inner: Arc<Inner>,
+}
+
+impl Registry {
+    /// An empty registry. Does not spawn; see [`Registry::spawn_reaper`].
+    pub fn new(params: RegistryParams) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                workers: DashMap::new(),
+                pending: DashMap::new(),
+                index: params.index,
+                timeout: params.heartbeat_timeout,
+                page_size: params.page_size,
+            }),
+        }
+    }
+
+    /// The heartbeat period workers are asked to keep: a third of the timeout, so two
+    /// heartbeats can be lost before a worker is dropped.
+    pub fn heartbeat_interval(&self) -> Duration {
+        (self.inner.timeout / 3).max(Duration::from_millis(50))
+    }
+
+    /// Registers or re-registers a worker at `now`: replaces its index entries with the
+    /// snapshot and resets its load. Keeps the existing channel when the address is unchanged.
+    pub fn register(&self, reg: Registration, now: Instant) -> Result<(), RegistryError> {
+        if reg.page_size != self.inner.page_size {
+            return Err(RegistryError::invalid(
+                "page_size",
+                format!(
+                    "must equal the router's page size {}, got {}",
+                    self.inner.page_size, reg.page_size
+                ),
+            ));
+        }
+        let existing = self
+            .inner
+            .workers
+            .get(&reg.id)
+            .filter(|e| e.grpc_address == reg.grpc_address)
+            .map(|e| e.channel.clone());
+        let channel = match existing {
+            Some(channel) => channel,
+            None => connect_lazy(&reg.grpc_address)?,
+        };
+        self.inner.index.replace(&reg.id, reg.snapshot);
+        self.inner.pending.entry(reg.id.clone()).or_default();
+        self.inner.workers.insert(
+            reg.id,
+            Entry {
+                role: reg.role,
+                grpc_address: reg.grpc_address,
+                load: WorkerLoad {
+                    kv_blocks_total: reg.total_blocks,
+                    ..WorkerLoad::default()
+                },
+                last_seen: now,
+                channel,
+            },
+        );
+        Ok(())
+    }
+
+    /// Records a heartbeat; `false` when the worker is unknown (it must register again).
+    pub fn heartbeat(&self, id: &WorkerId, load: WorkerLoad, now: Instant) -> bool {
+        match self.inner.workers.get_mut(id) {
+            Some(mut entry) => {
+                entry.load = load;
+                entry.last_seen = now;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Applies a worker's KV events to the index.
+    pub fn publish(&self, id: &WorkerId, events: &[KvEvent]) -> Result<(), OutOfSync> {
+        if !self.inner.workers.contains_key(id) {
+            return Err(OutOfSync::UnknownWorker(id.clone()));
+        }
+        self.inner.index.apply(id, events).map(|_| ())
+    }
+
+    /// Removes a worker and its index entries.
+    pub fn remove(&self, id: &WorkerId) {
+        self.inner.workers.remove(id);
+        self.inner.index.remove_worker(id);
+    }
+
+    /// Removes every worker whose last heartbeat is older than the timeout at `now`; returns
+    /// them.
+    pub fn reap(&self, now: Instant) -> Vec<WorkerId> {
+        let stale: Vec<WorkerId> = self
+            .inner
+            .workers
+            .iter()
+            .filter(|e| now.saturating_duration_since(e.last_seen) > self.inner.timeout)
+            .map(|e| e.key().clone())
+            .collect();
+        for id in &stale {
+            // Re-check under the entry lock: a heartbeat may have arrived meanwhile.
+            let removed = self.inner.workers.remove_if(id, |_, e| {
+                now.saturating_duration_since(e.last_seen) > self.inner.timeout
+            });
+            if removed.is_some() {
+                self.inner.index.remove_worker(id);
+            }
+        }
+        stale
+    }
+
+    /// Starts the task that reaps silent workers until `shutdown` is cancelled.
+    pub fn spawn_reaper(&self, shutdown: CancellationToken) -> JoinHandle<()> {
+        let registry = self.clone();
+        let period = (self.inner.timeout / 4).max(Duration::from_millis(10));
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(period);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    _ = shutdown.cancelled() => break,
+                    _ = tick.tick() => {
+                        for id in registry.reap(Instant::now()) {
+                            tracing::warn!(worker = %id, "worker missed its heartbeats; removed");
+                        }
+                    }
+                }
+            }
+        })
+    }
+
+    /// Workers whose last heartbeat is within the timeout at `now`, sorted by id.
+    pub fn healthy_workers(&self, now: Instant) -> Vec<WorkerSnapshot> {
+        let mut out: Vec<WorkerSnapshot> = self
+            .inner
+            .workers
+            .iter()
+            .filter(|e| now.saturating_duration_since(e.last_seen) <= self.inner.timeout)
+            .map(|e| {
+                let pending_handle = self
+                    .inner
+                    .pending
+                    .get(e.key())
+                    .map(|p| p.clone())
+                    .unwrap_or_default();
+                WorkerSnapshot {
+                    id: e.key().clone(),
+                    role: e.role,
+                    grpc_address: e.grpc_address.clone(),
+                    load: e.load,
+                    pending: pending_handle.snapshot(),
+                    pending_handle,
+                    channel: e.channel.clone(),
+                }
+            })
+            .collect();
+        out.sort_by(|a, b| a.id.cmp(&b.id));
+        out
+    }
+
+    /// Healthy workers of `role` at `now`.
+    pub fn count(&self, role: Role, now: Instant) -> usize {
+        self.inner
+            .workers
+            .iter()
+            .filter(|e| {
+                e.role == role
+                    && now.saturating_duration_since(e.last_seen) <= self.inner.timeout
+            })
+            .count()
+    }
+
+    /// The prefix index this registry feeds.
+    pub fn index(&self) -> &Arc<dyn PrefixIndex> {
+        &self.inner.index
+    }
+
+    /// The router's page size.
+    pub fn page_size(&self) -> usize {
+        self.inner.page_size
+    }
+}
+
+fn connect_lazy(address: &str) -> Result<Channel, RegistryError> {
+    let uri = if address.contains("://") {
+        address.to_string()
+    } else {
+        format!("http://{address}")
+    };
+    let endpoint = Endpoint::from_shared(uri).map_err(|e| {
+        RegistryError::invalid("grpc_address", format!("must be host:port, got {address:?}: {e}"))
+    })?;
+    Ok(endpoint
+        .connect_timeout(Duration::from_secs(2))
+        .tcp_nodelay(true)
+        .http2_keep_alive_interval(Duration::from_secs(10))
+        .keep_alive_while_idle(true)
+        .connect_lazy())
+}
+
+/// The tonic face of the [`Registry`].
+#[derive(Debug, Clone)]
+pub struct RegistryService {
+    registry: Registry,
+}
+
+impl RegistryService {
+    /// Serves `registry`.
+    pub fn new(registry: Registry) -> Self {
+        Self { registry }
+    }
+}
+
+#[tonic::async_trait]
+impl registry_server::Registry for RegistryService {
+    async fn register(
+        &self,
+        request: Request<internal::RegisterRequest>,
+    ) -> Result<Response<internal::RegisterResponse>, Status> {
+        let reg = Registration::try_from(request.into_inner())?;
+        let (id, role, address, blocks) = (
+            reg.id.clone(),
+            reg.role,
+            reg.grpc_address.clone(),
+            reg.snapshot.blocks.len(),
+        );
+        self.registry.register(reg, Instant::now()).inspect_err(
+            |e| tracing::warn!(worker = %id, error = %e, "registration refused"),
+        )?;
+        tracing::info!(worker = %id, %role, %address, cached_blocks = blocks, "worker registered");
+        let interval = self.registry.heartbeat_interval().as_millis();
+        Ok(Response::new(internal::RegisterResponse {
+            heartbeat_interval_ms: u32::try_from(interval).unwrap_or(u32::MAX),
+        }))
+    }
+
+    async fn heartbeat(
+        &self,
+        request: Request<internal::HeartbeatRequest>,
+    ) -> Result<Response<internal::HeartbeatResponse>, Status> {
+        let req = request.into_inner();
+        let id = worker_id(req.worker_id)?;
+        let load = req.load.map(WorkerLoad::from).unwrap_or_default();
+        let known = self.registry.heartbeat(&id, load, Instant::now());
+        if !known {
+            tracing::debug!(worker = %id, "heartbeat from an unknown worker");
+        }
+        Ok(Response::new(internal::HeartbeatResponse { known }))
+    }
+
+    async fn publish_kv_events(
+        &self,
+        request: Request<internal::KvEventBatch>,
+    ) -> Result<Response<internal::KvEventAck>, Status> {
+        let batch = request.into_inner();
+        let id = worker_id(batch.worker_id)?;
+        let events = batch
+            .events
+            .into_iter()
+            .map(KvEvent::try_from)
+            .collect::<Result<Vec<_>, _>>()?;
+        let in_sync = match self.registry.publish(&id, &events) {
+            Ok(()) => true,
+            Err(e @ OutOfSync::Gap { .. }) => {
+                tracing::warn!(worker = %id, error = %e, "KV events out of sync; asking for a snapshot");
+                false
+            }
+            Err(e) => {
+                tracing::debug!(worker = %id, error = %e, "KV events refused");
+                false
+            }
+        };
+        Ok(Response::new(internal::KvEventAck { in_sync }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::index::FlatIndex;
+
+    fn registry() -> Registry {
+        Registry::new(RegistryParams {
+            index: Arc::new(FlatIndex::new()),
+            heartbeat_timeout: Duration::from_millis(100),
+            page_size: 4,
+        })
+    }
+
+    fn reg(id: &str, role: Role, blocks: &[u64]) -> Registration {
+        Registration {
+            id: WorkerId::from(id),
+            role,
+            grpc_address: "127.0.0.1:1".into(),
+            page_size: 4,
+            total_blocks: 100,
+            snapshot: Snapshot {
+                blocks: blocks.iter().copied().map(BlockHash).collect(),
+                last_event: EventId(3),
+            },
+        }
+    }
+
+    #[tokio::test]
+    async fn register_heartbeat_reap() {
+        let r = registry();
+        let t0 = Instant::now();
+        r.register(reg("d0", Role::Decode, &[1, 2]), t0).expect("valid");
+        r.register(reg("p0", Role::Prefill, &[]), t0).expect("valid");
+        assert_eq!(r.count(Role::Decode, t0), 1);
+        let d0 = WorkerId::from("d0");
+        assert_eq!(r.index().matched_blocks(&d0, &[BlockHash(1), BlockHash(2)]), 2);
+
+        let t1 = t0 + Duration::from_millis(80);
+        assert!(r.heartbeat(&d0, WorkerLoad::default(), t1));
+        let t2 = t0 + Duration::from_millis(150);
+        assert_eq!(r.healthy_workers(t2).len(), 1, "p0 is stale, d0 is not");
+        assert_eq!(r.reap(t2), vec![WorkerId::from("p0")]);
+        assert!(!r.heartbeat(&WorkerId::from("p0"), WorkerLoad::default(), t2));
+
+        let t3 = t1 + Duration::from_millis(101);
+        assert_eq!(r.reap(t3), vec![d0.clone()]);
+        assert_eq!(r.index().matched_blocks(&d0, &[BlockHash(1)]), 0, "index cleared");
+    }
+
+    #[tokio::test]
+    async fn events_need_a_registration_and_no_gaps() {
+        let r = registry();
+        let d0 = WorkerId::from("d0");
+        let ev = |id| KvEvent {
+            id: EventId(id),
+            data: KvEventData::Stored(vec![BlockHash(9)]),
+        };
+        assert!(r.publish(&d0, &[ev(1)]).is_err());
+        r.register(reg("d0", Role::Decode, &[]), Instant::now()).expect("valid");
+        assert!(r.publish(&d0, &[ev(4)]).is_ok());
+        assert!(matches!(r.publish(&d0, &[ev(6)]), Err(OutOfSync::Gap { .. })));
+        r.register(reg("d0", Role::Decode, &[9]), Instant::now()).expect("valid");
+        assert!(r.publish(&d0, &[ev(4)]).is_ok());
+    }
+
+    #[tokio::test]
+    async fn wrong_page_size_and_bad_wire_fields_are_refused() {
+        let r = registry();
+        let mut bad = reg("d0", Role::Decode, &[]);
+        bad.page_size = 64;
+        let err = r.register(bad, Instant::now()).expect_err("page size");
+        assert!(err.to_string().contains("`page_size`"), "{err}");
+
+        let wire = internal::RegisterRequest {
+            worker_id: "x".into(),
+            role: 0,
+            grpc_address: "127.0.0.1:1".into(),
+            ..Default::default()
+        };
+        let err = Registration::try_from(wire).expect_err("role unspecified");
+        assert!(err.to_string().contains("`role`"), "{err}");
+        let err = KvEvent::try_from(internal::KvEvent {
+            event_id: 1,
+            data: None,
+        })
+        .expect_err("no data");
+        assert!(err.to_string().contains("events.data"), "{err}");
+    }
+}

@@ -1,0 +1,107 @@
+//! Tokenization, chat templating and block hashing on tokio's blocking pool.
+//!
+//! All three are CPU work proportional to the prompt (a 100k-token prompt takes milliseconds),
+//! so they never run on the async runtime's workers (STYLE.md, "Compute never runs on the
+//! tokio runtime"). Streaming detokenization of generated tokens is the exception: one token
+//! at a time over a short window is microseconds, so it runs inline in the response stream.
+use std::sync::Arc;
+
+use ferry_model::tokenizer::{ChatMessage, Tokenizer};
+use ferry_model::ModelError;
+use ferry_proto::ids::BlockHash;
+
+use crate::error::RequestError;
+use crate::validate::ValidationError;
+
+/// A prompt as the client gave it.
+#[derive(Debug, Clone, PartialEq)]
+pub enum PromptInput {
+    /// Raw text; the tokenizer adds its special tokens (BOS).
+    Text(String),
+    /// Token ids, used as given.
+    Tokens(Vec<u32>),
+    /// Chat turns, rendered with the chat template and an assistant generation prompt.
+    Chat(Vec<ChatMessage>),
+}
+
+/// A prompt ready to route: its tokens and the chained hashes of its full blocks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Prepared {
+    /// Prompt token ids.
+    pub tokens: Vec<u32>,
+    /// `ferry_model::kv::hash::block_hashes(tokens, page_size)`.
+    pub hashes: Vec<BlockHash>,
+}
+
+/// The served model's tokenizer, used from async code.
+#[derive(Debug, Clone)]
+pub struct TokenizerPool {
+    tokenizer: Arc<Tokenizer>,
+}
+
+impl TokenizerPool {
+    /// Wraps a loaded tokenizer.
+    pub fn new(tokenizer: Arc<Tokenizer>) -> Self {
+        Self { tokenizer }
+    }
+
+    /// The tokenizer itself (for streaming detokenization).
+    pub fn tokenizer(&self) -> &Arc<Tokenizer> {
+        &self.tokenizer
+    }
+
+    /// Tokenizes (or renders and tokenizes) `prompt` and hashes its full blocks, on the
+    /// blocking pool. A chat template failure (e.g. an unknown role) is a validation error on
+    /// `messages`; a tokenizer failure is internal.
+    pub async fn prepare(
+        &self,
+        prompt: PromptInput,
+        page_size: usize,
+    ) -> Result<Prepared, RequestError> {
+        let tokenizer = self.tokenizer.clone();
+        blocking(move || {
+            let tokens = match prompt {
+                PromptInput::Text(text) => tokenizer.encode(&text, true).map_err(internal)?,
+                PromptInput::Tokens(ids) => ids,
+                PromptInput::Chat(messages) => {
+                    let text = tokenizer
+                        .apply_chat_template(&messages, true)
+                        .map_err(|e| match e {
+                            ModelError::ChatTemplate(msg) => RequestError::Invalid(
+                                ValidationError::new("messages", format!("cannot be rendered: {msg}")),
+                            ),
+                            other => internal(other),
+                        })?;
+                    tokenizer.encode(&text, false).map_err(internal)?
+                }
+            };
+            let hashes = ferry_model::kv::hash::block_hashes(&tokens, page_size);
+            Ok(Prepared { tokens, hashes })
+        })
+        .await
+    }
+
+    /// Token ids of `text`, on the blocking pool.
+    pub async fn encode(
+        &self,
+        text: String,
+        add_special_tokens: bool,
+    ) -> Result<Vec<u32>, RequestError> {
+        let tokenizer = self.tokenizer.clone();
+        blocking(move || tokenizer.encode(&text, add_special_tokens).map_err(internal)).await
+    }
+}
+
+fn internal(e: ModelError) -> RequestError {
+    RequestError::Internal(e.to_string())
+}
+
+async fn blocking<T, F>(f: F) -> Result<T, RequestError>
+where
+    T: Send + 'static,
+    F: FnOnce() -> Result<T, RequestError> + Send + 'static,
+{
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| RequestError::Internal(format!("tokenizer task failed: {e}")))?
+}

@@ -1,0 +1,543 @@
+//! The one place a client request becomes a [`ValidRequest`].
+//!
+//! Both front doors (gRPC `Generate`, HTTP `/v1/completions` and `/v1/chat/completions`)
+//! translate their wire shapes into [`GenerateParams`] without checking anything, then call
+//! [`Validator::validate`]. Only a [`ValidRequest`] goes inward: its fields are private, so
+//! nothing else can build one. Errors name the field (as the OpenAI API spells it), the limit
+//! and the value: "`max_tokens` must be >= 1, got 0".
+//!
+//! Order: cheap checks first (model, sampling, `max_tokens` >= 1, stop strings, non-empty
+//! prompt, token ids in the vocabulary), then tokenization on the blocking pool, then the
+//! length checks that need the token count.
+use ferry_model::tokenizer::ChatMessage;
+use ferry_proto::ids::{BlockHash, RequestId};
+use ferry_proto::v1;
+
+use crate::error::RequestError;
+use crate::tokenize::{PromptInput, TokenizerPool};
+
+/// Stop strings per request, at most.
+pub const MAX_STOP_STRINGS: usize = 4;
+
+/// A request field that is missing, malformed or out of limits.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("`{field}` {message}")]
+pub struct ValidationError {
+    /// The field, as the OpenAI API spells it (`max_tokens`, `prompt`, `messages`, …).
+    pub field: &'static str,
+    /// The rule, the limit and the value: "must be >= 1, got 0".
+    pub message: String,
+}
+
+impl ValidationError {
+    /// An error on `field`.
+    pub fn new(field: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            field,
+            message: message.into(),
+        }
+    }
+
+    /// A snake_case label: `model_not_found` for an unknown model, else `invalid_value`.
+    pub fn kind(&self) -> &'static str {
+        match self.field {
+            "model" => "model_not_found",
+            _ => "invalid_value",
+        }
+    }
+}
+
+/// Sampling controls as the client sent them (unset = default).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct SamplingInput {
+    /// Default 1; finite, >= 0; 0 = greedy.
+    pub temperature: Option<f64>,
+    /// Default 0 (off); >= 0.
+    pub top_k: Option<i64>,
+    /// Default 1 (off); in (0, 1].
+    pub top_p: Option<f64>,
+    /// Default 0 (off); in [0, 1].
+    pub min_p: Option<f64>,
+    /// Seed for reproducible sampling.
+    pub seed: Option<u64>,
+}
+
+/// A generation request in the router's terms, not yet checked.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GenerateParams {
+    /// The model asked for; empty = the served one.
+    pub model: String,
+    /// The prompt.
+    pub prompt: PromptInput,
+    /// Sampling controls.
+    pub sampling: SamplingInput,
+    /// New tokens at most; `None` = whatever the context leaves.
+    pub max_tokens: Option<i64>,
+    /// Stop strings.
+    pub stop: Vec<String>,
+    /// Keep generating past end-of-sequence tokens.
+    pub ignore_eos: bool,
+    /// The client's request id, if any.
+    pub request_id: Option<String>,
+}
+
+impl From<v1::GenerateRequest> for GenerateParams {
+    fn from(r: v1::GenerateRequest) -> Self {
+        use v1::generate_request::Input;
+        let prompt = match r.input {
+            Some(Input::Text(text)) => PromptInput::Text(text),
+            Some(Input::Tokens(t)) => PromptInput::Tokens(t.ids),
+            Some(Input::Chat(c)) => PromptInput::Chat(
+                c.messages
+                    .into_iter()
+                    .map(|m| ChatMessage::new(m.role, m.content))
+                    .collect(),
+            ),
+            None => PromptInput::Text(String::new()),
+        };
+        let sampling = r.sampling.map_or_else(SamplingInput::default, |s| SamplingInput {
+            temperature: s.temperature.map(f64::from),
+            top_k: s.top_k.map(i64::from),
+            top_p: s.top_p.map(f64::from),
+            min_p: s.min_p.map(f64::from),
+            seed: s.seed,
+        });
+        let (max_tokens, stop, ignore_eos) = match r.stop {
+            Some(s) => (Some(i64::from(s.max_tokens)), s.stop, s.ignore_eos),
+            None => (None, Vec::new(), false),
+        };
+        Self {
+            model: r.model,
+            prompt,
+            sampling,
+            max_tokens,
+            stop,
+            ignore_eos,
+            request_id: Some(r.request_id).filter(|id| !id.is_empty()),
+        }
+    }
+}
+
+/// Resolved sampling parameters (defaults applied, limits checked).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Sampling {
+    /// >= 0, finite; 0 = greedy.
+    pub temperature: f32,
+    /// 0 = off.
+    pub top_k: u32,
+    /// In (0, 1]; 1 = off.
+    pub top_p: f32,
+    /// In [0, 1]; 0 = off.
+    pub min_p: f32,
+    /// Seed, if the client gave one.
+    pub seed: Option<u64>,
+}
+
+/// A request that passed validation: the only kind the dispatcher accepts.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ValidRequest {
+    id: RequestId,
+    prompt: Vec<u32>,
+    block_hashes: Vec<BlockHash>,
+    sampling: Sampling,
+    max_tokens: u32,
+    stop: Vec<String>,
+    ignore_eos: bool,
+}
+
+impl ValidRequest {
+    /// The request id (the client's or a generated one).
+    pub fn id(&self) -> &RequestId {
+        &self.id
+    }
+    /// Prompt token ids; non-empty, shorter than the context.
+    pub fn prompt(&self) -> &[u32] {
+        &self.prompt
+    }
+    /// Chained hashes of the prompt's full blocks.
+    pub fn block_hashes(&self) -> &[BlockHash] {
+        &self.block_hashes
+    }
+    /// Resolved sampling.
+    pub fn sampling(&self) -> Sampling {
+        self.sampling
+    }
+    /// New tokens at most; >= 1, and prompt + max_tokens fits the context.
+    pub fn max_tokens(&self) -> u32 {
+        self.max_tokens
+    }
+    /// Stop strings (at most [`MAX_STOP_STRINGS`], none empty).
+    pub fn stop(&self) -> &[String] {
+        &self.stop
+    }
+    /// Whether EOS tokens are ignored.
+    pub fn ignore_eos(&self) -> bool {
+        self.ignore_eos
+    }
+}
+
+/// What the validator needs to know about the served model.
+#[derive(Debug, Clone)]
+pub struct ValidatorParams {
+    /// The name clients use.
+    pub model_name: String,
+    /// Longest prompt + completion, in tokens.
+    pub context_length: usize,
+    /// Token ids must be below this.
+    pub vocab_size: usize,
+    /// Tokens per KV block (for the block hashes).
+    pub page_size: usize,
+    /// The tokenizer.
+    pub tokenizer: TokenizerPool,
+}
+
+/// Checks requests against the served model (cheap to clone).
+#[derive(Debug, Clone)]
+pub struct Validator {
+    params: std::sync::Arc<ValidatorParams>,
+}
+
+impl Validator {
+    /// A validator for one served model.
+    pub fn new(params: ValidatorParams) -> Self {
+        Self {
+            params: std::sync::Arc::new(params),
+        }
+    }
+
+    /// The tokenizer pool.
+    pub fn tokenizer(&self) -> &TokenizerPool {
+        &self.params.tokenizer
+    }
+
+    /// `model` must be empty or the served name.
+    pub fn check_model(&self, model: &str) -> Result<(), ValidationError> {
+        if model.is_empty() || model == self.params.model_name {
+            Ok(())
+        } else {
+            Err(ValidationError::new(
+                "model",
+                format!(
+                    "must be {:?} (the served model) or empty, got {model:?}",
+                    self.params.model_name
+                ),
+            ))
+        }
+    }
+
+    /// Validates `p`, tokenizing on the blocking pool.
+    pub async fn validate(&self, p: GenerateParams) -> Result<ValidRequest, RequestError> {
+        self.check_model(&p.model)?;
+        let sampling = resolve_sampling(&p.sampling)?;
+        if let Some(n) = p.max_tokens {
+            if n < 1 {
+                return Err(ValidationError::new("max_tokens", format!("must be >= 1, got {n}")).into());
+            }
+        }
+        let stop = check_stop(p.stop)?;
+        check_prompt_shape(&p.prompt, self.params.vocab_size)?;
+
+        let prepared = self
+            .params
+            .tokenizer
+            .prepare(p.prompt, self.params.page_size)
+            .await?;
+        if prepared.tokens.is_empty() {
+            return Err(ValidationError::new("prompt", "must not be empty, got 0 tokens").into());
+        }
+        let max_tokens = fit_context(prepared.tokens.len(), p.max_tokens, self.params.context_length)?;
+        let id = p
+            .request_id
+            .map(RequestId)
+            .unwrap_or_else(|| RequestId(format!("req-{:016x}", rand::random::<u64>())));
+        Ok(ValidRequest {
+            id,
+            prompt: prepared.tokens,
+            block_hashes: prepared.hashes,
+            sampling,
+            max_tokens,
+            stop,
+            ignore_eos: p.ignore_eos,
+        })
+    }
+
+    /// Token ids of `text` for the Tokenize rpc (model checked first).
+    pub async fn tokenize(
+        &self,
+        model: &str,
+        text: String,
+        add_special_tokens: bool,
+    ) -> Result<Vec<u32>, RequestError> {
+        self.check_model(model)?;
+        self.params.tokenizer.encode(text, add_special_tokens).await
+    }
+}
+
+/// Applies defaults and checks limits.
+pub fn resolve_sampling(s: &SamplingInput) -> Result<Sampling, ValidationError> {
+    let temperature = s.temperature.unwrap_or(1.0);
+    if !(temperature.is_finite() && temperature >= 0.0) {
+        return Err(ValidationError::new(
+            "temperature",
+            format!("must be a finite number >= 0, got {temperature}"),
+        ));
+    }
+    let top_k = s.top_k.unwrap_or(0);
+    let top_k = u32::try_from(top_k).map_err(|_| {
+        ValidationError::new("top_k", format!("must be in [0, {}], got {top_k}", u32::MAX))
+    })?;
+    let top_p = s.top_p.unwrap_or(1.0);
+    if !(top_p > 0.0 && top_p <= 1.0) {
+        return Err(ValidationError::new("top_p", format!("must be in (0, 1], got {top_p}")));
+    }
+    let min_p = s.min_p.unwrap_or(0.0);
+    if !(0.0..=1.0).contains(&min_p) {
+        return Err(ValidationError::new("min_p", format!("must be in [0, 1], got {min_p}")));
+    }
+    Ok(Sampling {
+        temperature: temperature as f32,
+        top_k,
+        top_p: top_p as f32,
+        min_p: min_p as f32,
+        seed: s.seed,
+    })
+}
+
+/// At most [`MAX_STOP_STRINGS`] stop strings, none empty.
+pub fn check_stop(stop: Vec<String>) -> Result<Vec<String>, ValidationError> {
+    if stop.len() > MAX_STOP_STRINGS {
+        return Err(ValidationError::new(
+            "stop",
+            format!("must have at most {MAX_STOP_STRINGS} strings, got {}", stop.len()),
+        ));
+    }
+    if let Some(i) = stop.iter().position(String::is_empty) {
+        return Err(ValidationError::new(
+            "stop",
+            format!("strings must not be empty, got an empty string at index {i}"),
+        ));
+    }
+    Ok(stop)
+}
+
+fn check_prompt_shape(prompt: &PromptInput, vocab_size: usize) -> Result<(), ValidationError> {
+    match prompt {
+        PromptInput::Text(t) if t.is_empty() => {
+            Err(ValidationError::new("prompt", "must not be empty, got \"\""))
+        }
+        PromptInput::Tokens(ids) if ids.is_empty() => {
+            Err(ValidationError::new("prompt", "must not be empty, got []"))
+        }
+        PromptInput::Tokens(ids) => match ids.iter().position(|&t| t as usize >= vocab_size) {
+            Some(i) => Err(ValidationError::new(
+                "prompt",
+                format!(
+                    "token ids must be < {vocab_size} (the vocabulary size), got {} at index {i}",
+                    ids.get(i).copied().unwrap_or_default()
+                ),
+            )),
+            None => Ok(()),
+        },
+        PromptInput::Chat(m) if m.is_empty() => {
+            Err(ValidationError::new("messages", "must not be empty, got []"))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Checks prompt + max_tokens against the context; resolves an unset `max_tokens` to what the
+/// context leaves.
+pub fn fit_context(
+    prompt_tokens: usize,
+    max_tokens: Option<i64>,
+    context: usize,
+) -> Result<u32, ValidationError> {
+    if prompt_tokens >= context {
+        return Err(ValidationError::new(
+            "prompt",
+            format!(
+                "has {prompt_tokens} tokens, but the context length is {context} and at least \
+                 one token must be left for the completion"
+            ),
+        ));
+    }
+    let room = context - prompt_tokens;
+    let n = match max_tokens {
+        Some(n) => n,
+        None => i64::try_from(room).unwrap_or(i64::MAX),
+    };
+    if n < 1 {
+        return Err(ValidationError::new("max_tokens", format!("must be >= 1, got {n}")));
+    }
+    if n as u64 > room as u64 {
+        return Err(ValidationError::new(
+            "max_tokens",
+            format!(
+                "must be <= {room} (context length {context} minus {prompt_tokens} prompt \
+                 tokens), got {n}"
+            ),
+        ));
+    }
+    u32::try_from(n).map_err(|_| {
+        ValidationError::new("max_tokens", format!("must be <= {}, got {n}", u32::MAX))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use ferry_model::tokenizer::Tokenizer;
+
+    use super::*;
+
+    fn validator() -> Validator {
+        let dir = ferry_model::embedded::default_model_dir();
+        let tokenizer = Tokenizer::from_dir(&dir).expect("embedded tokenizer");
+        Validator::new(ValidatorParams {
+            model_name: "tiny".into(),
+            context_length: 1024,
+            vocab_size: 2048,
+            page_size: 4,
+            tokenizer: TokenizerPool::new(Arc::new(tokenizer)),
+        })
+    }
+
+    fn params(prompt: PromptInput) -> GenerateParams {
+        GenerateParams {
+            model: String::new(),
+            prompt,
+            sampling: SamplingInput::default(),
+            max_tokens: Some(8),
+            stop: Vec::new(),
+            ignore_eos: false,
+            request_id: None,
+        }
+    }
+
+    async fn field_of(p: GenerateParams) -> (&'static str, String) {
+        match validator().validate(p).await {
+            Err(RequestError::Invalid(e)) => (e.field, e.to_string()),
+            other => panic!("expected a validation error, got {other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_valid_text_request_resolves_defaults_and_hashes() {
+        let v = validator()
+            .validate(params(PromptInput::Text("hello world, hello world".into())))
+            .await
+            .expect("valid");
+        assert!(!v.prompt().is_empty());
+        assert_eq!(v.block_hashes().len(), v.prompt().len() / 4);
+        assert_eq!(v.sampling().temperature, 1.0);
+        assert_eq!(v.sampling().top_p, 1.0);
+        assert_eq!(v.max_tokens(), 8);
+        assert!(v.id().0.starts_with("req-"));
+    }
+
+    #[tokio::test]
+    async fn chat_renders_the_template() {
+        let mut p = params(PromptInput::Chat(vec![ChatMessage::new("user", "hi")]));
+        p.max_tokens = None;
+        let v = validator().validate(p).await.expect("valid");
+        assert_eq!(v.max_tokens() as usize, 1024 - v.prompt().len(), "rest of the context");
+
+        let bad = params(PromptInput::Chat(vec![ChatMessage::new("wizard", "hi")]));
+        let (field, msg) = field_of(bad).await;
+        assert_eq!(field, "messages");
+        assert!(msg.contains("unknown role"), "{msg}");
+    }
+
+    #[tokio::test]
+    async fn errors_name_the_field_the_limit_and_the_value() {
+        let (f, m) = field_of(params(PromptInput::Text(String::new()))).await;
+        assert_eq!(f, "prompt", "{m}");
+        let (f, _) = field_of(params(PromptInput::Tokens(vec![]))).await;
+        assert_eq!(f, "prompt");
+        let (f, m) = field_of(params(PromptInput::Tokens(vec![1, 5000]))).await;
+        assert_eq!(f, "prompt");
+        assert!(m.contains("2048") && m.contains("5000"), "{m}");
+        let (f, _) = field_of(params(PromptInput::Chat(vec![]))).await;
+        assert_eq!(f, "messages");
+
+        let mut p = params(PromptInput::Text("hi".into()));
+        p.max_tokens = Some(0);
+        assert_eq!(field_of(p).await.1, "`max_tokens` must be >= 1, got 0");
+
+        let mut p = params(PromptInput::Tokens(vec![7; 1000]));
+        p.max_tokens = Some(100);
+        let (f, m) = field_of(p).await;
+        assert_eq!(f, "max_tokens");
+        assert!(m.contains("<= 24") && m.contains("100"), "{m}");
+
+        let p = params(PromptInput::Tokens(vec![7; 2000]));
+        let (f, m) = field_of(p).await;
+        assert_eq!(f, "prompt");
+        assert!(m.contains("2000") && m.contains("1024"), "{m}");
+
+        let mut p = params(PromptInput::Text("hi".into()));
+        p.model = "gpt-4".into();
+        let (f, m) = field_of(p).await;
+        assert_eq!(f, "model");
+        assert!(m.contains("gpt-4") && m.contains("tiny"), "{m}");
+
+        let mut p = params(PromptInput::Text("hi".into()));
+        p.stop = vec!["a".into(), String::new()];
+        assert_eq!(field_of(p).await.0, "stop");
+        let mut p = params(PromptInput::Text("hi".into()));
+        p.stop = vec!["a".into(); 5];
+        assert_eq!(field_of(p).await.0, "stop");
+    }
+
+    #[test]
+    fn sampling_limits() {
+        let ok = resolve_sampling(&SamplingInput::default()).expect("defaults");
+        assert_eq!((ok.top_k, ok.min_p, ok.seed), (0, 0.0, None));
+        let cases = [
+            (SamplingInput { temperature: Some(-1.0), ..Default::default() }, "temperature", "got -1"),
+            (SamplingInput { temperature: Some(f64::NAN), ..Default::default() }, "temperature", "got NaN"),
+            (SamplingInput { top_p: Some(1.5), ..Default::default() }, "top_p", "got 1.5"),
+            (SamplingInput { top_p: Some(0.0), ..Default::default() }, "top_p", "got 0"),
+            (SamplingInput { min_p: Some(2.0), ..Default::default() }, "min_p", "got 2"),
+            (SamplingInput { top_k: Some(-1), ..Default::default() }, "top_k", "got -1"),
+        ];
+        for (input, field, value) in cases {
+            let err = resolve_sampling(&input).expect_err(field);
+            assert_eq!(err.field, field);
+            assert!(err.to_string().contains(value), "{err}");
+        }
+        let greedy = SamplingInput {
+            temperature: Some(0.0),
+            top_p: Some(1.0),
+            min_p: Some(1.0),
+            top_k: Some(5),
+            seed: Some(3),
+        };
+        assert!(resolve_sampling(&greedy).is_ok());
+    }
+
+    #[test]
+    fn grpc_requests_convert_without_checks() {
+        let wire = v1::GenerateRequest {
+            model: "m".into(),
+            input: Some(v1::generate_request::Input::Tokens(v1::TokenIds { ids: vec![1, 2] })),
+            sampling: Some(v1::SamplingParams {
+                temperature: Some(0.5),
+                ..Default::default()
+            }),
+            stop: Some(v1::StopConditions {
+                max_tokens: 0,
+                stop: vec!["x".into()],
+                ignore_eos: true,
+            }),
+            request_id: String::new(),
+        };
+        let p = GenerateParams::from(wire);
+        assert_eq!(p.prompt, PromptInput::Tokens(vec![1, 2]));
+        assert_eq!(p.max_tokens, Some(0), "0 is kept so validation can name it");
+        assert_eq!(p.sampling.temperature, Some(0.5));
+        assert_eq!(p.request_id, None);
+        assert!(p.ignore_eos);
+    }
+}

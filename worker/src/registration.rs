@@ -1,0 +1,151 @@
+//! The registration agent: keeps the router's view of this worker current.
+//!
+//! Register with a full snapshot of cached block hashes → every `heartbeat` send load and the
+//! KV events since the last tick. The router answers `known = false` (it dropped us) or
+//! `in_sync = false` (it saw a gap in event ids); both lead to a fresh registration with a
+//! snapshot, which also covers any events lost on the way. The worker's block ownership is the
+//! truth; the router's index is advisory.
+
+use std::time::Duration;
+
+use ferry_model::engine::EngineHandle;
+use ferry_model::kv::KvEventData;
+use ferry_proto::internal::registry_client::RegistryClient;
+use ferry_proto::internal::{
+    kv_event, BlocksRemoved, BlocksStored, HeartbeatRequest, KvEvent, KvEventBatch,
+    RegisterRequest, WorkerRole,
+};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use tonic::transport::Channel;
+use tracing::{debug, info, warn};
+
+/// Who this worker is and where the router is.
+#[derive(Debug, Clone)]
+pub struct RegistrationConfig {
+    /// The router's gRPC endpoint, e.g. `http://127.0.0.1:50051`.
+    pub router: String,
+    /// This worker's id.
+    pub worker_id: String,
+    /// Prefill or decode.
+    pub role: WorkerRole,
+    /// Where the router reaches this worker's gRPC service (host:port).
+    pub advertise: String,
+    /// Heartbeat and event-publishing period.
+    pub heartbeat: Duration,
+}
+
+/// Starts the agent; it runs until `shutdown`.
+pub fn spawn(
+    config: RegistrationConfig,
+    engine: EngineHandle,
+    shutdown: CancellationToken,
+) -> JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut backoff = Duration::from_millis(50);
+        loop {
+            let result = tokio::select! {
+                _ = shutdown.cancelled() => return,
+                r = session(&config, &engine, &shutdown) => r,
+            };
+            match result {
+                Ok(()) => return,
+                Err(e) => {
+                    debug!(error = %e, "router session ended; registering again");
+                    tokio::select! {
+                        _ = shutdown.cancelled() => return,
+                        _ = tokio::time::sleep(backoff) => {}
+                    }
+                    backoff = (backoff * 2).min(Duration::from_secs(2));
+                }
+            }
+        }
+    })
+}
+
+/// One registration and the heartbeats after it; returns Err when the router needs a fresh
+/// registration (or is unreachable), Ok on shutdown.
+async fn session(
+    config: &RegistrationConfig,
+    engine: &EngineHandle,
+    shutdown: &CancellationToken,
+) -> Result<(), String> {
+    let channel = Channel::from_shared(config.router.clone())
+        .map_err(|e| e.to_string())?
+        .connect()
+        .await
+        .map_err(|e| format!("connecting to the router at {}: {e}", config.router))?;
+    let mut client = RegistryClient::new(channel);
+    let (hashes, last_event) = engine.kv_snapshot().await.map_err(|e| e.to_string())?;
+    let layout = engine.kv_layout();
+    let reply = client
+        .register(RegisterRequest {
+            worker_id: config.worker_id.clone(),
+            role: config.role as i32,
+            grpc_address: config.advertise.clone(),
+            page_size: u32::try_from(layout.page_size).unwrap_or(u32::MAX),
+            total_blocks: u32::try_from(layout.num_blocks).unwrap_or(u32::MAX),
+            cached_block_hashes: hashes.iter().map(|h| h.0).collect(),
+            last_event_id: last_event.0,
+        })
+        .await
+        .map_err(|e| e.to_string())?
+        .into_inner();
+    info!(worker = %config.worker_id, router = %config.router, "registered");
+    let period = if reply.heartbeat_interval_ms > 0 {
+        Duration::from_millis(u64::from(reply.heartbeat_interval_ms)).min(config.heartbeat)
+    } else {
+        config.heartbeat
+    };
+    let mut tick = tokio::time::interval(period);
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return Ok(()),
+            _ = tick.tick() => {}
+        }
+        let events = engine.drain_kv_events().await.map_err(|e| e.to_string())?;
+        if !events.is_empty() {
+            let batch = KvEventBatch {
+                worker_id: config.worker_id.clone(),
+                events: events.into_iter().map(to_wire).collect(),
+            };
+            let ack = client
+                .publish_kv_events(batch)
+                .await
+                .map_err(|e| e.to_string())?
+                .into_inner();
+            if !ack.in_sync {
+                warn!(worker = %config.worker_id, "router lost KV event sync; re-registering");
+                return Err("out of sync".into());
+            }
+        }
+        let stats = engine.stats().await.map_err(|e| e.to_string())?;
+        let hb = client
+            .heartbeat(HeartbeatRequest {
+                worker_id: config.worker_id.clone(),
+                load: Some(crate::stats::load(&stats)),
+            })
+            .await
+            .map_err(|e| e.to_string())?
+            .into_inner();
+        if !hb.known {
+            return Err("the router does not know this worker".into());
+        }
+    }
+}
+
+fn to_wire(e: ferry_model::kv::KvEvent) -> KvEvent {
+    let data = match e.data {
+        KvEventData::Stored { hashes, parent } => kv_event::Data::Stored(BlocksStored {
+            block_hashes: hashes.iter().map(|h| h.0).collect(),
+            parent_hash: parent.map(|h| h.0),
+        }),
+        KvEventData::Removed { hashes } => kv_event::Data::Removed(BlocksRemoved {
+            block_hashes: hashes.iter().map(|h| h.0).collect(),
+        }),
+    };
+    KvEvent {
+        event_id: e.id.0,
+        data: Some(data),
+    }
+}
