@@ -1,6 +1,22 @@
-//! The decode worker (not yet built).
+//! The decode worker.
 //!
-//! This crate will own continuous batching, remote-prefill requests to a prefill peer with the
-//! `recompute`/`fail` failure policy, local-prefill fallback, and DSpark speculative decoding with
-//! lossless verification. See `docs/architecture.md`.
+//! | module | owns |
+//! |---|---|
+//! | [`service`] | `DecodeWorker` gRPC: validate, submit to the engine, stream tokens, cancel on disconnect |
+//! | [`remote_prefill`] | asking the prefill peer to fill reserved blocks; the `recompute` / `fail` policy |
+//! | [`region`] | the KV region peers write into (forwarded to the engine thread) |
+//! | [`server`] | [`server::DecodeServer`]: load, start the engine and the transfer listener, register, serve |
+//!
+//! For a request with a prefill peer the engine reserves the prompt's blocks (reusing this
+//! worker's own cached prefix), the peer computes the rest and writes it straight into those
+//! blocks, and decoding starts when the peer answers. A short uncached part is prefilled here
+//! instead (`--local-prefill-threshold`). If the peer or the transfer fails, the request is
+//! recomputed here (`--on-prefill-failure recompute`, the default) or failed (`fail`).
 #![forbid(unsafe_code)]
+
+pub mod region;
+pub mod remote_prefill;
+pub mod server;
+pub mod service;
+
+pub use server::{DecodeArgs, DecodeServer, FailurePolicy};

@@ -24,6 +24,51 @@
 //!  layer 1 done ─ sink.send ─►       (in order)    ─ write ──►                 ─ region.write
 //!  ...                          finish: flush ───────────────►  ack(total bytes)
 //! ```
+//!
+//! ## Example
+//!
+//! ```
+//! use std::sync::{Arc, Mutex};
+//! use ferry_kvtransfer::*;
+//!
+//! /// The decode worker's pool (a real one forwards into its engine's KV pool, without blocking).
+//! struct Pool { layout: KvLayoutDesc, bytes: Mutex<Vec<u8>> }
+//!
+//! impl KvRegion for Pool {
+//!     fn layout(&self) -> KvLayoutDesc { self.layout }
+//!     fn write(&self, layer: u32, block: u32, data: &[u8]) -> Result<(), TransferError> {
+//!         // The transport has checked layer, block and length against `layout()`.
+//!         let start = (layer * self.layout.num_blocks + block) as usize * data.len();
+//!         self.bytes.lock().unwrap()[start..start + data.len()].copy_from_slice(data);
+//!         Ok(())
+//!     }
+//! }
+//!
+//! # tokio::runtime::Runtime::new().unwrap().block_on(async {
+//! let layout = KvLayoutDesc {
+//!     num_layers: 2, page_size: 64, latent_width: 576, dtype: Dtype::Bf16, num_blocks: 8,
+//! };
+//! // `TcpTransport::bind(addr)?` across processes; one transport per process.
+//! let transport: Arc<dyn Transport> = Arc::new(LocalTransport::new());
+//!
+//! // Decode worker: register the pool once; `reg` travels in each prefill request.
+//! let bytes = vec![0; 2 * 8 * layout.block_bytes()];
+//! let reg = transport.register(Arc::new(Pool { layout, bytes: Mutex::new(bytes) })).await?;
+//!
+//! // Prefill worker: connect (runs the layout handshake), then hand over each layer as soon
+//! // as it is computed (`sink.send` never blocks; call it from the engine thread).
+//! let writer = transport.connect(&reg.address, reg.key, &layout).await?;
+//! let (sink, streamer) = LayerStreamer::spawn(writer);
+//! for layer in 0..layout.num_layers {
+//!     let data = vec![1; layout.block_bytes()];
+//!     sink.send(WriteBatch { layer, writes: vec![BlockWrite { block: 5, data }] })?;
+//! }
+//! // Every batch has landed once `finish` returns.
+//! let total = streamer.finish(sink).await?;
+//! assert_eq!(total, 2 * layout.block_bytes() as u64);
+//! # Ok::<(), TransferError>(())
+//! # }).unwrap();
+//! ```
 
 #![warn(missing_docs)]
 #![cfg_attr(not(test), warn(clippy::unwrap_used, clippy::expect_used))]

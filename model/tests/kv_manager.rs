@@ -382,6 +382,9 @@ fn randomized_run(seed: u64, ops: usize) -> anyhow::Result<()> {
                 };
                 let (table, reused) = m.start_sequence(&p, max_reuse)?;
                 assert!(reused <= max_reuse && reused % PAGE == 0);
+                if reused > 0 {
+                    *counts.entry("hit").or_default() += 1;
+                }
                 let pending = p.split_off(reused);
                 seqs[slot] = Some(Seq {
                     table,
@@ -436,6 +439,12 @@ fn randomized_run(seed: u64, ops: usize) -> anyhow::Result<()> {
         };
         *counts.entry(name).or_default() += 1;
         check(&m, &seqs, op);
+        if m.pending_events()
+            .iter()
+            .any(|e| matches!(e.data, KvEventData::Removed { .. }))
+        {
+            *counts.entry("evicted").or_default() += 1;
+        }
         if rng.random_bool(0.2) {
             apply(&mut view, &mut next_id, m.drain_events());
         }
@@ -463,10 +472,13 @@ fn randomized_run(seed: u64, ops: usize) -> anyhow::Result<()> {
     // Every kind of operation actually happened.
     for name in [
         "start",
+        "hit",
         "compute",
         "out_of_blocks",
+        "evicted",
         "cache",
         "truncate",
+        "truncate_refused",
         "free",
     ] {
         assert!(

@@ -1,6 +1,20 @@
-//! The prefill worker (not yet built).
+//! The prefill worker.
 //!
-//! This crate will own prefill batching up to a token budget, chunking, reuse of the worker's
-//! own prefix cache, and pushing each finished layer's KV blocks to the decode worker that asked
-//! for them. See `docs/architecture.md`.
+//! | module | owns |
+//! |---|---|
+//! | [`service`] | `PrefillWorker` gRPC: validate, connect to the destination, run the prefill job, report |
+//! | [`push`] | the per-layer hook that copies each finished layer's blocks into a transfer stream |
+//! | [`server`] | [`server::PrefillServer`]: load the model, start the engine, bind, register, serve |
+//!
+//! A prefill request names the decode worker's blocks. The engine reuses this worker's own
+//! prefix cache, computes the rest, and after every layer the hook hands that layer's blocks
+//! (from the destination's first missing block on) to a `LayerStreamer`, so the transfer
+//! overlaps the remaining layers. The response (first token, counts, bytes) is sent only after
+//! the transport confirmed every write landed.
 #![forbid(unsafe_code)]
+
+pub mod push;
+pub mod server;
+pub mod service;
+
+pub use server::{PrefillArgs, PrefillServer};

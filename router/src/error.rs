@@ -6,7 +6,8 @@
 //! | [`RegistryError`] | one worker's Registry call | INVALID_ARGUMENT |
 //! | [`RouterError`] | starting or running the router | none: returned to the CLI |
 //!
-//! Nothing here logs: errors are logged once, at the edge, in the request span.
+//! `From` impls never log: errors are logged once, at the edge, in the request span, by
+//! [`log_failure`].
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
@@ -100,6 +101,16 @@ impl RequestError {
             Self::Invalid(e) => Some(e.field),
             _ => None,
         }
+    }
+}
+
+/// Logs a failed request once (call it at the edge, inside the request span), at a level by
+/// its kind: client mistakes at debug, overload at info, the rest at warn.
+pub fn log_failure(e: &RequestError) {
+    match e.code() {
+        Code::InvalidArgument => tracing::debug!(error = %e, kind = e.kind(), "request rejected"),
+        Code::ResourceExhausted => tracing::info!(error = %e, kind = e.kind(), "request rejected"),
+        _ => tracing::warn!(error = %e, kind = e.kind(), "request failed"),
     }
 }
 

@@ -2,12 +2,14 @@
 //!
 //! | module | owns |
 //! |---|---|
+//! | [`args`] | flags every worker takes, and validation of peer requests |
 //! | [`registration`] | the agent that registers with the router (with a KV snapshot), heartbeats load, publishes KV events, and re-registers when the router lost track |
 //! | [`stats`] | engine counters → wire messages |
 //! | [`shutdown`] | signals (Ctrl-C, SIGTERM, stdin closed by a parent) → one cancellation token |
 //! | [`serve`] | health + reflection routes every worker serves next to its own service |
 #![forbid(unsafe_code)]
 
+pub mod args;
 pub mod registration;
 pub mod serve;
 pub mod shutdown;

@@ -10,6 +10,12 @@ pub enum ServeError {
     /// The reflection service could not be built from the descriptors.
     #[error("reflection: {0}")]
     Reflection(String),
+    /// The model could not be loaded or its engine started.
+    #[error("model: {0}")]
+    Model(String),
+    /// Binding or serving failed.
+    #[error("serving: {0}")]
+    Transport(String),
 }
 
 /// Health and reflection routes; add the worker's service and serve them together. The
@@ -21,4 +27,35 @@ pub fn base_routes() -> Result<(HealthReporter, Routes), ServeError> {
         .build_v1()
         .map_err(|e| ServeError::Reflection(e.to_string()))?;
     Ok((reporter, Routes::new(health).add_service(reflection)))
+}
+
+/// Loads a model and starts its engine, off the async runtime.
+pub async fn load_engine(
+    model_dir: std::path::PathBuf,
+    config: ferry_model::engine::EngineConfig,
+) -> Result<ferry_model::engine::EngineHandle, ServeError> {
+    tokio::task::spawn_blocking(move || {
+        let model = ferry_model::deepseek::DeepseekModel::load(&model_dir)
+            .map_err(|e| ServeError::Model(format!("{}: {e}", model_dir.display())))?;
+        ferry_model::engine::EngineHandle::spawn(model, config)
+            .map_err(|e| ServeError::Model(e.to_string()))
+    })
+    .await
+    .map_err(|e| ServeError::Model(e.to_string()))?
+}
+
+/// Serves `routes` on `listener` until `shutdown`, then marks health NOT_SERVING and drains.
+pub async fn serve(
+    routes: Routes,
+    listener: tokio::net::TcpListener,
+    shutdown: tokio_util::sync::CancellationToken,
+) -> Result<(), ServeError> {
+    tonic::transport::Server::builder()
+        .add_routes(routes)
+        .serve_with_incoming_shutdown(
+            tokio_stream::wrappers::TcpListenerStream::new(listener),
+            shutdown.cancelled_owned(),
+        )
+        .await
+        .map_err(|e| ServeError::Transport(e.to_string()))
 }

@@ -219,6 +219,10 @@ impl Scheduler {
             return; // cancelled meanwhile
         };
         self.release_remote_blocks(&seq);
+        if seq.cancelled() {
+            self.release(seq);
+            return;
+        }
         let new = seq.prompt.len() - seq.cached_tokens;
         if let Err(e) = seq.table.advance(new, self.kv.page_size()) {
             self.fail(seq, &e.to_string());
@@ -241,6 +245,10 @@ impl Scheduler {
             return;
         };
         self.release_remote_blocks(&seq);
+        if seq.cancelled() {
+            self.release(seq);
+            return;
+        }
         if recompute {
             warn!(seq = id.0, %reason, "remote prefill failed; recomputing locally");
             seq.origin = Origin::Recomputed;
@@ -267,18 +275,8 @@ impl Scheduler {
             self.waiting.drain(..).partition(|s| !s.cancelled());
         self.waiting = keep.into();
         gone.extend(cancelled);
-        let ids: Vec<SeqId> = self
-            .awaiting
-            .iter()
-            .filter(|(_, s)| s.cancelled())
-            .map(|(id, _)| *id)
-            .collect();
-        for id in ids {
-            if let Some(s) = self.awaiting.remove(&id) {
-                self.release_remote_blocks(&s);
-                gone.push(s);
-            }
-        }
+        // A cancelled request awaiting a peer keeps its blocks until the peer's prefill
+        // resolves (`remote_done` / `remote_failed`): the peer may still be writing into them.
         for s in gone {
             debug!(seq = s.id.0, "request cancelled");
             self.release(s);

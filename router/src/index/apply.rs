@@ -26,12 +26,22 @@ pub enum KvEventData {
 }
 
 /// A worker's whole cache at registration.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Snapshot {
     /// Every cached block.
     pub blocks: Vec<BlockHash>,
     /// The last event reflected in `blocks`.
     pub last_event: EventId,
+}
+
+impl Default for Snapshot {
+    /// An empty cache before any event.
+    fn default() -> Self {
+        Self {
+            blocks: Vec::new(),
+            last_event: EventId(0),
+        }
+    }
 }
 
 /// Where an incoming event id stands relative to the last applied one.

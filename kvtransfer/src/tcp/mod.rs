@@ -1,0 +1,242 @@
+//! The default transport: plain TCP with length-prefixed frames.
+//!
+//! One [`TcpTransport`] per process binds one listener; its task accepts connections for every
+//! region registered on it and spawns one receiving task per connection. Writers connect with
+//! [`Transport::connect`] (any `TcpTransport`, including a listener-less [`TcpTransport::client`]).
+//!
+//! ## Wire format
+//!
+//! Every frame is `u32 length (big endian) | u8 tag | body`, `length` counting tag and body
+//! (the messages are in `proto/ferry/internal/v1/transfer.proto`):
+//!
+//! | tag | frame | direction | body |
+//! |---|---|---|---|
+//! | 1 | hello | writer → receiver | `TransferHello` (writer layout, remote key) |
+//! | 2 | hello ack | receiver → writer | `TransferHelloAck` (region layout; error + kind on refusal) |
+//! | 3 | data | writer → receiver | `u32 layer`, `u32 block` (big endian), then exactly `block_bytes` raw bytes |
+//! | 4 | flush | writer → receiver | empty |
+//! | 5 | flush ack | receiver → writer | `TransferFlushAck` (bytes applied on this connection) |
+//! | 6 | failure | receiver → writer | `TransferFailure` (kind, message, offending write) |
+//!
+//! ```text
+//!  writer                                   receiver task
+//!  hello(layout, key) ───────────────────►  key known? layouts compatible?
+//!                     ◄───────────────────  ack(region layout | error, kind)   (refused: close)
+//!  data(l, b, bytes) ────────────────────►  check, region.write(l, b, bytes)
+//!  ...                                      ...
+//!  flush ────────────────────────────────►  (every earlier frame is applied)
+//!                     ◄───────────────────  flush ack(total bytes)
+//! ```
+//!
+//! Writes are applied on the receiving task, in order, by calling [`KvRegion::write`], which
+//! therefore must be cheap and non-blocking. On a bad frame or a refused write the receiver
+//! sends one failure frame, stops applying writes and discards the rest of the stream until the
+//! writer hangs up (so the writer reads the failure, not a connection reset); the writer sees it
+//! before its next write or at its flush. The listener and other connections are unaffected.
+//!
+//! Sockets use `TCP_NODELAY`. Payloads go out in `write_all` calls of at most [`MAX_WRITE`]
+//! bytes (single very large socket writes perform badly; see the UCX notes in
+//! `environment.md`); the receiver reads each block into one reused buffer.
+//!
+//! | file | owns |
+//! |---|---|
+//! | `mod.rs` | [`TcpTransport`]: bind, register, connect (the writer half of the handshake) |
+//! | `writer.rs` | the [`RemoteWriter`] of one connection |
+//! | `receiver.rs` | the listener task and one task per connection |
+//! | `frame.rs` | framing, and failures to and from their wire form |
+
+mod frame;
+mod receiver;
+mod writer;
+
+use std::io;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use ferry_proto::internal::{TransferHello, TransferHelloAck};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use tracing::debug;
+
+use crate::registry::Registry;
+use crate::{
+    check_compatible, KvLayoutDesc, KvRegion, Registration, RemoteKey, RemoteWriter, TransferError,
+    Transport,
+};
+use frame::{read_control, read_header, unexpected, write_control, TAG_HELLO, TAG_HELLO_ACK};
+
+pub use frame::MAX_WRITE;
+
+/// TCP transport; see the module docs for the protocol.
+///
+/// Dropping it stops the listener and closes every connection it accepted.
+pub struct TcpTransport {
+    registry: Arc<Registry>,
+    listener: Option<Listener>,
+}
+
+struct Listener {
+    local_addr: SocketAddr,
+    advertised: String,
+    cancel: CancellationToken,
+    _task: JoinHandle<()>,
+}
+
+impl TcpTransport {
+    /// Binds `addr` (port 0 picks a free port) and spawns the one listener task on the current
+    /// tokio runtime. Registrations advertise the bound address; see
+    /// [`TcpTransport::with_advertised_address`] when binding a wildcard address.
+    ///
+    /// Must be called inside a tokio runtime with I/O enabled (an error otherwise).
+    pub fn bind(addr: SocketAddr) -> Result<Self, TransferError> {
+        let runtime = tokio::runtime::Handle::try_current().map_err(|e| {
+            TransferError::Io(io::Error::other(format!(
+                "TcpTransport::bind needs a tokio runtime: {e}"
+            )))
+        })?;
+        let std_listener = std::net::TcpListener::bind(addr)?;
+        std_listener.set_nonblocking(true)?;
+        let _entered = runtime.enter();
+        let listener = TcpListener::from_std(std_listener)?;
+        let local_addr = listener.local_addr()?;
+        let registry = Arc::new(Registry::new());
+        let cancel = CancellationToken::new();
+        let task = runtime.spawn(receiver::accept_loop(
+            listener,
+            registry.clone(),
+            cancel.clone(),
+        ));
+        debug!(%local_addr, "kvtransfer: tcp listener started");
+        Ok(TcpTransport {
+            registry,
+            listener: Some(Listener {
+                local_addr,
+                advertised: local_addr.to_string(),
+                cancel,
+                _task: task,
+            }),
+        })
+    }
+
+    /// A transport that only connects to others: no listener, `register` fails.
+    pub fn client() -> Self {
+        TcpTransport {
+            registry: Arc::new(Registry::new()),
+            listener: None,
+        }
+    }
+
+    /// Sets the `"host:port"` that registrations return (e.g. the pod IP when bound to
+    /// `0.0.0.0`). No effect on a [`TcpTransport::client`].
+    pub fn with_advertised_address(mut self, address: impl Into<String>) -> Self {
+        if let Some(listener) = &mut self.listener {
+            listener.advertised = address.into();
+        }
+        self
+    }
+
+    /// The bound address; `None` for a [`TcpTransport::client`].
+    pub fn local_addr(&self) -> Option<SocketAddr> {
+        self.listener.as_ref().map(|l| l.local_addr)
+    }
+}
+
+impl Drop for TcpTransport {
+    fn drop(&mut self) {
+        if let Some(listener) = &self.listener {
+            listener.cancel.cancel();
+        }
+    }
+}
+
+impl std::fmt::Debug for TcpTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TcpTransport")
+            .field("local_addr", &self.local_addr())
+            .finish_non_exhaustive()
+    }
+}
+
+#[async_trait]
+impl Transport for TcpTransport {
+    fn name(&self) -> &'static str {
+        "tcp"
+    }
+
+    async fn register(&self, region: Arc<dyn KvRegion>) -> Result<Registration, TransferError> {
+        let Some(listener) = &self.listener else {
+            return Err(TransferError::Protocol(
+                "this TcpTransport was created with `client()` and has no listener; use `bind`"
+                    .into(),
+            ));
+        };
+        let key = self.registry.insert(region);
+        Ok(Registration {
+            address: listener.advertised.clone(),
+            key,
+        })
+    }
+
+    async fn deregister(&self, key: RemoteKey) -> Result<(), TransferError> {
+        self.registry.remove(key)
+    }
+
+    async fn connect(
+        &self,
+        address: &str,
+        key: RemoteKey,
+        writer_layout: &KvLayoutDesc,
+    ) -> Result<Box<dyn RemoteWriter>, TransferError> {
+        let mut stream = TcpStream::connect(address).await?;
+        stream.set_nodelay(true)?;
+        let hello = TransferHello {
+            layout: Some(writer_layout.into()),
+            remote_key: key.0,
+        };
+        write_control(&mut stream, TAG_HELLO, &hello).await?;
+        let Some((tag, len)) = read_header(&mut stream).await? else {
+            return Err(TransferError::Protocol(
+                "receiver closed the connection before acknowledging the hello".into(),
+            ));
+        };
+        if tag != TAG_HELLO_ACK {
+            return Err(unexpected(tag, len, "a hello ack"));
+        }
+        let ack: TransferHelloAck = read_control(&mut stream, len, "TransferHelloAck").await?;
+        let remote = ack
+            .layout
+            .as_ref()
+            .map(KvLayoutDesc::try_from)
+            .transpose()?;
+        if !ack.error.is_empty() {
+            return Err(refusal(&ack, key, writer_layout, remote));
+        }
+        let remote = remote.ok_or_else(|| {
+            TransferError::Protocol("TransferHelloAck: `layout` is missing".into())
+        })?;
+        check_compatible(writer_layout, &remote)?;
+        debug!(address, %key, "kvtransfer: tcp writer connected");
+        Ok(Box::new(writer::TcpWriter::new(stream, key, remote)))
+    }
+}
+
+/// Rebuilds the receiver's refusal as the error the writer would have computed itself.
+fn refusal(
+    ack: &TransferHelloAck,
+    key: RemoteKey,
+    writer_layout: &KvLayoutDesc,
+    remote: Option<KvLayoutDesc>,
+) -> TransferError {
+    match (ack.kind.as_str(), remote) {
+        ("unknown_region", _) => TransferError::UnknownRegion(key),
+        ("layout_mismatch", Some(remote)) => check_compatible(writer_layout, &remote)
+            .err()
+            .unwrap_or_else(|| TransferError::Protocol(ack.error.clone())),
+        (kind, _) => TransferError::Protocol(format!(
+            "receiver refused the connection ({kind}): {}",
+            ack.error
+        )),
+    }
+}

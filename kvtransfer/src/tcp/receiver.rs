@@ -1,0 +1,189 @@
+//! Receiver side: the one listener task and a task per accepted connection, applying data
+//! frames to the registered region in order.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use ferry_proto::internal::{TransferFlushAck, TransferHello, TransferHelloAck};
+use tokio::io::{AsyncReadExt, BufReader};
+use tokio::net::{TcpListener, TcpStream};
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, warn};
+
+use super::frame::{
+    read_control, read_header, to_failure, unexpected, write_control, DATA_HEADER, TAG_DATA,
+    TAG_FAILURE, TAG_FLUSH, TAG_FLUSH_ACK, TAG_HELLO, TAG_HELLO_ACK,
+};
+use crate::registry::{Entry, Registry};
+use crate::{check_compatible, check_write, KvLayoutDesc, RemoteKey, TransferError};
+
+/// Receive buffer of a connection.
+const READ_BUFFER: usize = 256 << 10;
+
+pub(super) async fn accept_loop(
+    listener: TcpListener,
+    registry: Arc<Registry>,
+    cancel: CancellationToken,
+) {
+    loop {
+        let accepted = tokio::select! {
+            () = cancel.cancelled() => return,
+            accepted = listener.accept() => accepted,
+        };
+        match accepted {
+            Ok((stream, peer)) => {
+                let registry = registry.clone();
+                let cancel = cancel.child_token();
+                tokio::spawn(async move {
+                    tokio::select! {
+                        () = cancel.cancelled() => {}
+                        () = serve_connection(stream, peer, &registry) => {}
+                    }
+                });
+            }
+            Err(e) => {
+                // E.g. out of file descriptors: back off instead of spinning.
+                warn!(error = %e, "kvtransfer: accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+}
+
+async fn serve_connection(stream: TcpStream, peer: SocketAddr, registry: &Registry) {
+    if let Err(e) = stream.set_nodelay(true) {
+        debug!(%peer, error = %e, "kvtransfer: set_nodelay failed");
+    }
+    let mut conn = BufReader::with_capacity(READ_BUFFER, stream);
+    match receive(&mut conn, registry).await {
+        Ok(applied) => debug!(%peer, applied, "kvtransfer: connection closed"),
+        Err(e) => warn!(%peer, kind = e.kind(), error = %e, "kvtransfer: connection failed"),
+    }
+}
+
+type Conn = BufReader<TcpStream>;
+
+/// Runs one connection: handshake, then data and flush frames until the writer hangs up.
+/// Returns the bytes applied.
+async fn receive(conn: &mut Conn, registry: &Registry) -> Result<u64, TransferError> {
+    let Some((entry, key)) = accept_hello(conn, registry).await? else {
+        return Ok(0);
+    };
+    let mut applied: u64 = 0;
+    let mut buf = Vec::new();
+    loop {
+        let Some((tag, len)) = read_header(conn).await? else {
+            return Ok(applied);
+        };
+        let outcome = match tag {
+            TAG_DATA => apply_data(conn, &entry, key, len, &mut buf).await,
+            TAG_FLUSH if len == 0 => {
+                let ack = TransferFlushAck {
+                    bytes_applied: applied,
+                };
+                write_control(conn.get_mut(), TAG_FLUSH_ACK, &ack).await?;
+                continue;
+            }
+            other => Err(unexpected(other, len, "a data or flush frame")),
+        };
+        match outcome {
+            Ok(n) => applied += n,
+            Err(e @ TransferError::Io(_)) => return Err(e),
+            Err(e) => {
+                fail(conn, &e).await;
+                return Err(e);
+            }
+        }
+    }
+}
+
+/// Reads the hello, answers it, and returns the region on success (`None`: the peer hung up).
+async fn accept_hello(
+    conn: &mut Conn,
+    registry: &Registry,
+) -> Result<Option<(Arc<Entry>, RemoteKey)>, TransferError> {
+    let Some((tag, len)) = read_header(conn).await? else {
+        return Ok(None);
+    };
+    if tag != TAG_HELLO {
+        return Err(unexpected(tag, len, "a hello"));
+    }
+    let hello: TransferHello = read_control(conn, len, "TransferHello").await?;
+    let key = RemoteKey(hello.remote_key);
+    let entry = match registry.get(key) {
+        Ok(entry) => entry,
+        Err(e) => {
+            reject(conn, &e, None).await?;
+            return Err(e);
+        }
+    };
+    let verdict = hello
+        .layout
+        .as_ref()
+        .ok_or_else(|| TransferError::Protocol("TransferHello: `layout` is missing".into()))
+        .and_then(KvLayoutDesc::try_from)
+        .and_then(|theirs| check_compatible(&entry.layout, &theirs));
+    if let Err(e) = verdict {
+        reject(conn, &e, Some(&entry.layout)).await?;
+        return Err(e);
+    }
+    let ack = TransferHelloAck {
+        error: String::new(),
+        layout: Some(entry.layout.into()),
+        kind: String::new(),
+    };
+    write_control(conn.get_mut(), TAG_HELLO_ACK, &ack).await?;
+    Ok(Some((entry, key)))
+}
+
+async fn reject(
+    conn: &mut Conn,
+    e: &TransferError,
+    layout: Option<&KvLayoutDesc>,
+) -> Result<(), TransferError> {
+    let ack = TransferHelloAck {
+        error: e.to_string(),
+        layout: layout.map(Into::into),
+        kind: e.kind().to_owned(),
+    };
+    write_control(conn.get_mut(), TAG_HELLO_ACK, &ack).await
+}
+
+/// Applies one data frame whose `u32 layer | u32 block` header and payload follow; returns the
+/// payload length.
+async fn apply_data(
+    conn: &mut Conn,
+    entry: &Entry,
+    key: RemoteKey,
+    len: u32,
+    buf: &mut Vec<u8>,
+) -> Result<u64, TransferError> {
+    let Some(payload) = len.checked_sub(DATA_HEADER) else {
+        return Err(TransferError::Protocol(format!(
+            "data frame body of {len} bytes is shorter than its {DATA_HEADER}-byte header"
+        )));
+    };
+    let layer = conn.read_u32().await?;
+    let block = conn.read_u32().await?;
+    let payload = payload as usize;
+    check_write(&entry.layout, layer, block, payload)?;
+    if !entry.is_live() {
+        return Err(TransferError::UnknownRegion(key));
+    }
+    buf.resize(payload, 0);
+    conn.read_exact(buf).await?;
+    entry.region.write(layer, block, buf)?;
+    Ok(payload as u64)
+}
+
+/// Tells the writer why this connection stopped applying writes, then discards its stream until
+/// it hangs up, so it reads the failure instead of a connection reset.
+async fn fail(conn: &mut Conn, e: &TransferError) {
+    if write_control(conn.get_mut(), TAG_FAILURE, &to_failure(e))
+        .await
+        .is_ok()
+    {
+        let _ = tokio::io::copy(conn, &mut tokio::io::sink()).await;
+    }
+}

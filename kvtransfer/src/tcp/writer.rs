@@ -1,0 +1,153 @@
+//! Writer side of a TCP connection: batches out as data frames, failures and flush acks in.
+
+use std::io;
+
+use async_trait::async_trait;
+use ferry_proto::internal::{TransferFailure, TransferFlushAck};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+use super::frame::{
+    data_header, from_failure, read_control, read_header, unexpected, MAX_WRITE, TAG_FAILURE,
+    TAG_FLUSH, TAG_FLUSH_ACK,
+};
+use crate::{KvLayoutDesc, RemoteKey, RemoteWriter, TransferError, WriteBatch};
+
+/// One connection writing into one remote region.
+pub(super) struct TcpWriter {
+    stream: TcpStream,
+    key: RemoteKey,
+    /// The destination's layout, from the hello ack: every batch is checked against it.
+    remote: KvLayoutDesc,
+    /// Block bytes sent so far.
+    sent: u64,
+    /// Reused frame buffer.
+    wbuf: Vec<u8>,
+    failed: bool,
+}
+
+impl TcpWriter {
+    /// A writer on a connection whose handshake succeeded against `remote`.
+    pub(super) fn new(stream: TcpStream, key: RemoteKey, remote: KvLayoutDesc) -> Self {
+        TcpWriter {
+            stream,
+            key,
+            remote,
+            sent: 0,
+            wbuf: Vec::new(),
+            failed: false,
+        }
+    }
+
+    async fn send_batch(&mut self, batch: &WriteBatch) -> Result<(), TransferError> {
+        self.check_incoming().await?;
+        let mut wbuf = std::mem::take(&mut self.wbuf);
+        wbuf.clear();
+        for w in &batch.writes {
+            let header = data_header(batch.layer, w.block, w.data.len())?;
+            if !wbuf.is_empty() && wbuf.len() + header.len() + w.data.len() > MAX_WRITE {
+                self.stream.write_all(&wbuf).await?;
+                wbuf.clear();
+            }
+            wbuf.extend_from_slice(&header);
+            if w.data.len() <= MAX_WRITE {
+                wbuf.extend_from_slice(&w.data);
+            } else {
+                self.stream.write_all(&wbuf).await?;
+                wbuf.clear();
+                for chunk in w.data.chunks(MAX_WRITE) {
+                    self.stream.write_all(chunk).await?;
+                }
+            }
+        }
+        if !wbuf.is_empty() {
+            self.stream.write_all(&wbuf).await?;
+        }
+        self.wbuf = wbuf;
+        Ok(())
+    }
+
+    /// Without waiting: has the receiver sent a failure (or hung up) since the last call?
+    async fn check_incoming(&mut self) -> Result<(), TransferError> {
+        let mut first = [0u8; 64];
+        match self.stream.try_read(&mut first) {
+            Ok(0) => Err(TransferError::Closed),
+            Ok(n) => {
+                let head = first.get(..n).unwrap_or_default();
+                let mut reader = head.chain(&mut self.stream);
+                Err(read_failure(&mut reader, self.key).await)
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(()),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    async fn flush_inner(&mut self) -> Result<u64, TransferError> {
+        let mut frame = [0u8; 5];
+        frame[..4].copy_from_slice(&1u32.to_be_bytes());
+        frame[4] = TAG_FLUSH;
+        self.stream.write_all(&frame).await?;
+        let Some((tag, len)) = read_header(&mut self.stream).await? else {
+            return Err(TransferError::Closed);
+        };
+        match tag {
+            TAG_FLUSH_ACK => {
+                let ack: TransferFlushAck =
+                    read_control(&mut self.stream, len, "TransferFlushAck").await?;
+                if ack.bytes_applied != self.sent {
+                    return Err(TransferError::Protocol(format!(
+                        "flush ack reports {} bytes applied, {} were sent",
+                        ack.bytes_applied, self.sent
+                    )));
+                }
+                Ok(self.sent)
+            }
+            TAG_FAILURE => Err(failure_body(&mut self.stream, len, self.key).await),
+            other => Err(unexpected(other, len, "a flush ack")),
+        }
+    }
+}
+
+#[async_trait]
+impl RemoteWriter for TcpWriter {
+    async fn write(&mut self, batch: WriteBatch) -> Result<(), TransferError> {
+        if self.failed {
+            return Err(TransferError::Closed);
+        }
+        batch.validate(&self.remote)?;
+        if let Err(e) = self.send_batch(&batch).await {
+            self.failed = true;
+            return Err(e);
+        }
+        self.sent += batch.bytes();
+        Ok(())
+    }
+
+    async fn flush(&mut self) -> Result<u64, TransferError> {
+        if self.failed {
+            return Err(TransferError::Closed);
+        }
+        let result = self.flush_inner().await;
+        if result.is_err() {
+            self.failed = true;
+        }
+        result
+    }
+}
+
+/// Reads one frame that must be a failure and turns it into the error it reports.
+async fn read_failure<R: AsyncRead + Unpin>(r: &mut R, key: RemoteKey) -> TransferError {
+    match read_header(r).await {
+        Ok(Some((TAG_FAILURE, len))) => failure_body(r, len, key).await,
+        Ok(Some((tag, len))) => unexpected(tag, len, "a failure"),
+        Ok(None) => TransferError::Closed,
+        Err(e) => e,
+    }
+}
+
+async fn failure_body<R: AsyncRead + Unpin>(r: &mut R, len: u32, key: RemoteKey) -> TransferError {
+    match read_control::<TransferFailure, _>(r, len, "TransferFailure").await {
+        Ok(f) => from_failure(f, key),
+        Err(e) => e,
+    }
+}

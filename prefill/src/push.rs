@@ -1,0 +1,32 @@
+//! The layer hook: engine thread → transfer stream.
+
+use ferry_kvtransfer::descriptor::{BlockWrite, WriteBatch};
+use ferry_kvtransfer::layerwise::LayerSink;
+use ferry_model::kv::{BlockId, KvPool};
+
+/// The closure the engine calls after each layer: `blocks` are this worker's blocks from the
+/// destination's first missing block on; `dest` maps them, in order, to the destination's
+/// block ids starting at `dest_first`.
+pub fn layer_pusher(
+    sink: LayerSink,
+    dest: Vec<u32>,
+    dest_first: usize,
+) -> Box<dyn FnMut(usize, &[BlockId], &KvPool) -> Result<(), String> + Send> {
+    Box::new(move |layer, blocks, pool| {
+        let mut writes = Vec::with_capacity(blocks.len());
+        for (j, b) in blocks.iter().enumerate() {
+            let block = *dest
+                .get(dest_first + j)
+                .ok_or_else(|| format!("no destination block for prompt block {}", dest_first + j))?;
+            let rows = pool.block(layer, *b).map_err(|e| e.to_string())?;
+            let mut data = Vec::with_capacity(rows.len() * 4);
+            for v in rows {
+                data.extend_from_slice(&v.to_le_bytes());
+            }
+            writes.push(BlockWrite { block, data });
+        }
+        let layer = u32::try_from(layer).map_err(|e| e.to_string())?;
+        sink.send(WriteBatch { layer, writes })
+            .map_err(|e| e.to_string())
+    })
+}

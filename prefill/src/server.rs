@@ -1,0 +1,91 @@
+//! Starting a prefill worker.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use clap::Args;
+use ferry_proto::internal::prefill_worker_server::PrefillWorkerServer;
+use ferry_proto::internal::WorkerRole;
+use ferry_worker::args::WorkerArgs;
+use ferry_worker::registration::{self, RegistrationConfig};
+use ferry_worker::serve::{base_routes, load_engine, serve, ServeError};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tracing::info;
+
+use crate::service::PrefillService;
+
+/// Flags of `ferry prefill`.
+#[derive(Debug, Clone, Args)]
+pub struct PrefillArgs {
+    #[command(flatten)]
+    pub worker: WorkerArgs,
+}
+
+/// A bound, ready prefill worker.
+pub struct PrefillServer {
+    args: PrefillArgs,
+    listener: TcpListener,
+    addr: SocketAddr,
+    service: PrefillService,
+    worker_id: String,
+}
+
+impl PrefillServer {
+    /// Loads the model from `model_dir`, starts the engine and binds the gRPC listener.
+    pub async fn bind(args: PrefillArgs, model_dir: PathBuf) -> Result<Self, ServeError> {
+        let engine = load_engine(model_dir, args.worker.engine_config()).await?;
+        let listener = TcpListener::bind(args.worker.grpc_addr)
+            .await
+            .map_err(|e| ServeError::Transport(format!("{}: {e}", args.worker.grpc_addr)))?;
+        let addr = listener
+            .local_addr()
+            .map_err(|e| ServeError::Transport(e.to_string()))?;
+        let worker_id = args
+            .worker
+            .worker_id
+            .clone()
+            .unwrap_or_else(|| format!("prefill-{}", addr.port()));
+        let service = PrefillService::new(worker_id.clone(), engine);
+        Ok(Self {
+            args,
+            listener,
+            addr,
+            service,
+            worker_id,
+        })
+    }
+
+    /// The bound gRPC address.
+    pub fn grpc_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Registers with the router and serves until `shutdown`.
+    pub async fn run(self, shutdown: CancellationToken) -> Result<(), ServeError> {
+        let (reporter, routes) = base_routes()?;
+        reporter
+            .set_serving::<PrefillWorkerServer<PrefillService>>()
+            .await;
+        let agent = registration::spawn(
+            RegistrationConfig {
+                router: self.args.worker.router_uri(),
+                worker_id: self.worker_id.clone(),
+                role: WorkerRole::Prefill,
+                advertise: self.addr.to_string(),
+                heartbeat: self.args.worker.heartbeat(),
+            },
+            self.service.engine_handle(),
+            shutdown.clone(),
+        );
+        info!(worker = %self.worker_id, addr = %self.addr, "prefill worker serving");
+        let routes = routes.add_service(PrefillWorkerServer::new(self.service));
+        let result = serve(routes, self.listener, shutdown.clone()).await;
+        reporter
+            .set_not_serving::<PrefillWorkerServer<PrefillService>>()
+            .await;
+        shutdown.cancel();
+        let _ = agent.await;
+        result
+    }
+}

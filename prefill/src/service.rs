@@ -1,0 +1,149 @@
+//! The `PrefillWorker` gRPC service.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use ferry_kvtransfer::handshake::check_compatible;
+use ferry_kvtransfer::layerwise::LayerStreamer;
+use ferry_kvtransfer::{Dtype, KvLayoutDesc, RemoteKey, TcpTransport, Transport};
+use ferry_model::engine::{EngineError, EngineHandle};
+use ferry_proto::internal::prefill_worker_server::PrefillWorker;
+use ferry_proto::internal::{GetStatsRequest, PrefillRequest, PrefillResponse, WorkerStats};
+use ferry_worker::args::{sampling, validate_prompt};
+use tonic::{Request, Response, Status};
+use tracing::{info_span, Instrument};
+
+use crate::push::layer_pusher;
+
+/// The service state: the engine handle and the outbound transport.
+#[derive(Clone)]
+pub struct PrefillService {
+    worker_id: String,
+    engine: EngineHandle,
+    tcp: Arc<TcpTransport>,
+    bytes_sent: Arc<AtomicU64>,
+}
+
+impl PrefillService {
+    /// A service over `engine`.
+    pub fn new(worker_id: String, engine: EngineHandle) -> Self {
+        Self {
+            worker_id,
+            engine,
+            tcp: Arc::new(TcpTransport::client()),
+            bytes_sent: Arc::new(AtomicU64::new(0)),
+        }
+    }
+
+    /// The engine this service drives.
+    pub fn engine_handle(&self) -> EngineHandle {
+        self.engine.clone()
+    }
+
+    /// This worker's KV layout as the transfer handshake sees it.
+    pub fn layout(&self) -> KvLayoutDesc {
+        let l = self.engine.kv_layout();
+        let u = |v: usize| u32::try_from(v).unwrap_or(u32::MAX);
+        KvLayoutDesc {
+            num_layers: u(l.num_layers),
+            page_size: u(l.page_size),
+            latent_width: u(l.width),
+            dtype: Dtype::F32,
+            num_blocks: u(l.num_blocks),
+        }
+    }
+
+    async fn run(&self, r: PrefillRequest) -> Result<PrefillResponse, Status> {
+        validate_prompt(self.engine.model_config(), &r.prompt_tokens, 0)?;
+        let params = sampling(r.sampling.as_ref())?;
+        let dest = r
+            .destination
+            .ok_or_else(|| Status::invalid_argument("`destination` is required"))?;
+        let theirs = dest
+            .layout
+            .as_ref()
+            .ok_or_else(|| Status::invalid_argument("`destination.layout` is required"))
+            .and_then(|l| {
+                KvLayoutDesc::try_from(l).map_err(|e| Status::invalid_argument(e.to_string()))
+            })?;
+        let ours = self.layout();
+        check_compatible(&ours, &theirs)
+            .map_err(|e| Status::failed_precondition(e.to_string()))?;
+        let page = ours.page_size as usize;
+        let skip = r.skip_tokens as usize;
+        let prompt_len = r.prompt_tokens.len();
+        if skip % page != 0 || skip >= prompt_len {
+            return Err(Status::invalid_argument(format!(
+                "`skip_tokens` must be a multiple of {page} below the prompt length {prompt_len}, got {skip}"
+            )));
+        }
+        if dest.block_ids.len() < prompt_len.div_ceil(page) {
+            return Err(Status::invalid_argument(format!(
+                "`destination.block_ids` has {} blocks; a {prompt_len}-token prompt needs {}",
+                dest.block_ids.len(),
+                prompt_len.div_ceil(page)
+            )));
+        }
+        if dest.transport != "tcp" {
+            return Err(Status::invalid_argument(format!(
+                "`destination.transport` must be \"tcp\", got {:?}",
+                dest.transport
+            )));
+        }
+        let writer = self
+            .tcp
+            .connect(&dest.transfer_address, RemoteKey(dest.remote_key), &ours)
+            .await
+            .map_err(|e| Status::unavailable(format!("KV transfer connect: {e}")))?;
+        let (sink, streamer) = LayerStreamer::spawn(writer);
+        let hook = layer_pusher(sink.clone(), dest.block_ids, skip / page);
+        let outcome = self
+            .engine
+            .prefill(r.prompt_tokens, params, skip, hook)
+            .await
+            .map_err(engine_status);
+        let bytes = streamer.finish(sink).await;
+        let outcome = outcome?;
+        let bytes = bytes.map_err(|e| Status::unavailable(format!("KV transfer: {e}")))?;
+        self.bytes_sent.fetch_add(bytes, Ordering::Relaxed);
+        Ok(PrefillResponse {
+            first_token: outcome.first_token,
+            computed_tokens: u32::try_from(outcome.computed_tokens).unwrap_or(u32::MAX),
+            reused_tokens: u32::try_from(outcome.reused_tokens).unwrap_or(u32::MAX),
+            bytes_transferred: bytes,
+        })
+    }
+}
+
+/// Engine errors → gRPC status.
+pub fn engine_status(e: EngineError) -> Status {
+    match e {
+        EngineError::Overloaded { .. } => Status::resource_exhausted(e.to_string()),
+        EngineError::Stopped => Status::unavailable(e.to_string()),
+        EngineError::Job(m) => Status::internal(m),
+    }
+}
+
+#[tonic::async_trait]
+impl PrefillWorker for PrefillService {
+    async fn prefill(
+        &self,
+        request: Request<PrefillRequest>,
+    ) -> Result<Response<PrefillResponse>, Status> {
+        let r = request.into_inner();
+        let span = info_span!("prefill", request_id = %r.request_id, prompt_tokens = r.prompt_tokens.len());
+        self.run(r).instrument(span).await.map(Response::new)
+    }
+
+    async fn get_stats(
+        &self,
+        _request: Request<GetStatsRequest>,
+    ) -> Result<Response<WorkerStats>, Status> {
+        let s = self.engine.stats().await.map_err(engine_status)?;
+        Ok(Response::new(ferry_worker::stats::worker_stats(
+            &self.worker_id,
+            &s,
+            self.bytes_sent.load(Ordering::Relaxed),
+        )))
+    }
+}

@@ -1,0 +1,113 @@
+//! The public `ferry.v1.Inference` service over the [`Dispatcher`](crate::dispatch::Dispatcher).
+//!
+//! Wire → [`GenerateParams`] (no checks) → [`Validator`](crate::validate::Validator) →
+//! dispatcher → events → `GenerateResponse`s. Errors become `tonic::Status` through
+//! `From<RequestError>` (error.rs) and are logged here, once, in the request span.
+use std::pin::Pin;
+use std::sync::Arc;
+
+use ferry_proto::v1::{self, inference_server::Inference};
+use futures::{Stream, StreamExt};
+use tonic::{Request, Response, Status};
+use tracing::Instrument;
+
+use crate::error::{log_failure, RequestError};
+use crate::output::{FinishReason, GenerationEvent};
+use crate::state::AppState;
+use crate::validate::GenerateParams;
+
+/// The `Inference` service.
+#[derive(Debug, Clone)]
+pub struct InferenceService {
+    state: Arc<AppState>,
+}
+
+impl InferenceService {
+    /// Serves `state`.
+    pub fn new(state: Arc<AppState>) -> Self {
+        Self { state }
+    }
+}
+
+fn to_wire(event: GenerationEvent, request_id: &str) -> v1::GenerateResponse {
+    v1::GenerateResponse {
+        token_ids: event.token_ids,
+        text: event.text,
+        finish_reason: match event.finish {
+            None => v1::FinishReason::Unspecified,
+            Some(FinishReason::Stop) => v1::FinishReason::Stop,
+            Some(FinishReason::Length) => v1::FinishReason::Length,
+        } as i32,
+        usage: event.usage.map(|u| v1::Usage {
+            prompt_tokens: u.prompt_tokens,
+            completion_tokens: u.completion_tokens,
+            cached_prompt_tokens: u.cached_prompt_tokens,
+        }),
+        request_id: request_id.to_string(),
+    }
+}
+
+type ResponseStream = Pin<Box<dyn Stream<Item = Result<v1::GenerateResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl Inference for InferenceService {
+    type GenerateStream = ResponseStream;
+
+    async fn generate(
+        &self,
+        request: Request<v1::GenerateRequest>,
+    ) -> Result<Response<Self::GenerateStream>, Status> {
+        let params = GenerateParams::from(request.into_inner());
+        let span = tracing::info_span!("generate", request_id = tracing::field::Empty, api = "grpc");
+        let state = self.state.clone();
+        let started = async move {
+            let valid = state.validator.validate(params).await?;
+            let id = valid.id().0.clone();
+            tracing::Span::current().record("request_id", id.as_str());
+            let events = state.dispatcher.generate(valid).await?;
+            Ok::<_, RequestError>((id, events))
+        }
+        .instrument(span.clone())
+        .await;
+        let (id, events) = started.map_err(|e| {
+            span.in_scope(|| log_failure(&e));
+            Status::from(e)
+        })?;
+        let stream = events.map(move |item| match item {
+            Ok(event) => Ok(to_wire(event, &id)),
+            Err(e) => {
+                span.in_scope(|| log_failure(&e));
+                Err(Status::from(e))
+            }
+        });
+        Ok(Response::new(Box::pin(stream)))
+    }
+
+    async fn tokenize(
+        &self,
+        request: Request<v1::TokenizeRequest>,
+    ) -> Result<Response<v1::TokenizeResponse>, Status> {
+        let r = request.into_inner();
+        let ids = self
+            .state
+            .validator
+            .tokenize(&r.model, r.text, r.add_special_tokens)
+            .await
+            .inspect_err(log_failure)?;
+        Ok(Response::new(v1::TokenizeResponse { ids }))
+    }
+
+    async fn list_models(
+        &self,
+        _request: Request<v1::ListModelsRequest>,
+    ) -> Result<Response<v1::ListModelsResponse>, Status> {
+        let m = &self.state.model;
+        Ok(Response::new(v1::ListModelsResponse {
+            models: vec![v1::ModelCard {
+                name: m.name.clone(),
+                context_length: u32::try_from(m.context_length).unwrap_or(u32::MAX),
+                architecture: m.architecture.to_string(),
+            }],
+        }))
+    }
+}

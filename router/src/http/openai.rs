@@ -1,0 +1,485 @@
+//! OpenAI API shapes (the subset ferry serves) and their conversion to [`GenerateParams`].
+//!
+//! Requests accept unknown fields (clients send many: `user`, `frequency_penalty`, …) and
+//! ignore them. Extensions beyond OpenAI: `top_k`, `min_p`, `ignore_eos`.
+use ferry_model::tokenizer::ChatMessage;
+use serde::{Deserialize, Serialize};
+
+use crate::output::{FinishReason, Usage};
+use crate::tokenize::PromptInput;
+use crate::validate::{GenerateParams, SamplingInput, ValidationError};
+
+/// `/v1/completions` default `max_tokens` (OpenAI's).
+pub const DEFAULT_COMPLETION_MAX_TOKENS: i64 = 16;
+
+/// `prompt`: a string, token ids, or a batch of one of either.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(untagged)]
+pub enum Prompt {
+    /// Text.
+    Text(String),
+    /// Token ids.
+    Tokens(Vec<u32>),
+    /// A batch of texts (only one is supported).
+    Texts(Vec<String>),
+    /// A batch of token-id lists (only one is supported).
+    TokenBatch(Vec<Vec<u32>>),
+}
+
+/// `stop`: one string or a list.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(untagged)]
+pub enum StopSpec {
+    /// One stop string.
+    One(String),
+    /// Several.
+    Many(Vec<String>),
+}
+
+impl StopSpec {
+    fn into_vec(self) -> Vec<String> {
+        match self {
+            Self::One(s) => vec![s],
+            Self::Many(v) => v,
+        }
+    }
+}
+
+/// `stream_options`.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Deserialize)]
+pub struct StreamOptions {
+    /// Send a last chunk with `usage` (and empty `choices`).
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+/// Fields both endpoints share, declared once and pasted into each request struct (serde's
+/// `flatten` would lose the field path in type errors, which `error.param` reports).
+macro_rules! common_fields {
+    ($(#[$meta:meta])* pub struct $name:ident { $($(#[$fmeta:meta])* pub $field:ident : $ty:ty,)* }) => {
+        $(#[$meta])*
+        pub struct $name {
+            $($(#[$fmeta])* pub $field: $ty,)*
+            /// Softmax temperature.
+            pub temperature: Option<f64>,
+            /// Nucleus threshold.
+            pub top_p: Option<f64>,
+            /// Extension: keep the k most likely tokens.
+            pub top_k: Option<i64>,
+            /// Extension: drop tokens below min_p × the top probability.
+            pub min_p: Option<f64>,
+            /// Seed.
+            pub seed: Option<u64>,
+            /// Stop strings.
+            pub stop: Option<StopSpec>,
+            /// Number of choices; only 1 is supported.
+            pub n: Option<i64>,
+            /// Extension: keep generating past EOS.
+            #[serde(default)]
+            pub ignore_eos: bool,
+            /// Stream as server-sent events.
+            #[serde(default)]
+            pub stream: bool,
+            /// Streaming options.
+            pub stream_options: Option<StreamOptions>,
+        }
+
+        impl $name {
+            fn sampling(&self) -> SamplingInput {
+                SamplingInput {
+                    temperature: self.temperature,
+                    top_k: self.top_k,
+                    top_p: self.top_p,
+                    min_p: self.min_p,
+                    seed: self.seed,
+                }
+            }
+
+            fn check_n(&self) -> Result<(), ValidationError> {
+                match self.n {
+                    None | Some(1) => Ok(()),
+                    Some(n) => Err(ValidationError::new("n", format!("must be 1, got {n}"))),
+                }
+            }
+
+            fn stop_strings(&self) -> Vec<String> {
+                self.stop.clone().map(StopSpec::into_vec).unwrap_or_default()
+            }
+
+            /// Whether a usage chunk ends the stream.
+            pub fn include_usage(&self) -> bool {
+                self.stream_options.is_some_and(|o| o.include_usage)
+            }
+        }
+    };
+}
+
+common_fields! {
+    /// `POST /v1/completions`.
+    #[derive(Debug, Clone, PartialEq, Deserialize)]
+    pub struct CompletionRequest {
+        /// Model name; empty or absent = the served one.
+        #[serde(default)]
+        pub model: String,
+        /// The prompt.
+        pub prompt: Prompt,
+        /// New tokens at most (default 16).
+        pub max_tokens: Option<i64>,
+    }
+}
+
+impl CompletionRequest {
+    /// The request in the router's terms (checked later by the validator, except the shapes
+    /// only this API has: `n` and prompt batches).
+    pub fn into_params(self, request_id: &str) -> Result<GenerateParams, ValidationError> {
+        self.check_n()?;
+        let (sampling, stop) = (self.sampling(), self.stop_strings());
+        let batch = |len: usize| {
+            ValidationError::new(
+                "prompt",
+                format!("batches are not supported: must hold exactly 1 prompt, got {len}"),
+            )
+        };
+        let prompt = match self.prompt {
+            Prompt::Text(t) => PromptInput::Text(t),
+            Prompt::Tokens(t) => PromptInput::Tokens(t),
+            Prompt::Texts(v) => match <[String; 1]>::try_from(v) {
+                Ok([t]) => PromptInput::Text(t),
+                Err(v) => return Err(batch(v.len())),
+            },
+            Prompt::TokenBatch(v) => match <[Vec<u32>; 1]>::try_from(v) {
+                Ok([t]) => PromptInput::Tokens(t),
+                Err(v) => return Err(batch(v.len())),
+            },
+        };
+        Ok(GenerateParams {
+            model: self.model,
+            prompt,
+            sampling,
+            max_tokens: Some(self.max_tokens.unwrap_or(DEFAULT_COMPLETION_MAX_TOKENS)),
+            stop,
+            ignore_eos: self.ignore_eos,
+            request_id: Some(request_id.to_string()),
+        })
+    }
+}
+
+/// A chat message's content: a string or a list of parts (only `text` parts are supported).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(untagged)]
+pub enum MessageContent {
+    /// Plain text.
+    Text(String),
+    /// Content parts.
+    Parts(Vec<ContentPart>),
+}
+
+/// One content part.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct ContentPart {
+    /// `text` (others are rejected).
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// The text of a `text` part.
+    #[serde(default)]
+    pub text: String,
+}
+
+/// One incoming chat message.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct ChatMessageIn {
+    /// `system`, `user` or `assistant`.
+    pub role: String,
+    /// The content (may be null for assistant turns).
+    #[serde(default)]
+    pub content: Option<MessageContent>,
+}
+
+common_fields! {
+    /// `POST /v1/chat/completions`.
+    #[derive(Debug, Clone, PartialEq, Deserialize)]
+    pub struct ChatRequest {
+        /// Model name; empty or absent = the served one.
+        #[serde(default)]
+        pub model: String,
+        /// The conversation.
+        pub messages: Vec<ChatMessageIn>,
+        /// New tokens at most (deprecated OpenAI name).
+        pub max_tokens: Option<i64>,
+        /// New tokens at most; wins over `max_tokens`. Default: what the context leaves.
+        pub max_completion_tokens: Option<i64>,
+    }
+}
+
+impl ChatRequest {
+    /// The request in the router's terms.
+    pub fn into_params(self, request_id: &str) -> Result<GenerateParams, ValidationError> {
+        self.check_n()?;
+        let (sampling, stop) = (self.sampling(), self.stop_strings());
+        let mut messages = Vec::with_capacity(self.messages.len());
+        for (i, m) in self.messages.into_iter().enumerate() {
+            let content = match m.content {
+                None => String::new(),
+                Some(MessageContent::Text(t)) => t,
+                Some(MessageContent::Parts(parts)) => {
+                    let mut text = String::new();
+                    for p in parts {
+                        if p.kind != "text" {
+                            return Err(ValidationError::new(
+                                "messages",
+                                format!(
+                                    "content parts must be of type \"text\", got {:?} in message {i}",
+                                    p.kind
+                                ),
+                            ));
+                        }
+                        text.push_str(&p.text);
+                    }
+                    text
+                }
+            };
+            messages.push(ChatMessage::new(m.role, content));
+        }
+        Ok(GenerateParams {
+            model: self.model,
+            prompt: PromptInput::Chat(messages),
+            sampling,
+            max_tokens: self.max_completion_tokens.or(self.max_tokens),
+            stop,
+            ignore_eos: self.ignore_eos,
+            request_id: Some(request_id.to_string()),
+        })
+    }
+}
+
+/// `usage.prompt_tokens_details`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct PromptTokensDetails {
+    /// Prompt tokens served from a KV cache.
+    pub cached_tokens: u32,
+}
+
+/// `usage`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct UsageOut {
+    /// Prompt tokens.
+    pub prompt_tokens: u32,
+    /// Generated tokens.
+    pub completion_tokens: u32,
+    /// Their sum.
+    pub total_tokens: u32,
+    /// Cache details.
+    pub prompt_tokens_details: PromptTokensDetails,
+}
+
+impl From<Usage> for UsageOut {
+    fn from(u: Usage) -> Self {
+        Self {
+            prompt_tokens: u.prompt_tokens,
+            completion_tokens: u.completion_tokens,
+            total_tokens: u.prompt_tokens.saturating_add(u.completion_tokens),
+            prompt_tokens_details: PromptTokensDetails {
+                cached_tokens: u.cached_prompt_tokens,
+            },
+        }
+    }
+}
+
+/// `finish_reason` as OpenAI spells it.
+pub fn finish_str(f: Option<FinishReason>) -> Option<&'static str> {
+    f.map(FinishReason::as_str)
+}
+
+/// One `/v1/completions` choice (whole or a streamed chunk).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct CompletionChoice {
+    /// Always 0.
+    pub index: u32,
+    /// The text.
+    pub text: String,
+    /// Always null.
+    pub logprobs: Option<()>,
+    /// `stop`, `length`, or null while streaming.
+    pub finish_reason: Option<&'static str>,
+}
+
+/// `/v1/completions` response and stream chunk (`object: "text_completion"` for both).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct CompletionResponse {
+    /// `cmpl-…`.
+    pub id: String,
+    /// `text_completion`.
+    pub object: &'static str,
+    /// Unix seconds.
+    pub created: u64,
+    /// The served model name.
+    pub model: String,
+    /// One choice (none on a usage-only chunk).
+    pub choices: Vec<CompletionChoice>,
+    /// Absent while streaming without `include_usage`; null on the chunks before the last
+    /// with it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Option<UsageOut>>,
+}
+
+/// `message` of a chat choice.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ChatMessageOut {
+    /// `assistant`.
+    pub role: &'static str,
+    /// The generated text.
+    pub content: String,
+}
+
+/// One chat choice.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ChatChoice {
+    /// Always 0.
+    pub index: u32,
+    /// The reply.
+    pub message: ChatMessageOut,
+    /// Always null.
+    pub logprobs: Option<()>,
+    /// `stop` or `length`.
+    pub finish_reason: Option<&'static str>,
+}
+
+/// `/v1/chat/completions` response (`object: "chat.completion"`).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ChatResponse {
+    /// `chatcmpl-…`.
+    pub id: String,
+    /// `chat.completion`.
+    pub object: &'static str,
+    /// Unix seconds.
+    pub created: u64,
+    /// The served model name.
+    pub model: String,
+    /// One choice.
+    pub choices: Vec<ChatChoice>,
+    /// Token counts.
+    pub usage: UsageOut,
+}
+
+/// `delta` of a chat chunk.
+#[derive(Debug, Clone, PartialEq, Default, Serialize)]
+pub struct Delta {
+    /// `assistant` on the first chunk.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub role: Option<&'static str>,
+    /// New text.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub content: Option<String>,
+}
+
+/// One chat chunk choice.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ChunkChoice {
+    /// Always 0.
+    pub index: u32,
+    /// What is new.
+    pub delta: Delta,
+    /// Always null.
+    pub logprobs: Option<()>,
+    /// Set on the last content chunk.
+    pub finish_reason: Option<&'static str>,
+}
+
+/// `/v1/chat/completions` stream chunk (`object: "chat.completion.chunk"`).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ChatChunk {
+    /// `chatcmpl-…`, the same on every chunk.
+    pub id: String,
+    /// `chat.completion.chunk`.
+    pub object: &'static str,
+    /// Unix seconds.
+    pub created: u64,
+    /// The served model name.
+    pub model: String,
+    /// One choice (none on a usage-only chunk).
+    pub choices: Vec<ChunkChoice>,
+    /// As in [`CompletionResponse::usage`].
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Option<UsageOut>>,
+}
+
+/// One entry of `/v1/models`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ModelEntry {
+    /// The model name.
+    pub id: String,
+    /// `model`.
+    pub object: &'static str,
+    /// Unix seconds.
+    pub created: u64,
+    /// `ferry`.
+    pub owned_by: &'static str,
+}
+
+/// `/v1/models`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ModelList {
+    /// `list`.
+    pub object: &'static str,
+    /// The served models.
+    pub data: Vec<ModelEntry>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prompts_and_batches() {
+        let r: CompletionRequest =
+            serde_json::from_str(r#"{"prompt": [1, 2], "stop": "x", "user": "ignored"}"#)
+                .expect("parses");
+        let p = r.into_params("cmpl-1").expect("converts");
+        assert_eq!(p.prompt, PromptInput::Tokens(vec![1, 2]));
+        assert_eq!(p.max_tokens, Some(16));
+        assert_eq!(p.stop, vec!["x".to_string()]);
+
+        let r: CompletionRequest =
+            serde_json::from_str(r#"{"prompt": ["a", "b"]}"#).expect("parses");
+        let e = r.into_params("x").expect_err("batch of 2");
+        assert_eq!(e.field, "prompt");
+        let r: CompletionRequest =
+            serde_json::from_str(r#"{"prompt": [[5]], "n": 1}"#).expect("parses");
+        assert_eq!(
+            r.into_params("x").expect("one").prompt,
+            PromptInput::Tokens(vec![5])
+        );
+    }
+
+    #[test]
+    fn chat_content_parts_and_max_tokens_names() {
+        let r: ChatRequest = serde_json::from_str(
+            r#"{"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+                "max_tokens": 5, "max_completion_tokens": 7}"#,
+        )
+        .expect("parses");
+        let p = r.into_params("x").expect("converts");
+        assert_eq!(p.max_tokens, Some(7));
+        assert_eq!(
+            p.prompt,
+            PromptInput::Chat(vec![ChatMessage::new("user", "hi")])
+        );
+    }
+
+    #[test]
+    fn usage_field_is_absent_null_or_set() {
+        let mut r = CompletionResponse {
+            id: "cmpl-1".into(),
+            object: "text_completion",
+            created: 1,
+            model: "m".into(),
+            choices: vec![],
+            usage: None,
+        };
+        let v = serde_json::to_value(&r).expect("serializes");
+        assert!(v.get("usage").is_none());
+        r.usage = Some(None);
+        let v = serde_json::to_value(&r).expect("serializes");
+        assert_eq!(v.get("usage"), Some(&serde_json::Value::Null));
+    }
+}

@@ -1,0 +1,173 @@
+//! The HTTP API through `app().oneshot(..)`: every validation error is a 400 naming the
+//! field, in OpenAI's error shape; `/v1/models`; `/health` without workers.
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use http_body_util::BodyExt;
+use serde_json::{json, Value};
+use tower::ServiceExt;
+
+use super::app;
+use crate::config::RouterConfig;
+use crate::state::AppState;
+
+async fn state() -> Arc<AppState> {
+    AppState::load(&RouterConfig::ephemeral())
+        .await
+        .expect("the embedded model loads")
+}
+
+async fn send(state: &Arc<AppState>, method: &str, uri: &str, body: &str) -> (StatusCode, Value) {
+    let request = Request::builder()
+        .method(method)
+        .uri(uri)
+        .header("content-type", "application/json")
+        .body(Body::from(body.to_string()))
+        .expect("request");
+    let response = app(state.clone()).oneshot(request).await.expect("infallible");
+    let status = response.status();
+    let bytes = response
+        .into_body()
+        .collect()
+        .await
+        .expect("body")
+        .to_bytes();
+    let value = serde_json::from_slice(&bytes)
+        .unwrap_or_else(|e| panic!("{uri}: body is not JSON ({e}): {bytes:?}"));
+    (status, value)
+}
+
+/// Asserts an OpenAI-shaped 400 whose `param` (or message) names `field`.
+fn assert_invalid(case: &str, (status, body): (StatusCode, Value), field: &str) {
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{case}: {body}");
+    let error = &body["error"];
+    assert_eq!(error["type"], "invalid_request_error", "{case}: {body}");
+    let message = error["message"].as_str().unwrap_or_default();
+    let named = error["param"] == field || message.contains(&format!("`{field}`"));
+    assert!(named, "{case}: `{field}` not named in {body}");
+}
+
+#[tokio::test]
+async fn completion_validation_errors_are_400_naming_the_field() {
+    let s = state().await;
+    let long_prompt: Vec<u32> = vec![5; 1100];
+    let cases: Vec<(&str, Value, &str)> = vec![
+        ("empty prompt", json!({"prompt": ""}), "prompt"),
+        ("empty token prompt", json!({"prompt": []}), "prompt"),
+        ("max_tokens 0", json!({"prompt": "hi", "max_tokens": 0}), "max_tokens"),
+        ("max_tokens negative", json!({"prompt": "hi", "max_tokens": -3}), "max_tokens"),
+        ("max_tokens beyond context", json!({"prompt": "hi", "max_tokens": 5000}), "max_tokens"),
+        ("temperature < 0", json!({"prompt": "hi", "temperature": -0.5}), "temperature"),
+        ("top_p > 1", json!({"prompt": "hi", "top_p": 1.5}), "top_p"),
+        ("top_p 0", json!({"prompt": "hi", "top_p": 0}), "top_p"),
+        ("min_p > 1", json!({"prompt": "hi", "min_p": 2}), "min_p"),
+        ("top_k < 0", json!({"prompt": "hi", "top_k": -1}), "top_k"),
+        ("unknown model", json!({"prompt": "hi", "model": "gpt-4"}), "model"),
+        ("too many stops", json!({"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}), "stop"),
+        ("empty stop", json!({"prompt": "hi", "stop": ""}), "stop"),
+        ("n > 1", json!({"prompt": "hi", "n": 2}), "n"),
+        ("prompt batch", json!({"prompt": ["a", "b"]}), "prompt"),
+        ("token out of vocab", json!({"prompt": [1, 99999]}), "prompt"),
+        ("wrong type max_tokens", json!({"prompt": "hi", "max_tokens": "ten"}), "max_tokens"),
+        ("wrong type temperature", json!({"prompt": "hi", "temperature": "hot"}), "temperature"),
+        ("wrong type prompt", json!({"prompt": 42}), "prompt"),
+        ("missing prompt", json!({"max_tokens": 3}), "prompt"),
+        ("wrong type stream", json!({"prompt": "hi", "stream": "yes"}), "stream"),
+    ];
+    for (case, body, field) in cases {
+        let got = send(&s, "POST", "/v1/completions", &body.to_string()).await;
+        assert_invalid(case, got, field);
+    }
+
+    let (status, body) = send(
+        &s,
+        "POST",
+        "/v1/completions",
+        &json!({"prompt": long_prompt, "max_tokens": 1}).to_string(),
+    )
+    .await;
+    assert_invalid("prompt beyond context", (status, body.clone()), "prompt");
+    let message = body["error"]["message"].as_str().unwrap_or_default();
+    assert!(message.contains("1100") && message.contains("1024"), "{message}");
+}
+
+#[tokio::test]
+async fn malformed_json_is_an_openai_shaped_400() {
+    let s = state().await;
+    for (case, raw) in [
+        ("truncated", r#"{"prompt": "hi""#),
+        ("not json", "prompt=hi"),
+        ("empty body", ""),
+        ("trailing garbage", r#"{"prompt": "hi"} x"#),
+        ("array at top level", r#"["hi"]"#),
+    ] {
+        let (status, body) = send(&s, "POST", "/v1/completions", raw).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{case}: {body}");
+        assert_eq!(body["error"]["type"], "invalid_request_error", "{case}: {body}");
+        assert!(body["error"]["message"].is_string(), "{case}: {body}");
+    }
+}
+
+#[tokio::test]
+async fn chat_validation_errors_are_400_naming_the_field() {
+    let s = state().await;
+    let user = json!([{"role": "user", "content": "hi"}]);
+    let cases: Vec<(&str, Value, &str)> = vec![
+        ("empty messages", json!({"messages": []}), "messages"),
+        ("missing messages", json!({"max_tokens": 3}), "messages"),
+        ("unknown role", json!({"messages": [{"role": "wizard", "content": "x"}]}), "messages"),
+        ("image part", json!({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}), "messages"),
+        ("max_tokens 0", json!({"messages": user, "max_tokens": 0}), "max_tokens"),
+        ("max_completion_tokens 0", json!({"messages": user, "max_completion_tokens": 0}), "max_tokens"),
+        ("max_tokens beyond context", json!({"messages": user, "max_tokens": 4096}), "max_tokens"),
+        ("temperature < 0", json!({"messages": user, "temperature": -1}), "temperature"),
+        ("top_p > 1", json!({"messages": user, "top_p": 1.01}), "top_p"),
+        ("unknown model", json!({"messages": user, "model": "other"}), "model"),
+        ("wrong type messages", json!({"messages": "hi"}), "messages"),
+    ];
+    for (case, body, field) in cases {
+        let got = send(&s, "POST", "/v1/chat/completions", &body.to_string()).await;
+        assert_invalid(case, got, field);
+    }
+    let (status, body) = send(&s, "POST", "/v1/chat/completions", "{").await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+}
+
+#[tokio::test]
+async fn a_valid_request_without_workers_is_503() {
+    let s = state().await;
+    for (uri, body) in [
+        ("/v1/completions", json!({"prompt": "hello", "model": "tiny-k3"})),
+        ("/v1/chat/completions", json!({"messages": [{"role": "user", "content": "hi"}], "stream": true})),
+    ] {
+        let (status, body) = send(&s, "POST", uri, &body.to_string()).await;
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{uri}: {body}");
+        assert_eq!(body["error"]["code"], "no_decode_worker", "{body}");
+    }
+}
+
+#[tokio::test]
+async fn models_health_and_unknown_routes() {
+    let s = state().await;
+    let (status, body) = send(&s, "GET", "/v1/models", "").await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(body["object"], "list");
+    assert_eq!(body["data"][0]["id"], "tiny-k3");
+    assert_eq!(body["data"][0]["object"], "model");
+    assert_eq!(body["data"][0]["owned_by"], "ferry");
+    assert!(body["data"][0]["created"].is_u64());
+
+    let (status, body) = send(&s, "GET", "/health", "").await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("no decode worker")),
+        "{body}"
+    );
+
+    let (status, body) = send(&s, "GET", "/v2/nothing", "").await;
+    assert_eq!(status, StatusCode::NOT_FOUND, "{body}");
+    assert_eq!(body["error"]["code"], "not_found");
+}

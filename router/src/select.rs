@@ -1,0 +1,233 @@
+//! [`Selector`]: decides where a request goes and charges the predictive load.
+//!
+//! Reads a copy of the healthy workers from the registry and the prompt's overlaps from the
+//! index, runs the configured [`Policy`] (pure), and returns the chosen workers with a
+//! [`LoadGuard`] holding the request's predicted load on them. Sending is the dispatcher's job.
+use std::time::Instant;
+
+use ferry_proto::ids::{BlockHash, WorkerId};
+use tonic::transport::Channel;
+
+use crate::error::RequestError;
+use crate::load::{Charge, LoadGuard};
+use crate::policy::{Candidate, Decision, Policy, SelectInput, SelectPolicy};
+use crate::registry::{Registry, Role, WorkerSnapshot};
+
+/// The prompt to place.
+#[derive(Debug, Clone, Copy)]
+pub struct SelectRequest<'a> {
+    /// Chained hashes of the prompt's full blocks.
+    pub hashes: &'a [BlockHash],
+    /// Prompt length in tokens.
+    pub prompt_tokens: usize,
+    /// Decode workers not to use (they already failed this request).
+    pub exclude: &'a [WorkerId],
+}
+
+/// The chosen decode worker.
+#[derive(Debug, Clone)]
+pub struct DecodeTarget {
+    /// Its id.
+    pub id: WorkerId,
+    /// A channel to it.
+    pub channel: Channel,
+}
+
+/// The chosen prefill worker, as the decode worker will be told.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PrefillTarget {
+    /// Its id.
+    pub id: WorkerId,
+    /// Its gRPC address as registered.
+    pub grpc_address: String,
+}
+
+/// The outcome of one selection.
+#[derive(Debug)]
+pub struct Selection {
+    /// What the policy decided.
+    pub decision: Decision,
+    /// Where to send the request.
+    pub decode: DecodeTarget,
+    /// Who prefills, if not the decode worker itself.
+    pub prefill: Option<PrefillTarget>,
+    /// The request's predicted load on both; released as the request progresses.
+    pub guard: LoadGuard,
+}
+
+/// Runs the policy over the registry's current state.
+#[derive(Debug)]
+pub struct Selector {
+    registry: Registry,
+    policy: Policy,
+}
+
+impl Selector {
+    /// A selector over `registry` using `policy`.
+    pub fn new(registry: Registry, policy: Policy) -> Self {
+        Self { registry, policy }
+    }
+
+    /// The registry it reads.
+    pub fn registry(&self) -> &Registry {
+        &self.registry
+    }
+
+    /// Picks the pair for `req` and charges its load. [`RequestError::NoDecodeWorker`] when
+    /// no healthy, non-excluded decode worker exists.
+    pub fn select(&self, req: &SelectRequest<'_>) -> Result<Selection, RequestError> {
+        let workers = self.registry.healthy_workers(Instant::now());
+        let overlaps = self.registry.index().overlaps(req.hashes);
+        let candidates = |role: Role| -> Vec<Candidate> {
+            workers
+                .iter()
+                .filter(|w| w.role == role && !(role == Role::Decode && req.exclude.contains(&w.id)))
+                .map(|w| Candidate {
+                    id: w.id.clone(),
+                    load: w.load,
+                    pending: w.pending,
+                })
+                .collect()
+        };
+        let (prefill, decode) = (candidates(Role::Prefill), candidates(Role::Decode));
+        let input = SelectInput {
+            prompt_tokens: req.prompt_tokens,
+            page_size: self.registry.page_size(),
+            prefill: &prefill,
+            decode: &decode,
+            overlaps: &overlaps,
+        };
+        let decision = self
+            .policy
+            .select(&input)
+            .ok_or(RequestError::NoDecodeWorker)?;
+        let find = |id: &WorkerId| -> Result<&WorkerSnapshot, RequestError> {
+            workers.iter().find(|w| &w.id == id).ok_or_else(|| {
+                RequestError::Internal(format!("policy chose `{id}`, which is not a candidate"))
+            })
+        };
+        let d = find(&decision.decode)?;
+        let p = decision.prefill.as_ref().map(find).transpose()?;
+
+        let prompt_blocks = input.prompt_blocks();
+        let decode_charge = Charge {
+            prefill_blocks: if p.is_none() {
+                input.uncached_blocks(&d.id)
+            } else {
+                0
+            },
+            active_blocks: prompt_blocks,
+        };
+        let prefill_charge = p.map(|p| {
+            (
+                p.pending_handle.clone(),
+                Charge {
+                    prefill_blocks: input.uncached_blocks(&p.id),
+                    active_blocks: 0,
+                },
+            )
+        });
+        let guard = LoadGuard::new((d.pending_handle.clone(), decode_charge), prefill_charge);
+        Ok(Selection {
+            decode: DecodeTarget {
+                id: d.id.clone(),
+                channel: d.channel.clone(),
+            },
+            prefill: p.map(|p| PrefillTarget {
+                id: p.id.clone(),
+                grpc_address: p.grpc_address.clone(),
+            }),
+            decision,
+            guard,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use ferry_proto::ids::EventId;
+
+    use super::*;
+    use crate::config::PolicyKind;
+    use crate::index::{FlatIndex, Snapshot};
+    use crate::registry::{Registration, RegistryParams};
+
+    fn registry() -> Registry {
+        let r = Registry::new(RegistryParams {
+            index: Arc::new(FlatIndex::new()),
+            heartbeat_timeout: Duration::from_secs(60),
+            page_size: 4,
+        });
+        for (id, role, blocks) in [
+            ("p0", Role::Prefill, vec![]),
+            ("p1", Role::Prefill, vec![1, 2, 3]),
+            ("d0", Role::Decode, vec![]),
+            ("d1", Role::Decode, vec![]),
+        ] {
+            r.register(
+                Registration {
+                    id: WorkerId::from(id),
+                    role,
+                    grpc_address: "127.0.0.1:1".into(),
+                    page_size: 4,
+                    total_blocks: 100,
+                    snapshot: Snapshot {
+                        blocks: blocks.into_iter().map(BlockHash).collect(),
+                        last_event: EventId(0),
+                    },
+                },
+                Instant::now(),
+            )
+            .expect("valid registration");
+        }
+        r
+    }
+
+    #[tokio::test]
+    async fn selection_uses_the_index_and_charges_load_until_dropped() {
+        let selector = Selector::new(registry(), Policy::new(PolicyKind::CacheAware));
+        let hashes: Vec<BlockHash> = [1, 2, 3].into_iter().map(BlockHash).collect();
+        let req = SelectRequest {
+            hashes: &hashes,
+            prompt_tokens: 16,
+            exclude: &[],
+        };
+        let s = selector.select(&req).expect("selection");
+        assert_eq!(s.prefill.as_ref().map(|p| p.id.0.as_str()), Some("p1"));
+        assert_eq!(s.decision.predicted_cached_blocks, 3);
+        let pending = |id: &str| {
+            selector
+                .registry()
+                .healthy_workers(Instant::now())
+                .into_iter()
+                .find(|w| w.id.0 == id)
+                .map(|w| w.pending)
+                .expect("worker")
+        };
+        assert_eq!(pending("p1").prefill_blocks, 1, "4 blocks, 3 cached");
+        assert_eq!(pending(&s.decode.id.0).active_blocks, 4);
+
+        let excluded = [s.decode.id.clone()];
+        let retry = selector
+            .select(&SelectRequest {
+                exclude: &excluded,
+                ..req
+            })
+            .expect("the other decode worker");
+        assert_ne!(retry.decode.id, s.decode.id);
+        drop((s, retry));
+        for w in ["p0", "p1", "d0", "d1"] {
+            assert_eq!(pending(w), Default::default(), "{w}: load released");
+        }
+
+        let both = [WorkerId::from("d0"), WorkerId::from("d1")];
+        let none = selector.select(&SelectRequest {
+            exclude: &both,
+            ..req
+        });
+        assert!(matches!(none, Err(RequestError::NoDecodeWorker)));
+    }
+}

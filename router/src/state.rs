@@ -1,0 +1,115 @@
+//! [`AppState`]: the parts both front doors (gRPC and HTTP) share.
+use std::sync::Arc;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use ferry_model::config::ModelConfig;
+use ferry_model::tokenizer::Tokenizer;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::RouterConfig;
+use crate::dispatch::{Dispatcher, DispatcherParams};
+use crate::error::RouterError;
+use crate::index::FlatIndex;
+use crate::policy::Policy;
+use crate::registry::{Registry, RegistryParams, Role};
+use crate::select::Selector;
+use crate::tokenize::TokenizerPool;
+use crate::validate::{Validator, ValidatorParams};
+
+/// The served model, as listed to clients.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModelInfo {
+    /// The name clients use.
+    pub name: String,
+    /// Longest prompt + completion, in tokens (`max_position_embeddings`).
+    pub context_length: usize,
+    /// Embedding rows; token ids must be below it.
+    pub vocab_size: usize,
+    /// Hugging Face architecture name.
+    pub architecture: &'static str,
+    /// When the router loaded it, in Unix seconds (OpenAI's `created`).
+    pub created: u64,
+}
+
+/// Shared state of one router.
+#[derive(Debug)]
+pub struct AppState {
+    /// The served model.
+    pub model: ModelInfo,
+    /// Turns client requests into valid ones.
+    pub validator: Validator,
+    /// Sends valid requests to workers.
+    pub dispatcher: Dispatcher,
+    /// The workers.
+    pub registry: Registry,
+    drain: CancellationToken,
+}
+
+impl AppState {
+    /// Checks `config`, loads the tokenizer and `config.json` from the model directory (on
+    /// the blocking pool) and builds the registry, index, policy, validator and dispatcher.
+    /// Spawns nothing.
+    pub async fn load(config: &RouterConfig) -> Result<Arc<Self>, RouterError> {
+        config.check()?;
+        let dir = config.model_dir.clone();
+        let loaded = tokio::task::spawn_blocking(move || {
+            let model_error = |source| RouterError::Model {
+                dir: dir.clone(),
+                source,
+            };
+            let tokenizer = Tokenizer::from_dir(&dir).map_err(model_error)?;
+            let model = ModelConfig::from_file(&dir.join("config.json")).map_err(model_error)?;
+            Ok::<_, RouterError>((tokenizer, model))
+        })
+        .await
+        .map_err(|e| RouterError::Task(format!("model loading: {e}")))?;
+        let (tokenizer, model_config) = loaded?;
+        let tokenizer = Arc::new(tokenizer);
+
+        let model = ModelInfo {
+            name: config.model_name(),
+            context_length: model_config.max_position_embeddings,
+            vocab_size: model_config.vocab_size,
+            architecture: ferry_model::config::ARCHITECTURE,
+            created: SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs()),
+        };
+        let registry = Registry::new(RegistryParams {
+            index: Arc::new(FlatIndex::new()),
+            heartbeat_timeout: config.heartbeat_timeout(),
+            page_size: config.page_size,
+        });
+        let validator = Validator::new(ValidatorParams {
+            model_name: model.name.clone(),
+            context_length: model.context_length,
+            vocab_size: model.vocab_size,
+            page_size: config.page_size,
+            tokenizer: TokenizerPool::new(tokenizer.clone()),
+        });
+        let drain = CancellationToken::new();
+        let dispatcher = Dispatcher::new(DispatcherParams {
+            selector: Selector::new(registry.clone(), Policy::new(config.policy)),
+            tokenizer,
+            max_concurrent_requests: config.max_concurrent_requests,
+            drain: drain.clone(),
+        });
+        Ok(Arc::new(Self {
+            model,
+            validator,
+            dispatcher,
+            registry,
+            drain,
+        }))
+    }
+
+    /// Healthy decode workers now.
+    pub fn decode_workers(&self) -> usize {
+        self.registry.count(Role::Decode, Instant::now())
+    }
+
+    /// Ends every open generation stream with an error (shutdown past the drain deadline).
+    pub fn end_open_streams(&self) {
+        self.drain.cancel();
+    }
+}
