@@ -28,6 +28,9 @@ const FILES: &[(&str, &[u8])] = &[
     ),
 ];
 
+/// Name under which the embedded model is served.
+pub const EMBEDDED_MODEL_NAME: &str = "tiny-k3";
+
 /// The model directory to load: `explicit` when given, else the embedded model.
 pub fn model_dir(explicit: Option<&Path>) -> anyhow::Result<PathBuf> {
     if let Some(dir) = explicit {

@@ -2,11 +2,11 @@
 
 use std::time::Duration;
 
+use ferry_kvtransfer::Registration;
 use ferry_model::engine::{EngineHandle, SeqId};
 use ferry_model::kv::BlockId;
 use ferry_proto::internal::prefill_worker_client::PrefillWorkerClient;
 use ferry_proto::internal::{KvDestination, KvLayout, PrefillRequest, Sampling};
-use ferry_kvtransfer::Registration;
 use tracing::warn;
 
 use crate::server::FailurePolicy;
@@ -40,7 +40,10 @@ pub async fn run(job: RemotePrefill, engine: EngineHandle, id: SeqId, policy: Fa
     let result = tokio::time::timeout(job.timeout, call(&job)).await;
     let outcome = match result {
         Ok(r) => r,
-        Err(_) => Err(format!("prefill peer {} timed out after {:?}", job.peer, job.timeout)),
+        Err(_) => Err(format!(
+            "prefill peer {} timed out after {:?}",
+            job.peer, job.timeout
+        )),
     };
     let sent = match outcome {
         Ok(first) => engine.remote_done(id, first),

@@ -4,16 +4,18 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures::Stream;
 use ferry_kvtransfer::{KvLayoutDesc, Registration};
 use ferry_model::engine::{
-    EngineError, EngineEvent, EngineHandle, FinishReason, GenerateJob, Generation,
-    PrefillSource, StopParams,
+    EngineError, EngineEvent, EngineHandle, FinishReason, GenerateJob, Generation, PrefillSource,
+    StopParams,
 };
 use ferry_proto::internal::decode_worker_server::DecodeWorker;
-use ferry_proto::internal::{DecodeRequest, DecodeResponse, GetStatsRequest, KvLayout, WorkerStats};
+use ferry_proto::internal::{
+    DecodeRequest, DecodeResponse, GetStatsRequest, KvLayout, WorkerStats,
+};
 use ferry_proto::v1::FinishReason as WireFinish;
 use ferry_worker::args::{sampling, validate_prompt};
+use futures::Stream;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
@@ -83,7 +85,9 @@ impl DecodeWorker for DecodeService {
             .as_ref()
             .ok_or_else(|| Status::invalid_argument("`stop` is required"))?;
         if stop.max_tokens == 0 {
-            return Err(Status::invalid_argument("`stop.max_tokens` must be >= 1, got 0"));
+            return Err(Status::invalid_argument(
+                "`stop.max_tokens` must be >= 1, got 0",
+            ));
         }
         let max_tokens = stop.max_tokens as usize;
         validate_prompt(self.engine.model_config(), &r.prompt_tokens, max_tokens)?;
@@ -166,7 +170,9 @@ async fn drive(
             e = generation.events.recv() => e,
         };
         let msg = match event {
-            None => Err(Status::internal("the engine ended the request without a reason")),
+            None => Err(Status::internal(
+                "the engine ended the request without a reason",
+            )),
             Some(EngineEvent::Reserved {
                 blocks,
                 cached_tokens,
@@ -185,8 +191,13 @@ async fn drive(
                     timeout: ctx.policy.prefill_timeout,
                 };
                 tokio::spawn(
-                    remote_prefill::run(job, ctx.engine.clone(), generation.id, ctx.policy.on_failure)
-                        .in_current_span(),
+                    remote_prefill::run(
+                        job,
+                        ctx.engine.clone(),
+                        generation.id,
+                        ctx.policy.on_failure,
+                    )
+                    .in_current_span(),
                 );
                 continue;
             }

@@ -12,8 +12,8 @@
 //! | [`embedded`] | where the embedded default model lives |
 pub mod config;
 pub mod deepseek;
-pub mod engine;
 pub mod embedded;
+pub mod engine;
 pub mod error;
 pub mod kv;
 pub mod session;

@@ -6,8 +6,8 @@ use std::time::Duration;
 use ferry_kernels::cpu::sample::SamplingParams;
 use ferry_model::deepseek::DeepseekModel;
 use ferry_model::engine::{
-    EngineConfig, EngineEvent, EngineHandle, FinishReason, GenerateJob, Generation,
-    PrefillSource, StopParams,
+    EngineConfig, EngineEvent, EngineHandle, FinishReason, GenerateJob, Generation, PrefillSource,
+    StopParams,
 };
 use ferry_model::kv::BlockId;
 use ferry_model::tokenizer::Tokenizer;
@@ -77,11 +77,19 @@ async fn wait_idle(e: &EngineHandle) {
 
 fn golden_case(i: usize) -> (Vec<u32>, Vec<u32>) {
     let dir = ferry_model::embedded::default_model_dir().join("golden/cases.json");
-    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir).unwrap()).unwrap();
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir).unwrap()).unwrap();
     let ids = |x: &serde_json::Value| -> Vec<u32> {
-        x.as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect()
+        x.as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_u64().unwrap() as u32)
+            .collect()
     };
-    (ids(&v["cases"][i]["prompt_ids"]), ids(&v["cases"][i]["greedy_ids"]))
+    (
+        ids(&v["cases"][i]["prompt_ids"]),
+        ids(&v["cases"][i]["greedy_ids"]),
+    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -104,15 +112,26 @@ async fn concurrent_requests_match_the_reference_and_free_every_block() {
 async fn a_shared_prefix_is_reused_not_recomputed() {
     let e = engine(128);
     let (long, _) = golden_case(2);
-    let (_, end) = collect(e.generate(job(long.clone(), 2, PrefillSource::Local)).unwrap()).await;
+    let (_, end) = collect(
+        e.generate(job(long.clone(), 2, PrefillSource::Local))
+            .unwrap(),
+    )
+    .await;
     assert!(end.is_ok());
     let before = e.stats().await.unwrap();
     let mut second = long[..150].to_vec();
     second.extend(prompt(" and the LORD said"));
-    let (_, end) = collect(e.generate(job(second.clone(), 2, PrefillSource::Local)).unwrap()).await;
+    let (_, end) = collect(
+        e.generate(job(second.clone(), 2, PrefillSource::Local))
+            .unwrap(),
+    )
+    .await;
     assert!(end.is_ok());
     let after = e.stats().await.unwrap();
-    assert_eq!(after.prefill_reused_tokens - before.prefill_reused_tokens, 128);
+    assert_eq!(
+        after.prefill_reused_tokens - before.prefill_reused_tokens,
+        128
+    );
     assert_eq!(
         after.prefill_computed_tokens - before.prefill_computed_tokens,
         second.len() as u64 - 128
@@ -161,19 +180,32 @@ async fn remote_prefill_gives_the_same_tokens_as_local() {
     let (p, d) = (engine(64), engine(64));
     let (prompt_ids, expected) = golden_case(2);
     let mut g = d
-        .generate(job(prompt_ids.clone(), 32, PrefillSource::Remote { local_threshold: 0 }))
+        .generate(job(
+            prompt_ids.clone(),
+            32,
+            PrefillSource::Remote { local_threshold: 0 },
+        ))
         .unwrap();
-    let Some(EngineEvent::Reserved { blocks, cached_tokens }) = g.events.recv().await else {
+    let Some(EngineEvent::Reserved {
+        blocks,
+        cached_tokens,
+    }) = g.events.recv().await
+    else {
         panic!("expected a reservation");
     };
     assert_eq!(cached_tokens, 0);
-    let first = remote_prefill(&p, &d, prompt_ids, blocks, cached_tokens).await.unwrap();
+    let first = remote_prefill(&p, &d, prompt_ids, blocks, cached_tokens)
+        .await
+        .unwrap();
     d.remote_done(g.id, first).unwrap();
     let (toks, end) = collect(g).await;
     assert_eq!(end, Ok(FinishReason::Length));
     assert_eq!(toks, expected);
     assert_eq!(d.stats().await.unwrap().remote_prefills, 1);
-    assert_eq!(p.stats().await.unwrap().prefill_computed_tokens, golden_case(2).0.len() as u64);
+    assert_eq!(
+        p.stats().await.unwrap().prefill_computed_tokens,
+        golden_case(2).0.len() as u64
+    );
     wait_idle(&d).await;
     wait_idle(&p).await;
 }
@@ -185,14 +217,20 @@ async fn failed_remote_prefill_recomputes_or_fails_by_policy() {
     let remote = PrefillSource::Remote { local_threshold: 0 };
 
     let mut g = d.generate(job(prompt_ids.clone(), 32, remote)).unwrap();
-    assert!(matches!(g.events.recv().await, Some(EngineEvent::Reserved { .. })));
+    assert!(matches!(
+        g.events.recv().await,
+        Some(EngineEvent::Reserved { .. })
+    ));
     d.remote_failed(g.id, true, "peer died".into()).unwrap();
     let (toks, end) = collect(g).await;
     assert_eq!(end, Ok(FinishReason::Length));
     assert_eq!(toks, expected, "recomputed locally");
 
     let mut g = d.generate(job(prompt_ids, 32, remote)).unwrap();
-    assert!(matches!(g.events.recv().await, Some(EngineEvent::Reserved { .. })));
+    assert!(matches!(
+        g.events.recv().await,
+        Some(EngineEvent::Reserved { .. })
+    ));
     d.remote_failed(g.id, false, "peer died".into()).unwrap();
     let (toks, end) = collect(g).await;
     assert!(toks.is_empty());
@@ -206,9 +244,18 @@ async fn failed_remote_prefill_recomputes_or_fails_by_policy() {
 async fn short_uncached_prompts_prefill_locally() {
     let d = engine(64);
     let mut g = d
-        .generate(job(prompt("And God said"), 4, PrefillSource::Remote { local_threshold: 32 }))
+        .generate(job(
+            prompt("And God said"),
+            4,
+            PrefillSource::Remote {
+                local_threshold: 32,
+            },
+        ))
         .unwrap();
-    assert!(matches!(g.events.recv().await, Some(EngineEvent::LocalPrefill { .. })));
+    assert!(matches!(
+        g.events.recv().await,
+        Some(EngineEvent::LocalPrefill { .. })
+    ));
     let (toks, _) = collect(g).await;
     assert_eq!(toks.len(), 4);
     wait_idle(&d).await;
@@ -217,7 +264,9 @@ async fn short_uncached_prompts_prefill_locally() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dropping_the_stream_cancels_and_frees() {
     let d = engine(64);
-    let mut g = d.generate(job(golden_case(2).0, 500, PrefillSource::Local)).unwrap();
+    let mut g = d
+        .generate(job(golden_case(2).0, 500, PrefillSource::Local))
+        .unwrap();
     loop {
         if let Some(EngineEvent::Token(_)) = g.events.recv().await {
             break;
@@ -226,7 +275,11 @@ async fn dropping_the_stream_cancels_and_frees() {
     drop(g);
     wait_idle(&d).await;
     // A fresh request still runs after the cancellation.
-    let (toks, _) = collect(d.generate(job(prompt("And"), 3, PrefillSource::Local)).unwrap()).await;
+    let (toks, _) = collect(
+        d.generate(job(prompt("And"), 3, PrefillSource::Local))
+            .unwrap(),
+    )
+    .await;
     assert_eq!(toks.len(), 3);
 }
 
@@ -235,8 +288,12 @@ async fn a_request_that_cannot_fit_fails_alone() {
     // 4 blocks of 64 = 256 positions: the 211-token prompt + 100 new tokens cannot fit, a small
     // request next to it can.
     let d = engine(4);
-    let big = d.generate(job(golden_case(2).0, 100, PrefillSource::Local)).unwrap();
-    let small = d.generate(job(prompt("And"), 3, PrefillSource::Local)).unwrap();
+    let big = d
+        .generate(job(golden_case(2).0, 100, PrefillSource::Local))
+        .unwrap();
+    let small = d
+        .generate(job(prompt("And"), 3, PrefillSource::Local))
+        .unwrap();
     let (_, end) = collect(big).await;
     assert!(end.unwrap_err().contains("out of KV blocks"));
     let (toks, end) = collect(small).await;

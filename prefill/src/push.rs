@@ -15,9 +15,9 @@ pub fn layer_pusher(
     Box::new(move |layer, blocks, pool| {
         let mut writes = Vec::with_capacity(blocks.len());
         for (j, b) in blocks.iter().enumerate() {
-            let block = *dest
-                .get(dest_first + j)
-                .ok_or_else(|| format!("no destination block for prompt block {}", dest_first + j))?;
+            let block = *dest.get(dest_first + j).ok_or_else(|| {
+                format!("no destination block for prompt block {}", dest_first + j)
+            })?;
             let rows = pool.block(layer, *b).map_err(|e| e.to_string())?;
             let mut data = Vec::with_capacity(rows.len() * 4);
             for v in rows {

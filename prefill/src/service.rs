@@ -67,8 +67,7 @@ impl PrefillService {
                 KvLayoutDesc::try_from(l).map_err(|e| Status::invalid_argument(e.to_string()))
             })?;
         let ours = self.layout();
-        check_compatible(&ours, &theirs)
-            .map_err(|e| Status::failed_precondition(e.to_string()))?;
+        check_compatible(&ours, &theirs).map_err(|e| Status::failed_precondition(e.to_string()))?;
         let page = ours.page_size as usize;
         let skip = r.skip_tokens as usize;
         let prompt_len = r.prompt_tokens.len();

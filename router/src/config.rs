@@ -10,9 +10,7 @@ use std::time::Duration;
 use crate::error::RouterError;
 
 /// Which routing policy picks the (prefill, decode) pair of each request.
-#[derive(
-    Debug, Clone, Copy, PartialEq, Eq, Hash, Default, clap::ValueEnum, serde::Deserialize,
-)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, clap::ValueEnum, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
 #[value(rename_all = "snake_case")]
 pub enum PolicyKind {
@@ -63,7 +61,11 @@ impl FromStr for PolicyKind {
 #[serde(default, deny_unknown_fields)]
 pub struct RouterConfig {
     /// Address of the gRPC server (public Inference, internal Registry, health, reflection).
-    #[arg(long, env = "FERRY_ROUTER_GRPC_ADDR", default_value = "127.0.0.1:50051")]
+    #[arg(
+        long,
+        env = "FERRY_ROUTER_GRPC_ADDR",
+        default_value = "127.0.0.1:50051"
+    )]
     pub grpc_addr: SocketAddr,
 
     /// Address of the OpenAI-compatible HTTP server.
@@ -84,7 +86,11 @@ pub struct RouterConfig {
     pub policy: PolicyKind,
 
     /// A worker whose last heartbeat is older than this is dropped from routing and removed.
-    #[arg(long, env = "FERRY_ROUTER_HEARTBEAT_TIMEOUT_MS", default_value_t = 3000)]
+    #[arg(
+        long,
+        env = "FERRY_ROUTER_HEARTBEAT_TIMEOUT_MS",
+        default_value_t = 3000
+    )]
     pub heartbeat_timeout_ms: u64,
 
     /// Tokens per KV block; must equal every worker's page size (block hashes depend on it).
@@ -92,7 +98,11 @@ pub struct RouterConfig {
     pub page_size: usize,
 
     /// Requests in flight at most; beyond it RESOURCE_EXHAUSTED (gRPC) / 429 (HTTP).
-    #[arg(long, env = "FERRY_ROUTER_MAX_CONCURRENT_REQUESTS", default_value_t = 256)]
+    #[arg(
+        long,
+        env = "FERRY_ROUTER_MAX_CONCURRENT_REQUESTS",
+        default_value_t = 256
+    )]
     pub max_concurrent_requests: usize,
 
     /// On shutdown, how long open streams may run before they are ended with an error.
@@ -131,7 +141,10 @@ impl RouterConfig {
         let positive = [
             ("heartbeat_timeout_ms", self.heartbeat_timeout_ms),
             ("page_size", self.page_size as u64),
-            ("max_concurrent_requests", self.max_concurrent_requests as u64),
+            (
+                "max_concurrent_requests",
+                self.max_concurrent_requests as u64,
+            ),
         ];
         for (field, value) in positive {
             if value == 0 {

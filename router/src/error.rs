@@ -206,7 +206,8 @@ mod tests {
 
     #[test]
     fn codes_are_mapped_once() {
-        let invalid = RequestError::Invalid(ValidationError::new("max_tokens", "must be >= 1, got 0"));
+        let invalid =
+            RequestError::Invalid(ValidationError::new("max_tokens", "must be >= 1, got 0"));
         assert_eq!(invalid.code(), Code::InvalidArgument);
         assert_eq!(invalid.param(), Some("max_tokens"));
         let status = Status::from(invalid);

@@ -58,7 +58,8 @@ impl Inference for InferenceService {
         request: Request<v1::GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
         let params = GenerateParams::from(request.into_inner());
-        let span = tracing::info_span!("generate", request_id = tracing::field::Empty, api = "grpc");
+        let span =
+            tracing::info_span!("generate", request_id = tracing::field::Empty, api = "grpc");
         let state = self.state.clone();
         let started = async move {
             let valid = state.validator.validate(params).await?;

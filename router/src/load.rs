@@ -121,7 +121,10 @@ mod tests {
 
     #[test]
     fn charges_release_in_phases_and_on_drop() {
-        let (p, d) = (Arc::new(PendingLoad::default()), Arc::new(PendingLoad::default()));
+        let (p, d) = (
+            Arc::new(PendingLoad::default()),
+            Arc::new(PendingLoad::default()),
+        );
         let mut guard = LoadGuard::new(
             (
                 d.clone(),
@@ -139,11 +142,14 @@ mod tests {
             )),
         );
         assert_eq!(p.snapshot().prefill_blocks, 3);
-        assert_eq!(d.snapshot(), PendingSnapshot {
-            prefill_blocks: 2,
-            active_blocks: 5,
-            requests: 1
-        });
+        assert_eq!(
+            d.snapshot(),
+            PendingSnapshot {
+                prefill_blocks: 2,
+                active_blocks: 5,
+                requests: 1
+            }
+        );
         guard.prefill_done();
         guard.prefill_done();
         assert_eq!(p.snapshot(), PendingSnapshot::default());

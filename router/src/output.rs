@@ -144,7 +144,9 @@ mod tests {
             assert_eq!(e.finish, None);
             text.push_str(&e.text);
         }
-        let e = out.on_tokens(&[*last], Some(FinishReason::Length)).expect("last");
+        let e = out
+            .on_tokens(&[*last], Some(FinishReason::Length))
+            .expect("last");
         text.push_str(&e.text);
         assert_eq!(text, tok.decode(&ids, true).expect("decode"));
         assert_eq!(e.finish, Some(FinishReason::Length));

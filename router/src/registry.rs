@@ -147,7 +147,10 @@ impl TryFrom<internal::KvEvent> for KvEvent {
             None => {
                 return Err(RegistryError::invalid(
                     "events.data",
-                    format!("must be `stored` or `removed`, got neither in event {}", e.event_id),
+                    format!(
+                        "must be `stored` or `removed`, got neither in event {}",
+                        e.event_id
+                    ),
                 ))
             }
         };
@@ -375,8 +378,7 @@ impl Registry {
             .workers
             .iter()
             .filter(|e| {
-                e.role == role
-                    && now.saturating_duration_since(e.last_seen) <= self.inner.timeout
+                e.role == role && now.saturating_duration_since(e.last_seen) <= self.inner.timeout
             })
             .count()
     }
@@ -399,7 +401,10 @@ fn connect_lazy(address: &str) -> Result<Channel, RegistryError> {
         format!("http://{address}")
     };
     let endpoint = Endpoint::from_shared(uri).map_err(|e| {
-        RegistryError::invalid("grpc_address", format!("must be host:port, got {address:?}: {e}"))
+        RegistryError::invalid(
+            "grpc_address",
+            format!("must be host:port, got {address:?}: {e}"),
+        )
     })?;
     Ok(endpoint
         .connect_timeout(Duration::from_secs(2))
@@ -435,9 +440,9 @@ impl registry_server::Registry for RegistryService {
             reg.grpc_address.clone(),
             reg.snapshot.blocks.len(),
         );
-        self.registry.register(reg, Instant::now()).inspect_err(
-            |e| tracing::warn!(worker = %id, error = %e, "registration refused"),
-        )?;
+        self.registry
+            .register(reg, Instant::now())
+            .inspect_err(|e| tracing::warn!(worker = %id, error = %e, "registration refused"))?;
         tracing::info!(worker = %id, %role, %address, cached_blocks = blocks, "worker registered");
         let interval = self.registry.heartbeat_interval().as_millis();
         Ok(Response::new(internal::RegisterResponse {
@@ -516,11 +521,16 @@ mod tests {
     async fn register_heartbeat_reap() {
         let r = registry();
         let t0 = Instant::now();
-        r.register(reg("d0", Role::Decode, &[1, 2]), t0).expect("valid");
-        r.register(reg("p0", Role::Prefill, &[]), t0).expect("valid");
+        r.register(reg("d0", Role::Decode, &[1, 2]), t0)
+            .expect("valid");
+        r.register(reg("p0", Role::Prefill, &[]), t0)
+            .expect("valid");
         assert_eq!(r.count(Role::Decode, t0), 1);
         let d0 = WorkerId::from("d0");
-        assert_eq!(r.index().matched_blocks(&d0, &[BlockHash(1), BlockHash(2)]), 2);
+        assert_eq!(
+            r.index().matched_blocks(&d0, &[BlockHash(1), BlockHash(2)]),
+            2
+        );
 
         let t1 = t0 + Duration::from_millis(80);
         assert!(r.heartbeat(&d0, WorkerLoad::default(), t1));
@@ -531,7 +541,11 @@ mod tests {
 
         let t3 = t1 + Duration::from_millis(101);
         assert_eq!(r.reap(t3), vec![d0.clone()]);
-        assert_eq!(r.index().matched_blocks(&d0, &[BlockHash(1)]), 0, "index cleared");
+        assert_eq!(
+            r.index().matched_blocks(&d0, &[BlockHash(1)]),
+            0,
+            "index cleared"
+        );
     }
 
     #[tokio::test]
@@ -543,10 +557,15 @@ mod tests {
             data: KvEventData::Stored(vec![BlockHash(9)]),
         };
         assert!(r.publish(&d0, &[ev(1)]).is_err());
-        r.register(reg("d0", Role::Decode, &[]), Instant::now()).expect("valid");
+        r.register(reg("d0", Role::Decode, &[]), Instant::now())
+            .expect("valid");
         assert!(r.publish(&d0, &[ev(4)]).is_ok());
-        assert!(matches!(r.publish(&d0, &[ev(6)]), Err(OutOfSync::Gap { .. })));
-        r.register(reg("d0", Role::Decode, &[9]), Instant::now()).expect("valid");
+        assert!(matches!(
+            r.publish(&d0, &[ev(6)]),
+            Err(OutOfSync::Gap { .. })
+        ));
+        r.register(reg("d0", Role::Decode, &[9]), Instant::now())
+            .expect("valid");
         assert!(r.publish(&d0, &[ev(4)]).is_ok());
     }
 

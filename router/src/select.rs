@@ -81,7 +81,9 @@ impl Selector {
         let candidates = |role: Role| -> Vec<Candidate> {
             workers
                 .iter()
-                .filter(|w| w.role == role && !(role == Role::Decode && req.exclude.contains(&w.id)))
+                .filter(|w| {
+                    w.role == role && !(role == Role::Decode && req.exclude.contains(&w.id))
+                })
                 .map(|w| Candidate {
                     id: w.id.clone(),
                     load: w.load,

@@ -223,5 +223,10 @@ impl BoundRouter {
 
 /// Loads, binds and runs a router until `shutdown` is cancelled.
 pub async fn serve(config: RouterConfig, shutdown: CancellationToken) -> Result<(), RouterError> {
-    Router::load(config).await?.bind().await?.run(shutdown).await
+    Router::load(config)
+        .await?
+        .bind()
+        .await?
+        .run(shutdown)
+        .await
 }

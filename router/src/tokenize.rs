@@ -64,14 +64,18 @@ impl TokenizerPool {
                 PromptInput::Text(text) => tokenizer.encode(&text, true).map_err(internal)?,
                 PromptInput::Tokens(ids) => ids,
                 PromptInput::Chat(messages) => {
-                    let text = tokenizer
-                        .apply_chat_template(&messages, true)
-                        .map_err(|e| match e {
-                            ModelError::ChatTemplate(msg) => RequestError::Invalid(
-                                ValidationError::new("messages", format!("cannot be rendered: {msg}")),
-                            ),
-                            other => internal(other),
-                        })?;
+                    let text =
+                        tokenizer
+                            .apply_chat_template(&messages, true)
+                            .map_err(|e| match e {
+                                ModelError::ChatTemplate(msg) => {
+                                    RequestError::Invalid(ValidationError::new(
+                                        "messages",
+                                        format!("cannot be rendered: {msg}"),
+                                    ))
+                                }
+                                other => internal(other),
+                            })?;
                     tokenizer.encode(&text, false).map_err(internal)?
                 }
             };
@@ -88,7 +92,12 @@ impl TokenizerPool {
         add_special_tokens: bool,
     ) -> Result<Vec<u32>, RequestError> {
         let tokenizer = self.tokenizer.clone();
-        blocking(move || tokenizer.encode(&text, add_special_tokens).map_err(internal)).await
+        blocking(move || {
+            tokenizer
+                .encode(&text, add_special_tokens)
+                .map_err(internal)
+        })
+        .await
     }
 }
 

@@ -95,13 +95,15 @@ impl From<v1::GenerateRequest> for GenerateParams {
             ),
             None => PromptInput::Text(String::new()),
         };
-        let sampling = r.sampling.map_or_else(SamplingInput::default, |s| SamplingInput {
-            temperature: s.temperature.map(f64::from),
-            top_k: s.top_k.map(i64::from),
-            top_p: s.top_p.map(f64::from),
-            min_p: s.min_p.map(f64::from),
-            seed: s.seed,
-        });
+        let sampling = r
+            .sampling
+            .map_or_else(SamplingInput::default, |s| SamplingInput {
+                temperature: s.temperature.map(f64::from),
+                top_k: s.top_k.map(i64::from),
+                top_p: s.top_p.map(f64::from),
+                min_p: s.min_p.map(f64::from),
+                seed: s.seed,
+            });
         let (max_tokens, stop, ignore_eos) = match r.stop {
             Some(s) => (Some(i64::from(s.max_tokens)), s.stop, s.ignore_eos),
             None => (None, Vec::new(), false),
@@ -231,7 +233,9 @@ impl Validator {
         let sampling = resolve_sampling(&p.sampling)?;
         if let Some(n) = p.max_tokens {
             if n < 1 {
-                return Err(ValidationError::new("max_tokens", format!("must be >= 1, got {n}")).into());
+                return Err(
+                    ValidationError::new("max_tokens", format!("must be >= 1, got {n}")).into(),
+                );
             }
         }
         let stop = check_stop(p.stop)?;
@@ -245,7 +249,11 @@ impl Validator {
         if prepared.tokens.is_empty() {
             return Err(ValidationError::new("prompt", "must not be empty, got 0 tokens").into());
         }
-        let max_tokens = fit_context(prepared.tokens.len(), p.max_tokens, self.params.context_length)?;
+        let max_tokens = fit_context(
+            prepared.tokens.len(),
+            p.max_tokens,
+            self.params.context_length,
+        )?;
         let id = p
             .request_id
             .map(RequestId)
@@ -284,15 +292,24 @@ pub fn resolve_sampling(s: &SamplingInput) -> Result<Sampling, ValidationError> 
     }
     let top_k = s.top_k.unwrap_or(0);
     let top_k = u32::try_from(top_k).map_err(|_| {
-        ValidationError::new("top_k", format!("must be in [0, {}], got {top_k}", u32::MAX))
+        ValidationError::new(
+            "top_k",
+            format!("must be in [0, {}], got {top_k}", u32::MAX),
+        )
     })?;
     let top_p = s.top_p.unwrap_or(1.0);
     if !(top_p > 0.0 && top_p <= 1.0) {
-        return Err(ValidationError::new("top_p", format!("must be in (0, 1], got {top_p}")));
+        return Err(ValidationError::new(
+            "top_p",
+            format!("must be in (0, 1], got {top_p}"),
+        ));
     }
     let min_p = s.min_p.unwrap_or(0.0);
     if !(0.0..=1.0).contains(&min_p) {
-        return Err(ValidationError::new("min_p", format!("must be in [0, 1], got {min_p}")));
+        return Err(ValidationError::new(
+            "min_p",
+            format!("must be in [0, 1], got {min_p}"),
+        ));
     }
     Ok(Sampling {
         temperature: temperature as f32,
@@ -308,7 +325,10 @@ pub fn check_stop(stop: Vec<String>) -> Result<Vec<String>, ValidationError> {
     if stop.len() > MAX_STOP_STRINGS {
         return Err(ValidationError::new(
             "stop",
-            format!("must have at most {MAX_STOP_STRINGS} strings, got {}", stop.len()),
+            format!(
+                "must have at most {MAX_STOP_STRINGS} strings, got {}",
+                stop.len()
+            ),
         ));
     }
     if let Some(i) = stop.iter().position(String::is_empty) {
@@ -322,9 +342,10 @@ pub fn check_stop(stop: Vec<String>) -> Result<Vec<String>, ValidationError> {
 
 fn check_prompt_shape(prompt: &PromptInput, vocab_size: usize) -> Result<(), ValidationError> {
     match prompt {
-        PromptInput::Text(t) if t.is_empty() => {
-            Err(ValidationError::new("prompt", "must not be empty, got \"\""))
-        }
+        PromptInput::Text(t) if t.is_empty() => Err(ValidationError::new(
+            "prompt",
+            "must not be empty, got \"\"",
+        )),
         PromptInput::Tokens(ids) if ids.is_empty() => {
             Err(ValidationError::new("prompt", "must not be empty, got []"))
         }
@@ -338,9 +359,10 @@ fn check_prompt_shape(prompt: &PromptInput, vocab_size: usize) -> Result<(), Val
             )),
             None => Ok(()),
         },
-        PromptInput::Chat(m) if m.is_empty() => {
-            Err(ValidationError::new("messages", "must not be empty, got []"))
-        }
+        PromptInput::Chat(m) if m.is_empty() => Err(ValidationError::new(
+            "messages",
+            "must not be empty, got []",
+        )),
         _ => Ok(()),
     }
 }
@@ -367,7 +389,10 @@ pub fn fit_context(
         None => i64::try_from(room).unwrap_or(i64::MAX),
     };
     if n < 1 {
-        return Err(ValidationError::new("max_tokens", format!("must be >= 1, got {n}")));
+        return Err(ValidationError::new(
+            "max_tokens",
+            format!("must be >= 1, got {n}"),
+        ));
     }
     if n as u64 > room as u64 {
         return Err(ValidationError::new(
@@ -441,7 +466,11 @@ mod tests {
         let mut p = params(PromptInput::Chat(vec![ChatMessage::new("user", "hi")]));
         p.max_tokens = None;
         let v = validator().validate(p).await.expect("valid");
-        assert_eq!(v.max_tokens() as usize, 1024 - v.prompt().len(), "rest of the context");
+        assert_eq!(
+            v.max_tokens() as usize,
+            1024 - v.prompt().len(),
+            "rest of the context"
+        );
 
         let bad = params(PromptInput::Chat(vec![ChatMessage::new("wizard", "hi")]));
         let (field, msg) = field_of(bad).await;
@@ -495,12 +524,54 @@ mod tests {
         let ok = resolve_sampling(&SamplingInput::default()).expect("defaults");
         assert_eq!((ok.top_k, ok.min_p, ok.seed), (0, 0.0, None));
         let cases = [
-            (SamplingInput { temperature: Some(-1.0), ..Default::default() }, "temperature", "got -1"),
-            (SamplingInput { temperature: Some(f64::NAN), ..Default::default() }, "temperature", "got NaN"),
-            (SamplingInput { top_p: Some(1.5), ..Default::default() }, "top_p", "got 1.5"),
-            (SamplingInput { top_p: Some(0.0), ..Default::default() }, "top_p", "got 0"),
-            (SamplingInput { min_p: Some(2.0), ..Default::default() }, "min_p", "got 2"),
-            (SamplingInput { top_k: Some(-1), ..Default::default() }, "top_k", "got -1"),
+            (
+                SamplingInput {
+                    temperature: Some(-1.0),
+                    ..Default::default()
+                },
+                "temperature",
+                "got -1",
+            ),
+            (
+                SamplingInput {
+                    temperature: Some(f64::NAN),
+                    ..Default::default()
+                },
+                "temperature",
+                "got NaN",
+            ),
+            (
+                SamplingInput {
+                    top_p: Some(1.5),
+                    ..Default::default()
+                },
+                "top_p",
+                "got 1.5",
+            ),
+            (
+                SamplingInput {
+                    top_p: Some(0.0),
+                    ..Default::default()
+                },
+                "top_p",
+                "got 0",
+            ),
+            (
+                SamplingInput {
+                    min_p: Some(2.0),
+                    ..Default::default()
+                },
+                "min_p",
+                "got 2",
+            ),
+            (
+                SamplingInput {
+                    top_k: Some(-1),
+                    ..Default::default()
+                },
+                "top_k",
+                "got -1",
+            ),
         ];
         for (input, field, value) in cases {
             let err = resolve_sampling(&input).expect_err(field);
@@ -521,7 +592,9 @@ mod tests {
     fn grpc_requests_convert_without_checks() {
         let wire = v1::GenerateRequest {
             model: "m".into(),
-            input: Some(v1::generate_request::Input::Tokens(v1::TokenIds { ids: vec![1, 2] })),
+            input: Some(v1::generate_request::Input::Tokens(v1::TokenIds {
+                ids: vec![1, 2],
+            })),
             sampling: Some(v1::SamplingParams {
                 temperature: Some(0.5),
                 ..Default::default()

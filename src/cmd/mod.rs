@@ -1,3 +1,5 @@
 //! One module per subcommand.
 pub mod bench_engine;
 pub mod generate;
+pub mod serve;
+pub mod up;

@@ -77,7 +77,9 @@ impl WorkerArgs {
 /// `extra` more positions inside the context. Errors name the field.
 pub fn validate_prompt(cfg: &ModelConfig, prompt: &[u32], extra: usize) -> Result<(), Status> {
     if prompt.is_empty() {
-        return Err(Status::invalid_argument("`prompt_tokens` must not be empty"));
+        return Err(Status::invalid_argument(
+            "`prompt_tokens` must not be empty",
+        ));
     }
     if let Some(t) = prompt.iter().find(|&&t| t as usize >= cfg.vocab_size) {
         return Err(Status::invalid_argument(format!(

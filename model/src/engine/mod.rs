@@ -370,7 +370,12 @@ impl EngineHandle {
     }
 
     /// The peer or the transfer failed for `id`: recompute locally, or fail the request.
-    pub fn remote_failed(&self, id: SeqId, recompute: bool, reason: String) -> Result<(), EngineError> {
+    pub fn remote_failed(
+        &self,
+        id: SeqId,
+        recompute: bool,
+        reason: String,
+    ) -> Result<(), EngineError> {
         self.send(Command::RemoteFailed {
             id,
             recompute,

@@ -585,7 +585,11 @@ impl Scheduler {
     }
 
     fn snapshot_stats(&self) -> EngineStats {
-        let queued: usize = self.waiting.iter().map(Sequence::remaining_prompt).sum::<usize>()
+        let queued: usize = self
+            .waiting
+            .iter()
+            .map(Sequence::remaining_prompt)
+            .sum::<usize>()
             + self
                 .prefills
                 .iter()

@@ -7,7 +7,9 @@ use axum::Json;
 use futures::StreamExt;
 
 use super::error::{ApiError, ApiJson};
-use super::openai::{finish_str, CompletionChoice, CompletionRequest, CompletionResponse, UsageOut};
+use super::openai::{
+    finish_str, CompletionChoice, CompletionRequest, CompletionResponse, UsageOut,
+};
 use super::sse::{self, Chunk};
 use super::{reject, start, Meta};
 use crate::dispatch::GenerationStream;

@@ -70,7 +70,11 @@ struct Inner<'a> {
 
 impl ApiError {
     /// A 400 on `param`.
-    pub fn bad_request(message: impl Into<String>, param: Option<String>, code: &'static str) -> Self {
+    pub fn bad_request(
+        message: impl Into<String>,
+        param: Option<String>,
+        code: &'static str,
+    ) -> Self {
         Self {
             status: StatusCode::BAD_REQUEST,
             message: message.into(),
@@ -128,12 +132,14 @@ where
     type Rejection = ApiError;
 
     async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
-        let bytes = Bytes::from_request(req, state).await.map_err(|e| ApiError {
-            status: e.status(),
-            message: e.body_text(),
-            param: None,
-            code: "invalid_body",
-        })?;
+        let bytes = Bytes::from_request(req, state)
+            .await
+            .map_err(|e| ApiError {
+                status: e.status(),
+                message: e.body_text(),
+                param: None,
+                code: "invalid_body",
+            })?;
         parse_json(&bytes).map(ApiJson)
     }
 }
@@ -153,7 +159,11 @@ fn path_error(e: serde_path_to_error::Error<serde_json::Error>) -> ApiError {
     let inner = e.into_inner();
     match inner.classify() {
         serde_json::error::Category::Syntax | serde_json::error::Category::Eof => {
-            ApiError::bad_request(format!("malformed JSON body: {inner}"), None, "invalid_json")
+            ApiError::bad_request(
+                format!("malformed JSON body: {inner}"),
+                None,
+                "invalid_json",
+            )
         }
         serde_json::error::Category::Io | serde_json::error::Category::Data => {
             let message = inner.to_string();
@@ -206,6 +216,9 @@ mod tests {
         assert_eq!(body["error"]["type"], "invalid_request_error");
         assert_eq!(body["error"]["param"], "top_p");
         assert_eq!(body["error"]["message"], "`top_p` must be in (0, 1], got 2");
-        assert_eq!(http_status(Code::ResourceExhausted), StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(
+            http_status(Code::ResourceExhausted),
+            StatusCode::TOO_MANY_REQUESTS
+        );
     }
 }

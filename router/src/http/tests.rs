@@ -25,7 +25,10 @@ async fn send(state: &Arc<AppState>, method: &str, uri: &str, body: &str) -> (St
         .header("content-type", "application/json")
         .body(Body::from(body.to_string()))
         .expect("request");
-    let response = app(state.clone()).oneshot(request).await.expect("infallible");
+    let response = app(state.clone())
+        .oneshot(request)
+        .await
+        .expect("infallible");
     let status = response.status();
     let bytes = response
         .into_body()
@@ -55,25 +58,65 @@ async fn completion_validation_errors_are_400_naming_the_field() {
     let cases: Vec<(&str, Value, &str)> = vec![
         ("empty prompt", json!({"prompt": ""}), "prompt"),
         ("empty token prompt", json!({"prompt": []}), "prompt"),
-        ("max_tokens 0", json!({"prompt": "hi", "max_tokens": 0}), "max_tokens"),
-        ("max_tokens negative", json!({"prompt": "hi", "max_tokens": -3}), "max_tokens"),
-        ("max_tokens beyond context", json!({"prompt": "hi", "max_tokens": 5000}), "max_tokens"),
-        ("temperature < 0", json!({"prompt": "hi", "temperature": -0.5}), "temperature"),
+        (
+            "max_tokens 0",
+            json!({"prompt": "hi", "max_tokens": 0}),
+            "max_tokens",
+        ),
+        (
+            "max_tokens negative",
+            json!({"prompt": "hi", "max_tokens": -3}),
+            "max_tokens",
+        ),
+        (
+            "max_tokens beyond context",
+            json!({"prompt": "hi", "max_tokens": 5000}),
+            "max_tokens",
+        ),
+        (
+            "temperature < 0",
+            json!({"prompt": "hi", "temperature": -0.5}),
+            "temperature",
+        ),
         ("top_p > 1", json!({"prompt": "hi", "top_p": 1.5}), "top_p"),
         ("top_p 0", json!({"prompt": "hi", "top_p": 0}), "top_p"),
         ("min_p > 1", json!({"prompt": "hi", "min_p": 2}), "min_p"),
         ("top_k < 0", json!({"prompt": "hi", "top_k": -1}), "top_k"),
-        ("unknown model", json!({"prompt": "hi", "model": "gpt-4"}), "model"),
-        ("too many stops", json!({"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}), "stop"),
+        (
+            "unknown model",
+            json!({"prompt": "hi", "model": "gpt-4"}),
+            "model",
+        ),
+        (
+            "too many stops",
+            json!({"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}),
+            "stop",
+        ),
         ("empty stop", json!({"prompt": "hi", "stop": ""}), "stop"),
         ("n > 1", json!({"prompt": "hi", "n": 2}), "n"),
         ("prompt batch", json!({"prompt": ["a", "b"]}), "prompt"),
-        ("token out of vocab", json!({"prompt": [1, 99999]}), "prompt"),
-        ("wrong type max_tokens", json!({"prompt": "hi", "max_tokens": "ten"}), "max_tokens"),
-        ("wrong type temperature", json!({"prompt": "hi", "temperature": "hot"}), "temperature"),
+        (
+            "token out of vocab",
+            json!({"prompt": [1, 99999]}),
+            "prompt",
+        ),
+        (
+            "wrong type max_tokens",
+            json!({"prompt": "hi", "max_tokens": "ten"}),
+            "max_tokens",
+        ),
+        (
+            "wrong type temperature",
+            json!({"prompt": "hi", "temperature": "hot"}),
+            "temperature",
+        ),
         ("wrong type prompt", json!({"prompt": 42}), "prompt"),
         ("missing prompt", json!({"max_tokens": 3}), "prompt"),
-        ("wrong type stream", json!({"prompt": "hi", "stream": "yes"}), "stream"),
+        (
+            "wrong type stream",
+            json!({"prompt": "hi", "stream": "yes"}),
+            "stream",
+        ),
     ];
     for (case, body, field) in cases {
         let got = send(&s, "POST", "/v1/completions", &body.to_string()).await;
@@ -89,7 +132,10 @@ async fn completion_validation_errors_are_400_naming_the_field() {
     .await;
     assert_invalid("prompt beyond context", (status, body.clone()), "prompt");
     let message = body["error"]["message"].as_str().unwrap_or_default();
-    assert!(message.contains("1100") && message.contains("1024"), "{message}");
+    assert!(
+        message.contains("1100") && message.contains("1024"),
+        "{message}"
+    );
 }
 
 #[tokio::test]
@@ -104,7 +150,10 @@ async fn malformed_json_is_an_openai_shaped_400() {
     ] {
         let (status, body) = send(&s, "POST", "/v1/completions", raw).await;
         assert_eq!(status, StatusCode::BAD_REQUEST, "{case}: {body}");
-        assert_eq!(body["error"]["type"], "invalid_request_error", "{case}: {body}");
+        assert_eq!(
+            body["error"]["type"], "invalid_request_error",
+            "{case}: {body}"
+        );
         assert!(body["error"]["message"].is_string(), "{case}: {body}");
     }
 }
@@ -116,14 +165,46 @@ async fn chat_validation_errors_are_400_naming_the_field() {
     let cases: Vec<(&str, Value, &str)> = vec![
         ("empty messages", json!({"messages": []}), "messages"),
         ("missing messages", json!({"max_tokens": 3}), "messages"),
-        ("unknown role", json!({"messages": [{"role": "wizard", "content": "x"}]}), "messages"),
-        ("image part", json!({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}), "messages"),
-        ("max_tokens 0", json!({"messages": user, "max_tokens": 0}), "max_tokens"),
-        ("max_completion_tokens 0", json!({"messages": user, "max_completion_tokens": 0}), "max_tokens"),
-        ("max_tokens beyond context", json!({"messages": user, "max_tokens": 4096}), "max_tokens"),
-        ("temperature < 0", json!({"messages": user, "temperature": -1}), "temperature"),
-        ("top_p > 1", json!({"messages": user, "top_p": 1.01}), "top_p"),
-        ("unknown model", json!({"messages": user, "model": "other"}), "model"),
+        (
+            "unknown role",
+            json!({"messages": [{"role": "wizard", "content": "x"}]}),
+            "messages",
+        ),
+        (
+            "image part",
+            json!({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
+            "messages",
+        ),
+        (
+            "max_tokens 0",
+            json!({"messages": user, "max_tokens": 0}),
+            "max_tokens",
+        ),
+        (
+            "max_completion_tokens 0",
+            json!({"messages": user, "max_completion_tokens": 0}),
+            "max_tokens",
+        ),
+        (
+            "max_tokens beyond context",
+            json!({"messages": user, "max_tokens": 4096}),
+            "max_tokens",
+        ),
+        (
+            "temperature < 0",
+            json!({"messages": user, "temperature": -1}),
+            "temperature",
+        ),
+        (
+            "top_p > 1",
+            json!({"messages": user, "top_p": 1.01}),
+            "top_p",
+        ),
+        (
+            "unknown model",
+            json!({"messages": user, "model": "other"}),
+            "model",
+        ),
         ("wrong type messages", json!({"messages": "hi"}), "messages"),
     ];
     for (case, body, field) in cases {
@@ -138,8 +219,14 @@ async fn chat_validation_errors_are_400_naming_the_field() {
 async fn a_valid_request_without_workers_is_503() {
     let s = state().await;
     for (uri, body) in [
-        ("/v1/completions", json!({"prompt": "hello", "model": "tiny-k3"})),
-        ("/v1/chat/completions", json!({"messages": [{"role": "user", "content": "hi"}], "stream": true})),
+        (
+            "/v1/completions",
+            json!({"prompt": "hello", "model": "tiny-k3"}),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "hi"}], "stream": true}),
+        ),
     ] {
         let (status, body) = send(&s, "POST", uri, &body.to_string()).await;
         assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{uri}: {body}");

@@ -60,11 +60,13 @@ pub enum Sequence {
 
 /// Classifies event `got` after `last`.
 pub fn sequence(last: EventId, got: EventId) -> Sequence {
+    if got <= last {
+        return Sequence::Replay;
+    }
+    // `got > last`, so `last < u64::MAX` and `last + 1` cannot overflow.
     let expected = EventId(last.0.saturating_add(1));
     if got == expected {
         Sequence::Next
-    } else if got <= last {
-        Sequence::Replay
     } else {
         Sequence::Gap { expected }
     }
@@ -116,6 +118,9 @@ mod tests {
                 expected: EventId(6)
             }
         );
-        assert_eq!(sequence(EventId(u64::MAX), EventId(u64::MAX)), Sequence::Replay);
+        assert_eq!(
+            sequence(EventId(u64::MAX), EventId(u64::MAX)),
+            Sequence::Replay
+        );
     }
 }

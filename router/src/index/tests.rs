@@ -141,12 +141,19 @@ fn contract(index: &dyn PrefixIndex) {
     );
     index.replace(&b, Snapshot::default());
     assert_eq!(index.matched_blocks(&a, &hs(&[1, 2, 3, 4])), 3);
-    assert_eq!(index.matched_blocks(&a, &hs(&[1, 9, 3])), 1, "leading run only");
+    assert_eq!(
+        index.matched_blocks(&a, &hs(&[1, 9, 3])),
+        1,
+        "leading run only"
+    );
     assert_eq!(index.matched_blocks(&a, &[]), 0);
     assert_eq!(index.last_event(&a), Some(EventId(10)));
 
     let done = index
-        .apply(&b, &[stored(1, &[1, 2]), removed(2, &[2]), stored(3, &[2, 7])])
+        .apply(
+            &b,
+            &[stored(1, &[1, 2]), removed(2, &[2]), stored(3, &[2, 7])],
+        )
         .expect("in order");
     assert_eq!(done.applied, 3);
     assert_eq!(index.matched_blocks(&b, &hs(&[1, 2, 7])), 3);
@@ -167,7 +174,11 @@ fn contract(index: &dyn PrefixIndex) {
     // A gap: out of sync until a snapshot arrives.
     assert!(matches!(
         index.apply(&b, &[stored(6, &[8])]),
-        Err(OutOfSync::Gap { expected: EventId(5), got: EventId(6), .. })
+        Err(OutOfSync::Gap {
+            expected: EventId(5),
+            got: EventId(6),
+            ..
+        })
     ));
     assert!(matches!(
         index.apply(&b, &[stored(5, &[8])]),

@@ -31,7 +31,12 @@ impl SelectPolicy for CacheAware {
         let prefill = input
             .prefill
             .iter()
-            .map(|p| (p.queued_prefill_blocks(page) + input.uncached_blocks(&p.id), p))
+            .map(|p| {
+                (
+                    p.queued_prefill_blocks(page) + input.uncached_blocks(&p.id),
+                    p,
+                )
+            })
             .min_by(|a, b| by_cost(*a, *b))
             .map(|(_, p)| p);
 
@@ -134,7 +139,9 @@ mod tests {
         for _ in 0..6 {
             let d = CacheAware.select(&c.input(10 * 64)).expect("pair");
             c.charge(&d, 10 * 64);
-            *count.entry(d.prefill.clone().expect("prefill")).or_default() += 1;
+            *count
+                .entry(d.prefill.clone().expect("prefill"))
+                .or_default() += 1;
             *count.entry(d.decode.clone()).or_default() += 1;
         }
         for w in ["p0", "p1", "d0", "d1"] {

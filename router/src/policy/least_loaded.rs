@@ -39,10 +39,18 @@ mod tests {
             page_size: 64,
         };
         let d = LeastLoaded.select(&c.input(640)).expect("pair");
-        assert_eq!(d.prefill, Some(WorkerId::from("p1")), "p0 holds the prefix but is queued");
+        assert_eq!(
+            d.prefill,
+            Some(WorkerId::from("p1")),
+            "p0 holds the prefix but is queued"
+        );
         assert_eq!(d.decode, WorkerId::from("d1"));
         c.charge(&d, 640);
         let d = LeastLoaded.select(&c.input(640)).expect("pair");
-        assert_eq!(d.decode, WorkerId::from("d0"), "ties on requests, then blocks");
+        assert_eq!(
+            d.decode,
+            WorkerId::from("d0"),
+            "ties on requests, then blocks"
+        );
     }
 }
