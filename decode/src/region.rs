@@ -31,7 +31,7 @@ impl EngineRegion {
 
 impl KvRegion for EngineRegion {
     fn layout(&self) -> KvLayoutDesc {
-        self.layout.clone()
+        self.layout
     }
 
     fn write(&self, layer: u32, block: u32, data: &[u8]) -> Result<(), TransferError> {

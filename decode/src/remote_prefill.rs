@@ -66,7 +66,7 @@ async fn call(job: &RemotePrefill) -> Result<u32, String> {
         .prefill(PrefillRequest {
             request_id: job.request_id.clone(),
             prompt_tokens: job.prompt.clone(),
-            sampling: Some(job.sampling.clone()),
+            sampling: Some(job.sampling),
             skip_tokens: u32::try_from(job.cached_tokens).map_err(|e| e.to_string())?,
             destination: Some(KvDestination {
                 transfer_address: job.registration.address.clone(),

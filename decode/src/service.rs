@@ -121,7 +121,7 @@ impl DecodeWorker for DecodeService {
             request: r,
             peer,
             registration: self.registration.clone(),
-            layout: self.layout.clone(),
+            layout: self.layout,
             policy: self.policy.clone(),
         };
         let span = info_span!("decode", request_id = %ctx.request.request_id);
@@ -183,11 +183,11 @@ async fn drive(
                     request_id: ctx.request.request_id.clone(),
                     peer: ctx.peer.clone().unwrap_or_default(),
                     prompt: ctx.request.prompt_tokens.clone(),
-                    sampling: ctx.request.sampling.clone().unwrap_or_default(),
+                    sampling: ctx.request.sampling.unwrap_or_default(),
                     blocks,
                     cached_tokens,
                     registration: ctx.registration.clone(),
-                    layout: KvLayout::from(&ctx.layout),
+                    layout: KvLayout::from(ctx.layout),
                     timeout: ctx.policy.prefill_timeout,
                 };
                 tokio::spawn(

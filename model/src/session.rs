@@ -12,12 +12,21 @@ use crate::ModelError;
 pub struct Session {
     table: BlockTable,
     tokens: Vec<u32>,
+    policy: FormPolicy,
 }
 
 impl Session {
-    /// An empty sequence.
+    /// An empty sequence; attention forms chosen by the cost model.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// An empty sequence whose attention form is chosen by `policy` (tests, benchmarks).
+    pub fn with_policy(policy: FormPolicy) -> Self {
+        Self {
+            policy,
+            ..Self::default()
+        }
     }
 
     /// Starts a sequence that reuses the first `tokens` cached positions of `prefix` (whole
@@ -37,7 +46,11 @@ impl Session {
                     "prefix of {tokens} tokens is longer than the sequence"
                 ))
             })?;
-        Ok(Self { table, tokens })
+        Ok(Self {
+            table,
+            tokens,
+            policy: prefix.policy,
+        })
     }
 
     /// Tokens whose KV is cached.
@@ -59,7 +72,6 @@ impl Session {
         pool: &mut KvPool,
         new: &[u32],
         wanted: LogitsWanted,
-        policy: FormPolicy,
     ) -> Result<Vec<f32>, ModelError> {
         self.table.reserve(pool, new.len())?;
         let batch = BatchInputs {
@@ -70,7 +82,7 @@ impl Session {
                 logits: wanted,
             }],
         };
-        let mut out = model.forward_with(&batch, pool, policy)?;
+        let mut out = model.forward_with(&batch, pool, self.policy)?;
         self.table.advance(new.len(), pool.layout().page_size)?;
         self.tokens.extend_from_slice(new);
         Ok(out.logits.pop().unwrap_or_default())

@@ -96,16 +96,14 @@ fn greedy(model: &DeepseekModel, pool: &mut KvPool, prompt: &[u32], n: usize) ->
             model,
             pool,
             prompt,
-            LogitsWanted::Last,
-            FormPolicy::CostModel,
-        )
+            LogitsWanted::Last)
         .unwrap();
     let mut out = Vec::new();
     for _ in 0..n {
         let t = argmax(&logits);
         out.push(t);
         logits = s
-            .extend(model, pool, &[t], LogitsWanted::Last, FormPolicy::CostModel)
+            .extend(model, pool, &[t], LogitsWanted::Last)
             .unwrap();
     }
     s.free(pool).unwrap();
@@ -136,9 +134,7 @@ fn prefill_logits_match_transformers() {
                 &model,
                 &mut pool,
                 &case.prompt_ids,
-                LogitsWanted::All,
-                FormPolicy::CostModel,
-            )
+                LogitsWanted::All)
             .unwrap();
         let tol = 1e-3 * max_abs(&case.logits);
         let diff = max_diff(&ours, &case.logits);
@@ -168,15 +164,9 @@ fn absorbed_form_equals_mha_form() {
         .max_by_key(|c| c.prompt_ids.len())
         .unwrap();
     let run = |pool: &mut KvPool, form| {
-        let mut s = Session::new();
+        let mut s = Session::with_policy(FormPolicy::Force(form));
         let l = s
-            .extend(
-                &model,
-                pool,
-                &case.prompt_ids,
-                LogitsWanted::All,
-                FormPolicy::Force(form),
-            )
+            .extend(&model, pool, &case.prompt_ids, LogitsWanted::All)
             .unwrap();
         s.free(pool).unwrap();
         l
@@ -204,9 +194,7 @@ fn mixed_length_batch_equals_each_sequence_alone() {
                     &model,
                     &mut pool,
                     &c.prompt_ids,
-                    LogitsWanted::All,
-                    FormPolicy::CostModel,
-                )
+                    LogitsWanted::All)
                 .unwrap();
             s.free(&mut pool).unwrap();
             l
@@ -266,9 +254,7 @@ fn decode_after_reused_prefix_equals_decode_after_full_prefill() {
             &model,
             &mut pool,
             prompt,
-            LogitsWanted::Last,
-            FormPolicy::CostModel,
-        )
+            LogitsWanted::Last)
         .unwrap();
     let used_by_first = 64 - pool.free_blocks();
     let mut second = Session::fork_prefix(&mut pool, &first, 128).unwrap();
@@ -277,9 +263,7 @@ fn decode_after_reused_prefix_equals_decode_after_full_prefill() {
             &model,
             &mut pool,
             &prompt[128..],
-            LogitsWanted::Last,
-            FormPolicy::CostModel,
-        )
+            LogitsWanted::Last)
         .unwrap();
     assert_eq!(
         64 - pool.free_blocks(),
@@ -295,9 +279,7 @@ fn decode_after_reused_prefix_equals_decode_after_full_prefill() {
                 &model,
                 &mut pool,
                 &[t],
-                LogitsWanted::Last,
-                FormPolicy::CostModel,
-            )
+                LogitsWanted::Last)
             .unwrap();
     }
     assert_eq!(reused, full);

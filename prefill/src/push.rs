@@ -2,7 +2,7 @@
 
 use ferry_kvtransfer::descriptor::{BlockWrite, WriteBatch};
 use ferry_kvtransfer::layerwise::LayerSink;
-use ferry_model::kv::{BlockId, KvPool};
+use ferry_model::engine::LayerSinkFn;
 
 /// The closure the engine calls after each layer: `blocks` are this worker's blocks from the
 /// destination's first missing block on; `dest` maps them, in order, to the destination's
@@ -11,7 +11,7 @@ pub fn layer_pusher(
     sink: LayerSink,
     dest: Vec<u32>,
     dest_first: usize,
-) -> Box<dyn FnMut(usize, &[BlockId], &KvPool) -> Result<(), String> + Send> {
+) -> LayerSinkFn {
     Box::new(move |layer, blocks, pool| {
         let mut writes = Vec::with_capacity(blocks.len());
         for (j, b) in blocks.iter().enumerate() {

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Context};
 use clap::Args;
 use ferry_kernels::cpu::sample::{Sampler, SamplingParams};
-use ferry_model::deepseek::{DeepseekModel, FormPolicy, LogitsWanted};
+use ferry_model::deepseek::{DeepseekModel, LogitsWanted};
 use ferry_model::kv::layout::DEFAULT_PAGE_SIZE;
 use ferry_model::session::Session;
 use ferry_model::tokenizer::{ChatMessage, DecodeStream, Tokenizer};
@@ -118,9 +118,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         &model,
         &mut pool,
         &prompt,
-        LogitsWanted::Last,
-        FormPolicy::CostModel,
-    )?;
+        LogitsWanted::Last)?;
     for i in 0..args.max_tokens {
         let token = sampler.sample(&logits, &params)?;
         if !args.ignore_eos && model.config().eos_token_ids.contains(&token) {
@@ -135,9 +133,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
                 &model,
                 &mut pool,
                 &[token],
-                LogitsWanted::Last,
-                FormPolicy::CostModel,
-            )?;
+                LogitsWanted::Last)?;
         }
     }
     if let Some(rest) = stream.finish(&tokenizer)? {

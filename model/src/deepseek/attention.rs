@@ -72,6 +72,16 @@ pub fn estimate_flops(form: AttentionForm, dims: &MlaDims, cached: usize, new: u
     }
 }
 
+/// What every layer's attention needs to know about the batch.
+pub(super) struct LayerBatch<'a> {
+    /// The sequences, each with its own block table.
+    pub seqs: &'a [SeqInput<'a>],
+    /// Positions and row spans.
+    pub geo: &'a BatchGeometry,
+    /// How each chunk's form is chosen.
+    pub policy: FormPolicy,
+}
+
 /// Per-token positions and the row range of each sequence in the flattened batch.
 pub(super) struct BatchGeometry {
     /// Absolute position of every new token, in batch order.
@@ -99,11 +109,10 @@ impl DeepseekModel {
         &self,
         layer: usize,
         x: &[f32],
-        seqs: &[SeqInput<'_>],
-        geo: &BatchGeometry,
+        batch: &LayerBatch<'_>,
         kv: &mut KvPool,
-        policy: FormPolicy,
     ) -> Result<Vec<f32>, ModelError> {
+        let LayerBatch { seqs, geo, policy } = *batch;
         let w = &self.layers[layer].attn;
         let d = &self.dims;
         let t = geo.positions.len();

@@ -3,7 +3,7 @@
 use ferry_kernels::cpu::gemm::linear;
 use ferry_kernels::cpu::norm::rms_norm_inplace;
 
-use super::attention::{BatchGeometry, FormPolicy};
+use super::attention::{BatchGeometry, FormPolicy, LayerBatch};
 use super::batch::{BatchInputs, BatchOutput, LogitsWanted};
 use super::{DeepseekModel, Ffn};
 use crate::kv::KvPool;
@@ -57,12 +57,17 @@ impl DeepseekModel {
             self.embed.row_f32(tok as usize, row)?;
         }
 
+        let layer_batch = LayerBatch {
+            seqs: &batch.seqs,
+            geo: &geo,
+            policy,
+        };
         let mut x = vec![0.0f32; t * hidden];
         let mut ffn_out = vec![0.0f32; t * hidden];
         for (l, layer) in self.layers.iter().enumerate() {
             x.copy_from_slice(&h);
             rms_norm_inplace(&mut x, &layer.input_norm, self.config.rms_norm_eps)?;
-            let attn = self.attention(l, &x, &batch.seqs, &geo, kv, policy)?;
+            let attn = self.attention(l, &x, &layer_batch, kv)?;
             after_layer(l, kv)?;
             add_assign(&mut h, &attn);
 

@@ -132,6 +132,9 @@ pub enum EngineEvent {
     Failed(String),
 }
 
+/// The per-layer callback of a prefill job: `(layer, blocks to ship, pool)`.
+pub type LayerSinkFn = Box<dyn FnMut(usize, &[BlockId], &KvPool) -> Result<(), String> + Send>;
+
 /// A prefill-only job (prefill workers): compute the prompt's KV, stream each layer's blocks
 /// from `skip_tokens` on through `on_layer`, sample the first token.
 pub struct PrefillJob {
@@ -143,7 +146,7 @@ pub struct PrefillJob {
     pub skip_tokens: usize,
     /// Called on the engine thread with `(layer, blocks to ship from skip_tokens on, pool)`
     /// as soon as the layer is computed; an error fails this job only.
-    pub on_layer: Box<dyn FnMut(usize, &[BlockId], &KvPool) -> Result<(), String> + Send>,
+    pub on_layer: LayerSinkFn,
     /// The outcome.
     pub reply: oneshot::Sender<Result<PrefillOutcome, String>>,
 }
@@ -342,7 +345,7 @@ impl EngineHandle {
         prompt: Vec<u32>,
         sampling: SamplingParams,
         skip_tokens: usize,
-        on_layer: Box<dyn FnMut(usize, &[BlockId], &KvPool) -> Result<(), String> + Send>,
+        on_layer: LayerSinkFn,
     ) -> Result<PrefillOutcome, EngineError> {
         let _guard = self.admit()?;
         let (reply, rx) = oneshot::channel();

@@ -312,9 +312,9 @@ impl Scheduler {
             work.push(Work::Prefill(i));
             budget = budget.saturating_sub(need);
         }
-        let mut admitted = self.running.len();
-        for i in 0..self.waiting.len() {
-            if budget == 0 || admitted >= self.config.max_running {
+        let room = self.config.max_running.saturating_sub(self.running.len());
+        for i in 0..self.waiting.len().min(room) {
+            if budget == 0 {
                 break;
             }
             let n = self.waiting[i].remaining_prompt().min(budget);
@@ -331,7 +331,6 @@ impl Scheduler {
             }
             work.push(Work::Chunk(i, n));
             budget -= n;
-            admitted += 1;
         }
         if work.is_empty() {
             return;
@@ -485,7 +484,7 @@ impl Scheduler {
             }
         }
         // Remove from the highest index down so earlier indices stay valid.
-        finished_running.sort_by(|a, b| b.0.cmp(&a.0));
+        finished_running.sort_by_key(|e| std::cmp::Reverse(e.0));
         for (i, r) in finished_running {
             let s = self.running.swap_remove(i);
             match r {
@@ -493,7 +492,7 @@ impl Scheduler {
                 Err(e) => self.fail(s, &e),
             }
         }
-        promoted.sort_by(|a, b| b.0.cmp(&a.0));
+        promoted.sort_by_key(|e| std::cmp::Reverse(e.0));
         for (i, r) in promoted {
             let Some(mut s) = self.waiting.remove(i) else {
                 continue;
@@ -512,7 +511,7 @@ impl Scheduler {
                 Err(e) => self.fail(s, &e),
             }
         }
-        done_prefills.sort_by(|a, b| b.0.cmp(&a.0));
+        done_prefills.sort_by_key(|e| std::cmp::Reverse(e.0));
         for (i, r) in done_prefills {
             let mut t = self.prefills.swap_remove(i);
             if t.table.len() == t.job.prompt.len() {

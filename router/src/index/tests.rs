@@ -10,10 +10,13 @@ use rand_chacha::ChaCha8Rng;
 use super::apply::{sequence, Sequence};
 use super::*;
 
+/// Per worker: last event, in sync, cached blocks.
+type NaiveWorker = (EventId, bool, HashSet<BlockHash>);
+
 /// The obviously-correct model the real index must agree with.
 #[derive(Debug, Default)]
 struct NaiveIndex {
-    workers: Mutex<HashMap<WorkerId, (EventId, bool, HashSet<BlockHash>)>>,
+    workers: Mutex<HashMap<WorkerId, NaiveWorker>>,
 }
 
 impl PrefixIndex for NaiveIndex {

@@ -1,0 +1,519 @@
+//! The router against scripted decode workers over real gRPC on 127.0.0.1:0: registration,
+//! heartbeats and KV events through the Registry service; Generate through the Inference
+//! service; the HTTP app over the same state; stop strings cancelling the worker; the retry on
+//! another decode worker; health; shutdown. (Whole-cluster tests with real workers live in the
+//! workspace's `tests/`.)
+use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::body::Body;
+use ferry_model::tokenizer::Tokenizer;
+use ferry_proto::internal::decode_worker_server::{DecodeWorker, DecodeWorkerServer};
+use ferry_proto::internal::registry_client::RegistryClient;
+use ferry_proto::internal::{self, DecodeRequest, DecodeResponse};
+use ferry_proto::v1::inference_client::InferenceClient;
+use ferry_proto::v1::{self, generate_request::Input};
+use ferry_router::{Router, RouterConfig};
+use futures::Stream;
+use http_body_util::BodyExt;
+use tokio::net::TcpListener;
+use tokio::sync::{mpsc, Notify};
+use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
+use tokio_util::sync::CancellationToken;
+use tonic::{Request, Response, Status};
+use tower::ServiceExt;
+
+/// A decode worker that streams `script` (up to `max_tokens`), or fails every call.
+#[derive(Clone, Default)]
+struct Scripted {
+    script: Vec<u32>,
+    fail: bool,
+    /// Pause before each token (2 ms when zero).
+    pace: Duration,
+    calls: Arc<AtomicUsize>,
+    seen: Arc<Mutex<Vec<DecodeRequest>>>,
+    cancelled: Arc<Notify>,
+}
+
+type Tokens = Pin<Box<dyn Stream<Item = Result<DecodeResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl DecodeWorker for Scripted {
+    type DecodeStream = Tokens;
+
+    async fn decode(
+        &self,
+        request: Request<DecodeRequest>,
+    ) -> Result<Response<Self::DecodeStream>, Status> {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        if self.fail {
+            return Err(Status::unavailable("scripted failure"));
+        }
+        let req = request.into_inner();
+        self.seen.lock().expect("test mutex").push(req.clone());
+        let max = req.stop.map_or(u32::MAX, |s| s.max_tokens) as usize;
+        let tokens: Vec<u32> = self.script.iter().copied().take(max).collect();
+        let finish = if tokens.len() == max {
+            v1::FinishReason::Length
+        } else {
+            v1::FinishReason::Stop
+        };
+        let (tx, rx) = mpsc::channel(1);
+        let cancelled = self.cancelled.clone();
+        let pace = self.pace.max(Duration::from_millis(2));
+        tokio::spawn(async move {
+            let n = tokens.len();
+            for (i, t) in tokens.into_iter().enumerate() {
+                let message = DecodeResponse {
+                    token_ids: vec![t],
+                    finish_reason: if i + 1 == n {
+                        finish as i32
+                    } else {
+                        v1::FinishReason::Unspecified as i32
+                    },
+                    cached_prompt_tokens: if i == 0 { 5 } else { 0 },
+                    prefill_mode: if i == 0 {
+                        "local".into()
+                    } else {
+                        String::new()
+                    },
+                };
+                // Pace like a real worker so a cancellation is observed mid-stream.
+                tokio::time::sleep(pace).await;
+                if tx.send(Ok(message)).await.is_err() {
+                    cancelled.notify_one();
+                    return;
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
+    async fn get_stats(
+        &self,
+        _request: Request<internal::GetStatsRequest>,
+    ) -> Result<Response<internal::WorkerStats>, Status> {
+        Ok(Response::new(internal::WorkerStats::default()))
+    }
+}
+
+async fn start_worker(worker: Scripted) -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(DecodeWorkerServer::new(worker))
+            .serve_with_incoming(TcpListenerStream::new(listener)),
+    );
+    addr.to_string()
+}
+
+fn register(id: &str, role: internal::WorkerRole, address: &str) -> internal::RegisterRequest {
+    internal::RegisterRequest {
+        worker_id: id.into(),
+        role: role as i32,
+        grpc_address: address.into(),
+        page_size: 4,
+        total_blocks: 256,
+        cached_block_hashes: vec![],
+        last_event_id: 0,
+    }
+}
+
+fn generate(text: &str, max_tokens: u32, stop: &[&str]) -> v1::GenerateRequest {
+    v1::GenerateRequest {
+        model: String::new(),
+        input: Some(Input::Text(text.into())),
+        sampling: Some(v1::SamplingParams {
+            temperature: Some(0.0),
+            ..Default::default()
+        }),
+        stop: Some(v1::StopConditions {
+            max_tokens,
+            stop: stop.iter().map(|s| s.to_string()).collect(),
+            ignore_eos: false,
+        }),
+        request_id: "t-1".into(),
+    }
+}
+
+async fn collect(
+    client: &mut InferenceClient<tonic::transport::Channel>,
+    req: v1::GenerateRequest,
+) -> (String, Vec<v1::GenerateResponse>) {
+    let mut stream = client.generate(req).await.expect("generate").into_inner();
+    let mut text = String::new();
+    let mut all = Vec::new();
+    while let Some(m) = stream.message().await.expect("stream") {
+        text.push_str(&m.text);
+        all.push(m);
+    }
+    (text, all)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn router_serves_through_scripted_workers() {
+    let tok = Tokenizer::from_dir(&ferry_model::embedded::default_model_dir()).expect("tokenizer");
+    let script = tok
+        .encode(
+            "The quick brown fox jumps over the lazy dog, again and again and again.",
+            false,
+        )
+        .expect("encode");
+    let good = Scripted {
+        script: script.clone(),
+        ..Scripted::default()
+    };
+    let bad = Scripted {
+        fail: true,
+        ..Scripted::default()
+    };
+    let good_addr = start_worker(good.clone()).await;
+    let bad_addr = start_worker(bad.clone()).await;
+
+    let config = RouterConfig {
+        page_size: 4,
+        ..RouterConfig::ephemeral()
+    };
+    let bound = Router::load(config)
+        .await
+        .expect("load")
+        .bind()
+        .await
+        .expect("bind");
+    let (grpc_addr, state) = (bound.grpc_addr(), bound.state().clone());
+    let shutdown = CancellationToken::new();
+    let running = tokio::spawn(bound.run(shutdown.clone()));
+    let endpoint = format!("http://{grpc_addr}");
+
+    // Registry: register, heartbeat, events.
+    let mut registry = RegistryClient::connect(endpoint.clone())
+        .await
+        .expect("connect");
+    let reply = registry
+        .register(register("d1", internal::WorkerRole::Decode, &good_addr))
+        .await
+        .expect("register")
+        .into_inner();
+    assert!(reply.heartbeat_interval_ms > 0);
+    let heartbeat = |id: &str| internal::HeartbeatRequest {
+        worker_id: id.into(),
+        load: Some(internal::WorkerLoad::default()),
+    };
+    assert!(
+        registry
+            .heartbeat(heartbeat("d1"))
+            .await
+            .expect("hb")
+            .into_inner()
+            .known
+    );
+    assert!(
+        !registry
+            .heartbeat(heartbeat("ghost"))
+            .await
+            .expect("hb")
+            .into_inner()
+            .known
+    );
+    let events = |id: u64| internal::KvEventBatch {
+        worker_id: "d1".into(),
+        events: vec![internal::KvEvent {
+            event_id: id,
+            data: Some(internal::kv_event::Data::Stored(internal::BlocksStored {
+                block_hashes: vec![7],
+                parent_hash: None,
+            })),
+        }],
+    };
+    assert!(
+        registry
+            .publish_kv_events(events(1))
+            .await
+            .expect("events")
+            .into_inner()
+            .in_sync
+    );
+    assert!(
+        !registry
+            .publish_kv_events(events(3))
+            .await
+            .expect("events")
+            .into_inner()
+            .in_sync
+    );
+    let err = registry
+        .register(internal::RegisterRequest {
+            page_size: 64,
+            ..register("d9", internal::WorkerRole::Decode, &good_addr)
+        })
+        .await
+        .expect_err("page size mismatch");
+    assert_eq!(err.code(), tonic::Code::InvalidArgument);
+    registry
+        .register(register("d1", internal::WorkerRole::Decode, &good_addr))
+        .await
+        .expect("re-register with a snapshot");
+
+    // Health.
+    let channel = tonic::transport::Channel::from_shared(endpoint.clone())
+        .expect("uri")
+        .connect()
+        .await
+        .expect("connect");
+    let health = tonic_health::pb::health_client::HealthClient::new(channel.clone())
+        .check(tonic_health::pb::HealthCheckRequest {
+            service: "ferry.v1.Inference".into(),
+        })
+        .await
+        .expect("health")
+        .into_inner();
+    assert_eq!(
+        health.status,
+        tonic_health::pb::health_check_response::ServingStatus::Serving as i32
+    );
+
+    // Generate: text, finish, usage, what the worker was sent.
+    let mut client = InferenceClient::new(channel);
+    let (text, messages) = collect(&mut client, generate("hello", 10, &[])).await;
+    assert_eq!(text, tok.decode(&script[..10], true).expect("decode"));
+    let last = messages.last().expect("messages");
+    assert_eq!(last.finish_reason, v1::FinishReason::Length as i32);
+    assert_eq!(last.request_id, "t-1");
+    let prompt = tok.encode("hello", true).expect("encode");
+    let usage = last.usage.expect("usage on the last message");
+    assert_eq!(
+        (
+            usage.prompt_tokens,
+            usage.completion_tokens,
+            usage.cached_prompt_tokens
+        ),
+        (prompt.len() as u32, 10, 5)
+    );
+    {
+        let seen = good.seen.lock().expect("test mutex");
+        let sent = seen.last().expect("the worker got the request");
+        assert_eq!(sent.prompt_tokens, prompt);
+        assert_eq!(sent.request_id, "t-1");
+        assert_eq!(sent.sampling.as_ref().map(|s| s.temperature), Some(0.0));
+        assert_eq!(sent.stop.as_ref().map(|s| s.max_tokens), Some(10));
+        assert!(sent.prefill_peer.is_none(), "no prefill worker registered");
+    }
+
+    // A prefill worker is named as the decode worker's peer.
+    registry
+        .register(register("p0", internal::WorkerRole::Prefill, "127.0.0.1:9"))
+        .await
+        .expect("register prefill");
+    collect(&mut client, generate("hello", 3, &[])).await;
+    {
+        let seen = good.seen.lock().expect("test mutex");
+        let peer = seen
+            .last()
+            .and_then(|r| r.prefill_peer.clone())
+            .expect("peer");
+        assert_eq!(
+            (peer.worker_id.as_str(), peer.grpc_address.as_str()),
+            ("p0", "127.0.0.1:9")
+        );
+    }
+
+    // A stop string truncates, finishes with STOP and cancels the worker's stream.
+    let (text, messages) = collect(&mut client, generate("hello", 40, &[" fox"])).await;
+    assert_eq!(text, "The quick brown");
+    assert_eq!(
+        messages.last().map(|m| m.finish_reason),
+        Some(v1::FinishReason::Stop as i32)
+    );
+    tokio::time::timeout(Duration::from_secs(10), good.cancelled.notified())
+        .await
+        .expect("the worker saw the cancellation");
+
+    // A decode worker failing before the first token: retried on the other one.
+    registry
+        .register(register("d0", internal::WorkerRole::Decode, &bad_addr))
+        .await
+        .expect("register d0");
+    let (text, _) = collect(&mut client, generate("hello", 4, &[])).await;
+    assert_eq!(text, tok.decode(&script[..4], true).expect("decode"));
+    assert!(bad.calls.load(Ordering::SeqCst) >= 1, "d0 was tried first");
+
+    // Validation through gRPC.
+    let err = client
+        .generate(generate("hello", 0, &[]))
+        .await
+        .expect_err("max_tokens 0");
+    assert_eq!(err.code(), tonic::Code::InvalidArgument);
+    assert!(err.message().contains("`max_tokens`"), "{}", err.message());
+
+    // HTTP over the same state: whole and streamed.
+    let app = ferry_router::http::app(state.clone());
+    let body =
+        serde_json::json!({"prompt": "hello", "max_tokens": 5, "temperature": 0}).to_string();
+    let response = app
+        .clone()
+        .oneshot(
+            axum::http::Request::post("/v1/completions")
+                .header("content-type", "application/json")
+                .body(Body::from(body))
+                .expect("request"),
+        )
+        .await
+        .expect("response");
+    assert_eq!(response.status(), 200);
+    let bytes = response
+        .into_body()
+        .collect()
+        .await
+        .expect("body")
+        .to_bytes();
+    let json: serde_json::Value = serde_json::from_slice(&bytes).expect("json");
+    assert_eq!(json["object"], "text_completion");
+    assert!(json["id"]
+        .as_str()
+        .is_some_and(|id| id.starts_with("cmpl-")));
+    assert_eq!(
+        json["choices"][0]["text"],
+        tok.decode(&script[..5], true).expect("decode")
+    );
+    assert_eq!(json["choices"][0]["finish_reason"], "length");
+    assert_eq!(json["usage"]["completion_tokens"], 5);
+    assert_eq!(
+        json["usage"]["total_tokens"],
+        json["usage"]["prompt_tokens"].as_u64().expect("n") + 5
+    );
+
+    let body = serde_json::json!({
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 3,
+        "stream": true,
+        "stream_options": {"include_usage": true},
+    })
+    .to_string();
+    let response = app
+        .clone()
+        .oneshot(
+            axum::http::Request::post("/v1/chat/completions")
+                .body(Body::from(body))
+                .expect("request"),
+        )
+        .await
+        .expect("response");
+    assert_eq!(response.status(), 200);
+    let bytes = response
+        .into_body()
+        .collect()
+        .await
+        .expect("body")
+        .to_bytes();
+    let sse = String::from_utf8(bytes.to_vec()).expect("utf-8");
+    let data: Vec<&str> = sse
+        .split("\n\n")
+        .filter_map(|e| e.strip_prefix("data: "))
+        .collect();
+    assert_eq!(data.last(), Some(&"[DONE]"), "{sse}");
+    let chunks: Vec<serde_json::Value> = data[..data.len() - 1]
+        .iter()
+        .map(|d| serde_json::from_str(d).expect("chunk json"))
+        .collect();
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    assert!(chunks
+        .iter()
+        .all(|c| c["object"] == "chat.completion.chunk"));
+    let content: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert_eq!(content, tok.decode(&script[..3], true).expect("decode"));
+    let usage_chunk = chunks.last().expect("usage chunk");
+    assert_eq!(usage_chunk["choices"].as_array().map(Vec::len), Some(0));
+    assert_eq!(usage_chunk["usage"]["completion_tokens"], 3);
+    assert!(chunks
+        .iter()
+        .any(|c| c["choices"][0]["finish_reason"] == "length"));
+
+    let response = app
+        .oneshot(
+            axum::http::Request::get("/health")
+                .body(Body::empty())
+                .expect("request"),
+        )
+        .await
+        .expect("response");
+    assert_eq!(response.status(), 200);
+
+    // Every request's predictive load was released.
+    assert_eq!(state.dispatcher.in_flight(), 0);
+
+    shutdown.cancel();
+    tokio::time::timeout(Duration::from_secs(15), running)
+        .await
+        .expect("shuts down in time")
+        .expect("task")
+        .expect("clean shutdown");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_ends_open_streams_after_the_drain_deadline() {
+    let slow = Scripted {
+        script: vec![10; 50],
+        pace: Duration::from_millis(200),
+        ..Scripted::default()
+    };
+    let slow_addr = start_worker(slow).await;
+    let config = RouterConfig {
+        page_size: 4,
+        drain_timeout_ms: 300,
+        ..RouterConfig::ephemeral()
+    };
+    let bound = Router::load(config)
+        .await
+        .expect("load")
+        .bind()
+        .await
+        .expect("bind");
+    let endpoint = format!("http://{}", bound.grpc_addr());
+    let shutdown = CancellationToken::new();
+    let running = tokio::spawn(bound.run(shutdown.clone()));
+    let mut registry = RegistryClient::connect(endpoint.clone())
+        .await
+        .expect("connect");
+    registry
+        .register(register("d0", internal::WorkerRole::Decode, &slow_addr))
+        .await
+        .expect("register");
+
+    let mut client = InferenceClient::connect(endpoint).await.expect("connect");
+    let mut stream = client
+        .generate(generate("hello", 50, &[]))
+        .await
+        .expect("generate")
+        .into_inner();
+    stream
+        .message()
+        .await
+        .expect("first")
+        .expect("a first message");
+
+    shutdown.cancel();
+    let ended = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            match stream.message().await {
+                Ok(Some(_)) => continue,
+                Ok(None) => break None,
+                Err(status) => break Some(status),
+            }
+        }
+    })
+    .await
+    .expect("the open stream ends after the drain deadline");
+    let status = ended.expect("ended with an error, not a finish");
+    assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
+    tokio::time::timeout(Duration::from_secs(10), running)
+        .await
+        .expect("shuts down in time")
+        .expect("task")
+        .expect("clean shutdown");
+}
