@@ -30,6 +30,8 @@ enum Command {
     Decode(ferry_decode::DecodeArgs),
     /// Generate a continuation of a prompt in this process and stream it to stdout.
     Generate(cmd::generate::GenerateArgs),
+    /// Load-test a running cluster over gRPC: TTFT, inter-token latency, throughput.
+    Bench(cmd::bench::BenchArgs),
     /// Measure prefill and decode tokens/s of the in-process engine.
     BenchEngine(cmd::bench_engine::BenchEngineArgs),
 }
@@ -49,6 +51,7 @@ fn main() -> ExitCode {
         Command::Prefill(args) => cmd::serve::prefill(args),
         Command::Decode(args) => cmd::serve::decode(args),
         Command::Generate(args) => cmd::generate::run(args),
+        Command::Bench(args) => cmd::bench::run(args),
         Command::BenchEngine(args) => cmd::bench_engine::run(args),
     };
     match result {

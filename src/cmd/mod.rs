@@ -1,4 +1,5 @@
 //! One module per subcommand.
+pub mod bench;
 pub mod bench_engine;
 pub mod generate;
 pub mod serve;

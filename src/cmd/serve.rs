@@ -39,7 +39,6 @@ pub fn router(mut args: RouterArgs) -> anyhow::Result<()> {
     runtime()?.block_on(async move {
         let shutdown = shutdown_token(args.exit_on_stdin_close);
         let bound = Router::load(args.config).await?.bind().await?;
-        tracing::info!(grpc = %bound.grpc_addr(), http = %bound.http_addr(), "router listening");
         bound.run(shutdown).await?;
         Ok(())
     })

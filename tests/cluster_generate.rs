@@ -1,0 +1,142 @@
+//! Greedy generation through a real cluster (router + 1 prefill + 1 decode process) is exactly
+//! the single-process `ferry generate`, through every public front door: gRPC `Generate`
+//! (generated stubs), HTTP `/v1/completions` whole and streamed (SSE). The short prompt is
+//! prefilled locally on the decode worker, the long one remotely on the prefill worker.
+mod cluster;
+
+use cluster::{Cluster, Role, Spec, CONTEXT, MODEL};
+use ferry_proto::v1::{FinishReason, ListModelsRequest, TokenizeRequest};
+use serde_json::json;
+
+/// The golden continuations are 32 tokens long.
+const MAX_TOKENS: u32 = 32;
+
+/// Every front door returns `expected` for `prompt`.
+async fn assert_all_front_doors(cluster: &Cluster, prompt: &str, expected: &str) {
+    let mut client = cluster.grpc().await;
+    let out = cluster::generate(&mut client, cluster::greedy_request(prompt, MAX_TOKENS))
+        .await
+        .expect("Generate succeeds");
+    assert_eq!(out.text, expected, "gRPC Generate vs ferry generate");
+    assert_eq!(out.token_ids.len(), MAX_TOKENS as usize);
+    assert_eq!(out.finish_reason, Some(FinishReason::Length));
+    let usage = out.usage.expect("usage on the last message");
+    assert_eq!(usage.completion_tokens, MAX_TOKENS);
+    assert!(usage.prompt_tokens > 0);
+
+    let body = json!({
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": true,
+    });
+    let (status, whole) = cluster.post_json("/v1/completions", &body).await;
+    assert_eq!(status, 200, "{whole}");
+    assert_eq!(whole["object"], "text_completion");
+    assert_eq!(whole["model"], MODEL);
+    assert_eq!(
+        whole["choices"][0]["text"].as_str(),
+        Some(expected),
+        "HTTP /v1/completions vs ferry generate"
+    );
+    assert_eq!(whole["choices"][0]["finish_reason"], "length");
+    assert_eq!(whole["usage"]["completion_tokens"], MAX_TOKENS);
+    assert_eq!(whole["usage"]["prompt_tokens"], usage.prompt_tokens);
+
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let chunks = cluster.post_sse("/v1/completions", &streamed).await;
+    assert!(chunks.len() > 1, "a streamed answer comes in several chunks");
+    let (text, finish) = cluster::sse_completion_text(&chunks);
+    assert_eq!(text, expected, "HTTP SSE /v1/completions vs ferry generate");
+    assert_eq!(finish.as_deref(), Some("length"));
+}
+
+#[tokio::test]
+async fn greedy_output_through_the_cluster_equals_ferry_generate() {
+    let (short, long) = (cluster::short_prompt(), cluster::long_prompt());
+    let short_ref = cluster::reference_generate(&short, MAX_TOKENS).await;
+    let long_ref = cluster::reference_generate(&long, MAX_TOKENS).await;
+    assert!(!short_ref.is_empty() && !long_ref.is_empty());
+
+    let cluster = Cluster::start(Spec::new(1, 1)).await;
+    let decode = cluster.live(Role::Decode)[0].clone();
+    let prefill = cluster.live(Role::Prefill)[0].clone();
+
+    // 9 prompt tokens <= the decode worker's local-prefill threshold (32): prefilled there.
+    assert_all_front_doors(&cluster, &short, &short_ref).await;
+    let d = cluster.stats(&decode).await;
+    assert_eq!(
+        (d.remote_prefills, d.recomputed_prefills),
+        (0, 0),
+        "short prompts stay local: {d:?}"
+    );
+    assert!(d.local_prefills >= 3, "{d:?}");
+
+    // 211 uncached tokens: the first request is prefilled on the prefill worker and its KV
+    // shipped; the repeats find 3 blocks cached on the decode worker and compute the 19-token
+    // tail there. Both paths must give the same text.
+    assert_all_front_doors(&cluster, &long, &long_ref).await;
+    let d = cluster.stats(&decode).await;
+    assert_eq!(d.remote_prefills, 1, "the first long prompt is prefilled remotely: {d:?}");
+    assert_eq!(d.recomputed_prefills, 0, "{d:?}");
+    assert!(d.kv_transfer_bytes > 0, "{d:?}");
+    let p = cluster.stats(&prefill).await;
+    assert_eq!(p.prefill_computed_tokens, 211, "{p:?}");
+    assert!(p.kv_transfer_bytes > 0, "{p:?}");
+
+    cluster.assert_kv_blocks_released().await;
+}
+
+#[tokio::test]
+async fn list_models_tokenize_and_models_endpoint() {
+    let cluster = Cluster::start(Spec::new(0, 1)).await;
+    let mut client = cluster.grpc().await;
+
+    let models = client
+        .list_models(ListModelsRequest {})
+        .await
+        .expect("ListModels")
+        .into_inner()
+        .models;
+    assert_eq!(models.len(), 1, "{models:?}");
+    assert_eq!(models[0].name, MODEL);
+    assert_eq!(models[0].context_length as usize, CONTEXT);
+    assert_eq!(models[0].architecture, "DeepseekV3ForCausalLM");
+
+    let (status, list) = cluster.get_json("/v1/models").await;
+    assert_eq!(status, 200, "{list}");
+    assert_eq!(list["object"], "list");
+    assert_eq!(list["data"][0]["id"], MODEL);
+
+    // The golden prompt ids were written by the Hugging Face tokenizer (BOS included).
+    let case = &cluster::golden_cases()[0];
+    let want: Vec<u32> = case["prompt_ids"]
+        .as_array()
+        .expect("prompt_ids")
+        .iter()
+        .map(|v| v.as_u64().expect("an id") as u32)
+        .collect();
+    let tokenize = |add_special_tokens: bool| TokenizeRequest {
+        model: MODEL.into(),
+        text: case["prompt"].as_str().expect("prompt").into(),
+        add_special_tokens,
+    };
+    let ids = client
+        .tokenize(tokenize(true))
+        .await
+        .expect("Tokenize")
+        .into_inner()
+        .ids;
+    assert_eq!(ids, want);
+    let bare = client
+        .tokenize(tokenize(false))
+        .await
+        .expect("Tokenize")
+        .into_inner()
+        .ids;
+    assert_eq!(bare.as_slice(), &want[1..], "without the BOS token");
+
+    cluster.assert_kv_blocks_released().await;
+}
