@@ -17,11 +17,15 @@ Stages (each can be run alone):
   train      initialise (seed 0) and train the model, save bf16 safetensors  -> OUT/model.safetensors
   golden     float32 reference logits and greedy continuations with transformers, on CPU
                                                                               -> OUT/golden/
+  drafter    the embedded DSpark drafter for speculative decoding: config, random weights
+             (seed 3, bf16) and a float32 torch reference of its forward on the golden prompts
+                                                                              -> DRAFTER_OUT/
 
 Typical use (the training stage is fast on a GPU, minutes on a CPU):
   python3 scripts/make_tiny_k3.py corpus --corpus /tmp/kjv.txt
   python3 scripts/make_tiny_k3.py tokenizer train --corpus /tmp/kjv.txt
   python3 scripts/make_tiny_k3.py golden
+  python3 scripts/make_tiny_k3.py drafter
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "models" / "tiny-k3"
+DEFAULT_DRAFTER_OUT = ROOT / "models" / "tiny-k3-dspark"
 
 SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>"]
 VOCAB_SIZE = 2048
@@ -340,10 +345,197 @@ def stage_golden(args: argparse.Namespace) -> None:
     (gold / "cases.json").write_text(json.dumps(meta, indent=2) + "\n")
 
 
+# The embedded DSpark drafter (docs/spec_decode.md): a DFlash-style block drafter with DSpark's
+# Markov and confidence heads, at tiny scale. Hidden size and vocabulary are the target's (the
+# embedding and LM head are shared); taps after target layers 1 and 2 of 4; K/V rows of
+# 2 × 2 × 32 = 128 floats, which the ferry drafter pool splits over two 80-wide target rows.
+DRAFTER_CONFIG = dict(
+    architectures=["DSparkDrafter"],
+    hidden_size=MODEL_CONFIG["hidden_size"],
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=32,
+    intermediate_size=512,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    vocab_size=VOCAB_SIZE,
+    target_layer_ids=[1, 2],
+    block_size=4,
+    # `<|system|>`: a special token that never appears inside a generated continuation.
+    mask_token_id=4,
+    markov_rank=32,
+)
+
+
+def drafter_state_dict(torch, cfg: dict) -> dict:
+    """Random drafter weights (seed 3): normal(0, 0.02) matrices, unit norms, rounded to bf16."""
+    gen = torch.Generator().manual_seed(3)
+    hid, hd = cfg["hidden_size"], cfg["head_dim"]
+    heads, kvh = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    inter, vocab, rank = cfg["intermediate_size"], cfg["vocab_size"], cfg["markov_rank"]
+    taps = len(cfg["target_layer_ids"])
+
+    def mat(rows, cols):
+        return torch.randn(rows, cols, generator=gen) * 0.02
+
+    state = {"fc.weight": mat(hid, hid * taps), "hidden_norm.weight": torch.ones(hid)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"layers.{i}"
+        state.update(
+            {
+                f"{p}.input_layernorm.weight": torch.ones(hid),
+                f"{p}.self_attn.q_proj.weight": mat(heads * hd, hid),
+                f"{p}.self_attn.k_proj.weight": mat(kvh * hd, hid),
+                f"{p}.self_attn.v_proj.weight": mat(kvh * hd, hid),
+                f"{p}.self_attn.o_proj.weight": mat(hid, heads * hd),
+                f"{p}.self_attn.q_norm.weight": torch.ones(hd),
+                f"{p}.self_attn.k_norm.weight": torch.ones(hd),
+                f"{p}.post_attention_layernorm.weight": torch.ones(hid),
+                f"{p}.mlp.gate_proj.weight": mat(inter, hid),
+                f"{p}.mlp.up_proj.weight": mat(inter, hid),
+                f"{p}.mlp.down_proj.weight": mat(hid, inter),
+            }
+        )
+    state.update(
+        {
+            "norm.weight": torch.ones(hid),
+            "markov_head.w1.weight": torch.randn(vocab, rank, generator=gen) * 0.02,
+            "markov_head.w2.weight": mat(vocab, rank),
+            "confidence_head.weight": mat(1, hid + rank),
+            "confidence_head.bias": torch.zeros(1),
+        }
+    )
+    return {k: v.to(torch.bfloat16).contiguous() for k, v in state.items()}
+
+
+def drafter_reference(torch, cfg: dict, w: dict, target, prompt_ids: list, anchor: int) -> dict:
+    """The drafter's forward in float32 torch, written from docs/spec_decode.md: context feature
+    from the target's hidden states after `target_layer_ids`, context K/V per layer, one pass over
+    [anchor, MASK x (B-1)] (block queries only, bidirectional, all context visible), the target's
+    LM head, then the Markov head left to right with greedy drafts and the confidence head."""
+    f = {k: v.float() for k, v in w.items()}
+    eps = cfg["rms_norm_eps"]
+    hd, heads, kvh, b = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["block_size"]
+
+    def rms(x, weight):
+        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+    def rope(x, pos):  # x [T, heads, hd], rotate_half layout
+        inv = 1.0 / (cfg["rope_theta"] ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
+        freqs = pos.float()[:, None] * inv[None, :]
+        emb = torch.cat([freqs, freqs], -1)
+        cos, sin = emb.cos()[:, None, :], emb.sin()[:, None, :]
+        x1, x2 = x[..., : hd // 2], x[..., hd // 2 :]
+        return x * cos + torch.cat([-x2, x1], -1) * sin
+
+    ids = torch.tensor([prompt_ids])
+    n = len(prompt_ids)
+    with torch.no_grad():
+        out = target(input_ids=ids, output_hidden_states=True)
+        # hidden_states[l + 1] is the residual stream leaving decoder layer l.
+        taps = [out.hidden_states[l + 1][0].float() for l in cfg["target_layer_ids"]]
+        feat = rms(torch.cat(taps, -1) @ f["fc.weight"].T, f["hidden_norm.weight"])
+        embed = target.model.embed_tokens.weight.float()
+        lm_head = target.lm_head.weight.float()
+        block = [anchor] + [cfg["mask_token_id"]] * (b - 1)
+        x = embed[torch.tensor(block)]
+        pos_ctx, pos_blk = torch.arange(n), torch.arange(n, n + b)
+        for i in range(cfg["num_hidden_layers"]):
+            p = f"layers.{i}"
+            h = rms(x, f[f"{p}.input_layernorm.weight"])
+            q = rope(rms((h @ f[f"{p}.self_attn.q_proj.weight"].T).view(b, heads, hd), f[f"{p}.self_attn.q_norm.weight"]), pos_blk)
+
+            def kv(src, pos):
+                k = (src @ f[f"{p}.self_attn.k_proj.weight"].T).view(-1, kvh, hd)
+                k = rope(rms(k, f[f"{p}.self_attn.k_norm.weight"]), pos)
+                v = (src @ f[f"{p}.self_attn.v_proj.weight"].T).view(-1, kvh, hd)
+                return k, v
+
+            k_ctx, v_ctx = kv(feat, pos_ctx)
+            k_blk, v_blk = kv(h, pos_blk)
+            k = torch.cat([k_ctx, k_blk]).repeat_interleave(heads // kvh, dim=1)
+            v = torch.cat([v_ctx, v_blk]).repeat_interleave(heads // kvh, dim=1)
+            scores = torch.einsum("qhd,khd->hqk", q, k) / hd**0.5
+            attn = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(b, heads * hd)
+            x = x + attn @ f[f"{p}.self_attn.o_proj.weight"].T
+            h = rms(x, f[f"{p}.post_attention_layernorm.weight"])
+            g = h @ f[f"{p}.mlp.gate_proj.weight"].T
+            u = h @ f[f"{p}.mlp.up_proj.weight"].T
+            x = x + (torch.nn.functional.silu(g) * u) @ f[f"{p}.mlp.down_proj.weight"].T
+        hidden = rms(x, f["norm.weight"])
+        block_logits = hidden @ lm_head.T
+        prev, drafts, confidence, margins, markov = anchor, [], [], [], []
+        for k in range(b):
+            e = f["markov_head.w1.weight"][prev]
+            logits = block_logits[k] + e @ f["markov_head.w2.weight"].T
+            c = torch.sigmoid(torch.cat([hidden[k], e]) @ f["confidence_head.weight"][0] + f["confidence_head.bias"][0])
+            top2 = torch.topk(logits, 2).values
+            prev = int(logits.argmax())
+            drafts.append(prev)
+            confidence.append(float(c))
+            margins.append(float(top2[0] - top2[1]))
+            markov.append(logits)
+    return {
+        "block_logits": block_logits.contiguous(),
+        "markov_logits": torch.stack(markov).contiguous(),
+        "drafts": drafts,
+        "confidence": confidence,
+        "min_draft_margin": min(margins),
+    }
+
+
+def stage_drafter(args: argparse.Namespace) -> None:
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+    from transformers import DeepseekV3ForCausalLM
+
+    out = Path(args.drafter_out)
+    (out / "golden").mkdir(parents=True, exist_ok=True)
+    state = drafter_state_dict(torch, DRAFTER_CONFIG)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(DRAFTER_CONFIG, indent=2) + "\n")
+    nparams = sum(t.numel() for t in state.values())
+    print(f"drafter: {nparams} parameters (random, seed 3) -> {out}")
+
+    target_dir = Path(args.out)
+    target = DeepseekV3ForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32)
+    target.eval()
+    target_cases = json.loads((target_dir / "golden" / "cases.json").read_text())["cases"]
+    tensors, cases = {}, []
+    for i, tc in enumerate(target_cases):
+        # The anchor is the target's own greedy next token, as in a real decode step.
+        anchor = tc["greedy_ids"][0]
+        ref = drafter_reference(torch, DRAFTER_CONFIG, state, target, tc["prompt_ids"], anchor)
+        tensors[f"case{i}.block_logits"] = ref["block_logits"]
+        tensors[f"case{i}.markov_logits"] = ref["markov_logits"]
+        cases.append(
+            {
+                "prompt_ids": tc["prompt_ids"],
+                "anchor": anchor,
+                "greedy_drafts": ref["drafts"],
+                "confidence": ref["confidence"],
+                "min_draft_margin": ref["min_draft_margin"],
+            }
+        )
+        print(f"drafter golden {i}: {len(tc['prompt_ids'])} context tokens, drafts {ref['drafts']}")
+    save_file(tensors, str(out / "golden" / "logits.safetensors"))
+    meta = {
+        "produced_by": "scripts/make_tiny_k3.py drafter",
+        "reference": "float32 torch on CPU (drafter_reference), target via transformers DeepseekV3ForCausalLM",
+        "torch_version": torch.__version__,
+        "transformers_version": transformers.__version__,
+        "cases": cases,
+    }
+    (out / "golden" / "cases.json").write_text(json.dumps(meta, indent=2) + "\n")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("stages", nargs="+", choices=["corpus", "tokenizer", "train", "golden"])
+    p.add_argument("stages", nargs="+", choices=["corpus", "tokenizer", "train", "golden", "drafter"])
     p.add_argument("--out", default=str(DEFAULT_OUT))
+    p.add_argument("--drafter-out", default=str(DEFAULT_DRAFTER_OUT))
     p.add_argument("--corpus", default="/tmp/kjv.txt")
     p.add_argument("--device", default=None, help="torch device for training (default: cuda if present)")
     p.add_argument("--steps", type=int, default=3000)
@@ -351,8 +543,14 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--lr", type=float, default=3e-3)
     args = p.parse_args()
-    stages = {"corpus": stage_corpus, "tokenizer": stage_tokenizer, "train": stage_train, "golden": stage_golden}
-    for name in ["corpus", "tokenizer", "train", "golden"]:
+    stages = {
+        "corpus": stage_corpus,
+        "tokenizer": stage_tokenizer,
+        "train": stage_train,
+        "golden": stage_golden,
+        "drafter": stage_drafter,
+    }
+    for name in ["corpus", "tokenizer", "train", "golden", "drafter"]:
         if name in args.stages:
             stages[name](args)
 

@@ -5,6 +5,7 @@
 
 mod cmd;
 mod embedded;
+mod telemetry;
 
 use std::process::ExitCode;
 
@@ -34,17 +35,32 @@ enum Command {
     Bench(cmd::bench::BenchArgs),
     /// Measure prefill and decode tokens/s of the in-process engine.
     BenchEngine(cmd::bench_engine::BenchEngineArgs),
+    /// Run the GPU kernel and end-to-end benchmarks (CUDA).
+    BenchGpu(cmd::bench_gpu::BenchGpuArgs),
+}
+
+impl Command {
+    /// Logging and trace export for this subcommand's process.
+    fn telemetry(&self) -> telemetry::TelemetryConfig {
+        let (service_name, instance_id, queue_metrics) = match self {
+            Command::Router(_) => ("ferry-router", None, false),
+            Command::Prefill(a) => ("ferry-prefill", a.worker.worker_id.clone(), true),
+            Command::Decode(a) => ("ferry-decode", a.worker.worker_id.clone(), true),
+            _ => ("ferry", None, false),
+        };
+        telemetry::TelemetryConfig {
+            service_name,
+            instance_id,
+            // `ferry up` serves nothing itself; its children export.
+            export: !matches!(self, Command::Up(_)),
+            queue_metrics,
+        }
+    }
 }
 
 fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("FERRY_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn,ferry=info")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
     let cli = Cli::parse();
+    let telemetry = telemetry::init(cli.command.telemetry());
     let result = match cli.command {
         Command::Up(args) => cmd::up::run(args),
         Command::Router(args) => cmd::serve::router(args),
@@ -53,7 +69,9 @@ fn main() -> ExitCode {
         Command::Generate(args) => cmd::generate::run(args),
         Command::Bench(args) => cmd::bench::run(args),
         Command::BenchEngine(args) => cmd::bench_engine::run(args),
+        Command::BenchGpu(args) => cmd::bench_gpu::run(args),
     };
+    telemetry.shutdown();
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

@@ -47,7 +47,10 @@ async fn assert_all_front_doors(cluster: &Cluster, prompt: &str, expected: &str)
     let mut streamed = body.clone();
     streamed["stream"] = json!(true);
     let chunks = cluster.post_sse("/v1/completions", &streamed).await;
-    assert!(chunks.len() > 1, "a streamed answer comes in several chunks");
+    assert!(
+        chunks.len() > 1,
+        "a streamed answer comes in several chunks"
+    );
     let (text, finish) = cluster::sse_completion_text(&chunks);
     assert_eq!(text, expected, "HTTP SSE /v1/completions vs ferry generate");
     assert_eq!(finish.as_deref(), Some("length"));
@@ -79,7 +82,10 @@ async fn greedy_output_through_the_cluster_equals_ferry_generate() {
     // tail there. Both paths must give the same text.
     assert_all_front_doors(&cluster, &long, &long_ref).await;
     let d = cluster.stats(&decode).await;
-    assert_eq!(d.remote_prefills, 1, "the first long prompt is prefilled remotely: {d:?}");
+    assert_eq!(
+        d.remote_prefills, 1,
+        "the first long prompt is prefilled remotely: {d:?}"
+    );
     assert_eq!(d.recomputed_prefills, 0, "{d:?}");
     assert!(d.kv_transfer_bytes > 0, "{d:?}");
     let p = cluster.stats(&prefill).await;

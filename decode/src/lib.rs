@@ -6,6 +6,7 @@
 //! | [`remote_prefill`] | asking the prefill peer to fill reserved blocks; the `recompute` / `fail` policy |
 //! | [`region`] | the KV region peers write into (forwarded to the engine thread) |
 //! | [`server`] | [`server::DecodeServer`]: load, start the engine and the transfer listener, register, serve |
+//! | [`metrics`] | the decode worker's Prometheus series (TTFT, inter-token latency, end to end, remote prefill, speculative acceptance) |
 //!
 //! For a request with a prefill peer the engine reserves the prompt's blocks (reusing this
 //! worker's own cached prefix), the peer computes the rest and writes it straight into those
@@ -14,6 +15,7 @@
 //! recomputed here (`--on-prefill-failure recompute`, the default) or failed (`fail`).
 #![forbid(unsafe_code)]
 
+pub mod metrics;
 pub mod region;
 pub mod remote_prefill;
 pub mod server;

@@ -1,14 +1,16 @@
 //! Asking a prefill peer to fill reserved blocks, and what to do when it cannot.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use ferry_kvtransfer::Registration;
 use ferry_model::engine::{EngineHandle, SeqId};
 use ferry_model::kv::BlockId;
 use ferry_proto::internal::prefill_worker_client::PrefillWorkerClient;
 use ferry_proto::internal::{KvDestination, KvLayout, PrefillRequest, Sampling};
-use tracing::warn;
+use ferry_proto::trace_ctx;
+use tracing::{info_span, warn, Instrument, Span};
 
+use crate::metrics::DecodeMetrics;
 use crate::server::FailurePolicy;
 
 /// Everything one remote prefill needs.
@@ -31,13 +33,30 @@ pub struct RemotePrefill {
     pub layout: KvLayout,
     /// How long the peer may take.
     pub timeout: Duration,
+    /// Where the call's duration and failures are counted.
+    pub metrics: DecodeMetrics,
 }
 
 /// Runs the remote prefill and tells the engine how it ended: `remote_done` with the peer's
 /// first token, or `remote_failed` (recompute or fail per `policy`). Always resolves the
 /// reservation, so the blocks are freed even if the client is gone.
+///
+/// Runs in a `remote_prefill` client span (a child of the current one) whose context travels
+/// to the peer in the request metadata.
 pub async fn run(job: RemotePrefill, engine: EngineHandle, id: SeqId, policy: FailurePolicy) {
-    let result = tokio::time::timeout(job.timeout, call(&job)).await;
+    let span = info_span!(
+        "remote_prefill",
+        otel.kind = "client",
+        peer = %job.peer,
+        skip_tokens = job.cached_tokens,
+    );
+    trace_ctx::set_attribute(&span, "rpc.system", "grpc");
+    trace_ctx::set_attribute(&span, "rpc.service", "ferry.internal.v1.PrefillWorker");
+    trace_ctx::set_attribute(&span, "rpc.method", "Prefill");
+    let started = Instant::now();
+    let result = tokio::time::timeout(job.timeout, call(&job))
+        .instrument(span.clone())
+        .await;
     let outcome = match result {
         Ok(r) => r,
         Err(_) => Err(format!(
@@ -45,6 +64,16 @@ pub async fn run(job: RemotePrefill, engine: EngineHandle, id: SeqId, policy: Fa
             job.peer, job.timeout
         )),
     };
+    match &outcome {
+        Ok(_) => job
+            .metrics
+            .remote_prefill
+            .observe(started.elapsed().as_secs_f64()),
+        Err(reason) => {
+            job.metrics.remote_prefill_failures.inc();
+            trace_ctx::set_error(&span, reason.clone());
+        }
+    }
     let sent = match outcome {
         Ok(first) => engine.remote_done(id, first),
         Err(reason) => {
@@ -62,9 +91,8 @@ async fn call(job: &RemotePrefill) -> Result<u32, String> {
     let mut client = PrefillWorkerClient::connect(uri)
         .await
         .map_err(|e| format!("connecting to prefill peer {}: {e}", job.peer))?;
-    let reply = client
-        .prefill(PrefillRequest {
-            request_id: job.request_id.clone(),
+    let mut request = tonic::Request::new(PrefillRequest {
+        request_id: job.request_id.clone(),
             prompt_tokens: job.prompt.clone(),
             sampling: Some(job.sampling),
             skip_tokens: u32::try_from(job.cached_tokens).map_err(|e| e.to_string())?,
@@ -75,7 +103,10 @@ async fn call(job: &RemotePrefill) -> Result<u32, String> {
                 block_ids: job.blocks.iter().map(|b| b.0).collect(),
                 remote_key: job.registration.key.0,
             }),
-        })
+        });
+    trace_ctx::inject_request(&Span::current(), &mut request);
+    let reply = client
+        .prefill(request)
         .await
         .map_err(|s| format!("prefill peer {}: {}", job.peer, s.message()))?
         .into_inner();

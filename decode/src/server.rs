@@ -10,14 +10,16 @@ use ferry_kvtransfer::{TcpTransport, Transport};
 use ferry_proto::internal::decode_worker_server::DecodeWorkerServer;
 use ferry_proto::internal::WorkerRole;
 use ferry_worker::args::WorkerArgs;
+use ferry_worker::metrics::{MetricsListener, WorkerMetrics};
 use ferry_worker::registration::{self, RegistrationConfig};
 use ferry_worker::serve::{base_routes, load_engine, serve, ServeError};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tracing::info;
 
+use crate::metrics::DecodeMetrics;
 use crate::region::EngineRegion;
-use crate::service::{DecodePolicy, DecodeService};
+use crate::service::{DecodePolicy, DecodeService, KvTarget};
 
 /// What a failed remote prefill leads to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -55,6 +57,8 @@ pub struct DecodeServer {
     service: DecodeService,
     worker_id: String,
     _transport: Arc<TcpTransport>,
+    metrics: Arc<WorkerMetrics>,
+    metrics_listener: MetricsListener,
 }
 
 impl DecodeServer {
@@ -82,16 +86,23 @@ impl DecodeServer {
             .worker_id
             .clone()
             .unwrap_or_else(|| format!("decode-{}", addr.port()));
+        let metrics = WorkerMetrics::new(WorkerRole::Decode, &worker_id)?;
+        let decode_metrics = DecodeMetrics::register(metrics.registry())
+            .map_err(|e| ServeError::Metrics(e.to_string()))?;
+        let metrics_listener = MetricsListener::bind(args.worker.metrics_addr).await?;
         let service = DecodeService::new(
             worker_id.clone(),
             engine,
-            registration,
-            layout,
+            KvTarget {
+                registration,
+                layout,
+            },
             DecodePolicy {
                 local_prefill_threshold: args.local_prefill_threshold,
                 on_failure: args.on_prefill_failure,
                 prefill_timeout: Duration::from_secs(args.prefill_timeout_s.max(1)),
             },
+            decode_metrics,
         );
         Ok(Self {
             args,
@@ -100,12 +111,19 @@ impl DecodeServer {
             service,
             worker_id,
             _transport: transport,
+            metrics: Arc::new(metrics),
+            metrics_listener,
         })
     }
 
     /// The bound gRPC address.
     pub fn grpc_addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// The bound Prometheus `/metrics` address.
+    pub fn metrics_addr(&self) -> SocketAddr {
+        self.metrics_listener.local_addr()
     }
 
     /// Registers with the router and serves until `shutdown`.
@@ -125,7 +143,18 @@ impl DecodeServer {
             self.service.engine_handle(),
             shutdown.clone(),
         );
-        info!(worker = %self.worker_id, addr = %self.addr, "decode worker serving");
+        let metrics_addr = self.metrics_listener.local_addr();
+        let metrics_server = self.metrics_listener.spawn(
+            self.metrics,
+            self.service.engine_handle(),
+            shutdown.clone(),
+        );
+        info!(
+            worker = %self.worker_id,
+            addr = %self.addr,
+            metrics = %format!("http://{metrics_addr}/metrics"),
+            "decode worker serving"
+        );
         let routes = routes.add_service(DecodeWorkerServer::new(self.service));
         let result = serve(routes, self.listener, shutdown.clone()).await;
         reporter
@@ -133,6 +162,7 @@ impl DecodeServer {
             .await;
         shutdown.cancel();
         let _ = agent.await;
+        let _ = metrics_server.await;
         result
     }
 }

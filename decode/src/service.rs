@@ -2,7 +2,7 @@
 
 use std::pin::Pin;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use ferry_kvtransfer::{KvLayoutDesc, Registration};
 use ferry_model::engine::{
@@ -13,14 +13,16 @@ use ferry_proto::internal::decode_worker_server::DecodeWorker;
 use ferry_proto::internal::{
     DecodeRequest, DecodeResponse, GetStatsRequest, KvLayout, WorkerStats,
 };
+use ferry_proto::trace_ctx;
 use ferry_proto::v1::FinishReason as WireFinish;
 use ferry_worker::args::{sampling, validate_prompt};
 use futures::Stream;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
-use tonic::{Request, Response, Status};
-use tracing::{debug, info_span, Instrument};
+use tonic::{Code, Request, Response, Status};
+use tracing::{debug, field, info_span, Instrument, Span};
 
+use crate::metrics::DecodeMetrics;
 use crate::remote_prefill::{self, RemotePrefill};
 use crate::server::FailurePolicy;
 
@@ -43,23 +45,35 @@ pub struct DecodeService {
     registration: Registration,
     layout: KvLayoutDesc,
     policy: Arc<DecodePolicy>,
+    metrics: DecodeMetrics,
+}
+
+/// Where peers write this worker's KV: its transfer registration and pool layout.
+#[derive(Debug, Clone)]
+pub struct KvTarget {
+    /// The transport registration of this worker's pool.
+    pub registration: Registration,
+    /// The pool's layout.
+    pub layout: KvLayoutDesc,
 }
 
 impl DecodeService {
-    /// A service over `engine`, whose pool peers reach through `registration`.
+    /// A service over `engine`, whose pool peers reach through `target`, counting into
+    /// `metrics`.
     pub fn new(
         worker_id: String,
         engine: EngineHandle,
-        registration: Registration,
-        layout: KvLayoutDesc,
+        target: KvTarget,
         policy: DecodePolicy,
+        metrics: DecodeMetrics,
     ) -> Self {
         Self {
             worker_id,
             engine,
-            registration,
-            layout,
+            registration: target.registration,
+            layout: target.layout,
             policy: Arc::new(policy),
+            metrics,
         }
     }
 
@@ -79,7 +93,62 @@ impl DecodeWorker for DecodeService {
         &self,
         request: Request<DecodeRequest>,
     ) -> Result<Response<Self::DecodeStream>, Status> {
+        let started = Instant::now();
+        let span = info_span!("decode", otel.kind = "server", request_id = field::Empty);
+        trace_ctx::set_parent_from_request(&span, &request);
         let r = request.into_inner();
+        span.record("request_id", r.request_id.as_str());
+        trace_ctx::set_attribute(&span, "rpc.system", "grpc");
+        trace_ctx::set_attribute(&span, "rpc.service", "ferry.internal.v1.DecodeWorker");
+        trace_ctx::set_attribute(&span, "rpc.method", "Decode");
+        trace_ctx::set_attribute(
+            &span,
+            "gen_ai.usage.input_tokens",
+            i64::try_from(r.prompt_tokens.len()).unwrap_or(i64::MAX),
+        );
+        let (generation, peer) = span.in_scope(|| self.submit(&r)).map_err(|status| {
+            let kind = match status.code() {
+                Code::InvalidArgument => "invalid_argument",
+                Code::ResourceExhausted => "overloaded",
+                _ => "failed",
+            };
+            self.metrics.failure.with_label_values(&[kind]).inc();
+            trace_ctx::set_error(&span, status.message());
+            span.in_scope(|| debug!(error = status.message(), kind, "decode request refused"));
+            status
+        })?;
+        let (tx, rx) = mpsc::channel(64);
+        let ctx = Drive {
+            engine: self.engine.clone(),
+            request: r,
+            peer,
+            registration: self.registration.clone(),
+            layout: self.layout,
+            policy: self.policy.clone(),
+            metrics: self.metrics.clone(),
+            started,
+        };
+        tokio::spawn(drive(ctx, generation, tx).instrument(span));
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
+    async fn get_stats(
+        &self,
+        _request: Request<GetStatsRequest>,
+    ) -> Result<Response<WorkerStats>, Status> {
+        let s = self.engine.stats().await.map_err(engine_status)?;
+        Ok(Response::new(ferry_worker::stats::worker_stats(
+            &self.worker_id,
+            &s,
+            s.kv_bytes_received,
+        )))
+    }
+}
+
+impl DecodeService {
+    /// Validates `r` and submits it to the engine (in the request's span, which the engine
+    /// keeps); returns the generation and the prefill peer's address, if any.
+    fn submit(&self, r: &DecodeRequest) -> Result<(Generation, Option<String>), Status> {
         let stop = r
             .stop
             .as_ref()
@@ -103,6 +172,11 @@ impl DecodeWorker for DecodeService {
             },
             None => PrefillSource::Local,
         };
+        trace_ctx::set_attribute(
+            &Span::current(),
+            "gen_ai.request.max_tokens",
+            i64::from(stop.max_tokens),
+        );
         let generation = self
             .engine
             .generate(GenerateJob {
@@ -115,30 +189,7 @@ impl DecodeWorker for DecodeService {
                 prefill,
             })
             .map_err(engine_status)?;
-        let (tx, rx) = mpsc::channel(64);
-        let ctx = Drive {
-            engine: self.engine.clone(),
-            request: r,
-            peer,
-            registration: self.registration.clone(),
-            layout: self.layout,
-            policy: self.policy.clone(),
-        };
-        let span = info_span!("decode", request_id = %ctx.request.request_id);
-        tokio::spawn(drive(ctx, generation, tx).instrument(span));
-        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
-    }
-
-    async fn get_stats(
-        &self,
-        _request: Request<GetStatsRequest>,
-    ) -> Result<Response<WorkerStats>, Status> {
-        let s = self.engine.stats().await.map_err(engine_status)?;
-        Ok(Response::new(ferry_worker::stats::worker_stats(
-            &self.worker_id,
-            &s,
-            s.kv_bytes_received,
-        )))
+        Ok((generation, peer))
     }
 }
 
@@ -149,6 +200,51 @@ struct Drive {
     registration: Registration,
     layout: KvLayoutDesc,
     policy: Arc<DecodePolicy>,
+    metrics: DecodeMetrics,
+    /// When the request arrived.
+    started: Instant,
+}
+
+/// Per-request timing and counts, turned into metrics and span attributes at the end.
+struct Progress {
+    tokens: u64,
+    last_token: Option<Instant>,
+}
+
+impl Progress {
+    fn token(&mut self, m: &DecodeMetrics, started: Instant) {
+        let now = Instant::now();
+        match self.last_token {
+            None => m.ttft.observe((now - started).as_secs_f64()),
+            Some(last) => m.itl.observe((now - last).as_secs_f64()),
+        }
+        self.last_token = Some(now);
+        self.tokens += 1;
+    }
+}
+
+/// Records how a request ended on its span and in the metrics.
+fn record_end(ctx: &Drive, p: &Progress, outcome: Result<&'static str, (&'static str, &str)>) {
+    let span = Span::current();
+    trace_ctx::set_attribute(
+        &span,
+        "gen_ai.usage.output_tokens",
+        i64::try_from(p.tokens).unwrap_or(i64::MAX),
+    );
+    let m = &ctx.metrics;
+    match outcome {
+        Ok(reason) => {
+            m.success.with_label_values(&[reason]).inc();
+            m.e2e.observe(ctx.started.elapsed().as_secs_f64());
+            m.prompt_tokens.inc_by(ctx.request.prompt_tokens.len() as u64);
+            m.generation_tokens.inc_by(p.tokens);
+            trace_ctx::set_attribute(&span, "gen_ai.response.finish_reasons", reason);
+        }
+        Err((kind, message)) => {
+            m.failure.with_label_values(&[kind]).inc();
+            trace_ctx::set_error(&span, message.to_string());
+        }
+    }
 }
 
 /// Forwards engine events to the client; starts the remote prefill when blocks are reserved.
@@ -161,10 +257,15 @@ async fn drive(
     let mut cached = 0u32;
     let mut mode = "local";
     let mut first = true;
+    let mut progress = Progress {
+        tokens: 0,
+        last_token: None,
+    };
     loop {
         let event = tokio::select! {
             _ = tx.closed() => {
                 debug!("client went away; cancelling");
+                record_end(&ctx, &progress, Err(("cancelled", "the client went away")));
                 return;
             }
             e = generation.events.recv() => e,
@@ -179,6 +280,7 @@ async fn drive(
             }) => {
                 cached = u32::try_from(cached_tokens).unwrap_or(u32::MAX);
                 mode = "remote";
+                record_prefill(mode, cached);
                 let job = RemotePrefill {
                     request_id: ctx.request.request_id.clone(),
                     peer: ctx.peer.clone().unwrap_or_default(),
@@ -189,6 +291,7 @@ async fn drive(
                     registration: ctx.registration.clone(),
                     layout: KvLayout::from(ctx.layout),
                     timeout: ctx.policy.prefill_timeout,
+                    metrics: ctx.metrics.clone(),
                 };
                 tokio::spawn(
                     remote_prefill::run(
@@ -203,12 +306,16 @@ async fn drive(
             }
             Some(EngineEvent::LocalPrefill { cached_tokens }) => {
                 cached = u32::try_from(cached_tokens).unwrap_or(u32::MAX);
+                record_prefill(mode, cached);
                 continue;
             }
-            Some(EngineEvent::Token(t)) => Ok(DecodeResponse {
-                token_ids: vec![t],
-                ..Default::default()
-            }),
+            Some(EngineEvent::Token(t)) => {
+                progress.token(&ctx.metrics, ctx.started);
+                Ok(DecodeResponse {
+                    token_ids: vec![t],
+                    ..Default::default()
+                })
+            }
             Some(EngineEvent::Finished(r)) => Ok(DecodeResponse {
                 finish_reason: match r {
                     FinishReason::Stop => WireFinish::Stop,
@@ -219,6 +326,14 @@ async fn drive(
             Some(EngineEvent::Failed(e)) => Err(Status::internal(e)),
         };
         let done = !matches!(&msg, Ok(m) if m.finish_reason == WireFinish::Unspecified as i32);
+        if done {
+            let outcome = match &msg {
+                Ok(m) if m.finish_reason == WireFinish::Stop as i32 => Ok("stop"),
+                Ok(_) => Ok("length"),
+                Err(status) => Err(("failed", status.message())),
+            };
+            record_end(&ctx, &progress, outcome);
+        }
         let msg = msg.map(|mut m| {
             if first {
                 m.cached_prompt_tokens = cached;
@@ -227,10 +342,23 @@ async fn drive(
             }
             m
         });
-        if tx.send(msg).await.is_err() || done {
+        if tx.send(msg).await.is_err() {
+            if !done {
+                record_end(&ctx, &progress, Err(("cancelled", "the client went away")));
+            }
+            return;
+        }
+        if done {
             return;
         }
     }
+}
+
+/// Where the prompt KV comes from, on the request's span.
+fn record_prefill(mode: &'static str, cached_tokens: u32) {
+    let span = Span::current();
+    trace_ctx::set_attribute(&span, "ferry.prefill.mode", mode);
+    trace_ctx::set_attribute(&span, "ferry.prefill.cached_tokens", i64::from(cached_tokens));
 }
 
 /// Engine errors → gRPC status.

@@ -87,6 +87,29 @@ pub enum KernelError {
         /// The valid range, in words.
         limit: &'static str,
     },
+    /// A `--device` string that is not `cpu`, `cuda[:N]` or `rocm[:N]`.
+    #[error("device: `{value}` is not a device; expected cpu, cuda[:N] or rocm[:N]")]
+    InvalidDevice {
+        /// The text given.
+        value: String,
+    },
+    /// The device asked for cannot be used on this machine (no driver, no such ordinal, the
+    /// backend not compiled in). Callers that may fall back to the CPU do so on this error.
+    #[error("device {device} is unavailable: {reason}")]
+    DeviceUnavailable {
+        /// The device, as written (`cuda:0`).
+        device: String,
+        /// Why, in words (e.g. "no CUDA driver (libcuda.so) on this machine").
+        reason: String,
+    },
+    /// A GPU runtime call (driver, NVRTC, cuBLAS, HIP, hipRTC) failed.
+    #[error("{op}: GPU call failed: {message}")]
+    Gpu {
+        /// Operation or runtime call.
+        op: &'static str,
+        /// The runtime's message.
+        message: String,
+    },
     /// A probability vector has nothing left to sample or renormalise (all zero, or non-finite).
     #[error("{op}: distribution has no positive finite mass (sum {sum})")]
     DegenerateDistribution {

@@ -1,6 +1,6 @@
 //! Compute backends for ferry.
 //!
-//! Today this crate holds the CPU reference backend: plain, f32-accumulating implementations
+//! The CPU reference backend holds plain, f32-accumulating implementations
 //! of every operation a DeepSeek-V3-family (MLA + MoE) forward pass needs, written to match
 //! Hugging Face transformers' float32 `DeepseekV3ForCausalLM` to about 1e-5 relative. GPU
 //! backends are tested against it.
@@ -17,11 +17,22 @@
 //! | [`cpu::softmax`] | row softmax |
 //! | [`cpu::mla`] | MLA attention over a paged latent cache (MHA form, absorbed form, tiled kernel) |
 //! | [`cpu::sample`] | sampling parameters, filters and the seeded sampler |
+//! | [`device`] | [`Device`] (`cpu`, `cuda[:N]`, `rocm[:N]`) and probing without panics |
+//! | [`gpu`] | the CUDA/HIP kernel sources (`*.cu`, `compat.cuh`) |
+//! | `cuda` | the CUDA backend (feature `cuda`, default): context, NVRTC, cuBLAS, ops, MLA kernels |
+//! | `rocm` | the ROCm backend (feature `rocm`): HIP runtime through hip-sys, hipRTC |
 
 #![warn(missing_docs)]
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
+pub mod device;
 pub mod error;
+pub mod gpu;
 pub mod ops;
+#[cfg(feature = "rocm")]
+pub mod rocm;
 
+pub use device::Device;
 pub use error::KernelError;

@@ -148,6 +148,103 @@ fn top_p_keeps_boundary_ties_and_no_ops() {
     assert_eq!(got, probs);
 }
 
+/// Weights that are multiples of 1/16, left unnormalised (the filters work on `p × total`):
+/// many exact ties at every boundary — where pivot and rank semantics disagree — and sums that
+/// are exact in f32 and f64 alike, so the f64 reference cannot disagree by rounding at an
+/// exactly-reached top-p target.
+fn quantised_probs(rng: &mut rand_chacha::ChaCha8Rng, n: usize) -> Vec<f32> {
+    let mut p: Vec<f32> = (0..n)
+        .map(|_| (rng.random_range(0..5u32) as f32) / 16.0)
+        .collect();
+    if p.iter().all(|&v| v == 0.0) {
+        p[0] = 1.0 / 16.0;
+    }
+    p
+}
+
+#[test]
+fn renorm_matches_brute_force_on_quantised_ties() {
+    let mut rng = common::rng(14);
+    for n in [3usize, 8, 33] {
+        for _ in 0..20 {
+            let probs = quantised_probs(&mut rng, n);
+            // Every k, including k = 1 (with a tied maximum), k = vocab and k > vocab.
+            for k in 1..=n + 2 {
+                let mut got = probs.clone();
+                top_k_renorm_prob(&mut got, k as u32).expect("positive mass");
+                let want = if k >= n {
+                    probs.clone()
+                } else {
+                    reference_top_k(&probs, k)
+                };
+                assert_same_dist(&got, &want, &format!("n={n} k={k} {probs:?}"));
+            }
+            for p in [0.1f32, 0.25, 0.5, 0.75, 0.9, 1.0] {
+                let mut got = probs.clone();
+                top_p_renorm_prob(&mut got, p).expect("positive mass");
+                let want = if p >= 1.0 {
+                    probs.clone()
+                } else {
+                    reference_top_p(&probs, p)
+                };
+                assert_same_dist(&got, &want, &format!("n={n} p={p} {probs:?}"));
+            }
+        }
+    }
+}
+
+#[test]
+fn top_k_one_keeps_a_tied_maximum_but_the_sampler_treats_it_as_greedy() {
+    // The renorm function has pivot semantics even at k = 1 ...
+    let mut got = vec![0.4f32, 0.2, 0.4];
+    top_k_renorm_prob(&mut got, 1).expect("positive mass");
+    assert_eq!(got, vec![0.5, 0.0, 0.5]);
+    // ... while `top_k == 1` requests are greedy: a point mass at the lowest tied argmax. The
+    // sampler and the speculative verifier both build p with `probs_from_logits`, so they agree.
+    let params = SamplingParams {
+        top_k: 1,
+        ..SamplingParams::default()
+    };
+    let logits = [1.0f32, 0.0, 1.0];
+    assert_eq!(
+        probs_from_logits(&logits, &params).expect("valid"),
+        vec![1.0, 0.0, 0.0]
+    );
+}
+
+#[test]
+fn zero_mass_is_an_error_and_leaves_the_input_untouched() {
+    let zeros = vec![0.0f32; 5];
+    let mut got = zeros.clone();
+    assert!(matches!(
+        top_k_renorm_prob(&mut got, 2),
+        Err(KernelError::DegenerateDistribution { .. })
+    ));
+    assert_eq!(got, zeros);
+    assert!(matches!(
+        top_p_renorm_prob(&mut got, 0.5),
+        Err(KernelError::DegenerateDistribution { .. })
+    ));
+    assert_eq!(got, zeros);
+    // No-ops never inspect the mass.
+    top_k_renorm_prob(&mut got, 5).expect("k >= vocab is a no-op");
+    top_p_renorm_prob(&mut got, 1.0).expect("top_p = 1 is a no-op");
+    // A NaN-poisoned vector is refused the same way.
+}
+
+#[test]
+fn top_p_one_is_a_no_op_even_unnormalised() {
+    let mut rng = common::rng(15);
+    let probs: Vec<f32> = random_probs(&mut rng, 40).iter().map(|v| v * 3.0).collect();
+    let mut got = probs.clone();
+    top_p_renorm_prob(&mut got, 1.0).expect("no-op");
+    assert_eq!(got, probs);
+    // Below 1 on an unnormalised vector, the target is p × total (same as normalised).
+    let mut got = probs.clone();
+    top_p_renorm_prob(&mut got, 0.5).expect("positive mass");
+    assert_same_dist(&got, &reference_top_p(&probs, 0.5), "unnormalised p=0.5");
+}
+
 #[test]
 fn min_p_drops_small_entries() {
     let mut got = vec![0.5f32, 0.3, 0.1, 0.1];

@@ -468,6 +468,7 @@ mod tcp_only {
         let hello = TransferHello {
             layout: Some(KvLayout::from(&LAYOUT)),
             remote_key: reg.key.0,
+            ..TransferHello::default()
         };
         send_frame(&mut raw, 1, &hello.encode_to_vec()).await;
         let (tag, body) = recv_frame(&mut raw).await;

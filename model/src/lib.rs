@@ -7,13 +7,18 @@
 //! | [`tokenizer`] | `tokenizer.json` through `tokenizers`, chat templates through `minijinja` |
 //! | [`kv`] | the paged latent KV pool, block allocation and per-sequence block tables |
 //! | [`deepseek`] | the batched forward: prefill of many sequences, decode steps, cached-prefix reuse |
+//! | [`drafter`] | speculative decoding's DSpark drafter and the [`drafter::Drafter`] interface the engine drives |
 //! | [`session`] | one sequence over a pool: reserve blocks, run, advance (CLI and tests) |
 //! | [`engine`] | the engine thread: continuous batching, local and remote prefill, prefill jobs with per-layer KV streaming |
+//! | `gpu` | the whole forward on a CUDA device (feature `cuda`): weights and paged KV in device memory |
 //! | [`embedded`] | where the embedded default model lives |
 pub mod config;
 pub mod deepseek;
+pub mod drafter;
 pub mod embedded;
 pub mod engine;
+#[cfg(feature = "cuda")]
+pub mod gpu;
 pub mod error;
 pub mod kv;
 pub mod session;

@@ -5,6 +5,7 @@
 //! | [`service`] | `PrefillWorker` gRPC: validate, connect to the destination, run the prefill job, report |
 //! | [`push`] | the per-layer hook that copies each finished layer's blocks into a transfer stream |
 //! | [`server`] | [`server::PrefillServer`]: load the model, start the engine, bind, register, serve |
+//! | [`metrics`] | the prefill worker's Prometheus series (requests, KV transfer bytes and duration) |
 //!
 //! A prefill request names the decode worker's blocks. The engine reuses this worker's own
 //! prefix cache, computes the rest, and after every layer the hook hands that layer's blocks
@@ -13,6 +14,7 @@
 //! the transport confirmed every write landed.
 #![forbid(unsafe_code)]
 
+pub mod metrics;
 pub mod push;
 pub mod server;
 pub mod service;

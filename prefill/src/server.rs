@@ -2,17 +2,20 @@
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use clap::Args;
 use ferry_proto::internal::prefill_worker_server::PrefillWorkerServer;
 use ferry_proto::internal::WorkerRole;
 use ferry_worker::args::WorkerArgs;
+use ferry_worker::metrics::{MetricsListener, WorkerMetrics};
 use ferry_worker::registration::{self, RegistrationConfig};
 use ferry_worker::serve::{base_routes, load_engine, serve, ServeError};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tracing::info;
 
+use crate::metrics::PrefillMetrics;
 use crate::service::PrefillService;
 
 /// Flags of `ferry prefill`.
@@ -29,6 +32,8 @@ pub struct PrefillServer {
     addr: SocketAddr,
     service: PrefillService,
     worker_id: String,
+    metrics: Arc<WorkerMetrics>,
+    metrics_listener: MetricsListener,
 }
 
 impl PrefillServer {
@@ -46,19 +51,30 @@ impl PrefillServer {
             .worker_id
             .clone()
             .unwrap_or_else(|| format!("prefill-{}", addr.port()));
-        let service = PrefillService::new(worker_id.clone(), engine);
+        let metrics = WorkerMetrics::new(WorkerRole::Prefill, &worker_id)?;
+        let prefill_metrics = PrefillMetrics::register(metrics.registry())
+            .map_err(|e| ServeError::Metrics(e.to_string()))?;
+        let metrics_listener = MetricsListener::bind(args.worker.metrics_addr).await?;
+        let service = PrefillService::new(worker_id.clone(), engine, prefill_metrics);
         Ok(Self {
             args,
             listener,
             addr,
             service,
             worker_id,
+            metrics: Arc::new(metrics),
+            metrics_listener,
         })
     }
 
     /// The bound gRPC address.
     pub fn grpc_addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// The bound Prometheus `/metrics` address.
+    pub fn metrics_addr(&self) -> SocketAddr {
+        self.metrics_listener.local_addr()
     }
 
     /// Registers with the router and serves until `shutdown`.
@@ -78,7 +94,18 @@ impl PrefillServer {
             self.service.engine_handle(),
             shutdown.clone(),
         );
-        info!(worker = %self.worker_id, addr = %self.addr, "prefill worker serving");
+        let metrics_addr = self.metrics_listener.local_addr();
+        let metrics_server = self.metrics_listener.spawn(
+            self.metrics,
+            self.service.engine_handle(),
+            shutdown.clone(),
+        );
+        info!(
+            worker = %self.worker_id,
+            addr = %self.addr,
+            metrics = %format!("http://{metrics_addr}/metrics"),
+            "prefill worker serving"
+        );
         let routes = routes.add_service(PrefillWorkerServer::new(self.service));
         let result = serve(routes, self.listener, shutdown.clone()).await;
         reporter
@@ -86,6 +113,7 @@ impl PrefillServer {
             .await;
         shutdown.cancel();
         let _ = agent.await;
+        let _ = metrics_server.await;
         result
     }
 }

@@ -2,6 +2,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::Instant;
 
 use ferry_kvtransfer::handshake::check_compatible;
 use ferry_kvtransfer::layerwise::LayerStreamer;
@@ -9,10 +10,12 @@ use ferry_kvtransfer::{Dtype, KvLayoutDesc, RemoteKey, TcpTransport, Transport};
 use ferry_model::engine::{EngineError, EngineHandle};
 use ferry_proto::internal::prefill_worker_server::PrefillWorker;
 use ferry_proto::internal::{GetStatsRequest, PrefillRequest, PrefillResponse, WorkerStats};
+use ferry_proto::trace_ctx;
 use ferry_worker::args::{sampling, validate_prompt};
 use tonic::{Request, Response, Status};
-use tracing::{info_span, Instrument};
+use tracing::{field, info_span, Instrument, Span};
 
+use crate::metrics::PrefillMetrics;
 use crate::push::layer_pusher;
 
 /// The service state: the engine handle and the outbound transport.
@@ -22,16 +25,18 @@ pub struct PrefillService {
     engine: EngineHandle,
     tcp: Arc<TcpTransport>,
     bytes_sent: Arc<AtomicU64>,
+    metrics: PrefillMetrics,
 }
 
 impl PrefillService {
-    /// A service over `engine`.
-    pub fn new(worker_id: String, engine: EngineHandle) -> Self {
+    /// A service over `engine`, counting into `metrics`.
+    pub fn new(worker_id: String, engine: EngineHandle, metrics: PrefillMetrics) -> Self {
         Self {
             worker_id,
             engine,
             tcp: Arc::new(TcpTransport::client()),
             bytes_sent: Arc::new(AtomicU64::new(0)),
+            metrics,
         }
     }
 
@@ -89,11 +94,24 @@ impl PrefillService {
                 dest.transport
             )));
         }
+        // The transfer's span: connect (whose hello carries it to the receiver) → flush ack.
+        let transfer = info_span!(
+            "kv_transfer",
+            otel.kind = "client",
+            ferry.kv_transfer.transport = "tcp",
+            ferry.kv_transfer.destination = %dest.transfer_address,
+            ferry.kv_transfer.bytes = field::Empty,
+            ferry.kv_transfer.layers = ours.num_layers,
+            ferry.kv_transfer.blocks = prompt_len.div_ceil(page) - skip / page,
+            ferry.kv_transfer.duration_s = field::Empty,
+        );
+        let started = Instant::now();
         let writer = self
             .tcp
             .connect(&dest.transfer_address, RemoteKey(dest.remote_key), &ours)
+            .instrument(transfer.clone())
             .await
-            .map_err(|e| Status::unavailable(format!("KV transfer connect: {e}")))?;
+            .map_err(|e| self.transfer_failed(&transfer, format!("KV transfer connect: {e}")))?;
         let (sink, streamer) = LayerStreamer::spawn(writer);
         let hook = layer_pusher(sink.clone(), dest.block_ids, skip / page);
         let outcome = self
@@ -101,16 +119,39 @@ impl PrefillService {
             .prefill(r.prompt_tokens, params, skip, hook)
             .await
             .map_err(engine_status);
-        let bytes = streamer.finish(sink).await;
+        let bytes = streamer.finish(sink).instrument(transfer.clone()).await;
         let outcome = outcome?;
-        let bytes = bytes.map_err(|e| Status::unavailable(format!("KV transfer: {e}")))?;
+        let bytes =
+            bytes.map_err(|e| self.transfer_failed(&transfer, format!("KV transfer: {e}")))?;
+        let took = started.elapsed().as_secs_f64();
+        transfer.record("ferry.kv_transfer.bytes", bytes);
+        transfer.record("ferry.kv_transfer.duration_s", took);
+        self.metrics.kv_bytes.inc_by(bytes);
+        self.metrics.kv_duration.observe(took);
         self.bytes_sent.fetch_add(bytes, Ordering::Relaxed);
+        let span = Span::current();
+        let count = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);
+        trace_ctx::set_attribute(
+            &span,
+            "ferry.prefill.computed_tokens",
+            count(outcome.computed_tokens),
+        );
+        trace_ctx::set_attribute(&span, "ferry.prefill.reused_tokens", count(outcome.reused_tokens));
         Ok(PrefillResponse {
             first_token: outcome.first_token,
             computed_tokens: u32::try_from(outcome.computed_tokens).unwrap_or(u32::MAX),
             reused_tokens: u32::try_from(outcome.reused_tokens).unwrap_or(u32::MAX),
             bytes_transferred: bytes,
         })
+    }
+}
+
+impl PrefillService {
+    /// Counts and marks a failed transfer; the status to answer with.
+    fn transfer_failed(&self, span: &Span, message: String) -> Status {
+        self.metrics.kv_failures.inc();
+        trace_ctx::set_error(span, message.clone());
+        Status::unavailable(message)
     }
 }
 
@@ -129,9 +170,42 @@ impl PrefillWorker for PrefillService {
         &self,
         request: Request<PrefillRequest>,
     ) -> Result<Response<PrefillResponse>, Status> {
+        let span = info_span!(
+            "prefill",
+            otel.kind = "server",
+            request_id = field::Empty,
+            prompt_tokens = field::Empty,
+        );
+        trace_ctx::set_parent_from_request(&span, &request);
         let r = request.into_inner();
-        let span = info_span!("prefill", request_id = %r.request_id, prompt_tokens = r.prompt_tokens.len());
-        self.run(r).instrument(span).await.map(Response::new)
+        span.record("request_id", r.request_id.as_str());
+        span.record("prompt_tokens", r.prompt_tokens.len());
+        trace_ctx::set_attribute(&span, "rpc.system", "grpc");
+        trace_ctx::set_attribute(&span, "rpc.service", "ferry.internal.v1.PrefillWorker");
+        trace_ctx::set_attribute(&span, "rpc.method", "Prefill");
+        trace_ctx::set_attribute(
+            &span,
+            "ferry.prefill.skip_tokens",
+            i64::from(r.skip_tokens),
+        );
+        let prompt_tokens = r.prompt_tokens.len() as u64;
+        let started = Instant::now();
+        let result = self.run(r).instrument(span.clone()).await;
+        match &result {
+            Ok(_) => {
+                self.metrics.requests.with_label_values(&["ok"]).inc();
+                self.metrics.prompt_tokens.inc_by(prompt_tokens);
+                self.metrics
+                    .duration
+                    .observe(started.elapsed().as_secs_f64());
+            }
+            Err(status) => {
+                self.metrics.requests.with_label_values(&["error"]).inc();
+                trace_ctx::set_error(&span, status.message());
+                span.in_scope(|| tracing::warn!(code = ?status.code(), error = status.message(), "prefill failed"));
+            }
+        }
+        result.map(Response::new)
     }
 
     async fn get_stats(

@@ -15,20 +15,28 @@
 //! [`LoadGuard`](crate::load::LoadGuard) and the worker stream, so a finished, failed or
 //! dropped (client gone) request releases all three. On shutdown, after the drain deadline, the
 //! `drain` token ends open streams with [`RequestError::ShuttingDown`].
+//!
+//! Called inside the request's span: each attempt gets a `route` span (the decision) and a
+//! `dispatch` client span whose context travels to the decode worker in the call's metadata.
+//! The stream records the request's latencies, tokens and outcome ([`RouterMetrics`]).
 use std::pin::Pin;
 use std::sync::Arc;
+use std::time::Instant;
 
 use ferry_model::tokenizer::Tokenizer;
 use ferry_proto::internal::{self, decode_worker_client::DecodeWorkerClient};
-use ferry_proto::v1;
+use ferry_proto::{trace_ctx, v1};
 use futures::Stream;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tonic::{Code, Streaming};
+use tracing::{field, Instrument, Span};
 
 use crate::error::RequestError;
-use crate::output::{FinishReason, GenerationEvent, OutputState};
+use crate::metrics::RouterMetrics;
+use crate::output::{FinishReason, GenerationEvent, OutputState, Usage};
 use crate::select::{PrefillTarget, SelectRequest, Selection, Selector};
+use crate::spans::{self, InSpan};
 use crate::validate::ValidRequest;
 
 /// Attempts per request: the first decode worker and one retry.
@@ -49,6 +57,8 @@ pub struct DispatcherParams {
     pub max_concurrent_requests: usize,
     /// Cancelled when open streams must end (shutdown past the drain deadline).
     pub drain: CancellationToken,
+    /// Where request latencies, tokens, outcomes and routing decisions are counted.
+    pub metrics: Arc<RouterMetrics>,
 }
 
 #[derive(Debug)]
@@ -58,6 +68,7 @@ struct Inner {
     limiter: Arc<Semaphore>,
     limit: usize,
     drain: CancellationToken,
+    metrics: Arc<RouterMetrics>,
 }
 
 /// Sends requests to workers (cheap to clone).
@@ -72,6 +83,81 @@ struct Opened {
     rest: Streaming<internal::DecodeResponse>,
 }
 
+/// The attempt that opened a decode stream.
+struct Attempt {
+    selection: Selection,
+    opened: Opened,
+    /// Its `dispatch` span, current while the stream runs.
+    span: Span,
+}
+
+/// Per-request accounting; a request dropped before its end counts as `cancelled`.
+struct Accounting {
+    metrics: Arc<RouterMetrics>,
+    request: Span,
+    received: Instant,
+    last_token: Option<Instant>,
+    ended: bool,
+}
+
+impl Accounting {
+    fn tokens(&mut self, n: usize) {
+        if n == 0 {
+            return;
+        }
+        let now = Instant::now();
+        let mut n = n;
+        match self.last_token {
+            None => {
+                self.metrics.ttft.observe((now - self.received).as_secs_f64());
+                // Tokens that arrive with the first share its moment.
+                for _ in 1..n {
+                    self.metrics.itl.observe(0.0);
+                }
+            }
+            Some(last) => {
+                let gap = (now - last).as_secs_f64() / n as f64;
+                while n > 0 {
+                    self.metrics.itl.observe(gap);
+                    n -= 1;
+                }
+            }
+        }
+        self.last_token = Some(now);
+    }
+
+    fn finished(&mut self, usage: &Usage, reason: FinishReason) {
+        let m = &self.metrics;
+        m.success.with_label_values(&[reason.as_str()]).inc();
+        m.e2e.observe(self.received.elapsed().as_secs_f64());
+        m.prompt_tokens.inc_by(u64::from(usage.prompt_tokens));
+        m.generation_tokens.inc_by(u64::from(usage.completion_tokens));
+        m.cached_prompt_tokens
+            .inc_by(u64::from(usage.cached_prompt_tokens));
+        spans::record_finish(&self.request, usage, reason);
+        self.ended = true;
+    }
+
+    fn failed(&mut self, e: &RequestError) {
+        self.metrics.failure.with_label_values(&[e.kind()]).inc();
+        spans::mark_failed(&self.request, e);
+        spans::mark_failed(&Span::current(), e);
+        self.ended = true;
+    }
+}
+
+impl Drop for Accounting {
+    fn drop(&mut self) {
+        if !self.ended {
+            self.metrics
+                .failure
+                .with_label_values(&["cancelled"])
+                .inc();
+            trace_ctx::set_attribute(&self.request, "error.type", "cancelled");
+        }
+    }
+}
+
 impl Dispatcher {
     /// A dispatcher. Does not spawn.
     pub fn new(params: DispatcherParams) -> Self {
@@ -82,6 +168,7 @@ impl Dispatcher {
                 limiter: Arc::new(Semaphore::new(params.max_concurrent_requests)),
                 limit: params.max_concurrent_requests,
                 drain: params.drain,
+                metrics: params.metrics,
             }),
         }
     }
@@ -97,7 +184,11 @@ impl Dispatcher {
     }
 
     /// Admits and sends `req`; returns once the decode worker produced its first message.
+    /// Call it inside the request's span.
     pub async fn generate(&self, req: ValidRequest) -> Result<GenerationStream, RequestError> {
+        let request_span = Span::current();
+        spans::record_request(&req);
+        let policy = self.inner.selector.policy_kind().as_str();
         let permit = self
             .inner
             .limiter
@@ -108,26 +199,40 @@ impl Dispatcher {
             })?;
         let mut excluded = Vec::new();
         let mut last_error = None;
-        for _ in 0..MAX_ATTEMPTS {
-            let selection = match self.inner.selector.select(&SelectRequest {
-                hashes: req.block_hashes(),
-                prompt_tokens: req.prompt().len(),
-                exclude: &excluded,
-            }) {
+        for attempt in 0..MAX_ATTEMPTS {
+            if attempt > 0 {
+                self.inner.metrics.retries.inc();
+            }
+            let selection = match self.route(&req, &excluded, policy, attempt) {
                 Ok(s) => s,
                 Err(e) => return Err(last_error.unwrap_or(e)),
             };
-            tracing::debug!(
-                decode = %selection.decode.id,
-                prefill = ?selection.prefill.as_ref().map(|p| &p.id),
-                cached_blocks = selection.decision.predicted_cached_blocks,
-                "selected"
+            let dispatch = tracing::info_span!(
+                "dispatch",
+                otel.kind = "client",
+                otel.name = "ferry.internal.v1.DecodeWorker/Decode",
+                worker = %selection.decode.id,
+                attempt,
             );
+            trace_ctx::set_attribute(&dispatch, "rpc.system", "grpc");
+            trace_ctx::set_attribute(&dispatch, "rpc.service", "ferry.internal.v1.DecodeWorker");
+            trace_ctx::set_attribute(&dispatch, "rpc.method", "Decode");
             let wire = decode_request(&req, selection.prefill.as_ref());
-            match open(&selection, wire).await {
-                Ok(opened) => return Ok(self.stream(&req, selection, opened, permit)),
-                Err(e) if e.code() == Code::InvalidArgument => return Err(e),
+            match open(&selection, wire).instrument(dispatch.clone()).await {
+                Ok(opened) => {
+                    let attempt = Attempt {
+                        selection,
+                        opened,
+                        span: dispatch,
+                    };
+                    return Ok(self.stream(&req, attempt, permit, request_span));
+                }
+                Err(e) if e.code() == Code::InvalidArgument => {
+                    spans::mark_failed(&dispatch, &e);
+                    return Err(e);
+                }
                 Err(e) => {
+                    spans::mark_failed(&dispatch, &e);
                     tracing::warn!(
                         worker = %selection.decode.id,
                         error = %e,
@@ -141,13 +246,62 @@ impl Dispatcher {
         Err(last_error.unwrap_or(RequestError::NoDecodeWorker))
     }
 
+    /// One selection, in a `route` span recording the decision; counts it.
+    fn route(
+        &self,
+        req: &ValidRequest,
+        excluded: &[ferry_proto::ids::WorkerId],
+        policy: &'static str,
+        attempt: usize,
+    ) -> Result<Selection, RequestError> {
+        let span = tracing::info_span!(
+            "route",
+            policy,
+            attempt,
+            decode_worker = field::Empty,
+            prefill_worker = field::Empty,
+            predicted_cached_blocks = field::Empty,
+        );
+        let _entered = span.enter();
+        let selection = self
+            .inner
+            .selector
+            .select(&SelectRequest {
+                hashes: req.block_hashes(),
+                prompt_tokens: req.prompt().len(),
+                exclude: excluded,
+            })
+            .inspect_err(|e| spans::mark_failed(&span, e))?;
+        let decode = selection.decode.id.0.as_str();
+        let prefill = selection.prefill.as_ref().map_or("none", |p| p.id.0.as_str());
+        let cached = selection.decision.predicted_cached_blocks;
+        span.record("decode_worker", decode);
+        span.record("prefill_worker", prefill);
+        span.record("predicted_cached_blocks", cached);
+        trace_ctx::set_attribute(
+            &span,
+            "ferry.routing.prompt_blocks",
+            i64::try_from(req.block_hashes().len()).unwrap_or(i64::MAX),
+        );
+        let m = &self.inner.metrics;
+        m.routing.with_label_values(&[policy, prefill, decode]).inc();
+        m.predicted_cached_blocks.observe(cached as f64);
+        tracing::debug!(decode, prefill, cached_blocks = cached, "selected");
+        Ok(selection)
+    }
+
     fn stream(
         &self,
         req: &ValidRequest,
-        selection: Selection,
-        opened: Opened,
+        attempt: Attempt,
         permit: OwnedSemaphorePermit,
+        request_span: Span,
     ) -> GenerationStream {
+        let Attempt {
+            selection,
+            opened,
+            span,
+        } = attempt;
         let mut output =
             OutputState::new(self.inner.tokenizer.clone(), req.stop(), req.prompt().len());
         output.set_cached_prompt_tokens(opened.first.cached_prompt_tokens);
@@ -155,7 +309,14 @@ impl Dispatcher {
         let worker = selection.decode.id.clone();
         let mut guard = selection.guard;
         let Opened { first, mut rest } = opened;
-        Box::pin(async_stream::stream! {
+        let mut accounting = Accounting {
+            metrics: self.inner.metrics.clone(),
+            request: request_span,
+            received: req.received(),
+            last_token: None,
+            ended: false,
+        };
+        let stream = Box::pin(async_stream::stream! {
             let _permit = permit;
             guard.prefill_done();
             let mut next = Some(first);
@@ -181,6 +342,10 @@ impl Dispatcher {
                     .and_then(|(m, finish)| output.on_tokens(&m.token_ids, finish));
                 match event {
                     Ok(event) => {
+                        accounting.tokens(event.token_ids.len());
+                        if let (Some(reason), Some(usage)) = (event.finish, event.usage.as_ref()) {
+                            accounting.finished(usage, reason);
+                        }
                         let done = event.finish.is_some();
                         yield Ok(event);
                         if done {
@@ -188,13 +353,15 @@ impl Dispatcher {
                         }
                     }
                     Err(e) => {
+                        accounting.failed(&e);
                         yield Err(e);
                         break;
                     }
                 }
             }
             drop(guard);
-        })
+        });
+        Box::pin(InSpan::new(stream, span))
     }
 }
 
@@ -205,6 +372,8 @@ async fn open(
 ) -> Result<Opened, RequestError> {
     let worker = &selection.decode.id;
     let mut client = DecodeWorkerClient::new(selection.decode.channel.clone());
+    let mut request = tonic::Request::new(request);
+    trace_ctx::inject_request(&Span::current(), &mut request);
     let mut rest = client
         .decode(request)
         .await

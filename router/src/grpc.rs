@@ -6,6 +6,7 @@
 use std::pin::Pin;
 use std::sync::Arc;
 
+use ferry_proto::trace_ctx;
 use ferry_proto::v1::{self, inference_server::Inference};
 use futures::{Stream, StreamExt};
 use tonic::{Request, Response, Status};
@@ -13,6 +14,7 @@ use tracing::Instrument;
 
 use crate::error::{log_failure, RequestError};
 use crate::output::{FinishReason, GenerationEvent};
+use crate::spans::{self, FrontDoor, InSpan, Operation};
 use crate::state::AppState;
 use crate::validate::GenerateParams;
 
@@ -57,31 +59,41 @@ impl Inference for InferenceService {
         &self,
         request: Request<v1::GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
+        let span = spans::request_span(
+            FrontDoor::Grpc,
+            Operation::TextCompletion,
+            &self.state.model.name,
+        );
+        trace_ctx::set_parent_from_request(&span, &request);
         let params = GenerateParams::from(request.into_inner());
-        let span =
-            tracing::info_span!("generate", request_id = tracing::field::Empty, api = "grpc");
+        let requested = if params.model.is_empty() {
+            self.state.model.name.clone()
+        } else {
+            params.model.clone()
+        };
+        trace_ctx::set_attribute(&span, "gen_ai.request.model", requested);
         let state = self.state.clone();
         let started = async move {
             let valid = state.validator.validate(params).await?;
             let id = valid.id().0.clone();
-            tracing::Span::current().record("request_id", id.as_str());
             let events = state.dispatcher.generate(valid).await?;
             Ok::<_, RequestError>((id, events))
         }
         .instrument(span.clone())
         .await;
         let (id, events) = started.map_err(|e| {
-            span.in_scope(|| log_failure(&e));
+            spans::request_failed(&self.state.metrics, &span, &e);
             Status::from(e)
         })?;
+        let in_span = span.clone();
         let stream = events.map(move |item| match item {
             Ok(event) => Ok(to_wire(event, &id)),
             Err(e) => {
-                span.in_scope(|| log_failure(&e));
+                in_span.in_scope(|| log_failure(&e));
                 Err(Status::from(e))
             }
         });
-        Ok(Response::new(Box::pin(stream)))
+        Ok(Response::new(Box::pin(InSpan::new(stream, span))))
     }
 
     async fn tokenize(

@@ -23,6 +23,8 @@
 //! | [`grpc`] | the public `Inference` service |
 //! | [`http`] | the OpenAI-compatible HTTP API |
 //! | [`error`] | error types and their one mapping to wire codes |
+//! | [`metrics`] | Prometheus metrics (`GET /metrics` on the HTTP port) |
+//! | [`spans`] | the `request` span and its GenAI semantic-convention attributes |
 //!
 //! Starting one:
 //! ```no_run
@@ -46,11 +48,13 @@ pub mod grpc;
 pub mod http;
 pub mod index;
 pub mod load;
+pub mod metrics;
 pub mod output;
 pub mod policy;
 pub mod registry;
 pub mod select;
 pub mod server;
+pub mod spans;
 pub mod state;
 pub mod stop;
 pub mod tokenize;

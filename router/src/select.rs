@@ -73,6 +73,11 @@ impl Selector {
         &self.registry
     }
 
+    /// The configured policy.
+    pub fn policy_kind(&self) -> crate::config::PolicyKind {
+        self.policy.kind()
+    }
+
     /// Picks the pair for `req` and charges its load. [`RequestError::NoDecodeWorker`] when
     /// no healthy, non-excluded decode worker exists.
     pub fn select(&self, req: &SelectRequest<'_>) -> Result<Selection, RequestError> {

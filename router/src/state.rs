@@ -10,6 +10,7 @@ use crate::config::RouterConfig;
 use crate::dispatch::{Dispatcher, DispatcherParams};
 use crate::error::RouterError;
 use crate::index::FlatIndex;
+use crate::metrics::{Gauges, RouterMetrics};
 use crate::policy::Policy;
 use crate::registry::{Registry, RegistryParams, Role};
 use crate::select::Selector;
@@ -42,6 +43,8 @@ pub struct AppState {
     pub dispatcher: Dispatcher,
     /// The workers.
     pub registry: Registry,
+    /// Prometheus metrics (`GET /metrics`).
+    pub metrics: Arc<RouterMetrics>,
     drain: CancellationToken,
 }
 
@@ -88,19 +91,32 @@ impl AppState {
             tokenizer: TokenizerPool::new(tokenizer.clone()),
         });
         let drain = CancellationToken::new();
+        let metrics = Arc::new(RouterMetrics::new());
         let dispatcher = Dispatcher::new(DispatcherParams {
             selector: Selector::new(registry.clone(), Policy::new(config.policy)),
             tokenizer,
             max_concurrent_requests: config.max_concurrent_requests,
             drain: drain.clone(),
+            metrics: metrics.clone(),
         });
         Ok(Arc::new(Self {
             model,
             validator,
             dispatcher,
             registry,
+            metrics,
             drain,
         }))
+    }
+
+    /// The Prometheus text exposition of the router's metrics, with live gauges.
+    pub fn render_metrics(&self) -> String {
+        let now = Instant::now();
+        self.metrics.render(Gauges {
+            in_flight: self.dispatcher.in_flight(),
+            prefill_workers: self.registry.count(Role::Prefill, now),
+            decode_workers: self.registry.count(Role::Decode, now),
+        })
     }
 
     /// Healthy decode workers now.

@@ -145,9 +145,14 @@ pub struct ValidRequest {
     max_tokens: u32,
     stop: Vec<String>,
     ignore_eos: bool,
+    received: std::time::Instant,
 }
 
 impl ValidRequest {
+    /// When the request arrived (validation started): latencies are measured from here.
+    pub fn received(&self) -> std::time::Instant {
+        self.received
+    }
     /// The request id (the client's or a generated one).
     pub fn id(&self) -> &RequestId {
         &self.id
@@ -229,6 +234,7 @@ impl Validator {
 
     /// Validates `p`, tokenizing on the blocking pool.
     pub async fn validate(&self, p: GenerateParams) -> Result<ValidRequest, RequestError> {
+        let received = std::time::Instant::now();
         self.check_model(&p.model)?;
         let sampling = resolve_sampling(&p.sampling)?;
         if let Some(n) = p.max_tokens {
@@ -266,6 +272,7 @@ impl Validator {
             max_tokens,
             stop,
             ignore_eos: p.ignore_eos,
+            received,
         })
     }
 

@@ -33,6 +33,8 @@ pub struct BenchEngineArgs {
     /// Repetitions; the median is reported.
     #[arg(long, default_value_t = 3)]
     pub repeat: usize,
+    #[command(flatten)]
+    pub device: super::device::DeviceArgs,
 }
 
 /// Runs the benchmark.
@@ -46,6 +48,7 @@ pub fn run(args: BenchEngineArgs) -> anyhow::Result<()> {
             cfg.max_position_embeddings
         );
     }
+    let gpu = args.device.gpu_model(&model)?;
     println!(
         "| batch | prompt | prefill tok/s | decode steps | decode tok/s | threads |\n|---|---|---|---|---|---|"
     );
@@ -53,7 +56,15 @@ pub fn run(args: BenchEngineArgs) -> anyhow::Result<()> {
         let mut prefill = Vec::new();
         let mut decode = Vec::new();
         for rep in 0..args.repeat.max(1) {
-            let (p, d) = measure(&model, batch, &args, rep as u32)?;
+            let (p, d) = match &gpu {
+                Some(g) => super::device::bench_engine_gpu(g, super::device::EngineBench {
+                    batch,
+                    prompt_len: args.prompt_len,
+                    decode_steps: args.decode_steps,
+                    salt: rep as u32,
+                })?,
+                None => measure(&model, batch, &args, rep as u32)?,
+            };
             prefill.push(p);
             decode.push(d);
         }

@@ -6,9 +6,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Context};
 use clap::Args;
 use ferry_kernels::cpu::sample::{Sampler, SamplingParams};
-use ferry_model::deepseek::{DeepseekModel, LogitsWanted};
-use ferry_model::kv::layout::DEFAULT_PAGE_SIZE;
-use ferry_model::session::Session;
+use ferry_model::deepseek::DeepseekModel;
 use ferry_model::tokenizer::{ChatMessage, DecodeStream, Tokenizer};
 
 /// Options of `ferry generate`.
@@ -32,6 +30,8 @@ pub struct GenerateArgs {
     /// Keep generating past end-of-sequence tokens.
     #[arg(long)]
     pub ignore_eos: bool,
+    #[command(flatten)]
+    pub device: super::device::DeviceArgs,
 }
 
 /// Sampling flags shared by every command that generates.
@@ -106,19 +106,13 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         );
     }
 
-    let blocks = (prompt.len() + args.max_tokens).div_ceil(DEFAULT_PAGE_SIZE);
-    let mut pool = model.new_kv_pool(blocks, DEFAULT_PAGE_SIZE)?;
-    let mut session = Session::new();
+    let mut runner = super::device::Runner::new(&args.device, &model, prompt.len() + args.max_tokens)?;
     let mut sampler = Sampler::for_params(&params);
     let mut stream = DecodeStream::new(true);
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
 
-    let mut logits = session.extend(
-        &model,
-        &mut pool,
-        &prompt,
-        LogitsWanted::Last)?;
+    let mut logits = runner.extend(&prompt)?;
     for i in 0..args.max_tokens {
         let token = sampler.sample(&logits, &params)?;
         if !args.ignore_eos && model.config().eos_token_ids.contains(&token) {
@@ -129,17 +123,13 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
             out.flush()?;
         }
         if i + 1 < args.max_tokens {
-            logits = session.extend(
-                &model,
-                &mut pool,
-                &[token],
-                LogitsWanted::Last)?;
+            logits = runner.extend(&[token])?;
         }
     }
     if let Some(rest) = stream.finish(&tokenizer)? {
         out.write_all(rest.as_bytes())?;
     }
     writeln!(out)?;
-    session.free(&mut pool)?;
+    runner.finish()?;
     Ok(())
 }

@@ -124,16 +124,28 @@ async fn up(args: UpArgs, exe: PathBuf, model: PathBuf, served: String) -> anyho
             args.kv_blocks.to_string(),
         ]
     };
+    // Each worker's `/metrics` listens on a port picked here, so it can be printed.
+    let mut metrics = vec![("router".to_string(), args.http_addr)];
     for i in 0..args.prefill_workers {
-        procs.push(spawn(&exe, &format!("prefill-{i}"), &common("prefill", i))?);
+        let name = format!("prefill-{i}");
+        let addr = free_loopback_addr()?;
+        let mut argv = common("prefill", i);
+        argv.extend(["--metrics-addr".into(), addr.to_string()]);
+        procs.push(spawn(&exe, &name, &argv)?);
+        metrics.push((name, addr));
     }
     for i in 0..args.decode_workers {
+        let name = format!("decode-{i}");
+        let addr = free_loopback_addr()?;
         let mut argv = common("decode", i);
         argv.extend([
             "--local-prefill-threshold".into(),
             args.local_prefill_threshold.to_string(),
+            "--metrics-addr".into(),
+            addr.to_string(),
         ]);
-        procs.push(spawn(&exe, &format!("decode-{i}"), &argv)?);
+        procs.push(spawn(&exe, &name, &argv)?);
+        metrics.push((name, addr));
     }
     wait_for_health(args.http_addr, deadline, &mut procs).await?;
 
@@ -145,6 +157,15 @@ async fn up(args: UpArgs, exe: PathBuf, model: PathBuf, served: String) -> anyho
     );
     println!("  HTTP (OpenAI API):         http://{}/v1", args.http_addr);
     println!("  gRPC (ferry.v1.Inference): {}", args.grpc_addr);
+    println!("  Prometheus metrics:");
+    for (name, addr) in &metrics {
+        println!("    {name:<24}http://{addr}/metrics");
+    }
+    if std::env::var_os("OTEL_EXPORTER_OTLP_ENDPOINT").is_some()
+        || std::env::var_os("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT").is_some()
+    {
+        println!("  Traces: every process exports OTLP/gRPC (OTEL_EXPORTER_OTLP_ENDPOINT)");
+    }
     println!("Try:");
     println!(
         "  curl http://{}/v1/completions -H 'Content-Type: application/json' \\\n    -d '{{\"model\": \"{served}\", \"prompt\": \"In the beginning God created\", \"max_tokens\": 32, \"temperature\": 0}}'",
@@ -165,6 +186,12 @@ async fn up(args: UpArgs, exe: PathBuf, model: PathBuf, served: String) -> anyho
         Some(name) => bail!("{name} exited unexpectedly"),
         None => Ok(()),
     }
+}
+
+/// A loopback address with a port free right now (the child binds it moments later).
+fn free_loopback_addr() -> anyhow::Result<SocketAddr> {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").context("picking a free port")?;
+    Ok(listener.local_addr()?)
 }
 
 /// Resolves with the name of the first child that exits.

@@ -307,23 +307,29 @@ impl Cluster {
         });
     }
 
-    /// Starts one more worker of `role` (id `<role>-<n>`, the next free index) and waits until
-    /// the router counts it. Returns its id.
-    pub async fn add_worker(&mut self, role: Role) -> String {
-        let n = self.workers.iter().filter(|w| w.role == role).count();
-        let id = format!("{}-{n}", role.as_str());
+    /// Starts one more worker of `role` named `id` and waits until the router counts it.
+    /// (The routing policies break ties by worker id, so a test can choose who wins a tie.)
+    pub async fn add_worker(&mut self, role: Role, id: &str) {
+        assert!(
+            self.workers.iter().all(|w| w.id != id),
+            "worker id `{id}` is taken"
+        );
+        let id = id.to_string();
         for _ in 0..START_ATTEMPTS {
             let port = free_ports(1)[0];
             self.spawn_worker(role, id.clone(), port);
             match self.wait_ready(Instant::now() + START_TIMEOUT).await {
-                Ok(()) => return id,
+                Ok(()) => return,
                 Err(StartError::Exited(_)) => {
                     self.workers.pop();
                 }
                 Err(StartError::Timeout(why)) => panic!("{why}"),
             }
         }
-        panic!("{id} did not start in {START_ATTEMPTS} attempts\n{}", self.logs_report());
+        panic!(
+            "{id} did not start in {START_ATTEMPTS} attempts\n{}",
+            self.logs_report()
+        );
     }
 
     /// Fails when a child that should be running has exited.
@@ -348,7 +354,11 @@ impl Cluster {
         }
     }
 
-    async fn wait_for_port(&mut self, addr: SocketAddr, deadline: Instant) -> Result<(), StartError> {
+    async fn wait_for_port(
+        &mut self,
+        addr: SocketAddr,
+        deadline: Instant,
+    ) -> Result<(), StartError> {
         loop {
             self.check_alive()?;
             if tokio::net::TcpStream::connect(addr).await.is_ok() {
@@ -367,7 +377,10 @@ impl Cluster {
     /// Waits until `/health` counts exactly the live workers of each role and every live
     /// worker answers `GetStats`.
     async fn wait_ready(&mut self, deadline: Instant) -> Result<(), StartError> {
-        let want = (self.live(Role::Prefill).len(), self.live(Role::Decode).len());
+        let want = (
+            self.live(Role::Prefill).len(),
+            self.live(Role::Decode).len(),
+        );
         loop {
             self.check_alive()?;
             if self.health_counts().await == Some(want) && self.all_answer_stats().await {
@@ -471,16 +484,20 @@ impl Cluster {
         let w = self.worker(id);
         let uri = format!("http://{}", w.addr);
         let stats = match w.role {
-            Role::Prefill => PrefillWorkerClient::connect(uri)
-                .await
-                .map_err(|e| e.to_string())?
-                .get_stats(GetStatsRequest {})
-                .await,
-            Role::Decode => DecodeWorkerClient::connect(uri)
-                .await
-                .map_err(|e| e.to_string())?
-                .get_stats(GetStatsRequest {})
-                .await,
+            Role::Prefill => {
+                PrefillWorkerClient::connect(uri)
+                    .await
+                    .map_err(|e| e.to_string())?
+                    .get_stats(GetStatsRequest {})
+                    .await
+            }
+            Role::Decode => {
+                DecodeWorkerClient::connect(uri)
+                    .await
+                    .map_err(|e| e.to_string())?
+                    .get_stats(GetStatsRequest {})
+                    .await
+            }
         };
         stats.map(|r| r.into_inner()).map_err(|e| e.to_string())
     }
@@ -521,7 +538,10 @@ impl Cluster {
             .iter_mut()
             .find(|w| w.id == id)
             .unwrap_or_else(|| panic!("no worker `{id}`"));
-        let mut proc = w.proc.take().unwrap_or_else(|| panic!("{id} is already dead"));
+        let mut proc = w
+            .proc
+            .take()
+            .unwrap_or_else(|| panic!("{id} is already dead"));
         proc.kill();
     }
 
@@ -543,7 +563,11 @@ impl Cluster {
 
     /// POSTs `body` as JSON; returns the status and the body parsed as JSON (panics when it
     /// is not JSON).
-    pub async fn post_json(&self, path: &str, body: &serde_json::Value) -> (u16, serde_json::Value) {
+    pub async fn post_json(
+        &self,
+        path: &str,
+        body: &serde_json::Value,
+    ) -> (u16, serde_json::Value) {
         let resp = self
             .http
             .post(self.url(path))
@@ -612,7 +636,11 @@ impl Cluster {
             .iter()
             .chain(self.workers.iter().filter_map(|w| w.proc.as_ref()));
         for p in procs {
-            out.push_str(&format!("---- {} log (tail) ----\n{}\n", p.name, p.log_tail(30)));
+            out.push_str(&format!(
+                "---- {} log (tail) ----\n{}\n",
+                p.name,
+                p.log_tail(30)
+            ));
         }
         out
     }
@@ -633,7 +661,10 @@ impl Drop for Cluster {
 
 async fn read_json(what: &str, resp: reqwest::Response) -> (u16, serde_json::Value) {
     let status = resp.status().as_u16();
-    let text = resp.text().await.unwrap_or_else(|e| panic!("{what}: body: {e}"));
+    let text = resp
+        .text()
+        .await
+        .unwrap_or_else(|e| panic!("{what}: body: {e}"));
     let body = serde_json::from_str(&text)
         .unwrap_or_else(|e| panic!("{what}: the body is not JSON ({e}): {text:?}"));
     (status, body)
@@ -711,7 +742,12 @@ pub async fn generate(
 }
 
 /// A text `GenerateRequest` with the given sampling and `max_tokens`.
-pub fn request(prompt: &str, max_tokens: u32, sampling: SamplingParams, ignore_eos: bool) -> GenerateRequest {
+pub fn request(
+    prompt: &str,
+    max_tokens: u32,
+    sampling: SamplingParams,
+    ignore_eos: bool,
+) -> GenerateRequest {
     GenerateRequest {
         input: Some(generate_request::Input::Text(prompt.into())),
         sampling: Some(sampling),

@@ -26,6 +26,9 @@ pub struct WorkerArgs {
     /// Address the worker's gRPC service binds.
     #[arg(long, default_value = "127.0.0.1:0")]
     pub grpc_addr: SocketAddr,
+    /// Address of the Prometheus `/metrics` endpoint (port 0: any free port, logged at start).
+    #[arg(long, default_value = "127.0.0.1:0")]
+    pub metrics_addr: SocketAddr,
     /// KV blocks in the pool.
     #[arg(long, default_value_t = 1024)]
     pub kv_blocks: usize,

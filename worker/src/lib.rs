@@ -7,9 +7,11 @@
 //! | [`stats`] | engine counters → wire messages |
 //! | [`shutdown`] | signals (Ctrl-C, SIGTERM, stdin closed by a parent) → one cancellation token |
 //! | [`serve`] | health + reflection routes every worker serves next to its own service |
+//! | [`metrics`] | the Prometheus registry and `/metrics` listener every worker serves, engine-derived series, queue time |
 #![forbid(unsafe_code)]
 
 pub mod args;
+pub mod metrics;
 pub mod registration;
 pub mod serve;
 pub mod shutdown;

@@ -16,6 +16,9 @@ pub enum ServeError {
     /// Binding or serving failed.
     #[error("serving: {0}")]
     Transport(String),
+    /// A metric could not be registered (a duplicate name: a bug).
+    #[error("metrics: {0}")]
+    Metrics(String),
 }
 
 /// Health and reflection routes; add the worker's service and serve them together. The

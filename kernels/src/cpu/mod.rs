@@ -13,6 +13,7 @@
 //! | [`softmax`] | row softmax / log-softmax |
 //! | [`mla`] | MLA attention over the paged latent cache: MHA form, absorbed form, tiled kernel |
 //! | [`sample`] | sampling parameters, the filters and the seeded sampler |
+//! | [`verify`] | lossless speculative verification: accept / correct / bonus per request |
 
 pub mod gemm;
 pub mod mla;
@@ -22,9 +23,11 @@ pub mod norm;
 pub mod rope;
 pub mod sample;
 pub mod softmax;
+pub mod verify;
 
 pub use gemm::{linear, matmul_f32, MatmulDims, Matrix, MatrixData};
 pub use mlp::GatedMlp;
 pub use moe::{MoeLayer, MoeRouting};
 pub use rope::{Rope, RopeParams, RopeScaling, RotaryLayout, YarnParams};
 pub use sample::{Sampler, SamplingParams};
+pub use verify::{verify, verify_batch, verify_probs, DraftProbs, Verified, VerifyRequest};

@@ -11,7 +11,7 @@
 //!
 //! | tag | frame | direction | body |
 //! |---|---|---|---|
-//! | 1 | hello | writer → receiver | `TransferHello` (writer layout, remote key) |
+//! | 1 | hello | writer → receiver | `TransferHello` (writer layout, remote key, W3C trace context) |
 //! | 2 | hello ack | receiver → writer | `TransferHelloAck` (region layout; error + kind on refusal) |
 //! | 3 | data | writer → receiver | `u32 layer`, `u32 block` (big endian), then exactly `block_bytes` raw bytes |
 //! | 4 | flush | writer → receiver | empty |
@@ -194,6 +194,8 @@ impl Transport for TcpTransport {
         let hello = TransferHello {
             layout: Some(writer_layout.into()),
             remote_key: key.0,
+            // The receiver's `kv_receive` span joins the trace of the span connecting here.
+            trace_context: ferry_proto::trace_ctx::to_carrier(&tracing::Span::current()),
         };
         write_control(&mut stream, TAG_HELLO, &hello).await?;
         let Some((tag, len)) = read_header(&mut stream).await? else {

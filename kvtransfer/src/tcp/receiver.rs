@@ -1,6 +1,7 @@
 //! Receiver side: the one listener task and a task per accepted connection, applying data
 //! frames to the registered region in order.
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -9,7 +10,7 @@ use ferry_proto::internal::{TransferFlushAck, TransferHello, TransferHelloAck};
 use tokio::io::{AsyncReadExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, warn};
+use tracing::{debug, field, info_span, warn, Instrument};
 
 use super::frame::{
     read_control, read_header, to_failure, unexpected, write_control, DATA_HEADER, TAG_DATA,
@@ -64,23 +65,66 @@ async fn serve_connection(stream: TcpStream, peer: SocketAddr, registry: &Regist
 
 type Conn = BufReader<TcpStream>;
 
-/// Runs one connection: handshake, then data and flush frames until the writer hangs up.
+/// What one connection delivered, for its span.
+struct Received {
+    bytes: u64,
+    blocks: u64,
+    /// Which layers had at least one block.
+    layers: Vec<bool>,
+}
+
+/// Runs one connection: handshake, then data and flush frames until the writer hangs up, in a
+/// `kv_receive` span whose parent is the writer's span (from the hello's trace context).
 /// Returns the bytes applied.
 async fn receive(conn: &mut Conn, registry: &Registry) -> Result<u64, TransferError> {
-    let Some((entry, key)) = accept_hello(conn, registry).await? else {
+    let Some((entry, key, trace)) = accept_hello(conn, registry).await? else {
         return Ok(0);
     };
-    let mut applied: u64 = 0;
+    let span = info_span!(
+        "kv_receive",
+        otel.kind = "server",
+        ferry.kv_transfer.transport = "tcp",
+        ferry.kv_transfer.bytes = field::Empty,
+        ferry.kv_transfer.blocks = field::Empty,
+        ferry.kv_transfer.layers = field::Empty,
+    );
+    ferry_proto::trace_ctx::set_parent_from_carrier(&span, &trace);
+    let mut got = Received {
+        bytes: 0,
+        blocks: 0,
+        layers: vec![false; entry.layout.num_layers as usize],
+    };
+    let result = receive_data(conn, &entry, key, &mut got)
+        .instrument(span.clone())
+        .await;
+    span.record("ferry.kv_transfer.bytes", got.bytes);
+    span.record("ferry.kv_transfer.blocks", got.blocks);
+    span.record(
+        "ferry.kv_transfer.layers",
+        got.layers.iter().filter(|&&l| l).count(),
+    );
+    if let Err(e) = &result {
+        ferry_proto::trace_ctx::set_error(&span, e.to_string());
+    }
+    result
+}
+
+async fn receive_data(
+    conn: &mut Conn,
+    entry: &Entry,
+    key: RemoteKey,
+    got: &mut Received,
+) -> Result<u64, TransferError> {
     let mut buf = Vec::new();
     loop {
         let Some((tag, len)) = read_header(conn).await? else {
-            return Ok(applied);
+            return Ok(got.bytes);
         };
         let outcome = match tag {
-            TAG_DATA => apply_data(conn, &entry, key, len, &mut buf).await,
+            TAG_DATA => apply_data(conn, entry, key, len, &mut buf).await,
             TAG_FLUSH if len == 0 => {
                 let ack = TransferFlushAck {
-                    bytes_applied: applied,
+                    bytes_applied: got.bytes,
                 };
                 write_control(conn.get_mut(), TAG_FLUSH_ACK, &ack).await?;
                 continue;
@@ -88,7 +132,13 @@ async fn receive(conn: &mut Conn, registry: &Registry) -> Result<u64, TransferEr
             other => Err(unexpected(other, len, "a data or flush frame")),
         };
         match outcome {
-            Ok(n) => applied += n,
+            Ok((layer, n)) => {
+                got.bytes += n;
+                got.blocks += 1;
+                if let Some(seen) = got.layers.get_mut(layer as usize) {
+                    *seen = true;
+                }
+            }
             Err(e @ TransferError::Io(_)) => return Err(e),
             Err(e) => {
                 fail(conn, &e).await;
@@ -98,11 +148,11 @@ async fn receive(conn: &mut Conn, registry: &Registry) -> Result<u64, TransferEr
     }
 }
 
+/// The region a hello names, its key, and the writer's trace context.
+type Accepted = (Arc<Entry>, RemoteKey, HashMap<String, String>);
+
 /// Reads the hello, answers it, and returns the region on success (`None`: the peer hung up).
-async fn accept_hello(
-    conn: &mut Conn,
-    registry: &Registry,
-) -> Result<Option<(Arc<Entry>, RemoteKey)>, TransferError> {
+async fn accept_hello(conn: &mut Conn, registry: &Registry) -> Result<Option<Accepted>, TransferError> {
     let Some((tag, len)) = read_header(conn).await? else {
         return Ok(None);
     };
@@ -134,7 +184,7 @@ async fn accept_hello(
         kind: String::new(),
     };
     write_control(conn.get_mut(), TAG_HELLO_ACK, &ack).await?;
-    Ok(Some((entry, key)))
+    Ok(Some((entry, key, hello.trace_context)))
 }
 
 async fn reject(
@@ -151,14 +201,14 @@ async fn reject(
 }
 
 /// Applies one data frame whose `u32 layer | u32 block` header and payload follow; returns the
-/// payload length.
+/// layer and the payload length.
 async fn apply_data(
     conn: &mut Conn,
     entry: &Entry,
     key: RemoteKey,
     len: u32,
     buf: &mut Vec<u8>,
-) -> Result<u64, TransferError> {
+) -> Result<(u32, u64), TransferError> {
     let Some(payload) = len.checked_sub(DATA_HEADER) else {
         return Err(TransferError::Protocol(format!(
             "data frame body of {len} bytes is shorter than its {DATA_HEADER}-byte header"
@@ -174,7 +224,7 @@ async fn apply_data(
     buf.resize(payload, 0);
     conn.read_exact(buf).await?;
     entry.region.write(layer, block, buf)?;
-    Ok(payload as u64)
+    Ok((layer, payload as u64))
 }
 
 /// Tells the writer why this connection stopped applying writes, then discards its stream until

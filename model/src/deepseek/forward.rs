@@ -12,6 +12,18 @@ use crate::ModelError;
 /// Called after each layer's KV is written: `(layer, pool)`.
 pub type LayerHook<'a> = dyn FnMut(usize, &KvPool) -> Result<(), ModelError> + 'a;
 
+/// Called after each decoder layer with the residual stream leaving it, `(layer, [T][hidden])`
+/// for the whole batch in batch order (a speculative drafter taps its context from these).
+pub type HiddenHook<'a> = dyn FnMut(usize, &[f32]) -> Result<(), ModelError> + 'a;
+
+/// The callbacks of [`DeepseekModel::forward_with_hooks`].
+pub struct ForwardHooks<'h, 'a> {
+    /// See [`LayerHook`].
+    pub after_layer: &'h mut LayerHook<'a>,
+    /// See [`HiddenHook`].
+    pub hidden: &'h mut HiddenHook<'a>,
+}
+
 impl DeepseekModel {
     /// Runs one batch with the cost model choosing each chunk's attention form.
     ///
@@ -46,6 +58,26 @@ impl DeepseekModel {
         policy: FormPolicy,
         after_layer: &mut LayerHook<'_>,
     ) -> Result<BatchOutput, ModelError> {
+        let hooks = ForwardHooks {
+            after_layer,
+            hidden: &mut |_, _| Ok(()),
+        };
+        self.forward_with_hooks(batch, kv, policy, hooks)
+    }
+
+    /// [`Self::forward_hooked`], also calling `hooks.hidden(l, h)` with the residual stream
+    /// after each layer `l` (all new tokens of the batch, `[T][hidden]`).
+    pub fn forward_with_hooks(
+        &self,
+        batch: &BatchInputs<'_>,
+        kv: &mut KvPool,
+        policy: FormPolicy,
+        hooks: ForwardHooks<'_, '_>,
+    ) -> Result<BatchOutput, ModelError> {
+        let ForwardHooks {
+            after_layer,
+            hidden: after_block,
+        } = hooks;
         self.validate(batch, kv)?;
         let hidden = self.config.hidden_size;
         let geo = BatchGeometry::new(&batch.seqs);
@@ -78,6 +110,7 @@ impl DeepseekModel {
                 Ffn::Moe(moe) => moe.forward(&x, &mut ffn_out)?,
             }
             add_assign(&mut h, &ffn_out);
+            after_block(l, &h)?;
         }
 
         // Final norm and LM head only on the rows someone asked for.
@@ -105,6 +138,30 @@ impl DeepseekModel {
             rest = tail;
         }
         Ok(BatchOutput { logits: out, vocab })
+    }
+
+    /// Embedding rows of `tokens` into `out` (`[tokens][hidden]`): the input layer a drafter
+    /// shares with this model.
+    pub fn embed_tokens(&self, tokens: &[u32], out: &mut [f32]) -> Result<(), ModelError> {
+        let hidden = self.config.hidden_size;
+        if out.len() != tokens.len() * hidden {
+            return Err(ModelError::Invalid(format!(
+                "embed_tokens: `out` holds {} floats, {} tokens need {}",
+                out.len(),
+                tokens.len(),
+                tokens.len() * hidden
+            )));
+        }
+        for (row, &tok) in out.chunks_exact_mut(hidden).zip(tokens) {
+            self.embed.row_f32(tok as usize, row)?;
+        }
+        Ok(())
+    }
+
+    /// `out = x · lm_headᵀ` for rows `x` that are already normalised (`[rows][hidden]` →
+    /// `[rows][vocab]`): the output layer a drafter shares with this model.
+    pub fn lm_head_logits(&self, x: &[f32], out: &mut [f32]) -> Result<(), ModelError> {
+        Ok(linear(x, self.lm_head(), out)?)
     }
 
     /// Rejects a batch that would index out of range anywhere, naming the sequence and field.

@@ -130,3 +130,29 @@ impl DeepseekModel {
         self.lm_head.as_ref().unwrap_or(&self.embed)
     }
 }
+
+/// Read-only views of a loaded model's weights, for other backends (the GPU forward uploads
+/// them once).
+pub(crate) struct ModelParts<'a> {
+    pub embed: &'a Matrix,
+    pub layers: &'a [Layer],
+    pub norm: &'a [f32],
+    pub lm_head: &'a Matrix,
+    pub rope: &'a Rope,
+    pub dims: MlaDims,
+    pub scale: f32,
+}
+
+impl DeepseekModel {
+    pub(crate) fn parts(&self) -> ModelParts<'_> {
+        ModelParts {
+            embed: &self.embed,
+            layers: &self.layers,
+            norm: &self.norm,
+            lm_head: self.lm_head(),
+            rope: &self.rope,
+            dims: self.dims,
+            scale: self.scale,
+        }
+    }
+}

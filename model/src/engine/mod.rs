@@ -5,6 +5,7 @@
 //! | [`mod@self`] | [`EngineHandle`] (clone-able, async-friendly), commands, events, config |
 //! | [`sequence`] | per-request state ([`sequence::Phase`]) |
 //! | [`scheduler`] | the loop: commands → batch under a token budget → forward → sample → events |
+//! | [`spec`] | speculative decoding: draft, verify length, lossless verify, commit and KV rollback |
 //!
 //! ```text
 //!  tokio tasks (gRPC services, transport receivers)
@@ -20,6 +21,7 @@
 //! a finished, failed or cancelled (receiver dropped) request frees them in the same step.
 pub mod scheduler;
 pub mod sequence;
+pub mod spec;
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -28,8 +30,11 @@ use ferry_kernels::cpu::sample::SamplingParams;
 use tokio::sync::{mpsc, oneshot};
 
 use crate::deepseek::DeepseekModel;
+use crate::drafter::Drafter;
 use crate::kv::{BlockId, KvEvent, KvPool};
 use crate::ModelError;
+
+pub use spec::{SpecConfig, VerifyLen};
 
 /// Identifies a request inside one engine.
 #[repr(transparent)]
@@ -49,6 +54,8 @@ pub struct EngineConfig {
     pub max_running: usize,
     /// Requests queued or running before new ones are refused (overload).
     pub max_in_flight: usize,
+    /// Speculative decoding policy (used when the engine has a drafter).
+    pub spec: SpecConfig,
 }
 
 impl Default for EngineConfig {
@@ -59,6 +66,7 @@ impl Default for EngineConfig {
             max_batch_tokens: 2048,
             max_running: 64,
             max_in_flight: 512,
+            spec: SpecConfig::default(),
         }
     }
 }
@@ -107,6 +115,15 @@ pub struct GenerateJob {
     pub prefill: PrefillSource,
 }
 
+/// Per-request engine options beyond the job itself.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GenerateOptions {
+    /// Speculative decoding for this request: `None` follows the engine (on when it has a
+    /// drafter); `Some(false)` turns it off; `Some(true)` on an engine without a drafter is
+    /// plain decoding.
+    pub speculative: Option<bool>,
+}
+
 /// What a request's stream receives.
 #[derive(Debug, Clone, PartialEq)]
 pub enum EngineEvent {
@@ -149,6 +166,13 @@ pub struct PrefillJob {
     pub on_layer: LayerSinkFn,
     /// The outcome.
     pub reply: oneshot::Sender<Result<PrefillOutcome, String>>,
+    /// When set and the engine has a drafter: called after the forward with
+    /// `(drafter pool layer, blocks, drafter pool)` for every drafter pool layer, so the
+    /// drafter's context for the prompt travels with the target KV. An error fails this job.
+    pub on_draft_layer: Option<LayerSinkFn>,
+    /// The caller's span: the engine's `queue` span is its child, and each batch span that
+    /// computes the job links to it (`follows_from`), so the job stays in the request's trace.
+    pub span: tracing::Span,
 }
 
 impl std::fmt::Debug for PrefillJob {
@@ -158,6 +182,20 @@ impl std::fmt::Debug for PrefillJob {
             .field("skip_tokens", &self.skip_tokens)
             .finish_non_exhaustive()
     }
+}
+
+/// What [`EngineHandle::prefill_work`] runs.
+pub struct PrefillWork {
+    /// Prompt token ids.
+    pub prompt: Vec<u32>,
+    /// Parameters for the first token.
+    pub sampling: SamplingParams,
+    /// Prompt positions the destination already holds (whole blocks): not shipped.
+    pub skip_tokens: usize,
+    /// See [`PrefillJob::on_layer`].
+    pub on_layer: LayerSinkFn,
+    /// See [`PrefillJob::on_draft_layer`].
+    pub on_draft_layer: Option<LayerSinkFn>,
 }
 
 /// Result of a prefill job.
@@ -201,6 +239,12 @@ pub struct EngineStats {
     pub waiting: usize,
     /// Prompt tokens queued and not yet computed.
     pub queued_prefill_tokens: u64,
+    /// Speculative rounds (one per drafting sequence per step with γ ≥ 1).
+    pub spec_rounds: u64,
+    /// Drafts verified in those rounds.
+    pub spec_drafted_tokens: u64,
+    /// Drafts accepted. Mean acceptance length = (accepted + rounds) / rounds.
+    pub spec_accepted_tokens: u64,
 }
 
 /// Commands the engine thread executes, in order.
@@ -209,6 +253,9 @@ pub(crate) enum Command {
         id: SeqId,
         job: GenerateJob,
         events: mpsc::UnboundedSender<EngineEvent>,
+        options: GenerateOptions,
+        /// The caller's span (see [`PrefillJob::span`]).
+        span: tracing::Span,
     },
     Prefill(PrefillJob),
     WriteKv {
@@ -258,6 +305,8 @@ pub struct EngineHandle {
     max_in_flight: usize,
     layout: crate::kv::KvLayout,
     config: Arc<crate::config::ModelConfig>,
+    /// Drafter KV pool layers (0 without a drafter or without drafter context).
+    draft_kv_layers: usize,
 }
 
 /// Decrements the in-flight count when a request's handle-side state is dropped.
@@ -281,14 +330,28 @@ pub struct Generation {
 impl EngineHandle {
     /// Starts the engine thread for `model` with a pool sized by `config`.
     pub fn spawn(model: DeepseekModel, config: EngineConfig) -> Result<Self, ModelError> {
+        Self::spawn_with(model, None, config)
+    }
+
+    /// Starts the engine thread, speculating with `drafter` when one is given (requests opt
+    /// out per [`GenerateOptions`]).
+    pub fn spawn_with(
+        model: DeepseekModel,
+        drafter: Option<Box<dyn Drafter>>,
+        config: EngineConfig,
+    ) -> Result<Self, ModelError> {
         let pool = model.new_kv_pool(config.num_blocks, config.page_size)?;
         let layout = *pool.layout();
+        let spec = drafter
+            .map(|d| spec::Speculator::new(d, &layout, config.spec.clone()))
+            .transpose()?;
+        let draft_kv_layers = spec.as_ref().map_or(0, spec::Speculator::pool_layers);
         let model_config = Arc::new(model.config().clone());
         let (tx, rx) = mpsc::unbounded_channel();
         let max_in_flight = config.max_in_flight;
         std::thread::Builder::new()
             .name("ferry-engine".into())
-            .spawn(move || scheduler::Scheduler::new(model, pool, config).run(rx))
+            .spawn(move || scheduler::Scheduler::new(model, pool, spec, config).run(rx))
             .map_err(|e| ModelError::Invalid(format!("cannot start the engine thread: {e}")))?;
         Ok(Self {
             tx,
@@ -297,7 +360,14 @@ impl EngineHandle {
             max_in_flight,
             layout,
             config: model_config,
+            draft_kv_layers,
         })
+    }
+
+    /// Drafter KV pool layers a peer may write after the target's layers (0: none). Layer
+    /// `num_layers + j` of a transfer is drafter pool layer `j`.
+    pub fn draft_kv_layers(&self) -> usize {
+        self.draft_kv_layers
     }
 
     /// The KV pool geometry.
@@ -326,12 +396,29 @@ impl EngineHandle {
         self.tx.send(cmd).map_err(|_| EngineError::Stopped)
     }
 
-    /// Submits a generation request.
+    /// Submits a generation request. The current span becomes the request's span on the
+    /// engine thread (parent of its `queue` span, linked from the batches that run it).
     pub fn generate(&self, job: GenerateJob) -> Result<Generation, EngineError> {
+        self.generate_with(job, GenerateOptions::default())
+    }
+
+    /// [`Self::generate`] with per-request options (speculation on or off).
+    pub fn generate_with(
+        &self,
+        job: GenerateJob,
+        options: GenerateOptions,
+    ) -> Result<Generation, EngineError> {
         let guard = self.admit()?;
         let id = SeqId(self.next_id.fetch_add(1, Ordering::Relaxed));
         let (events, rx) = mpsc::unbounded_channel();
-        self.send(Command::Generate { id, job, events })?;
+        let span = tracing::Span::current();
+        self.send(Command::Generate {
+            id,
+            job,
+            events,
+            options,
+            span,
+        })?;
         Ok(Generation {
             id,
             events: rx,
@@ -339,7 +426,8 @@ impl EngineHandle {
         })
     }
 
-    /// Runs a prefill job and waits for its outcome.
+    /// Runs a prefill job and waits for its outcome (in the current span, as for
+    /// [`EngineHandle::generate`]).
     pub async fn prefill(
         &self,
         prompt: Vec<u32>,
@@ -347,14 +435,28 @@ impl EngineHandle {
         skip_tokens: usize,
         on_layer: LayerSinkFn,
     ) -> Result<PrefillOutcome, EngineError> {
-        let _guard = self.admit()?;
-        let (reply, rx) = oneshot::channel();
-        self.send(Command::Prefill(PrefillJob {
+        self.prefill_work(PrefillWork {
             prompt,
             sampling,
             skip_tokens,
             on_layer,
+            on_draft_layer: None,
+        })
+        .await
+    }
+
+    /// [`Self::prefill`], also shipping the drafter's context when `on_draft_layer` is set.
+    pub async fn prefill_work(&self, work: PrefillWork) -> Result<PrefillOutcome, EngineError> {
+        let _guard = self.admit()?;
+        let (reply, rx) = oneshot::channel();
+        self.send(Command::Prefill(PrefillJob {
+            prompt: work.prompt,
+            sampling: work.sampling,
+            skip_tokens: work.skip_tokens,
+            on_layer: work.on_layer,
             reply,
+            span: tracing::Span::current(),
+            on_draft_layer: work.on_draft_layer,
         }))?;
         rx.await
             .map_err(|_| EngineError::Stopped)?

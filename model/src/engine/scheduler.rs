@@ -13,11 +13,22 @@ use tokio::sync::mpsc;
 use tracing::{debug, warn};
 
 use super::sequence::{sample_step, Next, Origin, Phase, PrefillTask, Sequence};
+use super::spec::{verify_round, Draft, Speculator};
 use super::{Command, EngineConfig, EngineEvent, EngineStats, FinishReason, PrefillOutcome};
-use super::{GenerateJob, PrefillSource, SeqId};
+use super::{GenerateJob, GenerateOptions, PrefillSource, SeqId};
+use crate::deepseek::forward::ForwardHooks;
 use crate::deepseek::{BatchInputs, DeepseekModel, FormPolicy, LogitsWanted, SeqInput};
+use crate::drafter::ContextSegment;
 use crate::kv::{BlockId, KvManager, KvPool};
 use crate::ModelError;
+
+/// Which container a committed row range belongs to.
+#[derive(Debug, Clone, Copy)]
+enum Owner {
+    Running(usize),
+    Waiting(usize),
+    Prefill(usize),
+}
 
 /// One entry of a batch.
 enum Work {
@@ -41,10 +52,38 @@ pub(crate) struct Scheduler {
     /// Blocks peers may write into (reserved for an awaited remote prefill).
     remote_blocks: HashSet<BlockId>,
     stats: EngineStats,
+    /// The drafter and its KV, when this engine speculates.
+    spec: Option<Speculator>,
+}
+
+/// A request entering the engine.
+struct NewRequest {
+    id: SeqId,
+    job: GenerateJob,
+    events: mpsc::UnboundedSender<EngineEvent>,
+    options: GenerateOptions,
+    span: tracing::Span,
+}
+
+/// What a successful forward hands to [`Scheduler::apply`].
+struct BatchResult {
+    /// Per work item, its logits rows.
+    logits: Vec<Vec<f32>>,
+    /// Prefill jobs whose layer sink failed.
+    hook_errors: HashMap<usize, String>,
+    /// Per running sequence, the drafts it verified (empty without a drafter).
+    drafts: Vec<Option<Draft>>,
+    /// Hidden states after the drafter's tap layers, `[tap][batch rows · hidden]`.
+    taps: Vec<Vec<f32>>,
 }
 
 impl Scheduler {
-    pub(crate) fn new(model: DeepseekModel, pool: KvPool, config: EngineConfig) -> Self {
+    pub(crate) fn new(
+        model: DeepseekModel,
+        pool: KvPool,
+        spec: Option<Speculator>,
+        config: EngineConfig,
+    ) -> Self {
         Self {
             model,
             kv: KvManager::new(pool),
@@ -55,6 +94,7 @@ impl Scheduler {
             prefills: Vec::new(),
             remote_blocks: HashSet::new(),
             stats: EngineStats::default(),
+            spec,
         }
     }
 
@@ -89,7 +129,19 @@ impl Scheduler {
 
     fn handle(&mut self, cmd: Command) {
         match cmd {
-            Command::Generate { id, job, events } => self.admit(id, job, events),
+            Command::Generate {
+                id,
+                job,
+                events,
+                options,
+                span,
+            } => self.admit(NewRequest {
+                id,
+                job,
+                events,
+                options,
+                span,
+            }),
             Command::Prefill(job) => self.admit_prefill(job),
             Command::WriteKv { layer, block, data } => self.write_kv(layer, block, &data),
             Command::RemoteDone { id, first_token } => self.remote_done(id, first_token),
@@ -112,7 +164,14 @@ impl Scheduler {
         }
     }
 
-    fn admit(&mut self, id: SeqId, job: GenerateJob, events: mpsc::UnboundedSender<EngineEvent>) {
+    fn admit(&mut self, req: NewRequest) {
+        let NewRequest {
+            id,
+            job,
+            events,
+            options,
+            span,
+        } = req;
         let prompt_len = job.prompt.len();
         let reuse_cap = prompt_len.saturating_sub(1);
         let (table, cached) = match self.kv.start_sequence(&job.prompt, reuse_cap) {
@@ -136,12 +195,24 @@ impl Scheduler {
             cached_tokens: cached,
             origin: Origin::Local,
             events,
+            span,
+            queued: None,
+            speculative: self.spec.is_some() && options.speculative.unwrap_or(true),
+            draft_ctx: 0,
         };
+        let page = self.kv.page_size();
+        if let Some(sp) = &self.spec {
+            seq.draft_ctx = sp.valid_prefix(seq.table.blocks(), cached, page);
+        }
         match job.prefill {
             PrefillSource::Remote { local_threshold } if prompt_len - cached > local_threshold => {
+                let before = seq.table.blocks().len();
                 if let Err(e) = self.kv.reserve(&mut seq.table, prompt_len - cached) {
                     self.fail(seq, &e.to_string());
                     return;
+                }
+                if let Some(sp) = self.spec.as_mut() {
+                    sp.fresh(&seq.table.blocks()[before..]);
                 }
                 let first_remote = cached / self.kv.page_size();
                 self.remote_blocks
@@ -155,6 +226,7 @@ impl Scheduler {
                 self.awaiting.insert(id, seq);
             }
             _ => {
+                seq.queued = Some(tracing::info_span!(parent: &seq.span, "queue"));
                 seq.emit(EngineEvent::LocalPrefill {
                     cached_tokens: cached,
                 });
@@ -167,17 +239,23 @@ impl Scheduler {
         let reuse_cap = job.prompt.len().saturating_sub(1);
         match self.kv.start_sequence(&job.prompt, reuse_cap) {
             Ok((mut table, reused)) => {
+                let before = table.blocks().len();
                 if let Err(e) = self.kv.reserve(&mut table, job.prompt.len() - reused) {
                     let _ = self.kv.free(&mut table);
                     let _ = job.reply.send(Err(e.to_string()));
                     return;
                 }
+                if let Some(sp) = self.spec.as_mut() {
+                    sp.fresh(&table.blocks()[before..]);
+                }
                 let rng = Sampler::for_params(&job.sampling);
+                let queued = Some(tracing::info_span!(parent: &job.span, "queue"));
                 self.prefills.push(PrefillTask {
                     job,
                     table,
                     reused,
                     rng,
+                    queued,
                 });
             }
             Err(e) => {
@@ -189,6 +267,19 @@ impl Scheduler {
     fn write_kv(&mut self, layer: usize, block: BlockId, data: &[u8]) {
         if !self.remote_blocks.contains(&block) {
             warn!(%block, layer, "dropping a KV write into a block not reserved for a peer");
+            return;
+        }
+        // Layers past the target's are the drafter's context (see `docs/spec_decode.md`).
+        let target_layers = self.kv.pool().layout().num_layers;
+        if layer >= target_layers {
+            let written = match self.spec.as_mut() {
+                Some(sp) => sp.write_kv(layer - target_layers, block, data),
+                None => Err("this engine has no drafter".into()),
+            };
+            match written {
+                Ok(()) => self.stats.kv_bytes_received += data.len() as u64,
+                Err(e) => warn!(%block, layer, error = %e, "dropping a drafter KV write"),
+            }
             return;
         }
         let dst = match self.kv.pool_mut().block_mut(layer, block) {
@@ -229,6 +320,13 @@ impl Scheduler {
             return;
         }
         seq.tokens = seq.prompt.clone();
+        if let Some(sp) = self.spec.as_mut() {
+            let page = self.kv.page_size();
+            let remote = &seq.table.blocks()[seq.cached_tokens / page..];
+            if sp.remote_landed(remote) && seq.draft_ctx == seq.cached_tokens {
+                seq.draft_ctx = seq.prompt.len();
+            }
+        }
         self.stats.remote_prefills += 1;
         let eos = self.eos().to_vec();
         match seq.accept(first_token, &eos) {
@@ -245,6 +343,9 @@ impl Scheduler {
             return;
         };
         self.release_remote_blocks(&seq);
+        if let Some(sp) = self.spec.as_mut() {
+            sp.forget_writes(seq.table.blocks());
+        }
         if seq.cancelled() {
             self.release(seq);
             return;
@@ -290,20 +391,31 @@ impl Scheduler {
         let mut i = 0;
         while i < self.running.len() {
             let s = &mut self.running[i];
+            let before = s.table.blocks().len();
             match self.kv.reserve(&mut s.table, 1) {
-                Ok(()) => i += 1,
+                Ok(()) => {
+                    if let Some(sp) = self.spec.as_mut() {
+                        sp.fresh(&s.table.blocks()[before..]);
+                    }
+                    i += 1;
+                }
                 Err(e) => {
                     let s = self.running.swap_remove(i);
                     self.fail(s, &e.to_string());
                 }
             }
         }
-        let mut budget = self.config.max_batch_tokens;
+        let mut budget = self
+            .config
+            .max_batch_tokens
+            .saturating_sub(self.running.len());
+        let drafts = self.plan_drafts(budget);
         let mut work = Vec::new();
         for i in 0..self.running.len() {
             work.push(Work::Decode(i));
-            budget = budget.saturating_sub(1);
         }
+        let drafted: usize = drafts.iter().flatten().map(Draft::gamma).sum();
+        budget = budget.saturating_sub(drafted);
         for i in 0..self.prefills.len() {
             let need = self.prefills[i].job.prompt.len() - self.prefills[i].reused;
             if need > budget && !work.is_empty() {
@@ -319,7 +431,12 @@ impl Scheduler {
             }
             let n = self.waiting[i].remaining_prompt().min(budget);
             let seq = &mut self.waiting[i];
-            if let Err(e) = self.kv.reserve(&mut seq.table, n) {
+            let before = seq.table.blocks().len();
+            let reserved = self.kv.reserve(&mut seq.table, n);
+            if let (Ok(()), Some(sp)) = (&reserved, self.spec.as_mut()) {
+                sp.fresh(&seq.table.blocks()[before..]);
+            }
+            if let Err(e) = reserved {
                 if work.is_empty() {
                     // Nothing else will ever free blocks for it: fail it now.
                     if let Some(s) = self.waiting.remove(i) {
@@ -335,10 +452,55 @@ impl Scheduler {
         if work.is_empty() {
             return;
         }
-        self.run_batch(work);
+        self.run_batch(work, drafts);
     }
 
-    fn run_batch(&mut self, work: Vec<Work>) {
+    /// Drafts for the running sequences (one entry each; empty without a drafter) and reserves
+    /// KV for every draft kept; a sequence whose reservation fails takes a plain step.
+    fn plan_drafts(&mut self, budget: usize) -> Vec<Option<Draft>> {
+        let Some(sp) = self.spec.as_ref() else {
+            return Vec::new();
+        };
+        let max_pos = self.model.config().max_position_embeddings;
+        let mut drafts = sp.plan(&self.model, &mut self.running, budget, max_pos);
+        for (s, d) in self.running.iter_mut().zip(drafts.iter_mut()) {
+            let Some(draft) = d else { continue };
+            let before = s.table.blocks().len();
+            match self.kv.reserve(&mut s.table, draft.tokens.len()) {
+                Ok(()) => {
+                    if let Some(sp) = self.spec.as_mut() {
+                        sp.fresh(&s.table.blocks()[before..]);
+                    }
+                }
+                Err(_) => *d = None,
+            }
+        }
+        drafts
+    }
+
+    fn run_batch(&mut self, work: Vec<Work>, drafts: Vec<Option<Draft>>) {
+        // One span per batch, linked to the span of every request it serves (their `queue`
+        // spans end here, the first time a request is scheduled).
+        let batch_span = tracing::debug_span!("batch", requests = work.len());
+        for w in &work {
+            let (span, queued) = match *w {
+                Work::Decode(i) => {
+                    let s = &mut self.running[i];
+                    (&s.span, &mut s.queued)
+                }
+                Work::Chunk(i, _) => {
+                    let s = &mut self.waiting[i];
+                    (&s.span, &mut s.queued)
+                }
+                Work::Prefill(i) => {
+                    let t = &mut self.prefills[i];
+                    (&t.job.span, &mut t.queued)
+                }
+            };
+            batch_span.follows_from(span);
+            queued.take();
+        }
+        let _batch = batch_span.enter();
         // Prefill jobs run whole in this batch: take their layer sinks and the blocks each ships.
         let page = self.kv.page_size();
         let mut sinks = Vec::new();
@@ -351,12 +513,15 @@ impl Scheduler {
                 sinks.push((i, sink, blocks));
             }
         }
-        let decode_inputs: Vec<[u32; 1]> = self
+        // A drafting sequence feeds its anchor and drafts and wants every row's logits.
+        let decode_inputs: Vec<Vec<u32>> = self
             .running
             .iter()
-            .map(|s| match s.phase {
-                Phase::Decoding { next } => [next],
-                _ => [0],
+            .enumerate()
+            .map(|(i, s)| match (drafts.get(i), s.phase) {
+                (Some(Some(d)), _) => d.tokens.clone(),
+                (_, Phase::Decoding { next }) => vec![next],
+                _ => vec![0],
             })
             .collect();
         let mut seqs = Vec::with_capacity(work.len());
@@ -366,7 +531,11 @@ impl Scheduler {
                     tokens: &decode_inputs[i],
                     start_pos: self.running[i].table.len(),
                     block_table: self.running[i].table.blocks(),
-                    logits: LogitsWanted::Last,
+                    logits: if decode_inputs[i].len() > 1 {
+                        LogitsWanted::All
+                    } else {
+                        LogitsWanted::Last
+                    },
                 },
                 Work::Chunk(i, n) => {
                     let s = &self.waiting[i];
@@ -404,34 +573,90 @@ impl Scheduler {
             }
             Ok(())
         };
+        // The drafter's context is built from the hidden states after its tap layers.
+        let taps: Vec<usize> = self
+            .spec
+            .as_ref()
+            .map(|sp| sp.taps().to_vec())
+            .unwrap_or_default();
+        let mut tapped: Vec<Vec<f32>> = vec![Vec::new(); taps.len()];
+        let mut hidden = |layer: usize, h: &[f32]| -> Result<(), ModelError> {
+            for (buf, _) in tapped.iter_mut().zip(&taps).filter(|(_, &t)| t == layer) {
+                *buf = h.to_vec();
+            }
+            Ok(())
+        };
+        let hooks = ForwardHooks {
+            after_layer: &mut hook,
+            hidden: &mut hidden,
+        };
         let result =
             self.model
-                .forward_hooked(&batch, self.kv.pool_mut(), FormPolicy::CostModel, &mut hook);
+                .forward_with_hooks(&batch, self.kv.pool_mut(), FormPolicy::CostModel, hooks);
         drop(batch);
         match result {
-            Ok(out) => self.apply(work, &out.logits, hook_errors),
+            Ok(out) => self.apply(
+                work,
+                BatchResult {
+                    logits: out.logits,
+                    hook_errors,
+                    drafts,
+                    taps: tapped,
+                },
+            ),
             Err(e) => self.fail_batch(work, &e.to_string()),
         }
     }
 
     /// Commits a successful forward: advance tables, sample, emit, finish.
-    fn apply(&mut self, work: Vec<Work>, logits: &[Vec<f32>], hook_errors: HashMap<usize, String>) {
+    fn apply(&mut self, work: Vec<Work>, result: BatchResult) {
+        let BatchResult {
+            logits,
+            hook_errors,
+            drafts,
+            taps,
+        } = result;
         let page = self.kv.page_size();
         let eos = self.eos().to_vec();
         let mut finished_running = Vec::new();
         let mut promoted = Vec::new();
         let mut done_prefills = Vec::new();
-        for (w, l) in work.iter().zip(logits) {
+        // Committed rows per work item, for the drafter's context: (who, first position,
+        // first batch row, rows).
+        let mut committed = Vec::new();
+        let mut first_row = 0;
+        for (w, l) in work.iter().zip(&logits) {
+            let row = first_row;
+            first_row += match *w {
+                Work::Decode(i) => drafts.get(i).and_then(Option::as_ref).map_or(1, |d| d.tokens.len()),
+                Work::Chunk(_, n) => n,
+                Work::Prefill(i) => self.prefills[i].job.prompt.len() - self.prefills[i].reused,
+            };
             match *w {
                 Work::Decode(i) => {
+                    if let Some(Some(d)) = drafts.get(i) {
+                        let start = self.running[i].table.len();
+                        match self.commit_round(i, d, l) {
+                            Ok((kept, end)) => {
+                                committed.push((Owner::Running(i), start, row, kept));
+                                if let Some(reason) = end {
+                                    finished_running.push((i, Ok(reason)));
+                                }
+                            }
+                            Err(e) => finished_running.push((i, Err(e))),
+                        }
+                        continue;
+                    }
                     let s = &mut self.running[i];
                     let Phase::Decoding { next } = s.phase else {
                         continue;
                     };
+                    let start = s.table.len();
                     if let Err(e) = s.table.advance(1, page) {
                         finished_running.push((i, Err(e.to_string())));
                         continue;
                     }
+                    committed.push((Owner::Running(i), start, row, 1));
                     s.tokens.push(next);
                     match sample_step(l, &s.sampling, s.generated, &mut s.rng) {
                         Ok(tok) => match s.accept(tok, &eos) {
@@ -448,6 +673,7 @@ impl Scheduler {
                         continue;
                     }
                     let done = s.table.len();
+                    committed.push((Owner::Waiting(i), done - n, row, n));
                     s.tokens.extend_from_slice(&s.prompt[done - n..done]);
                     self.stats.prefill_computed_tokens += n as u64;
                     s.phase = Phase::Prefilling { done };
@@ -477,12 +703,16 @@ impl Scheduler {
                         done_prefills.push((i, Err(e.to_string())));
                         continue;
                     }
+                    committed.push((Owner::Prefill(i), t.reused, row, computed));
                     self.stats.prefill_computed_tokens += computed as u64;
                     self.stats.prefill_reused_tokens += t.reused as u64;
                     done_prefills.push((i, outcome));
                 }
             }
         }
+        // Before anything is released: the committed rows become drafter context, and prefill
+        // jobs ship it.
+        let mut draft_errors = self.extend_drafter(&committed, &taps);
         // Remove from the highest index down so earlier indices stay valid.
         finished_running.sort_by_key(|e| std::cmp::Reverse(e.0));
         for (i, r) in finished_running {
@@ -513,6 +743,10 @@ impl Scheduler {
         }
         done_prefills.sort_by_key(|e| std::cmp::Reverse(e.0));
         for (i, r) in done_prefills {
+            let r = match draft_errors.remove(&i) {
+                Some(e) if r.is_ok() => Err(format!("drafter KV transfer failed: {e}")),
+                _ => r,
+            };
             let mut t = self.prefills.swap_remove(i);
             if t.table.len() == t.job.prompt.len() {
                 if let Err(e) = self.kv.cache_full_blocks(&t.table, &t.job.prompt) {
@@ -525,6 +759,107 @@ impl Scheduler {
             self.stats.requests_finished += 1;
             let _ = t.job.reply.send(r);
         }
+    }
+
+    /// Verifies `running[i]`'s drafts against its logits rows and commits the outcome: the
+    /// anchor and the accepted drafts stay in the KV (the rest is rolled back), the accepted
+    /// tokens and the correction / bonus are emitted. Returns the positions kept and, when the
+    /// request ended, why; an error fails this request alone.
+    fn commit_round(
+        &mut self,
+        i: usize,
+        draft: &Draft,
+        logits: &[f32],
+    ) -> Result<(usize, Option<FinishReason>), String> {
+        let page = self.kv.page_size();
+        let eos = self.model.config().eos_token_ids.clone();
+        let s = &mut self.running[i];
+        let verified = verify_round(s, draft, logits)?;
+        let start = s.table.len();
+        let kept = verified.accepted + 1;
+        s.table.advance(kept, page).map_err(|e| e.to_string())?;
+        // Rollback: positions of rejected drafts were written by the forward; forget them and
+        // give back blocks that only they used.
+        self.kv
+            .truncate(&mut s.table, start + kept)
+            .map_err(|e| e.to_string())?;
+        s.tokens.extend_from_slice(&draft.tokens[..kept]);
+        self.stats.spec_rounds += 1;
+        self.stats.spec_drafted_tokens += draft.gamma() as u64;
+        self.stats.spec_accepted_tokens += verified.accepted as u64;
+        for &tok in &verified.tokens {
+            match s.accept(tok, &eos) {
+                Next::Continue(t) => s.phase = Phase::Decoding { next: t },
+                Next::Finish(r) => return Ok((kept, Some(r))),
+            }
+        }
+        Ok((kept, None))
+    }
+
+    /// Turns the rows a batch committed into drafter context (sequences whose context was
+    /// complete so far; prefill jobs always) and ships prefill jobs' drafter layers. Returns the
+    /// prefill jobs whose drafter shipping failed.
+    fn extend_drafter(
+        &mut self,
+        committed: &[(Owner, usize, usize, usize)],
+        taps: &[Vec<f32>],
+    ) -> HashMap<usize, String> {
+        let mut errors = HashMap::new();
+        let Some(sp) = self.spec.as_mut() else {
+            return errors;
+        };
+        let page = self.kv.page_size();
+        let mut keep = Vec::with_capacity(committed.len());
+        let mut segments = Vec::with_capacity(committed.len());
+        for &(owner, start, first_row, rows) in committed {
+            let (table, ctx) = match owner {
+                Owner::Running(i) => (&self.running[i].table, Some(self.running[i].draft_ctx)),
+                Owner::Waiting(i) => (&self.waiting[i].table, Some(self.waiting[i].draft_ctx)),
+                Owner::Prefill(i) => (&self.prefills[i].table, None),
+            };
+            if ctx.is_some_and(|c| c != start) {
+                continue; // a gap in this sequence's context: it no longer speculates
+            }
+            keep.push((owner, rows));
+            segments.push(ContextSegment {
+                block_table: table.blocks(),
+                start_pos: start,
+                first_row,
+                rows,
+            });
+        }
+        let extended = sp.extend(&self.model, taps, &segments);
+        drop(segments);
+        if let Err(e) = &extended {
+            warn!(error = %e, "extending the drafter context failed; those sequences stop speculating");
+        }
+        for (owner, rows) in keep {
+            match owner {
+                Owner::Running(i) if extended.is_ok() => self.running[i].draft_ctx += rows,
+                Owner::Waiting(i) if extended.is_ok() => self.waiting[i].draft_ctx += rows,
+                Owner::Prefill(i) => {
+                    let t = &mut self.prefills[i];
+                    let Some(mut sink) = t.job.on_draft_layer.take() else {
+                        continue;
+                    };
+                    if let Err(e) = &extended {
+                        errors.insert(i, e.to_string());
+                        continue;
+                    }
+                    let Some(pool) = sp.pool() else { continue };
+                    let skip = (t.job.skip_tokens / page).min(t.table.blocks().len());
+                    let blocks = &t.table.blocks()[skip..];
+                    for layer in 0..sp.pool_layers() {
+                        if let Err(e) = sink(layer, blocks, pool) {
+                            errors.insert(i, e);
+                            break;
+                        }
+                    }
+                }
+                _ => {}
+            }
+        }
+        errors
     }
 
     /// A forward failed: every request in it fails and frees its blocks.
@@ -572,6 +907,13 @@ impl Scheduler {
 
     /// Caches the sequence's full blocks and frees its references.
     fn release(&mut self, mut s: Sequence) {
+        if let Some(sp) = self.spec.as_mut() {
+            // Blocks whose drafter rows do not match their KV must not pass for valid context
+            // when their prefix is reused.
+            if s.draft_ctx < s.table.len() {
+                sp.mark_stale(s.table.blocks(), s.draft_ctx, self.kv.page_size());
+            }
+        }
         if !s.tokens.is_empty() && s.tokens.len() == s.table.len() {
             if let Err(e) = self.kv.cache_full_blocks(&s.table, &s.tokens) {
                 warn!(error = %e, "could not cache a finished sequence");

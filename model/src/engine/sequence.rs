@@ -50,6 +50,14 @@ pub struct Sequence {
     pub(crate) origin: Origin,
     pub(crate) events: mpsc::UnboundedSender<EngineEvent>,
     pub(crate) rng: Sampler,
+    /// Whether this request may speculate (its own choice and the engine's drafter).
+    pub(crate) speculative: bool,
+    /// Leading positions whose drafter context rows are valid (== `table.len()` to speculate).
+    pub(crate) draft_ctx: usize,
+    /// The request's span (batch spans link to it).
+    pub(crate) span: tracing::Span,
+    /// Open from admission until the request's first batch (its `queue` span).
+    pub(crate) queued: Option<tracing::Span>,
 }
 
 /// A prefill-only job in flight.
@@ -58,6 +66,8 @@ pub struct PrefillTask {
     pub(crate) table: BlockTable,
     pub(crate) reused: usize,
     pub(crate) rng: Sampler,
+    /// Open from admission until the job's batch (its `queue` span).
+    pub(crate) queued: Option<tracing::Span>,
 }
 
 /// What sampling a token led to.
@@ -120,6 +130,27 @@ pub(crate) fn sample_step(
             Ok(s.sample(logits, params)?)
         }
         None => Ok(rng.sample(logits, params)?),
+    }
+}
+
+/// `n` uniforms for generation step `step` of a speculative round, from a stream that is
+/// derived from `(seed, step, salt)` for seeded requests (reproducible, independent of plain
+/// sampling and of the other salt) and the request's own stream otherwise.
+pub(crate) fn round_uniforms(
+    params: &SamplingParams,
+    step: usize,
+    salt: u64,
+    rng: &mut Sampler,
+    n: usize,
+) -> Vec<f64> {
+    match params.seed {
+        Some(seed) => {
+            let mut s = Sampler::new(Some(splitmix64(
+                seed ^ splitmix64(step as u64) ^ splitmix64(salt),
+            )));
+            (0..n).map(|_| s.next_uniform()).collect()
+        }
+        None => (0..n).map(|_| rng.next_uniform()).collect(),
     }
 }
 

@@ -3,9 +3,11 @@
 use std::sync::Arc;
 
 use axum::extract::State;
+use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use futures::StreamExt;
+use tracing::Instrument;
 
 use super::error::{ApiError, ApiJson};
 use super::openai::{
@@ -13,31 +15,40 @@ use super::openai::{
     Delta, UsageOut,
 };
 use super::sse::{self, Chunk};
-use super::{reject, start, Meta};
+use super::{reject, request_span, start, Meta};
 use crate::dispatch::GenerationStream;
 use crate::error::log_failure;
+use crate::spans::{InSpan, Operation};
 use crate::state::AppState;
 
 /// The handler.
 pub async fn chat_completions(
     State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
     ApiJson(req): ApiJson<ChatRequest>,
 ) -> Response {
     let meta = Meta::new("chatcmpl", &state);
-    let span = tracing::info_span!("chat_completion", request_id = %meta.id, api = "http");
+    let span = request_span(
+        &state,
+        &headers,
+        Operation::Chat,
+        "/v1/chat/completions",
+        &meta.id,
+    );
     let (stream, include_usage) = (req.stream, req.include_usage());
     let params = match req.into_params(&meta.id) {
         Ok(p) => p,
-        Err(e) => return reject(e, &span),
+        Err(e) => return reject(&state, e, &span),
     };
     let events = match start(&state, params, span.clone()).await {
         Ok(events) => events,
         Err(e) => return e.into_response(),
     };
     if stream {
-        sse::response(chunks(meta, events, include_usage, span))
+        let chunks = Box::pin(chunks(meta, events, include_usage, span.clone()));
+        sse::response(InSpan::new(chunks, span))
     } else {
-        whole(meta, events, span).await
+        whole(meta, events, span.clone()).instrument(span).await
     }
 }
 

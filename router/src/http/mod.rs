@@ -2,7 +2,7 @@
 //!
 //! | file | owns |
 //! |---|---|
-//! | `mod.rs` | [`app`]: routes, `/v1/models`, `/health`, the shared validate-then-dispatch step |
+//! | `mod.rs` | [`app`]: routes, `/v1/models`, `/health`, `/metrics`, the request span (parent from `traceparent`), the shared validate-then-dispatch step |
 //! | [`openai`] | request and response shapes |
 //! | [`completions`] | `POST /v1/completions` |
 //! | [`chat`] | `POST /v1/chat/completions` |
@@ -18,7 +18,8 @@ use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::extract::{DefaultBodyLimit, State};
-use axum::http::StatusCode;
+use axum::http::header::CONTENT_TYPE;
+use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Json;
@@ -27,6 +28,7 @@ use tracing::Instrument;
 use crate::dispatch::GenerationStream;
 use crate::error::RequestError;
 use crate::registry::Role;
+use crate::spans::{self, FrontDoor, Operation};
 use crate::state::AppState;
 use crate::validate::GenerateParams;
 use error::ApiError;
@@ -42,6 +44,7 @@ pub fn app(state: Arc<AppState>) -> axum::Router {
         .route("/v1/chat/completions", post(chat::chat_completions))
         .route("/v1/models", get(models))
         .route("/health", get(health))
+        .route("/metrics", get(metrics))
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(state)
@@ -71,29 +74,79 @@ fn unix_now() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
-/// Validates and dispatches in the request's span; logs a failure once.
+/// The `request` span of an HTTP generation request on `route`, a child of the client's
+/// `traceparent` if it sent one.
+pub(crate) fn request_span(
+    state: &AppState,
+    headers: &HeaderMap,
+    operation: Operation,
+    route: &'static str,
+    request_id: &str,
+) -> tracing::Span {
+    let span = spans::request_span(FrontDoor::Http(route), operation, &state.model.name);
+    ferry_proto::trace_ctx::set_parent_from_headers(&span, headers);
+    span.record("request_id", request_id);
+    span
+}
+
+/// Validates and dispatches in the request's span; logs and counts a failure once.
 pub(crate) async fn start(
     state: &AppState,
     params: GenerateParams,
     span: tracing::Span,
 ) -> Result<GenerationStream, ApiError> {
-    async {
+    let requested = if params.model.is_empty() {
+        state.model.name.clone()
+    } else {
+        params.model.clone()
+    };
+    ferry_proto::trace_ctx::set_attribute(&span, "gen_ai.request.model", requested);
+    let started = async {
         let valid = state.validator.validate(params).await?;
         state.dispatcher.generate(valid).await
     }
     .instrument(span.clone())
     .await
     .map_err(|e: RequestError| {
-        span.in_scope(|| crate::error::log_failure(&e));
+        spans::request_failed(&state.metrics, &span, &e);
         ApiError::from(e)
-    })
+    });
+    let status = match &started {
+        Ok(_) => StatusCode::OK,
+        Err(e) => e.status,
+    };
+    ferry_proto::trace_ctx::set_attribute(
+        &span,
+        "http.response.status_code",
+        i64::from(status.as_u16()),
+    );
+    started
 }
 
-/// Logs a conversion failure (before validation) once and turns it into a response.
-pub(crate) fn reject(e: crate::validate::ValidationError, span: &tracing::Span) -> Response {
+/// Logs and counts a conversion failure (before validation) once and turns it into a response.
+pub(crate) fn reject(
+    state: &AppState,
+    e: crate::validate::ValidationError,
+    span: &tracing::Span,
+) -> Response {
     let e = RequestError::Invalid(e);
-    span.in_scope(|| crate::error::log_failure(&e));
-    ApiError::from(e).into_response()
+    spans::request_failed(&state.metrics, span, &e);
+    let e = ApiError::from(e);
+    ferry_proto::trace_ctx::set_attribute(
+        span,
+        "http.response.status_code",
+        i64::from(e.status.as_u16()),
+    );
+    e.into_response()
+}
+
+/// `GET /metrics`: the Prometheus text format.
+async fn metrics(State(state): State<Arc<AppState>>) -> Response {
+    (
+        [(CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
+        state.render_metrics(),
+    )
+        .into_response()
 }
 
 async fn models(State(state): State<Arc<AppState>>) -> Json<ModelList> {

@@ -1,0 +1,586 @@
+//! The CUDA device handle, device buffers and kernel launches.
+//!
+//! [`CudaDevice`] is a cheap `Clone` handle over one context, one stream, one cuBLAS handle and
+//! the compiled-module cache. Memory is taken with stream-ordered allocation
+//! (`cuMemAllocAsync`, pool kept warm) so per-step scratch buffers cost microseconds.
+//! Kernels are launched with raw `cuLaunchKernel`: the typed launchers in [`super::ops`] and
+//! [`super::mla`] check every length before they build the argument list.
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::marker::PhantomData;
+use std::sync::{Arc, Mutex};
+
+use cudarc::cublas::CudaBlas;
+use cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaFunction, CudaStream};
+
+use super::nvrtc::ModuleCache;
+use crate::device::Device;
+use crate::error::KernelError;
+use crate::gpu::{Defines, Source};
+
+/// Checks that CUDA device `ordinal` can be opened: the driver library loads, NVRTC and
+/// cuBLAS load, and the ordinal exists. Never panics.
+pub fn probe(ordinal: usize) -> Result<(), KernelError> {
+    let device = Device::Cuda(ordinal).to_string();
+    let unavailable = |reason: String| KernelError::DeviceUnavailable {
+        device: device.clone(),
+        reason,
+    };
+    // SAFETY: only tries to dlopen the driver library by its usual names.
+    if !unsafe { sys::is_culib_present() } {
+        return Err(unavailable(
+            "no CUDA driver (libcuda.so) on this machine".into(),
+        ));
+    }
+    // SAFETY: as above, for NVRTC.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return Err(unavailable(
+            "the CUDA driver loads but NVRTC (libnvrtc.so) does not; add the CUDA libraries to LD_LIBRARY_PATH".into(),
+        ));
+    }
+    // SAFETY: as above, for cuBLAS.
+    if !unsafe { cudarc::cublas::sys::is_culib_present() } {
+        return Err(unavailable(
+            "the CUDA driver loads but cuBLAS (libcublas.so) does not; add the CUDA libraries to LD_LIBRARY_PATH".into(),
+        ));
+    }
+    let count = std::panic::catch_unwind(CudaContext::device_count)
+        .map_err(|_| unavailable("the CUDA driver panicked while counting devices".into()))?
+        .map_err(|e| unavailable(format!("cuDeviceGetCount failed: {e}")))?;
+    if ordinal >= count.max(0) as usize {
+        return Err(unavailable(format!(
+            "ordinal {ordinal} is out of range: {count} CUDA device(s)"
+        )));
+    }
+    Ok(())
+}
+
+/// A plain-old-data element type that may live in device memory.
+pub trait DevicePod: Copy + Default + Send + Sync + 'static {}
+impl DevicePod for f32 {}
+impl DevicePod for u16 {}
+impl DevicePod for i32 {}
+impl DevicePod for u32 {}
+impl DevicePod for i64 {}
+impl DevicePod for u8 {}
+
+/// An `[T; len]` array in device memory, freed (stream-ordered) on drop.
+pub struct DeviceBuffer<T: DevicePod> {
+    ptr: sys::CUdeviceptr,
+    len: usize,
+    dev: CudaDevice,
+    _t: PhantomData<T>,
+}
+
+impl<T: DevicePod> std::fmt::Debug for DeviceBuffer<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "DeviceBuffer<{}>[{}]", std::any::type_name::<T>(), self.len)
+    }
+}
+
+impl<T: DevicePod> DeviceBuffer<T> {
+    /// Elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it holds no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Raw device address of element 0.
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// Raw device address of element `i` (`i <= len`).
+    pub fn ptr_at(&self, i: usize) -> u64 {
+        debug_assert!(i <= self.len);
+        self.ptr + (i * std::mem::size_of::<T>()) as u64
+    }
+
+    /// Bytes.
+    pub fn bytes(&self) -> usize {
+        self.len * std::mem::size_of::<T>()
+    }
+}
+
+impl<T: DevicePod> Drop for DeviceBuffer<T> {
+    fn drop(&mut self) {
+        let inner = &self.dev.inner;
+        if inner.ctx.bind_to_thread().is_err() {
+            return;
+        }
+        // SAFETY: `ptr` came from cuMemAllocAsync on this stream and is freed exactly once;
+        // work queued on the stream that still reads it runs before the free.
+        let _ = unsafe { result::free_async(self.ptr, inner.stream.cu_stream()) };
+    }
+}
+
+/// Grid, block and dynamic shared memory of one launch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LaunchDims {
+    /// Blocks in x, y, z.
+    pub grid: (u32, u32, u32),
+    /// Threads per block in x, y, z.
+    pub block: (u32, u32, u32),
+    /// Dynamic shared memory bytes.
+    pub smem: u32,
+}
+
+impl LaunchDims {
+    /// A 1-D grid of `blocks` blocks of `threads` threads.
+    pub fn linear(blocks: usize, threads: u32) -> Self {
+        Self {
+            grid: (blocks.max(1) as u32, 1, 1),
+            block: (threads, 1, 1),
+            smem: 0,
+        }
+    }
+
+    /// One thread per element, 256 per block.
+    pub fn elementwise(n: usize) -> Self {
+        Self::linear(n.div_ceil(256), 256)
+    }
+}
+
+/// A kernel parameter passed by value (scalars and `#[repr(C)]` structs without padding).
+///
+/// # Safety
+/// The type must be `#[repr(C)]` (or a primitive) with no padding bytes and match the
+/// kernel's parameter type exactly.
+pub unsafe trait KernelParam: Copy + 'static {}
+// SAFETY: primitives have no padding and match the C types of the same width.
+unsafe impl KernelParam for i32 {}
+// SAFETY: as above.
+unsafe impl KernelParam for u32 {}
+// SAFETY: as above.
+unsafe impl KernelParam for f32 {}
+// SAFETY: as above.
+unsafe impl KernelParam for i64 {}
+// SAFETY: as above (device pointers are u64).
+unsafe impl KernelParam for u64 {}
+
+const ARG_BYTES: usize = 96;
+
+/// The argument list of one launch: each parameter's bytes in its own slot.
+#[derive(Default)]
+pub struct KernelArgs {
+    slots: Vec<[u8; ARG_BYTES]>,
+}
+
+impl KernelArgs {
+    /// An empty list.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Appends a by-value parameter.
+    pub fn push<T: KernelParam>(&mut self, v: T) -> &mut Self {
+        let size = std::mem::size_of::<T>();
+        assert!(size <= ARG_BYTES, "invariant: kernel parameters fit in a slot");
+        let mut slot = [0u8; ARG_BYTES];
+        // SAFETY: `T: KernelParam` has no padding, so all `size` bytes of `v` are initialised,
+        // and `slot` has room for them.
+        unsafe {
+            std::ptr::copy_nonoverlapping(&v as *const T as *const u8, slot.as_mut_ptr(), size)
+        };
+        self.slots.push(slot);
+        self
+    }
+
+    /// Appends a device pointer.
+    pub fn ptr<T: DevicePod>(&mut self, b: &DeviceBuffer<T>) -> &mut Self {
+        self.push(b.ptr())
+    }
+}
+
+struct Inner {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    blas: CudaBlas,
+    ordinal: usize,
+    name: String,
+    cc: (i32, i32),
+    sms: u32,
+    smem_optin: u32,
+    modules: ModuleCache,
+    /// Functions whose dynamic shared memory limit was already raised.
+    smem_set: Mutex<HashMap<(usize, u32), ()>>,
+}
+
+/// One CUDA device: context, stream, cuBLAS handle and compiled modules. Cheap to clone.
+#[derive(Clone)]
+pub struct CudaDevice {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for CudaDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "CudaDevice(cuda:{} {} sm_{}{}, {} SMs)",
+            self.inner.ordinal, self.inner.name, self.inner.cc.0, self.inner.cc.1, self.inner.sms
+        )
+    }
+}
+
+pub(crate) fn gpu_err(op: &'static str) -> impl Fn(cudarc::driver::DriverError) -> KernelError {
+    move |e| KernelError::Gpu {
+        op,
+        message: e.to_string(),
+    }
+}
+
+impl CudaDevice {
+    /// Opens device `ordinal` after [`probe`] says it can; errors (never panics) otherwise.
+    pub fn open(ordinal: usize) -> Result<Self, KernelError> {
+        probe(ordinal)?;
+        let ctx = std::panic::catch_unwind(|| CudaContext::new(ordinal))
+            .map_err(|_| KernelError::DeviceUnavailable {
+                device: Device::Cuda(ordinal).to_string(),
+                reason: "the CUDA driver panicked while creating a context".into(),
+            })?
+            .map_err(gpu_err("cuCtxCreate"))?;
+        // Raw pointers and launches below manage their own ordering on one stream.
+        // SAFETY: no cudarc-managed buffers are used with this context.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream().map_err(gpu_err("cuStreamCreate"))?;
+        let blas = CudaBlas::new(stream.clone()).map_err(|e| KernelError::Gpu {
+            op: "cublasCreate",
+            message: e.to_string(),
+        })?;
+        let cc = ctx.compute_capability().map_err(gpu_err("compute_capability"))?;
+        let name = ctx.name().map_err(gpu_err("cuDeviceGetName"))?;
+        let attr = |a| ctx.attribute(a).map_err(gpu_err("cuDeviceGetAttribute"));
+        let sms = attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32;
+        let smem_optin =
+            attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?
+                as u32;
+        keep_pool_warm(&ctx)?;
+        Ok(Self {
+            inner: Arc::new(Inner {
+                ctx,
+                stream,
+                blas,
+                ordinal,
+                name,
+                cc,
+                sms,
+                smem_optin,
+                modules: ModuleCache::default(),
+                smem_set: Mutex::new(HashMap::new()),
+            }),
+        })
+    }
+
+    /// Device name as the driver reports it ("NVIDIA H200").
+    pub fn name(&self) -> &str {
+        &self.inner.name
+    }
+
+    /// Compute capability (9, 0 for Hopper).
+    pub fn compute_capability(&self) -> (i32, i32) {
+        self.inner.cc
+    }
+
+    /// Streaming multiprocessors.
+    pub fn sm_count(&self) -> u32 {
+        self.inner.sms
+    }
+
+    /// Largest dynamic shared memory a block may opt into.
+    pub fn max_smem_per_block(&self) -> u32 {
+        self.inner.smem_optin
+    }
+
+    /// The device's ordinal.
+    pub fn ordinal(&self) -> usize {
+        self.inner.ordinal
+    }
+
+    pub(crate) fn blas_handle(&self) -> cudarc::cublas::sys::cublasHandle_t {
+        *self.inner.blas.handle()
+    }
+
+    pub(crate) fn bind(&self) -> Result<(), KernelError> {
+        self.inner.ctx.bind_to_thread().map_err(gpu_err("cuCtxSetCurrent"))
+    }
+
+    /// `len` elements of uninitialised device memory.
+    pub fn alloc<T: DevicePod>(&self, len: usize) -> Result<DeviceBuffer<T>, KernelError> {
+        self.bind()?;
+        let bytes = (len * std::mem::size_of::<T>()).max(256);
+        // SAFETY: a plain stream-ordered allocation on this context's stream; the buffer owns
+        // the pointer and frees it once.
+        let ptr = unsafe { result::malloc_async(self.inner.stream.cu_stream(), bytes) }
+            .map_err(gpu_err("cuMemAllocAsync"))?;
+        Ok(DeviceBuffer {
+            ptr,
+            len,
+            dev: self.clone(),
+            _t: PhantomData,
+        })
+    }
+
+    /// `len` zeroed elements.
+    pub fn zeros<T: DevicePod>(&self, len: usize) -> Result<DeviceBuffer<T>, KernelError> {
+        let b = self.alloc::<T>(len)?;
+        self.memset_zero(&b)?;
+        Ok(b)
+    }
+
+    /// Sets every byte of `b` to zero (stream-ordered).
+    pub fn memset_zero<T: DevicePod>(&self, b: &DeviceBuffer<T>) -> Result<(), KernelError> {
+        self.bind()?;
+        // SAFETY: writes exactly the buffer's bytes, in stream order.
+        unsafe { result::memset_d8_async(b.ptr, 0, b.bytes(), self.inner.stream.cu_stream()) }
+            .map_err(gpu_err("cuMemsetD8Async"))
+    }
+
+    /// A device copy of `host`.
+    pub fn upload<T: DevicePod>(&self, host: &[T]) -> Result<DeviceBuffer<T>, KernelError> {
+        let mut b = self.alloc::<T>(host.len())?;
+        self.write(&mut b, 0, host)?;
+        Ok(b)
+    }
+
+    /// Copies `host` into `dst[offset..offset + host.len()]`; returns once the copy is done,
+    /// so `host` may be reused immediately.
+    pub fn write<T: DevicePod>(
+        &self,
+        dst: &mut DeviceBuffer<T>,
+        offset: usize,
+        host: &[T],
+    ) -> Result<(), KernelError> {
+        if offset + host.len() > dst.len {
+            return Err(KernelError::ShapeMismatch {
+                op: "cuda_write",
+                what: "dst",
+                expected: offset + host.len(),
+                got: dst.len,
+            });
+        }
+        if host.is_empty() {
+            return Ok(());
+        }
+        self.bind()?;
+        // SAFETY: the destination range is inside `dst` (checked above); the stream is
+        // synchronised before returning, so `host` outlives the asynchronous copy.
+        unsafe {
+            result::memcpy_htod_async(dst.ptr_at(offset), host, self.inner.stream.cu_stream())
+        }
+        .map_err(gpu_err("cuMemcpyHtoDAsync"))?;
+        self.synchronize()
+    }
+
+    /// Copies the whole buffer back to the host (waits for queued work).
+    pub fn download<T: DevicePod>(&self, src: &DeviceBuffer<T>) -> Result<Vec<T>, KernelError> {
+        self.download_range(src, 0, src.len)
+    }
+
+    /// Copies `src[offset..offset + len]` back to the host.
+    pub fn download_range<T: DevicePod>(
+        &self,
+        src: &DeviceBuffer<T>,
+        offset: usize,
+        len: usize,
+    ) -> Result<Vec<T>, KernelError> {
+        if offset + len > src.len {
+            return Err(KernelError::ShapeMismatch {
+                op: "cuda_download",
+                what: "src",
+                expected: offset + len,
+                got: src.len,
+            });
+        }
+        let mut out = vec![T::default(); len];
+        if len == 0 {
+            return Ok(out);
+        }
+        self.bind()?;
+        // SAFETY: the source range is inside `src`; `out` has exactly `len` elements and the
+        // stream is synchronised before `out` is returned.
+        unsafe { result::memcpy_dtoh_async(&mut out, src.ptr_at(offset), self.inner.stream.cu_stream()) }
+            .map_err(gpu_err("cuMemcpyDtoHAsync"))?;
+        self.synchronize()?;
+        Ok(out)
+    }
+
+    /// Device-to-device copy of `len` elements.
+    pub fn copy<T: DevicePod>(
+        &self,
+        src: &DeviceBuffer<T>,
+        src_off: usize,
+        dst: &mut DeviceBuffer<T>,
+        dst_off: usize,
+        len: usize,
+    ) -> Result<(), KernelError> {
+        if src_off + len > src.len || dst_off + len > dst.len {
+            return Err(KernelError::ShapeMismatch {
+                op: "cuda_copy",
+                what: "range",
+                expected: len,
+                got: src.len.min(dst.len),
+            });
+        }
+        self.bind()?;
+        // SAFETY: both ranges are inside their buffers (checked above).
+        unsafe {
+            result::memcpy_dtod_async(
+                dst.ptr_at(dst_off),
+                src.ptr_at(src_off),
+                len * std::mem::size_of::<T>(),
+                self.inner.stream.cu_stream(),
+            )
+        }
+        .map_err(gpu_err("cuMemcpyDtoDAsync"))
+    }
+
+    /// Waits for all queued work.
+    pub fn synchronize(&self) -> Result<(), KernelError> {
+        self.inner.stream.synchronize().map_err(gpu_err("cuStreamSynchronize"))
+    }
+
+    /// The compiled function `name` from `source` built with `defines` for this card.
+    pub fn function(
+        &self,
+        source: Source,
+        defines: &Defines,
+        name: &'static str,
+    ) -> Result<CudaFunction, KernelError> {
+        self.bind()?;
+        self.inner
+            .modules
+            .function(&self.inner.ctx, self.inner.cc, source, defines, name)
+    }
+
+    /// Launches `f` on the device's stream.
+    pub fn launch(
+        &self,
+        f: &CudaFunction,
+        dims: LaunchDims,
+        args: &mut KernelArgs,
+    ) -> Result<(), KernelError> {
+        self.bind()?;
+        if dims.smem > 48 * 1024 {
+            self.raise_smem_limit(f, dims.smem)?;
+        }
+        let mut params: Vec<*mut c_void> = args
+            .slots
+            .iter_mut()
+            .map(|s| s.as_mut_ptr() as *mut c_void)
+            .collect();
+        // SAFETY: every typed launcher checks buffer lengths against the kernel's indexing
+        // before building `args`, whose slots match the kernel's parameters in order and type.
+        unsafe {
+            result::launch_kernel(
+                f.cu_function(),
+                dims.grid,
+                dims.block,
+                dims.smem,
+                self.inner.stream.cu_stream(),
+                &mut params,
+            )
+        }
+        .map_err(gpu_err("cuLaunchKernel"))
+    }
+
+    fn raise_smem_limit(&self, f: &CudaFunction, bytes: u32) -> Result<(), KernelError> {
+        if bytes > self.inner.smem_optin {
+            return Err(KernelError::InvalidParam {
+                op: "cuda_launch",
+                field: "dynamic shared memory",
+                limit: "<= the device's opt-in maximum",
+                value: format!("{bytes} > {}", self.inner.smem_optin),
+            });
+        }
+        let key = (f.cu_function() as usize, bytes);
+        let mut set = self
+            .inner
+            .smem_set
+            .lock()
+            .map_err(|_| KernelError::Gpu {
+                op: "cuda_launch",
+                message: "shared-memory attribute cache poisoned".into(),
+            })?;
+        if set.contains_key(&key) {
+            return Ok(());
+        }
+        // SAFETY: sets an attribute of a live function handle.
+        unsafe {
+            result::function::set_function_attribute(
+                f.cu_function(),
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                bytes as i32,
+            )
+        }
+        .map_err(gpu_err("cuFuncSetAttribute"))?;
+        set.insert(key, ());
+        Ok(())
+    }
+
+    /// A stopwatch of GPU time on this device's stream.
+    pub fn timer(&self) -> Result<GpuTimer, KernelError> {
+        let make = || {
+            self.inner
+                .ctx
+                .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+                .map_err(gpu_err("cuEventCreate"))
+        };
+        Ok(GpuTimer {
+            start: make()?,
+            stop: make()?,
+            stream: self.inner.stream.clone(),
+        })
+    }
+}
+
+/// GPU-side timing between two events on the device's stream.
+pub struct GpuTimer {
+    start: CudaEvent,
+    stop: CudaEvent,
+    stream: Arc<CudaStream>,
+}
+
+impl GpuTimer {
+    /// Records the start event.
+    pub fn start(&self) -> Result<(), KernelError> {
+        self.start.record(&self.stream).map_err(gpu_err("cuEventRecord"))
+    }
+
+    /// Records the stop event, waits for it and returns the elapsed milliseconds.
+    pub fn stop_ms(&self) -> Result<f32, KernelError> {
+        self.stop.record(&self.stream).map_err(gpu_err("cuEventRecord"))?;
+        self.stop.synchronize().map_err(gpu_err("cuEventSynchronize"))?;
+        self.start.elapsed_ms(&self.stop).map_err(gpu_err("cuEventElapsedTime"))
+    }
+}
+
+/// Keeps freed memory in the default pool instead of returning it to the OS at every sync.
+fn keep_pool_warm(ctx: &Arc<CudaContext>) -> Result<(), KernelError> {
+    if !ctx.has_async_alloc() {
+        return Err(KernelError::DeviceUnavailable {
+            device: Device::Cuda(ctx.ordinal()).to_string(),
+            reason: "the device does not support stream-ordered allocation".into(),
+        });
+    }
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    // SAFETY: queries the default pool of a valid device into a local.
+    unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()) }
+        .result()
+        .map_err(gpu_err("cuDeviceGetDefaultMemPool"))?;
+    let mut threshold: u64 = u64::MAX;
+    // SAFETY: sets a documented attribute of that pool from a local u64.
+    unsafe {
+        sys::cuMemPoolSetAttribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            &mut threshold as *mut u64 as *mut c_void,
+        )
+    }
+    .result()
+    .map_err(gpu_err("cuMemPoolSetAttribute"))
+}

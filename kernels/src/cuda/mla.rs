@@ -1,0 +1,487 @@
+//! MLA attention on CUDA: launchers for `gpu/mla.cu` and their planning.
+//!
+//! | entry point | kernel | heads |
+//! |---|---|---|
+//! | [`mla_absorbed`] with [`AbsorbedKernel::Tile`] | 16-row head tiles, tensor cores | 4, 8, 16k |
+//! | [`mla_absorbed_padded`] | the dispatcher: tile kernel directly, or zero-pad to [`HeadPadPlan::padded`] heads, run, slice back | any |
+//! | [`mla_absorbed`] with [`AbsorbedKernel::Packed`] | (query token × head) rows packed into 16-row tiles | any |
+//! | [`mla_absorbed`] with [`AbsorbedKernel::Generic`] | one block per (token, head), f32 math, f32 or bf16 cache | any |
+//! | [`mha_prefill`] | MHA form, causal, variable length: f32 or tensor-core flash | any |
+//!
+//! The absorbed kernels split each sequence's keys across blocks when the batch alone would
+//! not fill the card ([`plan_splits`]) and merge the partial softmax states with
+//! `mla_combine`. Shapes reach the kernels as compile-time defines ([`MlaShape::defines`]),
+//! so each model's kernels are compiled once for its dimensions.
+
+use super::context::{CudaDevice, KernelArgs, KernelParam, LaunchDims};
+use super::ops::{need, Dv, PagesView};
+use crate::error::KernelError;
+use crate::gpu::{Defines, Source};
+use crate::ops::mla_plan::{is_supported_tile_heads, HeadPadPlan, TILE_ROWS};
+
+const LOG2E: f32 = std::f32::consts::LOG2_E;
+/// Keys per step of the tile kernel (`BK` in mla.cu).
+const TILE_KEYS: usize = 64;
+
+/// Dimensions the MLA kernels are compiled for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct MlaShape {
+    /// Latent row / absorbed query width (`kv_lora + rope`, 576).
+    pub latent: usize,
+    /// Absorbed value width (`kv_lora`, 512).
+    pub kv_lora: usize,
+    /// MHA-form query/key width per head (`nope + rope`, 192).
+    pub mha_qk: usize,
+    /// MHA-form value width per head (128).
+    pub mha_v: usize,
+}
+
+impl MlaShape {
+    /// DeepSeek-V3 / Kimi K2 / K3: 576 / 512 / 192 / 128.
+    pub const DEEPSEEK_V3: MlaShape = MlaShape {
+        latent: 576,
+        kv_lora: 512,
+        mha_qk: 192,
+        mha_v: 128,
+    };
+
+    /// The `-D` defines of `mla.cu`.
+    pub fn defines(&self) -> Defines {
+        Defines::new()
+            .with("MLA_DQK", self.latent)
+            .with("MLA_DV", self.kv_lora)
+            .with("MHA_DQK", self.mha_qk)
+            .with("MHA_DV", self.mha_v)
+    }
+
+    /// Whether the tensor-core tile kernel takes this shape (else use the generic kernel).
+    pub fn tile_ok(&self) -> bool {
+        self.latent % 16 == 0 && self.kv_lora % 64 == 0 && self.kv_lora <= self.latent
+    }
+
+    /// Whether the tensor-core flash kernel takes this shape.
+    pub fn flash_ok(&self) -> bool {
+        self.mha_qk % 16 == 0 && self.mha_v % 16 == 0
+    }
+
+    /// Dynamic shared memory of the tile kernel.
+    pub fn tile_smem(&self) -> usize {
+        let kstr = self.latent + 8;
+        2 * TILE_KEYS * kstr * 2 + TILE_ROWS * kstr * 2 + 4608
+    }
+
+    /// Dynamic shared memory of the flash kernel.
+    pub fn flash_smem(&self) -> usize {
+        let (fks, fvs) = (self.mha_qk + 8, self.mha_v + 8);
+        64 * fks * 2 + 2 * 64 * fks * 2 + 2 * 64 * fvs * 2
+    }
+}
+
+/// Elements of an attention input.
+#[derive(Debug, Clone, Copy)]
+pub enum Elems {
+    /// f32.
+    F32(Dv<f32>),
+    /// bf16 bits.
+    Bf16(Dv<u16>),
+}
+
+impl Elems {
+    fn ptr(&self) -> u64 {
+        match self {
+            Elems::F32(v) => v.ptr,
+            Elems::Bf16(v) => v.ptr,
+        }
+    }
+    fn len(&self) -> usize {
+        match self {
+            Elems::F32(v) => v.len,
+            Elems::Bf16(v) => v.len,
+        }
+    }
+    fn is_bf16(&self) -> bool {
+        matches!(self, Elems::Bf16(_))
+    }
+}
+
+/// Which absorbed-form kernel runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum AbsorbedKernel {
+    /// 16-row head tiles (4, 8 or 16k heads only).
+    Tile,
+    /// (token × head) rows packed into 16-row tiles (any head count).
+    Packed,
+    /// One block per (token, head) (any head count, f32 or bf16).
+    Generic,
+}
+
+/// A batch of `batch` sequences with `sq` new queries each, against the paged latent cache.
+#[derive(Debug, Clone, Copy)]
+pub struct AbsorbedBatch {
+    /// Absorbed queries `[batch·sq·heads][latent]`.
+    pub q: Elems,
+    /// The layer's latent pages.
+    pub pages: PagesView,
+    /// `[batch][bt_stride]` block ids.
+    pub block_table: Dv<i32>,
+    /// Entries per block-table row.
+    pub bt_stride: usize,
+    /// `[batch]`: keys visible to each sequence's last query.
+    pub ctx_len: Dv<i32>,
+    /// The largest entry of `ctx_len` (plans the split).
+    pub max_ctx: usize,
+    /// Sequences.
+    pub batch: usize,
+    /// New queries per sequence.
+    pub sq: usize,
+    /// Query heads (rows per query token).
+    pub heads: usize,
+    /// Softmax scale.
+    pub scale: f32,
+}
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct MlaArgsC {
+    q: u64,
+    pages: u64,
+    block_table: u64,
+    ctx_len: u64,
+    o_part: u64,
+    ml_part: u64,
+    out: u64,
+    bt_stride: i32,
+    sq: i32,
+    heads: i32,
+    page: i32,
+    splits: i32,
+    keys_per_split: i32,
+    scale_log2: f32,
+    _pad: i32,
+}
+// SAFETY: repr(C): seven u64 then eight 4-byte fields (the last explicit padding): no implicit
+// padding; matches `struct MlaArgs` in mla.cu (whose trailing padding is the same 4 bytes).
+unsafe impl KernelParam for MlaArgsC {}
+
+/// How many blocks split one (sequence, tile)'s keys, and how many keys each takes.
+///
+/// Enough splits that `work_items · splits` fills `target_blocks`, but at least 4 key steps per
+/// split; `keys_per_split` is a multiple of the tile kernel's 64-key step.
+pub fn plan_splits(target_blocks: usize, work_items: usize, max_ctx: usize) -> (usize, usize) {
+    let max_ctx = max_ctx.max(1);
+    let want = target_blocks.div_ceil(work_items.max(1)).max(1);
+    let max_splits = max_ctx.div_ceil(4 * TILE_KEYS).max(1);
+    let splits = want.min(max_splits);
+    let kps = max_ctx.div_ceil(splits).div_ceil(TILE_KEYS) * TILE_KEYS;
+    (max_ctx.div_ceil(kps), kps)
+}
+
+fn int(field: &'static str, v: usize) -> Result<i32, KernelError> {
+    i32::try_from(v).map_err(|_| KernelError::InvalidParam {
+        op: "cuda_mla",
+        field,
+        limit: "< 2^31",
+        value: v.to_string(),
+    })
+}
+
+/// Runs one absorbed-form kernel; `out` is `[batch·sq·heads][kv_lora]` f32.
+pub fn mla_absorbed(
+    dev: &CudaDevice,
+    shape: MlaShape,
+    kernel: AbsorbedKernel,
+    b: &AbsorbedBatch,
+    out: Dv<f32>,
+) -> Result<(), KernelError> {
+    const OP: &str = "cuda_mla_absorbed";
+    let rows = b.batch * b.sq * b.heads;
+    need(OP, "q", rows * shape.latent, b.q.len())?;
+    need(OP, "out", rows * shape.kv_lora, out.len)?;
+    need(OP, "ctx_len", b.batch, b.ctx_len.len)?;
+    need(OP, "block_table", b.batch * b.bt_stride, b.block_table.len)?;
+    need(OP, "block_table row", b.max_ctx.div_ceil(b.pages.page_size), b.bt_stride)?;
+    crate::cpu::gemm::check_len(OP, "pages.width", shape.latent, b.pages.width)?;
+    if b.sq > b.max_ctx {
+        return Err(KernelError::InvalidParam {
+            op: OP,
+            field: "sq",
+            limit: "<= max_ctx",
+            value: format!("{} > {}", b.sq, b.max_ctx),
+        });
+    }
+    if rows == 0 {
+        return Ok(());
+    }
+    let tiled = kernel != AbsorbedKernel::Generic;
+    if tiled && !(b.q.is_bf16() && b.pages.bf16 && shape.tile_ok()) {
+        return Err(KernelError::InvalidParam {
+            op: OP,
+            field: "inputs",
+            limit: "bf16 queries and cache, latent % 16 == 0, kv_lora % 64 == 0 for the tile kernels",
+            value: format!("q bf16 {}, cache bf16 {}, {shape:?}", b.q.is_bf16(), b.pages.bf16),
+        });
+    }
+    if !tiled && b.q.is_bf16() != b.pages.bf16 {
+        return Err(KernelError::InvalidParam {
+            op: OP,
+            field: "q / cache element types",
+            limit: "equal for the generic kernel",
+            value: format!("q bf16 {}, cache bf16 {}", b.q.is_bf16(), b.pages.bf16),
+        });
+    }
+    let (name, items, target, block_smem) = match kernel {
+        AbsorbedKernel::Tile => {
+            if !is_supported_tile_heads(b.heads) {
+                return Err(KernelError::UnsupportedHeadCount {
+                    op: OP,
+                    heads: b.heads,
+                });
+            }
+            let tiles = b.sq * (b.heads / b.heads.min(TILE_ROWS));
+            ("mla_tile_bf16", tiles, dev.sm_count() as usize, shape.tile_smem())
+        }
+        AbsorbedKernel::Packed => {
+            let tiles = (b.sq * b.heads).div_ceil(TILE_ROWS);
+            ("mla_packed_bf16", tiles, dev.sm_count() as usize, shape.tile_smem())
+        }
+        AbsorbedKernel::Generic => {
+            let name = if b.q.is_bf16() { "mla_generic_bf16" } else { "mla_generic_f32" };
+            (name, b.sq * b.heads, 8 * dev.sm_count() as usize, 0)
+        }
+    };
+    let (splits, kps) = plan_splits(target, b.batch * items, b.max_ctx);
+    let defines = shape.defines();
+    let (o_part, ml_part) = if splits > 1 {
+        (
+            Some(dev.alloc::<f32>(splits * rows * shape.kv_lora)?),
+            Some(dev.alloc::<f32>(splits * rows * 2)?),
+        )
+    } else {
+        (None, None)
+    };
+    let args = MlaArgsC {
+        q: b.q.ptr(),
+        pages: b.pages.ptr,
+        block_table: b.block_table.ptr,
+        ctx_len: b.ctx_len.ptr,
+        o_part: o_part.as_ref().map_or(0, |p| p.ptr()),
+        ml_part: ml_part.as_ref().map_or(0, |p| p.ptr()),
+        out: out.ptr,
+        bt_stride: int("bt_stride", b.bt_stride)?,
+        sq: int("sq", b.sq)?,
+        heads: int("heads", b.heads)?,
+        page: int("page_size", b.pages.page_size)?,
+        splits: int("splits", splits)?,
+        keys_per_split: int("keys_per_split", kps)?,
+        scale_log2: b.scale * LOG2E,
+        _pad: 0,
+    };
+    let f = dev.function(Source::Mla, &defines, name)?;
+    let mut a = KernelArgs::new();
+    a.push(args);
+    let dims = LaunchDims {
+        grid: (splits as u32, items as u32, b.batch as u32),
+        block: (128, 1, 1),
+        smem: block_smem as u32,
+    };
+    dev.launch(&f, dims, &mut a)?;
+    if let (Some(o), Some(ml)) = (o_part, ml_part) {
+        let f = dev.function(Source::Mla, &defines, "mla_combine")?;
+        let mut a = KernelArgs::new();
+        a.ptr(&o)
+            .ptr(&ml)
+            .push(int("splits", splits)?)
+            .push(int("rows", rows)?)
+            .push(out.ptr);
+        dev.launch(&f, LaunchDims::linear(rows, 128), &mut a)?;
+    }
+    Ok(())
+}
+
+/// The padding dispatcher: the tile kernel for 4, 8 or 16k heads; otherwise zero-pad the
+/// queries to [`HeadPadPlan::padded`] heads, run the tile kernel, and slice the real heads'
+/// rows back into `out` (`[batch·sq·heads][kv_lora]`). Exact: heads never mix.
+pub fn mla_absorbed_padded(
+    dev: &CudaDevice,
+    shape: MlaShape,
+    b: &AbsorbedBatch,
+    out: Dv<f32>,
+) -> Result<(), KernelError> {
+    const OP: &str = "cuda_mla_absorbed_padded";
+    let plan = HeadPadPlan::for_heads(b.heads)?;
+    if !plan.needs_padding() {
+        return mla_absorbed(dev, shape, AbsorbedKernel::Tile, b, out);
+    }
+    let Elems::Bf16(q) = b.q else {
+        return Err(KernelError::InvalidParam {
+            op: OP,
+            field: "q",
+            limit: "bf16",
+            value: "f32".into(),
+        });
+    };
+    let tokens = b.batch * b.sq;
+    need(OP, "q", tokens * b.heads * shape.latent, q.len)?;
+    need(OP, "out", tokens * b.heads * shape.kv_lora, out.len)?;
+    let defines = shape.defines();
+    let q_pad = dev.alloc::<u16>(tokens * plan.padded * shape.latent)?;
+    let f = dev.function(Source::Mla, &defines, "pad_heads_bf16")?;
+    let mut a = KernelArgs::new();
+    a.push(q.ptr)
+        .ptr(&q_pad)
+        .push(int("heads", b.heads)?)
+        .push(int("padded", plan.padded)?)
+        .push(int("latent", shape.latent)?);
+    dev.launch(&f, LaunchDims::linear(tokens * plan.padded, 128), &mut a)?;
+    let o_pad = dev.alloc::<f32>(tokens * plan.padded * shape.kv_lora)?;
+    let padded = AbsorbedBatch {
+        q: Elems::Bf16(q_pad.v()),
+        heads: plan.padded,
+        ..*b
+    };
+    mla_absorbed(dev, shape, AbsorbedKernel::Tile, &padded, o_pad.v())?;
+    let f = dev.function(Source::Mla, &defines, "unpad_heads_f32")?;
+    let mut a = KernelArgs::new();
+    a.ptr(&o_pad)
+        .push(out.ptr)
+        .push(int("heads", b.heads)?)
+        .push(int("padded", plan.padded)?)
+        .push(int("kv_lora", shape.kv_lora)?);
+    dev.launch(&f, LaunchDims::linear(tokens * b.heads, 128), &mut a)
+}
+
+/// Which MHA-form kernel runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum MhaKernel {
+    /// f32 inputs, CUDA cores (exact path; any shape).
+    F32,
+    /// bf16 inputs, tensor cores, FlashAttention-2 style.
+    Flash,
+}
+
+/// A variable-length batch for the MHA form.
+#[derive(Debug, Clone, Copy)]
+pub struct MhaBatch {
+    /// `[Tq][heads][mha_qk]`.
+    pub q: Elems,
+    /// `[Tk][heads][mha_qk]`.
+    pub k: Elems,
+    /// `[Tk][heads][mha_v]`.
+    pub v: Elems,
+    /// `[batch + 1]` query row offsets.
+    pub cu_q: Dv<i32>,
+    /// `[batch + 1]` key row offsets.
+    pub cu_k: Dv<i32>,
+    /// `[Tq]` sequence index of each query row (the f32 kernel's row → sequence map).
+    pub q_seq: Dv<i32>,
+    /// Sequences.
+    pub batch: usize,
+    /// Longest query span (plans the flash grid).
+    pub max_q: usize,
+    /// Heads.
+    pub heads: usize,
+    /// Softmax scale.
+    pub scale: f32,
+}
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct MhaArgsC {
+    q: u64,
+    k: u64,
+    v: u64,
+    cu_q: u64,
+    cu_k: u64,
+    q_seq: u64,
+    out: u64,
+    heads: i32,
+    scale_log2: f32,
+}
+// SAFETY: repr(C): seven u64 then two 4-byte fields, 64 bytes, no padding; matches `MhaArgs`.
+unsafe impl KernelParam for MhaArgsC {}
+
+/// Causal MHA-form attention; `out` is `[Tq][heads][mha_v]` f32.
+pub fn mha_prefill(
+    dev: &CudaDevice,
+    shape: MlaShape,
+    kernel: MhaKernel,
+    b: &MhaBatch,
+    out: Dv<f32>,
+) -> Result<(), KernelError> {
+    const OP: &str = "cuda_mha_prefill";
+    let tq = b.q.len() / (b.heads * shape.mha_qk).max(1);
+    need(OP, "out", tq * b.heads * shape.mha_v, out.len)?;
+    need(OP, "cu_q", b.batch + 1, b.cu_q.len)?;
+    need(OP, "cu_k", b.batch + 1, b.cu_k.len)?;
+    let bf16 = kernel == MhaKernel::Flash;
+    if [b.q, b.k, b.v].iter().any(|e| e.is_bf16() != bf16) || (bf16 && !shape.flash_ok()) {
+        return Err(KernelError::InvalidParam {
+            op: OP,
+            field: "inputs",
+            limit: "f32 for the f32 kernel; bf16 and qk, v multiples of 16 for flash",
+            value: format!("{kernel:?} with {shape:?}"),
+        });
+    }
+    if !bf16 {
+        need(OP, "q_seq", tq, b.q_seq.len)?;
+    }
+    if tq == 0 {
+        return Ok(());
+    }
+    let args = MhaArgsC {
+        q: b.q.ptr(),
+        k: b.k.ptr(),
+        v: b.v.ptr(),
+        cu_q: b.cu_q.ptr,
+        cu_k: b.cu_k.ptr,
+        q_seq: b.q_seq.ptr,
+        out: out.ptr,
+        heads: int("heads", b.heads)?,
+        scale_log2: b.scale * LOG2E,
+    };
+    let defines = shape.defines();
+    let mut a = KernelArgs::new();
+    a.push(args);
+    match kernel {
+        MhaKernel::F32 => {
+            let f = dev.function(Source::Mla, &defines, "mha_f32")?;
+            dev.launch(&f, LaunchDims::linear(tq * b.heads, 128), &mut a)
+        }
+        MhaKernel::Flash => {
+            let f = dev.function(Source::Mla, &defines, "mha_flash_bf16")?;
+            let dims = LaunchDims {
+                grid: (b.max_q.div_ceil(64) as u32, b.heads as u32, b.batch as u32),
+                block: (128, 1, 1),
+                smem: shape.flash_smem() as u32,
+            };
+            dev.launch(&f, dims, &mut a)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn splits_fill_the_card_but_keep_whole_steps() {
+        // One sequence, one tile, 128k keys, 132 SMs: 132 splits of whole 64-key steps.
+        let (s, kps) = plan_splits(132, 1, 131_072);
+        assert!(s <= 132 && s >= 120, "{s}");
+        assert_eq!(kps % 64, 0);
+        assert!(s * kps >= 131_072);
+        // A full batch needs no split.
+        assert_eq!(plan_splits(132, 256, 4096).0, 1);
+        // Short contexts keep at least 4 steps per split.
+        let (s, kps) = plan_splits(132, 1, 1000);
+        assert!(kps >= 256 && s * kps >= 1000, "{s} x {kps}");
+    }
+
+    #[test]
+    fn smem_fits_hopper() {
+        let s = MlaShape::DEEPSEEK_V3;
+        assert!(s.tile_smem() <= 227 * 1024, "{}", s.tile_smem());
+        assert!(s.flash_smem() <= 227 * 1024 / 2, "{}", s.flash_smem());
+        assert!(s.tile_ok() && s.flash_ok());
+    }
+}

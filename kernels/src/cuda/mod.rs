@@ -1,0 +1,24 @@
+//! The CUDA backend: the driver through cudarc with dynamic loading (so a binary built without
+//! a CUDA toolkit runs everywhere and reports a missing driver as an error), NVRTC for the
+//! kernel sources in `gpu/`, cuBLAS for large GEMMs.
+//!
+//! | module | owns |
+//! |---|---|
+//! | [`bench`] | kernel benchmarks (`ferry bench-gpu`) |
+//! | [`context`] | [`CudaDevice`] (context, stream, cuBLAS handle, module cache), [`DeviceBuffer`], launches, timing |
+//! | [`nvrtc`] | run-time compilation for the card's architecture and the compiled-module cache |
+//! | [`cublas`] | `y = x · Wᵀ` through cuBLAS (f32, or bf16 weights with a split-bf16 activation) |
+//! | [`ops`] | typed launchers for `common.cu` and the device-resident weight type [`GpuMatrix`] |
+//! | [`mla`] | MLA attention launchers: the absorbed tile / head-packed / per-head kernels, the 12 → 16 pad dispatcher, MHA-form prefill |
+//!
+//! All work goes on the device's one stream, in order; host reads synchronise.
+
+pub mod bench;
+pub mod context;
+pub mod cublas;
+pub mod mla;
+pub mod nvrtc;
+pub mod ops;
+
+pub use context::{CudaDevice, DeviceBuffer, GpuTimer, KernelArgs, LaunchDims};
+pub use ops::{GpuMatrix, GpuMatrixData};

@@ -1,0 +1,516 @@
+// common.cu: the non-attention ops of a DeepSeek-V3-family forward, for CUDA and HIP.
+//
+// Activations are f32 row-major; weights are `W` = float or bf16_t in torch's nn.Linear layout
+// ([out][in]). Every kernel is instantiated for both weight types (suffix _f32 / _bf16); the
+// latent cache type is likewise a suffix. Launch shapes are chosen by kernels/src/cuda/ops.rs.
+#include "compat.cuh"
+
+// Sum over the block (blockDim.x a multiple of 32, <= 1024); `red` holds 32 floats.
+__device__ __forceinline__ float block_sum(float v, float* red) {
+  v = warp_sum(v);
+  int w = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+  __syncthreads();
+  if (lane == 0) red[w] = v;
+  __syncthreads();
+  int nw = blockDim.x / WARP;
+  float t = lane < nw ? red[lane] : 0.0f;
+  return warp_sum(t);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Embedding rows: out[t][:] = table[ids[t]][:] widened to f32. Grid: tokens.
+template <typename W>
+__device__ void embed_impl(const W* table, const int* ids, float* out, int hidden) {
+  const W* row = table + (size_t)ids[blockIdx.x] * hidden;
+  float* dst = out + (size_t)blockIdx.x * hidden;
+  for (int i = threadIdx.x; i < hidden; i += blockDim.x) dst[i] = ld_f(row + i);
+}
+extern "C" __global__ void embed_f32(const float* t, const int* ids, float* out, int hidden) {
+  embed_impl(t, ids, out, hidden);
+}
+extern "C" __global__ void embed_bf16(const bf16_t* t, const int* ids, float* out, int hidden) {
+  embed_impl(t, ids, out, hidden);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Residual add and RMSNorm: if delta, h[r] += delta[r]; then out[r] = w * (h[r] * rsqrt(mean(h²)+eps)).
+// `out` may be null (add only). Grid: rows; block 256.
+extern "C" __global__ void add_rms_norm(float* h, const float* delta, const float* w, float* out,
+                                        int width, float eps) {
+  __shared__ float red[32];
+  float* x = h + (size_t)blockIdx.x * width;
+  const float* d = delta ? delta + (size_t)blockIdx.x * width : nullptr;
+  float ss = 0.0f;
+  for (int i = threadIdx.x; i < width; i += blockDim.x) {
+    float v = x[i];
+    if (d) { v += d[i]; x[i] = v; }
+    ss += v * v;
+  }
+  if (!out) return;
+  float total = block_sum(ss, red);
+  float r = 1.0f / sqrtf(total / (float)width + eps);
+  float* o = out + (size_t)blockIdx.x * width;
+  for (int i = threadIdx.x; i < width; i += blockDim.x) o[i] = w[i] * (x[i] * r);
+}
+
+// In-place RMSNorm of the first `width` floats of rows `stride` apart. Grid: rows; block 256.
+extern "C" __global__ void rms_norm_strided(float* x, int stride, const float* w, int width,
+                                            float eps) {
+  __shared__ float red[32];
+  float* row = x + (size_t)blockIdx.x * stride;
+  float ss = 0.0f;
+  for (int i = threadIdx.x; i < width; i += blockDim.x) ss += row[i] * row[i];
+  float total = block_sum(ss, red);
+  float r = 1.0f / sqrtf(total / (float)width + eps);
+  for (int i = threadIdx.x; i < width; i += blockDim.x) row[i] = w[i] * (row[i] * r);
+}
+
+// ---------------------------------------------------------------------------------------------
+// RoPE in place on x[t][h][offset .. offset+dim] (DeepSeek interleaved or rotate_half layout),
+// cos/sin [t][dim/2] precomputed on the host exactly as the CPU backend does.
+// Grid: (tokens, heads); block: dim/2 threads.
+extern "C" __global__ void rope_apply(float* x, const float* cos_t, const float* sin_t, int heads,
+                                      int head_stride, int offset, int dim, int interleaved) {
+  int t = blockIdx.x, h = blockIdx.y, j = threadIdx.x, half = dim / 2;
+  float* v = x + ((size_t)t * heads + h) * head_stride + offset;
+  float x1 = 0.0f, x2 = 0.0f;
+  if (j < half) {
+    if (interleaved) { x1 = v[2 * j]; x2 = v[2 * j + 1]; } else { x1 = v[j]; x2 = v[j + half]; }
+  }
+  __syncthreads();
+  if (j >= half) return;
+  float c = cos_t[(size_t)t * half + j], s = sin_t[(size_t)t * half + j];
+  v[j] = x1 * c + (-x2) * s;
+  v[j + half] = x2 * c + x1 * s;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The new tokens' latent rows: RMSNorm of c_kv (first kv_lora), RoPE of k_pe (the rest), then
+// the row is stored into the paged cache at slot[t] (= block * page + row). Grid: tokens; block 256.
+template <typename KV>
+__device__ void latent_finish_impl(float* lat, int width, int kv_lora, const float* norm_w,
+                                   float eps, const float* cos_t, const float* sin_t,
+                                   int interleaved, const long long* slots, KV* pages) {
+  __shared__ float red[32];
+  __shared__ float rot[1024];
+  int t = blockIdx.x, dim = width - kv_lora, half = dim / 2;
+  float* row = lat + (size_t)t * width;
+  float ss = 0.0f;
+  for (int i = threadIdx.x; i < kv_lora; i += blockDim.x) ss += row[i] * row[i];
+  float total = block_sum(ss, red);
+  float r = 1.0f / sqrtf(total / (float)kv_lora + eps);
+  for (int i = threadIdx.x; i < kv_lora; i += blockDim.x) row[i] = norm_w[i] * (row[i] * r);
+  float* pe = row + kv_lora;
+  for (int j = threadIdx.x; j < half; j += blockDim.x) {
+    float x1, x2;
+    if (interleaved) { x1 = pe[2 * j]; x2 = pe[2 * j + 1]; } else { x1 = pe[j]; x2 = pe[j + half]; }
+    float c = cos_t[(size_t)t * half + j], s = sin_t[(size_t)t * half + j];
+    rot[j] = x1 * c + (-x2) * s;
+    rot[j + half] = x2 * c + x1 * s;
+  }
+  __syncthreads();
+  for (int j = threadIdx.x; j < dim; j += blockDim.x) pe[j] = rot[j];
+  __syncthreads();
+  KV* dst = pages + (size_t)slots[t] * width;
+  for (int i = threadIdx.x; i < width; i += blockDim.x) st_f(dst + i, row[i]);
+}
+extern "C" __global__ void latent_finish_f32(float* lat, int width, int kv_lora, const float* nw,
+                                             float eps, const float* c, const float* s, int il,
+                                             const long long* slots, float* pages) {
+  latent_finish_impl(lat, width, kv_lora, nw, eps, c, s, il, slots, pages);
+}
+extern "C" __global__ void latent_finish_bf16(float* lat, int width, int kv_lora, const float* nw,
+                                              float eps, const float* c, const float* s, int il,
+                                              const long long* slots, bf16_t* pages) {
+  latent_finish_impl(lat, width, kv_lora, nw, eps, c, s, il, slots, pages);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Elementwise.
+extern "C" __global__ void silu_mul(float* g, const float* u, long long n) {
+  long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) g[i] = silu_f(g[i]) * u[i];
+}
+extern "C" __global__ void cast_f32_bf16(const float* x, bf16_t* out, long long n) {
+  long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) out[i] = f2bf(x[i]);
+}
+// x = hi + lo with both halves bf16: products against bf16 weights keep ~16 mantissa bits.
+extern "C" __global__ void split_bf16(const float* x, bf16_t* hi, bf16_t* lo, long long n) {
+  long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) {
+    bf16_t h = f2bf(x[i]);
+    hi[i] = h;
+    lo[i] = f2bf(x[i] - bf2f(h));
+  }
+}
+extern "C" __global__ void widen_bf16(const bf16_t* x, float* out, long long n) {
+  long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) out[i] = bf2f(x[i]);
+}
+// dst[i][:] = src[rows[i]][:]. Grid: rows.
+extern "C" __global__ void gather_rows(const float* src, const int* rows, float* dst, int width) {
+  const float* s = src + (size_t)rows[blockIdx.x] * width;
+  float* d = dst + (size_t)blockIdx.x * width;
+  for (int i = threadIdx.x; i < width; i += blockDim.x) d[i] = s[i];
+}
+
+// ---------------------------------------------------------------------------------------------
+// GEMV for decode-sized batches: out[m][n] = x[m][k] · W[n][k]ᵀ, m <= 8, f32 accumulation.
+// One warp per weight row, 16-byte weight loads; memory-bound on W. Grid: ceil(n/8); block 256.
+#define GEMV_MAX_M 8
+__device__ __forceinline__ void fma8(float* acc, const float* x, const bf16_t* w8, int k_ok) {
+  (void)k_ok;
+  uint4 raw = *reinterpret_cast<const uint4*>(w8);
+  unsigned p[4] = {raw.x, raw.y, raw.z, raw.w};
+  float4 xa = *reinterpret_cast<const float4*>(x);
+  float4 xb = *reinterpret_cast<const float4*>(x + 4);
+  float xs[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+#pragma unroll
+  for (int j = 0; j < 4; j++) {
+    *acc += xs[2 * j] * ferry_u2f(p[j] << 16);
+    *acc += xs[2 * j + 1] * ferry_u2f(p[j] & 0xffff0000u);
+  }
+}
+__device__ __forceinline__ void fma8(float* acc, const float* x, const float* w8, int k_ok) {
+  (void)k_ok;
+  float4 wa = *reinterpret_cast<const float4*>(w8);
+  float4 wb = *reinterpret_cast<const float4*>(w8 + 4);
+  float4 xa = *reinterpret_cast<const float4*>(x);
+  float4 xb = *reinterpret_cast<const float4*>(x + 4);
+  *acc += xa.x * wa.x + xa.y * wa.y + xa.z * wa.z + xa.w * wa.w;
+  *acc += xb.x * wb.x + xb.y * wb.y + xb.z * wb.z + xb.w * wb.w;
+}
+
+// Dot products of one weight row with m activation rows, reduced over the warp into lane 0..
+template <typename W>
+__device__ __forceinline__ void warp_row_dots(const float* x, int m, int ldx, const W* wrow, int k,
+                                              float* acc) {
+  int lane = threadIdx.x % WARP;
+  if ((k & 7) == 0) {
+    for (int c = lane * 8; c < k; c += WARP * 8) {
+#pragma unroll
+      for (int i = 0; i < GEMV_MAX_M; i++)
+        if (i < m) fma8(&acc[i], x + (size_t)i * ldx + c, wrow + c, 1);
+    }
+  } else {
+    for (int c = lane; c < k; c += WARP) {
+      float wv = ld_f(wrow + c);
+#pragma unroll
+      for (int i = 0; i < GEMV_MAX_M; i++)
+        if (i < m) acc[i] += x[(size_t)i * ldx + c] * wv;
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < GEMV_MAX_M; i++) acc[i] = warp_sum(acc[i]);
+}
+
+template <typename W>
+__device__ void gemv_impl(const float* x, int m, const W* w, int n, int k, float* out,
+                          int accumulate) {
+  int row = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
+  if (row >= n) return;
+  float acc[GEMV_MAX_M];
+#pragma unroll
+  for (int i = 0; i < GEMV_MAX_M; i++) acc[i] = 0.0f;
+  warp_row_dots(x, m, k, w + (size_t)row * k, k, acc);
+  if (threadIdx.x % WARP == 0) {
+    for (int i = 0; i < m; i++) {
+      float* o = out + (size_t)i * n + row;
+      *o = accumulate ? *o + acc[i] : acc[i];
+    }
+  }
+}
+extern "C" __global__ void gemv_f32(const float* x, int m, const float* w, int n, int k,
+                                    float* out, int acc) {
+  gemv_impl(x, m, w, n, k, out, acc);
+}
+extern "C" __global__ void gemv_bf16(const float* x, int m, const bf16_t* w, int n, int k,
+                                     float* out, int acc) {
+  gemv_impl(x, m, w, n, k, out, acc);
+}
+
+// ---------------------------------------------------------------------------------------------
+// MLA query absorption: out[t][h] = [q_nope(t,h) · W_UK_h | q_pe(t,h)], W_UK_h = kv_b rows
+// h·(nope+v) .. +nope, each [kv_lora]. Output f32 or bf16, row width kv_lora + rope.
+// Grid: (ceil(kv_lora/128), heads, ceil(T/8)); block 128.
+#define ABS_TT 8
+template <typename W, typename O>
+__device__ void absorb_impl(const float* q, const W* kv_b, O* out, int T, int H, int nope,
+                            int rope, int v, int kv_lora) {
+  extern __shared__ float qs[];  // [ABS_TT][nope]
+  int h = blockIdx.y, t0 = blockIdx.z * ABS_TT, qk = nope + rope, lw = kv_lora + rope;
+  int nt = min(ABS_TT, T - t0);
+  for (int i = threadIdx.x; i < nt * nope; i += blockDim.x) {
+    int tt = i / nope, d = i % nope;
+    qs[i] = q[((size_t)(t0 + tt) * H + h) * qk + d];
+  }
+  __syncthreads();
+  int j = blockIdx.x * blockDim.x + threadIdx.x;
+  if (j < kv_lora) {
+    float acc[ABS_TT];
+#pragma unroll
+    for (int tt = 0; tt < ABS_TT; tt++) acc[tt] = 0.0f;
+    const W* wcol = kv_b + (size_t)h * (nope + v) * kv_lora + j;
+    for (int d = 0; d < nope; d++) {
+      float wv = ld_f(wcol + (size_t)d * kv_lora);
+#pragma unroll
+      for (int tt = 0; tt < ABS_TT; tt++) acc[tt] += qs[tt * nope + d] * wv;
+    }
+    for (int tt = 0; tt < nt; tt++) st_f(out + ((size_t)(t0 + tt) * H + h) * lw + j, acc[tt]);
+  }
+  if (blockIdx.x == 0) {
+    for (int i = threadIdx.x; i < nt * rope; i += blockDim.x) {
+      int tt = i / rope, r = i % rope;
+      st_f(out + ((size_t)(t0 + tt) * H + h) * lw + kv_lora + r,
+           q[((size_t)(t0 + tt) * H + h) * qk + nope + r]);
+    }
+  }
+}
+#define ABSORB(NAME, W, O)                                                                    \
+  extern "C" __global__ void NAME(const float* q, const W* kv_b, O* out, int T, int H,       \
+                                  int nope, int rope, int v, int kv_lora) {                  \
+    absorb_impl(q, kv_b, out, T, H, nope, rope, v, kv_lora);                                 \
+  }
+ABSORB(absorb_f32_f32, float, float)
+ABSORB(absorb_f32_bf16, float, bf16_t)
+ABSORB(absorb_bf16_f32, bf16_t, float)
+ABSORB(absorb_bf16_bf16, bf16_t, bf16_t)
+
+// Output un-absorption: out[t][h][c] = W_UV_h[c] · o_lat[t][h], W_UV_h = kv_b rows
+// h·(nope+v)+nope .. +v. One warp per (head, c), looping over tokens.
+// Grid: (ceil(v/8), heads); block 256.
+template <typename W>
+__device__ void unabsorb_impl(const float* o_lat, const W* kv_b, float* out, int T, int H,
+                              int nope, int v, int kv_lora) {
+  int h = blockIdx.y, c = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
+  if (c >= v) return;
+  const W* wrow = kv_b + ((size_t)h * (nope + v) + nope + c) * kv_lora;
+  for (int t0 = 0; t0 < T; t0 += GEMV_MAX_M) {
+    int m = min(GEMV_MAX_M, T - t0);
+    float acc[GEMV_MAX_M];
+#pragma unroll
+    for (int i = 0; i < GEMV_MAX_M; i++) acc[i] = 0.0f;
+    warp_row_dots(o_lat + ((size_t)t0 * H + h) * kv_lora, m, H * kv_lora, wrow, kv_lora, acc);
+    if (threadIdx.x % WARP == 0)
+      for (int i = 0; i < m; i++) out[((size_t)(t0 + i) * H + h) * v + c] = acc[i];
+  }
+}
+extern "C" __global__ void unabsorb_f32(const float* o, const float* w, float* out, int T, int H,
+                                        int nope, int v, int kv_lora) {
+  unabsorb_impl(o, w, out, T, H, nope, v, kv_lora);
+}
+extern "C" __global__ void unabsorb_bf16(const float* o, const bf16_t* w, float* out, int T, int H,
+                                         int nope, int v, int kv_lora) {
+  unabsorb_impl(o, w, out, T, H, nope, v, kv_lora);
+}
+
+// ---------------------------------------------------------------------------------------------
+// MHA-form inputs: gather a sequence's latent rows from the pages (all `width`, and the
+// c_kv part alone for kv_b_proj), then split kv_b's output into per-head K = [k_nope | k_pe]
+// and V. Grid: L; block 128.
+template <typename KV>
+__device__ void gather_latent_impl(const KV* pages, const int* table, int page, int width,
+                                   float* out, float* ckv, int kv_lora) {
+  int p = blockIdx.x;
+  const KV* src = pages + ((size_t)table[p / page] * page + p % page) * width;
+  for (int i = threadIdx.x; i < width; i += blockDim.x) {
+    float v = ld_f(src + i);
+    out[(size_t)p * width + i] = v;
+    if (i < kv_lora) ckv[(size_t)p * kv_lora + i] = v;
+  }
+}
+extern "C" __global__ void gather_latent_f32(const float* pages, const int* table, int page,
+                                             int width, float* out, float* ckv, int kv_lora) {
+  gather_latent_impl(pages, table, page, width, out, ckv, kv_lora);
+}
+extern "C" __global__ void gather_latent_bf16(const bf16_t* pages, const int* table, int page,
+                                              int width, float* out, float* ckv, int kv_lora) {
+  gather_latent_impl(pages, table, page, width, out, ckv, kv_lora);
+}
+
+// kv [L][H][nope+v] (kv_b output), lat [L][width] → K [L][H][nope+rope], V [L][H][v].
+// Grid: (L, H); block 128.
+template <typename O>
+__device__ void mha_build_kv_impl(const float* kv, const float* lat, int H, int nope, int rope,
+                                  int v, int kv_lora, O* K, O* V) {
+  int p = blockIdx.x, h = blockIdx.y, width = kv_lora + rope, qk = nope + rope;
+  const float* src = kv + ((size_t)p * H + h) * (nope + v);
+  O* kd = K + ((size_t)p * H + h) * qk;
+  O* vd = V + ((size_t)p * H + h) * v;
+  for (int i = threadIdx.x; i < nope; i += blockDim.x) st_f(kd + i, src[i]);
+  for (int i = threadIdx.x; i < rope; i += blockDim.x)
+    st_f(kd + nope + i, lat[(size_t)p * width + kv_lora + i]);
+  for (int i = threadIdx.x; i < v; i += blockDim.x) st_f(vd + i, src[nope + i]);
+}
+extern "C" __global__ void mha_build_kv_f32(const float* kv, const float* lat, int H, int nope,
+                                            int rope, int v, int kv_lora, float* K, float* V) {
+  mha_build_kv_impl(kv, lat, H, nope, rope, v, kv_lora, K, V);
+}
+extern "C" __global__ void mha_build_kv_bf16(const float* kv, const float* lat, int H, int nope,
+                                             int rope, int v, int kv_lora, bf16_t* K, bf16_t* V) {
+  mha_build_kv_impl(kv, lat, H, nope, rope, v, kv_lora, K, V);
+}
+
+// ---------------------------------------------------------------------------------------------
+// MoE. Routing follows kernels/src/cpu/moe.rs (noaux_tc): sigmoid scores, bias-corrected
+// choice, top-2-sum group scores, keep topk_group groups, top_k experts by choice (ties to the
+// lower index), unbiased weights, optional renormalisation, routed scaling. Shared experts are
+// appended as extra slots (ids E.., weight 1). One warp per token; E <= 1024.
+struct RouteParams {
+  int n_experts, top_k, n_group, topk_group, norm_topk, n_shared;
+  float scale;
+};
+
+__device__ __forceinline__ void warp_argmax(float v, int i, float* bv, int* bi) {
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) {
+    float ov = SHFL_XOR(v, m);
+    int oi = SHFL_XOR(i, m);
+    if (ov > v || (ov == v && oi < i)) { v = ov; i = oi; }
+  }
+  *bv = v;
+  *bi = i;
+}
+
+extern "C" __global__ void moe_route(const float* logits, const float* bias, RouteParams p,
+                                     int* ids, float* weights) {
+  __shared__ float score[1024];
+  __shared__ float choice[1024];
+  __shared__ float gscore[1024];
+  __shared__ int kept[1024];
+  int t = blockIdx.x, lane = threadIdx.x, E = p.n_experts, gsz = E / p.n_group;
+  int slots = p.top_k + p.n_shared;
+  for (int e = lane; e < E; e += WARP) {
+    float s = 1.0f / (1.0f + expf(-logits[(size_t)t * E + e]));
+    score[e] = s;
+    choice[e] = s + bias[e];
+  }
+  __syncwarp();
+  for (int g = lane; g < p.n_group; g += WARP) {
+    float a = -FERRY_INF, b = -FERRY_INF;
+    for (int e = g * gsz; e < (g + 1) * gsz; e++) {
+      float c = choice[e];
+      if (c > a) { b = a; a = c; } else if (c > b) { b = c; }
+    }
+    gscore[g] = gsz >= 2 ? a + b : a;
+    kept[g] = 0;
+  }
+  __syncwarp();
+  // Keep the topk_group best groups: mark the others by masking their experts.
+  for (int round = 0; round < p.topk_group; round++) {
+    float bv = -FERRY_INF;
+    int bi = 0x7fffffff;
+    for (int g = lane; g < p.n_group; g += WARP)
+      if (!kept[g] && (gscore[g] > bv || (gscore[g] == bv && g < bi))) { bv = gscore[g]; bi = g; }
+    warp_argmax(bv, bi, &bv, &bi);
+    __syncwarp();
+    if (lane == 0 && bi < p.n_group) kept[bi] = 1;
+    __syncwarp();
+  }
+  for (int e = lane; e < E; e += WARP)
+    if (!kept[e / gsz]) choice[e] = -FERRY_INF;
+  __syncwarp();
+  float sum = 0.0f;
+  for (int k = 0; k < p.top_k; k++) {
+    float bv = -FERRY_INF;
+    int bi = 0x7fffffff;
+    for (int e = lane; e < E; e += WARP)
+      if (choice[e] > bv || (choice[e] == bv && e < bi)) { bv = choice[e]; bi = e; }
+    warp_argmax(bv, bi, &bv, &bi);
+    __syncwarp();
+    if (lane == 0) {
+      ids[(size_t)t * slots + k] = bi;
+      weights[(size_t)t * slots + k] = score[bi];
+      choice[bi] = -FERRY_INF;
+      sum += score[bi];
+    }
+    __syncwarp();
+  }
+  if (lane == 0) {
+    float denom = sum + 1e-20f;
+    for (int k = 0; k < p.top_k; k++) {
+      float w = weights[(size_t)t * slots + k];
+      if (p.norm_topk) w = w / denom;
+      weights[(size_t)t * slots + k] = w * p.scale;
+    }
+    for (int s = 0; s < p.n_shared; s++) {
+      ids[(size_t)t * slots + p.top_k + s] = E + s;
+      weights[(size_t)t * slots + p.top_k + s] = 1.0f;
+    }
+  }
+}
+
+// act[t·K+s][r] = silu(gate_e[r]·x_t) · (up_e[r]·x_t), e = ids[t][s]; experts stacked
+// [E_total][inter][hidden]. Grid: (ceil(inter/8), T·K); block 256.
+template <typename W>
+__device__ void moe_gate_up_impl(const float* x, const int* ids, const W* gate, const W* up,
+                                 float* act, int K, int inter, int hidden) {
+  int slot = blockIdx.y, t = slot / K;
+  int r = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
+  if (r >= inter) return;
+  size_t e = (size_t)ids[slot];
+  float g[GEMV_MAX_M], u[GEMV_MAX_M];
+#pragma unroll
+  for (int i = 0; i < GEMV_MAX_M; i++) { g[i] = 0.0f; u[i] = 0.0f; }
+  const float* xt = x + (size_t)t * hidden;
+  warp_row_dots(xt, 1, hidden, gate + (e * inter + r) * hidden, hidden, g);
+  warp_row_dots(xt, 1, hidden, up + (e * inter + r) * hidden, hidden, u);
+  if (threadIdx.x % WARP == 0) act[(size_t)slot * inter + r] = silu_f(g[0]) * u[0];
+}
+extern "C" __global__ void moe_gate_up_f32(const float* x, const int* ids, const float* gate,
+                                           const float* up, float* act, int K, int inter,
+                                           int hidden) {
+  moe_gate_up_impl(x, ids, gate, up, act, K, inter, hidden);
+}
+extern "C" __global__ void moe_gate_up_bf16(const float* x, const int* ids, const bf16_t* gate,
+                                            const bf16_t* up, float* act, int K, int inter,
+                                            int hidden) {
+  moe_gate_up_impl(x, ids, gate, up, act, K, inter, hidden);
+}
+
+// h[t][j] += Σ_s w[t][s] · (down_e[j] · act[t·K+s]); down stacked [E_total][hidden][inter].
+// Grid: (ceil(hidden/8), T); block 256.
+template <typename W>
+__device__ void moe_down_impl(const float* act, const int* ids, const float* wts, const W* down,
+                              float* h, int K, int inter, int hidden) {
+  int t = blockIdx.y;
+  int j = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
+  if (j >= hidden) return;
+  float total = 0.0f;
+  for (int s = 0; s < K; s++) {
+    size_t e = (size_t)ids[(size_t)t * K + s];
+    float acc[GEMV_MAX_M];
+#pragma unroll
+    for (int i = 0; i < GEMV_MAX_M; i++) acc[i] = 0.0f;
+    warp_row_dots(act + ((size_t)t * K + s) * inter, 1, inter, down + (e * hidden + j) * inter,
+                  inter, acc);
+    total += wts[(size_t)t * K + s] * acc[0];
+  }
+  if (threadIdx.x % WARP == 0) h[(size_t)t * hidden + j] += total;
+}
+extern "C" __global__ void moe_down_f32(const float* act, const int* ids, const float* w,
+                                        const float* down, float* h, int K, int inter,
+                                        int hidden) {
+  moe_down_impl(act, ids, w, down, h, K, inter, hidden);
+}
+extern "C" __global__ void moe_down_bf16(const float* act, const int* ids, const float* w,
+                                         const bf16_t* down, float* h, int K, int inter,
+                                         int hidden) {
+  moe_down_impl(act, ids, w, down, h, K, inter, hidden);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Deterministic pseudo-random weights (benchmarks): x[i] = bf16(scale · u), u uniform in
+// [-1, 1) from a 64-bit mix of (seed, i).
+extern "C" __global__ void fill_random_bf16(bf16_t* x, long long n, unsigned long long seed,
+                                            float scale) {
+  long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  unsigned long long z = seed + 0x9e3779b97f4a7c15ull * (unsigned long long)(i + 1);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  z ^= z >> 31;
+  float u = (float)(z >> 40) * (1.0f / 8388608.0f) - 1.0f;
+  x[i] = f2bf(u * scale);
+}

@@ -1,0 +1,77 @@
+// compat.cuh: the few definitions that differ between CUDA (NVRTC) and HIP (hipRTC).
+//
+// Every kernel source in this folder is written once against these names. The Rust side
+// prepends this file to each source before handing it to NVRTC or hipRTC (neither compiler
+// is given an include path), so the sources never include a system header.
+//
+// Conventions:
+// - bf16 travels as raw `bf16_t` (unsigned short) bits; the helpers below widen (exact) and
+//   round to nearest even. No vendor bf16 header is needed on either side.
+// - A "warp" is 32 lanes everywhere. On AMD (64-lane wavefronts) the shuffles take width 32,
+//   so a wavefront behaves as two independent 32-lane warps.
+// - FERRY_MMA is 1 where the tensor-core path (PTX mma.sync / ldmatrix / cp.async, sm_80+) is
+//   available; other targets compile the scalar path of the same kernels.
+#pragma once
+
+#if defined(__HIPCC_RTC__) || defined(__HIP_PLATFORM_AMD__) || defined(__HIP__)
+#define FERRY_HIP 1
+#define FERRY_MMA 0
+#define SHFL_XOR(v, m) __shfl_xor((v), (m), 32)
+#define SHFL(v, src) __shfl((v), (src), 32)
+#define __syncwarp() __builtin_amdgcn_wave_barrier()
+__device__ __forceinline__ float ferry_u2f(unsigned u) { return __builtin_bit_cast(float, u); }
+__device__ __forceinline__ unsigned ferry_f2u(float f) { return __builtin_bit_cast(unsigned, f); }
+#else
+#define FERRY_HIP 0
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#define FERRY_MMA 1
+#else
+#define FERRY_MMA 0
+#endif
+#define SHFL_XOR(v, m) __shfl_xor_sync(0xffffffffu, (v), (m))
+#define SHFL(v, src) __shfl_sync(0xffffffffu, (v), (src))
+__device__ __forceinline__ float ferry_u2f(unsigned u) { return __uint_as_float(u); }
+__device__ __forceinline__ unsigned ferry_f2u(float f) { return __float_as_uint(f); }
+#endif
+
+#define FERRY_INF __int_as_float(0x7f800000)
+#define WARP 32
+
+typedef unsigned short bf16_t;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+__device__ __forceinline__ float bf2f(bf16_t h) { return ferry_u2f(((unsigned)h) << 16); }
+
+// Round to nearest even; NaN stays NaN.
+__device__ __forceinline__ bf16_t f2bf(float f) {
+  unsigned u = ferry_f2u(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return (bf16_t)(u >> 16);
+}
+
+// Two floats as one packed bf16x2 register (low half = first).
+__device__ __forceinline__ unsigned pack_bf2(float lo, float hi) {
+  return (unsigned)f2bf(lo) | ((unsigned)f2bf(hi) << 16);
+}
+
+// Element loads that widen to float, for templates over the stored type.
+__device__ __forceinline__ float ld_f(const float* p) { return *p; }
+__device__ __forceinline__ float ld_f(const bf16_t* p) { return bf2f(*p); }
+__device__ __forceinline__ void st_f(float* p, float v) { *p = v; }
+__device__ __forceinline__ void st_f(bf16_t* p, float v) { *p = f2bf(v); }
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) v += SHFL_XOR(v, m);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) v = fmaxf(v, SHFL_XOR(v, m));
+  return v;
+}
+
+__device__ __forceinline__ float silu_f(float v) { return v / (1.0f + expf(-v)); }

@@ -1,0 +1,749 @@
+// mla.cu: MLA attention kernels for CUDA and HIP.
+//
+// Compile-time shape (defines from kernels/src/cuda/mla.rs):
+//   MLA_DQK  latent row / absorbed query width (kv_lora + rope; 576 for the family)
+//   MLA_DV   value width in the absorbed form (kv_lora; 512)
+//   MHA_DQK  per-head query/key width in the MHA form (nope + rope; 192)
+//   MHA_DV   per-head value width in the MHA form (128)
+//
+// Kernels (extern "C"):
+//   mla_tile_bf16      absorbed form over the paged bf16 latent cache; one block = one 16-row
+//                      tile of query heads of one token (H ∈ {4, 8, 16k}; 4 and 8 fill the
+//                      tile's first rows); split-K over the keys, merged by mla_combine.
+//   mla_packed_bf16    the same kernel with (query token × head) rows packed densely into
+//                      16-row tiles, per-row causal limits: any head count, no padded rows.
+//   mla_generic_*      the per-head fallback: one block per (token, head), f32 math, any
+//                      shape; reads the cache once per head (what the tiles avoid).
+//   mla_combine        merges split-K partials (log2-domain max, sum, unnormalised output).
+//   pad_heads_bf16 / unpad_heads_f32   the 12 → 16 zero-pad dispatcher's copies.
+//   mha_f32            MHA-form causal attention, f32, variable-length batch, any head count.
+//   mha_flash_bf16     the same on tensor cores (FlashAttention-2 style, mma.sync bf16,
+//                      f32 accumulation), CUDA sm_80+ only.
+//
+// Softmax runs in the log2 domain: scores are multiplied by scale·log2(e) and exponentiated
+// with exp2f; partial maxima are stored in that domain too.
+#include "compat.cuh"
+
+#ifndef MLA_DQK
+#define MLA_DQK 576
+#endif
+#ifndef MLA_DV
+#define MLA_DV 512
+#endif
+#ifndef MHA_DQK
+#define MHA_DQK 192
+#endif
+#ifndef MHA_DV
+#define MHA_DV 128
+#endif
+
+// Where a query row of the absorbed kernels comes from and how far it may look.
+struct MlaArgs {
+  const void* q;          // [B·SQ·H][MLA_DQK] (bf16 or f32 per kernel)
+  const void* pages;      // [blocks][page][MLA_DQK]
+  const int* block_table; // [B][bt_stride]
+  const int* ctx_len;     // [B]: keys visible to the sequence's last query
+  float* o_part;          // [splits][B·SQ·H][MLA_DV] (splits > 1)
+  float* ml_part;         // [splits][B·SQ·H][2] (splits > 1)
+  float* out;             // [B·SQ·H][MLA_DV] (splits == 1)
+  int bt_stride, sq, heads, page, splits, keys_per_split;
+  float scale_log2;
+};
+
+__device__ __forceinline__ size_t key_offset(const MlaArgs& a, int b, int p) {
+  int blk = a.block_table[(size_t)b * a.bt_stride + p / a.page];
+  return ((size_t)blk * a.page + p % a.page) * MLA_DQK;
+}
+
+// Writes one row's result: final (normalised) when there is one split, else the partial.
+__device__ __forceinline__ void write_row(const MlaArgs& a, int split, size_t grow, int col,
+                                          float o, float m, float l, int total_rows) {
+  if (a.splits == 1) {
+    a.out[grow * MLA_DV + col] = l > 0.0f ? o / l : 0.0f;
+  } else {
+    a.o_part[((size_t)split * total_rows + grow) * MLA_DV + col] = o;
+    if (col == 0) {
+      a.ml_part[((size_t)split * total_rows + grow) * 2] = m;
+      a.ml_part[((size_t)split * total_rows + grow) * 2 + 1] = l;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Generic per-head kernel. Grid: (splits, SQ·H, B); block 128 (4 warps stride over keys).
+#define G_QPL ((MLA_DQK + WARP - 1) / WARP)
+#define G_VPL ((MLA_DV + WARP - 1) / WARP)
+template <typename Q, typename KV>
+__device__ void mla_generic_impl(const MlaArgs& a) {
+  __shared__ float s_m[4], s_l[4];
+  __shared__ float s_o[4][MLA_DV];
+  int split = blockIdx.x, row = blockIdx.y, b = blockIdx.z;
+  int lane = threadIdx.x % WARP, w = threadIdx.x / WARP;
+  int total_rows = gridDim.z * gridDim.y;
+  int i = row / a.heads;
+  size_t grow = (size_t)b * gridDim.y + row;
+  int lim = a.ctx_len[b] - a.sq + i + 1;
+  int start = split * a.keys_per_split, end = min(lim, start + a.keys_per_split);
+  const Q* q = (const Q*)a.q + grow * MLA_DQK;
+  const KV* pages = (const KV*)a.pages;
+  float qv[G_QPL];
+#pragma unroll
+  for (int j = 0; j < G_QPL; j++) {
+    int d = lane + j * WARP;
+    qv[j] = d < MLA_DQK ? ld_f(q + d) : 0.0f;
+  }
+  float m = -FERRY_INF, l = 0.0f, acc[G_VPL];
+#pragma unroll
+  for (int j = 0; j < G_VPL; j++) acc[j] = 0.0f;
+  for (int p = start + w; p < end; p += 4) {
+    const KV* kr = pages + key_offset(a, b, p);
+    float dot = 0.0f;
+#pragma unroll
+    for (int j = 0; j < G_QPL; j++) {
+      int d = lane + j * WARP;
+      if (d < MLA_DQK) dot += qv[j] * ld_f(kr + d);
+    }
+    float s = warp_sum(dot) * a.scale_log2;
+    float mn = fmaxf(m, s);
+    float alpha = exp2f(m - mn), pw = exp2f(s - mn);
+    l = l * alpha + pw;
+#pragma unroll
+    for (int j = 0; j < G_VPL; j++) {
+      int d = lane + j * WARP;
+      float vv = d < MLA_DV ? ld_f(kr + d) : 0.0f;
+      acc[j] = acc[j] * alpha + pw * vv;
+    }
+    m = mn;
+  }
+  if (lane == 0) { s_m[w] = m; s_l[w] = l; }
+#pragma unroll
+  for (int j = 0; j < G_VPL; j++) {
+    int d = lane + j * WARP;
+    if (d < MLA_DV) s_o[w][d] = acc[j];
+  }
+  __syncthreads();
+  float M = fmaxf(fmaxf(s_m[0], s_m[1]), fmaxf(s_m[2], s_m[3]));
+  float sc[4], L = 0.0f;
+#pragma unroll
+  for (int k = 0; k < 4; k++) {
+    sc[k] = M == -FERRY_INF ? 0.0f : exp2f(s_m[k] - M);
+    L += s_l[k] * sc[k];
+  }
+  for (int d = threadIdx.x; d < MLA_DV; d += blockDim.x) {
+    float o = s_o[0][d] * sc[0] + s_o[1][d] * sc[1] + s_o[2][d] * sc[2] + s_o[3][d] * sc[3];
+    write_row(a, split, grow, d, o, M, L, total_rows);
+  }
+}
+extern "C" __global__ void mla_generic_f32(MlaArgs a) { mla_generic_impl<float, float>(a); }
+extern "C" __global__ void mla_generic_bf16(MlaArgs a) { mla_generic_impl<bf16_t, bf16_t>(a); }
+
+// Merge split partials. Grid: rows; block 128.
+extern "C" __global__ void mla_combine(const float* o_part, const float* ml_part, int splits,
+                                       int total_rows, float* out) {
+  size_t r = blockIdx.x;
+  float M = -FERRY_INF;
+  for (int s = 0; s < splits; s++) M = fmaxf(M, ml_part[((size_t)s * total_rows + r) * 2]);
+  float L = 0.0f;
+  for (int s = 0; s < splits; s++) {
+    float m = ml_part[((size_t)s * total_rows + r) * 2];
+    if (m != -FERRY_INF) L += ml_part[((size_t)s * total_rows + r) * 2 + 1] * exp2f(m - M);
+  }
+  for (int d = threadIdx.x; d < MLA_DV; d += blockDim.x) {
+    float o = 0.0f;
+    for (int s = 0; s < splits; s++) {
+      float m = ml_part[((size_t)s * total_rows + r) * 2];
+      if (m != -FERRY_INF) o += o_part[((size_t)s * total_rows + r) * MLA_DV + d] * exp2f(m - M);
+    }
+    out[r * MLA_DV + d] = L > 0.0f ? o / L : 0.0f;
+  }
+}
+
+// [T][H][W] → [T][Hp][W] with zero rows H..Hp (bf16). Grid: T·Hp; block 128.
+extern "C" __global__ void pad_heads_bf16(const bf16_t* src, bf16_t* dst, int H, int Hp, int W) {
+  int t = blockIdx.x / Hp, h = blockIdx.x % Hp;
+  bf16_t* d = dst + (size_t)blockIdx.x * W;
+  for (int i = threadIdx.x; i < W; i += blockDim.x)
+    d[i] = h < H ? src[((size_t)t * H + h) * W + i] : (bf16_t)0;
+}
+// [T][Hp][W] → [T][H][W] (f32). Grid: T·H; block 128.
+extern "C" __global__ void unpad_heads_f32(const float* src, float* dst, int H, int Hp, int W) {
+  int t = blockIdx.x / H, h = blockIdx.x % H;
+  const float* s = src + ((size_t)t * Hp + h) * W;
+  for (int i = threadIdx.x; i < W; i += blockDim.x) dst[(size_t)blockIdx.x * W + i] = s[i];
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tensor-core helpers (PTX; CUDA sm_80+).
+#if FERRY_MMA
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+  u32 r;
+  asm volatile("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }"
+               : "=r"(r) : "l"(p));
+  return r;
+}
+__device__ __forceinline__ void ldsm_x4(u32* r, u32 addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_t(u32* r, u32 addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+// c += a(16x16, row) · b(16x8, col), bf16 in, f32 accumulate.
+__device__ __forceinline__ void mma_bf16(float* c, const u32* a, u32 b0, u32 b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// 16-byte global → shared copy; src_bytes 0 zero-fills.
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
+               "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+__device__ __forceinline__ void cp_async_wait1() { asm volatile("cp.async.wait_group 1;"); }
+__device__ __forceinline__ void cp_async_wait0() { asm volatile("cp.async.wait_group 0;"); }
+#endif
+
+// ---------------------------------------------------------------------------------------------
+// Absorbed tile kernel: 16 query rows × BK keys per step, 4 warps.
+// Grid: (splits, tiles, B); block 128; dynamic shared memory from mla_tile_smem() on the host.
+#define TROWS 16
+#define BK 64
+#define NWT 4
+#define KSTR (MLA_DQK + 8)  // bf16 elements per shared key row (pad: conflict-free ldmatrix)
+#define PSTR (BK + 8)
+
+// Row r of tile `tile` of sequence b: global row index (or -1) and causal key limit.
+__device__ __forceinline__ void tile_row(const MlaArgs& a, int packed, int tile, int b, int r,
+                                         long long* grow, int* lim) {
+  int H = a.heads, rows_per_seq = a.sq * H;
+  int local;
+  if (packed) {
+    local = tile * TROWS + r;
+    if (local >= rows_per_seq) { *grow = -1; *lim = 0; return; }
+  } else {
+    int tr = H < TROWS ? H : TROWS, tiles_per_tok = H / tr;
+    if (r >= tr) { *grow = -1; *lim = 0; return; }
+    int i = tile / tiles_per_tok, t = tile % tiles_per_tok;
+    local = i * H + t * tr + r;
+  }
+  *grow = (long long)b * rows_per_seq + local;
+  *lim = a.ctx_len[b] - a.sq + local / H + 1;
+}
+
+#if FERRY_MMA
+template <int PACKED>
+__device__ void mla_tile_mma(const MlaArgs& a) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  bf16_t* s_k = (bf16_t*)smem;                       // [2][BK][KSTR]
+  bf16_t* s_q = s_k + 2 * BK * KSTR;                 // [16][KSTR]
+  bf16_t* s_p = s_q + TROWS * KSTR;                  // [16][PSTR]
+  float* s_red = (float*)(s_p + TROWS * PSTR);       // [NWT][16]
+  float* s_l = s_red + NWT * TROWS;                  // [NWT][16]
+  int* s_lim = (int*)(s_l + NWT * TROWS);            // [16]
+  long long* s_row = (long long*)(s_lim + TROWS);    // [16]
+
+  int split = blockIdx.x, tile = blockIdx.y, b = blockIdx.z;
+  int tid = threadIdx.x, lane = tid % WARP, w = tid / WARP, g = lane / 4, c = lane % 4;
+  int total_rows = gridDim.z * a.sq * a.heads;
+  if (tid < TROWS) {
+    long long gr;
+    int lim;
+    tile_row(a, PACKED, tile, b, tid, &gr, &lim);
+    s_row[tid] = gr;
+    s_lim[tid] = lim;
+  }
+  __syncthreads();
+  int lim_max = 0;
+#pragma unroll
+  for (int r = 0; r < TROWS; r++) lim_max = max(lim_max, s_lim[r]);
+  int start = split * a.keys_per_split, end = min(lim_max, start + a.keys_per_split);
+  int lim0 = s_lim[g], lim1 = s_lim[g + 8];
+
+  // Queries → shared (zero rows for padding).
+  const bf16_t* q = (const bf16_t*)a.q;
+  for (int idx = tid; idx < TROWS * (MLA_DQK / 8); idx += blockDim.x) {
+    int r = idx / (MLA_DQK / 8), seg = idx % (MLA_DQK / 8);
+    long long gr = s_row[r];
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (gr >= 0) v = *reinterpret_cast<const uint4*>(q + (size_t)gr * MLA_DQK + seg * 8);
+    *reinterpret_cast<uint4*>(s_q + r * KSTR + seg * 8) = v;
+  }
+
+  const bf16_t* pages = (const bf16_t*)a.pages;
+  auto load_chunk = [&](int buf, int c0) {
+    bf16_t* dst = s_k + buf * BK * KSTR;
+    for (int idx = tid; idx < BK * (MLA_DQK / 8); idx += blockDim.x) {
+      int key = idx / (MLA_DQK / 8), seg = idx % (MLA_DQK / 8);
+      int p = c0 + key;
+      const bf16_t* src = pages;
+      int bytes = 0;
+      if (p < end) { src = pages + key_offset(a, b, p) + seg * 8; bytes = 16; }
+      cp_async16(smem_u32(dst + key * KSTR + seg * 8), src, bytes);
+    }
+  };
+
+  const int NT = MLA_DV / (8 * NWT);  // 8-column output tiles per warp
+  float o[NT][4];
+#pragma unroll
+  for (int n = 0; n < NT; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+  float m0 = -FERRY_INF, m1 = -FERRY_INF, l0 = 0.0f, l1 = 0.0f;
+
+  if (start < end) { load_chunk(0, start); }
+  cp_async_commit();
+  int it = 0;
+  for (int c0 = start; c0 < end; c0 += BK, it++) {
+    if (c0 + BK < end) load_chunk((it + 1) & 1, c0 + BK);
+    cp_async_commit();
+    cp_async_wait1();
+    __syncthreads();
+    const bf16_t* kb = s_k + (it & 1) * BK * KSTR;
+
+    // S = Q · Kᵀ for this warp's 16 keys: two 8-key tiles, even/odd k-steps accumulate apart.
+    float s[2][2][4];
+#pragma unroll
+    for (int x = 0; x < 2; x++)
+#pragma unroll
+      for (int y = 0; y < 2; y++) s[x][y][0] = s[x][y][1] = s[x][y][2] = s[x][y][3] = 0.0f;
+    u32 qa = smem_u32(s_q + (lane % 16) * KSTR + (lane / 16) * 8);
+    u32 ka = smem_u32(kb + (w * 16 + (lane % 8) + 8 * (lane / 16)) * KSTR + 8 * ((lane / 8) % 2));
+#pragma unroll 4
+    for (int kk = 0; kk < MLA_DQK / 16; kk++) {
+      u32 af[4], bf[4];
+      ldsm_x4(af, qa + kk * 32);
+      ldsm_x4(bf, ka + kk * 32);
+      mma_bf16(s[kk & 1][0], af, bf[0], bf[1]);
+      mma_bf16(s[kk & 1][1], af, bf[2], bf[3]);
+    }
+    float sc[2][4];
+    float mx0 = -FERRY_INF, mx1 = -FERRY_INF;
+#pragma unroll
+    for (int n = 0; n < 2; n++)
+#pragma unroll
+      for (int j = 0; j < 4; j++) {
+        int key = c0 + w * 16 + n * 8 + 2 * c + (j & 1);
+        int lim = (j < 2) ? lim0 : lim1;
+        float v = (s[0][n][j] + s[1][n][j]) * a.scale_log2;
+        v = (key < lim && key < end) ? v : -FERRY_INF;
+        sc[n][j] = v;
+        if (j < 2) mx0 = fmaxf(mx0, v); else mx1 = fmaxf(mx1, v);
+      }
+    mx0 = fmaxf(mx0, SHFL_XOR(mx0, 1));
+    mx0 = fmaxf(mx0, SHFL_XOR(mx0, 2));
+    mx1 = fmaxf(mx1, SHFL_XOR(mx1, 1));
+    mx1 = fmaxf(mx1, SHFL_XOR(mx1, 2));
+    if (c == 0) { s_red[w * TROWS + g] = mx0; s_red[w * TROWS + g + 8] = mx1; }
+    __syncthreads();
+    float n0 = m0, n1 = m1;
+#pragma unroll
+    for (int x = 0; x < NWT; x++) {
+      n0 = fmaxf(n0, s_red[x * TROWS + g]);
+      n1 = fmaxf(n1, s_red[x * TROWS + g + 8]);
+    }
+    float off0 = n0 == -FERRY_INF ? 0.0f : n0, off1 = n1 == -FERRY_INF ? 0.0f : n1;
+    float al0 = exp2f(m0 - off0), al1 = exp2f(m1 - off1);
+    m0 = n0;
+    m1 = n1;
+    float ps0 = 0.0f, ps1 = 0.0f;
+#pragma unroll
+    for (int n = 0; n < 2; n++) {
+      float p0 = exp2f(sc[n][0] - off0), p1 = exp2f(sc[n][1] - off0);
+      float p2 = exp2f(sc[n][2] - off1), p3 = exp2f(sc[n][3] - off1);
+      ps0 += p0 + p1;
+      ps1 += p2 + p3;
+      int col = w * 16 + n * 8 + 2 * c;
+      *reinterpret_cast<u32*>(s_p + g * PSTR + col) = pack_bf2(p0, p1);
+      *reinterpret_cast<u32*>(s_p + (g + 8) * PSTR + col) = pack_bf2(p2, p3);
+    }
+    l0 = l0 * al0 + ps0;
+    l1 = l1 * al1 + ps1;
+    __syncthreads();
+#pragma unroll
+    for (int n = 0; n < NT; n++) {
+      o[n][0] *= al0; o[n][1] *= al0; o[n][2] *= al1; o[n][3] *= al1;
+    }
+    // O[:, this warp's columns] += P · V.
+    u32 pa = smem_u32(s_p + (lane % 16) * PSTR + (lane / 16) * 8);
+    u32 va = smem_u32(kb + ((lane % 8) + 8 * ((lane / 8) % 2)) * KSTR + w * (MLA_DV / NWT) +
+                      8 * (lane / 16));
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; kk++) {
+      u32 af[4];
+      ldsm_x4(af, pa + kk * 32);
+#pragma unroll
+      for (int np = 0; np < NT / 2; np++) {
+        u32 bf[4];
+        ldsm_x4_t(bf, va + (kk * 16 * KSTR + np * 16) * 2);
+        mma_bf16(o[2 * np], af, bf[0], bf[1]);
+        mma_bf16(o[2 * np + 1], af, bf[2], bf[3]);
+      }
+    }
+    __syncthreads();
+  }
+  cp_async_wait0();
+
+  l0 += SHFL_XOR(l0, 1);
+  l0 += SHFL_XOR(l0, 2);
+  l1 += SHFL_XOR(l1, 1);
+  l1 += SHFL_XOR(l1, 2);
+  if (c == 0) { s_l[w * TROWS + g] = l0; s_l[w * TROWS + g + 8] = l1; }
+  __syncthreads();
+  float L0 = 0.0f, L1 = 0.0f;
+#pragma unroll
+  for (int x = 0; x < NWT; x++) { L0 += s_l[x * TROWS + g]; L1 += s_l[x * TROWS + g + 8]; }
+  long long r0 = s_row[g], r1 = s_row[g + 8];
+#pragma unroll
+  for (int n = 0; n < NT; n++) {
+    int col = w * (MLA_DV / NWT) + n * 8 + 2 * c;
+    if (r0 >= 0) {
+      write_row(a, split, r0, col, o[n][0], m0, L0, total_rows);
+      write_row(a, split, r0, col + 1, o[n][1], m0, L0, total_rows);
+    }
+    if (r1 >= 0) {
+      write_row(a, split, r1, col, o[n][2], m1, L1, total_rows);
+      write_row(a, split, r1, col + 1, o[n][3], m1, L1, total_rows);
+    }
+  }
+}
+#endif
+
+// Scalar version of the tile kernel (HIP, and CUDA targets without mma): the same tiling —
+// every key row is read once per 16-row tile — with f32 FMA. Block 128; same shared layout.
+#define SC_VPT ((MLA_DV + 127) / 128)
+template <int PACKED>
+__device__ void mla_tile_scalar(const MlaArgs& a) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  bf16_t* s_k = (bf16_t*)smem;                        // [BK][KSTR] (one buffer)
+  bf16_t* s_q = s_k + 2 * BK * KSTR;                  // [16][KSTR]
+  float* s_p = (float*)(s_q + TROWS * KSTR);          // [16][BK]
+  int* s_lim = (int*)(s_p + TROWS * BK);              // [16]
+  long long* s_row = (long long*)(s_lim + TROWS);     // [16]
+  float* s_m = (float*)(s_row + TROWS);               // [16]
+  float* s_al = s_m + TROWS;                          // [16]
+  float* s_l = s_al + TROWS;                          // [16]
+  int split = blockIdx.x, tile = blockIdx.y, b = blockIdx.z, tid = threadIdx.x;
+  int total_rows = gridDim.z * a.sq * a.heads;
+  if (tid < TROWS) {
+    long long gr;
+    int lim;
+    tile_row(a, PACKED, tile, b, tid, &gr, &lim);
+    s_row[tid] = gr;
+    s_lim[tid] = lim;
+    s_m[tid] = -FERRY_INF;
+    s_l[tid] = 0.0f;
+  }
+  __syncthreads();
+  int lim_max = 0;
+  for (int r = 0; r < TROWS; r++) lim_max = max(lim_max, s_lim[r]);
+  int start = split * a.keys_per_split, end = min(lim_max, start + a.keys_per_split);
+  const bf16_t* q = (const bf16_t*)a.q;
+  for (int idx = tid; idx < TROWS * MLA_DQK; idx += blockDim.x) {
+    int r = idx / MLA_DQK, d = idx % MLA_DQK;
+    s_q[r * KSTR + d] = s_row[r] >= 0 ? q[(size_t)s_row[r] * MLA_DQK + d] : (bf16_t)0;
+  }
+  float acc[TROWS][SC_VPT];
+  for (int r = 0; r < TROWS; r++)
+    for (int j = 0; j < SC_VPT; j++) acc[r][j] = 0.0f;
+  const bf16_t* pages = (const bf16_t*)a.pages;
+  for (int c0 = start; c0 < end; c0 += BK) {
+    __syncthreads();
+    for (int idx = tid; idx < BK * MLA_DQK; idx += blockDim.x) {
+      int key = idx / MLA_DQK, d = idx % MLA_DQK, p = c0 + key;
+      s_k[key * KSTR + d] = p < end ? pages[key_offset(a, b, p) + d] : (bf16_t)0;
+    }
+    __syncthreads();
+    for (int idx = tid; idx < TROWS * BK; idx += blockDim.x) {
+      int r = idx / BK, key = idx % BK, p = c0 + key;
+      float dot = 0.0f;
+      for (int d = 0; d < MLA_DQK; d++) dot += bf2f(s_q[r * KSTR + d]) * bf2f(s_k[key * KSTR + d]);
+      s_p[idx] = (p < end && p < s_lim[r]) ? dot * a.scale_log2 : -FERRY_INF;
+    }
+    __syncthreads();
+    if (tid < TROWS) {
+      int r = tid;
+      float mx = s_m[r];
+      for (int k = 0; k < BK; k++) mx = fmaxf(mx, s_p[r * BK + k]);
+      float off = mx == -FERRY_INF ? 0.0f : mx, sum = 0.0f;
+      for (int k = 0; k < BK; k++) {
+        float pv = exp2f(s_p[r * BK + k] - off);
+        s_p[r * BK + k] = pv;
+        sum += pv;
+      }
+      float al = exp2f(s_m[r] - off);
+      s_al[r] = al;
+      s_l[r] = s_l[r] * al + sum;
+      s_m[r] = mx;
+    }
+    __syncthreads();
+    for (int r = 0; r < TROWS; r++)
+      for (int j = 0; j < SC_VPT; j++) {
+        int col = tid + 128 * j;
+        if (col >= MLA_DV) continue;
+        float v = acc[r][j] * s_al[r];
+        for (int k = 0; k < BK; k++) v += s_p[r * BK + k] * bf2f(s_k[k * KSTR + col]);
+        acc[r][j] = v;
+      }
+  }
+  __syncthreads();
+  for (int r = 0; r < TROWS; r++) {
+    if (s_row[r] < 0) continue;
+    for (int j = 0; j < SC_VPT; j++) {
+      int col = tid + 128 * j;
+      if (col < MLA_DV) write_row(a, split, s_row[r], col, acc[r][j], s_m[r], s_l[r], total_rows);
+    }
+  }
+}
+
+#if FERRY_MMA
+#define MLA_TILE_BODY(P) mla_tile_mma<P>(a)
+#else
+#define MLA_TILE_BODY(P) mla_tile_scalar<P>(a)
+#endif
+extern "C" __global__ void __launch_bounds__(128) mla_tile_bf16(MlaArgs a) { MLA_TILE_BODY(0); }
+extern "C" __global__ void __launch_bounds__(128) mla_packed_bf16(MlaArgs a) { MLA_TILE_BODY(1); }
+
+// ---------------------------------------------------------------------------------------------
+// MHA form. Sequence b's queries are rows cu_q[b]..cu_q[b+1] of q, its keys rows
+// cu_k[b]..cu_k[b+1] of k/v; query i sits at position (k_len - q_len) + i and sees keys up to
+// and including it.
+struct MhaArgs {
+  const void* q;    // [Tq][H][MHA_DQK]
+  const void* k;    // [Tk][H][MHA_DQK]
+  const void* v;    // [Tk][H][MHA_DV]
+  const int* cu_q;  // [B+1]
+  const int* cu_k;  // [B+1]
+  const int* q_seq; // [Tq]: sequence of each query row (mha_f32 only)
+  float* out;       // [Tq][H][MHA_DV]
+  int heads;
+  float scale_log2;
+};
+
+// f32, one block per (query row, head); 4 warps stride over keys. Grid: Tq·H; block 128.
+#define M_QPL ((MHA_DQK + WARP - 1) / WARP)
+#define M_VPL ((MHA_DV + WARP - 1) / WARP)
+extern "C" __global__ void mha_f32(MhaArgs a) {
+  __shared__ float s_m[4], s_l[4];
+  __shared__ float s_o[4][MHA_DV];
+  int H = a.heads, qrow = blockIdx.x / H, h = blockIdx.x % H;
+  int lane = threadIdx.x % WARP, w = threadIdx.x / WARP;
+  int b = a.q_seq[qrow];
+  int q0 = a.cu_q[b], k0 = a.cu_k[b];
+  int q_len = a.cu_q[b + 1] - q0, k_len = a.cu_k[b + 1] - k0;
+  int lim = k_len - q_len + (qrow - q0) + 1;
+  const float* q = (const float*)a.q + ((size_t)qrow * H + h) * MHA_DQK;
+  const float* K = (const float*)a.k;
+  const float* V = (const float*)a.v;
+  float qv[M_QPL];
+#pragma unroll
+  for (int j = 0; j < M_QPL; j++) {
+    int d = lane + j * WARP;
+    qv[j] = d < MHA_DQK ? q[d] : 0.0f;
+  }
+  float m = -FERRY_INF, l = 0.0f, acc[M_VPL];
+#pragma unroll
+  for (int j = 0; j < M_VPL; j++) acc[j] = 0.0f;
+  for (int p = w; p < lim; p += 4) {
+    const float* kr = K + ((size_t)(k0 + p) * H + h) * MHA_DQK;
+    const float* vr = V + ((size_t)(k0 + p) * H + h) * MHA_DV;
+    float dot = 0.0f;
+#pragma unroll
+    for (int j = 0; j < M_QPL; j++) {
+      int d = lane + j * WARP;
+      if (d < MHA_DQK) dot += qv[j] * kr[d];
+    }
+    float s = warp_sum(dot) * a.scale_log2;
+    float mn = fmaxf(m, s), alpha = exp2f(m - mn), pw = exp2f(s - mn);
+    l = l * alpha + pw;
+#pragma unroll
+    for (int j = 0; j < M_VPL; j++) {
+      int d = lane + j * WARP;
+      acc[j] = acc[j] * alpha + pw * (d < MHA_DV ? vr[d] : 0.0f);
+    }
+    m = mn;
+  }
+  if (lane == 0) { s_m[w] = m; s_l[w] = l; }
+#pragma unroll
+  for (int j = 0; j < M_VPL; j++) {
+    int d = lane + j * WARP;
+    if (d < MHA_DV) s_o[w][d] = acc[j];
+  }
+  __syncthreads();
+  float M = fmaxf(fmaxf(s_m[0], s_m[1]), fmaxf(s_m[2], s_m[3]));
+  float sc[4], L = 0.0f;
+#pragma unroll
+  for (int k = 0; k < 4; k++) {
+    sc[k] = s_m[k] == -FERRY_INF ? 0.0f : exp2f(s_m[k] - M);
+    L += s_l[k] * sc[k];
+  }
+  float* o = a.out + ((size_t)qrow * H + h) * MHA_DV;
+  for (int d = threadIdx.x; d < MHA_DV; d += blockDim.x)
+    o[d] = (s_o[0][d] * sc[0] + s_o[1][d] * sc[1] + s_o[2][d] * sc[2] + s_o[3][d] * sc[3]) / L;
+}
+
+#if FERRY_MMA
+// FlashAttention-2-style causal attention on tensor cores: 64 query rows per block (16 per
+// warp), 64-key blocks double-buffered through cp.async, Q fragments in registers, online
+// softmax in registers, P reused as the A operand of P·V without leaving registers.
+// Grid: (ceil(max_q_len/64), H, B); block 128; dynamic shared memory: flash_smem() on the host.
+#define FQ 64
+#define FK 64
+#define FKS (MHA_DQK + 8)
+#define FVS (MHA_DV + 8)
+extern "C" __global__ void __launch_bounds__(128) mha_flash_bf16(MhaArgs a) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  bf16_t* s_q = (bf16_t*)smem;             // [FQ][FKS]
+  bf16_t* s_k = s_q + FQ * FKS;            // [2][FK][FKS]
+  bf16_t* s_v = s_k + 2 * FK * FKS;        // [2][FK][FVS]
+  int H = a.heads, h = blockIdx.y, b = blockIdx.z;
+  int qb = gridDim.x - 1 - blockIdx.x;     // longest blocks first
+  int q0 = a.cu_q[b], k0 = a.cu_k[b];
+  int q_len = a.cu_q[b + 1] - q0, k_len = a.cu_k[b + 1] - k0;
+  if (qb * FQ >= q_len) return;
+  int offset = k_len - q_len;
+  int tid = threadIdx.x, lane = tid % WARP, w = tid / WARP, g = lane / 4, c = lane % 4;
+  const bf16_t* Q = (const bf16_t*)a.q;
+  const bf16_t* K = (const bf16_t*)a.k;
+  const bf16_t* V = (const bf16_t*)a.v;
+  const int QSEG = MHA_DQK / 8, VSEG = MHA_DV / 8;
+
+  for (int idx = tid; idx < FQ * QSEG; idx += blockDim.x) {
+    int r = idx / QSEG, seg = idx % QSEG, qi = qb * FQ + r;
+    const bf16_t* src = Q;
+    int bytes = 0;
+    if (qi < q_len) { src = Q + ((size_t)(q0 + qi) * H + h) * MHA_DQK + seg * 8; bytes = 16; }
+    cp_async16(smem_u32(s_q + r * FKS + seg * 8), src, bytes);
+  }
+  int kv_end = min(k_len, offset + qb * FQ + FQ);  // keys any row of this block can see
+  int n_kb = (kv_end + FK - 1) / FK;
+  auto load_kv = [&](int buf, int kb) {
+    bf16_t* dk = s_k + buf * FK * FKS;
+    bf16_t* dv = s_v + buf * FK * FVS;
+    for (int idx = tid; idx < FK * (QSEG + VSEG); idx += blockDim.x) {
+      int r = idx / (QSEG + VSEG), seg = idx % (QSEG + VSEG), key = kb * FK + r;
+      bool ok = key < k_len;
+      if (seg < QSEG) {
+        const bf16_t* src = ok ? K + ((size_t)(k0 + key) * H + h) * MHA_DQK + seg * 8 : K;
+        cp_async16(smem_u32(dk + r * FKS + seg * 8), src, ok ? 16 : 0);
+      } else {
+        int sv = seg - QSEG;
+        const bf16_t* src = ok ? V + ((size_t)(k0 + key) * H + h) * MHA_DV + sv * 8 : V;
+        cp_async16(smem_u32(dv + r * FVS + sv * 8), src, ok ? 16 : 0);
+      }
+    }
+  };
+  if (n_kb > 0) load_kv(0, 0);
+  cp_async_commit();
+
+  const int KS = MHA_DQK / 16, NV = MHA_DV / 8;
+  u32 qf[KS][4];
+  float o[NV][4];
+#pragma unroll
+  for (int n = 0; n < NV; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+  float m0 = -FERRY_INF, m1 = -FERRY_INF, l0 = 0.0f, l1 = 0.0f;
+  int row0 = qb * FQ + w * 16 + g, row1 = row0 + 8;  // query index within the sequence
+  int lim0 = offset + row0 + 1, lim1 = offset + row1 + 1;
+
+  for (int kb = 0; kb < n_kb; kb++) {
+    if (kb + 1 < n_kb) load_kv((kb + 1) & 1, kb + 1);
+    cp_async_commit();
+    cp_async_wait1();
+    __syncthreads();
+    if (kb == 0) {
+      u32 qa = smem_u32(s_q + (w * 16 + lane % 16) * FKS + (lane / 16) * 8);
+#pragma unroll
+      for (int kk = 0; kk < KS; kk++) ldsm_x4(qf[kk], qa + kk * 32);
+    }
+    const bf16_t* kbuf = s_k + (kb & 1) * FK * FKS;
+    const bf16_t* vbuf = s_v + (kb & 1) * FK * FVS;
+    float s[8][4];
+#pragma unroll
+    for (int n = 0; n < 8; n++) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+    u32 ka = smem_u32(kbuf + ((lane % 8) + 8 * (lane / 16)) * FKS + 8 * ((lane / 8) % 2));
+#pragma unroll
+    for (int kk = 0; kk < KS; kk++) {
+#pragma unroll
+      for (int np = 0; np < 4; np++) {
+        u32 bf[4];
+        ldsm_x4(bf, ka + (np * 16 * FKS + kk * 16) * 2);
+        mma_bf16(s[2 * np], qf[kk], bf[0], bf[1]);
+        mma_bf16(s[2 * np + 1], qf[kk], bf[2], bf[3]);
+      }
+    }
+    bool need_mask = (kb + 1) * FK > offset + qb * FQ + 1 || (kb + 1) * FK > k_len;
+    float mx0 = -FERRY_INF, mx1 = -FERRY_INF;
+#pragma unroll
+    for (int n = 0; n < 8; n++)
+#pragma unroll
+      for (int j = 0; j < 4; j++) {
+        float v = s[n][j] * a.scale_log2;
+        if (need_mask) {
+          int key = kb * FK + n * 8 + 2 * c + (j & 1);
+          int lim = j < 2 ? lim0 : lim1;
+          if (key >= lim || key >= k_len) v = -FERRY_INF;
+        }
+        s[n][j] = v;
+        if (j < 2) mx0 = fmaxf(mx0, v); else mx1 = fmaxf(mx1, v);
+      }
+    mx0 = fmaxf(mx0, SHFL_XOR(mx0, 1));
+    mx0 = fmaxf(mx0, SHFL_XOR(mx0, 2));
+    mx1 = fmaxf(mx1, SHFL_XOR(mx1, 1));
+    mx1 = fmaxf(mx1, SHFL_XOR(mx1, 2));
+    float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
+    float off0 = n0 == -FERRY_INF ? 0.0f : n0, off1 = n1 == -FERRY_INF ? 0.0f : n1;
+    float al0 = exp2f(m0 - off0), al1 = exp2f(m1 - off1);
+    m0 = n0;
+    m1 = n1;
+    float ps0 = 0.0f, ps1 = 0.0f;
+    u32 pf[4][4];
+#pragma unroll
+    for (int n = 0; n < 8; n++) {
+      float p0 = exp2f(s[n][0] - off0), p1 = exp2f(s[n][1] - off0);
+      float p2 = exp2f(s[n][2] - off1), p3 = exp2f(s[n][3] - off1);
+      ps0 += p0 + p1;
+      ps1 += p2 + p3;
+      pf[n / 2][(n & 1) * 2] = pack_bf2(p0, p1);
+      pf[n / 2][(n & 1) * 2 + 1] = pack_bf2(p2, p3);
+    }
+    l0 = l0 * al0 + ps0;
+    l1 = l1 * al1 + ps1;
+#pragma unroll
+    for (int n = 0; n < NV; n++) {
+      o[n][0] *= al0; o[n][1] *= al0; o[n][2] *= al1; o[n][3] *= al1;
+    }
+    u32 va = smem_u32(vbuf + ((lane % 8) + 8 * ((lane / 8) % 2)) * FVS + 8 * (lane / 16));
+#pragma unroll
+    for (int kk = 0; kk < FK / 16; kk++) {
+#pragma unroll
+      for (int np = 0; np < NV / 2; np++) {
+        u32 bf[4];
+        ldsm_x4_t(bf, va + (kk * 16 * FVS + np * 16) * 2);
+        mma_bf16(o[2 * np], pf[kk], bf[0], bf[1]);
+        mma_bf16(o[2 * np + 1], pf[kk], bf[2], bf[3]);
+      }
+    }
+    __syncthreads();
+  }
+  cp_async_wait0();
+  l0 += SHFL_XOR(l0, 1);
+  l0 += SHFL_XOR(l0, 2);
+  l1 += SHFL_XOR(l1, 1);
+  l1 += SHFL_XOR(l1, 2);
+#pragma unroll
+  for (int n = 0; n < NV; n++) {
+    int col = n * 8 + 2 * c;
+    if (row0 < q_len) {
+      float* dst = a.out + ((size_t)(q0 + row0) * H + h) * MHA_DV + col;
+      dst[0] = o[n][0] / l0;
+      dst[1] = o[n][1] / l0;
+    }
+    if (row1 < q_len) {
+      float* dst = a.out + ((size_t)(q0 + row1) * H + h) * MHA_DV + col;
+      dst[0] = o[n][2] / l1;
+      dst[1] = o[n][3] / l1;
+    }
+  }
+}
+#endif

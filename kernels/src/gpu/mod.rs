@@ -1,0 +1,80 @@
+//! Kernel sources shared by the CUDA and ROCm backends.
+//!
+//! | file | holds |
+//! |---|---|
+//! | `compat.cuh` | the CUDA/HIP differences: bf16 bits, warp shuffles, whether PTX `mma` is available |
+//! | `common.cu` | embedding, RMSNorm, RoPE, the latent-cache write, GEMV, MLA absorb/unabsorb, MoE routing and experts |
+//! | `mla.cu` | MLA attention: absorbed tile / head-packed / per-head kernels and their split-K merge, MHA-form prefill (f32 and tensor-core flash) |
+//!
+//! Sources are compiled at run time (NVRTC or hipRTC) for the card in hand, with the model's
+//! shapes as `-D` defines, and cached per (source, defines, architecture).
+
+/// The shared CUDA/HIP compatibility header, prepended to every source.
+pub const COMPAT_CUH: &str = include_str!("compat.cuh");
+
+/// One kernel source file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Source {
+    /// `common.cu`.
+    Common,
+    /// `mla.cu`.
+    Mla,
+}
+
+impl Source {
+    /// Every source, for compile checks.
+    pub const ALL: [Source; 2] = [Source::Common, Source::Mla];
+
+    /// File name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Source::Common => "common.cu",
+            Source::Mla => "mla.cu",
+        }
+    }
+
+    /// The text as written.
+    pub fn text(self) -> &'static str {
+        match self {
+            Source::Common => include_str!("common.cu"),
+            Source::Mla => include_str!("mla.cu"),
+        }
+    }
+
+    /// The text with `compat.cuh` inlined in place of its `#include`, as handed to the
+    /// run-time compilers (which are given no include path).
+    pub fn expanded(self) -> String {
+        self.text()
+            .replace("#include \"compat.cuh\"", COMPAT_CUH)
+            .replace("#pragma once", "")
+    }
+}
+
+/// `-D` defines for one compilation, kept sorted so equal sets share a cache entry.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Defines(Vec<(String, String)>);
+
+impl Defines {
+    /// No defines.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds `-Dname=value`.
+    pub fn with(mut self, name: &str, value: impl ToString) -> Self {
+        self.0.retain(|(n, _)| n != name);
+        self.0.push((name.to_string(), value.to_string()));
+        self.0.sort();
+        self
+    }
+
+    /// Compiler options: `-Dname=value` each.
+    pub fn options(&self) -> Vec<String> {
+        self.0.iter().map(|(n, v)| format!("-D{n}={v}")).collect()
+    }
+
+    /// A short text key.
+    pub fn key(&self) -> String {
+        self.options().join(" ")
+    }
+}

@@ -1,0 +1,477 @@
+//! The CUDA backend against the CPU reference backend.
+//!
+//! Runs only where a CUDA device can be opened; elsewhere each test prints why it skipped and
+//! passes, so CPU-only CI stays green (the GPU runs happen on the device machine, see
+//! docs/gpu.md). `nvrtc_compiles_every_source` needs only `libnvrtc` on the library path.
+//!
+//! Tolerances (max |Δ| relative to max |reference|):
+//! - f32 kernels (GEMV, norms, RoPE, the per-head absorbed kernel, f32 MHA): 1e-5..1e-4 —
+//!   different summation order only.
+//! - split-bf16 cuBLAS GEMM against bf16 weights: 1e-4 (activations keep ~16 mantissa bits).
+//! - tensor-core kernels (absorbed tile / packed, flash MHA) on bf16 inputs, compared with the
+//!   CPU run on the same bf16-rounded inputs: 1.5e-2 — the kernels round the softmax
+//!   probabilities to bf16 (2⁻⁹ relative) before P·V, as every bf16 attention kernel does.
+#![cfg(feature = "cuda")]
+
+mod common;
+
+use ferry_kernels::cpu::gemm::{linear, Matrix};
+use ferry_kernels::cpu::mla::{mla_absorbed_reference, LatentContext, LatentPages, SeqAttn};
+use ferry_kernels::cpu::moe::MoeRouting;
+use ferry_kernels::cpu::norm::rms_norm;
+use ferry_kernels::cpu::rope::{Rope, RopeParams, RopeScaling, RotaryLayout, YarnParams};
+use ferry_kernels::cuda::mla::{
+    mha_prefill, mla_absorbed, mla_absorbed_padded, AbsorbedBatch, AbsorbedKernel, Elems,
+    MhaBatch, MhaKernel, MlaShape,
+};
+use ferry_kernels::cuda::nvrtc::compile_ptx;
+use ferry_kernels::cuda::ops::{
+    self, bf16_bits, GemmPrecision, GpuMatrix, NormRows, PagesView, RopeTables, RouteParams,
+    Routes,
+};
+use ferry_kernels::cuda::CudaDevice;
+use ferry_kernels::gpu::Source;
+use half::bf16;
+use rand::seq::SliceRandom;
+use rand_chacha::ChaCha8Rng;
+
+fn gpu(test: &str) -> Option<CudaDevice> {
+    match CudaDevice::open(0) {
+        Ok(d) => Some(d),
+        Err(e) => {
+            eprintln!("skipping {test}: {e}");
+            None
+        }
+    }
+}
+
+fn rel_err(got: &[f32], want: &[f32]) -> f32 {
+    common::max_abs_diff(got, want) / common::max_abs(want).max(1e-30)
+}
+
+fn round_bf16(x: &[f32]) -> Vec<f32> {
+    x.iter().map(|v| bf16::from_f32(*v).to_f32()).collect()
+}
+
+fn bits(x: &[f32]) -> Vec<u16> {
+    x.iter().map(|v| bf16::from_f32(*v).to_bits()).collect()
+}
+
+const TINY: MlaShape = MlaShape {
+    latent: 80,
+    kv_lora: 64,
+    mha_qk: 48,
+    mha_v: 32,
+};
+
+#[test]
+fn nvrtc_compiles_every_source() {
+    if !ferry_kernels::cuda::nvrtc::available() {
+        eprintln!("skipping nvrtc_compiles_every_source: libnvrtc.so not on the library path");
+        return;
+    }
+    for cc in [(9, 0), (8, 0)] {
+        for shape in [MlaShape::DEEPSEEK_V3, TINY] {
+            let ptx = compile_ptx(Source::Mla, &shape.defines(), cc).expect("mla.cu compiles");
+            for k in ["mla_tile_bf16", "mla_packed_bf16", "mla_generic_f32", "mha_flash_bf16"] {
+                assert!(ptx.contains(k), "{k} missing for sm_{}{}", cc.0, cc.1);
+            }
+            assert!(ptx.contains("mma.sync"), "tensor-core path compiled");
+            if let Ok(dir) = std::env::var("FERRY_PTX_DIR") {
+                let f = format!("{dir}/mla_{}_sm{}{}.ptx", shape.latent, cc.0, cc.1);
+                std::fs::write(f, &ptx).expect("write ptx");
+            }
+        }
+        let ptx = compile_ptx(Source::Common, &Default::default(), cc).expect("common.cu compiles");
+        assert!(ptx.contains("moe_route") && ptx.contains("gemv_bf16"));
+        if let Ok(dir) = std::env::var("FERRY_PTX_DIR") {
+            std::fs::write(format!("{dir}/common_sm{}{}.ptx", cc.0, cc.1), &ptx).expect("write");
+        }
+    }
+}
+
+#[test]
+fn linear_matches_cpu() {
+    let Some(dev) = gpu("linear_matches_cpu") else { return };
+    let mut rng = common::rng(1);
+    for (n, k) in [(96, 256), (130, 1000), (512, 2048)] {
+        let wf = common::uniform(&mut rng, n * k, 0.05);
+        let wb = common::uniform_bf16(&mut rng, n * k, 0.05);
+        for w in [
+            Matrix::from_f32(n, k, wf.clone()).expect("len"),
+            Matrix::from_bf16(n, k, wb.clone()).expect("len"),
+        ] {
+            let gw = GpuMatrix::upload(&dev, &w).expect("upload");
+            for m in [1, 3, 8, 9, 64] {
+                let x = common::uniform(&mut rng, m * k, 1.0);
+                let mut want = vec![0.0f32; m * n];
+                linear(&x, &w, &mut want).expect("cpu");
+                let gx = dev.upload(&x).expect("up");
+                let go = dev.zeros::<f32>(m * n).expect("out");
+                ops::linear(&dev, gx.v(), &gw, go.v(), GemmPrecision::Exact).expect("gpu");
+                let got = dev.download(&go).expect("down");
+                let e = rel_err(&got, &want);
+                assert!(e < 1e-4, "linear m={m} n={n} k={k} bf16={}: rel err {e}", gw.is_bf16());
+            }
+        }
+    }
+}
+
+#[test]
+fn norm_rope_and_latent_write_match_cpu() {
+    let Some(dev) = gpu("norm_rope_and_latent_write_match_cpu") else { return };
+    let mut rng = common::rng(2);
+    let (t, width) = (5, 2048);
+    let x = common::uniform(&mut rng, t * width, 2.0);
+    let w = common::uniform(&mut rng, width, 1.0);
+    let mut want = vec![0.0; t * width];
+    rms_norm(&x, &w, 1e-6, &mut want).expect("cpu");
+    let (gh, gw, go) = (
+        dev.upload(&x).expect("up"),
+        dev.upload(&w).expect("up"),
+        dev.zeros::<f32>(t * width).expect("z"),
+    );
+    let p = NormRows {
+        h: gh.v(),
+        delta: None,
+        weight: gw.v(),
+        out: Some(go.v()),
+        width,
+    };
+    ops::add_rms_norm(&dev, p, 1e-6).expect("gpu");
+    let e = rel_err(&dev.download(&go).expect("down"), &want);
+    assert!(e < 1e-5, "rms_norm rel err {e}");
+
+    let rope = Rope::new(&RopeParams {
+        dim: 64,
+        theta: 10000.0,
+        scaling: RopeScaling::Yarn(YarnParams {
+            factor: 40.0,
+            original_max_position_embeddings: 4096,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            mscale: Some(1.0),
+            mscale_all_dim: Some(1.0),
+            attention_factor: None,
+            truncate: true,
+        }),
+        interleaved: true,
+    })
+    .expect("rope");
+    let positions = [0usize, 1, 17, 4095, 100_000];
+    let layout = RotaryLayout {
+        heads: 3,
+        head_stride: 192,
+        offset: 128,
+    };
+    let mut q = common::uniform(&mut rng, t * 3 * 192, 1.0);
+    let gq = dev.upload(&q).expect("up");
+    rope.apply(&mut q, &positions, layout).expect("cpu rope");
+    let tables = RopeTables::new(&dev, &rope, &positions).expect("tables");
+    ops::rope(&dev, gq.v(), &tables, layout).expect("gpu rope");
+    let e = rel_err(&dev.download(&gq).expect("down"), &q);
+    assert!(e < 1e-5, "rope rel err {e}");
+}
+
+/// A pool of `blocks` pages holding several sequences, rows outside every sequence NaN.
+struct Pool {
+    data: Vec<f32>,
+    tables: Vec<Vec<u32>>,
+    page: usize,
+    width: usize,
+}
+
+impl Pool {
+    fn new(rng: &mut ChaCha8Rng, width: usize, page: usize, ctx: &[usize]) -> Self {
+        let need: usize = ctx.iter().map(|c| c.div_ceil(page)).sum();
+        let blocks = 2 * need + 3;
+        let mut ids: Vec<u32> = (0..blocks as u32).collect();
+        ids.shuffle(rng);
+        let mut data = vec![f32::NAN; blocks * page * width];
+        let mut tables = Vec::new();
+        let mut next = 0;
+        for &c in ctx {
+            let t: Vec<u32> = ids[next..next + c.div_ceil(page)].to_vec();
+            next += t.len();
+            for p in 0..c {
+                let row = t[p / page] as usize * page + p % page;
+                let vals = round_bf16(&common::uniform(rng, width, 1.0));
+                data[row * width..(row + 1) * width].copy_from_slice(&vals);
+            }
+            tables.push(t);
+        }
+        Self {
+            data,
+            tables,
+            page,
+            width,
+        }
+    }
+
+    fn view(&self, ptr: u64, bf16: bool) -> PagesView {
+        PagesView {
+            ptr,
+            bf16,
+            num_blocks: self.data.len() / (self.page * self.width),
+            page_size: self.page,
+            width: self.width,
+        }
+    }
+
+    /// Block tables padded to one stride, as i32.
+    fn flat_tables(&self) -> (Vec<i32>, usize) {
+        let stride = self.tables.iter().map(Vec::len).max().unwrap_or(1).max(1);
+        let mut flat = vec![0i32; stride * self.tables.len()];
+        for (i, t) in self.tables.iter().enumerate() {
+            for (j, &b) in t.iter().enumerate() {
+                flat[i * stride + j] = b as i32;
+            }
+        }
+        (flat, stride)
+    }
+}
+
+struct AbsorbedCase {
+    shape: MlaShape,
+    heads: usize,
+    sq: usize,
+    ctx: Vec<usize>,
+    page: usize,
+}
+
+/// CPU reference output `[B·sq·H][kv_lora]` of the absorbed form for q (bf16-rounded).
+fn absorbed_reference(pool: &Pool, case: &AbsorbedCase, q: &[f32], scale: f32) -> Vec<f32> {
+    let (h, sq, dv, w) = (case.heads, case.sq, case.shape.kv_lora, case.shape.latent);
+    let mut out = vec![0.0f32; case.ctx.len() * sq * h * dv];
+    for (b, &c) in case.ctx.iter().enumerate() {
+        let ctx = LatentContext {
+            pages: LatentPages {
+                data: &pool.data,
+                page_size: pool.page,
+                width: w,
+            },
+            seq: SeqAttn {
+                block_table: &pool.tables[b],
+                start_pos: c - sq,
+                num_queries: sq,
+            },
+            scale,
+        };
+        let rows = sq * h;
+        mla_absorbed_reference(
+            &q[b * rows * w..(b + 1) * rows * w],
+            h,
+            &ctx,
+            &mut out[b * rows * dv..(b + 1) * rows * dv],
+        )
+        .expect("cpu absorbed");
+    }
+    out
+}
+
+#[test]
+fn absorbed_kernels_match_cpu() {
+    let Some(dev) = gpu("absorbed_kernels_match_cpu") else { return };
+    let mut rng = common::rng(3);
+    let cases = [
+        AbsorbedCase { shape: MlaShape::DEEPSEEK_V3, heads: 16, sq: 1, ctx: vec![1, 70, 3000], page: 64 },
+        AbsorbedCase { shape: MlaShape::DEEPSEEK_V3, heads: 12, sq: 1, ctx: vec![5, 700], page: 64 },
+        AbsorbedCase { shape: MlaShape::DEEPSEEK_V3, heads: 12, sq: 3, ctx: vec![9, 1300], page: 16 },
+        AbsorbedCase { shape: MlaShape::DEEPSEEK_V3, heads: 4, sq: 2, ctx: vec![40, 129], page: 64 },
+        AbsorbedCase { shape: MlaShape::DEEPSEEK_V3, heads: 32, sq: 1, ctx: vec![257], page: 32 },
+        AbsorbedCase { shape: TINY, heads: 12, sq: 2, ctx: vec![3, 300], page: 8 },
+    ];
+    for case in &cases {
+        let (h, sq, w, dv) = (case.heads, case.sq, case.shape.latent, case.shape.kv_lora);
+        let pool = Pool::new(&mut rng, w, case.page, &case.ctx);
+        let rows = case.ctx.len() * sq * h;
+        let q = round_bf16(&common::uniform(&mut rng, rows * w, 1.0));
+        let scale = 0.1352;
+        let want = absorbed_reference(&pool, case, &q, scale);
+        let (flat, stride) = pool.flat_tables();
+        let g_pages_bf = dev.upload(&bits(&pool.data)).expect("pages");
+        let g_pages_f = dev.upload(&pool.data).expect("pages");
+        let g_table = dev.upload(&flat).expect("table");
+        let ctx_i: Vec<i32> = case.ctx.iter().map(|&c| c as i32).collect();
+        let g_ctx = dev.upload(&ctx_i).expect("ctx");
+        let g_qb = dev.upload(&bits(&q)).expect("q");
+        let g_qf = dev.upload(&q).expect("q");
+        let out = dev.zeros::<f32>(rows * dv).expect("out");
+        let batch = |q: Elems, bf: bool, ptr: u64| AbsorbedBatch {
+            q,
+            pages: pool.view(ptr, bf),
+            block_table: g_table.v(),
+            bt_stride: stride,
+            ctx_len: g_ctx.v(),
+            max_ctx: *case.ctx.iter().max().expect("non-empty"),
+            batch: case.ctx.len(),
+            sq,
+            heads: h,
+            scale,
+        };
+        let bf = batch(Elems::Bf16(g_qb.v()), true, g_pages_bf.ptr());
+        let ff = batch(Elems::F32(g_qf.v()), false, g_pages_f.ptr());
+        let runs: Vec<(&str, AbsorbedBatch, f32)> = vec![
+            ("padded", bf, 1.5e-2),
+            ("packed", bf, 1.5e-2),
+            ("generic-bf16", bf, 1e-4),
+            ("generic-f32", ff, 1e-4),
+        ];
+        for (name, b, tol) in runs {
+            dev.memset_zero(&out).expect("zero");
+            match name {
+                "padded" => mla_absorbed_padded(&dev, case.shape, &b, out.v()),
+                "packed" => mla_absorbed(&dev, case.shape, AbsorbedKernel::Packed, &b, out.v()),
+                _ => mla_absorbed(&dev, case.shape, AbsorbedKernel::Generic, &b, out.v()),
+            }
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+            let got = dev.download(&out).expect("down");
+            let e = rel_err(&got, &want);
+            eprintln!("absorbed {name} H={h} sq={sq} ctx={:?} dims={}: rel err {e:.2e}", case.ctx, w);
+            assert!(e < tol, "absorbed {name} H={h} sq={sq} ctx={:?}: rel err {e}", case.ctx);
+        }
+    }
+}
+
+/// CPU causal attention for one head of one sequence: q [Sq][D], k [Sk][D], v [Sk][Dv].
+fn attend(q: &[f32], k: &[f32], v: &[f32], d: usize, dv: usize, scale: f32) -> Vec<f32> {
+    let (sq, sk) = (q.len() / d, k.len() / d);
+    let mut out = vec![0.0f32; sq * dv];
+    for i in 0..sq {
+        let lim = sk - sq + i + 1;
+        let s: Vec<f32> = (0..lim)
+            .map(|j| (0..d).map(|x| q[i * d + x] * k[j * d + x]).sum::<f32>() * scale)
+            .collect();
+        let m = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let e: Vec<f32> = s.iter().map(|x| (x - m).exp()).collect();
+        let z: f32 = e.iter().sum();
+        for (j, p) in e.iter().enumerate() {
+            for c in 0..dv {
+                out[i * dv + c] += p / z * v[j * dv + c];
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn mha_kernels_match_cpu() {
+    let Some(dev) = gpu("mha_kernels_match_cpu") else { return };
+    let mut rng = common::rng(4);
+    let shape = MlaShape::DEEPSEEK_V3;
+    let (dq, dv) = (shape.mha_qk, shape.mha_v);
+    for heads in [12usize, 16, 3] {
+        // (queries, keys): a fresh prompt, a chunk over a cached prefix, a one-token step.
+        let spans = [(200usize, 200usize), (70, 300), (1, 65), (129, 129)];
+        let (tq, tk): (usize, usize) = spans.iter().fold((0, 0), |a, s| (a.0 + s.0, a.1 + s.1));
+        let q = round_bf16(&common::uniform(&mut rng, tq * heads * dq, 1.0));
+        let k = round_bf16(&common::uniform(&mut rng, tk * heads * dq, 1.0));
+        let v = round_bf16(&common::uniform(&mut rng, tk * heads * dv, 1.0));
+        let scale = 1.0 / (dq as f32).sqrt();
+        let mut want = vec![0.0f32; tq * heads * dv];
+        let (mut cu_q, mut cu_k, mut q_seq) = (vec![0i32], vec![0i32], Vec::new());
+        let (mut q0, mut k0) = (0, 0);
+        for (b, &(sq, sk)) in spans.iter().enumerate() {
+            for h in 0..heads {
+                let pick = |x: &[f32], start: usize, n: usize, d: usize| -> Vec<f32> {
+                    (start..start + n)
+                        .flat_map(|r| x[(r * heads + h) * d..(r * heads + h + 1) * d].to_vec())
+                        .collect()
+                };
+                let o = attend(&pick(&q, q0, sq, dq), &pick(&k, k0, sk, dq), &pick(&v, k0, sk, dv), dq, dv, scale);
+                for i in 0..sq {
+                    let dst = ((q0 + i) * heads + h) * dv;
+                    want[dst..dst + dv].copy_from_slice(&o[i * dv..(i + 1) * dv]);
+                }
+            }
+            q0 += sq;
+            k0 += sk;
+            cu_q.push(q0 as i32);
+            cu_k.push(k0 as i32);
+            q_seq.extend(std::iter::repeat_n(b as i32, sq));
+        }
+        let (gcq, gck, gqs) = (
+            dev.upload(&cu_q).expect("up"),
+            dev.upload(&cu_k).expect("up"),
+            dev.upload(&q_seq).expect("up"),
+        );
+        let (qf, kf, vf) = (dev.upload(&q).expect("q"), dev.upload(&k).expect("k"), dev.upload(&v).expect("v"));
+        let (qb, kb, vb) = (
+            dev.upload(&bits(&q)).expect("q"),
+            dev.upload(&bits(&k)).expect("k"),
+            dev.upload(&bits(&v)).expect("v"),
+        );
+        let out = dev.zeros::<f32>(tq * heads * dv).expect("out");
+        let mk = |q, k, v| MhaBatch {
+            q,
+            k,
+            v,
+            cu_q: gcq.v(),
+            cu_k: gck.v(),
+            q_seq: gqs.v(),
+            batch: spans.len(),
+            max_q: 200,
+            heads,
+            scale,
+        };
+        for (kernel, b, tol) in [
+            (MhaKernel::F32, mk(Elems::F32(qf.v()), Elems::F32(kf.v()), Elems::F32(vf.v())), 1e-4),
+            (MhaKernel::Flash, mk(Elems::Bf16(qb.v()), Elems::Bf16(kb.v()), Elems::Bf16(vb.v())), 1.5e-2),
+        ] {
+            dev.memset_zero(&out).expect("zero");
+            mha_prefill(&dev, shape, kernel, &b, out.v()).expect("mha");
+            let e = rel_err(&dev.download(&out).expect("down"), &want);
+            eprintln!("mha {kernel:?} H={heads}: rel err {e:.2e}");
+            assert!(e < tol, "mha {kernel:?} H={heads}: rel err {e}");
+        }
+    }
+}
+
+#[test]
+fn moe_routing_matches_cpu() {
+    let Some(dev) = gpu("moe_routing_matches_cpu") else { return };
+    let mut rng = common::rng(5);
+    for (e, top_k, n_group, topk_group) in [(16, 4, 4, 2), (64, 6, 1, 1), (256, 8, 8, 4)] {
+        let routing = MoeRouting {
+            n_experts: e,
+            top_k,
+            n_group,
+            topk_group,
+            norm_topk_prob: true,
+            routed_scaling_factor: 2.5,
+        };
+        let t = 37;
+        let logits = common::uniform(&mut rng, t * e, 4.0);
+        let bias = common::uniform(&mut rng, e, 0.5);
+        let want = routing.route(&logits, &bias).expect("cpu route");
+        let slots = top_k + 2;
+        let (gl, gb) = (dev.upload(&logits).expect("up"), dev.upload(&bias).expect("up"));
+        let ids = dev.zeros::<i32>(t * slots).expect("ids");
+        let wts = dev.zeros::<f32>(t * slots).expect("w");
+        let p = RouteParams {
+            n_experts: e as i32,
+            top_k: top_k as i32,
+            n_group: n_group as i32,
+            topk_group: topk_group as i32,
+            norm_topk: 1,
+            n_shared: 2,
+            scale: 2.5,
+        };
+        let r = Routes {
+            ids: ids.v(),
+            weights: wts.v(),
+            slots,
+        };
+        ops::moe_route(&dev, gl.v(), gb.v(), p, r).expect("gpu route");
+        let (gi, gw) = (dev.download(&ids).expect("d"), dev.download(&wts).expect("d"));
+        for (tok, route) in want.iter().enumerate() {
+            for (s, &(ex, w)) in route.iter().enumerate() {
+                assert_eq!(gi[tok * slots + s] as usize, ex, "token {tok} slot {s} (E={e})");
+                assert!((gw[tok * slots + s] - w).abs() < 1e-5, "weight token {tok} slot {s}");
+            }
+            assert_eq!(gi[tok * slots + top_k], e as i32);
+            assert_eq!(gw[tok * slots + top_k + 1], 1.0);
+        }
+    }
+    let _ = bf16_bits(&[]);
+}

@@ -1,0 +1,19 @@
+//! The GPU benchmark report without the `ferry` CLI: `bench_gpu [e2e_context] [e2e_steps]`.
+//! Same measurements as `ferry bench-gpu` (see `ferry_model::gpu::report`).
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let mut args = std::env::args().skip(1);
+    let mut opts = ferry_model::gpu::report::ReportOptions::default();
+    if let Some(c) = args.next() {
+        opts.e2e_context = c.parse()?;
+    }
+    if let Some(s) = args.next() {
+        opts.e2e_steps = s.parse()?;
+    }
+    if std::env::var("FERRY_BENCH_SKIP_KERNELS").is_ok() {
+        opts.kernels = false;
+    }
+    let dev = ferry_kernels::cuda::CudaDevice::open(0)?;
+    print!("{}", ferry_model::gpu::report::report(&dev, &opts)?);
+    Ok(())
+}

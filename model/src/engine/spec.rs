@@ -1,0 +1,443 @@
+//! Speculative decoding inside continuous batching.
+//!
+//! One engine step with a drafter:
+//!
+//! ```text
+//!  plan:    every eligible running sequence → one batched drafter pass → B drafts each, their q,
+//!           their confidences → verify length γ per sequence (confidence or fixed, under a
+//!           per-step budget of draft slots) → reserve γ more KV positions
+//!  forward: the step's one target batch; a drafting sequence feeds [anchor, d_1..d_γ] and asks
+//!           for every row's logits; hidden states after the drafter's tap layers are kept
+//!  verify:  per sequence, kernels::cpu::verify (p from the sampler's own code, q as drawn) →
+//!           accepted a ≤ γ plus a correction or bonus token
+//!  commit:  the target KV keeps anchor + a accepted drafts; the rest is rolled back
+//!           (KvManager::truncate); the drafter context is extended with exactly those a + 1
+//!           rows' hidden states; the correction / bonus becomes the next anchor
+//! ```
+//!
+//! A sequence speculates when its request allows it and its drafter context covers every
+//! committed position. Every forward of an engine with a drafter extends the context of every
+//! row it commits (prefill chunks, plain decode steps, prefill jobs), so a prefix cached here
+//! carries valid drafter rows. Rows that are not valid — KV written by a peer that did not ship
+//! drafter layers, or a sequence whose context had a gap — mark their blocks *stale* when the
+//! sequence is released; a stale block stops speculation for whoever reuses it, until the block
+//! is allocated afresh.
+//!
+//! Randomness: drafts and the verifier's uniforms come from per-round streams derived from
+//! `(seed, step)` for seeded requests (salted apart, and apart from plain sampling), from the
+//! request's own stream otherwise. A seeded request is reproducible with speculation on, and
+//! its output has the plain sampler's distribution, though not its exact token sequence.
+
+use std::collections::{HashMap, HashSet};
+use std::fmt;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::str::FromStr;
+
+use ferry_kernels::cpu::verify::{verify, DraftProbs, Verified, VerifyRequest};
+
+use super::sequence::{round_uniforms, Phase, Sequence};
+use crate::deepseek::DeepseekModel;
+use crate::drafter::{
+    ContextRows, ContextSegment, DraftCtx, DraftDist, DraftInput, DraftKvLayout, Drafter,
+};
+use crate::kv::{BlockId, KvLayout, KvPool};
+use crate::ModelError;
+
+/// Stream salts: draft sampling and verification draw from independent streams.
+const DRAFT_SALT: u64 = 0x6472_6166_7473_0001;
+const VERIFY_SALT: u64 = 0x7665_7269_6679_0002;
+
+/// How many drafts each sequence has verified per step.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum VerifyLen {
+    /// Always `n` (capped by the block size and what the request still needs).
+    Fixed(usize),
+    /// Admit draft slots in decreasing order of cumulative predicted survival
+    /// `Π_{j≤k} c_j` while it is at least `min_survival` and the step's budget lasts.
+    Confidence {
+        /// Smallest cumulative survival worth a verify slot.
+        min_survival: f32,
+    },
+}
+
+impl Default for VerifyLen {
+    fn default() -> Self {
+        VerifyLen::Confidence { min_survival: 0.3 }
+    }
+}
+
+impl fmt::Display for VerifyLen {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            VerifyLen::Fixed(n) => write!(f, "fixed:{n}"),
+            VerifyLen::Confidence { min_survival } => write!(f, "confidence:{min_survival}"),
+        }
+    }
+}
+
+impl FromStr for VerifyLen {
+    type Err = String;
+
+    /// `fixed:N` or `confidence[:MIN_SURVIVAL]`.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let (kind, arg) = s.split_once(':').unwrap_or((s, ""));
+        match (kind, arg) {
+            ("fixed", n) => n
+                .parse::<usize>()
+                .map(VerifyLen::Fixed)
+                .map_err(|_| format!("`fixed:N` needs a whole number, got {n:?}")),
+            ("confidence", "") => Ok(VerifyLen::default()),
+            ("confidence", m) => match m.parse::<f32>() {
+                Ok(v) if (0.0..=1.0).contains(&v) => Ok(VerifyLen::Confidence { min_survival: v }),
+                _ => Err(format!("`confidence:MIN` needs a number in [0, 1], got {m:?}")),
+            },
+            _ => Err(format!(
+                "verify length must be `fixed:N` or `confidence[:MIN]`, got {s:?}"
+            )),
+        }
+    }
+}
+
+/// Speculation policy of an engine.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SpecConfig {
+    /// Verify length per sequence.
+    pub verify_len: VerifyLen,
+    /// Draft slots verified per step across the batch (the verify budget; the rest of the
+    /// step's token budget goes to decode steps and prefill).
+    pub max_verify_tokens: usize,
+}
+
+impl Default for SpecConfig {
+    fn default() -> Self {
+        Self {
+            verify_len: VerifyLen::default(),
+            max_verify_tokens: 64,
+        }
+    }
+}
+
+/// The drafts one sequence verifies this step.
+#[derive(Debug, Clone)]
+pub(crate) struct Draft {
+    /// The target's inputs: the anchor, then the γ drafts.
+    pub tokens: Vec<u32>,
+    /// Their q (`[γ][vocab]` when sampled).
+    pub q: DraftDist,
+}
+
+impl Draft {
+    /// γ.
+    pub fn gamma(&self) -> usize {
+        self.tokens.len() - 1
+    }
+}
+
+/// The drafter, its KV pool and the block bookkeeping of an engine.
+pub(crate) struct Speculator {
+    drafter: Box<dyn Drafter>,
+    layout: Option<DraftKvLayout>,
+    pool: Option<KvPool>,
+    config: SpecConfig,
+    /// Blocks whose drafter rows do not match their target KV.
+    stale: HashSet<BlockId>,
+    /// Drafter pool layers a peer has written per reserved block.
+    writes: HashMap<BlockId, usize>,
+}
+
+impl Speculator {
+    /// A speculator for an engine whose target pool has geometry `target`.
+    pub fn new(
+        drafter: Box<dyn Drafter>,
+        target: &KvLayout,
+        config: SpecConfig,
+    ) -> Result<Self, ModelError> {
+        let layout = drafter.kv_layout();
+        let pool = layout
+            .map(|l| KvPool::new(l.pool_layout(target)))
+            .transpose()?;
+        Ok(Self {
+            drafter,
+            layout,
+            pool,
+            config,
+            stale: HashSet::new(),
+            writes: HashMap::new(),
+        })
+    }
+
+    /// Target layers to tap.
+    pub fn taps(&self) -> &[usize] {
+        self.drafter.taps()
+    }
+
+    /// Drafter pool layers (extra transfer layers after the target's).
+    pub fn pool_layers(&self) -> usize {
+        self.layout.map_or(0, |l| l.pool_layers())
+    }
+
+    /// The drafter pool (shipping it to a peer).
+    pub fn pool(&self) -> Option<&KvPool> {
+        self.pool.as_ref()
+    }
+
+    /// `blocks` were just allocated: whatever they held before is gone.
+    pub fn fresh(&mut self, blocks: &[BlockId]) {
+        for b in blocks {
+            self.stale.remove(b);
+            self.writes.remove(b);
+        }
+    }
+
+    /// Leading positions of a `len`-position table over `blocks` whose drafter rows are valid.
+    pub fn valid_prefix(&self, blocks: &[BlockId], len: usize, page: usize) -> usize {
+        blocks
+            .iter()
+            .position(|b| self.stale.contains(b))
+            .map_or(len, |i| (i * page).min(len))
+    }
+
+    /// A sequence released with drafter rows valid only below `valid`: its blocks from there on
+    /// are stale (they may stay cached).
+    pub fn mark_stale(&mut self, blocks: &[BlockId], valid: usize, page: usize) {
+        self.stale
+            .extend(blocks.iter().skip(valid / page).copied());
+    }
+
+    /// A peer's write of drafter pool layer `layer` into `block` (little-endian f32).
+    pub fn write_kv(&mut self, layer: usize, block: BlockId, data: &[u8]) -> Result<(), String> {
+        let pool = self
+            .pool
+            .as_mut()
+            .ok_or("this engine's drafter keeps no KV")?;
+        let dst = pool.block_mut(layer, block).map_err(|e| e.to_string())?;
+        if data.len() != dst.len() * 4 {
+            return Err(format!(
+                "drafter KV write of {} bytes, a block is {}",
+                data.len(),
+                dst.len() * 4
+            ));
+        }
+        for (d, b) in dst.iter_mut().zip(data.chunks_exact(4)) {
+            *d = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+        }
+        *self.writes.entry(block).or_default() += 1;
+        Ok(())
+    }
+
+    /// The peer finished: whether every block of `blocks` received every drafter layer.
+    pub fn remote_landed(&mut self, blocks: &[BlockId]) -> bool {
+        let want = self.pool_layers();
+        let mut all = want > 0;
+        for b in blocks {
+            all &= self.writes.remove(b).unwrap_or(0) >= want;
+        }
+        all
+    }
+
+    /// Forgets a failed peer's partial writes.
+    pub fn forget_writes(&mut self, blocks: &[BlockId]) {
+        for b in blocks {
+            self.writes.remove(b);
+        }
+    }
+
+    /// Drafts for every eligible running sequence and picks its verify length; `budget` is the
+    /// step's token budget left for draft slots, `max_pos` the context length. One entry per
+    /// running sequence (`None`: a plain decode step).
+    pub fn plan(
+        &self,
+        model: &DeepseekModel,
+        running: &mut [Sequence],
+        budget: usize,
+        max_pos: usize,
+    ) -> Vec<Option<Draft>> {
+        let mut plan: Vec<Option<Draft>> = vec![None; running.len()];
+        let block = self.drafter.block_size();
+        // Slots each sequence may verify at most: what the request still needs after this
+        // step's guaranteed token, what the context has room for, the block size.
+        let room: Vec<usize> = running
+            .iter()
+            .map(|s| {
+                let left = s.stop.max_tokens.saturating_sub(s.generated + 1);
+                let ctx = max_pos.saturating_sub(s.table.len() + 1);
+                left.min(ctx).min(block)
+            })
+            .collect();
+        let eligible: Vec<usize> = (0..running.len())
+            .filter(|&i| {
+                let s = &running[i];
+                s.speculative
+                    && room[i] > 0
+                    && s.draft_ctx == s.table.len()
+                    && matches!(s.phase, Phase::Decoding { .. })
+            })
+            .collect();
+        let budget = budget.min(self.config.max_verify_tokens);
+        if eligible.is_empty() || budget == 0 {
+            return plan;
+        }
+        let uniforms: Vec<Vec<f64>> = eligible
+            .iter()
+            .map(|&i| {
+                let s = &mut running[i];
+                round_uniforms(&s.sampling, s.generated, DRAFT_SALT, &mut s.rng, block)
+            })
+            .collect();
+        let inputs: Vec<DraftInput<'_>> = eligible
+            .iter()
+            .zip(&uniforms)
+            .map(|(&i, u)| {
+                let s = &running[i];
+                let anchor = match s.phase {
+                    Phase::Decoding { next } => next,
+                    _ => 0,
+                };
+                DraftInput {
+                    anchor,
+                    context_len: s.table.len(),
+                    block_table: s.table.blocks(),
+                    tokens: &s.tokens,
+                    params: &s.sampling,
+                    uniforms: u,
+                }
+            })
+            .collect();
+        let ctx = DraftCtx {
+            target: model,
+            pool: self.pool.as_ref(),
+        };
+        let proposals = self.drafter.propose(&ctx, &inputs);
+        drop(inputs);
+
+        // Candidate slots: (sequence, slot k, cumulative survival).
+        let mut slots = Vec::new();
+        let mut props = Vec::with_capacity(eligible.len());
+        for (&i, p) in eligible.iter().zip(proposals) {
+            match p {
+                Ok(p) => {
+                    let n = p.drafts.len().min(room[i]);
+                    let mut survival = 1.0f32;
+                    for k in 0..n {
+                        survival *= p.confidence.get(k).copied().unwrap_or(0.0);
+                        slots.push((i, k, survival));
+                    }
+                    props.push((i, p));
+                }
+                Err(e) => {
+                    tracing::warn!(seq = running[i].id.0, error = %e, "drafting failed; plain decode step");
+                }
+            }
+        }
+        let mut gamma: HashMap<usize, usize> = HashMap::new();
+        let mut left = budget;
+        match self.config.verify_len {
+            VerifyLen::Fixed(n) => {
+                for (i, p) in &props {
+                    let g = n.min(p.drafts.len()).min(room[*i]).min(left);
+                    left -= g;
+                    gamma.insert(*i, g);
+                }
+            }
+            VerifyLen::Confidence { min_survival } => {
+                slots.retain(|s| s.2 >= min_survival);
+                slots.sort_by(|a, b| b.2.total_cmp(&a.2).then(a.1.cmp(&b.1)));
+                let mut admitted: HashSet<(usize, usize)> = HashSet::new();
+                for (i, k, _) in slots.into_iter().take(left) {
+                    admitted.insert((i, k));
+                }
+                for (i, _) in &props {
+                    let g = (0..).take_while(|k| admitted.contains(&(*i, *k))).count();
+                    gamma.insert(*i, g);
+                }
+            }
+        }
+        for (i, p) in props {
+            let g = gamma.get(&i).copied().unwrap_or(0);
+            if g == 0 {
+                continue;
+            }
+            let Phase::Decoding { next } = running[i].phase else {
+                continue;
+            };
+            let vocab = model.config().vocab_size;
+            let q = match p.q {
+                DraftDist::Greedy => DraftDist::Greedy,
+                DraftDist::Sampled(mut rows) => {
+                    rows.truncate(g * vocab);
+                    DraftDist::Sampled(rows)
+                }
+            };
+            let mut tokens = Vec::with_capacity(g + 1);
+            tokens.push(next);
+            tokens.extend_from_slice(&p.drafts[..g]);
+            plan[i] = Some(Draft { tokens, q });
+        }
+        plan
+    }
+
+    /// Writes context rows for the committed rows of a batch.
+    pub fn extend(
+        &mut self,
+        model: &DeepseekModel,
+        taps: &[Vec<f32>],
+        segments: &[ContextSegment<'_>],
+    ) -> Result<(), ModelError> {
+        let Some(pool) = self.pool.as_mut() else {
+            return Ok(());
+        };
+        if segments.is_empty() {
+            return Ok(());
+        }
+        self.drafter
+            .extend_context(model, pool, &ContextRows { taps, segments })
+    }
+}
+
+/// Verifies one sequence's round against its target logits (`[(γ+1)][vocab]`). A panic inside
+/// the verifier is caught and becomes this request's error: one request's failure never takes
+/// down the batch or the engine.
+pub(crate) fn verify_round(
+    s: &mut Sequence,
+    draft: &Draft,
+    logits: &[f32],
+) -> Result<Verified, String> {
+    let gamma = draft.gamma();
+    let uniforms = round_uniforms(&s.sampling, s.generated, VERIFY_SALT, &mut s.rng, gamma + 1);
+    let q = match &draft.q {
+        DraftDist::Greedy => DraftProbs::Greedy,
+        DraftDist::Sampled(rows) => DraftProbs::Sampled(rows),
+    };
+    let req = VerifyRequest {
+        target_logits: logits,
+        drafts: &draft.tokens[1..],
+        q,
+        params: &s.sampling,
+        uniforms: &uniforms,
+    };
+    match catch_unwind(AssertUnwindSafe(|| verify(&req))) {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => Err(format!("speculative verification: {e}")),
+        Err(_) => Err("speculative verification panicked".into()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn verify_len_parses_and_prints() {
+        assert_eq!("fixed:3".parse::<VerifyLen>(), Ok(VerifyLen::Fixed(3)));
+        assert_eq!("confidence".parse::<VerifyLen>(), Ok(VerifyLen::default()));
+        assert_eq!(
+            "confidence:0.5".parse::<VerifyLen>(),
+            Ok(VerifyLen::Confidence { min_survival: 0.5 })
+        );
+        assert!("confidence:2".parse::<VerifyLen>().is_err());
+        assert!("sometimes".parse::<VerifyLen>().is_err());
+        for v in [VerifyLen::Fixed(4), VerifyLen::default()] {
+            assert_eq!(v.to_string().parse::<VerifyLen>(), Ok(v));
+        }
+    }
+}

@@ -1,0 +1,251 @@
+//! Single-stream decode throughput of a random-weight model on the GPU, against the roofline.
+//!
+//! The model has DeepSeek-V2-Lite-like shapes ([`v2_lite_like_config`]: hidden 2048, 27
+//! layers, 16 heads, full-rank q, kv_lora 512, 64 routed experts top-6 + 2 shared, one dense
+//! layer, vocab 102400) with weights drawn on the device, so nothing is downloaded. The
+//! cache is pre-filled with `context` random latent rows, then `steps` greedy decode steps run
+//! through [`GpuModel::forward`] exactly as a server would drive it (host argmax between steps).
+//! Roofline: (active weight bytes + latent bytes read per token) / measured copy bandwidth.
+
+use std::time::Instant;
+
+use ferry_kernels::cpu::mla::MlaDims;
+use ferry_kernels::cpu::rope::Rope;
+use ferry_kernels::cpu::sample::argmax;
+use ferry_kernels::cuda::ops::{fill_random_bf16, GpuExperts, RouteParams};
+use ferry_kernels::cuda::{CudaDevice, GpuMatrix};
+
+use super::{mla_shape, GpuAttn, GpuFfn, GpuKvCache, GpuLayer, GpuMode, GpuModel, GpuQuery};
+use crate::config::ModelConfig;
+use crate::deepseek::{BatchInputs, FormPolicy, LogitsWanted, SeqInput};
+use crate::kv::BlockId;
+use crate::ModelError;
+
+/// `config.json` text of the DeepSeek-V2-Lite-like benchmark model (DeepseekV3 architecture,
+/// so sigmoid routing; V2-Lite's own gating is softmax — same bytes moved).
+pub const V2_LITE_LIKE: &str = r#"{
+  "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+  "vocab_size": 102400, "hidden_size": 2048, "intermediate_size": 10944,
+  "moe_intermediate_size": 1408, "num_hidden_layers": 27, "num_attention_heads": 16,
+  "num_key_value_heads": 16, "q_lora_rank": null, "kv_lora_rank": 512,
+  "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+  "n_routed_experts": 64, "num_experts_per_tok": 6, "n_shared_experts": 2,
+  "n_group": 1, "topk_group": 1, "norm_topk_prob": false, "routed_scaling_factor": 1.0,
+  "first_k_dense_replace": 1, "moe_layer_freq": 1, "scoring_func": "sigmoid",
+  "topk_method": "noaux_tc", "hidden_act": "silu", "max_position_embeddings": 163840,
+  "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": false,
+  "bos_token_id": 0, "eos_token_id": 1
+}"#;
+
+/// The parsed [`V2_LITE_LIKE`] config.
+pub fn v2_lite_like_config() -> Result<ModelConfig, ModelError> {
+    ModelConfig::from_json_str(V2_LITE_LIKE)
+}
+
+/// Draws random bf16 weights (uniform, variance-preserving scale) on `dev`.
+struct Draw<'a> {
+    dev: &'a CudaDevice,
+    seed: u64,
+}
+
+impl Draw<'_> {
+    fn matrix(&mut self, rows: usize, cols: usize) -> Result<GpuMatrix, ModelError> {
+        self.seed += 1;
+        let scale = (3.0 / cols as f32).sqrt();
+        Ok(GpuMatrix::random_bf16(self.dev, rows, cols, self.seed, scale)?)
+    }
+
+    fn ones(&self, n: usize) -> Result<ferry_kernels::cuda::DeviceBuffer<f32>, ModelError> {
+        Ok(self.dev.upload(&vec![1.0f32; n])?)
+    }
+}
+
+impl GpuModel {
+    /// A model with `config`'s shapes and random bf16 weights drawn on the device (norm
+    /// weights 1, routing bias 0). For benchmarks: its outputs mean nothing.
+    pub fn random(dev: &CudaDevice, config: ModelConfig, mode: GpuMode) -> Result<Self, ModelError> {
+        let c = &config;
+        let dims = MlaDims {
+            heads: c.num_attention_heads,
+            kv_lora_rank: c.kv_lora_rank,
+            qk_nope_head_dim: c.qk_nope_head_dim,
+            qk_rope_head_dim: c.qk_rope_head_dim,
+            v_head_dim: c.v_head_dim,
+        };
+        let mut draw = Draw { dev, seed: 1 };
+        let h = c.hidden_size;
+        let q_out = dims.heads * dims.qk_head_dim();
+        let mut layers = Vec::with_capacity(c.num_hidden_layers);
+        for l in 0..c.num_hidden_layers {
+            let q = match c.q_lora_rank {
+                Some(r) => GpuQuery::LowRank {
+                    a: draw.matrix(r, h)?,
+                    norm: draw.ones(r)?,
+                    b: draw.matrix(q_out, r)?,
+                },
+                None => GpuQuery::Full(draw.matrix(q_out, h)?),
+            };
+            let attn = GpuAttn {
+                q,
+                kv_a: draw.matrix(dims.latent_width(), h)?,
+                kv_a_norm: draw.ones(dims.kv_lora_rank)?,
+                kv_b: draw.matrix(dims.heads * dims.kv_b_rows_per_head(), dims.kv_lora_rank)?,
+                o: draw.matrix(h, dims.heads * dims.v_head_dim)?,
+            };
+            let ffn = if c.is_moe_layer(l) {
+                let (e, inter) = (c.n_routed_experts + c.n_shared_experts, c.moe_intermediate_size);
+                GpuFfn::Moe {
+                    router: draw.matrix(c.n_routed_experts, h)?,
+                    bias: dev.zeros::<f32>(c.n_routed_experts)?,
+                    experts: GpuExperts {
+                        gate: draw.matrix(e * inter, h)?,
+                        up: draw.matrix(e * inter, h)?,
+                        down: draw.matrix(e * h, inter)?,
+                        inter,
+                        hidden: h,
+                    },
+                    routing: RouteParams {
+                        n_experts: c.n_routed_experts as i32,
+                        top_k: c.num_experts_per_tok as i32,
+                        n_group: c.n_group as i32,
+                        topk_group: c.topk_group as i32,
+                        norm_topk: i32::from(c.norm_topk_prob),
+                        n_shared: c.n_shared_experts as i32,
+                        scale: c.routed_scaling_factor,
+                    },
+                }
+            } else {
+                GpuFfn::Dense {
+                    gate: draw.matrix(c.intermediate_size, h)?,
+                    up: draw.matrix(c.intermediate_size, h)?,
+                    down: draw.matrix(h, c.intermediate_size)?,
+                }
+            };
+            layers.push(GpuLayer {
+                input_norm: draw.ones(h)?,
+                attn,
+                post_norm: draw.ones(h)?,
+                ffn,
+            });
+        }
+        let embed = draw.matrix(c.vocab_size, h)?;
+        let lm_head = Some(draw.matrix(c.vocab_size, h)?);
+        let norm = draw.ones(h)?;
+        let rope = Rope::new(&c.rope)?;
+        Ok(Self {
+            dev: dev.clone(),
+            shape: mla_shape(&dims),
+            dims,
+            embed,
+            layers,
+            norm,
+            lm_head,
+            rope,
+            scale: c.softmax_scale(),
+            mode,
+            policy: FormPolicy::CostModel,
+            config,
+        })
+    }
+}
+
+impl GpuKvCache {
+    /// Fills every bf16 row with noise (benchmarks start decoding after a random context).
+    pub fn fill_random(&self, dev: &CudaDevice) -> Result<(), ModelError> {
+        for l in 0..self.layout().num_layers {
+            let p = self.pages(l)?;
+            if p.bf16 {
+                let n = p.num_blocks * p.page_size * p.width;
+                let view = ferry_kernels::cuda::ops::Dv::<u16>::raw(p.ptr, n);
+                fill_random_bf16(dev, view, 100 + l as u64, 1.0)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Result of [`decode_throughput`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct DecodeReport {
+    /// Cached tokens before the first step.
+    pub context: usize,
+    /// Steps timed.
+    pub steps: usize,
+    /// Decoded tokens per second (wall clock, host argmax included).
+    pub tokens_per_s: f64,
+    /// Weight bytes read per token.
+    pub weight_bytes: usize,
+    /// Latent bytes read per token (all layers, at the mean context of the run).
+    pub kv_bytes: usize,
+    /// Tokens per second the bandwidth allows: `bandwidth / (weight + kv bytes)`.
+    pub roofline_tokens_per_s: f64,
+}
+
+/// Greedy single-stream decode of `steps` tokens after `context` random cached tokens;
+/// `bandwidth_gbs` (measured copy bandwidth) sets the roofline.
+pub fn decode_throughput(
+    model: &GpuModel,
+    context: usize,
+    steps: usize,
+    bandwidth_gbs: f64,
+) -> Result<DecodeReport, ModelError> {
+    let dev = model.device();
+    let page = 64;
+    let blocks = (context + steps + 1).div_ceil(page);
+    let kv = model.new_kv_cache(blocks, page)?;
+    kv.fill_random(dev)?;
+    let mut kv = kv;
+    let table: Vec<BlockId> = (0..blocks as u32).map(BlockId).collect();
+    let mut token = [1u32];
+    let mut step = |pos: usize, tok: &mut [u32; 1]| -> Result<(), ModelError> {
+        let batch = BatchInputs {
+            seqs: vec![SeqInput {
+                tokens: &tok[..],
+                start_pos: pos,
+                block_table: &table,
+                logits: LogitsWanted::Last,
+            }],
+        };
+        let out = model.forward(&batch, &mut kv)?;
+        tok[0] = out.last_row(0).map(argmax).unwrap_or(0);
+        Ok(())
+    };
+    // Warm-up: compiles every kernel and fills the allocator's pool.
+    step(context, &mut token)?;
+    let start = Instant::now();
+    for i in 0..steps {
+        step(context + 1 + i, &mut token)?;
+    }
+    let secs = start.elapsed().as_secs_f64();
+    let tokens_per_s = steps as f64 / secs.max(f64::MIN_POSITIVE);
+    let weight_bytes = model.active_weight_bytes();
+    let elem = if model.mode == GpuMode::Fast { 2 } else { 4 };
+    let mean_ctx = context + 1 + steps / 2;
+    let kv_bytes = model.layers.len() * mean_ctx * model.config.latent_width() * elem;
+    let roofline = bandwidth_gbs * 1e9 / (weight_bytes + kv_bytes) as f64;
+    Ok(DecodeReport {
+        context,
+        steps,
+        tokens_per_s,
+        weight_bytes,
+        kv_bytes,
+        roofline_tokens_per_s: roofline,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn v2_lite_like_config_parses() {
+        let c = v2_lite_like_config().expect("valid config");
+        assert_eq!(c.hidden_size, 2048);
+        assert_eq!(c.num_hidden_layers, 27);
+        assert_eq!(c.num_attention_heads, 16);
+        assert_eq!(c.n_routed_experts, 64);
+        assert_eq!(c.num_experts_per_tok, 6);
+        assert_eq!(c.latent_width(), 576);
+        assert!(c.q_lora_rank.is_none());
+    }
+}

@@ -1,0 +1,149 @@
+//! The GPU benchmark report of BENCHMARKS.md in one run, as Markdown text (`ferry bench-gpu`,
+//! and `cargo run --release -p ferry-model --example bench_gpu` where the CLI is not built).
+//!
+//! 1. Device-to-device copy bandwidth (the roofline's denominator).
+//! 2. MHA-form causal prefill (qk 192 / v 128), 12 and 16 heads, 4k / 16k / 64k tokens:
+//!    TFLOP/s of the tensor-core flash kernel (PyTorch SDPA runs beside it from
+//!    `scripts/bench_sdpa.py`).
+//! 3. Absorbed decode over the bf16 latent cache (576-wide rows), 16 heads, batch 1–128 ×
+//!    context 1k–128k: achieved GB/s of latent read against the copy bandwidth.
+//! 4. Padded 12 → 16 vs head-packed vs per-head generic, same shapes.
+//! 5. End to end: single-stream decode of a random-weight DeepSeek-V2-Lite-like model against
+//!    the roofline.
+
+use std::fmt::Write;
+
+use ferry_kernels::cuda::bench::{
+    absorbed_decode, copy_bandwidth, mha_prefill, AbsorbedImpl, DecodeShape, LatentPool, MhaImpl,
+};
+use ferry_kernels::cuda::mla::MlaShape;
+use ferry_kernels::cuda::CudaDevice;
+
+use super::bench::{decode_throughput, v2_lite_like_config};
+use super::{GpuMode, GpuModel};
+use crate::ModelError;
+
+/// What to measure.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReportOptions {
+    /// Prefill lengths (tokens) for the MHA-form benchmark.
+    pub prefill_tokens: Vec<usize>,
+    /// Decode batch sizes for the absorbed benchmark.
+    pub batch: Vec<usize>,
+    /// Decode contexts for the absorbed benchmark.
+    pub context: Vec<usize>,
+    /// Cached tokens before the end-to-end decode run.
+    pub e2e_context: usize,
+    /// Decode steps timed end to end.
+    pub e2e_steps: usize,
+    /// Run the kernel benchmarks.
+    pub kernels: bool,
+    /// Run the end-to-end model benchmark.
+    pub e2e: bool,
+}
+
+impl Default for ReportOptions {
+    fn default() -> Self {
+        Self {
+            prefill_tokens: vec![4096, 16384, 65536],
+            batch: vec![1, 8, 32, 128],
+            context: vec![1024, 8192, 32768, 131072],
+            e2e_context: 1024,
+            e2e_steps: 64,
+            kernels: true,
+            e2e: true,
+        }
+    }
+}
+
+/// Runs the benchmarks on `dev` and returns the Markdown report. Failing cells are reported
+/// in place; only failures to start (allocation, the copy baseline) are errors.
+pub fn report(dev: &CudaDevice, opts: &ReportOptions) -> Result<String, ModelError> {
+    let mut out = String::new();
+    let _ = writeln!(out, "device: {} ({} SMs)\n", dev.name(), dev.sm_count());
+    let bw = copy_bandwidth(dev, 2 << 30)?;
+    let _ = writeln!(out, "device-to-device copy (read + write): {bw:.0} GB/s\n");
+    if opts.kernels {
+        kernels(dev, opts, bw, &mut out)?;
+    }
+    if opts.e2e {
+        let _ = writeln!(out, "### End to end: single-stream decode, random DeepSeek-V2-Lite-like model (fast mode)\n");
+        let _ = writeln!(out, "| context | steps | tok/s | ms/token | weight MB/token | KV MB/token | roofline tok/s | % of roofline |\n|---|---|---|---|---|---|---|---|");
+        let model = GpuModel::random(dev, v2_lite_like_config()?, GpuMode::Fast)?;
+        match decode_throughput(&model, opts.e2e_context, opts.e2e_steps, bw) {
+            Ok(r) => {
+                let _ = writeln!(
+                    out,
+                    "| {} | {} | {:.1} | {:.3} | {:.1} | {:.1} | {:.0} | {:.0}% |\n",
+                    r.context,
+                    r.steps,
+                    r.tokens_per_s,
+                    1e3 / r.tokens_per_s,
+                    r.weight_bytes as f64 / 1e6,
+                    r.kv_bytes as f64 / 1e6,
+                    r.roofline_tokens_per_s,
+                    100.0 * r.tokens_per_s / r.roofline_tokens_per_s
+                );
+            }
+            Err(e) => {
+                let _ = writeln!(out, "| {} | {} | error: {e} | | | | | |\n", opts.e2e_context, opts.e2e_steps);
+            }
+        }
+    }
+    Ok(out)
+}
+
+fn kernels(dev: &CudaDevice, args: &ReportOptions, bw: f64, out: &mut String) -> Result<(), ModelError> {
+    let shape = MlaShape::DEEPSEEK_V3;
+    let _ = writeln!(out, "### MHA-form causal prefill (qk 192 / v 128, bf16, batch 1), flash kernel\n");
+    let _ = writeln!(out, "| heads | tokens | ms | TFLOP/s |\n|---|---|---|---|");
+    for heads in [12usize, 16] {
+        for &n in &args.prefill_tokens {
+            let _ = match mha_prefill(dev, shape, MhaImpl::Flash, heads, n) {
+                Ok((t, tf)) => writeln!(out, "| {heads} | {n} | {:.3} | {tf:.0} |", t.ms),
+                Err(e) => writeln!(out, "| {heads} | {n} | error: {e} | |"),
+            };
+        }
+    }
+    let _ = writeln!(out);
+
+    let max_tokens = args
+        .batch
+        .iter()
+        .flat_map(|b| args.context.iter().map(move |c| b * c))
+        .max()
+        .unwrap_or(0)
+        .min(128 * 131_072);
+    let pool = LatentPool::new(dev, shape, max_tokens)?;
+    let _ = writeln!(out, "### Absorbed decode (16 heads, bf16 latent cache, tile kernel): GB/s of latent read (copy: {bw:.0} GB/s)\n");
+    let head: Vec<String> = args.context.iter().map(|c| format!("ctx {c}")).collect();
+    let _ = writeln!(out, "| batch | {} |\n|---|{}", head.join(" | "), "---|".repeat(args.context.len()));
+    for &b in &args.batch {
+        let mut cells = Vec::new();
+        for &c in &args.context {
+            let s = DecodeShape { batch: b, ctx: c, heads: 16, sq: 1 };
+            cells.push(match absorbed_decode(dev, &pool, AbsorbedImpl::Padded, s) {
+                Ok((t, gbs)) => format!("{gbs:.0} ({:.0}%, {:.3} ms)", 100.0 * gbs / bw, t.ms),
+                Err(e) => format!("error: {e}"),
+            });
+        }
+        let _ = writeln!(out, "| {b} | {} |", cells.join(" | "));
+    }
+    let _ = writeln!(out);
+
+    let _ = writeln!(out, "### 12 heads: padded 12→16 vs head-packed vs per-head generic (ms; GB/s of latent read)\n");
+    let _ = writeln!(out, "| batch | ctx | q tokens/seq | padded | packed | generic |\n|---|---|---|---|---|---|");
+    for (b, c, sq) in [(1, 32_768, 1), (32, 8192, 1), (128, 4096, 1), (32, 8192, 4), (8, 32_768, 2)] {
+        let mut cells = Vec::new();
+        for imp in [AbsorbedImpl::Padded, AbsorbedImpl::Packed, AbsorbedImpl::Generic] {
+            let s = DecodeShape { batch: b, ctx: c, heads: 12, sq };
+            cells.push(match absorbed_decode(dev, &pool, imp, s) {
+                Ok((t, gbs)) => format!("{:.3} ms ({gbs:.0} GB/s)", t.ms),
+                Err(e) => format!("error: {e}"),
+            });
+        }
+        let _ = writeln!(out, "| {b} | {c} | {sq} | {} |", cells.join(" | "));
+    }
+    let _ = writeln!(out);
+    Ok(())
+}

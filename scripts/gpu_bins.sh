@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Builds the release binaries the GPU machine runs (it has no Rust toolchain) and copies them
+# into device-bin/ (git-ignored; pass it as `carry`). See docs/gpu.md.
+#   scripts/gpu_bins.sh            # build + copy
+#   scripts/gpu_bins.sh --no-build # copy what target/ already holds
+set -euo pipefail
+cd "$(dirname "$0")/.."
+target="${CARGO_TARGET_DIR:-target}"
+if [ "${1:-}" != "--no-build" ]; then
+  cargo build --release -p ferry -p ferry-model --example bench_gpu
+  cargo test --release --no-run -p ferry-kernels --test cuda_parity -p ferry-model --test gpu_parity
+fi
+mkdir -p device-bin
+cp "$target/release/ferry" "$target/release/examples/bench_gpu" device-bin/
+for t in cuda_parity gpu_parity; do
+  bin=$(ls -t "$target"/release/deps/$t-* | grep -v '\.d$' | head -1)
+  cp "$bin" "device-bin/$t"
+done
+# Test binaries find the embedded model through the absolute source path they were built in;
+# the device command links that path to its copy of the tree.
+pwd > device-bin/SRC_ROOT
+ls -la device-bin

@@ -1,0 +1,78 @@
+"""The official `openai` Python client against ferry's OpenAI-compatible gateway.
+
+Run by tests/cluster_python.rs against a live cluster:
+
+    python3 tests/python/openai_stream.py --base-url http://127.0.0.1:PORT/v1 --model tiny-k3
+
+Streams a chat completion (checking the chunks), makes the same request without streaming
+(checking `usage`), and prints {"streamed": ..., "whole": ...} as one JSON line. Any failed
+check raises, so the process exits non-zero.
+"""
+
+import argparse
+import json
+
+from openai import OpenAI
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--base-url", required=True)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    args = ap.parse_args()
+
+    client = OpenAI(base_url=args.base_url, api_key="unused", max_retries=0, timeout=60)
+    messages = [{"role": "user", "content": "Who created the heaven and the earth?"}]
+    # Greedy and past end-of-sequence (ferry's `ignore_eos` extension): a fixed-length answer.
+    common = dict(
+        model=args.model,
+        messages=messages,
+        max_tokens=args.max_tokens,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+
+    stream = client.chat.completions.create(
+        stream=True, stream_options={"include_usage": True}, **common
+    )
+    pieces, finish, usage, chunks = [], None, None, 0
+    for chunk in stream:
+        chunks += 1
+        assert chunk.object == "chat.completion.chunk", chunk
+        assert chunk.model == args.model, chunk
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            assert choice.index == 0, chunk
+            if choice.delta.content:
+                pieces.append(choice.delta.content)
+            if choice.finish_reason is not None:
+                finish = choice.finish_reason
+    streamed = "".join(pieces)
+    assert len(pieces) > 1, f"expected the answer in several chunks, got {pieces!r}"
+    assert streamed, "the streamed answer is empty"
+    assert finish == "length", f"finish_reason {finish!r}"
+    assert usage is not None, "no usage chunk despite stream_options.include_usage"
+    assert usage.completion_tokens == args.max_tokens, usage
+
+    whole = client.chat.completions.create(**common)
+    assert whole.object == "chat.completion", whole
+    assert whole.choices[0].message.role == "assistant", whole
+    assert whole.choices[0].finish_reason == "length", whole
+    text = whole.choices[0].message.content
+    assert text, "the non-streaming answer is empty"
+    u = whole.usage
+    assert u is not None, "no usage in a non-streaming answer"
+    assert u.prompt_tokens > 0 and u.completion_tokens == args.max_tokens, u
+    assert u.total_tokens == u.prompt_tokens + u.completion_tokens, u
+    assert text == streamed, f"greedy: streamed {streamed!r} != whole {text!r}"
+
+    models = [m.id for m in client.models.list()]
+    assert models == [args.model], models
+
+    print(json.dumps({"streamed": streamed, "whole": text}))
+
+
+if __name__ == "__main__":
+    main()
