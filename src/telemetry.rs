@@ -94,7 +94,10 @@ fn build_provider(
     config: &TelemetryConfig,
     notes: &mut Vec<String>,
 ) -> Result<(SdkTracerProvider, tokio::runtime::Runtime), String> {
-    for key in ["OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] {
+    for key in [
+        "OTEL_EXPORTER_OTLP_PROTOCOL",
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+    ] {
         if let Ok(p) = std::env::var(key) {
             if p != "grpc" {
                 notes.push(format!("{key}={p:?}: ferry exports OTLP over gRPC only"));
@@ -135,8 +138,8 @@ fn build_provider(
 /// Installs the global subscriber: logs to stderr always, trace export when the environment
 /// asks for it (see the module docs). Call once, first thing in `main`.
 pub fn init(config: TelemetryConfig) -> Telemetry {
-    let fmt_filter = EnvFilter::try_from_env("FERRY_LOG")
-        .unwrap_or_else(|_| EnvFilter::new("warn,ferry=info"));
+    let fmt_filter =
+        EnvFilter::try_from_env("FERRY_LOG").unwrap_or_else(|_| EnvFilter::new("warn,ferry=info"));
     let fmt = tracing_subscriber::fmt::layer()
         .with_writer(std::io::stderr)
         .with_filter(fmt_filter);

@@ -372,3 +372,91 @@ async fn invalid_requests_are_rejected_naming_the_field_and_the_servers_keep_ser
 
     cluster.assert_kv_blocks_released().await;
 }
+
+#[tokio::test]
+async fn a_client_that_disconnects_mid_stream_cancels_its_request_and_frees_its_blocks() {
+    let cluster = Cluster::start(Spec::new(0, 1)).await;
+    let decode = cluster.live(Role::Decode)[0].clone();
+    // Long enough that finishing instead of cancelling would leave about 14 whole blocks of
+    // prompt + completion in the prefix cache; cancelled after a few tokens, it leaves at most
+    // a few.
+    const LONG: u32 = 900;
+    let unfinished = |cached_before: u32, s: &ferry_proto::internal::WorkerStats| {
+        s.kv_blocks_cached - cached_before <= 7
+    };
+
+    let before = cluster.stats(&decode).await;
+    let mut client = cluster.grpc().await;
+    let mut stream = client
+        .generate(cluster::greedy_request(&cluster::golden_prompt(0), LONG))
+        .await
+        .expect("Generate starts")
+        .into_inner();
+    for _ in 0..2 {
+        stream
+            .message()
+            .await
+            .expect("a streamed message")
+            .expect("not the end yet");
+    }
+    drop(stream);
+    let after = cluster
+        .wait_stats(
+            &decode,
+            cluster::RELEASE_TIMEOUT,
+            "done with the dropped gRPC stream",
+            |s| {
+                s.kv_blocks_used == 0
+                    && s.running_requests == 0
+                    && s.requests_finished > before.requests_finished
+            },
+        )
+        .await;
+    assert!(
+        unfinished(before.kv_blocks_cached, &after),
+        "the request ran to its end: {after:?}"
+    );
+
+    let before = after;
+    let mut resp = reqwest::Client::builder()
+        .no_proxy()
+        .build()
+        .expect("an HTTP client")
+        .post(cluster.url("/v1/completions"))
+        .json(&json!({
+            "prompt": cluster::golden_prompt(1),
+            "max_tokens": LONG,
+            "temperature": 0,
+            "ignore_eos": true,
+            "stream": true,
+        }))
+        .send()
+        .await
+        .expect("POST /v1/completions");
+    assert_eq!(resp.status(), 200);
+    let first = resp
+        .chunk()
+        .await
+        .expect("a first SSE chunk")
+        .expect("not the end yet");
+    assert!(first.starts_with(b"data:"), "{first:?}");
+    drop(resp);
+    let after = cluster
+        .wait_stats(
+            &decode,
+            cluster::RELEASE_TIMEOUT,
+            "done with the dropped SSE stream",
+            |s| {
+                s.kv_blocks_used == 0
+                    && s.running_requests == 0
+                    && s.requests_finished > before.requests_finished
+            },
+        )
+        .await;
+    assert!(
+        unfinished(before.kv_blocks_cached, &after),
+        "the request ran to its end: {after:?}"
+    );
+
+    cluster.assert_kv_blocks_released().await;
+}

@@ -224,7 +224,8 @@ impl Up {
             .filter_map(|l| {
                 let mut words = l.split_whitespace();
                 let (name, url) = (words.next()?, words.next()?);
-                url.ends_with("/metrics").then(|| (name.to_string(), url.to_string()))
+                url.ends_with("/metrics")
+                    .then(|| (name.to_string(), url.to_string()))
             })
             .collect()
     }
@@ -299,9 +300,10 @@ fn parse_rotel_spans(text: &str) -> Vec<Span> {
             section = Section::Other;
         } else if line == "Resource attributes:" {
             section = Section::Resource;
-        } else if line.starts_with("ScopeSpans #") || line.starts_with("Links:") {
-            section = Section::Other;
-        } else if line.starts_with("Events:") || line.starts_with("Status") {
+        } else if ["ScopeSpans #", "Links:", "Events:", "Status"]
+            .iter()
+            .any(|p| line.starts_with(p))
+        {
             section = Section::Other;
         } else if line.starts_with("Span #") {
             spans.push(Span {
@@ -374,7 +376,10 @@ fn parse_labels(s: &str) -> Result<(BTreeMap<String, String>, &str), String> {
         if !is_label_name(name) {
             return Err(format!("bad label name {name:?}"));
         }
-        let mut chars = after.strip_prefix('"').ok_or("expected `\"`")?.char_indices();
+        let mut chars = after
+            .strip_prefix('"')
+            .ok_or("expected `\"`")?
+            .char_indices();
         let mut value = String::new();
         let end = loop {
             match chars.next() {
@@ -437,10 +442,13 @@ fn parse_prometheus(text: &str) -> Result<Vec<Sample>, String> {
         let value = match fields.next().ok_or_else(|| at("no value".into()))? {
             "+Inf" => f64::INFINITY,
             "-Inf" => f64::NEG_INFINITY,
-            v => v.parse::<f64>().map_err(|e| at(format!("bad value: {e}")))?,
+            v => v
+                .parse::<f64>()
+                .map_err(|e| at(format!("bad value: {e}")))?,
         };
         if let Some(ts) = fields.next() {
-            ts.parse::<i64>().map_err(|e| at(format!("bad timestamp: {e}")))?;
+            ts.parse::<i64>()
+                .map_err(|e| at(format!("bad timestamp: {e}")))?;
         }
         let family = ["_bucket", "_sum", "_count"]
             .iter()
@@ -464,19 +472,33 @@ fn parse_prometheus(text: &str) -> Result<Vec<Sample>, String> {
             continue;
         }
         let mut series: BTreeMap<String, Vec<(f64, f64)>> = BTreeMap::new();
-        for s in samples.iter().filter(|s| s.name == format!("{family}_bucket")) {
+        for s in samples
+            .iter()
+            .filter(|s| s.name == format!("{family}_bucket"))
+        {
             let mut key = s.labels.clone();
-            let le = key.remove("le").ok_or(format!("{family}: bucket without le"))?;
+            let le = key
+                .remove("le")
+                .ok_or(format!("{family}: bucket without le"))?;
             let le = if le == "+Inf" {
                 f64::INFINITY
             } else {
-                le.parse().map_err(|e| format!("{family}: bad le {le}: {e}"))?
+                le.parse()
+                    .map_err(|e| format!("{family}: bad le {le}: {e}"))?
             };
-            series.entry(format!("{key:?}")).or_default().push((le, s.value));
+            series
+                .entry(format!("{key:?}"))
+                .or_default()
+                .push((le, s.value));
         }
         for (key, buckets) in series {
-            if buckets.windows(2).any(|w| w[0].0 >= w[1].0 || w[0].1 > w[1].1) {
-                return Err(format!("{family}{key}: buckets not cumulative: {buckets:?}"));
+            if buckets
+                .windows(2)
+                .any(|w| w[0].0 >= w[1].0 || w[0].1 > w[1].1)
+            {
+                return Err(format!(
+                    "{family}{key}: buckets not cumulative: {buckets:?}"
+                ));
             }
             let inf = buckets.last().filter(|b| b.0.is_infinite()).map(|b| b.1);
             let count = samples
@@ -484,7 +506,9 @@ fn parse_prometheus(text: &str) -> Result<Vec<Sample>, String> {
                 .find(|s| s.name == format!("{family}_count") && format!("{:?}", s.labels) == key)
                 .map(|s| s.value);
             if inf.is_none() || inf != count {
-                return Err(format!("{family}{key}: +Inf bucket {inf:?} != count {count:?}"));
+                return Err(format!(
+                    "{family}{key}: +Inf bucket {inf:?} != count {count:?}"
+                ));
             }
         }
     }
@@ -496,7 +520,10 @@ fn total(samples: &[Sample], name: &str, with: &[(&str, &str)]) -> f64 {
     samples
         .iter()
         .filter(|s| s.name == name)
-        .filter(|s| with.iter().all(|(k, v)| s.labels.get(*k).map(String::as_str) == Some(*v)))
+        .filter(|s| {
+            with.iter()
+                .all(|(k, v)| s.labels.get(*k).map(String::as_str) == Some(*v))
+        })
         .map(|s| s.value)
         .sum()
 }
@@ -510,14 +537,25 @@ async fn scrape(http: &reqwest::Client, url: &str) -> Vec<Sample> {
         .and_then(|v| v.to_str().ok())
         .unwrap_or_default()
         .to_string();
-    assert!(ctype.starts_with("text/plain"), "{url}: content-type {ctype}");
+    assert!(
+        ctype.starts_with("text/plain"),
+        "{url}: content-type {ctype}"
+    );
     let text = resp.text().await.expect("metrics body");
-    parse_prometheus(&text).unwrap_or_else(|e| panic!("{url}: not the Prometheus text format: {e}\n{text}"))
+    parse_prometheus(&text)
+        .unwrap_or_else(|e| panic!("{url}: not the Prometheus text format: {e}\n{text}"))
 }
 
 /// Distinct prompts (so no prefix is shared and every prompt is prefilled remotely).
 fn prompt(i: usize) -> String {
-    let books = ["Genesis", "Exodus", "Leviticus", "Numbers", "Deuteronomy", "Joshua"];
+    let books = [
+        "Genesis",
+        "Exodus",
+        "Leviticus",
+        "Numbers",
+        "Deuteronomy",
+        "Joshua",
+    ];
     format!(
         "{} chapter {i}: And the LORD spake unto Moses in the wilderness, saying, number ye the \
          children of Israel after their families, by the house of their fathers, every male by \
@@ -533,13 +571,15 @@ async fn complete(
     i: usize,
     traceparent: Option<&str>,
 ) -> (u64, u64) {
-    let mut req = http.post(format!("http://{base}/v1/completions")).json(&json!({
-        "model": MODEL,
-        "prompt": prompt(i),
-        "max_tokens": MAX_TOKENS,
-        "temperature": 0,
-        "ignore_eos": true,
-    }));
+    let mut req = http
+        .post(format!("http://{base}/v1/completions"))
+        .json(&json!({
+            "model": MODEL,
+            "prompt": prompt(i),
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "ignore_eos": true,
+        }));
     if let Some(tp) = traceparent {
         req = req.header("traceparent", tp);
     }
@@ -550,13 +590,63 @@ async fn complete(
     let usage = &body["usage"];
     (
         usage["prompt_tokens"].as_u64().expect("prompt_tokens"),
-        usage["completion_tokens"].as_u64().expect("completion_tokens"),
+        usage["completion_tokens"]
+            .as_u64()
+            .expect("completion_tokens"),
     )
+}
+
+/// `x_bucket` / `x_sum` / `x_count` → `x`.
+fn family_name(sample: &str) -> &str {
+    ["_bucket", "_sum", "_count"]
+        .iter()
+        .find_map(|s| sample.strip_suffix(s))
+        .unwrap_or(sample)
+}
+
+/// Every `ferry_*` identifier in `text`.
+fn metric_names_in(text: &str) -> std::collections::BTreeSet<String> {
+    let mut names = std::collections::BTreeSet::new();
+    let mut rest = text;
+    while let Some(i) = rest.find("ferry_") {
+        let tail = &rest[i..];
+        let end = tail
+            .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+            .unwrap_or(tail.len());
+        let boundary = rest[..i]
+            .chars()
+            .next_back()
+            .is_none_or(|c| !(c.is_ascii_alphanumeric() || c == '_'));
+        if boundary {
+            names.insert(tail[..end].to_string());
+        }
+        rest = &tail[end..];
+    }
+    names
+}
+
+/// One line per span: service, name, id, parent.
+fn summary(spans: &[Span]) -> String {
+    spans
+        .iter()
+        .map(|s| {
+            format!(
+                "{:<14} {:<24} {} <- {}",
+                s.service, s.name, s.span_id, s.parent_id
+            )
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
 }
 
 fn one<'a>(spans: &'a [Span], what: &str, pred: impl Fn(&Span) -> bool) -> &'a Span {
     let found: Vec<&Span> = spans.iter().filter(|s| pred(s)).collect();
-    assert_eq!(found.len(), 1, "exactly one {what} span expected: {spans:#?}");
+    assert_eq!(
+        found.len(),
+        1,
+        "exactly one {what} span expected:\n{}",
+        summary(spans)
+    );
     found[0]
 }
 
@@ -585,12 +675,20 @@ async fn one_trace_across_three_processes_and_metrics_that_count() {
                 break;
             }
         }
-        assert!(Instant::now() < deadline, "workers did not register:\n{}", up.log_tail());
+        assert!(
+            Instant::now() < deadline,
+            "workers did not register:\n{}",
+            up.log_tail()
+        );
         tokio::time::sleep(POLL).await;
     }
     let urls = up.metrics_urls();
     for name in ["router", "prefill-0", "decode-0"] {
-        assert!(urls.contains_key(name), "ferry up printed no /metrics for {name}:\n{}", up.printed());
+        assert!(
+            urls.contains_key(name),
+            "ferry up printed no /metrics for {name}:\n{}",
+            up.printed()
+        );
     }
 
     // One request under the caller's trace.
@@ -600,7 +698,14 @@ async fn one_trace_across_three_processes_and_metrics_that_count() {
     let mut sent = vec![complete(&http, up.http, 0, Some(&traceparent)).await];
 
     // Spans of the whole path: router, decode, prefill, the transfer on both ends.
-    let wanted = ["dispatch", "decode", "remote_prefill", "prefill", "kv_transfer", "kv_receive"];
+    let wanted = [
+        "dispatch",
+        "decode",
+        "remote_prefill",
+        "prefill",
+        "kv_transfer",
+        "kv_receive",
+    ];
     let deadline = Instant::now() + SPAN_TIMEOUT;
     let spans = loop {
         let spans: Vec<Span> = receiver
@@ -614,7 +719,8 @@ async fn one_trace_across_three_processes_and_metrics_that_count() {
         }
         assert!(
             Instant::now() < deadline,
-            "spans did not arrive; got {spans:#?}\n{}",
+            "spans did not arrive; got:\n{}\n{}",
+            summary(&spans),
             up.log_tail()
         );
         tokio::time::sleep(POLL).await;
@@ -625,9 +731,8 @@ async fn one_trace_across_three_processes_and_metrics_that_count() {
     for svc in ["ferry-router", "ferry-decode", "ferry-prefill"] {
         assert!(services.contains(svc), "no span from {svc}: {services:?}");
     }
-    let in_svc = |svc: &'static str, name: &'static str| {
-        move |s: &Span| s.service == svc && s.name == name
-    };
+    let in_svc =
+        |svc: &'static str, name: &'static str| move |s: &Span| s.service == svc && s.name == name;
     let request = one(&spans, "router request", |s| {
         s.service == "ferry-router" && s.parent_id == caller_span
     });
@@ -636,10 +741,18 @@ async fn one_trace_across_three_processes_and_metrics_that_count() {
     let route = one(&spans, "route", in_svc("ferry-router", "route"));
     let dispatch = one(&spans, "dispatch", in_svc("ferry-router", "dispatch"));
     let decode = one(&spans, "decode", in_svc("ferry-decode", "decode"));
-    let remote = one(&spans, "remote_prefill", in_svc("ferry-decode", "remote_prefill"));
+    let remote = one(
+        &spans,
+        "remote_prefill",
+        in_svc("ferry-decode", "remote_prefill"),
+    );
     let prefill = one(&spans, "prefill", in_svc("ferry-prefill", "prefill"));
     let queue = one(&spans, "prefill queue", in_svc("ferry-prefill", "queue"));
-    let transfer = one(&spans, "kv_transfer", in_svc("ferry-prefill", "kv_transfer"));
+    let transfer = one(
+        &spans,
+        "kv_transfer",
+        in_svc("ferry-prefill", "kv_transfer"),
+    );
     let receive = one(&spans, "kv_receive", in_svc("ferry-decode", "kv_receive"));
     for (child, parent) in [
         (route, request),
@@ -674,18 +787,33 @@ async fn one_trace_across_three_processes_and_metrics_that_count() {
 
     // Attributes: GenAI conventions on the request, the decision, the transfer.
     let (prompt_tokens, completion_tokens) = sent[0];
-    assert_eq!(request.attr("gen_ai.operation.name"), Some("text_completion"));
+    assert_eq!(
+        request.attr("gen_ai.operation.name"),
+        Some("text_completion")
+    );
     assert_eq!(request.attr("gen_ai.request.model"), Some(MODEL));
-    assert_eq!(request.int("gen_ai.usage.input_tokens"), prompt_tokens as i64);
-    assert_eq!(request.int("gen_ai.usage.output_tokens"), completion_tokens as i64);
+    assert_eq!(
+        request.int("gen_ai.usage.input_tokens"),
+        prompt_tokens as i64
+    );
+    assert_eq!(
+        request.int("gen_ai.usage.output_tokens"),
+        completion_tokens as i64
+    );
     assert_eq!(request.int("gen_ai.request.max_tokens"), MAX_TOKENS as i64);
-    assert_eq!(request.attr("gen_ai.response.finish_reasons"), Some("length"));
+    assert_eq!(
+        request.attr("gen_ai.response.finish_reasons"),
+        Some("length")
+    );
     assert_eq!(route.attr("policy"), Some("cache_aware"));
     assert_eq!(route.attr("prefill_worker"), Some("prefill-0"));
     assert_eq!(route.attr("decode_worker"), Some("decode-0"));
     assert_eq!(route.int("predicted_cached_blocks"), 0);
     assert_eq!(decode.attr("ferry.prefill.mode"), Some("remote"));
-    assert_eq!(decode.int("gen_ai.usage.output_tokens"), completion_tokens as i64);
+    assert_eq!(
+        decode.int("gen_ai.usage.output_tokens"),
+        completion_tokens as i64
+    );
     assert_eq!(
         prefill.int("ferry.prefill.computed_tokens") + prefill.int("ferry.prefill.reused_tokens"),
         prompt_tokens as i64
@@ -695,9 +823,15 @@ async fn one_trace_across_three_processes_and_metrics_that_count() {
     assert!(transfer.int("ferry.kv_transfer.layers") > 0, "{transfer:?}");
     assert!(transfer.int("ferry.kv_transfer.blocks") > 0, "{transfer:?}");
     assert_eq!(transfer.attr("ferry.kv_transfer.transport"), Some("tcp"));
-    assert!(transfer.attr("ferry.kv_transfer.duration_s").is_some(), "{transfer:?}");
+    assert!(
+        transfer.attr("ferry.kv_transfer.duration_s").is_some(),
+        "{transfer:?}"
+    );
     assert_eq!(receive.int("ferry.kv_transfer.bytes"), bytes);
-    assert_eq!(receive.int("ferry.kv_transfer.layers"), transfer.int("ferry.kv_transfer.layers"));
+    assert_eq!(
+        receive.int("ferry.kv_transfer.layers"),
+        transfer.int("ferry.kv_transfer.layers")
+    );
 
     // Nothing but ferry's own spans is exported: no h2 / hyper / tonic internals, in any trace.
     let ours = [
@@ -712,7 +846,10 @@ async fn one_trace_across_three_processes_and_metrics_that_count() {
         "kv_receive",
     ];
     for s in receiver.spans() {
-        assert!(ours.contains(&s.name.as_str()), "unexpected exported span {s:?}");
+        assert!(
+            ours.contains(&s.name.as_str()),
+            "unexpected exported span {s:?}"
+        );
     }
 
     // Metrics: N more requests, then every counter moved by exactly what was served.
@@ -725,47 +862,142 @@ async fn one_trace_across_three_processes_and_metrics_that_count() {
     let itl_samples: f64 = sent.iter().map(|s| (s.1 - 1) as f64).sum();
 
     let router = scrape(&http, &urls["router"]).await;
-    assert_eq!(total(&router, "ferry_request_success_total", &[("finished_reason", "length")]), n);
+    assert_eq!(
+        total(
+            &router,
+            "ferry_request_success_total",
+            &[("finished_reason", "length")]
+        ),
+        n
+    );
     assert_eq!(total(&router, "ferry_request_failure_total", &[]), 0.0);
     assert_eq!(total(&router, "ferry_prompt_tokens_total", &[]), prompt_sum);
-    assert_eq!(total(&router, "ferry_generation_tokens_total", &[]), gen_sum);
-    assert_eq!(total(&router, "ferry_time_to_first_token_seconds_count", &[]), n);
-    assert_eq!(total(&router, "ferry_e2e_request_latency_seconds_count", &[]), n);
-    assert_eq!(total(&router, "ferry_inter_token_latency_seconds_count", &[]), itl_samples);
+    assert_eq!(
+        total(&router, "ferry_generation_tokens_total", &[]),
+        gen_sum
+    );
+    assert_eq!(
+        total(&router, "ferry_time_to_first_token_seconds_count", &[]),
+        n
+    );
+    assert_eq!(
+        total(&router, "ferry_e2e_request_latency_seconds_count", &[]),
+        n
+    );
+    assert_eq!(
+        total(&router, "ferry_inter_token_latency_seconds_count", &[]),
+        itl_samples
+    );
     let decisions = [
         ("policy", "cache_aware"),
         ("prefill_worker", "prefill-0"),
         ("decode_worker", "decode-0"),
     ];
-    assert_eq!(total(&router, "ferry_routing_decisions_total", &decisions), n);
+    assert_eq!(
+        total(&router, "ferry_routing_decisions_total", &decisions),
+        n
+    );
     assert_eq!(total(&router, "ferry_routing_retries_total", &[]), 0.0);
-    assert_eq!(total(&router, "ferry_router_workers", &[("worker_role", "prefill")]), 1.0);
+    assert_eq!(
+        total(
+            &router,
+            "ferry_router_workers",
+            &[("worker_role", "prefill")]
+        ),
+        1.0
+    );
     assert_eq!(total(&router, "ferry_router_requests_in_flight", &[]), 0.0);
 
     let decode = scrape(&http, &urls["decode-0"]).await;
     let role = |r: &'static str| ("role", r);
-    assert_eq!(total(&decode, "ferry_request_success_total", &[role("decode")]), n);
+    assert_eq!(
+        total(&decode, "ferry_request_success_total", &[role("decode")]),
+        n
+    );
     assert_eq!(total(&decode, "ferry_prompt_tokens_total", &[]), prompt_sum);
-    assert_eq!(total(&decode, "ferry_generation_tokens_total", &[]), gen_sum);
-    assert_eq!(total(&decode, "ferry_time_to_first_token_seconds_count", &[]), n);
-    assert_eq!(total(&decode, "ferry_e2e_request_latency_seconds_count", &[]), n);
-    assert_eq!(total(&decode, "ferry_prefills_total", &[("mode", "remote")]), n);
-    assert_eq!(total(&decode, "ferry_remote_prefill_duration_seconds_count", &[]), n);
+    assert_eq!(
+        total(&decode, "ferry_generation_tokens_total", &[]),
+        gen_sum
+    );
+    assert_eq!(
+        total(&decode, "ferry_time_to_first_token_seconds_count", &[]),
+        n
+    );
+    assert_eq!(
+        total(&decode, "ferry_e2e_request_latency_seconds_count", &[]),
+        n
+    );
+    assert_eq!(
+        total(&decode, "ferry_prefills_total", &[("mode", "remote")]),
+        n
+    );
+    assert_eq!(
+        total(&decode, "ferry_remote_prefill_duration_seconds_count", &[]),
+        n
+    );
     assert_eq!(total(&decode, "ferry_kv_cache_total_blocks", &[]), 256.0);
 
     let prefill = scrape(&http, &urls["prefill-0"]).await;
-    assert_eq!(total(&prefill, "ferry_prefill_requests_total", &[("outcome", "ok")]), n);
-    assert_eq!(total(&prefill, "ferry_prompt_tokens_total", &[]), prompt_sum);
-    assert_eq!(total(&prefill, "ferry_kv_transfer_duration_seconds_count", &[]), n);
-    assert_eq!(total(&prefill, "ferry_request_queue_time_seconds_count", &[]), n);
-    assert_eq!(total(&prefill, "ferry_prefix_cache_queries_tokens_total", &[]), prompt_sum);
-    let sent_bytes = total(&prefill, "ferry_kv_transfer_bytes_total", &[("direction", "send")]);
-    let received = total(&decode, "ferry_kv_transfer_bytes_total", &[("direction", "receive")]);
+    assert_eq!(
+        total(
+            &prefill,
+            "ferry_prefill_requests_total",
+            &[("outcome", "ok")]
+        ),
+        n
+    );
+    assert_eq!(
+        total(&prefill, "ferry_prompt_tokens_total", &[]),
+        prompt_sum
+    );
+    assert_eq!(
+        total(&prefill, "ferry_kv_transfer_duration_seconds_count", &[]),
+        n
+    );
+    assert_eq!(
+        total(&prefill, "ferry_request_queue_time_seconds_count", &[]),
+        n
+    );
+    assert_eq!(
+        total(&prefill, "ferry_prefix_cache_queries_tokens_total", &[]),
+        prompt_sum
+    );
+    let sent_bytes = total(
+        &prefill,
+        "ferry_kv_transfer_bytes_total",
+        &[("direction", "send")],
+    );
+    let received = total(
+        &decode,
+        "ferry_kv_transfer_bytes_total",
+        &[("direction", "receive")],
+    );
     assert!(sent_bytes > 0.0);
     assert_eq!(sent_bytes, received, "every byte sent landed");
 
+    // The Grafana dashboard only queries metrics that exist.
+    let exposed: std::collections::HashSet<String> = [&router, &decode, &prefill]
+        .into_iter()
+        .flatten()
+        .map(|s| family_name(&s.name).to_string())
+        .collect();
+    let dashboard = Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/grafana/ferry.json");
+    let dashboard = std::fs::read_to_string(&dashboard).expect("deploy/grafana/ferry.json");
+    serde_json::from_str::<serde_json::Value>(&dashboard).expect("the dashboard is JSON");
+    let queried = metric_names_in(&dashboard);
+    assert!(queried.len() > 20, "{queried:?}");
+    for name in &queried {
+        assert!(
+            exposed.contains(family_name(name)),
+            "the dashboard queries `{name}`, which no process exposes"
+        );
+    }
+
     // Gauges settle: nothing running, no KV blocks held by requests.
-    for (name, url) in [("prefill-0", &urls["prefill-0"]), ("decode-0", &urls["decode-0"])] {
+    for (name, url) in [
+        ("prefill-0", &urls["prefill-0"]),
+        ("decode-0", &urls["decode-0"]),
+    ] {
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
             let m = scrape(&http, url).await;
@@ -788,9 +1020,9 @@ fn the_prometheus_parser_rejects_what_scrapers_reject() {
     let samples = parse_prometheus(good).expect("valid");
     assert_eq!(samples[0].labels["k"], "v\"q");
     for bad in [
-        "a_total 1\n",                                             // no TYPE
-        "# TYPE a counter\na{k=v} 1\n",                            // unquoted label
-        "# TYPE a counter\na 1x\n",                                // bad value
+        "a_total 1\n",                                              // no TYPE
+        "# TYPE a counter\na{k=v} 1\n",                             // unquoted label
+        "# TYPE a counter\na 1x\n",                                 // bad value
         "# TYPE h histogram\nh_bucket{le=\"+Inf\"} 2\nh_count 3\n", // +Inf != count
     ] {
         assert!(parse_prometheus(bad).is_err(), "{bad:?}");

@@ -6,6 +6,7 @@
 //! | [`remote_prefill`] | asking the prefill peer to fill reserved blocks; the `recompute` / `fail` policy |
 //! | [`region`] | the KV region peers write into (forwarded to the engine thread) |
 //! | [`server`] | [`server::DecodeServer`]: load, start the engine and the transfer listener, register, serve |
+//! | [`spec`] | speculative-decoding flags (`--speculative`, `--drafter`, `--verify-len`) and loading the drafter |
 //! | [`metrics`] | the decode worker's Prometheus series (TTFT, inter-token latency, end to end, remote prefill, speculative acceptance) |
 //!
 //! For a request with a prefill peer the engine reserves the prompt's blocks (reusing this
@@ -20,5 +21,6 @@ pub mod region;
 pub mod remote_prefill;
 pub mod server;
 pub mod service;
+pub mod spec;
 
 pub use server::{DecodeArgs, DecodeServer, FailurePolicy};

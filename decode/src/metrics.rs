@@ -10,17 +10,12 @@
 //! | `ferry_prompt_tokens_total`, `ferry_generation_tokens_total` | counter | tokens of finished requests |
 //! | `ferry_remote_prefill_duration_seconds` | histogram | asking the prefill peer → its answer (KV landed) |
 //! | `ferry_remote_prefill_failures_total` | counter | remote prefills that failed or timed out |
-//! | `ferry_spec_decode_acceptance_length` | histogram | tokens emitted per speculative step (accepted drafts + 1) |
-//! | `ferry_spec_decode_draft_tokens_total`, `ferry_spec_decode_accepted_tokens_total` | counter | drafted and accepted tokens |
 //!
-//! The speculative-decoding series are registered now and stay at zero until the engine
-//! reports verification results ([`DecodeMetrics::observe_spec_step`]).
+//! Speculative decoding (drafts, accepted tokens, acceptance length) and the KV bytes received
+//! are engine totals: `ferry_worker::metrics` reads them from the engine at scrape time.
 
 use ferry_worker::metrics::{counter, counter_vec, histogram, LATENCY_BUCKETS, STEP_BUCKETS};
 use prometheus::{Histogram, IntCounter, IntCounterVec, Registry};
-
-/// Tokens per speculative step.
-const ACCEPTANCE_BUCKETS: &[f64] = &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 10.0, 12.0, 16.0];
 
 /// Registered in the worker's registry by [`DecodeMetrics::register`]; cheap to clone.
 #[derive(Debug, Clone)]
@@ -43,17 +38,26 @@ pub struct DecodeMetrics {
     pub remote_prefill: Histogram,
     /// Remote prefill calls that failed.
     pub remote_prefill_failures: IntCounter,
-    /// Tokens per speculative step.
-    pub spec_acceptance: Histogram,
-    /// Drafted tokens.
-    pub spec_draft_tokens: IntCounter,
-    /// Accepted draft tokens.
-    pub spec_accepted_tokens: IntCounter,
 }
+
+/// Every `finished_reason` and failure `kind`, created at zero.
+const FINISH_REASONS: &[&str] = &["stop", "length"];
+const FAILURE_KINDS: &[&str] = &["invalid_argument", "overloaded", "failed", "cancelled"];
 
 impl DecodeMetrics {
     /// Registers the decode metrics in `r`.
     pub fn register(r: &Registry) -> prometheus::Result<Self> {
+        let m = Self::build(r)?;
+        for reason in FINISH_REASONS {
+            m.success.with_label_values(&[reason]);
+        }
+        for kind in FAILURE_KINDS {
+            m.failure.with_label_values(&[kind]);
+        }
+        Ok(m)
+    }
+
+    fn build(r: &Registry) -> prometheus::Result<Self> {
         Ok(Self {
             ttft: histogram(
                 r,
@@ -106,29 +110,6 @@ impl DecodeMetrics {
                 "ferry_remote_prefill_failures_total",
                 "Remote prefills that failed or timed out",
             )?,
-            spec_acceptance: histogram(
-                r,
-                "ferry_spec_decode_acceptance_length",
-                "Tokens emitted per speculative decoding step (accepted draft tokens + 1)",
-                ACCEPTANCE_BUCKETS,
-            )?,
-            spec_draft_tokens: counter(
-                r,
-                "ferry_spec_decode_draft_tokens_total",
-                "Draft tokens proposed for verification",
-            )?,
-            spec_accepted_tokens: counter(
-                r,
-                "ferry_spec_decode_accepted_tokens_total",
-                "Draft tokens accepted by verification",
-            )?,
         })
-    }
-
-    /// Records one speculative step that verified `drafted` tokens and accepted `accepted`.
-    pub fn observe_spec_step(&self, drafted: u64, accepted: u64) {
-        self.spec_draft_tokens.inc_by(drafted);
-        self.spec_accepted_tokens.inc_by(accepted);
-        self.spec_acceptance.observe((accepted + 1) as f64);
     }
 }

@@ -8,6 +8,12 @@ use ferry_model::kv::BlockId;
 /// This worker's KV pool as a transfer target. Writes are forwarded to the engine thread (the
 /// pool's one owner), which applies them in order before it processes the peer's completion,
 /// and only into blocks reserved for a remote prefill.
+///
+/// With a drafter, the advertised layout has the drafter's context pool layers after the
+/// target's: `num_layers = target layers + drafter pool layers`, same page size, width and
+/// dtype (the drafter pool is shaped like the target's; see `ferry_model::drafter::DraftKvLayout`).
+/// A peer with the same drafter writes those layers too; one without writes only the target's,
+/// and requests it prefills decode without speculation.
 pub struct EngineRegion {
     engine: EngineHandle,
     layout: KvLayoutDesc,
@@ -19,7 +25,7 @@ impl EngineRegion {
         let l = engine.kv_layout();
         let u = |v: usize| u32::try_from(v).unwrap_or(u32::MAX);
         let layout = KvLayoutDesc {
-            num_layers: u(l.num_layers),
+            num_layers: u(l.num_layers + engine.draft_kv_layers()),
             page_size: u(l.page_size),
             latent_width: u(l.width),
             dtype: Dtype::F32,

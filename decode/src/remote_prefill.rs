@@ -93,17 +93,17 @@ async fn call(job: &RemotePrefill) -> Result<u32, String> {
         .map_err(|e| format!("connecting to prefill peer {}: {e}", job.peer))?;
     let mut request = tonic::Request::new(PrefillRequest {
         request_id: job.request_id.clone(),
-            prompt_tokens: job.prompt.clone(),
-            sampling: Some(job.sampling),
-            skip_tokens: u32::try_from(job.cached_tokens).map_err(|e| e.to_string())?,
-            destination: Some(KvDestination {
-                transfer_address: job.registration.address.clone(),
-                transport: "tcp".into(),
-                layout: Some(job.layout.clone()),
-                block_ids: job.blocks.iter().map(|b| b.0).collect(),
-                remote_key: job.registration.key.0,
-            }),
-        });
+        prompt_tokens: job.prompt.clone(),
+        sampling: Some(job.sampling),
+        skip_tokens: u32::try_from(job.cached_tokens).map_err(|e| e.to_string())?,
+        destination: Some(KvDestination {
+            transfer_address: job.registration.address.clone(),
+            transport: "tcp".into(),
+            layout: Some(job.layout.clone()),
+            block_ids: job.blocks.iter().map(|b| b.0).collect(),
+            remote_key: job.registration.key.0,
+        }),
+    });
     trace_ctx::inject_request(&Span::current(), &mut request);
     let reply = client
         .prefill(request)

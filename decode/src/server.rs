@@ -12,7 +12,7 @@ use ferry_proto::internal::WorkerRole;
 use ferry_worker::args::WorkerArgs;
 use ferry_worker::metrics::{MetricsListener, WorkerMetrics};
 use ferry_worker::registration::{self, RegistrationConfig};
-use ferry_worker::serve::{base_routes, load_engine, serve, ServeError};
+use ferry_worker::serve::{base_routes, serve, ServeError};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tracing::info;
@@ -20,6 +20,7 @@ use tracing::info;
 use crate::metrics::DecodeMetrics;
 use crate::region::EngineRegion;
 use crate::service::{DecodePolicy, DecodeService, KvTarget};
+use crate::spec::{load_engine, SpecArgs};
 
 /// What a failed remote prefill leads to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -47,6 +48,8 @@ pub struct DecodeArgs {
     /// Seconds a prefill peer may take before the failure policy applies.
     #[arg(long, default_value_t = 60)]
     pub prefill_timeout_s: u64,
+    #[command(flatten)]
+    pub spec: SpecArgs,
 }
 
 /// A bound, ready decode worker.
@@ -64,7 +67,7 @@ pub struct DecodeServer {
 impl DecodeServer {
     /// Loads the model, starts the engine, the transfer listener and binds the gRPC listener.
     pub async fn bind(args: DecodeArgs, model_dir: PathBuf) -> Result<Self, ServeError> {
-        let engine = load_engine(model_dir, args.worker.engine_config()).await?;
+        let engine = load_engine(model_dir, &args.spec, args.worker.engine_config()).await?;
         let transport = Arc::new(
             TcpTransport::bind(args.transfer_addr)
                 .map_err(|e| ServeError::Transport(format!("{}: {e}", args.transfer_addr)))?,

@@ -106,7 +106,7 @@ impl DecodeWorker for DecodeService {
             "gen_ai.usage.input_tokens",
             i64::try_from(r.prompt_tokens.len()).unwrap_or(i64::MAX),
         );
-        let (generation, peer) = span.in_scope(|| self.submit(&r)).map_err(|status| {
+        let (generation, peer) = span.in_scope(|| self.submit(&r)).inspect_err(|status| {
             let kind = match status.code() {
                 Code::InvalidArgument => "invalid_argument",
                 Code::ResourceExhausted => "overloaded",
@@ -115,7 +115,6 @@ impl DecodeWorker for DecodeService {
             self.metrics.failure.with_label_values(&[kind]).inc();
             trace_ctx::set_error(&span, status.message());
             span.in_scope(|| debug!(error = status.message(), kind, "decode request refused"));
-            status
         })?;
         let (tx, rx) = mpsc::channel(64);
         let ctx = Drive {
@@ -236,7 +235,8 @@ fn record_end(ctx: &Drive, p: &Progress, outcome: Result<&'static str, (&'static
         Ok(reason) => {
             m.success.with_label_values(&[reason]).inc();
             m.e2e.observe(ctx.started.elapsed().as_secs_f64());
-            m.prompt_tokens.inc_by(ctx.request.prompt_tokens.len() as u64);
+            m.prompt_tokens
+                .inc_by(ctx.request.prompt_tokens.len() as u64);
             m.generation_tokens.inc_by(p.tokens);
             trace_ctx::set_attribute(&span, "gen_ai.response.finish_reasons", reason);
         }
@@ -358,7 +358,11 @@ async fn drive(
 fn record_prefill(mode: &'static str, cached_tokens: u32) {
     let span = Span::current();
     trace_ctx::set_attribute(&span, "ferry.prefill.mode", mode);
-    trace_ctx::set_attribute(&span, "ferry.prefill.cached_tokens", i64::from(cached_tokens));
+    trace_ctx::set_attribute(
+        &span,
+        "ferry.prefill.cached_tokens",
+        i64::from(cached_tokens),
+    );
 }
 
 /// Engine errors → gRPC status.

@@ -57,12 +57,7 @@ fn bits(x: &[f32]) -> Vec<u16> {
     x.iter().map(|v| bf16::from_f32(*v).to_bits()).collect()
 }
 
-const TINY: MlaShape = MlaShape {
-    latent: 80,
-    kv_lora: 64,
-    mha_qk: 48,
-    mha_v: 32,
-};
+const TINY: MlaShape = MlaShape::new(80, 64, 48, 32);
 
 #[test]
 fn nvrtc_compiles_every_source() {
@@ -71,14 +66,18 @@ fn nvrtc_compiles_every_source() {
         return;
     }
     for cc in [(9, 0), (8, 0)] {
-        for shape in [MlaShape::DEEPSEEK_V3, TINY] {
+        let v3 = MlaShape::DEEPSEEK_V3;
+        for shape in [v3, TINY, v3.with_tile(32, 2), v3.with_tile(32, 3), v3.with_tile(32, 4)] {
             let ptx = compile_ptx(Source::Mla, &shape.defines(), cc).expect("mla.cu compiles");
             for k in ["mla_tile_bf16", "mla_packed_bf16", "mla_generic_f32", "mha_flash_bf16"] {
                 assert!(ptx.contains(k), "{k} missing for sm_{}{}", cc.0, cc.1);
             }
             assert!(ptx.contains("mma.sync"), "tensor-core path compiled");
             if let Ok(dir) = std::env::var("FERRY_PTX_DIR") {
-                let f = format!("{dir}/mla_{}_sm{}{}.ptx", shape.latent, cc.0, cc.1);
+                let f = format!(
+                    "{dir}/mla_{}_bk{}x{}_sm{}{}.ptx",
+                    shape.latent, shape.tile_bk, shape.tile_stages, cc.0, cc.1
+                );
                 std::fs::write(f, &ptx).expect("write ptx");
             }
         }
@@ -273,8 +272,12 @@ fn absorbed_reference(pool: &Pool, case: &AbsorbedCase, q: &[f32], scale: f32) -
 fn absorbed_kernels_match_cpu() {
     let Some(dev) = gpu("absorbed_kernels_match_cpu") else { return };
     let mut rng = common::rng(3);
+    let v3 = MlaShape::DEEPSEEK_V3;
     let cases = [
-        AbsorbedCase { shape: MlaShape::DEEPSEEK_V3, heads: 16, sq: 1, ctx: vec![1, 70, 3000], page: 64 },
+        AbsorbedCase { shape: v3, heads: 16, sq: 1, ctx: vec![1, 70, 3000], page: 64 },
+        AbsorbedCase { shape: v3.with_tile(32, 3), heads: 16, sq: 1, ctx: vec![1, 70, 3000], page: 64 },
+        AbsorbedCase { shape: v3.with_tile(32, 2), heads: 12, sq: 3, ctx: vec![9, 1300], page: 16 },
+        AbsorbedCase { shape: v3.with_tile(32, 4), heads: 8, sq: 1, ctx: vec![2, 5000], page: 32 },
         AbsorbedCase { shape: MlaShape::DEEPSEEK_V3, heads: 12, sq: 1, ctx: vec![5, 700], page: 64 },
         AbsorbedCase { shape: MlaShape::DEEPSEEK_V3, heads: 12, sq: 3, ctx: vec![9, 1300], page: 16 },
         AbsorbedCase { shape: MlaShape::DEEPSEEK_V3, heads: 4, sq: 2, ctx: vec![40, 129], page: 64 },
@@ -327,7 +330,10 @@ fn absorbed_kernels_match_cpu() {
             .unwrap_or_else(|e| panic!("{name}: {e}"));
             let got = dev.download(&out).expect("down");
             let e = rel_err(&got, &want);
-            eprintln!("absorbed {name} H={h} sq={sq} ctx={:?} dims={}: rel err {e:.2e}", case.ctx, w);
+            eprintln!(
+                "absorbed {name} H={h} sq={sq} ctx={:?} dims={} tile {}x{}: rel err {e:.2e}",
+                case.ctx, w, case.shape.tile_bk, case.shape.tile_stages
+            );
             assert!(e < tol, "absorbed {name} H={h} sq={sq} ctx={:?}: rel err {e}", case.ctx);
         }
     }
@@ -358,9 +364,8 @@ fn attend(q: &[f32], k: &[f32], v: &[f32], d: usize, dv: usize, scale: f32) -> V
 fn mha_kernels_match_cpu() {
     let Some(dev) = gpu("mha_kernels_match_cpu") else { return };
     let mut rng = common::rng(4);
-    let shape = MlaShape::DEEPSEEK_V3;
-    let (dq, dv) = (shape.mha_qk, shape.mha_v);
-    for heads in [12usize, 16, 3] {
+    for (shape, heads) in [(MlaShape::DEEPSEEK_V3, 12usize), (MlaShape::DEEPSEEK_V3, 16), (MlaShape::DEEPSEEK_V3, 3), (TINY, 12)] {
+        let (dq, dv) = (shape.mha_qk, shape.mha_v);
         // (queries, keys): a fresh prompt, a chunk over a cached prefix, a one-token step.
         let spans = [(200usize, 200usize), (70, 300), (1, 65), (129, 129)];
         let (tq, tk): (usize, usize) = spans.iter().fold((0, 0), |a, s| (a.0 + s.0, a.1 + s.1));
@@ -421,7 +426,7 @@ fn mha_kernels_match_cpu() {
             dev.memset_zero(&out).expect("zero");
             mha_prefill(&dev, shape, kernel, &b, out.v()).expect("mha");
             let e = rel_err(&dev.download(&out).expect("down"), &want);
-            eprintln!("mha {kernel:?} H={heads}: rel err {e:.2e}");
+            eprintln!("mha {kernel:?} H={heads} qk={dq}: rel err {e:.2e}");
             assert!(e < tol, "mha {kernel:?} H={heads}: rel err {e}");
         }
     }

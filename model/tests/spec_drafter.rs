@@ -4,10 +4,10 @@
 //! Markov head's greedy drafts and the confidence head.
 //!
 //! Tolerances: the reference is float32 torch on the same bf16-rounded weights; ferry computes
-//! in f32 with different summation orders (blocked GEMM, f64 norm accumulation), so block
-//! logits agree to ~1e-5 relative. We allow 2e-3 absolute on logits of magnitude ≲ 10 and 1e-4
-//! on confidences, and compare greedy drafts only where the reference's top-2 margin exceeds
-//! 0.05 (the third case has a 0.009 near-tie).
+//! in f32 with different summation orders (blocked GEMM, f64 norm accumulation). Measured:
+//! block logits of magnitude ~7 agree to 6e-6; we allow 1e-4 × max|logit| (about 15× that),
+//! 1e-4 on confidences, and compare greedy drafts only where the reference's top-2 margin
+//! exceeds 0.05 (the third case has a 0.009 near-tie).
 
 use ferry_kernels::cpu::sample::SamplingParams;
 use ferry_model::deepseek::forward::ForwardHooks;
@@ -168,7 +168,7 @@ fn drafter_matches_the_float32_reference() {
             .map(|(a, r)| (a - r).abs())
             .fold(0.0f32, f32::max);
         assert!(
-            diff <= 2e-3 * scale.max(1.0),
+            diff <= 1e-4 * scale.max(1.0),
             "case {i}: block logits differ by {diff} (scale {scale})"
         );
 

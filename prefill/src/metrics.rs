@@ -40,13 +40,17 @@ impl PrefillMetrics {
             .const_label("direction", "send"),
         )?;
         r.register(Box::new(kv_bytes.clone()))?;
+        let requests = counter_vec(
+            r,
+            "ferry_prefill_requests_total",
+            "Prefill requests served, by outcome",
+            &["outcome"],
+        )?;
+        for outcome in ["ok", "error"] {
+            requests.with_label_values(&[outcome]);
+        }
         Ok(Self {
-            requests: counter_vec(
-                r,
-                "ferry_prefill_requests_total",
-                "Prefill requests served, by outcome",
-                &["outcome"],
-            )?,
+            requests,
             prompt_tokens: counter(
                 r,
                 "ferry_prompt_tokens_total",

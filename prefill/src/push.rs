@@ -12,13 +12,25 @@ pub fn layer_pusher(
     dest: Vec<u32>,
     dest_first: usize,
 ) -> LayerSinkFn {
-    Box::new(move |layer, blocks, pool| {
+    offset_layer_pusher(sink, dest, dest_first, 0)
+}
+
+/// [`layer_pusher`] for a pool whose layer `l` is destination layer `offset + l`: the drafter's
+/// context pool, shipped as the transfer layers after the target's.
+pub fn offset_layer_pusher(
+    sink: LayerSink,
+    dest: Vec<u32>,
+    dest_first: usize,
+    offset: usize,
+) -> LayerSinkFn {
+    Box::new(move |pool_layer, blocks, pool| {
+        let layer = offset + pool_layer;
         let mut writes = Vec::with_capacity(blocks.len());
         for (j, b) in blocks.iter().enumerate() {
             let block = *dest.get(dest_first + j).ok_or_else(|| {
                 format!("no destination block for prompt block {}", dest_first + j)
             })?;
-            let rows = pool.block(layer, *b).map_err(|e| e.to_string())?;
+            let rows = pool.block(pool_layer, *b).map_err(|e| e.to_string())?;
             let mut data = Vec::with_capacity(rows.len() * 4);
             for v in rows {
                 data.extend_from_slice(&v.to_le_bytes());

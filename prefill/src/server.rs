@@ -4,13 +4,14 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use clap::Args;
+use clap::{Args, ValueEnum};
 use ferry_proto::internal::prefill_worker_server::PrefillWorkerServer;
 use ferry_proto::internal::WorkerRole;
 use ferry_worker::args::WorkerArgs;
 use ferry_worker::metrics::{MetricsListener, WorkerMetrics};
 use ferry_worker::registration::{self, RegistrationConfig};
-use ferry_worker::serve::{base_routes, load_engine, serve, ServeError};
+use ferry_model::engine::EngineHandle;
+use ferry_worker::serve::{base_routes, serve, ServeError};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tracing::info;
@@ -23,6 +24,50 @@ use crate::service::PrefillService;
 pub struct PrefillArgs {
     #[command(flatten)]
     pub worker: WorkerArgs,
+    /// Compute the drafter's context for each prompt and ship it with the KV to decode workers
+    /// that ask for it (effective only when a drafter is configured).
+    #[arg(long, value_enum, default_value_t = Switch::On, env = "FERRY_SPECULATIVE")]
+    pub speculative: Switch,
+    /// DSpark drafter directory; the embedded drafter when the target is the embedded model.
+    #[arg(long, env = "FERRY_DRAFTER")]
+    pub drafter: Option<PathBuf>,
+}
+
+/// `on` / `off`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Switch {
+    /// Enabled.
+    On,
+    /// Disabled.
+    Off,
+}
+
+impl PrefillArgs {
+    /// The drafter whose context this worker computes and ships, if any.
+    pub fn drafter_dir(&self, model_dir: &std::path::Path) -> Option<PathBuf> {
+        match self.speculative {
+            Switch::Off => None,
+            Switch::On => self
+                .drafter
+                .clone()
+                .or_else(|| ferry_model::drafter::default_for(model_dir)),
+        }
+    }
+}
+
+/// Loads the target and the drafter `args` select, and starts the engine, off the runtime.
+async fn load_engine(args: &PrefillArgs, model_dir: PathBuf) -> Result<EngineHandle, ServeError> {
+    let drafter = args.drafter_dir(&model_dir);
+    if let Some(d) = &drafter {
+        info!(drafter = %d.display(), "shipping drafter context with the KV");
+    }
+    let config = args.worker.engine_config();
+    tokio::task::spawn_blocking(move || {
+        EngineHandle::load(&model_dir, drafter.as_deref(), config)
+            .map_err(|e| ServeError::Model(format!("{}: {e}", model_dir.display())))
+    })
+    .await
+    .map_err(|e| ServeError::Model(e.to_string()))?
 }
 
 /// A bound, ready prefill worker.
@@ -39,7 +84,7 @@ pub struct PrefillServer {
 impl PrefillServer {
     /// Loads the model from `model_dir`, starts the engine and binds the gRPC listener.
     pub async fn bind(args: PrefillArgs, model_dir: PathBuf) -> Result<Self, ServeError> {
-        let engine = load_engine(model_dir, args.worker.engine_config()).await?;
+        let engine = load_engine(&args, model_dir).await?;
         let listener = TcpListener::bind(args.worker.grpc_addr)
             .await
             .map_err(|e| ServeError::Transport(format!("{}: {e}", args.worker.grpc_addr)))?;

@@ -7,7 +7,7 @@ use std::time::Instant;
 use ferry_kvtransfer::handshake::check_compatible;
 use ferry_kvtransfer::layerwise::LayerStreamer;
 use ferry_kvtransfer::{Dtype, KvLayoutDesc, RemoteKey, TcpTransport, Transport};
-use ferry_model::engine::{EngineError, EngineHandle};
+use ferry_model::engine::{EngineError, EngineHandle, PrefillWork};
 use ferry_proto::internal::prefill_worker_server::PrefillWorker;
 use ferry_proto::internal::{GetStatsRequest, PrefillRequest, PrefillResponse, WorkerStats};
 use ferry_proto::trace_ctx;
@@ -16,7 +16,7 @@ use tonic::{Request, Response, Status};
 use tracing::{field, info_span, Instrument, Span};
 
 use crate::metrics::PrefillMetrics;
-use crate::push::layer_pusher;
+use crate::push::{layer_pusher, offset_layer_pusher};
 
 /// The service state: the engine handle and the outbound transport.
 #[derive(Clone)]
@@ -71,7 +71,17 @@ impl PrefillService {
             .and_then(|l| {
                 KvLayoutDesc::try_from(l).map_err(|e| Status::invalid_argument(e.to_string()))
             })?;
-        let ours = self.layout();
+        // Drafter context travels as transfer layers after the target's (`ferry_decode::region`).
+        // A destination that advertises exactly our drafter's extra layers gets them; one with
+        // a different count (another drafter, or ours is off) gets the target layers only and
+        // decodes those requests without speculation.
+        let target = self.layout();
+        let extra = u32::try_from(self.engine.draft_kv_layers()).unwrap_or(0);
+        let ship_drafter = extra > 0 && theirs.num_layers == target.num_layers + extra;
+        let ours = KvLayoutDesc {
+            num_layers: theirs.num_layers.max(target.num_layers),
+            ..target
+        };
         check_compatible(&ours, &theirs).map_err(|e| Status::failed_precondition(e.to_string()))?;
         let page = ours.page_size as usize;
         let skip = r.skip_tokens as usize;
@@ -113,10 +123,20 @@ impl PrefillService {
             .await
             .map_err(|e| self.transfer_failed(&transfer, format!("KV transfer connect: {e}")))?;
         let (sink, streamer) = LayerStreamer::spawn(writer);
+        let draft_hook = ship_drafter.then(|| {
+            let layers = target.num_layers as usize;
+            offset_layer_pusher(sink.clone(), dest.block_ids.clone(), skip / page, layers)
+        });
         let hook = layer_pusher(sink.clone(), dest.block_ids, skip / page);
         let outcome = self
             .engine
-            .prefill(r.prompt_tokens, params, skip, hook)
+            .prefill_work(PrefillWork {
+                prompt: r.prompt_tokens,
+                sampling: params,
+                skip_tokens: skip,
+                on_layer: hook,
+                on_draft_layer: draft_hook,
+            })
             .await
             .map_err(engine_status);
         let bytes = streamer.finish(sink).instrument(transfer.clone()).await;
@@ -136,7 +156,11 @@ impl PrefillService {
             "ferry.prefill.computed_tokens",
             count(outcome.computed_tokens),
         );
-        trace_ctx::set_attribute(&span, "ferry.prefill.reused_tokens", count(outcome.reused_tokens));
+        trace_ctx::set_attribute(
+            &span,
+            "ferry.prefill.reused_tokens",
+            count(outcome.reused_tokens),
+        );
         Ok(PrefillResponse {
             first_token: outcome.first_token,
             computed_tokens: u32::try_from(outcome.computed_tokens).unwrap_or(u32::MAX),
@@ -183,11 +207,7 @@ impl PrefillWorker for PrefillService {
         trace_ctx::set_attribute(&span, "rpc.system", "grpc");
         trace_ctx::set_attribute(&span, "rpc.service", "ferry.internal.v1.PrefillWorker");
         trace_ctx::set_attribute(&span, "rpc.method", "Prefill");
-        trace_ctx::set_attribute(
-            &span,
-            "ferry.prefill.skip_tokens",
-            i64::from(r.skip_tokens),
-        );
+        trace_ctx::set_attribute(&span, "ferry.prefill.skip_tokens", i64::from(r.skip_tokens));
         let prompt_tokens = r.prompt_tokens.len() as u64;
         let started = Instant::now();
         let result = self.run(r).instrument(span.clone()).await;

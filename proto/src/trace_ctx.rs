@@ -144,7 +144,10 @@ mod tests {
         );
         let mut out = HeaderMap::new();
         TraceContextPropagator::new().inject_context(&cx, &mut HeaderInjector(&mut out));
-        assert_eq!(out.get(TRACEPARENT).and_then(|v| v.to_str().ok()), Some(value));
+        assert_eq!(
+            out.get(TRACEPARENT).and_then(|v| v.to_str().ok()),
+            Some(value)
+        );
         let mut map = HashMap::new();
         TraceContextPropagator::new().inject_context(&cx, &mut map);
         assert_eq!(map.get(TRACEPARENT).map(String::as_str), Some(value));

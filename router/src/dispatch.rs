@@ -109,7 +109,9 @@ impl Accounting {
         let mut n = n;
         match self.last_token {
             None => {
-                self.metrics.ttft.observe((now - self.received).as_secs_f64());
+                self.metrics
+                    .ttft
+                    .observe((now - self.received).as_secs_f64());
                 // Tokens that arrive with the first share its moment.
                 for _ in 1..n {
                     self.metrics.itl.observe(0.0);
@@ -131,7 +133,8 @@ impl Accounting {
         m.success.with_label_values(&[reason.as_str()]).inc();
         m.e2e.observe(self.received.elapsed().as_secs_f64());
         m.prompt_tokens.inc_by(u64::from(usage.prompt_tokens));
-        m.generation_tokens.inc_by(u64::from(usage.completion_tokens));
+        m.generation_tokens
+            .inc_by(u64::from(usage.completion_tokens));
         m.cached_prompt_tokens
             .inc_by(u64::from(usage.cached_prompt_tokens));
         spans::record_finish(&self.request, usage, reason);
@@ -149,10 +152,7 @@ impl Accounting {
 impl Drop for Accounting {
     fn drop(&mut self) {
         if !self.ended {
-            self.metrics
-                .failure
-                .with_label_values(&["cancelled"])
-                .inc();
+            self.metrics.failure.with_label_values(&["cancelled"]).inc();
             trace_ctx::set_attribute(&self.request, "error.type", "cancelled");
         }
     }
@@ -210,7 +210,6 @@ impl Dispatcher {
             let dispatch = tracing::info_span!(
                 "dispatch",
                 otel.kind = "client",
-                otel.name = "ferry.internal.v1.DecodeWorker/Decode",
                 worker = %selection.decode.id,
                 attempt,
             );
@@ -273,7 +272,10 @@ impl Dispatcher {
             })
             .inspect_err(|e| spans::mark_failed(&span, e))?;
         let decode = selection.decode.id.0.as_str();
-        let prefill = selection.prefill.as_ref().map_or("none", |p| p.id.0.as_str());
+        let prefill = selection
+            .prefill
+            .as_ref()
+            .map_or("none", |p| p.id.0.as_str());
         let cached = selection.decision.predicted_cached_blocks;
         span.record("decode_worker", decode);
         span.record("prefill_worker", prefill);
@@ -284,7 +286,9 @@ impl Dispatcher {
             i64::try_from(req.block_hashes().len()).unwrap_or(i64::MAX),
         );
         let m = &self.inner.metrics;
-        m.routing.with_label_values(&[policy, prefill, decode]).inc();
+        m.routing
+            .with_label_values(&[policy, prefill, decode])
+            .inc();
         m.predicted_cached_blocks.observe(cached as f64);
         tracing::debug!(decode, prefill, cached_blocks = cached, "selected");
         Ok(selection)

@@ -36,6 +36,20 @@ const STEP_BUCKETS: &[f64] = &[
     1.0, 2.5, 5.0, 10.0,
 ];
 
+/// Every `finished_reason` and failure `kind`, created at zero so `rate()` sees each series
+/// from the start.
+const FINISH_REASONS: &[&str] = &["stop", "length"];
+const FAILURE_KINDS: &[&str] = &[
+    "invalid_value",
+    "model_not_found",
+    "overloaded",
+    "no_decode_worker",
+    "worker_failed",
+    "shutting_down",
+    "internal",
+    "cancelled",
+];
+
 /// Buckets for predicted cached blocks.
 const BLOCK_BUCKETS: &[f64] = &[
     0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 4096.0, 16384.0,
@@ -131,6 +145,24 @@ impl RouterMetrics {
             &["worker_role"],
         )?;
         r.register(Box::new(workers.clone()))?;
+        let success = counter_vec(
+            &r,
+            "ferry_request_success_total",
+            "Finished requests by finish reason",
+            &["finished_reason"],
+        )?;
+        let failure = counter_vec(
+            &r,
+            "ferry_request_failure_total",
+            "Requests that failed or were cancelled, by kind",
+            &["kind"],
+        )?;
+        for reason in FINISH_REASONS {
+            success.with_label_values(&[reason]);
+        }
+        for kind in FAILURE_KINDS {
+            failure.with_label_values(&[kind]);
+        }
         Ok(Self {
             ttft: histogram(
                 &r,
@@ -150,18 +182,8 @@ impl RouterMetrics {
                 "End-to-end latency of finished requests, from their arrival at the router",
                 LATENCY_BUCKETS,
             )?,
-            success: counter_vec(
-                &r,
-                "ferry_request_success_total",
-                "Finished requests by finish reason",
-                &["finished_reason"],
-            )?,
-            failure: counter_vec(
-                &r,
-                "ferry_request_failure_total",
-                "Requests that failed or were cancelled, by kind",
-                &["kind"],
-            )?,
+            success,
+            failure,
             prompt_tokens: counter(
                 &r,
                 "ferry_prompt_tokens_total",
@@ -239,11 +261,14 @@ mod tests {
             decode_workers: 3,
         });
         assert!(text.contains("# TYPE ferry_time_to_first_token_seconds histogram"));
-        assert!(text.contains(
-            "ferry_request_success_total{finished_reason=\"length\",role=\"router\"} 1"
-        ));
         assert!(
-            text.contains("ferry_router_workers{role=\"router\",worker_role=\"decode\"} 3"),
+            text.contains("ferry_request_failure_total{kind=\"no_decode_worker\",role=\"router\"} 0"),
+            "every failure kind exists from the start"
+        );
+        assert!(text
+            .contains("ferry_request_success_total{finished_reason=\"length\",role=\"router\"} 1"));
+        assert!(
+            text.contains("ferry_router_workers{worker_role=\"decode\",role=\"router\"} 3"),
             "{text}"
         );
         assert!(text.contains("ferry_router_requests_in_flight{role=\"router\"} 2"));

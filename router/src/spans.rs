@@ -92,7 +92,11 @@ pub fn record_request(req: &ValidRequest) {
     let s = req.sampling();
     trace_ctx::set_attribute(&span, "gen_ai.response.id", req.id().0.clone());
     trace_ctx::set_attribute(&span, "gen_ai.request.max_tokens", int(req.max_tokens()));
-    trace_ctx::set_attribute(&span, "gen_ai.request.temperature", f64::from(s.temperature));
+    trace_ctx::set_attribute(
+        &span,
+        "gen_ai.request.temperature",
+        f64::from(s.temperature),
+    );
     trace_ctx::set_attribute(&span, "gen_ai.request.top_p", f64::from(s.top_p));
     trace_ctx::set_attribute(&span, "gen_ai.request.top_k", int(s.top_k));
     if let Some(seed) = s.seed {
@@ -104,7 +108,11 @@ pub fn record_request(req: &ValidRequest) {
 /// Usage and finish reason of a finished request, on `span`.
 pub fn record_finish(span: &Span, usage: &Usage, finish: FinishReason) {
     trace_ctx::set_attribute(span, "gen_ai.usage.input_tokens", int(usage.prompt_tokens));
-    trace_ctx::set_attribute(span, "gen_ai.usage.output_tokens", int(usage.completion_tokens));
+    trace_ctx::set_attribute(
+        span,
+        "gen_ai.usage.output_tokens",
+        int(usage.completion_tokens),
+    );
     trace_ctx::set_attribute(
         span,
         "gen_ai.usage.cache_read.input_tokens",

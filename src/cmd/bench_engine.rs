@@ -4,16 +4,25 @@
 //! (a fresh-prompt batch, MHA form), then runs `--decode-steps` batched decode steps (absorbed
 //! form), and prints tokens/s for each phase as a Markdown table row. Timing covers the forward
 //! only: tokenization, sampling and allocation are outside the measured region.
+//!
+//! With `--speculative`, it compares speculative decoding with the DSpark drafter against plain
+//! decoding through the real engine instead (see [`run_speculative`]).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use anyhow::bail;
+use anyhow::{bail, Context};
 use clap::Args;
-use ferry_kernels::cpu::sample::argmax;
-use ferry_model::deepseek::{BatchInputs, DeepseekModel, LogitsWanted, SeqInput};
+use ferry_kernels::cpu::sample::{argmax, SamplingParams};
+use ferry_model::deepseek::forward::ForwardHooks;
+use ferry_model::deepseek::{BatchInputs, DeepseekModel, FormPolicy, LogitsWanted, SeqInput};
+use ferry_model::drafter::{ContextRows, ContextSegment, DraftCtx, DraftInput, Drafter, DsparkDrafter};
+use ferry_model::engine::{
+    EngineConfig, EngineEvent, EngineHandle, EngineStats, GenerateJob, PrefillSource, SpecConfig,
+    StopParams, VerifyLen,
+};
 use ferry_model::kv::layout::DEFAULT_PAGE_SIZE;
-use ferry_model::kv::BlockTable;
+use ferry_model::kv::{BlockTable, KvPool};
 
 /// Options of `ferry bench-engine`.
 #[derive(Debug, Args)]
@@ -35,6 +44,22 @@ pub struct BenchEngineArgs {
     pub repeat: usize,
     #[command(flatten)]
     pub device: super::device::DeviceArgs,
+    /// Compare speculative decoding with plain decoding through the engine: `--batch` is the
+    /// number of concurrent requests, `--decode-steps` the tokens each generates.
+    #[arg(long)]
+    pub speculative: bool,
+    /// DSpark drafter (with `--speculative`); the embedded drafter for the embedded model.
+    #[arg(long)]
+    pub drafter: Option<PathBuf>,
+    /// Verify length (with `--speculative`): `confidence[:MIN]` or `fixed:N`.
+    #[arg(long, default_value = "confidence:0.3")]
+    pub verify_len: VerifyLen,
+    /// Draft slots verified per engine step across the batch (with `--speculative`).
+    #[arg(long, default_value_t = 64)]
+    pub max_verify_tokens: usize,
+    /// Sampling temperature of the requests (with `--speculative`; 0 = greedy).
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
 }
 
 /// Runs the benchmark.
@@ -47,6 +72,9 @@ pub fn run(args: BenchEngineArgs) -> anyhow::Result<()> {
             "`--prompt-len` + `--decode-steps` must be in 1..={}",
             cfg.max_position_embeddings
         );
+    }
+    if args.speculative {
+        return run_speculative(&args, &dir, &model);
     }
     let gpu = args.device.gpu_model(&model)?;
     println!(
@@ -90,18 +118,7 @@ fn measure(
     let vocab = model.config().vocab_size as u32;
     let per_seq = (args.prompt_len + args.decode_steps).div_ceil(DEFAULT_PAGE_SIZE);
     let mut pool = model.new_kv_pool(per_seq * batch, DEFAULT_PAGE_SIZE)?;
-    // Deterministic, distinct prompts (a simple LCG over the vocabulary, skipping specials).
-    let prompts: Vec<Vec<u32>> = (0..batch as u32)
-        .map(|b| {
-            let mut x = 0x9e37_79b9u32 ^ (b.wrapping_mul(7919) + salt);
-            (0..args.prompt_len)
-                .map(|_| {
-                    x = x.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
-                    16 + (x >> 8) % (vocab - 16)
-                })
-                .collect()
-        })
-        .collect();
+    let prompts = synthetic_prompts(vocab, batch, args.prompt_len, salt);
     let mut tables = Vec::with_capacity(batch);
     for _ in 0..batch {
         let mut t = BlockTable::new();
@@ -160,4 +177,269 @@ fn measure(
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(f64::total_cmp);
     v.get(v.len() / 2).copied().unwrap_or(0.0)
+}
+
+/// Deterministic, distinct prompts (a simple LCG over the vocabulary, skipping specials).
+fn synthetic_prompts(vocab: u32, batch: usize, len: usize, salt: u32) -> Vec<Vec<u32>> {
+    (0..batch as u32)
+        .map(|b| {
+            let mut x = 0x9e37_79b9u32 ^ (b.wrapping_mul(7919) + salt);
+            (0..len)
+                .map(|_| {
+                    x = x.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                    16 + (x >> 8) % (vocab - 16)
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// `ferry bench-engine --speculative`: for each concurrency, the same requests through an
+/// engine without and with the drafter (generated tokens per second of wall time, prefill
+/// included; median of `--repeat`), the mean acceptance length (tokens per speculative round),
+/// and the cost of one drafter pass and of one verify pass over the whole batch, next to a
+/// plain decode step of the same batch.
+fn run_speculative(args: &BenchEngineArgs, dir: &Path, model: &DeepseekModel) -> anyhow::Result<()> {
+    let drafter_dir = args
+        .drafter
+        .clone()
+        .or_else(|| ferry_model::drafter::default_for(dir))
+        .context("no drafter for this model: pass `--drafter DIR`")?;
+    let drafter = DsparkDrafter::load(&drafter_dir, model.config())?;
+    let ctx_limit = model.config().max_position_embeddings;
+    if args.prompt_len + args.decode_steps + drafter.block_size() > ctx_limit {
+        bail!("`--prompt-len` + `--decode-steps` + the block size must fit the context of {ctx_limit}");
+    }
+    println!(
+        "| concurrency | no-spec tok/s | spec tok/s | speedup | acceptance length | drafts verified / round | draft pass ms | verify pass ms | decode step ms |\n|---|---|---|---|---|---|---|---|---|"
+    );
+    for &c in &args.batch {
+        let mut plain = Vec::new();
+        let mut spec = Vec::new();
+        let mut stats = EngineStats::default();
+        for rep in 0..args.repeat.max(1) {
+            plain.push(engine_run(dir, None, c, args, rep as u32)?.0);
+            let (tps, s) = engine_run(dir, Some(&drafter_dir), c, args, rep as u32)?;
+            spec.push(tps);
+            stats = s;
+        }
+        let (draft_ms, verify_ms, step_ms) = pass_costs(model, &drafter, c, args)?;
+        let (p, s) = (median(&mut plain), median(&mut spec));
+        let rounds = stats.spec_rounds.max(1) as f64;
+        println!(
+            "| {c} | {p:.1} | {s:.1} | {:.2}x | {:.2} | {:.2} | {draft_ms:.2} | {verify_ms:.2} | {step_ms:.2} |",
+            s / p,
+            (stats.spec_accepted_tokens + stats.spec_rounds) as f64 / rounds,
+            stats.spec_drafted_tokens as f64 / rounds,
+        );
+    }
+    Ok(())
+}
+
+/// `c` concurrent requests through a fresh engine (with the drafter in `drafter` when given);
+/// returns generated tokens per second of wall time and the engine's counters.
+fn engine_run(
+    dir: &Path,
+    drafter: Option<&Path>,
+    c: usize,
+    args: &BenchEngineArgs,
+    salt: u32,
+) -> anyhow::Result<(f64, EngineStats)> {
+    let per_seq = (args.prompt_len + args.decode_steps + 16).div_ceil(DEFAULT_PAGE_SIZE) + 1;
+    let config = EngineConfig {
+        num_blocks: per_seq * (c + 1),
+        max_batch_tokens: 4096,
+        max_running: c.max(1),
+        max_in_flight: c + 1,
+        spec: SpecConfig {
+            verify_len: args.verify_len,
+            max_verify_tokens: args.max_verify_tokens,
+        },
+        ..EngineConfig::default()
+    };
+    let engine = EngineHandle::load(dir, drafter, config)?;
+    let vocab = engine.model_config().vocab_size as u32;
+    let sampling = SamplingParams {
+        temperature: args.temperature,
+        seed: Some(u64::from(salt)),
+        ..SamplingParams::default()
+    };
+    let job = |prompt: Vec<u32>, max_tokens: usize| GenerateJob {
+        prompt,
+        sampling: sampling.clone(),
+        stop: StopParams {
+            max_tokens,
+            ignore_eos: true,
+        },
+        prefill: PrefillSource::Local,
+    };
+    let rt = tokio::runtime::Builder::new_current_thread().build()?;
+    rt.block_on(async {
+        // Warm-up: thread pools and first-touch allocations stay out of the measurement.
+        let warm = synthetic_prompts(vocab, 1, args.prompt_len, salt ^ 0xffff);
+        let mut g = engine.generate(job(warm[0].clone(), 4))?;
+        while let Some(e) = g.events.recv().await {
+            if matches!(e, EngineEvent::Finished(_) | EngineEvent::Failed(_)) {
+                break;
+            }
+        }
+        let before = engine.stats().await?;
+        let start = Instant::now();
+        let mut gens = Vec::with_capacity(c);
+        for p in synthetic_prompts(vocab, c, args.prompt_len, salt) {
+            gens.push(engine.generate(job(p, args.decode_steps))?);
+        }
+        let mut tokens = 0usize;
+        for mut g in gens {
+            while let Some(e) = g.events.recv().await {
+                match e {
+                    EngineEvent::Token(_) => tokens += 1,
+                    EngineEvent::Finished(_) => break,
+                    EngineEvent::Failed(e) => bail!("a benchmark request failed: {e}"),
+                    _ => {}
+                }
+            }
+        }
+        let secs = start.elapsed().as_secs_f64();
+        let after = engine.stats().await?;
+        let stats = EngineStats {
+            spec_rounds: after.spec_rounds - before.spec_rounds,
+            spec_drafted_tokens: after.spec_drafted_tokens - before.spec_drafted_tokens,
+            spec_accepted_tokens: after.spec_accepted_tokens - before.spec_accepted_tokens,
+            ..after
+        };
+        Ok((tokens as f64 / secs, stats))
+    })
+}
+
+/// Median wall time (ms) of one drafter pass over `c` sequences, one verify forward of
+/// `c × (1 + block)` tokens, and one plain decode step of `c` tokens, all over `--prompt-len`
+/// tokens of context.
+fn pass_costs(
+    model: &DeepseekModel,
+    drafter: &DsparkDrafter,
+    c: usize,
+    args: &BenchEngineArgs,
+) -> anyhow::Result<(f64, f64, f64)> {
+    let (l, b) = (args.prompt_len, drafter.block_size());
+    let vocab = model.config().vocab_size as u32;
+    let per_seq = (l + b + 1).div_ceil(DEFAULT_PAGE_SIZE);
+    let mut pool = model.new_kv_pool(per_seq * c, DEFAULT_PAGE_SIZE)?;
+    let layout = drafter.kv_layout().context("the drafter keeps context")?;
+    let mut dpool = KvPool::new(layout.pool_layout(pool.layout()))?;
+    let prompts = synthetic_prompts(vocab, c, l, 7);
+    let mut tables = Vec::with_capacity(c);
+    for _ in 0..c {
+        let mut t = BlockTable::new();
+        t.reserve(&mut pool, l + b + 1)?;
+        tables.push(t);
+    }
+    // Prefill with the drafter's taps, then its context.
+    let taps = drafter.taps().to_vec();
+    let mut tapped = vec![Vec::new(); taps.len()];
+    let mut hidden = |layer: usize, h: &[f32]| {
+        for (buf, _) in tapped.iter_mut().zip(&taps).filter(|(_, &t)| t == layer) {
+            *buf = h.to_vec();
+        }
+        Ok(())
+    };
+    let hooks = ForwardHooks {
+        after_layer: &mut |_, _| Ok(()),
+        hidden: &mut hidden,
+    };
+    model.forward_with_hooks(
+        &batch_of(&prompts, &tables, 0, LogitsWanted::Last),
+        &mut pool,
+        FormPolicy::CostModel,
+        hooks,
+    )?;
+    let segments: Vec<ContextSegment<'_>> = tables
+        .iter()
+        .enumerate()
+        .map(|(i, t)| ContextSegment {
+            block_table: t.blocks(),
+            start_pos: 0,
+            first_row: i * l,
+            rows: l,
+        })
+        .collect();
+    drafter.extend_context(
+        model,
+        &mut dpool,
+        &ContextRows {
+            taps: &tapped,
+            segments: &segments,
+        },
+    )?;
+    let greedy = SamplingParams {
+        temperature: 0.0,
+        ..SamplingParams::default()
+    };
+    let reps = 5;
+    let mut draft = Vec::with_capacity(reps);
+    let mut verify = Vec::with_capacity(reps);
+    let mut step = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        let inputs: Vec<DraftInput<'_>> = prompts
+            .iter()
+            .zip(&tables)
+            .map(|(p, t)| DraftInput {
+                anchor: p[0],
+                context_len: l,
+                block_table: t.blocks(),
+                tokens: p,
+                params: &greedy,
+                uniforms: &[],
+            })
+            .collect();
+        let ctx = DraftCtx {
+            target: model,
+            pool: Some(&dpool),
+        };
+        let start = Instant::now();
+        let proposals = drafter.propose(&ctx, &inputs);
+        draft.push(start.elapsed().as_secs_f64() * 1e3);
+        let blocks: Vec<Vec<u32>> = proposals
+            .into_iter()
+            .zip(&prompts)
+            .map(|(p, prompt)| {
+                let mut v = vec![prompt[0]];
+                v.extend(p.map(|p| p.drafts).unwrap_or_default());
+                v.resize(b + 1, prompt[0]);
+                v
+            })
+            .collect();
+        let start = Instant::now();
+        model.forward(&batch_of(&blocks, &tables, l, LogitsWanted::All), &mut pool)?;
+        verify.push(start.elapsed().as_secs_f64() * 1e3);
+        let anchors: Vec<Vec<u32>> = prompts.iter().map(|p| vec![p[0]]).collect();
+        let start = Instant::now();
+        model.forward(&batch_of(&anchors, &tables, l, LogitsWanted::Last), &mut pool)?;
+        step.push(start.elapsed().as_secs_f64() * 1e3);
+    }
+    for mut t in tables {
+        t.free(&mut pool)?;
+    }
+    Ok((median(&mut draft), median(&mut verify), median(&mut step)))
+}
+
+/// One sequence per table, `tokens[i]` after `start` cached positions.
+fn batch_of<'a>(
+    tokens: &'a [Vec<u32>],
+    tables: &'a [BlockTable],
+    start: usize,
+    logits: LogitsWanted,
+) -> BatchInputs<'a> {
+    BatchInputs {
+        seqs: tokens
+            .iter()
+            .zip(tables)
+            .map(|(t, table)| SeqInput {
+                tokens: t,
+                start_pos: start,
+                block_table: table.blocks(),
+                logits,
+            })
+            .collect(),
+    }
 }

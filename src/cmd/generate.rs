@@ -1,12 +1,23 @@
 //! `ferry generate`: load a model, run one prompt in this process, stream the text to stdout.
+//!
+//! With a drafter (`--drafter`, or the embedded one for the embedded model) and
+//! `--speculative on` (the default), the prompt runs through the in-process engine with DSpark
+//! speculative decoding on the CPU; otherwise token by token as before. Greedy output is the
+//! same either way; a seeded sampled run is reproducible in each mode and follows the same
+//! distribution, but the two modes draw their randomness differently.
 
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
 use clap::Args;
+use ferry_decode::spec::SpecArgs;
 use ferry_kernels::cpu::sample::{Sampler, SamplingParams};
 use ferry_model::deepseek::DeepseekModel;
+use ferry_model::drafter::DsparkDrafter;
+use ferry_model::engine::{
+    EngineConfig, EngineEvent, EngineHandle, GenerateJob, PrefillSource, StopParams,
+};
 use ferry_model::tokenizer::{ChatMessage, DecodeStream, Tokenizer};
 
 /// Options of `ferry generate`.
@@ -32,6 +43,8 @@ pub struct GenerateArgs {
     pub ignore_eos: bool,
     #[command(flatten)]
     pub device: super::device::DeviceArgs,
+    #[command(flatten)]
+    pub spec: SpecArgs,
 }
 
 /// Sampling flags shared by every command that generates.
@@ -106,6 +119,22 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         );
     }
 
+    if let Some(drafter) = args.spec.drafter_dir(&dir) {
+        if args.device.device == ferry_kernels::Device::Cpu {
+            let run = SpecRun {
+                prompt,
+                params,
+                stop: StopParams {
+                    max_tokens: args.max_tokens,
+                    ignore_eos: args.ignore_eos,
+                },
+                tokenizer: &tokenizer,
+            };
+            return generate_speculative(model, &drafter, &args.spec, run);
+        }
+        tracing::info!("speculative decoding runs on the CPU engine only; decoding without it");
+    }
+
     let mut runner = super::device::Runner::new(&args.device, &model, prompt.len() + args.max_tokens)?;
     let mut sampler = Sampler::for_params(&params);
     let mut stream = DecodeStream::new(true);
@@ -131,5 +160,76 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     }
     writeln!(out)?;
     runner.finish()?;
+    Ok(())
+}
+
+/// One prompt for [`generate_speculative`].
+struct SpecRun<'a> {
+    prompt: Vec<u32>,
+    params: SamplingParams,
+    stop: StopParams,
+    tokenizer: &'a Tokenizer,
+}
+
+/// Generates through the in-process engine with the DSpark drafter in `drafter_dir`.
+fn generate_speculative(
+    model: DeepseekModel,
+    drafter_dir: &Path,
+    spec: &SpecArgs,
+    run: SpecRun<'_>,
+) -> anyhow::Result<()> {
+    let drafter = DsparkDrafter::load(drafter_dir, model.config())
+        .with_context(|| format!("loading the drafter from {}", drafter_dir.display()))?;
+    let page = EngineConfig::default().page_size;
+    // The prompt, every new token, one block of drafts in flight, and a spare block.
+    let positions = run.prompt.len() + run.stop.max_tokens + drafter.config().block_size;
+    let config = EngineConfig {
+        num_blocks: positions.div_ceil(page) + 1,
+        max_in_flight: 1,
+        spec: spec.spec_config(),
+        ..EngineConfig::default()
+    };
+    let engine = EngineHandle::spawn_with(model, Some(Box::new(drafter)), config)?;
+    let mut generation = engine.generate(GenerateJob {
+        prompt: run.prompt,
+        sampling: run.params,
+        stop: run.stop,
+        prefill: PrefillSource::Local,
+    })?;
+    let rt = tokio::runtime::Builder::new_current_thread().build()?;
+    let mut stream = DecodeStream::new(true);
+    let stdout = std::io::stdout();
+    let mut out = stdout.lock();
+    rt.block_on(async {
+        while let Some(event) = generation.events.recv().await {
+            match event {
+                EngineEvent::Token(t) => {
+                    if let Some(chunk) = stream.step(run.tokenizer, t)? {
+                        out.write_all(chunk.as_bytes())?;
+                        out.flush()?;
+                    }
+                }
+                EngineEvent::Finished(_) => return Ok(()),
+                EngineEvent::Failed(e) => bail!("generation failed: {e}"),
+                _ => {}
+            }
+        }
+        bail!("the engine stopped before the request finished")
+    })?;
+    if let Some(rest) = stream.finish(run.tokenizer)? {
+        out.write_all(rest.as_bytes())?;
+    }
+    writeln!(out)?;
+    let stats = rt.block_on(engine.stats())?;
+    if stats.spec_rounds > 0 {
+        tracing::info!(
+            rounds = stats.spec_rounds,
+            drafted = stats.spec_drafted_tokens,
+            accepted = stats.spec_accepted_tokens,
+            acceptance_length = (stats.spec_accepted_tokens + stats.spec_rounds) as f64
+                / stats.spec_rounds as f64,
+            "speculative decoding"
+        );
+    }
     Ok(())
 }

@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use clap::Args;
+use ferry_decode::spec::SpecArgs;
 use ferry_router::config::PolicyKind;
 use ferry_worker::shutdown::shutdown_token;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -49,6 +50,10 @@ pub struct UpArgs {
     /// Seconds to wait for the cluster to become ready.
     #[arg(long, default_value_t = 60)]
     pub ready_timeout_s: u64,
+    /// Speculative decoding on the decode workers (the prefill workers then ship the drafter's
+    /// context with the KV).
+    #[command(flatten)]
+    pub spec: SpecArgs,
 }
 
 struct Proc {
@@ -131,6 +136,10 @@ async fn up(args: UpArgs, exe: PathBuf, model: PathBuf, served: String) -> anyho
         let addr = free_loopback_addr()?;
         let mut argv = common("prefill", i);
         argv.extend(["--metrics-addr".into(), addr.to_string()]);
+        argv.extend(["--speculative".into(), args.spec.speculative.to_string()]);
+        if let Some(d) = &args.spec.drafter {
+            argv.extend(["--drafter".into(), d.to_string_lossy().into_owned()]);
+        }
         procs.push(spawn(&exe, &name, &argv)?);
         metrics.push((name, addr));
     }
@@ -138,6 +147,7 @@ async fn up(args: UpArgs, exe: PathBuf, model: PathBuf, served: String) -> anyho
         let name = format!("decode-{i}");
         let addr = free_loopback_addr()?;
         let mut argv = common("decode", i);
+        argv.extend(args.spec.to_args());
         argv.extend([
             "--local-prefill-threshold".into(),
             args.local_prefill_threshold.to_string(),

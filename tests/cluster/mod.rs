@@ -309,6 +309,8 @@ impl Cluster {
 
     /// Starts one more worker of `role` named `id` and waits until the router counts it.
     /// (The routing policies break ties by worker id, so a test can choose who wins a tie.)
+    /// After a [`Cluster::kill`], first [`Cluster::wait_health`] until the router dropped the
+    /// dead worker: readiness means `/health` counts exactly the live workers.
     pub async fn add_worker(&mut self, role: Role, id: &str) {
         assert!(
             self.workers.iter().all(|w| w.id != id),

@@ -2,7 +2,7 @@
 //!
 //! | what | where it comes from |
 //! |---|---|
-//! | engine gauges and counters (running / waiting requests, KV blocks, prefix-cache hits, requests finished, prefill modes, KV bytes received) | [`EngineStats`], read from the engine thread at scrape time |
+//! | engine gauges and counters (running / waiting requests, KV blocks, prefix-cache hits, requests finished; decode: prefill modes, KV bytes received, speculative decoding) | [`EngineStats`], read from the engine thread at scrape time |
 //! | `ferry_request_queue_time_seconds` | the engine's `queue` spans, timed by [`queue_time_layer`] |
 //! | role metrics (TTFT, KV transfer, …) | `ferry-prefill` / `ferry-decode` `metrics.rs`, registered into [`WorkerMetrics::registry`] |
 //!
@@ -126,33 +126,103 @@ struct EngineSeries {
     hit_tokens: IntCounter,
     hit_rate: Gauge,
     finished: IntCounter,
-    /// Decode workers only: prefills by where they ran, and KV bytes received from peers.
-    decode: Option<(IntCounterVec, IntCounter)>,
+    /// Decode workers only.
+    decode: Option<DecodeSeries>,
+}
+
+/// What only decode workers report.
+struct DecodeSeries {
+    /// Prefills by where they ran.
+    modes: IntCounterVec,
+    /// KV bytes received from peers.
+    received: IntCounter,
+    /// Speculative rounds, drafted and accepted tokens, mean tokens per round.
+    spec_rounds: IntCounter,
+    spec_drafted: IntCounter,
+    spec_accepted: IntCounter,
+    spec_acceptance_length: Gauge,
+}
+
+impl DecodeSeries {
+    fn register(r: &Registry) -> prometheus::Result<Self> {
+        let modes = counter_vec(
+            r,
+            "ferry_prefills_total",
+            "Decode requests by where their prompt KV was computed: remote (a prefill worker), local, recomputed (locally after a remote failure)",
+            &["mode"],
+        )?;
+        let received = IntCounter::with_opts(
+            Opts::new(
+                "ferry_kv_transfer_bytes_total",
+                "KV cache bytes moved between workers",
+            )
+            .const_label("direction", "receive"),
+        )?;
+        r.register(Box::new(received.clone()))?;
+        for mode in ["remote", "local", "recomputed"] {
+            modes.with_label_values(&[mode]);
+        }
+        Ok(Self {
+            modes,
+            received,
+            spec_rounds: counter(
+                r,
+                "ferry_spec_decode_num_drafts_total",
+                "Speculative decoding rounds (one per drafting sequence per step)",
+            )?,
+            spec_drafted: counter(
+                r,
+                "ferry_spec_decode_num_draft_tokens_total",
+                "Draft tokens verified",
+            )?,
+            spec_accepted: counter(
+                r,
+                "ferry_spec_decode_num_accepted_tokens_total",
+                "Draft tokens accepted by verification",
+            )?,
+            spec_acceptance_length: gauge(
+                r,
+                "ferry_spec_decode_acceptance_length",
+                "Mean tokens emitted per speculative round since start: (accepted + rounds) / rounds (SGLang's spec_accept_length); 0 before the first round",
+            )?,
+        })
+    }
+
+    fn update(&self, s: &EngineStats) {
+        advance(
+            &self.modes.with_label_values(&["remote"]),
+            s.remote_prefills,
+        );
+        advance(&self.modes.with_label_values(&["local"]), s.local_prefills);
+        advance(
+            &self.modes.with_label_values(&["recomputed"]),
+            s.recomputed_prefills,
+        );
+        advance(&self.received, s.kv_bytes_received);
+        advance(&self.spec_rounds, s.spec_rounds);
+        advance(&self.spec_drafted, s.spec_drafted_tokens);
+        advance(&self.spec_accepted, s.spec_accepted_tokens);
+        self.spec_acceptance_length.set(if s.spec_rounds == 0 {
+            0.0
+        } else {
+            (s.spec_accepted_tokens + s.spec_rounds) as f64 / s.spec_rounds as f64
+        });
+    }
 }
 
 impl EngineSeries {
     fn register(r: &Registry, role: WorkerRole) -> prometheus::Result<Self> {
         let decode = if role == WorkerRole::Decode {
-            let modes = counter_vec(
-                r,
-                "ferry_prefills_total",
-                "Decode requests by where their prompt KV was computed: remote (a prefill worker), local, recomputed (locally after a remote failure)",
-                &["mode"],
-            )?;
-            let received = IntCounter::with_opts(
-                Opts::new(
-                    "ferry_kv_transfer_bytes_total",
-                    "KV cache bytes moved between workers",
-                )
-                .const_label("direction", "receive"),
-            )?;
-            r.register(Box::new(received.clone()))?;
-            Some((modes, received))
+            Some(DecodeSeries::register(r)?)
         } else {
             None
         };
         Ok(Self {
-            running: int_gauge(r, "ferry_num_requests_running", "Requests in the running batch")?,
+            running: int_gauge(
+                r,
+                "ferry_num_requests_running",
+                "Requests in the running batch",
+            )?,
             waiting: int_gauge(
                 r,
                 "ferry_num_requests_waiting",
@@ -168,7 +238,11 @@ impl EngineSeries {
                 "ferry_kv_cache_used_blocks",
                 "KV blocks referenced by live requests",
             )?,
-            kv_free: int_gauge(r, "ferry_kv_cache_free_blocks", "KV blocks on the free list")?,
+            kv_free: int_gauge(
+                r,
+                "ferry_kv_cache_free_blocks",
+                "KV blocks on the free list",
+            )?,
             kv_cached: int_gauge(
                 r,
                 "ferry_kv_cache_cached_blocks",
@@ -237,11 +311,8 @@ impl EngineSeries {
             s.prefill_reused_tokens as f64 / queried as f64
         });
         advance(&self.finished, s.requests_finished);
-        if let Some((modes, received)) = &self.decode {
-            advance(&modes.with_label_values(&["remote"]), s.remote_prefills);
-            advance(&modes.with_label_values(&["local"]), s.local_prefills);
-            advance(&modes.with_label_values(&["recomputed"]), s.recomputed_prefills);
-            advance(received, s.kv_bytes_received);
+        if let Some(decode) = &self.decode {
+            decode.update(s);
         }
     }
 }
@@ -415,6 +486,9 @@ mod tests {
             kv_blocks_cached: 2,
             kv_blocks_total: 16,
             remote_prefills: 3,
+            spec_rounds: 4,
+            spec_drafted_tokens: 12,
+            spec_accepted_tokens: 6,
             ..EngineStats::default()
         };
         m.update(&s);
@@ -425,8 +499,10 @@ mod tests {
         assert!((m.kv_usage.get() - 0.25).abs() < 1e-12);
         s.remote_prefills = 5;
         m.update(&s);
-        let (modes, _) = m.decode.as_ref().expect("decode series");
-        assert_eq!(modes.with_label_values(&["remote"]).get(), 5);
+        let decode = m.decode.as_ref().expect("decode series");
+        assert_eq!(decode.modes.with_label_values(&["remote"]).get(), 5);
+        assert_eq!(decode.spec_drafted.get(), 12);
+        assert!((decode.spec_acceptance_length.get() - 2.5).abs() < 1e-12);
         s.prefill_computed_tokens = 0;
         m.update(&s);
         assert_eq!(m.computed_tokens.get(), 30, "a counter never goes down");

@@ -139,6 +139,16 @@ pub struct LatentPool {
 }
 
 impl LatentPool {
+    /// Runs later measurements with another tile pipeline (same data).
+    pub fn set_tile(&mut self, bk: usize, stages: usize) {
+        self.shape = self.shape.with_tile(bk, stages);
+    }
+
+    /// The shape measurements use.
+    pub fn shape(&self) -> MlaShape {
+        self.shape
+    }
+
     /// Allocates and fills `max_tokens` rows (page size 64).
     pub fn new(dev: &CudaDevice, shape: MlaShape, max_tokens: usize) -> Result<Self, KernelError> {
         let page = 64;

@@ -522,6 +522,30 @@ impl CudaDevice {
         Ok(())
     }
 
+    /// Starts recording the stream's work into a graph instead of running it (relaxed mode:
+    /// stream-ordered allocations become graph memory nodes). Nothing may synchronise or copy
+    /// host memory until [`Self::end_capture`].
+    pub fn begin_capture(&self) -> Result<(), KernelError> {
+        self.inner
+            .stream
+            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+            .map_err(gpu_err("cuStreamBeginCapture"))
+    }
+
+    /// Ends a capture and instantiates the graph.
+    pub fn end_capture(&self) -> Result<GpuGraph, KernelError> {
+        let graph = self
+            .inner
+            .stream
+            .end_capture(sys::CUgraphInstantiate_flags(0))
+            .map_err(gpu_err("cuStreamEndCapture"))?
+            .ok_or(KernelError::Gpu {
+                op: "cuStreamEndCapture",
+                message: "the capture recorded nothing".into(),
+            })?;
+        Ok(GpuGraph { graph })
+    }
+
     /// A stopwatch of GPU time on this device's stream.
     pub fn timer(&self) -> Result<GpuTimer, KernelError> {
         let make = || {
@@ -535,6 +559,18 @@ impl CudaDevice {
             stop: make()?,
             stream: self.inner.stream.clone(),
         })
+    }
+}
+
+/// An instantiated CUDA graph, replayed on the device's stream.
+pub struct GpuGraph {
+    graph: cudarc::driver::CudaGraph,
+}
+
+impl GpuGraph {
+    /// Queues one replay.
+    pub fn launch(&self) -> Result<(), KernelError> {
+        self.graph.launch().map_err(gpu_err("cuGraphLaunch"))
     }
 }
 

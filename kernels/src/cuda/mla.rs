@@ -34,16 +34,36 @@ pub struct MlaShape {
     pub mha_qk: usize,
     /// MHA-form value width per head (128).
     pub mha_v: usize,
+    /// Keys per pipeline step of the tile kernels (32 or 64).
+    pub tile_bk: usize,
+    /// Depth of the tile kernels' `cp.async` pipeline (2..=4 steps in flight).
+    pub tile_stages: usize,
 }
 
 impl MlaShape {
     /// DeepSeek-V3 / Kimi K2 / K3: 576 / 512 / 192 / 128.
-    pub const DEEPSEEK_V3: MlaShape = MlaShape {
-        latent: 576,
-        kv_lora: 512,
-        mha_qk: 192,
-        mha_v: 128,
-    };
+    pub const DEEPSEEK_V3: MlaShape = MlaShape::new(576, 512, 192, 128);
+
+    /// A shape with the default tile pipeline (64-key steps, double-buffered).
+    pub const fn new(latent: usize, kv_lora: usize, mha_qk: usize, mha_v: usize) -> Self {
+        Self {
+            latent,
+            kv_lora,
+            mha_qk,
+            mha_v,
+            tile_bk: 64,
+            tile_stages: 2,
+        }
+    }
+
+    /// The same shape with another tile pipeline (benchmarks sweep these).
+    pub const fn with_tile(self, bk: usize, stages: usize) -> Self {
+        Self {
+            tile_bk: bk,
+            tile_stages: stages,
+            ..self
+        }
+    }
 
     /// The `-D` defines of `mla.cu`.
     pub fn defines(&self) -> Defines {
@@ -52,11 +72,18 @@ impl MlaShape {
             .with("MLA_DV", self.kv_lora)
             .with("MHA_DQK", self.mha_qk)
             .with("MHA_DV", self.mha_v)
+            .with("MLA_BK", self.tile_bk)
+            .with("MLA_STAGES", self.tile_stages)
     }
 
     /// Whether the tensor-core tile kernel takes this shape (else use the generic kernel).
     pub fn tile_ok(&self) -> bool {
-        self.latent % 16 == 0 && self.kv_lora % 64 == 0 && self.kv_lora <= self.latent
+        let bk_ok = self.tile_bk == 64 || (self.tile_bk == 32 && self.latent % 32 == 0);
+        self.latent % 16 == 0
+            && self.kv_lora % 64 == 0
+            && self.kv_lora <= self.latent
+            && bk_ok
+            && (2..=4).contains(&self.tile_stages)
     }
 
     /// Whether the tensor-core flash kernel takes this shape.
@@ -64,10 +91,10 @@ impl MlaShape {
         self.mha_qk % 16 == 0 && self.mha_v % 16 == 0
     }
 
-    /// Dynamic shared memory of the tile kernel.
+    /// Dynamic shared memory of the tile kernel (either path: mma or scalar).
     pub fn tile_smem(&self) -> usize {
         let kstr = self.latent + 8;
-        2 * TILE_KEYS * kstr * 2 + TILE_ROWS * kstr * 2 + 4608
+        self.tile_stages * self.tile_bk * kstr * 2 + TILE_ROWS * kstr * 2 + TILE_ROWS * self.tile_bk * 4 + 1024
     }
 
     /// Dynamic shared memory of the flash kernel.
@@ -157,10 +184,10 @@ struct MlaArgsC {
     splits: i32,
     keys_per_split: i32,
     scale_log2: f32,
-    _pad: i32,
+    page_shift: i32,
 }
-// SAFETY: repr(C): seven u64 then eight 4-byte fields (the last explicit padding): no implicit
-// padding; matches `struct MlaArgs` in mla.cu (whose trailing padding is the same 4 bytes).
+// SAFETY: repr(C): seven u64 then eight 4-byte fields: 88 bytes, no padding; matches
+// `struct MlaArgs` in mla.cu field for field.
 unsafe impl KernelParam for MlaArgsC {}
 
 /// How many blocks split one (sequence, tile)'s keys, and how many keys each takes.
@@ -221,6 +248,19 @@ pub fn mla_absorbed(
             value: format!("q bf16 {}, cache bf16 {}, {shape:?}", b.q.is_bf16(), b.pages.bf16),
         });
     }
+    let page_shift = if b.pages.page_size.is_power_of_two() {
+        b.pages.page_size.trailing_zeros() as i32
+    } else {
+        -1
+    };
+    if tiled && page_shift < 0 {
+        return Err(KernelError::InvalidParam {
+            op: OP,
+            field: "pages.page_size",
+            limit: "a power of two for the tile kernels",
+            value: b.pages.page_size.to_string(),
+        });
+    }
     if !tiled && b.q.is_bf16() != b.pages.bf16 {
         return Err(KernelError::InvalidParam {
             op: OP,
@@ -274,7 +314,7 @@ pub fn mla_absorbed(
         splits: int("splits", splits)?,
         keys_per_split: int("keys_per_split", kps)?,
         scale_log2: b.scale * LOG2E,
-        _pad: 0,
+        page_shift,
     };
     let f = dev.function(Source::Mla, &defines, name)?;
     let mut a = KernelArgs::new();
@@ -481,6 +521,11 @@ mod tests {
     fn smem_fits_hopper() {
         let s = MlaShape::DEEPSEEK_V3;
         assert!(s.tile_smem() <= 227 * 1024, "{}", s.tile_smem());
+        for (bk, st) in [(32, 2), (32, 3), (32, 4), (64, 2)] {
+            let t = s.with_tile(bk, st);
+            assert!(t.tile_ok() && t.tile_smem() <= 227 * 1024, "{bk}x{st}: {}", t.tile_smem());
+        }
+        assert!(!MlaShape::new(80, 64, 48, 32).with_tile(32, 2).tile_ok());
         assert!(s.flash_smem() <= 227 * 1024 / 2, "{}", s.flash_smem());
         assert!(s.tile_ok() && s.flash_ok());
     }

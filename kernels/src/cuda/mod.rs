@@ -20,5 +20,5 @@ pub mod mla;
 pub mod nvrtc;
 pub mod ops;
 
-pub use context::{CudaDevice, DeviceBuffer, GpuTimer, KernelArgs, LaunchDims};
+pub use context::{CudaDevice, DeviceBuffer, GpuGraph, GpuTimer, KernelArgs, LaunchDims};
 pub use ops::{GpuMatrix, GpuMatrixData};

@@ -399,12 +399,11 @@ pub struct RopeTables {
 }
 
 impl RopeTables {
-    /// Tables for `positions`.
-    pub fn new(
-        dev: &CudaDevice,
+    /// Host `(cos, sin)` for `positions`, `[tokens][dim/2]` each.
+    pub fn host(
         rope: &crate::cpu::rope::Rope,
         positions: &[usize],
-    ) -> Result<Self, KernelError> {
+    ) -> Result<(Vec<f32>, Vec<f32>), KernelError> {
         let half = rope.dim() / 2;
         let mut cos = vec![0.0f32; positions.len() * half];
         let mut sin = vec![0.0f32; positions.len() * half];
@@ -415,6 +414,28 @@ impl RopeTables {
                 &mut sin[i * half..(i + 1) * half],
             )?;
         }
+        Ok((cos, sin))
+    }
+
+    /// Overwrites the tables in place for as many `positions` as they hold.
+    pub fn refresh(
+        &mut self,
+        dev: &CudaDevice,
+        rope: &crate::cpu::rope::Rope,
+        positions: &[usize],
+    ) -> Result<(), KernelError> {
+        let (cos, sin) = Self::host(rope, positions)?;
+        dev.write(&mut self.cos, 0, &cos)?;
+        dev.write(&mut self.sin, 0, &sin)
+    }
+
+    /// Tables for `positions`.
+    pub fn new(
+        dev: &CudaDevice,
+        rope: &crate::cpu::rope::Rope,
+        positions: &[usize],
+    ) -> Result<Self, KernelError> {
+        let (cos, sin) = Self::host(rope, positions)?;
         Ok(Self {
             cos: dev.upload(&cos)?,
             sin: dev.upload(&sin)?,

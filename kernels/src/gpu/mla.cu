@@ -48,11 +48,18 @@ struct MlaArgs {
   float* out;             // [B·SQ·H][MLA_DV] (splits == 1)
   int bt_stride, sq, heads, page, splits, keys_per_split;
   float scale_log2;
+  int page_shift;         // log2(page) (the tile kernels need a power-of-two page)
 };
 
 __device__ __forceinline__ size_t key_offset(const MlaArgs& a, int b, int p) {
   int blk = a.block_table[(size_t)b * a.bt_stride + p / a.page];
   return ((size_t)blk * a.page + p % a.page) * MLA_DQK;
+}
+
+// The same for a power-of-two page: shifts instead of divisions (the tile kernels' hot loop).
+__device__ __forceinline__ size_t key_offset_pow2(const MlaArgs& a, int b, int p) {
+  int blk = a.block_table[(size_t)b * a.bt_stride + (p >> a.page_shift)];
+  return (((size_t)blk << a.page_shift) + (p & (a.page - 1))) * MLA_DQK;
 }
 
 // Writes one row's result: final (normalised) when there is one split, else the partial.
@@ -204,15 +211,25 @@ __device__ __forceinline__ void cp_async16(u32 dst, const void* src, int src_byt
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
 __device__ __forceinline__ void cp_async_wait1() { asm volatile("cp.async.wait_group 1;"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
 __device__ __forceinline__ void cp_async_wait0() { asm volatile("cp.async.wait_group 0;"); }
 #endif
 
 // ---------------------------------------------------------------------------------------------
-// Absorbed tile kernel: 16 query rows × BK keys per step, 4 warps.
-// Grid: (splits, tiles, B); block 128; dynamic shared memory from mla_tile_smem() on the host.
+// Absorbed tile kernel: 16 query rows × BK keys per step, 4 warps, MLA_STAGES-deep cp.async
+// pipeline. BK = MLA_BK (64: each warp scores 16 keys; 32: 8 keys, needs MLA_DQK % 32 == 0).
+// Grid: (splits, tiles, B); block 128; dynamic shared memory from MlaShape::tile_smem().
+#ifndef MLA_BK
+#define MLA_BK 64
+#endif
+#ifndef MLA_STAGES
+#define MLA_STAGES 2
+#endif
 #define TROWS 16
-#define BK 64
+#define BK MLA_BK
 #define NWT 4
+#define KPW (BK / NWT)
 #define KSTR (MLA_DQK + 8)  // bf16 elements per shared key row (pad: conflict-free ldmatrix)
 #define PSTR (BK + 8)
 
@@ -238,8 +255,8 @@ __device__ __forceinline__ void tile_row(const MlaArgs& a, int packed, int tile,
 template <int PACKED>
 __device__ void mla_tile_mma(const MlaArgs& a) {
   extern __shared__ __align__(16) unsigned char smem[];
-  bf16_t* s_k = (bf16_t*)smem;                       // [2][BK][KSTR]
-  bf16_t* s_q = s_k + 2 * BK * KSTR;                 // [16][KSTR]
+  bf16_t* s_k = (bf16_t*)smem;                       // [MLA_STAGES][BK][KSTR]
+  bf16_t* s_q = s_k + MLA_STAGES * BK * KSTR;        // [16][KSTR]
   bf16_t* s_p = s_q + TROWS * KSTR;                  // [16][PSTR]
   float* s_red = (float*)(s_p + TROWS * PSTR);       // [NWT][16]
   float* s_l = s_red + NWT * TROWS;                  // [NWT][16]
@@ -281,7 +298,7 @@ __device__ void mla_tile_mma(const MlaArgs& a) {
       int p = c0 + key;
       const bf16_t* src = pages;
       int bytes = 0;
-      if (p < end) { src = pages + key_offset(a, b, p) + seg * 8; bytes = 16; }
+      if (p < end) { src = pages + key_offset_pow2(a, b, p) + seg * 8; bytes = 16; }
       cp_async16(smem_u32(dst + key * KSTR + seg * 8), src, bytes);
     }
   };
@@ -292,23 +309,31 @@ __device__ void mla_tile_mma(const MlaArgs& a) {
   for (int n = 0; n < NT; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
   float m0 = -FERRY_INF, m1 = -FERRY_INF, l0 = 0.0f, l1 = 0.0f;
 
-  if (start < end) { load_chunk(0, start); }
-  cp_async_commit();
-  int it = 0;
-  for (int c0 = start; c0 < end; c0 += BK, it++) {
-    if (c0 + BK < end) load_chunk((it + 1) & 1, c0 + BK);
+  int nchunks = start < end ? (end - start + BK - 1) / BK : 0;
+#pragma unroll
+  for (int st = 0; st < MLA_STAGES - 1; st++) {
+    if (st < nchunks) load_chunk(st, start + st * BK);
     cp_async_commit();
-    cp_async_wait1();
+  }
+  for (int it = 0; it < nchunks; it++) {
+    int c0 = start + it * BK;
+    int nxt = it + MLA_STAGES - 1;
+    if (nxt < nchunks) load_chunk(nxt % MLA_STAGES, start + nxt * BK);
+    cp_async_commit();
+    cp_async_wait<MLA_STAGES - 1>();
     __syncthreads();
-    const bf16_t* kb = s_k + (it & 1) * BK * KSTR;
+    const bf16_t* kb = s_k + (it % MLA_STAGES) * BK * KSTR;
 
-    // S = Q · Kᵀ for this warp's 16 keys: two 8-key tiles, even/odd k-steps accumulate apart.
-    float s[2][2][4];
+    // S = Q · Kᵀ for this warp's KPW keys (NPW 8-key tiles); two accumulator sets so
+    // consecutive mma do not wait on each other.
+    const int NPW = KPW / 8;
+    float s[2][NPW][4];
 #pragma unroll
     for (int x = 0; x < 2; x++)
 #pragma unroll
-      for (int y = 0; y < 2; y++) s[x][y][0] = s[x][y][1] = s[x][y][2] = s[x][y][3] = 0.0f;
+      for (int y = 0; y < NPW; y++) s[x][y][0] = s[x][y][1] = s[x][y][2] = s[x][y][3] = 0.0f;
     u32 qa = smem_u32(s_q + (lane % 16) * KSTR + (lane / 16) * 8);
+#if KPW == 16
     u32 ka = smem_u32(kb + (w * 16 + (lane % 8) + 8 * (lane / 16)) * KSTR + 8 * ((lane / 8) % 2));
 #pragma unroll 4
     for (int kk = 0; kk < MLA_DQK / 16; kk++) {
@@ -318,13 +343,26 @@ __device__ void mla_tile_mma(const MlaArgs& a) {
       mma_bf16(s[kk & 1][0], af, bf[0], bf[1]);
       mma_bf16(s[kk & 1][1], af, bf[2], bf[3]);
     }
-    float sc[2][4];
+#else
+    // 8 keys per warp: one x4 ldmatrix covers two k-steps of the 8-key tile.
+    u32 ka = smem_u32(kb + (w * 8 + (lane % 8)) * KSTR + 8 * (lane / 8));
+#pragma unroll 4
+    for (int k2 = 0; k2 < MLA_DQK / 32; k2++) {
+      u32 af0[4], af1[4], bf[4];
+      ldsm_x4(af0, qa + (2 * k2) * 32);
+      ldsm_x4(af1, qa + (2 * k2 + 1) * 32);
+      ldsm_x4(bf, ka + k2 * 64);
+      mma_bf16(s[0][0], af0, bf[0], bf[1]);
+      mma_bf16(s[1][0], af1, bf[2], bf[3]);
+    }
+#endif
+    float sc[NPW][4];
     float mx0 = -FERRY_INF, mx1 = -FERRY_INF;
 #pragma unroll
-    for (int n = 0; n < 2; n++)
+    for (int n = 0; n < NPW; n++)
 #pragma unroll
       for (int j = 0; j < 4; j++) {
-        int key = c0 + w * 16 + n * 8 + 2 * c + (j & 1);
+        int key = c0 + w * KPW + n * 8 + 2 * c + (j & 1);
         int lim = (j < 2) ? lim0 : lim1;
         float v = (s[0][n][j] + s[1][n][j]) * a.scale_log2;
         v = (key < lim && key < end) ? v : -FERRY_INF;
@@ -349,12 +387,12 @@ __device__ void mla_tile_mma(const MlaArgs& a) {
     m1 = n1;
     float ps0 = 0.0f, ps1 = 0.0f;
 #pragma unroll
-    for (int n = 0; n < 2; n++) {
+    for (int n = 0; n < NPW; n++) {
       float p0 = exp2f(sc[n][0] - off0), p1 = exp2f(sc[n][1] - off0);
       float p2 = exp2f(sc[n][2] - off1), p3 = exp2f(sc[n][3] - off1);
       ps0 += p0 + p1;
       ps1 += p2 + p3;
-      int col = w * 16 + n * 8 + 2 * c;
+      int col = w * KPW + n * 8 + 2 * c;
       *reinterpret_cast<u32*>(s_p + g * PSTR + col) = pack_bf2(p0, p1);
       *reinterpret_cast<u32*>(s_p + (g + 8) * PSTR + col) = pack_bf2(p2, p3);
     }
@@ -416,8 +454,8 @@ __device__ void mla_tile_mma(const MlaArgs& a) {
 template <int PACKED>
 __device__ void mla_tile_scalar(const MlaArgs& a) {
   extern __shared__ __align__(16) unsigned char smem[];
-  bf16_t* s_k = (bf16_t*)smem;                        // [BK][KSTR] (one buffer)
-  bf16_t* s_q = s_k + 2 * BK * KSTR;                  // [16][KSTR]
+  bf16_t* s_k = (bf16_t*)smem;                        // [BK][KSTR] (one buffer used)
+  bf16_t* s_q = s_k + MLA_STAGES * BK * KSTR;         // [16][KSTR]
   float* s_p = (float*)(s_q + TROWS * KSTR);          // [16][BK]
   int* s_lim = (int*)(s_p + TROWS * BK);              // [16]
   long long* s_row = (long long*)(s_lim + TROWS);     // [16]

@@ -152,7 +152,10 @@ async fn receive_data(
 type Accepted = (Arc<Entry>, RemoteKey, HashMap<String, String>);
 
 /// Reads the hello, answers it, and returns the region on success (`None`: the peer hung up).
-async fn accept_hello(conn: &mut Conn, registry: &Registry) -> Result<Option<Accepted>, TransferError> {
+async fn accept_hello(
+    conn: &mut Conn,
+    registry: &Registry,
+) -> Result<Option<Accepted>, TransferError> {
     let Some((tag, len)) = read_header(conn).await? else {
         return Ok(None);
     };

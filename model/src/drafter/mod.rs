@@ -45,6 +45,21 @@ pub fn embedded_dir() -> PathBuf {
         .join("tiny-k3-dspark")
 }
 
+/// The drafter to use by default for the target in `target_dir`: the embedded drafter when the
+/// target is the embedded model (the source checkout's copy, or any directory whose
+/// `config.json` is byte-identical to it) and the embedded drafter's files exist; else none.
+pub fn default_for(target_dir: &std::path::Path) -> Option<PathBuf> {
+    let embedded_target = crate::embedded::default_model_dir();
+    let same = |a: &std::path::Path, b: &std::path::Path| {
+        match (std::fs::read(a.join("config.json")), std::fs::read(b.join("config.json"))) {
+            (Ok(x), Ok(y)) => x == y,
+            _ => false,
+        }
+    };
+    let dir = embedded_dir();
+    (same(target_dir, &embedded_target) && dir.join("config.json").is_file()).then_some(dir)
+}
+
 /// How drafter context rows (`kv_width` floats: K then V of every KV head) are stored in a pool
 /// whose rows are `row_width` floats (the target's latent width): drafter layer `l`'s row is
 /// split into `chunks = ⌈kv_width / row_width⌉` pieces, piece `c` in pool layer

@@ -364,6 +364,22 @@ impl EngineHandle {
         })
     }
 
+    /// Loads the target from `model_dir` and, when `drafter_dir` is given, a DSpark drafter
+    /// from it, then starts the engine. Blocking (loading maps and converts weights): call it
+    /// off the async runtime.
+    pub fn load(
+        model_dir: &std::path::Path,
+        drafter_dir: Option<&std::path::Path>,
+        config: EngineConfig,
+    ) -> Result<Self, ModelError> {
+        let model = DeepseekModel::load(model_dir)?;
+        let drafter = drafter_dir
+            .map(|d| crate::drafter::DsparkDrafter::load(d, model.config()))
+            .transpose()?
+            .map(|d| Box::new(d) as Box<dyn Drafter>);
+        Self::spawn_with(model, drafter, config)
+    }
+
     /// Drafter KV pool layers a peer may write after the target's layers (0: none). Layer
     /// `num_layers + j` of a transfer is drafter pool layer `j`.
     pub fn draft_kv_layers(&self) -> usize {

@@ -171,8 +171,10 @@ pub struct DecodeReport {
     pub context: usize,
     /// Steps timed.
     pub steps: usize,
-    /// Decoded tokens per second (wall clock, host argmax included).
+    /// Decoded tokens per second, eager launches (wall clock, host argmax included).
     pub tokens_per_s: f64,
+    /// The same through a captured CUDA graph ([`GpuModel::replay_decode`]), or why not.
+    pub graph_tokens_per_s: Result<f64, String>,
     /// Weight bytes read per token.
     pub weight_bytes: usize,
     /// Latent bytes read per token (all layers, at the mean context of the run).
@@ -192,15 +194,19 @@ pub fn decode_throughput(
     let dev = model.device();
     let page = 64;
     let blocks = (context + steps + 1).div_ceil(page);
-    let kv = model.new_kv_cache(blocks, page)?;
+    let mut kv = model.new_kv_cache(blocks, page)?;
     kv.fill_random(dev)?;
-    let mut kv = kv;
     let table: Vec<BlockId> = (0..blocks as u32).map(BlockId).collect();
     let mut token = [1u32];
+    let batch_at = |pos: usize, tok: &[u32; 1]| -> Vec<u32> {
+        let _ = pos;
+        tok.to_vec()
+    };
     let mut step = |pos: usize, tok: &mut [u32; 1]| -> Result<(), ModelError> {
+        let toks = batch_at(pos, tok);
         let batch = BatchInputs {
             seqs: vec![SeqInput {
-                tokens: &tok[..],
+                tokens: &toks,
                 start_pos: pos,
                 block_table: &table,
                 logits: LogitsWanted::Last,
@@ -218,6 +224,31 @@ pub fn decode_throughput(
     }
     let secs = start.elapsed().as_secs_f64();
     let tokens_per_s = steps as f64 / secs.max(f64::MIN_POSITIVE);
+
+    // The same steps again (rewinding the positions) through a captured graph.
+    let plan_ctx = blocks * page;
+    let graph_tokens_per_s = (|| -> Result<f64, ModelError> {
+        let mut tok = [1u32];
+        let mk = |pos: usize, tok: &[u32; 1]| -> (Vec<u32>, usize) { (tok.to_vec(), pos) };
+        let (t0, p0) = mk(context, &tok);
+        let first = BatchInputs {
+            seqs: vec![SeqInput { tokens: &t0, start_pos: p0, block_table: &table, logits: LogitsWanted::Last }],
+        };
+        let mut g = model.capture_decode(&first, &mut kv, plan_ctx)?;
+        let out = model.replay_decode(&mut g, &first, &kv)?;
+        tok[0] = out.last_row(0).map(argmax).unwrap_or(0);
+        let start = Instant::now();
+        for i in 0..steps {
+            let (t, p) = mk(context + 1 + i, &tok);
+            let b = BatchInputs {
+                seqs: vec![SeqInput { tokens: &t, start_pos: p, block_table: &table, logits: LogitsWanted::Last }],
+            };
+            let out = model.replay_decode(&mut g, &b, &kv)?;
+            tok[0] = out.last_row(0).map(argmax).unwrap_or(0);
+        }
+        Ok(steps as f64 / start.elapsed().as_secs_f64().max(f64::MIN_POSITIVE))
+    })()
+    .map_err(|e| e.to_string());
     let weight_bytes = model.active_weight_bytes();
     let elem = if model.mode == GpuMode::Fast { 2 } else { 4 };
     let mean_ctx = context + 1 + steps / 2;
@@ -227,6 +258,7 @@ pub fn decode_throughput(
         context,
         steps,
         tokens_per_s,
+        graph_tokens_per_s,
         weight_bytes,
         kv_bytes,
         roofline_tokens_per_s: roofline,

@@ -25,36 +25,42 @@ use crate::deepseek::LATENT_NORM_EPS;
 use crate::ModelError;
 
 /// Host-side geometry of one batch.
-struct Geo {
-    positions: Vec<usize>,
+pub(super) struct Geo {
+    pub(super) positions: Vec<usize>,
     /// `(first_row, rows)` per sequence.
-    spans: Vec<(usize, usize)>,
+    pub(super) spans: Vec<(usize, usize)>,
 }
 
-/// Device tensors every layer reads, uploaded once per forward (uploads synchronise the
-/// stream, so none happen between layers).
-struct Shared<'a> {
-    seqs: &'a [SeqInput<'a>],
-    geo: &'a Geo,
-    rope: RopeTables,
-    slots: DeviceBuffer<i64>,
-    runs: Vec<RunPlan>,
+/// Everything a forward uploads before its first launch (uploads synchronise the stream, so
+/// none happen between layers), and the host facts the launches need. Owns no borrow, so a
+/// captured decode graph can keep it and refresh its buffers in place.
+pub(crate) struct Shared {
+    pub(super) geo: Geo,
+    pub(super) rope: RopeTables,
+    pub(super) slots: DeviceBuffer<i64>,
+    pub(super) ids: DeviceBuffer<i32>,
+    pub(super) runs: Vec<RunPlan>,
+    pub(super) picked: DeviceBuffer<i32>,
+    pub(super) rows_per_seq: Vec<usize>,
 }
 
 /// One attention launch group, the same in every layer.
-enum RunPlan {
-    /// Sequences `first..end`, all with the same query count, in the absorbed form.
+pub(super) enum RunPlan {
+    /// Sequences `first..end`, each with `sq` queries, in the absorbed form.
     Absorbed {
         first: usize,
         end: usize,
+        sq: usize,
         table: DeviceBuffer<i32>,
         stride: usize,
         ctx: DeviceBuffer<i32>,
         max_ctx: usize,
     },
-    /// Sequence `seq` in the MHA form.
+    /// Sequence `seq` (`sq` queries after `start` cached positions) in the MHA form.
     Mha {
         seq: usize,
+        sq: usize,
+        start: usize,
         table: DeviceBuffer<i32>,
         cu_q: DeviceBuffer<i32>,
         cu_k: DeviceBuffer<i32>,
@@ -62,70 +68,115 @@ enum RunPlan {
     },
 }
 
+/// Host-side inputs of one batch, computed before anything is uploaded.
+pub(super) struct HostInputs {
+    pub(super) geo: Geo,
+    pub(super) tokens: Vec<i32>,
+    pub(super) slots: Vec<i64>,
+    pub(super) rows: Vec<i32>,
+    pub(super) rows_per_seq: Vec<usize>,
+}
+
+pub(super) fn host_inputs(batch: &BatchInputs<'_>, page: usize) -> HostInputs {
+    let mut positions = Vec::new();
+    let mut spans = Vec::with_capacity(batch.seqs.len());
+    let mut tokens = Vec::new();
+    let mut slots = Vec::new();
+    for s in &batch.seqs {
+        spans.push((positions.len(), s.tokens.len()));
+        for (i, &tok) in s.tokens.iter().enumerate() {
+            let pos = s.start_pos + i;
+            positions.push(pos);
+            tokens.push(tok as i32);
+            let block = s.block_table[pos / page].0 as i64;
+            slots.push(block * page as i64 + (pos % page) as i64);
+        }
+    }
+    let mut rows = Vec::new();
+    let mut rows_per_seq = Vec::with_capacity(batch.seqs.len());
+    for (s, &(first, n)) in batch.seqs.iter().zip(&spans) {
+        let range = match s.logits {
+            LogitsWanted::Last => first + n - 1..first + n,
+            LogitsWanted::All => first..first + n,
+        };
+        rows_per_seq.push(range.len());
+        rows.extend(range.map(|r| r as i32));
+    }
+    HostInputs {
+        geo: Geo { positions, spans },
+        tokens,
+        slots,
+        rows,
+        rows_per_seq,
+    }
+}
+
 impl GpuModel {
     /// Runs one batch (any mix of prefill chunks and decode steps), appending every new
     /// token's latent rows to `kv` at its block table's positions; the caller owns the tables.
     pub fn forward(&self, batch: &BatchInputs<'_>, kv: &mut GpuKvCache) -> Result<BatchOutput, ModelError> {
         self.validate(batch, kv)?;
+        let sh = self.prepare(batch, kv.layout().page_size, None)?;
+        let n: usize = sh.rows_per_seq.iter().sum();
+        let logits = self.dev.alloc::<f32>(n * self.config.vocab_size)?;
+        self.execute(&sh, kv, logits.v())?;
+        self.split_logits(&self.dev.download(&logits)?, &sh.rows_per_seq)
+    }
+
+    /// Uploads the batch's inputs. `plan_ctx` plans every absorbed run for that many
+    /// positions (block tables padded to it) instead of the batch's own longest context, so a
+    /// captured graph stays valid as sequences grow.
+    pub(crate) fn prepare(
+        &self,
+        batch: &BatchInputs<'_>,
+        page: usize,
+        plan_ctx: Option<usize>,
+    ) -> Result<Shared, ModelError> {
+        let dev = &self.dev;
+        let hi = host_inputs(batch, page);
+        Ok(Shared {
+            rope: RopeTables::new(dev, &self.rope, &hi.geo.positions)?,
+            slots: dev.upload(&hi.slots)?,
+            ids: dev.upload(&hi.tokens)?,
+            runs: self.plan_runs(&batch.seqs, page, plan_ctx)?,
+            picked: dev.upload(&hi.rows)?,
+            rows_per_seq: hi.rows_per_seq,
+            geo: hi.geo,
+        })
+    }
+
+    /// Every launch of the forward, writing the picked rows' logits into `logits`. Performs
+    /// no host↔device copy and no synchronisation, so it can be captured into a graph.
+    pub(crate) fn execute(&self, sh: &Shared, kv: &mut GpuKvCache, logits: Dv<f32>) -> Result<(), ModelError> {
         let dev = &self.dev;
         let hidden = self.config.hidden_size;
-        let mut positions = Vec::new();
-        let mut spans = Vec::with_capacity(batch.seqs.len());
-        let mut tokens = Vec::new();
-        let mut slots = Vec::new();
-        let page = kv.layout().page_size;
-        for s in &batch.seqs {
-            spans.push((positions.len(), s.tokens.len()));
-            for (i, &tok) in s.tokens.iter().enumerate() {
-                let pos = s.start_pos + i;
-                positions.push(pos);
-                tokens.push(tok as i32);
-                let block = s.block_table[pos / page].0 as i64;
-                slots.push(block * page as i64 + (pos % page) as i64);
-            }
-        }
-        let t = positions.len();
-        let geo = Geo { positions, spans };
-        let shared = Shared {
-            seqs: &batch.seqs,
-            geo: &geo,
-            rope: RopeTables::new(dev, &self.rope, &geo.positions)?,
-            slots: dev.upload(&slots)?,
-            runs: self.plan_runs(&batch.seqs, page)?,
-        };
-        let ids = dev.upload(&tokens)?;
+        let t = sh.geo.positions.len();
         let h = dev.alloc::<f32>(t * hidden)?;
         let x = dev.alloc::<f32>(t * hidden)?;
-        ops::embed(dev, &self.embed, ids.v(), h.v())?;
+        ops::embed(dev, &self.embed, sh.ids.v(), h.v())?;
         for (l, layer) in self.layers.iter().enumerate() {
             self.norm_into(h.v(), None, &layer.input_norm, x.v())?;
-            let attn = self.attention(l, layer, x.v(), &shared, kv)?;
+            let attn = self.attention(l, layer, x.v(), sh, kv)?;
             self.norm_into(h.v(), Some(attn.v()), &layer.post_norm, x.v())?;
             self.ffn(layer, x.v(), h.v())?;
         }
         self.norm_into(h.v(), None, &self.norm, x.v())?;
-
-        let mut rows = Vec::new();
-        let mut rows_per_seq = Vec::with_capacity(batch.seqs.len());
-        for (s, &(first, n)) in batch.seqs.iter().zip(&geo.spans) {
-            let range = match s.logits {
-                LogitsWanted::Last => first + n - 1..first + n,
-                LogitsWanted::All => first..first + n,
-            };
-            rows_per_seq.push(range.len());
-            rows.extend(range.map(|r| r as i32));
-        }
-        let vocab = self.config.vocab_size;
-        let picked_rows = dev.upload(&rows)?;
-        let picked = dev.alloc::<f32>(rows.len() * hidden)?;
-        ops::gather_rows(dev, x.v(), picked_rows.v(), picked.v(), hidden)?;
-        let logits = dev.alloc::<f32>(rows.len() * vocab)?;
+        let n = sh.picked.len();
+        let picked = dev.alloc::<f32>(n * hidden)?;
+        ops::gather_rows(dev, x.v(), sh.picked.v(), picked.v(), hidden)?;
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        ops::linear(dev, picked.v(), head, logits.v(), self.mode.gemm())?;
-        let all = dev.download(&logits)?;
+        ops::linear(dev, picked.v(), head, logits, self.mode.gemm())?;
+        Ok(())
+    }
+
+    pub(crate) fn split_logits(&self, all: &[f32], rows_per_seq: &[usize]) -> Result<BatchOutput, ModelError> {
+        let vocab = self.config.vocab_size;
         let mut out = Vec::with_capacity(rows_per_seq.len());
-        let mut rest = all.as_slice();
-        for n in rows_per_seq {
+        let mut rest = all;
+        for &n in rows_per_seq {
+            if rest.len() < n * vocab {
+                return Err(ModelError::Invalid("fewer logits rows than requested".into()));
+            }
             let (mine, tail) = rest.split_at(n * vocab);
             out.push(mine.to_vec());
             rest = tail;
@@ -212,7 +263,7 @@ impl GpuModel {
         l: usize,
         layer: &GpuLayer,
         x: Dv<f32>,
-        sh: &Shared<'_>,
+        sh: &Shared,
         kv: &mut GpuKvCache,
     ) -> Result<DeviceBuffer<f32>, ModelError> {
         let dev = &self.dev;
@@ -265,11 +316,17 @@ impl GpuModel {
 
 /// Block tables of `seqs` as one `[n][stride]` i32 array.
 fn flat_tables(seqs: &[SeqInput<'_>], page: usize) -> (Vec<i32>, usize) {
+    flat_tables_min(seqs, page, 0)
+}
+
+/// [`flat_tables`] with rows covering at least `min_positions` positions (missing entries 0).
+pub(super) fn flat_tables_min(seqs: &[SeqInput<'_>], page: usize, min_positions: usize) -> (Vec<i32>, usize) {
     let stride = seqs
         .iter()
         .map(|s| (s.start_pos + s.tokens.len()).div_ceil(page))
         .max()
         .unwrap_or(1)
+        .max(min_positions.div_ceil(page))
         .max(1);
     let mut flat = vec![0i32; stride * seqs.len()];
     for (i, s) in seqs.iter().enumerate() {
@@ -294,7 +351,12 @@ struct AttnIo<'a> {
 impl GpuModel {
     /// Groups the batch into attention launches: runs of consecutive sequences that take the
     /// absorbed form with equal query counts share one launch; MHA-form sequences go alone.
-    fn plan_runs(&self, seqs: &[SeqInput<'_>], page: usize) -> Result<Vec<RunPlan>, ModelError> {
+    fn plan_runs(
+        &self,
+        seqs: &[SeqInput<'_>],
+        page: usize,
+        plan_ctx: Option<usize>,
+    ) -> Result<Vec<RunPlan>, ModelError> {
         let dev = &self.dev;
         let d = &self.dims;
         let mut runs = Vec::new();
@@ -307,6 +369,8 @@ impl GpuModel {
                 let (sq, l) = (s0.tokens.len(), s0.start_pos + s0.tokens.len());
                 runs.push(RunPlan::Mha {
                     seq: i,
+                    sq,
+                    start: s0.start_pos,
                     table: dev.upload(&flat)?,
                     cu_q: dev.upload(&[0i32, sq as i32])?,
                     cu_k: dev.upload(&[0i32, l as i32])?,
@@ -322,15 +386,16 @@ impl GpuModel {
             {
                 j += 1;
             }
-            let (flat, stride) = flat_tables(&seqs[i..j], page);
+            let (flat, stride) = flat_tables_min(&seqs[i..j], page, plan_ctx.unwrap_or(0));
             let ctx: Vec<i32> = seqs[i..j]
                 .iter()
                 .map(|s| (s.start_pos + s.tokens.len()) as i32)
                 .collect();
-            let max_ctx = ctx.iter().copied().max().unwrap_or(1) as usize;
+            let max_ctx = (ctx.iter().copied().max().unwrap_or(1) as usize).max(plan_ctx.unwrap_or(0));
             runs.push(RunPlan::Absorbed {
                 first: i,
                 end: j,
+                sq: s0.tokens.len(),
                 table: dev.upload(&flat)?,
                 stride,
                 ctx: dev.upload(&ctx)?,
@@ -342,18 +407,16 @@ impl GpuModel {
     }
 
     /// Absorbed form for one [`RunPlan::Absorbed`] group.
-    fn absorbed_run(&self, run: &RunPlan, io: AttnIo<'_>, sh: &Shared<'_>) -> Result<(), ModelError> {
-        let RunPlan::Absorbed { first, end, table, stride, ctx, max_ctx } = run else {
+    fn absorbed_run(&self, run: &RunPlan, io: AttnIo<'_>, sh: &Shared) -> Result<(), ModelError> {
+        let RunPlan::Absorbed { first, end, sq, table, stride, ctx, max_ctx } = run else {
             return Err(ModelError::Invalid("absorbed_run given an MHA run".into()));
         };
-        let (stride, max_ctx) = (*stride, *max_ctx);
+        let (stride, max_ctx, sq, n_seqs) = (*stride, *max_ctx, *sq, end - first);
         let dev = &self.dev;
         let d = &self.dims;
         let hs = self.head_shape();
-        let seqs = &sh.seqs[*first..*end];
-        let sq = seqs[0].tokens.len();
         let first_row = sh.geo.spans[*first].0;
-        let rows = seqs.len() * sq;
+        let rows = n_seqs * sq;
         let (qk, lw, hv) = (d.qk_head_dim(), d.latent_width(), d.heads * d.v_head_dim);
         let q = io.q.sub(first_row * d.heads * qk, rows * d.heads * qk)?;
         let o_lat = dev.alloc::<f32>(rows * d.heads * d.kv_lora_rank)?;
@@ -365,7 +428,7 @@ impl GpuModel {
             bt_stride: stride,
             ctx_len: ctx.v(),
             max_ctx,
-            batch: seqs.len(),
+            batch: n_seqs,
             sq,
             heads: d.heads,
             scale: self.scale,
@@ -392,17 +455,16 @@ impl GpuModel {
     }
 
     /// MHA form for one sequence: decompress its whole context, causal attention.
-    fn mha_seq(&self, run: &RunPlan, io: AttnIo<'_>, sh: &Shared<'_>) -> Result<(), ModelError> {
-        let RunPlan::Mha { seq, table, cu_q, cu_k, q_seq } = run else {
+    fn mha_seq(&self, run: &RunPlan, io: AttnIo<'_>, sh: &Shared) -> Result<(), ModelError> {
+        let RunPlan::Mha { seq, sq, start, table, cu_q, cu_k, q_seq } = run else {
             return Err(ModelError::Invalid("mha_seq given an absorbed run".into()));
         };
-        let i = *seq;
+        let (sq, start) = (*sq, *start);
         let dev = &self.dev;
         let d = &self.dims;
         let hs = self.head_shape();
-        let s = &sh.seqs[i];
-        let (first_row, sq) = sh.geo.spans[i];
-        let l = s.start_pos + sq;
+        let first_row = sh.geo.spans[*seq].0;
+        let l = start + sq;
         let (qk, lw, h, v) = (d.qk_head_dim(), d.latent_width(), d.heads, d.v_head_dim);
         let lat = dev.alloc::<f32>(l * lw)?;
         let ckv = dev.alloc::<f32>(l * d.kv_lora_rank)?;
@@ -446,7 +508,7 @@ impl GpuModel {
     }
 
     /// Rejects a batch that would index out of range, naming the sequence and field.
-    fn validate(&self, batch: &BatchInputs<'_>, kv: &GpuKvCache) -> Result<(), ModelError> {
+    pub(super) fn validate(&self, batch: &BatchInputs<'_>, kv: &GpuKvCache) -> Result<(), ModelError> {
         let layout = kv.layout();
         if layout.num_layers != self.layers.len() || layout.width != self.config.latent_width() {
             return Err(ModelError::Kv(format!(

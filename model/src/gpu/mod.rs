@@ -3,6 +3,7 @@
 //! | file | owns |
 //! |---|---|
 //! | this file | [`GpuModel`]: every weight in device memory, uploaded from a loaded [`DeepseekModel`] or drawn at random ([`GpuModel::random`], benchmarks); [`GpuMode`] |
+//! | [`graph`] | [`graph::DecodeGraph`]: one decode step captured as a CUDA graph and replayed, so the host issues one launch per step |
 //! | [`kv`] | [`GpuKvCache`]: the paged latent cache of every layer in device memory |
 //! | [`forward`] | the batched forward: embedding → layers (MLA in the cost model's form, dense MLP or MoE) → LM head, all on device |
 //! | [`bench`] | single-stream decode tokens/s of a random-weight model against the bandwidth roofline |
@@ -20,6 +21,7 @@
 
 pub mod bench;
 pub mod forward;
+pub mod graph;
 pub mod kv;
 pub mod report;
 
@@ -120,12 +122,7 @@ pub struct GpuModel {
 }
 
 fn mla_shape(d: &MlaDims) -> MlaShape {
-    MlaShape {
-        latent: d.latent_width(),
-        kv_lora: d.kv_lora_rank,
-        mha_qk: d.qk_head_dim(),
-        mha_v: d.v_head_dim,
-    }
+    MlaShape::new(d.latent_width(), d.kv_lora_rank, d.qk_head_dim(), d.v_head_dim)
 }
 
 impl GpuModel {

@@ -68,25 +68,36 @@ pub fn report(dev: &CudaDevice, opts: &ReportOptions) -> Result<String, ModelErr
     }
     if opts.e2e {
         let _ = writeln!(out, "### End to end: single-stream decode, random DeepSeek-V2-Lite-like model (fast mode)\n");
-        let _ = writeln!(out, "| context | steps | tok/s | ms/token | weight MB/token | KV MB/token | roofline tok/s | % of roofline |\n|---|---|---|---|---|---|---|---|");
+        let _ = writeln!(out, "| launches | context | steps | tok/s | ms/token | weight MB/token | KV MB/token | roofline tok/s | % of roofline |\n|---|---|---|---|---|---|---|---|---|");
         let model = GpuModel::random(dev, v2_lite_like_config()?, GpuMode::Fast)?;
         match decode_throughput(&model, opts.e2e_context, opts.e2e_steps, bw) {
             Ok(r) => {
-                let _ = writeln!(
-                    out,
-                    "| {} | {} | {:.1} | {:.3} | {:.1} | {:.1} | {:.0} | {:.0}% |\n",
-                    r.context,
-                    r.steps,
-                    r.tokens_per_s,
-                    1e3 / r.tokens_per_s,
-                    r.weight_bytes as f64 / 1e6,
-                    r.kv_bytes as f64 / 1e6,
-                    r.roofline_tokens_per_s,
-                    100.0 * r.tokens_per_s / r.roofline_tokens_per_s
-                );
+                let graph = r.graph_tokens_per_s.clone();
+                for (name, tps) in [("eager", Ok(r.tokens_per_s)), ("CUDA graph", graph)] {
+                    match tps {
+                        Ok(tps) => {
+                            let _ = writeln!(
+                                out,
+                                "| {name} | {} | {} | {:.1} | {:.3} | {:.1} | {:.1} | {:.0} | {:.0}% |",
+                                r.context,
+                                r.steps,
+                                tps,
+                                1e3 / tps,
+                                r.weight_bytes as f64 / 1e6,
+                                r.kv_bytes as f64 / 1e6,
+                                r.roofline_tokens_per_s,
+                                100.0 * tps / r.roofline_tokens_per_s
+                            );
+                        }
+                        Err(e) => {
+                            let _ = writeln!(out, "| {name} | {} | {} | error: {e} | | | | | |", r.context, r.steps);
+                        }
+                    }
+                }
+                let _ = writeln!(out);
             }
             Err(e) => {
-                let _ = writeln!(out, "| {} | {} | error: {e} | | | | | |\n", opts.e2e_context, opts.e2e_steps);
+                let _ = writeln!(out, "| eager | {} | {} | error: {e} | | | | | | |\n", opts.e2e_context, opts.e2e_steps);
             }
         }
     }
@@ -114,7 +125,32 @@ fn kernels(dev: &CudaDevice, args: &ReportOptions, bw: f64, out: &mut String) ->
         .max()
         .unwrap_or(0)
         .min(128 * 131_072);
-    let pool = LatentPool::new(dev, shape, max_tokens)?;
+    let mut pool = LatentPool::new(dev, shape, max_tokens)?;
+    // Pipeline sweep: keys per step × stages in flight; the best goes on to the grids below.
+    let _ = writeln!(out, "### Absorbed tile pipeline sweep (16 heads, ctx 32768): GB/s\n");
+    let _ = writeln!(out, "| keys/step × stages | batch 1 | batch 32 | batch 128 |\n|---|---|---|---|");
+    let mut best = (0.0f64, 64usize, 2usize);
+    for (bk, st) in [(64usize, 2usize), (32, 2), (32, 3), (32, 4)] {
+        pool.set_tile(bk, st);
+        let mut cells = Vec::new();
+        let mut total = 0.0;
+        for b in [1usize, 32, 128] {
+            let s = DecodeShape { batch: b, ctx: 32_768, heads: 16, sq: 1 };
+            match absorbed_decode(dev, &pool, AbsorbedImpl::Padded, s) {
+                Ok((_, gbs)) => {
+                    total += gbs;
+                    cells.push(format!("{gbs:.0}"));
+                }
+                Err(e) => cells.push(format!("error: {e}")),
+            }
+        }
+        if total > best.0 {
+            best = (total, bk, st);
+        }
+        let _ = writeln!(out, "| {bk} × {st} | {} |", cells.join(" | "));
+    }
+    pool.set_tile(best.1, best.2);
+    let _ = writeln!(out, "\nusing {} keys/step × {} stages below\n", best.1, best.2);
     let _ = writeln!(out, "### Absorbed decode (16 heads, bf16 latent cache, tile kernel): GB/s of latent read (copy: {bw:.0} GB/s)\n");
     let head: Vec<String> = args.context.iter().map(|c| format!("ctx {c}")).collect();
     let _ = writeln!(out, "| batch | {} |\n|---|{}", head.join(" | "), "---|".repeat(args.context.len()));

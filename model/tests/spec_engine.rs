@@ -1,0 +1,633 @@
+//! Speculative decoding through the engine: greedy identity with the embedded DSpark drafter,
+//! the accept path with drafters of known behaviour (always right, always wrong) driving the
+//! real verifier and KV rollback, a mixed batch where every request gets exactly its own
+//! distribution and a deliberately broken request fails alone, and the drafter context shipped
+//! with a remote prefill. Every test ends with all KV blocks back in the pool.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use ferry_kernels::cpu::sample::{probs_from_logits, SamplingParams};
+use ferry_model::deepseek::{DeepseekModel, LogitsWanted};
+use ferry_model::drafter::{
+    ContextRows, DraftCtx, DraftDist, DraftInput, DraftKvLayout, Drafter, DsparkDrafter, Proposal,
+};
+use ferry_model::engine::{
+    EngineConfig, EngineEvent, EngineHandle, EngineStats, FinishReason, GenerateJob, GenerateOptions,
+    Generation, PrefillSource, PrefillWork, SpecConfig, StopParams, VerifyLen,
+};
+use ferry_model::kv::{BlockId, KvPool};
+use ferry_model::session::Session;
+use ferry_model::ModelError;
+
+fn target() -> DeepseekModel {
+    DeepseekModel::load(&ferry_model::embedded::default_model_dir()).expect("model")
+}
+
+fn dspark(model: &DeepseekModel) -> DsparkDrafter {
+    DsparkDrafter::load(&ferry_model::drafter::embedded_dir(), model.config()).expect("drafter")
+}
+
+fn config(blocks: usize, page_size: usize, verify_len: VerifyLen) -> EngineConfig {
+    EngineConfig {
+        num_blocks: blocks,
+        page_size,
+        max_batch_tokens: 256,
+        spec: SpecConfig {
+            verify_len,
+            max_verify_tokens: 256,
+        },
+        ..EngineConfig::default()
+    }
+}
+
+fn greedy() -> SamplingParams {
+    SamplingParams {
+        temperature: 0.0,
+        ..SamplingParams::default()
+    }
+}
+
+fn job(prompt: Vec<u32>, max_tokens: usize, sampling: SamplingParams) -> GenerateJob {
+    GenerateJob {
+        prompt,
+        sampling,
+        stop: StopParams {
+            max_tokens,
+            ignore_eos: true,
+        },
+        prefill: PrefillSource::Local,
+    }
+}
+
+async fn collect(mut g: Generation) -> (Vec<u32>, Result<FinishReason, String>) {
+    let mut toks = Vec::new();
+    while let Some(e) = g.events.recv().await {
+        match e {
+            EngineEvent::Token(t) => toks.push(t),
+            EngineEvent::Finished(r) => return (toks, Ok(r)),
+            EngineEvent::Failed(e) => return (toks, Err(e)),
+            _ => {}
+        }
+    }
+    (toks, Err("stream ended".into()))
+}
+
+async fn wait_idle(e: &EngineHandle) {
+    for _ in 0..500 {
+        let s = e.stats().await.unwrap();
+        if s.kv_blocks_used == 0 && s.running == 0 && s.waiting == 0 {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("engine did not go idle: {:?}", e.stats().await.unwrap());
+}
+
+/// Golden case `i` of the embedded target: prompt ids and 32 greedy tokens (transformers).
+fn golden_case(i: usize) -> (Vec<u32>, Vec<u32>) {
+    let dir = ferry_model::embedded::default_model_dir().join("golden/cases.json");
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir).unwrap()).unwrap();
+    let ids = |x: &serde_json::Value| -> Vec<u32> {
+        x.as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_u64().unwrap() as u32)
+            .collect()
+    };
+    (
+        ids(&v["cases"][i]["prompt_ids"]),
+        ids(&v["cases"][i]["greedy_ids"]),
+    )
+}
+
+/// A drafter of known behaviour: proposes the continuation of whichever known sequence extends
+/// the committed tokens and the anchor (the target's own greedy tokens), or always something
+/// else; greedy q, confidence 1 so every slot is verified. No context, no KV.
+struct Scripted {
+    sequences: Vec<Vec<u32>>,
+    block: usize,
+    wrong: bool,
+    vocab: u32,
+}
+
+impl Drafter for Scripted {
+    fn block_size(&self) -> usize {
+        self.block
+    }
+
+    fn taps(&self) -> &[usize] {
+        &[]
+    }
+
+    fn kv_layout(&self) -> Option<DraftKvLayout> {
+        None
+    }
+
+    fn extend_context(
+        &self,
+        _: &DeepseekModel,
+        _: &mut KvPool,
+        _: &ContextRows<'_>,
+    ) -> Result<(), ModelError> {
+        Ok(())
+    }
+
+    fn propose(
+        &self,
+        _: &DraftCtx<'_>,
+        inputs: &[DraftInput<'_>],
+    ) -> Vec<Result<Proposal, ModelError>> {
+        inputs
+            .iter()
+            .map(|inp| {
+                let mut seen = inp.tokens.to_vec();
+                seen.push(inp.anchor);
+                let next = self
+                    .sequences
+                    .iter()
+                    .find(|s| s.starts_with(&seen) && s.len() > seen.len())
+                    .ok_or_else(|| ModelError::Invalid("no known continuation".into()))?;
+                let drafts: Vec<u32> = next[seen.len()..]
+                    .iter()
+                    .take(self.block)
+                    .map(|&t| if self.wrong { (t + 1) % self.vocab } else { t })
+                    .collect();
+                Ok(Proposal {
+                    confidence: vec![1.0; drafts.len()],
+                    drafts,
+                    q: DraftDist::Greedy,
+                })
+            })
+            .collect()
+    }
+}
+
+/// Wraps a drafter and breaks the proposals of requests whose second prompt token is
+/// [`BROKEN_MARK`]: their q gives zero probability to what was drafted.
+struct Breaks<D>(D);
+
+const BROKEN_MARK: u32 = 5;
+
+impl<D: Drafter> Drafter for Breaks<D> {
+    fn block_size(&self) -> usize {
+        self.0.block_size()
+    }
+    fn taps(&self) -> &[usize] {
+        self.0.taps()
+    }
+    fn kv_layout(&self) -> Option<DraftKvLayout> {
+        self.0.kv_layout()
+    }
+    fn extend_context(
+        &self,
+        t: &DeepseekModel,
+        p: &mut KvPool,
+        r: &ContextRows<'_>,
+    ) -> Result<(), ModelError> {
+        self.0.extend_context(t, p, r)
+    }
+    fn propose(
+        &self,
+        ctx: &DraftCtx<'_>,
+        inputs: &[DraftInput<'_>],
+    ) -> Vec<Result<Proposal, ModelError>> {
+        let vocab = ctx.target.config().vocab_size;
+        let mut out = self.0.propose(ctx, inputs);
+        for (p, inp) in out.iter_mut().zip(inputs) {
+            if let (Ok(p), Some(&BROKEN_MARK)) = (p, inp.tokens.get(1)) {
+                p.q = DraftDist::Sampled(vec![0.0; p.drafts.len() * vocab]);
+            }
+        }
+        out
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dspark_greedy_output_equals_plain_decoding() {
+    let model = target();
+    let drafter = dspark(&model);
+    let e = EngineHandle::spawn_with(
+        model,
+        Some(Box::new(drafter)),
+        config(128, 64, VerifyLen::Fixed(4)),
+    )
+    .unwrap();
+    assert_eq!(e.draft_kv_layers(), 4, "2 drafter layers × 2 pool rows each");
+    let mut gens = Vec::new();
+    for i in 0..3 {
+        let (p, _) = golden_case(i);
+        gens.push(e.generate(job(p, 32, greedy())).unwrap());
+    }
+    // The same prompt with speculation off, in the same batches.
+    let off = e
+        .generate_with(
+            job(golden_case(2).0, 32, greedy()),
+            GenerateOptions {
+                speculative: Some(false),
+            },
+        )
+        .unwrap();
+    for (i, g) in gens.into_iter().enumerate() {
+        let (toks, end) = collect(g).await;
+        assert_eq!(end, Ok(FinishReason::Length));
+        assert_eq!(toks, golden_case(i).1, "request {i} with speculation");
+    }
+    let (toks, _) = collect(off).await;
+    assert_eq!(toks, golden_case(2).1, "speculation off");
+    let s = e.stats().await.unwrap();
+    assert!(s.spec_rounds > 0 && s.spec_drafted_tokens >= s.spec_rounds, "{s:?}");
+    wait_idle(&e).await;
+}
+
+fn scripted(wrong: bool) -> Scripted {
+    Scripted {
+        sequences: (0..3)
+            .map(|i| {
+                let (mut p, g) = golden_case(i);
+                p.extend(g);
+                p
+            })
+            .collect(),
+        block: 4,
+        wrong,
+        vocab: 2048,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drafts_of_the_targets_own_greedy_tokens_are_all_accepted() {
+    let e = EngineHandle::spawn_with(
+        target(),
+        Some(Box::new(scripted(false))),
+        config(128, 64, VerifyLen::Fixed(4)),
+    )
+    .unwrap();
+    let (toks, end) = collect(e.generate(job(golden_case(2).0, 32, greedy())).unwrap()).await;
+    assert_eq!(end, Ok(FinishReason::Length));
+    assert_eq!(toks, golden_case(2).1);
+    let s = e.stats().await.unwrap();
+    // 1 token from the prefill, then rounds of 4 accepted drafts + 1 bonus.
+    assert_eq!(s.spec_accepted_tokens, s.spec_drafted_tokens, "{s:?}");
+    assert!(s.spec_rounds <= 7 && s.spec_accepted_tokens >= 24, "{s:?}");
+    wait_idle(&e).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wrong_drafts_are_all_rejected_and_their_kv_rolled_back() {
+    // 4-token pages: most rounds reserve a block for rejected drafts only, which the rollback
+    // must give back (the final block count proves it).
+    let e = EngineHandle::spawn_with(
+        target(),
+        Some(Box::new(scripted(true))),
+        config(256, 4, VerifyLen::Fixed(4)),
+    )
+    .unwrap();
+    let mut gens = Vec::new();
+    for i in 0..3 {
+        gens.push(e.generate(job(golden_case(i).0, 32, greedy())).unwrap());
+    }
+    for (i, g) in gens.into_iter().enumerate() {
+        let (toks, end) = collect(g).await;
+        assert_eq!(end, Ok(FinishReason::Length));
+        assert_eq!(toks, golden_case(i).1, "request {i}: every token is a correction");
+    }
+    let s = e.stats().await.unwrap();
+    assert_eq!(s.spec_accepted_tokens, 0, "{s:?}");
+    // Every step but the last of each request is a round emitting exactly the correction.
+    assert_eq!(s.spec_rounds, 3 * 30, "{s:?}");
+    wait_idle(&e).await;
+}
+
+/// The exact law of the first three generated tokens for `prompt` under `params`, from plain
+/// single-sequence forwards and the sampler's own `probs_from_logits`.
+fn reference_law(
+    model: &DeepseekModel,
+    prompt: &[u32],
+    params: &SamplingParams,
+) -> HashMap<[u32; 3], f64> {
+    let mut law = HashMap::new();
+    let probs = |ctx: &[u32]| -> Vec<f32> {
+        let mut pool = model.new_kv_pool(4, 64).unwrap();
+        let mut s = Session::new();
+        let logits = s
+            .extend(model, &mut pool, ctx, LogitsWanted::Last)
+            .unwrap();
+        s.free(&mut pool).unwrap();
+        probs_from_logits(&logits, params).unwrap()
+    };
+    let support = |p: &[f32]| -> Vec<(u32, f64)> {
+        p.iter()
+            .enumerate()
+            .filter(|(_, &v)| v > 0.0)
+            .map(|(i, &v)| (i as u32, f64::from(v)))
+            .collect()
+    };
+    let mut ctx = prompt.to_vec();
+    for (a, pa) in support(&probs(&ctx)) {
+        ctx.push(a);
+        for (b, pb) in support(&probs(&ctx)) {
+            ctx.push(b);
+            for (c, pc) in support(&probs(&ctx)) {
+                law.insert([a, b, c], pa * pb * pc);
+            }
+            ctx.pop();
+        }
+        ctx.pop();
+    }
+    law
+}
+
+/// Pearson chi-square with cells of expected count < 5 pooled; returns (statistic, cells).
+fn chi2(counts: &HashMap<[u32; 3], u64>, law: &HashMap<[u32; 3], f64>, n: u64) -> (f64, usize) {
+    let mut stat = 0.0;
+    let mut cells = 0;
+    let (mut po, mut pe) = (0.0, 0.0);
+    for (k, &p) in law {
+        let o = counts.get(k).copied().unwrap_or(0) as f64;
+        let e = p * n as f64;
+        if e < 5.0 {
+            po += o;
+            pe += e;
+            continue;
+        }
+        stat += (o - e).powi(2) / e;
+        cells += 1;
+    }
+    let outside: u64 = counts
+        .iter()
+        .filter(|(k, _)| !law.contains_key(*k))
+        .map(|(_, c)| c)
+        .sum();
+    assert_eq!(outside, 0, "tokens outside the support were emitted");
+    if pe > 0.0 {
+        stat += (po - pe).powi(2) / pe;
+        cells += 1;
+    }
+    (stat, cells)
+}
+
+/// Greedy requests, two kinds of sampled requests (top-k; temperature + top-p) and broken
+/// requests, all submitted at once to one engine drafting with `drafter`, so they share drafter
+/// passes and verify batches. Tokens 2 and 3 of every sampled request come from speculative
+/// rounds (fixed verify length, so every round drafts). Each kind's law of its first three
+/// tokens must be its own exact law; the broken requests fail alone; the greedy ones are exact.
+async fn mixed_batch<D: Drafter + 'static>(model: DeepseekModel, drafter: D) -> EngineStats {
+    let reference = target();
+    let drafter = Breaks(drafter);
+    let e = Arc::new(
+        EngineHandle::spawn_with(
+            model,
+            Some(Box::new(drafter)),
+            EngineConfig {
+                max_in_flight: 4096,
+                ..config(512, 64, VerifyLen::Fixed(4))
+            },
+        )
+        .unwrap(),
+    );
+    let prompt = golden_case(0).0;
+    let kinds = [
+        SamplingParams {
+            temperature: 1.0,
+            top_k: 3,
+            ..SamplingParams::default()
+        },
+        SamplingParams {
+            temperature: 0.8,
+            top_p: 0.6,
+            ..SamplingParams::default()
+        },
+    ];
+    const N: u64 = 500;
+    let mut broken_prompt = prompt.clone();
+    broken_prompt[1] = BROKEN_MARK;
+
+    let mut tasks = Vec::new();
+    for n in 0..N {
+        for (k, params) in kinds.iter().enumerate() {
+            let p = SamplingParams {
+                seed: Some(n * 10 + k as u64),
+                ..params.clone()
+            };
+            let g = e.generate(job(prompt.clone(), 3, p)).unwrap();
+            tasks.push((Some(k), tokio::spawn(collect(g))));
+        }
+        if n % 100 == 0 {
+            let g = e.generate(job(golden_case(1).0, 32, greedy())).unwrap();
+            tasks.push((None, tokio::spawn(collect(g))));
+            let g = e.generate(job(broken_prompt.clone(), 3, greedy())).unwrap();
+            tasks.push((Some(99), tokio::spawn(collect(g))));
+        }
+    }
+    let mut counts: Vec<HashMap<[u32; 3], u64>> = vec![HashMap::new(); kinds.len()];
+    let mut broken = 0;
+    for (kind, t) in tasks {
+        let (toks, end) = t.await.unwrap();
+        match kind {
+            Some(99) => {
+                let err = end.unwrap_err();
+                assert!(err.contains("speculative verification"), "{err}");
+                broken += 1;
+            }
+            Some(k) => {
+                assert_eq!(end, Ok(FinishReason::Length));
+                let key = [toks[0], toks[1], toks[2]];
+                *counts[k].entry(key).or_default() += 1;
+            }
+            None => {
+                assert_eq!(end, Ok(FinishReason::Length));
+                assert_eq!(toks, golden_case(1).1, "greedy requests in the mixed batch");
+            }
+        }
+    }
+    assert_eq!(broken, 5);
+    for (k, params) in kinds.iter().enumerate() {
+        let law = reference_law(&reference, &prompt, params);
+        let (stat, cells) = chi2(&counts[k], &law, N);
+        // ≤ 27 cells; a correct engine exceeds 70 with probability < 1e-5 at 26 degrees of
+        // freedom (the streams are seeded, so this cannot flake).
+        assert!(
+            stat < 70.0,
+            "kind {k} ({params:?}): chi2 {stat} over {cells} cells; counts {:?}",
+            counts[k]
+        );
+        // Against the other kind's law the same samples fail (tokens that law forbids, or a
+        // large statistic): the test tells the requests' distributions apart.
+        let other = reference_law(&reference, &prompt, &kinds[1 - k]);
+        let impossible = counts[k].keys().any(|key| !other.contains_key(key));
+        assert!(
+            impossible || chi2(&counts[k], &other, N).0 > 70.0,
+            "kind {k}: its samples also fit the other kind's law"
+        );
+    }
+    let s = e.stats().await.unwrap();
+    assert!(s.spec_rounds >= 2 * N, "{s:?}");
+    wait_idle(&e).await;
+    s
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mixed_batch_with_the_dspark_drafter() {
+    let model = target();
+    let drafter = dspark(&model);
+    // The random-weight drafter's drafts are almost always rejected: this run exercises the
+    // correction path for every kind of request.
+    mixed_batch(model, drafter).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mixed_batch_with_drafts_from_the_target_itself() {
+    // Point-mass drafts of the target's own argmax: sampled requests accept each with
+    // probability p(argmax), so this run exercises the accept and bonus paths under sampling.
+    let s = mixed_batch(target(), TargetArgmax { block: 4 }).await;
+    assert!(
+        s.spec_accepted_tokens * 4 > s.spec_drafted_tokens,
+        "most drafts accepted: {s:?}"
+    );
+}
+
+/// Drafts the target's own argmax continuation by running the target (a slow, perfect greedy
+/// drafter for tests): point-mass q, confidence 1.
+struct TargetArgmax {
+    block: usize,
+}
+
+impl Drafter for TargetArgmax {
+    fn block_size(&self) -> usize {
+        self.block
+    }
+    fn taps(&self) -> &[usize] {
+        &[]
+    }
+    fn kv_layout(&self) -> Option<DraftKvLayout> {
+        None
+    }
+    fn extend_context(
+        &self,
+        _: &DeepseekModel,
+        _: &mut KvPool,
+        _: &ContextRows<'_>,
+    ) -> Result<(), ModelError> {
+        Ok(())
+    }
+    fn propose(
+        &self,
+        ctx: &DraftCtx<'_>,
+        inputs: &[DraftInput<'_>],
+    ) -> Vec<Result<Proposal, ModelError>> {
+        inputs
+            .iter()
+            .map(|inp| {
+                let model = ctx.target;
+                let mut pool = model.new_kv_pool(4, 64)?;
+                let mut s = Session::new();
+                let mut seen = inp.tokens.to_vec();
+                seen.push(inp.anchor);
+                let mut logits = s.extend(model, &mut pool, &seen, LogitsWanted::Last)?;
+                let mut drafts = Vec::with_capacity(self.block);
+                for _ in 0..self.block {
+                    let x = ferry_kernels::cpu::sample::argmax(&logits);
+                    drafts.push(x);
+                    logits = s.extend(model, &mut pool, &[x], LogitsWanted::Last)?;
+                }
+                s.free(&mut pool)?;
+                Ok(Proposal {
+                    confidence: vec![1.0; drafts.len()],
+                    drafts,
+                    q: DraftDist::Greedy,
+                })
+            })
+            .collect()
+    }
+}
+
+/// Plays the prefill peer: a prefill job on `p` whose target layers and (when `ship_drafter`)
+/// drafter pool layers are copied into the decode engine `d` (the in-process equivalent of a
+/// transport that sends the drafter layers as transfer layers after the target's).
+async fn remote_prefill(
+    p: &EngineHandle,
+    d: &EngineHandle,
+    prompt: Vec<u32>,
+    (dest, skip_tokens): (Vec<BlockId>, usize),
+    ship_drafter: bool,
+) -> u32 {
+    let first_dest = skip_tokens / p.kv_layout().page_size;
+    let copy = |offset: usize, d: EngineHandle, dest: Vec<BlockId>| {
+        Box::new(
+            move |layer: usize, blocks: &[BlockId], pool: &KvPool| -> Result<(), String> {
+                for (j, b) in blocks.iter().enumerate() {
+                    let data: Vec<u8> = pool
+                        .block(layer, *b)
+                        .map_err(|e| e.to_string())?
+                        .iter()
+                        .flat_map(|f| f.to_le_bytes())
+                        .collect();
+                    d.write_kv(offset + layer, dest[first_dest + j], data)
+                        .map_err(|e| e.to_string())?;
+                }
+                Ok(())
+            },
+        ) as ferry_model::engine::LayerSinkFn
+    };
+    let layers = p.kv_layout().num_layers;
+    let out = p
+        .prefill_work(PrefillWork {
+            prompt,
+            sampling: greedy(),
+            skip_tokens,
+            on_layer: copy(0, d.clone(), dest.clone()),
+            on_draft_layer: ship_drafter.then(|| copy(layers, d.clone(), dest)),
+        })
+        .await
+        .unwrap();
+    out.first_token
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drafter_context_shipped_with_a_remote_prefill_lets_decode_speculate_at_once() {
+    let pm = target();
+    let pd = dspark(&pm);
+    let p = EngineHandle::spawn_with(pm, Some(Box::new(pd)), config(64, 64, VerifyLen::Fixed(4)))
+        .unwrap();
+    let dm = target();
+    let dd = dspark(&dm);
+    let d = EngineHandle::spawn_with(dm, Some(Box::new(dd)), config(64, 64, VerifyLen::Fixed(4)))
+        .unwrap();
+    let (prompt, expected) = golden_case(2);
+    for ship in [true, false] {
+        let before = d.stats().await.unwrap();
+        let mut g = d
+            .generate(GenerateJob {
+                prefill: PrefillSource::Remote { local_threshold: 0 },
+                ..job(prompt.clone(), 32, greedy())
+            })
+            .unwrap();
+        let Some(EngineEvent::Reserved {
+            blocks,
+            cached_tokens,
+        }) = g.events.recv().await
+        else {
+            panic!("expected a reservation");
+        };
+        let first = remote_prefill(&p, &d, prompt.clone(), (blocks, cached_tokens), ship).await;
+        d.remote_done(g.id, first).unwrap();
+        let (toks, end) = collect(g).await;
+        assert_eq!(end, Ok(FinishReason::Length));
+        assert_eq!(toks, expected, "ship drafter context: {ship}");
+        let after = d.stats().await.unwrap();
+        let rounds = after.spec_rounds - before.spec_rounds;
+        if ship {
+            // 31 tokens after the peer's first one; every step drafts.
+            assert!(rounds >= 8, "decode speculated from its first step: {after:?}");
+        } else {
+            assert_eq!(rounds, 0, "no drafter context, no speculation: {after:?}");
+        }
+        wait_idle(&d).await;
+        // The second run reuses the first's 3 cached blocks (valid drafter rows) and gets the
+        // 19-token tail from the peer without drafter rows: still no speculation.
+    }
+    wait_idle(&p).await;
+}
