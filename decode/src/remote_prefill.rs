@@ -48,7 +48,7 @@ pub async fn run(job: RemotePrefill, engine: EngineHandle, id: SeqId, policy: Fa
         "remote_prefill",
         otel.kind = "client",
         peer = %job.peer,
-        skip_tokens = job.cached_tokens,
+        skip_tokens = i64::try_from(job.cached_tokens).unwrap_or(i64::MAX),
     );
     trace_ctx::set_attribute(&span, "rpc.system", "grpc");
     trace_ctx::set_attribute(&span, "rpc.service", "ferry.internal.v1.PrefillWorker");

@@ -111,14 +111,15 @@ pub async fn load_engine(
     config.spec = spec.spec_config();
     let drafter = spec.drafter_dir(&model_dir);
     match (&drafter, spec.speculative) {
-        (Some(d), _) => info!(drafter = %d.display(), verify_len = %spec.verify_len, "speculative decoding on"),
+        (Some(d), _) => {
+            info!(drafter = %d.display(), verify_len = %spec.verify_len, "speculative decoding on")
+        }
         (None, Switch::On) => info!("speculative decoding off: no drafter configured"),
         (None, Switch::Off) => info!("speculative decoding off"),
     }
     tokio::task::spawn_blocking(move || {
-        EngineHandle::load(&model_dir, drafter.as_deref(), config).map_err(|e| {
-            ServeError::Model(format!("{}: {e}", model_dir.display()))
-        })
+        EngineHandle::load(&model_dir, drafter.as_deref(), config)
+            .map_err(|e| ServeError::Model(format!("{}: {e}", model_dir.display())))
     })
     .await
     .map_err(|e| ServeError::Model(e.to_string()))?

@@ -275,6 +275,7 @@ fn absorbed_kernels_match_cpu() {
     let v3 = MlaShape::DEEPSEEK_V3;
     let cases = [
         AbsorbedCase { shape: v3, heads: 16, sq: 1, ctx: vec![1, 70, 3000], page: 64 },
+        AbsorbedCase { shape: v3.with_tile(64, 2), heads: 16, sq: 1, ctx: vec![1, 70, 3000], page: 64 },
         AbsorbedCase { shape: v3.with_tile(32, 3), heads: 16, sq: 1, ctx: vec![1, 70, 3000], page: 64 },
         AbsorbedCase { shape: v3.with_tile(32, 2), heads: 12, sq: 3, ctx: vec![9, 1300], page: 16 },
         AbsorbedCase { shape: v3.with_tile(32, 4), heads: 8, sq: 1, ctx: vec![2, 5000], page: 32 },

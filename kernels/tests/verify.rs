@@ -39,8 +39,14 @@ fn reference_probs(logits: &[f32], params: &SamplingParams) -> Vec<f64> {
         return p;
     }
     let t = f64::from(params.temperature);
-    let max = logits.iter().map(|&v| f64::from(v) / t).fold(f64::MIN, f64::max);
-    let mut p: Vec<f64> = logits.iter().map(|&v| (f64::from(v) / t - max).exp()).collect();
+    let max = logits
+        .iter()
+        .map(|&v| f64::from(v) / t)
+        .fold(f64::MIN, f64::max);
+    let mut p: Vec<f64> = logits
+        .iter()
+        .map(|&v| (f64::from(v) / t - max).exp())
+        .collect();
     normalise(&mut p);
     let k = params.top_k as usize;
     if k > 0 && k < n {
@@ -287,7 +293,10 @@ fn sampled_drafts_are_lossless_at_every_position() {
             7 + i as u64,
         );
         let stats = statistics(&tally, &p, &alpha(&p, &q64));
-        assert!(passes(&stats), "params {params:?}: chi2 per position {stats:?}");
+        assert!(
+            passes(&stats),
+            "params {params:?}: chi2 per position {stats:?}"
+        );
         // The test sees every position: γ + 1 outputs were reached in a fair share of rounds.
         assert!(tally.accepted[GAMMA] > 100, "{:?}", tally.accepted);
     }
@@ -498,7 +507,9 @@ fn mixed_batch_gives_each_request_its_own_distribution_and_a_bad_one_fails_alone
         let mut out = verify_batch(&reqs);
         let broken = out.remove(1);
         assert!(
-            broken.as_ref().is_err_and(|e| e.to_string().contains("q[k][draft]")),
+            broken
+                .as_ref()
+                .is_err_and(|e| e.to_string().contains("q[k][draft]")),
             "{broken:?}"
         );
         for (t, v) in tallies.iter_mut().zip(out) {
@@ -513,7 +524,11 @@ fn mixed_batch_gives_each_request_its_own_distribution_and_a_bad_one_fails_alone
         let p = p_ref(&cases[i], &params[i]);
         let q64: Vec<f64> = qs[i].iter().map(|&v| f64::from(v)).collect();
         let stats = statistics(t, &p, &alpha(&p, &q64));
-        assert!(passes(&stats), "request {i} ({:?}): chi2 {stats:?}", params[i]);
+        assert!(
+            passes(&stats),
+            "request {i} ({:?}): chi2 {stats:?}",
+            params[i]
+        );
     }
     // Each request got its *own* distribution: request 1's law fails against request 2's
     // parameters on the same logits.

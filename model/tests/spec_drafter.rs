@@ -158,10 +158,7 @@ fn drafter_matches_the_float32_reference() {
         };
         let (_, logits) = drafter.block_forward(&ctx, &[input]).unwrap();
         assert_eq!(logits.len(), b * vocab);
-        let scale = case
-            .block_logits
-            .iter()
-            .fold(1.0f32, |m, v| m.max(v.abs()));
+        let scale = case.block_logits.iter().fold(1.0f32, |m, v| m.max(v.abs()));
         let diff = logits
             .iter()
             .zip(&case.block_logits)
@@ -172,11 +169,7 @@ fn drafter_matches_the_float32_reference() {
             "case {i}: block logits differ by {diff} (scale {scale})"
         );
 
-        let p = drafter
-            .propose(&ctx, &[input])
-            .pop()
-            .unwrap()
-            .unwrap();
+        let p = drafter.propose(&ctx, &[input]).pop().unwrap().unwrap();
         assert_eq!(p.q, DraftDist::Greedy);
         assert_eq!(p.drafts.len(), b);
         if case.min_margin > 0.05 {
@@ -184,7 +177,10 @@ fn drafter_matches_the_float32_reference() {
         }
         for (k, (c, r)) in p.confidence.iter().zip(&case.confidence).enumerate() {
             if case.min_margin > 0.05 || k == 0 {
-                assert!((c - r).abs() < 1e-4, "case {i} slot {k}: confidence {c} vs {r}");
+                assert!(
+                    (c - r).abs() < 1e-4,
+                    "case {i} slot {k}: confidence {c} vs {r}"
+                );
             }
         }
     }
@@ -249,8 +245,7 @@ fn sampled_drafts_come_from_the_returned_q() {
             let sum: f32 = row.iter().sum();
             assert!((sum - 1.0).abs() < 1e-4, "row {k} sums to {sum}");
             assert!(row[x as usize] > 0.0);
-            let want =
-                ferry_kernels::cpu::sample::sample_from_probs(row, uniforms[k]).unwrap();
+            let want = ferry_kernels::cpu::sample::sample_from_probs(row, uniforms[k]).unwrap();
             assert_eq!(x, want, "draft {k} is the inverse-CDF draw of its own q");
             if params.top_k > 0 {
                 assert!(row.iter().filter(|&&v| v > 0.0).count() <= 5 + 2);

@@ -14,8 +14,8 @@ use ferry_model::drafter::{
     ContextRows, DraftCtx, DraftDist, DraftInput, DraftKvLayout, Drafter, DsparkDrafter, Proposal,
 };
 use ferry_model::engine::{
-    EngineConfig, EngineEvent, EngineHandle, EngineStats, FinishReason, GenerateJob, GenerateOptions,
-    Generation, PrefillSource, PrefillWork, SpecConfig, StopParams, VerifyLen,
+    EngineConfig, EngineEvent, EngineHandle, EngineStats, FinishReason, GenerateJob,
+    GenerateOptions, Generation, PrefillSource, PrefillWork, SpecConfig, StopParams, VerifyLen,
 };
 use ferry_model::kv::{BlockId, KvPool};
 use ferry_model::session::Session;
@@ -215,7 +215,11 @@ async fn dspark_greedy_output_equals_plain_decoding() {
         config(128, 64, VerifyLen::Fixed(4)),
     )
     .unwrap();
-    assert_eq!(e.draft_kv_layers(), 4, "2 drafter layers × 2 pool rows each");
+    assert_eq!(
+        e.draft_kv_layers(),
+        4,
+        "2 drafter layers × 2 pool rows each"
+    );
     let mut gens = Vec::new();
     for i in 0..3 {
         let (p, _) = golden_case(i);
@@ -238,7 +242,10 @@ async fn dspark_greedy_output_equals_plain_decoding() {
     let (toks, _) = collect(off).await;
     assert_eq!(toks, golden_case(2).1, "speculation off");
     let s = e.stats().await.unwrap();
-    assert!(s.spec_rounds > 0 && s.spec_drafted_tokens >= s.spec_rounds, "{s:?}");
+    assert!(
+        s.spec_rounds > 0 && s.spec_drafted_tokens >= s.spec_rounds,
+        "{s:?}"
+    );
     wait_idle(&e).await;
 }
 
@@ -292,7 +299,11 @@ async fn wrong_drafts_are_all_rejected_and_their_kv_rolled_back() {
     for (i, g) in gens.into_iter().enumerate() {
         let (toks, end) = collect(g).await;
         assert_eq!(end, Ok(FinishReason::Length));
-        assert_eq!(toks, golden_case(i).1, "request {i}: every token is a correction");
+        assert_eq!(
+            toks,
+            golden_case(i).1,
+            "request {i}: every token is a correction"
+        );
     }
     let s = e.stats().await.unwrap();
     assert_eq!(s.spec_accepted_tokens, 0, "{s:?}");
@@ -312,9 +323,7 @@ fn reference_law(
     let probs = |ctx: &[u32]| -> Vec<f32> {
         let mut pool = model.new_kv_pool(4, 64).unwrap();
         let mut s = Session::new();
-        let logits = s
-            .extend(model, &mut pool, ctx, LogitsWanted::Last)
-            .unwrap();
+        let logits = s.extend(model, &mut pool, ctx, LogitsWanted::Last).unwrap();
         s.free(&mut pool).unwrap();
         probs_from_logits(&logits, params).unwrap()
     };
@@ -621,7 +630,10 @@ async fn drafter_context_shipped_with_a_remote_prefill_lets_decode_speculate_at_
         let rounds = after.spec_rounds - before.spec_rounds;
         if ship {
             // 31 tokens after the peer's first one; every step drafts.
-            assert!(rounds >= 8, "decode speculated from its first step: {after:?}");
+            assert!(
+                rounds >= 8,
+                "decode speculated from its first step: {after:?}"
+            );
         } else {
             assert_eq!(rounds, 0, "no drafter context, no speculation: {after:?}");
         }

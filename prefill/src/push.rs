@@ -7,11 +7,7 @@ use ferry_model::engine::LayerSinkFn;
 /// The closure the engine calls after each layer: `blocks` are this worker's blocks from the
 /// destination's first missing block on; `dest` maps them, in order, to the destination's
 /// block ids starting at `dest_first`.
-pub fn layer_pusher(
-    sink: LayerSink,
-    dest: Vec<u32>,
-    dest_first: usize,
-) -> LayerSinkFn {
+pub fn layer_pusher(sink: LayerSink, dest: Vec<u32>, dest_first: usize) -> LayerSinkFn {
     offset_layer_pusher(sink, dest, dest_first, 0)
 }
 

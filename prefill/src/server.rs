@@ -5,12 +5,12 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use clap::{Args, ValueEnum};
+use ferry_model::engine::EngineHandle;
 use ferry_proto::internal::prefill_worker_server::PrefillWorkerServer;
 use ferry_proto::internal::WorkerRole;
 use ferry_worker::args::WorkerArgs;
 use ferry_worker::metrics::{MetricsListener, WorkerMetrics};
 use ferry_worker::registration::{self, RegistrationConfig};
-use ferry_model::engine::EngineHandle;
 use ferry_worker::serve::{base_routes, serve, ServeError};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;

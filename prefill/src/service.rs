@@ -105,14 +105,15 @@ impl PrefillService {
             )));
         }
         // The transfer's span: connect (whose hello carries it to the receiver) → flush ack.
+        // Counts are signed: `tracing` hands unsigned fields to OpenTelemetry as strings.
         let transfer = info_span!(
             "kv_transfer",
             otel.kind = "client",
             ferry.kv_transfer.transport = "tcp",
             ferry.kv_transfer.destination = %dest.transfer_address,
             ferry.kv_transfer.bytes = field::Empty,
-            ferry.kv_transfer.layers = ours.num_layers,
-            ferry.kv_transfer.blocks = prompt_len.div_ceil(page) - skip / page,
+            ferry.kv_transfer.layers = i64::from(ours.num_layers),
+            ferry.kv_transfer.blocks = count(prompt_len.div_ceil(page) - skip / page),
             ferry.kv_transfer.duration_s = field::Empty,
         );
         let started = Instant::now();
@@ -144,13 +145,15 @@ impl PrefillService {
         let bytes =
             bytes.map_err(|e| self.transfer_failed(&transfer, format!("KV transfer: {e}")))?;
         let took = started.elapsed().as_secs_f64();
-        transfer.record("ferry.kv_transfer.bytes", bytes);
+        transfer.record(
+            "ferry.kv_transfer.bytes",
+            i64::try_from(bytes).unwrap_or(i64::MAX),
+        );
         transfer.record("ferry.kv_transfer.duration_s", took);
         self.metrics.kv_bytes.inc_by(bytes);
         self.metrics.kv_duration.observe(took);
         self.bytes_sent.fetch_add(bytes, Ordering::Relaxed);
         let span = Span::current();
-        let count = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);
         trace_ctx::set_attribute(
             &span,
             "ferry.prefill.computed_tokens",
@@ -168,6 +171,11 @@ impl PrefillService {
             bytes_transferred: bytes,
         })
     }
+}
+
+/// A count as a signed span attribute.
+fn count(n: usize) -> i64 {
+    i64::try_from(n).unwrap_or(i64::MAX)
 }
 
 impl PrefillService {
@@ -203,7 +211,7 @@ impl PrefillWorker for PrefillService {
         trace_ctx::set_parent_from_request(&span, &request);
         let r = request.into_inner();
         span.record("request_id", r.request_id.as_str());
-        span.record("prompt_tokens", r.prompt_tokens.len());
+        span.record("prompt_tokens", count(r.prompt_tokens.len()));
         trace_ctx::set_attribute(&span, "rpc.system", "grpc");
         trace_ctx::set_attribute(&span, "rpc.service", "ferry.internal.v1.PrefillWorker");
         trace_ctx::set_attribute(&span, "rpc.method", "Prefill");

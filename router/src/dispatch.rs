@@ -211,7 +211,7 @@ impl Dispatcher {
                 "dispatch",
                 otel.kind = "client",
                 worker = %selection.decode.id,
-                attempt,
+                attempt = spans::int(attempt),
             );
             trace_ctx::set_attribute(&dispatch, "rpc.system", "grpc");
             trace_ctx::set_attribute(&dispatch, "rpc.service", "ferry.internal.v1.DecodeWorker");
@@ -256,7 +256,7 @@ impl Dispatcher {
         let span = tracing::info_span!(
             "route",
             policy,
-            attempt,
+            attempt = spans::int(attempt),
             decode_worker = field::Empty,
             prefill_worker = field::Empty,
             predicted_cached_blocks = field::Empty,
@@ -279,7 +279,7 @@ impl Dispatcher {
         let cached = selection.decision.predicted_cached_blocks;
         span.record("decode_worker", decode);
         span.record("prefill_worker", prefill);
-        span.record("predicted_cached_blocks", cached);
+        span.record("predicted_cached_blocks", spans::int(cached));
         trace_ctx::set_attribute(
             &span,
             "ferry.routing.prompt_blocks",

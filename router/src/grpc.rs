@@ -76,6 +76,7 @@ impl Inference for InferenceService {
         let started = async move {
             let valid = state.validator.validate(params).await?;
             let id = valid.id().0.clone();
+            tracing::Span::current().record("request_id", id.as_str());
             let events = state.dispatcher.generate(valid).await?;
             Ok::<_, RequestError>((id, events))
         }

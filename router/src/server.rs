@@ -15,6 +15,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use axum::serve::ListenerExt as _;
 use ferry_proto::internal::registry_server::RegistryServer;
 use ferry_proto::v1::inference_server::InferenceServer;
 use tokio::net::TcpListener;
@@ -159,10 +160,15 @@ impl BoundRouter {
                 state.registry.clone(),
             )))
             .serve_with_incoming_shutdown(
-                TcpListenerStream::new(grpc),
+                nodelay(TcpListenerStream::new(grpc)),
                 stop_accepting.clone().cancelled_owned(),
             );
         let mut grpc_task = tokio::spawn(grpc_server);
+        let http = http.tap_io(|tcp| {
+            if let Err(e) = tcp.set_nodelay(true) {
+                tracing::debug!(error = %e, "set_nodelay failed");
+            }
+        });
         let http_server = axum::serve(http, crate::http::app(state.clone()))
             .with_graceful_shutdown(stop_accepting.clone().cancelled_owned());
         let mut http_task = tokio::spawn(http_server.into_future());
@@ -219,6 +225,21 @@ impl BoundRouter {
         tracing::info!("router stopped");
         Ok(())
     }
+}
+
+/// Accepted connections with `TCP_NODELAY` set (tonic sets it only on listeners it binds
+/// itself): a streamed token must not wait for the peer's delayed ACK.
+fn nodelay(
+    incoming: TcpListenerStream,
+) -> impl tokio_stream::Stream<Item = std::io::Result<tokio::net::TcpStream>> {
+    use tokio_stream::StreamExt as _;
+    incoming.map(|conn| {
+        conn.inspect(|tcp| {
+            if let Err(e) = tcp.set_nodelay(true) {
+                tracing::debug!(error = %e, "set_nodelay failed");
+            }
+        })
+    })
 }
 
 /// Loads, binds and runs a router until `shutdown` is cancelled.

@@ -81,14 +81,14 @@ pub fn request_span(door: FrontDoor, operation: Operation, served_model: &str) -
     span
 }
 
-fn int(v: impl TryInto<i64>) -> i64 {
+/// A count as an OpenTelemetry integer (`tracing` exports unsigned fields as strings).
+pub fn int(v: impl TryInto<i64>) -> i64 {
     v.try_into().unwrap_or(i64::MAX)
 }
 
 /// The validated request's parameters, on the current (request) span.
 pub fn record_request(req: &ValidRequest) {
     let span = Span::current();
-    span.record("request_id", req.id().0.as_str());
     let s = req.sampling();
     trace_ctx::set_attribute(&span, "gen_ai.response.id", req.id().0.clone());
     trace_ctx::set_attribute(&span, "gen_ai.request.max_tokens", int(req.max_tokens()));
@@ -106,8 +106,9 @@ pub fn record_request(req: &ValidRequest) {
 }
 
 /// Usage and finish reason of a finished request, on `span`.
+///
+/// Input tokens were set with the request ([`record_request`]).
 pub fn record_finish(span: &Span, usage: &Usage, finish: FinishReason) {
-    trace_ctx::set_attribute(span, "gen_ai.usage.input_tokens", int(usage.prompt_tokens));
     trace_ctx::set_attribute(
         span,
         "gen_ai.usage.output_tokens",

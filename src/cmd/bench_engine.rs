@@ -16,7 +16,9 @@ use clap::Args;
 use ferry_kernels::cpu::sample::{argmax, SamplingParams};
 use ferry_model::deepseek::forward::ForwardHooks;
 use ferry_model::deepseek::{BatchInputs, DeepseekModel, FormPolicy, LogitsWanted, SeqInput};
-use ferry_model::drafter::{ContextRows, ContextSegment, DraftCtx, DraftInput, Drafter, DsparkDrafter};
+use ferry_model::drafter::{
+    ContextRows, ContextSegment, DraftCtx, DraftInput, Drafter, DsparkDrafter,
+};
 use ferry_model::engine::{
     EngineConfig, EngineEvent, EngineHandle, EngineStats, GenerateJob, PrefillSource, SpecConfig,
     StopParams, VerifyLen,
@@ -85,12 +87,15 @@ pub fn run(args: BenchEngineArgs) -> anyhow::Result<()> {
         let mut decode = Vec::new();
         for rep in 0..args.repeat.max(1) {
             let (p, d) = match &gpu {
-                Some(g) => super::device::bench_engine_gpu(g, super::device::EngineBench {
-                    batch,
-                    prompt_len: args.prompt_len,
-                    decode_steps: args.decode_steps,
-                    salt: rep as u32,
-                })?,
+                Some(g) => super::device::bench_engine_gpu(
+                    g,
+                    super::device::EngineBench {
+                        batch,
+                        prompt_len: args.prompt_len,
+                        decode_steps: args.decode_steps,
+                        salt: rep as u32,
+                    },
+                )?,
                 None => measure(&model, batch, &args, rep as u32)?,
             };
             prefill.push(p);
@@ -199,7 +204,11 @@ fn synthetic_prompts(vocab: u32, batch: usize, len: usize, salt: u32) -> Vec<Vec
 /// included; median of `--repeat`), the mean acceptance length (tokens per speculative round),
 /// and the cost of one drafter pass and of one verify pass over the whole batch, next to a
 /// plain decode step of the same batch.
-fn run_speculative(args: &BenchEngineArgs, dir: &Path, model: &DeepseekModel) -> anyhow::Result<()> {
+fn run_speculative(
+    args: &BenchEngineArgs,
+    dir: &Path,
+    model: &DeepseekModel,
+) -> anyhow::Result<()> {
     let drafter_dir = args
         .drafter
         .clone()
@@ -414,7 +423,10 @@ fn pass_costs(
         verify.push(start.elapsed().as_secs_f64() * 1e3);
         let anchors: Vec<Vec<u32>> = prompts.iter().map(|p| vec![p[0]]).collect();
         let start = Instant::now();
-        model.forward(&batch_of(&anchors, &tables, l, LogitsWanted::Last), &mut pool)?;
+        model.forward(
+            &batch_of(&anchors, &tables, l, LogitsWanted::Last),
+            &mut pool,
+        )?;
         step.push(start.elapsed().as_secs_f64() * 1e3);
     }
     for mut t in tables {

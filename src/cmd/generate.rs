@@ -135,7 +135,8 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         tracing::info!("speculative decoding runs on the CPU engine only; decoding without it");
     }
 
-    let mut runner = super::device::Runner::new(&args.device, &model, prompt.len() + args.max_tokens)?;
+    let mut runner =
+        super::device::Runner::new(&args.device, &model, prompt.len() + args.max_tokens)?;
     let mut sampler = Sampler::for_params(&params);
     let mut stream = DecodeStream::new(true);
     let stdout = std::io::stdout();
@@ -226,8 +227,8 @@ fn generate_speculative(
             rounds = stats.spec_rounds,
             drafted = stats.spec_drafted_tokens,
             accepted = stats.spec_accepted_tokens,
-            acceptance_length = (stats.spec_accepted_tokens + stats.spec_rounds) as f64
-                / stats.spec_rounds as f64,
+            acceptance_length =
+                (stats.spec_accepted_tokens + stats.spec_rounds) as f64 / stats.spec_rounds as f64,
             "speculative decoding"
         );
     }

@@ -107,6 +107,17 @@ impl Spec {
     }
 }
 
+/// Clears `FERRY_*` (except `FERRY_LOG`) from a child's environment: the tests run the
+/// embedded model with the flags and addresses given here, whatever the test run's environment.
+fn remove_ferry_env(cmd: &mut Command) {
+    for (key, _) in std::env::vars_os() {
+        let name = key.to_string_lossy();
+        if name.starts_with("FERRY_") && name != "FERRY_LOG" {
+            cmd.env_remove(&key);
+        }
+    }
+}
+
 /// One child process; SIGKILLed and reaped on drop.
 struct Proc {
     name: String,
@@ -127,14 +138,7 @@ impl Proc {
             .stdin(Stdio::piped())
             .stdout(out)
             .stderr(err);
-        // The cluster must be the embedded model on the addresses given here, whatever the
-        // environment of the test run says.
-        for (key, _) in std::env::vars_os() {
-            let key_s = key.to_string_lossy();
-            if key_s.starts_with("FERRY_") && key_s != "FERRY_LOG" {
-                cmd.env_remove(&key);
-            }
-        }
+        remove_ferry_env(&mut cmd);
         let mut child = cmd
             .spawn()
             .unwrap_or_else(|e| panic!("starting {name}: {e}"));
@@ -804,15 +808,13 @@ pub fn long_prompt() -> String {
 /// `ferry generate --prompt P --max-tokens N --ignore-eos` (greedy), single process: the
 /// reference output, without the trailing newline it prints.
 pub async fn reference_generate(prompt: &str, max_tokens: u32) -> String {
-    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_ferry"))
-        .args(["generate", "--prompt", prompt, "--max-tokens"])
+    let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_ferry"));
+    cmd.args(["generate", "--prompt", prompt, "--max-tokens"])
         .arg(max_tokens.to_string())
         .arg("--ignore-eos")
-        .env_remove("FERRY_MODEL")
-        .kill_on_drop(true)
-        .output()
-        .await
-        .expect("ferry generate runs");
+        .kill_on_drop(true);
+    remove_ferry_env(cmd.as_std_mut());
+    let out = cmd.output().await.expect("ferry generate runs");
     assert!(
         out.status.success(),
         "ferry generate failed: {}",

@@ -91,7 +91,11 @@ pub fn verify(req: &VerifyRequest<'_>) -> Result<Verified, KernelError> {
         return Err(invalid(
             "target_logits.len()",
             "a positive multiple of drafts.len() + 1",
-            format!("{} for {} drafts", req.target_logits.len(), req.drafts.len()),
+            format!(
+                "{} for {} drafts",
+                req.target_logits.len(),
+                req.drafts.len()
+            ),
         ));
     }
     let vocab = req.target_logits.len() / rows;
@@ -264,7 +268,15 @@ mod tests {
         };
         let out = verify_batch(&[good, zero_q, short_uniforms, good]);
         assert!(out[0].is_ok() && out[3].is_ok());
-        assert!(out[1].as_ref().unwrap_err().to_string().contains("q[k][draft]"));
-        assert!(out[2].as_ref().unwrap_err().to_string().contains("uniforms"));
+        assert!(out[1]
+            .as_ref()
+            .unwrap_err()
+            .to_string()
+            .contains("q[k][draft]"));
+        assert!(out[2]
+            .as_ref()
+            .unwrap_err()
+            .to_string()
+            .contains("uniforms"));
     }
 }

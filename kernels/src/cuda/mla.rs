@@ -44,14 +44,16 @@ impl MlaShape {
     /// DeepSeek-V3 / Kimi K2 / K3: 576 / 512 / 192 / 128.
     pub const DEEPSEEK_V3: MlaShape = MlaShape::new(576, 512, 192, 128);
 
-    /// A shape with the default tile pipeline (64-key steps, double-buffered).
+    /// A shape with the default tile pipeline: 32-key steps, double-buffered (two blocks fit
+    /// an SM; best of the sweep in BENCHMARKS.md), or 64-key steps where the latent width is
+    /// not a multiple of 32.
     pub const fn new(latent: usize, kv_lora: usize, mha_qk: usize, mha_v: usize) -> Self {
         Self {
             latent,
             kv_lora,
             mha_qk,
             mha_v,
-            tile_bk: 64,
+            tile_bk: if latent % 32 == 0 { 32 } else { 64 },
             tile_stages: 2,
         }
     }
@@ -192,12 +194,12 @@ unsafe impl KernelParam for MlaArgsC {}
 
 /// How many blocks split one (sequence, tile)'s keys, and how many keys each takes.
 ///
-/// Enough splits that `work_items · splits` fills `target_blocks`, but at least 4 key steps per
-/// split; `keys_per_split` is a multiple of the tile kernel's 64-key step.
+/// Enough splits that `work_items · splits` fills `target_blocks`, each at least 64 keys;
+/// `keys_per_split` is a multiple of 64 (whole tile steps).
 pub fn plan_splits(target_blocks: usize, work_items: usize, max_ctx: usize) -> (usize, usize) {
     let max_ctx = max_ctx.max(1);
     let want = target_blocks.div_ceil(work_items.max(1)).max(1);
-    let max_splits = max_ctx.div_ceil(4 * TILE_KEYS).max(1);
+    let max_splits = max_ctx.div_ceil(TILE_KEYS).max(1);
     let splits = want.min(max_splits);
     let kps = max_ctx.div_ceil(splits).div_ceil(TILE_KEYS) * TILE_KEYS;
     (max_ctx.div_ceil(kps), kps)
@@ -512,15 +514,16 @@ mod tests {
         assert!(s * kps >= 131_072);
         // A full batch needs no split.
         assert_eq!(plan_splits(132, 256, 4096).0, 1);
-        // Short contexts keep at least 4 steps per split.
+        // Short contexts still spread, one 64-key step per split at least.
         let (s, kps) = plan_splits(132, 1, 1000);
-        assert!(kps >= 256 && s * kps >= 1000, "{s} x {kps}");
+        assert!(kps >= 64 && s * kps >= 1000 && s == 16, "{s} x {kps}");
     }
 
     #[test]
     fn smem_fits_hopper() {
         let s = MlaShape::DEEPSEEK_V3;
         assert!(s.tile_smem() <= 227 * 1024, "{}", s.tile_smem());
+        assert_eq!((s.tile_bk, s.tile_stages), (32, 2));
         for (bk, st) in [(32, 2), (32, 3), (32, 4), (64, 2)] {
             let t = s.with_tile(bk, st);
             assert!(t.tile_ok() && t.tile_smem() <= 227 * 1024, "{bk}x{st}: {}", t.tile_smem());

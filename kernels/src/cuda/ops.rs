@@ -687,8 +687,8 @@ pub fn absorb(
         .push(int(OP, "v", s.v)?)
         .push(int(OP, "kv_lora", s.kv_lora)?);
     let dims = LaunchDims {
-        grid: (s.kv_lora.div_ceil(128) as u32, s.heads as u32, t.div_ceil(8) as u32),
-        block: (128, 1, 1),
+        grid: (s.kv_lora.div_ceil(32) as u32, s.heads as u32, t.div_ceil(8) as u32),
+        block: (256, 1, 1),
         smem: (8 * s.nope * 4) as u32,
     };
     dev.launch(&f, dims, &mut a)

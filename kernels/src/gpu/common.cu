@@ -233,31 +233,45 @@ extern "C" __global__ void gemv_bf16(const float* x, int m, const bf16_t* w, int
 // ---------------------------------------------------------------------------------------------
 // MLA query absorption: out[t][h] = [q_nope(t,h) · W_UK_h | q_pe(t,h)], W_UK_h = kv_b rows
 // h·(nope+v) .. +nope, each [kv_lora]. Output f32 or bf16, row width kv_lora + rope.
-// Grid: (ceil(kv_lora/128), heads, ceil(T/8)); block 128.
+// Block: 8 warps; lane = one of 32 output columns, warp = one of 8 slices of the nope axis,
+// summed through shared memory (enough blocks to keep a decode step's 2 MB read parallel).
+// Grid: (ceil(kv_lora/32), heads, ceil(T/8)); block 256; dynamic smem: 8·nope floats.
 #define ABS_TT 8
 template <typename W, typename O>
 __device__ void absorb_impl(const float* q, const W* kv_b, O* out, int T, int H, int nope,
                             int rope, int v, int kv_lora) {
   extern __shared__ float qs[];  // [ABS_TT][nope]
+  __shared__ float part[8][ABS_TT][33];
   int h = blockIdx.y, t0 = blockIdx.z * ABS_TT, qk = nope + rope, lw = kv_lora + rope;
-  int nt = min(ABS_TT, T - t0);
+  int nt = min(ABS_TT, T - t0), lane = threadIdx.x % WARP, w = threadIdx.x / WARP;
   for (int i = threadIdx.x; i < nt * nope; i += blockDim.x) {
     int tt = i / nope, d = i % nope;
     qs[i] = q[((size_t)(t0 + tt) * H + h) * qk + d];
   }
   __syncthreads();
-  int j = blockIdx.x * blockDim.x + threadIdx.x;
-  if (j < kv_lora) {
-    float acc[ABS_TT];
+  int j = blockIdx.x * WARP + lane;
+  float acc[ABS_TT];
 #pragma unroll
-    for (int tt = 0; tt < ABS_TT; tt++) acc[tt] = 0.0f;
+  for (int tt = 0; tt < ABS_TT; tt++) acc[tt] = 0.0f;
+  if (j < kv_lora) {
     const W* wcol = kv_b + (size_t)h * (nope + v) * kv_lora + j;
-    for (int d = 0; d < nope; d++) {
+#pragma unroll 4
+    for (int d = w; d < nope; d += 8) {
       float wv = ld_f(wcol + (size_t)d * kv_lora);
 #pragma unroll
       for (int tt = 0; tt < ABS_TT; tt++) acc[tt] += qs[tt * nope + d] * wv;
     }
-    for (int tt = 0; tt < nt; tt++) st_f(out + ((size_t)(t0 + tt) * H + h) * lw + j, acc[tt]);
+  }
+#pragma unroll
+  for (int tt = 0; tt < ABS_TT; tt++) part[w][tt][lane] = acc[tt];
+  __syncthreads();
+  if (w == 0 && j < kv_lora) {
+    for (int tt = 0; tt < nt; tt++) {
+      float sum = 0.0f;
+#pragma unroll
+      for (int k = 0; k < 8; k++) sum += part[k][tt][lane];
+      st_f(out + ((size_t)(t0 + tt) * H + h) * lw + j, sum);
+    }
   }
   if (blockIdx.x == 0) {
     for (int i = threadIdx.x; i < nt * rope; i += blockDim.x) {

@@ -51,9 +51,28 @@ __device__ __forceinline__ bf16_t f2bf(float f) {
   return (bf16_t)(u >> 16);
 }
 
-// Two floats as one packed bf16x2 register (low half = first).
+// Two floats as one packed bf16x2 register (low half = first), round to nearest even: one
+// cvt instruction on sm_80+, the integer path elsewhere.
 __device__ __forceinline__ unsigned pack_bf2(float lo, float hi) {
+#if FERRY_MMA
+  unsigned r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+#else
   return (unsigned)f2bf(lo) | ((unsigned)f2bf(hi) << 16);
+#endif
+}
+
+// 2^x for softmax weights: the hardware approximation (2 ulp) on CUDA; exp2f elsewhere.
+// exp2(-inf) = 0 either way.
+__device__ __forceinline__ float fast_exp2(float x) {
+#if FERRY_MMA
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+#else
+  return exp2f(x);
+#endif
 }
 
 // Element loads that widen to float, for templates over the stored type.

@@ -293,7 +293,12 @@ __device__ void mla_tile_mma(const MlaArgs& a) {
   const bf16_t* pages = (const bf16_t*)a.pages;
   auto load_chunk = [&](int buf, int c0) {
     bf16_t* dst = s_k + buf * BK * KSTR;
-    for (int idx = tid; idx < BK * (MLA_DQK / 8); idx += blockDim.x) {
+    const int SEGS = BK * (MLA_DQK / 8), PER = (SEGS + 127) / 128;
+    // A compile-time trip count lets every block-table lookup be issued before any cp.async.
+#pragma unroll
+    for (int i = 0; i < PER; i++) {
+      int idx = tid + i * 128;
+      if (idx >= SEGS) break;
       int key = idx / (MLA_DQK / 8), seg = idx % (MLA_DQK / 8);
       int p = c0 + key;
       const bf16_t* src = pages;
@@ -382,14 +387,14 @@ __device__ void mla_tile_mma(const MlaArgs& a) {
       n1 = fmaxf(n1, s_red[x * TROWS + g + 8]);
     }
     float off0 = n0 == -FERRY_INF ? 0.0f : n0, off1 = n1 == -FERRY_INF ? 0.0f : n1;
-    float al0 = exp2f(m0 - off0), al1 = exp2f(m1 - off1);
+    float al0 = fast_exp2(m0 - off0), al1 = fast_exp2(m1 - off1);
     m0 = n0;
     m1 = n1;
     float ps0 = 0.0f, ps1 = 0.0f;
 #pragma unroll
     for (int n = 0; n < NPW; n++) {
-      float p0 = exp2f(sc[n][0] - off0), p1 = exp2f(sc[n][1] - off0);
-      float p2 = exp2f(sc[n][2] - off1), p3 = exp2f(sc[n][3] - off1);
+      float p0 = fast_exp2(sc[n][0] - off0), p1 = fast_exp2(sc[n][1] - off0);
+      float p2 = fast_exp2(sc[n][2] - off1), p3 = fast_exp2(sc[n][3] - off1);
       ps0 += p0 + p1;
       ps1 += p2 + p3;
       int col = w * KPW + n * 8 + 2 * c;
@@ -659,7 +664,11 @@ extern "C" __global__ void __launch_bounds__(128) mha_flash_bf16(MhaArgs a) {
   auto load_kv = [&](int buf, int kb) {
     bf16_t* dk = s_k + buf * FK * FKS;
     bf16_t* dv = s_v + buf * FK * FVS;
-    for (int idx = tid; idx < FK * (QSEG + VSEG); idx += blockDim.x) {
+    const int SEGS = FK * (QSEG + VSEG), PER = (SEGS + 127) / 128;
+#pragma unroll
+    for (int i = 0; i < PER; i++) {
+      int idx = tid + i * 128;
+      if (idx >= SEGS) break;
       int r = idx / (QSEG + VSEG), seg = idx % (QSEG + VSEG), key = kb * FK + r;
       bool ok = key < k_len;
       if (seg < QSEG) {
@@ -731,15 +740,15 @@ extern "C" __global__ void __launch_bounds__(128) mha_flash_bf16(MhaArgs a) {
     mx1 = fmaxf(mx1, SHFL_XOR(mx1, 2));
     float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
     float off0 = n0 == -FERRY_INF ? 0.0f : n0, off1 = n1 == -FERRY_INF ? 0.0f : n1;
-    float al0 = exp2f(m0 - off0), al1 = exp2f(m1 - off1);
+    float al0 = fast_exp2(m0 - off0), al1 = fast_exp2(m1 - off1);
     m0 = n0;
     m1 = n1;
     float ps0 = 0.0f, ps1 = 0.0f;
     u32 pf[4][4];
 #pragma unroll
     for (int n = 0; n < 8; n++) {
-      float p0 = exp2f(s[n][0] - off0), p1 = exp2f(s[n][1] - off0);
-      float p2 = exp2f(s[n][2] - off1), p3 = exp2f(s[n][3] - off1);
+      float p0 = fast_exp2(s[n][0] - off0), p1 = fast_exp2(s[n][1] - off0);
+      float p2 = fast_exp2(s[n][2] - off1), p3 = fast_exp2(s[n][3] - off1);
       ps0 += p0 + p1;
       ps1 += p2 + p3;
       pf[n / 2][(n & 1) * 2] = pack_bf2(p0, p1);

@@ -97,12 +97,12 @@ async fn receive(conn: &mut Conn, registry: &Registry) -> Result<u64, TransferEr
     let result = receive_data(conn, &entry, key, &mut got)
         .instrument(span.clone())
         .await;
-    span.record("ferry.kv_transfer.bytes", got.bytes);
-    span.record("ferry.kv_transfer.blocks", got.blocks);
-    span.record(
-        "ferry.kv_transfer.layers",
-        got.layers.iter().filter(|&&l| l).count(),
-    );
+    // Signed: `tracing` hands unsigned fields to OpenTelemetry as strings.
+    let int = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+    span.record("ferry.kv_transfer.bytes", int(got.bytes));
+    span.record("ferry.kv_transfer.blocks", int(got.blocks));
+    let layers = got.layers.iter().filter(|&&l| l).count() as u64;
+    span.record("ferry.kv_transfer.layers", int(layers));
     if let Err(e) = &result {
         ferry_proto::trace_ctx::set_error(&span, e.to_string());
     }

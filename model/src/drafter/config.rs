@@ -102,8 +102,8 @@ impl DrafterConfig {
 
     /// Parses and validates a drafter `config.json` body.
     pub fn from_json(text: &str) -> Result<Self, ModelError> {
-        let raw: RawConfig =
-            serde_json::from_str(text).map_err(|e| field("<drafter config.json>", e.to_string()))?;
+        let raw: RawConfig = serde_json::from_str(text)
+            .map_err(|e| field("<drafter config.json>", e.to_string()))?;
         if let Some(archs) = &raw.architectures {
             if !archs.iter().any(|a| a == DSPARK_ARCHITECTURE) {
                 return Err(field(
@@ -148,7 +148,10 @@ impl DrafterConfig {
         if raw.mask_token_id as usize >= raw.vocab_size {
             return Err(field(
                 "mask_token_id",
-                format!("must be < vocab_size {}, got {}", raw.vocab_size, raw.mask_token_id),
+                format!(
+                    "must be < vocab_size {}, got {}",
+                    raw.vocab_size, raw.mask_token_id
+                ),
             ));
         }
         if !(raw.rms_norm_eps.is_finite() && raw.rms_norm_eps > 0.0) {

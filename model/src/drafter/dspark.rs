@@ -36,8 +36,8 @@ use rayon::prelude::*;
 
 use super::heads::{ConfidenceHead, MarkovHead};
 use super::{
-    ContextRows, DraftCtx, DraftDist, DraftInput, DraftKvLayout, DraftRows, Drafter,
-    DrafterConfig, Proposal,
+    ContextRows, DraftCtx, DraftDist, DraftInput, DraftKvLayout, DraftRows, Drafter, DrafterConfig,
+    Proposal,
 };
 use crate::config::ModelConfig;
 use crate::deepseek::DeepseekModel;
@@ -173,7 +173,10 @@ impl DsparkDrafter {
 
     /// Context feature `RMSNorm(fc(concat taps))` for the rows named by `rows`, `[R][hidden]`,
     /// and each row's position.
-    fn context_feature(&self, rows: &ContextRows<'_>) -> Result<(Vec<f32>, Vec<usize>), ModelError> {
+    fn context_feature(
+        &self,
+        rows: &ContextRows<'_>,
+    ) -> Result<(Vec<f32>, Vec<usize>), ModelError> {
         let hid = self.config.hidden_size;
         let taps = self.config.target_layer_ids.len();
         if rows.taps.len() != taps {
@@ -325,7 +328,8 @@ impl DsparkDrafter {
                     *s = (*s - max).exp();
                     sum += *s;
                 }
-                let dst = &mut out[(i * c.num_heads + head) * hd..(i * c.num_heads + head + 1) * hd];
+                let dst =
+                    &mut out[(i * c.num_heads + head) * hd..(i * c.num_heads + head + 1) * hd];
                 dst.fill(0.0);
                 for (j, &s) in scores.iter().enumerate() {
                     let wgt = s / sum;
@@ -395,17 +399,18 @@ impl DsparkDrafter {
                 let r = s * b + k;
                 let row = &rows[s * vocab..(s + 1) * vocab];
                 let e_s = &e[s * rank..(s + 1) * rank];
-                prop.confidence
-                    .push(self.confidence.survival(&hidden[r * hid..(r + 1) * hid], e_s));
+                prop.confidence.push(
+                    self.confidence
+                        .survival(&hidden[r * hid..(r + 1) * hid], e_s),
+                );
                 let drafted = match &mut prop.q {
                     DraftDist::Greedy => Ok(argmax(row)),
-                    DraftDist::Sampled(q) => probs_from_logits(row, inp.params)
-                        .and_then(|probs| {
-                            let u = inp.uniforms.get(k).copied().unwrap_or(0.5);
-                            let x = sample_from_probs(&probs, u)?;
-                            q.extend_from_slice(&probs);
-                            Ok(x)
-                        }),
+                    DraftDist::Sampled(q) => probs_from_logits(row, inp.params).and_then(|probs| {
+                        let u = inp.uniforms.get(k).copied().unwrap_or(0.5);
+                        let x = sample_from_probs(&probs, u)?;
+                        q.extend_from_slice(&probs);
+                        Ok(x)
+                    }),
                 };
                 match drafted {
                     Ok(x) => prop.drafts.push(x),

@@ -50,11 +50,12 @@ pub fn embedded_dir() -> PathBuf {
 /// `config.json` is byte-identical to it) and the embedded drafter's files exist; else none.
 pub fn default_for(target_dir: &std::path::Path) -> Option<PathBuf> {
     let embedded_target = crate::embedded::default_model_dir();
-    let same = |a: &std::path::Path, b: &std::path::Path| {
-        match (std::fs::read(a.join("config.json")), std::fs::read(b.join("config.json"))) {
-            (Ok(x), Ok(y)) => x == y,
-            _ => false,
-        }
+    let same = |a: &std::path::Path, b: &std::path::Path| match (
+        std::fs::read(a.join("config.json")),
+        std::fs::read(b.join("config.json")),
+    ) {
+        (Ok(x), Ok(y)) => x == y,
+        _ => false,
     };
     let dir = embedded_dir();
     (same(target_dir, &embedded_target) && dir.join("config.json").is_file()).then_some(dir)
@@ -285,7 +286,9 @@ mod tests {
         let mut pool = KvPool::new(l.pool_layout(&target)).expect("valid layout");
         let table = [BlockId(3), BlockId(1), BlockId(5)];
         let row = |layer: usize, pos: usize| -> Vec<f32> {
-            (0..12).map(|j| (layer * 1000 + pos * 100 + j) as f32).collect()
+            (0..12)
+                .map(|j| (layer * 1000 + pos * 100 + j) as f32)
+                .collect()
         };
         for layer in 0..2 {
             for pos in 0..10 {
@@ -293,7 +296,8 @@ mod tests {
                     layer,
                     table: &table,
                 };
-                l.write_row(&mut pool, at, pos, &row(layer, pos)).expect("in range");
+                l.write_row(&mut pool, at, pos, &row(layer, pos))
+                    .expect("in range");
             }
         }
         for layer in 0..2 {

@@ -628,7 +628,10 @@ impl Scheduler {
         for (w, l) in work.iter().zip(&logits) {
             let row = first_row;
             first_row += match *w {
-                Work::Decode(i) => drafts.get(i).and_then(Option::as_ref).map_or(1, |d| d.tokens.len()),
+                Work::Decode(i) => drafts
+                    .get(i)
+                    .and_then(Option::as_ref)
+                    .map_or(1, |d| d.tokens.len()),
                 Work::Chunk(_, n) => n,
                 Work::Prefill(i) => self.prefills[i].job.prompt.len() - self.prefills[i].reused,
             };

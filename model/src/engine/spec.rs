@@ -89,7 +89,9 @@ impl FromStr for VerifyLen {
             ("confidence", "") => Ok(VerifyLen::default()),
             ("confidence", m) => match m.parse::<f32>() {
                 Ok(v) if (0.0..=1.0).contains(&v) => Ok(VerifyLen::Confidence { min_survival: v }),
-                _ => Err(format!("`confidence:MIN` needs a number in [0, 1], got {m:?}")),
+                _ => Err(format!(
+                    "`confidence:MIN` needs a number in [0, 1], got {m:?}"
+                )),
             },
             _ => Err(format!(
                 "verify length must be `fixed:N` or `confidence[:MIN]`, got {s:?}"
@@ -200,8 +202,7 @@ impl Speculator {
     /// A sequence released with drafter rows valid only below `valid`: its blocks from there on
     /// are stale (they may stay cached).
     pub fn mark_stale(&mut self, blocks: &[BlockId], valid: usize, page: usize) {
-        self.stale
-            .extend(blocks.iter().skip(valid / page).copied());
+        self.stale.extend(blocks.iter().skip(valid / page).copied());
     }
 
     /// A peer's write of drafter pool layer `layer` into `block` (little-endian f32).

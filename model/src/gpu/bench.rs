@@ -144,6 +144,7 @@ impl GpuModel {
             scale: c.softmax_scale(),
             mode,
             policy: FormPolicy::CostModel,
+            absorbed: ferry_kernels::cuda::mla::AbsorbedKernel::Tile,
             config,
         })
     }
@@ -198,12 +199,8 @@ pub fn decode_throughput(
     kv.fill_random(dev)?;
     let table: Vec<BlockId> = (0..blocks as u32).map(BlockId).collect();
     let mut token = [1u32];
-    let batch_at = |pos: usize, tok: &[u32; 1]| -> Vec<u32> {
-        let _ = pos;
-        tok.to_vec()
-    };
     let mut step = |pos: usize, tok: &mut [u32; 1]| -> Result<(), ModelError> {
-        let toks = batch_at(pos, tok);
+        let toks = tok.to_vec();
         let batch = BatchInputs {
             seqs: vec![SeqInput {
                 tokens: &toks,

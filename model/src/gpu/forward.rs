@@ -444,10 +444,14 @@ impl GpuModel {
                 let q_abs = dev.alloc::<u16>(rows * d.heads * lw)?;
                 ops::absorb(dev, q, io.kv_b, hs, AbsorbedOut::Bf16(q_abs.v()))?;
                 let b = mk(Elems::Bf16(q_abs.v()));
-                if self.shape.tile_ok() {
-                    mla_absorbed_padded(dev, self.shape, &b, o_lat.v())?;
-                } else {
-                    mla_absorbed(dev, self.shape, AbsorbedKernel::Generic, &b, o_lat.v())?;
+                match self.absorbed {
+                    AbsorbedKernel::Tile if self.shape.tile_ok() => {
+                        mla_absorbed_padded(dev, self.shape, &b, o_lat.v())?
+                    }
+                    AbsorbedKernel::Packed if self.shape.tile_ok() => {
+                        mla_absorbed(dev, self.shape, AbsorbedKernel::Packed, &b, o_lat.v())?
+                    }
+                    _ => mla_absorbed(dev, self.shape, AbsorbedKernel::Generic, &b, o_lat.v())?,
                 }
             }
         }

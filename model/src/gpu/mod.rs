@@ -29,7 +29,7 @@ use ferry_kernels::cpu::gemm::Matrix;
 use ferry_kernels::cpu::mla::MlaDims;
 use ferry_kernels::cpu::mlp::GatedMlp;
 use ferry_kernels::cpu::rope::Rope;
-use ferry_kernels::cuda::mla::MlaShape;
+use ferry_kernels::cuda::mla::{AbsorbedKernel, MlaShape};
 use ferry_kernels::cuda::ops::{GemmPrecision, GpuExperts, GpuMatrixData, RouteParams};
 use ferry_kernels::cuda::{CudaDevice, DeviceBuffer, GpuMatrix};
 use half::bf16;
@@ -119,6 +119,7 @@ pub struct GpuModel {
     pub(crate) scale: f32,
     pub(crate) mode: GpuMode,
     pub(crate) policy: FormPolicy,
+    pub(crate) absorbed: AbsorbedKernel,
 }
 
 fn mla_shape(d: &MlaDims) -> MlaShape {
@@ -195,7 +196,14 @@ impl GpuModel {
             scale: p.scale,
             mode,
             policy: FormPolicy::CostModel,
+            absorbed: AbsorbedKernel::Tile,
         })
+    }
+
+    /// Which absorbed-form kernel [`GpuMode::Fast`] uses: [`AbsorbedKernel::Tile`] (the
+    /// default: 16-row head tiles, other head counts zero-padded), `Packed` or `Generic`.
+    pub fn set_absorbed_kernel(&mut self, kernel: AbsorbedKernel) {
+        self.absorbed = kernel;
     }
 
     /// The configuration.
