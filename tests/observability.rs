@@ -169,8 +169,11 @@ impl Up {
                 cmd.env_remove(&key);
             }
         }
+        // The engine's per-step `batch` spans are debug level: export them too, to check
+        // their links.
         cmd.env("OTEL_EXPORTER_OTLP_ENDPOINT", otlp_endpoint)
-            .env("OTEL_BSP_SCHEDULE_DELAY", "100");
+            .env("OTEL_BSP_SCHEDULE_DELAY", "100")
+            .env("FERRY_OTEL_FILTER", "ferry=info,ferry_model::engine=debug");
         let mut child = cmd.spawn().expect("start ferry up");
         let out = child.stdout.take().expect("piped stdout");
         let stdout = Arc::new(Mutex::new(String::new()));
@@ -257,6 +260,8 @@ struct Span {
     name: String,
     kind: String,
     attributes: HashMap<String, String>,
+    /// `(trace id, span id)` of each linked span.
+    links: Vec<(String, String)>,
 }
 
 impl Span {
@@ -284,6 +289,7 @@ fn parse_rotel_spans(text: &str) -> Vec<Span> {
     enum Section {
         Resource,
         SpanAttributes,
+        Links,
         Other,
     }
     let mut spans: Vec<Span> = Vec::new();
@@ -300,7 +306,13 @@ fn parse_rotel_spans(text: &str) -> Vec<Span> {
             section = Section::Other;
         } else if line == "Resource attributes:" {
             section = Section::Resource;
-        } else if ["ScopeSpans #", "Links:", "Events:", "Status"]
+        } else if line == "Links:" {
+            section = Section::Links;
+        } else if line.starts_with("SpanLink #") && section == Section::Links {
+            if let Some(s) = spans.last_mut() {
+                s.links.push(Default::default());
+            }
+        } else if ["ScopeSpans #", "Events:", "Status"]
             .iter()
             .any(|p| line.starts_with(p))
         {
@@ -322,6 +334,15 @@ fn parse_rotel_spans(text: &str) -> Vec<Span> {
                 Section::SpanAttributes => {
                     if let Some(s) = spans.last_mut() {
                         s.attributes.insert(k.to_string(), unwrap_value(v));
+                    }
+                }
+                Section::Links => {
+                    if let Some(link) = spans.last_mut().and_then(|s| s.links.last_mut()) {
+                        match k {
+                            "Trace ID" => link.0 = v.trim().to_string(),
+                            "ID" => link.1 = v.trim().to_string(),
+                            _ => {}
+                        }
                     }
                 }
                 _ => {}
@@ -833,8 +854,28 @@ async fn one_trace_across_three_processes_and_metrics_that_count() {
         transfer.int("ferry.kv_transfer.layers")
     );
 
+    // The engine's batch spans (their own traces, one per step) link to the requests they
+    // serve, on both workers.
+    for (svc, request_span) in [("ferry-prefill", prefill), ("ferry-decode", decode)] {
+        let wanted = (trace_id.to_string(), request_span.span_id.clone());
+        let deadline = Instant::now() + SPAN_TIMEOUT;
+        while !receiver
+            .spans()
+            .iter()
+            .any(|s| s.service == svc && s.name == "batch" && s.links.contains(&wanted))
+        {
+            assert!(
+                Instant::now() < deadline,
+                "no {svc} batch span links to `{}`",
+                request_span.name
+            );
+            tokio::time::sleep(POLL).await;
+        }
+    }
+
     // Nothing but ferry's own spans is exported: no h2 / hyper / tonic internals, in any trace.
     let ours = [
+        "batch",
         request.name.as_str(),
         "route",
         "dispatch",

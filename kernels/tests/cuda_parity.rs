@@ -340,8 +340,16 @@ fn absorbed_kernels_match_cpu() {
     }
 }
 
+/// Widths of one head: query/key `d`, value `dv`.
+#[derive(Clone, Copy)]
+struct HeadDims {
+    d: usize,
+    dv: usize,
+}
+
 /// CPU causal attention for one head of one sequence: q [Sq][D], k [Sk][D], v [Sk][Dv].
-fn attend(q: &[f32], k: &[f32], v: &[f32], d: usize, dv: usize, scale: f32) -> Vec<f32> {
+fn attend(q: &[f32], k: &[f32], v: &[f32], dims: HeadDims, scale: f32) -> Vec<f32> {
+    let HeadDims { d, dv } = dims;
     let (sq, sk) = (q.len() / d, k.len() / d);
     let mut out = vec![0.0f32; sq * dv];
     for i in 0..sq {
@@ -384,7 +392,8 @@ fn mha_kernels_match_cpu() {
                         .flat_map(|r| x[(r * heads + h) * d..(r * heads + h + 1) * d].to_vec())
                         .collect()
                 };
-                let o = attend(&pick(&q, q0, sq, dq), &pick(&k, k0, sk, dq), &pick(&v, k0, sk, dv), dq, dv, scale);
+                let hd = HeadDims { d: dq, dv };
+                let o = attend(&pick(&q, q0, sq, dq), &pick(&k, k0, sk, dq), &pick(&v, k0, sk, dv), hd, scale);
                 for i in 0..sq {
                     let dst = ((q0 + i) * heads + h) * dv;
                     want[dst..dst + dv].copy_from_slice(&o[i * dv..(i + 1) * dv]);

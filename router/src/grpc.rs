@@ -59,11 +59,11 @@ impl Inference for InferenceService {
         &self,
         request: Request<v1::GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
-        let span = spans::request_span(
-            FrontDoor::Grpc,
-            Operation::TextCompletion,
-            &self.state.model.name,
-        );
+        let operation = match request.get_ref().input {
+            Some(v1::generate_request::Input::Chat(_)) => Operation::Chat,
+            _ => Operation::TextCompletion,
+        };
+        let span = spans::request_span(FrontDoor::Grpc, operation, &self.state.model.name);
         trace_ctx::set_parent_from_request(&span, &request);
         let params = GenerateParams::from(request.into_inner());
         let requested = if params.model.is_empty() {

@@ -48,7 +48,7 @@ pub fn copy_bandwidth(dev: &CudaDevice, bytes: usize) -> Result<f64, KernelError
     let n = bytes / 4;
     let src = dev.zeros::<f32>(n)?;
     let mut dst = dev.zeros::<f32>(n)?;
-    let t = time(dev, 2, 10, || dev.copy(&src, 0, &mut dst, 0, n))?;
+    let t = time(dev, 2, 10, || dev.copy(&src, &mut dst, n))?;
     Ok(2.0 * (n * 4) as f64 / (t.ms * 1e-3) / 1e9)
 }
 

@@ -409,29 +409,27 @@ impl CudaDevice {
         Ok(out)
     }
 
-    /// Device-to-device copy of `len` elements.
+    /// Device-to-device copy of the first `len` elements of `src` into `dst`.
     pub fn copy<T: DevicePod>(
         &self,
         src: &DeviceBuffer<T>,
-        src_off: usize,
         dst: &mut DeviceBuffer<T>,
-        dst_off: usize,
         len: usize,
     ) -> Result<(), KernelError> {
-        if src_off + len > src.len || dst_off + len > dst.len {
+        if len > src.len || len > dst.len {
             return Err(KernelError::ShapeMismatch {
                 op: "cuda_copy",
-                what: "range",
-                expected: len,
-                got: src.len.min(dst.len),
+                what: "len",
+                expected: src.len.min(dst.len),
+                got: len,
             });
         }
         self.bind()?;
         // SAFETY: both ranges are inside their buffers (checked above).
         unsafe {
             result::memcpy_dtod_async(
-                dst.ptr_at(dst_off),
-                src.ptr_at(src_off),
+                dst.ptr,
+                src.ptr,
                 len * std::mem::size_of::<T>(),
                 self.inner.stream.cu_stream(),
             )
@@ -454,7 +452,7 @@ impl CudaDevice {
         self.bind()?;
         self.inner
             .modules
-            .function(&self.inner.ctx, self.inner.cc, source, defines, name)
+            .function(&self.inner.ctx, self.inner.cc, (source, defines, name))
     }
 
     /// Launches `f` on the device's stream.

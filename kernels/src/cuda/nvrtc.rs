@@ -75,9 +75,7 @@ impl ModuleCache {
         &self,
         ctx: &Arc<CudaContext>,
         cc: (i32, i32),
-        source: Source,
-        defines: &Defines,
-        name: &'static str,
+        (source, defines, name): (Source, &Defines, &'static str),
     ) -> Result<CudaFunction, KernelError> {
         let mut modules = self.modules.lock().map_err(|_| KernelError::Gpu {
             op: "nvrtc",
