@@ -21,13 +21,12 @@ use ferry_kernels::cpu::moe::MoeRouting;
 use ferry_kernels::cpu::norm::rms_norm;
 use ferry_kernels::cpu::rope::{Rope, RopeParams, RopeScaling, RotaryLayout, YarnParams};
 use ferry_kernels::cuda::mla::{
-    mha_prefill, mla_absorbed, mla_absorbed_padded, AbsorbedBatch, AbsorbedKernel, Elems,
-    MhaBatch, MhaKernel, MlaShape,
+    mha_prefill, mla_absorbed, mla_absorbed_padded, AbsorbedBatch, AbsorbedKernel, Elems, MhaBatch,
+    MhaKernel, MlaShape,
 };
 use ferry_kernels::cuda::nvrtc::compile_ptx;
 use ferry_kernels::cuda::ops::{
-    self, bf16_bits, GemmPrecision, GpuMatrix, NormRows, PagesView, RopeTables, RouteParams,
-    Routes,
+    self, bf16_bits, GemmPrecision, GpuMatrix, NormRows, PagesView, RopeTables, RouteParams, Routes,
 };
 use ferry_kernels::cuda::CudaDevice;
 use ferry_kernels::gpu::Source;
@@ -67,9 +66,20 @@ fn nvrtc_compiles_every_source() {
     }
     for cc in [(9, 0), (8, 0)] {
         let v3 = MlaShape::DEEPSEEK_V3;
-        for shape in [v3, TINY, v3.with_tile(32, 2), v3.with_tile(32, 3), v3.with_tile(32, 4)] {
+        for shape in [
+            v3,
+            TINY,
+            v3.with_tile(32, 2),
+            v3.with_tile(32, 3),
+            v3.with_tile(32, 4),
+        ] {
             let ptx = compile_ptx(Source::Mla, &shape.defines(), cc).expect("mla.cu compiles");
-            for k in ["mla_tile_bf16", "mla_packed_bf16", "mla_generic_f32", "mha_flash_bf16"] {
+            for k in [
+                "mla_tile_bf16",
+                "mla_packed_bf16",
+                "mla_generic_f32",
+                "mha_flash_bf16",
+            ] {
                 assert!(ptx.contains(k), "{k} missing for sm_{}{}", cc.0, cc.1);
             }
             assert!(ptx.contains("mma.sync"), "tensor-core path compiled");
@@ -91,7 +101,9 @@ fn nvrtc_compiles_every_source() {
 
 #[test]
 fn linear_matches_cpu() {
-    let Some(dev) = gpu("linear_matches_cpu") else { return };
+    let Some(dev) = gpu("linear_matches_cpu") else {
+        return;
+    };
     let mut rng = common::rng(1);
     for (n, k) in [(96, 256), (130, 1000), (512, 2048)] {
         let wf = common::uniform(&mut rng, n * k, 0.05);
@@ -110,7 +122,11 @@ fn linear_matches_cpu() {
                 ops::linear(&dev, gx.v(), &gw, go.v(), GemmPrecision::Exact).expect("gpu");
                 let got = dev.download(&go).expect("down");
                 let e = rel_err(&got, &want);
-                assert!(e < 1e-4, "linear m={m} n={n} k={k} bf16={}: rel err {e}", gw.is_bf16());
+                assert!(
+                    e < 1e-4,
+                    "linear m={m} n={n} k={k} bf16={}: rel err {e}",
+                    gw.is_bf16()
+                );
             }
         }
     }
@@ -118,7 +134,9 @@ fn linear_matches_cpu() {
 
 #[test]
 fn norm_rope_and_latent_write_match_cpu() {
-    let Some(dev) = gpu("norm_rope_and_latent_write_match_cpu") else { return };
+    let Some(dev) = gpu("norm_rope_and_latent_write_match_cpu") else {
+        return;
+    };
     let mut rng = common::rng(2);
     let (t, width) = (5, 2048);
     let x = common::uniform(&mut rng, t * width, 2.0);
@@ -270,20 +288,82 @@ fn absorbed_reference(pool: &Pool, case: &AbsorbedCase, q: &[f32], scale: f32) -
 
 #[test]
 fn absorbed_kernels_match_cpu() {
-    let Some(dev) = gpu("absorbed_kernels_match_cpu") else { return };
+    let Some(dev) = gpu("absorbed_kernels_match_cpu") else {
+        return;
+    };
     let mut rng = common::rng(3);
     let v3 = MlaShape::DEEPSEEK_V3;
     let cases = [
-        AbsorbedCase { shape: v3, heads: 16, sq: 1, ctx: vec![1, 70, 3000], page: 64 },
-        AbsorbedCase { shape: v3.with_tile(64, 2), heads: 16, sq: 1, ctx: vec![1, 70, 3000], page: 64 },
-        AbsorbedCase { shape: v3.with_tile(32, 3), heads: 16, sq: 1, ctx: vec![1, 70, 3000], page: 64 },
-        AbsorbedCase { shape: v3.with_tile(32, 2), heads: 12, sq: 3, ctx: vec![9, 1300], page: 16 },
-        AbsorbedCase { shape: v3.with_tile(32, 4), heads: 8, sq: 1, ctx: vec![2, 5000], page: 32 },
-        AbsorbedCase { shape: MlaShape::DEEPSEEK_V3, heads: 12, sq: 1, ctx: vec![5, 700], page: 64 },
-        AbsorbedCase { shape: MlaShape::DEEPSEEK_V3, heads: 12, sq: 3, ctx: vec![9, 1300], page: 16 },
-        AbsorbedCase { shape: MlaShape::DEEPSEEK_V3, heads: 4, sq: 2, ctx: vec![40, 129], page: 64 },
-        AbsorbedCase { shape: MlaShape::DEEPSEEK_V3, heads: 32, sq: 1, ctx: vec![257], page: 32 },
-        AbsorbedCase { shape: TINY, heads: 12, sq: 2, ctx: vec![3, 300], page: 8 },
+        AbsorbedCase {
+            shape: v3,
+            heads: 16,
+            sq: 1,
+            ctx: vec![1, 70, 3000],
+            page: 64,
+        },
+        AbsorbedCase {
+            shape: v3.with_tile(64, 2),
+            heads: 16,
+            sq: 1,
+            ctx: vec![1, 70, 3000],
+            page: 64,
+        },
+        AbsorbedCase {
+            shape: v3.with_tile(32, 3),
+            heads: 16,
+            sq: 1,
+            ctx: vec![1, 70, 3000],
+            page: 64,
+        },
+        AbsorbedCase {
+            shape: v3.with_tile(32, 2),
+            heads: 12,
+            sq: 3,
+            ctx: vec![9, 1300],
+            page: 16,
+        },
+        AbsorbedCase {
+            shape: v3.with_tile(32, 4),
+            heads: 8,
+            sq: 1,
+            ctx: vec![2, 5000],
+            page: 32,
+        },
+        AbsorbedCase {
+            shape: MlaShape::DEEPSEEK_V3,
+            heads: 12,
+            sq: 1,
+            ctx: vec![5, 700],
+            page: 64,
+        },
+        AbsorbedCase {
+            shape: MlaShape::DEEPSEEK_V3,
+            heads: 12,
+            sq: 3,
+            ctx: vec![9, 1300],
+            page: 16,
+        },
+        AbsorbedCase {
+            shape: MlaShape::DEEPSEEK_V3,
+            heads: 4,
+            sq: 2,
+            ctx: vec![40, 129],
+            page: 64,
+        },
+        AbsorbedCase {
+            shape: MlaShape::DEEPSEEK_V3,
+            heads: 32,
+            sq: 1,
+            ctx: vec![257],
+            page: 32,
+        },
+        AbsorbedCase {
+            shape: TINY,
+            heads: 12,
+            sq: 2,
+            ctx: vec![3, 300],
+            page: 8,
+        },
     ];
     for case in &cases {
         let (h, sq, w, dv) = (case.heads, case.sq, case.shape.latent, case.shape.kv_lora);
@@ -335,7 +415,11 @@ fn absorbed_kernels_match_cpu() {
                 "absorbed {name} H={h} sq={sq} ctx={:?} dims={} tile {}x{}: rel err {e:.2e}",
                 case.ctx, w, case.shape.tile_bk, case.shape.tile_stages
             );
-            assert!(e < tol, "absorbed {name} H={h} sq={sq} ctx={:?}: rel err {e}", case.ctx);
+            assert!(
+                e < tol,
+                "absorbed {name} H={h} sq={sq} ctx={:?}: rel err {e}",
+                case.ctx
+            );
         }
     }
 }
@@ -371,9 +455,16 @@ fn attend(q: &[f32], k: &[f32], v: &[f32], dims: HeadDims, scale: f32) -> Vec<f3
 
 #[test]
 fn mha_kernels_match_cpu() {
-    let Some(dev) = gpu("mha_kernels_match_cpu") else { return };
+    let Some(dev) = gpu("mha_kernels_match_cpu") else {
+        return;
+    };
     let mut rng = common::rng(4);
-    for (shape, heads) in [(MlaShape::DEEPSEEK_V3, 12usize), (MlaShape::DEEPSEEK_V3, 16), (MlaShape::DEEPSEEK_V3, 3), (TINY, 12)] {
+    for (shape, heads) in [
+        (MlaShape::DEEPSEEK_V3, 12usize),
+        (MlaShape::DEEPSEEK_V3, 16),
+        (MlaShape::DEEPSEEK_V3, 3),
+        (TINY, 12),
+    ] {
         let (dq, dv) = (shape.mha_qk, shape.mha_v);
         // (queries, keys): a fresh prompt, a chunk over a cached prefix, a one-token step.
         let spans = [(200usize, 200usize), (70, 300), (1, 65), (129, 129)];
@@ -393,7 +484,13 @@ fn mha_kernels_match_cpu() {
                         .collect()
                 };
                 let hd = HeadDims { d: dq, dv };
-                let o = attend(&pick(&q, q0, sq, dq), &pick(&k, k0, sk, dq), &pick(&v, k0, sk, dv), hd, scale);
+                let o = attend(
+                    &pick(&q, q0, sq, dq),
+                    &pick(&k, k0, sk, dq),
+                    &pick(&v, k0, sk, dv),
+                    hd,
+                    scale,
+                );
                 for i in 0..sq {
                     let dst = ((q0 + i) * heads + h) * dv;
                     want[dst..dst + dv].copy_from_slice(&o[i * dv..(i + 1) * dv]);
@@ -410,7 +507,11 @@ fn mha_kernels_match_cpu() {
             dev.upload(&cu_k).expect("up"),
             dev.upload(&q_seq).expect("up"),
         );
-        let (qf, kf, vf) = (dev.upload(&q).expect("q"), dev.upload(&k).expect("k"), dev.upload(&v).expect("v"));
+        let (qf, kf, vf) = (
+            dev.upload(&q).expect("q"),
+            dev.upload(&k).expect("k"),
+            dev.upload(&v).expect("v"),
+        );
         let (qb, kb, vb) = (
             dev.upload(&bits(&q)).expect("q"),
             dev.upload(&bits(&k)).expect("k"),
@@ -430,8 +531,20 @@ fn mha_kernels_match_cpu() {
             scale,
         };
         for (kernel, b, tol) in [
-            (MhaKernel::F32, mk(Elems::F32(qf.v()), Elems::F32(kf.v()), Elems::F32(vf.v())), 1e-4),
-            (MhaKernel::Flash, mk(Elems::Bf16(qb.v()), Elems::Bf16(kb.v()), Elems::Bf16(vb.v())), 1.5e-2),
+            (
+                MhaKernel::F32,
+                mk(Elems::F32(qf.v()), Elems::F32(kf.v()), Elems::F32(vf.v())),
+                1e-4,
+            ),
+            (
+                MhaKernel::Flash,
+                mk(
+                    Elems::Bf16(qb.v()),
+                    Elems::Bf16(kb.v()),
+                    Elems::Bf16(vb.v()),
+                ),
+                1.5e-2,
+            ),
         ] {
             dev.memset_zero(&out).expect("zero");
             mha_prefill(&dev, shape, kernel, &b, out.v()).expect("mha");
@@ -444,7 +557,9 @@ fn mha_kernels_match_cpu() {
 
 #[test]
 fn moe_routing_matches_cpu() {
-    let Some(dev) = gpu("moe_routing_matches_cpu") else { return };
+    let Some(dev) = gpu("moe_routing_matches_cpu") else {
+        return;
+    };
     let mut rng = common::rng(5);
     for (e, top_k, n_group, topk_group) in [(16, 4, 4, 2), (64, 6, 1, 1), (256, 8, 8, 4)] {
         let routing = MoeRouting {
@@ -460,7 +575,10 @@ fn moe_routing_matches_cpu() {
         let bias = common::uniform(&mut rng, e, 0.5);
         let want = routing.route(&logits, &bias).expect("cpu route");
         let slots = top_k + 2;
-        let (gl, gb) = (dev.upload(&logits).expect("up"), dev.upload(&bias).expect("up"));
+        let (gl, gb) = (
+            dev.upload(&logits).expect("up"),
+            dev.upload(&bias).expect("up"),
+        );
         let ids = dev.zeros::<i32>(t * slots).expect("ids");
         let wts = dev.zeros::<f32>(t * slots).expect("w");
         let p = RouteParams {
@@ -478,11 +596,21 @@ fn moe_routing_matches_cpu() {
             slots,
         };
         ops::moe_route(&dev, gl.v(), gb.v(), p, r).expect("gpu route");
-        let (gi, gw) = (dev.download(&ids).expect("d"), dev.download(&wts).expect("d"));
+        let (gi, gw) = (
+            dev.download(&ids).expect("d"),
+            dev.download(&wts).expect("d"),
+        );
         for (tok, route) in want.iter().enumerate() {
             for (s, &(ex, w)) in route.iter().enumerate() {
-                assert_eq!(gi[tok * slots + s] as usize, ex, "token {tok} slot {s} (E={e})");
-                assert!((gw[tok * slots + s] - w).abs() < 1e-5, "weight token {tok} slot {s}");
+                assert_eq!(
+                    gi[tok * slots + s] as usize,
+                    ex,
+                    "token {tok} slot {s} (E={e})"
+                );
+                assert!(
+                    (gw[tok * slots + s] - w).abs() < 1e-5,
+                    "weight token {tok} slot {s}"
+                );
             }
             assert_eq!(gi[tok * slots + top_k], e as i32);
             assert_eq!(gw[tok * slots + top_k + 1], 1.0);

@@ -32,7 +32,11 @@ fn setup(test: &str) -> Option<(CudaDevice, DeepseekModel)> {
 }
 
 fn rel(a: &[f32], b: &[f32]) -> f32 {
-    let d = a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
+    let d = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0f32, f32::max);
     d / b.iter().map(|x| x.abs()).fold(0.0f32, f32::max).max(1e-30)
 }
 
@@ -64,7 +68,9 @@ fn run(
                 logits: wanted,
             }],
         };
-        let c = model.forward_with(&batch, &mut pool, policy).expect("cpu forward");
+        let c = model
+            .forward_with(&batch, &mut pool, policy)
+            .expect("cpu forward");
         let g = gpu.forward(&batch, &mut cache).expect("gpu forward");
         let e = rel(&g.logits[0], &c.logits[0]);
         worst = worst.max(e);
@@ -118,9 +124,18 @@ fn fast_mode_stays_close() {
     let mut mha_err = 0.0f32;
     for (policy, kernel) in [
         (FormPolicy::CostModel, AbsorbedKernel::Tile),
-        (FormPolicy::Force(AttentionForm::Absorbed), AbsorbedKernel::Tile),
-        (FormPolicy::Force(AttentionForm::Absorbed), AbsorbedKernel::Packed),
-        (FormPolicy::Force(AttentionForm::Absorbed), AbsorbedKernel::Generic),
+        (
+            FormPolicy::Force(AttentionForm::Absorbed),
+            AbsorbedKernel::Tile,
+        ),
+        (
+            FormPolicy::Force(AttentionForm::Absorbed),
+            AbsorbedKernel::Packed,
+        ),
+        (
+            FormPolicy::Force(AttentionForm::Absorbed),
+            AbsorbedKernel::Generic,
+        ),
         (FormPolicy::Force(AttentionForm::Mha), AbsorbedKernel::Tile),
     ] {
         let mut gpu = GpuModel::upload(&dev, &model, GpuMode::Fast).expect("upload");
@@ -132,7 +147,11 @@ fn fast_mode_stays_close() {
             "fast {policy:?} {kernel:?}: max |Δlogit| / max|logit| = {e:.2e}; greedy agreement {same}/{}",
             c.len()
         );
-        assert!(same * 10 >= c.len() * 9, "{policy:?} {kernel:?}: greedy agreement {same}/{}", c.len());
+        assert!(
+            same * 10 >= c.len() * 9,
+            "{policy:?} {kernel:?}: greedy agreement {same}/{}",
+            c.len()
+        );
         if policy == FormPolicy::Force(AttentionForm::Mha) {
             mha_err = e;
         }
@@ -144,13 +163,26 @@ fn fast_mode_stays_close() {
     let mut cache = gpu.new_kv_cache(8, 16).expect("cache");
     let table: Vec<BlockId> = (0..8u32).map(BlockId).collect();
     let batch = BatchInputs {
-        seqs: vec![SeqInput { tokens: &p, start_pos: 0, block_table: &table, logits: LogitsWanted::All }],
+        seqs: vec![SeqInput {
+            tokens: &p,
+            start_pos: 0,
+            block_table: &table,
+            logits: LogitsWanted::All,
+        }],
     };
     let c = model.forward(&batch, &mut pool).expect("cpu");
     let g = gpu.forward(&batch, &mut cache).expect("gpu");
     let v = c.vocab;
     let rows: Vec<String> = (0..p.len())
-        .map(|r| format!("{r}:{:.1e}", rel(&g.logits[0][r * v..(r + 1) * v], &c.logits[0][r * v..(r + 1) * v])))
+        .map(|r| {
+            format!(
+                "{r}:{:.1e}",
+                rel(
+                    &g.logits[0][r * v..(r + 1) * v],
+                    &c.logits[0][r * v..(r + 1) * v]
+                )
+            )
+        })
         .collect();
     eprintln!("fast prefill per-row rel err: {}", rows.join(" "));
     assert!(mha_err <= 5e-2, "fast mode (MHA form) rel err {mha_err}");
@@ -190,9 +222,24 @@ fn mixed_batch_matches_cpu() {
     let (d0, d1, chunk) = ([7u32], [9u32], [3u32, 4, 5, 6, 7]);
     let batch = BatchInputs {
         seqs: vec![
-            SeqInput { tokens: &d0, start_pos: 45, block_table: &tables[0], logits: LogitsWanted::Last },
-            SeqInput { tokens: &d1, start_pos: 17, block_table: &tables[1], logits: LogitsWanted::Last },
-            SeqInput { tokens: &chunk, start_pos: 30, block_table: &tables[2], logits: LogitsWanted::All },
+            SeqInput {
+                tokens: &d0,
+                start_pos: 45,
+                block_table: &tables[0],
+                logits: LogitsWanted::Last,
+            },
+            SeqInput {
+                tokens: &d1,
+                start_pos: 17,
+                block_table: &tables[1],
+                logits: LogitsWanted::Last,
+            },
+            SeqInput {
+                tokens: &chunk,
+                start_pos: 30,
+                block_table: &tables[2],
+                logits: LogitsWanted::All,
+            },
         ],
     };
     let c = model.forward(&batch, &mut pool).expect("cpu");

@@ -262,7 +262,9 @@ mod tests {
         });
         assert!(text.contains("# TYPE ferry_time_to_first_token_seconds histogram"));
         assert!(
-            text.contains("ferry_request_failure_total{kind=\"no_decode_worker\",role=\"router\"} 0"),
+            text.contains(
+                "ferry_request_failure_total{kind=\"no_decode_worker\",role=\"router\"} 0"
+            ),
             "every failure kind exists from the start"
         );
         assert!(text

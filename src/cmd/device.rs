@@ -46,11 +46,10 @@ impl DeviceArgs {
         match self.device {
             Device::Cpu => None,
             Device::Rocm(_) => {
-                let why = self
-                    .device
-                    .probe()
-                    .err()
-                    .map_or("the ROCm backend does not run the whole model yet".to_string(), |e| e.to_string());
+                let why = self.device.probe().err().map_or(
+                    "the ROCm backend does not run the whole model yet".to_string(),
+                    |e| e.to_string(),
+                );
                 tracing::warn!(device = %self.device, reason = %why, "running on the CPU instead");
                 None
             }
@@ -76,7 +75,9 @@ impl DeviceArgs {
 
     /// The model uploaded to the GPU, if a GPU is used.
     pub fn gpu_model(&self, model: &DeepseekModel) -> anyhow::Result<Option<GpuModel>> {
-        let Some(dev) = self.cuda() else { return Ok(None) };
+        let Some(dev) = self.cuda() else {
+            return Ok(None);
+        };
         let gpu = GpuModel::upload(&dev, model, self.mode()).context("uploading the model")?;
         Ok(Some(gpu))
     }
@@ -96,7 +97,7 @@ pub enum Runner<'m> {
     /// The GPU forward over a device cache; the sequence owns blocks `0..n` in order.
     Cuda {
         /// The model on the device.
-        gpu: GpuModel,
+        gpu: Box<GpuModel>,
         /// The device cache.
         cache: GpuKvCache,
         /// Block table.
@@ -108,12 +109,16 @@ pub enum Runner<'m> {
 
 impl<'m> Runner<'m> {
     /// A runner for one sequence of at most `max_tokens` positions.
-    pub fn new(args: &DeviceArgs, model: &'m DeepseekModel, max_tokens: usize) -> anyhow::Result<Self> {
+    pub fn new(
+        args: &DeviceArgs,
+        model: &'m DeepseekModel,
+        max_tokens: usize,
+    ) -> anyhow::Result<Self> {
         let blocks = max_tokens.div_ceil(DEFAULT_PAGE_SIZE);
         Ok(match args.gpu_model(model)? {
             Some(gpu) => Runner::Cuda {
                 cache: gpu.new_kv_cache(blocks, DEFAULT_PAGE_SIZE)?,
-                gpu,
+                gpu: Box::new(gpu),
                 table: (0..blocks as u32).map(BlockId).collect(),
                 len: 0,
             },
@@ -128,10 +133,17 @@ impl<'m> Runner<'m> {
     /// Computes `new` tokens after the cached ones; returns the last row's logits.
     pub fn extend(&mut self, new: &[u32]) -> anyhow::Result<Vec<f32>> {
         match self {
-            Runner::Cpu { model, pool, session } => {
-                Ok(session.extend(model, pool, new, LogitsWanted::Last)?)
-            }
-            Runner::Cuda { gpu, cache, table, len } => {
+            Runner::Cpu {
+                model,
+                pool,
+                session,
+            } => Ok(session.extend(model, pool, new, LogitsWanted::Last)?),
+            Runner::Cuda {
+                gpu,
+                cache,
+                table,
+                len,
+            } => {
                 let batch = BatchInputs {
                     seqs: vec![SeqInput {
                         tokens: new,
@@ -149,7 +161,10 @@ impl<'m> Runner<'m> {
 
     /// Releases the sequence's blocks.
     pub fn finish(self) -> anyhow::Result<()> {
-        if let Runner::Cpu { mut pool, session, .. } = self {
+        if let Runner::Cpu {
+            mut pool, session, ..
+        } = self
+        {
             session.free(&mut pool)?;
         }
         Ok(())
@@ -176,7 +191,11 @@ pub fn bench_engine_gpu(gpu: &GpuModel, b: EngineBench) -> anyhow::Result<(f64, 
     let per_seq = (b.prompt_len + b.decode_steps).div_ceil(DEFAULT_PAGE_SIZE);
     let mut cache = gpu.new_kv_cache(per_seq * b.batch, DEFAULT_PAGE_SIZE)?;
     let tables: Vec<Vec<BlockId>> = (0..b.batch)
-        .map(|s| ((s * per_seq) as u32..((s + 1) * per_seq) as u32).map(BlockId).collect())
+        .map(|s| {
+            ((s * per_seq) as u32..((s + 1) * per_seq) as u32)
+                .map(BlockId)
+                .collect()
+        })
         .collect();
     let prompts: Vec<Vec<u32>> = (0..b.batch as u32)
         .map(|s| {

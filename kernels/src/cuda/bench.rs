@@ -96,7 +96,9 @@ pub fn mha_prefill(
                 heads,
                 scale: (qk as f32).powf(-0.5),
             };
-            time(dev, 2, reps, || run_mha(dev, shape, MhaKernel::Flash, &b, out.v()))?
+            time(dev, 2, reps, || {
+                run_mha(dev, shape, MhaKernel::Flash, &b, out.v())
+            })?
         }
         MhaImpl::F32 => {
             let q = dev.zeros::<f32>(tokens * heads * qk)?;
@@ -114,7 +116,9 @@ pub fn mha_prefill(
                 heads,
                 scale: (qk as f32).powf(-0.5),
             };
-            time(dev, 1, 2, || run_mha(dev, shape, MhaKernel::F32, &b, out.v()))?
+            time(dev, 1, 2, || {
+                run_mha(dev, shape, MhaKernel::F32, &b, out.v())
+            })?
         }
     };
     Ok((t, flops / (t.ms * 1e-3) / 1e12))

@@ -75,7 +75,12 @@ pub struct DeviceBuffer<T: DevicePod> {
 
 impl<T: DevicePod> std::fmt::Debug for DeviceBuffer<T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "DeviceBuffer<{}>[{}]", std::any::type_name::<T>(), self.len)
+        write!(
+            f,
+            "DeviceBuffer<{}>[{}]",
+            std::any::type_name::<T>(),
+            self.len
+        )
     }
 }
 
@@ -180,7 +185,10 @@ impl KernelArgs {
     /// Appends a by-value parameter.
     pub fn push<T: KernelParam>(&mut self, v: T) -> &mut Self {
         let size = std::mem::size_of::<T>();
-        assert!(size <= ARG_BYTES, "invariant: kernel parameters fit in a slot");
+        assert!(
+            size <= ARG_BYTES,
+            "invariant: kernel parameters fit in a slot"
+        );
         let mut slot = [0u8; ARG_BYTES];
         // SAFETY: `T: KernelParam` has no padding, so all `size` bytes of `v` are initialised,
         // and `slot` has room for them.
@@ -252,7 +260,9 @@ impl CudaDevice {
             op: "cublasCreate",
             message: e.to_string(),
         })?;
-        let cc = ctx.compute_capability().map_err(gpu_err("compute_capability"))?;
+        let cc = ctx
+            .compute_capability()
+            .map_err(gpu_err("compute_capability"))?;
         let name = ctx.name().map_err(gpu_err("cuDeviceGetName"))?;
         let attr = |a| ctx.attribute(a).map_err(gpu_err("cuDeviceGetAttribute"));
         let sms = attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32;
@@ -306,7 +316,10 @@ impl CudaDevice {
     }
 
     pub(crate) fn bind(&self) -> Result<(), KernelError> {
-        self.inner.ctx.bind_to_thread().map_err(gpu_err("cuCtxSetCurrent"))
+        self.inner
+            .ctx
+            .bind_to_thread()
+            .map_err(gpu_err("cuCtxSetCurrent"))
     }
 
     /// `len` elements of uninitialised device memory.
@@ -403,8 +416,10 @@ impl CudaDevice {
         self.bind()?;
         // SAFETY: the source range is inside `src`; `out` has exactly `len` elements and the
         // stream is synchronised before `out` is returned.
-        unsafe { result::memcpy_dtoh_async(&mut out, src.ptr_at(offset), self.inner.stream.cu_stream()) }
-            .map_err(gpu_err("cuMemcpyDtoHAsync"))?;
+        unsafe {
+            result::memcpy_dtoh_async(&mut out, src.ptr_at(offset), self.inner.stream.cu_stream())
+        }
+        .map_err(gpu_err("cuMemcpyDtoHAsync"))?;
         self.synchronize()?;
         Ok(out)
     }
@@ -439,7 +454,10 @@ impl CudaDevice {
 
     /// Waits for all queued work.
     pub fn synchronize(&self) -> Result<(), KernelError> {
-        self.inner.stream.synchronize().map_err(gpu_err("cuStreamSynchronize"))
+        self.inner
+            .stream
+            .synchronize()
+            .map_err(gpu_err("cuStreamSynchronize"))
     }
 
     /// The compiled function `name` from `source` built with `defines` for this card.
@@ -496,14 +514,10 @@ impl CudaDevice {
             });
         }
         let key = (f.cu_function() as usize, bytes);
-        let mut set = self
-            .inner
-            .smem_set
-            .lock()
-            .map_err(|_| KernelError::Gpu {
-                op: "cuda_launch",
-                message: "shared-memory attribute cache poisoned".into(),
-            })?;
+        let mut set = self.inner.smem_set.lock().map_err(|_| KernelError::Gpu {
+            op: "cuda_launch",
+            message: "shared-memory attribute cache poisoned".into(),
+        })?;
         if set.contains_key(&key) {
             return Ok(());
         }
@@ -582,14 +596,22 @@ pub struct GpuTimer {
 impl GpuTimer {
     /// Records the start event.
     pub fn start(&self) -> Result<(), KernelError> {
-        self.start.record(&self.stream).map_err(gpu_err("cuEventRecord"))
+        self.start
+            .record(&self.stream)
+            .map_err(gpu_err("cuEventRecord"))
     }
 
     /// Records the stop event, waits for it and returns the elapsed milliseconds.
     pub fn stop_ms(&self) -> Result<f32, KernelError> {
-        self.stop.record(&self.stream).map_err(gpu_err("cuEventRecord"))?;
-        self.stop.synchronize().map_err(gpu_err("cuEventSynchronize"))?;
-        self.start.elapsed_ms(&self.stop).map_err(gpu_err("cuEventElapsedTime"))
+        self.stop
+            .record(&self.stream)
+            .map_err(gpu_err("cuEventRecord"))?;
+        self.stop
+            .synchronize()
+            .map_err(gpu_err("cuEventSynchronize"))?;
+        self.start
+            .elapsed_ms(&self.stop)
+            .map_err(gpu_err("cuEventElapsedTime"))
     }
 }
 

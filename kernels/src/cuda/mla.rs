@@ -96,7 +96,10 @@ impl MlaShape {
     /// Dynamic shared memory of the tile kernel (either path: mma or scalar).
     pub fn tile_smem(&self) -> usize {
         let kstr = self.latent + 8;
-        self.tile_stages * self.tile_bk * kstr * 2 + TILE_ROWS * kstr * 2 + TILE_ROWS * self.tile_bk * 4 + 1024
+        self.tile_stages * self.tile_bk * kstr * 2
+            + TILE_ROWS * kstr * 2
+            + TILE_ROWS * self.tile_bk * 4
+            + 1024
     }
 
     /// Dynamic shared memory of the flash kernel.
@@ -228,7 +231,12 @@ pub fn mla_absorbed(
     need(OP, "out", rows * shape.kv_lora, out.len)?;
     need(OP, "ctx_len", b.batch, b.ctx_len.len)?;
     need(OP, "block_table", b.batch * b.bt_stride, b.block_table.len)?;
-    need(OP, "block_table row", b.max_ctx.div_ceil(b.pages.page_size), b.bt_stride)?;
+    need(
+        OP,
+        "block_table row",
+        b.max_ctx.div_ceil(b.pages.page_size),
+        b.bt_stride,
+    )?;
     crate::cpu::gemm::check_len(OP, "pages.width", shape.latent, b.pages.width)?;
     if b.sq > b.max_ctx {
         return Err(KernelError::InvalidParam {
@@ -246,8 +254,13 @@ pub fn mla_absorbed(
         return Err(KernelError::InvalidParam {
             op: OP,
             field: "inputs",
-            limit: "bf16 queries and cache, latent % 16 == 0, kv_lora % 64 == 0 for the tile kernels",
-            value: format!("q bf16 {}, cache bf16 {}, {shape:?}", b.q.is_bf16(), b.pages.bf16),
+            limit:
+                "bf16 queries and cache, latent % 16 == 0, kv_lora % 64 == 0 for the tile kernels",
+            value: format!(
+                "q bf16 {}, cache bf16 {}, {shape:?}",
+                b.q.is_bf16(),
+                b.pages.bf16
+            ),
         });
     }
     let page_shift = if b.pages.page_size.is_power_of_two() {
@@ -280,14 +293,28 @@ pub fn mla_absorbed(
                 });
             }
             let tiles = b.sq * (b.heads / b.heads.min(TILE_ROWS));
-            ("mla_tile_bf16", tiles, dev.sm_count() as usize, shape.tile_smem())
+            (
+                "mla_tile_bf16",
+                tiles,
+                dev.sm_count() as usize,
+                shape.tile_smem(),
+            )
         }
         AbsorbedKernel::Packed => {
             let tiles = (b.sq * b.heads).div_ceil(TILE_ROWS);
-            ("mla_packed_bf16", tiles, dev.sm_count() as usize, shape.tile_smem())
+            (
+                "mla_packed_bf16",
+                tiles,
+                dev.sm_count() as usize,
+                shape.tile_smem(),
+            )
         }
         AbsorbedKernel::Generic => {
-            let name = if b.q.is_bf16() { "mla_generic_bf16" } else { "mla_generic_f32" };
+            let name = if b.q.is_bf16() {
+                "mla_generic_bf16"
+            } else {
+                "mla_generic_f32"
+            };
             (name, b.sq * b.heads, 8 * dev.sm_count() as usize, 0)
         }
     };
@@ -509,7 +536,7 @@ mod tests {
     fn splits_fill_the_card_but_keep_whole_steps() {
         // One sequence, one tile, 128k keys, 132 SMs: 132 splits of whole 64-key steps.
         let (s, kps) = plan_splits(132, 1, 131_072);
-        assert!(s <= 132 && s >= 120, "{s}");
+        assert!((120..=132).contains(&s), "{s}");
         assert_eq!(kps % 64, 0);
         assert!(s * kps >= 131_072);
         // A full batch needs no split.
@@ -526,7 +553,11 @@ mod tests {
         assert_eq!((s.tile_bk, s.tile_stages), (32, 2));
         for (bk, st) in [(32, 2), (32, 3), (32, 4), (64, 2)] {
             let t = s.with_tile(bk, st);
-            assert!(t.tile_ok() && t.tile_smem() <= 227 * 1024, "{bk}x{st}: {}", t.tile_smem());
+            assert!(
+                t.tile_ok() && t.tile_smem() <= 227 * 1024,
+                "{bk}x{st}: {}",
+                t.tile_smem()
+            );
         }
         assert!(!MlaShape::new(80, 64, 48, 32).with_tile(32, 2).tile_ok());
         assert!(s.flash_smem() <= 227 * 1024 / 2, "{}", s.flash_smem());

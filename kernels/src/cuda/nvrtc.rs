@@ -21,7 +21,11 @@ pub fn available() -> bool {
 }
 
 /// Compiles `source` with `defines` for compute capability `cc`; returns PTX text.
-pub fn compile_ptx(source: Source, defines: &Defines, cc: (i32, i32)) -> Result<String, KernelError> {
+pub fn compile_ptx(
+    source: Source,
+    defines: &Defines,
+    cc: (i32, i32),
+) -> Result<String, KernelError> {
     Ok(compile(source, defines, cc)?.to_src())
 }
 
@@ -110,10 +114,13 @@ impl ModuleCache {
         if let Some(f) = loaded.functions.get(name) {
             return Ok(f.clone());
         }
-        let f = loaded.module.load_function(name).map_err(|e| KernelError::Gpu {
-            op: "cuModuleGetFunction",
-            message: format!("{name} in {}: {e}", source.name()),
-        })?;
+        let f = loaded
+            .module
+            .load_function(name)
+            .map_err(|e| KernelError::Gpu {
+                op: "cuModuleGetFunction",
+                message: format!("{name} in {}: {e}", source.name()),
+            })?;
         loaded.functions.insert(name, f.clone());
         Ok(f)
     }

@@ -5,7 +5,7 @@
 
 use half::bf16;
 
-use super::context::{CudaDevice, DevicePod, DeviceBuffer, KernelArgs, KernelParam, LaunchDims};
+use super::context::{CudaDevice, DeviceBuffer, DevicePod, KernelArgs, KernelParam, LaunchDims};
 use super::cublas::{gemm, GemmInputs, GemmPtrs, GemmShape};
 use crate::cpu::gemm::{Matrix, MatrixData};
 use crate::error::KernelError;
@@ -192,7 +192,10 @@ pub fn bf16_bits(d: &[bf16]) -> Vec<u16> {
     d.iter().map(|v| v.to_bits()).collect()
 }
 
-fn kernel(dev: &CudaDevice, name: &'static str) -> Result<cudarc::driver::CudaFunction, KernelError> {
+fn kernel(
+    dev: &CudaDevice,
+    name: &'static str,
+) -> Result<cudarc::driver::CudaFunction, KernelError> {
     dev.function(Source::Common, &Defines::new(), name)
 }
 
@@ -312,7 +315,14 @@ pub fn embed(
     if ids.len == 0 {
         return Ok(());
     }
-    let f = kernel(dev, if table.is_bf16() { "embed_bf16" } else { "embed_f32" })?;
+    let f = kernel(
+        dev,
+        if table.is_bf16() {
+            "embed_bf16"
+        } else {
+            "embed_f32"
+        },
+    )?;
     let mut a = KernelArgs::new();
     a.push(table.ptr())
         .push(ids.ptr)
@@ -460,7 +470,12 @@ pub fn rope(
     const OP: &str = "cuda_rope";
     let t = tables.tokens();
     need(OP, "x", t * layout.heads * layout.head_stride, x.len)?;
-    need(OP, "head_stride", layout.offset + tables.dim, layout.head_stride)?;
+    need(
+        OP,
+        "head_stride",
+        layout.offset + tables.dim,
+        layout.head_stride,
+    )?;
     if t == 0 || layout.heads == 0 {
         return Ok(());
     }
@@ -520,7 +535,11 @@ pub struct LatentFinish<'a> {
 }
 
 /// Normalises `c_kv`, rotates `k_pe` and writes each token's row into `pages`.
-pub fn latent_finish(dev: &CudaDevice, p: &LatentFinish<'_>, pages: PagesView) -> Result<(), KernelError> {
+pub fn latent_finish(
+    dev: &CudaDevice,
+    p: &LatentFinish<'_>,
+    pages: PagesView,
+) -> Result<(), KernelError> {
     const OP: &str = "cuda_latent_finish";
     let width = pages.width;
     let t = p.slots.len;
@@ -538,7 +557,14 @@ pub fn latent_finish(dev: &CudaDevice, p: &LatentFinish<'_>, pages: PagesView) -
     if t == 0 {
         return Ok(());
     }
-    let f = kernel(dev, if pages.bf16 { "latent_finish_bf16" } else { "latent_finish_f32" })?;
+    let f = kernel(
+        dev,
+        if pages.bf16 {
+            "latent_finish_bf16"
+        } else {
+            "latent_finish_f32"
+        },
+    )?;
     let mut a = KernelArgs::new();
     a.push(p.latent.ptr)
         .push(int(OP, "width", width)?)
@@ -584,7 +610,12 @@ pub fn cast_f32_bf16(dev: &CudaDevice, x: Dv<f32>, out: Dv<u16>) -> Result<(), K
 }
 
 /// `x ≈ hi + lo`, both bf16.
-pub fn split_bf16(dev: &CudaDevice, x: Dv<f32>, hi: Dv<u16>, lo: Dv<u16>) -> Result<(), KernelError> {
+pub fn split_bf16(
+    dev: &CudaDevice,
+    x: Dv<f32>,
+    hi: Dv<u16>,
+    lo: Dv<u16>,
+) -> Result<(), KernelError> {
     need("cuda_split_bf16", "hi", x.len, hi.len)?;
     need("cuda_split_bf16", "lo", x.len, lo.len)?;
     elementwise(dev, "split_bf16", &[x.ptr, hi.ptr, lo.ptr], x.len)
@@ -634,7 +665,12 @@ pub struct HeadShape {
 
 impl HeadShape {
     fn check_kv_b(&self, op: &'static str, kv_b: &GpuMatrix) -> Result<(), KernelError> {
-        crate::cpu::gemm::check_len(op, "kv_b.rows", self.heads * (self.nope + self.v), kv_b.rows)?;
+        crate::cpu::gemm::check_len(
+            op,
+            "kv_b.rows",
+            self.heads * (self.nope + self.v),
+            kv_b.rows,
+        )?;
         crate::cpu::gemm::check_len(op, "kv_b.cols", self.kv_lora, kv_b.cols)
     }
 }
@@ -687,7 +723,11 @@ pub fn absorb(
         .push(int(OP, "v", s.v)?)
         .push(int(OP, "kv_lora", s.kv_lora)?);
     let dims = LaunchDims {
-        grid: (s.kv_lora.div_ceil(32) as u32, s.heads as u32, t.div_ceil(8) as u32),
+        grid: (
+            s.kv_lora.div_ceil(32) as u32,
+            s.heads as u32,
+            t.div_ceil(8) as u32,
+        ),
         block: (256, 1, 1),
         smem: (8 * s.nope * 4) as u32,
     };
@@ -709,7 +749,14 @@ pub fn unabsorb(
     if t == 0 {
         return Ok(());
     }
-    let f = kernel(dev, if kv_b.is_bf16() { "unabsorb_bf16" } else { "unabsorb_f32" })?;
+    let f = kernel(
+        dev,
+        if kv_b.is_bf16() {
+            "unabsorb_bf16"
+        } else {
+            "unabsorb_f32"
+        },
+    )?;
     let mut a = KernelArgs::new();
     a.push(o_lat.ptr)
         .push(kv_b.ptr())
@@ -754,7 +801,14 @@ pub fn gather_latent(
     if len == 0 {
         return Ok(());
     }
-    let f = kernel(dev, if pages.bf16 { "gather_latent_bf16" } else { "gather_latent_f32" })?;
+    let f = kernel(
+        dev,
+        if pages.bf16 {
+            "gather_latent_bf16"
+        } else {
+            "gather_latent_f32"
+        },
+    )?;
     let mut a = KernelArgs::new();
     a.push(pages.ptr)
         .push(table.ptr)
@@ -855,7 +909,8 @@ pub struct GpuExperts {
 
 impl GpuExperts {
     fn check(&self, op: &'static str) -> Result<(), KernelError> {
-        let same = self.gate.is_bf16() == self.up.is_bf16() && self.up.is_bf16() == self.down.is_bf16();
+        let same =
+            self.gate.is_bf16() == self.up.is_bf16() && self.up.is_bf16() == self.down.is_bf16();
         if !same || self.gate.cols != self.hidden || self.down.cols != self.inter {
             return Err(KernelError::InvalidParam {
                 op,
@@ -943,7 +998,14 @@ pub fn moe_experts(
     }
     let act = dev.alloc::<f32>(t * k * inter)?;
     let sfx = experts.gate.is_bf16();
-    let f = kernel(dev, if sfx { "moe_gate_up_bf16" } else { "moe_gate_up_f32" })?;
+    let f = kernel(
+        dev,
+        if sfx {
+            "moe_gate_up_bf16"
+        } else {
+            "moe_gate_up_f32"
+        },
+    )?;
     let mut a = KernelArgs::new();
     a.push(x.ptr)
         .push(routes.ids.ptr)
@@ -978,7 +1040,12 @@ pub fn moe_experts(
 }
 
 /// Fills `x` with deterministic bf16 noise in `[-scale, scale)`.
-pub fn fill_random_bf16(dev: &CudaDevice, x: Dv<u16>, seed: u64, scale: f32) -> Result<(), KernelError> {
+pub fn fill_random_bf16(
+    dev: &CudaDevice,
+    x: Dv<u16>,
+    seed: u64,
+    scale: f32,
+) -> Result<(), KernelError> {
     if x.len == 0 {
         return Ok(());
     }

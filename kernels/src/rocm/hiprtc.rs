@@ -61,10 +61,12 @@ pub fn compile(source: Source, defines: &Defines, arch: &str) -> Result<Vec<u8>,
     opts.push("-O3".into());
     let opts: Vec<CString> = opts
         .into_iter()
-        .map(|o| CString::new(o).map_err(|_| KernelError::Gpu {
-            op: "hiprtc",
-            message: "an option contains a NUL byte".into(),
-        }))
+        .map(|o| {
+            CString::new(o).map_err(|_| KernelError::Gpu {
+                op: "hiprtc",
+                message: "an option contains a NUL byte".into(),
+            })
+        })
         .collect::<Result<_, _>>()?;
     let ptrs: Vec<*const c_char> = opts.iter().map(|o| o.as_ptr()).collect();
     // SAFETY: `ptrs` points at `opts`' strings, alive for the call.
@@ -77,7 +79,9 @@ pub fn compile(source: Source, defines: &Defines, arch: &str) -> Result<Vec<u8>,
     }
     let mut size = 0usize;
     // SAFETY: writes the code size into a local.
-    check("hiprtcGetCodeSize", unsafe { ffi::hiprtcGetCodeSize(prog.0, &mut size) })?;
+    check("hiprtcGetCodeSize", unsafe {
+        ffi::hiprtcGetCodeSize(prog.0, &mut size)
+    })?;
     let mut code = vec![0u8; size];
     // SAFETY: `code` has exactly `size` bytes.
     check("hiprtcGetCode", unsafe {
@@ -94,8 +98,12 @@ fn log(prog: &Program) -> String {
     }
     let mut buf = vec![0u8; size];
     // SAFETY: `buf` has the `size` bytes the log needs, NUL included.
-    if unsafe { ffi::hiprtcGetProgramLog(prog.0, buf.as_mut_ptr() as *mut c_char) } != HIPRTC_SUCCESS {
+    if unsafe { ffi::hiprtcGetProgramLog(prog.0, buf.as_mut_ptr() as *mut c_char) }
+        != HIPRTC_SUCCESS
+    {
         return "(no log)".into();
     }
-    String::from_utf8_lossy(&buf).trim_end_matches('\0').to_string()
+    String::from_utf8_lossy(&buf)
+        .trim_end_matches('\0')
+        .to_string()
 }

@@ -112,7 +112,9 @@ impl RocmDevice {
         // SAFETY: initialised by the successful call above.
         let props = unsafe { props.assume_init() };
         // SAFETY: gcnArchName is a NUL-terminated fixed array filled by the runtime.
-        let full = unsafe { CStr::from_ptr(props.gcnArchName.as_ptr()) }.to_string_lossy().into_owned();
+        let full = unsafe { CStr::from_ptr(props.gcnArchName.as_ptr()) }
+            .to_string_lossy()
+            .into_owned();
         let arch = full.split(':').next().unwrap_or("gfx90a").to_string();
         Ok(Self {
             ordinal,
@@ -135,7 +137,9 @@ impl RocmDevice {
     pub fn alloc(&self, bytes: usize) -> Result<RocmBuffer, KernelError> {
         let mut ptr: *mut c_void = std::ptr::null_mut();
         // SAFETY: allocates into a local; the buffer owns the result.
-        check("hipMalloc", unsafe { hip::hipMalloc(&mut ptr, bytes.max(256)) })?;
+        check("hipMalloc", unsafe {
+            hip::hipMalloc(&mut ptr, bytes.max(256))
+        })?;
         Ok(RocmBuffer { ptr, bytes })
     }
 

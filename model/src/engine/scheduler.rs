@@ -22,6 +22,8 @@ use crate::drafter::ContextSegment;
 use crate::kv::{BlockId, KvManager, KvPool};
 use crate::ModelError;
 
+mod round;
+
 /// Which container a committed row range belongs to.
 #[derive(Debug, Clone, Copy)]
 enum Owner {
@@ -455,29 +457,6 @@ impl Scheduler {
         self.run_batch(work, drafts);
     }
 
-    /// Drafts for the running sequences (one entry each; empty without a drafter) and reserves
-    /// KV for every draft kept; a sequence whose reservation fails takes a plain step.
-    fn plan_drafts(&mut self, budget: usize) -> Vec<Option<Draft>> {
-        let Some(sp) = self.spec.as_ref() else {
-            return Vec::new();
-        };
-        let max_pos = self.model.config().max_position_embeddings;
-        let mut drafts = sp.plan(&self.model, &mut self.running, budget, max_pos);
-        for (s, d) in self.running.iter_mut().zip(drafts.iter_mut()) {
-            let Some(draft) = d else { continue };
-            let before = s.table.blocks().len();
-            match self.kv.reserve(&mut s.table, draft.tokens.len()) {
-                Ok(()) => {
-                    if let Some(sp) = self.spec.as_mut() {
-                        sp.fresh(&s.table.blocks()[before..]);
-                    }
-                }
-                Err(_) => *d = None,
-            }
-        }
-        drafts
-    }
-
     fn run_batch(&mut self, work: Vec<Work>, drafts: Vec<Option<Draft>>) {
         // One span per batch, linked to the span of every request it serves (their `queue`
         // spans end here, the first time a request is scheduled).
@@ -762,107 +741,6 @@ impl Scheduler {
             self.stats.requests_finished += 1;
             let _ = t.job.reply.send(r);
         }
-    }
-
-    /// Verifies `running[i]`'s drafts against its logits rows and commits the outcome: the
-    /// anchor and the accepted drafts stay in the KV (the rest is rolled back), the accepted
-    /// tokens and the correction / bonus are emitted. Returns the positions kept and, when the
-    /// request ended, why; an error fails this request alone.
-    fn commit_round(
-        &mut self,
-        i: usize,
-        draft: &Draft,
-        logits: &[f32],
-    ) -> Result<(usize, Option<FinishReason>), String> {
-        let page = self.kv.page_size();
-        let eos = self.model.config().eos_token_ids.clone();
-        let s = &mut self.running[i];
-        let verified = verify_round(s, draft, logits)?;
-        let start = s.table.len();
-        let kept = verified.accepted + 1;
-        s.table.advance(kept, page).map_err(|e| e.to_string())?;
-        // Rollback: positions of rejected drafts were written by the forward; forget them and
-        // give back blocks that only they used.
-        self.kv
-            .truncate(&mut s.table, start + kept)
-            .map_err(|e| e.to_string())?;
-        s.tokens.extend_from_slice(&draft.tokens[..kept]);
-        self.stats.spec_rounds += 1;
-        self.stats.spec_drafted_tokens += draft.gamma() as u64;
-        self.stats.spec_accepted_tokens += verified.accepted as u64;
-        for &tok in &verified.tokens {
-            match s.accept(tok, &eos) {
-                Next::Continue(t) => s.phase = Phase::Decoding { next: t },
-                Next::Finish(r) => return Ok((kept, Some(r))),
-            }
-        }
-        Ok((kept, None))
-    }
-
-    /// Turns the rows a batch committed into drafter context (sequences whose context was
-    /// complete so far; prefill jobs always) and ships prefill jobs' drafter layers. Returns the
-    /// prefill jobs whose drafter shipping failed.
-    fn extend_drafter(
-        &mut self,
-        committed: &[(Owner, usize, usize, usize)],
-        taps: &[Vec<f32>],
-    ) -> HashMap<usize, String> {
-        let mut errors = HashMap::new();
-        let Some(sp) = self.spec.as_mut() else {
-            return errors;
-        };
-        let page = self.kv.page_size();
-        let mut keep = Vec::with_capacity(committed.len());
-        let mut segments = Vec::with_capacity(committed.len());
-        for &(owner, start, first_row, rows) in committed {
-            let (table, ctx) = match owner {
-                Owner::Running(i) => (&self.running[i].table, Some(self.running[i].draft_ctx)),
-                Owner::Waiting(i) => (&self.waiting[i].table, Some(self.waiting[i].draft_ctx)),
-                Owner::Prefill(i) => (&self.prefills[i].table, None),
-            };
-            if ctx.is_some_and(|c| c != start) {
-                continue; // a gap in this sequence's context: it no longer speculates
-            }
-            keep.push((owner, rows));
-            segments.push(ContextSegment {
-                block_table: table.blocks(),
-                start_pos: start,
-                first_row,
-                rows,
-            });
-        }
-        let extended = sp.extend(&self.model, taps, &segments);
-        drop(segments);
-        if let Err(e) = &extended {
-            warn!(error = %e, "extending the drafter context failed; those sequences stop speculating");
-        }
-        for (owner, rows) in keep {
-            match owner {
-                Owner::Running(i) if extended.is_ok() => self.running[i].draft_ctx += rows,
-                Owner::Waiting(i) if extended.is_ok() => self.waiting[i].draft_ctx += rows,
-                Owner::Prefill(i) => {
-                    let t = &mut self.prefills[i];
-                    let Some(mut sink) = t.job.on_draft_layer.take() else {
-                        continue;
-                    };
-                    if let Err(e) = &extended {
-                        errors.insert(i, e.to_string());
-                        continue;
-                    }
-                    let Some(pool) = sp.pool() else { continue };
-                    let skip = (t.job.skip_tokens / page).min(t.table.blocks().len());
-                    let blocks = &t.table.blocks()[skip..];
-                    for layer in 0..sp.pool_layers() {
-                        if let Err(e) = sink(layer, blocks, pool) {
-                            errors.insert(i, e);
-                            break;
-                        }
-                    }
-                }
-                _ => {}
-            }
-        }
-        errors
     }
 
     /// A forward failed: every request in it fails and frees its blocks.

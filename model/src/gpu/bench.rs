@@ -52,7 +52,9 @@ impl Draw<'_> {
     fn matrix(&mut self, rows: usize, cols: usize) -> Result<GpuMatrix, ModelError> {
         self.seed += 1;
         let scale = (3.0 / cols as f32).sqrt();
-        Ok(GpuMatrix::random_bf16(self.dev, rows, cols, self.seed, scale)?)
+        Ok(GpuMatrix::random_bf16(
+            self.dev, rows, cols, self.seed, scale,
+        )?)
     }
 
     fn ones(&self, n: usize) -> Result<ferry_kernels::cuda::DeviceBuffer<f32>, ModelError> {
@@ -63,7 +65,11 @@ impl Draw<'_> {
 impl GpuModel {
     /// A model with `config`'s shapes and random bf16 weights drawn on the device (norm
     /// weights 1, routing bias 0). For benchmarks: its outputs mean nothing.
-    pub fn random(dev: &CudaDevice, config: ModelConfig, mode: GpuMode) -> Result<Self, ModelError> {
+    pub fn random(
+        dev: &CudaDevice,
+        config: ModelConfig,
+        mode: GpuMode,
+    ) -> Result<Self, ModelError> {
         let c = &config;
         let dims = MlaDims {
             heads: c.num_attention_heads,
@@ -93,7 +99,10 @@ impl GpuModel {
                 o: draw.matrix(h, dims.heads * dims.v_head_dim)?,
             };
             let ffn = if c.is_moe_layer(l) {
-                let (e, inter) = (c.n_routed_experts + c.n_shared_experts, c.moe_intermediate_size);
+                let (e, inter) = (
+                    c.n_routed_experts + c.n_shared_experts,
+                    c.moe_intermediate_size,
+                );
                 GpuFfn::Moe {
                     router: draw.matrix(c.n_routed_experts, h)?,
                     bias: dev.zeros::<f32>(c.n_routed_experts)?,
@@ -229,7 +238,12 @@ pub fn decode_throughput(
         let mk = |pos: usize, tok: &[u32; 1]| -> (Vec<u32>, usize) { (tok.to_vec(), pos) };
         let (t0, p0) = mk(context, &tok);
         let first = BatchInputs {
-            seqs: vec![SeqInput { tokens: &t0, start_pos: p0, block_table: &table, logits: LogitsWanted::Last }],
+            seqs: vec![SeqInput {
+                tokens: &t0,
+                start_pos: p0,
+                block_table: &table,
+                logits: LogitsWanted::Last,
+            }],
         };
         let mut g = model.capture_decode(&first, &mut kv, plan_ctx)?;
         let out = model.replay_decode(&mut g, &first, &kv)?;
@@ -238,7 +252,12 @@ pub fn decode_throughput(
         for i in 0..steps {
             let (t, p) = mk(context + 1 + i, &tok);
             let b = BatchInputs {
-                seqs: vec![SeqInput { tokens: &t, start_pos: p, block_table: &table, logits: LogitsWanted::Last }],
+                seqs: vec![SeqInput {
+                    tokens: &t,
+                    start_pos: p,
+                    block_table: &table,
+                    logits: LogitsWanted::Last,
+                }],
             };
             let out = model.replay_decode(&mut g, &b, &kv)?;
             tok[0] = out.last_row(0).map(argmax).unwrap_or(0);

@@ -10,8 +10,8 @@
 
 use ferry_kernels::cpu::rope::RotaryLayout;
 use ferry_kernels::cuda::mla::{
-    mha_prefill, mla_absorbed, mla_absorbed_padded, AbsorbedBatch, AbsorbedKernel, Elems,
-    MhaBatch, MhaKernel,
+    mha_prefill, mla_absorbed, mla_absorbed_padded, AbsorbedBatch, AbsorbedKernel, Elems, MhaBatch,
+    MhaKernel,
 };
 use ferry_kernels::cuda::ops::{
     self, AbsorbedOut, Dv, HeadShape, KvOut, LatentFinish, LatentRows, NormRows, PagesView,
@@ -20,8 +20,8 @@ use ferry_kernels::cuda::ops::{
 use ferry_kernels::cuda::{DeviceBuffer, GpuMatrix};
 
 use super::{GpuFfn, GpuKvCache, GpuLayer, GpuMode, GpuModel, GpuQuery};
-use crate::deepseek::{AttentionForm, BatchInputs, BatchOutput, LogitsWanted, SeqInput};
 use crate::deepseek::LATENT_NORM_EPS;
+use crate::deepseek::{AttentionForm, BatchInputs, BatchOutput, LogitsWanted, SeqInput};
 use crate::ModelError;
 
 /// Host-side geometry of one batch.
@@ -114,7 +114,11 @@ pub(super) fn host_inputs(batch: &BatchInputs<'_>, page: usize) -> HostInputs {
 impl GpuModel {
     /// Runs one batch (any mix of prefill chunks and decode steps), appending every new
     /// token's latent rows to `kv` at its block table's positions; the caller owns the tables.
-    pub fn forward(&self, batch: &BatchInputs<'_>, kv: &mut GpuKvCache) -> Result<BatchOutput, ModelError> {
+    pub fn forward(
+        &self,
+        batch: &BatchInputs<'_>,
+        kv: &mut GpuKvCache,
+    ) -> Result<BatchOutput, ModelError> {
         self.validate(batch, kv)?;
         let sh = self.prepare(batch, kv.layout().page_size, None)?;
         let n: usize = sh.rows_per_seq.iter().sum();
@@ -147,7 +151,12 @@ impl GpuModel {
 
     /// Every launch of the forward, writing the picked rows' logits into `logits`. Performs
     /// no host↔device copy and no synchronisation, so it can be captured into a graph.
-    pub(crate) fn execute(&self, sh: &Shared, kv: &mut GpuKvCache, logits: Dv<f32>) -> Result<(), ModelError> {
+    pub(crate) fn execute(
+        &self,
+        sh: &Shared,
+        kv: &mut GpuKvCache,
+        logits: Dv<f32>,
+    ) -> Result<(), ModelError> {
         let dev = &self.dev;
         let hidden = self.config.hidden_size;
         let t = sh.geo.positions.len();
@@ -156,7 +165,7 @@ impl GpuModel {
         ops::embed(dev, &self.embed, sh.ids.v(), h.v())?;
         for (l, layer) in self.layers.iter().enumerate() {
             self.norm_into(h.v(), None, &layer.input_norm, x.v())?;
-            let attn = self.attention(l, layer, x.v(), sh, kv)?;
+            let attn = self.attention(l, x.v(), sh, kv)?;
             self.norm_into(h.v(), Some(attn.v()), &layer.post_norm, x.v())?;
             self.ffn(layer, x.v(), h.v())?;
         }
@@ -169,13 +178,19 @@ impl GpuModel {
         Ok(())
     }
 
-    pub(crate) fn split_logits(&self, all: &[f32], rows_per_seq: &[usize]) -> Result<BatchOutput, ModelError> {
+    pub(crate) fn split_logits(
+        &self,
+        all: &[f32],
+        rows_per_seq: &[usize],
+    ) -> Result<BatchOutput, ModelError> {
         let vocab = self.config.vocab_size;
         let mut out = Vec::with_capacity(rows_per_seq.len());
         let mut rest = all;
         for &n in rows_per_seq {
             if rest.len() < n * vocab {
-                return Err(ModelError::Invalid("fewer logits rows than requested".into()));
+                return Err(ModelError::Invalid(
+                    "fewer logits rows than requested".into(),
+                ));
             }
             let (mine, tail) = rest.split_at(n * vocab);
             out.push(mine.to_vec());
@@ -198,10 +213,15 @@ impl GpuModel {
             out: Some(out),
             width: self.config.hidden_size,
         };
-        Ok(ops::add_rms_norm(&self.dev, p, self.config.rms_norm_eps as f32)?)
+        Ok(ops::add_rms_norm(&self.dev, p, self.config.rms_norm_eps)?)
     }
 
-    fn linear(&self, x: Dv<f32>, w: &GpuMatrix, rows: usize) -> Result<DeviceBuffer<f32>, ModelError> {
+    fn linear(
+        &self,
+        x: Dv<f32>,
+        w: &GpuMatrix,
+        rows: usize,
+    ) -> Result<DeviceBuffer<f32>, ModelError> {
         let out = self.dev.alloc::<f32>(rows * w.rows())?;
         ops::linear(&self.dev, x, w, out.v(), self.mode.gemm())?;
         Ok(out)
@@ -261,11 +281,11 @@ impl GpuModel {
     fn attention(
         &self,
         l: usize,
-        layer: &GpuLayer,
         x: Dv<f32>,
         sh: &Shared,
         kv: &mut GpuKvCache,
     ) -> Result<DeviceBuffer<f32>, ModelError> {
+        let layer = &self.layers[l];
         let dev = &self.dev;
         let d = &self.dims;
         let w = &layer.attn;
@@ -320,7 +340,11 @@ fn flat_tables(seqs: &[SeqInput<'_>], page: usize) -> (Vec<i32>, usize) {
 }
 
 /// [`flat_tables`] with rows covering at least `min_positions` positions (missing entries 0).
-pub(super) fn flat_tables_min(seqs: &[SeqInput<'_>], page: usize, min_positions: usize) -> (Vec<i32>, usize) {
+pub(super) fn flat_tables_min(
+    seqs: &[SeqInput<'_>],
+    page: usize,
+    min_positions: usize,
+) -> (Vec<i32>, usize) {
     let stride = seqs
         .iter()
         .map(|s| (s.start_pos + s.tokens.len()).div_ceil(page))
@@ -382,7 +406,10 @@ impl GpuModel {
             let mut j = i + 1;
             while j < seqs.len()
                 && seqs[j].tokens.len() == s0.tokens.len()
-                && self.policy.choose(d, seqs[j].start_pos, seqs[j].tokens.len()) == form
+                && self
+                    .policy
+                    .choose(d, seqs[j].start_pos, seqs[j].tokens.len())
+                    == form
             {
                 j += 1;
             }
@@ -391,7 +418,8 @@ impl GpuModel {
                 .iter()
                 .map(|s| (s.start_pos + s.tokens.len()) as i32)
                 .collect();
-            let max_ctx = (ctx.iter().copied().max().unwrap_or(1) as usize).max(plan_ctx.unwrap_or(0));
+            let max_ctx =
+                (ctx.iter().copied().max().unwrap_or(1) as usize).max(plan_ctx.unwrap_or(0));
             runs.push(RunPlan::Absorbed {
                 first: i,
                 end: j,
@@ -408,7 +436,16 @@ impl GpuModel {
 
     /// Absorbed form for one [`RunPlan::Absorbed`] group.
     fn absorbed_run(&self, run: &RunPlan, io: AttnIo<'_>, sh: &Shared) -> Result<(), ModelError> {
-        let RunPlan::Absorbed { first, end, sq, table, stride, ctx, max_ctx } = run else {
+        let RunPlan::Absorbed {
+            first,
+            end,
+            sq,
+            table,
+            stride,
+            ctx,
+            max_ctx,
+        } = run
+        else {
             return Err(ModelError::Invalid("absorbed_run given an MHA run".into()));
         };
         let (stride, max_ctx, sq, n_seqs) = (*stride, *max_ctx, *sq, end - first);
@@ -460,7 +497,16 @@ impl GpuModel {
 
     /// MHA form for one sequence: decompress its whole context, causal attention.
     fn mha_seq(&self, run: &RunPlan, io: AttnIo<'_>, sh: &Shared) -> Result<(), ModelError> {
-        let RunPlan::Mha { seq, sq, start, table, cu_q, cu_k, q_seq } = run else {
+        let RunPlan::Mha {
+            seq,
+            sq,
+            start,
+            table,
+            cu_q,
+            cu_k,
+            q_seq,
+        } = run
+        else {
             return Err(ModelError::Invalid("mha_seq given an absorbed run".into()));
         };
         let (sq, start) = (*sq, *start);
@@ -499,7 +545,11 @@ impl GpuModel {
             ops::mha_build_kv(dev, kvx.v(), lat.v(), hs, KvOut::Bf16(kb.v(), vb.v()))?;
             let qb = dev.alloc::<u16>(sq * h * qk)?;
             ops::cast_f32_bf16(dev, q, qb.v())?;
-            let b = mk(Elems::Bf16(qb.v()), Elems::Bf16(kb.v()), Elems::Bf16(vb.v()));
+            let b = mk(
+                Elems::Bf16(qb.v()),
+                Elems::Bf16(kb.v()),
+                Elems::Bf16(vb.v()),
+            );
             mha_prefill(dev, self.shape, MhaKernel::Flash, &b, out)?;
         } else {
             let kf = dev.alloc::<f32>(l * h * qk)?;
@@ -512,7 +562,11 @@ impl GpuModel {
     }
 
     /// Rejects a batch that would index out of range, naming the sequence and field.
-    pub(super) fn validate(&self, batch: &BatchInputs<'_>, kv: &GpuKvCache) -> Result<(), ModelError> {
+    pub(super) fn validate(
+        &self,
+        batch: &BatchInputs<'_>,
+        kv: &GpuKvCache,
+    ) -> Result<(), ModelError> {
         let layout = kv.layout();
         if layout.num_layers != self.layers.len() || layout.width != self.config.latent_width() {
             return Err(ModelError::Kv(format!(
@@ -534,7 +588,9 @@ impl GpuModel {
         let max_pos = self.config.max_position_embeddings;
         for (i, s) in batch.seqs.iter().enumerate() {
             if s.tokens.is_empty() {
-                return Err(ModelError::Invalid(format!("sequence {i}: `tokens` must not be empty")));
+                return Err(ModelError::Invalid(format!(
+                    "sequence {i}: `tokens` must not be empty"
+                )));
             }
             if let Some(bad) = s.tokens.iter().find(|&&t| t as usize >= vocab) {
                 return Err(ModelError::Invalid(format!(
@@ -543,7 +599,10 @@ impl GpuModel {
             }
             let end = s.start_pos + s.tokens.len();
             if end > max_pos {
-                return Err(ModelError::PromptTooLong { tokens: end, limit: max_pos });
+                return Err(ModelError::PromptTooLong {
+                    tokens: end,
+                    limit: max_pos,
+                });
             }
             if layout.blocks_for(end) > s.block_table.len() {
                 return Err(ModelError::Kv(format!(
@@ -551,8 +610,14 @@ impl GpuModel {
                     s.block_table.len()
                 )));
             }
-            if let Some(b) = s.block_table.iter().find(|b| b.0 as usize >= layout.num_blocks) {
-                return Err(ModelError::Kv(format!("sequence {i}: {b} is outside the cache")));
+            if let Some(b) = s
+                .block_table
+                .iter()
+                .find(|b| b.0 as usize >= layout.num_blocks)
+            {
+                return Err(ModelError::Kv(format!(
+                    "sequence {i}: {b} is outside the cache"
+                )));
             }
         }
         Ok(())

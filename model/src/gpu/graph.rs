@@ -26,7 +26,11 @@ pub struct DecodeGraph {
 
 impl std::fmt::Debug for DecodeGraph {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "DecodeGraph({} seqs, plan_ctx {})", self.seqs, self.plan_ctx)
+        write!(
+            f,
+            "DecodeGraph({} seqs, plan_ctx {})",
+            self.seqs, self.plan_ctx
+        )
     }
 }
 
@@ -108,7 +112,10 @@ impl GpuModel {
         dev.write(&mut sh.ids, 0, &hi.tokens)?;
         dev.write(&mut sh.slots, 0, &hi.slots)?;
         sh.rope.refresh(dev, &self.rope, &hi.geo.positions)?;
-        if let [RunPlan::Absorbed { table, ctx, stride, .. }] = sh.runs.as_mut_slice() {
+        if let [RunPlan::Absorbed {
+            table, ctx, stride, ..
+        }] = sh.runs.as_mut_slice()
+        {
             let (flat, s) = flat_tables_min(&batch.seqs, g.page, g.plan_ctx);
             if s != *stride {
                 return Err(ModelError::Invalid(format!(
@@ -116,7 +123,11 @@ impl GpuModel {
                 )));
             }
             dev.write(table, 0, &flat)?;
-            let lens: Vec<i32> = batch.seqs.iter().map(|s| (s.start_pos + 1) as i32).collect();
+            let lens: Vec<i32> = batch
+                .seqs
+                .iter()
+                .map(|s| (s.start_pos + 1) as i32)
+                .collect();
             dev.write(ctx, 0, &lens)?;
         }
         g.graph.launch()?;

@@ -123,12 +123,21 @@ pub struct GpuModel {
 }
 
 fn mla_shape(d: &MlaDims) -> MlaShape {
-    MlaShape::new(d.latent_width(), d.kv_lora_rank, d.qk_head_dim(), d.v_head_dim)
+    MlaShape::new(
+        d.latent_width(),
+        d.kv_lora_rank,
+        d.qk_head_dim(),
+        d.v_head_dim,
+    )
 }
 
 impl GpuModel {
     /// Uploads every weight of `model` to `dev`, keeping each tensor's element type.
-    pub fn upload(dev: &CudaDevice, model: &DeepseekModel, mode: GpuMode) -> Result<Self, ModelError> {
+    pub fn upload(
+        dev: &CudaDevice,
+        model: &DeepseekModel,
+        mode: GpuMode,
+    ) -> Result<Self, ModelError> {
         let p = model.parts();
         let c = model.config();
         let up = |m: &Matrix| GpuMatrix::upload(dev, m);
@@ -158,7 +167,11 @@ impl GpuModel {
                     down: up(&mlp.down)?,
                 },
                 Ffn::Moe(moe) => {
-                    let n_shared = if moe.shared.is_some() { c.n_shared_experts.max(1) } else { 0 };
+                    let n_shared = if moe.shared.is_some() {
+                        c.n_shared_experts.max(1)
+                    } else {
+                        0
+                    };
                     GpuFfn::Moe {
                         router: up(&moe.router)?,
                         bias: vecf(&moe.correction_bias)?,
@@ -182,7 +195,11 @@ impl GpuModel {
                 ffn,
             });
         }
-        let lm_head = if c.tie_word_embeddings { None } else { Some(up(p.lm_head)?) };
+        let lm_head = if c.tie_word_embeddings {
+            None
+        } else {
+            Some(up(p.lm_head)?)
+        };
         Ok(Self {
             dev: dev.clone(),
             config: c.clone(),
@@ -228,7 +245,11 @@ impl GpuModel {
 
     /// A zeroed latent cache for this model: `num_blocks` blocks of `page_size` tokens per
     /// layer, f32 in [`GpuMode::Exact`], bf16 in [`GpuMode::Fast`].
-    pub fn new_kv_cache(&self, num_blocks: usize, page_size: usize) -> Result<GpuKvCache, ModelError> {
+    pub fn new_kv_cache(
+        &self,
+        num_blocks: usize,
+        page_size: usize,
+    ) -> Result<GpuKvCache, ModelError> {
         GpuKvCache::new(
             &self.dev,
             crate::kv::KvLayout {
@@ -255,7 +276,12 @@ impl GpuModel {
             total += a.kv_a.bytes() + a.kv_b.bytes() + a.o.bytes();
             total += match &l.ffn {
                 GpuFfn::Dense { gate, up, down } => gate.bytes() + up.bytes() + down.bytes(),
-                GpuFfn::Moe { router, experts, routing, .. } => {
+                GpuFfn::Moe {
+                    router,
+                    experts,
+                    routing,
+                    ..
+                } => {
                     let per = (experts.gate.bytes() + experts.up.bytes() + experts.down.bytes())
                         / experts.total().max(1);
                     router.bytes() + per * (routing.top_k + routing.n_shared) as usize

@@ -90,23 +90,39 @@ pub fn report(dev: &CudaDevice, opts: &ReportOptions) -> Result<String, ModelErr
                             );
                         }
                         Err(e) => {
-                            let _ = writeln!(out, "| {name} | {} | {} | error: {e} | | | | | |", r.context, r.steps);
+                            let _ = writeln!(
+                                out,
+                                "| {name} | {} | {} | error: {e} | | | | | |",
+                                r.context, r.steps
+                            );
                         }
                     }
                 }
                 let _ = writeln!(out);
             }
             Err(e) => {
-                let _ = writeln!(out, "| eager | {} | {} | error: {e} | | | | | | |\n", opts.e2e_context, opts.e2e_steps);
+                let _ = writeln!(
+                    out,
+                    "| eager | {} | {} | error: {e} | | | | | | |\n",
+                    opts.e2e_context, opts.e2e_steps
+                );
             }
         }
     }
     Ok(out)
 }
 
-fn kernels(dev: &CudaDevice, args: &ReportOptions, bw: f64, out: &mut String) -> Result<(), ModelError> {
+fn kernels(
+    dev: &CudaDevice,
+    args: &ReportOptions,
+    bw: f64,
+    out: &mut String,
+) -> Result<(), ModelError> {
     let shape = MlaShape::DEEPSEEK_V3;
-    let _ = writeln!(out, "### MHA-form causal prefill (qk 192 / v 128, bf16, batch 1), flash kernel\n");
+    let _ = writeln!(
+        out,
+        "### MHA-form causal prefill (qk 192 / v 128, bf16, batch 1), flash kernel\n"
+    );
     let _ = writeln!(out, "| heads | tokens | ms | TFLOP/s |\n|---|---|---|---|");
     for heads in [12usize, 16] {
         for &n in &args.prefill_tokens {
@@ -127,15 +143,26 @@ fn kernels(dev: &CudaDevice, args: &ReportOptions, bw: f64, out: &mut String) ->
         .min(128 * 131_072);
     let mut pool = LatentPool::new(dev, shape, max_tokens)?;
     // Pipeline sweep: keys per step × stages in flight; the best goes on to the grids below.
-    let _ = writeln!(out, "### Absorbed tile pipeline sweep (16 heads, ctx 32768): GB/s\n");
-    let _ = writeln!(out, "| keys/step × stages | batch 1 | batch 32 | batch 128 |\n|---|---|---|---|");
+    let _ = writeln!(
+        out,
+        "### Absorbed tile pipeline sweep (16 heads, ctx 32768): GB/s\n"
+    );
+    let _ = writeln!(
+        out,
+        "| keys/step × stages | batch 1 | batch 32 | batch 128 |\n|---|---|---|---|"
+    );
     let mut best = (0.0f64, 64usize, 2usize);
     for (bk, st) in [(64usize, 2usize), (32, 2), (32, 3), (32, 4)] {
         pool.set_tile(bk, st);
         let mut cells = Vec::new();
         let mut total = 0.0;
         for b in [1usize, 32, 128] {
-            let s = DecodeShape { batch: b, ctx: 32_768, heads: 16, sq: 1 };
+            let s = DecodeShape {
+                batch: b,
+                ctx: 32_768,
+                heads: 16,
+                sq: 1,
+            };
             match absorbed_decode(dev, &pool, AbsorbedImpl::Padded, s) {
                 Ok((_, gbs)) => {
                     total += gbs;
@@ -150,14 +177,28 @@ fn kernels(dev: &CudaDevice, args: &ReportOptions, bw: f64, out: &mut String) ->
         let _ = writeln!(out, "| {bk} × {st} | {} |", cells.join(" | "));
     }
     pool.set_tile(best.1, best.2);
-    let _ = writeln!(out, "\nusing {} keys/step × {} stages below\n", best.1, best.2);
+    let _ = writeln!(
+        out,
+        "\nusing {} keys/step × {} stages below\n",
+        best.1, best.2
+    );
     let _ = writeln!(out, "### Absorbed decode (16 heads, bf16 latent cache, tile kernel): GB/s of latent read (copy: {bw:.0} GB/s)\n");
     let head: Vec<String> = args.context.iter().map(|c| format!("ctx {c}")).collect();
-    let _ = writeln!(out, "| batch | {} |\n|---|{}", head.join(" | "), "---|".repeat(args.context.len()));
+    let _ = writeln!(
+        out,
+        "| batch | {} |\n|---|{}",
+        head.join(" | "),
+        "---|".repeat(args.context.len())
+    );
     for &b in &args.batch {
         let mut cells = Vec::new();
         for &c in &args.context {
-            let s = DecodeShape { batch: b, ctx: c, heads: 16, sq: 1 };
+            let s = DecodeShape {
+                batch: b,
+                ctx: c,
+                heads: 16,
+                sq: 1,
+            };
             cells.push(match absorbed_decode(dev, &pool, AbsorbedImpl::Padded, s) {
                 Ok((t, gbs)) => format!("{gbs:.0} ({:.0}%, {:.3} ms)", 100.0 * gbs / bw, t.ms),
                 Err(e) => format!("error: {e}"),
@@ -167,12 +208,33 @@ fn kernels(dev: &CudaDevice, args: &ReportOptions, bw: f64, out: &mut String) ->
     }
     let _ = writeln!(out);
 
-    let _ = writeln!(out, "### 12 heads: padded 12→16 vs head-packed vs per-head generic (ms; GB/s of latent read)\n");
-    let _ = writeln!(out, "| batch | ctx | q tokens/seq | padded | packed | generic |\n|---|---|---|---|---|---|");
-    for (b, c, sq) in [(1, 32_768, 1), (32, 8192, 1), (128, 4096, 1), (32, 8192, 4), (8, 32_768, 2)] {
+    let _ = writeln!(
+        out,
+        "### 12 heads: padded 12→16 vs head-packed vs per-head generic (ms; GB/s of latent read)\n"
+    );
+    let _ = writeln!(
+        out,
+        "| batch | ctx | q tokens/seq | padded | packed | generic |\n|---|---|---|---|---|---|"
+    );
+    for (b, c, sq) in [
+        (1, 32_768, 1),
+        (32, 8192, 1),
+        (128, 4096, 1),
+        (32, 8192, 4),
+        (8, 32_768, 2),
+    ] {
         let mut cells = Vec::new();
-        for imp in [AbsorbedImpl::Padded, AbsorbedImpl::Packed, AbsorbedImpl::Generic] {
-            let s = DecodeShape { batch: b, ctx: c, heads: 12, sq };
+        for imp in [
+            AbsorbedImpl::Padded,
+            AbsorbedImpl::Packed,
+            AbsorbedImpl::Generic,
+        ] {
+            let s = DecodeShape {
+                batch: b,
+                ctx: c,
+                heads: 12,
+                sq,
+            };
             cells.push(match absorbed_decode(dev, &pool, imp, s) {
                 Ok((t, gbs)) => format!("{:.3} ms ({gbs:.0} GB/s)", t.ms),
                 Err(e) => format!("error: {e}"),
