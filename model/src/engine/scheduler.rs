@@ -5,6 +5,9 @@
 //! chunked) up to `max_batch_tokens`; run the forward; sample; emit events; finish and free.
 //! A failing forward fails the requests of that batch only, frees their blocks, and the loop
 //! goes on.
+//!
+//! With a drafter, a decoding sequence may instead feed its anchor and γ drafts and commit up
+//! to γ + 1 tokens in one step; `round.rs` holds those parts and `super::spec` the design.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 
@@ -13,12 +16,11 @@ use tokio::sync::mpsc;
 use tracing::{debug, warn};
 
 use super::sequence::{sample_step, Next, Origin, Phase, PrefillTask, Sequence};
-use super::spec::{verify_round, Draft, Speculator};
+use super::spec::{Draft, Speculator};
 use super::{Command, EngineConfig, EngineEvent, EngineStats, FinishReason, PrefillOutcome};
 use super::{GenerateJob, GenerateOptions, PrefillSource, SeqId};
 use crate::deepseek::forward::ForwardHooks;
 use crate::deepseek::{BatchInputs, DeepseekModel, FormPolicy, LogitsWanted, SeqInput};
-use crate::drafter::ContextSegment;
 use crate::kv::{BlockId, KvManager, KvPool};
 use crate::ModelError;
 
