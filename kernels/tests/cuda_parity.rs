@@ -59,6 +59,7 @@ fn bits(x: &[f32]) -> Vec<u16> {
 const TINY: MlaShape = MlaShape::new(80, 64, 48, 32);
 
 #[test]
+#[ignore = "needs an NVIDIA GPU: run on the GPU machine with --include-ignored (docs/gpu.md)"]
 fn nvrtc_compiles_every_source() {
     if !ferry_kernels::cuda::nvrtc::available() {
         eprintln!("skipping nvrtc_compiles_every_source: libnvrtc.so not on the library path");
@@ -100,6 +101,7 @@ fn nvrtc_compiles_every_source() {
 }
 
 #[test]
+#[ignore = "needs an NVIDIA GPU: run on the GPU machine with --include-ignored (docs/gpu.md)"]
 fn linear_matches_cpu() {
     let Some(dev) = gpu("linear_matches_cpu") else {
         return;
@@ -133,6 +135,7 @@ fn linear_matches_cpu() {
 }
 
 #[test]
+#[ignore = "needs an NVIDIA GPU: run on the GPU machine with --include-ignored (docs/gpu.md)"]
 fn norm_rope_and_latent_write_match_cpu() {
     let Some(dev) = gpu("norm_rope_and_latent_write_match_cpu") else {
         return;
@@ -287,6 +290,7 @@ fn absorbed_reference(pool: &Pool, case: &AbsorbedCase, q: &[f32], scale: f32) -
 }
 
 #[test]
+#[ignore = "needs an NVIDIA GPU: run on the GPU machine with --include-ignored (docs/gpu.md)"]
 fn absorbed_kernels_match_cpu() {
     let Some(dev) = gpu("absorbed_kernels_match_cpu") else {
         return;
@@ -454,6 +458,7 @@ fn attend(q: &[f32], k: &[f32], v: &[f32], dims: HeadDims, scale: f32) -> Vec<f3
 }
 
 #[test]
+#[ignore = "needs an NVIDIA GPU: run on the GPU machine with --include-ignored (docs/gpu.md)"]
 fn mha_kernels_match_cpu() {
     let Some(dev) = gpu("mha_kernels_match_cpu") else {
         return;
@@ -556,6 +561,7 @@ fn mha_kernels_match_cpu() {
 }
 
 #[test]
+#[ignore = "needs an NVIDIA GPU: run on the GPU machine with --include-ignored (docs/gpu.md)"]
 fn moe_routing_matches_cpu() {
     let Some(dev) = gpu("moe_routing_matches_cpu") else {
         return;

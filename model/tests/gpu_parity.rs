@@ -97,6 +97,7 @@ fn prompt() -> Vec<u32> {
 }
 
 #[test]
+#[ignore = "needs an NVIDIA GPU: run on the GPU machine with --include-ignored (docs/gpu.md)"]
 fn exact_mode_matches_cpu_and_greedy_is_identical() {
     let Some((dev, model)) = setup("exact_mode_matches_cpu_and_greedy_is_identical") else {
         return;
@@ -116,6 +117,7 @@ fn exact_mode_matches_cpu_and_greedy_is_identical() {
 }
 
 #[test]
+#[ignore = "needs an NVIDIA GPU: run on the GPU machine with --include-ignored (docs/gpu.md)"]
 fn fast_mode_stays_close() {
     let Some((dev, model)) = setup("fast_mode_stays_close") else {
         return;
@@ -189,6 +191,7 @@ fn fast_mode_stays_close() {
 }
 
 #[test]
+#[ignore = "needs an NVIDIA GPU: run on the GPU machine with --include-ignored (docs/gpu.md)"]
 fn mixed_batch_matches_cpu() {
     let Some((dev, model)) = setup("mixed_batch_matches_cpu") else {
         return;
