@@ -17,9 +17,9 @@ pub mod deepseek;
 pub mod drafter;
 pub mod embedded;
 pub mod engine;
+pub mod error;
 #[cfg(feature = "cuda")]
 pub mod gpu;
-pub mod error;
 pub mod kv;
 pub mod session;
 pub mod tokenizer;

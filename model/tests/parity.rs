@@ -91,20 +91,12 @@ fn argmax(row: &[f32]) -> u32 {
 /// Greedy continuation: prefill, then one-token decode steps (absorbed form by the cost model).
 fn greedy(model: &DeepseekModel, pool: &mut KvPool, prompt: &[u32], n: usize) -> Vec<u32> {
     let mut s = Session::new();
-    let mut logits = s
-        .extend(
-            model,
-            pool,
-            prompt,
-            LogitsWanted::Last)
-        .unwrap();
+    let mut logits = s.extend(model, pool, prompt, LogitsWanted::Last).unwrap();
     let mut out = Vec::new();
     for _ in 0..n {
         let t = argmax(&logits);
         out.push(t);
-        logits = s
-            .extend(model, pool, &[t], LogitsWanted::Last)
-            .unwrap();
+        logits = s.extend(model, pool, &[t], LogitsWanted::Last).unwrap();
     }
     s.free(pool).unwrap();
     out
@@ -130,11 +122,7 @@ fn prefill_logits_match_transformers() {
     for (i, case) in cases.iter().enumerate() {
         let mut s = Session::new();
         let ours = s
-            .extend(
-                &model,
-                &mut pool,
-                &case.prompt_ids,
-                LogitsWanted::All)
+            .extend(&model, &mut pool, &case.prompt_ids, LogitsWanted::All)
             .unwrap();
         let tol = 1e-3 * max_abs(&case.logits);
         let diff = max_diff(&ours, &case.logits);
@@ -190,11 +178,7 @@ fn mixed_length_batch_equals_each_sequence_alone() {
         .map(|c| {
             let mut s = Session::new();
             let l = s
-                .extend(
-                    &model,
-                    &mut pool,
-                    &c.prompt_ids,
-                    LogitsWanted::All)
+                .extend(&model, &mut pool, &c.prompt_ids, LogitsWanted::All)
                 .unwrap();
             s.free(&mut pool).unwrap();
             l
@@ -250,20 +234,12 @@ fn decode_after_reused_prefix_equals_decode_after_full_prefill() {
     // computes only the rest (a chunk over a cached prefix), then decodes.
     let mut first = Session::new();
     first
-        .extend(
-            &model,
-            &mut pool,
-            prompt,
-            LogitsWanted::Last)
+        .extend(&model, &mut pool, prompt, LogitsWanted::Last)
         .unwrap();
     let used_by_first = 64 - pool.free_blocks();
     let mut second = Session::fork_prefix(&mut pool, &first, 128).unwrap();
     let mut logits = second
-        .extend(
-            &model,
-            &mut pool,
-            &prompt[128..],
-            LogitsWanted::Last)
+        .extend(&model, &mut pool, &prompt[128..], LogitsWanted::Last)
         .unwrap();
     assert_eq!(
         64 - pool.free_blocks(),
@@ -275,11 +251,7 @@ fn decode_after_reused_prefix_equals_decode_after_full_prefill() {
         let t = argmax(&logits);
         reused.push(t);
         logits = second
-            .extend(
-                &model,
-                &mut pool,
-                &[t],
-                LogitsWanted::Last)
+            .extend(&model, &mut pool, &[t], LogitsWanted::Last)
             .unwrap();
     }
     assert_eq!(reused, full);
