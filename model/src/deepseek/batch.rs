@@ -1,6 +1,8 @@
 //! The contract between a scheduler and the forward.
 
-use crate::kv::BlockId;
+use crate::config::ModelConfig;
+use crate::kv::{BlockId, KvLayout};
+use crate::ModelError;
 
 /// Which logits a sequence wants back.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -32,6 +34,49 @@ pub struct BatchInputs<'a> {
 }
 
 impl BatchInputs<'_> {
+    /// Rejects a batch that would index out of range anywhere, naming the sequence and field:
+    /// empty or out-of-vocabulary tokens, positions beyond the context, block tables too short
+    /// or pointing outside the cache. Every backend calls this before writing any cache row.
+    pub fn check_seqs(&self, config: &ModelConfig, layout: &KvLayout) -> Result<(), ModelError> {
+        let vocab = config.vocab_size;
+        let max_pos = config.max_position_embeddings;
+        for (i, s) in self.seqs.iter().enumerate() {
+            if s.tokens.is_empty() {
+                return Err(ModelError::Invalid(format!(
+                    "sequence {i}: `tokens` must not be empty"
+                )));
+            }
+            if let Some(bad) = s.tokens.iter().find(|&&t| t as usize >= vocab) {
+                return Err(ModelError::Invalid(format!(
+                    "sequence {i}: token id {bad} is outside the vocabulary of {vocab}"
+                )));
+            }
+            let end = s.start_pos + s.tokens.len();
+            if end > max_pos {
+                return Err(ModelError::PromptTooLong {
+                    tokens: end,
+                    limit: max_pos,
+                });
+            }
+            if layout.blocks_for(end) > s.block_table.len() {
+                return Err(ModelError::Kv(format!(
+                    "sequence {i}: block table of {} blocks cannot hold {end} positions",
+                    s.block_table.len()
+                )));
+            }
+            if let Some(b) = s
+                .block_table
+                .iter()
+                .find(|b| b.0 as usize >= layout.num_blocks)
+            {
+                return Err(ModelError::Kv(format!(
+                    "sequence {i}: {b} is outside the KV cache"
+                )));
+            }
+        }
+        Ok(())
+    }
+
     /// New tokens across the batch.
     pub fn total_tokens(&self) -> usize {
         self.seqs.iter().map(|s| s.tokens.len()).sum()

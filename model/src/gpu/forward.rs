@@ -584,42 +584,6 @@ impl GpuModel {
                 self.mode
             )));
         }
-        let vocab = self.config.vocab_size;
-        let max_pos = self.config.max_position_embeddings;
-        for (i, s) in batch.seqs.iter().enumerate() {
-            if s.tokens.is_empty() {
-                return Err(ModelError::Invalid(format!(
-                    "sequence {i}: `tokens` must not be empty"
-                )));
-            }
-            if let Some(bad) = s.tokens.iter().find(|&&t| t as usize >= vocab) {
-                return Err(ModelError::Invalid(format!(
-                    "sequence {i}: token id {bad} is outside the vocabulary of {vocab}"
-                )));
-            }
-            let end = s.start_pos + s.tokens.len();
-            if end > max_pos {
-                return Err(ModelError::PromptTooLong {
-                    tokens: end,
-                    limit: max_pos,
-                });
-            }
-            if layout.blocks_for(end) > s.block_table.len() {
-                return Err(ModelError::Kv(format!(
-                    "sequence {i}: block table of {} blocks cannot hold {end} positions",
-                    s.block_table.len()
-                )));
-            }
-            if let Some(b) = s
-                .block_table
-                .iter()
-                .find(|b| b.0 as usize >= layout.num_blocks)
-            {
-                return Err(ModelError::Kv(format!(
-                    "sequence {i}: {b} is outside the cache"
-                )));
-            }
-        }
-        Ok(())
+        batch.check_seqs(&self.config, layout)
     }
 }
