@@ -55,8 +55,10 @@ pub fn copy_bandwidth(dev: &CudaDevice, bytes: usize) -> Result<f64, KernelError
 /// Which MHA implementation to time.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MhaImpl {
-    /// The tensor-core flash kernel.
+    /// The tensor-core flash kernel (`mma.sync`).
     Flash,
+    /// The Hopper warpgroup-MMA kernel.
+    Wgmma,
     /// The f32 CUDA-core kernel.
     F32,
 }
@@ -77,7 +79,12 @@ pub fn mha_prefill(
     let flops = 2.0 * (qk + v) as f64 * heads as f64 * (tokens as f64).powi(2) / 2.0;
     let reps = if tokens >= 32_768 { 3 } else { 10 };
     let t = match imp {
-        MhaImpl::Flash => {
+        MhaImpl::Flash | MhaImpl::Wgmma => {
+            let kernel = if imp == MhaImpl::Flash {
+                MhaKernel::Flash
+            } else {
+                MhaKernel::Wgmma
+            };
             let q = dev.alloc::<u16>(tokens * heads * qk)?;
             let k = dev.alloc::<u16>(tokens * heads * qk)?;
             let vv = dev.alloc::<u16>(tokens * heads * v)?;
@@ -97,7 +104,7 @@ pub fn mha_prefill(
                 scale: (qk as f32).powf(-0.5),
             };
             time(dev, 2, reps, || {
-                run_mha(dev, shape, MhaKernel::Flash, &b, out.v())
+                run_mha(dev, shape, kernel, &b, out.v())
             })?
         }
         MhaImpl::F32 => {

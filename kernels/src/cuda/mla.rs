@@ -102,6 +102,18 @@ impl MlaShape {
             + 1024
     }
 
+    /// Whether the wgmma prefill kernel takes this shape: whole 4-chunk loader items (qk a
+    /// multiple of 32) and 64-wide value chunks.
+    pub fn wgmma_ok(&self) -> bool {
+        self.mha_qk % 32 == 0 && self.mha_v % 64 == 0 && self.mha_v > 0
+    }
+
+    /// Dynamic shared memory of the wgmma kernel with `wgs` warpgroups (64 query rows each):
+    /// the Q tile and two stages of 64 keys of K and V.
+    pub fn wgmma_smem(&self, wgs: usize) -> usize {
+        (64 * wgs * self.mha_qk + 2 * 64 * (self.mha_qk + self.mha_v)) * 2
+    }
+
     /// Dynamic shared memory of the flash kernel.
     pub fn flash_smem(&self) -> usize {
         let (fks, fvs) = (self.mha_qk + 8, self.mha_v + 8);
@@ -424,8 +436,23 @@ pub fn mla_absorbed_padded(
 pub enum MhaKernel {
     /// f32 inputs, CUDA cores (exact path; any shape).
     F32,
-    /// bf16 inputs, tensor cores, FlashAttention-2 style.
+    /// bf16 inputs, tensor cores, FlashAttention-2 style (`mma.sync`, sm_80+).
     Flash,
+    /// bf16 inputs, Hopper warpgroup MMA with operands in shared memory (sm_90 only; see
+    /// [`MlaShape::wgmma_ok`]).
+    Wgmma,
+}
+
+impl MhaKernel {
+    /// The fastest tensor-core kernel for this card and shape: [`MhaKernel::Wgmma`] on Hopper
+    /// when the shape allows it, else [`MhaKernel::Flash`].
+    pub fn best_bf16(dev: &CudaDevice, shape: MlaShape) -> Self {
+        if dev.compute_capability() == (9, 0) && shape.wgmma_ok() {
+            MhaKernel::Wgmma
+        } else {
+            MhaKernel::Flash
+        }
+    }
 }
 
 /// A variable-length batch for the MHA form.
@@ -482,12 +509,18 @@ pub fn mha_prefill(
     need(OP, "out", tq * b.heads * shape.mha_v, out.len)?;
     need(OP, "cu_q", b.batch + 1, b.cu_q.len)?;
     need(OP, "cu_k", b.batch + 1, b.cu_k.len)?;
-    let bf16 = kernel == MhaKernel::Flash;
-    if [b.q, b.k, b.v].iter().any(|e| e.is_bf16() != bf16) || (bf16 && !shape.flash_ok()) {
+    let bf16 = kernel != MhaKernel::F32;
+    let shape_ok = match kernel {
+        MhaKernel::F32 => true,
+        MhaKernel::Flash => shape.flash_ok(),
+        MhaKernel::Wgmma => shape.wgmma_ok() && dev.compute_capability() == (9, 0),
+    };
+    if [b.q, b.k, b.v].iter().any(|e| e.is_bf16() != bf16) || !shape_ok {
         return Err(KernelError::InvalidParam {
             op: OP,
             field: "inputs",
-            limit: "f32 for the f32 kernel; bf16 and qk, v multiples of 16 for flash",
+            limit: "f32 for the f32 kernel; bf16 and qk, v multiples of 16 for flash; \
+                    qk % 32, v % 64 and an sm_90 card for wgmma",
             value: format!("{kernel:?} with {shape:?}"),
         });
     }
@@ -525,7 +558,41 @@ pub fn mha_prefill(
             };
             dev.launch(&f, dims, &mut a)
         }
+        MhaKernel::Wgmma => {
+            let wgs = wgmma_warpgroups();
+            let defines = defines
+                .with("MHA_WGS", wgs)
+                .with("MHA_WG_DESC", wgmma_desc_variant());
+            let f = dev.function(Source::Mla, &defines, "mha_wgmma_bf16")?;
+            let dims = LaunchDims {
+                grid: (
+                    b.max_q.div_ceil(64 * wgs) as u32,
+                    b.heads as u32,
+                    b.batch as u32,
+                ),
+                block: (128 * wgs as u32, 1, 1),
+                smem: shape.wgmma_smem(wgs) as u32,
+            };
+            dev.launch(&f, dims, &mut a)
+        }
     }
+}
+
+/// Warpgroups per block of the wgmma kernel (`FERRY_WGMMA_WGS`, 1 or 2; default 2).
+fn wgmma_warpgroups() -> usize {
+    match std::env::var("FERRY_WGMMA_WGS").ok().as_deref() {
+        Some("1") => 1,
+        _ => 2,
+    }
+}
+
+/// Descriptor variant of the wgmma kernel (`FERRY_WGMMA_DESC`, 0..=2; default 0).
+fn wgmma_desc_variant() -> u32 {
+    std::env::var("FERRY_WGMMA_DESC")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .filter(|v| *v <= 2)
+        .unwrap_or(0)
 }
 
 #[cfg(test)]

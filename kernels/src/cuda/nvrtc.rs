@@ -37,7 +37,7 @@ fn compile(source: Source, defines: &Defines, cc: (i32, i32)) -> Result<Ptx, Ker
         });
     }
     let mut options = defines.options();
-    options.push(format!("--gpu-architecture=sm_{}{}", cc.0, cc.1));
+    options.push(format!("--gpu-architecture={}", arch(cc)));
     options.push("--std=c++17".into());
     options.push("-lineinfo".into());
     let opts = CompileOptions {
@@ -57,6 +57,17 @@ fn compile(source: Source, defines: &Defines, cc: (i32, i32)) -> Result<Ptx, Ker
             message,
         }
     })
+}
+
+/// The NVRTC target for compute capability `cc`: Hopper compiles for `sm_90a`, whose
+/// architecture-specific features (warpgroup MMA) the MHA prefill kernel uses; every other card
+/// gets its plain `sm_XY`.
+pub fn arch(cc: (i32, i32)) -> String {
+    if cc == (9, 0) {
+        "sm_90a".into()
+    } else {
+        format!("sm_{}{}", cc.0, cc.1)
+    }
 }
 
 type ModuleKey = (Source, Defines, (i32, i32));

@@ -794,3 +794,229 @@ extern "C" __global__ void __launch_bounds__(128) mha_flash_bf16(MhaArgs a) {
   }
 }
 #endif
+
+// ---------------------------------------------------------------------------------------------
+// Hopper (sm_90a) MHA-form causal prefill on warpgroup MMA (wgmma): operands straight from
+// shared memory, so no ldmatrix traffic for Q and K and none for V.
+//
+// One block = MHA_WGS warpgroups × 64 query rows of one (sequence, head); 64-key steps,
+// double-buffered with cp.async. Per step and warpgroup: S(64×64) = Q·Kᵀ as DQK/16 wgmma with
+// both operands in shared memory (K-major), online softmax on the accumulator registers, then
+// O(64×DV) += P·V with P from registers (the accumulator layout is the A-fragment layout) and V
+// in shared memory (MN-major), DV/64 × 4 wgmma. Shared tiles use the no-swizzle canonical
+// layout: 8 rows × 16 bytes per core matrix, stored [16-byte chunk][row][8], so every cp.async
+// writes one whole 16-byte chunk and a warp's chunks form conflict-free 128-byte runs.
+// Grid: (ceil(max_q_len / (64·MHA_WGS)), H, B); block 128·MHA_WGS; smem: wgmma_smem() on the host.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL) && !defined(FERRY_NO_WGMMA)
+#define FERRY_WGMMA 1
+#ifndef MHA_WGS
+#define MHA_WGS 2
+#endif
+#ifndef MHA_WG_DESC
+#define MHA_WG_DESC 0
+#endif
+#define WGQ (64 * MHA_WGS)
+#define WGK 64
+#define QCH (MHA_DQK / 8)
+#define VCH (MHA_DV / 8)
+
+// Shared-memory matrix descriptor, no swizzle: start, leading (K-direction) and stride
+// (M/N-direction) byte offsets between core matrices, each in 16-byte units.
+__device__ __forceinline__ u64 wg_desc(u32 addr, u32 lbo, u32 sbo) {
+  return (u64)((addr & 0x3FFFF) >> 4) | ((u64)((lbo >> 4) & 0x3FFF) << 16) |
+         ((u64)((sbo >> 4) & 0x3FFF) << 32);
+}
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void wg_wait0() {
+  asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+}
+// Makes this thread's completed shared-memory writes visible to the async proxy (wgmma).
+__device__ __forceinline__ void fence_async_smem() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+// d(64x64) (+)= a(64x16, smem, K-major) · b(16x64, smem, K-major); acc = 0 overwrites d.
+__device__ __forceinline__ void wg_ss(float* d, u64 da, u64 db, int acc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(da), "l"(db), "r"(acc));
+}
+// d(64x64) += a(64x16, registers) · b(16x64, smem, MN-major: stored [n-chunk][k][8]).
+__device__ __forceinline__ void wg_rs(float* d, const u32* a, u64 db) {
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, 1, 1, 1, 1;"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+}
+
+// Copies rows [0, valid) of a tile of ROWS rows × CH 16-byte chunks into [CH][ROWS][8];
+// rows past `valid` are zero-filled. A warp moves 8 rows × 4 chunks per item: each source row
+// contributes 64 contiguous bytes, each destination run is 128 contiguous bytes.
+template <int ROWS, int CH>
+__device__ __forceinline__ void wg_load_tile(bf16_t* dst, const bf16_t* src, size_t row_stride,
+                                             int valid, const bf16_t* dummy, int warp,
+                                             int nwarps, int lane) {
+  const int ITEMS = (ROWS / 8) * (CH / 4);
+  for (int it = warp; it < ITEMS; it += nwarps) {
+    int r = (it % (ROWS / 8)) * 8 + (lane & 7);
+    int ch = (it / (ROWS / 8)) * 4 + (lane >> 3);
+    bool ok = r < valid;
+    const bf16_t* s = ok ? src + (size_t)r * row_stride + ch * 8 : dummy;
+    cp_async16(smem_u32(dst + ((size_t)ch * ROWS + r) * 8), s, ok ? 16 : 0);
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(128 * MHA_WGS, 1) mha_wgmma_bf16(MhaArgs a) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  bf16_t* s_q = (bf16_t*)smem;               // [QCH][WGQ][8]
+  bf16_t* s_k = s_q + QCH * WGQ * 8;         // [2][QCH][WGK][8]
+  bf16_t* s_v = s_k + 2 * QCH * WGK * 8;     // [2][VCH][WGK][8]
+  int H = a.heads, h = blockIdx.y, b = blockIdx.z;
+  int qb = gridDim.x - 1 - blockIdx.x;       // longest blocks first
+  int q0 = a.cu_q[b], k0 = a.cu_k[b];
+  int q_len = a.cu_q[b + 1] - q0, k_len = a.cu_k[b + 1] - k0;
+  if (qb * WGQ >= q_len) return;
+  int offset = k_len - q_len;
+  int tid = threadIdx.x, lane = tid % WARP, warp = tid / WARP, nwarps = blockDim.x / WARP;
+  int wg = warp / 4, wl = warp % 4, g = lane / 4, c = lane % 4;
+  const bf16_t* Q = (const bf16_t*)a.q;
+  const bf16_t* K = (const bf16_t*)a.k;
+  const bf16_t* V = (const bf16_t*)a.v;
+
+  wg_load_tile<WGQ, QCH>(s_q, Q + ((size_t)(q0 + qb * WGQ) * H + h) * MHA_DQK,
+                         (size_t)H * MHA_DQK, q_len - qb * WGQ, Q, warp, nwarps, lane);
+  int kv_end = min(k_len, offset + qb * WGQ + WGQ);  // keys any row of this block can see
+  int n_kb = (kv_end + WGK - 1) / WGK;
+  auto load_kv = [&](int buf, int kb) {
+    int valid = k_len - kb * WGK;
+    size_t first = (size_t)(k0 + kb * WGK) * H + h;
+    wg_load_tile<WGK, QCH>(s_k + buf * QCH * WGK * 8, K + first * MHA_DQK, (size_t)H * MHA_DQK,
+                           valid, K, warp, nwarps, lane);
+    wg_load_tile<WGK, VCH>(s_v + buf * VCH * WGK * 8, V + first * MHA_DV, (size_t)H * MHA_DV,
+                           valid, V, warp, nwarps, lane);
+  };
+  if (n_kb > 0) load_kv(0, 0);
+  cp_async_commit();
+
+  const int NC = MHA_DV / 64;
+  float o[NC][32];
+#pragma unroll
+  for (int n = 0; n < NC; n++)
+#pragma unroll
+    for (int j = 0; j < 32; j++) o[n][j] = 0.0f;
+  float m0 = -FERRY_INF, m1 = -FERRY_INF, l0 = 0.0f, l1 = 0.0f;
+  int wg_first = qb * WGQ + wg * 64;             // this warpgroup's first query row
+  int row0 = wg_first + wl * 16 + g, row1 = row0 + 8;
+  int lim0 = offset + row0 + 1, lim1 = offset + row1 + 1;
+  u32 q_addr = smem_u32(s_q) + wg * 64 * 16;
+#if MHA_WG_DESC == 2
+  const u32 Q_LBO = 128, Q_SBO = WGQ * 16, K_LBO = 128, K_SBO = WGK * 16;
+#else
+  const u32 Q_LBO = WGQ * 16, Q_SBO = 128, K_LBO = WGK * 16, K_SBO = 128;
+#endif
+#if MHA_WG_DESC == 1
+  const u32 V_LBO = WGK * 16, V_SBO = 128;
+#else
+  const u32 V_LBO = 128, V_SBO = WGK * 16;
+#endif
+
+  for (int kb = 0; kb < n_kb; kb++) {
+    if (kb + 1 < n_kb) load_kv((kb + 1) & 1, kb + 1);
+    cp_async_commit();
+    cp_async_wait1();
+    fence_async_smem();
+    __syncthreads();
+    // Keys past every row of this warpgroup: nothing to do but keep the barriers.
+    if (kb * WGK < offset + wg_first + 64 && wg_first < q_len) {
+      u32 k_addr = smem_u32(s_k + (kb & 1) * QCH * WGK * 8);
+      u32 v_addr = smem_u32(s_v + (kb & 1) * VCH * WGK * 8);
+      float s[32];
+#pragma unroll
+      for (int j = 0; j < 32; j++) s[j] = 0.0f;
+      wg_fence();
+#pragma unroll
+      for (int kk = 0; kk < MHA_DQK / 16; kk++)
+        wg_ss(s, wg_desc(q_addr + kk * 2 * WGQ * 16, Q_LBO, Q_SBO),
+              wg_desc(k_addr + kk * 2 * WGK * 16, K_LBO, K_SBO), kk > 0);
+      wg_commit();
+      wg_wait0();
+
+      bool need_mask = (kb + 1) * WGK > offset + wg_first + 1 || (kb + 1) * WGK > k_len;
+      float mx0 = -FERRY_INF, mx1 = -FERRY_INF;
+#pragma unroll
+      for (int n = 0; n < 8; n++)
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+          float v = s[4 * n + j] * a.scale_log2;
+          if (need_mask) {
+            int key = kb * WGK + n * 8 + 2 * c + (j & 1);
+            int lim = j < 2 ? lim0 : lim1;
+            if (key >= lim || key >= k_len) v = -FERRY_INF;
+          }
+          s[4 * n + j] = v;
+          if (j < 2) mx0 = fmaxf(mx0, v); else mx1 = fmaxf(mx1, v);
+        }
+      mx0 = fmaxf(mx0, SHFL_XOR(mx0, 1));
+      mx0 = fmaxf(mx0, SHFL_XOR(mx0, 2));
+      mx1 = fmaxf(mx1, SHFL_XOR(mx1, 1));
+      mx1 = fmaxf(mx1, SHFL_XOR(mx1, 2));
+      float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
+      float off0 = n0 == -FERRY_INF ? 0.0f : n0, off1 = n1 == -FERRY_INF ? 0.0f : n1;
+      float al0 = fast_exp2(m0 - off0), al1 = fast_exp2(m1 - off1);
+      m0 = n0;
+      m1 = n1;
+      float ps0 = 0.0f, ps1 = 0.0f;
+      u32 pf[WGK / 16][4];
+#pragma unroll
+      for (int n = 0; n < 8; n++) {
+        float p0 = fast_exp2(s[4 * n] - off0), p1 = fast_exp2(s[4 * n + 1] - off0);
+        float p2 = fast_exp2(s[4 * n + 2] - off1), p3 = fast_exp2(s[4 * n + 3] - off1);
+        ps0 += p0 + p1;
+        ps1 += p2 + p3;
+        pf[n / 2][(n & 1) * 2] = pack_bf2(p0, p1);
+        pf[n / 2][(n & 1) * 2 + 1] = pack_bf2(p2, p3);
+      }
+      l0 = l0 * al0 + ps0;
+      l1 = l1 * al1 + ps1;
+#pragma unroll
+      for (int n = 0; n < NC; n++)
+#pragma unroll
+        for (int j = 0; j < 32; j += 4) {
+          o[n][j] *= al0; o[n][j + 1] *= al0; o[n][j + 2] *= al1; o[n][j + 3] *= al1;
+        }
+      wg_fence();
+#pragma unroll
+      for (int n = 0; n < NC; n++)
+#pragma unroll
+        for (int kk = 0; kk < WGK / 16; kk++)
+          wg_rs(o[n], pf[kk], wg_desc(v_addr + n * 8 * WGK * 16 + kk * 2 * 128, V_LBO, V_SBO));
+      wg_commit();
+      wg_wait0();
+    }
+    __syncthreads();
+  }
+  cp_async_wait0();
+  l0 += SHFL_XOR(l0, 1);
+  l0 += SHFL_XOR(l0, 2);
+  l1 += SHFL_XOR(l1, 1);
+  l1 += SHFL_XOR(l1, 2);
+#pragma unroll
+  for (int n = 0; n < NC; n++)
+#pragma unroll
+    for (int t = 0; t < 8; t++) {
+      int col = n * 64 + t * 8 + 2 * c;
+      if (row0 < q_len) {
+        float* dst = a.out + ((size_t)(q0 + row0) * H + h) * MHA_DV + col;
+        *(float2*)dst = make_float2(o[n][4 * t] / l0, o[n][4 * t + 1] / l0);
+      }
+      if (row1 < q_len) {
+        float* dst = a.out + ((size_t)(q0 + row1) * H + h) * MHA_DV + col;
+        *(float2*)dst = make_float2(o[n][4 * t + 2] / l1, o[n][4 * t + 3] / l1);
+      }
+    }
+}
+#endif

@@ -119,17 +119,33 @@ fn kernels(
     out: &mut String,
 ) -> Result<(), ModelError> {
     let shape = MlaShape::DEEPSEEK_V3;
+    let hopper = dev.compute_capability() == (9, 0) && shape.wgmma_ok();
     let _ = writeln!(
         out,
-        "### MHA-form causal prefill (qk 192 / v 128, bf16, batch 1), flash kernel\n"
+        "### MHA-form causal prefill (qk 192 / v 128, bf16, batch 1): TFLOP/s\n"
     );
-    let _ = writeln!(out, "| heads | tokens | ms | TFLOP/s |\n|---|---|---|---|");
+    let _ = writeln!(
+        out,
+        "| heads | tokens | flash (mma.sync) ms | TFLOP/s | wgmma ms | TFLOP/s |\n|---|---|---|---|---|---|"
+    );
     for heads in [12usize, 16] {
         for &n in &args.prefill_tokens {
-            let _ = match mha_prefill(dev, shape, MhaImpl::Flash, heads, n) {
-                Ok((t, tf)) => writeln!(out, "| {heads} | {n} | {:.3} | {tf:.0} |", t.ms),
-                Err(e) => writeln!(out, "| {heads} | {n} | error: {e} | |"),
+            let mut row = format!("| {heads} | {n} |");
+            let imps: &[MhaImpl] = if hopper {
+                &[MhaImpl::Flash, MhaImpl::Wgmma]
+            } else {
+                &[MhaImpl::Flash]
             };
+            for &imp in imps {
+                match mha_prefill(dev, shape, imp, heads, n) {
+                    Ok((t, tf)) => row += &format!(" {:.3} | {tf:.0} |", t.ms),
+                    Err(e) => row += &format!(" error: {e} | |"),
+                }
+            }
+            if !hopper {
+                row += " n/a (needs sm_90) | |";
+            }
+            let _ = writeln!(out, "{row}");
         }
     }
     let _ = writeln!(out);
