@@ -73,6 +73,7 @@ fn nvrtc_compiles_every_source() {
             v3.with_tile(32, 2),
             v3.with_tile(32, 3),
             v3.with_tile(32, 4),
+            v3.with_tile8(4),
         ] {
             let ptx = compile_ptx(Source::Mla, &shape.defines(), cc).expect("mla.cu compiles");
             for k in [
@@ -306,6 +307,20 @@ fn absorbed_kernels_match_cpu() {
             page: 64,
         },
         AbsorbedCase {
+            shape: v3.with_tile8(4),
+            heads: 16,
+            sq: 1,
+            ctx: vec![1, 70, 3000],
+            page: 64,
+        },
+        AbsorbedCase {
+            shape: v3.with_tile8(3),
+            heads: 12,
+            sq: 3,
+            ctx: vec![9, 1300],
+            page: 16,
+        },
+        AbsorbedCase {
             shape: v3.with_tile(64, 2),
             heads: 16,
             sq: 1,
@@ -416,8 +431,8 @@ fn absorbed_kernels_match_cpu() {
             let got = dev.download(&out).expect("down");
             let e = rel_err(&got, &want);
             eprintln!(
-                "absorbed {name} H={h} sq={sq} ctx={:?} dims={} tile {}x{}: rel err {e:.2e}",
-                case.ctx, w, case.shape.tile_bk, case.shape.tile_stages
+                "absorbed {name} H={h} sq={sq} ctx={:?} dims={} tile {}w {}x{}: rel err {e:.2e}",
+                case.ctx, w, case.shape.tile_warps, case.shape.tile_bk, case.shape.tile_stages
             );
             assert!(
                 e < tol,

@@ -155,6 +155,12 @@ impl LatentPool {
         self.shape = self.shape.with_tile(bk, stages);
     }
 
+    /// Runs later measurements on the tile kernel `shape` describes (warps, keys per step,
+    /// stages); the widths must be the pool's.
+    pub fn set_shape(&mut self, shape: MlaShape) {
+        self.shape = shape;
+    }
+
     /// The shape measurements use.
     pub fn shape(&self) -> MlaShape {
         self.shape

@@ -36,8 +36,12 @@ pub struct MlaShape {
     pub mha_v: usize,
     /// Keys per pipeline step of the tile kernels (32 or 64).
     pub tile_bk: usize,
-    /// Depth of the tile kernels' `cp.async` pipeline (2..=4 steps in flight).
+    /// Depth of the tile kernels' `cp.async` pipeline (2..=4 steps in flight; 2..=5 for the
+    /// 8-warp kernel).
     pub tile_stages: usize,
+    /// Warps per tile block: 4 (keys split over warps, `mla_tile_bf16`) or 8 (keys and latent
+    /// width split, Q in registers, `mla_tile8_bf16`; 32-key steps).
+    pub tile_warps: usize,
 }
 
 impl MlaShape {
@@ -55,6 +59,17 @@ impl MlaShape {
             mha_v,
             tile_bk: if latent % 32 == 0 { 32 } else { 64 },
             tile_stages: 2,
+            tile_warps: 4,
+        }
+    }
+
+    /// The same shape on the 8-warp tile kernel with a `stages`-deep pipeline.
+    pub const fn with_tile8(self, stages: usize) -> Self {
+        Self {
+            tile_bk: 32,
+            tile_stages: stages,
+            tile_warps: 8,
+            ..self
         }
     }
 
@@ -63,6 +78,7 @@ impl MlaShape {
         Self {
             tile_bk: bk,
             tile_stages: stages,
+            tile_warps: 4,
             ..self
         }
     }
@@ -76,10 +92,19 @@ impl MlaShape {
             .with("MHA_DV", self.mha_v)
             .with("MLA_BK", self.tile_bk)
             .with("MLA_STAGES", self.tile_stages)
+            .with("T8_STAGES", self.tile_stages)
     }
 
     /// Whether the tensor-core tile kernel takes this shape (else use the generic kernel).
     pub fn tile_ok(&self) -> bool {
+        if self.tile_warps == 8 {
+            return self.latent % 32 == 0
+                && self.kv_lora % 128 == 0
+                && self.kv_lora <= self.latent
+                && self.tile_bk == 32
+                && (2..=5).contains(&self.tile_stages)
+                && self.tile_smem() <= 227 * 1024;
+        }
         let bk_ok = self.tile_bk == 64 || (self.tile_bk == 32 && self.latent % 32 == 0);
         self.latent % 16 == 0
             && self.kv_lora % 64 == 0
@@ -96,6 +121,13 @@ impl MlaShape {
     /// Dynamic shared memory of the tile kernel (either path: mma or scalar).
     pub fn tile_smem(&self) -> usize {
         let kstr = self.latent + 8;
+        if self.tile_warps == 8 {
+            // Stages of keys, the Q tile, the double-buffered partial-score exchange, row info.
+            return self.tile_stages * 32 * kstr * 2
+                + TILE_ROWS * kstr * 2
+                + 2 * 2 * TILE_ROWS * 36 * 4
+                + TILE_ROWS * (4 + 8);
+        }
         self.tile_stages * self.tile_bk * kstr * 2
             + TILE_ROWS * kstr * 2
             + TILE_ROWS * self.tile_bk * 4
@@ -209,11 +241,12 @@ unsafe impl KernelParam for MlaArgsC {}
 
 /// How many blocks split one (sequence, tile)'s keys, and how many keys each takes.
 ///
-/// Enough splits that `work_items · splits` fills `target_blocks`, each at least 64 keys;
+/// As many splits as keep `work_items · splits` within `target_blocks` (the blocks resident
+/// at once, so the launch is one wave), at least one, each at least 64 keys;
 /// `keys_per_split` is a multiple of 64 (whole tile steps).
 pub fn plan_splits(target_blocks: usize, work_items: usize, max_ctx: usize) -> (usize, usize) {
     let max_ctx = max_ctx.max(1);
-    let want = target_blocks.div_ceil(work_items.max(1)).max(1);
+    let want = (target_blocks / work_items.max(1)).max(1);
     let max_splits = max_ctx.div_ceil(TILE_KEYS).max(1);
     let splits = want.min(max_splits);
     let kps = max_ctx.div_ceil(splits).div_ceil(TILE_KEYS) * TILE_KEYS;
@@ -306,7 +339,11 @@ pub fn mla_absorbed(
             }
             let tiles = b.sq * (b.heads / b.heads.min(TILE_ROWS));
             (
-                "mla_tile_bf16",
+                if shape.tile_warps == 8 {
+                    "mla_tile8_bf16"
+                } else {
+                    "mla_tile_bf16"
+                },
                 tiles,
                 dev.sm_count() as usize,
                 shape.tile_smem(),
@@ -315,7 +352,11 @@ pub fn mla_absorbed(
         AbsorbedKernel::Packed => {
             let tiles = (b.sq * b.heads).div_ceil(TILE_ROWS);
             (
-                "mla_packed_bf16",
+                if shape.tile_warps == 8 {
+                    "mla_packed8_bf16"
+                } else {
+                    "mla_packed_bf16"
+                },
                 tiles,
                 dev.sm_count() as usize,
                 shape.tile_smem(),
@@ -330,7 +371,16 @@ pub fn mla_absorbed(
             (name, b.sq * b.heads, 8 * dev.sm_count() as usize, 0)
         }
     };
-    let (splits, kps) = plan_splits(target, b.batch * items, b.max_ctx);
+    let tile = matches!(kernel, AbsorbedKernel::Tile | AbsorbedKernel::Packed);
+    let threads = if tile && shape.tile_warps == 8 { 256 } else { 128 };
+    // Tile blocks resident per SM: shared memory allows two 4-warp blocks (the 8-warp kernel
+    // takes a whole SM); split-K fills every resident slot in one wave.
+    let per_sm = if tile && shape.tile_warps == 4 {
+        ((228 * 1024) / (block_smem + 1024)).clamp(1, 2)
+    } else {
+        1
+    };
+    let (splits, kps) = plan_splits(target * per_sm, b.batch * items, b.max_ctx);
     let defines = shape.defines();
     let (o_part, ml_part) = if splits > 1 {
         (
@@ -362,7 +412,7 @@ pub fn mla_absorbed(
     a.push(args);
     let dims = LaunchDims {
         grid: (splits as u32, items as u32, b.batch as u32),
-        block: (128, 1, 1),
+        block: (threads, 1, 1),
         smem: block_smem as u32,
     };
     dev.launch(&f, dims, &mut a)?;

@@ -549,6 +549,211 @@ extern "C" __global__ void __launch_bounds__(128) mla_tile_bf16(MlaArgs a) { MLA
 extern "C" __global__ void __launch_bounds__(128) mla_packed_bf16(MlaArgs a) { MLA_TILE_BODY(1); }
 
 // ---------------------------------------------------------------------------------------------
+// Absorbed tile kernel, 8-warp variant: the same 16-row tile and 32-key steps, but the score
+// product is split over the latent width instead of only over keys. Warp w scores keys
+// (w % 4)·8 … +7 over half (w / 4) of the 576 dims with that half of Q held in registers for
+// the whole block (no per-step Q reloads), the two halves' partial scores meet in shared memory,
+// every warp then runs the (identical) online softmax for all 32 keys and keeps P in registers
+// as the A operand of P·V over its own 64 output columns. Two barriers per step instead of
+// three, half the ldmatrix traffic of the 4-warp kernel, a T8_STAGES-deep cp.async pipeline.
+// Needs MLA_DQK % 32 == 0 and MLA_DV % 128 == 0. Grid: (splits, tiles, B); block 256.
+#if FERRY_MMA
+#ifndef T8_STAGES
+#define T8_STAGES 4
+#endif
+#define T8K 32
+#define SPS (T8K + 4)  // floats per row of the partial-score exchange
+template <int PACKED>
+__device__ void mla_tile8_mma(const MlaArgs& a) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  bf16_t* s_k = (bf16_t*)smem;                       // [T8_STAGES][T8K][KSTR]
+  bf16_t* s_q = s_k + T8_STAGES * T8K * KSTR;        // [16][KSTR]
+  float* s_sp = (float*)(s_q + TROWS * KSTR);        // [2 (parity)][2 (half)][16][SPS]
+  int* s_lim = (int*)(s_sp + 2 * 2 * TROWS * SPS);   // [16]
+  long long* s_row = (long long*)(s_lim + TROWS);    // [16]
+
+  int split = blockIdx.x, tile = blockIdx.y, b = blockIdx.z;
+  int tid = threadIdx.x, lane = tid % WARP, w = tid / WARP, g = lane / 4, c = lane % 4;
+  int kg = w % 4, dh = w / 4;
+  int total_rows = gridDim.z * a.sq * a.heads;
+  if (tid < TROWS) {
+    long long gr;
+    int lim;
+    tile_row(a, PACKED, tile, b, tid, &gr, &lim);
+    s_row[tid] = gr;
+    s_lim[tid] = lim;
+  }
+  __syncthreads();
+  int lim_max = 0;
+#pragma unroll
+  for (int r = 0; r < TROWS; r++) lim_max = max(lim_max, s_lim[r]);
+  int start = split * a.keys_per_split, end = min(lim_max, start + a.keys_per_split);
+  int lim0 = s_lim[g], lim1 = s_lim[g + 8];
+
+  const bf16_t* q = (const bf16_t*)a.q;
+  for (int idx = tid; idx < TROWS * (MLA_DQK / 8); idx += blockDim.x) {
+    int r = idx / (MLA_DQK / 8), seg = idx % (MLA_DQK / 8);
+    long long gr = s_row[r];
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (gr >= 0) v = *reinterpret_cast<const uint4*>(q + (size_t)gr * MLA_DQK + seg * 8);
+    *reinterpret_cast<uint4*>(s_q + r * KSTR + seg * 8) = v;
+  }
+
+  const bf16_t* pages = (const bf16_t*)a.pages;
+  auto load_chunk = [&](int buf, int c0) {
+    bf16_t* dst = s_k + buf * T8K * KSTR;
+    const int SEGS = T8K * (MLA_DQK / 8), PER = (SEGS + 255) / 256;
+#pragma unroll
+    for (int i = 0; i < PER; i++) {
+      int idx = tid + i * 256;
+      if (idx >= SEGS) break;
+      int key = idx / (MLA_DQK / 8), seg = idx % (MLA_DQK / 8);
+      int p = c0 + key;
+      const bf16_t* src = pages;
+      int bytes = 0;
+      if (p < end) { src = pages + key_offset_pow2(a, b, p) + seg * 8; bytes = 16; }
+      cp_async16(smem_u32(dst + key * KSTR + seg * 8), src, bytes);
+    }
+  };
+
+  int nchunks = start < end ? (end - start + T8K - 1) / T8K : 0;
+#pragma unroll
+  for (int st = 0; st < T8_STAGES - 1; st++) {
+    if (st < nchunks) load_chunk(st, start + st * T8K);
+    cp_async_commit();
+  }
+  __syncthreads();  // s_q written
+  const int HALF = MLA_DQK / 2, QK2 = HALF / 32;  // 32-dim pairs of k-steps per half
+  u32 qf[2 * QK2][4];
+  {
+    u32 qa = smem_u32(s_q + (lane % 16) * KSTR + (lane / 16) * 8 + dh * HALF);
+#pragma unroll
+    for (int kk = 0; kk < 2 * QK2; kk++) ldsm_x4(qf[kk], qa + kk * 32);
+  }
+  const int NT = MLA_DV / (8 * 8);  // 8-column output tiles per warp
+  float o[NT][4];
+#pragma unroll
+  for (int n = 0; n < NT; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+  float m0 = -FERRY_INF, m1 = -FERRY_INF, l0 = 0.0f, l1 = 0.0f;
+
+  for (int it = 0; it < nchunks; it++) {
+    int c0 = start + it * T8K;
+    cp_async_wait<T8_STAGES - 2>();
+    __syncthreads();  // chunk `it` landed for everyone; everyone is done with step it - 1
+    int nxt = it + T8_STAGES - 1;
+    if (nxt < nchunks) load_chunk(nxt % T8_STAGES, start + nxt * T8K);
+    cp_async_commit();
+    const bf16_t* kb = s_k + (it % T8_STAGES) * T8K * KSTR;
+
+    // Partial scores: this warp's 8 keys over its half of the dims.
+    float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+    u32 ka = smem_u32(kb + (kg * 8 + (lane % 8)) * KSTR + dh * HALF + 8 * (lane / 8));
+#pragma unroll
+    for (int k2 = 0; k2 < QK2; k2++) {
+      u32 bf[4];
+      ldsm_x4(bf, ka + k2 * 64);
+      mma_bf16(s[0], qf[2 * k2], bf[0], bf[1]);
+      mma_bf16(s[1], qf[2 * k2 + 1], bf[2], bf[3]);
+    }
+    float* sp = s_sp + ((it & 1) * 2 + dh) * TROWS * SPS;
+    *reinterpret_cast<float2*>(sp + g * SPS + kg * 8 + 2 * c) =
+        make_float2(s[0][0] + s[1][0], s[0][1] + s[1][1]);
+    *reinterpret_cast<float2*>(sp + (g + 8) * SPS + kg * 8 + 2 * c) =
+        make_float2(s[0][2] + s[1][2], s[0][3] + s[1][3]);
+    __syncthreads();
+
+    // Full scores for all 32 keys in the accumulator layout; online softmax (every warp).
+    const float* sp0 = s_sp + ((it & 1) * 2) * TROWS * SPS;
+    const float* sp1 = sp0 + TROWS * SPS;
+    float sc[4][4];
+    float mx0 = -FERRY_INF, mx1 = -FERRY_INF;
+#pragma unroll
+    for (int n = 0; n < 4; n++) {
+      int col = n * 8 + 2 * c;
+      float2 a0 = *reinterpret_cast<const float2*>(sp0 + g * SPS + col);
+      float2 b0 = *reinterpret_cast<const float2*>(sp1 + g * SPS + col);
+      float2 a1 = *reinterpret_cast<const float2*>(sp0 + (g + 8) * SPS + col);
+      float2 b1 = *reinterpret_cast<const float2*>(sp1 + (g + 8) * SPS + col);
+      float v[4] = {a0.x + b0.x, a0.y + b0.y, a1.x + b1.x, a1.y + b1.y};
+#pragma unroll
+      for (int j = 0; j < 4; j++) {
+        int key = c0 + col + (j & 1);
+        int lim = j < 2 ? lim0 : lim1;
+        float x = (key < lim && key < end) ? v[j] * a.scale_log2 : -FERRY_INF;
+        sc[n][j] = x;
+        if (j < 2) mx0 = fmaxf(mx0, x); else mx1 = fmaxf(mx1, x);
+      }
+    }
+    mx0 = fmaxf(mx0, SHFL_XOR(mx0, 1));
+    mx0 = fmaxf(mx0, SHFL_XOR(mx0, 2));
+    mx1 = fmaxf(mx1, SHFL_XOR(mx1, 1));
+    mx1 = fmaxf(mx1, SHFL_XOR(mx1, 2));
+    float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
+    float off0 = n0 == -FERRY_INF ? 0.0f : n0, off1 = n1 == -FERRY_INF ? 0.0f : n1;
+    float al0 = fast_exp2(m0 - off0), al1 = fast_exp2(m1 - off1);
+    m0 = n0;
+    m1 = n1;
+    float ps0 = 0.0f, ps1 = 0.0f;
+    u32 pf[2][4];
+#pragma unroll
+    for (int n = 0; n < 4; n++) {
+      float p0 = fast_exp2(sc[n][0] - off0), p1 = fast_exp2(sc[n][1] - off0);
+      float p2 = fast_exp2(sc[n][2] - off1), p3 = fast_exp2(sc[n][3] - off1);
+      ps0 += p0 + p1;
+      ps1 += p2 + p3;
+      pf[n / 2][(n & 1) * 2] = pack_bf2(p0, p1);
+      pf[n / 2][(n & 1) * 2 + 1] = pack_bf2(p2, p3);
+    }
+    l0 = l0 * al0 + ps0;
+    l1 = l1 * al1 + ps1;
+#pragma unroll
+    for (int n = 0; n < NT; n++) {
+      o[n][0] *= al0; o[n][1] *= al0; o[n][2] *= al1; o[n][3] *= al1;
+    }
+    // O[:, this warp's 64 columns] += P · V.
+    u32 va = smem_u32(kb + ((lane % 8) + 8 * ((lane / 8) % 2)) * KSTR + w * (MLA_DV / 8) +
+                      8 * (lane / 16));
+#pragma unroll
+    for (int kk = 0; kk < T8K / 16; kk++) {
+#pragma unroll
+      for (int np = 0; np < NT / 2; np++) {
+        u32 bf[4];
+        ldsm_x4_t(bf, va + (kk * 16 * KSTR + np * 16) * 2);
+        mma_bf16(o[2 * np], pf[kk], bf[0], bf[1]);
+        mma_bf16(o[2 * np + 1], pf[kk], bf[2], bf[3]);
+      }
+    }
+  }
+  cp_async_wait0();
+
+  // Every warp holds the same row statistics; sum the lanes' partial row sums.
+  l0 += SHFL_XOR(l0, 1);
+  l0 += SHFL_XOR(l0, 2);
+  l1 += SHFL_XOR(l1, 1);
+  l1 += SHFL_XOR(l1, 2);
+  long long r0 = s_row[g], r1 = s_row[g + 8];
+#pragma unroll
+  for (int n = 0; n < NT; n++) {
+    int col = w * (MLA_DV / 8) + n * 8 + 2 * c;
+    if (r0 >= 0) {
+      write_row(a, split, r0, col, o[n][0], m0, l0, total_rows);
+      write_row(a, split, r0, col + 1, o[n][1], m0, l0, total_rows);
+    }
+    if (r1 >= 0) {
+      write_row(a, split, r1, col, o[n][2], m1, l1, total_rows);
+      write_row(a, split, r1, col + 1, o[n][3], m1, l1, total_rows);
+    }
+  }
+}
+extern "C" __global__ void __launch_bounds__(256, 1) mla_tile8_bf16(MlaArgs a) {
+  mla_tile8_mma<0>(a);
+}
+extern "C" __global__ void __launch_bounds__(256, 1) mla_packed8_bf16(MlaArgs a) {
+  mla_tile8_mma<1>(a);
+}
+#endif
+
+// ---------------------------------------------------------------------------------------------
 // MHA form. Sequence b's queries are rows cu_q[b]..cu_q[b+1] of q, its keys rows
 // cu_k[b]..cu_k[b+1] of k/v; query i sits at position (k_len - q_len) + i and sees keys up to
 // and including it.

@@ -165,11 +165,21 @@ fn kernels(
     );
     let _ = writeln!(
         out,
-        "| keys/step × stages | batch 1 | batch 32 | batch 128 |\n|---|---|---|---|"
+        "| warps × keys/step × stages | batch 1 | batch 32 | batch 128 |\n|---|---|---|---|"
     );
-    let mut best = (0.0f64, 64usize, 2usize);
-    for (bk, st) in [(64usize, 2usize), (32, 2), (32, 3), (32, 4)] {
-        pool.set_tile(bk, st);
+    let mut best = (0.0f64, shape);
+    let variants = [
+        shape.with_tile(64, 2),
+        shape.with_tile(32, 2),
+        shape.with_tile(32, 3),
+        shape.with_tile8(2),
+        shape.with_tile8(3),
+        shape.with_tile8(4),
+        shape.with_tile8(5),
+    ];
+    for v in variants.into_iter().filter(MlaShape::tile_ok) {
+        let (bk, st) = (v.tile_bk, v.tile_stages);
+        pool.set_shape(v);
         let mut cells = Vec::new();
         let mut total = 0.0;
         for b in [1usize, 32, 128] {
@@ -188,15 +198,20 @@ fn kernels(
             }
         }
         if total > best.0 {
-            best = (total, bk, st);
+            best = (total, v);
         }
-        let _ = writeln!(out, "| {bk} × {st} | {} |", cells.join(" | "));
+        let _ = writeln!(
+            out,
+            "| {} × {bk} × {st} | {} |",
+            v.tile_warps,
+            cells.join(" | ")
+        );
     }
-    pool.set_tile(best.1, best.2);
+    pool.set_shape(best.1);
     let _ = writeln!(
         out,
-        "\nusing {} keys/step × {} stages below\n",
-        best.1, best.2
+        "\nusing {} warps × {} keys/step × {} stages below\n",
+        best.1.tile_warps, best.1.tile_bk, best.1.tile_stages
     );
     let _ = writeln!(out, "### Absorbed decode (16 heads, bf16 latent cache, tile kernel): GB/s of latent read (copy: {bw:.0} GB/s)\n");
     let head: Vec<String> = args.context.iter().map(|c| format!("ctx {c}")).collect();
