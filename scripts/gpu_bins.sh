@@ -16,6 +16,8 @@ for t in cuda_parity gpu_parity; do
   bin=$(ls -t "$target"/release/deps/$t-* | grep -v '\.d$' | head -1)
   cp "$bin" "device-bin/$t"
 done
+# Debug info makes the binaries ~300 MB; the device tool carries at most 64 MiB.
+strip device-bin/ferry device-bin/bench_gpu device-bin/cuda_parity device-bin/gpu_parity
 # Test binaries find the embedded model through the absolute source path they were built in;
 # the device command links that path to its copy of the tree.
 pwd > device-bin/SRC_ROOT

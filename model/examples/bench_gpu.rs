@@ -13,6 +13,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     if std::env::var("FERRY_BENCH_SKIP_KERNELS").is_ok() {
         opts.kernels = false;
     }
+    if std::env::var("FERRY_BENCH_PREFILL_ONLY").is_ok() {
+        opts.absorbed = false;
+        opts.e2e = false;
+    }
     let dev = ferry_kernels::cuda::CudaDevice::open(0)?;
     print!("{}", ferry_model::gpu::report::report(&dev, &opts)?);
     Ok(())

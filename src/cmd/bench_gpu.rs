@@ -33,6 +33,9 @@ pub struct BenchGpuArgs {
     /// Skip the end-to-end model benchmark.
     #[arg(long)]
     pub skip_e2e: bool,
+    /// Of the kernel benchmarks, run only the MHA-form prefill ones.
+    #[arg(long)]
+    pub prefill_only: bool,
 }
 
 /// Runs the benchmarks.
@@ -45,6 +48,7 @@ pub fn run(args: BenchGpuArgs) -> anyhow::Result<()> {
         e2e_context: args.e2e_context,
         e2e_steps: args.e2e_steps,
         kernels: !args.skip_kernels,
+        absorbed: !args.prefill_only,
         e2e: !args.skip_e2e,
     };
     print!("{}", report(&dev, &opts)?);

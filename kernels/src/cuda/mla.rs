@@ -42,6 +42,9 @@ pub struct MlaShape {
     /// Warps per tile block: 4 (keys split over warps, `mla_tile_bf16`) or 8 (keys and latent
     /// width split, Q in registers, `mla_tile8_bf16`; 32-key steps).
     pub tile_warps: usize,
+    /// Steps ahead of the `cp.async` pipeline at which the tile kernels ask L2 for key rows
+    /// (0 = no prefetch).
+    pub l2_prefetch: usize,
 }
 
 impl MlaShape {
@@ -60,6 +63,15 @@ impl MlaShape {
             tile_bk: if latent % 32 == 0 { 32 } else { 64 },
             tile_stages: 2,
             tile_warps: 4,
+            l2_prefetch: 0,
+        }
+    }
+
+    /// The same shape with L2 prefetch `steps` ahead of the tile pipeline (0 = off).
+    pub const fn with_l2_prefetch(self, steps: usize) -> Self {
+        Self {
+            l2_prefetch: steps,
+            ..self
         }
     }
 
@@ -93,6 +105,7 @@ impl MlaShape {
             .with("MLA_BK", self.tile_bk)
             .with("MLA_STAGES", self.tile_stages)
             .with("T8_STAGES", self.tile_stages)
+            .with("MLA_L2PF", self.l2_prefetch)
     }
 
     /// Whether the tensor-core tile kernel takes this shape (else use the generic kernel).
@@ -138,12 +151,6 @@ impl MlaShape {
     /// multiple of 32) and 64-wide value chunks.
     pub fn wgmma_ok(&self) -> bool {
         self.mha_qk % 32 == 0 && self.mha_v % 64 == 0 && self.mha_v > 0
-    }
-
-    /// Dynamic shared memory of the wgmma kernel with `wgs` warpgroups (64 query rows each):
-    /// the Q tile and two stages of 64 keys of K and V.
-    pub fn wgmma_smem(&self, wgs: usize) -> usize {
-        (64 * wgs * self.mha_qk + 2 * 64 * (self.mha_qk + self.mha_v)) * 2
     }
 
     /// Dynamic shared memory of the flash kernel.
@@ -372,7 +379,11 @@ pub fn mla_absorbed(
         }
     };
     let tile = matches!(kernel, AbsorbedKernel::Tile | AbsorbedKernel::Packed);
-    let threads = if tile && shape.tile_warps == 8 { 256 } else { 128 };
+    let threads = if tile && shape.tile_warps == 8 {
+        256
+    } else {
+        128
+    };
     // Tile blocks resident per SM: shared memory allows two 4-warp blocks (the 8-warp kernel
     // takes a whole SM); split-K fills every resident slot in one wave.
     let per_sm = if tile && shape.tile_warps == 4 {
@@ -609,75 +620,77 @@ pub fn mha_prefill(
             dev.launch(&f, dims, &mut a)
         }
         MhaKernel::Wgmma => {
-            let wgs = wgmma_warpgroups();
-            let defines = defines
-                .with("MHA_WGS", wgs)
-                .with("MHA_WG_DESC", wgmma_desc_variant());
-            let f = dev.function(Source::Mla, &defines, "mha_wgmma_bf16")?;
+            let cfg = WgmmaConfig::from_env();
+            let f = dev.function(Source::Mla, &cfg.defines(defines), "mha_wgmma_bf16")?;
             let dims = LaunchDims {
                 grid: (
-                    b.max_q.div_ceil(64 * wgs) as u32,
+                    b.max_q.div_ceil(64 * cfg.warpgroups) as u32,
                     b.heads as u32,
                     b.batch as u32,
                 ),
-                block: (128 * wgs as u32, 1, 1),
-                smem: shape.wgmma_smem(wgs) as u32,
+                block: (128 * cfg.warpgroups as u32, 1, 1),
+                smem: cfg.smem(shape) as u32,
             };
             dev.launch(&f, dims, &mut a)
         }
     }
 }
 
-/// Warpgroups per block of the wgmma kernel (`FERRY_WGMMA_WGS`, 1 or 2; default 2).
-fn wgmma_warpgroups() -> usize {
-    match std::env::var("FERRY_WGMMA_WGS").ok().as_deref() {
-        Some("1") => 1,
-        _ => 2,
-    }
+/// Tiling of the wgmma prefill kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WgmmaConfig {
+    /// Warpgroups per block, 64 query rows each (1 or 2).
+    pub warpgroups: usize,
+    /// Keys per step (64 or 128).
+    pub keys: usize,
+    /// Q's fragments in registers (else read from shared memory by every Q·Kᵀ).
+    pub q_in_registers: bool,
+    /// Issue the next step's Q·Kᵀ before this step's softmax (three K/V stages).
+    pub overlap: bool,
 }
 
-/// Descriptor variant of the wgmma kernel (`FERRY_WGMMA_DESC`, 0..=2; default 0).
-fn wgmma_desc_variant() -> u32 {
-    std::env::var("FERRY_WGMMA_DESC")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .filter(|v| *v <= 2)
-        .unwrap_or(0)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn splits_fill_the_card_but_keep_whole_steps() {
-        // One sequence, one tile, 128k keys, 132 SMs: 132 splits of whole 64-key steps.
-        let (s, kps) = plan_splits(132, 1, 131_072);
-        assert!((120..=132).contains(&s), "{s}");
-        assert_eq!(kps % 64, 0);
-        assert!(s * kps >= 131_072);
-        // A full batch needs no split.
-        assert_eq!(plan_splits(132, 256, 4096).0, 1);
-        // Short contexts still spread, one 64-key step per split at least.
-        let (s, kps) = plan_splits(132, 1, 1000);
-        assert!(kps >= 64 && s * kps >= 1000 && s == 16, "{s} x {kps}");
-    }
-
-    #[test]
-    fn smem_fits_hopper() {
-        let s = MlaShape::DEEPSEEK_V3;
-        assert!(s.tile_smem() <= 227 * 1024, "{}", s.tile_smem());
-        assert_eq!((s.tile_bk, s.tile_stages), (32, 2));
-        for (bk, st) in [(32, 2), (32, 3), (32, 4), (64, 2)] {
-            let t = s.with_tile(bk, st);
-            assert!(
-                t.tile_ok() && t.tile_smem() <= 227 * 1024,
-                "{bk}x{st}: {}",
-                t.tile_smem()
-            );
+impl Default for WgmmaConfig {
+    fn default() -> Self {
+        Self {
+            warpgroups: 2,
+            keys: 64,
+            q_in_registers: true,
+            overlap: false,
         }
-        assert!(!MlaShape::new(80, 64, 48, 32).with_tile(32, 2).tile_ok());
-        assert!(s.flash_smem() <= 227 * 1024 / 2, "{}", s.flash_smem());
-        assert!(s.tile_ok() && s.flash_ok());
+    }
+}
+
+impl WgmmaConfig {
+    /// The default, with `FERRY_WGMMA=<warpgroups>,<keys>,<qreg 0|1>,<overlap 0|1>` overriding
+    /// it (benchmark sweeps).
+    pub fn from_env() -> Self {
+        let d = Self::default();
+        let Ok(v) = std::env::var("FERRY_WGMMA") else {
+            return d;
+        };
+        let f: Vec<usize> = v.split(',').filter_map(|x| x.trim().parse().ok()).collect();
+        match f.as_slice() {
+            [w @ (1 | 2), k @ (64 | 128), q @ (0 | 1), o @ (0 | 1)] => Self {
+                warpgroups: *w,
+                keys: *k,
+                q_in_registers: *q == 1,
+                overlap: *o == 1,
+            },
+            _ => d,
+        }
+    }
+
+    fn defines(&self, base: Defines) -> Defines {
+        base.with("MHA_WGS", self.warpgroups)
+            .with("MHA_WGK", self.keys)
+            .with("MHA_WG_QREG", u8::from(self.q_in_registers))
+            .with("MHA_WG_OVERLAP", u8::from(self.overlap))
+    }
+
+    /// Dynamic shared memory: the Q tile and the K/V stages.
+    pub fn smem(&self, shape: MlaShape) -> usize {
+        let stages = if self.overlap { 3 } else { 2 };
+        (64 * self.warpgroups * shape.mha_qk + stages * self.keys * (shape.mha_qk + shape.mha_v))
+            * 2
     }
 }

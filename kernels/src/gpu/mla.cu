@@ -251,6 +251,24 @@ __device__ __forceinline__ void tile_row(const MlaArgs& a, int packed, int tile,
   *lim = a.ctx_len[b] - a.sq + local / H + 1;
 }
 
+#ifndef MLA_L2PF
+#define MLA_L2PF 0
+#endif
+// Asks L2 for keys c0 … c0 + nkeys - 1 (below `end`) some steps before their cp.async, so the
+// copies that follow hit L2: one 128-byte line per request (MLA_L2PF steps ahead; 0 = off).
+__device__ __forceinline__ void l2_prefetch_keys(const MlaArgs& a, const bf16_t* pages, int b,
+                                                 int c0, int nkeys, int end, int tid,
+                                                 int nthreads) {
+  const int LINES = MLA_DQK * 2 / 128;
+  for (int idx = tid; idx < nkeys * LINES; idx += nthreads) {
+    int key = idx % nkeys, line = idx / nkeys, p = c0 + key;
+    if (p < end) {
+      const char* addr = (const char*)(pages + key_offset_pow2(a, b, p)) + line * 128;
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(addr));
+    }
+  }
+}
+
 #if FERRY_MMA
 template <int PACKED>
 __device__ void mla_tile_mma(const MlaArgs& a) {
@@ -320,11 +338,19 @@ __device__ void mla_tile_mma(const MlaArgs& a) {
     if (st < nchunks) load_chunk(st, start + st * BK);
     cp_async_commit();
   }
+#if MLA_L2PF > 0
+  for (int st = MLA_STAGES - 1; st < MLA_STAGES - 1 + MLA_L2PF && st < nchunks; st++)
+    l2_prefetch_keys(a, pages, b, start + st * BK, BK, end, tid, 128);
+#endif
   for (int it = 0; it < nchunks; it++) {
     int c0 = start + it * BK;
     int nxt = it + MLA_STAGES - 1;
     if (nxt < nchunks) load_chunk(nxt % MLA_STAGES, start + nxt * BK);
     cp_async_commit();
+#if MLA_L2PF > 0
+    if (nxt + MLA_L2PF < nchunks)
+      l2_prefetch_keys(a, pages, b, start + (nxt + MLA_L2PF) * BK, BK, end, tid, 128);
+#endif
     cp_async_wait<MLA_STAGES - 1>();
     __syncthreads();
     const bf16_t* kb = s_k + (it % MLA_STAGES) * BK * KSTR;
@@ -622,6 +648,10 @@ __device__ void mla_tile8_mma(const MlaArgs& a) {
     if (st < nchunks) load_chunk(st, start + st * T8K);
     cp_async_commit();
   }
+#if MLA_L2PF > 0
+  for (int st = T8_STAGES - 1; st < T8_STAGES - 1 + MLA_L2PF && st < nchunks; st++)
+    l2_prefetch_keys(a, pages, b, start + st * T8K, T8K, end, tid, 256);
+#endif
   __syncthreads();  // s_q written
   const int HALF = MLA_DQK / 2, QK2 = HALF / 32;  // 32-dim pairs of k-steps per half
   u32 qf[2 * QK2][4];
@@ -643,6 +673,10 @@ __device__ void mla_tile8_mma(const MlaArgs& a) {
     int nxt = it + T8_STAGES - 1;
     if (nxt < nchunks) load_chunk(nxt % T8_STAGES, start + nxt * T8K);
     cp_async_commit();
+#if MLA_L2PF > 0
+    if (nxt + MLA_L2PF < nchunks)
+      l2_prefetch_keys(a, pages, b, start + (nxt + MLA_L2PF) * T8K, T8K, end, tid, 256);
+#endif
     const bf16_t* kb = s_k + (it % T8_STAGES) * T8K * KSTR;
 
     // Partial scores: this warp's 8 keys over its half of the dims.
@@ -1012,16 +1046,30 @@ extern "C" __global__ void __launch_bounds__(128) mha_flash_bf16(MhaArgs a) {
 // layout: 8 rows × 16 bytes per core matrix, stored [16-byte chunk][row][8], so every cp.async
 // writes one whole 16-byte chunk and a warp's chunks form conflict-free 128-byte runs.
 // Grid: (ceil(max_q_len / (64·MHA_WGS)), H, B); block 128·MHA_WGS; smem: wgmma_smem() on the host.
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL) && !defined(FERRY_NO_WGMMA)
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL) && MHA_DQK % 32 == 0 && MHA_DV % 64 == 0
 #define FERRY_WGMMA 1
 #ifndef MHA_WGS
 #define MHA_WGS 2
 #endif
-#ifndef MHA_WG_DESC
-#define MHA_WG_DESC 0
+#ifndef MHA_WGK
+#define MHA_WGK 64
+#endif
+#ifndef MHA_WG_QREG
+#define MHA_WG_QREG 1
+#endif
+#ifndef MHA_WG_OVERLAP
+#define MHA_WG_OVERLAP 0
 #endif
 #define WGQ (64 * MHA_WGS)
-#define WGK 64
+#define WGK MHA_WGK
+#define WGST (MHA_WG_OVERLAP ? 3 : 2)
+#if WGK == 64
+#define WG_SS wg_ss64
+#define WG_RS wg_rs64
+#else
+#define WG_SS wg_ss128
+#define WG_RS wg_rs128
+#endif
 #define QCH (MHA_DQK / 8)
 #define VCH (MHA_DV / 8)
 
@@ -1042,20 +1090,38 @@ __device__ __forceinline__ void wg_wait0() {
 __device__ __forceinline__ void fence_async_smem() {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
-// d(64x64) (+)= a(64x16, smem, K-major) · b(16x64, smem, K-major); acc = 0 overwrites d.
-__device__ __forceinline__ void wg_ss(float* d, u64 da, u64 db, int acc) {
+// d(64xN) (+)= a(64x16) · b(16xN), f32 accumulate; acc = 0 overwrites d. `ss`: both operands
+// in shared memory, K-major; `rs`: a in registers (the mma.sync A-fragment layout per warp),
+// b in shared memory, TB = 1 for MN-major b.
+__device__ __forceinline__ void wg_ss64(float* d, u64 da, u64 db, int acc) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
       : "l"(da), "l"(db), "r"(acc));
 }
-// d(64x64) += a(64x16, registers) · b(16x64, smem, MN-major: stored [n-chunk][k][8]).
-__device__ __forceinline__ void wg_rs(float* d, const u32* a, u64 db) {
+__device__ __forceinline__ void wg_ss128(float* d, u64 da, u64 db, int acc) {
   asm volatile(
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, 1, 1, 1, 1;"
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(da), "l"(db), "r"(acc));
+}
+template <int TB>
+__device__ __forceinline__ void wg_rs64(float* d, const u32* a, u64 db, int acc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc), "n"(TB));
+}
+template <int TB>
+__device__ __forceinline__ void wg_rs128(float* d, const u32* a, u64 db, int acc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc), "n"(TB));
 }
 
 // Copies rows [0, valid) of a tile of ROWS rows × CH 16-byte chunks into [CH][ROWS][8];
@@ -1075,11 +1141,91 @@ __device__ __forceinline__ void wg_load_tile(bf16_t* dst, const bf16_t* src, siz
   }
 }
 
+// One step's scores for this warpgroup: S(64×WGK) = Q·K_stageᵀ (Q from registers or shared).
+struct WgQ {
+#if MHA_WG_QREG
+  u32 f[MHA_DQK / 16][4];
+#else
+  u32 addr;
+#endif
+};
+__device__ __forceinline__ void wg_scores(float* s, const WgQ& q, u32 k_addr) {
+#pragma unroll
+  for (int kk = 0; kk < MHA_DQK / 16; kk++) {
+    u64 kd = wg_desc(k_addr + kk * 2 * WGK * 16, WGK * 16, 128);
+#if MHA_WG_QREG
+    WG_RS<0>(s, q.f[kk], kd, kk > 0);
+#else
+    WG_SS(s, wg_desc(q.addr + kk * 2 * WGQ * 16, WGQ * 16, 128), kd, kk > 0);
+#endif
+  }
+}
+
+// Online softmax of one step's scores (scaled, causally masked) into P fragments; rescales O.
+struct WgRow {
+  float m0, m1, l0, l1;
+};
+__device__ __forceinline__ void wg_softmax(float* s, u32 (*pf)[4], float (*o)[32], WgRow& r,
+                                           int key0, int lim0, int lim1, int k_len,
+                                           bool need_mask, float scale_log2, int c) {
+  float mx0 = -FERRY_INF, mx1 = -FERRY_INF;
+#pragma unroll
+  for (int n = 0; n < WGK / 8; n++)
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+      float v = s[4 * n + j] * scale_log2;
+      if (need_mask) {
+        int key = key0 + n * 8 + 2 * c + (j & 1);
+        int lim = j < 2 ? lim0 : lim1;
+        if (key >= lim || key >= k_len) v = -FERRY_INF;
+      }
+      s[4 * n + j] = v;
+      if (j < 2) mx0 = fmaxf(mx0, v); else mx1 = fmaxf(mx1, v);
+    }
+  mx0 = fmaxf(mx0, SHFL_XOR(mx0, 1));
+  mx0 = fmaxf(mx0, SHFL_XOR(mx0, 2));
+  mx1 = fmaxf(mx1, SHFL_XOR(mx1, 1));
+  mx1 = fmaxf(mx1, SHFL_XOR(mx1, 2));
+  float n0 = fmaxf(r.m0, mx0), n1 = fmaxf(r.m1, mx1);
+  float off0 = n0 == -FERRY_INF ? 0.0f : n0, off1 = n1 == -FERRY_INF ? 0.0f : n1;
+  float al0 = fast_exp2(r.m0 - off0), al1 = fast_exp2(r.m1 - off1);
+  r.m0 = n0;
+  r.m1 = n1;
+  float ps0 = 0.0f, ps1 = 0.0f;
+#pragma unroll
+  for (int n = 0; n < WGK / 8; n++) {
+    float p0 = fast_exp2(s[4 * n] - off0), p1 = fast_exp2(s[4 * n + 1] - off0);
+    float p2 = fast_exp2(s[4 * n + 2] - off1), p3 = fast_exp2(s[4 * n + 3] - off1);
+    ps0 += p0 + p1;
+    ps1 += p2 + p3;
+    pf[n / 2][(n & 1) * 2] = pack_bf2(p0, p1);
+    pf[n / 2][(n & 1) * 2 + 1] = pack_bf2(p2, p3);
+  }
+  r.l0 = r.l0 * al0 + ps0;
+  r.l1 = r.l1 * al1 + ps1;
+#pragma unroll
+  for (int n = 0; n < MHA_DV / 64; n++)
+#pragma unroll
+    for (int j = 0; j < 32; j += 4) {
+      o[n][j] *= al0; o[n][j + 1] *= al0; o[n][j + 2] *= al1; o[n][j + 3] *= al1;
+    }
+}
+
+// O(64×DV) += P·V_stage, V MN-major in 64-column chunks.
+__device__ __forceinline__ void wg_pv(float (*o)[32], u32 (*pf)[4], u32 v_addr) {
+#pragma unroll
+  for (int n = 0; n < MHA_DV / 64; n++)
+#pragma unroll
+    for (int kk = 0; kk < WGK / 16; kk++)
+      wg_rs64<1>(o[n], pf[kk], wg_desc(v_addr + n * 8 * WGK * 16 + kk * 2 * 128, 128, WGK * 16),
+                 1);
+}
+
 extern "C" __global__ void __launch_bounds__(128 * MHA_WGS, 1) mha_wgmma_bf16(MhaArgs a) {
-  extern __shared__ __align__(128) unsigned char smem[];
+  extern __shared__ __align__(16) unsigned char smem[];
   bf16_t* s_q = (bf16_t*)smem;               // [QCH][WGQ][8]
-  bf16_t* s_k = s_q + QCH * WGQ * 8;         // [2][QCH][WGK][8]
-  bf16_t* s_v = s_k + 2 * QCH * WGK * 8;     // [2][VCH][WGK][8]
+  bf16_t* s_k = s_q + QCH * WGQ * 8;         // [WGST][QCH][WGK][8]
+  bf16_t* s_v = s_k + WGST * QCH * WGK * 8;  // [WGST][VCH][WGK][8]
   int H = a.heads, h = blockIdx.y, b = blockIdx.z;
   int qb = gridDim.x - 1 - blockIdx.x;       // longest blocks first
   int q0 = a.cu_q[b], k0 = a.cu_k[b];
@@ -1096,121 +1242,123 @@ extern "C" __global__ void __launch_bounds__(128 * MHA_WGS, 1) mha_wgmma_bf16(Mh
                          (size_t)H * MHA_DQK, q_len - qb * WGQ, Q, warp, nwarps, lane);
   int kv_end = min(k_len, offset + qb * WGQ + WGQ);  // keys any row of this block can see
   int n_kb = (kv_end + WGK - 1) / WGK;
-  auto load_kv = [&](int buf, int kb) {
-    int valid = k_len - kb * WGK;
+  auto load_kv = [&](int kb) {
+    int buf = kb % WGST, valid = k_len - kb * WGK;
     size_t first = (size_t)(k0 + kb * WGK) * H + h;
     wg_load_tile<WGK, QCH>(s_k + buf * QCH * WGK * 8, K + first * MHA_DQK, (size_t)H * MHA_DQK,
                            valid, K, warp, nwarps, lane);
     wg_load_tile<WGK, VCH>(s_v + buf * VCH * WGK * 8, V + first * MHA_DV, (size_t)H * MHA_DV,
                            valid, V, warp, nwarps, lane);
   };
-  if (n_kb > 0) load_kv(0, 0);
+  auto k_addr = [&](int kb) { return smem_u32(s_k + (kb % WGST) * QCH * WGK * 8); };
+  auto v_addr = [&](int kb) { return smem_u32(s_v + (kb % WGST) * VCH * WGK * 8); };
+  if (n_kb > 0) load_kv(0);
   cp_async_commit();
 
-  const int NC = MHA_DV / 64;
-  float o[NC][32];
+  float o[MHA_DV / 64][32];
 #pragma unroll
-  for (int n = 0; n < NC; n++)
+  for (int n = 0; n < MHA_DV / 64; n++)
 #pragma unroll
     for (int j = 0; j < 32; j++) o[n][j] = 0.0f;
-  float m0 = -FERRY_INF, m1 = -FERRY_INF, l0 = 0.0f, l1 = 0.0f;
+  WgRow row = {-FERRY_INF, -FERRY_INF, 0.0f, 0.0f};
   int wg_first = qb * WGQ + wg * 64;             // this warpgroup's first query row
   int row0 = wg_first + wl * 16 + g, row1 = row0 + 8;
   int lim0 = offset + row0 + 1, lim1 = offset + row1 + 1;
-  u32 q_addr = smem_u32(s_q) + wg * 64 * 16;
-#if MHA_WG_DESC == 2
-  const u32 Q_LBO = 128, Q_SBO = WGQ * 16, K_LBO = 128, K_SBO = WGK * 16;
-#else
-  const u32 Q_LBO = WGQ * 16, Q_SBO = 128, K_LBO = WGK * 16, K_SBO = 128;
+  // Whether key step kb holds any key a row of this warpgroup sees (uniform per warpgroup).
+  auto visible = [&](int kb) { return kb * WGK < offset + wg_first + 64 && wg_first < q_len; };
+  auto masked = [&](int kb) {
+    return (kb + 1) * WGK > offset + wg_first + 1 || (kb + 1) * WGK > k_len;
+  };
+  WgQ q;
+#if !MHA_WG_QREG
+  q.addr = smem_u32(s_q) + wg * 64 * 16;
 #endif
-#if MHA_WG_DESC == 1
-  const u32 V_LBO = WGK * 16, V_SBO = 128;
-#else
-  const u32 V_LBO = 128, V_SBO = WGK * 16;
-#endif
+  u32 pf[WGK / 16][4];
 
+#if !MHA_WG_OVERLAP
   for (int kb = 0; kb < n_kb; kb++) {
-    if (kb + 1 < n_kb) load_kv((kb + 1) & 1, kb + 1);
+    if (kb + 1 < n_kb) load_kv(kb + 1);
     cp_async_commit();
     cp_async_wait1();
     fence_async_smem();
     __syncthreads();
-    // Keys past every row of this warpgroup: nothing to do but keep the barriers.
-    if (kb * WGK < offset + wg_first + 64 && wg_first < q_len) {
-      u32 k_addr = smem_u32(s_k + (kb & 1) * QCH * WGK * 8);
-      u32 v_addr = smem_u32(s_v + (kb & 1) * VCH * WGK * 8);
-      float s[32];
-#pragma unroll
-      for (int j = 0; j < 32; j++) s[j] = 0.0f;
-      wg_fence();
+#if MHA_WG_QREG
+    if (kb == 0) {
+      // Q's A fragments: rows wl·16 … +15 of this warpgroup, 16 dims per k-step.
+      int r = wg * 64 + wl * 16 + (lane % 8) + 8 * ((lane / 8) % 2);
 #pragma unroll
       for (int kk = 0; kk < MHA_DQK / 16; kk++)
-        wg_ss(s, wg_desc(q_addr + kk * 2 * WGQ * 16, Q_LBO, Q_SBO),
-              wg_desc(k_addr + kk * 2 * WGK * 16, K_LBO, K_SBO), kk > 0);
+        ldsm_x4(q.f[kk], smem_u32(s_q + ((size_t)(2 * kk + lane / 16) * WGQ + r) * 8));
+    }
+#endif
+    if (visible(kb)) {
+      float s[WGK / 2];
+      wg_fence();
+      wg_scores(s, q, k_addr(kb));
       wg_commit();
       wg_wait0();
-
-      bool need_mask = (kb + 1) * WGK > offset + wg_first + 1 || (kb + 1) * WGK > k_len;
-      float mx0 = -FERRY_INF, mx1 = -FERRY_INF;
-#pragma unroll
-      for (int n = 0; n < 8; n++)
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-          float v = s[4 * n + j] * a.scale_log2;
-          if (need_mask) {
-            int key = kb * WGK + n * 8 + 2 * c + (j & 1);
-            int lim = j < 2 ? lim0 : lim1;
-            if (key >= lim || key >= k_len) v = -FERRY_INF;
-          }
-          s[4 * n + j] = v;
-          if (j < 2) mx0 = fmaxf(mx0, v); else mx1 = fmaxf(mx1, v);
-        }
-      mx0 = fmaxf(mx0, SHFL_XOR(mx0, 1));
-      mx0 = fmaxf(mx0, SHFL_XOR(mx0, 2));
-      mx1 = fmaxf(mx1, SHFL_XOR(mx1, 1));
-      mx1 = fmaxf(mx1, SHFL_XOR(mx1, 2));
-      float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
-      float off0 = n0 == -FERRY_INF ? 0.0f : n0, off1 = n1 == -FERRY_INF ? 0.0f : n1;
-      float al0 = fast_exp2(m0 - off0), al1 = fast_exp2(m1 - off1);
-      m0 = n0;
-      m1 = n1;
-      float ps0 = 0.0f, ps1 = 0.0f;
-      u32 pf[WGK / 16][4];
-#pragma unroll
-      for (int n = 0; n < 8; n++) {
-        float p0 = fast_exp2(s[4 * n] - off0), p1 = fast_exp2(s[4 * n + 1] - off0);
-        float p2 = fast_exp2(s[4 * n + 2] - off1), p3 = fast_exp2(s[4 * n + 3] - off1);
-        ps0 += p0 + p1;
-        ps1 += p2 + p3;
-        pf[n / 2][(n & 1) * 2] = pack_bf2(p0, p1);
-        pf[n / 2][(n & 1) * 2 + 1] = pack_bf2(p2, p3);
-      }
-      l0 = l0 * al0 + ps0;
-      l1 = l1 * al1 + ps1;
-#pragma unroll
-      for (int n = 0; n < NC; n++)
-#pragma unroll
-        for (int j = 0; j < 32; j += 4) {
-          o[n][j] *= al0; o[n][j + 1] *= al0; o[n][j + 2] *= al1; o[n][j + 3] *= al1;
-        }
+      wg_softmax(s, pf, o, row, kb * WGK, lim0, lim1, k_len, masked(kb), a.scale_log2, c);
       wg_fence();
-#pragma unroll
-      for (int n = 0; n < NC; n++)
-#pragma unroll
-        for (int kk = 0; kk < WGK / 16; kk++)
-          wg_rs(o[n], pf[kk], wg_desc(v_addr + n * 8 * WGK * 16 + kk * 2 * 128, V_LBO, V_SBO));
+      wg_pv(o, pf, v_addr(kb));
       wg_commit();
       wg_wait0();
     }
     __syncthreads();
   }
+#else
+  // Three stages: while this step's softmax runs on the CUDA cores, the next step's Q·Kᵀ is
+  // already on the tensor cores.
+  if (n_kb > 1) load_kv(1);
+  cp_async_commit();
+  cp_async_wait1();
+  fence_async_smem();
+  __syncthreads();
+#if MHA_WG_QREG
+  {
+    int r = wg * 64 + wl * 16 + (lane % 8) + 8 * ((lane / 8) % 2);
+#pragma unroll
+    for (int kk = 0; kk < MHA_DQK / 16; kk++)
+      ldsm_x4(q.f[kk], smem_u32(s_q + ((size_t)(2 * kk + lane / 16) * WGQ + r) * 8));
+  }
+#endif
+  float s_cur[WGK / 2], s_nxt[WGK / 2];
+  if (n_kb > 0 && visible(0)) {
+    wg_fence();
+    wg_scores(s_cur, q, k_addr(0));
+    wg_commit();
+    wg_wait0();
+  }
+  for (int kb = 0; kb < n_kb; kb++) {
+    cp_async_wait0();
+    fence_async_smem();
+    __syncthreads();  // step kb + 1 landed; every warpgroup is done with step kb - 1
+    if (kb + 2 < n_kb) load_kv(kb + 2);
+    cp_async_commit();
+    if (visible(kb)) {
+      bool next = kb + 1 < n_kb && visible(kb + 1);
+      if (next) {
+        wg_fence();
+        wg_scores(s_nxt, q, k_addr(kb + 1));
+        wg_commit();
+      }
+      wg_softmax(s_cur, pf, o, row, kb * WGK, lim0, lim1, k_len, masked(kb), a.scale_log2, c);
+      wg_fence();
+      wg_pv(o, pf, v_addr(kb));
+      wg_commit();
+      wg_wait0();
+#pragma unroll
+      for (int j = 0; j < WGK / 2; j++) s_cur[j] = s_nxt[j];
+    }
+  }
+#endif
   cp_async_wait0();
+  float l0 = row.l0, l1 = row.l1;
   l0 += SHFL_XOR(l0, 1);
   l0 += SHFL_XOR(l0, 2);
   l1 += SHFL_XOR(l1, 1);
   l1 += SHFL_XOR(l1, 2);
 #pragma unroll
-  for (int n = 0; n < NC; n++)
+  for (int n = 0; n < MHA_DV / 64; n++)
 #pragma unroll
     for (int t = 0; t < 8; t++) {
       int col = n * 64 + t * 8 + 2 * c;

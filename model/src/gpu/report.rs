@@ -38,6 +38,8 @@ pub struct ReportOptions {
     pub e2e_steps: usize,
     /// Run the kernel benchmarks.
     pub kernels: bool,
+    /// Within the kernel benchmarks, run the absorbed-decode ones (else prefill only).
+    pub absorbed: bool,
     /// Run the end-to-end model benchmark.
     pub e2e: bool,
 }
@@ -51,6 +53,7 @@ impl Default for ReportOptions {
             e2e_context: 1024,
             e2e_steps: 64,
             kernels: true,
+            absorbed: true,
             e2e: true,
         }
     }
@@ -149,6 +152,9 @@ fn kernels(
         }
     }
     let _ = writeln!(out);
+    if !args.absorbed {
+        return Ok(());
+    }
 
     let max_tokens = args
         .batch
@@ -172,10 +178,12 @@ fn kernels(
         shape.with_tile(64, 2),
         shape.with_tile(32, 2),
         shape.with_tile(32, 3),
+        shape.with_tile(32, 2).with_l2_prefetch(2),
+        shape.with_tile(32, 2).with_l2_prefetch(4),
+        shape.with_tile(32, 2).with_l2_prefetch(8),
         shape.with_tile8(2),
-        shape.with_tile8(3),
         shape.with_tile8(4),
-        shape.with_tile8(5),
+        shape.with_tile8(4).with_l2_prefetch(4),
     ];
     for v in variants.into_iter().filter(MlaShape::tile_ok) {
         let (bk, st) = (v.tile_bk, v.tile_stages);
@@ -202,16 +210,17 @@ fn kernels(
         }
         let _ = writeln!(
             out,
-            "| {} × {bk} × {st} | {} |",
+            "| {} × {bk} × {st}, L2 prefetch {} | {} |",
             v.tile_warps,
+            v.l2_prefetch,
             cells.join(" | ")
         );
     }
     pool.set_shape(best.1);
     let _ = writeln!(
         out,
-        "\nusing {} warps × {} keys/step × {} stages below\n",
-        best.1.tile_warps, best.1.tile_bk, best.1.tile_stages
+        "\nusing {} warps × {} keys/step × {} stages, L2 prefetch {} below\n",
+        best.1.tile_warps, best.1.tile_bk, best.1.tile_stages, best.1.l2_prefetch
     );
     let _ = writeln!(out, "### Absorbed decode (16 heads, bf16 latent cache, tile kernel): GB/s of latent read (copy: {bw:.0} GB/s)\n");
     let head: Vec<String> = args.context.iter().map(|c| format!("ctx {c}")).collect();
