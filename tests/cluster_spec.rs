@@ -2,16 +2,20 @@
 //! embedded model and its embedded DSpark drafter): greedy output equals plain single-process
 //! `ferry generate --speculative off`, whether the prompt is prefilled on the decode worker or
 //! on the prefill worker (which then ships the drafter's context with the KV so the decode
-//! worker speculates from its first step), and whatever side has speculation off.
+//! worker speculates from its first step), and whatever side has speculation off — for the
+//! whole worker (`--speculative off`) or for one request (`GenerateRequest.speculative`, the
+//! HTTP body's `"speculative"`).
 //!
 //! Speculation is observed on the decode worker's Prometheus series
-//! (`ferry_spec_decode_num_drafts_total`, one per drafting sequence per step); the decode worker
-//! verifies a fixed 4 drafts per step so that every step of a speculating request drafts.
+//! (`ferry_spec_decode_num_drafts_total`, one per drafting sequence per step, and
+//! `ferry_spec_decode_num_draft_tokens_total`); the decode worker verifies a fixed 4 drafts per
+//! step so that every step of a speculating request drafts.
 mod cluster;
 
 use std::net::{SocketAddr, TcpListener};
 
-use cluster::{Cluster, Spec};
+use cluster::{Cluster, Spec, MODEL};
+use serde_json::json;
 
 const MAX_TOKENS: u32 = 32;
 
@@ -45,6 +49,11 @@ fn free_addr() -> SocketAddr {
 
 /// The decode worker's speculative rounds so far, from its `/metrics`.
 async fn spec_rounds(metrics: SocketAddr) -> u64 {
+    spec_counter(metrics, "ferry_spec_decode_num_drafts_total").await
+}
+
+/// A counter of the decode worker's `/metrics` (0 when absent).
+async fn spec_counter(metrics: SocketAddr, name: &str) -> u64 {
     let body = reqwest::Client::builder()
         .no_proxy()
         .build()
@@ -57,16 +66,36 @@ async fn spec_rounds(metrics: SocketAddr) -> u64 {
         .await
         .expect("a metrics body");
     body.lines()
-        .find(|l| l.starts_with("ferry_spec_decode_num_drafts_total"))
+        .find(|l| {
+            l.strip_prefix(name)
+                .is_some_and(|r| r.starts_with(['{', ' ']))
+        })
         .and_then(|l| l.rsplit(' ').next())
         .and_then(|v| v.parse::<f64>().ok())
         .map_or(0, |v| v as u64)
 }
 
+/// Speculative rounds and draft tokens verified so far on the decode worker.
+async fn spec_counters(metrics: SocketAddr) -> (u64, u64) {
+    (
+        spec_rounds(metrics).await,
+        spec_counter(metrics, "ferry_spec_decode_num_draft_tokens_total").await,
+    )
+}
+
 /// Greedy `Generate` through the router; the generated text.
 async fn generate(cluster: &Cluster, prompt: &str) -> String {
+    generate_with(cluster, prompt, None).await
+}
+
+/// Greedy `Generate` with the request's `speculative` field set to `speculative`.
+async fn generate_with(cluster: &Cluster, prompt: &str, speculative: Option<bool>) -> String {
     let mut client = cluster.grpc().await;
-    let out = cluster::generate(&mut client, cluster::greedy_request(prompt, MAX_TOKENS))
+    let req = ferry_proto::v1::GenerateRequest {
+        speculative,
+        ..cluster::greedy_request(prompt, MAX_TOKENS)
+    };
+    let out = cluster::generate(&mut client, req)
         .await
         .expect("Generate succeeds");
     assert_eq!(out.token_ids.len(), MAX_TOKENS as usize);
@@ -149,5 +178,117 @@ async fn speculation_off_on_either_side_keeps_the_output() {
     assert_eq!(generate(&cluster, &short).await, short_ref);
     assert_eq!(generate(&cluster, &long).await, long_ref);
     assert_eq!(spec_rounds(metrics).await, 0);
+    cluster.assert_kv_blocks_released().await;
+}
+
+#[tokio::test]
+async fn speculation_off_for_one_request_on_a_speculating_cluster() {
+    let (short, long) = (cluster::short_prompt(), cluster::long_prompt());
+    let short_ref = plain_generate(&short).await;
+    let long_ref = plain_generate(&long).await;
+
+    let metrics = free_addr();
+    let m = metrics.to_string();
+    let cluster = Cluster::start(Spec::new(1, 1).decode(&[
+        "--verify-len",
+        "fixed:4",
+        "--metrics-addr",
+        m.as_str(),
+    ]))
+    .await;
+    // gRPC, local prefill (short) and remote prefill with the drafter context shipped (long).
+    // The `speculative = false` request goes first: it still builds drafter context for the
+    // prefix it leaves cached, so the requests after it speculate on the reused prefix.
+    for (what, prompt, reference) in [("short", &short, &short_ref), ("long", &long, &long_ref)] {
+        let c0 = spec_counters(metrics).await;
+        let off = generate_with(&cluster, prompt, Some(false)).await;
+        let c1 = spec_counters(metrics).await;
+        assert_eq!(off, *reference, "{what}: speculative = false");
+        assert_eq!(
+            c1, c0,
+            "{what}: speculative = false drafted (rounds, draft tokens)"
+        );
+
+        // No field: as before this field existed, the worker's setting (on) applies.
+        let default = generate_with(&cluster, prompt, None).await;
+        let c2 = spec_counters(metrics).await;
+        assert_eq!(default, off, "{what}: speculative unset vs false");
+        assert!(c2.0 - c1.0 >= 25, "{what}: unset: {} rounds", c2.0 - c1.0);
+        assert!(
+            c2.1 - c1.1 >= 4 * 25,
+            "{what}: unset: {} drafts",
+            c2.1 - c1.1
+        );
+
+        let on = generate_with(&cluster, prompt, Some(true)).await;
+        let c3 = spec_counters(metrics).await;
+        assert_eq!(on, off, "{what}: speculative true vs false");
+        assert!(c3.0 - c2.0 >= 25, "{what}: true: {} rounds", c3.0 - c2.0);
+    }
+
+    // HTTP: the non-standard body field, on both endpoints (OpenAI clients: `extra_body`).
+    let body = |speculative: Option<bool>| {
+        let mut b = json!({
+            "model": MODEL,
+            "prompt": short,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "ignore_eos": true,
+        });
+        if let Some(on) = speculative {
+            b["speculative"] = json!(on);
+        }
+        b
+    };
+    let c0 = spec_counters(metrics).await;
+    let (status, off) = cluster
+        .post_json("/v1/completions", &body(Some(false)))
+        .await;
+    assert_eq!(status, 200, "{off}");
+    assert_eq!(off["choices"][0]["text"], short_ref.as_str());
+    assert_eq!(
+        spec_counters(metrics).await,
+        c0,
+        "HTTP speculative = false drafted"
+    );
+    let (status, on) = cluster.post_json("/v1/completions", &body(None)).await;
+    assert_eq!(status, 200, "{on}");
+    assert_eq!(on["choices"][0]["text"], short_ref.as_str());
+    let c1 = spec_counters(metrics).await;
+    assert!(c1.0 - c0.0 >= 25, "HTTP unset: {} rounds", c1.0 - c0.0);
+
+    let chat = |speculative: bool| {
+        json!({
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "Who made the heaven and the earth?"}],
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "ignore_eos": true,
+            "speculative": speculative,
+        })
+    };
+    let (status, off) = cluster
+        .post_json("/v1/chat/completions", &chat(false))
+        .await;
+    assert_eq!(status, 200, "{off}");
+    let c2 = spec_counters(metrics).await;
+    assert_eq!(c2, c1, "chat speculative = false drafted");
+    let (status, on) = cluster.post_json("/v1/chat/completions", &chat(true)).await;
+    assert_eq!(status, 200, "{on}");
+    assert_eq!(
+        on["choices"][0]["message"]["content"],
+        off["choices"][0]["message"]["content"]
+    );
+    assert!(
+        spec_counters(metrics).await.0 > c2.0,
+        "chat speculative = true"
+    );
+
+    // A wrong type is refused at the router, naming the field.
+    let mut bad = body(None);
+    bad["speculative"] = json!("yes");
+    let (status, err) = cluster.post_json("/v1/completions", &bad).await;
+    assert_eq!(status, 400, "{err}");
+    assert_eq!(err["error"]["param"], "speculative", "{err}");
     cluster.assert_kv_blocks_released().await;
 }

@@ -585,22 +585,27 @@ fn prompt(i: usize) -> String {
     )
 }
 
+/// The body of completion `i`: greedy, `MAX_TOKENS` tokens.
+fn completion(i: usize) -> serde_json::Value {
+    json!({
+        "model": MODEL,
+        "prompt": prompt(i),
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": true,
+    })
+}
+
 /// Sends one completion; returns (prompt tokens, completion tokens).
 async fn complete(
     http: &reqwest::Client,
     base: SocketAddr,
-    i: usize,
+    body: serde_json::Value,
     traceparent: Option<&str>,
 ) -> (u64, u64) {
     let mut req = http
         .post(format!("http://{base}/v1/completions"))
-        .json(&json!({
-            "model": MODEL,
-            "prompt": prompt(i),
-            "max_tokens": MAX_TOKENS,
-            "temperature": 0,
-            "ignore_eos": true,
-        }));
+        .json(&body);
     if let Some(tp) = traceparent {
         req = req.header("traceparent", tp);
     }
@@ -716,7 +721,10 @@ async fn one_trace_across_three_processes_and_metrics_that_count() {
     let trace_id = "4bf92f3577b34da6a3ce929d0e0e4736";
     let caller_span = "00f067aa0ba902b7";
     let traceparent = format!("00-{trace_id}-{caller_span}-01");
-    let mut sent = vec![complete(&http, up.http, 0, Some(&traceparent)).await];
+    // It asks for speculative decoding explicitly (the cluster speculates by default).
+    let mut traced = completion(0);
+    traced["speculative"] = json!(true);
+    let mut sent = vec![complete(&http, up.http, traced, Some(&traceparent)).await];
 
     // Spans of the whole path: router, decode, prefill, the transfer on both ends.
     let wanted = [
@@ -831,6 +839,9 @@ async fn one_trace_across_three_processes_and_metrics_that_count() {
     assert_eq!(route.attr("decode_worker"), Some("decode-0"));
     assert_eq!(route.int("predicted_cached_blocks"), 0);
     assert_eq!(decode.attr("ferry.prefill.mode"), Some("remote"));
+    // The client's speculation choice, on the router's and the decode worker's spans.
+    assert_eq!(request.attr("ferry.spec.requested"), Some("true"));
+    assert_eq!(decode.attr("ferry.spec.requested"), Some("true"));
     assert_eq!(
         decode.int("gen_ai.usage.output_tokens"),
         completion_tokens as i64
@@ -895,7 +906,7 @@ async fn one_trace_across_three_processes_and_metrics_that_count() {
 
     // Metrics: N more requests, then every counter moved by exactly what was served.
     for i in 1..=MORE_REQUESTS {
-        sent.push(complete(&http, up.http, i, None).await);
+        sent.push(complete(&http, up.http, completion(i), None).await);
     }
     let n = sent.len() as f64;
     let prompt_sum: f64 = sent.iter().map(|s| s.0 as f64).sum();

@@ -6,8 +6,8 @@ use std::time::{Duration, Instant};
 
 use ferry_kvtransfer::{KvLayoutDesc, Registration};
 use ferry_model::engine::{
-    EngineError, EngineEvent, EngineHandle, FinishReason, GenerateJob, Generation, PrefillSource,
-    StopParams,
+    EngineError, EngineEvent, EngineHandle, FinishReason, GenerateJob, GenerateOptions, Generation,
+    PrefillSource, StopParams,
 };
 use ferry_proto::internal::decode_worker_server::DecodeWorker;
 use ferry_proto::internal::{
@@ -171,22 +171,31 @@ impl DecodeService {
             },
             None => PrefillSource::Local,
         };
+        let span = Span::current();
         trace_ctx::set_attribute(
-            &Span::current(),
+            &span,
             "gen_ai.request.max_tokens",
             i64::from(stop.max_tokens),
         );
+        if let Some(on) = r.speculative {
+            trace_ctx::set_attribute(&span, "ferry.spec.requested", on);
+        }
+        let job = GenerateJob {
+            prompt: r.prompt_tokens.clone(),
+            sampling: params,
+            stop: StopParams {
+                max_tokens,
+                ignore_eos: stop.ignore_eos,
+            },
+            prefill,
+        };
+        // Unset follows this worker: speculation iff it was started with a drafter.
+        let options = GenerateOptions {
+            speculative: r.speculative,
+        };
         let generation = self
             .engine
-            .generate(GenerateJob {
-                prompt: r.prompt_tokens.clone(),
-                sampling: params,
-                stop: StopParams {
-                    max_tokens,
-                    ignore_eos: stop.ignore_eos,
-                },
-                prefill,
-            })
+            .generate_with(job, options)
             .map_err(engine_status)?;
         Ok((generation, peer))
     }

@@ -416,6 +416,7 @@ fn decode_request(req: &ValidRequest, prefill: Option<&PrefillTarget>) -> intern
             worker_id: p.id.0.clone(),
             grpc_address: p.grpc_address.clone(),
         }),
+        speculative: req.speculative(),
     }
 }
 

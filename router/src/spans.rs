@@ -103,6 +103,9 @@ pub fn record_request(req: &ValidRequest) {
         trace_ctx::set_attribute(&span, "gen_ai.request.seed", int(seed));
     }
     trace_ctx::set_attribute(&span, "gen_ai.usage.input_tokens", int(req.prompt().len()));
+    if let Some(on) = req.speculative() {
+        trace_ctx::set_attribute(&span, "ferry.spec.requested", on);
+    }
 }
 
 /// Usage and finish reason of a finished request, on `span`.

@@ -79,6 +79,8 @@ pub struct GenerateParams {
     pub ignore_eos: bool,
     /// The client's request id, if any.
     pub request_id: Option<String>,
+    /// Speculative decoding for this request; `None` = the decode worker's setting.
+    pub speculative: Option<bool>,
 }
 
 impl From<v1::GenerateRequest> for GenerateParams {
@@ -116,6 +118,7 @@ impl From<v1::GenerateRequest> for GenerateParams {
             stop,
             ignore_eos,
             request_id: Some(r.request_id).filter(|id| !id.is_empty()),
+            speculative: r.speculative,
         }
     }
 }
@@ -145,6 +148,7 @@ pub struct ValidRequest {
     max_tokens: u32,
     stop: Vec<String>,
     ignore_eos: bool,
+    speculative: Option<bool>,
     received: std::time::Instant,
 }
 
@@ -180,6 +184,11 @@ impl ValidRequest {
     /// Whether EOS tokens are ignored.
     pub fn ignore_eos(&self) -> bool {
         self.ignore_eos
+    }
+    /// Speculative decoding: `None` follows the decode worker, `Some(false)` turns it off for
+    /// this request, `Some(true)` asks for it (plain decoding on a worker without a drafter).
+    pub fn speculative(&self) -> Option<bool> {
+        self.speculative
     }
 }
 
@@ -272,6 +281,7 @@ impl Validator {
             max_tokens,
             stop,
             ignore_eos: p.ignore_eos,
+            speculative: p.speculative,
             received,
         })
     }
@@ -444,6 +454,7 @@ mod tests {
             stop: Vec::new(),
             ignore_eos: false,
             request_id: None,
+            speculative: None,
         }
     }
 
@@ -612,12 +623,31 @@ mod tests {
                 ignore_eos: true,
             }),
             request_id: String::new(),
+            speculative: None,
         };
-        let p = GenerateParams::from(wire);
+        let p = GenerateParams::from(wire.clone());
         assert_eq!(p.prompt, PromptInput::Tokens(vec![1, 2]));
         assert_eq!(p.max_tokens, Some(0), "0 is kept so validation can name it");
         assert_eq!(p.sampling.temperature, Some(0.5));
         assert_eq!(p.request_id, None);
         assert!(p.ignore_eos);
+        assert_eq!(p.speculative, None, "unset: the decode worker decides");
+        for choice in [false, true] {
+            let p = GenerateParams::from(v1::GenerateRequest {
+                speculative: Some(choice),
+                ..wire.clone()
+            });
+            assert_eq!(p.speculative, Some(choice));
+        }
+    }
+
+    #[tokio::test]
+    async fn the_speculation_choice_is_kept() {
+        for choice in [None, Some(false), Some(true)] {
+            let mut p = params(PromptInput::Text("hi".into()));
+            p.speculative = choice;
+            let v = validator().validate(p).await.expect("valid");
+            assert_eq!(v.speculative(), choice);
+        }
     }
 }

@@ -136,6 +136,7 @@ fn generate(text: &str, max_tokens: u32, stop: &[&str]) -> v1::GenerateRequest {
             ignore_eos: false,
         }),
         request_id: "t-1".into(),
+        speculative: None,
     }
 }
 
@@ -300,6 +301,18 @@ async fn router_serves_through_scripted_workers() {
         assert_eq!(sent.sampling.as_ref().map(|s| s.temperature), Some(0.0));
         assert_eq!(sent.stop.as_ref().map(|s| s.max_tokens), Some(10));
         assert!(sent.prefill_peer.is_none(), "no prefill worker registered");
+        assert_eq!(sent.speculative, None, "unset: the decode worker decides");
+    }
+
+    // The client's speculation choice reaches the decode worker as given.
+    for choice in [Some(false), Some(true)] {
+        let req = v1::GenerateRequest {
+            speculative: choice,
+            ..generate("hello", 2, &[])
+        };
+        collect(&mut client, req).await;
+        let seen = good.seen.lock().expect("test mutex");
+        assert_eq!(seen.last().map(|r| r.speculative), Some(choice));
     }
 
     // A prefill worker is named as the decode worker's peer.
@@ -350,8 +363,10 @@ async fn router_serves_through_scripted_workers() {
 
     // HTTP over the same state: whole and streamed.
     let app = ferry_router::http::app(state.clone());
-    let body =
-        serde_json::json!({"prompt": "hello", "max_tokens": 5, "temperature": 0}).to_string();
+    let body = serde_json::json!({
+        "prompt": "hello", "max_tokens": 5, "temperature": 0, "speculative": false,
+    })
+    .to_string();
     let response = app
         .clone()
         .oneshot(
@@ -380,6 +395,10 @@ async fn router_serves_through_scripted_workers() {
     );
     assert_eq!(json["choices"][0]["finish_reason"], "length");
     assert_eq!(json["usage"]["completion_tokens"], 5);
+    {
+        let seen = good.seen.lock().expect("test mutex");
+        assert_eq!(seen.last().map(|r| r.speculative), Some(Some(false)));
+    }
     assert_eq!(
         json["usage"]["total_tokens"],
         json["usage"]["prompt_tokens"].as_u64().expect("n") + 5

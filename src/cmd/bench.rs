@@ -134,6 +134,7 @@ fn request(args: &BenchArgs, salt: u64) -> GenerateRequest {
             ignore_eos: true,
         }),
         request_id: format!("bench-{salt}"),
+        speculative: None,
     }
 }
 

@@ -5,14 +5,16 @@ Run by tests/cluster_python.rs against a live cluster:
     python3 tests/python/openai_stream.py --base-url http://127.0.0.1:PORT/v1 --model tiny-k3
 
 Streams a chat completion (checking the chunks), makes the same request without streaming
-(checking `usage`), and prints {"streamed": ..., "whole": ...} as one JSON line. Any failed
-check raises, so the process exits non-zero.
+(checking `usage`), then once more with speculative decoding off through `extra_body` (ferry's
+`speculative` extension: the same greedy text) and once with a wrong type for it (a 400 naming
+the field), and prints {"streamed": ..., "whole": ...} as one JSON line. Any failed check
+raises, so the process exits non-zero.
 """
 
 import argparse
 import json
 
-from openai import OpenAI
+from openai import BadRequestError, OpenAI
 
 
 def main() -> None:
@@ -67,6 +69,19 @@ def main() -> None:
     assert u.prompt_tokens > 0 and u.completion_tokens == args.max_tokens, u
     assert u.total_tokens == u.prompt_tokens + u.completion_tokens, u
     assert text == streamed, f"greedy: streamed {streamed!r} != whole {text!r}"
+
+    # ferry's `speculative` extension, sent the way OpenAI clients send extra fields.
+    plain = client.chat.completions.create(
+        **{**common, "extra_body": {"ignore_eos": True, "speculative": False}}
+    )
+    plain_text = plain.choices[0].message.content
+    assert plain_text == text, f"speculative off: {plain_text!r} != {text!r}"
+    try:
+        client.chat.completions.create(**{**common, "extra_body": {"speculative": "yes"}})
+    except BadRequestError as e:
+        assert e.status_code == 400 and e.param == "speculative", (e.status_code, e.body)
+    else:
+        raise AssertionError('"speculative": "yes" was accepted')
 
     models = [m.id for m in client.models.list()]
     assert models == [args.model], models

@@ -1,7 +1,8 @@
 //! OpenAI API shapes (the subset ferry serves) and their conversion to [`GenerateParams`].
 //!
 //! Requests accept unknown fields (clients send many: `user`, `frequency_penalty`, …) and
-//! ignore them. Extensions beyond OpenAI: `top_k`, `min_p`, `ignore_eos`.
+//! ignore them. Extensions beyond OpenAI: `top_k`, `min_p`, `ignore_eos`, `speculative` (OpenAI
+//! clients send them with `extra_body`).
 use ferry_model::tokenizer::ChatMessage;
 use serde::{Deserialize, Serialize};
 
@@ -77,6 +78,9 @@ macro_rules! common_fields {
             /// Extension: keep generating past EOS.
             #[serde(default)]
             pub ignore_eos: bool,
+            /// Extension: speculative decoding for this request (`true` / `false`); absent =
+            /// the decode worker's setting.
+            pub speculative: Option<bool>,
             /// Stream as server-sent events.
             #[serde(default)]
             pub stream: bool,
@@ -160,6 +164,7 @@ impl CompletionRequest {
             stop,
             ignore_eos: self.ignore_eos,
             request_id: Some(request_id.to_string()),
+            speculative: self.speculative,
         })
     }
 }
@@ -248,6 +253,7 @@ impl ChatRequest {
             stop,
             ignore_eos: self.ignore_eos,
             request_id: Some(request_id.to_string()),
+            speculative: self.speculative,
         })
     }
 }
@@ -438,6 +444,7 @@ mod tests {
         assert_eq!(p.prompt, PromptInput::Tokens(vec![1, 2]));
         assert_eq!(p.max_tokens, Some(16));
         assert_eq!(p.stop, vec!["x".to_string()]);
+        assert_eq!(p.speculative, None);
 
         let r: CompletionRequest =
             serde_json::from_str(r#"{"prompt": ["a", "b"]}"#).expect("parses");
@@ -460,10 +467,29 @@ mod tests {
         .expect("parses");
         let p = r.into_params("x").expect("converts");
         assert_eq!(p.max_tokens, Some(7));
+        assert_eq!(p.speculative, None);
         assert_eq!(
             p.prompt,
             PromptInput::Chat(vec![ChatMessage::new("user", "hi")])
         );
+    }
+
+    #[test]
+    fn speculative_is_an_optional_bool_on_both_endpoints() {
+        for (body, want) in [
+            (r#""speculative": false"#, Some(false)),
+            (r#""speculative": true"#, Some(true)),
+            (r#""speculative": null"#, None),
+        ] {
+            let r: CompletionRequest =
+                serde_json::from_str(&format!(r#"{{"prompt": "x", {body}}}"#)).expect(body);
+            assert_eq!(r.into_params("x").expect("converts").speculative, want);
+            let r: ChatRequest = serde_json::from_str(&format!(
+                r#"{{"messages": [{{"role": "user", "content": "x"}}], {body}}}"#
+            ))
+            .expect(body);
+            assert_eq!(r.into_params("x").expect("converts").speculative, want);
+        }
     }
 
     #[test]

@@ -216,6 +216,33 @@ async fn chat_validation_errors_are_400_naming_the_field() {
 }
 
 #[tokio::test]
+async fn speculative_must_be_a_bool() {
+    let s = state().await;
+    let user = json!([{"role": "user", "content": "hi"}]);
+    for (uri, mut body) in [
+        ("/v1/completions", json!({"prompt": "hi"})),
+        ("/v1/chat/completions", json!({"messages": user})),
+    ] {
+        for bad in [json!("yes"), json!(1), json!([true])] {
+            body["speculative"] = bad.clone();
+            let (status, got) = send(&s, "POST", uri, &body.to_string()).await;
+            let case = format!("{uri} speculative={bad}");
+            assert_eq!(status, StatusCode::BAD_REQUEST, "{case}: {got}");
+            assert_eq!(got["error"]["param"], "speculative", "{case}: {got}");
+            assert_eq!(got["error"]["code"], "invalid_type", "{case}: {got}");
+            let message = got["error"]["message"].as_str().unwrap_or_default();
+            assert!(message.contains("`speculative`"), "{case}: {message}");
+        }
+        // A bool (or null) passes the body checks: without workers the request is a 503.
+        for ok in [json!(false), json!(true), json!(null)] {
+            body["speculative"] = ok.clone();
+            let (status, got) = send(&s, "POST", uri, &body.to_string()).await;
+            assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{uri} {ok}: {got}");
+        }
+    }
+}
+
+#[tokio::test]
 async fn a_valid_request_without_workers_is_503() {
     let s = state().await;
     for (uri, body) in [
