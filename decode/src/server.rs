@@ -156,6 +156,7 @@ impl DecodeServer {
             worker = %self.worker_id,
             addr = %self.addr,
             metrics = %format!("http://{metrics_addr}/metrics"),
+            device = %self.service.engine_handle().device(),
             "decode worker serving"
         );
         let routes = routes.add_service(DecodeWorkerServer::new(self.service));

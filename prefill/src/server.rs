@@ -149,6 +149,7 @@ impl PrefillServer {
             worker = %self.worker_id,
             addr = %self.addr,
             metrics = %format!("http://{metrics_addr}/metrics"),
+            device = %self.service.engine_handle().device(),
             "prefill worker serving"
         );
         let routes = routes.add_service(PrefillWorkerServer::new(self.service));

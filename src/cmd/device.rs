@@ -1,87 +1,24 @@
-//! `--device cpu|cuda[:N]|rocm[:N]` for the commands that run the model, and the GPU paths
-//! they take.
+//! `--device cpu|cuda[:N]|rocm[:N]` for the in-process commands (`generate`, `bench-engine`),
+//! and the GPU paths they take outside the engine.
 //!
 //! A GPU that cannot be opened (no driver, no such ordinal) is reported once as a warning and
 //! the command carries on with the CPU backend. The ROCm backend compiles and runs the kernel
 //! sources but does not run the whole model yet, so `rocm` also falls back (with that reason).
+//! The workers take the same flags and hand them to their engine
+//! (`ferry_model::engine::backend`).
 
 use std::time::Instant;
 
 use anyhow::Context;
-use clap::{Args, ValueEnum};
 use ferry_kernels::cpu::sample::argmax;
-use ferry_kernels::cuda::CudaDevice;
-use ferry_kernels::Device;
 use ferry_model::deepseek::{BatchInputs, DeepseekModel, LogitsWanted, SeqInput};
-use ferry_model::gpu::{GpuKvCache, GpuMode, GpuModel};
+use ferry_model::gpu::{GpuKvCache, GpuModel};
 use ferry_model::kv::layout::DEFAULT_PAGE_SIZE;
 use ferry_model::kv::{BlockId, KvPool};
 use ferry_model::session::Session;
 
-/// GPU numerics, as a flag.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum GpuModeArg {
-    /// f32 activations, latent cache and attention: matches the CPU backend.
-    Exact,
-    /// bf16 latent cache and tensor-core attention: the serving configuration.
-    Fast,
-}
-
-/// Device flags shared by `generate` and `bench-engine`.
-#[derive(Debug, Clone, Args)]
-pub struct DeviceArgs {
-    /// Where the model runs: cpu, cuda[:N] or rocm[:N]. A GPU that cannot be opened falls
-    /// back to the CPU with a warning.
-    #[arg(long, env = "FERRY_DEVICE", default_value = "cpu")]
-    pub device: Device,
-    /// Numerics on a GPU.
-    #[arg(long, value_enum, default_value_t = GpuModeArg::Exact)]
-    pub gpu_mode: GpuModeArg,
-}
-
-impl DeviceArgs {
-    /// The CUDA device to use, or `None` for the CPU (after a warning if a GPU was asked for
-    /// and cannot be used).
-    pub fn cuda(&self) -> Option<CudaDevice> {
-        match self.device {
-            Device::Cpu => None,
-            Device::Rocm(_) => {
-                let why = self.device.probe().err().map_or(
-                    "the ROCm backend does not run the whole model yet".to_string(),
-                    |e| e.to_string(),
-                );
-                tracing::warn!(device = %self.device, reason = %why, "running on the CPU instead");
-                None
-            }
-            Device::Cuda(n) => match CudaDevice::open(n) {
-                Ok(dev) => {
-                    tracing::info!(device = ?dev, "running on the GPU");
-                    Some(dev)
-                }
-                Err(e) => {
-                    tracing::warn!(device = %self.device, reason = %e, "running on the CPU instead");
-                    None
-                }
-            },
-        }
-    }
-
-    fn mode(&self) -> GpuMode {
-        match self.gpu_mode {
-            GpuModeArg::Exact => GpuMode::Exact,
-            GpuModeArg::Fast => GpuMode::Fast,
-        }
-    }
-
-    /// The model uploaded to the GPU, if a GPU is used.
-    pub fn gpu_model(&self, model: &DeepseekModel) -> anyhow::Result<Option<GpuModel>> {
-        let Some(dev) = self.cuda() else {
-            return Ok(None);
-        };
-        let gpu = GpuModel::upload(&dev, model, self.mode()).context("uploading the model")?;
-        Ok(Some(gpu))
-    }
-}
+/// The flags live with the workers' (`ferry_worker::args`), which take them too.
+pub use ferry_worker::args::DeviceArgs;
 
 /// One sequence on either backend: append tokens, get logits.
 pub enum Runner<'m> {
@@ -115,7 +52,8 @@ impl<'m> Runner<'m> {
         max_tokens: usize,
     ) -> anyhow::Result<Self> {
         let blocks = max_tokens.div_ceil(DEFAULT_PAGE_SIZE);
-        Ok(match args.gpu_model(model)? {
+        let gpu = args.gpu_model(model).context("uploading the model")?;
+        Ok(match gpu {
             Some(gpu) => Runner::Cuda {
                 cache: gpu.new_kv_cache(blocks, DEFAULT_PAGE_SIZE)?,
                 gpu: Box::new(gpu),

@@ -14,6 +14,7 @@ use anyhow::{bail, Context};
 use clap::Args;
 use ferry_decode::spec::SpecArgs;
 use ferry_router::config::PolicyKind;
+use ferry_worker::args::DeviceArgs;
 use ferry_worker::shutdown::shutdown_token;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::process::{Child, Command};
@@ -54,6 +55,11 @@ pub struct UpArgs {
     /// context with the KV).
     #[command(flatten)]
     pub spec: SpecArgs,
+    /// Where every worker runs the model (`--device cuda` puts them all on GPU 0); each worker
+    /// falls back to the CPU with a warning if it cannot open the GPU. Speculative decoding
+    /// is CPU-only: workers on a GPU decode without it.
+    #[command(flatten)]
+    pub device: DeviceArgs,
 }
 
 struct Proc {
@@ -117,7 +123,7 @@ async fn up(args: UpArgs, exe: PathBuf, model: PathBuf, served: String) -> anyho
     let deadline = Instant::now() + Duration::from_secs(args.ready_timeout_s);
     wait_for_port(args.grpc_addr, deadline, &mut procs).await?;
     let common = |role: &str, i: usize| -> Vec<String> {
-        vec![
+        let mut argv: Vec<String> = vec![
             role.into(),
             "--model".into(),
             model_s.clone(),
@@ -127,7 +133,9 @@ async fn up(args: UpArgs, exe: PathBuf, model: PathBuf, served: String) -> anyho
             format!("{role}-{i}"),
             "--kv-blocks".into(),
             args.kv_blocks.to_string(),
-        ]
+        ];
+        argv.extend(args.device.to_args());
+        argv
     };
     // Each worker's `/metrics` listens on a port picked here, so it can be printed.
     let mut metrics = vec![("router".to_string(), args.http_addr)];
@@ -165,6 +173,13 @@ async fn up(args: UpArgs, exe: PathBuf, model: PathBuf, served: String) -> anyho
         args.decode_workers,
         args.policy.as_str()
     );
+    if args.device.device.is_gpu() {
+        println!(
+            "  Device: {} ({} mode); a worker that cannot open it warns and runs on the CPU",
+            args.device.device,
+            args.device.gpu_mode.as_str()
+        );
+    }
     println!("  HTTP (OpenAI API):         http://{}/v1", args.http_addr);
     println!("  gRPC (ferry.v1.Inference): {}", args.grpc_addr);
     println!("  Prometheus metrics:");

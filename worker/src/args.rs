@@ -1,13 +1,18 @@
-//! Flags every worker takes.
+//! Flags every worker takes, and the device flags of every command that runs the model.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use clap::Args;
+use clap::{Args, ValueEnum};
 use ferry_kernels::cpu::sample::SamplingParams;
+use ferry_kernels::cuda::CudaDevice;
+use ferry_kernels::Device;
 use ferry_model::config::ModelConfig;
-use ferry_model::engine::EngineConfig;
+use ferry_model::deepseek::DeepseekModel;
+use ferry_model::engine::{EngineConfig, GpuMode};
+use ferry_model::gpu::GpuModel;
+use ferry_model::ModelError;
 use ferry_proto::internal::Sampling;
 use tonic::Status;
 
@@ -47,6 +52,82 @@ pub struct WorkerArgs {
     /// Stop when standard input closes (set by `ferry up` for its children).
     #[arg(long, hide = true)]
     pub exit_on_stdin_close: bool,
+    #[command(flatten)]
+    pub device: DeviceArgs,
+}
+
+/// GPU numerics, as a flag.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum GpuModeArg {
+    /// f32 activations, latent cache and attention: matches the CPU backend.
+    Exact,
+    /// bf16 latent cache and tensor-core attention: the serving configuration.
+    Fast,
+}
+
+impl GpuModeArg {
+    /// The flag's spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            GpuModeArg::Exact => "exact",
+            GpuModeArg::Fast => "fast",
+        }
+    }
+}
+
+/// `--device` and `--gpu-mode`: on every command that runs the model (the workers, `ferry up`
+/// which forwards them to its workers, `generate`, `bench-engine`).
+#[derive(Debug, Clone, Args)]
+pub struct DeviceArgs {
+    /// Where the model runs: cpu, cuda[:N] or rocm[:N]. A GPU that cannot be opened falls
+    /// back to the CPU with a warning.
+    #[arg(long, env = "FERRY_DEVICE", default_value = "cpu")]
+    pub device: Device,
+    /// Numerics on a GPU.
+    #[arg(long, env = "FERRY_GPU_MODE", value_enum, default_value_t = GpuModeArg::Exact)]
+    pub gpu_mode: GpuModeArg,
+}
+
+impl Default for DeviceArgs {
+    fn default() -> Self {
+        Self {
+            device: Device::Cpu,
+            gpu_mode: GpuModeArg::Exact,
+        }
+    }
+}
+
+impl DeviceArgs {
+    /// The GPU numerics.
+    pub fn mode(&self) -> GpuMode {
+        match self.gpu_mode {
+            GpuModeArg::Exact => GpuMode::Exact,
+            GpuModeArg::Fast => GpuMode::Fast,
+        }
+    }
+
+    /// The CUDA device to use, or `None` for the CPU (after a warning if a GPU was asked for
+    /// and cannot be used).
+    pub fn cuda(&self) -> Option<CudaDevice> {
+        ferry_model::engine::open_cuda(self.device)
+    }
+
+    /// The model uploaded to the GPU, if a GPU is used.
+    pub fn gpu_model(&self, model: &DeepseekModel) -> Result<Option<GpuModel>, ModelError> {
+        self.cuda()
+            .map(|dev| GpuModel::upload(&dev, model, self.mode()))
+            .transpose()
+    }
+
+    /// Flags that reproduce these settings on a child process (`ferry up`).
+    pub fn to_args(&self) -> Vec<String> {
+        vec![
+            "--device".into(),
+            self.device.to_string(),
+            "--gpu-mode".into(),
+            self.gpu_mode.as_str().into(),
+        ]
+    }
 }
 
 impl WorkerArgs {
@@ -57,6 +138,8 @@ impl WorkerArgs {
             max_batch_tokens: self.max_batch_tokens,
             max_running: self.max_running,
             max_in_flight: self.max_in_flight,
+            device: self.device.device,
+            gpu_mode: self.device.mode(),
             ..EngineConfig::default()
         }
     }
@@ -114,4 +197,36 @@ pub fn sampling(s: Option<&Sampling>) -> Result<SamplingParams, Status> {
     p.validate()
         .map_err(|e| Status::invalid_argument(e.to_string()))?;
     Ok(p)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Debug, Parser)]
+    struct Cli {
+        #[command(flatten)]
+        worker: WorkerArgs,
+    }
+
+    #[test]
+    fn device_flags_reach_the_engine_and_round_trip_to_children() {
+        let cli = Cli::try_parse_from(["w", "--device", "cuda:1", "--gpu-mode", "fast"]).unwrap();
+        let config = cli.worker.engine_config();
+        assert_eq!(config.device, Device::Cuda(1));
+        assert_eq!(config.gpu_mode, GpuMode::Fast);
+        // What `ferry up` forwards parses back to the same settings.
+        let mut argv = vec!["w".to_string()];
+        argv.extend(cli.worker.device.to_args());
+        let child = Cli::try_parse_from(argv).unwrap();
+        assert_eq!(child.worker.device.device, Device::Cuda(1));
+        assert_eq!(child.worker.device.gpu_mode, GpuModeArg::Fast);
+        // The default stays the CPU.
+        let plain = Cli::try_parse_from(["w"]).unwrap().worker.engine_config();
+        if std::env::var_os("FERRY_DEVICE").is_none() {
+            assert_eq!(plain.device, Device::Cpu);
+        }
+        assert!(Cli::try_parse_from(["w", "--device", "tpu"]).is_err());
+    }
 }

@@ -5,13 +5,14 @@
 //! | [`mod@self`] | [`EngineHandle`] (clone-able, async-friendly), commands, events, config |
 //! | [`sequence`] | per-request state ([`sequence::Phase`]) |
 //! | [`scheduler`] | the loop: commands → batch under a token budget → forward → sample → events |
-//! | [`spec`] | speculative decoding: draft, verify length, lossless verify, commit and KV rollback |
+//! | [`backend`] | where the forward runs: the CPU model over the host pool, or the model and KV cache on a CUDA device with the host pool as the transfer staging mirror; [`GpuMode`] |
+//! | [`spec`] | speculative decoding: draft, verify length, lossless verify, commit and KV rollback (CPU backend only) |
 //!
 //! ```text
 //!  tokio tasks (gRPC services, transport receivers)
 //!      │ EngineCommand (unbounded; admission is counted by the handle)
 //!      ▼
-//!  engine thread: KvManager + DeepseekModel + running/waiting sequences
+//!  engine thread: KvManager (block ids) + Backend (model, KV rows) + running/waiting sequences
 //!      │ EngineEvent per request (tokio mpsc)   │ oneshot replies (prefill jobs, stats)
 //!      ▼                                         ▼
 //!  the request's stream                        the caller
@@ -19,6 +20,7 @@
 //!
 //! Compute never runs on the tokio runtime. Every request owns its blocks through its sequence;
 //! a finished, failed or cancelled (receiver dropped) request frees them in the same step.
+pub mod backend;
 pub mod scheduler;
 pub mod sequence;
 pub mod spec;
@@ -27,6 +29,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use ferry_kernels::cpu::sample::SamplingParams;
+use ferry_kernels::Device;
 use tokio::sync::{mpsc, oneshot};
 
 use crate::deepseek::DeepseekModel;
@@ -34,6 +37,9 @@ use crate::drafter::Drafter;
 use crate::kv::{BlockId, KvEvent, KvPool};
 use crate::ModelError;
 
+#[cfg(feature = "cuda")]
+pub use backend::open_cuda;
+pub use backend::GpuMode;
 pub use spec::{SpecConfig, VerifyLen};
 
 /// Identifies a request inside one engine.
@@ -56,6 +62,12 @@ pub struct EngineConfig {
     pub max_in_flight: usize,
     /// Speculative decoding policy (used when the engine has a drafter).
     pub spec: SpecConfig,
+    /// Where the model runs: `cpu`, or `cuda:N` for the whole model and its KV cache on that
+    /// GPU. A GPU that cannot be opened is a warning and the CPU runs instead
+    /// ([`EngineHandle::device`] says which).
+    pub device: Device,
+    /// Numerics on a GPU.
+    pub gpu_mode: GpuMode,
 }
 
 impl Default for EngineConfig {
@@ -67,6 +79,8 @@ impl Default for EngineConfig {
             max_running: 64,
             max_in_flight: 512,
             spec: SpecConfig::default(),
+            device: Device::Cpu,
+            gpu_mode: GpuMode::Exact,
         }
     }
 }
@@ -162,7 +176,8 @@ pub struct PrefillJob {
     /// Prompt positions the destination already holds (whole blocks): not shipped.
     pub skip_tokens: usize,
     /// Called on the engine thread with `(layer, blocks to ship from skip_tokens on, pool)`
-    /// as soon as the layer is computed; an error fails this job only.
+    /// as soon as the layer is computed (on the CPU backend; on a GPU, after the whole forward,
+    /// each layer's blocks downloaded into the pool first); an error fails this job only.
     pub on_layer: LayerSinkFn,
     /// The outcome.
     pub reply: oneshot::Sender<Result<PrefillOutcome, String>>,
@@ -307,6 +322,8 @@ pub struct EngineHandle {
     config: Arc<crate::config::ModelConfig>,
     /// Drafter KV pool layers (0 without a drafter or without drafter context).
     draft_kv_layers: usize,
+    /// The device the forward runs on.
+    device: Device,
 }
 
 /// Decrements the in-flight count when a request's handle-side state is dropped.
@@ -333,8 +350,10 @@ impl EngineHandle {
         Self::spawn_with(model, None, config)
     }
 
-    /// Starts the engine thread, speculating with `drafter` when one is given (requests opt
-    /// out per [`GenerateOptions`]).
+    /// Starts the engine thread on `config.device`, speculating with `drafter` when one is
+    /// given (requests opt out per [`GenerateOptions`]). Blocking: on a GPU it uploads the
+    /// model. Speculative decoding runs on the CPU backend only: an engine that ends up on a
+    /// GPU drops the drafter with a warning and decodes without it (see [`backend`]).
     pub fn spawn_with(
         model: DeepseekModel,
         drafter: Option<Box<dyn Drafter>>,
@@ -342,16 +361,29 @@ impl EngineHandle {
     ) -> Result<Self, ModelError> {
         let pool = model.new_kv_pool(config.num_blocks, config.page_size)?;
         let layout = *pool.layout();
+        let model_config = Arc::new(model.config().clone());
+        let backend = backend::Backend::open(model, &layout, config.device, config.gpu_mode)?;
+        let device = backend.device();
+        let drafter = match drafter {
+            Some(_) if backend.host_model().is_none() => {
+                tracing::warn!(
+                    %device,
+                    "speculative decoding is not supported on the GPU backend yet (the drafter \
+                     reads hidden states from the CPU forward); decoding without it"
+                );
+                None
+            }
+            d => d,
+        };
         let spec = drafter
             .map(|d| spec::Speculator::new(d, &layout, config.spec.clone()))
             .transpose()?;
         let draft_kv_layers = spec.as_ref().map_or(0, spec::Speculator::pool_layers);
-        let model_config = Arc::new(model.config().clone());
         let (tx, rx) = mpsc::unbounded_channel();
         let max_in_flight = config.max_in_flight;
         std::thread::Builder::new()
             .name("ferry-engine".into())
-            .spawn(move || scheduler::Scheduler::new(model, pool, spec, config).run(rx))
+            .spawn(move || scheduler::Scheduler::new(backend, pool, spec, config).run(rx))
             .map_err(|e| ModelError::Invalid(format!("cannot start the engine thread: {e}")))?;
         Ok(Self {
             tx,
@@ -361,6 +393,7 @@ impl EngineHandle {
             layout,
             config: model_config,
             draft_kv_layers,
+            device,
         })
     }
 
@@ -384,6 +417,12 @@ impl EngineHandle {
     /// `num_layers + j` of a transfer is drafter pool layer `j`.
     pub fn draft_kv_layers(&self) -> usize {
         self.draft_kv_layers
+    }
+
+    /// The device the forward runs on: `config.device`, or the CPU when that GPU could not be
+    /// opened.
+    pub fn device(&self) -> Device {
+        self.device
     }
 
     /// The KV pool geometry.

@@ -15,12 +15,13 @@ use ferry_kernels::cpu::sample::Sampler;
 use tokio::sync::mpsc;
 use tracing::{debug, warn};
 
+use super::backend::{Backend, Pass};
 use super::sequence::{sample_step, Next, Origin, Phase, PrefillTask, Sequence};
 use super::spec::{Draft, Speculator};
 use super::{Command, EngineConfig, EngineEvent, EngineStats, FinishReason, PrefillOutcome};
 use super::{GenerateJob, GenerateOptions, PrefillSource, SeqId};
 use crate::deepseek::forward::ForwardHooks;
-use crate::deepseek::{BatchInputs, DeepseekModel, FormPolicy, LogitsWanted, SeqInput};
+use crate::deepseek::{BatchInputs, LogitsWanted, SeqInput};
 use crate::kv::{BlockId, KvManager, KvPool};
 use crate::ModelError;
 
@@ -46,7 +47,8 @@ enum Work {
 
 /// The state the engine thread owns.
 pub(crate) struct Scheduler {
-    model: DeepseekModel,
+    /// The model on its device (and, on a GPU, the KV rows).
+    backend: Backend,
     kv: KvManager,
     config: EngineConfig,
     running: Vec<Sequence>,
@@ -83,13 +85,13 @@ struct BatchResult {
 
 impl Scheduler {
     pub(crate) fn new(
-        model: DeepseekModel,
+        backend: Backend,
         pool: KvPool,
         spec: Option<Speculator>,
         config: EngineConfig,
     ) -> Self {
         Self {
-            model,
+            backend,
             kv: KvManager::new(pool),
             config,
             running: Vec::new(),
@@ -128,7 +130,7 @@ impl Scheduler {
     }
 
     fn eos(&self) -> &[u32] {
-        &self.model.config().eos_token_ids
+        &self.backend.config().eos_token_ids
     }
 
     fn handle(&mut self, cmd: Command) {
@@ -300,6 +302,7 @@ impl Scheduler {
         for (d, b) in dst.iter_mut().zip(data.chunks_exact(4)) {
             *d = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
         }
+        self.backend.host_rows_written(layer, block);
         self.stats.kv_bytes_received += data.len() as u64;
     }
 
@@ -485,11 +488,13 @@ impl Scheduler {
         // Prefill jobs run whole in this batch: take their layer sinks and the blocks each ships.
         let page = self.kv.page_size();
         let mut sinks = Vec::new();
+        let mut staged = Vec::new();
         for w in &work {
             if let Work::Prefill(i) = *w {
                 let t = &mut self.prefills[i];
                 let skip = (t.job.skip_tokens / page).min(t.table.blocks().len());
                 let blocks = t.table.blocks()[skip..].to_vec();
+                staged.extend_from_slice(&blocks);
                 let sink = std::mem::replace(&mut t.job.on_layer, Box::new(|_, _, _| Ok(())));
                 sinks.push((i, sink, blocks));
             }
@@ -567,13 +572,14 @@ impl Scheduler {
             }
             Ok(())
         };
-        let hooks = ForwardHooks {
-            after_layer: &mut hook,
-            hidden: &mut hidden,
+        let pass = Pass {
+            hooks: ForwardHooks {
+                after_layer: &mut hook,
+                hidden: &mut hidden,
+            },
+            staged: &staged,
         };
-        let result =
-            self.model
-                .forward_with_hooks(&batch, self.kv.pool_mut(), FormPolicy::CostModel, hooks);
+        let result = self.backend.forward(&batch, self.kv.pool_mut(), pass);
         drop(batch);
         match result {
             Ok(out) => self.apply(

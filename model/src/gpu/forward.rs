@@ -550,7 +550,13 @@ impl GpuModel {
                 Elems::Bf16(kb.v()),
                 Elems::Bf16(vb.v()),
             );
-            mha_prefill(dev, self.shape, MhaKernel::best_bf16(dev, self.shape), &b, out)?;
+            mha_prefill(
+                dev,
+                self.shape,
+                MhaKernel::best_bf16(dev, self.shape),
+                &b,
+                out,
+            )?;
         } else {
             let kf = dev.alloc::<f32>(l * h * qk)?;
             let vf = dev.alloc::<f32>(l * h * v)?;

@@ -2,12 +2,14 @@
 //! f32 or bf16. Block ids are the caller's (the same [`BlockId`]s a `KvPool` hands out), so
 //! the CPU-side allocator, prefix cache and events keep working unchanged.
 //!
-//! [`BlockId`]: crate::kv::BlockId
+//! Rows cross to and from the host as f32 (the host pool's and the transfer wire's format):
+//! [`GpuKvCache::write_blocks`] rounds them to bf16 (nearest even) in a bf16 cache and
+//! [`GpuKvCache::read_blocks`] widens them back, so a bf16 row survives the round trip exactly.
 
 use ferry_kernels::cuda::ops::PagesView;
 use ferry_kernels::cuda::{CudaDevice, DeviceBuffer};
 
-use crate::kv::KvLayout;
+use crate::kv::{BlockId, KvLayout};
 use crate::ModelError;
 
 /// Storage of one layer.
@@ -68,6 +70,74 @@ impl GpuKvCache {
             page_size: self.layout.page_size,
             width: self.layout.width,
         })
+    }
+
+    /// Checks that `count` blocks from `first` lie inside layer `l`; the first element's index.
+    fn block_range(&self, l: usize, first: BlockId, count: usize) -> Result<usize, ModelError> {
+        let start = first.0 as usize;
+        if l >= self.layers.len() || start + count > self.layout.num_blocks {
+            return Err(ModelError::Kv(format!(
+                "blocks {start}..{} of layer {l} are outside the device cache ({} layers × {} blocks)",
+                start + count,
+                self.layers.len(),
+                self.layout.num_blocks
+            )));
+        }
+        Ok(start * self.layout.block_floats())
+    }
+
+    /// Writes whole blocks of layer `l` from f32 `rows` (`[block][page][width]`, a multiple of
+    /// one block), starting at block `first`: one host-to-device copy, rounded to bf16 in a
+    /// bf16 cache. Returns once the copy is done.
+    pub fn write_blocks(
+        &mut self,
+        dev: &CudaDevice,
+        l: usize,
+        first: BlockId,
+        rows: &[f32],
+    ) -> Result<(), ModelError> {
+        let per_block = self.layout.block_floats();
+        if rows.len() % per_block != 0 {
+            return Err(ModelError::Kv(format!(
+                "a block write must hold whole blocks of {per_block} floats, got {}",
+                rows.len()
+            )));
+        }
+        let offset = self.block_range(l, first, rows.len() / per_block)?;
+        match self.layers.get_mut(l) {
+            Some(Region::F32(b)) => dev.write(b, offset, rows)?,
+            Some(Region::Bf16(b)) => {
+                let bits: Vec<u16> = rows
+                    .iter()
+                    .map(|&v| half::bf16::from_f32(v).to_bits())
+                    .collect();
+                dev.write(b, offset, &bits)?;
+            }
+            None => return Err(ModelError::Kv(format!("layer {l} is outside the cache"))),
+        }
+        Ok(())
+    }
+
+    /// `count` whole blocks of layer `l` from block `first`, as f32 rows `[block][page][width]`
+    /// (one device-to-host copy; waits for queued work).
+    pub fn read_blocks(
+        &self,
+        dev: &CudaDevice,
+        l: usize,
+        first: BlockId,
+        count: usize,
+    ) -> Result<Vec<f32>, ModelError> {
+        let offset = self.block_range(l, first, count)?;
+        let len = count * self.layout.block_floats();
+        match self.layers.get(l) {
+            Some(Region::F32(b)) => Ok(dev.download_range(b, offset, len)?),
+            Some(Region::Bf16(b)) => Ok(dev
+                .download_range(b, offset, len)?
+                .into_iter()
+                .map(|v| half::bf16::from_bits(v).to_f32())
+                .collect()),
+            None => Err(ModelError::Kv(format!("layer {l} is outside the cache"))),
+        }
     }
 
     /// Layer `l` copied back as f32 rows `[block][page][width]` (tests).

@@ -40,17 +40,9 @@ use crate::config::ModelConfig;
 use crate::deepseek::{DeepseekModel, Ffn, FormPolicy, QueryProj};
 use crate::ModelError;
 
-/// Numerics of the GPU forward.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum GpuMode {
-    /// f32 activations, f32 latent cache, f32 attention kernels, split-bf16 GEMMs: matches the
-    /// CPU backend within the CPU-vs-Hugging-Face tolerance.
-    #[default]
-    Exact,
-    /// bf16 latent cache, tensor-core attention (absorbed tiles with 12 → 16 padding, flash
-    /// prefill), bf16 GEMM inputs.
-    Fast,
-}
+/// Numerics of the GPU forward. Defined with the engine's configuration (which names it
+/// whether or not the `cuda` feature is built) and re-exported here.
+pub use crate::engine::GpuMode;
 
 impl GpuMode {
     pub(crate) fn gemm(self) -> GemmPrecision {

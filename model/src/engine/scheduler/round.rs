@@ -16,11 +16,12 @@ impl Scheduler {
     /// Drafts for the running sequences (one entry each; empty without a drafter) and reserves
     /// KV for every draft kept; a sequence whose reservation fails takes a plain step.
     pub(super) fn plan_drafts(&mut self, budget: usize) -> Vec<Option<Draft>> {
-        let Some(sp) = self.spec.as_ref() else {
+        // The drafter runs on the CPU beside the host model (an engine on a GPU has none).
+        let (Some(sp), Some(model)) = (self.spec.as_ref(), self.backend.host_model()) else {
             return Vec::new();
         };
-        let max_pos = self.model.config().max_position_embeddings;
-        let mut drafts = sp.plan(&self.model, &mut self.running, budget, max_pos);
+        let max_pos = model.config().max_position_embeddings;
+        let mut drafts = sp.plan(model, &mut self.running, budget, max_pos);
         for (s, d) in self.running.iter_mut().zip(drafts.iter_mut()) {
             let Some(draft) = d else { continue };
             let before = s.table.blocks().len();
@@ -47,7 +48,7 @@ impl Scheduler {
         logits: &[f32],
     ) -> Result<(usize, Option<FinishReason>), String> {
         let page = self.kv.page_size();
-        let eos = self.model.config().eos_token_ids.clone();
+        let eos = self.backend.config().eos_token_ids.clone();
         let s = &mut self.running[i];
         let verified = verify_round(s, draft, logits)?;
         let start = s.table.len();
@@ -86,7 +87,7 @@ impl Scheduler {
         taps: &[Vec<f32>],
     ) -> HashMap<usize, String> {
         let mut errors = HashMap::new();
-        let Some(sp) = self.spec.as_mut() else {
+        let (Some(sp), Some(model)) = (self.spec.as_mut(), self.backend.host_model()) else {
             return errors;
         };
         let page = self.kv.page_size();
@@ -109,7 +110,7 @@ impl Scheduler {
                 rows,
             });
         }
-        let extended = sp.extend(&self.model, taps, &segments);
+        let extended = sp.extend(model, taps, &segments);
         drop(segments);
         if let Err(e) = &extended {
             warn!(error = %e, "extending the drafter context failed; those sequences stop speculating");

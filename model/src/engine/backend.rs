@@ -1,0 +1,204 @@
+//! Where the engine's forward runs: the CPU reference or one CUDA device.
+//!
+//! The engine thread owns one [`Backend`]. On both, the [`KvManager`]'s pool is the single
+//! owner of block ids — allocation, refcounts, the prefix cache and its events — and every
+//! forward gets the same [`BatchInputs`] with caller-owned block tables. What differs is where
+//! the model and the KV *rows* live:
+//!
+//! | backend | model | KV rows the forward reads and writes | the host pool's rows |
+//! |---|---|---|---|
+//! | `Cpu` | [`DeepseekModel`] | the host pool | the KV itself |
+//! | `Cuda` | [`GpuModel`] (host weights dropped after the upload) | a [`GpuKvCache`] indexed by the same block ids | a staging mirror for transfers (below) |
+//!
+//! Transfers on CUDA go through the host pool, whose rows are f32 like the transfer wire:
+//!
+//! - **Shipping (prefill worker).** The forward runs whole; then, layer by layer, exactly the
+//!   blocks the batch's prefill jobs ship are downloaded into their host rows and the layer
+//!   sink is called. The layers therefore stream *after* the whole forward, not while later
+//!   layers compute as on the CPU.
+//! - **Receiving (decode worker).** A peer's block write lands in the host rows and marks
+//!   `(layer, block)` dirty; the next forward first uploads every dirty row, one copy per run
+//!   of consecutive block ids per layer.
+//!
+//! Rows are f32 on the host and on the device in [`GpuMode::Exact`], bf16 on the device in
+//! [`GpuMode::Fast`] (rounded to nearest even on upload, widened on download).
+//!
+//! Memory: the host mirror is as large as the device cache in f32 (twice the device cache in
+//! fast mode), although only rows in transit are ever current. A pinned staging ring sized for
+//! the transfers in flight would replace it.
+//!
+//! Speculative decoding is CPU-only: the drafter reads the target's hidden states after its tap
+//! layers on the host, which the GPU forward does not expose. An engine that ends up on CUDA
+//! drops its drafter with a warning and decodes plainly (see [`super::EngineHandle::spawn_with`]).
+//!
+//! [`KvManager`]: crate::kv::KvManager
+//! [`GpuModel`]: crate::gpu::GpuModel
+//! [`GpuKvCache`]: crate::gpu::GpuKvCache
+
+#[cfg(feature = "cuda")]
+mod cuda;
+
+use ferry_kernels::Device;
+
+use crate::config::ModelConfig;
+use crate::deepseek::forward::ForwardHooks;
+use crate::deepseek::{BatchInputs, BatchOutput, DeepseekModel, FormPolicy};
+use crate::kv::{BlockId, KvLayout, KvPool};
+use crate::ModelError;
+
+/// Numerics of the GPU forward.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum GpuMode {
+    /// f32 activations, f32 latent cache, f32 attention kernels, split-bf16 GEMMs: matches the
+    /// CPU backend within the CPU-vs-Hugging-Face tolerance.
+    #[default]
+    Exact,
+    /// bf16 latent cache, tensor-core attention (absorbed tiles with 12 → 16 padding, flash
+    /// prefill), bf16 GEMM inputs.
+    Fast,
+}
+
+/// One forward's hooks, and the blocks its `after_layer` hook reads.
+pub(crate) struct Pass<'p, 'h, 'a> {
+    /// Called per layer (`after_layer`) and with the residual stream (`hidden`; CPU only).
+    pub(crate) hooks: ForwardHooks<'h, 'a>,
+    /// Blocks whose rows `after_layer` reads from the pool (prefill jobs' shipped blocks): on
+    /// CUDA they are downloaded into the host pool before each layer's call.
+    pub(crate) staged: &'p [BlockId],
+}
+
+/// The model on the device that runs it.
+pub(crate) enum Backend {
+    /// The CPU reference forward over the host pool.
+    Cpu(Box<DeepseekModel>),
+    /// The whole forward on a CUDA device.
+    #[cfg(feature = "cuda")]
+    Cuda(Box<cuda::CudaBackend>),
+}
+
+impl Backend {
+    /// `model` on `device` with a KV cache shaped like the host pool's `layout`. A GPU that
+    /// cannot be opened is a warning and the CPU runs instead; one that opens but cannot hold
+    /// the model or the cache is an error.
+    pub(crate) fn open(
+        model: DeepseekModel,
+        layout: &KvLayout,
+        device: Device,
+        mode: GpuMode,
+    ) -> Result<Self, ModelError> {
+        if device == Device::Cpu {
+            return Ok(Backend::Cpu(Box::new(model)));
+        }
+        open_gpu(model, layout, device, mode)
+    }
+
+    /// The device the forward runs on.
+    pub(crate) fn device(&self) -> Device {
+        match self {
+            Backend::Cpu(_) => Device::Cpu,
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(c) => c.device(),
+        }
+    }
+
+    /// The model configuration.
+    pub(crate) fn config(&self) -> &ModelConfig {
+        match self {
+            Backend::Cpu(m) => m.config(),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(c) => c.config(),
+        }
+    }
+
+    /// The host model, when the forward runs on the CPU (the drafter needs it).
+    pub(crate) fn host_model(&self) -> Option<&DeepseekModel> {
+        match self {
+            Backend::Cpu(m) => Some(m),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(_) => None,
+        }
+    }
+
+    /// Runs one batch. Latent rows of the new positions go to the backend's KV; `after_layer`
+    /// sees the pool with the staged blocks current for that layer.
+    pub(crate) fn forward(
+        &mut self,
+        batch: &BatchInputs<'_>,
+        pool: &mut KvPool,
+        pass: Pass<'_, '_, '_>,
+    ) -> Result<BatchOutput, ModelError> {
+        match self {
+            Backend::Cpu(m) => m.forward_with_hooks(batch, pool, FormPolicy::CostModel, pass.hooks),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(c) => c.forward(batch, pool, pass),
+        }
+    }
+
+    /// The host rows of `(layer, block)` were written (a peer's KV): on CUDA they are uploaded
+    /// before the next forward.
+    pub(crate) fn host_rows_written(&mut self, layer: usize, block: BlockId) {
+        match self {
+            Backend::Cpu(_) => {}
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(c) => c.mark_dirty(layer, block),
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn open_gpu(
+    model: DeepseekModel,
+    layout: &KvLayout,
+    device: Device,
+    mode: GpuMode,
+) -> Result<Backend, ModelError> {
+    match open_cuda(device) {
+        Some(dev) => Ok(Backend::Cuda(Box::new(cuda::CudaBackend::new(
+            &dev, model, layout, mode,
+        )?))),
+        None => Ok(Backend::Cpu(Box::new(model))),
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn open_gpu(
+    model: DeepseekModel,
+    _layout: &KvLayout,
+    device: Device,
+    _mode: GpuMode,
+) -> Result<Backend, ModelError> {
+    let reason = device.probe().err().map_or(
+        "the model forward needs the `cuda` feature".to_string(),
+        |e| e.to_string(),
+    );
+    tracing::warn!(%device, %reason, "running on the CPU instead");
+    Ok(Backend::Cpu(Box::new(model)))
+}
+
+/// The CUDA device `device` names, opened; or `None`, after a warning that names the reason,
+/// when the CPU must run instead: the CPU was asked for, no driver or libraries, no such
+/// ordinal, or ROCm (whose backend does not run the whole model yet).
+#[cfg(feature = "cuda")]
+pub fn open_cuda(device: Device) -> Option<ferry_kernels::cuda::CudaDevice> {
+    match device {
+        Device::Cpu => None,
+        Device::Rocm(_) => {
+            let reason = device.probe().err().map_or(
+                "the ROCm backend does not run the whole model yet".to_string(),
+                |e| e.to_string(),
+            );
+            tracing::warn!(%device, %reason, "running on the CPU instead");
+            None
+        }
+        Device::Cuda(n) => match ferry_kernels::cuda::CudaDevice::open(n) {
+            Ok(dev) => {
+                tracing::info!(device = ?dev, "running on the GPU");
+                Some(dev)
+            }
+            Err(e) => {
+                tracing::warn!(%device, reason = %e, "running on the CPU instead");
+                None
+            }
+        },
+    }
+}

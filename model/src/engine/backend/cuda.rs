@@ -1,0 +1,144 @@
+//! The engine's CUDA backend: [`GpuModel`] + [`GpuKvCache`], with the host pool as the staging
+//! mirror for KV transfers (see the parent module for the design).
+
+use std::collections::BTreeSet;
+
+use ferry_kernels::cuda::CudaDevice;
+use ferry_kernels::Device;
+
+use super::{GpuMode, Pass};
+use crate::config::ModelConfig;
+use crate::deepseek::forward::ForwardHooks;
+use crate::deepseek::{BatchInputs, BatchOutput, DeepseekModel};
+use crate::gpu::{GpuKvCache, GpuModel};
+use crate::kv::{BlockId, KvLayout, KvPool};
+use crate::ModelError;
+
+/// The model and its paged latent cache on one CUDA device.
+pub(crate) struct CudaBackend {
+    dev: CudaDevice,
+    gpu: GpuModel,
+    cache: GpuKvCache,
+    /// `(layer, block)` whose host rows are newer than the device's (a peer's writes): uploaded
+    /// before the next forward.
+    dirty: BTreeSet<(usize, BlockId)>,
+}
+
+impl CudaBackend {
+    /// Uploads `model` (which is then dropped: the host keeps no weights) and allocates a
+    /// device cache with the host pool's geometry.
+    pub(crate) fn new(
+        dev: &CudaDevice,
+        model: DeepseekModel,
+        layout: &KvLayout,
+        mode: GpuMode,
+    ) -> Result<Self, ModelError> {
+        let gpu = GpuModel::upload(dev, &model, mode)?;
+        drop(model);
+        let cache = gpu.new_kv_cache(layout.num_blocks, layout.page_size)?;
+        if cache.layout() != layout {
+            return Err(ModelError::Kv(format!(
+                "the device cache {:?} does not match the host pool {layout:?}",
+                cache.layout()
+            )));
+        }
+        tracing::info!(
+            device = ?dev,
+            ?mode,
+            kv_blocks = layout.num_blocks,
+            "engine on the GPU: weights and KV cache in device memory"
+        );
+        Ok(Self {
+            dev: dev.clone(),
+            gpu,
+            cache,
+            dirty: BTreeSet::new(),
+        })
+    }
+
+    pub(crate) fn device(&self) -> Device {
+        Device::Cuda(self.dev.ordinal())
+    }
+
+    pub(crate) fn config(&self) -> &ModelConfig {
+        self.gpu.config()
+    }
+
+    pub(crate) fn mark_dirty(&mut self, layer: usize, block: BlockId) {
+        self.dirty.insert((layer, block));
+    }
+
+    /// Uploads every dirty host row: one copy per run of consecutive blocks per layer.
+    fn upload_dirty(&mut self, pool: &KvPool) -> Result<(), ModelError> {
+        if self.dirty.is_empty() {
+            return Ok(());
+        }
+        let per_block = pool.layout().block_floats();
+        let dirty: Vec<(usize, BlockId)> = self.dirty.iter().copied().collect();
+        let mut i = 0;
+        while i < dirty.len() {
+            let (layer, first) = dirty[i];
+            let mut n = 1;
+            while dirty
+                .get(i + n)
+                .is_some_and(|&(l, b)| l == layer && b.0 as usize == first.0 as usize + n)
+            {
+                n += 1;
+            }
+            let start = first.0 as usize * per_block;
+            let rows = pool
+                .layer(layer)?
+                .get(start..start + n * per_block)
+                .ok_or_else(|| ModelError::Kv(format!("{first} + {n} is outside the pool")))?;
+            self.cache.write_blocks(&self.dev, layer, first, rows)?;
+            i += n;
+        }
+        self.dirty.clear();
+        Ok(())
+    }
+
+    /// Copies `blocks` (sorted, distinct) of `layer` from the device into the host pool.
+    fn stage(&self, layer: usize, blocks: &[BlockId], pool: &mut KvPool) -> Result<(), ModelError> {
+        let per_block = pool.layout().block_floats();
+        let mut i = 0;
+        while i < blocks.len() {
+            let first = blocks[i];
+            let mut n = 1;
+            while blocks
+                .get(i + n)
+                .is_some_and(|b| b.0 as usize == first.0 as usize + n)
+            {
+                n += 1;
+            }
+            let rows = self.cache.read_blocks(&self.dev, layer, first, n)?;
+            for (j, chunk) in rows.chunks_exact(per_block).enumerate() {
+                pool.block_mut(layer, BlockId(first.0 + j as u32))?
+                    .copy_from_slice(chunk);
+            }
+            i += n;
+        }
+        Ok(())
+    }
+
+    /// Peers' rows up, the forward, then per layer: the staged blocks down and `after_layer`.
+    pub(crate) fn forward(
+        &mut self,
+        batch: &BatchInputs<'_>,
+        pool: &mut KvPool,
+        pass: Pass<'_, '_, '_>,
+    ) -> Result<BatchOutput, ModelError> {
+        self.upload_dirty(pool)?;
+        let out = self.gpu.forward(batch, &mut self.cache)?;
+        let ForwardHooks { after_layer, .. } = pass.hooks;
+        let mut staged = pass.staged.to_vec();
+        staged.sort_unstable();
+        staged.dedup();
+        for layer in 0..self.cache.layout().num_layers {
+            if !staged.is_empty() {
+                self.stage(layer, &staged, pool)?;
+            }
+            after_layer(layer, pool)?;
+        }
+        Ok(out)
+    }
+}

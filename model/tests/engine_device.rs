@@ -1,0 +1,467 @@
+//! The engine on either backend (`EngineConfig::device`): one contract, CPU and CUDA.
+//!
+//! Runs everywhere: an engine asked for `cuda:0` on a machine whose GPU cannot be opened runs
+//! on the CPU (and keeps its drafter), and still serves the golden continuation.
+//!
+//! `#[ignore]`d (need an NVIDIA GPU; run on the GPU machine with `--include-ignored`, see
+//! docs/gpu.md; without a GPU they print why they skip and pass): the CUDA engine in exact mode
+//! against the CPU engine on the embedded model —
+//!
+//! - greedy outputs of concurrent requests and of a prefix-cache hit are identical;
+//! - a prefill job ships the same blocks in the same order as the CPU engine, with the same
+//!   first token, fresh and with blocks reused from the prefill engine's prefix cache.
+//!   Tolerance per shipped row: max |Δ| ≤ 1e-4 · max|row|. Both backends compute the latent in
+//!   f32 from the same weights; the GPU differs in summation order and in its bf16-weight
+//!   GEMMs (activations split into bf16 hi + lo, ~16 mantissa bits), which model/tests/
+//!   gpu_parity.rs measured at ~5e-6 relative on logits and within this bound on cache rows;
+//! - KV crosses between backends both ways (CPU prefill → CUDA decode exercises the upload of
+//!   peers' writes, CUDA prefill → CPU decode the download for shipping) with the CPU-only
+//!   greedy tokens;
+//! - fast mode (bf16 device cache) ships rows that are exactly bf16 values within 2e-2 ·
+//!   max|row| of the CPU's (bf16 keeps 8 mantissa bits: 2⁻⁸ ≈ 4e-3 per element, plus the fast
+//!   GEMMs), and decodes from a CPU peer's KV.
+//!
+//! Every test ends with every KV block back in the pool.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use ferry_kernels::cpu::sample::SamplingParams;
+use ferry_kernels::Device;
+use ferry_model::deepseek::DeepseekModel;
+use ferry_model::drafter::{Drafter, DsparkDrafter};
+use ferry_model::engine::{
+    EngineConfig, EngineEvent, EngineHandle, FinishReason, GenerateJob, Generation, GpuMode,
+    LayerSinkFn, PrefillSource, StopParams,
+};
+use ferry_model::kv::BlockId;
+use ferry_model::tokenizer::Tokenizer;
+
+fn model() -> DeepseekModel {
+    DeepseekModel::load(&ferry_model::embedded::default_model_dir()).expect("model")
+}
+
+fn config(device: Device, gpu_mode: GpuMode) -> EngineConfig {
+    EngineConfig {
+        num_blocks: 64,
+        max_batch_tokens: 256,
+        device,
+        gpu_mode,
+        ..EngineConfig::default()
+    }
+}
+
+fn engine(device: Device, gpu_mode: GpuMode) -> EngineHandle {
+    EngineHandle::spawn(model(), config(device, gpu_mode)).expect("engine")
+}
+
+/// A CUDA engine, or `None` (with the reason printed) when no GPU opens here.
+fn cuda_engine(test: &str, mode: GpuMode) -> Option<EngineHandle> {
+    let e = engine(Device::Cuda(0), mode);
+    if e.device() == Device::Cpu {
+        eprintln!(
+            "skipping {test}: cuda:0 cannot be opened here (the engine fell back to the CPU)"
+        );
+        return None;
+    }
+    Some(e)
+}
+
+fn greedy() -> SamplingParams {
+    SamplingParams {
+        temperature: 0.0,
+        ..SamplingParams::default()
+    }
+}
+
+fn job(prompt: Vec<u32>, max_tokens: usize, prefill: PrefillSource) -> GenerateJob {
+    GenerateJob {
+        prompt,
+        sampling: greedy(),
+        stop: StopParams {
+            max_tokens,
+            ignore_eos: true,
+        },
+        prefill,
+    }
+}
+
+fn golden_case(i: usize) -> (Vec<u32>, Vec<u32>) {
+    let dir = ferry_model::embedded::default_model_dir().join("golden/cases.json");
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir).unwrap()).unwrap();
+    let ids = |x: &serde_json::Value| -> Vec<u32> {
+        x.as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_u64().unwrap() as u32)
+            .collect()
+    };
+    (
+        ids(&v["cases"][i]["prompt_ids"]),
+        ids(&v["cases"][i]["greedy_ids"]),
+    )
+}
+
+fn text(s: &str) -> Vec<u32> {
+    let tok = Tokenizer::from_dir(&ferry_model::embedded::default_model_dir()).unwrap();
+    tok.encode(s, false).unwrap()
+}
+
+async fn collect(mut g: Generation) -> (Vec<u32>, Result<FinishReason, String>) {
+    let mut toks = Vec::new();
+    while let Some(e) = g.events.recv().await {
+        match e {
+            EngineEvent::Token(t) => toks.push(t),
+            EngineEvent::Finished(r) => return (toks, Ok(r)),
+            EngineEvent::Failed(e) => return (toks, Err(e)),
+            _ => {}
+        }
+    }
+    (toks, Err("stream ended".into()))
+}
+
+async fn wait_idle(e: &EngineHandle) {
+    for _ in 0..500 {
+        let s = e.stats().await.unwrap();
+        if s.kv_blocks_used == 0 && s.running == 0 && s.waiting == 0 {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("engine did not go idle: {:?}", e.stats().await.unwrap());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unopenable_gpu_falls_back_to_the_cpu_and_serves() {
+    let gpu_opens = Device::Cuda(0).probe().is_ok();
+    let m = model();
+    let drafter =
+        DsparkDrafter::load(&ferry_model::drafter::embedded_dir(), m.config()).expect("drafter");
+    let e = EngineHandle::spawn_with(
+        m,
+        Some(Box::new(drafter) as Box<dyn Drafter>),
+        config(Device::Cuda(0), GpuMode::Exact),
+    )
+    .expect("an engine starts whether or not the GPU opens");
+    if !gpu_opens {
+        assert_eq!(e.device(), Device::Cpu, "no GPU here: the CPU runs");
+    }
+    // Speculation is dropped exactly when the engine really runs on a GPU.
+    assert_eq!(
+        e.draft_kv_layers() > 0,
+        e.device() == Device::Cpu,
+        "drafter kept on the CPU only (device {})",
+        e.device()
+    );
+    let (prompt, expected) = golden_case(0);
+    let (toks, end) = collect(e.generate(job(prompt, 32, PrefillSource::Local)).unwrap()).await;
+    assert_eq!(end, Ok(FinishReason::Length));
+    assert_eq!(toks, expected, "served on {}", e.device());
+    wait_idle(&e).await;
+}
+
+/// Runs `prompts` concurrently, then a prompt sharing the first 150 tokens of `prompts[2]`
+/// (two cached blocks); returns every continuation and the reused-token count of the last.
+async fn greedy_runs(e: &EngineHandle, prompts: &[Vec<u32>]) -> (Vec<Vec<u32>>, u64) {
+    let gens: Vec<Generation> = prompts
+        .iter()
+        .map(|p| {
+            e.generate(job(p.clone(), 32, PrefillSource::Local))
+                .unwrap()
+        })
+        .collect();
+    let mut out = Vec::new();
+    for g in gens {
+        let (toks, end) = collect(g).await;
+        assert_eq!(end, Ok(FinishReason::Length), "on {}", e.device());
+        out.push(toks);
+    }
+    let before = e.stats().await.unwrap().prefill_reused_tokens;
+    let mut hit = prompts[2][..150].to_vec();
+    hit.extend(text(" and the LORD said unto Moses"));
+    let (toks, end) = collect(e.generate(job(hit, 32, PrefillSource::Local)).unwrap()).await;
+    assert_eq!(end, Ok(FinishReason::Length));
+    out.push(toks);
+    let reused = e.stats().await.unwrap().prefill_reused_tokens - before;
+    (out, reused)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an NVIDIA GPU: run on the GPU machine with --include-ignored (docs/gpu.md)"]
+async fn cuda_engine_greedy_equals_the_cpu_engine() {
+    let Some(gpu) = cuda_engine("cuda_engine_greedy_equals_the_cpu_engine", GpuMode::Exact) else {
+        return;
+    };
+    let cpu = engine(Device::Cpu, GpuMode::Exact);
+    let prompts: Vec<Vec<u32>> = (0..3).map(|i| golden_case(i).0).collect();
+    let (want, want_reused) = greedy_runs(&cpu, &prompts).await;
+    let (got, got_reused) = greedy_runs(&gpu, &prompts).await;
+    assert_eq!(want_reused, 128, "the CPU engine reuses two cached blocks");
+    assert_eq!(
+        got_reused,
+        want_reused,
+        "the same prefix-cache hit on {}",
+        gpu.device()
+    );
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert_eq!(g, w, "request {i}: CUDA engine vs CPU engine");
+    }
+    for (i, g) in got.iter().take(3).enumerate() {
+        assert_eq!(
+            *g,
+            golden_case(i).1,
+            "request {i} vs the golden continuation"
+        );
+    }
+    eprintln!(
+        "cuda engine (exact): {} requests identical to the CPU engine, prefix hit reused {got_reused} tokens",
+        got.len()
+    );
+    wait_idle(&gpu).await;
+    wait_idle(&cpu).await;
+}
+
+/// What a prefill job shipped: `(layer, index of the block among those shipped, rows)` in call
+/// order.
+type Shipped = Arc<Mutex<Vec<(usize, usize, Vec<f32>)>>>;
+
+fn recorder(into: Shipped) -> LayerSinkFn {
+    Box::new(move |layer, blocks, pool| {
+        let mut v = into.lock().map_err(|e| e.to_string())?;
+        for (j, b) in blocks.iter().enumerate() {
+            v.push((
+                layer,
+                j,
+                pool.block(layer, *b).map_err(|e| e.to_string())?.to_vec(),
+            ));
+        }
+        Ok(())
+    })
+}
+
+/// Runs a prefill job and returns (first token, computed, reused, what it shipped).
+async fn ship(
+    e: &EngineHandle,
+    prompt: &[u32],
+    skip: usize,
+) -> (u32, usize, usize, Vec<(usize, usize, Vec<f32>)>) {
+    let rec: Shipped = Arc::default();
+    let out = e
+        .prefill(prompt.to_vec(), greedy(), skip, recorder(rec.clone()))
+        .await
+        .expect("prefill job");
+    let shipped = std::mem::take(&mut *rec.lock().unwrap());
+    (
+        out.first_token,
+        out.computed_tokens,
+        out.reused_tokens,
+        shipped,
+    )
+}
+
+fn rel(a: &[f32], b: &[f32]) -> f32 {
+    let d = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0f32, f32::max);
+    d / b.iter().map(|x| x.abs()).fold(0.0f32, f32::max).max(1e-30)
+}
+
+/// Compares what two engines shipped for the same job: same (layer, block) sequence, rows within
+/// `tol` (relative to each CPU row's largest magnitude), counting the positions of the prompt
+/// only (rows past the prompt's last position are not KV). Returns the worst error.
+fn compare_shipped(
+    got: &[(usize, usize, Vec<f32>)],
+    want: &[(usize, usize, Vec<f32>)],
+    valid_rows: impl Fn(usize) -> usize,
+    width: usize,
+    tol: f32,
+) -> f32 {
+    assert_eq!(got.len(), want.len(), "blocks shipped");
+    let mut worst = 0.0f32;
+    for ((gl, gj, g), (wl, wj, w)) in got.iter().zip(want) {
+        assert_eq!((gl, gj), (wl, wj), "the same layer and block order");
+        for r in 0..valid_rows(*wj) {
+            let (a, b) = (
+                &g[r * width..(r + 1) * width],
+                &w[r * width..(r + 1) * width],
+            );
+            let e = rel(a, b);
+            assert!(
+                e <= tol,
+                "layer {wl} block {wj} row {r}: rel err {e} > {tol}"
+            );
+            worst = worst.max(e);
+        }
+    }
+    worst
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an NVIDIA GPU: run on the GPU machine with --include-ignored (docs/gpu.md)"]
+async fn cuda_prefill_job_ships_the_cpu_bytes() {
+    let Some(gpu) = cuda_engine("cuda_prefill_job_ships_the_cpu_bytes", GpuMode::Exact) else {
+        return;
+    };
+    let cpu = engine(Device::Cpu, GpuMode::Exact);
+    let layout = cpu.kv_layout();
+    let (page, width) = (layout.page_size, layout.width);
+    let (prompt, _) = golden_case(2); // 211 tokens: 4 blocks, the last one partial
+    let valid = |len: usize, skip: usize| move |j: usize| (len - skip - j * page).min(page);
+    let mut worst = 0.0f32;
+    // Fresh, shipping everything; then the destination already holds one block; then a
+    // prompt whose first two blocks come from each prefill engine's own prefix cache.
+    let mut hit = prompt[..150].to_vec();
+    hit.extend(text(" and the LORD said unto Moses"));
+    for (p, skip, reused) in [(&prompt, 0, 0), (&prompt, page, 192), (&hit, 0, 128)] {
+        let (wt, wc, wr, want) = ship(&cpu, p, skip).await;
+        let (gt, gc, gr, got) = ship(&gpu, p, skip).await;
+        assert_eq!((gt, gc, gr), (wt, wc, wr), "first token, computed, reused");
+        assert_eq!(wr, reused, "prefix reuse on the prefill engine");
+        let blocks = p.len().div_ceil(page) - skip / page;
+        assert_eq!(
+            want.len(),
+            blocks * layout.num_layers,
+            "CPU shipped every layer's blocks"
+        );
+        let e = compare_shipped(&got, &want, valid(p.len(), skip), width, 1e-4);
+        eprintln!(
+            "prefill job ({} tokens, skip {skip}, reused {wr}): shipped rows max rel err {e:.2e}",
+            p.len()
+        );
+        worst = worst.max(e);
+    }
+    eprintln!("cuda prefill job (exact): shipped rows within {worst:.2e} of the CPU's");
+    wait_idle(&gpu).await;
+    wait_idle(&cpu).await;
+}
+
+/// Plays the transport: runs a prefill job on `p` and writes each shipped block into `d`.
+async fn remote_prefill(
+    p: &EngineHandle,
+    d: &EngineHandle,
+    prompt: Vec<u32>,
+    dest: Vec<BlockId>,
+    skip_tokens: usize,
+) -> u32 {
+    let d2 = d.clone();
+    let first_dest = skip_tokens / p.kv_layout().page_size;
+    let sink: LayerSinkFn = Box::new(move |layer, blocks, pool| {
+        for (j, b) in blocks.iter().enumerate() {
+            let data: Vec<u8> = pool
+                .block(layer, *b)
+                .map_err(|e| e.to_string())?
+                .iter()
+                .flat_map(|f| f.to_le_bytes())
+                .collect();
+            d2.write_kv(layer, dest[first_dest + j], data)
+                .map_err(|e| e.to_string())?;
+        }
+        Ok(())
+    });
+    p.prefill(prompt, greedy(), skip_tokens, sink)
+        .await
+        .expect("remote prefill")
+        .first_token
+}
+
+/// Decodes `prompt` on `d` with its KV prefilled by `p`; returns the tokens.
+async fn disaggregated(p: &EngineHandle, d: &EngineHandle, prompt: Vec<u32>) -> Vec<u32> {
+    let mut g = d
+        .generate(job(
+            prompt.clone(),
+            32,
+            PrefillSource::Remote { local_threshold: 0 },
+        ))
+        .unwrap();
+    let Some(EngineEvent::Reserved {
+        blocks,
+        cached_tokens,
+    }) = g.events.recv().await
+    else {
+        panic!("expected a reservation");
+    };
+    let first = remote_prefill(p, d, prompt, blocks, cached_tokens).await;
+    d.remote_done(g.id, first).unwrap();
+    let (toks, end) = collect(g).await;
+    assert_eq!(end, Ok(FinishReason::Length));
+    assert_eq!(d.stats().await.unwrap().remote_prefills, 1);
+    toks
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an NVIDIA GPU: run on the GPU machine with --include-ignored (docs/gpu.md)"]
+async fn kv_crosses_between_cpu_and_cuda_engines_both_ways() {
+    let test = "kv_crosses_between_cpu_and_cuda_engines_both_ways";
+    let (Some(gpu_p), Some(gpu_d)) = (
+        cuda_engine(test, GpuMode::Exact),
+        cuda_engine(test, GpuMode::Exact),
+    ) else {
+        return;
+    };
+    let (cpu_p, cpu_d) = (
+        engine(Device::Cpu, GpuMode::Exact),
+        engine(Device::Cpu, GpuMode::Exact),
+    );
+    let (prompt, expected) = golden_case(2);
+    let up = disaggregated(&cpu_p, &gpu_d, prompt.clone()).await;
+    assert_eq!(
+        up, expected,
+        "CPU prefill → CUDA decode (peer writes uploaded)"
+    );
+    let down = disaggregated(&gpu_p, &cpu_d, prompt).await;
+    assert_eq!(
+        down, expected,
+        "CUDA prefill → CPU decode (shipped blocks downloaded)"
+    );
+    for e in [&gpu_p, &gpu_d, &cpu_p, &cpu_d] {
+        wait_idle(e).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an NVIDIA GPU: run on the GPU machine with --include-ignored (docs/gpu.md)"]
+async fn fast_mode_engine_ships_bf16_rows_and_decodes_from_a_cpu_peer() {
+    let test = "fast_mode_engine_ships_bf16_rows_and_decodes_from_a_cpu_peer";
+    let (Some(fast_p), Some(fast_d)) = (
+        cuda_engine(test, GpuMode::Fast),
+        cuda_engine(test, GpuMode::Fast),
+    ) else {
+        return;
+    };
+    let (cpu_p, cpu_d) = (
+        engine(Device::Cpu, GpuMode::Exact),
+        engine(Device::Cpu, GpuMode::Exact),
+    );
+    let layout = cpu_p.kv_layout();
+    let (page, width) = (layout.page_size, layout.width);
+    let (prompt, expected) = golden_case(2);
+    let (_, _, _, want) = ship(&cpu_p, &prompt, 0).await;
+    let (_, _, _, got) = ship(&fast_p, &prompt, 0).await;
+    for (_, _, rows) in &got {
+        assert!(
+            rows.iter().all(|&v| half::bf16::from_f32(v).to_f32() == v),
+            "a fast-mode engine ships its bf16 rows exactly, widened to f32"
+        );
+    }
+    let len = prompt.len();
+    let e = compare_shipped(&got, &want, |j| (len - j * page).min(page), width, 2e-2);
+    eprintln!("fast mode: shipped rows within {e:.2e} of the CPU's");
+    // A fresh CPU peer and a fresh fast decode engine: every prompt block is uploaded.
+    let toks = disaggregated(&cpu_d, &fast_d, prompt).await;
+    let same = toks
+        .iter()
+        .zip(&expected)
+        .take_while(|(a, b)| a == b)
+        .count();
+    eprintln!(
+        "fast mode decode from a CPU peer's KV: {same}/{} greedy tokens before the first difference",
+        expected.len()
+    );
+    assert_eq!(toks.len(), expected.len());
+    for e in [&fast_p, &fast_d, &cpu_p, &cpu_d] {
+        wait_idle(e).await;
+    }
+}
