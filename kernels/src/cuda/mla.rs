@@ -645,8 +645,10 @@ pub struct WgmmaConfig {
     pub keys: usize,
     /// Q's fragments in registers (else read from shared memory by every Q·Kᵀ).
     pub q_in_registers: bool,
-    /// Issue the next step's Q·Kᵀ before this step's softmax (three K/V stages).
+    /// Issue the next step's Q·Kᵀ before this step's softmax.
     pub overlap: bool,
+    /// K/V stages in shared memory (2..=4; 3..=4 with `overlap`).
+    pub stages: usize,
 }
 
 impl Default for WgmmaConfig {
@@ -656,13 +658,14 @@ impl Default for WgmmaConfig {
             keys: 64,
             q_in_registers: true,
             overlap: false,
+            stages: 2,
         }
     }
 }
 
 impl WgmmaConfig {
-    /// The default, with `FERRY_WGMMA=<warpgroups>,<keys>,<qreg 0|1>,<overlap 0|1>` overriding
-    /// it (benchmark sweeps).
+    /// The default, with `FERRY_WGMMA=<warpgroups>,<keys>,<qreg 0|1>,<overlap 0|1>,<stages>`
+    /// overriding it (benchmark sweeps; an invalid or over-budget setting is ignored).
     pub fn from_env() -> Self {
         let d = Self::default();
         let Ok(v) = std::env::var("FERRY_WGMMA") else {
@@ -670,14 +673,28 @@ impl WgmmaConfig {
         };
         let f: Vec<usize> = v.split(',').filter_map(|x| x.trim().parse().ok()).collect();
         match f.as_slice() {
-            [w @ (1 | 2), k @ (64 | 128), q @ (0 | 1), o @ (0 | 1)] => Self {
-                warpgroups: *w,
-                keys: *k,
-                q_in_registers: *q == 1,
-                overlap: *o == 1,
-            },
+            [w @ (1 | 2), k @ (64 | 128), q @ (0 | 1), o @ (0 | 1), st @ (2..=4)] => {
+                let c = Self {
+                    warpgroups: *w,
+                    keys: *k,
+                    q_in_registers: *q == 1,
+                    overlap: *o == 1,
+                    stages: *st,
+                };
+                if c.valid(MlaShape::DEEPSEEK_V3) {
+                    c
+                } else {
+                    d
+                }
+            }
             _ => d,
         }
+    }
+
+    /// Whether the kernel can run this tiling for `shape` (stage count, shared memory).
+    pub fn valid(&self, shape: MlaShape) -> bool {
+        let min_stages = if self.overlap { 3 } else { 2 };
+        (min_stages..=4).contains(&self.stages) && self.smem(shape) <= 227 * 1024
     }
 
     fn defines(&self, base: Defines) -> Defines {
@@ -685,11 +702,12 @@ impl WgmmaConfig {
             .with("MHA_WGK", self.keys)
             .with("MHA_WG_QREG", u8::from(self.q_in_registers))
             .with("MHA_WG_OVERLAP", u8::from(self.overlap))
+            .with("MHA_WGST", self.stages)
     }
 
     /// Dynamic shared memory: the Q tile and the K/V stages.
     pub fn smem(&self, shape: MlaShape) -> usize {
-        let stages = if self.overlap { 3 } else { 2 };
+        let stages = self.stages;
         (64 * self.warpgroups * shape.mha_qk + stages * self.keys * (shape.mha_qk + shape.mha_v))
             * 2
     }

@@ -1062,7 +1062,10 @@ extern "C" __global__ void __launch_bounds__(128) mha_flash_bf16(MhaArgs a) {
 #endif
 #define WGQ (64 * MHA_WGS)
 #define WGK MHA_WGK
-#define WGST (MHA_WG_OVERLAP ? 3 : 2)
+#ifndef MHA_WGST
+#define MHA_WGST (MHA_WG_OVERLAP ? 3 : 2)
+#endif
+#define WGST MHA_WGST  // K/V stages: the overlap loop needs 3 or more, the plain loop 2 or more
 #if WGK == 64
 #define WG_SS wg_ss64
 #define WG_RS wg_rs64
@@ -1252,8 +1255,12 @@ extern "C" __global__ void __launch_bounds__(128 * MHA_WGS, 1) mha_wgmma_bf16(Mh
   };
   auto k_addr = [&](int kb) { return smem_u32(s_k + (kb % WGST) * QCH * WGK * 8); };
   auto v_addr = [&](int kb) { return smem_u32(s_v + (kb % WGST) * VCH * WGK * 8); };
-  if (n_kb > 0) load_kv(0);
-  cp_async_commit();
+  // Stages 0 … WGST - 2 in flight before the loop (Q travels with stage 0's group).
+#pragma unroll
+  for (int st = 0; st < WGST - 1; st++) {
+    if (st < n_kb) load_kv(st);
+    cp_async_commit();
+  }
 
   float o[MHA_DV / 64][32];
 #pragma unroll
@@ -1277,9 +1284,9 @@ extern "C" __global__ void __launch_bounds__(128 * MHA_WGS, 1) mha_wgmma_bf16(Mh
 
 #if !MHA_WG_OVERLAP
   for (int kb = 0; kb < n_kb; kb++) {
-    if (kb + 1 < n_kb) load_kv(kb + 1);
+    if (kb + WGST - 1 < n_kb) load_kv(kb + WGST - 1);  // into the stage step kb - 1 used
     cp_async_commit();
-    cp_async_wait1();
+    cp_async_wait<WGST - 1>();
     fence_async_smem();
     __syncthreads();
 #if MHA_WG_QREG
@@ -1308,9 +1315,7 @@ extern "C" __global__ void __launch_bounds__(128 * MHA_WGS, 1) mha_wgmma_bf16(Mh
 #else
   // Three stages: while this step's softmax runs on the CUDA cores, the next step's Q·Kᵀ is
   // already on the tensor cores.
-  if (n_kb > 1) load_kv(1);
-  cp_async_commit();
-  cp_async_wait1();
+  cp_async_wait<WGST - 2>();
   fence_async_smem();
   __syncthreads();
 #if MHA_WG_QREG
@@ -1329,10 +1334,10 @@ extern "C" __global__ void __launch_bounds__(128 * MHA_WGS, 1) mha_wgmma_bf16(Mh
     wg_wait0();
   }
   for (int kb = 0; kb < n_kb; kb++) {
-    cp_async_wait0();
+    cp_async_wait<WGST - 3>();
     fence_async_smem();
     __syncthreads();  // step kb + 1 landed; every warpgroup is done with step kb - 1
-    if (kb + 2 < n_kb) load_kv(kb + 2);
+    if (kb + WGST - 1 < n_kb) load_kv(kb + WGST - 1);  // into the stage step kb - 1 used
     cp_async_commit();
     if (visible(kb)) {
       bool next = kb + 1 < n_kb && visible(kb + 1);
