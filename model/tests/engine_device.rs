@@ -17,9 +17,10 @@
 //! - KV crosses between backends both ways (CPU prefill → CUDA decode exercises the upload of
 //!   peers' writes, CUDA prefill → CPU decode the download for shipping) with the CPU-only
 //!   greedy tokens;
-//! - fast mode (bf16 device cache) ships rows that are exactly bf16 values within 2e-2 ·
-//!   max|row| of the CPU's (bf16 keeps 8 mantissa bits: 2⁻⁸ ≈ 4e-3 per element, plus the fast
-//!   GEMMs), and decodes from a CPU peer's KV.
+//! - fast mode (bf16 device cache) ships exactly its device cache's bf16 rows (bit for bit
+//!   against the same forward run directly on a `GpuModel`), layer 0 within 1e-2 · max|row| of
+//!   the CPU's (deeper layers drift with fast mode's numerics and are reported, not bounded),
+//!   and decodes from a CPU peer's KV.
 //!
 //! Every test ends with every KV block back in the pool.
 
@@ -278,11 +279,14 @@ fn compare_shipped(
     valid_rows: impl Fn(usize) -> usize,
     width: usize,
     tol: f32,
-) -> f32 {
+) -> Vec<f32> {
     assert_eq!(got.len(), want.len(), "blocks shipped");
-    let mut worst = 0.0f32;
+    let mut worst = Vec::new();
     for ((gl, gj, g), (wl, wj, w)) in got.iter().zip(want) {
         assert_eq!((gl, gj), (wl, wj), "the same layer and block order");
+        if worst.len() <= *wl {
+            worst.resize(wl + 1, 0.0f32);
+        }
         for r in 0..valid_rows(*wj) {
             let (a, b) = (
                 &g[r * width..(r + 1) * width],
@@ -293,10 +297,24 @@ fn compare_shipped(
                 e <= tol,
                 "layer {wl} block {wj} row {r}: rel err {e} > {tol}"
             );
-            worst = worst.max(e);
+            worst[*wl] = worst[*wl].max(e);
         }
     }
     worst
+}
+
+/// The largest entry.
+fn max(v: &[f32]) -> f32 {
+    v.iter().copied().fold(0.0f32, f32::max)
+}
+
+/// Per-layer errors for a log line.
+fn per_layer(v: &[f32]) -> String {
+    v.iter()
+        .enumerate()
+        .map(|(l, e)| format!("L{l} {e:.1e}"))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -326,7 +344,13 @@ async fn cuda_prefill_job_ships_the_cpu_bytes() {
             blocks * layout.num_layers,
             "CPU shipped every layer's blocks"
         );
-        let e = compare_shipped(&got, &want, valid(p.len(), skip), width, 1e-4);
+        let e = max(&compare_shipped(
+            &got,
+            &want,
+            valid(p.len(), skip),
+            width,
+            1e-4,
+        ));
         eprintln!(
             "prefill job ({} tokens, skip {skip}, reused {wr}): shipped rows max rel err {e:.2e}",
             p.len()
@@ -336,6 +360,36 @@ async fn cuda_prefill_job_ships_the_cpu_bytes() {
     eprintln!("cuda prefill job (exact): shipped rows within {worst:.2e} of the CPU's");
     wait_idle(&gpu).await;
     wait_idle(&cpu).await;
+}
+
+/// The prompt's latent rows after a fast-mode forward run directly on a `GpuModel`, in the
+/// shape a prefill job ships them: `(layer, block, rows)` for blocks `0..` of every layer.
+fn direct_fast_cache(prompt: &[u32], page: usize) -> Vec<(usize, usize, Vec<f32>)> {
+    use ferry_model::deepseek::{BatchInputs, LogitsWanted, SeqInput};
+    use ferry_model::gpu::GpuModel;
+    let dev = ferry_kernels::cuda::CudaDevice::open(0).expect("cuda:0 opened for the engine");
+    let gpu = GpuModel::upload(&dev, &model(), GpuMode::Fast).expect("upload");
+    let blocks = prompt.len().div_ceil(page);
+    let mut cache = gpu.new_kv_cache(blocks, page).expect("cache");
+    let table: Vec<BlockId> = (0..blocks as u32).map(BlockId).collect();
+    let batch = BatchInputs {
+        seqs: vec![SeqInput {
+            tokens: prompt,
+            start_pos: 0,
+            block_table: &table,
+            logits: LogitsWanted::Last,
+        }],
+    };
+    gpu.forward(&batch, &mut cache).expect("forward");
+    let per_block = page * cache.layout().width;
+    let mut out = Vec::new();
+    for l in 0..cache.layout().num_layers {
+        let layer = cache.download_layer(&dev, l).expect("download");
+        for (j, rows) in layer.chunks_exact(per_block).enumerate() {
+            out.push((l, j, rows.to_vec()));
+        }
+    }
+    out
 }
 
 /// Plays the transport: runs a prefill job on `p` and writes each shipped block into `d`.
@@ -446,9 +500,24 @@ async fn fast_mode_engine_ships_bf16_rows_and_decodes_from_a_cpu_peer() {
             "a fast-mode engine ships its bf16 rows exactly, widened to f32"
         );
     }
+    // The transfer path is exact: what the engine ships is, bit for bit, the device cache of
+    // the same forward run directly on a `GpuModel` (same kernels, same inputs).
     let len = prompt.len();
-    let e = compare_shipped(&got, &want, |j| (len - j * page).min(page), width, 2e-2);
-    eprintln!("fast mode: shipped rows within {e:.2e} of the CPU's");
+    let valid = |j: usize| (len - j * page).min(page);
+    let direct = direct_fast_cache(&prompt, page);
+    let exact = compare_shipped(&got, &direct, valid, width, 0.0);
+    assert!(exact.iter().all(|&e| e == 0.0));
+    // Against the CPU, fast mode's numerics show: layer 0's latent differs by the bf16
+    // rounding of the cache (2⁻⁹ relative) and of the GEMM inputs, later layers compound the
+    // bf16 activations and attention of the layers before (measured on one H200: layer 0
+    // 4.4e-3, 1 7.5e-3, 2 7.5e-2, 3 4.3e-1 — the same drift as fast mode's logits,
+    // docs/gpu.md). Only layer 0 is held to a bound (1e-2); the rest is reported.
+    let e = compare_shipped(&got, &want, valid, width, f32::INFINITY);
+    eprintln!(
+        "fast mode: shipped rows vs the CPU's, worst per layer: {}",
+        per_layer(&e)
+    );
+    assert!(e[0] <= 1e-2, "layer 0 of fast mode vs the CPU: {}", e[0]);
     // A fresh CPU peer and a fresh fast decode engine: every prompt block is uploaded.
     let toks = disaggregated(&cpu_d, &fast_d, prompt).await;
     let same = toks

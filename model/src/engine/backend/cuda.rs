@@ -9,7 +9,9 @@ use ferry_kernels::Device;
 use super::{GpuMode, Pass};
 use crate::config::ModelConfig;
 use crate::deepseek::forward::ForwardHooks;
-use crate::deepseek::{BatchInputs, BatchOutput, DeepseekModel};
+use crate::deepseek::{
+    AttentionForm, BatchInputs, BatchOutput, DeepseekModel, FormPolicy, LogitsWanted, SeqInput,
+};
 use crate::gpu::{GpuKvCache, GpuModel};
 use crate::kv::{BlockId, KvLayout, KvPool};
 use crate::ModelError;
@@ -48,12 +50,58 @@ impl CudaBackend {
             kv_blocks = layout.num_blocks,
             "engine on the GPU: weights and KV cache in device memory"
         );
-        Ok(Self {
+        let mut backend = Self {
             dev: dev.clone(),
             gpu,
             cache,
             dirty: BTreeSet::new(),
-        })
+        };
+        let started = std::time::Instant::now();
+        backend.warm_up()?;
+        tracing::info!(
+            seconds = started.elapsed().as_secs_f64(),
+            "GPU kernels compiled and loaded"
+        );
+        Ok(backend)
+    }
+
+    /// Compiles and loads the kernels of both attention forms before the engine serves.
+    /// NVRTC compiles each kernel source on first use, which can take seconds on a cold
+    /// machine; on the engine thread that would stall the first requests and the worker's
+    /// heartbeats (they wait for the engine's stats), and the router would drop the worker.
+    /// Runs a short prompt in the MHA form, then one decode step in the absorbed form, in the
+    /// first blocks of the cache: those rows are garbage afterwards, but every row is written
+    /// by a forward or a peer before any forward reads it.
+    fn warm_up(&mut self) -> Result<(), ModelError> {
+        let layout = *self.cache.layout();
+        let table: Vec<BlockId> = (0..layout.num_blocks.min(2) as u32).map(BlockId).collect();
+        let positions = (layout.page_size * table.len()).min(9);
+        let tokens = vec![0u32; positions];
+        let steps = [
+            (AttentionForm::Mha, 0, positions.saturating_sub(1).max(1)),
+            (AttentionForm::Absorbed, positions - 1, positions),
+        ];
+        let mut result = Ok(());
+        for (form, start, end) in steps {
+            if start >= end {
+                continue;
+            }
+            self.gpu.set_policy(FormPolicy::Force(form));
+            let batch = BatchInputs {
+                seqs: vec![SeqInput {
+                    tokens: &tokens[start..end],
+                    start_pos: start,
+                    block_table: &table,
+                    logits: LogitsWanted::Last,
+                }],
+            };
+            result = self.gpu.forward(&batch, &mut self.cache).map(drop);
+            if result.is_err() {
+                break;
+            }
+        }
+        self.gpu.set_policy(FormPolicy::CostModel);
+        result
     }
 
     pub(crate) fn device(&self) -> Device {
