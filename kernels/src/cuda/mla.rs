@@ -657,8 +657,8 @@ impl Default for WgmmaConfig {
             warpgroups: 2,
             keys: 64,
             q_in_registers: true,
-            overlap: false,
-            stages: 2,
+            overlap: true,
+            stages: 4,
         }
     }
 }

@@ -1035,17 +1035,20 @@ extern "C" __global__ void __launch_bounds__(128) mha_flash_bf16(MhaArgs a) {
 #endif
 
 // ---------------------------------------------------------------------------------------------
-// Hopper (sm_90a) MHA-form causal prefill on warpgroup MMA (wgmma): operands straight from
-// shared memory, so no ldmatrix traffic for Q and K and none for V.
+// Hopper (sm_90a) MHA-form causal prefill on warpgroup MMA (wgmma), the tensor-core path of
+// Hopper; NVRTC compiles it when the target is sm_90a (see nvrtc.rs).
 //
-// One block = MHA_WGS warpgroups × 64 query rows of one (sequence, head); 64-key steps,
-// double-buffered with cp.async. Per step and warpgroup: S(64×64) = Q·Kᵀ as DQK/16 wgmma with
-// both operands in shared memory (K-major), online softmax on the accumulator registers, then
-// O(64×DV) += P·V with P from registers (the accumulator layout is the A-fragment layout) and V
-// in shared memory (MN-major), DV/64 × 4 wgmma. Shared tiles use the no-swizzle canonical
+// One block = MHA_WGS warpgroups × 64 query rows of one (sequence, head), MHA_WGK-key steps
+// through an MHA_WGST-deep cp.async pipeline shared by the warpgroups. Per step and warpgroup:
+// S(64×WGK) = Q·Kᵀ as DQK/16 wgmma (Q as register fragments loaded once when MHA_WG_QREG, else
+// from shared memory; K in shared memory, K-major), online softmax on the accumulator
+// registers, then O(64×DV) += P·V with P from registers (the accumulator layout is the
+// A-fragment layout) and V in shared memory (MN-major) in 64-column chunks. With
+// MHA_WG_OVERLAP the next step's Q·Kᵀ is issued before this step's softmax, so the tensor
+// cores work while the CUDA cores exponentiate. Shared tiles use the no-swizzle canonical
 // layout: 8 rows × 16 bytes per core matrix, stored [16-byte chunk][row][8], so every cp.async
 // writes one whole 16-byte chunk and a warp's chunks form conflict-free 128-byte runs.
-// Grid: (ceil(max_q_len / (64·MHA_WGS)), H, B); block 128·MHA_WGS; smem: wgmma_smem() on the host.
+// Grid: (ceil(max_q_len / (64·MHA_WGS)), H, B); block 128·MHA_WGS; smem: WgmmaConfig::smem().
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL) && MHA_DQK % 32 == 0 && MHA_DV % 64 == 0
 #define FERRY_WGMMA 1
 #ifndef MHA_WGS
@@ -1058,12 +1061,12 @@ extern "C" __global__ void __launch_bounds__(128) mha_flash_bf16(MhaArgs a) {
 #define MHA_WG_QREG 1
 #endif
 #ifndef MHA_WG_OVERLAP
-#define MHA_WG_OVERLAP 0
+#define MHA_WG_OVERLAP 1
 #endif
 #define WGQ (64 * MHA_WGS)
 #define WGK MHA_WGK
 #ifndef MHA_WGST
-#define MHA_WGST (MHA_WG_OVERLAP ? 3 : 2)
+#define MHA_WGST (MHA_WG_OVERLAP ? 4 : 2)
 #endif
 #define WGST MHA_WGST  // K/V stages: the overlap loop needs 3 or more, the plain loop 2 or more
 #if WGK == 64
@@ -1224,7 +1227,7 @@ __device__ __forceinline__ void wg_pv(float (*o)[32], u32 (*pf)[4], u32 v_addr) 
                  1);
 }
 
-extern "C" __global__ void __launch_bounds__(128 * MHA_WGS, 1) mha_wgmma_bf16(MhaArgs a) {
+extern "C" __global__ void __launch_bounds__(128 * MHA_WGS, 3 - MHA_WGS) mha_wgmma_bf16(MhaArgs a) {
   extern __shared__ __align__(16) unsigned char smem[];
   bf16_t* s_q = (bf16_t*)smem;               // [QCH][WGQ][8]
   bf16_t* s_k = s_q + QCH * WGQ * 8;         // [WGST][QCH][WGK][8]
