@@ -10,12 +10,8 @@ use ferry_kvtransfer::{TcpTransport, Transport};
 use ferry_proto::internal::decode_worker_server::DecodeWorkerServer;
 use ferry_proto::internal::WorkerRole;
 use ferry_worker::args::WorkerArgs;
-use ferry_worker::metrics::{MetricsListener, WorkerMetrics};
-use ferry_worker::registration::{self, RegistrationConfig};
-use ferry_worker::serve::{base_routes, serve, ServeError};
-use tokio::net::TcpListener;
+use ferry_worker::serve::{ServeError, WorkerServer};
 use tokio_util::sync::CancellationToken;
-use tracing::info;
 
 use crate::metrics::DecodeMetrics;
 use crate::region::EngineRegion;
@@ -54,14 +50,10 @@ pub struct DecodeArgs {
 
 /// A bound, ready decode worker.
 pub struct DecodeServer {
-    args: DecodeArgs,
-    listener: TcpListener,
-    addr: SocketAddr,
+    base: WorkerServer,
     service: DecodeService,
-    worker_id: String,
-    _transport: Arc<TcpTransport>,
-    metrics: Arc<WorkerMetrics>,
-    metrics_listener: MetricsListener,
+    /// The transfer listener prefill peers write into; lives as long as the server.
+    transport: Arc<TcpTransport>,
 }
 
 impl DecodeServer {
@@ -78,23 +70,11 @@ impl DecodeServer {
             .register(region)
             .await
             .map_err(|e| ServeError::Transport(e.to_string()))?;
-        let listener = TcpListener::bind(args.worker.grpc_addr)
-            .await
-            .map_err(|e| ServeError::Transport(format!("{}: {e}", args.worker.grpc_addr)))?;
-        let addr = listener
-            .local_addr()
-            .map_err(|e| ServeError::Transport(e.to_string()))?;
-        let worker_id = args
-            .worker
-            .worker_id
-            .clone()
-            .unwrap_or_else(|| format!("decode-{}", addr.port()));
-        let metrics = WorkerMetrics::new(WorkerRole::Decode, &worker_id)?;
-        let decode_metrics = DecodeMetrics::register(metrics.registry())
+        let base = WorkerServer::bind(WorkerRole::Decode, &args.worker).await?;
+        let decode_metrics = DecodeMetrics::register(base.registry())
             .map_err(|e| ServeError::Metrics(e.to_string()))?;
-        let metrics_listener = MetricsListener::bind(args.worker.metrics_addr).await?;
         let service = DecodeService::new(
-            worker_id.clone(),
+            base.worker_id().to_string(),
             engine,
             KvTarget {
                 registration,
@@ -108,65 +88,34 @@ impl DecodeServer {
             decode_metrics,
         );
         Ok(Self {
-            args,
-            listener,
-            addr,
+            base,
             service,
-            worker_id,
-            _transport: transport,
-            metrics: Arc::new(metrics),
-            metrics_listener,
+            transport,
         })
     }
 
     /// The bound gRPC address.
     pub fn grpc_addr(&self) -> SocketAddr {
-        self.addr
+        self.base.grpc_addr()
     }
 
     /// The bound Prometheus `/metrics` address.
     pub fn metrics_addr(&self) -> SocketAddr {
-        self.metrics_listener.local_addr()
+        self.base.metrics_addr()
     }
 
     /// Registers with the router and serves until `shutdown`.
     pub async fn run(self, shutdown: CancellationToken) -> Result<(), ServeError> {
-        let (reporter, routes) = base_routes()?;
-        reporter
-            .set_serving::<DecodeWorkerServer<DecodeService>>()
+        let Self {
+            base,
+            service,
+            transport,
+        } = self;
+        let engine = service.engine_handle();
+        let result = base
+            .run(DecodeWorkerServer::new(service), engine, shutdown)
             .await;
-        let agent = registration::spawn(
-            RegistrationConfig {
-                router: self.args.worker.router_uri(),
-                worker_id: self.worker_id.clone(),
-                role: WorkerRole::Decode,
-                advertise: self.addr.to_string(),
-                heartbeat: self.args.worker.heartbeat(),
-            },
-            self.service.engine_handle(),
-            shutdown.clone(),
-        );
-        let metrics_addr = self.metrics_listener.local_addr();
-        let metrics_server = self.metrics_listener.spawn(
-            self.metrics,
-            self.service.engine_handle(),
-            shutdown.clone(),
-        );
-        info!(
-            worker = %self.worker_id,
-            addr = %self.addr,
-            metrics = %format!("http://{metrics_addr}/metrics"),
-            device = %self.service.engine_handle().device(),
-            "decode worker serving"
-        );
-        let routes = routes.add_service(DecodeWorkerServer::new(self.service));
-        let result = serve(routes, self.listener, shutdown.clone()).await;
-        reporter
-            .set_not_serving::<DecodeWorkerServer<DecodeService>>()
-            .await;
-        shutdown.cancel();
-        let _ = agent.await;
-        let _ = metrics_server.await;
+        drop(transport);
         result
     }
 }

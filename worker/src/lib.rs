@@ -6,7 +6,7 @@
 //! | [`registration`] | the agent that registers with the router (with a KV snapshot), heartbeats load, publishes KV events, and re-registers when the router lost track |
 //! | [`stats`] | engine counters → wire messages |
 //! | [`shutdown`] | signals (Ctrl-C, SIGTERM, stdin closed by a parent) → one cancellation token |
-//! | [`serve`] | health + reflection routes every worker serves next to its own service |
+//! | [`serve`] | [`serve::WorkerServer`]: the listeners, id and metrics every worker binds, and the one serve sequence (health + reflection next to the role's service, registration and heartbeats, `/metrics`, graceful shutdown) |
 //! | [`metrics`] | the Prometheus registry and `/metrics` listener every worker serves, engine-derived series, queue time |
 #![forbid(unsafe_code)]
 

@@ -32,7 +32,7 @@ use tracing::Subscriber;
 use tracing_subscriber::layer::{Context, Layer};
 use tracing_subscriber::registry::LookupSpan;
 
-use crate::serve::ServeError;
+use crate::serve::{role_name, ServeError};
 
 /// Latency buckets in seconds, for request-level durations (TTFT, end to end, queue): from
 /// sub-millisecond CPU steps to the minutes a long prompt can wait.
@@ -335,13 +335,8 @@ impl WorkerMetrics {
     /// A registry labelled `role` and `worker_id`, with the engine series and the queue-time
     /// histogram registered.
     pub fn new(role: WorkerRole, worker_id: &str) -> Result<Self, ServeError> {
-        let role_name = match role {
-            WorkerRole::Prefill => "prefill",
-            WorkerRole::Decode => "decode",
-            _ => "worker",
-        };
         let labels = [
-            ("role".to_string(), role_name.to_string()),
+            ("role".to_string(), role_name(role).to_string()),
             ("worker_id".to_string(), worker_id.to_string()),
         ]
         .into_iter()

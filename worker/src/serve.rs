@@ -1,8 +1,25 @@
-//! gRPC server bootstrap shared by the workers: `grpc.health.v1` and server reflection next
-//! to the worker's own service.
+//! The serving sequence shared by the workers: bind the gRPC and `/metrics` listeners, serve
+//! `grpc.health.v1` and server reflection next to the worker's own service, register with the
+//! router and heartbeat, and shut down in order ([`WorkerServer`]).
 
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use ferry_model::engine::EngineHandle;
+use ferry_proto::internal::WorkerRole;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tonic::codegen::{http, Service};
+use tonic::server::NamedService;
 use tonic::service::Routes;
 use tonic_health::server::HealthReporter;
+use tonic_health::ServingStatus;
+use tracing::info;
+
+use crate::args::WorkerArgs;
+use crate::metrics::{MetricsListener, WorkerMetrics};
+use crate::registration::{self, RegistrationConfig};
 
 /// Errors starting the extras.
 #[derive(Debug, thiserror::Error)]
@@ -74,4 +91,169 @@ pub async fn serve(
         .serve_with_incoming_shutdown(nodelay_incoming(listener), shutdown.cancelled_owned())
         .await
         .map_err(|e| ServeError::Transport(e.to_string()))
+}
+
+/// The name of `role` in ids, logs and metric labels.
+pub fn role_name(role: WorkerRole) -> &'static str {
+    match role {
+        WorkerRole::Prefill => "prefill",
+        WorkerRole::Decode => "decode",
+        _ => "worker",
+    }
+}
+
+/// Health, reflection and the role's service, and the name the role's service reports its
+/// health under.
+struct Served {
+    routes: Routes,
+    health: HealthReporter,
+    name: &'static str,
+}
+
+/// What every worker binds the same way before it builds its own gRPC service: the gRPC
+/// listener, its id, its metrics registry and `/metrics` listener, and where the router is.
+/// [`WorkerServer::run`] then registers, heartbeats, serves and shuts down, the same for both
+/// roles.
+///
+/// ```text
+/// bind(role, args)     gRPC listener → worker id (default `{role}-{port}`) → metrics
+/// (role)               registers its metrics in registry(), builds its service
+/// run(service, engine) health SERVING → registration agent → /metrics → serve
+///                      … shutdown → health NOT_SERVING → stop agent and /metrics
+/// ```
+#[derive(Debug)]
+pub struct WorkerServer {
+    role: WorkerRole,
+    listener: TcpListener,
+    addr: SocketAddr,
+    worker_id: String,
+    router: String,
+    heartbeat: Duration,
+    metrics: WorkerMetrics,
+    metrics_listener: MetricsListener,
+}
+
+impl WorkerServer {
+    /// Binds the gRPC listener (`args.grpc_addr`) and the metrics listener
+    /// (`args.metrics_addr`) and creates the metrics registry labelled with the worker's id.
+    pub async fn bind(role: WorkerRole, args: &WorkerArgs) -> Result<Self, ServeError> {
+        let listener = TcpListener::bind(args.grpc_addr)
+            .await
+            .map_err(|e| ServeError::Transport(format!("{}: {e}", args.grpc_addr)))?;
+        let addr = listener
+            .local_addr()
+            .map_err(|e| ServeError::Transport(e.to_string()))?;
+        let worker_id = args
+            .worker_id
+            .clone()
+            .unwrap_or_else(|| format!("{}-{}", role_name(role), addr.port()));
+        let metrics = WorkerMetrics::new(role, &worker_id)?;
+        let metrics_listener = MetricsListener::bind(args.metrics_addr).await?;
+        Ok(Self {
+            role,
+            listener,
+            addr,
+            worker_id,
+            router: args.router_uri(),
+            heartbeat: args.heartbeat(),
+            metrics,
+            metrics_listener,
+        })
+    }
+
+    /// This worker's id.
+    pub fn worker_id(&self) -> &str {
+        &self.worker_id
+    }
+
+    /// The bound gRPC address.
+    pub fn grpc_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The bound Prometheus `/metrics` address.
+    pub fn metrics_addr(&self) -> SocketAddr {
+        self.metrics_listener.local_addr()
+    }
+
+    /// The registry the role registers its own metrics in.
+    pub fn registry(&self) -> &prometheus::Registry {
+        self.metrics.registry()
+    }
+
+    /// Serves `service` (the role's gRPC service over `engine`) next to health and reflection,
+    /// registered with the router and heartbeating, until `shutdown`; then marks health
+    /// NOT_SERVING, drains, and stops the agent and the metrics endpoint.
+    pub async fn run<S>(
+        self,
+        service: S,
+        engine: EngineHandle,
+        shutdown: CancellationToken,
+    ) -> Result<(), ServeError>
+    where
+        S: Service<http::Request<tonic::body::Body>, Error = std::convert::Infallible>
+            + NamedService
+            + Clone
+            + Send
+            + Sync
+            + 'static,
+        S::Response: axum::response::IntoResponse,
+        S::Future: Send + 'static,
+    {
+        let (health, routes) = base_routes()?;
+        let served = Served {
+            routes: routes.add_service(service),
+            health,
+            name: S::NAME,
+        };
+        self.run_routes(served, engine, shutdown).await
+    }
+
+    /// [`WorkerServer::run`] once the role's service is among the routes (not generic).
+    async fn run_routes(
+        self,
+        served: Served,
+        engine: EngineHandle,
+        shutdown: CancellationToken,
+    ) -> Result<(), ServeError> {
+        let Served {
+            routes,
+            health,
+            name,
+        } = served;
+        health
+            .set_service_status(name, ServingStatus::Serving)
+            .await;
+        let agent = registration::spawn(
+            RegistrationConfig {
+                router: self.router,
+                worker_id: self.worker_id.clone(),
+                role: self.role,
+                advertise: self.addr.to_string(),
+                heartbeat: self.heartbeat,
+            },
+            engine.clone(),
+            shutdown.clone(),
+        );
+        let metrics_addr = self.metrics_listener.local_addr();
+        let metrics_server =
+            self.metrics_listener
+                .spawn(Arc::new(self.metrics), engine.clone(), shutdown.clone());
+        info!(
+            worker = %self.worker_id,
+            addr = %self.addr,
+            metrics = %format!("http://{metrics_addr}/metrics"),
+            device = %engine.device(),
+            "{} worker serving",
+            role_name(self.role),
+        );
+        let result = serve(routes, self.listener, shutdown.clone()).await;
+        health
+            .set_service_status(name, ServingStatus::NotServing)
+            .await;
+        shutdown.cancel();
+        let _ = agent.await;
+        let _ = metrics_server.await;
+        result
+    }
 }
