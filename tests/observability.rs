@@ -159,6 +159,11 @@ impl Up {
                 // Every prompt token uncached on the decode worker goes to the prefill worker.
                 "--local-prefill-threshold",
                 "0",
+                // Every step of the request verifies the embedded (random-weight) drafter's
+                // drafts; under the default `confidence:0.3` its random confidence head would
+                // decide how many, possibly none.
+                "--verify-len",
+                "fixed:4",
             ])
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -845,6 +850,43 @@ async fn one_trace_across_three_processes_and_metrics_that_count() {
     assert_eq!(
         decode.int("gen_ai.usage.output_tokens"),
         completion_tokens as i64
+    );
+    // Its speculative rounds: γ = min(4, MAX_TOKENS − generated − 1) per round (so 4 at most,
+    // fewer near the end), and after the prefill peer's first token every token came from a
+    // round (accepted drafts + a correction or bonus each) except, when the last round left
+    // exactly one to go, one plain step.
+    let rounds = decode.int("ferry.spec.rounds");
+    let drafted = decode.int("ferry.spec.drafted_tokens");
+    let accepted = decode.int("ferry.spec.accepted_tokens");
+    assert!(rounds >= 1, "the request speculated: {decode:?}");
+    assert!(
+        rounds <= drafted && drafted <= 4 * rounds,
+        "{rounds} rounds verifying {drafted} drafts"
+    );
+    assert!(
+        accepted <= drafted,
+        "{accepted} of {drafted} drafts accepted"
+    );
+    if accepted == 0 {
+        // The random drafter's usual outcome (MAX_TOKENS = 6): one token per round, at
+        // generated = 1..=4 with γ = 4, 3, 2, 1, then the last token in a plain step.
+        assert_eq!((rounds, drafted), (4, 4 + 3 + 2 + 1));
+    }
+    let plain = completion_tokens as i64 - 1 - (accepted + rounds);
+    assert!(
+        plain == 0 || plain == 1,
+        "{completion_tokens} tokens from 1 prefill token, {rounds} rounds, {accepted} accepted"
+    );
+    let acceptance_length: f64 = decode
+        .attr("ferry.spec.acceptance_length")
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no ferry.spec.acceptance_length: {decode:?}"));
+    // The same f64 division on both sides; 1e-12 covers the value's trip through the
+    // receiver's decimal text.
+    let expected = (accepted + rounds) as f64 / rounds as f64;
+    assert!(
+        (acceptance_length - expected).abs() < 1e-12,
+        "acceptance length {acceptance_length}, expected {expected}"
     );
     assert_eq!(
         prefill.int("ferry.prefill.computed_tokens") + prefill.int("ferry.prefill.reused_tokens"),

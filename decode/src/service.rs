@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use ferry_kvtransfer::{KvLayoutDesc, Registration};
 use ferry_model::engine::{
     EngineError, EngineEvent, EngineHandle, FinishReason, GenerateJob, GenerateOptions, Generation,
-    PrefillSource, StopParams,
+    PrefillSource, SpecCounts, StopParams,
 };
 use ferry_proto::internal::decode_worker_server::DecodeWorker;
 use ferry_proto::internal::{
@@ -94,7 +94,16 @@ impl DecodeWorker for DecodeService {
         request: Request<DecodeRequest>,
     ) -> Result<Response<Self::DecodeStream>, Status> {
         let started = Instant::now();
-        let span = info_span!("decode", otel.kind = "server", request_id = field::Empty);
+        // Recorded later: the id once parsed, the speculative counts with the request's end.
+        let span = info_span!(
+            "decode",
+            otel.kind = "server",
+            request_id = field::Empty,
+            ferry.spec.rounds = field::Empty,
+            ferry.spec.drafted_tokens = field::Empty,
+            ferry.spec.accepted_tokens = field::Empty,
+            ferry.spec.acceptance_length = field::Empty,
+        );
         trace_ctx::set_parent_from_request(&span, &request);
         let r = request.into_inner();
         span.record("request_id", r.request_id.as_str());
@@ -318,6 +327,10 @@ async fn drive(
                 record_prefill(mode, cached);
                 continue;
             }
+            Some(EngineEvent::Speculation(counts)) => {
+                record_spec(&counts);
+                continue;
+            }
             Some(EngineEvent::Token(t)) => {
                 progress.token(&ctx.metrics, ctx.started);
                 Ok(DecodeResponse {
@@ -372,6 +385,18 @@ fn record_prefill(mode: &'static str, cached_tokens: u32) {
         "ferry.prefill.cached_tokens",
         i64::from(cached_tokens),
     );
+}
+
+/// This request's speculative rounds, on the request's span (sent by the engine right before
+/// the end of a request that was allowed to speculate).
+fn record_spec(c: &SpecCounts) {
+    let span = Span::current();
+    span.record("ferry.spec.rounds", c.rounds);
+    span.record("ferry.spec.drafted_tokens", c.drafted_tokens);
+    span.record("ferry.spec.accepted_tokens", c.accepted_tokens);
+    if let Some(len) = c.acceptance_length() {
+        span.record("ferry.spec.acceptance_length", len);
+    }
 }
 
 /// Engine errors → gRPC status.

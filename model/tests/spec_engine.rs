@@ -2,7 +2,10 @@
 //! the accept path with drafters of known behaviour (always right, always wrong) driving the
 //! real verifier and KV rollback, a mixed batch where every request gets exactly its own
 //! distribution and a deliberately broken request fails alone, and the drafter context shipped
-//! with a remote prefill. Every test ends with all KV blocks back in the pool.
+//! with a remote prefill. Every request that may speculate gets its speculative counts
+//! (`EngineEvent::Speculation`) once, right before its end, matching what the drafter of known
+//! behaviour implies; one that may not (opted out, or no drafter) gets none. Every test ends
+//! with all KV blocks back in the pool.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -15,7 +18,8 @@ use ferry_model::drafter::{
 };
 use ferry_model::engine::{
     EngineConfig, EngineEvent, EngineHandle, EngineStats, FinishReason, GenerateJob,
-    GenerateOptions, Generation, PrefillSource, PrefillWork, SpecConfig, StopParams, VerifyLen,
+    GenerateOptions, Generation, PrefillSource, PrefillWork, SpecConfig, SpecCounts, StopParams,
+    VerifyLen,
 };
 use ferry_model::kv::{BlockId, KvPool};
 use ferry_model::session::Session;
@@ -61,17 +65,29 @@ fn job(prompt: Vec<u32>, max_tokens: usize, sampling: SamplingParams) -> Generat
     }
 }
 
-async fn collect(mut g: Generation) -> (Vec<u32>, Result<FinishReason, String>) {
+/// Tokens, the end, and the request's speculative counts, which must come at most once and
+/// right before the end.
+async fn collect(
+    mut g: Generation,
+) -> (Vec<u32>, Result<FinishReason, String>, Option<SpecCounts>) {
     let mut toks = Vec::new();
+    let mut spec = None;
     while let Some(e) = g.events.recv().await {
         match e {
-            EngineEvent::Token(t) => toks.push(t),
-            EngineEvent::Finished(r) => return (toks, Ok(r)),
-            EngineEvent::Failed(e) => return (toks, Err(e)),
-            _ => {}
+            EngineEvent::Token(t) => {
+                assert!(spec.is_none(), "a token after the speculative counts");
+                toks.push(t);
+            }
+            EngineEvent::Speculation(c) => {
+                assert!(spec.is_none(), "speculative counts sent twice");
+                spec = Some(c);
+            }
+            EngineEvent::Finished(r) => return (toks, Ok(r), spec),
+            EngineEvent::Failed(e) => return (toks, Err(e), spec),
+            other => assert!(spec.is_none(), "{other:?} after the speculative counts"),
         }
     }
-    (toks, Err("stream ended".into()))
+    (toks, Err("stream ended".into()), spec)
 }
 
 async fn wait_idle(e: &EngineHandle) {
@@ -234,17 +250,28 @@ async fn dspark_greedy_output_equals_plain_decoding() {
             },
         )
         .unwrap();
+    let mut sum = SpecCounts::default();
     for (i, g) in gens.into_iter().enumerate() {
-        let (toks, end) = collect(g).await;
+        let (toks, end, spec) = collect(g).await;
         assert_eq!(end, Ok(FinishReason::Length));
         assert_eq!(toks, golden_case(i).1, "request {i} with speculation");
+        let c = spec.expect("a speculating request gets its counts");
+        sum.rounds += c.rounds;
+        sum.drafted_tokens += c.drafted_tokens;
+        sum.accepted_tokens += c.accepted_tokens;
     }
-    let (toks, _) = collect(off).await;
+    let (toks, _, spec) = collect(off).await;
     assert_eq!(toks, golden_case(2).1, "speculation off");
+    assert_eq!(spec, None, "a request that opted out gets no counts");
     let s = e.stats().await.unwrap();
     assert!(
         s.spec_rounds > 0 && s.spec_drafted_tokens >= s.spec_rounds,
         "{s:?}"
+    );
+    // The per-request counts add up to the engine's totals.
+    assert_eq!(
+        (sum.rounds, sum.drafted_tokens, sum.accepted_tokens),
+        (s.spec_rounds, s.spec_drafted_tokens, s.spec_accepted_tokens)
     );
     wait_idle(&e).await;
 }
@@ -272,13 +299,33 @@ async fn drafts_of_the_targets_own_greedy_tokens_are_all_accepted() {
         config(128, 64, VerifyLen::Fixed(4)),
     )
     .unwrap();
-    let (toks, end) = collect(e.generate(job(golden_case(2).0, 32, greedy())).unwrap()).await;
+    let (toks, end, spec) = collect(e.generate(job(golden_case(2).0, 32, greedy())).unwrap()).await;
     assert_eq!(end, Ok(FinishReason::Length));
     assert_eq!(toks, golden_case(2).1);
     let s = e.stats().await.unwrap();
     // 1 token from the prefill, then rounds of 4 accepted drafts + 1 bonus.
     assert_eq!(s.spec_accepted_tokens, s.spec_drafted_tokens, "{s:?}");
     assert!(s.spec_rounds <= 7 && s.spec_accepted_tokens >= 24, "{s:?}");
+    // The one request's counts are the engine's: after the prefill's token, 6 rounds of 4
+    // accepted drafts + 1 bonus reach 31 tokens, and the 32nd is a plain step.
+    let c = spec.expect("counts before Finished");
+    assert_eq!(
+        c,
+        SpecCounts {
+            rounds: s.spec_rounds,
+            drafted_tokens: s.spec_drafted_tokens,
+            accepted_tokens: s.spec_accepted_tokens,
+        }
+    );
+    assert_eq!(
+        c,
+        SpecCounts {
+            rounds: 6,
+            drafted_tokens: 24,
+            accepted_tokens: 24,
+        }
+    );
+    assert_eq!(c.acceptance_length(), Some(5.0));
     wait_idle(&e).await;
 }
 
@@ -297,18 +344,50 @@ async fn wrong_drafts_are_all_rejected_and_their_kv_rolled_back() {
         gens.push(e.generate(job(golden_case(i).0, 32, greedy())).unwrap());
     }
     for (i, g) in gens.into_iter().enumerate() {
-        let (toks, end) = collect(g).await;
+        let (toks, end, spec) = collect(g).await;
         assert_eq!(end, Ok(FinishReason::Length));
         assert_eq!(
             toks,
             golden_case(i).1,
             "request {i}: every token is a correction"
         );
+        // After the prefill's token, rounds at generated = 1..=30 verify
+        // γ = min(4, 32 − generated − 1) drafts: 27 × 4 + 3 + 2 + 1; the last token is a
+        // plain step.
+        assert_eq!(
+            spec,
+            Some(SpecCounts {
+                rounds: 30,
+                drafted_tokens: 27 * 4 + 3 + 2 + 1,
+                accepted_tokens: 0,
+            }),
+            "request {i}"
+        );
+        assert_eq!(spec.and_then(|c| c.acceptance_length()), Some(1.0));
     }
     let s = e.stats().await.unwrap();
     assert_eq!(s.spec_accepted_tokens, 0, "{s:?}");
     // Every step but the last of each request is a round emitting exactly the correction.
     assert_eq!(s.spec_rounds, 3 * 30, "{s:?}");
+    assert_eq!(s.spec_drafted_tokens, 3 * 114, "{s:?}");
+    wait_idle(&e).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_without_a_drafter_sends_no_speculative_counts() {
+    let e = EngineHandle::spawn(target(), config(64, 64, VerifyLen::Fixed(4))).unwrap();
+    for speculative in [None, Some(true), Some(false)] {
+        let g = e
+            .generate_with(
+                job(golden_case(0).0, 4, greedy()),
+                GenerateOptions { speculative },
+            )
+            .unwrap();
+        let (toks, end, spec) = collect(g).await;
+        assert_eq!(end, Ok(FinishReason::Length));
+        assert_eq!(toks.len(), 4);
+        assert_eq!(spec, None, "speculative: {speculative:?}");
+    }
     wait_idle(&e).await;
 }
 
@@ -434,11 +513,16 @@ async fn mixed_batch<D: Drafter + 'static>(model: DeepseekModel, drafter: D) -> 
     let mut counts: Vec<HashMap<[u32; 3], u64>> = vec![HashMap::new(); kinds.len()];
     let mut broken = 0;
     for (kind, t) in tasks {
-        let (toks, end) = t.await.unwrap();
+        let (toks, end, spec) = t.await.unwrap();
+        let spec = spec.expect("every request here may speculate");
+        assert!(spec.accepted_tokens <= spec.drafted_tokens, "{spec:?}");
         match kind {
             Some(99) => {
                 let err = end.unwrap_err();
                 assert!(err.contains("speculative verification"), "{err}");
+                // Its first round failed verification: counts (zero) before `Failed`.
+                assert_eq!(spec, SpecCounts::default());
+                assert_eq!(spec.acceptance_length(), None);
                 broken += 1;
             }
             Some(k) => {
@@ -623,11 +707,13 @@ async fn drafter_context_shipped_with_a_remote_prefill_lets_decode_speculate_at_
         };
         let first = remote_prefill(&p, &d, prompt.clone(), (blocks, cached_tokens), ship).await;
         d.remote_done(g.id, first).unwrap();
-        let (toks, end) = collect(g).await;
+        let (toks, end, spec) = collect(g).await;
         assert_eq!(end, Ok(FinishReason::Length));
         assert_eq!(toks, expected, "ship drafter context: {ship}");
         let after = d.stats().await.unwrap();
         let rounds = after.spec_rounds - before.spec_rounds;
+        // Allowed to speculate either way, so the counts come (zero rounds without context).
+        assert_eq!(spec.map(|c| c.rounds), Some(rounds));
         if ship {
             // 31 tokens after the peer's first one; every step drafts.
             assert!(

@@ -138,6 +138,25 @@ pub struct GenerateOptions {
     pub speculative: Option<bool>,
 }
 
+/// Speculative decoding of one request, sent with its end ([`EngineEvent::Speculation`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SpecCounts {
+    /// Speculative rounds: steps in which the request verified γ ≥ 1 drafts.
+    pub rounds: u64,
+    /// Drafts verified in those rounds (the sum of their γ).
+    pub drafted_tokens: u64,
+    /// Drafts accepted.
+    pub accepted_tokens: u64,
+}
+
+impl SpecCounts {
+    /// Mean tokens committed per round, `(accepted + rounds) / rounds` (each round also emits a
+    /// correction or bonus token); `None` without rounds.
+    pub fn acceptance_length(&self) -> Option<f64> {
+        (self.rounds > 0).then(|| (self.accepted_tokens + self.rounds) as f64 / self.rounds as f64)
+    }
+}
+
 /// What a request's stream receives.
 #[derive(Debug, Clone, PartialEq)]
 pub enum EngineEvent {
@@ -157,6 +176,10 @@ pub enum EngineEvent {
     },
     /// A new token.
     Token(u32),
+    /// This request's speculative counts, sent right before `Finished` / `Failed` when the
+    /// request was allowed to speculate (the engine has a drafter and the request did not opt
+    /// out), also with zero rounds. Not sent for a request that could not speculate.
+    Speculation(SpecCounts),
     /// The request ended normally.
     Finished(FinishReason),
     /// The request failed; its blocks are already free.
@@ -564,5 +587,21 @@ impl EngineHandle {
         let (tx, rx) = oneshot::channel();
         self.send(Command::Snapshot(tx))?;
         rx.await.map_err(|_| EngineError::Stopped)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::SpecCounts;
+
+    #[test]
+    fn acceptance_length_counts_the_extra_token_of_each_round() {
+        assert_eq!(SpecCounts::default().acceptance_length(), None);
+        let c = SpecCounts {
+            rounds: 4,
+            drafted_tokens: 16,
+            accepted_tokens: 6,
+        };
+        assert_eq!(c.acceptance_length(), Some(2.5));
     }
 }

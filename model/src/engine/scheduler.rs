@@ -19,7 +19,7 @@ use super::backend::{Backend, Pass};
 use super::sequence::{sample_step, Next, Origin, Phase, PrefillTask, Sequence};
 use super::spec::{Draft, Speculator};
 use super::{Command, EngineConfig, EngineEvent, EngineStats, FinishReason, PrefillOutcome};
-use super::{GenerateJob, GenerateOptions, PrefillSource, SeqId};
+use super::{GenerateJob, GenerateOptions, PrefillSource, SeqId, SpecCounts};
 use crate::deepseek::forward::ForwardHooks;
 use crate::deepseek::{BatchInputs, LogitsWanted, SeqInput};
 use crate::kv::{BlockId, KvManager, KvPool};
@@ -179,10 +179,14 @@ impl Scheduler {
             span,
         } = req;
         let prompt_len = job.prompt.len();
+        let speculative = self.spec.is_some() && options.speculative.unwrap_or(true);
         let reuse_cap = prompt_len.saturating_sub(1);
         let (table, cached) = match self.kv.start_sequence(&job.prompt, reuse_cap) {
             Ok(t) => t,
             Err(e) => {
+                if speculative {
+                    let _ = events.send(EngineEvent::Speculation(SpecCounts::default()));
+                }
                 let _ = events.send(EngineEvent::Failed(e.to_string()));
                 self.stats.requests_finished += 1;
                 return;
@@ -203,7 +207,8 @@ impl Scheduler {
             events,
             span,
             queued: None,
-            speculative: self.spec.is_some() && options.speculative.unwrap_or(true),
+            speculative,
+            spec: SpecCounts::default(),
             draft_ctx: 0,
         };
         let page = self.kv.page_size();
@@ -785,12 +790,12 @@ impl Scheduler {
     }
 
     fn finish(&mut self, s: Sequence, reason: FinishReason) {
-        s.emit(EngineEvent::Finished(reason));
+        s.emit_end(EngineEvent::Finished(reason));
         self.release(s);
     }
 
     fn fail(&mut self, s: Sequence, err: &str) {
-        s.emit(EngineEvent::Failed(err.to_string()));
+        s.emit_end(EngineEvent::Failed(err.to_string()));
         self.release(s);
     }
 

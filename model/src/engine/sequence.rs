@@ -3,7 +3,7 @@
 use ferry_kernels::cpu::sample::{Sampler, SamplingParams};
 use tokio::sync::mpsc;
 
-use super::{EngineEvent, FinishReason, PrefillJob, SeqId, StopParams};
+use super::{EngineEvent, FinishReason, PrefillJob, SeqId, SpecCounts, StopParams};
 use crate::kv::BlockTable;
 use crate::ModelError;
 
@@ -52,6 +52,8 @@ pub struct Sequence {
     pub(crate) rng: Sampler,
     /// Whether this request may speculate (its own choice and the engine's drafter).
     pub(crate) speculative: bool,
+    /// Its speculative rounds so far (sent with its end when `speculative`).
+    pub(crate) spec: SpecCounts,
     /// Leading positions whose drafter context rows are valid (== `table.len()` to speculate).
     pub(crate) draft_ctx: usize,
     /// The request's span (batch spans link to it).
@@ -88,6 +90,15 @@ impl Sequence {
     /// Sends an event; a closed channel is noticed as cancellation on the next step.
     pub(crate) fn emit(&self, e: EngineEvent) {
         let _ = self.events.send(e);
+    }
+
+    /// Sends the final event (`Finished` / `Failed`), preceded by the request's speculative
+    /// counts when it was allowed to speculate.
+    pub(crate) fn emit_end(&self, end: EngineEvent) {
+        if self.speculative {
+            self.emit(EngineEvent::Speculation(self.spec));
+        }
+        self.emit(end);
     }
 
     /// Prompt tokens still to compute here.

@@ -63,6 +63,9 @@ impl Scheduler {
         self.stats.spec_rounds += 1;
         self.stats.spec_drafted_tokens += draft.gamma() as u64;
         self.stats.spec_accepted_tokens += verified.accepted as u64;
+        s.spec.rounds += 1;
+        s.spec.drafted_tokens += draft.gamma() as u64;
+        s.spec.accepted_tokens += verified.accepted as u64;
         trace!(
             seq = s.id.0,
             gamma = draft.gamma(),
