@@ -20,12 +20,19 @@ Stages (each can be run alone):
   drafter    the embedded DSpark drafter for speculative decoding: config, random weights
              (seed 3, bf16) and a float32 torch reference of its forward on the golden prompts
                                                                               -> DRAFTER_OUT/
+  train-drafter
+             the same, with the drafter TRAINED against the frozen target (scripts/train_drafter.py:
+             the target's greedy continuations of corpus prompts, random anchors, CE + KL to the
+             target, confidence head by BCE), a held-out acceptance estimate in the log and in
+             DRAFTER_OUT/train_report.json; runs on --device (default cuda if present)
+                                                                              -> DRAFTER_OUT/
 
 Typical use (the training stage is fast on a GPU, minutes on a CPU):
   python3 scripts/make_tiny_k3.py corpus --corpus /tmp/kjv.txt
   python3 scripts/make_tiny_k3.py tokenizer train --corpus /tmp/kjv.txt
   python3 scripts/make_tiny_k3.py golden
   python3 scripts/make_tiny_k3.py drafter
+  python3 scripts/make_tiny_k3.py train-drafter --corpus device-bin/kjv.txt   # GPU: a few minutes
 """
 
 from __future__ import annotations
@@ -409,83 +416,27 @@ def drafter_state_dict(torch, cfg: dict) -> dict:
     return {k: v.to(torch.bfloat16).contiguous() for k, v in state.items()}
 
 
+def _train_drafter_module():
+    """scripts/train_drafter.py: the batched torch forward of the drafter, shared by the golden
+    reference and the training stage."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import train_drafter
+
+    return train_drafter
+
+
 def drafter_reference(torch, cfg: dict, w: dict, target, prompt_ids: list, anchor: int) -> dict:
-    """The drafter's forward in float32 torch, written from docs/spec_decode.md: context feature
+    """The drafter's forward in float32 torch (ferry's dspark.rs / heads.rs; see
+    scripts/train_drafter.py, whose batched forward the training stage uses too): context feature
     from the target's hidden states after `target_layer_ids`, context K/V per layer, one pass over
     [anchor, MASK x (B-1)] (block queries only, bidirectional, all context visible), the target's
     LM head, then the Markov head left to right with greedy drafts and the confidence head."""
-    f = {k: v.float() for k, v in w.items()}
-    eps = cfg["rms_norm_eps"]
-    hd, heads, kvh, b = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["block_size"]
-
-    def rms(x, weight):
-        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
-
-    def rope(x, pos):  # x [T, heads, hd], rotate_half layout
-        inv = 1.0 / (cfg["rope_theta"] ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
-        freqs = pos.float()[:, None] * inv[None, :]
-        emb = torch.cat([freqs, freqs], -1)
-        cos, sin = emb.cos()[:, None, :], emb.sin()[:, None, :]
-        x1, x2 = x[..., : hd // 2], x[..., hd // 2 :]
-        return x * cos + torch.cat([-x2, x1], -1) * sin
-
-    ids = torch.tensor([prompt_ids])
-    n = len(prompt_ids)
-    with torch.no_grad():
-        out = target(input_ids=ids, output_hidden_states=True)
-        # hidden_states[l + 1] is the residual stream leaving decoder layer l.
-        taps = [out.hidden_states[l + 1][0].float() for l in cfg["target_layer_ids"]]
-        feat = rms(torch.cat(taps, -1) @ f["fc.weight"].T, f["hidden_norm.weight"])
-        embed = target.model.embed_tokens.weight.float()
-        lm_head = target.lm_head.weight.float()
-        block = [anchor] + [cfg["mask_token_id"]] * (b - 1)
-        x = embed[torch.tensor(block)]
-        pos_ctx, pos_blk = torch.arange(n), torch.arange(n, n + b)
-        for i in range(cfg["num_hidden_layers"]):
-            p = f"layers.{i}"
-            h = rms(x, f[f"{p}.input_layernorm.weight"])
-            q = rope(rms((h @ f[f"{p}.self_attn.q_proj.weight"].T).view(b, heads, hd), f[f"{p}.self_attn.q_norm.weight"]), pos_blk)
-
-            def kv(src, pos):
-                k = (src @ f[f"{p}.self_attn.k_proj.weight"].T).view(-1, kvh, hd)
-                k = rope(rms(k, f[f"{p}.self_attn.k_norm.weight"]), pos)
-                v = (src @ f[f"{p}.self_attn.v_proj.weight"].T).view(-1, kvh, hd)
-                return k, v
-
-            k_ctx, v_ctx = kv(feat, pos_ctx)
-            k_blk, v_blk = kv(h, pos_blk)
-            k = torch.cat([k_ctx, k_blk]).repeat_interleave(heads // kvh, dim=1)
-            v = torch.cat([v_ctx, v_blk]).repeat_interleave(heads // kvh, dim=1)
-            scores = torch.einsum("qhd,khd->hqk", q, k) / hd**0.5
-            attn = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(b, heads * hd)
-            x = x + attn @ f[f"{p}.self_attn.o_proj.weight"].T
-            h = rms(x, f[f"{p}.post_attention_layernorm.weight"])
-            g = h @ f[f"{p}.mlp.gate_proj.weight"].T
-            u = h @ f[f"{p}.mlp.up_proj.weight"].T
-            x = x + (torch.nn.functional.silu(g) * u) @ f[f"{p}.mlp.down_proj.weight"].T
-        hidden = rms(x, f["norm.weight"])
-        block_logits = hidden @ lm_head.T
-        prev, drafts, confidence, margins, markov = anchor, [], [], [], []
-        for k in range(b):
-            e = f["markov_head.w1.weight"][prev]
-            logits = block_logits[k] + e @ f["markov_head.w2.weight"].T
-            c = torch.sigmoid(torch.cat([hidden[k], e]) @ f["confidence_head.weight"][0] + f["confidence_head.bias"][0])
-            top2 = torch.topk(logits, 2).values
-            prev = int(logits.argmax())
-            drafts.append(prev)
-            confidence.append(float(c))
-            margins.append(float(top2[0] - top2[1]))
-            markov.append(logits)
-    return {
-        "block_logits": block_logits.contiguous(),
-        "markov_logits": torch.stack(markov).contiguous(),
-        "drafts": drafts,
-        "confidence": confidence,
-        "min_draft_margin": min(margins),
-    }
+    return _train_drafter_module().reference(cfg, w, target, prompt_ids, anchor)
 
 
-def stage_drafter(args: argparse.Namespace) -> None:
+def write_drafter(args: argparse.Namespace, state: dict, produced_by: str, weights: str) -> None:
+    """Writes DRAFTER_OUT: config.json, the bf16 weights `state`, and the float32 golden reference
+    of the drafter on the target's golden prompts (computed on the CPU)."""
     import torch
     import transformers
     from safetensors.torch import save_file
@@ -493,11 +444,10 @@ def stage_drafter(args: argparse.Namespace) -> None:
 
     out = Path(args.drafter_out)
     (out / "golden").mkdir(parents=True, exist_ok=True)
-    state = drafter_state_dict(torch, DRAFTER_CONFIG)
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(DRAFTER_CONFIG, indent=2) + "\n")
     nparams = sum(t.numel() for t in state.values())
-    print(f"drafter: {nparams} parameters (random, seed 3) -> {out}")
+    print(f"drafter: {nparams} parameters ({weights}) -> {out}")
 
     target_dir = Path(args.out)
     target = DeepseekV3ForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32)
@@ -519,10 +469,13 @@ def stage_drafter(args: argparse.Namespace) -> None:
                 "min_draft_margin": ref["min_draft_margin"],
             }
         )
-        print(f"drafter golden {i}: {len(tc['prompt_ids'])} context tokens, drafts {ref['drafts']}")
+        print(
+            f"drafter golden {i}: {len(tc['prompt_ids'])} context tokens, drafts {ref['drafts']}, "
+            f"target's greedy tokens {tc['greedy_ids'][1:1 + len(ref['drafts'])]}"
+        )
     save_file(tensors, str(out / "golden" / "logits.safetensors"))
     meta = {
-        "produced_by": "scripts/make_tiny_k3.py drafter",
+        "produced_by": produced_by,
         "reference": "float32 torch on CPU (drafter_reference), target via transformers DeepseekV3ForCausalLM",
         "torch_version": torch.__version__,
         "transformers_version": transformers.__version__,
@@ -531,9 +484,63 @@ def stage_drafter(args: argparse.Namespace) -> None:
     (out / "golden" / "cases.json").write_text(json.dumps(meta, indent=2) + "\n")
 
 
+def stage_drafter(args: argparse.Namespace) -> None:
+    import torch
+
+    state = drafter_state_dict(torch, DRAFTER_CONFIG)
+    write_drafter(args, state, "scripts/make_tiny_k3.py drafter", "random, seed 3")
+
+
+def stage_train_drafter(args: argparse.Namespace) -> None:
+    """Trains the drafter (initialised with the seed-3 random weights) against the frozen target
+    on the target's own greedy continuations of corpus prompts (scripts/train_drafter.py), then
+    writes it like `drafter` does, with the golden reference of the trained weights."""
+    import torch
+
+    td = _train_drafter_module()
+    init = drafter_state_dict(torch, DRAFTER_CONFIG)
+    state, report = td.train(args, DRAFTER_CONFIG, init, Path(args.out))
+    write_drafter(args, state, "scripts/make_tiny_k3.py train-drafter", "trained")
+    td.write_report(Path(args.drafter_out), report)
+
+
+def add_train_drafter_args(p: argparse.ArgumentParser) -> None:
+    """The train-drafter stage's options (GPU-sized defaults)."""
+    g = p.add_argument_group("train-drafter")
+    g.add_argument("--drafter-steps", type=int, default=3000)
+    g.add_argument("--drafter-batch", type=int, default=128, help="sequences per step")
+    g.add_argument("--drafter-anchors", type=int, default=32, help="anchors (blocks) per sequence per step")
+    g.add_argument("--drafter-lr", type=float, default=2e-3)
+    g.add_argument("--drafter-seqs", type=int, default=16384, help="training sequences the target generates")
+    g.add_argument("--drafter-eval-seqs", type=int, default=256,
+                   help="held-out sequences, each for validation and for test")
+    g.add_argument("--drafter-seq-len", type=int, default=192, help="prompt + greedy continuation")
+    g.add_argument("--drafter-prompt-lens", default="8,16,32,64", help="prompt lengths, one per generate batch in turn")
+    g.add_argument("--drafter-gen-batch", type=int, default=4096, help="sequences per target.generate call")
+    g.add_argument("--drafter-random-prompts", type=float, default=0.1,
+                   help="fraction of prompts made of random tokens (like bench-engine's)")
+    g.add_argument("--drafter-ce-weight", type=float, default=1.0)
+    g.add_argument("--drafter-kl-weight", type=float, default=0.5, help="KL(target || draft) weight")
+    g.add_argument("--drafter-conf-weight", type=float, default=1.0)
+    g.add_argument("--drafter-pos-decay", type=float, default=4.0, help="position weight exp(-k / decay)")
+    g.add_argument("--drafter-eval-stride", type=int, default=1, help="every n-th anchor of held-out sequences")
+    g.add_argument("--drafter-eval-batch", type=int, default=16, help="held-out sequences per eval forward")
+    g.add_argument("--drafter-eval-every", type=int, default=500,
+                   help="validate every n steps; the best validated weights are kept")
+    g.add_argument("--drafter-calib-steps", type=int, default=300,
+                   help="refit the confidence head on validation data (0: keep the trained one)")
+    g.add_argument("--drafter-time-budget", type=float, default=0,
+                   help="stop the training loop after this many seconds (0: no limit)")
+    g.add_argument("--drafter-log-every", type=int, default=100)
+    g.add_argument("--drafter-seed", type=int, default=5)
+
+
+STAGES = ["corpus", "tokenizer", "train", "golden", "drafter", "train-drafter"]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("stages", nargs="+", choices=["corpus", "tokenizer", "train", "golden", "drafter"])
+    p.add_argument("stages", nargs="+", choices=STAGES)
     p.add_argument("--out", default=str(DEFAULT_OUT))
     p.add_argument("--drafter-out", default=str(DEFAULT_DRAFTER_OUT))
     p.add_argument("--corpus", default="/tmp/kjv.txt")
@@ -542,6 +549,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--lr", type=float, default=3e-3)
+    add_train_drafter_args(p)
     args = p.parse_args()
     stages = {
         "corpus": stage_corpus,
@@ -549,8 +557,9 @@ def main() -> None:
         "train": stage_train,
         "golden": stage_golden,
         "drafter": stage_drafter,
+        "train-drafter": stage_train_drafter,
     }
-    for name in ["corpus", "tokenizer", "train", "golden", "drafter"]:
+    for name in STAGES:
         if name in args.stages:
             stages[name](args)
 
