@@ -1,25 +1,23 @@
 //! `POST /v1/chat/completions`: chat turns rendered with the model's template, streamed or
-//! whole.
+//! whole. The shapes of its chunks and response; the plumbing is [`super::generate`].
 use std::sync::Arc;
 
 use axum::extract::State;
 use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use futures::StreamExt;
-use tracing::Instrument;
 
-use super::error::{ApiError, ApiJson};
+use super::error::ApiJson;
+use super::generate::{self, Endpoint, Meta};
 use super::openai::{
     finish_str, ChatChoice, ChatChunk, ChatMessageOut, ChatRequest, ChatResponse, ChunkChoice,
     Delta, UsageOut,
 };
-use super::sse::{self, Chunk};
-use super::{reject, request_span, start, Meta};
-use crate::dispatch::GenerationStream;
-use crate::error::log_failure;
-use crate::spans::{InSpan, Operation};
+use super::sse::Chunk;
+use crate::output::FinishReason;
+use crate::spans::Operation;
 use crate::state::AppState;
+use crate::validate::{GenerateParams, ValidationError};
 
 /// The handler.
 pub async fn chat_completions(
@@ -27,28 +25,80 @@ pub async fn chat_completions(
     headers: HeaderMap,
     ApiJson(req): ApiJson<ChatRequest>,
 ) -> Response {
-    let meta = Meta::new("chatcmpl", &state);
-    let span = request_span(
-        &state,
-        &headers,
-        Operation::Chat,
-        "/v1/chat/completions",
-        &meta.id,
-    );
-    let (stream, include_usage) = (req.stream, req.include_usage());
-    let params = match req.into_params(&meta.id) {
-        Ok(p) => p,
-        Err(e) => return reject(&state, e, &span),
-    };
-    let events = match start(&state, params, span.clone()).await {
-        Ok(events) => events,
-        Err(e) => return e.into_response(),
-    };
-    if stream {
-        let chunks = Box::pin(chunks(meta, events, include_usage, span.clone()));
-        sse::response(InSpan::new(chunks, span))
-    } else {
-        whole(meta, events, span.clone()).instrument(span).await
+    generate::handle::<Chat>(state, headers, req).await
+}
+
+/// `/v1/chat/completions` as an [`Endpoint`].
+struct Chat;
+
+impl Endpoint for Chat {
+    type Request = ChatRequest;
+    const ROUTE: &'static str = "/v1/chat/completions";
+    const OPERATION: Operation = Operation::Chat;
+    const ID_PREFIX: &'static str = "chatcmpl";
+
+    fn stream_options(req: &ChatRequest) -> (bool, bool) {
+        (req.stream, req.include_usage())
+    }
+
+    fn into_params(req: ChatRequest, request_id: &str) -> Result<GenerateParams, ValidationError> {
+        req.into_params(request_id)
+    }
+
+    /// The assistant role with empty content, as OpenAI opens every chat stream.
+    fn opening(meta: &Meta, usage: Option<Option<UsageOut>>) -> Option<Chunk> {
+        let opening = ChunkChoice {
+            index: 0,
+            delta: Delta {
+                role: Some("assistant"),
+                content: Some(String::new()),
+            },
+            logprobs: None,
+            finish_reason: None,
+        };
+        Some(chunk(meta, Some(opening), usage))
+    }
+
+    fn delta(
+        meta: &Meta,
+        text: String,
+        finish: Option<FinishReason>,
+        usage: Option<Option<UsageOut>>,
+    ) -> Chunk {
+        let choice = ChunkChoice {
+            index: 0,
+            delta: Delta {
+                role: None,
+                content: Some(text).filter(|t| !t.is_empty()),
+            },
+            logprobs: None,
+            finish_reason: finish_str(finish),
+        };
+        chunk(meta, Some(choice), usage)
+    }
+
+    fn usage(meta: &Meta, usage: UsageOut) -> Chunk {
+        chunk(meta, None, Some(Some(usage)))
+    }
+
+    fn whole(meta: Meta, text: String, finish: FinishReason, usage: UsageOut) -> Response {
+        Json(ChatResponse {
+            id: meta.id,
+            object: "chat.completion",
+            created: meta.created,
+            model: meta.model,
+            choices: vec![ChatChoice {
+                index: 0,
+                message: ChatMessageOut {
+                    role: "assistant",
+                    content: text,
+                },
+                logprobs: None,
+                finish_reason: Some(finish.as_str()),
+            }],
+            usage,
+        })
+        .into_response()
     }
 }
 
@@ -61,86 +111,4 @@ fn chunk(meta: &Meta, choice: Option<ChunkChoice>, usage: Option<Option<UsageOut
         choices: choice.into_iter().collect(),
         usage,
     })
-}
-
-fn chunks(
-    meta: Meta,
-    mut events: GenerationStream,
-    include_usage: bool,
-    span: tracing::Span,
-) -> impl futures::Stream<Item = Chunk> + Send {
-    let null_usage = include_usage.then_some(None);
-    async_stream::stream! {
-        let opening = ChunkChoice {
-            index: 0,
-            delta: Delta { role: Some("assistant"), content: Some(String::new()) },
-            logprobs: None,
-            finish_reason: None,
-        };
-        yield chunk(&meta, Some(opening), null_usage);
-        while let Some(item) = events.next().await {
-            match item {
-                Ok(event) => {
-                    if event.text.is_empty() && event.finish.is_none() {
-                        continue;
-                    }
-                    let choice = ChunkChoice {
-                        index: 0,
-                        delta: Delta {
-                            role: None,
-                            content: Some(event.text).filter(|t| !t.is_empty()),
-                        },
-                        logprobs: None,
-                        finish_reason: finish_str(event.finish),
-                    };
-                    yield chunk(&meta, Some(choice), null_usage);
-                    if let (true, Some(usage)) = (include_usage, event.usage) {
-                        yield chunk(&meta, None, Some(Some(usage.into())));
-                    }
-                }
-                Err(e) => {
-                    span.in_scope(|| log_failure(&e));
-                    yield Chunk::json(&ApiError::from(e).body());
-                    break;
-                }
-            }
-        }
-    }
-}
-
-async fn whole(meta: Meta, mut events: GenerationStream, span: tracing::Span) -> Response {
-    let mut text = String::new();
-    while let Some(item) = events.next().await {
-        match item {
-            Ok(event) => {
-                text.push_str(&event.text);
-                if let (Some(finish), Some(usage)) = (event.finish, event.usage) {
-                    return Json(ChatResponse {
-                        id: meta.id,
-                        object: "chat.completion",
-                        created: meta.created,
-                        model: meta.model,
-                        choices: vec![ChatChoice {
-                            index: 0,
-                            message: ChatMessageOut {
-                                role: "assistant",
-                                content: text,
-                            },
-                            logprobs: None,
-                            finish_reason: Some(finish.as_str()),
-                        }],
-                        usage: usage.into(),
-                    })
-                    .into_response();
-                }
-            }
-            Err(e) => {
-                span.in_scope(|| log_failure(&e));
-                return ApiError::from(e).into_response();
-            }
-        }
-    }
-    let e = crate::error::RequestError::Internal("the generation ended without a finish".into());
-    span.in_scope(|| log_failure(&e));
-    ApiError::from(e).into_response()
 }

@@ -1,23 +1,22 @@
-//! `POST /v1/completions`: text (or token-id) prompts, streamed or whole.
+//! `POST /v1/completions`: text (or token-id) prompts, streamed or whole. The shapes of its
+//! chunks and response; the plumbing is [`super::generate`].
 use std::sync::Arc;
 
 use axum::extract::State;
 use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use futures::StreamExt;
-use tracing::Instrument;
 
-use super::error::{ApiError, ApiJson};
+use super::error::ApiJson;
+use super::generate::{self, Endpoint, Meta};
 use super::openai::{
     finish_str, CompletionChoice, CompletionRequest, CompletionResponse, UsageOut,
 };
-use super::sse::{self, Chunk};
-use super::{reject, request_span, start, Meta};
-use crate::dispatch::GenerationStream;
-use crate::error::log_failure;
-use crate::spans::{InSpan, Operation};
+use super::sse::Chunk;
+use crate::output::FinishReason;
+use crate::spans::Operation;
 use crate::state::AppState;
+use crate::validate::{GenerateParams, ValidationError};
 
 /// The handler.
 pub async fn completions(
@@ -25,28 +24,67 @@ pub async fn completions(
     headers: HeaderMap,
     ApiJson(req): ApiJson<CompletionRequest>,
 ) -> Response {
-    let meta = Meta::new("cmpl", &state);
-    let span = request_span(
-        &state,
-        &headers,
-        Operation::TextCompletion,
-        "/v1/completions",
-        &meta.id,
-    );
-    let (stream, include_usage) = (req.stream, req.include_usage());
-    let params = match req.into_params(&meta.id) {
-        Ok(p) => p,
-        Err(e) => return reject(&state, e, &span),
-    };
-    let events = match start(&state, params, span.clone()).await {
-        Ok(events) => events,
-        Err(e) => return e.into_response(),
-    };
-    if stream {
-        let chunks = Box::pin(chunks(meta, events, include_usage, span.clone()));
-        sse::response(InSpan::new(chunks, span))
-    } else {
-        whole(meta, events, span.clone()).instrument(span).await
+    generate::handle::<Completions>(state, headers, req).await
+}
+
+/// `/v1/completions` as an [`Endpoint`].
+struct Completions;
+
+impl Endpoint for Completions {
+    type Request = CompletionRequest;
+    const ROUTE: &'static str = "/v1/completions";
+    const OPERATION: Operation = Operation::TextCompletion;
+    const ID_PREFIX: &'static str = "cmpl";
+
+    fn stream_options(req: &CompletionRequest) -> (bool, bool) {
+        (req.stream, req.include_usage())
+    }
+
+    fn into_params(
+        req: CompletionRequest,
+        request_id: &str,
+    ) -> Result<GenerateParams, ValidationError> {
+        req.into_params(request_id)
+    }
+
+    fn opening(_meta: &Meta, _usage: Option<Option<UsageOut>>) -> Option<Chunk> {
+        None
+    }
+
+    fn delta(
+        meta: &Meta,
+        text: String,
+        finish: Option<FinishReason>,
+        usage: Option<Option<UsageOut>>,
+    ) -> Chunk {
+        let choice = CompletionChoice {
+            index: 0,
+            text,
+            logprobs: None,
+            finish_reason: finish_str(finish),
+        };
+        chunk(meta, vec![choice], usage)
+    }
+
+    fn usage(meta: &Meta, usage: UsageOut) -> Chunk {
+        chunk(meta, vec![], Some(Some(usage)))
+    }
+
+    fn whole(meta: Meta, text: String, finish: FinishReason, usage: UsageOut) -> Response {
+        Json(CompletionResponse {
+            id: meta.id,
+            object: "text_completion",
+            created: meta.created,
+            model: meta.model,
+            choices: vec![CompletionChoice {
+                index: 0,
+                text,
+                logprobs: None,
+                finish_reason: Some(finish.as_str()),
+            }],
+            usage: Some(Some(usage)),
+        })
+        .into_response()
     }
 }
 
@@ -59,72 +97,4 @@ fn chunk(meta: &Meta, choices: Vec<CompletionChoice>, usage: Option<Option<Usage
         choices,
         usage,
     })
-}
-
-fn chunks(
-    meta: Meta,
-    mut events: GenerationStream,
-    include_usage: bool,
-    span: tracing::Span,
-) -> impl futures::Stream<Item = Chunk> + Send {
-    async_stream::stream! {
-        while let Some(item) = events.next().await {
-            match item {
-                Ok(event) => {
-                    if event.text.is_empty() && event.finish.is_none() {
-                        continue;
-                    }
-                    let choice = CompletionChoice {
-                        index: 0,
-                        text: event.text,
-                        logprobs: None,
-                        finish_reason: finish_str(event.finish),
-                    };
-                    yield chunk(&meta, vec![choice], include_usage.then_some(None));
-                    if let (true, Some(usage)) = (include_usage, event.usage) {
-                        yield chunk(&meta, vec![], Some(Some(usage.into())));
-                    }
-                }
-                Err(e) => {
-                    span.in_scope(|| log_failure(&e));
-                    yield Chunk::json(&ApiError::from(e).body());
-                    break;
-                }
-            }
-        }
-    }
-}
-
-async fn whole(meta: Meta, mut events: GenerationStream, span: tracing::Span) -> Response {
-    let mut text = String::new();
-    while let Some(item) = events.next().await {
-        match item {
-            Ok(event) => {
-                text.push_str(&event.text);
-                if let (Some(finish), Some(usage)) = (event.finish, event.usage) {
-                    return Json(CompletionResponse {
-                        id: meta.id,
-                        object: "text_completion",
-                        created: meta.created,
-                        model: meta.model,
-                        choices: vec![CompletionChoice {
-                            index: 0,
-                            text,
-                            logprobs: None,
-                            finish_reason: Some(finish.as_str()),
-                        }],
-                        usage: Some(Some(usage.into())),
-                    })
-                    .into_response();
-                }
-            }
-            Err(e) => {
-                span.in_scope(|| log_failure(&e));
-                return ApiError::from(e).into_response();
-            }
-        }
-    }
-    let e = crate::error::RequestError::Internal("the generation ended without a finish".into());
-    span.in_scope(|| log_failure(&e));
-    ApiError::from(e).into_response()
 }

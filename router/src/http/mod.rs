@@ -2,35 +2,31 @@
 //!
 //! | file | owns |
 //! |---|---|
-//! | `mod.rs` | [`app`]: routes, `/v1/models`, `/health`, `/metrics`, the request span (parent from `traceparent`), the shared validate-then-dispatch step |
+//! | `mod.rs` | [`app`]: routes, `/v1/models`, `/health`, `/metrics` |
+//! | `generate.rs` | what both generation endpoints share: the request span (parent from `traceparent`), body → params, validate-then-dispatch, streamed and whole response assembly, error bodies |
 //! | [`openai`] | request and response shapes |
-//! | [`completions`] | `POST /v1/completions` |
-//! | [`chat`] | `POST /v1/chat/completions` |
+//! | [`completions`] | `POST /v1/completions`: its chunk and response shapes |
+//! | [`chat`] | `POST /v1/chat/completions`: its chunk and response shapes |
 //! | [`sse`] | server-sent-event framing |
 //! | [`error`] | OpenAI-shaped error bodies, status mapping, the [`error::ApiJson`] extractor |
 pub mod chat;
 pub mod completions;
 pub mod error;
+mod generate;
 pub mod openai;
 pub mod sse;
 
 use std::sync::Arc;
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::extract::{DefaultBodyLimit, State};
 use axum::http::header::CONTENT_TYPE;
-use axum::http::{HeaderMap, StatusCode};
+use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Json;
-use tracing::Instrument;
 
-use crate::dispatch::GenerationStream;
-use crate::error::RequestError;
 use crate::registry::Role;
-use crate::spans::{self, FrontDoor, Operation};
 use crate::state::AppState;
-use crate::validate::GenerateParams;
 use error::ApiError;
 use openai::{ModelEntry, ModelList};
 
@@ -48,96 +44,6 @@ pub fn app(state: Arc<AppState>) -> axum::Router {
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(state)
-}
-
-/// What every generation handler needs besides the events.
-#[derive(Debug, Clone)]
-pub(crate) struct Meta {
-    pub id: String,
-    pub created: u64,
-    pub model: String,
-}
-
-impl Meta {
-    pub fn new(prefix: &str, state: &AppState) -> Self {
-        Self {
-            id: format!("{prefix}-{:032x}", rand::random::<u128>()),
-            created: unix_now(),
-            model: state.model.name.clone(),
-        }
-    }
-}
-
-fn unix_now() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs())
-}
-
-/// The `request` span of an HTTP generation request on `route`, a child of the client's
-/// `traceparent` if it sent one.
-pub(crate) fn request_span(
-    state: &AppState,
-    headers: &HeaderMap,
-    operation: Operation,
-    route: &'static str,
-    request_id: &str,
-) -> tracing::Span {
-    let span = spans::request_span(FrontDoor::Http(route), operation, &state.model.name);
-    ferry_proto::trace_ctx::set_parent_from_headers(&span, headers);
-    span.record("request_id", request_id);
-    span
-}
-
-/// Validates and dispatches in the request's span; logs and counts a failure once.
-pub(crate) async fn start(
-    state: &AppState,
-    params: GenerateParams,
-    span: tracing::Span,
-) -> Result<GenerationStream, ApiError> {
-    let requested = if params.model.is_empty() {
-        state.model.name.clone()
-    } else {
-        params.model.clone()
-    };
-    ferry_proto::trace_ctx::set_attribute(&span, "gen_ai.request.model", requested);
-    let started = async {
-        let valid = state.validator.validate(params).await?;
-        state.dispatcher.generate(valid).await
-    }
-    .instrument(span.clone())
-    .await
-    .map_err(|e: RequestError| {
-        spans::request_failed(&state.metrics, &span, &e);
-        ApiError::from(e)
-    });
-    let status = match &started {
-        Ok(_) => StatusCode::OK,
-        Err(e) => e.status,
-    };
-    ferry_proto::trace_ctx::set_attribute(
-        &span,
-        "http.response.status_code",
-        i64::from(status.as_u16()),
-    );
-    started
-}
-
-/// Logs and counts a conversion failure (before validation) once and turns it into a response.
-pub(crate) fn reject(
-    state: &AppState,
-    e: crate::validate::ValidationError,
-    span: &tracing::Span,
-) -> Response {
-    let e = RequestError::Invalid(e);
-    spans::request_failed(&state.metrics, span, &e);
-    let e = ApiError::from(e);
-    ferry_proto::trace_ctx::set_attribute(
-        span,
-        "http.response.status_code",
-        i64::from(e.status.as_u16()),
-    );
-    e.into_response()
 }
 
 /// `GET /metrics`: the Prometheus text format.

@@ -1,0 +1,240 @@
+//! The request plumbing both generation endpoints share, written once:
+//!
+//! ```text
+//! handle::<E>(body)
+//!   Meta (id `{E::ID_PREFIX}-…`), request span (parent from `traceparent`)
+//!   E::into_params → 400 naming the field            (reject)
+//!   validate → dispatch, in the span → error status   (start)
+//!   stream: E::opening, E::delta per event, E::usage after the finish, then `[DONE]`;
+//!           an error mid-stream is one error chunk
+//!   whole:  text accumulated until the finish → E::whole
+//! ```
+//!
+//! An [`Endpoint`] says only what differs: its body type, its names, and the shapes of its
+//! chunks and whole response (`completions.rs`, `chat.rs`).
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use futures::StreamExt;
+use tracing::Instrument;
+
+use super::error::ApiError;
+use super::openai::UsageOut;
+use super::sse::{self, Chunk};
+use crate::dispatch::GenerationStream;
+use crate::error::{log_failure, RequestError};
+use crate::output::FinishReason;
+use crate::spans::{self, FrontDoor, InSpan, Operation};
+use crate::state::AppState;
+use crate::validate::{GenerateParams, ValidationError};
+
+/// What one generation endpoint adds to the shared plumbing.
+pub(crate) trait Endpoint: 'static {
+    /// The JSON body.
+    type Request;
+    /// The route, for the span's `http.route`.
+    const ROUTE: &'static str;
+    /// `gen_ai.operation.name`.
+    const OPERATION: Operation;
+    /// The prefix of response ids: `cmpl`, `chatcmpl`.
+    const ID_PREFIX: &'static str;
+
+    /// `(stream, stream_options.include_usage)` of the body.
+    fn stream_options(req: &Self::Request) -> (bool, bool);
+
+    /// The body → the parameters to validate; errors name the field.
+    fn into_params(req: Self::Request, request_id: &str)
+        -> Result<GenerateParams, ValidationError>;
+
+    /// The chunk sent before any token, if the endpoint has one. `usage` is what every chunk
+    /// before the usage chunk carries (absent, or null with `include_usage`).
+    fn opening(meta: &Meta, usage: Option<Option<UsageOut>>) -> Option<Chunk>;
+
+    /// A chunk with new text and, on the last one, the finish reason.
+    fn delta(
+        meta: &Meta,
+        text: String,
+        finish: Option<FinishReason>,
+        usage: Option<Option<UsageOut>>,
+    ) -> Chunk;
+
+    /// The usage-only chunk after the finish (with `include_usage`).
+    fn usage(meta: &Meta, usage: UsageOut) -> Chunk;
+
+    /// The non-streamed response.
+    fn whole(meta: Meta, text: String, finish: FinishReason, usage: UsageOut) -> Response;
+}
+
+/// What every response of one request carries besides the events.
+#[derive(Debug, Clone)]
+pub(crate) struct Meta {
+    pub id: String,
+    pub created: u64,
+    pub model: String,
+}
+
+impl Meta {
+    fn new(prefix: &str, state: &AppState) -> Self {
+        Self {
+            id: format!("{prefix}-{:032x}", rand::random::<u128>()),
+            created: unix_now(),
+            model: state.model.name.clone(),
+        }
+    }
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// One generation request on endpoint `E`, streamed or whole.
+pub(crate) async fn handle<E: Endpoint>(
+    state: Arc<AppState>,
+    headers: HeaderMap,
+    req: E::Request,
+) -> Response {
+    let meta = Meta::new(E::ID_PREFIX, &state);
+    let span = request_span(&state, &headers, E::OPERATION, E::ROUTE, &meta.id);
+    let (stream, include_usage) = E::stream_options(&req);
+    let params = match E::into_params(req, &meta.id) {
+        Ok(p) => p,
+        Err(e) => return reject(&state, e, &span),
+    };
+    let events = match start(&state, params, span.clone()).await {
+        Ok(events) => events,
+        Err(e) => return e.into_response(),
+    };
+    if stream {
+        let chunks = Box::pin(chunks::<E>(meta, events, include_usage, span.clone()));
+        sse::response(InSpan::new(chunks, span))
+    } else {
+        whole::<E>(meta, events, span.clone())
+            .instrument(span)
+            .await
+    }
+}
+
+/// The `request` span of an HTTP generation request on `route`, a child of the client's
+/// `traceparent` if it sent one.
+fn request_span(
+    state: &AppState,
+    headers: &HeaderMap,
+    operation: Operation,
+    route: &'static str,
+    request_id: &str,
+) -> tracing::Span {
+    let span = spans::request_span(FrontDoor::Http(route), operation, &state.model.name);
+    ferry_proto::trace_ctx::set_parent_from_headers(&span, headers);
+    span.record("request_id", request_id);
+    span
+}
+
+/// Validates and dispatches in the request's span; logs and counts a failure once.
+async fn start(
+    state: &AppState,
+    params: GenerateParams,
+    span: tracing::Span,
+) -> Result<GenerationStream, ApiError> {
+    let requested = if params.model.is_empty() {
+        state.model.name.clone()
+    } else {
+        params.model.clone()
+    };
+    ferry_proto::trace_ctx::set_attribute(&span, "gen_ai.request.model", requested);
+    let started = async {
+        let valid = state.validator.validate(params).await?;
+        state.dispatcher.generate(valid).await
+    }
+    .instrument(span.clone())
+    .await
+    .map_err(|e: RequestError| {
+        spans::request_failed(&state.metrics, &span, &e);
+        ApiError::from(e)
+    });
+    let status = match &started {
+        Ok(_) => StatusCode::OK,
+        Err(e) => e.status,
+    };
+    ferry_proto::trace_ctx::set_attribute(
+        &span,
+        "http.response.status_code",
+        i64::from(status.as_u16()),
+    );
+    started
+}
+
+/// Logs and counts a conversion failure (before validation) once and turns it into a response.
+fn reject(state: &AppState, e: ValidationError, span: &tracing::Span) -> Response {
+    let e = RequestError::Invalid(e);
+    spans::request_failed(&state.metrics, span, &e);
+    let e = ApiError::from(e);
+    ferry_proto::trace_ctx::set_attribute(
+        span,
+        "http.response.status_code",
+        i64::from(e.status.as_u16()),
+    );
+    e.into_response()
+}
+
+/// The SSE chunks of a streamed response (without the `[DONE]` terminator).
+fn chunks<E: Endpoint>(
+    meta: Meta,
+    mut events: GenerationStream,
+    include_usage: bool,
+    span: tracing::Span,
+) -> impl futures::Stream<Item = Chunk> + Send {
+    let null_usage = include_usage.then_some(None);
+    async_stream::stream! {
+        if let Some(opening) = E::opening(&meta, null_usage) {
+            yield opening;
+        }
+        while let Some(item) = events.next().await {
+            match item {
+                Ok(event) => {
+                    if event.text.is_empty() && event.finish.is_none() {
+                        continue;
+                    }
+                    yield E::delta(&meta, event.text, event.finish, null_usage);
+                    if let (true, Some(usage)) = (include_usage, event.usage) {
+                        yield E::usage(&meta, usage.into());
+                    }
+                }
+                Err(e) => {
+                    span.in_scope(|| log_failure(&e));
+                    yield Chunk::json(&ApiError::from(e).body());
+                    break;
+                }
+            }
+        }
+    }
+}
+
+/// The whole response, once the generation finished.
+async fn whole<E: Endpoint>(
+    meta: Meta,
+    mut events: GenerationStream,
+    span: tracing::Span,
+) -> Response {
+    let mut text = String::new();
+    while let Some(item) = events.next().await {
+        match item {
+            Ok(event) => {
+                text.push_str(&event.text);
+                if let (Some(finish), Some(usage)) = (event.finish, event.usage) {
+                    return E::whole(meta, text, finish, usage.into());
+                }
+            }
+            Err(e) => {
+                span.in_scope(|| log_failure(&e));
+                return ApiError::from(e).into_response();
+            }
+        }
+    }
+    let e = RequestError::Internal("the generation ended without a finish".into());
+    span.in_scope(|| log_failure(&e));
+    ApiError::from(e).into_response()
+}

@@ -1,0 +1,684 @@
+//! What clients see on both front doors (gRPC `Generate`, OpenAI HTTP) against scripted decode
+//! workers over real gRPC on 127.0.0.1:0:
+//!
+//! - failures by cause, one mapping: no healthy decode worker → UNAVAILABLE / 503, a worker's
+//!   own code kept by class (UNAVAILABLE → 503, INTERNAL → 500), overload →
+//!   RESOURCE_EXHAUSTED / 429, bad input → INVALID_ARGUMENT / 400; every HTTP failure an
+//!   OpenAI-shaped body naming the cause;
+//! - the response shapes of `/v1/completions` and `/v1/chat/completions`, whole and streamed,
+//!   with and without usage, and an error in the middle of a stream.
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::body::Body;
+use ferry_model::tokenizer::Tokenizer;
+use ferry_proto::internal::decode_worker_server::{DecodeWorker, DecodeWorkerServer};
+use ferry_proto::internal::registry_client::RegistryClient;
+use ferry_proto::internal::{self, DecodeRequest, DecodeResponse};
+use ferry_proto::v1::inference_client::InferenceClient;
+use ferry_proto::v1::{self, generate_request::Input};
+use ferry_router::state::AppState;
+use ferry_router::{Router, RouterConfig};
+use futures::Stream;
+use http_body_util::BodyExt;
+use serde_json::{json, Value};
+use tokio::net::TcpListener;
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
+use tokio_util::sync::CancellationToken;
+use tonic::transport::Channel;
+use tonic::{Code, Request, Response, Status};
+use tower::ServiceExt;
+
+/// Cached prompt tokens the scripted worker reports on its first message.
+const CACHED: u32 = 5;
+
+/// A scripted decode worker.
+#[derive(Clone)]
+enum Scripted {
+    /// Refuses every call with this code and message.
+    Refuse(Code, &'static str),
+    /// Streams `tokens` (up to `max_tokens`, then LENGTH), one per `pace`; with `fail_after`,
+    /// fails with INTERNAL after that many tokens instead.
+    Stream {
+        tokens: Vec<u32>,
+        pace: Duration,
+        fail_after: Option<usize>,
+    },
+}
+
+type Tokens = Pin<Box<dyn Stream<Item = Result<DecodeResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl DecodeWorker for Scripted {
+    type DecodeStream = Tokens;
+
+    async fn decode(
+        &self,
+        request: Request<DecodeRequest>,
+    ) -> Result<Response<Self::DecodeStream>, Status> {
+        let (tokens, pace, fail_after) = match self {
+            Self::Refuse(code, message) => return Err(Status::new(*code, *message)),
+            Self::Stream {
+                tokens,
+                pace,
+                fail_after,
+            } => (tokens.clone(), *pace, *fail_after),
+        };
+        let max = request.into_inner().stop.map_or(u32::MAX, |s| s.max_tokens) as usize;
+        let tokens: Vec<u32> = tokens.into_iter().take(max).collect();
+        let (tx, rx) = mpsc::channel(1);
+        tokio::spawn(async move {
+            let n = tokens.len();
+            for (i, t) in tokens.into_iter().enumerate() {
+                if fail_after == Some(i) {
+                    let _ = tx
+                        .send(Err(Status::internal("scripted mid-stream failure")))
+                        .await;
+                    return;
+                }
+                let last = i + 1 == n;
+                let message = DecodeResponse {
+                    token_ids: vec![t],
+                    finish_reason: if last {
+                        v1::FinishReason::Length
+                    } else {
+                        v1::FinishReason::Unspecified
+                    } as i32,
+                    cached_prompt_tokens: if i == 0 { CACHED } else { 0 },
+                    prefill_mode: if i == 0 {
+                        "local".into()
+                    } else {
+                        String::new()
+                    },
+                };
+                tokio::time::sleep(pace).await;
+                if tx.send(Ok(message)).await.is_err() {
+                    return;
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
+    async fn get_stats(
+        &self,
+        _request: Request<internal::GetStatsRequest>,
+    ) -> Result<Response<internal::WorkerStats>, Status> {
+        Ok(Response::new(internal::WorkerStats::default()))
+    }
+}
+
+async fn start_worker(worker: Scripted) -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(DecodeWorkerServer::new(worker))
+            .serve_with_incoming(TcpListenerStream::new(listener)),
+    );
+    addr.to_string()
+}
+
+/// A running router and clients of both its front doors.
+struct Harness {
+    state: Arc<AppState>,
+    grpc: InferenceClient<Channel>,
+    registry: RegistryClient<Channel>,
+    shutdown: CancellationToken,
+    running: JoinHandle<Result<(), ferry_router::RouterError>>,
+}
+
+impl Harness {
+    async fn start(config: RouterConfig) -> Self {
+        let bound = Router::load(RouterConfig {
+            page_size: 4,
+            ..config
+        })
+        .await
+        .expect("load")
+        .bind()
+        .await
+        .expect("bind");
+        let state = bound.state().clone();
+        let endpoint = format!("http://{}", bound.grpc_addr());
+        let shutdown = CancellationToken::new();
+        let running = tokio::spawn(bound.run(shutdown.clone()));
+        let channel = Channel::from_shared(endpoint)
+            .expect("uri")
+            .connect()
+            .await
+            .expect("connect");
+        Self {
+            state,
+            grpc: InferenceClient::new(channel.clone()),
+            registry: RegistryClient::new(channel),
+            shutdown,
+            running,
+        }
+    }
+
+    /// A router with one decode worker `d0` behaving as `worker`.
+    async fn with_worker(config: RouterConfig, worker: Scripted) -> Self {
+        let mut h = Self::start(config).await;
+        let addr = start_worker(worker).await;
+        h.register("d0", internal::WorkerRole::Decode, &addr).await;
+        h
+    }
+
+    async fn register(&mut self, id: &str, role: internal::WorkerRole, address: &str) {
+        self.registry
+            .register(internal::RegisterRequest {
+                worker_id: id.into(),
+                role: role as i32,
+                grpc_address: address.into(),
+                page_size: 4,
+                total_blocks: 256,
+                cached_block_hashes: vec![],
+                last_event_id: 0,
+            })
+            .await
+            .expect("register");
+    }
+
+    /// The gRPC error of a `Generate` that must fail (before or during the stream).
+    async fn grpc_error(&mut self, req: v1::GenerateRequest) -> Status {
+        match self.grpc.generate(req).await {
+            Err(status) => status,
+            Ok(response) => {
+                let mut stream = response.into_inner();
+                loop {
+                    match stream.message().await {
+                        Ok(Some(_)) => continue,
+                        Ok(None) => panic!("the request succeeded"),
+                        Err(status) => break status,
+                    }
+                }
+            }
+        }
+    }
+
+    /// One HTTP request through the app over the same state: status and body bytes.
+    async fn http(&self, method: &str, uri: &str, body: Value) -> (u16, String) {
+        let request = axum::http::Request::builder()
+            .method(method)
+            .uri(uri)
+            .header("content-type", "application/json")
+            .body(Body::from(body.to_string()))
+            .expect("request");
+        let response = ferry_router::http::app(self.state.clone())
+            .oneshot(request)
+            .await
+            .expect("infallible");
+        let status = response.status().as_u16();
+        let bytes = response
+            .into_body()
+            .collect()
+            .await
+            .expect("body")
+            .to_bytes();
+        (status, String::from_utf8(bytes.to_vec()).expect("utf-8"))
+    }
+
+    async fn post(&self, uri: &str, body: Value) -> (u16, Value) {
+        let (status, text) = self.http("POST", uri, body).await;
+        let value =
+            serde_json::from_str(&text).unwrap_or_else(|e| panic!("{uri}: not JSON ({e}): {text}"));
+        (status, value)
+    }
+
+    /// Waits until no request holds an admission permit (a stream ended by its client or its
+    /// worker is released when the router drops it, a moment later).
+    async fn wait_released(&self) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while self.state.dispatcher.in_flight() > 0 {
+            assert!(Instant::now() < deadline, "a request was never released");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    async fn stop(self) {
+        self.wait_released().await;
+        self.shutdown.cancel();
+        tokio::time::timeout(Duration::from_secs(15), self.running)
+            .await
+            .expect("shuts down in time")
+            .expect("task")
+            .expect("clean shutdown");
+    }
+}
+
+fn generate(max_tokens: u32) -> v1::GenerateRequest {
+    v1::GenerateRequest {
+        input: Some(Input::Text("hello".into())),
+        sampling: Some(v1::SamplingParams {
+            temperature: Some(0.0),
+            ..Default::default()
+        }),
+        stop: Some(v1::StopConditions {
+            max_tokens,
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+/// The four generation requests of the HTTP API: both endpoints, whole and streamed.
+fn http_requests(max_tokens: u32) -> Vec<(&'static str, Value)> {
+    let completion = json!({"prompt": "hello", "max_tokens": max_tokens, "temperature": 0});
+    let chat = json!({
+        "messages": [{"role": "user", "content": "hello"}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    });
+    let streamed = |mut body: Value| {
+        body["stream"] = json!(true);
+        body
+    };
+    vec![
+        ("/v1/completions", completion.clone()),
+        ("/v1/completions", streamed(completion)),
+        ("/v1/chat/completions", chat.clone()),
+        ("/v1/chat/completions", streamed(chat)),
+    ]
+}
+
+/// Asserts an OpenAI error body `{"error": {message, type, param, code}}`; returns `error`.
+fn openai_error<'a>(what: &str, body: &'a Value, kind: &str, code: &str) -> &'a Value {
+    let e = &body["error"];
+    assert_eq!(e["type"], kind, "{what}: {body}");
+    assert_eq!(e["code"], code, "{what}: {body}");
+    assert!(e.get("param").is_some(), "{what}: error.param: {body}");
+    assert!(
+        e["message"].as_str().is_some_and(|m| !m.is_empty()),
+        "{what}: error.message: {body}"
+    );
+    e
+}
+
+/// Every HTTP generation request answers `status` with an OpenAI error of `kind` and `code`
+/// whose message contains `cause`.
+async fn assert_http_failure(h: &Harness, status: u16, kind: &str, code: &str, cause: &str) {
+    for (uri, body) in http_requests(4) {
+        let what = format!("{uri} stream={}", body["stream"]);
+        let (got, body) = h.post(uri, body).await;
+        assert_eq!(got, status, "{what}: {body}");
+        let e = openai_error(&what, &body, kind, code);
+        let message = e["message"].as_str().unwrap_or_default();
+        assert!(message.contains(cause), "{what}: `{cause}` not in {body}");
+    }
+}
+
+fn script() -> (Tokenizer, Vec<u32>) {
+    let tok = Tokenizer::from_dir(&ferry_model::embedded::default_model_dir()).expect("tokenizer");
+    let tokens = tok
+        .encode(
+            "In the beginning God created the heaven and the earth, and the earth was without form.",
+            false,
+        )
+        .expect("encode");
+    (tok, tokens)
+}
+
+fn streaming(tokens: Vec<u32>) -> Scripted {
+    Scripted::Stream {
+        tokens,
+        pace: Duration::from_millis(2),
+        fail_after: None,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_healthy_decode_worker_both_front_doors_answer_unavailable_503() {
+    let mut h = Harness::start(RouterConfig {
+        heartbeat_timeout_ms: 1000,
+        ..RouterConfig::ephemeral()
+    })
+    .await;
+    let cause = "no healthy decode worker";
+
+    // Nothing registered.
+    let status = h.grpc_error(generate(4)).await;
+    assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+    assert!(status.message().contains(cause), "{status:?}");
+    assert_http_failure(
+        &h,
+        503,
+        "service_unavailable_error",
+        "no_decode_worker",
+        cause,
+    )
+    .await;
+
+    // Only a prefill worker: still no decode worker to serve.
+    h.register("p0", internal::WorkerRole::Prefill, "127.0.0.1:9")
+        .await;
+    let status = h.grpc_error(generate(4)).await;
+    assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+    assert_http_failure(
+        &h,
+        503,
+        "service_unavailable_error",
+        "no_decode_worker",
+        cause,
+    )
+    .await;
+
+    // A decode worker that serves, then stops heartbeating: once the router stops routing to
+    // it (heartbeat timeout), the same answer.
+    let (_, tokens) = script();
+    let addr = start_worker(streaming(tokens)).await;
+    h.register("d0", internal::WorkerRole::Decode, &addr).await;
+    let (status, body) = h
+        .post("/v1/completions", http_requests(2)[0].1.clone())
+        .await;
+    assert_eq!(status, 200, "{body}");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (status, _) = h.http("GET", "/health", Value::Null).await;
+        if status == 503 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "d0 never timed out");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let status = h.grpc_error(generate(4)).await;
+    assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+    assert!(status.message().contains(cause), "{status:?}");
+    assert_http_failure(
+        &h,
+        503,
+        "service_unavailable_error",
+        "no_decode_worker",
+        cause,
+    )
+    .await;
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_worker_refusal_keeps_its_class_on_both_front_doors() {
+    // (worker's code, client's gRPC code, HTTP status, OpenAI type).
+    let cases = [
+        (
+            Code::Unavailable,
+            Code::Unavailable,
+            503,
+            "service_unavailable_error",
+        ),
+        (
+            Code::ResourceExhausted,
+            Code::ResourceExhausted,
+            429,
+            "rate_limit_error",
+        ),
+        (
+            Code::InvalidArgument,
+            Code::InvalidArgument,
+            400,
+            "invalid_request_error",
+        ),
+        // The router cannot tell what an INTERNAL from a worker means, so it stays one. (A
+        // failed prefill peer under `--on-prefill-failure fail` is reported by the decode
+        // worker as INTERNAL today.)
+        (Code::Internal, Code::Internal, 500, "internal_error"),
+        // A worker answering a code that is no request's fault is unavailable to it.
+        (
+            Code::Unknown,
+            Code::Unavailable,
+            503,
+            "service_unavailable_error",
+        ),
+    ];
+    for (worker, grpc, http, kind) in cases {
+        let cause = "scripted refusal";
+        let mut h =
+            Harness::with_worker(RouterConfig::ephemeral(), Scripted::Refuse(worker, cause)).await;
+        let status = h.grpc_error(generate(4)).await;
+        assert_eq!(status.code(), grpc, "worker {worker:?}: {status:?}");
+        assert!(
+            status.message().contains(cause) && status.message().contains("`d0`"),
+            "the message names the worker and its cause: {status:?}"
+        );
+        assert_http_failure(&h, http, kind, "worker_failed", cause).await;
+        h.stop().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overload_is_resource_exhausted_429_and_bad_input_invalid_argument_400() {
+    let (_, tokens) = script();
+    let slow = Scripted::Stream {
+        tokens,
+        pace: Duration::from_millis(100),
+        fail_after: None,
+    };
+    let mut h = Harness::with_worker(
+        RouterConfig {
+            max_concurrent_requests: 1,
+            ..RouterConfig::ephemeral()
+        },
+        slow,
+    )
+    .await;
+
+    // Bad input, whatever the load: INVALID_ARGUMENT / 400 naming the field.
+    let status = h.grpc_error(generate(0)).await;
+    assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
+    assert!(status.message().contains("`max_tokens`"), "{status:?}");
+    for (uri, mut body) in http_requests(4) {
+        body["max_tokens"] = json!(0);
+        let (status, body) = h.post(uri, body).await;
+        assert_eq!(status, 400, "{uri}: {body}");
+        let e = openai_error(uri, &body, "invalid_request_error", "invalid_value");
+        assert_eq!(e["param"], "max_tokens", "{uri}: {body}");
+    }
+
+    // The one admission permit held by an open stream: the next request is refused.
+    let mut open = h
+        .grpc
+        .generate(generate(40))
+        .await
+        .expect("generate")
+        .into_inner();
+    open.message()
+        .await
+        .expect("stream")
+        .expect("a first token");
+    let status = h.grpc_error(generate(4)).await;
+    assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
+    assert_http_failure(&h, 429, "rate_limit_error", "overloaded", "limit of 1").await;
+    drop(open);
+    h.wait_released().await;
+    let (status, body) = h
+        .post("/v1/completions", http_requests(2)[0].1.clone())
+        .await;
+    assert_eq!(
+        status, 200,
+        "admitted again once the stream is gone: {body}"
+    );
+    h.stop().await;
+}
+
+/// The `data:` payloads of an SSE body, which must end with `[DONE]`, as JSON.
+fn sse_chunks(what: &str, body: &str) -> Vec<Value> {
+    let data: Vec<&str> = body
+        .split("\n\n")
+        .filter_map(|e| e.strip_prefix("data: "))
+        .collect();
+    assert_eq!(data.last(), Some(&"[DONE]"), "{what}: {body}");
+    data[..data.len() - 1]
+        .iter()
+        .map(|d| serde_json::from_str(d).unwrap_or_else(|e| panic!("{what}: {e}: {d}")))
+        .collect()
+}
+
+/// Asserts `usage` is `n` completion tokens with the worker's cached count.
+fn assert_usage(what: &str, usage: &Value, n: u64) {
+    assert_eq!(usage["completion_tokens"], n, "{what}: {usage}");
+    let prompt = usage["prompt_tokens"].as_u64().expect("prompt_tokens");
+    assert!(prompt > 0, "{what}: {usage}");
+    assert_eq!(usage["total_tokens"], prompt + n, "{what}: {usage}");
+    assert_eq!(
+        usage["prompt_tokens_details"]["cached_tokens"], CACHED,
+        "{what}: {usage}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn both_endpoints_answer_in_openai_shapes_whole_and_streamed() {
+    let (tok, tokens) = script();
+    const N: u32 = 6;
+    let want = tok.decode(&tokens[..N as usize], true).expect("decode");
+    let h = Harness::with_worker(RouterConfig::ephemeral(), streaming(tokens.clone())).await;
+    let [completion, completion_stream, chat, chat_stream]: [(&str, Value); 4] =
+        http_requests(N).try_into().expect("four requests");
+
+    // Whole completion.
+    let (status, body) = h.post(completion.0, completion.1).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["object"], "text_completion");
+    assert!(body["id"]
+        .as_str()
+        .is_some_and(|id| id.starts_with("cmpl-")));
+    assert!(body["created"].as_u64().is_some_and(|t| t > 0), "{body}");
+    assert_eq!(body["model"], h.state.model.name.as_str());
+    assert_eq!(body["choices"].as_array().map(Vec::len), Some(1), "{body}");
+    assert_eq!(body["choices"][0]["index"], 0);
+    assert_eq!(body["choices"][0]["text"], want.as_str());
+    assert_eq!(body["choices"][0]["logprobs"], Value::Null);
+    assert_eq!(body["choices"][0]["finish_reason"], "length");
+    assert_usage("whole completion", &body["usage"], u64::from(N));
+
+    // Whole chat.
+    let (status, body) = h.post(chat.0, chat.1).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["object"], "chat.completion");
+    assert!(body["id"]
+        .as_str()
+        .is_some_and(|id| id.starts_with("chatcmpl-")));
+    assert_eq!(body["choices"][0]["message"]["role"], "assistant");
+    assert_eq!(body["choices"][0]["message"]["content"], want.as_str());
+    assert_eq!(body["choices"][0]["finish_reason"], "length");
+    assert_usage("whole chat", &body["usage"], u64::from(N));
+
+    // Streamed, with and without usage.
+    for include_usage in [false, true] {
+        for (uri, mut request) in [completion_stream.clone(), chat_stream.clone()] {
+            let chat = uri.contains("chat");
+            let what = format!("{uri} include_usage={include_usage}");
+            if include_usage {
+                request["stream_options"] = json!({"include_usage": true});
+            }
+            let (status, text) = h.http("POST", uri, request).await;
+            assert_eq!(status, 200, "{what}: {text}");
+            let chunks = sse_chunks(&what, &text);
+            let object = if chat {
+                "chat.completion.chunk"
+            } else {
+                "text_completion"
+            };
+            let id = chunks[0]["id"].clone();
+            assert!(
+                chunks
+                    .iter()
+                    .all(|c| c["object"] == object && c["id"] == id),
+                "{what}: {text}"
+            );
+            let content = if include_usage {
+                let (last, rest) = chunks.split_last().expect("chunks");
+                assert_eq!(last["choices"], json!([]), "{what}: {text}");
+                assert_usage(&what, &last["usage"], u64::from(N));
+                assert!(
+                    rest.iter().all(|c| c["usage"] == Value::Null),
+                    "{what}: null usage before the last chunk: {text}"
+                );
+                rest
+            } else {
+                assert!(
+                    chunks.iter().all(|c| c.get("usage").is_none()),
+                    "{what}: no usage key: {text}"
+                );
+                &chunks[..]
+            };
+            if chat {
+                assert_eq!(
+                    content[0]["choices"][0]["delta"],
+                    json!({"role": "assistant", "content": ""}),
+                    "{what}: the opening chunk: {text}"
+                );
+            }
+            let field = |c: &Value| {
+                let choice = &c["choices"][0];
+                if chat {
+                    choice["delta"]["content"].as_str().map(str::to_string)
+                } else {
+                    choice["text"].as_str().map(str::to_string)
+                }
+            };
+            let streamed: String = content.iter().filter_map(field).collect();
+            assert_eq!(streamed, want, "{what}: {text}");
+            let finishes: Vec<&Value> = content
+                .iter()
+                .map(|c| &c["choices"][0]["finish_reason"])
+                .filter(|f| !f.is_null())
+                .collect();
+            assert_eq!(finishes, vec![&json!("length")], "{what}: {text}");
+            assert_eq!(
+                content.last().map(|c| &c["choices"][0]["finish_reason"]),
+                Some(&json!("length")),
+                "{what}: the finish is on the last content chunk: {text}"
+            );
+        }
+    }
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_failing_mid_stream_ends_the_response_with_an_openai_error() {
+    let (_, tokens) = script();
+    let worker = Scripted::Stream {
+        tokens,
+        pace: Duration::from_millis(2),
+        fail_after: Some(3),
+    };
+    let mut h = Harness::with_worker(RouterConfig::ephemeral(), worker).await;
+    let cause = "scripted mid-stream failure";
+
+    let status = h.grpc_error(generate(10)).await;
+    assert_eq!(status.code(), Code::Internal, "{status:?}");
+    assert!(status.message().contains(cause), "{status:?}");
+
+    for (uri, body) in http_requests(10) {
+        let streamed = body["stream"] == json!(true);
+        let what = format!("{uri} stream={streamed}");
+        if !streamed {
+            let (status, body) = h.post(uri, body).await;
+            assert_eq!(status, 500, "{what}: {body}");
+            openai_error(&what, &body, "internal_error", "worker_failed");
+            continue;
+        }
+        // Streamed: the headers (200) went out with the first token; the error is the last
+        // chunk before `[DONE]`.
+        let (status, text) = h.http("POST", uri, body).await;
+        assert_eq!(status, 200, "{what}: {text}");
+        let chunks = sse_chunks(&what, &text);
+        let (last, tokens) = chunks.split_last().expect("chunks");
+        let e = openai_error(&what, last, "internal_error", "worker_failed");
+        assert!(
+            e["message"].as_str().is_some_and(|m| m.contains(cause)),
+            "{what}: {text}"
+        );
+        assert!(
+            tokens.iter().all(|c| c.get("error").is_none()),
+            "{what}: {text}"
+        );
+        assert!(
+            !tokens.is_empty(),
+            "{what}: tokens before the error: {text}"
+        );
+    }
+    h.stop().await;
+}
