@@ -1,6 +1,7 @@
 //! Failures through real processes: a prefill worker SIGKILLed under load (recompute and fail
-//! policies), and invalid requests on both front doors. After each, the cluster still serves
-//! and every live worker's KV blocks are back.
+//! policies), the only decode worker SIGKILLed (UNAVAILABLE / 503), and invalid requests on
+//! both front doors. After each, the cluster still serves (while it has a decode worker) and
+//! every live worker's KV blocks are back.
 mod cluster;
 
 use std::time::Duration;
@@ -123,22 +124,27 @@ async fn with_the_fail_policy_a_dead_prefill_peer_fails_the_request_and_decode_k
     )
     .await
     .expect_err("the prefill peer is dead and the policy is `fail`");
+    // An availability failure, but the decode worker reports every engine failure as INTERNAL
+    // (decode/src/service.rs), which the router cannot tell from a fault: it passes INTERNAL /
+    // 500 on, and UNAVAILABLE / 503 once the worker says UNAVAILABLE. Either way the message
+    // names the cause.
     assert!(
-        matches!(
-            err.code(),
-            Code::Unavailable | Code::Internal | Code::Aborted
-        ),
+        matches!(err.code(), Code::Unavailable | Code::Internal),
         "{err:?}"
     );
-    assert!(!err.message().is_empty(), "{err:?}");
+    assert!(err.message().contains("prefill"), "{err:?}");
     let (status, body) = cluster
         .post_json(
             "/v1/completions",
             &json!({"prompt": long_prompt(2), "max_tokens": MAX_TOKENS, "temperature": 0}),
         )
         .await;
-    assert!(status >= 500, "{status}: {body}");
-    assert_openai_error(&body);
+    assert!(status == 503 || status == 500, "{status}: {body}");
+    let e = assert_openai_error(&body);
+    assert!(
+        e["message"].as_str().is_some_and(|m| m.contains("prefill")),
+        "the body names the cause: {body}"
+    );
     let failed = cluster.stats(&decode).await;
     assert_eq!(
         failed.recomputed_prefills, 0,
@@ -167,6 +173,60 @@ async fn with_the_fail_policy_a_dead_prefill_peer_fails_the_request_and_decode_k
     );
 
     cluster.assert_kv_blocks_released().await;
+}
+
+#[tokio::test]
+async fn without_a_healthy_decode_worker_requests_are_unavailable_503_naming_the_cause() {
+    let mut cluster =
+        Cluster::start(Spec::new(0, 1).router(&["--heartbeat-timeout-ms", "2000"])).await;
+    let decode = cluster.live(Role::Decode)[0].clone();
+    let mut client = cluster.grpc().await;
+    let prompt = cluster::short_prompt();
+    cluster::generate(&mut client, cluster::greedy_request(&prompt, 4))
+        .await
+        .expect("served while the decode worker is up");
+    cluster.assert_kv_blocks_released().await;
+
+    // Once the router drops the dead worker (heartbeat timeout), `/health` is a 503 too.
+    cluster.kill(&decode);
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while cluster.health_counts().await.is_some() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the router never dropped the killed decode worker"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let err = cluster::generate(&mut client, cluster::greedy_request(&prompt, 4))
+        .await
+        .expect_err("no decode worker");
+    assert_eq!(err.code(), Code::Unavailable, "{err:?}");
+    assert!(
+        err.message().contains("no healthy decode worker"),
+        "{err:?}"
+    );
+    for (path, body) in [
+        (
+            "/v1/completions",
+            json!({"prompt": prompt, "max_tokens": 4}),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "stream": true}),
+        ),
+    ] {
+        let (status, resp) = cluster.post_json(path, &body).await;
+        assert_eq!(status, 503, "{path}: {resp}");
+        let e = assert_openai_error(&resp);
+        assert_eq!(e["type"], "service_unavailable_error", "{path}: {resp}");
+        assert_eq!(e["code"], "no_decode_worker", "{path}: {resp}");
+        assert!(
+            e["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("no healthy decode worker")),
+            "{path}: {resp}"
+        );
+    }
 }
 
 /// `{"error": {"message": "...", "type": "...", "param": ..., "code": ...}}`.

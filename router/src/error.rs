@@ -6,6 +6,20 @@
 //! | [`RegistryError`] | one worker's Registry call | INVALID_ARGUMENT |
 //! | [`RouterError`] | starting or running the router | none: returned to the CLI |
 //!
+//! What a failed request answers, by cause ([`RequestError::code`], then `http/error.rs`):
+//!
+//! | cause | variant | gRPC | HTTP |
+//! |---|---|---|---|
+//! | bad input (names the field) | `Invalid` | INVALID_ARGUMENT | 400 |
+//! | the router at `max_concurrent_requests` | `Overloaded` | RESOURCE_EXHAUSTED | 429 |
+//! | no healthy decode worker registered | `NoDecodeWorker` | UNAVAILABLE | 503 |
+//! | the router shutting down | `ShuttingDown` | UNAVAILABLE | 503 |
+//! | a decode worker refused or failed | `Worker` | its INVALID_ARGUMENT, RESOURCE_EXHAUSTED, INTERNAL, CANCELLED, OUT_OF_RANGE kept; anything else (UNAVAILABLE, a broken stream, …) UNAVAILABLE | from the code |
+//! | a bug in the router | `Internal` | INTERNAL | 500 |
+//!
+//! A worker's INTERNAL is passed on as INTERNAL: the router cannot tell what caused it. (A
+//! failed prefill peer under `--on-prefill-failure fail` arrives that way today.)
+//!
 //! `From` impls never log: errors are logged once, at the edge, in the request span, by
 //! [`log_failure`].
 use std::net::SocketAddr;
@@ -219,5 +233,30 @@ mod tests {
         assert_eq!(RequestError::NoDecodeWorker.code(), Code::Unavailable);
         let broken = RequestError::worker(&WorkerId::from("d0"), &Status::unknown("reset"));
         assert_eq!(broken.code(), Code::Unavailable);
+    }
+
+    #[test]
+    fn a_worker_code_is_kept_by_class() {
+        let d0 = WorkerId::from("d0");
+        let cases = [
+            (Code::InvalidArgument, Code::InvalidArgument),
+            (Code::ResourceExhausted, Code::ResourceExhausted),
+            (Code::Internal, Code::Internal),
+            (Code::Cancelled, Code::Cancelled),
+            (Code::OutOfRange, Code::OutOfRange),
+            (Code::Unavailable, Code::Unavailable),
+            (Code::DeadlineExceeded, Code::Unavailable),
+            (Code::Aborted, Code::Unavailable),
+            (Code::FailedPrecondition, Code::Unavailable),
+            (Code::Unknown, Code::Unavailable),
+        ];
+        for (worker, client) in cases {
+            let e = RequestError::worker(&d0, &Status::new(worker, "cause"));
+            assert_eq!(e.code(), client, "worker answered {worker:?}");
+            assert_eq!(e.kind(), "worker_failed");
+            assert_eq!(e.to_string(), "decode worker `d0` failed: cause");
+        }
+        assert_eq!(RequestError::ShuttingDown.code(), Code::Unavailable);
+        assert_eq!(RequestError::Internal("bug".into()).code(), Code::Internal);
     }
 }

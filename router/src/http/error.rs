@@ -221,4 +221,65 @@ mod tests {
             StatusCode::TOO_MANY_REQUESTS
         );
     }
+
+    #[test]
+    fn each_cause_has_its_status_type_and_code() {
+        use ferry_proto::ids::WorkerId;
+        let worker =
+            |code| RequestError::worker(&WorkerId::from("d0"), &tonic::Status::new(code, "x"));
+        let cases = [
+            (
+                RequestError::Invalid(ValidationError::new("max_tokens", "must be >= 1, got 0")),
+                400,
+                "invalid_request_error",
+                "invalid_value",
+            ),
+            (
+                RequestError::Overloaded { limit: 1 },
+                429,
+                "rate_limit_error",
+                "overloaded",
+            ),
+            (
+                RequestError::NoDecodeWorker,
+                503,
+                "service_unavailable_error",
+                "no_decode_worker",
+            ),
+            (
+                RequestError::ShuttingDown,
+                503,
+                "service_unavailable_error",
+                "shutting_down",
+            ),
+            (
+                worker(Code::Unavailable),
+                503,
+                "service_unavailable_error",
+                "worker_failed",
+            ),
+            (
+                worker(Code::Internal),
+                500,
+                "internal_error",
+                "worker_failed",
+            ),
+            (
+                RequestError::Internal("bug".into()),
+                500,
+                "internal_error",
+                "internal",
+            ),
+        ];
+        for (e, status, kind, code) in cases {
+            let message = e.to_string();
+            let api = ApiError::from(e);
+            let body = api.body();
+            let what = format!("{message}: {body}");
+            assert_eq!(api.status.as_u16(), status, "{what}");
+            assert_eq!(body["error"]["type"], kind, "{what}");
+            assert_eq!(body["error"]["code"], code, "{what}");
+            assert_eq!(body["error"]["message"], message.as_str(), "{what}");
+        }
+    }
 }
