@@ -159,9 +159,9 @@ impl Up {
                 // Every prompt token uncached on the decode worker goes to the prefill worker.
                 "--local-prefill-threshold",
                 "0",
-                // Every step of the request verifies the embedded (random-weight) drafter's
-                // drafts; under the default `confidence:0.3` its random confidence head would
-                // decide how many, possibly none.
+                // Every step of the request verifies 4 of the embedded drafter's drafts;
+                // under the default `confidence:0.3` its confidence head would decide how
+                // many, possibly none.
                 "--verify-len",
                 "fixed:4",
             ])
@@ -868,8 +868,8 @@ async fn one_trace_across_three_processes_and_metrics_that_count() {
         "{accepted} of {drafted} drafts accepted"
     );
     if accepted == 0 {
-        // The random drafter's usual outcome (MAX_TOKENS = 6): one token per round, at
-        // generated = 1..=4 with γ = 4, 3, 2, 1, then the last token in a plain step.
+        // With nothing accepted (MAX_TOKENS = 6): one token per round, at generated = 1..=4
+        // with γ = 4, 3, 2, 1, then the last token in a plain step.
         assert_eq!((rounds, drafted), (4, 4 + 3 + 2 + 1));
     }
     let plain = completion_tokens as i64 - 1 - (accepted + rounds);

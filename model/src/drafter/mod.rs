@@ -37,7 +37,8 @@ use crate::kv::{BlockId, KvLayout, KvPool};
 use crate::ModelError;
 
 /// Directory of the embedded drafter for the embedded target, `models/tiny-k3-dspark` in the
-/// source checkout (random weights made by `scripts/make_tiny_k3.py drafter`).
+/// source checkout (trained by `scripts/make_tiny_k3.py train-drafter`, self-distilled from the
+/// embedded target).
 pub fn embedded_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("..")
