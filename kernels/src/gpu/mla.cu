@@ -1092,6 +1092,12 @@ __device__ __forceinline__ void wg_commit() {
 __device__ __forceinline__ void wg_wait0() {
   asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
 }
+// Pins accumulator registers after a wait: later reads cannot be scheduled above it.
+template <int N>
+__device__ __forceinline__ void wg_fence_regs(float* d) {
+#pragma unroll
+  for (int i = 0; i < N; i++) asm volatile("" : "+f"(d[i])::"memory");
+}
 // Makes this thread's completed shared-memory writes visible to the async proxy (wgmma).
 __device__ __forceinline__ void fence_async_smem() {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
@@ -1307,11 +1313,14 @@ extern "C" __global__ void __launch_bounds__(128 * MHA_WGS, 3 - MHA_WGS) mha_wgm
       wg_scores(s, q, k_addr(kb));
       wg_commit();
       wg_wait0();
+      wg_fence_regs<WGK / 2>(s);
       wg_softmax(s, pf, o, row, kb * WGK, lim0, lim1, k_len, masked(kb), a.scale_log2, c);
       wg_fence();
       wg_pv(o, pf, v_addr(kb));
       wg_commit();
       wg_wait0();
+#pragma unroll
+      for (int n = 0; n < MHA_DV / 64; n++) wg_fence_regs<32>(o[n]);
     }
     __syncthreads();
   }
@@ -1335,6 +1344,7 @@ extern "C" __global__ void __launch_bounds__(128 * MHA_WGS, 3 - MHA_WGS) mha_wgm
     wg_scores(s_cur, q, k_addr(0));
     wg_commit();
     wg_wait0();
+    wg_fence_regs<WGK / 2>(s_cur);
   }
   for (int kb = 0; kb < n_kb; kb++) {
     cp_async_wait<WGST - 3>();
@@ -1354,6 +1364,9 @@ extern "C" __global__ void __launch_bounds__(128 * MHA_WGS, 3 - MHA_WGS) mha_wgm
       wg_pv(o, pf, v_addr(kb));
       wg_commit();
       wg_wait0();
+      wg_fence_regs<WGK / 2>(s_nxt);
+#pragma unroll
+      for (int n = 0; n < MHA_DV / 64; n++) wg_fence_regs<32>(o[n]);
 #pragma unroll
       for (int j = 0; j < WGK / 2; j++) s_cur[j] = s_nxt[j];
     }
