@@ -18,6 +18,11 @@ use cluster::{Cluster, Spec, MODEL};
 use serde_json::json;
 
 const MAX_TOKENS: u32 = 32;
+/// Rounds a speculating request must show at least: the decode worker computes the 31 tokens
+/// after the first, and a round emits at most 5 (4 accepted drafts + the bonus token), so at
+/// least 6 rounds, whatever the drafter's acceptance (1 token per round when nothing is
+/// accepted, ~2 with the embedded trained drafter).
+const MIN_ROUNDS: u64 = (MAX_TOKENS as u64 - 1).div_ceil(5);
 
 /// `ferry generate --speculative off` (plain token-by-token decoding), greedy, EOS ignored.
 async fn plain_generate(prompt: &str) -> String {
@@ -123,16 +128,16 @@ async fn speculative_greedy_output_through_the_cluster_equals_plain_decoding() {
     assert_eq!(generate(&cluster, &short).await, short_ref, "short prompt");
     let r1 = spec_rounds(metrics).await;
     // 211 tokens: prefilled on the prefill worker, drafter context shipped with the KV. With
-    // 4 drafts verified per step, each of the 31 decode steps but the last is a round.
+    // 4 drafts verified per step, every decode step but possibly the last is a round.
     assert_eq!(
         generate(&cluster, &long).await,
         long_ref,
         "long prompt, remote prefill"
     );
     let r2 = spec_rounds(metrics).await;
-    assert!(r1 - r0 >= 25, "local prefill: {} rounds", r1 - r0);
+    assert!(r1 - r0 >= MIN_ROUNDS, "local prefill: {} rounds", r1 - r0);
     assert!(
-        r2 - r1 >= 25,
+        r2 - r1 >= MIN_ROUNDS,
         "remote prefill: {} rounds; the drafter context did not arrive with the KV",
         r2 - r1
     );
@@ -161,7 +166,7 @@ async fn speculation_off_on_either_side_keeps_the_output() {
     let r1 = spec_rounds(metrics).await;
     assert_eq!(r1 - r0, 0, "no drafter context, no speculation");
     assert_eq!(generate(&cluster, &short).await, short_ref, "short prompt");
-    assert!(spec_rounds(metrics).await - r1 >= 25);
+    assert!(spec_rounds(metrics).await - r1 >= MIN_ROUNDS);
     cluster.assert_kv_blocks_released().await;
     drop(cluster);
 
@@ -213,9 +218,13 @@ async fn speculation_off_for_one_request_on_a_speculating_cluster() {
         let default = generate_with(&cluster, prompt, None).await;
         let c2 = spec_counters(metrics).await;
         assert_eq!(default, off, "{what}: speculative unset vs false");
-        assert!(c2.0 - c1.0 >= 25, "{what}: unset: {} rounds", c2.0 - c1.0);
         assert!(
-            c2.1 - c1.1 >= 4 * 25,
+            c2.0 - c1.0 >= MIN_ROUNDS,
+            "{what}: unset: {} rounds",
+            c2.0 - c1.0
+        );
+        assert!(
+            c2.1 - c1.1 >= 4 * MIN_ROUNDS,
             "{what}: unset: {} drafts",
             c2.1 - c1.1
         );
@@ -223,7 +232,11 @@ async fn speculation_off_for_one_request_on_a_speculating_cluster() {
         let on = generate_with(&cluster, prompt, Some(true)).await;
         let c3 = spec_counters(metrics).await;
         assert_eq!(on, off, "{what}: speculative true vs false");
-        assert!(c3.0 - c2.0 >= 25, "{what}: true: {} rounds", c3.0 - c2.0);
+        assert!(
+            c3.0 - c2.0 >= MIN_ROUNDS,
+            "{what}: true: {} rounds",
+            c3.0 - c2.0
+        );
     }
 
     // HTTP: the non-standard body field, on both endpoints (OpenAI clients: `extra_body`).
@@ -255,7 +268,11 @@ async fn speculation_off_for_one_request_on_a_speculating_cluster() {
     assert_eq!(status, 200, "{on}");
     assert_eq!(on["choices"][0]["text"], short_ref.as_str());
     let c1 = spec_counters(metrics).await;
-    assert!(c1.0 - c0.0 >= 25, "HTTP unset: {} rounds", c1.0 - c0.0);
+    assert!(
+        c1.0 - c0.0 >= MIN_ROUNDS,
+        "HTTP unset: {} rounds",
+        c1.0 - c0.0
+    );
 
     let chat = |speculative: bool| {
         json!({
