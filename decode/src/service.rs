@@ -6,8 +6,8 @@ use std::time::{Duration, Instant};
 
 use ferry_kvtransfer::{KvLayoutDesc, Registration};
 use ferry_model::engine::{
-    EngineError, EngineEvent, EngineHandle, FinishReason, GenerateJob, GenerateOptions, Generation,
-    PrefillSource, SpecCounts, StopParams,
+    EngineError, EngineEvent, EngineHandle, FailureKind, FinishReason, GenerateJob,
+    GenerateOptions, Generation, PrefillSource, SpecCounts, StopParams,
 };
 use ferry_proto::internal::decode_worker_server::DecodeWorker;
 use ferry_proto::internal::{
@@ -345,7 +345,10 @@ async fn drive(
                 } as i32,
                 ..Default::default()
             }),
-            Some(EngineEvent::Failed(e)) => Err(Status::internal(e)),
+            Some(EngineEvent::Failed(e)) => Err(match e.kind {
+                FailureKind::PeerUnavailable => Status::unavailable(e.message),
+                FailureKind::Internal => Status::internal(e.message),
+            }),
         };
         let done = !matches!(&msg, Ok(m) if m.finish_reason == WireFinish::Unspecified as i32);
         if done {

@@ -57,7 +57,7 @@ async fn collect(mut g: Generation) -> (Vec<u32>, Result<FinishReason, String>) 
         match e {
             EngineEvent::Token(t) => toks.push(t),
             EngineEvent::Finished(r) => return (toks, Ok(r)),
-            EngineEvent::Failed(e) => return (toks, Err(e)),
+            EngineEvent::Failed(e) => return (toks, Err(e.message)),
             _ => {}
         }
     }

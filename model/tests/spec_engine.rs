@@ -83,7 +83,7 @@ async fn collect(
                 spec = Some(c);
             }
             EngineEvent::Finished(r) => return (toks, Ok(r), spec),
-            EngineEvent::Failed(e) => return (toks, Err(e), spec),
+            EngineEvent::Failed(e) => return (toks, Err(e.message), spec),
             other => assert!(spec.is_none(), "{other:?} after the speculative counts"),
         }
     }

@@ -103,9 +103,7 @@ pub fn mha_prefill(
                 heads,
                 scale: (qk as f32).powf(-0.5),
             };
-            time(dev, 2, reps, || {
-                run_mha(dev, shape, kernel, &b, out.v())
-            })?
+            time(dev, 2, reps, || run_mha(dev, shape, kernel, &b, out.v()))?
         }
         MhaImpl::F32 => {
             let q = dev.zeros::<f32>(tokens * heads * qk)?;

@@ -157,6 +157,41 @@ impl SpecCounts {
     }
 }
 
+/// Why a request failed, as far as the caller must tell causes apart.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailureKind {
+    /// A peer the request depended on (its prefill worker) failed and the policy is not to
+    /// recompute: the service is unavailable for it, not broken (gRPC UNAVAILABLE).
+    PeerUnavailable,
+    /// Anything else: admission, a forward, sampling or verification error (gRPC INTERNAL).
+    Internal,
+}
+
+/// A failed request: its kind and a message naming the cause.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Failure {
+    /// The cause's class.
+    pub kind: FailureKind,
+    /// What happened, for the client and the logs.
+    pub message: String,
+}
+
+impl Failure {
+    /// An [`FailureKind::Internal`] failure.
+    pub fn internal(message: impl Into<String>) -> Self {
+        Self {
+            kind: FailureKind::Internal,
+            message: message.into(),
+        }
+    }
+}
+
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
 /// What a request's stream receives.
 #[derive(Debug, Clone, PartialEq)]
 pub enum EngineEvent {
@@ -183,7 +218,7 @@ pub enum EngineEvent {
     /// The request ended normally.
     Finished(FinishReason),
     /// The request failed; its blocks are already free.
-    Failed(String),
+    Failed(Failure),
 }
 
 /// The per-layer callback of a prefill job: `(layer, blocks to ship, pool)`.

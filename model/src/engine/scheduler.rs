@@ -19,7 +19,7 @@ use super::backend::{Backend, Pass};
 use super::sequence::{sample_step, Next, Origin, Phase, PrefillTask, Sequence};
 use super::spec::{Draft, Speculator};
 use super::{Command, EngineConfig, EngineEvent, EngineStats, FinishReason, PrefillOutcome};
-use super::{GenerateJob, GenerateOptions, PrefillSource, SeqId, SpecCounts};
+use super::{Failure, FailureKind, GenerateJob, GenerateOptions, PrefillSource, SeqId, SpecCounts};
 use crate::deepseek::forward::ForwardHooks;
 use crate::deepseek::{BatchInputs, LogitsWanted, SeqInput};
 use crate::kv::{BlockId, KvManager, KvPool};
@@ -187,7 +187,7 @@ impl Scheduler {
                 if speculative {
                     let _ = events.send(EngineEvent::Speculation(SpecCounts::default()));
                 }
-                let _ = events.send(EngineEvent::Failed(e.to_string()));
+                let _ = events.send(EngineEvent::Failed(Failure::internal(e.to_string())));
                 self.stats.requests_finished += 1;
                 return;
             }
@@ -370,7 +370,11 @@ impl Scheduler {
             };
             self.waiting.push_back(seq);
         } else {
-            self.fail(seq, &format!("remote prefill failed: {reason}"));
+            let failure = Failure {
+                kind: FailureKind::PeerUnavailable,
+                message: format!("remote prefill failed: {reason}"),
+            };
+            self.fail_with(seq, failure);
         }
     }
 
@@ -795,7 +799,11 @@ impl Scheduler {
     }
 
     fn fail(&mut self, s: Sequence, err: &str) {
-        s.emit_end(EngineEvent::Failed(err.to_string()));
+        self.fail_with(s, Failure::internal(err));
+    }
+
+    fn fail_with(&mut self, s: Sequence, failure: Failure) {
+        s.emit_end(EngineEvent::Failed(failure));
         self.release(s);
     }
 
