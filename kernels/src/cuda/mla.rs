@@ -649,6 +649,9 @@ pub struct WgmmaConfig {
     pub overlap: bool,
     /// K/V stages in shared memory (2..=4; 3..=4 with `overlap`).
     pub stages: usize,
+    /// K and V tiles in the 128-byte-swizzle layout (needs Q in registers); 0 = the no-swizzle
+    /// core-matrix layout. (2 = the same with V's descriptor offsets swapped: a sweep check.)
+    pub swizzle: u8,
 }
 
 impl Default for WgmmaConfig {
@@ -659,12 +662,13 @@ impl Default for WgmmaConfig {
             q_in_registers: true,
             overlap: true,
             stages: 4,
+            swizzle: 0,
         }
     }
 }
 
 impl WgmmaConfig {
-    /// The default, with `FERRY_WGMMA=<warpgroups>,<keys>,<qreg 0|1>,<overlap 0|1>,<stages>`
+    /// The default, with `FERRY_WGMMA=<warpgroups>,<keys>,<qreg 0|1>,<overlap 0|1>,<stages>[,<swizzle 0|1|2>]`
     /// overriding it (benchmark sweeps; an invalid or over-budget setting is ignored).
     pub fn from_env() -> Self {
         let d = Self::default();
@@ -673,13 +677,14 @@ impl WgmmaConfig {
         };
         let f: Vec<usize> = v.split(',').filter_map(|x| x.trim().parse().ok()).collect();
         match f.as_slice() {
-            [w @ (1 | 2), k @ (64 | 128), q @ (0 | 1), o @ (0 | 1), st @ (2..=4)] => {
+            [w @ (1 | 2), k @ (64 | 128), q @ (0 | 1), o @ (0 | 1), st @ (2..=4), rest @ ..] => {
                 let c = Self {
                     warpgroups: *w,
                     keys: *k,
                     q_in_registers: *q == 1,
                     overlap: *o == 1,
                     stages: *st,
+                    swizzle: rest.first().map_or(0, |&z| z.min(2) as u8),
                 };
                 if c.valid(MlaShape::DEEPSEEK_V3) {
                     c
@@ -694,7 +699,9 @@ impl WgmmaConfig {
     /// Whether the kernel can run this tiling for `shape` (stage count, shared memory).
     pub fn valid(&self, shape: MlaShape) -> bool {
         let min_stages = if self.overlap { 3 } else { 2 };
-        (min_stages..=4).contains(&self.stages) && self.smem(shape) <= 227 * 1024
+        (min_stages..=4).contains(&self.stages)
+            && self.smem(shape) <= 227 * 1024
+            && (self.swizzle == 0 || (self.q_in_registers && shape.mha_qk % 64 == 0))
     }
 
     fn defines(&self, base: Defines) -> Defines {
@@ -703,12 +710,17 @@ impl WgmmaConfig {
             .with("MHA_WG_QREG", u8::from(self.q_in_registers))
             .with("MHA_WG_OVERLAP", u8::from(self.overlap))
             .with("MHA_WGST", self.stages)
+            .with("MHA_WG_SWZ", self.swizzle)
     }
 
     /// Dynamic shared memory: the Q tile and the K/V stages.
     pub fn smem(&self, shape: MlaShape) -> usize {
         let stages = self.stages;
-        (64 * self.warpgroups * shape.mha_qk + stages * self.keys * (shape.mha_qk + shape.mha_v))
-            * 2
+        // 1 KB of slack to align the swizzled atoms.
+        let slack = if self.swizzle > 0 { 1024 } else { 0 };
+        slack
+            + (64 * self.warpgroups * shape.mha_qk
+                + stages * self.keys * (shape.mha_qk + shape.mha_v))
+                * 2
     }
 }

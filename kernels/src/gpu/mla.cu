@@ -1065,6 +1065,12 @@ extern "C" __global__ void __launch_bounds__(128) mha_flash_bf16(MhaArgs a) {
 #endif
 #define WGQ (64 * MHA_WGS)
 #define WGK MHA_WGK
+#ifndef MHA_WG_SWZ
+#define MHA_WG_SWZ 0
+#endif
+#if MHA_WG_SWZ && (!MHA_WG_QREG || MHA_DQK % 64 != 0)
+#error "the swizzled K/V layout needs Q in registers and qk a multiple of 64"
+#endif
 #ifndef MHA_WGST
 #define MHA_WGST (MHA_WG_OVERLAP ? 4 : 2)
 #endif
@@ -1136,6 +1142,29 @@ __device__ __forceinline__ void wg_rs128(float* d, const u32* a, u64 db, int acc
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc), "n"(TB));
 }
 
+// The 128-byte-swizzle layout (MHA_WG_SWZ) of a K or V tile: rows of ROWS keys, the width cut
+// into 64-element (128-byte) atoms stored [atom][row][128 B], and within each 1024-byte group of
+// 8 rows the 16-byte chunk c of row r stored at chunk c ^ (r % 8) — the address-bit swizzle
+// wgmma applies in its SW128 mode, so the banks of a chunk column differ across rows.
+__device__ __forceinline__ u64 wg_desc_sw128(u32 addr, u32 lbo, u32 sbo) {
+  return wg_desc(addr, lbo, sbo) | (1ull << 62);
+}
+template <int ROWS, int CH>
+__device__ __forceinline__ void wg_load_tile_sw128(bf16_t* dst, const bf16_t* src,
+                                                   size_t row_stride, int valid,
+                                                   const bf16_t* dummy, int warp, int nwarps,
+                                                   int lane) {
+  const int ITEMS = (ROWS / 8) * (CH / 4);
+  for (int it = warp; it < ITEMS; it += nwarps) {
+    int r = (it % (ROWS / 8)) * 8 + (lane & 7);
+    int ch = (it / (ROWS / 8)) * 4 + (lane >> 3);
+    bool ok = r < valid;
+    const bf16_t* s = ok ? src + (size_t)r * row_stride + ch * 8 : dummy;
+    size_t off = (size_t)(ch / 8) * ROWS * 64 + (size_t)r * 64 + (((ch % 8) ^ (r & 7)) * 8);
+    cp_async16(smem_u32(dst + off), s, ok ? 16 : 0);
+  }
+}
+
 // Copies rows [0, valid) of a tile of ROWS rows × CH 16-byte chunks into [CH][ROWS][8];
 // rows past `valid` are zero-filled. A warp moves 8 rows × 4 chunks per item: each source row
 // contributes 64 contiguous bytes, each destination run is 128 contiguous bytes.
@@ -1164,7 +1193,11 @@ struct WgQ {
 __device__ __forceinline__ void wg_scores(float* s, const WgQ& q, u32 k_addr) {
 #pragma unroll
   for (int kk = 0; kk < MHA_DQK / 16; kk++) {
+#if MHA_WG_SWZ
+    u64 kd = wg_desc_sw128(k_addr + (kk / 4) * WGK * 128 + (kk % 4) * 32, 16, 1024);
+#else
     u64 kd = wg_desc(k_addr + kk * 2 * WGK * 16, WGK * 16, 128);
+#endif
 #if MHA_WG_QREG
     WG_RS<0>(s, q.f[kk], kd, kk > 0);
 #else
@@ -1229,13 +1262,25 @@ __device__ __forceinline__ void wg_pv(float (*o)[32], u32 (*pf)[4], u32 v_addr) 
   for (int n = 0; n < MHA_DV / 64; n++)
 #pragma unroll
     for (int kk = 0; kk < WGK / 16; kk++)
+#if MHA_WG_SWZ
+#if MHA_WG_SWZ == 2
+      wg_rs64<1>(o[n], pf[kk], wg_desc_sw128(v_addr + n * WGK * 128 + kk * 2048, 1024, WGK * 128),
+                 1);
+#else
+      wg_rs64<1>(o[n], pf[kk], wg_desc_sw128(v_addr + n * WGK * 128 + kk * 2048, WGK * 128, 1024),
+                 1);
+#endif
+#else
       wg_rs64<1>(o[n], pf[kk], wg_desc(v_addr + n * 8 * WGK * 16 + kk * 2 * 128, 128, WGK * 16),
                  1);
+#endif
 }
 
 extern "C" __global__ void __launch_bounds__(128 * MHA_WGS, 3 - MHA_WGS) mha_wgmma_bf16(MhaArgs a) {
   extern __shared__ __align__(16) unsigned char smem[];
-  bf16_t* s_q = (bf16_t*)smem;               // [QCH][WGQ][8]
+  // Swizzled tiles need 1024-byte-aligned atoms: the host allots 1 KB of slack for this.
+  unsigned char* base = smem + ((1024 - (smem_u32(smem) & 1023)) & 1023) * MHA_WG_SWZ;
+  bf16_t* s_q = (bf16_t*)base;               // [QCH][WGQ][8]
   bf16_t* s_k = s_q + QCH * WGQ * 8;         // [WGST][QCH][WGK][8]
   bf16_t* s_v = s_k + WGST * QCH * WGK * 8;  // [WGST][VCH][WGK][8]
   int H = a.heads, h = blockIdx.y, b = blockIdx.z;
@@ -1257,10 +1302,17 @@ extern "C" __global__ void __launch_bounds__(128 * MHA_WGS, 3 - MHA_WGS) mha_wgm
   auto load_kv = [&](int kb) {
     int buf = kb % WGST, valid = k_len - kb * WGK;
     size_t first = (size_t)(k0 + kb * WGK) * H + h;
+#if MHA_WG_SWZ
+    wg_load_tile_sw128<WGK, QCH>(s_k + buf * QCH * WGK * 8, K + first * MHA_DQK,
+                                 (size_t)H * MHA_DQK, valid, K, warp, nwarps, lane);
+    wg_load_tile_sw128<WGK, VCH>(s_v + buf * VCH * WGK * 8, V + first * MHA_DV,
+                                 (size_t)H * MHA_DV, valid, V, warp, nwarps, lane);
+#else
     wg_load_tile<WGK, QCH>(s_k + buf * QCH * WGK * 8, K + first * MHA_DQK, (size_t)H * MHA_DQK,
                            valid, K, warp, nwarps, lane);
     wg_load_tile<WGK, VCH>(s_v + buf * VCH * WGK * 8, V + first * MHA_DV, (size_t)H * MHA_DV,
                            valid, V, warp, nwarps, lane);
+#endif
   };
   auto k_addr = [&](int kb) { return smem_u32(s_k + (kb % WGST) * QCH * WGK * 8); };
   auto v_addr = [&](int kb) { return smem_u32(s_v + (kb % WGST) * VCH * WGK * 8); };
