@@ -620,7 +620,7 @@ pub fn mha_prefill(
             dev.launch(&f, dims, &mut a)
         }
         MhaKernel::Wgmma => {
-            let cfg = WgmmaConfig::from_env();
+            let cfg = WgmmaConfig::from_env().fitted(shape);
             let f = dev.function(Source::Mla, &cfg.defines(defines), "mha_wgmma_bf16")?;
             let dims = LaunchDims {
                 grid: (
@@ -649,26 +649,26 @@ pub struct WgmmaConfig {
     pub overlap: bool,
     /// K/V stages in shared memory (2..=4; 3..=4 with `overlap`).
     pub stages: usize,
-    /// K and V tiles in the 128-byte-swizzle layout (needs Q in registers); 0 = the no-swizzle
-    /// core-matrix layout. (2 = the same with V's descriptor offsets swapped: a sweep check.)
-    pub swizzle: u8,
+    /// K and V tiles in the 128-byte-swizzle layout (needs Q in registers; else the
+    /// no-swizzle core-matrix layout, whose wgmma reads conflict on shared-memory banks).
+    pub swizzle: bool,
 }
 
 impl Default for WgmmaConfig {
     fn default() -> Self {
         Self {
             warpgroups: 2,
-            keys: 64,
+            keys: 128,
             q_in_registers: true,
-            overlap: true,
-            stages: 4,
-            swizzle: 0,
+            overlap: false,
+            stages: 2,
+            swizzle: true,
         }
     }
 }
 
 impl WgmmaConfig {
-    /// The default, with `FERRY_WGMMA=<warpgroups>,<keys>,<qreg 0|1>,<overlap 0|1>,<stages>[,<swizzle 0|1|2>]`
+    /// The default, with `FERRY_WGMMA=<warpgroups>,<keys>,<qreg 0|1>,<overlap 0|1>,<stages>[,<swizzle 0|1>]`
     /// overriding it (benchmark sweeps; an invalid or over-budget setting is ignored).
     pub fn from_env() -> Self {
         let d = Self::default();
@@ -684,7 +684,7 @@ impl WgmmaConfig {
                     q_in_registers: *q == 1,
                     overlap: *o == 1,
                     stages: *st,
-                    swizzle: rest.first().map_or(0, |&z| z.min(2) as u8),
+                    swizzle: rest.first().is_some_and(|&z| z == 1),
                 };
                 if c.valid(MlaShape::DEEPSEEK_V3) {
                     c
@@ -696,12 +696,31 @@ impl WgmmaConfig {
         }
     }
 
+    /// This tiling if `shape` allows it, else the nearest that does: no swizzle (qk not a
+    /// multiple of 64), then 64-key steps (shared memory).
+    pub fn fitted(self, shape: MlaShape) -> Self {
+        let mut c = self;
+        if !c.valid(shape) {
+            c.swizzle = false;
+        }
+        if !c.valid(shape) {
+            c = Self {
+                keys: 64,
+                overlap: false,
+                stages: 2,
+                swizzle: false,
+                ..c
+            };
+        }
+        c
+    }
+
     /// Whether the kernel can run this tiling for `shape` (stage count, shared memory).
     pub fn valid(&self, shape: MlaShape) -> bool {
         let min_stages = if self.overlap { 3 } else { 2 };
         (min_stages..=4).contains(&self.stages)
             && self.smem(shape) <= 227 * 1024
-            && (self.swizzle == 0 || (self.q_in_registers && shape.mha_qk % 64 == 0))
+            && (!self.swizzle || (self.q_in_registers && shape.mha_qk % 64 == 0))
     }
 
     fn defines(&self, base: Defines) -> Defines {
@@ -710,17 +729,81 @@ impl WgmmaConfig {
             .with("MHA_WG_QREG", u8::from(self.q_in_registers))
             .with("MHA_WG_OVERLAP", u8::from(self.overlap))
             .with("MHA_WGST", self.stages)
-            .with("MHA_WG_SWZ", self.swizzle)
+            .with("MHA_WG_SWZ", u8::from(self.swizzle))
     }
 
     /// Dynamic shared memory: the Q tile and the K/V stages.
     pub fn smem(&self, shape: MlaShape) -> usize {
         let stages = self.stages;
         // 1 KB of slack to align the swizzled atoms.
-        let slack = if self.swizzle > 0 { 1024 } else { 0 };
+        let slack = if self.swizzle { 1024 } else { 0 };
         slack
             + (64 * self.warpgroups * shape.mha_qk
                 + stages * self.keys * (shape.mha_qk + shape.mha_v))
                 * 2
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn splits_fill_the_resident_slots_but_keep_whole_steps() {
+        // One sequence, one tile, 128k keys, 132 slots: 132 splits of whole 64-key steps.
+        let (s, kps) = plan_splits(132, 1, 131_072);
+        assert!((120..=132).contains(&s), "{s}");
+        assert_eq!(kps % 64, 0);
+        assert!(s * kps >= 131_072);
+        // A full batch needs no split.
+        assert_eq!(plan_splits(132, 256, 4096).0, 1);
+        // Never more blocks than slots (one wave): 128 sequences in 264 slots split in two.
+        assert_eq!(plan_splits(264, 128, 32_768).0, 2);
+        assert_eq!(plan_splits(264, 32, 32_768).0, 8);
+        // Short contexts still spread, one 64-key step per split at least.
+        let (s, kps) = plan_splits(132, 1, 1000);
+        assert!(kps >= 64 && s * kps >= 1000 && s == 16, "{s} x {kps}");
+    }
+
+    #[test]
+    fn smem_fits_hopper() {
+        let s = MlaShape::DEEPSEEK_V3;
+        assert!(s.tile_smem() <= 227 * 1024, "{}", s.tile_smem());
+        assert_eq!((s.tile_bk, s.tile_stages, s.tile_warps), (32, 2, 4));
+        for (bk, st) in [(32, 2), (32, 3), (32, 4), (64, 2)] {
+            let t = s.with_tile(bk, st);
+            assert!(
+                t.tile_ok() && t.tile_smem() <= 227 * 1024,
+                "{bk}x{st}: {}",
+                t.tile_smem()
+            );
+        }
+        for st in 2..=5 {
+            let t = s.with_tile8(st);
+            assert!(t.tile_ok(), "8 warps x {st}: {}", t.tile_smem());
+        }
+        assert!(!s.with_tile8(6).tile_ok());
+        assert!(!MlaShape::new(80, 64, 48, 32).with_tile(32, 2).tile_ok());
+        assert!(s.flash_smem() <= 227 * 1024 / 2, "{}", s.flash_smem());
+        assert!(s.tile_ok() && s.flash_ok() && s.wgmma_ok());
+    }
+
+    #[test]
+    fn wgmma_tiling_fits_every_shape_it_takes() {
+        let v3 = MlaShape::DEEPSEEK_V3;
+        let d = WgmmaConfig::default();
+        assert!(d.valid(v3) && d.swizzle && d.fitted(v3) == d);
+        assert!(d.smem(v3) <= 227 * 1024, "{}", d.smem(v3));
+        // qk 96: a multiple of 32 (the kernel takes it) but not of 64 (no swizzled atoms).
+        let odd = MlaShape::new(576, 512, 96, 64);
+        assert!(odd.wgmma_ok());
+        let f = d.fitted(odd);
+        assert!(f.valid(odd) && !f.swizzle, "{f:?}");
+        // Wide heads: 128-key stages no longer fit shared memory.
+        let wide = MlaShape::new(576, 512, 256, 256);
+        let f = d.fitted(wide);
+        assert!(f.valid(wide) && f.keys == 64, "{f:?}");
+        // The tiny model's heads are not a wgmma shape at all.
+        assert!(!MlaShape::new(80, 64, 48, 32).wgmma_ok());
     }
 }

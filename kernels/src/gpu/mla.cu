@@ -1055,18 +1055,18 @@ extern "C" __global__ void __launch_bounds__(128) mha_flash_bf16(MhaArgs a) {
 #define MHA_WGS 2
 #endif
 #ifndef MHA_WGK
-#define MHA_WGK 64
+#define MHA_WGK 128
 #endif
 #ifndef MHA_WG_QREG
 #define MHA_WG_QREG 1
 #endif
 #ifndef MHA_WG_OVERLAP
-#define MHA_WG_OVERLAP 1
+#define MHA_WG_OVERLAP 0
 #endif
 #define WGQ (64 * MHA_WGS)
 #define WGK MHA_WGK
 #ifndef MHA_WG_SWZ
-#define MHA_WG_SWZ 0
+#define MHA_WG_SWZ (MHA_DQK % 64 == 0)
 #endif
 #if MHA_WG_SWZ && (!MHA_WG_QREG || MHA_DQK % 64 != 0)
 #error "the swizzled K/V layout needs Q in registers and qk a multiple of 64"
@@ -1263,13 +1263,8 @@ __device__ __forceinline__ void wg_pv(float (*o)[32], u32 (*pf)[4], u32 v_addr) 
 #pragma unroll
     for (int kk = 0; kk < WGK / 16; kk++)
 #if MHA_WG_SWZ
-#if MHA_WG_SWZ == 2
-      wg_rs64<1>(o[n], pf[kk], wg_desc_sw128(v_addr + n * WGK * 128 + kk * 2048, 1024, WGK * 128),
-                 1);
-#else
       wg_rs64<1>(o[n], pf[kk], wg_desc_sw128(v_addr + n * WGK * 128 + kk * 2048, WGK * 128, 1024),
                  1);
-#endif
 #else
       wg_rs64<1>(o[n], pf[kk], wg_desc(v_addr + n * 8 * WGK * 16 + kk * 2 * 128, 128, WGK * 16),
                  1);
