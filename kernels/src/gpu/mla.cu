@@ -254,6 +254,8 @@ __device__ __forceinline__ void tile_row(const MlaArgs& a, int packed, int tile,
 #ifndef MLA_L2PF
 #define MLA_L2PF 0
 #endif
+
+#if FERRY_MMA
 // Asks L2 for keys c0 … c0 + nkeys - 1 (below `end`) some steps before their cp.async, so the
 // copies that follow hit L2: one 128-byte line per request (MLA_L2PF steps ahead; 0 = off).
 __device__ __forceinline__ void l2_prefetch_keys(const MlaArgs& a, const bf16_t* pages, int b,
@@ -269,7 +271,61 @@ __device__ __forceinline__ void l2_prefetch_keys(const MlaArgs& a, const bf16_t*
   }
 }
 
-#if FERRY_MMA
+// The tile kernels' common start: each row's global index and causal limit into shared memory
+// (with a barrier), the keys [start, end) this split covers, and the tile's queries staged in
+// shared memory (zero rows for padding; no barrier after: the pipeline's first one covers it).
+struct TileSpan {
+  int start, end;
+};
+template <int PACKED>
+__device__ __forceinline__ TileSpan tile_setup(const MlaArgs& a, int* s_lim, long long* s_row,
+                                               bf16_t* s_q) {
+  int tid = threadIdx.x, b = blockIdx.z;
+  if (tid < TROWS) {
+    long long gr;
+    int lim;
+    tile_row(a, PACKED, blockIdx.y, b, tid, &gr, &lim);
+    s_row[tid] = gr;
+    s_lim[tid] = lim;
+  }
+  __syncthreads();
+  int lim_max = 0;
+#pragma unroll
+  for (int r = 0; r < TROWS; r++) lim_max = max(lim_max, s_lim[r]);
+  int start = blockIdx.x * a.keys_per_split;
+  TileSpan sp = {start, min(lim_max, start + a.keys_per_split)};
+  const bf16_t* q = (const bf16_t*)a.q;
+  for (int idx = tid; idx < TROWS * (MLA_DQK / 8); idx += blockDim.x) {
+    int r = idx / (MLA_DQK / 8), seg = idx % (MLA_DQK / 8);
+    long long gr = s_row[r];
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (gr >= 0) v = *reinterpret_cast<const uint4*>(q + (size_t)gr * MLA_DQK + seg * 8);
+    *reinterpret_cast<uint4*>(s_q + r * KSTR + seg * 8) = v;
+  }
+  return sp;
+}
+
+// cp.async of KEYS latent rows from position c0 of sequence b (rows at or past `end`
+// zero-filled) into dst [KEYS][KSTR], spread over THREADS threads. A compile-time trip count
+// lets every block-table lookup be issued before any copy.
+template <int KEYS, int THREADS>
+__device__ __forceinline__ void tile_load_keys(const MlaArgs& a, bf16_t* dst, int b, int c0,
+                                               int end, int tid) {
+  const bf16_t* pages = (const bf16_t*)a.pages;
+  const int SEGS = KEYS * (MLA_DQK / 8), PER = (SEGS + THREADS - 1) / THREADS;
+#pragma unroll
+  for (int i = 0; i < PER; i++) {
+    int idx = tid + i * THREADS;
+    if (idx >= SEGS) break;
+    int key = idx / (MLA_DQK / 8), seg = idx % (MLA_DQK / 8);
+    int p = c0 + key;
+    const bf16_t* src = pages;
+    int bytes = 0;
+    if (p < end) { src = pages + key_offset_pow2(a, b, p) + seg * 8; bytes = 16; }
+    cp_async16(smem_u32(dst + key * KSTR + seg * 8), src, bytes);
+  }
+}
+
 template <int PACKED>
 __device__ void mla_tile_mma(const MlaArgs& a) {
   extern __shared__ __align__(16) unsigned char smem[];
@@ -281,49 +337,15 @@ __device__ void mla_tile_mma(const MlaArgs& a) {
   int* s_lim = (int*)(s_l + NWT * TROWS);            // [16]
   long long* s_row = (long long*)(s_lim + TROWS);    // [16]
 
-  int split = blockIdx.x, tile = blockIdx.y, b = blockIdx.z;
+  int split = blockIdx.x, b = blockIdx.z;
   int tid = threadIdx.x, lane = tid % WARP, w = tid / WARP, g = lane / 4, c = lane % 4;
   int total_rows = gridDim.z * a.sq * a.heads;
-  if (tid < TROWS) {
-    long long gr;
-    int lim;
-    tile_row(a, PACKED, tile, b, tid, &gr, &lim);
-    s_row[tid] = gr;
-    s_lim[tid] = lim;
-  }
-  __syncthreads();
-  int lim_max = 0;
-#pragma unroll
-  for (int r = 0; r < TROWS; r++) lim_max = max(lim_max, s_lim[r]);
-  int start = split * a.keys_per_split, end = min(lim_max, start + a.keys_per_split);
-  int lim0 = s_lim[g], lim1 = s_lim[g + 8];
-
-  // Queries → shared (zero rows for padding).
-  const bf16_t* q = (const bf16_t*)a.q;
-  for (int idx = tid; idx < TROWS * (MLA_DQK / 8); idx += blockDim.x) {
-    int r = idx / (MLA_DQK / 8), seg = idx % (MLA_DQK / 8);
-    long long gr = s_row[r];
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (gr >= 0) v = *reinterpret_cast<const uint4*>(q + (size_t)gr * MLA_DQK + seg * 8);
-    *reinterpret_cast<uint4*>(s_q + r * KSTR + seg * 8) = v;
-  }
+  TileSpan sp = tile_setup<PACKED>(a, s_lim, s_row, s_q);
+  int start = sp.start, end = sp.end, lim0 = s_lim[g], lim1 = s_lim[g + 8];
 
   const bf16_t* pages = (const bf16_t*)a.pages;
   auto load_chunk = [&](int buf, int c0) {
-    bf16_t* dst = s_k + buf * BK * KSTR;
-    const int SEGS = BK * (MLA_DQK / 8), PER = (SEGS + 127) / 128;
-    // A compile-time trip count lets every block-table lookup be issued before any cp.async.
-#pragma unroll
-    for (int i = 0; i < PER; i++) {
-      int idx = tid + i * 128;
-      if (idx >= SEGS) break;
-      int key = idx / (MLA_DQK / 8), seg = idx % (MLA_DQK / 8);
-      int p = c0 + key;
-      const bf16_t* src = pages;
-      int bytes = 0;
-      if (p < end) { src = pages + key_offset_pow2(a, b, p) + seg * 8; bytes = 16; }
-      cp_async16(smem_u32(dst + key * KSTR + seg * 8), src, bytes);
-    }
+    tile_load_keys<BK, 128>(a, s_k + buf * BK * KSTR, b, c0, end, tid);
   };
 
   const int NT = MLA_DV / (8 * NWT);  // 8-column output tiles per warp
@@ -598,48 +620,16 @@ __device__ void mla_tile8_mma(const MlaArgs& a) {
   int* s_lim = (int*)(s_sp + 2 * 2 * TROWS * SPS);   // [16]
   long long* s_row = (long long*)(s_lim + TROWS);    // [16]
 
-  int split = blockIdx.x, tile = blockIdx.y, b = blockIdx.z;
+  int split = blockIdx.x, b = blockIdx.z;
   int tid = threadIdx.x, lane = tid % WARP, w = tid / WARP, g = lane / 4, c = lane % 4;
   int kg = w % 4, dh = w / 4;
   int total_rows = gridDim.z * a.sq * a.heads;
-  if (tid < TROWS) {
-    long long gr;
-    int lim;
-    tile_row(a, PACKED, tile, b, tid, &gr, &lim);
-    s_row[tid] = gr;
-    s_lim[tid] = lim;
-  }
-  __syncthreads();
-  int lim_max = 0;
-#pragma unroll
-  for (int r = 0; r < TROWS; r++) lim_max = max(lim_max, s_lim[r]);
-  int start = split * a.keys_per_split, end = min(lim_max, start + a.keys_per_split);
-  int lim0 = s_lim[g], lim1 = s_lim[g + 8];
-
-  const bf16_t* q = (const bf16_t*)a.q;
-  for (int idx = tid; idx < TROWS * (MLA_DQK / 8); idx += blockDim.x) {
-    int r = idx / (MLA_DQK / 8), seg = idx % (MLA_DQK / 8);
-    long long gr = s_row[r];
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (gr >= 0) v = *reinterpret_cast<const uint4*>(q + (size_t)gr * MLA_DQK + seg * 8);
-    *reinterpret_cast<uint4*>(s_q + r * KSTR + seg * 8) = v;
-  }
+  TileSpan sp = tile_setup<PACKED>(a, s_lim, s_row, s_q);
+  int start = sp.start, end = sp.end, lim0 = s_lim[g], lim1 = s_lim[g + 8];
 
   const bf16_t* pages = (const bf16_t*)a.pages;
   auto load_chunk = [&](int buf, int c0) {
-    bf16_t* dst = s_k + buf * T8K * KSTR;
-    const int SEGS = T8K * (MLA_DQK / 8), PER = (SEGS + 255) / 256;
-#pragma unroll
-    for (int i = 0; i < PER; i++) {
-      int idx = tid + i * 256;
-      if (idx >= SEGS) break;
-      int key = idx / (MLA_DQK / 8), seg = idx % (MLA_DQK / 8);
-      int p = c0 + key;
-      const bf16_t* src = pages;
-      int bytes = 0;
-      if (p < end) { src = pages + key_offset_pow2(a, b, p) + seg * 8; bytes = 16; }
-      cp_async16(smem_u32(dst + key * KSTR + seg * 8), src, bytes);
-    }
+    tile_load_keys<T8K, 256>(a, s_k + buf * T8K * KSTR, b, c0, end, tid);
   };
 
   int nchunks = start < end ? (end - start + T8K - 1) / T8K : 0;
