@@ -1,16 +1,15 @@
 //! The engine thread through its handle: continuous batching, prefix reuse, remote prefill
 //! (a second engine playing the prefill peer), failure policies, cancellation, block accounting.
 
-use std::time::Duration;
+mod common;
 
-use ferry_kernels::cpu::sample::SamplingParams;
 use ferry_model::deepseek::DeepseekModel;
 use ferry_model::engine::{
-    EngineConfig, EngineEvent, EngineHandle, FinishReason, GenerateJob, Generation, PrefillSource,
-    StopParams,
+    EngineConfig, EngineEvent, EngineHandle, FinishReason, GenerateJob, PrefillSource, StopParams,
 };
 use ferry_model::kv::BlockId;
-use ferry_model::tokenizer::Tokenizer;
+
+use common::{collect, golden_case, greedy, tokens, wait_idle};
 
 fn engine(blocks: usize) -> EngineHandle {
     let dir = ferry_model::embedded::default_model_dir();
@@ -26,18 +25,6 @@ fn engine(blocks: usize) -> EngineHandle {
     .expect("engine")
 }
 
-fn greedy() -> SamplingParams {
-    SamplingParams {
-        temperature: 0.0,
-        ..SamplingParams::default()
-    }
-}
-
-fn prompt(text: &str) -> Vec<u32> {
-    let tok = Tokenizer::from_dir(&ferry_model::embedded::default_model_dir()).unwrap();
-    tok.encode(text, true).unwrap()
-}
-
 fn job(prompt: Vec<u32>, max_tokens: usize, prefill: PrefillSource) -> GenerateJob {
     GenerateJob {
         prompt,
@@ -48,48 +35,6 @@ fn job(prompt: Vec<u32>, max_tokens: usize, prefill: PrefillSource) -> GenerateJ
         },
         prefill,
     }
-}
-
-/// Collects tokens until the end; returns (tokens, finish or failure).
-async fn collect(mut g: Generation) -> (Vec<u32>, Result<FinishReason, String>) {
-    let mut toks = Vec::new();
-    while let Some(e) = g.events.recv().await {
-        match e {
-            EngineEvent::Token(t) => toks.push(t),
-            EngineEvent::Finished(r) => return (toks, Ok(r)),
-            EngineEvent::Failed(e) => return (toks, Err(e.message)),
-            _ => {}
-        }
-    }
-    (toks, Err("stream ended".into()))
-}
-
-async fn wait_idle(e: &EngineHandle) {
-    for _ in 0..200 {
-        let s = e.stats().await.unwrap();
-        if s.kv_blocks_used == 0 && s.running == 0 && s.waiting == 0 {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("engine did not go idle: {:?}", e.stats().await.unwrap());
-}
-
-fn golden_case(i: usize) -> (Vec<u32>, Vec<u32>) {
-    let dir = ferry_model::embedded::default_model_dir().join("golden/cases.json");
-    let v: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir).unwrap()).unwrap();
-    let ids = |x: &serde_json::Value| -> Vec<u32> {
-        x.as_array()
-            .unwrap()
-            .iter()
-            .map(|t| t.as_u64().unwrap() as u32)
-            .collect()
-    };
-    (
-        ids(&v["cases"][i]["prompt_ids"]),
-        ids(&v["cases"][i]["greedy_ids"]),
-    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -120,7 +65,7 @@ async fn a_shared_prefix_is_reused_not_recomputed() {
     assert!(end.is_ok());
     let before = e.stats().await.unwrap();
     let mut second = long[..150].to_vec();
-    second.extend(prompt(" and the LORD said"));
+    second.extend(tokens(" and the LORD said", true));
     let (_, end) = collect(
         e.generate(job(second.clone(), 2, PrefillSource::Local))
             .unwrap(),
@@ -245,7 +190,7 @@ async fn short_uncached_prompts_prefill_locally() {
     let d = engine(64);
     let mut g = d
         .generate(job(
-            prompt("And God said"),
+            tokens("And God said", true),
             4,
             PrefillSource::Remote {
                 local_threshold: 32,
@@ -276,7 +221,7 @@ async fn dropping_the_stream_cancels_and_frees() {
     wait_idle(&d).await;
     // A fresh request still runs after the cancellation.
     let (toks, _) = collect(
-        d.generate(job(prompt("And"), 3, PrefillSource::Local))
+        d.generate(job(tokens("And", true), 3, PrefillSource::Local))
             .unwrap(),
     )
     .await;
@@ -292,7 +237,7 @@ async fn a_request_that_cannot_fit_fails_alone() {
         .generate(job(golden_case(2).0, 100, PrefillSource::Local))
         .unwrap();
     let small = d
-        .generate(job(prompt("And"), 3, PrefillSource::Local))
+        .generate(job(tokens("And", true), 3, PrefillSource::Local))
         .unwrap();
     let (_, end) = collect(big).await;
     assert!(end.unwrap_err().contains("out of KV blocks"));

@@ -24,10 +24,10 @@
 //!
 //! Every test ends with every KV block back in the pool.
 
-use std::sync::{Arc, Mutex};
-use std::time::Duration;
+mod common;
 
-use ferry_kernels::cpu::sample::SamplingParams;
+use std::sync::{Arc, Mutex};
+
 use ferry_kernels::Device;
 use ferry_model::deepseek::DeepseekModel;
 use ferry_model::drafter::{Drafter, DsparkDrafter};
@@ -36,7 +36,8 @@ use ferry_model::engine::{
     LayerSinkFn, PrefillSource, StopParams,
 };
 use ferry_model::kv::BlockId;
-use ferry_model::tokenizer::Tokenizer;
+
+use common::{collect, golden_case, greedy, tokens, wait_idle};
 
 fn model() -> DeepseekModel {
     DeepseekModel::load(&ferry_model::embedded::default_model_dir()).expect("model")
@@ -68,13 +69,6 @@ fn cuda_engine(test: &str, mode: GpuMode) -> Option<EngineHandle> {
     Some(e)
 }
 
-fn greedy() -> SamplingParams {
-    SamplingParams {
-        temperature: 0.0,
-        ..SamplingParams::default()
-    }
-}
-
 fn job(prompt: Vec<u32>, max_tokens: usize, prefill: PrefillSource) -> GenerateJob {
     GenerateJob {
         prompt,
@@ -85,52 +79,6 @@ fn job(prompt: Vec<u32>, max_tokens: usize, prefill: PrefillSource) -> GenerateJ
         },
         prefill,
     }
-}
-
-fn golden_case(i: usize) -> (Vec<u32>, Vec<u32>) {
-    let dir = ferry_model::embedded::default_model_dir().join("golden/cases.json");
-    let v: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir).unwrap()).unwrap();
-    let ids = |x: &serde_json::Value| -> Vec<u32> {
-        x.as_array()
-            .unwrap()
-            .iter()
-            .map(|t| t.as_u64().unwrap() as u32)
-            .collect()
-    };
-    (
-        ids(&v["cases"][i]["prompt_ids"]),
-        ids(&v["cases"][i]["greedy_ids"]),
-    )
-}
-
-fn text(s: &str) -> Vec<u32> {
-    let tok = Tokenizer::from_dir(&ferry_model::embedded::default_model_dir()).unwrap();
-    tok.encode(s, false).unwrap()
-}
-
-async fn collect(mut g: Generation) -> (Vec<u32>, Result<FinishReason, String>) {
-    let mut toks = Vec::new();
-    while let Some(e) = g.events.recv().await {
-        match e {
-            EngineEvent::Token(t) => toks.push(t),
-            EngineEvent::Finished(r) => return (toks, Ok(r)),
-            EngineEvent::Failed(e) => return (toks, Err(e.message)),
-            _ => {}
-        }
-    }
-    (toks, Err("stream ended".into()))
-}
-
-async fn wait_idle(e: &EngineHandle) {
-    for _ in 0..500 {
-        let s = e.stats().await.unwrap();
-        if s.kv_blocks_used == 0 && s.running == 0 && s.waiting == 0 {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("engine did not go idle: {:?}", e.stats().await.unwrap());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -180,7 +128,7 @@ async fn greedy_runs(e: &EngineHandle, prompts: &[Vec<u32>]) -> (Vec<Vec<u32>>, 
     }
     let before = e.stats().await.unwrap().prefill_reused_tokens;
     let mut hit = prompts[2][..150].to_vec();
-    hit.extend(text(" and the LORD said unto Moses"));
+    hit.extend(tokens(" and the LORD said unto Moses", false));
     let (toks, end) = collect(e.generate(job(hit, 32, PrefillSource::Local)).unwrap()).await;
     assert_eq!(end, Ok(FinishReason::Length));
     out.push(toks);
@@ -332,7 +280,7 @@ async fn cuda_prefill_job_ships_the_cpu_bytes() {
     // Fresh, shipping everything; then the destination already holds one block; then a
     // prompt whose first two blocks come from each prefill engine's own prefix cache.
     let mut hit = prompt[..150].to_vec();
-    hit.extend(text(" and the LORD said unto Moses"));
+    hit.extend(tokens(" and the LORD said unto Moses", false));
     for (p, skip, reused) in [(&prompt, 0, 0), (&prompt, page, 192), (&hit, 0, 128)] {
         let (wt, wc, wr, want) = ship(&cpu, p, skip).await;
         let (gt, gc, gr, got) = ship(&gpu, p, skip).await;

@@ -7,9 +7,10 @@
 //! behaviour implies; one that may not (opted out, or no drafter) gets none. Every test ends
 //! with all KV blocks back in the pool.
 
+mod common;
+
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Duration;
 
 use ferry_kernels::cpu::sample::{probs_from_logits, SamplingParams};
 use ferry_model::deepseek::{DeepseekModel, LogitsWanted};
@@ -24,6 +25,8 @@ use ferry_model::engine::{
 use ferry_model::kv::{BlockId, KvPool};
 use ferry_model::session::Session;
 use ferry_model::ModelError;
+
+use common::{golden_case, greedy, wait_idle};
 
 fn target() -> DeepseekModel {
     DeepseekModel::load(&ferry_model::embedded::default_model_dir()).expect("model")
@@ -43,13 +46,6 @@ fn config(blocks: usize, page_size: usize, verify_len: VerifyLen) -> EngineConfi
             max_verify_tokens: 256,
         },
         ..EngineConfig::default()
-    }
-}
-
-fn greedy() -> SamplingParams {
-    SamplingParams {
-        temperature: 0.0,
-        ..SamplingParams::default()
     }
 }
 
@@ -88,35 +84,6 @@ async fn collect(
         }
     }
     (toks, Err("stream ended".into()), spec)
-}
-
-async fn wait_idle(e: &EngineHandle) {
-    for _ in 0..500 {
-        let s = e.stats().await.unwrap();
-        if s.kv_blocks_used == 0 && s.running == 0 && s.waiting == 0 {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("engine did not go idle: {:?}", e.stats().await.unwrap());
-}
-
-/// Golden case `i` of the embedded target: prompt ids and 32 greedy tokens (transformers).
-fn golden_case(i: usize) -> (Vec<u32>, Vec<u32>) {
-    let dir = ferry_model::embedded::default_model_dir().join("golden/cases.json");
-    let v: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir).unwrap()).unwrap();
-    let ids = |x: &serde_json::Value| -> Vec<u32> {
-        x.as_array()
-            .unwrap()
-            .iter()
-            .map(|t| t.as_u64().unwrap() as u32)
-            .collect()
-    };
-    (
-        ids(&v["cases"][i]["prompt_ids"]),
-        ids(&v["cases"][i]["greedy_ids"]),
-    )
 }
 
 /// A drafter of known behaviour: proposes the continuation of whichever known sequence extends

@@ -1,0 +1,67 @@
+//! Helpers the engine test files share (`mod common;` in each). Not every file uses every
+//! helper, hence the `dead_code` allowance.
+#![allow(dead_code)]
+
+use std::time::Duration;
+
+use ferry_kernels::cpu::sample::SamplingParams;
+use ferry_model::engine::{EngineEvent, EngineHandle, FinishReason, Generation};
+use ferry_model::tokenizer::Tokenizer;
+
+/// Greedy sampling.
+pub fn greedy() -> SamplingParams {
+    SamplingParams {
+        temperature: 0.0,
+        ..SamplingParams::default()
+    }
+}
+
+/// `text` tokenized by the embedded model's tokenizer (`bos`: with the BOS token).
+pub fn tokens(text: &str, bos: bool) -> Vec<u32> {
+    let tok = Tokenizer::from_dir(&ferry_model::embedded::default_model_dir()).unwrap();
+    tok.encode(text, bos).unwrap()
+}
+
+/// Golden case `i` of the embedded target: prompt ids and 32 greedy tokens (transformers).
+pub fn golden_case(i: usize) -> (Vec<u32>, Vec<u32>) {
+    let dir = ferry_model::embedded::default_model_dir().join("golden/cases.json");
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir).unwrap()).unwrap();
+    let ids = |x: &serde_json::Value| -> Vec<u32> {
+        x.as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_u64().unwrap() as u32)
+            .collect()
+    };
+    (
+        ids(&v["cases"][i]["prompt_ids"]),
+        ids(&v["cases"][i]["greedy_ids"]),
+    )
+}
+
+/// Collects tokens until the end; returns (tokens, finish or failure message).
+pub async fn collect(mut g: Generation) -> (Vec<u32>, Result<FinishReason, String>) {
+    let mut toks = Vec::new();
+    while let Some(e) = g.events.recv().await {
+        match e {
+            EngineEvent::Token(t) => toks.push(t),
+            EngineEvent::Finished(r) => return (toks, Ok(r)),
+            EngineEvent::Failed(e) => return (toks, Err(e.message)),
+            _ => {}
+        }
+    }
+    (toks, Err("stream ended".into()))
+}
+
+/// Waits (up to 5 s) until the engine holds no blocks and runs or queues nothing.
+pub async fn wait_idle(e: &EngineHandle) {
+    for _ in 0..500 {
+        let s = e.stats().await.unwrap();
+        if s.kv_blocks_used == 0 && s.running == 0 && s.waiting == 0 {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("engine did not go idle: {:?}", e.stats().await.unwrap());
+}
