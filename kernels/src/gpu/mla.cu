@@ -1035,9 +1035,10 @@ extern "C" __global__ void __launch_bounds__(128) mha_flash_bf16(MhaArgs a) {
 // registers, then O(64×DV) += P·V with P from registers (the accumulator layout is the
 // A-fragment layout) and V in shared memory (MN-major) in 64-column chunks. With
 // MHA_WG_OVERLAP the next step's Q·Kᵀ is issued before this step's softmax, so the tensor
-// cores work while the CUDA cores exponentiate. Shared tiles use the no-swizzle canonical
-// layout: 8 rows × 16 bytes per core matrix, stored [16-byte chunk][row][8], so every cp.async
-// writes one whole 16-byte chunk and a warp's chunks form conflict-free 128-byte runs.
+// cores work while the CUDA cores exponentiate. K and V tiles use wgmma's 128-byte-swizzle
+// layout (MHA_WG_SWZ, the default where qk % 64 == 0: see wg_load_tile_sw128), else the
+// no-swizzle canonical layout — 8 rows × 16 bytes per core matrix, stored [16-byte
+// chunk][row][8] — whose wgmma reads conflict on banks (11 % slower on the H200).
 // Grid: (ceil(max_q_len / (64·MHA_WGS)), H, B); block 128·MHA_WGS; smem: WgmmaConfig::smem().
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL) && MHA_DQK % 32 == 0 && MHA_DV % 64 == 0
 #define FERRY_WGMMA 1
