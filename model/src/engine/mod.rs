@@ -4,7 +4,7 @@
 //! |---|---|
 //! | [`mod@self`] | [`EngineHandle`] (clone-able, async-friendly), commands, events, config |
 //! | [`sequence`] | per-request state ([`sequence::Phase`]) |
-//! | [`scheduler`] | the loop: commands → batch under a token budget → forward → sample → events |
+//! | [`scheduler`] | the loop: commands → batch under a token budget → forward → sample → events (`scheduler/{admit,batch,round}.rs`: command side, forward side, speculative round) |
 //! | [`backend`] | where the forward runs: the CPU model over the host pool, or the model and KV cache on a CUDA device with the host pool as the transfer staging mirror; [`GpuMode`] |
 //! | [`spec`] | speculative decoding: draft, verify length, lossless verify, commit and KV rollback (CPU backend only) |
 //!

@@ -1,0 +1,244 @@
+//! The command side of the loop: admitting requests and prefill jobs, peers' KV writes into
+//! reserved blocks, the outcome of an awaited remote prefill, and dropping cancelled requests.
+
+use ferry_kernels::cpu::sample::Sampler;
+use tracing::{debug, warn};
+
+use super::{NewRequest, Scheduler};
+use crate::engine::sequence::{Next, Origin, Phase, PrefillTask, Sequence};
+use crate::engine::{
+    EngineEvent, Failure, FailureKind, PrefillJob, PrefillSource, SeqId, SpecCounts,
+};
+use crate::kv::BlockId;
+
+impl Scheduler {
+    pub(super) fn admit(&mut self, req: NewRequest) {
+        let NewRequest {
+            id,
+            job,
+            events,
+            options,
+            span,
+        } = req;
+        let prompt_len = job.prompt.len();
+        let speculative = self.spec.is_some() && options.speculative.unwrap_or(true);
+        let reuse_cap = prompt_len.saturating_sub(1);
+        let (table, cached) = match self.kv.start_sequence(&job.prompt, reuse_cap) {
+            Ok(t) => t,
+            Err(e) => {
+                if speculative {
+                    let _ = events.send(EngineEvent::Speculation(SpecCounts::default()));
+                }
+                let _ = events.send(EngineEvent::Failed(Failure::internal(e.to_string())));
+                self.stats.requests_finished += 1;
+                return;
+            }
+        };
+        let mut seq = Sequence {
+            id,
+            tokens: job.prompt[..cached].to_vec(),
+            prompt: job.prompt,
+            rng: Sampler::for_params(&job.sampling),
+            sampling: job.sampling,
+            stop: job.stop,
+            table,
+            phase: Phase::Prefilling { done: cached },
+            generated: 0,
+            cached_tokens: cached,
+            origin: Origin::Local,
+            events,
+            span,
+            queued: None,
+            speculative,
+            spec: SpecCounts::default(),
+            draft_ctx: 0,
+        };
+        let page = self.kv.page_size();
+        if let Some(sp) = &self.spec {
+            seq.draft_ctx = sp.valid_prefix(seq.table.blocks(), cached, page);
+        }
+        match job.prefill {
+            PrefillSource::Remote { local_threshold } if prompt_len - cached > local_threshold => {
+                let before = seq.table.blocks().len();
+                if let Err(e) = self.kv.reserve(&mut seq.table, prompt_len - cached) {
+                    self.fail(seq, &e.to_string());
+                    return;
+                }
+                if let Some(sp) = self.spec.as_mut() {
+                    sp.fresh(&seq.table.blocks()[before..]);
+                }
+                let first_remote = cached / self.kv.page_size();
+                self.remote_blocks
+                    .extend(seq.table.blocks().iter().skip(first_remote).copied());
+                seq.phase = Phase::AwaitingKv;
+                seq.origin = Origin::Remote;
+                seq.emit(EngineEvent::Reserved {
+                    blocks: seq.table.blocks().to_vec(),
+                    cached_tokens: cached,
+                });
+                self.awaiting.insert(id, seq);
+            }
+            _ => {
+                seq.queued = Some(tracing::info_span!(parent: &seq.span, "queue"));
+                seq.emit(EngineEvent::LocalPrefill {
+                    cached_tokens: cached,
+                });
+                self.waiting.push_back(seq);
+            }
+        }
+    }
+
+    pub(super) fn admit_prefill(&mut self, job: PrefillJob) {
+        let reuse_cap = job.prompt.len().saturating_sub(1);
+        match self.kv.start_sequence(&job.prompt, reuse_cap) {
+            Ok((mut table, reused)) => {
+                let before = table.blocks().len();
+                if let Err(e) = self.kv.reserve(&mut table, job.prompt.len() - reused) {
+                    let _ = self.kv.free(&mut table);
+                    let _ = job.reply.send(Err(e.to_string()));
+                    return;
+                }
+                if let Some(sp) = self.spec.as_mut() {
+                    sp.fresh(&table.blocks()[before..]);
+                }
+                let rng = Sampler::for_params(&job.sampling);
+                let queued = Some(tracing::info_span!(parent: &job.span, "queue"));
+                self.prefills.push(PrefillTask {
+                    job,
+                    table,
+                    reused,
+                    rng,
+                    queued,
+                });
+            }
+            Err(e) => {
+                let _ = job.reply.send(Err(e.to_string()));
+            }
+        }
+    }
+
+    pub(super) fn write_kv(&mut self, layer: usize, block: BlockId, data: &[u8]) {
+        if !self.remote_blocks.contains(&block) {
+            warn!(%block, layer, "dropping a KV write into a block not reserved for a peer");
+            return;
+        }
+        // Layers past the target's are the drafter's context (see `docs/spec_decode.md`).
+        let target_layers = self.kv.pool().layout().num_layers;
+        if layer >= target_layers {
+            let written = match self.spec.as_mut() {
+                Some(sp) => sp.write_kv(layer - target_layers, block, data),
+                None => Err("this engine has no drafter".into()),
+            };
+            match written {
+                Ok(()) => self.stats.kv_bytes_received += data.len() as u64,
+                Err(e) => warn!(%block, layer, error = %e, "dropping a drafter KV write"),
+            }
+            return;
+        }
+        let dst = match self.kv.pool_mut().block_mut(layer, block) {
+            Ok(d) => d,
+            Err(e) => {
+                warn!(%block, layer, error = %e, "dropping an out-of-range KV write");
+                return;
+            }
+        };
+        if data.len() != dst.len() * 4 {
+            warn!(%block, layer, bytes = data.len(), "dropping a KV write of the wrong size");
+            return;
+        }
+        for (d, b) in dst.iter_mut().zip(data.chunks_exact(4)) {
+            *d = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+        }
+        self.backend.host_rows_written(layer, block);
+        self.stats.kv_bytes_received += data.len() as u64;
+    }
+
+    fn release_remote_blocks(&mut self, seq: &Sequence) {
+        for b in seq.table.blocks() {
+            self.remote_blocks.remove(b);
+        }
+    }
+
+    pub(super) fn remote_done(&mut self, id: SeqId, first_token: u32) {
+        let Some(mut seq) = self.awaiting.remove(&id) else {
+            return; // cancelled meanwhile
+        };
+        self.release_remote_blocks(&seq);
+        if seq.cancelled() {
+            self.release(seq);
+            return;
+        }
+        let new = seq.prompt.len() - seq.cached_tokens;
+        if let Err(e) = seq.table.advance(new, self.kv.page_size()) {
+            self.fail(seq, &e.to_string());
+            return;
+        }
+        seq.tokens = seq.prompt.clone();
+        if let Some(sp) = self.spec.as_mut() {
+            let page = self.kv.page_size();
+            let remote = &seq.table.blocks()[seq.cached_tokens / page..];
+            if sp.remote_landed(remote) && seq.draft_ctx == seq.cached_tokens {
+                seq.draft_ctx = seq.prompt.len();
+            }
+        }
+        self.stats.remote_prefills += 1;
+        let eos = self.eos().to_vec();
+        match seq.accept(first_token, &eos) {
+            Next::Continue(t) => {
+                seq.phase = Phase::Decoding { next: t };
+                self.running.push(seq);
+            }
+            Next::Finish(r) => self.finish(seq, r),
+        }
+    }
+
+    pub(super) fn remote_failed(&mut self, id: SeqId, recompute: bool, reason: String) {
+        let Some(mut seq) = self.awaiting.remove(&id) else {
+            return;
+        };
+        self.release_remote_blocks(&seq);
+        if let Some(sp) = self.spec.as_mut() {
+            sp.forget_writes(seq.table.blocks());
+        }
+        if seq.cancelled() {
+            self.release(seq);
+            return;
+        }
+        if recompute {
+            warn!(seq = id.0, %reason, "remote prefill failed; recomputing locally");
+            seq.origin = Origin::Recomputed;
+            seq.phase = Phase::Prefilling {
+                done: seq.cached_tokens,
+            };
+            self.waiting.push_back(seq);
+        } else {
+            let failure = Failure {
+                kind: FailureKind::PeerUnavailable,
+                message: format!("remote prefill failed: {reason}"),
+            };
+            self.fail_with(seq, failure);
+        }
+    }
+
+    pub(super) fn drop_cancelled(&mut self) {
+        let mut gone = Vec::new();
+        let mut i = 0;
+        while i < self.running.len() {
+            if self.running[i].cancelled() {
+                gone.push(self.running.swap_remove(i));
+            } else {
+                i += 1;
+            }
+        }
+        let (keep, cancelled): (Vec<_>, Vec<_>) =
+            self.waiting.drain(..).partition(|s| !s.cancelled());
+        self.waiting = keep.into();
+        gone.extend(cancelled);
+        // A cancelled request awaiting a peer keeps its blocks until the peer's prefill
+        // resolves (`remote_done` / `remote_failed`): the peer may still be writing into them.
+        for s in gone {
+            debug!(seq = s.id.0, "request cancelled");
+            self.release(s);
+        }
+    }
+}

@@ -1,0 +1,340 @@
+//! The forward side of a step: building the batch's inputs and hooks, running the forward,
+//! and committing its outcome (or failing every request in it).
+
+use std::collections::HashMap;
+
+use tracing::warn;
+
+use super::{BatchResult, Owner, Scheduler, Work};
+use crate::deepseek::forward::ForwardHooks;
+use crate::deepseek::{BatchInputs, LogitsWanted, SeqInput};
+use crate::engine::backend::Pass;
+use crate::engine::sequence::{sample_step, Next, Origin, Phase};
+use crate::engine::spec::Draft;
+use crate::engine::PrefillOutcome;
+use crate::kv::KvPool;
+use crate::ModelError;
+
+impl Scheduler {
+    pub(super) fn run_batch(&mut self, work: Vec<Work>, drafts: Vec<Option<Draft>>) {
+        // One span per batch, linked to the span of every request it serves (their `queue`
+        // spans end here, the first time a request is scheduled).
+        let batch_span = tracing::debug_span!("batch", requests = work.len());
+        for w in &work {
+            let (span, queued) = match *w {
+                Work::Decode(i) => {
+                    let s = &mut self.running[i];
+                    (&s.span, &mut s.queued)
+                }
+                Work::Chunk(i, _) => {
+                    let s = &mut self.waiting[i];
+                    (&s.span, &mut s.queued)
+                }
+                Work::Prefill(i) => {
+                    let t = &mut self.prefills[i];
+                    (&t.job.span, &mut t.queued)
+                }
+            };
+            batch_span.follows_from(span);
+            queued.take();
+        }
+        let _batch = batch_span.enter();
+        // Prefill jobs run whole in this batch: take their layer sinks and the blocks each ships.
+        let page = self.kv.page_size();
+        let mut sinks = Vec::new();
+        let mut staged = Vec::new();
+        for w in &work {
+            if let Work::Prefill(i) = *w {
+                let t = &mut self.prefills[i];
+                let skip = (t.job.skip_tokens / page).min(t.table.blocks().len());
+                let blocks = t.table.blocks()[skip..].to_vec();
+                staged.extend_from_slice(&blocks);
+                let sink = std::mem::replace(&mut t.job.on_layer, Box::new(|_, _, _| Ok(())));
+                sinks.push((i, sink, blocks));
+            }
+        }
+        // A drafting sequence feeds its anchor and drafts and wants every row's logits.
+        let decode_inputs: Vec<Vec<u32>> = self
+            .running
+            .iter()
+            .enumerate()
+            .map(|(i, s)| match (drafts.get(i), s.phase) {
+                (Some(Some(d)), _) => d.tokens.clone(),
+                (_, Phase::Decoding { next }) => vec![next],
+                _ => vec![0],
+            })
+            .collect();
+        let mut seqs = Vec::with_capacity(work.len());
+        for w in &work {
+            seqs.push(match *w {
+                Work::Decode(i) => SeqInput {
+                    tokens: &decode_inputs[i],
+                    start_pos: self.running[i].table.len(),
+                    block_table: self.running[i].table.blocks(),
+                    logits: if decode_inputs[i].len() > 1 {
+                        LogitsWanted::All
+                    } else {
+                        LogitsWanted::Last
+                    },
+                },
+                Work::Chunk(i, n) => {
+                    let s = &self.waiting[i];
+                    let done = s.table.len();
+                    SeqInput {
+                        tokens: &s.prompt[done..done + n],
+                        start_pos: done,
+                        block_table: s.table.blocks(),
+                        logits: LogitsWanted::Last,
+                    }
+                }
+                Work::Prefill(i) => {
+                    let t = &self.prefills[i];
+                    SeqInput {
+                        tokens: &t.job.prompt[t.reused..],
+                        start_pos: t.reused,
+                        block_table: t.table.blocks(),
+                        logits: LogitsWanted::Last,
+                    }
+                }
+            });
+        }
+        let batch = BatchInputs { seqs };
+
+        // A failing sink fails its own job only; the forward goes on.
+        let mut hook_errors: HashMap<usize, String> = HashMap::new();
+        let mut hook = |layer: usize, pool: &KvPool| -> Result<(), ModelError> {
+            for (i, sink, blocks) in sinks.iter_mut() {
+                if hook_errors.contains_key(i) {
+                    continue;
+                }
+                if let Err(e) = sink(layer, blocks, pool) {
+                    hook_errors.insert(*i, e);
+                }
+            }
+            Ok(())
+        };
+        // The drafter's context is built from the hidden states after its tap layers.
+        let taps: Vec<usize> = self
+            .spec
+            .as_ref()
+            .map(|sp| sp.taps().to_vec())
+            .unwrap_or_default();
+        let mut tapped: Vec<Vec<f32>> = vec![Vec::new(); taps.len()];
+        let mut hidden = |layer: usize, h: &[f32]| -> Result<(), ModelError> {
+            for (buf, _) in tapped.iter_mut().zip(&taps).filter(|(_, &t)| t == layer) {
+                *buf = h.to_vec();
+            }
+            Ok(())
+        };
+        let pass = Pass {
+            hooks: ForwardHooks {
+                after_layer: &mut hook,
+                hidden: &mut hidden,
+            },
+            staged: &staged,
+        };
+        let result = self.backend.forward(&batch, self.kv.pool_mut(), pass);
+        drop(batch);
+        match result {
+            Ok(out) => self.apply(
+                work,
+                BatchResult {
+                    logits: out.logits,
+                    hook_errors,
+                    drafts,
+                    taps: tapped,
+                },
+            ),
+            Err(e) => self.fail_batch(work, &e.to_string()),
+        }
+    }
+
+    /// Commits a successful forward: advance tables, sample, emit, finish.
+    fn apply(&mut self, work: Vec<Work>, result: BatchResult) {
+        let BatchResult {
+            logits,
+            hook_errors,
+            drafts,
+            taps,
+        } = result;
+        let page = self.kv.page_size();
+        let eos = self.eos().to_vec();
+        let mut finished_running = Vec::new();
+        let mut promoted = Vec::new();
+        let mut done_prefills = Vec::new();
+        // Committed rows per work item, for the drafter's context: (who, first position,
+        // first batch row, rows).
+        let mut committed = Vec::new();
+        let mut first_row = 0;
+        for (w, l) in work.iter().zip(&logits) {
+            let row = first_row;
+            first_row += match *w {
+                Work::Decode(i) => drafts
+                    .get(i)
+                    .and_then(Option::as_ref)
+                    .map_or(1, |d| d.tokens.len()),
+                Work::Chunk(_, n) => n,
+                Work::Prefill(i) => self.prefills[i].job.prompt.len() - self.prefills[i].reused,
+            };
+            match *w {
+                Work::Decode(i) => {
+                    if let Some(Some(d)) = drafts.get(i) {
+                        let start = self.running[i].table.len();
+                        match self.commit_round(i, d, l) {
+                            Ok((kept, end)) => {
+                                committed.push((Owner::Running(i), start, row, kept));
+                                if let Some(reason) = end {
+                                    finished_running.push((i, Ok(reason)));
+                                }
+                            }
+                            Err(e) => finished_running.push((i, Err(e))),
+                        }
+                        continue;
+                    }
+                    let s = &mut self.running[i];
+                    let Phase::Decoding { next } = s.phase else {
+                        continue;
+                    };
+                    let start = s.table.len();
+                    if let Err(e) = s.table.advance(1, page) {
+                        finished_running.push((i, Err(e.to_string())));
+                        continue;
+                    }
+                    committed.push((Owner::Running(i), start, row, 1));
+                    s.tokens.push(next);
+                    match sample_step(l, &s.sampling, s.generated, &mut s.rng) {
+                        Ok(tok) => match s.accept(tok, &eos) {
+                            Next::Continue(t) => s.phase = Phase::Decoding { next: t },
+                            Next::Finish(r) => finished_running.push((i, Ok(r))),
+                        },
+                        Err(e) => finished_running.push((i, Err(e.to_string()))),
+                    }
+                }
+                Work::Chunk(i, n) => {
+                    let s = &mut self.waiting[i];
+                    if let Err(e) = s.table.advance(n, page) {
+                        promoted.push((i, Err(e.to_string())));
+                        continue;
+                    }
+                    let done = s.table.len();
+                    committed.push((Owner::Waiting(i), done - n, row, n));
+                    s.tokens.extend_from_slice(&s.prompt[done - n..done]);
+                    self.stats.prefill_computed_tokens += n as u64;
+                    s.phase = Phase::Prefilling { done };
+                    if done < s.prompt.len() {
+                        continue;
+                    }
+                    self.stats.prefill_reused_tokens += s.cached_tokens as u64;
+                    match sample_step(l, &s.sampling, s.generated, &mut s.rng) {
+                        Ok(tok) => promoted.push((i, Ok(s.accept(tok, &eos)))),
+                        Err(e) => promoted.push((i, Err(e.to_string()))),
+                    }
+                }
+                Work::Prefill(i) => {
+                    let t = &mut self.prefills[i];
+                    let computed = t.job.prompt.len() - t.reused;
+                    let outcome = match hook_errors.get(&i) {
+                        Some(e) => Err(format!("KV transfer failed: {e}")),
+                        None => sample_step(l, &t.job.sampling, 0, &mut t.rng)
+                            .map(|first_token| PrefillOutcome {
+                                first_token,
+                                computed_tokens: computed,
+                                reused_tokens: t.reused,
+                            })
+                            .map_err(|e| e.to_string()),
+                    };
+                    if let Err(e) = t.table.advance(computed, page) {
+                        done_prefills.push((i, Err(e.to_string())));
+                        continue;
+                    }
+                    committed.push((Owner::Prefill(i), t.reused, row, computed));
+                    self.stats.prefill_computed_tokens += computed as u64;
+                    self.stats.prefill_reused_tokens += t.reused as u64;
+                    done_prefills.push((i, outcome));
+                }
+            }
+        }
+        // Before anything is released: the committed rows become drafter context, and prefill
+        // jobs ship it.
+        let mut draft_errors = self.extend_drafter(&committed, &taps);
+        // Remove from the highest index down so earlier indices stay valid.
+        finished_running.sort_by_key(|e| std::cmp::Reverse(e.0));
+        for (i, r) in finished_running {
+            let s = self.running.swap_remove(i);
+            match r {
+                Ok(reason) => self.finish(s, reason),
+                Err(e) => self.fail(s, &e),
+            }
+        }
+        promoted.sort_by_key(|e| std::cmp::Reverse(e.0));
+        for (i, r) in promoted {
+            let Some(mut s) = self.waiting.remove(i) else {
+                continue;
+            };
+            match s.origin {
+                Origin::Local => self.stats.local_prefills += 1,
+                Origin::Recomputed => self.stats.recomputed_prefills += 1,
+                Origin::Remote => {}
+            }
+            match r {
+                Ok(Next::Continue(t)) => {
+                    s.phase = Phase::Decoding { next: t };
+                    self.running.push(s);
+                }
+                Ok(Next::Finish(reason)) => self.finish(s, reason),
+                Err(e) => self.fail(s, &e),
+            }
+        }
+        done_prefills.sort_by_key(|e| std::cmp::Reverse(e.0));
+        for (i, r) in done_prefills {
+            let r = match draft_errors.remove(&i) {
+                Some(e) if r.is_ok() => Err(format!("drafter KV transfer failed: {e}")),
+                _ => r,
+            };
+            let mut t = self.prefills.swap_remove(i);
+            if t.table.len() == t.job.prompt.len() {
+                if let Err(e) = self.kv.cache_full_blocks(&t.table, &t.job.prompt) {
+                    warn!(error = %e, "could not cache a prefilled prompt");
+                }
+            }
+            if let Err(e) = self.kv.free(&mut t.table) {
+                warn!(error = %e, "freeing a prefill job's blocks");
+            }
+            self.stats.requests_finished += 1;
+            let _ = t.job.reply.send(r);
+        }
+    }
+
+    /// A forward failed: every request in it fails and frees its blocks.
+    fn fail_batch(&mut self, work: Vec<Work>, err: &str) {
+        warn!(error = err, requests = work.len(), "batch failed");
+        let mut running = Vec::new();
+        let mut waiting = Vec::new();
+        let mut prefills = Vec::new();
+        for w in work {
+            match w {
+                Work::Decode(i) => running.push(i),
+                Work::Chunk(i, _) => waiting.push(i),
+                Work::Prefill(i) => prefills.push(i),
+            }
+        }
+        running.sort_unstable_by(|a, b| b.cmp(a));
+        for i in running {
+            let s = self.running.swap_remove(i);
+            self.fail(s, err);
+        }
+        waiting.sort_unstable_by(|a, b| b.cmp(a));
+        for i in waiting {
+            if let Some(s) = self.waiting.remove(i) {
+                self.fail(s, err);
+            }
+        }
+        prefills.sort_unstable_by(|a, b| b.cmp(a));
+        for i in prefills {
+            let mut t = self.prefills.swap_remove(i);
+            let _ = self.kv.free(&mut t.table);
+            self.stats.requests_finished += 1;
+            let _ = t.job.reply.send(Err(err.to_string()));
+        }
+    }
+}
