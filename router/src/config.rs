@@ -21,11 +21,19 @@ pub enum PolicyKind {
     /// Cost in blocks: queued + uncached prefill work on P, active blocks on D.
     #[default]
     CacheAware,
+    /// Mooncake's Conductor: least estimated TTFT on P (queued + uncached prefill through a
+    /// per-token cost model with an attention term), D as cache_aware.
+    Mooncake,
 }
 
 impl PolicyKind {
     /// Every policy, in declaration order.
-    pub const ALL: [PolicyKind; 3] = [Self::RoundRobin, Self::LeastLoaded, Self::CacheAware];
+    pub const ALL: [PolicyKind; 4] = [
+        Self::RoundRobin,
+        Self::LeastLoaded,
+        Self::CacheAware,
+        Self::Mooncake,
+    ];
 
     /// The snake_case name used on the command line and in config files.
     pub fn as_str(self) -> &'static str {
@@ -33,6 +41,7 @@ impl PolicyKind {
             Self::RoundRobin => "round_robin",
             Self::LeastLoaded => "least_loaded",
             Self::CacheAware => "cache_aware",
+            Self::Mooncake => "mooncake",
         }
     }
 }
@@ -51,7 +60,7 @@ impl FromStr for PolicyKind {
             .into_iter()
             .find(|k| k.as_str() == s)
             .ok_or_else(|| {
-                format!("unknown policy `{s}`; expected round_robin, least_loaded or cache_aware")
+                format!("unknown policy `{s}`; expected round_robin, least_loaded, cache_aware or mooncake")
             })
     }
 }
@@ -218,6 +227,10 @@ mod tests {
         }
         let cli = Cli::try_parse_from(["x", "--policy", "least_loaded"]).expect("parses");
         assert_eq!(cli.router.policy, PolicyKind::LeastLoaded);
+        let cli = Cli::try_parse_from(["x", "--policy", "mooncake"]).expect("parses");
+        assert_eq!(cli.router.policy, PolicyKind::Mooncake);
+        let err = "nope".parse::<PolicyKind>().expect_err("unknown");
+        assert!(err.contains("mooncake"), "{err}");
         assert!("nope".parse::<PolicyKind>().is_err());
     }
 

@@ -13,7 +13,7 @@
 //! | [`registry`] | workers, roles, load, heartbeats, the reaper; the `Registry` gRPC service |
 //! | [`index`] | the KV prefix index built from events, with event-id gap detection |
 //! | [`load`] | predictive load charged at dispatch, released by a guard |
-//! | [`policy`] | `round_robin`, `least_loaded`, `cache_aware`: pure choices over a snapshot |
+//! | [`policy`] | `round_robin`, `least_loaded`, `cache_aware`, `mooncake`: pure choices over a snapshot |
 //! | [`select`] | [`select::Selector`]: snapshot + index + policy → a pair and a load guard |
 //! | [`dispatch`] | [`dispatch::Dispatcher`]: admission, `Decode` on the worker, one retry, the event stream |
 //! | [`output`] | detokenization, stop strings and usage of one request's output |

@@ -25,6 +25,31 @@ fn by_cost(a: (u64, &Candidate), b: (u64, &Candidate)) -> Ordering {
         .then_with(|| a.1.id.cmp(&b.1.id))
 }
 
+/// The decode worker to pair with prefill worker `p`: the one holding more of the prefix than
+/// `p` (the most overlap wins, then fewest active blocks), else the fewest active blocks; ties:
+/// fewest active requests, then id. Shared with [`super::mooncake`].
+pub(super) fn decode_beside<'a>(p: &Candidate, input: &SelectInput<'a>) -> Option<&'a Candidate> {
+    let on_p = input.overlaps.get(&p.id);
+    let decode: &'a [Candidate] = input.decode;
+    let holder = decode
+        .iter()
+        .filter(|d| input.overlaps.get(&d.id) > on_p)
+        .min_by(|a, b| {
+            input
+                .overlaps
+                .get(&b.id)
+                .cmp(&input.overlaps.get(&a.id))
+                .then_with(|| by_cost((a.active_blocks(), a), (b.active_blocks(), b)))
+        });
+    holder.or_else(|| {
+        decode
+            .iter()
+            .map(|d| (d.active_blocks(), d))
+            .min_by(|a, b| by_cost(*a, *b))
+            .map(|(_, d)| d)
+    })
+}
+
 impl SelectPolicy for CacheAware {
     fn select(&self, input: &SelectInput<'_>) -> Option<Decision> {
         let page = input.page_size;
@@ -41,28 +66,7 @@ impl SelectPolicy for CacheAware {
             .map(|(_, p)| p);
 
         let decode = match prefill {
-            Some(p) => {
-                let on_p = input.overlaps.get(&p.id);
-                let holder = input
-                    .decode
-                    .iter()
-                    .filter(|d| input.overlaps.get(&d.id) > on_p)
-                    .min_by(|a, b| {
-                        input
-                            .overlaps
-                            .get(&b.id)
-                            .cmp(&input.overlaps.get(&a.id))
-                            .then_with(|| by_cost((a.active_blocks(), a), (b.active_blocks(), b)))
-                    });
-                holder.or_else(|| {
-                    input
-                        .decode
-                        .iter()
-                        .map(|d| (d.active_blocks(), d))
-                        .min_by(|a, b| by_cost(*a, *b))
-                        .map(|(_, d)| d)
-                })
-            }
+            Some(p) => decode_beside(p, input),
             None => input
                 .decode
                 .iter()

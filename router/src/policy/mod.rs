@@ -5,6 +5,7 @@
 //! | [`round_robin`] | rotate through each role's workers |
 //! | [`least_loaded`] | fewest queued prefill blocks on P, fewest active requests on D |
 //! | [`cache_aware`] | cost in blocks: queued + uncached prefill work on P, active blocks on D |
+//! | [`mooncake`] | Mooncake's Conductor: least estimated TTFT on P (queued + uncached prefill through a cost model), D as `cache_aware` |
 //!
 //! A policy is pure: it sees a copy of the healthy workers (heartbeat load plus the router's
 //! predictive load) and each worker's prefix overlap with the prompt, and returns a
@@ -12,6 +13,7 @@
 //! [`Policy`] is chosen by [`PolicyKind`].
 pub mod cache_aware;
 pub mod least_loaded;
+pub mod mooncake;
 pub mod round_robin;
 
 use ferry_proto::ids::WorkerId;
@@ -23,6 +25,7 @@ use crate::registry::WorkerLoad;
 
 pub use cache_aware::CacheAware;
 pub use least_loaded::LeastLoaded;
+pub use mooncake::{Mooncake, PrefillCostModel};
 pub use round_robin::RoundRobin;
 
 /// One candidate worker.
@@ -124,6 +127,8 @@ pub enum Policy {
     LeastLoaded(LeastLoaded),
     /// See [`CacheAware`].
     CacheAware(CacheAware),
+    /// See [`Mooncake`].
+    Mooncake(Mooncake),
 }
 
 impl Policy {
@@ -133,6 +138,7 @@ impl Policy {
             PolicyKind::RoundRobin => Self::RoundRobin(RoundRobin::default()),
             PolicyKind::LeastLoaded => Self::LeastLoaded(LeastLoaded),
             PolicyKind::CacheAware => Self::CacheAware(CacheAware),
+            PolicyKind::Mooncake => Self::Mooncake(Mooncake::default()),
         }
     }
 
@@ -142,6 +148,7 @@ impl Policy {
             Self::RoundRobin(_) => PolicyKind::RoundRobin,
             Self::LeastLoaded(_) => PolicyKind::LeastLoaded,
             Self::CacheAware(_) => PolicyKind::CacheAware,
+            Self::Mooncake(_) => PolicyKind::Mooncake,
         }
     }
 }
@@ -152,6 +159,7 @@ impl SelectPolicy for Policy {
             Self::RoundRobin(p) => p.select(input),
             Self::LeastLoaded(p) => p.select(input),
             Self::CacheAware(p) => p.select(input),
+            Self::Mooncake(p) => p.select(input),
         }
     }
 }

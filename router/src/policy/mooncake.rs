@@ -1,0 +1,260 @@
+//! `mooncake`: Mooncake's Conductor (FAST'25, Algorithm 1), as far as ferry's cluster allows.
+//!
+//! ```text
+//! prefill P = argmin  TTFT(P) = t_queue(P) + t_prefill(P) + t_xfer(P)
+//!             t_queue(P)   = t(queued_prefill_blocks(P) · page_size, 0)
+//!             t_prefill(P) = t(prompt − prefix(P), prefix(P)),  prefix(P) = overlap(P) · page_size
+//!             t_xfer(P)    = 0
+//!             ties: fewest active requests, then id
+//! decode  D = as `cache_aware`: a decode worker holding more of the prefix than P wins,
+//!             else fewest active blocks (the same code: `cache_aware::decode_beside`)
+//! no P:   D = argmin  t(queued_prefill_blocks(D) · page_size, 0) + t(prompt − prefix(D), prefix(D))
+//!             ties: fewest active requests, then id
+//! ```
+//!
+//! The cost model ([`PrefillCostModel`]) is `t(n_new, n_prefix) = a·n_new +
+//! b·n_new·(n_prefix + n_new/2)`: a linear term for the weights (projections, MLP/MoE, LM head:
+//! the same work per token) and a quadratic one for attention. ferry's prefill runs attention
+//! in MHA form (decompressed K/V, causal), so each new token attends to the whole cached prefix
+//! plus, on average, half of the other new tokens: `n_new·(n_prefix + n_new/2)` query-key pairs
+//! at a fixed cost each. This is the shape of the paper's `l·(4n²d + 22nd²)` FLOP count with
+//! a cached prefix; the paper's fitted coefficients are unpublished, ours come from
+//! `BENCHMARKS.md` (see [`PrefillCostModel::default`]).
+//!
+//! What differs from the paper:
+//! - **No prefix replication** between prefill workers: ferry cannot copy a hot prefix from one
+//!   prefill worker to another, so the "pull the best prefix" branch (and its balancing
+//!   threshold) does not exist and `t_xfer = 0` for every worker.
+//! - **Queued work is one lump**: the router knows queued prefill *blocks* per worker (heartbeat
+//!   plus its own predictive load), not how they split into requests, so `t_queue` prices them
+//!   as one fresh sequence. That over-counts the attention term of many short queued prompts,
+//!   i.e. it errs towards spreading load.
+//! - **No early rejection**: the paper rejects a request whose predicted TTFT or TBT exceeds the
+//!   SLO (HTTP 429); this policy always picks a pair. Not done.
+//! - The decode worker is chosen by load in blocks (as `cache_aware`), not by predicted
+//!   time-between-tokens.
+use std::cmp::Ordering;
+
+use super::cache_aware::decode_beside;
+use super::{Candidate, Decision, SelectInput, SelectPolicy};
+
+/// Predicted prefill time in seconds: `per_token_s·n_new +
+/// per_token_pair_s·n_new·(n_prefix + n_new/2)` (see the module docs for why).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PrefillCostModel {
+    /// `a`: seconds per new token for the work that does not depend on context (weights).
+    pub per_token_s: f64,
+    /// `b`: seconds per attended (query, key) token pair.
+    pub per_token_pair_s: f64,
+}
+
+impl Default for PrefillCostModel {
+    /// Fitted to the CPU engine on the embedded model (`BENCHMARKS.md`, 2 cores): fresh
+    /// 512-token prompts prefill at ≈6k tok/s, i.e. ≈166.7 µs per token, of which the FLOP
+    /// count there is ≈4.4 MFLOP on weights and ≈2.4 MFLOP on attention (at mean context
+    /// 512/2 = 256). Splitting the time in that ratio: `a` = 166.7 µs × 4.4/6.8 ≈ 108 µs and
+    /// `b` = 166.7 µs × 2.4/6.8 / 256 ≈ 0.23 µs per pair; check: 108 + 0.23·256 ≈ 166.9 µs
+    /// per token ≈ 5.99k tok/s at 512 tokens. On another device, fit your own.
+    fn default() -> Self {
+        Self {
+            per_token_s: 1.08e-4,
+            per_token_pair_s: 2.3e-7,
+        }
+    }
+}
+
+impl PrefillCostModel {
+    /// Seconds to prefill `new_tokens` after `prefix_tokens` already cached.
+    pub fn prefill_s(&self, new_tokens: u64, prefix_tokens: u64) -> f64 {
+        let n = new_tokens as f64;
+        let prefix = prefix_tokens as f64;
+        self.per_token_s * n + self.per_token_pair_s * n * (prefix + n / 2.0)
+    }
+}
+
+/// The Mooncake policy (stateless: all state is in the input; the cost model is fixed).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Mooncake {
+    /// Prices queued and new prefill work.
+    pub cost: PrefillCostModel,
+}
+
+impl Mooncake {
+    /// Estimated TTFT in seconds if `worker` prefills this prompt: its queued prefill work plus
+    /// the prompt's uncached part after its cached prefix (no transfer term).
+    pub fn ttft_s(&self, worker: &Candidate, input: &SelectInput<'_>) -> f64 {
+        let page = input.page_size.max(1) as u64;
+        let queued = worker.queued_prefill_blocks(input.page_size) * page;
+        let prompt = input.prompt_tokens as u64;
+        let prefix = (input.overlaps.get(&worker.id) as u64 * page).min(prompt);
+        self.cost.prefill_s(queued, 0) + self.cost.prefill_s(prompt - prefix, prefix)
+    }
+
+    fn fastest<'a>(
+        &self,
+        workers: &'a [Candidate],
+        input: &SelectInput<'_>,
+    ) -> Option<&'a Candidate> {
+        workers
+            .iter()
+            .map(|w| (self.ttft_s(w, input), w))
+            .min_by(|a, b| by_estimate(*a, *b))
+            .map(|(_, w)| w)
+    }
+}
+
+fn by_estimate(a: (f64, &Candidate), b: (f64, &Candidate)) -> Ordering {
+    a.0.total_cmp(&b.0)
+        .then_with(|| a.1.active_requests().cmp(&b.1.active_requests()))
+        .then_with(|| a.1.id.cmp(&b.1.id))
+}
+
+impl SelectPolicy for Mooncake {
+    fn select(&self, input: &SelectInput<'_>) -> Option<Decision> {
+        let prefill = self.fastest(input.prefill, input);
+        let decode = match prefill {
+            Some(p) => decode_beside(p, input),
+            None => self.fastest(input.decode, input),
+        }?;
+        Some(Decision::new(prefill, decode, input))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use ferry_proto::ids::WorkerId;
+
+    use super::super::testing::{candidate, Cluster};
+    use super::*;
+    use crate::index::Overlaps;
+
+    const PAGE: usize = 64;
+
+    fn id(s: &str) -> WorkerId {
+        WorkerId::from(s)
+    }
+
+    fn cluster(prefill: &[&str], overlaps: &[(&str, usize)]) -> Cluster {
+        Cluster {
+            prefill: prefill.iter().map(|p| candidate(p, 0, 0, 0)).collect(),
+            decode: vec![candidate("d0", 0, 0, 0), candidate("d1", 0, 0, 0)],
+            overlaps: Overlaps::from_pairs(overlaps.iter().map(|(w, n)| (id(w), *n))),
+            page_size: PAGE,
+        }
+    }
+
+    /// The formula written out with the default coefficients.
+    fn t(n_new: f64, n_prefix: f64) -> f64 {
+        1.08e-4 * n_new + 2.3e-7 * n_new * (n_prefix + n_new / 2.0)
+    }
+
+    fn assert_close(got: f64, want: f64) {
+        assert!((got - want).abs() < 1e-9, "got {got}, want {want}");
+    }
+
+    #[test]
+    fn the_cost_model_matches_the_benchmark_it_was_fitted_to() {
+        let m = PrefillCostModel::default();
+        let tok_per_s = 512.0 / m.prefill_s(512, 0);
+        assert!((5_900.0..6_100.0).contains(&tok_per_s), "{tok_per_s}");
+        // Sequential chunks cost the same as one prefill: the quadratic term is additive.
+        assert_close(
+            m.prefill_s(1024, 0) + m.prefill_s(1024, 1024),
+            m.prefill_s(2048, 0),
+        );
+    }
+
+    #[test]
+    fn a_long_uncached_prompt_goes_to_the_shortest_queue() {
+        let mut c = cluster(&["p0", "p1", "p2"], &[]);
+        c.prefill[0].load.queued_prefill_tokens = 20 * 64;
+        c.prefill[1].pending.prefill_blocks = 5;
+        c.prefill[2].load.queued_prefill_tokens = 10 * 64;
+        let input = c.input(4096);
+        assert_close(
+            Mooncake::default().ttft_s(&c.prefill[1], &input),
+            t(320.0, 0.0) + t(4096.0, 0.0),
+        );
+        let d = Mooncake::default().select(&input).expect("pair");
+        assert_eq!(d.prefill, Some(id("p1")));
+        assert_eq!(d.predicted_cached_blocks, 0);
+    }
+
+    #[test]
+    fn a_cached_prefix_beats_a_slightly_shorter_queue_but_not_a_much_shorter_one() {
+        let m = Mooncake::default();
+        // 2048-token prompt; p0 holds its first 16 blocks (1024 tokens), p1 nothing.
+        let mut c = cluster(&["p0", "p1"], &[("p0", 16)]);
+        c.prefill[0].load.queued_prefill_tokens = 4 * 64;
+        let input = c.input(2048);
+        // p0: t(256, 0) + t(1024, 1024) = 0.0352 + 0.4724 = 0.5075 s
+        // p1: t(0, 0) + t(2048, 0)                          = 0.7035 s
+        let p0 = m.ttft_s(&c.prefill[0], &input);
+        let p1 = m.ttft_s(&c.prefill[1], &input);
+        assert_close(p0, 0.035_184_64 + 0.472_350_72);
+        assert_close(p1, 0.703_528_96);
+        let d = m.select(&input).expect("pair");
+        assert_eq!(d.prefill, Some(id("p0")));
+        assert_eq!(d.predicted_cached_blocks, 16);
+
+        // A small hit (2 blocks) behind a long queue (64 blocks) loses to an idle p1:
+        // p0: t(4096, 0) + t(1920, 128) = 2.3717 + 0.6878 = 3.0596 s > 0.7035 s.
+        let mut c = cluster(&["p0", "p1"], &[("p0", 2)]);
+        c.prefill[0].pending.prefill_blocks = 64;
+        let input = c.input(2048);
+        assert_close(m.ttft_s(&c.prefill[0], &input), 2.371_747_84 + 0.687_820_8);
+        assert_close(
+            m.ttft_s(&c.prefill[0], &input),
+            t(4096.0, 0.0) + t(1920.0, 128.0),
+        );
+        let d = m.select(&input).expect("pair");
+        assert_eq!(d.prefill, Some(id("p1")));
+    }
+
+    #[test]
+    fn ties_break_by_active_requests_then_id() {
+        let mut c = cluster(&["p0", "p1"], &[("p0", 3), ("p1", 3)]);
+        c.prefill[0].load.running_requests = 2;
+        let d = Mooncake::default().select(&c.input(8 * 64)).expect("pair");
+        assert_eq!(d.prefill, Some(id("p1")), "same estimate, fewer requests");
+
+        let c = cluster(&["p0", "p1"], &[]);
+        let d = Mooncake::default().select(&c.input(64)).expect("pair");
+        assert_eq!((d.prefill, d.decode), (Some(id("p0")), id("d0")), "then id");
+    }
+
+    #[test]
+    fn the_decode_worker_follows_the_cache_aware_rule() {
+        let mut c = cluster(&["p0"], &[("p0", 2), ("d1", 8)]);
+        c.decode[1].load.kv_blocks_used = 40;
+        let d = Mooncake::default().select(&c.input(10 * 64)).expect("pair");
+        assert_eq!(d.decode, id("d1"), "holds more of the prefix than P");
+        assert_eq!(d.predicted_cached_blocks, 8);
+
+        let mut c = cluster(&["p0"], &[]);
+        c.decode[0].load.kv_blocks_used = 40;
+        let d = Mooncake::default().select(&c.input(10 * 64)).expect("pair");
+        assert_eq!(d.decode, id("d1"), "fewest active blocks");
+    }
+
+    #[test]
+    fn without_prefill_workers_the_decode_worker_with_the_least_local_ttft_wins() {
+        let m = Mooncake::default();
+        // d1 holds half the 2048-token prompt: t(1024, 1024) = 0.4724 s < d0's t(2048, 0).
+        let mut c = cluster(&[], &[("d1", 16)]);
+        c.decode[1].load.kv_blocks_used = 500; // active blocks do not count here
+        let d = m.select(&c.input(2048)).expect("pair");
+        assert_eq!((d.prefill, d.decode.clone()), (None, id("d1")));
+
+        // Queue 20 blocks on d1: t(1280, 0) + t(1024, 1024) = 0.3266 + 0.4724 > 0.7035 s.
+        c.decode[1].load.queued_prefill_tokens = 20 * 64;
+        let input = c.input(2048);
+        assert_close(
+            m.ttft_s(&c.decode[1], &input),
+            t(1280.0, 0.0) + t(1024.0, 1024.0),
+        );
+        assert!(m.ttft_s(&c.decode[1], &input) > m.ttft_s(&c.decode[0], &input));
+        let d = m.select(&input).expect("pair");
+        assert_eq!(d.decode, id("d0"));
+    }
+}
