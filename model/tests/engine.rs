@@ -4,12 +4,10 @@
 mod common;
 
 use ferry_model::deepseek::DeepseekModel;
-use ferry_model::engine::{
-    EngineConfig, EngineEvent, EngineHandle, FinishReason, GenerateJob, PrefillSource, StopParams,
-};
+use ferry_model::engine::{EngineConfig, EngineEvent, EngineHandle, FinishReason, PrefillSource};
 use ferry_model::kv::BlockId;
 
-use common::{collect, golden_case, greedy, tokens, wait_idle};
+use common::{collect, golden_case, greedy, job, tokens, wait_idle};
 
 fn engine(blocks: usize) -> EngineHandle {
     let dir = ferry_model::embedded::default_model_dir();
@@ -23,18 +21,6 @@ fn engine(blocks: usize) -> EngineHandle {
         },
     )
     .expect("engine")
-}
-
-fn job(prompt: Vec<u32>, max_tokens: usize, prefill: PrefillSource) -> GenerateJob {
-    GenerateJob {
-        prompt,
-        sampling: greedy(),
-        stop: StopParams {
-            max_tokens,
-            ignore_eos: true,
-        },
-        prefill,
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -32,12 +32,12 @@ use ferry_kernels::Device;
 use ferry_model::deepseek::DeepseekModel;
 use ferry_model::drafter::{Drafter, DsparkDrafter};
 use ferry_model::engine::{
-    EngineConfig, EngineEvent, EngineHandle, FinishReason, GenerateJob, Generation, GpuMode,
-    LayerSinkFn, PrefillSource, StopParams,
+    EngineConfig, EngineEvent, EngineHandle, FinishReason, Generation, GpuMode, LayerSinkFn,
+    PrefillSource,
 };
 use ferry_model::kv::BlockId;
 
-use common::{collect, golden_case, greedy, tokens, wait_idle};
+use common::{collect, golden_case, greedy, job, tokens, wait_idle};
 
 fn model() -> DeepseekModel {
     DeepseekModel::load(&ferry_model::embedded::default_model_dir()).expect("model")
@@ -67,18 +67,6 @@ fn cuda_engine(test: &str, mode: GpuMode) -> Option<EngineHandle> {
         return None;
     }
     Some(e)
-}
-
-fn job(prompt: Vec<u32>, max_tokens: usize, prefill: PrefillSource) -> GenerateJob {
-    GenerateJob {
-        prompt,
-        sampling: greedy(),
-        stop: StopParams {
-            max_tokens,
-            ignore_eos: true,
-        },
-        prefill,
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -5,7 +5,9 @@
 use std::time::Duration;
 
 use ferry_kernels::cpu::sample::SamplingParams;
-use ferry_model::engine::{EngineEvent, EngineHandle, FinishReason, Generation};
+use ferry_model::engine::{
+    EngineEvent, EngineHandle, FinishReason, GenerateJob, Generation, PrefillSource, StopParams,
+};
 use ferry_model::tokenizer::Tokenizer;
 
 /// Greedy sampling.
@@ -13,6 +15,19 @@ pub fn greedy() -> SamplingParams {
     SamplingParams {
         temperature: 0.0,
         ..SamplingParams::default()
+    }
+}
+
+/// A greedy job of `max_tokens` new tokens that ignores end-of-sequence tokens.
+pub fn job(prompt: Vec<u32>, max_tokens: usize, prefill: PrefillSource) -> GenerateJob {
+    GenerateJob {
+        prompt,
+        sampling: greedy(),
+        stop: StopParams {
+            max_tokens,
+            ignore_eos: true,
+        },
+        prefill,
     }
 }
 
