@@ -20,6 +20,7 @@ use ferry_kernels::cpu::mla::{mla_absorbed_reference, LatentContext, LatentPages
 use ferry_kernels::cpu::moe::MoeRouting;
 use ferry_kernels::cpu::norm::rms_norm;
 use ferry_kernels::cpu::rope::{Rope, RopeParams, RopeScaling, RotaryLayout, YarnParams};
+use ferry_kernels::cuda::mha_ws::MhaWsConfig;
 use ferry_kernels::cuda::mla::{
     mha_prefill, mla_absorbed, mla_absorbed_padded, AbsorbedBatch, AbsorbedKernel, Elems, MhaBatch,
     MhaKernel, MlaShape,
@@ -98,12 +99,51 @@ fn nvrtc_compiles_every_source() {
                 cc.1
             );
             assert_eq!(ptx.contains("mha_wgmma_bf16"), hopper);
+            assert_eq!(
+                ptx.contains("mha_ws_bf16"),
+                hopper && MhaWsConfig::shape_ok(shape)
+            );
             if let Ok(dir) = std::env::var("FERRY_PTX_DIR") {
                 let f = format!(
                     "{dir}/mla_{}_w{}_bk{}x{}_sm{}{}.ptx",
                     shape.latent, shape.tile_warps, shape.tile_bk, shape.tile_stages, cc.0, cc.1
                 );
                 std::fs::write(f, &ptx).expect("write ptx");
+            }
+        }
+        if cc == (9, 0) {
+            // Every warp-specialised tiling the benchmarks sweep (ptxas checks them in CI).
+            let v3 = MlaShape::DEEPSEEK_V3;
+            let d = MhaWsConfig::default();
+            for (i, c) in [
+                d,
+                MhaWsConfig {
+                    pingpong: false,
+                    ..d
+                },
+                MhaWsConfig { pv_cols: 64, ..d },
+                MhaWsConfig {
+                    keys: 96,
+                    overlap: true,
+                    ..d
+                },
+                MhaWsConfig {
+                    keys: 64,
+                    overlap: true,
+                    stages: 3,
+                    ..d
+                },
+            ]
+            .into_iter()
+            .enumerate()
+            {
+                assert!(c.valid(v3), "{c:?}");
+                let ptx = compile_ptx(Source::Mla, &c.defines(v3.defines()), cc)
+                    .unwrap_or_else(|e| panic!("{c:?}: {e}"));
+                assert!(ptx.contains("mha_ws_bf16"), "{c:?}");
+                if let Ok(dir) = std::env::var("FERRY_PTX_DIR") {
+                    std::fs::write(format!("{dir}/mla_ws{i}_sm90.ptx"), &ptx).expect("write ptx");
+                }
             }
         }
         let ptx = compile_ptx(Source::Common, &Default::default(), cc).expect("common.cu compiles");
@@ -589,6 +629,9 @@ fn mha_kernels_match_cpu() {
         ];
         if dev.compute_capability() == (9, 0) && shape.wgmma_ok() {
             cases.push((MhaKernel::Wgmma, bf(), 1.5e-2));
+        }
+        if dev.compute_capability() == (9, 0) && MhaWsConfig::shape_ok(shape) {
+            cases.push((MhaKernel::WarpSpecialized, bf(), 1.5e-2));
         }
         for (kernel, b, tol) in cases {
             dev.memset_zero(&out).expect("zero");

@@ -1,4 +1,6 @@
 //! The GPU benchmark report without the `ferry` CLI: `bench_gpu [e2e_context] [e2e_steps]`.
+//! Environment: `FERRY_BENCH_SKIP_KERNELS`, `FERRY_BENCH_PREFILL_ONLY`,
+//! `FERRY_BENCH_PREFILL_TOKENS=4096,16384` (the prefill lengths).
 //! Same measurements as `ferry bench-gpu` (see `ferry_model::gpu::report`).
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -16,6 +18,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     if std::env::var("FERRY_BENCH_PREFILL_ONLY").is_ok() {
         opts.absorbed = false;
         opts.e2e = false;
+    }
+    if let Ok(t) = std::env::var("FERRY_BENCH_PREFILL_TOKENS") {
+        opts.prefill_tokens = t
+            .split(',')
+            .map(|x| x.trim().parse())
+            .collect::<Result<_, _>>()?;
     }
     let dev = ferry_kernels::cuda::CudaDevice::open(0)?;
     print!("{}", ferry_model::gpu::report::report(&dev, &opts)?);

@@ -59,6 +59,8 @@ pub enum MhaImpl {
     Flash,
     /// The Hopper warpgroup-MMA kernel.
     Wgmma,
+    /// The warp-specialised Hopper kernel (TMA producer, ping-pong consumers).
+    WarpSpecialized,
     /// The f32 CUDA-core kernel.
     F32,
 }
@@ -79,11 +81,11 @@ pub fn mha_prefill(
     let flops = 2.0 * (qk + v) as f64 * heads as f64 * (tokens as f64).powi(2) / 2.0;
     let reps = if tokens >= 32_768 { 3 } else { 10 };
     let t = match imp {
-        MhaImpl::Flash | MhaImpl::Wgmma => {
-            let kernel = if imp == MhaImpl::Flash {
-                MhaKernel::Flash
-            } else {
-                MhaKernel::Wgmma
+        MhaImpl::Flash | MhaImpl::Wgmma | MhaImpl::WarpSpecialized => {
+            let kernel = match imp {
+                MhaImpl::Flash => MhaKernel::Flash,
+                MhaImpl::Wgmma => MhaKernel::Wgmma,
+                _ => MhaKernel::WarpSpecialized,
             };
             let q = dev.alloc::<u16>(tokens * heads * qk)?;
             let k = dev.alloc::<u16>(tokens * heads * qk)?;

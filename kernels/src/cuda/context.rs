@@ -168,12 +168,18 @@ unsafe impl KernelParam for i64 {}
 // SAFETY: as above (device pointers are u64).
 unsafe impl KernelParam for u64 {}
 
-const ARG_BYTES: usize = 96;
+/// The largest by-value parameter: a 128-byte TMA descriptor (`CUtensorMap`).
+const ARG_BYTES: usize = 128;
+
+/// One parameter's bytes, aligned like the strictest parameter type (a tensor map, 64).
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct ArgSlot([u8; ARG_BYTES]);
 
 /// The argument list of one launch: each parameter's bytes in its own slot.
 #[derive(Default)]
 pub struct KernelArgs {
-    slots: Vec<[u8; ARG_BYTES]>,
+    slots: Vec<ArgSlot>,
 }
 
 impl KernelArgs {
@@ -189,11 +195,11 @@ impl KernelArgs {
             size <= ARG_BYTES,
             "invariant: kernel parameters fit in a slot"
         );
-        let mut slot = [0u8; ARG_BYTES];
+        let mut slot = ArgSlot([0u8; ARG_BYTES]);
         // SAFETY: `T: KernelParam` has no padding, so all `size` bytes of `v` are initialised,
         // and `slot` has room for them.
         unsafe {
-            std::ptr::copy_nonoverlapping(&v as *const T as *const u8, slot.as_mut_ptr(), size)
+            std::ptr::copy_nonoverlapping(&v as *const T as *const u8, slot.0.as_mut_ptr(), size)
         };
         self.slots.push(slot);
         self
@@ -487,7 +493,7 @@ impl CudaDevice {
         let mut params: Vec<*mut c_void> = args
             .slots
             .iter_mut()
-            .map(|s| s.as_mut_ptr() as *mut c_void)
+            .map(|s| s.0.as_mut_ptr() as *mut c_void)
             .collect();
         // SAFETY: every typed launcher checks buffer lengths against the kernel's indexing
         // before building `args`, whose slots match the kernel's parameters in order and type.

@@ -14,6 +14,7 @@
 //! so each model's kernels are compiled once for its dimensions.
 
 use super::context::{CudaDevice, KernelArgs, KernelParam, LaunchDims};
+use super::mha_ws::{MhaWsConfig, TmaMap, WS_ROWS, WS_THREADS};
 use super::ops::{need, Dv, PagesView};
 use crate::error::KernelError;
 use crate::gpu::{Defines, Source};
@@ -502,6 +503,9 @@ pub enum MhaKernel {
     /// bf16 inputs, Hopper warpgroup MMA with operands in shared memory (sm_90 only; see
     /// [`MlaShape::wgmma_ok`]).
     Wgmma,
+    /// bf16 inputs, Hopper warp-specialised: a TMA producer warp and two ping-pong consumer
+    /// warpgroups (sm_90 only; see [`MhaWsConfig::shape_ok`]).
+    WarpSpecialized,
 }
 
 impl MhaKernel {
@@ -575,13 +579,17 @@ pub fn mha_prefill(
         MhaKernel::F32 => true,
         MhaKernel::Flash => shape.flash_ok(),
         MhaKernel::Wgmma => shape.wgmma_ok() && dev.compute_capability() == (9, 0),
+        MhaKernel::WarpSpecialized => {
+            MhaWsConfig::shape_ok(shape) && dev.compute_capability() == (9, 0)
+        }
     };
     if [b.q, b.k, b.v].iter().any(|e| e.is_bf16() != bf16) || !shape_ok {
         return Err(KernelError::InvalidParam {
             op: OP,
             field: "inputs",
             limit: "f32 for the f32 kernel; bf16 and qk, v multiples of 16 for flash; \
-                    qk % 32, v % 64 and an sm_90 card for wgmma",
+                    qk % 32, v % 64 and an sm_90 card for wgmma; qk and v % 64 and sm_90 \
+                    for the warp-specialised kernel",
             value: format!("{kernel:?} with {shape:?}"),
         });
     }
@@ -629,6 +637,38 @@ pub fn mha_prefill(
                     b.batch as u32,
                 ),
                 block: (128 * cfg.warpgroups as u32, 1, 1),
+                smem: cfg.smem(shape) as u32,
+            };
+            dev.launch(&f, dims, &mut a)
+        }
+        MhaKernel::WarpSpecialized => {
+            let cfg = MhaWsConfig::from_env().fitted(shape);
+            let tk = b.k.len() / (b.heads * shape.mha_qk).max(1);
+            let tv = b.v.len() / (b.heads * shape.mha_v).max(1);
+            let heads = b.heads;
+            a.push(TmaMap::bf16_rows(b.q.ptr(), tq, heads, shape.mha_qk, 64)?)
+                .push(TmaMap::bf16_rows(
+                    b.k.ptr(),
+                    tk,
+                    heads,
+                    shape.mha_qk,
+                    cfg.keys,
+                )?)
+                .push(TmaMap::bf16_rows(
+                    b.v.ptr(),
+                    tv,
+                    heads,
+                    shape.mha_v,
+                    cfg.keys,
+                )?);
+            let f = dev.function(Source::Mla, &cfg.defines(defines), "mha_ws_bf16")?;
+            let dims = LaunchDims {
+                grid: (
+                    b.max_q.div_ceil(WS_ROWS) as u32,
+                    b.heads as u32,
+                    b.batch as u32,
+                ),
+                block: (WS_THREADS, 1, 1),
                 smem: cfg.smem(shape) as u32,
             };
             dev.launch(&f, dims, &mut a)

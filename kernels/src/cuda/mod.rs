@@ -10,12 +10,14 @@
 //! | [`cublas`] | `y = x · Wᵀ` through cuBLAS (f32, or bf16 weights with a split-bf16 activation) |
 //! | [`ops`] | typed launchers for `common.cu` and the device-resident weight type [`GpuMatrix`] |
 //! | [`mla`] | MLA attention launchers: the absorbed tile / head-packed / per-head kernels, the 12 → 16 pad dispatcher, MHA-form prefill |
+//! | [`mha_ws`] | the warp-specialised Hopper prefill kernel's tiling and TMA descriptors |
 //!
 //! All work goes on the device's one stream, in order; host reads synchronise.
 
 pub mod bench;
 pub mod context;
 pub mod cublas;
+pub mod mha_ws;
 pub mod mla;
 pub mod nvrtc;
 pub mod ops;

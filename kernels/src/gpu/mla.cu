@@ -1116,6 +1116,13 @@ __device__ __forceinline__ void wg_ss128(float* d, u64 da, u64 db, int acc) {
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
       : "l"(da), "l"(db), "r"(acc));
 }
+__device__ __forceinline__ void wg_ss96(float* d, u64 da, u64 db, int acc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %50, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n96k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47}, %48, %49, p, 1, 1, 0, 0;\n}"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47])
+      : "l"(da), "l"(db), "r"(acc));
+}
 template <int TB>
 __device__ __forceinline__ void wg_rs64(float* d, const u32* a, u64 db, int acc) {
   asm volatile(
@@ -1197,16 +1204,21 @@ __device__ __forceinline__ void wg_scores(float* s, const WgQ& q, u32 k_addr) {
   }
 }
 
-// Online softmax of one step's scores (scaled, causally masked) into P fragments; rescales O.
+// Online softmax of one step's scores, in place: scales (log2 domain) and causally masks the
+// scores, updates the running row maxima and sums, leaves the exponentials in `s` and returns
+// in `al0` / `al1` the factors by which the rows' earlier output must be rescaled. The
+// accumulator layout: thread (g = lane / 4, c = lane % 4) of warp wl holds, for each 8-key
+// group n, keys n·8 + 2c, +1 of rows g (j = 0, 1) and g + 8 (j = 2, 3).
 struct WgRow {
   float m0, m1, l0, l1;
 };
-__device__ __forceinline__ void wg_softmax(float* s, u32 (*pf)[4], float (*o)[32], WgRow& r,
-                                           int key0, int lim0, int lim1, int k_len,
-                                           bool need_mask, float scale_log2, int c) {
+template <int NK>
+__device__ __forceinline__ void wg_row_softmax(float* s, WgRow& r, float& al0, float& al1,
+                                               int key0, int lim0, int lim1, int k_len,
+                                               bool need_mask, float scale_log2, int c) {
   float mx0 = -FERRY_INF, mx1 = -FERRY_INF;
 #pragma unroll
-  for (int n = 0; n < WGK / 8; n++)
+  for (int n = 0; n < NK / 8; n++)
 #pragma unroll
     for (int j = 0; j < 4; j++) {
       float v = s[4 * n + j] * scale_log2;
@@ -1224,27 +1236,50 @@ __device__ __forceinline__ void wg_softmax(float* s, u32 (*pf)[4], float (*o)[32
   mx1 = fmaxf(mx1, SHFL_XOR(mx1, 2));
   float n0 = fmaxf(r.m0, mx0), n1 = fmaxf(r.m1, mx1);
   float off0 = n0 == -FERRY_INF ? 0.0f : n0, off1 = n1 == -FERRY_INF ? 0.0f : n1;
-  float al0 = fast_exp2(r.m0 - off0), al1 = fast_exp2(r.m1 - off1);
+  al0 = fast_exp2(r.m0 - off0);
+  al1 = fast_exp2(r.m1 - off1);
   r.m0 = n0;
   r.m1 = n1;
   float ps0 = 0.0f, ps1 = 0.0f;
 #pragma unroll
-  for (int n = 0; n < WGK / 8; n++) {
-    float p0 = fast_exp2(s[4 * n] - off0), p1 = fast_exp2(s[4 * n + 1] - off0);
-    float p2 = fast_exp2(s[4 * n + 2] - off1), p3 = fast_exp2(s[4 * n + 3] - off1);
-    ps0 += p0 + p1;
-    ps1 += p2 + p3;
-    pf[n / 2][(n & 1) * 2] = pack_bf2(p0, p1);
-    pf[n / 2][(n & 1) * 2 + 1] = pack_bf2(p2, p3);
+  for (int n = 0; n < NK / 8; n++) {
+    s[4 * n] = fast_exp2(s[4 * n] - off0);
+    s[4 * n + 1] = fast_exp2(s[4 * n + 1] - off0);
+    s[4 * n + 2] = fast_exp2(s[4 * n + 2] - off1);
+    s[4 * n + 3] = fast_exp2(s[4 * n + 3] - off1);
+    ps0 += s[4 * n] + s[4 * n + 1];
+    ps1 += s[4 * n + 2] + s[4 * n + 3];
   }
   r.l0 = r.l0 * al0 + ps0;
   r.l1 = r.l1 * al1 + ps1;
+}
+// The exponentials as bf16 A fragments of P·V (16 keys per fragment; the accumulator layout of
+// two 8-key groups is the A-fragment layout of one 16-key step).
+template <int NK>
+__device__ __forceinline__ void wg_pack_p(const float* s, u32 (*pf)[4]) {
 #pragma unroll
-  for (int n = 0; n < MHA_DV / 64; n++)
+  for (int n = 0; n < NK / 8; n++) {
+    pf[n / 2][(n & 1) * 2] = pack_bf2(s[4 * n], s[4 * n + 1]);
+    pf[n / 2][(n & 1) * 2 + 1] = pack_bf2(s[4 * n + 2], s[4 * n + 3]);
+  }
+}
+// Rescales N accumulator registers of O (rows g and g + 8 alternate in pairs).
+template <int N>
+__device__ __forceinline__ void wg_rescale(float* o, float al0, float al1) {
 #pragma unroll
-    for (int j = 0; j < 32; j += 4) {
-      o[n][j] *= al0; o[n][j + 1] *= al0; o[n][j + 2] *= al1; o[n][j + 3] *= al1;
-    }
+  for (int j = 0; j < N; j += 4) {
+    o[j] *= al0; o[j + 1] *= al0; o[j + 2] *= al1; o[j + 3] *= al1;
+  }
+}
+// The whole step for the cp.async kernel: softmax, P fragments, O rescaled.
+__device__ __forceinline__ void wg_softmax(float* s, u32 (*pf)[4], float (*o)[32], WgRow& r,
+                                           int key0, int lim0, int lim1, int k_len,
+                                           bool need_mask, float scale_log2, int c) {
+  float al0, al1;
+  wg_row_softmax<WGK>(s, r, al0, al1, key0, lim0, lim1, k_len, need_mask, scale_log2, c);
+  wg_pack_p<WGK>(s, pf);
+#pragma unroll
+  for (int n = 0; n < MHA_DV / 64; n++) wg_rescale<32>(o[n], al0, al1);
 }
 
 // O(64×DV) += P·V_stage, V MN-major in 64-column chunks.
@@ -1431,4 +1466,339 @@ extern "C" __global__ void __launch_bounds__(128 * MHA_WGS, 3 - MHA_WGS) mha_wgm
       }
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Warp-specialised Hopper prefill (FlashAttention-3 structure): the same math and layouts as
+// mha_wgmma_bf16, with the loads and the scheduling taken off the compute warps.
+//
+// Block = 2 consumer warpgroups + 1 producer warp (288 threads), 128 query rows of one
+// (sequence, head). One thread of the producer warp (warp 8) issues TMA copies (the tensor maps come from the host, 128-byte swizzle, so the
+// tiles land in exactly the layout wgmma reads) for Q once and for each 128-key step's K and V
+// into MHA_WS_ST-deep rings, each slot guarded by a full / empty mbarrier pair. A single
+// producer warp (rather than a warpgroup trading registers through setmaxnreg) leaves ~224
+// registers per thread to the consumers, which need ~200. Warpgroups 0 and 1 consume, 64 query
+// rows each:
+//   - ping-pong (MHA_WS_PINGPONG): the two consumers take turns issuing their GEMMs (named
+//     barriers 1 and 2), so one's softmax runs under the other's GEMMs: the tensor cores see
+//     S_A, S_B, PV_A, PV_B, S_A, ... while A and B exponentiate in between;
+//   - intra-warpgroup overlap (MHA_WS_OVERLAP): step j issues S_j = Q·K_jᵀ and then
+//     P_{j-1}·V_{j-1}, and runs step j's softmax while P_{j-1}·V_{j-1} is on the tensor cores.
+//     It keeps S, P and O live at once (160 registers at 128-key steps); ptxas gives a block of
+//     9 warps 168 registers per thread (it rounds to warpgroups and does not honour setmaxnreg
+//     for the consumer region here), so the overlap form needs 96- or 64-key steps.
+// Keys past the sequence's end inside a step are masked; TMA zero-fills rows past the tensor,
+// and rows of the next sequence (finite values) get probability 0.
+// Grid: (ceil(max_q_len / 128), H, B); block 288; smem: MhaWsConfig::smem() on the host.
+#if MHA_DQK % 64 == 0 && MHA_DV % 64 == 0
+#define FERRY_MHA_WS 1
+#ifndef MHA_WS_ST
+#define MHA_WS_ST 2
+#endif
+#ifndef MHA_WS_PVN
+#define MHA_WS_PVN 128
+#endif
+#ifndef MHA_WS_PINGPONG
+#define MHA_WS_PINGPONG 1
+#endif
+#ifndef MHA_WS_K
+#define MHA_WS_K 128
+#endif
+#ifndef MHA_WS_OVERLAP
+#define MHA_WS_OVERLAP 0
+#endif
+#define WS_K MHA_WS_K                 // keys per step (64, 96 or 128)
+#if WS_K == 128
+#define WS_SS wg_ss128
+#elif WS_K == 96
+#define WS_SS wg_ss96
+#else
+#define WS_SS wg_ss64
+#endif
+#define WS_QB (64 * MHA_DQK * 2)      // bytes of one consumer's Q tile
+#define WS_KB (WS_K * MHA_DQK * 2)    // bytes of one K step
+#define WS_VB (WS_K * MHA_DV * 2)     // bytes of one V step
+
+// A CUtensorMap, passed by value as a __grid_constant__ kernel parameter.
+struct __align__(64) TmaMap {
+  u64 v[16];
+};
+
+__device__ __forceinline__ void mbar_init(u32 bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+// The producer's arrival, announcing `bytes` of TMA traffic that will complete the phase.
+__device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+// Waits for the phase with this parity to complete. A wait that never ends (a pipeline bug)
+// traps after ~2^26 polls instead of hanging the card.
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+  for (int spin = 0;; spin++) {
+    u32 done;
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n}"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+    if (done) return;
+    if (spin > (1 << 26)) __trap();
+  }
+}
+// One box of a 3-D tensor map (dims: width, head, row) into shared memory, completing on `bar`.
+__device__ __forceinline__ void tma_load_3d(u32 dst, const TmaMap* map, u32 bar, int x, int y,
+                                            int z) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes "
+      "[%0], [%1, {%2, %3, %4}], [%5];" ::"r"(dst),
+      "l"((u64)map), "r"(x), "r"(y), "r"(z), "r"(bar)
+      : "memory");
+}
+__device__ __forceinline__ void named_sync(int id) {
+  asm volatile("bar.sync %0, 256;" ::"r"(id) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id) {
+  asm volatile("bar.arrive %0, 256;" ::"r"(id) : "memory");
+}
+template <int N>
+__device__ __forceinline__ void wg_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+
+// S(64×WS_K) = Q·Kᵀ, both from shared memory (swizzled, K-major).
+__device__ __forceinline__ void ws_scores(float* s, u32 q_addr, u32 k_addr) {
+#pragma unroll
+  for (int kk = 0; kk < MHA_DQK / 16; kk++)
+    WS_SS(s, wg_desc_sw128(q_addr + (kk / 4) * 64 * 128 + (kk % 4) * 32, 16, 1024),
+          wg_desc_sw128(k_addr + (kk / 4) * WS_K * 128 + (kk % 4) * 32, 16, 1024), kk > 0);
+}
+// O(64×DV) += P·V, V MN-major: MHA_WS_PVN-column wgmma (128 spans two swizzle atoms, LBO apart).
+__device__ __forceinline__ void ws_pv(float (*o)[MHA_WS_PVN / 2], u32 (*pf)[4], u32 v_addr) {
+#pragma unroll
+  for (int n = 0; n < MHA_DV / MHA_WS_PVN; n++)
+#pragma unroll
+    for (int kk = 0; kk < WS_K / 16; kk++) {
+      u64 vd = wg_desc_sw128(v_addr + n * (MHA_WS_PVN / 64) * WS_K * 128 + kk * 2048, WS_K * 128,
+                             1024);
+#if MHA_WS_PVN == 128
+      wg_rs128<1>(o[n], pf[kk], vd, 1);
+#else
+      wg_rs64<1>(o[n], pf[kk], vd, 1);
+#endif
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(288, 1)
+    mha_ws_bf16(MhaArgs a, const __grid_constant__ TmaMap tm_q,
+                const __grid_constant__ TmaMap tm_k, const __grid_constant__ TmaMap tm_v) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  // Swizzled tiles need 1024-byte-aligned atoms: the host allots 1 KB of slack.
+  u32 s_q = smem_u32(smem);
+  s_q += (1024 - (s_q & 1023)) & 1023;                  // [2][DQK/64][64 rows][128 B]
+  u32 s_k = s_q + 2 * WS_QB;                            // [ST][DQK/64][128 keys][128 B]
+  u32 s_v = s_k + MHA_WS_ST * WS_KB;                    // [ST][DV/64][128 keys][128 B]
+  u32 bars = s_v + MHA_WS_ST * WS_VB;                   // q_full, then 4 rings of ST
+  const u32 q_full = bars;
+  auto k_full = [&](int i) { return bars + 8 * (1 + i); };
+  auto k_empty = [&](int i) { return bars + 8 * (1 + MHA_WS_ST + i); };
+  auto v_full = [&](int i) { return bars + 8 * (1 + 2 * MHA_WS_ST + i); };
+  auto v_empty = [&](int i) { return bars + 8 * (1 + 3 * MHA_WS_ST + i); };
+
+  int h = blockIdx.y, b = blockIdx.z;
+  int qb = gridDim.x - 1 - blockIdx.x;  // longest blocks first
+  int q0 = a.cu_q[b], k0 = a.cu_k[b];
+  int q_len = a.cu_q[b + 1] - q0, k_len = a.cu_k[b + 1] - k0;
+  if (qb * 128 >= q_len) return;  // the whole block: before any barrier
+  int offset = k_len - q_len;
+  int kv_end = min(k_len, offset + qb * 128 + 128);  // keys any row of this block can see
+  int n_kb = (kv_end + WS_K - 1) / WS_K;
+  int tid = threadIdx.x;
+  if (tid == 0) {
+    mbar_init(q_full, 1);
+    for (int i = 0; i < MHA_WS_ST; i++) {
+      mbar_init(k_full(i), 1);
+      mbar_init(v_full(i), 1);
+      mbar_init(k_empty(i), 256);
+      mbar_init(v_empty(i), 256);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (tid >= 256) {
+    // Producer.
+    if (tid == 256) {
+      mbar_expect_tx(q_full, 2 * WS_QB);
+#pragma unroll
+      for (int w = 0; w < 2; w++)
+#pragma unroll
+        for (int at = 0; at < MHA_DQK / 64; at++)
+          tma_load_3d(s_q + w * WS_QB + at * 64 * 128, &tm_q, q_full, at * 64, h,
+                      q0 + qb * 128 + w * 64);
+      for (int kb = 0; kb < n_kb; kb++) {
+        int st = kb % MHA_WS_ST, use = kb / MHA_WS_ST;
+        if (use > 0) mbar_wait(k_empty(st), (use - 1) & 1);
+        mbar_expect_tx(k_full(st), WS_KB);
+#pragma unroll
+        for (int at = 0; at < MHA_DQK / 64; at++)
+          tma_load_3d(s_k + st * WS_KB + at * WS_K * 128, &tm_k, k_full(st), at * 64, h,
+                      k0 + kb * WS_K);
+        if (use > 0) mbar_wait(v_empty(st), (use - 1) & 1);
+        mbar_expect_tx(v_full(st), WS_VB);
+#pragma unroll
+        for (int at = 0; at < MHA_DV / 64; at++)
+          tma_load_3d(s_v + st * WS_VB + at * WS_K * 128, &tm_v, v_full(st), at * 64, h,
+                      k0 + kb * WS_K);
+      }
+    }
+    return;
+  }
+
+  // Consumers.
+  int cw = tid / 128, tl = tid % 128, wl = tl / WARP, lane = tl % WARP;
+  int g = lane / 4, c = lane % 4;
+  int wg_first = qb * 128 + cw * 64;
+  int row0 = wg_first + wl * 16 + g, row1 = row0 + 8;
+  int lim0 = offset + row0 + 1, lim1 = offset + row1 + 1;
+  // Whether step kb needs the causal / end-of-sequence mask for some row of this warpgroup.
+  auto masked = [&](int kb) {
+    return (kb + 1) * WS_K > offset + wg_first + 1 || (kb + 1) * WS_K > k_len;
+  };
+  const u32 my_q = s_q + cw * WS_QB;
+#if MHA_WS_PINGPONG
+  const int my_bar = 1 + cw, other_bar = 2 - cw;
+  if (cw == 1) named_arrive(1);  // consumer 0 issues first
+#define WS_TURN() named_sync(my_bar)
+#define WS_DONE() named_arrive(other_bar)
+#else
+#define WS_TURN()
+#define WS_DONE()
+#endif
+
+  float o[MHA_DV / MHA_WS_PVN][MHA_WS_PVN / 2];
+#pragma unroll
+  for (int n = 0; n < MHA_DV / MHA_WS_PVN; n++)
+#pragma unroll
+    for (int j = 0; j < MHA_WS_PVN / 2; j++) o[n][j] = 0.0f;
+  WgRow row = {-FERRY_INF, -FERRY_INF, 0.0f, 0.0f};
+  float s[WS_K / 2], al0 = 1.0f, al1 = 1.0f;
+  u32 pf[WS_K / 16][4];
+  mbar_wait(q_full, 0);
+
+#if !MHA_WS_OVERLAP
+  for (int kb = 0; kb < n_kb; kb++) {
+    int st = kb % MHA_WS_ST;
+    u32 par = (kb / MHA_WS_ST) & 1;
+    mbar_wait(k_full(st), par);
+    WS_TURN();
+    wg_fence();
+    ws_scores(s, my_q, s_k + st * WS_KB);
+    wg_commit();
+    WS_DONE();
+    wg_wait<0>();
+    wg_fence_regs<WS_K / 2>(s);
+    mbar_arrive(k_empty(st));
+    wg_row_softmax<WS_K>(s, row, al0, al1, kb * WS_K, lim0, lim1, k_len, masked(kb),
+                         a.scale_log2, c);
+    wg_pack_p<WS_K>(s, pf);
+#pragma unroll
+    for (int n = 0; n < MHA_DV / MHA_WS_PVN; n++) wg_rescale<MHA_WS_PVN / 2>(o[n], al0, al1);
+    mbar_wait(v_full(st), par);
+    WS_TURN();
+    wg_fence();
+    ws_pv(o, pf, s_v + st * WS_VB);
+    wg_commit();
+    WS_DONE();
+    wg_wait<0>();
+#pragma unroll
+    for (int n = 0; n < MHA_DV / MHA_WS_PVN; n++) wg_fence_regs<MHA_WS_PVN / 2>(o[n]);
+    mbar_arrive(v_empty(st));
+  }
+#else
+  // Step 0: scores and softmax only (there is no P·V to overlap yet).
+  mbar_wait(k_full(0), 0);
+  WS_TURN();
+  wg_fence();
+  ws_scores(s, my_q, s_k);
+  wg_commit();
+  WS_DONE();
+  wg_wait<0>();
+  wg_fence_regs<WS_K / 2>(s);
+  mbar_arrive(k_empty(0));
+  wg_row_softmax<WS_K>(s, row, al0, al1, 0, lim0, lim1, k_len, masked(0), a.scale_log2, c);
+  wg_pack_p<WS_K>(s, pf);
+
+  for (int kb = 1; kb < n_kb; kb++) {
+    int st = kb % MHA_WS_ST, pst = (kb - 1) % MHA_WS_ST;
+    mbar_wait(k_full(st), (kb / MHA_WS_ST) & 1);
+    WS_TURN();
+    wg_fence();
+    ws_scores(s, my_q, s_k + st * WS_KB);
+    wg_commit();
+    // O is idle here (the last P·V was waited for): apply step kb - 1's rescale, then issue
+    // P_{kb-1}·V_{kb-1} behind the scores.
+#pragma unroll
+    for (int n = 0; n < MHA_DV / MHA_WS_PVN; n++) wg_rescale<MHA_WS_PVN / 2>(o[n], al0, al1);
+    mbar_wait(v_full(pst), ((kb - 1) / MHA_WS_ST) & 1);
+    wg_fence();
+    ws_pv(o, pf, s_v + pst * WS_VB);
+    wg_commit();
+    WS_DONE();
+    wg_wait<1>();  // the scores
+    wg_fence_regs<WS_K / 2>(s);
+    mbar_arrive(k_empty(st));
+    wg_row_softmax<WS_K>(s, row, al0, al1, kb * WS_K, lim0, lim1, k_len, masked(kb),
+                         a.scale_log2, c);
+    wg_wait<0>();  // P_{kb-1}·V_{kb-1}: pf and O are free again
+#pragma unroll
+    for (int n = 0; n < MHA_DV / MHA_WS_PVN; n++) wg_fence_regs<MHA_WS_PVN / 2>(o[n]);
+    mbar_arrive(v_empty(pst));
+    wg_pack_p<WS_K>(s, pf);
+  }
+
+  // The last step's P·V.
+  {
+    int pst = (n_kb - 1) % MHA_WS_ST;
+#pragma unroll
+    for (int n = 0; n < MHA_DV / MHA_WS_PVN; n++) wg_rescale<MHA_WS_PVN / 2>(o[n], al0, al1);
+    mbar_wait(v_full(pst), ((n_kb - 1) / MHA_WS_ST) & 1);
+    WS_TURN();
+    wg_fence();
+    ws_pv(o, pf, s_v + pst * WS_VB);
+    wg_commit();
+    WS_DONE();
+    wg_wait<0>();
+#pragma unroll
+    for (int n = 0; n < MHA_DV / MHA_WS_PVN; n++) wg_fence_regs<MHA_WS_PVN / 2>(o[n]);
+  }
+#endif
+#undef WS_TURN
+#undef WS_DONE
+
+  float l0 = row.l0, l1 = row.l1;
+  l0 += SHFL_XOR(l0, 1);
+  l0 += SHFL_XOR(l0, 2);
+  l1 += SHFL_XOR(l1, 1);
+  l1 += SHFL_XOR(l1, 2);
+  int H = a.heads;
+#pragma unroll
+  for (int n = 0; n < MHA_DV / MHA_WS_PVN; n++)
+#pragma unroll
+    for (int t = 0; t < MHA_WS_PVN / 8; t++) {
+      int col = n * MHA_WS_PVN + t * 8 + 2 * c;
+      if (row0 < q_len) {
+        float* dst = a.out + ((size_t)(q0 + row0) * H + h) * MHA_DV + col;
+        *(float2*)dst = make_float2(o[n][4 * t] / l0, o[n][4 * t + 1] / l0);
+      }
+      if (row1 < q_len) {
+        float* dst = a.out + ((size_t)(q0 + row1) * H + h) * MHA_DV + col;
+        *(float2*)dst = make_float2(o[n][4 * t + 2] / l1, o[n][4 * t + 3] / l1);
+      }
+    }
+}
+#endif
 #endif

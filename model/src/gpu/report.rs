@@ -129,13 +129,13 @@ fn kernels(
     );
     let _ = writeln!(
         out,
-        "| heads | tokens | flash (mma.sync) ms | TFLOP/s | wgmma ms | TFLOP/s |\n|---|---|---|---|---|---|"
+        "| heads | tokens | flash (mma.sync) ms | TFLOP/s | wgmma ms | TFLOP/s | warp-specialised ms | TFLOP/s |\n|---|---|---|---|---|---|---|---|"
     );
     for heads in [12usize, 16] {
         for &n in &args.prefill_tokens {
             let mut row = format!("| {heads} | {n} |");
             let imps: &[MhaImpl] = if hopper {
-                &[MhaImpl::Flash, MhaImpl::Wgmma]
+                &[MhaImpl::Flash, MhaImpl::Wgmma, MhaImpl::WarpSpecialized]
             } else {
                 &[MhaImpl::Flash]
             };
