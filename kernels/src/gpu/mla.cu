@@ -1498,7 +1498,7 @@ extern "C" __global__ void __launch_bounds__(128 * MHA_WGS, 3 - MHA_WGS) mha_wgm
 #define MHA_WS_PVN 128
 #endif
 #ifndef MHA_WS_PINGPONG
-#define MHA_WS_PINGPONG 1
+#define MHA_WS_PINGPONG 0
 #endif
 #ifndef MHA_WS_K
 #define MHA_WS_K 128
