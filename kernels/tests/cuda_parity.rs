@@ -75,6 +75,8 @@ fn nvrtc_compiles_every_source() {
             v3.with_tile(32, 3),
             v3.with_tile(32, 4),
             v3.with_tile8(4),
+            v3.with_tile_ws(2),
+            v3.with_tile_ws(4),
         ] {
             let ptx = compile_ptx(Source::Mla, &shape.defines(), cc).expect("mla.cu compiles");
             for k in [
@@ -89,6 +91,10 @@ fn nvrtc_compiles_every_source() {
             if shape.tile_warps == 8 {
                 assert!(ptx.contains("mla_tile8_bf16") && ptx.contains("mla_packed8_bf16"));
             }
+            // The bulk-copy tile kernel exists for sm_90 only (where the shape allows it).
+            let ws = cc == (9, 0) && shape.latent % 32 == 0;
+            assert_eq!(ptx.contains("mla_tile_ws_bf16"), ws);
+            assert_eq!(ptx.contains("mla_packed_ws_bf16"), ws);
             // Hopper (compiled as sm_90a) gets the warpgroup-MMA prefill kernel, others not.
             let hopper = cc == (9, 0) && shape.wgmma_ok();
             assert_eq!(
@@ -381,6 +387,27 @@ fn absorbed_kernels_match_cpu() {
             page: 16,
         },
         AbsorbedCase {
+            shape: v3.with_tile_ws(2),
+            heads: 16,
+            sq: 1,
+            ctx: vec![1, 70, 3000],
+            page: 64,
+        },
+        AbsorbedCase {
+            shape: v3.with_tile_ws(3),
+            heads: 12,
+            sq: 3,
+            ctx: vec![9, 1300],
+            page: 16,
+        },
+        AbsorbedCase {
+            shape: v3.with_tile_ws(4),
+            heads: 8,
+            sq: 1,
+            ctx: vec![2, 5000],
+            page: 32,
+        },
+        AbsorbedCase {
             shape: v3.with_tile(64, 2),
             heads: 16,
             sq: 1,
@@ -445,6 +472,9 @@ fn absorbed_kernels_match_cpu() {
         },
     ];
     for case in &cases {
+        if case.shape.tile_needs_sm90() && dev.compute_capability() < (9, 0) {
+            continue;
+        }
         let (h, sq, w, dv) = (case.heads, case.sq, case.shape.latent, case.shape.kv_lora);
         let pool = Pool::new(&mut rng, w, case.page, &case.ctx);
         let rows = case.ctx.len() * sq * h;

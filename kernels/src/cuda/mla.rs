@@ -40,8 +40,9 @@ pub struct MlaShape {
     /// Depth of the tile kernels' `cp.async` pipeline (2..=4 steps in flight; 2..=5 for the
     /// 8-warp kernel).
     pub tile_stages: usize,
-    /// Warps per tile block: 4 (keys split over warps, `mla_tile_bf16`) or 8 (keys and latent
-    /// width split, Q in registers, `mla_tile8_bf16`; 32-key steps).
+    /// Warps per tile block: 4 (keys split over warps, `mla_tile_bf16`), 8 (keys and latent
+    /// width split, Q in registers, `mla_tile8_bf16`; 32-key steps) or 5 (the 4-warp math fed
+    /// by a bulk-copy producer warp, `mla_tile_ws_bf16`; 32-key steps, sm_90 only).
     pub tile_warps: usize,
     /// Steps ahead of the `cp.async` pipeline at which the tile kernels ask L2 for key rows
     /// (0 = no prefetch).
@@ -86,6 +87,21 @@ impl MlaShape {
         }
     }
 
+    /// The same shape on the warp-specialised tile kernel (sm_90) with a `stages`-deep ring.
+    pub const fn with_tile_ws(self, stages: usize) -> Self {
+        Self {
+            tile_bk: 32,
+            tile_stages: stages,
+            tile_warps: 5,
+            ..self
+        }
+    }
+
+    /// Whether this tiling needs an sm_90 card (the bulk-copy producer).
+    pub const fn tile_needs_sm90(&self) -> bool {
+        self.tile_warps == 5
+    }
+
     /// The same shape with another tile pipeline (benchmarks sweep these).
     pub const fn with_tile(self, bk: usize, stages: usize) -> Self {
         Self {
@@ -106,6 +122,7 @@ impl MlaShape {
             .with("MLA_BK", self.tile_bk)
             .with("MLA_STAGES", self.tile_stages)
             .with("T8_STAGES", self.tile_stages)
+            .with("MLA_WS_ST", self.tile_stages)
             .with("MLA_L2PF", self.l2_prefetch)
     }
 
@@ -117,6 +134,14 @@ impl MlaShape {
                 && self.kv_lora <= self.latent
                 && self.tile_bk == 32
                 && (2..=5).contains(&self.tile_stages)
+                && self.tile_smem() <= 227 * 1024;
+        }
+        if self.tile_warps == 5 {
+            return self.latent % 32 == 0
+                && self.kv_lora % 64 == 0
+                && self.kv_lora <= self.latent
+                && self.tile_bk == 32
+                && (2..=4).contains(&self.tile_stages)
                 && self.tile_smem() <= 227 * 1024;
         }
         let bk_ok = self.tile_bk == 64 || (self.tile_bk == 32 && self.latent % 32 == 0);
@@ -142,10 +167,17 @@ impl MlaShape {
                 + 2 * 2 * TILE_ROWS * 36 * 4
                 + TILE_ROWS * (4 + 8);
         }
+        // (Warp-specialised: the same, plus a full and an empty mbarrier per stage.)
+        let barriers = if self.tile_warps == 5 {
+            16 * self.tile_stages
+        } else {
+            0
+        };
         self.tile_stages * self.tile_bk * kstr * 2
             + TILE_ROWS * kstr * 2
             + TILE_ROWS * self.tile_bk * 4
             + 1024
+            + barriers
     }
 
     /// Whether the wgmma prefill kernel takes this shape: whole 4-chunk loader items (qk a
@@ -321,6 +353,19 @@ pub fn mla_absorbed(
     } else {
         -1
     };
+    if tiled && shape.tile_needs_sm90() && dev.compute_capability() < (9, 0) {
+        return Err(KernelError::InvalidParam {
+            op: OP,
+            field: "shape.tile_warps",
+            limit: "4 or 8 below sm_90 (the warp-specialised tile kernel needs bulk copies)",
+            value: format!(
+                "{} on sm_{}{}",
+                shape.tile_warps,
+                dev.compute_capability().0,
+                dev.compute_capability().1
+            ),
+        });
+    }
     if tiled && page_shift < 0 {
         return Err(KernelError::InvalidParam {
             op: OP,
@@ -347,10 +392,10 @@ pub fn mla_absorbed(
             }
             let tiles = b.sq * (b.heads / b.heads.min(TILE_ROWS));
             (
-                if shape.tile_warps == 8 {
-                    "mla_tile8_bf16"
-                } else {
-                    "mla_tile_bf16"
+                match shape.tile_warps {
+                    8 => "mla_tile8_bf16",
+                    5 => "mla_tile_ws_bf16",
+                    _ => "mla_tile_bf16",
                 },
                 tiles,
                 dev.sm_count() as usize,
@@ -360,10 +405,10 @@ pub fn mla_absorbed(
         AbsorbedKernel::Packed => {
             let tiles = (b.sq * b.heads).div_ceil(TILE_ROWS);
             (
-                if shape.tile_warps == 8 {
-                    "mla_packed8_bf16"
-                } else {
-                    "mla_packed_bf16"
+                match shape.tile_warps {
+                    8 => "mla_packed8_bf16",
+                    5 => "mla_packed_ws_bf16",
+                    _ => "mla_packed_bf16",
                 },
                 tiles,
                 dev.sm_count() as usize,
@@ -380,14 +425,14 @@ pub fn mla_absorbed(
         }
     };
     let tile = matches!(kernel, AbsorbedKernel::Tile | AbsorbedKernel::Packed);
-    let threads = if tile && shape.tile_warps == 8 {
-        256
+    let threads = if tile {
+        32 * shape.tile_warps as u32
     } else {
         128
     };
     // Tile blocks resident per SM: shared memory allows two 4-warp blocks (the 8-warp kernel
     // takes a whole SM); split-K fills every resident slot in one wave.
-    let per_sm = if tile && shape.tile_warps == 4 {
+    let per_sm = if tile && matches!(shape.tile_warps, 4 | 5) {
         ((228 * 1024) / (block_smem + 1024)).clamp(1, 2)
     } else {
         1
@@ -823,6 +868,15 @@ mod tests {
             assert!(t.tile_ok(), "8 warps x {st}: {}", t.tile_smem());
         }
         assert!(!s.with_tile8(6).tile_ok());
+        for st in 2..=4 {
+            let t = s.with_tile_ws(st);
+            assert!(
+                t.tile_ok() && t.tile_needs_sm90(),
+                "ws x {st}: {}",
+                t.tile_smem()
+            );
+        }
+        assert!(!s.with_tile_ws(5).tile_ok());
         assert!(!MlaShape::new(80, 64, 48, 32).with_tile(32, 2).tile_ok());
         assert!(s.flash_smem() <= 227 * 1024 / 2, "{}", s.flash_smem());
         assert!(s.tile_ok() && s.flash_ok() && s.wgmma_ok());

@@ -217,6 +217,55 @@ __device__ __forceinline__ void cp_async_wait0() { asm volatile("cp.async.wait_g
 #endif
 
 // ---------------------------------------------------------------------------------------------
+// Hopper (sm_90) asynchronous-copy machinery shared by the warp-specialised kernels: mbarriers
+// (a phase completes when its expected arrivals and transaction bytes are in), bulk copies
+// global → shared that complete on an mbarrier, and named barriers over a subset of warps.
+#if FERRY_MMA && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define FERRY_SM90 1
+__device__ __forceinline__ void mbar_init(u32 bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+// The producer's arrival, announcing `bytes` of TMA traffic that will complete the phase.
+__device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+// Waits for the phase with this parity to complete. A wait that never ends (a pipeline bug)
+// traps after ~2^26 polls instead of hanging the card.
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+  for (int spin = 0;; spin++) {
+    u32 done;
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n}"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+    if (done) return;
+    if (spin > (1 << 26)) __trap();
+  }
+}
+// A bulk copy of `bytes` (a multiple of 16, both addresses 16-byte aligned) into shared
+// memory, completing `bytes` of transaction on `bar`.
+__device__ __forceinline__ void bulk_g2s(u32 dst, const void* src, u32 bytes, u32 bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
+      "l"(src), "r"(bytes), "r"(bar)
+      : "memory");
+}
+// Barrier `id` (1..15) over `n` threads (a multiple of 32): the warps taking part.
+__device__ __forceinline__ void named_sync(int id, int n) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int n) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(n) : "memory");
+}
+#endif
+
+// ---------------------------------------------------------------------------------------------
 // Absorbed tile kernel: 16 query rows × BK keys per step, 4 warps, MLA_STAGES-deep cp.async
 // pipeline. BK = MLA_BK (64: each warp scores 16 keys; 32: 8 keys, needs MLA_DQK % 32 == 0).
 // Grid: (splits, tiles, B); block 128; dynamic shared memory from MlaShape::tile_smem().
@@ -595,6 +644,198 @@ __device__ void mla_tile_scalar(const MlaArgs& a) {
 #endif
 extern "C" __global__ void __launch_bounds__(128) mla_tile_bf16(MlaArgs a) { MLA_TILE_BODY(0); }
 extern "C" __global__ void __launch_bounds__(128) mla_packed_bf16(MlaArgs a) { MLA_TILE_BODY(1); }
+
+// ---------------------------------------------------------------------------------------------
+// Absorbed tile kernel, warp-specialised (sm_90): the 4-warp kernel's tiling and math, with the
+// loads taken off the compute warps. A fifth warp produces: for each 32-key step it waits
+// until the ring slot is free (an `empty` mbarrier the 128 compute threads arrive on), then
+// each lane issues one bulk copy of one 1,152-byte latent row (page-table lookup included)
+// into the padded slot, completing on the slot's `full` mbarrier; rows past the split's end
+// are zero-filled by plain stores. The compute warps wait on `full`, and meet only at the two
+// barriers the softmax needs (row maxima, then P), named so the producer is not held: the
+// third barrier of the cp.async kernel (stage reuse) is the `empty` mbarrier.
+// Grid: (splits, tiles, B); block 160; smem: MlaShape::tile_smem() (tile_warps 5).
+#if FERRY_SM90 && MLA_DQK % 32 == 0
+#define FERRY_TILE_WS 1
+#ifndef MLA_WS_ST
+#define MLA_WS_ST 2
+#endif
+template <int PACKED>
+__device__ void mla_tile_ws(const MlaArgs& a) {
+  static_assert(BK == 32, "one latent row per producer lane");
+  extern __shared__ __align__(16) unsigned char smem[];
+  bf16_t* s_k = (bf16_t*)smem;                       // [MLA_WS_ST][BK][KSTR]
+  bf16_t* s_q = s_k + MLA_WS_ST * BK * KSTR;         // [16][KSTR]
+  bf16_t* s_p = s_q + TROWS * KSTR;                  // [16][PSTR]
+  float* s_red = (float*)(s_p + TROWS * PSTR);       // [NWT][16]
+  float* s_l = s_red + NWT * TROWS;                  // [NWT][16]
+  int* s_lim = (int*)(s_l + NWT * TROWS);            // [16]
+  long long* s_row = (long long*)(s_lim + TROWS);    // [16]
+  u32 bars = smem_u32(s_row + TROWS);                // full[MLA_WS_ST], empty[MLA_WS_ST]
+  auto full = [&](int i) { return bars + 8 * i; };
+  auto empty = [&](int i) { return bars + 8 * (MLA_WS_ST + i); };
+
+  int split = blockIdx.x, b = blockIdx.z;
+  int tid = threadIdx.x, lane = tid % WARP, w = tid / WARP, g = lane / 4, c = lane % 4;
+  int total_rows = gridDim.z * a.sq * a.heads;
+  if (tid == 0) {
+    for (int i = 0; i < MLA_WS_ST; i++) {
+      mbar_init(full(i), WARP);
+      mbar_init(empty(i), NWT * WARP);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  TileSpan sp = tile_setup<PACKED>(a, s_lim, s_row, s_q);  // its barrier covers the inits
+  __syncthreads();                                          // the staged queries
+  int start = sp.start, end = sp.end;
+  int nchunks = start < end ? (end - start + BK - 1) / BK : 0;
+
+  if (w == NWT) {
+    // Producer: lane l moves key row l of every step.
+    const bf16_t* pages = (const bf16_t*)a.pages;
+    for (int it = 0; it < nchunks; it++) {
+      int st = it % MLA_WS_ST, use = it / MLA_WS_ST;
+      if (use > 0) mbar_wait(empty(st), (use - 1) & 1);
+      int c0 = start + it * BK, p = c0 + lane;
+      u32 dst = smem_u32(s_k + (st * BK + lane) * KSTR);
+      if (p < end) {
+        bulk_g2s(dst, pages + key_offset_pow2(a, b, p), MLA_DQK * 2, full(st));
+      } else {
+        // Masked keys get probability 0, but 0 · (stale bits) could be NaN: zero the row.
+        uint4* row = (uint4*)(s_k + (st * BK + lane) * KSTR);
+        for (int x = 0; x < MLA_DQK / 8; x++) row[x] = make_uint4(0, 0, 0, 0);
+      }
+      int bytes = (min(end - c0, BK)) * MLA_DQK * 2;
+      if (lane == 0) mbar_expect_tx(full(st), bytes); else mbar_arrive(full(st));
+    }
+    return;
+  }
+
+  int lim0 = s_lim[g], lim1 = s_lim[g + 8];
+  const int NT = MLA_DV / (8 * NWT);  // 8-column output tiles per warp
+  float o[NT][4];
+#pragma unroll
+  for (int n = 0; n < NT; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+  float m0 = -FERRY_INF, m1 = -FERRY_INF, l0 = 0.0f, l1 = 0.0f;
+  const int NPW = KPW / 8;
+  for (int it = 0; it < nchunks; it++) {
+    int c0 = start + it * BK, st = it % MLA_WS_ST;
+    mbar_wait(full(st), (it / MLA_WS_ST) & 1);
+    const bf16_t* kb = s_k + st * BK * KSTR;
+    float s[2][NPW][4];
+#pragma unroll
+    for (int x = 0; x < 2; x++)
+#pragma unroll
+      for (int y = 0; y < NPW; y++) s[x][y][0] = s[x][y][1] = s[x][y][2] = s[x][y][3] = 0.0f;
+    u32 qa = smem_u32(s_q + (lane % 16) * KSTR + (lane / 16) * 8);
+    // 8 keys per warp: one x4 ldmatrix covers two k-steps of the 8-key tile.
+    u32 ka = smem_u32(kb + (w * 8 + (lane % 8)) * KSTR + 8 * (lane / 8));
+#pragma unroll 4
+    for (int k2 = 0; k2 < MLA_DQK / 32; k2++) {
+      u32 af0[4], af1[4], bf[4];
+      ldsm_x4(af0, qa + (2 * k2) * 32);
+      ldsm_x4(af1, qa + (2 * k2 + 1) * 32);
+      ldsm_x4(bf, ka + k2 * 64);
+      mma_bf16(s[0][0], af0, bf[0], bf[1]);
+      mma_bf16(s[1][0], af1, bf[2], bf[3]);
+    }
+    float sc[NPW][4];
+    float mx0 = -FERRY_INF, mx1 = -FERRY_INF;
+#pragma unroll
+    for (int n = 0; n < NPW; n++)
+#pragma unroll
+      for (int j = 0; j < 4; j++) {
+        int key = c0 + w * KPW + n * 8 + 2 * c + (j & 1);
+        int lim = (j < 2) ? lim0 : lim1;
+        float v = (s[0][n][j] + s[1][n][j]) * a.scale_log2;
+        v = (key < lim && key < end) ? v : -FERRY_INF;
+        sc[n][j] = v;
+        if (j < 2) mx0 = fmaxf(mx0, v); else mx1 = fmaxf(mx1, v);
+      }
+    mx0 = fmaxf(mx0, SHFL_XOR(mx0, 1));
+    mx0 = fmaxf(mx0, SHFL_XOR(mx0, 2));
+    mx1 = fmaxf(mx1, SHFL_XOR(mx1, 1));
+    mx1 = fmaxf(mx1, SHFL_XOR(mx1, 2));
+    if (c == 0) { s_red[w * TROWS + g] = mx0; s_red[w * TROWS + g + 8] = mx1; }
+    named_sync(1, NWT * WARP);
+    float n0 = m0, n1 = m1;
+#pragma unroll
+    for (int x = 0; x < NWT; x++) {
+      n0 = fmaxf(n0, s_red[x * TROWS + g]);
+      n1 = fmaxf(n1, s_red[x * TROWS + g + 8]);
+    }
+    float off0 = n0 == -FERRY_INF ? 0.0f : n0, off1 = n1 == -FERRY_INF ? 0.0f : n1;
+    float al0 = fast_exp2(m0 - off0), al1 = fast_exp2(m1 - off1);
+    m0 = n0;
+    m1 = n1;
+    float ps0 = 0.0f, ps1 = 0.0f;
+#pragma unroll
+    for (int n = 0; n < NPW; n++) {
+      float p0 = fast_exp2(sc[n][0] - off0), p1 = fast_exp2(sc[n][1] - off0);
+      float p2 = fast_exp2(sc[n][2] - off1), p3 = fast_exp2(sc[n][3] - off1);
+      ps0 += p0 + p1;
+      ps1 += p2 + p3;
+      int col = w * KPW + n * 8 + 2 * c;
+      *reinterpret_cast<u32*>(s_p + g * PSTR + col) = pack_bf2(p0, p1);
+      *reinterpret_cast<u32*>(s_p + (g + 8) * PSTR + col) = pack_bf2(p2, p3);
+    }
+    l0 = l0 * al0 + ps0;
+    l1 = l1 * al1 + ps1;
+    // Also orders this step's s_red reads before the next step's writes, and the last step's
+    // s_p reads (P·V) before this step's writes above: two barriers per step suffice.
+    named_sync(1, NWT * WARP);
+#pragma unroll
+    for (int n = 0; n < NT; n++) {
+      o[n][0] *= al0; o[n][1] *= al0; o[n][2] *= al1; o[n][3] *= al1;
+    }
+    u32 pa = smem_u32(s_p + (lane % 16) * PSTR + (lane / 16) * 8);
+    u32 va = smem_u32(kb + ((lane % 8) + 8 * ((lane / 8) % 2)) * KSTR + w * (MLA_DV / NWT) +
+                      8 * (lane / 16));
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; kk++) {
+      u32 af[4];
+      ldsm_x4(af, pa + kk * 32);
+#pragma unroll
+      for (int np = 0; np < NT / 2; np++) {
+        u32 bf[4];
+        ldsm_x4_t(bf, va + (kk * 16 * KSTR + np * 16) * 2);
+        mma_bf16(o[2 * np], af, bf[0], bf[1]);
+        mma_bf16(o[2 * np + 1], af, bf[2], bf[3]);
+      }
+    }
+    mbar_arrive(empty(st));  // this thread is done reading the slot
+  }
+
+  l0 += SHFL_XOR(l0, 1);
+  l0 += SHFL_XOR(l0, 2);
+  l1 += SHFL_XOR(l1, 1);
+  l1 += SHFL_XOR(l1, 2);
+  if (c == 0) { s_l[w * TROWS + g] = l0; s_l[w * TROWS + g + 8] = l1; }
+  named_sync(1, NWT * WARP);
+  float L0 = 0.0f, L1 = 0.0f;
+#pragma unroll
+  for (int x = 0; x < NWT; x++) { L0 += s_l[x * TROWS + g]; L1 += s_l[x * TROWS + g + 8]; }
+  long long r0 = s_row[g], r1 = s_row[g + 8];
+#pragma unroll
+  for (int n = 0; n < NT; n++) {
+    int col = w * (MLA_DV / NWT) + n * 8 + 2 * c;
+    if (r0 >= 0) {
+      write_row(a, split, r0, col, o[n][0], m0, L0, total_rows);
+      write_row(a, split, r0, col + 1, o[n][1], m0, L0, total_rows);
+    }
+    if (r1 >= 0) {
+      write_row(a, split, r1, col, o[n][2], m1, L1, total_rows);
+      write_row(a, split, r1, col + 1, o[n][3], m1, L1, total_rows);
+    }
+  }
+}
+extern "C" __global__ void __launch_bounds__(160) mla_tile_ws_bf16(MlaArgs a) {
+  mla_tile_ws<0>(a);
+}
+extern "C" __global__ void __launch_bounds__(160) mla_packed_ws_bf16(MlaArgs a) {
+  mla_tile_ws<1>(a);
+}
+#endif
 
 // ---------------------------------------------------------------------------------------------
 // Absorbed tile kernel, 8-warp variant: the same 16-row tile and 32-key steps, but the score
@@ -1523,32 +1764,6 @@ struct __align__(64) TmaMap {
   u64 v[16];
 };
 
-__device__ __forceinline__ void mbar_init(u32 bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-// The producer's arrival, announcing `bytes` of TMA traffic that will complete the phase.
-__device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(u32 bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
-}
-// Waits for the phase with this parity to complete. A wait that never ends (a pipeline bug)
-// traps after ~2^26 polls instead of hanging the card.
-__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
-  for (int spin = 0;; spin++) {
-    u32 done;
-    asm volatile(
-        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        "selp.u32 %0, 1, 0, p;\n}"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-    if (done) return;
-    if (spin > (1 << 26)) __trap();
-  }
-}
 // One box of a 3-D tensor map (dims: width, head, row) into shared memory, completing on `bar`.
 __device__ __forceinline__ void tma_load_3d(u32 dst, const TmaMap* map, u32 bar, int x, int y,
                                             int z) {
@@ -1558,12 +1773,7 @@ __device__ __forceinline__ void tma_load_3d(u32 dst, const TmaMap* map, u32 bar,
       "l"((u64)map), "r"(x), "r"(y), "r"(z), "r"(bar)
       : "memory");
 }
-__device__ __forceinline__ void named_sync(int id) {
-  asm volatile("bar.sync %0, 256;" ::"r"(id) : "memory");
-}
-__device__ __forceinline__ void named_arrive(int id) {
-  asm volatile("bar.arrive %0, 256;" ::"r"(id) : "memory");
-}
+
 template <int N>
 __device__ __forceinline__ void wg_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
@@ -1671,9 +1881,9 @@ extern "C" __global__ void __launch_bounds__(288, 1)
   const u32 my_q = s_q + cw * WS_QB;
 #if MHA_WS_PINGPONG
   const int my_bar = 1 + cw, other_bar = 2 - cw;
-  if (cw == 1) named_arrive(1);  // consumer 0 issues first
-#define WS_TURN() named_sync(my_bar)
-#define WS_DONE() named_arrive(other_bar)
+  if (cw == 1) named_arrive(1, 256);  // consumer 0 issues first
+#define WS_TURN() named_sync(my_bar, 256)
+#define WS_DONE() named_arrive(other_bar, 256)
 #else
 #define WS_TURN()
 #define WS_DONE()

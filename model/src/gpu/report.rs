@@ -184,8 +184,15 @@ fn kernels(
         shape.with_tile8(2),
         shape.with_tile8(4),
         shape.with_tile8(4).with_l2_prefetch(4),
+        shape.with_tile_ws(2),
+        shape.with_tile_ws(3),
+        shape.with_tile_ws(4),
     ];
-    for v in variants.into_iter().filter(MlaShape::tile_ok) {
+    let sm90 = dev.compute_capability() >= (9, 0);
+    for v in variants
+        .into_iter()
+        .filter(|v| v.tile_ok() && (sm90 || !v.tile_needs_sm90()))
+    {
         let (bk, st) = (v.tile_bk, v.tile_stages);
         pool.set_shape(v);
         let mut cells = Vec::new();
