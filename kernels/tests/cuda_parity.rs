@@ -75,6 +75,7 @@ fn nvrtc_compiles_every_source() {
             v3.with_tile(32, 3),
             v3.with_tile(32, 4),
             v3.with_tile8(4),
+            v3.with_tile(64, 2),
             v3.with_tile_ws(2),
             v3.with_tile_ws(4),
         ] {
@@ -92,7 +93,7 @@ fn nvrtc_compiles_every_source() {
                 assert!(ptx.contains("mla_tile8_bf16") && ptx.contains("mla_packed8_bf16"));
             }
             // The bulk-copy tile kernel exists for sm_90 only (where the shape allows it).
-            let ws = cc == (9, 0) && shape.latent % 32 == 0;
+            let ws = cc == (9, 0) && shape.latent % 32 == 0 && shape.tile_bk == 32;
             assert_eq!(ptx.contains("mla_tile_ws_bf16"), ws);
             assert_eq!(ptx.contains("mla_packed_ws_bf16"), ws);
             // Hopper (compiled as sm_90a) gets the warpgroup-MMA prefill kernel, others not.

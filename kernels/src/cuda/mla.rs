@@ -97,6 +97,19 @@ impl MlaShape {
         }
     }
 
+    /// The fastest measured tile pipeline for a card of compute capability `cc`: the
+    /// warp-specialised kernel, double-buffered, on sm_90 where the shape allows it (91–103 %
+    /// of copy bandwidth against 63 % for the 4-warp kernel on the H200, BENCHMARKS.md), else
+    /// this shape unchanged.
+    pub fn tuned_for(self, cc: (i32, i32)) -> Self {
+        let ws = self.with_tile_ws(2);
+        if cc >= (9, 0) && ws.tile_ok() {
+            ws
+        } else {
+            self
+        }
+    }
+
     /// Whether this tiling needs an sm_90 card (the bulk-copy producer).
     pub const fn tile_needs_sm90(&self) -> bool {
         self.tile_warps == 5
@@ -481,7 +494,12 @@ pub fn mla_absorbed(
             .push(int("splits", splits)?)
             .push(int("rows", rows)?)
             .push(out.ptr);
-        dev.launch(&f, LaunchDims::linear(rows, 128), &mut a)?;
+        let dims = LaunchDims {
+            grid: (rows as u32, shape.kv_lora.div_ceil(128) as u32, 1),
+            block: (128, 1, 1),
+            smem: (splits * 4) as u32,
+        };
+        dev.launch(&f, dims, &mut a)?;
     }
     Ok(())
 }
@@ -554,10 +572,14 @@ pub enum MhaKernel {
 }
 
 impl MhaKernel {
-    /// The fastest tensor-core kernel for this card and shape: [`MhaKernel::Wgmma`] on Hopper
-    /// when the shape allows it, else [`MhaKernel::Flash`].
+    /// The fastest tensor-core kernel for this card and shape: on Hopper the warp-specialised
+    /// kernel (0.84–0.91× cuDNN on the H200), else [`MhaKernel::Wgmma`] where its looser shape
+    /// rule allows; [`MhaKernel::Flash`] elsewhere.
     pub fn best_bf16(dev: &CudaDevice, shape: MlaShape) -> Self {
-        if dev.compute_capability() == (9, 0) && shape.wgmma_ok() {
+        let hopper = dev.compute_capability() == (9, 0);
+        if hopper && MhaWsConfig::shape_ok(shape) {
+            MhaKernel::WarpSpecialized
+        } else if hopper && shape.wgmma_ok() {
             MhaKernel::Wgmma
         } else {
             MhaKernel::Flash

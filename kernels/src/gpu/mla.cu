@@ -144,25 +144,53 @@ __device__ void mla_generic_impl(const MlaArgs& a) {
 extern "C" __global__ void mla_generic_f32(MlaArgs a) { mla_generic_impl<float, float>(a); }
 extern "C" __global__ void mla_generic_bf16(MlaArgs a) { mla_generic_impl<bf16_t, bf16_t>(a); }
 
-// Merge split partials. Grid: rows; block 128.
+// Merge split partials. Grid: (rows, ceil(MLA_DV / 128)); block 128; dynamic shared memory:
+// one float per split. The block first finds the row's global maximum and each split's weight
+// 2^(m_s − M) (threads stride over the splits), then each thread sums its output column over
+// the splits with independent, coalesced loads — a single long context is split ~256 ways, and
+// a serial per-thread walk over the splits cost more than the attention itself.
 extern "C" __global__ void mla_combine(const float* o_part, const float* ml_part, int splits,
                                        int total_rows, float* out) {
+  extern __shared__ float s_w[];  // [splits]
+  __shared__ float s_red[32];
   size_t r = blockIdx.x;
+  int tid = threadIdx.x, lane = tid % WARP, warp = tid / WARP, nwarps = blockDim.x / WARP;
   float M = -FERRY_INF;
-  for (int s = 0; s < splits; s++) M = fmaxf(M, ml_part[((size_t)s * total_rows + r) * 2]);
+  for (int s = tid; s < splits; s += blockDim.x)
+    M = fmaxf(M, ml_part[((size_t)s * total_rows + r) * 2]);
+  for (int m = 16; m > 0; m >>= 1) M = fmaxf(M, SHFL_XOR(M, m));
+  if (lane == 0) s_red[warp] = M;
+  __syncthreads();
+  M = -FERRY_INF;
+  for (int x = 0; x < nwarps; x++) M = fmaxf(M, s_red[x]);
+  __syncthreads();  // s_red is reused for the sum below
   float L = 0.0f;
-  for (int s = 0; s < splits; s++) {
+  for (int s = tid; s < splits; s += blockDim.x) {
     float m = ml_part[((size_t)s * total_rows + r) * 2];
-    if (m != -FERRY_INF) L += ml_part[((size_t)s * total_rows + r) * 2 + 1] * exp2f(m - M);
+    float w = m == -FERRY_INF ? 0.0f : exp2f(m - M);
+    s_w[s] = w;
+    L += ml_part[((size_t)s * total_rows + r) * 2 + 1] * w;
   }
-  for (int d = threadIdx.x; d < MLA_DV; d += blockDim.x) {
-    float o = 0.0f;
-    for (int s = 0; s < splits; s++) {
-      float m = ml_part[((size_t)s * total_rows + r) * 2];
-      if (m != -FERRY_INF) o += o_part[((size_t)s * total_rows + r) * MLA_DV + d] * exp2f(m - M);
-    }
-    out[r * MLA_DV + d] = L > 0.0f ? o / L : 0.0f;
+  for (int m = 16; m > 0; m >>= 1) L += SHFL_XOR(L, m);
+  if (lane == 0) s_red[warp] = L;
+  __syncthreads();
+  L = 0.0f;
+  for (int x = 0; x < nwarps; x++) L += s_red[x];
+  int d = blockIdx.y * blockDim.x + tid;
+  if (d >= MLA_DV) return;
+  const float* src = o_part + r * MLA_DV + d;
+  size_t step = (size_t)total_rows * MLA_DV;
+  float o0 = 0.0f, o1 = 0.0f, o2 = 0.0f, o3 = 0.0f;
+  int s = 0;
+  for (; s + 4 <= splits; s += 4) {
+    o0 += s_w[s] * src[(size_t)s * step];
+    o1 += s_w[s + 1] * src[(size_t)(s + 1) * step];
+    o2 += s_w[s + 2] * src[(size_t)(s + 2) * step];
+    o3 += s_w[s + 3] * src[(size_t)(s + 3) * step];
   }
+  for (; s < splits; s++) o0 += s_w[s] * src[(size_t)s * step];
+  float o = (o0 + o1) + (o2 + o3);
+  out[r * MLA_DV + d] = L > 0.0f ? o / L : 0.0f;
 }
 
 // [T][H][W] → [T][Hp][W] with zero rows H..Hp (bf16). Grid: T·Hp; block 128.
@@ -654,15 +682,15 @@ extern "C" __global__ void __launch_bounds__(128) mla_packed_bf16(MlaArgs a) { M
 // are zero-filled by plain stores. The compute warps wait on `full`, and meet only at the two
 // barriers the softmax needs (row maxima, then P), named so the producer is not held: the
 // third barrier of the cp.async kernel (stage reuse) is the `empty` mbarrier.
+// Needs 32-key steps (one latent row per producer lane).
 // Grid: (splits, tiles, B); block 160; smem: MlaShape::tile_smem() (tile_warps 5).
-#if FERRY_SM90 && MLA_DQK % 32 == 0
+#if FERRY_SM90 && MLA_DQK % 32 == 0 && MLA_BK == 32
 #define FERRY_TILE_WS 1
 #ifndef MLA_WS_ST
 #define MLA_WS_ST 2
 #endif
 template <int PACKED>
 __device__ void mla_tile_ws(const MlaArgs& a) {
-  static_assert(BK == 32, "one latent row per producer lane");
   extern __shared__ __align__(16) unsigned char smem[];
   bf16_t* s_k = (bf16_t*)smem;                       // [MLA_WS_ST][BK][KSTR]
   bf16_t* s_q = s_k + MLA_WS_ST * BK * KSTR;         // [16][KSTR]

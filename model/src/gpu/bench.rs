@@ -143,7 +143,7 @@ impl GpuModel {
         let rope = Rope::new(&c.rope)?;
         Ok(Self {
             dev: dev.clone(),
-            shape: mla_shape(&dims),
+            shape: mla_shape(&dims, dev),
             dims,
             embed,
             layers,

@@ -114,13 +114,15 @@ pub struct GpuModel {
     pub(crate) absorbed: AbsorbedKernel,
 }
 
-fn mla_shape(d: &MlaDims) -> MlaShape {
+/// The attention kernels' shape for `d`, with the tile pipeline tuned for `dev`'s card.
+fn mla_shape(d: &MlaDims, dev: &CudaDevice) -> MlaShape {
     MlaShape::new(
         d.latent_width(),
         d.kv_lora_rank,
         d.qk_head_dim(),
         d.v_head_dim,
     )
+    .tuned_for(dev.compute_capability())
 }
 
 impl GpuModel {
@@ -196,7 +198,7 @@ impl GpuModel {
             dev: dev.clone(),
             config: c.clone(),
             dims: p.dims,
-            shape: mla_shape(&p.dims),
+            shape: mla_shape(&p.dims, dev),
             embed: up(p.embed)?,
             layers,
             norm: vecf(p.norm)?,
