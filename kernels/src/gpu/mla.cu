@@ -403,6 +403,160 @@ __device__ __forceinline__ void tile_load_keys(const MlaArgs& a, bf16_t* dst, in
   }
 }
 
+// The 4-warp tile's running state per thread: O for this warp's output columns and the online
+// softmax of rows g and g + 8.
+struct TileAcc {
+  float o[MLA_DV / (8 * NWT)][4];
+  float m0, m1, l0, l1;
+};
+
+// One step of the 4-warp tile over the BK keys at kb (shared, [BK][KSTR]) from position c0:
+// S = Q·Kᵀ (KPW keys per warp), the online softmax with the row maxima exchanged through s_red,
+// P through s_p, then O += P·V over this warp's columns. `sync` is the barrier among the four
+// compute warps (__syncthreads, or a named barrier when a producer warp is not taking part);
+// its second call also orders this step's s_p writes after the previous step's P·V reads.
+template <typename Sync>
+__device__ __forceinline__ void tile_step(const MlaArgs& a, const bf16_t* kb, const bf16_t* s_q,
+                                          bf16_t* s_p, float* s_red, int c0, int end, int lim0,
+                                          int lim1, TileAcc& acc, Sync sync) {
+  int lane = threadIdx.x % WARP, w = threadIdx.x / WARP, g = lane / 4, c = lane % 4;
+  const int NT = MLA_DV / (8 * NWT);
+  // S = Q · Kᵀ for this warp's KPW keys (NPW 8-key tiles); two accumulator sets so
+  // consecutive mma do not wait on each other.
+  const int NPW = KPW / 8;
+  float s[2][NPW][4];
+#pragma unroll
+  for (int x = 0; x < 2; x++)
+#pragma unroll
+    for (int y = 0; y < NPW; y++) s[x][y][0] = s[x][y][1] = s[x][y][2] = s[x][y][3] = 0.0f;
+  u32 qa = smem_u32(s_q + (lane % 16) * KSTR + (lane / 16) * 8);
+#if KPW == 16
+  u32 ka = smem_u32(kb + (w * 16 + (lane % 8) + 8 * (lane / 16)) * KSTR + 8 * ((lane / 8) % 2));
+#pragma unroll 4
+  for (int kk = 0; kk < MLA_DQK / 16; kk++) {
+    u32 af[4], bf[4];
+    ldsm_x4(af, qa + kk * 32);
+    ldsm_x4(bf, ka + kk * 32);
+    mma_bf16(s[kk & 1][0], af, bf[0], bf[1]);
+    mma_bf16(s[kk & 1][1], af, bf[2], bf[3]);
+  }
+#else
+  // 8 keys per warp: one x4 ldmatrix covers two k-steps of the 8-key tile.
+  u32 ka = smem_u32(kb + (w * 8 + (lane % 8)) * KSTR + 8 * (lane / 8));
+#pragma unroll 4
+  for (int k2 = 0; k2 < MLA_DQK / 32; k2++) {
+    u32 af0[4], af1[4], bf[4];
+    ldsm_x4(af0, qa + (2 * k2) * 32);
+    ldsm_x4(af1, qa + (2 * k2 + 1) * 32);
+    ldsm_x4(bf, ka + k2 * 64);
+    mma_bf16(s[0][0], af0, bf[0], bf[1]);
+    mma_bf16(s[1][0], af1, bf[2], bf[3]);
+  }
+#endif
+  float sc[NPW][4];
+  float mx0 = -FERRY_INF, mx1 = -FERRY_INF;
+#pragma unroll
+  for (int n = 0; n < NPW; n++)
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+      int key = c0 + w * KPW + n * 8 + 2 * c + (j & 1);
+      int lim = (j < 2) ? lim0 : lim1;
+      float v = (s[0][n][j] + s[1][n][j]) * a.scale_log2;
+      v = (key < lim && key < end) ? v : -FERRY_INF;
+      sc[n][j] = v;
+      if (j < 2) mx0 = fmaxf(mx0, v); else mx1 = fmaxf(mx1, v);
+    }
+  mx0 = fmaxf(mx0, SHFL_XOR(mx0, 1));
+  mx0 = fmaxf(mx0, SHFL_XOR(mx0, 2));
+  mx1 = fmaxf(mx1, SHFL_XOR(mx1, 1));
+  mx1 = fmaxf(mx1, SHFL_XOR(mx1, 2));
+  if (c == 0) { s_red[w * TROWS + g] = mx0; s_red[w * TROWS + g + 8] = mx1; }
+  sync();
+  float n0 = acc.m0, n1 = acc.m1;
+#pragma unroll
+  for (int x = 0; x < NWT; x++) {
+    n0 = fmaxf(n0, s_red[x * TROWS + g]);
+    n1 = fmaxf(n1, s_red[x * TROWS + g + 8]);
+  }
+  float off0 = n0 == -FERRY_INF ? 0.0f : n0, off1 = n1 == -FERRY_INF ? 0.0f : n1;
+  float al0 = fast_exp2(acc.m0 - off0), al1 = fast_exp2(acc.m1 - off1);
+  acc.m0 = n0;
+  acc.m1 = n1;
+  float ps0 = 0.0f, ps1 = 0.0f;
+#pragma unroll
+  for (int n = 0; n < NPW; n++) {
+    float p0 = fast_exp2(sc[n][0] - off0), p1 = fast_exp2(sc[n][1] - off0);
+    float p2 = fast_exp2(sc[n][2] - off1), p3 = fast_exp2(sc[n][3] - off1);
+    ps0 += p0 + p1;
+    ps1 += p2 + p3;
+    int col = w * KPW + n * 8 + 2 * c;
+    *reinterpret_cast<u32*>(s_p + g * PSTR + col) = pack_bf2(p0, p1);
+    *reinterpret_cast<u32*>(s_p + (g + 8) * PSTR + col) = pack_bf2(p2, p3);
+  }
+  acc.l0 = acc.l0 * al0 + ps0;
+  acc.l1 = acc.l1 * al1 + ps1;
+  sync();
+#pragma unroll
+  for (int n = 0; n < NT; n++) {
+    acc.o[n][0] *= al0; acc.o[n][1] *= al0; acc.o[n][2] *= al1; acc.o[n][3] *= al1;
+  }
+  // O[:, this warp's columns] += P · V.
+  u32 pa = smem_u32(s_p + (lane % 16) * PSTR + (lane / 16) * 8);
+  u32 va = smem_u32(kb + ((lane % 8) + 8 * ((lane / 8) % 2)) * KSTR + w * (MLA_DV / NWT) +
+                    8 * (lane / 16));
+#pragma unroll
+  for (int kk = 0; kk < BK / 16; kk++) {
+    u32 af[4];
+    ldsm_x4(af, pa + kk * 32);
+#pragma unroll
+    for (int np = 0; np < NT / 2; np++) {
+      u32 bf[4];
+      ldsm_x4_t(bf, va + (kk * 16 * KSTR + np * 16) * 2);
+      mma_bf16(acc.o[2 * np], af, bf[0], bf[1]);
+      mma_bf16(acc.o[2 * np + 1], af, bf[2], bf[3]);
+    }
+  }
+}
+
+// The 4-warp tile's end: row sums over the quad and the warps (through s_l, after `sync`),
+// then each row's output — final, or this split's partial.
+template <typename Sync>
+__device__ __forceinline__ void tile_finish(const MlaArgs& a, int split, const TileAcc& acc,
+                                            float* s_l, const long long* s_row, Sync sync) {
+  int lane = threadIdx.x % WARP, w = threadIdx.x / WARP, g = lane / 4, c = lane % 4;
+  int total_rows = gridDim.z * a.sq * a.heads;
+  float l0 = acc.l0, l1 = acc.l1;
+  l0 += SHFL_XOR(l0, 1);
+  l0 += SHFL_XOR(l0, 2);
+  l1 += SHFL_XOR(l1, 1);
+  l1 += SHFL_XOR(l1, 2);
+  if (c == 0) { s_l[w * TROWS + g] = l0; s_l[w * TROWS + g + 8] = l1; }
+  sync();
+  float L0 = 0.0f, L1 = 0.0f;
+#pragma unroll
+  for (int x = 0; x < NWT; x++) { L0 += s_l[x * TROWS + g]; L1 += s_l[x * TROWS + g + 8]; }
+  long long r0 = s_row[g], r1 = s_row[g + 8];
+#pragma unroll
+  for (int n = 0; n < MLA_DV / (8 * NWT); n++) {
+    int col = w * (MLA_DV / NWT) + n * 8 + 2 * c;
+    if (r0 >= 0) {
+      write_row(a, split, r0, col, acc.o[n][0], acc.m0, L0, total_rows);
+      write_row(a, split, r0, col + 1, acc.o[n][1], acc.m0, L0, total_rows);
+    }
+    if (r1 >= 0) {
+      write_row(a, split, r1, col, acc.o[n][2], acc.m1, L1, total_rows);
+      write_row(a, split, r1, col + 1, acc.o[n][3], acc.m1, L1, total_rows);
+    }
+  }
+}
+__device__ __forceinline__ void tile_acc_init(TileAcc& acc) {
+#pragma unroll
+  for (int n = 0; n < MLA_DV / (8 * NWT); n++)
+    acc.o[n][0] = acc.o[n][1] = acc.o[n][2] = acc.o[n][3] = 0.0f;
+  acc.m0 = acc.m1 = -FERRY_INF;
+  acc.l0 = acc.l1 = 0.0f;
+}
+
 template <int PACKED>
 __device__ void mla_tile_mma(const MlaArgs& a) {
   extern __shared__ __align__(16) unsigned char smem[];
@@ -415,21 +569,18 @@ __device__ void mla_tile_mma(const MlaArgs& a) {
   long long* s_row = (long long*)(s_lim + TROWS);    // [16]
 
   int split = blockIdx.x, b = blockIdx.z;
-  int tid = threadIdx.x, lane = tid % WARP, w = tid / WARP, g = lane / 4, c = lane % 4;
-  int total_rows = gridDim.z * a.sq * a.heads;
+  int tid = threadIdx.x, g = (tid % WARP) / 4;
   TileSpan sp = tile_setup<PACKED>(a, s_lim, s_row, s_q);
   int start = sp.start, end = sp.end, lim0 = s_lim[g], lim1 = s_lim[g + 8];
-
+#if MLA_L2PF > 0
   const bf16_t* pages = (const bf16_t*)a.pages;
+#endif
   auto load_chunk = [&](int buf, int c0) {
     tile_load_keys<BK, 128>(a, s_k + buf * BK * KSTR, b, c0, end, tid);
   };
 
-  const int NT = MLA_DV / (8 * NWT);  // 8-column output tiles per warp
-  float o[NT][4];
-#pragma unroll
-  for (int n = 0; n < NT; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
-  float m0 = -FERRY_INF, m1 = -FERRY_INF, l0 = 0.0f, l1 = 0.0f;
+  TileAcc acc;
+  tile_acc_init(acc);
 
   int nchunks = start < end ? (end - start + BK - 1) / BK : 0;
 #pragma unroll
@@ -453,128 +604,11 @@ __device__ void mla_tile_mma(const MlaArgs& a) {
     cp_async_wait<MLA_STAGES - 1>();
     __syncthreads();
     const bf16_t* kb = s_k + (it % MLA_STAGES) * BK * KSTR;
-
-    // S = Q · Kᵀ for this warp's KPW keys (NPW 8-key tiles); two accumulator sets so
-    // consecutive mma do not wait on each other.
-    const int NPW = KPW / 8;
-    float s[2][NPW][4];
-#pragma unroll
-    for (int x = 0; x < 2; x++)
-#pragma unroll
-      for (int y = 0; y < NPW; y++) s[x][y][0] = s[x][y][1] = s[x][y][2] = s[x][y][3] = 0.0f;
-    u32 qa = smem_u32(s_q + (lane % 16) * KSTR + (lane / 16) * 8);
-#if KPW == 16
-    u32 ka = smem_u32(kb + (w * 16 + (lane % 8) + 8 * (lane / 16)) * KSTR + 8 * ((lane / 8) % 2));
-#pragma unroll 4
-    for (int kk = 0; kk < MLA_DQK / 16; kk++) {
-      u32 af[4], bf[4];
-      ldsm_x4(af, qa + kk * 32);
-      ldsm_x4(bf, ka + kk * 32);
-      mma_bf16(s[kk & 1][0], af, bf[0], bf[1]);
-      mma_bf16(s[kk & 1][1], af, bf[2], bf[3]);
-    }
-#else
-    // 8 keys per warp: one x4 ldmatrix covers two k-steps of the 8-key tile.
-    u32 ka = smem_u32(kb + (w * 8 + (lane % 8)) * KSTR + 8 * (lane / 8));
-#pragma unroll 4
-    for (int k2 = 0; k2 < MLA_DQK / 32; k2++) {
-      u32 af0[4], af1[4], bf[4];
-      ldsm_x4(af0, qa + (2 * k2) * 32);
-      ldsm_x4(af1, qa + (2 * k2 + 1) * 32);
-      ldsm_x4(bf, ka + k2 * 64);
-      mma_bf16(s[0][0], af0, bf[0], bf[1]);
-      mma_bf16(s[1][0], af1, bf[2], bf[3]);
-    }
-#endif
-    float sc[NPW][4];
-    float mx0 = -FERRY_INF, mx1 = -FERRY_INF;
-#pragma unroll
-    for (int n = 0; n < NPW; n++)
-#pragma unroll
-      for (int j = 0; j < 4; j++) {
-        int key = c0 + w * KPW + n * 8 + 2 * c + (j & 1);
-        int lim = (j < 2) ? lim0 : lim1;
-        float v = (s[0][n][j] + s[1][n][j]) * a.scale_log2;
-        v = (key < lim && key < end) ? v : -FERRY_INF;
-        sc[n][j] = v;
-        if (j < 2) mx0 = fmaxf(mx0, v); else mx1 = fmaxf(mx1, v);
-      }
-    mx0 = fmaxf(mx0, SHFL_XOR(mx0, 1));
-    mx0 = fmaxf(mx0, SHFL_XOR(mx0, 2));
-    mx1 = fmaxf(mx1, SHFL_XOR(mx1, 1));
-    mx1 = fmaxf(mx1, SHFL_XOR(mx1, 2));
-    if (c == 0) { s_red[w * TROWS + g] = mx0; s_red[w * TROWS + g + 8] = mx1; }
-    __syncthreads();
-    float n0 = m0, n1 = m1;
-#pragma unroll
-    for (int x = 0; x < NWT; x++) {
-      n0 = fmaxf(n0, s_red[x * TROWS + g]);
-      n1 = fmaxf(n1, s_red[x * TROWS + g + 8]);
-    }
-    float off0 = n0 == -FERRY_INF ? 0.0f : n0, off1 = n1 == -FERRY_INF ? 0.0f : n1;
-    float al0 = fast_exp2(m0 - off0), al1 = fast_exp2(m1 - off1);
-    m0 = n0;
-    m1 = n1;
-    float ps0 = 0.0f, ps1 = 0.0f;
-#pragma unroll
-    for (int n = 0; n < NPW; n++) {
-      float p0 = fast_exp2(sc[n][0] - off0), p1 = fast_exp2(sc[n][1] - off0);
-      float p2 = fast_exp2(sc[n][2] - off1), p3 = fast_exp2(sc[n][3] - off1);
-      ps0 += p0 + p1;
-      ps1 += p2 + p3;
-      int col = w * KPW + n * 8 + 2 * c;
-      *reinterpret_cast<u32*>(s_p + g * PSTR + col) = pack_bf2(p0, p1);
-      *reinterpret_cast<u32*>(s_p + (g + 8) * PSTR + col) = pack_bf2(p2, p3);
-    }
-    l0 = l0 * al0 + ps0;
-    l1 = l1 * al1 + ps1;
-    __syncthreads();
-#pragma unroll
-    for (int n = 0; n < NT; n++) {
-      o[n][0] *= al0; o[n][1] *= al0; o[n][2] *= al1; o[n][3] *= al1;
-    }
-    // O[:, this warp's columns] += P · V.
-    u32 pa = smem_u32(s_p + (lane % 16) * PSTR + (lane / 16) * 8);
-    u32 va = smem_u32(kb + ((lane % 8) + 8 * ((lane / 8) % 2)) * KSTR + w * (MLA_DV / NWT) +
-                      8 * (lane / 16));
-#pragma unroll
-    for (int kk = 0; kk < BK / 16; kk++) {
-      u32 af[4];
-      ldsm_x4(af, pa + kk * 32);
-#pragma unroll
-      for (int np = 0; np < NT / 2; np++) {
-        u32 bf[4];
-        ldsm_x4_t(bf, va + (kk * 16 * KSTR + np * 16) * 2);
-        mma_bf16(o[2 * np], af, bf[0], bf[1]);
-        mma_bf16(o[2 * np + 1], af, bf[2], bf[3]);
-      }
-    }
-    __syncthreads();
+    tile_step(a, kb, s_q, s_p, s_red, c0, end, lim0, lim1, acc, [] { __syncthreads(); });
+    __syncthreads();  // the stage is free for the next load
   }
   cp_async_wait0();
-
-  l0 += SHFL_XOR(l0, 1);
-  l0 += SHFL_XOR(l0, 2);
-  l1 += SHFL_XOR(l1, 1);
-  l1 += SHFL_XOR(l1, 2);
-  if (c == 0) { s_l[w * TROWS + g] = l0; s_l[w * TROWS + g + 8] = l1; }
-  __syncthreads();
-  float L0 = 0.0f, L1 = 0.0f;
-#pragma unroll
-  for (int x = 0; x < NWT; x++) { L0 += s_l[x * TROWS + g]; L1 += s_l[x * TROWS + g + 8]; }
-  long long r0 = s_row[g], r1 = s_row[g + 8];
-#pragma unroll
-  for (int n = 0; n < NT; n++) {
-    int col = w * (MLA_DV / NWT) + n * 8 + 2 * c;
-    if (r0 >= 0) {
-      write_row(a, split, r0, col, o[n][0], m0, L0, total_rows);
-      write_row(a, split, r0, col + 1, o[n][1], m0, L0, total_rows);
-    }
-    if (r1 >= 0) {
-      write_row(a, split, r1, col, o[n][2], m1, L1, total_rows);
-      write_row(a, split, r1, col + 1, o[n][3], m1, L1, total_rows);
-    }
-  }
+  tile_finish(a, split, acc, s_l, s_row, [] { __syncthreads(); });
 }
 #endif
 
@@ -704,8 +738,7 @@ __device__ void mla_tile_ws(const MlaArgs& a) {
   auto empty = [&](int i) { return bars + 8 * (MLA_WS_ST + i); };
 
   int split = blockIdx.x, b = blockIdx.z;
-  int tid = threadIdx.x, lane = tid % WARP, w = tid / WARP, g = lane / 4, c = lane % 4;
-  int total_rows = gridDim.z * a.sq * a.heads;
+  int tid = threadIdx.x, lane = tid % WARP, w = tid / WARP, g = lane / 4;
   if (tid == 0) {
     for (int i = 0; i < MLA_WS_ST; i++) {
       mbar_init(full(i), WARP);
@@ -740,122 +773,17 @@ __device__ void mla_tile_ws(const MlaArgs& a) {
   }
 
   int lim0 = s_lim[g], lim1 = s_lim[g + 8];
-  const int NT = MLA_DV / (8 * NWT);  // 8-column output tiles per warp
-  float o[NT][4];
-#pragma unroll
-  for (int n = 0; n < NT; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
-  float m0 = -FERRY_INF, m1 = -FERRY_INF, l0 = 0.0f, l1 = 0.0f;
-  const int NPW = KPW / 8;
+  TileAcc acc;
+  tile_acc_init(acc);
+  auto sync = [] { named_sync(1, NWT * WARP); };  // the compute warps only
   for (int it = 0; it < nchunks; it++) {
-    int c0 = start + it * BK, st = it % MLA_WS_ST;
+    int st = it % MLA_WS_ST;
     mbar_wait(full(st), (it / MLA_WS_ST) & 1);
-    const bf16_t* kb = s_k + st * BK * KSTR;
-    float s[2][NPW][4];
-#pragma unroll
-    for (int x = 0; x < 2; x++)
-#pragma unroll
-      for (int y = 0; y < NPW; y++) s[x][y][0] = s[x][y][1] = s[x][y][2] = s[x][y][3] = 0.0f;
-    u32 qa = smem_u32(s_q + (lane % 16) * KSTR + (lane / 16) * 8);
-    // 8 keys per warp: one x4 ldmatrix covers two k-steps of the 8-key tile.
-    u32 ka = smem_u32(kb + (w * 8 + (lane % 8)) * KSTR + 8 * (lane / 8));
-#pragma unroll 4
-    for (int k2 = 0; k2 < MLA_DQK / 32; k2++) {
-      u32 af0[4], af1[4], bf[4];
-      ldsm_x4(af0, qa + (2 * k2) * 32);
-      ldsm_x4(af1, qa + (2 * k2 + 1) * 32);
-      ldsm_x4(bf, ka + k2 * 64);
-      mma_bf16(s[0][0], af0, bf[0], bf[1]);
-      mma_bf16(s[1][0], af1, bf[2], bf[3]);
-    }
-    float sc[NPW][4];
-    float mx0 = -FERRY_INF, mx1 = -FERRY_INF;
-#pragma unroll
-    for (int n = 0; n < NPW; n++)
-#pragma unroll
-      for (int j = 0; j < 4; j++) {
-        int key = c0 + w * KPW + n * 8 + 2 * c + (j & 1);
-        int lim = (j < 2) ? lim0 : lim1;
-        float v = (s[0][n][j] + s[1][n][j]) * a.scale_log2;
-        v = (key < lim && key < end) ? v : -FERRY_INF;
-        sc[n][j] = v;
-        if (j < 2) mx0 = fmaxf(mx0, v); else mx1 = fmaxf(mx1, v);
-      }
-    mx0 = fmaxf(mx0, SHFL_XOR(mx0, 1));
-    mx0 = fmaxf(mx0, SHFL_XOR(mx0, 2));
-    mx1 = fmaxf(mx1, SHFL_XOR(mx1, 1));
-    mx1 = fmaxf(mx1, SHFL_XOR(mx1, 2));
-    if (c == 0) { s_red[w * TROWS + g] = mx0; s_red[w * TROWS + g + 8] = mx1; }
-    named_sync(1, NWT * WARP);
-    float n0 = m0, n1 = m1;
-#pragma unroll
-    for (int x = 0; x < NWT; x++) {
-      n0 = fmaxf(n0, s_red[x * TROWS + g]);
-      n1 = fmaxf(n1, s_red[x * TROWS + g + 8]);
-    }
-    float off0 = n0 == -FERRY_INF ? 0.0f : n0, off1 = n1 == -FERRY_INF ? 0.0f : n1;
-    float al0 = fast_exp2(m0 - off0), al1 = fast_exp2(m1 - off1);
-    m0 = n0;
-    m1 = n1;
-    float ps0 = 0.0f, ps1 = 0.0f;
-#pragma unroll
-    for (int n = 0; n < NPW; n++) {
-      float p0 = fast_exp2(sc[n][0] - off0), p1 = fast_exp2(sc[n][1] - off0);
-      float p2 = fast_exp2(sc[n][2] - off1), p3 = fast_exp2(sc[n][3] - off1);
-      ps0 += p0 + p1;
-      ps1 += p2 + p3;
-      int col = w * KPW + n * 8 + 2 * c;
-      *reinterpret_cast<u32*>(s_p + g * PSTR + col) = pack_bf2(p0, p1);
-      *reinterpret_cast<u32*>(s_p + (g + 8) * PSTR + col) = pack_bf2(p2, p3);
-    }
-    l0 = l0 * al0 + ps0;
-    l1 = l1 * al1 + ps1;
-    // Also orders this step's s_red reads before the next step's writes, and the last step's
-    // s_p reads (P·V) before this step's writes above: two barriers per step suffice.
-    named_sync(1, NWT * WARP);
-#pragma unroll
-    for (int n = 0; n < NT; n++) {
-      o[n][0] *= al0; o[n][1] *= al0; o[n][2] *= al1; o[n][3] *= al1;
-    }
-    u32 pa = smem_u32(s_p + (lane % 16) * PSTR + (lane / 16) * 8);
-    u32 va = smem_u32(kb + ((lane % 8) + 8 * ((lane / 8) % 2)) * KSTR + w * (MLA_DV / NWT) +
-                      8 * (lane / 16));
-#pragma unroll
-    for (int kk = 0; kk < BK / 16; kk++) {
-      u32 af[4];
-      ldsm_x4(af, pa + kk * 32);
-#pragma unroll
-      for (int np = 0; np < NT / 2; np++) {
-        u32 bf[4];
-        ldsm_x4_t(bf, va + (kk * 16 * KSTR + np * 16) * 2);
-        mma_bf16(o[2 * np], af, bf[0], bf[1]);
-        mma_bf16(o[2 * np + 1], af, bf[2], bf[3]);
-      }
-    }
+    tile_step(a, s_k + st * BK * KSTR, s_q, s_p, s_red, start + it * BK, end, lim0, lim1, acc,
+              sync);
     mbar_arrive(empty(st));  // this thread is done reading the slot
   }
-
-  l0 += SHFL_XOR(l0, 1);
-  l0 += SHFL_XOR(l0, 2);
-  l1 += SHFL_XOR(l1, 1);
-  l1 += SHFL_XOR(l1, 2);
-  if (c == 0) { s_l[w * TROWS + g] = l0; s_l[w * TROWS + g + 8] = l1; }
-  named_sync(1, NWT * WARP);
-  float L0 = 0.0f, L1 = 0.0f;
-#pragma unroll
-  for (int x = 0; x < NWT; x++) { L0 += s_l[x * TROWS + g]; L1 += s_l[x * TROWS + g + 8]; }
-  long long r0 = s_row[g], r1 = s_row[g + 8];
-#pragma unroll
-  for (int n = 0; n < NT; n++) {
-    int col = w * (MLA_DV / NWT) + n * 8 + 2 * c;
-    if (r0 >= 0) {
-      write_row(a, split, r0, col, o[n][0], m0, L0, total_rows);
-      write_row(a, split, r0, col + 1, o[n][1], m0, L0, total_rows);
-    }
-    if (r1 >= 0) {
-      write_row(a, split, r1, col, o[n][2], m1, L1, total_rows);
-      write_row(a, split, r1, col + 1, o[n][3], m1, L1, total_rows);
-    }
-  }
+  tile_finish(a, split, acc, s_l, s_row, sync);
 }
 extern "C" __global__ void __launch_bounds__(160) mla_tile_ws_bf16(MlaArgs a) {
   mla_tile_ws<0>(a);
