@@ -1032,7 +1032,7 @@ pub fn moe_experts(
         .push(int(OP, "inter", inter)?)
         .push(int(OP, "hidden", hidden)?);
     let dims = LaunchDims {
-        grid: (hidden.div_ceil(8) as u32, t as u32, 1),
+        grid: (hidden as u32, t as u32, 1),
         block: (256, 1, 1),
         smem: 0,
     };

@@ -159,10 +159,25 @@ extern "C" __global__ void gather_rows(const float* src, const int* rows, float*
 // GEMV for decode-sized batches: out[m][n] = x[m][k] · W[n][k]ᵀ, m <= 8, f32 accumulation.
 // One warp per weight row, 16-byte weight loads; memory-bound on W. Grid: ceil(n/8); block 256.
 #define GEMV_MAX_M 8
-__device__ __forceinline__ void fma8(float* acc, const float* x, const bf16_t* w8, int k_ok) {
-  (void)k_ok;
-  uint4 raw = *reinterpret_cast<const uint4*>(w8);
-  unsigned p[4] = {raw.x, raw.y, raw.z, raw.w};
+// Loads in flight per lane before the FMAs that use them: a warp streams GEMV_U × 512 bytes of a
+// weight row at once instead of one 16-byte load per lane per loop trip (memory-level
+// parallelism is what a decode GEMV is short of, not arithmetic).
+#define GEMV_U 4
+// Eight weights of a row: one 16-byte load.
+struct W8b {
+  uint4 v;
+};
+struct W8f {
+  float4 a, b;
+};
+__device__ __forceinline__ W8b load8(const bf16_t* w) {
+  return {__ldg(reinterpret_cast<const uint4*>(w))};
+}
+__device__ __forceinline__ W8f load8(const float* w) {
+  return {__ldg(reinterpret_cast<const float4*>(w)), __ldg(reinterpret_cast<const float4*>(w + 4))};
+}
+__device__ __forceinline__ void fma8(float* acc, const float* x, W8b w) {
+  unsigned p[4] = {w.v.x, w.v.y, w.v.z, w.v.w};
   float4 xa = *reinterpret_cast<const float4*>(x);
   float4 xb = *reinterpret_cast<const float4*>(x + 4);
   float xs[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
@@ -172,37 +187,71 @@ __device__ __forceinline__ void fma8(float* acc, const float* x, const bf16_t* w
     *acc += xs[2 * j + 1] * ferry_u2f(p[j] & 0xffff0000u);
   }
 }
-__device__ __forceinline__ void fma8(float* acc, const float* x, const float* w8, int k_ok) {
-  (void)k_ok;
-  float4 wa = *reinterpret_cast<const float4*>(w8);
-  float4 wb = *reinterpret_cast<const float4*>(w8 + 4);
+__device__ __forceinline__ void fma8(float* acc, const float* x, W8f w) {
   float4 xa = *reinterpret_cast<const float4*>(x);
   float4 xb = *reinterpret_cast<const float4*>(x + 4);
-  *acc += xa.x * wa.x + xa.y * wa.y + xa.z * wa.z + xa.w * wa.w;
-  *acc += xb.x * wb.x + xb.y * wb.y + xb.z * wb.z + xb.w * wb.w;
+  *acc += xa.x * w.a.x + xa.y * w.a.y + xa.z * w.a.z + xa.w * w.a.w;
+  *acc += xb.x * w.b.x + xb.y * w.b.y + xb.z * w.b.z + xb.w * w.b.w;
 }
-
-// Dot products of one weight row with m activation rows, reduced over the warp into lane 0..
 template <typename W>
-__device__ __forceinline__ void warp_row_dots(const float* x, int m, int ldx, const W* wrow, int k,
-                                              float* acc) {
+struct W8Of;
+template <>
+struct W8Of<bf16_t> {
+  typedef W8b T;
+};
+template <>
+struct W8Of<float> {
+  typedef W8f T;
+};
+
+// Dot products of R weight rows (same width k) with m activation rows, reduced over the warp:
+// acc[r][i] = wrow[r] · x[i]. Each lane issues GEMV_U loads per row before using any.
+template <int R, typename W>
+__device__ __forceinline__ void warp_rows_dots(const float* x, int m, int ldx,
+                                               const W* const* wrow, int k,
+                                               float (*acc)[GEMV_MAX_M]) {
   int lane = threadIdx.x % WARP;
   if ((k & 7) == 0) {
-    for (int c = lane * 8; c < k; c += WARP * 8) {
+    for (int c0 = lane * 8; c0 < k; c0 += GEMV_U * WARP * 8) {
+      typename W8Of<W>::T wc[R][GEMV_U];
 #pragma unroll
-      for (int i = 0; i < GEMV_MAX_M; i++)
-        if (i < m) fma8(&acc[i], x + (size_t)i * ldx + c, wrow + c, 1);
+      for (int u = 0; u < GEMV_U; u++)
+#pragma unroll
+        for (int r = 0; r < R; r++)
+          if (c0 + u * WARP * 8 < k) wc[r][u] = load8(wrow[r] + c0 + u * WARP * 8);
+#pragma unroll
+      for (int u = 0; u < GEMV_U; u++) {
+        int c = c0 + u * WARP * 8;
+        if (c < k)
+#pragma unroll
+          for (int i = 0; i < GEMV_MAX_M; i++)
+            if (i < m)
+#pragma unroll
+              for (int r = 0; r < R; r++) fma8(&acc[r][i], x + (size_t)i * ldx + c, wc[r][u]);
+      }
     }
   } else {
     for (int c = lane; c < k; c += WARP) {
-      float wv = ld_f(wrow + c);
 #pragma unroll
-      for (int i = 0; i < GEMV_MAX_M; i++)
-        if (i < m) acc[i] += x[(size_t)i * ldx + c] * wv;
+      for (int r = 0; r < R; r++) {
+        float wv = ld_f(wrow[r] + c);
+#pragma unroll
+        for (int i = 0; i < GEMV_MAX_M; i++)
+          if (i < m) acc[r][i] += x[(size_t)i * ldx + c] * wv;
+      }
     }
   }
 #pragma unroll
-  for (int i = 0; i < GEMV_MAX_M; i++) acc[i] = warp_sum(acc[i]);
+  for (int r = 0; r < R; r++)
+#pragma unroll
+    for (int i = 0; i < GEMV_MAX_M; i++) acc[r][i] = warp_sum(acc[r][i]);
+}
+// One weight row.
+template <typename W>
+__device__ __forceinline__ void warp_row_dots(const float* x, int m, int ldx, const W* wrow, int k,
+                                              float* acc) {
+  const W* rows[1] = {wrow};
+  warp_rows_dots<1>(x, m, ldx, rows, k, reinterpret_cast<float(*)[GEMV_MAX_M]>(acc));
 }
 
 template <typename W>
@@ -456,7 +505,8 @@ extern "C" __global__ void moe_route(const float* logits, const float* bias, Rou
 }
 
 // act[t·K+s][r] = silu(gate_e[r]·x_t) · (up_e[r]·x_t), e = ids[t][s]; experts stacked
-// [E_total][inter][hidden]. Grid: (ceil(inter/8), T·K); block 256.
+// [E_total][inter][hidden]; a warp streams the gate and up rows together.
+// Grid: (ceil(inter/8), T·K); block 256.
 template <typename W>
 __device__ void moe_gate_up_impl(const float* x, const int* ids, const W* gate, const W* up,
                                  float* act, int K, int inter, int hidden) {
@@ -464,13 +514,12 @@ __device__ void moe_gate_up_impl(const float* x, const int* ids, const W* gate, 
   int r = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
   if (r >= inter) return;
   size_t e = (size_t)ids[slot];
-  float g[GEMV_MAX_M], u[GEMV_MAX_M];
+  float gu[2][GEMV_MAX_M];
 #pragma unroll
-  for (int i = 0; i < GEMV_MAX_M; i++) { g[i] = 0.0f; u[i] = 0.0f; }
-  const float* xt = x + (size_t)t * hidden;
-  warp_row_dots(xt, 1, hidden, gate + (e * inter + r) * hidden, hidden, g);
-  warp_row_dots(xt, 1, hidden, up + (e * inter + r) * hidden, hidden, u);
-  if (threadIdx.x % WARP == 0) act[(size_t)slot * inter + r] = silu_f(g[0]) * u[0];
+  for (int i = 0; i < GEMV_MAX_M; i++) gu[0][i] = gu[1][i] = 0.0f;
+  const W* rows[2] = {gate + (e * inter + r) * hidden, up + (e * inter + r) * hidden};
+  warp_rows_dots<2>(x + (size_t)t * hidden, 1, hidden, rows, hidden, gu);
+  if (threadIdx.x % WARP == 0) act[(size_t)slot * inter + r] = silu_f(gu[0][0]) * gu[1][0];
 }
 extern "C" __global__ void moe_gate_up_f32(const float* x, const int* ids, const float* gate,
                                            const float* up, float* act, int K, int inter,
@@ -484,15 +533,16 @@ extern "C" __global__ void moe_gate_up_bf16(const float* x, const int* ids, cons
 }
 
 // h[t][j] += Σ_s w[t][s] · (down_e[j] · act[t·K+s]); down stacked [E_total][hidden][inter].
-// Grid: (ceil(hidden/8), T); block 256.
+// One block per (j, t): warp w takes slots w, w + 8, …, and the per-warp partials are summed in
+// a fixed order (deterministic), so the K expert rows of an output stream in parallel.
+// Grid: (hidden, T); block 256.
 template <typename W>
 __device__ void moe_down_impl(const float* act, const int* ids, const float* wts, const W* down,
                               float* h, int K, int inter, int hidden) {
-  int t = blockIdx.y;
-  int j = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
-  if (j >= hidden) return;
+  __shared__ float part[8];
+  int t = blockIdx.y, j = blockIdx.x, w = threadIdx.x / WARP;
   float total = 0.0f;
-  for (int s = 0; s < K; s++) {
+  for (int s = w; s < K; s += blockDim.x / WARP) {
     size_t e = (size_t)ids[(size_t)t * K + s];
     float acc[GEMV_MAX_M];
 #pragma unroll
@@ -501,7 +551,13 @@ __device__ void moe_down_impl(const float* act, const int* ids, const float* wts
                   inter, acc);
     total += wts[(size_t)t * K + s] * acc[0];
   }
-  if (threadIdx.x % WARP == 0) h[(size_t)t * hidden + j] += total;
+  if (threadIdx.x % WARP == 0) part[w] = total;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float sum = 0.0f;
+    for (int x = 0; x < blockDim.x / WARP; x++) sum += part[x];
+    h[(size_t)t * hidden + j] += sum;
+  }
 }
 extern "C" __global__ void moe_down_f32(const float* act, const int* ids, const float* w,
                                         const float* down, float* h, int K, int inter,

@@ -171,7 +171,7 @@ fn kernels(
     );
     let _ = writeln!(
         out,
-        "| warps × keys/step × stages | batch 1 | batch 32 | batch 128 |\n|---|---|---|---|"
+        "| warps × keys/step × stages | batch 1 | batch 4 | batch 8 | batch 32 | batch 128 |\n|---|---|---|---|---|---|"
     );
     let mut best = (0.0f64, shape);
     let variants = [
@@ -197,7 +197,7 @@ fn kernels(
         pool.set_shape(v);
         let mut cells = Vec::new();
         let mut total = 0.0;
-        for b in [1usize, 32, 128] {
+        for b in [1usize, 4, 8, 32, 128] {
             let s = DecodeShape {
                 batch: b,
                 ctx: 32_768,
