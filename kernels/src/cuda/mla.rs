@@ -395,6 +395,18 @@ pub fn mla_absorbed(
             value: format!("q bf16 {}, cache bf16 {}", b.q.is_bf16(), b.pages.bf16),
         });
     }
+    // Few (sequence, tile) items — a single stream: split-K fills the card with short blocks,
+    // where a third ring stage beats a second resident block (+46 % at batch 1, +8 % at batch 4,
+    // even at 8, worse above: the sweep in BENCHMARKS.md).
+    let tiles = match kernel {
+        AbsorbedKernel::Packed => (b.sq * b.heads).div_ceil(TILE_ROWS),
+        _ => b.sq * (b.heads / b.heads.clamp(1, TILE_ROWS)),
+    };
+    let shape = if shape.tile_warps == 5 && shape.tile_stages == 2 && b.batch * tiles < 8 {
+        shape.with_tile_ws(3)
+    } else {
+        shape
+    };
     let (name, items, target, block_smem) = match kernel {
         AbsorbedKernel::Tile => {
             if !is_supported_tile_heads(b.heads) {
@@ -403,7 +415,6 @@ pub fn mla_absorbed(
                     heads: b.heads,
                 });
             }
-            let tiles = b.sq * (b.heads / b.heads.min(TILE_ROWS));
             (
                 match shape.tile_warps {
                     8 => "mla_tile8_bf16",
@@ -415,19 +426,16 @@ pub fn mla_absorbed(
                 shape.tile_smem(),
             )
         }
-        AbsorbedKernel::Packed => {
-            let tiles = (b.sq * b.heads).div_ceil(TILE_ROWS);
-            (
-                match shape.tile_warps {
-                    8 => "mla_packed8_bf16",
-                    5 => "mla_packed_ws_bf16",
-                    _ => "mla_packed_bf16",
-                },
-                tiles,
-                dev.sm_count() as usize,
-                shape.tile_smem(),
-            )
-        }
+        AbsorbedKernel::Packed => (
+            match shape.tile_warps {
+                8 => "mla_packed8_bf16",
+                5 => "mla_packed_ws_bf16",
+                _ => "mla_packed_bf16",
+            },
+            tiles,
+            dev.sm_count() as usize,
+            shape.tile_smem(),
+        ),
         AbsorbedKernel::Generic => {
             let name = if b.q.is_bf16() {
                 "mla_generic_bf16"

@@ -161,8 +161,9 @@ extern "C" __global__ void gather_rows(const float* src, const int* rows, float*
 #define GEMV_MAX_M 8
 // Loads in flight per lane before the FMAs that use them: a warp streams GEMV_U × 512 bytes of a
 // weight row at once instead of one 16-byte load per lane per loop trip (memory-level
-// parallelism is what a decode GEMV is short of, not arithmetic).
-#define GEMV_U 4
+// parallelism is what a decode GEMV is short of, not arithmetic). 8 covers a 2,048-wide bf16 row
+// in one round trip.
+#define GEMV_U 8
 // Eight weights of a row: one 16-byte load.
 struct W8b {
   uint4 v;
@@ -244,7 +245,8 @@ __device__ __forceinline__ void warp_rows_dots(const float* x, int m, int ldx,
 #pragma unroll
   for (int r = 0; r < R; r++)
 #pragma unroll
-    for (int i = 0; i < GEMV_MAX_M; i++) acc[r][i] = warp_sum(acc[r][i]);
+    for (int i = 0; i < GEMV_MAX_M; i++)
+      if (i < m) acc[r][i] = warp_sum(acc[r][i]);  // m is uniform: no divergence
 }
 // One weight row.
 template <typename W>
