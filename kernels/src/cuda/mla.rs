@@ -98,7 +98,7 @@ impl MlaShape {
     }
 
     /// The fastest measured tile pipeline for a card of compute capability `cc`: the
-    /// warp-specialised kernel, double-buffered, on sm_90 where the shape allows it (91–103 %
+    /// warp-specialised kernel, double-buffered, on sm_90 where the shape allows it (91–100 %
     /// of copy bandwidth against 63 % for the 4-warp kernel on the H200, BENCHMARKS.md), else
     /// this shape unchanged.
     pub fn tuned_for(self, cc: (i32, i32)) -> Self {
@@ -581,7 +581,7 @@ pub enum MhaKernel {
 
 impl MhaKernel {
     /// The fastest tensor-core kernel for this card and shape: on Hopper the warp-specialised
-    /// kernel (0.84–0.91× cuDNN on the H200), else [`MhaKernel::Wgmma`] where its looser shape
+    /// kernel (0.82–0.92× cuDNN on the H200), else [`MhaKernel::Wgmma`] where its looser shape
     /// rule allows; [`MhaKernel::Flash`] elsewhere.
     pub fn best_bf16(dev: &CudaDevice, shape: MlaShape) -> Self {
         let hopper = dev.compute_capability() == (9, 0);
