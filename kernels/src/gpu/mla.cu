@@ -242,6 +242,75 @@ __device__ __forceinline__ void cp_async_wait1() { asm volatile("cp.async.wait_g
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
 __device__ __forceinline__ void cp_async_wait0() { asm volatile("cp.async.wait_group 0;"); }
+
+// Online softmax of one step's scores held in the m16n8 accumulator layout of one warp (the
+// layout of mma.sync's C fragment and of each warp's share of a wgmma accumulator), in place:
+// scales (log2 domain) and causally masks the scores, updates the running row maxima and sums, leaves the exponentials in `s` and returns
+// in `al0` / `al1` the factors by which the rows' earlier output must be rescaled. The
+// accumulator layout: thread (g = lane / 4, c = lane % 4) of warp wl holds, for each 8-key
+// group n, keys n·8 + 2c, +1 of rows g (j = 0, 1) and g + 8 (j = 2, 3).
+struct RowState {
+  float m0, m1, l0, l1;
+};
+template <int NK>
+__device__ __forceinline__ void acc_row_softmax(float* s, RowState& r, float& al0, float& al1,
+                                               int key0, int lim0, int lim1, int k_len,
+                                               bool need_mask, float scale_log2, int c) {
+  float mx0 = -FERRY_INF, mx1 = -FERRY_INF;
+#pragma unroll
+  for (int n = 0; n < NK / 8; n++)
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+      float v = s[4 * n + j] * scale_log2;
+      if (need_mask) {
+        int key = key0 + n * 8 + 2 * c + (j & 1);
+        int lim = j < 2 ? lim0 : lim1;
+        if (key >= lim || key >= k_len) v = -FERRY_INF;
+      }
+      s[4 * n + j] = v;
+      if (j < 2) mx0 = fmaxf(mx0, v); else mx1 = fmaxf(mx1, v);
+    }
+  mx0 = fmaxf(mx0, SHFL_XOR(mx0, 1));
+  mx0 = fmaxf(mx0, SHFL_XOR(mx0, 2));
+  mx1 = fmaxf(mx1, SHFL_XOR(mx1, 1));
+  mx1 = fmaxf(mx1, SHFL_XOR(mx1, 2));
+  float n0 = fmaxf(r.m0, mx0), n1 = fmaxf(r.m1, mx1);
+  float off0 = n0 == -FERRY_INF ? 0.0f : n0, off1 = n1 == -FERRY_INF ? 0.0f : n1;
+  al0 = fast_exp2(r.m0 - off0);
+  al1 = fast_exp2(r.m1 - off1);
+  r.m0 = n0;
+  r.m1 = n1;
+  float ps0 = 0.0f, ps1 = 0.0f;
+#pragma unroll
+  for (int n = 0; n < NK / 8; n++) {
+    s[4 * n] = fast_exp2(s[4 * n] - off0);
+    s[4 * n + 1] = fast_exp2(s[4 * n + 1] - off0);
+    s[4 * n + 2] = fast_exp2(s[4 * n + 2] - off1);
+    s[4 * n + 3] = fast_exp2(s[4 * n + 3] - off1);
+    ps0 += s[4 * n] + s[4 * n + 1];
+    ps1 += s[4 * n + 2] + s[4 * n + 3];
+  }
+  r.l0 = r.l0 * al0 + ps0;
+  r.l1 = r.l1 * al1 + ps1;
+}
+// The exponentials as bf16 A fragments of P·V (16 keys per fragment; the accumulator layout of
+// two 8-key groups is the A-fragment layout of one 16-key step).
+template <int NK>
+__device__ __forceinline__ void acc_pack_p(const float* s, u32 (*pf)[4]) {
+#pragma unroll
+  for (int n = 0; n < NK / 8; n++) {
+    pf[n / 2][(n & 1) * 2] = pack_bf2(s[4 * n], s[4 * n + 1]);
+    pf[n / 2][(n & 1) * 2 + 1] = pack_bf2(s[4 * n + 2], s[4 * n + 3]);
+  }
+}
+// Rescales N accumulator registers of O (rows g and g + 8 alternate in pairs).
+template <int N>
+__device__ __forceinline__ void acc_rescale(float* o, float al0, float al1) {
+#pragma unroll
+  for (int j = 0; j < N; j += 4) {
+    o[j] *= al0; o[j + 1] *= al0; o[j + 2] *= al1; o[j + 3] *= al1;
+  }
+}
 #endif
 
 // ---------------------------------------------------------------------------------------------
@@ -1115,7 +1184,7 @@ extern "C" __global__ void __launch_bounds__(128) mha_flash_bf16(MhaArgs a) {
   float o[NV][4];
 #pragma unroll
   for (int n = 0; n < NV; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
-  float m0 = -FERRY_INF, m1 = -FERRY_INF, l0 = 0.0f, l1 = 0.0f;
+  RowState row = {-FERRY_INF, -FERRY_INF, 0.0f, 0.0f};
   int row0 = qb * FQ + w * 16 + g, row1 = row0 + 8;  // query index within the sequence
   int lim0 = offset + row0 + 1, lim1 = offset + row1 + 1;
 
@@ -1146,46 +1215,12 @@ extern "C" __global__ void __launch_bounds__(128) mha_flash_bf16(MhaArgs a) {
       }
     }
     bool need_mask = (kb + 1) * FK > offset + qb * FQ + 1 || (kb + 1) * FK > k_len;
-    float mx0 = -FERRY_INF, mx1 = -FERRY_INF;
-#pragma unroll
-    for (int n = 0; n < 8; n++)
-#pragma unroll
-      for (int j = 0; j < 4; j++) {
-        float v = s[n][j] * a.scale_log2;
-        if (need_mask) {
-          int key = kb * FK + n * 8 + 2 * c + (j & 1);
-          int lim = j < 2 ? lim0 : lim1;
-          if (key >= lim || key >= k_len) v = -FERRY_INF;
-        }
-        s[n][j] = v;
-        if (j < 2) mx0 = fmaxf(mx0, v); else mx1 = fmaxf(mx1, v);
-      }
-    mx0 = fmaxf(mx0, SHFL_XOR(mx0, 1));
-    mx0 = fmaxf(mx0, SHFL_XOR(mx0, 2));
-    mx1 = fmaxf(mx1, SHFL_XOR(mx1, 1));
-    mx1 = fmaxf(mx1, SHFL_XOR(mx1, 2));
-    float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
-    float off0 = n0 == -FERRY_INF ? 0.0f : n0, off1 = n1 == -FERRY_INF ? 0.0f : n1;
-    float al0 = fast_exp2(m0 - off0), al1 = fast_exp2(m1 - off1);
-    m0 = n0;
-    m1 = n1;
-    float ps0 = 0.0f, ps1 = 0.0f;
-    u32 pf[4][4];
-#pragma unroll
-    for (int n = 0; n < 8; n++) {
-      float p0 = fast_exp2(s[n][0] - off0), p1 = fast_exp2(s[n][1] - off0);
-      float p2 = fast_exp2(s[n][2] - off1), p3 = fast_exp2(s[n][3] - off1);
-      ps0 += p0 + p1;
-      ps1 += p2 + p3;
-      pf[n / 2][(n & 1) * 2] = pack_bf2(p0, p1);
-      pf[n / 2][(n & 1) * 2 + 1] = pack_bf2(p2, p3);
-    }
-    l0 = l0 * al0 + ps0;
-    l1 = l1 * al1 + ps1;
-#pragma unroll
-    for (int n = 0; n < NV; n++) {
-      o[n][0] *= al0; o[n][1] *= al0; o[n][2] *= al1; o[n][3] *= al1;
-    }
+    float al0, al1;
+    acc_row_softmax<FK>(&s[0][0], row, al0, al1, kb * FK, lim0, lim1, k_len, need_mask,
+                        a.scale_log2, c);
+    u32 pf[FK / 16][4];
+    acc_pack_p<FK>(&s[0][0], pf);
+    acc_rescale<4 * NV>(&o[0][0], al0, al1);
     u32 va = smem_u32(vbuf + ((lane % 8) + 8 * ((lane / 8) % 2)) * FVS + 8 * (lane / 16));
 #pragma unroll
     for (int kk = 0; kk < FK / 16; kk++) {
@@ -1200,6 +1235,7 @@ extern "C" __global__ void __launch_bounds__(128) mha_flash_bf16(MhaArgs a) {
     __syncthreads();
   }
   cp_async_wait0();
+  float l0 = row.l0, l1 = row.l1;
   l0 += SHFL_XOR(l0, 1);
   l0 += SHFL_XOR(l0, 2);
   l1 += SHFL_XOR(l1, 1);
@@ -1401,82 +1437,15 @@ __device__ __forceinline__ void wg_scores(float* s, const WgQ& q, u32 k_addr) {
   }
 }
 
-// Online softmax of one step's scores, in place: scales (log2 domain) and causally masks the
-// scores, updates the running row maxima and sums, leaves the exponentials in `s` and returns
-// in `al0` / `al1` the factors by which the rows' earlier output must be rescaled. The
-// accumulator layout: thread (g = lane / 4, c = lane % 4) of warp wl holds, for each 8-key
-// group n, keys n·8 + 2c, +1 of rows g (j = 0, 1) and g + 8 (j = 2, 3).
-struct WgRow {
-  float m0, m1, l0, l1;
-};
-template <int NK>
-__device__ __forceinline__ void wg_row_softmax(float* s, WgRow& r, float& al0, float& al1,
-                                               int key0, int lim0, int lim1, int k_len,
-                                               bool need_mask, float scale_log2, int c) {
-  float mx0 = -FERRY_INF, mx1 = -FERRY_INF;
-#pragma unroll
-  for (int n = 0; n < NK / 8; n++)
-#pragma unroll
-    for (int j = 0; j < 4; j++) {
-      float v = s[4 * n + j] * scale_log2;
-      if (need_mask) {
-        int key = key0 + n * 8 + 2 * c + (j & 1);
-        int lim = j < 2 ? lim0 : lim1;
-        if (key >= lim || key >= k_len) v = -FERRY_INF;
-      }
-      s[4 * n + j] = v;
-      if (j < 2) mx0 = fmaxf(mx0, v); else mx1 = fmaxf(mx1, v);
-    }
-  mx0 = fmaxf(mx0, SHFL_XOR(mx0, 1));
-  mx0 = fmaxf(mx0, SHFL_XOR(mx0, 2));
-  mx1 = fmaxf(mx1, SHFL_XOR(mx1, 1));
-  mx1 = fmaxf(mx1, SHFL_XOR(mx1, 2));
-  float n0 = fmaxf(r.m0, mx0), n1 = fmaxf(r.m1, mx1);
-  float off0 = n0 == -FERRY_INF ? 0.0f : n0, off1 = n1 == -FERRY_INF ? 0.0f : n1;
-  al0 = fast_exp2(r.m0 - off0);
-  al1 = fast_exp2(r.m1 - off1);
-  r.m0 = n0;
-  r.m1 = n1;
-  float ps0 = 0.0f, ps1 = 0.0f;
-#pragma unroll
-  for (int n = 0; n < NK / 8; n++) {
-    s[4 * n] = fast_exp2(s[4 * n] - off0);
-    s[4 * n + 1] = fast_exp2(s[4 * n + 1] - off0);
-    s[4 * n + 2] = fast_exp2(s[4 * n + 2] - off1);
-    s[4 * n + 3] = fast_exp2(s[4 * n + 3] - off1);
-    ps0 += s[4 * n] + s[4 * n + 1];
-    ps1 += s[4 * n + 2] + s[4 * n + 3];
-  }
-  r.l0 = r.l0 * al0 + ps0;
-  r.l1 = r.l1 * al1 + ps1;
-}
-// The exponentials as bf16 A fragments of P·V (16 keys per fragment; the accumulator layout of
-// two 8-key groups is the A-fragment layout of one 16-key step).
-template <int NK>
-__device__ __forceinline__ void wg_pack_p(const float* s, u32 (*pf)[4]) {
-#pragma unroll
-  for (int n = 0; n < NK / 8; n++) {
-    pf[n / 2][(n & 1) * 2] = pack_bf2(s[4 * n], s[4 * n + 1]);
-    pf[n / 2][(n & 1) * 2 + 1] = pack_bf2(s[4 * n + 2], s[4 * n + 3]);
-  }
-}
-// Rescales N accumulator registers of O (rows g and g + 8 alternate in pairs).
-template <int N>
-__device__ __forceinline__ void wg_rescale(float* o, float al0, float al1) {
-#pragma unroll
-  for (int j = 0; j < N; j += 4) {
-    o[j] *= al0; o[j + 1] *= al0; o[j + 2] *= al1; o[j + 3] *= al1;
-  }
-}
 // The whole step for the cp.async kernel: softmax, P fragments, O rescaled.
-__device__ __forceinline__ void wg_softmax(float* s, u32 (*pf)[4], float (*o)[32], WgRow& r,
+__device__ __forceinline__ void wg_softmax(float* s, u32 (*pf)[4], float (*o)[32], RowState& r,
                                            int key0, int lim0, int lim1, int k_len,
                                            bool need_mask, float scale_log2, int c) {
   float al0, al1;
-  wg_row_softmax<WGK>(s, r, al0, al1, key0, lim0, lim1, k_len, need_mask, scale_log2, c);
-  wg_pack_p<WGK>(s, pf);
+  acc_row_softmax<WGK>(s, r, al0, al1, key0, lim0, lim1, k_len, need_mask, scale_log2, c);
+  acc_pack_p<WGK>(s, pf);
 #pragma unroll
-  for (int n = 0; n < MHA_DV / 64; n++) wg_rescale<32>(o[n], al0, al1);
+  for (int n = 0; n < MHA_DV / 64; n++) acc_rescale<32>(o[n], al0, al1);
 }
 
 // O(64×DV) += P·V_stage, V MN-major in 64-column chunks.
@@ -1546,7 +1515,7 @@ extern "C" __global__ void __launch_bounds__(128 * MHA_WGS, 3 - MHA_WGS) mha_wgm
   for (int n = 0; n < MHA_DV / 64; n++)
 #pragma unroll
     for (int j = 0; j < 32; j++) o[n][j] = 0.0f;
-  WgRow row = {-FERRY_INF, -FERRY_INF, 0.0f, 0.0f};
+  RowState row = {-FERRY_INF, -FERRY_INF, 0.0f, 0.0f};
   int wg_first = qb * WGQ + wg * 64;             // this warpgroup's first query row
   int row0 = wg_first + wl * 16 + g, row1 = row0 + 8;
   int lim0 = offset + row0 + 1, lim1 = offset + row1 + 1;
@@ -1850,7 +1819,7 @@ extern "C" __global__ void __launch_bounds__(288, 1)
   for (int n = 0; n < MHA_DV / MHA_WS_PVN; n++)
 #pragma unroll
     for (int j = 0; j < MHA_WS_PVN / 2; j++) o[n][j] = 0.0f;
-  WgRow row = {-FERRY_INF, -FERRY_INF, 0.0f, 0.0f};
+  RowState row = {-FERRY_INF, -FERRY_INF, 0.0f, 0.0f};
   float s[WS_K / 2], al0 = 1.0f, al1 = 1.0f;
   u32 pf[WS_K / 16][4];
   mbar_wait(q_full, 0);
@@ -1868,11 +1837,11 @@ extern "C" __global__ void __launch_bounds__(288, 1)
     wg_wait<0>();
     wg_fence_regs<WS_K / 2>(s);
     mbar_arrive(k_empty(st));
-    wg_row_softmax<WS_K>(s, row, al0, al1, kb * WS_K, lim0, lim1, k_len, masked(kb),
+    acc_row_softmax<WS_K>(s, row, al0, al1, kb * WS_K, lim0, lim1, k_len, masked(kb),
                          a.scale_log2, c);
-    wg_pack_p<WS_K>(s, pf);
+    acc_pack_p<WS_K>(s, pf);
 #pragma unroll
-    for (int n = 0; n < MHA_DV / MHA_WS_PVN; n++) wg_rescale<MHA_WS_PVN / 2>(o[n], al0, al1);
+    for (int n = 0; n < MHA_DV / MHA_WS_PVN; n++) acc_rescale<MHA_WS_PVN / 2>(o[n], al0, al1);
     mbar_wait(v_full(st), par);
     WS_TURN();
     wg_fence();
@@ -1895,8 +1864,8 @@ extern "C" __global__ void __launch_bounds__(288, 1)
   wg_wait<0>();
   wg_fence_regs<WS_K / 2>(s);
   mbar_arrive(k_empty(0));
-  wg_row_softmax<WS_K>(s, row, al0, al1, 0, lim0, lim1, k_len, masked(0), a.scale_log2, c);
-  wg_pack_p<WS_K>(s, pf);
+  acc_row_softmax<WS_K>(s, row, al0, al1, 0, lim0, lim1, k_len, masked(0), a.scale_log2, c);
+  acc_pack_p<WS_K>(s, pf);
 
   for (int kb = 1; kb < n_kb; kb++) {
     int st = kb % MHA_WS_ST, pst = (kb - 1) % MHA_WS_ST;
@@ -1908,7 +1877,7 @@ extern "C" __global__ void __launch_bounds__(288, 1)
     // O is idle here (the last P·V was waited for): apply step kb - 1's rescale, then issue
     // P_{kb-1}·V_{kb-1} behind the scores.
 #pragma unroll
-    for (int n = 0; n < MHA_DV / MHA_WS_PVN; n++) wg_rescale<MHA_WS_PVN / 2>(o[n], al0, al1);
+    for (int n = 0; n < MHA_DV / MHA_WS_PVN; n++) acc_rescale<MHA_WS_PVN / 2>(o[n], al0, al1);
     mbar_wait(v_full(pst), ((kb - 1) / MHA_WS_ST) & 1);
     wg_fence();
     ws_pv(o, pf, s_v + pst * WS_VB);
@@ -1917,20 +1886,20 @@ extern "C" __global__ void __launch_bounds__(288, 1)
     wg_wait<1>();  // the scores
     wg_fence_regs<WS_K / 2>(s);
     mbar_arrive(k_empty(st));
-    wg_row_softmax<WS_K>(s, row, al0, al1, kb * WS_K, lim0, lim1, k_len, masked(kb),
+    acc_row_softmax<WS_K>(s, row, al0, al1, kb * WS_K, lim0, lim1, k_len, masked(kb),
                          a.scale_log2, c);
     wg_wait<0>();  // P_{kb-1}·V_{kb-1}: pf and O are free again
 #pragma unroll
     for (int n = 0; n < MHA_DV / MHA_WS_PVN; n++) wg_fence_regs<MHA_WS_PVN / 2>(o[n]);
     mbar_arrive(v_empty(pst));
-    wg_pack_p<WS_K>(s, pf);
+    acc_pack_p<WS_K>(s, pf);
   }
 
   // The last step's P·V.
   {
     int pst = (n_kb - 1) % MHA_WS_ST;
 #pragma unroll
-    for (int n = 0; n < MHA_DV / MHA_WS_PVN; n++) wg_rescale<MHA_WS_PVN / 2>(o[n], al0, al1);
+    for (int n = 0; n < MHA_DV / MHA_WS_PVN; n++) acc_rescale<MHA_WS_PVN / 2>(o[n], al0, al1);
     mbar_wait(v_full(pst), ((n_kb - 1) / MHA_WS_ST) & 1);
     WS_TURN();
     wg_fence();
