@@ -25,6 +25,7 @@
 //! | [`error`] | error types and their one mapping to wire codes |
 //! | [`metrics`] | Prometheus metrics (`GET /metrics` on the HTTP port) |
 //! | [`spans`] | the `request` span and its GenAI semantic-convention attributes |
+//! | [`replay`] | trace replay: the policies over a recorded trace on a simulated cluster (`examples/replay_trace.rs`) |
 //!
 //! Starting one:
 //! ```no_run
@@ -52,6 +53,7 @@ pub mod metrics;
 pub mod output;
 pub mod policy;
 pub mod registry;
+pub mod replay;
 pub mod select;
 pub mod server;
 pub mod spans;

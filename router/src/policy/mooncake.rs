@@ -2,7 +2,8 @@
 //!
 //! ```text
 //! prefill P = argmin  TTFT(P) = t_queue(P) + t_prefill(P) + t_xfer(P)
-//!             t_queue(P)   = t(queued_prefill_blocks(P) · page_size, 0)
+//!             t_queue(P)   = k · t(q / k, 0),  q = queued_prefill_blocks(P) · page_size,
+//!                            k = P's active requests (at least 1)
 //!             t_prefill(P) = t(prompt − prefix(P), prefix(P)),  prefix(P) = overlap(P) · page_size
 //!             t_xfer(P)    = 0
 //!             ties: fewest active requests, then id
@@ -25,10 +26,15 @@
 //! - **No prefix replication** between prefill workers: ferry cannot copy a hot prefix from one
 //!   prefill worker to another, so the "pull the best prefix" branch (and its balancing
 //!   threshold) does not exist and `t_xfer = 0` for every worker.
-//! - **Queued work is one lump**: the router knows queued prefill *blocks* per worker (heartbeat
-//!   plus its own predictive load), not how they split into requests, so `t_queue` prices them
-//!   as one fresh sequence. That over-counts the attention term of many short queued prompts,
-//!   i.e. it errs towards spreading load.
+//! - **Queued work is priced as equal prompts**: the router knows queued prefill *tokens* per
+//!   worker (heartbeat plus its own predictive load) and how many requests it holds, not how
+//!   the tokens split, so `t_queue` prices them as that many equal fresh prompts
+//!   (`a·q + b·q²/2k`). Pricing them as one sequence (`k = 1`, the first version) over-counted
+//!   the attention term of a long queue quadratically: replaying the Mooncake traces at 1.5×
+//!   load it steered requests away from their cached prefixes and lost to `cache_aware`
+//!   (mean TTFT 5.1 s vs 3.4 s; `BENCHMARKS.md`, "Routing policies on the Mooncake traces").
+//!   For the no-prefill-worker branch `k` counts the decode worker's decoding requests too,
+//!   which under-prices its queue.
 //! - **No early rejection**: the paper rejects a request whose predicted TTFT or TBT exceeds the
 //!   SLO (HTTP 429); this policy always picks a pair. Not done.
 //! - The decode worker is chosen by load in blocks (as `cache_aware`), not by predicted
@@ -70,6 +76,14 @@ impl PrefillCostModel {
         let prefix = prefix_tokens as f64;
         self.per_token_s * n + self.per_token_pair_s * n * (prefix + n / 2.0)
     }
+
+    /// Seconds to work off `queued_tokens` held by `jobs` queued prompts, priced as `jobs`
+    /// equal fresh prompts: `jobs · prefill_s(queued / jobs, 0)`.
+    pub fn queue_s(&self, queued_tokens: u64, jobs: u64) -> f64 {
+        let q = queued_tokens as f64;
+        let k = jobs.max(1) as f64;
+        self.per_token_s * q + self.per_token_pair_s * q * q / (2.0 * k)
+    }
 }
 
 /// The Mooncake policy (stateless: all state is in the input; the cost model is fixed).
@@ -87,7 +101,8 @@ impl Mooncake {
         let queued = worker.queued_prefill_blocks(input.page_size) * page;
         let prompt = input.prompt_tokens as u64;
         let prefix = (input.overlaps.get(&worker.id) as u64 * page).min(prompt);
-        self.cost.prefill_s(queued, 0) + self.cost.prefill_s(prompt - prefix, prefix)
+        self.cost.queue_s(queued, worker.active_requests())
+            + self.cost.prefill_s(prompt - prefix, prefix)
     }
 
     fn fastest<'a>(
@@ -209,6 +224,33 @@ mod tests {
         );
         let d = m.select(&input).expect("pair");
         assert_eq!(d.prefill, Some(id("p1")));
+    }
+
+    #[test]
+    fn a_queue_of_many_prompts_is_priced_as_that_many_equal_prompts() {
+        let m = PrefillCostModel::default();
+        assert_close(m.queue_s(4096, 1), m.prefill_s(4096, 0));
+        assert_close(m.queue_s(4096, 8), 8.0 * m.prefill_s(512, 0));
+        assert_close(m.queue_s(0, 3), 0.0);
+        // p0 holds 16 of the 32 prompt blocks behind 64 queued blocks of 8 requests; p1 holds
+        // nothing behind 32 blocks of one request. p0: 8 · t(512, 0) + t(1024, 1024) =
+        // 0.683 + 0.472 = 1.156 s; p1: t(2048, 0) + t(2048, 0) = 1.407 s: the prefix wins.
+        let mut c = cluster(&["p0", "p1"], &[("p0", 16)]);
+        c.prefill[0].load.queued_prefill_tokens = 64 * 64;
+        c.prefill[0].load.waiting_requests = 8;
+        c.prefill[1].load.queued_prefill_tokens = 32 * 64;
+        c.prefill[1].load.running_requests = 1;
+        let input = c.input(2048);
+        let mc = Mooncake::default();
+        assert_close(
+            mc.ttft_s(&c.prefill[0], &input),
+            8.0 * t(512.0, 0.0) + t(1024.0, 1024.0),
+        );
+        assert_close(mc.ttft_s(&c.prefill[1], &input), 2.0 * t(2048.0, 0.0));
+        assert_eq!(mc.select(&input).and_then(|d| d.prefill), Some(id("p0")));
+        // Priced as one 4096-token sequence, p0's queue would have cost 2.37 s and the request
+        // would have left its cached prefix for p1.
+        assert!(m.prefill_s(4096, 0) + t(1024.0, 1024.0) > 2.0 * t(2048.0, 0.0));
     }
 
     #[test]

@@ -1,0 +1,500 @@
+//! Trace replay: runs the real routing policies over a recorded request trace against a
+//! simulated cluster, to compare them on time-to-first-token and prefix-cache hits.
+//!
+//! The traces are Mooncake's (FAST'25) — JSONL lines `{timestamp (ms), input_length,
+//! output_length, hash_ids}` where `hash_ids` are cumulative prefix-block hashes of 512-token
+//! blocks (`../shared/traces/mooncake/`). No text travels, so no engine runs: each prefill
+//! worker is a single-server FIFO queue whose service time comes from a [`PrefillCostModel`]
+//! (the "engine truth"), with an LRU prefix cache of `cache_blocks` blocks. What is real is the
+//! routing: every request goes through [`Policy::select`] with [`Candidate`]s built from the
+//! simulated workers' state, exactly as the router builds them from heartbeats.
+//!
+//! Simulation rules (what the numbers below mean):
+//! - A prefill worker serves one request at a time, in dispatch order. Its cache is consulted
+//!   and updated at dispatch: the request will start after every earlier request on that worker
+//!   has finished and stored its blocks, so that is the cache it will see. Overlaps shown to the
+//!   policy are the same (a predictive index, as the router's own pending-load bookkeeping).
+//! - Hits follow prefix semantics: leading blocks only. A hit block is touched (LRU), missing
+//!   blocks are inserted, the least recently used blocks are evicted beyond capacity.
+//! - TTFT = prefill finish − arrival (no KV transfer, no decode queueing: prefill placement is
+//!   what the policies differ in). Decode workers hold each request for
+//!   `output_tokens × tbt_s` after its prefill, which only feeds their load numbers.
+//! - Heartbeat load is exact and instantaneous (queued prefill tokens = the uncached tokens
+//!   still to compute, the running one pro rata).
+use std::collections::{BTreeMap, HashMap, VecDeque};
+
+use ferry_proto::ids::WorkerId;
+
+use crate::index::Overlaps;
+use crate::load::PendingSnapshot;
+use crate::policy::{Candidate, Policy, PrefillCostModel, SelectInput, SelectPolicy};
+use crate::registry::WorkerLoad;
+
+/// Tokens per `hash_ids` block in the Mooncake traces.
+pub const TRACE_BLOCK_TOKENS: usize = 512;
+
+/// A trace that could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum TraceError {
+    /// A line is not a trace record.
+    #[error("trace line {line}: {message}")]
+    Line {
+        /// 1-based line number.
+        line: usize,
+        /// What is wrong, naming the field.
+        message: String,
+    },
+}
+
+/// One request of a trace.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TraceRequest {
+    /// Arrival, seconds from the trace start.
+    pub arrival_s: f64,
+    /// Prompt length in tokens.
+    pub input_tokens: u64,
+    /// Output length in tokens.
+    pub output_tokens: u64,
+    /// Cumulative prefix-block hashes of the prompt.
+    pub blocks: Vec<u64>,
+}
+
+#[derive(serde::Deserialize)]
+struct RawRecord {
+    timestamp: f64,
+    input_length: u64,
+    output_length: u64,
+    hash_ids: Vec<u64>,
+}
+
+/// Parses a JSONL trace (blank lines skipped).
+pub fn parse_trace(text: &str) -> Result<Vec<TraceRequest>, TraceError> {
+    let mut out = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let bad = |message: String| TraceError::Line {
+            line: i + 1,
+            message,
+        };
+        let de = &mut serde_json::Deserializer::from_str(line);
+        let r: RawRecord = serde_path_to_error::deserialize(de)
+            .map_err(|e| bad(format!("`{}`: {e}", e.path())))?;
+        if !(r.timestamp.is_finite() && r.timestamp >= 0.0) {
+            return Err(bad(format!(
+                "`timestamp` must be >= 0 ms, got {}",
+                r.timestamp
+            )));
+        }
+        let want = (r.input_length as usize).div_ceil(TRACE_BLOCK_TOKENS);
+        if r.hash_ids.len() != want {
+            return Err(bad(format!(
+                "`hash_ids` must have ceil(input_length / {TRACE_BLOCK_TOKENS}) = {want} entries, got {}",
+                r.hash_ids.len()
+            )));
+        }
+        out.push(TraceRequest {
+            arrival_s: r.timestamp / 1e3,
+            input_tokens: r.input_length,
+            output_tokens: r.output_length,
+            blocks: r.hash_ids,
+        });
+    }
+    out.sort_by(|a, b| a.arrival_s.total_cmp(&b.arrival_s));
+    Ok(out)
+}
+
+/// The simulated cluster.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ReplayConfig {
+    /// Prefill workers.
+    pub prefill_workers: usize,
+    /// Decode workers.
+    pub decode_workers: usize,
+    /// Prefix-cache capacity of each prefill worker, in blocks.
+    pub cache_blocks: usize,
+    /// The engine's real prefill time (the `mooncake` policy is given the same model, i.e. a
+    /// perfectly fitted one, as in the paper's setting).
+    pub engine: PrefillCostModel,
+    /// Seconds per output token on a decode worker.
+    pub tbt_s: f64,
+    /// Arrival times are divided by this (2 = the same requests twice as fast).
+    pub rate_scale: f64,
+}
+
+impl Default for ReplayConfig {
+    /// Eight prefill and eight decode workers, 8,192 blocks (4.2M tokens) of cache each, an
+    /// engine that prefills a fresh 8k prompt in ~0.6 s (≈20k tok/s of weight work plus
+    /// attention) — a large-MoE serving instance, not the embedded model.
+    fn default() -> Self {
+        Self {
+            prefill_workers: 8,
+            decode_workers: 8,
+            cache_blocks: 8192,
+            engine: PrefillCostModel {
+                per_token_s: 5e-5,
+                per_token_pair_s: 6e-9,
+            },
+            tbt_s: 0.03,
+            rate_scale: 1.0,
+        }
+    }
+}
+
+/// What one policy achieved on one trace.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReplayReport {
+    /// Requests replayed.
+    pub requests: usize,
+    /// TTFT, seconds: mean and percentiles.
+    pub ttft_mean_s: f64,
+    /// Median TTFT.
+    pub ttft_p50_s: f64,
+    /// 90th percentile.
+    pub ttft_p90_s: f64,
+    /// 99th percentile.
+    pub ttft_p99_s: f64,
+    /// Prompt tokens served from a prefix cache over all prompt tokens.
+    pub token_hit_ratio: f64,
+    /// Requests prefilled by the busiest prefill worker over the mean per worker.
+    pub max_share: f64,
+}
+
+/// An LRU set of block hashes.
+#[derive(Debug, Default)]
+struct Lru {
+    capacity: usize,
+    tick: u64,
+    last_use: HashMap<u64, u64>,
+    by_age: BTreeMap<u64, u64>,
+}
+
+impl Lru {
+    fn new(capacity: usize) -> Self {
+        Self {
+            capacity,
+            ..Self::default()
+        }
+    }
+
+    /// Leading blocks present.
+    fn prefix_hits(&self, blocks: &[u64]) -> usize {
+        blocks
+            .iter()
+            .take_while(|b| self.last_use.contains_key(b))
+            .count()
+    }
+
+    /// Touches or inserts every block (in order), then evicts down to capacity.
+    fn store(&mut self, blocks: &[u64]) {
+        for &b in blocks {
+            self.tick += 1;
+            if let Some(old) = self.last_use.insert(b, self.tick) {
+                self.by_age.remove(&old);
+            }
+            self.by_age.insert(self.tick, b);
+        }
+        while self.last_use.len() > self.capacity {
+            let Some((_, b)) = self.by_age.pop_first() else {
+                break;
+            };
+            self.last_use.remove(&b);
+        }
+    }
+}
+
+/// One request on a prefill worker's FIFO.
+#[derive(Debug, Clone, Copy)]
+struct Job {
+    start_s: f64,
+    end_s: f64,
+    uncached_tokens: u64,
+}
+
+#[derive(Debug)]
+struct PrefillSim {
+    id: WorkerId,
+    cache: Lru,
+    jobs: VecDeque<Job>,
+    busy_until_s: f64,
+    served: usize,
+}
+
+impl PrefillSim {
+    /// Drops finished jobs; queued tokens (the running job pro rata), running, waiting.
+    fn load_at(&mut self, now: f64) -> WorkerLoad {
+        while self.jobs.front().is_some_and(|j| j.end_s <= now) {
+            self.jobs.pop_front();
+        }
+        let mut queued = 0.0;
+        let (mut running, mut waiting) = (0, 0);
+        for j in &self.jobs {
+            if j.start_s <= now {
+                running += 1;
+                let left = (j.end_s - now) / (j.end_s - j.start_s).max(1e-12);
+                queued += j.uncached_tokens as f64 * left;
+            } else {
+                waiting += 1;
+                queued += j.uncached_tokens as f64;
+            }
+        }
+        WorkerLoad {
+            running_requests: running,
+            waiting_requests: waiting,
+            kv_blocks_used: 0,
+            kv_blocks_total: self.cache.capacity as u32,
+            queued_prefill_tokens: queued.round() as u64,
+        }
+    }
+}
+
+#[derive(Debug)]
+struct DecodeSim {
+    id: WorkerId,
+    /// (finish time, blocks) of requests assigned and not finished.
+    active: Vec<(f64, u64)>,
+}
+
+impl DecodeSim {
+    fn load_at(&mut self, now: f64) -> WorkerLoad {
+        self.active.retain(|&(end, _)| end > now);
+        WorkerLoad {
+            running_requests: self.active.len() as u32,
+            waiting_requests: 0,
+            kv_blocks_used: self.active.iter().map(|&(_, b)| b).sum::<u64>() as u32,
+            kv_blocks_total: u32::MAX,
+            queued_prefill_tokens: 0,
+        }
+    }
+}
+
+fn candidate(id: &WorkerId, load: WorkerLoad) -> Candidate {
+    Candidate {
+        id: id.clone(),
+        load,
+        pending: PendingSnapshot::default(),
+    }
+}
+
+fn percentile(sorted: &[f64], q: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let i = ((sorted.len() - 1) as f64 * q).round() as usize;
+    sorted[i.min(sorted.len() - 1)]
+}
+
+/// Replays `trace` through `policy` on the cluster `cfg`.
+pub fn replay(trace: &[TraceRequest], cfg: &ReplayConfig, policy: &Policy) -> ReplayReport {
+    let page = TRACE_BLOCK_TOKENS;
+    let mut prefill: Vec<PrefillSim> = (0..cfg.prefill_workers)
+        .map(|i| PrefillSim {
+            id: WorkerId::from(format!("p{i:02}").as_str()),
+            cache: Lru::new(cfg.cache_blocks),
+            jobs: VecDeque::new(),
+            busy_until_s: 0.0,
+            served: 0,
+        })
+        .collect();
+    let mut decode: Vec<DecodeSim> = (0..cfg.decode_workers.max(1))
+        .map(|i| DecodeSim {
+            id: WorkerId::from(format!("d{i:02}").as_str()),
+            active: Vec::new(),
+        })
+        .collect();
+    let scale = cfg.rate_scale.max(1e-9);
+    let mut ttfts = Vec::with_capacity(trace.len());
+    let (mut hit_tokens, mut input_tokens) = (0u64, 0u64);
+    for r in trace {
+        let now = r.arrival_s / scale;
+        let p_cands: Vec<Candidate> = prefill
+            .iter_mut()
+            .map(|p| {
+                let load = p.load_at(now);
+                candidate(&p.id, load)
+            })
+            .collect();
+        let d_cands: Vec<Candidate> = decode
+            .iter_mut()
+            .map(|d| {
+                let load = d.load_at(now);
+                candidate(&d.id, load)
+            })
+            .collect();
+        let overlaps = Overlaps::from_pairs(
+            prefill
+                .iter()
+                .map(|p| (p.id.clone(), p.cache.prefix_hits(&r.blocks))),
+        );
+        let input = SelectInput {
+            prompt_tokens: r.input_tokens as usize,
+            page_size: page,
+            prefill: &p_cands,
+            decode: &d_cands,
+            overlaps: &overlaps,
+        };
+        let Some(decision) = policy.select(&input) else {
+            continue;
+        };
+        // The replayed cluster always has prefill workers; a policy that prefills locally
+        // would be charged on the first prefill worker's clock (none of ours does).
+        let pi = decision
+            .prefill
+            .as_ref()
+            .and_then(|id| prefill.iter().position(|p| &p.id == id))
+            .unwrap_or(0);
+        let Some(p) = prefill.get_mut(pi) else {
+            continue;
+        };
+        let hit_blocks = p.cache.prefix_hits(&r.blocks);
+        let cached = ((hit_blocks * page) as u64).min(r.input_tokens);
+        let uncached = r.input_tokens - cached;
+        let start = now.max(p.busy_until_s);
+        let end = start + cfg.engine.prefill_s(uncached, cached);
+        p.busy_until_s = end;
+        p.jobs.push_back(Job {
+            start_s: start,
+            end_s: end,
+            uncached_tokens: uncached,
+        });
+        p.cache.store(&r.blocks);
+        p.served += 1;
+        if let Some(d) = decode.iter_mut().find(|d| d.id == decision.decode) {
+            let blocks = (r.input_tokens + r.output_tokens).div_ceil(page as u64);
+            d.active
+                .push((end + r.output_tokens as f64 * cfg.tbt_s, blocks));
+        }
+        ttfts.push(end - now);
+        hit_tokens += cached;
+        input_tokens += r.input_tokens;
+    }
+    let n = ttfts.len();
+    let mean = ttfts.iter().sum::<f64>() / n.max(1) as f64;
+    ttfts.sort_by(f64::total_cmp);
+    let max_served = prefill.iter().map(|p| p.served).max().unwrap_or(0);
+    ReplayReport {
+        requests: n,
+        ttft_mean_s: mean,
+        ttft_p50_s: percentile(&ttfts, 0.5),
+        ttft_p90_s: percentile(&ttfts, 0.9),
+        ttft_p99_s: percentile(&ttfts, 0.99),
+        token_hit_ratio: hit_tokens as f64 / input_tokens.max(1) as f64,
+        max_share: max_served as f64 * prefill.len() as f64 / n.max(1) as f64,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::PolicyKind;
+    use crate::policy::Mooncake;
+
+    fn req(at_ms: u64, blocks: &[u64]) -> String {
+        format!(
+            r#"{{"timestamp": {at_ms}, "input_length": {}, "output_length": 10, "hash_ids": {blocks:?}}}"#,
+            blocks.len() * TRACE_BLOCK_TOKENS
+        )
+    }
+
+    fn policy(kind: PolicyKind, cfg: &ReplayConfig) -> Policy {
+        match kind {
+            PolicyKind::Mooncake => Policy::Mooncake(Mooncake { cost: cfg.engine }),
+            k => Policy::new(k),
+        }
+    }
+
+    #[test]
+    fn a_bad_line_names_its_number_and_field() {
+        let text = format!(
+            "{}\n\n{{\"timestamp\": 5, \"input_length\": 1000}}\n",
+            req(0, &[1, 2])
+        );
+        let e = parse_trace(&text).expect_err("missing fields");
+        let msg = e.to_string();
+        assert!(
+            msg.contains("line 3") && msg.contains("output_length"),
+            "{msg}"
+        );
+        let e = parse_trace(
+            r#"{"timestamp": 1, "input_length": 1500, "output_length": 1, "hash_ids": [1]}"#,
+        )
+        .expect_err("1500 tokens need 3 blocks");
+        assert!(e.to_string().contains("hash_ids"), "{e}");
+        let ok = parse_trace(&format!("{}\n{}", req(20, &[7]), req(10, &[1, 2]))).expect("valid");
+        assert_eq!(ok.len(), 2);
+        assert_eq!(ok[0].blocks, vec![1, 2], "sorted by arrival");
+        assert!((ok[1].arrival_s - 0.02).abs() < 1e-12);
+    }
+
+    #[test]
+    fn lru_keeps_prefix_semantics_and_capacity() {
+        let mut c = Lru::new(3);
+        c.store(&[1, 2, 3]);
+        assert_eq!(c.prefix_hits(&[1, 2, 3, 4]), 3);
+        assert_eq!(c.prefix_hits(&[2, 3]), 2);
+        assert_eq!(c.prefix_hits(&[9, 1]), 0, "only leading blocks count");
+        c.store(&[1, 4]); // 1 touched, 4 inserted: 2 is the oldest and goes
+        assert_eq!(c.prefix_hits(&[1, 2]), 1);
+        assert_eq!(c.prefix_hits(&[2]), 0);
+        assert_eq!(c.prefix_hits(&[3, 4]), 2);
+    }
+
+    /// Sessions that return to their own growing prefix: routing by cache finds the earlier
+    /// turns, rotating does not.
+    #[test]
+    fn cache_aware_routing_reuses_sessions_that_round_robin_scatters() {
+        let mut lines = Vec::new();
+        for turn in 0..6u64 {
+            for s in 0..4u64 {
+                let blocks: Vec<u64> = (0..=turn).map(|b| 1000 * s + b).collect();
+                lines.push(req(turn * 60_000 + s * 1000, &blocks));
+            }
+        }
+        let trace = parse_trace(&lines.join("\n")).expect("trace");
+        let cfg = ReplayConfig {
+            prefill_workers: 3,
+            decode_workers: 2,
+            ..ReplayConfig::default()
+        };
+        let rr = replay(&trace, &cfg, &policy(PolicyKind::RoundRobin, &cfg));
+        for kind in [PolicyKind::CacheAware, PolicyKind::Mooncake] {
+            let r = replay(&trace, &cfg, &policy(kind, &cfg));
+            assert_eq!(r.requests, 24);
+            // Every turn after the first finds all earlier turns' blocks: 15 of 21 blocks
+            // per session.
+            assert!(
+                (r.token_hit_ratio - 15.0 / 21.0).abs() < 1e-9,
+                "{kind}: hit {}",
+                r.token_hit_ratio
+            );
+            assert!(
+                r.token_hit_ratio > rr.token_hit_ratio,
+                "{kind} vs round robin"
+            );
+            assert!(r.ttft_mean_s < rr.ttft_mean_s, "{kind}: {r:?} vs {rr:?}");
+        }
+    }
+
+    /// Every request shares one hot first block (as in the conversation trace) and arrives at
+    /// once: pure prefix affinity piles them on one worker, the TTFT estimate spreads them.
+    #[test]
+    fn mooncake_spreads_a_burst_that_shares_only_a_hot_first_block() {
+        let mut lines = vec![req(0, &[0])];
+        for s in 1..=16u64 {
+            let blocks: Vec<u64> = std::iter::once(0)
+                .chain((0..16).map(|b| s * 100 + b))
+                .collect();
+            lines.push(req(1000, &blocks));
+        }
+        let trace = parse_trace(&lines.join("\n")).expect("trace");
+        let cfg = ReplayConfig {
+            prefill_workers: 4,
+            ..ReplayConfig::default()
+        };
+        let m = replay(&trace, &cfg, &policy(PolicyKind::Mooncake, &cfg));
+        assert!(m.max_share < 1.5, "{m:?}");
+        let ll = replay(&trace, &cfg, &policy(PolicyKind::LeastLoaded, &cfg));
+        assert!(m.ttft_mean_s <= ll.ttft_mean_s * 1.01, "{m:?} vs {ll:?}");
+    }
+}
