@@ -7,120 +7,28 @@
 //!   OpenAI-shaped body naming the cause;
 //! - the response shapes of `/v1/completions` and `/v1/chat/completions`, whole and streamed,
 //!   with and without usage, and an error in the middle of a stream.
-use std::pin::Pin;
+mod common;
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::body::Body;
 use ferry_model::tokenizer::Tokenizer;
-use ferry_proto::internal::decode_worker_server::{DecodeWorker, DecodeWorkerServer};
+use ferry_proto::internal;
 use ferry_proto::internal::registry_client::RegistryClient;
-use ferry_proto::internal::{self, DecodeRequest, DecodeResponse};
 use ferry_proto::v1::inference_client::InferenceClient;
 use ferry_proto::v1::{self, generate_request::Input};
 use ferry_router::state::AppState;
 use ferry_router::{Router, RouterConfig};
-use futures::Stream;
 use http_body_util::BodyExt;
 use serde_json::{json, Value};
-use tokio::net::TcpListener;
-use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
-use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
 use tokio_util::sync::CancellationToken;
 use tonic::transport::Channel;
-use tonic::{Code, Request, Response, Status};
+use tonic::{Code, Status};
 use tower::ServiceExt;
 
-/// Cached prompt tokens the scripted worker reports on its first message.
-const CACHED: u32 = 5;
-
-/// A scripted decode worker.
-#[derive(Clone)]
-enum Scripted {
-    /// Refuses every call with this code and message.
-    Refuse(Code, &'static str),
-    /// Streams `tokens` (up to `max_tokens`, then LENGTH), one per `pace`; with `fail_after`,
-    /// fails with INTERNAL after that many tokens instead.
-    Stream {
-        tokens: Vec<u32>,
-        pace: Duration,
-        fail_after: Option<usize>,
-    },
-}
-
-type Tokens = Pin<Box<dyn Stream<Item = Result<DecodeResponse, Status>> + Send>>;
-
-#[tonic::async_trait]
-impl DecodeWorker for Scripted {
-    type DecodeStream = Tokens;
-
-    async fn decode(
-        &self,
-        request: Request<DecodeRequest>,
-    ) -> Result<Response<Self::DecodeStream>, Status> {
-        let (tokens, pace, fail_after) = match self {
-            Self::Refuse(code, message) => return Err(Status::new(*code, *message)),
-            Self::Stream {
-                tokens,
-                pace,
-                fail_after,
-            } => (tokens.clone(), *pace, *fail_after),
-        };
-        let max = request.into_inner().stop.map_or(u32::MAX, |s| s.max_tokens) as usize;
-        let tokens: Vec<u32> = tokens.into_iter().take(max).collect();
-        let (tx, rx) = mpsc::channel(1);
-        tokio::spawn(async move {
-            let n = tokens.len();
-            for (i, t) in tokens.into_iter().enumerate() {
-                if fail_after == Some(i) {
-                    let _ = tx
-                        .send(Err(Status::internal("scripted mid-stream failure")))
-                        .await;
-                    return;
-                }
-                let last = i + 1 == n;
-                let message = DecodeResponse {
-                    token_ids: vec![t],
-                    finish_reason: if last {
-                        v1::FinishReason::Length
-                    } else {
-                        v1::FinishReason::Unspecified
-                    } as i32,
-                    cached_prompt_tokens: if i == 0 { CACHED } else { 0 },
-                    prefill_mode: if i == 0 {
-                        "local".into()
-                    } else {
-                        String::new()
-                    },
-                };
-                tokio::time::sleep(pace).await;
-                if tx.send(Ok(message)).await.is_err() {
-                    return;
-                }
-            }
-        });
-        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
-    }
-
-    async fn get_stats(
-        &self,
-        _request: Request<internal::GetStatsRequest>,
-    ) -> Result<Response<internal::WorkerStats>, Status> {
-        Ok(Response::new(internal::WorkerStats::default()))
-    }
-}
-
-async fn start_worker(worker: Scripted) -> String {
-    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(DecodeWorkerServer::new(worker))
-            .serve_with_incoming(TcpListenerStream::new(listener)),
-    );
-    addr.to_string()
-}
+use common::{start_worker, Scripted, CACHED};
 
 /// A running router and clients of both its front doors.
 struct Harness {
@@ -323,11 +231,7 @@ fn script() -> (Tokenizer, Vec<u32>) {
 }
 
 fn streaming(tokens: Vec<u32>) -> Scripted {
-    Scripted::Stream {
-        tokens,
-        pace: Duration::from_millis(2),
-        fail_after: None,
-    }
+    Scripted::streaming(tokens)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -435,7 +339,8 @@ async fn a_decode_worker_refusal_keeps_its_class_on_both_front_doors() {
     for (worker, grpc, http, kind) in cases {
         let cause = "scripted refusal";
         let mut h =
-            Harness::with_worker(RouterConfig::ephemeral(), Scripted::Refuse(worker, cause)).await;
+            Harness::with_worker(RouterConfig::ephemeral(), Scripted::refusing(worker, cause))
+                .await;
         let status = h.grpc_error(generate(4)).await;
         assert_eq!(status.code(), grpc, "worker {worker:?}: {status:?}");
         assert!(
@@ -450,11 +355,7 @@ async fn a_decode_worker_refusal_keeps_its_class_on_both_front_doors() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn overload_is_resource_exhausted_429_and_bad_input_invalid_argument_400() {
     let (_, tokens) = script();
-    let slow = Scripted::Stream {
-        tokens,
-        pace: Duration::from_millis(100),
-        fail_after: None,
-    };
+    let slow = Scripted::streaming(tokens).paced(Duration::from_millis(100));
     let mut h = Harness::with_worker(
         RouterConfig {
             max_concurrent_requests: 1,
@@ -639,11 +540,7 @@ async fn both_endpoints_answer_in_openai_shapes_whole_and_streamed() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_failing_mid_stream_ends_the_response_with_an_openai_error() {
     let (_, tokens) = script();
-    let worker = Scripted::Stream {
-        tokens,
-        pace: Duration::from_millis(2),
-        fail_after: Some(3),
-    };
+    let worker = Scripted::streaming(tokens).failing_after(3);
     let mut h = Harness::with_worker(RouterConfig::ephemeral(), worker).await;
     let cause = "scripted mid-stream failure";
 

@@ -3,112 +3,23 @@
 //! service; the HTTP app over the same state; stop strings cancelling the worker; the retry on
 //! another decode worker; health; shutdown. (Whole-cluster tests with real workers live in the
 //! workspace's `tests/`.)
-use std::pin::Pin;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+mod common;
+
 use std::time::Duration;
 
 use axum::body::Body;
 use ferry_model::tokenizer::Tokenizer;
-use ferry_proto::internal::decode_worker_server::{DecodeWorker, DecodeWorkerServer};
+use ferry_proto::internal;
 use ferry_proto::internal::registry_client::RegistryClient;
-use ferry_proto::internal::{self, DecodeRequest, DecodeResponse};
 use ferry_proto::v1::inference_client::InferenceClient;
 use ferry_proto::v1::{self, generate_request::Input};
 use ferry_router::{Router, RouterConfig};
-use futures::Stream;
 use http_body_util::BodyExt;
-use tokio::net::TcpListener;
-use tokio::sync::{mpsc, Notify};
-use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
 use tokio_util::sync::CancellationToken;
-use tonic::{Request, Response, Status};
+use tonic::Code;
 use tower::ServiceExt;
 
-/// A decode worker that streams `script` (up to `max_tokens`), or fails every call.
-#[derive(Clone, Default)]
-struct Scripted {
-    script: Vec<u32>,
-    fail: bool,
-    /// Pause before each token (2 ms when zero).
-    pace: Duration,
-    calls: Arc<AtomicUsize>,
-    seen: Arc<Mutex<Vec<DecodeRequest>>>,
-    cancelled: Arc<Notify>,
-}
-
-type Tokens = Pin<Box<dyn Stream<Item = Result<DecodeResponse, Status>> + Send>>;
-
-#[tonic::async_trait]
-impl DecodeWorker for Scripted {
-    type DecodeStream = Tokens;
-
-    async fn decode(
-        &self,
-        request: Request<DecodeRequest>,
-    ) -> Result<Response<Self::DecodeStream>, Status> {
-        self.calls.fetch_add(1, Ordering::SeqCst);
-        if self.fail {
-            return Err(Status::unavailable("scripted failure"));
-        }
-        let req = request.into_inner();
-        self.seen.lock().expect("test mutex").push(req.clone());
-        let max = req.stop.map_or(u32::MAX, |s| s.max_tokens) as usize;
-        let tokens: Vec<u32> = self.script.iter().copied().take(max).collect();
-        let finish = if tokens.len() == max {
-            v1::FinishReason::Length
-        } else {
-            v1::FinishReason::Stop
-        };
-        let (tx, rx) = mpsc::channel(1);
-        let cancelled = self.cancelled.clone();
-        let pace = self.pace.max(Duration::from_millis(2));
-        tokio::spawn(async move {
-            let n = tokens.len();
-            for (i, t) in tokens.into_iter().enumerate() {
-                let message = DecodeResponse {
-                    token_ids: vec![t],
-                    finish_reason: if i + 1 == n {
-                        finish as i32
-                    } else {
-                        v1::FinishReason::Unspecified as i32
-                    },
-                    cached_prompt_tokens: if i == 0 { 5 } else { 0 },
-                    prefill_mode: if i == 0 {
-                        "local".into()
-                    } else {
-                        String::new()
-                    },
-                };
-                // Pace like a real worker so a cancellation is observed mid-stream.
-                tokio::time::sleep(pace).await;
-                if tx.send(Ok(message)).await.is_err() {
-                    cancelled.notify_one();
-                    return;
-                }
-            }
-        });
-        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
-    }
-
-    async fn get_stats(
-        &self,
-        _request: Request<internal::GetStatsRequest>,
-    ) -> Result<Response<internal::WorkerStats>, Status> {
-        Ok(Response::new(internal::WorkerStats::default()))
-    }
-}
-
-async fn start_worker(worker: Scripted) -> String {
-    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(DecodeWorkerServer::new(worker))
-            .serve_with_incoming(TcpListenerStream::new(listener)),
-    );
-    addr.to_string()
-}
+use common::{start_worker, Scripted};
 
 fn register(id: &str, role: internal::WorkerRole, address: &str) -> internal::RegisterRequest {
     internal::RegisterRequest {
@@ -163,14 +74,8 @@ async fn router_serves_through_scripted_workers() {
             false,
         )
         .expect("encode");
-    let good = Scripted {
-        script: script.clone(),
-        ..Scripted::default()
-    };
-    let bad = Scripted {
-        fail: true,
-        ..Scripted::default()
-    };
+    let good = Scripted::streaming(script.clone());
+    let bad = Scripted::refusing(Code::Unavailable, "scripted failure");
     let good_addr = start_worker(good.clone()).await;
     let bad_addr = start_worker(bad.clone()).await;
 
@@ -351,7 +256,7 @@ async fn router_serves_through_scripted_workers() {
         .expect("register d0");
     let (text, _) = collect(&mut client, generate("hello", 4, &[])).await;
     assert_eq!(text, tok.decode(&script[..4], true).expect("decode"));
-    assert!(bad.calls.load(Ordering::SeqCst) >= 1, "d0 was tried first");
+    assert!(bad.call_count() >= 1, "d0 was tried first");
 
     // Validation through gRPC.
     let err = client
@@ -476,11 +381,7 @@ async fn router_serves_through_scripted_workers() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_ends_open_streams_after_the_drain_deadline() {
-    let slow = Scripted {
-        script: vec![10; 50],
-        pace: Duration::from_millis(200),
-        ..Scripted::default()
-    };
+    let slow = Scripted::streaming(vec![10; 50]).paced(Duration::from_millis(200));
     let slow_addr = start_worker(slow).await;
     let config = RouterConfig {
         page_size: 4,

@@ -1,0 +1,160 @@
+//! A scripted decode worker shared by the router's integration tests: a real gRPC
+//! `DecodeWorker` server on a local port whose answers the test decides.
+#![allow(dead_code)] // each test binary uses part of it
+
+use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use ferry_proto::internal::decode_worker_server::{DecodeWorker, DecodeWorkerServer};
+use ferry_proto::internal::{self, DecodeRequest, DecodeResponse};
+use ferry_proto::v1;
+use futures::Stream;
+use tokio::net::TcpListener;
+use tokio::sync::{mpsc, Notify};
+use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
+use tonic::{Code, Request, Response, Status};
+
+/// Cached prompt tokens the scripted worker reports on its first message.
+pub const CACHED: u32 = 5;
+
+/// A decode worker that streams `script` (up to the request's `max_tokens`: LENGTH when cut
+/// there, else STOP), one token per `pace` — or refuses every call, or fails mid-stream.
+/// Clones share the counters, so a test keeps one to inspect what the router sent.
+#[derive(Clone)]
+pub struct Scripted {
+    /// Tokens to stream.
+    pub script: Vec<u32>,
+    /// Pause before each token (a real worker's pace, so cancellations land mid-stream).
+    pub pace: Duration,
+    /// Refuse every call with this code and message.
+    pub refuse: Option<(Code, &'static str)>,
+    /// Fail with INTERNAL after this many tokens.
+    pub fail_after: Option<usize>,
+    /// `decode` calls received.
+    pub calls: Arc<AtomicUsize>,
+    /// The requests accepted.
+    pub seen: Arc<Mutex<Vec<DecodeRequest>>>,
+    /// Notified when the router dropped a stream before its end.
+    pub cancelled: Arc<Notify>,
+}
+
+impl Scripted {
+    /// Streams `script` every 2 ms.
+    pub fn streaming(script: Vec<u32>) -> Self {
+        Self {
+            script,
+            pace: Duration::from_millis(2),
+            refuse: None,
+            fail_after: None,
+            calls: Arc::default(),
+            seen: Arc::default(),
+            cancelled: Arc::default(),
+        }
+    }
+
+    /// Refuses every call with `code` and `message`.
+    pub fn refusing(code: Code, message: &'static str) -> Self {
+        Self {
+            refuse: Some((code, message)),
+            ..Self::streaming(Vec::new())
+        }
+    }
+
+    /// The same script at another pace.
+    pub fn paced(self, pace: Duration) -> Self {
+        Self { pace, ..self }
+    }
+
+    /// The same script, failing with INTERNAL after `n` tokens.
+    pub fn failing_after(self, n: usize) -> Self {
+        Self {
+            fail_after: Some(n),
+            ..self
+        }
+    }
+
+    /// `decode` calls so far.
+    pub fn call_count(&self) -> usize {
+        self.calls.load(Ordering::SeqCst)
+    }
+}
+
+type Tokens = Pin<Box<dyn Stream<Item = Result<DecodeResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl DecodeWorker for Scripted {
+    type DecodeStream = Tokens;
+
+    async fn decode(
+        &self,
+        request: Request<DecodeRequest>,
+    ) -> Result<Response<Self::DecodeStream>, Status> {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        if let Some((code, message)) = self.refuse {
+            return Err(Status::new(code, message));
+        }
+        let req = request.into_inner();
+        self.seen.lock().expect("test mutex").push(req.clone());
+        let max = req.stop.map_or(u32::MAX, |s| s.max_tokens) as usize;
+        let tokens: Vec<u32> = self.script.iter().copied().take(max).collect();
+        let finish = if tokens.len() == max {
+            v1::FinishReason::Length
+        } else {
+            v1::FinishReason::Stop
+        };
+        let (tx, rx) = mpsc::channel(1);
+        let (cancelled, pace, fail_after) = (self.cancelled.clone(), self.pace, self.fail_after);
+        tokio::spawn(async move {
+            let n = tokens.len();
+            for (i, t) in tokens.into_iter().enumerate() {
+                if fail_after == Some(i) {
+                    let _ = tx
+                        .send(Err(Status::internal("scripted mid-stream failure")))
+                        .await;
+                    return;
+                }
+                let message = DecodeResponse {
+                    token_ids: vec![t],
+                    finish_reason: if i + 1 == n {
+                        finish as i32
+                    } else {
+                        v1::FinishReason::Unspecified as i32
+                    },
+                    cached_prompt_tokens: if i == 0 { CACHED } else { 0 },
+                    prefill_mode: if i == 0 {
+                        "local".into()
+                    } else {
+                        String::new()
+                    },
+                };
+                tokio::time::sleep(pace).await;
+                if tx.send(Ok(message)).await.is_err() {
+                    cancelled.notify_one();
+                    return;
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
+    async fn get_stats(
+        &self,
+        _request: Request<internal::GetStatsRequest>,
+    ) -> Result<Response<internal::WorkerStats>, Status> {
+        Ok(Response::new(internal::WorkerStats::default()))
+    }
+}
+
+/// Serves `worker` on a free local port; returns its address.
+pub async fn start_worker(worker: Scripted) -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(DecodeWorkerServer::new(worker))
+            .serve_with_incoming(TcpListenerStream::new(listener)),
+    );
+    addr.to_string()
+}
