@@ -221,7 +221,11 @@ struct PrefillSim {
     served: usize,
 }
 
-impl PrefillSim {
+impl Simulated for PrefillSim {
+    fn id(&self) -> &WorkerId {
+        &self.id
+    }
+
     /// Drops finished jobs; queued tokens (the running job pro rata), running, waiting.
     fn load_at(&mut self, now: f64) -> WorkerLoad {
         while self.jobs.front().is_some_and(|j| j.end_s <= now) {
@@ -256,7 +260,11 @@ struct DecodeSim {
     active: Vec<(f64, u64)>,
 }
 
-impl DecodeSim {
+impl Simulated for DecodeSim {
+    fn id(&self) -> &WorkerId {
+        &self.id
+    }
+
     fn load_at(&mut self, now: f64) -> WorkerLoad {
         self.active.retain(|&(end, _)| end > now);
         WorkerLoad {
@@ -269,11 +277,17 @@ impl DecodeSim {
     }
 }
 
-fn candidate(id: &WorkerId, load: WorkerLoad) -> Candidate {
-    Candidate {
-        id: id.clone(),
-        load,
-        pending: PendingSnapshot::default(),
+/// A simulated worker as the router sees it: its heartbeat at `now`, nothing pending (the
+/// heartbeat is exact).
+trait Simulated {
+    fn id(&self) -> &WorkerId;
+    fn load_at(&mut self, now: f64) -> WorkerLoad;
+    fn candidate_at(&mut self, now: f64) -> Candidate {
+        Candidate {
+            id: self.id().clone(),
+            load: self.load_at(now),
+            pending: PendingSnapshot::default(),
+        }
     }
 }
 
@@ -308,20 +322,8 @@ pub fn replay(trace: &[TraceRequest], cfg: &ReplayConfig, policy: &Policy) -> Re
     let (mut hit_tokens, mut input_tokens) = (0u64, 0u64);
     for r in trace {
         let now = r.arrival_s / scale;
-        let p_cands: Vec<Candidate> = prefill
-            .iter_mut()
-            .map(|p| {
-                let load = p.load_at(now);
-                candidate(&p.id, load)
-            })
-            .collect();
-        let d_cands: Vec<Candidate> = decode
-            .iter_mut()
-            .map(|d| {
-                let load = d.load_at(now);
-                candidate(&d.id, load)
-            })
-            .collect();
+        let p_cands: Vec<Candidate> = prefill.iter_mut().map(|p| p.candidate_at(now)).collect();
+        let d_cands: Vec<Candidate> = decode.iter_mut().map(|d| d.candidate_at(now)).collect();
         let overlaps = Overlaps::from_pairs(
             prefill
                 .iter()

@@ -10,7 +10,7 @@
 use cudarc::driver::sys;
 
 use super::context::KernelParam;
-use super::mla::MlaShape;
+use super::mla::{env_list, MlaShape};
 use crate::error::KernelError;
 use crate::gpu::Defines;
 
@@ -53,10 +53,9 @@ impl MhaWsConfig {
     /// overriding it (benchmark sweeps; an invalid setting is ignored).
     pub fn from_env() -> Self {
         let d = Self::default();
-        let Ok(v) = std::env::var("FERRY_MHA_WS") else {
+        let Some(f) = env_list("FERRY_MHA_WS") else {
             return d;
         };
-        let f: Vec<usize> = v.split(',').filter_map(|x| x.trim().parse().ok()).collect();
         match f.as_slice() {
             [k, st, pv, pp @ (0 | 1), ov @ (0 | 1)] => {
                 let c = Self {

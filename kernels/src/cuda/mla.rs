@@ -141,20 +141,18 @@ impl MlaShape {
 
     /// Whether the tensor-core tile kernel takes this shape (else use the generic kernel).
     pub fn tile_ok(&self) -> bool {
-        if self.tile_warps == 8 {
+        // The 8-warp and warp-specialised kernels: 32-key steps; value width per warp pair
+        // (8 warps) or per warp; their ring depths.
+        if let Some((v_multiple, max_stages)) = match self.tile_warps {
+            8 => Some((128, 5)),
+            5 => Some((64, 4)),
+            _ => None,
+        } {
             return self.latent % 32 == 0
-                && self.kv_lora % 128 == 0
+                && self.kv_lora % v_multiple == 0
                 && self.kv_lora <= self.latent
                 && self.tile_bk == 32
-                && (2..=5).contains(&self.tile_stages)
-                && self.tile_smem() <= 227 * 1024;
-        }
-        if self.tile_warps == 5 {
-            return self.latent % 32 == 0
-                && self.kv_lora % 64 == 0
-                && self.kv_lora <= self.latent
-                && self.tile_bk == 32
-                && (2..=4).contains(&self.tile_stages)
+                && (2..=max_stages).contains(&self.tile_stages)
                 && self.tile_smem() <= 227 * 1024;
         }
         let bk_ok = self.tile_bk == 64 || (self.tile_bk == 32 && self.latent % 32 == 0);
@@ -751,6 +749,13 @@ pub fn mha_prefill(
     }
 }
 
+/// A benchmark sweep's comma-separated numbers from environment variable `name` (entries that
+/// are not numbers dropped), or `None` when it is unset.
+pub(crate) fn env_list(name: &str) -> Option<Vec<usize>> {
+    let v = std::env::var(name).ok()?;
+    Some(v.split(',').filter_map(|x| x.trim().parse().ok()).collect())
+}
+
 /// Tiling of the wgmma prefill kernel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct WgmmaConfig {
@@ -787,10 +792,9 @@ impl WgmmaConfig {
     /// overriding it (benchmark sweeps; an invalid or over-budget setting is ignored).
     pub fn from_env() -> Self {
         let d = Self::default();
-        let Ok(v) = std::env::var("FERRY_WGMMA") else {
+        let Some(f) = env_list("FERRY_WGMMA") else {
             return d;
         };
-        let f: Vec<usize> = v.split(',').filter_map(|x| x.trim().parse().ok()).collect();
         match f.as_slice() {
             [w @ (1 | 2), k @ (64 | 128), q @ (0 | 1), o @ (0 | 1), st @ (2..=4), rest @ ..] => {
                 let c = Self {

@@ -472,6 +472,33 @@ __device__ __forceinline__ void tile_load_keys(const MlaArgs& a, bf16_t* dst, in
   }
 }
 
+// The 4-warp tile kernels' shared memory: a ring of STAGES key steps, the staged queries, P,
+// the cross-warp row maxima and sums, each row's causal limit and global index; `end` is the
+// first byte past them (the warp-specialised kernel puts its mbarriers there).
+struct TileSmem {
+  bf16_t* k;       // [STAGES][BK][KSTR]
+  bf16_t* q;       // [16][KSTR]
+  bf16_t* p;       // [16][PSTR]
+  float* red;      // [NWT][16]
+  float* l;        // [NWT][16]
+  int* lim;        // [16]
+  long long* row;  // [16]
+  void* end;
+};
+template <int STAGES>
+__device__ __forceinline__ TileSmem tile_smem(unsigned char* base) {
+  TileSmem t;
+  t.k = (bf16_t*)base;
+  t.q = t.k + STAGES * BK * KSTR;
+  t.p = t.q + TROWS * KSTR;
+  t.red = (float*)(t.p + TROWS * PSTR);
+  t.l = t.red + NWT * TROWS;
+  t.lim = (int*)(t.l + NWT * TROWS);
+  t.row = (long long*)(t.lim + TROWS);
+  t.end = t.row + TROWS;
+  return t;
+}
+
 // The 4-warp tile's running state per thread: O for this warp's output columns and the online
 // softmax of rows g and g + 8.
 struct TileAcc {
@@ -629,13 +656,11 @@ __device__ __forceinline__ void tile_acc_init(TileAcc& acc) {
 template <int PACKED>
 __device__ void mla_tile_mma(const MlaArgs& a) {
   extern __shared__ __align__(16) unsigned char smem[];
-  bf16_t* s_k = (bf16_t*)smem;                       // [MLA_STAGES][BK][KSTR]
-  bf16_t* s_q = s_k + MLA_STAGES * BK * KSTR;        // [16][KSTR]
-  bf16_t* s_p = s_q + TROWS * KSTR;                  // [16][PSTR]
-  float* s_red = (float*)(s_p + TROWS * PSTR);       // [NWT][16]
-  float* s_l = s_red + NWT * TROWS;                  // [NWT][16]
-  int* s_lim = (int*)(s_l + NWT * TROWS);            // [16]
-  long long* s_row = (long long*)(s_lim + TROWS);    // [16]
+  TileSmem sm = tile_smem<MLA_STAGES>(smem);
+  bf16_t *s_k = sm.k, *s_q = sm.q, *s_p = sm.p;
+  float *s_red = sm.red, *s_l = sm.l;
+  int* s_lim = sm.lim;
+  long long* s_row = sm.row;
 
   int split = blockIdx.x, b = blockIdx.z;
   int tid = threadIdx.x, g = (tid % WARP) / 4;
@@ -795,14 +820,12 @@ extern "C" __global__ void __launch_bounds__(128) mla_packed_bf16(MlaArgs a) { M
 template <int PACKED>
 __device__ void mla_tile_ws(const MlaArgs& a) {
   extern __shared__ __align__(16) unsigned char smem[];
-  bf16_t* s_k = (bf16_t*)smem;                       // [MLA_WS_ST][BK][KSTR]
-  bf16_t* s_q = s_k + MLA_WS_ST * BK * KSTR;         // [16][KSTR]
-  bf16_t* s_p = s_q + TROWS * KSTR;                  // [16][PSTR]
-  float* s_red = (float*)(s_p + TROWS * PSTR);       // [NWT][16]
-  float* s_l = s_red + NWT * TROWS;                  // [NWT][16]
-  int* s_lim = (int*)(s_l + NWT * TROWS);            // [16]
-  long long* s_row = (long long*)(s_lim + TROWS);    // [16]
-  u32 bars = smem_u32(s_row + TROWS);                // full[MLA_WS_ST], empty[MLA_WS_ST]
+  TileSmem sm = tile_smem<MLA_WS_ST>(smem);
+  bf16_t *s_k = sm.k, *s_q = sm.q, *s_p = sm.p;
+  float *s_red = sm.red, *s_l = sm.l;
+  int* s_lim = sm.lim;
+  long long* s_row = sm.row;
+  u32 bars = smem_u32(sm.end);  // full[MLA_WS_ST], empty[MLA_WS_ST]
   auto full = [&](int i) { return bars + 8 * i; };
   auto empty = [&](int i) { return bars + 8 * (MLA_WS_ST + i); };
 
