@@ -117,6 +117,12 @@ pub struct RouterConfig {
     /// On shutdown, how long open streams may run before they are ended with an error.
     #[arg(long, env = "FERRY_ROUTER_DRAIN_TIMEOUT_MS", default_value_t = 5000)]
     pub drain_timeout_ms: u64,
+
+    /// Time-to-first-token SLO: with the `mooncake` policy, a request whose estimated TTFT on
+    /// the best worker exceeds it is rejected at once with RESOURCE_EXHAUSTED (gRPC) / 429
+    /// (HTTP) instead of queueing (Mooncake's early rejection). Unset: never.
+    #[arg(long, env = "FERRY_ROUTER_TTFT_SLO_MS")]
+    pub ttft_slo_ms: Option<u64>,
 }
 
 impl Default for RouterConfig {
@@ -131,6 +137,7 @@ impl Default for RouterConfig {
             page_size: 64,
             max_concurrent_requests: 256,
             drain_timeout_ms: 5000,
+            ttft_slo_ms: None,
         }
     }
 }

@@ -12,6 +12,7 @@
 //! |---|---|---|---|
 //! | bad input (names the field) | `Invalid` | INVALID_ARGUMENT | 400 |
 //! | the router at `max_concurrent_requests` | `Overloaded` | RESOURCE_EXHAUSTED | 429 |
+//! | the estimated TTFT exceeds `--ttft-slo-ms` (`mooncake` policy) | `TtftSlo` | RESOURCE_EXHAUSTED | 429 |
 //! | no healthy decode worker registered | `NoDecodeWorker` | UNAVAILABLE | 503 |
 //! | the router shutting down | `ShuttingDown` | UNAVAILABLE | 503 |
 //! | a decode worker refused or failed | `Worker` | its INVALID_ARGUMENT, RESOURCE_EXHAUSTED, INTERNAL, CANCELLED, OUT_OF_RANGE kept; anything else (UNAVAILABLE, a broken stream, …) UNAVAILABLE | from the code |
@@ -42,6 +43,18 @@ pub enum RequestError {
     Overloaded {
         /// `max_concurrent_requests`.
         limit: usize,
+    },
+
+    /// The policy estimates this request would miss the TTFT SLO on the best worker (early
+    /// rejection: better refused now than served late).
+    #[error(
+        "estimated time to first token {estimated_ms} ms exceeds the {slo_ms} ms SLO; retry later"
+    )]
+    TtftSlo {
+        /// The policy's estimate on the best worker.
+        estimated_ms: u64,
+        /// `ttft_slo_ms`.
+        slo_ms: u64,
     },
 
     /// No decode worker is registered and healthy.
@@ -83,7 +96,7 @@ impl RequestError {
     pub fn code(&self) -> Code {
         match self {
             Self::Invalid(_) => Code::InvalidArgument,
-            Self::Overloaded { .. } => Code::ResourceExhausted,
+            Self::Overloaded { .. } | Self::TtftSlo { .. } => Code::ResourceExhausted,
             Self::NoDecodeWorker | Self::ShuttingDown => Code::Unavailable,
             Self::Worker { code, .. } => match code {
                 Code::InvalidArgument
@@ -102,6 +115,7 @@ impl RequestError {
         match self {
             Self::Invalid(e) => e.kind(),
             Self::Overloaded { .. } => "overloaded",
+            Self::TtftSlo { .. } => "ttft_slo",
             Self::NoDecodeWorker => "no_decode_worker",
             Self::Worker { .. } => "worker_failed",
             Self::ShuttingDown => "shutting_down",

@@ -60,12 +60,26 @@ pub struct Selection {
 pub struct Selector {
     registry: Registry,
     policy: Policy,
+    ttft_slo_ms: Option<u64>,
 }
 
 impl Selector {
     /// A selector over `registry` using `policy`.
     pub fn new(registry: Registry, policy: Policy) -> Self {
-        Self { registry, policy }
+        Self {
+            registry,
+            policy,
+            ttft_slo_ms: None,
+        }
+    }
+
+    /// Rejects requests whose estimated TTFT (from policies that estimate one) exceeds
+    /// `slo_ms`, before any load is charged.
+    pub fn with_ttft_slo(self, slo_ms: Option<u64>) -> Self {
+        Self {
+            ttft_slo_ms: slo_ms,
+            ..self
+        }
     }
 
     /// The registry it reads.
@@ -108,6 +122,14 @@ impl Selector {
             .policy
             .select(&input)
             .ok_or(RequestError::NoDecodeWorker)?;
+        if let (Some(slo_ms), Some(estimated_ms)) = (self.ttft_slo_ms, decision.estimated_ttft_ms) {
+            if estimated_ms > slo_ms {
+                return Err(RequestError::TtftSlo {
+                    estimated_ms,
+                    slo_ms,
+                });
+            }
+        }
         let find = |id: &WorkerId| -> Result<&WorkerSnapshot, RequestError> {
             workers.iter().find(|w| &w.id == id).ok_or_else(|| {
                 RequestError::Internal(format!("policy chose `{id}`, which is not a candidate"))

@@ -93,7 +93,8 @@ impl AppState {
         let drain = CancellationToken::new();
         let metrics = Arc::new(RouterMetrics::new());
         let dispatcher = Dispatcher::new(DispatcherParams {
-            selector: Selector::new(registry.clone(), Policy::new(config.policy)),
+            selector: Selector::new(registry.clone(), Policy::new(config.policy))
+                .with_ttft_slo(config.ttft_slo_ms),
             tokenizer,
             max_concurrent_requests: config.max_concurrent_requests,
             drain: drain.clone(),

@@ -18,6 +18,7 @@ use ferry_proto::internal;
 use ferry_proto::internal::registry_client::RegistryClient;
 use ferry_proto::v1::inference_client::InferenceClient;
 use ferry_proto::v1::{self, generate_request::Input};
+use ferry_router::config::PolicyKind;
 use ferry_router::state::AppState;
 use ferry_router::{Router, RouterConfig};
 use http_body_util::BodyExt;
@@ -400,6 +401,37 @@ async fn overload_is_resource_exhausted_429_and_bad_input_invalid_argument_400()
         status, 200,
         "admitted again once the stream is gone: {body}"
     );
+    h.stop().await;
+}
+
+/// Mooncake's early rejection: a request the `mooncake` policy estimates to miss the TTFT SLO
+/// is refused at once on both front doors (RESOURCE_EXHAUSTED / 429 naming the estimate and the
+/// SLO) before any worker sees it; a generous SLO admits the same request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_estimated_to_miss_the_ttft_slo_is_rejected_early() {
+    let (_, tokens) = script();
+    let worker = Scripted::streaming(tokens.clone());
+    let config = |slo_ms| RouterConfig {
+        policy: PolicyKind::Mooncake,
+        ttft_slo_ms: Some(slo_ms),
+        ..RouterConfig::ephemeral()
+    };
+    let mut h = Harness::with_worker(config(0), worker.clone()).await;
+    let status = h.grpc_error(generate(4)).await;
+    assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
+    assert!(
+        status.message().contains("exceeds the 0 ms SLO"),
+        "{status:?}"
+    );
+    assert_http_failure(&h, 429, "rate_limit_error", "ttft_slo", "0 ms SLO").await;
+    assert_eq!(worker.call_count(), 0, "rejected before any worker saw it");
+    h.stop().await;
+
+    let mut h = Harness::with_worker(config(60_000), Scripted::streaming(tokens)).await;
+    let (status, body) = h
+        .post("/v1/completions", http_requests(2)[0].1.clone())
+        .await;
+    assert_eq!(status, 200, "within the SLO: {body}");
     h.stop().await;
 }
 

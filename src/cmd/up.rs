@@ -42,6 +42,10 @@ pub struct UpArgs {
     /// Routing policy.
     #[arg(long, value_enum, default_value_t = PolicyKind::CacheAware)]
     pub policy: PolicyKind,
+    /// With `--policy mooncake`: reject requests whose estimated time to first token exceeds
+    /// this many ms (RESOURCE_EXHAUSTED / 429) instead of queueing them.
+    #[arg(long)]
+    pub ttft_slo_ms: Option<u64>,
     /// KV blocks per worker.
     #[arg(long, default_value_t = 1024)]
     pub kv_blocks: usize,
@@ -103,23 +107,23 @@ fn spawn(exe: &PathBuf, name: &str, argv: &[String]) -> anyhow::Result<Proc> {
 async fn up(args: UpArgs, exe: PathBuf, model: PathBuf, served: String) -> anyhow::Result<()> {
     let shutdown = shutdown_token(false);
     let model_s = model.to_string_lossy().into_owned();
-    let mut procs = vec![spawn(
-        &exe,
-        "router",
-        &[
-            "router".into(),
-            "--grpc-addr".into(),
-            args.grpc_addr.to_string(),
-            "--http-addr".into(),
-            args.http_addr.to_string(),
-            "--model".into(),
-            model_s.clone(),
-            "--served-model-name".into(),
-            served.clone(),
-            "--policy".into(),
-            args.policy.as_str().into(),
-        ],
-    )?];
+    let mut router_argv: Vec<String> = vec![
+        "router".into(),
+        "--grpc-addr".into(),
+        args.grpc_addr.to_string(),
+        "--http-addr".into(),
+        args.http_addr.to_string(),
+        "--model".into(),
+        model_s.clone(),
+        "--served-model-name".into(),
+        served.clone(),
+        "--policy".into(),
+        args.policy.as_str().into(),
+    ];
+    if let Some(ms) = args.ttft_slo_ms {
+        router_argv.extend(["--ttft-slo-ms".to_string(), ms.to_string()]);
+    }
+    let mut procs = vec![spawn(&exe, "router", &router_argv)?];
     let deadline = Instant::now() + Duration::from_secs(args.ready_timeout_s);
     wait_for_port(args.grpc_addr, deadline, &mut procs).await?;
     let common = |role: &str, i: usize| -> Vec<String> {

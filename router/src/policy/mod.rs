@@ -99,6 +99,9 @@ pub struct Decision {
     pub decode: WorkerId,
     /// Prompt blocks expected to be cached on the chosen pair (the larger overlap).
     pub predicted_cached_blocks: usize,
+    /// The policy's estimate of the time to first token on the chosen worker, in ms (only
+    /// policies with a cost model make one: `mooncake`).
+    pub estimated_ttft_ms: Option<u64>,
 }
 
 impl Decision {
@@ -108,6 +111,15 @@ impl Decision {
             prefill: prefill.map(|p| p.id.clone()),
             decode: decode.id.clone(),
             predicted_cached_blocks: on_p.max(input.overlaps.get(&decode.id)),
+            estimated_ttft_ms: None,
+        }
+    }
+
+    /// The same decision carrying a TTFT estimate of `seconds`.
+    pub fn with_ttft_estimate(self, seconds: f64) -> Self {
+        Self {
+            estimated_ttft_ms: Some((seconds * 1e3).ceil() as u64),
+            ..self
         }
     }
 }

@@ -35,8 +35,10 @@
 //!   (mean TTFT 5.1 s vs 3.4 s; `BENCHMARKS.md`, "Routing policies on the Mooncake traces").
 //!   For the no-prefill-worker branch `k` counts the decode worker's decoding requests too,
 //!   which under-prices its queue.
-//! - **No early rejection**: the paper rejects a request whose predicted TTFT or TBT exceeds the
-//!   SLO (HTTP 429); this policy always picks a pair. Not done.
+//! - **Early rejection on TTFT only**: the decision carries the chosen worker's estimate, and
+//!   the selector rejects the request (RESOURCE_EXHAUSTED / 429) when it exceeds
+//!   `--ttft-slo-ms`; the paper's TBT check (decode load predicted for when the prefill ends)
+//!   is not done.
 //! - The decode worker is chosen by load in blocks (as `cache_aware`), not by predicted
 //!   time-between-tokens.
 use std::cmp::Ordering;
@@ -131,7 +133,8 @@ impl SelectPolicy for Mooncake {
             Some(p) => decode_beside(p, input),
             None => self.fastest(input.decode, input),
         }?;
-        Some(Decision::new(prefill, decode, input))
+        let ttft = self.ttft_s(prefill.unwrap_or(decode), input);
+        Some(Decision::new(prefill, decode, input).with_ttft_estimate(ttft))
     }
 }
 
@@ -193,6 +196,9 @@ mod tests {
         let d = Mooncake::default().select(&input).expect("pair");
         assert_eq!(d.prefill, Some(id("p1")));
         assert_eq!(d.predicted_cached_blocks, 0);
+        // The decision carries the chosen worker's estimate, rounded up to whole ms.
+        let est = t(320.0, 0.0) + t(4096.0, 0.0);
+        assert_eq!(d.estimated_ttft_ms, Some((est * 1e3).ceil() as u64));
     }
 
     #[test]
