@@ -27,6 +27,9 @@ struct Args {
     /// Arrival times are divided by this (load multiplier).
     #[arg(long, default_value_t = 1.0)]
     rate_scale: f64,
+    /// Reject requests whose estimated TTFT exceeds this many seconds (`mooncake` only).
+    #[arg(long)]
+    ttft_slo_s: Option<f64>,
     /// Engine: seconds per new token (weight work).
     #[arg(long, default_value_t = 5e-5)]
     per_token_s: f64,
@@ -50,6 +53,7 @@ fn main() -> anyhow::Result<()> {
         cache_blocks: a.cache_blocks,
         engine,
         rate_scale: a.rate_scale,
+        ttft_slo_s: a.ttft_slo_s,
         ..ReplayConfig::default()
     };
     println!(
@@ -59,8 +63,10 @@ fn main() -> anyhow::Result<()> {
         cfg.cache_blocks,
         cfg.rate_scale
     );
-    println!("| policy | TTFT mean s | p50 | p90 | p99 | token hit | busiest P / mean |");
-    println!("|---|---|---|---|---|---|---|");
+    println!(
+        "| policy | TTFT mean s | p50 | p90 | p99 | token hit | busiest P / mean | rejected |"
+    );
+    println!("|---|---|---|---|---|---|---|---|");
     for kind in PolicyKind::ALL {
         let policy = match kind {
             // Given the engine's own model: a perfectly fitted estimator, as in the paper.
@@ -69,13 +75,14 @@ fn main() -> anyhow::Result<()> {
         };
         let r = replay(&trace, &cfg, &policy);
         println!(
-            "| {kind} | {:.2} | {:.2} | {:.2} | {:.2} | {:.1} % | {:.2} |",
+            "| {kind} | {:.2} | {:.2} | {:.2} | {:.2} | {:.1} % | {:.2} | {} |",
             r.ttft_mean_s,
             r.ttft_p50_s,
             r.ttft_p90_s,
             r.ttft_p99_s,
             100.0 * r.token_hit_ratio,
-            r.max_share
+            r.max_share,
+            r.rejected
         );
     }
     Ok(())
