@@ -427,7 +427,7 @@ async fn a_request_estimated_to_miss_the_ttft_slo_is_rejected_early() {
     assert_eq!(worker.call_count(), 0, "rejected before any worker saw it");
     h.stop().await;
 
-    let mut h = Harness::with_worker(config(60_000), Scripted::streaming(tokens)).await;
+    let h = Harness::with_worker(config(60_000), Scripted::streaming(tokens)).await;
     let (status, body) = h
         .post("/v1/completions", http_requests(2)[0].1.clone())
         .await;
