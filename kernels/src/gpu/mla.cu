@@ -12,6 +12,9 @@
 //                      tile's first rows); split-K over the keys, merged by mla_combine.
 //   mla_packed_bf16    the same kernel with (query token × head) rows packed densely into
 //                      16-row tiles, per-row causal limits: any head count, no padded rows.
+//   mla_tile8_bf16 / mla_packed8_bf16   8-warp variant: latent width split over warp pairs.
+//   mla_tile_ws_bf16 / mla_packed_ws_bf16   sm_90: the 4-warp math fed by a bulk-copy
+//                      producer warp through an mbarrier ring (the Hopper default).
 //   mla_generic_*      the per-head fallback: one block per (token, head), f32 math, any
 //                      shape; reads the cache once per head (what the tiles avoid).
 //   mla_combine        merges split-K partials (log2-domain max, sum, unnormalised output).
@@ -19,6 +22,8 @@
 //   mha_f32            MHA-form causal attention, f32, variable-length batch, any head count.
 //   mha_flash_bf16     the same on tensor cores (FlashAttention-2 style, mma.sync bf16,
 //                      f32 accumulation), CUDA sm_80+ only.
+//   mha_wgmma_bf16     sm_90a: warpgroup MMA, cp.async loads by the compute warps.
+//   mha_ws_bf16        sm_90a: TMA producer warp + two consumer warpgroups (the Hopper default).
 //
 // Softmax runs in the log2 domain: scores are multiplied by scale·log2(e) and exponentiated
 // with exp2f; partial maxima are stored in that domain too.
@@ -1661,11 +1666,12 @@ extern "C" __global__ void __launch_bounds__(128 * MHA_WGS, 3 - MHA_WGS) mha_wgm
 // mha_wgmma_bf16, with the loads and the scheduling taken off the compute warps.
 //
 // Block = 2 consumer warpgroups + 1 producer warp (288 threads), 128 query rows of one
-// (sequence, head). One thread of the producer warp (warp 8) issues TMA copies (the tensor maps come from the host, 128-byte swizzle, so the
-// tiles land in exactly the layout wgmma reads) for Q once and for each 128-key step's K and V
-// into MHA_WS_ST-deep rings, each slot guarded by a full / empty mbarrier pair. A single
-// producer warp (rather than a warpgroup trading registers through setmaxnreg) leaves ~224
-// registers per thread to the consumers, which need ~200. Warpgroups 0 and 1 consume, 64 query
+// (sequence, head). One thread of the producer warp (warp 8) issues TMA copies (the tensor
+// maps come from the host, 128-byte swizzle, so the tiles land in exactly the layout wgmma
+// reads) for Q once and for each 128-key step's K and V into MHA_WS_ST-deep rings, each slot
+// guarded by a full / empty mbarrier pair. The producer is one warp, not a warpgroup handing
+// its registers over through setmaxnreg: ptxas did not honour setmaxnreg for the consumer
+// region, so every thread gets 168 registers either way. Warpgroups 0 and 1 consume, 64 query
 // rows each:
 //   - ping-pong (MHA_WS_PINGPONG): the two consumers take turns issuing their GEMMs (named
 //     barriers 1 and 2), so one's softmax runs under the other's GEMMs: the tensor cores see
