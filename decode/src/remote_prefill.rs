@@ -5,9 +5,11 @@ use std::time::{Duration, Instant};
 use ferry_kvtransfer::Registration;
 use ferry_model::engine::{EngineHandle, SeqId};
 use ferry_model::kv::BlockId;
+use ferry_proto::auth::AttachToken;
 use ferry_proto::internal::prefill_worker_client::PrefillWorkerClient;
 use ferry_proto::internal::{KvDestination, KvLayout, PrefillRequest, Sampling};
 use ferry_proto::trace_ctx;
+use tonic::transport::Channel;
 use tracing::{info_span, warn, Instrument, Span};
 
 use crate::metrics::DecodeMetrics;
@@ -33,6 +35,8 @@ pub struct RemotePrefill {
     pub layout: KvLayout,
     /// How long the peer may take.
     pub timeout: Duration,
+    /// Signs the call with the cluster token.
+    pub auth: AttachToken,
     /// Where the call's duration and failures are counted.
     pub metrics: DecodeMetrics,
 }
@@ -87,10 +91,12 @@ pub async fn run(job: RemotePrefill, engine: EngineHandle, id: SeqId, policy: Fa
 }
 
 async fn call(job: &RemotePrefill) -> Result<u32, String> {
-    let uri = format!("http://{}", job.peer);
-    let mut client = PrefillWorkerClient::connect(uri)
+    let channel = Channel::from_shared(format!("http://{}", job.peer))
+        .map_err(|e| format!("prefill peer address {:?}: {e}", job.peer))?
+        .connect()
         .await
         .map_err(|e| format!("connecting to prefill peer {}: {e}", job.peer))?;
+    let mut client = PrefillWorkerClient::with_interceptor(channel, job.auth.clone());
     let mut request = tonic::Request::new(PrefillRequest {
         request_id: job.request_id.clone(),
         prompt_tokens: job.prompt.clone(),

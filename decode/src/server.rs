@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use clap::{Args, ValueEnum};
 use ferry_kvtransfer::{TcpTransport, Transport};
+use ferry_proto::auth::AttachToken;
 use ferry_proto::internal::decode_worker_server::DecodeWorkerServer;
 use ferry_proto::internal::WorkerRole;
 use ferry_worker::args::WorkerArgs;
@@ -60,8 +61,10 @@ impl DecodeServer {
     /// Loads the model, starts the engine, the transfer listener and binds the gRPC listener.
     pub async fn bind(args: DecodeArgs, model_dir: PathBuf) -> Result<Self, ServeError> {
         let engine = load_engine(model_dir, &args.spec, args.worker.engine_config()).await?;
+        let base = WorkerServer::bind(WorkerRole::Decode, &args.worker).await?;
+        let token = base.cluster_token().cloned();
         let transport = Arc::new(
-            TcpTransport::bind(args.transfer_addr)
+            TcpTransport::bind_with_token(args.transfer_addr, token.clone())
                 .map_err(|e| ServeError::Transport(format!("{}: {e}", args.transfer_addr)))?,
         );
         let region = Arc::new(EngineRegion::new(engine.clone()));
@@ -70,7 +73,6 @@ impl DecodeServer {
             .register(region)
             .await
             .map_err(|e| ServeError::Transport(e.to_string()))?;
-        let base = WorkerServer::bind(WorkerRole::Decode, &args.worker).await?;
         let decode_metrics = DecodeMetrics::register(base.registry())
             .map_err(|e| ServeError::Metrics(e.to_string()))?;
         let service = DecodeService::new(
@@ -84,6 +86,7 @@ impl DecodeServer {
                 local_prefill_threshold: args.local_prefill_threshold,
                 on_failure: args.on_prefill_failure,
                 prefill_timeout: Duration::from_secs(args.prefill_timeout_s.max(1)),
+                peer_auth: AttachToken::new(token),
             },
             decode_metrics,
         );

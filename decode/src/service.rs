@@ -1,5 +1,6 @@
 //! The `DecodeWorker` gRPC service.
 
+use ferry_proto::auth::AttachToken;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -35,6 +36,8 @@ pub struct DecodePolicy {
     pub on_failure: FailurePolicy,
     /// How long a prefill peer may take.
     pub prefill_timeout: Duration,
+    /// Signs the `Prefill` calls to peers with the cluster token.
+    pub peer_auth: AttachToken,
 }
 
 /// The service state.
@@ -309,6 +312,7 @@ async fn drive(
                     registration: ctx.registration.clone(),
                     layout: KvLayout::from(ctx.layout),
                     timeout: ctx.policy.prefill_timeout,
+                    auth: ctx.policy.peer_auth.clone(),
                     metrics: ctx.metrics.clone(),
                 };
                 tokio::spawn(

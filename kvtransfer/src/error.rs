@@ -40,6 +40,10 @@ pub enum TransferError {
     /// The transfer was closed (by the peer, or after an earlier error).
     #[error("KV transfer closed")]
     Closed,
+    /// The hello did not carry the receiver's cluster token: the writer is not one of the
+    /// cluster's prefill workers. Nothing was revealed about the receiver's regions.
+    #[error("KV transfer refused: wrong or missing cluster token")]
+    Unauthenticated,
     /// The destination region refused a write.
     #[error("KV region write failed: {0}")]
     Region(String),
@@ -55,6 +59,7 @@ impl TransferError {
             TransferError::Io(_) => "io",
             TransferError::Protocol(_) => "protocol",
             TransferError::Closed => "closed",
+            TransferError::Unauthenticated => "unauthenticated",
             TransferError::Region(_) => "region",
         }
     }

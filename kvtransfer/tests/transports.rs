@@ -8,6 +8,7 @@ use ferry_kvtransfer::{
     check_write, BlockWrite, Dtype, KvLayoutDesc, KvRegion, LayerStreamer, LocalTransport,
     RemoteKey, RemoteWriter, TcpTransport, TransferError, Transport, WriteBatch,
 };
+use ferry_proto::auth::ClusterToken;
 
 /// 4 layers × 16 blocks of 4 tokens × 8 bf16 = 64-byte blocks.
 const LAYOUT: KvLayoutDesc = KvLayoutDesc {
@@ -535,6 +536,38 @@ mod tcp_only {
             .with_advertised_address("decode-0.ferry:7000");
         let reg = advertised.register(region).await.unwrap();
         assert_eq!(reg.address, "decode-0.ferry:7000");
+    }
+
+    #[tokio::test]
+    async fn a_receiver_with_a_cluster_token_refuses_writers_without_it() {
+        let token: ClusterToken = "cluster-secret-0123456789".parse().unwrap();
+        let server =
+            TcpTransport::bind_with_token("127.0.0.1:0".parse().unwrap(), Some(token.clone()))
+                .unwrap();
+        let region = TestRegion::new(LAYOUT);
+        let reg = server.register(region.clone()).await.unwrap();
+
+        // No token, and a wrong one: refused at the hello, before the key is even looked up
+        // (an unknown key gives the same answer), and nothing is written.
+        let wrong: ClusterToken = "not-the-cluster-secret".parse().unwrap();
+        for client in [
+            TcpTransport::client(),
+            TcpTransport::client_with_token(Some(wrong)),
+        ] {
+            for key in [reg.key, RemoteKey(12345)] {
+                let e = expect_err(client.connect(&reg.address, key, &LAYOUT).await);
+                assert!(matches!(e, TransferError::Unauthenticated), "{e:?}");
+            }
+        }
+        region.assert_only(&HashMap::new());
+
+        let client = TcpTransport::client_with_token(Some(token));
+        let mut writer = client
+            .connect(&reg.address, reg.key, &LAYOUT)
+            .await
+            .unwrap();
+        writer.write(batch(13, &LAYOUT, 2, &[5])).await.unwrap();
+        assert_eq!(writer.flush().await.unwrap(), 64);
     }
 
     #[test]

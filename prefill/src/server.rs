@@ -79,7 +79,12 @@ impl PrefillServer {
         let base = WorkerServer::bind(WorkerRole::Prefill, &args.worker).await?;
         let prefill_metrics = PrefillMetrics::register(base.registry())
             .map_err(|e| ServeError::Metrics(e.to_string()))?;
-        let service = PrefillService::new(base.worker_id().to_string(), engine, prefill_metrics);
+        let service = PrefillService::new(
+            base.worker_id().to_string(),
+            engine,
+            prefill_metrics,
+            base.cluster_token().cloned(),
+        );
         Ok(Self { base, service })
     }
 

@@ -8,6 +8,7 @@ use ferry_kvtransfer::handshake::check_compatible;
 use ferry_kvtransfer::layerwise::LayerStreamer;
 use ferry_kvtransfer::{Dtype, KvLayoutDesc, RemoteKey, TcpTransport, Transport};
 use ferry_model::engine::{EngineError, EngineHandle, PrefillWork};
+use ferry_proto::auth::ClusterToken;
 use ferry_proto::internal::prefill_worker_server::PrefillWorker;
 use ferry_proto::internal::{GetStatsRequest, PrefillRequest, PrefillResponse, WorkerStats};
 use ferry_proto::trace_ctx;
@@ -29,12 +30,18 @@ pub struct PrefillService {
 }
 
 impl PrefillService {
-    /// A service over `engine`, counting into `metrics`.
-    pub fn new(worker_id: String, engine: EngineHandle, metrics: PrefillMetrics) -> Self {
+    /// A service over `engine`, counting into `metrics`, presenting `token` (the cluster
+    /// token) to the decode workers it writes KV into.
+    pub fn new(
+        worker_id: String,
+        engine: EngineHandle,
+        metrics: PrefillMetrics,
+        token: Option<ClusterToken>,
+    ) -> Self {
         Self {
             worker_id,
             engine,
-            tcp: Arc::new(TcpTransport::client()),
+            tcp: Arc::new(TcpTransport::client_with_token(token)),
             bytes_sent: Arc::new(AtomicU64::new(0)),
             metrics,
         }

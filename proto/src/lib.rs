@@ -4,6 +4,7 @@
 //! |---|---|
 //! | [`v1`] | the public `ferry.v1.Inference` service (Generate, Tokenize, ListModels) |
 //! | [`internal`] | worker services (prefill, decode), the registry (registration, heartbeats, load, KV events) and KV-transfer control frames |
+//! | [`auth`] | the internal plane's cluster token and the tonic interceptors that attach and check it |
 //! | [`ids`] | newtype ids shared by every process |
 //! | [`trace_ctx`] | W3C trace context on HTTP headers, gRPC metadata and the transfer hello |
 //! | [`FILE_DESCRIPTOR_SET`] | the encoded descriptors, for gRPC server reflection |
@@ -11,6 +12,7 @@
 //! Stubs are generated at build time by `tonic-prost-build` with a vendored `protoc`.
 #![forbid(unsafe_code)]
 
+pub mod auth;
 pub mod ids;
 pub mod trace_ctx;
 

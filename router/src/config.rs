@@ -7,6 +7,8 @@ use std::path::PathBuf;
 use std::str::FromStr;
 use std::time::Duration;
 
+use ferry_proto::auth::ClusterToken;
+
 use crate::error::RouterError;
 
 /// Which routing policy picks the (prefill, decode) pair of each request.
@@ -69,7 +71,7 @@ impl FromStr for PolicyKind {
 #[derive(Debug, Clone, PartialEq, clap::Args, serde::Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct RouterConfig {
-    /// Address of the gRPC server (public Inference, internal Registry, health, reflection).
+    /// Address of the public gRPC server (ferry.v1.Inference, health, reflection).
     #[arg(
         long,
         env = "FERRY_ROUTER_GRPC_ADDR",
@@ -80,6 +82,27 @@ pub struct RouterConfig {
     /// Address of the OpenAI-compatible HTTP server.
     #[arg(long, env = "FERRY_ROUTER_HTTP_ADDR", default_value = "127.0.0.1:8000")]
     pub http_addr: SocketAddr,
+
+    /// Address of the internal gRPC server (the Registry workers register and heartbeat with,
+    /// and health). Never the public address; off loopback it needs a cluster token.
+    #[arg(
+        long,
+        env = "FERRY_ROUTER_INTERNAL_ADDR",
+        default_value = "127.0.0.1:50052"
+    )]
+    pub internal_addr: SocketAddr,
+
+    /// File whose first line is the cluster token every internal call must carry (the same
+    /// file or `FERRY_CLUSTER_TOKEN` on every worker). Without a token the internal plane is
+    /// unauthenticated, which is allowed on a loopback `--internal-addr` only.
+    #[arg(long, env = "FERRY_CLUSTER_TOKEN_FILE")]
+    pub cluster_token_file: Option<PathBuf>,
+
+    /// The cluster token itself; set `FERRY_CLUSTER_TOKEN` rather than the flag, which other
+    /// local users can read in the process list.
+    #[arg(long, env = "FERRY_CLUSTER_TOKEN", hide = true, hide_env_values = true)]
+    #[serde(skip)]
+    pub cluster_token: Option<ClusterToken>,
 
     /// Model directory (tokenizer.json, tokenizer_config.json, config.json); the router reads
     /// only the tokenizer and the config, never the weights.
@@ -130,6 +153,9 @@ impl Default for RouterConfig {
         Self {
             grpc_addr: SocketAddr::from(([127, 0, 0, 1], 50051)),
             http_addr: SocketAddr::from(([127, 0, 0, 1], 8000)),
+            internal_addr: SocketAddr::from(([127, 0, 0, 1], 50052)),
+            cluster_token_file: None,
+            cluster_token: None,
             model_dir: ferry_model::embedded::default_model_dir(),
             served_model_name: String::new(),
             policy: PolicyKind::CacheAware,
@@ -148,6 +174,7 @@ impl RouterConfig {
         Self {
             grpc_addr: SocketAddr::from(([127, 0, 0, 1], 0)),
             http_addr: SocketAddr::from(([127, 0, 0, 1], 0)),
+            internal_addr: SocketAddr::from(([127, 0, 0, 1], 0)),
             ..Self::default()
         }
     }
@@ -180,7 +207,41 @@ impl RouterConfig {
                 ),
             });
         }
+        let public = [self.grpc_addr, self.http_addr];
+        if self.internal_addr.port() != 0 && public.contains(&self.internal_addr) {
+            return Err(RouterError::Config {
+                field: "internal_addr",
+                message: format!(
+                    "must differ from the public addresses, got {}",
+                    self.internal_addr
+                ),
+            });
+        }
+        let has_token = self.cluster_token_file.is_some() || self.cluster_token.is_some();
+        if !self.internal_addr.ip().is_loopback() && !has_token {
+            return Err(RouterError::Config {
+                field: "internal_addr",
+                message: format!(
+                    "{} is not a loopback address: give a cluster token \
+                     (--cluster-token-file or FERRY_CLUSTER_TOKEN) so that only the cluster's \
+                     workers can register",
+                    self.internal_addr
+                ),
+            });
+        }
         Ok(())
+    }
+
+    /// The cluster token (read from `cluster_token_file` if set), `None` without one.
+    pub fn token(&self) -> Result<Option<ClusterToken>, RouterError> {
+        ClusterToken::resolve(
+            self.cluster_token_file.as_deref(),
+            self.cluster_token.as_ref(),
+        )
+        .map_err(|e| RouterError::Config {
+            field: "cluster_token_file",
+            message: e.to_string(),
+        })
     }
 
     /// The name clients must use: `served_model_name`, or the model directory's last
@@ -250,6 +311,29 @@ mod tests {
             ..RouterConfig::default()
         };
         assert_eq!(named.model_name(), "kimi");
+    }
+
+    #[test]
+    fn the_internal_plane_is_its_own_address_and_needs_a_token_off_loopback() {
+        let same = RouterConfig {
+            internal_addr: RouterConfig::default().grpc_addr,
+            ..RouterConfig::default()
+        };
+        let err = same.check().expect_err("shared with the public port");
+        assert!(err.to_string().contains("`internal_addr`"), "{err}");
+
+        let exposed = RouterConfig {
+            internal_addr: "0.0.0.0:50052".parse().expect("addr"),
+            ..RouterConfig::default()
+        };
+        let err = exposed.check().expect_err("no token off loopback");
+        assert!(err.to_string().contains("cluster token"), "{err}");
+        let with_token = RouterConfig {
+            cluster_token: Some("0123456789abcdef".parse().expect("token")),
+            ..exposed
+        };
+        with_token.check().expect("a token makes it fine");
+        assert!(!format!("{with_token:?}").contains("0123456789abcdef"));
     }
 
     #[test]

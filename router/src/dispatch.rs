@@ -24,7 +24,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use ferry_model::tokenizer::Tokenizer;
-use ferry_proto::internal::{self, decode_worker_client::DecodeWorkerClient};
+use ferry_proto::internal;
 use ferry_proto::{trace_ctx, v1};
 use futures::Stream;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -375,7 +375,7 @@ async fn open(
     request: internal::DecodeRequest,
 ) -> Result<Opened, RequestError> {
     let worker = &selection.decode.id;
-    let mut client = DecodeWorkerClient::new(selection.decode.channel.clone());
+    let mut client = selection.decode.decode_client();
     let mut request = tonic::Request::new(request);
     trace_ctx::inject_request(&Span::current(), &mut request);
     let mut rest = client

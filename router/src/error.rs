@@ -3,7 +3,7 @@
 //! | type | raised by | wire |
 //! |---|---|---|
 //! | [`RequestError`] | one client request (validation, admission, dispatch) | [`RequestError::code`] → `tonic::Status` here, HTTP status in `http/error.rs` from the same code |
-//! | [`RegistryError`] | one worker's Registry call | INVALID_ARGUMENT |
+//! | [`RegistryError`] | one worker's Registry call | INVALID_ARGUMENT; ALREADY_EXISTS for a live id claimed from another address |
 //! | [`RouterError`] | starting or running the router | none: returned to the CLI |
 //!
 //! What a failed request answers, by cause ([`RequestError::code`], then `http/error.rs`):
@@ -159,6 +159,20 @@ pub enum RegistryError {
         /// The limit and the value.
         message: String,
     },
+    /// The id belongs to a live worker at another address: refused, not applied, so nobody
+    /// can redirect a worker's traffic by registering its id.
+    #[error(
+        "worker `{id}` is live at {registered}; a registration from {claimed} is refused until it \
+         stops heartbeating"
+    )]
+    Claimed {
+        /// The id.
+        id: WorkerId,
+        /// Where the live worker is.
+        registered: String,
+        /// Where the refused registration said it is.
+        claimed: String,
+    },
 }
 
 impl RegistryError {
@@ -173,7 +187,10 @@ impl RegistryError {
 
 impl From<RegistryError> for Status {
     fn from(e: RegistryError) -> Self {
-        Status::invalid_argument(e.to_string())
+        match e {
+            RegistryError::Invalid { .. } => Status::invalid_argument(e.to_string()),
+            RegistryError::Claimed { .. } => Status::already_exists(e.to_string()),
+        }
     }
 }
 

@@ -17,6 +17,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use dashmap::DashMap;
+use ferry_proto::auth::{AttachToken, ClusterToken, RequireToken};
 use ferry_proto::ids::{BlockHash, EventId, WorkerId};
 use ferry_proto::internal::{self, registry_server};
 use tokio::task::JoinHandle;
@@ -88,6 +89,8 @@ pub struct Registration {
     pub total_blocks: u32,
     /// Its cache at registration.
     pub snapshot: Snapshot,
+    /// Random per worker process start; heartbeats and events must carry it.
+    pub instance: u64,
 }
 
 impl TryFrom<internal::RegisterRequest> for Registration {
@@ -121,6 +124,7 @@ impl TryFrom<internal::RegisterRequest> for Registration {
                 blocks: r.cached_block_hashes.into_iter().map(BlockHash).collect(),
                 last_event: EventId(r.last_event_id),
             },
+            instance: r.instance_id,
         })
     }
 }
@@ -178,12 +182,15 @@ pub struct WorkerSnapshot {
     pub pending_handle: Arc<PendingLoad>,
     /// Lazily connected channel to the worker.
     pub channel: Channel,
+    /// Signs calls to the worker with the cluster token.
+    pub auth: AttachToken,
 }
 
 #[derive(Debug, Clone)]
 struct Entry {
     role: Role,
     grpc_address: String,
+    instance: u64,
     load: WorkerLoad,
     last_seen: Instant,
     channel: Channel,
@@ -196,6 +203,7 @@ struct Inner {
     index: Arc<dyn PrefixIndex>,
     timeout: Duration,
     page_size: usize,
+    cluster_token: Option<ClusterToken>,
 }
 
 /// How to build a [`Registry`].
@@ -207,6 +215,8 @@ pub struct RegistryParams {
     pub heartbeat_timeout: Duration,
     /// The router's page size; workers must match it.
     pub page_size: usize,
+    /// The internal plane's token: required on Registry calls, sent on calls to workers.
+    pub cluster_token: Option<ClusterToken>,
 }
 
 /// A handle to the registry (cheap to clone).
@@ -225,6 +235,7 @@ impl Registry {
                 index: params.index,
                 timeout: params.heartbeat_timeout,
                 page_size: params.page_size,
+                cluster_token: params.cluster_token,
             }),
         }
     }
@@ -237,6 +248,11 @@ impl Registry {
 
     /// Registers or re-registers a worker at `now`: replaces its index entries with the
     /// snapshot and resets its load. Keeps the existing channel when the address is unchanged.
+    ///
+    /// A live worker (heartbeat within the timeout) keeps its id: a registration of that id
+    /// from another address is [`RegistryError::Claimed`], whatever its instance. From the same
+    /// address it is the worker itself (a restart binds the port the old process held), so the
+    /// new instance replaces the old one.
     pub fn register(&self, reg: Registration, now: Instant) -> Result<(), RegistryError> {
         if reg.page_size != self.inner.page_size {
             return Err(RegistryError::invalid(
@@ -247,12 +263,17 @@ impl Registry {
                 ),
             ));
         }
-        let existing = self
-            .inner
-            .workers
-            .get(&reg.id)
-            .filter(|e| e.grpc_address == reg.grpc_address)
-            .map(|e| e.channel.clone());
+        let existing = match self.inner.workers.get(&reg.id) {
+            Some(e) if e.grpc_address == reg.grpc_address => Some(e.channel.clone()),
+            Some(e) if self.is_live(&e, now) => {
+                return Err(RegistryError::Claimed {
+                    id: reg.id.clone(),
+                    registered: e.grpc_address.clone(),
+                    claimed: reg.grpc_address,
+                })
+            }
+            _ => None,
+        };
         let channel = match existing {
             Some(channel) => channel,
             None => connect_lazy(&reg.grpc_address)?,
@@ -264,6 +285,7 @@ impl Registry {
             Entry {
                 role: reg.role,
                 grpc_address: reg.grpc_address,
+                instance: reg.instance,
                 load: WorkerLoad {
                     kv_blocks_total: reg.total_blocks,
                     ..WorkerLoad::default()
@@ -275,21 +297,36 @@ impl Registry {
         Ok(())
     }
 
-    /// Records a heartbeat; `false` when the worker is unknown (it must register again).
-    pub fn heartbeat(&self, id: &WorkerId, load: WorkerLoad, now: Instant) -> bool {
+    fn is_live(&self, e: &Entry, now: Instant) -> bool {
+        now.saturating_duration_since(e.last_seen) <= self.inner.timeout
+    }
+
+    /// Records a heartbeat of `instance`; `false` when the worker is unknown, or registered
+    /// since by another instance (it must register again).
+    pub fn heartbeat(&self, id: &WorkerId, instance: u64, load: WorkerLoad, now: Instant) -> bool {
         match self.inner.workers.get_mut(id) {
-            Some(mut entry) => {
+            Some(mut entry) if entry.instance == instance => {
                 entry.load = load;
                 entry.last_seen = now;
                 true
             }
-            None => false,
+            _ => false,
         }
     }
 
-    /// Applies a worker's KV events to the index.
-    pub fn publish(&self, id: &WorkerId, events: &[KvEvent]) -> Result<(), OutOfSync> {
-        if !self.inner.workers.contains_key(id) {
+    /// Applies the KV events of `instance` of a worker to the index.
+    pub fn publish(
+        &self,
+        id: &WorkerId,
+        instance: u64,
+        events: &[KvEvent],
+    ) -> Result<(), OutOfSync> {
+        let registered = self
+            .inner
+            .workers
+            .get(id)
+            .is_some_and(|e| e.instance == instance);
+        if !registered {
             return Err(OutOfSync::UnknownWorker(id.clone()));
         }
         self.inner.index.apply(id, events).map(|_| ())
@@ -365,6 +402,7 @@ impl Registry {
                     pending: pending_handle.snapshot(),
                     pending_handle,
                     channel: e.channel.clone(),
+                    auth: AttachToken::new(self.inner.cluster_token.clone()),
                 }
             })
             .collect();
@@ -391,6 +429,11 @@ impl Registry {
     /// The router's page size.
     pub fn page_size(&self) -> usize {
         self.inner.page_size
+    }
+
+    /// The check the Registry service runs on every call (the cluster token, if any).
+    pub fn require_token(&self) -> RequireToken {
+        RequireToken::new(self.inner.cluster_token.clone())
     }
 }
 
@@ -457,7 +500,9 @@ impl registry_server::Registry for RegistryService {
         let req = request.into_inner();
         let id = worker_id(req.worker_id)?;
         let load = req.load.map(WorkerLoad::from).unwrap_or_default();
-        let known = self.registry.heartbeat(&id, load, Instant::now());
+        let known = self
+            .registry
+            .heartbeat(&id, req.instance_id, load, Instant::now());
         if !known {
             tracing::debug!(worker = %id, "heartbeat from an unknown worker");
         }
@@ -475,7 +520,7 @@ impl registry_server::Registry for RegistryService {
             .into_iter()
             .map(KvEvent::try_from)
             .collect::<Result<Vec<_>, _>>()?;
-        let in_sync = match self.registry.publish(&id, &events) {
+        let in_sync = match self.registry.publish(&id, batch.instance_id, &events) {
             Ok(()) => true,
             Err(e @ OutOfSync::Gap { .. }) => {
                 tracing::warn!(worker = %id, error = %e, "KV events out of sync; asking for a snapshot");
@@ -500,6 +545,7 @@ mod tests {
             index: Arc::new(FlatIndex::new()),
             heartbeat_timeout: Duration::from_millis(100),
             page_size: 4,
+            cluster_token: None,
         })
     }
 
@@ -514,6 +560,7 @@ mod tests {
                 blocks: blocks.iter().copied().map(BlockHash).collect(),
                 last_event: EventId(3),
             },
+            instance: 7,
         }
     }
 
@@ -533,11 +580,11 @@ mod tests {
         );
 
         let t1 = t0 + Duration::from_millis(80);
-        assert!(r.heartbeat(&d0, WorkerLoad::default(), t1));
+        assert!(r.heartbeat(&d0, 7, WorkerLoad::default(), t1));
         let t2 = t0 + Duration::from_millis(150);
         assert_eq!(r.healthy_workers(t2).len(), 1, "p0 is stale, d0 is not");
         assert_eq!(r.reap(t2), vec![WorkerId::from("p0")]);
-        assert!(!r.heartbeat(&WorkerId::from("p0"), WorkerLoad::default(), t2));
+        assert!(!r.heartbeat(&WorkerId::from("p0"), 7, WorkerLoad::default(), t2));
 
         let t3 = t1 + Duration::from_millis(101);
         assert_eq!(r.reap(t3), vec![d0.clone()]);
@@ -556,17 +603,54 @@ mod tests {
             id: EventId(id),
             data: KvEventData::Stored(vec![BlockHash(9)]),
         };
-        assert!(r.publish(&d0, &[ev(1)]).is_err());
+        assert!(r.publish(&d0, 7, &[ev(1)]).is_err());
         r.register(reg("d0", Role::Decode, &[]), Instant::now())
             .expect("valid");
-        assert!(r.publish(&d0, &[ev(4)]).is_ok());
+        assert!(r.publish(&d0, 7, &[ev(4)]).is_ok());
         assert!(matches!(
-            r.publish(&d0, &[ev(6)]),
+            r.publish(&d0, 7, &[ev(6)]),
             Err(OutOfSync::Gap { .. })
         ));
         r.register(reg("d0", Role::Decode, &[9]), Instant::now())
             .expect("valid");
-        assert!(r.publish(&d0, &[ev(4)]).is_ok());
+        assert!(r.publish(&d0, 7, &[ev(4)]).is_ok());
+    }
+
+    #[tokio::test]
+    async fn a_live_id_cannot_be_claimed_from_another_address() {
+        let r = registry();
+        let t0 = Instant::now();
+        let d0 = WorkerId::from("d0");
+        r.register(reg("d0", Role::Decode, &[1]), t0)
+            .expect("valid");
+
+        // The hijack: the same id, another address, another instance → refused, not applied.
+        let mut hijack = reg("d0", Role::Decode, &[]);
+        hijack.grpc_address = "10.9.9.9:1".into();
+        hijack.instance = 666;
+        let err = r.register(hijack.clone(), t0).expect_err("claimed");
+        assert!(matches!(err, RegistryError::Claimed { .. }), "{err}");
+        assert_eq!(Status::from(err).code(), tonic::Code::AlreadyExists);
+        let healthy = r.healthy_workers(t0);
+        assert_eq!(healthy[0].grpc_address, "127.0.0.1:1", "address unchanged");
+        assert_eq!(r.index().matched_blocks(&d0, &[BlockHash(1)]), 1);
+        // The hijacker's heartbeats and events are not the registered instance's.
+        assert!(!r.heartbeat(&d0, 666, WorkerLoad::default(), t0));
+        assert!(r.publish(&d0, 666, &[]).is_err());
+        assert!(r.heartbeat(&d0, 7, WorkerLoad::default(), t0));
+
+        // A restart in place (same address, new instance) replaces the old process, whose
+        // heartbeats are then refused so it would register again.
+        let mut restarted = reg("d0", Role::Decode, &[]);
+        restarted.instance = 8;
+        r.register(restarted, t0).expect("same address");
+        assert!(!r.heartbeat(&d0, 7, WorkerLoad::default(), t0));
+        assert!(r.heartbeat(&d0, 8, WorkerLoad::default(), t0));
+
+        // Once the live worker stops heartbeating, its id is free for another address.
+        let later = t0 + Duration::from_millis(150);
+        r.register(hijack, later).expect("the old worker is gone");
+        assert_eq!(r.healthy_workers(later)[0].grpc_address, "10.9.9.9:1");
     }
 
     #[tokio::test]

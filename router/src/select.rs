@@ -5,7 +5,10 @@
 //! [`LoadGuard`] holding the request's predicted load on them. Sending is the dispatcher's job.
 use std::time::Instant;
 
+use ferry_proto::auth::AttachToken;
 use ferry_proto::ids::{BlockHash, WorkerId};
+use ferry_proto::internal::decode_worker_client::DecodeWorkerClient;
+use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
 
 use crate::error::RequestError;
@@ -31,6 +34,15 @@ pub struct DecodeTarget {
     pub id: WorkerId,
     /// A channel to it.
     pub channel: Channel,
+    /// Signs calls to it with the cluster token.
+    pub auth: AttachToken,
+}
+
+impl DecodeTarget {
+    /// A `DecodeWorker` client over the worker's channel, signing every call.
+    pub fn decode_client(&self) -> DecodeWorkerClient<InterceptedService<Channel, AttachToken>> {
+        DecodeWorkerClient::with_interceptor(self.channel.clone(), self.auth.clone())
+    }
 }
 
 /// The chosen prefill worker, as the decode worker will be told.
@@ -161,6 +173,7 @@ impl Selector {
             decode: DecodeTarget {
                 id: d.id.clone(),
                 channel: d.channel.clone(),
+                auth: d.auth.clone(),
             },
             prefill: p.map(|p| PrefillTarget {
                 id: p.id.clone(),
@@ -189,6 +202,7 @@ mod tests {
             index: Arc::new(FlatIndex::new()),
             heartbeat_timeout: Duration::from_secs(60),
             page_size: 4,
+            cluster_token: None,
         });
         for (id, role, blocks) in [
             ("p0", Role::Prefill, vec![]),
@@ -207,6 +221,7 @@ mod tests {
                         blocks: blocks.into_iter().map(BlockHash).collect(),
                         last_event: EventId(0),
                     },
+                    instance: 1,
                 },
                 Instant::now(),
             )

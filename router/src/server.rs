@@ -2,10 +2,12 @@
 //!
 //! ```text
 //! Router::load(config)   check config, load tokenizer + config.json (blocking pool)
-//!   .bind()              bind gRPC and HTTP listeners (port 0 works: read the addresses back)
+//!   .bind()              bind the public gRPC and HTTP listeners and the internal one
+//!                        (port 0 works: read the addresses back)
 //!   .run(shutdown)       serve until `shutdown` is cancelled:
-//!       gRPC: Inference + Registry + grpc.health.v1 (Inference SERVING) + reflection v1
-//!       HTTP: the OpenAI-compatible app
+//!       public gRPC:   Inference + grpc.health.v1 (Inference SERVING) + reflection
+//!       HTTP:          the OpenAI-compatible app
+//!       internal gRPC: Registry (cluster token required) + grpc.health.v1 — never public
 //!       reaper: removes workers that missed their heartbeats
 //!   on shutdown          health NOT_SERVING → stop accepting → drain open requests until the
 //!                        deadline → end the streams still open with an error → abort leftovers
@@ -60,13 +62,16 @@ impl Router {
     pub async fn bind(self) -> Result<BoundRouter, RouterError> {
         let (grpc, grpc_addr) = listen("grpc", self.config.grpc_addr).await?;
         let (http, http_addr) = listen("http", self.config.http_addr).await?;
+        let (internal, internal_addr) = listen("internal", self.config.internal_addr).await?;
         Ok(BoundRouter {
             config: self.config,
             state: self.state,
             grpc,
             http,
+            internal,
             grpc_addr,
             http_addr,
+            internal_addr,
         })
     }
 }
@@ -92,8 +97,10 @@ pub struct BoundRouter {
     state: Arc<AppState>,
     grpc: TcpListener,
     http: TcpListener,
+    internal: TcpListener,
     grpc_addr: SocketAddr,
     http_addr: SocketAddr,
+    internal_addr: SocketAddr,
 }
 
 type GrpcJoin = Result<Result<(), tonic::transport::Error>, JoinError>;
@@ -116,9 +123,14 @@ fn http_result(r: HttpJoin) -> Result<(), RouterError> {
 }
 
 impl BoundRouter {
-    /// The bound gRPC address (Inference, Registry, health, reflection).
+    /// The bound public gRPC address (Inference, health, reflection).
     pub fn grpc_addr(&self) -> SocketAddr {
         self.grpc_addr
+    }
+
+    /// The bound internal gRPC address (Registry, health): where workers register.
+    pub fn internal_addr(&self) -> SocketAddr {
+        self.internal_addr
     }
 
     /// The bound HTTP address.
@@ -139,8 +151,10 @@ impl BoundRouter {
             state,
             grpc,
             http,
+            internal,
             grpc_addr,
             http_addr,
+            internal_addr,
         } = self;
         let (reporter, health) = tonic_health::server::health_reporter();
         reporter
@@ -156,14 +170,17 @@ impl BoundRouter {
             .add_service(health)
             .add_service(reflection)
             .add_service(InferenceServer::new(InferenceService::new(state.clone())))
-            .add_service(RegistryServer::new(RegistryService::new(
-                state.registry.clone(),
-            )))
             .serve_with_incoming_shutdown(
                 nodelay(TcpListenerStream::new(grpc)),
                 stop_accepting.clone().cancelled_owned(),
             );
         let mut grpc_task = tokio::spawn(grpc_server);
+        let stop_internal = CancellationToken::new();
+        let mut internal_task = tokio::spawn(serve_internal(
+            state.clone(),
+            internal,
+            stop_internal.clone(),
+        ));
         let http = http.tap_io(|tcp| {
             if let Err(e) = tcp.set_nodelay(true) {
                 tracing::debug!(error = %e, "set_nodelay failed");
@@ -175,6 +192,7 @@ impl BoundRouter {
         tracing::info!(
             grpc = %grpc_addr,
             http = %http_addr,
+            internal = %internal_addr,
             model = %state.model.name,
             policy = %config.policy,
             "router listening"
@@ -184,11 +202,13 @@ impl BoundRouter {
             _ = shutdown.cancelled() => None,
             r = &mut grpc_task => Some(grpc_result(r).and(Err(RouterError::Task("the gRPC server stopped".into())))),
             r = &mut http_task => Some(http_result(r).and(Err(RouterError::Task("the HTTP server stopped".into())))),
+            r = &mut internal_task => Some(grpc_result(r).and(Err(RouterError::Task("the internal gRPC server stopped".into())))),
         };
         if let Some(failed) = early {
             stop_accepting.cancel();
             grpc_task.abort();
             http_task.abort();
+            internal_task.abort();
             reaper.abort();
             return failed;
         }
@@ -217,6 +237,15 @@ impl BoundRouter {
                 }
             }
         };
+        // Workers keep registering until the public servers have drained: the streams still
+        // open need their decode workers.
+        stop_internal.cancel();
+        if tokio::time::timeout(CLOSE_GRACE, &mut internal_task)
+            .await
+            .is_err()
+        {
+            internal_task.abort();
+        }
         let _ = reaper.await;
         let (grpc_joined, http_joined) =
             joined.map_err(|e| RouterError::Task(format!("shutdown: {e}")))?;
@@ -225,6 +254,31 @@ impl BoundRouter {
         tracing::info!("router stopped");
         Ok(())
     }
+}
+
+/// The internal plane: the Registry, behind the cluster token, and health. No reflection:
+/// nothing but ferry's own workers calls it.
+async fn serve_internal(
+    state: Arc<AppState>,
+    listener: TcpListener,
+    stop: CancellationToken,
+) -> Result<(), tonic::transport::Error> {
+    let (reporter, health) = tonic_health::server::health_reporter();
+    reporter
+        .set_serving::<RegistryServer<RegistryService>>()
+        .await;
+    let registry = RegistryServer::with_interceptor(
+        RegistryService::new(state.registry.clone()),
+        state.registry.require_token(),
+    );
+    tonic::transport::Server::builder()
+        .add_service(health)
+        .add_service(registry)
+        .serve_with_incoming_shutdown(
+            nodelay(TcpListenerStream::new(listener)),
+            stop.cancelled_owned(),
+        )
+        .await
 }
 
 /// Accepted connections with `TCP_NODELAY` set (tonic sets it only on listeners it binds

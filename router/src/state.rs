@@ -82,6 +82,7 @@ impl AppState {
             index: Arc::new(FlatIndex::new()),
             heartbeat_timeout: config.heartbeat_timeout(),
             page_size: config.page_size,
+            cluster_token: config.token()?,
         });
         let validator = Validator::new(ValidatorParams {
             model_name: model.name.clone(),

@@ -52,18 +52,21 @@ impl Harness {
         .await
         .expect("bind");
         let state = bound.state().clone();
-        let endpoint = format!("http://{}", bound.grpc_addr());
+        let connect = |addr| async move {
+            Channel::from_shared(format!("http://{addr}"))
+                .expect("uri")
+                .connect()
+                .await
+                .expect("connect")
+        };
+        let public = connect(bound.grpc_addr()).await;
+        let internal = connect(bound.internal_addr()).await;
         let shutdown = CancellationToken::new();
         let running = tokio::spawn(bound.run(shutdown.clone()));
-        let channel = Channel::from_shared(endpoint)
-            .expect("uri")
-            .connect()
-            .await
-            .expect("connect");
         Self {
             state,
-            grpc: InferenceClient::new(channel.clone()),
-            registry: RegistryClient::new(channel),
+            grpc: InferenceClient::new(public),
+            registry: RegistryClient::new(internal),
             shutdown,
             running,
         }
@@ -87,6 +90,7 @@ impl Harness {
                 total_blocks: 256,
                 cached_block_hashes: vec![],
                 last_event_id: 0,
+                instance_id: 1,
             })
             .await
             .expect("register");

@@ -30,6 +30,7 @@ fn register(id: &str, role: internal::WorkerRole, address: &str) -> internal::Re
         total_blocks: 256,
         cached_block_hashes: vec![],
         last_event_id: 0,
+        instance_id: 1,
     }
 }
 
@@ -90,12 +91,13 @@ async fn router_serves_through_scripted_workers() {
         .await
         .expect("bind");
     let (grpc_addr, state) = (bound.grpc_addr(), bound.state().clone());
+    let internal_addr = bound.internal_addr();
     let shutdown = CancellationToken::new();
     let running = tokio::spawn(bound.run(shutdown.clone()));
     let endpoint = format!("http://{grpc_addr}");
 
-    // Registry: register, heartbeat, events.
-    let mut registry = RegistryClient::connect(endpoint.clone())
+    // Registry (internal plane): register, heartbeat, events.
+    let mut registry = RegistryClient::connect(format!("http://{internal_addr}"))
         .await
         .expect("connect");
     let reply = registry
@@ -107,6 +109,7 @@ async fn router_serves_through_scripted_workers() {
     let heartbeat = |id: &str| internal::HeartbeatRequest {
         worker_id: id.into(),
         load: Some(internal::WorkerLoad::default()),
+        instance_id: 1,
     };
     assert!(
         registry
@@ -126,6 +129,7 @@ async fn router_serves_through_scripted_workers() {
     );
     let events = |id: u64| internal::KvEventBatch {
         worker_id: "d1".into(),
+        instance_id: 1,
         events: vec![internal::KvEvent {
             event_id: id,
             data: Some(internal::kv_event::Data::Stored(internal::BlocksStored {
@@ -395,11 +399,10 @@ async fn shutdown_ends_open_streams_after_the_drain_deadline() {
         .await
         .expect("bind");
     let endpoint = format!("http://{}", bound.grpc_addr());
+    let internal = format!("http://{}", bound.internal_addr());
     let shutdown = CancellationToken::new();
     let running = tokio::spawn(bound.run(shutdown.clone()));
-    let mut registry = RegistryClient::connect(endpoint.clone())
-        .await
-        .expect("connect");
+    let mut registry = RegistryClient::connect(internal).await.expect("connect");
     registry
         .register(register("d0", internal::WorkerRole::Decode, &slow_addr))
         .await

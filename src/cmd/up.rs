@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use clap::Args;
 use ferry_decode::spec::SpecArgs;
+use ferry_proto::auth::ClusterToken;
 use ferry_router::config::PolicyKind;
 use ferry_worker::args::DeviceArgs;
 use ferry_worker::shutdown::shutdown_token;
@@ -33,6 +34,11 @@ pub struct UpArgs {
     /// Public gRPC address (ferry.v1.Inference).
     #[arg(long, default_value = "127.0.0.1:50051")]
     pub grpc_addr: SocketAddr,
+    /// The router's internal address (the Registry its workers register with); a free
+    /// loopback port when omitted. Every child gets a fresh cluster token, so nothing outside
+    /// this cluster can register there.
+    #[arg(long)]
+    pub internal_addr: Option<SocketAddr>,
     /// Prefill workers to start.
     #[arg(long, default_value_t = 1)]
     pub prefill_workers: usize,
@@ -88,10 +94,13 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
         .block_on(up(args, exe, model, served))
 }
 
-fn spawn(exe: &PathBuf, name: &str, argv: &[String]) -> anyhow::Result<Proc> {
+fn spawn(exe: &PathBuf, name: &str, argv: &[String], token: &ClusterToken) -> anyhow::Result<Proc> {
     let child = Command::new(exe)
         .args(argv)
         .arg("--exit-on-stdin-close")
+        // In the environment, not argv: other local users can read a process's arguments.
+        .env("FERRY_CLUSTER_TOKEN", token.expose())
+        .env_remove("FERRY_CLUSTER_TOKEN_FILE")
         .stdin(Stdio::piped())
         .stdout(Stdio::inherit())
         .stderr(Stdio::inherit())
@@ -107,12 +116,19 @@ fn spawn(exe: &PathBuf, name: &str, argv: &[String]) -> anyhow::Result<Proc> {
 async fn up(args: UpArgs, exe: PathBuf, model: PathBuf, served: String) -> anyhow::Result<()> {
     let shutdown = shutdown_token(false);
     let model_s = model.to_string_lossy().into_owned();
+    let token = ClusterToken::generate();
+    let internal_addr = match args.internal_addr {
+        Some(addr) => addr,
+        None => free_loopback_addr()?,
+    };
     let mut router_argv: Vec<String> = vec![
         "router".into(),
         "--grpc-addr".into(),
         args.grpc_addr.to_string(),
         "--http-addr".into(),
         args.http_addr.to_string(),
+        "--internal-addr".into(),
+        internal_addr.to_string(),
         "--model".into(),
         model_s.clone(),
         "--served-model-name".into(),
@@ -123,16 +139,16 @@ async fn up(args: UpArgs, exe: PathBuf, model: PathBuf, served: String) -> anyho
     if let Some(ms) = args.ttft_slo_ms {
         router_argv.extend(["--ttft-slo-ms".to_string(), ms.to_string()]);
     }
-    let mut procs = vec![spawn(&exe, "router", &router_argv)?];
+    let mut procs = vec![spawn(&exe, "router", &router_argv, &token)?];
     let deadline = Instant::now() + Duration::from_secs(args.ready_timeout_s);
-    wait_for_port(args.grpc_addr, deadline, &mut procs).await?;
+    wait_for_port(internal_addr, deadline, &mut procs).await?;
     let common = |role: &str, i: usize| -> Vec<String> {
         let mut argv: Vec<String> = vec![
             role.into(),
             "--model".into(),
             model_s.clone(),
             "--router".into(),
-            args.grpc_addr.to_string(),
+            internal_addr.to_string(),
             "--worker-id".into(),
             format!("{role}-{i}"),
             "--kv-blocks".into(),
@@ -152,7 +168,7 @@ async fn up(args: UpArgs, exe: PathBuf, model: PathBuf, served: String) -> anyho
         if let Some(d) = &args.spec.drafter {
             argv.extend(["--drafter".into(), d.to_string_lossy().into_owned()]);
         }
-        procs.push(spawn(&exe, &name, &argv)?);
+        procs.push(spawn(&exe, &name, &argv, &token)?);
         metrics.push((name, addr));
     }
     for i in 0..args.decode_workers {
@@ -166,7 +182,7 @@ async fn up(args: UpArgs, exe: PathBuf, model: PathBuf, served: String) -> anyho
             "--metrics-addr".into(),
             addr.to_string(),
         ]);
-        procs.push(spawn(&exe, &name, &argv)?);
+        procs.push(spawn(&exe, &name, &argv, &token)?);
         metrics.push((name, addr));
     }
     wait_for_health(args.http_addr, deadline, &mut procs).await?;

@@ -107,6 +107,15 @@ impl Spec {
     }
 }
 
+/// The cluster token every child of a test cluster gets (in `FERRY_CLUSTER_TOKEN`); the
+/// harness signs its own internal calls (`GetStats`) with it.
+pub const CLUSTER_TOKEN: &str = "ferry-test-cluster-token";
+
+/// [`CLUSTER_TOKEN`], parsed.
+pub fn cluster_token() -> ferry_proto::auth::ClusterToken {
+    CLUSTER_TOKEN.parse().expect("a valid token")
+}
+
 /// Clears `FERRY_*` (except `FERRY_LOG`) from a child's environment: the tests run the
 /// embedded model with the flags and addresses given here, whatever the test run's environment.
 fn remove_ferry_env(cmd: &mut Command) {
@@ -139,6 +148,7 @@ impl Proc {
             .stdout(out)
             .stderr(err);
         remove_ferry_env(&mut cmd);
+        cmd.env("FERRY_CLUSTER_TOKEN", CLUSTER_TOKEN);
         let mut child = cmd
             .spawn()
             .unwrap_or_else(|e| panic!("starting {name}: {e}"));
@@ -198,6 +208,7 @@ enum StartError {
 pub struct Cluster {
     grpc_addr: SocketAddr,
     http_addr: SocketAddr,
+    internal_addr: SocketAddr,
     router: Option<Proc>,
     workers: Vec<Worker>,
     spec: Spec,
@@ -236,21 +247,25 @@ impl Cluster {
     }
 
     async fn try_start(spec: Spec) -> Result<Self, StartError> {
-        let ports = free_ports(2 + spec.prefill + spec.decode);
+        let ports = free_ports(3 + spec.prefill + spec.decode);
         let logs = tempfile::tempdir().expect("a temporary log directory");
         let (grpc_addr, http_addr) = (loopback(ports[0]), loopback(ports[1]));
+        let internal_addr = loopback(ports[2]);
         let mut router_args: Vec<String> = vec![
             "router".into(),
             "--grpc-addr".into(),
             grpc_addr.to_string(),
             "--http-addr".into(),
             http_addr.to_string(),
+            "--internal-addr".into(),
+            internal_addr.to_string(),
         ];
         router_args.extend(spec.router_args.iter().cloned());
         let router = Proc::spawn("router", &router_args, logs.path());
         let mut cluster = Self {
             grpc_addr,
             http_addr,
+            internal_addr,
             router: Some(router),
             workers: Vec::new(),
             spec,
@@ -263,8 +278,8 @@ impl Cluster {
         let deadline = Instant::now() + START_TIMEOUT;
         // Workers retry registration with backoff; starting them once the router listens
         // keeps that backoff short.
-        cluster.wait_for_port(grpc_addr, deadline).await?;
-        let mut next_port = ports[2..].iter().copied();
+        cluster.wait_for_port(internal_addr, deadline).await?;
+        let mut next_port = ports[3..].iter().copied();
         for role in [Role::Prefill, Role::Decode] {
             let n = match role {
                 Role::Prefill => cluster.spec.prefill,
@@ -284,7 +299,7 @@ impl Cluster {
         let mut args: Vec<String> = vec![
             role.as_str().into(),
             "--router".into(),
-            self.grpc_addr.to_string(),
+            self.internal_addr.to_string(),
             "--worker-id".into(),
             id.clone(),
             "--grpc-addr".into(),
@@ -486,21 +501,27 @@ impl Cluster {
             .expect("connect to the router's gRPC address")
     }
 
+    /// The router's internal address (Registry), where workers register.
+    pub fn internal_addr(&self) -> SocketAddr {
+        self.internal_addr
+    }
+
     async fn try_stats(&self, id: &str) -> Result<WorkerStats, String> {
         let w = self.worker(id);
-        let uri = format!("http://{}", w.addr);
+        let channel = Channel::from_shared(format!("http://{}", w.addr))
+            .map_err(|e| e.to_string())?
+            .connect()
+            .await
+            .map_err(|e| e.to_string())?;
+        let auth = ferry_proto::auth::AttachToken::new(Some(cluster_token()));
         let stats = match w.role {
             Role::Prefill => {
-                PrefillWorkerClient::connect(uri)
-                    .await
-                    .map_err(|e| e.to_string())?
+                PrefillWorkerClient::with_interceptor(channel, auth)
                     .get_stats(GetStatsRequest {})
                     .await
             }
             Role::Decode => {
-                DecodeWorkerClient::connect(uri)
-                    .await
-                    .map_err(|e| e.to_string())?
+                DecodeWorkerClient::with_interceptor(channel, auth)
                     .get_stats(GetStatsRequest {})
                     .await
             }

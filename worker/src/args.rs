@@ -13,8 +13,11 @@ use ferry_model::deepseek::DeepseekModel;
 use ferry_model::engine::{EngineConfig, GpuMode};
 use ferry_model::gpu::GpuModel;
 use ferry_model::ModelError;
+use ferry_proto::auth::ClusterToken;
 use ferry_proto::internal::Sampling;
 use tonic::Status;
+
+use crate::serve::ServeError;
 
 /// Options shared by prefill and decode workers.
 #[derive(Debug, Clone, Args)]
@@ -22,9 +25,18 @@ pub struct WorkerArgs {
     /// Model directory (the CLI fills in the embedded model when omitted).
     #[arg(long, env = "FERRY_MODEL")]
     pub model: Option<PathBuf>,
-    /// The router's gRPC address, host:port.
-    #[arg(long, env = "FERRY_ROUTER", default_value = "127.0.0.1:50051")]
+    /// The router's internal gRPC address (its `--internal-addr`, where the Registry is),
+    /// host:port.
+    #[arg(long, env = "FERRY_ROUTER", default_value = "127.0.0.1:50052")]
     pub router: String,
+    /// File whose first line is the cluster token: sent on every call to the router and to
+    /// peers, and required on every call to this worker's service and KV transfer listener.
+    #[arg(long, env = "FERRY_CLUSTER_TOKEN_FILE")]
+    pub cluster_token_file: Option<PathBuf>,
+    /// The cluster token itself; set `FERRY_CLUSTER_TOKEN` rather than the flag, which other
+    /// local users can read in the process list.
+    #[arg(long, env = "FERRY_CLUSTER_TOKEN", hide = true, hide_env_values = true)]
+    pub cluster_token: Option<ClusterToken>,
     /// This worker's id (default: role and port).
     #[arg(long)]
     pub worker_id: Option<String>,
@@ -142,6 +154,15 @@ impl WorkerArgs {
             gpu_mode: self.device.mode(),
             ..EngineConfig::default()
         }
+    }
+
+    /// The cluster token (read from `--cluster-token-file` if given), `None` without one.
+    pub fn cluster_token(&self) -> Result<Option<ClusterToken>, ServeError> {
+        ClusterToken::resolve(
+            self.cluster_token_file.as_deref(),
+            self.cluster_token.as_ref(),
+        )
+        .map_err(|e| ServeError::Config(e.to_string()))
     }
 
     /// The heartbeat period.

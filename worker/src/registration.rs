@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use ferry_model::engine::EngineHandle;
 use ferry_model::kv::KvEventData;
+use ferry_proto::auth::{AttachToken, ClusterToken};
 use ferry_proto::internal::registry_client::RegistryClient;
 use ferry_proto::internal::{
     kv_event, BlocksRemoved, BlocksStored, HeartbeatRequest, KvEvent, KvEventBatch,
@@ -33,6 +34,8 @@ pub struct RegistrationConfig {
     pub advertise: String,
     /// Heartbeat and event-publishing period.
     pub heartbeat: Duration,
+    /// Sent on every Registry call.
+    pub token: Option<ClusterToken>,
 }
 
 /// Starts the agent; it runs until `shutdown`.
@@ -41,12 +44,15 @@ pub fn spawn(
     engine: EngineHandle,
     shutdown: CancellationToken,
 ) -> JoinHandle<()> {
+    // Random per process start: the router tells this process apart from an earlier (or a
+    // forged) registration of the same id.
+    let instance = rand::random::<u64>();
     tokio::spawn(async move {
         let mut backoff = Duration::from_millis(50);
         loop {
             let result = tokio::select! {
                 _ = shutdown.cancelled() => return,
-                r = session(&config, &engine, &shutdown) => r,
+                r = session(&config, instance, &engine, &shutdown) => r,
             };
             match result {
                 Ok(()) => return,
@@ -67,6 +73,7 @@ pub fn spawn(
 /// registration (or is unreachable), Ok on shutdown.
 async fn session(
     config: &RegistrationConfig,
+    instance: u64,
     engine: &EngineHandle,
     shutdown: &CancellationToken,
 ) -> Result<(), String> {
@@ -75,7 +82,8 @@ async fn session(
         .connect()
         .await
         .map_err(|e| format!("connecting to the router at {}: {e}", config.router))?;
-    let mut client = RegistryClient::new(channel);
+    let mut client =
+        RegistryClient::with_interceptor(channel, AttachToken::new(config.token.clone()));
     let (hashes, last_event) = engine.kv_snapshot().await.map_err(|e| e.to_string())?;
     let layout = engine.kv_layout();
     let reply = client
@@ -87,9 +95,17 @@ async fn session(
             total_blocks: u32::try_from(layout.num_blocks).unwrap_or(u32::MAX),
             cached_block_hashes: hashes.iter().map(|h| h.0).collect(),
             last_event_id: last_event.0,
+            instance_id: instance,
         })
         .await
-        .map_err(|e| e.to_string())?
+        .map_err(|e| {
+            // A refusal (wrong token, id claimed by a live worker elsewhere, bad field) is an
+            // operator's problem: say so each time, not only at debug level.
+            if e.code() != tonic::Code::Unavailable {
+                warn!(worker = %config.worker_id, router = %config.router, error = %e.message(), "registration refused");
+            }
+            e.to_string()
+        })?
         .into_inner();
     info!(worker = %config.worker_id, router = %config.router, "registered");
     let period = if reply.heartbeat_interval_ms > 0 {
@@ -108,6 +124,7 @@ async fn session(
             let batch = KvEventBatch {
                 worker_id: config.worker_id.clone(),
                 events: events.into_iter().map(to_wire).collect(),
+                instance_id: instance,
             };
             let ack = client
                 .publish_kv_events(batch)
@@ -124,6 +141,7 @@ async fn session(
             .heartbeat(HeartbeatRequest {
                 worker_id: config.worker_id.clone(),
                 load: Some(crate::stats::load(&stats)),
+                instance_id: instance,
             })
             .await
             .map_err(|e| e.to_string())?

@@ -7,11 +7,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ferry_model::engine::EngineHandle;
+use ferry_proto::auth::{ClusterToken, RequireToken};
 use ferry_proto::internal::WorkerRole;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tonic::codegen::{http, Service};
 use tonic::server::NamedService;
+use tonic::service::interceptor::InterceptedService;
 use tonic::service::Routes;
 use tonic_health::server::HealthReporter;
 use tonic_health::ServingStatus;
@@ -36,6 +38,9 @@ pub enum ServeError {
     /// A metric could not be registered (a duplicate name: a bug).
     #[error("metrics: {0}")]
     Metrics(String),
+    /// A flag's value is unusable (e.g. the cluster token file).
+    #[error("config: {0}")]
+    Config(String),
 }
 
 /// Health and reflection routes; add the worker's service and serve them together. The
@@ -129,6 +134,7 @@ pub struct WorkerServer {
     worker_id: String,
     router: String,
     heartbeat: Duration,
+    token: Option<ClusterToken>,
     metrics: WorkerMetrics,
     metrics_listener: MetricsListener,
 }
@@ -137,6 +143,7 @@ impl WorkerServer {
     /// Binds the gRPC listener (`args.grpc_addr`) and the metrics listener
     /// (`args.metrics_addr`) and creates the metrics registry labelled with the worker's id.
     pub async fn bind(role: WorkerRole, args: &WorkerArgs) -> Result<Self, ServeError> {
+        let token = args.cluster_token()?;
         let listener = TcpListener::bind(args.grpc_addr)
             .await
             .map_err(|e| ServeError::Transport(format!("{}: {e}", args.grpc_addr)))?;
@@ -156,6 +163,7 @@ impl WorkerServer {
             worker_id,
             router: args.router_uri(),
             heartbeat: args.heartbeat(),
+            token,
             metrics,
             metrics_listener,
         })
@@ -169,6 +177,11 @@ impl WorkerServer {
     /// The bound gRPC address.
     pub fn grpc_addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// The cluster token: required on this worker's service, sent to the router and peers.
+    pub fn cluster_token(&self) -> Option<&ClusterToken> {
+        self.token.as_ref()
     }
 
     /// The bound Prometheus `/metrics` address.
@@ -191,16 +204,19 @@ impl WorkerServer {
         shutdown: CancellationToken,
     ) -> Result<(), ServeError>
     where
-        S: Service<http::Request<tonic::body::Body>, Error = std::convert::Infallible>
-            + NamedService
+        S: Service<
+                http::Request<tonic::body::Body>,
+                Response = http::Response<tonic::body::Body>,
+                Error = std::convert::Infallible,
+            > + NamedService
             + Clone
             + Send
             + Sync
             + 'static,
-        S::Response: axum::response::IntoResponse,
         S::Future: Send + 'static,
     {
         let (health, routes) = base_routes()?;
+        let service = InterceptedService::new(service, RequireToken::new(self.token.clone()));
         let served = Served {
             routes: routes.add_service(service),
             health,
@@ -231,6 +247,7 @@ impl WorkerServer {
                 role: self.role,
                 advertise: self.addr.to_string(),
                 heartbeat: self.heartbeat,
+                token: self.token.clone(),
             },
             engine.clone(),
             shutdown.clone(),

@@ -54,6 +54,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use async_trait::async_trait;
+use ferry_proto::auth::ClusterToken;
 use ferry_proto::internal::{TransferHello, TransferHelloAck};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinHandle;
@@ -75,6 +76,9 @@ pub use frame::MAX_WRITE;
 pub struct TcpTransport {
     registry: Arc<Registry>,
     listener: Option<Listener>,
+    /// Sent in every hello this transport writes; [`TcpTransport::bind_with_token`] makes its
+    /// listener refuse hellos without it.
+    token: Option<ClusterToken>,
 }
 
 struct Listener {
@@ -91,6 +95,15 @@ impl TcpTransport {
     ///
     /// Must be called inside a tokio runtime with I/O enabled (an error otherwise).
     pub fn bind(addr: SocketAddr) -> Result<Self, TransferError> {
+        Self::bind_with_token(addr, None)
+    }
+
+    /// [`TcpTransport::bind`] whose listener accepts only writers that present `token` (the
+    /// cluster token) in their hello, and whose own writers present it.
+    pub fn bind_with_token(
+        addr: SocketAddr,
+        token: Option<ClusterToken>,
+    ) -> Result<Self, TransferError> {
         let runtime = tokio::runtime::Handle::try_current().map_err(|e| {
             TransferError::Io(io::Error::other(format!(
                 "TcpTransport::bind needs a tokio runtime: {e}"
@@ -105,7 +118,10 @@ impl TcpTransport {
         let cancel = CancellationToken::new();
         let task = runtime.spawn(receiver::accept_loop(
             listener,
-            registry.clone(),
+            receiver::Accepting {
+                registry: registry.clone(),
+                token: token.clone(),
+            },
             cancel.clone(),
         ));
         debug!(%local_addr, "kvtransfer: tcp listener started");
@@ -117,14 +133,21 @@ impl TcpTransport {
                 cancel,
                 _task: task,
             }),
+            token,
         })
     }
 
     /// A transport that only connects to others: no listener, `register` fails.
     pub fn client() -> Self {
+        Self::client_with_token(None)
+    }
+
+    /// [`TcpTransport::client`] presenting `token` (the cluster token) in every hello.
+    pub fn client_with_token(token: Option<ClusterToken>) -> Self {
         TcpTransport {
             registry: Arc::new(Registry::new()),
             listener: None,
+            token,
         }
     }
 
@@ -196,6 +219,11 @@ impl Transport for TcpTransport {
             remote_key: key.0,
             // The receiver's `kv_receive` span joins the trace of the span connecting here.
             trace_context: ferry_proto::trace_ctx::to_carrier(&tracing::Span::current()),
+            cluster_token: self
+                .token
+                .as_ref()
+                .map(|t| t.expose().to_string())
+                .unwrap_or_default(),
         };
         write_control(&mut stream, TAG_HELLO, &hello).await?;
         let Some((tag, len)) = read_header(&mut stream).await? else {
@@ -233,6 +261,7 @@ fn refusal(
 ) -> TransferError {
     match (ack.kind.as_str(), remote) {
         ("unknown_region", _) => TransferError::UnknownRegion(key),
+        ("unauthenticated", _) => TransferError::Unauthenticated,
         ("layout_mismatch", Some(remote)) => check_compatible(writer_layout, &remote)
             .err()
             .unwrap_or_else(|| TransferError::Protocol(ack.error.clone())),

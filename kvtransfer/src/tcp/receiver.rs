@@ -6,6 +6,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use ferry_proto::auth::ClusterToken;
 use ferry_proto::internal::{TransferFlushAck, TransferHello, TransferHelloAck};
 use tokio::io::{AsyncReadExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
@@ -22,9 +23,17 @@ use crate::{check_compatible, check_write, KvLayoutDesc, RemoteKey, TransferErro
 /// Receive buffer of a connection.
 const READ_BUFFER: usize = 256 << 10;
 
+/// What every connection of one listener checks hellos against.
+#[derive(Clone)]
+pub(super) struct Accepting {
+    pub(super) registry: Arc<Registry>,
+    /// The cluster token a hello must carry; `None` accepts any writer.
+    pub(super) token: Option<ClusterToken>,
+}
+
 pub(super) async fn accept_loop(
     listener: TcpListener,
-    registry: Arc<Registry>,
+    accepting: Accepting,
     cancel: CancellationToken,
 ) {
     loop {
@@ -34,12 +43,12 @@ pub(super) async fn accept_loop(
         };
         match accepted {
             Ok((stream, peer)) => {
-                let registry = registry.clone();
+                let accepting = accepting.clone();
                 let cancel = cancel.child_token();
                 tokio::spawn(async move {
                     tokio::select! {
                         () = cancel.cancelled() => {}
-                        () = serve_connection(stream, peer, &registry) => {}
+                        () = serve_connection(stream, peer, &accepting) => {}
                     }
                 });
             }
@@ -52,12 +61,12 @@ pub(super) async fn accept_loop(
     }
 }
 
-async fn serve_connection(stream: TcpStream, peer: SocketAddr, registry: &Registry) {
+async fn serve_connection(stream: TcpStream, peer: SocketAddr, accepting: &Accepting) {
     if let Err(e) = stream.set_nodelay(true) {
         debug!(%peer, error = %e, "kvtransfer: set_nodelay failed");
     }
     let mut conn = BufReader::with_capacity(READ_BUFFER, stream);
-    match receive(&mut conn, registry).await {
+    match receive(&mut conn, accepting).await {
         Ok(applied) => debug!(%peer, applied, "kvtransfer: connection closed"),
         Err(e) => warn!(%peer, kind = e.kind(), error = %e, "kvtransfer: connection failed"),
     }
@@ -76,8 +85,8 @@ struct Received {
 /// Runs one connection: handshake, then data and flush frames until the writer hangs up, in a
 /// `kv_receive` span whose parent is the writer's span (from the hello's trace context).
 /// Returns the bytes applied.
-async fn receive(conn: &mut Conn, registry: &Registry) -> Result<u64, TransferError> {
-    let Some((entry, key, trace)) = accept_hello(conn, registry).await? else {
+async fn receive(conn: &mut Conn, accepting: &Accepting) -> Result<u64, TransferError> {
+    let Some((entry, key, trace)) = accept_hello(conn, accepting).await? else {
         return Ok(0);
     };
     let span = info_span!(
@@ -152,9 +161,10 @@ async fn receive_data(
 type Accepted = (Arc<Entry>, RemoteKey, HashMap<String, String>);
 
 /// Reads the hello, answers it, and returns the region on success (`None`: the peer hung up).
+/// The cluster token is checked first, so an outsider learns nothing about the regions.
 async fn accept_hello(
     conn: &mut Conn,
-    registry: &Registry,
+    accepting: &Accepting,
 ) -> Result<Option<Accepted>, TransferError> {
     let Some((tag, len)) = read_header(conn).await? else {
         return Ok(None);
@@ -163,8 +173,15 @@ async fn accept_hello(
         return Err(unexpected(tag, len, "a hello"));
     }
     let hello: TransferHello = read_control(conn, len, "TransferHello").await?;
+    if let Some(token) = &accepting.token {
+        if !token.matches(hello.cluster_token.as_bytes()) {
+            let e = TransferError::Unauthenticated;
+            reject(conn, &e, None).await?;
+            return Err(e);
+        }
+    }
     let key = RemoteKey(hello.remote_key);
-    let entry = match registry.get(key) {
+    let entry = match accepting.registry.get(key) {
         Ok(entry) => entry,
         Err(e) => {
             reject(conn, &e, None).await?;

@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use ferry_proto::auth::{ClusterToken, RequireToken};
 use ferry_proto::internal::decode_worker_server::{DecodeWorker, DecodeWorkerServer};
 use ferry_proto::internal::{self, DecodeRequest, DecodeResponse};
 use ferry_proto::v1;
@@ -149,11 +150,20 @@ impl DecodeWorker for Scripted {
 
 /// Serves `worker` on a free local port; returns its address.
 pub async fn start_worker(worker: Scripted) -> String {
+    start_worker_requiring(worker, None).await
+}
+
+/// Serves `worker` on a free local port, refusing calls without `token` (the cluster token)
+/// as a real worker does; returns its address.
+pub async fn start_worker_requiring(worker: Scripted, token: Option<ClusterToken>) -> String {
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = listener.local_addr().expect("addr");
     tokio::spawn(
         tonic::transport::Server::builder()
-            .add_service(DecodeWorkerServer::new(worker))
+            .add_service(DecodeWorkerServer::with_interceptor(
+                worker,
+                RequireToken::new(token),
+            ))
             .serve_with_incoming(TcpListenerStream::new(listener)),
     );
     addr.to_string()
