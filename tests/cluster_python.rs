@@ -134,7 +134,10 @@ async fn the_openai_python_client_needs_the_right_api_key() {
         .unwrap_or_else(|e| panic!("openai_auth.py printed no JSON ({e}): {line:?}"));
     assert_eq!(report["status"], 401, "{report}");
     assert_eq!(report["code"], "invalid_api_key", "{report}");
-    assert!(report["text"].as_str().is_some_and(|t| !t.is_empty()), "{report}");
+    assert!(
+        report["text"].as_str().is_some_and(|t| !t.is_empty()),
+        "{report}"
+    );
 
     cluster.assert_kv_blocks_released().await;
 }

@@ -305,7 +305,11 @@ fn parse_line(raw: &str, line: usize) -> Result<Option<Entry>, (&'static str, St
     }))
 }
 
-fn set_once<T>(slot: &mut Option<T>, field: &'static str, value: T) -> Result<(), (&'static str, String)> {
+fn set_once<T>(
+    slot: &mut Option<T>,
+    field: &'static str,
+    value: T,
+) -> Result<(), (&'static str, String)> {
     if slot.replace(value).is_some() {
         return Err((field, "is given twice".into()));
     }
@@ -350,7 +354,15 @@ fn parse_count<T: TryFrom<NonZeroU64>>(
     value: &str,
     max: u64,
 ) -> Result<T, (&'static str, String)> {
-    let out_of_range = || (field, format!("must be an integer in 1..={max}, got `{}`", value.escape_default()));
+    let out_of_range = || {
+        (
+            field,
+            format!(
+                "must be an integer in 1..={max}, got `{}`",
+                value.escape_default()
+            ),
+        )
+    };
     let n: NonZeroU64 = value.parse().map_err(|_| out_of_range())?;
     if n.get() > max {
         return Err(out_of_range());
@@ -419,8 +431,14 @@ mod tests {
         let keys = parse(&text).expect("valid");
         assert!(keys.is_on());
         assert_eq!(keys.len(), 2);
-        assert_eq!(name_of(&keys, &format!("Bearer {ALICE}")).as_deref(), Some("alice"));
-        assert_eq!(name_of(&keys, &format!("bearer  {BOB} ")).as_deref(), Some("line-4"));
+        assert_eq!(
+            name_of(&keys, &format!("Bearer {ALICE}")).as_deref(),
+            Some("alice")
+        );
+        assert_eq!(
+            name_of(&keys, &format!("bearer  {BOB} ")).as_deref(),
+            Some("line-4")
+        );
         let Ok(Caller::Key(alice)) = keys.authenticate(Some(format!("Bearer {ALICE}").as_bytes()))
         else {
             panic!("alice authenticates");
@@ -437,8 +455,14 @@ mod tests {
         assert_eq!(auth(Some(ALICE)), Err(AuthError::Malformed));
         assert_eq!(auth(Some("Basic abc")), Err(AuthError::Malformed));
         assert_eq!(auth(Some("Bearer ")), Err(AuthError::Malformed));
-        assert_eq!(auth(Some("Bearer alice-0123456789abcdeF")), Err(AuthError::Unknown));
-        assert_eq!(auth(Some(&format!("Bearer {ALICE}x"))), Err(AuthError::Unknown));
+        assert_eq!(
+            auth(Some("Bearer alice-0123456789abcdeF")),
+            Err(AuthError::Unknown)
+        );
+        assert_eq!(
+            auth(Some(&format!("Bearer {ALICE}x"))),
+            Err(AuthError::Unknown)
+        );
         assert_eq!(auth(Some(&format!("Bearer {ALICE}"))), Ok(()));
     }
 
@@ -452,18 +476,42 @@ mod tests {
     #[test]
     fn errors_name_the_line_and_field_and_never_the_key() {
         let cases: Vec<(String, &str)> = vec![
-            ("short-key\n".into(), "line 1: `key` must be 16 to 256 characters, got 9"),
-            (format!("# c\n{ALICE} max_concurrent=0\n"), "line 2: `max_concurrent` must be an integer in 1..="),
-            (format!("{ALICE} tokens_per_minute=4294967296\n"), "`tokens_per_minute` must be an integer in 1..=4294967295, got `4294967296`"),
+            (
+                "short-key\n".into(),
+                "line 1: `key` must be 16 to 256 characters, got 9",
+            ),
+            (
+                format!("# c\n{ALICE} max_concurrent=0\n"),
+                "line 2: `max_concurrent` must be an integer in 1..=",
+            ),
+            (
+                format!("{ALICE} tokens_per_minute=4294967296\n"),
+                "`tokens_per_minute` must be an integer in 1..=4294967295, got `4294967296`",
+            ),
             (format!("{ALICE} tokens_per_minute=lots\n"), "got `lots`"),
-            (format!("{ALICE} name=a name=b\n"), "line 1: `name` is given twice"),
-            (format!("{ALICE} name=has/slash\n"), "`name` must be 1 to 64"),
+            (
+                format!("{ALICE} name=a name=b\n"),
+                "line 1: `name` is given twice",
+            ),
+            (
+                format!("{ALICE} name=has/slash\n"),
+                "`name` must be 1 to 64",
+            ),
             (format!("{ALICE} colour=red\n"), "unknown field `colour`"),
             (format!("{ALICE} {BOB}\n"), "unknown field (field 2)"),
             (format!("{ALICE} {ALICE}\n"), "field 2 is not `field=value`"),
-            ("name=alice max_concurrent=1\n".into(), "`key` missing: the line starts with `name=`"),
-            (format!("{ALICE}\n{ALICE} name=x\n"), "line 2: `key` must be unique, but line 1"),
-            (format!("{ALICE} name=a\n{BOB} name=a\n"), "line 2: `name` must be unique"),
+            (
+                "name=alice max_concurrent=1\n".into(),
+                "`key` missing: the line starts with `name=`",
+            ),
+            (
+                format!("{ALICE}\n{ALICE} name=x\n"),
+                "line 2: `key` must be unique, but line 1",
+            ),
+            (
+                format!("{ALICE} name=a\n{BOB} name=a\n"),
+                "line 2: `name` must be unique",
+            ),
             ("# only comments\n\n".into(), "has no key"),
         ];
         for (text, want) in cases {

@@ -221,7 +221,9 @@ impl RequestError {
 pub fn log_failure(e: &RequestError) {
     match e.code() {
         Code::InvalidArgument => tracing::debug!(error = %e, kind = e.kind(), "request rejected"),
-        Code::ResourceExhausted | Code::Unauthenticated => tracing::info!(error = %e, kind = e.kind(), "request rejected"),
+        Code::ResourceExhausted | Code::Unauthenticated => {
+            tracing::info!(error = %e, kind = e.kind(), "request rejected")
+        }
         _ => tracing::warn!(error = %e, kind = e.kind(), "request failed"),
     }
 }
@@ -233,9 +235,10 @@ impl From<RequestError> for Status {
     fn from(e: RequestError) -> Self {
         let mut status = Status::new(e.code(), e.to_string());
         if let Some(secs) = e.retry_after_secs() {
-            status
-                .metadata_mut()
-                .insert(RETRY_AFTER_METADATA, tonic::metadata::MetadataValue::from(secs));
+            status.metadata_mut().insert(
+                RETRY_AFTER_METADATA,
+                tonic::metadata::MetadataValue::from(secs),
+            );
         }
         status
     }
@@ -399,7 +402,10 @@ mod tests {
         assert_eq!(RequestError::NoDecodeWorker.retry_after_secs(), None);
         let status = Status::from(rate(2500));
         assert_eq!(status.code(), Code::ResourceExhausted);
-        let header = status.metadata().get(RETRY_AFTER_METADATA).expect("retry-after");
+        let header = status
+            .metadata()
+            .get(RETRY_AFTER_METADATA)
+            .expect("retry-after");
         assert_eq!(header.to_str().ok(), Some("3"));
         let status = Status::from(RequestError::Invalid(ValidationError::new("x", "bad")));
         assert!(status.metadata().get(RETRY_AFTER_METADATA).is_none());

@@ -44,7 +44,11 @@ impl InferenceService {
         self.state.keys.authenticate(header).map_err(|e| {
             let e = RequestError::from(e);
             log_failure(&e);
-            self.state.metrics.failure.with_label_values(&[e.kind()]).inc();
+            self.state
+                .metrics
+                .failure
+                .with_label_values(&[e.kind()])
+                .inc();
             Status::from(e)
         })
     }

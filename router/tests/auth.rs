@@ -15,8 +15,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use axum::http::{HeaderMap, Request};
 use axum::body::Bytes;
+use axum::http::{HeaderMap, Request};
 use ferry_proto::internal;
 use ferry_proto::internal::registry_client::RegistryClient;
 use ferry_proto::v1::inference_client::InferenceClient;
@@ -139,9 +139,17 @@ impl Harness {
     }
 
     /// One plain-text HTTP request on a new connection.
-    async fn http(&self, method: &str, path: &str, key: Option<&str>, body: Option<Value>) -> Reply {
+    async fn http(
+        &self,
+        method: &str,
+        path: &str,
+        key: Option<&str>,
+        body: Option<Value>,
+    ) -> Reply {
         let tcp = TcpStream::connect(self.http).await.expect("connect");
-        send(tcp, request(method, path, key, body)).await.expect("HTTP exchange")
+        send(tcp, request(method, path, key, body))
+            .await
+            .expect("HTTP exchange")
     }
 
     /// Waits until no request is in flight.
@@ -198,11 +206,22 @@ impl Reply {
 
     fn retry_after(&self) -> Option<u64> {
         let value = self.headers.get("retry-after")?;
-        Some(value.to_str().expect("ASCII").parse().expect("whole seconds"))
+        Some(
+            value
+                .to_str()
+                .expect("ASCII")
+                .parse()
+                .expect("whole seconds"),
+        )
     }
 }
 
-fn request(method: &str, path: &str, key: Option<&str>, body: Option<Value>) -> Request<Full<Bytes>> {
+fn request(
+    method: &str,
+    path: &str,
+    key: Option<&str>,
+    body: Option<Value>,
+) -> Request<Full<Bytes>> {
     let mut builder = Request::builder()
         .method(method)
         .uri(path)
@@ -285,37 +304,74 @@ fn openai_error(what: &str, reply: &Reply, status: u16, kind: &str, code: &str) 
     assert_eq!(e["type"], kind, "{what}: {body}");
     assert_eq!(e["code"], code, "{what}: {body}");
     assert!(e.get("param").is_some(), "{what}: no param: {body}");
-    assert!(e["message"].as_str().is_some_and(|m| !m.is_empty()), "{what}: {body}");
+    assert!(
+        e["message"].as_str().is_some_and(|m| !m.is_empty()),
+        "{what}: {body}"
+    );
     e
 }
 
 fn script() -> Vec<u32> {
     let dir = ferry_model::embedded::default_model_dir();
     let tok = ferry_model::tokenizer::Tokenizer::from_dir(&dir).expect("tokenizer");
-    tok.encode("In the beginning God created the heaven and the earth.", false)
-        .expect("encode")
+    tok.encode(
+        "In the beginning God created the heaven and the earth.",
+        false,
+    )
+    .expect("encode")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_the_right_key_http_answers_401_and_grpc_unauthenticated() {
-    let h = Harness::start(RouterConfig::ephemeral(), Some(Scripted::streaming(script()))).await;
+    let h = Harness::start(
+        RouterConfig::ephemeral(),
+        Some(Scripted::streaming(script())),
+    )
+    .await;
 
     for (what, key) in [("no key", None), ("a wrong key", Some(WRONG))] {
         for (method, path, body) in [
             ("POST", "/v1/completions", Some(completion(4))),
-            ("POST", "/v1/chat/completions", Some(json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}))),
+            (
+                "POST",
+                "/v1/chat/completions",
+                Some(json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})),
+            ),
             ("GET", "/v1/models", None),
         ] {
             let reply = h.http(method, path, key, body).await;
             let what = format!("{method} {path} with {what}");
-            let e = openai_error(&what, &reply, 401, "authentication_error", "invalid_api_key");
-            assert_eq!(reply.headers.get("www-authenticate").map(|v| v.as_bytes()), Some(&b"Bearer"[..]), "{what}");
-            assert!(!reply.body.contains(WRONG), "{what}: echoes the key: {}", reply.body);
-            let want = if key.is_none() { "no API key" } else { "invalid API key" };
-            assert!(e["message"].as_str().is_some_and(|m| m.contains(want)), "{what}: {e}");
+            let e = openai_error(
+                &what,
+                &reply,
+                401,
+                "authentication_error",
+                "invalid_api_key",
+            );
+            assert_eq!(
+                reply.headers.get("www-authenticate").map(|v| v.as_bytes()),
+                Some(&b"Bearer"[..]),
+                "{what}"
+            );
+            assert!(
+                !reply.body.contains(WRONG),
+                "{what}: echoes the key: {}",
+                reply.body
+            );
+            let want = if key.is_none() {
+                "no API key"
+            } else {
+                "invalid API key"
+            };
+            assert!(
+                e["message"].as_str().is_some_and(|m| m.contains(want)),
+                "{what}: {e}"
+            );
         }
         let mut grpc = h.grpc().await;
-        let status = grpc_outcome(&mut grpc, generate(4, key)).await.expect_err(what);
+        let status = grpc_outcome(&mut grpc, generate(4, key))
+            .await
+            .expect_err(what);
         assert_eq!(status.code(), Code::Unauthenticated, "{what}: {status:?}");
         let status = grpc
             .list_models(with_key(v1::ListModelsRequest {}, key))
@@ -323,7 +379,13 @@ async fn without_the_right_key_http_answers_401_and_grpc_unauthenticated() {
             .expect_err(what);
         assert_eq!(status.code(), Code::Unauthenticated, "{what}: {status:?}");
         let status = grpc
-            .tokenize(with_key(v1::TokenizeRequest { text: "hi".into(), ..Default::default() }, key))
+            .tokenize(with_key(
+                v1::TokenizeRequest {
+                    text: "hi".into(),
+                    ..Default::default()
+                },
+                key,
+            ))
             .await
             .expect_err(what);
         assert_eq!(status.code(), Code::Unauthenticated, "{what}: {status:?}");
@@ -331,19 +393,37 @@ async fn without_the_right_key_http_answers_401_and_grpc_unauthenticated() {
     // Not `Bearer <key>`.
     let tcp = TcpStream::connect(h.http).await.expect("connect");
     let mut basic = request("GET", "/v1/models", None, None);
-    basic.headers_mut().insert("authorization", format!("Basic {ALICE}").parse().expect("header"));
+    basic.headers_mut().insert(
+        "authorization",
+        format!("Basic {ALICE}").parse().expect("header"),
+    );
     let reply = send(tcp, basic).await.expect("exchange");
-    let e = openai_error("Basic auth", &reply, 401, "authentication_error", "invalid_api_key");
-    assert!(e["message"].as_str().is_some_and(|m| m.contains("malformed")), "{e}");
+    let e = openai_error(
+        "Basic auth",
+        &reply,
+        401,
+        "authentication_error",
+        "invalid_api_key",
+    );
+    assert!(
+        e["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("malformed")),
+        "{e}"
+    );
 
     // The right key works on both front doors.
-    let reply = h.http("POST", "/v1/completions", Some(BOB), Some(completion(4))).await;
+    let reply = h
+        .http("POST", "/v1/completions", Some(BOB), Some(completion(4)))
+        .await;
     assert_eq!(reply.status, 200, "{}", reply.body);
     assert_eq!(reply.json()["object"], "text_completion", "{}", reply.body);
     let reply = h.http("GET", "/v1/models", Some(ALICE), None).await;
     assert_eq!(reply.status, 200, "{}", reply.body);
     let mut grpc = h.grpc().await;
-    let text = grpc_outcome(&mut grpc, generate(4, Some(BOB))).await.expect("Generate with bob's key");
+    let text = grpc_outcome(&mut grpc, generate(4, Some(BOB)))
+        .await
+        .expect("Generate with bob's key");
     assert!(!text.is_empty());
     let models = grpc
         .list_models(with_key(v1::ListModelsRequest {}, Some(ALICE)))
@@ -355,13 +435,27 @@ async fn without_the_right_key_http_answers_401_and_grpc_unauthenticated() {
     assert_eq!(h.http("GET", "/health", None, None).await.status, 200);
     let metrics = h.http("GET", "/metrics", None, None).await;
     assert_eq!(metrics.status, 200);
-    assert!(metrics.body.contains("ferry_request_failure_total{kind=\"invalid_api_key\""), "failures are counted");
-    let channel = Channel::from_shared(format!("http://{}", h.grpc)).expect("uri").connect().await.expect("connect");
+    assert!(
+        metrics
+            .body
+            .contains("ferry_request_failure_total{kind=\"invalid_api_key\""),
+        "failures are counted"
+    );
+    let channel = Channel::from_shared(format!("http://{}", h.grpc))
+        .expect("uri")
+        .connect()
+        .await
+        .expect("connect");
     let health = tonic_health::pb::health_client::HealthClient::new(channel)
-        .check(tonic_health::pb::HealthCheckRequest { service: "ferry.v1.Inference".into() })
+        .check(tonic_health::pb::HealthCheckRequest {
+            service: "ferry.v1.Inference".into(),
+        })
         .await
         .expect("gRPC health without a key");
-    assert_eq!(health.into_inner().status, tonic_health::pb::health_check_response::ServingStatus::Serving as i32);
+    assert_eq!(
+        health.into_inner().status,
+        tonic_health::pb::health_check_response::ServingStatus::Serving as i32
+    );
     h.stop().await;
 }
 
@@ -372,63 +466,145 @@ async fn a_keys_max_concurrent_is_429_with_retry_after_and_other_keys_are_unaffe
     let mut grpc = h.grpc().await;
 
     // alice's one slot, held by an open stream.
-    let mut open = grpc.generate(generate(40, Some(ALICE))).await.expect("generate").into_inner();
-    open.message().await.expect("stream").expect("a first token");
+    let mut open = grpc
+        .generate(generate(40, Some(ALICE)))
+        .await
+        .expect("generate")
+        .into_inner();
+    open.message()
+        .await
+        .expect("stream")
+        .expect("a first token");
 
-    let reply = h.http("POST", "/v1/completions", Some(ALICE), Some(completion(4))).await;
-    let e = openai_error("alice over max_concurrent", &reply, 429, "rate_limit_error", "concurrency_limited");
-    assert!(e["message"].as_str().is_some_and(|m| m.contains("API key `alice`") && m.contains("limit of 1")), "{e}");
+    let reply = h
+        .http("POST", "/v1/completions", Some(ALICE), Some(completion(4)))
+        .await;
+    let e = openai_error(
+        "alice over max_concurrent",
+        &reply,
+        429,
+        "rate_limit_error",
+        "concurrency_limited",
+    );
+    assert!(
+        e["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("API key `alice`") && m.contains("limit of 1")),
+        "{e}"
+    );
     assert_eq!(reply.retry_after(), Some(1), "Retry-After");
-    let status = grpc_outcome(&mut grpc, generate(4, Some(ALICE))).await.expect_err("alice over");
+    let status = grpc_outcome(&mut grpc, generate(4, Some(ALICE)))
+        .await
+        .expect_err("alice over");
     assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
-    let retry = status.metadata().get("retry-after").and_then(|v| v.to_str().ok());
+    let retry = status
+        .metadata()
+        .get("retry-after")
+        .and_then(|v| v.to_str().ok());
     assert_eq!(retry, Some("1"), "{status:?}");
 
     // bob is not held back by alice's limit.
-    let reply = h.http("POST", "/v1/completions", Some(BOB), Some(completion(4))).await;
+    let reply = h
+        .http("POST", "/v1/completions", Some(BOB), Some(completion(4)))
+        .await;
     assert_eq!(reply.status, 200, "{}", reply.body);
-    grpc_outcome(&mut grpc, generate(4, Some(BOB))).await.expect("bob on gRPC");
+    grpc_outcome(&mut grpc, generate(4, Some(BOB)))
+        .await
+        .expect("bob on gRPC");
 
     // The slot comes back when alice's stream goes.
     drop(open);
     h.wait_released().await;
-    let reply = h.http("POST", "/v1/completions", Some(ALICE), Some(completion(4))).await;
+    let reply = h
+        .http("POST", "/v1/completions", Some(ALICE), Some(completion(4)))
+        .await;
     assert_eq!(reply.status, 200, "{}", reply.body);
     h.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_keys_tokens_per_minute_is_429_with_a_plausible_retry_after() {
-    let h = Harness::start(RouterConfig::ephemeral(), Some(Scripted::streaming(script()))).await;
+    let h = Harness::start(
+        RouterConfig::ephemeral(),
+        Some(Scripted::streaming(script())),
+    )
+    .await;
     let mut grpc = h.grpc().await;
 
     // carol has 100 tokens a minute; each request is charged its prompt + max_tokens (60).
-    let reply = h.http("POST", "/v1/completions", Some(CAROL), Some(completion(60))).await;
+    let reply = h
+        .http("POST", "/v1/completions", Some(CAROL), Some(completion(60)))
+        .await;
     assert_eq!(reply.status, 200, "{}", reply.body);
-    let prompt = reply.json()["usage"]["prompt_tokens"].as_u64().expect("usage");
-    let reply = h.http("POST", "/v1/completions", Some(CAROL), Some(completion(60))).await;
-    let e = openai_error("carol over tokens_per_minute", &reply, 429, "rate_limit_error", "rate_limited");
-    assert!(e["message"].as_str().is_some_and(|m| m.contains("100 tokens per minute")), "{e}");
+    let prompt = reply.json()["usage"]["prompt_tokens"]
+        .as_u64()
+        .expect("usage");
+    let reply = h
+        .http("POST", "/v1/completions", Some(CAROL), Some(completion(60)))
+        .await;
+    let e = openai_error(
+        "carol over tokens_per_minute",
+        &reply,
+        429,
+        "rate_limit_error",
+        "rate_limited",
+    );
+    assert!(
+        e["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("100 tokens per minute")),
+        "{e}"
+    );
     // The bucket refills 100 tokens / 60 s and lacks about 2 * (prompt + 60) - 100 of them.
     let lacking = 2 * (prompt + 60) - 100;
     let expected = lacking * 60 / 100;
     let retry = reply.retry_after().expect("Retry-After");
-    assert!((expected.saturating_sub(2)..=expected + 1).contains(&retry), "Retry-After {retry}, expected about {expected}");
-    let status = grpc_outcome(&mut grpc, generate(60, Some(CAROL))).await.expect_err("carol over");
+    assert!(
+        (expected.saturating_sub(2)..=expected + 1).contains(&retry),
+        "Retry-After {retry}, expected about {expected}"
+    );
+    let status = grpc_outcome(&mut grpc, generate(60, Some(CAROL)))
+        .await
+        .expect_err("carol over");
     assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
-    let grpc_retry: u64 = status.metadata().get("retry-after").and_then(|v| v.to_str().ok()).and_then(|v| v.parse().ok()).expect("retry-after");
+    let grpc_retry: u64 = status
+        .metadata()
+        .get("retry-after")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse().ok())
+        .expect("retry-after");
     assert!((1..=retry).contains(&grpc_retry), "{grpc_retry} vs {retry}");
 
     // More than the whole budget can never pass: 400, no Retry-After.
-    let reply = h.http("POST", "/v1/completions", Some(CAROL), Some(completion(200))).await;
-    let e = openai_error("carol above the budget", &reply, 400, "invalid_request_error", "exceeds_key_budget");
+    let reply = h
+        .http(
+            "POST",
+            "/v1/completions",
+            Some(CAROL),
+            Some(completion(200)),
+        )
+        .await;
+    let e = openai_error(
+        "carol above the budget",
+        &reply,
+        400,
+        "invalid_request_error",
+        "exceeds_key_budget",
+    );
     assert_eq!(e["param"], "max_tokens");
-    assert!(e["message"].as_str().is_some_and(|m| m.contains("can never be admitted")), "{e}");
+    assert!(
+        e["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("can never be admitted")),
+        "{e}"
+    );
     assert_eq!(reply.retry_after(), None);
 
     // bob has no token limit.
     for _ in 0..3 {
-        let reply = h.http("POST", "/v1/completions", Some(BOB), Some(completion(60))).await;
+        let reply = h
+            .http("POST", "/v1/completions", Some(BOB), Some(completion(60)))
+            .await;
         assert_eq!(reply.status, 200, "{}", reply.body);
     }
     h.stop().await;
@@ -446,14 +622,31 @@ async fn the_routers_own_overload_429_carries_retry_after() {
     )
     .await;
     let mut grpc = h.grpc().await;
-    let mut open = grpc.generate(generate(40, Some(BOB))).await.expect("generate").into_inner();
-    open.message().await.expect("stream").expect("a first token");
-    let reply = h.http("POST", "/v1/completions", Some(BOB), Some(completion(4))).await;
+    let mut open = grpc
+        .generate(generate(40, Some(BOB)))
+        .await
+        .expect("generate")
+        .into_inner();
+    open.message()
+        .await
+        .expect("stream")
+        .expect("a first token");
+    let reply = h
+        .http("POST", "/v1/completions", Some(BOB), Some(completion(4)))
+        .await;
     openai_error("overloaded", &reply, 429, "rate_limit_error", "overloaded");
     assert_eq!(reply.retry_after(), Some(1));
-    let status = grpc_outcome(&mut grpc, generate(4, Some(BOB))).await.expect_err("overloaded");
+    let status = grpc_outcome(&mut grpc, generate(4, Some(BOB)))
+        .await
+        .expect_err("overloaded");
     assert_eq!(status.code(), Code::ResourceExhausted);
-    assert_eq!(status.metadata().get("retry-after").and_then(|v| v.to_str().ok()), Some("1"));
+    assert_eq!(
+        status
+            .metadata()
+            .get("retry-after")
+            .and_then(|v| v.to_str().ok()),
+        Some("1")
+    );
     drop(open);
     h.stop().await;
 }
@@ -488,20 +681,40 @@ async fn slow_silent_and_idle_http_connections_are_closed_after_the_header_timeo
     // Half a request head.
     let started = Instant::now();
     let mut half = TcpStream::connect(h.http).await.expect("connect");
-    half.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Le").await.expect("write");
+    half.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Le")
+        .await
+        .expect("write");
     let closed = read_until_closed(&mut half, bound).await;
-    assert!(closed.is_some(), "a half-sent head was still open after {bound:?}");
-    assert!(started.elapsed() >= TIMEOUT / 2, "closed before the timeout: {:?}", started.elapsed());
+    assert!(
+        closed.is_some(),
+        "a half-sent head was still open after {bound:?}"
+    );
+    assert!(
+        started.elapsed() >= TIMEOUT / 2,
+        "closed before the timeout: {:?}",
+        started.elapsed()
+    );
 
     // Nothing at all.
     let mut silent = TcpStream::connect(h.http).await.expect("connect");
-    assert!(read_until_closed(&mut silent, bound).await.is_some(), "a silent connection was still open after {bound:?}");
+    assert!(
+        read_until_closed(&mut silent, bound).await.is_some(),
+        "a silent connection was still open after {bound:?}"
+    );
 
     // A served request, then an idle keep-alive connection.
     let mut idle = TcpStream::connect(h.http).await.expect("connect");
-    idle.write_all(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\n\r\n").await.expect("write");
-    let answered = read_until_closed(&mut idle, bound).await.expect("an idle keep-alive connection was still open");
-    assert!(answered.starts_with(b"HTTP/1.1 200"), "{}", String::from_utf8_lossy(&answered));
+    idle.write_all(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        .await
+        .expect("write");
+    let answered = read_until_closed(&mut idle, bound)
+        .await
+        .expect("an idle keep-alive connection was still open");
+    assert!(
+        answered.starts_with(b"HTTP/1.1 200"),
+        "{}",
+        String::from_utf8_lossy(&answered)
+    );
 
     // A prompt client is served as before.
     assert_eq!(h.http("GET", "/metrics", None, None).await.status, 200);
@@ -510,7 +723,8 @@ async fn slow_silent_and_idle_http_connections_are_closed_after_the_header_timeo
 
 /// A self-signed certificate for `localhost`: (certificate PEM, key PEM).
 fn self_signed() -> (String, String) {
-    let certified = rcgen::generate_simple_self_signed(vec!["localhost".to_string()]).expect("rcgen");
+    let certified =
+        rcgen::generate_simple_self_signed(vec!["localhost".to_string()]).expect("rcgen");
     (certified.cert.pem(), certified.signing_key.serialize_pem())
 }
 
@@ -520,16 +734,21 @@ fn tls_connector(cert_pem: &str) -> tokio_rustls::TlsConnector {
     let mut roots = rustls::RootCertStore::empty();
     let cert = rustls::pki_types::CertificateDer::from_pem_slice(cert_pem.as_bytes()).expect("PEM");
     roots.add(cert).expect("trust the test certificate");
-    let config = rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
-        .with_safe_default_protocol_versions()
-        .expect("protocol versions")
-        .with_root_certificates(roots)
-        .with_no_client_auth();
+    let config = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .expect("protocol versions")
+    .with_root_certificates(roots)
+    .with_no_client_auth();
     tokio_rustls::TlsConnector::from(Arc::new(config))
 }
 
 fn tls_files(scratch: &Scratch, cert: &str, key: &str) -> (PathBuf, PathBuf) {
-    (scratch.write("cert.pem", cert), scratch.write("key.pem", key))
+    (
+        scratch.write("cert.pem", cert),
+        scratch.write("key.pem", key),
+    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -555,17 +774,29 @@ async fn with_tls_both_listeners_serve_tls_and_plain_text_clients_fail() {
     let name = rustls::pki_types::ServerName::try_from("localhost").expect("name");
     for (key, status) in [(Some(ALICE), 200), (None, 401)] {
         let tcp = TcpStream::connect(h.http).await.expect("connect");
-        let tls = connector.connect(name.clone(), tcp).await.expect("TLS handshake");
-        let reply = send(tls, request("GET", "/v1/models", key, None)).await.expect("HTTPS exchange");
+        let tls = connector
+            .connect(name.clone(), tcp)
+            .await
+            .expect("TLS handshake");
+        let reply = send(tls, request("GET", "/v1/models", key, None))
+            .await
+            .expect("HTTPS exchange");
         assert_eq!(reply.status, status, "{}", reply.body);
     }
     // Plain HTTP on the TLS port fails.
     let tcp = TcpStream::connect(h.http).await.expect("connect");
-    let plain = tokio::time::timeout(Duration::from_secs(5), send(tcp, request("GET", "/health", None, None))).await.expect("answered in time");
+    let plain = tokio::time::timeout(
+        Duration::from_secs(5),
+        send(tcp, request("GET", "/health", None, None)),
+    )
+    .await
+    .expect("answered in time");
     assert!(plain.is_err(), "plain HTTP was served on the TLS port");
 
     // gRPC over TLS, trusting the certificate.
-    let tls = ClientTlsConfig::new().ca_certificate(Certificate::from_pem(&cert)).domain_name("localhost");
+    let tls = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(&cert))
+        .domain_name("localhost");
     let channel = Channel::from_shared(format!("https://localhost:{}", h.grpc.port()))
         .expect("uri")
         .tls_config(tls)
@@ -580,14 +811,19 @@ async fn with_tls_both_listeners_serve_tls_and_plain_text_clients_fail() {
     assert_eq!(models.into_inner().models.len(), 1);
     // Plain-text gRPC fails.
     let plain = async {
-        let channel = Channel::from_shared(format!("http://{}", h.grpc)).expect("uri").connect().await?;
+        let channel = Channel::from_shared(format!("http://{}", h.grpc))
+            .expect("uri")
+            .connect()
+            .await?;
         InferenceClient::new(channel)
             .list_models(with_key(v1::ListModelsRequest {}, Some(ALICE)))
             .await
             .map_err(anyhow::Error::from)
             .map(|_| ())
     };
-    let plain: anyhow::Result<()> = tokio::time::timeout(Duration::from_secs(5), plain).await.expect("failed in time");
+    let plain: anyhow::Result<()> = tokio::time::timeout(Duration::from_secs(5), plain)
+        .await
+        .expect("failed in time");
     assert!(plain.is_err(), "plain-text gRPC was served on the TLS port");
     h.stop().await;
 }
@@ -603,7 +839,12 @@ async fn a_bad_keys_file_or_half_a_tls_pair_stops_the_start_up() {
     .await
     .expect_err("invalid keys file");
     let message = e.to_string();
-    assert!(message.contains("keys.txt") && message.contains("line 1") && message.contains("`max_concurrent`"), "{message}");
+    assert!(
+        message.contains("keys.txt")
+            && message.contains("line 1")
+            && message.contains("`max_concurrent`"),
+        "{message}"
+    );
     assert!(!message.contains(ALICE), "leaks the key: {message}");
 
     let e = Router::load(RouterConfig {

@@ -127,7 +127,10 @@ async fn up(args: UpArgs, exe: PathBuf, model: PathBuf, served: String) -> anyho
         router_argv.extend(["--ttft-slo-ms".to_string(), ms.to_string()]);
     }
     if let Some(file) = &args.api_keys_file {
-        router_argv.extend(["--api-keys-file".into(), file.to_string_lossy().into_owned()]);
+        router_argv.extend([
+            "--api-keys-file".into(),
+            file.to_string_lossy().into_owned(),
+        ]);
     }
     let mut procs = vec![spawn(&exe, "router", &router_argv)?];
     let deadline = Instant::now() + Duration::from_secs(args.ready_timeout_s);

@@ -135,7 +135,12 @@ fn is_connection_error(e: &std::io::Error) -> bool {
 }
 
 /// One connection: the TLS handshake (if on) and HTTP, with the first-request deadline.
-async fn connection(tcp: TcpStream, peer: SocketAddr, shared: Arc<Shared>, stop: CancellationToken) {
+async fn connection(
+    tcp: TcpStream,
+    peer: SocketAddr,
+    shared: Arc<Shared>,
+    stop: CancellationToken,
+) {
     let deadline = Instant::now() + shared.header_timeout;
     match &shared.tls {
         None => http(tcp, peer, &shared, deadline, stop).await,
@@ -155,8 +160,13 @@ async fn connection(tcp: TcpStream, peer: SocketAddr, shared: Arc<Shared>, stop:
 
 /// Serves HTTP on `io` until the connection ends; closes it at `deadline` if no request head
 /// has arrived by then; shuts it down gracefully when `stop` is cancelled.
-async fn http<IO>(io: IO, peer: SocketAddr, shared: &Shared, deadline: Instant, stop: CancellationToken)
-where
+async fn http<IO>(
+    io: IO,
+    peer: SocketAddr,
+    shared: &Shared,
+    deadline: Instant,
+    stop: CancellationToken,
+) where
     IO: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
     let requested = Arc::new(AtomicBool::new(false));
