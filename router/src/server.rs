@@ -169,13 +169,13 @@ impl BoundRouter {
         let reflection = tonic_reflection::server::Builder::configure()
             .register_encoded_file_descriptor_set(ferry_proto::FILE_DESCRIPTOR_SET)
             .build_v1()?;
-        let stop_accepting = CancellationToken::new();
-        let reaper = state.registry.spawn_reaper(shutdown.child_token());
-
         let mut grpc_builder = tonic::transport::Server::builder();
         if let Some(tls) = &tls {
             grpc_builder = grpc_builder.tls_config(tls.grpc_config())?;
         }
+        let stop_accepting = CancellationToken::new();
+        let reaper = state.registry.spawn_reaper(shutdown.child_token());
+
         let grpc_server = grpc_builder
             .add_service(health)
             .add_service(reflection)
