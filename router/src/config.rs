@@ -146,6 +146,29 @@ pub struct RouterConfig {
     /// (HTTP) instead of queueing (Mooncake's early rejection). Unset: never.
     #[arg(long, env = "FERRY_ROUTER_TTFT_SLO_MS")]
     pub ttft_slo_ms: Option<u64>,
+
+    /// API keys of the public plane, one per line with optional `name=`, `max_concurrent=`
+    /// and `tokens_per_minute=` (docs/security.md). Unset: no authentication.
+    #[arg(long, env = "FERRY_ROUTER_API_KEYS_FILE")]
+    pub api_keys_file: Option<PathBuf>,
+
+    /// An HTTP/1 request head must arrive whole within this many ms of the connection being
+    /// ready for it (on accept, TLS handshake included, and after each response, which also
+    /// closes idle keep-alive connections).
+    #[arg(
+        long,
+        env = "FERRY_ROUTER_HTTP_HEADER_TIMEOUT_MS",
+        default_value_t = 10_000
+    )]
+    pub http_header_timeout_ms: u64,
+
+    /// PEM certificate chain for TLS on both public listeners (with `--tls-key`).
+    #[arg(long, env = "FERRY_ROUTER_TLS_CERT")]
+    pub tls_cert: Option<PathBuf>,
+
+    /// PEM private key for TLS on both public listeners (with `--tls-cert`).
+    #[arg(long, env = "FERRY_ROUTER_TLS_KEY")]
+    pub tls_key: Option<PathBuf>,
 }
 
 impl Default for RouterConfig {
@@ -164,6 +187,10 @@ impl Default for RouterConfig {
             max_concurrent_requests: 256,
             drain_timeout_ms: 5000,
             ttft_slo_ms: None,
+            api_keys_file: None,
+            http_header_timeout_ms: 10_000,
+            tls_cert: None,
+            tls_key: None,
         }
     }
 }
@@ -184,6 +211,7 @@ impl RouterConfig {
         let positive = [
             ("heartbeat_timeout_ms", self.heartbeat_timeout_ms),
             ("page_size", self.page_size as u64),
+            ("http_header_timeout_ms", self.http_header_timeout_ms),
             (
                 "max_concurrent_requests",
                 self.max_concurrent_requests as u64,
@@ -229,7 +257,27 @@ impl RouterConfig {
                 ),
             });
         }
-        Ok(())
+        match (&self.tls_cert, &self.tls_key) {
+            (Some(_), None) => Err(RouterError::Config {
+                field: "tls_key",
+                message: "must be given with `tls_cert`, got only `tls_cert`".into(),
+            }),
+            (None, Some(_)) => Err(RouterError::Config {
+                field: "tls_cert",
+                message: "must be given with `tls_key`, got only `tls_key`".into(),
+            }),
+            _ => Ok(()),
+        }
+    }
+
+    /// The certificate and key files, when TLS is on (call after [`Self::check`]).
+    pub fn tls_files(&self) -> Option<(&std::path::Path, &std::path::Path)> {
+        Some((self.tls_cert.as_deref()?, self.tls_key.as_deref()?))
+    }
+
+    /// `http_header_timeout_ms` as a duration.
+    pub fn http_header_timeout(&self) -> Duration {
+        Duration::from_millis(self.http_header_timeout_ms)
     }
 
     /// The cluster token (read from `cluster_token_file` if set), `None` without one.
@@ -344,5 +392,19 @@ mod tests {
         };
         let err = config.check().expect_err("page_size 0");
         assert!(err.to_string().contains("`page_size`"), "{err}");
+    }
+
+    #[test]
+    fn tls_needs_both_files() {
+        let cli = Cli::try_parse_from(["x", "--tls-cert", "c.pem"]).expect("parses");
+        let err = cli.router.check().expect_err("cert without key");
+        assert!(err.to_string().contains("`tls_key`"), "{err}");
+        let cli = Cli::try_parse_from(["x", "--tls-key", "k.pem"]).expect("parses");
+        let err = cli.router.check().expect_err("key without cert");
+        assert!(err.to_string().contains("`tls_cert`"), "{err}");
+        let cli = Cli::try_parse_from(["x", "--tls-cert", "c.pem", "--tls-key", "k.pem"])
+            .expect("parses");
+        cli.router.check().expect("both");
+        assert!(cli.router.tls_files().is_some());
     }
 }

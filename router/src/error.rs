@@ -11,12 +11,20 @@
 //! | cause | variant | gRPC | HTTP |
 //! |---|---|---|---|
 //! | bad input (names the field) | `Invalid` | INVALID_ARGUMENT | 400 |
-//! | the router at `max_concurrent_requests` | `Overloaded` | RESOURCE_EXHAUSTED | 429 |
-//! | the estimated TTFT exceeds `--ttft-slo-ms` (`mooncake` policy) | `TtftSlo` | RESOURCE_EXHAUSTED | 429 |
+//! | no API key, a malformed one, or an unknown one (keys on) | `Unauthenticated` | UNAUTHENTICATED | 401 |
+//! | the key at its `max_concurrent` | `KeyConcurrency` | RESOURCE_EXHAUSTED + `retry-after` | 429 + `Retry-After` |
+//! | the key's `tokens_per_minute` spent for now | `KeyRate` | RESOURCE_EXHAUSTED + `retry-after` | 429 + `Retry-After` |
+//! | prompt + `max_tokens` above the key's whole `tokens_per_minute` (can never pass) | `OverKeyBudget` | INVALID_ARGUMENT | 400 |
+//! | the router at `max_concurrent_requests` | `Overloaded` | RESOURCE_EXHAUSTED + `retry-after` | 429 + `Retry-After` |
+//! | the estimated TTFT exceeds `--ttft-slo-ms` (`mooncake` policy) | `TtftSlo` | RESOURCE_EXHAUSTED + `retry-after` | 429 + `Retry-After` |
 //! | no healthy decode worker registered | `NoDecodeWorker` | UNAVAILABLE | 503 |
 //! | the router shutting down | `ShuttingDown` | UNAVAILABLE | 503 |
 //! | a decode worker refused or failed | `Worker` | its INVALID_ARGUMENT, RESOURCE_EXHAUSTED, INTERNAL, CANCELLED, OUT_OF_RANGE kept; anything else (UNAVAILABLE, a broken stream, …) UNAVAILABLE | from the code |
 //! | a bug in the router | `Internal` | INTERNAL | 500 |
+//!
+//! `Retry-After` (HTTP header) and `retry-after` (gRPC metadata) carry whole seconds, rounded
+//! up, at least 1 ([`RequestError::retry_after_secs`]): the token limiter's wait for
+//! `KeyRate`, [`RETRY_AFTER_BUSY`] for the others.
 //!
 //! A worker's INTERNAL is passed on as INTERNAL: the router cannot tell what caused it. (A
 //! failed prefill peer under `--on-prefill-failure fail` arrives that way today.)
@@ -25,11 +33,17 @@
 //! [`log_failure`].
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::time::Duration;
 
 use ferry_proto::ids::WorkerId;
 use tonic::{Code, Status};
 
+use crate::auth::{AuthError, KeysFileError};
 use crate::validate::ValidationError;
+
+/// What a 429 for a busy router or key (not a spent token budget) tells the client to wait:
+/// load changes quickly, so a short pause.
+pub const RETRY_AFTER_BUSY: Duration = Duration::from_secs(1);
 
 /// Why one client request failed.
 #[derive(Debug, thiserror::Error)]
@@ -55,6 +69,49 @@ pub enum RequestError {
         estimated_ms: u64,
         /// `ttft_slo_ms`.
         slo_ms: u64,
+    },
+
+    /// API keys are on and the request has no valid one.
+    #[error(transparent)]
+    Unauthenticated(#[from] AuthError),
+
+    /// The API key has `max_concurrent` requests in flight already.
+    #[error("API key `{key}` is at its limit of {limit} concurrent requests; retry later")]
+    KeyConcurrency {
+        /// The key's name (never the key).
+        key: String,
+        /// Its `max_concurrent`.
+        limit: usize,
+    },
+
+    /// The API key's `tokens_per_minute` is spent for now.
+    #[error(
+        "API key `{key}` is over its {per_minute} tokens per minute: this request needs {cost} \
+         (prompt + `max_tokens`); retry in {}s", .retry_after.as_secs_f64().ceil().max(1.0)
+    )]
+    KeyRate {
+        /// The key's name.
+        key: String,
+        /// Its `tokens_per_minute`.
+        per_minute: u32,
+        /// What this request is charged.
+        cost: u64,
+        /// When the budget will have refilled enough.
+        retry_after: Duration,
+    },
+
+    /// The request costs more than the API key's whole per-minute budget: waiting never helps.
+    #[error(
+        "prompt + `max_tokens` = {cost} tokens exceeds API key `{key}`'s whole \
+         budget of {per_minute} tokens per minute, so it can never be admitted; lower `max_tokens`"
+    )]
+    OverKeyBudget {
+        /// The key's name.
+        key: String,
+        /// Its `tokens_per_minute`.
+        per_minute: u32,
+        /// What this request would be charged.
+        cost: u64,
     },
 
     /// No decode worker is registered and healthy.
@@ -95,8 +152,12 @@ impl RequestError {
     /// The gRPC code of this error; HTTP statuses derive from it (`http/error.rs`).
     pub fn code(&self) -> Code {
         match self {
-            Self::Invalid(_) => Code::InvalidArgument,
-            Self::Overloaded { .. } | Self::TtftSlo { .. } => Code::ResourceExhausted,
+            Self::Invalid(_) | Self::OverKeyBudget { .. } => Code::InvalidArgument,
+            Self::Unauthenticated(_) => Code::Unauthenticated,
+            Self::Overloaded { .. }
+            | Self::TtftSlo { .. }
+            | Self::KeyConcurrency { .. }
+            | Self::KeyRate { .. } => Code::ResourceExhausted,
             Self::NoDecodeWorker | Self::ShuttingDown => Code::Unavailable,
             Self::Worker { code, .. } => match code {
                 Code::InvalidArgument
@@ -114,6 +175,10 @@ impl RequestError {
     pub fn kind(&self) -> &'static str {
         match self {
             Self::Invalid(e) => e.kind(),
+            Self::Unauthenticated(_) => "invalid_api_key",
+            Self::KeyConcurrency { .. } => "concurrency_limited",
+            Self::KeyRate { .. } => "rate_limited",
+            Self::OverKeyBudget { .. } => "exceeds_key_budget",
             Self::Overloaded { .. } => "overloaded",
             Self::TtftSlo { .. } => "ttft_slo",
             Self::NoDecodeWorker => "no_decode_worker",
@@ -127,8 +192,27 @@ impl RequestError {
     pub fn param(&self) -> Option<&'static str> {
         match self {
             Self::Invalid(e) => Some(e.field),
+            Self::OverKeyBudget { .. } => Some("max_tokens"),
             _ => None,
         }
+    }
+
+    /// How long the client should wait before retrying, for the 429s that a retry can cure.
+    pub fn retry_after(&self) -> Option<Duration> {
+        match self {
+            Self::KeyRate { retry_after, .. } => Some(*retry_after),
+            Self::Overloaded { .. } | Self::TtftSlo { .. } | Self::KeyConcurrency { .. } => {
+                Some(RETRY_AFTER_BUSY)
+            }
+            _ => None,
+        }
+    }
+
+    /// [`Self::retry_after`] in whole seconds as `Retry-After` carries it: rounded up, >= 1.
+    pub fn retry_after_secs(&self) -> Option<u64> {
+        self.retry_after()
+            .map(|d| d.as_secs() + u64::from(d.subsec_nanos() > 0))
+            .map(|s| s.max(1))
     }
 }
 
@@ -137,14 +221,26 @@ impl RequestError {
 pub fn log_failure(e: &RequestError) {
     match e.code() {
         Code::InvalidArgument => tracing::debug!(error = %e, kind = e.kind(), "request rejected"),
-        Code::ResourceExhausted => tracing::info!(error = %e, kind = e.kind(), "request rejected"),
+        Code::ResourceExhausted | Code::Unauthenticated => {
+            tracing::info!(error = %e, kind = e.kind(), "request rejected")
+        }
         _ => tracing::warn!(error = %e, kind = e.kind(), "request failed"),
     }
 }
 
+/// The gRPC metadata key that carries [`RequestError::retry_after_secs`].
+pub const RETRY_AFTER_METADATA: &str = "retry-after";
+
 impl From<RequestError> for Status {
     fn from(e: RequestError) -> Self {
-        Status::new(e.code(), e.to_string())
+        let mut status = Status::new(e.code(), e.to_string());
+        if let Some(secs) = e.retry_after_secs() {
+            status.metadata_mut().insert(
+                RETRY_AFTER_METADATA,
+                tonic::metadata::MetadataValue::from(secs),
+            );
+        }
+        status
     }
 }
 
@@ -240,6 +336,19 @@ pub enum RouterError {
     #[error("gRPC reflection: {0}")]
     Reflection(#[from] tonic_reflection::server::Error),
 
+    /// The API keys file is unreadable or invalid (names the line and field).
+    #[error(transparent)]
+    ApiKeys(#[from] KeysFileError),
+
+    /// The TLS certificate or key could not be loaded.
+    #[error("TLS: cannot use `{}`: {message}", path.display())]
+    Tls {
+        /// The certificate or key file.
+        path: PathBuf,
+        /// What is wrong with it.
+        message: String,
+    },
+
     /// A server task panicked or was cancelled.
     #[error("server task: {0}")]
     Task(String),
@@ -289,5 +398,33 @@ mod tests {
         }
         assert_eq!(RequestError::ShuttingDown.code(), Code::Unavailable);
         assert_eq!(RequestError::Internal("bug".into()).code(), Code::Internal);
+    }
+
+    #[test]
+    fn retry_after_rounds_up_and_reaches_grpc_metadata() {
+        let rate = |ms| RequestError::KeyRate {
+            key: "a".into(),
+            per_minute: 60,
+            cost: 10,
+            retry_after: Duration::from_millis(ms),
+        };
+        assert_eq!(rate(1).retry_after_secs(), Some(1));
+        assert_eq!(rate(2000).retry_after_secs(), Some(2));
+        assert_eq!(rate(2001).retry_after_secs(), Some(3));
+        assert_eq!(rate(0).retry_after_secs(), Some(1));
+        assert_eq!(
+            RequestError::Overloaded { limit: 1 }.retry_after_secs(),
+            Some(1)
+        );
+        assert_eq!(RequestError::NoDecodeWorker.retry_after_secs(), None);
+        let status = Status::from(rate(2500));
+        assert_eq!(status.code(), Code::ResourceExhausted);
+        let header = status
+            .metadata()
+            .get(RETRY_AFTER_METADATA)
+            .expect("retry-after");
+        assert_eq!(header.to_str().ok(), Some("3"));
+        let status = Status::from(RequestError::Invalid(ValidationError::new("x", "bad")));
+        assert!(status.metadata().get(RETRY_AFTER_METADATA).is_none());
     }
 }

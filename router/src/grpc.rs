@@ -3,6 +3,10 @@
 //! Wire → [`GenerateParams`] (no checks) → [`Validator`](crate::validate::Validator) →
 //! dispatcher → events → `GenerateResponse`s. Errors become `tonic::Status` through
 //! `From<RequestError>` (error.rs) and are logged here, once, in the request span.
+//!
+//! With API keys on, every call needs `authorization: Bearer <key>` metadata (UNAUTHENTICATED
+//! otherwise); `Generate` is also held to the key's limits (`limits.rs`). gRPC health and
+//! reflection are other services and stay open.
 use std::pin::Pin;
 use std::sync::Arc;
 
@@ -12,6 +16,7 @@ use futures::{Stream, StreamExt};
 use tonic::{Request, Response, Status};
 use tracing::Instrument;
 
+use crate::auth::Caller;
 use crate::error::{log_failure, RequestError};
 use crate::output::{FinishReason, GenerationEvent};
 use crate::spans::{self, FrontDoor, InSpan, Operation};
@@ -28,6 +33,24 @@ impl InferenceService {
     /// Serves `state`.
     pub fn new(state: Arc<AppState>) -> Self {
         Self { state }
+    }
+
+    /// Who sent `request` (its `authorization` metadata), or UNAUTHENTICATED.
+    fn authenticate<T>(&self, request: &Request<T>) -> Result<Caller, Status> {
+        let header = request
+            .metadata()
+            .get("authorization")
+            .map(|v| v.as_bytes());
+        self.state.keys.authenticate(header).map_err(|e| {
+            let e = RequestError::from(e);
+            log_failure(&e);
+            self.state
+                .metrics
+                .failure
+                .with_label_values(&[e.kind()])
+                .inc();
+            Status::from(e)
+        })
     }
 }
 
@@ -59,6 +82,7 @@ impl Inference for InferenceService {
         &self,
         request: Request<v1::GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
+        let caller = self.authenticate(&request)?;
         let operation = match request.get_ref().input {
             Some(v1::generate_request::Input::Chat(_)) => Operation::Chat,
             _ => Operation::TextCompletion,
@@ -72,12 +96,15 @@ impl Inference for InferenceService {
             params.model.clone()
         };
         trace_ctx::set_attribute(&span, "gen_ai.request.model", requested);
+        caller.record(&span);
         let state = self.state.clone();
         let started = async move {
+            let admission = caller.admit()?;
             let valid = state.validator.validate(params).await?;
             let id = valid.id().0.clone();
             tracing::Span::current().record("request_id", id.as_str());
-            let events = state.dispatcher.generate(valid).await?;
+            caller.charge(&valid)?;
+            let events = admission.hold(state.dispatcher.generate(valid).await?);
             Ok::<_, RequestError>((id, events))
         }
         .instrument(span.clone())
@@ -101,6 +128,7 @@ impl Inference for InferenceService {
         &self,
         request: Request<v1::TokenizeRequest>,
     ) -> Result<Response<v1::TokenizeResponse>, Status> {
+        self.authenticate(&request)?;
         let r = request.into_inner();
         let ids = self
             .state
@@ -113,8 +141,9 @@ impl Inference for InferenceService {
 
     async fn list_models(
         &self,
-        _request: Request<v1::ListModelsRequest>,
+        request: Request<v1::ListModelsRequest>,
     ) -> Result<Response<v1::ListModelsResponse>, Status> {
+        self.authenticate(&request)?;
         let m = &self.state.model;
         Ok(Response::new(v1::ListModelsResponse {
             models: vec![v1::ModelCard {

@@ -21,6 +21,9 @@
 //! | [`validate`] | the one place requests become [`validate::ValidRequest`] |
 //! | [`tokenize`] | tokenization, chat templates and block hashing on the blocking pool |
 //! | [`grpc`] | the public `Inference` service |
+//! | [`auth`] | API keys: the keys file, authentication by digest, [`auth::Caller`] |
+//! | [`limits`] | per-key `max_concurrent` and `tokens_per_minute`, checked at admission |
+//! | [`tls`] | the certificate and key of both public listeners |
 //! | [`http`] | the OpenAI-compatible HTTP API |
 //! | [`error`] | error types and their one mapping to wire codes |
 //! | [`metrics`] | Prometheus metrics (`GET /metrics` on the HTTP port) |
@@ -42,12 +45,14 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod auth;
 pub mod config;
 pub mod dispatch;
 pub mod error;
 pub mod grpc;
 pub mod http;
 pub mod index;
+pub mod limits;
 pub mod load;
 pub mod metrics;
 pub mod output;
@@ -59,6 +64,7 @@ pub mod server;
 pub mod spans;
 pub mod state;
 pub mod stop;
+pub mod tls;
 pub mod tokenize;
 pub mod validate;
 

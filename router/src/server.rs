@@ -6,18 +6,18 @@
 //!                        (port 0 works: read the addresses back)
 //!   .run(shutdown)       serve until `shutdown` is cancelled:
 //!       public gRPC:   Inference + grpc.health.v1 (Inference SERVING) + reflection
-//!       HTTP:          the OpenAI-compatible app
+//!       HTTP:          the OpenAI-compatible app, through the accept loop of `http/serve.rs`
+//!                      (header-read and idle timeouts)
+//!       both public:   TLS with `--tls-cert` / `--tls-key` (`tls.rs`); API keys in `AppState`
 //!       internal gRPC: Registry (cluster token required) + grpc.health.v1 — never public
 //!       reaper: removes workers that missed their heartbeats
 //!   on shutdown          health NOT_SERVING → stop accepting → drain open requests until the
 //!                        deadline → end the streams still open with an error → abort leftovers
 //! ```
-use std::future::IntoFuture;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::serve::ListenerExt as _;
 use ferry_proto::internal::registry_server::RegistryServer;
 use ferry_proto::v1::inference_server::InferenceServer;
 use tokio::net::TcpListener;
@@ -28,8 +28,10 @@ use tokio_util::sync::CancellationToken;
 use crate::config::RouterConfig;
 use crate::error::RouterError;
 use crate::grpc::InferenceService;
+use crate::http::serve::HttpServer;
 use crate::registry::RegistryService;
 use crate::state::AppState;
+use crate::tls::Tls;
 
 /// After the drain deadline ends the open streams, how long the servers get to close.
 const CLOSE_GRACE: Duration = Duration::from_secs(2);
@@ -39,13 +41,28 @@ const CLOSE_GRACE: Duration = Duration::from_secs(2);
 pub struct Router {
     config: RouterConfig,
     state: Arc<AppState>,
+    tls: Option<Tls>,
 }
 
 impl Router {
-    /// Checks `config` and loads the tokenizer and model config from `config.model_dir`.
+    /// Checks `config` and loads the tokenizer and model config from `config.model_dir`, the
+    /// API keys file and the TLS certificate and key, if given.
     pub async fn load(config: RouterConfig) -> Result<Self, RouterError> {
         let state = AppState::load(&config).await?;
-        Ok(Self { config, state })
+        let tls = match config.tls_files() {
+            None => None,
+            Some((cert, key)) => {
+                let (cert, key) = (cert.to_path_buf(), key.to_path_buf());
+                let timeout = config.http_header_timeout();
+                let loaded = tokio::task::spawn_blocking(move || Tls::load(&cert, &key, timeout));
+                Some(
+                    loaded
+                        .await
+                        .map_err(|e| RouterError::Task(format!("TLS loading: {e}")))??,
+                )
+            }
+        };
+        Ok(Self { config, state, tls })
     }
 
     /// The shared state (registry, validator, dispatcher, model info).
@@ -66,6 +83,7 @@ impl Router {
         Ok(BoundRouter {
             config: self.config,
             state: self.state,
+            tls: self.tls,
             grpc,
             http,
             internal,
@@ -95,6 +113,7 @@ async fn listen(
 pub struct BoundRouter {
     config: RouterConfig,
     state: Arc<AppState>,
+    tls: Option<Tls>,
     grpc: TcpListener,
     http: TcpListener,
     internal: TcpListener,
@@ -149,6 +168,7 @@ impl BoundRouter {
         let Self {
             config,
             state,
+            tls,
             grpc,
             http,
             internal,
@@ -163,10 +183,14 @@ impl BoundRouter {
         let reflection = tonic_reflection::server::Builder::configure()
             .register_encoded_file_descriptor_set(ferry_proto::FILE_DESCRIPTOR_SET)
             .build_v1()?;
+        let mut grpc_builder = tonic::transport::Server::builder();
+        if let Some(tls) = &tls {
+            grpc_builder = grpc_builder.tls_config(tls.grpc_config())?;
+        }
         let stop_accepting = CancellationToken::new();
         let reaper = state.registry.spawn_reaper(shutdown.child_token());
 
-        let grpc_server = tonic::transport::Server::builder()
+        let grpc_server = grpc_builder
             .add_service(health)
             .add_service(reflection)
             .add_service(InferenceServer::new(InferenceService::new(state.clone())))
@@ -181,22 +205,32 @@ impl BoundRouter {
             internal,
             stop_internal.clone(),
         ));
-        let http = http.tap_io(|tcp| {
-            if let Err(e) = tcp.set_nodelay(true) {
-                tracing::debug!(error = %e, "set_nodelay failed");
-            }
-        });
-        let http_server = axum::serve(http, crate::http::app(state.clone()))
-            .with_graceful_shutdown(stop_accepting.clone().cancelled_owned());
-        let mut http_task = tokio::spawn(http_server.into_future());
+        let http_server = HttpServer {
+            listener: http,
+            app: crate::http::app(state.clone()),
+            tls: tls.as_ref().map(Tls::http_acceptor),
+            header_timeout: config.http_header_timeout(),
+        };
+        let mut http_task = tokio::spawn(http_server.serve(stop_accepting.clone()));
         tracing::info!(
             grpc = %grpc_addr,
             http = %http_addr,
             internal = %internal_addr,
             model = %state.model.name,
             policy = %config.policy,
+            api_keys = state.keys.len(),
+            tls = tls.is_some(),
             "router listening"
         );
+        let loopback = grpc_addr.ip().is_loopback() && http_addr.ip().is_loopback();
+        if !state.keys.is_on() && !loopback {
+            tracing::warn!(
+                grpc = %grpc_addr,
+                http = %http_addr,
+                "serving a non-loopback address without API keys: anyone who reaches it can \
+                 use it (--api-keys-file, docs/security.md)"
+            );
+        }
 
         let early = tokio::select! {
             _ = shutdown.cancelled() => None,

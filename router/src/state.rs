@@ -6,6 +6,7 @@ use ferry_model::config::ModelConfig;
 use ferry_model::tokenizer::Tokenizer;
 use tokio_util::sync::CancellationToken;
 
+use crate::auth::ApiKeys;
 use crate::config::RouterConfig;
 use crate::dispatch::{Dispatcher, DispatcherParams};
 use crate::error::RouterError;
@@ -45,16 +46,19 @@ pub struct AppState {
     pub registry: Registry,
     /// Prometheus metrics (`GET /metrics`).
     pub metrics: Arc<RouterMetrics>,
+    /// The API keys of the public plane (off without `--api-keys-file`).
+    pub keys: ApiKeys,
     drain: CancellationToken,
 }
 
 impl AppState {
-    /// Checks `config`, loads the tokenizer and `config.json` from the model directory (on
-    /// the blocking pool) and builds the registry, index, policy, validator and dispatcher.
+    /// Checks `config`, loads the tokenizer and `config.json` from the model directory and
+    /// the API keys file (on the blocking pool) and builds the registry, index, policy, validator and dispatcher.
     /// Spawns nothing.
     pub async fn load(config: &RouterConfig) -> Result<Arc<Self>, RouterError> {
         config.check()?;
         let dir = config.model_dir.clone();
+        let keys_file = config.api_keys_file.clone();
         let loaded = tokio::task::spawn_blocking(move || {
             let model_error = |source| RouterError::Model {
                 dir: dir.clone(),
@@ -62,11 +66,12 @@ impl AppState {
             };
             let tokenizer = Tokenizer::from_dir(&dir).map_err(model_error)?;
             let model = ModelConfig::from_file(&dir.join("config.json")).map_err(model_error)?;
-            Ok::<_, RouterError>((tokenizer, model))
+            let keys = ApiKeys::load(keys_file.as_deref())?;
+            Ok::<_, RouterError>((tokenizer, model, keys))
         })
         .await
         .map_err(|e| RouterError::Task(format!("model loading: {e}")))?;
-        let (tokenizer, model_config) = loaded?;
+        let (tokenizer, model_config, keys) = loaded?;
         let tokenizer = Arc::new(tokenizer);
 
         let model = ModelInfo {
@@ -107,6 +112,7 @@ impl AppState {
             dispatcher,
             registry,
             metrics,
+            keys,
             drain,
         }))
     }

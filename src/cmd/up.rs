@@ -52,6 +52,9 @@ pub struct UpArgs {
     /// this many ms (RESOURCE_EXHAUSTED / 429) instead of queueing them.
     #[arg(long)]
     pub ttft_slo_ms: Option<u64>,
+    /// API keys for the router's public plane (docs/security.md); off when omitted.
+    #[arg(long)]
+    pub api_keys_file: Option<PathBuf>,
     /// KV blocks per worker.
     #[arg(long, default_value_t = 1024)]
     pub kv_blocks: usize,
@@ -138,6 +141,12 @@ async fn up(args: UpArgs, exe: PathBuf, model: PathBuf, served: String) -> anyho
     ];
     if let Some(ms) = args.ttft_slo_ms {
         router_argv.extend(["--ttft-slo-ms".to_string(), ms.to_string()]);
+    }
+    if let Some(file) = &args.api_keys_file {
+        router_argv.extend([
+            "--api-keys-file".into(),
+            file.to_string_lossy().into_owned(),
+        ]);
     }
     let mut procs = vec![spawn(&exe, "router", &router_argv, &token)?];
     let deadline = Instant::now() + Duration::from_secs(args.ready_timeout_s);

@@ -14,6 +14,7 @@ use super::openai::{
     Delta, UsageOut,
 };
 use super::sse::Chunk;
+use crate::auth::Caller;
 use crate::output::FinishReason;
 use crate::spans::Operation;
 use crate::state::AppState;
@@ -23,9 +24,10 @@ use crate::validate::{GenerateParams, ValidationError};
 pub async fn chat_completions(
     State(state): State<Arc<AppState>>,
     headers: HeaderMap,
+    caller: Caller,
     ApiJson(req): ApiJson<ChatRequest>,
 ) -> Response {
-    generate::handle::<Chat>(state, headers, req).await
+    generate::handle::<Chat>(state, headers, caller, req).await
 }
 
 /// `/v1/chat/completions` as an [`Endpoint`].

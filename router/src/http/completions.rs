@@ -13,6 +13,7 @@ use super::openai::{
     finish_str, CompletionChoice, CompletionRequest, CompletionResponse, UsageOut,
 };
 use super::sse::Chunk;
+use crate::auth::Caller;
 use crate::output::FinishReason;
 use crate::spans::Operation;
 use crate::state::AppState;
@@ -22,9 +23,10 @@ use crate::validate::{GenerateParams, ValidationError};
 pub async fn completions(
     State(state): State<Arc<AppState>>,
     headers: HeaderMap,
+    caller: Caller,
     ApiJson(req): ApiJson<CompletionRequest>,
 ) -> Response {
-    generate::handle::<Completions>(state, headers, req).await
+    generate::handle::<Completions>(state, headers, caller, req).await
 }
 
 /// `/v1/completions` as an [`Endpoint`].

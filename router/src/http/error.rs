@@ -5,11 +5,13 @@
 //!            "param": "max_tokens", "code": "invalid_value"}}
 //! ```
 //! Status codes follow the gRPC code of the error (one mapping, [`http_status`]):
-//! INVALID_ARGUMENT → 400 (not axum's 422), RESOURCE_EXHAUSTED → 429, UNAVAILABLE → 503.
+//! INVALID_ARGUMENT → 400 (not axum's 422), UNAUTHENTICATED → 401 (with `WWW-Authenticate:
+//! Bearer`), RESOURCE_EXHAUSTED → 429 (with `Retry-After` in seconds), UNAVAILABLE → 503.
 //! [`ApiJson`] replaces `axum::Json` so bad bodies never reach axum's plain-text rejections.
 use axum::body::Bytes;
 use axum::extract::{FromRequest, Request};
-use axum::http::StatusCode;
+use axum::http::header::{RETRY_AFTER, WWW_AUTHENTICATE};
+use axum::http::{HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -22,6 +24,7 @@ use crate::validate::ValidationError;
 pub fn http_status(code: Code) -> StatusCode {
     match code {
         Code::InvalidArgument | Code::OutOfRange => StatusCode::BAD_REQUEST,
+        Code::Unauthenticated => StatusCode::UNAUTHORIZED,
         Code::NotFound => StatusCode::NOT_FOUND,
         Code::ResourceExhausted => StatusCode::TOO_MANY_REQUESTS,
         Code::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
@@ -35,6 +38,7 @@ pub fn http_status(code: Code) -> StatusCode {
 fn error_type(status: StatusCode) -> &'static str {
     match status.as_u16() {
         400 | 404 | 413 => "invalid_request_error",
+        401 => "authentication_error",
         429 => "rate_limit_error",
         503 => "service_unavailable_error",
         _ => "internal_error",
@@ -52,6 +56,8 @@ pub struct ApiError {
     pub param: Option<String>,
     /// A stable snake_case code.
     pub code: &'static str,
+    /// Seconds for the `Retry-After` header (429s a retry can cure).
+    pub retry_after: Option<u64>,
 }
 
 #[derive(Serialize)]
@@ -80,6 +86,7 @@ impl ApiError {
             message: message.into(),
             param,
             code,
+            retry_after: None,
         }
     }
 
@@ -103,6 +110,7 @@ impl From<RequestError> for ApiError {
             status: http_status(e.code()),
             param: e.param().map(str::to_string),
             code: e.kind(),
+            retry_after: e.retry_after_secs(),
             message: e.to_string(),
         }
     }
@@ -116,7 +124,15 @@ impl From<ValidationError> for ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        (self.status, axum::Json(self.body())).into_response()
+        let mut response = (self.status, axum::Json(self.body())).into_response();
+        let headers = response.headers_mut();
+        if let Some(secs) = self.retry_after {
+            headers.insert(RETRY_AFTER, HeaderValue::from(secs));
+        }
+        if self.status == StatusCode::UNAUTHORIZED {
+            headers.insert(WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
+        response
     }
 }
 
@@ -139,6 +155,7 @@ where
                 message: e.body_text(),
                 param: None,
                 code: "invalid_body",
+                retry_after: None,
             })?;
         parse_json(&bytes).map(ApiJson)
     }
@@ -241,6 +258,42 @@ mod tests {
                 "overloaded",
             ),
             (
+                RequestError::Unauthenticated(crate::auth::AuthError::Unknown),
+                401,
+                "authentication_error",
+                "invalid_api_key",
+            ),
+            (
+                RequestError::KeyConcurrency {
+                    key: "a".into(),
+                    limit: 1,
+                },
+                429,
+                "rate_limit_error",
+                "concurrency_limited",
+            ),
+            (
+                RequestError::KeyRate {
+                    key: "a".into(),
+                    per_minute: 10,
+                    cost: 5,
+                    retry_after: std::time::Duration::from_millis(1500),
+                },
+                429,
+                "rate_limit_error",
+                "rate_limited",
+            ),
+            (
+                RequestError::OverKeyBudget {
+                    key: "a".into(),
+                    per_minute: 10,
+                    cost: 50,
+                },
+                400,
+                "invalid_request_error",
+                "exceeds_key_budget",
+            ),
+            (
                 RequestError::NoDecodeWorker,
                 503,
                 "service_unavailable_error",
@@ -273,7 +326,20 @@ mod tests {
         ];
         for (e, status, kind, code) in cases {
             let message = e.to_string();
+            let retry_after = e.retry_after_secs();
             let api = ApiError::from(e);
+            let response = api.clone().into_response();
+            let header = response.headers().get(RETRY_AFTER);
+            assert_eq!(
+                header.and_then(|h| h.to_str().ok()?.parse::<u64>().ok()),
+                retry_after,
+                "{message}"
+            );
+            assert_eq!(
+                response.headers().contains_key(WWW_AUTHENTICATE),
+                status == 401,
+                "{message}"
+            );
             let body = api.body();
             let what = format!("{message}: {body}");
             assert_eq!(api.status.as_u16(), status, "{what}");

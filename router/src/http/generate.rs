@@ -4,7 +4,7 @@
 //! handle::<E>(body)
 //!   Meta (id `{E::ID_PREFIX}-…`), request span (parent from `traceparent`)
 //!   E::into_params → 400 naming the field            (reject)
-//!   validate → dispatch, in the span → error status   (start)
+//!   key slot → validate → key tokens → dispatch, in the span → error status   (start)
 //!   stream: E::opening, E::delta per event, E::usage after the finish, then `[DONE]`;
 //!           an error mid-stream is one error chunk
 //!   whole:  text accumulated until the finish → E::whole
@@ -23,6 +23,7 @@ use tracing::Instrument;
 use super::error::ApiError;
 use super::openai::UsageOut;
 use super::sse::{self, Chunk};
+use crate::auth::Caller;
 use crate::dispatch::GenerationStream;
 use crate::error::{log_failure, RequestError};
 use crate::output::FinishReason;
@@ -95,6 +96,7 @@ fn unix_now() -> u64 {
 pub(crate) async fn handle<E: Endpoint>(
     state: Arc<AppState>,
     headers: HeaderMap,
+    caller: Caller,
     req: E::Request,
 ) -> Response {
     let meta = Meta::new(E::ID_PREFIX, &state);
@@ -104,7 +106,7 @@ pub(crate) async fn handle<E: Endpoint>(
         Ok(p) => p,
         Err(e) => return reject(&state, e, &span),
     };
-    let events = match start(&state, params, span.clone()).await {
+    let events = match start(&state, &caller, params, span.clone()).await {
         Ok(events) => events,
         Err(e) => return e.into_response(),
     };
@@ -133,9 +135,11 @@ fn request_span(
     span
 }
 
-/// Validates and dispatches in the request's span; logs and counts a failure once.
+/// Admits (the key's limits, `limits.rs`), validates and dispatches in the request's span;
+/// logs and counts a failure once.
 async fn start(
     state: &AppState,
+    caller: &Caller,
     params: GenerateParams,
     span: tracing::Span,
 ) -> Result<GenerationStream, ApiError> {
@@ -145,9 +149,12 @@ async fn start(
         params.model.clone()
     };
     ferry_proto::trace_ctx::set_attribute(&span, "gen_ai.request.model", requested);
+    caller.record(&span);
     let started = async {
+        let admission = caller.admit()?;
         let valid = state.validator.validate(params).await?;
-        state.dispatcher.generate(valid).await
+        caller.charge(&valid)?;
+        Ok(admission.hold(state.dispatcher.generate(valid).await?))
     }
     .instrument(span.clone())
     .await

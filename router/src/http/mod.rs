@@ -3,17 +3,21 @@
 //! | file | owns |
 //! |---|---|
 //! | `mod.rs` | [`app`]: routes, `/v1/models`, `/health`, `/metrics` |
+//! | [`auth`] | API keys on `/v1/*` (401 before the handler), the [`crate::auth::Caller`] extractor |
+//! | [`serve`] | the accept loop: header-read and idle timeouts, optional TLS, graceful drain |
 //! | `generate.rs` | what both generation endpoints share: the request span (parent from `traceparent`), body → params, validate-then-dispatch, streamed and whole response assembly, error bodies |
 //! | [`openai`] | request and response shapes |
 //! | [`completions`] | `POST /v1/completions`: its chunk and response shapes |
 //! | [`chat`] | `POST /v1/chat/completions`: its chunk and response shapes |
 //! | [`sse`] | server-sent-event framing |
 //! | [`error`] | OpenAI-shaped error bodies, status mapping, the [`error::ApiJson`] extractor |
+pub mod auth;
 pub mod chat;
 pub mod completions;
 pub mod error;
 mod generate;
 pub mod openai;
+pub mod serve;
 pub mod sse;
 
 use std::sync::Arc;
@@ -33,12 +37,19 @@ use openai::{ModelEntry, ModelList};
 /// Largest request body: a 1M-token prompt as a JSON token array is about 7 MiB.
 pub const MAX_BODY_BYTES: usize = 32 * 1024 * 1024;
 
-/// The HTTP app over `state`.
+/// The HTTP app over `state`: `/v1/*` behind `state.keys` (when on), `/health` and
+/// `/metrics` open.
 pub fn app(state: Arc<AppState>) -> axum::Router {
-    axum::Router::new()
+    let v1 = axum::Router::new()
         .route("/v1/completions", post(completions::completions))
         .route("/v1/chat/completions", post(chat::chat_completions))
         .route("/v1/models", get(models))
+        .route_layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            auth::require_key,
+        ));
+    axum::Router::new()
+        .merge(v1)
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .fallback(not_found)
@@ -79,6 +90,7 @@ async fn health(State(state): State<Arc<AppState>>) -> Response {
             ),
             param: None,
             code: "no_decode_worker",
+            retry_after: None,
         }
         .into_response();
     }
@@ -96,6 +108,7 @@ async fn not_found(uri: axum::http::Uri) -> Response {
         message: format!("no route for `{}`", uri.path()),
         param: None,
         code: "not_found",
+        retry_after: None,
     }
     .into_response()
 }
