@@ -5,13 +5,17 @@
 //! | [`v1`] | the public `ferry.v1.Inference` service (Generate, Tokenize, ListModels) |
 //! | [`internal`] | worker services (prefill, decode), the registry (registration, heartbeats, load, KV events) and KV-transfer control frames |
 //! | [`ids`] | newtype ids shared by every process |
+//! | [`codec`] | the stubs' codec: prost's, with an undecodable request INVALID_ARGUMENT (not INTERNAL) |
+//! | [`reflection`] | server reflection v1 + v1alpha routes advertising exactly the services a listener serves, health included |
 //! | [`trace_ctx`] | W3C trace context on HTTP headers, gRPC metadata and the transfer hello |
 //! | [`FILE_DESCRIPTOR_SET`] | the encoded descriptors, for gRPC server reflection |
 //!
 //! Stubs are generated at build time by `tonic-prost-build` with a vendored `protoc`.
 #![forbid(unsafe_code)]
 
+pub mod codec;
 pub mod ids;
+pub mod reflection;
 pub mod trace_ctx;
 
 /// Generated code, nested like the protobuf packages so cross-package references resolve.

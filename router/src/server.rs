@@ -4,7 +4,8 @@
 //! Router::load(config)   check config, load tokenizer + config.json (blocking pool)
 //!   .bind()              bind gRPC and HTTP listeners (port 0 works: read the addresses back)
 //!   .run(shutdown)       serve until `shutdown` is cancelled:
-//!       gRPC: Inference + Registry + grpc.health.v1 (Inference SERVING) + reflection v1
+//!       gRPC: Inference + Registry + grpc.health.v1 (Inference SERVING) + reflection v1 and
+//!             v1alpha advertising Inference and health (ferry_proto::reflection)
 //!       HTTP: the OpenAI-compatible app
 //!       reaper: removes workers that missed their heartbeats
 //!   on shutdown          health NOT_SERVING → stop accepting → drain open requests until the
@@ -146,15 +147,15 @@ impl BoundRouter {
         reporter
             .set_serving::<InferenceServer<InferenceService>>()
             .await;
-        let reflection = tonic_reflection::server::Builder::configure()
-            .register_encoded_file_descriptor_set(ferry_proto::FILE_DESCRIPTOR_SET)
-            .build_v1()?;
+        let reflection = ferry_proto::reflection::routes(&[
+            <InferenceServer<InferenceService> as tonic::server::NamedService>::NAME,
+        ])?;
         let stop_accepting = CancellationToken::new();
         let reaper = state.registry.spawn_reaper(shutdown.child_token());
 
         let grpc_server = tonic::transport::Server::builder()
+            .add_routes(reflection)
             .add_service(health)
-            .add_service(reflection)
             .add_service(InferenceServer::new(InferenceService::new(state.clone())))
             .add_service(RegistryServer::new(RegistryService::new(
                 state.registry.clone(),
