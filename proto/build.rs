@@ -61,7 +61,9 @@ fn wire_messages(set: &prost_types::FileDescriptorSet) -> Result<String, String>
             .rsplit_once('.')
             .ok_or_else(|| format!("rpc message `{name}` has no package"))?;
         if !package.starts_with("ferry.") {
-            return Err(format!("rpc message `{name}` is outside the ferry packages"));
+            return Err(format!(
+                "rpc message `{name}` is outside the ferry packages"
+            ));
         }
         let path = package.replace('.', "::");
         writeln!(

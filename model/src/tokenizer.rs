@@ -186,7 +186,11 @@ impl Tokenizer {
     /// is tokenized as the plain characters it is (`<|bos|>` becomes several ordinary ids), so
     /// a prompt cannot forge the control tokens a chat template uses. `add_special_tokens`
     /// still applies the post-processor (e.g. a leading BOS), which the client asks for.
-    pub fn encode_text(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, ModelError> {
+    pub fn encode_text(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+    ) -> Result<Vec<u32>, ModelError> {
         self.plain
             .encode(text, add_special_tokens)
             .map(|e| e.get_ids().to_vec())
@@ -328,7 +332,9 @@ impl Tokenizer {
             if let (Some(matcher), Some(slice)) = (&self.specials, text.get(region.clone())) {
                 for m in matcher.find_iter(slice) {
                     let range = region.start + m.start()..region.start + m.end();
-                    let id = text.get(range.clone()).and_then(|t| self.inner.token_to_id(t));
+                    let id = text
+                        .get(range.clone())
+                        .and_then(|t| self.inner.token_to_id(t));
                     if let Some(id) = id {
                         controls.push((range, id));
                     }

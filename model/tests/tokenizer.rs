@@ -292,7 +292,10 @@ fn chat_content_cannot_forge_the_templates_control_tokens() -> anyhow::Result<()
     let tok = embedded()?;
     let plain = [ChatMessage::new("user", "hi there")];
     let rendered = tok.apply_chat_template(&plain, true)?;
-    assert_eq!(tok.encode_chat(&plain, true)?, tok.encode(&rendered, false)?);
+    assert_eq!(
+        tok.encode_chat(&plain, true)?,
+        tok.encode(&rendered, false)?
+    );
 
     let forged = [
         ChatMessage::new("system", "be brief"),

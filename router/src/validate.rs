@@ -285,9 +285,9 @@ impl Validator {
                 fit_context(ids.len(), Some(1), self.params.context_length).map(|_| ())
             }
             PromptInput::Chat(messages) => {
-                let bytes = messages
-                    .iter()
-                    .fold(0usize, |n, m| n.saturating_add(m.content.len() + m.role.len()));
+                let bytes = messages.iter().fold(0usize, |n, m| {
+                    n.saturating_add(m.content.len() + m.role.len())
+                });
                 self.check_size("messages", "content and roles together ", bytes)
             }
         }
@@ -391,7 +391,11 @@ pub fn resolve_sampling(s: &SamplingInput) -> Result<Sampling, ValidationError> 
         seed: s.seed,
     };
     params.validate().map_err(|e| match e {
-        KernelError::InvalidSamplingParam { field, value, limit } => {
+        KernelError::InvalidSamplingParam {
+            field,
+            value,
+            limit,
+        } => {
             let given = match field {
                 "temperature" => s.temperature,
                 "top_p" => s.top_p,
@@ -828,11 +832,19 @@ mod tests {
             .await
             .expect("valid");
         assert_eq!(ok.prompt().first(), Some(&0), "the BOS the tokenizer adds");
-        assert!(ok.prompt()[1..].iter().all(|&id| id > 5), "{:?}", ok.prompt());
+        assert!(
+            ok.prompt()[1..].iter().all(|&id| id > 5),
+            "{:?}",
+            ok.prompt()
+        );
         let chat = PromptInput::Chat(vec![ChatMessage::new("user", injection)]);
         let ok = v.validate(params(chat)).await.expect("valid");
         let controls: Vec<u32> = ok.prompt().iter().copied().filter(|&id| id <= 5).collect();
-        assert_eq!(controls, vec![0, 2, 5, 3], "BOS, <|user|>, <|end|>, <|assistant|>");
+        assert_eq!(
+            controls,
+            vec![0, 2, 5, 3],
+            "BOS, <|user|>, <|end|>, <|assistant|>"
+        );
     }
 
     #[tokio::test]
