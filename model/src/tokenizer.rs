@@ -7,6 +7,12 @@
 //! | [`ChatMessage`] | one `{role, content}` turn handed to the template |
 //! | [`DecodeStream`] | turns one id at a time into text, holding back incomplete UTF-8 |
 //!
+//! **Client text never becomes a control token.** [`Tokenizer::encode_text`] tokenizes text
+//! with special tokens split (a typed `<|user|>` is plain characters, several ids), and
+//! [`Tokenizer::encode_chat`] keeps the chat template's control tokens while tokenizing the
+//! messages' content as plain text (see there how). [`Tokenizer::encode`] parses special tokens
+//! and is for trusted text only: a rendered template, the CLI's own prompt.
+//!
 //! Templates render the way transformers renders them (`trim_blocks` and `lstrip_blocks` on;
 //! variables `messages`, `add_generation_prompt`, `bos_token`, `eos_token`; a
 //! `raise_exception(msg)` function; Python string/dict methods such as `.strip()` and
@@ -16,8 +22,10 @@
 //! exists, else from `chat_template` in `tokenizer_config.json`.
 //!
 //! Tokenization is CPU work: callers on an async runtime run it on `spawn_blocking`.
+use std::ops::Range;
 use std::path::Path;
 
+use aho_corasick::{AhoCorasick, MatchKind};
 use minijinja::value::{Kwargs, Value, ValueKind};
 use minijinja::{Environment, ErrorKind};
 use serde::{Deserialize, Serialize};
@@ -33,6 +41,16 @@ pub const TOKENIZER_CONFIG_FILE: &str = "tokenizer_config.json";
 pub const CHAT_TEMPLATE_FILE: &str = "chat_template.jinja";
 
 const TEMPLATE_NAME: &str = "chat_template";
+
+/// How much shorter a normalizer may make text, at most, for [`Tokenizer::max_token_bytes`]:
+/// Unicode composition (NFC/NFKC) turns at most three code points (a Hangul L+V+T jamo
+/// sequence, 9 bytes) into one of 3 bytes.
+const NORMALIZER_SHRINK: usize = 4;
+
+/// Brackets a message's index in the placeholder render of [`Tokenizer::encode_chat`]
+/// (private-use code points, which no template adds or strips).
+const PLACEHOLDER_OPEN: char = '\u{E000}';
+const PLACEHOLDER_CLOSE: char = '\u{E001}';
 
 /// One conversation turn as chat templates see it (`message['role']`, `message['content']`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -56,6 +74,14 @@ impl ChatMessage {
 /// A model's tokenizer and, when it ships one, its chat template.
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
+    /// `inner` with special-token matching off (`encode_special_tokens`): client text goes
+    /// through it, so special-token text in it stays plain text.
+    plain: tokenizers::Tokenizer,
+    /// Finds special tokens' text (leftmost-longest, as `tokenizers` matches added tokens);
+    /// `None` when the vocabulary has none.
+    specials: Option<AhoCorasick>,
+    /// See [`Tokenizer::max_token_bytes`].
+    max_token_bytes: usize,
     /// Compiled template (registered as [`TEMPLATE_NAME`]); `None` when the model has none.
     template: Option<Environment<'static>>,
     bos_token: Option<String>,
@@ -106,8 +132,41 @@ impl Tokenizer {
             template_from_config(&config)
         };
         let template = source.map(compile_template).transpose()?;
+        let mut plain = inner.clone();
+        plain.set_encode_special_tokens(true);
+        let special_texts: Vec<String> = inner
+            .get_added_tokens_decoder()
+            .into_iter()
+            .map(|(_, t)| t)
+            .filter(|t| t.special && !t.content.is_empty())
+            .map(|t| t.content)
+            .collect();
+        let specials = if special_texts.is_empty() {
+            None
+        } else {
+            let matcher = AhoCorasick::builder()
+                .match_kind(MatchKind::LeftmostLongest)
+                .build(&special_texts)
+                .map_err(|e| ModelError::Tokenizer(format!("special-token matcher: {e}")))?;
+            Some(matcher)
+        };
+        let longest = inner
+            .get_vocab(true)
+            .keys()
+            .map(String::len)
+            .max()
+            .unwrap_or(1)
+            .max(1);
+        let max_token_bytes = if inner.get_normalizer().is_some() {
+            longest * NORMALIZER_SHRINK
+        } else {
+            longest
+        };
         Ok(Self {
             inner,
+            plain,
+            specials,
+            max_token_bytes,
             template,
             bos_token,
             eos_token,
@@ -121,6 +180,183 @@ impl Tokenizer {
             .encode(text, add_special_tokens)
             .map(|e| e.get_ids().to_vec())
             .map_err(|e| ModelError::Tokenizer(format!("encode failed: {e}")))
+    }
+
+    /// Token ids of client text: like [`Tokenizer::encode`], but special-token text in `text`
+    /// is tokenized as the plain characters it is (`<|bos|>` becomes several ordinary ids), so
+    /// a prompt cannot forge the control tokens a chat template uses. `add_special_tokens`
+    /// still applies the post-processor (e.g. a leading BOS), which the client asks for.
+    pub fn encode_text(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+    ) -> Result<Vec<u32>, ModelError> {
+        self.plain
+            .encode(text, add_special_tokens)
+            .map(|e| e.get_ids().to_vec())
+            .map_err(|e| ModelError::Tokenizer(format!("encode failed: {e}")))
+    }
+
+    /// The first special token's text found in `text`, if any.
+    pub fn find_special_token<'t>(&self, text: &'t str) -> Option<&'t str> {
+        let m = self.specials.as_ref()?.find(text)?;
+        text.get(m.range())
+    }
+
+    /// At most this many bytes of client text become one token: the longest token string in
+    /// the vocabulary (added tokens included), times [`NORMALIZER_SHRINK`] when the tokenizer
+    /// has a normalizer.
+    ///
+    /// Why it bounds the text one token covers: the tokenizers LLMs ship are lossless (every
+    /// input byte is inside exactly one token's span), and a token's vocabulary string is at
+    /// least as long as the bytes it stands for. Byte-level BPE spells each byte as one char of
+    /// 1–2 UTF-8 bytes (`Ġ` = a space), SentencePiece-style BPE spells a space as `▁` (3 bytes)
+    /// and a fallback byte as `<0x0A>` (6 bytes), an added token matches its own text. So `n`
+    /// tokens cover at most `n × max_token_bytes` bytes, and text longer than
+    /// `context × max_token_bytes` cannot fit a context of `context` tokens: the router
+    /// refuses it before tokenizing. (Not a bound for WordPiece, whose `[UNK]` stands for a
+    /// whole word, nor for normalizers that delete text such as accent stripping; no model
+    /// ferry serves uses either.)
+    pub fn max_token_bytes(&self) -> usize {
+        self.max_token_bytes
+    }
+
+    /// Token ids of `messages` rendered with the chat template: the template's own special
+    /// tokens are control tokens, the messages' content is client text ([`Tokenizer::encode_text`]).
+    ///
+    /// When no content holds special-token text (the usual case) this is exactly
+    /// `encode(apply_chat_template(..), false)`. Otherwise the template is rendered a second
+    /// time with each content replaced by a placeholder, which tells where each content lies
+    /// in the real render; special tokens are then recognised only outside those spans, and
+    /// the text between them is tokenized plainly (whole, so merges across the template/content
+    /// boundary are as in a normal encode). If putting the contents back into the placeholder
+    /// render does not give the real render (the template transforms content, e.g. with
+    /// `.strip()` or `.split()`), the spans are unknown and the request fails
+    /// ([`ModelError::ChatTemplate`]) rather than risk a forged control token. A role holding
+    /// special-token text fails the same way.
+    pub fn encode_chat(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<Vec<u32>, ModelError> {
+        for (i, m) in messages.iter().enumerate() {
+            if let Some(token) = self.find_special_token(&m.role) {
+                return Err(ModelError::ChatTemplate(format!(
+                    "the role of message {i} contains the special token {token:?}"
+                )));
+            }
+        }
+        let rendered = self.apply_chat_template(messages, add_generation_prompt)?;
+        let injected = messages
+            .iter()
+            .enumerate()
+            .find_map(|(i, m)| self.find_special_token(&m.content).map(|t| (i, t)));
+        let Some((index, token)) = injected else {
+            return self.encode(&rendered, false);
+        };
+        let spans = self
+            .content_spans(messages, add_generation_prompt, &rendered)?
+            .ok_or_else(|| {
+                ModelError::ChatTemplate(format!(
+                    "message {index} contains the special token {token:?}, and this model's \
+                     chat template changes message content, so its text cannot be kept apart \
+                     from the template's control tokens; remove the special token"
+                ))
+            })?;
+        self.encode_with_content_spans(&rendered, &spans)
+    }
+
+    /// Where the contents of `messages` lie in `rendered` (sorted byte ranges), from a render
+    /// with placeholders; `None` when the contents do not appear verbatim.
+    fn content_spans(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+        rendered: &str,
+    ) -> Result<Option<Vec<Range<usize>>>, ModelError> {
+        let marked: Vec<ChatMessage> = messages
+            .iter()
+            .enumerate()
+            .map(|(i, m)| {
+                ChatMessage::new(
+                    m.role.clone(),
+                    format!("{PLACEHOLDER_OPEN}{i}{PLACEHOLDER_CLOSE}"),
+                )
+            })
+            .collect();
+        let skeleton = self.apply_chat_template(&marked, add_generation_prompt)?;
+        let mut rebuilt = String::with_capacity(rendered.len());
+        let mut spans = Vec::new();
+        let mut rest = skeleton.as_str();
+        while let Some(open) = rest.find(PLACEHOLDER_OPEN) {
+            let (before, marker) = rest.split_at(open);
+            rebuilt.push_str(before);
+            let body = &marker[PLACEHOLDER_OPEN.len_utf8()..];
+            let parsed = body.find(PLACEHOLDER_CLOSE).and_then(|close| {
+                let index: usize = body.get(..close)?.parse().ok()?;
+                Some((messages.get(index)?, close))
+            });
+            match parsed {
+                Some((message, close)) => {
+                    let start = rebuilt.len();
+                    rebuilt.push_str(&message.content);
+                    spans.push(start..rebuilt.len());
+                    rest = &body[close + PLACEHOLDER_CLOSE.len_utf8()..];
+                }
+                None => {
+                    rebuilt.push(PLACEHOLDER_OPEN);
+                    rest = body;
+                }
+            }
+        }
+        rebuilt.push_str(rest);
+        Ok((rebuilt == rendered).then_some(spans))
+    }
+
+    /// Tokenizes `text` with special tokens recognised only outside `spans` (sorted,
+    /// non-overlapping byte ranges) and everything else tokenized as plain text.
+    fn encode_with_content_spans(
+        &self,
+        text: &str,
+        spans: &[Range<usize>],
+    ) -> Result<Vec<u32>, ModelError> {
+        // Special tokens the template emitted: matches lying wholly in template-owned text.
+        let mut controls: Vec<(Range<usize>, u32)> = Vec::new();
+        let mut owned_start = 0;
+        let owned = spans
+            .iter()
+            .map(|s| (s.start, s.end))
+            .chain(std::iter::once((text.len(), text.len())));
+        for (content_start, content_end) in owned {
+            let region = owned_start..content_start.max(owned_start);
+            if let (Some(matcher), Some(slice)) = (&self.specials, text.get(region.clone())) {
+                for m in matcher.find_iter(slice) {
+                    let range = region.start + m.start()..region.start + m.end();
+                    let id = text
+                        .get(range.clone())
+                        .and_then(|t| self.inner.token_to_id(t));
+                    if let Some(id) = id {
+                        controls.push((range, id));
+                    }
+                }
+            }
+            owned_start = owned_start.max(content_end);
+        }
+        let mut ids = Vec::new();
+        let mut at = 0;
+        for (range, id) in controls {
+            let run = text.get(at..range.start).unwrap_or_default();
+            if !run.is_empty() {
+                ids.extend(self.encode_text(run, false)?);
+            }
+            ids.push(id);
+            at = range.end;
+        }
+        let tail = text.get(at..).unwrap_or_default();
+        if !tail.is_empty() {
+            ids.extend(self.encode_text(tail, false)?);
+        }
+        Ok(ids)
     }
 
     /// Text of `ids`; `skip_special_tokens` drops special tokens such as BOS/EOS.

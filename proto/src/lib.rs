@@ -6,6 +6,8 @@
 //! | [`internal`] | worker services (prefill, decode), the registry (registration, heartbeats, load, KV events) and KV-transfer control frames |
 //! | [`auth`] | the internal plane's cluster token and the tonic interceptors that attach and check it |
 //! | [`ids`] | newtype ids shared by every process |
+//! | [`codec`] | the stubs' codec: prost's, with an undecodable request INVALID_ARGUMENT (not INTERNAL) |
+//! | [`reflection`] | server reflection v1 + v1alpha routes advertising exactly the services a listener serves, health included |
 //! | [`trace_ctx`] | W3C trace context on HTTP headers, gRPC metadata and the transfer hello |
 //! | [`FILE_DESCRIPTOR_SET`] | the encoded descriptors, for gRPC server reflection |
 //!
@@ -13,7 +15,9 @@
 #![forbid(unsafe_code)]
 
 pub mod auth;
+pub mod codec;
 pub mod ids;
+pub mod reflection;
 pub mod trace_ctx;
 
 /// Generated code, nested like the protobuf packages so cross-package references resolve.

@@ -5,7 +5,8 @@
 //!   .bind()              bind the public gRPC and HTTP listeners and the internal one
 //!                        (port 0 works: read the addresses back)
 //!   .run(shutdown)       serve until `shutdown` is cancelled:
-//!       public gRPC:   Inference + grpc.health.v1 (Inference SERVING) + reflection
+//!       public gRPC:   Inference + grpc.health.v1 (Inference SERVING) + reflection v1 and
+//!                      v1alpha advertising Inference and health (ferry_proto::reflection)
 //!       HTTP:          the OpenAI-compatible app, through the accept loop of `http/serve.rs`
 //!                      (header-read and idle timeouts)
 //!       both public:   TLS with `--tls-cert` / `--tls-key` (`tls.rs`); API keys in `AppState`
@@ -180,9 +181,9 @@ impl BoundRouter {
         reporter
             .set_serving::<InferenceServer<InferenceService>>()
             .await;
-        let reflection = tonic_reflection::server::Builder::configure()
-            .register_encoded_file_descriptor_set(ferry_proto::FILE_DESCRIPTOR_SET)
-            .build_v1()?;
+        let reflection = ferry_proto::reflection::routes(&[
+            <InferenceServer<InferenceService> as tonic::server::NamedService>::NAME,
+        ])?;
         let mut grpc_builder = tonic::transport::Server::builder();
         if let Some(tls) = &tls {
             grpc_builder = grpc_builder.tls_config(tls.grpc_config())?;
@@ -191,8 +192,8 @@ impl BoundRouter {
         let reaper = state.registry.spawn_reaper(shutdown.child_token());
 
         let grpc_server = grpc_builder
+            .add_routes(reflection)
             .add_service(health)
-            .add_service(reflection)
             .add_service(InferenceServer::new(InferenceService::new(state.clone())))
             .serve_with_incoming_shutdown(
                 nodelay(TcpListenerStream::new(grpc)),

@@ -16,11 +16,13 @@ use crate::validate::ValidationError;
 /// A prompt as the client gave it.
 #[derive(Debug, Clone, PartialEq)]
 pub enum PromptInput {
-    /// Raw text; the tokenizer adds its special tokens (BOS).
+    /// Raw text; the tokenizer adds its special tokens (BOS). Special-token text inside it
+    /// is plain text (`Tokenizer::encode_text`).
     Text(String),
     /// Token ids, used as given.
     Tokens(Vec<u32>),
-    /// Chat turns, rendered with the chat template and an assistant generation prompt.
+    /// Chat turns, rendered with the chat template and an assistant generation prompt; only
+    /// the template inserts control tokens (`Tokenizer::encode_chat`).
     Chat(Vec<ChatMessage>),
 }
 
@@ -51,8 +53,11 @@ impl TokenizerPool {
     }
 
     /// Tokenizes (or renders and tokenizes) `prompt` and hashes its full blocks, on the
-    /// blocking pool. A chat template failure (e.g. an unknown role) is a validation error on
-    /// `messages`; a tokenizer failure is internal.
+    /// blocking pool. Client text never becomes control tokens: text is tokenized with
+    /// special tokens split, chat content too, and only the chat template's own special
+    /// tokens are kept. A chat template failure (e.g. an unknown role, or special-token text
+    /// in content the template rewrites) is a validation error on `messages`; a tokenizer
+    /// failure is internal.
     pub async fn prepare(
         &self,
         prompt: PromptInput,
@@ -61,22 +66,20 @@ impl TokenizerPool {
         let tokenizer = self.tokenizer.clone();
         blocking(move || {
             let tokens = match prompt {
-                PromptInput::Text(text) => tokenizer.encode(&text, true).map_err(internal)?,
+                PromptInput::Text(text) => tokenizer.encode_text(&text, true).map_err(internal)?,
                 PromptInput::Tokens(ids) => ids,
                 PromptInput::Chat(messages) => {
-                    let text =
-                        tokenizer
-                            .apply_chat_template(&messages, true)
-                            .map_err(|e| match e {
-                                ModelError::ChatTemplate(msg) => {
-                                    RequestError::Invalid(ValidationError::new(
-                                        "messages",
-                                        format!("cannot be rendered: {msg}"),
-                                    ))
-                                }
-                                other => internal(other),
-                            })?;
-                    tokenizer.encode(&text, false).map_err(internal)?
+                    tokenizer
+                        .encode_chat(&messages, true)
+                        .map_err(|e| match e {
+                            ModelError::ChatTemplate(msg) => {
+                                RequestError::Invalid(ValidationError::new(
+                                    "messages",
+                                    format!("cannot be rendered: {msg}"),
+                                ))
+                            }
+                            other => internal(other),
+                        })?
                 }
             };
             let hashes = ferry_model::kv::hash::block_hashes(&tokens, page_size);
@@ -85,7 +88,7 @@ impl TokenizerPool {
         .await
     }
 
-    /// Token ids of `text`, on the blocking pool.
+    /// Token ids of client `text` (special-token text stays plain), on the blocking pool.
     pub async fn encode(
         &self,
         text: String,
@@ -94,7 +97,7 @@ impl TokenizerPool {
         let tokenizer = self.tokenizer.clone();
         blocking(move || {
             tokenizer
-                .encode(&text, add_special_tokens)
+                .encode_text(&text, add_special_tokens)
                 .map_err(internal)
         })
         .await

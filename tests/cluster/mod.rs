@@ -474,6 +474,14 @@ impl Cluster {
             .unwrap_or_else(|| panic!("no worker `{id}`"))
     }
 
+    /// The router process's id (for reading its `/proc/<pid>/status`).
+    pub fn router_pid(&self) -> u32 {
+        self.router
+            .as_ref()
+            .map(|p| p.child.id())
+            .expect("the router is running")
+    }
+
     /// The router's public gRPC address.
     pub fn grpc_addr(&self) -> SocketAddr {
         self.grpc_addr

@@ -43,15 +43,14 @@ pub enum ServeError {
     Config(String),
 }
 
-/// Health and reflection routes; add the worker's service and serve them together. The
-/// reporter marks the worker's service SERVING once it is ready and NOT_SERVING on shutdown.
-pub fn base_routes() -> Result<(HealthReporter, Routes), ServeError> {
+/// Health and reflection (v1 and v1alpha, advertising `service` and health only) routes; add
+/// the worker's service, named `service`, and serve them together. The reporter marks the
+/// worker's service SERVING once it is ready and NOT_SERVING on shutdown.
+pub fn base_routes(service: &str) -> Result<(HealthReporter, Routes), ServeError> {
     let (reporter, health) = tonic_health::server::health_reporter();
-    let reflection = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(ferry_proto::FILE_DESCRIPTOR_SET)
-        .build_v1()
+    let routes = ferry_proto::reflection::routes(&[service])
         .map_err(|e| ServeError::Reflection(e.to_string()))?;
-    Ok((reporter, Routes::new(health).add_service(reflection)))
+    Ok((reporter, routes.add_service(health)))
 }
 
 /// Loads a model and starts its engine, off the async runtime.
@@ -215,7 +214,7 @@ impl WorkerServer {
             + 'static,
         S::Future: Send + 'static,
     {
-        let (health, routes) = base_routes()?;
+        let (health, routes) = base_routes(S::NAME)?;
         let service = InterceptedService::new(service, RequireToken::new(self.token.clone()));
         let served = Served {
             routes: routes.add_service(service),
