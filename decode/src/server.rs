@@ -10,7 +10,9 @@ use ferry_kvtransfer::{TcpTransport, Transport};
 use ferry_proto::internal::decode_worker_server::DecodeWorkerServer;
 use ferry_proto::internal::WorkerRole;
 use ferry_worker::args::WorkerArgs;
+use ferry_worker::registration::PrefillView;
 use ferry_worker::serve::{ServeError, WorkerServer};
+use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::metrics::DecodeMetrics;
@@ -70,7 +72,10 @@ impl DecodeServer {
             .register(region)
             .await
             .map_err(|e| ServeError::Transport(e.to_string()))?;
-        let base = WorkerServer::bind(WorkerRole::Decode, &args.worker).await?;
+        let (view_tx, view_rx) = watch::channel(PrefillView::default());
+        let base = WorkerServer::bind(WorkerRole::Decode, &args.worker)
+            .await?
+            .with_prefill_view(view_tx);
         let decode_metrics = DecodeMetrics::register(base.registry())
             .map_err(|e| ServeError::Metrics(e.to_string()))?;
         let service = DecodeService::new(
@@ -86,7 +91,8 @@ impl DecodeServer {
                 prefill_timeout: Duration::from_secs(args.prefill_timeout_s.max(1)),
             },
             decode_metrics,
-        );
+        )
+        .with_prefill_view(view_rx);
         Ok(Self {
             base,
             service,

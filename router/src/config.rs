@@ -123,6 +123,13 @@ pub struct RouterConfig {
     /// (HTTP) instead of queueing (Mooncake's early rejection). Unset: never.
     #[arg(long, env = "FERRY_ROUTER_TTFT_SLO_MS")]
     pub ttft_slo_ms: Option<u64>,
+
+    /// Request migration: when a decode worker fails mid-stream (broken connection,
+    /// UNAVAILABLE, a stream that ends without a finish reason), resume the request on another
+    /// decode worker with the prompt and the tokens already streamed, at most this many times
+    /// per request; the client's stream continues without an error. 0 turns it off.
+    #[arg(long, env = "FERRY_ROUTER_MAX_MIGRATIONS", default_value_t = 3)]
+    pub max_migrations: u32,
 }
 
 impl Default for RouterConfig {
@@ -138,6 +145,7 @@ impl Default for RouterConfig {
             max_concurrent_requests: 256,
             drain_timeout_ms: 5000,
             ttft_slo_ms: None,
+            max_migrations: 3,
         }
     }
 }

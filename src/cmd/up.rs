@@ -4,6 +4,14 @@
 //! Children are this same binary. Each child's stdin is a pipe held by `ferry up`: closing it
 //! (on Ctrl-C or SIGTERM, or because `ferry up` died) makes the child shut down cleanly, so no
 //! process outlives the cluster.
+//!
+//! `ferry up` supervises: a child that exits after start-up is logged (name, exit status) and
+//! started again after a backoff ([`Backoff`]: 0.5 s doubling to 10 s, back to 0.5 s once a
+//! child has stayed up for 30 s), while the others keep serving. Each child's command line is
+//! built once ([`ChildSpec`]) and reused for every restart, so a restarted worker comes back
+//! with the same id, gRPC address and metrics address (its gRPC port is picked here, once),
+//! and a restarted router on the same addresses; workers re-register with the router on their
+//! own. Only Ctrl-C / SIGTERM stops the cluster: workers first, the router last.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -11,6 +19,7 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
+use std::process::ExitStatus;
 use clap::Args;
 use ferry_decode::spec::SpecArgs;
 use ferry_router::config::PolicyKind;
@@ -55,6 +64,10 @@ pub struct UpArgs {
     /// Seconds to wait for the cluster to become ready.
     #[arg(long, default_value_t = 60)]
     pub ready_timeout_s: u64,
+    /// Times a request whose decode worker fails mid-stream is resumed on another one (the
+    /// router's `--max-migrations`; 0: never).
+    #[arg(long, default_value_t = 3)]
+    pub max_migrations: u32,
     /// Speculative decoding on the decode workers (the prefill workers then ship the drafter's
     /// context with the KV).
     #[command(flatten)]
@@ -66,9 +79,140 @@ pub struct UpArgs {
     pub device: DeviceArgs,
 }
 
-struct Proc {
+/// How one child is started: built once, reused for every restart.
+#[derive(Debug, Clone)]
+struct ChildSpec {
     name: String,
-    child: Child,
+    argv: Vec<String>,
+    /// Extra environment variables (none yet; kept with the argv so a restart reuses them).
+    env: Vec<(String, String)>,
+}
+
+impl ChildSpec {
+    fn new(name: impl Into<String>, argv: Vec<String>) -> Self {
+        Self {
+            name: name.into(),
+            argv,
+            env: Vec::new(),
+        }
+    }
+
+    fn spawn(&self, exe: &PathBuf) -> anyhow::Result<Child> {
+        Command::new(exe)
+            .args(&self.argv)
+            .arg("--exit-on-stdin-close")
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
+            .stdin(Stdio::piped())
+            .stdout(Stdio::inherit())
+            .stderr(Stdio::inherit())
+            .kill_on_drop(true)
+            .spawn()
+            .with_context(|| format!("starting {}", self.name))
+    }
+}
+
+/// Restart delays: `FIRST` doubling to `MAX`; back to `FIRST` once a child stayed up `STABLE`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Backoff {
+    next: Duration,
+}
+
+impl Backoff {
+    const FIRST: Duration = Duration::from_millis(500);
+    const MAX: Duration = Duration::from_secs(10);
+    const STABLE: Duration = Duration::from_secs(30);
+
+    fn new() -> Self {
+        Self { next: Self::FIRST }
+    }
+
+    /// The delay before restarting a child that ran for `uptime`; doubles the next one.
+    fn after(&mut self, uptime: Duration) -> Duration {
+        if uptime >= Self::STABLE {
+            self.next = Self::FIRST;
+        }
+        let delay = self.next;
+        self.next = (self.next * 2).min(Self::MAX);
+        delay
+    }
+}
+
+/// A supervised child: running, or waiting to be restarted.
+struct Proc {
+    spec: ChildSpec,
+    state: ProcState,
+    backoff: Backoff,
+    restarts: u32,
+}
+
+enum ProcState {
+    Running { child: Child, since: Instant },
+    Restarting { at: Instant },
+}
+
+impl Proc {
+    fn start(exe: &PathBuf, spec: ChildSpec) -> anyhow::Result<Self> {
+        let child = spec.spawn(exe)?;
+        Ok(Self {
+            spec,
+            state: ProcState::Running {
+                child,
+                since: Instant::now(),
+            },
+            backoff: Backoff::new(),
+            restarts: 0,
+        })
+    }
+
+    fn name(&self) -> &str {
+        &self.spec.name
+    }
+
+    /// The exit status, if the running child has exited.
+    fn exited(&mut self) -> Option<ExitStatus> {
+        match &mut self.state {
+            ProcState::Running { child, .. } => child.try_wait().ok().flatten(),
+            ProcState::Restarting { .. } => None,
+        }
+    }
+
+    /// One supervision step at `now`: an exited child is logged and scheduled for a restart;
+    /// one whose delay has passed is started again.
+    fn supervise(&mut self, exe: &PathBuf, now: Instant) {
+        match &mut self.state {
+            ProcState::Running { child, since } => {
+                let Ok(Some(status)) = child.try_wait() else {
+                    return;
+                };
+                let delay = self.backoff.after(now.saturating_duration_since(*since));
+                tracing::warn!(
+                    child = %self.spec.name,
+                    %status,
+                    restart_in_ms = delay.as_millis() as u64,
+                    "ferry up: child exited; restarting it"
+                );
+                self.state = ProcState::Restarting { at: now + delay };
+            }
+            ProcState::Restarting { at } if now >= *at => match self.spec.spawn(exe) {
+                Ok(child) => {
+                    self.restarts += 1;
+                    tracing::info!(
+                        child = %self.spec.name,
+                        restarts = self.restarts,
+                        pid = child.id().unwrap_or(0),
+                        "ferry up: child restarted"
+                    );
+                    self.state = ProcState::Running { child, since: now };
+                }
+                Err(e) => {
+                    let delay = self.backoff.after(Duration::ZERO);
+                    tracing::warn!(child = %self.spec.name, error = %e, "ferry up: restart failed; trying again");
+                    self.state = ProcState::Restarting { at: now + delay };
+                }
+            },
+            ProcState::Restarting { .. } => {}
+        }
+    }
 }
 
 /// Runs the cluster until Ctrl-C / SIGTERM.
@@ -86,22 +230,6 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
         .enable_all()
         .build()?
         .block_on(up(args, exe, model, served))
-}
-
-fn spawn(exe: &PathBuf, name: &str, argv: &[String]) -> anyhow::Result<Proc> {
-    let child = Command::new(exe)
-        .args(argv)
-        .arg("--exit-on-stdin-close")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::inherit())
-        .stderr(Stdio::inherit())
-        .kill_on_drop(true)
-        .spawn()
-        .with_context(|| format!("starting {name}"))?;
-    Ok(Proc {
-        name: name.into(),
-        child,
-    })
 }
 
 async fn up(args: UpArgs, exe: PathBuf, model: PathBuf, served: String) -> anyhow::Result<()> {
@@ -123,7 +251,8 @@ async fn up(args: UpArgs, exe: PathBuf, model: PathBuf, served: String) -> anyho
     if let Some(ms) = args.ttft_slo_ms {
         router_argv.extend(["--ttft-slo-ms".to_string(), ms.to_string()]);
     }
-    let mut procs = vec![spawn(&exe, "router", &router_argv)?];
+    router_argv.extend(["--max-migrations".into(), args.max_migrations.to_string()]);
+    let mut procs = vec![Proc::start(&exe, ChildSpec::new("router", router_argv))?];
     let deadline = Instant::now() + Duration::from_secs(args.ready_timeout_s);
     wait_for_port(args.grpc_addr, deadline, &mut procs).await?;
     let common = |role: &str, i: usize| -> Vec<String> {
@@ -141,18 +270,20 @@ async fn up(args: UpArgs, exe: PathBuf, model: PathBuf, served: String) -> anyho
         argv.extend(args.device.to_args());
         argv
     };
-    // Each worker's `/metrics` listens on a port picked here, so it can be printed.
+    // Each worker's `/metrics` and gRPC listen on ports picked here, once: the metrics
+    // address is printed, and a restarted worker comes back at the same addresses.
     let mut metrics = vec![("router".to_string(), args.http_addr)];
     for i in 0..args.prefill_workers {
         let name = format!("prefill-{i}");
         let addr = free_loopback_addr()?;
         let mut argv = common("prefill", i);
         argv.extend(["--metrics-addr".into(), addr.to_string()]);
+        argv.extend(["--grpc-addr".into(), free_loopback_addr()?.to_string()]);
         argv.extend(["--speculative".into(), args.spec.speculative.to_string()]);
         if let Some(d) = &args.spec.drafter {
             argv.extend(["--drafter".into(), d.to_string_lossy().into_owned()]);
         }
-        procs.push(spawn(&exe, &name, &argv)?);
+        procs.push(Proc::start(&exe, ChildSpec::new(name.clone(), argv))?);
         metrics.push((name, addr));
     }
     for i in 0..args.decode_workers {
@@ -165,8 +296,10 @@ async fn up(args: UpArgs, exe: PathBuf, model: PathBuf, served: String) -> anyho
             args.local_prefill_threshold.to_string(),
             "--metrics-addr".into(),
             addr.to_string(),
+            "--grpc-addr".into(),
+            free_loopback_addr()?.to_string(),
         ]);
-        procs.push(spawn(&exe, &name, &argv)?);
+        procs.push(Proc::start(&exe, ChildSpec::new(name.clone(), argv))?);
         metrics.push((name, addr));
     }
     wait_for_health(args.http_addr, deadline, &mut procs).await?;
@@ -200,22 +333,28 @@ async fn up(args: UpArgs, exe: PathBuf, model: PathBuf, served: String) -> anyho
         "  curl http://{}/v1/completions -H 'Content-Type: application/json' \\\n    -d '{{\"model\": \"{served}\", \"prompt\": \"In the beginning God created\", \"max_tokens\": 32, \"temperature\": 0}}'",
         args.http_addr
     );
-    println!("Ctrl-C stops the cluster.");
+    println!("Ctrl-C stops the cluster; a child that exits is restarted.");
 
-    // Run until a signal, or until a child dies (then stop the rest).
-    let died = tokio::select! {
-        _ = shutdown.cancelled() => None,
-        name = first_exit(&mut procs) => Some(name),
-    };
-    if let Some(name) = &died {
-        eprintln!("ferry up: {name} exited; stopping the cluster");
+    // Supervise until a signal: restart whatever exits, with backoff.
+    let mut tick = tokio::time::interval(SUPERVISE_PERIOD);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => break,
+            _ = tick.tick() => {
+                let now = Instant::now();
+                for p in procs.iter_mut() {
+                    p.supervise(&exe, now);
+                }
+            }
+        }
     }
     stop_all(procs).await;
-    match died {
-        Some(name) => bail!("{name} exited unexpectedly"),
-        None => Ok(()),
-    }
+    Ok(())
 }
+
+/// How often children are checked for exits and due restarts.
+const SUPERVISE_PERIOD: Duration = Duration::from_millis(100);
 
 /// A loopback address with a port free right now (the child binds it moments later).
 fn free_loopback_addr() -> anyhow::Result<SocketAddr> {
@@ -223,41 +362,36 @@ fn free_loopback_addr() -> anyhow::Result<SocketAddr> {
     Ok(listener.local_addr()?)
 }
 
-/// Resolves with the name of the first child that exits.
-async fn first_exit(procs: &mut [Proc]) -> String {
-    loop {
-        for p in procs.iter_mut() {
-            if let Ok(Some(_)) = p.child.try_wait() {
-                return p.name.clone();
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-}
-
 /// Closes every child's stdin (workers first, the router last), waits for clean exits, and
 /// kills whatever is still running after the grace period.
 async fn stop_all(mut procs: Vec<Proc>) {
     procs.reverse();
-    for p in procs.iter_mut() {
-        if let Some(mut stdin) = p.child.stdin.take() {
+    let mut running: Vec<(String, Child)> = procs
+        .into_iter()
+        .filter_map(|p| match p.state {
+            ProcState::Running { child, .. } => Some((p.spec.name, child)),
+            ProcState::Restarting { .. } => None,
+        })
+        .collect();
+    for (_, child) in running.iter_mut() {
+        if let Some(mut stdin) = child.stdin.take() {
             let _ = stdin.shutdown().await;
         }
     }
     let deadline = Instant::now() + Duration::from_secs(10);
-    for p in procs.iter_mut() {
+    for (name, child) in running.iter_mut() {
         let left = deadline.saturating_duration_since(Instant::now());
-        if tokio::time::timeout(left, p.child.wait()).await.is_err() {
-            eprintln!("ferry up: {} did not stop in time; killing it", p.name);
-            let _ = p.child.kill().await;
+        if tokio::time::timeout(left, child.wait()).await.is_err() {
+            eprintln!("ferry up: {name} did not stop in time; killing it");
+            let _ = child.kill().await;
         }
     }
 }
 
 fn check_alive(procs: &mut [Proc]) -> anyhow::Result<()> {
     for p in procs.iter_mut() {
-        if let Ok(Some(status)) = p.child.try_wait() {
-            bail!("{} exited during start-up ({status})", p.name);
+        if let Some(status) = p.exited() {
+            bail!("{} exited during start-up ({status})", p.name());
         }
     }
     Ok(())
@@ -305,4 +439,19 @@ async fn health_ok(addr: SocketAddr) -> bool {
     let mut buf = Vec::new();
     let _ = tokio::time::timeout(Duration::from_secs(2), s.read_to_end(&mut buf)).await;
     buf.starts_with(b"HTTP/1.1 200") || buf.starts_with(b"HTTP/1.0 200")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_doubles_to_the_cap_and_resets_after_a_stable_run() {
+        let mut b = Backoff::new();
+        let short = Duration::from_secs(1);
+        let delays: Vec<u64> = (0..7).map(|_| b.after(short).as_millis() as u64).collect();
+        assert_eq!(delays, [500, 1000, 2000, 4000, 8000, 10000, 10000]);
+        assert_eq!(b.after(Backoff::STABLE), Backoff::FIRST, "reset after a stable run");
+        assert_eq!(b.after(short), Duration::from_secs(1));
+    }
 }

@@ -131,6 +131,7 @@ pub struct WorkerServer {
     heartbeat: Duration,
     metrics: WorkerMetrics,
     metrics_listener: MetricsListener,
+    prefill_view: Option<tokio::sync::watch::Sender<registration::PrefillView>>,
 }
 
 impl WorkerServer {
@@ -158,7 +159,20 @@ impl WorkerServer {
             heartbeat: args.heartbeat(),
             metrics,
             metrics_listener,
+            prefill_view: None,
         })
+    }
+
+    /// Publishes the router's list of live prefill workers on `tx` after every heartbeat
+    /// (decode workers use it to give up on remote prefills whose peer was dropped).
+    pub fn with_prefill_view(
+        self,
+        tx: tokio::sync::watch::Sender<registration::PrefillView>,
+    ) -> Self {
+        Self {
+            prefill_view: Some(tx),
+            ..self
+        }
     }
 
     /// This worker's id.
@@ -231,6 +245,7 @@ impl WorkerServer {
                 role: self.role,
                 advertise: self.addr.to_string(),
                 heartbeat: self.heartbeat,
+                prefill_view: self.prefill_view,
             },
             engine.clone(),
             shutdown.clone(),
