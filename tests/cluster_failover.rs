@@ -38,7 +38,10 @@ async fn serving(cluster: &Cluster, ids: &[String]) -> String {
         if busy.len() == 1 {
             return busy.remove(0);
         }
-        assert!(Instant::now() < deadline, "no single busy decode worker: {busy:?}");
+        assert!(
+            Instant::now() < deadline,
+            "no single busy decode worker: {busy:?}"
+        );
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
@@ -127,9 +130,12 @@ async fn a_request_whose_decode_worker_dies_mid_stream_migrates_and_gives_the_sa
 async fn killing_one_of_two_decode_workers_under_load_fails_no_request() {
     // A minute of heartbeat timeout: only a connect error or a broken stream can tell the
     // router that a worker is gone.
-    let mut cluster = Cluster::start(
-        Spec::new(0, 2).router(&["--heartbeat-timeout-ms", "60000", "--policy", "round_robin"]),
-    )
+    let mut cluster = Cluster::start(Spec::new(0, 2).router(&[
+        "--heartbeat-timeout-ms",
+        "60000",
+        "--policy",
+        "round_robin",
+    ]))
     .await;
     let decode = cluster.live(Role::Decode);
     let client = cluster.grpc().await;
@@ -138,7 +144,8 @@ async fn killing_one_of_two_decode_workers_under_load_fails_no_request() {
     let tasks: Vec<_> = (0..N)
         .map(|i| {
             let mut client = client.clone();
-            let req = cluster::greedy_request(&format!("Request {i}: {}", cluster::short_prompt()), MAX);
+            let req =
+                cluster::greedy_request(&format!("Request {i}: {}", cluster::short_prompt()), MAX);
             tokio::spawn(async move { cluster::generate(&mut client, req).await })
         })
         .collect();
@@ -178,7 +185,11 @@ async fn killing_one_of_two_decode_workers_under_load_fails_no_request() {
             .unwrap_or_else(|e| panic!("request {i} right after the kill: {e:?}"));
         assert_eq!(out.token_ids.len(), 4, "request {i}");
     }
-    assert_eq!(cluster.health_counts().await, Some((0, 1)), "the dead worker is not counted");
+    assert_eq!(
+        cluster.health_counts().await,
+        Some((0, 1)),
+        "the dead worker is not counted"
+    );
     let metrics = cluster.router_metrics().await;
     assert!(
         cluster::counter_value(&metrics, "ferry_routing_workers_marked_down_total") >= 2.0,
@@ -194,7 +205,12 @@ async fn requests_waiting_on_a_stopped_prefill_worker_recompute_once_the_router_
     let cluster = Cluster::start(
         Spec::new(1, 1)
             .router(&["--heartbeat-timeout-ms", "1000"])
-            .decode(&["--local-prefill-threshold", "0", "--prefill-timeout-s", "60"]),
+            .decode(&[
+                "--local-prefill-threshold",
+                "0",
+                "--prefill-timeout-s",
+                "60",
+            ]),
     )
     .await;
     let (prefill, decode) = (

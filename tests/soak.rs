@@ -76,7 +76,11 @@ async fn client_loop(
             let out = cluster::generate(&mut client, req)
                 .await
                 .unwrap_or_else(|e| panic!("client {who} request {n}: {e:?}"));
-            assert_eq!(out.token_ids.len(), max as usize, "client {who} request {n}");
+            assert_eq!(
+                out.token_ids.len(),
+                max as usize,
+                "client {who} request {n}"
+            );
             assert_eq!(out.finish_reason, Some(FinishReason::Length));
             counts.completed.fetch_add(1, Ordering::Relaxed);
         }
@@ -115,8 +119,15 @@ async fn sixteen_clients_for_a_minute_fail_nothing_leak_no_blocks_and_plateau_in
         started.elapsed()
     );
     let metrics = cluster.router_metrics().await;
-    for line in metrics.lines().filter(|l| l.starts_with("ferry_request_failure_total{")) {
-        let value: f64 = line.rsplit(' ').next().and_then(|v| v.parse().ok()).unwrap_or(0.0);
+    for line in metrics
+        .lines()
+        .filter(|l| l.starts_with("ferry_request_failure_total{"))
+    {
+        let value: f64 = line
+            .rsplit(' ')
+            .next()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0.0);
         if !line.contains("kind=\"cancelled\"") {
             assert_eq!(value, 0.0, "the router counted failures: {line}");
         }
@@ -130,5 +141,8 @@ async fn sixteen_clients_for_a_minute_fail_nothing_leak_no_blocks_and_plateau_in
             "{name} grew by {growth} KiB (limit {RSS_GROWTH_LIMIT_KIB} KiB): {before} → {after}"
         );
     }
-    assert!(completed > 0 && cancelled > 0, "the soak ran requests of both kinds");
+    assert!(
+        completed > 0 && cancelled > 0,
+        "the soak ran requests of both kinds"
+    );
 }

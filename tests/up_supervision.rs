@@ -190,7 +190,9 @@ impl Up {
         }
     }
 
-    async fn grpc(&self) -> ferry_proto::v1::inference_client::InferenceClient<tonic::transport::Channel> {
+    async fn grpc(
+        &self,
+    ) -> ferry_proto::v1::inference_client::InferenceClient<tonic::transport::Channel> {
         ferry_proto::v1::inference_client::InferenceClient::connect(format!("http://{}", self.grpc))
             .await
             .expect("connect to the router")
@@ -208,7 +210,9 @@ impl Drop for Up {
             }
         }
         for k in self.kids() {
-            let _ = Command::new("kill").args(["-KILL", &k.pid.to_string()]).status();
+            let _ = Command::new("kill")
+                .args(["-KILL", &k.pid.to_string()])
+                .status();
         }
         let _ = self.child.kill();
         let _ = self.child.wait();
@@ -217,12 +221,7 @@ impl Drop for Up {
 
 /// Runs `n` greedy requests at once (long prompts when `long`, so they need a prefill) and
 /// asserts every one completes; `during` runs once they are all in flight.
-async fn under_load<F: std::future::Future<Output = ()>>(
-    up: &Up,
-    n: usize,
-    long: bool,
-    during: F,
-) {
+async fn under_load<F: std::future::Future<Output = ()>>(up: &Up, n: usize, long: bool, during: F) {
     const MAX: u32 = 48;
     let client = up.grpc().await;
     let tasks: Vec<_> = (0..n)
@@ -302,14 +301,24 @@ async fn ferry_up_restarts_a_killed_worker_or_router_and_keeps_serving() {
     let deadline = Instant::now() + Duration::from_secs(30);
     let mut client = up.grpc().await;
     loop {
-        cluster::generate(&mut client, cluster::greedy_request(&cluster::short_prompt(), 4))
+        cluster::generate(
+            &mut client,
+            cluster::greedy_request(&cluster::short_prompt(), 4),
+        )
+        .await
+        .expect("a request after the restart");
+        let s = stats
+            .get_stats(GetStatsRequest {})
             .await
-            .expect("a request after the restart");
-        let s = stats.get_stats(GetStatsRequest {}).await.expect("GetStats").into_inner();
+            .expect("GetStats")
+            .into_inner();
         if s.requests_finished > 0 {
             break;
         }
-        assert!(Instant::now() < deadline, "the restarted decode-0 got no request");
+        assert!(
+            Instant::now() < deadline,
+            "the restarted decode-0 got no request"
+        );
     }
 
     // The prefill worker, while requests need it: they recompute on the decode workers.
@@ -323,7 +332,10 @@ async fn ferry_up_restarts_a_killed_worker_or_router_and_keeps_serving() {
     .await;
     up.wait_restarted(&victim, |k| k.role == "prefill").await;
     up.wait_health((1, 2), RESTART_TIMEOUT).await;
-    eprintln!("prefill-0: SIGKILL → back in /health after {:?}", started.elapsed());
+    eprintln!(
+        "prefill-0: SIGKILL → back in /health after {:?}",
+        started.elapsed()
+    );
 
     // The router: workers re-register with the new one, on the same addresses.
     let victim = up.kid(|k| k.role == "router").expect("the router runs");
@@ -331,16 +343,23 @@ async fn ferry_up_restarts_a_killed_worker_or_router_and_keeps_serving() {
     let killed = Instant::now();
     up.wait_restarted(&victim, |k| k.role == "router").await;
     up.wait_health((1, 2), RESTART_TIMEOUT).await;
-    eprintln!("router: SIGKILL → all workers registered again after {:?}", killed.elapsed());
+    eprintln!(
+        "router: SIGKILL → all workers registered again after {:?}",
+        killed.elapsed()
+    );
     let mut client = up.grpc().await;
-    cluster::generate(&mut client, cluster::greedy_request(&cluster::short_prompt(), 4))
-        .await
-        .expect("a request through the restarted router");
+    cluster::generate(
+        &mut client,
+        cluster::greedy_request(&cluster::short_prompt(), 4),
+    )
+    .await
+    .expect("a request through the restarted router");
 
     let log = up.log_text();
     for name in ["decode-0", "prefill-0", "router"] {
         assert!(
-            log.lines().any(|l| l.contains("child exited") && l.contains(name)),
+            log.lines()
+                .any(|l| l.contains("child exited") && l.contains(name)),
             "ferry up logs {name}'s exit:\n{log}"
         );
     }
@@ -353,13 +372,21 @@ async fn ferry_up_restarts_a_killed_worker_or_router_and_keeps_serving() {
         if let Some(status) = up.child.try_wait().expect("wait on ferry up") {
             break status;
         }
-        assert!(Instant::now() < deadline, "ferry up did not stop on SIGTERM");
+        assert!(
+            Instant::now() < deadline,
+            "ferry up did not stop on SIGTERM"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
-    assert!(status.success(), "ferry up exits 0 on SIGTERM: {status}\n{}", up.log_text());
+    assert!(
+        status.success(),
+        "ferry up exits 0 on SIGTERM: {status}\n{}",
+        up.log_text()
+    );
     for k in kids {
         assert!(
-            !std::path::Path::new(&format!("/proc/{}", k.pid)).exists() || ppid(k.pid) != Some(up.child.id()),
+            !std::path::Path::new(&format!("/proc/{}", k.pid)).exists()
+                || ppid(k.pid) != Some(up.child.id()),
             "{k:?} outlived ferry up"
         );
     }

@@ -419,7 +419,8 @@ struct Run {
 /// The worker stream a request is reading now.
 struct Current {
     worker: DecodeTarget,
-    guard: crate::load::LoadGuard,
+    /// The request's predicted load on this worker, released when the request moves on.
+    _guard: crate::load::LoadGuard,
     rest: Streaming<internal::DecodeResponse>,
 }
 
@@ -433,7 +434,7 @@ impl Current {
         guard.prefill_done();
         let current = Self {
             worker: selection.decode,
-            guard,
+            _guard: guard,
             rest: opened.rest,
         };
         (current, opened.first)
@@ -555,7 +556,12 @@ impl Run {
         );
         let attempt = self
             .inner
-            .attempts(&self.req, Some(generated), &mut self.excluded, &self.request_span)
+            .attempts(
+                &self.req,
+                Some(generated),
+                &mut self.excluded,
+                &self.request_span,
+            )
             .await
             .map_err(|e| match e {
                 RequestError::NoDecodeWorker => failed,
@@ -642,5 +648,33 @@ fn finish_reason(
             code: Code::Internal,
             message: format!("unknown finish_reason {raw}"),
         }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_transport_failures_and_unavailable_are_resumed_and_only_transport_marks_down() {
+        let refused = Status::from_error(Box::new(std::io::Error::new(
+            std::io::ErrorKind::ConnectionRefused,
+            "tcp connect error",
+        )));
+        assert!(transport_failure(&refused), "raised here: {refused:?}");
+        let sent = |code| Fault::Status(Status::new(code, "from the worker"));
+        for (fault, resumable, transport) in [
+            (Fault::Status(refused), true, true),
+            (sent(Code::Unavailable), true, false),
+            (Fault::Ended, true, false),
+            (sent(Code::InvalidArgument), false, false),
+            (sent(Code::ResourceExhausted), false, false),
+            (sent(Code::Internal), false, false),
+            (Fault::Drain, false, false),
+        ] {
+            let e = fault.error(&ferry_proto::ids::WorkerId::from("d0"));
+            assert_eq!(fault.resumable(), resumable, "{e}");
+            assert_eq!(fault.transport(), transport, "{e}");
+        }
     }
 }

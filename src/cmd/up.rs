@@ -19,12 +19,12 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use std::process::ExitStatus;
 use clap::Args;
 use ferry_decode::spec::SpecArgs;
 use ferry_router::config::PolicyKind;
 use ferry_worker::args::DeviceArgs;
 use ferry_worker::shutdown::shutdown_token;
+use std::process::ExitStatus;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::process::{Child, Command};
 
@@ -273,12 +273,15 @@ async fn up(args: UpArgs, exe: PathBuf, model: PathBuf, served: String) -> anyho
     // Each worker's `/metrics` and gRPC listen on ports picked here, once: the metrics
     // address is printed, and a restarted worker comes back at the same addresses.
     let mut metrics = vec![("router".to_string(), args.http_addr)];
+    let mut ports =
+        free_loopback_addrs(2 * (args.prefill_workers + args.decode_workers))?.into_iter();
+    let mut port = move || ports.next().context("a free port per listener");
     for i in 0..args.prefill_workers {
         let name = format!("prefill-{i}");
-        let addr = free_loopback_addr()?;
+        let addr = port()?;
         let mut argv = common("prefill", i);
         argv.extend(["--metrics-addr".into(), addr.to_string()]);
-        argv.extend(["--grpc-addr".into(), free_loopback_addr()?.to_string()]);
+        argv.extend(["--grpc-addr".into(), port()?.to_string()]);
         argv.extend(["--speculative".into(), args.spec.speculative.to_string()]);
         if let Some(d) = &args.spec.drafter {
             argv.extend(["--drafter".into(), d.to_string_lossy().into_owned()]);
@@ -288,7 +291,7 @@ async fn up(args: UpArgs, exe: PathBuf, model: PathBuf, served: String) -> anyho
     }
     for i in 0..args.decode_workers {
         let name = format!("decode-{i}");
-        let addr = free_loopback_addr()?;
+        let addr = port()?;
         let mut argv = common("decode", i);
         argv.extend(args.spec.to_args());
         argv.extend([
@@ -297,7 +300,7 @@ async fn up(args: UpArgs, exe: PathBuf, model: PathBuf, served: String) -> anyho
             "--metrics-addr".into(),
             addr.to_string(),
             "--grpc-addr".into(),
-            free_loopback_addr()?.to_string(),
+            port()?.to_string(),
         ]);
         procs.push(Proc::start(&exe, ChildSpec::new(name.clone(), argv))?);
         metrics.push((name, addr));
@@ -356,10 +359,13 @@ async fn up(args: UpArgs, exe: PathBuf, model: PathBuf, served: String) -> anyho
 /// How often children are checked for exits and due restarts.
 const SUPERVISE_PERIOD: Duration = Duration::from_millis(100);
 
-/// A loopback address with a port free right now (the child binds it moments later).
-fn free_loopback_addr() -> anyhow::Result<SocketAddr> {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").context("picking a free port")?;
-    Ok(listener.local_addr()?)
+/// `n` distinct loopback addresses with ports free right now (all bound at once, then
+/// released: the children bind them moments later).
+fn free_loopback_addrs(n: usize) -> anyhow::Result<Vec<SocketAddr>> {
+    let listeners = (0..n)
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").context("picking a free port"))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    listeners.iter().map(|l| Ok(l.local_addr()?)).collect()
 }
 
 /// Closes every child's stdin (workers first, the router last), waits for clean exits, and
@@ -451,7 +457,11 @@ mod tests {
         let short = Duration::from_secs(1);
         let delays: Vec<u64> = (0..7).map(|_| b.after(short).as_millis() as u64).collect();
         assert_eq!(delays, [500, 1000, 2000, 4000, 8000, 10000, 10000]);
-        assert_eq!(b.after(Backoff::STABLE), Backoff::FIRST, "reset after a stable run");
+        assert_eq!(
+            b.after(Backoff::STABLE),
+            Backoff::FIRST,
+            "reset after a stable run"
+        );
         assert_eq!(b.after(short), Duration::from_secs(1));
     }
 }
