@@ -1,4 +1,10 @@
 //! Asking a prefill peer to fill reserved blocks, and what to do when it cannot.
+//!
+//! The call ends in one of four ways: the peer answers (commit), the call fails, the prefill
+//! timeout passes, or the router reports the peer gone (its heartbeat answers stop listing the
+//! peer's id, [`PrefillView`]); the last three apply the `recompute` / `fail` policy. The
+//! last one is what makes a stalled peer (SIGSTOP, a hung host) cost about one router
+//! heartbeat timeout instead of `--prefill-timeout-s`.
 
 use std::time::{Duration, Instant};
 
@@ -9,6 +15,8 @@ use ferry_proto::auth::AttachToken;
 use ferry_proto::internal::prefill_worker_client::PrefillWorkerClient;
 use ferry_proto::internal::{KvDestination, KvLayout, PrefillRequest, Sampling};
 use ferry_proto::trace_ctx;
+use ferry_worker::registration::PrefillView;
+use tokio::sync::watch;
 use tonic::transport::Channel;
 use tracing::{info_span, warn, Instrument, Span};
 
@@ -21,6 +29,10 @@ pub struct RemotePrefill {
     pub request_id: String,
     /// The peer's gRPC address (host:port).
     pub peer: String,
+    /// The peer's worker id as the router named it (empty: unknown, never reported gone).
+    pub peer_id: String,
+    /// The router's live prefill workers, updated each heartbeat.
+    pub view: watch::Receiver<PrefillView>,
     /// The prompt.
     pub prompt: Vec<u32>,
     /// Sampling parameters for the first token.
@@ -58,15 +70,16 @@ pub async fn run(job: RemotePrefill, engine: EngineHandle, id: SeqId, policy: Fa
     trace_ctx::set_attribute(&span, "rpc.service", "ferry.internal.v1.PrefillWorker");
     trace_ctx::set_attribute(&span, "rpc.method", "Prefill");
     let started = Instant::now();
-    let result = tokio::time::timeout(job.timeout, call(&job))
-        .instrument(span.clone())
-        .await;
-    let outcome = match result {
-        Ok(r) => r,
-        Err(_) => Err(format!(
-            "prefill peer {} timed out after {:?}",
-            job.peer, job.timeout
-        )),
+    let call = tokio::time::timeout(job.timeout, call(&job)).instrument(span.clone());
+    let outcome = tokio::select! {
+        result = call => match result {
+            Ok(r) => r,
+            Err(_) => Err(format!(
+                "prefill peer {} timed out after {:?}",
+                job.peer, job.timeout
+            )),
+        },
+        reason = peer_gone(job.view.clone(), &job.peer_id) => Err(reason),
     };
     match &outcome {
         Ok(_) => job
@@ -88,6 +101,23 @@ pub async fn run(job: RemotePrefill, engine: EngineHandle, id: SeqId, policy: Fa
     if sent.is_err() {
         warn!(request_id = %job.request_id, "engine stopped before the remote prefill resolved");
     }
+}
+
+/// Resolves once the router's heartbeat answers say `peer_id` is gone: it is missing from an
+/// answer at least the second one after this call began (the first may have been computed
+/// before the router routed this request). Never resolves for an unnamed peer, or while no
+/// answers come (an older router, or the router itself is down).
+async fn peer_gone(mut view: watch::Receiver<PrefillView>, peer_id: &str) -> String {
+    let start = view.borrow_and_update().answers;
+    if !peer_id.is_empty() {
+        while view.changed().await.is_ok() {
+            let v = view.borrow_and_update();
+            if v.answers >= start + 2 && !v.is_live(peer_id) {
+                return format!("the router dropped prefill peer {peer_id}");
+            }
+        }
+    }
+    std::future::pending().await
 }
 
 async fn call(job: &RemotePrefill) -> Result<u32, String> {

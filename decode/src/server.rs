@@ -11,7 +11,9 @@ use ferry_proto::auth::AttachToken;
 use ferry_proto::internal::decode_worker_server::DecodeWorkerServer;
 use ferry_proto::internal::WorkerRole;
 use ferry_worker::args::WorkerArgs;
+use ferry_worker::registration::PrefillView;
 use ferry_worker::serve::{ServeError, WorkerServer};
+use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::metrics::DecodeMetrics;
@@ -61,7 +63,10 @@ impl DecodeServer {
     /// Loads the model, starts the engine, the transfer listener and binds the gRPC listener.
     pub async fn bind(args: DecodeArgs, model_dir: PathBuf) -> Result<Self, ServeError> {
         let engine = load_engine(model_dir, &args.spec, args.worker.engine_config()).await?;
-        let base = WorkerServer::bind(WorkerRole::Decode, &args.worker).await?;
+        let (view_tx, view_rx) = watch::channel(PrefillView::default());
+        let base = WorkerServer::bind(WorkerRole::Decode, &args.worker)
+            .await?
+            .with_prefill_view(view_tx);
         let token = base.cluster_token().cloned();
         let transport = Arc::new(
             TcpTransport::bind_with_token(args.transfer_addr, token.clone())
@@ -89,7 +94,8 @@ impl DecodeServer {
                 peer_auth: AttachToken::new(token),
             },
             decode_metrics,
-        );
+        )
+        .with_prefill_view(view_rx);
         Ok(Self {
             base,
             service,

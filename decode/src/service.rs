@@ -17,8 +17,9 @@ use ferry_proto::internal::{
 use ferry_proto::trace_ctx;
 use ferry_proto::v1::FinishReason as WireFinish;
 use ferry_worker::args::{sampling, validate_prompt};
+use ferry_worker::registration::PrefillView;
 use futures::Stream;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Code, Request, Response, Status};
 use tracing::{debug, field, info_span, Instrument, Span};
@@ -49,6 +50,7 @@ pub struct DecodeService {
     layout: KvLayoutDesc,
     policy: Arc<DecodePolicy>,
     metrics: DecodeMetrics,
+    prefill_view: watch::Receiver<PrefillView>,
 }
 
 /// Where peers write this worker's KV: its transfer registration and pool layout.
@@ -77,6 +79,16 @@ impl DecodeService {
             layout: target.layout,
             policy: Arc::new(policy),
             metrics,
+            prefill_view: watch::channel(PrefillView::default()).1,
+        }
+    }
+
+    /// Gives up on remote prefills whose peer the router stops listing in `view` (see
+    /// [`remote_prefill`]); without it only the call's failure or timeout does.
+    pub fn with_prefill_view(self, view: watch::Receiver<PrefillView>) -> Self {
+        Self {
+            prefill_view: view,
+            ..self
         }
     }
 
@@ -133,6 +145,7 @@ impl DecodeWorker for DecodeService {
             engine: self.engine.clone(),
             request: r,
             peer,
+            prefill_view: self.prefill_view.clone(),
             registration: self.registration.clone(),
             layout: self.layout,
             policy: self.policy.clone(),
@@ -158,8 +171,8 @@ impl DecodeWorker for DecodeService {
 
 impl DecodeService {
     /// Validates `r` and submits it to the engine (in the request's span, which the engine
-    /// keeps); returns the generation and the prefill peer's address, if any.
-    fn submit(&self, r: &DecodeRequest) -> Result<(Generation, Option<String>), Status> {
+    /// keeps); returns the generation and the prefill peer, if any.
+    fn submit(&self, r: &DecodeRequest) -> Result<(Generation, Option<Peer>), Status> {
         let stop = r
             .stop
             .as_ref()
@@ -170,13 +183,29 @@ impl DecodeService {
             ));
         }
         let max_tokens = stop.max_tokens as usize;
-        validate_prompt(self.engine.model_config(), &r.prompt_tokens, max_tokens)?;
+        let resumed = r.generated_tokens as usize;
+        if resumed >= max_tokens || resumed >= r.prompt_tokens.len() {
+            return Err(Status::invalid_argument(format!(
+                "`generated_tokens` must be < `stop.max_tokens` ({max_tokens}) and < the prompt \
+                 length ({}), got {resumed}",
+                r.prompt_tokens.len()
+            )));
+        }
+        validate_prompt(
+            self.engine.model_config(),
+            &r.prompt_tokens,
+            max_tokens - resumed,
+        )?;
         let params = sampling(r.sampling.as_ref())?;
+        // A resumed request prefills here: a peer would draw its first token at step 0.
         let peer = r
             .prefill_peer
             .as_ref()
-            .filter(|p| !p.grpc_address.is_empty())
-            .map(|p| p.grpc_address.clone());
+            .filter(|p| !p.grpc_address.is_empty() && resumed == 0)
+            .map(|p| Peer {
+                id: p.worker_id.clone(),
+                address: p.grpc_address.clone(),
+            });
         let prefill = match peer {
             Some(_) => PrefillSource::Remote {
                 local_threshold: self.policy.local_prefill_threshold,
@@ -192,6 +221,13 @@ impl DecodeService {
         if let Some(on) = r.speculative {
             trace_ctx::set_attribute(&span, "ferry.spec.requested", on);
         }
+        if resumed > 0 {
+            trace_ctx::set_attribute(
+                &span,
+                "ferry.migration.resumed_tokens",
+                i64::from(r.generated_tokens),
+            );
+        }
         let job = GenerateJob {
             prompt: r.prompt_tokens.clone(),
             sampling: params,
@@ -204,6 +240,7 @@ impl DecodeService {
         // Unset follows this worker: speculation iff it was started with a drafter.
         let options = GenerateOptions {
             speculative: r.speculative,
+            resumed_tokens: resumed,
         };
         let generation = self
             .engine
@@ -213,10 +250,19 @@ impl DecodeService {
     }
 }
 
+/// The prefill worker the router named for a request.
+struct Peer {
+    /// Its worker id (to notice the router dropping it).
+    id: String,
+    /// Its gRPC address, host:port.
+    address: String,
+}
+
 struct Drive {
     engine: EngineHandle,
     request: DecodeRequest,
-    peer: Option<String>,
+    peer: Option<Peer>,
+    prefill_view: watch::Receiver<PrefillView>,
     registration: Registration,
     layout: KvLayoutDesc,
     policy: Arc<DecodePolicy>,
@@ -302,9 +348,16 @@ async fn drive(
                 cached = u32::try_from(cached_tokens).unwrap_or(u32::MAX);
                 mode = "remote";
                 record_prefill(mode, cached);
+                let (peer, peer_id) = ctx
+                    .peer
+                    .as_ref()
+                    .map(|p| (p.address.clone(), p.id.clone()))
+                    .unwrap_or_default();
                 let job = RemotePrefill {
                     request_id: ctx.request.request_id.clone(),
-                    peer: ctx.peer.clone().unwrap_or_default(),
+                    peer,
+                    peer_id,
+                    view: ctx.prefill_view.clone(),
                     prompt: ctx.request.prompt_tokens.clone(),
                     sampling: ctx.request.sampling.unwrap_or_default(),
                     blocks,

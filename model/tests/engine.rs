@@ -232,3 +232,42 @@ async fn a_request_that_cannot_fit_fails_alone() {
     assert_eq!(toks.len(), 3);
     wait_idle(&d).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resumed_request_continues_exactly_where_the_first_run_stopped() {
+    // Request migration: prompt + the first k tokens, `resumed_tokens = k`, must give the
+    // rest of the uninterrupted run, greedy and seeded (the seeded stream of step i depends on
+    // (seed, i) only), with `max_tokens` counting the k tokens.
+    use ferry_kernels::cpu::sample::SamplingParams;
+    use ferry_model::engine::GenerateOptions;
+    let e = engine(128);
+    let (prompt, _) = golden_case(1);
+    let seeded = SamplingParams {
+        temperature: 0.9,
+        top_p: 0.95,
+        seed: Some(11),
+        ..SamplingParams::default()
+    };
+    for (what, sampling) in [("greedy", greedy()), ("seeded", seeded)] {
+        const N: usize = 40;
+        let mut whole = job(prompt.clone(), N, PrefillSource::Local);
+        whole.sampling = sampling.clone();
+        let (want, end) = collect(e.generate(whole).unwrap()).await;
+        assert_eq!(end, Ok(FinishReason::Length), "{what}");
+        assert_eq!(want.len(), N, "{what}");
+        for k in [1, 17, N - 1] {
+            let mut resumed_prompt = prompt.clone();
+            resumed_prompt.extend_from_slice(&want[..k]);
+            let mut rest = job(resumed_prompt, N, PrefillSource::Local);
+            rest.sampling = sampling.clone();
+            let options = GenerateOptions {
+                resumed_tokens: k,
+                ..GenerateOptions::default()
+            };
+            let (got, end) = collect(e.generate_with(rest, options).unwrap()).await;
+            assert_eq!(end, Ok(FinishReason::Length), "{what}, k = {k}");
+            assert_eq!(got, want[k..], "{what}: resumed after {k} tokens");
+        }
+    }
+    wait_idle(&e).await;
+}

@@ -214,6 +214,7 @@ async fn dspark_greedy_output_equals_plain_decoding() {
             job(golden_case(2).0, 32, greedy()),
             GenerateOptions {
                 speculative: Some(false),
+                ..GenerateOptions::default()
             },
         )
         .unwrap();
@@ -347,7 +348,10 @@ async fn an_engine_without_a_drafter_sends_no_speculative_counts() {
         let g = e
             .generate_with(
                 job(golden_case(0).0, 4, greedy()),
-                GenerateOptions { speculative },
+                GenerateOptions {
+                    speculative,
+                    ..GenerateOptions::default()
+                },
             )
             .unwrap();
         let (toks, end, spec) = collect(g).await;

@@ -169,6 +169,12 @@ pub struct RouterConfig {
     /// PEM private key for TLS on both public listeners (with `--tls-cert`).
     #[arg(long, env = "FERRY_ROUTER_TLS_KEY")]
     pub tls_key: Option<PathBuf>,
+    /// Request migration: when a decode worker fails mid-stream (broken connection,
+    /// UNAVAILABLE, a stream that ends without a finish reason), resume the request on another
+    /// decode worker with the prompt and the tokens already streamed, at most this many times
+    /// per request; the client's stream continues without an error. 0 turns it off.
+    #[arg(long, env = "FERRY_ROUTER_MAX_MIGRATIONS", default_value_t = 3)]
+    pub max_migrations: u32,
 }
 
 impl Default for RouterConfig {
@@ -191,6 +197,7 @@ impl Default for RouterConfig {
             http_header_timeout_ms: 10_000,
             tls_cert: None,
             tls_key: None,
+            max_migrations: 3,
         }
     }
 }

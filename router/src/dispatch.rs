@@ -1,15 +1,24 @@
 //! [`Dispatcher`]: admits a [`ValidRequest`], sends it to the chosen decode worker (naming the
-//! prefill peer), retries once elsewhere if that worker fails before the first token, and turns
-//! the worker's token stream into a stream of [`GenerationEvent`]s.
+//! prefill peer), tries other decode workers if that one fails before the first token, resumes
+//! the request elsewhere if it fails mid-stream (migration), and turns the workers' token
+//! streams into one stream of [`GenerationEvent`]s.
 //!
 //! ```text
 //! generate(req)
 //!   admission permit (max_concurrent_requests; none left → RESOURCE_EXHAUSTED)
-//!   attempt 1: Selector.select → D.Decode(prefill_peer = P) → wait for the first message
-//!     fails before any token → attempt 2 on another decode worker (D excluded)
+//!   attempt: Selector.select → D.Decode(prefill_peer = P) → wait for the first message
+//!     fails before any token → next attempt on another decode worker (each at most once,
+//!     MAX_ATTEMPTS in all); a transport failure also marks D down in the registry
 //!   stream: first message, then each next one → OutputState (detokenize, stop strings)
 //!     finish / stop string / error → end; the worker stream is dropped (cancels on D)
+//!     D fails mid-stream (broken connection, UNAVAILABLE, no finish) → migration: attempts
+//!       as above with prompt + tokens streamed so far, generated_tokens = their count,
+//!       prefilled on the new worker; at most max_migrations times; OutputState carries on
 //! ```
+//!
+//! A migrated greedy or seeded request gives exactly the tokens it would have given on one
+//! worker: the new worker's engine resumes at step `generated_tokens`, and seeded sampling
+//! draws step `k` from a generator derived from `(seed, k)` alone.
 //!
 //! Ownership does the cleanup: the returned stream owns the admission permit, the
 //! [`LoadGuard`](crate::load::LoadGuard) and the worker stream, so a finished, failed or
@@ -18,7 +27,8 @@
 //!
 //! Called inside the request's span: each attempt gets a `route` span (the decision) and a
 //! `dispatch` client span whose context travels to the decode worker in the call's metadata.
-//! The stream records the request's latencies, tokens and outcome ([`RouterMetrics`]).
+//! The stream records the request's latencies, tokens and outcome ([`RouterMetrics`]), and
+//! its migrations (`ferry.migrations` on the request span).
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Instant;
@@ -29,18 +39,19 @@ use ferry_proto::{trace_ctx, v1};
 use futures::Stream;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
-use tonic::{Code, Streaming};
+use tonic::{Code, Status, Streaming};
 use tracing::{field, Instrument, Span};
 
 use crate::error::RequestError;
 use crate::metrics::RouterMetrics;
 use crate::output::{FinishReason, GenerationEvent, OutputState, Usage};
-use crate::select::{PrefillTarget, SelectRequest, Selection, Selector};
+use crate::select::{DecodeTarget, PrefillTarget, SelectRequest, Selection, Selector};
 use crate::spans::{self, InSpan};
 use crate::validate::ValidRequest;
 
-/// Attempts per request: the first decode worker and one retry.
-pub const MAX_ATTEMPTS: usize = 2;
+/// Decode workers one request (or one migration of it) is offered to before its first
+/// message, at most; each is tried once, so with fewer workers every one is tried.
+pub const MAX_ATTEMPTS: usize = 8;
 
 /// The events of one request; ends after the event with `finish`, or after an error.
 pub type GenerationStream =
@@ -55,6 +66,8 @@ pub struct DispatcherParams {
     pub tokenizer: Arc<Tokenizer>,
     /// Requests in flight at most.
     pub max_concurrent_requests: usize,
+    /// Mid-stream failures one request may be resumed after (0: none).
+    pub max_migrations: u32,
     /// Cancelled when open streams must end (shutdown past the drain deadline).
     pub drain: CancellationToken,
     /// Where request latencies, tokens, outcomes and routing decisions are counted.
@@ -67,6 +80,7 @@ struct Inner {
     tokenizer: Arc<Tokenizer>,
     limiter: Arc<Semaphore>,
     limit: usize,
+    max_migrations: u32,
     drain: CancellationToken,
     metrics: Arc<RouterMetrics>,
 }
@@ -87,8 +101,63 @@ struct Opened {
 struct Attempt {
     selection: Selection,
     opened: Opened,
-    /// Its `dispatch` span, current while the stream runs.
+    /// Its `dispatch` span.
     span: Span,
+}
+
+/// An attempt that failed before the first message.
+struct AttemptError {
+    error: RequestError,
+    /// The failure came from this side's transport (the worker is unreachable).
+    transport: bool,
+}
+
+/// How a worker stream that had opened stopped short of a finish.
+enum Fault {
+    /// The router is shutting down.
+    Drain,
+    /// The worker closed the stream without a finish reason.
+    Ended,
+    /// The call failed: sent by the worker, or raised by the transport.
+    Status(Status),
+}
+
+impl Fault {
+    /// The client-facing error, if the request is not resumed.
+    fn error(&self, worker: &ferry_proto::ids::WorkerId) -> RequestError {
+        match self {
+            Self::Drain => RequestError::ShuttingDown,
+            Self::Ended => RequestError::Worker {
+                worker: worker.clone(),
+                code: Code::Unavailable,
+                message: "the stream ended without a finish reason".into(),
+            },
+            Self::Status(status) => RequestError::worker(worker, status),
+        }
+    }
+
+    /// Whether the worker, not the request, failed, so another worker can carry on: a broken
+    /// connection, UNAVAILABLE or a stream without a finish; not a refusal of the request
+    /// (INVALID_ARGUMENT, RESOURCE_EXHAUSTED), a failed forward (INTERNAL) or the shutdown.
+    fn resumable(&self) -> bool {
+        match self {
+            Self::Drain => false,
+            Self::Ended => true,
+            Self::Status(status) => transport_failure(status) || status.code() == Code::Unavailable,
+        }
+    }
+
+    /// Whether the worker is unreachable (mark it down).
+    fn transport(&self) -> bool {
+        matches!(self, Self::Status(status) if transport_failure(status))
+    }
+}
+
+/// Whether `status` was raised by this side's transport (connect error, reset or closed
+/// connection: tonic keeps the underlying error as its source) rather than sent by the
+/// worker (a status from the worker's trailers has none).
+fn transport_failure(status: &Status) -> bool {
+    std::error::Error::source(status).is_some()
 }
 
 /// Per-request accounting; a request dropped before its end counts as `cancelled`.
@@ -167,6 +236,7 @@ impl Dispatcher {
                 tokenizer: params.tokenizer,
                 limiter: Arc::new(Semaphore::new(params.max_concurrent_requests)),
                 limit: params.max_concurrent_requests,
+                max_migrations: params.max_migrations,
                 drain: params.drain,
                 metrics: params.metrics,
             }),
@@ -183,12 +253,11 @@ impl Dispatcher {
         self.inner.limit - self.inner.limiter.available_permits()
     }
 
-    /// Admits and sends `req`; returns once the decode worker produced its first message.
+    /// Admits and sends `req`; returns once a decode worker produced its first message.
     /// Call it inside the request's span.
     pub async fn generate(&self, req: ValidRequest) -> Result<GenerationStream, RequestError> {
         let request_span = Span::current();
         spans::record_request(&req);
-        let policy = self.inner.selector.policy_kind().as_str();
         let permit = self
             .inner
             .limiter
@@ -198,51 +267,93 @@ impl Dispatcher {
                 limit: self.inner.limit,
             })?;
         let mut excluded = Vec::new();
+        let attempt = self
+            .inner
+            .attempts(&req, None, &mut excluded, &request_span)
+            .await?;
+        let run = Run {
+            inner: self.inner.clone(),
+            req,
+            excluded,
+            request_span,
+        };
+        Ok(run.stream(attempt, permit))
+    }
+}
+
+impl Inner {
+    /// Offers `req` to decode workers until one produces a first message: each at most once,
+    /// [`MAX_ATTEMPTS`] in all, skipping `excluded` (to which each failed worker is added).
+    /// `resume` is `Some(tokens streamed so far)` for a migration. INVALID_ARGUMENT is
+    /// final; a transport failure also marks the worker down.
+    async fn attempts(
+        &self,
+        req: &ValidRequest,
+        resume: Option<&[u32]>,
+        excluded: &mut Vec<ferry_proto::ids::WorkerId>,
+        request_span: &Span,
+    ) -> Result<Attempt, RequestError> {
         let mut last_error = None;
         for attempt in 0..MAX_ATTEMPTS {
             if attempt > 0 {
-                self.inner.metrics.retries.inc();
+                self.metrics.retries.inc();
             }
-            let selection = match self.route(&req, &excluded, policy, attempt) {
+            let selection = match self.route(req, excluded, attempt, resume.is_some()) {
                 Ok(s) => s,
                 Err(e) => return Err(last_error.unwrap_or(e)),
             };
             let dispatch = tracing::info_span!(
+                parent: request_span,
                 "dispatch",
                 otel.kind = "client",
                 worker = %selection.decode.id,
                 attempt = spans::int(attempt),
+                resumed_tokens = spans::int(resume.map_or(0, <[u32]>::len)),
             );
             trace_ctx::set_attribute(&dispatch, "rpc.system", "grpc");
             trace_ctx::set_attribute(&dispatch, "rpc.service", "ferry.internal.v1.DecodeWorker");
             trace_ctx::set_attribute(&dispatch, "rpc.method", "Decode");
-            let wire = decode_request(&req, selection.prefill.as_ref());
+            let wire = decode_request(req, selection.prefill.as_ref(), resume.unwrap_or(&[]));
             match open(&selection, wire).instrument(dispatch.clone()).await {
                 Ok(opened) => {
-                    let attempt = Attempt {
+                    return Ok(Attempt {
                         selection,
                         opened,
                         span: dispatch,
-                    };
-                    return Ok(self.stream(&req, attempt, permit, request_span));
+                    })
                 }
-                Err(e) if e.code() == Code::InvalidArgument => {
-                    spans::mark_failed(&dispatch, &e);
-                    return Err(e);
+                Err(f) if f.error.code() == Code::InvalidArgument => {
+                    spans::mark_failed(&dispatch, &f.error);
+                    return Err(f.error);
                 }
-                Err(e) => {
-                    spans::mark_failed(&dispatch, &e);
+                Err(f) => {
+                    spans::mark_failed(&dispatch, &f.error);
                     tracing::warn!(
                         worker = %selection.decode.id,
-                        error = %e,
+                        error = %f.error,
                         "decode worker failed before the first token"
                     );
+                    if f.transport {
+                        self.mark_down(&selection.decode);
+                    }
                     excluded.push(selection.decode.id.clone());
-                    last_error = Some(e);
+                    last_error = Some(f.error);
                 }
             }
         }
         Err(last_error.unwrap_or(RequestError::NoDecodeWorker))
+    }
+
+    /// Drops an unreachable decode worker from routing until it registers again.
+    fn mark_down(&self, worker: &DecodeTarget) {
+        if self
+            .selector
+            .registry()
+            .mark_down(&worker.id, &worker.grpc_address)
+        {
+            self.metrics.marked_down.inc();
+            tracing::warn!(worker = %worker.id, "decode worker unreachable; marked down until it registers again");
+        }
     }
 
     /// One selection, in a `route` span recording the decision; counts it.
@@ -250,9 +361,10 @@ impl Dispatcher {
         &self,
         req: &ValidRequest,
         excluded: &[ferry_proto::ids::WorkerId],
-        policy: &'static str,
         attempt: usize,
+        prefill_here: bool,
     ) -> Result<Selection, RequestError> {
+        let policy = self.selector.policy_kind().as_str();
         let span = tracing::info_span!(
             "route",
             policy,
@@ -263,12 +375,12 @@ impl Dispatcher {
         );
         let _entered = span.enter();
         let selection = self
-            .inner
             .selector
             .select(&SelectRequest {
                 hashes: req.block_hashes(),
                 prompt_tokens: req.prompt().len(),
                 exclude: excluded,
+                prefill_here,
             })
             .inspect_err(|e| spans::mark_failed(&span, e))?;
         let decode = selection.decode.id.0.as_str();
@@ -285,7 +397,7 @@ impl Dispatcher {
             "ferry.routing.prompt_blocks",
             i64::try_from(req.block_hashes().len()).unwrap_or(i64::MAX),
         );
-        let m = &self.inner.metrics;
+        let m = &self.metrics;
         m.routing
             .with_label_values(&[policy, prefill, decode])
             .inc();
@@ -293,57 +405,103 @@ impl Dispatcher {
         tracing::debug!(decode, prefill, cached_blocks = cached, "selected");
         Ok(selection)
     }
+}
 
-    fn stream(
-        &self,
-        req: &ValidRequest,
-        attempt: Attempt,
-        permit: OwnedSemaphorePermit,
-        request_span: Span,
-    ) -> GenerationStream {
+/// One admitted request after its first message: what a migration needs to resume it.
+struct Run {
+    inner: Arc<Inner>,
+    req: ValidRequest,
+    /// Decode workers that failed this request.
+    excluded: Vec<ferry_proto::ids::WorkerId>,
+    request_span: Span,
+}
+
+/// The worker stream a request is reading now.
+struct Current {
+    worker: DecodeTarget,
+    /// The request's predicted load on this worker, released when the request moves on.
+    _guard: crate::load::LoadGuard,
+    rest: Streaming<internal::DecodeResponse>,
+}
+
+impl Current {
+    /// Takes over an opened attempt; returns it with the attempt's first message.
+    fn from_attempt(attempt: Attempt) -> (Self, internal::DecodeResponse) {
         let Attempt {
-            selection,
-            opened,
-            span,
+            selection, opened, ..
         } = attempt;
-        let mut output =
-            OutputState::new(self.inner.tokenizer.clone(), req.stop(), req.prompt().len());
-        output.set_cached_prompt_tokens(opened.first.cached_prompt_tokens);
-        let drain = self.inner.drain.clone();
-        let worker = selection.decode.id.clone();
         let mut guard = selection.guard;
-        let Opened { first, mut rest } = opened;
+        guard.prefill_done();
+        let current = Self {
+            worker: selection.decode,
+            _guard: guard,
+            rest: opened.rest,
+        };
+        (current, opened.first)
+    }
+
+    /// The next message, or how the stream stopped short of a finish.
+    async fn next(&mut self, drain: &CancellationToken) -> Result<internal::DecodeResponse, Fault> {
+        tokio::select! {
+            biased;
+            _ = drain.cancelled() => Err(Fault::Drain),
+            r = self.rest.message() => match r {
+                Ok(Some(message)) => Ok(message),
+                Ok(None) => Err(Fault::Ended),
+                Err(status) => Err(Fault::Status(status)),
+            },
+        }
+    }
+}
+
+impl Run {
+    fn stream(mut self, attempt: Attempt, permit: OwnedSemaphorePermit) -> GenerationStream {
+        let span = attempt.span.clone();
+        let mut output = OutputState::new(
+            self.inner.tokenizer.clone(),
+            self.req.stop(),
+            self.req.prompt().len(),
+        );
+        output.set_cached_prompt_tokens(attempt.opened.first.cached_prompt_tokens);
+        let drain = self.inner.drain.clone();
         let mut accounting = Accounting {
             metrics: self.inner.metrics.clone(),
-            request: request_span,
-            received: req.received(),
+            request: self.request_span.clone(),
+            received: self.req.received(),
             last_token: None,
             ended: false,
         };
+        let (mut current, first) = Current::from_attempt(attempt);
         let stream = Box::pin(async_stream::stream! {
             let _permit = permit;
-            guard.prefill_done();
+            let mut generated: Vec<u32> = Vec::new();
+            let mut migrations = 0u32;
             let mut next = Some(first);
             loop {
                 let received = match next.take() {
                     Some(message) => Ok(message),
-                    None => tokio::select! {
-                        biased;
-                        _ = drain.cancelled() => Err(RequestError::ShuttingDown),
-                        r = rest.message() => match r {
-                            Ok(Some(message)) => Ok(message),
-                            Ok(None) => Err(RequestError::Worker {
-                                worker: worker.clone(),
-                                code: Code::Unavailable,
-                                message: "the stream ended without a finish reason".into(),
-                            }),
-                            Err(status) => Err(RequestError::worker(&worker, &status)),
-                        },
-                    },
+                    None => current.next(&drain).await,
                 };
-                let event = received
-                    .and_then(|m| finish_reason(&worker, m.finish_reason).map(|f| (m, f)))
-                    .and_then(|(m, finish)| output.on_tokens(&m.token_ids, finish));
+                let event = match received {
+                    Ok(m) => finish_reason(&current.worker.id, m.finish_reason)
+                        .and_then(|finish| {
+                            generated.extend_from_slice(&m.token_ids);
+                            output.on_tokens(&m.token_ids, finish)
+                        }),
+                    Err(fault) if fault.resumable() && migrations < self.inner.max_migrations => {
+                        migrations += 1;
+                        match self.migrate(&mut current, &fault, &generated, migrations).await {
+                            Ok(Some(first)) => {
+                                next = Some(first);
+                                continue;
+                            }
+                            // Every token was streamed; only the finish was lost.
+                            Ok(None) => output.on_tokens(&[], Some(FinishReason::Length)),
+                            Err(e) => Err(e),
+                        }
+                    }
+                    Err(fault) => Err(fault.error(&current.worker.id)),
+                };
                 match event {
                     Ok(event) => {
                         accounting.tokens(event.token_ids.len());
@@ -363,9 +521,55 @@ impl Dispatcher {
                     }
                 }
             }
-            drop(guard);
+            drop(current);
         });
         Box::pin(InSpan::new(stream, span))
+    }
+
+    /// Resumes the request on another decode worker after `fault` on the current one, with
+    /// the prompt and the `generated` tokens: `Ok(Some(first message))` with `current`
+    /// replaced, `Ok(None)` when all `max_tokens` were already streamed (nothing to resume),
+    /// or the error to end the request with (the fault's, when no worker is left).
+    async fn migrate(
+        &mut self,
+        current: &mut Current,
+        fault: &Fault,
+        generated: &[u32],
+        migration: u32,
+    ) -> Result<Option<internal::DecodeResponse>, RequestError> {
+        let failed = fault.error(&current.worker.id);
+        if fault.transport() {
+            self.inner.mark_down(&current.worker);
+        }
+        self.excluded.push(current.worker.id.clone());
+        if generated.len() >= self.req.max_tokens() as usize {
+            return Ok(None);
+        }
+        self.inner.metrics.migrations.inc();
+        trace_ctx::set_attribute(&self.request_span, "ferry.migrations", i64::from(migration));
+        tracing::warn!(
+            worker = %current.worker.id,
+            error = %failed,
+            streamed_tokens = generated.len(),
+            migration,
+            "decode worker failed mid-stream; resuming the request on another one"
+        );
+        let attempt = self
+            .inner
+            .attempts(
+                &self.req,
+                Some(generated),
+                &mut self.excluded,
+                &self.request_span,
+            )
+            .await
+            .map_err(|e| match e {
+                RequestError::NoDecodeWorker => failed,
+                e => e,
+            })?;
+        let (next, first) = Current::from_attempt(attempt);
+        *current = next;
+        Ok(Some(first))
     }
 }
 
@@ -373,33 +577,43 @@ impl Dispatcher {
 async fn open(
     selection: &Selection,
     request: internal::DecodeRequest,
-) -> Result<Opened, RequestError> {
+) -> Result<Opened, AttemptError> {
     let worker = &selection.decode.id;
+    let failed = |status: Status| AttemptError {
+        error: RequestError::worker(worker, &status),
+        transport: transport_failure(&status),
+    };
     let mut client = selection.decode.decode_client();
     let mut request = tonic::Request::new(request);
     trace_ctx::inject_request(&Span::current(), &mut request);
-    let mut rest = client
-        .decode(request)
-        .await
-        .map_err(|s| RequestError::worker(worker, &s))?
-        .into_inner();
+    let mut rest = client.decode(request).await.map_err(failed)?.into_inner();
     match rest.message().await {
         Ok(Some(first)) => Ok(Opened { first, rest }),
-        Ok(None) => Err(RequestError::Worker {
-            worker: worker.clone(),
-            code: Code::Unavailable,
-            message: "the stream ended before the first token".into(),
+        Ok(None) => Err(AttemptError {
+            error: RequestError::Worker {
+                worker: worker.clone(),
+                code: Code::Unavailable,
+                message: "the stream ended before the first token".into(),
+            },
+            transport: false,
         }),
-        Err(status) => Err(RequestError::worker(worker, &status)),
+        Err(status) => Err(failed(status)),
     }
 }
 
-/// The internal wire form of a validated request.
-fn decode_request(req: &ValidRequest, prefill: Option<&PrefillTarget>) -> internal::DecodeRequest {
+/// The internal wire form of a validated request; `resumed` are the tokens already streamed
+/// (a migration), appended to the prompt.
+fn decode_request(
+    req: &ValidRequest,
+    prefill: Option<&PrefillTarget>,
+    resumed: &[u32],
+) -> internal::DecodeRequest {
     let s = req.sampling();
+    let mut prompt_tokens = req.prompt().to_vec();
+    prompt_tokens.extend_from_slice(resumed);
     internal::DecodeRequest {
         request_id: req.id().0.clone(),
-        prompt_tokens: req.prompt().to_vec(),
+        prompt_tokens,
         sampling: Some(internal::Sampling {
             temperature: s.temperature,
             top_k: s.top_k,
@@ -417,6 +631,7 @@ fn decode_request(req: &ValidRequest, prefill: Option<&PrefillTarget>) -> intern
             grpc_address: p.grpc_address.clone(),
         }),
         speculative: req.speculative(),
+        generated_tokens: u32::try_from(resumed.len()).unwrap_or(u32::MAX),
     }
 }
 
@@ -433,5 +648,33 @@ fn finish_reason(
             code: Code::Internal,
             message: format!("unknown finish_reason {raw}"),
         }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_transport_failures_and_unavailable_are_resumed_and_only_transport_marks_down() {
+        let refused = Status::from_error(Box::new(std::io::Error::new(
+            std::io::ErrorKind::ConnectionRefused,
+            "tcp connect error",
+        )));
+        assert!(transport_failure(&refused), "raised here: {refused:?}");
+        let sent = |code| Fault::Status(Status::new(code, "from the worker"));
+        for (fault, resumable, transport) in [
+            (Fault::Status(refused), true, true),
+            (sent(Code::Unavailable), true, false),
+            (Fault::Ended, true, false),
+            (sent(Code::InvalidArgument), false, false),
+            (sent(Code::ResourceExhausted), false, false),
+            (sent(Code::Internal), false, false),
+            (Fault::Drain, false, false),
+        ] {
+            let e = fault.error(&ferry_proto::ids::WorkerId::from("d0"));
+            assert_eq!(fault.resumable(), resumable, "{e}");
+            assert_eq!(fault.transport(), transport, "{e}");
+        }
     }
 }

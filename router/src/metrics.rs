@@ -15,7 +15,9 @@
 //! | `ferry_prompt_cached_tokens_total` | counter | prompt tokens the decode worker already held, finished requests |
 //! | `ferry_routing_decisions_total{policy,prefill_worker,decode_worker}` | counter | selections (`prefill_worker="none"`: prefilled on the decode worker) |
 //! | `ferry_routing_predicted_cached_blocks` | histogram | prompt blocks the policy expected to be cached on the chosen pair |
-//! | `ferry_routing_retries_total` | counter | requests sent to a second decode worker after the first failed |
+//! | `ferry_routing_retries_total` | counter | attempts sent to another decode worker after one failed before the first token |
+//! | `ferry_request_migrations_total` | counter | requests resumed on another decode worker after theirs failed mid-stream (one per resumption) |
+//! | `ferry_routing_workers_marked_down_total` | counter | decode workers dropped from routing at once after a connect error or a broken stream |
 //! | `ferry_router_requests_in_flight` | gauge | admitted requests not yet finished |
 //! | `ferry_router_workers{worker_role}` | gauge | healthy registered workers by role |
 
@@ -78,8 +80,12 @@ pub struct RouterMetrics {
     pub routing: IntCounterVec,
     /// Predicted cached blocks of each selection.
     pub predicted_cached_blocks: Histogram,
-    /// Second attempts.
+    /// Attempts after a failure before the first token.
     pub retries: IntCounter,
+    /// Resumptions after a mid-stream failure.
+    pub migrations: IntCounter,
+    /// Workers marked down on a transport failure.
+    pub marked_down: IntCounter,
     in_flight: IntGauge,
     workers: IntGaugeVec,
 }
@@ -214,7 +220,17 @@ impl RouterMetrics {
             retries: counter(
                 &r,
                 "ferry_routing_retries_total",
-                "Requests retried on another decode worker after the first failed before its first token",
+                "Attempts sent to another decode worker after one failed before the request's first token",
+            )?,
+            migrations: counter(
+                &r,
+                "ferry_request_migrations_total",
+                "Requests resumed on another decode worker (prompt + tokens already streamed) after theirs failed mid-stream",
+            )?,
+            marked_down: counter(
+                &r,
+                "ferry_routing_workers_marked_down_total",
+                "Decode workers dropped from routing at once after a connect error or a broken stream",
             )?,
             in_flight,
             workers,

@@ -5,6 +5,8 @@
 //!         ──Heartbeat(load)─────►                 ──► Registry.heartbeat
 //!         ──PublishKvEvents─────►                 ──► index.apply (gap → in_sync = false)
 //!  reaper task (spawn_reaper): every timeout/4, removes workers silent for > timeout
+//!  Dispatcher ──► Registry.mark_down (connect error / broken stream): removed at once; its
+//!                 next heartbeat is answered known = false, so a live worker re-registers
 //!  Selector ──► Registry.healthy_workers() (a copy: id, role, load, channel)
 //! ```
 //!
@@ -338,6 +340,41 @@ impl Registry {
         self.inner.index.remove_worker(id);
     }
 
+    /// Marks a worker down at once, on evidence stronger than a missed heartbeat (the router
+    /// could not connect to it, or its connection broke mid-stream): removes it and its index
+    /// entries as the reaper would, so the selector stops offering it and `/health` stops
+    /// counting it. Its next heartbeat is answered `known = false`, so a worker that is in
+    /// fact alive re-registers (with a fresh snapshot) within one heartbeat period. Only the
+    /// registration at `grpc_address` is removed: one made elsewhere meanwhile stays. Returns
+    /// whether a registration was removed.
+    pub fn mark_down(&self, id: &WorkerId, grpc_address: &str) -> bool {
+        let removed = self
+            .inner
+            .workers
+            .remove_if(id, |_, e| e.grpc_address == grpc_address)
+            .is_some();
+        if removed {
+            self.inner.index.remove_worker(id);
+        }
+        removed
+    }
+
+    /// Ids of the healthy workers of `role` at `now`, sorted (decode workers learn the live
+    /// prefill workers from their heartbeat answers).
+    pub fn live_ids(&self, role: Role, now: Instant) -> Vec<String> {
+        let mut ids: Vec<String> = self
+            .inner
+            .workers
+            .iter()
+            .filter(|e| {
+                e.role == role && now.saturating_duration_since(e.last_seen) <= self.inner.timeout
+            })
+            .map(|e| e.key().0.clone())
+            .collect();
+        ids.sort();
+        ids
+    }
+
     /// Removes every worker whose last heartbeat is older than the timeout at `now`; returns
     /// them.
     pub fn reap(&self, now: Instant) -> Vec<WorkerId> {
@@ -506,7 +543,11 @@ impl registry_server::Registry for RegistryService {
         if !known {
             tracing::debug!(worker = %id, "heartbeat from an unknown worker");
         }
-        Ok(Response::new(internal::HeartbeatResponse { known }))
+        let live = self.registry.live_ids(Role::Prefill, Instant::now());
+        Ok(Response::new(internal::HeartbeatResponse {
+            known,
+            live_prefill_workers: Some(internal::LivePrefillWorkers { worker_ids: live }),
+        }))
     }
 
     async fn publish_kv_events(
@@ -593,6 +634,30 @@ mod tests {
             0,
             "index cleared"
         );
+    }
+
+    #[tokio::test]
+    async fn a_worker_marked_down_is_gone_until_it_registers_again() {
+        let r = registry();
+        let t0 = Instant::now();
+        r.register(reg("d0", Role::Decode, &[1]), t0)
+            .expect("valid");
+        r.register(reg("p0", Role::Prefill, &[]), t0)
+            .expect("valid");
+        let d0 = WorkerId::from("d0");
+        assert!(!r.mark_down(&d0, "127.0.0.1:2"), "another address: kept");
+        assert_eq!(r.count(Role::Decode, t0), 1);
+        assert!(r.mark_down(&d0, "127.0.0.1:1"));
+        assert_eq!(r.count(Role::Decode, t0), 0, "not offered, not counted");
+        assert_eq!(r.index().matched_blocks(&d0, &[BlockHash(1)]), 0);
+        assert!(
+            !r.heartbeat(&d0, 7, WorkerLoad::default(), t0),
+            "its heartbeat asks it to register again"
+        );
+        assert_eq!(r.live_ids(Role::Prefill, t0), vec!["p0".to_string()]);
+        r.register(reg("d0", Role::Decode, &[1]), t0)
+            .expect("valid");
+        assert_eq!(r.count(Role::Decode, t0), 1, "back after registering");
     }
 
     #[tokio::test]

@@ -25,6 +25,9 @@ pub struct SelectRequest<'a> {
     pub prompt_tokens: usize,
     /// Decode workers not to use (they already failed this request).
     pub exclude: &'a [WorkerId],
+    /// Prefill on the decode worker, whatever the policy would choose (a migrated request:
+    /// a prefill peer would sample its first token at step 0).
+    pub prefill_here: bool,
 }
 
 /// The chosen decode worker.
@@ -32,6 +35,8 @@ pub struct SelectRequest<'a> {
 pub struct DecodeTarget {
     /// Its id.
     pub id: WorkerId,
+    /// Its gRPC address as registered (to mark exactly this registration down).
+    pub grpc_address: String,
     /// A channel to it.
     pub channel: Channel,
     /// Signs calls to it with the cluster token.
@@ -122,7 +127,12 @@ impl Selector {
                 })
                 .collect()
         };
-        let (prefill, decode) = (candidates(Role::Prefill), candidates(Role::Decode));
+        let prefill = if req.prefill_here {
+            Vec::new()
+        } else {
+            candidates(Role::Prefill)
+        };
+        let decode = candidates(Role::Decode);
         let input = SelectInput {
             prompt_tokens: req.prompt_tokens,
             page_size: self.registry.page_size(),
@@ -172,6 +182,7 @@ impl Selector {
         Ok(Selection {
             decode: DecodeTarget {
                 id: d.id.clone(),
+                grpc_address: d.grpc_address.clone(),
                 channel: d.channel.clone(),
                 auth: d.auth.clone(),
             },
@@ -238,6 +249,7 @@ mod tests {
             hashes: &hashes,
             prompt_tokens: 16,
             exclude: &[],
+            prefill_here: false,
         };
         let s = selector.select(&req).expect("selection");
         assert_eq!(s.prefill.as_ref().map(|p| p.id.0.as_str()), Some("p1"));
@@ -266,6 +278,15 @@ mod tests {
         for w in ["p0", "p1", "d0", "d1"] {
             assert_eq!(pending(w), Default::default(), "{w}: load released");
         }
+
+        let here = selector
+            .select(&SelectRequest {
+                prefill_here: true,
+                ..req
+            })
+            .expect("a decode worker");
+        assert!(here.prefill.is_none(), "prefilled on the decode worker");
+        drop(here);
 
         let both = [WorkerId::from("d0"), WorkerId::from("d1")];
         let none = selector.select(&SelectRequest {

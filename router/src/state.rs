@@ -103,6 +103,7 @@ impl AppState {
                 .with_ttft_slo(config.ttft_slo_ms),
             tokenizer,
             max_concurrent_requests: config.max_concurrent_requests,
+            max_migrations: config.max_migrations,
             drain: drain.clone(),
             metrics: metrics.clone(),
         });

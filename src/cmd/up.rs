@@ -4,6 +4,14 @@
 //! Children are this same binary. Each child's stdin is a pipe held by `ferry up`: closing it
 //! (on Ctrl-C or SIGTERM, or because `ferry up` died) makes the child shut down cleanly, so no
 //! process outlives the cluster.
+//!
+//! `ferry up` supervises: a child that exits after start-up is logged (name, exit status) and
+//! started again after a backoff ([`Backoff`]: 0.5 s doubling to 10 s, back to 0.5 s once a
+//! child has stayed up for 30 s), while the others keep serving. Each child's command line is
+//! built once ([`ChildSpec`]) and reused for every restart, so a restarted worker comes back
+//! with the same id, gRPC address and metrics address (its gRPC port is picked here, once),
+//! and a restarted router on the same addresses; workers re-register with the router on their
+//! own. Only Ctrl-C / SIGTERM stops the cluster: workers first, the router last.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -17,6 +25,7 @@ use ferry_proto::auth::ClusterToken;
 use ferry_router::config::PolicyKind;
 use ferry_worker::args::DeviceArgs;
 use ferry_worker::shutdown::shutdown_token;
+use std::process::ExitStatus;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::process::{Child, Command};
 
@@ -64,6 +73,10 @@ pub struct UpArgs {
     /// Seconds to wait for the cluster to become ready.
     #[arg(long, default_value_t = 60)]
     pub ready_timeout_s: u64,
+    /// Times a request whose decode worker fails mid-stream is resumed on another one (the
+    /// router's `--max-migrations`; 0: never).
+    #[arg(long, default_value_t = 3)]
+    pub max_migrations: u32,
     /// Speculative decoding on the decode workers (the prefill workers then ship the drafter's
     /// context with the KV).
     #[command(flatten)]
@@ -75,9 +88,142 @@ pub struct UpArgs {
     pub device: DeviceArgs,
 }
 
-struct Proc {
+/// How one child is started: built once, reused for every restart.
+#[derive(Debug, Clone)]
+struct ChildSpec {
     name: String,
-    child: Child,
+    argv: Vec<String>,
+    /// Extra environment variables, kept with the argv so a restart reuses them: the cluster
+    /// token travels here, not in argv, which other local users can read.
+    env: Vec<(String, String)>,
+}
+
+impl ChildSpec {
+    fn new(name: impl Into<String>, argv: Vec<String>, token: &ClusterToken) -> Self {
+        Self {
+            name: name.into(),
+            argv,
+            env: vec![("FERRY_CLUSTER_TOKEN".into(), token.expose().into())],
+        }
+    }
+
+    fn spawn(&self, exe: &PathBuf) -> anyhow::Result<Child> {
+        Command::new(exe)
+            .args(&self.argv)
+            .arg("--exit-on-stdin-close")
+            .env_remove("FERRY_CLUSTER_TOKEN_FILE")
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
+            .stdin(Stdio::piped())
+            .stdout(Stdio::inherit())
+            .stderr(Stdio::inherit())
+            .kill_on_drop(true)
+            .spawn()
+            .with_context(|| format!("starting {}", self.name))
+    }
+}
+
+/// Restart delays: `FIRST` doubling to `MAX`; back to `FIRST` once a child stayed up `STABLE`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Backoff {
+    next: Duration,
+}
+
+impl Backoff {
+    const FIRST: Duration = Duration::from_millis(500);
+    const MAX: Duration = Duration::from_secs(10);
+    const STABLE: Duration = Duration::from_secs(30);
+
+    fn new() -> Self {
+        Self { next: Self::FIRST }
+    }
+
+    /// The delay before restarting a child that ran for `uptime`; doubles the next one.
+    fn after(&mut self, uptime: Duration) -> Duration {
+        if uptime >= Self::STABLE {
+            self.next = Self::FIRST;
+        }
+        let delay = self.next;
+        self.next = (self.next * 2).min(Self::MAX);
+        delay
+    }
+}
+
+/// A supervised child: running, or waiting to be restarted.
+struct Proc {
+    spec: ChildSpec,
+    state: ProcState,
+    backoff: Backoff,
+    restarts: u32,
+}
+
+enum ProcState {
+    Running { child: Child, since: Instant },
+    Restarting { at: Instant },
+}
+
+impl Proc {
+    fn start(exe: &PathBuf, spec: ChildSpec) -> anyhow::Result<Self> {
+        let child = spec.spawn(exe)?;
+        Ok(Self {
+            spec,
+            state: ProcState::Running {
+                child,
+                since: Instant::now(),
+            },
+            backoff: Backoff::new(),
+            restarts: 0,
+        })
+    }
+
+    fn name(&self) -> &str {
+        &self.spec.name
+    }
+
+    /// The exit status, if the running child has exited.
+    fn exited(&mut self) -> Option<ExitStatus> {
+        match &mut self.state {
+            ProcState::Running { child, .. } => child.try_wait().ok().flatten(),
+            ProcState::Restarting { .. } => None,
+        }
+    }
+
+    /// One supervision step at `now`: an exited child is logged and scheduled for a restart;
+    /// one whose delay has passed is started again.
+    fn supervise(&mut self, exe: &PathBuf, now: Instant) {
+        match &mut self.state {
+            ProcState::Running { child, since } => {
+                let Ok(Some(status)) = child.try_wait() else {
+                    return;
+                };
+                let delay = self.backoff.after(now.saturating_duration_since(*since));
+                tracing::warn!(
+                    child = %self.spec.name,
+                    %status,
+                    restart_in_ms = delay.as_millis() as u64,
+                    "ferry up: child exited; restarting it"
+                );
+                self.state = ProcState::Restarting { at: now + delay };
+            }
+            ProcState::Restarting { at } if now >= *at => match self.spec.spawn(exe) {
+                Ok(child) => {
+                    self.restarts += 1;
+                    tracing::info!(
+                        child = %self.spec.name,
+                        restarts = self.restarts,
+                        pid = child.id().unwrap_or(0),
+                        "ferry up: child restarted"
+                    );
+                    self.state = ProcState::Running { child, since: now };
+                }
+                Err(e) => {
+                    let delay = self.backoff.after(Duration::ZERO);
+                    tracing::warn!(child = %self.spec.name, error = %e, "ferry up: restart failed; trying again");
+                    self.state = ProcState::Restarting { at: now + delay };
+                }
+            },
+            ProcState::Restarting { .. } => {}
+        }
+    }
 }
 
 /// Runs the cluster until Ctrl-C / SIGTERM.
@@ -97,32 +243,19 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
         .block_on(up(args, exe, model, served))
 }
 
-fn spawn(exe: &PathBuf, name: &str, argv: &[String], token: &ClusterToken) -> anyhow::Result<Proc> {
-    let child = Command::new(exe)
-        .args(argv)
-        .arg("--exit-on-stdin-close")
-        // In the environment, not argv: other local users can read a process's arguments.
-        .env("FERRY_CLUSTER_TOKEN", token.expose())
-        .env_remove("FERRY_CLUSTER_TOKEN_FILE")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::inherit())
-        .stderr(Stdio::inherit())
-        .kill_on_drop(true)
-        .spawn()
-        .with_context(|| format!("starting {name}"))?;
-    Ok(Proc {
-        name: name.into(),
-        child,
-    })
-}
-
 async fn up(args: UpArgs, exe: PathBuf, model: PathBuf, served: String) -> anyhow::Result<()> {
     let shutdown = shutdown_token(false);
     let model_s = model.to_string_lossy().into_owned();
     let token = ClusterToken::generate();
+    // The internal plane and each worker's `/metrics` and gRPC listen on ports picked here,
+    // all at once (so no two are the same), and once: the metrics addresses are printed, and a
+    // restarted child comes back at the same addresses.
+    let mut ports =
+        free_loopback_addrs(1 + 2 * (args.prefill_workers + args.decode_workers))?.into_iter();
+    let mut port = move || ports.next().context("a free port per listener");
     let internal_addr = match args.internal_addr {
         Some(addr) => addr,
-        None => free_loopback_addr()?,
+        None => port()?,
     };
     let mut router_argv: Vec<String> = vec![
         "router".into(),
@@ -148,7 +281,11 @@ async fn up(args: UpArgs, exe: PathBuf, model: PathBuf, served: String) -> anyho
             file.to_string_lossy().into_owned(),
         ]);
     }
-    let mut procs = vec![spawn(&exe, "router", &router_argv, &token)?];
+    router_argv.extend(["--max-migrations".into(), args.max_migrations.to_string()]);
+    let mut procs = vec![Proc::start(
+        &exe,
+        ChildSpec::new("router", router_argv, &token),
+    )?];
     let deadline = Instant::now() + Duration::from_secs(args.ready_timeout_s);
     wait_for_port(internal_addr, deadline, &mut procs).await?;
     let common = |role: &str, i: usize| -> Vec<String> {
@@ -166,23 +303,26 @@ async fn up(args: UpArgs, exe: PathBuf, model: PathBuf, served: String) -> anyho
         argv.extend(args.device.to_args());
         argv
     };
-    // Each worker's `/metrics` listens on a port picked here, so it can be printed.
     let mut metrics = vec![("router".to_string(), args.http_addr)];
     for i in 0..args.prefill_workers {
         let name = format!("prefill-{i}");
-        let addr = free_loopback_addr()?;
+        let addr = port()?;
         let mut argv = common("prefill", i);
         argv.extend(["--metrics-addr".into(), addr.to_string()]);
+        argv.extend(["--grpc-addr".into(), port()?.to_string()]);
         argv.extend(["--speculative".into(), args.spec.speculative.to_string()]);
         if let Some(d) = &args.spec.drafter {
             argv.extend(["--drafter".into(), d.to_string_lossy().into_owned()]);
         }
-        procs.push(spawn(&exe, &name, &argv, &token)?);
+        procs.push(Proc::start(
+            &exe,
+            ChildSpec::new(name.clone(), argv, &token),
+        )?);
         metrics.push((name, addr));
     }
     for i in 0..args.decode_workers {
         let name = format!("decode-{i}");
-        let addr = free_loopback_addr()?;
+        let addr = port()?;
         let mut argv = common("decode", i);
         argv.extend(args.spec.to_args());
         argv.extend([
@@ -190,8 +330,13 @@ async fn up(args: UpArgs, exe: PathBuf, model: PathBuf, served: String) -> anyho
             args.local_prefill_threshold.to_string(),
             "--metrics-addr".into(),
             addr.to_string(),
+            "--grpc-addr".into(),
+            port()?.to_string(),
         ]);
-        procs.push(spawn(&exe, &name, &argv, &token)?);
+        procs.push(Proc::start(
+            &exe,
+            ChildSpec::new(name.clone(), argv, &token),
+        )?);
         metrics.push((name, addr));
     }
     wait_for_health(args.http_addr, deadline, &mut procs).await?;
@@ -225,64 +370,68 @@ async fn up(args: UpArgs, exe: PathBuf, model: PathBuf, served: String) -> anyho
         "  curl http://{}/v1/completions -H 'Content-Type: application/json' \\\n    -d '{{\"model\": \"{served}\", \"prompt\": \"In the beginning God created\", \"max_tokens\": 32, \"temperature\": 0}}'",
         args.http_addr
     );
-    println!("Ctrl-C stops the cluster.");
+    println!("Ctrl-C stops the cluster; a child that exits is restarted.");
 
-    // Run until a signal, or until a child dies (then stop the rest).
-    let died = tokio::select! {
-        _ = shutdown.cancelled() => None,
-        name = first_exit(&mut procs) => Some(name),
-    };
-    if let Some(name) = &died {
-        eprintln!("ferry up: {name} exited; stopping the cluster");
-    }
-    stop_all(procs).await;
-    match died {
-        Some(name) => bail!("{name} exited unexpectedly"),
-        None => Ok(()),
-    }
-}
-
-/// A loopback address with a port free right now (the child binds it moments later).
-fn free_loopback_addr() -> anyhow::Result<SocketAddr> {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").context("picking a free port")?;
-    Ok(listener.local_addr()?)
-}
-
-/// Resolves with the name of the first child that exits.
-async fn first_exit(procs: &mut [Proc]) -> String {
+    // Supervise until a signal: restart whatever exits, with backoff.
+    let mut tick = tokio::time::interval(SUPERVISE_PERIOD);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
-        for p in procs.iter_mut() {
-            if let Ok(Some(_)) = p.child.try_wait() {
-                return p.name.clone();
+        tokio::select! {
+            _ = shutdown.cancelled() => break,
+            _ = tick.tick() => {
+                let now = Instant::now();
+                for p in procs.iter_mut() {
+                    p.supervise(&exe, now);
+                }
             }
         }
-        tokio::time::sleep(Duration::from_millis(200)).await;
     }
+    stop_all(procs).await;
+    Ok(())
+}
+
+/// How often children are checked for exits and due restarts.
+const SUPERVISE_PERIOD: Duration = Duration::from_millis(100);
+
+/// `n` distinct loopback addresses with ports free right now (all bound at once, then
+/// released: the children bind them moments later).
+fn free_loopback_addrs(n: usize) -> anyhow::Result<Vec<SocketAddr>> {
+    let listeners = (0..n)
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").context("picking a free port"))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    listeners.iter().map(|l| Ok(l.local_addr()?)).collect()
 }
 
 /// Closes every child's stdin (workers first, the router last), waits for clean exits, and
 /// kills whatever is still running after the grace period.
 async fn stop_all(mut procs: Vec<Proc>) {
     procs.reverse();
-    for p in procs.iter_mut() {
-        if let Some(mut stdin) = p.child.stdin.take() {
+    let mut running: Vec<(String, Child)> = procs
+        .into_iter()
+        .filter_map(|p| match p.state {
+            ProcState::Running { child, .. } => Some((p.spec.name, child)),
+            ProcState::Restarting { .. } => None,
+        })
+        .collect();
+    for (_, child) in running.iter_mut() {
+        if let Some(mut stdin) = child.stdin.take() {
             let _ = stdin.shutdown().await;
         }
     }
     let deadline = Instant::now() + Duration::from_secs(10);
-    for p in procs.iter_mut() {
+    for (name, child) in running.iter_mut() {
         let left = deadline.saturating_duration_since(Instant::now());
-        if tokio::time::timeout(left, p.child.wait()).await.is_err() {
-            eprintln!("ferry up: {} did not stop in time; killing it", p.name);
-            let _ = p.child.kill().await;
+        if tokio::time::timeout(left, child.wait()).await.is_err() {
+            eprintln!("ferry up: {name} did not stop in time; killing it");
+            let _ = child.kill().await;
         }
     }
 }
 
 fn check_alive(procs: &mut [Proc]) -> anyhow::Result<()> {
     for p in procs.iter_mut() {
-        if let Ok(Some(status)) = p.child.try_wait() {
-            bail!("{} exited during start-up ({status})", p.name);
+        if let Some(status) = p.exited() {
+            bail!("{} exited during start-up ({status})", p.name());
         }
     }
     Ok(())
@@ -330,4 +479,23 @@ async fn health_ok(addr: SocketAddr) -> bool {
     let mut buf = Vec::new();
     let _ = tokio::time::timeout(Duration::from_secs(2), s.read_to_end(&mut buf)).await;
     buf.starts_with(b"HTTP/1.1 200") || buf.starts_with(b"HTTP/1.0 200")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_doubles_to_the_cap_and_resets_after_a_stable_run() {
+        let mut b = Backoff::new();
+        let short = Duration::from_secs(1);
+        let delays: Vec<u64> = (0..7).map(|_| b.after(short).as_millis() as u64).collect();
+        assert_eq!(delays, [500, 1000, 2000, 4000, 8000, 10000, 10000]);
+        assert_eq!(
+            b.after(Backoff::STABLE),
+            Backoff::FIRST,
+            "reset after a stable run"
+        );
+        assert_eq!(b.after(short), Duration::from_secs(1));
+    }
 }

@@ -580,6 +580,39 @@ impl Cluster {
         proc.kill();
     }
 
+    /// A live worker's process id.
+    pub fn pid(&self, id: &str) -> u32 {
+        self.worker(id)
+            .proc
+            .as_ref()
+            .unwrap_or_else(|| panic!("{id} is dead"))
+            .child
+            .id()
+    }
+
+    /// SIGSTOPs a live worker (a stalled process: its sockets stay open, nothing answers).
+    /// [`Cluster::resume`] continues it; a paused worker is still killed on drop.
+    pub fn pause(&self, id: &str) {
+        signal(self.pid(id), "STOP");
+    }
+
+    /// SIGCONTs a worker paused by [`Cluster::pause`].
+    pub fn resume(&self, id: &str) {
+        signal(self.pid(id), "CONT");
+    }
+
+    /// The router's `/metrics` text.
+    pub async fn router_metrics(&self) -> String {
+        self.http
+            .get(self.url("/metrics"))
+            .send()
+            .await
+            .expect("GET /metrics")
+            .text()
+            .await
+            .expect("the /metrics body")
+    }
+
     /// Every live worker's KV blocks are all back in its pool (`kv_blocks_used == 0`), polled
     /// for a short while since a worker frees a request's blocks as its stream ends.
     pub async fn assert_kv_blocks_released(&self) {
@@ -692,6 +725,40 @@ impl Drop for Cluster {
         }
         self.router.take();
     }
+}
+
+/// Sends `SIG{name}` to `pid` with `kill(1)`.
+pub fn signal(pid: u32, name: &str) {
+    let status = Command::new("kill")
+        .arg(format!("-{name}"))
+        .arg(pid.to_string())
+        .status()
+        .expect("kill(1) runs");
+    assert!(status.success(), "kill -{name} {pid}: {status}");
+}
+
+/// A process's resident set size in KiB (`VmRSS` in `/proc/PID/status`).
+pub fn rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_else(|e| panic!("/proc/{pid}/status: {e}"));
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no VmRSS in /proc/{pid}/status"))
+}
+
+/// The value of the counter `name` (no labels other than `role`) in a `/metrics` text, 0 when
+/// absent.
+pub fn counter_value(metrics: &str, name: &str) -> f64 {
+    metrics
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .find(|l| l.starts_with(&format!("{name}{{")) || l.starts_with(&format!("{name} ")))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0)
 }
 
 async fn read_json(what: &str, resp: reqwest::Response) -> (u16, serde_json::Value) {

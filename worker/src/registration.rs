@@ -5,7 +5,12 @@
 //! `in_sync = false` (it saw a gap in event ids); both lead to a fresh registration with a
 //! snapshot, which also covers any events lost on the way. The worker's block ownership is the
 //! truth; the router's index is advisory.
+//!
+//! Routers that know it answer each heartbeat with the prefill workers they route to; the agent
+//! publishes that list on a [`watch`] channel ([`PrefillView`]) when the worker asked for it
+//! (decode workers: a remote prefill whose peer the router dropped is given up at once).
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use ferry_model::engine::EngineHandle;
@@ -16,6 +21,7 @@ use ferry_proto::internal::{
     kv_event, BlocksRemoved, BlocksStored, HeartbeatRequest, KvEvent, KvEventBatch,
     RegisterRequest, WorkerRole,
 };
+use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tonic::transport::Channel;
@@ -36,6 +42,26 @@ pub struct RegistrationConfig {
     pub heartbeat: Duration,
     /// Sent on every Registry call.
     pub token: Option<ClusterToken>,
+    /// Where to publish the router's list of live prefill workers, if this worker wants it.
+    pub prefill_view: Option<watch::Sender<PrefillView>>,
+}
+
+/// The prefill workers the router routes to, as its heartbeat answers said.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PrefillView {
+    /// Heartbeat answers that carried the list, since this worker started (0: none yet, e.g.
+    /// an older router). A waiter compares it with the count at its own start, so it judges
+    /// only by answers the router computed after the request was routed.
+    pub answers: u64,
+    /// Their ids, in the latest answer.
+    pub live: Arc<[String]>,
+}
+
+impl PrefillView {
+    /// Whether `id` was in the latest answer.
+    pub fn is_live(&self, id: &str) -> bool {
+        self.live.iter().any(|l| l == id)
+    }
 }
 
 /// Starts the agent; it runs until `shutdown`.
@@ -146,6 +172,12 @@ async fn session(
             .await
             .map_err(|e| e.to_string())?
             .into_inner();
+        if let (Some(tx), Some(live)) = (&config.prefill_view, hb.live_prefill_workers) {
+            tx.send_modify(|v| {
+                v.answers += 1;
+                v.live = live.worker_ids.into();
+            });
+        }
         if !hb.known {
             return Err("the router does not know this worker".into());
         }

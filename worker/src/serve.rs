@@ -136,6 +136,7 @@ pub struct WorkerServer {
     token: Option<ClusterToken>,
     metrics: WorkerMetrics,
     metrics_listener: MetricsListener,
+    prefill_view: Option<tokio::sync::watch::Sender<registration::PrefillView>>,
 }
 
 impl WorkerServer {
@@ -165,7 +166,20 @@ impl WorkerServer {
             token,
             metrics,
             metrics_listener,
+            prefill_view: None,
         })
+    }
+
+    /// Publishes the router's list of live prefill workers on `tx` after every heartbeat
+    /// (decode workers use it to give up on remote prefills whose peer was dropped).
+    pub fn with_prefill_view(
+        self,
+        tx: tokio::sync::watch::Sender<registration::PrefillView>,
+    ) -> Self {
+        Self {
+            prefill_view: Some(tx),
+            ..self
+        }
     }
 
     /// This worker's id.
@@ -247,6 +261,7 @@ impl WorkerServer {
                 advertise: self.addr.to_string(),
                 heartbeat: self.heartbeat,
                 token: self.token.clone(),
+                prefill_view: self.prefill_view,
             },
             engine.clone(),
             shutdown.clone(),

@@ -136,6 +136,11 @@ pub struct GenerateOptions {
     /// drafter); `Some(false)` turns it off; `Some(true)` on an engine without a drafter is
     /// plain decoding.
     pub speculative: Option<bool>,
+    /// Request migration: the last `resumed_tokens` of the prompt were generated for this
+    /// request earlier (by an engine that failed mid-stream). Generation continues at step
+    /// `resumed_tokens`, so seeded sampling draws the same per-step streams and
+    /// `max_tokens` counts those tokens too. 0 for a fresh request.
+    pub resumed_tokens: usize,
 }
 
 /// Speculative decoding of one request, sent with its end ([`EngineEvent::Speculation`]).

@@ -43,7 +43,7 @@ impl Scheduler {
             stop: job.stop,
             table,
             phase: Phase::Prefilling { done: cached },
-            generated: 0,
+            generated: options.resumed_tokens,
             cached_tokens: cached,
             origin: Origin::Local,
             events,
