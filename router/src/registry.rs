@@ -366,9 +366,7 @@ impl Registry {
             .inner
             .workers
             .iter()
-            .filter(|e| {
-                e.role == role && now.saturating_duration_since(e.last_seen) <= self.inner.timeout
-            })
+            .filter(|e| e.role == role && self.is_live(e.value(), now))
             .map(|e| e.key().0.clone())
             .collect();
         ids.sort();
@@ -382,14 +380,15 @@ impl Registry {
             .inner
             .workers
             .iter()
-            .filter(|e| now.saturating_duration_since(e.last_seen) > self.inner.timeout)
+            .filter(|e| !self.is_live(e.value(), now))
             .map(|e| e.key().clone())
             .collect();
         for id in &stale {
             // Re-check under the entry lock: a heartbeat may have arrived meanwhile.
-            let removed = self.inner.workers.remove_if(id, |_, e| {
-                now.saturating_duration_since(e.last_seen) > self.inner.timeout
-            });
+            let removed = self
+                .inner
+                .workers
+                .remove_if(id, |_, e| !self.is_live(e, now));
             if removed.is_some() {
                 self.inner.index.remove_worker(id);
             }
@@ -423,7 +422,7 @@ impl Registry {
             .inner
             .workers
             .iter()
-            .filter(|e| now.saturating_duration_since(e.last_seen) <= self.inner.timeout)
+            .filter(|e| self.is_live(e.value(), now))
             .map(|e| {
                 let pending_handle = self
                     .inner
@@ -452,9 +451,7 @@ impl Registry {
         self.inner
             .workers
             .iter()
-            .filter(|e| {
-                e.role == role && now.saturating_duration_since(e.last_seen) <= self.inner.timeout
-            })
+            .filter(|e| e.role == role && self.is_live(e.value(), now))
             .count()
     }
 
