@@ -9,9 +9,12 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use ferry_proto::auth::AttachToken;
 use ferry_proto::internal::decode_worker_client::DecodeWorkerClient;
 use ferry_proto::internal::GetStatsRequest;
 use ferry_proto::v1::FinishReason;
+use tonic::service::interceptor::InterceptedService;
+use tonic::transport::Channel;
 
 const START_TIMEOUT: Duration = Duration::from_secs(90);
 /// A restarted child must be back in the router's `/health` within this.
@@ -89,6 +92,8 @@ impl Up {
                 cmd.env_remove(&key);
             }
         }
+        // A known token, so this test can call the workers' (internal) GetStats.
+        cmd.env("FERRY_CLUSTER_TOKEN", cluster::CLUSTER_TOKEN);
         let child = cmd.spawn().expect("ferry up starts");
         Self {
             child,
@@ -161,7 +166,9 @@ impl Up {
                 "ferry up exited:\n{}",
                 self.log_text()
             );
-            if self.health().await == Some(want) {
+            // Supervision starts once `ferry up` has printed that it is up: before that, a
+            // child that exits is a start-up failure.
+            if self.health().await == Some(want) && self.log_text().contains("ferry is up") {
                 return;
             }
             assert!(
@@ -247,8 +254,22 @@ async fn under_load<F: std::future::Future<Output = ()>>(up: &Up, n: usize, long
     }
 }
 
+/// A `DecodeWorker` client of the worker at `addr`, signed with the cluster token.
+async fn decode_client(
+    addr: &str,
+) -> Result<DecodeWorkerClient<InterceptedService<Channel, AttachToken>>, tonic::transport::Error> {
+    let channel = Channel::from_shared(format!("http://{addr}"))
+        .expect("a worker address")
+        .connect()
+        .await?;
+    Ok(DecodeWorkerClient::with_interceptor(
+        channel,
+        AttachToken::new(Some(cluster::cluster_token())),
+    ))
+}
+
 async fn decode_running(addr: &str) -> u32 {
-    let Ok(mut c) = DecodeWorkerClient::connect(format!("http://{addr}")).await else {
+    let Ok(mut c) = decode_client(addr).await else {
         return 0;
     };
     c.get_stats(GetStatsRequest {})
@@ -284,7 +305,7 @@ async fn ferry_up_restarts_a_killed_worker_or_router_and_keeps_serving() {
         .await;
     assert_eq!(back.grpc_addr, victim.grpc_addr, "same gRPC address");
     up.wait_health((1, 2), RESTART_TIMEOUT).await;
-    let mut stats = DecodeWorkerClient::connect(format!("http://{addr}"))
+    let mut stats = decode_client(&addr)
         .await
         .expect("the restarted worker answers at its address");
     let s = stats

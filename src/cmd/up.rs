@@ -44,10 +44,18 @@ pub struct UpArgs {
     #[arg(long, default_value = "127.0.0.1:50051")]
     pub grpc_addr: SocketAddr,
     /// The router's internal address (the Registry its workers register with); a free
-    /// loopback port when omitted. Every child gets a fresh cluster token, so nothing outside
-    /// this cluster can register there.
+    /// loopback port when omitted. Every child gets the cluster token, so nothing outside this
+    /// cluster can register there.
     #[arg(long)]
     pub internal_addr: Option<SocketAddr>,
+    /// The cluster token to give every child, from this file's first line, so processes
+    /// started by hand can join or call this cluster; a fresh random one when omitted.
+    #[arg(long, env = "FERRY_CLUSTER_TOKEN_FILE")]
+    pub cluster_token_file: Option<PathBuf>,
+    /// The cluster token itself; set `FERRY_CLUSTER_TOKEN` rather than the flag, which other
+    /// local users can read in the process list.
+    #[arg(long, env = "FERRY_CLUSTER_TOKEN", hide = true, hide_env_values = true)]
+    pub cluster_token: Option<ClusterToken>,
     /// Prefill workers to start.
     #[arg(long, default_value_t = 1)]
     pub prefill_workers: usize,
@@ -246,7 +254,12 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
 async fn up(args: UpArgs, exe: PathBuf, model: PathBuf, served: String) -> anyhow::Result<()> {
     let shutdown = shutdown_token(false);
     let model_s = model.to_string_lossy().into_owned();
-    let token = ClusterToken::generate();
+    let token = ClusterToken::resolve(
+        args.cluster_token_file.as_deref(),
+        args.cluster_token.as_ref(),
+    )
+    .context("the cluster token")?
+    .unwrap_or_else(ClusterToken::generate);
     // The internal plane and each worker's `/metrics` and gRPC listen on ports picked here,
     // all at once (so no two are the same), and once: the metrics addresses are printed, and a
     // restarted child comes back at the same addresses.
