@@ -6,46 +6,19 @@
 //! install them, never skip.
 mod cluster;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Output;
 use std::time::Duration;
 
 use cluster::{Cluster, Spec, MODEL};
 
 const PYTHON: &str = "python3";
-const INSTALL: &str = "python3 -m pip install -r tests/python/requirements.txt";
+const INSTALL: &str = cluster::PYTHON_INSTALL;
 const PYTHON_TIMEOUT: Duration = Duration::from_secs(120);
 
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
-/// Runs `python3 args…` in the repository root (no proxy: every address is loopback).
+/// Runs `python3 args…` in the repository root.
 async fn python(args: &[&str]) -> Output {
-    let mut cmd = tokio::process::Command::new(PYTHON);
-    cmd.args(args)
-        .current_dir(root())
-        .env("PYTHONDONTWRITEBYTECODE", "1")
-        .kill_on_drop(true);
-    for var in [
-        "HTTP_PROXY",
-        "HTTPS_PROXY",
-        "ALL_PROXY",
-        "http_proxy",
-        "https_proxy",
-        "all_proxy",
-    ] {
-        cmd.env_remove(var);
-    }
-    let run = tokio::time::timeout(PYTHON_TIMEOUT, cmd.output()).await;
-    match run {
-        Ok(Ok(out)) => out,
-        Ok(Err(e)) => panic!("cannot run `{PYTHON}` ({e}); install Python 3, then `{INSTALL}`"),
-        Err(_) => panic!(
-            "`{PYTHON} {}` ran longer than {PYTHON_TIMEOUT:?}",
-            args.join(" ")
-        ),
-    }
+    cluster::run_local(Path::new(PYTHON), args, PYTHON_TIMEOUT).await
 }
 
 fn stdout(o: &Output) -> String {

@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use cluster::{Cluster, Spec};
 
-const INSTALL: &str = "python3 -m pip install -r tests/python/requirements.txt";
+const INSTALL: &str = cluster::PYTHON_INSTALL;
 const TIMEOUT: Duration = Duration::from_secs(60);
 const PUBLIC: [&str; 2] = ["ferry.v1.Inference", "grpc.health.v1.Health"];
 const NOT_PUBLIC: [&str; 3] = [
@@ -26,34 +26,9 @@ const NOT_PUBLIC: [&str; 3] = [
     "ferry.internal.v1.PrefillWorker",
 ];
 
-/// Runs `program args…` without proxies (every address is loopback), bounded in time.
+/// Runs `program args…` in the repository root, bounded in time.
 async fn run(program: &Path, args: &[&str]) -> Output {
-    let mut cmd = tokio::process::Command::new(program);
-    cmd.args(args)
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .env("PYTHONDONTWRITEBYTECODE", "1")
-        .kill_on_drop(true);
-    for var in [
-        "HTTP_PROXY",
-        "HTTPS_PROXY",
-        "ALL_PROXY",
-        "http_proxy",
-        "https_proxy",
-        "all_proxy",
-        "GRPC_PROXY",
-        "grpc_proxy",
-    ] {
-        cmd.env_remove(var);
-    }
-    match tokio::time::timeout(TIMEOUT, cmd.output()).await {
-        Ok(Ok(out)) => out,
-        Ok(Err(e)) => panic!("cannot run {}: {e}; `{INSTALL}`", program.display()),
-        Err(_) => panic!(
-            "{} {} ran longer than {TIMEOUT:?}",
-            program.display(),
-            args.join(" ")
-        ),
-    }
+    cluster::run_local(program, args, TIMEOUT).await
 }
 
 fn text(o: &Output) -> String {

@@ -921,3 +921,44 @@ pub async fn reference_generate(prompt: &str, max_tokens: u32) -> String {
         .unwrap_or_else(|| panic!("ferry generate's output lacks its final newline: {text:?}"))
         .to_string()
 }
+
+/// How to install what the Python-driven tests run (`scripts/test.sh` does it).
+pub const PYTHON_INSTALL: &str = "python3 -m pip install -r tests/python/requirements.txt";
+
+/// Runs `program args…` in the repository root without proxies (every address a test uses is
+/// loopback), killed after `timeout`; panics, naming the install command, if it cannot start.
+pub async fn run_local(
+    program: &std::path::Path,
+    args: &[&str],
+    timeout: Duration,
+) -> std::process::Output {
+    let mut cmd = tokio::process::Command::new(program);
+    cmd.args(args)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .env("PYTHONDONTWRITEBYTECODE", "1")
+        .kill_on_drop(true);
+    for var in [
+        "HTTP_PROXY",
+        "HTTPS_PROXY",
+        "ALL_PROXY",
+        "GRPC_PROXY",
+        "http_proxy",
+        "https_proxy",
+        "all_proxy",
+        "grpc_proxy",
+    ] {
+        cmd.env_remove(var);
+    }
+    match tokio::time::timeout(timeout, cmd.output()).await {
+        Ok(Ok(out)) => out,
+        Ok(Err(e)) => panic!(
+            "cannot run {} ({e}); install it: `{PYTHON_INSTALL}`",
+            program.display()
+        ),
+        Err(_) => panic!(
+            "`{} {}` ran longer than {timeout:?}",
+            program.display(),
+            args.join(" ")
+        ),
+    }
+}
