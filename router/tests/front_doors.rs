@@ -142,24 +142,13 @@ impl Harness {
         (status, value)
     }
 
-    /// Waits until no request holds an admission permit (a stream ended by its client or its
-    /// worker is released when the router drops it, a moment later).
+    /// Waits until no request holds an admission permit.
     async fn wait_released(&self) {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while self.state.dispatcher.in_flight() > 0 {
-            assert!(Instant::now() < deadline, "a request was never released");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        common::wait_released(&self.state).await;
     }
 
     async fn stop(self) {
-        self.wait_released().await;
-        self.shutdown.cancel();
-        tokio::time::timeout(Duration::from_secs(15), self.running)
-            .await
-            .expect("shuts down in time")
-            .expect("task")
-            .expect("clean shutdown");
+        common::stop_router(&self.state, self.shutdown, self.running).await;
     }
 }
 

@@ -168,3 +168,32 @@ pub async fn start_worker_requiring(worker: Scripted, token: Option<ClusterToken
     );
     addr.to_string()
 }
+
+/// Waits until no request holds an admission permit (a stream ended by its client or its
+/// worker is released when the router drops it, a moment later).
+pub async fn wait_released(state: &ferry_router::state::AppState) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while state.dispatcher.in_flight() > 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "a request was never released"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Waits for the open requests to be released, then shuts the router down and checks that it
+/// stopped cleanly and in time.
+pub async fn stop_router(
+    state: &ferry_router::state::AppState,
+    shutdown: tokio_util::sync::CancellationToken,
+    running: tokio::task::JoinHandle<Result<(), ferry_router::RouterError>>,
+) {
+    wait_released(state).await;
+    shutdown.cancel();
+    tokio::time::timeout(Duration::from_secs(15), running)
+        .await
+        .expect("shuts down in time")
+        .expect("task")
+        .expect("clean shutdown");
+}
