@@ -1,8 +1,14 @@
-//! `--device` on the workers: a cluster whose prefill and decode workers are asked for
-//! `cuda:0` serves the same greedy text as `ferry generate` on the CPU. On a machine where the
-//! GPU cannot be opened each worker warns and runs on the CPU (asserted from its log); on a GPU
-//! machine the workers run the CUDA engine in exact mode, whose greedy tokens equal the CPU's.
+//! `--device` on the workers.
+//!
+//! - A cluster whose workers run on `--device auto` serves the same greedy text as `ferry
+//!   generate` on the CPU, and each worker's log says where it runs: the CPU on a machine
+//!   without a GPU, the CUDA engine in exact mode (whose greedy tokens equal the CPU's) on one
+//!   with a GPU.
+//! - A worker asked for a GPU that cannot be opened refuses to start, naming the device and the
+//!   reason: it never serves at CPU speed in its place.
 mod cluster;
+
+use std::time::Duration;
 
 use cluster::{Cluster, Role, Spec};
 use ferry_kernels::Device;
@@ -10,12 +16,12 @@ use ferry_kernels::Device;
 const MAX_TOKENS: u32 = 32;
 
 #[tokio::test]
-async fn workers_asked_for_cuda_serve_the_reference_text() {
+async fn workers_on_device_auto_serve_the_reference_text() {
     let (short, long) = (cluster::short_prompt(), cluster::long_prompt());
     let short_ref = cluster::reference_generate(&short, MAX_TOKENS).await;
     let long_ref = cluster::reference_generate(&long, MAX_TOKENS).await;
 
-    let device = ["--device", "cuda:0", "--gpu-mode", "exact"];
+    let device = ["--device", "auto", "--gpu-mode", "exact"];
     let cluster = Cluster::start(Spec::new(1, 1).prefill(&device).decode(&device)).await;
     let mut client = cluster.grpc().await;
     // The short prompt is prefilled on the decode worker, the long one on the prefill worker
@@ -26,7 +32,7 @@ async fn workers_asked_for_cuda_serve_the_reference_text() {
             .expect("Generate succeeds");
         assert_eq!(
             &out.text, want,
-            "cluster on --device cuda:0 vs ferry generate"
+            "cluster on --device auto vs ferry generate"
         );
     }
     let decode = cluster.live(Role::Decode)[0].clone();
@@ -36,21 +42,55 @@ async fn workers_asked_for_cuda_serve_the_reference_text() {
         "the long prompt came from the prefill worker: {d:?}"
     );
 
-    if Device::Cuda(0).probe().is_err() {
-        let logs = strip_ansi(&cluster.logs_report());
-        for role in ["prefill", "decode"] {
-            // This worker's section of the report: from its header to the next one.
-            let section = logs
-                .split("---- ")
-                .find(|s| s.starts_with(role))
-                .unwrap_or_else(|| panic!("no {role} log in:\n{logs}"));
+    let on_gpu = Device::Cuda(0).probe().is_ok();
+    let logs = strip_ansi(&cluster.logs_report());
+    for role in ["prefill", "decode"] {
+        // This worker's section of the report: from its header to the next one.
+        let section = logs
+            .split("---- ")
+            .find(|s| s.starts_with(role))
+            .unwrap_or_else(|| panic!("no {role} log in:\n{logs}"));
+        let said = if on_gpu {
+            "running on the GPU"
+        } else {
+            "device=cpu"
+        };
+        assert!(
+            section.contains(said),
+            "the {role} worker says where it runs ({said}):\n{section}"
+        );
+        assert!(
+            !section.contains("running on the CPU instead"),
+            "no silent fall-back:\n{section}"
+        );
+    }
+    cluster.assert_kv_blocks_released().await;
+}
+
+#[tokio::test]
+async fn a_named_gpu_that_cannot_be_opened_is_an_error() {
+    // No machine has GPU 99; `rocm` has no whole-model forward yet. Both must refuse to start.
+    for device in ["cuda:99", "rocm:0"] {
+        for role in ["decode", "prefill"] {
+            let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_ferry"));
+            cmd.args([role, "--device", device, "--router", "127.0.0.1:9"])
+                .env_remove("FERRY_DEVICE")
+                .kill_on_drop(true);
+            let out = tokio::time::timeout(Duration::from_secs(60), cmd.output())
+                .await
+                .expect("the worker exits instead of serving")
+                .expect("ferry runs");
+            let stderr = strip_ansi(&String::from_utf8_lossy(&out.stderr));
             assert!(
-                section.contains("running on the CPU instead") && section.contains("device=cpu"),
-                "the {role} worker falls back to the CPU with a warning:\n{section}"
+                !out.status.success(),
+                "{role} --device {device} started:\n{stderr}"
+            );
+            assert!(
+                stderr.contains(device) && stderr.contains("unavailable"),
+                "{role} --device {device}: the error names the device and why:\n{stderr}"
             );
         }
     }
-    cluster.assert_kv_blocks_released().await;
 }
 
 /// `text` without ANSI colour sequences (`ESC [ … m`), as the workers' logs are coloured.

@@ -88,13 +88,13 @@ pub enum KernelError {
         limit: &'static str,
     },
     /// A `--device` string that is not `cpu`, `cuda[:N]` or `rocm[:N]`.
-    #[error("device: `{value}` is not a device; expected cpu, cuda[:N] or rocm[:N]")]
+    #[error("device: `{value}` is not a device; expected auto, cpu, cuda[:N] or rocm[:N]")]
     InvalidDevice {
         /// The text given.
         value: String,
     },
     /// The device asked for cannot be used on this machine (no driver, no such ordinal, the
-    /// backend not compiled in). Callers that may fall back to the CPU do so on this error.
+    /// backend not compiled in). A device the user named is never replaced by the CPU.
     #[error("device {device} is unavailable: {reason}")]
     DeviceUnavailable {
         /// The device, as written (`cuda:0`).
@@ -118,4 +118,14 @@ pub enum KernelError {
         /// The normaliser that was found.
         sum: f64,
     },
+}
+
+impl From<ferry_modelcard::sampling::SamplingError> for KernelError {
+    fn from(e: ferry_modelcard::sampling::SamplingError) -> Self {
+        KernelError::InvalidSamplingParam {
+            field: e.field,
+            value: e.value,
+            limit: e.limit,
+        }
+    }
 }

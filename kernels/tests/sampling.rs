@@ -440,7 +440,7 @@ fn invalid_params_name_the_field() {
         ),
     ];
     for (params, name) in cases {
-        let err = params.validate().expect_err("invalid");
+        let err = KernelError::from(params.validate().expect_err("invalid"));
         assert!(
             matches!(err, KernelError::InvalidSamplingParam { field, .. } if field == name),
             "{err}"

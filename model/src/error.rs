@@ -103,6 +103,21 @@ pub enum ModelError {
     Invalid(String),
 }
 
+impl From<ferry_modelcard::CardError> for ModelError {
+    /// Each description error becomes the variant of the same name.
+    fn from(e: ferry_modelcard::CardError) -> Self {
+        use ferry_modelcard::CardError as C;
+        match e {
+            C::Io { path, source } => Self::Io { path, source },
+            C::Config { field, message } => Self::Config { field, message },
+            C::UnsupportedArchitecture(a) => Self::UnsupportedArchitecture(a),
+            C::MissingFile(p) => Self::MissingFile(p),
+            C::Tokenizer(m) => Self::Tokenizer(m),
+            C::ChatTemplate(m) => Self::ChatTemplate(m),
+        }
+    }
+}
+
 impl ModelError {
     /// A [`ModelError::Config`] for `field`; `message` should give the value and the limit.
     pub fn config(field: impl Into<String>, message: impl Into<String>) -> Self {

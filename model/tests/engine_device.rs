@@ -1,7 +1,8 @@
 //! The engine on either backend (`EngineConfig::device`): one contract, CPU and CUDA.
 //!
-//! Runs everywhere: an engine asked for `cuda:0` on a machine whose GPU cannot be opened runs
-//! on the CPU (and keeps its drafter), and still serves the golden continuation.
+//! Runs everywhere: an engine asked for a GPU that cannot be opened refuses to start, naming it;
+//! one on `auto` runs on the GPU when one opens, else on the CPU (and keeps its drafter there),
+//! and serves the golden continuation.
 //!
 //! `#[ignore]`d (need an NVIDIA GPU; run on the GPU machine with `--include-ignored`, see
 //! docs/gpu.md; without a GPU they print why they skip and pass): the CUDA engine in exact mode
@@ -59,18 +60,27 @@ fn engine(device: Device, gpu_mode: GpuMode) -> EngineHandle {
 
 /// A CUDA engine, or `None` (with the reason printed) when no GPU opens here.
 fn cuda_engine(test: &str, mode: GpuMode) -> Option<EngineHandle> {
-    let e = engine(Device::Cuda(0), mode);
-    if e.device() == Device::Cpu {
-        eprintln!(
-            "skipping {test}: cuda:0 cannot be opened here (the engine fell back to the CPU)"
-        );
+    if let Err(e) = Device::Cuda(0).probe() {
+        eprintln!("skipping {test}: {e}");
         return None;
     }
-    Some(e)
+    Some(engine(Device::Cuda(0), mode))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_unopenable_gpu_falls_back_to_the_cpu_and_serves() {
+async fn an_unopenable_gpu_is_an_error_and_auto_picks_a_device_that_serves() {
+    // A named GPU that cannot be opened fails the engine's start, naming it: never the CPU in
+    // its place (GPU 99 exists nowhere; ROCm has no whole-model forward yet).
+    for device in [Device::Cuda(99), Device::Rocm(0)] {
+        let err = EngineHandle::spawn(model(), config(device, GpuMode::Exact))
+            .err()
+            .unwrap_or_else(|| panic!("an engine on {device} started"));
+        assert!(
+            err.to_string().contains(&device.to_string()),
+            "the error names {device}: {err}"
+        );
+    }
+    // `auto`: the GPU when one opens, else the CPU; either way it serves the golden tokens.
     let gpu_opens = Device::Cuda(0).probe().is_ok();
     let m = model();
     let drafter =
@@ -78,12 +88,15 @@ async fn an_unopenable_gpu_falls_back_to_the_cpu_and_serves() {
     let e = EngineHandle::spawn_with(
         m,
         Some(Box::new(drafter) as Box<dyn Drafter>),
-        config(Device::Cuda(0), GpuMode::Exact),
+        config(Device::Auto, GpuMode::Exact),
     )
-    .expect("an engine starts whether or not the GPU opens");
-    if !gpu_opens {
-        assert_eq!(e.device(), Device::Cpu, "no GPU here: the CPU runs");
-    }
+    .expect("an engine on auto starts");
+    let want = if gpu_opens {
+        Device::Cuda(0)
+    } else {
+        Device::Cpu
+    };
+    assert_eq!(e.device(), want, "auto resolves to the GPU iff one opens");
     // Speculation is dropped exactly when the engine really runs on a GPU.
     assert_eq!(
         e.draft_kv_layers() > 0,

@@ -3,11 +3,11 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
-use clap::{Args, ValueEnum};
+use clap::Args;
 use ferry_model::engine::EngineHandle;
 use ferry_proto::internal::prefill_worker_server::PrefillWorkerServer;
 use ferry_proto::internal::WorkerRole;
-use ferry_worker::args::WorkerArgs;
+use ferry_worker::args::{DrafterArgs, WorkerArgs};
 use ferry_worker::serve::{ServeError, WorkerServer};
 use tokio_util::sync::CancellationToken;
 use tracing::info;
@@ -20,40 +20,15 @@ use crate::service::PrefillService;
 pub struct PrefillArgs {
     #[command(flatten)]
     pub worker: WorkerArgs,
-    /// Compute the drafter's context for each prompt and ship it with the KV to decode workers
-    /// that ask for it (effective only when a drafter is configured).
-    #[arg(long, value_enum, default_value_t = Switch::On, env = "FERRY_SPECULATIVE")]
-    pub speculative: Switch,
-    /// DSpark drafter directory; the embedded drafter when the target is the embedded model.
-    #[arg(long, env = "FERRY_DRAFTER")]
-    pub drafter: Option<PathBuf>,
-}
-
-/// `on` / `off`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum Switch {
-    /// Enabled.
-    On,
-    /// Disabled.
-    Off,
-}
-
-impl PrefillArgs {
-    /// The drafter whose context this worker computes and ships, if any.
-    pub fn drafter_dir(&self, model_dir: &std::path::Path) -> Option<PathBuf> {
-        match self.speculative {
-            Switch::Off => None,
-            Switch::On => self
-                .drafter
-                .clone()
-                .or_else(|| ferry_model::drafter::default_for(model_dir)),
-        }
-    }
+    /// The drafter whose context this worker computes for each prompt and ships with the KV
+    /// to decode workers that ask for it.
+    #[command(flatten)]
+    pub spec: DrafterArgs,
 }
 
 /// Loads the target and the drafter `args` select, and starts the engine, off the runtime.
 async fn load_engine(args: &PrefillArgs, model_dir: PathBuf) -> Result<EngineHandle, ServeError> {
-    let drafter = args.drafter_dir(&model_dir);
+    let drafter = args.spec.resolve(&model_dir)?;
     if let Some(d) = &drafter {
         info!(drafter = %d.display(), "shipping drafter context with the KV");
     }

@@ -6,6 +6,7 @@
 //! | [`internal`] | worker services (prefill, decode), the registry (registration, heartbeats, load, KV events) and KV-transfer control frames |
 //! | [`auth`] | the internal plane's cluster token and the tonic interceptors that attach and check it |
 //! | [`ids`] | newtype ids shared by every process |
+//! | [`block_hash`] | prefix identity: the chained block hashes router and workers must compute alike |
 //! | [`codec`] | the stubs' codec: prost's, with an undecodable request INVALID_ARGUMENT (not INTERNAL) |
 //! | [`reflection`] | server reflection v1 + v1alpha routes advertising exactly the services a listener serves, health included |
 //! | [`trace_ctx`] | W3C trace context on HTTP headers, gRPC metadata and the transfer hello |
@@ -15,6 +16,7 @@
 #![forbid(unsafe_code)]
 
 pub mod auth;
+pub mod block_hash;
 pub mod codec;
 pub mod ids;
 pub mod reflection;

@@ -106,7 +106,7 @@ pub struct RouterConfig {
 
     /// Model directory (tokenizer.json, tokenizer_config.json, config.json); the router reads
     /// only the tokenizer and the config, never the weights.
-    #[arg(long = "model", env = "FERRY_MODEL", default_value_os_t = ferry_model::embedded::default_model_dir())]
+    #[arg(long = "model", env = "FERRY_MODEL", default_value_os_t = ferry_modelcard::embedded::default_model_dir())]
     pub model_dir: PathBuf,
 
     /// Name clients use in `model`; empty means the model directory's name.
@@ -185,7 +185,7 @@ impl Default for RouterConfig {
             internal_addr: SocketAddr::from(([127, 0, 0, 1], 50052)),
             cluster_token_file: None,
             cluster_token: None,
-            model_dir: ferry_model::embedded::default_model_dir(),
+            model_dir: ferry_modelcard::embedded::default_model_dir(),
             served_model_name: String::new(),
             policy: PolicyKind::CacheAware,
             heartbeat_timeout_ms: 3000,

@@ -33,7 +33,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Instant;
 
-use ferry_model::tokenizer::Tokenizer;
+use ferry_modelcard::tokenizer::Tokenizer;
 use ferry_proto::internal;
 use ferry_proto::{trace_ctx, v1};
 use futures::Stream;

@@ -309,7 +309,7 @@ pub enum RouterError {
         dir: PathBuf,
         /// What failed.
         #[source]
-        source: ferry_model::ModelError,
+        source: ferry_modelcard::CardError,
     },
 
     /// A listening socket could not be bound.

@@ -2,7 +2,7 @@
 //! detokenization, stop strings, usage.
 use std::sync::Arc;
 
-use ferry_model::tokenizer::{DecodeStream, Tokenizer};
+use ferry_modelcard::tokenizer::{DecodeStream, Tokenizer};
 
 use crate::error::RequestError;
 use crate::stop::{StopMatcher, StopOutcome};
@@ -118,7 +118,7 @@ impl OutputState {
     }
 }
 
-fn detok(e: ferry_model::ModelError) -> RequestError {
+fn detok(e: ferry_modelcard::CardError) -> RequestError {
     RequestError::Internal(format!("detokenization failed: {e}"))
 }
 
@@ -127,7 +127,7 @@ mod tests {
     use super::*;
 
     fn tokenizer() -> Arc<Tokenizer> {
-        let dir = ferry_model::embedded::default_model_dir();
+        let dir = ferry_modelcard::embedded::default_model_dir();
         Arc::new(Tokenizer::from_dir(&dir).expect("embedded tokenizer"))
     }
 

@@ -2,8 +2,8 @@
 use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
-use ferry_model::config::ModelConfig;
-use ferry_model::tokenizer::Tokenizer;
+use ferry_modelcard::config::ModelConfig;
+use ferry_modelcard::tokenizer::Tokenizer;
 use tokio_util::sync::CancellationToken;
 
 use crate::auth::ApiKeys;
@@ -78,7 +78,7 @@ impl AppState {
             name: config.model_name(),
             context_length: model_config.max_position_embeddings,
             vocab_size: model_config.vocab_size,
-            architecture: ferry_model::config::ARCHITECTURE,
+            architecture: ferry_modelcard::config::ARCHITECTURE,
             created: SystemTime::now()
                 .duration_since(UNIX_EPOCH)
                 .map_or(0, |d| d.as_secs()),

@@ -6,8 +6,8 @@
 //! at a time over a short window is microseconds, so it runs inline in the response stream.
 use std::sync::Arc;
 
-use ferry_model::tokenizer::{ChatMessage, Tokenizer};
-use ferry_model::ModelError;
+use ferry_modelcard::tokenizer::{ChatMessage, Tokenizer};
+use ferry_modelcard::CardError;
 use ferry_proto::ids::BlockHash;
 
 use crate::error::RequestError;
@@ -31,7 +31,7 @@ pub enum PromptInput {
 pub struct Prepared {
     /// Prompt token ids.
     pub tokens: Vec<u32>,
-    /// `ferry_model::kv::hash::block_hashes(tokens, page_size)`.
+    /// `ferry_proto::block_hash::block_hashes(tokens, page_size)`.
     pub hashes: Vec<BlockHash>,
 }
 
@@ -72,7 +72,7 @@ impl TokenizerPool {
                     tokenizer
                         .encode_chat(&messages, true)
                         .map_err(|e| match e {
-                            ModelError::ChatTemplate(msg) => {
+                            CardError::ChatTemplate(msg) => {
                                 RequestError::Invalid(ValidationError::new(
                                     "messages",
                                     format!("cannot be rendered: {msg}"),
@@ -82,7 +82,7 @@ impl TokenizerPool {
                         })?
                 }
             };
-            let hashes = ferry_model::kv::hash::block_hashes(&tokens, page_size);
+            let hashes = ferry_proto::block_hash::block_hashes(&tokens, page_size);
             Ok(Prepared { tokens, hashes })
         })
         .await
@@ -104,7 +104,7 @@ impl TokenizerPool {
     }
 }
 
-fn internal(e: ModelError) -> RequestError {
+fn internal(e: CardError) -> RequestError {
     RequestError::Internal(e.to_string())
 }
 

@@ -21,9 +21,8 @@
 //! worker runs with, then checked by the worker's own `SamplingParams::validate`, so whatever
 //! the router accepts the worker accepts: `temperature: 1e39` is `inf` in `f32` and is refused
 //! here naming `temperature`, not by the worker as a worker failure.
-use ferry_kernels::cpu::sample::SamplingParams;
-use ferry_kernels::KernelError;
-use ferry_model::tokenizer::ChatMessage;
+use ferry_modelcard::sampling::{SamplingError, SamplingParams};
+use ferry_modelcard::tokenizer::ChatMessage;
 use ferry_proto::ids::{BlockHash, RequestId};
 use ferry_proto::v1;
 
@@ -390,12 +389,12 @@ pub fn resolve_sampling(s: &SamplingInput) -> Result<Sampling, ValidationError> 
         min_p: s.min_p.unwrap_or(0.0) as f32,
         seed: s.seed,
     };
-    params.validate().map_err(|e| match e {
-        KernelError::InvalidSamplingParam {
-            field,
-            value,
-            limit,
-        } => {
+    params.validate().map_err(
+        |SamplingError {
+             field,
+             value,
+             limit,
+         }| {
             let given = match field {
                 "temperature" => s.temperature,
                 "top_p" => s.top_p,
@@ -409,9 +408,8 @@ pub fn resolve_sampling(s: &SamplingInput) -> Result<Sampling, ValidationError> 
                 format!(" ({value:?} as a 32-bit float)")
             };
             ValidationError::new(field, format!("must be {limit}, got {given:?}{as_f32}"))
-        }
-        other => ValidationError::new("sampling", other.to_string()),
-    })?;
+        },
+    )?;
     Ok(Sampling {
         temperature: params.temperature,
         top_k: params.top_k,
@@ -513,12 +511,12 @@ pub fn fit_context(
 mod tests {
     use std::sync::Arc;
 
-    use ferry_model::tokenizer::Tokenizer;
+    use ferry_modelcard::tokenizer::Tokenizer;
 
     use super::*;
 
     fn validator() -> Validator {
-        let dir = ferry_model::embedded::default_model_dir();
+        let dir = ferry_modelcard::embedded::default_model_dir();
         let tokenizer = Tokenizer::from_dir(&dir).expect("embedded tokenizer");
         Validator::new(ValidatorParams {
             model_name: "tiny".into(),

@@ -305,8 +305,8 @@ fn openai_error(what: &str, reply: &Reply, status: u16, kind: &str, code: &str) 
 }
 
 fn script() -> Vec<u32> {
-    let dir = ferry_model::embedded::default_model_dir();
-    let tok = ferry_model::tokenizer::Tokenizer::from_dir(&dir).expect("tokenizer");
+    let dir = ferry_modelcard::embedded::default_model_dir();
+    let tok = ferry_modelcard::tokenizer::Tokenizer::from_dir(&dir).expect("tokenizer");
     tok.encode(
         "In the beginning God created the heaven and the earth.",
         false,

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::body::Body;
-use ferry_model::tokenizer::Tokenizer;
+use ferry_modelcard::tokenizer::Tokenizer;
 use ferry_proto::internal;
 use ferry_proto::internal::registry_client::RegistryClient;
 use ferry_proto::v1::inference_client::InferenceClient;
@@ -214,7 +214,8 @@ async fn assert_http_failure(h: &Harness, status: u16, kind: &str, code: &str, c
 }
 
 fn script() -> (Tokenizer, Vec<u32>) {
-    let tok = Tokenizer::from_dir(&ferry_model::embedded::default_model_dir()).expect("tokenizer");
+    let tok =
+        Tokenizer::from_dir(&ferry_modelcard::embedded::default_model_dir()).expect("tokenizer");
     let tokens = tok
         .encode(
             "In the beginning God created the heaven and the earth, and the earth was without form.",

@@ -4,7 +4,7 @@
 //! requests keep being served by the real worker throughout the attempted hijack.
 mod common;
 
-use ferry_model::tokenizer::Tokenizer;
+use ferry_modelcard::tokenizer::Tokenizer;
 use ferry_proto::auth::{AttachToken, ClusterToken};
 use ferry_proto::internal::{self, registry_client::RegistryClient};
 use ferry_proto::v1::{self, generate_request::Input, inference_client::InferenceClient};
@@ -73,7 +73,8 @@ async fn generate(client: &mut InferenceClient<Channel>) -> Result<String, tonic
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_registry_is_internal_token_checked_and_cannot_be_hijacked() {
     let secret = token("cluster-secret-for-this-test");
-    let tok = Tokenizer::from_dir(&ferry_model::embedded::default_model_dir()).expect("tokenizer");
+    let tok =
+        Tokenizer::from_dir(&ferry_modelcard::embedded::default_model_dir()).expect("tokenizer");
     let script = tok
         .encode(" and the earth was without form, and void", false)
         .expect("encode");

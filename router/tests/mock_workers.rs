@@ -8,7 +8,7 @@ mod common;
 use std::time::Duration;
 
 use axum::body::Body;
-use ferry_model::tokenizer::Tokenizer;
+use ferry_modelcard::tokenizer::Tokenizer;
 use ferry_proto::internal;
 use ferry_proto::internal::registry_client::RegistryClient;
 use ferry_proto::v1::inference_client::InferenceClient;
@@ -68,7 +68,8 @@ async fn collect(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn router_serves_through_scripted_workers() {
-    let tok = Tokenizer::from_dir(&ferry_model::embedded::default_model_dir()).expect("tokenizer");
+    let tok =
+        Tokenizer::from_dir(&ferry_modelcard::embedded::default_model_dir()).expect("tokenizer");
     let script = tok
         .encode(
             "The quick brown fox jumps over the lazy dog, again and again and again.",

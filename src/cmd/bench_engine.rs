@@ -209,11 +209,11 @@ fn run_speculative(
     dir: &Path,
     model: &DeepseekModel,
 ) -> anyhow::Result<()> {
-    let drafter_dir = args
-        .drafter
-        .clone()
-        .or_else(|| ferry_model::drafter::default_for(dir))
-        .context("no drafter for this model: pass `--drafter DIR`")?;
+    let drafter_dir = match args.drafter.clone() {
+        Some(d) => d,
+        None => ferry_model::drafter::default_for(dir)?
+            .context("no drafter for this model: pass `--drafter DIR`")?,
+    };
     let drafter = DsparkDrafter::load(&drafter_dir, model.config())?;
     let ctx_limit = model.config().max_position_embeddings;
     if args.prompt_len + args.decode_steps + drafter.block_size() > ctx_limit {

@@ -119,8 +119,8 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         );
     }
 
-    if let Some(drafter) = args.spec.drafter_dir(&dir) {
-        if args.device.device == ferry_kernels::Device::Cpu {
+    if let Some(drafter) = args.spec.drafter_dir(&dir)? {
+        if args.device.resolve()? == ferry_kernels::Device::Cpu {
             let run = SpecRun {
                 prompt,
                 params,
@@ -131,6 +131,12 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
                 tokenizer: &tokenizer,
             };
             return generate_speculative(model, &drafter, &args.spec, run);
+        }
+        if args.spec.drafter.speculative == ferry_worker::args::SpecMode::On {
+            bail!(
+                "--speculative on: speculative decoding runs on the CPU engine only for now; \
+                 pass --device cpu, or --speculative auto to decode on the GPU without it"
+            );
         }
         tracing::info!("speculative decoding runs on the CPU engine only; decoding without it");
     }

@@ -23,7 +23,7 @@ use clap::Args;
 use ferry_decode::spec::SpecArgs;
 use ferry_proto::auth::ClusterToken;
 use ferry_router::config::PolicyKind;
-use ferry_worker::args::DeviceArgs;
+use ferry_worker::args::{DeviceArgs, SpecMode};
 use ferry_worker::shutdown::shutdown_token;
 use std::process::ExitStatus;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -89,9 +89,10 @@ pub struct UpArgs {
     /// context with the KV).
     #[command(flatten)]
     pub spec: SpecArgs,
-    /// Where every worker runs the model (`--device cuda` puts them all on GPU 0); each worker
-    /// falls back to the CPU with a warning if it cannot open the GPU. Speculative decoding
-    /// is CPU-only: workers on a GPU decode without it.
+    /// Where every worker runs the model: `auto` (the default) is resolved once here, to the
+    /// first GPU that opens or the CPU, and every worker gets that device; a named GPU that
+    /// cannot be opened stops `ferry up` with the reason. Speculative decoding is CPU-only for
+    /// now: workers on a GPU decode without it (`--speculative on` there is an error).
     #[command(flatten)]
     pub device: DeviceArgs,
 }
@@ -235,8 +236,17 @@ impl Proc {
 }
 
 /// Runs the cluster until Ctrl-C / SIGTERM.
-pub fn run(args: UpArgs) -> anyhow::Result<()> {
+pub fn run(mut args: UpArgs) -> anyhow::Result<()> {
     let model = embedded::model_dir(args.model.as_deref())?;
+    // One device for the whole cluster, checked before any child starts.
+    args.device.device = args.device.resolve().context("--device")?;
+    if args.device.device.is_gpu() && args.spec.drafter.speculative == SpecMode::On {
+        bail!(
+            "--speculative on: speculative decoding runs on the CPU engine only for now, and \
+             the workers would run on {}; pass --device cpu or --speculative auto",
+            args.device.device
+        );
+    }
     let served = match &args.model {
         Some(dir) => dir
             .file_name()
@@ -323,10 +333,7 @@ async fn up(args: UpArgs, exe: PathBuf, model: PathBuf, served: String) -> anyho
         let mut argv = common("prefill", i);
         argv.extend(["--metrics-addr".into(), addr.to_string()]);
         argv.extend(["--grpc-addr".into(), port()?.to_string()]);
-        argv.extend(["--speculative".into(), args.spec.speculative.to_string()]);
-        if let Some(d) = &args.spec.drafter {
-            argv.extend(["--drafter".into(), d.to_string_lossy().into_owned()]);
-        }
+        argv.extend(args.spec.drafter.to_args());
         procs.push(Proc::start(
             &exe,
             ChildSpec::new(name.clone(), argv, &token),
@@ -362,10 +369,12 @@ async fn up(args: UpArgs, exe: PathBuf, model: PathBuf, served: String) -> anyho
     );
     if args.device.device.is_gpu() {
         println!(
-            "  Device: {} ({} mode); a worker that cannot open it warns and runs on the CPU",
+            "  Device: {} ({} mode)",
             args.device.device,
             args.device.gpu_mode.as_str()
         );
+    } else {
+        println!("  Device: cpu");
     }
     println!("  HTTP (OpenAI API):         http://{}/v1", args.http_addr);
     println!("  gRPC (ferry.v1.Inference): {}", args.grpc_addr);

@@ -118,6 +118,9 @@ pub fn cluster_token() -> ferry_proto::auth::ClusterToken {
 
 /// Clears `FERRY_*` (except `FERRY_LOG`) from a child's environment: the tests run the
 /// embedded model with the flags and addresses given here, whatever the test run's environment.
+/// Clears the caller's `FERRY_*` settings (except `FERRY_LOG`) and pins the CPU: the default
+/// `--device auto` would put a GPU machine's workers on its GPU, and the reference text is the
+/// CPU's. A test that passes `--device` overrides it.
 fn remove_ferry_env(cmd: &mut Command) {
     for (key, _) in std::env::vars_os() {
         let name = key.to_string_lossy();
@@ -125,6 +128,7 @@ fn remove_ferry_env(cmd: &mut Command) {
             cmd.env_remove(&key);
         }
     }
+    cmd.env("FERRY_DEVICE", "cpu");
 }
 
 /// One child process; SIGKILLed and reaped on drop.

@@ -68,6 +68,77 @@ pub struct WorkerArgs {
     pub device: DeviceArgs,
 }
 
+/// `--speculative`: whether the engine runs with a DSpark drafter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, ValueEnum)]
+pub enum SpecMode {
+    /// With a drafter when one is configured (`--drafter`, or the embedded drafter for the
+    /// embedded model); plainly otherwise, saying so.
+    #[default]
+    Auto,
+    /// With a drafter, or not at all: no usable drafter is an error at start.
+    On,
+    /// Never.
+    Off,
+}
+
+impl SpecMode {
+    /// The flag's spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SpecMode::Auto => "auto",
+            SpecMode::On => "on",
+            SpecMode::Off => "off",
+        }
+    }
+}
+
+/// `--speculative` and `--drafter`: on both workers (a decode worker speculates; a prefill
+/// worker computes the drafter's context and ships it with the KV), `ferry up` and `generate`.
+#[derive(Debug, Clone, Default, Args)]
+pub struct DrafterArgs {
+    /// Speculative decoding: `auto` uses a drafter when one is configured, `on` requires one,
+    /// `off` never speculates.
+    #[arg(long, value_enum, default_value_t = SpecMode::Auto, env = "FERRY_SPECULATIVE")]
+    pub speculative: SpecMode,
+    /// DSpark drafter directory (config.json + model.safetensors); for the embedded target the
+    /// embedded drafter, which is compiled into the binary.
+    #[arg(long, env = "FERRY_DRAFTER")]
+    pub drafter: Option<PathBuf>,
+}
+
+impl DrafterArgs {
+    /// The drafter to load for the target in `model_dir`: none when `off`; else `--drafter`,
+    /// else the embedded drafter for the embedded target; `on` without either is an error
+    /// naming what to pass. The drafter's files are checked when the engine loads them.
+    pub fn resolve(&self, model_dir: &std::path::Path) -> Result<Option<PathBuf>, ServeError> {
+        if self.speculative == SpecMode::Off {
+            return Ok(None);
+        }
+        let found = match &self.drafter {
+            Some(d) => Some(d.clone()),
+            None => ferry_model::drafter::default_for(model_dir)
+                .map_err(|e| ServeError::Model(format!("the embedded drafter: {e}")))?,
+        };
+        match (found, self.speculative) {
+            (None, SpecMode::On) => Err(ServeError::Config(format!(
+                "--speculative on needs a drafter: pass --drafter DIR (the embedded drafter \
+                 fits only the embedded model, and {} is not it)",
+                model_dir.display()
+            ))),
+            (found, _) => Ok(found),
+        }
+    }
+
+    /// Flags that reproduce these settings on a child process (`ferry up`).
+    pub fn to_args(&self) -> Vec<String> {
+        let mut v = vec!["--speculative".into(), self.speculative.as_str().into()];
+        if let Some(d) = &self.drafter {
+            v.extend(["--drafter".into(), d.to_string_lossy().into_owned()]);
+        }
+        v
+    }
+}
+
 /// GPU numerics, as a flag.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum GpuModeArg {
@@ -91,9 +162,9 @@ impl GpuModeArg {
 /// which forwards them to its workers, `generate`, `bench-engine`).
 #[derive(Debug, Clone, Args)]
 pub struct DeviceArgs {
-    /// Where the model runs: cpu, cuda[:N] or rocm[:N]. A GPU that cannot be opened falls
-    /// back to the CPU with a warning.
-    #[arg(long, env = "FERRY_DEVICE", default_value = "cpu")]
+    /// Where the model runs: auto (the first GPU that opens, else the CPU), cpu, cuda[:N] or
+    /// rocm[:N]. A named GPU that cannot be opened is an error naming the reason.
+    #[arg(long, env = "FERRY_DEVICE", default_value = "auto")]
     pub device: Device,
     /// Numerics on a GPU.
     #[arg(long, env = "FERRY_GPU_MODE", value_enum, default_value_t = GpuModeArg::Exact)]
@@ -103,7 +174,7 @@ pub struct DeviceArgs {
 impl Default for DeviceArgs {
     fn default() -> Self {
         Self {
-            device: Device::Cpu,
+            device: Device::Auto,
             gpu_mode: GpuModeArg::Exact,
         }
     }
@@ -118,15 +189,24 @@ impl DeviceArgs {
         }
     }
 
-    /// The CUDA device to use, or `None` for the CPU (after a warning if a GPU was asked for
-    /// and cannot be used).
-    pub fn cuda(&self) -> Option<CudaDevice> {
-        ferry_model::engine::open_cuda(self.device)
+    /// The device that runs: `auto` resolved, a named GPU checked (an error naming the reason
+    /// if it cannot be opened).
+    pub fn resolve(&self) -> Result<Device, ModelError> {
+        Ok(self.device.resolve()?)
+    }
+
+    /// The CUDA device to use, or `None` when the resolved device is the CPU; a named GPU that
+    /// cannot be opened (or ROCm, whose whole-model forward does not exist yet) is an error.
+    pub fn cuda(&self) -> Result<Option<CudaDevice>, ModelError> {
+        match self.resolve()? {
+            Device::Cpu => Ok(None),
+            d => ferry_model::engine::open_cuda(d).map(Some),
+        }
     }
 
     /// The model uploaded to the GPU, if a GPU is used.
     pub fn gpu_model(&self, model: &DeepseekModel) -> Result<Option<GpuModel>, ModelError> {
-        self.cuda()
+        self.cuda()?
             .map(|dev| GpuModel::upload(&dev, model, self.mode()))
             .transpose()
     }
@@ -243,11 +323,68 @@ mod tests {
         let child = Cli::try_parse_from(argv).unwrap();
         assert_eq!(child.worker.device.device, Device::Cuda(1));
         assert_eq!(child.worker.device.gpu_mode, GpuModeArg::Fast);
-        // The default stays the CPU.
+        // The default is `auto`: the engine resolves it to the first GPU that opens.
         let plain = Cli::try_parse_from(["w"]).unwrap().worker.engine_config();
         if std::env::var_os("FERRY_DEVICE").is_none() {
-            assert_eq!(plain.device, Device::Cpu);
+            assert_eq!(plain.device, Device::Auto);
         }
         assert!(Cli::try_parse_from(["w", "--device", "tpu"]).is_err());
+    }
+
+    #[derive(Debug, Parser)]
+    struct SpecCli {
+        #[command(flatten)]
+        spec: DrafterArgs,
+    }
+
+    #[test]
+    fn speculation_on_without_a_drafter_is_an_error_auto_is_not() {
+        let elsewhere = tempfile::tempdir().unwrap();
+        let parse = |args: &[&str]| {
+            let mut argv = vec!["w"];
+            argv.extend_from_slice(args);
+            SpecCli::try_parse_from(argv).unwrap().spec
+        };
+        // A model that is not the embedded one has no default drafter.
+        let err = parse(&["--speculative", "on"])
+            .resolve(elsewhere.path())
+            .expect_err("on without a drafter");
+        assert!(err.to_string().contains("--drafter"), "{err}");
+        assert_eq!(
+            parse(&["--speculative", "auto"])
+                .resolve(elsewhere.path())
+                .unwrap(),
+            None
+        );
+        assert_eq!(
+            parse(&["--speculative", "off"])
+                .resolve(elsewhere.path())
+                .unwrap(),
+            None
+        );
+        // The embedded target finds the compiled-in drafter, whatever directory holds it.
+        let target = ferry_model::embedded::TARGET.dir().unwrap();
+        let copy = tempfile::tempdir().unwrap();
+        std::fs::copy(target.join("config.json"), copy.path().join("config.json")).unwrap();
+        let found = parse(&["--speculative", "on"])
+            .resolve(copy.path())
+            .unwrap();
+        let found = found.expect("the embedded drafter");
+        assert!(
+            found.join("model.safetensors").is_file(),
+            "{}",
+            found.display()
+        );
+        // An explicit drafter wins and round-trips to children.
+        let explicit = parse(&["--speculative", "on", "--drafter", "/d"]);
+        assert_eq!(
+            explicit.resolve(elsewhere.path()).unwrap(),
+            Some("/d".into())
+        );
+        let mut argv = vec!["w".to_string()];
+        argv.extend(explicit.to_args());
+        let child = SpecCli::try_parse_from(argv).unwrap().spec;
+        assert_eq!(child.speculative, SpecMode::On);
+        assert_eq!(child.drafter, Some("/d".into()));
     }
 }

@@ -36,30 +36,19 @@ use crate::deepseek::DeepseekModel;
 use crate::kv::{BlockId, KvLayout, KvPool};
 use crate::ModelError;
 
-/// Directory of the embedded drafter for the embedded target, `models/tiny-k3-dspark` in the
-/// source checkout (trained by `scripts/make_tiny_k3.py train-drafter`, self-distilled from the
-/// embedded target).
+/// The source checkout's copy of the embedded drafter, `models/tiny-k3-dspark` (trained by
+/// `scripts/make_tiny_k3.py train-drafter`, self-distilled from the embedded target), with its
+/// golden data; tests read it. A binary finds the drafter through [`default_for`], which also
+/// works with no source tree (the weights are compiled in).
 pub fn embedded_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("..")
-        .join("models")
-        .join("tiny-k3-dspark")
+    ferry_modelcard::embedded::DRAFTER.source_dir()
 }
 
-/// The drafter to use by default for the target in `target_dir`: the embedded drafter when the
-/// target is the embedded model (the source checkout's copy, or any directory whose
-/// `config.json` is byte-identical to it) and the embedded drafter's files exist; else none.
-pub fn default_for(target_dir: &std::path::Path) -> Option<PathBuf> {
-    let embedded_target = crate::embedded::default_model_dir();
-    let same = |a: &std::path::Path, b: &std::path::Path| match (
-        std::fs::read(a.join("config.json")),
-        std::fs::read(b.join("config.json")),
-    ) {
-        (Ok(x), Ok(y)) => x == y,
-        _ => false,
-    };
-    let dir = embedded_dir();
-    (same(target_dir, &embedded_target) && dir.join("config.json").is_file()).then_some(dir)
+/// The drafter to use by default for the target in `target_dir`: the embedded drafter
+/// (compiled into the binary, unpacked on first use) when the target is the embedded model
+/// (its `config.json` byte-identical to the embedded one); else none.
+pub fn default_for(target_dir: &std::path::Path) -> Result<Option<PathBuf>, ModelError> {
+    Ok(ferry_modelcard::embedded::default_drafter_for(target_dir).transpose()?)
 }
 
 /// How drafter context rows (`kv_width` floats: K then V of every KV head) are stored in a pool

@@ -77,15 +77,17 @@ pub(crate) enum Backend {
 }
 
 impl Backend {
-    /// `model` on `device` with a KV cache shaped like the host pool's `layout`. A GPU that
-    /// cannot be opened is a warning and the CPU runs instead; one that opens but cannot hold
-    /// the model or the cache is an error.
+    /// `model` on `device` (`auto` resolved first) with a KV cache shaped like the host pool's
+    /// `layout`. A named GPU that cannot be opened, cannot hold the model or the cache, or whose
+    /// backend does not run the whole model (ROCm, for now) is an error naming the reason:
+    /// never a quiet fall-back to the CPU.
     pub(crate) fn open(
         model: DeepseekModel,
         layout: &KvLayout,
         device: Device,
         mode: GpuMode,
     ) -> Result<Self, ModelError> {
+        let device = device.resolve()?;
         if device == Device::Cpu {
             return Ok(Backend::Cpu(Box::new(model)));
         }
@@ -152,53 +154,45 @@ fn open_gpu(
     device: Device,
     mode: GpuMode,
 ) -> Result<Backend, ModelError> {
-    match open_cuda(device) {
-        Some(dev) => Ok(Backend::Cuda(Box::new(cuda::CudaBackend::new(
-            &dev, model, layout, mode,
-        )?))),
-        None => Ok(Backend::Cpu(Box::new(model))),
-    }
+    let dev = open_cuda(device)?;
+    Ok(Backend::Cuda(Box::new(cuda::CudaBackend::new(
+        &dev, model, layout, mode,
+    )?)))
 }
 
 #[cfg(not(feature = "cuda"))]
 fn open_gpu(
-    model: DeepseekModel,
+    _model: DeepseekModel,
     _layout: &KvLayout,
     device: Device,
     _mode: GpuMode,
 ) -> Result<Backend, ModelError> {
-    let reason = device.probe().err().map_or(
-        "the model forward needs the `cuda` feature".to_string(),
-        |e| e.to_string(),
-    );
-    tracing::warn!(%device, %reason, "running on the CPU instead");
-    Ok(Backend::Cpu(Box::new(model)))
+    Err(ferry_kernels::KernelError::DeviceUnavailable {
+        device: device.to_string(),
+        reason: "the model forward on a GPU needs the `cuda` feature".into(),
+    }
+    .into())
 }
 
-/// The CUDA device `device` names, opened; or `None`, after a warning that names the reason,
-/// when the CPU must run instead: the CPU was asked for, no driver or libraries, no such
-/// ordinal, or ROCm (whose backend does not run the whole model yet).
+/// The CUDA device `device` names (`auto` resolved first), opened. Anything else is an error
+/// naming the reason: no driver or libraries, no such ordinal, the CPU, or ROCm (whose backend
+/// runs the kernel sources but not the whole model yet).
 #[cfg(feature = "cuda")]
-pub fn open_cuda(device: Device) -> Option<ferry_kernels::cuda::CudaDevice> {
-    match device {
-        Device::Cpu => None,
-        Device::Rocm(_) => {
-            let reason = device.probe().err().map_or(
-                "the ROCm backend does not run the whole model yet".to_string(),
-                |e| e.to_string(),
-            );
-            tracing::warn!(%device, %reason, "running on the CPU instead");
-            None
+pub fn open_cuda(device: Device) -> Result<ferry_kernels::cuda::CudaDevice, ModelError> {
+    let unavailable = |reason: &str| ferry_kernels::KernelError::DeviceUnavailable {
+        device: device.to_string(),
+        reason: reason.into(),
+    };
+    match device.resolve()? {
+        Device::Cuda(n) => {
+            let dev = ferry_kernels::cuda::CudaDevice::open(n)?;
+            tracing::info!(device = ?dev, "running on the GPU");
+            Ok(dev)
         }
-        Device::Cuda(n) => match ferry_kernels::cuda::CudaDevice::open(n) {
-            Ok(dev) => {
-                tracing::info!(device = ?dev, "running on the GPU");
-                Some(dev)
-            }
-            Err(e) => {
-                tracing::warn!(%device, reason = %e, "running on the CPU instead");
-                None
-            }
-        },
+        Device::Rocm(_) => Err(unavailable(
+            "the ROCm backend compiles and runs the kernels, but not the whole model yet",
+        )
+        .into()),
+        Device::Cpu | Device::Auto => Err(unavailable("no CUDA device here").into()),
     }
 }

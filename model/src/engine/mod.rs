@@ -62,9 +62,9 @@ pub struct EngineConfig {
     pub max_in_flight: usize,
     /// Speculative decoding policy (used when the engine has a drafter).
     pub spec: SpecConfig,
-    /// Where the model runs: `cpu`, or `cuda:N` for the whole model and its KV cache on that
-    /// GPU. A GPU that cannot be opened is a warning and the CPU runs instead
-    /// ([`EngineHandle::device`] says which).
+    /// Where the model runs: `cpu`, `cuda:N` for the whole model and its KV cache on that GPU,
+    /// or `auto` (the first GPU that opens, else the CPU; [`EngineHandle::device`] says which).
+    /// A named GPU that cannot be opened fails the engine's start with the reason.
     pub device: Device,
     /// Numerics on a GPU.
     pub gpu_mode: GpuMode,

@@ -39,7 +39,7 @@ pub const V2_LITE_LIKE: &str = r#"{
 
 /// The parsed [`V2_LITE_LIKE`] config.
 pub fn v2_lite_like_config() -> Result<ModelConfig, ModelError> {
-    ModelConfig::from_json_str(V2_LITE_LIKE)
+    Ok(ModelConfig::from_json_str(V2_LITE_LIKE)?)
 }
 
 /// Draws random bf16 weights (uniform, variance-preserving scale) on `dev`.

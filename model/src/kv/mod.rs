@@ -21,7 +21,8 @@
 //! the router can send a prompt where its prefix already is. Both workers go through
 //! [`KvManager`] for all of it.
 pub mod events;
-pub mod hash;
+/// Prefix identity (chained block hashes), owned by the wire contract it is part of.
+pub use ferry_proto::block_hash as hash;
 pub mod layout;
 pub mod manager;
 pub mod pool;

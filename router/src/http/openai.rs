@@ -3,7 +3,7 @@
 //! Requests accept unknown fields (clients send many: `user`, `frequency_penalty`, …) and
 //! ignore them. Extensions beyond OpenAI: `top_k`, `min_p`, `ignore_eos`, `speculative` (OpenAI
 //! clients send them with `extra_body`).
-use ferry_model::tokenizer::ChatMessage;
+use ferry_modelcard::tokenizer::ChatMessage;
 use serde::{Deserialize, Serialize};
 
 use crate::output::{FinishReason, Usage};

@@ -2,9 +2,9 @@
 //! errors that name the offending field.
 use std::path::{Path, PathBuf};
 
-use ferry_kernels::cpu::rope::{RopeScaling, YarnParams};
-use ferry_model::config::{Fp8BlockQuant, ModelConfig};
-use ferry_model::ModelError;
+use ferry_modelcard::config::{Fp8BlockQuant, ModelConfig};
+use ferry_modelcard::rope::{RopeScaling, YarnParams};
+use ferry_modelcard::CardError;
 use serde_json::{json, Value};
 
 fn fixture(name: &str) -> PathBuf {
@@ -20,7 +20,7 @@ fn fixture_json(name: &str) -> anyhow::Result<Value> {
 }
 
 /// K2's config with `edit` applied, parsed.
-fn k2_with(edit: impl FnOnce(&mut Value)) -> anyhow::Result<Result<ModelConfig, ModelError>> {
+fn k2_with(edit: impl FnOnce(&mut Value)) -> anyhow::Result<Result<ModelConfig, CardError>> {
     let mut v = fixture_json("kimi_k2_config.json")?;
     edit(&mut v);
     Ok(ModelConfig::from_json_str(&v.to_string()))
@@ -35,7 +35,7 @@ fn yarn(cfg: &ModelConfig) -> anyhow::Result<&YarnParams> {
 
 /// Asserts a `Config` error for `field` whose message contains every string in `needles`.
 fn assert_config_err(
-    result: Result<ModelConfig, ModelError>,
+    result: Result<ModelConfig, CardError>,
     field: &str,
     needles: &[&str],
 ) -> anyhow::Result<()> {
@@ -45,8 +45,8 @@ fn assert_config_err(
     };
     let text = err.to_string();
     match &err {
-        ModelError::Config { field: f, .. } => assert_eq!(f, field, "{text}"),
-        other => anyhow::bail!("expected ModelError::Config for `{field}`, got {other:?}"),
+        CardError::Config { field: f, .. } => assert_eq!(f, field, "{text}"),
+        other => anyhow::bail!("expected CardError::Config for `{field}`, got {other:?}"),
     }
     assert!(text.contains(&format!("`{field}`")), "{text}");
     for needle in needles {
@@ -224,7 +224,7 @@ fn optional_fields_and_eos_lists() -> anyhow::Result<()> {
 fn unsupported_architecture_is_named() -> anyhow::Result<()> {
     let result = k2_with(|v| v["architectures"] = json!(["LlamaForCausalLM"]))?;
     match result {
-        Err(e @ ModelError::UnsupportedArchitecture(_)) => {
+        Err(e @ CardError::UnsupportedArchitecture(_)) => {
             assert!(e.to_string().contains("LlamaForCausalLM"), "{e}");
         }
         other => anyhow::bail!("expected UnsupportedArchitecture, got {other:?}"),
@@ -240,11 +240,11 @@ fn unsupported_architecture_is_named() -> anyhow::Result<()> {
 fn missing_file_and_bad_json() -> anyhow::Result<()> {
     let path = fixture("no_such_config.json");
     match ModelConfig::from_file(&path) {
-        Err(ModelError::MissingFile(p)) => assert_eq!(p, path),
+        Err(CardError::MissingFile(p)) => assert_eq!(p, path),
         other => anyhow::bail!("expected MissingFile, got {other:?}"),
     }
     match ModelConfig::from_json_str("{\"hidden_size\": 7168,") {
-        Err(e @ ModelError::Config { .. }) => {
+        Err(e @ CardError::Config { .. }) => {
             let text = e.to_string();
             assert!(
                 text.contains("invalid JSON") && text.contains("line 1"),

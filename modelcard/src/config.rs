@@ -22,10 +22,10 @@
 //! `rope_scaling` object (`type` or `rope_type`).
 use std::path::Path;
 
-use ferry_kernels::cpu::rope::{softmax_scale_multiplier, RopeParams, RopeScaling, YarnParams};
+use crate::rope::{softmax_scale_multiplier, RopeParams, RopeScaling, YarnParams};
 use serde_json::{Map, Value};
 
-use crate::error::ModelError;
+use crate::error::CardError;
 
 /// The only architecture ferry implements.
 pub const ARCHITECTURE: &str = "DeepseekV3ForCausalLM";
@@ -119,13 +119,13 @@ pub struct ModelConfig {
 impl ModelConfig {
     /// Reads and validates `config.json` at `path`.
     ///
-    /// A missing file is [`ModelError::MissingFile`]; malformed JSON is a
-    /// [`ModelError::Config`] carrying serde's message (with line and column).
-    pub fn from_file(path: &Path) -> Result<Self, ModelError> {
+    /// A missing file is [`CardError::MissingFile`]; malformed JSON is a
+    /// [`CardError::Config`] carrying serde's message (with line and column).
+    pub fn from_file(path: &Path) -> Result<Self, CardError> {
         if !path.exists() {
-            return Err(ModelError::MissingFile(path.to_path_buf()));
+            return Err(CardError::MissingFile(path.to_path_buf()));
         }
-        let text = std::fs::read_to_string(path).map_err(|source| ModelError::Io {
+        let text = std::fs::read_to_string(path).map_err(|source| CardError::Io {
             path: path.to_path_buf(),
             source,
         })?;
@@ -133,11 +133,11 @@ impl ModelConfig {
     }
 
     /// Parses and validates the text of a `config.json`.
-    pub fn from_json_str(json: &str) -> Result<Self, ModelError> {
+    pub fn from_json_str(json: &str) -> Result<Self, CardError> {
         let value: Value = serde_json::from_str(json)
-            .map_err(|e| ModelError::config("config.json", format!("invalid JSON: {e}")))?;
+            .map_err(|e| CardError::config("config.json", format!("invalid JSON: {e}")))?;
         let Value::Object(map) = value else {
-            return Err(ModelError::config(
+            return Err(CardError::config(
                 "config.json",
                 "expected a JSON object at the top level",
             ));
@@ -171,7 +171,7 @@ impl ModelConfig {
     }
 }
 
-fn parse(f: &Fields<'_>) -> Result<ModelConfig, ModelError> {
+fn parse(f: &Fields<'_>) -> Result<ModelConfig, CardError> {
     check_architecture(f)?;
     let model_type = f.opt_str("model_type")?;
     if let Some(t) = &model_type {
@@ -288,7 +288,7 @@ fn parse(f: &Fields<'_>) -> Result<ModelConfig, ModelError> {
     })
 }
 
-fn check_architecture(f: &Fields<'_>) -> Result<(), ModelError> {
+fn check_architecture(f: &Fields<'_>) -> Result<(), CardError> {
     let Some(value) = f.get("architectures") else {
         return Err(f.err(
             "architectures",
@@ -311,7 +311,7 @@ fn check_architecture(f: &Fields<'_>) -> Result<(), ModelError> {
             format!("expected [\"{ARCHITECTURE}\"], got {value}"),
         ));
     }
-    Err(ModelError::UnsupportedArchitecture(names.join(", ")))
+    Err(CardError::UnsupportedArchitecture(names.join(", ")))
 }
 
 /// The MoE part of the config, validated together because its limits refer to each other.
@@ -328,7 +328,7 @@ struct Moe {
     routed_scaling_factor: f32,
 }
 
-fn parse_moe(f: &Fields<'_>, num_hidden_layers: usize) -> Result<Moe, ModelError> {
+fn parse_moe(f: &Fields<'_>, num_hidden_layers: usize) -> Result<Moe, CardError> {
     let n_routed_experts = f.opt_usize("n_routed_experts")?.unwrap_or(0);
     let moe_layer_freq = f.opt_usize("moe_layer_freq")?.unwrap_or(1);
     if moe_layer_freq == 0 {
@@ -417,7 +417,7 @@ fn parse_rope(
     f: &Fields<'_>,
     dim: usize,
     max_position_embeddings: usize,
-) -> Result<RopeParams, ModelError> {
+) -> Result<RopeParams, CardError> {
     let interleaved = f.opt_bool("rope_interleave")?.unwrap_or(true);
     let top_theta = f.opt_f64("rope_theta")?;
     let (params, theta) = match f.object("rope_parameters")? {
@@ -460,7 +460,7 @@ fn parse_rope(
     })
 }
 
-fn parse_yarn(p: &Fields<'_>, max_position_embeddings: usize) -> Result<YarnParams, ModelError> {
+fn parse_yarn(p: &Fields<'_>, max_position_embeddings: usize) -> Result<YarnParams, CardError> {
     let factor = p.positive_f64("factor", None)?;
     let original_max_position_embeddings = p
         .opt_usize("original_max_position_embeddings")?
@@ -482,7 +482,7 @@ fn parse_yarn(p: &Fields<'_>, max_position_embeddings: usize) -> Result<YarnPara
     })
 }
 
-fn parse_quantization(f: &Fields<'_>) -> Result<Option<Fp8BlockQuant>, ModelError> {
+fn parse_quantization(f: &Fields<'_>) -> Result<Option<Fp8BlockQuant>, CardError> {
     let Some(q) = f.object("quantization_config")? else {
         return Ok(None);
     };
@@ -526,7 +526,7 @@ fn parse_quantization(f: &Fields<'_>) -> Result<Option<Fp8BlockQuant>, ModelErro
     }))
 }
 
-fn token_id(f: &Fields<'_>, key: &str, v: &Value, vocab_size: usize) -> Result<u32, ModelError> {
+fn token_id(f: &Fields<'_>, key: &str, v: &Value, vocab_size: usize) -> Result<u32, CardError> {
     let id = v
         .as_u64()
         .and_then(|n| u32::try_from(n).ok())
@@ -568,8 +568,8 @@ impl<'a> Fields<'a> {
         }
     }
 
-    fn err(&self, key: &str, message: impl Into<String>) -> ModelError {
-        ModelError::config(self.path(key), message)
+    fn err(&self, key: &str, message: impl Into<String>) -> CardError {
+        CardError::config(self.path(key), message)
     }
 
     /// The value at `key`; JSON `null` counts as absent.
@@ -577,7 +577,7 @@ impl<'a> Fields<'a> {
         self.map.get(key).filter(|v| !v.is_null())
     }
 
-    fn opt_usize(&self, key: &str) -> Result<Option<usize>, ModelError> {
+    fn opt_usize(&self, key: &str) -> Result<Option<usize>, CardError> {
         let Some(v) = self.get(key) else {
             return Ok(None);
         };
@@ -594,7 +594,7 @@ impl<'a> Fields<'a> {
             .ok_or_else(|| self.err(key, format!("must be a non-negative integer, got {v}")))
     }
 
-    fn positive(&self, key: &str) -> Result<usize, ModelError> {
+    fn positive(&self, key: &str) -> Result<usize, CardError> {
         match self.opt_usize(key)? {
             None => Err(self.err(key, "missing")),
             Some(0) => Err(self.err(key, "must be > 0, got 0")),
@@ -602,7 +602,7 @@ impl<'a> Fields<'a> {
         }
     }
 
-    fn opt_f64(&self, key: &str) -> Result<Option<f64>, ModelError> {
+    fn opt_f64(&self, key: &str) -> Result<Option<f64>, CardError> {
         let Some(v) = self.get(key) else {
             return Ok(None);
         };
@@ -612,7 +612,7 @@ impl<'a> Fields<'a> {
     }
 
     /// A finite number > 0; `default` when absent, or a "missing" error when there is none.
-    fn positive_f64(&self, key: &str, default: Option<f64>) -> Result<f64, ModelError> {
+    fn positive_f64(&self, key: &str, default: Option<f64>) -> Result<f64, CardError> {
         let x = self
             .opt_f64(key)?
             .or(default)
@@ -625,7 +625,7 @@ impl<'a> Fields<'a> {
     }
 
     /// Errors unless the string at `key` is absent or equals `want` (`why` says what it means).
-    fn require_str(&self, key: &str, want: &str, why: &str) -> Result<(), ModelError> {
+    fn require_str(&self, key: &str, want: &str, why: &str) -> Result<(), CardError> {
         match self.opt_str(key)? {
             Some(got) if got != want => {
                 Err(self.err(key, format!("must be {want:?} ({why}), got {got:?}")))
@@ -634,7 +634,7 @@ impl<'a> Fields<'a> {
         }
     }
 
-    fn opt_bool(&self, key: &str) -> Result<Option<bool>, ModelError> {
+    fn opt_bool(&self, key: &str) -> Result<Option<bool>, CardError> {
         let Some(v) = self.get(key) else {
             return Ok(None);
         };
@@ -643,7 +643,7 @@ impl<'a> Fields<'a> {
             .ok_or_else(|| self.err(key, format!("must be true or false, got {v}")))
     }
 
-    fn opt_str(&self, key: &str) -> Result<Option<String>, ModelError> {
+    fn opt_str(&self, key: &str) -> Result<Option<String>, CardError> {
         let Some(v) = self.get(key) else {
             return Ok(None);
         };
@@ -652,7 +652,7 @@ impl<'a> Fields<'a> {
             .ok_or_else(|| self.err(key, format!("must be a string, got {v}")))
     }
 
-    fn object(&self, key: &str) -> Result<Option<Fields<'a>>, ModelError> {
+    fn object(&self, key: &str) -> Result<Option<Fields<'a>>, CardError> {
         match self.get(key) {
             None => Ok(None),
             Some(Value::Object(m)) => Ok(Some(Fields::new(m, &self.path(key)))),

@@ -30,7 +30,7 @@ use minijinja::value::{Kwargs, Value, ValueKind};
 use minijinja::{Environment, ErrorKind};
 use serde::{Deserialize, Serialize};
 
-use crate::error::ModelError;
+use crate::error::CardError;
 
 /// The tokenizer file every model directory must have.
 pub const TOKENIZER_FILE: &str = "tokenizer.json";
@@ -100,24 +100,24 @@ impl std::fmt::Debug for Tokenizer {
 }
 
 impl Tokenizer {
-    /// Loads `tokenizer.json` (required: [`ModelError::MissingFile`] if absent) and, when
+    /// Loads `tokenizer.json` (required: [`CardError::MissingFile`] if absent) and, when
     /// present, `tokenizer_config.json` and `chat_template.jinja` from `dir`.
     ///
     /// The chat template is compiled here, so a template with a syntax error fails loading
-    /// ([`ModelError::ChatTemplate`]) rather than the first request.
-    pub fn from_dir(dir: &Path) -> Result<Self, ModelError> {
+    /// ([`CardError::ChatTemplate`]) rather than the first request.
+    pub fn from_dir(dir: &Path) -> Result<Self, CardError> {
         let path = dir.join(TOKENIZER_FILE);
         if !path.exists() {
-            return Err(ModelError::MissingFile(path));
+            return Err(CardError::MissingFile(path));
         }
         let inner = tokenizers::Tokenizer::from_file(&path)
-            .map_err(|e| ModelError::Tokenizer(format!("cannot load `{}`: {e}", path.display())))?;
+            .map_err(|e| CardError::Tokenizer(format!("cannot load `{}`: {e}", path.display())))?;
 
         let config_path = dir.join(TOKENIZER_CONFIG_FILE);
         let config = if config_path.exists() {
             let text = read(&config_path)?;
             serde_json::from_str::<serde_json::Value>(&text).map_err(|e| {
-                ModelError::Tokenizer(format!("invalid `{}`: {e}", config_path.display()))
+                CardError::Tokenizer(format!("invalid `{}`: {e}", config_path.display()))
             })?
         } else {
             serde_json::Value::Null
@@ -147,7 +147,7 @@ impl Tokenizer {
             let matcher = AhoCorasick::builder()
                 .match_kind(MatchKind::LeftmostLongest)
                 .build(&special_texts)
-                .map_err(|e| ModelError::Tokenizer(format!("special-token matcher: {e}")))?;
+                .map_err(|e| CardError::Tokenizer(format!("special-token matcher: {e}")))?;
             Some(matcher)
         };
         let longest = inner
@@ -175,26 +175,22 @@ impl Tokenizer {
 
     /// Token ids of `text`; `add_special_tokens` applies the tokenizer's post-processor (e.g.
     /// a leading BOS). Prompts rendered by a chat template already contain their special tokens.
-    pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, ModelError> {
+    pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, CardError> {
         self.inner
             .encode(text, add_special_tokens)
             .map(|e| e.get_ids().to_vec())
-            .map_err(|e| ModelError::Tokenizer(format!("encode failed: {e}")))
+            .map_err(|e| CardError::Tokenizer(format!("encode failed: {e}")))
     }
 
     /// Token ids of client text: like [`Tokenizer::encode`], but special-token text in `text`
     /// is tokenized as the plain characters it is (`<|bos|>` becomes several ordinary ids), so
     /// a prompt cannot forge the control tokens a chat template uses. `add_special_tokens`
     /// still applies the post-processor (e.g. a leading BOS), which the client asks for.
-    pub fn encode_text(
-        &self,
-        text: &str,
-        add_special_tokens: bool,
-    ) -> Result<Vec<u32>, ModelError> {
+    pub fn encode_text(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, CardError> {
         self.plain
             .encode(text, add_special_tokens)
             .map(|e| e.get_ids().to_vec())
-            .map_err(|e| ModelError::Tokenizer(format!("encode failed: {e}")))
+            .map_err(|e| CardError::Tokenizer(format!("encode failed: {e}")))
     }
 
     /// The first special token's text found in `text`, if any.
@@ -232,16 +228,16 @@ impl Tokenizer {
     /// boundary are as in a normal encode). If putting the contents back into the placeholder
     /// render does not give the real render (the template transforms content, e.g. with
     /// `.strip()` or `.split()`), the spans are unknown and the request fails
-    /// ([`ModelError::ChatTemplate`]) rather than risk a forged control token. A role holding
+    /// ([`CardError::ChatTemplate`]) rather than risk a forged control token. A role holding
     /// special-token text fails the same way.
     pub fn encode_chat(
         &self,
         messages: &[ChatMessage],
         add_generation_prompt: bool,
-    ) -> Result<Vec<u32>, ModelError> {
+    ) -> Result<Vec<u32>, CardError> {
         for (i, m) in messages.iter().enumerate() {
             if let Some(token) = self.find_special_token(&m.role) {
-                return Err(ModelError::ChatTemplate(format!(
+                return Err(CardError::ChatTemplate(format!(
                     "the role of message {i} contains the special token {token:?}"
                 )));
             }
@@ -257,7 +253,7 @@ impl Tokenizer {
         let spans = self
             .content_spans(messages, add_generation_prompt, &rendered)?
             .ok_or_else(|| {
-                ModelError::ChatTemplate(format!(
+                CardError::ChatTemplate(format!(
                     "message {index} contains the special token {token:?}, and this model's \
                      chat template changes message content, so its text cannot be kept apart \
                      from the template's control tokens; remove the special token"
@@ -273,7 +269,7 @@ impl Tokenizer {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
         rendered: &str,
-    ) -> Result<Option<Vec<Range<usize>>>, ModelError> {
+    ) -> Result<Option<Vec<Range<usize>>>, CardError> {
         let marked: Vec<ChatMessage> = messages
             .iter()
             .enumerate()
@@ -319,7 +315,7 @@ impl Tokenizer {
         &self,
         text: &str,
         spans: &[Range<usize>],
-    ) -> Result<Vec<u32>, ModelError> {
+    ) -> Result<Vec<u32>, CardError> {
         // Special tokens the template emitted: matches lying wholly in template-owned text.
         let mut controls: Vec<(Range<usize>, u32)> = Vec::new();
         let mut owned_start = 0;
@@ -360,10 +356,10 @@ impl Tokenizer {
     }
 
     /// Text of `ids`; `skip_special_tokens` drops special tokens such as BOS/EOS.
-    pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String, ModelError> {
+    pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String, CardError> {
         self.inner
             .decode(ids, skip_special_tokens)
-            .map_err(|e| ModelError::Tokenizer(format!("decode failed: {e}")))
+            .map_err(|e| CardError::Tokenizer(format!("decode failed: {e}")))
     }
 
     /// Number of ids the tokenizer can produce, added tokens included. May be smaller than the
@@ -400,22 +396,22 @@ impl Tokenizer {
     /// Renders `messages` with the model's chat template; `add_generation_prompt` appends the
     /// assistant-turn opener so the model answers next.
     ///
-    /// [`ModelError::ChatTemplate`] when the model has no template, or rendering fails
+    /// [`CardError::ChatTemplate`] when the model has no template, or rendering fails
     /// (including the template's own `raise_exception`).
     pub fn apply_chat_template(
         &self,
         messages: &[ChatMessage],
         add_generation_prompt: bool,
-    ) -> Result<String, ModelError> {
+    ) -> Result<String, CardError> {
         let env = self.template.as_ref().ok_or_else(|| {
-            ModelError::ChatTemplate(format!(
+            CardError::ChatTemplate(format!(
                 "this model has no chat template (neither `{CHAT_TEMPLATE_FILE}` nor \
                  `chat_template` in `{TOKENIZER_CONFIG_FILE}`)"
             ))
         })?;
         let template = env
             .get_template(TEMPLATE_NAME)
-            .map_err(|e| ModelError::ChatTemplate(e.to_string()))?;
+            .map_err(|e| CardError::ChatTemplate(e.to_string()))?;
         template
             .render(minijinja::context! {
                 messages => messages,
@@ -423,7 +419,7 @@ impl Tokenizer {
                 bos_token => self.bos_token.as_deref().unwrap_or(""),
                 eos_token => self.eos_token.as_deref().unwrap_or(""),
             })
-            .map_err(|e| ModelError::ChatTemplate(render_error(&e)))
+            .map_err(|e| CardError::ChatTemplate(render_error(&e)))
     }
 }
 
@@ -456,7 +452,7 @@ impl DecodeStream {
     }
 
     /// Adds `id`; returns the newly completed text, or `None` while a character is incomplete.
-    pub fn step(&mut self, tokenizer: &Tokenizer, id: u32) -> Result<Option<String>, ModelError> {
+    pub fn step(&mut self, tokenizer: &Tokenizer, id: u32) -> Result<Option<String>, CardError> {
         tokenizers::step_decode_stream(
             &tokenizer.inner,
             vec![id],
@@ -465,12 +461,12 @@ impl DecodeStream {
             &mut self.prefix,
             &mut self.prefix_index,
         )
-        .map_err(|e| ModelError::Tokenizer(format!("streaming decode failed: {e}")))
+        .map_err(|e| CardError::Tokenizer(format!("streaming decode failed: {e}")))
     }
 
     /// Flushes text still held back (an incomplete character at the end of generation decodes
     /// as U+FFFD, as in a full decode) and resets the stream.
-    pub fn finish(&mut self, tokenizer: &Tokenizer) -> Result<Option<String>, ModelError> {
+    pub fn finish(&mut self, tokenizer: &Tokenizer) -> Result<Option<String>, CardError> {
         let text = tokenizer.decode(&self.ids, self.skip_special_tokens)?;
         let prefix = std::mem::take(&mut self.prefix);
         self.ids.clear();
@@ -478,15 +474,15 @@ impl DecodeStream {
         match text.strip_prefix(prefix.as_str()) {
             Some("") => Ok(None),
             Some(rest) => Ok(Some(rest.to_string())),
-            None => Err(ModelError::Tokenizer(format!(
+            None => Err(CardError::Tokenizer(format!(
                 "streaming decode: window text {text:?} does not start with emitted {prefix:?}"
             ))),
         }
     }
 }
 
-fn read(path: &Path) -> Result<String, ModelError> {
-    std::fs::read_to_string(path).map_err(|source| ModelError::Io {
+fn read(path: &Path) -> Result<String, CardError> {
+    std::fs::read_to_string(path).map_err(|source| CardError::Io {
         path: path.to_path_buf(),
         source,
     })
@@ -517,7 +513,7 @@ fn template_from_config(config: &serde_json::Value) -> Option<String> {
     }
 }
 
-fn compile_template(source: String) -> Result<Environment<'static>, ModelError> {
+fn compile_template(source: String) -> Result<Environment<'static>, CardError> {
     let mut env = Environment::new();
     env.set_trim_blocks(true);
     env.set_lstrip_blocks(true);
@@ -525,7 +521,7 @@ fn compile_template(source: String) -> Result<Environment<'static>, ModelError> 
     env.add_function("raise_exception", raise_exception);
     env.add_filter("tojson", tojson);
     env.add_template_owned(TEMPLATE_NAME, source)
-        .map_err(|e| ModelError::ChatTemplate(format!("does not compile: {}", render_error(&e))))?;
+        .map_err(|e| CardError::ChatTemplate(format!("does not compile: {}", render_error(&e))))?;
     Ok(env)
 }
 
@@ -674,15 +670,15 @@ fn python_float(x: f64) -> String {
 mod tests {
     use super::*;
 
-    fn render(template: &str, ctx: Value) -> Result<String, ModelError> {
+    fn render(template: &str, ctx: Value) -> Result<String, CardError> {
         let env = compile_template(template.to_string())?;
         env.get_template(TEMPLATE_NAME)
             .and_then(|t| t.render(ctx))
-            .map_err(|e| ModelError::ChatTemplate(render_error(&e)))
+            .map_err(|e| CardError::ChatTemplate(render_error(&e)))
     }
 
     #[test]
-    fn tojson_matches_python_json_dumps() -> Result<(), ModelError> {
+    fn tojson_matches_python_json_dumps() -> Result<(), CardError> {
         let x = r#"{% set x = {"b": [1, 2.0, "é\n"], "a": none, "c": true} %}"#;
         let ctx = Value::UNDEFINED;
         // Insertion order kept, Python's default separators, no ASCII escaping.
@@ -705,7 +701,7 @@ mod tests {
     }
 
     #[test]
-    fn deepseek_style_constructs_render_like_jinja2() -> Result<(), ModelError> {
+    fn deepseek_style_constructs_render_like_jinja2() -> Result<(), CardError> {
         // namespace(), `in`/`not in`, `.split()[-1]` (pycompat), `{% break %}` (transformers
         // enables jinja2's loopcontrols) and `{%-`/`{{-` trimming, as DeepSeek's templates use.
         let template = "{% set ns = namespace(system_prompt='', first=true) %}\n{%- for message in messages %}\n    {%- if message['role'] == 'system' %}{% set ns.system_prompt = ns.system_prompt + message['content'] %}{%- endif %}\n{%- endfor %}\n{{- bos_token }}{{ ns.system_prompt }}\n{%- for message in messages %}\n    {%- if message.role == 'user' %}{{ '<｜User｜>' + message['content'] }}\n    {%- elif message.role == 'assistant' and 'tool_calls' not in message %}{{ '<｜Assistant｜>' + message['content'].split('</think>')[-1] + eos_token }}\n    {%- elif message.role == 'stop' %}{% break %}\n    {%- endif %}\n{%- endfor %}\n{%- if add_generation_prompt %}{{ '<｜Assistant｜>' }}{% endif %}";

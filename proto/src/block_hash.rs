@@ -10,7 +10,7 @@
 //!
 //! Cost: one XXH3 pass over `4 * page_size + 8` bytes per block, O(tokens) in all.
 
-use ferry_proto::ids::BlockHash;
+use crate::ids::BlockHash;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 /// Seed of every block hash: the ASCII bytes `ferry-kv` read big-endian.
