@@ -160,3 +160,42 @@ fn invalid_sampling_flags_name_the_field() {
     assert!(!out.status.success());
     assert!(stderr(&out).contains("max-tokens"), "{}", stderr(&out));
 }
+
+#[test]
+fn a_named_gpu_that_cannot_be_opened_is_an_error() {
+    // GPU 99 exists nowhere: the command names it and the reason instead of running elsewhere.
+    let out = ferry(&["generate", "--prompt", "x", "--device", "cuda:99"]);
+    assert!(!out.status.success(), "ran: {}", stderr(&out));
+    assert!(
+        stderr(&out).contains("cuda:99") && stderr(&out).contains("unavailable"),
+        "{}",
+        stderr(&out)
+    );
+}
+
+#[test]
+fn speculative_on_without_a_drafter_is_an_error_and_auto_decodes_plainly() {
+    // The same weights under a config that is not byte-identical to the embedded one: no
+    // default drafter applies.
+    let embedded = Path::new(env!("CARGO_MANIFEST_DIR")).join("models/tiny-k3/config.json");
+    let config = std::fs::read_to_string(embedded).unwrap() + "\n";
+    let dir = model_copy_with_config(&config);
+    let model = dir.path().to_str().unwrap();
+    let base = ["generate", "--model", model, "--prompt", "And Moses said"];
+    let on = ferry(&[&base[..], &["--speculative", "on", "--device", "cpu"]].concat());
+    assert!(!on.status.success(), "ran without a drafter");
+    assert!(stderr(&on).contains("--drafter"), "{}", stderr(&on));
+    // `auto` decodes plainly, with the text of the embedded model (same weights).
+    let auto = ferry(&[&base[..], &["--max-tokens", "8", "--device", "cpu"]].concat());
+    assert!(auto.status.success(), "{}", stderr(&auto));
+    let embedded_out = ferry(&[
+        "generate",
+        "--prompt",
+        "And Moses said",
+        "--max-tokens",
+        "8",
+        "--device",
+        "cpu",
+    ]);
+    assert_eq!(auto.stdout, embedded_out.stdout);
+}

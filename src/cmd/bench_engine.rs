@@ -23,8 +23,9 @@ use ferry_model::engine::{
     EngineConfig, EngineEvent, EngineHandle, EngineStats, GenerateJob, PrefillSource, SpecConfig,
     StopParams, VerifyLen,
 };
+use ferry_model::gpu::GpuModel;
 use ferry_model::kv::layout::DEFAULT_PAGE_SIZE;
-use ferry_model::kv::{BlockTable, KvPool};
+use ferry_model::kv::{BlockId, BlockTable, KvPool};
 
 /// Options of `ferry bench-engine`.
 #[derive(Debug, Args)]
@@ -45,7 +46,7 @@ pub struct BenchEngineArgs {
     #[arg(long, default_value_t = 3)]
     pub repeat: usize,
     #[command(flatten)]
-    pub device: super::device::DeviceArgs,
+    pub device: ferry_worker::args::DeviceArgs,
     /// Compare speculative decoding with plain decoding through the engine: `--batch` is the
     /// number of concurrent requests, `--decode-steps` the tokens each generates.
     #[arg(long)]
@@ -87,9 +88,9 @@ pub fn run(args: BenchEngineArgs) -> anyhow::Result<()> {
         let mut decode = Vec::new();
         for rep in 0..args.repeat.max(1) {
             let (p, d) = match &gpu {
-                Some(g) => super::device::bench_engine_gpu(
+                Some(g) => bench_engine_gpu(
                     g,
-                    super::device::EngineBench {
+                    EngineBench {
                         batch,
                         prompt_len: args.prompt_len,
                         decode_steps: args.decode_steps,
@@ -454,4 +455,86 @@ fn batch_of<'a>(
             })
             .collect(),
     }
+}
+
+/// Shape of one `bench-engine` measurement.
+#[derive(Debug, Clone, Copy)]
+struct EngineBench {
+    /// Sequences.
+    batch: usize,
+    /// Prompt tokens per sequence.
+    prompt_len: usize,
+    /// Decode steps.
+    decode_steps: usize,
+    /// Seed for the prompts.
+    salt: u32,
+}
+
+/// `bench-engine` on the GPU: one prefill batch, then batched decode steps; returns
+/// (prefill tok/s, decode tok/s), timed around the forward calls (device work included).
+fn bench_engine_gpu(gpu: &GpuModel, b: EngineBench) -> anyhow::Result<(f64, f64)> {
+    let vocab = gpu.config().vocab_size as u32;
+    let per_seq = (b.prompt_len + b.decode_steps).div_ceil(DEFAULT_PAGE_SIZE);
+    let mut cache = gpu.new_kv_cache(per_seq * b.batch, DEFAULT_PAGE_SIZE)?;
+    let tables: Vec<Vec<BlockId>> = (0..b.batch)
+        .map(|s| {
+            ((s * per_seq) as u32..((s + 1) * per_seq) as u32)
+                .map(BlockId)
+                .collect()
+        })
+        .collect();
+    let prompts: Vec<Vec<u32>> = (0..b.batch as u32)
+        .map(|s| {
+            let mut x = 0x9e37_79b9u32 ^ (s.wrapping_mul(7919) + b.salt);
+            (0..b.prompt_len)
+                .map(|_| {
+                    x = x.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                    16 + (x >> 8) % (vocab - 16)
+                })
+                .collect()
+        })
+        .collect();
+    let inputs = BatchInputs {
+        seqs: prompts
+            .iter()
+            .zip(&tables)
+            .map(|(p, t)| SeqInput {
+                tokens: p,
+                start_pos: 0,
+                block_table: t,
+                logits: LogitsWanted::Last,
+            })
+            .collect(),
+    };
+    let start = Instant::now();
+    let out = gpu.forward(&inputs, &mut cache)?;
+    let prefill_s = start.elapsed().as_secs_f64();
+    let mut next: Vec<[u32; 1]> = (0..b.batch)
+        .map(|i| [out.last_row(i).map(argmax).unwrap_or(0)])
+        .collect();
+    let mut decode_s = 0.0;
+    for step in 0..b.decode_steps {
+        let inputs = BatchInputs {
+            seqs: next
+                .iter()
+                .zip(&tables)
+                .map(|(tok, t)| SeqInput {
+                    tokens: tok,
+                    start_pos: b.prompt_len + step,
+                    block_table: t,
+                    logits: LogitsWanted::Last,
+                })
+                .collect(),
+        };
+        let start = Instant::now();
+        let out = gpu.forward(&inputs, &mut cache)?;
+        decode_s += start.elapsed().as_secs_f64();
+        for (i, n) in next.iter_mut().enumerate() {
+            n[0] = out.last_row(i).map(argmax).unwrap_or(0);
+        }
+    }
+    Ok((
+        (b.batch * b.prompt_len) as f64 / prefill_s,
+        (b.batch * b.decode_steps) as f64 / decode_s.max(f64::MIN_POSITIVE),
+    ))
 }

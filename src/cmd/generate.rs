@@ -1,10 +1,10 @@
 //! `ferry generate`: load a model, run one prompt in this process, stream the text to stdout.
 //!
-//! With a drafter (`--drafter`, or the embedded one for the embedded model) and
-//! `--speculative on` (the default), the prompt runs through the in-process engine with DSpark
-//! speculative decoding on the CPU; otherwise token by token as before. Greedy output is the
-//! same either way; a seeded sampled run is reproducible in each mode and follows the same
-//! distribution, but the two modes draw their randomness differently.
+//! The prompt runs through the in-process engine, the one a decode worker runs, on `--device`:
+//! with DSpark speculative decoding when a drafter is configured (`--drafter`, or the embedded
+//! one for the embedded model; CPU only for now), plainly otherwise. Greedy output is the same
+//! either way; a seeded sampled run draws from the engine's (seed, step) streams, as a decode
+//! worker does.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context};
 use clap::Args;
 use ferry_decode::spec::SpecArgs;
-use ferry_kernels::cpu::sample::{Sampler, SamplingParams};
+use ferry_kernels::cpu::sample::SamplingParams;
 use ferry_model::deepseek::DeepseekModel;
 use ferry_model::drafter::DsparkDrafter;
 use ferry_model::engine::{
@@ -42,7 +42,7 @@ pub struct GenerateArgs {
     #[arg(long)]
     pub ignore_eos: bool,
     #[command(flatten)]
-    pub device: super::device::DeviceArgs,
+    pub device: ferry_worker::args::DeviceArgs,
     #[command(flatten)]
     pub spec: SpecArgs,
 }
@@ -119,84 +119,68 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         );
     }
 
-    if let Some(drafter) = args.spec.drafter_dir(&dir)? {
-        if args.device.resolve()? == ferry_kernels::Device::Cpu {
-            let run = SpecRun {
-                prompt,
-                params,
-                stop: StopParams {
-                    max_tokens: args.max_tokens,
-                    ignore_eos: args.ignore_eos,
-                },
-                tokenizer: &tokenizer,
-            };
-            return generate_speculative(model, &drafter, &args.spec, run);
-        }
+    let device = args.device.resolve()?;
+    let mut drafter = args.spec.drafter_dir(&dir)?;
+    if drafter.is_some() && device.is_gpu() {
         if args.spec.drafter.speculative == ferry_worker::args::SpecMode::On {
             bail!(
-                "--speculative on: speculative decoding runs on the CPU engine only for now; \
-                 pass --device cpu, or --speculative auto to decode on the GPU without it"
+                "--speculative on: speculative decoding runs on the CPU engine only for now, and \
+                 --device resolved to {device}; pass --device cpu, or --speculative auto to \
+                 decode on the GPU without it"
             );
         }
-        tracing::info!("speculative decoding runs on the CPU engine only; decoding without it");
+        tracing::info!(%device, "speculative decoding runs on the CPU engine only; decoding without it");
+        drafter = None;
     }
-
-    let mut runner =
-        super::device::Runner::new(&args.device, &model, prompt.len() + args.max_tokens)?;
-    let mut sampler = Sampler::for_params(&params);
-    let mut stream = DecodeStream::new(true);
-    let stdout = std::io::stdout();
-    let mut out = stdout.lock();
-
-    let mut logits = runner.extend(&prompt)?;
-    for i in 0..args.max_tokens {
-        let token = sampler.sample(&logits, &params)?;
-        if !args.ignore_eos && model.config().eos_token_ids.contains(&token) {
-            break;
-        }
-        if let Some(chunk) = stream.step(&tokenizer, token)? {
-            out.write_all(chunk.as_bytes())?;
-            out.flush()?;
-        }
-        if i + 1 < args.max_tokens {
-            logits = runner.extend(&[token])?;
-        }
-    }
-    if let Some(rest) = stream.finish(&tokenizer)? {
-        out.write_all(rest.as_bytes())?;
-    }
-    writeln!(out)?;
-    runner.finish()?;
-    Ok(())
+    let run = Run {
+        prompt,
+        params,
+        stop: StopParams {
+            max_tokens: args.max_tokens,
+            ignore_eos: args.ignore_eos,
+        },
+        tokenizer: &tokenizer,
+    };
+    generate(model, drafter.as_deref(), &args, device, run)
 }
 
-/// One prompt for [`generate_speculative`].
-struct SpecRun<'a> {
+/// One prompt for [`generate`].
+struct Run<'a> {
     prompt: Vec<u32>,
     params: SamplingParams,
     stop: StopParams,
     tokenizer: &'a Tokenizer,
 }
 
-/// Generates through the in-process engine with the DSpark drafter in `drafter_dir`.
-fn generate_speculative(
+/// Generates through the in-process engine (the same one a decode worker runs) on `device`,
+/// speculating with the DSpark drafter in `drafter_dir` when one is given.
+fn generate(
     model: DeepseekModel,
-    drafter_dir: &Path,
-    spec: &SpecArgs,
-    run: SpecRun<'_>,
+    drafter_dir: Option<&Path>,
+    args: &GenerateArgs,
+    device: ferry_kernels::Device,
+    run: Run<'_>,
 ) -> anyhow::Result<()> {
-    let drafter = DsparkDrafter::load(drafter_dir, model.config())
-        .with_context(|| format!("loading the drafter from {}", drafter_dir.display()))?;
+    let drafter = drafter_dir
+        .map(|d| {
+            DsparkDrafter::load(d, model.config())
+                .with_context(|| format!("loading the drafter from {}", d.display()))
+        })
+        .transpose()?;
     let page = EngineConfig::default().page_size;
     // The prompt, every new token, one block of drafts in flight, and a spare block.
-    let positions = run.prompt.len() + run.stop.max_tokens + drafter.config().block_size;
+    let drafts = drafter.as_ref().map_or(0, |d| d.config().block_size);
+    let positions = run.prompt.len() + run.stop.max_tokens + drafts;
     let config = EngineConfig {
         num_blocks: positions.div_ceil(page) + 1,
         max_in_flight: 1,
-        spec: spec.spec_config(),
+        spec: args.spec.spec_config(),
+        device,
+        gpu_mode: args.device.mode(),
         ..EngineConfig::default()
     };
-    let engine = EngineHandle::spawn_with(model, Some(Box::new(drafter)), config)?;
+    let drafter = drafter.map(|d| Box::new(d) as Box<dyn ferry_model::drafter::Drafter>);
+    let engine = EngineHandle::spawn_with(model, drafter, config)?;
     let mut generation = engine.generate(GenerateJob {
         prompt: run.prompt,
         sampling: run.params,

@@ -2,7 +2,6 @@
 pub mod bench;
 pub mod bench_engine;
 pub mod bench_gpu;
-pub mod device;
 pub mod generate;
 pub mod serve;
 pub mod up;
