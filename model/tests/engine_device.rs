@@ -172,6 +172,37 @@ async fn cuda_engine_greedy_equals_the_cpu_engine() {
     wait_idle(&cpu).await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an NVIDIA GPU: run on the GPU machine with --include-ignored (docs/gpu.md)"]
+async fn graph_replayed_decode_steps_equal_eager_ones() {
+    let Some(graphs) = cuda_engine(
+        "graph_replayed_decode_steps_equal_eager_ones",
+        GpuMode::Exact,
+    ) else {
+        return;
+    };
+    let eager = EngineHandle::spawn(
+        model(),
+        EngineConfig {
+            cuda_graphs: false,
+            ..config(Device::Cuda(0), GpuMode::Exact)
+        },
+    )
+    .expect("eager engine");
+    // Three concurrent prompts of different lengths: the batch goes 3 → 2 → 1 sequences as
+    // they finish (buckets 4, 2, 1, with padding), and a prefix hit follows.
+    let prompts: Vec<Vec<u32>> = (0..3).map(|i| golden_case(i).0).collect();
+    let (want, _) = greedy_runs(&eager, &prompts).await;
+    let (got, _) = greedy_runs(&graphs, &prompts).await;
+    assert_eq!(got, want, "graph-replayed steps vs eager steps");
+    let replayed = graphs.stats().await.unwrap().graph_steps;
+    assert!(replayed > 0, "the graph engine replayed no step");
+    assert_eq!(eager.stats().await.unwrap().graph_steps, 0);
+    eprintln!("graphs: {replayed} decode steps replayed, tokens identical to the eager engine");
+    wait_idle(&graphs).await;
+    wait_idle(&eager).await;
+}
+
 /// What a prefill job shipped: `(layer, index of the block among those shipped, rows)` in call
 /// order.
 type Shipped = Arc<Mutex<Vec<(usize, usize, Vec<f32>)>>>;

@@ -265,3 +265,78 @@ fn mixed_batch_matches_cpu() {
         }
     }
 }
+
+/// A decode step replayed from a CUDA graph against the same step run eagerly, for a batch of
+/// three sequences, in both modes. Tolerance: exact mode 1e-5 · max|logit| — the graph's
+/// split-K plan is made for its planned context, so the attention sums in a different order
+/// and nothing else differs; fast mode 5e-3, because the split boundaries also move where the
+/// bf16 probabilities are rounded against a running maximum.
+#[test]
+#[ignore = "needs an NVIDIA GPU: run on the GPU machine with --include-ignored (docs/gpu.md)"]
+fn graph_replayed_decode_step_equals_the_eager_step() {
+    let Some((dev, model)) = setup("graph_replayed_decode_step_equals_the_eager_step") else {
+        return;
+    };
+    for mode in [GpuMode::Exact, GpuMode::Fast] {
+        let gpu = GpuModel::upload(&dev, &model, mode).expect("upload");
+        let page = 16;
+        let mut eager = gpu.new_kv_cache(24, page).expect("cache");
+        let mut graphed = gpu.new_kv_cache(24, page).expect("cache");
+        let prompts: Vec<Vec<u32>> = (0..3u32)
+            .map(|s| {
+                (0..20 + 7 * s)
+                    .map(|i| 16 + (i * 37 + 11 * s) % 2000)
+                    .collect()
+            })
+            .collect();
+        let tables: Vec<Vec<BlockId>> = (0..3u32)
+            .map(|s| (s * 8..s * 8 + 8).map(BlockId).collect())
+            .collect();
+        let prefill = BatchInputs {
+            seqs: prompts
+                .iter()
+                .zip(&tables)
+                .map(|(p, t)| SeqInput {
+                    tokens: p,
+                    start_pos: 0,
+                    block_table: t,
+                    logits: LogitsWanted::Last,
+                })
+                .collect(),
+        };
+        gpu.forward(&prefill, &mut eager).expect("prefill");
+        gpu.forward(&prefill, &mut graphed).expect("prefill");
+        let mut graph = None;
+        for step in 0..4usize {
+            let toks: Vec<[u32; 1]> = (0..3u32).map(|s| [100 + s + step as u32]).collect();
+            let batch = BatchInputs {
+                seqs: toks
+                    .iter()
+                    .zip(&prompts)
+                    .zip(&tables)
+                    .map(|((t, p), tb)| SeqInput {
+                        tokens: t,
+                        start_pos: p.len() + step,
+                        block_table: tb,
+                        logits: LogitsWanted::Last,
+                    })
+                    .collect(),
+            };
+            let want = gpu.forward(&batch, &mut eager).expect("eager step");
+            let g = match graph.as_mut() {
+                Some(g) => g,
+                None => graph.insert(
+                    gpu.capture_decode(&batch, &mut graphed, 64)
+                        .expect("capture"),
+                ),
+            };
+            let got = gpu.replay_decode(g, &batch, &graphed).expect("replay");
+            for s in 0..3 {
+                let e = rel(&got.logits[s], &want.logits[s]);
+                let tol = if mode == GpuMode::Exact { 1e-5 } else { 5e-3 };
+                assert!(e <= tol, "{mode:?} step {step} seq {s}: rel err {e}");
+            }
+        }
+        eprintln!("{mode:?}: 4 graph-replayed decode steps of 3 sequences match the eager steps");
+    }
+}

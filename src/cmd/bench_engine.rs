@@ -63,6 +63,13 @@ pub struct BenchEngineArgs {
     /// Sampling temperature of the requests (with `--speculative`; 0 = greedy).
     #[arg(long, default_value_t = 0.0)]
     pub temperature: f32,
+    /// Measure plain decoding through the serving engine on `--device`, decode steps replayed
+    /// from CUDA graphs against eager ones: `--batch` is the number of concurrent requests.
+    #[arg(long)]
+    pub serving: bool,
+    /// With `--serving`: also write the results as JSON to this file.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
 }
 
 /// Runs the benchmark.
@@ -78,6 +85,10 @@ pub fn run(args: BenchEngineArgs) -> anyhow::Result<()> {
     }
     if args.speculative {
         return run_speculative(&args, &dir, &model);
+    }
+    if args.serving {
+        drop(model);
+        return run_serving(&args, &dir);
     }
     let gpu = args.device.gpu_model(&model)?;
     println!(
@@ -228,8 +239,9 @@ fn run_speculative(
         let mut spec = Vec::new();
         let mut stats = EngineStats::default();
         for rep in 0..args.repeat.max(1) {
-            plain.push(engine_run(dir, None, c, args, rep as u32)?.0);
-            let (tps, s) = engine_run(dir, Some(&drafter_dir), c, args, rep as u32)?;
+            let cpu = EngineConfig::default();
+            plain.push(engine_run(dir, None, c, args, rep as u32, &cpu)?.0);
+            let (tps, s) = engine_run(dir, Some(&drafter_dir), c, args, rep as u32, &cpu)?;
             spec.push(tps);
             stats = s;
         }
@@ -246,6 +258,62 @@ fn run_speculative(
     Ok(())
 }
 
+/// `--serving`: `c` concurrent plain requests through the serving engine on `--device`, with
+/// decode steps replayed from CUDA graphs and eagerly; tokens/s of wall time (prefill
+/// included), median of `--repeat`.
+fn run_serving(args: &BenchEngineArgs, dir: &Path) -> anyhow::Result<()> {
+    let device = args.device.resolve()?;
+    println!(
+        "device {device}, {:?} mode, prompt {} tokens, {} new tokens per request\n",
+        args.device.mode(),
+        args.prompt_len,
+        args.decode_steps
+    );
+    println!(
+        "| concurrency | eager tok/s | graphs tok/s | speedup | steps from graphs |\n|---|---|---|---|---|"
+    );
+    let mut rows = Vec::new();
+    for &c in &args.batch {
+        let mut eager = Vec::new();
+        let mut graphs = Vec::new();
+        let mut replayed = 0;
+        for rep in 0..args.repeat.max(1) {
+            for (on, out) in [(false, &mut eager), (true, &mut graphs)] {
+                let base = EngineConfig {
+                    device,
+                    gpu_mode: args.device.mode(),
+                    cuda_graphs: on,
+                    ..EngineConfig::default()
+                };
+                let (tps, stats) = engine_run(dir, None, c, args, rep as u32, &base)?;
+                out.push(tps);
+                if on {
+                    replayed = stats.graph_steps;
+                }
+            }
+        }
+        let (e, g) = (median(&mut eager), median(&mut graphs));
+        println!("| {c} | {e:.1} | {g:.1} | {:.2}x | {replayed} |", g / e);
+        rows.push(serde_json::json!({
+            "concurrency": c, "eager_tok_s": e, "graphs_tok_s": g, "graph_steps": replayed,
+        }));
+    }
+    if let Some(path) = &args.json {
+        let doc = serde_json::json!({
+            "benchmark": "bench-engine --serving",
+            "device": device.to_string(),
+            "gpu_mode": format!("{:?}", args.device.mode()),
+            "prompt_len": args.prompt_len,
+            "decode_steps": args.decode_steps,
+            "repeat": args.repeat,
+            "rows": rows,
+        });
+        std::fs::write(path, serde_json::to_string_pretty(&doc)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}
+
 /// `c` concurrent requests through a fresh engine (with the drafter in `drafter` when given);
 /// returns generated tokens per second of wall time and the engine's counters.
 fn engine_run(
@@ -254,6 +322,7 @@ fn engine_run(
     c: usize,
     args: &BenchEngineArgs,
     salt: u32,
+    base: &EngineConfig,
 ) -> anyhow::Result<(f64, EngineStats)> {
     let per_seq = (args.prompt_len + args.decode_steps + 16).div_ceil(DEFAULT_PAGE_SIZE) + 1;
     let config = EngineConfig {
@@ -265,6 +334,9 @@ fn engine_run(
             verify_len: args.verify_len,
             max_verify_tokens: args.max_verify_tokens,
         },
+        device: base.device,
+        gpu_mode: base.gpu_mode,
+        cuda_graphs: base.cuda_graphs,
         ..EngineConfig::default()
     };
     let engine = EngineHandle::load(dir, drafter, config)?;
@@ -316,6 +388,7 @@ fn engine_run(
             spec_rounds: after.spec_rounds - before.spec_rounds,
             spec_drafted_tokens: after.spec_drafted_tokens - before.spec_drafted_tokens,
             spec_accepted_tokens: after.spec_accepted_tokens - before.spec_accepted_tokens,
+            graph_steps: after.graph_steps - before.graph_steps,
             ..after
         };
         Ok((tokens as f64 / secs, stats))

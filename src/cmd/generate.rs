@@ -177,6 +177,7 @@ fn generate(
         spec: args.spec.spec_config(),
         device,
         gpu_mode: args.device.mode(),
+        cuda_graphs: args.device.cuda_graphs,
         ..EngineConfig::default()
     };
     let drafter = drafter.map(|d| Box::new(d) as Box<dyn ferry_model::drafter::Drafter>);

@@ -169,6 +169,10 @@ pub struct DeviceArgs {
     /// Numerics on a GPU.
     #[arg(long, env = "FERRY_GPU_MODE", value_enum, default_value_t = GpuModeArg::Exact)]
     pub gpu_mode: GpuModeArg,
+    /// On CUDA, replay decode steps from CUDA graphs (per batch-size bucket up to 64
+    /// sequences); `false` runs every step eagerly.
+    #[arg(long, env = "FERRY_CUDA_GRAPHS", default_value_t = true, action = clap::ArgAction::Set)]
+    pub cuda_graphs: bool,
 }
 
 impl Default for DeviceArgs {
@@ -176,6 +180,7 @@ impl Default for DeviceArgs {
         Self {
             device: Device::Auto,
             gpu_mode: GpuModeArg::Exact,
+            cuda_graphs: true,
         }
     }
 }
@@ -218,6 +223,8 @@ impl DeviceArgs {
             self.device.to_string(),
             "--gpu-mode".into(),
             self.gpu_mode.as_str().into(),
+            "--cuda-graphs".into(),
+            self.cuda_graphs.to_string(),
         ]
     }
 }
@@ -232,6 +239,7 @@ impl WorkerArgs {
             max_in_flight: self.max_in_flight,
             device: self.device.device,
             gpu_mode: self.device.mode(),
+            cuda_graphs: self.device.cuda_graphs,
             ..EngineConfig::default()
         }
     }
@@ -313,16 +321,27 @@ mod tests {
 
     #[test]
     fn device_flags_reach_the_engine_and_round_trip_to_children() {
-        let cli = Cli::try_parse_from(["w", "--device", "cuda:1", "--gpu-mode", "fast"]).unwrap();
+        let cli = Cli::try_parse_from([
+            "w",
+            "--device",
+            "cuda:1",
+            "--gpu-mode",
+            "fast",
+            "--cuda-graphs",
+            "false",
+        ])
+        .unwrap();
         let config = cli.worker.engine_config();
         assert_eq!(config.device, Device::Cuda(1));
         assert_eq!(config.gpu_mode, GpuMode::Fast);
+        assert!(!config.cuda_graphs);
         // What `ferry up` forwards parses back to the same settings.
         let mut argv = vec!["w".to_string()];
         argv.extend(cli.worker.device.to_args());
         let child = Cli::try_parse_from(argv).unwrap();
         assert_eq!(child.worker.device.device, Device::Cuda(1));
         assert_eq!(child.worker.device.gpu_mode, GpuModeArg::Fast);
+        assert!(!child.worker.device.cuda_graphs);
         // The default is `auto`: the engine resolves it to the first GPU that opens.
         let plain = Cli::try_parse_from(["w"]).unwrap().worker.engine_config();
         if std::env::var_os("FERRY_DEVICE").is_none() {

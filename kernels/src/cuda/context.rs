@@ -585,6 +585,14 @@ pub struct GpuGraph {
     graph: cudarc::driver::CudaGraph,
 }
 
+// SAFETY: cudarc's `CudaGraph` is `!Send` only because it holds the raw `CUgraph` /
+// `CUgraphExec` handles. The driver allows those handles to be used from any host thread of
+// the process; what it requires is that the context is current and that one exec is not
+// launched from two threads at once. `CudaGraph::launch` and its `Drop` bind the stream's
+// context to the calling thread first, and `GpuGraph` is owned (moved, never shared: it is not
+// `Sync`), so moving it to the engine thread that then alone uses it is sound.
+unsafe impl Send for GpuGraph {}
+
 impl GpuGraph {
     /// Queues one replay.
     pub fn launch(&self) -> Result<(), KernelError> {

@@ -27,6 +27,9 @@
 //! fast mode), although only rows in transit are ever current. A pinned staging ring sized for
 //! the transfers in flight would replace it.
 //!
+//! On CUDA, decode-only steps are replayed from CUDA graphs per batch-size bucket
+//! ([`EngineConfig::cuda_graphs`](super::EngineConfig); see `backend/cuda.rs`).
+//!
 //! Speculative decoding is CPU-only: the drafter reads the target's hidden states after its tap
 //! layers on the host, which the GPU forward does not expose. An engine that ends up on CUDA
 //! drops its drafter with a warning and decodes plainly (see [`super::EngineHandle::spawn_with`]).
@@ -86,12 +89,22 @@ impl Backend {
         layout: &KvLayout,
         device: Device,
         mode: GpuMode,
+        cuda_graphs: bool,
     ) -> Result<Self, ModelError> {
         let device = device.resolve()?;
         if device == Device::Cpu {
             return Ok(Backend::Cpu(Box::new(model)));
         }
-        open_gpu(model, layout, device, mode)
+        open_gpu(model, layout, device, mode, cuda_graphs)
+    }
+
+    /// Forwards replayed from a CUDA graph (0 on the CPU).
+    pub(crate) fn graph_steps(&self) -> u64 {
+        match self {
+            Backend::Cpu(_) => 0,
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(c) => c.graph_steps(),
+        }
     }
 
     /// The device the forward runs on.
@@ -153,10 +166,15 @@ fn open_gpu(
     layout: &KvLayout,
     device: Device,
     mode: GpuMode,
+    cuda_graphs: bool,
 ) -> Result<Backend, ModelError> {
     let dev = open_cuda(device)?;
     Ok(Backend::Cuda(Box::new(cuda::CudaBackend::new(
-        &dev, model, layout, mode,
+        &dev,
+        model,
+        layout,
+        mode,
+        cuda_graphs,
     )?)))
 }
 
@@ -166,6 +184,7 @@ fn open_gpu(
     _layout: &KvLayout,
     device: Device,
     _mode: GpuMode,
+    _cuda_graphs: bool,
 ) -> Result<Backend, ModelError> {
     Err(ferry_kernels::KernelError::DeviceUnavailable {
         device: device.to_string(),

@@ -68,6 +68,9 @@ pub struct EngineConfig {
     pub device: Device,
     /// Numerics on a GPU.
     pub gpu_mode: GpuMode,
+    /// On CUDA, replay decode-only steps (every sequence one token, absorbed form, at most 64
+    /// sequences) from CUDA graphs captured per batch-size bucket; everything else runs eagerly.
+    pub cuda_graphs: bool,
 }
 
 impl Default for EngineConfig {
@@ -81,6 +84,7 @@ impl Default for EngineConfig {
             spec: SpecConfig::default(),
             device: Device::Cpu,
             gpu_mode: GpuMode::Exact,
+            cuda_graphs: true,
         }
     }
 }
@@ -323,6 +327,8 @@ pub struct EngineStats {
     pub spec_drafted_tokens: u64,
     /// Drafts accepted. Mean acceptance length = (accepted + rounds) / rounds.
     pub spec_accepted_tokens: u64,
+    /// Forwards replayed from a CUDA graph (decode-only steps on CUDA; 0 on the CPU).
+    pub graph_steps: u64,
 }
 
 /// Commands the engine thread executes, in order.
@@ -425,7 +431,13 @@ impl EngineHandle {
         let pool = model.new_kv_pool(config.num_blocks, config.page_size)?;
         let layout = *pool.layout();
         let model_config = Arc::new(model.config().clone());
-        let backend = backend::Backend::open(model, &layout, config.device, config.gpu_mode)?;
+        let backend = backend::Backend::open(
+            model,
+            &layout,
+            config.device,
+            config.gpu_mode,
+            config.cuda_graphs,
+        )?;
         let device = backend.device();
         let drafter = match drafter {
             Some(_) if backend.host_model().is_none() => {

@@ -298,6 +298,7 @@ impl Scheduler {
             running: self.running.len() + self.prefills.len(),
             waiting: self.waiting.len() + self.awaiting.len(),
             queued_prefill_tokens: queued as u64,
+            graph_steps: self.backend.graph_steps(),
             ..self.stats.clone()
         }
     }

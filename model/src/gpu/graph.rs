@@ -34,6 +34,18 @@ impl std::fmt::Debug for DecodeGraph {
     }
 }
 
+impl DecodeGraph {
+    /// The context the graph was planned for: sequences may grow up to it.
+    pub fn plan_ctx(&self) -> usize {
+        self.plan_ctx
+    }
+
+    /// Sequences per step.
+    pub fn batch(&self) -> usize {
+        self.seqs
+    }
+}
+
 fn check_decode(batch: &BatchInputs<'_>, plan_ctx: usize) -> Result<(), ModelError> {
     for (i, s) in batch.seqs.iter().enumerate() {
         if s.tokens.len() != 1 {

@@ -1,7 +1,19 @@
 //! The engine's CUDA backend: [`GpuModel`] + [`GpuKvCache`], with the host pool as the staging
-//! mirror for KV transfers (see the parent module for the design).
+//! mirror for KV transfers (see the parent module for the design), and decode steps replayed
+//! from CUDA graphs.
+//!
+//! **Graphs.** A step in which every sequence decodes one token in the absorbed form (the
+//! steady state of serving) is replayed from a [`DecodeGraph`] captured for its batch-size
+//! bucket (the next power of two, up to [`MAX_GRAPH_BATCH`]): the host refreshes the inputs and
+//! issues one launch instead of ~14 per layer. The batch is padded to the bucket with dummy
+//! sequences that decode token 0 at position 1 of a scratch block — one block past the host
+//! pool's, which no sequence owns and nothing else reads — and their logits are dropped. A graph is
+//! planned for a context (block-table width and split-K plan) of the next power of two ≥ 256
+//! above the batch's longest sequence and recaptured, once per doubling, when a sequence grows
+//! past it. Any other step (a prefill chunk in the batch, speculative verification, an MHA-form
+//! chunk) runs eagerly.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 
 use ferry_kernels::cuda::CudaDevice;
 use ferry_kernels::Device;
@@ -12,18 +24,31 @@ use crate::deepseek::forward::ForwardHooks;
 use crate::deepseek::{
     AttentionForm, BatchInputs, BatchOutput, DeepseekModel, FormPolicy, LogitsWanted, SeqInput,
 };
+use crate::gpu::graph::DecodeGraph;
 use crate::gpu::{GpuKvCache, GpuModel};
 use crate::kv::{BlockId, KvLayout, KvPool};
 use crate::ModelError;
+
+/// The largest batch replayed from a graph; larger decode batches run eagerly (the launch
+/// overhead graphs remove is then a small part of the step).
+pub(crate) const MAX_GRAPH_BATCH: usize = 64;
+
+/// The smallest context a graph is planned for.
+const MIN_GRAPH_CTX: usize = 256;
 
 /// The model and its paged latent cache on one CUDA device.
 pub(crate) struct CudaBackend {
     dev: CudaDevice,
     gpu: GpuModel,
+    /// The host pool's blocks plus one scratch block (the last) for graph padding.
     cache: GpuKvCache,
     /// `(layer, block)` whose host rows are newer than the device's (a peer's writes): uploaded
     /// before the next forward.
     dirty: BTreeSet<(usize, BlockId)>,
+    /// Captured decode steps by batch-size bucket; `None` when graphs are off.
+    graphs: Option<HashMap<usize, DecodeGraph>>,
+    /// Steps replayed from a graph (the engine's `graph_steps`).
+    graph_steps: u64,
 }
 
 impl CudaBackend {
@@ -34,11 +59,17 @@ impl CudaBackend {
         model: DeepseekModel,
         layout: &KvLayout,
         mode: GpuMode,
+        cuda_graphs: bool,
     ) -> Result<Self, ModelError> {
         let gpu = GpuModel::upload(dev, &model, mode)?;
         drop(model);
-        let cache = gpu.new_kv_cache(layout.num_blocks, layout.page_size)?;
-        if cache.layout() != layout {
+        // One block more than the host pool: the graphs' scratch block.
+        let cache = gpu.new_kv_cache(layout.num_blocks + 1, layout.page_size)?;
+        let device_layout = crate::kv::KvLayout {
+            num_blocks: layout.num_blocks,
+            ..*cache.layout()
+        };
+        if device_layout != *layout {
             return Err(ModelError::Kv(format!(
                 "the device cache {:?} does not match the host pool {layout:?}",
                 cache.layout()
@@ -55,6 +86,8 @@ impl CudaBackend {
             gpu,
             cache,
             dirty: BTreeSet::new(),
+            graphs: cuda_graphs.then(HashMap::new),
+            graph_steps: 0,
         };
         let started = std::time::Instant::now();
         backend.warm_up()?;
@@ -110,6 +143,86 @@ impl CudaBackend {
 
     pub(crate) fn config(&self) -> &ModelConfig {
         self.gpu.config()
+    }
+
+    /// Steps replayed from a CUDA graph so far.
+    pub(crate) fn graph_steps(&self) -> u64 {
+        self.graph_steps
+    }
+
+    /// The scratch block graph padding writes into (never one of the host pool's).
+    fn scratch_block(&self) -> BlockId {
+        BlockId((self.cache.layout().num_blocks - 1) as u32)
+    }
+
+    /// Runs `batch` from a captured graph if it is a graph-shaped decode step: `Ok(None)` when
+    /// it is not (the caller runs it eagerly).
+    fn try_graph(&mut self, batch: &BatchInputs<'_>) -> Result<Option<BatchOutput>, ModelError> {
+        let n = batch.seqs.len();
+        let scratch = [self.scratch_block()];
+        let Some(graphs) = self.graphs.as_mut() else {
+            return Ok(None);
+        };
+        let dims = &self.gpu.dims;
+        let decode_step = n > 0
+            && n <= MAX_GRAPH_BATCH
+            && self.cache.layout().page_size >= 2
+            && self.gpu.policy.choose(dims, 1, 1) == AttentionForm::Absorbed
+            && batch.seqs.iter().all(|s| {
+                s.tokens.len() == 1
+                    && s.logits == LogitsWanted::Last
+                    && self.gpu.policy.choose(dims, s.start_pos, 1) == AttentionForm::Absorbed
+            });
+        if !decode_step {
+            return Ok(None);
+        }
+        let bucket = n.next_power_of_two();
+        let longest = batch
+            .seqs
+            .iter()
+            .map(|s| s.start_pos + 1)
+            .max()
+            .unwrap_or(1);
+        let plan_ctx = longest
+            .next_power_of_two()
+            .max(MIN_GRAPH_CTX)
+            .min(self.gpu.config.max_position_embeddings.max(longest));
+        // Pad to the bucket with one-token sequences at position 1 of the scratch block (the
+        // absorbed form needs a cached position; position 0 is zeros or an earlier padding
+        // row, finite either way).
+        let pad = [0u32];
+        let mut seqs = batch.seqs.clone();
+        seqs.resize_with(bucket, || SeqInput {
+            tokens: &pad,
+            start_pos: 1,
+            block_table: &scratch,
+            logits: LogitsWanted::Last,
+        });
+        let padded = BatchInputs { seqs };
+        let stale = graphs.get(&bucket).is_some_and(|g| g.plan_ctx() < plan_ctx);
+        if stale || !graphs.contains_key(&bucket) {
+            graphs.remove(&bucket);
+            match self.gpu.capture_decode(&padded, &mut self.cache, plan_ctx) {
+                Ok(g) => {
+                    tracing::debug!(bucket, plan_ctx, "captured a decode graph");
+                    graphs.insert(bucket, g);
+                }
+                Err(e) => {
+                    // Serving goes on eagerly: a capture that fails says nothing about the
+                    // batch (the eager step it ran first rewrites the same rows).
+                    tracing::warn!(bucket, plan_ctx, error = %e, "CUDA graph capture failed; decoding eagerly from now on");
+                    self.graphs = None;
+                    return Ok(None);
+                }
+            }
+        }
+        let Some(g) = graphs.get_mut(&bucket) else {
+            return Ok(None);
+        };
+        let mut out = self.gpu.replay_decode(g, &padded, &self.cache)?;
+        out.logits.truncate(n);
+        self.graph_steps += 1;
+        Ok(Some(out))
     }
 
     pub(crate) fn mark_dirty(&mut self, layer: usize, block: BlockId) {
@@ -176,7 +289,10 @@ impl CudaBackend {
         pass: Pass<'_, '_, '_>,
     ) -> Result<BatchOutput, ModelError> {
         self.upload_dirty(pool)?;
-        let out = self.gpu.forward(batch, &mut self.cache)?;
+        let out = match self.try_graph(batch)? {
+            Some(out) => out,
+            None => self.gpu.forward(batch, &mut self.cache)?,
+        };
         let ForwardHooks { after_layer, .. } = pass.hooks;
         let mut staged = pass.staged.to_vec();
         staged.sort_unstable();
