@@ -10,7 +10,8 @@
 //!
 //! - greedy outputs of concurrent requests and of a prefix-cache hit are identical;
 //! - a prefill job ships the same blocks in the same order as the CPU engine, with the same
-//!   first token, fresh and with blocks reused from the prefill engine's prefix cache.
+//!   first token, fresh and with blocks reused from the prefill engine's prefix cache, and
+//!   layer by layer: some layer reaches the sink before the last layer is computed.
 //!   Tolerance per shipped row: max |Δ| ≤ 1e-4 · max|row|. Both backends compute the latent in
 //!   f32 from the same weights; the GPU differs in summation order and in its bf16-weight
 //!   GEMMs (activations split into bf16 hi + lo, ~16 mantissa bits), which model/tests/
@@ -21,7 +22,8 @@
 //! - fast mode (bf16 device cache) ships exactly its device cache's bf16 rows (bit for bit
 //!   against the same forward run directly on a `GpuModel`), layer 0 within 1e-2 · max|row| of
 //!   the CPU's (deeper layers drift with fast mode's numerics and are reported, not bounded),
-//!   and decodes from a CPU peer's KV.
+//!   and decodes from a CPU peer's KV;
+//! - decode steps replayed from CUDA graphs give the eager engine's tokens.
 //!
 //! Every test ends with every KV block back in the pool.
 
@@ -338,6 +340,17 @@ async fn cuda_prefill_job_ships_the_cpu_bytes() {
         worst = worst.max(e);
     }
     eprintln!("cuda prefill job (exact): shipped rows within {worst:.2e} of the CPU's");
+    // Layer-wise: some layer's rows reached the sink before the last layer was computed (the
+    // sink runs between layers, not after the whole forward).
+    let early = gpu.stats().await.unwrap().kv_layers_shipped_early;
+    eprintln!(
+        "layer-wise shipping: {early} of {} shipped layers reached the sink before the last layer was computed",
+        3 * layout.num_layers
+    );
+    assert!(
+        early >= 1,
+        "every layer was shipped after the whole forward"
+    );
     wait_idle(&gpu).await;
     wait_idle(&cpu).await;
 }

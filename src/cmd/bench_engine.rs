@@ -67,7 +67,12 @@ pub struct BenchEngineArgs {
     /// from CUDA graphs against eager ones: `--batch` is the number of concurrent requests.
     #[arg(long)]
     pub serving: bool,
-    /// With `--serving`: also write the results as JSON to this file.
+    /// Measure prefill jobs on `--device` (what a prefill worker runs): forward plus shipping
+    /// every layer's blocks to a sink, layer-wise during the forward against after it;
+    /// `--batch` is the number of jobs per measurement.
+    #[arg(long)]
+    pub prefill_ship: bool,
+    /// With `--serving` or `--prefill-ship`: also write the results as JSON to this file.
     #[arg(long)]
     pub json: Option<PathBuf>,
 }
@@ -89,6 +94,10 @@ pub fn run(args: BenchEngineArgs) -> anyhow::Result<()> {
     if args.serving {
         drop(model);
         return run_serving(&args, &dir);
+    }
+    if args.prefill_ship {
+        drop(model);
+        return run_prefill_ship(&args, &dir);
     }
     let gpu = args.device.gpu_model(&model)?;
     println!(
@@ -239,9 +248,18 @@ fn run_speculative(
         let mut spec = Vec::new();
         let mut stats = EngineStats::default();
         for rep in 0..args.repeat.max(1) {
-            let cpu = EngineConfig::default();
-            plain.push(engine_run(dir, None, c, args, rep as u32, &cpu)?.0);
-            let (tps, s) = engine_run(dir, Some(&drafter_dir), c, args, rep as u32, &cpu)?;
+            let plain_setup = EngineSetup {
+                dir,
+                drafter: None,
+                base: EngineConfig::default(),
+            };
+            let spec_setup = EngineSetup {
+                dir,
+                drafter: Some(&drafter_dir),
+                base: EngineConfig::default(),
+            };
+            plain.push(engine_run(&plain_setup, c, args, rep as u32)?.0);
+            let (tps, s) = engine_run(&spec_setup, c, args, rep as u32)?;
             spec.push(tps);
             stats = s;
         }
@@ -279,13 +297,17 @@ fn run_serving(args: &BenchEngineArgs, dir: &Path) -> anyhow::Result<()> {
         let mut replayed = 0;
         for rep in 0..args.repeat.max(1) {
             for (on, out) in [(false, &mut eager), (true, &mut graphs)] {
-                let base = EngineConfig {
-                    device,
-                    gpu_mode: args.device.mode(),
-                    cuda_graphs: on,
-                    ..EngineConfig::default()
+                let setup = EngineSetup {
+                    dir,
+                    drafter: None,
+                    base: EngineConfig {
+                        device,
+                        gpu_mode: args.device.mode(),
+                        cuda_graphs: on,
+                        ..EngineConfig::default()
+                    },
                 };
-                let (tps, stats) = engine_run(dir, None, c, args, rep as u32, &base)?;
+                let (tps, stats) = engine_run(&setup, c, args, rep as u32)?;
                 out.push(tps);
                 if on {
                     replayed = stats.graph_steps;
@@ -314,16 +336,123 @@ fn run_serving(args: &BenchEngineArgs, dir: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `--prefill-ship`: prefill jobs of `--prompt-len` tokens, one after another, each shipping
+/// every layer's blocks to a sink that copies the rows out (as a transport's write does), on an
+/// engine that ships layer-wise and on one that ships after the forward. Reports the mean wall
+/// time per job (submit → first token, shipping included) and the mean ship tail: from the end
+/// of the forward to the last layer handed to the sink.
+fn run_prefill_ship(args: &BenchEngineArgs, dir: &Path) -> anyhow::Result<()> {
+    let device = args.device.resolve()?;
+    println!(
+        "device {device}, {:?} mode, prompt {} tokens, {} jobs per measurement\n",
+        args.device.mode(),
+        args.prompt_len,
+        args.batch.first().copied().unwrap_or(8)
+    );
+    println!(
+        "| shipping | job ms (mean) | ship tail after the forward µs (mean) | layers at the sink before the last layer was computed |\n|---|---|---|---|"
+    );
+    let jobs = args.batch.first().copied().unwrap_or(8).max(1);
+    let mut rows = Vec::new();
+    for layerwise in [false, true] {
+        let config = EngineConfig {
+            num_blocks: (args.prompt_len.div_ceil(DEFAULT_PAGE_SIZE) + 1) * (jobs + 2),
+            max_batch_tokens: args.prompt_len.max(1),
+            device,
+            gpu_mode: args.device.mode(),
+            gpu_layerwise_shipping: layerwise,
+            ..EngineConfig::default()
+        };
+        let engine = EngineHandle::load(dir, None, config)?;
+        let vocab = engine.model_config().vocab_size as u32;
+        let layers = engine.kv_layout().num_layers;
+        let rt = tokio::runtime::Builder::new_current_thread().build()?;
+        let (ms, stats) = rt.block_on(async {
+            let sink = || -> ferry_model::engine::LayerSinkFn {
+                let mut out: Vec<f32> = Vec::new();
+                Box::new(move |layer, blocks, pool| {
+                    out.clear();
+                    for &b in blocks {
+                        out.extend_from_slice(pool.block(layer, b).map_err(|e| e.to_string())?);
+                    }
+                    std::hint::black_box(&out);
+                    Ok(())
+                })
+            };
+            // Warm-up (kernel compiles, the pinned ring, the copy stream).
+            let warm = synthetic_prompts(vocab, 1, args.prompt_len, 0xfeed)[0].clone();
+            engine
+                .prefill(warm, SamplingParams::default(), 0, sink())
+                .await?;
+            let before = engine.stats().await?;
+            let mut total = 0.0;
+            let salt = if layerwise { 2 } else { 1 };
+            for p in synthetic_prompts(vocab, jobs, args.prompt_len, salt) {
+                let start = Instant::now();
+                engine
+                    .prefill(p, SamplingParams::default(), 0, sink())
+                    .await?;
+                total += start.elapsed().as_secs_f64() * 1e3;
+            }
+            let after = engine.stats().await?;
+            anyhow::Ok((
+                total / jobs as f64,
+                (
+                    after.kv_ship_tail_us - before.kv_ship_tail_us,
+                    after.kv_ship_forwards - before.kv_ship_forwards,
+                    after.kv_layers_shipped_early - before.kv_layers_shipped_early,
+                ),
+            ))
+        })?;
+        let (tail_us, forwards, early) = stats;
+        let tail = tail_us as f64 / forwards.max(1) as f64;
+        let name = if layerwise {
+            "layer-wise (during the forward)"
+        } else {
+            "after the forward"
+        };
+        println!(
+            "| {name} | {ms:.3} | {tail:.0} | {early} of {} |",
+            forwards as usize * layers
+        );
+        rows.push(serde_json::json!({
+            "layerwise": layerwise, "job_ms": ms, "ship_tail_us": tail,
+            "layers_early": early, "layers_shipped": forwards as usize * layers,
+        }));
+    }
+    if let Some(path) = &args.json {
+        let doc = serde_json::json!({
+            "benchmark": "bench-engine --prefill-ship",
+            "device": device.to_string(),
+            "gpu_mode": format!("{:?}", args.device.mode()),
+            "prompt_len": args.prompt_len,
+            "jobs": jobs,
+            "rows": rows,
+        });
+        std::fs::write(path, serde_json::to_string_pretty(&doc)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}
+
 /// `c` concurrent requests through a fresh engine (with the drafter in `drafter` when given);
 /// returns generated tokens per second of wall time and the engine's counters.
+/// Which engine [`engine_run`] starts: the model, the drafter (if any), and the device settings
+/// taken from `base`.
+struct EngineSetup<'a> {
+    dir: &'a Path,
+    drafter: Option<&'a Path>,
+    base: EngineConfig,
+}
+
 fn engine_run(
-    dir: &Path,
-    drafter: Option<&Path>,
+    setup: &EngineSetup<'_>,
     c: usize,
     args: &BenchEngineArgs,
     salt: u32,
-    base: &EngineConfig,
 ) -> anyhow::Result<(f64, EngineStats)> {
+    let EngineSetup { dir, drafter, base } = setup;
+    let (dir, drafter) = (*dir, *drafter);
     let per_seq = (args.prompt_len + args.decode_steps + 16).div_ceil(DEFAULT_PAGE_SIZE) + 1;
     let config = EngineConfig {
         num_blocks: per_seq * (c + 1),

@@ -317,6 +317,14 @@ impl CudaDevice {
         self.inner.ordinal
     }
 
+    pub(crate) fn context(&self) -> &Arc<CudaContext> {
+        &self.inner.ctx
+    }
+
+    pub(crate) fn stream(&self) -> &Arc<CudaStream> {
+        &self.inner.stream
+    }
+
     pub(crate) fn blas_handle(&self) -> cudarc::cublas::sys::cublasHandle_t {
         *self.inner.blas.handle()
     }

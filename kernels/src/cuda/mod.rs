@@ -11,8 +11,10 @@
 //! | [`ops`] | typed launchers for `common.cu` and the device-resident weight type [`GpuMatrix`] |
 //! | [`mla`] | MLA attention launchers: the absorbed tile / head-packed / per-head kernels, the 12 → 16 pad dispatcher, MHA-form prefill |
 //! | [`mha_ws`] | the warp-specialised Hopper prefill kernel's tiling and TMA descriptors |
+//! | [`staging`] | device → host copies on a second stream into page-locked memory, ordered by marks (layer-wise KV shipping) |
 //!
-//! All work goes on the device's one stream, in order; host reads synchronise.
+//! All compute goes on the device's one stream, in order; host reads synchronise. Only
+//! [`staging`]'s copies run on a second stream, behind explicit marks.
 
 pub mod bench;
 pub mod context;
@@ -21,6 +23,8 @@ pub mod mha_ws;
 pub mod mla;
 pub mod nvrtc;
 pub mod ops;
+pub mod staging;
 
 pub use context::{CudaDevice, DeviceBuffer, GpuGraph, GpuTimer, KernelArgs, LaunchDims};
 pub use ops::{GpuMatrix, GpuMatrixData};
+pub use staging::{CopyStream, DeviceRange, Mark, PinnedBuffer};

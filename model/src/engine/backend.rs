@@ -61,6 +61,26 @@ pub enum GpuMode {
     Fast,
 }
 
+/// GPU-only engine options.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct GpuOptions {
+    /// Replay decode-only steps from CUDA graphs.
+    pub(crate) cuda_graphs: bool,
+    /// Ship prefill jobs' layers while later layers compute.
+    pub(crate) layerwise_shipping: bool,
+}
+
+/// Counters of the GPU backend's prefill-job shipping.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct ShipStats {
+    /// Layers handed to their sink before the forward's last layer was computed.
+    pub(crate) early: u64,
+    /// Forwards that shipped layers.
+    pub(crate) forwards: u64,
+    /// Summed µs from each such forward's end (logits on the host) to its last sink call.
+    pub(crate) tail_us: u64,
+}
+
 /// One forward's hooks, and the blocks its `after_layer` hook reads.
 pub(crate) struct Pass<'p, 'h, 'a> {
     /// Called per layer (`after_layer`) and with the residual stream (`hidden`; CPU only).
@@ -89,13 +109,23 @@ impl Backend {
         layout: &KvLayout,
         device: Device,
         mode: GpuMode,
-        cuda_graphs: bool,
+        gpu: GpuOptions,
     ) -> Result<Self, ModelError> {
         let device = device.resolve()?;
         if device == Device::Cpu {
             return Ok(Backend::Cpu(Box::new(model)));
         }
-        open_gpu(model, layout, device, mode, cuda_graphs)
+        open_gpu(model, layout, device, mode, gpu)
+    }
+
+    /// How the GPU backend has shipped prefill jobs' layers (zeros on the CPU, whose forward
+    /// calls its sinks between layers).
+    pub(crate) fn ship_stats(&self) -> ShipStats {
+        match self {
+            Backend::Cpu(_) => ShipStats::default(),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(c) => c.ship_stats(),
+        }
     }
 
     /// Forwards replayed from a CUDA graph (0 on the CPU).
@@ -166,15 +196,11 @@ fn open_gpu(
     layout: &KvLayout,
     device: Device,
     mode: GpuMode,
-    cuda_graphs: bool,
+    gpu: GpuOptions,
 ) -> Result<Backend, ModelError> {
     let dev = open_cuda(device)?;
     Ok(Backend::Cuda(Box::new(cuda::CudaBackend::new(
-        &dev,
-        model,
-        layout,
-        mode,
-        cuda_graphs,
+        &dev, model, layout, mode, gpu,
     )?)))
 }
 
@@ -184,7 +210,7 @@ fn open_gpu(
     _layout: &KvLayout,
     device: Device,
     _mode: GpuMode,
-    _cuda_graphs: bool,
+    _gpu: GpuOptions,
 ) -> Result<Backend, ModelError> {
     Err(ferry_kernels::KernelError::DeviceUnavailable {
         device: device.to_string(),

@@ -71,6 +71,9 @@ pub struct EngineConfig {
     /// On CUDA, replay decode-only steps (every sequence one token, absorbed form, at most 64
     /// sequences) from CUDA graphs captured per batch-size bucket; everything else runs eagerly.
     pub cuda_graphs: bool,
+    /// On CUDA, ship prefill jobs' layers while later layers compute (the default); `false`
+    /// ships them after the whole forward, as before — kept as the benchmark's peer.
+    pub gpu_layerwise_shipping: bool,
 }
 
 impl Default for EngineConfig {
@@ -85,6 +88,7 @@ impl Default for EngineConfig {
             device: Device::Cpu,
             gpu_mode: GpuMode::Exact,
             cuda_graphs: true,
+            gpu_layerwise_shipping: true,
         }
     }
 }
@@ -243,8 +247,10 @@ pub struct PrefillJob {
     /// Prompt positions the destination already holds (whole blocks): not shipped.
     pub skip_tokens: usize,
     /// Called on the engine thread with `(layer, blocks to ship from skip_tokens on, pool)`
-    /// as soon as the layer is computed (on the CPU backend; on a GPU, after the whole forward,
-    /// each layer's blocks downloaded into the pool first); an error fails this job only.
+    /// as soon as the layer is computed: on the CPU between layers; on a GPU once the layer's
+    /// rows have been copied out behind its compute (a second stream into a page-locked ring)
+    /// and widened into the pool, while later layers still compute. An error fails this job
+    /// only.
     pub on_layer: LayerSinkFn,
     /// The outcome.
     pub reply: oneshot::Sender<Result<PrefillOutcome, String>>,
@@ -329,6 +335,15 @@ pub struct EngineStats {
     pub spec_accepted_tokens: u64,
     /// Forwards replayed from a CUDA graph (decode-only steps on CUDA; 0 on the CPU).
     pub graph_steps: u64,
+    /// On CUDA, prefill-job layers handed to their sink before the forward's last layer was
+    /// computed (layer-wise shipping observed; 0 on the CPU, which is layer-wise by design).
+    pub kv_layers_shipped_early: u64,
+    /// On CUDA, forwards that shipped prefill-job layers, and the summed wall time (µs) from
+    /// the end of each such forward (logits on the host) to its last layer handed to the
+    /// sink: the shipping the forward did not hide.
+    pub kv_ship_forwards: u64,
+    /// See `kv_ship_forwards`.
+    pub kv_ship_tail_us: u64,
 }
 
 /// Commands the engine thread executes, in order.
@@ -436,7 +451,10 @@ impl EngineHandle {
             &layout,
             config.device,
             config.gpu_mode,
-            config.cuda_graphs,
+            backend::GpuOptions {
+                cuda_graphs: config.cuda_graphs,
+                layerwise_shipping: config.gpu_layerwise_shipping,
+            },
         )?;
         let device = backend.device();
         let drafter = match drafter {

@@ -299,6 +299,9 @@ impl Scheduler {
             waiting: self.waiting.len() + self.awaiting.len(),
             queued_prefill_tokens: queued as u64,
             graph_steps: self.backend.graph_steps(),
+            kv_layers_shipped_early: self.backend.ship_stats().early,
+            kv_ship_forwards: self.backend.ship_stats().forwards,
+            kv_ship_tail_us: self.backend.ship_stats().tail_us,
             ..self.stats.clone()
         }
     }

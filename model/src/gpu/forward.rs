@@ -119,11 +119,25 @@ impl GpuModel {
         batch: &BatchInputs<'_>,
         kv: &mut GpuKvCache,
     ) -> Result<BatchOutput, ModelError> {
+        self.forward_hooked(batch, kv, None)
+    }
+
+    /// [`Self::forward`], calling `after_layer(l)` on the host as soon as layer `l`'s latent
+    /// rows are *queued* (right after its attention, before its MLP): work queued on the
+    /// device's stream from then on runs after them, so a copy ordered behind a
+    /// [`CudaDevice::mark`](ferry_kernels::cuda::CudaDevice::mark) taken in the hook reads the
+    /// layer's final rows while later layers compute.
+    pub fn forward_hooked(
+        &self,
+        batch: &BatchInputs<'_>,
+        kv: &mut GpuKvCache,
+        after_layer: Option<&mut dyn FnMut(usize) -> Result<(), ModelError>>,
+    ) -> Result<BatchOutput, ModelError> {
         self.validate(batch, kv)?;
         let sh = self.prepare(batch, kv.layout().page_size, None)?;
         let n: usize = sh.rows_per_seq.iter().sum();
         let logits = self.dev.alloc::<f32>(n * self.config.vocab_size)?;
-        self.execute(&sh, kv, logits.v())?;
+        self.execute_hooked(&sh, kv, logits.v(), after_layer)?;
         self.split_logits(&self.dev.download(&logits)?, &sh.rows_per_seq)
     }
 
@@ -157,6 +171,18 @@ impl GpuModel {
         kv: &mut GpuKvCache,
         logits: Dv<f32>,
     ) -> Result<(), ModelError> {
+        self.execute_hooked(sh, kv, logits, None)
+    }
+
+    /// [`Self::execute`] with a host callback after each layer's attention (see
+    /// [`Self::forward_hooked`]); a graph capture passes none.
+    pub(crate) fn execute_hooked(
+        &self,
+        sh: &Shared,
+        kv: &mut GpuKvCache,
+        logits: Dv<f32>,
+        mut after_layer: Option<&mut dyn FnMut(usize) -> Result<(), ModelError>>,
+    ) -> Result<(), ModelError> {
         let dev = &self.dev;
         let hidden = self.config.hidden_size;
         let t = sh.geo.positions.len();
@@ -166,6 +192,9 @@ impl GpuModel {
         for (l, layer) in self.layers.iter().enumerate() {
             self.norm_into(h.v(), None, &layer.input_norm, x.v())?;
             let attn = self.attention(l, x.v(), sh, kv)?;
+            if let Some(hook) = after_layer.as_mut() {
+                hook(l)?;
+            }
             self.norm_into(h.v(), Some(attn.v()), &layer.post_norm, x.v())?;
             self.ffn(layer, x.v(), h.v())?;
         }

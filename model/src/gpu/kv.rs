@@ -72,6 +72,23 @@ impl GpuKvCache {
         })
     }
 
+    /// Device address and length in bytes of blocks `first..first + count` of layer `l` (for
+    /// asynchronous copies out; see `ferry_kernels::cuda::staging`).
+    pub fn block_bytes(
+        &self,
+        l: usize,
+        first: BlockId,
+        count: usize,
+    ) -> Result<(u64, usize), ModelError> {
+        let offset = self.block_range(l, first, count)?;
+        let elem = if self.is_bf16() { 2 } else { 4 };
+        let base = self.pages(l)?.ptr;
+        Ok((
+            base + (offset * elem) as u64,
+            count * self.layout.block_floats() * elem,
+        ))
+    }
+
     /// Checks that `count` blocks from `first` lie inside layer `l`; the first element's index.
     fn block_range(&self, l: usize, first: BlockId, count: usize) -> Result<usize, ModelError> {
         let start = first.0 as usize;

@@ -15,12 +15,12 @@
 
 use std::collections::{BTreeSet, HashMap};
 
-use ferry_kernels::cuda::CudaDevice;
+use ferry_kernels::cuda::{CopyStream, CudaDevice, DeviceRange, Mark, PinnedBuffer};
 use ferry_kernels::Device;
 
-use super::{GpuMode, Pass};
+use super::{GpuMode, GpuOptions, Pass, ShipStats};
 use crate::config::ModelConfig;
-use crate::deepseek::forward::ForwardHooks;
+use crate::deepseek::forward::{ForwardHooks, LayerHook};
 use crate::deepseek::{
     AttentionForm, BatchInputs, BatchOutput, DeepseekModel, FormPolicy, LogitsWanted, SeqInput,
 };
@@ -49,6 +49,14 @@ pub(crate) struct CudaBackend {
     graphs: Option<HashMap<usize, DecodeGraph>>,
     /// Steps replayed from a graph (the engine's `graph_steps`).
     graph_steps: u64,
+    /// The second stream shipped layers are copied on (made on first use).
+    copy: Option<CopyStream>,
+    /// The page-locked staging ring, kept between forwards (grown when a job needs more).
+    ring: Option<PinnedBuffer<u8>>,
+    /// Ship prefill jobs' layers during the forward ([`Shipper`]); else after it.
+    layerwise: bool,
+    /// The shipping counters (`EngineStats::kv_*`).
+    ship: ShipStats,
 }
 
 impl CudaBackend {
@@ -59,7 +67,7 @@ impl CudaBackend {
         model: DeepseekModel,
         layout: &KvLayout,
         mode: GpuMode,
-        cuda_graphs: bool,
+        options: GpuOptions,
     ) -> Result<Self, ModelError> {
         let gpu = GpuModel::upload(dev, &model, mode)?;
         drop(model);
@@ -86,8 +94,12 @@ impl CudaBackend {
             gpu,
             cache,
             dirty: BTreeSet::new(),
-            graphs: cuda_graphs.then(HashMap::new),
+            graphs: options.cuda_graphs.then(HashMap::new),
             graph_steps: 0,
+            copy: None,
+            ring: None,
+            layerwise: options.layerwise_shipping,
+            ship: ShipStats::default(),
         };
         let started = std::time::Instant::now();
         backend.warm_up()?;
@@ -143,6 +155,11 @@ impl CudaBackend {
 
     pub(crate) fn config(&self) -> &ModelConfig {
         self.gpu.config()
+    }
+
+    /// The shipping counters.
+    pub(crate) fn ship_stats(&self) -> ShipStats {
+        self.ship
     }
 
     /// Steps replayed from a CUDA graph so far.
@@ -258,30 +275,10 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// Copies `blocks` (sorted, distinct) of `layer` from the device into the host pool.
-    fn stage(&self, layer: usize, blocks: &[BlockId], pool: &mut KvPool) -> Result<(), ModelError> {
-        let per_block = pool.layout().block_floats();
-        let mut i = 0;
-        while i < blocks.len() {
-            let first = blocks[i];
-            let mut n = 1;
-            while blocks
-                .get(i + n)
-                .is_some_and(|b| b.0 as usize == first.0 as usize + n)
-            {
-                n += 1;
-            }
-            let rows = self.cache.read_blocks(&self.dev, layer, first, n)?;
-            for (j, chunk) in rows.chunks_exact(per_block).enumerate() {
-                pool.block_mut(layer, BlockId(first.0 + j as u32))?
-                    .copy_from_slice(chunk);
-            }
-            i += n;
-        }
-        Ok(())
-    }
-
-    /// Peers' rows up, the forward, then per layer: the staged blocks down and `after_layer`.
+    /// Peers' rows up, then the forward; per layer, `after_layer` sees the pool with the staged
+    /// blocks' rows of that layer current. With staged blocks (a prefill job shipping), each
+    /// layer's rows leave while later layers compute ([`Shipper`]); otherwise the hooks run
+    /// after the forward, with nothing to stage.
     pub(crate) fn forward(
         &mut self,
         batch: &BatchInputs<'_>,
@@ -289,20 +286,234 @@ impl CudaBackend {
         pass: Pass<'_, '_, '_>,
     ) -> Result<BatchOutput, ModelError> {
         self.upload_dirty(pool)?;
-        let out = match self.try_graph(batch)? {
-            Some(out) => out,
-            None => self.gpu.forward(batch, &mut self.cache)?,
-        };
         let ForwardHooks { after_layer, .. } = pass.hooks;
         let mut staged = pass.staged.to_vec();
         staged.sort_unstable();
         staged.dedup();
+        let layers = self.cache.layout().num_layers;
+        if staged.is_empty() {
+            let out = match self.try_graph(batch)? {
+                Some(out) => out,
+                None => self.gpu.forward(batch, &mut self.cache)?,
+            };
+            for layer in 0..layers {
+                after_layer(layer, pool)?;
+            }
+            return Ok(out);
+        }
+        if !self.layerwise {
+            return self.forward_then_ship(batch, pool, &staged, after_layer);
+        }
+        if self.copy.is_none() {
+            self.copy = Some(self.dev.copy_stream()?);
+        }
+        let mut shipper = Shipper::new(&self.dev, &self.cache, &staged, self.ring.take())?;
+        let Some(copy) = self.copy.as_ref() else {
+            return Err(ModelError::Invalid("no copy stream".into()));
+        };
+        let result = {
+            let mut hook = |l: usize| shipper.layer_queued(l, copy, pool, &mut *after_layer);
+            self.gpu
+                .forward_hooked(batch, &mut self.cache, Some(&mut hook))
+        };
+        // Drain whatever is still in flight even when the forward failed, so the ring is free.
+        let forward_done = std::time::Instant::now();
+        let drained = shipper.drain(pool, &mut *after_layer);
+        self.record_ship(forward_done, shipper.early);
+        self.ring = Some(shipper.ring);
+        let out = result?;
+        drained?;
+        Ok(out)
+    }
+
+    /// The shipping of the engine before layer-wise streaming (`gpu_layerwise_shipping =
+    /// false`, the benchmark's peer): the whole forward, then per layer the staged blocks
+    /// downloaded into the pool and the sink called.
+    fn forward_then_ship(
+        &mut self,
+        batch: &BatchInputs<'_>,
+        pool: &mut KvPool,
+        staged: &[BlockId],
+        after_layer: &mut LayerHook<'_>,
+    ) -> Result<BatchOutput, ModelError> {
+        let out = self.gpu.forward(batch, &mut self.cache)?;
+        let forward_done = std::time::Instant::now();
+        let per_block = pool.layout().block_floats();
         for layer in 0..self.cache.layout().num_layers {
-            if !staged.is_empty() {
-                self.stage(layer, &staged, pool)?;
+            let mut i = 0;
+            while i < staged.len() {
+                let first = staged[i];
+                let mut n = 1;
+                while staged
+                    .get(i + n)
+                    .is_some_and(|b| b.0 as usize == first.0 as usize + n)
+                {
+                    n += 1;
+                }
+                let rows = self.cache.read_blocks(&self.dev, layer, first, n)?;
+                for (j, chunk) in rows.chunks_exact(per_block).enumerate() {
+                    pool.block_mut(layer, BlockId(first.0 + j as u32))?
+                        .copy_from_slice(chunk);
+                }
+                i += n;
             }
             after_layer(layer, pool)?;
         }
+        self.record_ship(forward_done, 0);
         Ok(out)
+    }
+
+    fn record_ship(&mut self, forward_done: std::time::Instant, early: u64) {
+        self.ship.forwards += 1;
+        self.ship.tail_us += forward_done.elapsed().as_micros() as u64;
+        self.ship.early += early;
+    }
+}
+
+/// How many layers' rows may be in flight between the device and the host sink.
+const RING_LAYERS: usize = 4;
+
+/// One forward's layer-wise shipping: after each layer's attention is queued, a copy of that
+/// layer's staged blocks (in the cache's own dtype) is queued on the copy stream behind a mark
+/// into the next slot of a page-locked ring of [`RING_LAYERS`] layers; the host delivers a
+/// layer — widens its rows into the pool's and calls the sink — once its copy is done, polling
+/// between layers and blocking only when the ring is full and at the end.
+struct Shipper {
+    dev: CudaDevice,
+    /// `(device address, bytes)` of each run of consecutive staged blocks, per layer.
+    runs: Vec<Vec<(u64, usize)>>,
+    /// The staged blocks, in ring order.
+    blocks: Vec<BlockId>,
+    ring: PinnedBuffer<u8>,
+    slot_bytes: usize,
+    bf16: bool,
+    per_block: usize,
+    /// `(layer, slot, copy done)` in layer order.
+    pending: std::collections::VecDeque<(usize, usize, Mark)>,
+    layers: usize,
+    /// Set once the last layer's attention is queued: a mark on the compute stream.
+    last_queued: Option<Mark>,
+    /// Layers delivered before the last layer was computed.
+    early: u64,
+}
+
+impl Shipper {
+    fn new(
+        dev: &CudaDevice,
+        cache: &GpuKvCache,
+        staged: &[BlockId],
+        ring: Option<PinnedBuffer<u8>>,
+    ) -> Result<Self, ModelError> {
+        let layout = *cache.layout();
+        let mut runs = vec![Vec::new(); layout.num_layers];
+        let mut i = 0;
+        while i < staged.len() {
+            let first = staged[i];
+            let mut n = 1;
+            while staged
+                .get(i + n)
+                .is_some_and(|b| b.0 as usize == first.0 as usize + n)
+            {
+                n += 1;
+            }
+            for (l, r) in runs.iter_mut().enumerate() {
+                r.push(cache.block_bytes(l, first, n)?);
+            }
+            i += n;
+        }
+        let slot_bytes: usize = runs.first().map_or(0, |r| r.iter().map(|&(_, b)| b).sum());
+        let slots = RING_LAYERS.min(layout.num_layers).max(1);
+        let ring = match ring {
+            Some(r) if r.len() >= slots * slot_bytes => r,
+            _ => dev.pinned::<u8>(slots * slot_bytes)?,
+        };
+        Ok(Self {
+            dev: dev.clone(),
+            runs,
+            blocks: staged.to_vec(),
+            ring,
+            slot_bytes,
+            bf16: cache.is_bf16(),
+            per_block: layout.block_floats(),
+            pending: std::collections::VecDeque::new(),
+            layers: layout.num_layers,
+            last_queued: None,
+            early: 0,
+        })
+    }
+
+    fn slots(&self) -> usize {
+        RING_LAYERS.min(self.layers).max(1)
+    }
+
+    /// Layer `l`'s attention is queued: deliver what has landed, make room, queue its copy.
+    fn layer_queued(
+        &mut self,
+        l: usize,
+        copy: &CopyStream,
+        pool: &mut KvPool,
+        sink: &mut LayerHook<'_>,
+    ) -> Result<(), ModelError> {
+        while self.pending.front().is_some_and(|(_, _, m)| m.is_done()) {
+            self.deliver_next(pool, sink)?;
+        }
+        if self.pending.len() >= self.slots() {
+            self.deliver_next(pool, sink)?;
+        }
+        let slot = l % self.slots();
+        let after = self.dev.mark()?;
+        let mut at = slot * self.slot_bytes;
+        for &(src, bytes) in &self.runs[l] {
+            let range = DeviceRange {
+                addr: src,
+                len: bytes,
+            };
+            copy.copy_after(&after, range, &mut self.ring, at)?;
+            at += bytes;
+        }
+        self.pending.push_back((l, slot, copy.mark()?));
+        if l + 1 == self.layers {
+            self.last_queued = Some(after);
+        }
+        Ok(())
+    }
+
+    /// Delivers every layer still in flight, in order.
+    fn drain(&mut self, pool: &mut KvPool, sink: &mut LayerHook<'_>) -> Result<(), ModelError> {
+        while !self.pending.is_empty() {
+            self.deliver_next(pool, sink)?;
+        }
+        Ok(())
+    }
+
+    /// Waits for the oldest layer's copy, widens its rows into the pool, calls the sink.
+    fn deliver_next(
+        &mut self,
+        pool: &mut KvPool,
+        sink: &mut LayerHook<'_>,
+    ) -> Result<(), ModelError> {
+        let Some((layer, slot, done)) = self.pending.pop_front() else {
+            return Ok(());
+        };
+        done.wait()?;
+        if self.last_queued.as_ref().is_none_or(|m| !m.is_done()) {
+            self.early += 1;
+        }
+        let bytes = &self.ring.as_slice()[slot * self.slot_bytes..(slot + 1) * self.slot_bytes];
+        let elem = if self.bf16 { 2 } else { 4 };
+        for (j, &block) in self.blocks.iter().enumerate() {
+            let src = &bytes[j * self.per_block * elem..(j + 1) * self.per_block * elem];
+            let row = pool.block_mut(layer, block)?;
+            if self.bf16 {
+                for (d, c) in row.iter_mut().zip(src.chunks_exact(2)) {
+                    *d = half::bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32();
+                }
+            } else {
+                for (d, c) in row.iter_mut().zip(src.chunks_exact(4)) {
+                    *d = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+                }
+            }
+        }
+        sink(layer, pool)
     }
 }
