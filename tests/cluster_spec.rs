@@ -109,20 +109,30 @@ async fn generate_with(cluster: &Cluster, prompt: &str, speculative: Option<bool
 
 #[tokio::test]
 async fn speculative_greedy_output_through_the_cluster_equals_plain_decoding() {
+    speculative_cluster_equals_plain(&[]).await;
+}
+
+/// The same on `--device auto --speculative on`: the CPU here, on a GPU machine the CUDA
+/// engine on both workers (the drafter on the CPU beside each, its context shipped from the
+/// GPU prefill worker with the KV).
+#[tokio::test]
+async fn speculative_on_device_auto_equals_plain_decoding() {
+    speculative_cluster_equals_plain(&["--device", "auto", "--speculative", "on"]).await;
+}
+
+/// Speculation on everywhere (the default with the embedded drafter), workers started with
+/// `extra` as well: greedy output equals plain decoding, prefilled locally or remotely, and
+/// both ways speculate every step.
+async fn speculative_cluster_equals_plain(extra: &[&str]) {
     let (short, long) = (cluster::short_prompt(), cluster::long_prompt());
     let short_ref = plain_generate(&short).await;
     let long_ref = plain_generate(&long).await;
 
-    // Speculation on everywhere (the default with the embedded drafter).
     let metrics = free_addr();
     let m = metrics.to_string();
-    let cluster = Cluster::start(Spec::new(1, 1).decode(&[
-        "--verify-len",
-        "fixed:4",
-        "--metrics-addr",
-        m.as_str(),
-    ]))
-    .await;
+    let mut decode = vec!["--verify-len", "fixed:4", "--metrics-addr", m.as_str()];
+    decode.extend_from_slice(extra);
+    let cluster = Cluster::start(Spec::new(1, 1).prefill(extra).decode(&decode)).await;
     let r0 = spec_rounds(metrics).await;
     // 9 prompt tokens: prefilled on the decode worker, which computes the drafter context.
     assert_eq!(generate(&cluster, &short).await, short_ref, "short prompt");

@@ -76,16 +76,6 @@ pub async fn load_engine(
     mut config: EngineConfig,
 ) -> Result<EngineHandle, ServeError> {
     config.spec = spec.spec_config();
-    let device = config
-        .device
-        .resolve()
-        .map_err(|e| ServeError::Config(format!("--device: {e}")))?;
-    if device.is_gpu() && spec.drafter.speculative == SpecMode::On {
-        return Err(ServeError::Config(format!(
-            "--speculative on: speculative decoding runs on the CPU engine only for now, and this \
-             worker runs on {device}; pass --device cpu or --speculative auto"
-        )));
-    }
     let drafter = spec.drafter_dir(&model_dir)?;
     match (&drafter, spec.drafter.speculative) {
         (Some(d), _) => {

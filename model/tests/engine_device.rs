@@ -1,7 +1,7 @@
 //! The engine on either backend (`EngineConfig::device`): one contract, CPU and CUDA.
 //!
 //! Runs everywhere: an engine asked for a GPU that cannot be opened refuses to start, naming it;
-//! one on `auto` runs on the GPU when one opens, else on the CPU (and keeps its drafter there),
+//! one on `auto` runs on the GPU when one opens, else on the CPU, keeps its drafter either way,
 //! and serves the golden continuation.
 //!
 //! `#[ignore]`d (need an NVIDIA GPU; run on the GPU machine with `--include-ignored`, see
@@ -23,7 +23,10 @@
 //!   against the same forward run directly on a `GpuModel`), layer 0 within 1e-2 · max|row| of
 //!   the CPU's (deeper layers drift with fast mode's numerics and are reported, not bounded),
 //!   and decodes from a CPU peer's KV;
-//! - decode steps replayed from CUDA graphs give the eager engine's tokens.
+//! - decode steps replayed from CUDA graphs give the eager engine's tokens;
+//! - speculative decoding on the CUDA engine (the drafter on the CPU from the GPU's tapped
+//!   hidden states) gives the plain CUDA engine's and the CPU's greedy tokens, with drafts
+//!   accepted.
 //!
 //! Every test ends with every KV block back in the pool.
 
@@ -99,13 +102,8 @@ async fn an_unopenable_gpu_is_an_error_and_auto_picks_a_device_that_serves() {
         Device::Cpu
     };
     assert_eq!(e.device(), want, "auto resolves to the GPU iff one opens");
-    // Speculation is dropped exactly when the engine really runs on a GPU.
-    assert_eq!(
-        e.draft_kv_layers() > 0,
-        e.device() == Device::Cpu,
-        "drafter kept on the CPU only (device {})",
-        e.device()
-    );
+    // The drafter is kept on every device.
+    assert!(e.draft_kv_layers() > 0, "drafter kept on {}", e.device());
     let (prompt, expected) = golden_case(0);
     let (toks, end) = collect(e.generate(job(prompt, 32, PrefillSource::Local)).unwrap()).await;
     assert_eq!(end, Ok(FinishReason::Length));
@@ -203,6 +201,50 @@ async fn graph_replayed_decode_steps_equal_eager_ones() {
     eprintln!("graphs: {replayed} decode steps replayed, tokens identical to the eager engine");
     wait_idle(&graphs).await;
     wait_idle(&eager).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an NVIDIA GPU: run on the GPU machine with --include-ignored (docs/gpu.md)"]
+async fn speculative_greedy_on_cuda_equals_plain_cuda_and_cpu() {
+    if let Err(e) = Device::Cuda(0).probe() {
+        eprintln!("skipping speculative_greedy_on_cuda_equals_plain_cuda_and_cpu: {e}");
+        return;
+    }
+    let m = model();
+    let drafter =
+        DsparkDrafter::load(&ferry_model::drafter::embedded_dir(), m.config()).expect("drafter");
+    let spec = EngineHandle::spawn_with(
+        m,
+        Some(Box::new(drafter) as Box<dyn Drafter>),
+        config(Device::Cuda(0), GpuMode::Exact),
+    )
+    .expect("speculating CUDA engine");
+    assert!(
+        spec.draft_kv_layers() > 0,
+        "the CUDA engine kept its drafter"
+    );
+    let plain = engine(Device::Cuda(0), GpuMode::Exact);
+    let prompts: Vec<Vec<u32>> = (0..3).map(|i| golden_case(i).0).collect();
+    let (want, _) = greedy_runs(&plain, &prompts).await;
+    let (got, _) = greedy_runs(&spec, &prompts).await;
+    assert_eq!(got, want, "speculative vs plain on cuda:0");
+    for (i, g) in got.iter().take(3).enumerate() {
+        assert_eq!(
+            *g,
+            golden_case(i).1,
+            "request {i} vs the CPU's golden tokens"
+        );
+    }
+    let st = spec.stats().await.unwrap();
+    assert!(st.spec_rounds > 0, "no speculative round ran: {st:?}");
+    assert!(st.spec_accepted_tokens > 0, "no draft accepted: {st:?}");
+    eprintln!(
+        "speculative on cuda: {} rounds, acceptance length {:.2}, tokens identical to plain CUDA and the CPU",
+        st.spec_rounds,
+        (st.spec_accepted_tokens + st.spec_rounds) as f64 / st.spec_rounds as f64
+    );
+    wait_idle(&spec).await;
+    wait_idle(&plain).await;
 }
 
 /// What a prefill job shipped: `(layer, index of the block among those shipped, rows)` in call

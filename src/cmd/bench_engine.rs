@@ -240,6 +240,15 @@ fn run_speculative(
     if args.prompt_len + args.decode_steps + drafter.block_size() > ctx_limit {
         bail!("`--prompt-len` + `--decode-steps` + the block size must fit the context of {ctx_limit}");
     }
+    // The engines run on `--device`; the per-pass costs are the CPU model's, measured only there.
+    let device = args.device.resolve()?;
+    let base = EngineConfig {
+        device,
+        gpu_mode: args.device.mode(),
+        cuda_graphs: args.device.cuda_graphs,
+        ..EngineConfig::default()
+    };
+    println!("engines on {device}\n");
     println!(
         "| concurrency | no-spec tok/s | spec tok/s | speedup | acceptance length | drafts verified / round | draft pass ms | verify pass ms | decode step ms |\n|---|---|---|---|---|---|---|---|---|"
     );
@@ -251,23 +260,28 @@ fn run_speculative(
             let plain_setup = EngineSetup {
                 dir,
                 drafter: None,
-                base: EngineConfig::default(),
+                base: base.clone(),
             };
             let spec_setup = EngineSetup {
                 dir,
                 drafter: Some(&drafter_dir),
-                base: EngineConfig::default(),
+                base: base.clone(),
             };
             plain.push(engine_run(&plain_setup, c, args, rep as u32)?.0);
             let (tps, s) = engine_run(&spec_setup, c, args, rep as u32)?;
             spec.push(tps);
             stats = s;
         }
-        let (draft_ms, verify_ms, step_ms) = pass_costs(model, &drafter, c, args)?;
+        let costs = if device == ferry_kernels::Device::Cpu {
+            let (d, v, st) = pass_costs(model, &drafter, c, args)?;
+            format!("{d:.2} | {v:.2} | {st:.2}")
+        } else {
+            "— | — | —".to_string()
+        };
         let (p, s) = (median(&mut plain), median(&mut spec));
         let rounds = stats.spec_rounds.max(1) as f64;
         println!(
-            "| {c} | {p:.1} | {s:.1} | {:.2}x | {:.2} | {:.2} | {draft_ms:.2} | {verify_ms:.2} | {step_ms:.2} |",
+            "| {c} | {p:.1} | {s:.1} | {:.2}x | {:.2} | {:.2} | {costs} |",
             s / p,
             (stats.spec_accepted_tokens + stats.spec_rounds) as f64 / rounds,
             stats.spec_drafted_tokens as f64 / rounds,

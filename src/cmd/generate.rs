@@ -2,7 +2,8 @@
 //!
 //! The prompt runs through the in-process engine, the one a decode worker runs, on `--device`:
 //! with DSpark speculative decoding when a drafter is configured (`--drafter`, or the embedded
-//! one for the embedded model; CPU only for now), plainly otherwise. Greedy output is the same
+//! one for the embedded model; on a GPU the drafter runs on the CPU beside it), plainly
+//! otherwise. Greedy output is the same
 //! either way; a seeded sampled run draws from the engine's (seed, step) streams, as a decode
 //! worker does.
 
@@ -120,18 +121,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     }
 
     let device = args.device.resolve()?;
-    let mut drafter = args.spec.drafter_dir(&dir)?;
-    if drafter.is_some() && device.is_gpu() {
-        if args.spec.drafter.speculative == ferry_worker::args::SpecMode::On {
-            bail!(
-                "--speculative on: speculative decoding runs on the CPU engine only for now, and \
-                 --device resolved to {device}; pass --device cpu, or --speculative auto to \
-                 decode on the GPU without it"
-            );
-        }
-        tracing::info!(%device, "speculative decoding runs on the CPU engine only; decoding without it");
-        drafter = None;
-    }
+    let drafter = args.spec.drafter_dir(&dir)?;
     let run = Run {
         prompt,
         params,

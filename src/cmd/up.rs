@@ -23,7 +23,7 @@ use clap::Args;
 use ferry_decode::spec::SpecArgs;
 use ferry_proto::auth::ClusterToken;
 use ferry_router::config::PolicyKind;
-use ferry_worker::args::{DeviceArgs, SpecMode};
+use ferry_worker::args::DeviceArgs;
 use ferry_worker::shutdown::shutdown_token;
 use std::process::ExitStatus;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -91,8 +91,7 @@ pub struct UpArgs {
     pub spec: SpecArgs,
     /// Where every worker runs the model: `auto` (the default) is resolved once here, to the
     /// first GPU that opens or the CPU, and every worker gets that device; a named GPU that
-    /// cannot be opened stops `ferry up` with the reason. Speculative decoding is CPU-only for
-    /// now: workers on a GPU decode without it (`--speculative on` there is an error).
+    /// cannot be opened stops `ferry up` with the reason.
     #[command(flatten)]
     pub device: DeviceArgs,
 }
@@ -240,13 +239,6 @@ pub fn run(mut args: UpArgs) -> anyhow::Result<()> {
     let model = embedded::model_dir(args.model.as_deref())?;
     // One device for the whole cluster, checked before any child starts.
     args.device.device = args.device.resolve().context("--device")?;
-    if args.device.device.is_gpu() && args.spec.drafter.speculative == SpecMode::On {
-        bail!(
-            "--speculative on: speculative decoding runs on the CPU engine only for now, and \
-             the workers would run on {}; pass --device cpu or --speculative auto",
-            args.device.device
-        );
-    }
     let served = match &args.model {
         Some(dir) => dir
             .file_name()

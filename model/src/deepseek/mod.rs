@@ -101,6 +101,15 @@ pub struct DeepseekModel {
 }
 
 impl DeepseekModel {
+    /// This model without its decoder layers: the configuration, embedding, final norm and LM
+    /// head — what a drafter shares with its target (`embed_tokens`, `lm_head_logits`). Kept on
+    /// the host beside a GPU forward whose drafter runs on the CPU; its own forward refuses
+    /// every batch (no layers match the KV).
+    pub(crate) fn into_shared_layers(mut self) -> Self {
+        self.layers = Vec::new();
+        self
+    }
+
     /// The validated configuration.
     pub fn config(&self) -> &ModelConfig {
         &self.config

@@ -30,9 +30,11 @@
 //! On CUDA, decode-only steps are replayed from CUDA graphs per batch-size bucket
 //! ([`EngineConfig::cuda_graphs`](super::EngineConfig); see `backend/cuda.rs`).
 //!
-//! Speculative decoding is CPU-only: the drafter reads the target's hidden states after its tap
-//! layers on the host, which the GPU forward does not expose. An engine that ends up on CUDA
-//! drops its drafter with a warning and decodes plainly (see [`super::EngineHandle::spawn_with`]).
+//! Speculative decoding runs on both: the drafter (on the CPU) reads the target's hidden states
+//! after its tap layers — on CUDA those rows are downloaded after each tap layer of a forward
+//! that feeds the drafter — and shares the target's embedding and LM head, which a CUDA
+//! backend opened for a drafter keeps on the host. Verification, rollback and the verify
+//! length are the engine's, the same on every device.
 //!
 //! [`KvManager`]: crate::kv::KvManager
 //! [`GpuModel`]: crate::gpu::GpuModel
@@ -68,6 +70,8 @@ pub(crate) struct GpuOptions {
     pub(crate) cuda_graphs: bool,
     /// Ship prefill jobs' layers while later layers compute.
     pub(crate) layerwise_shipping: bool,
+    /// Keep the target's embedding and LM head on the host for a drafter that runs on the CPU.
+    pub(crate) keep_shared_layers: bool,
 }
 
 /// Counters of the GPU backend's prefill-job shipping.
@@ -83,8 +87,11 @@ pub(crate) struct ShipStats {
 
 /// One forward's hooks, and the blocks its `after_layer` hook reads.
 pub(crate) struct Pass<'p, 'h, 'a> {
-    /// Called per layer (`after_layer`) and with the residual stream (`hidden`; CPU only).
+    /// Called per layer (`after_layer`) and with the residual stream (`hidden`).
     pub(crate) hooks: ForwardHooks<'h, 'a>,
+    /// The layers whose residual stream `hidden` must see (the drafter's taps): the CPU calls
+    /// it after every layer anyway; a GPU downloads only these.
+    pub(crate) taps: &'p [usize],
     /// Blocks whose rows `after_layer` reads from the pool (prefill jobs' shipped blocks): on
     /// CUDA they are downloaded into the host pool before each layer's call.
     pub(crate) staged: &'p [BlockId],
@@ -155,12 +162,13 @@ impl Backend {
         }
     }
 
-    /// The host model, when the forward runs on the CPU (the drafter needs it).
+    /// The host model a drafter shares layers with: the whole model on the CPU; on a GPU its
+    /// embedding and LM head, kept when the engine was opened for a drafter.
     pub(crate) fn host_model(&self) -> Option<&DeepseekModel> {
         match self {
             Backend::Cpu(m) => Some(m),
             #[cfg(feature = "cuda")]
-            Backend::Cuda(_) => None,
+            Backend::Cuda(c) => c.shared_layers(),
         }
     }
 

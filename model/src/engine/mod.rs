@@ -435,9 +435,9 @@ impl EngineHandle {
     }
 
     /// Starts the engine thread on `config.device`, speculating with `drafter` when one is
-    /// given (requests opt out per [`GenerateOptions`]). Blocking: on a GPU it uploads the
-    /// model. Speculative decoding runs on the CPU backend only: an engine that ends up on a
-    /// GPU drops the drafter with a warning and decodes without it (see [`backend`]).
+    /// given (requests opt out per [`GenerateOptions`]), on every device: on a GPU the drafter
+    /// runs on the CPU from the target's tapped hidden states (see [`backend`]). Blocking: on a
+    /// GPU it uploads the model.
     pub fn spawn_with(
         model: DeepseekModel,
         drafter: Option<Box<dyn Drafter>>,
@@ -454,20 +454,10 @@ impl EngineHandle {
             backend::GpuOptions {
                 cuda_graphs: config.cuda_graphs,
                 layerwise_shipping: config.gpu_layerwise_shipping,
+                keep_shared_layers: drafter.is_some(),
             },
         )?;
         let device = backend.device();
-        let drafter = match drafter {
-            Some(_) if backend.host_model().is_none() => {
-                tracing::warn!(
-                    %device,
-                    "speculative decoding is not supported on the GPU backend yet (the drafter \
-                     reads hidden states from the CPU forward); decoding without it"
-                );
-                None
-            }
-            d => d,
-        };
         let spec = drafter
             .map(|d| spec::Speculator::new(d, &layout, config.spec.clone()))
             .transpose()?;

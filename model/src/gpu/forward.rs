@@ -24,6 +24,23 @@ use crate::deepseek::LATENT_NORM_EPS;
 use crate::deepseek::{AttentionForm, BatchInputs, BatchOutput, LogitsWanted, SeqInput};
 use crate::ModelError;
 
+/// Host callbacks between the layers of [`GpuModel::forward_hooked`]; the default has none
+/// (graph captures take none).
+#[derive(Default)]
+pub struct GpuHooks<'a> {
+    /// Called with `l` as soon as layer `l`'s latent rows are *queued* (right after its
+    /// attention, before its MLP): work queued on the device's stream from then on runs after
+    /// them, so a copy ordered behind a
+    /// [`CudaDevice::mark`](ferry_kernels::cuda::CudaDevice::mark) taken here reads the layer's
+    /// final rows while later layers compute.
+    pub after_attention: Option<&'a mut dyn FnMut(usize) -> Result<(), ModelError>>,
+    /// Layers whose outgoing residual stream `hidden` receives.
+    pub taps: &'a [usize],
+    /// Called with `(l, [T][hidden])` after each layer in `taps`, downloaded to the host (a
+    /// drafter's context features), in batch order like the CPU forward's hidden hook.
+    pub hidden: Option<&'a mut dyn FnMut(usize, &[f32]) -> Result<(), ModelError>>,
+}
+
 /// Host-side geometry of one batch.
 pub(super) struct Geo {
     pub(super) positions: Vec<usize>,
@@ -119,25 +136,21 @@ impl GpuModel {
         batch: &BatchInputs<'_>,
         kv: &mut GpuKvCache,
     ) -> Result<BatchOutput, ModelError> {
-        self.forward_hooked(batch, kv, None)
+        self.forward_hooked(batch, kv, GpuHooks::default())
     }
 
-    /// [`Self::forward`], calling `after_layer(l)` on the host as soon as layer `l`'s latent
-    /// rows are *queued* (right after its attention, before its MLP): work queued on the
-    /// device's stream from then on runs after them, so a copy ordered behind a
-    /// [`CudaDevice::mark`](ferry_kernels::cuda::CudaDevice::mark) taken in the hook reads the
-    /// layer's final rows while later layers compute.
+    /// [`Self::forward`] with host callbacks between layers ([`GpuHooks`]).
     pub fn forward_hooked(
         &self,
         batch: &BatchInputs<'_>,
         kv: &mut GpuKvCache,
-        after_layer: Option<&mut dyn FnMut(usize) -> Result<(), ModelError>>,
+        hooks: GpuHooks<'_>,
     ) -> Result<BatchOutput, ModelError> {
         self.validate(batch, kv)?;
         let sh = self.prepare(batch, kv.layout().page_size, None)?;
         let n: usize = sh.rows_per_seq.iter().sum();
         let logits = self.dev.alloc::<f32>(n * self.config.vocab_size)?;
-        self.execute_hooked(&sh, kv, logits.v(), after_layer)?;
+        self.execute_hooked(&sh, kv, logits.v(), hooks)?;
         self.split_logits(&self.dev.download(&logits)?, &sh.rows_per_seq)
     }
 
@@ -171,7 +184,7 @@ impl GpuModel {
         kv: &mut GpuKvCache,
         logits: Dv<f32>,
     ) -> Result<(), ModelError> {
-        self.execute_hooked(sh, kv, logits, None)
+        self.execute_hooked(sh, kv, logits, GpuHooks::default())
     }
 
     /// [`Self::execute`] with a host callback after each layer's attention (see
@@ -181,8 +194,13 @@ impl GpuModel {
         sh: &Shared,
         kv: &mut GpuKvCache,
         logits: Dv<f32>,
-        mut after_layer: Option<&mut dyn FnMut(usize) -> Result<(), ModelError>>,
+        hooks: GpuHooks<'_>,
     ) -> Result<(), ModelError> {
+        let GpuHooks {
+            mut after_attention,
+            taps,
+            hidden: mut on_hidden,
+        } = hooks;
         let dev = &self.dev;
         let hidden = self.config.hidden_size;
         let t = sh.geo.positions.len();
@@ -192,11 +210,15 @@ impl GpuModel {
         for (l, layer) in self.layers.iter().enumerate() {
             self.norm_into(h.v(), None, &layer.input_norm, x.v())?;
             let attn = self.attention(l, x.v(), sh, kv)?;
-            if let Some(hook) = after_layer.as_mut() {
+            if let Some(hook) = after_attention.as_mut() {
                 hook(l)?;
             }
             self.norm_into(h.v(), Some(attn.v()), &layer.post_norm, x.v())?;
             self.ffn(layer, x.v(), h.v())?;
+            if let Some(hook) = on_hidden.as_mut().filter(|_| taps.contains(&l)) {
+                // A synchronising download: only forwards that feed a drafter tap.
+                hook(l, &dev.download(&h)?)?;
+            }
         }
         self.norm_into(h.v(), None, &self.norm, x.v())?;
         let n = sh.picked.len();

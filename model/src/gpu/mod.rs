@@ -34,6 +34,7 @@ use ferry_kernels::cuda::ops::{GemmPrecision, GpuExperts, GpuMatrixData, RoutePa
 use ferry_kernels::cuda::{CudaDevice, DeviceBuffer, GpuMatrix};
 use half::bf16;
 
+pub use forward::GpuHooks;
 pub use kv::GpuKvCache;
 
 use crate::config::ModelConfig;

@@ -20,12 +20,12 @@ use ferry_kernels::Device;
 
 use super::{GpuMode, GpuOptions, Pass, ShipStats};
 use crate::config::ModelConfig;
-use crate::deepseek::forward::{ForwardHooks, LayerHook};
+use crate::deepseek::forward::{ForwardHooks, HiddenHook, LayerHook};
 use crate::deepseek::{
     AttentionForm, BatchInputs, BatchOutput, DeepseekModel, FormPolicy, LogitsWanted, SeqInput,
 };
 use crate::gpu::graph::DecodeGraph;
-use crate::gpu::{GpuKvCache, GpuModel};
+use crate::gpu::{GpuHooks, GpuKvCache, GpuModel};
 use crate::kv::{BlockId, KvLayout, KvPool};
 use crate::ModelError;
 
@@ -57,6 +57,8 @@ pub(crate) struct CudaBackend {
     layerwise: bool,
     /// The shipping counters (`EngineStats::kv_*`).
     ship: ShipStats,
+    /// The target's embedding and LM head on the host, for a drafter.
+    shared: Option<Box<DeepseekModel>>,
 }
 
 impl CudaBackend {
@@ -70,7 +72,10 @@ impl CudaBackend {
         options: GpuOptions,
     ) -> Result<Self, ModelError> {
         let gpu = GpuModel::upload(dev, &model, mode)?;
-        drop(model);
+        // The decoder layers leave the host; a drafter's shared layers stay if one will run.
+        let shared = options
+            .keep_shared_layers
+            .then(|| Box::new(model.into_shared_layers()));
         // One block more than the host pool: the graphs' scratch block.
         let cache = gpu.new_kv_cache(layout.num_blocks + 1, layout.page_size)?;
         let device_layout = crate::kv::KvLayout {
@@ -100,6 +105,7 @@ impl CudaBackend {
             ring: None,
             layerwise: options.layerwise_shipping,
             ship: ShipStats::default(),
+            shared,
         };
         let started = std::time::Instant::now();
         backend.warm_up()?;
@@ -155,6 +161,11 @@ impl CudaBackend {
 
     pub(crate) fn config(&self) -> &ModelConfig {
         self.gpu.config()
+    }
+
+    /// The target's shared layers on the host, if kept for a drafter.
+    pub(crate) fn shared_layers(&self) -> Option<&DeepseekModel> {
+        self.shared.as_deref()
     }
 
     /// The shipping counters.
@@ -286,15 +297,31 @@ impl CudaBackend {
         pass: Pass<'_, '_, '_>,
     ) -> Result<BatchOutput, ModelError> {
         self.upload_dirty(pool)?;
-        let ForwardHooks { after_layer, .. } = pass.hooks;
+        let ForwardHooks {
+            after_layer,
+            hidden,
+        } = pass.hooks;
+        let taps = pass.taps;
         let mut staged = pass.staged.to_vec();
         staged.sort_unstable();
         staged.dedup();
         let layers = self.cache.layout().num_layers;
         if staged.is_empty() {
-            let out = match self.try_graph(batch)? {
+            let graphed = if taps.is_empty() {
+                self.try_graph(batch)?
+            } else {
+                None // the drafter's taps are read between layers: not a graph step
+            };
+            let out = match graphed {
                 Some(out) => out,
-                None => self.gpu.forward(batch, &mut self.cache)?,
+                None => {
+                    let hooks = GpuHooks {
+                        after_attention: None,
+                        taps,
+                        hidden: Some(&mut *hidden),
+                    };
+                    self.gpu.forward_hooked(batch, &mut self.cache, hooks)?
+                }
             };
             for layer in 0..layers {
                 after_layer(layer, pool)?;
@@ -302,7 +329,7 @@ impl CudaBackend {
             return Ok(out);
         }
         if !self.layerwise {
-            return self.forward_then_ship(batch, pool, &staged, after_layer);
+            return self.forward_then_ship(batch, pool, &staged, (after_layer, taps, hidden));
         }
         if self.copy.is_none() {
             self.copy = Some(self.dev.copy_stream()?);
@@ -313,8 +340,12 @@ impl CudaBackend {
         };
         let result = {
             let mut hook = |l: usize| shipper.layer_queued(l, copy, pool, &mut *after_layer);
-            self.gpu
-                .forward_hooked(batch, &mut self.cache, Some(&mut hook))
+            let hooks = GpuHooks {
+                after_attention: Some(&mut hook),
+                taps,
+                hidden: Some(&mut *hidden),
+            };
+            self.gpu.forward_hooked(batch, &mut self.cache, hooks)
         };
         // Drain whatever is still in flight even when the forward failed, so the ring is free.
         let forward_done = std::time::Instant::now();
@@ -334,9 +365,14 @@ impl CudaBackend {
         batch: &BatchInputs<'_>,
         pool: &mut KvPool,
         staged: &[BlockId],
-        after_layer: &mut LayerHook<'_>,
+        (after_layer, taps, hidden): (&mut LayerHook<'_>, &[usize], &mut HiddenHook<'_>),
     ) -> Result<BatchOutput, ModelError> {
-        let out = self.gpu.forward(batch, &mut self.cache)?;
+        let hooks = GpuHooks {
+            after_attention: None,
+            taps,
+            hidden: Some(hidden),
+        };
+        let out = self.gpu.forward_hooked(batch, &mut self.cache, hooks)?;
         let forward_done = std::time::Instant::now();
         let per_block = pool.layout().block_floats();
         for layer in 0..self.cache.layout().num_layers {

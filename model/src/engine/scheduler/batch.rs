@@ -132,6 +132,7 @@ impl Scheduler {
                 hidden: &mut hidden,
             },
             staged: &staged,
+            taps: &taps,
         };
         let result = self.backend.forward(&batch, self.kv.pool_mut(), pass);
         drop(batch);
