@@ -43,9 +43,14 @@ impl Default for SpecArgs {
 }
 
 impl SpecArgs {
-    /// The drafter to load for the target in `model_dir` ([`DrafterArgs::resolve`]).
-    pub fn drafter_dir(&self, model_dir: &Path) -> Result<Option<PathBuf>, ServeError> {
-        self.drafter.resolve(model_dir)
+    /// The drafter to load for the target in `model_dir` on `device`
+    /// ([`DrafterArgs::resolve_for`]).
+    pub fn drafter_dir(
+        &self,
+        model_dir: &Path,
+        device: ferry_kernels::Device,
+    ) -> Result<Option<PathBuf>, ServeError> {
+        self.drafter.resolve_for(model_dir, device)
     }
 
     /// The engine's speculation policy.
@@ -76,7 +81,11 @@ pub async fn load_engine(
     mut config: EngineConfig,
 ) -> Result<EngineHandle, ServeError> {
     config.spec = spec.spec_config();
-    let drafter = spec.drafter_dir(&model_dir)?;
+    let device = config
+        .device
+        .resolve()
+        .map_err(|e| ServeError::Config(format!("--device: {e}")))?;
+    let drafter = spec.drafter_dir(&model_dir, device)?;
     match (&drafter, spec.drafter.speculative) {
         (Some(d), _) => {
             info!(drafter = %d.display(), verify_len = %spec.verify_len, "speculative decoding on")

@@ -28,7 +28,12 @@ pub struct PrefillArgs {
 
 /// Loads the target and the drafter `args` select, and starts the engine, off the runtime.
 async fn load_engine(args: &PrefillArgs, model_dir: PathBuf) -> Result<EngineHandle, ServeError> {
-    let drafter = args.spec.resolve(&model_dir)?;
+    let device = args
+        .worker
+        .device
+        .resolve()
+        .map_err(|e| ServeError::Config(format!("--device: {e}")))?;
+    let drafter = args.spec.resolve_for(&model_dir, device)?;
     if let Some(d) = &drafter {
         info!(drafter = %d.display(), "shipping drafter context with the KV");
     }

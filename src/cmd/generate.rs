@@ -121,7 +121,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     }
 
     let device = args.device.resolve()?;
-    let drafter = args.spec.drafter_dir(&dir)?;
+    let drafter = args.spec.drafter_dir(&dir, device)?;
     let run = Run {
         prompt,
         params,

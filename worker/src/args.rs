@@ -129,6 +129,27 @@ impl DrafterArgs {
         }
     }
 
+    /// [`Self::resolve`] for an engine on `device`: under `auto`, a GPU decodes plainly — its
+    /// drafter runs on the CPU beside it and costs more than it saves today (BENCHMARKS.md,
+    /// "Speculative decoding on the GPU engine"), so `auto` does not turn it on there; `on`
+    /// still does.
+    pub fn resolve_for(
+        &self,
+        model_dir: &std::path::Path,
+        device: ferry_kernels::Device,
+    ) -> Result<Option<PathBuf>, ServeError> {
+        let drafter = self.resolve(model_dir)?;
+        if drafter.is_some() && device.is_gpu() && self.speculative == SpecMode::Auto {
+            tracing::info!(
+                %device,
+                "speculative decoding off under --speculative auto on a GPU (the drafter would \
+                 run on the CPU and cost more than it saves); --speculative on to use it"
+            );
+            return Ok(None);
+        }
+        Ok(drafter)
+    }
+
     /// Flags that reproduce these settings on a child process (`ferry up`).
     pub fn to_args(&self) -> Vec<String> {
         let mut v = vec!["--speculative".into(), self.speculative.as_str().into()];
@@ -394,6 +415,21 @@ mod tests {
             "{}",
             found.display()
         );
+        // Under `auto` a GPU decodes plainly; `on` speculates there too; the CPU follows `auto`.
+        let auto = parse(&["--speculative", "auto"]);
+        assert_eq!(
+            auto.resolve_for(copy.path(), Device::Cuda(0)).unwrap(),
+            None
+        );
+        assert!(auto
+            .resolve_for(copy.path(), Device::Cpu)
+            .unwrap()
+            .is_some());
+        let on = parse(&["--speculative", "on"]);
+        assert!(on
+            .resolve_for(copy.path(), Device::Cuda(0))
+            .unwrap()
+            .is_some());
         // An explicit drafter wins and round-trips to children.
         let explicit = parse(&["--speculative", "on", "--drafter", "/d"]);
         assert_eq!(
