@@ -24,6 +24,12 @@ use crate::deepseek::LATENT_NORM_EPS;
 use crate::deepseek::{AttentionForm, BatchInputs, BatchOutput, LogitsWanted, SeqInput};
 use crate::ModelError;
 
+/// [`GpuHooks::hidden`]: `(layer, [T][hidden])` on the host.
+pub type TapHook<'a> = dyn FnMut(usize, &[f32]) -> Result<(), ModelError> + 'a;
+
+/// [`GpuHooks::after_attention`]: the layer whose latent rows were just queued.
+pub type AttentionHook<'a> = dyn FnMut(usize) -> Result<(), ModelError> + 'a;
+
 /// Host callbacks between the layers of [`GpuModel::forward_hooked`]; the default has none
 /// (graph captures take none).
 #[derive(Default)]
@@ -33,12 +39,12 @@ pub struct GpuHooks<'a> {
     /// them, so a copy ordered behind a
     /// [`CudaDevice::mark`](ferry_kernels::cuda::CudaDevice::mark) taken here reads the layer's
     /// final rows while later layers compute.
-    pub after_attention: Option<&'a mut dyn FnMut(usize) -> Result<(), ModelError>>,
+    pub after_attention: Option<&'a mut AttentionHook<'a>>,
     /// Layers whose outgoing residual stream `hidden` receives.
     pub taps: &'a [usize],
     /// Called with `(l, [T][hidden])` after each layer in `taps`, downloaded to the host (a
     /// drafter's context features), in batch order like the CPU forward's hidden hook.
-    pub hidden: Option<&'a mut dyn FnMut(usize, &[f32]) -> Result<(), ModelError>>,
+    pub hidden: Option<&'a mut TapHook<'a>>,
 }
 
 /// Host-side geometry of one batch.

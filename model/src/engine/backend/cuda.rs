@@ -263,24 +263,21 @@ impl CudaBackend {
             return Ok(());
         }
         let per_block = pool.layout().block_floats();
-        let dirty: Vec<(usize, BlockId)> = self.dirty.iter().copied().collect();
-        let mut i = 0;
-        while i < dirty.len() {
-            let (layer, first) = dirty[i];
-            let mut n = 1;
-            while dirty
-                .get(i + n)
-                .is_some_and(|&(l, b)| l == layer && b.0 as usize == first.0 as usize + n)
-            {
-                n += 1;
+        let layers = self.cache.layout().num_layers;
+        for layer in 0..layers {
+            let blocks: Vec<BlockId> = self
+                .dirty
+                .range((layer, BlockId(0))..=(layer, BlockId(u32::MAX)))
+                .map(|&(_, b)| b)
+                .collect();
+            for (first, n) in block_runs(&blocks) {
+                let start = first.0 as usize * per_block;
+                let rows = pool
+                    .layer(layer)?
+                    .get(start..start + n * per_block)
+                    .ok_or_else(|| ModelError::Kv(format!("{first} + {n} is outside the pool")))?;
+                self.cache.write_blocks(&self.dev, layer, first, rows)?;
             }
-            let start = first.0 as usize * per_block;
-            let rows = pool
-                .layer(layer)?
-                .get(start..start + n * per_block)
-                .ok_or_else(|| ModelError::Kv(format!("{first} + {n} is outside the pool")))?;
-            self.cache.write_blocks(&self.dev, layer, first, rows)?;
-            i += n;
         }
         self.dirty.clear();
         Ok(())
@@ -376,22 +373,12 @@ impl CudaBackend {
         let forward_done = std::time::Instant::now();
         let per_block = pool.layout().block_floats();
         for layer in 0..self.cache.layout().num_layers {
-            let mut i = 0;
-            while i < staged.len() {
-                let first = staged[i];
-                let mut n = 1;
-                while staged
-                    .get(i + n)
-                    .is_some_and(|b| b.0 as usize == first.0 as usize + n)
-                {
-                    n += 1;
-                }
+            for (first, n) in block_runs(staged) {
                 let rows = self.cache.read_blocks(&self.dev, layer, first, n)?;
                 for (j, chunk) in rows.chunks_exact(per_block).enumerate() {
                     pool.block_mut(layer, BlockId(first.0 + j as u32))?
                         .copy_from_slice(chunk);
                 }
-                i += n;
             }
             after_layer(layer, pool)?;
         }
@@ -404,6 +391,19 @@ impl CudaBackend {
         self.ship.tail_us += forward_done.elapsed().as_micros() as u64;
         self.ship.early += early;
     }
+}
+
+/// Runs of consecutive ids in `blocks` (sorted, distinct): `(first, count)`, so each run is
+/// one copy.
+fn block_runs(blocks: &[BlockId]) -> Vec<(BlockId, usize)> {
+    let mut runs: Vec<(BlockId, usize)> = Vec::new();
+    for &b in blocks {
+        match runs.last_mut() {
+            Some((first, n)) if b.0 as usize == first.0 as usize + *n => *n += 1,
+            _ => runs.push((b, 1)),
+        }
+    }
+    runs
 }
 
 /// How many layers' rows may be in flight between the device and the host sink.
@@ -442,20 +442,10 @@ impl Shipper {
     ) -> Result<Self, ModelError> {
         let layout = *cache.layout();
         let mut runs = vec![Vec::new(); layout.num_layers];
-        let mut i = 0;
-        while i < staged.len() {
-            let first = staged[i];
-            let mut n = 1;
-            while staged
-                .get(i + n)
-                .is_some_and(|b| b.0 as usize == first.0 as usize + n)
-            {
-                n += 1;
-            }
+        for (first, n) in block_runs(staged) {
             for (l, r) in runs.iter_mut().enumerate() {
                 r.push(cache.block_bytes(l, first, n)?);
             }
-            i += n;
         }
         let slot_bytes: usize = runs.first().map_or(0, |r| r.iter().map(|&(_, b)| b).sum());
         let slots = RING_LAYERS.min(layout.num_layers).max(1);
@@ -551,5 +541,21 @@ impl Shipper {
             }
         }
         sink(layer, pool)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn block_runs_group_consecutive_ids() {
+        let ids = |v: &[u32]| v.iter().map(|&b| BlockId(b)).collect::<Vec<_>>();
+        assert_eq!(block_runs(&[]), vec![]);
+        assert_eq!(
+            block_runs(&ids(&[3, 4, 5, 9, 11, 12])),
+            vec![(BlockId(3), 3), (BlockId(9), 1), (BlockId(11), 2)]
+        );
+        assert_eq!(block_runs(&ids(&[7])), vec![(BlockId(7), 1)]);
     }
 }
