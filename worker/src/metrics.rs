@@ -126,6 +126,13 @@ struct EngineSeries {
     hit_tokens: IntCounter,
     hit_rate: Gauge,
     finished: IntCounter,
+    /// GPU engines: decode steps replayed from CUDA graphs.
+    graph_steps: IntCounter,
+    /// GPU engines: prefill-job forwards that shipped layers, layers handed to their sink
+    /// before the last layer was computed, and the summed ship tail.
+    ship_forwards: IntCounter,
+    ship_early: IntCounter,
+    ship_tail_us: IntCounter,
     /// Decode workers only.
     decode: Option<DecodeSeries>,
 }
@@ -279,6 +286,26 @@ impl EngineSeries {
                 "ferry_engine_requests_finished_total",
                 "Requests the engine ended, any outcome (decode requests and prefill jobs)",
             )?,
+            graph_steps: counter(
+                r,
+                "ferry_engine_graph_steps_total",
+                "Engine steps replayed from a CUDA graph (decode-only steps on a GPU)",
+            )?,
+            ship_forwards: counter(
+                r,
+                "ferry_kv_ship_forwards_total",
+                "Forwards on a GPU that shipped prefill-job layers to a peer",
+            )?,
+            ship_early: counter(
+                r,
+                "ferry_kv_ship_layers_early_total",
+                "Shipped layers handed to the transfer before the forward's last layer was computed (GPU layer-wise shipping)",
+            )?,
+            ship_tail_us: counter(
+                r,
+                "ferry_kv_ship_tail_microseconds_total",
+                "Summed wall time from the end of each shipping forward to its last layer handed to the transfer (the shipping the forward did not hide); divide by ferry_kv_ship_forwards_total",
+            )?,
             decode,
         })
     }
@@ -311,6 +338,10 @@ impl EngineSeries {
             s.prefill_reused_tokens as f64 / queried as f64
         });
         advance(&self.finished, s.requests_finished);
+        advance(&self.graph_steps, s.graph_steps);
+        advance(&self.ship_forwards, s.kv_ship_forwards);
+        advance(&self.ship_early, s.kv_layers_shipped_early);
+        advance(&self.ship_tail_us, s.kv_ship_tail_us);
         if let Some(decode) = &self.decode {
             decode.update(s);
         }
@@ -484,9 +515,22 @@ mod tests {
             spec_rounds: 4,
             spec_drafted_tokens: 12,
             spec_accepted_tokens: 6,
+            graph_steps: 9,
+            kv_ship_forwards: 2,
+            kv_layers_shipped_early: 5,
+            kv_ship_tail_us: 700,
             ..EngineStats::default()
         };
         m.update(&s);
+        assert_eq!(m.graph_steps.get(), 9);
+        assert_eq!(
+            (
+                m.ship_forwards.get(),
+                m.ship_early.get(),
+                m.ship_tail_us.get()
+            ),
+            (2, 5, 700)
+        );
         assert_eq!(m.query_tokens.get(), 40);
         assert_eq!(m.hit_tokens.get(), 10);
         assert!((m.hit_rate.get() - 0.25).abs() < 1e-12);
