@@ -8,7 +8,7 @@ use ferry_kernels::cpu::mla::{
 use ferry_kernels::cpu::norm::rms_norm_inplace;
 use ferry_kernels::cpu::rope::RotaryLayout;
 
-use super::batch::SeqInput;
+use super::batch::{BatchGeometry, SeqInput};
 use super::{DeepseekModel, MlaWeights, QueryProj, LATENT_NORM_EPS};
 use crate::kv::KvPool;
 use crate::ModelError;
@@ -80,26 +80,6 @@ pub(super) struct LayerBatch<'a> {
     pub geo: &'a BatchGeometry,
     /// How each chunk's form is chosen.
     pub policy: FormPolicy,
-}
-
-/// Per-token positions and the row range of each sequence in the flattened batch.
-pub(super) struct BatchGeometry {
-    /// Absolute position of every new token, in batch order.
-    pub positions: Vec<usize>,
-    /// `(first_row, rows)` per sequence.
-    pub spans: Vec<(usize, usize)>,
-}
-
-impl BatchGeometry {
-    pub(super) fn new(seqs: &[SeqInput<'_>]) -> Self {
-        let mut positions = Vec::new();
-        let mut spans = Vec::with_capacity(seqs.len());
-        for s in seqs {
-            spans.push((positions.len(), s.tokens.len()));
-            positions.extend(s.start_pos..s.start_pos + s.tokens.len());
-        }
-        Self { positions, spans }
-    }
 }
 
 impl DeepseekModel {

@@ -33,7 +33,86 @@ pub struct BatchInputs<'a> {
     pub seqs: Vec<SeqInput<'a>>,
 }
 
+/// Per-token positions and the row range of each sequence in the flattened batch: the same on
+/// every backend.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BatchGeometry {
+    /// Absolute position of every new token, in batch order.
+    pub positions: Vec<usize>,
+    /// `(first_row, rows)` per sequence.
+    pub spans: Vec<(usize, usize)>,
+}
+
+impl BatchGeometry {
+    /// The geometry of `seqs`.
+    pub fn new(seqs: &[SeqInput<'_>]) -> Self {
+        let mut positions = Vec::new();
+        let mut spans = Vec::with_capacity(seqs.len());
+        for s in seqs {
+            spans.push((positions.len(), s.tokens.len()));
+            positions.extend(s.start_pos..s.start_pos + s.tokens.len());
+        }
+        Self { positions, spans }
+    }
+
+    /// The batch rows whose logits `seqs` asked for, per sequence (`seqs` as given to
+    /// [`Self::new`]).
+    pub fn logit_rows(&self, seqs: &[SeqInput<'_>]) -> Vec<std::ops::Range<usize>> {
+        seqs.iter()
+            .zip(&self.spans)
+            .map(|(s, &(first, n))| match s.logits {
+                LogitsWanted::Last => first + n - 1..first + n,
+                LogitsWanted::All => first..first + n,
+            })
+            .collect()
+    }
+}
+
+impl BatchOutput {
+    /// Splits the logits of the picked rows (`[rows][vocab]`, in batch order) per sequence.
+    pub fn from_rows(
+        all: &[f32],
+        rows_per_seq: &[usize],
+        vocab: usize,
+    ) -> Result<Self, ModelError> {
+        let mut logits = Vec::with_capacity(rows_per_seq.len());
+        let mut rest = all;
+        for &n in rows_per_seq {
+            if rest.len() < n * vocab {
+                return Err(ModelError::Invalid(
+                    "fewer logits rows than requested".into(),
+                ));
+            }
+            let (mine, tail) = rest.split_at(n * vocab);
+            logits.push(mine.to_vec());
+            rest = tail;
+        }
+        Ok(Self { logits, vocab })
+    }
+}
+
 impl BatchInputs<'_> {
+    /// [`Self::check_seqs`] after checking that the cache's geometry (`layout`) is the model's
+    /// (`layers` attention layers of `config.latent_width()`): what every backend's forward
+    /// validates before writing any cache row.
+    pub fn check(
+        &self,
+        config: &ModelConfig,
+        layers: usize,
+        layout: &KvLayout,
+    ) -> Result<(), ModelError> {
+        if layout.num_layers != layers || layout.width != config.latent_width() {
+            return Err(ModelError::Kv(format!(
+                "KV cache geometry ({} layers × {} wide) does not match the model ({} × {})",
+                layout.num_layers,
+                layout.width,
+                layers,
+                config.latent_width()
+            )));
+        }
+        self.check_seqs(config, layout)
+    }
+
     /// Rejects a batch that would index out of range anywhere, naming the sequence and field:
     /// empty or out-of-vocabulary tokens, positions beyond the context, block tables too short
     /// or pointing outside the cache. Every backend calls this before writing any cache row.

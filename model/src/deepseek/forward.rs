@@ -3,8 +3,8 @@
 use ferry_kernels::cpu::gemm::linear;
 use ferry_kernels::cpu::norm::rms_norm_inplace;
 
-use super::attention::{BatchGeometry, FormPolicy, LayerBatch};
-use super::batch::{BatchInputs, BatchOutput, LogitsWanted};
+use super::attention::{FormPolicy, LayerBatch};
+use super::batch::{BatchGeometry, BatchInputs, BatchOutput};
 use super::{DeepseekModel, Ffn};
 use crate::kv::KvPool;
 use crate::ModelError;
@@ -114,30 +114,18 @@ impl DeepseekModel {
         }
 
         // Final norm and LM head only on the rows someone asked for.
+        let wanted = geo.logit_rows(&batch.seqs);
         let mut picked = Vec::new();
-        let mut rows_per_seq = Vec::with_capacity(batch.seqs.len());
-        for (s, &(first, rows)) in batch.seqs.iter().zip(&geo.spans) {
-            let range = match s.logits {
-                LogitsWanted::Last => first + rows - 1..first + rows,
-                LogitsWanted::All => first..first + rows,
-            };
-            rows_per_seq.push(range.len());
-            picked.extend_from_slice(&h[range.start * hidden..range.end * hidden]);
+        for r in &wanted {
+            picked.extend_from_slice(&h[r.start * hidden..r.end * hidden]);
         }
         rms_norm_inplace(&mut picked, &self.norm, self.config.rms_norm_eps)?;
         let vocab = self.config.vocab_size;
         let n_rows = picked.len() / hidden;
         let mut logits = vec![0.0f32; n_rows * vocab];
         linear(&picked, self.lm_head(), &mut logits)?;
-
-        let mut out = Vec::with_capacity(rows_per_seq.len());
-        let mut rest = logits.as_slice();
-        for rows in rows_per_seq {
-            let (mine, tail) = rest.split_at(rows * vocab);
-            out.push(mine.to_vec());
-            rest = tail;
-        }
-        Ok(BatchOutput { logits: out, vocab })
+        let rows_per_seq: Vec<usize> = wanted.iter().map(|r| r.len()).collect();
+        BatchOutput::from_rows(&logits, &rows_per_seq, vocab)
     }
 
     /// Embedding rows of `tokens` into `out` (`[tokens][hidden]`): the input layer a drafter
@@ -166,17 +154,7 @@ impl DeepseekModel {
 
     /// Rejects a batch that would index out of range anywhere, naming the sequence and field.
     fn validate(&self, batch: &BatchInputs<'_>, kv: &KvPool) -> Result<(), ModelError> {
-        let layout = kv.layout();
-        if layout.num_layers != self.layers.len() || layout.width != self.config.latent_width() {
-            return Err(ModelError::Kv(format!(
-                "KV pool geometry ({} layers × {} wide) does not match the model ({} × {})",
-                layout.num_layers,
-                layout.width,
-                self.layers.len(),
-                self.config.latent_width()
-            )));
-        }
-        batch.check_seqs(&self.config, layout)
+        batch.check(&self.config, self.layers.len(), kv.layout())
     }
 }
 

@@ -20,8 +20,9 @@ use ferry_kernels::cuda::ops::{
 use ferry_kernels::cuda::{DeviceBuffer, GpuMatrix};
 
 use super::{GpuFfn, GpuKvCache, GpuLayer, GpuMode, GpuModel, GpuQuery};
+use crate::deepseek::batch::BatchGeometry;
 use crate::deepseek::LATENT_NORM_EPS;
-use crate::deepseek::{AttentionForm, BatchInputs, BatchOutput, LogitsWanted, SeqInput};
+use crate::deepseek::{AttentionForm, BatchInputs, BatchOutput, SeqInput};
 use crate::ModelError;
 
 /// [`GpuHooks::hidden`]: `(layer, [T][hidden])` on the host.
@@ -47,18 +48,11 @@ pub struct GpuHooks<'a> {
     pub hidden: Option<&'a mut TapHook<'a>>,
 }
 
-/// Host-side geometry of one batch.
-pub(super) struct Geo {
-    pub(super) positions: Vec<usize>,
-    /// `(first_row, rows)` per sequence.
-    pub(super) spans: Vec<(usize, usize)>,
-}
-
 /// Everything a forward uploads before its first launch (uploads synchronise the stream, so
 /// none happen between layers), and the host facts the launches need. Owns no borrow, so a
 /// captured decode graph can keep it and refresh its buffers in place.
 pub(crate) struct Shared {
-    pub(super) geo: Geo,
+    pub(super) geo: BatchGeometry,
     pub(super) rope: RopeTables,
     pub(super) slots: DeviceBuffer<i64>,
     pub(super) ids: DeviceBuffer<i32>,
@@ -93,7 +87,7 @@ pub(super) enum RunPlan {
 
 /// Host-side inputs of one batch, computed before anything is uploaded.
 pub(super) struct HostInputs {
-    pub(super) geo: Geo,
+    pub(super) geo: BatchGeometry,
     pub(super) tokens: Vec<i32>,
     pub(super) slots: Vec<i64>,
     pub(super) rows: Vec<i32>,
@@ -101,32 +95,22 @@ pub(super) struct HostInputs {
 }
 
 pub(super) fn host_inputs(batch: &BatchInputs<'_>, page: usize) -> HostInputs {
-    let mut positions = Vec::new();
-    let mut spans = Vec::with_capacity(batch.seqs.len());
-    let mut tokens = Vec::new();
-    let mut slots = Vec::new();
+    let geo = BatchGeometry::new(&batch.seqs);
+    let mut tokens = Vec::with_capacity(geo.positions.len());
+    let mut slots = Vec::with_capacity(geo.positions.len());
     for s in &batch.seqs {
-        spans.push((positions.len(), s.tokens.len()));
         for (i, &tok) in s.tokens.iter().enumerate() {
             let pos = s.start_pos + i;
-            positions.push(pos);
             tokens.push(tok as i32);
             let block = s.block_table[pos / page].0 as i64;
             slots.push(block * page as i64 + (pos % page) as i64);
         }
     }
-    let mut rows = Vec::new();
-    let mut rows_per_seq = Vec::with_capacity(batch.seqs.len());
-    for (s, &(first, n)) in batch.seqs.iter().zip(&spans) {
-        let range = match s.logits {
-            LogitsWanted::Last => first + n - 1..first + n,
-            LogitsWanted::All => first..first + n,
-        };
-        rows_per_seq.push(range.len());
-        rows.extend(range.map(|r| r as i32));
-    }
+    let wanted = geo.logit_rows(&batch.seqs);
+    let rows_per_seq = wanted.iter().map(|r| r.len()).collect();
+    let rows = wanted.into_iter().flatten().map(|r| r as i32).collect();
     HostInputs {
-        geo: Geo { positions, spans },
+        geo,
         tokens,
         slots,
         rows,
@@ -240,20 +224,7 @@ impl GpuModel {
         all: &[f32],
         rows_per_seq: &[usize],
     ) -> Result<BatchOutput, ModelError> {
-        let vocab = self.config.vocab_size;
-        let mut out = Vec::with_capacity(rows_per_seq.len());
-        let mut rest = all;
-        for &n in rows_per_seq {
-            if rest.len() < n * vocab {
-                return Err(ModelError::Invalid(
-                    "fewer logits rows than requested".into(),
-                ));
-            }
-            let (mine, tail) = rest.split_at(n * vocab);
-            out.push(mine.to_vec());
-            rest = tail;
-        }
-        Ok(BatchOutput { logits: out, vocab })
+        BatchOutput::from_rows(all, rows_per_seq, self.config.vocab_size)
     }
 
     fn norm_into(
@@ -630,16 +601,6 @@ impl GpuModel {
         batch: &BatchInputs<'_>,
         kv: &GpuKvCache,
     ) -> Result<(), ModelError> {
-        let layout = kv.layout();
-        if layout.num_layers != self.layers.len() || layout.width != self.config.latent_width() {
-            return Err(ModelError::Kv(format!(
-                "KV cache geometry ({} layers × {} wide) does not match the model ({} × {})",
-                layout.num_layers,
-                layout.width,
-                self.layers.len(),
-                self.config.latent_width()
-            )));
-        }
         if kv.is_bf16() != (self.mode == GpuMode::Fast) {
             return Err(ModelError::Kv(format!(
                 "a {} latent cache does not fit a {:?}-mode model",
@@ -647,6 +608,6 @@ impl GpuModel {
                 self.mode
             )));
         }
-        batch.check_seqs(&self.config, layout)
+        batch.check(&self.config, self.layers.len(), kv.layout())
     }
 }
