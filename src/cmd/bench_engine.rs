@@ -334,20 +334,39 @@ fn run_serving(args: &BenchEngineArgs, dir: &Path) -> anyhow::Result<()> {
             "concurrency": c, "eager_tok_s": e, "graphs_tok_s": g, "graph_steps": replayed,
         }));
     }
-    if let Some(path) = &args.json {
-        let doc = serde_json::json!({
+    write_json(
+        args,
+        device,
+        serde_json::json!({
             "benchmark": "bench-engine --serving",
-            "device": device.to_string(),
-            "gpu_mode": format!("{:?}", args.device.mode()),
-            "prompt_len": args.prompt_len,
             "decode_steps": args.decode_steps,
             "repeat": args.repeat,
             "rows": rows,
-        });
-        std::fs::write(path, serde_json::to_string_pretty(&doc)?)
-            .with_context(|| format!("writing {}", path.display()))?;
-    }
+        }),
+    )?;
     Ok(())
+}
+
+/// Writes `doc` (a JSON object) to `--json` when given, with the device, the GPU mode and the
+/// prompt length added: the benchmark result files of `benchmarks/results/`.
+fn write_json(
+    args: &BenchEngineArgs,
+    device: ferry_kernels::Device,
+    mut doc: serde_json::Value,
+) -> anyhow::Result<()> {
+    let Some(path) = &args.json else {
+        return Ok(());
+    };
+    if let Some(obj) = doc.as_object_mut() {
+        obj.insert("device".into(), device.to_string().into());
+        obj.insert(
+            "gpu_mode".into(),
+            format!("{:?}", args.device.mode()).into(),
+        );
+        obj.insert("prompt_len".into(), args.prompt_len.into());
+    }
+    std::fs::write(path, serde_json::to_string_pretty(&doc)?)
+        .with_context(|| format!("writing {}", path.display()))
 }
 
 /// `--prefill-ship`: prefill jobs of `--prompt-len` tokens, one after another, each shipping
@@ -434,18 +453,15 @@ fn run_prefill_ship(args: &BenchEngineArgs, dir: &Path) -> anyhow::Result<()> {
             "layers_early": early, "layers_shipped": forwards as usize * layers,
         }));
     }
-    if let Some(path) = &args.json {
-        let doc = serde_json::json!({
+    write_json(
+        args,
+        device,
+        serde_json::json!({
             "benchmark": "bench-engine --prefill-ship",
-            "device": device.to_string(),
-            "gpu_mode": format!("{:?}", args.device.mode()),
-            "prompt_len": args.prompt_len,
             "jobs": jobs,
             "rows": rows,
-        });
-        std::fs::write(path, serde_json::to_string_pretty(&doc)?)
-            .with_context(|| format!("writing {}", path.display()))?;
-    }
+        }),
+    )?;
     Ok(())
 }
 
