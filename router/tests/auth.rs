@@ -19,8 +19,8 @@ use axum::body::Bytes;
 use axum::http::{HeaderMap, Request};
 use ferry_proto::internal;
 use ferry_proto::internal::registry_client::RegistryClient;
+use ferry_proto::v1;
 use ferry_proto::v1::inference_client::InferenceClient;
-use ferry_proto::v1::{self, generate_request::Input};
 use ferry_router::state::AppState;
 use ferry_router::{Router, RouterConfig};
 use http_body_util::{BodyExt, Full};
@@ -250,21 +250,7 @@ fn completion(max_tokens: u32) -> Value {
 }
 
 fn generate(max_tokens: u32, key: Option<&str>) -> tonic::Request<v1::GenerateRequest> {
-    with_key(
-        v1::GenerateRequest {
-            input: Some(Input::Text("hello".into())),
-            sampling: Some(v1::SamplingParams {
-                temperature: Some(0.0),
-                ..Default::default()
-            }),
-            stop: Some(v1::StopConditions {
-                max_tokens,
-                ..Default::default()
-            }),
-            ..Default::default()
-        },
-        key,
-    )
+    with_key(common::greedy_hello(max_tokens), key)
 }
 
 fn with_key<T>(message: T, key: Option<&str>) -> tonic::Request<T> {

@@ -16,8 +16,8 @@ use axum::body::Body;
 use ferry_modelcard::tokenizer::Tokenizer;
 use ferry_proto::internal;
 use ferry_proto::internal::registry_client::RegistryClient;
+use ferry_proto::v1;
 use ferry_proto::v1::inference_client::InferenceClient;
-use ferry_proto::v1::{self, generate_request::Input};
 use ferry_router::config::PolicyKind;
 use ferry_router::state::AppState;
 use ferry_router::{Router, RouterConfig};
@@ -153,18 +153,7 @@ impl Harness {
 }
 
 fn generate(max_tokens: u32) -> v1::GenerateRequest {
-    v1::GenerateRequest {
-        input: Some(Input::Text("hello".into())),
-        sampling: Some(v1::SamplingParams {
-            temperature: Some(0.0),
-            ..Default::default()
-        }),
-        stop: Some(v1::StopConditions {
-            max_tokens,
-            ..Default::default()
-        }),
-        ..Default::default()
-    }
+    common::greedy_hello(max_tokens)
 }
 
 /// The four generation requests of the HTTP API: both endpoints, whole and streamed.

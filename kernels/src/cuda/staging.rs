@@ -187,11 +187,4 @@ impl CopyStream {
             .map_err(gpu_err("cuEventRecord"))?;
         Ok(Mark { event })
     }
-
-    /// Waits for every copy queued on this stream.
-    pub fn synchronize(&self) -> Result<(), KernelError> {
-        self.stream
-            .synchronize()
-            .map_err(gpu_err("cuStreamSynchronize"))
-    }
 }

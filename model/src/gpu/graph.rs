@@ -39,11 +39,6 @@ impl DecodeGraph {
     pub fn plan_ctx(&self) -> usize {
         self.plan_ctx
     }
-
-    /// Sequences per step.
-    pub fn batch(&self) -> usize {
-        self.seqs
-    }
 }
 
 fn check_decode(batch: &BatchInputs<'_>, plan_ctx: usize) -> Result<(), ModelError> {

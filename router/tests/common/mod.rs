@@ -17,6 +17,23 @@ use tokio::sync::{mpsc, Notify};
 use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
 use tonic::{Code, Request, Response, Status};
 
+/// A greedy `Generate` of the text "hello" for at most `max_tokens` tokens: the request the
+/// front-door tests send when only the router's handling matters.
+pub fn greedy_hello(max_tokens: u32) -> v1::GenerateRequest {
+    v1::GenerateRequest {
+        input: Some(v1::generate_request::Input::Text("hello".into())),
+        sampling: Some(v1::SamplingParams {
+            temperature: Some(0.0),
+            ..Default::default()
+        }),
+        stop: Some(v1::StopConditions {
+            max_tokens,
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
 /// Cached prompt tokens the scripted worker reports on its first message.
 pub const CACHED: u32 = 5;
 

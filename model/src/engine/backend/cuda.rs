@@ -424,6 +424,8 @@ struct Shipper {
     slot_bytes: usize,
     bf16: bool,
     per_block: usize,
+    /// Layers the ring holds: [`RING_LAYERS`], or fewer for a shallower model.
+    slots: usize,
     /// `(layer, slot, copy done)` in layer order.
     pending: std::collections::VecDeque<(usize, usize, Mark)>,
     layers: usize,
@@ -461,15 +463,12 @@ impl Shipper {
             slot_bytes,
             bf16: cache.is_bf16(),
             per_block: layout.block_floats(),
+            slots,
             pending: std::collections::VecDeque::new(),
             layers: layout.num_layers,
             last_queued: None,
             early: 0,
         })
-    }
-
-    fn slots(&self) -> usize {
-        RING_LAYERS.min(self.layers).max(1)
     }
 
     /// Layer `l`'s attention is queued: deliver what has landed, make room, queue its copy.
@@ -483,10 +482,10 @@ impl Shipper {
         while self.pending.front().is_some_and(|(_, _, m)| m.is_done()) {
             self.deliver_next(pool, sink)?;
         }
-        if self.pending.len() >= self.slots() {
+        if self.pending.len() >= self.slots {
             self.deliver_next(pool, sink)?;
         }
-        let slot = l % self.slots();
+        let slot = l % self.slots;
         let after = self.dev.mark()?;
         let mut at = slot * self.slot_bytes;
         for &(src, bytes) in &self.runs[l] {
