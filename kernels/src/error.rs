@@ -110,6 +110,19 @@ pub enum KernelError {
         /// The runtime's message.
         message: String,
     },
+    /// An op was handed buffers or weights that live on different devices (a caller bug: the
+    /// one forward keeps everything of a model on its backend).
+    #[error("{op}: `{what}` is on the {got}, the op runs on the {expected}")]
+    DeviceMismatch {
+        /// Operation.
+        op: &'static str,
+        /// The operand.
+        what: &'static str,
+        /// The backend the op runs on.
+        expected: &'static str,
+        /// Where the operand lives.
+        got: &'static str,
+    },
     /// A probability vector has nothing left to sample or renormalise (all zero, or non-finite).
     #[error("{op}: distribution has no positive finite mass (sum {sum})")]
     DegenerateDistribution {

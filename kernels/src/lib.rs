@@ -7,6 +7,7 @@
 //!
 //! | module | owns |
 //! |---|---|
+//! | [`backend`] | the op-level device backend the one forward is written over: [`backend::Backend`], buffers, weights, one module per coarse op |
 //! | [`error`] | [`KernelError`], the one error type |
 //! | [`ops`] | backend-independent planning (the MLA head-pad plan) |
 //! | [`cpu::gemm`] | weights ([`cpu::Matrix`]) and `x · Wᵀ` |
@@ -24,6 +25,7 @@
 
 #![warn(missing_docs)]
 
+pub mod backend;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;

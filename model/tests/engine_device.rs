@@ -20,7 +20,7 @@
 //!   peers' writes, CUDA prefill → CPU decode the download for shipping) with the CPU-only
 //!   greedy tokens;
 //! - fast mode (bf16 device cache) ships exactly its device cache's bf16 rows (bit for bit
-//!   against the same forward run directly on a `GpuModel`), layer 0 within 1e-2 · max|row| of
+//!   against the same forward run directly on a GPU-resident `DeepseekModel`), layer 0 within 1e-2 · max|row| of
 //!   the CPU's (deeper layers drift with fast mode's numerics and are reported, not bounded),
 //!   and decodes from a CPU peer's KV;
 //! - decode steps replayed from CUDA graphs give the eager engine's tokens;
@@ -397,13 +397,12 @@ async fn cuda_prefill_job_ships_the_cpu_bytes() {
     wait_idle(&cpu).await;
 }
 
-/// The prompt's latent rows after a fast-mode forward run directly on a `GpuModel`, in the
+/// The prompt's latent rows after a fast-mode forward run directly on a GPU-resident `DeepseekModel`, in the
 /// shape a prefill job ships them: `(layer, block, rows)` for blocks `0..` of every layer.
 fn direct_fast_cache(prompt: &[u32], page: usize) -> Vec<(usize, usize, Vec<f32>)> {
     use ferry_model::deepseek::{BatchInputs, LogitsWanted, SeqInput};
-    use ferry_model::gpu::GpuModel;
     let dev = ferry_kernels::cuda::CudaDevice::open(0).expect("cuda:0 opened for the engine");
-    let gpu = GpuModel::upload(&dev, &model(), GpuMode::Fast).expect("upload");
+    let gpu = model().upload(&dev, GpuMode::Fast).expect("upload");
     let blocks = prompt.len().div_ceil(page);
     let mut cache = gpu.new_kv_cache(blocks, page).expect("cache");
     let table: Vec<BlockId> = (0..blocks as u32).map(BlockId).collect();
@@ -536,7 +535,7 @@ async fn fast_mode_engine_ships_bf16_rows_and_decodes_from_a_cpu_peer() {
         );
     }
     // The transfer path is exact: what the engine ships is, bit for bit, the device cache of
-    // the same forward run directly on a `GpuModel` (same kernels, same inputs).
+    // the same forward run directly on a GPU-resident `DeepseekModel` (same kernels, same inputs).
     let len = prompt.len();
     let valid = |j: usize| (len - j * page).min(page);
     let direct = direct_fast_cache(&prompt, page);

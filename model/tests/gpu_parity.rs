@@ -15,7 +15,7 @@ use ferry_kernels::cuda::CudaDevice;
 use ferry_model::deepseek::{
     AttentionForm, BatchInputs, DeepseekModel, FormPolicy, LogitsWanted, SeqInput,
 };
-use ferry_model::gpu::{GpuMode, GpuModel};
+use ferry_model::gpu::GpuMode;
 use ferry_model::kv::BlockId;
 
 fn setup(test: &str) -> Option<(CudaDevice, DeepseekModel)> {
@@ -47,7 +47,7 @@ fn argmax(x: &[f32]) -> u32 {
 /// Prefill a prompt (all logits), then greedy decode; returns (max rel err, tokens cpu, tokens gpu).
 fn run(
     model: &DeepseekModel,
-    gpu: &GpuModel,
+    gpu: &DeepseekModel,
     prompt: &[u32],
     steps: usize,
     policy: FormPolicy,
@@ -107,7 +107,7 @@ fn exact_mode_matches_cpu_and_greedy_is_identical() {
         FormPolicy::Force(AttentionForm::Absorbed),
         FormPolicy::Force(AttentionForm::Mha),
     ] {
-        let mut gpu = GpuModel::upload(&dev, &model, GpuMode::Exact).expect("upload");
+        let mut gpu = model.upload(&dev, GpuMode::Exact).expect("upload");
         gpu.set_policy(policy);
         let (e, c, g) = run(&model, &gpu, &prompt(), 24, policy);
         eprintln!("exact {policy:?}: max |Δlogit| / max|logit| = {e:.2e}; greedy cpu {c:?}");
@@ -122,7 +122,7 @@ fn fast_mode_stays_close() {
     let Some((dev, model)) = setup("fast_mode_stays_close") else {
         return;
     };
-    use ferry_kernels::cuda::mla::AbsorbedKernel;
+    use ferry_kernels::backend::AbsorbedKernel;
     let mut mha_err = 0.0f32;
     for (policy, kernel) in [
         (FormPolicy::CostModel, AbsorbedKernel::Tile),
@@ -140,7 +140,7 @@ fn fast_mode_stays_close() {
         ),
         (FormPolicy::Force(AttentionForm::Mha), AbsorbedKernel::Tile),
     ] {
-        let mut gpu = GpuModel::upload(&dev, &model, GpuMode::Fast).expect("upload");
+        let mut gpu = model.upload(&dev, GpuMode::Fast).expect("upload");
         gpu.set_policy(policy);
         gpu.set_absorbed_kernel(kernel);
         let (e, c, g) = run(&model, &gpu, &prompt(), 24, policy);
@@ -159,7 +159,7 @@ fn fast_mode_stays_close() {
         }
     }
     // Where the prefill error sits: per-row errors of one fresh prompt, fast vs CPU.
-    let gpu = GpuModel::upload(&dev, &model, GpuMode::Fast).expect("upload");
+    let gpu = model.upload(&dev, GpuMode::Fast).expect("upload");
     let p = prompt();
     let mut pool = model.new_kv_pool(8, 16).expect("pool");
     let mut cache = gpu.new_kv_cache(8, 16).expect("cache");
@@ -196,7 +196,7 @@ fn mixed_batch_matches_cpu() {
     let Some((dev, model)) = setup("mixed_batch_matches_cpu") else {
         return;
     };
-    let gpu = GpuModel::upload(&dev, &model, GpuMode::Exact).expect("upload");
+    let gpu = model.upload(&dev, GpuMode::Exact).expect("upload");
     let page = 16;
     let mut pool = model.new_kv_pool(40, page).expect("pool");
     let mut cache = gpu.new_kv_cache(40, page).expect("cache");
@@ -278,7 +278,7 @@ fn graph_replayed_decode_step_equals_the_eager_step() {
         return;
     };
     for mode in [GpuMode::Exact, GpuMode::Fast] {
-        let gpu = GpuModel::upload(&dev, &model, mode).expect("upload");
+        let gpu = model.upload(&dev, mode).expect("upload");
         let page = 16;
         let mut eager = gpu.new_kv_cache(24, page).expect("cache");
         let mut graphed = gpu.new_kv_cache(24, page).expect("cache");

@@ -23,7 +23,6 @@ use ferry_model::engine::{
     EngineConfig, EngineEvent, EngineHandle, EngineStats, GenerateJob, PrefillSource, SpecConfig,
     StopParams, VerifyLen,
 };
-use ferry_model::gpu::GpuModel;
 use ferry_model::kv::layout::DEFAULT_PAGE_SIZE;
 use ferry_model::kv::{BlockId, BlockTable, KvPool};
 
@@ -704,7 +703,7 @@ struct EngineBench {
 
 /// `bench-engine` on the GPU: one prefill batch, then batched decode steps; returns
 /// (prefill tok/s, decode tok/s), timed around the forward calls (device work included).
-fn bench_engine_gpu(gpu: &GpuModel, b: EngineBench) -> anyhow::Result<(f64, f64)> {
+fn bench_engine_gpu(gpu: &DeepseekModel, b: EngineBench) -> anyhow::Result<(f64, f64)> {
     let vocab = gpu.config().vocab_size as u32;
     let per_seq = (b.prompt_len + b.decode_steps).div_ceil(DEFAULT_PAGE_SIZE);
     let mut cache = gpu.new_kv_cache(per_seq * b.batch, DEFAULT_PAGE_SIZE)?;

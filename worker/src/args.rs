@@ -11,7 +11,6 @@ use ferry_kernels::Device;
 use ferry_model::config::ModelConfig;
 use ferry_model::deepseek::DeepseekModel;
 use ferry_model::engine::{EngineConfig, GpuMode};
-use ferry_model::gpu::GpuModel;
 use ferry_model::ModelError;
 use ferry_proto::auth::ClusterToken;
 use ferry_proto::internal::Sampling;
@@ -231,9 +230,9 @@ impl DeviceArgs {
     }
 
     /// The model uploaded to the GPU, if a GPU is used.
-    pub fn gpu_model(&self, model: &DeepseekModel) -> Result<Option<GpuModel>, ModelError> {
+    pub fn gpu_model(&self, model: &DeepseekModel) -> Result<Option<DeepseekModel>, ModelError> {
         self.cuda()?
-            .map(|dev| GpuModel::upload(&dev, model, self.mode()))
+            .map(|dev| model.upload(&dev, self.mode()))
             .transpose()
     }
 

@@ -41,6 +41,14 @@ pub struct Matrix {
 }
 
 impl Matrix {
+    /// Bytes of storage (2 per bf16 element, 4 per f32).
+    pub fn bytes(&self) -> usize {
+        match &self.data {
+            MatrixData::Bf16(d) => d.len() * 2,
+            MatrixData::F32(d) => d.len() * 4,
+        }
+    }
+
     /// Wraps bf16 data; `data.len()` must be `rows * cols`.
     pub fn from_bf16(rows: usize, cols: usize, data: Vec<bf16>) -> Result<Self, KernelError> {
         check_elems(rows, cols, data.len())?;

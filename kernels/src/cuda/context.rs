@@ -100,6 +100,11 @@ impl<T: DevicePod> DeviceBuffer<T> {
         self.ptr
     }
 
+    /// The device that owns the allocation.
+    pub fn device(&self) -> &CudaDevice {
+        &self.dev
+    }
+
     /// Raw device address of element `i` (`i <= len`).
     pub fn ptr_at(&self, i: usize) -> u64 {
         debug_assert!(i <= self.len);

@@ -1,16 +1,20 @@
 //! MLA for one layer over a whole batch: projections, RoPE, latent cache writes, and the
-//! choice between the decompressed (MHA) and absorbed forms per sequence chunk.
+//! choice between the decompressed (MHA) and absorbed forms per sequence chunk (the launch
+//! plan groups runs of sequences that share a form; see [`super::forward`]).
 
-use ferry_kernels::cpu::gemm::linear;
-use ferry_kernels::cpu::mla::{
-    mla_absorbed_form, mla_mha_attention, LatentContext, LatentPages, MlaDims, SeqAttn,
-};
-use ferry_kernels::cpu::norm::rms_norm_inplace;
+use ferry_kernels::backend::latent::{latent_write, LatentWrite};
+use ferry_kernels::backend::linear::{linear, Linear};
+use ferry_kernels::backend::mla_absorbed::{mla_absorbed, AbsorbedRun};
+use ferry_kernels::backend::mla_mha::{mla_mha, MhaRun};
+use ferry_kernels::backend::norm::{norm_strided, NormStrided};
+use ferry_kernels::backend::rope::{rope, ApplyRope};
+use ferry_kernels::backend::{Tensor, Weight};
+use ferry_kernels::cpu::mla::MlaDims;
 use ferry_kernels::cpu::rope::RotaryLayout;
 
-use super::batch::{BatchGeometry, SeqInput};
-use super::{DeepseekModel, MlaWeights, QueryProj, LATENT_NORM_EPS};
-use crate::kv::KvPool;
+use super::forward::{Plan, RunPlan};
+use super::{DeepseekModel, QueryProj, LATENT_NORM_EPS};
+use crate::kv::KvMut;
 use crate::ModelError;
 
 /// The two algebraically equal ways to compute MLA attention.
@@ -72,115 +76,123 @@ pub fn estimate_flops(form: AttentionForm, dims: &MlaDims, cached: usize, new: u
     }
 }
 
-/// What every layer's attention needs to know about the batch.
-pub(super) struct LayerBatch<'a> {
-    /// The sequences, each with its own block table.
-    pub seqs: &'a [SeqInput<'a>],
-    /// Positions and row spans.
-    pub geo: &'a BatchGeometry,
-    /// How each chunk's form is chosen.
-    pub policy: FormPolicy,
-}
-
 impl DeepseekModel {
-    /// Attention of layer `layer` for the normalised hidden states `x` (`[T][hidden]`); writes
-    /// the new tokens' latent rows into `kv` and returns `o_proj` output `[T][hidden]`.
+    /// MLA of layer `l` for the normalised hidden states `x` (`[T][hidden]`): writes the new
+    /// tokens' latent rows into `kv` and returns the `o_proj` output `[T][hidden]`.
     pub(super) fn attention(
         &self,
-        layer: usize,
-        x: &[f32],
-        batch: &LayerBatch<'_>,
-        kv: &mut KvPool,
-    ) -> Result<Vec<f32>, ModelError> {
-        let LayerBatch { seqs, geo, policy } = *batch;
-        let w = &self.layers[layer].attn;
-        let d = &self.dims;
-        let t = geo.positions.len();
-        let (qk, width) = (d.qk_head_dim(), d.latent_width());
+        l: usize,
+        x: &Tensor,
+        plan: &Plan,
+        kv: &mut KvMut<'_>,
+    ) -> Result<Tensor, ModelError> {
+        let b = &self.backend;
+        let w = &self.layers[l].attn;
+        let d = self.dims;
+        let t = plan.geo.positions.len();
+        let precision = self.kernels.precision;
+        let lin = |x: &Tensor, w: &Weight| linear(b, Linear { x, w, precision });
 
-        let q = self.queries(w, x, &geo.positions)?;
-
-        // The latent: [normalised c_kv | rotated k_pe] per token, written into the cache.
-        let mut latent = vec![0.0f32; t * width];
-        linear(x, &w.kv_a, &mut latent)?;
-        for row in latent.chunks_exact_mut(width) {
-            rms_norm_inplace(&mut row[..d.kv_lora_rank], &w.kv_a_norm, LATENT_NORM_EPS)?;
-        }
-        let k_layout = RotaryLayout {
-            heads: 1,
-            head_stride: width,
-            offset: d.kv_lora_rank,
+        // Queries `[T][heads][qk_nope | qk_rope]`, RoPE on the rope part.
+        let mut q = match &w.q {
+            QueryProj::LowRank { a, norm, b: qb } => {
+                let mut qa = lin(x, a)?;
+                let p = NormStrided {
+                    x: &mut qa,
+                    stride: a.rows(),
+                    weight: norm,
+                    eps: LATENT_NORM_EPS,
+                };
+                norm_strided(b, p)?;
+                lin(&qa, qb)?
+            }
+            QueryProj::Full(p) => lin(x, p)?,
         };
-        self.rope.apply(&mut latent, &geo.positions, k_layout)?;
-        for (s, &(first, rows)) in seqs.iter().zip(&geo.spans) {
-            for i in 0..rows {
-                let src = &latent[(first + i) * width..(first + i + 1) * width];
-                kv.row_mut(layer, s.block_table, s.start_pos + i)?
-                    .copy_from_slice(src);
-            }
-        }
-
-        let page_size = kv.layout().page_size;
-        let pages = LatentPages {
-            data: kv.layer(layer)?,
-            page_size,
-            width,
-        };
-        let hv = d.heads * d.v_head_dim;
-        let mut attn = vec![0.0f32; t * hv];
-        for (s, &(first, rows)) in seqs.iter().zip(&geo.spans) {
-            if rows == 0 {
-                continue;
-            }
-            let table: Vec<u32> = s.block_table.iter().map(|b| b.0).collect();
-            let ctx = LatentContext {
-                pages,
-                seq: SeqAttn {
-                    block_table: &table,
-                    start_pos: s.start_pos,
-                    num_queries: rows,
-                },
-                scale: self.scale,
-            };
-            let q_s = &q[first * d.heads * qk..(first + rows) * d.heads * qk];
-            let out_s = &mut attn[first * hv..(first + rows) * hv];
-            match policy.choose(d, s.start_pos, rows) {
-                AttentionForm::Mha => mla_mha_attention(q_s, d, &w.kv_b, &ctx, out_s)?,
-                AttentionForm::Absorbed => mla_absorbed_form(q_s, d, &w.kv_b, &ctx, out_s)?,
-            }
-        }
-
-        let mut out = vec![0.0f32; t * self.config.hidden_size];
-        linear(&attn, &w.o, &mut out)?;
-        Ok(out)
-    }
-
-    /// `[T][heads][qk_nope | qk_rope]` queries with RoPE applied to the rope part.
-    fn queries(
-        &self,
-        w: &MlaWeights,
-        x: &[f32],
-        positions: &[usize],
-    ) -> Result<Vec<f32>, ModelError> {
-        let d = &self.dims;
-        let t = positions.len();
-        let mut q = vec![0.0f32; t * d.heads * d.qk_head_dim()];
-        match &w.q {
-            QueryProj::LowRank { a, norm, b } => {
-                let mut qa = vec![0.0f32; t * a.rows()];
-                linear(x, a, &mut qa)?;
-                rms_norm_inplace(&mut qa, norm, LATENT_NORM_EPS)?;
-                linear(&qa, b, &mut q)?;
-            }
-            QueryProj::Full(p) => linear(x, p, &mut q)?,
-        }
         let layout = RotaryLayout {
             heads: d.heads,
             head_stride: d.qk_head_dim(),
             offset: d.qk_nope_head_dim,
         };
-        self.rope.apply(&mut q, positions, layout)?;
-        Ok(q)
+        let p = ApplyRope {
+            x: &mut q,
+            table: &plan.rope,
+            layout,
+        };
+        rope(b, p)?;
+
+        // The latent: [normalised c_kv | rotated k_pe] per token, written into the cache.
+        let mut latent = lin(x, &w.kv_a)?;
+        let p = LatentWrite {
+            latent: &mut latent,
+            norm: &w.kv_a_norm,
+            eps: LATENT_NORM_EPS,
+            rope: &plan.rope,
+            slots: &plan.slots,
+            pages: kv.pages_mut(l)?,
+        };
+        latent_write(b, p)?;
+
+        let mut attn = b.scratch(t * d.heads * d.v_head_dim)?;
+        let pages = kv.pages(l)?;
+        for run in &plan.runs {
+            match run {
+                RunPlan::Absorbed {
+                    first,
+                    end,
+                    sq,
+                    table,
+                    stride,
+                    ctx,
+                    max_ctx,
+                } => {
+                    let p = AbsorbedRun {
+                        q: &q,
+                        first_row: plan.geo.spans[*first].0,
+                        seqs: end - first,
+                        sq: *sq,
+                        tables: table,
+                        stride: *stride,
+                        ctx,
+                        max_ctx: *max_ctx,
+                        kv_b: &w.kv_b,
+                        pages,
+                        dims: d,
+                        scale: self.scale,
+                        kernels: self.kernels,
+                        out: &mut attn,
+                    };
+                    mla_absorbed(b, p)?;
+                }
+                RunPlan::Mha {
+                    seq,
+                    sq,
+                    start,
+                    table,
+                    cu_q,
+                    cu_k,
+                    q_seq,
+                } => {
+                    let p = MhaRun {
+                        q: &q,
+                        first_row: plan.geo.spans[*seq].0,
+                        sq: *sq,
+                        start: *start,
+                        table,
+                        cu_q,
+                        cu_k,
+                        q_seq,
+                        kv_b: &w.kv_b,
+                        pages,
+                        dims: d,
+                        scale: self.scale,
+                        precision,
+                        out: &mut attn,
+                    };
+                    mla_mha(b, p)?;
+                }
+            }
+        }
+        Ok(lin(&attn, &w.o)?)
     }
 }
 

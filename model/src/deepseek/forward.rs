@@ -1,72 +1,169 @@
-//! The batched forward.
+//! The batched forward, written once over the op-level backend ([`ferry_kernels::backend`]).
+//!
+//! A forward is two steps. [`DeepseekModel::prepare`] computes everything host-side about the
+//! batch — positions, cache slots, the rows whose logits are wanted, the attention launch plan
+//! (runs of sequences sharing a form) — and puts it on the model's backend: on a GPU these are
+//! the only uploads, so none happen between layers. [`DeepseekModel::execute`] then issues
+//! only ops: embedding → per layer `x = norm(h)`, MLA (queries, latent write, attention per
+//! run, `o_proj`), `h += attn`, `x = norm(h)`, dense MLP or MoE added into `h` → final norm, the
+//! wanted rows, LM head. With no hooks it performs no host↔device copy and no synchronisation,
+//! so a CUDA graph can capture it ([`crate::gpu::graph`]).
+//!
+//! Hooks run between layers on every device: `after_layer` as soon as a layer's latent rows are
+//! written (CPU) or queued (GPU: work queued from then on runs after them), and `hidden` with
+//! the residual stream after the tap layers (a drafter's context; a download on a GPU).
 
-use ferry_kernels::cpu::gemm::linear;
-use ferry_kernels::cpu::norm::rms_norm_inplace;
+use ferry_kernels::backend::linear::{linear_into, Linear};
+use ferry_kernels::backend::mlp::{dense, DenseFfn};
+use ferry_kernels::backend::moe::{moe, MoeFfn};
+use ferry_kernels::backend::norm::{add_norm, AddNorm};
+use ferry_kernels::backend::rope::RopeTable;
+use ferry_kernels::backend::rows::{embed, gather, Embed, Gather};
+use ferry_kernels::backend::{Backend, Ints, Precision, Slots, Tensor};
 
-use super::attention::{FormPolicy, LayerBatch};
-use super::batch::{BatchGeometry, BatchInputs, BatchOutput};
+use super::attention::{AttentionForm, FormPolicy};
+use super::batch::{BatchGeometry, BatchInputs, BatchOutput, SeqInput};
 use super::{DeepseekModel, Ffn};
-use crate::kv::KvPool;
+use crate::kv::{KvMut, KvPool, KvRef, KvRows};
 use crate::ModelError;
 
-/// Called after each layer's KV is written: `(layer, pool)`.
+/// Called after each layer's KV is written: `(layer, pool)` (the host-pool forward).
 pub type LayerHook<'a> = dyn FnMut(usize, &KvPool) -> Result<(), ModelError> + 'a;
 
 /// Called after each decoder layer with the residual stream leaving it, `(layer, [T][hidden])`
 /// for the whole batch in batch order (a speculative drafter taps its context from these).
 pub type HiddenHook<'a> = dyn FnMut(usize, &[f32]) -> Result<(), ModelError> + 'a;
 
-/// The callbacks of [`DeepseekModel::forward_with_hooks`].
+/// Called with `(layer, kv)` once layer `layer`'s latent rows for every new token are written
+/// (CPU) or queued behind the rest of its work (GPU), before its MLP.
+pub type AfterLayer<'a> = dyn FnMut(usize, KvRef<'_>) -> Result<(), ModelError> + 'a;
+
+/// The callbacks of [`DeepseekModel::forward_with_hooks`] (a forward over the host pool).
 pub struct ForwardHooks<'h, 'a> {
     /// See [`LayerHook`].
     pub after_layer: &'h mut LayerHook<'a>,
-    /// See [`HiddenHook`].
+    /// See [`HiddenHook`]; called after every layer.
     pub hidden: &'h mut HiddenHook<'a>,
 }
 
+/// The callbacks of [`DeepseekModel::forward_hooked`] on any device; the default has none
+/// (graph captures take none).
+#[derive(Default)]
+pub struct Hooks<'h, 'a> {
+    /// See [`AfterLayer`].
+    pub after_layer: Option<&'h mut AfterLayer<'a>>,
+    /// Layers whose outgoing residual stream `hidden` receives (`None`: every layer).
+    pub taps: Option<&'h [usize]>,
+    /// See [`HiddenHook`].
+    pub hidden: Option<&'h mut HiddenHook<'a>>,
+}
+
+/// Everything a forward puts on the backend before its first op, and the host facts the ops
+/// need. Owns no borrow, so a captured decode graph keeps it and refreshes its buffers in place.
+pub(crate) struct Plan {
+    pub(crate) geo: BatchGeometry,
+    pub(crate) rope: RopeTable,
+    pub(crate) slots: Slots,
+    pub(crate) ids: Ints,
+    pub(crate) runs: Vec<RunPlan>,
+    pub(crate) picked: Ints,
+    pub(crate) rows_per_seq: Vec<usize>,
+}
+
+/// One attention launch group, the same in every layer.
+pub(crate) enum RunPlan {
+    /// Sequences `first..end`, each with `sq` queries, in the absorbed form.
+    Absorbed {
+        first: usize,
+        end: usize,
+        sq: usize,
+        table: Ints,
+        stride: usize,
+        ctx: Ints,
+        max_ctx: usize,
+    },
+    /// Sequence `seq` (`sq` queries after `start` cached positions) in the MHA form.
+    Mha {
+        seq: usize,
+        sq: usize,
+        start: usize,
+        table: Ints,
+        cu_q: Ints,
+        cu_k: Ints,
+        q_seq: Ints,
+    },
+}
+
+/// Host-side inputs of one batch, computed before anything is uploaded.
+pub(crate) struct HostInputs {
+    pub(crate) geo: BatchGeometry,
+    pub(crate) tokens: Vec<i32>,
+    pub(crate) slots: Vec<i64>,
+    pub(crate) rows: Vec<i32>,
+    pub(crate) rows_per_seq: Vec<usize>,
+}
+
+pub(crate) fn host_inputs(batch: &BatchInputs<'_>, page: usize) -> HostInputs {
+    let geo = BatchGeometry::new(&batch.seqs);
+    let mut tokens = Vec::with_capacity(geo.positions.len());
+    let mut slots = Vec::with_capacity(geo.positions.len());
+    for s in &batch.seqs {
+        for (i, &tok) in s.tokens.iter().enumerate() {
+            let pos = s.start_pos + i;
+            tokens.push(tok as i32);
+            let block = s.block_table[pos / page].0 as i64;
+            slots.push(block * page as i64 + (pos % page) as i64);
+        }
+    }
+    let wanted = geo.logit_rows(&batch.seqs);
+    let rows_per_seq = wanted.iter().map(|r| r.len()).collect();
+    let rows = wanted.into_iter().flatten().map(|r| r as i32).collect();
+    HostInputs {
+        geo,
+        tokens,
+        slots,
+        rows,
+        rows_per_seq,
+    }
+}
+
 impl DeepseekModel {
-    /// Runs one batch with the cost model choosing each chunk's attention form.
-    ///
-    /// Every sequence's new tokens are appended to its block table's positions in `kv`; the
-    /// caller owns the tables (and advances them afterwards). The batch is validated first, so
-    /// a bad sequence fails the batch before any cache row is written.
-    pub fn forward(
+    /// Runs one batch (any mix of prefill chunks and decode steps) with the model's form
+    /// policy, appending every new token's latent rows to `kv` (the host pool on the CPU, a
+    /// device cache on a GPU) at its block table's positions; the caller owns the tables (and
+    /// advances them afterwards). The batch is validated first, so a bad sequence fails the
+    /// batch before any cache row is written.
+    pub fn forward<K: KvRows + ?Sized>(
         &self,
         batch: &BatchInputs<'_>,
-        kv: &mut KvPool,
+        kv: &mut K,
     ) -> Result<BatchOutput, ModelError> {
-        self.forward_with(batch, kv, FormPolicy::CostModel)
+        self.forward_hooked(batch, kv, Hooks::default())
     }
 
-    /// [`Self::forward`] with an explicit attention-form policy.
-    pub fn forward_with(
+    /// [`Self::forward`] with an explicit attention-form policy for this batch.
+    pub fn forward_with<K: KvRows + ?Sized>(
         &self,
         batch: &BatchInputs<'_>,
-        kv: &mut KvPool,
+        kv: &mut K,
         policy: FormPolicy,
     ) -> Result<BatchOutput, ModelError> {
-        self.forward_hooked(batch, kv, policy, &mut |_, _| Ok(()))
+        self.run(batch, kv.rows(), policy, Hooks::default())
     }
 
-    /// [`Self::forward_with`], calling `after_layer(l, kv)` as soon as layer `l`'s latent rows
-    /// for every new token are in the cache (right after its attention, before its MLP), so a
-    /// prefill worker can ship that layer's KV while the next layers compute.
-    pub fn forward_hooked(
+    /// [`Self::forward`] with host callbacks between layers ([`Hooks`]).
+    pub fn forward_hooked<K: KvRows + ?Sized>(
         &self,
         batch: &BatchInputs<'_>,
-        kv: &mut KvPool,
-        policy: FormPolicy,
-        after_layer: &mut LayerHook<'_>,
+        kv: &mut K,
+        hooks: Hooks<'_, '_>,
     ) -> Result<BatchOutput, ModelError> {
-        let hooks = ForwardHooks {
-            after_layer,
-            hidden: &mut |_, _| Ok(()),
-        };
-        self.forward_with_hooks(batch, kv, policy, hooks)
+        self.run(batch, kv.rows(), self.policy, hooks)
     }
 
-    /// [`Self::forward_hooked`], also calling `hooks.hidden(l, h)` with the residual stream
-    /// after each layer `l` (all new tokens of the batch, `[T][hidden]`).
+    /// A forward over the host pool with `policy`, calling `hooks.after_layer(l, pool)` as soon
+    /// as layer `l`'s latent rows are in the pool (so a prefill worker can ship that layer's KV
+    /// while the next layers compute) and `hooks.hidden(l, h)` after every layer.
     pub fn forward_with_hooks(
         &self,
         batch: &BatchInputs<'_>,
@@ -76,60 +173,257 @@ impl DeepseekModel {
     ) -> Result<BatchOutput, ModelError> {
         let ForwardHooks {
             after_layer,
-            hidden: after_block,
+            hidden,
         } = hooks;
-        self.validate(batch, kv)?;
-        let hidden = self.config.hidden_size;
-        let geo = BatchGeometry::new(&batch.seqs);
-        let t = geo.positions.len();
-
-        let mut h = vec![0.0f32; t * hidden];
-        let tokens = batch.seqs.iter().flat_map(|s| s.tokens.iter());
-        for (row, &tok) in h.chunks_exact_mut(hidden).zip(tokens) {
-            self.embed.row_f32(tok as usize, row)?;
-        }
-
-        let layer_batch = LayerBatch {
-            seqs: &batch.seqs,
-            geo: &geo,
-            policy,
+        let mut on_layer = |l: usize, kv: KvRef<'_>| match kv.host() {
+            Some(pool) => after_layer(l, pool),
+            None => Err(ModelError::Kv("a host-pool hook got a device cache".into())),
         };
-        let mut x = vec![0.0f32; t * hidden];
-        let mut ffn_out = vec![0.0f32; t * hidden];
+        let hooks = Hooks {
+            after_layer: Some(&mut on_layer),
+            taps: None,
+            hidden: Some(hidden),
+        };
+        self.run(batch, KvMut::Host(kv), policy, hooks)
+    }
+
+    fn run(
+        &self,
+        batch: &BatchInputs<'_>,
+        mut kv: KvMut<'_>,
+        policy: FormPolicy,
+        hooks: Hooks<'_, '_>,
+    ) -> Result<BatchOutput, ModelError> {
+        self.validate(batch, &kv)?;
+        let plan = self.prepare(batch, kv.layout().page_size, None, policy)?;
+        let n: usize = plan.rows_per_seq.iter().sum();
+        let mut logits = self.backend.scratch(n * self.config.vocab_size)?;
+        self.execute(&plan, &mut kv, &mut logits, hooks)?;
+        BatchOutput::from_rows(
+            &logits.into_host()?,
+            &plan.rows_per_seq,
+            self.config.vocab_size,
+        )
+    }
+
+    /// Puts the batch's inputs on the backend. `plan_ctx` plans every absorbed run for that
+    /// many positions (block tables padded to it) instead of the batch's own longest context,
+    /// so a captured graph stays valid as sequences grow.
+    pub(crate) fn prepare(
+        &self,
+        batch: &BatchInputs<'_>,
+        page: usize,
+        plan_ctx: Option<usize>,
+        policy: FormPolicy,
+    ) -> Result<Plan, ModelError> {
+        let b = &self.backend;
+        let hi = host_inputs(batch, page);
+        Ok(Plan {
+            rope: RopeTable::new(b, &self.rope, &hi.geo.positions)?,
+            slots: b.slots(hi.slots)?,
+            ids: b.ints(hi.tokens)?,
+            runs: self.plan_runs(&batch.seqs, page, plan_ctx, policy)?,
+            picked: b.ints(hi.rows)?,
+            rows_per_seq: hi.rows_per_seq,
+            geo: hi.geo,
+        })
+    }
+
+    /// Every op of the forward, writing the picked rows' logits into `logits`. Without hooks
+    /// it performs no host↔device copy and no synchronisation (capturable into a graph).
+    pub(crate) fn execute(
+        &self,
+        plan: &Plan,
+        kv: &mut KvMut<'_>,
+        logits: &mut Tensor,
+        hooks: Hooks<'_, '_>,
+    ) -> Result<(), ModelError> {
+        let Hooks {
+            mut after_layer,
+            taps,
+            mut hidden,
+        } = hooks;
+        let b = &self.backend;
+        let width = self.config.hidden_size;
+        let eps = self.config.rms_norm_eps;
+        let t = plan.geo.positions.len();
+        let mut h = embed(
+            b,
+            Embed {
+                table: &self.embed,
+                ids: &plan.ids,
+            },
+        )?;
+        let mut x = b.scratch(t * width)?;
         for (l, layer) in self.layers.iter().enumerate() {
-            x.copy_from_slice(&h);
-            rms_norm_inplace(&mut x, &layer.input_norm, self.config.rms_norm_eps)?;
-            let attn = self.attention(l, &x, &layer_batch, kv)?;
-            after_layer(l, kv)?;
-            add_assign(&mut h, &attn);
-
-            x.copy_from_slice(&h);
-            rms_norm_inplace(&mut x, &layer.post_norm, self.config.rms_norm_eps)?;
-            match &layer.ffn {
-                Ffn::Dense(mlp) => mlp.forward(&x, &mut ffn_out)?,
-                Ffn::Moe(moe) => moe.forward(&x, &mut ffn_out)?,
+            let p = AddNorm {
+                h: &mut h,
+                delta: None,
+                weight: &layer.input_norm,
+                out: Some(&mut x),
+                width,
+                eps,
+            };
+            add_norm(b, p)?;
+            let attn = self.attention(l, &x, plan, kv)?;
+            if let Some(hook) = after_layer.as_mut() {
+                hook(l, kv.as_ref())?;
             }
-            add_assign(&mut h, &ffn_out);
-            after_block(l, &h)?;
+            let p = AddNorm {
+                h: &mut h,
+                delta: Some(&attn),
+                weight: &layer.post_norm,
+                out: Some(&mut x),
+                width,
+                eps,
+            };
+            add_norm(b, p)?;
+            let precision = self.kernels.precision;
+            match &layer.ffn {
+                Ffn::Dense(w) => dense(
+                    b,
+                    DenseFfn {
+                        w,
+                        x: &x,
+                        h: &mut h,
+                        precision,
+                    },
+                )?,
+                Ffn::Moe(w) => moe(
+                    b,
+                    MoeFfn {
+                        w,
+                        x: &x,
+                        h: &mut h,
+                        precision,
+                    },
+                )?,
+            }
+            if let Some(hook) = hidden.as_mut() {
+                if taps.is_none_or(|taps| taps.contains(&l)) {
+                    match h.host("forward", "hidden") {
+                        Ok(v) => hook(l, v)?,
+                        // A synchronising download: only forwards that feed a drafter tap.
+                        Err(_) => hook(l, &h.to_host()?)?,
+                    }
+                }
+            }
         }
+        let p = AddNorm {
+            h: &mut h,
+            delta: None,
+            weight: &self.norm,
+            out: Some(&mut x),
+            width,
+            eps,
+        };
+        add_norm(b, p)?;
+        let picked = gather(
+            b,
+            Gather {
+                src: &x,
+                rows: &plan.picked,
+                width,
+            },
+        )?;
+        let p = Linear {
+            x: &picked,
+            w: self.lm_head(),
+            precision: self.kernels.precision,
+        };
+        Ok(linear_into(b, p, logits)?)
+    }
 
-        // Final norm and LM head only on the rows someone asked for.
-        let wanted = geo.logit_rows(&batch.seqs);
-        let mut picked = Vec::new();
-        for r in &wanted {
-            picked.extend_from_slice(&h[r.start * hidden..r.end * hidden]);
+    /// Groups the batch into attention launches: runs of consecutive sequences that take the
+    /// absorbed form with equal query counts share one launch; MHA-form sequences go alone.
+    fn plan_runs(
+        &self,
+        seqs: &[SeqInput<'_>],
+        page: usize,
+        plan_ctx: Option<usize>,
+        policy: FormPolicy,
+    ) -> Result<Vec<RunPlan>, ModelError> {
+        let b = &self.backend;
+        let d = &self.dims;
+        let mut runs = Vec::new();
+        let mut i = 0;
+        while i < seqs.len() {
+            let s0 = &seqs[i];
+            if s0.tokens.is_empty() {
+                i += 1;
+                continue;
+            }
+            let form = policy.choose(d, s0.start_pos, s0.tokens.len());
+            if form == AttentionForm::Mha {
+                let (flat, _) = flat_tables_min(std::slice::from_ref(s0), page, 0);
+                let (sq, l) = (s0.tokens.len(), s0.start_pos + s0.tokens.len());
+                runs.push(RunPlan::Mha {
+                    seq: i,
+                    sq,
+                    start: s0.start_pos,
+                    table: b.ints(flat)?,
+                    cu_q: b.ints(vec![0, sq as i32])?,
+                    cu_k: b.ints(vec![0, l as i32])?,
+                    q_seq: b.ints(vec![0; sq])?,
+                });
+                i += 1;
+                continue;
+            }
+            let mut j = i + 1;
+            while j < seqs.len()
+                && seqs[j].tokens.len() == s0.tokens.len()
+                && policy.choose(d, seqs[j].start_pos, seqs[j].tokens.len()) == form
+            {
+                j += 1;
+            }
+            let (flat, stride) = flat_tables_min(&seqs[i..j], page, plan_ctx.unwrap_or(0));
+            let ctx: Vec<i32> = seqs[i..j]
+                .iter()
+                .map(|s| (s.start_pos + s.tokens.len()) as i32)
+                .collect();
+            let max_ctx =
+                (ctx.iter().copied().max().unwrap_or(1) as usize).max(plan_ctx.unwrap_or(0));
+            runs.push(RunPlan::Absorbed {
+                first: i,
+                end: j,
+                sq: s0.tokens.len(),
+                table: b.ints(flat)?,
+                stride,
+                ctx: b.ints(ctx)?,
+                max_ctx,
+            });
+            i = j;
         }
-        rms_norm_inplace(&mut picked, &self.norm, self.config.rms_norm_eps)?;
-        let vocab = self.config.vocab_size;
-        let n_rows = picked.len() / hidden;
-        let mut logits = vec![0.0f32; n_rows * vocab];
-        linear(&picked, self.lm_head(), &mut logits)?;
-        let rows_per_seq: Vec<usize> = wanted.iter().map(|r| r.len()).collect();
-        BatchOutput::from_rows(&logits, &rows_per_seq, vocab)
+        Ok(runs)
+    }
+
+    /// Rejects a batch that would index out of range anywhere (naming the sequence and field),
+    /// or KV rows that do not fit this model's backend and precision.
+    pub(crate) fn validate(
+        &self,
+        batch: &BatchInputs<'_>,
+        kv: &KvMut<'_>,
+    ) -> Result<(), ModelError> {
+        let on_host = matches!(kv, KvMut::Host(_));
+        if on_host != matches!(self.backend, Backend::Cpu) {
+            return Err(ModelError::Kv(format!(
+                "a {} does not hold the rows of a model on the {}",
+                kv.place(),
+                self.backend.name()
+            )));
+        }
+        if !on_host && kv.is_bf16() != (self.kernels.precision == Precision::Fast) {
+            return Err(ModelError::Kv(format!(
+                "a {} latent cache does not fit a {:?}-precision model",
+                if kv.is_bf16() { "bf16" } else { "f32" },
+                self.kernels.precision
+            )));
+        }
+        batch.check(&self.config, self.layers.len(), kv.layout())
     }
 
     /// Embedding rows of `tokens` into `out` (`[tokens][hidden]`): the input layer a drafter
-    /// shares with this model.
+    /// shares with this model (host weights).
     pub fn embed_tokens(&self, tokens: &[u32], out: &mut [f32]) -> Result<(), ModelError> {
         let hidden = self.config.hidden_size;
         if out.len() != tokens.len() * hidden {
@@ -140,26 +434,40 @@ impl DeepseekModel {
                 tokens.len() * hidden
             )));
         }
+        let table = self.embed.host("embed_tokens", "embed")?;
         for (row, &tok) in out.chunks_exact_mut(hidden).zip(tokens) {
-            self.embed.row_f32(tok as usize, row)?;
+            table.row_f32(tok as usize, row)?;
         }
         Ok(())
     }
 
     /// `out = x · lm_headᵀ` for rows `x` that are already normalised (`[rows][hidden]` →
-    /// `[rows][vocab]`): the output layer a drafter shares with this model.
+    /// `[rows][vocab]`): the output layer a drafter shares with this model (host weights).
     pub fn lm_head_logits(&self, x: &[f32], out: &mut [f32]) -> Result<(), ModelError> {
-        Ok(linear(x, self.lm_head(), out)?)
-    }
-
-    /// Rejects a batch that would index out of range anywhere, naming the sequence and field.
-    fn validate(&self, batch: &BatchInputs<'_>, kv: &KvPool) -> Result<(), ModelError> {
-        batch.check(&self.config, self.layers.len(), kv.layout())
+        let head = self.lm_head().host("lm_head_logits", "lm_head")?;
+        Ok(ferry_kernels::cpu::gemm::linear(x, head, out)?)
     }
 }
 
-fn add_assign(acc: &mut [f32], x: &[f32]) {
-    for (a, b) in acc.iter_mut().zip(x) {
-        *a += b;
+/// Block tables of `seqs` as one `[n][stride]` i32 array, rows covering at least
+/// `min_positions` positions (missing entries 0).
+pub(crate) fn flat_tables_min(
+    seqs: &[SeqInput<'_>],
+    page: usize,
+    min_positions: usize,
+) -> (Vec<i32>, usize) {
+    let stride = seqs
+        .iter()
+        .map(|s| (s.start_pos + s.tokens.len()).div_ceil(page))
+        .max()
+        .unwrap_or(1)
+        .max(min_positions.div_ceil(page))
+        .max(1);
+    let mut flat = vec![0i32; stride * seqs.len()];
+    for (i, s) in seqs.iter().enumerate() {
+        for (j, b) in s.block_table.iter().take(stride).enumerate() {
+            flat[i * stride + j] = b.0 as i32;
+        }
     }
+    (flat, stride)
 }

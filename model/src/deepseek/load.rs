@@ -6,6 +6,9 @@
 
 use std::path::Path;
 
+use ferry_kernels::backend::mlp::Dense;
+use ferry_kernels::backend::moe::Moe;
+use ferry_kernels::backend::{Backend, Tensor, Weight};
 use ferry_kernels::cpu::gemm::Matrix;
 use ferry_kernels::cpu::mla::MlaDims;
 use ferry_kernels::cpu::mlp::GatedMlp;
@@ -39,20 +42,28 @@ impl DeepseekModel {
             qk_rope_head_dim: c.qk_rope_head_dim,
             v_head_dim: c.v_head_dim,
         };
-        let embed = w.get_matrix("model.embed_tokens.weight", c.vocab_size, c.hidden_size)?;
+        let embed =
+            Weight::Host(w.get_matrix("model.embed_tokens.weight", c.vocab_size, c.hidden_size)?);
         let layers = (0..c.num_hidden_layers)
             .into_par_iter()
             .map(|l| load_layer(c, &dims, w, l))
             .collect::<Result<Vec<_>, _>>()?;
-        let norm = w.get_f32("model.norm.weight", &[c.hidden_size])?;
+        let norm = Tensor::Host(w.get_f32("model.norm.weight", &[c.hidden_size])?);
         let lm_head = if c.tie_word_embeddings {
             None
         } else {
-            Some(w.get_matrix("lm_head.weight", c.vocab_size, c.hidden_size)?)
+            Some(Weight::Host(w.get_matrix(
+                "lm_head.weight",
+                c.vocab_size,
+                c.hidden_size,
+            )?))
         };
         let rope = Rope::new(&c.rope)?;
         let scale = c.softmax_scale();
         Ok(Self {
+            backend: Backend::Cpu,
+            kernels: Default::default(),
+            policy: Default::default(),
             config,
             embed,
             layers,
@@ -70,33 +81,37 @@ fn load_layer(c: &ModelConfig, dims: &MlaDims, w: &Weights, l: usize) -> Result<
     let hidden = c.hidden_size;
     let heads = c.num_attention_heads;
     let q_out = heads * c.qk_head_dim();
+    let mat = |name: &str, rows, cols| -> Result<Weight, ModelError> {
+        Ok(Weight::Host(w.get_matrix(name, rows, cols)?))
+    };
+    let vec = |name: &str, len| -> Result<Tensor, ModelError> {
+        Ok(Tensor::Host(w.get_f32(name, &[len])?))
+    };
     let q = match c.q_lora_rank {
         Some(rank) => QueryProj::LowRank {
-            a: w.get_matrix(&format!("{p}.self_attn.q_a_proj.weight"), rank, hidden)?,
-            norm: w.get_f32(&format!("{p}.self_attn.q_a_layernorm.weight"), &[rank])?,
-            b: w.get_matrix(&format!("{p}.self_attn.q_b_proj.weight"), q_out, rank)?,
+            a: mat(&format!("{p}.self_attn.q_a_proj.weight"), rank, hidden)?,
+            norm: vec(&format!("{p}.self_attn.q_a_layernorm.weight"), rank)?,
+            b: mat(&format!("{p}.self_attn.q_b_proj.weight"), q_out, rank)?,
         },
-        None => {
-            QueryProj::Full(w.get_matrix(&format!("{p}.self_attn.q_proj.weight"), q_out, hidden)?)
-        }
+        None => QueryProj::Full(mat(&format!("{p}.self_attn.q_proj.weight"), q_out, hidden)?),
     };
     let attn = MlaWeights {
         q,
-        kv_a: w.get_matrix(
+        kv_a: mat(
             &format!("{p}.self_attn.kv_a_proj_with_mqa.weight"),
             dims.latent_width(),
             hidden,
         )?,
-        kv_a_norm: w.get_f32(
+        kv_a_norm: vec(
             &format!("{p}.self_attn.kv_a_layernorm.weight"),
-            &[c.kv_lora_rank],
+            c.kv_lora_rank,
         )?,
-        kv_b: w.get_matrix(
+        kv_b: mat(
             &format!("{p}.self_attn.kv_b_proj.weight"),
             heads * dims.kv_b_rows_per_head(),
             c.kv_lora_rank,
         )?,
-        o: w.get_matrix(
+        o: mat(
             &format!("{p}.self_attn.o_proj.weight"),
             hidden,
             heads * c.v_head_dim,
@@ -123,7 +138,7 @@ fn load_layer(c: &ModelConfig, dims: &MlaDims, w: &Weights, l: usize) -> Result<
         } else {
             None
         };
-        Ffn::Moe(Box::new(MoeLayer {
+        Ffn::Moe(Box::new(Moe::Host(MoeLayer {
             routing: MoeRouting {
                 n_experts: c.n_routed_experts,
                 top_k: c.num_experts_per_tok,
@@ -139,19 +154,19 @@ fn load_layer(c: &ModelConfig, dims: &MlaDims, w: &Weights, l: usize) -> Result<
             )?,
             experts,
             shared,
-        }))
+        })))
     } else {
-        Ffn::Dense(gated_mlp(
+        Ffn::Dense(Dense::Host(gated_mlp(
             w,
             &format!("{p}.mlp"),
             hidden,
             c.intermediate_size,
-        )?)
+        )?))
     };
     Ok(Layer {
-        input_norm: w.get_f32(&format!("{p}.input_layernorm.weight"), &[hidden])?,
+        input_norm: vec(&format!("{p}.input_layernorm.weight"), hidden)?,
         attn,
-        post_norm: w.get_f32(&format!("{p}.post_attention_layernorm.weight"), &[hidden])?,
+        post_norm: vec(&format!("{p}.post_attention_layernorm.weight"), hidden)?,
         ffn,
     })
 }

@@ -63,6 +63,16 @@ pub enum GpuMode {
     Fast,
 }
 
+impl GpuMode {
+    /// The device kernels' precision for this mode.
+    pub fn precision(self) -> ferry_kernels::backend::Precision {
+        match self {
+            GpuMode::Exact => ferry_kernels::backend::Precision::Exact,
+            GpuMode::Fast => ferry_kernels::backend::Precision::Fast,
+        }
+    }
+}
+
 /// GPU-only engine options.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct GpuOptions {

@@ -4,20 +4,26 @@
 //! layers, 16 heads, full-rank q, kv_lora 512, 64 routed experts top-6 + 2 shared, one dense
 //! layer, vocab 102400) with weights drawn on the device, so nothing is downloaded. The
 //! cache is pre-filled with `context` random latent rows, then `steps` greedy decode steps run
-//! through [`GpuModel::forward`] exactly as a server would drive it (host argmax between steps).
+//! through [`DeepseekModel::forward`] exactly as a server would drive it (host argmax between steps).
 //! Roofline: (active weight bytes + latent bytes read per token) / measured copy bandwidth.
 
 use std::time::Instant;
 
+use ferry_kernels::backend::mlp::Dense;
+use ferry_kernels::backend::moe::Moe;
+use ferry_kernels::backend::{AttnKernels, Backend, Precision, Tensor, Weight};
 use ferry_kernels::cpu::mla::MlaDims;
 use ferry_kernels::cpu::rope::Rope;
 use ferry_kernels::cpu::sample::argmax;
 use ferry_kernels::cuda::ops::{fill_random_bf16, GpuExperts, RouteParams};
 use ferry_kernels::cuda::{CudaDevice, GpuMatrix};
 
-use super::{mla_shape, GpuAttn, GpuFfn, GpuKvCache, GpuLayer, GpuMode, GpuModel, GpuQuery};
+use super::{GpuKvCache, GpuMode};
 use crate::config::ModelConfig;
-use crate::deepseek::{BatchInputs, FormPolicy, LogitsWanted, SeqInput};
+use crate::deepseek::{
+    BatchInputs, DeepseekModel, Ffn, FormPolicy, Layer, LogitsWanted, MlaWeights, QueryProj,
+    SeqInput,
+};
 use crate::kv::BlockId;
 use crate::ModelError;
 
@@ -57,13 +63,17 @@ impl Draw<'_> {
         )?)
     }
 
-    fn ones(&self, n: usize) -> Result<ferry_kernels::cuda::DeviceBuffer<f32>, ModelError> {
-        Ok(self.dev.upload(&vec![1.0f32; n])?)
+    fn weight(&mut self, rows: usize, cols: usize) -> Result<Weight, ModelError> {
+        Ok(Weight::Cuda(self.matrix(rows, cols)?))
+    }
+
+    fn ones(&self, n: usize) -> Result<Tensor, ModelError> {
+        Ok(Tensor::Cuda(self.dev.upload(&vec![1.0f32; n])?))
     }
 }
 
-impl GpuModel {
-    /// A model with `config`'s shapes and random bf16 weights drawn on the device (norm
+impl DeepseekModel {
+    /// A model on `dev` with `config`'s shapes and random bf16 weights drawn on the device (norm
     /// weights 1, routing bias 0). For benchmarks: its outputs mean nothing.
     pub fn random(
         dev: &CudaDevice,
@@ -84,26 +94,26 @@ impl GpuModel {
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
         for l in 0..c.num_hidden_layers {
             let q = match c.q_lora_rank {
-                Some(r) => GpuQuery::LowRank {
-                    a: draw.matrix(r, h)?,
+                Some(r) => QueryProj::LowRank {
+                    a: draw.weight(r, h)?,
                     norm: draw.ones(r)?,
-                    b: draw.matrix(q_out, r)?,
+                    b: draw.weight(q_out, r)?,
                 },
-                None => GpuQuery::Full(draw.matrix(q_out, h)?),
+                None => QueryProj::Full(draw.weight(q_out, h)?),
             };
-            let attn = GpuAttn {
+            let attn = MlaWeights {
                 q,
-                kv_a: draw.matrix(dims.latent_width(), h)?,
+                kv_a: draw.weight(dims.latent_width(), h)?,
                 kv_a_norm: draw.ones(dims.kv_lora_rank)?,
-                kv_b: draw.matrix(dims.heads * dims.kv_b_rows_per_head(), dims.kv_lora_rank)?,
-                o: draw.matrix(h, dims.heads * dims.v_head_dim)?,
+                kv_b: draw.weight(dims.heads * dims.kv_b_rows_per_head(), dims.kv_lora_rank)?,
+                o: draw.weight(h, dims.heads * dims.v_head_dim)?,
             };
             let ffn = if c.is_moe_layer(l) {
                 let (e, inter) = (
                     c.n_routed_experts + c.n_shared_experts,
                     c.moe_intermediate_size,
                 );
-                GpuFfn::Moe {
+                Ffn::Moe(Box::new(Moe::Cuda {
                     router: draw.matrix(c.n_routed_experts, h)?,
                     bias: dev.zeros::<f32>(c.n_routed_experts)?,
                     experts: GpuExperts {
@@ -122,28 +132,27 @@ impl GpuModel {
                         n_shared: c.n_shared_experts as i32,
                         scale: c.routed_scaling_factor,
                     },
-                }
+                }))
             } else {
-                GpuFfn::Dense {
+                Ffn::Dense(Dense::Cuda {
                     gate: draw.matrix(c.intermediate_size, h)?,
                     up: draw.matrix(c.intermediate_size, h)?,
                     down: draw.matrix(h, c.intermediate_size)?,
-                }
+                })
             };
-            layers.push(GpuLayer {
+            layers.push(Layer {
                 input_norm: draw.ones(h)?,
                 attn,
                 post_norm: draw.ones(h)?,
                 ffn,
             });
         }
-        let embed = draw.matrix(c.vocab_size, h)?;
-        let lm_head = Some(draw.matrix(c.vocab_size, h)?);
+        let embed = draw.weight(c.vocab_size, h)?;
+        let lm_head = Some(draw.weight(c.vocab_size, h)?);
         let norm = draw.ones(h)?;
         let rope = Rope::new(&c.rope)?;
         Ok(Self {
-            dev: dev.clone(),
-            shape: mla_shape(&dims, dev),
+            backend: Backend::Cuda(dev.clone()),
             dims,
             embed,
             layers,
@@ -151,9 +160,11 @@ impl GpuModel {
             lm_head,
             rope,
             scale: c.softmax_scale(),
-            mode,
+            kernels: AttnKernels {
+                precision: mode.precision(),
+                ..AttnKernels::default()
+            },
             policy: FormPolicy::CostModel,
-            absorbed: ferry_kernels::cuda::mla::AbsorbedKernel::Tile,
             config,
         })
     }
@@ -183,7 +194,7 @@ pub struct DecodeReport {
     pub steps: usize,
     /// Decoded tokens per second, eager launches (wall clock, host argmax included).
     pub tokens_per_s: f64,
-    /// The same through a captured CUDA graph ([`GpuModel::replay_decode`]), or why not.
+    /// The same through a captured CUDA graph ([`DeepseekModel::replay_decode`]), or why not.
     pub graph_tokens_per_s: Result<f64, String>,
     /// Weight bytes read per token.
     pub weight_bytes: usize,
@@ -196,12 +207,12 @@ pub struct DecodeReport {
 /// Greedy single-stream decode of `steps` tokens after `context` random cached tokens;
 /// `bandwidth_gbs` (measured copy bandwidth) sets the roofline.
 pub fn decode_throughput(
-    model: &GpuModel,
+    model: &DeepseekModel,
     context: usize,
     steps: usize,
     bandwidth_gbs: f64,
 ) -> Result<DecodeReport, ModelError> {
-    let dev = model.device();
+    let dev = model.cuda_device()?;
     let page = 64;
     let blocks = (context + steps + 1).div_ceil(page);
     let mut kv = model.new_kv_cache(blocks, page)?;
@@ -266,7 +277,11 @@ pub fn decode_throughput(
     })()
     .map_err(|e| e.to_string());
     let weight_bytes = model.active_weight_bytes();
-    let elem = if model.mode == GpuMode::Fast { 2 } else { 4 };
+    let elem = if model.precision() == Precision::Fast {
+        2
+    } else {
+        4
+    };
     let mean_ctx = context + 1 + steps / 2;
     let kv_bytes = model.layers.len() * mean_ctx * model.config.latent_width() * elem;
     let roofline = bandwidth_gbs * 1e9 / (weight_bytes + kv_bytes) as f64;

@@ -7,18 +7,22 @@
 //! step the host only refreshes the input buffers (token ids, cache slots, RoPE tables, block
 //! tables, context lengths), launches the graph and downloads the logits.
 
-use ferry_kernels::cuda::{DeviceBuffer, GpuGraph};
+use ferry_kernels::backend::Tensor;
+use ferry_kernels::cuda::GpuGraph;
 
-use super::forward::{flat_tables_min, host_inputs, RunPlan, Shared};
-use super::{GpuKvCache, GpuModel};
-use crate::deepseek::{BatchInputs, BatchOutput};
+use super::GpuKvCache;
+use crate::deepseek::forward::{flat_tables_min, host_inputs, Hooks, Plan, RunPlan};
+use crate::deepseek::{
+    AttentionForm::Absorbed, BatchInputs, BatchOutput, DeepseekModel, FormPolicy,
+};
+use crate::kv::KvMut;
 use crate::ModelError;
 
 /// A captured decode step and the buffers it reads and writes.
 pub struct DecodeGraph {
     graph: GpuGraph,
-    shared: Shared,
-    logits: DeviceBuffer<f32>,
+    plan: Plan,
+    logits: Tensor,
     seqs: usize,
     plan_ctx: usize,
     page: usize,
@@ -59,7 +63,7 @@ fn check_decode(batch: &BatchInputs<'_>, plan_ctx: usize) -> Result<(), ModelErr
     Ok(())
 }
 
-impl GpuModel {
+impl DeepseekModel {
     /// Captures one decode step shaped like `batch` (one token per sequence, contexts up to
     /// `plan_ctx`). Runs the step once eagerly first (compiling every kernel), which writes
     /// this step's latent rows; the logits come from the next [`Self::replay_decode`].
@@ -69,26 +73,28 @@ impl GpuModel {
         kv: &mut GpuKvCache,
         plan_ctx: usize,
     ) -> Result<DecodeGraph, ModelError> {
-        self.validate(batch, kv)?;
+        let dev = self.cuda_device()?.clone();
+        self.validate(batch, &KvMut::Cuda(kv))?;
         check_decode(batch, plan_ctx)?;
         let page = kv.layout().page_size;
-        let shared = self.prepare(batch, page, Some(plan_ctx))?;
-        if !matches!(shared.runs.as_slice(), [RunPlan::Absorbed { .. }]) {
+        let plan = self.prepare(batch, page, Some(plan_ctx), FormPolicy::Force(Absorbed))?;
+        if !matches!(plan.runs.as_slice(), [RunPlan::Absorbed { .. }]) {
             return Err(ModelError::Invalid(
                 "a decode graph needs every sequence in one absorbed-form launch".into(),
             ));
         }
-        let n: usize = shared.rows_per_seq.iter().sum();
-        let logits = self.dev.alloc::<f32>(n * self.config.vocab_size)?;
-        self.execute(&shared, kv, logits.v())?;
-        self.dev.synchronize()?;
-        self.dev.begin_capture()?;
-        let run = self.execute(&shared, kv, logits.v());
-        let graph = self.dev.end_capture();
+        let n: usize = plan.rows_per_seq.iter().sum();
+        let mut logits = self.backend.scratch(n * self.config.vocab_size)?;
+        let mut kv = KvMut::Cuda(kv);
+        self.execute(&plan, &mut kv, &mut logits, Hooks::default())?;
+        dev.synchronize()?;
+        dev.begin_capture()?;
+        let run = self.execute(&plan, &mut kv, &mut logits, Hooks::default());
+        let graph = dev.end_capture();
         run?;
         Ok(DecodeGraph {
             graph: graph?,
-            shared,
+            plan,
             logits,
             seqs: batch.seqs.len(),
             plan_ctx,
@@ -104,8 +110,10 @@ impl GpuModel {
         batch: &BatchInputs<'_>,
         kv: &GpuKvCache,
     ) -> Result<BatchOutput, ModelError> {
-        self.validate(batch, kv)?;
+        self.cuda_device()?;
+        // Validation only reads the cache; the graph writes rows through its captured views.
         check_decode(batch, g.plan_ctx)?;
+        batch.check(&self.config, self.layers.len(), kv.layout())?;
         if batch.seqs.len() != g.seqs || kv.layout().page_size != g.page {
             return Err(ModelError::Invalid(format!(
                 "the decode graph was captured for {} sequences, got {}",
@@ -113,15 +121,14 @@ impl GpuModel {
                 batch.seqs.len()
             )));
         }
-        let dev = &self.dev;
         let hi = host_inputs(batch, g.page);
-        let sh = &mut g.shared;
-        dev.write(&mut sh.ids, 0, &hi.tokens)?;
-        dev.write(&mut sh.slots, 0, &hi.slots)?;
-        sh.rope.refresh(dev, &self.rope, &hi.geo.positions)?;
+        let plan = &mut g.plan;
+        plan.ids.write(&hi.tokens)?;
+        plan.slots.write(&hi.slots)?;
+        plan.rope.refresh(&self.rope, &hi.geo.positions)?;
         if let [RunPlan::Absorbed {
             table, ctx, stride, ..
-        }] = sh.runs.as_mut_slice()
+        }] = plan.runs.as_mut_slice()
         {
             let (flat, s) = flat_tables_min(&batch.seqs, g.page, g.plan_ctx);
             if s != *stride {
@@ -129,16 +136,16 @@ impl GpuModel {
                     "block tables need {s} entries, the graph was planned for {stride}"
                 )));
             }
-            dev.write(table, 0, &flat)?;
+            table.write(&flat)?;
             let lens: Vec<i32> = batch
                 .seqs
                 .iter()
                 .map(|s| (s.start_pos + 1) as i32)
                 .collect();
-            dev.write(ctx, 0, &lens)?;
+            ctx.write(&lens)?;
         }
         g.graph.launch()?;
-        let all = dev.download(&g.logits)?;
-        self.split_logits(&all, &hi.rows_per_seq)
+        let all = g.logits.to_host()?;
+        BatchOutput::from_rows(&all, &hi.rows_per_seq, self.config.vocab_size)
     }
 }

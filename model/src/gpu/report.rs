@@ -20,7 +20,8 @@ use ferry_kernels::cuda::mla::MlaShape;
 use ferry_kernels::cuda::CudaDevice;
 
 use super::bench::{decode_throughput, v2_lite_like_config};
-use super::{GpuMode, GpuModel};
+use super::GpuMode;
+use crate::deepseek::DeepseekModel;
 use crate::ModelError;
 
 /// What to measure.
@@ -72,7 +73,7 @@ pub fn report(dev: &CudaDevice, opts: &ReportOptions) -> Result<String, ModelErr
     if opts.e2e {
         let _ = writeln!(out, "### End to end: single-stream decode, random DeepSeek-V2-Lite-like model (fast mode)\n");
         let _ = writeln!(out, "| launches | context | steps | tok/s | ms/token | weight MB/token | KV MB/token | roofline tok/s | % of roofline |\n|---|---|---|---|---|---|---|---|---|");
-        let model = GpuModel::random(dev, v2_lite_like_config()?, GpuMode::Fast)?;
+        let model = DeepseekModel::random(dev, v2_lite_like_config()?, GpuMode::Fast)?;
         match decode_throughput(&model, opts.e2e_context, opts.e2e_steps, bw) {
             Ok(r) => {
                 let graph = r.graph_tokens_per_s.clone();

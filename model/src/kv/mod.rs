@@ -4,6 +4,7 @@
 //! |---|---|
 //! | [`layout`] | pool geometry: layers × blocks × page × latent width |
 //! | [`pool`] | the latent storage (one contiguous region per layer) and the ref-counted block allocator |
+//! | [`cache`] | [`KvMut`] / [`KvRef`]: the latent rows a forward runs against, on the host or a device |
 //! | [`table`] | a sequence's block table: which blocks hold which positions |
 //! | [`hash`] | prefix identity: chained XXH3-64 hashes of full blocks, shared with the router |
 //! | [`prefix`] | the prefix cache: hash → block, one cache reference per block, LRU of evictable blocks |
@@ -20,6 +21,7 @@
 //! until the pool needs them back; the worker announces what it caches and evicts as events so
 //! the router can send a prompt where its prefix already is. Both workers go through
 //! [`KvManager`] for all of it.
+pub mod cache;
 pub mod events;
 /// Prefix identity (chained block hashes), owned by the wire contract it is part of.
 pub use ferry_proto::block_hash as hash;
@@ -29,6 +31,7 @@ pub mod pool;
 pub mod prefix;
 pub mod table;
 
+pub use cache::{KvMut, KvRef, KvRows};
 pub use events::{EventLog, KvEvent, KvEventData};
 pub use ferry_proto::ids::{BlockHash, EventId};
 pub use hash::{block_hashes, chain_hash, BLOCK_HASH_SEED};

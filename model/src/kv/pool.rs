@@ -126,6 +126,14 @@ impl KvPool {
             .ok_or_else(|| ModelError::Kv(format!("layer {layer} out of range")))
     }
 
+    /// One layer's whole region, for writing (the forward's new latent rows).
+    pub fn layer_mut(&mut self, layer: usize) -> Result<&mut [f32], ModelError> {
+        self.layers
+            .get_mut(layer)
+            .map(Vec::as_mut_slice)
+            .ok_or_else(|| ModelError::Kv(format!("layer {layer} out of range")))
+    }
+
     /// One block of one layer, `[page][width]`, for reading (shipping KV to a peer).
     pub fn block(&self, layer: usize, block: BlockId) -> Result<&[f32], ModelError> {
         let n = self.layout.block_floats();

@@ -1,4 +1,4 @@
-//! The engine's CUDA backend: [`GpuModel`] + [`GpuKvCache`], with the host pool as the staging
+//! The engine's CUDA backend: the one [`DeepseekModel`] on a CUDA device + [`GpuKvCache`], with the host pool as the staging
 //! mirror for KV transfers (see the parent module for the design), and decode steps replayed
 //! from CUDA graphs.
 //!
@@ -20,12 +20,12 @@ use ferry_kernels::Device;
 
 use super::{GpuMode, GpuOptions, Pass, ShipStats};
 use crate::config::ModelConfig;
-use crate::deepseek::forward::{ForwardHooks, HiddenHook, LayerHook};
+use crate::deepseek::forward::{ForwardHooks, HiddenHook, Hooks, LayerHook};
 use crate::deepseek::{
     AttentionForm, BatchInputs, BatchOutput, DeepseekModel, FormPolicy, LogitsWanted, SeqInput,
 };
 use crate::gpu::graph::DecodeGraph;
-use crate::gpu::{GpuHooks, GpuKvCache, GpuModel};
+use crate::gpu::GpuKvCache;
 use crate::kv::{BlockId, KvLayout, KvPool};
 use crate::ModelError;
 
@@ -39,7 +39,7 @@ const MIN_GRAPH_CTX: usize = 256;
 /// The model and its paged latent cache on one CUDA device.
 pub(crate) struct CudaBackend {
     dev: CudaDevice,
-    gpu: GpuModel,
+    gpu: DeepseekModel,
     /// The host pool's blocks plus one scratch block (the last) for graph padding.
     cache: GpuKvCache,
     /// `(layer, block)` whose host rows are newer than the device's (a peer's writes): uploaded
@@ -71,7 +71,7 @@ impl CudaBackend {
         mode: GpuMode,
         options: GpuOptions,
     ) -> Result<Self, ModelError> {
-        let gpu = GpuModel::upload(dev, &model, mode)?;
+        let gpu = model.upload(dev, mode)?;
         // The decoder layers leave the host; a drafter's shared layers stay if one will run.
         let shared = options
             .keep_shared_layers
@@ -312,9 +312,9 @@ impl CudaBackend {
             let out = match graphed {
                 Some(out) => out,
                 None => {
-                    let hooks = GpuHooks {
-                        after_attention: None,
-                        taps,
+                    let hooks = Hooks {
+                        after_layer: None,
+                        taps: Some(taps),
                         hidden: Some(&mut *hidden),
                     };
                     self.gpu.forward_hooked(batch, &mut self.cache, hooks)?
@@ -336,10 +336,12 @@ impl CudaBackend {
             return Err(ModelError::Invalid("no copy stream".into()));
         };
         let result = {
-            let mut hook = |l: usize| shipper.layer_queued(l, copy, pool, &mut *after_layer);
-            let hooks = GpuHooks {
-                after_attention: Some(&mut hook),
-                taps,
+            let mut hook = |l: usize, _: crate::kv::KvRef<'_>| {
+                shipper.layer_queued(l, copy, pool, &mut *after_layer)
+            };
+            let hooks = Hooks {
+                after_layer: Some(&mut hook),
+                taps: Some(taps),
                 hidden: Some(&mut *hidden),
             };
             self.gpu.forward_hooked(batch, &mut self.cache, hooks)
@@ -364,9 +366,9 @@ impl CudaBackend {
         staged: &[BlockId],
         (after_layer, taps, hidden): (&mut LayerHook<'_>, &[usize], &mut HiddenHook<'_>),
     ) -> Result<BatchOutput, ModelError> {
-        let hooks = GpuHooks {
-            after_attention: None,
-            taps,
+        let hooks = Hooks {
+            after_layer: None,
+            taps: Some(taps),
             hidden: Some(hidden),
         };
         let out = self.gpu.forward_hooked(batch, &mut self.cache, hooks)?;

@@ -1,0 +1,93 @@
+//! The new tokens' latent rows: `[RMSNorm(c_kv) | RoPE(k_pe)]`, written into the paged cache.
+
+use super::rope::RopeTable;
+use super::{Backend, PagesMut, Slots, Tensor};
+use crate::cpu::rope::RotaryLayout;
+use crate::KernelError;
+
+/// Normalise, rotate and store the `kv_a_proj` output of every new token.
+#[derive(Debug)]
+pub struct LatentWrite<'a> {
+    /// `[tokens][width]` raw latent rows (normalised and rotated in place).
+    pub latent: &'a mut Tensor,
+    /// `kv_a_layernorm` weight `[kv_lora]`.
+    pub norm: &'a Tensor,
+    /// RMSNorm epsilon.
+    pub eps: f32,
+    /// The batch's rotation.
+    pub rope: &'a RopeTable,
+    /// Cache slot of each token (`block · page_size + offset`).
+    pub slots: &'a Slots,
+    /// The layer's pages.
+    pub pages: PagesMut<'a>,
+}
+
+/// Runs [`LatentWrite`].
+pub fn latent_write(b: &Backend, p: LatentWrite<'_>) -> Result<(), KernelError> {
+    const OP: &str = "latent_write";
+    match (b, p.pages) {
+        (Backend::Cpu, PagesMut::Host { data, width }) => {
+            let norm = p.norm.host(OP, "norm")?;
+            let kv_lora = norm.len();
+            let latent = p.latent.host_mut(OP, "latent")?;
+            for row in latent.chunks_exact_mut(width.max(1)) {
+                crate::cpu::norm::rms_norm_inplace(&mut row[..kv_lora], norm, p.eps)?;
+            }
+            let layout = RotaryLayout {
+                heads: 1,
+                head_stride: width,
+                offset: kv_lora,
+            };
+            super::rope::rope(
+                b,
+                super::rope::ApplyRope {
+                    x: p.latent,
+                    table: p.rope,
+                    layout,
+                },
+            )?;
+            let latent = p.latent.host(OP, "latent")?;
+            let slots = p.slots.host(OP, "slots")?;
+            crate::cpu::gemm::check_len(OP, "latent", slots.len() * width, latent.len())?;
+            let n = data.len() / width.max(1);
+            for (row, &slot) in latent.chunks_exact(width.max(1)).zip(slots) {
+                let s = usize::try_from(slot).ok().filter(|&s| s < n).ok_or(
+                    KernelError::IndexOutOfRange {
+                        op: OP,
+                        what: "slot",
+                        index: slot.max(0) as usize,
+                        len: n,
+                    },
+                )?;
+                data[s * width..(s + 1) * width].copy_from_slice(row);
+            }
+            Ok(())
+        }
+        #[cfg(feature = "cuda")]
+        (Backend::Cuda(dev), PagesMut::Cuda(pages)) => {
+            let RopeTable::Cuda(rope) = p.rope else {
+                return Err(KernelError::DeviceMismatch {
+                    op: OP,
+                    what: "rope",
+                    expected: b.name(),
+                    got: "CPU",
+                });
+            };
+            let fin = crate::cuda::ops::LatentFinish {
+                latent: p.latent.dv(OP, "latent")?,
+                norm: p.norm.dv(OP, "norm")?,
+                eps: p.eps,
+                rope,
+                slots: p.slots.dv(OP, "slots")?,
+            };
+            crate::cuda::ops::latent_finish(dev, &fin, pages)
+        }
+        #[cfg(feature = "cuda")]
+        (b, _) => Err(KernelError::DeviceMismatch {
+            op: OP,
+            what: "pages",
+            expected: b.name(),
+            got: "another backend",
+        }),
+    }
+}

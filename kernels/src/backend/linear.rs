@@ -1,0 +1,58 @@
+//! `y = x · Wᵀ`: the one linear op of every projection.
+//!
+//! CPU: the `gemm` crate over bf16 or f32 weights ([`crate::cpu::gemm::linear`]). CUDA: a GEMV
+//! kernel for ≤ 8 rows (decode), cuBLAS above, with the activations split into two bf16 halves
+//! ([`Precision::Exact`]) or rounded to bf16 ([`Precision::Fast`]) against bf16 weights.
+
+use super::{Backend, Precision, Tensor, Weight};
+use crate::KernelError;
+
+const OP: &str = "linear";
+
+/// One projection.
+#[derive(Debug, Clone, Copy)]
+pub struct Linear<'a> {
+    /// `[rows][w.cols]` inputs.
+    pub x: &'a Tensor,
+    /// `[out][in]` weight.
+    pub w: &'a Weight,
+    /// GEMM input precision on a GPU.
+    pub precision: Precision,
+}
+
+/// `[rows][w.rows]` outputs, a new tensor on `b`.
+pub fn linear(b: &Backend, p: Linear<'_>) -> Result<Tensor, KernelError> {
+    let rows = p.x.len() / p.w.cols().max(1);
+    let mut out = b.scratch(rows * p.w.rows())?;
+    linear_into(b, p, &mut out)?;
+    Ok(out)
+}
+
+/// [`linear`] into an existing `[rows][w.rows]` tensor (a captured graph's logits buffer).
+pub fn linear_into(b: &Backend, p: Linear<'_>, out: &mut Tensor) -> Result<(), KernelError> {
+    let k = p.w.cols();
+    if k == 0 || p.x.len() % k != 0 {
+        return Err(KernelError::NotDivisible {
+            op: OP,
+            what: "x",
+            len: p.x.len(),
+            width: k,
+        });
+    }
+    match b {
+        Backend::Cpu => {
+            let x = p.x.host(OP, "x")?;
+            let w = p.w.host(OP, "w")?;
+            crate::cpu::gemm::linear(x, w, out.host_mut(OP, "out")?)
+        }
+        #[cfg(feature = "cuda")]
+        Backend::Cuda(dev) => {
+            let precision = match p.precision {
+                Precision::Exact => crate::cuda::ops::GemmPrecision::Exact,
+                Precision::Fast => crate::cuda::ops::GemmPrecision::Fast,
+            };
+            let (x, w, y) = (p.x.dv(OP, "x")?, p.w.gpu(OP, "w")?, out.dv(OP, "out")?);
+            crate::cuda::ops::linear(dev, x, w, y, precision)
+        }
+    }
+}

@@ -1,0 +1,180 @@
+//! MLA in the absorbed form for a run of sequences with the same query count: `W_UK` folded
+//! into the queries, attention over the shared latent, `W_UV` folded into the output.
+//!
+//! CPU: [`crate::cpu::mla::mla_absorbed_form`] per sequence. CUDA: one absorb launch, one
+//! attention launch for the whole run (split-K planned for `max_ctx`), one unabsorb. In fast
+//! mode the attention runs on tensor cores in 16-row head tiles, head counts the tile does not
+//! take zero-padded (12 → 16, `mla_absorbed_padded`), or with several queries' heads packed
+//! into one tile.
+
+use super::{AbsorbedKernel, AttnKernels, Backend, Ints, Pages, Precision, Tensor, Weight};
+use crate::cpu::mla::{LatentContext, MlaDims, SeqAttn};
+use crate::KernelError;
+
+const OP: &str = "mla_absorbed";
+
+/// One absorbed-form launch group.
+#[derive(Debug)]
+pub struct AbsorbedRun<'a> {
+    /// `[T][heads][qk_nope + qk_rope]` roped queries of the whole batch.
+    pub q: &'a Tensor,
+    /// The run's first row in `q` / `out`.
+    pub first_row: usize,
+    /// Sequences in the run.
+    pub seqs: usize,
+    /// Queries per sequence.
+    pub sq: usize,
+    /// `[seqs][stride]` block tables.
+    pub tables: &'a Ints,
+    /// Entries per block-table row.
+    pub stride: usize,
+    /// `[seqs]` context length after this step (keys the last query sees).
+    pub ctx: &'a Ints,
+    /// The longest context the launch is planned for (≥ every `ctx`).
+    pub max_ctx: usize,
+    /// `kv_b_proj` (holds `W_UK` and `W_UV`).
+    pub kv_b: &'a Weight,
+    /// The layer's latent pages.
+    pub pages: Pages<'a>,
+    /// Head dimensions.
+    pub dims: MlaDims,
+    /// Softmax scale.
+    pub scale: f32,
+    /// Kernel choices.
+    pub kernels: AttnKernels,
+    /// `[T][heads][v]` output of the whole batch; the run writes its rows.
+    pub out: &'a mut Tensor,
+}
+
+/// Runs [`AbsorbedRun`].
+pub fn mla_absorbed(b: &Backend, p: AbsorbedRun<'_>) -> Result<(), KernelError> {
+    let d = p.dims;
+    let (qk, hv) = (d.heads * d.qk_head_dim(), d.heads * d.v_head_dim);
+    let rows = p.seqs * p.sq;
+    match b {
+        Backend::Cpu => {
+            let pages = p.pages.host(OP)?;
+            let (tables, ctx) = (p.tables.host(OP, "tables")?, p.ctx.host(OP, "ctx")?);
+            let kv_b = p.kv_b.host(OP, "kv_b")?;
+            let q = p.q.host(OP, "q")?;
+            let out = p.out.host_mut(OP, "out")?;
+            for i in 0..p.seqs {
+                let table: Vec<u32> = tables[i * p.stride..(i + 1) * p.stride]
+                    .iter()
+                    .map(|&b| b as u32)
+                    .collect();
+                let len = ctx[i] as usize;
+                let row = p.first_row + i * p.sq;
+                let lc = LatentContext {
+                    pages,
+                    seq: SeqAttn {
+                        block_table: &table,
+                        start_pos: len.saturating_sub(p.sq),
+                        num_queries: p.sq,
+                    },
+                    scale: p.scale,
+                };
+                let q_s = q
+                    .get(row * qk..(row + p.sq) * qk)
+                    .ok_or(range("q", row + p.sq))?;
+                let out_s = out
+                    .get_mut(row * hv..(row + p.sq) * hv)
+                    .ok_or(range("out", row + p.sq))?;
+                crate::cpu::mla::mla_absorbed_form(q_s, &d, kv_b, &lc, out_s)?;
+            }
+            Ok(())
+        }
+        #[cfg(feature = "cuda")]
+        Backend::Cuda(dev) => {
+            use crate::cuda::mla::{self as k, AbsorbedBatch, Elems};
+            use crate::cuda::ops::{self, AbsorbedOut};
+            let shape = shape_for(&d, dev);
+            let hs = head_shape(&d);
+            let lw = d.latent_width();
+            let kv_b = p.kv_b.gpu(OP, "kv_b")?;
+            let q = p.q.dv(OP, "q")?.sub(p.first_row * qk, rows * qk)?;
+            let out = p.out.dv(OP, "out")?.sub(p.first_row * hv, rows * hv)?;
+            let o_lat = dev.alloc::<f32>(rows * d.heads * d.kv_lora_rank)?;
+            let (table, ctx) = (p.tables.dv(OP, "tables")?, p.ctx.dv(OP, "ctx")?);
+            let pages = p.pages.dv(OP)?;
+            let mk = |q: Elems| AbsorbedBatch {
+                q,
+                pages,
+                block_table: table,
+                bt_stride: p.stride,
+                ctx_len: ctx,
+                max_ctx: p.max_ctx,
+                batch: p.seqs,
+                sq: p.sq,
+                heads: d.heads,
+                scale: p.scale,
+            };
+            match p.kernels.precision {
+                Precision::Exact => {
+                    let q_abs = dev.alloc::<f32>(rows * d.heads * lw)?;
+                    ops::absorb(dev, q, kv_b, hs, AbsorbedOut::F32(q_abs.v()))?;
+                    let batch = mk(Elems::F32(q_abs.v()));
+                    k::mla_absorbed(dev, shape, k::AbsorbedKernel::Generic, &batch, o_lat.v())?;
+                }
+                Precision::Fast => {
+                    let q_abs = dev.alloc::<u16>(rows * d.heads * lw)?;
+                    ops::absorb(dev, q, kv_b, hs, AbsorbedOut::Bf16(q_abs.v()))?;
+                    let batch = mk(Elems::Bf16(q_abs.v()));
+                    match p.kernels.absorbed {
+                        AbsorbedKernel::Tile if shape.tile_ok() => {
+                            k::mla_absorbed_padded(dev, shape, &batch, o_lat.v())?
+                        }
+                        AbsorbedKernel::Packed if shape.tile_ok() => k::mla_absorbed(
+                            dev,
+                            shape,
+                            k::AbsorbedKernel::Packed,
+                            &batch,
+                            o_lat.v(),
+                        )?,
+                        _ => k::mla_absorbed(
+                            dev,
+                            shape,
+                            k::AbsorbedKernel::Generic,
+                            &batch,
+                            o_lat.v(),
+                        )?,
+                    }
+                }
+            }
+            ops::unabsorb(dev, o_lat.v(), kv_b, hs, out)
+        }
+    }
+}
+
+fn range(what: &'static str, index: usize) -> KernelError {
+    KernelError::IndexOutOfRange {
+        op: OP,
+        what,
+        index,
+        len: index,
+    }
+}
+
+/// The attention kernels' shape for `d`, with the tile pipeline tuned for `dev`'s card.
+#[cfg(feature = "cuda")]
+pub fn shape_for(d: &MlaDims, dev: &crate::cuda::CudaDevice) -> crate::cuda::mla::MlaShape {
+    crate::cuda::mla::MlaShape::new(
+        d.latent_width(),
+        d.kv_lora_rank,
+        d.qk_head_dim(),
+        d.v_head_dim,
+    )
+    .tuned_for(dev.compute_capability())
+}
+
+/// `d` as the absorb / unabsorb / decompress kernels take it.
+#[cfg(feature = "cuda")]
+pub(crate) fn head_shape(d: &MlaDims) -> crate::cuda::ops::HeadShape {
+    crate::cuda::ops::HeadShape {
+        heads: d.heads,
+        nope: d.qk_nope_head_dim,
+        rope: d.qk_rope_head_dim,
+        v: d.v_head_dim,
+        kv_lora: d.kv_lora_rank,
+    }
+}

@@ -1,0 +1,144 @@
+//! MLA in the MHA form for one sequence: decompress the whole context's latents into per-head
+//! K and V with `kv_b_proj`, then causal attention (fresh prompts and long chunks, where it
+//! costs fewer FLOPs than the absorbed form).
+//!
+//! CPU: [`crate::cpu::mla::mla_mha_attention`]. CUDA: gather the latents, one GEMM, build K/V,
+//! then the flash kernel on bf16 (fast mode, where the shape fits) or the f32 kernel.
+
+use super::{Backend, Ints, Pages, Precision, Tensor, Weight};
+use crate::cpu::mla::{LatentContext, MlaDims, SeqAttn};
+use crate::KernelError;
+
+const OP: &str = "mla_mha";
+
+/// One sequence's MHA-form attention.
+#[derive(Debug)]
+pub struct MhaRun<'a> {
+    /// `[T][heads][qk_nope + qk_rope]` roped queries of the whole batch.
+    pub q: &'a Tensor,
+    /// The sequence's first row in `q` / `out`.
+    pub first_row: usize,
+    /// Its new tokens (queries).
+    pub sq: usize,
+    /// Positions cached before them.
+    pub start: usize,
+    /// Its block table.
+    pub table: &'a Ints,
+    /// `[0, sq]` cumulative query counts (the flash kernel's varlen layout).
+    pub cu_q: &'a Ints,
+    /// `[0, start + sq]` cumulative key counts.
+    pub cu_k: &'a Ints,
+    /// `[sq]` zeros: the sequence of each query row.
+    pub q_seq: &'a Ints,
+    /// `kv_b_proj`.
+    pub kv_b: &'a Weight,
+    /// The layer's latent pages.
+    pub pages: Pages<'a>,
+    /// Head dimensions.
+    pub dims: MlaDims,
+    /// Softmax scale.
+    pub scale: f32,
+    /// Exact (f32 kernel) or fast (bf16 flash kernel).
+    pub precision: Precision,
+    /// `[T][heads][v]` output of the whole batch; the sequence writes its rows.
+    pub out: &'a mut Tensor,
+}
+
+/// Runs [`MhaRun`].
+pub fn mla_mha(b: &Backend, p: MhaRun<'_>) -> Result<(), KernelError> {
+    let d = p.dims;
+    let (qk, hv) = (d.heads * d.qk_head_dim(), d.heads * d.v_head_dim);
+    let (sq, row) = (p.sq, p.first_row);
+    match b {
+        Backend::Cpu => {
+            let table: Vec<u32> = p
+                .table
+                .host(OP, "table")?
+                .iter()
+                .map(|&b| b as u32)
+                .collect();
+            let lc = LatentContext {
+                pages: p.pages.host(OP)?,
+                seq: SeqAttn {
+                    block_table: &table,
+                    start_pos: p.start,
+                    num_queries: sq,
+                },
+                scale: p.scale,
+            };
+            let q = p.q.host(OP, "q")?;
+            let out = p.out.host_mut(OP, "out")?;
+            let oor = |what, index| KernelError::IndexOutOfRange {
+                op: OP,
+                what,
+                index,
+                len: index,
+            };
+            let q_s = q.get(row * qk..(row + sq) * qk).ok_or(oor("q", row + sq))?;
+            let out_s = out
+                .get_mut(row * hv..(row + sq) * hv)
+                .ok_or(oor("out", row + sq))?;
+            crate::cpu::mla::mla_mha_attention(q_s, &d, p.kv_b.host(OP, "kv_b")?, &lc, out_s)
+        }
+        #[cfg(feature = "cuda")]
+        Backend::Cuda(dev) => {
+            use crate::cuda::mla::{mha_prefill, Elems, MhaBatch, MhaKernel};
+            use crate::cuda::ops::{self, KvOut, LatentRows};
+            let shape = super::mla_absorbed::shape_for(&d, dev);
+            let hs = super::mla_absorbed::head_shape(&d);
+            let l = p.start + sq;
+            let (h, v, lw) = (d.heads, d.v_head_dim, d.latent_width());
+            let kv_b = p.kv_b.gpu(OP, "kv_b")?;
+            let lat = dev.alloc::<f32>(l * lw)?;
+            let ckv = dev.alloc::<f32>(l * d.kv_lora_rank)?;
+            let rows = LatentRows {
+                rows: lat.v(),
+                ckv: ckv.v(),
+                kv_lora: d.kv_lora_rank,
+            };
+            ops::gather_latent(dev, p.pages.dv(OP)?, p.table.dv(OP, "table")?, l, rows)?;
+            let kvx = dev.alloc::<f32>(l * kv_b.rows())?;
+            let gemm = match p.precision {
+                Precision::Exact => ops::GemmPrecision::Exact,
+                Precision::Fast => ops::GemmPrecision::Fast,
+            };
+            ops::linear(dev, ckv.v(), kv_b, kvx.v(), gemm)?;
+            let q = p.q.dv(OP, "q")?.sub(row * qk, sq * qk)?;
+            let out = p.out.dv(OP, "out")?.sub(row * hv, sq * hv)?;
+            let (cu_q, cu_k) = (p.cu_q.dv(OP, "cu_q")?, p.cu_k.dv(OP, "cu_k")?);
+            let q_seq = p.q_seq.dv(OP, "q_seq")?;
+            let mk = |q, k, vv| MhaBatch {
+                q,
+                k,
+                v: vv,
+                cu_q,
+                cu_k,
+                q_seq,
+                batch: 1,
+                max_q: sq,
+                heads: h,
+                scale: p.scale,
+            };
+            let qkh = d.qk_head_dim();
+            if p.precision == Precision::Fast && shape.flash_ok() {
+                let kb = dev.alloc::<u16>(l * h * qkh)?;
+                let vb = dev.alloc::<u16>(l * h * v)?;
+                ops::mha_build_kv(dev, kvx.v(), lat.v(), hs, KvOut::Bf16(kb.v(), vb.v()))?;
+                let qb = dev.alloc::<u16>(sq * h * qkh)?;
+                ops::cast_f32_bf16(dev, q, qb.v())?;
+                let batch = mk(
+                    Elems::Bf16(qb.v()),
+                    Elems::Bf16(kb.v()),
+                    Elems::Bf16(vb.v()),
+                );
+                mha_prefill(dev, shape, MhaKernel::best_bf16(dev, shape), &batch, out)
+            } else {
+                let kf = dev.alloc::<f32>(l * h * qkh)?;
+                let vf = dev.alloc::<f32>(l * h * v)?;
+                ops::mha_build_kv(dev, kvx.v(), lat.v(), hs, KvOut::F32(kf.v(), vf.v()))?;
+                let batch = mk(Elems::F32(q), Elems::F32(kf.v()), Elems::F32(vf.v()));
+                mha_prefill(dev, shape, MhaKernel::F32, &batch, out)
+            }
+        }
+    }
+}

@@ -1,0 +1,553 @@
+//! The op-level device backend: what the one forward is written over.
+//!
+//! A model's weights and activations live on one [`Backend`]; every coarse op takes one
+//! parameter struct and runs where its operands live, calling today's kernels (the CPU
+//! reference in [`crate::cpu`], the NVRTC/cuBLAS kernels in `crate::cuda`).
+//!
+//! | module | op | parameter struct |
+//! |---|---|---|
+//! | [`linear`] | `x · Wᵀ` (GEMV for ≤ 8 rows, GEMM above; split-bf16 or bf16 inputs on CUDA) | [`linear::Linear`] |
+//! | [`rows`] | embedding lookup, row gather | [`rows::Embed`], [`rows::Gather`] |
+//! | [`norm`] | RMSNorm, fused with the residual add; strided RMSNorm | [`norm::AddNorm`], [`norm::NormStrided`] |
+//! | [`rope`] | RoPE / YaRN rotation from per-batch tables | [`rope::ApplyRope`] |
+//! | [`latent`] | the new latent rows: norm, RoPE, write into the paged cache | [`latent::LatentWrite`] |
+//! | [`mla_absorbed`] | MLA in the absorbed form for a run of sequences (16-row head tiles, 12 → 16 padding, head packing) | [`mla_absorbed::AbsorbedRun`] |
+//! | [`mla_mha`] | MLA in the MHA form (decompress, causal flash attention) for one sequence | [`mla_mha::MhaRun`] |
+//! | [`mlp`] | dense SwiGLU MLP added into the residual | [`mlp::DenseFfn`] |
+//! | [`moe`] | MoE routing + routed and shared experts added into the residual | [`moe::MoeFfn`] |
+//!
+//! Sampling and speculative verification run on the host over downloaded logits
+//! ([`crate::cpu::sample`], [`crate::cpu::verify`]) on every backend; device versions are not
+//! written yet.
+//!
+//! **Why a closed enum and not a trait** (argued in `docs/architecture.md`): the set of backends
+//! is small and known at compile time; ops are coarse (microseconds to milliseconds), so a match
+//! per op costs nothing; a `Backend` trait would make every model type generic (monomorphised
+//! per backend, compile time multiplied) or, as trait objects, need associated buffer types it
+//! cannot name. A mixed-device call is one runtime error ([`KernelError::DeviceMismatch`]) in
+//! one place. candle's `Device` / `Storage` split has the same shape.
+//!
+//! ROCm is not a variant yet: its runtime compiles and runs the same kernel sources (see
+//! `crate::rocm`), but the launchers above them are written for CUDA only.
+//!
+//! ```
+//! use ferry_kernels::backend::{linear::{linear, Linear}, Backend, Precision, Weight};
+//! use ferry_kernels::cpu::Matrix;
+//!
+//! let cpu = Backend::Cpu;
+//! let w = Weight::Host(Matrix::from_f32(2, 3, vec![1., 0., 0., 0., 1., 1.]).unwrap());
+//! let x = cpu.upload(&[1., 2., 3.]).unwrap();
+//! let y = linear(&cpu, Linear { x: &x, w: &w, precision: Precision::Exact }).unwrap();
+//! assert_eq!(y.to_host().unwrap(), vec![1., 5.]);
+//! ```
+
+// Without a GPU backend every op has one arm: operand names and error helpers go unused.
+#![cfg_attr(not(feature = "cuda"), allow(unused))]
+
+pub mod latent;
+pub mod linear;
+pub mod mla_absorbed;
+pub mod mla_mha;
+pub mod mlp;
+pub mod moe;
+pub mod norm;
+pub mod rope;
+pub mod rows;
+
+use crate::cpu::gemm::Matrix;
+use crate::cpu::mla::LatentPages;
+#[cfg(feature = "cuda")]
+use crate::cuda::ops::{Dv, GpuMatrix, PagesView};
+#[cfg(feature = "cuda")]
+use crate::cuda::{CudaDevice, DeviceBuffer};
+use crate::{Device, KernelError};
+
+/// Where a model's buffers live and its ops run.
+#[derive(Debug, Clone, Default)]
+pub enum Backend {
+    /// The CPU reference kernels over host memory.
+    #[default]
+    Cpu,
+    /// One CUDA device; ops are queued on its stream.
+    #[cfg(feature = "cuda")]
+    Cuda(CudaDevice),
+}
+
+/// Numerics of the device kernels (the CPU is always exact).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Precision {
+    /// f32 activations and attention, split-bf16 GEMM inputs: the CPU within its tolerance.
+    #[default]
+    Exact,
+    /// bf16 GEMM inputs and bf16 tensor-core attention (the serving configuration).
+    Fast,
+}
+
+/// Which absorbed-form attention kernel the fast path takes on a GPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum AbsorbedKernel {
+    /// 16-row head tiles on tensor cores, other head counts zero-padded (12 → 16).
+    #[default]
+    Tile,
+    /// Heads of several queries packed into one tile.
+    Packed,
+    /// The scalar kernel (any shape).
+    Generic,
+}
+
+/// The attention kernel choices of one model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct AttnKernels {
+    /// Exact or fast numerics.
+    pub precision: Precision,
+    /// The absorbed-form kernel in fast mode.
+    pub absorbed: AbsorbedKernel,
+}
+
+/// An f32 array on one backend: activations and vector weights (norms, biases).
+#[derive(Debug)]
+pub enum Tensor {
+    /// Host memory.
+    Host(Vec<f32>),
+    /// CUDA device memory.
+    #[cfg(feature = "cuda")]
+    Cuda(DeviceBuffer<f32>),
+}
+
+/// An i32 index array (token ids, block tables, row lists) on one backend.
+#[derive(Debug)]
+pub enum Ints {
+    /// Host memory.
+    Host(Vec<i32>),
+    /// CUDA device memory.
+    #[cfg(feature = "cuda")]
+    Cuda(DeviceBuffer<i32>),
+}
+
+/// Flat cache slots (`block · page + offset`) of the batch's new tokens.
+#[derive(Debug)]
+pub enum Slots {
+    /// Host memory.
+    Host(Vec<i64>),
+    /// CUDA device memory.
+    #[cfg(feature = "cuda")]
+    Cuda(DeviceBuffer<i64>),
+}
+
+/// A `[rows][cols]` weight matrix (bf16 or f32) on one backend.
+#[derive(Debug)]
+pub enum Weight {
+    /// Host memory.
+    Host(Matrix),
+    /// CUDA device memory.
+    #[cfg(feature = "cuda")]
+    Cuda(GpuMatrix),
+}
+
+/// One layer's latent pages, read-only (attention).
+#[derive(Debug, Clone, Copy)]
+pub enum Pages<'a> {
+    /// The host pool's layer.
+    Host(LatentPages<'a>),
+    /// A device cache's layer.
+    #[cfg(feature = "cuda")]
+    Cuda(PagesView),
+}
+
+/// One layer's latent pages, writable (new rows).
+#[derive(Debug)]
+pub enum PagesMut<'a> {
+    /// The host pool's layer: `[block][page][width]` floats.
+    Host {
+        /// The layer's rows.
+        data: &'a mut [f32],
+        /// Floats per row.
+        width: usize,
+    },
+    /// A device cache's layer.
+    #[cfg(feature = "cuda")]
+    Cuda(PagesView),
+}
+
+impl Backend {
+    /// The device this backend runs on.
+    pub fn device(&self) -> Device {
+        match self {
+            Backend::Cpu => Device::Cpu,
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(d) => Device::Cuda(d.ordinal()),
+        }
+    }
+
+    /// A short name for errors ("CPU", "CUDA device").
+    pub fn name(&self) -> &'static str {
+        match self {
+            Backend::Cpu => "CPU",
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(_) => "CUDA device",
+        }
+    }
+
+    /// The CUDA device, if this backend is one.
+    #[cfg(feature = "cuda")]
+    pub fn cuda(&self) -> Option<&CudaDevice> {
+        match self {
+            Backend::Cuda(d) => Some(d),
+            Backend::Cpu => None,
+        }
+    }
+
+    /// `n` zeros.
+    pub fn zeros(&self, n: usize) -> Result<Tensor, KernelError> {
+        Ok(match self {
+            Backend::Cpu => Tensor::Host(vec![0.0; n]),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(d) => Tensor::Cuda(d.zeros(n)?),
+        })
+    }
+
+    /// `n` floats whose values the next op overwrites (uninitialised on a GPU).
+    pub fn scratch(&self, n: usize) -> Result<Tensor, KernelError> {
+        Ok(match self {
+            Backend::Cpu => Tensor::Host(vec![0.0; n]),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(d) => Tensor::Cuda(d.alloc(n)?),
+        })
+    }
+
+    /// `v` copied onto this backend.
+    pub fn upload(&self, v: &[f32]) -> Result<Tensor, KernelError> {
+        Ok(match self {
+            Backend::Cpu => Tensor::Host(v.to_vec()),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(d) => Tensor::Cuda(d.upload(v)?),
+        })
+    }
+
+    /// `v` moved onto this backend (no copy on the CPU).
+    pub fn take(&self, v: Vec<f32>) -> Result<Tensor, KernelError> {
+        Ok(match self {
+            Backend::Cpu => Tensor::Host(v),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(d) => Tensor::Cuda(d.upload(&v)?),
+        })
+    }
+
+    /// `v` as an index array on this backend.
+    pub fn ints(&self, v: Vec<i32>) -> Result<Ints, KernelError> {
+        Ok(match self {
+            Backend::Cpu => Ints::Host(v),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(d) => Ints::Cuda(d.upload(&v)?),
+        })
+    }
+
+    /// `v` as cache slots on this backend.
+    pub fn slots(&self, v: Vec<i64>) -> Result<Slots, KernelError> {
+        Ok(match self {
+            Backend::Cpu => Slots::Host(v),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(d) => Slots::Cuda(d.upload(&v)?),
+        })
+    }
+
+    /// `m` on this backend, keeping its element type.
+    pub fn weight(&self, m: &Matrix) -> Result<Weight, KernelError> {
+        Ok(match self {
+            Backend::Cpu => Weight::Host(m.clone()),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(d) => Weight::Cuda(GpuMatrix::upload(d, m)?),
+        })
+    }
+
+    /// Waits for every queued op (a no-op on the CPU, whose ops are synchronous).
+    pub fn synchronize(&self) -> Result<(), KernelError> {
+        match self {
+            Backend::Cpu => Ok(()),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(d) => d.synchronize(),
+        }
+    }
+}
+
+pub(crate) fn mismatch(
+    op: &'static str,
+    what: &'static str,
+    b: &Backend,
+    got: &'static str,
+) -> KernelError {
+    KernelError::DeviceMismatch {
+        op,
+        what,
+        expected: b.name(),
+        got,
+    }
+}
+
+fn write_prefix<T: Copy>(op: &'static str, dst: &mut [T], v: &[T]) -> Result<(), KernelError> {
+    let got = dst.len();
+    let dst = dst.get_mut(..v.len()).ok_or(KernelError::ShapeMismatch {
+        op,
+        what: "dst",
+        expected: v.len(),
+        got,
+    })?;
+    dst.copy_from_slice(v);
+    Ok(())
+}
+
+impl Tensor {
+    /// Elements.
+    pub fn len(&self) -> usize {
+        match self {
+            Tensor::Host(v) => v.len(),
+            #[cfg(feature = "cuda")]
+            Tensor::Cuda(b) => b.len(),
+        }
+    }
+
+    /// Whether it holds no element.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn place(&self) -> &'static str {
+        match self {
+            Tensor::Host(_) => Backend::Cpu.name(),
+            #[cfg(feature = "cuda")]
+            Tensor::Cuda(_) => "CUDA device",
+        }
+    }
+
+    /// The values on the host (a synchronising download from a GPU).
+    pub fn to_host(&self) -> Result<Vec<f32>, KernelError> {
+        match self {
+            Tensor::Host(v) => Ok(v.clone()),
+            #[cfg(feature = "cuda")]
+            Tensor::Cuda(b) => b.device().download(b),
+        }
+    }
+
+    /// The values on the host, without a copy on the CPU.
+    pub fn into_host(self) -> Result<Vec<f32>, KernelError> {
+        match self {
+            Tensor::Host(v) => Ok(v),
+            #[cfg(feature = "cuda")]
+            t => t.to_host(),
+        }
+    }
+
+    /// The host slice, or a mismatch error naming `op` and `what`.
+    pub fn host(&self, op: &'static str, what: &'static str) -> Result<&[f32], KernelError> {
+        match self {
+            Tensor::Host(v) => Ok(v),
+            #[cfg(feature = "cuda")]
+            t => Err(mismatch(op, what, &Backend::Cpu, t.place())),
+        }
+    }
+
+    /// The host slice, mutable.
+    pub fn host_mut(
+        &mut self,
+        op: &'static str,
+        what: &'static str,
+    ) -> Result<&mut [f32], KernelError> {
+        match self {
+            Tensor::Host(v) => Ok(v),
+            #[cfg(feature = "cuda")]
+            t => {
+                let got = t.place();
+                Err(mismatch(op, what, &Backend::Cpu, got))
+            }
+        }
+    }
+
+    /// The device view, or a mismatch error.
+    #[cfg(feature = "cuda")]
+    pub fn dv(&self, op: &'static str, what: &'static str) -> Result<Dv<f32>, KernelError> {
+        match self {
+            Tensor::Cuda(b) => Ok(b.v()),
+            Tensor::Host(_) => Err(KernelError::DeviceMismatch {
+                op,
+                what,
+                expected: "CUDA device",
+                got: "CPU",
+            }),
+        }
+    }
+}
+
+impl Ints {
+    /// Elements.
+    pub fn len(&self) -> usize {
+        match self {
+            Ints::Host(v) => v.len(),
+            #[cfg(feature = "cuda")]
+            Ints::Cuda(b) => b.len(),
+        }
+    }
+
+    /// Whether it holds no element.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The host slice, or a mismatch error.
+    pub fn host(&self, op: &'static str, what: &'static str) -> Result<&[i32], KernelError> {
+        match self {
+            Ints::Host(v) => Ok(v),
+            #[cfg(feature = "cuda")]
+            Ints::Cuda(_) => Err(mismatch(op, what, &Backend::Cpu, "CUDA device")),
+        }
+    }
+
+    /// The device view, or a mismatch error.
+    #[cfg(feature = "cuda")]
+    pub fn dv(&self, op: &'static str, what: &'static str) -> Result<Dv<i32>, KernelError> {
+        match self {
+            Ints::Cuda(b) => Ok(b.v()),
+            Ints::Host(_) => Err(KernelError::DeviceMismatch {
+                op,
+                what,
+                expected: "CUDA device",
+                got: "CPU",
+            }),
+        }
+    }
+
+    /// Overwrites the first `v.len()` entries in place (a captured graph reads the new values).
+    pub fn write(&mut self, v: &[i32]) -> Result<(), KernelError> {
+        match self {
+            Ints::Host(h) => write_prefix("ints_write", h, v),
+            #[cfg(feature = "cuda")]
+            Ints::Cuda(b) => b.device().clone().write(b, 0, v),
+        }
+    }
+}
+
+impl Slots {
+    /// The host slice, or a mismatch error.
+    pub fn host(&self, op: &'static str, what: &'static str) -> Result<&[i64], KernelError> {
+        match self {
+            Slots::Host(v) => Ok(v),
+            #[cfg(feature = "cuda")]
+            Slots::Cuda(_) => Err(mismatch(op, what, &Backend::Cpu, "CUDA device")),
+        }
+    }
+
+    /// The device view, or a mismatch error.
+    #[cfg(feature = "cuda")]
+    pub fn dv(&self, op: &'static str, what: &'static str) -> Result<Dv<i64>, KernelError> {
+        match self {
+            Slots::Cuda(b) => Ok(b.v()),
+            Slots::Host(_) => Err(KernelError::DeviceMismatch {
+                op,
+                what,
+                expected: "CUDA device",
+                got: "CPU",
+            }),
+        }
+    }
+
+    /// Overwrites the first `v.len()` entries in place.
+    pub fn write(&mut self, v: &[i64]) -> Result<(), KernelError> {
+        match self {
+            Slots::Host(h) => write_prefix("slots_write", h, v),
+            #[cfg(feature = "cuda")]
+            Slots::Cuda(b) => b.device().clone().write(b, 0, v),
+        }
+    }
+}
+
+impl Weight {
+    /// Output features.
+    pub fn rows(&self) -> usize {
+        match self {
+            Weight::Host(m) => m.rows(),
+            #[cfg(feature = "cuda")]
+            Weight::Cuda(m) => m.rows(),
+        }
+    }
+
+    /// Input features.
+    pub fn cols(&self) -> usize {
+        match self {
+            Weight::Host(m) => m.cols(),
+            #[cfg(feature = "cuda")]
+            Weight::Cuda(m) => m.cols(),
+        }
+    }
+
+    /// Bytes of storage.
+    pub fn bytes(&self) -> usize {
+        match self {
+            Weight::Host(m) => m.bytes(),
+            #[cfg(feature = "cuda")]
+            Weight::Cuda(m) => m.bytes(),
+        }
+    }
+
+    /// The host matrix, or a mismatch error.
+    pub fn host(&self, op: &'static str, what: &'static str) -> Result<&Matrix, KernelError> {
+        match self {
+            Weight::Host(m) => Ok(m),
+            #[cfg(feature = "cuda")]
+            Weight::Cuda(_) => Err(mismatch(op, what, &Backend::Cpu, "CUDA device")),
+        }
+    }
+
+    /// The device matrix, or a mismatch error.
+    #[cfg(feature = "cuda")]
+    pub fn gpu(&self, op: &'static str, what: &'static str) -> Result<&GpuMatrix, KernelError> {
+        match self {
+            Weight::Cuda(m) => Ok(m),
+            Weight::Host(_) => Err(KernelError::DeviceMismatch {
+                op,
+                what,
+                expected: "CUDA device",
+                got: "CPU",
+            }),
+        }
+    }
+}
+
+impl<'a> Pages<'a> {
+    /// The host pages, or a mismatch error.
+    pub fn host(self, op: &'static str) -> Result<LatentPages<'a>, KernelError> {
+        match self {
+            Pages::Host(p) => Ok(p),
+            #[cfg(feature = "cuda")]
+            Pages::Cuda(_) => Err(mismatch(op, "pages", &Backend::Cpu, "CUDA device")),
+        }
+    }
+
+    /// The device pages, or a mismatch error.
+    #[cfg(feature = "cuda")]
+    pub fn dv(self, op: &'static str) -> Result<PagesView, KernelError> {
+        match self {
+            Pages::Cuda(p) => Ok(p),
+            Pages::Host(_) => Err(KernelError::DeviceMismatch {
+                op,
+                what: "pages",
+                expected: "CUDA device",
+                got: "CPU",
+            }),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_host_operand_on_a_gpu_op_names_the_op_and_operand() {
+        let t = Tensor::Host(vec![1.0]);
+        assert!(t.host("x", "y").is_ok());
+        #[cfg(feature = "cuda")]
+        {
+            let e = t.dv("cuda_linear", "x").unwrap_err().to_string();
+            assert!(e.contains("cuda_linear") && e.contains("`x`"), "{e}");
+        }
+    }
+}

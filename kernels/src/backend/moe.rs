@@ -1,0 +1,282 @@
+//! Mixture of experts added into the residual stream: grouped sigmoid routing (noaux_tc, with
+//! the correction bias), then the routed experts and the shared expert.
+//!
+//! CPU: [`MoeLayer::forward`] (each expert once over the tokens routed to it). CUDA: routing on
+//! the device, then two launches over every `(token, slot)` pair, the shared expert stacked as
+//! extra expert slots so it costs no separate pass, the weighted sum added straight into `h`.
+
+use super::{Backend, Precision, Tensor};
+use crate::cpu::moe::MoeLayer;
+use crate::KernelError;
+
+/// An MoE layer's weights on one backend.
+#[derive(Debug)]
+pub enum Moe {
+    /// Host weights.
+    Host(MoeLayer),
+    /// Device weights.
+    #[cfg(feature = "cuda")]
+    Cuda {
+        /// `[n_experts][hidden]` router.
+        router: crate::cuda::ops::GpuMatrix,
+        /// `e_score_correction_bias`.
+        bias: crate::cuda::DeviceBuffer<f32>,
+        /// Routed experts then shared-expert chunks, stacked.
+        experts: crate::cuda::ops::GpuExperts,
+        /// Routing hyper-parameters as the kernel takes them.
+        routing: crate::cuda::ops::RouteParams,
+    },
+}
+
+impl Moe {
+    /// `m` on `b`; on a GPU the shared expert (if any) is split into `n_shared` chunks of the
+    /// routed width, stacked after the routed experts.
+    pub fn to_backend(m: &MoeLayer, n_shared: usize, b: &Backend) -> Result<Self, KernelError> {
+        Ok(match b {
+            Backend::Cpu => Moe::Host(m.clone()),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(dev) => {
+                let n_shared = if m.shared.is_some() {
+                    n_shared.max(1)
+                } else {
+                    0
+                };
+                let r = &m.routing;
+                Moe::Cuda {
+                    router: crate::cuda::ops::GpuMatrix::upload(dev, &m.router)?,
+                    bias: dev.upload(&m.correction_bias)?,
+                    experts: stack::experts(dev, &m.experts, m.shared.as_ref(), n_shared)?,
+                    routing: crate::cuda::ops::RouteParams {
+                        n_experts: r.n_experts as i32,
+                        top_k: r.top_k as i32,
+                        n_group: r.n_group as i32,
+                        topk_group: r.topk_group as i32,
+                        norm_topk: i32::from(r.norm_topk_prob),
+                        n_shared: n_shared as i32,
+                        scale: r.routed_scaling_factor,
+                    },
+                }
+            }
+        })
+    }
+
+    /// The host weights, or a mismatch error.
+    pub fn host(&self) -> Result<&MoeLayer, KernelError> {
+        match self {
+            Moe::Host(m) => Ok(m),
+            #[cfg(feature = "cuda")]
+            Moe::Cuda { .. } => Err(super::mismatch(
+                "moe",
+                "weights",
+                &Backend::Cpu,
+                "CUDA device",
+            )),
+        }
+    }
+
+    /// Bytes of weights read per token (router, `top_k` routed and the shared experts).
+    pub fn active_bytes(&self) -> usize {
+        match self {
+            Moe::Host(m) => {
+                let per = m.experts.first().map_or(0, |e| e.gate.bytes() * 3);
+                let shared = m
+                    .shared
+                    .as_ref()
+                    .map_or(0, |s| s.gate.bytes() + s.up.bytes() + s.down.bytes());
+                m.router.bytes() + per * m.routing.top_k + shared
+            }
+            #[cfg(feature = "cuda")]
+            Moe::Cuda {
+                router,
+                experts,
+                routing,
+                ..
+            } => {
+                let per = (experts.gate.bytes() + experts.up.bytes() + experts.down.bytes())
+                    / experts.total().max(1);
+                router.bytes() + per * (routing.top_k + routing.n_shared) as usize
+            }
+        }
+    }
+}
+
+/// `h += moe(x)`.
+#[derive(Debug)]
+pub struct MoeFfn<'a> {
+    /// The weights.
+    pub w: &'a Moe,
+    /// `[T][hidden]` normalised inputs.
+    pub x: &'a Tensor,
+    /// `[T][hidden]` residual stream.
+    pub h: &'a mut Tensor,
+    /// GEMM input precision of the router on a GPU.
+    pub precision: Precision,
+}
+
+/// Runs [`MoeFfn`].
+pub fn moe(b: &Backend, p: MoeFfn<'_>) -> Result<(), KernelError> {
+    const OP: &str = "moe";
+    match (b, p.w) {
+        (Backend::Cpu, Moe::Host(m)) => {
+            let x = p.x.host(OP, "x")?;
+            let mut y = vec![0.0f32; x.len()];
+            m.forward(x, &mut y)?;
+            for (a, v) in p.h.host_mut(OP, "h")?.iter_mut().zip(&y) {
+                *a += v;
+            }
+            Ok(())
+        }
+        #[cfg(feature = "cuda")]
+        (
+            Backend::Cuda(dev),
+            Moe::Cuda {
+                router,
+                bias,
+                experts,
+                routing,
+            },
+        ) => {
+            use crate::cuda::ops;
+            let gemm = match p.precision {
+                Precision::Exact => ops::GemmPrecision::Exact,
+                Precision::Fast => ops::GemmPrecision::Fast,
+            };
+            let x = p.x.dv(OP, "x")?;
+            let t = x.len / router.cols().max(1);
+            let logits = dev.alloc::<f32>(t * router.rows())?;
+            ops::linear(dev, x, router, logits.v(), gemm)?;
+            let slots = (routing.top_k + routing.n_shared) as usize;
+            let ids = dev.alloc::<i32>(t * slots)?;
+            let w = dev.alloc::<f32>(t * slots)?;
+            let routes = ops::Routes {
+                ids: ids.v(),
+                weights: w.v(),
+                slots,
+            };
+            ops::moe_route(dev, logits.v(), bias.v(), *routing, routes)?;
+            ops::moe_experts(dev, x, routes, experts, p.h.dv(OP, "h")?)
+        }
+        #[cfg(feature = "cuda")]
+        (b, _) => Err(KernelError::DeviceMismatch {
+            op: OP,
+            what: "weights",
+            expected: b.name(),
+            got: "another backend",
+        }),
+    }
+}
+
+/// Expert stacking for the device kernels.
+#[cfg(feature = "cuda")]
+mod stack {
+    use half::bf16;
+
+    use crate::cpu::gemm::{Matrix, MatrixData};
+    use crate::cpu::mlp::GatedMlp;
+    use crate::cuda::ops::{GpuExperts, GpuMatrix, GpuMatrixData};
+    use crate::cuda::CudaDevice;
+    use crate::KernelError;
+
+    fn invalid(value: String) -> KernelError {
+        KernelError::InvalidParam {
+            op: "moe_upload",
+            field: "experts",
+            limit: "at least one routed expert; shared width n_shared × routed width",
+            value,
+        }
+    }
+
+    /// Routed experts (and the shared expert split into `n_shared` chunks of the routed
+    /// width) as one `[E_total·inter][hidden]` gate/up and `[E_total·hidden][inter]` down.
+    /// All-bf16 experts stay bf16; anything else is widened to f32 (exact).
+    pub(super) fn experts(
+        dev: &CudaDevice,
+        experts: &[GatedMlp],
+        shared: Option<&GatedMlp>,
+        n_shared: usize,
+    ) -> Result<GpuExperts, KernelError> {
+        let first = experts
+            .first()
+            .ok_or_else(|| invalid("no routed expert".into()))?;
+        let (inter, hidden) = (first.intermediate(), first.hidden());
+        let mut gates: Vec<Matrix> = Vec::new();
+        let mut ups: Vec<Matrix> = Vec::new();
+        let mut downs: Vec<Matrix> = Vec::new();
+        for e in experts {
+            gates.push(e.gate.clone());
+            ups.push(e.up.clone());
+            downs.push(e.down.clone());
+        }
+        if let Some(s) = shared {
+            if s.intermediate() != inter * n_shared {
+                return Err(invalid(format!(
+                    "shared expert width {} is not {n_shared} × the routed width {inter}",
+                    s.intermediate()
+                )));
+            }
+            for k in 0..n_shared {
+                gates.push(s.gate.slice_rows(k * inter, inter)?);
+                ups.push(s.up.slice_rows(k * inter, inter)?);
+                downs.push(columns(&s.down, k * inter, inter)?);
+            }
+        }
+        let all_bf16 = gates
+            .iter()
+            .chain(&ups)
+            .chain(&downs)
+            .all(|m| matches!(m.data(), MatrixData::Bf16(_)));
+        let stack = |ms: &[Matrix], cols: usize| -> Result<GpuMatrix, KernelError> {
+            let rows: usize = ms.iter().map(Matrix::rows).sum();
+            let data = if all_bf16 {
+                let mut v: Vec<u16> = Vec::with_capacity(rows * cols);
+                for m in ms {
+                    if let MatrixData::Bf16(d) = m.data() {
+                        v.extend(d.iter().map(|x| x.to_bits()));
+                    }
+                }
+                GpuMatrixData::Bf16(dev.upload(&v)?)
+            } else {
+                let mut v: Vec<f32> = Vec::with_capacity(rows * cols);
+                for m in ms {
+                    v.extend(m.to_f32_vec());
+                }
+                GpuMatrixData::F32(dev.upload(&v)?)
+            };
+            GpuMatrix::from_parts(rows, cols, data)
+        };
+        Ok(GpuExperts {
+            gate: stack(&gates, hidden)?,
+            up: stack(&ups, hidden)?,
+            down: stack(&downs, inter)?,
+            inter,
+            hidden,
+        })
+    }
+
+    /// Columns `start..start + count` of `m` as a new matrix of the same element type.
+    fn columns(m: &Matrix, start: usize, count: usize) -> Result<Matrix, KernelError> {
+        let cols = m.cols();
+        if start + count > cols {
+            return Err(invalid(format!(
+                "columns {start}..{} of a {cols}-column matrix",
+                start + count
+            )));
+        }
+        Ok(match m.data() {
+            MatrixData::Bf16(d) => {
+                let v: Vec<bf16> = d
+                    .chunks_exact(cols)
+                    .flat_map(|r| r[start..start + count].iter().copied())
+                    .collect();
+                Matrix::from_bf16(m.rows(), count, v)?
+            }
+            MatrixData::F32(d) => {
+                let v: Vec<f32> = d
+                    .chunks_exact(cols)
+                    .flat_map(|r| r[start..start + count].iter().copied())
+                    .collect();
+                Matrix::from_f32(m.rows(), count, v)?
+            }
+        })
+    }
+}

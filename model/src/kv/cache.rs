@@ -1,0 +1,135 @@
+//! The latent rows one forward reads and writes: the host pool (CPU backend) or a device
+//! cache indexed by the same block ids (GPU backend). Block ids, tables and refcounts stay with
+//! the [`KvPool`] / `KvManager` on every device; only where the rows live differs.
+
+use ferry_kernels::backend::{Pages, PagesMut};
+use ferry_kernels::cpu::mla::LatentPages;
+
+#[cfg(feature = "cuda")]
+use crate::gpu::GpuKvCache;
+use crate::kv::{KvLayout, KvPool};
+use crate::ModelError;
+
+/// Latent rows a forward writes into.
+#[derive(Debug)]
+pub enum KvMut<'a> {
+    /// The host pool itself.
+    Host(&'a mut KvPool),
+    /// A CUDA device cache.
+    #[cfg(feature = "cuda")]
+    Cuda(&'a mut GpuKvCache),
+}
+
+/// The same, read-only: what a forward's per-layer hook sees.
+#[derive(Debug, Clone, Copy)]
+pub enum KvRef<'a> {
+    /// The host pool.
+    Host(&'a KvPool),
+    /// A CUDA device cache.
+    #[cfg(feature = "cuda")]
+    Cuda(&'a GpuKvCache),
+}
+
+/// Storage a forward can run against: the host pool or a device cache.
+pub trait KvRows {
+    /// A writable view for one forward.
+    fn rows(&mut self) -> KvMut<'_>;
+}
+
+impl KvRows for KvPool {
+    fn rows(&mut self) -> KvMut<'_> {
+        KvMut::Host(self)
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl KvRows for GpuKvCache {
+    fn rows(&mut self) -> KvMut<'_> {
+        KvMut::Cuda(self)
+    }
+}
+
+impl KvMut<'_> {
+    /// The geometry.
+    pub fn layout(&self) -> &KvLayout {
+        match self {
+            KvMut::Host(p) => p.layout(),
+            #[cfg(feature = "cuda")]
+            KvMut::Cuda(c) => c.layout(),
+        }
+    }
+
+    /// Whether rows are stored as bf16 (a fast-mode device cache).
+    pub fn is_bf16(&self) -> bool {
+        match self {
+            KvMut::Host(_) => false,
+            #[cfg(feature = "cuda")]
+            KvMut::Cuda(c) => c.is_bf16(),
+        }
+    }
+
+    /// Where the rows live, for errors.
+    pub fn place(&self) -> &'static str {
+        match self {
+            KvMut::Host(_) => "host pool",
+            #[cfg(feature = "cuda")]
+            KvMut::Cuda(_) => "CUDA device cache",
+        }
+    }
+
+    /// Layer `l`'s pages for writing new rows.
+    pub fn pages_mut(&mut self, l: usize) -> Result<PagesMut<'_>, ModelError> {
+        match self {
+            KvMut::Host(p) => {
+                let width = p.layout().width;
+                Ok(PagesMut::Host {
+                    data: p.layer_mut(l)?,
+                    width,
+                })
+            }
+            #[cfg(feature = "cuda")]
+            KvMut::Cuda(c) => Ok(PagesMut::Cuda(c.pages(l)?)),
+        }
+    }
+
+    /// Layer `l`'s pages for attention.
+    pub fn pages(&self, l: usize) -> Result<Pages<'_>, ModelError> {
+        self.as_ref().pages(l)
+    }
+
+    /// A read-only view.
+    pub fn as_ref(&self) -> KvRef<'_> {
+        match self {
+            KvMut::Host(p) => KvRef::Host(p),
+            #[cfg(feature = "cuda")]
+            KvMut::Cuda(c) => KvRef::Cuda(c),
+        }
+    }
+}
+
+impl<'a> KvRef<'a> {
+    /// Layer `l`'s pages for attention.
+    pub fn pages(self, l: usize) -> Result<Pages<'a>, ModelError> {
+        match self {
+            KvRef::Host(p) => {
+                let layout = p.layout();
+                Ok(Pages::Host(LatentPages {
+                    data: p.layer(l)?,
+                    page_size: layout.page_size,
+                    width: layout.width,
+                }))
+            }
+            #[cfg(feature = "cuda")]
+            KvRef::Cuda(c) => Ok(Pages::Cuda(c.pages(l)?)),
+        }
+    }
+
+    /// The host pool, if the rows live there.
+    pub fn host(self) -> Option<&'a KvPool> {
+        match self {
+            KvRef::Host(p) => Some(p),
+            #[cfg(feature = "cuda")]
+            KvRef::Cuda(_) => None,
+        }
+    }
+}
