@@ -13,6 +13,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context};
 use clap::Args;
+use ferry_kernels::backend::Backend;
 use ferry_kernels::cpu::sample::{argmax, SamplingParams};
 use ferry_model::deepseek::forward::ForwardHooks;
 use ferry_model::deepseek::{BatchInputs, DeepseekModel, FormPolicy, LogitsWanted, SeqInput};
@@ -24,7 +25,7 @@ use ferry_model::engine::{
     StopParams, VerifyLen,
 };
 use ferry_model::kv::layout::DEFAULT_PAGE_SIZE;
-use ferry_model::kv::{BlockId, BlockTable, KvPool};
+use ferry_model::kv::{BlockTable, KvPool};
 
 /// Options of `ferry bench-engine`.
 #[derive(Debug, Args)]
@@ -98,7 +99,10 @@ pub fn run(args: BenchEngineArgs) -> anyhow::Result<()> {
         drop(model);
         return run_prefill_ship(&args, &dir);
     }
-    let gpu = args.device.gpu_model(&model)?;
+    let model = match args.device.gpu_model(&model)? {
+        Some(gpu) => gpu,
+        None => model,
+    };
     println!(
         "| batch | prompt | prefill tok/s | decode steps | decode tok/s | threads |\n|---|---|---|---|---|---|"
     );
@@ -106,18 +110,13 @@ pub fn run(args: BenchEngineArgs) -> anyhow::Result<()> {
         let mut prefill = Vec::new();
         let mut decode = Vec::new();
         for rep in 0..args.repeat.max(1) {
-            let (p, d) = match &gpu {
-                Some(g) => bench_engine_gpu(
-                    g,
-                    EngineBench {
-                        batch,
-                        prompt_len: args.prompt_len,
-                        decode_steps: args.decode_steps,
-                        salt: rep as u32,
-                    },
-                )?,
-                None => measure(&model, batch, &args, rep as u32)?,
+            let shape = EngineBench {
+                batch,
+                prompt_len: args.prompt_len,
+                decode_steps: args.decode_steps,
+                salt: rep as u32,
             };
+            let (p, d) = measure(&model, shape)?;
             prefill.push(p);
             decode.push(d);
         }
@@ -133,23 +132,28 @@ pub fn run(args: BenchEngineArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// One prefill + decode run; returns (prefill tok/s, decode tok/s).
-fn measure(
-    model: &DeepseekModel,
-    batch: usize,
-    args: &BenchEngineArgs,
-    salt: u32,
-) -> anyhow::Result<(f64, f64)> {
+/// One prefill batch, then batched greedy decode steps, straight through the model's forward
+/// on its device (the KV rows in the host pool on the CPU, in a device cache with the pool's
+/// block ids on a GPU); returns (prefill tok/s, decode tok/s), timed around the forward calls.
+fn measure(model: &DeepseekModel, b: EngineBench) -> anyhow::Result<(f64, f64)> {
     let vocab = model.config().vocab_size as u32;
-    let per_seq = (args.prompt_len + args.decode_steps).div_ceil(DEFAULT_PAGE_SIZE);
-    let mut pool = model.new_kv_pool(per_seq * batch, DEFAULT_PAGE_SIZE)?;
-    let prompts = synthetic_prompts(vocab, batch, args.prompt_len, salt);
-    let mut tables = Vec::with_capacity(batch);
-    for _ in 0..batch {
+    let per_seq = (b.prompt_len + b.decode_steps).div_ceil(DEFAULT_PAGE_SIZE);
+    let mut pool = model.new_kv_pool(per_seq * b.batch, DEFAULT_PAGE_SIZE)?;
+    let mut device = match model.backend() {
+        Backend::Cpu => None,
+        _ => Some(model.new_kv_cache(per_seq * b.batch, DEFAULT_PAGE_SIZE)?),
+    };
+    let prompts = synthetic_prompts(vocab, b.batch, b.prompt_len, b.salt);
+    let mut tables = Vec::with_capacity(b.batch);
+    for _ in 0..b.batch {
         let mut t = BlockTable::new();
-        t.reserve(&mut pool, args.prompt_len + args.decode_steps)?;
+        t.reserve(&mut pool, b.prompt_len + b.decode_steps)?;
         tables.push(t);
     }
+    let mut forward = |inputs: &BatchInputs<'_>| match device.as_mut() {
+        Some(cache) => model.forward(inputs, cache),
+        None => model.forward(inputs, &mut pool),
+    };
 
     let inputs = BatchInputs {
         seqs: prompts
@@ -164,28 +168,28 @@ fn measure(
             .collect(),
     };
     let start = Instant::now();
-    let out = model.forward(&inputs, &mut pool)?;
+    let out = forward(&inputs)?;
     let prefill_s = start.elapsed().as_secs_f64();
 
-    let mut next: Vec<[u32; 1]> = (0..batch)
+    let mut next: Vec<[u32; 1]> = (0..b.batch)
         .map(|i| [out.last_row(i).map(argmax).unwrap_or(0)])
         .collect();
     let mut decode_s = 0.0;
-    for step in 0..args.decode_steps {
+    for step in 0..b.decode_steps {
         let inputs = BatchInputs {
             seqs: next
                 .iter()
                 .zip(&tables)
                 .map(|(tok, t)| SeqInput {
                     tokens: tok,
-                    start_pos: args.prompt_len + step,
+                    start_pos: b.prompt_len + step,
                     block_table: t.blocks(),
                     logits: LogitsWanted::Last,
                 })
                 .collect(),
         };
         let start = Instant::now();
-        let out = model.forward(&inputs, &mut pool)?;
+        let out = forward(&inputs)?;
         decode_s += start.elapsed().as_secs_f64();
         for (i, n) in next.iter_mut().enumerate() {
             n[0] = out.last_row(i).map(argmax).unwrap_or(0);
@@ -194,8 +198,8 @@ fn measure(
     for mut t in tables {
         t.free(&mut pool)?;
     }
-    let prefill_tps = (batch * args.prompt_len) as f64 / prefill_s;
-    let decode_tps = (batch * args.decode_steps) as f64 / decode_s.max(f64::MIN_POSITIVE);
+    let prefill_tps = (b.batch * b.prompt_len) as f64 / prefill_s;
+    let decode_tps = (b.batch * b.decode_steps) as f64 / decode_s.max(f64::MIN_POSITIVE);
     Ok((prefill_tps, decode_tps))
 }
 
@@ -699,73 +703,4 @@ struct EngineBench {
     decode_steps: usize,
     /// Seed for the prompts.
     salt: u32,
-}
-
-/// `bench-engine` on the GPU: one prefill batch, then batched decode steps; returns
-/// (prefill tok/s, decode tok/s), timed around the forward calls (device work included).
-fn bench_engine_gpu(gpu: &DeepseekModel, b: EngineBench) -> anyhow::Result<(f64, f64)> {
-    let vocab = gpu.config().vocab_size as u32;
-    let per_seq = (b.prompt_len + b.decode_steps).div_ceil(DEFAULT_PAGE_SIZE);
-    let mut cache = gpu.new_kv_cache(per_seq * b.batch, DEFAULT_PAGE_SIZE)?;
-    let tables: Vec<Vec<BlockId>> = (0..b.batch)
-        .map(|s| {
-            ((s * per_seq) as u32..((s + 1) * per_seq) as u32)
-                .map(BlockId)
-                .collect()
-        })
-        .collect();
-    let prompts: Vec<Vec<u32>> = (0..b.batch as u32)
-        .map(|s| {
-            let mut x = 0x9e37_79b9u32 ^ (s.wrapping_mul(7919) + b.salt);
-            (0..b.prompt_len)
-                .map(|_| {
-                    x = x.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
-                    16 + (x >> 8) % (vocab - 16)
-                })
-                .collect()
-        })
-        .collect();
-    let inputs = BatchInputs {
-        seqs: prompts
-            .iter()
-            .zip(&tables)
-            .map(|(p, t)| SeqInput {
-                tokens: p,
-                start_pos: 0,
-                block_table: t,
-                logits: LogitsWanted::Last,
-            })
-            .collect(),
-    };
-    let start = Instant::now();
-    let out = gpu.forward(&inputs, &mut cache)?;
-    let prefill_s = start.elapsed().as_secs_f64();
-    let mut next: Vec<[u32; 1]> = (0..b.batch)
-        .map(|i| [out.last_row(i).map(argmax).unwrap_or(0)])
-        .collect();
-    let mut decode_s = 0.0;
-    for step in 0..b.decode_steps {
-        let inputs = BatchInputs {
-            seqs: next
-                .iter()
-                .zip(&tables)
-                .map(|(tok, t)| SeqInput {
-                    tokens: tok,
-                    start_pos: b.prompt_len + step,
-                    block_table: t,
-                    logits: LogitsWanted::Last,
-                })
-                .collect(),
-        };
-        let start = Instant::now();
-        let out = gpu.forward(&inputs, &mut cache)?;
-        decode_s += start.elapsed().as_secs_f64();
-        for (i, n) in next.iter_mut().enumerate() {
-            n[0] = out.last_row(i).map(argmax).unwrap_or(0);
-        }
-    }
-    Ok((
-        (b.batch * b.prompt_len) as f64 / prefill_s,
-        (b.batch * b.decode_steps) as f64 / decode_s.max(f64::MIN_POSITIVE),
-    ))
 }

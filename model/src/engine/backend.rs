@@ -1,6 +1,8 @@
-//! Where the engine's forward runs: the CPU reference or one CUDA device.
+//! Where the engine's KV rows live, and what a GPU adds around the one forward.
 //!
-//! The engine thread owns one [`Backend`]. On both, the [`KvManager`]'s pool is the single
+//! The model is one [`DeepseekModel`] on every device (its ops dispatch on its
+//! `kernels::backend::Backend`); the engine thread owns one [`Backend`], which says where the
+//! forward's KV rows are and runs the device's extras around it. On both, the [`KvManager`]'s pool is the single
 //! owner of block ids — allocation, refcounts, the prefix cache and its events — and every
 //! forward gets the same [`BatchInputs`] with caller-owned block tables. What differs is where
 //! the model and the KV *rows* live:
@@ -8,7 +10,7 @@
 //! | backend | model | KV rows the forward reads and writes | the host pool's rows |
 //! |---|---|---|---|
 //! | `Cpu` | [`DeepseekModel`] | the host pool | the KV itself |
-//! | `Cuda` | [`GpuModel`] (host weights dropped after the upload) | a [`GpuKvCache`] indexed by the same block ids | a staging mirror for transfers (below) |
+//! | `Cuda` | the same [`DeepseekModel`], uploaded (host weights dropped after the upload) | a [`GpuKvCache`] indexed by the same block ids | a staging mirror for transfers (below) |
 //!
 //! Transfers on CUDA go through the host pool, whose rows are f32 like the transfer wire:
 //!
@@ -37,7 +39,6 @@
 //! length are the engine's, the same on every device.
 //!
 //! [`KvManager`]: crate::kv::KvManager
-//! [`GpuModel`]: crate::gpu::GpuModel
 //! [`GpuKvCache`]: crate::gpu::GpuKvCache
 
 #[cfg(feature = "cuda")]
