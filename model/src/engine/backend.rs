@@ -108,13 +108,21 @@ pub(crate) struct Pass<'p, 'h, 'a> {
     pub(crate) staged: &'p [BlockId],
 }
 
-/// The model on the device that runs it.
-pub(crate) enum Backend {
-    /// The CPU reference forward over the host pool.
-    Cpu(Box<DeepseekModel>),
-    /// The whole forward on a CUDA device.
+/// The one model on its device, and what that device adds around the forward.
+pub(crate) struct Backend {
+    /// The model; its ops run where its weights live.
+    model: DeepseekModel,
+    /// Where the forward's KV rows live.
+    rows: Rows,
+}
+
+/// Where the forward's KV rows live.
+enum Rows {
+    /// The host pool itself (CPU).
+    Host,
+    /// A device cache with the host pool as staging mirror, graphs and layer-wise shipping.
     #[cfg(feature = "cuda")]
-    Cuda(Box<cuda::CudaBackend>),
+    Cuda(Box<cuda::CudaRows>),
 }
 
 impl Backend {
@@ -131,7 +139,10 @@ impl Backend {
     ) -> Result<Self, ModelError> {
         let device = device.resolve()?;
         if device == Device::Cpu {
-            return Ok(Backend::Cpu(Box::new(model)));
+            return Ok(Backend {
+                model,
+                rows: Rows::Host,
+            });
         }
         open_gpu(model, layout, device, mode, gpu)
     }
@@ -139,47 +150,39 @@ impl Backend {
     /// How the GPU backend has shipped prefill jobs' layers (zeros on the CPU, whose forward
     /// calls its sinks between layers).
     pub(crate) fn ship_stats(&self) -> ShipStats {
-        match self {
-            Backend::Cpu(_) => ShipStats::default(),
+        match &self.rows {
+            Rows::Host => ShipStats::default(),
             #[cfg(feature = "cuda")]
-            Backend::Cuda(c) => c.ship_stats(),
+            Rows::Cuda(c) => c.ship_stats(),
         }
     }
 
     /// Forwards replayed from a CUDA graph (0 on the CPU).
     pub(crate) fn graph_steps(&self) -> u64 {
-        match self {
-            Backend::Cpu(_) => 0,
+        match &self.rows {
+            Rows::Host => 0,
             #[cfg(feature = "cuda")]
-            Backend::Cuda(c) => c.graph_steps(),
+            Rows::Cuda(c) => c.graph_steps(),
         }
     }
 
     /// The device the forward runs on.
     pub(crate) fn device(&self) -> Device {
-        match self {
-            Backend::Cpu(_) => Device::Cpu,
-            #[cfg(feature = "cuda")]
-            Backend::Cuda(c) => c.device(),
-        }
+        self.model.backend().device()
     }
 
     /// The model configuration.
     pub(crate) fn config(&self) -> &ModelConfig {
-        match self {
-            Backend::Cpu(m) => m.config(),
-            #[cfg(feature = "cuda")]
-            Backend::Cuda(c) => c.config(),
-        }
+        self.model.config()
     }
 
     /// The host model a drafter shares layers with: the whole model on the CPU; on a GPU its
     /// embedding and LM head, kept when the engine was opened for a drafter.
     pub(crate) fn host_model(&self) -> Option<&DeepseekModel> {
-        match self {
-            Backend::Cpu(m) => Some(m),
+        match &self.rows {
+            Rows::Host => Some(&self.model),
             #[cfg(feature = "cuda")]
-            Backend::Cuda(c) => c.shared_layers(),
+            Rows::Cuda(c) => c.shared_layers(),
         }
     }
 
@@ -191,20 +194,25 @@ impl Backend {
         pool: &mut KvPool,
         pass: Pass<'_, '_, '_>,
     ) -> Result<BatchOutput, ModelError> {
-        match self {
-            Backend::Cpu(m) => m.forward_with_hooks(batch, pool, FormPolicy::CostModel, pass.hooks),
+        match &mut self.rows {
+            Rows::Host => {
+                self.model
+                    .forward_with_hooks(batch, pool, FormPolicy::CostModel, pass.hooks)
+            }
             #[cfg(feature = "cuda")]
-            Backend::Cuda(c) => c.forward(batch, pool, pass),
+            Rows::Cuda(c) => c.forward(&self.model, batch, pool, pass),
         }
     }
 
     /// The host rows of `(layer, block)` were written (a peer's KV): on CUDA they are uploaded
     /// before the next forward.
     pub(crate) fn host_rows_written(&mut self, layer: usize, block: BlockId) {
-        match self {
-            Backend::Cpu(_) => {}
+        match &mut self.rows {
+            Rows::Host => {
+                let _ = (layer, block);
+            }
             #[cfg(feature = "cuda")]
-            Backend::Cuda(c) => c.mark_dirty(layer, block),
+            Rows::Cuda(c) => c.mark_dirty(layer, block),
         }
     }
 }
@@ -218,9 +226,11 @@ fn open_gpu(
     gpu: GpuOptions,
 ) -> Result<Backend, ModelError> {
     let dev = open_cuda(device)?;
-    Ok(Backend::Cuda(Box::new(cuda::CudaBackend::new(
-        &dev, model, layout, mode, gpu,
-    )?)))
+    let (model, rows) = cuda::CudaRows::new(&dev, model, layout, mode, gpu)?;
+    Ok(Backend {
+        model,
+        rows: Rows::Cuda(Box::new(rows)),
+    })
 }
 
 #[cfg(not(feature = "cuda"))]

@@ -16,10 +16,8 @@
 use std::collections::{BTreeSet, HashMap};
 
 use ferry_kernels::cuda::{CopyStream, CudaDevice, DeviceRange, Mark, PinnedBuffer};
-use ferry_kernels::Device;
 
 use super::{GpuMode, GpuOptions, Pass, ShipStats};
-use crate::config::ModelConfig;
 use crate::deepseek::forward::{ForwardHooks, HiddenHook, Hooks, LayerHook};
 use crate::deepseek::{
     AttentionForm, BatchInputs, BatchOutput, DeepseekModel, FormPolicy, LogitsWanted, SeqInput,
@@ -36,10 +34,11 @@ pub(crate) const MAX_GRAPH_BATCH: usize = 64;
 /// The smallest context a graph is planned for.
 const MIN_GRAPH_CTX: usize = 256;
 
-/// The model and its paged latent cache on one CUDA device.
-pub(crate) struct CudaBackend {
+/// What a CUDA device adds around the one forward: the paged latent cache, graph replay,
+/// layer-wise shipping and the host mirror's bookkeeping. The model itself is the engine
+/// backend's ([`super::Backend`]) and is passed in.
+pub(crate) struct CudaRows {
     dev: CudaDevice,
-    gpu: DeepseekModel,
     /// The host pool's blocks plus one scratch block (the last) for graph padding.
     cache: GpuKvCache,
     /// `(layer, block)` whose host rows are newer than the device's (a peer's writes): uploaded
@@ -61,16 +60,16 @@ pub(crate) struct CudaBackend {
     shared: Option<Box<DeepseekModel>>,
 }
 
-impl CudaBackend {
+impl CudaRows {
     /// Uploads `model` (which is then dropped: the host keeps no weights) and allocates a
-    /// device cache with the host pool's geometry.
+    /// device cache with the host pool's geometry; returns the device-resident model with it.
     pub(crate) fn new(
         dev: &CudaDevice,
         model: DeepseekModel,
         layout: &KvLayout,
         mode: GpuMode,
         options: GpuOptions,
-    ) -> Result<Self, ModelError> {
+    ) -> Result<(DeepseekModel, Self), ModelError> {
         let gpu = model.upload(dev, mode)?;
         // The decoder layers leave the host; a drafter's shared layers stay if one will run.
         let shared = options
@@ -94,9 +93,8 @@ impl CudaBackend {
             kv_blocks = layout.num_blocks,
             "engine on the GPU: weights and KV cache in device memory"
         );
-        let mut backend = Self {
+        let mut rows = Self {
             dev: dev.clone(),
-            gpu,
             cache,
             dirty: BTreeSet::new(),
             graphs: options.cuda_graphs.then(HashMap::new),
@@ -108,12 +106,12 @@ impl CudaBackend {
             shared,
         };
         let started = std::time::Instant::now();
-        backend.warm_up()?;
+        rows.warm_up(&gpu)?;
         tracing::info!(
             seconds = started.elapsed().as_secs_f64(),
             "GPU kernels compiled and loaded"
         );
-        Ok(backend)
+        Ok((gpu, rows))
     }
 
     /// Compiles and loads the kernels of both attention forms before the engine serves.
@@ -123,7 +121,7 @@ impl CudaBackend {
     /// Runs a short prompt in the MHA form, then one decode step in the absorbed form, in the
     /// first blocks of the cache: those rows are garbage afterwards, but every row is written
     /// by a forward or a peer before any forward reads it.
-    fn warm_up(&mut self) -> Result<(), ModelError> {
+    fn warm_up(&mut self, gpu: &DeepseekModel) -> Result<(), ModelError> {
         let layout = *self.cache.layout();
         let table: Vec<BlockId> = (0..layout.num_blocks.min(2) as u32).map(BlockId).collect();
         let positions = (layout.page_size * table.len()).min(9);
@@ -137,7 +135,6 @@ impl CudaBackend {
             if start >= end {
                 continue;
             }
-            self.gpu.set_policy(FormPolicy::Force(form));
             let batch = BatchInputs {
                 seqs: vec![SeqInput {
                     tokens: &tokens[start..end],
@@ -146,21 +143,14 @@ impl CudaBackend {
                     logits: LogitsWanted::Last,
                 }],
             };
-            result = self.gpu.forward(&batch, &mut self.cache).map(drop);
+            result = gpu
+                .forward_with(&batch, &mut self.cache, FormPolicy::Force(form))
+                .map(drop);
             if result.is_err() {
                 break;
             }
         }
-        self.gpu.set_policy(FormPolicy::CostModel);
         result
-    }
-
-    pub(crate) fn device(&self) -> Device {
-        Device::Cuda(self.dev.ordinal())
-    }
-
-    pub(crate) fn config(&self) -> &ModelConfig {
-        self.gpu.config()
     }
 
     /// The target's shared layers on the host, if kept for a drafter.
@@ -185,21 +175,25 @@ impl CudaBackend {
 
     /// Runs `batch` from a captured graph if it is a graph-shaped decode step: `Ok(None)` when
     /// it is not (the caller runs it eagerly).
-    fn try_graph(&mut self, batch: &BatchInputs<'_>) -> Result<Option<BatchOutput>, ModelError> {
+    fn try_graph(
+        &mut self,
+        gpu: &DeepseekModel,
+        batch: &BatchInputs<'_>,
+    ) -> Result<Option<BatchOutput>, ModelError> {
         let n = batch.seqs.len();
         let scratch = [self.scratch_block()];
         let Some(graphs) = self.graphs.as_mut() else {
             return Ok(None);
         };
-        let dims = &self.gpu.dims;
+        let dims = &gpu.dims;
         let decode_step = n > 0
             && n <= MAX_GRAPH_BATCH
             && self.cache.layout().page_size >= 2
-            && self.gpu.policy.choose(dims, 1, 1) == AttentionForm::Absorbed
+            && gpu.policy.choose(dims, 1, 1) == AttentionForm::Absorbed
             && batch.seqs.iter().all(|s| {
                 s.tokens.len() == 1
                     && s.logits == LogitsWanted::Last
-                    && self.gpu.policy.choose(dims, s.start_pos, 1) == AttentionForm::Absorbed
+                    && gpu.policy.choose(dims, s.start_pos, 1) == AttentionForm::Absorbed
             });
         if !decode_step {
             return Ok(None);
@@ -214,7 +208,7 @@ impl CudaBackend {
         let plan_ctx = longest
             .next_power_of_two()
             .max(MIN_GRAPH_CTX)
-            .min(self.gpu.config.max_position_embeddings.max(longest));
+            .min(gpu.config.max_position_embeddings.max(longest));
         // Pad to the bucket with one-token sequences at position 1 of the scratch block (the
         // absorbed form needs a cached position; position 0 is zeros or an earlier padding
         // row, finite either way).
@@ -230,7 +224,7 @@ impl CudaBackend {
         let stale = graphs.get(&bucket).is_some_and(|g| g.plan_ctx() < plan_ctx);
         if stale || !graphs.contains_key(&bucket) {
             graphs.remove(&bucket);
-            match self.gpu.capture_decode(&padded, &mut self.cache, plan_ctx) {
+            match gpu.capture_decode(&padded, &mut self.cache, plan_ctx) {
                 Ok(g) => {
                     tracing::debug!(bucket, plan_ctx, "captured a decode graph");
                     graphs.insert(bucket, g);
@@ -247,7 +241,7 @@ impl CudaBackend {
         let Some(g) = graphs.get_mut(&bucket) else {
             return Ok(None);
         };
-        let mut out = self.gpu.replay_decode(g, &padded, &self.cache)?;
+        let mut out = gpu.replay_decode(g, &padded, &self.cache)?;
         out.logits.truncate(n);
         self.graph_steps += 1;
         Ok(Some(out))
@@ -289,6 +283,7 @@ impl CudaBackend {
     /// after the forward, with nothing to stage.
     pub(crate) fn forward(
         &mut self,
+        gpu: &DeepseekModel,
         batch: &BatchInputs<'_>,
         pool: &mut KvPool,
         pass: Pass<'_, '_, '_>,
@@ -305,7 +300,7 @@ impl CudaBackend {
         let layers = self.cache.layout().num_layers;
         if staged.is_empty() {
             let graphed = if taps.is_empty() {
-                self.try_graph(batch)?
+                self.try_graph(gpu, batch)?
             } else {
                 None // the drafter's taps are read between layers: not a graph step
             };
@@ -317,7 +312,7 @@ impl CudaBackend {
                         taps: Some(taps),
                         hidden: Some(&mut *hidden),
                     };
-                    self.gpu.forward_hooked(batch, &mut self.cache, hooks)?
+                    gpu.forward_hooked(batch, &mut self.cache, hooks)?
                 }
             };
             for layer in 0..layers {
@@ -326,7 +321,12 @@ impl CudaBackend {
             return Ok(out);
         }
         if !self.layerwise {
-            return self.forward_then_ship(batch, pool, &staged, (after_layer, taps, hidden));
+            return self.forward_then_ship(
+                (gpu, batch),
+                pool,
+                &staged,
+                (after_layer, taps, hidden),
+            );
         }
         if self.copy.is_none() {
             self.copy = Some(self.dev.copy_stream()?);
@@ -344,7 +344,7 @@ impl CudaBackend {
                 taps: Some(taps),
                 hidden: Some(&mut *hidden),
             };
-            self.gpu.forward_hooked(batch, &mut self.cache, hooks)
+            gpu.forward_hooked(batch, &mut self.cache, hooks)
         };
         // Drain whatever is still in flight even when the forward failed, so the ring is free.
         let forward_done = std::time::Instant::now();
@@ -361,7 +361,7 @@ impl CudaBackend {
     /// downloaded into the pool and the sink called.
     fn forward_then_ship(
         &mut self,
-        batch: &BatchInputs<'_>,
+        (gpu, batch): (&DeepseekModel, &BatchInputs<'_>),
         pool: &mut KvPool,
         staged: &[BlockId],
         (after_layer, taps, hidden): (&mut LayerHook<'_>, &[usize], &mut HiddenHook<'_>),
@@ -371,7 +371,7 @@ impl CudaBackend {
             taps: Some(taps),
             hidden: Some(hidden),
         };
-        let out = self.gpu.forward_hooked(batch, &mut self.cache, hooks)?;
+        let out = gpu.forward_hooked(batch, &mut self.cache, hooks)?;
         let forward_done = std::time::Instant::now();
         let per_block = pool.layout().block_floats();
         for layer in 0..self.cache.layout().num_layers {
