@@ -1,0 +1,419 @@
+//! One contract over every backend the machine has: each coarse op of `kernels::backend`, fed
+//! the same inputs, must give what the CPU kernels give when called directly, sequence by
+//! sequence, with the block tables and cache slots worked out by hand here. On the CPU this
+//! checks the ops' own logic (splitting a run into sequences, padded block tables, slots, row
+//! offsets) exactly: the arithmetic is the same code, so the result must be bit-identical. On a
+//! CUDA device (the H200 runs; elsewhere only the CPU is tested) it checks the device arm
+//! against the same reference within 1e-4 of max |reference| — f32 kernels in exact precision
+//! differ from the CPU only in summation order (`cuda_parity.rs` states the same bound).
+
+mod common;
+
+use ferry_kernels::backend::latent::{latent_write, LatentWrite};
+use ferry_kernels::backend::linear::{linear, Linear};
+use ferry_kernels::backend::mla_absorbed::{mla_absorbed, AbsorbedRun};
+use ferry_kernels::backend::mla_mha::{mla_mha, MhaRun};
+use ferry_kernels::backend::norm::{add_norm, AddNorm};
+use ferry_kernels::backend::rope::RopeTable;
+use ferry_kernels::backend::rows::{embed, gather, Embed, Gather};
+use ferry_kernels::backend::{AttnKernels, Backend, Pages, PagesMut, Precision, Tensor, Weight};
+use ferry_kernels::cpu::gemm::Matrix;
+use ferry_kernels::cpu::mla::{
+    mla_absorbed_form, mla_mha_attention, LatentContext, LatentPages, MlaDims, SeqAttn,
+};
+use ferry_kernels::cpu::norm::{rms_norm, rms_norm_inplace};
+use ferry_kernels::cpu::rope::{Rope, RopeParams, RopeScaling, RotaryLayout};
+
+const DIMS: MlaDims = MlaDims {
+    heads: 4,
+    kv_lora_rank: 64,
+    qk_nope_head_dim: 32,
+    qk_rope_head_dim: 16,
+    v_head_dim: 32,
+};
+const PAGE: usize = 8;
+const BLOCKS: usize = 12;
+
+/// Every backend this machine can run.
+fn backends() -> Vec<Backend> {
+    let mut all = vec![Backend::Cpu];
+    #[cfg(feature = "cuda")]
+    match ferry_kernels::cuda::CudaDevice::open(0) {
+        Ok(d) => all.push(Backend::Cuda(d)),
+        Err(e) => eprintln!("CPU backend only: {e}"),
+    }
+    all
+}
+
+/// Exact on the CPU (same code), summation order on a GPU.
+fn tolerance(b: &Backend) -> f32 {
+    match b {
+        Backend::Cpu => 0.0,
+        #[cfg(feature = "cuda")]
+        Backend::Cuda(_) => 1e-4,
+    }
+}
+
+fn check(b: &Backend, what: &str, got: &[f32], want: &[f32]) {
+    let err = common::max_abs_diff(got, want) / common::max_abs(want).max(1e-30);
+    assert!(
+        err <= tolerance(b),
+        "{what} on the {}: rel err {err:.2e}",
+        b.name()
+    );
+    eprintln!("{what} on the {}: rel err {err:.2e}", b.name());
+}
+
+/// The layer's pages as the backend's attention reads them (uploaded on a GPU); the buffer
+/// that owns them, kept alive by the caller.
+enum PageStore {
+    Host(Vec<f32>),
+    #[cfg(feature = "cuda")]
+    Cuda(ferry_kernels::cuda::DeviceBuffer<f32>),
+}
+
+impl PageStore {
+    fn new(b: &Backend, data: &[f32]) -> Self {
+        match b {
+            Backend::Cpu => PageStore::Host(data.to_vec()),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(d) => PageStore::Cuda(d.upload(data).expect("upload pages")),
+        }
+    }
+
+    fn pages(&self) -> Pages<'_> {
+        match self {
+            PageStore::Host(data) => Pages::Host(LatentPages {
+                data,
+                page_size: PAGE,
+                width: DIMS.latent_width(),
+            }),
+            #[cfg(feature = "cuda")]
+            PageStore::Cuda(buf) => Pages::Cuda(view(buf)),
+        }
+    }
+
+    fn pages_mut(&mut self) -> PagesMut<'_> {
+        match self {
+            PageStore::Host(data) => PagesMut::Host {
+                data,
+                width: DIMS.latent_width(),
+            },
+            #[cfg(feature = "cuda")]
+            PageStore::Cuda(buf) => PagesMut::Cuda(view(buf)),
+        }
+    }
+
+    fn to_host(&self) -> Vec<f32> {
+        match self {
+            PageStore::Host(d) => d.clone(),
+            #[cfg(feature = "cuda")]
+            PageStore::Cuda(buf) => buf.device().download(buf).expect("download pages"),
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn view(buf: &ferry_kernels::cuda::DeviceBuffer<f32>) -> ferry_kernels::cuda::ops::PagesView {
+    ferry_kernels::cuda::ops::PagesView {
+        ptr: buf.ptr(),
+        bf16: false,
+        num_blocks: BLOCKS,
+        page_size: PAGE,
+        width: DIMS.latent_width(),
+    }
+}
+
+fn kv_b(seed: u64) -> Matrix {
+    let mut rng = common::rng(seed);
+    let rows = DIMS.heads * (DIMS.qk_nope_head_dim + DIMS.v_head_dim);
+    let data = common::uniform(&mut rng, rows * DIMS.kv_lora_rank, 0.2);
+    Matrix::from_f32(rows, DIMS.kv_lora_rank, data).expect("kv_b")
+}
+
+/// Two sequences decoding one token each in one absorbed run (rows 1 and 2 of a three-row
+/// batch, block tables of different lengths padded to one stride), and one sequence's 4-token
+/// chunk after 5 cached positions in the MHA form.
+#[test]
+fn attention_ops_match_the_cpu_kernels_on_every_backend() {
+    let width = DIMS.latent_width();
+    let mut rng = common::rng(7);
+    let cache = common::uniform(&mut rng, BLOCKS * PAGE * width, 1.0);
+    let kv_b_m = kv_b(8);
+    let qk = DIMS.heads * DIMS.qk_head_dim();
+    let hv = DIMS.heads * DIMS.v_head_dim;
+    let q = common::uniform(&mut rng, 3 * qk, 1.0);
+    let scale = 0.125;
+    // Sequence A: blocks [5, 2, 7], context 20 (query at position 19); B: [1, 9], context 10.
+    let tables: [&[u32]; 2] = [&[5, 2, 7], &[1, 9]];
+    let ctx = [20usize, 10];
+    let mut want = vec![0.0f32; 3 * hv];
+    for i in 0..2 {
+        let lc = LatentContext {
+            pages: LatentPages {
+                data: &cache,
+                page_size: PAGE,
+                width,
+            },
+            seq: SeqAttn {
+                block_table: tables[i],
+                start_pos: ctx[i] - 1,
+                num_queries: 1,
+            },
+            scale,
+        };
+        let row = 1 + i;
+        mla_absorbed_form(
+            &q[row * qk..(row + 1) * qk],
+            &DIMS,
+            &kv_b_m,
+            &lc,
+            &mut want[row * hv..(row + 1) * hv],
+        )
+        .expect("reference absorbed");
+    }
+    // Sequence C: blocks [3, 4], 4 queries after 5 cached positions, MHA form.
+    let q_c = common::uniform(&mut rng, 4 * qk, 1.0);
+    let mut want_c = vec![0.0f32; 4 * hv];
+    let lc = LatentContext {
+        pages: LatentPages {
+            data: &cache,
+            page_size: PAGE,
+            width,
+        },
+        seq: SeqAttn {
+            block_table: &[3, 4],
+            start_pos: 5,
+            num_queries: 4,
+        },
+        scale,
+    };
+    mla_mha_attention(&q_c, &DIMS, &kv_b_m, &lc, &mut want_c).expect("reference mha");
+
+    for b in backends() {
+        let store = PageStore::new(&b, &cache);
+        let w = b.weight(&kv_b_m).expect("weight");
+        let q_t = b.upload(&q).expect("q");
+        let mut out = b.zeros(3 * hv).expect("out");
+        let run = AbsorbedRun {
+            q: &q_t,
+            first_row: 1,
+            seqs: 2,
+            sq: 1,
+            tables: &b.ints(vec![5, 2, 7, 1, 9, 0]).expect("tables"),
+            stride: 3,
+            ctx: &b.ints(vec![20, 10]).expect("ctx"),
+            max_ctx: 20,
+            kv_b: &w,
+            pages: store.pages(),
+            dims: DIMS,
+            scale,
+            kernels: AttnKernels {
+                precision: Precision::Exact,
+                ..AttnKernels::default()
+            },
+            out: &mut out,
+        };
+        mla_absorbed(&b, run).expect("absorbed run");
+        let got = out.to_host().expect("download");
+        assert!(
+            got[..hv].iter().all(|&v| v == 0.0),
+            "row 0 is not the run's"
+        );
+        check(&b, "absorbed run of 2 sequences", &got, &want);
+
+        let q_t = b.upload(&q_c).expect("q");
+        let mut out = b.zeros(4 * hv).expect("out");
+        let run = MhaRun {
+            q: &q_t,
+            first_row: 0,
+            sq: 4,
+            start: 5,
+            table: &b.ints(vec![3, 4]).expect("table"),
+            cu_q: &b.ints(vec![0, 4]).expect("cu_q"),
+            cu_k: &b.ints(vec![0, 9]).expect("cu_k"),
+            q_seq: &b.ints(vec![0; 4]).expect("q_seq"),
+            kv_b: &w,
+            pages: store.pages(),
+            dims: DIMS,
+            scale,
+            precision: Precision::Exact,
+            out: &mut out,
+        };
+        mla_mha(&b, run).expect("mha run");
+        check(
+            &b,
+            "MHA-form chunk",
+            &out.to_host().expect("download"),
+            &want_c,
+        );
+    }
+}
+
+/// Three new tokens' latent rows (positions 19, 9 and 5 of three sequences) normalised,
+/// rotated and written at their cache slots; every other row untouched.
+#[test]
+fn latent_write_lands_each_row_at_its_slot_on_every_backend() {
+    let width = DIMS.latent_width();
+    let kv_lora = DIMS.kv_lora_rank;
+    let mut rng = common::rng(11);
+    let cache = common::uniform(&mut rng, BLOCKS * PAGE * width, 1.0);
+    let latent = common::uniform(&mut rng, 3 * width, 2.0);
+    let norm = common::uniform(&mut rng, kv_lora, 1.0);
+    let rope = Rope::new(&RopeParams {
+        dim: DIMS.qk_rope_head_dim,
+        theta: 10_000.0,
+        scaling: RopeScaling::None,
+        interleaved: true,
+    })
+    .expect("rope");
+    let positions = [19usize, 9, 5];
+    // Position 19 of blocks [5, 2, 7] is block 7 offset 3; 9 of [1, 9] is block 9 offset 1;
+    // 5 of [3, 4] is block 3 offset 5.
+    let slots = vec![
+        7 * PAGE as i64 + 3,
+        9 * PAGE as i64 + 1,
+        3 * PAGE as i64 + 5,
+    ];
+    let mut rows = latent.clone();
+    for row in rows.chunks_exact_mut(width) {
+        rms_norm_inplace(&mut row[..kv_lora], &norm, 1e-6).expect("norm");
+    }
+    let layout = RotaryLayout {
+        heads: 1,
+        head_stride: width,
+        offset: kv_lora,
+    };
+    rope.apply(&mut rows, &positions, layout).expect("rope");
+    let mut want = cache.clone();
+    for (row, &s) in rows.chunks_exact(width).zip(&slots) {
+        let s = s as usize;
+        want[s * width..(s + 1) * width].copy_from_slice(row);
+    }
+
+    for b in backends() {
+        let mut store = PageStore::new(&b, &cache);
+        let mut lat = b.upload(&latent).expect("latent");
+        let table = RopeTable::new(&b, &rope, &positions).expect("rope table");
+        let p = LatentWrite {
+            latent: &mut lat,
+            norm: &b.upload(&norm).expect("norm"),
+            eps: 1e-6,
+            rope: &table,
+            slots: &b.slots(slots.clone()).expect("slots"),
+            pages: store.pages_mut(),
+        };
+        latent_write(&b, p).expect("latent write");
+        check(&b, "latent write", &store.to_host(), &want);
+    }
+}
+
+/// Embedding → `h += delta`, `x = norm(h)` → the wanted rows → a projection, as a forward
+/// strings them together.
+#[test]
+fn row_norm_and_linear_ops_match_the_cpu_kernels_on_every_backend() {
+    let (vocab, hidden, out_dim) = (50, 24, 40);
+    let mut rng = common::rng(13);
+    let table = Matrix::from_f32(
+        vocab,
+        hidden,
+        common::uniform(&mut rng, vocab * hidden, 1.0),
+    )
+    .expect("table");
+    let w = Matrix::from_f32(
+        out_dim,
+        hidden,
+        common::uniform(&mut rng, out_dim * hidden, 0.3),
+    )
+    .expect("w");
+    let ids = vec![3i32, 49, 0, 17, 3, 8, 22, 41, 9, 30];
+    let delta = common::uniform(&mut rng, ids.len() * hidden, 1.0);
+    let weight = common::uniform(&mut rng, hidden, 1.0);
+    let picked = vec![9i32, 0, 4];
+
+    let mut h = vec![0.0f32; ids.len() * hidden];
+    for (row, &id) in h.chunks_exact_mut(hidden).zip(&ids) {
+        table.row_f32(id as usize, row).expect("row");
+    }
+    for (a, d) in h.iter_mut().zip(&delta) {
+        *a += d;
+    }
+    let mut x = vec![0.0f32; h.len()];
+    rms_norm(&h, &weight, 1e-6, &mut x).expect("norm");
+    let rows: Vec<f32> = picked
+        .iter()
+        .flat_map(|&r| x[r as usize * hidden..(r as usize + 1) * hidden].to_vec())
+        .collect();
+    let mut want = vec![0.0f32; picked.len() * out_dim];
+    ferry_kernels::cpu::gemm::linear(&rows, &w, &mut want).expect("linear");
+
+    for b in backends() {
+        let ids_t = b.ints(ids.clone()).expect("ids");
+        let table_w: Weight = b.weight(&table).expect("table");
+        let mut h_t = embed(
+            &b,
+            Embed {
+                table: &table_w,
+                ids: &ids_t,
+            },
+        )
+        .expect("embed");
+        let mut x_t: Tensor = b.zeros(h.len()).expect("x");
+        let p = AddNorm {
+            h: &mut h_t,
+            delta: Some(&b.upload(&delta).expect("delta")),
+            weight: &b.upload(&weight).expect("weight"),
+            out: Some(&mut x_t),
+            width: hidden,
+            eps: 1e-6,
+        };
+        add_norm(&b, p).expect("add_norm");
+        check(&b, "embedding + residual", &h_t.to_host().expect("h"), &h);
+        let g = gather(
+            &b,
+            Gather {
+                src: &x_t,
+                rows: &b.ints(picked.clone()).expect("rows"),
+                width: hidden,
+            },
+        )
+        .expect("gather");
+        let w_t = b.weight(&w).expect("w");
+        let y = linear(
+            &b,
+            Linear {
+                x: &g,
+                w: &w_t,
+                precision: Precision::Exact,
+            },
+        )
+        .expect("linear");
+        check(
+            &b,
+            "norm → gather → linear",
+            &y.to_host().expect("y"),
+            &want,
+        );
+    }
+}
+
+/// An op handed an operand from another backend fails naming the op and the operand.
+#[cfg(feature = "cuda")]
+#[test]
+fn a_mixed_device_call_names_the_op_and_operand() {
+    let Some(gpu) = backends().into_iter().find(|b| !matches!(b, Backend::Cpu)) else {
+        eprintln!("skipping: no GPU");
+        return;
+    };
+    let w = Weight::Host(Matrix::from_f32(2, 2, vec![1.0; 4]).expect("w"));
+    let x = gpu.upload(&[1.0, 2.0]).expect("x");
+    let p = Linear {
+        x: &x,
+        w: &w,
+        precision: Precision::Exact,
+    };
+    let e = linear(&gpu, p)
+        .expect_err("a host weight on a GPU op")
+        .to_string();
+    assert!(e.contains("linear") && e.contains("`w`"), "{e}");
+}
