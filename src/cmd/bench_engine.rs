@@ -15,8 +15,8 @@ use anyhow::{bail, Context};
 use clap::Args;
 use ferry_kernels::backend::Backend;
 use ferry_kernels::cpu::sample::{argmax, SamplingParams};
-use ferry_model::deepseek::forward::ForwardHooks;
-use ferry_model::deepseek::{BatchInputs, DeepseekModel, FormPolicy, LogitsWanted, SeqInput};
+use ferry_model::deepseek::forward::Hooks;
+use ferry_model::deepseek::{BatchInputs, DeepseekModel, LogitsWanted, SeqInput};
 use ferry_model::drafter::{
     ContextRows, ContextSegment, DraftCtx, DraftInput, Drafter, DsparkDrafter,
 };
@@ -72,7 +72,7 @@ pub struct BenchEngineArgs {
     /// `--batch` is the number of jobs per measurement.
     #[arg(long)]
     pub prefill_ship: bool,
-    /// With `--serving` or `--prefill-ship`: also write the results as JSON to this file.
+    /// With `--serving`, `--prefill-ship` or `--speculative`: also write the results as JSON to this file.
     #[arg(long)]
     pub json: Option<PathBuf>,
 }
@@ -243,8 +243,11 @@ fn run_speculative(
     if args.prompt_len + args.decode_steps + drafter.block_size() > ctx_limit {
         bail!("`--prompt-len` + `--decode-steps` + the block size must fit the context of {ctx_limit}");
     }
-    // The engines run on `--device`; the per-pass costs are the CPU model's, measured only there.
+    // The engines run on `--device`; so do the per-pass costs (the target's forwards on its
+    // device, the drafter on the host beside it, as in the engine).
     let device = args.device.resolve()?;
+    let target = args.device.gpu_model(model)?;
+    let target = target.as_ref().unwrap_or(model);
     let base = EngineConfig {
         device,
         gpu_mode: args.device.mode(),
@@ -255,6 +258,7 @@ fn run_speculative(
     println!(
         "| concurrency | no-spec tok/s | spec tok/s | speedup | acceptance length | drafts verified / round | draft pass ms | verify pass ms | decode step ms |\n|---|---|---|---|---|---|---|---|---|"
     );
+    let mut rows = Vec::new();
     for &c in &args.batch {
         let mut plain = Vec::new();
         let mut spec = Vec::new();
@@ -275,21 +279,31 @@ fn run_speculative(
             spec.push(tps);
             stats = s;
         }
-        let costs = if device == ferry_kernels::Device::Cpu {
-            let (d, v, st) = pass_costs(model, &drafter, c, args)?;
-            format!("{d:.2} | {v:.2} | {st:.2}")
-        } else {
-            "— | — | —".to_string()
-        };
+        let (d, v, st) = pass_costs((model, target), &drafter, c, args)?;
         let (p, s) = (median(&mut plain), median(&mut spec));
         let rounds = stats.spec_rounds.max(1) as f64;
+        let acceptance = (stats.spec_accepted_tokens + stats.spec_rounds) as f64 / rounds;
+        let drafted = stats.spec_drafted_tokens as f64 / rounds;
         println!(
-            "| {c} | {p:.1} | {s:.1} | {:.2}x | {:.2} | {:.2} | {costs} |",
+            "| {c} | {p:.1} | {s:.1} | {:.2}x | {acceptance:.2} | {drafted:.2} | {d:.2} | {v:.2} | {st:.2} |",
             s / p,
-            (stats.spec_accepted_tokens + stats.spec_rounds) as f64 / rounds,
-            stats.spec_drafted_tokens as f64 / rounds,
         );
+        rows.push(serde_json::json!({
+            "concurrency": c, "plain_tok_s": p, "spec_tok_s": s, "acceptance_length": acceptance,
+            "drafts_per_round": drafted, "draft_pass_ms": d, "verify_pass_ms": v,
+            "decode_step_ms": st,
+        }));
     }
+    write_json(
+        args,
+        device,
+        serde_json::json!({
+            "benchmark": "bench-engine --speculative",
+            "decode_steps": args.decode_steps,
+            "repeat": args.repeat,
+            "rows": rows,
+        }),
+    )?;
     Ok(())
 }
 
@@ -561,7 +575,7 @@ fn engine_run(
 /// `c × (1 + block)` tokens, and one plain decode step of `c` tokens, all over `--prompt-len`
 /// tokens of context.
 fn pass_costs(
-    model: &DeepseekModel,
+    (model, target): (&DeepseekModel, &DeepseekModel),
     drafter: &DsparkDrafter,
     c: usize,
     args: &BenchEngineArgs,
@@ -570,6 +584,11 @@ fn pass_costs(
     let vocab = model.config().vocab_size as u32;
     let per_seq = (l + b + 1).div_ceil(DEFAULT_PAGE_SIZE);
     let mut pool = model.new_kv_pool(per_seq * c, DEFAULT_PAGE_SIZE)?;
+    // The target's rows: the pool on the CPU, a device cache with its block ids on a GPU.
+    let mut device = match target.backend() {
+        Backend::Cpu => None,
+        _ => Some(target.new_kv_cache(per_seq * c, DEFAULT_PAGE_SIZE)?),
+    };
     let layout = drafter.kv_layout().context("the drafter keeps context")?;
     let mut dpool = KvPool::new(layout.pool_layout(pool.layout()))?;
     let prompts = synthetic_prompts(vocab, c, l, 7);
@@ -588,16 +607,20 @@ fn pass_costs(
         }
         Ok(())
     };
-    let hooks = ForwardHooks {
-        after_layer: &mut |_, _| Ok(()),
-        hidden: &mut hidden,
+    let hooks = Hooks {
+        after_layer: None,
+        taps: Some(&taps),
+        hidden: Some(&mut hidden),
     };
-    model.forward_with_hooks(
-        &batch_of(&prompts, &tables, 0, LogitsWanted::Last),
-        &mut pool,
-        FormPolicy::CostModel,
-        hooks,
-    )?;
+    let prefill = batch_of(&prompts, &tables, 0, LogitsWanted::Last);
+    match device.as_mut() {
+        Some(cache) => target.forward_hooked(&prefill, cache, hooks)?,
+        None => target.forward_hooked(&prefill, &mut pool, hooks)?,
+    };
+    let mut forward = |batch: &BatchInputs<'_>| match device.as_mut() {
+        Some(cache) => target.forward(batch, cache),
+        None => target.forward(batch, &mut pool),
+    };
     let segments: Vec<ContextSegment<'_>> = tables
         .iter()
         .enumerate()
@@ -655,14 +678,11 @@ fn pass_costs(
             })
             .collect();
         let start = Instant::now();
-        model.forward(&batch_of(&blocks, &tables, l, LogitsWanted::All), &mut pool)?;
+        forward(&batch_of(&blocks, &tables, l, LogitsWanted::All))?;
         verify.push(start.elapsed().as_secs_f64() * 1e3);
         let anchors: Vec<Vec<u32>> = prompts.iter().map(|p| vec![p[0]]).collect();
         let start = Instant::now();
-        model.forward(
-            &batch_of(&anchors, &tables, l, LogitsWanted::Last),
-            &mut pool,
-        )?;
+        forward(&batch_of(&anchors, &tables, l, LogitsWanted::Last))?;
         step.push(start.elapsed().as_secs_f64() * 1e3);
     }
     for mut t in tables {
