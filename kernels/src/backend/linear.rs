@@ -47,12 +47,8 @@ pub fn linear_into(b: &Backend, p: Linear<'_>, out: &mut Tensor) -> Result<(), K
         }
         #[cfg(feature = "cuda")]
         Backend::Cuda(dev) => {
-            let precision = match p.precision {
-                Precision::Exact => crate::cuda::ops::GemmPrecision::Exact,
-                Precision::Fast => crate::cuda::ops::GemmPrecision::Fast,
-            };
             let (x, w, y) = (p.x.dv(OP, "x")?, p.w.gpu(OP, "w")?, out.dv(OP, "out")?);
-            crate::cuda::ops::linear(dev, x, w, y, precision)
+            crate::cuda::ops::linear(dev, x, w, y, p.precision.gemm())
         }
     }
 }

@@ -98,10 +98,7 @@ pub fn mla_mha(b: &Backend, p: MhaRun<'_>) -> Result<(), KernelError> {
             };
             ops::gather_latent(dev, p.pages.dv(OP)?, p.table.dv(OP, "table")?, l, rows)?;
             let kvx = dev.alloc::<f32>(l * kv_b.rows())?;
-            let gemm = match p.precision {
-                Precision::Exact => ops::GemmPrecision::Exact,
-                Precision::Fast => ops::GemmPrecision::Fast,
-            };
+            let gemm = p.precision.gemm();
             ops::linear(dev, ckv.v(), kv_b, kvx.v(), gemm)?;
             let q = p.q.dv(OP, "q")?.sub(row * qk, sq * qk)?;
             let out = p.out.dv(OP, "out")?.sub(row * hv, sq * hv)?;

@@ -81,21 +81,12 @@ pub fn dense(b: &Backend, p: DenseFfn<'_>) -> Result<(), KernelError> {
     const OP: &str = "dense_mlp";
     match (b, p.w) {
         (Backend::Cpu, Dense::Host(m)) => {
-            let x = p.x.host(OP, "x")?;
-            let mut y = vec![0.0f32; x.len()];
-            m.forward(x, &mut y)?;
-            for (a, v) in p.h.host_mut(OP, "h")?.iter_mut().zip(&y) {
-                *a += v;
-            }
-            Ok(())
+            super::add_residual_host(OP, p.x, p.h, |x, y| m.forward(x, y))
         }
         #[cfg(feature = "cuda")]
         (Backend::Cuda(dev), Dense::Cuda { gate, up, down }) => {
             use crate::cuda::ops;
-            let gemm = match p.precision {
-                Precision::Exact => ops::GemmPrecision::Exact,
-                Precision::Fast => ops::GemmPrecision::Fast,
-            };
+            let gemm = p.precision.gemm();
             let x = p.x.dv(OP, "x")?;
             let t = x.len / gate.cols().max(1);
             let g = dev.alloc::<f32>(t * gate.rows())?;

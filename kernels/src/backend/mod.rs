@@ -83,6 +83,36 @@ pub enum Precision {
     Fast,
 }
 
+impl Precision {
+    /// The cuBLAS / GEMV input precision for this mode.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn gemm(self) -> crate::cuda::ops::GemmPrecision {
+        match self {
+            Precision::Exact => crate::cuda::ops::GemmPrecision::Exact,
+            Precision::Fast => crate::cuda::ops::GemmPrecision::Fast,
+        }
+    }
+}
+
+/// `h += f(x)` on the host, for an `f` that writes a new `[T][hidden]` (the feed-forward ops'
+/// CPU arm: the reference MLP / MoE compute into a fresh buffer, then the residual add).
+pub(crate) fn add_residual_host(
+    op: &'static str,
+    x: &Tensor,
+    h: &mut Tensor,
+    f: impl FnOnce(&[f32], &mut [f32]) -> Result<(), KernelError>,
+) -> Result<(), KernelError> {
+    let x = x.host(op, "x")?;
+    let mut y = vec![0.0f32; x.len()];
+    f(x, &mut y)?;
+    let h = h.host_mut(op, "h")?;
+    crate::cpu::gemm::check_len(op, "h", y.len(), h.len())?;
+    for (a, v) in h.iter_mut().zip(&y) {
+        *a += v;
+    }
+    Ok(())
+}
+
 /// Which absorbed-form attention kernel the fast path takes on a GPU.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum AbsorbedKernel {

@@ -118,13 +118,7 @@ pub fn moe(b: &Backend, p: MoeFfn<'_>) -> Result<(), KernelError> {
     const OP: &str = "moe";
     match (b, p.w) {
         (Backend::Cpu, Moe::Host(m)) => {
-            let x = p.x.host(OP, "x")?;
-            let mut y = vec![0.0f32; x.len()];
-            m.forward(x, &mut y)?;
-            for (a, v) in p.h.host_mut(OP, "h")?.iter_mut().zip(&y) {
-                *a += v;
-            }
-            Ok(())
+            super::add_residual_host(OP, p.x, p.h, |x, y| m.forward(x, y))
         }
         #[cfg(feature = "cuda")]
         (
@@ -137,10 +131,7 @@ pub fn moe(b: &Backend, p: MoeFfn<'_>) -> Result<(), KernelError> {
             },
         ) => {
             use crate::cuda::ops;
-            let gemm = match p.precision {
-                Precision::Exact => ops::GemmPrecision::Exact,
-                Precision::Fast => ops::GemmPrecision::Fast,
-            };
+            let gemm = p.precision.gemm();
             let x = p.x.dv(OP, "x")?;
             let t = x.len / router.cols().max(1);
             let logits = dev.alloc::<f32>(t * router.rows())?;
