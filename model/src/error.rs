@@ -2,44 +2,19 @@
 //!
 //! Every variant names what failed (the file, the config field, the tensor) and, where there is
 //! one, the limit and the offending value, so a message read in a log is enough to fix the input
-//! (STYLE.md, "Errors"). Loading errors (`Io` … `ChatTemplate`) come from files on disk; the
-//! rest (`PromptTooLong`, `Kernel`, `Kv`, `Invalid`) come from serving a request.
+//! (STYLE.md, "Errors"). Loading errors (`Card` … `UnsupportedDtype`) come from files on disk;
+//! the rest (`PromptTooLong`, `Kernel`, `Kv`, `Invalid`) come from serving a request.
 use std::path::PathBuf;
+
+pub use ferry_modelcard::CardError;
 
 /// Everything that can go wrong while loading or running a model.
 #[derive(thiserror::Error, Debug)]
 pub enum ModelError {
-    /// A file exists (or should) but could not be read or mapped.
-    #[error("cannot read `{}`: {source}", path.display())]
-    Io {
-        /// The file that failed.
-        path: PathBuf,
-        /// The operating-system error.
-        #[source]
-        source: std::io::Error,
-    },
-
-    /// A `config.json` field is missing, malformed or out of range. `message` names the value
-    /// and the limit; `field` is the JSON key (dotted for nested keys, e.g. `rope_scaling.type`).
-    #[error("config field `{field}`: {message}")]
-    Config {
-        /// The offending field, as spelled in `config.json`.
-        field: String,
-        /// What is wrong with it: the value found and what was expected.
-        message: String,
-    },
-
-    /// `architectures` names a model class ferry does not implement.
-    #[error(
-        "unsupported architecture `{0}`: ferry serves `DeepseekV3ForCausalLM` models \
-         (DeepSeek-V3, Kimi K2)"
-    )]
-    UnsupportedArchitecture(String),
-
-    /// A required file is absent.
-    #[error("required file `{}` does not exist", .0.display())]
-    MissingFile(PathBuf),
-
+    /// Reading the model's description failed: a file, a `config.json` field, the
+    /// architecture, the tokenizer or the chat template ([`CardError`] names which).
+    #[error(transparent)]
+    Card(#[from] CardError),
     /// A safetensors file or tensor is malformed (bad header, bad offsets, bad scale tensor…).
     #[error("tensor `{tensor}`: {message}")]
     Weights {
@@ -73,14 +48,6 @@ pub enum ModelError {
         dtype: String,
     },
 
-    /// `tokenizer.json` could not be loaded, or encoding/decoding failed.
-    #[error("tokenizer: {0}")]
-    Tokenizer(String),
-
-    /// The chat template is absent, does not compile, or failed to render.
-    #[error("chat template: {0}")]
-    ChatTemplate(String),
-
     /// A prompt has more tokens than the model or the deployment accepts.
     #[error("prompt has {tokens} tokens, limit is {limit}")]
     PromptTooLong {
@@ -103,28 +70,23 @@ pub enum ModelError {
     Invalid(String),
 }
 
-impl From<ferry_modelcard::CardError> for ModelError {
-    /// Each description error becomes the variant of the same name.
-    fn from(e: ferry_modelcard::CardError) -> Self {
-        use ferry_modelcard::CardError as C;
-        match e {
-            C::Io { path, source } => Self::Io { path, source },
-            C::Config { field, message } => Self::Config { field, message },
-            C::UnsupportedArchitecture(a) => Self::UnsupportedArchitecture(a),
-            C::MissingFile(p) => Self::MissingFile(p),
-            C::Tokenizer(m) => Self::Tokenizer(m),
-            C::ChatTemplate(m) => Self::ChatTemplate(m),
-        }
-    }
-}
-
 impl ModelError {
     /// A [`ModelError::Config`] for `field`; `message` should give the value and the limit.
     pub fn config(field: impl Into<String>, message: impl Into<String>) -> Self {
-        Self::Config {
-            field: field.into(),
-            message: message.into(),
-        }
+        Self::Card(CardError::config(field, message))
+    }
+
+    /// A [`CardError::MissingFile`] for `path`.
+    pub fn missing_file(path: impl Into<PathBuf>) -> Self {
+        Self::Card(CardError::MissingFile(path.into()))
+    }
+
+    /// A [`CardError::Io`] reading `path`.
+    pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        Self::Card(CardError::Io {
+            path: path.into(),
+            source,
+        })
     }
 
     /// A [`ModelError::Weights`] for `tensor`.
@@ -138,16 +100,11 @@ impl ModelError {
     /// A stable snake_case name for the variant, used as a metric label and in wire errors.
     pub fn kind(&self) -> &'static str {
         match self {
-            Self::Io { .. } => "io",
-            Self::Config { .. } => "config",
-            Self::UnsupportedArchitecture(_) => "unsupported_architecture",
-            Self::MissingFile(_) => "missing_file",
+            Self::Card(e) => e.kind(),
             Self::Weights { .. } => "weights",
             Self::MissingTensor(_) => "missing_tensor",
             Self::ShapeMismatch { .. } => "shape_mismatch",
             Self::UnsupportedDtype { .. } => "unsupported_dtype",
-            Self::Tokenizer(_) => "tokenizer",
-            Self::ChatTemplate(_) => "chat_template",
             Self::PromptTooLong { .. } => "prompt_too_long",
             Self::Kernel(_) => "kernel",
             Self::Kv(_) => "kv",

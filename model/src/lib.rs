@@ -25,4 +25,4 @@ pub mod session;
 pub use ferry_modelcard::tokenizer;
 pub mod weights;
 
-pub use error::ModelError;
+pub use error::{CardError, ModelError};

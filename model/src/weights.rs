@@ -94,12 +94,12 @@ impl Weights {
     /// Maps the checkpoint in `dir`: `model.safetensors.index.json` and the shards it names
     /// when the index exists, else `model.safetensors`.
     ///
-    /// Errors: [`ModelError::MissingFile`] when neither exists (or a listed shard is absent),
+    /// Errors: [`CardError::MissingFile`](crate::CardError::MissingFile) when neither exists (or a listed shard is absent),
     /// [`ModelError::Weights`] for a malformed header or index, or a tensor the index places in
     /// a shard that lacks it, or the same tensor in two shards.
     pub fn open(dir: &Path) -> Result<Self, ModelError> {
         if !dir.is_dir() {
-            return Err(ModelError::MissingFile(dir.to_path_buf()));
+            return Err(ModelError::missing_file(dir.to_path_buf()));
         }
         let index_path = dir.join(INDEX_FILE);
         let mut weights = Weights {
@@ -128,7 +128,7 @@ impl Weights {
         } else {
             let single = dir.join(SINGLE_FILE);
             if !single.exists() {
-                return Err(ModelError::MissingFile(single));
+                return Err(ModelError::missing_file(single));
             }
             weights.add_shard(&single)?;
         }
@@ -137,12 +137,9 @@ impl Weights {
 
     fn add_shard(&mut self, path: &Path) -> Result<(), ModelError> {
         if !path.exists() {
-            return Err(ModelError::MissingFile(path.to_path_buf()));
+            return Err(ModelError::missing_file(path.to_path_buf()));
         }
-        let io_err = |source| ModelError::Io {
-            path: path.to_path_buf(),
-            source,
-        };
+        let io_err = |source| ModelError::io(path, source);
         let file = File::open(path).map_err(io_err)?;
         // SAFETY: the map is read-only and private to this process. Like every mmap-based
         // loader (candle, safetensors' own examples) we rely on checkpoint files not being
@@ -369,10 +366,7 @@ fn read_index(path: &Path) -> Result<HashMap<String, String>, ModelError> {
     struct Index {
         weight_map: HashMap<String, String>,
     }
-    let text = std::fs::read_to_string(path).map_err(|source| ModelError::Io {
-        path: path.to_path_buf(),
-        source,
-    })?;
+    let text = std::fs::read_to_string(path).map_err(|source| ModelError::io(path, source))?;
     let index: Index = serde_json::from_str(&text)
         .map_err(|e| ModelError::weights(INDEX_FILE, format!("invalid index: {e}")))?;
     for file in index.weight_map.values() {

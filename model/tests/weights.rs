@@ -5,7 +5,7 @@ use std::path::Path;
 
 use ferry_kernels::cpu::gemm::MatrixData;
 use ferry_model::weights::{e4m3_to_f32, Weights};
-use ferry_model::ModelError;
+use ferry_model::{CardError, ModelError};
 use half::{bf16, f16};
 use safetensors::tensor::TensorView;
 use safetensors::Dtype;
@@ -279,7 +279,9 @@ fn sharded_checkpoints_follow_the_index() -> anyhow::Result<()> {
         index(&[("c", "model-00009-of-00009.safetensors")]),
     )?;
     match Weights::open(dir.path()) {
-        Err(ModelError::MissingFile(p)) => assert!(p.ends_with("model-00009-of-00009.safetensors")),
+        Err(ModelError::Card(CardError::MissingFile(p))) => {
+            assert!(p.ends_with("model-00009-of-00009.safetensors"))
+        }
         other => anyhow::bail!("expected MissingFile, got {other:?}"),
     }
 
@@ -296,11 +298,15 @@ fn sharded_checkpoints_follow_the_index() -> anyhow::Result<()> {
 fn missing_and_corrupt_files() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
     match Weights::open(dir.path()) {
-        Err(ModelError::MissingFile(p)) => assert_eq!(p, dir.path().join("model.safetensors")),
+        Err(ModelError::Card(CardError::MissingFile(p))) => {
+            assert_eq!(p, dir.path().join("model.safetensors"))
+        }
         other => anyhow::bail!("expected MissingFile, got {other:?}"),
     }
     let gone = dir.path().join("gone");
-    assert!(matches!(Weights::open(&gone), Err(ModelError::MissingFile(p)) if p == gone));
+    assert!(
+        matches!(Weights::open(&gone), Err(ModelError::Card(CardError::MissingFile(p))) if p == gone)
+    );
 
     std::fs::write(
         dir.path().join("model.safetensors"),

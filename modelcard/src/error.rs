@@ -1,8 +1,8 @@
 //! The one error type of `ferry-modelcard`: reading a model's description from disk.
 //!
 //! Every variant names what failed (the file, the config field) and, where there is one, the
-//! limit and the offending value (STYLE.md, "Errors"). `ferry_model::ModelError` has a variant
-//! of the same name for each, so an engine error and a router error read alike.
+//! limit and the offending value (STYLE.md, "Errors"). `ferry_model::ModelError` carries it
+//! whole (`ModelError::Card`), so an engine error and a router error read alike.
 use std::path::PathBuf;
 
 /// Everything that can go wrong reading a config, a tokenizer or a chat template.
@@ -49,6 +49,18 @@ pub enum CardError {
 }
 
 impl CardError {
+    /// A stable snake_case name for the variant, used as a metric label and in wire errors.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Io { .. } => "io",
+            Self::Config { .. } => "config",
+            Self::UnsupportedArchitecture(_) => "unsupported_architecture",
+            Self::MissingFile(_) => "missing_file",
+            Self::Tokenizer(_) => "tokenizer",
+            Self::ChatTemplate(_) => "chat_template",
+        }
+    }
+
     /// A [`CardError::Config`] for `field`; `message` should give the value and the limit.
     pub fn config(field: impl Into<String>, message: impl Into<String>) -> Self {
         Self::Config {

@@ -25,7 +25,7 @@ impl DeepseekModel {
     /// Loads `config.json` and the safetensors weights from a Hugging Face model directory.
     pub fn load(dir: &Path) -> Result<Self, ModelError> {
         if !dir.is_dir() {
-            return Err(ModelError::MissingFile(dir.to_path_buf()));
+            return Err(ModelError::missing_file(dir.to_path_buf()));
         }
         let config = ModelConfig::from_file(&dir.join("config.json"))?;
         let weights = Weights::open(dir)?;

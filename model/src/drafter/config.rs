@@ -84,19 +84,13 @@ pub struct DrafterConfig {
 }
 
 fn field(name: &str, message: impl Into<String>) -> ModelError {
-    ModelError::Config {
-        field: name.into(),
-        message: message.into(),
-    }
+    ModelError::config(name, message)
 }
 
 impl DrafterConfig {
     /// Reads and validates `config.json` (self-consistency only; see [`Self::check_target`]).
     pub fn from_file(path: &Path) -> Result<Self, ModelError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ModelError::Io {
-            path: path.to_path_buf(),
-            source,
-        })?;
+        let text = std::fs::read_to_string(path).map_err(|source| ModelError::io(path, source))?;
         Self::from_json(&text)
     }
 

@@ -77,7 +77,7 @@ impl DsparkDrafter {
     /// Loads `config.json` and `model.safetensors` from `dir`, checked against the target.
     pub fn load(dir: &Path, target: &ModelConfig) -> Result<Self, ModelError> {
         if !dir.is_dir() {
-            return Err(ModelError::MissingFile(dir.to_path_buf()));
+            return Err(ModelError::missing_file(dir.to_path_buf()));
         }
         let config = DrafterConfig::from_file(&dir.join("config.json"))?;
         config.check_target(target)?;
