@@ -290,22 +290,6 @@ impl Backend {
         })
     }
 
-    /// A copy of `t` on this backend, queued behind the ops before it (no synchronisation on a
-    /// GPU: the forward keeps a drafter's tapped rows this way and downloads them once).
-    pub fn copy_of(&self, t: &Tensor) -> Result<Tensor, KernelError> {
-        match (self, t) {
-            (Backend::Cpu, Tensor::Host(v)) => Ok(Tensor::Host(v.clone())),
-            #[cfg(feature = "cuda")]
-            (Backend::Cuda(d), Tensor::Cuda(src)) => {
-                let mut dst = d.alloc(src.len())?;
-                d.copy(src, &mut dst, src.len())?;
-                Ok(Tensor::Cuda(dst))
-            }
-            #[cfg(feature = "cuda")]
-            (b, t) => Err(mismatch("copy", "t", b, t.place())),
-        }
-    }
-
     /// Waits for every queued op (a no-op on the CPU, whose ops are synchronous).
     pub fn synchronize(&self) -> Result<(), KernelError> {
         match self {

@@ -9,11 +9,9 @@
 //! wanted rows, LM head. With no hooks it performs no host↔device copy and no synchronisation,
 //! so a CUDA graph can capture it ([`crate::gpu::graph`]).
 //!
-//! Hooks run on every device: `after_layer` between layers, as soon as a layer's latent rows are
+//! Hooks run between layers on every device: `after_layer` as soon as a layer's latent rows are
 //! written (CPU) or queued (GPU: work queued from then on runs after them), and `hidden` with
-//! the residual stream after each tap layer (a drafter's context) — between layers on the CPU;
-//! on a GPU the rows are copied on the device as each tap layer is queued and handed over after
-//! the last op, so a forward that feeds a drafter synchronises once, not once per tap.
+//! the residual stream after the tap layers (a drafter's context; a download on a GPU).
 
 use ferry_kernels::backend::linear::{linear_into, Linear};
 use ferry_kernels::backend::mlp::{dense, DenseFfn};
@@ -56,8 +54,7 @@ pub struct Hooks<'h, 'a> {
     pub after_layer: Option<&'h mut AfterLayer<'a>>,
     /// Layers whose outgoing residual stream `hidden` receives (`None`: every layer).
     pub taps: Option<&'h [usize]>,
-    /// See [`HiddenHook`]: between layers on the CPU; on a GPU, for each tap layer in order,
-    /// after the forward's last op (the rows were copied on the device as the layer finished).
+    /// See [`HiddenHook`].
     pub hidden: Option<&'h mut HiddenHook<'a>>,
 }
 
@@ -258,8 +255,6 @@ impl DeepseekModel {
             },
         )?;
         let mut x = b.scratch(t * width)?;
-        // A device's tapped residual streams, handed to `hidden` after the last op is queued.
-        let mut tapped: Vec<(usize, Tensor)> = Vec::new();
         for (l, layer) in self.layers.iter().enumerate() {
             let p = AddNorm {
                 h: &mut h,
@@ -308,8 +303,8 @@ impl DeepseekModel {
                 if taps.is_none_or(|taps| taps.contains(&l)) {
                     match h.host("forward", "hidden") {
                         Ok(v) => hook(l, v)?,
-                        // On a device: an on-device copy now, one download after the last op.
-                        Err(_) => tapped.push((l, b.copy_of(&h)?)),
+                        // A synchronising download: only forwards that feed a drafter tap.
+                        Err(_) => hook(l, &h.to_host()?)?,
                     }
                 }
             }
@@ -336,13 +331,7 @@ impl DeepseekModel {
             w: self.lm_head(),
             precision: self.kernels.precision,
         };
-        linear_into(b, p, logits)?;
-        if let Some(hook) = hidden.as_mut() {
-            for (l, rows) in tapped {
-                hook(l, &rows.to_host()?)?;
-            }
-        }
-        Ok(())
+        Ok(linear_into(b, p, logits)?)
     }
 
     /// Groups the batch into attention launches: runs of consecutive sequences that take the
