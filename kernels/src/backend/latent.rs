@@ -51,14 +51,7 @@ pub fn latent_write(b: &Backend, p: LatentWrite<'_>) -> Result<(), KernelError> 
             crate::cpu::gemm::check_len(OP, "latent", slots.len() * width, latent.len())?;
             let n = data.len() / width.max(1);
             for (row, &slot) in latent.chunks_exact(width.max(1)).zip(slots) {
-                let s = usize::try_from(slot).ok().filter(|&s| s < n).ok_or(
-                    KernelError::IndexOutOfRange {
-                        op: OP,
-                        what: "slot",
-                        index: slot.max(0) as usize,
-                        len: n,
-                    },
-                )?;
+                let s = super::host_index(OP, "slot", slot, n)?;
                 data[s * width..(s + 1) * width].copy_from_slice(row);
             }
             Ok(())

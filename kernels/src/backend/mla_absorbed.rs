@@ -74,12 +74,11 @@ pub fn mla_absorbed(b: &Backend, p: AbsorbedRun<'_>) -> Result<(), KernelError> 
                     },
                     scale: p.scale,
                 };
-                let q_s = q
-                    .get(row * qk..(row + p.sq) * qk)
-                    .ok_or(range("q", row + p.sq))?;
+                let q_s = super::rows_of(OP, q, row..row + p.sq, qk, "q row")?;
+                let out_len = out.len() / hv.max(1);
                 let out_s = out
                     .get_mut(row * hv..(row + p.sq) * hv)
-                    .ok_or(range("out", row + p.sq))?;
+                    .ok_or(super::out_of_range(OP, "out row", row + p.sq, out_len))?;
                 crate::cpu::mla::mla_absorbed_form(q_s, &d, kv_b, &lc, out_s)?;
             }
             Ok(())
@@ -143,15 +142,6 @@ pub fn mla_absorbed(b: &Backend, p: AbsorbedRun<'_>) -> Result<(), KernelError> 
             }
             ops::unabsorb(dev, o_lat.v(), kv_b, hs, out)
         }
-    }
-}
-
-fn range(what: &'static str, index: usize) -> KernelError {
-    KernelError::IndexOutOfRange {
-        op: OP,
-        what,
-        index,
-        len: index,
     }
 }
 

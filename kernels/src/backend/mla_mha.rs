@@ -68,16 +68,11 @@ pub fn mla_mha(b: &Backend, p: MhaRun<'_>) -> Result<(), KernelError> {
             };
             let q = p.q.host(OP, "q")?;
             let out = p.out.host_mut(OP, "out")?;
-            let oor = |what, index| KernelError::IndexOutOfRange {
-                op: OP,
-                what,
-                index,
-                len: index,
-            };
-            let q_s = q.get(row * qk..(row + sq) * qk).ok_or(oor("q", row + sq))?;
+            let q_s = super::rows_of(OP, q, row..row + sq, qk, "q row")?;
+            let out_len = out.len() / hv.max(1);
             let out_s = out
                 .get_mut(row * hv..(row + sq) * hv)
-                .ok_or(oor("out", row + sq))?;
+                .ok_or(super::out_of_range(OP, "out row", row + sq, out_len))?;
             crate::cpu::mla::mla_mha_attention(q_s, &d, p.kv_b.host(OP, "kv_b")?, &lc, out_s)
         }
         #[cfg(feature = "cuda")]

@@ -314,6 +314,53 @@ pub(crate) fn mismatch(
     }
 }
 
+/// `i` as an index below `len`, or an out-of-range error naming `op` and `what` (a negative
+/// index is out of range too; it is reported as 0).
+pub(crate) fn host_index(
+    op: &'static str,
+    what: &'static str,
+    i: i64,
+    len: usize,
+) -> Result<usize, KernelError> {
+    usize::try_from(i)
+        .ok()
+        .filter(|&i| i < len)
+        .ok_or(KernelError::IndexOutOfRange {
+            op,
+            what,
+            index: i.max(0) as usize,
+            len,
+        })
+}
+
+/// Rows `rows` of a `[n][width]` slice, or an error naming the row past its end.
+pub(crate) fn rows_of<'a>(
+    op: &'static str,
+    data: &'a [f32],
+    rows: std::ops::Range<usize>,
+    width: usize,
+    what: &'static str,
+) -> Result<&'a [f32], KernelError> {
+    let n = data.len() / width.max(1);
+    data.get(rows.start * width..rows.end * width)
+        .ok_or(out_of_range(op, what, rows.end, n))
+}
+
+/// Row `index` (exclusive end) is past the `len` rows there are.
+pub(crate) fn out_of_range(
+    op: &'static str,
+    what: &'static str,
+    index: usize,
+    len: usize,
+) -> KernelError {
+    KernelError::IndexOutOfRange {
+        op,
+        what,
+        index,
+        len: len + 1,
+    }
+}
+
 fn write_prefix<T: Copy>(op: &'static str, dst: &mut [T], v: &[T]) -> Result<(), KernelError> {
     let got = dst.len();
     let dst = dst.get_mut(..v.len()).ok_or(KernelError::ShapeMismatch {

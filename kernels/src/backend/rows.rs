@@ -22,12 +22,7 @@ pub fn embed(b: &Backend, p: Embed<'_>) -> Result<Tensor, KernelError> {
             let table = p.table.host(OP, "table")?;
             let dst = out.host_mut(OP, "out")?;
             for (row, &id) in dst.chunks_exact_mut(hidden).zip(p.ids.host(OP, "ids")?) {
-                let id = usize::try_from(id).map_err(|_| KernelError::IndexOutOfRange {
-                    op: OP,
-                    what: "token id",
-                    index: 0,
-                    len: table.rows(),
-                })?;
+                let id = super::host_index(OP, "token id", id.into(), table.rows())?;
                 table.row_f32(id, row)?;
             }
         }
@@ -61,14 +56,7 @@ pub fn gather(b: &Backend, p: Gather<'_>) -> Result<Tensor, KernelError> {
             let n = src.len() / p.width.max(1);
             let dst = out.host_mut(OP, "out")?;
             for (row, &r) in dst.chunks_exact_mut(p.width).zip(p.rows.host(OP, "rows")?) {
-                let r = usize::try_from(r).ok().filter(|&r| r < n).ok_or(
-                    KernelError::IndexOutOfRange {
-                        op: OP,
-                        what: "row",
-                        index: r.max(0) as usize,
-                        len: n,
-                    },
-                )?;
+                let r = super::host_index(OP, "row", r.into(), n)?;
                 row.copy_from_slice(&src[r * p.width..(r + 1) * p.width]);
             }
         }
