@@ -158,6 +158,16 @@ fn nvrtc_compiles_every_source() {
         if let Ok(dir) = std::env::var("FERRY_PTX_DIR") {
             std::fs::write(format!("{dir}/common_sm{}{}.ptx", cc.0, cc.1), &ptx).expect("write");
         }
+        // The sources compiled without model-shape defines: sampling and the drafter's ops.
+        for source in [Source::Sample, Source::Draft] {
+            let ptx = compile_ptx(source, &Default::default(), cc)
+                .unwrap_or_else(|e| panic!("{} does not compile: {e}", source.name()));
+            if let Ok(dir) = std::env::var("FERRY_PTX_DIR") {
+                let stem = source.name().trim_end_matches(".cu");
+                std::fs::write(format!("{dir}/{stem}_sm{}{}.ptx", cc.0, cc.1), &ptx)
+                    .expect("write");
+            }
+        }
     }
 }
 

@@ -14,7 +14,11 @@ fn hiprtc_compiles_every_source_for_gfx90a() {
         .with("MLA_DV", 512)
         .with("MHA_DQK", 192)
         .with("MHA_DV", 128);
-    for (source, defines) in [(Source::Common, Defines::new()), (Source::Mla, mla)] {
+    for source in Source::ALL {
+        let defines = match source {
+            Source::Mla => mla.clone(),
+            _ => Defines::new(),
+        };
         match hiprtc::compile(source, &defines, "gfx90a") {
             Ok(code) => assert!(!code.is_empty(), "{} produced no code", source.name()),
             Err(e) => panic!("{} does not compile with hipRTC: {e}", source.name()),

@@ -15,10 +15,9 @@
 //! | [`mla_mha`] | MLA in the MHA form (decompress, causal flash attention) for one sequence | [`mla_mha::MhaRun`] |
 //! | [`mlp`] | dense SwiGLU MLP added into the residual | [`mlp::DenseFfn`] |
 //! | [`moe`] | MoE routing + routed and shared experts added into the residual | [`moe::MoeFfn`] |
-//!
-//! Sampling and speculative verification run on the host over downloaded logits
-//! ([`crate::cpu::sample`], [`crate::cpu::verify`]) on every backend; device versions are not
-//! written yet.
+//! | [`sample`] | the sampling distribution of a batch of rows (softmax at temperature, top-k / top-p with pivot ties, min-p), inverse-CDF draws, argmax | [`sample::Probs`], [`sample::Draw`] |
+//! | [`verify`] | lossless speculative verification of a batch of drafted blocks | [`verify::VerifyBatch`] |
+//! | [`draft`] | the drafter's own ops: block attention over a paged context (GQA), row scatter into pages, tap concatenation, the confidence head | [`draft::BlockAttention`], [`draft::ScatterRows`], [`draft::GatherConcat`], [`draft::Confidence`] |
 //!
 //! **Why a closed enum and not a trait** (argued in `docs/architecture.md`): the set of backends
 //! is small and known at compile time; ops are coarse (microseconds to milliseconds), so a match
@@ -44,6 +43,7 @@
 // Without a GPU backend every op has one arm: operand names and error helpers go unused.
 #![cfg_attr(not(feature = "cuda"), allow(unused))]
 
+pub mod draft;
 pub mod latent;
 pub mod linear;
 pub mod mla_absorbed;
@@ -53,6 +53,8 @@ pub mod moe;
 pub mod norm;
 pub mod rope;
 pub mod rows;
+pub mod sample;
+pub mod verify;
 
 use crate::cpu::gemm::Matrix;
 use crate::cpu::mla::LatentPages;

@@ -11,6 +11,8 @@
 //! | [`ops`] | typed launchers for `common.cu` and the device-resident weight type [`GpuMatrix`] |
 //! | [`mla`] | MLA attention launchers: the absorbed tile / head-packed / per-head kernels, the 12 → 16 pad dispatcher, MHA-form prefill |
 //! | [`mha_ws`] | the warp-specialised Hopper prefill kernel's tiling and TMA descriptors |
+//! | [`sample`] | launchers for `gpu/sample.cu`: sampling distributions, draws, argmax, speculative verification |
+//! | [`draft`] | launchers for `gpu/draft.cu`: the drafter's block attention, row scatter, tap concatenation, confidence head |
 //! | [`staging`] | device → host copies on a second stream into page-locked memory, ordered by marks (layer-wise KV shipping) |
 //!
 //! All compute goes on the device's one stream, in order; host reads synchronise. Only
@@ -19,10 +21,12 @@
 pub mod bench;
 pub mod context;
 pub mod cublas;
+pub mod draft;
 pub mod mha_ws;
 pub mod mla;
 pub mod nvrtc;
 pub mod ops;
+pub mod sample;
 pub mod staging;
 
 pub use context::{CudaDevice, DeviceBuffer, GpuGraph, GpuTimer, KernelArgs, LaunchDims};

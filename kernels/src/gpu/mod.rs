@@ -5,6 +5,8 @@
 //! | `compat.cuh` | the CUDA/HIP differences: bf16 bits, warp shuffles, whether PTX `mma` is available |
 //! | `common.cu` | embedding, RMSNorm, RoPE, the latent-cache write, GEMV, MLA absorb/unabsorb, MoE routing and experts |
 //! | `mla.cu` | MLA attention: absorbed tile / head-packed / per-head kernels and their split-K merge, MHA-form prefill (f32 and tensor-core flash) |
+//! | `sample.cu` | sampling distributions (temperature softmax, top-k / top-p with pivot ties, min-p), inverse-CDF draws, argmax, speculative verification |
+//! | `draft.cu` | the speculative drafter's ops: block attention over a paged context (GQA), row scatter into pages, tap concatenation, the confidence head |
 //!
 //! Sources are compiled at run time (NVRTC or hipRTC) for the card in hand, with the model's
 //! shapes as `-D` defines, and cached per (source, defines, architecture).
@@ -19,17 +21,23 @@ pub enum Source {
     Common,
     /// `mla.cu`.
     Mla,
+    /// `sample.cu`.
+    Sample,
+    /// `draft.cu`.
+    Draft,
 }
 
 impl Source {
     /// Every source, for compile checks.
-    pub const ALL: [Source; 2] = [Source::Common, Source::Mla];
+    pub const ALL: [Source; 4] = [Source::Common, Source::Mla, Source::Sample, Source::Draft];
 
     /// File name.
     pub fn name(self) -> &'static str {
         match self {
             Source::Common => "common.cu",
             Source::Mla => "mla.cu",
+            Source::Sample => "sample.cu",
+            Source::Draft => "draft.cu",
         }
     }
 
@@ -38,6 +46,8 @@ impl Source {
         match self {
             Source::Common => include_str!("common.cu"),
             Source::Mla => include_str!("mla.cu"),
+            Source::Sample => include_str!("sample.cu"),
+            Source::Draft => include_str!("draft.cu"),
         }
     }
 

@@ -1,0 +1,1 @@
+//! The drafter's ops on the backend (written by the drafter-ops work).

@@ -1,0 +1,1 @@
+//! Sampling on the backend (written by the sampling work).

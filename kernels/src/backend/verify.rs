@@ -1,0 +1,1 @@
+//! Speculative verification on the backend (written by the sampling work).

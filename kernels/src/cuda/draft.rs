@@ -1,0 +1,1 @@
+//! Launchers for `gpu/draft.cu` (written by the drafter-ops work).

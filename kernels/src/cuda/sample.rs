@@ -1,0 +1,1 @@
+//! Launchers for `gpu/sample.cu` (written by the sampling work).

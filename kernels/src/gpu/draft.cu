@@ -1,0 +1,2 @@
+// draft.cu: see kernels/src/gpu/mod.rs.
+#include "compat.cuh"

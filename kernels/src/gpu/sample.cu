@@ -1,0 +1,2 @@
+// sample.cu: see kernels/src/gpu/mod.rs.
+#include "compat.cuh"
