@@ -5,6 +5,7 @@
 //!
 //! | module | owns |
 //! |---|---|
+//! | [`draft`] | the speculative drafter's math: block attention over paged context rows, tap concatenation, the confidence head |
 //! | [`gemm`] | [`Matrix`] (torch `nn.Linear.weight` layout) and `linear` / `matmul_f32` |
 //! | [`norm`] | RMSNorm |
 //! | [`rope`] | rotary tables (plain, YaRN) and their application, interleaved or not |
@@ -15,6 +16,7 @@
 //! | [`sample`] | sampling parameters, the filters and the seeded sampler |
 //! | [`verify`] | lossless speculative verification: accept / correct / bonus per request |
 
+pub mod draft;
 pub mod gemm;
 pub mod mla;
 pub mod mlp;
