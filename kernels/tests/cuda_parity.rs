@@ -162,6 +162,25 @@ fn nvrtc_compiles_every_source() {
         for source in [Source::Sample, Source::Draft] {
             let ptx = compile_ptx(source, &Default::default(), cc)
                 .unwrap_or_else(|e| panic!("{} does not compile: {e}", source.name()));
+            if source == Source::Draft {
+                let mut names = vec![
+                    "draft_scatter_f32".to_string(),
+                    "draft_scatter_bf16".into(),
+                    "draft_attn_combine".into(),
+                    "draft_concat".into(),
+                    "draft_confidence".into(),
+                ];
+                for kv in ["f32", "bf16"] {
+                    for q in [4, 8, 16] {
+                        for d in [32, 64, 128] {
+                            names.push(format!("draft_attn_{kv}_q{q}_d{d}"));
+                        }
+                    }
+                }
+                for k in names {
+                    assert!(ptx.contains(&k), "{k} missing for sm_{}{}", cc.0, cc.1);
+                }
+            }
             if let Ok(dir) = std::env::var("FERRY_PTX_DIR") {
                 let stem = source.name().trim_end_matches(".cu");
                 std::fs::write(format!("{dir}/{stem}_sm{}{}.ptx", cc.0, cc.1), &ptx)
