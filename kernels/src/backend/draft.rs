@@ -1,1 +1,337 @@
-//! The drafter's ops on the backend (written by the drafter-ops work).
+//! The speculative drafter's own ops (DSpark / DFlash block drafter): context rows scattered
+//! into the drafter's pages, block attention over them (GQA), the concatenation of tapped
+//! hidden states, the confidence head.
+//!
+//! The drafter's context cache has a natural paged layout per drafter layer:
+//! `[block][page][width]` f32 (or bf16 on a GPU) with `width = 2 · kv_heads · head_dim`, each
+//! row K (`kv_heads · head_dim` floats) then V. Position `p` of a sequence is row `p % page` of
+//! block `table[p / page]`.
+//!
+//! CPU arms call [`crate::cpu::draft`], the math the host-only drafter runs, so the two give
+//! the same bits. CUDA arms call `crate::cuda::draft`; its block attention is f32 with an
+//! online softmax and a split-K merge, so it matches the CPU within summation order (1e-5 of
+//! max |out|, `tests/backend_draft.rs`).
+
+use super::{mismatch, Backend, Ints, Pages, PagesMut, Slots, Tensor};
+use crate::cpu::draft::{BlockAttnDims, BlockRows, ConfidenceRows, PagedContext};
+use crate::KernelError;
+
+/// Writes rows into a paged layer at flat slots (the drafter's new context rows).
+#[derive(Debug)]
+pub struct ScatterRows<'a> {
+    /// `[R][width]` rows, `width` the pages' row width.
+    pub rows: &'a Tensor,
+    /// The layer's pages.
+    pub pages: PagesMut<'a>,
+    /// `[R]` flat slots (`block · page + offset`), one per row.
+    pub slots: &'a Slots,
+}
+
+/// Runs [`ScatterRows`]: row `r` goes to slot `slots[r]`. On the CPU a slot outside the pool
+/// is an error (nothing is written past the first bad slot's row); on a GPU the lengths are
+/// checked before the launch and a slot outside the pool is skipped by the kernel.
+pub fn scatter_rows(b: &Backend, p: ScatterRows<'_>) -> Result<(), KernelError> {
+    const OP: &str = "scatter_rows";
+    let n_slots = match p.slots {
+        Slots::Host(v) => v.len(),
+        #[cfg(feature = "cuda")]
+        Slots::Cuda(v) => v.len(),
+    };
+    let width = match &p.pages {
+        PagesMut::Host { width, .. } => *width,
+        #[cfg(feature = "cuda")]
+        PagesMut::Cuda(v) => v.width,
+    };
+    crate::cpu::gemm::check_len(OP, "rows", n_slots * width, p.rows.len())?;
+    match (b, p.pages) {
+        (Backend::Cpu, PagesMut::Host { data, width }) => {
+            let rows = p.rows.host(OP, "rows")?;
+            let slots = p.slots.host(OP, "slots")?;
+            let n = data.len().checked_div(width).unwrap_or(0);
+            for (row, &slot) in rows.chunks_exact(width.max(1)).zip(slots) {
+                let s = super::host_index(OP, "slot", slot, n)?;
+                data[s * width..(s + 1) * width].copy_from_slice(row);
+            }
+            Ok(())
+        }
+        #[cfg(feature = "cuda")]
+        (Backend::Cuda(dev), PagesMut::Cuda(pages)) => {
+            let (rows, slots) = (p.rows.dv(OP, "rows")?, p.slots.dv(OP, "slots")?);
+            crate::cuda::draft::scatter_rows(dev, rows, slots, pages)
+        }
+        #[cfg(feature = "cuda")]
+        (b, PagesMut::Host { .. }) => Err(mismatch(OP, "pages", b, "CPU")),
+        #[cfg(feature = "cuda")]
+        (b, PagesMut::Cuda(_)) => Err(mismatch(OP, "pages", b, "CUDA device")),
+    }
+}
+
+/// The drafter's block attention for a batch of `S` sequences, one drafter layer.
+#[derive(Debug, Clone, Copy)]
+pub struct BlockAttention<'a> {
+    /// `[S·B][H·d]` the block rows' queries (normed, rotated).
+    pub q: &'a Tensor,
+    /// `[S·B][KV·d]` the block rows' keys (normed, rotated).
+    pub k: &'a Tensor,
+    /// `[S·B][KV·d]` the block rows' values.
+    pub v: &'a Tensor,
+    /// The layer's context rows, natural layout (`width = 2·KV·d`).
+    pub pages: Pages<'a>,
+    /// `[S][stride]` flat block tables (at least `S · stride` entries).
+    pub tables: &'a Ints,
+    /// Entries per block-table row.
+    pub stride: usize,
+    /// `[S]` context lengths `n_s` on the backend (read by the device kernel).
+    pub ctx: &'a Ints,
+    /// The same lengths on the host: `S = ctx_host.len()`; they plan the launch and are
+    /// checked against the tables (on the CPU also against `ctx`).
+    pub ctx_host: &'a [usize],
+    /// Query heads `H`.
+    pub heads: usize,
+    /// KV heads (`H` a multiple of it).
+    pub kv_heads: usize,
+    /// Head dimension `d` (≤ 128 on a GPU); scale `1/sqrt(d)`.
+    pub head_dim: usize,
+    /// Block rows `B` per sequence.
+    pub block: usize,
+}
+
+/// Runs [`BlockAttention`]: `[S·B][H·d]`, a new tensor. Block row `i` of sequence `s`, head
+/// `h` attends (softmax of `q·key / sqrt(d)`) to the `n_s` context rows in position order,
+/// then to the sequence's `B` block rows, with no mask inside the block; query head `h`
+/// reads KV head `h / (H / KV)`.
+pub fn block_attention(b: &Backend, p: BlockAttention<'_>) -> Result<Tensor, KernelError> {
+    const OP: &str = "block_attention";
+    let d = BlockAttnDims {
+        heads: p.heads,
+        kv_heads: p.kv_heads,
+        head_dim: p.head_dim,
+        block: p.block,
+    };
+    d.check(OP)?;
+    let s_n = p.ctx_host.len();
+    let (rows, qw, kvw) = (s_n * p.block, d.q_width(), d.kv_width());
+    crate::cpu::gemm::check_len(OP, "q", rows * qw, p.q.len())?;
+    crate::cpu::gemm::check_len(OP, "k", rows * kvw, p.k.len())?;
+    crate::cpu::gemm::check_len(OP, "v", rows * kvw, p.v.len())?;
+    if p.tables.len() < s_n * p.stride {
+        return Err(KernelError::ShapeMismatch {
+            op: OP,
+            what: "tables",
+            expected: s_n * p.stride,
+            got: p.tables.len(),
+        });
+    }
+    if p.ctx.len() < s_n {
+        return Err(KernelError::ShapeMismatch {
+            op: OP,
+            what: "ctx",
+            expected: s_n,
+            got: p.ctx.len(),
+        });
+    }
+    let (page, width) = match p.pages {
+        Pages::Host(h) => (h.page_size, h.width),
+        #[cfg(feature = "cuda")]
+        Pages::Cuda(v) => (v.page_size, v.width),
+    };
+    crate::cpu::gemm::check_len(OP, "pages.width", d.ctx_width(), width)?;
+    if page == 0 {
+        return Err(KernelError::InvalidParam {
+            op: OP,
+            field: "page_size",
+            limit: "> 0",
+            value: "0".into(),
+        });
+    }
+    if let Some(&n) = p.ctx_host.iter().find(|&&n| n > p.stride * page) {
+        return Err(KernelError::BlockTableTooShort {
+            op: OP,
+            blocks: p.stride,
+            page_size: page,
+            needed_tokens: n,
+        });
+    }
+    let mut out = b.scratch(rows * qw)?;
+    match b {
+        Backend::Cpu => {
+            let pages = p.pages.host(OP)?;
+            let ctx = p.ctx.host(OP, "ctx")?;
+            for (s, (&dev_n, &host_n)) in ctx.iter().zip(p.ctx_host).enumerate() {
+                if usize::try_from(dev_n).ok() != Some(host_n) {
+                    return Err(KernelError::InvalidParam {
+                        op: OP,
+                        field: "ctx",
+                        limit: "equal to ctx_host",
+                        value: format!("sequence {s}: {dev_n} vs {host_n}"),
+                    });
+                }
+            }
+            let cx = PagedContext {
+                pages,
+                tables: p.tables.host(OP, "tables")?,
+                stride: p.stride,
+                lens: p.ctx_host,
+            };
+            let x = BlockRows {
+                q: p.q.host(OP, "q")?,
+                k: p.k.host(OP, "k")?,
+                v: p.v.host(OP, "v")?,
+            };
+            crate::cpu::draft::block_attention(&d, x, cx, out.host_mut(OP, "out")?)?;
+        }
+        #[cfg(feature = "cuda")]
+        Backend::Cuda(dev) => {
+            let batch = crate::cuda::draft::BlockAttnBatch {
+                q: p.q.dv(OP, "q")?,
+                k: p.k.dv(OP, "k")?,
+                v: p.v.dv(OP, "v")?,
+                pages: p.pages.dv(OP)?,
+                tables: p.tables.dv(OP, "tables")?,
+                stride: p.stride,
+                ctx: p.ctx.dv(OP, "ctx")?,
+                seqs: s_n,
+                max_ctx: p.ctx_host.iter().copied().max().unwrap_or(0),
+                dims: d,
+            };
+            crate::cuda::draft::block_attention(dev, &batch, out.dv(OP, "out")?)?;
+        }
+    }
+    Ok(out)
+}
+
+/// The concatenation of tapped hidden states: out row `r` is `srcs[0][rows[r]]`, then
+/// `srcs[1][rows[r]]`, … (the drafter's context feature input).
+#[derive(Debug, Clone, Copy)]
+pub struct GatherConcat<'a> {
+    /// Sources, each `[n_t][width]`.
+    pub srcs: &'a [&'a Tensor],
+    /// Row indices into every source.
+    pub rows: &'a Ints,
+    /// Floats per source row.
+    pub width: usize,
+}
+
+/// Runs [`GatherConcat`]: `[rows][width · srcs.len()]`, a new tensor (a copy: exact on every
+/// backend). On the CPU a row outside a source is an error; on a GPU it gives NaN columns.
+pub fn gather_concat(b: &Backend, p: GatherConcat<'_>) -> Result<Tensor, KernelError> {
+    const OP: &str = "gather_concat";
+    if p.width == 0 {
+        return Err(KernelError::InvalidParam {
+            op: OP,
+            field: "width",
+            limit: "> 0",
+            value: "0".into(),
+        });
+    }
+    for src in p.srcs {
+        if src.len() % p.width != 0 {
+            return Err(KernelError::NotDivisible {
+                op: OP,
+                what: "src",
+                len: src.len(),
+                width: p.width,
+            });
+        }
+    }
+    let mut out = b.scratch(p.rows.len() * p.width * p.srcs.len())?;
+    match b {
+        Backend::Cpu => {
+            let srcs = p
+                .srcs
+                .iter()
+                .map(|t| t.host(OP, "src"))
+                .collect::<Result<Vec<_>, _>>()?;
+            let rows = p.rows.host(OP, "rows")?;
+            crate::cpu::draft::concat_rows(&srcs, rows, p.width, out.host_mut(OP, "out")?)?;
+        }
+        #[cfg(feature = "cuda")]
+        Backend::Cuda(dev) => {
+            let srcs = p
+                .srcs
+                .iter()
+                .map(|t| t.dv(OP, "src"))
+                .collect::<Result<Vec<_>, _>>()?;
+            let rows = p.rows.dv(OP, "rows")?;
+            crate::cuda::draft::concat_rows(dev, &srcs, rows, p.width, out.dv(OP, "out")?)?;
+        }
+    }
+    Ok(out)
+}
+
+/// DSpark's confidence head over `R` block positions: `σ(wᵀ[h_r ; e_r] + bias)`.
+#[derive(Debug, Clone, Copy)]
+pub struct Confidence<'a> {
+    /// `[R][hidden]` final hidden states.
+    pub h: &'a Tensor,
+    /// `[R][rank]` the previous tokens' Markov embeddings.
+    pub e: &'a Tensor,
+    /// `[hidden + rank]` head weight.
+    pub w: &'a Tensor,
+    /// Head bias.
+    pub bias: f32,
+}
+
+/// Runs [`Confidence`]: `[R]`, a new tensor. `R = (|h| + |e|) / |w|`, then
+/// `hidden = |h| / R` (the only split of `w` consistent with the three lengths). The CPU arm
+/// is [`crate::cpu::draft::survival`] row by row; a GPU sums in another order (a warp per row).
+pub fn confidence(b: &Backend, p: Confidence<'_>) -> Result<Tensor, KernelError> {
+    const OP: &str = "confidence";
+    let (hl, el, wl) = (p.h.len(), p.e.len(), p.w.len());
+    if wl == 0 {
+        return Err(KernelError::InvalidParam {
+            op: OP,
+            field: "w",
+            limit: "non-empty",
+            value: "0 entries".into(),
+        });
+    }
+    if (hl + el) % wl != 0 {
+        return Err(KernelError::NotDivisible {
+            op: OP,
+            what: "h + e",
+            len: hl + el,
+            width: wl,
+        });
+    }
+    let r = (hl + el) / wl;
+    let hidden = match r {
+        0 => 0,
+        r if hl % r == 0 && el % r == 0 => hl / r,
+        r => {
+            return Err(KernelError::NotDivisible {
+                op: OP,
+                what: "h",
+                len: hl,
+                width: r,
+            })
+        }
+    };
+    let mut out = b.scratch(r)?;
+    if r == 0 {
+        return Ok(out);
+    }
+    match b {
+        Backend::Cpu => {
+            let x = ConfidenceRows {
+                h: p.h.host(OP, "h")?,
+                e: p.e.host(OP, "e")?,
+                hidden,
+            };
+            let w = p.w.host(OP, "w")?;
+            crate::cpu::draft::confidence(w, p.bias, x, out.host_mut(OP, "out")?)?;
+        }
+        #[cfg(feature = "cuda")]
+        Backend::Cuda(dev) => {
+            let batch = crate::cuda::draft::ConfidenceBatch {
+                h: p.h.dv(OP, "h")?,
+                e: p.e.dv(OP, "e")?,
+                w: p.w.dv(OP, "w")?,
+                hidden,
+                bias: p.bias,
+            };
+            crate::cuda::draft::confidence(dev, &batch, out.dv(OP, "out")?)?;
+        }
+    }
+    Ok(out)
+}
