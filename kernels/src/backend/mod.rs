@@ -15,8 +15,8 @@
 //! | [`mla_mha`] | MLA in the MHA form (decompress, causal flash attention) for one sequence | [`mla_mha::MhaRun`] |
 //! | [`mlp`] | dense SwiGLU MLP added into the residual | [`mlp::DenseFfn`] |
 //! | [`moe`] | MoE routing + routed and shared experts added into the residual | [`moe::MoeFfn`] |
-//! | [`sample`] | the sampling distribution of a batch of rows (softmax at temperature, top-k / top-p with pivot ties, min-p), inverse-CDF draws, argmax | [`sample::Probs`], [`sample::Draw`] |
-//! | [`verify`] | lossless speculative verification of a batch of drafted blocks | [`verify::VerifyBatch`] |
+//! | [`sample`] | the sampling distribution of a batch of rows (softmax at temperature, top-k / top-p with pivot ties, min-p), inverse-CDF draws, argmax; per-row parameters and uniforms on the backend | [`sample::Probs`], [`sample::Draw`], [`sample::Sample`], [`sample::RowParams`], [`sample::Uniforms`] |
+//! | [`verify`] | lossless speculative verification of a batch of drafted blocks (one result per sequence, one small download on a GPU), from probabilities or straight from logits | [`verify::VerifyBatch`], [`verify::VerifyLogits`] |
 //! | [`draft`] | the drafter's own ops: block attention over a paged context (GQA), row scatter into pages, tap concatenation, the confidence head | [`draft::BlockAttention`], [`draft::ScatterRows`], [`draft::GatherConcat`], [`draft::Confidence`] |
 //!
 //! **Why a closed enum and not a trait** (argued in `docs/architecture.md`): the set of backends

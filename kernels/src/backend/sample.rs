@@ -1,1 +1,416 @@
-//! Sampling on the backend (written by the sampling work).
+//! Sampling on the backend: the distribution a batch of rows samples from, inverse-CDF draws,
+//! argmax.
+//!
+//! The semantics are the CPU sampler's, row by row ([`crate::cpu::sample`]): [`probs`] is
+//! [`probs_from_logits`] (softmax at temperature, top-k, top-p, min-p, pivot ties kept; a
+//! one-hot at the argmax for greedy rows), [`draw`] is [`sample_from_probs`], [`argmax`] is
+//! [`crate::cpu::sample::argmax`]. The CPU arm calls those functions (bit-identical); the CUDA
+//! arm runs one block per row (`gpu/sample.cu`), within the tolerances stated in
+//! [`crate::cuda::sample`].
+//!
+//! **Failure isolation.** A row whose distribution is degenerate (non-finite logits, or no
+//! positive kept mass) does not fail the batch: [`probs`] writes it as all NaN, and [`draw`]
+//! gives -1 for it (as does `verify` for a sequence that reaches it), so the caller fails that
+//! request alone.
+//!
+//! ```
+//! use ferry_kernels::backend::sample::{draw, ints_to_host, probs, Draw, Probs, RowParams, Uniforms};
+//! use ferry_kernels::backend::Backend;
+//! use ferry_kernels::cpu::sample::SamplingParams;
+//!
+//! let b = Backend::Cpu;
+//! let greedy = SamplingParams { temperature: 0.0, ..SamplingParams::default() };
+//! let params = RowParams::new(&b, &[greedy, SamplingParams::default()]).unwrap();
+//! let logits = b.upload(&[0.0, 3.0, 1.0, 0.0, 0.0, 9.0]).unwrap();
+//! let p = probs(&b, Probs { logits: &logits, vocab: 3, params: &params }).unwrap();
+//! let u = Uniforms::new(&b, &[0.5, 0.5]).unwrap();
+//! let tokens = draw(&b, Draw { probs: &p, vocab: 3, uniforms: &u }).unwrap();
+//! assert_eq!(ints_to_host(&tokens).unwrap(), vec![1, 2]);
+//! ```
+
+use super::{Backend, Ints, Tensor};
+use crate::cpu::sample::{probs_from_logits, sample_from_probs, SamplingParams};
+#[cfg(feature = "cuda")]
+use crate::cuda::{ops::Dv, DeviceBuffer};
+use crate::KernelError;
+
+/// Per-row sampling parameters on a backend (validated). On a GPU they are also uploaded,
+/// packed as the distribution kernel reads them.
+#[derive(Debug)]
+pub struct RowParams {
+    host: Vec<SamplingParams>,
+    #[cfg(feature = "cuda")]
+    device: Option<DeviceBuffer<u32>>,
+}
+
+impl RowParams {
+    /// One row per entry of `params`, each checked with [`SamplingParams::validate`] (the error
+    /// names the field).
+    pub fn new(b: &Backend, params: &[SamplingParams]) -> Result<Self, KernelError> {
+        for p in params {
+            p.validate()?;
+        }
+        Ok(Self {
+            #[cfg(feature = "cuda")]
+            device: match b {
+                Backend::Cpu => None,
+                Backend::Cuda(d) => Some(d.upload(&crate::cuda::sample::pack_params(params))?),
+            },
+            host: params.to_vec(),
+        })
+    }
+
+    /// The rows of a batch of drafted blocks: sequence `s`'s parameters repeated `γ_s + 1`
+    /// times (its draft positions and the bonus position), as `verify`'s `p` rows are laid out.
+    pub fn for_blocks(
+        b: &Backend,
+        per_sequence: &[SamplingParams],
+        gammas: &[usize],
+    ) -> Result<Self, KernelError> {
+        if per_sequence.len() != gammas.len() {
+            return Err(KernelError::ShapeMismatch {
+                op: "row_params",
+                what: "gammas",
+                expected: per_sequence.len(),
+                got: gammas.len(),
+            });
+        }
+        let rows: Vec<SamplingParams> = per_sequence
+            .iter()
+            .zip(gammas)
+            .flat_map(|(p, &g)| std::iter::repeat_n(p.clone(), g + 1))
+            .collect();
+        Self::new(b, &rows)
+    }
+
+    /// Rows.
+    pub fn len(&self) -> usize {
+        self.host.len()
+    }
+
+    /// Whether there is no row.
+    pub fn is_empty(&self) -> bool {
+        self.host.is_empty()
+    }
+
+    /// The parameters as given.
+    pub fn params(&self) -> &[SamplingParams] {
+        &self.host
+    }
+
+    /// The packed device rows, or a mismatch error when they were built for the CPU.
+    #[cfg(feature = "cuda")]
+    fn dv(&self, op: &'static str) -> Result<Dv<u32>, KernelError> {
+        self.device
+            .as_ref()
+            .map(|d| d.v())
+            .ok_or(KernelError::DeviceMismatch {
+                op,
+                what: "params",
+                expected: "CUDA device",
+                got: "CPU",
+            })
+    }
+}
+
+/// Uniform draws in `[0, 1)` as f64, one per row drawn (or, for `verify`, per draft plus one
+/// per sequence), on a backend.
+#[derive(Debug)]
+pub enum Uniforms {
+    /// Host memory.
+    Host(Vec<f64>),
+    /// CUDA device memory.
+    #[cfg(feature = "cuda")]
+    Cuda(DeviceBuffer<f64>),
+}
+
+/// Every `u` finite and in `[0, 1)`.
+fn check_uniforms(u: &[f64]) -> Result<(), KernelError> {
+    match u.iter().position(|v| !(0.0..1.0).contains(v)) {
+        None => Ok(()),
+        Some(i) => Err(KernelError::InvalidParam {
+            op: "uniforms",
+            field: "uniforms",
+            limit: "in [0, 1)",
+            value: format!("{} at index {i}", u[i]),
+        }),
+    }
+}
+
+impl Uniforms {
+    /// `u` on `b`; each value must be in `[0, 1)`.
+    pub fn new(b: &Backend, u: &[f64]) -> Result<Self, KernelError> {
+        check_uniforms(u)?;
+        Ok(match b {
+            Backend::Cpu => Uniforms::Host(u.to_vec()),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(d) => Uniforms::Cuda(d.upload(u)?),
+        })
+    }
+
+    /// Overwrites the first `u.len()` draws in place (a captured graph reads the new values).
+    pub fn write(&mut self, u: &[f64]) -> Result<(), KernelError> {
+        check_uniforms(u)?;
+        match self {
+            Uniforms::Host(h) => {
+                let got = h.len();
+                let dst = h.get_mut(..u.len()).ok_or(KernelError::ShapeMismatch {
+                    op: "uniforms_write",
+                    what: "dst",
+                    expected: u.len(),
+                    got,
+                })?;
+                dst.copy_from_slice(u);
+                Ok(())
+            }
+            #[cfg(feature = "cuda")]
+            Uniforms::Cuda(buf) => buf.device().clone().write(buf, 0, u),
+        }
+    }
+
+    /// Draws.
+    pub fn len(&self) -> usize {
+        match self {
+            Uniforms::Host(v) => v.len(),
+            #[cfg(feature = "cuda")]
+            Uniforms::Cuda(b) => b.len(),
+        }
+    }
+
+    /// Whether it holds no draw.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The host slice, or a mismatch error.
+    pub fn host(&self, op: &'static str) -> Result<&[f64], KernelError> {
+        match self {
+            Uniforms::Host(v) => Ok(v),
+            #[cfg(feature = "cuda")]
+            Uniforms::Cuda(_) => Err(super::mismatch(op, "uniforms", &Backend::Cpu, "CUDA device")),
+        }
+    }
+
+    /// The device view, or a mismatch error.
+    #[cfg(feature = "cuda")]
+    pub fn dv(&self, op: &'static str) -> Result<Dv<f64>, KernelError> {
+        match self {
+            Uniforms::Cuda(b) => Ok(b.v()),
+            Uniforms::Host(_) => Err(KernelError::DeviceMismatch {
+                op,
+                what: "uniforms",
+                expected: "CUDA device",
+                got: "CPU",
+            }),
+        }
+    }
+}
+
+/// The values of an index array on the host (a synchronising download from a GPU).
+pub fn ints_to_host(i: &Ints) -> Result<Vec<i32>, KernelError> {
+    match i {
+        Ints::Host(v) => Ok(v.clone()),
+        #[cfg(feature = "cuda")]
+        Ints::Cuda(b) => b.device().download(b),
+    }
+}
+
+/// `vocab` in `1..=i32::MAX` (token ids travel as i32).
+pub(crate) fn check_vocab(op: &'static str, vocab: usize) -> Result<(), KernelError> {
+    if vocab == 0 || i32::try_from(vocab).is_err() {
+        return Err(KernelError::InvalidParam {
+            op,
+            field: "vocab",
+            limit: "in 1..2^31",
+            value: vocab.to_string(),
+        });
+    }
+    Ok(())
+}
+
+/// `got == expected`, or a shape error naming `op` and `what`.
+pub(crate) fn check_len(
+    op: &'static str,
+    what: &'static str,
+    expected: usize,
+    got: usize,
+) -> Result<(), KernelError> {
+    if got == expected {
+        Ok(())
+    } else {
+        Err(KernelError::ShapeMismatch {
+            op,
+            what,
+            expected,
+            got,
+        })
+    }
+}
+
+/// The sampling distributions of a batch of rows.
+#[derive(Debug, Clone, Copy)]
+pub struct Probs<'a> {
+    /// `[rows][vocab]` logits, `rows = params.len()`.
+    pub logits: &'a Tensor,
+    /// Entries per row.
+    pub vocab: usize,
+    /// One row of parameters per logits row.
+    pub params: &'a RowParams,
+}
+
+/// `[rows][vocab]` probabilities, a new tensor on `b`: per row
+/// [`probs_from_logits`]`(row, params[row])`, or all NaN for a degenerate row.
+pub fn probs(b: &Backend, p: Probs<'_>) -> Result<Tensor, KernelError> {
+    let mut out = b.scratch(p.params.len() * p.vocab)?;
+    probs_into(b, p, &mut out)?;
+    Ok(out)
+}
+
+/// [`probs`] into an existing `[rows][vocab]` tensor (a captured graph's buffer).
+pub fn probs_into(b: &Backend, p: Probs<'_>, out: &mut Tensor) -> Result<(), KernelError> {
+    const OP: &str = "sample_probs";
+    check_vocab(OP, p.vocab)?;
+    let rows = p.params.len();
+    check_len(OP, "logits", rows * p.vocab, p.logits.len())?;
+    check_len(OP, "out", rows * p.vocab, out.len())?;
+    match b {
+        Backend::Cpu => {
+            let logits = p.logits.host(OP, "logits")?;
+            let dst = out.host_mut(OP, "out")?;
+            let rows = logits.chunks_exact(p.vocab).zip(dst.chunks_exact_mut(p.vocab));
+            for ((x, y), params) in rows.zip(p.params.params()) {
+                match probs_from_logits(x, params) {
+                    Ok(v) => y.copy_from_slice(&v),
+                    Err(KernelError::DegenerateDistribution { .. }) => y.fill(f32::NAN),
+                    Err(e) => return Err(e),
+                }
+            }
+            Ok(())
+        }
+        #[cfg(feature = "cuda")]
+        Backend::Cuda(dev) => {
+            let (x, y, prm) = (p.logits.dv(OP, "logits")?, out.dv(OP, "out")?, p.params.dv(OP)?);
+            crate::cuda::sample::probs(dev, x, y, prm, rows, p.vocab)
+        }
+    }
+}
+
+/// One inverse-CDF draw per row.
+#[derive(Debug, Clone, Copy)]
+pub struct Draw<'a> {
+    /// `[rows][vocab]` probabilities (from [`probs`]), `rows = uniforms.len()`.
+    pub probs: &'a Tensor,
+    /// Entries per row.
+    pub vocab: usize,
+    /// One uniform per row.
+    pub uniforms: &'a Uniforms,
+}
+
+/// `[rows]` token ids, a new index array on `b`: per row
+/// [`sample_from_probs`]`(row, uniforms[row])`, or -1 where the row has no distribution (total
+/// not finite and positive, or a negative entry — a row [`probs`] marked degenerate).
+pub fn draw(b: &Backend, d: Draw<'_>) -> Result<Ints, KernelError> {
+    const OP: &str = "sample_draw";
+    check_vocab(OP, d.vocab)?;
+    let rows = d.uniforms.len();
+    check_len(OP, "probs", rows * d.vocab, d.probs.len())?;
+    match b {
+        Backend::Cpu => {
+            let probs = d.probs.host(OP, "probs")?;
+            let u = d.uniforms.host(OP)?;
+            let mut out = Vec::with_capacity(rows);
+            for (row, &u) in probs.chunks_exact(d.vocab).zip(u) {
+                out.push(match sample_from_probs(row, u) {
+                    // Below vocab, which fits an i32 (checked above).
+                    Ok(t) => t as i32,
+                    Err(KernelError::DegenerateDistribution { .. }) => -1,
+                    Err(e) => return Err(e),
+                });
+            }
+            Ok(Ints::Host(out))
+        }
+        #[cfg(feature = "cuda")]
+        Backend::Cuda(dev) => {
+            let out = dev.alloc::<i32>(rows)?;
+            let (probs, u) = (d.probs.dv(OP, "probs")?, d.uniforms.dv(OP)?);
+            crate::cuda::sample::draw(dev, probs, u, out.v(), d.vocab)?;
+            Ok(Ints::Cuda(out))
+        }
+    }
+}
+
+/// `[rows]` argmax of each `[vocab]` row of `logits` (ties to the lowest index, NaN never
+/// chosen), a new index array on `b`.
+pub fn argmax(b: &Backend, logits: &Tensor, vocab: usize) -> Result<Ints, KernelError> {
+    const OP: &str = "sample_argmax";
+    check_vocab(OP, vocab)?;
+    if logits.len() % vocab != 0 {
+        return Err(KernelError::NotDivisible {
+            op: OP,
+            what: "logits",
+            len: logits.len(),
+            width: vocab,
+        });
+    }
+    let rows = logits.len() / vocab;
+    match b {
+        Backend::Cpu => {
+            let x = logits.host(OP, "logits")?;
+            let out = x
+                .chunks_exact(vocab)
+                .map(|r| crate::cpu::sample::argmax(r) as i32)
+                .collect();
+            Ok(Ints::Host(out))
+        }
+        #[cfg(feature = "cuda")]
+        Backend::Cuda(dev) => {
+            let out = dev.alloc::<i32>(rows)?;
+            crate::cuda::sample::argmax(dev, logits.dv(OP, "logits")?, out.v(), rows, vocab)?;
+            Ok(Ints::Cuda(out))
+        }
+    }
+}
+
+/// Plain sampling of a batch of rows, end to end.
+#[derive(Debug, Clone, Copy)]
+pub struct Sample<'a> {
+    /// `[rows][vocab]` logits, `rows = params.len()`.
+    pub logits: &'a Tensor,
+    /// Entries per row.
+    pub vocab: usize,
+    /// One row of parameters per logits row.
+    pub params: &'a RowParams,
+    /// One uniform per row (a greedy row's draw ignores it: its distribution is a point mass).
+    pub uniforms: &'a Uniforms,
+}
+
+/// One token per row: [`probs`] then [`draw`] where the logits live, then one download of the
+/// `[rows]` ids. A degenerate row is an error for that row alone.
+pub fn sample(b: &Backend, s: Sample<'_>) -> Result<Vec<Result<u32, KernelError>>, KernelError> {
+    check_len("sample", "uniforms", s.params.len(), s.uniforms.len())?;
+    let p = probs(
+        b,
+        Probs {
+            logits: s.logits,
+            vocab: s.vocab,
+            params: s.params,
+        },
+    )?;
+    let ids = draw(
+        b,
+        Draw {
+            probs: &p,
+            vocab: s.vocab,
+            uniforms: s.uniforms,
+        },
+    )?;
+    Ok(ints_to_host(&ids)?
+        .into_iter()
+        .map(|t| {
+            u32::try_from(t).map_err(|_| KernelError::DegenerateDistribution {
+                op: "sample",
+                sum: f64::NAN,
+            })
+        })
+        .collect())
+}

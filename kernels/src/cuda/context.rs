@@ -64,6 +64,7 @@ impl DevicePod for i32 {}
 impl DevicePod for u32 {}
 impl DevicePod for i64 {}
 impl DevicePod for u8 {}
+impl DevicePod for f64 {}
 
 /// An `[T; len]` array in device memory, freed (stream-ordered) on drop.
 pub struct DeviceBuffer<T: DevicePod> {

@@ -1,2 +1,473 @@
-// sample.cu: see kernels/src/gpu/mod.rs.
+// sample.cu: sampling distributions, inverse-CDF draws, argmax and speculative verification,
+// for CUDA and HIP. The reference semantics are the CPU sampler's (kernels/src/cpu/sample.rs,
+// kernels/src/cpu/verify.rs); launch shapes and length checks are in kernels/src/cuda/sample.rs.
+//
+// Every kernel runs one block of SAMPLE_THREADS threads per row (or per verified sequence), so
+// a row of any vocabulary size is handled in place, rows never interact, and every reduction
+// has a fixed order (the results are deterministic for a given launch).
+//
+// Filters use pivot semantics: a filter finds a threshold value and keeps every entry >= it.
+// The top-k and top-p thresholds are found by a radix search over the f32 bit patterns of the
+// (non-negative) probabilities, 4 bits per pass: no sort, no shared copy of the row, so a
+// 129k-entry vocabulary takes the same path as an 8-entry one.
 #include "compat.cuh"
+
+#define SAMPLE_THREADS 512
+#define SAMPLE_WARPS (SAMPLE_THREADS / WARP)
+#define RADIX_BITS 4
+#define RADIX_BINS 16
+#define NO_INDEX 0x7fffffff
+
+// Per-row parameters, SAMPLE_PARAM_WORDS u32 per row (packed by cuda/sample.rs).
+#define PARAM_TEMPERATURE 0  // f32 bits
+#define PARAM_TOP_K 1        // u32
+#define PARAM_TOP_P 2        // f32 bits
+#define PARAM_MIN_P 3        // f32 bits
+#define PARAM_GREEDY 4       // 1 when SamplingParams::is_greedy()
+#define SAMPLE_PARAM_WORDS 5
+
+// Verification result codes (slot 0 of a sequence's output row when negative).
+#define VERIFY_DEGENERATE -1  // [code, position, f32 bits of the sum]
+#define VERIFY_ZERO_Q -2      // [code, position, token, f32 bits of q(token)]
+#define VERIFY_BAD_ID -3      // [code, position, token]
+
+__device__ __forceinline__ bool finite_f(float v) { return fabsf(v) < FERRY_INF; }
+__device__ __forceinline__ float nan_f() { return ferry_u2f(0x7fc00000u); }
+
+template <typename T>
+__device__ __forceinline__ T warp_sum_t(T v) {
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) v += SHFL_XOR(v, m);
+  return v;
+}
+
+// Sum over the block, in a fixed order; every thread gets the total. `red` holds SAMPLE_WARPS.
+template <typename T>
+__device__ __forceinline__ T block_sum_t(T v, T* red) {
+  v = warp_sum_t(v);
+  int w = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+  __syncthreads();
+  if (lane == 0) red[w] = v;
+  __syncthreads();
+  T t = lane < SAMPLE_WARPS ? red[lane] : (T)0;
+  return warp_sum_t(t);
+}
+
+// Max over the block (NaN-ignoring, like fmaxf); every thread gets it.
+__device__ __forceinline__ float block_max_f(float v, float* red) {
+  v = warp_max(v);
+  int w = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+  __syncthreads();
+  if (lane == 0) red[w] = v;
+  __syncthreads();
+  float t = lane < SAMPLE_WARPS ? red[lane] : -FERRY_INF;
+  return warp_max(t);
+}
+
+// Whether `a` beats `b` for argmax: larger, or equal at a lower index. NaN never beats anything.
+__device__ __forceinline__ bool arg_better(float av, int ai, float bv, int bi) {
+  return av > bv || (av == bv && ai < bi);
+}
+
+__device__ __forceinline__ void warp_argmax(float& v, int& i) {
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) {
+    float ov = SHFL_XOR(v, m);
+    int oi = SHFL_XOR(i, m);
+    if (arg_better(ov, oi, v, i)) { v = ov; i = oi; }
+  }
+}
+
+// cpu::sample::argmax over x[0..n): the largest value, ties to the lowest index, NaN never
+// chosen; 0 when nothing beats -inf (empty, all -inf or all NaN). Every thread gets it.
+__device__ int block_argmax(const float* x, int n, float* red_v, int* red_i) {
+  float bv = -FERRY_INF;
+  int bi = NO_INDEX;
+  // Each thread visits its indices in increasing order, so `>` keeps its lowest tied index.
+  for (int i = threadIdx.x; i < n; i += SAMPLE_THREADS) {
+    float v = x[i];
+    if (v > bv) { bv = v; bi = i; }
+  }
+  warp_argmax(bv, bi);
+  int w = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+  __syncthreads();
+  if (lane == 0) { red_v[w] = bv; red_i[w] = bi; }
+  __syncthreads();
+  bv = lane < SAMPLE_WARPS ? red_v[lane] : -FERRY_INF;
+  bi = lane < SAMPLE_WARPS ? red_i[lane] : NO_INDEX;
+  warp_argmax(bv, bi);
+  return bi == NO_INDEX ? 0 : bi;
+}
+
+// Shared scratch of the distribution kernel.
+struct ProbsSmem {
+  float hist[RADIX_BINS * SAMPLE_THREADS];  // per-thread private bins of one radix pass
+  float bins[RADIX_BINS];
+  float red[SAMPLE_WARPS];
+  int red_i[SAMPLE_WARPS];
+};
+
+// The sort key of a non-negative probability: its bit pattern (monotone for v >= 0); -0 is 0.
+__device__ __forceinline__ u32 prob_key(float v) {
+  u32 k = ferry_f2u(v);
+  return (k & 0x80000000u) ? 0u : k;
+}
+
+// The largest non-negative f32 bit pattern t with W(t) >= target, where W(t) sums w_i over the
+// entries whose key is >= t, with w_i = 1 (MASS = false: counts, exact in f32 below 2^24
+// entries) or p_i (MASS = true). W only changes at entry values, so t is an entry's value:
+// - counts with target k: the k-th largest value (top-k's pivot);
+// - mass with target p·total: the value at which the descending cumulative sum first reaches
+//   the target (top-p's pivot).
+// Found 4 bits at a time from the top: each pass sums, per thread, the weight of the entries
+// above the fixed prefix and the weight of each next-digit bin of the entries on it, then takes
+// the largest digit whose candidate (prefix, digit, zeros) still reaches the target. If
+// rounding leaves no digit reaching it on a later pass, digit 0 is taken (its candidate
+// reached the target on the pass before). Returns false when even t = 0 misses the target
+// (mass only, through rounding): the caller leaves the row untouched, as the CPU does.
+template <bool MASS>
+__device__ bool radix_pivot(const float* p, int n, float target, ProbsSmem& s, u32* pivot) {
+  int tid = threadIdx.x, w = tid / WARP, lane = tid % WARP;
+  u32 prefix = 0;
+  for (int shift = 32 - RADIX_BITS; shift >= 0; shift -= RADIX_BITS) {
+    // Bits above this digit: the fixed prefix (none on the first pass).
+    u32 high = shift + RADIX_BITS >= 32 ? 0u : (0xffffffffu << (shift + RADIX_BITS));
+#pragma unroll
+    for (int b = 0; b < RADIX_BINS; b++) s.hist[b * SAMPLE_THREADS + tid] = 0.0f;
+    float above = 0.0f;
+    for (int i = tid; i < n; i += SAMPLE_THREADS) {
+      float v = p[i];
+      u32 key = prob_key(v);
+      float wt = MASS ? v : 1.0f;
+      u32 h = key & high;
+      if (h > prefix) {
+        above += wt;
+      } else if (h == prefix) {
+        s.hist[((key >> shift) & (RADIX_BINS - 1)) * SAMPLE_THREADS + tid] += wt;
+      }
+    }
+    __syncthreads();
+    if (w < RADIX_BINS) {
+      float t = 0.0f;
+      for (int j = lane; j < SAMPLE_THREADS; j += WARP) t += s.hist[w * SAMPLE_THREADS + j];
+      t = warp_sum_t(t);
+      if (lane == 0) s.bins[w] = t;
+    }
+    above = block_sum_t(above, s.red);  // its barriers also publish s.bins
+    int digit = -1;
+    float cum = above;
+    for (int b = RADIX_BINS - 1; b >= 0; b--) {
+      cum += s.bins[b];
+      if (cum >= target) { digit = b; break; }
+    }
+    if (digit < 0) {
+      if (shift == 32 - RADIX_BITS) return false;
+      digit = 0;
+    }
+    prefix |= (u32)digit << shift;
+    // The next pass rewrites s.bins only after its first barrier, which every thread reaches
+    // after reading them here.
+  }
+  *pivot = prefix;
+  return true;
+}
+
+// cpu::sample's keep_at_least: zero entries < threshold and divide the rest by their sum.
+// Returns false (leaving the row as it is) when the kept mass is not finite and positive.
+__device__ bool keep_at_least(float* p, int n, float threshold, ProbsSmem& s) {
+  float kept = 0.0f;
+  for (int i = threadIdx.x; i < n; i += SAMPLE_THREADS) {
+    float v = p[i];
+    if (v >= threshold) kept += v;
+  }
+  kept = block_sum_t(kept, s.red);
+  if (!(finite_f(kept) && kept > 0.0f)) return false;
+  for (int i = threadIdx.x; i < n; i += SAMPLE_THREADS) {
+    float v = p[i];
+    p[i] = v >= threshold ? v / kept : 0.0f;
+  }
+  return true;
+}
+
+// A row with no distribution: all NaN, which draw and verify report as degenerate.
+__device__ void mark_degenerate(float* p, int n) {
+  for (int i = threadIdx.x; i < n; i += SAMPLE_THREADS) p[i] = nan_f();
+}
+
+// cpu::sample::probs_from_logits per row: a one-hot at the argmax for greedy rows; otherwise
+// softmax(logits / T) (max subtracted), top-k, top-p, min-p, each renormalising with pivot
+// ties kept. A row whose softmax or kept mass is degenerate is written as all NaN.
+// Grid: rows; block: SAMPLE_THREADS. `vocab` < 2^24 (counts are exact in f32).
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
+    sample_probs(const float* logits, float* probs, const u32* params, int vocab) {
+  __shared__ ProbsSmem s;
+  const float* x = logits + (size_t)blockIdx.x * vocab;
+  float* p = probs + (size_t)blockIdx.x * vocab;
+  const u32* prm = params + (size_t)blockIdx.x * SAMPLE_PARAM_WORDS;
+  int tid = threadIdx.x;
+  if (prm[PARAM_GREEDY]) {
+    int a = block_argmax(x, vocab, s.red, s.red_i);
+    for (int i = tid; i < vocab; i += SAMPLE_THREADS) p[i] = i == a ? 1.0f : 0.0f;
+    return;
+  }
+  float temp = ferry_u2f(prm[PARAM_TEMPERATURE]);
+  // Softmax of x / T: the CPU divides first, then subtracts the max of the quotients.
+  float m = -FERRY_INF, has_nan = 0.0f;
+  for (int i = tid; i < vocab; i += SAMPLE_THREADS) {
+    float y = x[i] / temp;
+    m = fmaxf(m, y);
+    if (y != y) has_nan = 1.0f;
+  }
+  m = block_max_f(m, s.red);
+  has_nan = block_max_f(has_nan, s.red);
+  if (has_nan > 0.0f || !finite_f(m)) {
+    mark_degenerate(p, vocab);
+    return;
+  }
+  float sum = 0.0f;
+  for (int i = tid; i < vocab; i += SAMPLE_THREADS) {
+    float e = expf(x[i] / temp - m);
+    p[i] = e;
+    sum += e;
+  }
+  sum = block_sum_t(sum, s.red);
+  for (int i = tid; i < vocab; i += SAMPLE_THREADS) p[i] = p[i] / sum;
+  __syncthreads();
+
+  u32 k = prm[PARAM_TOP_K];
+  if (k != 0 && k < (u32)vocab) {
+    u32 pivot = 0;
+    radix_pivot<false>(p, vocab, (float)k, s, &pivot);  // always found: W(0) = vocab > k
+    if (!keep_at_least(p, vocab, ferry_u2f(pivot), s)) {
+      mark_degenerate(p, vocab);
+      return;
+    }
+    __syncthreads();
+  }
+  float top_p = ferry_u2f(prm[PARAM_TOP_P]);
+  if (top_p < 1.0f) {
+    float total = 0.0f;
+    for (int i = tid; i < vocab; i += SAMPLE_THREADS) total += p[i];
+    total = block_sum_t(total, s.red);
+    u32 pivot = 0;
+    if (radix_pivot<true>(p, vocab, top_p * total, s, &pivot)) {
+      if (!keep_at_least(p, vocab, ferry_u2f(pivot), s)) {
+        mark_degenerate(p, vocab);
+        return;
+      }
+      __syncthreads();
+    }
+  }
+  float min_p = ferry_u2f(prm[PARAM_MIN_P]);
+  if (min_p > 0.0f) {
+    float mx = -FERRY_INF;
+    for (int i = tid; i < vocab; i += SAMPLE_THREADS) mx = fmaxf(mx, p[i]);
+    mx = block_max_f(mx, s.red);
+    if (!keep_at_least(p, vocab, min_p * mx, s)) mark_degenerate(p, vocab);
+  }
+}
+
+// cpu::sample::argmax per row. Grid: rows; block: SAMPLE_THREADS.
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
+    sample_argmax(const float* logits, int vocab, int* out) {
+  __shared__ float red_v[SAMPLE_WARPS];
+  __shared__ int red_i[SAMPLE_WARPS];
+  int a = block_argmax(logits + (size_t)blockIdx.x * vocab, vocab, red_v, red_i);
+  if (threadIdx.x == 0) out[blockIdx.x] = a;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Inverse-CDF draws.
+
+struct DrawSmem {
+  double chunk[SAMPLE_WARPS];  // each warp's chunk mass
+  int last[SAMPLE_WARPS];      // each warp's last positive index
+  int bad[SAMPLE_WARPS];       // each warp saw a negative entry
+  int result;
+  float sum;
+};
+
+// The row as drawn: p itself.
+struct RowProbs {
+  const float* p;
+  __device__ __forceinline__ float operator()(int i) const { return p[i]; }
+};
+
+// The correction's row: max(0, p − q) in f32, as cpu::verify forms it (fmaxf, like Rust's
+// f32::max, turns a NaN difference into 0).
+struct RowResidual {
+  const float* p;
+  const float* q;
+  __device__ __forceinline__ float operator()(int i) const { return fmaxf(p[i] - q[i], 0.0f); }
+};
+
+__device__ __forceinline__ int warp_min_i(int v) {
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) v = min(v, (int)SHFL_XOR(v, m));
+  return v;
+}
+
+__device__ __forceinline__ int warp_max_i(int v) {
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) v = max(v, (int)SHFL_XOR(v, m));
+  return v;
+}
+
+// cpu::sample::sample_from_probs over value(0..n), by the whole block: the first index whose
+// cumulative mass exceeds u·total (u clamped to [0, 1]); the last positive index when rounding
+// leaves the cumulative a hair short of the target at the end. Cumulation is in f64 like the
+// CPU's, in another order (per-warp chunks, then 32-wide warp scans), so a draw can differ from
+// the CPU's only when u·total lies within a few f64 ulps of a CDF boundary.
+// Returns -1 when the total is not finite and positive or an entry is negative; `*sum` gets
+// the total (as f32) for the error message. Every thread gets the result.
+template <typename F>
+__device__ int block_draw(F value, int n, double u, DrawSmem& s, float* sum) {
+  int tid = threadIdx.x, w = tid / WARP, lane = tid % WARP;
+  int chunk = (n + SAMPLE_WARPS - 1) / SAMPLE_WARPS;
+  int begin = min(w * chunk, n), end = min(begin + chunk, n);
+  double mass = 0.0;
+  int last = -1, bad = 0;
+  for (int i = begin + lane; i < end; i += WARP) {
+    float v = value(i);
+    if (v > 0.0f) {
+      mass += (double)v;
+      last = i;
+    } else if (v < 0.0f || v != v) {
+      // NaN adds to the total on the CPU (making it NaN); a negative entry is an error there.
+      if (v != v) mass += (double)v; else bad = 1;
+    }
+  }
+  mass = warp_sum_t(mass);
+  last = warp_max_i(last);
+  bad = warp_max_i(bad);
+  __syncthreads();
+  if (lane == 0) {
+    s.chunk[w] = mass;
+    s.last[w] = last;
+    s.bad[w] = bad;
+  }
+  __syncthreads();
+  // Every thread walks the chunk totals in the same order: same total, same chunk.
+  double total = 0.0;
+  int last_pos = -1, any_bad = 0;
+  for (int c = 0; c < SAMPLE_WARPS; c++) {
+    total += s.chunk[c];
+    last_pos = max(last_pos, s.last[c]);
+    any_bad |= s.bad[c];
+  }
+  *sum = (float)total;
+  if (!(total == total && total > 0.0 && total < 1.0e308) || any_bad) return -1;
+  double uc = u < 0.0 ? 0.0 : (u > 1.0 ? 1.0 : u);
+  double target = uc * total;
+  int start_chunk = -1;
+  double base = 0.0;
+  for (int c = 0; c < SAMPLE_WARPS; c++) {
+    if (base + s.chunk[c] > target) { start_chunk = c; break; }
+    base += s.chunk[c];
+  }
+  if (start_chunk < 0) return last_pos;
+  if (tid == 0) s.result = last_pos;
+  __syncthreads();
+  if (w == start_chunk) {
+    // Scan from this chunk's start to the end of the row (past the chunk only if rounding
+    // put the crossing just beyond it), 32 entries at a time.
+    for (int t0 = min(start_chunk * chunk, n); t0 < n; t0 += WARP) {
+      int i = t0 + lane;
+      float v = i < n ? value(i) : 0.0f;
+      double x = v > 0.0f ? (double)v : 0.0;
+#pragma unroll
+      for (int off = 1; off < WARP; off <<= 1) {
+        double y = SHFL(x, (lane - off) & (WARP - 1));
+        if (lane >= off) x += y;
+      }
+      int hit = (v > 0.0f && base + x > target) ? lane : WARP;
+      hit = warp_min_i(hit);
+      if (hit < WARP) {
+        if (lane == 0) s.result = t0 + hit;
+        break;
+      }
+      base += SHFL(x, WARP - 1);
+    }
+  }
+  __syncthreads();
+  int r = s.result;
+  __syncthreads();
+  return r;
+}
+
+// cpu::sample::sample_from_probs per row with uniforms[row]; -1 for a degenerate row.
+// Grid: rows; block: SAMPLE_THREADS.
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
+    sample_draw(const float* probs, const double* uniforms, int vocab, int* out) {
+  __shared__ DrawSmem s;
+  RowProbs row = {probs + (size_t)blockIdx.x * vocab};
+  float sum;
+  int r = block_draw(row, vocab, uniforms[blockIdx.x], s, &sum);
+  if (threadIdx.x == 0) out[blockIdx.x] = r;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Speculative verification: cpu::verify::verify_probs with DraftProbs::Sampled per sequence.
+//
+// Sequence s has gamma_s = q_offsets[s + 1] - q_offsets[s] drafts; its drafts and q rows start
+// at q_offsets[s], its p rows and uniforms at q_offsets[s] + s (gamma_s + 1 of each). The output
+// row out[s][0..width) holds the accepted count then the accepted drafts and the correction or
+// bonus token, or a negative VERIFY_* code and its details. Grid: sequences; block:
+// SAMPLE_THREADS; width >= gamma_max + 3.
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
+    spec_verify(const float* p, const float* q, const int* drafts, const double* uniforms,
+                const int* q_offsets, int vocab, int* out, int width) {
+  __shared__ DrawSmem s;
+  int seq = blockIdx.x, tid = threadIdx.x;
+  int q0 = q_offsets[seq], gamma = q_offsets[seq + 1] - q0;
+  int p0 = q0 + seq;
+  const double* u = uniforms + p0;
+  int* o = out + (size_t)seq * width;
+  // Every draft id is checked before any is accepted, as on the CPU.
+  for (int k = 0; k < gamma; k++) {
+    int x = drafts[q0 + k];
+    if (x < 0 || x >= vocab) {
+      if (tid == 0) { o[0] = VERIFY_BAD_ID; o[1] = k; o[2] = x; }
+      return;
+    }
+  }
+  float sum;
+  for (int k = 0; k < gamma; k++) {
+    int x = drafts[q0 + k];
+    const float* pk = p + (size_t)(p0 + k) * vocab;
+    const float* qk = q + (size_t)(q0 + k) * vocab;
+    float qx = qk[x];
+    if (!(qx > 0.0f && finite_f(qx))) {
+      if (tid == 0) { o[0] = VERIFY_ZERO_Q; o[1] = k; o[2] = x; o[3] = (int)ferry_f2u(qx); }
+      return;
+    }
+    if (u[k] * (double)qx < (double)pk[x]) {
+      if (tid == 0) o[1 + k] = x;
+      continue;
+    }
+    // Rejected: the correction from norm(max(0, p − q)), else from p when that has no mass.
+    RowResidual res = {pk, qk};
+    int y = block_draw(res, vocab, u[gamma], s, &sum);
+    if (y < 0) {
+      RowProbs row = {pk};
+      y = block_draw(row, vocab, u[gamma], s, &sum);
+    }
+    if (tid == 0) {
+      if (y < 0) {
+        o[0] = VERIFY_DEGENERATE; o[1] = k; o[2] = (int)ferry_f2u(sum);
+      } else {
+        o[0] = k; o[1 + k] = y;
+      }
+    }
+    return;
+  }
+  RowProbs bonus = {p + (size_t)(p0 + gamma) * vocab};
+  int y = block_draw(bonus, vocab, u[gamma], s, &sum);
+  if (tid == 0) {
+    if (y < 0) {
+      o[0] = VERIFY_DEGENERATE; o[1] = gamma; o[2] = (int)ferry_f2u(sum);
+    } else {
+      o[0] = gamma; o[1 + gamma] = y;
+    }
+  }
+}

@@ -1,0 +1,1033 @@
+//! Sampling and speculative verification as backend ops (`backend::sample`, `backend::verify`),
+//! on every backend this machine has (the CPU always; a CUDA device when one opens), against the
+//! CPU sampler called directly row by row / sequence by sequence.
+//!
+//! - `probs`: bit-identical on the CPU (its arm calls the same function). On a GPU max |Δ| ≤
+//!   1e-6 with the kept set identical: the kernel's `expf` is within 2 ulp of the CPU's `exp`
+//!   and it sums in per-thread partials and a tree instead of one sequential f32 sum. The rows
+//!   are built so that this stays far below 1e-6 and away from every pivot: logits are
+//!   multiples of 1/256 (distinct values differ by far more than rounding), unfiltered rows are
+//!   flat (every probability is small, so the CPU's √n-growing summation error is tiny in
+//!   absolute terms), filtered rows are renormalised over a short head, and top-p targets sit
+//!   in the middle of a tie group's cumulative mass (see [`top_p_between`]).
+//! - `draw`: identical ids for uniforms away from CDF boundaries (the GPU cumulates in f64 in
+//!   another order; the uniforms here keep u·total 1e-9 of the total away from any boundary);
+//!   a degenerate row gives -1 without touching the others.
+//! - `argmax`: identical, ties to the lowest index, NaN never chosen.
+//! - `verify`: identical results to `cpu::verify::verify_probs` for greedy and sampled
+//!   sequences in one batch (accept tests are the same f64 arithmetic; a draw could differ only
+//!   within f64 rounding of a CDF boundary, which random uniforms do not hit); a bad sequence
+//!   fails alone.
+//! - Losslessness of the backend verifier: chi-square of the emitted tokens per position and of
+//!   the accepted lengths against a float64 reference of the target distribution, over 40,000
+//!   sequences of one `verify_logits` call per parameter set, with negative controls that must
+//!   fail the same test (method and limits of `tests/verify.rs`, whose helpers are copied here).
+
+mod common;
+
+use ferry_kernels::backend::sample::{
+    argmax, draw, ints_to_host, probs, sample, Draw, Probs, RowParams, Sample, Uniforms,
+};
+use ferry_kernels::backend::verify::{verify, verify_logits, VerifyBatch, VerifyLogits, VerifyOut};
+use ferry_kernels::backend::{Backend, Ints};
+use ferry_kernels::cpu::sample::{self as cpu, probs_from_logits, sample_from_probs, SamplingParams};
+use ferry_kernels::cpu::verify::{verify_probs, DraftProbs};
+use ferry_kernels::KernelError;
+use rand::seq::SliceRandom;
+use rand::Rng;
+use rand_chacha::ChaCha8Rng;
+
+/// DeepSeek-V3's vocabulary.
+const DEEPSEEK_VOCAB: usize = 129_280;
+
+/// Every backend this machine can run.
+fn backends() -> Vec<Backend> {
+    let mut all = vec![Backend::Cpu];
+    #[cfg(feature = "cuda")]
+    match ferry_kernels::cuda::CudaDevice::open(0) {
+        Ok(d) => all.push(Backend::Cuda(d)),
+        Err(e) => eprintln!("CPU backend only: {e}"),
+    }
+    all
+}
+
+fn is_cpu(b: &Backend) -> bool {
+    matches!(b, Backend::Cpu)
+}
+
+fn host_ints(i: &Ints) -> Vec<i32> {
+    ints_to_host(i).expect("download ids")
+}
+
+fn greedy() -> SamplingParams {
+    SamplingParams {
+        temperature: 0.0,
+        ..SamplingParams::default()
+    }
+}
+
+/// `vocab` logits, multiples of 1/256 uniform in `[-4, 4)`.
+fn flat(rng: &mut ChaCha8Rng, vocab: usize) -> Vec<f32> {
+    (0..vocab)
+        .map(|_| rng.random_range(-1024..1024) as f32 / 256.0)
+        .collect()
+}
+
+/// A tail of multiples of 1/256 in `[-4, 0)` with `head` placed at random distinct positions.
+fn headed(rng: &mut ChaCha8Rng, vocab: usize, head: &[f32]) -> Vec<f32> {
+    let mut x: Vec<f32> = (0..vocab)
+        .map(|_| rng.random_range(-1024..0) as f32 / 256.0)
+        .collect();
+    let mut at: Vec<usize> = (0..vocab).collect();
+    at.shuffle(rng);
+    for (&i, &v) in at.iter().zip(head) {
+        x[i] = v;
+    }
+    x
+}
+
+/// A top-p value whose target lands in the middle of a tie group's cumulative mass near
+/// `want`: the top-p step's input is the CPU's distribution with the earlier steps only, its
+/// distinct values sorted descending with cumulative masses `c_0 < c_1 < …` (f64); the group
+/// whose range first reaches `want` is the pivot with half its mass as margin on either side.
+fn top_p_between(logits: &[f32], params: &SamplingParams, want: f64) -> f32 {
+    let before = SamplingParams {
+        top_p: 1.0,
+        min_p: 0.0,
+        ..params.clone()
+    };
+    let mut p = probs_from_logits(logits, &before).expect("valid row");
+    p.sort_unstable_by(|a, b| b.total_cmp(a));
+    let total: f64 = p.iter().map(|&v| f64::from(v)).sum();
+    let (mut start, mut cum) = (0.0f64, 0.0f64);
+    let mut i = 0;
+    while i < p.len() {
+        let v = p[i];
+        while i < p.len() && p[i] == v {
+            cum += f64::from(p[i]);
+            i += 1;
+        }
+        if cum / total >= want {
+            return ((start + cum) / 2.0 / total) as f32;
+        }
+        start = cum;
+    }
+    panic!("no group reaches {want}")
+}
+
+/// The mixed batch of `probs_match_the_cpu_sampler_row_by_row` for one vocabulary size.
+fn mixed_batch(vocab: usize, seed: u64) -> Vec<(Vec<f32>, SamplingParams)> {
+    let mut rng = common::rng(seed);
+    // 12, 11.5, … : a head holding most of the mass, distinct values half a logit apart.
+    let head: Vec<f32> = (0..10.min(vocab - 1)).map(|i| 12.0 - 0.5 * i as f32).collect();
+    // Ties at the top-k boundary: the 5th largest value is shared by three entries.
+    let tied = [12.0, 11.5, 11.0, 10.5, 10.0, 10.0, 10.0];
+    let mut greedy_row = flat(&mut rng, vocab);
+    let (a, b) = (vocab / 3, vocab - 1);
+    greedy_row[a] = 5.0;
+    greedy_row[b] = 5.0;
+
+    let mut rows = vec![
+        (greedy_row, greedy()),
+        (
+            headed(&mut rng, vocab, &head),
+            SamplingParams {
+                top_k: 1,
+                ..SamplingParams::default()
+            },
+        ),
+        (
+            flat(&mut rng, vocab),
+            SamplingParams {
+                temperature: 0.7,
+                ..SamplingParams::default()
+            },
+        ),
+        (
+            headed(&mut rng, vocab, &tied),
+            SamplingParams {
+                top_k: 5,
+                ..SamplingParams::default()
+            },
+        ),
+        (
+            headed(&mut rng, vocab, &head),
+            SamplingParams {
+                temperature: 1.2,
+                min_p: 0.05,
+                ..SamplingParams::default()
+            },
+        ),
+    ];
+    let top_p_row = headed(&mut rng, vocab, &head);
+    let top_p = SamplingParams::default();
+    let p = top_p_between(&top_p_row, &top_p, 0.8);
+    rows.push((top_p_row, SamplingParams { top_p: p, ..top_p }));
+    // Deep pivots on a flat row: many kept entries, tie groups of equal logits at the boundary.
+    let flat_k = SamplingParams {
+        top_k: (vocab as u32 / 4).max(2),
+        ..SamplingParams::default()
+    };
+    rows.push((flat(&mut rng, vocab), flat_k));
+    let flat_p_row = flat(&mut rng, vocab);
+    let flat_p = SamplingParams {
+        temperature: 1.5,
+        ..SamplingParams::default()
+    };
+    let p = top_p_between(&flat_p_row, &flat_p, 0.5);
+    rows.push((flat_p_row, SamplingParams { top_p: p, ..flat_p }));
+    let flat_min_p = SamplingParams {
+        min_p: 0.3,
+        ..SamplingParams::default()
+    };
+    rows.push((flat(&mut rng, vocab), flat_min_p));
+    let all_row = headed(&mut rng, vocab, &tied);
+    let all = SamplingParams {
+        temperature: 0.8,
+        top_k: 6,
+        min_p: 0.02,
+        ..SamplingParams::default()
+    };
+    let p = top_p_between(&all_row, &all, 0.7);
+    rows.push((all_row, SamplingParams { top_p: p, ..all }));
+    rows
+}
+
+#[test]
+fn probs_match_the_cpu_sampler_row_by_row() {
+    for b in backends() {
+        for (i, vocab) in [8, 1000, DEEPSEEK_VOCAB].into_iter().enumerate() {
+            let batch = mixed_batch(vocab, 10 + i as u64);
+            let logits: Vec<f32> = batch.iter().flat_map(|(x, _)| x.clone()).collect();
+            let params: Vec<SamplingParams> = batch.iter().map(|(_, p)| p.clone()).collect();
+            let rp = RowParams::new(&b, &params).expect("valid params");
+            let x = b.upload(&logits).expect("upload");
+            let got = probs(
+                &b,
+                Probs {
+                    logits: &x,
+                    vocab,
+                    params: &rp,
+                },
+            )
+            .expect("probs")
+            .to_host()
+            .expect("download");
+            let mut worst = 0.0f32;
+            for (r, ((row, prm), got)) in batch.iter().zip(got.chunks_exact(vocab)).enumerate() {
+                let want = probs_from_logits(row, prm).expect("valid row");
+                let kept = |v: &[f32]| v.iter().filter(|&&p| p > 0.0).count();
+                if is_cpu(&b) {
+                    let bits = |v: &[f32]| v.iter().map(|p| p.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(got), bits(&want), "row {r} ({prm:?}), vocab {vocab}");
+                    continue;
+                }
+                let same_set = got.iter().zip(&want).all(|(g, w)| (*g > 0.0) == (*w > 0.0));
+                assert!(
+                    same_set,
+                    "row {r} ({prm:?}), vocab {vocab}: kept {} on the {}, {} on the CPU",
+                    kept(got),
+                    b.name(),
+                    kept(&want)
+                );
+                let d = common::max_abs_diff(got, &want);
+                assert!(d <= 1e-6, "row {r} ({prm:?}), vocab {vocab}: max |Δ| {d:.2e}");
+                worst = worst.max(d);
+            }
+            eprintln!("probs, vocab {vocab}, on the {}: max |Δ| {worst:.2e}", b.name());
+        }
+    }
+}
+
+#[test]
+fn a_degenerate_row_is_marked_and_does_not_touch_the_others() {
+    let vocab = 1000;
+    let mut rng = common::rng(20);
+    let good = flat(&mut rng, vocab);
+    let mut nan = flat(&mut rng, vocab);
+    nan[17] = f32::NAN;
+    let masked = vec![f32::NEG_INFINITY; vocab];
+    let logits: Vec<f32> = [&good[..], &nan, &good, &masked, &good].concat();
+    let params = vec![SamplingParams::default(); 5];
+    let want = probs_from_logits(&good, &params[0]).expect("valid");
+    for b in backends() {
+        let rp = RowParams::new(&b, &params).expect("valid");
+        let x = b.upload(&logits).expect("upload");
+        let p = probs(
+            &b,
+            Probs {
+                logits: &x,
+                vocab,
+                params: &rp,
+            },
+        )
+        .expect("probs");
+        let host = p.to_host().expect("download");
+        for r in [1, 3] {
+            let row = &host[r * vocab..(r + 1) * vocab];
+            assert!(row.iter().all(|v| v.is_nan()), "row {r} on the {}", b.name());
+        }
+        for r in [0, 2, 4] {
+            let d = common::max_abs_diff(&host[r * vocab..(r + 1) * vocab], &want);
+            assert!(d <= 1e-6, "row {r} on the {}: {d:.2e}", b.name());
+        }
+        let u = Uniforms::new(&b, &[0.3; 5]).expect("uniforms");
+        let ids = host_ints(
+            &draw(
+                &b,
+                Draw {
+                    probs: &p,
+                    vocab,
+                    uniforms: &u,
+                },
+            )
+            .expect("draw"),
+        );
+        let healthy = sample_from_probs(&want, 0.3).expect("valid") as i32;
+        assert_eq!(ids, vec![healthy, -1, healthy, -1, healthy], "{}", b.name());
+        // End to end: one error per degenerate row, the others sampled.
+        let out = sample(
+            &b,
+            Sample {
+                logits: &x,
+                vocab,
+                params: &rp,
+                uniforms: &u,
+            },
+        )
+        .expect("sample");
+        assert_eq!(out[0], Ok(healthy as u32));
+        assert!(matches!(
+            out[1],
+            Err(KernelError::DegenerateDistribution { .. })
+        ));
+        assert!(out[3].is_err() && out[4].is_ok());
+    }
+}
+
+/// A uniform whose target `u · total` stays `1e-9 · total` away from every CDF boundary of `p`.
+fn uniform_off_boundaries(rng: &mut ChaCha8Rng, p: &[f32]) -> f64 {
+    let total: f64 = p.iter().map(|&v| f64::from(v)).sum();
+    'draw: loop {
+        let u: f64 = rng.random();
+        let target = u * total;
+        let mut cum = 0.0f64;
+        for &v in p {
+            cum += f64::from(v);
+            if (cum - target).abs() < 1e-9 * total {
+                continue 'draw;
+            }
+        }
+        return u;
+    }
+}
+
+#[test]
+fn draw_matches_the_cpu_draw_and_degenerate_rows_give_minus_one() {
+    for vocab in [8, 1000, DEEPSEEK_VOCAB] {
+        let mut rng = common::rng(30 + vocab as u64);
+        let mut rows: Vec<Vec<f32>> = Vec::new();
+        let mut us: Vec<f64> = Vec::new();
+        // Softmax rows, with and without zeroed entries (zeros are never drawn).
+        for r in 0..12 {
+            let mut p = probs_from_logits(&flat(&mut rng, vocab), &SamplingParams::default())
+                .expect("valid");
+            if r % 2 == 1 {
+                for v in p.iter_mut().step_by(3) {
+                    *v = 0.0;
+                }
+            }
+            us.push(uniform_off_boundaries(&mut rng, &p));
+            rows.push(p);
+        }
+        // u = 0 draws the first positive entry; a sparse row drawn near its end.
+        let mut sparse = vec![0.0f32; vocab];
+        sparse[vocab / 2] = 0.25;
+        sparse[vocab - 1] = 0.75;
+        rows.push(sparse.clone());
+        us.push(0.0);
+        rows.push(sparse);
+        us.push(0.999_999);
+        // Degenerate: all zero, a NaN, a negative entry, an infinity.
+        let bad = rows.len();
+        let mut nan = rows[0].clone();
+        nan[vocab / 2] = f32::NAN;
+        let mut negative = rows[0].clone();
+        negative[1] = -1e-3;
+        let mut inf = rows[0].clone();
+        inf[0] = f32::INFINITY;
+        for p in [vec![0.0; vocab], nan, negative, inf] {
+            rows.push(p);
+            us.push(0.5);
+        }
+        let want: Vec<i32> = rows
+            .iter()
+            .zip(&us)
+            .map(|(p, &u)| sample_from_probs(p, u).map_or(-1, |t| t as i32))
+            .collect();
+        assert!(want[bad..].iter().all(|&t| t == -1));
+        assert!(want[..bad].iter().all(|&t| t >= 0));
+        let flat_rows: Vec<f32> = rows.concat();
+        for b in backends() {
+            let p = b.upload(&flat_rows).expect("upload");
+            let u = Uniforms::new(&b, &us).expect("uniforms");
+            let got = draw(
+                &b,
+                Draw {
+                    probs: &p,
+                    vocab,
+                    uniforms: &u,
+                },
+            )
+            .expect("draw");
+            assert_eq!(host_ints(&got), want, "vocab {vocab} on the {}", b.name());
+        }
+    }
+}
+
+#[test]
+fn argmax_matches_the_cpu_with_ties_to_the_lowest_index() {
+    for vocab in [8, 1000, DEEPSEEK_VOCAB] {
+        let mut rng = common::rng(40);
+        let mut rows: Vec<Vec<f32>> = Vec::new();
+        let mut tie = flat(&mut rng, vocab);
+        tie[vocab - 1] = 9.0;
+        tie[vocab / 2] = 9.0;
+        tie[3] = 9.0;
+        rows.push(tie);
+        let mut nan = flat(&mut rng, vocab);
+        nan[0] = f32::NAN;
+        nan[vocab - 2] = 7.0;
+        rows.push(nan);
+        rows.push(vec![f32::NEG_INFINITY; vocab]);
+        rows.push(vec![f32::NAN; vocab]);
+        let mut inf = flat(&mut rng, vocab);
+        inf[vocab - 1] = f32::INFINITY;
+        rows.push(inf);
+        rows.push(flat(&mut rng, vocab));
+        let want: Vec<i32> = rows.iter().map(|r| cpu::argmax(r) as i32).collect();
+        assert_eq!(want[0], 3);
+        assert_eq!(want[2..4], [0, 0]);
+        for b in backends() {
+            let x = b.upload(&rows.concat()).expect("upload");
+            let got = host_ints(&argmax(&b, &x, vocab).expect("argmax"));
+            assert_eq!(got, want, "vocab {vocab} on the {}", b.name());
+        }
+    }
+}
+
+/// One sequence of a verify batch, as host data.
+struct Seq {
+    /// `[(γ + 1)][vocab]`.
+    p: Vec<f32>,
+    /// `[γ][vocab]`.
+    q: Vec<f32>,
+    drafts: Vec<i32>,
+    uniforms: Vec<f64>,
+}
+
+/// The batch on a backend, verified in one call.
+fn verify_on(b: &Backend, seqs: &[Seq], vocab: usize) -> VerifyOut {
+    let p: Vec<f32> = seqs.iter().flat_map(|s| s.p.clone()).collect();
+    let q: Vec<f32> = seqs.iter().flat_map(|s| s.q.clone()).collect();
+    let d: Vec<i32> = seqs.iter().flat_map(|s| s.drafts.clone()).collect();
+    let u: Vec<f64> = seqs.iter().flat_map(|s| s.uniforms.clone()).collect();
+    let gammas: Vec<usize> = seqs.iter().map(|s| s.drafts.len()).collect();
+    let (p, q) = (b.upload(&p).expect("p"), b.upload(&q).expect("q"));
+    let drafts = b.ints(d).expect("drafts");
+    let uniforms = Uniforms::new(b, &u).expect("uniforms");
+    verify(
+        b,
+        VerifyBatch {
+            p: &p,
+            q: &q,
+            drafts: &drafts,
+            gammas: &gammas,
+            uniforms: &uniforms,
+            vocab,
+        },
+    )
+    .expect("shapes are valid")
+}
+
+/// The CPU verifier on one sequence.
+fn verify_cpu(s: &Seq) -> Result<ferry_kernels::cpu::verify::Verified, KernelError> {
+    let ids: Vec<u32> = s.drafts.iter().map(|&x| x as u32).collect();
+    verify_probs(&s.p, DraftProbs::Sampled(&s.q), &ids, &s.uniforms)
+}
+
+fn one_hot(vocab: usize, at: usize) -> Vec<f32> {
+    let mut v = vec![0.0; vocab];
+    v[at] = 1.0;
+    v
+}
+
+#[test]
+fn verify_matches_the_cpu_verifier_and_a_bad_sequence_fails_alone() {
+    let vocab = 1000;
+    let mut rng = common::rng(50);
+    let soft = SamplingParams {
+        temperature: 0.9,
+        top_k: 40,
+        ..SamplingParams::default()
+    };
+    let mut seqs = Vec::new();
+    for s in 0..24 {
+        let gamma = s % 5;
+        let greedy_seq = s % 2 == 0;
+        let params = if greedy_seq { greedy() } else { soft.clone() };
+        let target: Vec<Vec<f32>> = (0..=gamma)
+            .map(|_| {
+                let x = flat(&mut rng, vocab);
+                probs_from_logits(&x, &params).expect("valid")
+            })
+            .collect();
+        // Greedy drafts: the target's argmax for a random prefix, then a wrong token, with a
+        // one-hot q. Sampled drafts: drawn from a soft q of their own.
+        let right = rng.random_range(0..=gamma);
+        let mut drafts = Vec::new();
+        let mut q = Vec::new();
+        for (k, t) in target.iter().take(gamma).enumerate() {
+            if greedy_seq {
+                let best = cpu::argmax(t) as usize;
+                let x = if k < right { best } else { (best + 1) % vocab };
+                drafts.push(x as i32);
+                q.extend(one_hot(vocab, x));
+            } else {
+                let qk = probs_from_logits(&flat(&mut rng, vocab), &soft).expect("valid");
+                drafts.push(sample_from_probs(&qk, rng.random()).expect("valid") as i32);
+                q.extend(qk);
+            }
+        }
+        let uniforms = (0..=gamma).map(|_| rng.random()).collect();
+        seqs.push(Seq {
+            p: target.concat(),
+            q,
+            drafts,
+            uniforms,
+        });
+    }
+    // Bad sequences next to good ones: q = 0 at the draft, an id past the vocabulary, a
+    // negative id, a degenerate (NaN) target row that the verifier reaches.
+    let template = |s: &Seq| Seq {
+        p: s.p.clone(),
+        q: s.q.clone(),
+        drafts: s.drafts.clone(),
+        uniforms: s.uniforms.clone(),
+    };
+    let mut zero_q = template(&seqs[3]);
+    let x = zero_q.drafts[0] as usize;
+    zero_q.q[x] = 0.0;
+    let mut past = template(&seqs[3]);
+    past.drafts[1] = vocab as i32;
+    let mut negative = template(&seqs[3]);
+    negative.drafts[0] = -5;
+    let mut nan = template(&seqs[4]);
+    nan.p[..vocab].fill(f32::NAN);
+    for (at, s) in [(2, zero_q), (7, past), (11, negative), (15, nan)] {
+        seqs.insert(at, s);
+    }
+    let want: Vec<_> = seqs.iter().map(verify_cpu).collect();
+    assert!(want[2]
+        .as_ref()
+        .is_err_and(|e| e.to_string().contains("q[k][draft]")));
+    assert!(want[7]
+        .as_ref()
+        .is_err_and(|e| e.to_string().contains("drafts")));
+    assert!(matches!(
+        want[15],
+        Err(KernelError::DegenerateDistribution { .. })
+    ));
+    assert_eq!(want.iter().filter(|r| r.is_err()).count(), 4);
+    for b in backends() {
+        let got = verify_on(&b, &seqs, vocab);
+        assert_eq!(got.len(), seqs.len());
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            match (g, w) {
+                (Ok(g), Ok(w)) => assert_eq!(g, w, "sequence {i} on the {}", b.name()),
+                (Err(KernelError::DegenerateDistribution { .. }), Err(_)) => assert_eq!(i, 15),
+                // The CPU reference saw -5 as a u32; the backend reports the id as given.
+                (Err(g), Err(_)) if i == 11 => {
+                    assert!(g.to_string().contains("-5 with vocab"), "{g}");
+                }
+                (Err(g), Err(w)) => assert_eq!(g.to_string(), w.to_string(), "sequence {i}"),
+                _ => panic!("sequence {i} on the {}: {g:?}, CPU {w:?}", b.name()),
+            }
+        }
+        // Greedy sequences: exact argmax matching.
+        for (i, s) in seqs.iter().enumerate().filter(|(i, _)| ![2, 7, 11, 15].contains(i)) {
+            let Ok(v) = &got[i] else {
+                panic!("sequence {i} failed on the {}", b.name())
+            };
+            assert_eq!(v.tokens.len(), v.accepted + 1);
+            assert!(v.accepted <= s.drafts.len());
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Losslessness (the method of tests/verify.rs, run through the backend ops).
+
+const VOCAB: usize = 8;
+const GAMMA: usize = 3;
+const ROUNDS: usize = 40_000;
+/// Exceeded by a correct verifier with probability below 1e-6 at ≤ 8 degrees of freedom.
+const CHI2_LIMIT: f64 = 45.0;
+
+/// Float64 reference of the sampler's distribution, written from the definitions (copied from
+/// `tests/verify.rs`): softmax at temperature, top-k keeping entries with fewer than k strictly
+/// larger, top-p keeping entries whose strictly-larger mass is below p, min-p; a point mass at
+/// the (lowest) argmax for greedy.
+fn reference_probs(logits: &[f32], params: &SamplingParams) -> Vec<f64> {
+    let n = logits.len();
+    if params.is_greedy() {
+        let mut best = 0;
+        for (i, &v) in logits.iter().enumerate() {
+            if v > logits[best] {
+                best = i;
+            }
+        }
+        let mut p = vec![0.0; n];
+        p[best] = 1.0;
+        return p;
+    }
+    let t = f64::from(params.temperature);
+    let max = logits
+        .iter()
+        .map(|&v| f64::from(v) / t)
+        .fold(f64::MIN, f64::max);
+    let mut p: Vec<f64> = logits
+        .iter()
+        .map(|&v| (f64::from(v) / t - max).exp())
+        .collect();
+    normalise(&mut p);
+    let k = params.top_k as usize;
+    if k > 0 && k < n {
+        let keep: Vec<bool> = p
+            .iter()
+            .map(|&v| p.iter().filter(|&&u| u > v).count() < k)
+            .collect();
+        filter(&mut p, &keep);
+    }
+    if params.top_p < 1.0 {
+        let target = f64::from(params.top_p);
+        let keep: Vec<bool> = p
+            .iter()
+            .map(|&v| p.iter().filter(|&&u| u > v).sum::<f64>() < target)
+            .collect();
+        filter(&mut p, &keep);
+    }
+    if params.min_p > 0.0 {
+        let m = p.iter().copied().fold(0.0, f64::max) * f64::from(params.min_p);
+        let keep: Vec<bool> = p.iter().map(|&v| v >= m).collect();
+        filter(&mut p, &keep);
+    }
+    p
+}
+
+fn normalise(p: &mut [f64]) {
+    let s: f64 = p.iter().sum();
+    p.iter_mut().for_each(|v| *v /= s);
+}
+
+fn filter(p: &mut [f64], keep: &[bool]) {
+    for (v, &k) in p.iter_mut().zip(keep) {
+        if !k {
+            *v = 0.0;
+        }
+    }
+    normalise(p);
+}
+
+/// Pearson chi-square of `counts` against `probs` (cells with expected < 5 pooled); returns
+/// (statistic, degrees of freedom). A count in a zero-probability cell is an infinite statistic.
+fn chi2(counts: &[u64], probs: &[f64]) -> (f64, usize) {
+    let n: u64 = counts.iter().sum();
+    let mut stat = 0.0;
+    let mut cells = 0usize;
+    let (mut pooled_obs, mut pooled_exp) = (0.0, 0.0);
+    for (&c, &p) in counts.iter().zip(probs) {
+        if p == 0.0 {
+            if c > 0 {
+                return (f64::INFINITY, cells);
+            }
+            continue;
+        }
+        let e = n as f64 * p;
+        if e < 5.0 {
+            pooled_obs += c as f64;
+            pooled_exp += e;
+            continue;
+        }
+        stat += (c as f64 - e).powi(2) / e;
+        cells += 1;
+    }
+    if pooled_exp > 0.0 {
+        stat += (pooled_obs - pooled_exp).powi(2) / pooled_exp.max(1e-12);
+        cells += 1;
+    }
+    (stat, cells.saturating_sub(1))
+}
+
+/// Per-position emitted-token counts and the accepted-length histogram.
+#[derive(Debug)]
+struct Tally {
+    at: Vec<[u64; VOCAB]>,
+    accepted: [u64; GAMMA + 1],
+}
+
+impl Tally {
+    fn new() -> Self {
+        Self {
+            at: vec![[0; VOCAB]; GAMMA + 1],
+            accepted: [0; GAMMA + 1],
+        }
+    }
+}
+
+/// The chi-square statistics of a tally: one per output position, then the accepted-length
+/// histogram against `Π α_i (1 − α_k)`.
+fn statistics(tally: &Tally, p_ref: &[Vec<f64>], alpha: &[f64]) -> Vec<(f64, usize)> {
+    let mut out: Vec<(f64, usize)> = tally
+        .at
+        .iter()
+        .zip(p_ref)
+        .map(|(counts, p)| chi2(counts, p))
+        .collect();
+    let mut lengths = Vec::with_capacity(GAMMA + 1);
+    let mut reach = 1.0;
+    for &a in alpha {
+        lengths.push(reach * (1.0 - a));
+        reach *= a;
+    }
+    lengths.push(reach);
+    out.push(chi2(&tally.accepted, &lengths));
+    out
+}
+
+fn passes(stats: &[(f64, usize)]) -> bool {
+    stats.iter().all(|&(s, _)| s < CHI2_LIMIT)
+}
+
+/// Expected acceptance per position, `Σ_v min(p, q)`.
+fn alpha(p_ref: &[Vec<f64>], q: &[f64]) -> Vec<f64> {
+    (0..GAMMA)
+        .map(|k| {
+            p_ref[k]
+                .iter()
+                .zip(&q[k * VOCAB..(k + 1) * VOCAB])
+                .map(|(a, b)| a.min(*b))
+                .sum()
+        })
+        .collect()
+}
+
+/// A synthetic request (as in `tests/verify.rs`): target logits `[(γ+1)][V]` and a drafter's
+/// logits `[γ][V]` = the target's plus noise.
+struct Case {
+    target: Vec<f32>,
+    draft_logits: Vec<f32>,
+}
+
+fn case(seed: u64) -> Case {
+    let mut rng = common::rng(seed);
+    let target = common::uniform(&mut rng, (GAMMA + 1) * VOCAB, 2.5);
+    let noise = common::uniform(&mut rng, GAMMA * VOCAB, 1.2);
+    let draft_logits = target[..GAMMA * VOCAB]
+        .iter()
+        .zip(noise)
+        .map(|(t, n)| t + n)
+        .collect();
+    Case {
+        target,
+        draft_logits,
+    }
+}
+
+fn rows_of(flat: &[f32]) -> Vec<Vec<f32>> {
+    flat.chunks(VOCAB).map(<[f32]>::to_vec).collect()
+}
+
+/// The drafter's q rows (softmax at temperature 1, by the sampler's code).
+fn q_rows(c: &Case) -> Vec<f32> {
+    rows_of(&c.draft_logits)
+        .iter()
+        .flat_map(|l| probs_from_logits(l, &SamplingParams::default()).expect("valid"))
+        .collect()
+}
+
+fn sampled_params() -> Vec<SamplingParams> {
+    vec![
+        SamplingParams::default(),
+        SamplingParams {
+            temperature: 0.8,
+            top_k: 5,
+            top_p: 0.9,
+            min_p: 0.02,
+            seed: None,
+        },
+        SamplingParams {
+            temperature: 1.3,
+            top_p: 0.6,
+            ..SamplingParams::default()
+        },
+    ]
+}
+
+/// How the test's drafter proposes.
+#[derive(Clone, Copy)]
+enum Proposer<'a> {
+    /// Draws `x_k` from these rows `[γ][vocab]`.
+    Sample(&'a [f32]),
+    /// Always proposes these tokens.
+    Fixed(&'a [u32]),
+}
+
+/// One request kind of a lossless run: a case, its parameters, how drafts are proposed and the
+/// q rows declared to the verifier.
+#[derive(Clone)]
+struct Kind<'a> {
+    case: &'a Case,
+    params: SamplingParams,
+    proposer: Proposer<'a>,
+    declared: &'a [f32],
+}
+
+/// `ROUNDS` sequences of every kind, interleaved, verified by ONE `verify_logits` call on `b`
+/// (target logits → probs on the backend → verify → one download); one tally per kind.
+fn run(b: &Backend, kinds: &[Kind<'_>], seed: u64) -> Vec<Tally> {
+    let mut rng = common::rng(seed);
+    let n = ROUNDS * kinds.len();
+    let (mut logits, mut q, mut drafts, mut uniforms) = (vec![], vec![], vec![], vec![]);
+    let mut per_seq = Vec::with_capacity(n);
+    for _ in 0..ROUNDS {
+        for k in kinds {
+            for j in 0..GAMMA {
+                drafts.push(match k.proposer {
+                    Proposer::Sample(rows) => {
+                        sample_from_probs(&rows[j * VOCAB..(j + 1) * VOCAB], rng.random())
+                            .expect("valid q") as i32
+                    }
+                    Proposer::Fixed(t) => t[j] as i32,
+                });
+            }
+            uniforms.extend((0..=GAMMA).map(|_| rng.random::<f64>()));
+            logits.extend_from_slice(&k.case.target);
+            q.extend_from_slice(k.declared);
+            per_seq.push(k.params.clone());
+        }
+    }
+    let gammas = vec![GAMMA; n];
+    let params = RowParams::for_blocks(b, &per_seq, &gammas).expect("valid params");
+    let logits = b.take(logits).expect("logits");
+    let q = b.take(q).expect("q");
+    let drafts = b.ints(drafts).expect("drafts");
+    let uniforms = Uniforms::new(b, &uniforms).expect("uniforms");
+    let out = verify_logits(
+        b,
+        VerifyLogits {
+            logits: &logits,
+            params: &params,
+            q: &q,
+            drafts: &drafts,
+            gammas: &gammas,
+            uniforms: &uniforms,
+            vocab: VOCAB,
+        },
+    )
+    .expect("valid batch");
+    let mut tallies: Vec<Tally> = kinds.iter().map(|_| Tally::new()).collect();
+    for (i, r) in out.into_iter().enumerate() {
+        let v = r.expect("valid sequence");
+        assert_eq!(v.tokens.len(), v.accepted + 1);
+        let t = &mut tallies[i % kinds.len()];
+        t.accepted[v.accepted] += 1;
+        for (j, &tok) in v.tokens.iter().enumerate() {
+            t.at[j][tok as usize] += 1;
+        }
+    }
+    tallies
+}
+
+/// The reference p rows for a case under `params`.
+fn p_ref(c: &Case, params: &SamplingParams) -> Vec<Vec<f64>> {
+    rows_of(&c.target)
+        .iter()
+        .map(|l| reference_probs(l, params))
+        .collect()
+}
+
+fn widen(v: &[f32]) -> Vec<f64> {
+    v.iter().map(|&x| f64::from(x)).collect()
+}
+
+/// The drafter's argmax tokens per position, and their one-hot q rows.
+fn argmax_drafts(c: &Case) -> (Vec<u32>, Vec<f32>) {
+    let d: Vec<u32> = rows_of(&c.draft_logits)
+        .iter()
+        .map(|l| cpu::argmax(l))
+        .collect();
+    let q = d.iter().flat_map(|&x| one_hot(VOCAB, x as usize)).collect();
+    (d, q)
+}
+
+#[test]
+fn the_backend_verifier_is_lossless_for_sampled_drafts_and_the_control_fails() {
+    let params = sampled_params();
+    let cases: Vec<Case> = (0..params.len()).map(|i| case(100 + i as u64)).collect();
+    let qs: Vec<Vec<f32>> = cases.iter().map(q_rows).collect();
+    // The control's drafter really draws from another distribution (the target's logits
+    // negated and shifted by one token) but declares q.
+    let others: Vec<Vec<f32>> = cases
+        .iter()
+        .map(|c| {
+            rows_of(&c.target)[..GAMMA]
+                .iter()
+                .flat_map(|l| {
+                    let mut flipped: Vec<f32> = l.iter().map(|v| -v).collect();
+                    flipped.rotate_left(1);
+                    probs_from_logits(&flipped, &SamplingParams::default()).expect("valid")
+                })
+                .collect()
+        })
+        .collect();
+    for b in backends() {
+        let honest: Vec<Kind<'_>> = (0..params.len())
+            .map(|i| Kind {
+                case: &cases[i],
+                params: params[i].clone(),
+                proposer: Proposer::Sample(&qs[i]),
+                declared: &qs[i],
+            })
+            .collect();
+        let control: Vec<Kind<'_>> = (0..params.len())
+            .map(|i| Kind {
+                proposer: Proposer::Sample(&others[i]),
+                ..honest[i].clone()
+            })
+            .collect();
+        let tallies = run(&b, &honest, 7);
+        let controls = run(&b, &control, 7);
+        for i in 0..params.len() {
+            let p = p_ref(&cases[i], &params[i]);
+            let a = alpha(&p, &widen(&qs[i]));
+            let stats = statistics(&tallies[i], &p, &a);
+            assert!(
+                passes(&stats),
+                "{}, params {:?}: chi2 {stats:?}",
+                b.name(),
+                params[i]
+            );
+            assert!(tallies[i].accepted[GAMMA] > 100, "{:?}", tallies[i].accepted);
+            let stats = statistics(&controls[i], &p, &a);
+            assert!(
+                !passes(&stats),
+                "{}, params {:?}: the control passed (chi2 {stats:?}); the test has no power",
+                b.name(),
+                params[i]
+            );
+        }
+        // Each sequence got its own parameters: kind 1's law fails against kind 2's.
+        let wrong = p_ref(&cases[1], &params[2]);
+        assert!(chi2(&tallies[1].at[0], &wrong[0]).0 > CHI2_LIMIT);
+    }
+}
+
+#[test]
+fn greedy_drafts_with_one_hot_q_are_lossless_and_the_soft_q_control_fails() {
+    let params = sampled_params();
+    let cases: Vec<Case> = (0..params.len()).map(|i| case(200 + i as u64)).collect();
+    let greedy_drafts: Vec<(Vec<u32>, Vec<f32>)> = cases.iter().map(argmax_drafts).collect();
+    let soft: Vec<Vec<f32>> = cases.iter().map(q_rows).collect();
+    for b in backends() {
+        let honest: Vec<Kind<'_>> = (0..params.len())
+            .map(|i| Kind {
+                case: &cases[i],
+                params: params[i].clone(),
+                proposer: Proposer::Fixed(&greedy_drafts[i].0),
+                declared: &greedy_drafts[i].1,
+            })
+            .collect();
+        // Proposing argmax while declaring the soft distribution over-accepts the argmax token.
+        let control: Vec<Kind<'_>> = (0..params.len())
+            .map(|i| Kind {
+                declared: &soft[i],
+                ..honest[i].clone()
+            })
+            .collect();
+        let tallies = run(&b, &honest, 11);
+        let controls = run(&b, &control, 11);
+        for i in 0..params.len() {
+            let p = p_ref(&cases[i], &params[i]);
+            let a = alpha(&p, &widen(&greedy_drafts[i].1));
+            let stats = statistics(&tallies[i], &p, &a);
+            assert!(passes(&stats), "{}: chi2 {stats:?}", b.name());
+            let stats = statistics(&controls[i], &p, &a);
+            assert!(
+                !passes(&stats),
+                "{}: the control passed (chi2 {stats:?})",
+                b.name()
+            );
+        }
+    }
+}
+
+#[test]
+fn lengths_params_and_devices_are_checked_before_anything_runs() {
+    let b = Backend::Cpu;
+    let bad_p = SamplingParams {
+        top_p: 0.0,
+        ..SamplingParams::default()
+    };
+    let e = RowParams::new(&b, &[SamplingParams::default(), bad_p]).unwrap_err();
+    assert!(e.to_string().contains("top_p"), "{e}");
+    assert!(Uniforms::new(&b, &[0.5, 1.0]).is_err());
+    assert!(Uniforms::new(&b, &[f64::NAN]).is_err());
+    let params = RowParams::new(&b, &vec![SamplingParams::default(); 2]).expect("valid");
+    let x = b.upload(&[0.0; 7]).expect("upload");
+    let e = probs(
+        &b,
+        Probs {
+            logits: &x,
+            vocab: 4,
+            params: &params,
+        },
+    )
+    .unwrap_err();
+    assert!(
+        matches!(e, KernelError::ShapeMismatch { what: "logits", expected: 8, got: 7, .. }),
+        "{e}"
+    );
+    assert!(argmax(&b, &x, 0).is_err());
+    let p = b.upload(&[0.25; 8]).expect("upload");
+    let q = b.upload(&[0.25; 4]).expect("upload");
+    let drafts = b.ints(vec![1]).expect("ints");
+    let u = Uniforms::new(&b, &[0.5]).expect("uniforms");
+    let e = verify(
+        &b,
+        VerifyBatch {
+            p: &p,
+            q: &q,
+            drafts: &drafts,
+            gammas: &[1],
+            uniforms: &u,
+            vocab: 4,
+        },
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("uniforms"), "{e}");
+    #[cfg(feature = "cuda")]
+    for gpu in backends().iter().filter(|b| !is_cpu(b)) {
+        // Operands made for the CPU are refused by the GPU arm, naming them.
+        let e = probs(
+            gpu,
+            Probs {
+                logits: &b.upload(&[0.0; 8]).expect("upload"),
+                vocab: 4,
+                params: &params,
+            },
+        )
+        .unwrap_err();
+        assert!(matches!(e, KernelError::DeviceMismatch { .. }), "{e}");
+    }
+}
