@@ -30,7 +30,9 @@ use ferry_kernels::backend::sample::{
 };
 use ferry_kernels::backend::verify::{verify, verify_logits, VerifyBatch, VerifyLogits, VerifyOut};
 use ferry_kernels::backend::{Backend, Ints};
-use ferry_kernels::cpu::sample::{self as cpu, probs_from_logits, sample_from_probs, SamplingParams};
+use ferry_kernels::cpu::sample::{
+    self as cpu, probs_from_logits, sample_from_probs, SamplingParams,
+};
 use ferry_kernels::cpu::verify::{verify_probs, DraftProbs};
 use ferry_kernels::KernelError;
 use rand::seq::SliceRandom;
@@ -42,6 +44,7 @@ const DEEPSEEK_VOCAB: usize = 129_280;
 
 /// Every backend this machine can run.
 fn backends() -> Vec<Backend> {
+    #[cfg_attr(not(feature = "cuda"), allow(unused_mut))]
     let mut all = vec![Backend::Cpu];
     #[cfg(feature = "cuda")]
     match ferry_kernels::cuda::CudaDevice::open(0) {
@@ -119,7 +122,9 @@ fn top_p_between(logits: &[f32], params: &SamplingParams, want: f64) -> f32 {
 fn mixed_batch(vocab: usize, seed: u64) -> Vec<(Vec<f32>, SamplingParams)> {
     let mut rng = common::rng(seed);
     // 12, 11.5, … : a head holding most of the mass, distinct values half a logit apart.
-    let head: Vec<f32> = (0..10.min(vocab - 1)).map(|i| 12.0 - 0.5 * i as f32).collect();
+    let head: Vec<f32> = (0..10.min(vocab - 1))
+        .map(|i| 12.0 - 0.5 * i as f32)
+        .collect();
     // Ties at the top-k boundary: the 5th largest value is shared by three entries.
     let tied = [12.0, 11.5, 11.0, 10.5, 10.0, 10.0, 10.0];
     let mut greedy_row = flat(&mut rng, vocab);
@@ -231,10 +236,16 @@ fn probs_match_the_cpu_sampler_row_by_row() {
                     kept(&want)
                 );
                 let d = common::max_abs_diff(got, &want);
-                assert!(d <= 1e-6, "row {r} ({prm:?}), vocab {vocab}: max |Δ| {d:.2e}");
+                assert!(
+                    d <= 1e-6,
+                    "row {r} ({prm:?}), vocab {vocab}: max |Δ| {d:.2e}"
+                );
                 worst = worst.max(d);
             }
-            eprintln!("probs, vocab {vocab}, on the {}: max |Δ| {worst:.2e}", b.name());
+            eprintln!(
+                "probs, vocab {vocab}, on the {}: max |Δ| {worst:.2e}",
+                b.name()
+            );
         }
     }
 }
@@ -265,7 +276,11 @@ fn a_degenerate_row_is_marked_and_does_not_touch_the_others() {
         let host = p.to_host().expect("download");
         for r in [1, 3] {
             let row = &host[r * vocab..(r + 1) * vocab];
-            assert!(row.iter().all(|v| v.is_nan()), "row {r} on the {}", b.name());
+            assert!(
+                row.iter().all(|v| v.is_nan()),
+                "row {r} on the {}",
+                b.name()
+            );
         }
         for r in [0, 2, 4] {
             let d = common::max_abs_diff(&host[r * vocab..(r + 1) * vocab], &want);
@@ -555,7 +570,11 @@ fn verify_matches_the_cpu_verifier_and_a_bad_sequence_fails_alone() {
             }
         }
         // Greedy sequences: exact argmax matching.
-        for (i, s) in seqs.iter().enumerate().filter(|(i, _)| ![2, 7, 11, 15].contains(i)) {
+        for (i, s) in seqs
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| ![2, 7, 11, 15].contains(i))
+        {
             let Ok(v) = &got[i] else {
                 panic!("sequence {i} failed on the {}", b.name())
             };
@@ -918,7 +937,11 @@ fn the_backend_verifier_is_lossless_for_sampled_drafts_and_the_control_fails() {
                 b.name(),
                 params[i]
             );
-            assert!(tallies[i].accepted[GAMMA] > 100, "{:?}", tallies[i].accepted);
+            assert!(
+                tallies[i].accepted[GAMMA] > 100,
+                "{:?}",
+                tallies[i].accepted
+            );
             let stats = statistics(&controls[i], &p, &a);
             assert!(
                 !passes(&stats),
@@ -995,7 +1018,15 @@ fn lengths_params_and_devices_are_checked_before_anything_runs() {
     )
     .unwrap_err();
     assert!(
-        matches!(e, KernelError::ShapeMismatch { what: "logits", expected: 8, got: 7, .. }),
+        matches!(
+            e,
+            KernelError::ShapeMismatch {
+                what: "logits",
+                expected: 8,
+                got: 7,
+                ..
+            }
+        ),
         "{e}"
     );
     assert!(argmax(&b, &x, 0).is_err());

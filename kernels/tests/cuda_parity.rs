@@ -181,6 +181,16 @@ fn nvrtc_compiles_every_source() {
                     assert!(ptx.contains(&k), "{k} missing for sm_{}{}", cc.0, cc.1);
                 }
             }
+            if source == Source::Sample {
+                for k in [
+                    "sample_probs",
+                    "sample_argmax",
+                    "sample_draw",
+                    "spec_verify",
+                ] {
+                    assert!(ptx.contains(k), "{k} missing for sm_{}{}", cc.0, cc.1);
+                }
+            }
             if let Ok(dir) = std::env::var("FERRY_PTX_DIR") {
                 let stem = source.name().trim_end_matches(".cu");
                 std::fs::write(format!("{dir}/{stem}_sm{}{}.ptx", cc.0, cc.1), &ptx)

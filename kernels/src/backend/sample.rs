@@ -187,7 +187,12 @@ impl Uniforms {
         match self {
             Uniforms::Host(v) => Ok(v),
             #[cfg(feature = "cuda")]
-            Uniforms::Cuda(_) => Err(super::mismatch(op, "uniforms", &Backend::Cpu, "CUDA device")),
+            Uniforms::Cuda(_) => Err(super::mismatch(
+                op,
+                "uniforms",
+                &Backend::Cpu,
+                "CUDA device",
+            )),
         }
     }
 
@@ -277,7 +282,9 @@ pub fn probs_into(b: &Backend, p: Probs<'_>, out: &mut Tensor) -> Result<(), Ker
         Backend::Cpu => {
             let logits = p.logits.host(OP, "logits")?;
             let dst = out.host_mut(OP, "out")?;
-            let rows = logits.chunks_exact(p.vocab).zip(dst.chunks_exact_mut(p.vocab));
+            let rows = logits
+                .chunks_exact(p.vocab)
+                .zip(dst.chunks_exact_mut(p.vocab));
             for ((x, y), params) in rows.zip(p.params.params()) {
                 match probs_from_logits(x, params) {
                     Ok(v) => y.copy_from_slice(&v),
@@ -289,8 +296,12 @@ pub fn probs_into(b: &Backend, p: Probs<'_>, out: &mut Tensor) -> Result<(), Ker
         }
         #[cfg(feature = "cuda")]
         Backend::Cuda(dev) => {
-            let (x, y, prm) = (p.logits.dv(OP, "logits")?, out.dv(OP, "out")?, p.params.dv(OP)?);
-            crate::cuda::sample::probs(dev, x, y, prm, rows, p.vocab)
+            let (x, y, prm) = (
+                p.logits.dv(OP, "logits")?,
+                out.dv(OP, "out")?,
+                p.params.dv(OP)?,
+            );
+            crate::cuda::sample::probs(dev, x, y, prm, p.vocab)
         }
     }
 }

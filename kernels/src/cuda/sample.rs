@@ -82,7 +82,8 @@ fn kernel(
     dev.function(Source::Sample, &Defines::new(), name)
 }
 
-/// `[rows][vocab]` logits → `[rows][vocab]` probabilities, per row exactly the steps of
+/// `[rows][vocab]` logits → `[rows][vocab]` probabilities, one row per [`PARAM_WORDS`] words
+/// of `params` (as [`pack_params`] lays them out), per row exactly the steps of
 /// `cpu::sample::probs_from_logits` (a one-hot at the argmax for greedy rows; softmax at the
 /// temperature, top-k, top-p, min-p with pivot ties kept). A row whose softmax or kept mass is
 /// degenerate is written as all NaN (the CPU errors on it); other rows are unaffected.
@@ -97,14 +98,13 @@ pub fn probs(
     logits: Dv<f32>,
     out: Dv<f32>,
     params: Dv<u32>,
-    rows: usize,
     vocab: usize,
 ) -> Result<(), KernelError> {
     const OP: &str = "cuda_sample_probs";
     let v = check_vocab(OP, vocab, MAX_VOCAB)?;
+    let rows = params.len / PARAM_WORDS;
     need(OP, "logits", rows * vocab, logits.len)?;
     need(OP, "out", rows * vocab, out.len)?;
-    need(OP, "params", rows * PARAM_WORDS, params.len)?;
     int(OP, "rows", rows)?;
     if rows == 0 {
         return Ok(());

@@ -17,6 +17,8 @@
 #define RADIX_BITS 4
 #define RADIX_BINS 16
 #define NO_INDEX 0x7fffffff
+// One warp per radix bin sums that bin; block sums read one partial per warp from one warp.
+static_assert(SAMPLE_WARPS >= RADIX_BINS && SAMPLE_WARPS <= WARP, "block shape");
 
 // Per-row parameters, SAMPLE_PARAM_WORDS u32 per row (packed by cuda/sample.rs).
 #define PARAM_TEMPERATURE 0  // f32 bits
