@@ -41,6 +41,11 @@ fn free_port() -> u16 {
         .expect("a free loopback port")
 }
 
+/// The device the cluster runs on: `$FERRY_TEST_DEVICE`, else the CPU.
+fn test_device() -> String {
+    std::env::var("FERRY_TEST_DEVICE").unwrap_or_else(|_| "cpu".into())
+}
+
 /// The `rotel-agent` binary: `$ROTEL_AGENT`, or the one inside the installed `rotel` wheel.
 fn rotel_agent() -> Option<PathBuf> {
     if let Some(p) = std::env::var_os("ROTEL_AGENT") {
@@ -164,7 +169,14 @@ impl Up {
                 // many, possibly none.
                 "--verify-len",
                 "fixed:4",
+                // The embedded drafter, on every device (`auto` leaves it off on a GPU).
+                "--speculative",
+                "on",
+                // The CPU unless `FERRY_TEST_DEVICE` names another device (the GPU machine
+                // runs this test with `FERRY_TEST_DEVICE=cuda`; docs/gpu.md).
+                "--device",
             ])
+            .arg(test_device())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(err);

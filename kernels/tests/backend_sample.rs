@@ -26,7 +26,7 @@
 mod common;
 
 use ferry_kernels::backend::sample::{
-    argmax, draw, ints_to_host, probs, sample, Draw, Probs, RowParams, Sample, Uniforms,
+    argmax, draw, probs, sample, Draw, Probs, RowParams, Sample, Uniforms,
 };
 use ferry_kernels::backend::verify::{verify, verify_logits, VerifyBatch, VerifyLogits, VerifyOut};
 use ferry_kernels::backend::{Backend, Ints};
@@ -59,7 +59,7 @@ fn is_cpu(b: &Backend) -> bool {
 }
 
 fn host_ints(i: &Ints) -> Vec<i32> {
-    ints_to_host(i).expect("download ids")
+    i.to_host().expect("download ids")
 }
 
 fn greedy() -> SamplingParams {
@@ -455,7 +455,8 @@ fn verify_on(b: &Backend, seqs: &[Seq], vocab: usize) -> VerifyOut {
         b,
         VerifyBatch {
             p: &p,
-            q: &q,
+            q: Some(&q),
+            greedy: &vec![false; seqs.len()],
             drafts: &drafts,
             gammas: &gammas,
             uniforms: &uniforms,
@@ -580,6 +581,130 @@ fn verify_matches_the_cpu_verifier_and_a_bad_sequence_fails_alone() {
             };
             assert_eq!(v.tokens.len(), v.accepted + 1);
             assert!(v.accepted <= s.drafts.len());
+        }
+    }
+}
+
+/// A verify batch where the sequences marked in `greedy` pass no q rows (argmax drafts).
+fn verify_flagged(b: &Backend, seqs: &[Seq], greedy: &[bool], vocab: usize) -> VerifyOut {
+    let p: Vec<f32> = seqs.iter().flat_map(|s| s.p.clone()).collect();
+    let q: Vec<f32> = seqs
+        .iter()
+        .zip(greedy)
+        .filter(|(_, &g)| !g)
+        .flat_map(|(s, _)| s.q.clone())
+        .collect();
+    let d: Vec<i32> = seqs.iter().flat_map(|s| s.drafts.clone()).collect();
+    let u: Vec<f64> = seqs.iter().flat_map(|s| s.uniforms.clone()).collect();
+    let gammas: Vec<usize> = seqs.iter().map(|s| s.drafts.len()).collect();
+    let p = b.upload(&p).expect("p");
+    let q = (!q.is_empty()).then(|| b.upload(&q).expect("q"));
+    verify(
+        b,
+        VerifyBatch {
+            p: &p,
+            q: q.as_ref(),
+            greedy,
+            drafts: &b.ints(d).expect("drafts"),
+            gammas: &gammas,
+            uniforms: &Uniforms::new(b, &u).expect("uniforms"),
+            vocab,
+        },
+    )
+    .expect("shapes are valid")
+}
+
+#[test]
+fn greedy_drafts_need_no_q_rows_and_verify_as_their_one_hot_rows() {
+    // Argmax drafts declared greedy (no q rows; the correction from p with the draft's entry
+    // zeroed) must verify exactly as the same drafts with one-hot q rows, and as the CPU's
+    // `DraftProbs::Greedy`; sampled sequences in the same batch keep their own rows.
+    let vocab = 1000;
+    let mut rng = common::rng(51);
+    let soft = SamplingParams {
+        temperature: 0.8,
+        ..SamplingParams::default()
+    };
+    let mut seqs = Vec::new();
+    let mut flags = Vec::new();
+    for s in 0..20 {
+        let gamma = 1 + s % 4;
+        let greedy_seq = s % 3 != 0;
+        let target: Vec<Vec<f32>> = (0..=gamma)
+            .map(|_| probs_from_logits(&flat(&mut rng, vocab), &soft).expect("valid"))
+            .collect();
+        let (mut drafts, mut q) = (Vec::new(), Vec::new());
+        for t in target.iter().take(gamma) {
+            if greedy_seq {
+                // A plausible draft that the soft target may or may not accept.
+                let x = if rng.random::<bool>() {
+                    cpu::argmax(t) as usize
+                } else {
+                    rng.random_range(0..vocab)
+                };
+                drafts.push(x as i32);
+                q.extend(one_hot(vocab, x));
+            } else {
+                let qk = probs_from_logits(&flat(&mut rng, vocab), &soft).expect("valid");
+                drafts.push(sample_from_probs(&qk, rng.random()).expect("valid") as i32);
+                q.extend(qk);
+            }
+        }
+        let uniforms = (0..=gamma).map(|_| rng.random()).collect();
+        seqs.push(Seq {
+            p: target.concat(),
+            q,
+            drafts,
+            uniforms,
+        });
+        flags.push(greedy_seq);
+    }
+    let want: Vec<_> = seqs
+        .iter()
+        .zip(&flags)
+        .map(|(s, &g)| {
+            let ids: Vec<u32> = s.drafts.iter().map(|&x| x as u32).collect();
+            let q = if g {
+                DraftProbs::Greedy
+            } else {
+                DraftProbs::Sampled(&s.q)
+            };
+            verify_probs(&s.p, q, &ids, &s.uniforms).expect("valid")
+        })
+        .collect();
+    assert!(
+        want.iter().any(|v| v.accepted > 0) && want.iter().any(|v| v.accepted < 4),
+        "the batch accepts and rejects"
+    );
+    for b in backends() {
+        let rows = verify_on(&b, &seqs, vocab);
+        let flagged = verify_flagged(&b, &seqs, &flags, vocab);
+        for (i, ((r, f), w)) in rows.iter().zip(&flagged).zip(&want).enumerate() {
+            let (r, f) = (r.as_ref().expect("valid"), f.as_ref().expect("valid"));
+            assert_eq!(f, w, "sequence {i} (greedy flag) on the {}", b.name());
+            assert_eq!(r, w, "sequence {i} (one-hot rows) on the {}", b.name());
+        }
+        // A batch of greedy sequences only passes no q at all.
+        let only: Vec<Seq> = seqs
+            .iter()
+            .zip(&flags)
+            .filter(|(_, &g)| g)
+            .map(|(s, _)| Seq {
+                p: s.p.clone(),
+                q: Vec::new(),
+                drafts: s.drafts.clone(),
+                uniforms: s.uniforms.clone(),
+            })
+            .collect();
+        let got = verify_flagged(&b, &only, &vec![true; only.len()], vocab);
+        let want_only: Vec<_> = want
+            .iter()
+            .zip(&flags)
+            .filter(|(_, &g)| g)
+            .map(|(w, _)| w)
+            .collect();
+        for (g, w) in got.iter().zip(want_only) {
+            assert_eq!(g.as_ref().expect("valid"), w);
         }
     }
 }
@@ -810,6 +935,8 @@ struct Kind<'a> {
     params: SamplingParams,
     proposer: Proposer<'a>,
     declared: &'a [f32],
+    /// Declared as argmax drafts: no q rows are passed (`declared` is not used).
+    greedy: bool,
 }
 
 /// `ROUNDS` sequences of every kind, interleaved, verified by ONE `verify_logits` call on `b`
@@ -818,6 +945,7 @@ fn run(b: &Backend, kinds: &[Kind<'_>], seed: u64) -> Vec<Tally> {
     let mut rng = common::rng(seed);
     let n = ROUNDS * kinds.len();
     let (mut logits, mut q, mut drafts, mut uniforms) = (vec![], vec![], vec![], vec![]);
+    let mut greedy = Vec::with_capacity(n);
     let mut per_seq = Vec::with_capacity(n);
     for _ in 0..ROUNDS {
         for k in kinds {
@@ -832,14 +960,17 @@ fn run(b: &Backend, kinds: &[Kind<'_>], seed: u64) -> Vec<Tally> {
             }
             uniforms.extend((0..=GAMMA).map(|_| rng.random::<f64>()));
             logits.extend_from_slice(&k.case.target);
-            q.extend_from_slice(k.declared);
+            if !k.greedy {
+                q.extend_from_slice(k.declared);
+            }
+            greedy.push(k.greedy);
             per_seq.push(k.params.clone());
         }
     }
     let gammas = vec![GAMMA; n];
     let params = RowParams::for_blocks(b, &per_seq, &gammas).expect("valid params");
     let logits = b.take(logits).expect("logits");
-    let q = b.take(q).expect("q");
+    let q = (!q.is_empty()).then(|| b.take(q).expect("q"));
     let drafts = b.ints(drafts).expect("drafts");
     let uniforms = Uniforms::new(b, &uniforms).expect("uniforms");
     let out = verify_logits(
@@ -847,7 +978,8 @@ fn run(b: &Backend, kinds: &[Kind<'_>], seed: u64) -> Vec<Tally> {
         VerifyLogits {
             logits: &logits,
             params: &params,
-            q: &q,
+            q: q.as_ref(),
+            greedy: &greedy,
             drafts: &drafts,
             gammas: &gammas,
             uniforms: &uniforms,
@@ -917,6 +1049,7 @@ fn the_backend_verifier_is_lossless_for_sampled_drafts_and_the_control_fails() {
                 params: params[i].clone(),
                 proposer: Proposer::Sample(&qs[i]),
                 declared: &qs[i],
+                greedy: false,
             })
             .collect();
         let control: Vec<Kind<'_>> = (0..params.len())
@@ -969,6 +1102,7 @@ fn greedy_drafts_with_one_hot_q_are_lossless_and_the_soft_q_control_fails() {
                 params: params[i].clone(),
                 proposer: Proposer::Fixed(&greedy_drafts[i].0),
                 declared: &greedy_drafts[i].1,
+                greedy: false,
             })
             .collect();
         // Proposing argmax while declaring the soft distribution over-accepts the argmax token.
@@ -978,13 +1112,24 @@ fn greedy_drafts_with_one_hot_q_are_lossless_and_the_soft_q_control_fails() {
                 ..honest[i].clone()
             })
             .collect();
+        // The same drafts declared greedy: no q rows at all, the point mass implied.
+        let flagged: Vec<Kind<'_>> = honest
+            .iter()
+            .map(|k| Kind {
+                greedy: true,
+                ..k.clone()
+            })
+            .collect();
         let tallies = run(&b, &honest, 11);
+        let tallies_flagged = run(&b, &flagged, 11);
         let controls = run(&b, &control, 11);
         for i in 0..params.len() {
             let p = p_ref(&cases[i], &params[i]);
             let a = alpha(&p, &widen(&greedy_drafts[i].1));
             let stats = statistics(&tallies[i], &p, &a);
             assert!(passes(&stats), "{}: chi2 {stats:?}", b.name());
+            let stats = statistics(&tallies_flagged[i], &p, &a);
+            assert!(passes(&stats), "{} (greedy flag): chi2 {stats:?}", b.name());
             let stats = statistics(&controls[i], &p, &a);
             assert!(
                 !passes(&stats),
@@ -1038,7 +1183,8 @@ fn lengths_params_and_devices_are_checked_before_anything_runs() {
         &b,
         VerifyBatch {
             p: &p,
-            q: &q,
+            q: Some(&q),
+            greedy: &[false],
             drafts: &drafts,
             gammas: &[1],
             uniforms: &u,

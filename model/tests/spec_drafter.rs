@@ -9,13 +9,14 @@
 //! 1e-4 on confidences, and compare greedy drafts only where the reference's top-2 margin
 //! exceeds 0.05 (the third case has a 0.009 near-tie).
 
+use ferry_kernels::backend::Tensor;
 use ferry_kernels::cpu::sample::SamplingParams;
 use ferry_model::deepseek::forward::ForwardHooks;
 use ferry_model::deepseek::{BatchInputs, DeepseekModel, FormPolicy, LogitsWanted, SeqInput};
 use ferry_model::drafter::{
     ContextRows, ContextSegment, DraftCtx, DraftDist, DraftInput, Drafter, DsparkDrafter,
 };
-use ferry_model::kv::{BlockTable, KvPool};
+use ferry_model::kv::{BlockTable, KvPool, KvStore};
 
 struct Case {
     prompt: Vec<u32>,
@@ -73,7 +74,7 @@ fn prefill_taps(
     target: &DeepseekModel,
     prompt: &[u32],
     taps: &[usize],
-) -> (Vec<Vec<f32>>, KvPool, BlockTable) {
+) -> (Vec<Tensor>, KvPool, BlockTable) {
     let mut pool = target.new_kv_pool(8, 64).unwrap();
     let mut table = BlockTable::new();
     table.reserve(&mut pool, prompt.len()).unwrap();
@@ -104,7 +105,7 @@ fn prefill_taps(
             .unwrap();
     }
     table.advance(prompt.len(), 64).unwrap();
-    (tapped, pool, table)
+    (tapped.into_iter().map(Tensor::Host).collect(), pool, table)
 }
 
 #[test]
@@ -122,7 +123,7 @@ fn drafter_matches_the_float32_reference() {
         let n = case.prompt.len();
         let (taps, pool, table) = prefill_taps(&target, &case.prompt, drafter.taps());
         let layout = drafter.kv_layout().unwrap();
-        let mut dpool = KvPool::new(layout.pool_layout(pool.layout())).unwrap();
+        let mut dpool = KvStore::Host(KvPool::new(layout.rows_layout(pool.layout())).unwrap());
         // Context rows are per-token projections: extending in two steps (as decode does)
         // must give what one step gives.
         let split = n / 2;
@@ -146,7 +147,7 @@ fn drafter_matches_the_float32_reference() {
         }
         let ctx = DraftCtx {
             target: &target,
-            pool: Some(&dpool),
+            kv: Some(&dpool),
         };
         let input = DraftInput {
             anchor: case.anchor,
@@ -156,7 +157,8 @@ fn drafter_matches_the_float32_reference() {
             params: &greedy,
             uniforms: &[],
         };
-        let (_, logits) = drafter.block_forward(&ctx, &[input]).unwrap();
+        let pass = drafter.block_forward(&ctx, &[input]).unwrap();
+        let logits = pass.logits.to_host().unwrap();
         assert_eq!(logits.len(), b * vocab);
         let scale = case.block_logits.iter().fold(1.0f32, |m, v| m.max(v.abs()));
         let diff = logits
@@ -169,7 +171,7 @@ fn drafter_matches_the_float32_reference() {
             "case {i}: block logits differ by {diff} (scale {scale})"
         );
 
-        let p = drafter.propose(&ctx, &[input]).pop().unwrap().unwrap();
+        let p = drafter.propose(&ctx, &[input]).each.pop().unwrap().unwrap();
         assert_eq!(p.q, DraftDist::Greedy);
         assert_eq!(p.drafts.len(), b);
         if case.min_margin > 0.05 {
@@ -195,7 +197,8 @@ fn sampled_drafts_come_from_the_returned_q() {
         DsparkDrafter::load(&ferry_model::drafter::embedded_dir(), target.config()).unwrap();
     let case = &golden()[1];
     let (taps, pool, table) = prefill_taps(&target, &case.prompt, drafter.taps());
-    let mut dpool = KvPool::new(drafter.kv_layout().unwrap().pool_layout(pool.layout())).unwrap();
+    let layout = drafter.kv_layout().unwrap().rows_layout(pool.layout());
+    let mut dpool = KvStore::Host(KvPool::new(layout).unwrap());
     let segments = [ContextSegment {
         block_table: table.blocks(),
         start_pos: 0,
@@ -214,7 +217,7 @@ fn sampled_drafts_come_from_the_returned_q() {
         .unwrap();
     let ctx = DraftCtx {
         target: &target,
-        pool: Some(&dpool),
+        kv: Some(&dpool),
     };
     let vocab = target.config().vocab_size;
     for params in [
@@ -235,10 +238,13 @@ fn sampled_drafts_come_from_the_returned_q() {
             params: &params,
             uniforms: &uniforms,
         };
-        let p = drafter.propose(&ctx, &[input]).pop().unwrap().unwrap();
-        let DraftDist::Sampled(q) = &p.q else {
+        let mut proposals = drafter.propose(&ctx, &[input]);
+        let p = proposals.each.pop().unwrap().unwrap();
+        let DraftDist::Rows { first } = p.q else {
             panic!("sampled params give sampled drafts");
         };
+        let rows = proposals.q.expect("the drafts' q rows").to_host().unwrap();
+        let q = &rows[first * vocab..(first + p.drafts.len()) * vocab];
         assert_eq!(q.len(), p.drafts.len() * vocab);
         for (k, &x) in p.drafts.iter().enumerate() {
             let row = &q[k * vocab..(k + 1) * vocab];

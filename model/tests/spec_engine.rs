@@ -16,13 +16,14 @@ use ferry_kernels::cpu::sample::{probs_from_logits, SamplingParams};
 use ferry_model::deepseek::{DeepseekModel, LogitsWanted};
 use ferry_model::drafter::{
     ContextRows, DraftCtx, DraftDist, DraftInput, DraftKvLayout, Drafter, DsparkDrafter, Proposal,
+    Proposals,
 };
 use ferry_model::engine::{
     EngineConfig, EngineEvent, EngineHandle, EngineStats, FinishReason, GenerateJob,
     GenerateOptions, Generation, PrefillSource, PrefillWork, SpecConfig, SpecCounts, StopParams,
     VerifyLen,
 };
-use ferry_model::kv::{BlockId, KvPool};
+use ferry_model::kv::{BlockId, KvPool, KvStore};
 use ferry_model::session::Session;
 use ferry_model::ModelError;
 
@@ -112,39 +113,37 @@ impl Drafter for Scripted {
     fn extend_context(
         &self,
         _: &DeepseekModel,
-        _: &mut KvPool,
+        _: &mut KvStore,
         _: &ContextRows<'_>,
     ) -> Result<(), ModelError> {
         Ok(())
     }
 
-    fn propose(
-        &self,
-        _: &DraftCtx<'_>,
-        inputs: &[DraftInput<'_>],
-    ) -> Vec<Result<Proposal, ModelError>> {
-        inputs
-            .iter()
-            .map(|inp| {
-                let mut seen = inp.tokens.to_vec();
-                seen.push(inp.anchor);
-                let next = self
-                    .sequences
-                    .iter()
-                    .find(|s| s.starts_with(&seen) && s.len() > seen.len())
-                    .ok_or_else(|| ModelError::Invalid("no known continuation".into()))?;
-                let drafts: Vec<u32> = next[seen.len()..]
-                    .iter()
-                    .take(self.block)
-                    .map(|&t| if self.wrong { (t + 1) % self.vocab } else { t })
-                    .collect();
-                Ok(Proposal {
-                    confidence: vec![1.0; drafts.len()],
-                    drafts,
-                    q: DraftDist::Greedy,
+    fn propose(&self, _: &DraftCtx<'_>, inputs: &[DraftInput<'_>]) -> Proposals {
+        Proposals::host(
+            inputs
+                .iter()
+                .map(|inp| {
+                    let mut seen = inp.tokens.to_vec();
+                    seen.push(inp.anchor);
+                    let next = self
+                        .sequences
+                        .iter()
+                        .find(|s| s.starts_with(&seen) && s.len() > seen.len())
+                        .ok_or_else(|| ModelError::Invalid("no known continuation".into()))?;
+                    let drafts: Vec<u32> = next[seen.len()..]
+                        .iter()
+                        .take(self.block)
+                        .map(|&t| if self.wrong { (t + 1) % self.vocab } else { t })
+                        .collect();
+                    Ok(Proposal {
+                        confidence: vec![1.0; drafts.len()],
+                        drafts,
+                        q: DraftDist::Greedy,
+                    })
                 })
-            })
-            .collect()
+                .collect(),
+        )
     }
 }
 
@@ -167,19 +166,15 @@ impl<D: Drafter> Drafter for Breaks<D> {
     fn extend_context(
         &self,
         t: &DeepseekModel,
-        p: &mut KvPool,
+        p: &mut KvStore,
         r: &ContextRows<'_>,
     ) -> Result<(), ModelError> {
         self.0.extend_context(t, p, r)
     }
-    fn propose(
-        &self,
-        ctx: &DraftCtx<'_>,
-        inputs: &[DraftInput<'_>],
-    ) -> Vec<Result<Proposal, ModelError>> {
+    fn propose(&self, ctx: &DraftCtx<'_>, inputs: &[DraftInput<'_>]) -> Proposals {
         let vocab = ctx.target.config().vocab_size;
         let mut out = self.0.propose(ctx, inputs);
-        for (p, inp) in out.iter_mut().zip(inputs) {
+        for (p, inp) in out.each.iter_mut().zip(inputs) {
             if let (Ok(p), Some(&BROKEN_MARK)) = (p, inp.tokens.get(1)) {
                 p.q = DraftDist::Sampled(vec![0.0; p.drafts.len() * vocab]);
             }
@@ -573,39 +568,37 @@ impl Drafter for TargetArgmax {
     fn extend_context(
         &self,
         _: &DeepseekModel,
-        _: &mut KvPool,
+        _: &mut KvStore,
         _: &ContextRows<'_>,
     ) -> Result<(), ModelError> {
         Ok(())
     }
-    fn propose(
-        &self,
-        ctx: &DraftCtx<'_>,
-        inputs: &[DraftInput<'_>],
-    ) -> Vec<Result<Proposal, ModelError>> {
-        inputs
-            .iter()
-            .map(|inp| {
-                let model = ctx.target;
-                let mut pool = model.new_kv_pool(4, 64)?;
-                let mut s = Session::new();
-                let mut seen = inp.tokens.to_vec();
-                seen.push(inp.anchor);
-                let mut logits = s.extend(model, &mut pool, &seen, LogitsWanted::Last)?;
-                let mut drafts = Vec::with_capacity(self.block);
-                for _ in 0..self.block {
-                    let x = ferry_kernels::cpu::sample::argmax(&logits);
-                    drafts.push(x);
-                    logits = s.extend(model, &mut pool, &[x], LogitsWanted::Last)?;
-                }
-                s.free(&mut pool)?;
-                Ok(Proposal {
-                    confidence: vec![1.0; drafts.len()],
-                    drafts,
-                    q: DraftDist::Greedy,
+    fn propose(&self, ctx: &DraftCtx<'_>, inputs: &[DraftInput<'_>]) -> Proposals {
+        Proposals::host(
+            inputs
+                .iter()
+                .map(|inp| {
+                    let model = ctx.target;
+                    let mut pool = model.new_kv_pool(4, 64)?;
+                    let mut s = Session::new();
+                    let mut seen = inp.tokens.to_vec();
+                    seen.push(inp.anchor);
+                    let mut logits = s.extend(model, &mut pool, &seen, LogitsWanted::Last)?;
+                    let mut drafts = Vec::with_capacity(self.block);
+                    for _ in 0..self.block {
+                        let x = ferry_kernels::cpu::sample::argmax(&logits);
+                        drafts.push(x);
+                        logits = s.extend(model, &mut pool, &[x], LogitsWanted::Last)?;
+                    }
+                    s.free(&mut pool)?;
+                    Ok(Proposal {
+                        confidence: vec![1.0; drafts.len()],
+                        drafts,
+                        q: DraftDist::Greedy,
+                    })
                 })
-            })
-            .collect()
+                .collect(),
+        )
     }
 }
 

@@ -13,7 +13,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context};
 use clap::Args;
-use ferry_kernels::backend::Backend;
+use ferry_kernels::backend::{Backend, Tensor};
 use ferry_kernels::cpu::sample::{argmax, SamplingParams};
 use ferry_model::deepseek::forward::Hooks;
 use ferry_model::deepseek::{BatchInputs, DeepseekModel, LogitsWanted, SeqInput};
@@ -25,7 +25,7 @@ use ferry_model::engine::{
     StopParams, VerifyLen,
 };
 use ferry_model::kv::layout::DEFAULT_PAGE_SIZE;
-use ferry_model::kv::{BlockTable, KvPool};
+use ferry_model::kv::{BlockTable, KvStore};
 
 /// Options of `ferry bench-engine`.
 #[derive(Debug, Args)]
@@ -243,11 +243,13 @@ fn run_speculative(
     if args.prompt_len + args.decode_steps + drafter.block_size() > ctx_limit {
         bail!("`--prompt-len` + `--decode-steps` + the block size must fit the context of {ctx_limit}");
     }
-    // The engines run on `--device`; so do the per-pass costs (the target's forwards on its
-    // device, the drafter on the host beside it, as in the engine).
+    // The engines run on `--device`; so do the per-pass costs (the target's forwards and the
+    // drafter's passes on that device, as in the engine).
     let device = args.device.resolve()?;
     let target = args.device.gpu_model(model)?;
     let target = target.as_ref().unwrap_or(model);
+    let mut drafter = drafter;
+    drafter.to_backend(target.backend())?;
     let base = EngineConfig {
         device,
         gpu_mode: args.device.mode(),
@@ -279,7 +281,7 @@ fn run_speculative(
             spec.push(tps);
             stats = s;
         }
-        let (d, v, st) = pass_costs((model, target), &drafter, c, args)?;
+        let (d, v, st) = pass_costs(target, &drafter, c, args)?;
         let (p, s) = (median(&mut plain), median(&mut spec));
         let rounds = stats.spec_rounds.max(1) as f64;
         let acceptance = (stats.spec_accepted_tokens + stats.spec_rounds) as f64 / rounds;
@@ -575,22 +577,22 @@ fn engine_run(
 /// `c × (1 + block)` tokens, and one plain decode step of `c` tokens, all over `--prompt-len`
 /// tokens of context.
 fn pass_costs(
-    (model, target): (&DeepseekModel, &DeepseekModel),
+    target: &DeepseekModel,
     drafter: &DsparkDrafter,
     c: usize,
     args: &BenchEngineArgs,
 ) -> anyhow::Result<(f64, f64, f64)> {
     let (l, b) = (args.prompt_len, drafter.block_size());
-    let vocab = model.config().vocab_size as u32;
+    let vocab = target.config().vocab_size as u32;
     let per_seq = (l + b + 1).div_ceil(DEFAULT_PAGE_SIZE);
-    let mut pool = model.new_kv_pool(per_seq * c, DEFAULT_PAGE_SIZE)?;
+    let mut pool = target.new_kv_pool(per_seq * c, DEFAULT_PAGE_SIZE)?;
     // The target's rows: the pool on the CPU, a device cache with its block ids on a GPU.
     let mut device = match target.backend() {
         Backend::Cpu => None,
         _ => Some(target.new_kv_cache(per_seq * c, DEFAULT_PAGE_SIZE)?),
     };
     let layout = drafter.kv_layout().context("the drafter keeps context")?;
-    let mut dpool = KvPool::new(layout.pool_layout(pool.layout()))?;
+    let mut dkv = KvStore::new(target.backend(), layout.rows_layout(pool.layout()))?;
     let prompts = synthetic_prompts(vocab, c, l, 7);
     let mut tables = Vec::with_capacity(c);
     for _ in 0..c {
@@ -598,25 +600,31 @@ fn pass_costs(
         t.reserve(&mut pool, l + b + 1)?;
         tables.push(t);
     }
-    // Prefill with the drafter's taps, then its context.
+    // Prefill with the drafter's taps (copied on the device), then its context.
     let taps = drafter.taps().to_vec();
-    let mut tapped = vec![Vec::new(); taps.len()];
-    let mut hidden = |layer: usize, h: &[f32]| {
-        for (buf, _) in tapped.iter_mut().zip(&taps).filter(|(_, &t)| t == layer) {
-            *buf = h.to_vec();
-        }
-        Ok(())
-    };
+    let mut tapped = Vec::new();
     let hooks = Hooks {
         after_layer: None,
         taps: Some(&taps),
-        hidden: Some(&mut hidden),
+        hidden: None,
+        tapped: Some(&mut tapped),
     };
     let prefill = batch_of(&prompts, &tables, 0, LogitsWanted::Last);
     match device.as_mut() {
         Some(cache) => target.forward_hooked(&prefill, cache, hooks)?,
         None => target.forward_hooked(&prefill, &mut pool, hooks)?,
     };
+    let mut tapped: Vec<Option<(usize, Tensor)>> = tapped.into_iter().map(Some).collect();
+    let tapped: Vec<Tensor> = taps
+        .iter()
+        .filter_map(|l| {
+            tapped
+                .iter_mut()
+                .find(|t| t.as_ref().is_some_and(|(layer, _)| layer == l))
+                .and_then(Option::take)
+                .map(|(_, t)| t)
+        })
+        .collect();
     let mut forward = |batch: &BatchInputs<'_>| match device.as_mut() {
         Some(cache) => target.forward(batch, cache),
         None => target.forward(batch, &mut pool),
@@ -632,8 +640,8 @@ fn pass_costs(
         })
         .collect();
     drafter.extend_context(
-        model,
-        &mut dpool,
+        target,
+        &mut dkv,
         &ContextRows {
             taps: &tapped,
             segments: &segments,
@@ -661,13 +669,14 @@ fn pass_costs(
             })
             .collect();
         let ctx = DraftCtx {
-            target: model,
-            pool: Some(&dpool),
+            target,
+            kv: Some(&dkv),
         };
         let start = Instant::now();
         let proposals = drafter.propose(&ctx, &inputs);
         draft.push(start.elapsed().as_secs_f64() * 1e3);
         let blocks: Vec<Vec<u32>> = proposals
+            .each
             .into_iter()
             .zip(&prompts)
             .map(|(p, prompt)| {

@@ -292,6 +292,72 @@ impl Backend {
         })
     }
 
+    /// A copy of `t` on this backend (device to device on a GPU, in stream order: no
+    /// synchronisation, capturable into a graph).
+    pub fn copy(&self, t: &Tensor) -> Result<Tensor, KernelError> {
+        let mut out = self.scratch(t.len())?;
+        self.copy_into(t, &mut out, 0)?;
+        Ok(out)
+    }
+
+    /// Copies the first `dst.len()` elements of `src` into `dst`.
+    pub fn copy_prefix(&self, src: &Tensor, dst: &mut Tensor) -> Result<(), KernelError> {
+        const OP: &str = "copy_prefix";
+        let (n, got) = (dst.len(), src.len());
+        if n > got {
+            return Err(KernelError::ShapeMismatch {
+                op: OP,
+                what: "src",
+                expected: n,
+                got,
+            });
+        }
+        match self {
+            Backend::Cpu => {
+                let s = src.host(OP, "src")?;
+                dst.host_mut(OP, "dst")?.copy_from_slice(&s[..n]);
+                Ok(())
+            }
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(d) => match (src, dst) {
+                (Tensor::Cuda(s), Tensor::Cuda(t)) => d.copy_range((s, 0), (t, 0), n),
+                (s, _) if !matches!(s, Tensor::Cuda(_)) => {
+                    Err(mismatch(OP, "src", self, s.place()))
+                }
+                (_, t) => Err(mismatch(OP, "dst", self, t.place())),
+            },
+        }
+    }
+
+    /// Copies all of `src` into `dst[at..at + src.len()]`.
+    pub fn copy_into(&self, src: &Tensor, dst: &mut Tensor, at: usize) -> Result<(), KernelError> {
+        const OP: &str = "copy_into";
+        let (n, got) = (src.len(), dst.len());
+        if at + n > got {
+            return Err(KernelError::ShapeMismatch {
+                op: OP,
+                what: "dst",
+                expected: at + n,
+                got,
+            });
+        }
+        match self {
+            Backend::Cpu => {
+                let s = src.host(OP, "src")?;
+                dst.host_mut(OP, "dst")?[at..at + n].copy_from_slice(s);
+                Ok(())
+            }
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(d) => match (src, dst) {
+                (Tensor::Cuda(s), Tensor::Cuda(t)) => d.copy_range((s, 0), (t, at), n),
+                (s, _) if !matches!(s, Tensor::Cuda(_)) => {
+                    Err(mismatch(OP, "src", self, s.place()))
+                }
+                (_, t) => Err(mismatch(OP, "dst", self, t.place())),
+            },
+        }
+    }
+
     /// Waits for every queued op (a no-op on the CPU, whose ops are synchronous).
     pub fn synchronize(&self) -> Result<(), KernelError> {
         match self {
@@ -469,6 +535,15 @@ impl Ints {
     /// Whether it holds no element.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// The values on the host (a synchronising download from a GPU).
+    pub fn to_host(&self) -> Result<Vec<i32>, KernelError> {
+        match self {
+            Ints::Host(v) => Ok(v.clone()),
+            #[cfg(feature = "cuda")]
+            Ints::Cuda(b) => b.device().download(b),
+        }
     }
 
     /// The host slice, or a mismatch error.

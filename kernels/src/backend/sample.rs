@@ -14,7 +14,7 @@
 //! request alone.
 //!
 //! ```
-//! use ferry_kernels::backend::sample::{draw, ints_to_host, probs, Draw, Probs, RowParams, Uniforms};
+//! use ferry_kernels::backend::sample::{draw, probs, Draw, Probs, RowParams, Uniforms};
 //! use ferry_kernels::backend::Backend;
 //! use ferry_kernels::cpu::sample::SamplingParams;
 //!
@@ -25,7 +25,7 @@
 //! let p = probs(&b, Probs { logits: &logits, vocab: 3, params: &params }).unwrap();
 //! let u = Uniforms::new(&b, &[0.5, 0.5]).unwrap();
 //! let tokens = draw(&b, Draw { probs: &p, vocab: 3, uniforms: &u }).unwrap();
-//! assert_eq!(ints_to_host(&tokens).unwrap(), vec![1, 2]);
+//! assert_eq!(tokens.to_host().unwrap(), vec![1, 2]);
 //! ```
 
 use super::{Backend, Ints, Tensor};
@@ -208,15 +208,6 @@ impl Uniforms {
                 got: "CPU",
             }),
         }
-    }
-}
-
-/// The values of an index array on the host (a synchronising download from a GPU).
-pub fn ints_to_host(i: &Ints) -> Result<Vec<i32>, KernelError> {
-    match i {
-        Ints::Host(v) => Ok(v.clone()),
-        #[cfg(feature = "cuda")]
-        Ints::Cuda(b) => b.device().download(b),
     }
 }
 
@@ -415,7 +406,8 @@ pub fn sample(b: &Backend, s: Sample<'_>) -> Result<Vec<Result<u32, KernelError>
             uniforms: s.uniforms,
         },
     )?;
-    Ok(ints_to_host(&ids)?
+    Ok(ids
+        .to_host()?
         .into_iter()
         .map(|t| {
             u32::try_from(t).map_err(|_| KernelError::DegenerateDistribution {

@@ -6,14 +6,15 @@
 //! `norm(max(0, p_k − q_k))` with `uniforms[γ]` (from `p_k` if that residual has no mass);
 //! when every draft is accepted emit the bonus drawn from `p_γ` with `uniforms[γ]`.
 //!
-//! One path covers both kinds of drafter: `q` holds the rows the drafts were drawn from, and a
-//! greedy draft's row is a one-hot at the draft (what [`super::sample::probs`] gives for greedy
-//! parameters), for which `max(0, p − q)` is `p` with the draft's entry zeroed — the CPU's
-//! [`DraftProbs::Greedy`](crate::cpu::verify::DraftProbs::Greedy) rule.
+//! Both kinds of drafter: `q` holds the rows sampled drafts were drawn from; a sequence marked
+//! `greedy` has argmax drafts, whose `q` is a point mass at each draft and needs no rows — its
+//! correction is drawn from `p` with the draft's entry zeroed, the CPU's
+//! [`DraftProbs::Greedy`](crate::cpu::verify::DraftProbs::Greedy) rule (a one-hot `q` row would
+//! give the same; at a 129k vocabulary it would also cost half a megabyte per draft).
 //!
 //! Layout of a batch of `S` sequences with `γ_s` drafts each (rows concatenated in sequence
-//! order): `p` `[Σ(γ_s + 1)][vocab]`, `q` `[Σγ_s][vocab]`, `drafts` `[Σγ_s]`, `uniforms`
-//! `[Σ(γ_s + 1)]` (γ_s per draft, then the correction / bonus draw). A sequence with γ = 0 is a
+//! order): `p` `[Σ(γ_s + 1)][vocab]`, `q` `[Σ γ_s of the sampled sequences][vocab]`, `drafts`
+//! `[Σγ_s]`, `uniforms` `[Σ(γ_s + 1)]` (γ_s per draft, then the correction / bonus draw). A sequence with γ = 0 is a
 //! plain draw from its one `p` row.
 //!
 //! **Failure isolation.** Shapes are checked for the whole call (a bad length is a caller bug);
@@ -39,9 +40,11 @@ pub type VerifyOut = Vec<Result<Verified, KernelError>>;
 pub struct VerifyBatch<'a> {
     /// `[Σ(γ_s + 1)][vocab]` target probabilities (from [`super::sample::probs`]).
     pub p: &'a Tensor,
-    /// `[Σγ_s][vocab]` the distributions the drafts were drawn from (one-hot rows for greedy
-    /// drafts).
-    pub q: &'a Tensor,
+    /// The rows the sampled drafts were drawn from: `[Σ γ_s over sequences not greedy][vocab]`,
+    /// in sequence order; `None` when every sequence is greedy.
+    pub q: Option<&'a Tensor>,
+    /// Per sequence: its drafts are argmax drafts (`q` a point mass at each draft, no rows).
+    pub greedy: &'a [bool],
     /// `[Σγ_s]` draft ids.
     pub drafts: &'a Ints,
     /// γ of each sequence.
@@ -60,7 +63,15 @@ pub fn verify(b: &Backend, v: VerifyBatch<'_>) -> Result<VerifyOut, KernelError>
     let drafts: usize = v.gammas.iter().sum();
     let rows = drafts + v.gammas.len();
     check_len(OP, "p", rows * v.vocab, v.p.len())?;
-    check_len(OP, "q", drafts * v.vocab, v.q.len())?;
+    check_len(OP, "greedy", v.gammas.len(), v.greedy.len())?;
+    let sampled: usize = v
+        .gammas
+        .iter()
+        .zip(v.greedy)
+        .filter(|(_, &g)| !g)
+        .map(|(&n, _)| n)
+        .sum();
+    check_len(OP, "q", sampled * v.vocab, v.q.map_or(0, Tensor::len))?;
     check_len(OP, "drafts", drafts, v.drafts.len())?;
     check_len(OP, "uniforms", rows, v.uniforms.len())?;
     match b {
@@ -72,20 +83,25 @@ pub fn verify(b: &Backend, v: VerifyBatch<'_>) -> Result<VerifyOut, KernelError>
 
 /// The CPU arm: [`verify_probs`] per sequence.
 fn verify_host(v: &VerifyBatch<'_>) -> Result<VerifyOut, KernelError> {
-    let (p, q) = (v.p.host(OP, "p")?, v.q.host(OP, "q")?);
+    let p = v.p.host(OP, "p")?;
+    let q = match v.q {
+        Some(q) => q.host(OP, "q")?,
+        None => &[],
+    };
     let (drafts, u) = (v.drafts.host(OP, "drafts")?, v.uniforms.host(OP)?);
     let n = v.vocab;
-    let (mut d0, mut p0) = (0usize, 0usize);
+    let (mut d0, mut p0, mut q0) = (0usize, 0usize, 0usize);
     let mut out = Vec::with_capacity(v.gammas.len());
-    for &g in v.gammas {
+    for (&g, &greedy) in v.gammas.iter().zip(v.greedy) {
+        let q_s = if greedy {
+            DraftProbs::Greedy
+        } else {
+            q0 += g;
+            DraftProbs::Sampled(&q[(q0 - g) * n..q0 * n])
+        };
         let ids = draft_ids(&drafts[d0..d0 + g], n);
         out.push(ids.and_then(|ids| {
-            verify_probs(
-                &p[p0 * n..(p0 + g + 1) * n],
-                DraftProbs::Sampled(&q[d0 * n..(d0 + g) * n]),
-                &ids,
-                &u[p0..p0 + g + 1],
-            )
+            verify_probs(&p[p0 * n..(p0 + g + 1) * n], q_s, &ids, &u[p0..p0 + g + 1])
         }));
         d0 += g;
         p0 += g + 1;
@@ -127,7 +143,8 @@ fn verify_cuda(
         dev,
         VerifyArgs {
             p: v.p.dv(OP, "p")?,
-            q: v.q.dv(OP, "q")?,
+            q: v.q.map(|q| q.dv(OP, "q")).transpose()?,
+            greedy: v.greedy,
             drafts: v.drafts.dv(OP, "drafts")?,
             uniforms: v.uniforms.dv(OP)?,
             gammas: v.gammas,
@@ -193,8 +210,10 @@ pub struct VerifyLogits<'a> {
     pub logits: &'a Tensor,
     /// One row of parameters per logits row ([`RowParams::for_blocks`]).
     pub params: &'a RowParams,
-    /// `[Σγ_s][vocab]` the distributions the drafts were drawn from.
-    pub q: &'a Tensor,
+    /// The rows the sampled drafts were drawn from (see [`VerifyBatch::q`]).
+    pub q: Option<&'a Tensor>,
+    /// Per sequence: argmax drafts (see [`VerifyBatch::greedy`]).
+    pub greedy: &'a [bool],
     /// `[Σγ_s]` draft ids.
     pub drafts: &'a Ints,
     /// γ of each sequence.
@@ -223,6 +242,7 @@ pub fn verify_logits(b: &Backend, v: VerifyLogits<'_>) -> Result<VerifyOut, Kern
         VerifyBatch {
             p: &p,
             q: v.q,
+            greedy: v.greedy,
             drafts: v.drafts,
             gammas: v.gammas,
             uniforms: v.uniforms,

@@ -472,6 +472,38 @@ impl CudaDevice {
         .map_err(gpu_err("cuMemcpyDtoDAsync"))
     }
 
+    /// Device-to-device copy of `src[src_at..src_at + len]` into `dst[dst_at..dst_at + len]`
+    /// (stream-ordered).
+    pub fn copy_range<T: DevicePod>(
+        &self,
+        (src, src_at): (&DeviceBuffer<T>, usize),
+        (dst, dst_at): (&mut DeviceBuffer<T>, usize),
+        len: usize,
+    ) -> Result<(), KernelError> {
+        if src_at + len > src.len || dst_at + len > dst.len {
+            return Err(KernelError::ShapeMismatch {
+                op: "cuda_copy_range",
+                what: "range",
+                expected: (src_at + len).max(dst_at + len),
+                got: src.len.min(dst.len),
+            });
+        }
+        if len == 0 {
+            return Ok(());
+        }
+        self.bind()?;
+        // SAFETY: both ranges are inside their buffers (checked above).
+        unsafe {
+            result::memcpy_dtod_async(
+                dst.ptr_at(dst_at),
+                src.ptr_at(src_at),
+                len * std::mem::size_of::<T>(),
+                self.inner.stream.cu_stream(),
+            )
+        }
+        .map_err(gpu_err("cuMemcpyDtoDAsync"))
+    }
+
     /// Waits for all queued work.
     pub fn synchronize(&self) -> Result<(), KernelError> {
         self.inner

@@ -304,7 +304,7 @@ pub fn gemv(
     dev.launch(&f, LaunchDims::linear(n.div_ceil(8), 256), &mut a)
 }
 
-/// `out[t] = table[ids[t]]` (f32).
+/// `out[t] = table[ids[t]]` (f32); an id outside the table gives a zero row.
 pub fn embed(
     dev: &CudaDevice,
     table: &GpuMatrix,
@@ -327,7 +327,8 @@ pub fn embed(
     a.push(table.ptr())
         .push(ids.ptr)
         .push(out.ptr)
-        .push(int("cuda_embed", "hidden", table.cols)?);
+        .push(int("cuda_embed", "hidden", table.cols)?)
+        .push(int("cuda_embed", "rows", table.rows)?);
     dev.launch(&f, LaunchDims::linear(ids.len, 256), &mut a)
 }
 

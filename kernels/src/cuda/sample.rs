@@ -173,8 +173,11 @@ pub fn argmax(
 pub struct VerifyArgs<'a> {
     /// `[Σ(γ_s + 1)][vocab]` target probabilities.
     pub p: Dv<f32>,
-    /// `[Σγ_s][vocab]` the distributions the drafts were drawn from.
-    pub q: Dv<f32>,
+    /// The rows the sampled drafts were drawn from, `[Σ γ_s of sampled sequences][vocab]` in
+    /// sequence order; `None` when every sequence's drafts are greedy.
+    pub q: Option<Dv<f32>>,
+    /// Per sequence: greedy drafts (q a point mass at each draft, no rows in `q`).
+    pub greedy: &'a [bool],
     /// `[Σγ_s]` draft ids.
     pub drafts: Dv<i32>,
     /// `[Σ(γ_s + 1)]` uniforms in `[0, 1)`.
@@ -211,7 +214,22 @@ pub fn verify(dev: &CudaDevice, a: VerifyArgs<'_>) -> Result<(), KernelError> {
         });
     }
     need(OP, "p", rows * a.vocab, a.p.len)?;
-    need(OP, "q", drafts * a.vocab, a.q.len)?;
+    if a.greedy.len() != seqs {
+        return Err(KernelError::ShapeMismatch {
+            op: OP,
+            what: "greedy",
+            expected: seqs,
+            got: a.greedy.len(),
+        });
+    }
+    let sampled: usize = a
+        .gammas
+        .iter()
+        .zip(a.greedy)
+        .filter(|(_, &g)| !g)
+        .map(|(&n, _)| n)
+        .sum();
+    need(OP, "q", sampled * a.vocab, a.q.map_or(0, |q| q.len))?;
     need(OP, "drafts", drafts, a.drafts.len)?;
     need(OP, "uniforms", rows, a.uniforms.len)?;
     need(OP, "out", seqs * a.width, a.out.len)?;
@@ -219,21 +237,32 @@ pub fn verify(dev: &CudaDevice, a: VerifyArgs<'_>) -> Result<(), KernelError> {
     if seqs == 0 {
         return Ok(());
     }
-    let mut offsets = Vec::with_capacity(seqs + 1);
-    let mut at = 0usize;
+    // One upload: the draft offsets `[S + 1]`, then each sequence's first q row (-1: greedy).
+    let mut offsets = Vec::with_capacity(2 * seqs + 1);
+    let (mut at, mut q_at) = (0usize, 0usize);
     offsets.push(0i32);
     for &g in a.gammas {
         at += g;
         offsets.push(int(OP, "drafts", at)?);
     }
+    for (&g, &greedy) in a.gammas.iter().zip(a.greedy) {
+        if greedy {
+            offsets.push(-1);
+        } else {
+            offsets.push(int(OP, "q rows", q_at)?);
+            q_at += g;
+        }
+    }
     let offsets = dev.upload(&offsets)?;
     let f = kernel(dev, "spec_verify")?;
     let mut k = KernelArgs::new();
     k.push(a.p.ptr)
-        .push(a.q.ptr)
+        // Greedy-only batches read no q: any valid address stands in.
+        .push(a.q.map_or(a.p.ptr, |q| q.ptr))
         .push(a.drafts.ptr)
         .push(a.uniforms.ptr)
         .push(offsets.ptr())
+        .push(offsets.ptr_at(seqs + 1))
         .push(v)
         .push(a.out.ptr)
         .push(int(OP, "width", a.width)?);

@@ -18,18 +18,27 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Embedding rows: out[t][:] = table[ids[t]][:] widened to f32. Grid: tokens.
+// Embedding rows: out[t][:] = table[ids[t]][:] widened to f32; an id outside [0, rows) gives a
+// zero row (ids computed on the device, e.g. a drafter's failed draw, are never trusted to
+// index memory). Grid: tokens.
 template <typename W>
-__device__ void embed_impl(const W* table, const int* ids, float* out, int hidden) {
-  const W* row = table + (size_t)ids[blockIdx.x] * hidden;
+__device__ void embed_impl(const W* table, const int* ids, float* out, int hidden, int rows) {
+  int id = ids[blockIdx.x];
   float* dst = out + (size_t)blockIdx.x * hidden;
+  if (id < 0 || id >= rows) {
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) dst[i] = 0.0f;
+    return;
+  }
+  const W* row = table + (size_t)id * hidden;
   for (int i = threadIdx.x; i < hidden; i += blockDim.x) dst[i] = ld_f(row + i);
 }
-extern "C" __global__ void embed_f32(const float* t, const int* ids, float* out, int hidden) {
-  embed_impl(t, ids, out, hidden);
+extern "C" __global__ void embed_f32(const float* t, const int* ids, float* out, int hidden,
+                                     int rows) {
+  embed_impl(t, ids, out, hidden, rows);
 }
-extern "C" __global__ void embed_bf16(const bf16_t* t, const int* ids, float* out, int hidden) {
-  embed_impl(t, ids, out, hidden);
+extern "C" __global__ void embed_bf16(const bf16_t* t, const int* ids, float* out, int hidden,
+                                      int rows) {
+  embed_impl(t, ids, out, hidden, rows);
 }
 
 // ---------------------------------------------------------------------------------------------

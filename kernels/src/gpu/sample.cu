@@ -303,6 +303,14 @@ struct RowResidual {
   __device__ __forceinline__ float operator()(int i) const { return fmaxf(p[i] - q[i], 0.0f); }
 };
 
+// A greedy draft's correction row: q is a point mass at the draft x, so max(0, p − q) is p with
+// entry x zeroed (cpu::verify's DraftProbs::Greedy rule), with no q row in memory.
+struct RowResidualGreedy {
+  const float* p;
+  int x;
+  __device__ __forceinline__ float operator()(int i) const { return i == x ? 0.0f : p[i]; }
+};
+
 __device__ __forceinline__ int warp_min_i(int v) {
 #pragma unroll
   for (int m = 16; m > 0; m >>= 1) v = min(v, (int)SHFL_XOR(v, m));
@@ -411,18 +419,20 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
 // ---------------------------------------------------------------------------------------------
 // Speculative verification: cpu::verify::verify_probs with DraftProbs::Sampled per sequence.
 //
-// Sequence s has gamma_s = q_offsets[s + 1] - q_offsets[s] drafts; its drafts and q rows start
-// at q_offsets[s], its p rows and uniforms at q_offsets[s] + s (gamma_s + 1 of each). The output
-// row out[s][0..width) holds the accepted count then the accepted drafts and the correction or
-// bonus token, or a negative VERIFY_* code and its details. Grid: sequences; block:
-// SAMPLE_THREADS; width >= gamma_max + 3.
+// Sequence s has gamma_s = q_offsets[s + 1] - q_offsets[s] drafts; its drafts start at
+// q_offsets[s], its p rows and uniforms at q_offsets[s] + s (gamma_s + 1 of each). Its q rows
+// start at row q_rows[s] of q, or q_rows[s] < 0 for greedy drafts (q a point mass at each
+// draft: no rows). The output row out[s][0..width) holds the accepted count then the accepted
+// drafts and the correction or bonus token, or a negative VERIFY_* code and its details.
+// Grid: sequences; block: SAMPLE_THREADS; width >= gamma_max + 3.
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     spec_verify(const float* p, const float* q, const int* drafts, const double* uniforms,
-                const int* q_offsets, int vocab, int* out, int width) {
+                const int* q_offsets, const int* q_rows, int vocab, int* out, int width) {
   __shared__ DrawSmem s;
   int seq = blockIdx.x, tid = threadIdx.x;
   int q0 = q_offsets[seq], gamma = q_offsets[seq + 1] - q0;
   int p0 = q0 + seq;
+  int qr = q_rows[seq];
   const double* u = uniforms + p0;
   int* o = out + (size_t)seq * width;
   // Every draft id is checked before any is accepted, as on the CPU.
@@ -437,8 +447,8 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
   for (int k = 0; k < gamma; k++) {
     int x = drafts[q0 + k];
     const float* pk = p + (size_t)(p0 + k) * vocab;
-    const float* qk = q + (size_t)(q0 + k) * vocab;
-    float qx = qk[x];
+    const float* qk = qr < 0 ? nullptr : q + (size_t)(qr + k) * vocab;
+    float qx = qk ? qk[x] : 1.0f;
     if (!(qx > 0.0f && finite_f(qx))) {
       if (tid == 0) { o[0] = VERIFY_ZERO_Q; o[1] = k; o[2] = x; o[3] = (int)ferry_f2u(qx); }
       return;
@@ -448,8 +458,14 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
       continue;
     }
     // Rejected: the correction from norm(max(0, p − q)), else from p when that has no mass.
-    RowResidual res = {pk, qk};
-    int y = block_draw(res, vocab, u[gamma], s, &sum);
+    int y;
+    if (qk) {
+      RowResidual res = {pk, qk};
+      y = block_draw(res, vocab, u[gamma], s, &sum);
+    } else {
+      RowResidualGreedy res = {pk, x};
+      y = block_draw(res, vocab, u[gamma], s, &sum);
+    }
     if (y < 0) {
       RowProbs row = {pk};
       y = block_draw(row, vocab, u[gamma], s, &sum);

@@ -1,5 +1,7 @@
 //! The contract between a scheduler and the forward.
 
+use ferry_kernels::backend::Tensor;
+
 use crate::config::ModelConfig;
 use crate::kv::{BlockId, KvLayout};
 use crate::ModelError;
@@ -63,6 +65,38 @@ impl BatchGeometry {
             .map(|(s, &(first, n))| match s.logits {
                 LogitsWanted::Last => first + n - 1..first + n,
                 LogitsWanted::All => first..first + n,
+            })
+            .collect()
+    }
+}
+
+/// The logits a forward computed, left on the model's backend: `[rows][vocab]`, the rows each
+/// sequence wanted, in batch order. On a GPU nothing has been downloaded: samplers and
+/// verifiers on the same backend read them in place.
+#[derive(Debug)]
+pub struct BatchLogits {
+    /// `[rows][vocab]` on the model's backend.
+    pub logits: Tensor,
+    /// Rows per sequence, in batch order.
+    pub rows_per_seq: Vec<usize>,
+    /// Vocabulary size (floats per row).
+    pub vocab: usize,
+}
+
+impl BatchLogits {
+    /// The rows on the host, split per sequence (a download from a GPU).
+    pub fn to_output(&self) -> Result<BatchOutput, ModelError> {
+        BatchOutput::from_rows(&self.logits.to_host()?, &self.rows_per_seq, self.vocab)
+    }
+
+    /// The first row of each sequence.
+    pub fn first_rows(&self) -> Vec<usize> {
+        self.rows_per_seq
+            .iter()
+            .scan(0, |at, &n| {
+                let first = *at;
+                *at += n;
+                Some(first)
             })
             .collect()
     }

@@ -22,7 +22,7 @@ use ferry_kernels::backend::rows::{embed, gather, Embed, Gather};
 use ferry_kernels::backend::{Backend, Ints, Precision, Slots, Tensor};
 
 use super::attention::{AttentionForm, FormPolicy};
-use super::batch::{BatchGeometry, BatchInputs, BatchOutput, SeqInput};
+use super::batch::{BatchGeometry, BatchInputs, BatchLogits, BatchOutput, SeqInput};
 use super::{DeepseekModel, Ffn};
 use crate::kv::{KvMut, KvPool, KvRef, KvRows};
 use crate::ModelError;
@@ -56,6 +56,10 @@ pub struct Hooks<'h, 'a> {
     pub taps: Option<&'h [usize]>,
     /// See [`HiddenHook`].
     pub hidden: Option<&'h mut HiddenHook<'a>>,
+    /// Receives `(layer, residual stream)` after each layer of `taps`, copied on the backend
+    /// (device to device on a GPU: no download, no synchronisation) — a drafter on the same
+    /// device reads its context from these.
+    pub tapped: Option<&'h mut Vec<(usize, Tensor)>>,
 }
 
 /// Everything a forward puts on the backend before its first op, and the host facts the ops
@@ -183,27 +187,51 @@ impl DeepseekModel {
             after_layer: Some(&mut on_layer),
             taps: None,
             hidden: Some(hidden),
+            tapped: None,
         };
         self.run(batch, KvMut::Host(kv), policy, hooks)
+    }
+
+    /// [`Self::forward_hooked`] with an explicit attention-form policy, leaving the logits on
+    /// the model's backend (the engine samples and verifies them there).
+    pub fn forward_logits<K: KvRows + ?Sized>(
+        &self,
+        batch: &BatchInputs<'_>,
+        kv: &mut K,
+        policy: FormPolicy,
+        hooks: Hooks<'_, '_>,
+    ) -> Result<BatchLogits, ModelError> {
+        self.run_logits(batch, kv.rows(), policy, hooks)
     }
 
     fn run(
         &self,
         batch: &BatchInputs<'_>,
-        mut kv: KvMut<'_>,
+        kv: KvMut<'_>,
         policy: FormPolicy,
         hooks: Hooks<'_, '_>,
     ) -> Result<BatchOutput, ModelError> {
+        let out = self.run_logits(batch, kv, policy, hooks)?;
+        BatchOutput::from_rows(&out.logits.into_host()?, &out.rows_per_seq, out.vocab)
+    }
+
+    fn run_logits(
+        &self,
+        batch: &BatchInputs<'_>,
+        mut kv: KvMut<'_>,
+        policy: FormPolicy,
+        hooks: Hooks<'_, '_>,
+    ) -> Result<BatchLogits, ModelError> {
         self.validate(batch, &kv)?;
         let plan = self.prepare(batch, kv.layout().page_size, None, policy)?;
         let n: usize = plan.rows_per_seq.iter().sum();
         let mut logits = self.backend.scratch(n * self.config.vocab_size)?;
         self.execute(&plan, &mut kv, &mut logits, hooks)?;
-        BatchOutput::from_rows(
-            &logits.into_host()?,
-            &plan.rows_per_seq,
-            self.config.vocab_size,
-        )
+        Ok(BatchLogits {
+            logits,
+            rows_per_seq: plan.rows_per_seq,
+            vocab: self.config.vocab_size,
+        })
     }
 
     /// Puts the batch's inputs on the backend. `plan_ctx` plans every absorbed run for that
@@ -242,6 +270,7 @@ impl DeepseekModel {
             mut after_layer,
             taps,
             mut hidden,
+            mut tapped,
         } = hooks;
         let b = &self.backend;
         let width = self.config.hidden_size;
@@ -298,6 +327,11 @@ impl DeepseekModel {
                         precision,
                     },
                 )?,
+            }
+            if let Some(kept) = tapped.as_mut() {
+                if taps.is_some_and(|taps| taps.contains(&l)) {
+                    kept.push((l, b.copy(&h)?));
+                }
             }
             if let Some(hook) = hidden.as_mut() {
                 if taps.is_none_or(|taps| taps.contains(&l)) {

@@ -22,7 +22,7 @@ use ferry_kernels::cpu::mla::MlaDims;
 use ferry_kernels::cpu::rope::Rope;
 
 pub use attention::{AttentionForm, FormPolicy};
-pub use batch::{BatchInputs, BatchOutput, LogitsWanted, SeqInput};
+pub use batch::{BatchInputs, BatchLogits, BatchOutput, LogitsWanted, SeqInput};
 pub use forward::{ForwardHooks, Hooks, LayerHook};
 
 use crate::config::ModelConfig;
@@ -108,15 +108,6 @@ pub struct DeepseekModel {
 }
 
 impl DeepseekModel {
-    /// This model without its decoder layers: the configuration, embedding, final norm and LM
-    /// head — what a drafter shares with its target (`embed_tokens`, `lm_head_logits`). Kept on
-    /// the host beside a GPU forward whose drafter runs on the CPU; its own forward refuses
-    /// every batch (no layers match the KV).
-    pub(crate) fn into_shared_layers(mut self) -> Self {
-        self.layers = Vec::new();
-        self
-    }
-
     /// The validated configuration.
     pub fn config(&self) -> &ModelConfig {
         &self.config
@@ -163,7 +154,7 @@ impl DeepseekModel {
         KvPool::new(self.kv_layout(num_blocks, page_size))
     }
 
-    fn lm_head(&self) -> &Weight {
+    pub(crate) fn lm_head(&self) -> &Weight {
         self.lm_head.as_ref().unwrap_or(&self.embed)
     }
 

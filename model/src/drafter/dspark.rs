@@ -24,57 +24,80 @@
 //! | `layers.{i}.mlp.{gate,up,down}_proj.weight` | SwiGLU |
 //! | `markov_head.w1.weight`, `markov_head.w2.weight` | `[vocab, rank]` each |
 //! | `confidence_head.weight`, `confidence_head.bias` | `[1, hidden + rank]`, `[1]` |
+//!
+//! Every pass runs over the op-level backend ([`ferry_kernels::backend`]) the target runs on:
+//! the same code on the CPU (the reference kernels, parity with the float32 torch reference) and
+//! on a GPU (the tapped hidden states, the drafter's KV, the block pass and the Markov head's
+//! left-to-right draws stay on the device; only the drafts and their confidences come back).
 
 use std::path::Path;
 
-use ferry_kernels::cpu::gemm::{linear, Matrix};
+use ferry_kernels::backend::draft::{
+    block_attention, gather_concat, scatter_rows, BlockAttention, GatherConcat, ScatterRows,
+};
+use ferry_kernels::backend::linear::{linear, Linear};
+use ferry_kernels::backend::mlp::{dense, Dense, DenseFfn};
+use ferry_kernels::backend::norm::{add_norm, norm_strided, AddNorm, NormStrided};
+use ferry_kernels::backend::rope::{rope, ApplyRope, RopeTable};
+use ferry_kernels::backend::rows::{embed, gather, Embed, Gather};
+use ferry_kernels::backend::sample::{draw, probs, Draw, Probs, RowParams, Uniforms};
+use ferry_kernels::backend::{Backend, Ints, Precision, Tensor, Weight};
+use ferry_kernels::cpu::gemm::Matrix;
 use ferry_kernels::cpu::mlp::GatedMlp;
-use ferry_kernels::cpu::norm::rms_norm_inplace;
 use ferry_kernels::cpu::rope::{Rope, RopeParams, RopeScaling, RotaryLayout};
-use ferry_kernels::cpu::sample::{argmax, probs_from_logits, sample_from_probs};
-use rayon::prelude::*;
 
 use super::heads::{ConfidenceHead, MarkovHead};
 use super::{
-    ContextRows, DraftCtx, DraftDist, DraftInput, DraftKvLayout, DraftRows, Drafter, DrafterConfig,
-    Proposal,
+    ContextRows, DraftCtx, DraftDist, DraftInput, DraftKvLayout, Drafter, DrafterConfig, Proposal,
+    Proposals,
 };
 use crate::config::ModelConfig;
 use crate::deepseek::DeepseekModel;
-use crate::kv::KvPool;
+use crate::kv::{BlockId, KvStore};
 use crate::weights::Weights;
 use crate::ModelError;
 
 /// One drafter decoder layer.
 #[derive(Debug)]
 struct DraftLayer {
-    input_norm: Vec<f32>,
-    q: Matrix,
-    k: Matrix,
-    v: Matrix,
-    o: Matrix,
-    q_norm: Vec<f32>,
-    k_norm: Vec<f32>,
-    post_norm: Vec<f32>,
-    mlp: GatedMlp,
+    input_norm: Tensor,
+    q: Weight,
+    k: Weight,
+    v: Weight,
+    o: Weight,
+    q_norm: Tensor,
+    k_norm: Tensor,
+    post_norm: Tensor,
+    mlp: Dense,
 }
 
-/// A loaded DSpark drafter for one target model.
+/// A loaded DSpark drafter for one target model, on one backend (the target's).
 #[derive(Debug)]
 pub struct DsparkDrafter {
     config: DrafterConfig,
-    fc: Matrix,
-    hidden_norm: Vec<f32>,
+    backend: Backend,
+    fc: Weight,
+    hidden_norm: Tensor,
     layers: Vec<DraftLayer>,
-    norm: Vec<f32>,
+    norm: Tensor,
     markov: MarkovHead,
     confidence: ConfidenceHead,
     rope: Rope,
     kv: DraftKvLayout,
 }
 
+/// The block pass's outputs, on the drafter's backend.
+#[derive(Debug)]
+pub struct BlockPass {
+    /// `[inputs · B][hidden]`: the final normalised hidden states.
+    pub hidden: Tensor,
+    /// `[inputs · B][vocab]`: the LM-head logits before the Markov head.
+    pub logits: Tensor,
+}
+
 impl DsparkDrafter {
-    /// Loads `config.json` and `model.safetensors` from `dir`, checked against the target.
+    /// Loads `config.json` and `model.safetensors` from `dir` onto the CPU, checked against the
+    /// target; [`Drafter::to_backend`] moves it next to a target on a GPU.
     pub fn load(dir: &Path, target: &ModelConfig) -> Result<Self, ModelError> {
         if !dir.is_dir() {
             return Err(ModelError::missing_file(dir.to_path_buf()));
@@ -85,7 +108,7 @@ impl DsparkDrafter {
         Self::from_weights(config, target, &w)
     }
 
-    /// Builds the drafter from an open checkpoint.
+    /// Builds the drafter from an open checkpoint (on the CPU).
     pub fn from_weights(
         config: DrafterConfig,
         target: &ModelConfig,
@@ -94,25 +117,29 @@ impl DsparkDrafter {
         let c = &config;
         let (hid, hd) = (c.hidden_size, c.head_dim);
         let (q_out, kv_out) = (c.num_heads * hd, c.num_kv_heads * hd);
+        let host = |m: Matrix| Weight::Host(m);
         let layers = (0..c.num_layers)
             .map(|i| {
                 let p = format!("layers.{i}");
                 let m = |n: &str, r, cols| w.get_matrix(&format!("{p}.{n}.weight"), r, cols);
-                let v = |n: &str, len| w.get_f32(&format!("{p}.{n}.weight"), &[len]);
+                let v = |n: &str, len| {
+                    w.get_f32(&format!("{p}.{n}.weight"), &[len])
+                        .map(Tensor::Host)
+                };
                 Ok(DraftLayer {
                     input_norm: v("input_layernorm", hid)?,
-                    q: m("self_attn.q_proj", q_out, hid)?,
-                    k: m("self_attn.k_proj", kv_out, hid)?,
-                    v: m("self_attn.v_proj", kv_out, hid)?,
-                    o: m("self_attn.o_proj", hid, q_out)?,
+                    q: host(m("self_attn.q_proj", q_out, hid)?),
+                    k: host(m("self_attn.k_proj", kv_out, hid)?),
+                    v: host(m("self_attn.v_proj", kv_out, hid)?),
+                    o: host(m("self_attn.o_proj", hid, q_out)?),
                     q_norm: v("self_attn.q_norm", hd)?,
                     k_norm: v("self_attn.k_norm", hd)?,
                     post_norm: v("post_attention_layernorm", hid)?,
-                    mlp: GatedMlp::new(
+                    mlp: Dense::Host(GatedMlp::new(
                         m("mlp.gate_proj", c.intermediate_size, hid)?,
                         m("mlp.up_proj", c.intermediate_size, hid)?,
                         m("mlp.down_proj", hid, c.intermediate_size)?,
-                    )?,
+                    )?),
                 })
             })
             .collect::<Result<Vec<_>, ModelError>>()?;
@@ -130,16 +157,17 @@ impl DsparkDrafter {
             row_width: target.latent_width(),
         };
         Ok(Self {
-            fc: w.get_matrix("fc.weight", hid, c.feature_width())?,
-            hidden_norm: w.get_f32("hidden_norm.weight", &[hid])?,
+            backend: Backend::Cpu,
+            fc: host(w.get_matrix("fc.weight", hid, c.feature_width())?),
+            hidden_norm: Tensor::Host(w.get_f32("hidden_norm.weight", &[hid])?),
             layers,
-            norm: w.get_f32("norm.weight", &[hid])?,
+            norm: Tensor::Host(w.get_f32("norm.weight", &[hid])?),
             markov: MarkovHead {
-                w1: w.get_matrix("markov_head.w1.weight", c.vocab_size, c.markov_rank)?,
-                w2: w.get_matrix("markov_head.w2.weight", c.vocab_size, c.markov_rank)?,
+                w1: host(w.get_matrix("markov_head.w1.weight", c.vocab_size, c.markov_rank)?),
+                w2: host(w.get_matrix("markov_head.w2.weight", c.vocab_size, c.markov_rank)?),
             },
             confidence: ConfidenceHead {
-                w: conf_w,
+                w: Tensor::Host(conf_w),
                 b: conf_b.first().copied().unwrap_or(0.0),
             },
             rope,
@@ -153,32 +181,347 @@ impl DsparkDrafter {
         &self.config
     }
 
-    /// Per-head RMSNorm over `[rows][heads][head_dim]`, then RoPE at `positions`.
-    fn norm_rope(
-        &self,
-        x: &mut [f32],
-        weight: &[f32],
-        heads: usize,
-        positions: &[usize],
-    ) -> Result<(), ModelError> {
-        rms_norm_inplace(x, weight, self.config.rms_norm_eps)?;
-        let layout = RotaryLayout {
-            heads,
-            head_stride: self.config.head_dim,
-            offset: 0,
-        };
-        self.rope.apply(x, positions, layout)?;
+    /// The backend the drafter's weights live on.
+    pub fn backend(&self) -> &Backend {
+        &self.backend
+    }
+
+    /// Checks that the target runs where the drafter does (they share its embedding and LM
+    /// head, and the drafter reads the target's tapped hidden states).
+    fn check_target(&self, target: &DeepseekModel) -> Result<(), ModelError> {
+        if target.backend().device() != self.backend.device() {
+            return Err(ModelError::Invalid(format!(
+                "the drafter is on the {} but its target is on the {}",
+                self.backend.device(),
+                target.backend().device()
+            )));
+        }
         Ok(())
     }
 
+    /// Per-head RMSNorm over `[rows][heads][head_dim]`, then RoPE from `table`.
+    fn norm_rope(
+        &self,
+        x: &mut Tensor,
+        weight: &Tensor,
+        heads: usize,
+        table: &RopeTable,
+    ) -> Result<(), ModelError> {
+        let b = &self.backend;
+        let hd = self.config.head_dim;
+        norm_strided(
+            b,
+            NormStrided {
+                x,
+                stride: hd,
+                weight,
+                eps: self.config.rms_norm_eps,
+            },
+        )?;
+        let layout = RotaryLayout {
+            heads,
+            head_stride: hd,
+            offset: 0,
+        };
+        rope(b, ApplyRope { x, table, layout })?;
+        Ok(())
+    }
+
+    /// `x · Wᵀ` at the target's precision.
+    fn linear(&self, x: &Tensor, w: &Weight, precision: Precision) -> Result<Tensor, ModelError> {
+        Ok(linear(&self.backend, Linear { x, w, precision })?)
+    }
+
+    /// Runs the block forward for `inputs`: the final normalised hidden states and the LM-head
+    /// logits before the Markov head (parity tests compare them with the float32 torch
+    /// reference).
+    pub fn block_forward(
+        &self,
+        ctx: &DraftCtx<'_>,
+        inputs: &[DraftInput<'_>],
+    ) -> Result<BlockPass, ModelError> {
+        self.check_target(ctx.target)?;
+        let c = &self.config;
+        let b = &self.backend;
+        let precision = ctx.target.precision();
+        let (blk, hid, eps) = (c.block_size, c.hidden_size, c.rms_norm_eps);
+        let kv = ctx
+            .kv
+            .ok_or_else(|| ModelError::Invalid("the DSpark drafter needs its KV".into()))?;
+        let page = kv.layout().page_size;
+        let rows = inputs.len() * blk;
+        let mut tokens = Vec::with_capacity(rows);
+        let mut positions = Vec::with_capacity(rows);
+        for inp in inputs {
+            tokens.push(inp.anchor as i32);
+            tokens.extend(std::iter::repeat_n(c.mask_token_id as i32, blk - 1));
+            positions.extend(inp.context_len..inp.context_len + blk);
+        }
+        // Context block tables, one row per input, covering its committed positions.
+        let ctx_host: Vec<usize> = inputs.iter().map(|i| i.context_len).collect();
+        let stride = ctx_host
+            .iter()
+            .map(|n| n.div_ceil(page))
+            .max()
+            .unwrap_or(0)
+            .max(1);
+        let mut flat = vec![0i32; inputs.len() * stride];
+        for (s, inp) in inputs.iter().enumerate() {
+            let need = inp.context_len.div_ceil(page);
+            let table = inp.block_table.get(..need).ok_or_else(|| {
+                ModelError::Kv(format!(
+                    "drafter context of {} positions is beyond the block table ({} blocks)",
+                    inp.context_len,
+                    inp.block_table.len()
+                ))
+            })?;
+            for (j, id) in table.iter().enumerate() {
+                flat[s * stride + j] = id.0 as i32;
+            }
+        }
+        let tables = b.ints(flat)?;
+        let ctx_len = b.ints(ctx_host.iter().map(|&n| n as i32).collect())?;
+        let ids = b.ints(tokens)?;
+        let table = RopeTable::new(b, &self.rope, &positions)?;
+
+        let mut x = embed(
+            b,
+            Embed {
+                table: &ctx.target.embed,
+                ids: &ids,
+            },
+        )?;
+        let mut h = b.scratch(rows * hid)?;
+        for (l, layer) in self.layers.iter().enumerate() {
+            add_norm(
+                b,
+                AddNorm {
+                    h: &mut x,
+                    delta: None,
+                    weight: &layer.input_norm,
+                    out: Some(&mut h),
+                    width: hid,
+                    eps,
+                },
+            )?;
+            let mut q = self.linear(&h, &layer.q, precision)?;
+            let mut k = self.linear(&h, &layer.k, precision)?;
+            let v = self.linear(&h, &layer.v, precision)?;
+            self.norm_rope(&mut q, &layer.q_norm, c.num_heads, &table)?;
+            self.norm_rope(&mut k, &layer.k_norm, c.num_kv_heads, &table)?;
+            let attn = block_attention(
+                b,
+                BlockAttention {
+                    q: &q,
+                    k: &k,
+                    v: &v,
+                    pages: kv.pages(l)?,
+                    tables: &tables,
+                    stride,
+                    ctx: &ctx_len,
+                    ctx_host: &ctx_host,
+                    heads: c.num_heads,
+                    kv_heads: c.num_kv_heads,
+                    head_dim: c.head_dim,
+                    block: blk,
+                },
+            )?;
+            let o = self.linear(&attn, &layer.o, precision)?;
+            add_norm(
+                b,
+                AddNorm {
+                    h: &mut x,
+                    delta: Some(&o),
+                    weight: &layer.post_norm,
+                    out: Some(&mut h),
+                    width: hid,
+                    eps,
+                },
+            )?;
+            dense(
+                b,
+                DenseFfn {
+                    w: &layer.mlp,
+                    x: &h,
+                    h: &mut x,
+                    precision,
+                },
+            )?;
+        }
+        add_norm(
+            b,
+            AddNorm {
+                h: &mut x,
+                delta: None,
+                weight: &self.norm,
+                out: Some(&mut h),
+                width: hid,
+                eps,
+            },
+        )?;
+        let logits = self.linear(&h, ctx.target.lm_head(), precision)?;
+        Ok(BlockPass { hidden: h, logits })
+    }
+
+    /// The Markov head, left to right, for every input: drafts, their q, confidences. Each step
+    /// corrects the backbone's logits at block position `k` with the previous draft's bigram
+    /// bias, builds the distribution the plain sampler would (greedy requests: a point mass at
+    /// the argmax) and draws from it with the input's own uniform — all on the backend; the
+    /// drafts and confidences are downloaded once at the end, the q rows stay where they are.
+    fn draft(
+        &self,
+        inputs: &[DraftInput<'_>],
+        pass: &BlockPass,
+        precision: Precision,
+    ) -> Result<Proposals, ModelError> {
+        let c = &self.config;
+        let b = &self.backend;
+        let (blk, hid, vocab) = (c.block_size, c.hidden_size, c.vocab_size);
+        let n = inputs.len();
+        let params: Vec<_> = inputs.iter().map(|i| i.params.clone()).collect();
+        let params = RowParams::new(b, &params)?;
+        let sampled: Vec<bool> = inputs.iter().map(|i| !i.params.is_greedy()).collect();
+        let any_sampled = sampled.iter().any(|&s| s);
+        // Step-major q: row k·n + s is input s's distribution at block position k.
+        let mut q_steps = if any_sampled {
+            Some(b.scratch(blk * n * vocab)?)
+        } else {
+            None
+        };
+        let anchors = b.ints(inputs.iter().map(|i| i.anchor as i32).collect())?;
+        // A row that could not be drawn (-1) fails its own proposal; the next step must still
+        // embed a valid id there: on the host the -1 is replaced by 0 (a device embed reads an
+        // out-of-range id as a zero row).
+        let mut clamped: Option<Ints> = None;
+        let mut drafts: Vec<Vec<i32>> = Vec::with_capacity(blk);
+        let mut confidence: Vec<Tensor> = Vec::with_capacity(blk);
+        let mut step_ids: Vec<Ints> = Vec::with_capacity(blk);
+        for k in 0..blk {
+            let prev = match (k, &clamped) {
+                (0, _) => &anchors,
+                (_, Some(c)) => c,
+                (_, None) => &step_ids[k - 1],
+            };
+            let e = self.markov.embed(b, prev)?;
+            let bias = self.markov.bias(b, &e, precision)?;
+            let at = b.ints((0..n).map(|s| (s * blk + k) as i32).collect())?;
+            let mut logits_k = gather(
+                b,
+                Gather {
+                    src: &pass.logits,
+                    rows: &at,
+                    width: vocab,
+                },
+            )?;
+            add_norm(
+                b,
+                AddNorm {
+                    h: &mut logits_k,
+                    delta: Some(&bias),
+                    weight: &bias,
+                    out: None,
+                    width: vocab,
+                    eps: 0.0,
+                },
+            )?;
+            let hidden_k = gather(
+                b,
+                Gather {
+                    src: &pass.hidden,
+                    rows: &at,
+                    width: hid,
+                },
+            )?;
+            confidence.push(self.confidence.survival(b, &hidden_k, &e)?);
+            let p = probs(
+                b,
+                Probs {
+                    logits: &logits_k,
+                    vocab,
+                    params: &params,
+                },
+            )?;
+            let u: Vec<f64> = inputs
+                .iter()
+                .map(|i| i.uniforms.get(k).copied().unwrap_or(0.5))
+                .collect();
+            let ids = draw(
+                b,
+                Draw {
+                    probs: &p,
+                    vocab,
+                    uniforms: &Uniforms::new(b, &u)?,
+                },
+            )?;
+            if let Some(q) = q_steps.as_mut() {
+                b.copy_into(&p, q, k * n * vocab)?;
+            }
+            clamped = match &ids {
+                Ints::Host(v) => Some(Ints::Host(v.iter().map(|&t| t.max(0)).collect())),
+                #[cfg(feature = "cuda")]
+                Ints::Cuda(_) => None,
+            };
+            step_ids.push(ids);
+        }
+        for ids in &step_ids {
+            drafts.push(ids.to_host()?);
+        }
+        let confidence: Vec<Vec<f32>> = confidence
+            .iter()
+            .map(Tensor::to_host)
+            .collect::<Result<_, _>>()?;
+        // Sequence-major q for the verifier: row s·B + k.
+        let q = match q_steps {
+            Some(q) => {
+                let order = (0..n)
+                    .flat_map(|s| (0..blk).map(move |k| (k * n + s) as i32))
+                    .collect();
+                let order = b.ints(order)?;
+                Some(gather(
+                    b,
+                    Gather {
+                        src: &q,
+                        rows: &order,
+                        width: vocab,
+                    },
+                )?)
+            }
+            None => None,
+        };
+        let each = (0..n)
+            .map(|s| {
+                let ids: Vec<i32> = drafts.iter().map(|d| d[s]).collect();
+                if let Some(k) = ids.iter().position(|&t| t < 0) {
+                    return Err(ModelError::Invalid(format!(
+                        "drafter Markov head: block position {k} has no valid distribution"
+                    )));
+                }
+                Ok(Proposal {
+                    drafts: ids.iter().map(|&t| t as u32).collect(),
+                    q: if sampled[s] {
+                        DraftDist::Rows { first: s * blk }
+                    } else {
+                        DraftDist::Greedy
+                    },
+                    confidence: confidence.iter().map(|c| c[s]).collect(),
+                })
+            })
+            .collect();
+        Ok(Proposals { each, q })
+    }
+
     /// Context feature `RMSNorm(fc(concat taps))` for the rows named by `rows`, `[R][hidden]`,
-    /// and each row's position.
+    /// and each row's position and cache slot.
     fn context_feature(
         &self,
         rows: &ContextRows<'_>,
-    ) -> Result<(Vec<f32>, Vec<usize>), ModelError> {
-        let hid = self.config.hidden_size;
-        let taps = self.config.target_layer_ids.len();
+        page: usize,
+        precision: Precision,
+    ) -> Result<(Tensor, Vec<usize>, Vec<i64>), ModelError> {
+        let b = &self.backend;
+        let c = &self.config;
+        let hid = c.hidden_size;
+        let taps = c.target_layer_ids.len();
         if rows.taps.len() != taps {
             return Err(ModelError::Invalid(format!(
                 "drafter context: {} tapped layers given, the drafter needs {taps}",
@@ -186,252 +529,69 @@ impl DsparkDrafter {
             )));
         }
         let total: usize = rows.segments.iter().map(|s| s.rows).sum();
-        let mut feat = vec![0.0f32; total * hid * taps];
+        let mut src_rows = Vec::with_capacity(total);
         let mut positions = Vec::with_capacity(total);
-        let mut r = 0;
+        let mut slots = Vec::with_capacity(total);
+        let tapped_rows = rows
+            .taps
+            .iter()
+            .map(|t| t.len() / hid.max(1))
+            .min()
+            .unwrap_or(0);
         for seg in rows.segments {
             for i in 0..seg.rows {
-                let src_row = seg.first_row + i;
-                for (t, tap) in rows.taps.iter().enumerate() {
-                    let src = tap.get(src_row * hid..(src_row + 1) * hid).ok_or_else(|| {
-                        ModelError::Invalid(format!(
-                            "drafter context: row {src_row} is outside the tapped buffer"
-                        ))
-                    })?;
-                    let dst = (r * taps + t) * hid;
-                    feat[dst..dst + hid].copy_from_slice(src);
+                let src = seg.first_row + i;
+                if src >= tapped_rows {
+                    return Err(ModelError::Invalid(format!(
+                        "drafter context: row {src} is outside the tapped buffer ({tapped_rows} rows)"
+                    )));
                 }
-                positions.push(seg.start_pos + i);
-                r += 1;
-            }
-        }
-        let mut f = vec![0.0f32; total * hid];
-        linear(&feat, &self.fc, &mut f)?;
-        rms_norm_inplace(&mut f, &self.hidden_norm, self.config.rms_norm_eps)?;
-        Ok((f, positions))
-    }
-
-    /// Runs the block forward for `inputs`: `(final normed hidden [S·B][hidden], U logits
-    /// [S·B][vocab])` — the LM-head logits before the Markov head (parity tests compare them
-    /// with the float32 torch reference).
-    pub fn block_forward(
-        &self,
-        ctx: &DraftCtx<'_>,
-        inputs: &[DraftInput<'_>],
-    ) -> Result<(Vec<f32>, Vec<f32>), ModelError> {
-        let c = &self.config;
-        let (b, hid, hd) = (c.block_size, c.hidden_size, c.head_dim);
-        let pool = ctx
-            .pool
-            .ok_or_else(|| ModelError::Invalid("the DSpark drafter needs its KV pool".into()))?;
-        let rows = inputs.len() * b;
-        let mut tokens = Vec::with_capacity(rows);
-        let mut positions = Vec::with_capacity(rows);
-        for inp in inputs {
-            tokens.push(inp.anchor);
-            tokens.extend(std::iter::repeat_n(c.mask_token_id, b - 1));
-            positions.extend(inp.context_len..inp.context_len + b);
-        }
-        let mut x = vec![0.0f32; rows * hid];
-        ctx.target.embed_tokens(&tokens, &mut x)?;
-        let (qw, kvw) = (c.num_heads * hd, c.num_kv_heads * hd);
-        let mut h = vec![0.0f32; rows * hid];
-        let mut q = vec![0.0f32; rows * qw];
-        let mut k = vec![0.0f32; rows * kvw];
-        let mut v = vec![0.0f32; rows * kvw];
-        let mut attn = vec![0.0f32; rows * qw];
-        let mut o = vec![0.0f32; rows * hid];
-        for (l, layer) in self.layers.iter().enumerate() {
-            h.copy_from_slice(&x);
-            rms_norm_inplace(&mut h, &layer.input_norm, c.rms_norm_eps)?;
-            linear(&h, &layer.q, &mut q)?;
-            linear(&h, &layer.k, &mut k)?;
-            linear(&h, &layer.v, &mut v)?;
-            self.norm_rope(&mut q, &layer.q_norm, c.num_heads, &positions)?;
-            self.norm_rope(&mut k, &layer.k_norm, c.num_kv_heads, &positions)?;
-            attn.par_chunks_mut(b * qw)
-                .zip(inputs.par_iter())
-                .enumerate()
-                .try_for_each(|(s, (out, inp))| {
-                    let blk = s * b..(s + 1) * b;
-                    self.attend_one(
-                        AttendArgs {
-                            pool,
-                            layer: l,
-                            input: inp,
-                            q: &q[blk.start * qw..blk.end * qw],
-                            k: &k[blk.start * kvw..blk.end * kvw],
-                            v: &v[blk.start * kvw..blk.end * kvw],
-                        },
-                        out,
-                    )
+                let pos = seg.start_pos + i;
+                let block: &BlockId = seg.block_table.get(pos / page).ok_or_else(|| {
+                    ModelError::Kv(format!(
+                        "drafter context position {pos} is beyond the block table ({} blocks)",
+                        seg.block_table.len()
+                    ))
                 })?;
-            linear(&attn, &layer.o, &mut o)?;
-            add_assign(&mut x, &o);
-            h.copy_from_slice(&x);
-            rms_norm_inplace(&mut h, &layer.post_norm, c.rms_norm_eps)?;
-            layer.mlp.forward(&h, &mut o)?;
-            add_assign(&mut x, &o);
-        }
-        rms_norm_inplace(&mut x, &self.norm, c.rms_norm_eps)?;
-        let mut logits = vec![0.0f32; rows * c.vocab_size];
-        ctx.target.lm_head_logits(&x, &mut logits)?;
-        Ok((x, logits))
-    }
-
-    /// One sequence's block attention for one layer: queries from the block, keys and values
-    /// from every context row (the pool) and every block row.
-    fn attend_one(&self, a: AttendArgs<'_>, out: &mut [f32]) -> Result<(), ModelError> {
-        let c = &self.config;
-        let (b, hd) = (c.block_size, c.head_dim);
-        let kvh = c.num_kv_heads;
-        let kvw = kvh * hd;
-        let n = a.input.context_len;
-        let mut ctx_rows = vec![0.0f32; n * self.kv.kv_width];
-        let at = DraftRows {
-            layer: a.layer,
-            table: a.input.block_table,
-        };
-        self.kv.read_rows(a.pool, at, n, &mut ctx_rows)?;
-        let group = c.num_heads / kvh;
-        let scale = 1.0 / (hd as f32).sqrt();
-        let keys = n + b;
-        let mut scores = vec![0.0f32; keys];
-        // Row j of the keys / values: context rows first, then the block.
-        let key = |j: usize, g: usize| -> &[f32] {
-            if j < n {
-                &ctx_rows[j * 2 * kvw + g * hd..j * 2 * kvw + (g + 1) * hd]
-            } else {
-                let r = j - n;
-                &a.k[r * kvw + g * hd..r * kvw + (g + 1) * hd]
-            }
-        };
-        let value = |j: usize, g: usize| -> &[f32] {
-            if j < n {
-                &ctx_rows[j * 2 * kvw + kvw + g * hd..j * 2 * kvw + kvw + (g + 1) * hd]
-            } else {
-                let r = j - n;
-                &a.v[r * kvw + g * hd..r * kvw + (g + 1) * hd]
-            }
-        };
-        for i in 0..b {
-            for head in 0..c.num_heads {
-                let g = head / group;
-                let qv = &a.q[(i * c.num_heads + head) * hd..(i * c.num_heads + head + 1) * hd];
-                let mut max = f32::NEG_INFINITY;
-                for (j, s) in scores.iter_mut().enumerate() {
-                    *s = qv.iter().zip(key(j, g)).map(|(x, y)| x * y).sum::<f32>() * scale;
-                    max = max.max(*s);
-                }
-                let mut sum = 0.0f32;
-                for s in scores.iter_mut() {
-                    *s = (*s - max).exp();
-                    sum += *s;
-                }
-                let dst =
-                    &mut out[(i * c.num_heads + head) * hd..(i * c.num_heads + head + 1) * hd];
-                dst.fill(0.0);
-                for (j, &s) in scores.iter().enumerate() {
-                    let wgt = s / sum;
-                    for (d, x) in dst.iter_mut().zip(value(j, g)) {
-                        *d += wgt * x;
-                    }
-                }
+                src_rows.push(src as i32);
+                positions.push(pos);
+                slots.push(i64::from(block.0) * page as i64 + (pos % page) as i64);
             }
         }
-        Ok(())
-    }
-
-    /// The Markov head, left to right, for every sequence: drafts, their q, confidences.
-    fn draft(
-        &self,
-        inputs: &[DraftInput<'_>],
-        hidden: &[f32],
-        logits: &[f32],
-    ) -> Vec<Result<Proposal, ModelError>> {
-        let c = &self.config;
-        let (b, hid, vocab) = (c.block_size, c.hidden_size, c.vocab_size);
-        let mut out: Vec<Result<Proposal, ModelError>> = inputs
-            .iter()
-            .map(|inp| {
-                Ok(Proposal {
-                    drafts: Vec::with_capacity(b),
-                    q: if inp.params.is_greedy() {
-                        DraftDist::Greedy
-                    } else {
-                        DraftDist::Sampled(Vec::with_capacity(b * vocab))
-                    },
-                    confidence: Vec::with_capacity(b),
-                })
-            })
-            .collect();
-        for k in 0..b {
-            let prev: Vec<u32> = inputs
-                .iter()
-                .zip(&out)
-                .map(|(inp, p)| match p {
-                    Ok(p) if k > 0 => p.drafts.get(k - 1).copied().unwrap_or(inp.anchor),
-                    _ => inp.anchor,
-                })
-                .collect();
-            let step = self.markov.embed(&prev).and_then(|e| {
-                let mut rows = Vec::with_capacity(inputs.len() * vocab);
-                for s in 0..inputs.len() {
-                    let r = s * b + k;
-                    rows.extend_from_slice(&logits[r * vocab..(r + 1) * vocab]);
-                }
-                self.markov.add_bias(&e, &mut rows)?;
-                Ok((e, rows))
-            });
-            let (e, rows) = match step {
-                Ok(v) => v,
-                Err(err) => {
-                    let msg = err.to_string();
-                    return inputs
-                        .iter()
-                        .map(|_| Err(ModelError::Invalid(format!("drafter Markov head: {msg}"))))
-                        .collect();
-                }
-            };
-            let rank = self.markov.rank();
-            for (s, (inp, p)) in inputs.iter().zip(out.iter_mut()).enumerate() {
-                let Ok(prop) = p else { continue };
-                let r = s * b + k;
-                let row = &rows[s * vocab..(s + 1) * vocab];
-                let e_s = &e[s * rank..(s + 1) * rank];
-                prop.confidence.push(
-                    self.confidence
-                        .survival(&hidden[r * hid..(r + 1) * hid], e_s),
-                );
-                let drafted = match &mut prop.q {
-                    DraftDist::Greedy => Ok(argmax(row)),
-                    DraftDist::Sampled(q) => probs_from_logits(row, inp.params).and_then(|probs| {
-                        let u = inp.uniforms.get(k).copied().unwrap_or(0.5);
-                        let x = sample_from_probs(&probs, u)?;
-                        q.extend_from_slice(&probs);
-                        Ok(x)
-                    }),
-                };
-                match drafted {
-                    Ok(x) => prop.drafts.push(x),
-                    Err(err) => *p = Err(err.into()),
-                }
-            }
-        }
-        out
+        let srcs: Vec<&Tensor> = rows.taps.iter().collect();
+        let feat = gather_concat(
+            b,
+            GatherConcat {
+                srcs: &srcs,
+                rows: &b.ints(src_rows)?,
+                width: hid,
+            },
+        )?;
+        let mut f = self.linear(&feat, &self.fc, precision)?;
+        let mut out = b.scratch(total * hid)?;
+        add_norm(
+            b,
+            AddNorm {
+                h: &mut f,
+                delta: None,
+                weight: &self.hidden_norm,
+                out: Some(&mut out),
+                width: hid,
+                eps: c.rms_norm_eps,
+            },
+        )?;
+        Ok((out, positions, slots))
     }
 }
 
-/// One sequence's attention inputs for one layer.
-struct AttendArgs<'a> {
-    pool: &'a KvPool,
-    layer: usize,
-    input: &'a DraftInput<'a>,
-    /// `[B][heads][head_dim]`.
-    q: &'a [f32],
-    /// `[B][kv_heads][head_dim]`.
-    k: &'a [f32],
-    v: &'a [f32],
+/// `m` (a host weight) on `b`.
+fn weight_on(b: &Backend, w: &Weight, what: &'static str) -> Result<Weight, ModelError> {
+    Ok(b.weight(w.host("drafter to_backend", what)?)?)
+}
+
+/// `t` (a host vector) on `b`.
+fn vector_on(b: &Backend, t: &Tensor, what: &'static str) -> Result<Tensor, ModelError> {
+    Ok(b.upload(t.host("drafter to_backend", what)?)?)
 }
 
 impl Drafter for DsparkDrafter {
@@ -447,66 +607,98 @@ impl Drafter for DsparkDrafter {
         Some(self.kv)
     }
 
+    fn to_backend(&mut self, b: &Backend) -> Result<(), ModelError> {
+        if b.device() == self.backend.device() {
+            return Ok(());
+        }
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| {
+                Ok(DraftLayer {
+                    input_norm: vector_on(b, &l.input_norm, "input_layernorm")?,
+                    q: weight_on(b, &l.q, "q_proj")?,
+                    k: weight_on(b, &l.k, "k_proj")?,
+                    v: weight_on(b, &l.v, "v_proj")?,
+                    o: weight_on(b, &l.o, "o_proj")?,
+                    q_norm: vector_on(b, &l.q_norm, "q_norm")?,
+                    k_norm: vector_on(b, &l.k_norm, "k_norm")?,
+                    post_norm: vector_on(b, &l.post_norm, "post_attention_layernorm")?,
+                    mlp: Dense::to_backend(l.mlp.host()?, b)?,
+                })
+            })
+            .collect::<Result<Vec<_>, ModelError>>()?;
+        *self = Self {
+            config: self.config.clone(),
+            backend: b.clone(),
+            fc: weight_on(b, &self.fc, "fc")?,
+            hidden_norm: vector_on(b, &self.hidden_norm, "hidden_norm")?,
+            layers,
+            norm: vector_on(b, &self.norm, "norm")?,
+            markov: self.markov.to_backend(b)?,
+            confidence: self.confidence.to_backend(b)?,
+            rope: self.rope.clone(),
+            kv: self.kv,
+        };
+        Ok(())
+    }
+
     fn extend_context(
         &self,
-        _target: &DeepseekModel,
-        pool: &mut KvPool,
+        target: &DeepseekModel,
+        kv: &mut KvStore,
         rows: &ContextRows<'_>,
     ) -> Result<(), ModelError> {
         if rows.segments.iter().all(|s| s.rows == 0) {
             return Ok(());
         }
+        self.check_target(target)?;
+        let b = &self.backend;
         let c = &self.config;
-        let (f, positions) = self.context_feature(rows)?;
+        let precision = target.precision();
+        let page = kv.layout().page_size;
+        let (f, positions, slots) = self.context_feature(rows, page, precision)?;
         let r = positions.len();
         let kvw = c.num_kv_heads * c.head_dim;
-        let mut k = vec![0.0f32; r * kvw];
-        let mut v = vec![0.0f32; r * kvw];
-        let mut row = vec![0.0f32; 2 * kvw];
+        let table = RopeTable::new(b, &self.rope, &positions)?;
+        let slots = b.slots(slots)?;
+        let identity = b.ints((0..r as i32).collect())?;
         for (l, layer) in self.layers.iter().enumerate() {
-            linear(&f, &layer.k, &mut k)?;
-            linear(&f, &layer.v, &mut v)?;
-            self.norm_rope(&mut k, &layer.k_norm, c.num_kv_heads, &positions)?;
-            let mut i = 0;
-            for seg in rows.segments {
-                for j in 0..seg.rows {
-                    row[..kvw].copy_from_slice(&k[i * kvw..(i + 1) * kvw]);
-                    row[kvw..].copy_from_slice(&v[i * kvw..(i + 1) * kvw]);
-                    let at = DraftRows {
-                        layer: l,
-                        table: seg.block_table,
-                    };
-                    self.kv.write_row(pool, at, seg.start_pos + j, &row)?;
-                    i += 1;
-                }
-            }
+            let mut k = self.linear(&f, &layer.k, precision)?;
+            let v = self.linear(&f, &layer.v, precision)?;
+            self.norm_rope(&mut k, &layer.k_norm, c.num_kv_heads, &table)?;
+            // One context row per token: K of every KV head, then V.
+            let row = gather_concat(
+                b,
+                GatherConcat {
+                    srcs: &[&k, &v],
+                    rows: &identity,
+                    width: kvw,
+                },
+            )?;
+            scatter_rows(
+                b,
+                ScatterRows {
+                    rows: &row,
+                    pages: kv.pages_mut(l)?,
+                    slots: &slots,
+                },
+            )?;
         }
         Ok(())
     }
 
-    fn propose(
-        &self,
-        ctx: &DraftCtx<'_>,
-        inputs: &[DraftInput<'_>],
-    ) -> Vec<Result<Proposal, ModelError>> {
+    fn propose(&self, ctx: &DraftCtx<'_>, inputs: &[DraftInput<'_>]) -> Proposals {
         if inputs.is_empty() {
-            return Vec::new();
+            return Proposals::host(Vec::new());
         }
-        match self.block_forward(ctx, inputs) {
-            Ok((hidden, logits)) => self.draft(inputs, &hidden, &logits),
-            Err(e) => {
-                let msg = e.to_string();
-                inputs
-                    .iter()
-                    .map(|_| Err(ModelError::Invalid(format!("drafter forward: {msg}"))))
-                    .collect()
-            }
+        let precision = ctx.target.precision();
+        match self
+            .block_forward(ctx, inputs)
+            .and_then(|pass| self.draft(inputs, &pass, precision))
+        {
+            Ok(p) => p,
+            Err(e) => Proposals::failed(inputs.len(), &format!("drafter forward: {e}")),
         }
-    }
-}
-
-fn add_assign(acc: &mut [f32], x: &[f32]) {
-    for (a, b) in acc.iter_mut().zip(x) {
-        *a += b;
     }
 }

@@ -1,4 +1,5 @@
-//! DSpark's two heads on top of the drafter backbone (arXiv 2607.05147).
+//! DSpark's two heads on top of the drafter backbone (arXiv 2607.05147), on the drafter's
+//! backend.
 //!
 //! - **Markov head**: draft `k` is drawn left to right from `softmax(U_k + B(x_{k−1}))`, with
 //!   `U_k` the backbone's LM-head logits at block position `k` and `B(x) = W2 · W1[x]` a rank-r
@@ -8,7 +9,10 @@
 //!   verification. It reads the previous draft, never draft `k` itself, so a verify length
 //!   chosen from it is non-anticipating.
 
-use ferry_kernels::cpu::gemm::{linear, Matrix};
+use ferry_kernels::backend::draft::{confidence, Confidence};
+use ferry_kernels::backend::linear::{linear, Linear};
+use ferry_kernels::backend::rows::{embed, Embed};
+use ferry_kernels::backend::{Backend, Ints, Precision, Tensor, Weight};
 
 use crate::ModelError;
 
@@ -16,9 +20,9 @@ use crate::ModelError;
 #[derive(Debug)]
 pub struct MarkovHead {
     /// `markov_head.w1.weight`: `[vocab][rank]` (an embedding).
-    pub w1: Matrix,
+    pub w1: Weight,
     /// `markov_head.w2.weight`: `[vocab][rank]` (`nn.Linear(rank, vocab)`).
-    pub w2: Matrix,
+    pub w2: Weight,
 }
 
 impl MarkovHead {
@@ -28,23 +32,40 @@ impl MarkovHead {
     }
 
     /// `W1[x]` for each of `prev`, `[n][rank]`.
-    pub fn embed(&self, prev: &[u32]) -> Result<Vec<f32>, ModelError> {
-        let r = self.rank();
-        let mut out = vec![0.0f32; prev.len() * r];
-        for (row, &x) in out.chunks_exact_mut(r).zip(prev) {
-            self.w1.row_f32(x as usize, row)?;
-        }
-        Ok(out)
+    pub fn embed(&self, b: &Backend, prev: &Ints) -> Result<Tensor, ModelError> {
+        Ok(embed(
+            b,
+            Embed {
+                table: &self.w1,
+                ids: prev,
+            },
+        )?)
     }
 
-    /// Adds `W2 · e` to each logits row: `logits` is `[n][vocab]`, `e` is `[n][rank]`.
-    pub fn add_bias(&self, e: &[f32], logits: &mut [f32]) -> Result<(), ModelError> {
-        let mut b = vec![0.0f32; logits.len()];
-        linear(e, &self.w2, &mut b)?;
-        for (l, v) in logits.iter_mut().zip(b) {
-            *l += v;
-        }
-        Ok(())
+    /// `W2 · e` for each row of `e` (`[n][rank]` → `[n][vocab]`): the bias added to the
+    /// backbone's logits.
+    pub fn bias(
+        &self,
+        b: &Backend,
+        e: &Tensor,
+        precision: Precision,
+    ) -> Result<Tensor, ModelError> {
+        Ok(linear(
+            b,
+            Linear {
+                x: e,
+                w: &self.w2,
+                precision,
+            },
+        )?)
+    }
+
+    /// The head on `b`.
+    pub fn to_backend(&self, b: &Backend) -> Result<Self, ModelError> {
+        Ok(Self {
+            w1: b.weight(self.w1.host("to_backend", "markov_head.w1")?)?,
+            w2: b.weight(self.w2.host("to_backend", "markov_head.w2")?)?,
+        })
     }
 }
 
@@ -52,22 +73,31 @@ impl MarkovHead {
 #[derive(Debug)]
 pub struct ConfidenceHead {
     /// `confidence_head.weight`, flattened: `hidden + rank` entries.
-    pub w: Vec<f32>,
+    pub w: Tensor,
     /// `confidence_head.bias`.
     pub b: f32,
 }
 
 impl ConfidenceHead {
-    /// The survival estimate for a block position with final hidden state `h` whose previous
-    /// token embeds to `e` (`h.len() + e.len()` must be the head's width).
-    pub fn survival(&self, h: &[f32], e: &[f32]) -> f32 {
-        let z: f32 = self
-            .w
-            .iter()
-            .zip(h.iter().chain(e))
-            .map(|(w, x)| w * x)
-            .sum::<f32>()
-            + self.b;
-        1.0 / (1.0 + (-z).exp())
+    /// The survival estimate of each row: `h` is `[n][hidden]` (final hidden states), `e` is
+    /// `[n][rank]` (the previous tokens' `W1` rows); `[n]` out.
+    pub fn survival(&self, b: &Backend, h: &Tensor, e: &Tensor) -> Result<Tensor, ModelError> {
+        Ok(confidence(
+            b,
+            Confidence {
+                h,
+                e,
+                w: &self.w,
+                bias: self.b,
+            },
+        )?)
+    }
+
+    /// The head on `b`.
+    pub fn to_backend(&self, b: &Backend) -> Result<Self, ModelError> {
+        Ok(Self {
+            w: b.upload(self.w.host("to_backend", "confidence_head.weight")?)?,
+            b: self.b,
+        })
     }
 }

@@ -7,19 +7,23 @@
 //! | [`heads`] | the Markov head (the `q` drafts are drawn from) and the confidence head |
 //! | [`mod@self`] | the [`Drafter`] trait, its inputs and outputs, the drafter KV layout |
 //!
+//! The drafter runs where its target runs: its weights, its KV and every op of its passes are
+//! on the target's [`Backend`] (the one op-level backend the target's forward uses), so on a
+//! GPU the tapped hidden states never leave the device and the drafts' `q` stays there for the
+//! verifier.
+//!
 //! ```text
 //!  target forward (any batch) ── hidden states after target_layer_ids ──► extend_context
-//!        concat → fc → RMSNorm → per drafter layer K, V ──► drafter KV pool (same BlockIds)
+//!        concat → fc → RMSNorm → per drafter layer K, V ──► drafter KV (same BlockIds)
 //!  propose: [anchor, MASK × (B−1)] at positions n..n+B ── queries from the block only,
 //!        bidirectional inside it, attending every committed context row ── target LM head
 //!        ── Markov head, left to right ──► B drafts, their q, B confidences
 //! ```
 //!
-//! The drafter KV pool has the target pool's geometry (page size, block count, row width) and
-//! is addressed through the target's block tables, so a sequence's blocks hold both its target
-//! KV and its drafter context; see [`DraftKvLayout`] for how a drafter row wider than a target
-//! row is split over several pool layers. That also makes the drafter context travel with the
-//! target KV as extra layers of the same transfer (`docs/spec_decode.md`).
+//! The drafter KV has the target pool's page size and block count and is addressed through the
+//! target's block tables, so a sequence's blocks hold both its target KV and its drafter
+//! context; on the wire, drafter rows travel as extra layers of the target's transfer, split
+//! to the target's row width ([`DraftKvLayout`], `docs/spec_decode.md`).
 
 pub mod config;
 pub mod dspark;
@@ -30,10 +34,11 @@ pub use dspark::DsparkDrafter;
 
 use std::path::PathBuf;
 
+use ferry_kernels::backend::{Backend, Tensor};
 use ferry_kernels::cpu::sample::SamplingParams;
 
 use crate::deepseek::DeepseekModel;
-use crate::kv::{BlockId, KvLayout, KvPool};
+use crate::kv::{BlockId, KvLayout, KvStore};
 use crate::ModelError;
 
 /// The source checkout's copy of the embedded drafter, `models/tiny-k3-dspark` (trained by
@@ -51,33 +56,37 @@ pub fn default_for(target_dir: &std::path::Path) -> Result<Option<PathBuf>, Mode
     Ok(ferry_modelcard::embedded::default_drafter_for(target_dir).transpose()?)
 }
 
-/// How drafter context rows (`kv_width` floats: K then V of every KV head) are stored in a pool
-/// whose rows are `row_width` floats (the target's latent width): drafter layer `l`'s row is
-/// split into `chunks = ⌈kv_width / row_width⌉` pieces, piece `c` in pool layer
+/// Where drafter context rows live. On every device the drafter's own KV is **natural**: per
+/// drafter layer a paged `[block][page][kv_width]` f32 region (K of every KV head, then V),
+/// addressed through the target's block tables ([`DraftKvLayout::rows_layout`]) — what the
+/// drafter's block attention reads. On the **wire** the rows travel as extra transfer layers of
+/// the target's geometry (rows `row_width` = the target's latent width): drafter layer `l`'s
+/// row is split into `chunks = ⌈kv_width / row_width⌉` pieces, piece `c` in wire layer
 /// `l · chunks + c` (the last piece zero-padded). K3's drafter (2 × 16 × 64 = 2048 floats)
-/// takes 4 pool layers of 576 per drafter layer; the embedded one (2 × 2 × 32 = 128) takes 2 of 80.
+/// takes 4 wire layers of 576 per drafter layer; the embedded one (2 × 2 × 32 = 128) takes 2
+/// of 80. [`DraftKvLayout::to_wire`] / [`DraftKvLayout::from_wire`] convert one block.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DraftKvLayout {
     /// Drafter layers.
     pub layers: usize,
     /// Floats per context row per drafter layer.
     pub kv_width: usize,
-    /// Floats per pool row (the target's latent width).
+    /// Floats per wire row (the target's latent width).
     pub row_width: usize,
 }
 
 impl DraftKvLayout {
-    /// Pool layers per drafter layer.
+    /// Wire layers per drafter layer.
     pub fn chunks(&self) -> usize {
         self.kv_width.div_ceil(self.row_width.max(1))
     }
 
-    /// Pool layers in all (what travels as extra transfer layers).
+    /// Wire layers in all (what travels as extra transfer layers).
     pub fn pool_layers(&self) -> usize {
         self.layers * self.chunks()
     }
 
-    /// The drafter pool's geometry next to a target pool of geometry `target`.
+    /// The wire staging pool's geometry next to a target pool of geometry `target`.
     pub fn pool_layout(&self, target: &KvLayout) -> KvLayout {
         KvLayout {
             num_layers: self.pool_layers(),
@@ -87,75 +96,64 @@ impl DraftKvLayout {
         }
     }
 
-    /// Writes drafter layer `at.layer`'s context row for position `pos` of the sequence with
-    /// block table `at.table`.
-    pub fn write_row(
+    /// The drafter's own rows next to a target pool of geometry `target`: one layer per drafter
+    /// layer, `kv_width` floats per row.
+    pub fn rows_layout(&self, target: &KvLayout) -> KvLayout {
+        KvLayout {
+            num_layers: self.layers,
+            num_blocks: target.num_blocks,
+            page_size: target.page_size,
+            width: self.kv_width,
+        }
+    }
+
+    /// Piece `chunk` of one block of natural rows (`[page][kv_width]`) as wire rows
+    /// (`[page][row_width]`, zero-padded).
+    pub fn to_wire(
         &self,
-        pool: &mut KvPool,
-        at: DraftRows<'_>,
-        pos: usize,
-        row: &[f32],
+        natural: &[f32],
+        chunk: usize,
+        wire: &mut [f32],
     ) -> Result<(), ModelError> {
-        let DraftRows { layer, table } = at;
-        let w = self.row_width;
-        for c in 0..self.chunks() {
-            let dst = pool.row_mut(layer * self.chunks() + c, table, pos)?;
-            let src = row.get(c * w..).unwrap_or_default();
-            let n = src.len().min(w);
-            dst[..n].copy_from_slice(&src[..n]);
+        let (kw, w) = (self.kv_width, self.row_width);
+        let lo = chunk * w;
+        let n = kw.saturating_sub(lo).min(w);
+        self.check_block(natural, wire)?;
+        for (src, dst) in natural.chunks_exact(kw).zip(wire.chunks_exact_mut(w)) {
+            dst[..n].copy_from_slice(&src[lo..lo + n]);
             dst[n..].fill(0.0);
         }
         Ok(())
     }
 
-    /// Reads drafter layer `at.layer`'s context rows for positions `0..len` into `out`
-    /// (`[len][kv_width]`).
-    pub fn read_rows(
+    /// The inverse of [`Self::to_wire`]: piece `chunk` of wire rows into natural rows.
+    pub fn from_wire(
         &self,
-        pool: &KvPool,
-        at: DraftRows<'_>,
-        len: usize,
-        out: &mut [f32],
+        wire: &[f32],
+        chunk: usize,
+        natural: &mut [f32],
     ) -> Result<(), ModelError> {
-        let DraftRows { layer, table } = at;
-        let page = pool.layout().page_size;
-        let (w, kw) = (self.row_width, self.kv_width);
-        if out.len() != len * kw {
-            return Err(ModelError::Kv(format!(
-                "drafter context buffer holds {} floats, {len} rows need {}",
-                out.len(),
-                len * kw
-            )));
-        }
-        if table.len() * page < len {
-            return Err(ModelError::Kv(format!(
-                "drafter context of {len} positions is beyond the block table ({} blocks)",
-                table.len()
-            )));
-        }
-        for c in 0..self.chunks() {
-            let lo = c * w;
-            let n = kw.saturating_sub(lo).min(w);
-            for (b, &block) in table.iter().enumerate().take(len.div_ceil(page)) {
-                let data = pool.block(layer * self.chunks() + c, block)?;
-                let rows = (len - b * page).min(page);
-                for r in 0..rows {
-                    let pos = b * page + r;
-                    out[pos * kw + lo..pos * kw + lo + n].copy_from_slice(&data[r * w..r * w + n]);
-                }
-            }
+        let (kw, w) = (self.kv_width, self.row_width);
+        let lo = chunk * w;
+        let n = kw.saturating_sub(lo).min(w);
+        self.check_block(natural, wire)?;
+        for (src, dst) in wire.chunks_exact(w).zip(natural.chunks_exact_mut(kw)) {
+            dst[lo..lo + n].copy_from_slice(&src[..n]);
         }
         Ok(())
     }
-}
 
-/// One drafter layer's rows of one sequence.
-#[derive(Debug, Clone, Copy)]
-pub struct DraftRows<'a> {
-    /// Drafter layer.
-    pub layer: usize,
-    /// The sequence's block table.
-    pub table: &'a [BlockId],
+    fn check_block(&self, natural: &[f32], wire: &[f32]) -> Result<(), ModelError> {
+        let (kw, w) = (self.kv_width.max(1), self.row_width.max(1));
+        if natural.len() % kw != 0 || wire.len() % w != 0 || natural.len() / kw != wire.len() / w {
+            return Err(ModelError::Kv(format!(
+                "a drafter block of {} natural floats (rows of {kw}) does not match {} wire floats (rows of {w})",
+                natural.len(),
+                wire.len()
+            )));
+        }
+        Ok(())
+    }
 }
 
 /// Where committed rows of a target batch go in the drafter's context.
@@ -174,8 +172,9 @@ pub struct ContextSegment<'a> {
 /// Tapped target hidden states and where their committed rows belong.
 #[derive(Debug, Clone, Copy)]
 pub struct ContextRows<'a> {
-    /// Per tapped layer, in [`Drafter::taps`] order: `[batch rows][hidden]`.
-    pub taps: &'a [Vec<f32>],
+    /// Per tapped layer, in [`Drafter::taps`] order: `[batch rows][hidden]` on the target's
+    /// backend (copied there by the forward, never downloaded on a GPU).
+    pub taps: &'a [Tensor],
     /// The rows to turn into context, per sequence.
     pub segments: &'a [ContextSegment<'a>],
 }
@@ -190,7 +189,7 @@ pub struct DraftInput<'a> {
     /// The sequence's block table (drafter context is read through it).
     pub block_table: &'a [BlockId],
     /// The committed tokens, `context_len` of them (test drafters read them; DSpark reads its
-    /// context from the pool).
+    /// context from its KV).
     pub tokens: &'a [u32],
     /// The request's sampling parameters: greedy requests get argmax drafts.
     pub params: &'a SamplingParams,
@@ -203,8 +202,14 @@ pub struct DraftInput<'a> {
 pub enum DraftDist {
     /// Argmax drafts: `q_k = δ(x_k)`.
     Greedy,
-    /// `[drafts][vocab]`: the exact distribution each draft was sampled from.
+    /// `[drafts][vocab]` on the host: the exact distribution each draft was sampled from.
     Sampled(Vec<f32>),
+    /// Rows `first..first + drafts` of the call's [`Proposals::q`] (on the drafter's backend):
+    /// the exact distribution each draft was sampled from, left where it was computed.
+    Rows {
+        /// The first draft's row.
+        first: usize,
+    },
 }
 
 /// A drafter's block for one sequence.
@@ -219,12 +224,80 @@ pub struct Proposal {
     pub confidence: Vec<f32>,
 }
 
-/// The target model and the drafter pool, for a drafter call.
+/// What one [`Drafter::propose`] call drafted.
+#[derive(Debug)]
+pub struct Proposals {
+    /// One result per input, in order.
+    pub each: Vec<Result<Proposal, ModelError>>,
+    /// `[rows][vocab]` on the drafter's backend, the rows [`DraftDist::Rows`] proposals name
+    /// (`None` when no proposal does).
+    pub q: Option<Tensor>,
+}
+
+impl Proposals {
+    /// Proposals without shared rows (host drafters).
+    pub fn host(each: Vec<Result<Proposal, ModelError>>) -> Self {
+        Self { each, q: None }
+    }
+
+    /// Every proposal failed with `msg`.
+    pub fn failed(n: usize, msg: &str) -> Self {
+        Self::host(
+            (0..n)
+                .map(|_| Err(ModelError::Invalid(msg.to_string())))
+                .collect(),
+        )
+    }
+
+    /// Proposal `i`'s q rows on the host (`None` for a greedy proposal): what the verifier
+    /// reads when it runs on the host. Downloads the shared rows once per call of `host_q`.
+    pub fn host_q(&self, vocab: usize) -> Result<Vec<Option<Vec<f32>>>, ModelError> {
+        let shared = match &self.q {
+            Some(t)
+                if self
+                    .each
+                    .iter()
+                    .flatten()
+                    .any(|p| matches!(p.q, DraftDist::Rows { .. })) =>
+            {
+                Some(t.to_host()?)
+            }
+            _ => None,
+        };
+        self.each
+            .iter()
+            .map(|p| match p {
+                Ok(Proposal {
+                    q: DraftDist::Rows { first },
+                    drafts,
+                    ..
+                }) => {
+                    let rows = shared.as_deref().unwrap_or_default();
+                    rows.get(first * vocab..(first + drafts.len()) * vocab)
+                        .map(|r| Some(r.to_vec()))
+                        .ok_or_else(|| {
+                            ModelError::Invalid(format!(
+                                "draft rows {first}..{} are outside the drafter's q",
+                                first + drafts.len()
+                            ))
+                        })
+                }
+                Ok(Proposal {
+                    q: DraftDist::Sampled(rows),
+                    ..
+                }) => Ok(Some(rows.clone())),
+                _ => Ok(None),
+            })
+            .collect()
+    }
+}
+
+/// The target model and the drafter's KV, for a drafter call.
 pub struct DraftCtx<'a> {
-    /// The target (shared embedding and LM head).
+    /// The target (shared embedding and LM head), on the backend the drafter runs on.
     pub target: &'a DeepseekModel,
-    /// The drafter KV pool (`None` for drafters without context).
-    pub pool: Option<&'a KvPool>,
+    /// The drafter's context rows (`None` for drafters without context).
+    pub kv: Option<&'a KvStore>,
 }
 
 /// A drafter the engine can drive. [`DsparkDrafter`] is the real one; tests plug in drafters of
@@ -236,23 +309,27 @@ pub trait Drafter: Send {
     /// Target layers whose outputs the context needs (empty: no context).
     fn taps(&self) -> &[usize];
 
-    /// How context rows are stored (`None`: no drafter KV pool).
+    /// How context rows are stored (`None`: no drafter KV).
     fn kv_layout(&self) -> Option<DraftKvLayout>;
 
-    /// Turns committed rows' tapped hidden states into context K/V in `pool`.
+    /// Moves the drafter's weights onto `b`, the backend its target runs on (drafters without
+    /// weights keep this default).
+    fn to_backend(&mut self, b: &Backend) -> Result<(), ModelError> {
+        let _ = b;
+        Ok(())
+    }
+
+    /// Turns committed rows' tapped hidden states into context K/V in `kv` (natural rows on the
+    /// target's backend, [`DraftKvLayout::rows_layout`]).
     fn extend_context(
         &self,
         target: &DeepseekModel,
-        pool: &mut KvPool,
+        kv: &mut KvStore,
         rows: &ContextRows<'_>,
     ) -> Result<(), ModelError>;
 
     /// Drafts a block for each input, in one batched pass; one result per input.
-    fn propose(
-        &self,
-        ctx: &DraftCtx<'_>,
-        inputs: &[DraftInput<'_>],
-    ) -> Vec<Result<Proposal, ModelError>>;
+    fn propose(&self, ctx: &DraftCtx<'_>, inputs: &[DraftInput<'_>]) -> Proposals;
 }
 
 #[cfg(test)]
@@ -260,7 +337,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn rows_wider_than_the_pool_split_over_layers_and_round_trip() {
+    fn rows_wider_than_the_wire_split_over_layers_and_round_trip() {
         let target = KvLayout {
             num_layers: 4,
             num_blocks: 6,
@@ -273,41 +350,21 @@ mod tests {
             row_width: 5,
         };
         assert_eq!((l.chunks(), l.pool_layers()), (3, 6));
-        let mut pool = KvPool::new(l.pool_layout(&target)).expect("valid layout");
-        let table = [BlockId(3), BlockId(1), BlockId(5)];
-        let row = |layer: usize, pos: usize| -> Vec<f32> {
-            (0..12)
-                .map(|j| (layer * 1000 + pos * 100 + j) as f32)
-                .collect()
-        };
-        for layer in 0..2 {
-            for pos in 0..10 {
-                let at = DraftRows {
-                    layer,
-                    table: &table,
-                };
-                l.write_row(&mut pool, at, pos, &row(layer, pos))
-                    .expect("in range");
+        assert_eq!(l.pool_layout(&target).width, 5);
+        assert_eq!(l.rows_layout(&target).num_layers, 2);
+        let natural: Vec<f32> = (0..4 * 12).map(|i| i as f32 + 1.0).collect();
+        let mut back = vec![0.0; natural.len()];
+        for c in 0..l.chunks() {
+            let mut wire = vec![-1.0; 4 * 5];
+            l.to_wire(&natural, c, &mut wire).expect("one block");
+            if c == 2 {
+                // The last piece holds 2 floats per row; the padding is zero.
+                assert_eq!(&wire[2..5], &[0.0, 0.0, 0.0]);
             }
+            l.from_wire(&wire, c, &mut back).expect("one block");
         }
-        for layer in 0..2 {
-            let mut out = vec![0.0; 10 * 12];
-            let at = DraftRows {
-                layer,
-                table: &table,
-            };
-            l.read_rows(&pool, at, 10, &mut out).expect("in range");
-            for pos in 0..10 {
-                assert_eq!(&out[pos * 12..(pos + 1) * 12], row(layer, pos).as_slice());
-            }
-        }
-        // The padding of the last piece stays zero; a short table is an error.
-        let last = pool.block(2, BlockId(3)).expect("in range");
-        assert_eq!(&last[2..5], &[0.0, 0.0, 0.0]);
-        let at = DraftRows {
-            layer: 0,
-            table: &table[..1],
-        };
-        assert!(l.read_rows(&pool, at, 10, &mut vec![0.0; 120]).is_err());
+        assert_eq!(back, natural);
+        // A block of the wrong size is an error, not a panic.
+        assert!(l.to_wire(&natural[..12], 0, &mut [0.0; 20]).is_err());
     }
 }

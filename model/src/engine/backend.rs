@@ -32,11 +32,10 @@
 //! On CUDA, decode-only steps are replayed from CUDA graphs per batch-size bucket
 //! ([`EngineConfig::cuda_graphs`](super::EngineConfig); see `backend/cuda.rs`).
 //!
-//! Speculative decoding runs on both: the drafter (on the CPU) reads the target's hidden states
-//! after its tap layers — on CUDA those rows are downloaded after each tap layer of a forward
-//! that feeds the drafter — and shares the target's embedding and LM head, which a CUDA
-//! backend opened for a drafter keeps on the host. Verification, rollback and the verify
-//! length are the engine's, the same on every device.
+//! Speculative decoding runs on both, the drafter on the model's own backend: the forward
+//! copies the residual stream after the drafter's tap layers on the device ([`Pass::tapped`]),
+//! the drafter's KV lives there too, and it shares the target's embedding and LM head.
+//! Verification, rollback and the verify length are the engine's, the same on every device.
 //!
 //! [`KvManager`]: crate::kv::KvManager
 //! [`GpuKvCache`]: crate::gpu::GpuKvCache
@@ -46,10 +45,12 @@ mod cuda;
 
 use ferry_kernels::Device;
 
+use ferry_kernels::backend::Tensor;
+
 use crate::config::ModelConfig;
-use crate::deepseek::forward::ForwardHooks;
-use crate::deepseek::{BatchInputs, BatchOutput, DeepseekModel, FormPolicy};
-use crate::kv::{BlockId, KvLayout, KvPool};
+use crate::deepseek::forward::LayerHook;
+use crate::deepseek::{BatchInputs, BatchLogits, DeepseekModel, FormPolicy, Hooks};
+use crate::kv::{BlockId, KvLayout, KvPool, KvRef};
 use crate::ModelError;
 
 /// Numerics of the GPU forward.
@@ -81,8 +82,6 @@ pub(crate) struct GpuOptions {
     pub(crate) cuda_graphs: bool,
     /// Ship prefill jobs' layers while later layers compute.
     pub(crate) layerwise_shipping: bool,
-    /// Keep the target's embedding and LM head on the host for a drafter that runs on the CPU.
-    pub(crate) keep_shared_layers: bool,
 }
 
 /// Counters of the GPU backend's prefill-job shipping.
@@ -98,11 +97,14 @@ pub(crate) struct ShipStats {
 
 /// One forward's hooks, and the blocks its `after_layer` hook reads.
 pub(crate) struct Pass<'p, 'h, 'a> {
-    /// Called per layer (`after_layer`) and with the residual stream (`hidden`).
-    pub(crate) hooks: ForwardHooks<'h, 'a>,
-    /// The layers whose residual stream `hidden` must see (the drafter's taps): the CPU calls
-    /// it after every layer anyway; a GPU downloads only these.
+    /// Called per layer with the host pool, its staged blocks' rows of that layer current
+    /// (prefill jobs' layer sinks).
+    pub(crate) after_layer: &'h mut LayerHook<'a>,
+    /// The layers whose outgoing residual stream the drafter reads (its taps).
     pub(crate) taps: &'p [usize],
+    /// Receives `(layer, residual stream)` after each tap layer, copied on the model's backend
+    /// (never downloaded on a GPU).
+    pub(crate) tapped: &'h mut Vec<(usize, Tensor)>,
     /// Blocks whose rows `after_layer` reads from the pool (prefill jobs' shipped blocks): on
     /// CUDA they are downloaded into the host pool before each layer's call.
     pub(crate) staged: &'p [BlockId],
@@ -176,28 +178,40 @@ impl Backend {
         self.model.config()
     }
 
-    /// The host model a drafter shares layers with: the whole model on the CPU; on a GPU its
-    /// embedding and LM head, kept when the engine was opened for a drafter.
-    pub(crate) fn host_model(&self) -> Option<&DeepseekModel> {
-        match &self.rows {
-            Rows::Host => Some(&self.model),
-            #[cfg(feature = "cuda")]
-            Rows::Cuda(c) => c.shared_layers(),
-        }
+    /// The model, on its device (a drafter shares its embedding and LM head and runs there too).
+    pub(crate) fn model(&self) -> &DeepseekModel {
+        &self.model
     }
 
     /// Runs one batch. Latent rows of the new positions go to the backend's KV; `after_layer`
-    /// sees the pool with the staged blocks current for that layer.
+    /// sees the pool with the staged blocks current for that layer. The logits stay on the
+    /// model's backend.
     pub(crate) fn forward(
         &mut self,
         batch: &BatchInputs<'_>,
         pool: &mut KvPool,
         pass: Pass<'_, '_, '_>,
-    ) -> Result<BatchOutput, ModelError> {
+    ) -> Result<BatchLogits, ModelError> {
         match &mut self.rows {
             Rows::Host => {
+                let Pass {
+                    after_layer,
+                    taps,
+                    tapped,
+                    ..
+                } = pass;
+                let mut on_layer = |l: usize, kv: KvRef<'_>| match kv.host() {
+                    Some(pool) => after_layer(l, pool),
+                    None => Err(ModelError::Kv("a host-pool hook got a device cache".into())),
+                };
+                let hooks = Hooks {
+                    after_layer: Some(&mut on_layer),
+                    taps: Some(taps),
+                    hidden: None,
+                    tapped: Some(tapped),
+                };
                 self.model
-                    .forward_with_hooks(batch, pool, FormPolicy::CostModel, pass.hooks)
+                    .forward_logits(batch, pool, FormPolicy::CostModel, hooks)
             }
             #[cfg(feature = "cuda")]
             Rows::Cuda(c) => c.forward(&self.model, batch, pool, pass),

@@ -6,7 +6,7 @@
 //! | [`sequence`] | per-request state ([`sequence::Phase`]) |
 //! | [`scheduler`] | the loop: commands → batch under a token budget → forward → sample → events (`scheduler/{admit,batch,round}.rs`: command side, forward side, speculative round) |
 //! | [`backend`] | where the forward runs: the CPU model over the host pool, or the model and KV cache on a CUDA device with the host pool as the transfer staging mirror; [`GpuMode`] |
-//! | [`spec`] | speculative decoding: draft, verify length, lossless verify, commit and KV rollback (CPU backend only) |
+//! | [`spec`] | speculative decoding: draft, verify length, lossless verify, commit and KV rollback |
 //!
 //! ```text
 //!  tokio tasks (gRPC services, transport receivers)
@@ -435,9 +435,9 @@ impl EngineHandle {
     }
 
     /// Starts the engine thread on `config.device`, speculating with `drafter` when one is
-    /// given (requests opt out per [`GenerateOptions`]), on every device: on a GPU the drafter
-    /// runs on the CPU from the target's tapped hidden states (see [`backend`]). Blocking: on a
-    /// GPU it uploads the model.
+    /// given (requests opt out per [`GenerateOptions`]), on every device: the drafter moves to
+    /// the target's backend and drafts there from the target's tapped hidden states (see
+    /// [`backend`]). Blocking: on a GPU it uploads the model and the drafter.
     pub fn spawn_with(
         model: DeepseekModel,
         drafter: Option<Box<dyn Drafter>>,
@@ -454,12 +454,13 @@ impl EngineHandle {
             backend::GpuOptions {
                 cuda_graphs: config.cuda_graphs,
                 layerwise_shipping: config.gpu_layerwise_shipping,
-                keep_shared_layers: drafter.is_some(),
             },
         )?;
         let device = backend.device();
         let spec = drafter
-            .map(|d| spec::Speculator::new(d, &layout, config.spec.clone()))
+            .map(|d| {
+                spec::Speculator::new(d, &layout, backend.model().backend(), config.spec.clone())
+            })
             .transpose()?;
         let draft_kv_layers = spec.as_ref().map_or(0, spec::Speculator::pool_layers);
         let (tx, rx) = mpsc::unbounded_channel();

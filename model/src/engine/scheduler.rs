@@ -14,7 +14,8 @@
 //! | `scheduler.rs` | the state, the loop, command dispatch, building a step's work, finishing and freeing |
 //! | `admit.rs` | the command side: admission, peers' KV writes, remote prefill outcomes, cancellation |
 //! | `batch.rs` | the forward side: a batch's inputs and hooks, the forward, committing or failing it |
-//! | `round.rs` | the speculative parts: drafting, verifying and committing a round, drafter context |
+//! | `round.rs` | the speculative parts: drafting, committing a verified round, drafter context |
+//! | `sample.rs` | the sampling side: every plain draw and every round's verification of a batch, on the model's backend |
 
 use std::collections::{HashMap, HashSet, VecDeque};
 
@@ -31,6 +32,7 @@ use crate::kv::{BlockId, KvManager, KvPool};
 mod admit;
 mod batch;
 mod round;
+mod sample;
 
 /// Which container a committed row range belongs to.
 #[derive(Debug, Clone, Copy)]
@@ -78,14 +80,15 @@ struct NewRequest {
 
 /// What a successful forward hands to [`Scheduler::apply`].
 struct BatchResult {
-    /// Per work item, its logits rows.
-    logits: Vec<Vec<f32>>,
+    /// Per work item, what its logits decided (sampled and verified on the backend).
+    outcomes: Vec<sample::Outcome>,
     /// Prefill jobs whose layer sink failed.
     hook_errors: HashMap<usize, String>,
     /// Per running sequence, the drafts it verified (empty without a drafter).
     drafts: Vec<Option<Draft>>,
-    /// Hidden states after the drafter's tap layers, `[tap][batch rows · hidden]`.
-    taps: Vec<Vec<f32>>,
+    /// Hidden states after the drafter's tap layers, `[tap][batch rows · hidden]`, on the
+    /// model's backend.
+    taps: Vec<ferry_kernels::backend::Tensor>,
 }
 
 impl Scheduler {
@@ -200,7 +203,7 @@ impl Scheduler {
             .config
             .max_batch_tokens
             .saturating_sub(self.running.len());
-        let drafts = self.plan_drafts(budget);
+        let (drafts, q) = self.plan_drafts(budget);
         let mut work = Vec::new();
         for i in 0..self.running.len() {
             work.push(Work::Decode(i));
@@ -243,7 +246,7 @@ impl Scheduler {
         if work.is_empty() {
             return;
         }
-        self.run_batch(work, drafts);
+        self.run_batch(work, drafts, q);
     }
 
     fn finish(&mut self, s: Sequence, reason: FinishReason) {

@@ -5,7 +5,6 @@ use tokio::sync::mpsc;
 
 use super::{EngineEvent, FinishReason, PrefillJob, SeqId, SpecCounts, StopParams};
 use crate::kv::BlockTable;
-use crate::ModelError;
 
 /// Where a decode sequence is in its life.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -124,23 +123,20 @@ impl Sequence {
     }
 }
 
-/// Samples the token at generation step `step` of a request.
+/// The uniform draw that decides the token at generation step `step` of a request (the
+/// sampler's inverse-CDF draw over its distribution; `sample::draw` on the backend).
 ///
 /// With a seed, every step draws from its own generator derived from `(seed, step)`, so a
 /// seeded request produces the same tokens whether its first token was sampled by a prefill
-/// peer or here. Without one, the request's own entropy-seeded generator is used.
-pub(crate) fn sample_step(
-    logits: &[f32],
-    params: &SamplingParams,
-    step: usize,
-    rng: &mut Sampler,
-) -> Result<u32, ModelError> {
+/// peer or here. Without one, the request's own entropy-seeded generator is used. A greedy
+/// request's distribution is a point mass: no draw is consumed (0 is returned).
+pub(crate) fn step_uniform(params: &SamplingParams, step: usize, rng: &mut Sampler) -> f64 {
+    if params.is_greedy() {
+        return 0.0;
+    }
     match params.seed {
-        Some(seed) => {
-            let mut s = Sampler::new(Some(splitmix64(seed ^ splitmix64(step as u64))));
-            Ok(s.sample(logits, params)?)
-        }
-        None => Ok(rng.sample(logits, params)?),
+        Some(seed) => Sampler::new(Some(splitmix64(seed ^ splitmix64(step as u64)))).next_uniform(),
+        None => rng.next_uniform(),
     }
 }
 

@@ -3,13 +3,16 @@
 //! One engine step with a drafter:
 //!
 //! ```text
-//!  plan:    every eligible running sequence → one batched drafter pass → B drafts each, their q,
-//!           their confidences → verify length γ per sequence (confidence or fixed, under a
-//!           per-step budget of draft slots) → reserve γ more KV positions
+//!  plan:    every eligible running sequence → one batched drafter pass (on the model's
+//!           backend) → B drafts each, their q (left on the backend), their confidences →
+//!           verify length γ per sequence (confidence or fixed, under a per-step budget of
+//!           draft slots) → reserve γ more KV positions
 //!  forward: the step's one target batch; a drafting sequence feeds [anchor, d_1..d_γ] and asks
-//!           for every row's logits; hidden states after the drafter's tap layers are kept
-//!  verify:  per sequence, kernels::cpu::verify (p from the sampler's own code, q as drawn) →
-//!           accepted a ≤ γ plus a correction or bonus token
+//!           for every row's logits; hidden states after the drafter's tap layers are copied
+//!           on the backend
+//!  verify:  every round of the batch at once, kernels::backend::verify where the logits are
+//!           (p from the sampler's own distribution, q as drawn) → accepted a ≤ γ plus a
+//!           correction or bonus token per sequence
 //!  commit:  the target KV keeps anchor + a accepted drafts; the rest is rolled back
 //!           (KvManager::truncate); the drafter context is extended with exactly those a + 1
 //!           rows' hidden states; the correction / bonus becomes the next anchor
@@ -30,17 +33,16 @@
 
 use std::collections::{HashMap, HashSet};
 use std::fmt;
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::str::FromStr;
 
-use ferry_kernels::cpu::verify::{verify, DraftProbs, Verified, VerifyRequest};
+use ferry_kernels::backend::{Backend, Tensor};
 
 use super::sequence::{round_uniforms, Phase, Sequence};
 use crate::deepseek::DeepseekModel;
 use crate::drafter::{
-    ContextRows, ContextSegment, DraftCtx, DraftDist, DraftInput, DraftKvLayout, Drafter,
+    ContextRows, ContextSegment, DraftCtx, DraftDist, DraftInput, DraftKvLayout, Drafter, Proposals,
 };
-use crate::kv::{BlockId, KvLayout, KvPool};
+use crate::kv::{BlockId, KvLayout, KvPool, KvStore};
 use crate::ModelError;
 
 /// Stream salts: draft sampling and verification draw from independent streams.
@@ -135,33 +137,44 @@ impl Draft {
     }
 }
 
-/// The drafter, its KV pool and the block bookkeeping of an engine.
+/// The drafter, its KV and the block bookkeeping of an engine.
 pub(crate) struct Speculator {
     drafter: Box<dyn Drafter>,
     layout: Option<DraftKvLayout>,
-    pool: Option<KvPool>,
+    /// The drafter's context rows, natural layout, on the engine's backend.
+    kv: Option<KvStore>,
+    /// Wire-layout staging for transfers (drafter rows split to the target's row width):
+    /// allocated on the first transfer.
+    wire: Option<KvPool>,
+    /// The target pool's geometry (the wire pool is shaped after it).
+    target: KvLayout,
     config: SpecConfig,
     /// Blocks whose drafter rows do not match their target KV.
     stale: HashSet<BlockId>,
-    /// Drafter pool layers a peer has written per reserved block.
+    /// Drafter wire layers a peer has written per reserved block.
     writes: HashMap<BlockId, usize>,
 }
 
 impl Speculator {
-    /// A speculator for an engine whose target pool has geometry `target`.
+    /// A speculator for an engine whose target pool has geometry `target` and whose model
+    /// runs on `backend`: the drafter moves there, and so does its KV.
     pub fn new(
-        drafter: Box<dyn Drafter>,
+        mut drafter: Box<dyn Drafter>,
         target: &KvLayout,
+        backend: &Backend,
         config: SpecConfig,
     ) -> Result<Self, ModelError> {
+        drafter.to_backend(backend)?;
         let layout = drafter.kv_layout();
-        let pool = layout
-            .map(|l| KvPool::new(l.pool_layout(target)))
+        let kv = layout
+            .map(|l| KvStore::new(backend, l.rows_layout(target)))
             .transpose()?;
         Ok(Self {
             drafter,
             layout,
-            pool,
+            kv,
+            wire: None,
+            target: *target,
             config,
             stale: HashSet::new(),
             writes: HashMap::new(),
@@ -173,14 +186,63 @@ impl Speculator {
         self.drafter.taps()
     }
 
-    /// Drafter pool layers (extra transfer layers after the target's).
+    /// Drafter wire layers (extra transfer layers after the target's).
     pub fn pool_layers(&self) -> usize {
         self.layout.map_or(0, |l| l.pool_layers())
     }
 
-    /// The drafter pool (shipping it to a peer).
-    pub fn pool(&self) -> Option<&KvPool> {
-        self.pool.as_ref()
+    /// The wire staging pool, allocated on first use.
+    fn wire(&mut self) -> Result<&mut KvPool, ModelError> {
+        let Some(layout) = self.layout else {
+            return Err(ModelError::Kv("this engine's drafter keeps no KV".into()));
+        };
+        if self.wire.is_none() {
+            self.wire = Some(KvPool::new(layout.pool_layout(&self.target))?);
+        }
+        self.wire
+            .as_mut()
+            .ok_or_else(|| ModelError::Kv("no drafter wire pool".into()))
+    }
+
+    /// Ships the drafter context of `blocks` through `sink`, one wire layer at a time: each
+    /// drafter layer's rows are read from the drafter KV (downloaded from a device), split
+    /// into wire rows, and handed over as layer `l · chunks + c`.
+    pub fn ship(
+        &mut self,
+        blocks: &[BlockId],
+        sink: &mut crate::engine::LayerSinkFn,
+    ) -> Result<(), String> {
+        let Some(layout) = self.layout else {
+            return Ok(());
+        };
+        let chunks = layout.chunks();
+        let natural: Vec<Vec<Vec<f32>>> = {
+            let kv = self
+                .kv
+                .as_ref()
+                .ok_or("this engine's drafter keeps no KV")?;
+            (0..layout.layers)
+                .map(|l| {
+                    blocks
+                        .iter()
+                        .map(|&b| kv.read_block(l, b))
+                        .collect::<Result<Vec<_>, _>>()
+                })
+                .collect::<Result<_, _>>()
+                .map_err(|e| e.to_string())?
+        };
+        let wire = self.wire().map_err(|e| e.to_string())?;
+        for (l, rows) in natural.iter().enumerate() {
+            for c in 0..chunks {
+                let layer = l * chunks + c;
+                for (&b, block) in blocks.iter().zip(rows) {
+                    let dst = wire.block_mut(layer, b).map_err(|e| e.to_string())?;
+                    layout.to_wire(block, c, dst).map_err(|e| e.to_string())?;
+                }
+                sink(layer, blocks, wire)?;
+            }
+        }
+        Ok(())
     }
 
     /// `blocks` were just allocated: whatever they held before is gone.
@@ -205,13 +267,11 @@ impl Speculator {
         self.stale.extend(blocks.iter().skip(valid / page).copied());
     }
 
-    /// A peer's write of drafter pool layer `layer` into `block` (little-endian f32).
+    /// A peer's write of drafter wire layer `layer` into `block` (little-endian f32), staged
+    /// until [`Self::remote_landed`] moves whole blocks into the drafter KV.
     pub fn write_kv(&mut self, layer: usize, block: BlockId, data: &[u8]) -> Result<(), String> {
-        let pool = self
-            .pool
-            .as_mut()
-            .ok_or("this engine's drafter keeps no KV")?;
-        let dst = pool.block_mut(layer, block).map_err(|e| e.to_string())?;
+        let wire = self.wire().map_err(|e| e.to_string())?;
+        let dst = wire.block_mut(layer, block).map_err(|e| e.to_string())?;
         if data.len() != dst.len() * 4 {
             return Err(format!(
                 "drafter KV write of {} bytes, a block is {}",
@@ -226,14 +286,44 @@ impl Speculator {
         Ok(())
     }
 
-    /// The peer finished: whether every block of `blocks` received every drafter layer.
+    /// The peer finished: whether every block of `blocks` received every drafter wire layer;
+    /// if so their rows are assembled from the wire pool into the drafter KV (uploaded to a
+    /// device).
     pub fn remote_landed(&mut self, blocks: &[BlockId]) -> bool {
         let want = self.pool_layers();
         let mut all = want > 0;
         for b in blocks {
             all &= self.writes.remove(b).unwrap_or(0) >= want;
         }
-        all
+        if !all {
+            return false;
+        }
+        match self.land(blocks) {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::warn!(error = %e, "drafter context from a peer could not be stored; those sequences do not speculate");
+                false
+            }
+        }
+    }
+
+    /// Moves `blocks` from the wire pool into the drafter KV.
+    fn land(&mut self, blocks: &[BlockId]) -> Result<(), ModelError> {
+        let (Some(layout), Some(wire), Some(kv)) = (self.layout, &self.wire, self.kv.as_mut())
+        else {
+            return Err(ModelError::Kv("no drafter KV to land peer rows in".into()));
+        };
+        let rows = layout.rows_layout(&self.target).block_floats();
+        let mut natural = vec![0.0f32; rows];
+        for &b in blocks {
+            for l in 0..layout.layers {
+                for c in 0..layout.chunks() {
+                    layout.from_wire(wire.block(l * layout.chunks() + c, b)?, c, &mut natural)?;
+                }
+                kv.write_block(l, b, &natural)?;
+            }
+        }
+        Ok(())
     }
 
     /// Forgets a failed peer's partial writes.
@@ -245,14 +335,15 @@ impl Speculator {
 
     /// Drafts for every eligible running sequence and picks its verify length; `budget` is the
     /// step's token budget left for draft slots, `max_pos` the context length. One entry per
-    /// running sequence (`None`: a plain decode step).
+    /// running sequence (`None`: a plain decode step), and the drafter's shared q rows
+    /// (on the model's backend) that [`DraftDist::Rows`] drafts name.
     pub fn plan(
         &self,
         model: &DeepseekModel,
         running: &mut [Sequence],
         budget: usize,
         max_pos: usize,
-    ) -> Vec<Option<Draft>> {
+    ) -> (Vec<Option<Draft>>, Option<Tensor>) {
         let mut plan: Vec<Option<Draft>> = vec![None; running.len()];
         let block = self.drafter.block_size();
         // Slots each sequence may verify at most: what the request still needs after this
@@ -276,7 +367,7 @@ impl Speculator {
             .collect();
         let budget = budget.min(self.config.max_verify_tokens);
         if eligible.is_empty() || budget == 0 {
-            return plan;
+            return (plan, None);
         }
         let uniforms: Vec<Vec<f64>> = eligible
             .iter()
@@ -306,15 +397,17 @@ impl Speculator {
             .collect();
         let ctx = DraftCtx {
             target: model,
-            pool: self.pool.as_ref(),
+            kv: self.kv.as_ref(),
         };
         let proposals = self.drafter.propose(&ctx, &inputs);
         drop(inputs);
+        let vocab = model.config().vocab_size;
+        let Proposals { each, q } = proposals;
 
         // Candidate slots: (sequence, slot k, cumulative survival).
         let mut slots = Vec::new();
         let mut props = Vec::with_capacity(eligible.len());
-        for (&i, p) in eligible.iter().zip(proposals) {
+        for (&i, p) in eligible.iter().zip(each) {
             match p {
                 Ok(p) => {
                     let n = p.drafts.len().min(room[i]);
@@ -361,66 +454,44 @@ impl Speculator {
             let Phase::Decoding { next } = running[i].phase else {
                 continue;
             };
-            let vocab = model.config().vocab_size;
             let q = match p.q {
-                DraftDist::Greedy => DraftDist::Greedy,
                 DraftDist::Sampled(mut rows) => {
                     rows.truncate(g * vocab);
                     DraftDist::Sampled(rows)
                 }
+                other => other,
             };
             let mut tokens = Vec::with_capacity(g + 1);
             tokens.push(next);
             tokens.extend_from_slice(&p.drafts[..g]);
             plan[i] = Some(Draft { tokens, q });
         }
-        plan
+        (plan, q)
     }
 
-    /// Writes context rows for the committed rows of a batch.
+    /// Writes context rows for the committed rows of a batch (`taps`: the tapped residual
+    /// streams, on the model's backend, in the drafter's tap order).
     pub fn extend(
         &mut self,
         model: &DeepseekModel,
-        taps: &[Vec<f32>],
+        taps: &[Tensor],
         segments: &[ContextSegment<'_>],
     ) -> Result<(), ModelError> {
-        let Some(pool) = self.pool.as_mut() else {
+        let Some(kv) = self.kv.as_mut() else {
             return Ok(());
         };
         if segments.is_empty() {
             return Ok(());
         }
         self.drafter
-            .extend_context(model, pool, &ContextRows { taps, segments })
+            .extend_context(model, kv, &ContextRows { taps, segments })
     }
 }
 
-/// Verifies one sequence's round against its target logits (`[(γ+1)][vocab]`). A panic inside
-/// the verifier is caught and becomes this request's error: one request's failure never takes
-/// down the batch or the engine.
-pub(crate) fn verify_round(
-    s: &mut Sequence,
-    draft: &Draft,
-    logits: &[f32],
-) -> Result<Verified, String> {
-    let gamma = draft.gamma();
-    let uniforms = round_uniforms(&s.sampling, s.generated, VERIFY_SALT, &mut s.rng, gamma + 1);
-    let q = match &draft.q {
-        DraftDist::Greedy => DraftProbs::Greedy,
-        DraftDist::Sampled(rows) => DraftProbs::Sampled(rows),
-    };
-    let req = VerifyRequest {
-        target_logits: logits,
-        drafts: &draft.tokens[1..],
-        q,
-        params: &s.sampling,
-        uniforms: &uniforms,
-    };
-    match catch_unwind(AssertUnwindSafe(|| verify(&req))) {
-        Ok(Ok(v)) => Ok(v),
-        Ok(Err(e)) => Err(format!("speculative verification: {e}")),
-        Err(_) => Err("speculative verification panicked".into()),
-    }
+/// The γ + 1 uniforms of sequence `s`'s verification this step (one per draft, then the
+/// correction / bonus draw), from its verify stream.
+pub(crate) fn verify_uniforms(s: &mut Sequence, gamma: usize) -> Vec<f64> {
+    round_uniforms(&s.sampling, s.generated, VERIFY_SALT, &mut s.rng, gamma + 1)
 }
 
 #[cfg(test)]

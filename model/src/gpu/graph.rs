@@ -13,7 +13,7 @@ use ferry_kernels::cuda::GpuGraph;
 use super::GpuKvCache;
 use crate::deepseek::forward::{flat_tables_min, host_inputs, Hooks, Plan, RunPlan};
 use crate::deepseek::{
-    AttentionForm::Absorbed, BatchInputs, BatchOutput, DeepseekModel, FormPolicy,
+    AttentionForm::Absorbed, BatchInputs, BatchLogits, BatchOutput, DeepseekModel, FormPolicy,
 };
 use crate::kv::KvMut;
 use crate::ModelError;
@@ -110,6 +110,40 @@ impl DeepseekModel {
         batch: &BatchInputs<'_>,
         kv: &GpuKvCache,
     ) -> Result<BatchOutput, ModelError> {
+        let rows_per_seq = self.replay(g, batch, kv)?;
+        let all = g.logits.to_host()?;
+        BatchOutput::from_rows(&all, &rows_per_seq, self.config.vocab_size)
+    }
+
+    /// [`Self::replay_decode`] leaving the logits on the device: a copy of the graph's logits
+    /// buffer (the next replay overwrites it), rows of the first `keep` sequences only.
+    pub fn replay_decode_logits(
+        &self,
+        g: &mut DecodeGraph,
+        batch: &BatchInputs<'_>,
+        kv: &GpuKvCache,
+        keep: usize,
+    ) -> Result<BatchLogits, ModelError> {
+        let mut rows_per_seq = self.replay(g, batch, kv)?;
+        rows_per_seq.truncate(keep);
+        let vocab = self.config.vocab_size;
+        let n: usize = rows_per_seq.iter().sum();
+        let mut logits = self.backend.scratch(n * vocab)?;
+        self.backend.copy_prefix(&g.logits, &mut logits)?;
+        Ok(BatchLogits {
+            logits,
+            rows_per_seq,
+            vocab,
+        })
+    }
+
+    /// Refreshes the graph's inputs for `batch` and launches it; the rows each sequence wants.
+    fn replay(
+        &self,
+        g: &mut DecodeGraph,
+        batch: &BatchInputs<'_>,
+        kv: &GpuKvCache,
+    ) -> Result<Vec<usize>, ModelError> {
         self.cuda_device()?;
         // Validation only reads the cache; the graph writes rows through its captured views.
         check_decode(batch, g.plan_ctx)?;
@@ -145,7 +179,6 @@ impl DeepseekModel {
             ctx.write(&lens)?;
         }
         g.graph.launch()?;
-        let all = g.logits.to_host()?;
-        BatchOutput::from_rows(&all, &hi.rows_per_seq, self.config.vocab_size)
+        Ok(hi.rows_per_seq)
     }
 }

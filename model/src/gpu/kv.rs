@@ -22,6 +22,7 @@ enum Region {
 /// Every layer's latent pages on one device.
 #[derive(Debug)]
 pub struct GpuKvCache {
+    dev: CudaDevice,
     layout: KvLayout,
     layers: Vec<Region>,
 }
@@ -40,7 +41,16 @@ impl GpuKvCache {
                 })
             })
             .collect::<Result<Vec<_>, ModelError>>()?;
-        Ok(Self { layout, layers })
+        Ok(Self {
+            dev: dev.clone(),
+            layout,
+            layers,
+        })
+    }
+
+    /// The device the rows live on.
+    pub fn device(&self) -> &CudaDevice {
+        &self.dev
     }
 
     /// The geometry.

@@ -7,7 +7,7 @@ use ferry_kernels::cpu::mla::LatentPages;
 
 #[cfg(feature = "cuda")]
 use crate::gpu::GpuKvCache;
-use crate::kv::{KvLayout, KvPool};
+use crate::kv::{BlockId, KvLayout, KvPool};
 use crate::ModelError;
 
 /// Latent rows a forward writes into.
@@ -130,6 +130,118 @@ impl<'a> KvRef<'a> {
             KvRef::Host(p) => Some(p),
             #[cfg(feature = "cuda")]
             KvRef::Cuda(_) => None,
+        }
+    }
+}
+
+/// KV rows owned on a backend: a host pool, or a device cache. What a drafter keeps its
+/// context in — on the device its model runs on — indexed by the target's block ids.
+#[derive(Debug)]
+pub enum KvStore {
+    /// Host memory (the CPU backend).
+    Host(KvPool),
+    /// A CUDA device cache (f32 rows).
+    #[cfg(feature = "cuda")]
+    Cuda(GpuKvCache),
+}
+
+impl KvRows for KvStore {
+    fn rows(&mut self) -> KvMut<'_> {
+        match self {
+            KvStore::Host(p) => KvMut::Host(p),
+            #[cfg(feature = "cuda")]
+            KvStore::Cuda(c) => KvMut::Cuda(c),
+        }
+    }
+}
+
+impl KvStore {
+    /// Zeroed f32 rows of `layout` where `b` runs.
+    pub fn new(b: &ferry_kernels::backend::Backend, layout: KvLayout) -> Result<Self, ModelError> {
+        match b {
+            ferry_kernels::backend::Backend::Cpu => Ok(KvStore::Host(KvPool::new(layout)?)),
+            #[cfg(feature = "cuda")]
+            ferry_kernels::backend::Backend::Cuda(dev) => {
+                Ok(KvStore::Cuda(GpuKvCache::new(dev, layout, false)?))
+            }
+        }
+    }
+
+    /// The geometry.
+    pub fn layout(&self) -> &KvLayout {
+        match self {
+            KvStore::Host(p) => p.layout(),
+            #[cfg(feature = "cuda")]
+            KvStore::Cuda(c) => c.layout(),
+        }
+    }
+
+    /// A read-only view.
+    pub fn as_ref(&self) -> KvRef<'_> {
+        match self {
+            KvStore::Host(p) => KvRef::Host(p),
+            #[cfg(feature = "cuda")]
+            KvStore::Cuda(c) => KvRef::Cuda(c),
+        }
+    }
+
+    /// Layer `l`'s pages for reading.
+    pub fn pages(&self, l: usize) -> Result<Pages<'_>, ModelError> {
+        self.as_ref().pages(l)
+    }
+
+    /// Layer `l`'s pages for writing.
+    pub fn pages_mut(&mut self, l: usize) -> Result<PagesMut<'_>, ModelError> {
+        match self {
+            KvStore::Host(p) => {
+                let width = p.layout().width;
+                Ok(PagesMut::Host {
+                    data: p.layer_mut(l)?,
+                    width,
+                })
+            }
+            #[cfg(feature = "cuda")]
+            KvStore::Cuda(c) => Ok(PagesMut::Cuda(c.pages(l)?)),
+        }
+    }
+
+    /// One block of layer `l` as f32 rows `[page][width]` (a download from a device).
+    pub fn read_block(&self, l: usize, block: BlockId) -> Result<Vec<f32>, ModelError> {
+        match self {
+            KvStore::Host(p) => Ok(p.block(l, block)?.to_vec()),
+            #[cfg(feature = "cuda")]
+            KvStore::Cuda(c) => {
+                let dev = c.device().clone();
+                c.read_blocks(&dev, l, block, 1)
+            }
+        }
+    }
+
+    /// Overwrites one block of layer `l` with f32 rows `[page][width]`.
+    pub fn write_block(
+        &mut self,
+        l: usize,
+        block: BlockId,
+        rows: &[f32],
+    ) -> Result<(), ModelError> {
+        match self {
+            KvStore::Host(p) => {
+                let dst = p.block_mut(l, block)?;
+                if dst.len() != rows.len() {
+                    return Err(ModelError::Kv(format!(
+                        "a block of layer {l} holds {} floats, got {}",
+                        dst.len(),
+                        rows.len()
+                    )));
+                }
+                dst.copy_from_slice(rows);
+                Ok(())
+            }
+            #[cfg(feature = "cuda")]
+            KvStore::Cuda(c) => {
+                let dev = c.device().clone();
+                c.write_blocks(&dev, l, block, rows)
+            }
         }
     }
 }

@@ -4,7 +4,7 @@
 //! |---|---|
 //! | [`layout`] | pool geometry: layers × blocks × page × latent width |
 //! | [`pool`] | the latent storage (one contiguous region per layer) and the ref-counted block allocator |
-//! | [`cache`] | [`KvMut`] / [`KvRef`]: the latent rows a forward runs against, on the host or a device |
+//! | [`cache`] | [`KvMut`] / [`KvRef`]: the latent rows a forward runs against, on the host or a device; [`KvStore`]: rows owned on a backend (a drafter's context) |
 //! | [`table`] | a sequence's block table: which blocks hold which positions |
 //! | [`hash`] | prefix identity: chained XXH3-64 hashes of full blocks, shared with the router |
 //! | [`prefix`] | the prefix cache: hash → block, one cache reference per block, LRU of evictable blocks |
@@ -31,7 +31,7 @@ pub mod pool;
 pub mod prefix;
 pub mod table;
 
-pub use cache::{KvMut, KvRef, KvRows};
+pub use cache::{KvMut, KvRef, KvRows, KvStore};
 pub use events::{EventLog, KvEvent, KvEventData};
 pub use ferry_proto::ids::{BlockHash, EventId};
 pub use hash::{block_hashes, chain_hash, BLOCK_HASH_SEED};

@@ -15,12 +15,13 @@
 
 use std::collections::{BTreeSet, HashMap};
 
+use ferry_kernels::backend::Tensor;
 use ferry_kernels::cuda::{CopyStream, CudaDevice, DeviceRange, Mark, PinnedBuffer};
 
 use super::{GpuMode, GpuOptions, Pass, ShipStats};
-use crate::deepseek::forward::{ForwardHooks, HiddenHook, Hooks, LayerHook};
+use crate::deepseek::forward::{Hooks, LayerHook};
 use crate::deepseek::{
-    AttentionForm, BatchInputs, BatchOutput, DeepseekModel, FormPolicy, LogitsWanted, SeqInput,
+    AttentionForm, BatchInputs, BatchLogits, DeepseekModel, FormPolicy, LogitsWanted, SeqInput,
 };
 use crate::gpu::graph::DecodeGraph;
 use crate::gpu::GpuKvCache;
@@ -56,8 +57,6 @@ pub(crate) struct CudaRows {
     layerwise: bool,
     /// The shipping counters (`EngineStats::kv_*`).
     ship: ShipStats,
-    /// The target's embedding and LM head on the host, for a drafter.
-    shared: Option<Box<DeepseekModel>>,
 }
 
 impl CudaRows {
@@ -71,11 +70,8 @@ impl CudaRows {
         options: GpuOptions,
     ) -> Result<(DeepseekModel, Self), ModelError> {
         let gpu = model.upload(dev, mode)?;
-        // The decoder layers leave the host; a drafter's shared layers stay if one will run.
-        let shared = options
-            .keep_shared_layers
-            .then(|| Box::new(model.into_shared_layers()));
-        // One block more than the host pool: the graphs' scratch block.
+        drop(model); // the host keeps no weights
+                     // One block more than the host pool: the graphs' scratch block.
         let cache = gpu.new_kv_cache(layout.num_blocks + 1, layout.page_size)?;
         let device_layout = crate::kv::KvLayout {
             num_blocks: layout.num_blocks,
@@ -103,7 +99,6 @@ impl CudaRows {
             ring: None,
             layerwise: options.layerwise_shipping,
             ship: ShipStats::default(),
-            shared,
         };
         let started = std::time::Instant::now();
         rows.warm_up(&gpu)?;
@@ -153,11 +148,6 @@ impl CudaRows {
         result
     }
 
-    /// The target's shared layers on the host, if kept for a drafter.
-    pub(crate) fn shared_layers(&self) -> Option<&DeepseekModel> {
-        self.shared.as_deref()
-    }
-
     /// The shipping counters.
     pub(crate) fn ship_stats(&self) -> ShipStats {
         self.ship
@@ -179,7 +169,7 @@ impl CudaRows {
         &mut self,
         gpu: &DeepseekModel,
         batch: &BatchInputs<'_>,
-    ) -> Result<Option<BatchOutput>, ModelError> {
+    ) -> Result<Option<BatchLogits>, ModelError> {
         let n = batch.seqs.len();
         let scratch = [self.scratch_block()];
         let Some(graphs) = self.graphs.as_mut() else {
@@ -241,8 +231,7 @@ impl CudaRows {
         let Some(g) = graphs.get_mut(&bucket) else {
             return Ok(None);
         };
-        let mut out = gpu.replay_decode(g, &padded, &self.cache)?;
-        out.logits.truncate(n);
+        let out = gpu.replay_decode_logits(g, &padded, &self.cache, n)?;
         self.graph_steps += 1;
         Ok(Some(out))
     }
@@ -287,13 +276,14 @@ impl CudaRows {
         batch: &BatchInputs<'_>,
         pool: &mut KvPool,
         pass: Pass<'_, '_, '_>,
-    ) -> Result<BatchOutput, ModelError> {
+    ) -> Result<BatchLogits, ModelError> {
         self.upload_dirty(pool)?;
-        let ForwardHooks {
+        let Pass {
             after_layer,
-            hidden,
-        } = pass.hooks;
-        let taps = pass.taps;
+            taps,
+            tapped,
+            ..
+        } = pass;
         let mut staged = pass.staged.to_vec();
         staged.sort_unstable();
         staged.dedup();
@@ -302,7 +292,7 @@ impl CudaRows {
             let graphed = if taps.is_empty() {
                 self.try_graph(gpu, batch)?
             } else {
-                None // the drafter's taps are read between layers: not a graph step
+                None // the drafter's taps are copied out of the forward: not captured yet
             };
             let out = match graphed {
                 Some(out) => out,
@@ -310,9 +300,10 @@ impl CudaRows {
                     let hooks = Hooks {
                         after_layer: None,
                         taps: Some(taps),
-                        hidden: Some(&mut *hidden),
+                        hidden: None,
+                        tapped: Some(&mut *tapped),
                     };
-                    gpu.forward_hooked(batch, &mut self.cache, hooks)?
+                    gpu.forward_logits(batch, &mut self.cache, gpu.policy, hooks)?
                 }
             };
             for layer in 0..layers {
@@ -325,7 +316,7 @@ impl CudaRows {
                 (gpu, batch),
                 pool,
                 &staged,
-                (after_layer, taps, hidden),
+                (after_layer, taps, tapped),
             );
         }
         if self.copy.is_none() {
@@ -342,9 +333,10 @@ impl CudaRows {
             let hooks = Hooks {
                 after_layer: Some(&mut hook),
                 taps: Some(taps),
-                hidden: Some(&mut *hidden),
+                hidden: None,
+                tapped: Some(&mut *tapped),
             };
-            gpu.forward_hooked(batch, &mut self.cache, hooks)
+            gpu.forward_logits(batch, &mut self.cache, gpu.policy, hooks)
         };
         // Drain whatever is still in flight even when the forward failed, so the ring is free.
         let forward_done = std::time::Instant::now();
@@ -364,14 +356,15 @@ impl CudaRows {
         (gpu, batch): (&DeepseekModel, &BatchInputs<'_>),
         pool: &mut KvPool,
         staged: &[BlockId],
-        (after_layer, taps, hidden): (&mut LayerHook<'_>, &[usize], &mut HiddenHook<'_>),
-    ) -> Result<BatchOutput, ModelError> {
+        (after_layer, taps, tapped): (&mut LayerHook<'_>, &[usize], &mut Vec<(usize, Tensor)>),
+    ) -> Result<BatchLogits, ModelError> {
         let hooks = Hooks {
             after_layer: None,
             taps: Some(taps),
-            hidden: Some(hidden),
+            hidden: None,
+            tapped: Some(tapped),
         };
-        let out = gpu.forward_hooked(batch, &mut self.cache, hooks)?;
+        let out = gpu.forward_logits(batch, &mut self.cache, gpu.policy, hooks)?;
         let forward_done = std::time::Instant::now();
         let per_block = pool.layout().block_floats();
         for layer in 0..self.cache.layout().num_layers {

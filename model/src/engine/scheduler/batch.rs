@@ -5,18 +5,23 @@ use std::collections::HashMap;
 
 use tracing::warn;
 
+use super::sample::Outcome;
 use super::{BatchResult, Owner, Scheduler, Work};
-use crate::deepseek::forward::ForwardHooks;
 use crate::deepseek::{BatchInputs, LogitsWanted, SeqInput};
 use crate::engine::backend::Pass;
-use crate::engine::sequence::{sample_step, Next, Origin, Phase};
+use crate::engine::sequence::{Next, Origin, Phase};
 use crate::engine::spec::Draft;
 use crate::engine::PrefillOutcome;
 use crate::kv::KvPool;
 use crate::ModelError;
 
 impl Scheduler {
-    pub(super) fn run_batch(&mut self, work: Vec<Work>, drafts: Vec<Option<Draft>>) {
+    pub(super) fn run_batch(
+        &mut self,
+        work: Vec<Work>,
+        drafts: Vec<Option<Draft>>,
+        q: Option<ferry_kernels::backend::Tensor>,
+    ) {
         // One span per batch, linked to the span of every request it serves (their `queue`
         // spans end here, the first time a request is scheduled).
         let batch_span = tracing::debug_span!("batch", requests = work.len());
@@ -113,39 +118,48 @@ impl Scheduler {
             }
             Ok(())
         };
-        // The drafter's context is built from the hidden states after its tap layers.
+        // The drafter's context is built from the hidden states after its tap layers, copied
+        // on the model's device by the forward.
         let taps: Vec<usize> = self
             .spec
             .as_ref()
             .map(|sp| sp.taps().to_vec())
             .unwrap_or_default();
-        let mut tapped: Vec<Vec<f32>> = vec![Vec::new(); taps.len()];
-        let mut hidden = |layer: usize, h: &[f32]| -> Result<(), ModelError> {
-            for (buf, _) in tapped.iter_mut().zip(&taps).filter(|(_, &t)| t == layer) {
-                *buf = h.to_vec();
-            }
-            Ok(())
-        };
+        let mut tapped: Vec<(usize, ferry_kernels::backend::Tensor)> = Vec::new();
         let pass = Pass {
-            hooks: ForwardHooks {
-                after_layer: &mut hook,
-                hidden: &mut hidden,
-            },
-            staged: &staged,
+            after_layer: &mut hook,
             taps: &taps,
+            tapped: &mut tapped,
+            staged: &staged,
         };
         let result = self.backend.forward(&batch, self.kv.pool_mut(), pass);
         drop(batch);
+        // Every token the logits decide, drawn and verified where the logits are.
+        let result =
+            result.and_then(|logits| self.sample_batch(&work, &logits, &drafts, q.as_ref()));
         match result {
-            Ok(out) => self.apply(
-                work,
-                BatchResult {
-                    logits: out.logits,
-                    hook_errors,
-                    drafts,
-                    taps: tapped,
-                },
-            ),
+            Ok(outcomes) => {
+                // In the drafter's tap order (a layer tapped twice is copied once).
+                let taps = taps
+                    .iter()
+                    .filter_map(|l| tapped.iter().position(|(t, _)| t == l))
+                    .collect::<Vec<_>>();
+                let mut slots: Vec<Option<ferry_kernels::backend::Tensor>> =
+                    tapped.into_iter().map(|(_, t)| Some(t)).collect();
+                let taps = taps
+                    .into_iter()
+                    .filter_map(|i| slots.get_mut(i).and_then(Option::take))
+                    .collect();
+                self.apply(
+                    work,
+                    BatchResult {
+                        outcomes,
+                        hook_errors,
+                        drafts,
+                        taps,
+                    },
+                )
+            }
             Err(e) => self.fail_batch(work, &e.to_string()),
         }
     }
@@ -153,7 +167,7 @@ impl Scheduler {
     /// Commits a successful forward: advance tables, sample, emit, finish.
     fn apply(&mut self, work: Vec<Work>, result: BatchResult) {
         let BatchResult {
-            logits,
+            outcomes,
             hook_errors,
             drafts,
             taps,
@@ -167,7 +181,7 @@ impl Scheduler {
         // first batch row, rows).
         let mut committed = Vec::new();
         let mut first_row = 0;
-        for (w, l) in work.iter().zip(&logits) {
+        for (w, outcome) in work.iter().zip(outcomes) {
             let row = first_row;
             first_row += match *w {
                 Work::Decode(i) => drafts
@@ -179,9 +193,11 @@ impl Scheduler {
             };
             match *w {
                 Work::Decode(i) => {
-                    if let Some(Some(d)) = drafts.get(i) {
+                    if let (Some(Some(d)), Outcome::Round(verified)) = (drafts.get(i), &outcome) {
                         let start = self.running[i].table.len();
-                        match self.commit_round(i, d, l) {
+                        let committed_round =
+                            verified.clone().and_then(|v| self.commit_round(i, d, v));
+                        match committed_round {
                             Ok((kept, end)) => {
                                 committed.push((Owner::Running(i), start, row, kept));
                                 if let Some(reason) = end {
@@ -203,12 +219,12 @@ impl Scheduler {
                     }
                     committed.push((Owner::Running(i), start, row, 1));
                     s.tokens.push(next);
-                    match sample_step(l, &s.sampling, s.generated, &mut s.rng) {
+                    match token(outcome) {
                         Ok(tok) => match s.accept(tok, &eos) {
                             Next::Continue(t) => s.phase = Phase::Decoding { next: t },
                             Next::Finish(r) => finished_running.push((i, Ok(r))),
                         },
-                        Err(e) => finished_running.push((i, Err(e.to_string()))),
+                        Err(e) => finished_running.push((i, Err(e))),
                     }
                 }
                 Work::Chunk(i, n) => {
@@ -226,9 +242,9 @@ impl Scheduler {
                         continue;
                     }
                     self.stats.prefill_reused_tokens += s.cached_tokens as u64;
-                    match sample_step(l, &s.sampling, s.generated, &mut s.rng) {
+                    match token(outcome) {
                         Ok(tok) => promoted.push((i, Ok(s.accept(tok, &eos)))),
-                        Err(e) => promoted.push((i, Err(e.to_string()))),
+                        Err(e) => promoted.push((i, Err(e))),
                     }
                 }
                 Work::Prefill(i) => {
@@ -236,13 +252,11 @@ impl Scheduler {
                     let computed = t.job.prompt.len() - t.reused;
                     let outcome = match hook_errors.get(&i) {
                         Some(e) => Err(format!("KV transfer failed: {e}")),
-                        None => sample_step(l, &t.job.sampling, 0, &mut t.rng)
-                            .map(|first_token| PrefillOutcome {
-                                first_token,
-                                computed_tokens: computed,
-                                reused_tokens: t.reused,
-                            })
-                            .map_err(|e| e.to_string()),
+                        None => token(outcome).map(|first_token| PrefillOutcome {
+                            first_token,
+                            computed_tokens: computed,
+                            reused_tokens: t.reused,
+                        }),
                     };
                     if let Err(e) = t.table.advance(computed, page) {
                         done_prefills.push((i, Err(e.to_string())));
@@ -337,5 +351,14 @@ impl Scheduler {
             self.stats.requests_finished += 1;
             let _ = t.job.reply.send(Err(err.to_string()));
         }
+    }
+}
+
+/// The token a plain draw decided (an outcome of any other kind is an engine bug, reported as
+/// this request's error).
+fn token(outcome: Outcome) -> Result<u32, String> {
+    match outcome {
+        Outcome::Token(t) => t,
+        Outcome::Round(_) | Outcome::Nothing => Err("no token was sampled for this row".into()),
     }
 }

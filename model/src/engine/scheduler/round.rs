@@ -4,24 +4,28 @@
 
 use std::collections::HashMap;
 
+use ferry_kernels::backend::Tensor;
+use ferry_kernels::cpu::verify::Verified;
 use tracing::{trace, warn};
 
 use super::{Owner, Scheduler};
 use crate::drafter::ContextSegment;
 use crate::engine::sequence::{Next, Phase};
-use crate::engine::spec::{verify_round, Draft};
+use crate::engine::spec::Draft;
 use crate::engine::FinishReason;
 
 impl Scheduler {
     /// Drafts for the running sequences (one entry each; empty without a drafter) and reserves
-    /// KV for every draft kept; a sequence whose reservation fails takes a plain step.
-    pub(super) fn plan_drafts(&mut self, budget: usize) -> Vec<Option<Draft>> {
-        // The drafter runs on the CPU beside the host model (an engine on a GPU has none).
-        let (Some(sp), Some(model)) = (self.spec.as_ref(), self.backend.host_model()) else {
-            return Vec::new();
+    /// KV for every draft kept; a sequence whose reservation fails takes a plain step. Also
+    /// returns the drafter's shared q rows, on the model's backend.
+    pub(super) fn plan_drafts(&mut self, budget: usize) -> (Vec<Option<Draft>>, Option<Tensor>) {
+        // The drafter runs where the target does, sharing its embedding and LM head.
+        let Some(sp) = self.spec.as_ref() else {
+            return (Vec::new(), None);
         };
+        let model = self.backend.model();
         let max_pos = model.config().max_position_embeddings;
-        let mut drafts = sp.plan(model, &mut self.running, budget, max_pos);
+        let (mut drafts, q) = sp.plan(model, &mut self.running, budget, max_pos);
         for (s, d) in self.running.iter_mut().zip(drafts.iter_mut()) {
             let Some(draft) = d else { continue };
             let before = s.table.blocks().len();
@@ -34,23 +38,22 @@ impl Scheduler {
                 Err(_) => *d = None,
             }
         }
-        drafts
+        (drafts, q)
     }
 
-    /// Verifies `running[i]`'s drafts against its logits rows and commits the outcome: the
-    /// anchor and the accepted drafts stay in the KV (the rest is rolled back), the accepted
-    /// tokens and the correction / bonus are emitted. Returns the positions kept and, when the
-    /// request ended, why; an error fails this request alone.
+    /// Commits `running[i]`'s verified round: the anchor and the accepted drafts stay in the
+    /// KV (the rest is rolled back), the accepted tokens and the correction / bonus are
+    /// emitted. Returns the positions kept and, when the request ended, why; an error fails
+    /// this request alone.
     pub(super) fn commit_round(
         &mut self,
         i: usize,
         draft: &Draft,
-        logits: &[f32],
+        verified: Verified,
     ) -> Result<(usize, Option<FinishReason>), String> {
         let page = self.kv.page_size();
         let eos = self.backend.config().eos_token_ids.clone();
         let s = &mut self.running[i];
-        let verified = verify_round(s, draft, logits)?;
         let start = s.table.len();
         let kept = verified.accepted + 1;
         s.table.advance(kept, page).map_err(|e| e.to_string())?;
@@ -87,12 +90,13 @@ impl Scheduler {
     pub(super) fn extend_drafter(
         &mut self,
         committed: &[(Owner, usize, usize, usize)],
-        taps: &[Vec<f32>],
+        taps: &[Tensor],
     ) -> HashMap<usize, String> {
         let mut errors = HashMap::new();
-        let (Some(sp), Some(model)) = (self.spec.as_mut(), self.backend.host_model()) else {
+        let Some(sp) = self.spec.as_mut() else {
             return errors;
         };
+        let model = self.backend.model();
         let page = self.kv.page_size();
         let mut keep = Vec::with_capacity(committed.len());
         let mut segments = Vec::with_capacity(committed.len());
@@ -131,14 +135,10 @@ impl Scheduler {
                         errors.insert(i, e.to_string());
                         continue;
                     }
-                    let Some(pool) = sp.pool() else { continue };
                     let skip = (t.job.skip_tokens / page).min(t.table.blocks().len());
                     let blocks = &t.table.blocks()[skip..];
-                    for layer in 0..sp.pool_layers() {
-                        if let Err(e) = sink(layer, blocks, pool) {
-                            errors.insert(i, e);
-                            break;
-                        }
+                    if let Err(e) = sp.ship(blocks, &mut sink) {
+                        errors.insert(i, e);
                     }
                 }
                 _ => {}
