@@ -24,9 +24,9 @@
 //!   the CPU's (deeper layers drift with fast mode's numerics and are reported, not bounded),
 //!   and decodes from a CPU peer's KV;
 //! - decode steps replayed from CUDA graphs give the eager engine's tokens;
-//! - speculative decoding on the CUDA engine (the drafter on the CPU from the GPU's tapped
-//!   hidden states) gives the plain CUDA engine's and the CPU's greedy tokens, with drafts
-//!   accepted.
+//! - speculative decoding on the CUDA engine (the drafter on the device, from the forward's
+//!   tapped hidden states copied there; sampling and verification on the device) gives the
+//!   plain CUDA engine's and the CPU's greedy tokens, with drafts accepted.
 //!
 //! Every test ends with every KV block back in the pool.
 
