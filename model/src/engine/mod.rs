@@ -457,9 +457,12 @@ impl EngineHandle {
             },
         )?;
         let device = backend.device();
+        // On a GPU with graphs, rounds are replayed at a fixed width (B + 1 rows per sequence).
+        let fixed_width = device.is_gpu() && config.cuda_graphs;
         let spec = drafter
             .map(|d| {
-                spec::Speculator::new(d, &layout, backend.model().backend(), config.spec.clone())
+                let b = backend.model().backend();
+                spec::Speculator::new(d, &layout, b, config.spec.clone(), fixed_width)
             })
             .transpose()?;
         let draft_kv_layers = spec.as_ref().map_or(0, spec::Speculator::pool_layers);
