@@ -238,9 +238,12 @@ async fn speculative_greedy_on_cuda_equals_plain_cuda_and_cpu() {
     let st = spec.stats().await.unwrap();
     assert!(st.spec_rounds > 0, "no speculative round ran: {st:?}");
     assert!(st.spec_accepted_tokens > 0, "no draft accepted: {st:?}");
+    // Rounds whose sequences all drafted a whole block replay the verify forward's graph.
+    assert!(st.graph_steps > 0, "no round replayed from a graph: {st:?}");
     eprintln!(
-        "speculative on cuda: {} rounds, acceptance length {:.2}, tokens identical to plain CUDA and the CPU",
+        "speculative on cuda: {} rounds ({} steps from graphs), acceptance length {:.2}, tokens identical to plain CUDA and the CPU",
         st.spec_rounds,
+        st.graph_steps,
         (st.spec_accepted_tokens + st.spec_rounds) as f64 / st.spec_rounds as f64
     );
     wait_idle(&spec).await;

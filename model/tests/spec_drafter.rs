@@ -434,3 +434,153 @@ fn drafter_on_cuda_matches_the_cpu_drafter() {
         );
     }
 }
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run on the GPU machine with --include-ignored (docs/gpu.md)"]
+fn drafter_passes_replayed_from_graphs_equal_eager_passes() {
+    // The same drafter on CUDA with graphs on: the first pass of a (bucket, greedy-ness)
+    // captures, later ones replay with refreshed inputs; every one must give what an eager
+    // pass gives, for greedy and sampled requests and for two batch sizes (1 → bucket 1,
+    // 3 → bucket 4, padded): the same drafts, confidences and q rows within 1e-5 (a graph
+    // plans the block attention's split-K for 256 context positions, the eager pass for the
+    // actual ones, so sums may associate differently).
+    use ferry_kernels::backend::{Backend, Precision};
+    use ferry_model::deepseek::forward::Hooks;
+    let dev = match ferry_kernels::cuda::CudaDevice::open(0) {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("skipping drafter_passes_replayed_from_graphs_equal_eager_passes: {e}");
+            return;
+        }
+    };
+    let gpu = Backend::Cuda(dev);
+    let cpu_target = DeepseekModel::load(&ferry_model::embedded::default_model_dir()).unwrap();
+    let target = cpu_target.to_backend(&gpu, Precision::Exact).unwrap();
+    let load = |graphs: bool| {
+        let mut d = DsparkDrafter::load(&ferry_model::drafter::embedded_dir(), cpu_target.config())
+            .unwrap();
+        d.to_backend(&gpu).unwrap();
+        d.set_graphs(graphs);
+        d
+    };
+    let (eager, graphed) = (load(false), load(true));
+    // Three golden prompts prefilled in one forward, their drafter context built once.
+    let cases = golden();
+    let page = 64;
+    let mut ids = cpu_target.new_kv_pool(16, page).unwrap();
+    let mut cache = target.new_kv_cache(16, page).unwrap();
+    let tables: Vec<BlockTable> = cases
+        .iter()
+        .map(|c| {
+            let mut t = BlockTable::new();
+            t.reserve(&mut ids, c.prompt.len()).unwrap();
+            t
+        })
+        .collect();
+    let taps = eager.taps().to_vec();
+    let mut tapped = Vec::new();
+    let batch = BatchInputs {
+        seqs: cases
+            .iter()
+            .zip(&tables)
+            .map(|(c, t)| SeqInput {
+                tokens: &c.prompt,
+                start_pos: 0,
+                block_table: t.blocks(),
+                logits: LogitsWanted::Last,
+            })
+            .collect(),
+    };
+    let hooks = Hooks {
+        taps: Some(&taps),
+        tapped: Some(&mut tapped),
+        ..Hooks::default()
+    };
+    target.forward_hooked(&batch, &mut cache, hooks).unwrap();
+    let taps: Vec<Tensor> = tapped.into_iter().map(|(_, t)| t).collect();
+    let layout = eager.kv_layout().unwrap().rows_layout(ids.layout());
+    let mut dkv = KvStore::new(target.backend(), layout).unwrap();
+    let mut first = 0;
+    let segments: Vec<ContextSegment<'_>> = cases
+        .iter()
+        .zip(&tables)
+        .map(|(c, t)| {
+            let s = ContextSegment {
+                block_table: t.blocks(),
+                start_pos: 0,
+                first_row: first,
+                rows: c.prompt.len(),
+            };
+            first += c.prompt.len();
+            s
+        })
+        .collect();
+    eager
+        .extend_context(
+            &target,
+            &mut dkv,
+            &ContextRows {
+                taps: &taps,
+                segments: &segments,
+            },
+        )
+        .unwrap();
+    let ctx = DraftCtx {
+        target: &target,
+        kv: Some(&dkv),
+    };
+    let greedy = SamplingParams {
+        temperature: 0.0,
+        ..SamplingParams::default()
+    };
+    let sampled = SamplingParams {
+        temperature: 0.8,
+        top_p: 0.95,
+        ..SamplingParams::default()
+    };
+    let vocab = target.config().vocab_size;
+    let host_q = |p: &ferry_model::drafter::Proposals| p.q.as_ref().map(|q| q.to_host().unwrap());
+    let mut replays = 0;
+    for round in 0..3 {
+        for params in [&greedy, &sampled] {
+            for n in [1, 3] {
+                let uniforms: Vec<[f64; 4]> = (0..n)
+                    .map(|i| {
+                        let u = (round * 7 + i * 3) as f64 / 31.0;
+                        [u, 1.0 - u, (u + 0.5) % 1.0, 0.25]
+                    })
+                    .collect();
+                let inputs: Vec<DraftInput<'_>> = (0..n)
+                    .map(|i| DraftInput {
+                        anchor: cases[i].anchor,
+                        context_len: cases[i].prompt.len(),
+                        block_table: tables[i].blocks(),
+                        tokens: &cases[i].prompt,
+                        params,
+                        uniforms: &uniforms[i],
+                    })
+                    .collect();
+                let want = eager.propose(&ctx, &inputs);
+                let got = graphed.propose(&ctx, &inputs);
+                let close = |a: &[f32], b: &[f32]| {
+                    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| (x - y).abs() <= 1e-5)
+                };
+                for (g, w) in got.each.iter().zip(&want.each) {
+                    let (g, w) = (g.as_ref().unwrap(), w.as_ref().unwrap());
+                    let what = format!("round {round}, n {n}, {params:?}");
+                    assert_eq!(g.drafts, w.drafts, "{what}");
+                    assert_eq!(g.q, w.q, "{what}");
+                    assert!(close(&g.confidence, &w.confidence), "{what}");
+                }
+                let (gq, wq) = (host_q(&got), host_q(&want));
+                assert_eq!(gq.as_ref().map(Vec::len), wq.as_ref().map(Vec::len));
+                if let (Some(gq), Some(wq)) = (gq, wq) {
+                    assert!(close(&gq, &wq), "q rows, round {round}, n {n}");
+                }
+                let _ = vocab;
+                replays += usize::from(round > 0);
+            }
+        }
+    }
+    eprintln!("drafter graphs: {replays} replayed passes equal the eager ones");
+}

@@ -300,6 +300,32 @@ impl Backend {
         Ok(out)
     }
 
+    /// Copies all of `src` into the start of `dst` (index arrays; stream-ordered on a GPU).
+    pub fn copy_ints_into(&self, src: &Ints, dst: &mut Ints) -> Result<(), KernelError> {
+        const OP: &str = "copy_ints_into";
+        let (n, got) = (src.len(), dst.len());
+        if n > got {
+            return Err(KernelError::ShapeMismatch {
+                op: OP,
+                what: "dst",
+                expected: n,
+                got,
+            });
+        }
+        match (self, src, dst) {
+            (Backend::Cpu, Ints::Host(s), Ints::Host(d)) => {
+                d[..n].copy_from_slice(s);
+                Ok(())
+            }
+            #[cfg(feature = "cuda")]
+            (Backend::Cuda(dev), Ints::Cuda(s), Ints::Cuda(d)) => dev.copy_range((s, 0), (d, 0), n),
+            (b, Ints::Host(_), _) if !matches!(b, Backend::Cpu) => {
+                Err(mismatch(OP, "src", b, "CPU"))
+            }
+            (b, _, _) => Err(mismatch(OP, "dst", b, "another backend")),
+        }
+    }
+
     /// Copies the first `dst.len()` elements of `src` into `dst`.
     pub fn copy_prefix(&self, src: &Tensor, dst: &mut Tensor) -> Result<(), KernelError> {
         const OP: &str = "copy_prefix";

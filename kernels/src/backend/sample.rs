@@ -60,6 +60,22 @@ impl RowParams {
         })
     }
 
+    /// Overwrites every row's parameters in place (same row count; each checked as in
+    /// [`Self::new`]): a captured graph reads the new values on its next replay.
+    pub fn write(&mut self, params: &[SamplingParams]) -> Result<(), KernelError> {
+        check_len("row_params", "params", self.host.len(), params.len())?;
+        for p in params {
+            p.validate()?;
+        }
+        #[cfg(feature = "cuda")]
+        if let Some(buf) = self.device.as_mut() {
+            let dev = buf.device().clone();
+            dev.write(buf, 0, &crate::cuda::sample::pack_params(params))?;
+        }
+        self.host.clone_from_slice(params);
+        Ok(())
+    }
+
     /// The rows of a batch of drafted blocks: sequence `s`'s parameters repeated `γ_s + 1`
     /// times (its draft positions and the bonus position), as `verify`'s `p` rows are laid out.
     pub fn for_blocks(

@@ -84,10 +84,69 @@ pub struct DsparkDrafter {
     confidence: ConfidenceHead,
     rope: Rope,
     kv: DraftKvLayout,
+    /// Replay passes from CUDA graphs (per batch-size bucket) when on a CUDA device.
+    use_graphs: bool,
+    /// The captured passes, by (batch-size bucket, every input greedy).
+    #[cfg(feature = "cuda")]
+    graphs: std::cell::RefCell<std::collections::HashMap<(usize, bool), DraftGraph>>,
 }
 
-/// What the Markov head's steps read, on the drafter's backend (uploaded before the pass).
-struct DrawInputs {
+/// The largest batch a drafter pass is replayed from a graph for (larger ones run eagerly).
+#[cfg(feature = "cuda")]
+const MAX_GRAPH_BATCH: usize = 64;
+
+/// The smallest context a pass graph is planned for.
+#[cfg(feature = "cuda")]
+const MIN_GRAPH_CTX: usize = 256;
+
+/// One drafter pass captured as a CUDA graph, with the buffers it reads and writes.
+#[cfg(feature = "cuda")]
+struct DraftGraph {
+    graph: ferry_kernels::cuda::GpuGraph,
+    plan: PassPlan,
+    out: PassOut,
+    /// The context the attention was planned for: contexts may grow up to it.
+    plan_ctx: usize,
+    /// The drafter KV the graph reads (its first layer's address).
+    kv: u64,
+}
+
+#[cfg(feature = "cuda")]
+impl std::fmt::Debug for DraftGraph {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "DraftGraph(plan_ctx {})", self.plan_ctx)
+    }
+}
+
+/// The host side of one pass (see [`DsparkDrafter::host_pass`]).
+struct HostPass {
+    tokens: Vec<i32>,
+    positions: Vec<usize>,
+    tables: Vec<i32>,
+    stride: usize,
+    ctx: Vec<usize>,
+    ctx_host: Vec<usize>,
+    greedy: bool,
+    params: Vec<ferry_kernels::cpu::sample::SamplingParams>,
+    anchors: Vec<i32>,
+    /// Per step, one uniform per input.
+    uniforms: Vec<Vec<f64>>,
+}
+
+/// What one pass reads, on the drafter's backend: uploaded before its first op, refreshed in
+/// place for a captured graph.
+struct PassPlan {
+    /// `[n · B]` block tokens: each input's anchor, then masks.
+    ids: Ints,
+    /// The block rows' positions `n .. n + B` per input.
+    rope: RopeTable,
+    /// `[n][stride]` context block tables.
+    tables: Ints,
+    stride: usize,
+    /// Context lengths.
+    ctx: Ints,
+    /// The context lengths the attention is planned for (the inputs' own, or a graph's plan).
+    ctx_host: Vec<usize>,
     /// Per-input sampling parameters; `None` when every input is greedy (argmax steps).
     params: Option<RowParams>,
     /// The anchors: step 0's previous tokens.
@@ -98,6 +157,16 @@ struct DrawInputs {
     uniforms: Vec<Uniforms>,
     /// The permutation from step-major q rows to sequence-major ones (sampled batches).
     order: Option<Ints>,
+}
+
+/// What one pass writes.
+struct PassOut {
+    /// Per step, each input's draft (-1: no valid distribution).
+    steps: Vec<Ints>,
+    /// Per step, each input's confidence.
+    confidence: Vec<Tensor>,
+    /// `[n · B][vocab]` the sampled drafts' distributions, sequence-major (sampled batches).
+    q: Option<Tensor>,
 }
 
 /// The block pass's outputs, on the drafter's backend.
@@ -187,6 +256,9 @@ impl DsparkDrafter {
             rope,
             kv,
             config,
+            use_graphs: false,
+            #[cfg(feature = "cuda")]
+            graphs: Default::default(),
         })
     }
 
@@ -246,40 +318,29 @@ impl DsparkDrafter {
         Ok(linear(&self.backend, Linear { x, w, precision })?)
     }
 
-    /// Runs the block forward for `inputs`: the final normalised hidden states and the LM-head
-    /// logits before the Markov head (parity tests compare them with the float32 torch
-    /// reference).
-    pub fn block_forward(
+    /// The host side of one pass over `inputs`: block tokens, positions, context tables and
+    /// lengths, and the Markov head's per-step inputs. `plan_ctx` plans the attention for that
+    /// many context positions (a graph's) instead of the inputs' longest.
+    fn host_pass(
         &self,
-        ctx: &DraftCtx<'_>,
         inputs: &[DraftInput<'_>],
-    ) -> Result<BlockPass, ModelError> {
-        self.check_target(ctx.target)?;
+        page: usize,
+        plan_ctx: Option<usize>,
+    ) -> Result<HostPass, ModelError> {
         let c = &self.config;
-        let b = &self.backend;
-        let precision = ctx.target.precision();
-        let (blk, hid, eps) = (c.block_size, c.hidden_size, c.rms_norm_eps);
-        let kv = ctx
-            .kv
-            .ok_or_else(|| ModelError::Invalid("the DSpark drafter needs its KV".into()))?;
-        let page = kv.layout().page_size;
-        let rows = inputs.len() * blk;
-        let mut tokens = Vec::with_capacity(rows);
-        let mut positions = Vec::with_capacity(rows);
+        let (blk, n) = (c.block_size, inputs.len());
+        let mut tokens = Vec::with_capacity(n * blk);
+        let mut positions = Vec::with_capacity(n * blk);
         for inp in inputs {
             tokens.push(inp.anchor as i32);
             tokens.extend(std::iter::repeat_n(c.mask_token_id as i32, blk - 1));
             positions.extend(inp.context_len..inp.context_len + blk);
         }
-        // Context block tables, one row per input, covering its committed positions.
-        let ctx_host: Vec<usize> = inputs.iter().map(|i| i.context_len).collect();
-        let stride = ctx_host
-            .iter()
-            .map(|n| n.div_ceil(page))
-            .max()
-            .unwrap_or(0)
-            .max(1);
-        let mut flat = vec![0i32; inputs.len() * stride];
+        let ctx: Vec<usize> = inputs.iter().map(|i| i.context_len).collect();
+        let longest = ctx.iter().copied().max().unwrap_or(0);
+        let planned = plan_ctx.unwrap_or(longest).max(longest);
+        let stride = planned.div_ceil(page).max(1);
+        let mut tables = vec![0i32; n * stride];
         for (s, inp) in inputs.iter().enumerate() {
             let need = inp.context_len.div_ceil(page);
             let table = inp.block_table.get(..need).ok_or_else(|| {
@@ -290,19 +351,110 @@ impl DsparkDrafter {
                 ))
             })?;
             for (j, id) in table.iter().enumerate() {
-                flat[s * stride + j] = id.0 as i32;
+                tables[s * stride + j] = id.0 as i32;
             }
         }
-        let tables = b.ints(flat)?;
-        let ctx_len = b.ints(ctx_host.iter().map(|&n| n as i32).collect())?;
-        let ids = b.ints(tokens)?;
-        let table = RopeTable::new(b, &self.rope, &positions)?;
+        let greedy = inputs.iter().all(|i| i.params.is_greedy());
+        let uniforms = (0..blk)
+            .map(|k| {
+                inputs
+                    .iter()
+                    .map(|i| i.uniforms.get(k).copied().unwrap_or(0.5))
+                    .collect()
+            })
+            .collect();
+        Ok(HostPass {
+            tokens,
+            positions,
+            tables,
+            stride,
+            ctx_host: match plan_ctx {
+                Some(_) => vec![planned; n],
+                None => ctx.clone(),
+            },
+            ctx,
+            greedy,
+            params: inputs.iter().map(|i| i.params.clone()).collect(),
+            anchors: inputs.iter().map(|i| i.anchor as i32).collect(),
+            uniforms,
+        })
+    }
 
+    /// `h` on the backend, in fresh buffers (every upload of a pass happens here, before its
+    /// first op: on a GPU an upload synchronises with the stream).
+    fn upload_pass(&self, h: &HostPass) -> Result<PassPlan, ModelError> {
+        let b = &self.backend;
+        let (blk, n) = (self.config.block_size, h.anchors.len());
+        let sampled = !h.greedy;
+        Ok(PassPlan {
+            ids: b.ints(h.tokens.clone())?,
+            rope: RopeTable::new(b, &self.rope, &h.positions)?,
+            tables: b.ints(h.tables.clone())?,
+            stride: h.stride,
+            ctx: b.ints(h.ctx.iter().map(|&x| x as i32).collect())?,
+            ctx_host: h.ctx_host.clone(),
+            params: sampled.then(|| RowParams::new(b, &h.params)).transpose()?,
+            anchors: b.ints(h.anchors.clone())?,
+            at: (0..blk)
+                .map(|k| b.ints((0..n).map(|s| (s * blk + k) as i32).collect()))
+                .collect::<Result<_, _>>()?,
+            uniforms: if sampled {
+                h.uniforms
+                    .iter()
+                    .map(|u| Uniforms::new(b, u))
+                    .collect::<Result<_, _>>()?
+            } else {
+                Vec::new()
+            },
+            order: sampled
+                .then(|| {
+                    b.ints(
+                        (0..n)
+                            .flat_map(|s| (0..blk).map(move |k| (k * n + s) as i32))
+                            .collect(),
+                    )
+                })
+                .transpose()?,
+        })
+    }
+
+    /// Rewrites `plan`'s buffers in place with `h` (same input count, same greedy-ness, same
+    /// table stride): what a captured graph reads on its next replay.
+    #[cfg(feature = "cuda")]
+    fn refresh_pass(&self, plan: &mut PassPlan, h: &HostPass) -> Result<(), ModelError> {
+        plan.ids.write(&h.tokens)?;
+        plan.rope.refresh(&self.rope, &h.positions)?;
+        plan.tables.write(&h.tables)?;
+        let ctx: Vec<i32> = h.ctx.iter().map(|&x| x as i32).collect();
+        plan.ctx.write(&ctx)?;
+        plan.anchors.write(&h.anchors)?;
+        if let Some(p) = plan.params.as_mut() {
+            p.write(&h.params)?;
+        }
+        for (u, host) in plan.uniforms.iter_mut().zip(&h.uniforms) {
+            u.write(host)?;
+        }
+        Ok(())
+    }
+
+    /// The backbone over `plan`: embedding → the drafter's layers (block attention against
+    /// the context in `kv`) → final norm → the target's LM head.
+    fn backbone(
+        &self,
+        target: &DeepseekModel,
+        kv: &KvStore,
+        plan: &PassPlan,
+    ) -> Result<BlockPass, ModelError> {
+        let c = &self.config;
+        let b = &self.backend;
+        let precision = target.precision();
+        let (blk, hid, eps) = (c.block_size, c.hidden_size, c.rms_norm_eps);
+        let rows = plan.anchors.len() * blk;
         let mut x = embed(
             b,
             Embed {
-                table: &ctx.target.embed,
-                ids: &ids,
+                table: &target.embed,
+                ids: &plan.ids,
             },
         )?;
         let mut h = b.scratch(rows * hid)?;
@@ -321,8 +473,8 @@ impl DsparkDrafter {
             let mut q = self.linear(&h, &layer.q, precision)?;
             let mut k = self.linear(&h, &layer.k, precision)?;
             let v = self.linear(&h, &layer.v, precision)?;
-            self.norm_rope(&mut q, &layer.q_norm, c.num_heads, &table)?;
-            self.norm_rope(&mut k, &layer.k_norm, c.num_kv_heads, &table)?;
+            self.norm_rope(&mut q, &layer.q_norm, c.num_heads, &plan.rope)?;
+            self.norm_rope(&mut k, &layer.k_norm, c.num_kv_heads, &plan.rope)?;
             let attn = block_attention(
                 b,
                 BlockAttention {
@@ -330,10 +482,10 @@ impl DsparkDrafter {
                     k: &k,
                     v: &v,
                     pages: kv.pages(l)?,
-                    tables: &tables,
-                    stride,
-                    ctx: &ctx_len,
-                    ctx_host: &ctx_host,
+                    tables: &plan.tables,
+                    stride: plan.stride,
+                    ctx: &plan.ctx,
+                    ctx_host: &plan.ctx_host,
                     heads: c.num_heads,
                     kv_heads: c.num_kv_heads,
                     head_dim: c.head_dim,
@@ -373,70 +525,63 @@ impl DsparkDrafter {
                 eps,
             },
         )?;
-        let logits = self.linear(&h, ctx.target.lm_head(), precision)?;
+        let logits = self.linear(&h, target.lm_head(), precision)?;
         Ok(BlockPass { hidden: h, logits })
     }
 
-    /// Puts what the Markov head's steps read on the backend before any of the pass's work is
-    /// queued (an upload synchronises with the stream on a GPU: done here, the stream is idle,
-    /// and the left-to-right loop issues only ops).
-    fn prepare_draws(&self, inputs: &[DraftInput<'_>]) -> Result<DrawInputs, ModelError> {
+    /// Runs the block forward for `inputs`: the final normalised hidden states and the LM-head
+    /// logits before the Markov head (parity tests compare them with the float32 torch
+    /// reference).
+    pub fn block_forward(
+        &self,
+        ctx: &DraftCtx<'_>,
+        inputs: &[DraftInput<'_>],
+    ) -> Result<BlockPass, ModelError> {
+        self.check_target(ctx.target)?;
+        let kv = ctx
+            .kv
+            .ok_or_else(|| ModelError::Invalid("the DSpark drafter needs its KV".into()))?;
+        let host = self.host_pass(inputs, kv.layout().page_size, None)?;
+        let plan = self.upload_pass(&host)?;
+        self.backbone(ctx.target, kv, &plan)
+    }
+
+    /// Buffers for what a pass over `n` inputs writes (a graph's outlive its capture).
+    fn new_out(&self, n: usize, sampled: bool) -> Result<PassOut, ModelError> {
         let b = &self.backend;
-        let (blk, n) = (self.config.block_size, inputs.len());
-        let greedy = inputs.iter().all(|i| i.params.is_greedy());
-        let params: Vec<_> = inputs.iter().map(|i| i.params.clone()).collect();
-        let uniforms = if greedy {
-            Vec::new()
-        } else {
-            (0..blk)
-                .map(|k| {
-                    let u: Vec<f64> = inputs
-                        .iter()
-                        .map(|i| i.uniforms.get(k).copied().unwrap_or(0.5))
-                        .collect();
-                    Uniforms::new(b, &u)
-                })
-                .collect::<Result<_, _>>()?
-        };
-        Ok(DrawInputs {
-            params: (!greedy).then(|| RowParams::new(b, &params)).transpose()?,
-            anchors: b.ints(inputs.iter().map(|i| i.anchor as i32).collect())?,
-            at: (0..blk)
-                .map(|k| b.ints((0..n).map(|s| (s * blk + k) as i32).collect()))
+        let blk = self.config.block_size;
+        Ok(PassOut {
+            steps: (0..blk)
+                .map(|_| b.ints(vec![0; n]))
                 .collect::<Result<_, _>>()?,
-            uniforms,
-            order: (!greedy)
-                .then(|| {
-                    b.ints(
-                        (0..n)
-                            .flat_map(|s| (0..blk).map(move |k| (k * n + s) as i32))
-                            .collect(),
-                    )
-                })
+            confidence: (0..blk).map(|_| b.zeros(n)).collect::<Result<_, _>>()?,
+            q: sampled
+                .then(|| b.zeros(n * blk * self.config.vocab_size))
                 .transpose()?,
         })
     }
 
-    /// The Markov head, left to right, for every input: drafts, their q, confidences. Each step
-    /// corrects the backbone's logits at block position `k` with the previous draft's bigram
-    /// bias, builds the distribution the plain sampler would (greedy requests: a point mass at
-    /// the argmax) and draws from it with the input's own uniform — all on the backend; the
-    /// drafts and confidences are downloaded once at the end, the q rows stay where they are.
-    /// A batch of greedy requests only takes each step's argmax (no distributions, no q).
-    fn draft(
+    /// One whole pass over `plan` into `out`: the backbone, then the Markov head left to
+    /// right. Each step corrects the backbone's logits at block position `k` with the previous
+    /// draft's bigram bias, builds the distribution the plain sampler would (greedy requests: a
+    /// point mass at the argmax) and draws from it with the input's own uniform — all on the
+    /// backend, issuing only ops (capturable into a graph). A batch of greedy requests only
+    /// takes each step's argmax (no distributions, no q).
+    fn run_pass(
         &self,
-        inputs: &[DraftInput<'_>],
-        pass: &BlockPass,
-        draws: &DrawInputs,
-        precision: Precision,
-    ) -> Result<Proposals, ModelError> {
+        target: &DeepseekModel,
+        kv: &KvStore,
+        plan: &PassPlan,
+        out: &mut PassOut,
+    ) -> Result<(), ModelError> {
         let c = &self.config;
         let b = &self.backend;
+        let precision = target.precision();
+        let pass = self.backbone(target, kv, plan)?;
         let (blk, hid, vocab) = (c.block_size, c.hidden_size, c.vocab_size);
-        let n = inputs.len();
-        let sampled: Vec<bool> = inputs.iter().map(|i| !i.params.is_greedy()).collect();
+        let n = plan.anchors.len();
         // Step-major q: row k·n + s is input s's distribution at block position k.
-        let mut q_steps = match draws.params {
+        let mut q_steps = match plan.params {
             Some(_) => Some(b.scratch(blk * n * vocab)?),
             None => None,
         };
@@ -444,13 +589,12 @@ impl DsparkDrafter {
         // embed a valid id there: on the host the -1 is replaced by 0 (a device embed reads an
         // out-of-range id as a zero row).
         let mut clamped: Option<Ints> = None;
-        let mut confidence: Vec<Tensor> = Vec::with_capacity(blk);
-        let mut step_ids: Vec<Ints> = Vec::with_capacity(blk);
-        for (k, at) in draws.at.iter().enumerate() {
+        for (k, at) in plan.at.iter().enumerate() {
+            let (done, _) = out.steps.split_at(k);
             let prev = match (k, &clamped) {
-                (0, _) => &draws.anchors,
+                (0, _) => &plan.anchors,
                 (_, Some(c)) => c,
-                (_, None) => &step_ids[k - 1],
+                (_, None) => &done[k - 1],
             };
             let e = self.markov.embed(b, prev)?;
             let bias = self.markov.bias(b, &e, precision)?;
@@ -481,8 +625,9 @@ impl DsparkDrafter {
                     width: hid,
                 },
             )?;
-            confidence.push(self.confidence.survival(b, &hidden_k, &e)?);
-            let ids = match (&draws.params, draws.uniforms.get(k)) {
+            let conf = self.confidence.survival(b, &hidden_k, &e)?;
+            b.copy_into(&conf, &mut out.confidence[k], 0)?;
+            let ids = match (&plan.params, plan.uniforms.get(k)) {
                 (Some(params), Some(uniforms)) => {
                     let p = probs(
                         b,
@@ -511,26 +656,47 @@ impl DsparkDrafter {
                 #[cfg(feature = "cuda")]
                 Ints::Cuda(_) => None,
             };
-            step_ids.push(ids);
+            b.copy_ints_into(&ids, &mut out.steps[k])?;
         }
-        let drafts: Vec<Vec<i32>> = step_ids
-            .iter()
-            .map(Ints::to_host)
-            .collect::<Result<_, _>>()?;
-        let confidence: Vec<Vec<f32>> = confidence
-            .iter()
-            .map(Tensor::to_host)
-            .collect::<Result<_, _>>()?;
         // Sequence-major q for the verifier: row s·B + k.
-        let q = match (q_steps, &draws.order) {
-            (Some(q), Some(order)) => Some(gather(
+        if let (Some(q), Some(order), Some(dst)) = (q_steps, &plan.order, out.q.as_mut()) {
+            let rows = gather(
                 b,
                 Gather {
                     src: &q,
                     rows: order,
                     width: vocab,
                 },
-            )?),
+            )?;
+            b.copy_into(&rows, dst, 0)?;
+        }
+        Ok(())
+    }
+
+    /// The proposals of the first `inputs.len()` inputs of a pass's `out`: drafts and
+    /// confidences downloaded (one download per step), the q rows copied on the backend
+    /// (a graph's buffers are overwritten by its next replay).
+    fn collect(&self, inputs: &[DraftInput<'_>], out: &PassOut) -> Result<Proposals, ModelError> {
+        let b = &self.backend;
+        let (blk, vocab) = (self.config.block_size, self.config.vocab_size);
+        let n = inputs.len();
+        let drafts: Vec<Vec<i32>> = out
+            .steps
+            .iter()
+            .map(Ints::to_host)
+            .collect::<Result<_, _>>()?;
+        let confidence: Vec<Vec<f32>> = out
+            .confidence
+            .iter()
+            .map(Tensor::to_host)
+            .collect::<Result<_, _>>()?;
+        let sampled: Vec<bool> = inputs.iter().map(|i| !i.params.is_greedy()).collect();
+        let q = match &out.q {
+            Some(all) if sampled.iter().any(|&s| s) => {
+                let mut q = b.scratch(n * blk * vocab)?;
+                b.copy_prefix(all, &mut q)?;
+                Some(q)
+            }
             _ => None,
         };
         let each = (0..n)
@@ -553,6 +719,113 @@ impl DsparkDrafter {
             })
             .collect();
         Ok(Proposals { each, q })
+    }
+
+    /// A pass replayed from a CUDA graph for `inputs`' batch-size bucket (captured on first
+    /// use, recaptured when a context outgrows the graph's plan), or `None` when graphs do not
+    /// apply (off, not on CUDA, too many inputs, a failed capture: the caller runs eagerly).
+    /// The inputs are padded to the bucket with empty ones (anchor 0, no context).
+    #[cfg(feature = "cuda")]
+    fn propose_graphed(
+        &self,
+        target: &DeepseekModel,
+        kv: &KvStore,
+        inputs: &[DraftInput<'_>],
+    ) -> Result<Option<Proposals>, ModelError> {
+        let Backend::Cuda(dev) = &self.backend else {
+            return Ok(None);
+        };
+        let n = inputs.len();
+        if !self.use_graphs || n == 0 || n > MAX_GRAPH_BATCH {
+            return Ok(None);
+        }
+        let kv_id = match kv.pages(0)? {
+            ferry_kernels::backend::Pages::Cuda(v) => v.ptr,
+            _ => return Ok(None),
+        };
+        let page = kv.layout().page_size;
+        let bucket = n.next_power_of_two();
+        let greedy = inputs.iter().all(|i| i.params.is_greedy());
+        let longest = inputs.iter().map(|i| i.context_len).max().unwrap_or(0);
+        let max_pos = target.config().max_position_embeddings.max(longest);
+        let plan_ctx = longest
+            .max(1)
+            .next_power_of_two()
+            .max(MIN_GRAPH_CTX)
+            .min(max_pos);
+        let mut padded = inputs.to_vec();
+        padded.resize(
+            bucket,
+            DraftInput {
+                anchor: 0,
+                context_len: 0,
+                block_table: &[],
+                tokens: &[],
+                params: inputs[0].params,
+                uniforms: &[],
+            },
+        );
+        let host = self.host_pass(&padded, page, Some(plan_ctx))?;
+        let mut graphs = self.graphs.borrow_mut();
+        let key = (bucket, greedy);
+        let fresh = graphs
+            .get(&key)
+            .is_some_and(|g| g.plan_ctx >= plan_ctx && g.kv == kv_id);
+        if fresh {
+            let Some(g) = graphs.get_mut(&key) else {
+                return Ok(None);
+            };
+            self.refresh_pass(&mut g.plan, &host)?;
+            g.graph.launch()?;
+            return Ok(Some(self.collect(inputs, &g.out)?));
+        }
+        graphs.remove(&key);
+        // Run once eagerly (compiling every kernel; its outputs are this call's), then capture.
+        let plan = self.upload_pass(&host)?;
+        let mut out = self.new_out(bucket, !greedy)?;
+        self.run_pass(target, kv, &plan, &mut out)?;
+        let proposals = self.collect(inputs, &out)?;
+        dev.synchronize()?;
+        dev.begin_capture()?;
+        let run = self.run_pass(target, kv, &plan, &mut out);
+        let graph = dev.end_capture();
+        match (run, graph) {
+            (Ok(()), Ok(graph)) => {
+                tracing::debug!(bucket, greedy, plan_ctx, "captured a drafter graph");
+                graphs.insert(
+                    key,
+                    DraftGraph {
+                        graph,
+                        plan,
+                        out,
+                        plan_ctx,
+                        kv: kv_id,
+                    },
+                );
+            }
+            (run, graph) => {
+                let e = run
+                    .err()
+                    .map(|e| e.to_string())
+                    .or(graph.err().map(|e| e.to_string()));
+                tracing::warn!(bucket, error = ?e, "drafter graph capture failed; drafting eagerly");
+            }
+        }
+        Ok(Some(proposals))
+    }
+
+    /// One eager pass over `inputs`: uploads, ops, downloads.
+    fn propose_eager(
+        &self,
+        target: &DeepseekModel,
+        kv: &KvStore,
+        inputs: &[DraftInput<'_>],
+    ) -> Result<Proposals, ModelError> {
+        let host = self.host_pass(inputs, kv.layout().page_size, None)?;
+        let plan = self.upload_pass(&host)?;
+        let mut out = self.new_out(inputs.len(), !host.greedy)?;
+        self.run_pass(target, kv, &plan, &mut out)?;
+        self.collect(inputs, &out)
     }
 
     /// Context feature `RMSNorm(fc(concat taps))` for the rows named by `rows`, `[R][hidden]`,
@@ -684,8 +957,17 @@ impl Drafter for DsparkDrafter {
             confidence: self.confidence.to_backend(b)?,
             rope: self.rope.clone(),
             kv: self.kv,
+            use_graphs: self.use_graphs,
+            #[cfg(feature = "cuda")]
+            graphs: Default::default(),
         };
         Ok(())
+    }
+
+    fn set_graphs(&mut self, on: bool) {
+        self.use_graphs = on;
+        #[cfg(feature = "cuda")]
+        self.graphs.get_mut().clear();
     }
 
     fn extend_context(
@@ -737,11 +1019,18 @@ impl Drafter for DsparkDrafter {
         if inputs.is_empty() {
             return Proposals::host(Vec::new());
         }
-        let precision = ctx.target.precision();
-        match self.prepare_draws(inputs).and_then(|draws| {
-            let pass = self.block_forward(ctx, inputs)?;
-            self.draft(inputs, &pass, &draws, precision)
-        }) {
+        let run = || {
+            self.check_target(ctx.target)?;
+            let kv = ctx
+                .kv
+                .ok_or_else(|| ModelError::Invalid("the DSpark drafter needs its KV".into()))?;
+            #[cfg(feature = "cuda")]
+            if let Some(p) = self.propose_graphed(ctx.target, kv, inputs)? {
+                return Ok(p);
+            }
+            self.propose_eager(ctx.target, kv, inputs)
+        };
+        match run() {
             Ok(p) => p,
             Err(e) => Proposals::failed(inputs.len(), &format!("drafter forward: {e}")),
         }

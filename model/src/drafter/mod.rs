@@ -319,6 +319,12 @@ pub trait Drafter: Send {
         Ok(())
     }
 
+    /// Whether passes may be replayed from CUDA graphs (the engine's `cuda_graphs` on a GPU;
+    /// drafters without device passes keep this default).
+    fn set_graphs(&mut self, on: bool) {
+        let _ = on;
+    }
+
     /// Turns committed rows' tapped hidden states into context K/V in `kv` (natural rows on the
     /// target's backend, [`DraftKvLayout::rows_layout`]).
     fn extend_context(

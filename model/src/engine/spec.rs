@@ -169,6 +169,7 @@ impl Speculator {
         fixed_width: bool,
     ) -> Result<Self, ModelError> {
         drafter.to_backend(backend)?;
+        drafter.set_graphs(fixed_width);
         let layout = drafter.kv_layout();
         let kv = layout
             .map(|l| KvStore::new(backend, l.rows_layout(target)))
