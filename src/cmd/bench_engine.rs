@@ -250,6 +250,7 @@ fn run_speculative(
     let target = target.as_ref().unwrap_or(model);
     let mut drafter = drafter;
     drafter.to_backend(target.backend())?;
+    drafter.set_graphs(args.device.cuda_graphs && device.is_gpu());
     let base = EngineConfig {
         device,
         gpu_mode: args.device.mode(),
@@ -573,9 +574,10 @@ fn engine_run(
     })
 }
 
-/// Median wall time (ms) of one drafter pass over `c` sequences, one verify forward of
-/// `c × (1 + block)` tokens, and one plain decode step of `c` tokens, all over `--prompt-len`
-/// tokens of context.
+/// Median wall time (ms) of one drafter pass over `c` sequences (replayed from a CUDA graph
+/// when `--cuda-graphs` is on a GPU, as in the engine), one eager verify forward of
+/// `c × (1 + block)` tokens, and one eager plain decode step of `c` tokens, all over
+/// `--prompt-len` tokens of context.
 fn pass_costs(
     target: &DeepseekModel,
     drafter: &DsparkDrafter,
