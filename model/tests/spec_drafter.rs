@@ -546,7 +546,7 @@ fn drafter_passes_replayed_from_graphs_equal_eager_passes() {
             for n in [1, 3] {
                 let uniforms: Vec<[f64; 4]> = (0..n)
                     .map(|i| {
-                        let u = (round * 7 + i * 3) as f64 / 31.0;
+                        let u = (round * 7 + i * 3 + 1) as f64 / 32.0;
                         [u, 1.0 - u, (u + 0.5) % 1.0, 0.25]
                     })
                     .collect();
