@@ -706,6 +706,19 @@ async fn one_trace_across_three_processes_and_metrics_that_count() {
     let dir = tempfile::tempdir().expect("a temporary directory");
     let receiver = Receiver::start(&agent, dir.path());
     let up = Up::start(dir.path(), &receiver.endpoint);
+    // The cluster runs where the test asked (`ferry up` resolves the device once and says so).
+    let banner = up.printed();
+    let device = banner
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("Device: "))
+        .unwrap_or("none printed")
+        .to_string();
+    eprintln!("cluster device: {device}");
+    assert!(
+        device.starts_with(&test_device()),
+        "asked for {}, ferry up runs on {device}",
+        test_device()
+    );
     let http = reqwest::Client::new();
 
     // `ferry up` reports healthy once a decode worker registered; the prefill worker too.

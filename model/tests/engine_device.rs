@@ -29,9 +29,9 @@
 //!   its device cache, and a fast-mode decode engine fed those bytes untouched decodes what a
 //!   plain fast-mode run does;
 //! - decode steps replayed from CUDA graphs give the eager engine's tokens;
-//! - speculative decoding on the CUDA engine (the drafter on the CPU from the GPU's tapped
-//!   hidden states) gives the plain CUDA engine's and the CPU's greedy tokens, with drafts
-//!   accepted.
+//! - speculative decoding on the CUDA engine (the drafter on the device, from the forward's
+//!   tapped hidden states copied there; sampling and verification on the device) gives the
+//!   plain CUDA engine's and the CPU's greedy tokens, with drafts accepted.
 //!
 //! Every test ends with every KV block back in the pool.
 

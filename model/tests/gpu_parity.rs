@@ -326,7 +326,7 @@ fn graph_replayed_decode_step_equals_the_eager_step() {
             let g = match graph.as_mut() {
                 Some(g) => g,
                 None => graph.insert(
-                    gpu.capture_decode(&batch, &mut graphed, 64)
+                    gpu.capture_decode(&batch, &mut graphed, 64, &[])
                         .expect("capture"),
                 ),
             };

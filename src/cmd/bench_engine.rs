@@ -608,6 +608,7 @@ fn pass_costs(
         taps: Some(&taps),
         hidden: None,
         tapped: Some(&mut tapped),
+        tap_into: None,
     };
     let prefill = batch_of(&prompts, &tables, 0, LogitsWanted::Last);
     match device.as_mut() {

@@ -128,10 +128,10 @@ impl DrafterArgs {
         }
     }
 
-    /// [`Self::resolve`] for an engine on `device`: under `auto`, a GPU decodes plainly — its
-    /// drafter runs on the CPU beside it and costs more than it saves today (BENCHMARKS.md,
-    /// "Speculative decoding on the GPU engine"), so `auto` does not turn it on there; `on`
-    /// still does.
+    /// [`Self::resolve`] for an engine on `device`: under `auto`, a GPU decodes plainly — the
+    /// drafter runs on the device, but its rounds run eagerly while plain steps replay CUDA
+    /// graphs, so with the embedded pair it costs more than it saves today (BENCHMARKS.md,
+    /// "The drafter on the device"); `auto` does not turn it on there, `on` still does.
     pub fn resolve_for(
         &self,
         model_dir: &std::path::Path,
@@ -141,8 +141,8 @@ impl DrafterArgs {
         if drafter.is_some() && device.is_gpu() && self.speculative == SpecMode::Auto {
             tracing::info!(
                 %device,
-                "speculative decoding off under --speculative auto on a GPU (the drafter would \
-                 run on the CPU and cost more than it saves); --speculative on to use it"
+                "speculative decoding off under --speculative auto on a GPU (its rounds run \
+                 eagerly and cost more than they save); --speculative on to use it"
             );
             return Ok(None);
         }

@@ -60,6 +60,9 @@ pub struct Hooks<'h, 'a> {
     /// (device to device on a GPU: no download, no synchronisation) — a drafter on the same
     /// device reads its context from these.
     pub tapped: Option<&'h mut Vec<(usize, Tensor)>>,
+    /// Like `tapped`, into buffers allocated beforehand, one per tap layer (`(layer, [T][hidden])`):
+    /// what a captured graph writes (its buffers outlive the capture).
+    pub tap_into: Option<&'h mut [(usize, Tensor)]>,
 }
 
 /// Everything a forward puts on the backend before its first op, and the host facts the ops
@@ -188,6 +191,7 @@ impl DeepseekModel {
             taps: None,
             hidden: Some(hidden),
             tapped: None,
+            tap_into: None,
         };
         self.run(batch, KvMut::Host(kv), policy, hooks)
     }
@@ -271,6 +275,7 @@ impl DeepseekModel {
             taps,
             mut hidden,
             mut tapped,
+            mut tap_into,
         } = hooks;
         let b = &self.backend;
         let width = self.config.hidden_size;
@@ -331,6 +336,11 @@ impl DeepseekModel {
             if let Some(kept) = tapped.as_mut() {
                 if taps.is_some_and(|taps| taps.contains(&l)) {
                     kept.push((l, b.copy(&h)?));
+                }
+            }
+            if let Some(bufs) = tap_into.as_mut() {
+                for (_, buf) in bufs.iter_mut().filter(|(t, _)| *t == l) {
+                    b.copy_into(&h, buf, 0)?;
                 }
             }
             if let Some(hook) = hidden.as_mut() {

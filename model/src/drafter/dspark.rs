@@ -40,7 +40,7 @@ use ferry_kernels::backend::mlp::{dense, Dense, DenseFfn};
 use ferry_kernels::backend::norm::{add_norm, norm_strided, AddNorm, NormStrided};
 use ferry_kernels::backend::rope::{rope, ApplyRope, RopeTable};
 use ferry_kernels::backend::rows::{embed, gather, Embed, Gather};
-use ferry_kernels::backend::sample::{draw, probs, Draw, Probs, RowParams, Uniforms};
+use ferry_kernels::backend::sample::{argmax, draw, probs, Draw, Probs, RowParams, Uniforms};
 use ferry_kernels::backend::{Backend, Ints, Precision, Tensor, Weight};
 use ferry_kernels::cpu::gemm::Matrix;
 use ferry_kernels::cpu::mlp::GatedMlp;
@@ -84,6 +84,20 @@ pub struct DsparkDrafter {
     confidence: ConfidenceHead,
     rope: Rope,
     kv: DraftKvLayout,
+}
+
+/// What the Markov head's steps read, on the drafter's backend (uploaded before the pass).
+struct DrawInputs {
+    /// Per-input sampling parameters; `None` when every input is greedy (argmax steps).
+    params: Option<RowParams>,
+    /// The anchors: step 0's previous tokens.
+    anchors: Ints,
+    /// Per step `k`, the block rows `s·B + k` of every input.
+    at: Vec<Ints>,
+    /// Per step, one uniform per input (empty when every input is greedy).
+    uniforms: Vec<Uniforms>,
+    /// The permutation from step-major q rows to sequence-major ones (sampled batches).
+    order: Option<Ints>,
 }
 
 /// The block pass's outputs, on the drafter's backend.
@@ -363,53 +377,88 @@ impl DsparkDrafter {
         Ok(BlockPass { hidden: h, logits })
     }
 
+    /// Puts what the Markov head's steps read on the backend before any of the pass's work is
+    /// queued (an upload synchronises with the stream on a GPU: done here, the stream is idle,
+    /// and the left-to-right loop issues only ops).
+    fn prepare_draws(&self, inputs: &[DraftInput<'_>]) -> Result<DrawInputs, ModelError> {
+        let b = &self.backend;
+        let (blk, n) = (self.config.block_size, inputs.len());
+        let greedy = inputs.iter().all(|i| i.params.is_greedy());
+        let params: Vec<_> = inputs.iter().map(|i| i.params.clone()).collect();
+        let uniforms = if greedy {
+            Vec::new()
+        } else {
+            (0..blk)
+                .map(|k| {
+                    let u: Vec<f64> = inputs
+                        .iter()
+                        .map(|i| i.uniforms.get(k).copied().unwrap_or(0.5))
+                        .collect();
+                    Uniforms::new(b, &u)
+                })
+                .collect::<Result<_, _>>()?
+        };
+        Ok(DrawInputs {
+            params: (!greedy).then(|| RowParams::new(b, &params)).transpose()?,
+            anchors: b.ints(inputs.iter().map(|i| i.anchor as i32).collect())?,
+            at: (0..blk)
+                .map(|k| b.ints((0..n).map(|s| (s * blk + k) as i32).collect()))
+                .collect::<Result<_, _>>()?,
+            uniforms,
+            order: (!greedy)
+                .then(|| {
+                    b.ints(
+                        (0..n)
+                            .flat_map(|s| (0..blk).map(move |k| (k * n + s) as i32))
+                            .collect(),
+                    )
+                })
+                .transpose()?,
+        })
+    }
+
     /// The Markov head, left to right, for every input: drafts, their q, confidences. Each step
     /// corrects the backbone's logits at block position `k` with the previous draft's bigram
     /// bias, builds the distribution the plain sampler would (greedy requests: a point mass at
     /// the argmax) and draws from it with the input's own uniform — all on the backend; the
     /// drafts and confidences are downloaded once at the end, the q rows stay where they are.
+    /// A batch of greedy requests only takes each step's argmax (no distributions, no q).
     fn draft(
         &self,
         inputs: &[DraftInput<'_>],
         pass: &BlockPass,
+        draws: &DrawInputs,
         precision: Precision,
     ) -> Result<Proposals, ModelError> {
         let c = &self.config;
         let b = &self.backend;
         let (blk, hid, vocab) = (c.block_size, c.hidden_size, c.vocab_size);
         let n = inputs.len();
-        let params: Vec<_> = inputs.iter().map(|i| i.params.clone()).collect();
-        let params = RowParams::new(b, &params)?;
         let sampled: Vec<bool> = inputs.iter().map(|i| !i.params.is_greedy()).collect();
-        let any_sampled = sampled.iter().any(|&s| s);
         // Step-major q: row k·n + s is input s's distribution at block position k.
-        let mut q_steps = if any_sampled {
-            Some(b.scratch(blk * n * vocab)?)
-        } else {
-            None
+        let mut q_steps = match draws.params {
+            Some(_) => Some(b.scratch(blk * n * vocab)?),
+            None => None,
         };
-        let anchors = b.ints(inputs.iter().map(|i| i.anchor as i32).collect())?;
         // A row that could not be drawn (-1) fails its own proposal; the next step must still
         // embed a valid id there: on the host the -1 is replaced by 0 (a device embed reads an
         // out-of-range id as a zero row).
         let mut clamped: Option<Ints> = None;
-        let mut drafts: Vec<Vec<i32>> = Vec::with_capacity(blk);
         let mut confidence: Vec<Tensor> = Vec::with_capacity(blk);
         let mut step_ids: Vec<Ints> = Vec::with_capacity(blk);
-        for k in 0..blk {
+        for (k, at) in draws.at.iter().enumerate() {
             let prev = match (k, &clamped) {
-                (0, _) => &anchors,
+                (0, _) => &draws.anchors,
                 (_, Some(c)) => c,
                 (_, None) => &step_ids[k - 1],
             };
             let e = self.markov.embed(b, prev)?;
             let bias = self.markov.bias(b, &e, precision)?;
-            let at = b.ints((0..n).map(|s| (s * blk + k) as i32).collect())?;
             let mut logits_k = gather(
                 b,
                 Gather {
                     src: &pass.logits,
-                    rows: &at,
+                    rows: at,
                     width: vocab,
                 },
             )?;
@@ -428,34 +477,35 @@ impl DsparkDrafter {
                 b,
                 Gather {
                     src: &pass.hidden,
-                    rows: &at,
+                    rows: at,
                     width: hid,
                 },
             )?;
             confidence.push(self.confidence.survival(b, &hidden_k, &e)?);
-            let p = probs(
-                b,
-                Probs {
-                    logits: &logits_k,
-                    vocab,
-                    params: &params,
-                },
-            )?;
-            let u: Vec<f64> = inputs
-                .iter()
-                .map(|i| i.uniforms.get(k).copied().unwrap_or(0.5))
-                .collect();
-            let ids = draw(
-                b,
-                Draw {
-                    probs: &p,
-                    vocab,
-                    uniforms: &Uniforms::new(b, &u)?,
-                },
-            )?;
-            if let Some(q) = q_steps.as_mut() {
-                b.copy_into(&p, q, k * n * vocab)?;
-            }
+            let ids = match (&draws.params, draws.uniforms.get(k)) {
+                (Some(params), Some(uniforms)) => {
+                    let p = probs(
+                        b,
+                        Probs {
+                            logits: &logits_k,
+                            vocab,
+                            params,
+                        },
+                    )?;
+                    if let Some(q) = q_steps.as_mut() {
+                        b.copy_into(&p, q, k * n * vocab)?;
+                    }
+                    draw(
+                        b,
+                        Draw {
+                            probs: &p,
+                            vocab,
+                            uniforms,
+                        },
+                    )?
+                }
+                _ => argmax(b, &logits_k, vocab)?,
+            };
             clamped = match &ids {
                 Ints::Host(v) => Some(Ints::Host(v.iter().map(|&t| t.max(0)).collect())),
                 #[cfg(feature = "cuda")]
@@ -463,30 +513,25 @@ impl DsparkDrafter {
             };
             step_ids.push(ids);
         }
-        for ids in &step_ids {
-            drafts.push(ids.to_host()?);
-        }
+        let drafts: Vec<Vec<i32>> = step_ids
+            .iter()
+            .map(Ints::to_host)
+            .collect::<Result<_, _>>()?;
         let confidence: Vec<Vec<f32>> = confidence
             .iter()
             .map(Tensor::to_host)
             .collect::<Result<_, _>>()?;
         // Sequence-major q for the verifier: row s·B + k.
-        let q = match q_steps {
-            Some(q) => {
-                let order = (0..n)
-                    .flat_map(|s| (0..blk).map(move |k| (k * n + s) as i32))
-                    .collect();
-                let order = b.ints(order)?;
-                Some(gather(
-                    b,
-                    Gather {
-                        src: &q,
-                        rows: &order,
-                        width: vocab,
-                    },
-                )?)
-            }
-            None => None,
+        let q = match (q_steps, &draws.order) {
+            (Some(q), Some(order)) => Some(gather(
+                b,
+                Gather {
+                    src: &q,
+                    rows: order,
+                    width: vocab,
+                },
+            )?),
+            _ => None,
         };
         let each = (0..n)
             .map(|s| {
@@ -693,10 +738,10 @@ impl Drafter for DsparkDrafter {
             return Proposals::host(Vec::new());
         }
         let precision = ctx.target.precision();
-        match self
-            .block_forward(ctx, inputs)
-            .and_then(|pass| self.draft(inputs, &pass, precision))
-        {
+        match self.prepare_draws(inputs).and_then(|draws| {
+            let pass = self.block_forward(ctx, inputs)?;
+            self.draft(inputs, &pass, &draws, precision)
+        }) {
             Ok(p) => p,
             Err(e) => Proposals::failed(inputs.len(), &format!("drafter forward: {e}")),
         }

@@ -243,6 +243,7 @@ impl Backend {
                     taps: Some(taps),
                     hidden: None,
                     tapped: Some(tapped),
+                    tap_into: None,
                 };
                 self.model
                     .forward_logits(batch, pool, FormPolicy::CostModel, hooks)

@@ -475,9 +475,12 @@ impl EngineHandle {
         // Block ids on every device; rows on the host only where the forward reads them there.
         let pool = backend.new_pool(layout)?;
         let kv_dtype = backend.kv_dtype();
+        // On a GPU with graphs, rounds are replayed at a fixed width (B + 1 rows per sequence).
+        let fixed_width = device.is_gpu() && config.cuda_graphs;
         let spec = drafter
             .map(|d| {
-                spec::Speculator::new(d, &layout, backend.model().backend(), config.spec.clone())
+                let b = backend.model().backend();
+                spec::Speculator::new(d, &layout, b, config.spec.clone(), fixed_width)
             })
             .transpose()?;
         let draft_kv_layers = spec.as_ref().map_or(0, spec::Speculator::pool_layers);

@@ -153,6 +153,9 @@ pub(crate) struct Speculator {
     stale: HashSet<BlockId>,
     /// Drafter wire layers a peer has written per reserved block.
     writes: HashMap<BlockId, usize>,
+    /// Rounds are replayed from CUDA graphs of a fixed width: when every running sequence can
+    /// take a whole block, each verifies all B drafts (see [`Self::plan`]).
+    fixed_width: bool,
 }
 
 impl Speculator {
@@ -163,6 +166,7 @@ impl Speculator {
         target: &KvLayout,
         backend: &Backend,
         config: SpecConfig,
+        fixed_width: bool,
     ) -> Result<Self, ModelError> {
         drafter.to_backend(backend)?;
         let layout = drafter.kv_layout();
@@ -178,6 +182,7 @@ impl Speculator {
             config,
             stale: HashSet::new(),
             writes: HashMap::new(),
+            fixed_width,
         })
     }
 
@@ -372,6 +377,7 @@ impl Speculator {
                     && matches!(s.phase, Phase::Decoding { .. })
             })
             .collect();
+        let step_budget = budget;
         let budget = budget.min(self.config.max_verify_tokens);
         if eligible.is_empty() || budget == 0 {
             return (plan, None);
@@ -432,7 +438,26 @@ impl Speculator {
         }
         let mut gamma: HashMap<usize, usize> = HashMap::new();
         let mut left = budget;
-        match self.config.verify_len {
+        // A round replayed from a graph computes B + 1 rows per sequence whatever γ is: when
+        // every running sequence drafted a whole block it has room for, each verifies all of
+        // it (more drafts can only lengthen what is accepted; the rows cost nothing more), so
+        // the step has the graph's shape. Otherwise the verify-length policy picks γ and the
+        // round runs eagerly.
+        let whole_blocks = self.fixed_width
+            && props.len() == running.len()
+            && props.len() * block <= step_budget
+            && props
+                .iter()
+                .all(|(i, p)| p.drafts.len() == block && room[*i] >= block);
+        let policy = if whole_blocks {
+            VerifyLen::Fixed(block)
+        } else {
+            self.config.verify_len
+        };
+        if whole_blocks {
+            left = props.len() * block;
+        }
+        match policy {
             VerifyLen::Fixed(n) => {
                 for (i, p) in &props {
                     let g = n.min(p.drafts.len()).min(room[*i]).min(left);

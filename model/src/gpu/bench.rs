@@ -256,7 +256,7 @@ pub fn decode_throughput(
                 logits: LogitsWanted::Last,
             }],
         };
-        let mut g = model.capture_decode(&first, &mut kv, plan_ctx)?;
+        let mut g = model.capture_decode(&first, &mut kv, plan_ctx, &[])?;
         let out = model.replay_decode(&mut g, &first, &kv)?;
         tok[0] = out.last_row(0).map(argmax).unwrap_or(0);
         let start = Instant::now();

@@ -1,11 +1,14 @@
-//! Decode steps replayed from a CUDA graph.
+//! Decode steps and speculative verify forwards replayed from a CUDA graph.
 //!
 //! An eager decode step is ~14 launches and a dozen stream-ordered allocations per layer; on
 //! a small batch the host spends longer issuing them than the GPU spends running them. A
-//! [`DecodeGraph`] captures one step (every sequence one new token, absorbed form) once, with
-//! its split-K plan and block-table rows sized for `plan_ctx` positions, and replays it: per
-//! step the host only refreshes the input buffers (token ids, cache slots, RoPE tables, block
-//! tables, context lengths), launches the graph and downloads the logits.
+//! [`DecodeGraph`] captures one step — every sequence `sq` new tokens in the absorbed form:
+//! one token for a decode step, the anchor and B drafts for a speculative round's verify
+//! forward — once, with its split-K plan and block-table rows sized for `plan_ctx` positions,
+//! and replays it: per step the host only refreshes the input buffers (token ids, cache slots,
+//! RoPE tables, block tables, context lengths) and launches the graph. A graph captured with
+//! tap layers also copies the residual stream after each of them into buffers of its own (a
+//! drafter's context), which the caller reads after the replay.
 
 use ferry_kernels::backend::Tensor;
 use ferry_kernels::cuda::GpuGraph;
@@ -14,16 +17,21 @@ use super::GpuKvCache;
 use crate::deepseek::forward::{flat_tables_min, host_inputs, Hooks, Plan, RunPlan};
 use crate::deepseek::{
     AttentionForm::Absorbed, BatchInputs, BatchLogits, BatchOutput, DeepseekModel, FormPolicy,
+    LogitsWanted,
 };
 use crate::kv::KvMut;
 use crate::ModelError;
 
-/// A captured decode step and the buffers it reads and writes.
+/// A captured decode step (or verify forward) and the buffers it reads and writes.
 pub struct DecodeGraph {
     graph: GpuGraph,
     plan: Plan,
     logits: Tensor,
+    /// `(layer, [seqs · sq][hidden])`: the residual stream after each tap layer.
+    taps: Vec<(usize, Tensor)>,
     seqs: usize,
+    /// New tokens per sequence.
+    sq: usize,
     plan_ctx: usize,
     page: usize,
 }
@@ -32,8 +40,8 @@ impl std::fmt::Debug for DecodeGraph {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "DecodeGraph({} seqs, plan_ctx {})",
-            self.seqs, self.plan_ctx
+            "DecodeGraph({} seqs × {} tokens, plan_ctx {})",
+            self.seqs, self.sq, self.plan_ctx
         )
     }
 }
@@ -43,39 +51,65 @@ impl DecodeGraph {
     pub fn plan_ctx(&self) -> usize {
         self.plan_ctx
     }
+
+    /// New tokens per sequence.
+    pub fn tokens_per_seq(&self) -> usize {
+        self.sq
+    }
+
+    /// The residual stream after each tap layer in the last replay, `(layer, [seqs · sq][hidden])`.
+    pub fn taps(&self) -> &[(usize, Tensor)] {
+        &self.taps
+    }
 }
 
-fn check_decode(batch: &BatchInputs<'_>, plan_ctx: usize) -> Result<(), ModelError> {
+/// Every sequence has `sq` new tokens (logits wanted for the last one when `sq` is 1, for all
+/// of them otherwise) within `plan_ctx` positions.
+fn check_decode(batch: &BatchInputs<'_>, plan_ctx: usize) -> Result<usize, ModelError> {
+    let sq = batch.seqs.first().map_or(1, |s| s.tokens.len());
     for (i, s) in batch.seqs.iter().enumerate() {
-        if s.tokens.len() != 1 {
+        if s.tokens.len() != sq || sq == 0 {
             return Err(ModelError::Invalid(format!(
-                "sequence {i}: a decode graph takes one token per sequence, got {}",
+                "sequence {i}: a decode graph takes {sq} tokens per sequence, got {}",
                 s.tokens.len()
             )));
         }
-        if s.start_pos + 1 > plan_ctx {
+        let wanted = if sq == 1 {
+            LogitsWanted::Last
+        } else {
+            LogitsWanted::All
+        };
+        if s.logits != wanted {
             return Err(ModelError::Invalid(format!(
-                "sequence {i}: position {} is beyond the graph's plan of {plan_ctx} positions",
-                s.start_pos
+                "sequence {i}: a graph of {sq}-token sequences returns {wanted:?} logits"
+            )));
+        }
+        if s.start_pos + sq > plan_ctx {
+            return Err(ModelError::Invalid(format!(
+                "sequence {i}: positions up to {} are beyond the graph's plan of {plan_ctx}",
+                s.start_pos + sq
             )));
         }
     }
-    Ok(())
+    Ok(sq)
 }
 
 impl DeepseekModel {
-    /// Captures one decode step shaped like `batch` (one token per sequence, contexts up to
-    /// `plan_ctx`). Runs the step once eagerly first (compiling every kernel), which writes
-    /// this step's latent rows; the logits come from the next [`Self::replay_decode`].
+    /// Captures one decode step shaped like `batch` (the same number of tokens in every
+    /// sequence — one, or a verify forward's anchor and drafts — contexts up to `plan_ctx`),
+    /// copying the residual stream after each layer of `taps` into the graph's own buffers.
+    /// Runs the step once eagerly first (compiling every kernel), which writes this step's
+    /// latent rows; the logits come from the next [`Self::replay_decode`].
     pub fn capture_decode(
         &self,
         batch: &BatchInputs<'_>,
         kv: &mut GpuKvCache,
         plan_ctx: usize,
+        taps: &[usize],
     ) -> Result<DecodeGraph, ModelError> {
         let dev = self.cuda_device()?.clone();
         self.validate(batch, &KvMut::Cuda(kv))?;
-        check_decode(batch, plan_ctx)?;
+        let sq = check_decode(batch, plan_ctx)?;
         let page = kv.layout().page_size;
         let plan = self.prepare(batch, page, Some(plan_ctx), FormPolicy::Force(Absorbed))?;
         if !matches!(plan.runs.as_slice(), [RunPlan::Absorbed { .. }]) {
@@ -85,18 +119,32 @@ impl DeepseekModel {
         }
         let n: usize = plan.rows_per_seq.iter().sum();
         let mut logits = self.backend.scratch(n * self.config.vocab_size)?;
+        let rows = batch.seqs.len() * sq * self.config.hidden_size;
+        let mut tap_bufs = taps
+            .iter()
+            .map(|&l| Ok((l, self.backend.scratch(rows)?)))
+            .collect::<Result<Vec<_>, ModelError>>()?;
         let mut kv = KvMut::Cuda(kv);
-        self.execute(&plan, &mut kv, &mut logits, Hooks::default())?;
+        fn hooks<'h>(taps: &'h [usize], bufs: &'h mut [(usize, Tensor)]) -> Hooks<'h, 'h> {
+            Hooks {
+                taps: Some(taps),
+                tap_into: Some(bufs),
+                ..Hooks::default()
+            }
+        }
+        self.execute(&plan, &mut kv, &mut logits, hooks(taps, &mut tap_bufs))?;
         dev.synchronize()?;
         dev.begin_capture()?;
-        let run = self.execute(&plan, &mut kv, &mut logits, Hooks::default());
+        let run = self.execute(&plan, &mut kv, &mut logits, hooks(taps, &mut tap_bufs));
         let graph = dev.end_capture();
         run?;
         Ok(DecodeGraph {
             graph: graph?,
             plan,
             logits,
+            taps: tap_bufs,
             seqs: batch.seqs.len(),
+            sq,
             plan_ctx,
             page,
         })
@@ -146,12 +194,13 @@ impl DeepseekModel {
     ) -> Result<Vec<usize>, ModelError> {
         self.cuda_device()?;
         // Validation only reads the cache; the graph writes rows through its captured views.
-        check_decode(batch, g.plan_ctx)?;
+        let sq = check_decode(batch, g.plan_ctx)?;
         batch.check(&self.config, self.layers.len(), kv.layout())?;
-        if batch.seqs.len() != g.seqs || kv.layout().page_size != g.page {
+        if batch.seqs.len() != g.seqs || sq != g.sq || kv.layout().page_size != g.page {
             return Err(ModelError::Invalid(format!(
-                "the decode graph was captured for {} sequences, got {}",
+                "the decode graph was captured for {} sequences of {} tokens, got {} of {sq}",
                 g.seqs,
+                g.sq,
                 batch.seqs.len()
             )));
         }
@@ -174,7 +223,7 @@ impl DeepseekModel {
             let lens: Vec<i32> = batch
                 .seqs
                 .iter()
-                .map(|s| (s.start_pos + 1) as i32)
+                .map(|s| (s.start_pos + sq) as i32)
                 .collect();
             ctx.write(&lens)?;
         }

@@ -49,8 +49,8 @@ pub(crate) struct CudaRows {
     dev: CudaDevice,
     /// The host pool's blocks plus one scratch block (the last) for graph padding.
     cache: GpuKvCache,
-    /// Captured decode steps by batch-size bucket; `None` when graphs are off.
-    graphs: Option<HashMap<usize, DecodeGraph>>,
+    /// Captured steps by (batch-size bucket, tokens per sequence); `None` when graphs are off.
+    graphs: Option<HashMap<(usize, usize), DecodeGraph>>,
     /// Steps replayed from a graph (the engine's `graph_steps`).
     graph_steps: u64,
     /// The second stream shipped layers are copied on (made on first use).
@@ -171,12 +171,17 @@ impl CudaRows {
         BlockId((self.cache.layout().num_blocks - 1) as u32)
     }
 
-    /// Runs `batch` from a captured graph if it is a graph-shaped decode step: `Ok(None)` when
-    /// it is not (the caller runs it eagerly).
+    /// Runs `batch` from a captured graph if it is graph-shaped — every sequence the same
+    /// number of new tokens in the absorbed form: a decode step (one token each) or a
+    /// speculative round's verify forward (anchor + B drafts each) — copying the residual
+    /// stream after each of `taps` into `tapped`. `Ok(None)` when it is not (the caller runs
+    /// it eagerly).
     fn try_graph(
         &mut self,
         gpu: &DeepseekModel,
         batch: &BatchInputs<'_>,
+        taps: &[usize],
+        tapped: &mut Vec<(usize, Tensor)>,
     ) -> Result<Option<BatchLogits>, ModelError> {
         let n = batch.seqs.len();
         let scratch = [self.scratch_block()];
@@ -184,62 +189,78 @@ impl CudaRows {
             return Ok(None);
         };
         let dims = &gpu.dims;
-        let decode_step = n > 0
+        let sq = batch.seqs.first().map_or(0, |s| s.tokens.len());
+        let wanted = if sq == 1 {
+            LogitsWanted::Last
+        } else {
+            LogitsWanted::All
+        };
+        let graph_shaped = n > 0
             && n <= MAX_GRAPH_BATCH
-            && self.cache.layout().page_size >= 2
-            && gpu.policy.choose(dims, 1, 1) == AttentionForm::Absorbed
+            && sq >= 1
+            // The padding sequences' tokens sit at positions 1..=sq of the scratch block.
+            && self.cache.layout().page_size > sq
+            && gpu.policy.choose(dims, 1, sq) == AttentionForm::Absorbed
             && batch.seqs.iter().all(|s| {
-                s.tokens.len() == 1
-                    && s.logits == LogitsWanted::Last
-                    && gpu.policy.choose(dims, s.start_pos, 1) == AttentionForm::Absorbed
+                s.tokens.len() == sq
+                    && s.logits == wanted
+                    && gpu.policy.choose(dims, s.start_pos, sq) == AttentionForm::Absorbed
             });
-        if !decode_step {
+        if !graph_shaped {
             return Ok(None);
         }
         let bucket = n.next_power_of_two();
         let longest = batch
             .seqs
             .iter()
-            .map(|s| s.start_pos + 1)
+            .map(|s| s.start_pos + sq)
             .max()
             .unwrap_or(1);
         let plan_ctx = longest
             .next_power_of_two()
             .max(MIN_GRAPH_CTX)
             .min(gpu.config.max_position_embeddings.max(longest));
-        // Pad to the bucket with one-token sequences at position 1 of the scratch block (the
+        // Pad to the bucket with sequences at positions 1..=sq of the scratch block (the
         // absorbed form needs a cached position; position 0 is zeros or an earlier padding
         // row, finite either way).
-        let pad = [0u32];
+        let pad = vec![0u32; sq];
         let mut seqs = batch.seqs.clone();
         seqs.resize_with(bucket, || SeqInput {
             tokens: &pad,
             start_pos: 1,
             block_table: &scratch,
-            logits: LogitsWanted::Last,
+            logits: wanted,
         });
         let padded = BatchInputs { seqs };
-        let stale = graphs.get(&bucket).is_some_and(|g| g.plan_ctx() < plan_ctx);
-        if stale || !graphs.contains_key(&bucket) {
-            graphs.remove(&bucket);
-            match gpu.capture_decode(&padded, &mut self.cache, plan_ctx) {
+        let key = (bucket, sq);
+        let stale = graphs.get(&key).is_some_and(|g| g.plan_ctx() < plan_ctx);
+        if stale || !graphs.contains_key(&key) {
+            graphs.remove(&key);
+            match gpu.capture_decode(&padded, &mut self.cache, plan_ctx, taps) {
                 Ok(g) => {
-                    tracing::debug!(bucket, plan_ctx, "captured a decode graph");
-                    graphs.insert(bucket, g);
+                    tracing::debug!(bucket, sq, plan_ctx, "captured a decode graph");
+                    graphs.insert(key, g);
                 }
                 Err(e) => {
                     // Serving goes on eagerly: a capture that fails says nothing about the
                     // batch (the eager step it ran first rewrites the same rows).
-                    tracing::warn!(bucket, plan_ctx, error = %e, "CUDA graph capture failed; decoding eagerly from now on");
+                    tracing::warn!(bucket, sq, plan_ctx, error = %e, "CUDA graph capture failed; decoding eagerly from now on");
                     self.graphs = None;
                     return Ok(None);
                 }
             }
         }
-        let Some(g) = graphs.get_mut(&bucket) else {
+        let Some(g) = graphs.get_mut(&key) else {
             return Ok(None);
         };
         let out = gpu.replay_decode_logits(g, &padded, &self.cache, n)?;
+        // The real sequences' rows of each tap (the padding's come after them).
+        let rows = n * sq * gpu.config.hidden_size;
+        for (layer, buf) in g.taps() {
+            let mut t = gpu.backend.scratch(rows)?;
+            gpu.backend.copy_prefix(buf, &mut t)?;
+            tapped.push((*layer, t));
+        }
         self.graph_steps += 1;
         Ok(Some(out))
     }
@@ -291,11 +312,7 @@ impl CudaRows {
         staged.dedup();
         let layers = self.cache.layout().num_layers;
         if staged.is_empty() {
-            let graphed = if taps.is_empty() {
-                self.try_graph(gpu, batch)?
-            } else {
-                None // the drafter's taps are copied out of the forward: not captured yet
-            };
+            let graphed = self.try_graph(gpu, batch, taps, &mut *tapped)?;
             let out = match graphed {
                 Some(out) => out,
                 None => {
@@ -304,6 +321,7 @@ impl CudaRows {
                         taps: Some(taps),
                         hidden: None,
                         tapped: Some(&mut *tapped),
+                        tap_into: None,
                     };
                     gpu.forward_logits(batch, &mut self.cache, gpu.policy, hooks)?
                 }
@@ -337,6 +355,7 @@ impl CudaRows {
                 taps: Some(taps),
                 hidden: None,
                 tapped: Some(&mut *tapped),
+                tap_into: None,
             };
             gpu.forward_logits(batch, &mut self.cache, gpu.policy, hooks)
         };
@@ -364,6 +383,7 @@ impl CudaRows {
             taps: Some(taps),
             hidden: None,
             tapped: Some(tapped),
+            tap_into: None,
         };
         let out = gpu.forward_logits(batch, &mut self.cache, gpu.policy, hooks);
         let forward_done = std::time::Instant::now();

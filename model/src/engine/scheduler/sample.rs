@@ -10,7 +10,7 @@
 //! point mass), each round γ + 1 from its verify stream (`spec::round_uniforms`).
 
 use ferry_kernels::backend::rows::{gather, Gather};
-use ferry_kernels::backend::sample::{sample, RowParams, Sample, Uniforms};
+use ferry_kernels::backend::sample::{argmax, sample, RowParams, Sample, Uniforms};
 use ferry_kernels::backend::verify::{verify_logits, VerifyLogits};
 use ferry_kernels::backend::Tensor;
 use ferry_kernels::cpu::sample::SamplingParams;
@@ -131,31 +131,49 @@ impl Scheduler {
             return Ok(Vec::new());
         }
         let b = self.backend.model().backend();
-        let picked = b.ints(rows.iter().map(|r| r.row as i32).collect())?;
-        let x = gather(
-            b,
-            Gather {
-                src: &logits.logits,
-                rows: &picked,
-                width: logits.vocab,
-            },
-        )?;
-        let params: Vec<SamplingParams> = rows.iter().map(|r| r.params.clone()).collect();
-        let uniforms: Vec<f64> = rows.iter().map(|r| r.uniform).collect();
-        let tokens = sample(
-            b,
-            Sample {
-                logits: &x,
-                vocab: logits.vocab,
-                params: &RowParams::new(b, &params)?,
-                uniforms: &Uniforms::new(b, &uniforms)?,
-            },
-        )?;
-        Ok(rows
-            .iter()
-            .zip(tokens)
-            .map(|(r, t)| (r.item, t.map_err(|e| e.to_string())))
-            .collect())
+        let vocab = logits.vocab;
+        // A decode-only batch samples every row in order: no gather.
+        let total: usize = logits.rows_per_seq.iter().sum();
+        let in_order = rows.len() == total && rows.iter().enumerate().all(|(i, r)| r.row == i);
+        let picked;
+        let x = if in_order {
+            &logits.logits
+        } else {
+            let at = b.ints(rows.iter().map(|r| r.row as i32).collect())?;
+            picked = gather(
+                b,
+                Gather {
+                    src: &logits.logits,
+                    rows: &at,
+                    width: vocab,
+                },
+            )?;
+            &picked
+        };
+        // Greedy rows only (the common serving case): the argmax, nothing to upload.
+        let tokens: Vec<Result<u32, String>> = if rows.iter().all(|r| r.params.is_greedy()) {
+            argmax(b, x, vocab)?
+                .to_host()?
+                .into_iter()
+                .map(|t| u32::try_from(t).map_err(|_| "no token: every logit is NaN".into()))
+                .collect()
+        } else {
+            let params: Vec<SamplingParams> = rows.iter().map(|r| r.params.clone()).collect();
+            let uniforms: Vec<f64> = rows.iter().map(|r| r.uniform).collect();
+            sample(
+                b,
+                Sample {
+                    logits: x,
+                    vocab,
+                    params: &RowParams::new(b, &params)?,
+                    uniforms: &Uniforms::new(b, &uniforms)?,
+                },
+            )?
+            .into_iter()
+            .map(|t| t.map_err(|e| e.to_string()))
+            .collect()
+        };
+        Ok(rows.iter().map(|r| r.item).zip(tokens).collect())
     }
 
     /// The rounds: their logits rows gathered, `probs` + `verify` in one batch against the

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine (docs/gpu.md): the named test binaries of device-bin/ with their
+# GPU (ignored) tests, one log per binary under $OUT (else ./gpu-logs), and a one-line summary
+# each. Binaries that are not there are reported as missing, not run.
+#   scripts/gpu_tests.sh backend_sample backend_draft engine_device ...
+# Environment: FERRY_TEST_DEVICE=cuda runs tests/observability.rs's cluster on the GPU;
+# ROTEL_AGENT=path its OTLP receiver (device-bin/rotel-agent when carried there).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-gpu-logs}"
+mkdir -p "$out"
+# shellcheck disable=SC1091
+source scripts/gpu_env.sh >/dev/null
+# Test binaries find the embedded model (and cluster tests the ferry binary) through the
+# absolute paths they were built with: point those at this copy of the tree.
+root=$(cat device-bin/SRC_ROOT)
+if [ "$root" != "$PWD" ]; then
+  mkdir -p "$(dirname "$root")"
+  ln -sfn "$PWD" "$root"
+fi
+mkdir -p target/release
+ln -sfn "$PWD/device-bin/ferry" target/release/ferry
+if [ -x device-bin/rotel-agent ] && [ -z "${ROTEL_AGENT:-}" ]; then
+  export ROTEL_AGENT="$PWD/device-bin/rotel-agent"
+fi
+for t in "$@"; do
+  if [ ! -x "device-bin/$t" ]; then
+    echo "$t: missing"
+    continue
+  fi
+  start=$(date +%s)
+  timeout "${GPU_TEST_TIMEOUT:-300}" "./device-bin/$t" --include-ignored --test-threads=1 \
+    --nocapture >"$out/$t.log" 2>&1
+  rc=$?
+  result=$(grep -E '^test result' "$out/$t.log" | tail -1)
+  echo "$t: rc=$rc ${result:-no result} ($(($(date +%s) - start)) s)"
+  grep -E '^test .* FAILED|panicked' "$out/$t.log" | head -5
+done
