@@ -3,15 +3,21 @@
 use ferry_kvtransfer::error::TransferError;
 use ferry_kvtransfer::{Dtype, KvLayoutDesc, KvRegion};
 use ferry_model::engine::EngineHandle;
-use ferry_model::kv::BlockId;
+use ferry_model::kv::{BlockId, KvDtype};
 
 /// This worker's KV pool as a transfer target. Writes are forwarded to the engine thread (the
 /// pool's one owner), which applies them in order before it processes the peer's completion,
 /// and only into blocks reserved for a remote prefill.
 ///
+/// The advertised dtype is the engine's cache dtype ([`EngineHandle::kv_dtype`]: f32 on the CPU
+/// and in CUDA exact mode, bf16 in CUDA fast mode): the wire carries the destination's dtype,
+/// so a peer's bytes go into the cache as they arrive (on a GPU, straight into device memory)
+/// and the peer converts when its own cache holds another dtype.
+///
 /// With a drafter, the advertised layout has the drafter's context pool layers after the
 /// target's: `num_layers = target layers + drafter pool layers`, same page size, width and
-/// dtype (the drafter pool is shaped like the target's; see `ferry_model::drafter::DraftKvLayout`).
+/// dtype (the drafter pool is shaped like the target's; see `ferry_model::drafter::DraftKvLayout`;
+/// its f32 rows are widened from the wire's dtype on arrival).
 /// A peer with the same drafter writes those layers too; one without writes only the target's,
 /// and requests it prefills decode without speculation.
 pub struct EngineRegion {
@@ -28,7 +34,10 @@ impl EngineRegion {
             num_layers: u(l.num_layers + engine.draft_kv_layers()),
             page_size: u(l.page_size),
             latent_width: u(l.width),
-            dtype: Dtype::F32,
+            dtype: match engine.kv_dtype() {
+                KvDtype::F32 => Dtype::F32,
+                KvDtype::Bf16 => Dtype::Bf16,
+            },
             num_blocks: u(l.num_blocks),
         };
         Self { engine, layout }

@@ -2,7 +2,10 @@
 //!
 //! Two pools are compatible when a block of one can be copied byte for byte into a block of the
 //! other: same number of layers, same page size, same latent width and same dtype. Pool sizes
-//! (`num_blocks`) may differ. Anything else is a [`TransferError::LayoutMismatch`] naming the
+//! (`num_blocks`) may differ. The writer's side of the check is what it puts on the wire: a
+//! writer whose cache holds another dtype than the destination's converts its rows
+//! ([`crate::convert`]) and connects with the destination's dtype (see the crate docs), so the
+//! dtype compared here is always the bytes' real one. Anything else is a [`TransferError::LayoutMismatch`] naming the
 //! field and both values, never a silent reinterpretation of the bytes.
 
 use crate::{KvLayoutDesc, TransferError};

@@ -6,6 +6,7 @@
 //! | `lib.rs` | the layout ([`KvLayoutDesc`], [`Dtype`]), keys, and the three traits: [`KvRegion`] (the receiving memory), [`Transport`] (register / connect), [`RemoteWriter`] (write / flush) |
 //! | [`descriptor`] | [`WriteBatch`] / [`BlockWrite`]: which blocks of which layer go where, and their validation |
 //! | [`handshake`] | [`check_compatible`]: layout compatibility with an explicit mismatch error |
+//! | [`convert`] | rows from one [`Dtype`] to another (a writer whose cache dtype is not the destination's) |
 //! | [`tcp`] | [`TcpTransport`], the default: one listener per process, length-prefixed frames |
 //! | [`local`] | [`LocalTransport`]: in-process, for tests and single-process clusters |
 //! | [`layerwise`] | [`LayerStreamer`] / [`LayerSink`]: send each layer as soon as it is computed |
@@ -24,6 +25,19 @@
 //!  layer 1 done ─ sink.send ─►       (in order)    ─ write ──►                 ─ region.write
 //!  ...                          finish: flush ───────────────►  ack(total bytes)
 //! ```
+//!
+//! ## The dtype on the wire
+//!
+//! **The wire carries the destination cache's dtype.** A receiver advertises the dtype its
+//! cache holds (`ferry_decode::region`: f32 for a CPU engine and a CUDA engine in exact mode,
+//! bf16 for a CUDA engine in fast mode), and a writer sends rows in exactly that dtype,
+//! converting only when its own cache's dtype differs ([`convert`]: bf16 → f32 is exact, f32 →
+//! bf16 rounds to nearest even, as a bf16 device cache rounds what is written into it). So a
+//! bf16 cache ships to a bf16 cache untouched, at half the bytes of f32, and mixed pairs keep
+//! working. The handshake ([`check_compatible`]) still requires the same dtype on both ends of
+//! the connection: the writer connects with the dtype it will put on the wire, never one it
+//! merely holds, and a mismatch is refused before any byte moves. Every layer of a transfer
+//! (a drafter's context layers after the target's included) uses that one dtype.
 //!
 //! ## Example
 //!
@@ -80,6 +94,7 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use ferry_proto::internal::KvLayout;
 
+pub mod convert;
 pub mod descriptor;
 pub mod error;
 pub mod handshake;
@@ -88,6 +103,7 @@ pub mod local;
 mod registry;
 pub mod tcp;
 
+pub use convert::{convert, convert_into};
 pub use descriptor::{check_write, BlockWrite, WriteBatch};
 pub use error::{ParseDtypeError, TransferError};
 pub use handshake::check_compatible;

@@ -3,9 +3,11 @@
 
 mod common;
 
-use ferry_model::deepseek::DeepseekModel;
+use std::sync::{Arc, Mutex};
+
+use ferry_model::deepseek::{BatchInputs, DeepseekModel, LogitsWanted, SeqInput};
 use ferry_model::engine::{EngineConfig, EngineEvent, EngineHandle, FinishReason, PrefillSource};
-use ferry_model::kv::BlockId;
+use ferry_model::kv::{BlockId, KvDtype, LayerRows};
 
 use common::{collect, golden_case, greedy, job, tokens, wait_idle};
 
@@ -87,14 +89,9 @@ async fn remote_prefill(
             prompt,
             greedy(),
             skip_tokens,
-            Box::new(move |layer, blocks, pool| {
+            Box::new(move |layer, blocks, rows| {
                 for (j, b) in blocks.iter().enumerate() {
-                    let data: Vec<u8> = pool
-                        .block(layer, *b)
-                        .map_err(|e| e.to_string())?
-                        .iter()
-                        .flat_map(|f| f.to_le_bytes())
-                        .collect();
+                    let data = rows.block(*b).map_err(|e| e.to_string())?.to_vec();
                     d2.write_kv(layer, dest[first_dest + j], data)
                         .map_err(|e| e.to_string())?;
                 }
@@ -139,6 +136,73 @@ async fn remote_prefill_gives_the_same_tokens_as_local() {
     );
     wait_idle(&d).await;
     wait_idle(&p).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_job_ships_the_pool_rows_as_f32_bytes_through_the_view() {
+    let e = engine(64);
+    let layout = e.kv_layout();
+    let (page, width, layers) = (layout.page_size, layout.width, layout.num_layers);
+    assert_eq!(e.kv_dtype(), KvDtype::F32);
+    let stats = e.stats().await.unwrap();
+    assert_eq!(
+        stats.kv_host_row_bytes,
+        (layers * 64 * page * width * 4) as u64,
+        "the CPU engine's pool holds every row in f32"
+    );
+    assert_eq!(stats.kv_host_staging_bytes, 0, "no staging ring on the CPU");
+    let (prompt, _) = golden_case(2);
+    type Seen = Vec<(usize, usize, KvDtype, Vec<u8>)>;
+    let seen: Arc<Mutex<Seen>> = Arc::default();
+    let rec = seen.clone();
+    e.prefill(
+        prompt.clone(),
+        greedy(),
+        page,
+        Box::new(move |layer, blocks, rows: &LayerRows<'_>| {
+            let mut v = rec.lock().unwrap();
+            for (j, b) in blocks.iter().enumerate() {
+                let bytes = rows.block(*b).map_err(|e| e.to_string())?.to_vec();
+                v.push((layer, j, rows.dtype(), bytes));
+            }
+            Ok(())
+        }),
+    )
+    .await
+    .unwrap();
+    // The same forward on a pool of its own: the job ships exactly those rows' f32 bytes,
+    // from the second block on (`skip_tokens` = one block), every layer in order.
+    let model = DeepseekModel::load(&ferry_model::embedded::default_model_dir()).unwrap();
+    let blocks = prompt.len().div_ceil(page);
+    let mut pool = model.new_kv_pool(blocks, page).unwrap();
+    let table: Vec<BlockId> = (0..blocks as u32).map(BlockId).collect();
+    let batch = BatchInputs {
+        seqs: vec![SeqInput {
+            tokens: &prompt,
+            start_pos: 0,
+            block_table: &table,
+            logits: LogitsWanted::Last,
+        }],
+    };
+    model.forward(&batch, &mut pool).unwrap();
+    let seen = std::mem::take(&mut *seen.lock().unwrap());
+    assert_eq!(seen.len(), layers * (blocks - 1), "blocks shipped");
+    for (i, (layer, j, dtype, bytes)) in seen.iter().enumerate() {
+        assert_eq!((*layer, *j), (i / (blocks - 1), i % (blocks - 1)));
+        assert_eq!(*dtype, KvDtype::F32);
+        let want: Vec<u8> = pool
+            .block(*layer, table[1 + j])
+            .unwrap()
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        let valid = (prompt.len() - (1 + j) * page).min(page) * width * 4;
+        assert!(
+            bytes[..valid] == want[..valid],
+            "layer {layer} block {j}: the shipped bytes are the pool's rows"
+        );
+    }
+    wait_idle(&e).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

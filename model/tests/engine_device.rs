@@ -16,13 +16,18 @@
 //!   f32 from the same weights; the GPU differs in summation order and in its bf16-weight
 //!   GEMMs (activations split into bf16 hi + lo, ~16 mantissa bits), which model/tests/
 //!   gpu_parity.rs measured at ~5e-6 relative on logits and within this bound on cache rows;
-//! - KV crosses between backends both ways (CPU prefill → CUDA decode exercises the upload of
-//!   peers' writes, CUDA prefill → CPU decode the download for shipping) with the CPU-only
-//!   greedy tokens;
+//! - KV crosses between backends both ways (CPU prefill → CUDA decode exercises peers' writes
+//!   copied straight into the device cache, CUDA prefill → CPU decode the staging ring for
+//!   shipping) with the CPU-only greedy tokens;
+//! - a CUDA engine keeps no KV rows on the host (its pool is ids-only, `kv_host_row_bytes` 0);
+//!   shipping stages through a page-locked ring of 4 layers of the job's blocks;
 //! - fast mode (bf16 device cache) ships exactly its device cache's bf16 rows (bit for bit
 //!   against the same forward run directly on a GPU-resident `DeepseekModel`), layer 0 within 1e-2 · max|row| of
 //!   the CPU's (deeper layers drift with fast mode's numerics and are reported, not bounded),
-//!   and decodes from a CPU peer's KV;
+//!   and decodes from a CPU peer's KV (converted to bf16 on the way, as a prefill worker does);
+//! - a fast-mode prefill job's rows leave as bf16 bytes (half of f32's), equal bit for bit to
+//!   its device cache, and a fast-mode decode engine fed those bytes untouched decodes what a
+//!   plain fast-mode run does;
 //! - decode steps replayed from CUDA graphs give the eager engine's tokens;
 //! - speculative decoding on the CUDA engine (the drafter on the device, from the forward's
 //!   tapped hidden states copied there; sampling and verification on the device) gives the
@@ -41,7 +46,7 @@ use ferry_model::engine::{
     EngineConfig, EngineEvent, EngineHandle, FinishReason, Generation, GpuMode, LayerSinkFn,
     PrefillSource,
 };
-use ferry_model::kv::BlockId;
+use ferry_model::kv::{BlockId, KvDtype, LayerRows};
 
 use common::{collect, golden_case, greedy, job, tokens, wait_idle};
 
@@ -250,30 +255,24 @@ async fn speculative_greedy_on_cuda_equals_plain_cuda_and_cpu() {
     wait_idle(&plain).await;
 }
 
-/// What a prefill job shipped: `(layer, index of the block among those shipped, rows)` in call
-/// order.
-type Shipped = Arc<Mutex<Vec<(usize, usize, Vec<f32>)>>>;
+/// What a prefill job shipped, as its sink saw it: `(layer, index of the block among those
+/// shipped, the rows' dtype, the block's bytes)` in call order.
+type Raw = Vec<(usize, usize, KvDtype, Vec<u8>)>;
+type Shipped = Arc<Mutex<Raw>>;
 
 fn recorder(into: Shipped) -> LayerSinkFn {
-    Box::new(move |layer, blocks, pool| {
+    Box::new(move |layer, blocks, rows| {
         let mut v = into.lock().map_err(|e| e.to_string())?;
         for (j, b) in blocks.iter().enumerate() {
-            v.push((
-                layer,
-                j,
-                pool.block(layer, *b).map_err(|e| e.to_string())?.to_vec(),
-            ));
+            let bytes = rows.block(*b).map_err(|e| e.to_string())?.to_vec();
+            v.push((layer, j, rows.dtype(), bytes));
         }
         Ok(())
     })
 }
 
-/// Runs a prefill job and returns (first token, computed, reused, what it shipped).
-async fn ship(
-    e: &EngineHandle,
-    prompt: &[u32],
-    skip: usize,
-) -> (u32, usize, usize, Vec<(usize, usize, Vec<f32>)>) {
+/// Runs a prefill job and returns (first token, computed, reused, what it shipped as bytes).
+async fn ship_raw(e: &EngineHandle, prompt: &[u32], skip: usize) -> (u32, usize, usize, Raw) {
     let rec: Shipped = Arc::default();
     let out = e
         .prefill(prompt.to_vec(), greedy(), skip, recorder(rec.clone()))
@@ -286,6 +285,37 @@ async fn ship(
         out.reused_tokens,
         shipped,
     )
+}
+
+/// [`ship_raw`] with every block's rows widened to f32 (exact for both dtypes).
+async fn ship(
+    e: &EngineHandle,
+    prompt: &[u32],
+    skip: usize,
+) -> (u32, usize, usize, Vec<(usize, usize, Vec<f32>)>) {
+    let (t, c, r, raw) = ship_raw(e, prompt, skip).await;
+    let widened = raw
+        .into_iter()
+        .map(|(l, j, dtype, bytes)| (l, j, dtype.widen(&bytes).expect("whole elements")))
+        .collect();
+    (t, c, r, widened)
+}
+
+/// Block `b` of `rows` as `to`'s bytes, as a prefill worker sends them to a destination of that
+/// dtype: unchanged when the dtypes agree, else widened exactly or rounded to nearest even.
+fn as_dtype(rows: &LayerRows<'_>, b: BlockId, to: KvDtype) -> Result<Vec<u8>, String> {
+    let bytes = rows.block(b).map_err(|e| e.to_string())?;
+    if rows.dtype() == to {
+        return Ok(bytes.to_vec());
+    }
+    let f = rows.dtype().widen(bytes).map_err(|e| e.to_string())?;
+    Ok(match to {
+        KvDtype::F32 => f.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        KvDtype::Bf16 => f
+            .iter()
+            .flat_map(|v| half::bf16::from_f32(*v).to_bits().to_le_bytes())
+            .collect(),
+    })
 }
 
 fn rel(a: &[f32], b: &[f32]) -> f32 {
@@ -429,7 +459,8 @@ fn direct_fast_cache(prompt: &[u32], page: usize) -> Vec<(usize, usize, Vec<f32>
     out
 }
 
-/// Plays the transport: runs a prefill job on `p` and writes each shipped block into `d`.
+/// Plays the transport: runs a prefill job on `p` and writes each shipped block into `d`, in
+/// `d`'s cache dtype.
 async fn remote_prefill(
     p: &EngineHandle,
     d: &EngineHandle,
@@ -439,14 +470,11 @@ async fn remote_prefill(
 ) -> u32 {
     let d2 = d.clone();
     let first_dest = skip_tokens / p.kv_layout().page_size;
-    let sink: LayerSinkFn = Box::new(move |layer, blocks, pool| {
+    // In the destination's dtype, as a prefill worker sends it (the wire's rule).
+    let to = d.kv_dtype();
+    let sink: LayerSinkFn = Box::new(move |layer, blocks, rows| {
         for (j, b) in blocks.iter().enumerate() {
-            let data: Vec<u8> = pool
-                .block(layer, *b)
-                .map_err(|e| e.to_string())?
-                .iter()
-                .flat_map(|f| f.to_le_bytes())
-                .collect();
+            let data = as_dtype(rows, *b, to)?;
             d2.write_kv(layer, dest[first_dest + j], data)
                 .map_err(|e| e.to_string())?;
         }
@@ -568,6 +596,127 @@ async fn fast_mode_engine_ships_bf16_rows_and_decodes_from_a_cpu_peer() {
     );
     assert_eq!(toks.len(), expected.len());
     for e in [&fast_p, &fast_d, &cpu_p, &cpu_d] {
+        wait_idle(e).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an NVIDIA GPU: run on the GPU machine with --include-ignored (docs/gpu.md)"]
+async fn cuda_engine_keeps_no_host_rows_and_ships_through_the_ring() {
+    let test = "cuda_engine_keeps_no_host_rows_and_ships_through_the_ring";
+    let Some(gpu) = cuda_engine(test, GpuMode::Exact) else {
+        return;
+    };
+    let cpu = engine(Device::Cpu, GpuMode::Exact);
+    let layout = gpu.kv_layout();
+    let (page, width, layers) = (layout.page_size, layout.width, layout.num_layers);
+    assert_eq!(gpu.kv_dtype(), KvDtype::F32, "exact mode's cache is f32");
+    let before = gpu.stats().await.unwrap();
+    assert_eq!(
+        before.kv_host_row_bytes, 0,
+        "the CUDA engine's pool keeps block ids only"
+    );
+    assert_eq!(
+        before.kv_host_staging_bytes, 0,
+        "no ring before the first job"
+    );
+    // The CPU engine's pool is its KV: every layer's blocks in f32.
+    assert_eq!(
+        cpu.stats().await.unwrap().kv_host_row_bytes,
+        (layers * layout.num_blocks * page * width * 4) as u64
+    );
+    let (prompt, _) = golden_case(2);
+    let (_, _, _, raw) = ship_raw(&gpu, &prompt, 0).await;
+    let blocks = prompt.len().div_ceil(page);
+    assert_eq!(raw.len(), blocks * layers, "every layer's blocks shipped");
+    for (l, j, dtype, bytes) in &raw {
+        assert_eq!(*dtype, KvDtype::F32, "layer {l} block {j}");
+        assert_eq!(bytes.len(), page * width * 4, "layer {l} block {j}");
+    }
+    let after = gpu.stats().await.unwrap();
+    assert_eq!(
+        after.kv_host_row_bytes, 0,
+        "still no host rows after shipping"
+    );
+    let ring = (4.min(layers) * blocks * page * width * 4) as u64;
+    assert_eq!(
+        after.kv_host_staging_bytes, ring,
+        "the ring holds 4 layers of the job's blocks"
+    );
+    eprintln!(
+        "cuda engine (exact): no host KV rows (the CPU engine's pool: {} bytes); shipping ring {ring} bytes",
+        layers * layout.num_blocks * page * width * 4
+    );
+    wait_idle(&gpu).await;
+    wait_idle(&cpu).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an NVIDIA GPU: run on the GPU machine with --include-ignored (docs/gpu.md)"]
+async fn fast_mode_ships_its_bf16_bytes_and_decodes_a_bf16_peer_like_a_plain_run() {
+    let test = "fast_mode_ships_its_bf16_bytes_and_decodes_a_bf16_peer_like_a_plain_run";
+    // Fresh engines each: a prompt cached on an engine would have only its tail recomputed.
+    let (Some(shipper), Some(fast_p), Some(fast_d), Some(plain)) = (
+        cuda_engine(test, GpuMode::Fast),
+        cuda_engine(test, GpuMode::Fast),
+        cuda_engine(test, GpuMode::Fast),
+        cuda_engine(test, GpuMode::Fast),
+    ) else {
+        return;
+    };
+    assert_eq!(
+        shipper.kv_dtype(),
+        KvDtype::Bf16,
+        "fast mode's cache is bf16"
+    );
+    let layout = shipper.kv_layout();
+    let (page, width, layers) = (layout.page_size, layout.width, layout.num_layers);
+    let (prompt, _) = golden_case(2);
+    let len = prompt.len();
+    // The job's rows leave as the cache's bf16 bytes, bit for bit those of the same forward run
+    // directly on a GPU-resident model, at half of f32's bytes.
+    let (_, _, _, raw) = ship_raw(&shipper, &prompt, 0).await;
+    let direct = direct_fast_cache(&prompt, page);
+    assert_eq!(raw.len(), direct.len(), "blocks shipped");
+    for ((l, j, dtype, bytes), (dl, dj, rows)) in raw.iter().zip(&direct) {
+        assert_eq!((l, j), (dl, dj), "the same layer and block order");
+        assert_eq!(*dtype, KvDtype::Bf16, "layer {l} block {j}");
+        assert_eq!(bytes.len(), page * width * 2, "layer {l} block {j}");
+        let want: Vec<u8> = rows
+            .iter()
+            .flat_map(|v| half::bf16::from_f32(*v).to_bits().to_le_bytes())
+            .collect();
+        let valid = (len - j * page).min(page) * width * 2;
+        assert!(
+            bytes[..valid] == want[..valid],
+            "layer {l} block {j}: shipped bytes differ from the device cache's"
+        );
+    }
+    // A fast decode engine fed a fast peer's bf16 bytes as they are decodes what a plain
+    // fast-mode run of the same prompt decodes.
+    let (want, end) = collect(
+        plain
+            .generate(job(prompt.clone(), 32, PrefillSource::Local))
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(end, Ok(FinishReason::Length));
+    let got = disaggregated(&fast_p, &fast_d, prompt).await;
+    assert_eq!(
+        got, want,
+        "fast prefill → fast decode vs a plain fast-mode run"
+    );
+    let received = fast_d.stats().await.unwrap().kv_bytes_received;
+    assert_eq!(
+        received,
+        (len.div_ceil(page) * layers * page * width * 2) as u64,
+        "bf16 on the wire: half of f32's bytes"
+    );
+    eprintln!(
+        "fast mode: shipped bf16 bytes equal the device cache's; decode from a bf16 peer ({received} bytes) gives the plain run's {} tokens",
+        want.len()
+    );
+    for e in [&shipper, &fast_p, &fast_d, &plain] {
         wait_idle(e).await;
     }
 }

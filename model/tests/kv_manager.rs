@@ -496,3 +496,39 @@ fn randomized_invariants_hold() -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+#[test]
+fn an_ids_only_pool_backs_the_same_prefix_cache_and_refuses_rows() -> anyhow::Result<()> {
+    // A GPU engine's pool: block ids, refcounts, prefix cache and events, no rows.
+    let layout = KvLayout {
+        num_layers: 2,
+        num_blocks: 4,
+        page_size: PAGE,
+        width: 3,
+    };
+    let mut m = KvManager::new(KvPool::without_rows(layout)?);
+    assert!(!m.pool().has_rows());
+    let p = prompt(0, 10);
+    let (mut a, reused) = run(&mut m, &p)?;
+    assert_eq!(reused, 0);
+    let events = m.drain_events();
+    assert_eq!(events.len(), 1, "the two full blocks are announced");
+    m.free(&mut a)?;
+    assert_eq!(m.blocks_cached_only(), 2);
+    let (mut b, reused) = m.start_sequence(&p, p.len() - 1)?;
+    assert_eq!(reused, 8, "two cached blocks reused");
+    assert_eq!(m.pool().refcount(b.blocks()[0]), Some(2));
+    // Filling the pool evicts the LRU cached block, as with rows.
+    m.free(&mut b)?;
+    let (mut c, _) = run(&mut m, &prompt(100, 13))?;
+    assert!(m
+        .drain_events()
+        .iter()
+        .any(|e| matches!(e.data, KvEventData::Removed { .. })));
+    let e = m.pool().block(0, c.blocks()[0]).unwrap_err().to_string();
+    assert!(e.contains("rows live in the device cache"), "{e}");
+    assert!(m.pool_mut().layer_mut(1).is_err());
+    m.free(&mut c)?;
+    assert_eq!(m.blocks_in_use(), 0);
+    Ok(())
+}

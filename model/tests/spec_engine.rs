@@ -23,7 +23,7 @@ use ferry_model::engine::{
     GenerateOptions, Generation, PrefillSource, PrefillWork, SpecConfig, SpecCounts, StopParams,
     VerifyLen,
 };
-use ferry_model::kv::{BlockId, KvPool, KvStore};
+use ferry_model::kv::{BlockId, KvStore, LayerRows};
 use ferry_model::session::Session;
 use ferry_model::ModelError;
 
@@ -615,14 +615,9 @@ async fn remote_prefill(
     let first_dest = skip_tokens / p.kv_layout().page_size;
     let copy = |offset: usize, d: EngineHandle, dest: Vec<BlockId>| {
         Box::new(
-            move |layer: usize, blocks: &[BlockId], pool: &KvPool| -> Result<(), String> {
+            move |layer: usize, blocks: &[BlockId], rows: &LayerRows<'_>| -> Result<(), String> {
                 for (j, b) in blocks.iter().enumerate() {
-                    let data: Vec<u8> = pool
-                        .block(layer, *b)
-                        .map_err(|e| e.to_string())?
-                        .iter()
-                        .flat_map(|f| f.to_le_bytes())
-                        .collect();
+                    let data = rows.block(*b).map_err(|e| e.to_string())?.to_vec();
                     d.write_kv(offset + layer, dest[first_dest + j], data)
                         .map_err(|e| e.to_string())?;
                 }

@@ -2,39 +2,184 @@
 
 use ferry_kvtransfer::descriptor::{BlockWrite, WriteBatch};
 use ferry_kvtransfer::layerwise::LayerSink;
+use ferry_kvtransfer::{convert, Dtype};
 use ferry_model::engine::LayerSinkFn;
+use ferry_model::kv::KvDtype;
+
+/// The transfer wire's name for a cache dtype.
+pub fn wire_dtype(d: KvDtype) -> Dtype {
+    match d {
+        KvDtype::F32 => Dtype::F32,
+        KvDtype::Bf16 => Dtype::Bf16,
+    }
+}
 
 /// The closure the engine calls after each layer: `blocks` are this worker's blocks from the
 /// destination's first missing block on; `dest` maps them, in order, to the destination's
-/// block ids starting at `dest_first`.
-pub fn layer_pusher(sink: LayerSink, dest: Vec<u32>, dest_first: usize) -> LayerSinkFn {
-    offset_layer_pusher(sink, dest, dest_first, 0)
+/// block ids starting at `dest_first`. Rows go out as `wire` (the destination cache's dtype):
+/// as they are when the engine's cache holds that dtype, converted otherwise (bf16 → f32
+/// exactly, f32 → bf16 rounded to nearest even).
+pub fn layer_pusher(
+    sink: LayerSink,
+    dest: Vec<u32>,
+    dest_first: usize,
+    wire: Dtype,
+) -> LayerSinkFn {
+    offset_layer_pusher(sink, dest, dest_first, 0, wire)
 }
 
 /// [`layer_pusher`] for a pool whose layer `l` is destination layer `offset + l`: the drafter's
-/// context pool, shipped as the transfer layers after the target's.
+/// context pool, shipped as the transfer layers after the target's (its rows are f32, converted
+/// to `wire` like the target's).
 pub fn offset_layer_pusher(
     sink: LayerSink,
     dest: Vec<u32>,
     dest_first: usize,
     offset: usize,
+    wire: Dtype,
 ) -> LayerSinkFn {
-    Box::new(move |pool_layer, blocks, pool| {
+    Box::new(move |pool_layer, blocks, rows| {
         let layer = offset + pool_layer;
+        let held = wire_dtype(rows.dtype());
         let mut writes = Vec::with_capacity(blocks.len());
         for (j, b) in blocks.iter().enumerate() {
             let block = *dest.get(dest_first + j).ok_or_else(|| {
                 format!("no destination block for prompt block {}", dest_first + j)
             })?;
-            let rows = pool.block(pool_layer, *b).map_err(|e| e.to_string())?;
-            let mut data = Vec::with_capacity(rows.len() * 4);
-            for v in rows {
-                data.extend_from_slice(&v.to_le_bytes());
-            }
+            let bytes = rows.block(*b).map_err(|e| e.to_string())?;
+            let data = if held == wire {
+                bytes.to_vec()
+            } else {
+                convert(bytes, held, wire).map_err(|e| e.to_string())?
+            };
             writes.push(BlockWrite { block, data });
         }
         let layer = u32::try_from(layer).map_err(|e| e.to_string())?;
         sink.send(WriteBatch { layer, writes })
             .map_err(|e| e.to_string())
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Arc, Mutex};
+
+    use ferry_kvtransfer::{
+        check_write, KvLayoutDesc, KvRegion, LayerStreamer, LocalTransport, TransferError,
+        Transport,
+    };
+    use ferry_model::kv::{BlockId, KvLayout, KvPool, LayerRows};
+
+    use super::*;
+
+    /// Every write that landed: `(layer, block, bytes)`.
+    struct Region {
+        layout: KvLayoutDesc,
+        writes: Mutex<Vec<(u32, u32, Vec<u8>)>>,
+    }
+
+    impl KvRegion for Region {
+        fn layout(&self) -> KvLayoutDesc {
+            self.layout
+        }
+        fn write(&self, layer: u32, block: u32, data: &[u8]) -> Result<(), TransferError> {
+            check_write(&self.layout, layer, block, data.len())?;
+            self.writes
+                .lock()
+                .unwrap()
+                .push((layer, block, data.to_vec()));
+            Ok(())
+        }
+    }
+
+    /// Pushes `rows` (blocks `blocks` of pool layer 0) into a region of `wire` dtype whose
+    /// layer `offset` receives them; returns what landed.
+    async fn push(
+        rows: &LayerRows<'_>,
+        blocks: &[BlockId],
+        offset: usize,
+        wire: Dtype,
+    ) -> Vec<(u32, u32, Vec<u8>)> {
+        let layout = KvLayoutDesc {
+            num_layers: 2,
+            page_size: 2,
+            latent_width: 2,
+            dtype: wire,
+            num_blocks: 8,
+        };
+        let region = Arc::new(Region {
+            layout,
+            writes: Mutex::default(),
+        });
+        let t = LocalTransport::new();
+        let reg = t.register(region.clone()).await.unwrap();
+        let writer = t.connect(&reg.address, reg.key, &layout).await.unwrap();
+        let (sink, streamer) = LayerStreamer::spawn(writer);
+        // Destination blocks 5, 6, 7 for prompt blocks 0, 1, 2; the job ships from block 1.
+        let mut hook = offset_layer_pusher(sink.clone(), vec![5, 6, 7], 1, offset, wire);
+        hook(0, blocks, rows).unwrap();
+        streamer.finish(sink).await.unwrap();
+        let landed = std::mem::take(&mut *region.writes.lock().unwrap());
+        landed
+    }
+
+    fn bf16_bytes(v: &[f32]) -> Vec<u8> {
+        v.iter()
+            .flat_map(|x| half::bf16::from_f32(*x).to_bits().to_le_bytes())
+            .collect()
+    }
+
+    fn f32_bytes(v: &[f32]) -> Vec<u8> {
+        v.iter().flat_map(|x| x.to_le_bytes()).collect()
+    }
+
+    #[tokio::test]
+    async fn rows_leave_in_the_destination_dtype() {
+        // An f32 pool (a CPU engine, or a drafter's wire pool).
+        let mut pool = KvPool::new(KvLayout {
+            num_layers: 1,
+            num_blocks: 4,
+            page_size: 2,
+            width: 2,
+        })
+        .unwrap();
+        let a = [1.0f32, 1.0 + 1.0 / 256.0, -3.5, 1.0 + 3.0 / 256.0];
+        let b = [0.25f32, 7.0, -0.125, 1e-3];
+        pool.block_mut(0, BlockId(3)).unwrap().copy_from_slice(&a);
+        pool.block_mut(0, BlockId(1)).unwrap().copy_from_slice(&b);
+        let rows = LayerRows::pool(&pool, 0).unwrap();
+        let blocks = [BlockId(3), BlockId(1)];
+        // f32 → f32: the bytes as they are; f32 → bf16: rounded to nearest even (1 + 2⁻⁸ is a
+        // tie that rounds down to 1, 1 + 3·2⁻⁸ one that rounds up to 1 + 2⁻⁶).
+        assert_eq!(
+            push(&rows, &blocks, 0, Dtype::F32).await,
+            vec![(0, 6, f32_bytes(&a)), (0, 7, f32_bytes(&b))]
+        );
+        let landed = push(&rows, &blocks, 1, Dtype::Bf16).await;
+        assert_eq!(landed, vec![(1, 6, bf16_bytes(&a)), (1, 7, bf16_bytes(&b))]);
+        assert_eq!(&landed[0].2[2..4], &0x3F80u16.to_le_bytes());
+        assert_eq!(&landed[0].2[6..8], &0x3F82u16.to_le_bytes());
+        // A bf16 cache's rows (a fast-mode GPU's staging slot): untouched to a bf16 destination,
+        // widened exactly to an f32 one.
+        let staged = [bf16_bytes(&a), bf16_bytes(&b)].concat();
+        let ids = [BlockId(1), BlockId(3)];
+        let rows = LayerRows::staged(0, KvDtype::Bf16, 8, &ids, &staged).unwrap();
+        let blocks = [BlockId(1), BlockId(3)];
+        assert_eq!(
+            push(&rows, &blocks, 0, Dtype::Bf16).await,
+            vec![(0, 6, bf16_bytes(&a)), (0, 7, bf16_bytes(&b))]
+        );
+        let widened = |v: &[f32]| -> Vec<f32> {
+            v.iter()
+                .map(|x| half::bf16::from_f32(*x).to_f32())
+                .collect()
+        };
+        assert_eq!(
+            push(&rows, &blocks, 0, Dtype::F32).await,
+            vec![
+                (0, 6, f32_bytes(&widened(&a))),
+                (0, 7, f32_bytes(&widened(&b)))
+            ]
+        );
+    }
 }

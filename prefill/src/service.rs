@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use ferry_kvtransfer::handshake::check_compatible;
 use ferry_kvtransfer::layerwise::LayerStreamer;
-use ferry_kvtransfer::{Dtype, KvLayoutDesc, RemoteKey, TcpTransport, Transport};
+use ferry_kvtransfer::{KvLayoutDesc, RemoteKey, TcpTransport, Transport};
 use ferry_model::engine::{EngineError, EngineHandle, PrefillWork};
 use ferry_proto::auth::ClusterToken;
 use ferry_proto::internal::prefill_worker_server::PrefillWorker;
@@ -17,7 +17,7 @@ use tonic::{Request, Response, Status};
 use tracing::{field, info_span, Instrument, Span};
 
 use crate::metrics::PrefillMetrics;
-use crate::push::{layer_pusher, offset_layer_pusher};
+use crate::push::{layer_pusher, offset_layer_pusher, wire_dtype};
 
 /// The service state: the engine handle and the outbound transport.
 #[derive(Clone)]
@@ -52,7 +52,8 @@ impl PrefillService {
         self.engine.clone()
     }
 
-    /// This worker's KV layout as the transfer handshake sees it.
+    /// This worker's KV layout, with its engine's cache dtype (what it holds; what it sends is
+    /// the destination's dtype, converted where they differ).
     pub fn layout(&self) -> KvLayoutDesc {
         let l = self.engine.kv_layout();
         let u = |v: usize| u32::try_from(v).unwrap_or(u32::MAX);
@@ -60,7 +61,7 @@ impl PrefillService {
             num_layers: u(l.num_layers),
             page_size: u(l.page_size),
             latent_width: u(l.width),
-            dtype: Dtype::F32,
+            dtype: wire_dtype(self.engine.kv_dtype()),
             num_blocks: u(l.num_blocks),
         }
     }
@@ -85,8 +86,12 @@ impl PrefillService {
         let target = self.layout();
         let extra = u32::try_from(self.engine.draft_kv_layers()).unwrap_or(0);
         let ship_drafter = extra > 0 && theirs.num_layers == target.num_layers + extra;
+        // The wire carries the destination cache's dtype (`ferry_kvtransfer`'s crate docs): we
+        // send rows in `theirs.dtype`, converting from our cache's where they differ, and the
+        // handshake checks that dtype against the region's.
         let ours = KvLayoutDesc {
             num_layers: theirs.num_layers.max(target.num_layers),
+            dtype: theirs.dtype,
             ..target
         };
         check_compatible(&ours, &theirs).map_err(|e| Status::failed_precondition(e.to_string()))?;
@@ -133,9 +138,15 @@ impl PrefillService {
         let (sink, streamer) = LayerStreamer::spawn(writer);
         let draft_hook = ship_drafter.then(|| {
             let layers = target.num_layers as usize;
-            offset_layer_pusher(sink.clone(), dest.block_ids.clone(), skip / page, layers)
+            offset_layer_pusher(
+                sink.clone(),
+                dest.block_ids.clone(),
+                skip / page,
+                layers,
+                ours.dtype,
+            )
         });
-        let hook = layer_pusher(sink.clone(), dest.block_ids, skip / page);
+        let hook = layer_pusher(sink.clone(), dest.block_ids, skip / page, ours.dtype);
         let outcome = self
             .engine
             .prefill_work(PrefillWork {

@@ -422,11 +422,11 @@ fn run_prefill_ship(args: &BenchEngineArgs, dir: &Path) -> anyhow::Result<()> {
         let rt = tokio::runtime::Builder::new_current_thread().build()?;
         let (ms, stats) = rt.block_on(async {
             let sink = || -> ferry_model::engine::LayerSinkFn {
-                let mut out: Vec<f32> = Vec::new();
-                Box::new(move |layer, blocks, pool| {
+                let mut out: Vec<u8> = Vec::new();
+                Box::new(move |_, blocks, rows| {
                     out.clear();
                     for &b in blocks {
-                        out.extend_from_slice(pool.block(layer, b).map_err(|e| e.to_string())?);
+                        out.extend_from_slice(rows.block(b).map_err(|e| e.to_string())?);
                     }
                     std::hint::black_box(&out);
                     Ok(())

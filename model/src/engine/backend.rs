@@ -7,27 +7,31 @@
 //! forward gets the same [`BatchInputs`] with caller-owned block tables. What differs is where
 //! the model and the KV *rows* live:
 //!
-//! | backend | model | KV rows the forward reads and writes | the host pool's rows |
-//! |---|---|---|---|
-//! | `Cpu` | [`DeepseekModel`] | the host pool | the KV itself |
-//! | `Cuda` | the same [`DeepseekModel`], uploaded (host weights dropped after the upload) | a [`GpuKvCache`] indexed by the same block ids | a staging mirror for transfers (below) |
+//! | backend | model | KV rows the forward reads and writes | the host pool | cache dtype |
+//! |---|---|---|---|---|
+//! | `Cpu` | [`DeepseekModel`] | the host pool | the KV itself ([`KvPool::new`]) | f32 |
+//! | `Cuda` | the same [`DeepseekModel`], uploaded (host weights dropped after the upload) | a [`GpuKvCache`] indexed by the same block ids | block ids only, no rows ([`KvPool::without_rows`]) | f32 (exact mode), bf16 (fast mode) |
 //!
-//! Transfers on CUDA go through the host pool, whose rows are f32 like the transfer wire:
+//! KV moves to and from peers in the cache's own dtype ([`Backend::kv_dtype`]; the transfer
+//! wire carries the destination's, see `ferry_kvtransfer`):
 //!
-//! - **Shipping (prefill worker).** The forward runs whole; then, layer by layer, exactly the
-//!   blocks the batch's prefill jobs ship are downloaded into their host rows and the layer
-//!   sink is called. The layers therefore stream *after* the whole forward, not while later
-//!   layers compute as on the CPU.
-//! - **Receiving (decode worker).** A peer's block write lands in the host rows and marks
-//!   `(layer, block)` dirty; the next forward first uploads every dirty row, one copy per run
-//!   of consecutive block ids per layer.
+//! - **Shipping (prefill worker).** A prefill job's layer sink reads its blocks through a
+//!   [`LayerRows`] view. On the CPU that is the pool's layer, between layers. On CUDA, after
+//!   each layer's attention is queued, a copy of exactly the shipped blocks of that layer is
+//!   queued behind it on a second stream into a slot of a page-locked ring, and the sink reads
+//!   that slot once the copy has landed, while later layers compute (`backend/cuda.rs`,
+//!   `Shipper`); with `gpu_layerwise_shipping = false` the same copies run after the forward.
+//! - **Receiving (decode worker).** A peer's block write ([`Backend::write_kv`]) carries the
+//!   cache's dtype: on the CPU it is decoded into the pool's rows; on CUDA its bytes are copied
+//!   as they are into the device cache (one host-to-device copy per block), before the next
+//!   forward runs.
 //!
-//! Rows are f32 on the host and on the device in [`GpuMode::Exact`], bf16 on the device in
-//! [`GpuMode::Fast`] (rounded to nearest even on upload, widened on download).
-//!
-//! Memory: the host mirror is as large as the device cache in f32 (twice the device cache in
-//! fast mode), although only rows in transit are ever current. A pinned staging ring sized for
-//! the transfers in flight would replace it.
+//! Memory on the host, on CUDA: no KV rows (the pool is ids-only), and the ring — `min(4,
+//! layers)` slots of one layer's shipped blocks in the cache's dtype, allocated on the first
+//! prefill job and grown to the largest batch of shipped blocks (4 × blocks × page × width × 2
+//! bytes in fast mode, × 4 in exact mode), reported as `EngineStats::kv_host_staging_bytes`. A
+//! drafter's context still stages through its f32 wire pool (`spec.rs`), allocated on its first
+//! transfer.
 //!
 //! On CUDA, decode-only steps are replayed from CUDA graphs per batch-size bucket
 //! ([`EngineConfig::cuda_graphs`](super::EngineConfig); see `backend/cuda.rs`).
@@ -48,10 +52,12 @@ use ferry_kernels::Device;
 use ferry_kernels::backend::Tensor;
 
 use crate::config::ModelConfig;
-use crate::deepseek::forward::LayerHook;
 use crate::deepseek::{BatchInputs, BatchLogits, DeepseekModel, FormPolicy, Hooks};
-use crate::kv::{BlockId, KvLayout, KvPool, KvRef};
+use crate::kv::{BlockId, KvDtype, KvLayout, KvPool, KvRef, LayerRows};
 use crate::ModelError;
+
+/// Called per layer with that layer's rows of the staged blocks (prefill jobs' layer sinks).
+pub(crate) type ShipHook<'a> = dyn FnMut(usize, &LayerRows<'_>) -> Result<(), ModelError> + 'a;
 
 /// Numerics of the GPU forward.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -97,16 +103,16 @@ pub(crate) struct ShipStats {
 
 /// One forward's hooks, and the blocks its `after_layer` hook reads.
 pub(crate) struct Pass<'p, 'h, 'a> {
-    /// Called per layer with the host pool, its staged blocks' rows of that layer current
-    /// (prefill jobs' layer sinks).
-    pub(crate) after_layer: &'h mut LayerHook<'a>,
+    /// Called per layer, in layer order, with rows holding at least the staged blocks of that
+    /// layer in the cache's dtype (prefill jobs' layer sinks).
+    pub(crate) after_layer: &'h mut ShipHook<'a>,
     /// The layers whose outgoing residual stream the drafter reads (its taps).
     pub(crate) taps: &'p [usize],
     /// Receives `(layer, residual stream)` after each tap layer, copied on the model's backend
     /// (never downloaded on a GPU).
     pub(crate) tapped: &'h mut Vec<(usize, Tensor)>,
-    /// Blocks whose rows `after_layer` reads from the pool (prefill jobs' shipped blocks): on
-    /// CUDA they are downloaded into the host pool before each layer's call.
+    /// Blocks whose rows `after_layer` reads (prefill jobs' shipped blocks): on CUDA exactly
+    /// these are copied off the device, per layer.
     pub(crate) staged: &'p [BlockId],
 }
 
@@ -122,7 +128,7 @@ pub(crate) struct Backend {
 enum Rows {
     /// The host pool itself (CPU).
     Host,
-    /// A device cache with the host pool as staging mirror, graphs and layer-wise shipping.
+    /// A device cache, graphs and layer-wise shipping through a page-locked ring.
     #[cfg(feature = "cuda")]
     Cuda(Box<cuda::CudaRows>),
 }
@@ -173,6 +179,34 @@ impl Backend {
         self.model.backend().device()
     }
 
+    /// The engine's pool for `layout`: with rows on the CPU (the forward's KV), ids only on a
+    /// GPU (the rows are the device cache's).
+    pub(crate) fn new_pool(&self, layout: KvLayout) -> Result<KvPool, ModelError> {
+        match &self.rows {
+            Rows::Host => KvPool::new(layout),
+            #[cfg(feature = "cuda")]
+            Rows::Cuda(_) => KvPool::without_rows(layout),
+        }
+    }
+
+    /// The element type of the KV rows the forward runs against.
+    pub(crate) fn kv_dtype(&self) -> KvDtype {
+        match &self.rows {
+            Rows::Host => KvDtype::F32,
+            #[cfg(feature = "cuda")]
+            Rows::Cuda(c) => c.kv_dtype(),
+        }
+    }
+
+    /// Page-locked host bytes staging shipped layers (0 on the CPU).
+    pub(crate) fn staging_bytes(&self) -> usize {
+        match &self.rows {
+            Rows::Host => 0,
+            #[cfg(feature = "cuda")]
+            Rows::Cuda(c) => c.staging_bytes(),
+        }
+    }
+
     /// The model configuration.
     pub(crate) fn config(&self) -> &ModelConfig {
         self.model.config()
@@ -183,9 +217,9 @@ impl Backend {
         &self.model
     }
 
-    /// Runs one batch. Latent rows of the new positions go to the backend's KV; `after_layer`
-    /// sees the pool with the staged blocks current for that layer. The logits stay on the
-    /// model's backend.
+    /// Runs one batch. Latent rows of the new positions go to the backend's KV (`pool`'s rows
+    /// on the CPU; on a GPU `pool` is ids-only and untouched); `after_layer` sees each layer's
+    /// rows of the staged blocks. The logits stay on the model's backend.
     pub(crate) fn forward(
         &mut self,
         batch: &BatchInputs<'_>,
@@ -201,7 +235,7 @@ impl Backend {
                     ..
                 } = pass;
                 let mut on_layer = |l: usize, kv: KvRef<'_>| match kv.host() {
-                    Some(pool) => after_layer(l, pool),
+                    Some(pool) => after_layer(l, &LayerRows::pool(pool, l)?),
                     None => Err(ModelError::Kv("a host-pool hook got a device cache".into())),
                 };
                 let hooks = Hooks {
@@ -215,19 +249,30 @@ impl Backend {
                     .forward_logits(batch, pool, FormPolicy::CostModel, hooks)
             }
             #[cfg(feature = "cuda")]
-            Rows::Cuda(c) => c.forward(&self.model, batch, pool, pass),
+            Rows::Cuda(c) => c.forward(&self.model, batch, pass),
         }
     }
 
-    /// The host rows of `(layer, block)` were written (a peer's KV): on CUDA they are uploaded
-    /// before the next forward.
-    pub(crate) fn host_rows_written(&mut self, layer: usize, block: BlockId) {
+    /// Stores one block of one target layer from a peer: `data` is its `[page][width]` rows in
+    /// [`Self::kv_dtype`] (little-endian). On the CPU they are decoded into `pool`; on a GPU
+    /// they are copied as they are into the device cache (`pool` is ids-only there).
+    pub(crate) fn write_kv(
+        &mut self,
+        pool: &mut KvPool,
+        layer: usize,
+        block: BlockId,
+        data: &[u8],
+    ) -> Result<(), ModelError> {
         match &mut self.rows {
             Rows::Host => {
-                let _ = (layer, block);
+                let dst = pool.block_mut(layer, block)?;
+                KvDtype::F32.widen_into(data, dst)
             }
             #[cfg(feature = "cuda")]
-            Rows::Cuda(c) => c.mark_dirty(layer, block),
+            Rows::Cuda(c) => {
+                let _ = pool;
+                c.write_kv(layer, block, data)
+            }
         }
     }
 }

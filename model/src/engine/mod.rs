@@ -5,7 +5,7 @@
 //! | [`mod@self`] | [`EngineHandle`] (clone-able, async-friendly), commands, events, config |
 //! | [`sequence`] | per-request state ([`sequence::Phase`]) |
 //! | [`scheduler`] | the loop: commands → batch under a token budget → forward → sample → events (`scheduler/{admit,batch,round}.rs`: command side, forward side, speculative round) |
-//! | [`backend`] | where the forward runs: the CPU model over the host pool, or the model and KV cache on a CUDA device with the host pool as the transfer staging mirror; [`GpuMode`] |
+//! | [`backend`] | where the forward runs: the CPU model over the host pool, or the model and KV cache on a CUDA device (the host pool then keeps block ids only; shipped layers pass through a page-locked ring); [`GpuMode`] |
 //! | [`spec`] | speculative decoding: draft, verify length, lossless verify, commit and KV rollback |
 //!
 //! ```text
@@ -34,7 +34,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::deepseek::DeepseekModel;
 use crate::drafter::Drafter;
-use crate::kv::{BlockId, KvEvent, KvPool};
+use crate::kv::{BlockId, KvDtype, KvEvent, LayerRows};
 use crate::ModelError;
 
 #[cfg(feature = "cuda")]
@@ -234,8 +234,13 @@ pub enum EngineEvent {
     Failed(Failure),
 }
 
-/// The per-layer callback of a prefill job: `(layer, blocks to ship, pool)`.
-pub type LayerSinkFn = Box<dyn FnMut(usize, &[BlockId], &KvPool) -> Result<(), String> + Send>;
+/// The per-layer callback of a prefill job: `(layer, blocks to ship, rows)`. `rows` holds at
+/// least those blocks of that layer in the cache's own dtype ([`LayerRows::dtype`]: f32 on the
+/// CPU and in CUDA exact mode, bf16 in CUDA fast mode; f32 for a drafter's context layers) and
+/// lives only for the call: a sink copies what it keeps, converting where its destination wants
+/// another dtype.
+pub type LayerSinkFn =
+    Box<dyn FnMut(usize, &[BlockId], &LayerRows<'_>) -> Result<(), String> + Send>;
 
 /// A prefill-only job (prefill workers): compute the prompt's KV, stream each layer's blocks
 /// from `skip_tokens` on through `on_layer`, sample the first token.
@@ -246,17 +251,18 @@ pub struct PrefillJob {
     pub sampling: SamplingParams,
     /// Prompt positions the destination already holds (whole blocks): not shipped.
     pub skip_tokens: usize,
-    /// Called on the engine thread with `(layer, blocks to ship from skip_tokens on, pool)`
-    /// as soon as the layer is computed: on the CPU between layers; on a GPU once the layer's
-    /// rows have been copied out behind its compute (a second stream into a page-locked ring)
-    /// and widened into the pool, while later layers still compute. An error fails this job
-    /// only.
+    /// Called on the engine thread with `(layer, blocks to ship from skip_tokens on, rows)` as
+    /// soon as the layer is computed: on the CPU between layers, `rows` a view of the host
+    /// pool; on a GPU once the layer's blocks have been copied out behind its compute (a
+    /// second stream into a page-locked ring), `rows` that ring slot in the cache's dtype,
+    /// while later layers still compute. An error fails this job only.
     pub on_layer: LayerSinkFn,
     /// The outcome.
     pub reply: oneshot::Sender<Result<PrefillOutcome, String>>,
     /// When set and the engine has a drafter: called after the forward with
-    /// `(drafter pool layer, blocks, drafter pool)` for every drafter pool layer, so the
-    /// drafter's context for the prompt travels with the target KV. An error fails this job.
+    /// `(drafter pool layer, blocks, rows)` for every drafter pool layer (f32 rows of the
+    /// drafter's wire staging pool), so the drafter's context for the prompt travels with the
+    /// target KV. An error fails this job.
     pub on_draft_layer: Option<LayerSinkFn>,
     /// The caller's span: the engine's `queue` span is its child, and each batch span that
     /// computes the job links to it (`follows_from`), so the job stays in the request's trace.
@@ -344,6 +350,12 @@ pub struct EngineStats {
     pub kv_ship_forwards: u64,
     /// See `kv_ship_forwards`.
     pub kv_ship_tail_us: u64,
+    /// Host bytes of KV row storage in the engine's pool: the whole cache in f32 on the CPU,
+    /// 0 on a GPU (its pool keeps block ids only; the rows live in the device cache).
+    pub kv_host_row_bytes: u64,
+    /// On a GPU, page-locked host bytes staging shipped layers (the ring, sized for the layers
+    /// in flight of the largest prefill batch so far); 0 on the CPU and before any shipping.
+    pub kv_host_staging_bytes: u64,
 }
 
 /// Commands the engine thread executes, in order.
@@ -357,6 +369,7 @@ pub(crate) enum Command {
         span: tracing::Span,
     },
     Prefill(PrefillJob),
+    /// One block of one layer from a peer, in the engine's cache dtype.
     WriteKv {
         layer: usize,
         block: BlockId,
@@ -403,6 +416,8 @@ pub struct EngineHandle {
     in_flight: Arc<AtomicUsize>,
     max_in_flight: usize,
     layout: crate::kv::KvLayout,
+    /// The element type of the engine's KV cache (what peers' writes carry).
+    kv_dtype: KvDtype,
     config: Arc<crate::config::ModelConfig>,
     /// Drafter KV pool layers (0 without a drafter or without drafter context).
     draft_kv_layers: usize,
@@ -443,8 +458,8 @@ impl EngineHandle {
         drafter: Option<Box<dyn Drafter>>,
         config: EngineConfig,
     ) -> Result<Self, ModelError> {
-        let pool = model.new_kv_pool(config.num_blocks, config.page_size)?;
-        let layout = *pool.layout();
+        let layout = model.kv_layout(config.num_blocks, config.page_size);
+        layout.validate()?;
         let model_config = Arc::new(model.config().clone());
         let backend = backend::Backend::open(
             model,
@@ -457,6 +472,9 @@ impl EngineHandle {
             },
         )?;
         let device = backend.device();
+        // Block ids on every device; rows on the host only where the forward reads them there.
+        let pool = backend.new_pool(layout)?;
+        let kv_dtype = backend.kv_dtype();
         // On a GPU with graphs, rounds are replayed at a fixed width (B + 1 rows per sequence).
         let fixed_width = device.is_gpu() && config.cuda_graphs;
         let spec = drafter
@@ -478,6 +496,7 @@ impl EngineHandle {
             in_flight: Arc::new(AtomicUsize::new(0)),
             max_in_flight,
             layout,
+            kv_dtype,
             config: model_config,
             draft_kv_layers,
             device,
@@ -515,6 +534,13 @@ impl EngineHandle {
     /// The KV pool geometry.
     pub fn kv_layout(&self) -> crate::kv::KvLayout {
         self.layout
+    }
+
+    /// The element type of the engine's KV cache: f32 on the CPU and in CUDA exact mode, bf16
+    /// in CUDA fast mode. Peers' writes ([`Self::write_kv`]) carry this dtype, and a decode
+    /// worker advertises it as the transfer wire's.
+    pub fn kv_dtype(&self) -> KvDtype {
+        self.kv_dtype
     }
 
     /// The model configuration.
@@ -606,7 +632,11 @@ impl EngineHandle {
     }
 
     /// Writes one block of one layer received from a peer (only into blocks reserved for a
-    /// remote prefill; anything else is dropped with a warning).
+    /// remote prefill; anything else is dropped with a warning). `data` is the block's
+    /// `[page][width]` rows as little-endian elements of [`Self::kv_dtype`], for the drafter's
+    /// context layers (`layer ≥` the target's layers) too; a write of the wrong size is dropped
+    /// with a warning. On the CPU it lands in the host pool; on a GPU it is copied straight into
+    /// the device cache.
     pub fn write_kv(&self, layer: usize, block: BlockId, data: Vec<u8>) -> Result<(), EngineError> {
         self.send(Command::WriteKv { layer, block, data })
     }

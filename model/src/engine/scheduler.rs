@@ -305,6 +305,8 @@ impl Scheduler {
             kv_layers_shipped_early: self.backend.ship_stats().early,
             kv_ship_forwards: self.backend.ship_stats().forwards,
             kv_ship_tail_us: self.backend.ship_stats().tail_us,
+            kv_host_row_bytes: self.kv.pool().row_bytes() as u64,
+            kv_host_staging_bytes: self.backend.staging_bytes() as u64,
             ..self.stats.clone()
         }
     }

@@ -42,7 +42,7 @@ use crate::deepseek::DeepseekModel;
 use crate::drafter::{
     ContextRows, ContextSegment, DraftCtx, DraftDist, DraftInput, DraftKvLayout, Drafter, Proposals,
 };
-use crate::kv::{BlockId, KvLayout, KvPool, KvStore};
+use crate::kv::{BlockId, KvDtype, KvLayout, KvPool, KvStore, LayerRows};
 use crate::ModelError;
 
 /// Stream salts: draft sampling and verification draw from independent streams.
@@ -212,7 +212,8 @@ impl Speculator {
 
     /// Ships the drafter context of `blocks` through `sink`, one wire layer at a time: each
     /// drafter layer's rows are read from the drafter KV (downloaded from a device), split
-    /// into wire rows, and handed over as layer `l · chunks + c`.
+    /// into wire rows in the f32 wire pool, and handed over as layer `l · chunks + c`, a
+    /// [`LayerRows`] view of that pool (f32: a sink converts to its destination's dtype).
     pub fn ship(
         &mut self,
         blocks: &[BlockId],
@@ -245,7 +246,8 @@ impl Speculator {
                     let dst = wire.block_mut(layer, b).map_err(|e| e.to_string())?;
                     layout.to_wire(block, c, dst).map_err(|e| e.to_string())?;
                 }
-                sink(layer, blocks, wire)?;
+                let rows = LayerRows::pool(wire, layer).map_err(|e| e.to_string())?;
+                sink(layer, blocks, &rows)?;
             }
         }
         Ok(())
@@ -273,21 +275,26 @@ impl Speculator {
         self.stale.extend(blocks.iter().skip(valid / page).copied());
     }
 
-    /// A peer's write of drafter wire layer `layer` into `block` (little-endian f32), staged
-    /// until [`Self::remote_landed`] moves whole blocks into the drafter KV.
-    pub fn write_kv(&mut self, layer: usize, block: BlockId, data: &[u8]) -> Result<(), String> {
+    /// A peer's write of drafter wire layer `layer` into `block`, little-endian elements of
+    /// `dtype` (the wire's: the engine's cache dtype), widened into the f32 wire pool and
+    /// staged until [`Self::remote_landed`] moves whole blocks into the drafter KV.
+    pub fn write_kv(
+        &mut self,
+        layer: usize,
+        block: BlockId,
+        data: &[u8],
+        dtype: KvDtype,
+    ) -> Result<(), String> {
         let wire = self.wire().map_err(|e| e.to_string())?;
         let dst = wire.block_mut(layer, block).map_err(|e| e.to_string())?;
-        if data.len() != dst.len() * 4 {
+        if data.len() != dst.len() * dtype.elem_size() {
             return Err(format!(
-                "drafter KV write of {} bytes, a block is {}",
+                "drafter KV write of {} bytes, a block is {} of {dtype}",
                 data.len(),
-                dst.len() * 4
+                dst.len() * dtype.elem_size()
             ));
         }
-        for (d, b) in dst.iter_mut().zip(data.chunks_exact(4)) {
-            *d = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-        }
+        dtype.widen_into(data, dst).map_err(|e| e.to_string())?;
         *self.writes.entry(block).or_default() += 1;
         Ok(())
     }

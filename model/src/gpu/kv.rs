@@ -2,14 +2,16 @@
 //! f32 or bf16. Block ids are the caller's (the same [`BlockId`]s a `KvPool` hands out), so
 //! the CPU-side allocator, prefix cache and events keep working unchanged.
 //!
-//! Rows cross to and from the host as f32 (the host pool's and the transfer wire's format):
-//! [`GpuKvCache::write_blocks`] rounds them to bf16 (nearest even) in a bf16 cache and
+//! Rows cross to and from the host either in the cache's own dtype — a peer's block written
+//! as it arrived ([`GpuKvCache::write_block_bytes`]), shipped blocks copied out by address
+//! ([`GpuKvCache::block_bytes`], the engine's staging ring) — or as f32 (a drafter's context,
+//! tests): [`GpuKvCache::write_blocks`] rounds them to bf16 (nearest even) in a bf16 cache and
 //! [`GpuKvCache::read_blocks`] widens them back, so a bf16 row survives the round trip exactly.
 
 use ferry_kernels::cuda::ops::PagesView;
 use ferry_kernels::cuda::{CudaDevice, DeviceBuffer};
 
-use crate::kv::{BlockId, KvLayout};
+use crate::kv::{BlockId, KvDtype, KvLayout};
 use crate::ModelError;
 
 /// Storage of one layer.
@@ -61,6 +63,15 @@ impl GpuKvCache {
     /// Whether rows are bf16.
     pub fn is_bf16(&self) -> bool {
         matches!(self.layers.first(), Some(Region::Bf16(_)))
+    }
+
+    /// The rows' element type.
+    pub fn dtype(&self) -> KvDtype {
+        if self.is_bf16() {
+            KvDtype::Bf16
+        } else {
+            KvDtype::F32
+        }
     }
 
     /// Layer `l`'s pages as the kernels take them.
@@ -140,6 +151,52 @@ impl GpuKvCache {
                     .collect();
                 dev.write(b, offset, &bits)?;
             }
+            None => return Err(ModelError::Kv(format!("layer {l} is outside the cache"))),
+        }
+        Ok(())
+    }
+
+    /// Writes one whole block of layer `l` from `bytes`: its `[page][width]` rows as
+    /// little-endian elements of the cache's own dtype ([`Self::dtype`]), copied as they are
+    /// (no rounding). One host-to-device copy; returns once it is done.
+    pub fn write_block_bytes(
+        &mut self,
+        dev: &CudaDevice,
+        l: usize,
+        block: BlockId,
+        bytes: &[u8],
+    ) -> Result<(), ModelError> {
+        let per_block = self.layout.block_floats();
+        let dtype = self.dtype();
+        if bytes.len() != per_block * dtype.elem_size() {
+            return Err(ModelError::Kv(format!(
+                "a block write into a {dtype} cache must be {} bytes, got {}",
+                per_block * dtype.elem_size(),
+                bytes.len()
+            )));
+        }
+        let offset = self.block_range(l, block, 1)?;
+        match self.layers.get_mut(l) {
+            Some(Region::F32(b)) => match bytemuck::try_cast_slice::<u8, f32>(bytes) {
+                Ok(rows) => dev.write(b, offset, rows)?,
+                Err(_) => {
+                    let rows: Vec<f32> = bytes
+                        .chunks_exact(4)
+                        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                        .collect();
+                    dev.write(b, offset, &rows)?
+                }
+            },
+            Some(Region::Bf16(b)) => match bytemuck::try_cast_slice::<u8, u16>(bytes) {
+                Ok(bits) => dev.write(b, offset, bits)?,
+                Err(_) => {
+                    let bits: Vec<u16> = bytes
+                        .chunks_exact(2)
+                        .map(|c| u16::from_le_bytes([c[0], c[1]]))
+                        .collect();
+                    dev.write(b, offset, &bits)?
+                }
+            },
             None => return Err(ModelError::Kv(format!("layer {l} is outside the cache"))),
         }
         Ok(())

@@ -3,7 +3,8 @@
 //! | file | owns |
 //! |---|---|
 //! | [`layout`] | pool geometry: layers × blocks × page × latent width |
-//! | [`pool`] | the latent storage (one contiguous region per layer) and the ref-counted block allocator |
+//! | [`pool`] | the latent storage (one contiguous region per layer; none in an ids-only pool, a GPU engine's) and the ref-counted block allocator |
+//! | [`rows`] | [`KvDtype`] (a cache's element type) and [`LayerRows`]: one layer's rows in that dtype, what a prefill job's layer sink reads |
 //! | [`cache`] | [`KvMut`] / [`KvRef`]: the latent rows a forward runs against, on the host or a device; [`KvStore`]: rows owned on a backend (a drafter's context) |
 //! | [`table`] | a sequence's block table: which blocks hold which positions |
 //! | [`hash`] | prefix identity: chained XXH3-64 hashes of full blocks, shared with the router |
@@ -29,6 +30,7 @@ pub mod layout;
 pub mod manager;
 pub mod pool;
 pub mod prefix;
+pub mod rows;
 pub mod table;
 
 pub use cache::{KvMut, KvRef, KvRows, KvStore};
@@ -39,4 +41,5 @@ pub use layout::KvLayout;
 pub use manager::KvManager;
 pub use pool::{BlockId, KvPool};
 pub use prefix::PrefixCache;
+pub use rows::{KvDtype, LayerRows};
 pub use table::BlockTable;

@@ -3,6 +3,11 @@
 //! Invariants: a block is either on the free list with refcount 0, or off it with refcount ≥ 1;
 //! `release` of the last reference puts it back. Double frees and foreign ids are errors, never
 //! silent corruption.
+//!
+//! A pool either owns its rows ([`KvPool::new`]: the CPU engine's KV) or only the block ids
+//! ([`KvPool::without_rows`]: a GPU engine, whose rows live in the device cache under the same
+//! ids). Both allocate, count references and back the prefix cache alike; row access on an
+//! ids-only pool is an error saying where the rows are.
 
 use std::fmt;
 
@@ -20,12 +25,15 @@ impl fmt::Display for BlockId {
     }
 }
 
-/// The latent KV pool of one engine: storage for every layer plus the block allocator.
+/// The latent KV pool of one engine: storage for every layer (unless ids-only) plus the block
+/// allocator.
 #[derive(Debug)]
 pub struct KvPool {
     layout: KvLayout,
-    /// One contiguous region per layer: `[block][page][width]`.
+    /// One contiguous region per layer: `[block][page][width]`; empty in an ids-only pool.
     layers: Vec<Vec<f32>>,
+    /// Whether `layers` holds the rows (else the pool is ids-only).
+    rows: bool,
     refcounts: Vec<u32>,
     /// Free blocks; allocation pops from the end, so low ids are handed out first.
     free: Vec<u32>,
@@ -38,11 +46,25 @@ impl KvPool {
         let layers = (0..layout.num_layers)
             .map(|_| vec![0.0f32; layout.layer_floats()])
             .collect();
+        Self::build(layout, layers, true)
+    }
+
+    /// A pool of `layout`'s block ids with no row storage: allocation, refcounts and the prefix
+    /// cache work as in [`KvPool::new`], while [`KvPool::layer`], [`KvPool::block`] and the
+    /// other row accessors fail with [`ModelError::Kv`] saying the rows live on the device (a
+    /// GPU engine's pool: its rows are the device cache's, under the same ids).
+    pub fn without_rows(layout: KvLayout) -> Result<Self, ModelError> {
+        layout.validate()?;
+        Self::build(layout, Vec::new(), false)
+    }
+
+    fn build(layout: KvLayout, layers: Vec<Vec<f32>>, rows: bool) -> Result<Self, ModelError> {
         let n = u32::try_from(layout.num_blocks)
             .map_err(|_| ModelError::Kv("`num_blocks` must fit in u32".into()))?;
         Ok(Self {
             layout,
             layers,
+            rows,
             refcounts: vec![0; layout.num_blocks],
             free: (0..n).rev().collect(),
         })
@@ -51,6 +73,16 @@ impl KvPool {
     /// The pool's geometry.
     pub fn layout(&self) -> &KvLayout {
         &self.layout
+    }
+
+    /// Whether the pool holds rows (false for [`KvPool::without_rows`]).
+    pub fn has_rows(&self) -> bool {
+        self.rows
+    }
+
+    /// Host bytes of row storage: every layer's region in f32, or 0 for an ids-only pool.
+    pub fn row_bytes(&self) -> usize {
+        self.layers.iter().map(|l| l.len() * 4).sum()
     }
 
     /// Blocks not referenced by any sequence.
@@ -120,6 +152,9 @@ impl KvPool {
 
     /// One layer's whole region, `[block][page][width]`.
     pub fn layer(&self, layer: usize) -> Result<&[f32], ModelError> {
+        if !self.rows {
+            return Err(no_rows());
+        }
         self.layers
             .get(layer)
             .map(Vec::as_slice)
@@ -128,6 +163,9 @@ impl KvPool {
 
     /// One layer's whole region, for writing (the forward's new latent rows).
     pub fn layer_mut(&mut self, layer: usize) -> Result<&mut [f32], ModelError> {
+        if !self.rows {
+            return Err(no_rows());
+        }
         self.layers
             .get_mut(layer)
             .map(Vec::as_mut_slice)
@@ -136,6 +174,9 @@ impl KvPool {
 
     /// One block of one layer, `[page][width]`, for reading (shipping KV to a peer).
     pub fn block(&self, layer: usize, block: BlockId) -> Result<&[f32], ModelError> {
+        if !self.rows {
+            return Err(no_rows());
+        }
         let n = self.layout.block_floats();
         let start = block.0 as usize * n;
         self.layers
@@ -146,6 +187,9 @@ impl KvPool {
 
     /// One block of one layer, for writing (KV received from a peer).
     pub fn block_mut(&mut self, layer: usize, block: BlockId) -> Result<&mut [f32], ModelError> {
+        if !self.rows {
+            return Err(no_rows());
+        }
         let n = self.layout.block_floats();
         let start = block.0 as usize * n;
         self.layers
@@ -161,6 +205,9 @@ impl KvPool {
         table: &[BlockId],
         pos: usize,
     ) -> Result<&mut [f32], ModelError> {
+        if !self.rows {
+            return Err(no_rows());
+        }
         let KvLayout {
             page_size, width, ..
         } = self.layout;
@@ -176,6 +223,14 @@ impl KvPool {
             .and_then(|l| l.get_mut(start..start + width))
             .ok_or_else(|| ModelError::Kv(format!("{block} or layer {layer} out of range")))
     }
+}
+
+/// Row access on an ids-only pool.
+fn no_rows() -> ModelError {
+    ModelError::Kv(
+        "this KV pool keeps block ids only: its rows live in the device cache, not on the host"
+            .into(),
+    )
 }
 
 #[cfg(test)]
@@ -219,5 +274,37 @@ mod tests {
         // position 5 = block table[1] = block 0, row 1.
         assert_eq!(&layer[3..6], &[1.0, 2.0, 3.0]);
         assert!(p.row_mut(0, &table, 8).is_err());
+    }
+
+    #[test]
+    fn an_ids_only_pool_allocates_but_refuses_rows() {
+        let layout = KvLayout {
+            num_layers: 2,
+            num_blocks: 4,
+            page_size: 4,
+            width: 3,
+        };
+        let mut p = KvPool::without_rows(layout).unwrap();
+        assert!(!p.has_rows());
+        assert_eq!(p.row_bytes(), 0);
+        assert_eq!(pool(4).row_bytes(), 2 * 4 * 4 * 3 * 4);
+        let a = p.allocate(3).unwrap();
+        p.retain(a[1]).unwrap();
+        assert_eq!(p.refcount(a[1]), Some(2));
+        p.release_all(&a).unwrap();
+        assert_eq!(p.free_blocks(), 3);
+        let errors = [
+            p.layer(0).unwrap_err(),
+            p.block(0, a[0]).unwrap_err(),
+            p.block_mut(1, a[0]).unwrap_err(),
+            p.layer_mut(1).unwrap_err(),
+            p.row_mut(0, &a, 1).unwrap_err(),
+        ];
+        for e in errors {
+            assert!(
+                matches!(&e, ModelError::Kv(m) if m.contains("rows live in the device cache")),
+                "{e}"
+            );
+        }
     }
 }

@@ -1,6 +1,13 @@
-//! The engine's CUDA backend: the one [`DeepseekModel`] on a CUDA device + [`GpuKvCache`], with the host pool as the staging
-//! mirror for KV transfers (see the parent module for the design), and decode steps replayed
-//! from CUDA graphs.
+//! The engine's CUDA backend: the one [`DeepseekModel`] on a CUDA device + [`GpuKvCache`]
+//! (the host pool keeps block ids only), layer-wise shipping through a page-locked ring, peers'
+//! writes copied straight into the device cache (see the parent module for the design), and
+//! decode steps replayed from CUDA graphs.
+//!
+//! **Host memory.** No KV rows: the engine's pool is ids-only. Shipping stages through one
+//! page-locked ring ([`Shipper`]) of [`RING_LAYERS`] slots (fewer for a shallower model), each
+//! one layer's shipped blocks in the cache's dtype; it is allocated on the first prefill job,
+//! kept, and grown when a batch ships more blocks (logged, and reported as
+//! `EngineStats::kv_host_staging_bytes`). A peer's block write is copied from its own bytes.
 //!
 //! **Graphs.** A step in which every sequence decodes one token in the absorbed form (the
 //! steady state of serving) is replayed from a [`DecodeGraph`] captured for its batch-size
@@ -13,19 +20,19 @@
 //! past it. Any other step (a prefill chunk in the batch, speculative verification, an MHA-form
 //! chunk) runs eagerly.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::HashMap;
 
 use ferry_kernels::backend::Tensor;
 use ferry_kernels::cuda::{CopyStream, CudaDevice, DeviceRange, Mark, PinnedBuffer};
 
-use super::{GpuMode, GpuOptions, Pass, ShipStats};
-use crate::deepseek::forward::{Hooks, LayerHook};
+use super::{GpuMode, GpuOptions, Pass, ShipHook, ShipStats};
+use crate::deepseek::forward::Hooks;
 use crate::deepseek::{
     AttentionForm, BatchInputs, BatchLogits, DeepseekModel, FormPolicy, LogitsWanted, SeqInput,
 };
 use crate::gpu::graph::DecodeGraph;
 use crate::gpu::GpuKvCache;
-use crate::kv::{BlockId, KvLayout, KvPool};
+use crate::kv::{BlockId, KvDtype, KvLayout, LayerRows};
 use crate::ModelError;
 
 /// The largest batch replayed from a graph; larger decode batches run eagerly (the launch
@@ -35,16 +42,13 @@ pub(crate) const MAX_GRAPH_BATCH: usize = 64;
 /// The smallest context a graph is planned for.
 const MIN_GRAPH_CTX: usize = 256;
 
-/// What a CUDA device adds around the one forward: the paged latent cache, graph replay,
-/// layer-wise shipping and the host mirror's bookkeeping. The model itself is the engine
-/// backend's ([`super::Backend`]) and is passed in.
+/// What a CUDA device adds around the one forward: the paged latent cache, graph replay and
+/// layer-wise shipping. The model itself is the engine backend's ([`super::Backend`]) and is
+/// passed in.
 pub(crate) struct CudaRows {
     dev: CudaDevice,
     /// The host pool's blocks plus one scratch block (the last) for graph padding.
     cache: GpuKvCache,
-    /// `(layer, block)` whose host rows are newer than the device's (a peer's writes): uploaded
-    /// before the next forward.
-    dirty: BTreeSet<(usize, BlockId)>,
     /// Captured steps by (batch-size bucket, tokens per sequence); `None` when graphs are off.
     graphs: Option<HashMap<(usize, usize), DecodeGraph>>,
     /// Steps replayed from a graph (the engine's `graph_steps`).
@@ -61,7 +65,8 @@ pub(crate) struct CudaRows {
 
 impl CudaRows {
     /// Uploads `model` (which is then dropped: the host keeps no weights) and allocates a
-    /// device cache with the host pool's geometry; returns the device-resident model with it.
+    /// device cache with the host pool's geometry (the pool itself keeps block ids only);
+    /// returns the device-resident model with it.
     pub(crate) fn new(
         dev: &CudaDevice,
         model: DeepseekModel,
@@ -83,16 +88,19 @@ impl CudaRows {
                 cache.layout()
             )));
         }
+        let dtype = cache.dtype();
         tracing::info!(
             device = ?dev,
             ?mode,
             kv_blocks = layout.num_blocks,
-            "engine on the GPU: weights and KV cache in device memory"
+            kv_dtype = %dtype,
+            kv_device_bytes = (layout.num_blocks + 1) * layout.num_layers * layout.block_floats() * dtype.elem_size(),
+            ring_layers = RING_LAYERS.min(layout.num_layers),
+            "engine on the GPU: weights and KV cache in device memory; the host keeps block ids only (no KV rows) and stages shipped layers through a page-locked ring of that many layers of a batch's shipped blocks, allocated on the first prefill job"
         );
         let mut rows = Self {
             dev: dev.clone(),
             cache,
-            dirty: BTreeSet::new(),
             graphs: options.cuda_graphs.then(HashMap::new),
             graph_steps: 0,
             copy: None,
@@ -257,48 +265,42 @@ impl CudaRows {
         Ok(Some(out))
     }
 
-    pub(crate) fn mark_dirty(&mut self, layer: usize, block: BlockId) {
-        self.dirty.insert((layer, block));
+    /// The cache's element type.
+    pub(crate) fn kv_dtype(&self) -> KvDtype {
+        self.cache.dtype()
     }
 
-    /// Uploads every dirty host row: one copy per run of consecutive blocks per layer.
-    fn upload_dirty(&mut self, pool: &KvPool) -> Result<(), ModelError> {
-        if self.dirty.is_empty() {
-            return Ok(());
-        }
-        let per_block = pool.layout().block_floats();
-        let layers = self.cache.layout().num_layers;
-        for layer in 0..layers {
-            let blocks: Vec<BlockId> = self
-                .dirty
-                .range((layer, BlockId(0))..=(layer, BlockId(u32::MAX)))
-                .map(|&(_, b)| b)
-                .collect();
-            for (first, n) in block_runs(&blocks) {
-                let start = first.0 as usize * per_block;
-                let rows = pool
-                    .layer(layer)?
-                    .get(start..start + n * per_block)
-                    .ok_or_else(|| ModelError::Kv(format!("{first} + {n} is outside the pool")))?;
-                self.cache.write_blocks(&self.dev, layer, first, rows)?;
-            }
-        }
-        self.dirty.clear();
-        Ok(())
+    /// Page-locked bytes of the shipping ring (0 before the first prefill job).
+    pub(crate) fn staging_bytes(&self) -> usize {
+        self.ring.as_ref().map_or(0, PinnedBuffer::len)
     }
 
-    /// Peers' rows up, then the forward; per layer, `after_layer` sees the pool with the staged
-    /// blocks' rows of that layer current. With staged blocks (a prefill job shipping), each
-    /// layer's rows leave while later layers compute ([`Shipper`]); otherwise the hooks run
-    /// after the forward, with nothing to stage.
+    /// A peer's block of layer `layer`, `data` in the cache's dtype: one host-to-device copy
+    /// into the cache (done when this returns, so it is ordered before the next forward).
+    pub(crate) fn write_kv(
+        &mut self,
+        layer: usize,
+        block: BlockId,
+        data: &[u8],
+    ) -> Result<(), ModelError> {
+        if block.0 as usize >= self.cache.layout().num_blocks - 1 {
+            // The last block is the graphs' scratch block, never a pool block.
+            return Err(ModelError::Kv(format!("{block} is outside the pool")));
+        }
+        let dev = self.dev.clone();
+        self.cache.write_block_bytes(&dev, layer, block, data)
+    }
+
+    /// The forward; per layer, `after_layer` sees that layer's rows of the staged blocks, in
+    /// the cache's dtype. With staged blocks (a prefill job shipping), each layer's rows leave
+    /// while later layers compute ([`Shipper`]); without, nothing is copied and the hook sees
+    /// empty views after the forward.
     pub(crate) fn forward(
         &mut self,
         gpu: &DeepseekModel,
         batch: &BatchInputs<'_>,
-        pool: &mut KvPool,
         pass: Pass<'_, '_, '_>,
     ) -> Result<BatchLogits, ModelError> {
-        self.upload_dirty(pool)?;
         let Pass {
             after_layer,
             taps,
@@ -324,29 +326,29 @@ impl CudaRows {
                     gpu.forward_logits(batch, &mut self.cache, gpu.policy, hooks)?
                 }
             };
+            let block_bytes = self.cache.layout().block_floats() * self.kv_dtype().elem_size();
             for layer in 0..layers {
-                after_layer(layer, pool)?;
+                after_layer(
+                    layer,
+                    &LayerRows::staged(layer, self.kv_dtype(), block_bytes, &[], &[])?,
+                )?;
             }
             return Ok(out);
-        }
-        if !self.layerwise {
-            return self.forward_then_ship(
-                (gpu, batch),
-                pool,
-                &staged,
-                (after_layer, taps, tapped),
-            );
         }
         if self.copy.is_none() {
             self.copy = Some(self.dev.copy_stream()?);
         }
         let mut shipper = Shipper::new(&self.dev, &self.cache, &staged, self.ring.take())?;
+        if !self.layerwise {
+            return self.forward_then_ship((gpu, batch), shipper, (after_layer, taps, tapped));
+        }
         let Some(copy) = self.copy.as_ref() else {
+            self.ring = Some(shipper.ring);
             return Err(ModelError::Invalid("no copy stream".into()));
         };
         let result = {
             let mut hook = |l: usize, _: crate::kv::KvRef<'_>| {
-                shipper.layer_queued(l, copy, pool, &mut *after_layer)
+                shipper.layer_queued(l, copy, &mut *after_layer)
             };
             let hooks = Hooks {
                 after_layer: Some(&mut hook),
@@ -359,7 +361,7 @@ impl CudaRows {
         };
         // Drain whatever is still in flight even when the forward failed, so the ring is free.
         let forward_done = std::time::Instant::now();
-        let drained = shipper.drain(pool, &mut *after_layer);
+        let drained = shipper.drain(&mut *after_layer);
         self.record_ship(forward_done, shipper.early);
         self.ring = Some(shipper.ring);
         let out = result?;
@@ -369,13 +371,12 @@ impl CudaRows {
 
     /// The shipping of the engine before layer-wise streaming (`gpu_layerwise_shipping =
     /// false`, the benchmark's peer): the whole forward, then per layer the staged blocks
-    /// downloaded into the pool and the sink called.
+    /// copied into the ring and the sink called, one layer at a time.
     fn forward_then_ship(
         &mut self,
         (gpu, batch): (&DeepseekModel, &BatchInputs<'_>),
-        pool: &mut KvPool,
-        staged: &[BlockId],
-        (after_layer, taps, tapped): (&mut LayerHook<'_>, &[usize], &mut Vec<(usize, Tensor)>),
+        mut shipper: Shipper,
+        (after_layer, taps, tapped): (&mut ShipHook<'_>, &[usize], &mut Vec<(usize, Tensor)>),
     ) -> Result<BatchLogits, ModelError> {
         let hooks = Hooks {
             after_layer: None,
@@ -384,19 +385,19 @@ impl CudaRows {
             tapped: Some(tapped),
             tap_into: None,
         };
-        let out = gpu.forward_logits(batch, &mut self.cache, gpu.policy, hooks)?;
+        let out = gpu.forward_logits(batch, &mut self.cache, gpu.policy, hooks);
         let forward_done = std::time::Instant::now();
-        let per_block = pool.layout().block_floats();
-        for layer in 0..self.cache.layout().num_layers {
-            for (first, n) in block_runs(staged) {
-                let rows = self.cache.read_blocks(&self.dev, layer, first, n)?;
-                for (j, chunk) in rows.chunks_exact(per_block).enumerate() {
-                    pool.block_mut(layer, BlockId(first.0 + j as u32))?
-                        .copy_from_slice(chunk);
-                }
-            }
-            after_layer(layer, pool)?;
-        }
+        let shipped = match (&out, self.copy.as_ref()) {
+            (Err(_), _) => Ok(()),
+            (Ok(_), None) => Err(ModelError::Invalid("no copy stream".into())),
+            (Ok(_), Some(copy)) => (0..self.cache.layout().num_layers).try_for_each(|layer| {
+                shipper.layer_queued(layer, copy, &mut *after_layer)?;
+                shipper.drain(&mut *after_layer)
+            }),
+        };
+        self.ring = Some(shipper.ring);
+        let out = out?;
+        shipped?;
         self.record_ship(forward_done, 0);
         Ok(out)
     }
@@ -424,21 +425,22 @@ fn block_runs(blocks: &[BlockId]) -> Vec<(BlockId, usize)> {
 /// How many layers' rows may be in flight between the device and the host sink.
 const RING_LAYERS: usize = 4;
 
-/// One forward's layer-wise shipping: after each layer's attention is queued, a copy of that
-/// layer's staged blocks (in the cache's own dtype) is queued on the copy stream behind a mark
-/// into the next slot of a page-locked ring of [`RING_LAYERS`] layers; the host delivers a
-/// layer — widens its rows into the pool's and calls the sink — once its copy is done, polling
-/// between layers and blocking only when the ring is full and at the end.
+/// One forward's shipping: after each layer's attention is queued, a copy of that layer's
+/// staged blocks (in the cache's own dtype) is queued on the copy stream behind a mark into the
+/// next slot of a page-locked ring of [`RING_LAYERS`] layers; the host delivers a layer — calls
+/// the sink with a [`LayerRows`] view of its slot, no widening, no further copy — once its copy
+/// is done, polling between layers and blocking only when the ring is full and at the end.
 struct Shipper {
     dev: CudaDevice,
     /// `(device address, bytes)` of each run of consecutive staged blocks, per layer.
     runs: Vec<Vec<(u64, usize)>>,
-    /// The staged blocks, in ring order.
+    /// The staged blocks (sorted, distinct), in ring order.
     blocks: Vec<BlockId>,
     ring: PinnedBuffer<u8>,
     slot_bytes: usize,
-    bf16: bool,
-    per_block: usize,
+    dtype: KvDtype,
+    /// Bytes of one block of one layer.
+    block_bytes: usize,
     /// Layers the ring holds: [`RING_LAYERS`], or fewer for a shallower model.
     slots: usize,
     /// `(layer, slot, copy done)` in layer order.
@@ -451,6 +453,8 @@ struct Shipper {
 }
 
 impl Shipper {
+    /// Shipping of `staged` (sorted, distinct) out of `cache`, in `ring` if it is large enough
+    /// (else a new, larger one).
     fn new(
         dev: &CudaDevice,
         cache: &GpuKvCache,
@@ -468,16 +472,28 @@ impl Shipper {
         let slots = RING_LAYERS.min(layout.num_layers).max(1);
         let ring = match ring {
             Some(r) if r.len() >= slots * slot_bytes => r,
-            _ => dev.pinned::<u8>(slots * slot_bytes)?,
+            old => {
+                let bytes = slots * slot_bytes;
+                tracing::info!(
+                    bytes,
+                    before = old.as_ref().map_or(0, PinnedBuffer::len),
+                    layers = slots,
+                    blocks = staged.len(),
+                    "KV shipping ring (page-locked host memory) grown"
+                );
+                drop(old);
+                dev.pinned::<u8>(bytes)?
+            }
         };
+        let dtype = cache.dtype();
         Ok(Self {
             dev: dev.clone(),
             runs,
             blocks: staged.to_vec(),
             ring,
             slot_bytes,
-            bf16: cache.is_bf16(),
-            per_block: layout.block_floats(),
+            dtype,
+            block_bytes: layout.block_floats() * dtype.elem_size(),
             slots,
             pending: std::collections::VecDeque::new(),
             layers: layout.num_layers,
@@ -491,14 +507,13 @@ impl Shipper {
         &mut self,
         l: usize,
         copy: &CopyStream,
-        pool: &mut KvPool,
-        sink: &mut LayerHook<'_>,
+        sink: &mut ShipHook<'_>,
     ) -> Result<(), ModelError> {
         while self.pending.front().is_some_and(|(_, _, m)| m.is_done()) {
-            self.deliver_next(pool, sink)?;
+            self.deliver_next(sink)?;
         }
         if self.pending.len() >= self.slots {
-            self.deliver_next(pool, sink)?;
+            self.deliver_next(sink)?;
         }
         let slot = l % self.slots;
         let after = self.dev.mark()?;
@@ -519,19 +534,15 @@ impl Shipper {
     }
 
     /// Delivers every layer still in flight, in order.
-    fn drain(&mut self, pool: &mut KvPool, sink: &mut LayerHook<'_>) -> Result<(), ModelError> {
+    fn drain(&mut self, sink: &mut ShipHook<'_>) -> Result<(), ModelError> {
         while !self.pending.is_empty() {
-            self.deliver_next(pool, sink)?;
+            self.deliver_next(sink)?;
         }
         Ok(())
     }
 
-    /// Waits for the oldest layer's copy, widens its rows into the pool, calls the sink.
-    fn deliver_next(
-        &mut self,
-        pool: &mut KvPool,
-        sink: &mut LayerHook<'_>,
-    ) -> Result<(), ModelError> {
+    /// Waits for the oldest layer's copy and calls the sink with its ring slot.
+    fn deliver_next(&mut self, sink: &mut ShipHook<'_>) -> Result<(), ModelError> {
         let Some((layer, slot, done)) = self.pending.pop_front() else {
             return Ok(());
         };
@@ -540,21 +551,8 @@ impl Shipper {
             self.early += 1;
         }
         let bytes = &self.ring.as_slice()[slot * self.slot_bytes..(slot + 1) * self.slot_bytes];
-        let elem = if self.bf16 { 2 } else { 4 };
-        for (j, &block) in self.blocks.iter().enumerate() {
-            let src = &bytes[j * self.per_block * elem..(j + 1) * self.per_block * elem];
-            let row = pool.block_mut(layer, block)?;
-            if self.bf16 {
-                for (d, c) in row.iter_mut().zip(src.chunks_exact(2)) {
-                    *d = half::bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32();
-                }
-            } else {
-                for (d, c) in row.iter_mut().zip(src.chunks_exact(4)) {
-                    *d = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
-                }
-            }
-        }
-        sink(layer, pool)
+        let rows = LayerRows::staged(layer, self.dtype, self.block_bytes, &self.blocks, bytes)?;
+        sink(layer, &rows)
     }
 }
 

@@ -125,8 +125,9 @@ impl Scheduler {
         // Layers past the target's are the drafter's context (see `docs/spec_decode.md`).
         let target_layers = self.kv.pool().layout().num_layers;
         if layer >= target_layers {
+            let dtype = self.backend.kv_dtype();
             let written = match self.spec.as_mut() {
-                Some(sp) => sp.write_kv(layer - target_layers, block, data),
+                Some(sp) => sp.write_kv(layer - target_layers, block, data, dtype),
                 None => Err("this engine has no drafter".into()),
             };
             match written {
@@ -135,21 +136,14 @@ impl Scheduler {
             }
             return;
         }
-        let dst = match self.kv.pool_mut().block_mut(layer, block) {
-            Ok(d) => d,
-            Err(e) => {
-                warn!(%block, layer, error = %e, "dropping an out-of-range KV write");
-                return;
-            }
-        };
-        if data.len() != dst.len() * 4 {
-            warn!(%block, layer, bytes = data.len(), "dropping a KV write of the wrong size");
+        // In the cache's dtype: into the host pool on the CPU, the device cache on a GPU.
+        if let Err(e) = self
+            .backend
+            .write_kv(self.kv.pool_mut(), layer, block, data)
+        {
+            warn!(%block, layer, bytes = data.len(), error = %e, "dropping a KV write");
             return;
         }
-        for (d, b) in dst.iter_mut().zip(data.chunks_exact(4)) {
-            *d = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-        }
-        self.backend.host_rows_written(layer, block);
         self.stats.kv_bytes_received += data.len() as u64;
     }
 

@@ -12,7 +12,7 @@ use crate::engine::backend::Pass;
 use crate::engine::sequence::{Next, Origin, Phase};
 use crate::engine::spec::Draft;
 use crate::engine::PrefillOutcome;
-use crate::kv::KvPool;
+use crate::kv::LayerRows;
 use crate::ModelError;
 
 impl Scheduler {
@@ -107,12 +107,12 @@ impl Scheduler {
 
         // A failing sink fails its own job only; the forward goes on.
         let mut hook_errors: HashMap<usize, String> = HashMap::new();
-        let mut hook = |layer: usize, pool: &KvPool| -> Result<(), ModelError> {
+        let mut hook = |layer: usize, rows: &LayerRows<'_>| -> Result<(), ModelError> {
             for (i, sink, blocks) in sinks.iter_mut() {
                 if hook_errors.contains_key(i) {
                     continue;
                 }
-                if let Err(e) = sink(layer, blocks, pool) {
+                if let Err(e) = sink(layer, blocks, rows) {
                     hook_errors.insert(*i, e);
                 }
             }
