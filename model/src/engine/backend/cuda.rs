@@ -359,12 +359,17 @@ impl CudaRows {
             };
             gpu.forward_logits(batch, &mut self.cache, gpu.policy, hooks)
         };
+        // The tail is measured from the forward's end on the device (the logits stay there, so
+        // the call returns as soon as the work is queued); the prefill job's first token waits
+        // for the same work anyway.
+        let synced = self.dev.synchronize();
         // Drain whatever is still in flight even when the forward failed, so the ring is free.
         let forward_done = std::time::Instant::now();
         let drained = shipper.drain(&mut *after_layer);
         self.record_ship(forward_done, shipper.early);
         self.ring = Some(shipper.ring);
         let out = result?;
+        synced?;
         drained?;
         Ok(out)
     }
@@ -386,6 +391,8 @@ impl CudaRows {
             tap_into: None,
         };
         let out = gpu.forward_logits(batch, &mut self.cache, gpu.policy, hooks);
+        // From the forward's end on the device, as in the layer-wise path.
+        let synced = self.dev.synchronize();
         let forward_done = std::time::Instant::now();
         let shipped = match (&out, self.copy.as_ref()) {
             (Err(_), _) => Ok(()),
@@ -397,6 +404,7 @@ impl CudaRows {
         };
         self.ring = Some(shipper.ring);
         let out = out?;
+        synced?;
         shipped?;
         self.record_ship(forward_done, 0);
         Ok(out)
