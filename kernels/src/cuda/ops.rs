@@ -30,6 +30,7 @@ impl Gpu for CudaDevice {
 
     const NAME: &'static str = "CUDA device";
     const TENSOR_CORES: bool = true;
+    const VENDOR_GEMM: Option<&'static str> = Some("cuBLAS");
 
     fn function(
         &self,

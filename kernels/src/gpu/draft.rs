@@ -156,6 +156,20 @@ fn attn_kernel(bf16: bool, qb: usize, dpl: usize) -> &'static str {
     }
 }
 
+/// Every block-attention kernel [`block_attention`] may launch (f32 and bf16 pages, 4 / 8 / 16
+/// rows per block, head dims up to 32 / 64 / 128).
+pub fn attn_kernels() -> Vec<&'static str> {
+    let mut all = Vec::new();
+    for bf16 in [false, true] {
+        for qb in [4, 8, 16] {
+            for dpl in [1, 2, 4] {
+                all.push(attn_kernel(bf16, qb, dpl));
+            }
+        }
+    }
+    all
+}
+
 /// Block attention of every sequence of `b` into `out` (`[S·B][H·d]`): each block row's query
 /// heads attend to the sequence's context rows (from the pages, in position order) and to all
 /// `B` block rows, softmax scale `1/sqrt(d)`. Split-K over the keys (merged by a second launch)

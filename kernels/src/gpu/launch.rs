@@ -210,6 +210,9 @@ impl KernelArgs {
     }
 }
 
+/// What [`Gpu::compute_capability`] gives on a device that is not an NVIDIA GPU.
+pub const NOT_CUDA: (i32, i32) = (0, 0);
+
 /// A bf16 tensor `[rows][heads][width]` at `ptr`, read by TMA in boxes of 64 elements of width
 /// × one head × `box_rows` rows (the warp-specialised prefill kernel's operands).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -244,6 +247,11 @@ pub trait Gpu: Clone + std::fmt::Debug + Send + Sync + Sized + 'static {
     /// `ldmatrix`, `cp.async`): the absorbed tile / packed kernels, the flash prefill. False
     /// on ROCm, whose hipRTC builds compile only the portable scalar paths.
     const TENSOR_CORES: bool;
+
+    /// The vendor BLAS behind [`Gpu::gemm`], if any (`"cuBLAS"`); `None` where the large GEMM
+    /// is the portable `gemm_tiled_{f32,bf16}` kernel of `common.cu` (ROCm: no hipBLAS
+    /// binding). Names what `gemm` runs, for [`crate::backend::dispatch`].
+    const VENDOR_GEMM: Option<&'static str>;
 
     /// The function `name` of `source` compiled with `defines` for this device (compiled and
     /// loaded on first use, then cached).
@@ -300,8 +308,8 @@ pub trait Gpu: Clone + std::fmt::Debug + Send + Sync + Sized + 'static {
     /// Multiprocessors (CUDA SMs, AMD compute units): split-K plans fill this many.
     fn sm_count(&self) -> u32;
 
-    /// The CUDA compute capability; `(0, 0)` on a device that is not an NVIDIA GPU (no PTX,
-    /// so none of the sm_80 / sm_90 kernels).
+    /// The CUDA compute capability; [`NOT_CUDA`] on a device that is not an NVIDIA GPU (no
+    /// PTX, so none of the sm_80 / sm_90 kernels).
     fn compute_capability(&self) -> (i32, i32);
 
     /// `out[m][n] = x[m][k] · Wᵀ` for more rows than the GEMV kernel takes (lengths checked

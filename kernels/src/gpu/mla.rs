@@ -582,13 +582,28 @@ impl MhaKernel {
     /// kernel (0.82–0.92× cuDNN on the H200), else [`MhaKernel::Wgmma`] where its looser shape
     /// rule allows; [`MhaKernel::Flash`] elsewhere.
     pub fn best_bf16<D: Gpu>(dev: &D, shape: MlaShape) -> Self {
-        let hopper = dev.compute_capability() == (9, 0);
+        Self::best_bf16_for(dev.compute_capability(), shape)
+    }
+
+    /// [`MhaKernel::best_bf16`] for a card of compute capability `cc` (no device needed).
+    pub fn best_bf16_for(cc: (i32, i32), shape: MlaShape) -> Self {
+        let hopper = cc == (9, 0);
         if hopper && MhaWsConfig::shape_ok(shape) {
             MhaKernel::WarpSpecialized
         } else if hopper && shape.wgmma_ok() {
             MhaKernel::Wgmma
         } else {
             MhaKernel::Flash
+        }
+    }
+
+    /// The kernel's name in `mla.cu`.
+    pub fn name(self) -> &'static str {
+        match self {
+            MhaKernel::F32 => "mha_f32",
+            MhaKernel::Flash => "mha_flash_bf16",
+            MhaKernel::Wgmma => "mha_wgmma_bf16",
+            MhaKernel::WarpSpecialized => "mha_ws_bf16",
         }
     }
 }
