@@ -2,11 +2,12 @@
 //!
 //! A model's weights and activations live on one [`Backend`]; every coarse op takes one
 //! parameter struct and runs where its operands live, calling today's kernels (the CPU
-//! reference in [`crate::cpu`], the NVRTC/cuBLAS kernels in `crate::cuda`).
+//! reference in [`crate::cpu`]; on a GPU the launchers of `crate::gpu` over the `gpu/*.cu`
+//! sources — NVRTC + cuBLAS on CUDA, hipRTC on ROCm).
 //!
 //! | module | op | parameter struct |
 //! |---|---|---|
-//! | [`linear`] | `x · Wᵀ` (GEMV for ≤ 8 rows, GEMM above; split-bf16 or bf16 inputs on CUDA) | [`linear::Linear`] |
+//! | [`linear`] | `x · Wᵀ` (GEMV for ≤ 8 rows, GEMM above: cuBLAS with split-bf16 or bf16 inputs on CUDA, the portable tiled kernel on ROCm) | [`linear::Linear`] |
 //! | [`rows`] | embedding lookup, row gather | [`rows::Embed`], [`rows::Gather`] |
 //! | [`norm`] | RMSNorm, fused with the residual add; strided RMSNorm | [`norm::AddNorm`], [`norm::NormStrided`] |
 //! | [`rope`] | RoPE / YaRN rotation from per-batch tables | [`rope::ApplyRope`] |
@@ -26,8 +27,13 @@
 //! cannot name. A mixed-device call is one runtime error ([`KernelError::DeviceMismatch`]) in
 //! one place. candle's `Device` / `Storage` split has the same shape.
 //!
-//! ROCm is not a variant yet: its runtime compiles and runs the same kernel sources (see
-//! `crate::rocm`), but the launchers above them are written for CUDA only.
+//! **GPU arms.** `Cuda` and `Rocm` (each behind its feature) share every line of their arms: an
+//! op's GPU arm is one function generic over the runtime (`OnDevice`, which maps the buffer
+//! enums to a runtime's buffers), calling the launchers of `crate::gpu`, themselves generic over
+//! `crate::gpu::launch::Gpu`. What differs is decided by the runtime type: `dispatch` (only
+//! with a GPU feature) says which kernel each op runs — on ROCm only portable kernels (per-head
+//! absorbed MLA, `mha_f32`, the tiled GEMM in place of cuBLAS). The ROCm arms compile and
+//! their kernels compile with hipRTC, but no AMD GPU has run them (`crate::rocm`).
 //!
 //! ```
 //! use ferry_kernels::backend::{linear::{linear, Linear}, Backend, Precision, Weight};
@@ -1054,6 +1060,18 @@ mod tests {
         {
             let e = t.dv("cuda_linear", "x").unwrap_err().to_string();
             assert!(e.contains("cuda_linear") && e.contains("`x`"), "{e}");
+        }
+        // No AMD GPU needed: the ROCm arm reads its operands through the same extractors.
+        #[cfg(feature = "rocm")]
+        {
+            let e = tv::<RocmDevice>(&t, "linear", "x").unwrap_err().to_string();
+            assert!(
+                e.contains("linear") && e.contains("`x`") && e.contains("ROCm device"),
+                "{e}"
+            );
+            let w = Weight::Host(Matrix::from_f32(1, 1, vec![1.0]).expect("w"));
+            let e = wv::<RocmDevice>(&w, "linear", "w").unwrap_err().to_string();
+            assert!(e.contains("`w`") && e.contains("CPU"), "{e}");
         }
     }
 }

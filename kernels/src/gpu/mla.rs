@@ -1,4 +1,7 @@
-//! MLA attention on CUDA: launchers for `gpu/mla.cu` and their planning.
+//! MLA attention launchers for `gpu/mla.cu` and their planning, generic over the runtime
+//! ([`Gpu`]). On ROCm only the per-head kernels (`mla_generic_*`, `mla_combine`) and the f32
+//! MHA form run: the tile / packed kernels' scalar path is not used there and the flash,
+//! wgmma and warp-specialised kernels do not exist without PTX (`crate::backend::dispatch`).
 //!
 //! | entry point | kernel | heads |
 //! |---|---|---|

@@ -1,4 +1,6 @@
-//! Typed launchers for `gpu/common.cu`, and the device-resident weight type.
+//! Typed launchers for `gpu/common.cu`, and the device-resident weight type, generic over the
+//! runtime ([`Gpu`]: CUDA or ROCm). The same launches on both, except the large GEMM behind
+//! [`linear`] ([`Gpu::gemm`]); [`gemm_tiled`] is the portable one.
 //!
 //! Every launcher checks that each buffer holds what the kernel will index before launching;
 //! buffers are passed as [`Dv`] views (address + length) so callers can hand in sub-ranges.

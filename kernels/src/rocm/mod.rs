@@ -24,7 +24,7 @@
 //! tensor-core tile / packed / flash kernels, no wgmma / TMA / bulk-copy kernels, and no
 //! cuBLAS ([`Gpu::gemm`] is the portable tiled kernel). [`Gpu::TENSOR_CORES`] is false, which
 //! is how the backend picks the per-head absorbed kernels and the f32 MHA-form kernel here;
-//! `backend::rocm_kernels` lists the choice per op.
+//! `backend::dispatch` lists the choice per op.
 //!
 //! **What has run.** Everything here compiles against Debian's `libamdhip64-dev` 5.2, and hipRTC
 //! compiles every kernel source with every set of defines the ROCm arms use for gfx90a on a
