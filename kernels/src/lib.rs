@@ -19,9 +19,9 @@
 //! | [`cpu::mla`] | MLA attention over a paged latent cache (MHA form, absorbed form, tiled kernel) |
 //! | [`cpu::sample`] | sampling parameters, filters and the seeded sampler |
 //! | [`device`] | [`Device`] (`cpu`, `cuda[:N]`, `rocm[:N]`) and probing without panics |
-//! | [`gpu`] | the CUDA/HIP kernel sources (`*.cu`, `compat.cuh`) |
-//! | `cuda` | the CUDA backend (feature `cuda`, default): context, NVRTC, cuBLAS, ops, MLA kernels |
-//! | `rocm` | the ROCm backend (feature `rocm`): HIP runtime through hip-sys, hipRTC |
+//! | [`gpu`] | the CUDA/HIP kernel sources (`*.cu`, `compat.cuh`) and, with a GPU feature, their typed launchers, generic over the runtime (`gpu::launch::Gpu`) |
+//! | `cuda` | the CUDA runtime (feature `cuda`, default): context, NVRTC, cuBLAS, staging; the launchers with CUDA's types |
+//! | `rocm` | the ROCm runtime (feature `rocm`): HIP through hip-sys, hipRTC, `RocmDevice` (`backend::Backend::Rocm`; never executed on an AMD GPU) |
 
 #![warn(missing_docs)]
 

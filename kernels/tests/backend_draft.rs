@@ -1,5 +1,7 @@
 //! The drafter's ops (`backend::draft`) on every backend the machine has (the CPU always; a
-//! CUDA device where `CudaDevice::open(0)` works — the H200 runs):
+//! CUDA device where `CudaDevice::open(0)` works — the H200 runs; with `--features rocm` a ROCm
+//! device where `RocmDevice::open(0)` works, held to CUDA's bounds — the same launchers and
+//! kernels, not yet run on an AMD GPU):
 //!
 //! - `block_attention` against a plain f64 reference over the definition (context rows from
 //!   shuffled block tables, then the block rows, softmax at `1/sqrt(d)`, GQA) for several
@@ -30,11 +32,17 @@ use rand::seq::SliceRandom;
 
 /// Every backend this machine can run.
 fn backends() -> Vec<Backend> {
+    #[cfg_attr(not(any(feature = "cuda", feature = "rocm")), allow(unused_mut))]
     let mut all = vec![Backend::Cpu];
     #[cfg(feature = "cuda")]
     match ferry_kernels::cuda::CudaDevice::open(0) {
         Ok(d) => all.push(Backend::Cuda(d)),
-        Err(e) => eprintln!("CPU backend only: {e}"),
+        Err(e) => eprintln!("no CUDA backend: {e}"),
+    }
+    #[cfg(feature = "rocm")]
+    match ferry_kernels::rocm::RocmDevice::open(0) {
+        Ok(d) => all.push(Backend::Rocm(d)),
+        Err(e) => eprintln!("no ROCm backend: {e}"),
     }
     all
 }
@@ -50,9 +58,12 @@ fn tolerance(b: &Backend, keys: usize) -> f64 {
         Backend::Cpu => 1e-5,
         #[cfg(feature = "cuda")]
         Backend::Cuda(_) => 1e-5,
+        #[cfg(feature = "rocm")]
+        Backend::Rocm(_) => 1e-5,
     }
 }
 
+#[cfg_attr(not(any(feature = "cuda", feature = "rocm")), allow(dead_code))]
 fn check(b: &Backend, what: &str, got: &[f32], want: &[f64]) {
     check_keys(b, what, got, want, 0);
 }
@@ -84,6 +95,10 @@ enum PageStore {
     Cuda(ferry_kernels::cuda::DeviceBuffer<f32>),
     #[cfg(feature = "cuda")]
     CudaBf16(ferry_kernels::cuda::DeviceBuffer<u16>),
+    #[cfg(feature = "rocm")]
+    Rocm(ferry_kernels::rocm::HipBuffer<f32>),
+    #[cfg(feature = "rocm")]
+    RocmBf16(ferry_kernels::rocm::HipBuffer<u16>),
 }
 
 struct Layer {
@@ -98,6 +113,8 @@ impl Layer {
             Backend::Cpu => PageStore::Host(data.to_vec()),
             #[cfg(feature = "cuda")]
             Backend::Cuda(d) => PageStore::Cuda(d.upload(data).expect("upload pages")),
+            #[cfg(feature = "rocm")]
+            Backend::Rocm(d) => PageStore::Rocm(d.upload(data).expect("upload pages")),
         };
         Layer { store, page, width }
     }
@@ -117,6 +134,14 @@ impl Layer {
             PageStore::CudaBf16(buf) => {
                 Pages::Cuda(view(self.page, self.width, buf.ptr(), buf.len(), true))
             }
+            #[cfg(feature = "rocm")]
+            PageStore::Rocm(buf) => {
+                Pages::Rocm(view(self.page, self.width, buf.ptr(), buf.len(), false))
+            }
+            #[cfg(feature = "rocm")]
+            PageStore::RocmBf16(buf) => {
+                Pages::Rocm(view(self.page, self.width, buf.ptr(), buf.len(), true))
+            }
         }
     }
 
@@ -134,6 +159,14 @@ impl Layer {
             PageStore::CudaBf16(buf) => {
                 PagesMut::Cuda(view(self.page, self.width, buf.ptr(), buf.len(), true))
             }
+            #[cfg(feature = "rocm")]
+            PageStore::Rocm(buf) => {
+                PagesMut::Rocm(view(self.page, self.width, buf.ptr(), buf.len(), false))
+            }
+            #[cfg(feature = "rocm")]
+            PageStore::RocmBf16(buf) => {
+                PagesMut::Rocm(view(self.page, self.width, buf.ptr(), buf.len(), true))
+            }
         }
     }
 
@@ -143,26 +176,31 @@ impl Layer {
             #[cfg(feature = "cuda")]
             PageStore::Cuda(buf) => buf.device().download(buf).expect("download pages"),
             #[cfg(feature = "cuda")]
-            PageStore::CudaBf16(buf) => buf
-                .device()
-                .download(buf)
-                .expect("download pages")
-                .into_iter()
-                .map(|b| half::bf16::from_bits(b).to_f32())
-                .collect(),
+            PageStore::CudaBf16(buf) => widen(buf.device().download(buf).expect("download pages")),
+            #[cfg(feature = "rocm")]
+            PageStore::Rocm(buf) => buf.device().download(buf).expect("download pages"),
+            #[cfg(feature = "rocm")]
+            PageStore::RocmBf16(buf) => widen(buf.device().download(buf).expect("download pages")),
         }
     }
 }
 
-#[cfg(feature = "cuda")]
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+fn widen(bits: Vec<u16>) -> Vec<f32> {
+    bits.into_iter()
+        .map(|b| half::bf16::from_bits(b).to_f32())
+        .collect()
+}
+
+#[cfg(any(feature = "cuda", feature = "rocm"))]
 fn view(
     page: usize,
     width: usize,
     ptr: u64,
     len: usize,
     bf16: bool,
-) -> ferry_kernels::cuda::ops::PagesView {
-    ferry_kernels::cuda::ops::PagesView {
+) -> ferry_kernels::gpu::ops::PagesView {
+    ferry_kernels::gpu::ops::PagesView {
         ptr,
         bf16,
         num_blocks: len / (page * width),
@@ -453,16 +491,23 @@ fn the_cpu_arm_is_the_drafters_math_bit_for_bit() {
 
 /// bf16 pages on a GPU: the kernel widens the stored bf16 context rows; the reference uses the
 /// same rounded values.
-#[cfg(feature = "cuda")]
+#[cfg(any(feature = "cuda", feature = "rocm"))]
 #[test]
 fn block_attention_over_bf16_pages() {
-    let Some(gpu) = backends().into_iter().find(|b| !matches!(b, Backend::Cpu)) else {
+    let gpus: Vec<Backend> = backends()
+        .into_iter()
+        .filter(|b| !matches!(b, Backend::Cpu))
+        .collect();
+    if gpus.is_empty() {
         eprintln!("skipping: no GPU");
-        return;
-    };
-    let Backend::Cuda(dev) = &gpu else {
-        return;
-    };
+    }
+    for gpu in gpus {
+        bf16_pages_on(&gpu);
+    }
+}
+
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+fn bf16_pages_on(gpu: &Backend) {
     let (what, d, page, ctx) = CASES[0];
     let case = Case::new(d, page, ctx, 300);
     let bits: Vec<u16> = case
@@ -475,15 +520,22 @@ fn block_attention_over_bf16_pages() {
         .map(|b| half::bf16::from_bits(*b).to_f32())
         .collect();
     let want = case.reference(&rounded);
+    let store = match gpu {
+        #[cfg(feature = "cuda")]
+        Backend::Cuda(dev) => PageStore::CudaBf16(dev.upload(&bits).expect("upload")),
+        #[cfg(feature = "rocm")]
+        Backend::Rocm(dev) => PageStore::RocmBf16(dev.upload(&bits).expect("upload")),
+        Backend::Cpu => unreachable!("bf16 pages are a GPU layout"),
+    };
     let layer = Layer {
-        store: PageStore::CudaBf16(dev.upload(&bits).expect("upload")),
+        store,
         page,
         width: d.ctx_width(),
     };
     check(
-        &gpu,
+        gpu,
         &format!("{what}, bf16 pages"),
-        &case.run(&gpu, &layer),
+        &case.run(gpu, &layer),
         &want,
     );
 }
@@ -636,7 +688,7 @@ fn confidence_is_the_survival_head() {
             .expect("download");
         match b {
             Backend::Cpu => assert_eq!(got, want, "the CPU arm is survival, bit for bit"),
-            #[cfg(feature = "cuda")]
+            #[cfg(any(feature = "cuda", feature = "rocm"))]
             _ => {
                 let want64: Vec<f64> = want.iter().map(|&x| x as f64).collect();
                 check(&b, "confidence", &got, &want64)
@@ -742,7 +794,7 @@ fn cpu_block_ids_and_lengths_are_checked() {
 }
 
 /// An op handed an operand from another backend fails naming the op and the operand.
-#[cfg(feature = "cuda")]
+#[cfg(any(feature = "cuda", feature = "rocm"))]
 #[test]
 fn a_mixed_device_call_names_the_op_and_operand() {
     let Some(gpu) = backends().into_iter().find(|b| !matches!(b, Backend::Cpu)) else {

@@ -1,6 +1,8 @@
 //! Sampling and speculative verification as backend ops (`backend::sample`, `backend::verify`),
-//! on every backend this machine has (the CPU always; a CUDA device when one opens), against the
-//! CPU sampler called directly row by row / sequence by sequence.
+//! on every backend this machine has (the CPU always; a CUDA device when one opens; with
+//! `--features rocm`, a ROCm device when one opens — the same kernels and tolerances, never run
+//! on an AMD GPU yet), against the CPU sampler called directly row by row / sequence by
+//! sequence.
 //!
 //! - `probs`: bit-identical on the CPU (its arm calls the same function). On a GPU max |Δ| ≤
 //!   1e-6 with the kept set identical: the kernel's `expf` is within 2 ulp of the CPU's `exp`
@@ -44,12 +46,17 @@ const DEEPSEEK_VOCAB: usize = 129_280;
 
 /// Every backend this machine can run.
 fn backends() -> Vec<Backend> {
-    #[cfg_attr(not(feature = "cuda"), allow(unused_mut))]
+    #[cfg_attr(not(any(feature = "cuda", feature = "rocm")), allow(unused_mut))]
     let mut all = vec![Backend::Cpu];
     #[cfg(feature = "cuda")]
     match ferry_kernels::cuda::CudaDevice::open(0) {
         Ok(d) => all.push(Backend::Cuda(d)),
-        Err(e) => eprintln!("CPU backend only: {e}"),
+        Err(e) => eprintln!("no CUDA backend: {e}"),
+    }
+    #[cfg(feature = "rocm")]
+    match ferry_kernels::rocm::RocmDevice::open(0) {
+        Ok(d) => all.push(Backend::Rocm(d)),
+        Err(e) => eprintln!("no ROCm backend: {e}"),
     }
     all
 }
@@ -1193,7 +1200,7 @@ fn lengths_params_and_devices_are_checked_before_anything_runs() {
     )
     .unwrap_err();
     assert!(e.to_string().contains("uniforms"), "{e}");
-    #[cfg(feature = "cuda")]
+    #[cfg(any(feature = "cuda", feature = "rocm"))]
     for gpu in backends().iter().filter(|b| !is_cpu(b)) {
         // Operands made for the CPU are refused by the GPU arm, naming them.
         let e = probs(

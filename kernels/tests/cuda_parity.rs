@@ -155,6 +155,9 @@ fn nvrtc_compiles_every_source() {
         }
         let ptx = compile_ptx(Source::Common, &Default::default(), cc).expect("common.cu compiles");
         assert!(ptx.contains("moe_route") && ptx.contains("gemv_bf16"));
+        // The portable GEMM (ROCm's large GEMM) compiles for CUDA too: its contract test runs
+        // here (`gemm_tiled_matches_cpu`).
+        assert!(ptx.contains("gemm_tiled_f32") && ptx.contains("gemm_tiled_bf16"));
         if let Ok(dir) = std::env::var("FERRY_PTX_DIR") {
             std::fs::write(format!("{dir}/common_sm{}{}.ptx", cc.0, cc.1), &ptx).expect("write");
         }
@@ -233,6 +236,66 @@ fn linear_matches_cpu() {
             }
         }
     }
+}
+
+/// The portable tiled GEMM (`gemm_tiled_{f32,bf16}`: ROCm's GEMM above 8 rows, which no AMD
+/// GPU has run) on this CUDA device against the CPU's `linear`: f32 and bf16 weights, row
+/// counts from 1 to past two 64-row tiles, widths that are not multiples of the 64 × 64 tile
+/// or the 16-deep k step, and the accumulate flag. f32 activations and f32 accumulation in
+/// order of k: 1e-5 of max |reference| (summation order only).
+#[test]
+#[ignore = "needs an NVIDIA GPU: run on the GPU machine with --include-ignored (docs/gpu.md)"]
+fn gemm_tiled_matches_cpu() {
+    let Some(dev) = gpu("gemm_tiled_matches_cpu") else {
+        return;
+    };
+    let mut rng = common::rng(41);
+    for (n, k) in [(96, 256), (130, 1000), (40, 100), (7, 33)] {
+        let wf = common::uniform(&mut rng, n * k, 0.05);
+        let wb = common::uniform_bf16(&mut rng, n * k, 0.05);
+        for w in [
+            Matrix::from_f32(n, k, wf.clone()).expect("len"),
+            Matrix::from_bf16(n, k, wb.clone()).expect("len"),
+        ] {
+            let gw = GpuMatrix::upload(&dev, &w).expect("upload");
+            for m in [1, 9, 64, 65, 130] {
+                let x = common::uniform(&mut rng, m * k, 1.0);
+                let mut want = vec![0.0f32; m * n];
+                linear(&x, &w, &mut want).expect("cpu");
+                let gx = dev.upload(&x).expect("up");
+                let go = dev.zeros::<f32>(m * n).expect("out");
+                ops::gemm_tiled(&dev, gx.v(), &gw, go.v(), false).expect("gemm_tiled");
+                let got = dev.download(&go).expect("down");
+                let e = rel_err(&got, &want);
+                eprintln!(
+                    "gemm_tiled m={m} n={n} k={k} bf16={}: rel err {e:.2e}",
+                    gw.is_bf16()
+                );
+                assert!(
+                    e < 1e-5,
+                    "gemm_tiled m={m} n={n} k={k} bf16={}: rel err {e}",
+                    gw.is_bf16()
+                );
+                // Accumulate: out = base + x · Wᵀ.
+                let base = common::uniform(&mut rng, m * n, 1.0);
+                let go = dev.upload(&base).expect("base");
+                ops::gemm_tiled(&dev, gx.v(), &gw, go.v(), true).expect("accumulate");
+                let got = dev.download(&go).expect("down");
+                let want_acc: Vec<f32> = want.iter().zip(&base).map(|(a, b)| a + b).collect();
+                let e = rel_err(&got, &want_acc);
+                assert!(e < 1e-5, "accumulating gemm_tiled m={m}: rel err {e}");
+            }
+        }
+    }
+    // Lengths are checked before the launch.
+    let gw = GpuMatrix::upload(&dev, &Matrix::from_f32(4, 8, vec![0.0; 32]).expect("w"))
+        .expect("upload");
+    let gx = dev.zeros::<f32>(9 * 8).expect("x");
+    let short = dev.zeros::<f32>(9 * 4 - 1).expect("out");
+    let e = ops::gemm_tiled(&dev, gx.v(), &gw, short.v(), false)
+        .expect_err("short out")
+        .to_string();
+    assert!(e.contains("gemm_tiled") && e.contains("`out`"), "{e}");
 }
 
 #[test]

@@ -11,6 +11,7 @@
 //! | [`session`] | one sequence over a pool: reserve blocks, run, advance (CLI and tests) |
 //! | [`engine`] | the engine thread: continuous batching, local and remote prefill, prefill jobs with per-layer KV streaming |
 //! | `gpu` | the whole forward on a CUDA device (feature `cuda`): weights and paged KV in device memory |
+//! | `rocm` | the ROCm latent cache (feature `rocm`): the same forward on `Backend::Rocm` over HIP device memory (never run on an AMD GPU) |
 //! | [`embedded`] | the embedded default model and drafter, compiled in (re-exported from `ferry-modelcard`) |
 pub use ferry_modelcard::config;
 pub mod deepseek;
@@ -21,6 +22,8 @@ pub mod error;
 #[cfg(feature = "cuda")]
 pub mod gpu;
 pub mod kv;
+#[cfg(feature = "rocm")]
+pub mod rocm;
 pub mod session;
 pub use ferry_modelcard::tokenizer;
 pub mod weights;

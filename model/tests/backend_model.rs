@@ -3,8 +3,10 @@
 //! the sum of what a decode step reads.
 
 use ferry_kernels::backend::{Backend, Precision};
-use ferry_model::deepseek::{BatchInputs, DeepseekModel, LogitsWanted, SeqInput};
-use ferry_model::kv::BlockTable;
+use ferry_model::deepseek::{
+    AttentionForm, BatchInputs, DeepseekModel, FormPolicy, LogitsWanted, SeqInput,
+};
+use ferry_model::kv::{BlockId, BlockTable, KvRows};
 
 fn load() -> DeepseekModel {
     DeepseekModel::load(&ferry_model::embedded::default_model_dir()).expect("embedded model")
@@ -39,6 +41,132 @@ fn a_model_copied_to_the_cpu_backend_gives_the_same_logits() {
     let (a, b) = (logits(&model, &prompt), logits(&copy, &prompt));
     assert_eq!(a.len(), 37 * model.config().vocab_size);
     assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()));
+}
+
+/// Golden case `i` of the embedded target: its prompt ids (transformers' golden data).
+fn golden_prompt(i: usize) -> Vec<u32> {
+    let path = ferry_model::embedded::default_model_dir().join("golden/cases.json");
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).expect("golden cases"))
+            .expect("golden json");
+    v["cases"][i]["prompt_ids"]
+        .as_array()
+        .expect("prompt ids")
+        .iter()
+        .map(|t| t.as_u64().expect("id") as u32)
+        .collect()
+}
+
+/// Every backend this machine has, each with the model copied onto it and KV rows where it
+/// runs: the CPU always, a CUDA device and a ROCm device where one opens (the ROCm one only
+/// in a `--features rocm` build; no AMD GPU has run this yet).
+fn backends(
+    model: &DeepseekModel,
+    blocks: usize,
+    page: usize,
+) -> Vec<(DeepseekModel, Box<dyn KvRows>)> {
+    let mut all: Vec<(DeepseekModel, Box<dyn KvRows>)> = Vec::new();
+    let cpu = model
+        .to_backend(&Backend::Cpu, Precision::Exact)
+        .expect("cpu copy");
+    let pool = cpu.new_kv_pool(blocks, page).expect("pool");
+    all.push((cpu, Box::new(pool)));
+    #[cfg(feature = "cuda")]
+    match ferry_kernels::cuda::CudaDevice::open(0) {
+        Ok(dev) => {
+            let gpu = model
+                .to_backend(&Backend::Cuda(dev), Precision::Exact)
+                .expect("cuda copy");
+            let cache = gpu.new_kv_cache(blocks, page).expect("cuda cache");
+            all.push((gpu, Box::new(cache)));
+        }
+        Err(e) => eprintln!("no CUDA backend: {e}"),
+    }
+    #[cfg(feature = "rocm")]
+    match ferry_kernels::rocm::RocmDevice::open(0) {
+        Ok(dev) => {
+            let gpu = model.to_rocm(&dev, Precision::Exact).expect("rocm copy");
+            let cache = gpu.new_rocm_kv_cache(blocks, page).expect("rocm cache");
+            all.push((gpu, Box::new(cache)));
+        }
+        Err(e) => eprintln!("no ROCm backend: {e}"),
+    }
+    all
+}
+
+fn rel(a: &[f32], b: &[f32]) -> f32 {
+    let d = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0f32, f32::max);
+    d / b.iter().map(|x| x.abs()).fold(0.0f32, f32::max).max(1e-30)
+}
+
+/// The one forward on every backend the machine has gives the CPU's logits on a golden prompt:
+/// the prompt's prefill (every row; above the GEMV's 8 rows, so each backend's large GEMM) then
+/// four decode steps fed the CPU's greedy tokens, in the cost model's attention form and each
+/// form forced. Exact precision, the CPU copy the reference: within the CPU-vs-Hugging-Face
+/// bound, max |Δlogit| ≤ 1e-3 · max|logit|, on a GPU (f32 everywhere, summation order only —
+/// `gpu_parity.rs` states the same for CUDA). Only the CPU runs unless a GPU opens.
+#[test]
+fn every_backend_gives_the_cpus_logits_on_a_golden_prompt() {
+    let model = load();
+    let prompt = golden_prompt(0);
+    let page = 16;
+    let blocks = (prompt.len() + 8).div_ceil(page) + 2;
+    // A scrambled table: blocks in reverse order, skipping the first one.
+    let table: Vec<BlockId> = (1..blocks as u32).rev().map(BlockId).collect();
+    for policy in [
+        FormPolicy::CostModel,
+        FormPolicy::Force(AttentionForm::Absorbed),
+        FormPolicy::Force(AttentionForm::Mha),
+    ] {
+        let mut reference: Vec<Vec<f32>> = Vec::new();
+        for (i, (m, mut kv)) in backends(&model, blocks, page).into_iter().enumerate() {
+            let mut tokens = prompt.clone();
+            let mut start = 0;
+            let mut worst = 0.0f32;
+            for step in 0..5 {
+                let wanted = if step == 0 {
+                    LogitsWanted::All
+                } else {
+                    LogitsWanted::Last
+                };
+                let batch = BatchInputs {
+                    seqs: vec![SeqInput {
+                        tokens: &tokens[start..],
+                        start_pos: start,
+                        block_table: &table,
+                        logits: wanted,
+                    }],
+                };
+                let out = m
+                    .forward_with(&batch, kv.as_mut(), policy)
+                    .unwrap_or_else(|e| panic!("{} forward: {e}", m.backend().name()));
+                let logits: Vec<f32> = out.logits.into_iter().flatten().collect();
+                if i == 0 {
+                    reference.push(logits.clone());
+                } else {
+                    worst = worst.max(rel(&logits, &reference[step]));
+                }
+                // Every backend continues from the CPU's greedy token.
+                let last = &reference[step][reference[step].len() - m.config().vocab_size..];
+                start = tokens.len();
+                tokens.push(ferry_kernels::cpu::sample::argmax(last));
+            }
+            let bound = if i == 0 { 0.0 } else { 1e-3 };
+            eprintln!(
+                "{policy:?} on the {}: max |Δlogit| / max|logit| = {worst:.2e}",
+                m.backend().name()
+            );
+            assert!(
+                worst <= bound,
+                "{policy:?} on the {}: {worst}",
+                m.backend().name()
+            );
+        }
+    }
 }
 
 /// A roofline's bytes per token: at least the dense attention weights of every layer plus one

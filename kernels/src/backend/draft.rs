@@ -8,9 +8,9 @@
 //! block `table[p / page]`.
 //!
 //! CPU arms call [`crate::cpu::draft`], the math the host-only drafter runs, so the two give
-//! the same bits. CUDA arms call `crate::cuda::draft`; its block attention is f32 with an
-//! online softmax and a split-K merge, so it matches the CPU within summation order (1e-5 of
-//! max |out|, `tests/backend_draft.rs`).
+//! the same bits. GPU arms (CUDA and ROCm, one launcher each) call `crate::gpu::draft`; its
+//! block attention is f32 with an online softmax and a split-K merge, so it matches the CPU
+//! within summation order (1e-5 of max |out|, `tests/backend_draft.rs`).
 
 use super::{mismatch, Backend, Ints, Pages, PagesMut, Slots, Tensor};
 use crate::cpu::draft::{BlockAttnDims, BlockRows, ConfidenceRows, PagedContext};
@@ -32,19 +32,18 @@ pub struct ScatterRows<'a> {
 /// checked before the launch and a slot outside the pool is skipped by the kernel.
 pub fn scatter_rows(b: &Backend, p: ScatterRows<'_>) -> Result<(), KernelError> {
     const OP: &str = "scatter_rows";
-    let n_slots = match p.slots {
-        Slots::Host(v) => v.len(),
-        #[cfg(feature = "cuda")]
-        Slots::Cuda(v) => v.len(),
-    };
-    let width = match &p.pages {
-        PagesMut::Host { width, .. } => *width,
-        #[cfg(feature = "cuda")]
-        PagesMut::Cuda(v) => v.width,
-    };
+    let n_slots = p.slots.len();
+    let width = p.pages.width();
     crate::cpu::gemm::check_len(OP, "rows", n_slots * width, p.rows.len())?;
-    match (b, p.pages) {
-        (Backend::Cpu, PagesMut::Host { data, width }) => {
+    match b {
+        Backend::Cpu => {
+            let got = p.pages.place();
+            // (Irrefutable in a build without a GPU backend.)
+            #[allow(irrefutable_let_patterns)]
+            let PagesMut::Host { data, width } = p.pages
+            else {
+                return Err(mismatch(OP, "pages", b, got));
+            };
             let rows = p.rows.host(OP, "rows")?;
             let slots = p.slots.host(OP, "slots")?;
             let n = data.len().checked_div(width).unwrap_or(0);
@@ -55,15 +54,21 @@ pub fn scatter_rows(b: &Backend, p: ScatterRows<'_>) -> Result<(), KernelError> 
             Ok(())
         }
         #[cfg(feature = "cuda")]
-        (Backend::Cuda(dev), PagesMut::Cuda(pages)) => {
-            let (rows, slots) = (p.rows.dv(OP, "rows")?, p.slots.dv(OP, "slots")?);
-            crate::cuda::draft::scatter_rows(dev, rows, slots, pages)
-        }
-        #[cfg(feature = "cuda")]
-        (b, PagesMut::Host { .. }) => Err(mismatch(OP, "pages", b, "CPU")),
-        #[cfg(feature = "cuda")]
-        (b, PagesMut::Cuda(_)) => Err(mismatch(OP, "pages", b, "CUDA device")),
+        Backend::Cuda(dev) => scatter_on(dev, &p),
+        #[cfg(feature = "rocm")]
+        Backend::Rocm(dev) => scatter_on(dev, &p),
     }
+}
+
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+fn scatter_on<D: super::OnDevice>(dev: &D, p: &ScatterRows<'_>) -> Result<(), KernelError> {
+    const OP: &str = "scatter_rows";
+    let pages = super::pmv::<D>(&p.pages, OP)?;
+    let (rows, slots) = (
+        super::tv::<D>(p.rows, OP, "rows")?,
+        super::sv::<D>(p.slots, OP, "slots")?,
+    );
+    crate::gpu::draft::scatter_rows(dev, rows, slots, pages)
 }
 
 /// The drafter's block attention for a batch of `S` sequences, one drafter layer.
@@ -130,11 +135,7 @@ pub fn block_attention(b: &Backend, p: BlockAttention<'_>) -> Result<Tensor, Ker
             got: p.ctx.len(),
         });
     }
-    let (page, width) = match p.pages {
-        Pages::Host(h) => (h.page_size, h.width),
-        #[cfg(feature = "cuda")]
-        Pages::Cuda(v) => (v.page_size, v.width),
-    };
+    let (page, width) = p.pages.geometry();
     crate::cpu::gemm::check_len(OP, "pages.width", d.ctx_width(), width)?;
     if page == 0 {
         return Err(KernelError::InvalidParam {
@@ -181,23 +182,35 @@ pub fn block_attention(b: &Backend, p: BlockAttention<'_>) -> Result<Tensor, Ker
             crate::cpu::draft::block_attention(&d, x, cx, out.host_mut(OP, "out")?)?;
         }
         #[cfg(feature = "cuda")]
-        Backend::Cuda(dev) => {
-            let batch = crate::cuda::draft::BlockAttnBatch {
-                q: p.q.dv(OP, "q")?,
-                k: p.k.dv(OP, "k")?,
-                v: p.v.dv(OP, "v")?,
-                pages: p.pages.dv(OP)?,
-                tables: p.tables.dv(OP, "tables")?,
-                stride: p.stride,
-                ctx: p.ctx.dv(OP, "ctx")?,
-                seqs: s_n,
-                max_ctx: p.ctx_host.iter().copied().max().unwrap_or(0),
-                dims: d,
-            };
-            crate::cuda::draft::block_attention(dev, &batch, out.dv(OP, "out")?)?;
-        }
+        Backend::Cuda(dev) => attention_on(dev, &p, d, &out)?,
+        #[cfg(feature = "rocm")]
+        Backend::Rocm(dev) => attention_on(dev, &p, d, &out)?,
     }
     Ok(out)
+}
+
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+fn attention_on<D: super::OnDevice>(
+    dev: &D,
+    p: &BlockAttention<'_>,
+    d: BlockAttnDims,
+    out: &Tensor,
+) -> Result<(), KernelError> {
+    use super::{iv, pv, tv};
+    const OP: &str = "block_attention";
+    let batch = crate::gpu::draft::BlockAttnBatch {
+        q: tv::<D>(p.q, OP, "q")?,
+        k: tv::<D>(p.k, OP, "k")?,
+        v: tv::<D>(p.v, OP, "v")?,
+        pages: pv::<D>(&p.pages, OP)?,
+        tables: iv::<D>(p.tables, OP, "tables")?,
+        stride: p.stride,
+        ctx: iv::<D>(p.ctx, OP, "ctx")?,
+        seqs: p.ctx_host.len(),
+        max_ctx: p.ctx_host.iter().copied().max().unwrap_or(0),
+        dims: d,
+    };
+    crate::gpu::draft::block_attention(dev, &batch, tv::<D>(out, OP, "out")?)
 }
 
 /// The concatenation of tapped hidden states: out row `r` is `srcs[0][rows[r]]`, then
@@ -246,17 +259,27 @@ pub fn gather_concat(b: &Backend, p: GatherConcat<'_>) -> Result<Tensor, KernelE
             crate::cpu::draft::concat_rows(&srcs, rows, p.width, out.host_mut(OP, "out")?)?;
         }
         #[cfg(feature = "cuda")]
-        Backend::Cuda(dev) => {
-            let srcs = p
-                .srcs
-                .iter()
-                .map(|t| t.dv(OP, "src"))
-                .collect::<Result<Vec<_>, _>>()?;
-            let rows = p.rows.dv(OP, "rows")?;
-            crate::cuda::draft::concat_rows(dev, &srcs, rows, p.width, out.dv(OP, "out")?)?;
-        }
+        Backend::Cuda(dev) => concat_on(dev, p, &out)?,
+        #[cfg(feature = "rocm")]
+        Backend::Rocm(dev) => concat_on(dev, p, &out)?,
     }
     Ok(out)
+}
+
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+fn concat_on<D: super::OnDevice>(
+    dev: &D,
+    p: GatherConcat<'_>,
+    out: &Tensor,
+) -> Result<(), KernelError> {
+    const OP: &str = "gather_concat";
+    let srcs = p
+        .srcs
+        .iter()
+        .map(|t| super::tv::<D>(t, OP, "src"))
+        .collect::<Result<Vec<_>, _>>()?;
+    let rows = super::iv::<D>(p.rows, OP, "rows")?;
+    crate::gpu::draft::concat_rows(dev, &srcs, rows, p.width, super::tv::<D>(out, OP, "out")?)
 }
 
 /// DSpark's confidence head over `R` block positions: `σ(wᵀ[h_r ; e_r] + bias)`.
@@ -322,16 +345,28 @@ pub fn confidence(b: &Backend, p: Confidence<'_>) -> Result<Tensor, KernelError>
             crate::cpu::draft::confidence(w, p.bias, x, out.host_mut(OP, "out")?)?;
         }
         #[cfg(feature = "cuda")]
-        Backend::Cuda(dev) => {
-            let batch = crate::cuda::draft::ConfidenceBatch {
-                h: p.h.dv(OP, "h")?,
-                e: p.e.dv(OP, "e")?,
-                w: p.w.dv(OP, "w")?,
-                hidden,
-                bias: p.bias,
-            };
-            crate::cuda::draft::confidence(dev, &batch, out.dv(OP, "out")?)?;
-        }
+        Backend::Cuda(dev) => confidence_on(dev, p, hidden, &out)?,
+        #[cfg(feature = "rocm")]
+        Backend::Rocm(dev) => confidence_on(dev, p, hidden, &out)?,
     }
     Ok(out)
+}
+
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+fn confidence_on<D: super::OnDevice>(
+    dev: &D,
+    p: Confidence<'_>,
+    hidden: usize,
+    out: &Tensor,
+) -> Result<(), KernelError> {
+    use super::tv;
+    const OP: &str = "confidence";
+    let batch = crate::gpu::draft::ConfidenceBatch {
+        h: tv::<D>(p.h, OP, "h")?,
+        e: tv::<D>(p.e, OP, "e")?,
+        w: tv::<D>(p.w, OP, "w")?,
+        hidden,
+        bias: p.bias,
+    };
+    crate::gpu::draft::confidence(dev, &batch, tv::<D>(out, OP, "out")?)
 }

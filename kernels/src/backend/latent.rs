@@ -25,8 +25,15 @@ pub struct LatentWrite<'a> {
 /// Runs [`LatentWrite`].
 pub fn latent_write(b: &Backend, p: LatentWrite<'_>) -> Result<(), KernelError> {
     const OP: &str = "latent_write";
-    match (b, p.pages) {
-        (Backend::Cpu, PagesMut::Host { data, width }) => {
+    match b {
+        Backend::Cpu => {
+            let got = p.pages.place();
+            // (Irrefutable in a build without a GPU backend.)
+            #[allow(irrefutable_let_patterns)]
+            let PagesMut::Host { data, width } = p.pages
+            else {
+                return Err(super::mismatch(OP, "pages", b, got));
+            };
             let norm = p.norm.host(OP, "norm")?;
             let kv_lora = norm.len();
             let latent = p.latent.host_mut(OP, "latent")?;
@@ -57,30 +64,24 @@ pub fn latent_write(b: &Backend, p: LatentWrite<'_>) -> Result<(), KernelError> 
             Ok(())
         }
         #[cfg(feature = "cuda")]
-        (Backend::Cuda(dev), PagesMut::Cuda(pages)) => {
-            let RopeTable::Cuda(rope) = p.rope else {
-                return Err(KernelError::DeviceMismatch {
-                    op: OP,
-                    what: "rope",
-                    expected: b.name(),
-                    got: "CPU",
-                });
-            };
-            let fin = crate::cuda::ops::LatentFinish {
-                latent: p.latent.dv(OP, "latent")?,
-                norm: p.norm.dv(OP, "norm")?,
-                eps: p.eps,
-                rope,
-                slots: p.slots.dv(OP, "slots")?,
-            };
-            crate::cuda::ops::latent_finish(dev, &fin, pages)
-        }
-        #[cfg(feature = "cuda")]
-        (b, _) => Err(KernelError::DeviceMismatch {
-            op: OP,
-            what: "pages",
-            expected: b.name(),
-            got: "another backend",
-        }),
+        Backend::Cuda(dev) => write_on(dev, &p),
+        #[cfg(feature = "rocm")]
+        Backend::Rocm(dev) => write_on(dev, &p),
     }
+}
+
+/// The GPU arm: one fused launch (norm, RoPE, store).
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+fn write_on<D: super::OnDevice>(dev: &D, p: &LatentWrite<'_>) -> Result<(), KernelError> {
+    use super::{pmv, sv, tv};
+    const OP: &str = "latent_write";
+    let pages = pmv::<D>(&p.pages, OP)?;
+    let fin = crate::gpu::ops::LatentFinish {
+        latent: tv::<D>(p.latent, OP, "latent")?,
+        norm: tv::<D>(p.norm, OP, "norm")?,
+        eps: p.eps,
+        rope: p.rope.on::<D>(OP)?,
+        slots: sv::<D>(p.slots, OP, "slots")?,
+    };
+    crate::gpu::ops::latent_finish(dev, &fin, pages)
 }

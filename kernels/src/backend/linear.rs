@@ -2,7 +2,9 @@
 //!
 //! CPU: the `gemm` crate over bf16 or f32 weights ([`crate::cpu::gemm::linear`]). CUDA: a GEMV
 //! kernel for ≤ 8 rows (decode), cuBLAS above, with the activations split into two bf16 halves
-//! ([`Precision::Exact`]) or rounded to bf16 ([`Precision::Fast`]) against bf16 weights.
+//! ([`Precision::Exact`]) or rounded to bf16 ([`Precision::Fast`]) against bf16 weights. ROCm:
+//! the same GEMV, and above it the portable tiled GEMM (`gemm_tiled_*`, f32 activations in
+//! both precisions).
 
 use super::{Backend, Precision, Tensor, Weight};
 use crate::KernelError;
@@ -46,9 +48,20 @@ pub fn linear_into(b: &Backend, p: Linear<'_>, out: &mut Tensor) -> Result<(), K
             crate::cpu::gemm::linear(x, w, out.host_mut(OP, "out")?)
         }
         #[cfg(feature = "cuda")]
-        Backend::Cuda(dev) => {
-            let (x, w, y) = (p.x.dv(OP, "x")?, p.w.gpu(OP, "w")?, out.dv(OP, "out")?);
-            crate::cuda::ops::linear(dev, x, w, y, p.precision.gemm())
-        }
+        Backend::Cuda(dev) => on_gpu(dev, p, out),
+        #[cfg(feature = "rocm")]
+        Backend::Rocm(dev) => on_gpu(dev, p, out),
     }
+}
+
+/// The GPU arm, one for every runtime.
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+fn on_gpu<D: super::OnDevice>(dev: &D, p: Linear<'_>, out: &Tensor) -> Result<(), KernelError> {
+    use super::{tv, wv};
+    let (x, w, y) = (
+        tv::<D>(p.x, OP, "x")?,
+        wv::<D>(p.w, OP, "w")?,
+        tv::<D>(out, OP, "out")?,
+    );
+    crate::gpu::ops::linear(dev, x, w, y, p.precision.gemm())
 }

@@ -1,13 +1,14 @@
 //! MLA in the absorbed form for a run of sequences with the same query count: `W_UK` folded
 //! into the queries, attention over the shared latent, `W_UV` folded into the output.
 //!
-//! CPU: [`crate::cpu::mla::mla_absorbed_form`] per sequence. CUDA: one absorb launch, one
-//! attention launch for the whole run (split-K planned for `max_ctx`), one unabsorb. In fast
-//! mode the attention runs on tensor cores in 16-row head tiles, head counts the tile does not
-//! take zero-padded (12 → 16, `mla_absorbed_padded`), or with several queries' heads packed
-//! into one tile.
+//! CPU: [`crate::cpu::mla::mla_absorbed_form`] per sequence. GPU: one absorb launch, one
+//! attention launch for the whole run (split-K planned for `max_ctx`), one unabsorb. On CUDA in
+//! fast mode the attention runs on tensor cores in 16-row head tiles, head counts the tile does
+//! not take zero-padded (12 → 16, `mla_absorbed_padded`), or with several queries' heads packed
+//! into one tile. On ROCm (no tensor-core kernels) it is the per-head kernel in both modes,
+//! f32 or bf16 ([`super::dispatch::absorbed`]).
 
-use super::{AbsorbedKernel, AttnKernels, Backend, Ints, Pages, Precision, Tensor, Weight};
+use super::{AttnKernels, Backend, Ints, Pages, Tensor, Weight};
 use crate::cpu::mla::{LatentContext, MlaDims, SeqAttn};
 use crate::KernelError;
 
@@ -50,7 +51,6 @@ pub struct AbsorbedRun<'a> {
 pub fn mla_absorbed(b: &Backend, p: AbsorbedRun<'_>) -> Result<(), KernelError> {
     let d = p.dims;
     let (qk, hv) = (d.heads * d.qk_head_dim(), d.heads * d.v_head_dim);
-    let rows = p.seqs * p.sq;
     match b {
         Backend::Cpu => {
             let pages = p.pages.host(OP)?;
@@ -84,83 +84,79 @@ pub fn mla_absorbed(b: &Backend, p: AbsorbedRun<'_>) -> Result<(), KernelError> 
             Ok(())
         }
         #[cfg(feature = "cuda")]
-        Backend::Cuda(dev) => {
-            use crate::cuda::mla::{self as k, AbsorbedBatch, Elems};
-            use crate::cuda::ops::{self, AbsorbedOut};
-            let shape = shape_for(&d, dev);
-            let hs = head_shape(&d);
-            let lw = d.latent_width();
-            let kv_b = p.kv_b.gpu(OP, "kv_b")?;
-            let q = p.q.dv(OP, "q")?.sub(p.first_row * qk, rows * qk)?;
-            let out = p.out.dv(OP, "out")?.sub(p.first_row * hv, rows * hv)?;
-            let o_lat = dev.alloc::<f32>(rows * d.heads * d.kv_lora_rank)?;
-            let (table, ctx) = (p.tables.dv(OP, "tables")?, p.ctx.dv(OP, "ctx")?);
-            let pages = p.pages.dv(OP)?;
-            let mk = |q: Elems| AbsorbedBatch {
-                q,
-                pages,
-                block_table: table,
-                bt_stride: p.stride,
-                ctx_len: ctx,
-                max_ctx: p.max_ctx,
-                batch: p.seqs,
-                sq: p.sq,
-                heads: d.heads,
-                scale: p.scale,
-            };
-            match p.kernels.precision {
-                Precision::Exact => {
-                    let q_abs = dev.alloc::<f32>(rows * d.heads * lw)?;
-                    ops::absorb(dev, q, kv_b, hs, AbsorbedOut::F32(q_abs.v()))?;
-                    let batch = mk(Elems::F32(q_abs.v()));
-                    k::mla_absorbed(dev, shape, k::AbsorbedKernel::Generic, &batch, o_lat.v())?;
-                }
-                Precision::Fast => {
-                    let q_abs = dev.alloc::<u16>(rows * d.heads * lw)?;
-                    ops::absorb(dev, q, kv_b, hs, AbsorbedOut::Bf16(q_abs.v()))?;
-                    let batch = mk(Elems::Bf16(q_abs.v()));
-                    match p.kernels.absorbed {
-                        AbsorbedKernel::Tile if shape.tile_ok() => {
-                            k::mla_absorbed_padded(dev, shape, &batch, o_lat.v())?
-                        }
-                        AbsorbedKernel::Packed if shape.tile_ok() => k::mla_absorbed(
-                            dev,
-                            shape,
-                            k::AbsorbedKernel::Packed,
-                            &batch,
-                            o_lat.v(),
-                        )?,
-                        _ => k::mla_absorbed(
-                            dev,
-                            shape,
-                            k::AbsorbedKernel::Generic,
-                            &batch,
-                            o_lat.v(),
-                        )?,
-                    }
-                }
-            }
-            ops::unabsorb(dev, o_lat.v(), kv_b, hs, out)
-        }
+        Backend::Cuda(dev) => absorbed_on(dev, p),
+        #[cfg(feature = "rocm")]
+        Backend::Rocm(dev) => absorbed_on(dev, p),
     }
 }
 
-/// The attention kernels' shape for `d`, with the tile pipeline tuned for `dev`'s card.
-#[cfg(feature = "cuda")]
-pub fn shape_for(d: &MlaDims, dev: &crate::cuda::CudaDevice) -> crate::cuda::mla::MlaShape {
-    crate::cuda::mla::MlaShape::new(
-        d.latent_width(),
-        d.kv_lora_rank,
-        d.qk_head_dim(),
-        d.v_head_dim,
-    )
-    .tuned_for(dev.compute_capability())
+/// The GPU arm: one absorb launch, the attention kernel [`super::dispatch::absorbed`] picks for
+/// the runtime (split-K planned for `max_ctx`), one unabsorb.
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+fn absorbed_on<D: super::OnDevice>(dev: &D, p: AbsorbedRun<'_>) -> Result<(), KernelError> {
+    use super::dispatch::{self, AbsorbedPlan};
+    use super::{iv, pv, tv, wv};
+    use crate::gpu::launch::DeviceMem;
+    use crate::gpu::mla::{self as k, AbsorbedBatch, Elems};
+    use crate::gpu::ops::{self, AbsorbedOut};
+    let d = p.dims;
+    let (qk, hv) = (d.heads * d.qk_head_dim(), d.heads * d.v_head_dim);
+    let rows = p.seqs * p.sq;
+    let shape = shape_for(&d, dev);
+    let hs = head_shape(&d);
+    let lw = d.latent_width();
+    let kv_b = wv::<D>(p.kv_b, OP, "kv_b")?;
+    let q = tv::<D>(p.q, OP, "q")?.sub(p.first_row * qk, rows * qk)?;
+    let out = tv::<D>(p.out, OP, "out")?.sub(p.first_row * hv, rows * hv)?;
+    let o_lat = dev.alloc::<f32>(rows * d.heads * d.kv_lora_rank)?;
+    let (table, ctx) = (iv::<D>(p.tables, OP, "tables")?, iv::<D>(p.ctx, OP, "ctx")?);
+    let pages = pv::<D>(&p.pages, OP)?;
+    let mk = |q: Elems| AbsorbedBatch {
+        q,
+        pages,
+        block_table: table,
+        bt_stride: p.stride,
+        ctx_len: ctx,
+        max_ctx: p.max_ctx,
+        batch: p.seqs,
+        sq: p.sq,
+        heads: d.heads,
+        scale: p.scale,
+    };
+    match dispatch::absorbed::<D>(p.kernels, &shape) {
+        AbsorbedPlan::GenericF32 => {
+            let q_abs = dev.alloc::<f32>(rows * d.heads * lw)?;
+            ops::absorb(dev, q, kv_b, hs, AbsorbedOut::F32(q_abs.v()))?;
+            let batch = mk(Elems::F32(q_abs.v()));
+            k::mla_absorbed(dev, shape, k::AbsorbedKernel::Generic, &batch, o_lat.v())?;
+        }
+        plan => {
+            let q_abs = dev.alloc::<u16>(rows * d.heads * lw)?;
+            ops::absorb(dev, q, kv_b, hs, AbsorbedOut::Bf16(q_abs.v()))?;
+            let batch = mk(Elems::Bf16(q_abs.v()));
+            match plan {
+                AbsorbedPlan::TilePadded => k::mla_absorbed_padded(dev, shape, &batch, o_lat.v())?,
+                AbsorbedPlan::Packed => {
+                    k::mla_absorbed(dev, shape, k::AbsorbedKernel::Packed, &batch, o_lat.v())?
+                }
+                _ => k::mla_absorbed(dev, shape, k::AbsorbedKernel::Generic, &batch, o_lat.v())?,
+            }
+        }
+    }
+    ops::unabsorb(dev, o_lat.v(), kv_b, hs, out)
+}
+
+/// The attention kernels' shape for `d`, with the tile pipeline tuned for `dev`'s card (the
+/// untuned shape on a runtime without CUDA's compute capabilities).
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+pub fn shape_for<D: crate::gpu::launch::Gpu>(d: &MlaDims, dev: &D) -> crate::gpu::mla::MlaShape {
+    super::dispatch::mla_shape(d, dev.compute_capability())
 }
 
 /// `d` as the absorb / unabsorb / decompress kernels take it.
-#[cfg(feature = "cuda")]
-pub(crate) fn head_shape(d: &MlaDims) -> crate::cuda::ops::HeadShape {
-    crate::cuda::ops::HeadShape {
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+pub(crate) fn head_shape(d: &MlaDims) -> crate::gpu::ops::HeadShape {
+    crate::gpu::ops::HeadShape {
         heads: d.heads,
         nope: d.qk_nope_head_dim,
         rope: d.qk_rope_head_dim,

@@ -2,8 +2,9 @@
 //! K and V with `kv_b_proj`, then causal attention (fresh prompts and long chunks, where it
 //! costs fewer FLOPs than the absorbed form).
 //!
-//! CPU: [`crate::cpu::mla::mla_mha_attention`]. CUDA: gather the latents, one GEMM, build K/V,
-//! then the flash kernel on bf16 (fast mode, where the shape fits) or the f32 kernel.
+//! CPU: [`crate::cpu::mla::mla_mha_attention`]. GPU: gather the latents, one GEMM, build K/V,
+//! then on CUDA the tensor-core kernel on bf16 (fast mode, where the shape fits) or the f32
+//! kernel; on ROCm the f32 kernel in both modes ([`super::dispatch::mha`]).
 
 use super::{Backend, Ints, Pages, Precision, Tensor, Weight};
 use crate::cpu::mla::{LatentContext, MlaDims, SeqAttn};
@@ -76,61 +77,77 @@ pub fn mla_mha(b: &Backend, p: MhaRun<'_>) -> Result<(), KernelError> {
             crate::cpu::mla::mla_mha_attention(q_s, &d, p.kv_b.host(OP, "kv_b")?, &lc, out_s)
         }
         #[cfg(feature = "cuda")]
-        Backend::Cuda(dev) => {
-            use crate::cuda::mla::{mha_prefill, Elems, MhaBatch, MhaKernel};
-            use crate::cuda::ops::{self, KvOut, LatentRows};
-            let shape = super::mla_absorbed::shape_for(&d, dev);
-            let hs = super::mla_absorbed::head_shape(&d);
-            let l = p.start + sq;
-            let (h, v, lw) = (d.heads, d.v_head_dim, d.latent_width());
-            let kv_b = p.kv_b.gpu(OP, "kv_b")?;
-            let lat = dev.alloc::<f32>(l * lw)?;
-            let ckv = dev.alloc::<f32>(l * d.kv_lora_rank)?;
-            let rows = LatentRows {
-                rows: lat.v(),
-                ckv: ckv.v(),
-                kv_lora: d.kv_lora_rank,
-            };
-            ops::gather_latent(dev, p.pages.dv(OP)?, p.table.dv(OP, "table")?, l, rows)?;
-            let kvx = dev.alloc::<f32>(l * kv_b.rows())?;
-            let gemm = p.precision.gemm();
-            ops::linear(dev, ckv.v(), kv_b, kvx.v(), gemm)?;
-            let q = p.q.dv(OP, "q")?.sub(row * qk, sq * qk)?;
-            let out = p.out.dv(OP, "out")?.sub(row * hv, sq * hv)?;
-            let (cu_q, cu_k) = (p.cu_q.dv(OP, "cu_q")?, p.cu_k.dv(OP, "cu_k")?);
-            let q_seq = p.q_seq.dv(OP, "q_seq")?;
-            let mk = |q, k, vv| MhaBatch {
-                q,
-                k,
-                v: vv,
-                cu_q,
-                cu_k,
-                q_seq,
-                batch: 1,
-                max_q: sq,
-                heads: h,
-                scale: p.scale,
-            };
-            let qkh = d.qk_head_dim();
-            if p.precision == Precision::Fast && shape.flash_ok() {
-                let kb = dev.alloc::<u16>(l * h * qkh)?;
-                let vb = dev.alloc::<u16>(l * h * v)?;
-                ops::mha_build_kv(dev, kvx.v(), lat.v(), hs, KvOut::Bf16(kb.v(), vb.v()))?;
-                let qb = dev.alloc::<u16>(sq * h * qkh)?;
-                ops::cast_f32_bf16(dev, q, qb.v())?;
-                let batch = mk(
-                    Elems::Bf16(qb.v()),
-                    Elems::Bf16(kb.v()),
-                    Elems::Bf16(vb.v()),
-                );
-                mha_prefill(dev, shape, MhaKernel::best_bf16(dev, shape), &batch, out)
-            } else {
-                let kf = dev.alloc::<f32>(l * h * qkh)?;
-                let vf = dev.alloc::<f32>(l * h * v)?;
-                ops::mha_build_kv(dev, kvx.v(), lat.v(), hs, KvOut::F32(kf.v(), vf.v()))?;
-                let batch = mk(Elems::F32(q), Elems::F32(kf.v()), Elems::F32(vf.v()));
-                mha_prefill(dev, shape, MhaKernel::F32, &batch, out)
-            }
+        Backend::Cuda(dev) => mha_on(dev, p),
+        #[cfg(feature = "rocm")]
+        Backend::Rocm(dev) => mha_on(dev, p),
+    }
+}
+
+/// The GPU arm: gather the latents, one GEMM, build K/V, then the kernel
+/// [`super::dispatch::mha`] picks for the runtime.
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+fn mha_on<D: super::OnDevice>(dev: &D, p: MhaRun<'_>) -> Result<(), KernelError> {
+    use super::{iv, pv, tv, wv};
+    use crate::gpu::launch::DeviceMem;
+    use crate::gpu::mla::{mha_prefill, Elems, MhaBatch, MhaKernel};
+    use crate::gpu::ops::{self, KvOut, LatentRows};
+    let d = p.dims;
+    let (qk, hv) = (d.heads * d.qk_head_dim(), d.heads * d.v_head_dim);
+    let (sq, row) = (p.sq, p.first_row);
+    let shape = super::mla_absorbed::shape_for(&d, dev);
+    let hs = super::mla_absorbed::head_shape(&d);
+    let l = p.start + sq;
+    let (h, v, lw) = (d.heads, d.v_head_dim, d.latent_width());
+    let kv_b = wv::<D>(p.kv_b, OP, "kv_b")?;
+    let lat = dev.alloc::<f32>(l * lw)?;
+    let ckv = dev.alloc::<f32>(l * d.kv_lora_rank)?;
+    let rows = LatentRows {
+        rows: lat.v(),
+        ckv: ckv.v(),
+        kv_lora: d.kv_lora_rank,
+    };
+    let pages = pv::<D>(&p.pages, OP)?;
+    ops::gather_latent(dev, pages, iv::<D>(p.table, OP, "table")?, l, rows)?;
+    let kvx = dev.alloc::<f32>(l * kv_b.rows())?;
+    let gemm = p.precision.gemm();
+    ops::linear(dev, ckv.v(), kv_b, kvx.v(), gemm)?;
+    let q = tv::<D>(p.q, OP, "q")?.sub(row * qk, sq * qk)?;
+    let out = tv::<D>(p.out, OP, "out")?.sub(row * hv, sq * hv)?;
+    let (cu_q, cu_k) = (iv::<D>(p.cu_q, OP, "cu_q")?, iv::<D>(p.cu_k, OP, "cu_k")?);
+    let q_seq = iv::<D>(p.q_seq, OP, "q_seq")?;
+    let mk = |q, k, vv| MhaBatch {
+        q,
+        k,
+        v: vv,
+        cu_q,
+        cu_k,
+        q_seq,
+        batch: 1,
+        max_q: sq,
+        heads: h,
+        scale: p.scale,
+    };
+    let qkh = d.qk_head_dim();
+    match super::dispatch::mha::<D>(p.precision, &shape, dev.compute_capability()) {
+        MhaKernel::F32 => {
+            let kf = dev.alloc::<f32>(l * h * qkh)?;
+            let vf = dev.alloc::<f32>(l * h * v)?;
+            ops::mha_build_kv(dev, kvx.v(), lat.v(), hs, KvOut::F32(kf.v(), vf.v()))?;
+            let batch = mk(Elems::F32(q), Elems::F32(kf.v()), Elems::F32(vf.v()));
+            mha_prefill(dev, shape, MhaKernel::F32, &batch, out)
+        }
+        kernel => {
+            let kb = dev.alloc::<u16>(l * h * qkh)?;
+            let vb = dev.alloc::<u16>(l * h * v)?;
+            ops::mha_build_kv(dev, kvx.v(), lat.v(), hs, KvOut::Bf16(kb.v(), vb.v()))?;
+            let qb = dev.alloc::<u16>(sq * h * qkh)?;
+            ops::cast_f32_bf16(dev, q, qb.v())?;
+            let batch = mk(
+                Elems::Bf16(qb.v()),
+                Elems::Bf16(kb.v()),
+                Elems::Bf16(vb.v()),
+            );
+            mha_prefill(dev, shape, kernel, &batch, out)
         }
     }
 }

@@ -20,7 +20,20 @@ pub enum Dense {
         /// `[hidden][inter]`.
         down: crate::cuda::ops::GpuMatrix,
     },
+    /// ROCm device weights.
+    #[cfg(feature = "rocm")]
+    Rocm {
+        /// `[inter][hidden]`.
+        gate: RocmMatrix,
+        /// `[inter][hidden]`.
+        up: RocmMatrix,
+        /// `[hidden][inter]`.
+        down: RocmMatrix,
+    },
 }
+
+#[cfg(feature = "rocm")]
+type RocmMatrix = crate::gpu::ops::GpuMatrix<crate::rocm::RocmDevice>;
 
 impl Dense {
     /// `m` on `b`.
@@ -31,6 +44,15 @@ impl Dense {
             Backend::Cuda(dev) => {
                 let up = |w| crate::cuda::ops::GpuMatrix::upload(dev, w);
                 Dense::Cuda {
+                    gate: up(&m.gate)?,
+                    up: up(&m.up)?,
+                    down: up(&m.down)?,
+                }
+            }
+            #[cfg(feature = "rocm")]
+            Backend::Rocm(dev) => {
+                let up = |w| RocmMatrix::upload(dev, w);
+                Dense::Rocm {
                     gate: up(&m.gate)?,
                     up: up(&m.up)?,
                     down: up(&m.down)?,
@@ -50,6 +72,13 @@ impl Dense {
                 &Backend::Cpu,
                 "CUDA device",
             )),
+            #[cfg(feature = "rocm")]
+            Dense::Rocm { .. } => Err(super::mismatch(
+                "dense_mlp",
+                "weights",
+                &Backend::Cpu,
+                "ROCm device",
+            )),
         }
     }
 
@@ -59,6 +88,8 @@ impl Dense {
             Dense::Host(m) => m.gate.bytes() + m.up.bytes() + m.down.bytes(),
             #[cfg(feature = "cuda")]
             Dense::Cuda { gate, up, down } => gate.bytes() + up.bytes() + down.bytes(),
+            #[cfg(feature = "rocm")]
+            Dense::Rocm { gate, up, down } => gate.bytes() + up.bytes() + down.bytes(),
         }
     }
 }
@@ -84,28 +115,10 @@ pub fn dense(b: &Backend, p: DenseFfn<'_>) -> Result<(), KernelError> {
             super::add_residual_host(OP, p.x, p.h, |x, y| m.forward(x, y))
         }
         #[cfg(feature = "cuda")]
-        (Backend::Cuda(dev), Dense::Cuda { gate, up, down }) => {
-            use crate::cuda::ops;
-            let gemm = p.precision.gemm();
-            let x = p.x.dv(OP, "x")?;
-            let t = x.len / gate.cols().max(1);
-            let g = dev.alloc::<f32>(t * gate.rows())?;
-            let u = dev.alloc::<f32>(t * up.rows())?;
-            ops::linear(dev, x, gate, g.v(), gemm)?;
-            ops::linear(dev, x, up, u.v(), gemm)?;
-            ops::silu_mul(dev, g.v(), u.v())?;
-            let y = dev.alloc::<f32>(t * down.rows())?;
-            ops::linear(dev, g.v(), down, y.v(), gemm)?;
-            let rows = ops::NormRows {
-                h: p.h.dv(OP, "h")?,
-                delta: Some(y.v()),
-                weight: y.v(),
-                out: None,
-                width: down.rows(),
-            };
-            ops::add_rms_norm(dev, rows, 0.0)
-        }
-        #[cfg(feature = "cuda")]
+        (Backend::Cuda(dev), Dense::Cuda { gate, up, down }) => dense_on(dev, [gate, up, down], p),
+        #[cfg(feature = "rocm")]
+        (Backend::Rocm(dev), Dense::Rocm { gate, up, down }) => dense_on(dev, [gate, up, down], p),
+        #[cfg(any(feature = "cuda", feature = "rocm"))]
         (b, _) => Err(KernelError::DeviceMismatch {
             op: OP,
             what: "weights",
@@ -113,4 +126,34 @@ pub fn dense(b: &Backend, p: DenseFfn<'_>) -> Result<(), KernelError> {
             got: "another backend",
         }),
     }
+}
+
+/// The GPU arm: gate and up projections, `silu(g) · u`, the down projection, the residual add.
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+fn dense_on<D: super::OnDevice>(
+    dev: &D,
+    [gate, up, down]: [&crate::gpu::ops::GpuMatrix<D>; 3],
+    p: DenseFfn<'_>,
+) -> Result<(), KernelError> {
+    use crate::gpu::launch::DeviceMem;
+    use crate::gpu::ops;
+    const OP: &str = "dense_mlp";
+    let gemm = p.precision.gemm();
+    let x = super::tv::<D>(p.x, OP, "x")?;
+    let t = x.len / gate.cols().max(1);
+    let g = dev.alloc::<f32>(t * gate.rows())?;
+    let u = dev.alloc::<f32>(t * up.rows())?;
+    ops::linear(dev, x, gate, g.v(), gemm)?;
+    ops::linear(dev, x, up, u.v(), gemm)?;
+    ops::silu_mul(dev, g.v(), u.v())?;
+    let y = dev.alloc::<f32>(t * down.rows())?;
+    ops::linear(dev, g.v(), down, y.v(), gemm)?;
+    let rows = ops::NormRows {
+        h: super::tv::<D>(p.h, OP, "h")?,
+        delta: Some(y.v()),
+        weight: y.v(),
+        out: None,
+        width: down.rows(),
+    };
+    ops::add_rms_norm(dev, rows, 0.0)
 }

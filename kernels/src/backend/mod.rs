@@ -2,11 +2,12 @@
 //!
 //! A model's weights and activations live on one [`Backend`]; every coarse op takes one
 //! parameter struct and runs where its operands live, calling today's kernels (the CPU
-//! reference in [`crate::cpu`], the NVRTC/cuBLAS kernels in `crate::cuda`).
+//! reference in [`crate::cpu`]; on a GPU the launchers of `crate::gpu` over the `gpu/*.cu`
+//! sources — NVRTC + cuBLAS on CUDA, hipRTC on ROCm).
 //!
 //! | module | op | parameter struct |
 //! |---|---|---|
-//! | [`linear`] | `x · Wᵀ` (GEMV for ≤ 8 rows, GEMM above; split-bf16 or bf16 inputs on CUDA) | [`linear::Linear`] |
+//! | [`linear`] | `x · Wᵀ` (GEMV for ≤ 8 rows, GEMM above: cuBLAS with split-bf16 or bf16 inputs on CUDA, the portable tiled kernel on ROCm) | [`linear::Linear`] |
 //! | [`rows`] | embedding lookup, row gather | [`rows::Embed`], [`rows::Gather`] |
 //! | [`norm`] | RMSNorm, fused with the residual add; strided RMSNorm | [`norm::AddNorm`], [`norm::NormStrided`] |
 //! | [`rope`] | RoPE / YaRN rotation from per-batch tables | [`rope::ApplyRope`] |
@@ -26,8 +27,13 @@
 //! cannot name. A mixed-device call is one runtime error ([`KernelError::DeviceMismatch`]) in
 //! one place. candle's `Device` / `Storage` split has the same shape.
 //!
-//! ROCm is not a variant yet: its runtime compiles and runs the same kernel sources (see
-//! `crate::rocm`), but the launchers above them are written for CUDA only.
+//! **GPU arms.** `Cuda` and `Rocm` (each behind its feature) share every line of their arms: an
+//! op's GPU arm is one function generic over the runtime (`OnDevice`, which maps the buffer
+//! enums to a runtime's buffers), calling the launchers of `crate::gpu`, themselves generic over
+//! `crate::gpu::launch::Gpu`. What differs is decided by the runtime type: `dispatch` (only
+//! with a GPU feature) says which kernel each op runs — on ROCm only portable kernels (per-head
+//! absorbed MLA, `mha_f32`, the tiled GEMM in place of cuBLAS). The ROCm arms compile and
+//! their kernels compile with hipRTC, but no AMD GPU has run them (`crate::rocm`).
 //!
 //! ```
 //! use ferry_kernels::backend::{linear::{linear, Linear}, Backend, Precision, Weight};
@@ -41,8 +47,10 @@
 //! ```
 
 // Without a GPU backend every op has one arm: operand names and error helpers go unused.
-#![cfg_attr(not(feature = "cuda"), allow(unused))]
+#![cfg_attr(not(any(feature = "cuda", feature = "rocm")), allow(unused))]
 
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+pub mod dispatch;
 pub mod draft;
 pub mod latent;
 pub mod linear;
@@ -59,10 +67,21 @@ pub mod verify;
 use crate::cpu::gemm::Matrix;
 use crate::cpu::mla::LatentPages;
 #[cfg(feature = "cuda")]
-use crate::cuda::ops::{Dv, GpuMatrix, PagesView};
-#[cfg(feature = "cuda")]
 use crate::cuda::{CudaDevice, DeviceBuffer};
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+use crate::gpu::launch::{DeviceMem, Dv, Gpu};
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+use crate::gpu::ops::PagesView;
+#[cfg(feature = "rocm")]
+use crate::rocm::{HipBuffer, RocmDevice};
 use crate::{Device, KernelError};
+
+/// A CUDA weight matrix.
+#[cfg(feature = "cuda")]
+type CudaMatrix = crate::gpu::ops::GpuMatrix<CudaDevice>;
+/// A ROCm weight matrix.
+#[cfg(feature = "rocm")]
+type RocmMatrix = crate::gpu::ops::GpuMatrix<RocmDevice>;
 
 /// Where a model's buffers live and its ops run.
 #[derive(Debug, Clone, Default)]
@@ -73,6 +92,10 @@ pub enum Backend {
     /// One CUDA device; ops are queued on its stream.
     #[cfg(feature = "cuda")]
     Cuda(CudaDevice),
+    /// One ROCm (HIP) device; ops are queued on its null stream. Portable kernels only (see
+    /// [`dispatch`]); never executed on an AMD GPU by this project (none was available).
+    #[cfg(feature = "rocm")]
+    Rocm(RocmDevice),
 }
 
 /// Numerics of the device kernels (the CPU is always exact).
@@ -86,12 +109,13 @@ pub enum Precision {
 }
 
 impl Precision {
-    /// The cuBLAS / GEMV input precision for this mode.
-    #[cfg(feature = "cuda")]
-    pub(crate) fn gemm(self) -> crate::cuda::ops::GemmPrecision {
+    /// The large-GEMM input precision for this mode (cuBLAS on CUDA; the portable GEMM on
+    /// ROCm takes f32 activations either way).
+    #[cfg(any(feature = "cuda", feature = "rocm"))]
+    pub(crate) fn gemm(self) -> crate::gpu::ops::GemmPrecision {
         match self {
-            Precision::Exact => crate::cuda::ops::GemmPrecision::Exact,
-            Precision::Fast => crate::cuda::ops::GemmPrecision::Fast,
+            Precision::Exact => crate::gpu::ops::GemmPrecision::Exact,
+            Precision::Fast => crate::gpu::ops::GemmPrecision::Fast,
         }
     }
 }
@@ -144,6 +168,9 @@ pub enum Tensor {
     /// CUDA device memory.
     #[cfg(feature = "cuda")]
     Cuda(DeviceBuffer<f32>),
+    /// ROCm device memory.
+    #[cfg(feature = "rocm")]
+    Rocm(HipBuffer<f32>),
 }
 
 /// An i32 index array (token ids, block tables, row lists) on one backend.
@@ -154,6 +181,9 @@ pub enum Ints {
     /// CUDA device memory.
     #[cfg(feature = "cuda")]
     Cuda(DeviceBuffer<i32>),
+    /// ROCm device memory.
+    #[cfg(feature = "rocm")]
+    Rocm(HipBuffer<i32>),
 }
 
 /// Flat cache slots (`block · page + offset`) of the batch's new tokens.
@@ -164,6 +194,9 @@ pub enum Slots {
     /// CUDA device memory.
     #[cfg(feature = "cuda")]
     Cuda(DeviceBuffer<i64>),
+    /// ROCm device memory.
+    #[cfg(feature = "rocm")]
+    Rocm(HipBuffer<i64>),
 }
 
 /// A `[rows][cols]` weight matrix (bf16 or f32) on one backend.
@@ -173,7 +206,10 @@ pub enum Weight {
     Host(Matrix),
     /// CUDA device memory.
     #[cfg(feature = "cuda")]
-    Cuda(GpuMatrix),
+    Cuda(CudaMatrix),
+    /// ROCm device memory.
+    #[cfg(feature = "rocm")]
+    Rocm(RocmMatrix),
 }
 
 /// One layer's latent pages, read-only (attention).
@@ -181,9 +217,12 @@ pub enum Weight {
 pub enum Pages<'a> {
     /// The host pool's layer.
     Host(LatentPages<'a>),
-    /// A device cache's layer.
+    /// A CUDA device cache's layer.
     #[cfg(feature = "cuda")]
     Cuda(PagesView),
+    /// A ROCm device cache's layer.
+    #[cfg(feature = "rocm")]
+    Rocm(PagesView),
 }
 
 /// One layer's latent pages, writable (new rows).
@@ -196,9 +235,12 @@ pub enum PagesMut<'a> {
         /// Floats per row.
         width: usize,
     },
-    /// A device cache's layer.
+    /// A CUDA device cache's layer.
     #[cfg(feature = "cuda")]
     Cuda(PagesView),
+    /// A ROCm device cache's layer.
+    #[cfg(feature = "rocm")]
+    Rocm(PagesView),
 }
 
 impl Backend {
@@ -208,15 +250,19 @@ impl Backend {
             Backend::Cpu => Device::Cpu,
             #[cfg(feature = "cuda")]
             Backend::Cuda(d) => Device::Cuda(d.ordinal()),
+            #[cfg(feature = "rocm")]
+            Backend::Rocm(d) => Device::Rocm(d.ordinal()),
         }
     }
 
-    /// A short name for errors ("CPU", "CUDA device").
+    /// A short name for errors ("CPU", "CUDA device", "ROCm device").
     pub fn name(&self) -> &'static str {
         match self {
             Backend::Cpu => "CPU",
             #[cfg(feature = "cuda")]
             Backend::Cuda(_) => "CUDA device",
+            #[cfg(feature = "rocm")]
+            Backend::Rocm(_) => "ROCm device",
         }
     }
 
@@ -225,7 +271,16 @@ impl Backend {
     pub fn cuda(&self) -> Option<&CudaDevice> {
         match self {
             Backend::Cuda(d) => Some(d),
-            Backend::Cpu => None,
+            _ => None,
+        }
+    }
+
+    /// The ROCm device, if this backend is one.
+    #[cfg(feature = "rocm")]
+    pub fn rocm(&self) -> Option<&RocmDevice> {
+        match self {
+            Backend::Rocm(d) => Some(d),
+            _ => None,
         }
     }
 
@@ -235,6 +290,8 @@ impl Backend {
             Backend::Cpu => Tensor::Host(vec![0.0; n]),
             #[cfg(feature = "cuda")]
             Backend::Cuda(d) => Tensor::Cuda(d.zeros(n)?),
+            #[cfg(feature = "rocm")]
+            Backend::Rocm(d) => Tensor::Rocm(d.zeros(n)?),
         })
     }
 
@@ -244,6 +301,8 @@ impl Backend {
             Backend::Cpu => Tensor::Host(vec![0.0; n]),
             #[cfg(feature = "cuda")]
             Backend::Cuda(d) => Tensor::Cuda(d.alloc(n)?),
+            #[cfg(feature = "rocm")]
+            Backend::Rocm(d) => Tensor::Rocm(d.alloc(n)?),
         })
     }
 
@@ -253,6 +312,8 @@ impl Backend {
             Backend::Cpu => Tensor::Host(v.to_vec()),
             #[cfg(feature = "cuda")]
             Backend::Cuda(d) => Tensor::Cuda(d.upload(v)?),
+            #[cfg(feature = "rocm")]
+            Backend::Rocm(d) => Tensor::Rocm(d.upload(v)?),
         })
     }
 
@@ -262,6 +323,8 @@ impl Backend {
             Backend::Cpu => Tensor::Host(v),
             #[cfg(feature = "cuda")]
             Backend::Cuda(d) => Tensor::Cuda(d.upload(&v)?),
+            #[cfg(feature = "rocm")]
+            Backend::Rocm(d) => Tensor::Rocm(d.upload(&v)?),
         })
     }
 
@@ -271,6 +334,8 @@ impl Backend {
             Backend::Cpu => Ints::Host(v),
             #[cfg(feature = "cuda")]
             Backend::Cuda(d) => Ints::Cuda(d.upload(&v)?),
+            #[cfg(feature = "rocm")]
+            Backend::Rocm(d) => Ints::Rocm(d.upload(&v)?),
         })
     }
 
@@ -280,6 +345,8 @@ impl Backend {
             Backend::Cpu => Slots::Host(v),
             #[cfg(feature = "cuda")]
             Backend::Cuda(d) => Slots::Cuda(d.upload(&v)?),
+            #[cfg(feature = "rocm")]
+            Backend::Rocm(d) => Slots::Rocm(d.upload(&v)?),
         })
     }
 
@@ -288,7 +355,9 @@ impl Backend {
         Ok(match self {
             Backend::Cpu => Weight::Host(m.clone()),
             #[cfg(feature = "cuda")]
-            Backend::Cuda(d) => Weight::Cuda(GpuMatrix::upload(d, m)?),
+            Backend::Cuda(d) => Weight::Cuda(CudaMatrix::upload(d, m)?),
+            #[cfg(feature = "rocm")]
+            Backend::Rocm(d) => Weight::Rocm(RocmMatrix::upload(d, m)?),
         })
     }
 
@@ -345,13 +414,9 @@ impl Backend {
                 Ok(())
             }
             #[cfg(feature = "cuda")]
-            Backend::Cuda(d) => match (src, dst) {
-                (Tensor::Cuda(s), Tensor::Cuda(t)) => d.copy_range((s, 0), (t, 0), n),
-                (s, _) if !matches!(s, Tensor::Cuda(_)) => {
-                    Err(mismatch(OP, "src", self, s.place()))
-                }
-                (_, t) => Err(mismatch(OP, "dst", self, t.place())),
-            },
+            Backend::Cuda(d) => copy_on(d, OP, src, (dst, 0), n),
+            #[cfg(feature = "rocm")]
+            Backend::Rocm(d) => copy_on(d, OP, src, (dst, 0), n),
         }
     }
 
@@ -374,13 +439,9 @@ impl Backend {
                 Ok(())
             }
             #[cfg(feature = "cuda")]
-            Backend::Cuda(d) => match (src, dst) {
-                (Tensor::Cuda(s), Tensor::Cuda(t)) => d.copy_range((s, 0), (t, at), n),
-                (s, _) if !matches!(s, Tensor::Cuda(_)) => {
-                    Err(mismatch(OP, "src", self, s.place()))
-                }
-                (_, t) => Err(mismatch(OP, "dst", self, t.place())),
-            },
+            Backend::Cuda(d) => copy_on(d, OP, src, (dst, at), n),
+            #[cfg(feature = "rocm")]
+            Backend::Rocm(d) => copy_on(d, OP, src, (dst, at), n),
         }
     }
 
@@ -390,8 +451,235 @@ impl Backend {
             Backend::Cpu => Ok(()),
             #[cfg(feature = "cuda")]
             Backend::Cuda(d) => d.synchronize(),
+            #[cfg(feature = "rocm")]
+            Backend::Rocm(d) => d.synchronize(),
         }
     }
+}
+
+/// `dst[at..at + n] = src[..n]` on the device `dev`, both operands on it (stream-ordered).
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+fn copy_on<D: OnDevice>(
+    dev: &D,
+    op: &'static str,
+    src: &Tensor,
+    (dst, at): (&mut Tensor, usize),
+    n: usize,
+) -> Result<(), KernelError> {
+    let s = D::tensor(src).ok_or_else(|| mismatch_on::<D>(op, "src", src.place()))?;
+    let got = dst.place();
+    let t = D::tensor_mut(dst).ok_or_else(|| mismatch_on::<D>(op, "dst", got))?;
+    dev.copy_range((s, 0), (t, at), n)
+}
+
+/// How the buffer enums hold a runtime's memory: the GPU arms of every op are written once,
+/// generic over the runtime `D`, and read their operands through this.
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+pub(crate) trait OnDevice: Gpu {
+    /// The tensor's buffer, if it lives on this runtime.
+    fn tensor(t: &Tensor) -> Option<&Self::Buffer<f32>>;
+    /// The same, mutable.
+    fn tensor_mut(t: &mut Tensor) -> Option<&mut Self::Buffer<f32>>;
+    /// The index array's buffer, if it lives on this runtime.
+    fn ints(t: &Ints) -> Option<&Self::Buffer<i32>>;
+    /// A buffer of this runtime as an index array.
+    fn into_ints(b: Self::Buffer<i32>) -> Ints;
+    /// The slots' buffer, if they live on this runtime.
+    fn slots(t: &Slots) -> Option<&Self::Buffer<i64>>;
+    /// The weight's device matrix, if it lives on this runtime.
+    fn weight(w: &Weight) -> Option<&crate::gpu::ops::GpuMatrix<Self>>;
+    /// The layer's device pages, if they live on this runtime.
+    fn pages(p: &Pages<'_>) -> Option<PagesView>;
+    /// The same, writable pages.
+    fn pages_mut(p: &PagesMut<'_>) -> Option<PagesView>;
+    /// The rotary tables, if they live on this runtime.
+    fn rope(t: &rope::RopeTable) -> Option<&crate::gpu::ops::RopeTables<Self>>;
+}
+
+#[cfg(feature = "cuda")]
+impl OnDevice for CudaDevice {
+    fn tensor(t: &Tensor) -> Option<&DeviceBuffer<f32>> {
+        match t {
+            Tensor::Cuda(b) => Some(b),
+            _ => None,
+        }
+    }
+    fn tensor_mut(t: &mut Tensor) -> Option<&mut DeviceBuffer<f32>> {
+        match t {
+            Tensor::Cuda(b) => Some(b),
+            _ => None,
+        }
+    }
+    fn ints(t: &Ints) -> Option<&DeviceBuffer<i32>> {
+        match t {
+            Ints::Cuda(b) => Some(b),
+            _ => None,
+        }
+    }
+    fn into_ints(b: DeviceBuffer<i32>) -> Ints {
+        Ints::Cuda(b)
+    }
+    fn slots(t: &Slots) -> Option<&DeviceBuffer<i64>> {
+        match t {
+            Slots::Cuda(b) => Some(b),
+            _ => None,
+        }
+    }
+    fn weight(w: &Weight) -> Option<&CudaMatrix> {
+        match w {
+            Weight::Cuda(m) => Some(m),
+            _ => None,
+        }
+    }
+    fn pages(p: &Pages<'_>) -> Option<PagesView> {
+        match p {
+            Pages::Cuda(v) => Some(*v),
+            _ => None,
+        }
+    }
+    fn pages_mut(p: &PagesMut<'_>) -> Option<PagesView> {
+        match p {
+            PagesMut::Cuda(v) => Some(*v),
+            _ => None,
+        }
+    }
+    fn rope(t: &rope::RopeTable) -> Option<&crate::cuda::ops::RopeTables> {
+        match t {
+            rope::RopeTable::Cuda(t) => Some(t),
+            _ => None,
+        }
+    }
+}
+
+#[cfg(feature = "rocm")]
+impl OnDevice for RocmDevice {
+    fn tensor(t: &Tensor) -> Option<&HipBuffer<f32>> {
+        match t {
+            Tensor::Rocm(b) => Some(b),
+            _ => None,
+        }
+    }
+    fn tensor_mut(t: &mut Tensor) -> Option<&mut HipBuffer<f32>> {
+        match t {
+            Tensor::Rocm(b) => Some(b),
+            _ => None,
+        }
+    }
+    fn ints(t: &Ints) -> Option<&HipBuffer<i32>> {
+        match t {
+            Ints::Rocm(b) => Some(b),
+            _ => None,
+        }
+    }
+    fn into_ints(b: HipBuffer<i32>) -> Ints {
+        Ints::Rocm(b)
+    }
+    fn slots(t: &Slots) -> Option<&HipBuffer<i64>> {
+        match t {
+            Slots::Rocm(b) => Some(b),
+            _ => None,
+        }
+    }
+    fn weight(w: &Weight) -> Option<&RocmMatrix> {
+        match w {
+            Weight::Rocm(m) => Some(m),
+            _ => None,
+        }
+    }
+    fn pages(p: &Pages<'_>) -> Option<PagesView> {
+        match p {
+            Pages::Rocm(v) => Some(*v),
+            _ => None,
+        }
+    }
+    fn pages_mut(p: &PagesMut<'_>) -> Option<PagesView> {
+        match p {
+            PagesMut::Rocm(v) => Some(*v),
+            _ => None,
+        }
+    }
+    fn rope(t: &rope::RopeTable) -> Option<&crate::gpu::ops::RopeTables<RocmDevice>> {
+        match t {
+            rope::RopeTable::Rocm(t) => Some(t),
+            _ => None,
+        }
+    }
+}
+
+/// An operand that is not on the runtime `D`.
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+pub(crate) fn mismatch_on<D: Gpu>(
+    op: &'static str,
+    what: &'static str,
+    got: &'static str,
+) -> KernelError {
+    KernelError::DeviceMismatch {
+        op,
+        what,
+        expected: D::NAME,
+        got,
+    }
+}
+
+/// `t` as a view on the runtime `D`, or a mismatch error naming `op` and `what`.
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+pub(crate) fn tv<D: OnDevice>(
+    t: &Tensor,
+    op: &'static str,
+    what: &'static str,
+) -> Result<Dv<f32>, KernelError> {
+    D::tensor(t)
+        .map(|b| b.v())
+        .ok_or_else(|| mismatch_on::<D>(op, what, t.place()))
+}
+
+/// `t` as a view on the runtime `D`, or a mismatch error.
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+pub(crate) fn iv<D: OnDevice>(
+    t: &Ints,
+    op: &'static str,
+    what: &'static str,
+) -> Result<Dv<i32>, KernelError> {
+    D::ints(t)
+        .map(|b| b.v())
+        .ok_or_else(|| mismatch_on::<D>(op, what, t.place()))
+}
+
+/// `t` as a view on the runtime `D`, or a mismatch error.
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+pub(crate) fn sv<D: OnDevice>(
+    t: &Slots,
+    op: &'static str,
+    what: &'static str,
+) -> Result<Dv<i64>, KernelError> {
+    D::slots(t)
+        .map(|b| b.v())
+        .ok_or_else(|| mismatch_on::<D>(op, what, t.place()))
+}
+
+/// `w` as a device matrix of the runtime `D`, or a mismatch error.
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+pub(crate) fn wv<'w, D: OnDevice>(
+    w: &'w Weight,
+    op: &'static str,
+    what: &'static str,
+) -> Result<&'w crate::gpu::ops::GpuMatrix<D>, KernelError> {
+    D::weight(w).ok_or_else(|| mismatch_on::<D>(op, what, w.place()))
+}
+
+/// `p` as device pages of the runtime `D`, or a mismatch error.
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+pub(crate) fn pv<D: OnDevice>(p: &Pages<'_>, op: &'static str) -> Result<PagesView, KernelError> {
+    D::pages(p).ok_or_else(|| mismatch_on::<D>(op, "pages", p.place()))
+}
+
+/// `p` as writable device pages of the runtime `D`, or a mismatch error.
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+pub(crate) fn pmv<D: OnDevice>(
+    p: &PagesMut<'_>,
+    op: &'static str,
+) -> Result<PagesView, KernelError> {
+    D::pages_mut(p).ok_or_else(|| mismatch_on::<D>(op, "pages", p.place()))
 }
 
 pub(crate) fn mismatch(
@@ -474,6 +762,8 @@ impl Tensor {
             Tensor::Host(v) => v.len(),
             #[cfg(feature = "cuda")]
             Tensor::Cuda(b) => b.len(),
+            #[cfg(feature = "rocm")]
+            Tensor::Rocm(b) => b.len(),
         }
     }
 
@@ -487,6 +777,8 @@ impl Tensor {
             Tensor::Host(_) => Backend::Cpu.name(),
             #[cfg(feature = "cuda")]
             Tensor::Cuda(_) => "CUDA device",
+            #[cfg(feature = "rocm")]
+            Tensor::Rocm(_) => "ROCm device",
         }
     }
 
@@ -496,6 +788,8 @@ impl Tensor {
             Tensor::Host(v) => Ok(v.clone()),
             #[cfg(feature = "cuda")]
             Tensor::Cuda(b) => b.device().download(b),
+            #[cfg(feature = "rocm")]
+            Tensor::Rocm(b) => b.device().download(b),
         }
     }
 
@@ -503,7 +797,7 @@ impl Tensor {
     pub fn into_host(self) -> Result<Vec<f32>, KernelError> {
         match self {
             Tensor::Host(v) => Ok(v),
-            #[cfg(feature = "cuda")]
+            #[cfg(any(feature = "cuda", feature = "rocm"))]
             t => t.to_host(),
         }
     }
@@ -512,7 +806,7 @@ impl Tensor {
     pub fn host(&self, op: &'static str, what: &'static str) -> Result<&[f32], KernelError> {
         match self {
             Tensor::Host(v) => Ok(v),
-            #[cfg(feature = "cuda")]
+            #[cfg(any(feature = "cuda", feature = "rocm"))]
             t => Err(mismatch(op, what, &Backend::Cpu, t.place())),
         }
     }
@@ -525,7 +819,7 @@ impl Tensor {
     ) -> Result<&mut [f32], KernelError> {
         match self {
             Tensor::Host(v) => Ok(v),
-            #[cfg(feature = "cuda")]
+            #[cfg(any(feature = "cuda", feature = "rocm"))]
             t => {
                 let got = t.place();
                 Err(mismatch(op, what, &Backend::Cpu, got))
@@ -533,18 +827,10 @@ impl Tensor {
         }
     }
 
-    /// The device view, or a mismatch error.
+    /// The CUDA device view, or a mismatch error.
     #[cfg(feature = "cuda")]
     pub fn dv(&self, op: &'static str, what: &'static str) -> Result<Dv<f32>, KernelError> {
-        match self {
-            Tensor::Cuda(b) => Ok(b.v()),
-            Tensor::Host(_) => Err(KernelError::DeviceMismatch {
-                op,
-                what,
-                expected: "CUDA device",
-                got: "CPU",
-            }),
-        }
+        tv::<CudaDevice>(self, op, what)
     }
 }
 
@@ -555,6 +841,8 @@ impl Ints {
             Ints::Host(v) => v.len(),
             #[cfg(feature = "cuda")]
             Ints::Cuda(b) => b.len(),
+            #[cfg(feature = "rocm")]
+            Ints::Rocm(b) => b.len(),
         }
     }
 
@@ -563,12 +851,24 @@ impl Ints {
         self.len() == 0
     }
 
+    fn place(&self) -> &'static str {
+        match self {
+            Ints::Host(_) => Backend::Cpu.name(),
+            #[cfg(feature = "cuda")]
+            Ints::Cuda(_) => "CUDA device",
+            #[cfg(feature = "rocm")]
+            Ints::Rocm(_) => "ROCm device",
+        }
+    }
+
     /// The values on the host (a synchronising download from a GPU).
     pub fn to_host(&self) -> Result<Vec<i32>, KernelError> {
         match self {
             Ints::Host(v) => Ok(v.clone()),
             #[cfg(feature = "cuda")]
             Ints::Cuda(b) => b.device().download(b),
+            #[cfg(feature = "rocm")]
+            Ints::Rocm(b) => b.device().download(b),
         }
     }
 
@@ -576,23 +876,15 @@ impl Ints {
     pub fn host(&self, op: &'static str, what: &'static str) -> Result<&[i32], KernelError> {
         match self {
             Ints::Host(v) => Ok(v),
-            #[cfg(feature = "cuda")]
-            Ints::Cuda(_) => Err(mismatch(op, what, &Backend::Cpu, "CUDA device")),
+            #[cfg(any(feature = "cuda", feature = "rocm"))]
+            t => Err(mismatch(op, what, &Backend::Cpu, t.place())),
         }
     }
 
-    /// The device view, or a mismatch error.
+    /// The CUDA device view, or a mismatch error.
     #[cfg(feature = "cuda")]
     pub fn dv(&self, op: &'static str, what: &'static str) -> Result<Dv<i32>, KernelError> {
-        match self {
-            Ints::Cuda(b) => Ok(b.v()),
-            Ints::Host(_) => Err(KernelError::DeviceMismatch {
-                op,
-                what,
-                expected: "CUDA device",
-                got: "CPU",
-            }),
-        }
+        iv::<CudaDevice>(self, op, what)
     }
 
     /// Overwrites the first `v.len()` entries in place (a captured graph reads the new values).
@@ -601,32 +893,52 @@ impl Ints {
             Ints::Host(h) => write_prefix("ints_write", h, v),
             #[cfg(feature = "cuda")]
             Ints::Cuda(b) => b.device().clone().write(b, 0, v),
+            #[cfg(feature = "rocm")]
+            Ints::Rocm(b) => b.device().clone().write(b, 0, v),
         }
     }
 }
 
 impl Slots {
+    /// Elements.
+    pub fn len(&self) -> usize {
+        match self {
+            Slots::Host(v) => v.len(),
+            #[cfg(feature = "cuda")]
+            Slots::Cuda(b) => b.len(),
+            #[cfg(feature = "rocm")]
+            Slots::Rocm(b) => b.len(),
+        }
+    }
+
+    /// Whether it holds no slot.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn place(&self) -> &'static str {
+        match self {
+            Slots::Host(_) => Backend::Cpu.name(),
+            #[cfg(feature = "cuda")]
+            Slots::Cuda(_) => "CUDA device",
+            #[cfg(feature = "rocm")]
+            Slots::Rocm(_) => "ROCm device",
+        }
+    }
+
     /// The host slice, or a mismatch error.
     pub fn host(&self, op: &'static str, what: &'static str) -> Result<&[i64], KernelError> {
         match self {
             Slots::Host(v) => Ok(v),
-            #[cfg(feature = "cuda")]
-            Slots::Cuda(_) => Err(mismatch(op, what, &Backend::Cpu, "CUDA device")),
+            #[cfg(any(feature = "cuda", feature = "rocm"))]
+            t => Err(mismatch(op, what, &Backend::Cpu, t.place())),
         }
     }
 
-    /// The device view, or a mismatch error.
+    /// The CUDA device view, or a mismatch error.
     #[cfg(feature = "cuda")]
     pub fn dv(&self, op: &'static str, what: &'static str) -> Result<Dv<i64>, KernelError> {
-        match self {
-            Slots::Cuda(b) => Ok(b.v()),
-            Slots::Host(_) => Err(KernelError::DeviceMismatch {
-                op,
-                what,
-                expected: "CUDA device",
-                got: "CPU",
-            }),
-        }
+        sv::<CudaDevice>(self, op, what)
     }
 
     /// Overwrites the first `v.len()` entries in place.
@@ -635,6 +947,8 @@ impl Slots {
             Slots::Host(h) => write_prefix("slots_write", h, v),
             #[cfg(feature = "cuda")]
             Slots::Cuda(b) => b.device().clone().write(b, 0, v),
+            #[cfg(feature = "rocm")]
+            Slots::Rocm(b) => b.device().clone().write(b, 0, v),
         }
     }
 }
@@ -646,6 +960,8 @@ impl Weight {
             Weight::Host(m) => m.rows(),
             #[cfg(feature = "cuda")]
             Weight::Cuda(m) => m.rows(),
+            #[cfg(feature = "rocm")]
+            Weight::Rocm(m) => m.rows(),
         }
     }
 
@@ -655,6 +971,8 @@ impl Weight {
             Weight::Host(m) => m.cols(),
             #[cfg(feature = "cuda")]
             Weight::Cuda(m) => m.cols(),
+            #[cfg(feature = "rocm")]
+            Weight::Rocm(m) => m.cols(),
         }
     }
 
@@ -664,6 +982,18 @@ impl Weight {
             Weight::Host(m) => m.bytes(),
             #[cfg(feature = "cuda")]
             Weight::Cuda(m) => m.bytes(),
+            #[cfg(feature = "rocm")]
+            Weight::Rocm(m) => m.bytes(),
+        }
+    }
+
+    fn place(&self) -> &'static str {
+        match self {
+            Weight::Host(_) => Backend::Cpu.name(),
+            #[cfg(feature = "cuda")]
+            Weight::Cuda(_) => "CUDA device",
+            #[cfg(feature = "rocm")]
+            Weight::Rocm(_) => "ROCm device",
         }
     }
 
@@ -671,47 +1001,75 @@ impl Weight {
     pub fn host(&self, op: &'static str, what: &'static str) -> Result<&Matrix, KernelError> {
         match self {
             Weight::Host(m) => Ok(m),
-            #[cfg(feature = "cuda")]
-            Weight::Cuda(_) => Err(mismatch(op, what, &Backend::Cpu, "CUDA device")),
+            #[cfg(any(feature = "cuda", feature = "rocm"))]
+            w => Err(mismatch(op, what, &Backend::Cpu, w.place())),
         }
     }
 
-    /// The device matrix, or a mismatch error.
+    /// The CUDA device matrix, or a mismatch error.
     #[cfg(feature = "cuda")]
-    pub fn gpu(&self, op: &'static str, what: &'static str) -> Result<&GpuMatrix, KernelError> {
-        match self {
-            Weight::Cuda(m) => Ok(m),
-            Weight::Host(_) => Err(KernelError::DeviceMismatch {
-                op,
-                what,
-                expected: "CUDA device",
-                got: "CPU",
-            }),
-        }
+    pub fn gpu(&self, op: &'static str, what: &'static str) -> Result<&CudaMatrix, KernelError> {
+        wv::<CudaDevice>(self, op, what)
     }
 }
 
 impl<'a> Pages<'a> {
+    fn place(&self) -> &'static str {
+        match self {
+            Pages::Host(_) => Backend::Cpu.name(),
+            #[cfg(feature = "cuda")]
+            Pages::Cuda(_) => "CUDA device",
+            #[cfg(feature = "rocm")]
+            Pages::Rocm(_) => "ROCm device",
+        }
+    }
+
     /// The host pages, or a mismatch error.
     pub fn host(self, op: &'static str) -> Result<LatentPages<'a>, KernelError> {
         match self {
             Pages::Host(p) => Ok(p),
-            #[cfg(feature = "cuda")]
-            Pages::Cuda(_) => Err(mismatch(op, "pages", &Backend::Cpu, "CUDA device")),
+            #[cfg(any(feature = "cuda", feature = "rocm"))]
+            p => Err(mismatch(op, "pages", &Backend::Cpu, p.place())),
         }
     }
 
-    /// The device pages, or a mismatch error.
+    /// The CUDA device pages, or a mismatch error.
     #[cfg(feature = "cuda")]
     pub fn dv(self, op: &'static str) -> Result<PagesView, KernelError> {
+        pv::<CudaDevice>(&self, op)
+    }
+
+    /// `(page_size, width)` of the layer.
+    pub fn geometry(&self) -> (usize, usize) {
         match self {
-            Pages::Cuda(p) => Ok(p),
-            Pages::Host(_) => Err(KernelError::DeviceMismatch {
-                op,
-                what: "pages",
-                expected: "CUDA device",
-                got: "CPU",
-            }),
+            Pages::Host(h) => (h.page_size, h.width),
+            #[cfg(feature = "cuda")]
+            Pages::Cuda(v) => (v.page_size, v.width),
+            #[cfg(feature = "rocm")]
+            Pages::Rocm(v) => (v.page_size, v.width),
+        }
+    }
+}
+
+impl PagesMut<'_> {
+    pub(crate) fn place(&self) -> &'static str {
+        match self {
+            PagesMut::Host { .. } => Backend::Cpu.name(),
+            #[cfg(feature = "cuda")]
+            PagesMut::Cuda(_) => "CUDA device",
+            #[cfg(feature = "rocm")]
+            PagesMut::Rocm(_) => "ROCm device",
+        }
+    }
+
+    /// Floats per row.
+    pub fn width(&self) -> usize {
+        match self {
+            PagesMut::Host { width, .. } => *width,
+            #[cfg(feature = "cuda")]
+            PagesMut::Cuda(v) => v.width,
+            #[cfg(feature = "rocm")]
+            PagesMut::Rocm(v) => v.width,
         }
     }
 }
@@ -728,6 +1086,18 @@ mod tests {
         {
             let e = t.dv("cuda_linear", "x").unwrap_err().to_string();
             assert!(e.contains("cuda_linear") && e.contains("`x`"), "{e}");
+        }
+        // No AMD GPU needed: the ROCm arm reads its operands through the same extractors.
+        #[cfg(feature = "rocm")]
+        {
+            let e = tv::<RocmDevice>(&t, "linear", "x").unwrap_err().to_string();
+            assert!(
+                e.contains("linear") && e.contains("`x`") && e.contains("ROCm device"),
+                "{e}"
+            );
+            let w = Weight::Host(Matrix::from_f32(1, 1, vec![1.0]).expect("w"));
+            let e = wv::<RocmDevice>(&w, "linear", "w").unwrap_err().to_string();
+            assert!(e.contains("`w`") && e.contains("CPU"), "{e}");
         }
     }
 }

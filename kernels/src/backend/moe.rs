@@ -1,9 +1,10 @@
 //! Mixture of experts added into the residual stream: grouped sigmoid routing (noaux_tc, with
 //! the correction bias), then the routed experts and the shared expert.
 //!
-//! CPU: [`MoeLayer::forward`] (each expert once over the tokens routed to it). CUDA: routing on
-//! the device, then two launches over every `(token, slot)` pair, the shared expert stacked as
-//! extra expert slots so it costs no separate pass, the weighted sum added straight into `h`.
+//! CPU: [`MoeLayer::forward`] (each expert once over the tokens routed to it). GPU (CUDA and
+//! ROCm, the same kernels): routing on the device, then two launches over every
+//! `(token, slot)` pair, the shared expert stacked as extra expert slots so it costs no
+//! separate pass, the weighted sum added straight into `h`.
 
 use super::{Backend, Precision, Tensor};
 use crate::cpu::moe::MoeLayer;
@@ -26,6 +27,18 @@ pub enum Moe {
         /// Routing hyper-parameters as the kernel takes them.
         routing: crate::cuda::ops::RouteParams,
     },
+    /// ROCm device weights (the same stacking as CUDA's).
+    #[cfg(feature = "rocm")]
+    Rocm {
+        /// `[n_experts][hidden]` router.
+        router: crate::gpu::ops::GpuMatrix<crate::rocm::RocmDevice>,
+        /// `e_score_correction_bias`.
+        bias: crate::rocm::HipBuffer<f32>,
+        /// Routed experts then shared-expert chunks, stacked.
+        experts: crate::gpu::ops::GpuExperts<crate::rocm::RocmDevice>,
+        /// Routing hyper-parameters as the kernel takes them.
+        routing: crate::gpu::ops::RouteParams,
+    },
 }
 
 impl Moe {
@@ -36,25 +49,22 @@ impl Moe {
             Backend::Cpu => Moe::Host(m.clone()),
             #[cfg(feature = "cuda")]
             Backend::Cuda(dev) => {
-                let n_shared = if m.shared.is_some() {
-                    n_shared.max(1)
-                } else {
-                    0
-                };
-                let r = &m.routing;
+                let (router, bias, experts, routing) = upload(dev, m, n_shared)?;
                 Moe::Cuda {
-                    router: crate::cuda::ops::GpuMatrix::upload(dev, &m.router)?,
-                    bias: dev.upload(&m.correction_bias)?,
-                    experts: stack::experts(dev, &m.experts, m.shared.as_ref(), n_shared)?,
-                    routing: crate::cuda::ops::RouteParams {
-                        n_experts: r.n_experts as i32,
-                        top_k: r.top_k as i32,
-                        n_group: r.n_group as i32,
-                        topk_group: r.topk_group as i32,
-                        norm_topk: i32::from(r.norm_topk_prob),
-                        n_shared: n_shared as i32,
-                        scale: r.routed_scaling_factor,
-                    },
+                    router,
+                    bias,
+                    experts,
+                    routing,
+                }
+            }
+            #[cfg(feature = "rocm")]
+            Backend::Rocm(dev) => {
+                let (router, bias, experts, routing) = upload(dev, m, n_shared)?;
+                Moe::Rocm {
+                    router,
+                    bias,
+                    experts,
+                    routing,
                 }
             }
         })
@@ -70,6 +80,13 @@ impl Moe {
                 "weights",
                 &Backend::Cpu,
                 "CUDA device",
+            )),
+            #[cfg(feature = "rocm")]
+            Moe::Rocm { .. } => Err(super::mismatch(
+                "moe",
+                "weights",
+                &Backend::Cpu,
+                "ROCm device",
             )),
         }
     }
@@ -91,11 +108,14 @@ impl Moe {
                 experts,
                 routing,
                 ..
-            } => {
-                let per = (experts.gate.bytes() + experts.up.bytes() + experts.down.bytes())
-                    / experts.total().max(1);
-                router.bytes() + per * (routing.top_k + routing.n_shared) as usize
-            }
+            } => device_active_bytes(router, experts, routing),
+            #[cfg(feature = "rocm")]
+            Moe::Rocm {
+                router,
+                experts,
+                routing,
+                ..
+            } => device_active_bytes(router, experts, routing),
         }
     }
 }
@@ -129,25 +149,18 @@ pub fn moe(b: &Backend, p: MoeFfn<'_>) -> Result<(), KernelError> {
                 experts,
                 routing,
             },
-        ) => {
-            use crate::cuda::ops;
-            let gemm = p.precision.gemm();
-            let x = p.x.dv(OP, "x")?;
-            let t = x.len / router.cols().max(1);
-            let logits = dev.alloc::<f32>(t * router.rows())?;
-            ops::linear(dev, x, router, logits.v(), gemm)?;
-            let slots = (routing.top_k + routing.n_shared) as usize;
-            let ids = dev.alloc::<i32>(t * slots)?;
-            let w = dev.alloc::<f32>(t * slots)?;
-            let routes = ops::Routes {
-                ids: ids.v(),
-                weights: w.v(),
-                slots,
-            };
-            ops::moe_route(dev, logits.v(), bias.v(), *routing, routes)?;
-            ops::moe_experts(dev, x, routes, experts, p.h.dv(OP, "h")?)
-        }
-        #[cfg(feature = "cuda")]
+        ) => moe_on(dev, (router, bias, experts, *routing), p),
+        #[cfg(feature = "rocm")]
+        (
+            Backend::Rocm(dev),
+            Moe::Rocm {
+                router,
+                bias,
+                experts,
+                routing,
+            },
+        ) => moe_on(dev, (router, bias, experts, *routing), p),
+        #[cfg(any(feature = "cuda", feature = "rocm"))]
         (b, _) => Err(KernelError::DeviceMismatch {
             op: OP,
             what: "weights",
@@ -157,15 +170,99 @@ pub fn moe(b: &Backend, p: MoeFfn<'_>) -> Result<(), KernelError> {
     }
 }
 
+/// One MoE layer's device weights: router, correction bias, stacked experts, routing.
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+type DeviceMoe<D> = (
+    crate::gpu::ops::GpuMatrix<D>,
+    <D as crate::gpu::launch::Gpu>::Buffer<f32>,
+    crate::gpu::ops::GpuExperts<D>,
+    crate::gpu::ops::RouteParams,
+);
+
+/// `m` on the device `dev`: the router, the bias, the experts stacked with the shared expert
+/// split into `n_shared` chunks of the routed width.
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+fn upload<D: crate::gpu::launch::Gpu>(
+    dev: &D,
+    m: &MoeLayer,
+    n_shared: usize,
+) -> Result<DeviceMoe<D>, KernelError> {
+    let n_shared = if m.shared.is_some() {
+        n_shared.max(1)
+    } else {
+        0
+    };
+    let r = &m.routing;
+    Ok((
+        crate::gpu::ops::GpuMatrix::upload(dev, &m.router)?,
+        dev.upload(&m.correction_bias)?,
+        stack::experts(dev, &m.experts, m.shared.as_ref(), n_shared)?,
+        crate::gpu::ops::RouteParams {
+            n_experts: r.n_experts as i32,
+            top_k: r.top_k as i32,
+            n_group: r.n_group as i32,
+            topk_group: r.topk_group as i32,
+            norm_topk: i32::from(r.norm_topk_prob),
+            n_shared: n_shared as i32,
+            scale: r.routed_scaling_factor,
+        },
+    ))
+}
+
+/// Bytes of a device layer's weights read per token.
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+fn device_active_bytes<D: crate::gpu::launch::Gpu>(
+    router: &crate::gpu::ops::GpuMatrix<D>,
+    experts: &crate::gpu::ops::GpuExperts<D>,
+    routing: &crate::gpu::ops::RouteParams,
+) -> usize {
+    let per =
+        (experts.gate.bytes() + experts.up.bytes() + experts.down.bytes()) / experts.total().max(1);
+    router.bytes() + per * (routing.top_k + routing.n_shared) as usize
+}
+
+/// The GPU arm: the router GEMM, routing on the device, then the experts (shared ones as extra
+/// slots) added into `h`.
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+fn moe_on<D: super::OnDevice>(
+    dev: &D,
+    (router, bias, experts, routing): (
+        &crate::gpu::ops::GpuMatrix<D>,
+        &D::Buffer<f32>,
+        &crate::gpu::ops::GpuExperts<D>,
+        crate::gpu::ops::RouteParams,
+    ),
+    p: MoeFfn<'_>,
+) -> Result<(), KernelError> {
+    use crate::gpu::launch::DeviceMem;
+    use crate::gpu::ops;
+    const OP: &str = "moe";
+    let gemm = p.precision.gemm();
+    let x = super::tv::<D>(p.x, OP, "x")?;
+    let t = x.len / router.cols().max(1);
+    let logits = dev.alloc::<f32>(t * router.rows())?;
+    ops::linear(dev, x, router, logits.v(), gemm)?;
+    let slots = (routing.top_k + routing.n_shared) as usize;
+    let ids = dev.alloc::<i32>(t * slots)?;
+    let w = dev.alloc::<f32>(t * slots)?;
+    let routes = ops::Routes {
+        ids: ids.v(),
+        weights: w.v(),
+        slots,
+    };
+    ops::moe_route(dev, logits.v(), bias.v(), routing, routes)?;
+    ops::moe_experts(dev, x, routes, experts, super::tv::<D>(p.h, OP, "h")?)
+}
+
 /// Expert stacking for the device kernels.
-#[cfg(feature = "cuda")]
+#[cfg(any(feature = "cuda", feature = "rocm"))]
 mod stack {
     use half::bf16;
 
     use crate::cpu::gemm::{Matrix, MatrixData};
     use crate::cpu::mlp::GatedMlp;
-    use crate::cuda::ops::{GpuExperts, GpuMatrix, GpuMatrixData};
-    use crate::cuda::CudaDevice;
+    use crate::gpu::launch::Gpu;
+    use crate::gpu::ops::{GpuExperts, GpuMatrix, GpuMatrixData};
     use crate::KernelError;
 
     fn invalid(value: String) -> KernelError {
@@ -180,12 +277,12 @@ mod stack {
     /// Routed experts (and the shared expert split into `n_shared` chunks of the routed
     /// width) as one `[E_total·inter][hidden]` gate/up and `[E_total·hidden][inter]` down.
     /// All-bf16 experts stay bf16; anything else is widened to f32 (exact).
-    pub(super) fn experts(
-        dev: &CudaDevice,
+    pub(super) fn experts<D: Gpu>(
+        dev: &D,
         experts: &[GatedMlp],
         shared: Option<&GatedMlp>,
         n_shared: usize,
-    ) -> Result<GpuExperts, KernelError> {
+    ) -> Result<GpuExperts<D>, KernelError> {
         let first = experts
             .first()
             .ok_or_else(|| invalid("no routed expert".into()))?;
@@ -216,7 +313,7 @@ mod stack {
             .chain(&ups)
             .chain(&downs)
             .all(|m| matches!(m.data(), MatrixData::Bf16(_)));
-        let stack = |ms: &[Matrix], cols: usize| -> Result<GpuMatrix, KernelError> {
+        let stack = |ms: &[Matrix], cols: usize| -> Result<GpuMatrix<D>, KernelError> {
             let rows: usize = ms.iter().map(Matrix::rows).sum();
             let data = if all_bf16 {
                 let mut v: Vec<u16> = Vec::with_capacity(rows * cols);

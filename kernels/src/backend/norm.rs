@@ -40,25 +40,32 @@ pub fn add_norm(b: &Backend, p: AddNorm<'_>) -> Result<(), KernelError> {
             Ok(())
         }
         #[cfg(feature = "cuda")]
-        Backend::Cuda(dev) => {
-            let delta = p.delta.map(|d| d.dv(OP, "delta")).transpose()?;
-            let out = p.out.map(|o| o.dv(OP, "out")).transpose()?;
-            let h = p.h.dv(OP, "h")?;
-            // A bare add passes `delta` as a stand-in weight; the kernel does not read it.
-            let weight = match out {
-                Some(_) => p.weight.dv(OP, "weight")?,
-                None => delta.unwrap_or(h),
-            };
-            let rows = crate::cuda::ops::NormRows {
-                h,
-                delta,
-                weight,
-                out,
-                width: p.width,
-            };
-            crate::cuda::ops::add_rms_norm(dev, rows, p.eps)
-        }
+        Backend::Cuda(dev) => add_norm_on(dev, p),
+        #[cfg(feature = "rocm")]
+        Backend::Rocm(dev) => add_norm_on(dev, p),
     }
+}
+
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+fn add_norm_on<D: super::OnDevice>(dev: &D, p: AddNorm<'_>) -> Result<(), KernelError> {
+    use super::tv;
+    const OP: &str = "add_rms_norm";
+    let delta = p.delta.map(|d| tv::<D>(d, OP, "delta")).transpose()?;
+    let out = p.out.map(|o| tv::<D>(o, OP, "out")).transpose()?;
+    let h = tv::<D>(p.h, OP, "h")?;
+    // A bare add passes `delta` as a stand-in weight; the kernel does not read it.
+    let weight = match out {
+        Some(_) => tv::<D>(p.weight, OP, "weight")?,
+        None => delta.unwrap_or(h),
+    };
+    let rows = crate::gpu::ops::NormRows {
+        h,
+        delta,
+        weight,
+        out,
+        width: p.width,
+    };
+    crate::gpu::ops::add_rms_norm(dev, rows, p.eps)
 }
 
 /// RMSNorm in place over the first `weight.len()` floats of every `stride`-wide row.
@@ -90,9 +97,18 @@ pub fn norm_strided(b: &Backend, p: NormStrided<'_>) -> Result<(), KernelError> 
             Ok(())
         }
         #[cfg(feature = "cuda")]
-        Backend::Cuda(dev) => {
-            let (x, w) = (p.x.dv(OP, "x")?, p.weight.dv(OP, "weight")?);
-            crate::cuda::ops::rms_norm_strided(dev, x, p.stride, w, p.eps)
-        }
+        Backend::Cuda(dev) => norm_strided_on(dev, p),
+        #[cfg(feature = "rocm")]
+        Backend::Rocm(dev) => norm_strided_on(dev, p),
     }
+}
+
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+fn norm_strided_on<D: super::OnDevice>(dev: &D, p: NormStrided<'_>) -> Result<(), KernelError> {
+    const OP: &str = "rms_norm_strided";
+    let (x, w) = (
+        super::tv::<D>(p.x, OP, "x")?,
+        super::tv::<D>(p.weight, OP, "weight")?,
+    );
+    crate::gpu::ops::rms_norm_strided(dev, x, p.stride, w, p.eps)
 }

@@ -14,9 +14,12 @@ pub enum RopeTable {
         /// One position per token.
         positions: Vec<usize>,
     },
-    /// cos/sin tables per token in device memory.
+    /// cos/sin tables per token in CUDA device memory.
     #[cfg(feature = "cuda")]
     Cuda(crate::cuda::ops::RopeTables),
+    /// cos/sin tables per token in ROCm device memory.
+    #[cfg(feature = "rocm")]
+    Rocm(crate::gpu::ops::RopeTables<crate::rocm::RocmDevice>),
 }
 
 impl RopeTable {
@@ -30,6 +33,10 @@ impl RopeTable {
             #[cfg(feature = "cuda")]
             Backend::Cuda(dev) => {
                 RopeTable::Cuda(crate::cuda::ops::RopeTables::new(dev, rope, positions)?)
+            }
+            #[cfg(feature = "rocm")]
+            Backend::Rocm(dev) => {
+                RopeTable::Rocm(crate::gpu::ops::RopeTables::new(dev, rope, positions)?)
             }
         })
     }
@@ -48,6 +55,30 @@ impl RopeTable {
                 let dev = t.cos.device().clone();
                 t.refresh(&dev, rope, positions)
             }
+            #[cfg(feature = "rocm")]
+            RopeTable::Rocm(t) => {
+                let dev = t.cos.device().clone();
+                t.refresh(&dev, rope, positions)
+            }
+        }
+    }
+
+    /// The device tables of the runtime `D`, or a mismatch error naming `op`.
+    #[cfg(any(feature = "cuda", feature = "rocm"))]
+    pub(crate) fn on<D: super::OnDevice>(
+        &self,
+        op: &'static str,
+    ) -> Result<&crate::gpu::ops::RopeTables<D>, KernelError> {
+        D::rope(self).ok_or_else(|| super::mismatch_on::<D>(op, "rope table", self.place()))
+    }
+
+    fn place(&self) -> &'static str {
+        match self {
+            RopeTable::Host { .. } => "CPU",
+            #[cfg(feature = "cuda")]
+            RopeTable::Cuda(_) => "CUDA device",
+            #[cfg(feature = "rocm")]
+            RopeTable::Rocm(_) => "ROCm device",
         }
     }
 }
@@ -71,15 +102,25 @@ pub fn rope(b: &Backend, p: ApplyRope<'_>) -> Result<(), KernelError> {
             rope.apply(p.x.host_mut(OP, "x")?, positions, p.layout)
         }
         #[cfg(feature = "cuda")]
-        (Backend::Cuda(dev), RopeTable::Cuda(t)) => {
-            crate::cuda::ops::rope(dev, p.x.dv(OP, "x")?, t, p.layout)
-        }
-        #[cfg(feature = "cuda")]
-        (b, _) => Err(KernelError::DeviceMismatch {
+        (Backend::Cuda(dev), RopeTable::Cuda(t)) => crate::gpu::ops::rope(
+            dev,
+            super::tv::<crate::cuda::CudaDevice>(p.x, OP, "x")?,
+            t,
+            p.layout,
+        ),
+        #[cfg(feature = "rocm")]
+        (Backend::Rocm(dev), RopeTable::Rocm(t)) => crate::gpu::ops::rope(
+            dev,
+            super::tv::<crate::rocm::RocmDevice>(p.x, OP, "x")?,
+            t,
+            p.layout,
+        ),
+        #[cfg(any(feature = "cuda", feature = "rocm"))]
+        (b, t) => Err(KernelError::DeviceMismatch {
             op: OP,
             what: "table",
             expected: b.name(),
-            got: "another backend",
+            got: t.place(),
         }),
     }
 }

@@ -27,12 +27,21 @@ pub fn embed(b: &Backend, p: Embed<'_>) -> Result<Tensor, KernelError> {
             }
         }
         #[cfg(feature = "cuda")]
-        Backend::Cuda(dev) => {
-            let (ids, dst) = (p.ids.dv(OP, "ids")?, out.dv(OP, "out")?);
-            crate::cuda::ops::embed(dev, p.table.gpu(OP, "table")?, ids, dst)?;
-        }
+        Backend::Cuda(dev) => embed_on(dev, p, &out)?,
+        #[cfg(feature = "rocm")]
+        Backend::Rocm(dev) => embed_on(dev, p, &out)?,
     }
     Ok(out)
+}
+
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+fn embed_on<D: super::OnDevice>(dev: &D, p: Embed<'_>, out: &Tensor) -> Result<(), KernelError> {
+    const OP: &str = "embed";
+    let (ids, dst) = (
+        super::iv::<D>(p.ids, OP, "ids")?,
+        super::tv::<D>(out, OP, "out")?,
+    );
+    crate::gpu::ops::embed(dev, super::wv::<D>(p.table, OP, "table")?, ids, dst)
 }
 
 /// Rows `rows` of `src`.
@@ -61,14 +70,20 @@ pub fn gather(b: &Backend, p: Gather<'_>) -> Result<Tensor, KernelError> {
             }
         }
         #[cfg(feature = "cuda")]
-        Backend::Cuda(dev) => {
-            let (src, rows, dst) = (
-                p.src.dv(OP, "src")?,
-                p.rows.dv(OP, "rows")?,
-                out.dv(OP, "out")?,
-            );
-            crate::cuda::ops::gather_rows(dev, src, rows, dst, p.width)?;
-        }
+        Backend::Cuda(dev) => gather_on(dev, p, &out)?,
+        #[cfg(feature = "rocm")]
+        Backend::Rocm(dev) => gather_on(dev, p, &out)?,
     }
     Ok(out)
+}
+
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+fn gather_on<D: super::OnDevice>(dev: &D, p: Gather<'_>, out: &Tensor) -> Result<(), KernelError> {
+    const OP: &str = "gather_rows";
+    let (src, rows, dst) = (
+        super::tv::<D>(p.src, OP, "src")?,
+        super::iv::<D>(p.rows, OP, "rows")?,
+        super::tv::<D>(out, OP, "out")?,
+    );
+    crate::gpu::ops::gather_rows(dev, src, rows, dst, p.width)
 }

@@ -4,9 +4,9 @@
 //! The semantics are the CPU sampler's, row by row ([`crate::cpu::sample`]): [`probs`] is
 //! [`probs_from_logits`] (softmax at temperature, top-k, top-p, min-p, pivot ties kept; a
 //! one-hot at the argmax for greedy rows), [`draw`] is [`sample_from_probs`], [`argmax`] is
-//! [`crate::cpu::sample::argmax`]. The CPU arm calls those functions (bit-identical); the CUDA
-//! arm runs one block per row (`gpu/sample.cu`), within the tolerances stated in
-//! [`crate::cuda::sample`].
+//! [`crate::cpu::sample::argmax`]. The CPU arm calls those functions (bit-identical); the GPU
+//! arms (CUDA and ROCm, one launcher) run one block per row (`gpu/sample.cu`), within the
+//! tolerances stated in `crate::gpu::sample`.
 //!
 //! **Failure isolation.** A row whose distribution is degenerate (non-finite logits, or no
 //! positive kept mass) does not fail the batch: [`probs`] writes it as all NaN, and [`draw`]
@@ -31,7 +31,11 @@
 use super::{Backend, Ints, Tensor};
 use crate::cpu::sample::{probs_from_logits, sample_from_probs, SamplingParams};
 #[cfg(feature = "cuda")]
-use crate::cuda::{ops::Dv, DeviceBuffer};
+use crate::cuda::DeviceBuffer;
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+use crate::gpu::launch::{DeviceMem, Dv};
+#[cfg(feature = "rocm")]
+use crate::rocm::HipBuffer;
 use crate::KernelError;
 
 /// Per-row sampling parameters on a backend (validated). On a GPU they are also uploaded,
@@ -39,8 +43,18 @@ use crate::KernelError;
 #[derive(Debug)]
 pub struct RowParams {
     host: Vec<SamplingParams>,
+    device: PackedParams,
+}
+
+/// [`RowParams`]' packed rows where the backend is a GPU.
+#[derive(Debug)]
+enum PackedParams {
+    /// The CPU reads the parameters as given.
+    Host,
     #[cfg(feature = "cuda")]
-    device: Option<DeviceBuffer<u32>>,
+    Cuda(DeviceBuffer<u32>),
+    #[cfg(feature = "rocm")]
+    Rocm(HipBuffer<u32>),
 }
 
 impl RowParams {
@@ -51,10 +65,16 @@ impl RowParams {
             p.validate()?;
         }
         Ok(Self {
-            #[cfg(feature = "cuda")]
             device: match b {
-                Backend::Cpu => None,
-                Backend::Cuda(d) => Some(d.upload(&crate::cuda::sample::pack_params(params))?),
+                Backend::Cpu => PackedParams::Host,
+                #[cfg(feature = "cuda")]
+                Backend::Cuda(d) => {
+                    PackedParams::Cuda(d.upload(&crate::gpu::sample::pack_params(params))?)
+                }
+                #[cfg(feature = "rocm")]
+                Backend::Rocm(d) => {
+                    PackedParams::Rocm(d.upload(&crate::gpu::sample::pack_params(params))?)
+                }
             },
             host: params.to_vec(),
         })
@@ -114,18 +134,61 @@ impl RowParams {
         &self.host
     }
 
-    /// The packed device rows, or a mismatch error when they were built for the CPU.
-    #[cfg(feature = "cuda")]
-    fn dv(&self, op: &'static str) -> Result<Dv<u32>, KernelError> {
-        self.device
-            .as_ref()
-            .map(|d| d.v())
-            .ok_or(KernelError::DeviceMismatch {
-                op,
-                what: "params",
-                expected: "CUDA device",
-                got: "CPU",
-            })
+    /// The packed device rows on the runtime `D`, or a mismatch error when they were built
+    /// for another backend.
+    #[cfg(any(feature = "cuda", feature = "rocm"))]
+    fn dv<D: OnSample>(&self, op: &'static str) -> Result<Dv<u32>, KernelError> {
+        let got = match &self.device {
+            PackedParams::Host => "CPU",
+            #[cfg(feature = "cuda")]
+            PackedParams::Cuda(_) => "CUDA device",
+            #[cfg(feature = "rocm")]
+            PackedParams::Rocm(_) => "ROCm device",
+        };
+        D::params(self)
+            .map(|b| b.v())
+            .ok_or_else(|| super::mismatch_on::<D>(op, "params", got))
+    }
+}
+
+/// Where the sampling buffers of a runtime live in [`RowParams`] and [`Uniforms`].
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+pub(crate) trait OnSample: super::OnDevice {
+    /// The packed parameter rows, if they live on this runtime.
+    fn params(p: &RowParams) -> Option<&Self::Buffer<u32>>;
+    /// The uniforms, if they live on this runtime.
+    fn uniforms(u: &Uniforms) -> Option<&Self::Buffer<f64>>;
+}
+
+#[cfg(feature = "cuda")]
+impl OnSample for crate::cuda::CudaDevice {
+    fn params(p: &RowParams) -> Option<&DeviceBuffer<u32>> {
+        match &p.device {
+            PackedParams::Cuda(b) => Some(b),
+            _ => None,
+        }
+    }
+    fn uniforms(u: &Uniforms) -> Option<&DeviceBuffer<f64>> {
+        match u {
+            Uniforms::Cuda(b) => Some(b),
+            _ => None,
+        }
+    }
+}
+
+#[cfg(feature = "rocm")]
+impl OnSample for crate::rocm::RocmDevice {
+    fn params(p: &RowParams) -> Option<&HipBuffer<u32>> {
+        match &p.device {
+            PackedParams::Rocm(b) => Some(b),
+            _ => None,
+        }
+    }
+    fn uniforms(u: &Uniforms) -> Option<&HipBuffer<f64>> {
+        match u {
+            Uniforms::Rocm(b) => Some(b),
+            _ => None,
+        }
     }
 }
 
@@ -138,6 +201,9 @@ pub enum Uniforms {
     /// CUDA device memory.
     #[cfg(feature = "cuda")]
     Cuda(DeviceBuffer<f64>),
+    /// ROCm device memory.
+    #[cfg(feature = "rocm")]
+    Rocm(HipBuffer<f64>),
 }
 
 /// Every `u` finite and in `[0, 1)`.
@@ -161,6 +227,8 @@ impl Uniforms {
             Backend::Cpu => Uniforms::Host(u.to_vec()),
             #[cfg(feature = "cuda")]
             Backend::Cuda(d) => Uniforms::Cuda(d.upload(u)?),
+            #[cfg(feature = "rocm")]
+            Backend::Rocm(d) => Uniforms::Rocm(d.upload(u)?),
         })
     }
 
@@ -181,6 +249,8 @@ impl Uniforms {
             }
             #[cfg(feature = "cuda")]
             Uniforms::Cuda(buf) => buf.device().clone().write(buf, 0, u),
+            #[cfg(feature = "rocm")]
+            Uniforms::Rocm(buf) => buf.device().clone().write(buf, 0, u),
         }
     }
 
@@ -190,6 +260,8 @@ impl Uniforms {
             Uniforms::Host(v) => v.len(),
             #[cfg(feature = "cuda")]
             Uniforms::Cuda(b) => b.len(),
+            #[cfg(feature = "rocm")]
+            Uniforms::Rocm(b) => b.len(),
         }
     }
 
@@ -202,28 +274,33 @@ impl Uniforms {
     pub fn host(&self, op: &'static str) -> Result<&[f64], KernelError> {
         match self {
             Uniforms::Host(v) => Ok(v),
-            #[cfg(feature = "cuda")]
-            Uniforms::Cuda(_) => Err(super::mismatch(
-                op,
-                "uniforms",
-                &Backend::Cpu,
-                "CUDA device",
-            )),
+            #[cfg(any(feature = "cuda", feature = "rocm"))]
+            u => Err(super::mismatch(op, "uniforms", &Backend::Cpu, u.place())),
         }
     }
 
-    /// The device view, or a mismatch error.
+    fn place(&self) -> &'static str {
+        match self {
+            Uniforms::Host(_) => "CPU",
+            #[cfg(feature = "cuda")]
+            Uniforms::Cuda(_) => "CUDA device",
+            #[cfg(feature = "rocm")]
+            Uniforms::Rocm(_) => "ROCm device",
+        }
+    }
+
+    /// The CUDA device view, or a mismatch error.
     #[cfg(feature = "cuda")]
     pub fn dv(&self, op: &'static str) -> Result<Dv<f64>, KernelError> {
-        match self {
-            Uniforms::Cuda(b) => Ok(b.v()),
-            Uniforms::Host(_) => Err(KernelError::DeviceMismatch {
-                op,
-                what: "uniforms",
-                expected: "CUDA device",
-                got: "CPU",
-            }),
-        }
+        self.view::<crate::cuda::CudaDevice>(op)
+    }
+
+    /// The device view on the runtime `D`, or a mismatch error.
+    #[cfg(any(feature = "cuda", feature = "rocm"))]
+    pub(crate) fn view<D: OnSample>(&self, op: &'static str) -> Result<Dv<f64>, KernelError> {
+        D::uniforms(self)
+            .map(|b| b.v())
+            .ok_or_else(|| super::mismatch_on::<D>(op, "uniforms", self.place()))
     }
 }
 
@@ -302,15 +379,21 @@ pub fn probs_into(b: &Backend, p: Probs<'_>, out: &mut Tensor) -> Result<(), Ker
             Ok(())
         }
         #[cfg(feature = "cuda")]
-        Backend::Cuda(dev) => {
-            let (x, y, prm) = (
-                p.logits.dv(OP, "logits")?,
-                out.dv(OP, "out")?,
-                p.params.dv(OP)?,
-            );
-            crate::cuda::sample::probs(dev, x, y, prm, p.vocab)
-        }
+        Backend::Cuda(dev) => probs_on(dev, p, out),
+        #[cfg(feature = "rocm")]
+        Backend::Rocm(dev) => probs_on(dev, p, out),
     }
+}
+
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+fn probs_on<D: OnSample>(dev: &D, p: Probs<'_>, out: &Tensor) -> Result<(), KernelError> {
+    const OP: &str = "sample_probs";
+    let (x, y, prm) = (
+        super::tv::<D>(p.logits, OP, "logits")?,
+        super::tv::<D>(out, OP, "out")?,
+        p.params.dv::<D>(OP)?,
+    );
+    crate::gpu::sample::probs(dev, x, y, prm, p.vocab)
 }
 
 /// One inverse-CDF draw per row.
@@ -348,13 +431,22 @@ pub fn draw(b: &Backend, d: Draw<'_>) -> Result<Ints, KernelError> {
             Ok(Ints::Host(out))
         }
         #[cfg(feature = "cuda")]
-        Backend::Cuda(dev) => {
-            let out = dev.alloc::<i32>(rows)?;
-            let (probs, u) = (d.probs.dv(OP, "probs")?, d.uniforms.dv(OP)?);
-            crate::cuda::sample::draw(dev, probs, u, out.v(), d.vocab)?;
-            Ok(Ints::Cuda(out))
-        }
+        Backend::Cuda(dev) => draw_on(dev, d, rows),
+        #[cfg(feature = "rocm")]
+        Backend::Rocm(dev) => draw_on(dev, d, rows),
     }
+}
+
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+fn draw_on<D: OnSample>(dev: &D, d: Draw<'_>, rows: usize) -> Result<Ints, KernelError> {
+    const OP: &str = "sample_draw";
+    let out = dev.alloc::<i32>(rows)?;
+    let (probs, u) = (
+        super::tv::<D>(d.probs, OP, "probs")?,
+        d.uniforms.view::<D>(OP)?,
+    );
+    crate::gpu::sample::draw(dev, probs, u, out.v(), d.vocab)?;
+    Ok(D::into_ints(out))
 }
 
 /// `[rows]` argmax of each `[vocab]` row of `logits` (ties to the lowest index, NaN never
@@ -381,12 +473,24 @@ pub fn argmax(b: &Backend, logits: &Tensor, vocab: usize) -> Result<Ints, Kernel
             Ok(Ints::Host(out))
         }
         #[cfg(feature = "cuda")]
-        Backend::Cuda(dev) => {
-            let out = dev.alloc::<i32>(rows)?;
-            crate::cuda::sample::argmax(dev, logits.dv(OP, "logits")?, out.v(), rows, vocab)?;
-            Ok(Ints::Cuda(out))
-        }
+        Backend::Cuda(dev) => argmax_on(dev, logits, rows, vocab),
+        #[cfg(feature = "rocm")]
+        Backend::Rocm(dev) => argmax_on(dev, logits, rows, vocab),
     }
+}
+
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+fn argmax_on<D: super::OnDevice>(
+    dev: &D,
+    logits: &Tensor,
+    rows: usize,
+    vocab: usize,
+) -> Result<Ints, KernelError> {
+    const OP: &str = "sample_argmax";
+    let out = dev.alloc::<i32>(rows)?;
+    let x = super::tv::<D>(logits, OP, "logits")?;
+    crate::gpu::sample::argmax(dev, x, out.v(), rows, vocab)?;
+    Ok(D::into_ints(out))
 }
 
 /// Plain sampling of a batch of rows, end to end.

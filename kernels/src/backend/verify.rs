@@ -56,7 +56,7 @@ pub struct VerifyBatch<'a> {
 }
 
 /// Verifies every sequence: per sequence exactly `cpu::verify::verify_probs(p_s,
-/// DraftProbs::Sampled(q_s), drafts_s, uniforms_s)` (the CPU arm calls it; the CUDA arm agrees
+/// DraftProbs::Sampled(q_s), drafts_s, uniforms_s)` (the CPU arm calls it; the GPU arm agrees
 /// with it in every accept decision and draws as `sample::draw` does).
 pub fn verify(b: &Backend, v: VerifyBatch<'_>) -> Result<VerifyOut, KernelError> {
     check_vocab(OP, v.vocab)?;
@@ -77,7 +77,9 @@ pub fn verify(b: &Backend, v: VerifyBatch<'_>) -> Result<VerifyOut, KernelError>
     match b {
         Backend::Cpu => verify_host(&v),
         #[cfg(feature = "cuda")]
-        Backend::Cuda(dev) => verify_cuda(dev, &v),
+        Backend::Cuda(dev) => verify_on(dev, &v),
+        #[cfg(feature = "rocm")]
+        Backend::Rocm(dev) => verify_on(dev, &v),
     }
 }
 
@@ -127,13 +129,15 @@ fn draft_ids(d: &[i32], vocab: usize) -> Result<Vec<u32>, KernelError> {
         .collect()
 }
 
-/// The CUDA arm: one kernel, one download.
-#[cfg(feature = "cuda")]
-fn verify_cuda(
-    dev: &crate::cuda::CudaDevice,
+/// The GPU arm: one kernel, one download.
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+fn verify_on<D: super::sample::OnSample>(
+    dev: &D,
     v: &VerifyBatch<'_>,
 ) -> Result<VerifyOut, KernelError> {
-    use crate::cuda::sample::{self as k, VerifyArgs, VERIFY_EXTRA_WORDS};
+    use super::{iv, tv};
+    use crate::gpu::launch::DeviceMem;
+    use crate::gpu::sample::{self as k, VerifyArgs, VERIFY_EXTRA_WORDS};
     if v.gammas.is_empty() {
         return Ok(Vec::new());
     }
@@ -142,11 +146,11 @@ fn verify_cuda(
     k::verify(
         dev,
         VerifyArgs {
-            p: v.p.dv(OP, "p")?,
-            q: v.q.map(|q| q.dv(OP, "q")).transpose()?,
+            p: tv::<D>(v.p, OP, "p")?,
+            q: v.q.map(|q| tv::<D>(q, OP, "q")).transpose()?,
             greedy: v.greedy,
-            drafts: v.drafts.dv(OP, "drafts")?,
-            uniforms: v.uniforms.dv(OP)?,
+            drafts: iv::<D>(v.drafts, OP, "drafts")?,
+            uniforms: v.uniforms.view::<D>(OP)?,
             gammas: v.gammas,
             vocab: v.vocab,
             out: out.v(),
@@ -162,9 +166,9 @@ fn verify_cuda(
 }
 
 /// One sequence's result row from `spec_verify` (layout in `gpu/sample.cu`).
-#[cfg(feature = "cuda")]
+#[cfg(any(feature = "cuda", feature = "rocm"))]
 fn decode(row: &[i32], gamma: usize, vocab: usize) -> Result<Verified, KernelError> {
-    use crate::cuda::sample::code;
+    use crate::gpu::sample::code;
     let word = |i: usize| row.get(i).copied().unwrap_or(0);
     let malformed = || KernelError::Gpu {
         op: OP,

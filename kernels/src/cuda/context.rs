@@ -17,6 +17,8 @@ use cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaFunction, CudaStre
 use super::nvrtc::ModuleCache;
 use crate::device::Device;
 use crate::error::KernelError;
+use crate::gpu::launch::{DeviceMem, Dv};
+pub use crate::gpu::launch::{DevicePod, KernelArgs, KernelParam, LaunchDims};
 use crate::gpu::{Defines, Source};
 
 /// Checks that CUDA device `ordinal` can be opened: the driver library loads, NVRTC and
@@ -55,16 +57,6 @@ pub fn probe(ordinal: usize) -> Result<(), KernelError> {
     }
     Ok(())
 }
-
-/// A plain-old-data element type that may live in device memory.
-pub trait DevicePod: Copy + Default + Send + Sync + 'static {}
-impl DevicePod for f32 {}
-impl DevicePod for u16 {}
-impl DevicePod for i32 {}
-impl DevicePod for u32 {}
-impl DevicePod for i64 {}
-impl DevicePod for u8 {}
-impl DevicePod for f64 {}
 
 /// An `[T; len]` array in device memory, freed (stream-ordered) on drop.
 pub struct DeviceBuffer<T: DevicePod> {
@@ -118,6 +110,21 @@ impl<T: DevicePod> DeviceBuffer<T> {
     }
 }
 
+impl<T: DevicePod> DeviceBuffer<T> {
+    /// The whole buffer as a view.
+    pub fn v(&self) -> Dv<T> {
+        Dv::raw(self.ptr, self.len)
+    }
+}
+
+impl<T: DevicePod> DeviceMem for DeviceBuffer<T> {
+    type Elem = T;
+
+    fn v(&self) -> Dv<T> {
+        Dv::raw(self.ptr, self.len)
+    }
+}
+
 impl<T: DevicePod> Drop for DeviceBuffer<T> {
     fn drop(&mut self) {
         let inner = &self.dev.inner;
@@ -127,93 +134,6 @@ impl<T: DevicePod> Drop for DeviceBuffer<T> {
         // SAFETY: `ptr` came from cuMemAllocAsync on this stream and is freed exactly once;
         // work queued on the stream that still reads it runs before the free.
         let _ = unsafe { result::free_async(self.ptr, inner.stream.cu_stream()) };
-    }
-}
-
-/// Grid, block and dynamic shared memory of one launch.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct LaunchDims {
-    /// Blocks in x, y, z.
-    pub grid: (u32, u32, u32),
-    /// Threads per block in x, y, z.
-    pub block: (u32, u32, u32),
-    /// Dynamic shared memory bytes.
-    pub smem: u32,
-}
-
-impl LaunchDims {
-    /// A 1-D grid of `blocks` blocks of `threads` threads.
-    pub fn linear(blocks: usize, threads: u32) -> Self {
-        Self {
-            grid: (blocks.max(1) as u32, 1, 1),
-            block: (threads, 1, 1),
-            smem: 0,
-        }
-    }
-
-    /// One thread per element, 256 per block.
-    pub fn elementwise(n: usize) -> Self {
-        Self::linear(n.div_ceil(256), 256)
-    }
-}
-
-/// A kernel parameter passed by value (scalars and `#[repr(C)]` structs without padding).
-///
-/// # Safety
-/// The type must be `#[repr(C)]` (or a primitive) with no padding bytes and match the
-/// kernel's parameter type exactly.
-pub unsafe trait KernelParam: Copy + 'static {}
-// SAFETY: primitives have no padding and match the C types of the same width.
-unsafe impl KernelParam for i32 {}
-// SAFETY: as above.
-unsafe impl KernelParam for u32 {}
-// SAFETY: as above.
-unsafe impl KernelParam for f32 {}
-// SAFETY: as above.
-unsafe impl KernelParam for i64 {}
-// SAFETY: as above (device pointers are u64).
-unsafe impl KernelParam for u64 {}
-
-/// The largest by-value parameter: a 128-byte TMA descriptor (`CUtensorMap`).
-const ARG_BYTES: usize = 128;
-
-/// One parameter's bytes, aligned like the strictest parameter type (a tensor map, 64).
-#[derive(Clone, Copy)]
-#[repr(C, align(64))]
-struct ArgSlot([u8; ARG_BYTES]);
-
-/// The argument list of one launch: each parameter's bytes in its own slot.
-#[derive(Default)]
-pub struct KernelArgs {
-    slots: Vec<ArgSlot>,
-}
-
-impl KernelArgs {
-    /// An empty list.
-    pub fn new() -> Self {
-        Self::default()
-    }
-
-    /// Appends a by-value parameter.
-    pub fn push<T: KernelParam>(&mut self, v: T) -> &mut Self {
-        let size = std::mem::size_of::<T>();
-        assert!(
-            size <= ARG_BYTES,
-            "invariant: kernel parameters fit in a slot"
-        );
-        let mut slot = ArgSlot([0u8; ARG_BYTES]);
-        // SAFETY: `T: KernelParam` has no padding, so all `size` bytes of `v` are initialised,
-        // and `slot` has room for them.
-        unsafe {
-            std::ptr::copy_nonoverlapping(&v as *const T as *const u8, slot.0.as_mut_ptr(), size)
-        };
-        self.slots.push(slot);
-        self
-    }
-
-    /// Appends a device pointer.
-    pub fn ptr<T: DevicePod>(&mut self, b: &DeviceBuffer<T>) -> &mut Self {
-        self.push(b.ptr())
     }
 }
 
@@ -536,11 +456,7 @@ impl CudaDevice {
         if dims.smem > 48 * 1024 {
             self.raise_smem_limit(f, dims.smem)?;
         }
-        let mut params: Vec<*mut c_void> = args
-            .slots
-            .iter_mut()
-            .map(|s| s.0.as_mut_ptr() as *mut c_void)
-            .collect();
+        let mut params = args.pointers();
         // SAFETY: every typed launcher checks buffer lengths against the kernel's indexing
         // before building `args`, whose slots match the kernel's parameters in order and type.
         unsafe {

@@ -1,1057 +1,156 @@
-//! Typed launchers for `gpu/common.cu`, and the device-resident weight type.
+//! The launchers of `gpu/common.cu` on CUDA: the shared, runtime-generic launchers of
+//! [`crate::gpu::ops`] re-exported with their device types fixed to [`CudaDevice`], and what only
+//! CUDA has — [`Gpu`] for [`CudaDevice`], whose large GEMM is cuBLAS.
 //!
 //! Every launcher checks that each buffer holds what the kernel will index before launching;
 //! buffers are passed as [`Dv`] views (address + length) so callers can hand in sub-ranges.
 
-use half::bf16;
+pub use crate::gpu::ops::*;
 
-use super::context::{CudaDevice, DeviceBuffer, DevicePod, KernelArgs, KernelParam, LaunchDims};
+use super::context::{CudaDevice, DeviceBuffer, DevicePod};
 use super::cublas::{gemm, GemmInputs, GemmPtrs, GemmShape};
-use crate::cpu::gemm::{Matrix, MatrixData};
 use crate::error::KernelError;
+use crate::gpu::launch::{Gpu, KernelArgs, LaunchDims, TmaRows};
 use crate::gpu::{Defines, Source};
 
-/// Largest row count served by the GEMV kernel (decode); more rows go through cuBLAS.
-pub const GEMV_MAX_M: usize = 8;
-
-/// A view of `len` elements of device memory starting at `ptr`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Dv<T> {
-    /// Device address of element 0.
-    pub ptr: u64,
-    /// Elements.
-    pub len: usize,
-    _t: std::marker::PhantomData<T>,
-}
-
-impl<T: DevicePod> Dv<T> {
-    /// A view of raw device memory (the caller vouches for `len` elements at `ptr`; launchers
-    /// still check lengths against what they index).
-    pub fn raw(ptr: u64, len: usize) -> Self {
-        Self {
-            ptr,
-            len,
-            _t: std::marker::PhantomData,
-        }
-    }
-
-    /// Elements `start..start + len` of this view.
-    pub fn sub(self, start: usize, len: usize) -> Result<Self, KernelError> {
-        if start + len > self.len {
-            return Err(KernelError::IndexOutOfRange {
-                op: "device_view",
-                what: "end",
-                index: start + len,
-                len: self.len + 1,
-            });
-        }
-        Ok(Self {
-            ptr: self.ptr + (start * std::mem::size_of::<T>()) as u64,
-            len,
-            _t: std::marker::PhantomData,
-        })
-    }
-}
-
-impl<T: DevicePod> DeviceBuffer<T> {
-    /// The whole buffer as a view.
-    pub fn v(&self) -> Dv<T> {
-        Dv {
-            ptr: self.ptr(),
-            len: self.len(),
-            _t: std::marker::PhantomData,
-        }
-    }
-}
-
-/// `got >= needed`, or a shape error naming the buffer.
-pub(crate) fn need(
-    op: &'static str,
-    what: &'static str,
-    needed: usize,
-    got: usize,
-) -> Result<(), KernelError> {
-    if got >= needed {
-        Ok(())
-    } else {
-        Err(KernelError::ShapeMismatch {
-            op,
-            what,
-            expected: needed,
-            got,
-        })
-    }
-}
-
-fn int(op: &'static str, field: &'static str, v: usize) -> Result<i32, KernelError> {
-    i32::try_from(v).map_err(|_| KernelError::InvalidParam {
-        op,
-        field,
-        limit: "< 2^31",
-        value: v.to_string(),
-    })
-}
-
+/// A weight matrix in CUDA device memory.
+pub type GpuMatrix = crate::gpu::ops::GpuMatrix<CudaDevice>;
 /// Storage of a [`GpuMatrix`].
-#[derive(Debug)]
-pub enum GpuMatrixData {
-    /// f32 weights.
-    F32(DeviceBuffer<f32>),
-    /// bf16 weights (raw bits).
-    Bf16(DeviceBuffer<u16>),
-}
+pub type GpuMatrixData = crate::gpu::ops::GpuMatrixData<CudaDevice>;
+/// Per-token rotary tables in CUDA device memory.
+pub type RopeTables = crate::gpu::ops::RopeTables<CudaDevice>;
+/// Stacked expert weights of one MoE layer in CUDA device memory.
+pub type GpuExperts = crate::gpu::ops::GpuExperts<CudaDevice>;
+/// The latent write's operands on CUDA.
+pub type LatentFinish<'a> = crate::gpu::ops::LatentFinish<'a, CudaDevice>;
 
-/// A row-major `[rows][cols]` weight in device memory (torch `nn.Linear.weight` layout).
-#[derive(Debug)]
-pub struct GpuMatrix {
-    rows: usize,
-    cols: usize,
-    data: GpuMatrixData,
-}
+impl Gpu for CudaDevice {
+    type Function = cudarc::driver::CudaFunction;
+    type Buffer<T: DevicePod> = DeviceBuffer<T>;
 
-impl GpuMatrix {
-    /// Uploads a CPU [`Matrix`], keeping its element type.
-    pub fn upload(dev: &CudaDevice, m: &Matrix) -> Result<Self, KernelError> {
-        let data = match m.data() {
-            MatrixData::F32(d) => GpuMatrixData::F32(dev.upload(d)?),
-            MatrixData::Bf16(d) => GpuMatrixData::Bf16(dev.upload(&bf16_bits(d))?),
-        };
-        Ok(Self {
-            rows: m.rows(),
-            cols: m.cols(),
-            data,
-        })
+    const NAME: &'static str = "CUDA device";
+    const TENSOR_CORES: bool = true;
+    const VENDOR_GEMM: Option<&'static str> = Some("cuBLAS");
+
+    fn function(
+        &self,
+        source: Source,
+        defines: &Defines,
+        name: &'static str,
+    ) -> Result<Self::Function, KernelError> {
+        CudaDevice::function(self, source, defines, name)
     }
 
-    /// Wraps device data; its length must be `rows · cols`.
-    pub fn from_parts(rows: usize, cols: usize, data: GpuMatrixData) -> Result<Self, KernelError> {
-        let len = match &data {
-            GpuMatrixData::F32(b) => b.len(),
-            GpuMatrixData::Bf16(b) => b.len(),
-        };
-        crate::cpu::gemm::check_len("gpu_matrix", "data", rows * cols, len)?;
-        Ok(Self { rows, cols, data })
+    fn launch(
+        &self,
+        f: &Self::Function,
+        dims: LaunchDims,
+        args: &mut KernelArgs,
+    ) -> Result<(), KernelError> {
+        CudaDevice::launch(self, f, dims, args)
     }
 
-    /// Deterministic pseudo-random bf16 weights uniform in `[-scale, scale)` (benchmarks).
-    pub fn random_bf16(
-        dev: &CudaDevice,
-        rows: usize,
-        cols: usize,
-        seed: u64,
-        scale: f32,
-    ) -> Result<Self, KernelError> {
-        let buf = dev.alloc::<u16>(rows * cols)?;
-        fill_random_bf16(dev, buf.v(), seed, scale)?;
-        Self::from_parts(rows, cols, GpuMatrixData::Bf16(buf))
+    fn alloc<T: DevicePod>(&self, len: usize) -> Result<DeviceBuffer<T>, KernelError> {
+        CudaDevice::alloc(self, len)
     }
 
-    /// Output features.
-    pub fn rows(&self) -> usize {
-        self.rows
+    fn zeros<T: DevicePod>(&self, len: usize) -> Result<DeviceBuffer<T>, KernelError> {
+        CudaDevice::zeros(self, len)
     }
 
-    /// Input features.
-    pub fn cols(&self) -> usize {
-        self.cols
+    fn upload<T: DevicePod>(&self, host: &[T]) -> Result<DeviceBuffer<T>, KernelError> {
+        CudaDevice::upload(self, host)
     }
 
-    /// Whether the elements are bf16.
-    pub fn is_bf16(&self) -> bool {
-        matches!(self.data, GpuMatrixData::Bf16(_))
+    fn write<T: DevicePod>(
+        &self,
+        dst: &mut DeviceBuffer<T>,
+        offset: usize,
+        host: &[T],
+    ) -> Result<(), KernelError> {
+        CudaDevice::write(self, dst, offset, host)
     }
 
-    /// Device address of element 0.
-    pub fn ptr(&self) -> u64 {
-        match &self.data {
-            GpuMatrixData::F32(b) => b.ptr(),
-            GpuMatrixData::Bf16(b) => b.ptr(),
-        }
+    fn download<T: DevicePod>(&self, src: &DeviceBuffer<T>) -> Result<Vec<T>, KernelError> {
+        CudaDevice::download(self, src)
     }
 
-    /// Bytes of weight data.
-    pub fn bytes(&self) -> usize {
-        match &self.data {
-            GpuMatrixData::F32(b) => b.bytes(),
-            GpuMatrixData::Bf16(b) => b.bytes(),
-        }
+    fn copy_range<T: DevicePod>(
+        &self,
+        src: (&DeviceBuffer<T>, usize),
+        dst: (&mut DeviceBuffer<T>, usize),
+        len: usize,
+    ) -> Result<(), KernelError> {
+        CudaDevice::copy_range(self, src, dst, len)
     }
 
-    /// The kernel-name suffix of the element type.
-    pub(crate) fn suffix(&self) -> &'static str {
-        if self.is_bf16() {
-            "bf16"
-        } else {
-            "f32"
-        }
+    fn synchronize(&self) -> Result<(), KernelError> {
+        CudaDevice::synchronize(self)
     }
-}
 
-/// bf16 values as raw bits.
-pub fn bf16_bits(d: &[bf16]) -> Vec<u16> {
-    d.iter().map(|v| v.to_bits()).collect()
-}
+    fn ordinal(&self) -> usize {
+        CudaDevice::ordinal(self)
+    }
 
-fn kernel(
-    dev: &CudaDevice,
-    name: &'static str,
-) -> Result<cudarc::driver::CudaFunction, KernelError> {
-    dev.function(Source::Common, &Defines::new(), name)
-}
+    fn sm_count(&self) -> u32 {
+        CudaDevice::sm_count(self)
+    }
 
-/// How large GEMMs against bf16 weights treat the f32 activations.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum GemmPrecision {
-    /// Activations split into bf16 hi + lo (two tensor-core GEMMs): ~16 mantissa bits, within
-    /// rounding of the CPU backend's f32 products.
-    #[default]
-    Exact,
-    /// Activations rounded to bf16 (one GEMM): the production trade-off.
-    Fast,
-}
+    fn compute_capability(&self) -> (i32, i32) {
+        CudaDevice::compute_capability(self)
+    }
 
-/// `out[m][n] = x[m][k] · Wᵀ` (`m = x.len / k`); GEMV for `m <= 8`, cuBLAS above.
-pub fn linear(
-    dev: &CudaDevice,
-    x: Dv<f32>,
-    w: &GpuMatrix,
-    out: Dv<f32>,
-    precision: GemmPrecision,
-) -> Result<(), KernelError> {
-    const OP: &str = "cuda_linear";
-    let (n, k) = (w.rows, w.cols);
-    if k == 0 || x.len % k != 0 {
-        return Err(KernelError::NotDivisible {
-            op: OP,
-            what: "x",
-            len: x.len,
-            width: k,
-        });
-    }
-    let m = x.len / k;
-    need(OP, "out", m * n, out.len)?;
-    if m == 0 {
-        return Ok(());
-    }
-    if m <= GEMV_MAX_M {
-        return gemv(dev, x, w, out, false);
-    }
-    let shape = GemmShape { m, n, k };
-    if !w.is_bf16() {
-        let p = GemmPtrs {
-            x: x.ptr,
-            w: w.ptr(),
-            out: out.ptr,
-        };
-        return gemm(dev, GemmInputs::F32, p, shape, false);
-    }
-    let hi = dev.alloc::<u16>(m * k)?;
-    match precision {
-        GemmPrecision::Fast => {
-            cast_f32_bf16(dev, x, hi.v())?;
+    /// cuBLAS: f32 GEMM for f32 weights; against bf16 weights the activations are split into
+    /// bf16 hi + lo and multiplied twice ([`GemmPrecision::Exact`]) or rounded to bf16 once
+    /// ([`GemmPrecision::Fast`]).
+    fn gemm(
+        &self,
+        x: Dv<f32>,
+        w: &GpuMatrix,
+        out: Dv<f32>,
+        precision: GemmPrecision,
+    ) -> Result<(), KernelError> {
+        let (n, k) = (w.rows(), w.cols());
+        let m = x.len / k.max(1);
+        let shape = GemmShape { m, n, k };
+        if !w.is_bf16() {
             let p = GemmPtrs {
-                x: hi.ptr(),
+                x: x.ptr,
                 w: w.ptr(),
                 out: out.ptr,
             };
-            gemm(dev, GemmInputs::Bf16, p, shape, false)
+            return gemm(self, GemmInputs::F32, p, shape, false);
         }
-        GemmPrecision::Exact => {
-            let lo = dev.alloc::<u16>(m * k)?;
-            split_bf16(dev, x, hi.v(), lo.v())?;
-            for (part, acc) in [(&hi, false), (&lo, true)] {
+        let hi = CudaDevice::alloc::<u16>(self, m * k)?;
+        match precision {
+            GemmPrecision::Fast => {
+                cast_f32_bf16(self, x, hi.v())?;
                 let p = GemmPtrs {
-                    x: part.ptr(),
+                    x: hi.ptr(),
                     w: w.ptr(),
                     out: out.ptr,
                 };
-                gemm(dev, GemmInputs::Bf16, p, shape, acc)?;
+                gemm(self, GemmInputs::Bf16, p, shape, false)
             }
-            Ok(())
+            GemmPrecision::Exact => {
+                let lo = CudaDevice::alloc::<u16>(self, m * k)?;
+                split_bf16(self, x, hi.v(), lo.v())?;
+                for (part, acc) in [(&hi, false), (&lo, true)] {
+                    let p = GemmPtrs {
+                        x: part.ptr(),
+                        w: w.ptr(),
+                        out: out.ptr,
+                    };
+                    gemm(self, GemmInputs::Bf16, p, shape, acc)?;
+                }
+                Ok(())
+            }
         }
     }
-}
 
-/// The GEMV kernel alone: `out (+)= x · Wᵀ` for `x.len / k <= 8` rows.
-pub fn gemv(
-    dev: &CudaDevice,
-    x: Dv<f32>,
-    w: &GpuMatrix,
-    out: Dv<f32>,
-    accumulate: bool,
-) -> Result<(), KernelError> {
-    const OP: &str = "cuda_gemv";
-    let (n, k) = (w.rows, w.cols);
-    let m = x.len / k.max(1);
-    if m > GEMV_MAX_M || m * k != x.len {
-        return Err(KernelError::InvalidParam {
-            op: OP,
-            field: "x rows",
-            limit: "a whole number <= 8",
-            value: format!("{} / {k}", x.len),
-        });
-    }
-    need(OP, "out", m * n, out.len)?;
-    let f = kernel(dev, if w.is_bf16() { "gemv_bf16" } else { "gemv_f32" })?;
-    let mut a = KernelArgs::new();
-    a.push(x.ptr)
-        .push(int(OP, "m", m)?)
-        .push(w.ptr())
-        .push(int(OP, "n", n)?)
-        .push(int(OP, "k", k)?)
-        .push(out.ptr)
-        .push(i32::from(accumulate));
-    dev.launch(&f, LaunchDims::linear(n.div_ceil(8), 256), &mut a)
-}
-
-/// `out[t] = table[ids[t]]` (f32); an id outside the table gives a zero row.
-pub fn embed(
-    dev: &CudaDevice,
-    table: &GpuMatrix,
-    ids: Dv<i32>,
-    out: Dv<f32>,
-) -> Result<(), KernelError> {
-    need("cuda_embed", "out", ids.len * table.cols, out.len)?;
-    if ids.len == 0 {
-        return Ok(());
-    }
-    let f = kernel(
-        dev,
-        if table.is_bf16() {
-            "embed_bf16"
-        } else {
-            "embed_f32"
-        },
-    )?;
-    let mut a = KernelArgs::new();
-    a.push(table.ptr())
-        .push(ids.ptr)
-        .push(out.ptr)
-        .push(int("cuda_embed", "hidden", table.cols)?)
-        .push(int("cuda_embed", "rows", table.rows)?);
-    dev.launch(&f, LaunchDims::linear(ids.len, 256), &mut a)
-}
-
-/// Rows of `width` floats: residual add then RMSNorm.
-#[derive(Debug, Clone, Copy)]
-pub struct NormRows {
-    /// The residual stream `[rows][width]`, updated in place when `delta` is given.
-    pub h: Dv<f32>,
-    /// Added into `h` first, if any.
-    pub delta: Option<Dv<f32>>,
-    /// Norm weight `[width]`.
-    pub weight: Dv<f32>,
-    /// Normalised output `[rows][width]`, if wanted.
-    pub out: Option<Dv<f32>>,
-    /// Row width.
-    pub width: usize,
-}
-
-/// `h += delta` (if any), then `out = rmsnorm(h) · weight` (if any).
-pub fn add_rms_norm(dev: &CudaDevice, p: NormRows, eps: f32) -> Result<(), KernelError> {
-    const OP: &str = "cuda_add_rms_norm";
-    let rows = p.h.len / p.width.max(1);
-    need(OP, "weight", p.width, p.weight.len)?;
-    for (what, b) in [("delta", p.delta), ("out", p.out)] {
-        if let Some(b) = b {
-            need(OP, what, p.h.len, b.len)?;
-        }
-    }
-    if rows == 0 {
-        return Ok(());
-    }
-    let f = kernel(dev, "add_rms_norm")?;
-    let mut a = KernelArgs::new();
-    a.push(p.h.ptr)
-        .push(p.delta.map_or(0, |d| d.ptr))
-        .push(p.weight.ptr)
-        .push(p.out.map_or(0, |d| d.ptr))
-        .push(int(OP, "width", p.width)?)
-        .push(eps);
-    dev.launch(&f, LaunchDims::linear(rows, 256), &mut a)
-}
-
-/// In-place RMSNorm of the first `weight.len` floats of each `stride`-float row of `x`.
-pub fn rms_norm_strided(
-    dev: &CudaDevice,
-    x: Dv<f32>,
-    stride: usize,
-    weight: Dv<f32>,
-    eps: f32,
-) -> Result<(), KernelError> {
-    const OP: &str = "cuda_rms_norm_strided";
-    let rows = x.len / stride.max(1);
-    need(OP, "stride", weight.len, stride)?;
-    if rows == 0 {
-        return Ok(());
-    }
-    let f = kernel(dev, "rms_norm_strided")?;
-    let mut a = KernelArgs::new();
-    a.push(x.ptr)
-        .push(int(OP, "stride", stride)?)
-        .push(weight.ptr)
-        .push(int(OP, "width", weight.len)?)
-        .push(eps);
-    dev.launch(&f, LaunchDims::linear(rows, 256), &mut a)
-}
-
-/// Per-token rotary tables: `[tokens][dim/2]` cos and sin, computed on the host exactly as the
-/// CPU backend computes them, then uploaded.
-#[derive(Debug)]
-pub struct RopeTables {
-    /// cos · attention factor.
-    pub cos: DeviceBuffer<f32>,
-    /// sin · attention factor.
-    pub sin: DeviceBuffer<f32>,
-    /// Rotated width.
-    pub dim: usize,
-    /// DeepSeek's interleaved pair layout.
-    pub interleaved: bool,
-}
-
-impl RopeTables {
-    /// Host `(cos, sin)` for `positions`, `[tokens][dim/2]` each.
-    pub fn host(
-        rope: &crate::cpu::rope::Rope,
-        positions: &[usize],
-    ) -> Result<(Vec<f32>, Vec<f32>), KernelError> {
-        let half = rope.dim() / 2;
-        let mut cos = vec![0.0f32; positions.len() * half];
-        let mut sin = vec![0.0f32; positions.len() * half];
-        for (i, &p) in positions.iter().enumerate() {
-            rope.cos_sin(
-                p,
-                &mut cos[i * half..(i + 1) * half],
-                &mut sin[i * half..(i + 1) * half],
-            )?;
-        }
-        Ok((cos, sin))
-    }
-
-    /// Overwrites the tables in place for as many `positions` as they hold.
-    pub fn refresh(
-        &mut self,
-        dev: &CudaDevice,
-        rope: &crate::cpu::rope::Rope,
-        positions: &[usize],
-    ) -> Result<(), KernelError> {
-        let (cos, sin) = Self::host(rope, positions)?;
-        dev.write(&mut self.cos, 0, &cos)?;
-        dev.write(&mut self.sin, 0, &sin)
-    }
-
-    /// Tables for `positions`.
-    pub fn new(
-        dev: &CudaDevice,
-        rope: &crate::cpu::rope::Rope,
-        positions: &[usize],
-    ) -> Result<Self, KernelError> {
-        let (cos, sin) = Self::host(rope, positions)?;
-        Ok(Self {
-            cos: dev.upload(&cos)?,
-            sin: dev.upload(&sin)?,
-            dim: rope.dim(),
-            interleaved: rope.interleaved(),
-        })
-    }
-
-    /// Tokens covered.
-    pub fn tokens(&self) -> usize {
-        self.cos.len() / (self.dim / 2).max(1)
-    }
-}
-
-/// Rotates `x[t][h][offset..offset + dim]` in place (`layout` as on the CPU).
-pub fn rope(
-    dev: &CudaDevice,
-    x: Dv<f32>,
-    tables: &RopeTables,
-    layout: crate::cpu::rope::RotaryLayout,
-) -> Result<(), KernelError> {
-    const OP: &str = "cuda_rope";
-    let t = tables.tokens();
-    need(OP, "x", t * layout.heads * layout.head_stride, x.len)?;
-    need(
-        OP,
-        "head_stride",
-        layout.offset + tables.dim,
-        layout.head_stride,
-    )?;
-    if t == 0 || layout.heads == 0 {
-        return Ok(());
-    }
-    let f = kernel(dev, "rope_apply")?;
-    let mut a = KernelArgs::new();
-    a.push(x.ptr)
-        .push(tables.cos.ptr())
-        .push(tables.sin.ptr())
-        .push(int(OP, "heads", layout.heads)?)
-        .push(int(OP, "head_stride", layout.head_stride)?)
-        .push(int(OP, "offset", layout.offset)?)
-        .push(int(OP, "dim", tables.dim)?)
-        .push(i32::from(tables.interleaved));
-    let dims = LaunchDims {
-        grid: (t as u32, layout.heads as u32, 1),
-        block: ((tables.dim / 2).max(32) as u32, 1, 1),
-        smem: 0,
-    };
-    dev.launch(&f, dims, &mut a)
-}
-
-/// A paged latent cache of one layer in device memory.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PagesView {
-    /// Device address of block 0.
-    pub ptr: u64,
-    /// Element type of the cache.
-    pub bf16: bool,
-    /// Blocks.
-    pub num_blocks: usize,
-    /// Tokens per block.
-    pub page_size: usize,
-    /// Elements per token row.
-    pub width: usize,
-}
-
-impl PagesView {
-    /// Rows in the pool.
-    pub fn slots(&self) -> usize {
-        self.num_blocks * self.page_size
-    }
-}
-
-/// The new tokens' latent rows after `kv_a_proj`: normalise, rotate, store.
-#[derive(Debug, Clone, Copy)]
-pub struct LatentFinish<'a> {
-    /// `[tokens][width]` raw latent rows (normalised and rotated in place).
-    pub latent: Dv<f32>,
-    /// `kv_a_layernorm` weight `[kv_lora]`.
-    pub norm: Dv<f32>,
-    /// RMSNorm epsilon.
-    pub eps: f32,
-    /// Rotary tables of the tokens.
-    pub rope: &'a RopeTables,
-    /// Cache row of each token (`block · page_size + offset`).
-    pub slots: Dv<i64>,
-}
-
-/// Normalises `c_kv`, rotates `k_pe` and writes each token's row into `pages`.
-pub fn latent_finish(
-    dev: &CudaDevice,
-    p: &LatentFinish<'_>,
-    pages: PagesView,
-) -> Result<(), KernelError> {
-    const OP: &str = "cuda_latent_finish";
-    let width = pages.width;
-    let t = p.slots.len;
-    need(OP, "latent", t * width, p.latent.len)?;
-    need(OP, "rope tokens", t, p.rope.tokens())?;
-    let kv_lora = p.norm.len;
-    if kv_lora + p.rope.dim != width || p.rope.dim > 1024 {
-        return Err(KernelError::InvalidParam {
-            op: OP,
-            field: "kv_lora + rope dim",
-            limit: "== pages.width (rope dim <= 1024)",
-            value: format!("{kv_lora} + {}", p.rope.dim),
-        });
-    }
-    if t == 0 {
-        return Ok(());
-    }
-    let f = kernel(
-        dev,
-        if pages.bf16 {
-            "latent_finish_bf16"
-        } else {
-            "latent_finish_f32"
-        },
-    )?;
-    let mut a = KernelArgs::new();
-    a.push(p.latent.ptr)
-        .push(int(OP, "width", width)?)
-        .push(int(OP, "kv_lora", kv_lora)?)
-        .push(p.norm.ptr)
-        .push(p.eps)
-        .push(p.rope.cos.ptr())
-        .push(p.rope.sin.ptr())
-        .push(i32::from(p.rope.interleaved))
-        .push(p.slots.ptr)
-        .push(pages.ptr);
-    dev.launch(&f, LaunchDims::linear(t, 256), &mut a)
-}
-
-fn elementwise(
-    dev: &CudaDevice,
-    name: &'static str,
-    ptrs: &[u64],
-    n: usize,
-) -> Result<(), KernelError> {
-    if n == 0 {
-        return Ok(());
-    }
-    let f = kernel(dev, name)?;
-    let mut a = KernelArgs::new();
-    for &p in ptrs {
-        a.push(p);
-    }
-    a.push(n as i64);
-    dev.launch(&f, LaunchDims::elementwise(n), &mut a)
-}
-
-/// `g = silu(g) · u`.
-pub fn silu_mul(dev: &CudaDevice, g: Dv<f32>, u: Dv<f32>) -> Result<(), KernelError> {
-    need("cuda_silu_mul", "u", g.len, u.len)?;
-    elementwise(dev, "silu_mul", &[g.ptr, u.ptr], g.len)
-}
-
-/// `out = bf16(x)` (round to nearest even).
-pub fn cast_f32_bf16(dev: &CudaDevice, x: Dv<f32>, out: Dv<u16>) -> Result<(), KernelError> {
-    need("cuda_cast", "out", x.len, out.len)?;
-    elementwise(dev, "cast_f32_bf16", &[x.ptr, out.ptr], x.len)
-}
-
-/// `x ≈ hi + lo`, both bf16.
-pub fn split_bf16(
-    dev: &CudaDevice,
-    x: Dv<f32>,
-    hi: Dv<u16>,
-    lo: Dv<u16>,
-) -> Result<(), KernelError> {
-    need("cuda_split_bf16", "hi", x.len, hi.len)?;
-    need("cuda_split_bf16", "lo", x.len, lo.len)?;
-    elementwise(dev, "split_bf16", &[x.ptr, hi.ptr, lo.ptr], x.len)
-}
-
-/// `out = f32(x)`.
-pub fn widen_bf16(dev: &CudaDevice, x: Dv<u16>, out: Dv<f32>) -> Result<(), KernelError> {
-    need("cuda_widen", "out", x.len, out.len)?;
-    elementwise(dev, "widen_bf16", &[x.ptr, out.ptr], x.len)
-}
-
-/// `dst[i] = src[rows[i]]` for rows of `width` floats.
-pub fn gather_rows(
-    dev: &CudaDevice,
-    src: Dv<f32>,
-    rows: Dv<i32>,
-    dst: Dv<f32>,
-    width: usize,
-) -> Result<(), KernelError> {
-    need("cuda_gather_rows", "dst", rows.len * width, dst.len)?;
-    if rows.len == 0 {
-        return Ok(());
-    }
-    let f = kernel(dev, "gather_rows")?;
-    let mut a = KernelArgs::new();
-    a.push(src.ptr)
-        .push(rows.ptr)
-        .push(dst.ptr)
-        .push(int("cuda_gather_rows", "width", width)?);
-    dev.launch(&f, LaunchDims::linear(rows.len, 256), &mut a)
-}
-
-/// MLA head shapes as the absorb/unabsorb kernels need them.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct HeadShape {
-    /// Query heads.
-    pub heads: usize,
-    /// `qk_nope_head_dim`.
-    pub nope: usize,
-    /// `qk_rope_head_dim`.
-    pub rope: usize,
-    /// `v_head_dim`.
-    pub v: usize,
-    /// `kv_lora_rank`.
-    pub kv_lora: usize,
-}
-
-impl HeadShape {
-    fn check_kv_b(&self, op: &'static str, kv_b: &GpuMatrix) -> Result<(), KernelError> {
-        crate::cpu::gemm::check_len(
-            op,
-            "kv_b.rows",
-            self.heads * (self.nope + self.v),
-            kv_b.rows,
-        )?;
-        crate::cpu::gemm::check_len(op, "kv_b.cols", self.kv_lora, kv_b.cols)
-    }
-}
-
-/// Output of [`absorb`]: f32 or bf16 `[T][H][kv_lora + rope]`.
-#[derive(Debug, Clone, Copy)]
-pub enum AbsorbedOut {
-    /// f32 rows.
-    F32(Dv<f32>),
-    /// bf16 rows (tensor-core attention input).
-    Bf16(Dv<u16>),
-}
-
-/// `out[t][h] = [q_nope · W_UK_h | q_pe]` from `q [T][H][nope + rope]`.
-pub fn absorb(
-    dev: &CudaDevice,
-    q: Dv<f32>,
-    kv_b: &GpuMatrix,
-    s: HeadShape,
-    out: AbsorbedOut,
-) -> Result<(), KernelError> {
-    const OP: &str = "cuda_absorb";
-    s.check_kv_b(OP, kv_b)?;
-    let qk = s.nope + s.rope;
-    let t = q.len / (s.heads * qk).max(1);
-    let lw = s.kv_lora + s.rope;
-    let (ptr, len, osuf) = match out {
-        AbsorbedOut::F32(v) => (v.ptr, v.len, "f32"),
-        AbsorbedOut::Bf16(v) => (v.ptr, v.len, "bf16"),
-    };
-    need(OP, "out", t * s.heads * lw, len)?;
-    if t == 0 {
-        return Ok(());
-    }
-    let name: &'static str = match (kv_b.suffix(), osuf) {
-        ("f32", "f32") => "absorb_f32_f32",
-        ("f32", _) => "absorb_f32_bf16",
-        (_, "f32") => "absorb_bf16_f32",
-        _ => "absorb_bf16_bf16",
-    };
-    let f = kernel(dev, name)?;
-    let mut a = KernelArgs::new();
-    a.push(q.ptr)
-        .push(kv_b.ptr())
-        .push(ptr)
-        .push(int(OP, "T", t)?)
-        .push(int(OP, "H", s.heads)?)
-        .push(int(OP, "nope", s.nope)?)
-        .push(int(OP, "rope", s.rope)?)
-        .push(int(OP, "v", s.v)?)
-        .push(int(OP, "kv_lora", s.kv_lora)?);
-    let dims = LaunchDims {
-        grid: (
-            s.kv_lora.div_ceil(32) as u32,
-            s.heads as u32,
-            t.div_ceil(8) as u32,
-        ),
-        block: (256, 1, 1),
-        smem: (8 * s.nope * 4) as u32,
-    };
-    dev.launch(&f, dims, &mut a)
-}
-
-/// `out[t][h] = W_UV_h · o_lat[t][h]`: `[T][H][kv_lora]` → `[T][H][v]`.
-pub fn unabsorb(
-    dev: &CudaDevice,
-    o_lat: Dv<f32>,
-    kv_b: &GpuMatrix,
-    s: HeadShape,
-    out: Dv<f32>,
-) -> Result<(), KernelError> {
-    const OP: &str = "cuda_unabsorb";
-    s.check_kv_b(OP, kv_b)?;
-    let t = o_lat.len / (s.heads * s.kv_lora).max(1);
-    need(OP, "out", t * s.heads * s.v, out.len)?;
-    if t == 0 {
-        return Ok(());
-    }
-    let f = kernel(
-        dev,
-        if kv_b.is_bf16() {
-            "unabsorb_bf16"
-        } else {
-            "unabsorb_f32"
-        },
-    )?;
-    let mut a = KernelArgs::new();
-    a.push(o_lat.ptr)
-        .push(kv_b.ptr())
-        .push(out.ptr)
-        .push(int(OP, "T", t)?)
-        .push(int(OP, "H", s.heads)?)
-        .push(int(OP, "nope", s.nope)?)
-        .push(int(OP, "v", s.v)?)
-        .push(int(OP, "kv_lora", s.kv_lora)?);
-    let dims = LaunchDims {
-        grid: (s.v.div_ceil(8) as u32, s.heads as u32, 1),
-        block: (256, 1, 1),
-        smem: 0,
-    };
-    dev.launch(&f, dims, &mut a)
-}
-
-/// Where [`gather_latent`] writes: all latent rows `[L][width]` and their c_kv part `[L][kv_lora]`.
-#[derive(Debug, Clone, Copy)]
-pub struct LatentRows {
-    /// `[L][width]`.
-    pub rows: Dv<f32>,
-    /// `[L][kv_lora]`.
-    pub ckv: Dv<f32>,
-    /// `kv_lora`.
-    pub kv_lora: usize,
-}
-
-/// A sequence's first `len` latent rows gathered (as f32) from the pages through `table`.
-pub fn gather_latent(
-    dev: &CudaDevice,
-    pages: PagesView,
-    table: Dv<i32>,
-    len: usize,
-    out: LatentRows,
-) -> Result<(), KernelError> {
-    const OP: &str = "cuda_gather_latent";
-    need(OP, "block_table", len.div_ceil(pages.page_size), table.len)?;
-    need(OP, "rows", len * pages.width, out.rows.len)?;
-    need(OP, "ckv", len * out.kv_lora, out.ckv.len)?;
-    need(OP, "width", out.kv_lora, pages.width)?;
-    if len == 0 {
-        return Ok(());
-    }
-    let f = kernel(
-        dev,
-        if pages.bf16 {
-            "gather_latent_bf16"
-        } else {
-            "gather_latent_f32"
-        },
-    )?;
-    let mut a = KernelArgs::new();
-    a.push(pages.ptr)
-        .push(table.ptr)
-        .push(int(OP, "page", pages.page_size)?)
-        .push(int(OP, "width", pages.width)?)
-        .push(out.rows.ptr)
-        .push(out.ckv.ptr)
-        .push(int(OP, "kv_lora", out.kv_lora)?);
-    dev.launch(&f, LaunchDims::linear(len, 128), &mut a)
-}
-
-/// Per-head K and V of the MHA form (f32 or bf16 outputs).
-#[derive(Debug, Clone, Copy)]
-pub enum KvOut {
-    /// f32 `K [L][H][nope+rope]`, `V [L][H][v]`.
-    F32(Dv<f32>, Dv<f32>),
-    /// bf16 (tensor-core flash attention input).
-    Bf16(Dv<u16>, Dv<u16>),
-}
-
-/// Splits `kv [L][H][nope+v]` (kv_b output) and the latents' `k_pe` into per-head K and V.
-pub fn mha_build_kv(
-    dev: &CudaDevice,
-    kv: Dv<f32>,
-    latent: Dv<f32>,
-    s: HeadShape,
-    out: KvOut,
-) -> Result<(), KernelError> {
-    const OP: &str = "cuda_mha_build_kv";
-    let l = kv.len / (s.heads * (s.nope + s.v)).max(1);
-    need(OP, "latent", l * (s.kv_lora + s.rope), latent.len)?;
-    let (kp, kl, vp, vl, name) = match out {
-        KvOut::F32(k, v) => (k.ptr, k.len, v.ptr, v.len, "mha_build_kv_f32"),
-        KvOut::Bf16(k, v) => (k.ptr, k.len, v.ptr, v.len, "mha_build_kv_bf16"),
-    };
-    need(OP, "K", l * s.heads * (s.nope + s.rope), kl)?;
-    need(OP, "V", l * s.heads * s.v, vl)?;
-    if l == 0 {
-        return Ok(());
-    }
-    let f = kernel(dev, name)?;
-    let mut a = KernelArgs::new();
-    a.push(kv.ptr)
-        .push(latent.ptr)
-        .push(int(OP, "H", s.heads)?)
-        .push(int(OP, "nope", s.nope)?)
-        .push(int(OP, "rope", s.rope)?)
-        .push(int(OP, "v", s.v)?)
-        .push(int(OP, "kv_lora", s.kv_lora)?)
-        .push(kp)
-        .push(vp);
-    let dims = LaunchDims {
-        grid: (l as u32, s.heads as u32, 1),
-        block: (128, 1, 1),
-        smem: 0,
-    };
-    dev.launch(&f, dims, &mut a)
-}
-
-/// Routing hyper-parameters as `moe_route` takes them (`#[repr(C)]`, no padding).
-#[repr(C)]
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct RouteParams {
-    /// Routed experts.
-    pub n_experts: i32,
-    /// Experts per token.
-    pub top_k: i32,
-    /// Expert groups.
-    pub n_group: i32,
-    /// Groups kept.
-    pub topk_group: i32,
-    /// Renormalise the picked weights (0/1).
-    pub norm_topk: i32,
-    /// Shared experts appended as slots `top_k..` with weight 1 (stacked after the routed ones).
-    pub n_shared: i32,
-    /// `routed_scaling_factor`.
-    pub scale: f32,
-}
-// SAFETY: repr(C), seven 4-byte fields, no padding; matches `struct RouteParams` in common.cu.
-unsafe impl KernelParam for RouteParams {}
-
-/// Stacked expert weights of one MoE layer: routed experts `0..E`, then the shared expert
-/// split into `n_shared` chunks of `inter` rows (exact: the shared MLP's intermediate is the
-/// sum of those chunks).
-#[derive(Debug)]
-pub struct GpuExperts {
-    /// `[E_total·inter][hidden]`.
-    pub gate: GpuMatrix,
-    /// `[E_total·inter][hidden]`.
-    pub up: GpuMatrix,
-    /// `[E_total·hidden][inter]`.
-    pub down: GpuMatrix,
-    /// Intermediate width of one expert.
-    pub inter: usize,
-    /// Model width.
-    pub hidden: usize,
-}
-
-impl GpuExperts {
-    fn check(&self, op: &'static str) -> Result<(), KernelError> {
-        let same =
-            self.gate.is_bf16() == self.up.is_bf16() && self.up.is_bf16() == self.down.is_bf16();
-        if !same || self.gate.cols != self.hidden || self.down.cols != self.inter {
-            return Err(KernelError::InvalidParam {
-                op,
-                field: "experts",
-                limit: "one element type, gate/up [E·inter][hidden], down [E·hidden][inter]",
-                value: format!(
-                    "gate {}x{}, down {}x{}",
-                    self.gate.rows, self.gate.cols, self.down.rows, self.down.cols
-                ),
-            });
-        }
+    fn push_tma_bf16_rows(&self, a: &mut KernelArgs, t: TmaRows) -> Result<(), KernelError> {
+        let map = super::mha_ws::TmaMap::bf16_rows(t.ptr, t.rows, t.heads, t.width, t.box_rows)?;
+        a.push(map);
         Ok(())
     }
-
-    /// Experts stacked (routed + shared chunks).
-    pub fn total(&self) -> usize {
-        self.gate.rows / self.inter.max(1)
-    }
-}
-
-/// Routing results: `ids [T][slots]`, `weights [T][slots]`.
-#[derive(Debug, Clone, Copy)]
-pub struct Routes {
-    /// Expert of each slot.
-    pub ids: Dv<i32>,
-    /// Weight of each slot.
-    pub weights: Dv<f32>,
-    /// Slots per token (`top_k + n_shared`).
-    pub slots: usize,
-}
-
-/// Routes every token of `logits [T][E]`.
-pub fn moe_route(
-    dev: &CudaDevice,
-    logits: Dv<f32>,
-    bias: Dv<f32>,
-    p: RouteParams,
-    out: Routes,
-) -> Result<(), KernelError> {
-    const OP: &str = "cuda_moe_route";
-    let e = p.n_experts.max(1) as usize;
-    let t = logits.len / e;
-    if e > 1024 || p.n_group <= 0 || p.n_experts % p.n_group != 0 {
-        return Err(KernelError::InvalidParam {
-            op: OP,
-            field: "n_experts / n_group",
-            limit: "<= 1024 experts in whole groups",
-            value: format!("{} / {}", p.n_experts, p.n_group),
-        });
-    }
-    need(OP, "bias", e, bias.len)?;
-    let slots = (p.top_k + p.n_shared) as usize;
-    crate::cpu::gemm::check_len(OP, "slots", slots, out.slots)?;
-    need(OP, "ids", t * slots, out.ids.len)?;
-    need(OP, "weights", t * slots, out.weights.len)?;
-    if t == 0 {
-        return Ok(());
-    }
-    let f = kernel(dev, "moe_route")?;
-    let mut a = KernelArgs::new();
-    a.push(logits.ptr)
-        .push(bias.ptr)
-        .push(p)
-        .push(out.ids.ptr)
-        .push(out.weights.ptr);
-    dev.launch(&f, LaunchDims::linear(t, 32), &mut a)
-}
-
-/// `h[t] += Σ_slots w · expert(x[t])` for routed slots (shared experts included as slots).
-pub fn moe_experts(
-    dev: &CudaDevice,
-    x: Dv<f32>,
-    routes: Routes,
-    experts: &GpuExperts,
-    h: Dv<f32>,
-) -> Result<(), KernelError> {
-    const OP: &str = "cuda_moe_experts";
-    experts.check(OP)?;
-    let (hidden, inter, k) = (experts.hidden, experts.inter, routes.slots);
-    let t = x.len / hidden.max(1);
-    need(OP, "h", t * hidden, h.len)?;
-    need(OP, "ids", t * k, routes.ids.len)?;
-    if t == 0 {
-        return Ok(());
-    }
-    let act = dev.alloc::<f32>(t * k * inter)?;
-    let sfx = experts.gate.is_bf16();
-    let f = kernel(
-        dev,
-        if sfx {
-            "moe_gate_up_bf16"
-        } else {
-            "moe_gate_up_f32"
-        },
-    )?;
-    let mut a = KernelArgs::new();
-    a.push(x.ptr)
-        .push(routes.ids.ptr)
-        .push(experts.gate.ptr())
-        .push(experts.up.ptr())
-        .push(act.ptr())
-        .push(int(OP, "K", k)?)
-        .push(int(OP, "inter", inter)?)
-        .push(int(OP, "hidden", hidden)?);
-    let dims = LaunchDims {
-        grid: (inter.div_ceil(8) as u32, (t * k) as u32, 1),
-        block: (256, 1, 1),
-        smem: 0,
-    };
-    dev.launch(&f, dims, &mut a)?;
-    let f = kernel(dev, if sfx { "moe_down_bf16" } else { "moe_down_f32" })?;
-    let mut a = KernelArgs::new();
-    a.push(act.ptr())
-        .push(routes.ids.ptr)
-        .push(routes.weights.ptr)
-        .push(experts.down.ptr())
-        .push(h.ptr)
-        .push(int(OP, "K", k)?)
-        .push(int(OP, "inter", inter)?)
-        .push(int(OP, "hidden", hidden)?);
-    let dims = LaunchDims {
-        grid: (hidden as u32, t as u32, 1),
-        block: (256, 1, 1),
-        smem: 0,
-    };
-    dev.launch(&f, dims, &mut a)
-}
-
-/// Fills `x` with deterministic bf16 noise in `[-scale, scale)`.
-pub fn fill_random_bf16(
-    dev: &CudaDevice,
-    x: Dv<u16>,
-    seed: u64,
-    scale: f32,
-) -> Result<(), KernelError> {
-    if x.len == 0 {
-        return Ok(());
-    }
-    let f = kernel(dev, "fill_random_bf16")?;
-    let mut a = KernelArgs::new();
-    a.push(x.ptr).push(x.len as i64).push(seed).push(scale);
-    dev.launch(&f, LaunchDims::elementwise(x.len), &mut a)
 }

@@ -2,7 +2,7 @@
 //
 // Activations are f32 row-major; weights are `W` = float or bf16_t in torch's nn.Linear layout
 // ([out][in]). Every kernel is instantiated for both weight types (suffix _f32 / _bf16); the
-// latent cache type is likewise a suffix. Launch shapes are chosen by kernels/src/cuda/ops.rs.
+// latent cache type is likewise a suffix. Launch shapes are chosen by kernels/src/gpu/ops.rs.
 #include "compat.cuh"
 
 // Sum over the block (blockDim.x a multiple of 32, <= 1024); `red` holds 32 floats.
@@ -288,6 +288,75 @@ extern "C" __global__ void gemv_f32(const float* x, int m, const float* w, int n
 extern "C" __global__ void gemv_bf16(const float* x, int m, const bf16_t* w, int n, int k,
                                      float* out, int acc) {
   gemv_impl(x, m, w, n, k, out, acc);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Portable tiled GEMM: out[m][n] (+)= x[m][k] · W[n][k]ᵀ for any m, f32 activations, f32
+// accumulation. No tensor cores and no PTX, so the same code runs on every target: it is the
+// ROCm backend's GEMM above the GEMV's 8 rows (CUDA uses cuBLAS there). Each output is summed
+// in order of k (one FMA chain per output), so it differs from the CPU's f32 products only in
+// rounding. Block: 256 threads = 16 × 16, each owning a 4 × 4 micro-tile of a 64 × 64 output
+// tile (rows ty + 16·i, columns tx + 16·j: consecutive threads read consecutive shared words);
+// 16-deep k steps through shared memory, both operands stored k-major.
+// Grid: (ceil(n/64), ceil(m/64)); block 256; no dynamic shared memory.
+#define GT_M 64
+#define GT_N 64
+#define GT_K 16
+template <typename W>
+__device__ void gemm_tiled_impl(const float* x, const W* w, float* out, int m, int n, int k,
+                                int accumulate) {
+  __shared__ float xs[GT_K][GT_M + 1];
+  __shared__ float ws[GT_K][GT_N + 1];
+  int tid = threadIdx.x, tx = tid % 16, ty = tid / 16;
+  int m0 = blockIdx.y * GT_M, n0 = blockIdx.x * GT_N;
+  float acc[4][4];
+#pragma unroll
+  for (int i = 0; i < 4; i++)
+#pragma unroll
+    for (int j = 0; j < 4; j++) acc[i][j] = 0.0f;
+  for (int k0 = 0; k0 < k; k0 += GT_K) {
+    // 64 rows × 16 k of each operand: 1024 elements, 4 per thread, k fastest (coalesced rows).
+    for (int i = tid; i < GT_M * GT_K; i += blockDim.x) {
+      int r = i / GT_K, c = i % GT_K, kk = k0 + c;
+      int xr = m0 + r, wr = n0 + r;
+      xs[c][r] = (xr < m && kk < k) ? x[(size_t)xr * k + kk] : 0.0f;
+      ws[c][r] = (wr < n && kk < k) ? ld_f(w + (size_t)wr * k + kk) : 0.0f;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int c = 0; c < GT_K; c++) {
+      float a[4], b[4];
+#pragma unroll
+      for (int i = 0; i < 4; i++) a[i] = xs[c][ty + 16 * i];
+#pragma unroll
+      for (int j = 0; j < 4; j++) b[j] = ws[c][tx + 16 * j];
+#pragma unroll
+      for (int i = 0; i < 4; i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
+    }
+    __syncthreads();
+  }
+#pragma unroll
+  for (int i = 0; i < 4; i++) {
+    int r = m0 + ty + 16 * i;
+    if (r >= m) continue;
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+      int c = n0 + tx + 16 * j;
+      if (c >= n) continue;
+      float* o = out + (size_t)r * n + c;
+      *o = accumulate ? *o + acc[i][j] : acc[i][j];
+    }
+  }
+}
+extern "C" __global__ void __launch_bounds__(256)
+    gemm_tiled_f32(const float* x, const float* w, float* out, int m, int n, int k, int acc) {
+  gemm_tiled_impl(x, w, out, m, n, k, acc);
+}
+extern "C" __global__ void __launch_bounds__(256)
+    gemm_tiled_bf16(const float* x, const bf16_t* w, float* out, int m, int n, int k, int acc) {
+  gemm_tiled_impl(x, w, out, m, n, k, acc);
 }
 
 // ---------------------------------------------------------------------------------------------

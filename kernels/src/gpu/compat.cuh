@@ -18,7 +18,15 @@
 #define FERRY_MMA 0
 #define SHFL_XOR(v, m) __shfl_xor((v), (m), 32)
 #define SHFL(v, src) __shfl((v), (src), 32)
-#define __syncwarp() __builtin_amdgcn_wave_barrier()
+// A warp is half a 64-lane wavefront or a whole 32-lane one; both execute in lockstep, so the
+// barrier orders the wavefront's shared-memory accesses (fences) and code motion (as HIP's own
+// __syncwarp does since ROCm 6.2).
+#define __syncwarp()                                    \
+  do {                                                  \
+    __builtin_amdgcn_fence(__ATOMIC_RELEASE, "wavefront"); \
+    __builtin_amdgcn_wave_barrier();                    \
+    __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "wavefront"); \
+  } while (0)
 __device__ __forceinline__ float ferry_u2f(unsigned u) { return __builtin_bit_cast(float, u); }
 __device__ __forceinline__ unsigned ferry_f2u(float f) { return __builtin_bit_cast(unsigned, f); }
 #else

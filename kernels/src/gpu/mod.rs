@@ -1,4 +1,4 @@
-//! Kernel sources shared by the CUDA and ROCm backends.
+//! Kernel sources shared by the CUDA and ROCm backends, and their typed launchers.
 //!
 //! | file | holds |
 //! |---|---|
@@ -10,6 +10,31 @@
 //!
 //! Sources are compiled at run time (NVRTC or hipRTC) for the card in hand, with the model's
 //! shapes as `-D` defines, and cached per (source, defines, architecture).
+//!
+//! With a GPU feature (`cuda` or `rocm`) the launchers are here too, written once and generic
+//! over the runtime ([`launch::Gpu`], implemented by `cuda::CudaDevice` and `rocm::RocmDevice`):
+//!
+//! | module | launches |
+//! |---|---|
+//! | `launch` | the [`launch::Gpu`] trait, device views, argument lists, grid shapes |
+//! | `ops` | `common.cu`: GEMV, the portable tiled GEMM, norms, RoPE, the latent write, absorb / unabsorb, MoE; the device weight type |
+//! | `mla` | `mla.cu`: absorbed attention (tile / packed / per-head, split-K), MHA-form prefill |
+//! | `mha_ws` | the warp-specialised Hopper prefill's tiling (its TMA descriptors are CUDA-only) |
+//! | `sample` | `sample.cu`: sampling distributions, draws, argmax, verification |
+//! | `draft` | `draft.cu`: the drafter's scatter, block attention, concatenation, confidence head |
+
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+pub mod draft;
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+pub mod launch;
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+pub mod mha_ws;
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+pub mod mla;
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+pub mod ops;
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+pub mod sample;
 
 /// The shared CUDA/HIP compatibility header, prepended to every source.
 pub const COMPAT_CUH: &str = include_str!("compat.cuh");

@@ -8,6 +8,8 @@ use ferry_kernels::cpu::mla::LatentPages;
 #[cfg(feature = "cuda")]
 use crate::gpu::GpuKvCache;
 use crate::kv::{BlockId, KvLayout, KvPool};
+#[cfg(feature = "rocm")]
+use crate::rocm::RocmKvCache;
 use crate::ModelError;
 
 /// Latent rows a forward writes into.
@@ -18,6 +20,9 @@ pub enum KvMut<'a> {
     /// A CUDA device cache.
     #[cfg(feature = "cuda")]
     Cuda(&'a mut GpuKvCache),
+    /// A ROCm device cache.
+    #[cfg(feature = "rocm")]
+    Rocm(&'a mut RocmKvCache),
 }
 
 /// The same, read-only: what a forward's per-layer hook sees.
@@ -28,6 +33,9 @@ pub enum KvRef<'a> {
     /// A CUDA device cache.
     #[cfg(feature = "cuda")]
     Cuda(&'a GpuKvCache),
+    /// A ROCm device cache.
+    #[cfg(feature = "rocm")]
+    Rocm(&'a RocmKvCache),
 }
 
 /// Storage a forward can run against: the host pool or a device cache.
@@ -49,6 +57,13 @@ impl KvRows for GpuKvCache {
     }
 }
 
+#[cfg(feature = "rocm")]
+impl KvRows for RocmKvCache {
+    fn rows(&mut self) -> KvMut<'_> {
+        KvMut::Rocm(self)
+    }
+}
+
 impl KvMut<'_> {
     /// The geometry.
     pub fn layout(&self) -> &KvLayout {
@@ -56,6 +71,8 @@ impl KvMut<'_> {
             KvMut::Host(p) => p.layout(),
             #[cfg(feature = "cuda")]
             KvMut::Cuda(c) => c.layout(),
+            #[cfg(feature = "rocm")]
+            KvMut::Rocm(c) => c.layout(),
         }
     }
 
@@ -65,6 +82,8 @@ impl KvMut<'_> {
             KvMut::Host(_) => false,
             #[cfg(feature = "cuda")]
             KvMut::Cuda(c) => c.is_bf16(),
+            #[cfg(feature = "rocm")]
+            KvMut::Rocm(c) => c.is_bf16(),
         }
     }
 
@@ -74,6 +93,8 @@ impl KvMut<'_> {
             KvMut::Host(_) => "host pool",
             #[cfg(feature = "cuda")]
             KvMut::Cuda(_) => "CUDA device cache",
+            #[cfg(feature = "rocm")]
+            KvMut::Rocm(_) => "ROCm device cache",
         }
     }
 
@@ -89,6 +110,8 @@ impl KvMut<'_> {
             }
             #[cfg(feature = "cuda")]
             KvMut::Cuda(c) => Ok(PagesMut::Cuda(c.pages(l)?)),
+            #[cfg(feature = "rocm")]
+            KvMut::Rocm(c) => Ok(PagesMut::Rocm(c.pages(l)?)),
         }
     }
 
@@ -103,6 +126,8 @@ impl KvMut<'_> {
             KvMut::Host(p) => KvRef::Host(p),
             #[cfg(feature = "cuda")]
             KvMut::Cuda(c) => KvRef::Cuda(c),
+            #[cfg(feature = "rocm")]
+            KvMut::Rocm(c) => KvRef::Rocm(c),
         }
     }
 }
@@ -121,6 +146,8 @@ impl<'a> KvRef<'a> {
             }
             #[cfg(feature = "cuda")]
             KvRef::Cuda(c) => Ok(Pages::Cuda(c.pages(l)?)),
+            #[cfg(feature = "rocm")]
+            KvRef::Rocm(c) => Ok(Pages::Rocm(c.pages(l)?)),
         }
     }
 
@@ -130,6 +157,8 @@ impl<'a> KvRef<'a> {
             KvRef::Host(p) => Some(p),
             #[cfg(feature = "cuda")]
             KvRef::Cuda(_) => None,
+            #[cfg(feature = "rocm")]
+            KvRef::Rocm(_) => None,
         }
     }
 }
@@ -143,6 +172,9 @@ pub enum KvStore {
     /// A CUDA device cache (f32 rows).
     #[cfg(feature = "cuda")]
     Cuda(GpuKvCache),
+    /// A ROCm device cache (f32 rows).
+    #[cfg(feature = "rocm")]
+    Rocm(RocmKvCache),
 }
 
 impl KvRows for KvStore {
@@ -151,6 +183,8 @@ impl KvRows for KvStore {
             KvStore::Host(p) => KvMut::Host(p),
             #[cfg(feature = "cuda")]
             KvStore::Cuda(c) => KvMut::Cuda(c),
+            #[cfg(feature = "rocm")]
+            KvStore::Rocm(c) => KvMut::Rocm(c),
         }
     }
 }
@@ -164,6 +198,16 @@ impl KvStore {
             ferry_kernels::backend::Backend::Cuda(dev) => {
                 Ok(KvStore::Cuda(GpuKvCache::new(dev, layout, false)?))
             }
+            #[cfg(feature = "rocm")]
+            ferry_kernels::backend::Backend::Rocm(dev) => {
+                Ok(KvStore::Rocm(RocmKvCache::new(dev, layout, false)?))
+            }
+            // A device the kernels crate was built with but this crate's features leave out.
+            #[allow(unreachable_patterns)]
+            b => Err(ModelError::Invalid(format!(
+                "no KV rows on the {} in this build (ferry-model feature off)",
+                b.name()
+            ))),
         }
     }
 
@@ -173,6 +217,8 @@ impl KvStore {
             KvStore::Host(p) => p.layout(),
             #[cfg(feature = "cuda")]
             KvStore::Cuda(c) => c.layout(),
+            #[cfg(feature = "rocm")]
+            KvStore::Rocm(c) => c.layout(),
         }
     }
 
@@ -182,6 +228,8 @@ impl KvStore {
             KvStore::Host(p) => KvRef::Host(p),
             #[cfg(feature = "cuda")]
             KvStore::Cuda(c) => KvRef::Cuda(c),
+            #[cfg(feature = "rocm")]
+            KvStore::Rocm(c) => KvRef::Rocm(c),
         }
     }
 
@@ -202,6 +250,8 @@ impl KvStore {
             }
             #[cfg(feature = "cuda")]
             KvStore::Cuda(c) => Ok(PagesMut::Cuda(c.pages(l)?)),
+            #[cfg(feature = "rocm")]
+            KvStore::Rocm(c) => Ok(PagesMut::Rocm(c.pages(l)?)),
         }
     }
 
@@ -214,6 +264,8 @@ impl KvStore {
                 let dev = c.device().clone();
                 c.read_blocks(&dev, l, block, 1)
             }
+            #[cfg(feature = "rocm")]
+            KvStore::Rocm(c) => c.read_blocks(l, block, 1),
         }
     }
 
@@ -242,6 +294,8 @@ impl KvStore {
                 let dev = c.device().clone();
                 c.write_blocks(&dev, l, block, rows)
             }
+            #[cfg(feature = "rocm")]
+            KvStore::Rocm(c) => c.write_blocks(l, block, rows),
         }
     }
 }

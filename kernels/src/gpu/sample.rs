@@ -1,0 +1,268 @@
+//! Launchers for `gpu/sample.cu`: sampling distributions, inverse-CDF draws, argmax and
+//! speculative verification, one block per row (or per verified sequence).
+//!
+//! Every launcher checks that each buffer holds what its kernel will index before launching.
+//! The semantics are the CPU sampler's ([`crate::cpu::sample`], [`crate::cpu::verify`]); the
+//! kernels' numerics against it are stated on each function.
+
+use super::launch::{DeviceMem, Gpu, KernelArgs, LaunchDims};
+use super::ops::{need, Dv};
+use crate::cpu::sample::SamplingParams;
+use crate::error::KernelError;
+use crate::gpu::{Defines, Source};
+
+/// Threads per block of every kernel in `sample.cu` (`SAMPLE_THREADS` there).
+const THREADS: u32 = 512;
+
+/// `u32` words per row of packed sampling parameters (`SAMPLE_PARAM_WORDS` in `sample.cu`):
+/// temperature (f32 bits), top-k, top-p (f32 bits), min-p (f32 bits), greedy flag.
+pub const PARAM_WORDS: usize = 5;
+
+/// Largest vocabulary the distribution kernel takes: its top-k search counts entries in f32,
+/// exact below 2^24.
+pub const MAX_VOCAB: usize = 1 << 24;
+
+/// Result words per verified sequence beyond its drafts: the accepted count (or an error code),
+/// the correction / bonus token, and room for an error's details.
+pub const VERIFY_EXTRA_WORDS: usize = 3;
+
+/// `spec_verify`'s error codes (slot 0 of a sequence's result row).
+pub mod code {
+    /// No draw possible: `[code, position, f32 bits of the sum]`.
+    pub const DEGENERATE: i32 = -1;
+    /// `q(draft) <= 0`: `[code, position, token, f32 bits of q]`.
+    pub const ZERO_Q: i32 = -2;
+    /// A draft id outside `0..vocab`: `[code, position, token]`.
+    pub const BAD_ID: i32 = -3;
+}
+
+/// Rows of [`PARAM_WORDS`] words as the distribution kernel reads them (parameters are not
+/// validated here; the backend's `RowParams` does that).
+pub fn pack_params(params: &[SamplingParams]) -> Vec<u32> {
+    params
+        .iter()
+        .flat_map(|p| {
+            [
+                p.temperature.to_bits(),
+                p.top_k,
+                p.top_p.to_bits(),
+                p.min_p.to_bits(),
+                u32::from(p.is_greedy()),
+            ]
+        })
+        .collect()
+}
+
+fn int(op: &'static str, field: &'static str, v: usize) -> Result<i32, KernelError> {
+    i32::try_from(v).map_err(|_| KernelError::InvalidParam {
+        op,
+        field,
+        limit: "< 2^31",
+        value: v.to_string(),
+    })
+}
+
+/// `vocab` in `1..=limit`.
+fn check_vocab(op: &'static str, vocab: usize, limit: usize) -> Result<i32, KernelError> {
+    if vocab == 0 || vocab > limit {
+        return Err(KernelError::InvalidParam {
+            op,
+            field: "vocab",
+            limit: "in 1..=2^24 on a GPU (the top-k search counts in f32)",
+            value: vocab.to_string(),
+        });
+    }
+    int(op, "vocab", vocab)
+}
+
+fn kernel<D: Gpu>(dev: &D, name: &'static str) -> Result<D::Function, KernelError> {
+    dev.function(Source::Sample, &Defines::new(), name)
+}
+
+/// `[rows][vocab]` logits → `[rows][vocab]` probabilities, one row per [`PARAM_WORDS`] words
+/// of `params` (as [`pack_params`] lays them out), per row exactly the steps of
+/// `cpu::sample::probs_from_logits` (a one-hot at the argmax for greedy rows; softmax at the
+/// temperature, top-k, top-p, min-p with pivot ties kept). A row whose softmax or kept mass is
+/// degenerate is written as all NaN (the CPU errors on it); other rows are unaffected.
+///
+/// Numerics: the kernel's `expf` is within 2 ulp of the CPU's `exp`, and its sums are
+/// per-thread partials combined in a fixed tree instead of one sequential f32 sum. So values
+/// differ from the CPU's by rounding only, and a filter's kept set differs only where an entry
+/// lies within that rounding of its pivot (top-p: where `p · total` is within rounding of a
+/// cumulative boundary; top-k and min-p compare exact values of the kernel's own row).
+pub fn probs<D: Gpu>(
+    dev: &D,
+    logits: Dv<f32>,
+    out: Dv<f32>,
+    params: Dv<u32>,
+    vocab: usize,
+) -> Result<(), KernelError> {
+    const OP: &str = "gpu_sample_probs";
+    let v = check_vocab(OP, vocab, MAX_VOCAB)?;
+    let rows = params.len / PARAM_WORDS;
+    need(OP, "logits", rows * vocab, logits.len)?;
+    need(OP, "out", rows * vocab, out.len)?;
+    int(OP, "rows", rows)?;
+    if rows == 0 {
+        return Ok(());
+    }
+    let f = kernel(dev, "sample_probs")?;
+    let mut a = KernelArgs::new();
+    a.push(logits.ptr).push(out.ptr).push(params.ptr).push(v);
+    dev.launch(&f, LaunchDims::linear(rows, THREADS), &mut a)
+}
+
+/// One inverse-CDF draw per `[vocab]` row of `probs` with `uniforms[row]`:
+/// `cpu::sample::sample_from_probs` (the first index whose cumulative mass exceeds `u · total`;
+/// zero-probability entries never drawn), or -1 where that errors (total not finite and
+/// positive, or a negative entry).
+///
+/// Numerics: cumulation is in f64 like the CPU's but in another order (per-warp chunk totals,
+/// then 32-wide scans), so a draw can differ from the CPU's only when `u · total` lies within a
+/// few f64 ulps of a CDF boundary.
+pub fn draw<D: Gpu>(
+    dev: &D,
+    probs: Dv<f32>,
+    uniforms: Dv<f64>,
+    out: Dv<i32>,
+    vocab: usize,
+) -> Result<(), KernelError> {
+    const OP: &str = "gpu_sample_draw";
+    let rows = uniforms.len;
+    let v = check_vocab(OP, vocab, i32::MAX as usize)?;
+    need(OP, "probs", rows * vocab, probs.len)?;
+    need(OP, "out", rows, out.len)?;
+    int(OP, "rows", rows)?;
+    if rows == 0 {
+        return Ok(());
+    }
+    let f = kernel(dev, "sample_draw")?;
+    let mut a = KernelArgs::new();
+    a.push(probs.ptr).push(uniforms.ptr).push(v).push(out.ptr);
+    dev.launch(&f, LaunchDims::linear(rows, THREADS), &mut a)
+}
+
+/// `cpu::sample::argmax` of each `[vocab]` row of `logits` (ties to the lowest index, NaN never
+/// chosen, 0 for a row with nothing above -inf) into `out[row]`. Exact.
+pub fn argmax<D: Gpu>(
+    dev: &D,
+    logits: Dv<f32>,
+    out: Dv<i32>,
+    rows: usize,
+    vocab: usize,
+) -> Result<(), KernelError> {
+    const OP: &str = "gpu_sample_argmax";
+    let v = check_vocab(OP, vocab, i32::MAX as usize)?;
+    need(OP, "logits", rows * vocab, logits.len)?;
+    need(OP, "out", rows, out.len)?;
+    int(OP, "rows", rows)?;
+    if rows == 0 {
+        return Ok(());
+    }
+    let f = kernel(dev, "sample_argmax")?;
+    let mut a = KernelArgs::new();
+    a.push(logits.ptr).push(v).push(out.ptr);
+    dev.launch(&f, LaunchDims::linear(rows, THREADS), &mut a)
+}
+
+/// The operands of one batched verification (shapes as in `backend::verify::VerifyBatch`).
+#[derive(Debug, Clone, Copy)]
+pub struct VerifyArgs<'a> {
+    /// `[Σ(γ_s + 1)][vocab]` target probabilities.
+    pub p: Dv<f32>,
+    /// The rows the sampled drafts were drawn from, `[Σ γ_s of sampled sequences][vocab]` in
+    /// sequence order; `None` when every sequence's drafts are greedy.
+    pub q: Option<Dv<f32>>,
+    /// Per sequence: greedy drafts (q a point mass at each draft, no rows in `q`).
+    pub greedy: &'a [bool],
+    /// `[Σγ_s]` draft ids.
+    pub drafts: Dv<i32>,
+    /// `[Σ(γ_s + 1)]` uniforms in `[0, 1)`.
+    pub uniforms: Dv<f64>,
+    /// γ of each sequence.
+    pub gammas: &'a [usize],
+    /// Vocabulary size.
+    pub vocab: usize,
+    /// `[S][width]` results, `width >= max γ + VERIFY_EXTRA_WORDS`.
+    pub out: Dv<i32>,
+    /// Words per sequence in `out`.
+    pub width: usize,
+}
+
+/// `cpu::verify::verify_probs` with sampled drafts, one block per sequence, into `out` (see
+/// `spec_verify` in `sample.cu` for the row layout). Uploads the sequences' draft offsets (one
+/// small copy) and queues the kernel.
+///
+/// Numerics: the accept test `u · q(x) < p(x)` is the CPU's, in f64 on the same f32 inputs, so
+/// accept decisions are identical; the correction / bonus draw is [`draw`]'s.
+pub fn verify<D: Gpu>(dev: &D, a: VerifyArgs<'_>) -> Result<(), KernelError> {
+    const OP: &str = "gpu_spec_verify";
+    let v = check_vocab(OP, a.vocab, i32::MAX as usize)?;
+    let seqs = a.gammas.len();
+    let drafts: usize = a.gammas.iter().sum();
+    let rows = drafts + seqs;
+    let gamma_max = a.gammas.iter().copied().max().unwrap_or(0);
+    if a.width < gamma_max + VERIFY_EXTRA_WORDS {
+        return Err(KernelError::InvalidParam {
+            op: OP,
+            field: "width",
+            limit: ">= max γ + 3",
+            value: format!("{} for max γ {gamma_max}", a.width),
+        });
+    }
+    need(OP, "p", rows * a.vocab, a.p.len)?;
+    if a.greedy.len() != seqs {
+        return Err(KernelError::ShapeMismatch {
+            op: OP,
+            what: "greedy",
+            expected: seqs,
+            got: a.greedy.len(),
+        });
+    }
+    let sampled: usize = a
+        .gammas
+        .iter()
+        .zip(a.greedy)
+        .filter(|(_, &g)| !g)
+        .map(|(&n, _)| n)
+        .sum();
+    need(OP, "q", sampled * a.vocab, a.q.map_or(0, |q| q.len))?;
+    need(OP, "drafts", drafts, a.drafts.len)?;
+    need(OP, "uniforms", rows, a.uniforms.len)?;
+    need(OP, "out", seqs * a.width, a.out.len)?;
+    int(OP, "rows", rows)?;
+    if seqs == 0 {
+        return Ok(());
+    }
+    // One upload: the draft offsets `[S + 1]`, then each sequence's first q row (-1: greedy).
+    let mut offsets = Vec::with_capacity(2 * seqs + 1);
+    let (mut at, mut q_at) = (0usize, 0usize);
+    offsets.push(0i32);
+    for &g in a.gammas {
+        at += g;
+        offsets.push(int(OP, "drafts", at)?);
+    }
+    for (&g, &greedy) in a.gammas.iter().zip(a.greedy) {
+        if greedy {
+            offsets.push(-1);
+        } else {
+            offsets.push(int(OP, "q rows", q_at)?);
+            q_at += g;
+        }
+    }
+    let offsets = dev.upload(&offsets)?;
+    let f = kernel(dev, "spec_verify")?;
+    let mut k = KernelArgs::new();
+    k.push(a.p.ptr)
+        // Greedy-only batches read no q: any valid address stands in.
+        .push(a.q.map_or(a.p.ptr, |q| q.ptr))
+        .push(a.drafts.ptr)
+        .push(a.uniforms.ptr)
+        .push(offsets.ptr())
+        .push(offsets.ptr_at(seqs + 1))
+        .push(v)
+        .push(a.out.ptr)
+        .push(int(OP, "width", a.width)?);
+    dev.launch(&f, LaunchDims::linear(seqs, THREADS), &mut k)
+    // `offsets` is freed stream-ordered, after the kernel has read it.
+}
