@@ -87,10 +87,18 @@ impl RowParams {
         for p in params {
             p.validate()?;
         }
-        #[cfg(feature = "cuda")]
-        if let Some(buf) = self.device.as_mut() {
-            let dev = buf.device().clone();
-            dev.write(buf, 0, &crate::cuda::sample::pack_params(params))?;
+        match &mut self.device {
+            PackedParams::Host => {}
+            #[cfg(feature = "cuda")]
+            PackedParams::Cuda(buf) => {
+                let dev = buf.device().clone();
+                dev.write(buf, 0, &crate::gpu::sample::pack_params(params))?;
+            }
+            #[cfg(feature = "rocm")]
+            PackedParams::Rocm(buf) => {
+                let dev = buf.device().clone();
+                dev.write(buf, 0, &crate::gpu::sample::pack_params(params))?;
+            }
         }
         self.host.clone_from_slice(params);
         Ok(())
