@@ -324,7 +324,8 @@ pub fn open_cuda(device: Device) -> Result<ferry_kernels::cuda::CudaDevice, Mode
             Ok(dev)
         }
         Device::Rocm(_) => Err(unavailable(
-            "the ROCm backend compiles and runs the kernels, but not the whole model yet",
+            "the ROCm backend runs the model's forward, but the serving engine (its device KV \
+             cache, transfers and graphs) runs on CUDA only so far",
         )
         .into()),
         Device::Cpu | Device::Auto => Err(unavailable("no CUDA device here").into()),
