@@ -8,8 +8,8 @@
 //! and [`RocmKvCache::read_blocks`] widens them back.
 //!
 //! No AMD GPU was available: this compiles and its contract test
-//! (`tests/backend_model.rs`) skips without one. The engine does not use it yet (`--device
-//! rocm` is not wired into `model/src/engine`).
+//! (`tests/backend_model.rs`) skips without one. The engine's ROCm rows
+//! (`engine/backend/rocm.rs`) keep their KV here.
 
 use ferry_kernels::backend::{Backend, Precision};
 use ferry_kernels::gpu::ops::PagesView;

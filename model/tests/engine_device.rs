@@ -80,7 +80,8 @@ fn cuda_engine(test: &str, mode: GpuMode) -> Option<EngineHandle> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unopenable_gpu_is_an_error_and_auto_picks_a_device_that_serves() {
     // A named GPU that cannot be opened fails the engine's start, naming it: never the CPU in
-    // its place (GPU 99 exists nowhere; ROCm has no whole-model forward yet).
+    // its place (GPU 99 exists nowhere; no ROCm device opens here: none exists, and a binary
+    // without the `rocm` feature cannot open one).
     for device in [Device::Cuda(99), Device::Rocm(0)] {
         let err = EngineHandle::spawn(model(), config(device, GpuMode::Exact))
             .err()
@@ -719,4 +720,39 @@ async fn fast_mode_ships_its_bf16_bytes_and_decodes_a_bf16_peer_like_a_plain_run
     for e in [&shipper, &fast_p, &fast_d, &plain] {
         wait_idle(e).await;
     }
+}
+
+/// The serving engine on a ROCm device (a `rocm` build on a machine with an AMD GPU; never run
+/// here, where none exists): exact mode gives the CPU engine's golden tokens, and a prefill job
+/// ships rows within the CUDA test's tolerance of the CPU's.
+#[cfg(feature = "rocm")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an AMD GPU and the `rocm` feature (docs/gpu.md)"]
+async fn rocm_engine_serves_the_cpu_engines_tokens() {
+    if let Err(e) = Device::Rocm(0).probe() {
+        eprintln!("skipping rocm_engine_serves_the_cpu_engines_tokens: {e}");
+        return;
+    }
+    let e = engine(Device::Rocm(0), GpuMode::Exact);
+    assert_eq!(e.device(), Device::Rocm(0));
+    for i in 0..3 {
+        let (prompt, expected) = golden_case(i);
+        let (toks, end) = collect(e.generate(job(prompt, 32, PrefillSource::Local)).unwrap()).await;
+        assert_eq!(end, Ok(FinishReason::Length));
+        assert_eq!(toks, expected, "golden prompt {i} on rocm:0");
+    }
+    let cpu = engine(Device::Cpu, GpuMode::Exact);
+    let prompt = golden_case(2).0;
+    let (page, width) = (cpu.kv_layout().page_size, cpu.kv_layout().width);
+    let (gt, _, _, got) = ship(&e, &prompt, 0).await;
+    let (wt, _, _, want) = ship(&cpu, &prompt, 0).await;
+    assert_eq!(gt, wt, "first token");
+    let len = prompt.len();
+    let worst = compare_shipped(&got, &want, |j| (len - j * page).min(page), width, 1e-4);
+    eprintln!(
+        "rocm prefill job: shipped rows within {:.2e} of the CPU's",
+        max(&worst)
+    );
+    wait_idle(&e).await;
+    wait_idle(&cpu).await;
 }

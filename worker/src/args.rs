@@ -221,7 +221,7 @@ impl DeviceArgs {
     }
 
     /// The CUDA device to use, or `None` when the resolved device is the CPU; a named GPU that
-    /// cannot be opened (or ROCm, whose whole-model forward does not exist yet) is an error.
+    /// cannot be opened (or a ROCm device: the GPU benchmarks are CUDA's) is an error.
     pub fn cuda(&self) -> Result<Option<CudaDevice>, ModelError> {
         match self.resolve()? {
             Device::Cpu => Ok(None),

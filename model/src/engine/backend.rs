@@ -46,6 +46,8 @@
 
 #[cfg(feature = "cuda")]
 mod cuda;
+#[cfg(feature = "rocm")]
+mod rocm;
 
 use ferry_kernels::Device;
 
@@ -131,13 +133,16 @@ enum Rows {
     /// A device cache, graphs and layer-wise shipping through a page-locked ring.
     #[cfg(feature = "cuda")]
     Cuda(Box<cuda::CudaRows>),
+    /// A ROCm device cache (eager steps, shipping after the forward).
+    #[cfg(feature = "rocm")]
+    Rocm(Box<rocm::RocmRows>),
 }
 
 impl Backend {
     /// `model` on `device` (`auto` resolved first) with a KV cache shaped like the host pool's
     /// `layout`. A named GPU that cannot be opened, cannot hold the model or the cache, or whose
-    /// backend does not run the whole model (ROCm, for now) is an error naming the reason:
-    /// never a quiet fall-back to the CPU.
+    /// backend this binary lacks (ROCm without the `rocm` feature) is an error naming the
+    /// reason: never a quiet fall-back to the CPU.
     pub(crate) fn open(
         model: DeepseekModel,
         layout: &KvLayout,
@@ -162,6 +167,8 @@ impl Backend {
             Rows::Host => ShipStats::default(),
             #[cfg(feature = "cuda")]
             Rows::Cuda(c) => c.ship_stats(),
+            #[cfg(feature = "rocm")]
+            Rows::Rocm(r) => r.ship_stats(),
         }
     }
 
@@ -171,6 +178,8 @@ impl Backend {
             Rows::Host => 0,
             #[cfg(feature = "cuda")]
             Rows::Cuda(c) => c.graph_steps(),
+            #[cfg(feature = "rocm")]
+            Rows::Rocm(_) => 0,
         }
     }
 
@@ -186,6 +195,8 @@ impl Backend {
             Rows::Host => KvPool::new(layout),
             #[cfg(feature = "cuda")]
             Rows::Cuda(_) => KvPool::without_rows(layout),
+            #[cfg(feature = "rocm")]
+            Rows::Rocm(_) => KvPool::without_rows(layout),
         }
     }
 
@@ -195,6 +206,8 @@ impl Backend {
             Rows::Host => KvDtype::F32,
             #[cfg(feature = "cuda")]
             Rows::Cuda(c) => c.kv_dtype(),
+            #[cfg(feature = "rocm")]
+            Rows::Rocm(r) => r.kv_dtype(),
         }
     }
 
@@ -204,6 +217,8 @@ impl Backend {
             Rows::Host => 0,
             #[cfg(feature = "cuda")]
             Rows::Cuda(c) => c.staging_bytes(),
+            #[cfg(feature = "rocm")]
+            Rows::Rocm(_) => 0,
         }
     }
 
@@ -250,6 +265,8 @@ impl Backend {
             }
             #[cfg(feature = "cuda")]
             Rows::Cuda(c) => c.forward(&self.model, batch, pass),
+            #[cfg(feature = "rocm")]
+            Rows::Rocm(r) => r.forward(&self.model, batch, pass),
         }
     }
 
@@ -273,12 +290,40 @@ impl Backend {
                 let _ = pool;
                 c.write_kv(layer, block, data)
             }
+            #[cfg(feature = "rocm")]
+            Rows::Rocm(r) => {
+                let _ = pool;
+                r.write_kv(layer, block, data)
+            }
         }
     }
 }
 
-#[cfg(feature = "cuda")]
+/// `model` on the GPU `device` names (resolved): a CUDA device with the CUDA rows, a ROCm
+/// device with the ROCm rows where the binary has them; anything else an error naming why.
 fn open_gpu(
+    model: DeepseekModel,
+    layout: &KvLayout,
+    device: Device,
+    mode: GpuMode,
+    gpu: GpuOptions,
+) -> Result<Backend, ModelError> {
+    #[cfg(feature = "rocm")]
+    if let Device::Rocm(n) = device {
+        let _ = gpu;
+        let dev = ferry_kernels::rocm::RocmDevice::open(n)?;
+        tracing::info!(device = %device, arch = dev.arch(), "running on the GPU (ROCm)");
+        let (model, rows) = rocm::RocmRows::new(&dev, model, layout, mode)?;
+        return Ok(Backend {
+            model,
+            rows: Rows::Rocm(Box::new(rows)),
+        });
+    }
+    open_cuda_rows(model, layout, device, mode, gpu)
+}
+
+#[cfg(feature = "cuda")]
+fn open_cuda_rows(
     model: DeepseekModel,
     layout: &KvLayout,
     device: Device,
@@ -294,7 +339,7 @@ fn open_gpu(
 }
 
 #[cfg(not(feature = "cuda"))]
-fn open_gpu(
+fn open_cuda_rows(
     _model: DeepseekModel,
     _layout: &KvLayout,
     device: Device,
@@ -303,14 +348,14 @@ fn open_gpu(
 ) -> Result<Backend, ModelError> {
     Err(ferry_kernels::KernelError::DeviceUnavailable {
         device: device.to_string(),
-        reason: "the model forward on a GPU needs the `cuda` feature".into(),
+        reason: "the model forward on this GPU needs the `cuda` feature".into(),
     }
     .into())
 }
 
 /// The CUDA device `device` names (`auto` resolved first), opened. Anything else is an error
-/// naming the reason: no driver or libraries, no such ordinal, the CPU, or ROCm (whose backend
-/// runs the kernel sources but not the whole model yet).
+/// naming the reason: no driver or libraries, no such ordinal, the CPU, or a ROCm device (the
+/// engine opens those itself, in a `rocm` build).
 #[cfg(feature = "cuda")]
 pub fn open_cuda(device: Device) -> Result<ferry_kernels::cuda::CudaDevice, ModelError> {
     let unavailable = |reason: &str| ferry_kernels::KernelError::DeviceUnavailable {
@@ -324,8 +369,8 @@ pub fn open_cuda(device: Device) -> Result<ferry_kernels::cuda::CudaDevice, Mode
             Ok(dev)
         }
         Device::Rocm(_) => Err(unavailable(
-            "the ROCm backend runs the model's forward, but the serving engine (its device KV \
-             cache, transfers and graphs) runs on CUDA only so far",
+            "not a CUDA device: on ROCm only the serving engine runs, in a binary built with \
+             `--features rocm`",
         )
         .into()),
         Device::Cpu | Device::Auto => Err(unavailable("no CUDA device here").into()),
