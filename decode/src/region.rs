@@ -36,7 +36,7 @@ impl EngineRegion {
             latent_width: u(l.width),
             dtype: match engine.kv_dtype() {
                 KvDtype::F32 => Dtype::F32,
-                KvDtype::Bf16 => Dtype::Bf16,
+                KvDtype::Bf16Split { rope } => Dtype::Bf16Split { rope: u(rope) },
             },
             num_blocks: u(l.num_blocks),
         };

@@ -142,6 +142,7 @@ fn view(ptr: u64) -> ferry_kernels::gpu::ops::PagesView {
         num_blocks: BLOCKS,
         page_size: PAGE,
         width: DIMS.latent_width(),
+        split: 0,
     }
 }
 

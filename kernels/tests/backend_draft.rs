@@ -206,6 +206,7 @@ fn view(
         num_blocks: len / (page * width),
         page_size: page,
         width,
+        split: 0,
     }
 }
 

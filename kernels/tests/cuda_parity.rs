@@ -78,6 +78,12 @@ fn nvrtc_compiles_every_source() {
             v3.with_tile(64, 2),
             v3.with_tile_ws(2),
             v3.with_tile_ws(4),
+            // Fast mode's split rows (the RoPE key as a bf16 pair).
+            v3.with_split(64),
+            v3.with_split(64).with_tile(64, 2),
+            v3.with_split(64).with_tile8(4),
+            v3.with_split(64).with_tile_ws(2),
+            TINY.with_split(16),
         ] {
             let ptx = compile_ptx(Source::Mla, &shape.defines(), cc).expect("mla.cu compiles");
             for k in [
@@ -93,7 +99,10 @@ fn nvrtc_compiles_every_source() {
                 assert!(ptx.contains("mla_tile8_bf16") && ptx.contains("mla_packed8_bf16"));
             }
             // The bulk-copy tile kernel exists for sm_90 only (where the shape allows it).
-            let ws = cc == (9, 0) && shape.latent % 32 == 0 && shape.tile_bk == 32;
+            let ws = cc == (9, 0)
+                && shape.krow() % 32 == 0
+                && shape.split % 32 == 0
+                && shape.tile_bk == 32;
             assert_eq!(ptx.contains("mla_tile_ws_bf16"), ws);
             assert_eq!(ptx.contains("mla_packed_ws_bf16"), ws);
             // Hopper (compiled as sm_90a) gets the warpgroup-MMA prefill kernel, others not.
@@ -112,8 +121,14 @@ fn nvrtc_compiles_every_source() {
             );
             if let Ok(dir) = std::env::var("FERRY_PTX_DIR") {
                 let f = format!(
-                    "{dir}/mla_{}_w{}_bk{}x{}_sm{}{}.ptx",
-                    shape.latent, shape.tile_warps, shape.tile_bk, shape.tile_stages, cc.0, cc.1
+                    "{dir}/mla_{}s{}_w{}_bk{}x{}_sm{}{}.ptx",
+                    shape.latent,
+                    shape.split,
+                    shape.tile_warps,
+                    shape.tile_bk,
+                    shape.tile_stages,
+                    cc.0,
+                    cc.1
                 );
                 std::fs::write(f, &ptx).expect("write ptx");
             }
@@ -399,6 +414,7 @@ impl Pool {
             num_blocks: self.data.len() / (self.page * self.width),
             page_size: self.page,
             width: self.width,
+            split: 0,
         }
     }
 
@@ -634,6 +650,142 @@ fn absorbed_kernels_match_cpu() {
                 case.ctx
             );
         }
+    }
+}
+
+/// Rows of `w` f32 as split bf16 rows (`gpu/mla.cu`'s top comment): every element rounded,
+/// then the last `split` again as `bf16(x − hi)` (`[lat | hi | lo]`), or for queries
+/// (`query`) the hi part twice before the lo part (`[lat | hi | hi | lo]`).
+fn split_rows(x: &[f32], w: usize, split: usize, query: bool) -> Vec<u16> {
+    let mut out = Vec::new();
+    for row in x.chunks_exact(w) {
+        out.extend(bits(row));
+        if query {
+            out.extend(bits(&row[w - split..]));
+        }
+        out.extend(row[w - split..].iter().map(|&v| {
+            let hi = bf16::from_f32(v).to_f32();
+            bf16::from_f32(v - hi).to_bits()
+        }));
+    }
+    out
+}
+
+/// Fast mode's split rows (the RoPE key and query as bf16 pairs) against an f32 reference whose
+/// RoPE parts are *not* bf16 values and large, so their rounding moves attention: the split
+/// kernels stay within their bf16-latent tolerance, and plain bf16 rows of the same data miss
+/// it by far (the negative control).
+#[test]
+#[ignore = "needs an NVIDIA GPU: run on the GPU machine with --include-ignored (docs/gpu.md)"]
+fn split_rows_keep_the_rope_part_precise() {
+    let Some(dev) = gpu("split_rows_keep_the_rope_part_precise") else {
+        return;
+    };
+    let mut rng = common::rng(11);
+    let v3 = MlaShape::DEEPSEEK_V3;
+    let case = |shape: MlaShape, heads, sq, ctx: Vec<usize>, page| AbsorbedCase {
+        shape,
+        heads,
+        sq,
+        ctx,
+        page,
+    };
+    // (case, rope): the shapes' tilings kept, rows split.
+    let cases = [
+        (case(v3, 16, 1, vec![1, 70, 3000], 64), 64),
+        (case(v3.with_tile(64, 2), 12, 3, vec![9, 1300], 16), 64),
+        (case(v3.with_tile(32, 2), 16, 1, vec![1, 70, 3000], 64), 64),
+        (case(v3.with_tile8(4), 16, 1, vec![1, 70, 3000], 64), 64),
+        (case(v3.with_tile_ws(2), 12, 3, vec![9, 1300], 16), 64),
+        (case(v3.with_tile_ws(3), 16, 1, vec![2, 5000], 32), 64),
+        (case(TINY, 12, 2, vec![3, 300], 8), 16),
+    ];
+    for (case, rope) in &cases {
+        let shape = MlaShape {
+            split: *rope,
+            ..case.shape
+        };
+        if shape.tile_needs_sm90() && dev.compute_capability() < (9, 0) {
+            continue;
+        }
+        let (h, sq, w, dv) = (case.heads, case.sq, shape.latent, shape.kv_lora);
+        let mut pool = Pool::new(&mut rng, w, case.page, &case.ctx);
+        // Large f32 RoPE parts: the keys' (rows outside every sequence stay NaN) and queries'.
+        for row in pool.data.chunks_exact_mut(w) {
+            if !row[0].is_nan() {
+                row[w - rope..].copy_from_slice(&common::uniform(&mut rng, *rope, 16.0));
+            }
+        }
+        let rows = case.ctx.len() * sq * h;
+        let mut q = round_bf16(&common::uniform(&mut rng, rows * w, 1.0));
+        for row in q.chunks_exact_mut(w) {
+            row[w - rope..].copy_from_slice(&common::uniform(&mut rng, *rope, 16.0));
+        }
+        let scale = 0.1352;
+        let want = absorbed_reference(&pool, case, &q, scale);
+        let (flat, stride) = pool.flat_tables();
+        let g_split = dev
+            .upload(&split_rows(&pool.data, w, *rope, false))
+            .expect("pages");
+        let g_plain = dev.upload(&bits(&pool.data)).expect("pages");
+        let g_table = dev.upload(&flat).expect("table");
+        let ctx_i: Vec<i32> = case.ctx.iter().map(|&c| c as i32).collect();
+        let g_ctx = dev.upload(&ctx_i).expect("ctx");
+        let g_qs = dev.upload(&split_rows(&q, w, *rope, true)).expect("q");
+        let g_qp = dev.upload(&bits(&q)).expect("q");
+        let out = dev.zeros::<f32>(rows * dv).expect("out");
+        let batch = |q: Elems, ptr: u64, split: usize| AbsorbedBatch {
+            q,
+            pages: PagesView {
+                split,
+                ..pool.view(ptr, true)
+            },
+            block_table: g_table.v(),
+            bt_stride: stride,
+            ctx_len: g_ctx.v(),
+            max_ctx: *case.ctx.iter().max().expect("non-empty"),
+            batch: case.ctx.len(),
+            sq,
+            heads: h,
+            scale,
+        };
+        let split = batch(Elems::Bf16(g_qs.v()), g_split.ptr(), *rope);
+        let plain = batch(Elems::Bf16(g_qp.v()), g_plain.ptr(), 0);
+        let mut runs = vec![("generic", shape, split, 5e-3)];
+        if shape.tile_ok() {
+            runs.push(("padded", shape, split, 1.5e-2));
+            runs.push(("packed", shape, split, 1.5e-2));
+        }
+        for (name, sh, b, tol) in runs {
+            dev.memset_zero(&out).expect("zero");
+            match name {
+                "padded" => mla_absorbed_padded(&dev, sh, &b, out.v()),
+                "packed" => mla_absorbed(&dev, sh, AbsorbedKernel::Packed, &b, out.v()),
+                _ => mla_absorbed(&dev, sh, AbsorbedKernel::Generic, &b, out.v()),
+            }
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+            let e = rel_err(&dev.download(&out).expect("down"), &want);
+            eprintln!(
+                "split {name} H={h} sq={sq} ctx={:?} dims={w}+{rope} tile {}w {}x{}: rel err {e:.2e}",
+                case.ctx, sh.tile_warps, sh.tile_bk, sh.tile_stages
+            );
+            assert!(
+                e < tol,
+                "split {name} H={h} ctx={:?}: rel err {e}",
+                case.ctx
+            );
+        }
+        // The negative control: plain bf16 rows (the RoPE parts rounded once) on the generic
+        // kernel (f32 math) miss the reference by far more than the split tolerance.
+        dev.memset_zero(&out).expect("zero");
+        mla_absorbed(&dev, case.shape, AbsorbedKernel::Generic, &plain, out.v())
+            .expect("plain generic");
+        let e = rel_err(&dev.download(&out).expect("down"), &want);
+        eprintln!(
+            "plain bf16 rows (control) H={h} ctx={:?}: rel err {e:.2e}",
+            case.ctx
+        );
+        assert!(e > 3e-2, "the control should miss: rel err {e}");
     }
 }
 

@@ -67,7 +67,7 @@ fn has_symbol(code: &[u8], name: &str) -> bool {
 #[test]
 fn the_rocm_dispatch_picks_only_portable_kernels() {
     for (model, dims) in [("embedded", embedded_dims()), ("DeepSeek-V3", DEEPSEEK_V3)] {
-        let shape = mla_shape(&dims, NOT_CUDA);
+        let shape = mla_shape(&dims, NOT_CUDA, 0);
         // Untuned on a card that is not CUDA: the default 4-warp pipeline's defines.
         assert_eq!(
             shape,
@@ -123,7 +123,8 @@ fn the_rocm_dispatch_picks_only_portable_kernels() {
                 precision: Precision::Fast,
                 absorbed: AbsorbedKernel::Tile,
             };
-            let tuned = mla_shape(&dims, (9, 0));
+            // Fast mode's cache splits the rope part (the shape the forward dispatches with).
+            let tuned = mla_shape(&dims, (9, 0), dims.qk_rope_head_dim);
             if tuned.tile_ok() {
                 assert_eq!(
                     absorbed::<CudaDevice>(fast, &tuned),
@@ -142,7 +143,8 @@ fn the_rocm_dispatch_picks_only_portable_kernels() {
 fn hiprtc_compiles_every_source_with_the_rocm_arms_defines() {
     let mut compiled: Vec<(Source, Defines, Vec<u8>)> = Vec::new();
     for (model, dims) in [("embedded", embedded_dims()), ("DeepSeek-V3", DEEPSEEK_V3)] {
-        let shape = mla_shape(&dims, NOT_CUDA);
+        // Fast mode's split cache (exact mode's kernels are in the same module).
+        let shape = mla_shape(&dims, NOT_CUDA, dims.qk_rope_head_dim);
         for k in every_request() {
             for op in forward_kernels::<RocmDevice>(k, &shape, NOT_CUDA) {
                 let defines = match op.source {
@@ -201,7 +203,7 @@ fn the_tensor_core_kernels_are_absent_from_the_hip_code_object() {
     // at all (their launchers could only fail to find them), while the tile kernels compile
     // their scalar path (unused on ROCm: at DeepSeek-V3's shape their default two-stage
     // layout needs more than the 64 KiB of LDS a workgroup has).
-    let v3 = mla_shape(&DEEPSEEK_V3, NOT_CUDA);
+    let v3 = mla_shape(&DEEPSEEK_V3, NOT_CUDA, 0);
     let code = hiprtc::compile(Source::Mla, &v3.defines(), ARCH).expect("mla.cu compiles");
     for absent in [
         "mha_flash_bf16",

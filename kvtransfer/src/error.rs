@@ -65,9 +65,9 @@ impl TransferError {
     }
 }
 
-/// A dtype name that is neither `"f32"` nor `"bf16"`.
+/// A dtype name that is not `"f32"`, `"bf16"` or `"bf16-split<rope>"`.
 #[derive(thiserror::Error, Debug, Clone, PartialEq, Eq)]
-#[error("`dtype` must be \"f32\" or \"bf16\", got {got:?}")]
+#[error("`dtype` must be \"f32\", \"bf16\" or \"bf16-split<rope>\" (rope > 0), got {got:?}")]
 pub struct ParseDtypeError {
     /// The rejected name.
     pub got: String,

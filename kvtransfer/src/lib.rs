@@ -111,36 +111,59 @@ pub use layerwise::{LayerSink, LayerStreamer};
 pub use local::LocalTransport;
 pub use tcp::TcpTransport;
 
-/// Element type of the KV pool.
+/// How a KV pool's rows are stored: the element type, and for fast-mode GPU caches where the
+/// RoPE key sits.
+///
+/// [`Dtype::Bf16Split`] is the fast-mode cache format: bf16 rows whose last `rope` elements (the
+/// rotary key `k_pe`) are kept as a bf16 *pair*, `hi = bf16(x)` and `lo = bf16(x − hi)`, stored
+/// after the row: `[latent (width − rope) | hi (rope) | lo (rope)]`, `width + rope` bf16 per
+/// row. The pair carries ~16 mantissa bits, which the RoPE half of an MLA score needs: its
+/// terms are large enough that one bf16 rounding moves attention rows by whole logits
+/// (docs/gpu.md, "Fast mode's precision"), while the latent half is fine in bf16.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Dtype {
     /// 32-bit float.
     F32,
     /// bfloat16.
     Bf16,
+    /// bfloat16 with the row's last `rope` elements as a bf16 hi/lo pair (see the type's docs).
+    Bf16Split {
+        /// Trailing elements of each row stored as a pair.
+        rope: u32,
+    },
 }
 
 impl Dtype {
-    /// The wire / config name: `"f32"` or `"bf16"`.
-    pub const fn as_str(self) -> &'static str {
-        match self {
-            Dtype::F32 => "f32",
-            Dtype::Bf16 => "bf16",
-        }
-    }
-
-    /// Size of one element in bytes.
+    /// Size of one stored element in bytes (a split row's pair counts as two elements).
     pub const fn elem_size(self) -> usize {
         match self {
             Dtype::F32 => 4,
-            Dtype::Bf16 => 2,
+            Dtype::Bf16 | Dtype::Bf16Split { .. } => 2,
         }
+    }
+
+    /// Stored elements of one row of `width` logical elements.
+    pub const fn row_elems(self, width: usize) -> usize {
+        match self {
+            Dtype::F32 | Dtype::Bf16 => width,
+            Dtype::Bf16Split { rope } => width + rope as usize,
+        }
+    }
+
+    /// Bytes of one row of `width` logical elements.
+    pub const fn row_bytes(self, width: usize) -> usize {
+        self.row_elems(width) * self.elem_size()
     }
 }
 
 impl fmt::Display for Dtype {
+    /// The wire / config name: `f32`, `bf16`, or `bf16-split<rope>` (e.g. `bf16-split64`).
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
+        match self {
+            Dtype::F32 => f.write_str("f32"),
+            Dtype::Bf16 => f.write_str("bf16"),
+            Dtype::Bf16Split { rope } => write!(f, "bf16-split{rope}"),
+        }
     }
 }
 
@@ -151,7 +174,12 @@ impl FromStr for Dtype {
         match s {
             "f32" => Ok(Dtype::F32),
             "bf16" => Ok(Dtype::Bf16),
-            other => Err(ParseDtypeError { got: other.into() }),
+            other => other
+                .strip_prefix("bf16-split")
+                .and_then(|n| n.parse::<u32>().ok())
+                .filter(|&rope| rope > 0)
+                .map(|rope| Dtype::Bf16Split { rope })
+                .ok_or_else(|| ParseDtypeError { got: other.into() }),
         }
     }
 }
@@ -174,12 +202,16 @@ pub struct KvLayoutDesc {
 }
 
 impl KvLayoutDesc {
-    /// Bytes of one block of one layer: `page_size × latent_width × dtype size`
+    /// Bytes of one block of one layer: `page_size` rows of [`Dtype::row_bytes`]
     /// (saturating, so an absurd peer layout cannot overflow).
     pub fn block_bytes(&self) -> usize {
-        (self.page_size as usize)
-            .saturating_mul(self.latent_width as usize)
-            .saturating_mul(self.dtype.elem_size())
+        let row = (self.latent_width as usize)
+            .saturating_add(match self.dtype {
+                Dtype::Bf16Split { rope } => rope as usize,
+                _ => 0,
+            })
+            .saturating_mul(self.dtype.elem_size());
+        (self.page_size as usize).saturating_mul(row)
     }
 }
 
@@ -189,7 +221,7 @@ impl From<&KvLayoutDesc> for KvLayout {
             num_layers: d.num_layers,
             page_size: d.page_size,
             latent_width: d.latent_width,
-            dtype: d.dtype.as_str().to_owned(),
+            dtype: d.dtype.to_string(),
             num_blocks: d.num_blocks,
         }
     }
@@ -204,8 +236,9 @@ impl From<KvLayoutDesc> for KvLayout {
 impl TryFrom<&KvLayout> for KvLayoutDesc {
     type Error = TransferError;
 
-    /// Parses a wire layout: `dtype` must be `"f32"` or `"bf16"` and `num_layers`, `page_size`
-    /// and `latent_width` must be > 0; otherwise [`TransferError::Protocol`] naming the field.
+    /// Parses a wire layout: `dtype` must name a [`Dtype`], `num_layers`, `page_size` and
+    /// `latent_width` must be > 0, and a split dtype's pair must lie inside the row; otherwise
+    /// [`TransferError::Protocol`] naming the field.
     fn try_from(w: &KvLayout) -> Result<Self, Self::Error> {
         let dtype = w
             .dtype
@@ -219,6 +252,14 @@ impl TryFrom<&KvLayout> for KvLayoutDesc {
             if value == 0 {
                 return Err(TransferError::Protocol(format!(
                     "KvLayout: `{name}` must be > 0, got 0"
+                )));
+            }
+        }
+        if let Dtype::Bf16Split { rope } = dtype {
+            if rope > w.latent_width {
+                return Err(TransferError::Protocol(format!(
+                    "KvLayout: `dtype` {dtype} splits more than the row's {} elements",
+                    w.latent_width
                 )));
             }
         }
@@ -338,13 +379,17 @@ mod tests {
 
     #[test]
     fn dtype_round_trips_and_sizes() {
-        for d in [Dtype::F32, Dtype::Bf16] {
-            assert_eq!(d.as_str().parse::<Dtype>(), Ok(d));
+        for d in [Dtype::F32, Dtype::Bf16, Dtype::Bf16Split { rope: 64 }] {
+            assert_eq!(d.to_string().parse::<Dtype>(), Ok(d));
         }
-        assert_eq!(Dtype::F32.elem_size(), 4);
-        assert_eq!(Dtype::Bf16.elem_size(), 2);
-        let err = "fp8".parse::<Dtype>().unwrap_err();
-        assert!(err.to_string().contains("\"fp8\""));
+        assert_eq!(Dtype::Bf16Split { rope: 64 }.to_string(), "bf16-split64");
+        assert_eq!(Dtype::F32.row_bytes(576), 2304);
+        assert_eq!(Dtype::Bf16.row_bytes(576), 1152);
+        assert_eq!(Dtype::Bf16Split { rope: 64 }.row_bytes(576), 1280);
+        for bad in ["fp8", "bf16-split", "bf16-split0", "bf16-splitx"] {
+            let err = bad.parse::<Dtype>().unwrap_err();
+            assert!(err.to_string().contains(&format!("\"{bad}\"")), "{err}");
+        }
     }
 
     #[test]

@@ -98,12 +98,44 @@ fn rne(x: f32) -> u16 {
     ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) as u16
 }
 
+/// Fast mode's split rows: each row of 8 ends in a rope part of 2 kept as a bf16 pair.
+const SPLIT: Dtype = Dtype::Bf16Split { rope: 2 };
+
+fn bf(bits: u16) -> f32 {
+    f32::from_bits(u32::from(bits) << 16)
+}
+
+/// `v` (rows of 8) stored split, computed independently of the crate: each element rounded,
+/// then each row's last two again as `rne(x − hi)`.
+fn split_bytes(v: &[f32]) -> Vec<u8> {
+    let mut out = Vec::new();
+    for row in v.chunks_exact(8) {
+        out.extend(row.iter().flat_map(|&x| rne_nan(x).to_le_bytes()));
+        out.extend(
+            row[6..]
+                .iter()
+                .flat_map(|&x| rne_nan(x - bf(rne_nan(x))).to_le_bytes()),
+        );
+    }
+    out
+}
+
+/// [`rne`] with NaN kept a quiet NaN.
+fn rne_nan(x: f32) -> u16 {
+    if x.is_nan() {
+        0x7FC0
+    } else {
+        rne(x)
+    }
+}
+
 /// What the writer's cache holds for `(layer, block)`, in the writer's dtype.
 fn source_block(from: Dtype, layer: u32, block: u32) -> Vec<u8> {
     let seed = layer * 4 + block;
     match from {
         Dtype::F32 => f32_bytes(&f32_rows(seed)),
         Dtype::Bf16 => bf16_bytes(&bf16_rows(seed)),
+        Dtype::Bf16Split { .. } => split_bytes(&f32_rows(seed)),
     }
 }
 
@@ -111,6 +143,7 @@ fn source_block(from: Dtype, layer: u32, block: u32) -> Vec<u8> {
 fn assert_arrived(from: Dtype, to: Dtype, src: &[u8], got: &[u8]) {
     match (from, to) {
         (Dtype::F32, Dtype::F32) | (Dtype::Bf16, Dtype::Bf16) => assert_eq!(got, src),
+        (a, b) if a == b => assert_eq!(got, src),
         (Dtype::Bf16, Dtype::F32) => {
             for (s, g) in src.chunks_exact(2).zip(got.chunks_exact(4)) {
                 let bits = u16::from_le_bytes([s[0], s[1]]);
@@ -118,6 +151,30 @@ fn assert_arrived(from: Dtype, to: Dtype, src: &[u8], got: &[u8]) {
                 assert_eq!(v, u32::from(bits) << 16, "bf16 {bits:#06x} widened exactly");
             }
         }
+        (Dtype::Bf16Split { .. }, Dtype::F32) => {
+            // Latent elements widen exactly; a pair widens to hi + lo.
+            let u = |b: &[u8], i: usize| u16::from_le_bytes([b[2 * i], b[2 * i + 1]]);
+            for (s, g) in src.chunks_exact(20).zip(got.chunks_exact(32)) {
+                for i in 0..8 {
+                    let want = if i < 6 {
+                        bf(u(s, i))
+                    } else {
+                        bf(u(s, i)) + bf(u(s, i + 2))
+                    };
+                    let v =
+                        f32::from_le_bytes([g[4 * i], g[4 * i + 1], g[4 * i + 2], g[4 * i + 3]]);
+                    assert!(v == want || (v.is_nan() && want.is_nan()), "{v} vs {want}");
+                }
+            }
+        }
+        (Dtype::F32, Dtype::Bf16Split { .. }) => assert_eq!(
+            got,
+            split_bytes(
+                &src.chunks_exact(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .collect::<Vec<_>>()
+            )
+        ),
         (Dtype::F32, Dtype::Bf16) => {
             for (s, g) in src.chunks_exact(4).zip(got.chunks_exact(2)) {
                 let x = f32::from_le_bytes([s[0], s[1], s[2], s[3]]);
@@ -132,6 +189,7 @@ fn assert_arrived(from: Dtype, to: Dtype, src: &[u8], got: &[u8]) {
                 }
             }
         }
+        (from, to) => panic!("{from} → {to} is not a pair this test sends"),
     }
 }
 
@@ -147,6 +205,9 @@ async fn rows_arrive_in_the_destination_dtype(t: Arc<dyn Transport>) {
         (Dtype::Bf16, Dtype::F32),
         (Dtype::Bf16, Dtype::Bf16),
         (Dtype::F32, Dtype::F32),
+        (Dtype::F32, SPLIT),
+        (SPLIT, Dtype::F32),
+        (SPLIT, SPLIT),
     ] {
         let region = Region::new(layout(to));
         let reg = t.register(region.clone()).await.unwrap();
@@ -181,7 +242,7 @@ async fn rows_arrive_in_the_destination_dtype(t: Arc<dyn Transport>) {
             let writes = (0..2)
                 .map(|b| BlockWrite {
                     block: 3 - b,
-                    data: convert(&source_block(from, layer, b), from, to).unwrap(),
+                    data: convert(&source_block(from, layer, b), from, to, 8).unwrap(),
                 })
                 .collect();
             sink.send(WriteBatch { layer, writes }).unwrap();

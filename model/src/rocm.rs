@@ -2,10 +2,11 @@
 //! memory, so a [`DeepseekModel`] copied onto `Backend::Rocm` runs the same forward as on the
 //! CPU and CUDA (`DeepseekModel::to_backend`, then `forward` over a [`RocmKvCache`]).
 //!
-//! One region per layer, `[block][page][width]`, f32 (exact precision) or bf16 (fast), indexed
-//! by the caller's block ids like `crate::gpu::GpuKvCache` on CUDA. Rows cross to and from the
-//! host as f32: [`RocmKvCache::write_blocks`] rounds them to bf16 (nearest even) in a bf16 cache
-//! and [`RocmKvCache::read_blocks`] widens them back.
+//! One region per layer, `[block][page][row]`, f32 (exact precision) or split bf16 (fast:
+//! [`KvDtype::Bf16Split`], the RoPE key as a bf16 pair), indexed by the caller's block ids like
+//! `crate::gpu::GpuKvCache` on CUDA. Rows cross to and from the host as f32:
+//! [`RocmKvCache::write_blocks`] encodes them as the cache stores them and
+//! [`RocmKvCache::read_blocks`] widens them back.
 //!
 //! No AMD GPU was available: this compiles and its contract test
 //! (`tests/backend_model.rs`) skips without one. The engine's ROCm rows
@@ -16,7 +17,7 @@ use ferry_kernels::gpu::ops::PagesView;
 use ferry_kernels::rocm::{HipBuffer, RocmDevice};
 
 use crate::deepseek::DeepseekModel;
-use crate::kv::{BlockId, KvLayout};
+use crate::kv::{BlockId, KvDtype, KvLayout};
 use crate::ModelError;
 
 /// Storage of one layer.
@@ -31,28 +32,47 @@ enum Region {
 pub struct RocmKvCache {
     dev: RocmDevice,
     layout: KvLayout,
+    dtype: KvDtype,
     layers: Vec<Region>,
 }
 
 impl RocmKvCache {
-    /// Zeroed storage for `layout`, bf16 or f32.
-    pub fn new(dev: &RocmDevice, layout: KvLayout, bf16: bool) -> Result<Self, ModelError> {
+    /// Zeroed storage for `layout`, rows stored as `dtype`.
+    pub fn new(dev: &RocmDevice, layout: KvLayout, dtype: KvDtype) -> Result<Self, ModelError> {
         layout.validate()?;
-        let n = layout.layer_floats();
+        if let KvDtype::Bf16Split { rope } = dtype {
+            if rope == 0 || rope > layout.width {
+                return Err(ModelError::Kv(format!(
+                    "a {dtype} cache needs 0 < rope <= the row width {}",
+                    layout.width
+                )));
+            }
+        }
+        let n = layout.num_blocks * layout.page_size * dtype.row_elems(layout.width);
         let layers = (0..layout.num_layers)
             .map(|_| {
-                Ok(if bf16 {
-                    Region::Bf16(dev.zeros::<u16>(n)?)
-                } else {
-                    Region::F32(dev.zeros::<f32>(n)?)
+                Ok(match dtype {
+                    KvDtype::Bf16Split { .. } => Region::Bf16(dev.zeros::<u16>(n)?),
+                    KvDtype::F32 => Region::F32(dev.zeros::<f32>(n)?),
                 })
             })
             .collect::<Result<Vec<_>, ModelError>>()?;
         Ok(Self {
             dev: dev.clone(),
             layout,
+            dtype,
             layers,
         })
+    }
+
+    /// Stored elements of one block.
+    fn block_elems(&self) -> usize {
+        self.layout.page_size * self.dtype.row_elems(self.layout.width)
+    }
+
+    /// How the rows are stored.
+    pub fn dtype(&self) -> KvDtype {
+        self.dtype
     }
 
     /// The device the rows live on.
@@ -65,9 +85,9 @@ impl RocmKvCache {
         &self.layout
     }
 
-    /// Whether rows are bf16.
+    /// Whether rows are stored as bf16 (fast mode).
     pub fn is_bf16(&self) -> bool {
-        matches!(self.layers.first(), Some(Region::Bf16(_)))
+        self.dtype != KvDtype::F32
     }
 
     /// Layer `l`'s pages as the kernels take them.
@@ -86,6 +106,7 @@ impl RocmKvCache {
             num_blocks: self.layout.num_blocks,
             page_size: self.layout.page_size,
             width: self.layout.width,
+            split: self.dtype.row_elems(self.layout.width) - self.layout.width,
         })
     }
 
@@ -100,12 +121,12 @@ impl RocmKvCache {
                 self.layout.num_blocks
             )));
         }
-        Ok(start * self.layout.block_floats())
+        Ok(start * self.block_elems())
     }
 
     /// Writes whole blocks of layer `l` from f32 `rows` (`[block][page][width]`, a multiple of
-    /// one block), starting at block `first`: one host-to-device copy, rounded to bf16 in a
-    /// bf16 cache. Returns once the copy is done.
+    /// one block), starting at block `first`: one host-to-device copy, encoded as the cache
+    /// stores them ([`KvDtype::encode_into`]). Returns once the copy is done.
     pub fn write_blocks(
         &mut self,
         l: usize,
@@ -124,9 +145,11 @@ impl RocmKvCache {
         match self.layers.get_mut(l) {
             Some(Region::F32(b)) => dev.write(b, offset, rows)?,
             Some(Region::Bf16(b)) => {
-                let bits: Vec<u16> = rows
-                    .iter()
-                    .map(|&v| half::bf16::from_f32(v).to_bits())
+                let mut bytes = Vec::new();
+                self.dtype.encode_into(rows, self.layout.width, &mut bytes);
+                let bits: Vec<u16> = bytes
+                    .chunks_exact(2)
+                    .map(|c| u16::from_le_bytes([c[0], c[1]]))
                     .collect();
                 dev.write(b, offset, &bits)?;
             }
@@ -144,15 +167,14 @@ impl RocmKvCache {
         count: usize,
     ) -> Result<Vec<f32>, ModelError> {
         let offset = self.block_range(l, first, count)?;
-        let len = count * self.layout.block_floats();
+        let len = count * self.block_elems();
         match self.layers.get(l) {
             Some(Region::F32(b)) => Ok(self.dev.download_range(b, offset, len)?),
-            Some(Region::Bf16(b)) => Ok(self
-                .dev
-                .download_range(b, offset, len)?
-                .into_iter()
-                .map(|v| half::bf16::from_bits(v).to_f32())
-                .collect()),
+            Some(Region::Bf16(b)) => {
+                let bits = self.dev.download_range(b, offset, len)?;
+                self.dtype
+                    .widen(bytemuck::cast_slice(&bits), self.layout.width)
+            }
             None => Err(ModelError::Kv(format!("layer {l} is outside the cache"))),
         }
     }
@@ -170,8 +192,8 @@ impl DeepseekModel {
     }
 
     /// A zeroed ROCm latent cache for this model (which must be on `Backend::Rocm`):
-    /// `num_blocks` blocks of `page_size` tokens per layer, f32 in exact precision, bf16 in
-    /// fast.
+    /// `num_blocks` blocks of `page_size` tokens per layer, stored as
+    /// [`DeepseekModel::kv_dtype`].
     pub fn new_rocm_kv_cache(
         &self,
         num_blocks: usize,
@@ -180,7 +202,7 @@ impl DeepseekModel {
         RocmKvCache::new(
             self.rocm_device()?,
             self.kv_layout(num_blocks, page_size),
-            self.precision() == Precision::Fast,
+            self.kv_dtype(),
         )
     }
 

@@ -288,35 +288,36 @@ async fn ship_raw(e: &EngineHandle, prompt: &[u32], skip: usize) -> (u32, usize,
     )
 }
 
-/// [`ship_raw`] with every block's rows widened to f32 (exact for both dtypes).
+/// [`ship_raw`] with every block's rows widened to f32 (exact for f32, `hi + lo` for split rows).
 async fn ship(
     e: &EngineHandle,
     prompt: &[u32],
     skip: usize,
 ) -> (u32, usize, usize, Vec<(usize, usize, Vec<f32>)>) {
     let (t, c, r, raw) = ship_raw(e, prompt, skip).await;
+    let width = e.kv_layout().width;
     let widened = raw
         .into_iter()
-        .map(|(l, j, dtype, bytes)| (l, j, dtype.widen(&bytes).expect("whole elements")))
+        .map(|(l, j, dtype, bytes)| (l, j, dtype.widen(&bytes, width).expect("whole rows")))
         .collect();
     (t, c, r, widened)
 }
 
 /// Block `b` of `rows` as `to`'s bytes, as a prefill worker sends them to a destination of that
-/// dtype: unchanged when the dtypes agree, else widened exactly or rounded to nearest even.
+/// dtype: unchanged when the dtypes agree, else widened (`hi + lo`) or split as the fast cache
+/// stores rows.
 fn as_dtype(rows: &LayerRows<'_>, b: BlockId, to: KvDtype) -> Result<Vec<u8>, String> {
     let bytes = rows.block(b).map_err(|e| e.to_string())?;
     if rows.dtype() == to {
         return Ok(bytes.to_vec());
     }
-    let f = rows.dtype().widen(bytes).map_err(|e| e.to_string())?;
-    Ok(match to {
-        KvDtype::F32 => f.iter().flat_map(|v| v.to_le_bytes()).collect(),
-        KvDtype::Bf16 => f
-            .iter()
-            .flat_map(|v| half::bf16::from_f32(*v).to_bits().to_le_bytes())
-            .collect(),
-    })
+    let f = rows
+        .dtype()
+        .widen(bytes, rows.width())
+        .map_err(|e| e.to_string())?;
+    let mut out = Vec::new();
+    to.encode_into(&f, rows.width(), &mut out);
+    Ok(out)
 }
 
 fn rel(a: &[f32], b: &[f32]) -> f32 {
@@ -433,7 +434,7 @@ async fn cuda_prefill_job_ships_the_cpu_bytes() {
 
 /// The prompt's latent rows after a fast-mode forward run directly on a GPU-resident `DeepseekModel`, in the
 /// shape a prefill job ships them: `(layer, block, rows)` for blocks `0..` of every layer.
-fn direct_fast_cache(prompt: &[u32], page: usize) -> Vec<(usize, usize, Vec<f32>)> {
+fn direct_fast_cache(prompt: &[u32], page: usize) -> Vec<(usize, usize, Vec<u8>)> {
     use ferry_model::deepseek::{BatchInputs, LogitsWanted, SeqInput};
     let dev = ferry_kernels::cuda::CudaDevice::open(0).expect("cuda:0 opened for the engine");
     let gpu = model().upload(&dev, GpuMode::Fast).expect("upload");
@@ -449,11 +450,11 @@ fn direct_fast_cache(prompt: &[u32], page: usize) -> Vec<(usize, usize, Vec<f32>
         }],
     };
     gpu.forward(&batch, &mut cache).expect("forward");
-    let per_block = page * cache.layout().width;
+    let block_bytes = cache.dtype().block_bytes(cache.layout());
     let mut out = Vec::new();
     for l in 0..cache.layout().num_layers {
-        let layer = cache.download_layer(&dev, l).expect("download");
-        for (j, rows) in layer.chunks_exact(per_block).enumerate() {
+        let layer = cache.download_layer_bytes(&dev, l).expect("download");
+        for (j, rows) in layer.chunks_exact(block_bytes).enumerate() {
             out.push((l, j, rows.to_vec()));
         }
     }
@@ -560,17 +561,24 @@ async fn fast_mode_engine_ships_bf16_rows_and_decodes_from_a_cpu_peer() {
     let (prompt, expected) = golden_case(2);
     let (_, _, _, want) = ship(&cpu_p, &prompt, 0).await;
     let (_, _, _, got) = ship(&fast_p, &prompt, 0).await;
+    let rope = model().config().qk_rope_head_dim;
     for (_, _, rows) in &got {
         assert!(
-            rows.iter().all(|&v| half::bf16::from_f32(v).to_f32() == v),
-            "a fast-mode engine ships its bf16 rows exactly, widened to f32"
+            rows.chunks_exact(width).all(|r| r[..width - rope]
+                .iter()
+                .all(|&v| half::bf16::from_f32(v).to_f32() == v)),
+            "a fast-mode engine ships its bf16 latent rows exactly, widened to f32"
         );
     }
     // The transfer path is exact: what the engine ships is, bit for bit, the device cache of
     // the same forward run directly on a GPU-resident `DeepseekModel` (same kernels, same inputs).
     let len = prompt.len();
     let valid = |j: usize| (len - j * page).min(page);
-    let direct = direct_fast_cache(&prompt, page);
+    let split = KvDtype::Bf16Split { rope };
+    let direct: Vec<_> = direct_fast_cache(&prompt, page)
+        .into_iter()
+        .map(|(l, j, b)| (l, j, split.widen(&b, width).expect("whole rows")))
+        .collect();
     let exact = compare_shipped(&got, &direct, valid, width, 0.0);
     assert!(exact.iter().all(|&e| e == 0.0));
     // Against the CPU, fast mode's numerics show: layer 0's latent differs by the bf16
@@ -665,13 +673,15 @@ async fn fast_mode_ships_its_bf16_bytes_and_decodes_a_bf16_peer_like_a_plain_run
     ) else {
         return;
     };
+    let rope = model().config().qk_rope_head_dim;
     assert_eq!(
         shipper.kv_dtype(),
-        KvDtype::Bf16,
-        "fast mode's cache is bf16"
+        KvDtype::Bf16Split { rope },
+        "fast mode's cache is bf16 with the RoPE key as a pair"
     );
     let layout = shipper.kv_layout();
     let (page, width, layers) = (layout.page_size, layout.width, layout.num_layers);
+    let row_bytes = (width + rope) * 2;
     let (prompt, _) = golden_case(2);
     let len = prompt.len();
     // The job's rows leave as the cache's bf16 bytes, bit for bit those of the same forward run
@@ -679,15 +689,11 @@ async fn fast_mode_ships_its_bf16_bytes_and_decodes_a_bf16_peer_like_a_plain_run
     let (_, _, _, raw) = ship_raw(&shipper, &prompt, 0).await;
     let direct = direct_fast_cache(&prompt, page);
     assert_eq!(raw.len(), direct.len(), "blocks shipped");
-    for ((l, j, dtype, bytes), (dl, dj, rows)) in raw.iter().zip(&direct) {
+    for ((l, j, dtype, bytes), (dl, dj, want)) in raw.iter().zip(&direct) {
         assert_eq!((l, j), (dl, dj), "the same layer and block order");
-        assert_eq!(*dtype, KvDtype::Bf16, "layer {l} block {j}");
-        assert_eq!(bytes.len(), page * width * 2, "layer {l} block {j}");
-        let want: Vec<u8> = rows
-            .iter()
-            .flat_map(|v| half::bf16::from_f32(*v).to_bits().to_le_bytes())
-            .collect();
-        let valid = (len - j * page).min(page) * width * 2;
+        assert_eq!(*dtype, KvDtype::Bf16Split { rope }, "layer {l} block {j}");
+        assert_eq!(bytes.len(), page * row_bytes, "layer {l} block {j}");
+        let valid = (len - j * page).min(page) * row_bytes;
         assert!(
             bytes[..valid] == want[..valid],
             "layer {l} block {j}: shipped bytes differ from the device cache's"
@@ -710,8 +716,8 @@ async fn fast_mode_ships_its_bf16_bytes_and_decodes_a_bf16_peer_like_a_plain_run
     let received = fast_d.stats().await.unwrap().kv_bytes_received;
     assert_eq!(
         received,
-        (len.div_ceil(page) * layers * page * width * 2) as u64,
-        "bf16 on the wire: half of f32's bytes"
+        (len.div_ceil(page) * layers * page * row_bytes) as u64,
+        "split bf16 rows on the wire: (width + rope) bf16 per row"
     );
     eprintln!(
         "fast mode: shipped bf16 bytes equal the device cache's; decode from a bf16 peer ({received} bytes) gives the plain run's {} tokens",

@@ -8,8 +8,10 @@
 //! max|logit|, and identical greedy tokens. Both sides compute in f32 from the same weights;
 //! the GPU differs in summation order and in the bf16 weight GEMMs, which keep ~16 mantissa
 //! bits of each activation (split hi + lo), so errors stay ~1e-5 relative. [`GpuMode::Fast`]
-//! (bf16 cache, bf16 attention inputs and probabilities) is held to 5e-2 and its greedy
-//! agreement is reported.
+//! (bf16 cache and attention inputs with the RoPE parts as bf16 pairs, bf16 probabilities)
+//! is held to `FAST_TOLERANCE` (2e-2) on the golden prompts, greedy tokens identical.
+
+mod common;
 
 use ferry_kernels::cuda::CudaDevice;
 use ferry_model::deepseek::{
@@ -123,7 +125,11 @@ fn fast_mode_stays_close() {
         return;
     };
     use ferry_kernels::backend::AbsorbedKernel;
-    let mut mha_err = 0.0f32;
+    // The golden prompts (transformers' cases) and the synthetic one, each prefilled and
+    // decoded 24 steps, in every form and absorbed kernel.
+    let mut prompts: Vec<Vec<u32>> = (0..3).map(|i| common::golden_case(i).0).collect();
+    prompts.push(prompt());
+    let mut worst = 0.0f32;
     for (policy, kernel) in [
         (FormPolicy::CostModel, AbsorbedKernel::Tile),
         (
@@ -143,52 +149,27 @@ fn fast_mode_stays_close() {
         let mut gpu = model.upload(&dev, GpuMode::Fast).expect("upload");
         gpu.set_policy(policy);
         gpu.set_absorbed_kernel(kernel);
-        let (e, c, g) = run(&model, &gpu, &prompt(), 24, policy);
-        let same = c.iter().zip(&g).filter(|(a, b)| a == b).count();
-        eprintln!(
-            "fast {policy:?} {kernel:?}: max |Δlogit| / max|logit| = {e:.2e}; greedy agreement {same}/{}",
-            c.len()
-        );
-        assert!(
-            same * 10 >= c.len() * 9,
-            "{policy:?} {kernel:?}: greedy agreement {same}/{}",
-            c.len()
-        );
-        if policy == FormPolicy::Force(AttentionForm::Mha) {
-            mha_err = e;
+        for (i, p) in prompts.iter().enumerate() {
+            let (e, c, g) = run(&model, &gpu, p, 24, policy);
+            eprintln!("fast {policy:?} {kernel:?} prompt {i}: max |Δlogit| / max|logit| = {e:.2e}");
+            assert_eq!(
+                c, g,
+                "{policy:?} {kernel:?} prompt {i}: greedy tokens differ"
+            );
+            worst = worst.max(e);
         }
     }
-    // Where the prefill error sits: per-row errors of one fresh prompt, fast vs CPU.
-    let gpu = model.upload(&dev, GpuMode::Fast).expect("upload");
-    let p = prompt();
-    let mut pool = model.new_kv_pool(8, 16).expect("pool");
-    let mut cache = gpu.new_kv_cache(8, 16).expect("cache");
-    let table: Vec<BlockId> = (0..8u32).map(BlockId).collect();
-    let batch = BatchInputs {
-        seqs: vec![SeqInput {
-            tokens: &p,
-            start_pos: 0,
-            block_table: &table,
-            logits: LogitsWanted::All,
-        }],
-    };
-    let c = model.forward(&batch, &mut pool).expect("cpu");
-    let g = gpu.forward(&batch, &mut cache).expect("gpu");
-    let v = c.vocab;
-    let rows: Vec<String> = (0..p.len())
-        .map(|r| {
-            format!(
-                "{r}:{:.1e}",
-                rel(
-                    &g.logits[0][r * v..(r + 1) * v],
-                    &c.logits[0][r * v..(r + 1) * v]
-                )
-            )
-        })
-        .collect();
-    eprintln!("fast prefill per-row rel err: {}", rows.join(" "));
-    assert!(mha_err <= 5e-2, "fast mode (MHA form) rel err {mha_err}");
+    eprintln!("fast mode: worst {worst:.2e} of max|logit|");
+    assert!(worst <= FAST_TOLERANCE, "fast mode rel err {worst}");
 }
+
+/// Fast mode's bound on max |Δlogit| / max|logit| against the exact CPU forward. Fast mode
+/// rounds the latent cache, the absorbed queries, the GEMMs' activations and attention
+/// probabilities to bf16 (~2⁻⁹ relative each), and keeps the RoPE half of every score to ~16
+/// bits as bf16 pairs (without the pairs this model's RoPE scores move attention rows by whole
+/// logits: 0.46 · max|logit|, docs/gpu.md). A CPU forward with the same roundings reaches
+/// 9.6e-3 on these prompts; the bound leaves 2× for the GPU's other roundings.
+const FAST_TOLERANCE: f32 = 2e-2;
 
 #[test]
 #[ignore = "needs an NVIDIA GPU: run on the GPU machine with --include-ignored (docs/gpu.md)"]

@@ -10,15 +10,17 @@ use ferry_model::kv::KvDtype;
 pub fn wire_dtype(d: KvDtype) -> Dtype {
     match d {
         KvDtype::F32 => Dtype::F32,
-        KvDtype::Bf16 => Dtype::Bf16,
+        KvDtype::Bf16Split { rope } => Dtype::Bf16Split {
+            rope: u32::try_from(rope).unwrap_or(u32::MAX),
+        },
     }
 }
 
 /// The closure the engine calls after each layer: `blocks` are this worker's blocks from the
 /// destination's first missing block on; `dest` maps them, in order, to the destination's
 /// block ids starting at `dest_first`. Rows go out as `wire` (the destination cache's dtype):
-/// as they are when the engine's cache holds that dtype, converted otherwise (bf16 → f32
-/// exactly, f32 → bf16 rounded to nearest even).
+/// as they are when the engine's cache holds that dtype, converted otherwise (a split bf16 row
+/// → f32 as `hi + lo`, f32 → bf16 rounded to nearest even, `ferry_kvtransfer::convert`).
 pub fn layer_pusher(
     sink: LayerSink,
     dest: Vec<u32>,
@@ -50,7 +52,7 @@ pub fn offset_layer_pusher(
             let data = if held == wire {
                 bytes.to_vec()
             } else {
-                convert(bytes, held, wire).map_err(|e| e.to_string())?
+                convert(bytes, held, wire, rows.width()).map_err(|e| e.to_string())?
             };
             writes.push(BlockWrite { block, data });
         }
@@ -159,27 +161,46 @@ mod tests {
         assert_eq!(landed, vec![(1, 6, bf16_bytes(&a)), (1, 7, bf16_bytes(&b))]);
         assert_eq!(&landed[0].2[2..4], &0x3F80u16.to_le_bytes());
         assert_eq!(&landed[0].2[6..8], &0x3F82u16.to_le_bytes());
-        // A bf16 cache's rows (a fast-mode GPU's staging slot): untouched to a bf16 destination,
-        // widened exactly to an f32 one.
-        let staged = [bf16_bytes(&a), bf16_bytes(&b)].concat();
+        // A fast-mode GPU's staging slot (split rows: the last element of each row as a bf16
+        // pair): untouched to a destination of the same dtype, widened to `hi + lo` for an f32
+        // one, and an f32 pool's rows split the same way on the way to a split destination.
+        let split = KvDtype::Bf16Split { rope: 1 };
+        let wire_split = Dtype::Bf16Split { rope: 1 };
+        let encode = |v: &[f32]| {
+            let mut out = Vec::new();
+            split.encode_into(v, 2, &mut out);
+            out
+        };
+        let staged = [encode(&a), encode(&b)].concat();
         let ids = [BlockId(1), BlockId(3)];
-        let rows = LayerRows::staged(0, KvDtype::Bf16, 8, &ids, &staged).unwrap();
+        let rows = LayerRows::staged(0, (split, 2), 12, &ids, &staged).unwrap();
         let blocks = [BlockId(1), BlockId(3)];
         assert_eq!(
-            push(&rows, &blocks, 0, Dtype::Bf16).await,
-            vec![(0, 6, bf16_bytes(&a)), (0, 7, bf16_bytes(&b))]
+            push(&rows, &blocks, 0, wire_split).await,
+            vec![(0, 6, encode(&a)), (0, 7, encode(&b))]
         );
+        // Latent elements widen from bf16; the split ones come back within 2⁻¹⁶.
         let widened = |v: &[f32]| -> Vec<f32> {
-            v.iter()
-                .map(|x| half::bf16::from_f32(*x).to_f32())
-                .collect()
+            let mut w = Vec::new();
+            for r in v.chunks(2) {
+                w.push(half::bf16::from_f32(r[0]).to_f32());
+                let hi = half::bf16::from_f32(r[1]).to_f32();
+                w.push(hi + half::bf16::from_f32(r[1] - hi).to_f32());
+            }
+            w
         };
+        assert_eq!(widened(&a)[1], a[1], "1 + 2⁻⁸ survives the pair");
         assert_eq!(
             push(&rows, &blocks, 0, Dtype::F32).await,
             vec![
                 (0, 6, f32_bytes(&widened(&a))),
                 (0, 7, f32_bytes(&widened(&b)))
             ]
+        );
+        let rows = LayerRows::pool(&pool, 0).unwrap();
+        assert_eq!(
+            push(&rows, &[BlockId(3), BlockId(1)], 0, wire_split).await,
+            vec![(0, 6, encode(&a)), (0, 7, encode(&b))]
         );
     }
 }

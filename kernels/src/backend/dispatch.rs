@@ -35,16 +35,18 @@ use crate::gpu::mla::{MhaKernel, MlaShape};
 use crate::gpu::ops::GEMV_MAX_M;
 use crate::gpu::Source;
 
-/// The attention kernels' shape (and so `mla.cu`'s defines) for `d` on a card of compute
-/// capability `cc`: the tile pipeline tuned for sm_90, the default elsewhere (ROCm:
-/// [`crate::gpu::launch::NOT_CUDA`]).
-pub fn mla_shape(d: &MlaDims, cc: (i32, i32)) -> MlaShape {
+/// The attention kernels' shape (and so `mla.cu`'s defines) for `d` over a cache whose bf16
+/// rows keep `split` rope elements as pairs (fast mode: `d.qk_rope_head_dim`; 0 for f32 or
+/// plain rows) on a card of compute capability `cc`: the tile pipeline tuned for sm_90, the
+/// default elsewhere (ROCm: [`crate::gpu::launch::NOT_CUDA`]).
+pub fn mla_shape(d: &MlaDims, cc: (i32, i32), split: usize) -> MlaShape {
     MlaShape::new(
         d.latent_width(),
         d.kv_lora_rank,
         d.qk_head_dim(),
         d.v_head_dim,
     )
+    .with_split(split)
     .tuned_for(cc)
 }
 

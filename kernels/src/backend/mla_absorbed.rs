@@ -102,15 +102,15 @@ fn absorbed_on<D: super::OnDevice>(dev: &D, p: AbsorbedRun<'_>) -> Result<(), Ke
     let d = p.dims;
     let (qk, hv) = (d.heads * d.qk_head_dim(), d.heads * d.v_head_dim);
     let rows = p.seqs * p.sq;
-    let shape = shape_for(&d, dev);
-    let hs = head_shape(&d);
+    let pages = pv::<D>(&p.pages, OP)?;
+    let shape = shape_for(&d, dev, pages.split);
+    let hs = head_shape(&d, pages.split);
     let lw = d.latent_width();
     let kv_b = wv::<D>(p.kv_b, OP, "kv_b")?;
     let q = tv::<D>(p.q, OP, "q")?.sub(p.first_row * qk, rows * qk)?;
     let out = tv::<D>(p.out, OP, "out")?.sub(p.first_row * hv, rows * hv)?;
     let o_lat = dev.alloc::<f32>(rows * d.heads * d.kv_lora_rank)?;
     let (table, ctx) = (iv::<D>(p.tables, OP, "tables")?, iv::<D>(p.ctx, OP, "ctx")?);
-    let pages = pv::<D>(&p.pages, OP)?;
     let mk = |q: Elems| AbsorbedBatch {
         q,
         pages,
@@ -131,7 +131,7 @@ fn absorbed_on<D: super::OnDevice>(dev: &D, p: AbsorbedRun<'_>) -> Result<(), Ke
             k::mla_absorbed(dev, shape, k::AbsorbedKernel::Generic, &batch, o_lat.v())?;
         }
         plan => {
-            let q_abs = dev.alloc::<u16>(rows * d.heads * lw)?;
+            let q_abs = dev.alloc::<u16>(rows * d.heads * shape.qrow())?;
             ops::absorb(dev, q, kv_b, hs, AbsorbedOut::Bf16(q_abs.v()))?;
             let batch = mk(Elems::Bf16(q_abs.v()));
             match plan {
@@ -146,21 +146,28 @@ fn absorbed_on<D: super::OnDevice>(dev: &D, p: AbsorbedRun<'_>) -> Result<(), Ke
     ops::unabsorb(dev, o_lat.v(), kv_b, hs, out)
 }
 
-/// The attention kernels' shape for `d`, with the tile pipeline tuned for `dev`'s card (the
-/// untuned shape on a runtime without CUDA's compute capabilities).
+/// The attention kernels' shape for `d` over pages splitting `split` rope elements, with the
+/// tile pipeline tuned for `dev`'s card (the untuned shape on a runtime without CUDA's compute
+/// capabilities).
 #[cfg(any(feature = "cuda", feature = "rocm"))]
-pub fn shape_for<D: crate::gpu::launch::Gpu>(d: &MlaDims, dev: &D) -> crate::gpu::mla::MlaShape {
-    super::dispatch::mla_shape(d, dev.compute_capability())
+pub fn shape_for<D: crate::gpu::launch::Gpu>(
+    d: &MlaDims,
+    dev: &D,
+    split: usize,
+) -> crate::gpu::mla::MlaShape {
+    super::dispatch::mla_shape(d, dev.compute_capability(), split)
 }
 
-/// `d` as the absorb / unabsorb / decompress kernels take it.
+/// `d` as the absorb / unabsorb / decompress kernels take it, bf16 outputs splitting `split`
+/// rope elements (the cache's).
 #[cfg(any(feature = "cuda", feature = "rocm"))]
-pub(crate) fn head_shape(d: &MlaDims) -> crate::gpu::ops::HeadShape {
+pub(crate) fn head_shape(d: &MlaDims, split: usize) -> crate::gpu::ops::HeadShape {
     crate::gpu::ops::HeadShape {
         heads: d.heads,
         nope: d.qk_nope_head_dim,
         rope: d.qk_rope_head_dim,
         v: d.v_head_dim,
         kv_lora: d.kv_lora_rank,
+        split,
     }
 }

@@ -94,8 +94,9 @@ fn mha_on<D: super::OnDevice>(dev: &D, p: MhaRun<'_>) -> Result<(), KernelError>
     let d = p.dims;
     let (qk, hv) = (d.heads * d.qk_head_dim(), d.heads * d.v_head_dim);
     let (sq, row) = (p.sq, p.first_row);
-    let shape = super::mla_absorbed::shape_for(&d, dev);
-    let hs = super::mla_absorbed::head_shape(&d);
+    let pages = pv::<D>(&p.pages, OP)?;
+    let shape = super::mla_absorbed::shape_for(&d, dev, pages.split);
+    let hs = super::mla_absorbed::head_shape(&d, pages.split);
     let l = p.start + sq;
     let (h, v, lw) = (d.heads, d.v_head_dim, d.latent_width());
     let kv_b = wv::<D>(p.kv_b, OP, "kv_b")?;
@@ -106,7 +107,6 @@ fn mha_on<D: super::OnDevice>(dev: &D, p: MhaRun<'_>) -> Result<(), KernelError>
         ckv: ckv.v(),
         kv_lora: d.kv_lora_rank,
     };
-    let pages = pv::<D>(&p.pages, OP)?;
     ops::gather_latent(dev, pages, iv::<D>(p.table, OP, "table")?, l, rows)?;
     let kvx = dev.alloc::<f32>(l * kv_b.rows())?;
     let gemm = p.precision.gemm();
@@ -137,11 +137,13 @@ fn mha_on<D: super::OnDevice>(dev: &D, p: MhaRun<'_>) -> Result<(), KernelError>
             mha_prefill(dev, shape, MhaKernel::F32, &batch, out)
         }
         kernel => {
-            let kb = dev.alloc::<u16>(l * h * qkh)?;
+            // Split rows: Q [q_nope | hi | hi | lo] against K [k_nope | hi | lo | hi].
+            let qkb = shape.mha_qkb();
+            let kb = dev.alloc::<u16>(l * h * qkb)?;
             let vb = dev.alloc::<u16>(l * h * v)?;
             ops::mha_build_kv(dev, kvx.v(), lat.v(), hs, KvOut::Bf16(kb.v(), vb.v()))?;
-            let qb = dev.alloc::<u16>(sq * h * qkh)?;
-            ops::cast_f32_bf16(dev, q, qb.v())?;
+            let qb = dev.alloc::<u16>(sq * h * qkb)?;
+            ops::split_pe_bf16(dev, q, qkh, shape.split, qb.v())?;
             let batch = mk(
                 Elems::Bf16(qb.v()),
                 Elems::Bf16(kb.v()),

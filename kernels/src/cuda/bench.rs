@@ -223,6 +223,7 @@ pub fn absorbed_decode(
             num_blocks: blocks,
             page_size: pool.page,
             width: shape.latent,
+            split: 0,
         },
         block_table: table.v(),
         bt_stride: per_seq,

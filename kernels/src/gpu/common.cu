@@ -95,11 +95,14 @@ extern "C" __global__ void rope_apply(float* x, const float* cos_t, const float*
 
 // ---------------------------------------------------------------------------------------------
 // The new tokens' latent rows: RMSNorm of c_kv (first kv_lora), RoPE of k_pe (the rest), then
-// the row is stored into the paged cache at slot[t] (= block * page + row). Grid: tokens; block 256.
+// the row is stored into the paged cache at slot[t] (= block * page + row). A split bf16 cache
+// (split > 0, fast mode; mla.cu's top comment) stores the row's last `split` elements again
+// after it as the lo half of a bf16 pair: [c_kv | k_pe hi | k_pe lo]. Grid: tokens; block 256.
 template <typename KV>
 __device__ void latent_finish_impl(float* lat, int width, int kv_lora, const float* norm_w,
                                    float eps, const float* cos_t, const float* sin_t,
-                                   int interleaved, const long long* slots, KV* pages) {
+                                   int interleaved, const long long* slots, KV* pages,
+                                   int split) {
   __shared__ float red[32];
   __shared__ float rot[1024];
   int t = blockIdx.x, dim = width - kv_lora, half = dim / 2;
@@ -120,18 +123,22 @@ __device__ void latent_finish_impl(float* lat, int width, int kv_lora, const flo
   __syncthreads();
   for (int j = threadIdx.x; j < dim; j += blockDim.x) pe[j] = rot[j];
   __syncthreads();
-  KV* dst = pages + (size_t)slots[t] * width;
+  KV* dst = pages + (size_t)slots[t] * (width + split);
   for (int i = threadIdx.x; i < width; i += blockDim.x) st_f(dst + i, row[i]);
+  for (int j = threadIdx.x; j < split; j += blockDim.x) {
+    float x = row[width - split + j];
+    st_f(dst + width + j, x - bf2f(f2bf(x)));
+  }
 }
 extern "C" __global__ void latent_finish_f32(float* lat, int width, int kv_lora, const float* nw,
                                              float eps, const float* c, const float* s, int il,
                                              const long long* slots, float* pages) {
-  latent_finish_impl(lat, width, kv_lora, nw, eps, c, s, il, slots, pages);
+  latent_finish_impl(lat, width, kv_lora, nw, eps, c, s, il, slots, pages, 0);
 }
 extern "C" __global__ void latent_finish_bf16(float* lat, int width, int kv_lora, const float* nw,
                                               float eps, const float* c, const float* s, int il,
-                                              const long long* slots, bf16_t* pages) {
-  latent_finish_impl(lat, width, kv_lora, nw, eps, c, s, il, slots, pages);
+                                              const long long* slots, bf16_t* pages, int split) {
+  latent_finish_impl(lat, width, kv_lora, nw, eps, c, s, il, slots, pages, split);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -151,6 +158,24 @@ extern "C" __global__ void split_bf16(const float* x, bf16_t* hi, bf16_t* lo, lo
     bf16_t h = f2bf(x[i]);
     hi[i] = h;
     lo[i] = f2bf(x[i] - bf2f(h));
+  }
+}
+// Rows of `width` f32 → bf16 rows of width + 2·split whose last `split` elements become a
+// split query's [hi | hi | lo] (mla.cu's top comment): [x[..w−s] | hi | hi | lo]. split 0 is a
+// plain cast. Grid: ceil(rows·(width + 2·split) / 256); block 256.
+extern "C" __global__ void split_pe_bf16(const float* x, bf16_t* out, long long rows, int width,
+                                         int split) {
+  long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  int ow = width + 2 * split;
+  if (i >= rows * ow) return;
+  long long r = i / ow;
+  int j = (int)(i % ow);
+  const float* src = x + r * width;
+  if (j < width) {
+    out[i] = f2bf(src[j]);
+  } else {
+    float v = src[width - split + (j - width) % split];
+    out[i] = j < width + split ? f2bf(v) : f2bf(v - bf2f(f2bf(v)));
   }
 }
 extern "C" __global__ void widen_bf16(const bf16_t* x, float* out, long long n) {
@@ -368,10 +393,12 @@ extern "C" __global__ void __launch_bounds__(256)
 #define ABS_TT 8
 template <typename W, typename O>
 __device__ void absorb_impl(const float* q, const W* kv_b, O* out, int T, int H, int nope,
-                            int rope, int v, int kv_lora) {
+                            int rope, int v, int kv_lora, int split) {
   extern __shared__ float qs[];  // [ABS_TT][nope]
   __shared__ float part[8][ABS_TT][33];
-  int h = blockIdx.y, t0 = blockIdx.z * ABS_TT, qk = nope + rope, lw = kv_lora + rope;
+  // Output rows are [q_abs | q_pe], or with split == rope (bf16, fast mode) [q_abs | hi | hi |
+  // lo] (mla.cu's top comment).
+  int h = blockIdx.y, t0 = blockIdx.z * ABS_TT, qk = nope + rope, lw = kv_lora + rope + 2 * split;
   int nt = min(ABS_TT, T - t0), lane = threadIdx.x % WARP, w = threadIdx.x / WARP;
   for (int i = threadIdx.x; i < nt * nope; i += blockDim.x) {
     int tt = i / nope, d = i % nope;
@@ -405,15 +432,20 @@ __device__ void absorb_impl(const float* q, const W* kv_b, O* out, int T, int H,
   if (blockIdx.x == 0) {
     for (int i = threadIdx.x; i < nt * rope; i += blockDim.x) {
       int tt = i / rope, r = i % rope;
-      st_f(out + ((size_t)(t0 + tt) * H + h) * lw + kv_lora + r,
-           q[((size_t)(t0 + tt) * H + h) * qk + nope + r]);
+      O* o = out + ((size_t)(t0 + tt) * H + h) * lw + kv_lora + r;
+      float x = q[((size_t)(t0 + tt) * H + h) * qk + nope + r];
+      st_f(o, x);
+      if (split) {
+        st_f(o + rope, x);
+        st_f(o + 2 * rope, x - bf2f(f2bf(x)));
+      }
     }
   }
 }
 #define ABSORB(NAME, W, O)                                                                    \
   extern "C" __global__ void NAME(const float* q, const W* kv_b, O* out, int T, int H,       \
-                                  int nope, int rope, int v, int kv_lora) {                  \
-    absorb_impl(q, kv_b, out, T, H, nope, rope, v, kv_lora);                                 \
+                                  int nope, int rope, int v, int kv_lora, int split) {       \
+    absorb_impl(q, kv_b, out, T, H, nope, rope, v, kv_lora, split);                          \
   }
 ABSORB(absorb_f32_f32, float, float)
 ABSORB(absorb_f32_bf16, float, bf16_t)
@@ -452,47 +484,58 @@ extern "C" __global__ void unabsorb_bf16(const float* o, const bf16_t* w, float*
 // MHA-form inputs: gather a sequence's latent rows from the pages (all `width`, and the
 // c_kv part alone for kv_b_proj), then split kv_b's output into per-head K = [k_nope | k_pe]
 // and V. Grid: L; block 128.
+// A split bf16 row's last `split` elements are widened as hi + lo.
 template <typename KV>
 __device__ void gather_latent_impl(const KV* pages, const int* table, int page, int width,
-                                   float* out, float* ckv, int kv_lora) {
+                                   float* out, float* ckv, int kv_lora, int split) {
   int p = blockIdx.x;
-  const KV* src = pages + ((size_t)table[p / page] * page + p % page) * width;
+  const KV* src = pages + ((size_t)table[p / page] * page + p % page) * (width + split);
   for (int i = threadIdx.x; i < width; i += blockDim.x) {
     float v = ld_f(src + i);
+    if (i >= width - split) v += ld_f(src + i + split);
     out[(size_t)p * width + i] = v;
     if (i < kv_lora) ckv[(size_t)p * kv_lora + i] = v;
   }
 }
 extern "C" __global__ void gather_latent_f32(const float* pages, const int* table, int page,
                                              int width, float* out, float* ckv, int kv_lora) {
-  gather_latent_impl(pages, table, page, width, out, ckv, kv_lora);
+  gather_latent_impl(pages, table, page, width, out, ckv, kv_lora, 0);
 }
 extern "C" __global__ void gather_latent_bf16(const bf16_t* pages, const int* table, int page,
-                                              int width, float* out, float* ckv, int kv_lora) {
-  gather_latent_impl(pages, table, page, width, out, ckv, kv_lora);
+                                              int width, float* out, float* ckv, int kv_lora,
+                                              int split) {
+  gather_latent_impl(pages, table, page, width, out, ckv, kv_lora, split);
 }
 
-// kv [L][H][nope+v] (kv_b output), lat [L][width] → K [L][H][nope+rope], V [L][H][v].
+// kv [L][H][nope+v] (kv_b output), lat [L][width] → K [L][H][nope+rope], V [L][H][v]; with
+// split == rope (bf16, fast mode) K rows are [k_nope | hi | lo | hi] (mla.cu's top comment).
 // Grid: (L, H); block 128.
 template <typename O>
 __device__ void mha_build_kv_impl(const float* kv, const float* lat, int H, int nope, int rope,
-                                  int v, int kv_lora, O* K, O* V) {
-  int p = blockIdx.x, h = blockIdx.y, width = kv_lora + rope, qk = nope + rope;
+                                  int v, int kv_lora, O* K, O* V, int split) {
+  int p = blockIdx.x, h = blockIdx.y, width = kv_lora + rope, qk = nope + rope + 2 * split;
   const float* src = kv + ((size_t)p * H + h) * (nope + v);
   O* kd = K + ((size_t)p * H + h) * qk;
   O* vd = V + ((size_t)p * H + h) * v;
   for (int i = threadIdx.x; i < nope; i += blockDim.x) st_f(kd + i, src[i]);
-  for (int i = threadIdx.x; i < rope; i += blockDim.x)
-    st_f(kd + nope + i, lat[(size_t)p * width + kv_lora + i]);
+  for (int i = threadIdx.x; i < rope; i += blockDim.x) {
+    float x = lat[(size_t)p * width + kv_lora + i];
+    st_f(kd + nope + i, x);
+    if (split) {
+      st_f(kd + nope + rope + i, x - bf2f(f2bf(x)));
+      st_f(kd + nope + 2 * rope + i, x);
+    }
+  }
   for (int i = threadIdx.x; i < v; i += blockDim.x) st_f(vd + i, src[nope + i]);
 }
 extern "C" __global__ void mha_build_kv_f32(const float* kv, const float* lat, int H, int nope,
                                             int rope, int v, int kv_lora, float* K, float* V) {
-  mha_build_kv_impl(kv, lat, H, nope, rope, v, kv_lora, K, V);
+  mha_build_kv_impl(kv, lat, H, nope, rope, v, kv_lora, K, V, 0);
 }
 extern "C" __global__ void mha_build_kv_bf16(const float* kv, const float* lat, int H, int nope,
-                                             int rope, int v, int kv_lora, bf16_t* K, bf16_t* V) {
-  mha_build_kv_impl(kv, lat, H, nope, rope, v, kv_lora, K, V);
+                                             int rope, int v, int kv_lora, bf16_t* K, bf16_t* V,
+                                             int split) {
+  mha_build_kv_impl(kv, lat, H, nope, rope, v, kv_lora, K, V, split);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -68,7 +68,7 @@ impl MhaWsConfig {
 
     /// Whether the kernel takes `shape` at all: whole 64-element swizzle atoms in qk and v.
     pub fn shape_ok(shape: MlaShape) -> bool {
-        shape.mha_qk % 64 == 0 && shape.mha_v % 64 == 0 && shape.mha_v > 0
+        shape.mha_qkb() % 64 == 0 && shape.mha_v % 64 == 0 && shape.mha_v > 0
     }
 
     /// Whether this tiling runs for `shape`.
@@ -92,6 +92,11 @@ impl MhaWsConfig {
                 pv_cols: 64,
                 ..Self::default()
             },
+            // Fast mode's split rows widen qk (320 for the family): 64-key steps fit.
+            Self {
+                keys: 64,
+                ..Self::default()
+            },
         ]
         .into_iter()
         .find(|c| c.valid(shape))
@@ -110,8 +115,8 @@ impl MhaWsConfig {
     /// Dynamic shared memory: 1 KB alignment slack, both consumers' Q tiles, the K/V rings
     /// and the mbarriers (one for Q, four per stage).
     pub fn smem(&self, shape: MlaShape) -> usize {
-        1024 + WS_ROWS * shape.mha_qk * 2
-            + self.stages * self.keys * (shape.mha_qk + shape.mha_v) * 2
+        1024 + WS_ROWS * shape.mha_qkb() * 2
+            + self.stages * self.keys * (shape.mha_qkb() + shape.mha_v) * 2
             + 8 * (1 + 4 * self.stages)
     }
 }

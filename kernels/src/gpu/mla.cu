@@ -1,10 +1,21 @@
 // mla.cu: MLA attention kernels for CUDA and HIP.
 //
-// Compile-time shape (defines from kernels/src/cuda/mla.rs):
-//   MLA_DQK  latent row / absorbed query width (kv_lora + rope; 576 for the family)
+// Compile-time shape (defines from kernels/src/gpu/mla.rs):
+//   MLA_DQK  logical latent row / absorbed query width (kv_lora + rope; 576 for the family)
 //   MLA_DV   value width in the absorbed form (kv_lora; 512)
 //   MHA_DQK  per-head query/key width in the MHA form (nope + rope; 192)
 //   MHA_DV   per-head value width in the MHA form (128)
+//   MLA_SPLIT  rope elements a bf16 cache keeps as a hi/lo pair (fast mode; 0 = plain rows)
+//
+// Split rows (fast mode). The RoPE half of an MLA score is too sensitive for one bf16 rounding
+// of either factor, so bf16 kernels keep it to ~16 bits as bf16 pairs and let the tensor cores
+// sum three products, q_hi·k_hi + q_hi·k_lo + q_lo·k_hi, in f32:
+//   cache row  [c_kv (kv_lora) | k_pe hi | k_pe lo]               MLA_KROW = MLA_DQK + S
+//   query row  [q_abs (kv_lora) | q_pe hi | q_pe hi | q_pe lo]      MLA_QROW = MLA_DQK + 2S
+// The score is the dot product over the cache row's MLA_KROW elements plus a tail: the query's
+// last S elements (q_lo) against the cache row's k_pe hi (elements MLA_DQK − S …). The MHA
+// form's bf16 kernels see the same product as plain width-MHA_QKB rows: Q [q_nope | hi | hi |
+// lo], K [k_nope | hi | lo | hi] (built by common.cu). f32 kernels never split.
 //
 // Kernels (extern "C"):
 //   mla_tile_bf16      absorbed form over the paged bf16 latent cache; one block = one 16-row
@@ -41,11 +52,18 @@
 #ifndef MHA_DV
 #define MHA_DV 128
 #endif
+#ifndef MLA_SPLIT
+#define MLA_SPLIT 0
+#endif
+#define MLA_KROW (MLA_DQK + MLA_SPLIT)
+#define MLA_QROW (MLA_DQK + 2 * MLA_SPLIT)
+#define MLA_PE_HI (MLA_DQK - MLA_SPLIT)  // a split row's k_pe hi part (the tail's keys)
+#define MHA_QKB (MHA_DQK + 2 * MLA_SPLIT)
 
 // Where a query row of the absorbed kernels comes from and how far it may look.
 struct MlaArgs {
-  const void* q;          // [B·SQ·H][MLA_DQK] (bf16 or f32 per kernel)
-  const void* pages;      // [blocks][page][MLA_DQK]
+  const void* q;          // [B·SQ·H][MLA_QROW] bf16 or [..][MLA_DQK] f32, per kernel
+  const void* pages;      // [blocks][page][MLA_KROW] bf16 or [..][MLA_DQK] f32
   const int* block_table; // [B][bt_stride]
   const int* ctx_len;     // [B]: keys visible to the sequence's last query
   float* o_part;          // [splits][B·SQ·H][MLA_DV] (splits > 1)
@@ -56,15 +74,17 @@ struct MlaArgs {
   int page_shift;         // log2(page) (the tile kernels need a power-of-two page)
 };
 
-__device__ __forceinline__ size_t key_offset(const MlaArgs& a, int b, int p) {
+// Element offset of position p's row in rows of `row` elements.
+__device__ __forceinline__ size_t key_offset(const MlaArgs& a, int b, int p, int row) {
   int blk = a.block_table[(size_t)b * a.bt_stride + p / a.page];
-  return ((size_t)blk * a.page + p % a.page) * MLA_DQK;
+  return ((size_t)blk * a.page + p % a.page) * row;
 }
 
-// The same for a power-of-two page: shifts instead of divisions (the tile kernels' hot loop).
+// The same for a power-of-two page and bf16 rows (MLA_KROW): shifts instead of divisions (the
+// tile kernels' hot loop).
 __device__ __forceinline__ size_t key_offset_pow2(const MlaArgs& a, int b, int p) {
   int blk = a.block_table[(size_t)b * a.bt_stride + (p >> a.page_shift)];
-  return (((size_t)blk << a.page_shift) + (p & (a.page - 1))) * MLA_DQK;
+  return (((size_t)blk << a.page_shift) + (p & (a.page - 1))) * MLA_KROW;
 }
 
 // Writes one row's result: final (normalised) when there is one split, else the partial.
@@ -83,9 +103,10 @@ __device__ __forceinline__ void write_row(const MlaArgs& a, int split, size_t gr
 
 // ---------------------------------------------------------------------------------------------
 // Generic per-head kernel. Grid: (splits, SQ·H, B); block 128 (4 warps stride over keys).
-#define G_QPL ((MLA_DQK + WARP - 1) / WARP)
+// QR / KR: query and cache row widths; SP: the split tail (see the top of the file).
+#define G_QPL ((MLA_QROW + WARP - 1) / WARP)
 #define G_VPL ((MLA_DV + WARP - 1) / WARP)
-template <typename Q, typename KV>
+template <typename Q, typename KV, int QR, int KR, int SP>
 __device__ void mla_generic_impl(const MlaArgs& a) {
   __shared__ float s_m[4], s_l[4];
   __shared__ float s_o[4][MLA_DV];
@@ -96,24 +117,24 @@ __device__ void mla_generic_impl(const MlaArgs& a) {
   size_t grow = (size_t)b * gridDim.y + row;
   int lim = a.ctx_len[b] - a.sq + i + 1;
   int start = split * a.keys_per_split, end = min(lim, start + a.keys_per_split);
-  const Q* q = (const Q*)a.q + grow * MLA_DQK;
+  const Q* q = (const Q*)a.q + grow * QR;
   const KV* pages = (const KV*)a.pages;
   float qv[G_QPL];
 #pragma unroll
   for (int j = 0; j < G_QPL; j++) {
     int d = lane + j * WARP;
-    qv[j] = d < MLA_DQK ? ld_f(q + d) : 0.0f;
+    qv[j] = d < QR ? ld_f(q + d) : 0.0f;
   }
   float m = -FERRY_INF, l = 0.0f, acc[G_VPL];
 #pragma unroll
   for (int j = 0; j < G_VPL; j++) acc[j] = 0.0f;
   for (int p = start + w; p < end; p += 4) {
-    const KV* kr = pages + key_offset(a, b, p);
+    const KV* kr = pages + key_offset(a, b, p, KR);
     float dot = 0.0f;
 #pragma unroll
     for (int j = 0; j < G_QPL; j++) {
       int d = lane + j * WARP;
-      if (d < MLA_DQK) dot += qv[j] * ld_f(kr + d);
+      if (d < QR) dot += qv[j] * ld_f(kr + (d < KR ? d : d - KR + (MLA_DQK - SP)));
     }
     float s = warp_sum(dot) * a.scale_log2;
     float mn = fmaxf(m, s);
@@ -146,8 +167,12 @@ __device__ void mla_generic_impl(const MlaArgs& a) {
     write_row(a, split, grow, d, o, M, L, total_rows);
   }
 }
-extern "C" __global__ void mla_generic_f32(MlaArgs a) { mla_generic_impl<float, float>(a); }
-extern "C" __global__ void mla_generic_bf16(MlaArgs a) { mla_generic_impl<bf16_t, bf16_t>(a); }
+extern "C" __global__ void mla_generic_f32(MlaArgs a) {
+  mla_generic_impl<float, float, MLA_DQK, MLA_DQK, 0>(a);
+}
+extern "C" __global__ void mla_generic_bf16(MlaArgs a) {
+  mla_generic_impl<bf16_t, bf16_t, MLA_QROW, MLA_KROW, MLA_SPLIT>(a);
+}
 
 // Merge split partials. Grid: (rows, ceil(MLA_DV / 128)); block 128; dynamic shared memory:
 // one float per split. The block first finds the row's global maximum and each split's weight
@@ -369,7 +394,8 @@ __device__ __forceinline__ void named_arrive(int id, int n) {
 
 // ---------------------------------------------------------------------------------------------
 // Absorbed tile kernel: 16 query rows × BK keys per step, 4 warps, MLA_STAGES-deep cp.async
-// pipeline. BK = MLA_BK (64: each warp scores 16 keys; 32: 8 keys, needs MLA_DQK % 32 == 0).
+// pipeline. BK = MLA_BK (64: each warp scores 16 keys; 32: 8 keys, needs MLA_KROW and
+// MLA_SPLIT % 32 == 0).
 // Grid: (splits, tiles, B); block 128; dynamic shared memory from MlaShape::tile_smem().
 #ifndef MLA_BK
 #define MLA_BK 64
@@ -381,7 +407,8 @@ __device__ __forceinline__ void named_arrive(int id, int n) {
 #define BK MLA_BK
 #define NWT 4
 #define KPW (BK / NWT)
-#define KSTR (MLA_DQK + 8)  // bf16 elements per shared key row (pad: conflict-free ldmatrix)
+#define KSTR (MLA_KROW + 8)  // bf16 elements per shared key row (pad: conflict-free ldmatrix)
+#define QSTR (MLA_QROW + 8)  // bf16 elements per shared query row
 #define PSTR (BK + 8)
 
 // Row r of tile `tile` of sequence b: global row index (or -1) and causal key limit.
@@ -412,7 +439,7 @@ __device__ __forceinline__ void tile_row(const MlaArgs& a, int packed, int tile,
 __device__ __forceinline__ void l2_prefetch_keys(const MlaArgs& a, const bf16_t* pages, int b,
                                                  int c0, int nkeys, int end, int tid,
                                                  int nthreads) {
-  const int LINES = MLA_DQK * 2 / 128;
+  const int LINES = MLA_KROW * 2 / 128;
   for (int idx = tid; idx < nkeys * LINES; idx += nthreads) {
     int key = idx % nkeys, line = idx / nkeys, p = c0 + key;
     if (p < end) {
@@ -446,12 +473,12 @@ __device__ __forceinline__ TileSpan tile_setup(const MlaArgs& a, int* s_lim, lon
   int start = blockIdx.x * a.keys_per_split;
   TileSpan sp = {start, min(lim_max, start + a.keys_per_split)};
   const bf16_t* q = (const bf16_t*)a.q;
-  for (int idx = tid; idx < TROWS * (MLA_DQK / 8); idx += blockDim.x) {
-    int r = idx / (MLA_DQK / 8), seg = idx % (MLA_DQK / 8);
+  for (int idx = tid; idx < TROWS * (MLA_QROW / 8); idx += blockDim.x) {
+    int r = idx / (MLA_QROW / 8), seg = idx % (MLA_QROW / 8);
     long long gr = s_row[r];
     uint4 v = make_uint4(0, 0, 0, 0);
-    if (gr >= 0) v = *reinterpret_cast<const uint4*>(q + (size_t)gr * MLA_DQK + seg * 8);
-    *reinterpret_cast<uint4*>(s_q + r * KSTR + seg * 8) = v;
+    if (gr >= 0) v = *reinterpret_cast<const uint4*>(q + (size_t)gr * MLA_QROW + seg * 8);
+    *reinterpret_cast<uint4*>(s_q + r * QSTR + seg * 8) = v;
   }
   return sp;
 }
@@ -463,12 +490,12 @@ template <int KEYS, int THREADS>
 __device__ __forceinline__ void tile_load_keys(const MlaArgs& a, bf16_t* dst, int b, int c0,
                                                int end, int tid) {
   const bf16_t* pages = (const bf16_t*)a.pages;
-  const int SEGS = KEYS * (MLA_DQK / 8), PER = (SEGS + THREADS - 1) / THREADS;
+  const int SEGS = KEYS * (MLA_KROW / 8), PER = (SEGS + THREADS - 1) / THREADS;
 #pragma unroll
   for (int i = 0; i < PER; i++) {
     int idx = tid + i * THREADS;
     if (idx >= SEGS) break;
-    int key = idx / (MLA_DQK / 8), seg = idx % (MLA_DQK / 8);
+    int key = idx / (MLA_KROW / 8), seg = idx % (MLA_KROW / 8);
     int p = c0 + key;
     const bf16_t* src = pages;
     int bytes = 0;
@@ -482,7 +509,7 @@ __device__ __forceinline__ void tile_load_keys(const MlaArgs& a, bf16_t* dst, in
 // first byte past them (the warp-specialised kernel puts its mbarriers there).
 struct TileSmem {
   bf16_t* k;       // [STAGES][BK][KSTR]
-  bf16_t* q;       // [16][KSTR]
+  bf16_t* q;       // [16][QSTR]
   bf16_t* p;       // [16][PSTR]
   float* red;      // [NWT][16]
   float* l;        // [NWT][16]
@@ -495,7 +522,7 @@ __device__ __forceinline__ TileSmem tile_smem(unsigned char* base) {
   TileSmem t;
   t.k = (bf16_t*)base;
   t.q = t.k + STAGES * BK * KSTR;
-  t.p = t.q + TROWS * KSTR;
+  t.p = t.q + TROWS * QSTR;
   t.red = (float*)(t.p + TROWS * PSTR);
   t.l = t.red + NWT * TROWS;
   t.lim = (int*)(t.l + NWT * TROWS);
@@ -530,26 +557,45 @@ __device__ __forceinline__ void tile_step(const MlaArgs& a, const bf16_t* kb, co
   for (int x = 0; x < 2; x++)
 #pragma unroll
     for (int y = 0; y < NPW; y++) s[x][y][0] = s[x][y][1] = s[x][y][2] = s[x][y][3] = 0.0f;
-  u32 qa = smem_u32(s_q + (lane % 16) * KSTR + (lane / 16) * 8);
+  u32 qa = smem_u32(s_q + (lane % 16) * QSTR + (lane / 16) * 8);
 #if KPW == 16
   u32 ka = smem_u32(kb + (w * 16 + (lane % 8) + 8 * (lane / 16)) * KSTR + 8 * ((lane / 8) % 2));
 #pragma unroll 4
-  for (int kk = 0; kk < MLA_DQK / 16; kk++) {
+  for (int kk = 0; kk < MLA_KROW / 16; kk++) {
     u32 af[4], bf[4];
     ldsm_x4(af, qa + kk * 32);
     ldsm_x4(bf, ka + kk * 32);
     mma_bf16(s[kk & 1][0], af, bf[0], bf[1]);
     mma_bf16(s[kk & 1][1], af, bf[2], bf[3]);
   }
+  // The split tail: q_pe lo against k_pe hi.
+#pragma unroll
+  for (int t = 0; t < MLA_SPLIT / 16; t++) {
+    u32 af[4], bf[4];
+    ldsm_x4(af, qa + (MLA_KROW / 16 + t) * 32);
+    ldsm_x4(bf, ka + (MLA_PE_HI / 16 + t) * 32);
+    mma_bf16(s[t & 1][0], af, bf[0], bf[1]);
+    mma_bf16(s[t & 1][1], af, bf[2], bf[3]);
+  }
 #else
   // 8 keys per warp: one x4 ldmatrix covers two k-steps of the 8-key tile.
   u32 ka = smem_u32(kb + (w * 8 + (lane % 8)) * KSTR + 8 * (lane / 8));
 #pragma unroll 4
-  for (int k2 = 0; k2 < MLA_DQK / 32; k2++) {
+  for (int k2 = 0; k2 < MLA_KROW / 32; k2++) {
     u32 af0[4], af1[4], bf[4];
     ldsm_x4(af0, qa + (2 * k2) * 32);
     ldsm_x4(af1, qa + (2 * k2 + 1) * 32);
     ldsm_x4(bf, ka + k2 * 64);
+    mma_bf16(s[0][0], af0, bf[0], bf[1]);
+    mma_bf16(s[1][0], af1, bf[2], bf[3]);
+  }
+  // The split tail (MLA_SPLIT % 32 == 0 on this path): q_pe lo against k_pe hi.
+#pragma unroll
+  for (int t = 0; t < MLA_SPLIT / 32; t++) {
+    u32 af0[4], af1[4], bf[4];
+    ldsm_x4(af0, qa + (MLA_KROW / 16 + 2 * t) * 32);
+    ldsm_x4(af1, qa + (MLA_KROW / 16 + 2 * t + 1) * 32);
+    ldsm_x4(bf, ka + (MLA_PE_HI / 32 + t) * 64);
     mma_bf16(s[0][0], af0, bf[0], bf[1]);
     mma_bf16(s[1][0], af1, bf[2], bf[3]);
   }
@@ -718,8 +764,8 @@ template <int PACKED>
 __device__ void mla_tile_scalar(const MlaArgs& a) {
   extern __shared__ __align__(16) unsigned char smem[];
   bf16_t* s_k = (bf16_t*)smem;                        // [BK][KSTR] (one buffer used)
-  bf16_t* s_q = s_k + MLA_STAGES * BK * KSTR;         // [16][KSTR]
-  float* s_p = (float*)(s_q + TROWS * KSTR);          // [16][BK]
+  bf16_t* s_q = s_k + MLA_STAGES * BK * KSTR;         // [16][QSTR]
+  float* s_p = (float*)(s_q + TROWS * QSTR);          // [16][BK]
   int* s_lim = (int*)(s_p + TROWS * BK);              // [16]
   long long* s_row = (long long*)(s_lim + TROWS);     // [16]
   float* s_m = (float*)(s_row + TROWS);               // [16]
@@ -741,9 +787,9 @@ __device__ void mla_tile_scalar(const MlaArgs& a) {
   for (int r = 0; r < TROWS; r++) lim_max = max(lim_max, s_lim[r]);
   int start = split * a.keys_per_split, end = min(lim_max, start + a.keys_per_split);
   const bf16_t* q = (const bf16_t*)a.q;
-  for (int idx = tid; idx < TROWS * MLA_DQK; idx += blockDim.x) {
-    int r = idx / MLA_DQK, d = idx % MLA_DQK;
-    s_q[r * KSTR + d] = s_row[r] >= 0 ? q[(size_t)s_row[r] * MLA_DQK + d] : (bf16_t)0;
+  for (int idx = tid; idx < TROWS * MLA_QROW; idx += blockDim.x) {
+    int r = idx / MLA_QROW, d = idx % MLA_QROW;
+    s_q[r * QSTR + d] = s_row[r] >= 0 ? q[(size_t)s_row[r] * MLA_QROW + d] : (bf16_t)0;
   }
   float acc[TROWS][SC_VPT];
   for (int r = 0; r < TROWS; r++)
@@ -751,15 +797,18 @@ __device__ void mla_tile_scalar(const MlaArgs& a) {
   const bf16_t* pages = (const bf16_t*)a.pages;
   for (int c0 = start; c0 < end; c0 += BK) {
     __syncthreads();
-    for (int idx = tid; idx < BK * MLA_DQK; idx += blockDim.x) {
-      int key = idx / MLA_DQK, d = idx % MLA_DQK, p = c0 + key;
-      s_k[key * KSTR + d] = p < end ? pages[key_offset(a, b, p) + d] : (bf16_t)0;
+    for (int idx = tid; idx < BK * MLA_KROW; idx += blockDim.x) {
+      int key = idx / MLA_KROW, d = idx % MLA_KROW, p = c0 + key;
+      s_k[key * KSTR + d] = p < end ? pages[key_offset(a, b, p, MLA_KROW) + d] : (bf16_t)0;
     }
     __syncthreads();
     for (int idx = tid; idx < TROWS * BK; idx += blockDim.x) {
       int r = idx / BK, key = idx % BK, p = c0 + key;
       float dot = 0.0f;
-      for (int d = 0; d < MLA_DQK; d++) dot += bf2f(s_q[r * KSTR + d]) * bf2f(s_k[key * KSTR + d]);
+      for (int d = 0; d < MLA_QROW; d++) {
+        int kd = d < MLA_KROW ? d : d - MLA_KROW + MLA_PE_HI;
+        dot += bf2f(s_q[r * QSTR + d]) * bf2f(s_k[key * KSTR + kd]);
+      }
       s_p[idx] = (p < end && p < s_lim[r]) ? dot * a.scale_log2 : -FERRY_INF;
     }
     __syncthreads();
@@ -817,7 +866,7 @@ extern "C" __global__ void __launch_bounds__(128) mla_packed_bf16(MlaArgs a) { M
 // third barrier of the cp.async kernel (stage reuse) is the `empty` mbarrier.
 // Needs 32-key steps (one latent row per producer lane).
 // Grid: (splits, tiles, B); block 160; smem: MlaShape::tile_smem() (tile_warps 5).
-#if FERRY_SM90 && MLA_DQK % 32 == 0 && MLA_BK == 32
+#if FERRY_SM90 && MLA_KROW % 32 == 0 && MLA_SPLIT % 32 == 0 && MLA_BK == 32
 #define FERRY_TILE_WS 1
 #ifndef MLA_WS_ST
 #define MLA_WS_ST 2
@@ -857,13 +906,13 @@ __device__ void mla_tile_ws(const MlaArgs& a) {
       int c0 = start + it * BK, p = c0 + lane;
       u32 dst = smem_u32(s_k + (st * BK + lane) * KSTR);
       if (p < end) {
-        bulk_g2s(dst, pages + key_offset_pow2(a, b, p), MLA_DQK * 2, full(st));
+        bulk_g2s(dst, pages + key_offset_pow2(a, b, p), MLA_KROW * 2, full(st));
       } else {
         // Masked keys get probability 0, but 0 · (stale bits) could be NaN: zero the row.
         uint4* row = (uint4*)(s_k + (st * BK + lane) * KSTR);
-        for (int x = 0; x < MLA_DQK / 8; x++) row[x] = make_uint4(0, 0, 0, 0);
+        for (int x = 0; x < MLA_KROW / 8; x++) row[x] = make_uint4(0, 0, 0, 0);
       }
-      int bytes = (min(end - c0, BK)) * MLA_DQK * 2;
+      int bytes = (min(end - c0, BK)) * MLA_KROW * 2;
       if (lane == 0) mbar_expect_tx(full(st), bytes); else mbar_arrive(full(st));
     }
     return;
@@ -898,7 +947,8 @@ extern "C" __global__ void __launch_bounds__(160) mla_packed_ws_bf16(MlaArgs a) 
 // every warp then runs the (identical) online softmax for all 32 keys and keeps P in registers
 // as the A operand of P·V over its own 64 output columns. Two barriers per step instead of
 // three, half the ldmatrix traffic of the 4-warp kernel, a T8_STAGES-deep cp.async pipeline.
-// Needs MLA_DQK % 32 == 0 and MLA_DV % 128 == 0. Grid: (splits, tiles, B); block 256.
+// Needs MLA_KROW % 64 == 0, MLA_SPLIT % 32 == 0 and MLA_DV % 128 == 0 (the split tail runs on
+// the second half's warps). Grid: (splits, tiles, B); block 256.
 #if FERRY_MMA
 #ifndef T8_STAGES
 #define T8_STAGES 4
@@ -909,8 +959,8 @@ template <int PACKED>
 __device__ void mla_tile8_mma(const MlaArgs& a) {
   extern __shared__ __align__(16) unsigned char smem[];
   bf16_t* s_k = (bf16_t*)smem;                       // [T8_STAGES][T8K][KSTR]
-  bf16_t* s_q = s_k + T8_STAGES * T8K * KSTR;        // [16][KSTR]
-  float* s_sp = (float*)(s_q + TROWS * KSTR);        // [2 (parity)][2 (half)][16][SPS]
+  bf16_t* s_q = s_k + T8_STAGES * T8K * KSTR;        // [16][QSTR]
+  float* s_sp = (float*)(s_q + TROWS * QSTR);        // [2 (parity)][2 (half)][16][SPS]
   int* s_lim = (int*)(s_sp + 2 * 2 * TROWS * SPS);   // [16]
   long long* s_row = (long long*)(s_lim + TROWS);    // [16]
 
@@ -937,12 +987,19 @@ __device__ void mla_tile8_mma(const MlaArgs& a) {
     l2_prefetch_keys(a, pages, b, start + st * T8K, T8K, end, tid, 256);
 #endif
   __syncthreads();  // s_q written
-  const int HALF = MLA_DQK / 2, QK2 = HALF / 32;  // 32-dim pairs of k-steps per half
+  // 32-dim pairs of k-steps per half of the cache row, and of the split tail (second half's
+  // warps).
+  const int HALF = MLA_KROW / 2, QK2 = HALF / 32, TK2 = MLA_SPLIT / 32;
   u32 qf[2 * QK2][4];
+  u32 qt[TK2 > 0 ? 2 * TK2 : 1][4];
   {
-    u32 qa = smem_u32(s_q + (lane % 16) * KSTR + (lane / 16) * 8 + dh * HALF);
+    u32 qa = smem_u32(s_q + (lane % 16) * QSTR + (lane / 16) * 8 + dh * HALF);
 #pragma unroll
     for (int kk = 0; kk < 2 * QK2; kk++) ldsm_x4(qf[kk], qa + kk * 32);
+    u32 qta = smem_u32(s_q + (lane % 16) * QSTR + (lane / 16) * 8 + MLA_KROW);
+    if (dh == 1)
+#pragma unroll
+      for (int kk = 0; kk < 2 * TK2; kk++) ldsm_x4(qt[kk], qta + kk * 32);
   }
   const int NT = MLA_DV / (8 * 8);  // 8-column output tiles per warp
   float o[NT][4];
@@ -972,6 +1029,16 @@ __device__ void mla_tile8_mma(const MlaArgs& a) {
       ldsm_x4(bf, ka + k2 * 64);
       mma_bf16(s[0], qf[2 * k2], bf[0], bf[1]);
       mma_bf16(s[1], qf[2 * k2 + 1], bf[2], bf[3]);
+    }
+    if (dh == 1) {  // the split tail: q_pe lo against k_pe hi
+      u32 kt = smem_u32(kb + (kg * 8 + (lane % 8)) * KSTR + MLA_PE_HI + 8 * (lane / 8));
+#pragma unroll
+      for (int t = 0; t < TK2; t++) {
+        u32 bf[4];
+        ldsm_x4(bf, kt + t * 64);
+        mma_bf16(s[0], qt[2 * t], bf[0], bf[1]);
+        mma_bf16(s[1], qt[2 * t + 1], bf[2], bf[3]);
+      }
     }
     float* sp = s_sp + ((it & 1) * 2 + dh) * TROWS * SPS;
     *reinterpret_cast<float2*>(sp + g * SPS + kg * 8 + 2 * c) =
@@ -1156,7 +1223,7 @@ extern "C" __global__ void mha_f32(MhaArgs a) {
 // Grid: (ceil(max_q_len/64), H, B); block 128; dynamic shared memory: flash_smem() on the host.
 #define FQ 64
 #define FK 64
-#define FKS (MHA_DQK + 8)
+#define FKS (MHA_QKB + 8)
 #define FVS (MHA_DV + 8)
 extern "C" __global__ void __launch_bounds__(128) mha_flash_bf16(MhaArgs a) {
   extern __shared__ __align__(16) unsigned char smem[];
@@ -1173,13 +1240,13 @@ extern "C" __global__ void __launch_bounds__(128) mha_flash_bf16(MhaArgs a) {
   const bf16_t* Q = (const bf16_t*)a.q;
   const bf16_t* K = (const bf16_t*)a.k;
   const bf16_t* V = (const bf16_t*)a.v;
-  const int QSEG = MHA_DQK / 8, VSEG = MHA_DV / 8;
+  const int QSEG = MHA_QKB / 8, VSEG = MHA_DV / 8;
 
   for (int idx = tid; idx < FQ * QSEG; idx += blockDim.x) {
     int r = idx / QSEG, seg = idx % QSEG, qi = qb * FQ + r;
     const bf16_t* src = Q;
     int bytes = 0;
-    if (qi < q_len) { src = Q + ((size_t)(q0 + qi) * H + h) * MHA_DQK + seg * 8; bytes = 16; }
+    if (qi < q_len) { src = Q + ((size_t)(q0 + qi) * H + h) * MHA_QKB + seg * 8; bytes = 16; }
     cp_async16(smem_u32(s_q + r * FKS + seg * 8), src, bytes);
   }
   int kv_end = min(k_len, offset + qb * FQ + FQ);  // keys any row of this block can see
@@ -1195,7 +1262,7 @@ extern "C" __global__ void __launch_bounds__(128) mha_flash_bf16(MhaArgs a) {
       int r = idx / (QSEG + VSEG), seg = idx % (QSEG + VSEG), key = kb * FK + r;
       bool ok = key < k_len;
       if (seg < QSEG) {
-        const bf16_t* src = ok ? K + ((size_t)(k0 + key) * H + h) * MHA_DQK + seg * 8 : K;
+        const bf16_t* src = ok ? K + ((size_t)(k0 + key) * H + h) * MHA_QKB + seg * 8 : K;
         cp_async16(smem_u32(dk + r * FKS + seg * 8), src, ok ? 16 : 0);
       } else {
         int sv = seg - QSEG;
@@ -1207,7 +1274,7 @@ extern "C" __global__ void __launch_bounds__(128) mha_flash_bf16(MhaArgs a) {
   if (n_kb > 0) load_kv(0, 0);
   cp_async_commit();
 
-  const int KS = MHA_DQK / 16, NV = MHA_DV / 8;
+  const int KS = MHA_QKB / 16, NV = MHA_DV / 8;
   u32 qf[KS][4];
   float o[NV][4];
 #pragma unroll
@@ -1301,7 +1368,7 @@ extern "C" __global__ void __launch_bounds__(128) mha_flash_bf16(MhaArgs a) {
 // no-swizzle canonical layout — 8 rows × 16 bytes per core matrix, stored [16-byte
 // chunk][row][8] — whose wgmma reads conflict on banks (11 % slower on the H200).
 // Grid: (ceil(max_q_len / (64·MHA_WGS)), H, B); block 128·MHA_WGS; smem: WgmmaConfig::smem().
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL) && MHA_DQK % 32 == 0 && MHA_DV % 64 == 0
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL) && MHA_QKB % 32 == 0 && MHA_DV % 64 == 0
 #define FERRY_WGMMA 1
 #ifndef MHA_WGS
 #define MHA_WGS 2
@@ -1318,9 +1385,9 @@ extern "C" __global__ void __launch_bounds__(128) mha_flash_bf16(MhaArgs a) {
 #define WGQ (64 * MHA_WGS)
 #define WGK MHA_WGK
 #ifndef MHA_WG_SWZ
-#define MHA_WG_SWZ (MHA_DQK % 64 == 0)
+#define MHA_WG_SWZ (MHA_QKB % 64 == 0)
 #endif
-#if MHA_WG_SWZ && (!MHA_WG_QREG || MHA_DQK % 64 != 0)
+#if MHA_WG_SWZ && (!MHA_WG_QREG || MHA_QKB % 64 != 0)
 #error "the swizzled K/V layout needs Q in registers and qk a multiple of 64"
 #endif
 #ifndef MHA_WGST
@@ -1334,7 +1401,7 @@ extern "C" __global__ void __launch_bounds__(128) mha_flash_bf16(MhaArgs a) {
 #define WG_SS wg_ss128
 #define WG_RS wg_rs128
 #endif
-#define QCH (MHA_DQK / 8)
+#define QCH (MHA_QKB / 8)
 #define VCH (MHA_DV / 8)
 
 // Shared-memory matrix descriptor, no swizzle: start, leading (K-direction) and stride
@@ -1444,14 +1511,14 @@ __device__ __forceinline__ void wg_load_tile(bf16_t* dst, const bf16_t* src, siz
 // One step's scores for this warpgroup: S(64×WGK) = Q·K_stageᵀ (Q from registers or shared).
 struct WgQ {
 #if MHA_WG_QREG
-  u32 f[MHA_DQK / 16][4];
+  u32 f[MHA_QKB / 16][4];
 #else
   u32 addr;
 #endif
 };
 __device__ __forceinline__ void wg_scores(float* s, const WgQ& q, u32 k_addr) {
 #pragma unroll
-  for (int kk = 0; kk < MHA_DQK / 16; kk++) {
+  for (int kk = 0; kk < MHA_QKB / 16; kk++) {
 #if MHA_WG_SWZ
     u64 kd = wg_desc_sw128(k_addr + (kk / 4) * WGK * 128 + (kk % 4) * 32, 16, 1024);
 #else
@@ -1510,20 +1577,20 @@ extern "C" __global__ void __launch_bounds__(128 * MHA_WGS, 3 - MHA_WGS) mha_wgm
   const bf16_t* K = (const bf16_t*)a.k;
   const bf16_t* V = (const bf16_t*)a.v;
 
-  wg_load_tile<WGQ, QCH>(s_q, Q + ((size_t)(q0 + qb * WGQ) * H + h) * MHA_DQK,
-                         (size_t)H * MHA_DQK, q_len - qb * WGQ, Q, warp, nwarps, lane);
+  wg_load_tile<WGQ, QCH>(s_q, Q + ((size_t)(q0 + qb * WGQ) * H + h) * MHA_QKB,
+                         (size_t)H * MHA_QKB, q_len - qb * WGQ, Q, warp, nwarps, lane);
   int kv_end = min(k_len, offset + qb * WGQ + WGQ);  // keys any row of this block can see
   int n_kb = (kv_end + WGK - 1) / WGK;
   auto load_kv = [&](int kb) {
     int buf = kb % WGST, valid = k_len - kb * WGK;
     size_t first = (size_t)(k0 + kb * WGK) * H + h;
 #if MHA_WG_SWZ
-    wg_load_tile_sw128<WGK, QCH>(s_k + buf * QCH * WGK * 8, K + first * MHA_DQK,
-                                 (size_t)H * MHA_DQK, valid, K, warp, nwarps, lane);
+    wg_load_tile_sw128<WGK, QCH>(s_k + buf * QCH * WGK * 8, K + first * MHA_QKB,
+                                 (size_t)H * MHA_QKB, valid, K, warp, nwarps, lane);
     wg_load_tile_sw128<WGK, VCH>(s_v + buf * VCH * WGK * 8, V + first * MHA_DV,
                                  (size_t)H * MHA_DV, valid, V, warp, nwarps, lane);
 #else
-    wg_load_tile<WGK, QCH>(s_k + buf * QCH * WGK * 8, K + first * MHA_DQK, (size_t)H * MHA_DQK,
+    wg_load_tile<WGK, QCH>(s_k + buf * QCH * WGK * 8, K + first * MHA_QKB, (size_t)H * MHA_QKB,
                            valid, K, warp, nwarps, lane);
     wg_load_tile<WGK, VCH>(s_v + buf * VCH * WGK * 8, V + first * MHA_DV, (size_t)H * MHA_DV,
                            valid, V, warp, nwarps, lane);
@@ -1570,7 +1637,7 @@ extern "C" __global__ void __launch_bounds__(128 * MHA_WGS, 3 - MHA_WGS) mha_wgm
       // Q's A fragments: rows wl·16 … +15 of this warpgroup, 16 dims per k-step.
       int r = wg * 64 + wl * 16 + (lane % 8) + 8 * ((lane / 8) % 2);
 #pragma unroll
-      for (int kk = 0; kk < MHA_DQK / 16; kk++)
+      for (int kk = 0; kk < MHA_QKB / 16; kk++)
         ldsm_x4(q.f[kk], smem_u32(s_q + ((size_t)(2 * kk + lane / 16) * WGQ + r) * 8));
     }
 #endif
@@ -1601,7 +1668,7 @@ extern "C" __global__ void __launch_bounds__(128 * MHA_WGS, 3 - MHA_WGS) mha_wgm
   {
     int r = wg * 64 + wl * 16 + (lane % 8) + 8 * ((lane / 8) % 2);
 #pragma unroll
-    for (int kk = 0; kk < MHA_DQK / 16; kk++)
+    for (int kk = 0; kk < MHA_QKB / 16; kk++)
       ldsm_x4(q.f[kk], smem_u32(s_q + ((size_t)(2 * kk + lane / 16) * WGQ + r) * 8));
   }
 #endif
@@ -1684,7 +1751,7 @@ extern "C" __global__ void __launch_bounds__(128 * MHA_WGS, 3 - MHA_WGS) mha_wgm
 // Keys past the sequence's end inside a step are masked; TMA zero-fills rows past the tensor,
 // and rows of the next sequence (finite values) get probability 0.
 // Grid: (ceil(max_q_len / 128), H, B); block 288; smem: MhaWsConfig::smem() on the host.
-#if MHA_DQK % 64 == 0 && MHA_DV % 64 == 0
+#if MHA_QKB % 64 == 0 && MHA_DV % 64 == 0
 #define FERRY_MHA_WS 1
 #ifndef MHA_WS_ST
 #define MHA_WS_ST 2
@@ -1709,8 +1776,8 @@ extern "C" __global__ void __launch_bounds__(128 * MHA_WGS, 3 - MHA_WGS) mha_wgm
 #else
 #define WS_SS wg_ss64
 #endif
-#define WS_QB (64 * MHA_DQK * 2)      // bytes of one consumer's Q tile
-#define WS_KB (WS_K * MHA_DQK * 2)    // bytes of one K step
+#define WS_QB (64 * MHA_QKB * 2)      // bytes of one consumer's Q tile
+#define WS_KB (WS_K * MHA_QKB * 2)    // bytes of one K step
 #define WS_VB (WS_K * MHA_DV * 2)     // bytes of one V step
 
 // A CUtensorMap, passed by value as a __grid_constant__ kernel parameter.
@@ -1736,7 +1803,7 @@ __device__ __forceinline__ void wg_wait() {
 // S(64×WS_K) = Q·Kᵀ, both from shared memory (swizzled, K-major).
 __device__ __forceinline__ void ws_scores(float* s, u32 q_addr, u32 k_addr) {
 #pragma unroll
-  for (int kk = 0; kk < MHA_DQK / 16; kk++)
+  for (int kk = 0; kk < MHA_QKB / 16; kk++)
     WS_SS(s, wg_desc_sw128(q_addr + (kk / 4) * 64 * 128 + (kk % 4) * 32, 16, 1024),
           wg_desc_sw128(k_addr + (kk / 4) * WS_K * 128 + (kk % 4) * 32, 16, 1024), kk > 0);
 }
@@ -1800,7 +1867,7 @@ extern "C" __global__ void __launch_bounds__(288, 1)
 #pragma unroll
       for (int w = 0; w < 2; w++)
 #pragma unroll
-        for (int at = 0; at < MHA_DQK / 64; at++)
+        for (int at = 0; at < MHA_QKB / 64; at++)
           tma_load_3d(s_q + w * WS_QB + at * 64 * 128, &tm_q, q_full, at * 64, h,
                       q0 + qb * 128 + w * 64);
       for (int kb = 0; kb < n_kb; kb++) {
@@ -1808,7 +1875,7 @@ extern "C" __global__ void __launch_bounds__(288, 1)
         if (use > 0) mbar_wait(k_empty(st), (use - 1) & 1);
         mbar_expect_tx(k_full(st), WS_KB);
 #pragma unroll
-        for (int at = 0; at < MHA_DQK / 64; at++)
+        for (int at = 0; at < MHA_QKB / 64; at++)
           tma_load_3d(s_k + st * WS_KB + at * WS_K * 128, &tm_k, k_full(st), at * 64, h,
                       k0 + kb * WS_K);
         if (use > 0) mbar_wait(v_empty(st), (use - 1) & 1);

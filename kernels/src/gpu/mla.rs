@@ -30,8 +30,12 @@ const TILE_KEYS: usize = 64;
 /// Dimensions the MLA kernels are compiled for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct MlaShape {
-    /// Latent row / absorbed query width (`kv_lora + rope`, 576).
+    /// Logical latent row / absorbed query width (`kv_lora + rope`, 576).
     pub latent: usize,
+    /// Rope elements a bf16 cache keeps as a hi/lo pair (fast mode's split rows, see
+    /// `mla.cu`; 0 = plain bf16 rows). bf16 kernels read cache rows of [`Self::krow`] and
+    /// queries of [`Self::qrow`]; f32 kernels never split.
+    pub split: usize,
     /// Absorbed value width (`kv_lora`, 512).
     pub kv_lora: usize,
     /// MHA-form query/key width per head (`nope + rope`, 192).
@@ -62,6 +66,7 @@ impl MlaShape {
     pub const fn new(latent: usize, kv_lora: usize, mha_qk: usize, mha_v: usize) -> Self {
         Self {
             latent,
+            split: 0,
             kv_lora,
             mha_qk,
             mha_v,
@@ -70,6 +75,37 @@ impl MlaShape {
             tile_warps: 4,
             l2_prefetch: 0,
         }
+    }
+
+    /// The same shape over split bf16 rows keeping `split` rope elements as a pair (fast
+    /// mode), with the default tile pipeline for the wider rows.
+    pub const fn with_split(self, split: usize) -> Self {
+        let krow = self.latent + split;
+        Self {
+            split,
+            tile_bk: if krow % 32 == 0 && split % 32 == 0 {
+                32
+            } else {
+                64
+            },
+            ..self
+        }
+    }
+
+    /// Elements of a bf16 cache row: `latent + split`.
+    pub const fn krow(&self) -> usize {
+        self.latent + self.split
+    }
+
+    /// Elements of a bf16 absorbed query row: `latent + 2·split` (`[q_abs | hi | hi | lo]`).
+    pub const fn qrow(&self) -> usize {
+        self.latent + 2 * self.split
+    }
+
+    /// Per-head width the bf16 MHA kernels see: `mha_qk + 2·split` (`[nope | hi | hi | lo]`
+    /// against `[nope | hi | lo | hi]`).
+    pub const fn mha_qkb(&self) -> usize {
+        self.mha_qk + 2 * self.split
     }
 
     /// The same shape with L2 prefetch `steps` ahead of the tile pipeline (0 = off).
@@ -132,6 +168,7 @@ impl MlaShape {
     pub fn defines(&self) -> Defines {
         Defines::new()
             .with("MLA_DQK", self.latent)
+            .with("MLA_SPLIT", self.split)
             .with("MLA_DV", self.kv_lora)
             .with("MHA_DQK", self.mha_qk)
             .with("MHA_DV", self.mha_v)
@@ -146,20 +183,28 @@ impl MlaShape {
     pub fn tile_ok(&self) -> bool {
         // The 8-warp and warp-specialised kernels: 32-key steps; value width per warp pair
         // (8 warps) or per warp; their ring depths.
-        if let Some((v_multiple, max_stages)) = match self.tile_warps {
-            8 => Some((128, 5)),
-            5 => Some((64, 4)),
+        // The split tail reads k_pe hi at `latent − split` in whole k-steps.
+        let split_ok = self.split <= self.latent - self.kv_lora.min(self.latent)
+            && self.split % 16 == 0
+            && (self.latent - self.split) % 32 == 0;
+        let (krow, split32) = (self.krow(), self.split % 32 == 0);
+        if let Some((v_multiple, row_multiple, max_stages)) = match self.tile_warps {
+            8 => Some((128, 64, 5)),
+            5 => Some((64, 32, 4)),
             _ => None,
         } {
-            return self.latent % 32 == 0
+            return krow % row_multiple == 0
+                && split32
+                && split_ok
                 && self.kv_lora % v_multiple == 0
                 && self.kv_lora <= self.latent
                 && self.tile_bk == 32
                 && (2..=max_stages).contains(&self.tile_stages)
                 && self.tile_smem() <= 227 * 1024;
         }
-        let bk_ok = self.tile_bk == 64 || (self.tile_bk == 32 && self.latent % 32 == 0);
-        self.latent % 16 == 0
+        let bk_ok = self.tile_bk == 64 || (self.tile_bk == 32 && krow % 32 == 0 && split32);
+        krow % 16 == 0
+            && split_ok
             && self.kv_lora % 64 == 0
             && self.kv_lora <= self.latent
             && bk_ok
@@ -168,16 +213,16 @@ impl MlaShape {
 
     /// Whether the tensor-core flash kernel takes this shape.
     pub fn flash_ok(&self) -> bool {
-        self.mha_qk % 16 == 0 && self.mha_v % 16 == 0
+        self.mha_qkb() % 16 == 0 && self.mha_v % 16 == 0
     }
 
     /// Dynamic shared memory of the tile kernel (either path: mma or scalar).
     pub fn tile_smem(&self) -> usize {
-        let kstr = self.latent + 8;
+        let (kstr, qstr) = (self.krow() + 8, self.qrow() + 8);
         if self.tile_warps == 8 {
             // Stages of keys, the Q tile, the double-buffered partial-score exchange, row info.
             return self.tile_stages * 32 * kstr * 2
-                + TILE_ROWS * kstr * 2
+                + TILE_ROWS * qstr * 2
                 + 2 * 2 * TILE_ROWS * 36 * 4
                 + TILE_ROWS * (4 + 8);
         }
@@ -188,7 +233,7 @@ impl MlaShape {
             0
         };
         self.tile_stages * self.tile_bk * kstr * 2
-            + TILE_ROWS * kstr * 2
+            + TILE_ROWS * qstr * 2
             + TILE_ROWS * self.tile_bk * 4
             + 1024
             + barriers
@@ -197,12 +242,12 @@ impl MlaShape {
     /// Whether the wgmma prefill kernel takes this shape: whole 4-chunk loader items (qk a
     /// multiple of 32) and 64-wide value chunks.
     pub fn wgmma_ok(&self) -> bool {
-        self.mha_qk % 32 == 0 && self.mha_v % 64 == 0 && self.mha_v > 0
+        self.mha_qkb() % 32 == 0 && self.mha_v % 64 == 0 && self.mha_v > 0
     }
 
     /// Dynamic shared memory of the flash kernel.
     pub fn flash_smem(&self) -> usize {
-        let (fks, fvs) = (self.mha_qk + 8, self.mha_v + 8);
+        let (fks, fvs) = (self.mha_qkb() + 8, self.mha_v + 8);
         64 * fks * 2 + 2 * 64 * fks * 2 + 2 * 64 * fvs * 2
     }
 }
@@ -248,7 +293,7 @@ pub enum AbsorbedKernel {
 /// A batch of `batch` sequences with `sq` new queries each, against the paged latent cache.
 #[derive(Debug, Clone, Copy)]
 pub struct AbsorbedBatch {
-    /// Absorbed queries `[batch·sq·heads][latent]`.
+    /// Absorbed queries `[batch·sq·heads][qrow]` bf16 (split rows) or `[..][latent]` f32.
     pub q: Elems,
     /// The layer's latent pages.
     pub pages: PagesView,
@@ -326,7 +371,12 @@ pub fn mla_absorbed<D: Gpu>(
 ) -> Result<(), KernelError> {
     const OP: &str = "gpu_mla_absorbed";
     let rows = b.batch * b.sq * b.heads;
-    need(OP, "q", rows * shape.latent, b.q.len())?;
+    let q_width = if b.q.is_bf16() {
+        shape.qrow()
+    } else {
+        shape.latent
+    };
+    need(OP, "q", rows * q_width, b.q.len())?;
     need(OP, "out", rows * shape.kv_lora, out.len)?;
     need(OP, "ctx_len", b.batch, b.ctx_len.len)?;
     need(OP, "block_table", b.batch * b.bt_stride, b.block_table.len)?;
@@ -337,6 +387,8 @@ pub fn mla_absorbed<D: Gpu>(
         b.bt_stride,
     )?;
     crate::cpu::gemm::check_len(OP, "pages.width", shape.latent, b.pages.width)?;
+    let split = if b.pages.bf16 { shape.split } else { 0 };
+    crate::cpu::gemm::check_len(OP, "pages.split", split, b.pages.split)?;
     if b.sq > b.max_ctx {
         return Err(KernelError::InvalidParam {
             op: OP,
@@ -536,17 +588,17 @@ pub fn mla_absorbed_padded<D: Gpu>(
         });
     };
     let tokens = b.batch * b.sq;
-    need(OP, "q", tokens * b.heads * shape.latent, q.len)?;
+    need(OP, "q", tokens * b.heads * shape.qrow(), q.len)?;
     need(OP, "out", tokens * b.heads * shape.kv_lora, out.len)?;
     let defines = shape.defines();
-    let q_pad = dev.alloc::<u16>(tokens * plan.padded * shape.latent)?;
+    let q_pad = dev.alloc::<u16>(tokens * plan.padded * shape.qrow())?;
     let f = dev.function(Source::Mla, &defines, "pad_heads_bf16")?;
     let mut a = KernelArgs::new();
     a.push(q.ptr)
         .ptr(&q_pad)
         .push(int("heads", b.heads)?)
         .push(int("padded", plan.padded)?)
-        .push(int("latent", shape.latent)?);
+        .push(int("latent", shape.qrow())?);
     dev.launch(&f, LaunchDims::linear(tokens * plan.padded, 128), &mut a)?;
     let o_pad = dev.alloc::<f32>(tokens * plan.padded * shape.kv_lora)?;
     let padded = AbsorbedBatch {
@@ -661,11 +713,12 @@ pub fn mha_prefill<D: Gpu>(
     out: Dv<f32>,
 ) -> Result<(), KernelError> {
     const OP: &str = "gpu_mha_prefill";
-    let tq = b.q.len() / (b.heads * shape.mha_qk).max(1);
+    let bf16 = kernel != MhaKernel::F32;
+    let qk = if bf16 { shape.mha_qkb() } else { shape.mha_qk };
+    let tq = b.q.len() / (b.heads * qk).max(1);
     need(OP, "out", tq * b.heads * shape.mha_v, out.len)?;
     need(OP, "cu_q", b.batch + 1, b.cu_q.len)?;
     need(OP, "cu_k", b.batch + 1, b.cu_k.len)?;
-    let bf16 = kernel != MhaKernel::F32;
     let shape_ok = match kernel {
         MhaKernel::F32 => true,
         MhaKernel::Flash => shape.flash_ok() && D::TENSOR_CORES,
@@ -734,7 +787,7 @@ pub fn mha_prefill<D: Gpu>(
         }
         MhaKernel::WarpSpecialized => {
             let cfg = MhaWsConfig::from_env().fitted(shape);
-            let tk = b.k.len() / (b.heads * shape.mha_qk).max(1);
+            let tk = b.k.len() / (b.heads * qk).max(1);
             let tv = b.v.len() / (b.heads * shape.mha_v).max(1);
             let heads = b.heads;
             let map = |ptr, rows, width, box_rows| TmaRows {
@@ -744,8 +797,8 @@ pub fn mha_prefill<D: Gpu>(
                 width,
                 box_rows,
             };
-            dev.push_tma_bf16_rows(&mut a, map(b.q.ptr(), tq, shape.mha_qk, 64))?;
-            dev.push_tma_bf16_rows(&mut a, map(b.k.ptr(), tk, shape.mha_qk, cfg.keys))?;
+            dev.push_tma_bf16_rows(&mut a, map(b.q.ptr(), tq, qk, 64))?;
+            dev.push_tma_bf16_rows(&mut a, map(b.k.ptr(), tk, qk, cfg.keys))?;
             dev.push_tma_bf16_rows(&mut a, map(b.v.ptr(), tv, shape.mha_v, cfg.keys))?;
             let f = dev.function(Source::Mla, &cfg.defines(defines), "mha_ws_bf16")?;
             let dims = LaunchDims {
@@ -852,7 +905,7 @@ impl WgmmaConfig {
         let min_stages = if self.overlap { 3 } else { 2 };
         (min_stages..=4).contains(&self.stages)
             && self.smem(shape) <= 227 * 1024
-            && (!self.swizzle || (self.q_in_registers && shape.mha_qk % 64 == 0))
+            && (!self.swizzle || (self.q_in_registers && shape.mha_qkb() % 64 == 0))
     }
 
     fn defines(&self, base: Defines) -> Defines {
@@ -870,8 +923,8 @@ impl WgmmaConfig {
         // 1 KB of slack to align the swizzled atoms.
         let slack = if self.swizzle { 1024 } else { 0 };
         slack
-            + (64 * self.warpgroups * shape.mha_qk
-                + stages * self.keys * (shape.mha_qk + shape.mha_v))
+            + (64 * self.warpgroups * shape.mha_qkb()
+                + stages * self.keys * (shape.mha_qkb() + shape.mha_v))
                 * 2
     }
 }

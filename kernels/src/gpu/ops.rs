@@ -494,14 +494,22 @@ pub struct PagesView {
     pub num_blocks: usize,
     /// Tokens per block.
     pub page_size: usize,
-    /// Elements per token row.
+    /// Logical elements per token row.
     pub width: usize,
+    /// Trailing elements of each row stored as a bf16 hi/lo pair after it (the fast-mode MLA
+    /// cache's RoPE key, `[latent | hi | lo]`; 0 = plain rows). Only bf16 pages split.
+    pub split: usize,
 }
 
 impl PagesView {
     /// Rows in the pool.
     pub fn slots(&self) -> usize {
         self.num_blocks * self.page_size
+    }
+
+    /// Stored elements per row (`width + split`): the row stride.
+    pub fn row(&self) -> usize {
+        self.width + self.split
     }
 }
 
@@ -535,6 +543,7 @@ pub fn latent_finish<D: Gpu>(
 ) -> Result<(), KernelError> {
     const OP: &str = "gpu_latent_finish";
     let width = pages.width;
+    check_split(OP, &pages, p.rope.dim)?;
     let t = p.slots.len;
     need(OP, "latent", t * width, p.latent.len)?;
     need(OP, "rope tokens", t, p.rope.tokens())?;
@@ -569,7 +578,23 @@ pub fn latent_finish<D: Gpu>(
         .push(i32::from(p.rope.interleaved))
         .push(p.slots.ptr)
         .push(pages.ptr);
+    if pages.bf16 {
+        a.push(int(OP, "split", pages.split)?);
+    }
     dev.launch(&f, LaunchDims::linear(t, 256), &mut a)
+}
+
+/// A split cache keeps exactly its rows' rope part as pairs, and only bf16 pages split.
+fn check_split(op: &'static str, pages: &PagesView, rope: usize) -> Result<(), KernelError> {
+    if pages.split == 0 || (pages.bf16 && pages.split == rope) {
+        return Ok(());
+    }
+    Err(KernelError::InvalidParam {
+        op,
+        field: "pages.split",
+        limit: "0, or the rope dim on bf16 pages",
+        value: format!("{} (rope {rope}, bf16 {})", pages.split, pages.bf16),
+    })
 }
 
 fn elementwise<D: Gpu>(
@@ -600,6 +625,44 @@ pub fn silu_mul<D: Gpu>(dev: &D, g: Dv<f32>, u: Dv<f32>) -> Result<(), KernelErr
 pub fn cast_f32_bf16<D: Gpu>(dev: &D, x: Dv<f32>, out: Dv<u16>) -> Result<(), KernelError> {
     need("gpu_cast", "out", x.len, out.len)?;
     elementwise(dev, "cast_f32_bf16", &[x.ptr, out.ptr], x.len)
+}
+
+/// Rows of `width` f32 → bf16 rows `[x[..width − split] | hi | hi | lo]` of `width + 2·split`
+/// (a split query's RoPE part as the bf16 pairs the MHA kernels take; `gpu/mla.cu`'s top
+/// comment); `split` 0 is [`cast_f32_bf16`].
+pub fn split_pe_bf16<D: Gpu>(
+    dev: &D,
+    x: Dv<f32>,
+    width: usize,
+    split: usize,
+    out: Dv<u16>,
+) -> Result<(), KernelError> {
+    const OP: &str = "gpu_split_pe_bf16";
+    if split == 0 {
+        return cast_f32_bf16(dev, x, out);
+    }
+    if width == 0 || split > width || x.len % width != 0 {
+        return Err(KernelError::InvalidParam {
+            op: OP,
+            field: "width / split",
+            limit: "0 < split <= width, whole rows",
+            value: format!("{width} / {split}, {} elements", x.len),
+        });
+    }
+    let rows = x.len / width;
+    let n = rows * (width + 2 * split);
+    need(OP, "out", n, out.len)?;
+    if n == 0 {
+        return Ok(());
+    }
+    let f = kernel(dev, "split_pe_bf16")?;
+    let mut a = KernelArgs::new();
+    a.push(x.ptr)
+        .push(out.ptr)
+        .push(rows as i64)
+        .push(int(OP, "width", width)?)
+        .push(int(OP, "split", split)?);
+    dev.launch(&f, LaunchDims::elementwise(n), &mut a)
 }
 
 /// `x ≈ hi + lo`, both bf16.
@@ -654,6 +717,9 @@ pub struct HeadShape {
     pub v: usize,
     /// `kv_lora_rank`.
     pub kv_lora: usize,
+    /// Rope elements kept as bf16 pairs in bf16 outputs (fast mode's split rows: `rope` or 0;
+    /// `gpu/mla.cu`'s top comment). f32 outputs never split.
+    pub split: usize,
 }
 
 impl HeadShape {
@@ -668,7 +734,8 @@ impl HeadShape {
     }
 }
 
-/// Output of [`absorb`]: f32 or bf16 `[T][H][kv_lora + rope]`.
+/// Output of [`absorb`]: f32 `[T][H][kv_lora + rope]` or bf16 `[T][H][kv_lora + rope + 2·split]`
+/// (a split query, [`HeadShape::split`]).
 #[derive(Debug, Clone, Copy)]
 pub enum AbsorbedOut {
     /// f32 rows.
@@ -689,11 +756,19 @@ pub fn absorb<D: Gpu>(
     s.check_kv_b(OP, kv_b)?;
     let qk = s.nope + s.rope;
     let t = q.len / (s.heads * qk).max(1);
-    let lw = s.kv_lora + s.rope;
-    let (ptr, len, osuf) = match out {
-        AbsorbedOut::F32(v) => (v.ptr, v.len, "f32"),
-        AbsorbedOut::Bf16(v) => (v.ptr, v.len, "bf16"),
+    let (ptr, len, osuf, split) = match out {
+        AbsorbedOut::F32(v) => (v.ptr, v.len, "f32", 0),
+        AbsorbedOut::Bf16(v) => (v.ptr, v.len, "bf16", s.split),
     };
+    if split != 0 && split != s.rope {
+        return Err(KernelError::InvalidParam {
+            op: OP,
+            field: "split",
+            limit: "0 or the rope dim",
+            value: split.to_string(),
+        });
+    }
+    let lw = s.kv_lora + s.rope + 2 * split;
     need(OP, "out", t * s.heads * lw, len)?;
     if t == 0 {
         return Ok(());
@@ -714,7 +789,8 @@ pub fn absorb<D: Gpu>(
         .push(int(OP, "nope", s.nope)?)
         .push(int(OP, "rope", s.rope)?)
         .push(int(OP, "v", s.v)?)
-        .push(int(OP, "kv_lora", s.kv_lora)?);
+        .push(int(OP, "kv_lora", s.kv_lora)?)
+        .push(int(OP, "split", split)?);
     let dims = LaunchDims {
         grid: (
             s.kv_lora.div_ceil(32) as u32,
@@ -791,6 +867,7 @@ pub fn gather_latent<D: Gpu>(
     need(OP, "rows", len * pages.width, out.rows.len)?;
     need(OP, "ckv", len * out.kv_lora, out.ckv.len)?;
     need(OP, "width", out.kv_lora, pages.width)?;
+    check_split(OP, &pages, pages.width - out.kv_lora.min(pages.width))?;
     if len == 0 {
         return Ok(());
     }
@@ -810,6 +887,9 @@ pub fn gather_latent<D: Gpu>(
         .push(out.rows.ptr)
         .push(out.ckv.ptr)
         .push(int(OP, "kv_lora", out.kv_lora)?);
+    if pages.bf16 {
+        a.push(int(OP, "split", pages.split)?);
+    }
     dev.launch(&f, LaunchDims::linear(len, 128), &mut a)
 }
 
@@ -818,7 +898,8 @@ pub fn gather_latent<D: Gpu>(
 pub enum KvOut {
     /// f32 `K [L][H][nope+rope]`, `V [L][H][v]`.
     F32(Dv<f32>, Dv<f32>),
-    /// bf16 (tensor-core flash attention input).
+    /// bf16 (tensor-core flash attention input); K rows `[k_nope | hi | lo | hi]`,
+    /// `nope + rope + 2·split` wide, where [`HeadShape::split`] is set.
     Bf16(Dv<u16>, Dv<u16>),
 }
 
@@ -833,11 +914,19 @@ pub fn mha_build_kv<D: Gpu>(
     const OP: &str = "gpu_mha_build_kv";
     let l = kv.len / (s.heads * (s.nope + s.v)).max(1);
     need(OP, "latent", l * (s.kv_lora + s.rope), latent.len)?;
-    let (kp, kl, vp, vl, name) = match out {
-        KvOut::F32(k, v) => (k.ptr, k.len, v.ptr, v.len, "mha_build_kv_f32"),
-        KvOut::Bf16(k, v) => (k.ptr, k.len, v.ptr, v.len, "mha_build_kv_bf16"),
+    let (kp, kl, vp, vl, name, split) = match out {
+        KvOut::F32(k, v) => (k.ptr, k.len, v.ptr, v.len, "mha_build_kv_f32", 0),
+        KvOut::Bf16(k, v) => (k.ptr, k.len, v.ptr, v.len, "mha_build_kv_bf16", s.split),
     };
-    need(OP, "K", l * s.heads * (s.nope + s.rope), kl)?;
+    if split != 0 && split != s.rope {
+        return Err(KernelError::InvalidParam {
+            op: OP,
+            field: "split",
+            limit: "0 or the rope dim",
+            value: split.to_string(),
+        });
+    }
+    need(OP, "K", l * s.heads * (s.nope + s.rope + 2 * split), kl)?;
     need(OP, "V", l * s.heads * s.v, vl)?;
     if l == 0 {
         return Ok(());
@@ -853,6 +942,9 @@ pub fn mha_build_kv<D: Gpu>(
         .push(int(OP, "kv_lora", s.kv_lora)?)
         .push(kp)
         .push(vp);
+    if name == "mha_build_kv_bf16" {
+        a.push(int(OP, "split", split)?);
+    }
     let dims = LaunchDims {
         grid: (l as u32, s.heads as u32, 1),
         block: (128, 1, 1),

@@ -149,6 +149,18 @@ impl DeepseekModel {
         }
     }
 
+    /// How a device cache of this model stores its rows: f32 in exact precision; in fast
+    /// precision bf16 with the RoPE key as a bf16 pair ([`crate::kv::KvDtype::Bf16Split`]:
+    /// the RoPE half of the score needs ~16 bits, docs/gpu.md). The host pool is always f32.
+    pub fn kv_dtype(&self) -> crate::kv::KvDtype {
+        match self.precision() {
+            Precision::Exact => crate::kv::KvDtype::F32,
+            Precision::Fast => crate::kv::KvDtype::Bf16Split {
+                rope: self.config.qk_rope_head_dim,
+            },
+        }
+    }
+
     /// A new zeroed host pool for this model.
     pub fn new_kv_pool(&self, num_blocks: usize, page_size: usize) -> Result<KvPool, ModelError> {
         KvPool::new(self.kv_layout(num_blocks, page_size))

@@ -248,48 +248,6 @@ impl Proposals {
                 .collect(),
         )
     }
-
-    /// Proposal `i`'s q rows on the host (`None` for a greedy proposal): what the verifier
-    /// reads when it runs on the host. Downloads the shared rows once per call of `host_q`.
-    pub fn host_q(&self, vocab: usize) -> Result<Vec<Option<Vec<f32>>>, ModelError> {
-        let shared = match &self.q {
-            Some(t)
-                if self
-                    .each
-                    .iter()
-                    .flatten()
-                    .any(|p| matches!(p.q, DraftDist::Rows { .. })) =>
-            {
-                Some(t.to_host()?)
-            }
-            _ => None,
-        };
-        self.each
-            .iter()
-            .map(|p| match p {
-                Ok(Proposal {
-                    q: DraftDist::Rows { first },
-                    drafts,
-                    ..
-                }) => {
-                    let rows = shared.as_deref().unwrap_or_default();
-                    rows.get(first * vocab..(first + drafts.len()) * vocab)
-                        .map(|r| Some(r.to_vec()))
-                        .ok_or_else(|| {
-                            ModelError::Invalid(format!(
-                                "draft rows {first}..{} are outside the drafter's q",
-                                first + drafts.len()
-                            ))
-                        })
-                }
-                Ok(Proposal {
-                    q: DraftDist::Sampled(rows),
-                    ..
-                }) => Ok(Some(rows.clone())),
-                _ => Ok(None),
-            })
-            .collect()
-    }
 }
 
 /// The target model and the drafter's KV, for a drafter call.

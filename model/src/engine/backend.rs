@@ -282,8 +282,9 @@ impl Backend {
     ) -> Result<(), ModelError> {
         match &mut self.rows {
             Rows::Host => {
+                let width = pool.layout().width;
                 let dst = pool.block_mut(layer, block)?;
-                KvDtype::F32.widen_into(data, dst)
+                KvDtype::F32.widen_into(data, width, dst)
             }
             #[cfg(feature = "cuda")]
             Rows::Cuda(c) => {

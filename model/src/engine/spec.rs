@@ -286,15 +286,17 @@ impl Speculator {
         dtype: KvDtype,
     ) -> Result<(), String> {
         let wire = self.wire().map_err(|e| e.to_string())?;
+        let (width, block_bytes) = (wire.layout().width, dtype.block_bytes(wire.layout()));
         let dst = wire.block_mut(layer, block).map_err(|e| e.to_string())?;
-        if data.len() != dst.len() * dtype.elem_size() {
+        if data.len() != block_bytes {
             return Err(format!(
-                "drafter KV write of {} bytes, a block is {} of {dtype}",
+                "drafter KV write of {} bytes, a block is {block_bytes} of {dtype}",
                 data.len(),
-                dst.len() * dtype.elem_size()
             ));
         }
-        dtype.widen_into(data, dst).map_err(|e| e.to_string())?;
+        dtype
+            .widen_into(data, width, dst)
+            .map_err(|e| e.to_string())?;
         *self.writes.entry(block).or_default() += 1;
         Ok(())
     }

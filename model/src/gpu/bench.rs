@@ -11,7 +11,7 @@ use std::time::Instant;
 
 use ferry_kernels::backend::mlp::Dense;
 use ferry_kernels::backend::moe::Moe;
-use ferry_kernels::backend::{AttnKernels, Backend, Precision, Tensor, Weight};
+use ferry_kernels::backend::{AttnKernels, Backend, Tensor, Weight};
 use ferry_kernels::cpu::mla::MlaDims;
 use ferry_kernels::cpu::rope::Rope;
 use ferry_kernels::cpu::sample::argmax;
@@ -176,7 +176,7 @@ impl GpuKvCache {
         for l in 0..self.layout().num_layers {
             let p = self.pages(l)?;
             if p.bf16 {
-                let n = p.num_blocks * p.page_size * p.width;
+                let n = p.num_blocks * p.page_size * p.row();
                 let view = ferry_kernels::cuda::ops::Dv::<u16>::raw(p.ptr, n);
                 fill_random_bf16(dev, view, 100 + l as u64, 1.0)?;
             }
@@ -277,13 +277,9 @@ pub fn decode_throughput(
     })()
     .map_err(|e| e.to_string());
     let weight_bytes = model.active_weight_bytes();
-    let elem = if model.precision() == Precision::Fast {
-        2
-    } else {
-        4
-    };
     let mean_ctx = context + 1 + steps / 2;
-    let kv_bytes = model.layers.len() * mean_ctx * model.config.latent_width() * elem;
+    let row_bytes = model.kv_dtype().row_bytes(model.config.latent_width());
+    let kv_bytes = model.layers.len() * mean_ctx * row_bytes;
     let roofline = bandwidth_gbs * 1e9 / (weight_bytes + kv_bytes) as f64;
     Ok(DecodeReport {
         context,

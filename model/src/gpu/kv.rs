@@ -1,12 +1,14 @@
-//! The paged latent cache in device memory: one region per layer, `[block][page][width]`,
-//! f32 or bf16. Block ids are the caller's (the same [`BlockId`]s a `KvPool` hands out), so
+//! The paged latent cache in device memory: one region per layer, `[block][page][row]`, f32
+//! (exact mode) or split bf16 (fast mode: [`KvDtype::Bf16Split`], the RoPE key as a bf16 pair
+//! after each row). Block ids are the caller's (the same [`BlockId`]s a `KvPool` hands out), so
 //! the CPU-side allocator, prefix cache and events keep working unchanged.
 //!
 //! Rows cross to and from the host either in the cache's own dtype — a peer's block written
 //! as it arrived ([`GpuKvCache::write_block_bytes`]), shipped blocks copied out by address
 //! ([`GpuKvCache::block_bytes`], the engine's staging ring) — or as f32 (a drafter's context,
-//! tests): [`GpuKvCache::write_blocks`] rounds them to bf16 (nearest even) in a bf16 cache and
-//! [`GpuKvCache::read_blocks`] widens them back, so a bf16 row survives the round trip exactly.
+//! tests): [`GpuKvCache::write_blocks`] encodes them ([`KvDtype::encode_into`]) in a split cache
+//! and [`GpuKvCache::read_blocks`] widens them back (`hi + lo`), so a stored row survives the
+//! round trip exactly.
 
 use ferry_kernels::cuda::ops::PagesView;
 use ferry_kernels::cuda::{CudaDevice, DeviceBuffer};
@@ -26,28 +28,42 @@ enum Region {
 pub struct GpuKvCache {
     dev: CudaDevice,
     layout: KvLayout,
+    dtype: KvDtype,
     layers: Vec<Region>,
 }
 
 impl GpuKvCache {
-    /// Zeroed storage for `layout`, bf16 or f32.
-    pub fn new(dev: &CudaDevice, layout: KvLayout, bf16: bool) -> Result<Self, ModelError> {
+    /// Zeroed storage for `layout`, rows stored as `dtype`.
+    pub fn new(dev: &CudaDevice, layout: KvLayout, dtype: KvDtype) -> Result<Self, ModelError> {
         layout.validate()?;
-        let n = layout.layer_floats();
+        if let KvDtype::Bf16Split { rope } = dtype {
+            if rope == 0 || rope > layout.width {
+                return Err(ModelError::Kv(format!(
+                    "a {dtype} cache needs 0 < rope <= the row width {}",
+                    layout.width
+                )));
+            }
+        }
+        let n = layout.num_blocks * layout.page_size * dtype.row_elems(layout.width);
         let layers = (0..layout.num_layers)
             .map(|_| {
-                Ok(if bf16 {
-                    Region::Bf16(dev.zeros::<u16>(n)?)
-                } else {
-                    Region::F32(dev.zeros::<f32>(n)?)
+                Ok(match dtype {
+                    KvDtype::Bf16Split { .. } => Region::Bf16(dev.zeros::<u16>(n)?),
+                    KvDtype::F32 => Region::F32(dev.zeros::<f32>(n)?),
                 })
             })
             .collect::<Result<Vec<_>, ModelError>>()?;
         Ok(Self {
             dev: dev.clone(),
             layout,
+            dtype,
             layers,
         })
+    }
+
+    /// Stored elements of one block.
+    fn block_elems(&self) -> usize {
+        self.layout.page_size * self.dtype.row_elems(self.layout.width)
     }
 
     /// The device the rows live on.
@@ -60,18 +76,14 @@ impl GpuKvCache {
         &self.layout
     }
 
-    /// Whether rows are bf16.
+    /// Whether rows are stored as bf16 (fast mode).
     pub fn is_bf16(&self) -> bool {
-        matches!(self.layers.first(), Some(Region::Bf16(_)))
+        self.dtype != KvDtype::F32
     }
 
-    /// The rows' element type.
+    /// How the rows are stored.
     pub fn dtype(&self) -> KvDtype {
-        if self.is_bf16() {
-            KvDtype::Bf16
-        } else {
-            KvDtype::F32
-        }
+        self.dtype
     }
 
     /// Layer `l`'s pages as the kernels take them.
@@ -90,6 +102,7 @@ impl GpuKvCache {
             num_blocks: self.layout.num_blocks,
             page_size: self.layout.page_size,
             width: self.layout.width,
+            split: self.dtype.row_elems(self.layout.width) - self.layout.width,
         })
     }
 
@@ -102,11 +115,11 @@ impl GpuKvCache {
         count: usize,
     ) -> Result<(u64, usize), ModelError> {
         let offset = self.block_range(l, first, count)?;
-        let elem = if self.is_bf16() { 2 } else { 4 };
+        let elem = self.dtype.elem_size();
         let base = self.pages(l)?.ptr;
         Ok((
             base + (offset * elem) as u64,
-            count * self.layout.block_floats() * elem,
+            count * self.block_elems() * elem,
         ))
     }
 
@@ -121,12 +134,12 @@ impl GpuKvCache {
                 self.layout.num_blocks
             )));
         }
-        Ok(start * self.layout.block_floats())
+        Ok(start * self.block_elems())
     }
 
     /// Writes whole blocks of layer `l` from f32 `rows` (`[block][page][width]`, a multiple of
-    /// one block), starting at block `first`: one host-to-device copy, rounded to bf16 in a
-    /// bf16 cache. Returns once the copy is done.
+    /// one block), starting at block `first`: one host-to-device copy, encoded as the cache
+    /// stores them ([`KvDtype::encode_into`]). Returns once the copy is done.
     pub fn write_blocks(
         &mut self,
         dev: &CudaDevice,
@@ -145,9 +158,11 @@ impl GpuKvCache {
         match self.layers.get_mut(l) {
             Some(Region::F32(b)) => dev.write(b, offset, rows)?,
             Some(Region::Bf16(b)) => {
-                let bits: Vec<u16> = rows
-                    .iter()
-                    .map(|&v| half::bf16::from_f32(v).to_bits())
+                let mut bytes = Vec::new();
+                self.dtype.encode_into(rows, self.layout.width, &mut bytes);
+                let bits: Vec<u16> = bytes
+                    .chunks_exact(2)
+                    .map(|c| u16::from_le_bytes([c[0], c[1]]))
                     .collect();
                 dev.write(b, offset, &bits)?;
             }
@@ -166,7 +181,7 @@ impl GpuKvCache {
         block: BlockId,
         bytes: &[u8],
     ) -> Result<(), ModelError> {
-        let per_block = self.layout.block_floats();
+        let per_block = self.block_elems();
         let dtype = self.dtype();
         if bytes.len() != per_block * dtype.elem_size() {
             return Err(ModelError::Kv(format!(
@@ -212,14 +227,10 @@ impl GpuKvCache {
         count: usize,
     ) -> Result<Vec<f32>, ModelError> {
         let offset = self.block_range(l, first, count)?;
-        let len = count * self.layout.block_floats();
+        let len = count * self.block_elems();
         match self.layers.get(l) {
             Some(Region::F32(b)) => Ok(dev.download_range(b, offset, len)?),
-            Some(Region::Bf16(b)) => Ok(dev
-                .download_range(b, offset, len)?
-                .into_iter()
-                .map(|v| half::bf16::from_bits(v).to_f32())
-                .collect()),
+            Some(Region::Bf16(b)) => self.widen(&dev.download_range(b, offset, len)?),
             None => Err(ModelError::Kv(format!("layer {l} is outside the cache"))),
         }
     }
@@ -228,12 +239,24 @@ impl GpuKvCache {
     pub fn download_layer(&self, dev: &CudaDevice, l: usize) -> Result<Vec<f32>, ModelError> {
         match self.layers.get(l) {
             Some(Region::F32(b)) => Ok(dev.download(b)?),
-            Some(Region::Bf16(b)) => Ok(dev
-                .download(b)?
-                .into_iter()
-                .map(|v| half::bf16::from_bits(v).to_f32())
-                .collect()),
+            Some(Region::Bf16(b)) => self.widen(&dev.download(b)?),
             None => Err(ModelError::Kv(format!("layer {l} is outside the cache"))),
         }
+    }
+
+    /// Layer `l`'s stored bytes as they are, `[block][page][row]` little-endian elements of
+    /// [`Self::dtype`] (tests compare shipped bytes with them).
+    pub fn download_layer_bytes(&self, dev: &CudaDevice, l: usize) -> Result<Vec<u8>, ModelError> {
+        match self.layers.get(l) {
+            Some(Region::F32(b)) => Ok(bytemuck::cast_slice(&dev.download(b)?).to_vec()),
+            Some(Region::Bf16(b)) => Ok(bytemuck::cast_slice(&dev.download(b)?).to_vec()),
+            None => Err(ModelError::Kv(format!("layer {l} is outside the cache"))),
+        }
+    }
+
+    /// Stored bf16 rows as f32 rows of the logical width.
+    fn widen(&self, bits: &[u16]) -> Result<Vec<f32>, ModelError> {
+        let bytes: &[u8] = bytemuck::cast_slice(bits);
+        self.dtype.widen(bytes, self.layout.width)
     }
 }

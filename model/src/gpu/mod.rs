@@ -21,7 +21,7 @@ pub mod graph;
 pub mod kv;
 pub mod report;
 
-use ferry_kernels::backend::{Backend, Precision};
+use ferry_kernels::backend::Backend;
 use ferry_kernels::cuda::CudaDevice;
 
 pub use kv::GpuKvCache;
@@ -50,7 +50,7 @@ impl DeepseekModel {
     }
 
     /// A zeroed device latent cache for this model: `num_blocks` blocks of `page_size` tokens
-    /// per layer, f32 in exact precision, bf16 in fast.
+    /// per layer, stored as [`DeepseekModel::kv_dtype`].
     pub fn new_kv_cache(
         &self,
         num_blocks: usize,
@@ -59,7 +59,7 @@ impl DeepseekModel {
         GpuKvCache::new(
             self.cuda_device()?,
             self.kv_layout(num_blocks, page_size),
-            self.precision() == Precision::Fast,
+            self.kv_dtype(),
         )
     }
 }

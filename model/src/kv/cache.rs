@@ -195,13 +195,17 @@ impl KvStore {
         match b {
             ferry_kernels::backend::Backend::Cpu => Ok(KvStore::Host(KvPool::new(layout)?)),
             #[cfg(feature = "cuda")]
-            ferry_kernels::backend::Backend::Cuda(dev) => {
-                Ok(KvStore::Cuda(GpuKvCache::new(dev, layout, false)?))
-            }
+            ferry_kernels::backend::Backend::Cuda(dev) => Ok(KvStore::Cuda(GpuKvCache::new(
+                dev,
+                layout,
+                crate::kv::KvDtype::F32,
+            )?)),
             #[cfg(feature = "rocm")]
-            ferry_kernels::backend::Backend::Rocm(dev) => {
-                Ok(KvStore::Rocm(RocmKvCache::new(dev, layout, false)?))
-            }
+            ferry_kernels::backend::Backend::Rocm(dev) => Ok(KvStore::Rocm(RocmKvCache::new(
+                dev,
+                layout,
+                crate::kv::KvDtype::F32,
+            )?)),
             // A device the kernels crate was built with but this crate's features leave out.
             #[allow(unreachable_patterns)]
             b => Err(ModelError::Invalid(format!(

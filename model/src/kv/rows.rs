@@ -16,68 +16,122 @@ use crate::ModelError;
 #[cfg(not(target_endian = "little"))]
 compile_error!("ferry's KV rows are shipped as their in-memory bytes: little-endian targets only");
 
-/// Element type of a KV cache's rows.
+/// How a KV cache stores its rows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum KvDtype {
-    /// 32-bit float: the host pool, and a CUDA cache in exact mode.
+    /// 32-bit float: the host pool, and a GPU cache in exact mode.
     F32,
-    /// bfloat16: a CUDA cache in fast mode.
-    Bf16,
+    /// bfloat16 with the row's last `rope` elements (the rotary key) as a bf16 hi/lo pair
+    /// after the row, `[latent | hi | lo]`: a GPU cache in fast mode. The pair keeps ~16
+    /// mantissa bits of the RoPE key, which the RoPE half of an MLA score needs
+    /// (`ferry_kvtransfer::Dtype::Bf16Split` is the same format on the wire; docs/gpu.md).
+    Bf16Split {
+        /// Trailing elements of each row stored as a pair (`qk_rope_head_dim`).
+        rope: usize,
+    },
 }
 
 impl KvDtype {
-    /// Bytes per element.
+    /// Bytes per stored element.
     pub const fn elem_size(self) -> usize {
         match self {
             KvDtype::F32 => 4,
-            KvDtype::Bf16 => 2,
+            KvDtype::Bf16Split { .. } => 2,
         }
     }
 
-    /// `"f32"` or `"bf16"` (the transfer wire's names).
-    pub const fn as_str(self) -> &'static str {
+    /// Stored elements of one row of `width` logical elements.
+    pub const fn row_elems(self, width: usize) -> usize {
         match self {
-            KvDtype::F32 => "f32",
-            KvDtype::Bf16 => "bf16",
+            KvDtype::F32 => width,
+            KvDtype::Bf16Split { rope } => width + rope,
         }
     }
 
-    /// Widens `bytes` (whole little-endian elements of this dtype) into `dst`, one f32 per
-    /// element (exact for both dtypes); the lengths must agree.
-    pub fn widen_into(self, bytes: &[u8], dst: &mut [f32]) -> Result<(), ModelError> {
-        if bytes.len() != dst.len() * self.elem_size() {
+    /// Bytes of one row of `width` logical elements.
+    pub const fn row_bytes(self, width: usize) -> usize {
+        self.row_elems(width) * self.elem_size()
+    }
+
+    /// Bytes of one block of `layout` stored as this dtype.
+    pub const fn block_bytes(self, layout: &super::KvLayout) -> usize {
+        layout.page_size * self.row_bytes(layout.width)
+    }
+
+    /// Widens `bytes` (whole stored rows of `width` logical elements) into `dst`, `width` f32
+    /// per row: exact for f32, `hi + lo` for a split pair (exact in f32); the row counts must
+    /// agree.
+    pub fn widen_into(self, bytes: &[u8], width: usize, dst: &mut [f32]) -> Result<(), ModelError> {
+        let row = self.row_bytes(width);
+        let rows = dst.len() / width.max(1);
+        if width == 0 || dst.len() % width != 0 || bytes.len() != rows * row {
             return Err(ModelError::Kv(format!(
-                "{} bytes of {self} are not {} elements",
+                "{} bytes of {self} are not rows of {width} for {} elements",
                 bytes.len(),
                 dst.len()
             )));
         }
-        match self {
-            KvDtype::F32 => {
-                for (d, c) in dst.iter_mut().zip(bytes.chunks_exact(4)) {
-                    *d = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+        let bf = |b: &[u8], i: usize| {
+            half::bf16::from_bits(u16::from_le_bytes([b[2 * i], b[2 * i + 1]])).to_f32()
+        };
+        for (src, out) in bytes.chunks_exact(row).zip(dst.chunks_exact_mut(width)) {
+            match self {
+                KvDtype::F32 => {
+                    for (d, c) in out.iter_mut().zip(src.chunks_exact(4)) {
+                        *d = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+                    }
                 }
-            }
-            KvDtype::Bf16 => {
-                for (d, c) in dst.iter_mut().zip(bytes.chunks_exact(2)) {
-                    *d = half::bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32();
+                KvDtype::Bf16Split { rope } => {
+                    for (i, d) in out.iter_mut().enumerate() {
+                        *d = if i + rope < width {
+                            bf(src, i)
+                        } else {
+                            bf(src, i) + bf(src, i + rope)
+                        };
+                    }
                 }
             }
         }
         Ok(())
     }
 
-    /// `bytes` (whole elements of this dtype) widened to f32.
-    pub fn widen(self, bytes: &[u8]) -> Result<Vec<f32>, ModelError> {
-        let mut out = vec![0.0f32; bytes.len() / self.elem_size()];
-        self.widen_into(bytes, &mut out)?;
+    /// `bytes` (whole stored rows of `width` elements) widened to f32.
+    pub fn widen(self, bytes: &[u8], width: usize) -> Result<Vec<f32>, ModelError> {
+        let rows = bytes.len() / self.row_bytes(width).max(1);
+        let mut out = vec![0.0f32; rows * width];
+        self.widen_into(bytes, width, &mut out)?;
         Ok(out)
+    }
+
+    /// Encodes f32 `rows` (whole rows of `width`) as this dtype's bytes, appended to `out`:
+    /// a split pair is `hi = bf16(x)`, `lo = bf16(x − hi)`, as the fast-mode cache writes it.
+    pub fn encode_into(self, rows: &[f32], width: usize, out: &mut Vec<u8>) {
+        let push = |out: &mut Vec<u8>, x: f32| {
+            out.extend_from_slice(&half::bf16::from_f32(x).to_bits().to_le_bytes())
+        };
+        match self {
+            KvDtype::F32 => rows
+                .iter()
+                .for_each(|x| out.extend_from_slice(&x.to_le_bytes())),
+            KvDtype::Bf16Split { rope } => {
+                for row in rows.chunks_exact(width.max(1)) {
+                    row.iter().for_each(|&x| push(out, x));
+                    for &x in &row[width.saturating_sub(rope)..] {
+                        push(out, x - half::bf16::from_f32(x).to_f32());
+                    }
+                }
+            }
+        }
     }
 }
 
 impl fmt::Display for KvDtype {
+    /// The transfer wire's name: `f32` or `bf16-split<rope>`.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
+        match self {
+            KvDtype::F32 => f.write_str("f32"),
+            KvDtype::Bf16Split { rope } => write!(f, "bf16-split{rope}"),
+        }
     }
 }
 
@@ -86,6 +140,7 @@ impl fmt::Display for KvDtype {
 pub struct LayerRows<'a> {
     layer: usize,
     dtype: KvDtype,
+    width: usize,
     block_bytes: usize,
     bytes: &'a [u8],
     /// `None`: `bytes` is the whole layer, block `b` at `b · block_bytes`. `Some(ids)`: the
@@ -101,22 +156,24 @@ impl<'a> LayerRows<'a> {
         Ok(Self {
             layer,
             dtype: KvDtype::F32,
+            width: pool.layout().width,
             block_bytes: pool.layout().block_floats() * 4,
             bytes: bytemuck::cast_slice(rows),
             ids: None,
         })
     }
 
-    /// The blocks `ids` (sorted, distinct) of layer `layer`, `block_bytes` each, back to back
-    /// in `bytes` (a staging buffer's slot).
+    /// The blocks `ids` (sorted, distinct) of layer `layer`, `block_bytes` each (whole rows of
+    /// `width` logical elements), back to back in `bytes` (a staging buffer's slot).
     pub fn staged(
         layer: usize,
-        dtype: KvDtype,
+        (dtype, width): (KvDtype, usize),
         block_bytes: usize,
         ids: &'a [BlockId],
         bytes: &'a [u8],
     ) -> Result<Self, ModelError> {
-        if bytes.len() != ids.len() * block_bytes || block_bytes % dtype.elem_size() != 0 {
+        let row = dtype.row_bytes(width);
+        if bytes.len() != ids.len() * block_bytes || row == 0 || block_bytes % row != 0 {
             return Err(ModelError::Kv(format!(
                 "{} staged bytes are not {} whole blocks of {block_bytes} bytes of {dtype}",
                 bytes.len(),
@@ -131,6 +188,7 @@ impl<'a> LayerRows<'a> {
         Ok(Self {
             layer,
             dtype,
+            width,
             block_bytes,
             bytes,
             ids: Some(ids),
@@ -147,7 +205,12 @@ impl<'a> LayerRows<'a> {
         self.dtype
     }
 
-    /// Bytes of one block (`page_size × width × dtype size`).
+    /// Logical elements per row (the cache's latent width).
+    pub fn width(&self) -> usize {
+        self.width
+    }
+
+    /// Bytes of one block (`page_size` rows of [`KvDtype::row_bytes`]).
     pub fn block_bytes(&self) -> usize {
         self.block_bytes
     }
@@ -170,9 +233,9 @@ impl<'a> LayerRows<'a> {
         })
     }
 
-    /// Block `block`'s rows widened to f32 (exact).
+    /// Block `block`'s rows widened to f32 (a split pair as `hi + lo`).
     pub fn block_f32(&self, block: BlockId) -> Result<Vec<f32>, ModelError> {
-        self.dtype.widen(self.block(block)?)
+        self.dtype.widen(self.block(block)?, self.width)
     }
 }
 
@@ -211,21 +274,23 @@ mod tests {
 
     #[test]
     fn a_staged_view_finds_blocks_by_id() {
-        let bits = |v: &[f32]| -> Vec<u8> {
-            v.iter()
-                .flat_map(|x| half::bf16::from_f32(*x).to_bits().to_le_bytes())
-                .collect()
-        };
-        let mut bytes = bits(&[1.0, 2.0, 3.0, 4.0]);
-        bytes.extend(bits(&[-1.0, -2.0, -3.0, -4.0]));
+        // Blocks of two rows of width 2, the last element of each row split (3 bf16 per row).
+        let dt = KvDtype::Bf16Split { rope: 1 };
+        let fine = 1.0 + 2f32.powi(-12);
+        let mut bytes = Vec::new();
+        dt.encode_into(&[1.0, fine, 3.0, 4.0], 2, &mut bytes);
+        dt.encode_into(&[-1.0, -2.0, -3.0, -4.0], 2, &mut bytes);
+        assert_eq!(bytes.len(), 2 * 12);
         let ids = [BlockId(4), BlockId(9)];
-        let rows = LayerRows::staged(0, KvDtype::Bf16, 8, &ids, &bytes).unwrap();
-        assert_eq!(rows.block(BlockId(9)).unwrap(), &bytes[8..]);
-        assert_eq!(rows.block_f32(BlockId(4)).unwrap(), [1.0, 2.0, 3.0, 4.0]);
+        let rows = LayerRows::staged(0, (dt, 2), 12, &ids, &bytes).unwrap();
+        assert_eq!(rows.block(BlockId(9)).unwrap(), &bytes[12..]);
+        // The split element keeps what bf16 alone would round away.
+        assert_eq!(rows.block_f32(BlockId(4)).unwrap(), [1.0, fine, 3.0, 4.0]);
         let e = rows.block(BlockId(5)).unwrap_err().to_string();
         assert!(e.contains("block#5"), "{e}");
-        assert!(LayerRows::staged(0, KvDtype::Bf16, 8, &ids, &bytes[1..]).is_err());
+        assert!(LayerRows::staged(0, (dt, 2), 12, &ids, &bytes[1..]).is_err());
+        assert!(LayerRows::staged(0, (dt, 2), 8, &ids[..1], &bytes[..8]).is_err());
         let unsorted = [BlockId(9), BlockId(4)];
-        assert!(LayerRows::staged(0, KvDtype::Bf16, 8, &unsorted, &bytes).is_err());
+        assert!(LayerRows::staged(0, (dt, 2), 12, &unsorted, &bytes).is_err());
     }
 }

@@ -94,7 +94,7 @@ impl CudaRows {
             ?mode,
             kv_blocks = layout.num_blocks,
             kv_dtype = %dtype,
-            kv_device_bytes = (layout.num_blocks + 1) * layout.num_layers * layout.block_floats() * dtype.elem_size(),
+            kv_device_bytes = (layout.num_blocks + 1) * layout.num_layers * dtype.block_bytes(layout),
             ring_layers = RING_LAYERS.min(layout.num_layers),
             "engine on the GPU: weights and KV cache in device memory; the host keeps block ids only (no KV rows) and stages shipped layers through a page-locked ring of that many layers of a batch's shipped blocks, allocated on the first prefill job"
         );
@@ -326,11 +326,18 @@ impl CudaRows {
                     gpu.forward_logits(batch, &mut self.cache, gpu.policy, hooks)?
                 }
             };
-            let block_bytes = self.cache.layout().block_floats() * self.kv_dtype().elem_size();
+            let layout = *self.cache.layout();
+            let block_bytes = self.kv_dtype().block_bytes(&layout);
             for layer in 0..layers {
                 after_layer(
                     layer,
-                    &LayerRows::staged(layer, self.kv_dtype(), block_bytes, &[], &[])?,
+                    &LayerRows::staged(
+                        layer,
+                        (self.kv_dtype(), layout.width),
+                        block_bytes,
+                        &[],
+                        &[],
+                    )?,
                 )?;
             }
             return Ok(out);
@@ -447,6 +454,8 @@ struct Shipper {
     ring: PinnedBuffer<u8>,
     slot_bytes: usize,
     dtype: KvDtype,
+    /// Logical elements per row.
+    width: usize,
     /// Bytes of one block of one layer.
     block_bytes: usize,
     /// Layers the ring holds: [`RING_LAYERS`], or fewer for a shallower model.
@@ -501,7 +510,8 @@ impl Shipper {
             ring,
             slot_bytes,
             dtype,
-            block_bytes: layout.block_floats() * dtype.elem_size(),
+            width: layout.width,
+            block_bytes: dtype.block_bytes(&layout),
             slots,
             pending: std::collections::VecDeque::new(),
             layers: layout.num_layers,
@@ -559,7 +569,13 @@ impl Shipper {
             self.early += 1;
         }
         let bytes = &self.ring.as_slice()[slot * self.slot_bytes..(slot + 1) * self.slot_bytes];
-        let rows = LayerRows::staged(layer, self.dtype, self.block_bytes, &self.blocks, bytes)?;
+        let rows = LayerRows::staged(
+            layer,
+            (self.dtype, self.width),
+            self.block_bytes,
+            &self.blocks,
+            bytes,
+        )?;
         sink(layer, &rows)
     }
 }

@@ -59,11 +59,7 @@ impl RocmRows {
 
     /// The element type of the device cache's rows.
     pub(crate) fn kv_dtype(&self) -> KvDtype {
-        if self.cache.is_bf16() {
-            KvDtype::Bf16
-        } else {
-            KvDtype::F32
-        }
+        self.cache.dtype()
     }
 
     /// The shipping counters.
@@ -104,7 +100,13 @@ impl RocmRows {
                     bytes.extend_from_slice(&v.to_le_bytes());
                 }
             }
-            let rows = LayerRows::staged(layer, KvDtype::F32, block_bytes, &staged, &bytes)?;
+            let rows = LayerRows::staged(
+                layer,
+                (KvDtype::F32, layout.width),
+                block_bytes,
+                &staged,
+                &bytes,
+            )?;
             after_layer(layer, &rows)?;
         }
         if !staged.is_empty() {
@@ -122,8 +124,9 @@ impl RocmRows {
         block: BlockId,
         data: &[u8],
     ) -> Result<(), ModelError> {
-        let mut rows = vec![0.0f32; self.cache.layout().block_floats()];
-        self.kv_dtype().widen_into(data, &mut rows)?;
+        let layout = *self.cache.layout();
+        let mut rows = vec![0.0f32; layout.block_floats()];
+        self.kv_dtype().widen_into(data, layout.width, &mut rows)?;
         self.cache.write_blocks(layer, block, &rows)
     }
 }
