@@ -1,6 +1,7 @@
 //! The GPU benchmark report without the `ferry` CLI: `bench_gpu [e2e_context] [e2e_steps]`.
 //! Environment: `FERRY_BENCH_SKIP_KERNELS`, `FERRY_BENCH_PREFILL_ONLY`,
-//! `FERRY_BENCH_PREFILL_TOKENS=4096,16384` (the prefill lengths).
+//! `FERRY_BENCH_PREFILL_TOKENS=4096,16384` (the prefill lengths), `FERRY_BENCH_SPLIT=0` (the
+//! kernel tables on plain bf16 rows instead of fast mode's split rows).
 //! Same measurements as `ferry bench-gpu` (see `ferry_model::gpu::report`).
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -24,6 +25,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             .split(',')
             .map(|x| x.trim().parse())
             .collect::<Result<_, _>>()?;
+    }
+    if let Ok(s) = std::env::var("FERRY_BENCH_SPLIT") {
+        opts.split = s.trim().parse()?;
     }
     let dev = ferry_kernels::cuda::CudaDevice::open(0)?;
     print!("{}", ferry_model::gpu::report::report(&dev, &opts)?);

@@ -36,6 +36,10 @@ pub struct BenchGpuArgs {
     /// Of the kernel benchmarks, run only the MHA-form prefill ones.
     #[arg(long)]
     pub prefill_only: bool,
+    /// Rope elements the kernel benchmarks' bf16 rows keep as hi/lo pairs: 64 is fast mode's
+    /// split rows (what the model runs), 0 plain bf16 rows (the comparison).
+    #[arg(long, default_value_t = 64)]
+    pub split: usize,
 }
 
 /// Runs the benchmarks.
@@ -50,6 +54,7 @@ pub fn run(args: BenchGpuArgs) -> anyhow::Result<()> {
         kernels: !args.skip_kernels,
         absorbed: !args.prefill_only,
         e2e: !args.skip_e2e,
+        split: args.split,
     };
     print!("{}", report(&dev, &opts)?);
     Ok(())

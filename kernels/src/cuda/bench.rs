@@ -7,7 +7,7 @@
 //! |---|---|
 //! | [`copy_bandwidth`] | device-to-device copy, bytes read + written per second (the roofline) |
 //! | [`mha_prefill`] | MHA-form causal prefill (qk 192 / v 128 by default), TFLOP/s at 640·H·N²/2 FLOP |
-//! | [`absorbed_decode`] | absorbed decode over the bf16 latent cache: GB/s of latent read (batch · ctx · 1152 B) |
+//! | [`absorbed_decode`] | absorbed decode over the bf16 latent cache: GB/s of latent read (batch · ctx · row bytes: 1,152 B, or 1,280 B for fast mode's split rows) |
 
 use super::context::CudaDevice;
 use super::mla::{
@@ -74,7 +74,9 @@ pub fn mha_prefill(
     heads: usize,
     tokens: usize,
 ) -> Result<(Timing, f64), KernelError> {
+    // bf16 kernels read split rows (`mha_qkb`); FLOP are counted at the logical width.
     let (qk, v) = (shape.mha_qk, shape.mha_v);
+    let qkb = shape.mha_qkb();
     let cu = dev.upload(&[0i32, tokens as i32])?;
     let q_seq = dev.zeros::<i32>(tokens)?;
     let out = dev.zeros::<f32>(tokens * heads * v)?;
@@ -87,8 +89,8 @@ pub fn mha_prefill(
                 MhaImpl::Wgmma => MhaKernel::Wgmma,
                 _ => MhaKernel::WarpSpecialized,
             };
-            let q = dev.alloc::<u16>(tokens * heads * qk)?;
-            let k = dev.alloc::<u16>(tokens * heads * qk)?;
+            let q = dev.alloc::<u16>(tokens * heads * qkb)?;
+            let k = dev.alloc::<u16>(tokens * heads * qkb)?;
             let vv = dev.alloc::<u16>(tokens * heads * v)?;
             for (i, b) in [&q, &k, &vv].into_iter().enumerate() {
                 fill_random_bf16(dev, b.v(), 11 + i as u64, 1.0)?;
@@ -170,7 +172,7 @@ impl LatentPool {
     pub fn new(dev: &CudaDevice, shape: MlaShape, max_tokens: usize) -> Result<Self, KernelError> {
         let page = 64;
         let blocks = max_tokens.div_ceil(page);
-        let pages = dev.alloc::<u16>(blocks * page * shape.latent)?;
+        let pages = dev.alloc::<u16>(blocks * page * shape.krow())?;
         fill_random_bf16(dev, pages.v(), 7, 1.0)?;
         Ok(Self { pages, page, shape })
     }
@@ -190,7 +192,7 @@ pub struct DecodeShape {
 }
 
 /// Absorbed attention over `batch` sequences of `ctx` cached tokens each: mean ms and GB/s of
-/// latent read (`batch · ctx · latent · 2` bytes; the tiles read each row once per 16 heads).
+/// latent read (`batch · ctx · krow · 2` bytes; the tiles read each row once per 16 heads).
 pub fn absorbed_decode(
     dev: &CudaDevice,
     pool: &LatentPool,
@@ -199,7 +201,7 @@ pub fn absorbed_decode(
 ) -> Result<(Timing, f64), KernelError> {
     let shape = pool.shape;
     let per_seq = s.ctx.div_ceil(pool.page);
-    let blocks = pool.pages.len() / (pool.page * shape.latent);
+    let blocks = pool.pages.len() / (pool.page * shape.krow());
     if per_seq * s.batch > blocks {
         return Err(KernelError::InvalidParam {
             op: "bench_absorbed",
@@ -212,7 +214,7 @@ pub fn absorbed_decode(
     let table = dev.upload(&table)?;
     let ctx = dev.upload(&vec![s.ctx as i32; s.batch])?;
     let rows = s.batch * s.sq * s.heads;
-    let q = dev.alloc::<u16>(rows * shape.latent)?;
+    let q = dev.alloc::<u16>(rows * shape.qrow())?;
     fill_random_bf16(dev, q.v(), 3, 1.0)?;
     let out = dev.zeros::<f32>(rows * shape.kv_lora)?;
     let b = AbsorbedBatch {
@@ -223,7 +225,7 @@ pub fn absorbed_decode(
             num_blocks: blocks,
             page_size: pool.page,
             width: shape.latent,
-            split: 0,
+            split: shape.split,
         },
         block_table: table.v(),
         bt_stride: per_seq,
@@ -234,7 +236,7 @@ pub fn absorbed_decode(
         heads: s.heads,
         scale: 0.1352,
     };
-    let bytes = (s.batch * s.ctx * shape.latent * 2) as f64;
+    let bytes = (s.batch * s.ctx * shape.krow() * 2) as f64;
     let reps = if bytes > 4e9 { 5 } else { 20 };
     let t = time(dev, 2, reps, || match imp {
         AbsorbedImpl::Padded => mla_absorbed_padded(dev, shape, &b, out.v()),

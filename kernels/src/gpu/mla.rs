@@ -184,9 +184,8 @@ impl MlaShape {
         // The 8-warp and warp-specialised kernels: 32-key steps; value width per warp pair
         // (8 warps) or per warp; their ring depths.
         // The split tail reads k_pe hi at `latent − split` in whole k-steps.
-        let split_ok = self.split <= self.latent - self.kv_lora.min(self.latent)
-            && self.split % 16 == 0
-            && (self.latent - self.split) % 32 == 0;
+        let split_ok = self.split == 0
+            || (self.split <= self.latent - self.kv_lora.min(self.latent) && self.split % 16 == 0);
         let (krow, split32) = (self.krow(), self.split % 32 == 0);
         if let Some((v_multiple, row_multiple, max_stages)) = match self.tile_warps {
             8 => Some((128, 64, 5)),
@@ -643,7 +642,10 @@ impl MhaKernel {
     /// [`MhaKernel::best_bf16`] for a card of compute capability `cc` (no device needed).
     pub fn best_bf16_for(cc: (i32, i32), shape: MlaShape) -> Self {
         let hopper = cc == (9, 0);
-        if hopper && MhaWsConfig::shape_ok(shape) {
+        if hopper
+            && MhaWsConfig::shape_ok(shape)
+            && MhaWsConfig::default().fitted(shape).valid(shape)
+        {
             MhaKernel::WarpSpecialized
         } else if hopper && shape.wgmma_ok() {
             MhaKernel::Wgmma
@@ -980,6 +982,50 @@ mod tests {
         assert!(!MlaShape::new(80, 64, 48, 32).with_tile(32, 2).tile_ok());
         assert!(s.flash_smem() <= 227 * 1024 / 2, "{}", s.flash_smem());
         assert!(s.tile_ok() && s.flash_ok() && s.wgmma_ok());
+    }
+
+    #[test]
+    fn split_rows_widen_the_rows_and_keep_the_kernels() {
+        // Fast mode's rows: the family's 576 + a 64-wide pair, queries 576 + 2·64.
+        let s = MlaShape::DEEPSEEK_V3.with_split(64);
+        assert_eq!((s.krow(), s.qrow(), s.mha_qkb()), (640, 704, 320));
+        assert_eq!(s.tile_bk, 32, "whole 32-wide tails: the 32-key path");
+        assert!(s.tile_ok() && s.flash_ok() && s.wgmma_ok());
+        for t in [
+            s.with_tile(64, 2),
+            s.with_tile(32, 3),
+            s.with_tile8(4),
+            s.with_tile_ws(2),
+        ] {
+            assert!(t.tile_ok(), "{t:?}: {}", t.tile_smem());
+        }
+        assert!(
+            s.tuned_for((9, 0)).tile_needs_sm90(),
+            "the Hopper default stays"
+        );
+        assert!(
+            s.defines().key().contains("MLA_SPLIT=64"),
+            "{}",
+            s.defines().key()
+        );
+        // The embedded model's 16-wide pair: 64-key steps (one 16-wide tail k-step).
+        let tiny = MlaShape::new(80, 64, 48, 32).with_split(16);
+        assert_eq!((tiny.krow(), tiny.qrow(), tiny.tile_bk), (96, 112, 64));
+        assert!(tiny.tile_ok() && tiny.flash_ok());
+        assert!(
+            !tiny.with_tile(32, 2).tile_ok(),
+            "a 16-wide tail is not a 32-key step"
+        );
+        // A pair wider than the RoPE part, or not whole k-steps, is refused.
+        assert!(!MlaShape::DEEPSEEK_V3.with_split(128).tile_ok());
+        assert!(!MlaShape::DEEPSEEK_V3.with_split(8).tile_ok());
+        // The warp-specialised prefill fits the wider rows with 64-key steps.
+        let ws = MhaWsConfig::default().fitted(s);
+        assert!(ws.valid(s) && ws.keys == 64, "{ws:?}: {}", ws.smem(s));
+        assert_eq!(
+            MhaKernel::best_bf16_for((9, 0), s),
+            MhaKernel::WarpSpecialized
+        );
     }
 
     #[test]

@@ -43,6 +43,9 @@ pub struct ReportOptions {
     pub absorbed: bool,
     /// Run the end-to-end model benchmark.
     pub e2e: bool,
+    /// Rope elements the kernel benchmarks' bf16 rows keep as pairs (64: fast mode's split
+    /// rows, what the model runs; 0: plain bf16 rows, the comparison).
+    pub split: usize,
 }
 
 impl Default for ReportOptions {
@@ -56,6 +59,7 @@ impl Default for ReportOptions {
             kernels: true,
             absorbed: true,
             e2e: true,
+            split: 64,
         }
     }
 }
@@ -122,11 +126,13 @@ fn kernels(
     bw: f64,
     out: &mut String,
 ) -> Result<(), ModelError> {
-    let shape = MlaShape::DEEPSEEK_V3;
+    let shape = MlaShape::DEEPSEEK_V3.with_split(args.split);
     let hopper = dev.compute_capability() == (9, 0) && shape.wgmma_ok();
     let _ = writeln!(
         out,
-        "### MHA-form causal prefill (qk 192 / v 128, bf16, batch 1): TFLOP/s\n"
+        "### MHA-form causal prefill (qk 192 / v 128, bf16, batch 1, rows split {}: qk {} in the kernels): TFLOP/s at qk 192\n",
+        shape.split,
+        shape.mha_qkb()
     );
     let _ = writeln!(
         out,
@@ -230,7 +236,7 @@ fn kernels(
         "\nusing {} warps × {} keys/step × {} stages, L2 prefetch {} below\n",
         best.1.tile_warps, best.1.tile_bk, best.1.tile_stages, best.1.l2_prefetch
     );
-    let _ = writeln!(out, "### Absorbed decode (16 heads, bf16 latent cache, tile kernel): GB/s of latent read (copy: {bw:.0} GB/s)\n");
+    let _ = writeln!(out, "### Absorbed decode (16 heads, bf16 latent cache, rows split {}: {} B each, tile kernel): GB/s of latent read (copy: {bw:.0} GB/s)\n", shape.split, shape.krow() * 2);
     let head: Vec<String> = args.context.iter().map(|c| format!("ctx {c}")).collect();
     let _ = writeln!(
         out,
