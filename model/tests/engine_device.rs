@@ -453,7 +453,7 @@ fn direct_fast_cache(prompt: &[u32], page: usize) -> Vec<(usize, usize, Vec<u8>)
     let block_bytes = cache.dtype().block_bytes(cache.layout());
     let mut out = Vec::new();
     for l in 0..cache.layout().num_layers {
-        let layer = cache.download_layer_bytes(&dev, l).expect("download");
+        let layer = cache.download_layer_bytes(l).expect("download");
         for (j, rows) in layer.chunks_exact(block_bytes).enumerate() {
             out.push((l, j, rows.to_vec()));
         }

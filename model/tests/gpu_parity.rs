@@ -247,7 +247,7 @@ fn mixed_batch_matches_cpu() {
         assert!(e <= 1e-3, "mixed seq {i}: {e}");
     }
     // The caches agree row for row on every written position of layer 0.
-    let gl = cache.download_layer(&dev, 0).expect("download");
+    let gl = cache.download_layer(0).expect("download");
     let cl = pool.layer(0).expect("layer");
     let width = model.config().latent_width();
     for (s, len) in [(0usize, 46usize), (1, 18), (2, 35)] {

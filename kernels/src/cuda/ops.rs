@@ -75,6 +75,15 @@ impl Gpu for CudaDevice {
         CudaDevice::download(self, src)
     }
 
+    fn download_range<T: DevicePod>(
+        &self,
+        src: &DeviceBuffer<T>,
+        offset: usize,
+        len: usize,
+    ) -> Result<Vec<T>, KernelError> {
+        CudaDevice::download_range(self, src, offset, len)
+    }
+
     fn copy_range<T: DevicePod>(
         &self,
         src: (&DeviceBuffer<T>, usize),

@@ -290,6 +290,14 @@ pub trait Gpu: Clone + std::fmt::Debug + Send + Sync + Sized + 'static {
     /// The whole buffer on the host (waits for queued work).
     fn download<T: DevicePod>(&self, src: &Self::Buffer<T>) -> Result<Vec<T>, KernelError>;
 
+    /// Copies `src[offset..offset + len]` back to the host (waits for queued work).
+    fn download_range<T: DevicePod>(
+        &self,
+        src: &Self::Buffer<T>,
+        offset: usize,
+        len: usize,
+    ) -> Result<Vec<T>, KernelError>;
+
     /// Device-to-device copy of `src[src_at..src_at + len]` into `dst[dst_at..dst_at + len]`,
     /// in stream order.
     fn copy_range<T: DevicePod>(

@@ -597,6 +597,15 @@ impl Gpu for RocmDevice {
         RocmDevice::download(self, src)
     }
 
+    fn download_range<T: DevicePod>(
+        &self,
+        src: &HipBuffer<T>,
+        offset: usize,
+        len: usize,
+    ) -> Result<Vec<T>, KernelError> {
+        RocmDevice::download_range(self, src, offset, len)
+    }
+
     fn copy_range<T: DevicePod>(
         &self,
         src: (&HipBuffer<T>, usize),

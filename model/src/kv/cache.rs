@@ -264,10 +264,7 @@ impl KvStore {
         match self {
             KvStore::Host(p) => Ok(p.block(l, block)?.to_vec()),
             #[cfg(feature = "cuda")]
-            KvStore::Cuda(c) => {
-                let dev = c.device().clone();
-                c.read_blocks(&dev, l, block, 1)
-            }
+            KvStore::Cuda(c) => c.read_blocks(l, block, 1),
             #[cfg(feature = "rocm")]
             KvStore::Rocm(c) => c.read_blocks(l, block, 1),
         }
@@ -294,10 +291,7 @@ impl KvStore {
                 Ok(())
             }
             #[cfg(feature = "cuda")]
-            KvStore::Cuda(c) => {
-                let dev = c.device().clone();
-                c.write_blocks(&dev, l, block, rows)
-            }
+            KvStore::Cuda(c) => c.write_blocks(l, block, rows),
             #[cfg(feature = "rocm")]
             KvStore::Rocm(c) => c.write_blocks(l, block, rows),
         }

@@ -23,6 +23,8 @@
 //! the router can send a prompt where its prefix already is. Both workers go through
 //! [`KvManager`] for all of it.
 pub mod cache;
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+pub mod device;
 pub mod events;
 /// Prefix identity (chained block hashes), owned by the wire contract it is part of.
 pub use ferry_proto::block_hash as hash;

@@ -287,8 +287,7 @@ impl CudaRows {
             // The last block is the graphs' scratch block, never a pool block.
             return Err(ModelError::Kv(format!("{block} is outside the pool")));
         }
-        let dev = self.dev.clone();
-        self.cache.write_block_bytes(&dev, layer, block, data)
+        self.cache.write_block_bytes(layer, block, data)
     }
 
     /// The forward; per layer, `after_layer` sees that layer's rows of the staged blocks, in
