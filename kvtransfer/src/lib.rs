@@ -29,12 +29,13 @@
 //! ## The dtype on the wire
 //!
 //! **The wire carries the destination cache's dtype.** A receiver advertises the dtype its
-//! cache holds (`ferry_decode::region`: f32 for a CPU engine and a CUDA engine in exact mode,
-//! bf16 for a CUDA engine in fast mode), and a writer sends rows in exactly that dtype,
-//! converting only when its own cache's dtype differs ([`convert`]: bf16 → f32 is exact, f32 →
-//! bf16 rounds to nearest even, as a bf16 device cache rounds what is written into it). So a
-//! bf16 cache ships to a bf16 cache untouched, at half the bytes of f32, and mixed pairs keep
-//! working. The handshake ([`check_compatible`]) still requires the same dtype on both ends of
+//! cache holds (`ferry_decode::region`: f32 for a CPU engine and a GPU engine in exact mode,
+//! [`Dtype::Bf16Split`] for a GPU engine in fast mode: bf16 rows whose RoPE key is kept as a
+//! bf16 hi/lo pair), and a writer sends rows in exactly that dtype, converting only when its own
+//! cache's dtype differs ([`convert`], row by row: a split row widens to f32 as `hi + lo`, an
+//! f32 row splits as the device cache writes it, f32 → bf16 rounds to nearest even). So a fast
+//! cache ships to a fast cache untouched, at (width + rope) bf16 per row instead of width f32,
+//! and mixed pairs keep working. The handshake ([`check_compatible`]) still requires the same dtype on both ends of
 //! the connection: the writer connects with the dtype it will put on the wire, never one it
 //! merely holds, and a mismatch is refused before any byte moves. Every layer of a transfer
 //! (a drafter's context layers after the target's included) uses that one dtype.

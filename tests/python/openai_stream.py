@@ -6,8 +6,9 @@ Run by tests/cluster_python.rs against a live cluster:
 
 Streams a chat completion (checking the chunks), makes the same request without streaming
 (checking `usage`), then once more with speculative decoding off through `extra_body` (ferry's
-`speculative` extension: the same greedy text) and once with a wrong type for it (a 400 naming
-the field), and prints {"streamed": ..., "whole": ...} as one JSON line. Any failed check
+`speculative` extension: the same greedy text), once with a wrong type for it (a 400 naming
+the field), with parameters ferry does not implement (a 400 naming each) and with their no-op
+values (the same text), and prints {"streamed": ..., "whole": ...} as one JSON line. Any failed check
 raises, so the process exits non-zero.
 """
 
@@ -82,6 +83,25 @@ def main() -> None:
         assert e.status_code == 400 and e.param == "speculative", (e.status_code, e.body)
     else:
         raise AssertionError('"speculative": "yes" was accepted')
+
+    # Nothing is ignored silently: parameters ferry does not implement yet are a 400 naming
+    # them when they would change the output, accepted when they would not.
+    for field, value in [
+        ("logit_bias", {"17": -100}),
+        ("presence_penalty", 1.0),
+        ("logprobs", True),
+        ("response_format", {"type": "json_object"}),
+    ]:
+        try:
+            client.chat.completions.create(**{**common, field: value})
+        except BadRequestError as e:
+            assert e.status_code == 400 and e.param == field, (field, e.status_code, e.body)
+        else:
+            raise AssertionError(f"{field}={value!r} was accepted and ignored")
+    same = client.chat.completions.create(
+        **{**common, "presence_penalty": 0, "logit_bias": {}, "user": "test"}
+    )
+    assert same.choices[0].message.content == text, "no-op values changed the output"
 
     models = [m.id for m in client.models.list()]
     assert models == [args.model], models

@@ -184,6 +184,22 @@ fn path_error(e: serde_path_to_error::Error<serde_json::Error>) -> ApiError {
         }
         serde_json::error::Category::Io | serde_json::error::Category::Data => {
             let message = inner.to_string();
+            // A field the request type does not define: name it, without serde's long list
+            // (the path already ends with the field).
+            if let Some(field) = message
+                .strip_prefix("unknown field `")
+                .and_then(|rest| rest.split('`').next())
+            {
+                let param = match path.as_str() {
+                    "." => field.to_string(),
+                    full => full.to_string(),
+                };
+                return ApiError::bad_request(
+                    format!("`{param}` is not a field ferry accepts (nothing is ignored silently; README lists the fields)"),
+                    Some(param),
+                    "unknown_parameter",
+                );
+            }
             // A missing field is reported at the parent's path; name the field itself.
             let param = message
                 .strip_prefix("missing field `")
@@ -224,6 +240,17 @@ mod tests {
         assert_eq!((e.param, e.code), (None, "invalid_json"));
         let e = err(r#"{"prompt": "x"} trailing"#);
         assert_eq!(e.code, "invalid_json");
+        // A field the API does not define is refused by name, not ignored.
+        let e = err(r#"{"prompt": "x", "temprature": 0.5}"#);
+        assert_eq!(
+            (e.status, e.param.as_deref(), e.code),
+            (
+                StatusCode::BAD_REQUEST,
+                Some("temprature"),
+                "unknown_parameter"
+            ),
+            "{e:?}"
+        );
     }
 
     #[test]

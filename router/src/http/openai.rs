@@ -1,10 +1,15 @@
 //! OpenAI API shapes (the subset ferry serves) and their conversion to [`GenerateParams`].
 //!
-//! Requests accept unknown fields (clients send many: `user`, `frequency_penalty`, …) and
-//! ignore them. Extensions beyond OpenAI: `top_k`, `min_p`, `ignore_eos`, `speculative` (OpenAI
-//! clients send them with `extra_body`).
+//! **Nothing is ignored silently.** A field that would change the output and that ferry does
+//! not implement yet (`logprobs`, penalties, `logit_bias`, `response_format`, `tools`, `echo`,
+//! `best_of`, `suffix`, …, [`UNSUPPORTED`]) is a 400 naming it, unless its value is the one that
+//! changes nothing (`presence_penalty: 0`, `logit_bias: {}`, `response_format: {"type":
+//! "text"}`, `tool_choice: "none"`, …); a field OpenAI does not define is a 400 too. Fields
+//! with no effect on the output are accepted: [`NO_EFFECT`]. Extensions beyond OpenAI: `top_k`,
+//! `min_p`, `ignore_eos`, `speculative` (OpenAI clients send them with `extra_body`).
 use ferry_modelcard::tokenizer::ChatMessage;
 use serde::{Deserialize, Serialize};
+use serde_json::Value;
 
 use crate::output::{FinishReason, Usage};
 use crate::tokenize::PromptInput;
@@ -54,13 +59,122 @@ pub struct StreamOptions {
     pub include_usage: bool,
 }
 
+/// Accepted fields that do not change the output (OpenAI's bookkeeping and routing hints).
+pub const NO_EFFECT: &[&str] = &[
+    "user",
+    "metadata",
+    "store",
+    "service_tier",
+    "parallel_tool_calls",
+];
+
+/// OpenAI fields ferry does not implement yet, each with the one value (besides `null`) that
+/// changes nothing and is therefore accepted. Completions-only fields are checked on that
+/// endpoint alone.
+pub const UNSUPPORTED: &[(&str, &str)] = &[
+    ("logprobs", "false (chat) or absent (completions)"),
+    ("top_logprobs", "0"),
+    ("presence_penalty", "0"),
+    ("frequency_penalty", "0"),
+    ("repetition_penalty", "1"),
+    ("logit_bias", "{}"),
+    ("min_tokens", "0"),
+    ("stop_token_ids", "[]"),
+    ("response_format", "{\"type\": \"text\"}"),
+    ("tools", "[]"),
+    ("tool_choice", "\"none\""),
+    ("functions", "[]"),
+    ("function_call", "\"none\""),
+    ("echo", "false"),
+    ("best_of", "1"),
+    ("suffix", "\"\""),
+];
+
+/// Whether `v` is the value of the unsupported field `field` that changes nothing.
+fn is_noop(field: &str, v: &Value) -> bool {
+    let num = |want: f64| v.as_f64() == Some(want);
+    match field {
+        "logprobs" | "echo" => v == &Value::Bool(false),
+        "top_logprobs" | "min_tokens" => num(0.0),
+        "presence_penalty" | "frequency_penalty" => num(0.0),
+        "repetition_penalty" | "best_of" => num(1.0),
+        "logit_bias" => v.as_object().is_some_and(|m| m.is_empty()),
+        "stop_token_ids" | "tools" | "functions" => v.as_array().is_some_and(|a| a.is_empty()),
+        "response_format" => v.get("type").and_then(Value::as_str) == Some("text"),
+        "tool_choice" | "function_call" => v.as_str() == Some("none"),
+        "suffix" => v.as_str() == Some(""),
+        _ => false,
+    }
+}
+
+/// The first field of `fields` (name, value) that would change the output: a 400 naming it.
+fn reject_unsupported<'a>(
+    fields: impl IntoIterator<Item = (&'static str, &'a Option<Value>)>,
+) -> Result<(), ValidationError> {
+    for (field, value) in fields {
+        let Some(v) = value.as_ref().filter(|v| !v.is_null()) else {
+            continue;
+        };
+        if !is_noop(field, v) {
+            let accepted = UNSUPPORTED
+                .iter()
+                .find(|(f, _)| *f == field)
+                .map_or("null", |(_, ok)| ok);
+            return Err(ValidationError::new(
+                field,
+                format!(
+                    "is not supported by ferry yet (it would change the output); omit it or send {accepted}, got {v}"
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// Fields both endpoints share, declared once and pasted into each request struct (serde's
-/// `flatten` would lose the field path in type errors, which `error.param` reports).
+/// `flatten` would lose the field path in type errors, which `error.param` reports). Unknown
+/// fields are refused (`deny_unknown_fields` on each struct).
 macro_rules! common_fields {
     ($(#[$meta:meta])* pub struct $name:ident { $($(#[$fmeta:meta])* pub $field:ident : $ty:ty,)* }) => {
         $(#[$meta])*
         pub struct $name {
             $($(#[$fmeta])* pub $field: $ty,)*
+            /// Not implemented: rejected unless `false`/absent ([`UNSUPPORTED`]).
+            pub logprobs: Option<Value>,
+            /// Not implemented ([`UNSUPPORTED`]).
+            pub top_logprobs: Option<Value>,
+            /// Not implemented ([`UNSUPPORTED`]).
+            pub presence_penalty: Option<Value>,
+            /// Not implemented ([`UNSUPPORTED`]).
+            pub frequency_penalty: Option<Value>,
+            /// Not implemented ([`UNSUPPORTED`]).
+            pub repetition_penalty: Option<Value>,
+            /// Not implemented ([`UNSUPPORTED`]).
+            pub logit_bias: Option<Value>,
+            /// Not implemented ([`UNSUPPORTED`]).
+            pub min_tokens: Option<Value>,
+            /// Not implemented ([`UNSUPPORTED`]).
+            pub stop_token_ids: Option<Value>,
+            /// Not implemented ([`UNSUPPORTED`]).
+            pub response_format: Option<Value>,
+            /// Not implemented ([`UNSUPPORTED`]).
+            pub tools: Option<Value>,
+            /// Not implemented ([`UNSUPPORTED`]).
+            pub tool_choice: Option<Value>,
+            /// Not implemented ([`UNSUPPORTED`]).
+            pub functions: Option<Value>,
+            /// Not implemented ([`UNSUPPORTED`]).
+            pub function_call: Option<Value>,
+            /// No effect on the output ([`NO_EFFECT`]).
+            pub user: Option<Value>,
+            /// No effect on the output ([`NO_EFFECT`]).
+            pub metadata: Option<Value>,
+            /// No effect on the output ([`NO_EFFECT`]).
+            pub store: Option<Value>,
+            /// No effect on the output ([`NO_EFFECT`]).
+            pub service_tier: Option<Value>,
+            /// No effect on the output without tools ([`NO_EFFECT`]).
+            pub parallel_tool_calls: Option<Value>,
             /// Softmax temperature.
             pub temperature: Option<f64>,
             /// Nucleus threshold.
@@ -106,6 +220,26 @@ macro_rules! common_fields {
                 }
             }
 
+            /// The shared unsupported fields: a 400 naming the first that would change the
+            /// output.
+            fn check_unsupported(&self) -> Result<(), ValidationError> {
+                reject_unsupported([
+                    ("logprobs", &self.logprobs),
+                    ("top_logprobs", &self.top_logprobs),
+                    ("presence_penalty", &self.presence_penalty),
+                    ("frequency_penalty", &self.frequency_penalty),
+                    ("repetition_penalty", &self.repetition_penalty),
+                    ("logit_bias", &self.logit_bias),
+                    ("min_tokens", &self.min_tokens),
+                    ("stop_token_ids", &self.stop_token_ids),
+                    ("response_format", &self.response_format),
+                    ("tools", &self.tools),
+                    ("tool_choice", &self.tool_choice),
+                    ("functions", &self.functions),
+                    ("function_call", &self.function_call),
+                ])
+            }
+
             fn stop_strings(&self) -> Vec<String> {
                 self.stop.clone().map(StopSpec::into_vec).unwrap_or_default()
             }
@@ -121,6 +255,7 @@ macro_rules! common_fields {
 common_fields! {
     /// `POST /v1/completions`.
     #[derive(Debug, Clone, PartialEq, Deserialize)]
+    #[serde(deny_unknown_fields)]
     pub struct CompletionRequest {
         /// Model name; empty or absent = the served one.
         #[serde(default)]
@@ -129,6 +264,12 @@ common_fields! {
         pub prompt: Prompt,
         /// New tokens at most (default 16).
         pub max_tokens: Option<i64>,
+        /// Not implemented ([`UNSUPPORTED`]).
+        pub echo: Option<Value>,
+        /// Not implemented ([`UNSUPPORTED`]).
+        pub best_of: Option<Value>,
+        /// Not implemented ([`UNSUPPORTED`]).
+        pub suffix: Option<Value>,
     }
 }
 
@@ -137,6 +278,12 @@ impl CompletionRequest {
     /// only this API has: `n` and prompt batches).
     pub fn into_params(self, request_id: &str) -> Result<GenerateParams, ValidationError> {
         self.check_n()?;
+        self.check_unsupported()?;
+        reject_unsupported([
+            ("echo", &self.echo),
+            ("best_of", &self.best_of),
+            ("suffix", &self.suffix),
+        ])?;
         let (sampling, stop) = (self.sampling(), self.stop_strings());
         let batch = |len: usize| {
             ValidationError::new(
@@ -203,6 +350,7 @@ pub struct ChatMessageIn {
 common_fields! {
     /// `POST /v1/chat/completions`.
     #[derive(Debug, Clone, PartialEq, Deserialize)]
+    #[serde(deny_unknown_fields)]
     pub struct ChatRequest {
         /// Model name; empty or absent = the served one.
         #[serde(default)]
@@ -220,6 +368,7 @@ impl ChatRequest {
     /// The request in the router's terms.
     pub fn into_params(self, request_id: &str) -> Result<GenerateParams, ValidationError> {
         self.check_n()?;
+        self.check_unsupported()?;
         let (sampling, stop) = (self.sampling(), self.stop_strings());
         let mut messages = Vec::with_capacity(self.messages.len());
         for (i, m) in self.messages.into_iter().enumerate() {

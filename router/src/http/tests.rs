@@ -242,6 +242,100 @@ async fn speculative_must_be_a_bool() {
     }
 }
 
+/// Nothing is ignored silently: every OpenAI field ferry does not implement is a 400 naming it
+/// when its value would change the output, accepted when it would not; fields with no effect
+/// on the output pass; a field OpenAI does not define is a 400 naming it.
+#[tokio::test]
+async fn unimplemented_and_unknown_fields_are_refused_by_name() {
+    let s = state().await;
+    let user = json!([{"role": "user", "content": "hi"}]);
+    // (field, a value that changes the output, the value that does not).
+    let shared = [
+        ("logprobs", json!(true), json!(false)),
+        ("top_logprobs", json!(3), json!(0)),
+        ("presence_penalty", json!(1.5), json!(0)),
+        ("frequency_penalty", json!(-0.5), json!(0.0)),
+        ("repetition_penalty", json!(1.2), json!(1)),
+        ("logit_bias", json!({"17": -100}), json!({})),
+        ("min_tokens", json!(4), json!(0)),
+        ("stop_token_ids", json!([2]), json!([])),
+        (
+            "response_format",
+            json!({"type": "json_object"}),
+            json!({"type": "text"}),
+        ),
+        (
+            "tools",
+            json!([{"type": "function", "function": {"name": "f"}}]),
+            json!([]),
+        ),
+        ("tool_choice", json!("required"), json!("none")),
+        ("functions", json!([{"name": "f"}]), json!([])),
+        ("function_call", json!("auto"), json!("none")),
+    ];
+    let completions_only = [
+        ("echo", json!(true), json!(false)),
+        ("best_of", json!(3), json!(1)),
+        ("suffix", json!("end"), json!("")),
+    ];
+    let endpoints = [
+        ("/v1/completions", json!({"prompt": "hi"}), true),
+        ("/v1/chat/completions", json!({"messages": user}), false),
+    ];
+    for (uri, base, completions) in &endpoints {
+        let fields = shared
+            .iter()
+            .chain(completions_only.iter().filter(|_| *completions));
+        for (field, effect, noop) in fields {
+            let mut body = base.clone();
+            body[field] = effect.clone();
+            let got = send(&s, "POST", uri, &body.to_string()).await;
+            assert_invalid(&format!("{uri} {field}={effect}"), got.clone(), field);
+            let message = got.1["error"]["message"].as_str().unwrap_or_default();
+            assert!(
+                message.contains("not supported"),
+                "{uri} {field}: {message}"
+            );
+            for ok in [noop.clone(), Value::Null] {
+                body[field] = ok.clone();
+                let (status, got) = send(&s, "POST", uri, &body.to_string()).await;
+                assert_eq!(
+                    status,
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "{uri} {field}={ok}: {got}"
+                );
+            }
+        }
+        // Fields with no effect on the output pass (a 503 here: no workers).
+        for field in crate::http::openai::NO_EFFECT {
+            let mut body = base.clone();
+            body[*field] = json!("x");
+            let (status, got) = send(&s, "POST", uri, &body.to_string()).await;
+            assert_eq!(
+                status,
+                StatusCode::SERVICE_UNAVAILABLE,
+                "{uri} {field}: {got}"
+            );
+        }
+        // A misspelt or invented field is refused by name, not dropped.
+        for field in ["temprature", "max_new_tokens"] {
+            let mut body = base.clone();
+            body[field] = json!(1);
+            let (status, got) = send(&s, "POST", uri, &body.to_string()).await;
+            assert_eq!(status, StatusCode::BAD_REQUEST, "{uri} {field}: {got}");
+            assert_eq!(got["error"]["param"], *field, "{got}");
+            assert_eq!(got["error"]["code"], "unknown_parameter", "{got}");
+        }
+    }
+    // The completions-only fields are not fields of the chat API.
+    let body = json!({"messages": user, "echo": false});
+    let (status, got) = send(&s, "POST", "/v1/chat/completions", &body.to_string()).await;
+    assert_eq!(
+        (status, &got["error"]["param"]),
+        (StatusCode::BAD_REQUEST, &json!("echo"))
+    );
+}
+
 #[tokio::test]
 async fn a_valid_request_without_workers_is_503() {
     let s = state().await;
