@@ -68,8 +68,9 @@ pub enum GpuMode {
     /// CPU backend within the CPU-vs-Hugging-Face tolerance.
     #[default]
     Exact,
-    /// bf16 latent cache, tensor-core attention (absorbed tiles with 12 → 16 padding, flash
-    /// prefill), bf16 GEMM inputs.
+    /// bf16 latent cache with the RoPE key as a bf16 hi/lo pair (`KvDtype::Bf16Split`: the
+    /// RoPE half of every score kept to ~16 bits), tensor-core attention (absorbed tiles with
+    /// 12 → 16 padding, flash prefill), bf16 GEMM inputs; within 2e-2 · max|logit| of exact.
     Fast,
 }
 
