@@ -102,6 +102,35 @@ impl TokenizerPool {
         })
         .await
     }
+
+    /// Token ids of chat `messages` rendered with the chat template (with the assistant
+    /// generation prompt when `add_generation_prompt`), on the blocking pool; content never
+    /// becomes control tokens ([`Self::prepare`]).
+    pub async fn encode_chat(
+        &self,
+        messages: Vec<ChatMessage>,
+        add_generation_prompt: bool,
+    ) -> Result<Vec<u32>, RequestError> {
+        let tokenizer = self.tokenizer.clone();
+        blocking(move || {
+            tokenizer
+                .encode_chat(&messages, add_generation_prompt)
+                .map_err(|e| match e {
+                    CardError::ChatTemplate(msg) => RequestError::Invalid(ValidationError::new(
+                        "messages",
+                        format!("cannot be rendered: {msg}"),
+                    )),
+                    other => internal(other),
+                })
+        })
+        .await
+    }
+
+    /// Text of `ids` (special tokens kept), on the blocking pool.
+    pub async fn decode(&self, ids: Vec<u32>) -> Result<String, RequestError> {
+        let tokenizer = self.tokenizer.clone();
+        blocking(move || tokenizer.decode(&ids, false).map_err(internal)).await
+    }
 }
 
 fn internal(e: CardError) -> RequestError {

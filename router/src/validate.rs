@@ -371,6 +371,58 @@ impl Validator {
     }
 }
 
+impl Validator {
+    /// Token ids of chat `messages` for `/tokenize` (model and size checked first).
+    pub async fn tokenize_chat(
+        &self,
+        model: &str,
+        messages: Vec<ChatMessage>,
+        add_generation_prompt: bool,
+    ) -> Result<Vec<u32>, RequestError> {
+        self.check_model(model)?;
+        let chat = PromptInput::Chat(messages);
+        self.check_prompt_size(&chat)?;
+        check_prompt_shape(&chat, self.params.vocab_size)?;
+        let messages = match chat {
+            PromptInput::Chat(m) => m,
+            _ => Vec::new(),
+        };
+        self.params
+            .tokenizer
+            .encode_chat(messages, add_generation_prompt)
+            .await
+    }
+
+    /// Text of `ids` for `/detokenize`: the model checked, at most the context's length of
+    /// ids (the cost bound), each below the vocabulary size.
+    pub async fn detokenize(&self, model: &str, ids: Vec<u32>) -> Result<String, RequestError> {
+        self.check_model(model)?;
+        if ids.len() > self.params.context_length {
+            return Err(ValidationError::new(
+                "tokens",
+                format!(
+                    "must hold at most {} ids (the context length), got {}",
+                    self.params.context_length,
+                    ids.len()
+                ),
+            )
+            .into());
+        }
+        let vocab = self.params.vocab_size;
+        if let Some(i) = ids.iter().position(|&t| t as usize >= vocab) {
+            return Err(ValidationError::new(
+                "tokens",
+                format!(
+                    "ids must be < {vocab} (the vocabulary size), got {} at index {i}",
+                    ids[i]
+                ),
+            )
+            .into());
+        }
+        self.params.tokenizer.decode(ids).await
+    }
+}
+
 /// Applies defaults, converts to the `f32`s the decode worker samples with, and runs the
 /// worker's own check (`SamplingParams::validate`) on them: what passes here passes there.
 /// A value that changes class in `f32` (`1e39` → `inf`, `1e-50` → `0`) is named with both.

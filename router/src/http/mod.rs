@@ -9,6 +9,7 @@
 //! | [`openai`] | request and response shapes |
 //! | [`completions`] | `POST /v1/completions`: its chunk and response shapes |
 //! | [`chat`] | `POST /v1/chat/completions`: its chunk and response shapes |
+//! | [`tokenize`] | `POST /tokenize`, `POST /detokenize` (vLLM's extensions, vLLM's shapes) |
 //! | [`sse`] | server-sent-event framing |
 //! | [`error`] | OpenAI-shaped error bodies, status mapping, the [`error::ApiJson`] extractor |
 pub mod auth;
@@ -19,6 +20,7 @@ mod generate;
 pub mod openai;
 pub mod serve;
 pub mod sse;
+pub mod tokenize;
 
 use std::sync::Arc;
 
@@ -37,13 +39,15 @@ use openai::{ModelEntry, ModelList};
 /// Largest request body: a 1M-token prompt as a JSON token array is about 7 MiB.
 pub const MAX_BODY_BYTES: usize = 32 * 1024 * 1024;
 
-/// The HTTP app over `state`: `/v1/*` behind `state.keys` (when on), `/health` and
-/// `/metrics` open.
+/// The HTTP app over `state`: `/v1/*`, `/tokenize` and `/detokenize` behind `state.keys`
+/// (when on), `/health` and `/metrics` open.
 pub fn app(state: Arc<AppState>) -> axum::Router {
     let v1 = axum::Router::new()
         .route("/v1/completions", post(completions::completions))
         .route("/v1/chat/completions", post(chat::chat_completions))
         .route("/v1/models", get(models))
+        .route("/tokenize", post(tokenize::tokenize))
+        .route("/detokenize", post(tokenize::detokenize))
         .route_layer(axum::middleware::from_fn_with_state(
             state.clone(),
             auth::require_key,

@@ -370,30 +370,7 @@ impl ChatRequest {
         self.check_n()?;
         self.check_unsupported()?;
         let (sampling, stop) = (self.sampling(), self.stop_strings());
-        let mut messages = Vec::with_capacity(self.messages.len());
-        for (i, m) in self.messages.into_iter().enumerate() {
-            let content = match m.content {
-                None => String::new(),
-                Some(MessageContent::Text(t)) => t,
-                Some(MessageContent::Parts(parts)) => {
-                    let mut text = String::new();
-                    for p in parts {
-                        if p.kind != "text" {
-                            return Err(ValidationError::new(
-                                "messages",
-                                format!(
-                                    "content parts must be of type \"text\", got {:?} in message {i}",
-                                    p.kind
-                                ),
-                            ));
-                        }
-                        text.push_str(&p.text);
-                    }
-                    text
-                }
-            };
-            messages.push(ChatMessage::new(m.role, content));
-        }
+        let messages = chat_messages(self.messages)?;
         Ok(GenerateParams {
             model: self.model,
             prompt: PromptInput::Chat(messages),
@@ -405,6 +382,36 @@ impl ChatRequest {
             speculative: self.speculative,
         })
     }
+}
+
+/// Incoming chat turns as the tokenizer takes them: string content, or `text` parts joined
+/// (other part types are a 400 naming `messages`).
+pub fn chat_messages(incoming: Vec<ChatMessageIn>) -> Result<Vec<ChatMessage>, ValidationError> {
+    let mut messages = Vec::with_capacity(incoming.len());
+    for (i, m) in incoming.into_iter().enumerate() {
+        let content = match m.content {
+            None => String::new(),
+            Some(MessageContent::Text(t)) => t,
+            Some(MessageContent::Parts(parts)) => {
+                let mut text = String::new();
+                for p in parts {
+                    if p.kind != "text" {
+                        return Err(ValidationError::new(
+                            "messages",
+                            format!(
+                                "content parts must be of type \"text\", got {:?} in message {i}",
+                                p.kind
+                            ),
+                        ));
+                    }
+                    text.push_str(&p.text);
+                }
+                text
+            }
+        };
+        messages.push(ChatMessage::new(m.role, content));
+    }
+    Ok(messages)
 }
 
 /// `usage.prompt_tokens_details`.

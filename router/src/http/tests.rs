@@ -379,3 +379,132 @@ async fn models_health_and_unknown_routes() {
     assert_eq!(status, StatusCode::NOT_FOUND, "{body}");
     assert_eq!(body["error"]["code"], "not_found");
 }
+
+/// vLLM's `/tokenize` and `/detokenize`: the served tokenizer's ids and text, with its special
+/// tokens and chat template, and clear 400s for what cannot be answered.
+#[tokio::test]
+async fn tokenize_and_detokenize_use_the_served_tokenizer() {
+    use ferry_modelcard::tokenizer::ChatMessage;
+    let s = state().await;
+    let tok = s.validator.tokenizer().tokenizer().clone();
+    let text = "In the beginning God created the heaven and the earth.";
+
+    let (status, got) = send(
+        &s,
+        "POST",
+        "/tokenize",
+        &json!({"prompt": text}).to_string(),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{got}");
+    let want = tok.encode_text(text, true).expect("encode");
+    assert_eq!(got["tokens"], json!(want));
+    assert_eq!(got["count"], want.len());
+    assert_eq!(got["max_model_len"], s.model.context_length);
+    let body = json!({"prompt": text, "add_special_tokens": false, "model": s.model.name});
+    let (_, plain) = send(&s, "POST", "/tokenize", &body.to_string()).await;
+    let plain_ids = tok.encode_text(text, false).expect("encode");
+    assert_eq!(plain["tokens"], json!(plain_ids));
+    assert_eq!(
+        want.len(),
+        plain_ids.len() + 1,
+        "the BOS token is the difference"
+    );
+
+    // Chat: the template's rendering, with or without the generation prompt.
+    let messages = json!([{"role": "user", "content": "Who made the heaven?"}]);
+    let turns = [ChatMessage::new("user", "Who made the heaven?")];
+    for gen in [true, false] {
+        let body = json!({"messages": messages, "add_generation_prompt": gen});
+        let (status, got) = send(&s, "POST", "/tokenize", &body.to_string()).await;
+        assert_eq!(status, StatusCode::OK, "{got}");
+        assert_eq!(
+            got["tokens"],
+            json!(tok.encode_chat(&turns, gen).expect("chat"))
+        );
+    }
+
+    // Detokenize gives the text back.
+    let body = json!({"tokens": plain_ids});
+    let (status, got) = send(&s, "POST", "/detokenize", &body.to_string()).await;
+    assert_eq!(status, StatusCode::OK, "{got}");
+    assert_eq!(got["prompt"], text);
+
+    // What cannot be answered is a 400 naming the field.
+    let vocab = tok.vocab_size() as u64;
+    let long = vec![5u32; s.model.context_length + 1];
+    let cases: Vec<(&str, &str, Value, &str)> = vec![
+        (
+            "both",
+            "/tokenize",
+            json!({"prompt": "a", "messages": messages}),
+            "messages",
+        ),
+        ("neither", "/tokenize", json!({}), "prompt"),
+        (
+            "other model",
+            "/tokenize",
+            json!({"prompt": "a", "model": "x"}),
+            "model",
+        ),
+        (
+            "unknown field",
+            "/tokenize",
+            json!({"prompt": "a", "text": "b"}),
+            "text",
+        ),
+        (
+            "image part",
+            "/tokenize",
+            json!({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
+            "messages",
+        ),
+        (
+            "id past the vocabulary",
+            "/detokenize",
+            json!({"tokens": [1, vocab]}),
+            "tokens",
+        ),
+        (
+            "more ids than the context",
+            "/detokenize",
+            json!({"tokens": long}),
+            "tokens",
+        ),
+        (
+            "ids not a list",
+            "/detokenize",
+            json!({"tokens": "abc"}),
+            "tokens",
+        ),
+    ];
+    for (case, uri, body, field) in cases {
+        let got = send(&s, "POST", uri, &body.to_string()).await;
+        assert_invalid(case, got, field);
+    }
+}
+
+/// With API keys on, `/tokenize` and `/detokenize` need one like `/v1/*`; `/health` does not.
+#[tokio::test]
+async fn tokenize_needs_an_api_key_when_keys_are_on() {
+    let dir = tempfile::tempdir().expect("a directory for the keys file");
+    let path = dir.path().join("keys.txt");
+    std::fs::write(&path, "sk-ferry-test-0123456789abcdef name=t\n").expect("keys file");
+    let config = RouterConfig {
+        api_keys_file: Some(path),
+        ..RouterConfig::ephemeral()
+    };
+    let s = AppState::load(&config)
+        .await
+        .expect("the embedded model loads");
+    for (uri, body) in [
+        ("/tokenize", json!({"prompt": "hi"})),
+        ("/detokenize", json!({"tokens": [5]})),
+    ] {
+        let (status, got) = send(&s, "POST", uri, &body.to_string()).await;
+        assert_eq!(status, StatusCode::UNAUTHORIZED, "{uri}: {got}");
+        assert_eq!(got["error"]["code"], "invalid_api_key", "{uri}: {got}");
+    }
+    let (status, _) = send(&s, "GET", "/health", "").await;
+    assert_ne!(status, StatusCode::UNAUTHORIZED);
+}
