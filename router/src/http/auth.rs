@@ -1,6 +1,7 @@
-//! API keys on the HTTP API: [`require_key`] authenticates every `/v1/*` request from its
-//! `Authorization: Bearer <key>` header and hands the [`Caller`] to the handlers (an
-//! extractor); anything else is a 401 with an OpenAI-shaped body before the handler runs.
+//! API keys on the HTTP API: [`require_key`] authenticates every `/v1/*`, `/tokenize` and
+//! `/detokenize` request from its `Authorization: Bearer <key>` header and hands the
+//! [`Caller`] to the handlers (an extractor); anything else is a 401 with an OpenAI-shaped body
+//! before the handler runs.
 //! `/health` and `/metrics` are outside the layer and stay open (probes and scrapers).
 use std::sync::Arc;
 
