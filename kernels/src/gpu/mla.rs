@@ -181,12 +181,14 @@ impl MlaShape {
 
     /// Whether the tensor-core tile kernel takes this shape (else use the generic kernel).
     pub fn tile_ok(&self) -> bool {
-        // The 8-warp and warp-specialised kernels: 32-key steps; value width per warp pair
-        // (8 warps) or per warp; their ring depths.
-        // The split tail reads k_pe hi at `latent − split` in whole k-steps.
+        // Split rows: the pair lies in the RoPE part, and the score's tail (q_lo against
+        // k_pe hi) is whole 16-wide k-steps (32-wide on the 32-key paths).
         let split_ok = self.split == 0
             || (self.split <= self.latent - self.kv_lora.min(self.latent) && self.split % 16 == 0);
         let (krow, split32) = (self.krow(), self.split % 32 == 0);
+        // The 8-warp and warp-specialised kernels: 32-key steps; the cache row in whole halves
+        // of 32-wide pairs (8 warps) or 32-wide steps; value width per warp pair (8 warps) or
+        // per warp; their ring depths.
         if let Some((v_multiple, row_multiple, max_stages)) = match self.tile_warps {
             8 => Some((128, 64, 5)),
             5 => Some((64, 32, 4)),
