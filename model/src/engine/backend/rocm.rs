@@ -116,17 +116,14 @@ impl RocmRows {
         Ok(out)
     }
 
-    /// One block of one layer from a peer, `data` in the cache's dtype: widened to f32 rows and
-    /// written (rounded back to the same bf16 bits in a bf16 cache: the round trip is exact).
+    /// One block of one layer from a peer, `data` in the cache's dtype: copied into the device
+    /// cache as it is (the shared device cache's byte write, as on CUDA).
     pub(crate) fn write_kv(
         &mut self,
         layer: usize,
         block: BlockId,
         data: &[u8],
     ) -> Result<(), ModelError> {
-        let layout = *self.cache.layout();
-        let mut rows = vec![0.0f32; layout.block_floats()];
-        self.kv_dtype().widen_into(data, layout.width, &mut rows)?;
-        self.cache.write_blocks(layer, block, &rows)
+        self.cache.write_block_bytes(layer, block, data)
     }
 }
