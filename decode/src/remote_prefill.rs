@@ -138,6 +138,7 @@ async fn call(job: &RemotePrefill) -> Result<u32, String> {
             layout: Some(job.layout.clone()),
             block_ids: job.blocks.iter().map(|b| b.0).collect(),
             remote_key: job.registration.key.0,
+            fence: 0,
         }),
     });
     trace_ctx::inject_request(&Span::current(), &mut request);

@@ -72,7 +72,7 @@
 //!
 //! // Prefill worker: connect (runs the layout handshake), then hand over each layer as soon
 //! // as it is computed (`sink.send` never blocks; call it from the engine thread).
-//! let writer = transport.connect(&reg.address, reg.key, &layout).await?;
+//! let writer = transport.connect(&reg.address, reg.key, Fence::NONE, &layout).await?;
 //! let (sink, streamer) = LayerStreamer::spawn(writer);
 //! for layer in 0..layout.num_layers {
 //!     let data = vec![1; layout.block_bytes()];
@@ -101,8 +101,11 @@ pub mod error;
 pub mod handshake;
 pub mod layerwise;
 pub mod local;
+pub mod memory;
 mod registry;
 pub mod tcp;
+pub mod ucx;
+mod wire;
 
 pub use convert::{convert, convert_into};
 pub use descriptor::{check_write, BlockWrite, WriteBatch};
@@ -110,7 +113,9 @@ pub use error::{ParseDtypeError, TransferError};
 pub use handshake::check_compatible;
 pub use layerwise::{LayerSink, LayerStreamer};
 pub use local::LocalTransport;
+pub use memory::{HostMemory, LayerMemory, Span};
 pub use tcp::TcpTransport;
+pub use ucx::UcxTransport;
 
 /// How a KV pool's rows are stored: the element type, and for fast-mode GPU caches where the
 /// RoPE key sits.
@@ -306,33 +311,78 @@ pub struct Registration {
     pub key: RemoteKey,
 }
 
+/// Which reservation a transfer writes under: the destination's generation for one request's
+/// blocks, sent in the prefill request (`KvDestination.fence`) and presented at connect.
+///
+/// A region lands a block only while that block is reserved under the writer's fence
+/// ([`KvRegion::admit`]), so a writer that outlived its request (timed out, its peer gave up
+/// and reused the blocks) cannot write into someone else's KV. [`Fence::NONE`]: the region does
+/// not fence (tests, benchmarks).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[repr(transparent)]
+pub struct Fence(pub u64);
+
+impl Fence {
+    /// No fence.
+    pub const NONE: Fence = Fence(0);
+}
+
 /// Memory that remote writers may write whole blocks into: the decode worker's KV pool.
 ///
-/// Transports call [`KvRegion::write`] from their receiving task (a tokio task for TCP, the
-/// writer's own task in-process), so **`write` must be cheap and never block**: copy the bytes
-/// into the pool, or hand them to the engine thread over a non-blocking channel. `write`
-/// returning `Ok` must mean the bytes are applied, or ordered before anything that reads those
-/// blocks: a writer's flush reports completion on that basis.
+/// A region is **registered memory**: [`KvRegion::memory`] says where each layer's blocks live,
+/// and transports put bytes there themselves (UCX one-sidedly from the writer's process, TCP and
+/// in-process by copying what they received), checking each write against the layout and
+/// [`KvRegion::admit`] first where they see it. Layers whose memory a transport cannot reach
+/// ([`LayerMemory::Staged`], or device memory without a CUDA-capable UCX) arrive through
+/// [`KvRegion::write`], which must be cheap and never block: copy the bytes, or hand them to
+/// the engine thread over a non-blocking channel.
 ///
-/// Transports validate every write against [`KvRegion::layout`] before calling `write`
-/// (`layer < num_layers`, `block < num_blocks`, `data.len() == block_bytes()`); the layout must
-/// not change while the region is registered.
+/// A writer's flush ([`RemoteWriter::flush`]) returns once every earlier write has landed, in
+/// memory or through `write`; the region's owner treats blocks as filled only after that
+/// completion reaches it (for the decode worker: the prefill peer's reply, sent after flushing).
+///
+/// Transports validate every write against [`KvRegion::layout`] (`layer < num_layers`,
+/// `block < num_blocks`, `data.len() == block_bytes()`); the layout and the memory must not
+/// change while the region is registered.
 pub trait KvRegion: Send + Sync + 'static {
     /// The pool's layout (read at registration and at each connection).
     fn layout(&self) -> KvLayoutDesc;
 
-    /// Stores one whole block of one layer.
-    fn write(&self, layer: u32, block: u32, data: &[u8]) -> Result<(), TransferError>;
+    /// Where `layer`'s blocks live (read once, at registration). The default exposes nothing:
+    /// every block arrives through [`KvRegion::write`].
+    fn memory(&self, layer: u32) -> LayerMemory {
+        let _ = layer;
+        LayerMemory::Staged
+    }
+
+    /// Whether a writer holding `fence` may write `block` now (it is reserved for that
+    /// writer's request). Transports that see each write (TCP, in-process, UCX's staged path)
+    /// call it before landing the block; a one-sided put cannot be checked on arrival, so UCX
+    /// checks the fence at connect and the region's owner keeps the blocks of an abandoned
+    /// transfer out of reuse until its writer has stopped. The default admits everything.
+    fn admit(&self, block: u32, fence: Fence) -> Result<(), TransferError> {
+        let _ = (block, fence);
+        Ok(())
+    }
+
+    /// Stores one whole block of a layer that is not written in memory (see the trait docs).
+    /// The default refuses: a region that exposes every layer never receives a call.
+    fn write(&self, layer: u32, block: u32, data: &[u8]) -> Result<(), TransferError> {
+        let _ = data;
+        Err(TransferError::Region(format!(
+            "layer {layer} block {block}: this region takes writes only into its registered memory"
+        )))
+    }
 }
 
-/// A way to move KV blocks into remote memory: TCP, in-process, later UCX.
+/// A way to move KV blocks into remote memory: TCP, in-process, UCX.
 ///
 /// The receiving side [`register`](Transport::register)s its pool; the sending side
 /// [`connect`](Transport::connect)s to the returned address and key. One transport value
 /// serves both roles.
 #[async_trait]
 pub trait Transport: Send + Sync {
-    /// Short name, as in `KvDestination.transport`: `"tcp"`, `"local"`.
+    /// Short name, as in `KvDestination.transport`: `"tcp"`, `"ucx"`, `"local"`.
     fn name(&self) -> &'static str;
 
     /// Makes `region` writable by remote writers; returns where and under which key.
@@ -348,11 +398,12 @@ pub trait Transport: Send + Sync {
     /// Connects to the region `key` at `address` and runs the layout handshake: the region's
     /// layout must be compatible with `writer_layout` ([`check_compatible`]), else
     /// [`TransferError::LayoutMismatch`] with `ours` = the writer's value. An unknown key is
-    /// [`TransferError::UnknownRegion`].
+    /// [`TransferError::UnknownRegion`]. Writes go out under `fence` ([`KvRegion::admit`]).
     async fn connect(
         &self,
         address: &str,
         key: RemoteKey,
+        fence: Fence,
         writer_layout: &KvLayoutDesc,
     ) -> Result<Box<dyn RemoteWriter>, TransferError>;
 }

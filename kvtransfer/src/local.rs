@@ -1,5 +1,6 @@
-//! In-process transport: the "remote" region lives in this process, and writes are direct calls
-//! to [`KvRegion::write`] on the writer's task.
+//! In-process transport: the "remote" region lives in this process, and writes land on the
+//! writer's task: copied into the region's host memory, or passed to [`KvRegion::write`] for
+//! layers it does not expose.
 //!
 //! Every clone of a [`LocalTransport`] shares one fabric (key → region), so a prefill and a
 //! decode worker in one process reach each other by handing around clones. The only address is
@@ -11,8 +12,8 @@ use async_trait::async_trait;
 
 use crate::registry::{Entry, Registry};
 use crate::{
-    check_compatible, KvLayoutDesc, KvRegion, Registration, RemoteKey, RemoteWriter, TransferError,
-    Transport, WriteBatch,
+    check_compatible, Fence, KvLayoutDesc, KvRegion, Registration, RemoteKey, RemoteWriter,
+    TransferError, Transport, WriteBatch,
 };
 
 /// The address every [`LocalTransport`] registration returns.
@@ -67,6 +68,7 @@ impl Transport for LocalTransport {
         &self,
         address: &str,
         key: RemoteKey,
+        fence: Fence,
         writer_layout: &KvLayoutDesc,
     ) -> Result<Box<dyn RemoteWriter>, TransferError> {
         if address != LOCAL_ADDRESS {
@@ -79,6 +81,7 @@ impl Transport for LocalTransport {
         Ok(Box::new(LocalWriter {
             entry,
             key,
+            fence,
             written: 0,
             failed: false,
         }))
@@ -89,6 +92,7 @@ impl Transport for LocalTransport {
 struct LocalWriter {
     entry: Arc<Entry>,
     key: RemoteKey,
+    fence: Fence,
     written: u64,
     failed: bool,
 }
@@ -105,7 +109,10 @@ impl RemoteWriter for LocalWriter {
             return Err(TransferError::UnknownRegion(self.key));
         }
         for w in &batch.writes {
-            if let Err(e) = self.entry.region.write(batch.layer, w.block, &w.data) {
+            let landed = self
+                .entry
+                .land(self.key, self.fence, batch.layer, w.block, &w.data);
+            if let Err(e) = landed {
                 self.failed = true;
                 return Err(e);
             }

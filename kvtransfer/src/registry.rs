@@ -8,19 +8,63 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, PoisonError, RwLock};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use crate::{KvLayoutDesc, KvRegion, RemoteKey, TransferError};
+use crate::{check_write, Fence, KvLayoutDesc, KvRegion, LayerMemory, RemoteKey, TransferError};
 
-/// A registered region and its layout, read once at registration.
+/// A registered region, its layout and its memory, read once at registration.
 pub(crate) struct Entry {
     pub(crate) region: Arc<dyn KvRegion>,
     pub(crate) layout: KvLayoutDesc,
+    /// [`KvRegion::memory`] of each layer.
+    pub(crate) memory: Vec<LayerMemory>,
     live: AtomicBool,
 }
 
 impl Entry {
+    pub(crate) fn new(region: Arc<dyn KvRegion>) -> Self {
+        let layout = region.layout();
+        let memory = (0..layout.num_layers).map(|l| region.memory(l)).collect();
+        Entry {
+            layout,
+            memory,
+            region,
+            live: AtomicBool::new(true),
+        }
+    }
+
     /// False once deregistered: connections holding the entry stop writing.
     pub(crate) fn is_live(&self) -> bool {
         self.live.load(Ordering::Acquire)
+    }
+
+    /// Lands one received block: checks it against the layout, the registration (`key`) and
+    /// the region's admission under `fence`, then copies it into the layer's host memory or
+    /// hands it to [`KvRegion::write`] (staged and device layers).
+    pub(crate) fn land(
+        &self,
+        key: RemoteKey,
+        fence: Fence,
+        layer: u32,
+        block: u32,
+        data: &[u8],
+    ) -> Result<(), TransferError> {
+        check_write(&self.layout, layer, block, data.len())?;
+        if !self.is_live() {
+            return Err(TransferError::UnknownRegion(key));
+        }
+        self.region.admit(block, fence)?;
+        let offset = block as usize * self.layout.block_bytes();
+        match self.memory.get(layer as usize) {
+            Some(m @ LayerMemory::Host(_)) => {
+                if m.land_host(offset, data) {
+                    Ok(())
+                } else {
+                    Err(TransferError::Region(format!(
+                        "layer {layer} block {block}: outside the layer's registered memory"
+                    )))
+                }
+            }
+            _ => self.region.write(layer, block, data),
+        }
     }
 }
 
@@ -46,11 +90,7 @@ impl Registry {
 
     /// Registers `region` under a fresh non-zero key.
     pub(crate) fn insert(&self, region: Arc<dyn KvRegion>) -> RemoteKey {
-        let entry = Arc::new(Entry {
-            layout: region.layout(),
-            region,
-            live: AtomicBool::new(true),
-        });
+        let entry = Arc::new(Entry::new(region));
         let mut map = self.regions.write().unwrap_or_else(PoisonError::into_inner);
         loop {
             let n = self.counter.fetch_add(1, Ordering::Relaxed);

@@ -7,8 +7,8 @@
 use std::sync::{Arc, Mutex};
 
 use ferry_kvtransfer::{
-    check_write, convert, BlockWrite, Dtype, KvLayoutDesc, KvRegion, LayerStreamer, LocalTransport,
-    TcpTransport, TransferError, Transport, WriteBatch,
+    check_write, convert, BlockWrite, Dtype, Fence, KvLayoutDesc, KvRegion, LayerStreamer,
+    LocalTransport, TcpTransport, TransferError, Transport, WriteBatch,
 };
 
 /// 2 layers × 4 blocks of 2 tokens × 8 elements.
@@ -217,7 +217,7 @@ async fn rows_arrive_in_the_destination_dtype(t: Arc<dyn Transport>) {
                 num_blocks: 9,
                 ..layout(from)
             };
-            match t.connect(&reg.address, reg.key, &held).await {
+            match t.connect(&reg.address, reg.key, Fence::NONE, &held).await {
                 Err(TransferError::LayoutMismatch {
                     field,
                     ours,
@@ -235,7 +235,10 @@ async fn rows_arrive_in_the_destination_dtype(t: Arc<dyn Transport>) {
             num_blocks: 9,
             ..layout(to)
         };
-        let writer = t.connect(&reg.address, reg.key, &wire).await.unwrap();
+        let writer = t
+            .connect(&reg.address, reg.key, Fence::NONE, &wire)
+            .await
+            .unwrap();
         let (sink, streamer) = LayerStreamer::spawn(writer);
         // Writer block b of layer l goes to destination block 3 - b.
         for layer in 0..2 {

@@ -2,11 +2,12 @@
 //! and [`LocalTransport`], plus TCP-only tests that speak the wire protocol by hand.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use ferry_kvtransfer::{
-    check_write, BlockWrite, Dtype, KvLayoutDesc, KvRegion, LayerStreamer, LocalTransport,
-    RemoteKey, RemoteWriter, TcpTransport, TransferError, Transport, WriteBatch,
+    check_write, BlockWrite, Dtype, Fence, HostMemory, KvLayoutDesc, KvRegion, LayerMemory,
+    LayerStreamer, LocalTransport, RemoteKey, RemoteWriter, TcpTransport, TransferError, Transport,
+    UcxTransport, WriteBatch,
 };
 use ferry_proto::auth::ClusterToken;
 
@@ -22,28 +23,51 @@ const LAYOUT: KvLayoutDesc = KvLayoutDesc {
 /// What every byte of a region holds before anything is written.
 const SENTINEL: u8 = 0xA5;
 
-/// A KV pool in one `Mutex<Vec<u8>>`, `[layer][block][bytes]`, optionally refusing one block.
+/// How a [`TestRegion`] exposes its bytes.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Exposed {
+    /// Every layer is registered host memory (transports write into it themselves).
+    Memory,
+    /// No memory is exposed: every block arrives through `KvRegion::write`.
+    Staged,
+}
+
+/// A KV pool in one [`HostMemory`], `[layer][block][bytes]`, optionally refusing one block
+/// (in `admit` when exposed as memory, in `write` when staged) or admitting only one fence.
 struct TestRegion {
     layout: KvLayoutDesc,
-    data: Mutex<Vec<u8>>,
+    data: HostMemory,
+    exposed: Exposed,
     refuse_block: Option<u32>,
+    fence: Option<Fence>,
 }
 
 impl TestRegion {
-    fn new(layout: KvLayoutDesc) -> Arc<Self> {
-        Self::build(layout, None)
+    fn new(layout: KvLayoutDesc, exposed: Exposed) -> Arc<Self> {
+        Self::build(layout, exposed, None, None)
     }
 
-    fn refusing(layout: KvLayoutDesc, block: u32) -> Arc<Self> {
-        Self::build(layout, Some(block))
+    fn refusing(layout: KvLayoutDesc, exposed: Exposed, block: u32) -> Arc<Self> {
+        Self::build(layout, exposed, Some(block), None)
     }
 
-    fn build(layout: KvLayoutDesc, refuse_block: Option<u32>) -> Arc<Self> {
+    fn fenced(layout: KvLayoutDesc, exposed: Exposed, fence: Fence) -> Arc<Self> {
+        Self::build(layout, exposed, None, Some(fence))
+    }
+
+    fn build(
+        layout: KvLayoutDesc,
+        exposed: Exposed,
+        refuse_block: Option<u32>,
+        fence: Option<Fence>,
+    ) -> Arc<Self> {
         let len = layout.num_layers as usize * layout.num_blocks as usize * layout.block_bytes();
         Arc::new(TestRegion {
             layout,
-            data: Mutex::new(vec![SENTINEL; len]),
+            data: HostMemory::filled(len, SENTINEL),
+            exposed,
             refuse_block,
+            fence,
         })
     }
 
@@ -54,7 +78,16 @@ impl TestRegion {
 
     fn block(&self, layer: u32, block: u32) -> Vec<u8> {
         let start = self.offset(layer, block);
-        self.data.lock().unwrap()[start..start + self.layout.block_bytes()].to_vec()
+        self.data.read(start, self.layout.block_bytes()).unwrap()
+    }
+
+    fn refusal(&self, block: u32) -> Result<(), TransferError> {
+        if self.refuse_block == Some(block) {
+            return Err(TransferError::Region(format!(
+                "injected failure on block {block}"
+            )));
+        }
+        Ok(())
     }
 
     /// Every block in `expected` holds exactly those bytes; every other block is untouched.
@@ -82,15 +115,40 @@ impl KvRegion for TestRegion {
         self.layout
     }
 
+    fn memory(&self, layer: u32) -> LayerMemory {
+        match self.exposed {
+            Exposed::Memory => {
+                let len = self.layout.num_blocks as usize * self.layout.block_bytes();
+                self.data.layer(self.offset(layer, 0), len).unwrap()
+            }
+            Exposed::Staged => LayerMemory::Staged,
+        }
+    }
+
+    fn admit(&self, block: u32, fence: Fence) -> Result<(), TransferError> {
+        if let Some(want) = self.fence {
+            if fence != want {
+                return Err(TransferError::Region(format!(
+                    "block {block} is not reserved under fence {}",
+                    fence.0
+                )));
+            }
+        }
+        match self.exposed {
+            Exposed::Memory => self.refusal(block),
+            Exposed::Staged => Ok(()),
+        }
+    }
+
     fn write(&self, layer: u32, block: u32, data: &[u8]) -> Result<(), TransferError> {
         check_write(&self.layout, layer, block, data.len())?;
-        if self.refuse_block == Some(block) {
-            return Err(TransferError::Region(format!(
-                "injected failure on block {block}"
-            )));
-        }
-        let start = self.offset(layer, block);
-        self.data.lock().unwrap()[start..start + data.len()].copy_from_slice(data);
+        assert_eq!(
+            self.exposed,
+            Exposed::Staged,
+            "a memory region got a staged write"
+        );
+        self.refusal(block)?;
+        assert!(self.data.write(self.offset(layer, block), data));
         Ok(())
     }
 }
@@ -131,9 +189,24 @@ async fn local() -> Arc<dyn Transport> {
     Arc::new(LocalTransport::new())
 }
 
+/// One UCX worker that both registers and writes (an endpoint to itself); the two-process
+/// tests are in `ucx_processes.rs`.
+async fn ucx() -> Arc<dyn Transport> {
+    Arc::new(UcxTransport::new().expect("UCX must be installed for these tests (libucx0)"))
+}
+
 /// The test bodies, each run once per transport by `transport_contract!`.
 mod contract {
     use super::*;
+
+    /// UCX checks what it sees: staged blocks. Its puts are checked by the writer only.
+    fn staged_for_ucx(t: &dyn Transport, ex: Exposed) -> Exposed {
+        if t.name() == "ucx" {
+            Exposed::Staged
+        } else {
+            ex
+        }
+    }
 
     /// Per layer, which (non-contiguous) blocks are written; the last layer writes fewer.
     fn plan(layer: u32) -> &'static [u32] {
@@ -158,7 +231,7 @@ mod contract {
             ..LAYOUT
         };
         let writer = t
-            .connect(&reg.address, reg.key, &writer_layout)
+            .connect(&reg.address, reg.key, Fence::NONE, &writer_layout)
             .await
             .unwrap();
         let (sink, streamer) = LayerStreamer::spawn(writer);
@@ -186,15 +259,18 @@ mod contract {
         (total, expected)
     }
 
-    pub async fn streams_layers_into_the_right_blocks(t: Arc<dyn Transport>) {
-        let region = TestRegion::new(LAYOUT);
+    pub async fn streams_layers_into_the_right_blocks(t: Arc<dyn Transport>, ex: Exposed) {
+        let region = TestRegion::new(LAYOUT, ex);
         let (total, expected) = stream_from_thread(&*t, &region, 1).await;
         assert_eq!(total, expected.len() as u64 * LAYOUT.block_bytes() as u64);
         assert_eq!(total, 14 * 64);
         region.assert_only(&expected);
     }
 
-    pub async fn flush_counts_bytes_and_large_blocks_arrive_whole(t: Arc<dyn Transport>) {
+    pub async fn flush_counts_bytes_and_large_blocks_arrive_whole(
+        t: Arc<dyn Transport>,
+        ex: Exposed,
+    ) {
         // 9 MiB blocks: larger than one socket write.
         let layout = KvLayoutDesc {
             num_layers: 2,
@@ -204,9 +280,12 @@ mod contract {
             num_blocks: 2,
         };
         assert_eq!(layout.block_bytes(), 9 << 20);
-        let region = TestRegion::new(layout);
+        let region = TestRegion::new(layout, ex);
         let reg = t.register(region.clone()).await.unwrap();
-        let mut writer = t.connect(&reg.address, reg.key, &layout).await.unwrap();
+        let mut writer = t
+            .connect(&reg.address, reg.key, Fence::NONE, &layout)
+            .await
+            .unwrap();
         assert_eq!(writer.flush().await.unwrap(), 0);
         writer.write(batch(2, &layout, 1, &[0])).await.unwrap();
         assert_eq!(writer.flush().await.unwrap(), 9 << 20);
@@ -218,8 +297,11 @@ mod contract {
         region.assert_only(&expected);
     }
 
-    pub async fn layout_mismatch_fails_the_connect_naming_the_field(t: Arc<dyn Transport>) {
-        let region = TestRegion::new(LAYOUT);
+    pub async fn layout_mismatch_fails_the_connect_naming_the_field(
+        t: Arc<dyn Transport>,
+        ex: Exposed,
+    ) {
+        let region = TestRegion::new(LAYOUT, ex);
         let reg = t.register(region.clone()).await.unwrap();
         let with = |change: fn(&mut KvLayoutDesc)| {
             let mut l = LAYOUT;
@@ -233,7 +315,10 @@ mod contract {
             ("dtype", with(|l| l.dtype = Dtype::F32), "f32", "bf16"),
         ];
         for (name, writer_layout, want_ours, want_theirs) in cases {
-            match expect_err(t.connect(&reg.address, reg.key, &writer_layout).await) {
+            match expect_err(
+                t.connect(&reg.address, reg.key, Fence::NONE, &writer_layout)
+                    .await,
+            ) {
                 TransferError::LayoutMismatch {
                     field,
                     ours,
@@ -246,7 +331,10 @@ mod contract {
             }
         }
         // The receiver still serves compatible writers.
-        let mut writer = t.connect(&reg.address, reg.key, &LAYOUT).await.unwrap();
+        let mut writer = t
+            .connect(&reg.address, reg.key, Fence::NONE, &LAYOUT)
+            .await
+            .unwrap();
         writer.write(batch(3, &LAYOUT, 0, &[4])).await.unwrap();
         assert_eq!(writer.flush().await.unwrap(), 64);
         let mut expected = HashMap::new();
@@ -254,17 +342,20 @@ mod contract {
         region.assert_only(&expected);
     }
 
-    pub async fn unknown_and_deregistered_keys_fail(t: Arc<dyn Transport>) {
-        let region = TestRegion::new(LAYOUT);
+    pub async fn unknown_and_deregistered_keys_fail(t: Arc<dyn Transport>, ex: Exposed) {
+        let region = TestRegion::new(LAYOUT, ex);
         let reg = t.register(region.clone()).await.unwrap();
         let wrong = RemoteKey(reg.key.0 ^ 0x5555);
-        match expect_err(t.connect(&reg.address, wrong, &LAYOUT).await) {
+        match expect_err(t.connect(&reg.address, wrong, Fence::NONE, &LAYOUT).await) {
             TransferError::UnknownRegion(k) => assert_eq!(k, wrong),
             other => panic!("expected an unknown region, got {other:?}"),
         }
 
         // A writer connected before the deregistration stops landing writes.
-        let mut writer = t.connect(&reg.address, reg.key, &LAYOUT).await.unwrap();
+        let mut writer = t
+            .connect(&reg.address, reg.key, Fence::NONE, &LAYOUT)
+            .await
+            .unwrap();
         t.deregister(reg.key).await.unwrap();
         let wrote = writer.write(batch(4, &LAYOUT, 0, &[1])).await;
         let flushed = writer.flush().await;
@@ -274,9 +365,13 @@ mod contract {
             "write {wrote:?}, flush {flushed:?}"
         );
         assert!(writer.flush().await.is_err());
-        region.assert_only(&HashMap::new());
+        // A one-sided put already posted lands anyway (the trait's `deregister` docs); every
+        // transport that sees the write refuses it.
+        if !(t.name() == "ucx" && ex == Exposed::Memory) {
+            region.assert_only(&HashMap::new());
+        }
 
-        match expect_err(t.connect(&reg.address, reg.key, &LAYOUT).await) {
+        match expect_err(t.connect(&reg.address, reg.key, Fence::NONE, &LAYOUT).await) {
             TransferError::UnknownRegion(k) => assert_eq!(k, reg.key),
             other => panic!("expected an unknown region, got {other:?}"),
         }
@@ -286,8 +381,8 @@ mod contract {
         ));
     }
 
-    pub async fn out_of_range_writes_fail_cleanly(t: Arc<dyn Transport>) {
-        let region = TestRegion::new(LAYOUT);
+    pub async fn out_of_range_writes_fail_cleanly(t: Arc<dyn Transport>, ex: Exposed) {
+        let region = TestRegion::new(LAYOUT, ex);
         let reg = t.register(region.clone()).await.unwrap();
         // The writer's own pool is larger: the destination's num_blocks is the limit.
         let writer_layout = KvLayoutDesc {
@@ -295,7 +390,7 @@ mod contract {
             ..LAYOUT
         };
         let mut writer = t
-            .connect(&reg.address, reg.key, &writer_layout)
+            .connect(&reg.address, reg.key, Fence::NONE, &writer_layout)
             .await
             .unwrap();
         let short = WriteBatch {
@@ -327,7 +422,10 @@ mod contract {
 
         // Through the streamer, a bad batch in the middle is reported by finish, and later
         // sends are refused.
-        let writer = t.connect(&reg.address, reg.key, &LAYOUT).await.unwrap();
+        let writer = t
+            .connect(&reg.address, reg.key, Fence::NONE, &LAYOUT)
+            .await
+            .unwrap();
         let (sink, streamer) = LayerStreamer::spawn(writer);
         let late = sink.clone();
         sink.send(batch(6, &LAYOUT, 0, &[5])).unwrap();
@@ -345,16 +443,25 @@ mod contract {
         ));
 
         // Other connections are still served.
-        let mut writer = t.connect(&reg.address, reg.key, &LAYOUT).await.unwrap();
+        let mut writer = t
+            .connect(&reg.address, reg.key, Fence::NONE, &LAYOUT)
+            .await
+            .unwrap();
         writer.write(batch(7, &LAYOUT, 3, &[0])).await.unwrap();
         assert_eq!(writer.flush().await.unwrap(), 64);
         assert_eq!(region.block(3, 0), pattern(7, 3, 0, 64));
     }
 
-    pub async fn region_refusal_is_reported_by_finish(t: Arc<dyn Transport>) {
-        let region = TestRegion::refusing(LAYOUT, 5);
+    pub async fn region_refusal_is_reported_by_finish(t: Arc<dyn Transport>, ex: Exposed) {
+        // A one-sided put is not checked on arrival (see `ferry_kvtransfer::ucx`): UCX's
+        // refusals come from layers that are not exposed as memory.
+        let ex = staged_for_ucx(&*t, ex);
+        let region = TestRegion::refusing(LAYOUT, ex, 5);
         let reg = t.register(region.clone()).await.unwrap();
-        let writer = t.connect(&reg.address, reg.key, &LAYOUT).await.unwrap();
+        let writer = t
+            .connect(&reg.address, reg.key, Fence::NONE, &LAYOUT)
+            .await
+            .unwrap();
         let (sink, streamer) = LayerStreamer::spawn(writer);
         let late = sink.clone();
         sink.send(batch(8, &LAYOUT, 0, &[1, 5, 9])).unwrap();
@@ -370,15 +477,46 @@ mod contract {
         assert!(region.block(0, 9).iter().all(|&b| b == SENTINEL));
 
         // The receiver keeps serving new connections.
-        let mut writer = t.connect(&reg.address, reg.key, &LAYOUT).await.unwrap();
+        let mut writer = t
+            .connect(&reg.address, reg.key, Fence::NONE, &LAYOUT)
+            .await
+            .unwrap();
         writer.write(batch(9, &LAYOUT, 2, &[6])).await.unwrap();
         assert_eq!(writer.flush().await.unwrap(), 64);
         assert_eq!(region.block(2, 6), pattern(9, 2, 6, 64));
     }
 
-    pub async fn concurrent_writers_to_two_regions(t: Arc<dyn Transport>) {
-        let a = TestRegion::new(LAYOUT);
-        let b = TestRegion::new(LAYOUT);
+    pub async fn a_stale_fence_lands_nothing(t: Arc<dyn Transport>, ex: Exposed) {
+        let ex = staged_for_ucx(&*t, ex);
+        let region = TestRegion::fenced(LAYOUT, ex, Fence(7));
+        let reg = t.register(region.clone()).await.unwrap();
+        // A writer from an earlier reservation of these blocks.
+        let mut stale = t
+            .connect(&reg.address, reg.key, Fence(6), &LAYOUT)
+            .await
+            .unwrap();
+        let wrote = stale.write(batch(11, &LAYOUT, 0, &[3])).await;
+        let flushed = stale.flush().await;
+        assert!(
+            matches!(&wrote, Err(TransferError::Region(m)) if m.contains("fence"))
+                || matches!(&flushed, Err(TransferError::Region(m)) if m.contains("fence")),
+            "write {wrote:?}, flush {flushed:?}"
+        );
+        region.assert_only(&HashMap::new());
+        let mut current = t
+            .connect(&reg.address, reg.key, Fence(7), &LAYOUT)
+            .await
+            .unwrap();
+        current.write(batch(12, &LAYOUT, 0, &[3])).await.unwrap();
+        assert_eq!(current.flush().await.unwrap(), 64);
+        let mut expected = HashMap::new();
+        expected.insert((0, 3), pattern(12, 0, 3, 64));
+        region.assert_only(&expected);
+    }
+
+    pub async fn concurrent_writers_to_two_regions(t: Arc<dyn Transport>, ex: Exposed) {
+        let a = TestRegion::new(LAYOUT, ex);
+        let b = TestRegion::new(LAYOUT, ex);
         let ((total_a, want_a), (total_b, want_b)) = tokio::join!(
             stream_from_thread(&*t, &a, 10),
             stream_from_thread(&*t, &b, 20)
@@ -391,50 +529,64 @@ mod contract {
 }
 
 macro_rules! transport_contract {
-    ($module:ident, $make:ident) => {
+    ($module:ident, $make:ident, $exposed:expr) => {
         mod $module {
             use super::*;
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn streams_layers_into_the_right_blocks() {
-                contract::streams_layers_into_the_right_blocks($make().await).await;
+                contract::streams_layers_into_the_right_blocks($make().await, $exposed).await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn flush_counts_bytes_and_large_blocks_arrive_whole() {
-                contract::flush_counts_bytes_and_large_blocks_arrive_whole($make().await).await;
+                contract::flush_counts_bytes_and_large_blocks_arrive_whole($make().await, $exposed)
+                    .await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn layout_mismatch_fails_the_connect_naming_the_field() {
-                contract::layout_mismatch_fails_the_connect_naming_the_field($make().await).await;
+                contract::layout_mismatch_fails_the_connect_naming_the_field(
+                    $make().await,
+                    $exposed,
+                )
+                .await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn unknown_and_deregistered_keys_fail() {
-                contract::unknown_and_deregistered_keys_fail($make().await).await;
+                contract::unknown_and_deregistered_keys_fail($make().await, $exposed).await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn out_of_range_writes_fail_cleanly() {
-                contract::out_of_range_writes_fail_cleanly($make().await).await;
+                contract::out_of_range_writes_fail_cleanly($make().await, $exposed).await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn region_refusal_is_reported_by_finish() {
-                contract::region_refusal_is_reported_by_finish($make().await).await;
+                contract::region_refusal_is_reported_by_finish($make().await, $exposed).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_stale_fence_lands_nothing() {
+                contract::a_stale_fence_lands_nothing($make().await, $exposed).await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn concurrent_writers_to_two_regions() {
-                contract::concurrent_writers_to_two_regions($make().await).await;
+                contract::concurrent_writers_to_two_regions($make().await, $exposed).await;
             }
         }
     };
 }
 
-transport_contract!(tcp_transport, tcp);
-transport_contract!(local_transport, local);
+transport_contract!(tcp_into_memory, tcp, Exposed::Memory);
+transport_contract!(tcp_staged, tcp, Exposed::Staged);
+transport_contract!(local_into_memory, local, Exposed::Memory);
+transport_contract!(local_staged, local, Exposed::Staged);
+transport_contract!(ucx_into_memory, ucx, Exposed::Memory);
+transport_contract!(ucx_staged, ucx, Exposed::Staged);
 
 /// TCP only: a peer that bypasses the writer's checks, and transport construction.
 mod tcp_only {
@@ -462,7 +614,7 @@ mod tcp_only {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn receiver_rejects_a_raw_out_of_range_frame_and_keeps_serving() {
         let t = TcpTransport::bind("127.0.0.1:0".parse().unwrap()).unwrap();
-        let region = TestRegion::new(LAYOUT);
+        let region = TestRegion::new(LAYOUT, Exposed::Memory);
         let reg = t.register(region.clone()).await.unwrap();
 
         let mut raw = TcpStream::connect(&reg.address).await.unwrap();
@@ -502,7 +654,10 @@ mod tcp_only {
             assert!(rest.is_empty());
         }
 
-        let mut writer = t.connect(&reg.address, reg.key, &LAYOUT).await.unwrap();
+        let mut writer = t
+            .connect(&reg.address, reg.key, Fence::NONE, &LAYOUT)
+            .await
+            .unwrap();
         writer.write(batch(11, &LAYOUT, 0, &[15])).await.unwrap();
         assert_eq!(writer.flush().await.unwrap(), 64);
         let mut expected = HashMap::new();
@@ -514,7 +669,7 @@ mod tcp_only {
     async fn a_client_connects_but_cannot_register() {
         let server = TcpTransport::bind("127.0.0.1:0".parse().unwrap()).unwrap();
         let addr = server.local_addr().unwrap();
-        let region = TestRegion::new(LAYOUT);
+        let region = TestRegion::new(LAYOUT, Exposed::Memory);
         let reg = server.register(region.clone()).await.unwrap();
         assert_eq!(reg.address, addr.to_string());
 
@@ -525,7 +680,7 @@ mod tcp_only {
             Err(TransferError::Protocol(_))
         ));
         let mut writer = client
-            .connect(&reg.address, reg.key, &LAYOUT)
+            .connect(&reg.address, reg.key, Fence::NONE, &LAYOUT)
             .await
             .unwrap();
         writer.write(batch(12, &LAYOUT, 1, &[0, 3])).await.unwrap();
@@ -544,7 +699,7 @@ mod tcp_only {
         let server =
             TcpTransport::bind_with_token("127.0.0.1:0".parse().unwrap(), Some(token.clone()))
                 .unwrap();
-        let region = TestRegion::new(LAYOUT);
+        let region = TestRegion::new(LAYOUT, Exposed::Memory);
         let reg = server.register(region.clone()).await.unwrap();
 
         // No token, and a wrong one: refused at the hello, before the key is even looked up
@@ -555,7 +710,11 @@ mod tcp_only {
             TcpTransport::client_with_token(Some(wrong)),
         ] {
             for key in [reg.key, RemoteKey(12345)] {
-                let e = expect_err(client.connect(&reg.address, key, &LAYOUT).await);
+                let e = expect_err(
+                    client
+                        .connect(&reg.address, key, Fence::NONE, &LAYOUT)
+                        .await,
+                );
                 assert!(matches!(e, TransferError::Unauthenticated), "{e:?}");
             }
         }
@@ -563,7 +722,7 @@ mod tcp_only {
 
         let client = TcpTransport::client_with_token(Some(token));
         let mut writer = client
-            .connect(&reg.address, reg.key, &LAYOUT)
+            .connect(&reg.address, reg.key, Fence::NONE, &LAYOUT)
             .await
             .unwrap();
         writer.write(batch(13, &LAYOUT, 2, &[5])).await.unwrap();

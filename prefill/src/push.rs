@@ -115,7 +115,15 @@ mod tests {
         });
         let t = LocalTransport::new();
         let reg = t.register(region.clone()).await.unwrap();
-        let writer = t.connect(&reg.address, reg.key, &layout).await.unwrap();
+        let writer = t
+            .connect(
+                &reg.address,
+                reg.key,
+                ferry_kvtransfer::Fence::NONE,
+                &layout,
+            )
+            .await
+            .unwrap();
         let (sink, streamer) = LayerStreamer::spawn(writer);
         // Destination blocks 5, 6, 7 for prompt blocks 0, 1, 2; the job ships from block 1.
         let mut hook = offset_layer_pusher(sink.clone(), vec![5, 6, 7], 1, offset, wire);

@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use ferry_kvtransfer::handshake::check_compatible;
 use ferry_kvtransfer::layerwise::LayerStreamer;
-use ferry_kvtransfer::{KvLayoutDesc, RemoteKey, TcpTransport, Transport};
+use ferry_kvtransfer::{Fence, KvLayoutDesc, RemoteKey, TcpTransport, Transport};
 use ferry_model::engine::{EngineError, EngineHandle, PrefillWork};
 use ferry_proto::auth::ClusterToken;
 use ferry_proto::internal::prefill_worker_server::PrefillWorker;
@@ -131,7 +131,12 @@ impl PrefillService {
         let started = Instant::now();
         let writer = self
             .tcp
-            .connect(&dest.transfer_address, RemoteKey(dest.remote_key), &ours)
+            .connect(
+                &dest.transfer_address,
+                RemoteKey(dest.remote_key),
+                Fence(dest.fence),
+                &ours,
+            )
             .instrument(transfer.clone())
             .await
             .map_err(|e| self.transfer_failed(&transfer, format!("KV transfer connect: {e}")))?;

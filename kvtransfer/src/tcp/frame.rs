@@ -1,11 +1,10 @@
 //! Framing shared by both sides: `u32 length | u8 tag | body` (see the module docs of `tcp`),
 //! and failures to and from their wire form.
 
-use ferry_proto::internal::TransferFailure;
 use prost::Message;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
-use crate::{RemoteKey, TransferError};
+use crate::TransferError;
 
 /// Largest single socket write of payload bytes (4 MiB).
 pub const MAX_WRITE: usize = 4 << 20;
@@ -82,38 +81,6 @@ pub(super) fn unexpected(tag: u8, len: u32, expected: &str) -> TransferError {
     ))
 }
 
-pub(super) fn from_failure(f: TransferFailure, key: RemoteKey) -> TransferError {
-    match f.kind.as_str() {
-        "out_of_range" => TransferError::OutOfRange {
-            layer: f.layer,
-            block: f.block,
-            len: usize::try_from(f.len).unwrap_or(usize::MAX),
-        },
-        "unknown_region" => TransferError::UnknownRegion(key),
-        "region" => TransferError::Region(f.message),
-        "closed" => TransferError::Closed,
-        kind => TransferError::Protocol(format!("receiver failed ({kind}): {}", f.message)),
-    }
-}
-
-pub(super) fn to_failure(e: &TransferError) -> TransferFailure {
-    let mut f = TransferFailure {
-        kind: e.kind().to_owned(),
-        ..TransferFailure::default()
-    };
-    match e {
-        TransferError::OutOfRange { layer, block, len } => {
-            f.layer = *layer;
-            f.block = *block;
-            f.len = *len as u64;
-            f.message = e.to_string();
-        }
-        TransferError::Region(m) | TransferError::Protocol(m) => f.message = m.clone(),
-        other => f.message = other.to_string(),
-    }
-    f
-}
-
 pub(super) fn data_header(layer: u32, block: u32, len: usize) -> Result<[u8; 13], TransferError> {
     let frame_len = u32::try_from(len)
         .ok()
@@ -135,6 +102,8 @@ pub(super) fn data_header(layer: u32, block: u32, len: usize) -> Result<[u8; 13]
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::wire::{from_failure, to_failure};
+    use crate::RemoteKey;
 
     #[test]
     fn failures_round_trip_their_kind() {

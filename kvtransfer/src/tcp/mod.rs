@@ -11,7 +11,7 @@
 //!
 //! | tag | frame | direction | body |
 //! |---|---|---|---|
-//! | 1 | hello | writer → receiver | `TransferHello` (writer layout, remote key, W3C trace context) |
+//! | 1 | hello | writer → receiver | `TransferHello` (writer layout, remote key, fence, W3C trace context) |
 //! | 2 | hello ack | receiver → writer | `TransferHelloAck` (region layout; error + kind on refusal) |
 //! | 3 | data | writer → receiver | `u32 layer`, `u32 block` (big endian), then exactly `block_bytes` raw bytes |
 //! | 4 | flush | writer → receiver | empty |
@@ -22,14 +22,16 @@
 //!  writer                                   receiver task
 //!  hello(layout, key) ───────────────────►  key known? layouts compatible?
 //!                     ◄───────────────────  ack(region layout | error, kind)   (refused: close)
-//!  data(l, b, bytes) ────────────────────►  check, region.write(l, b, bytes)
+//!  data(l, b, bytes) ────────────────────►  check, admit(b, fence), copy into the region's memory
 //!  ...                                      ...
 //!  flush ────────────────────────────────►  (every earlier frame is applied)
 //!                     ◄───────────────────  flush ack(total bytes)
 //! ```
 //!
-//! Writes are applied on the receiving task, in order, by calling [`KvRegion::write`], which
-//! therefore must be cheap and non-blocking. On a bad frame or a refused write the receiver
+//! Writes are applied on the receiving task, in order: each block is checked against the layout
+//! and admitted by the region under the hello's fence ([`KvRegion::admit`]), then copied into
+//! the layer's registered host memory, or passed to [`KvRegion::write`] for a layer the region
+//! does not expose in host memory (which therefore must be cheap and non-blocking). On a bad frame or a refused write the receiver
 //! sends one failure frame, stops applying writes and discards the rest of the stream until the
 //! writer hangs up (so the writer reads the failure, not a connection reset); the writer sees it
 //! before its next write or at its flush. The listener and other connections are unaffected.
@@ -62,9 +64,10 @@ use tokio_util::sync::CancellationToken;
 use tracing::debug;
 
 use crate::registry::Registry;
+use crate::wire::refusal;
 use crate::{
-    check_compatible, KvLayoutDesc, KvRegion, Registration, RemoteKey, RemoteWriter, TransferError,
-    Transport,
+    check_compatible, Fence, KvLayoutDesc, KvRegion, Registration, RemoteKey, RemoteWriter,
+    TransferError, Transport,
 };
 use frame::{read_control, read_header, unexpected, write_control, TAG_HELLO, TAG_HELLO_ACK};
 
@@ -210,6 +213,7 @@ impl Transport for TcpTransport {
         &self,
         address: &str,
         key: RemoteKey,
+        fence: Fence,
         writer_layout: &KvLayoutDesc,
     ) -> Result<Box<dyn RemoteWriter>, TransferError> {
         let mut stream = TcpStream::connect(address).await?;
@@ -224,6 +228,7 @@ impl Transport for TcpTransport {
                 .as_ref()
                 .map(|t| t.expose().to_string())
                 .unwrap_or_default(),
+            fence: fence.0,
         };
         write_control(&mut stream, TAG_HELLO, &hello).await?;
         let Some((tag, len)) = read_header(&mut stream).await? else {
@@ -249,25 +254,5 @@ impl Transport for TcpTransport {
         check_compatible(writer_layout, &remote)?;
         debug!(address, %key, "kvtransfer: tcp writer connected");
         Ok(Box::new(writer::TcpWriter::new(stream, key, remote)))
-    }
-}
-
-/// Rebuilds the receiver's refusal as the error the writer would have computed itself.
-fn refusal(
-    ack: &TransferHelloAck,
-    key: RemoteKey,
-    writer_layout: &KvLayoutDesc,
-    remote: Option<KvLayoutDesc>,
-) -> TransferError {
-    match (ack.kind.as_str(), remote) {
-        ("unknown_region", _) => TransferError::UnknownRegion(key),
-        ("unauthenticated", _) => TransferError::Unauthenticated,
-        ("layout_mismatch", Some(remote)) => check_compatible(writer_layout, &remote)
-            .err()
-            .unwrap_or_else(|| TransferError::Protocol(ack.error.clone())),
-        (kind, _) => TransferError::Protocol(format!(
-            "receiver refused the connection ({kind}): {}",
-            ack.error
-        )),
     }
 }

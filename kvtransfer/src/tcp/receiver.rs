@@ -14,11 +14,12 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, field, info_span, warn, Instrument};
 
 use super::frame::{
-    read_control, read_header, to_failure, unexpected, write_control, DATA_HEADER, TAG_DATA,
-    TAG_FAILURE, TAG_FLUSH, TAG_FLUSH_ACK, TAG_HELLO, TAG_HELLO_ACK,
+    read_control, read_header, unexpected, write_control, DATA_HEADER, TAG_DATA, TAG_FAILURE,
+    TAG_FLUSH, TAG_FLUSH_ACK, TAG_HELLO, TAG_HELLO_ACK,
 };
 use crate::registry::{Entry, Registry};
-use crate::{check_compatible, check_write, KvLayoutDesc, RemoteKey, TransferError};
+use crate::wire::to_failure;
+use crate::{check_compatible, check_write, Fence, KvLayoutDesc, RemoteKey, TransferError};
 
 /// Receive buffer of a connection.
 const READ_BUFFER: usize = 256 << 10;
@@ -86,7 +87,7 @@ struct Received {
 /// `kv_receive` span whose parent is the writer's span (from the hello's trace context).
 /// Returns the bytes applied.
 async fn receive(conn: &mut Conn, accepting: &Accepting) -> Result<u64, TransferError> {
-    let Some((entry, key, trace)) = accept_hello(conn, accepting).await? else {
+    let Some((entry, key, fence, trace)) = accept_hello(conn, accepting).await? else {
         return Ok(0);
     };
     let span = info_span!(
@@ -103,7 +104,7 @@ async fn receive(conn: &mut Conn, accepting: &Accepting) -> Result<u64, Transfer
         blocks: 0,
         layers: vec![false; entry.layout.num_layers as usize],
     };
-    let result = receive_data(conn, &entry, key, &mut got)
+    let result = receive_data(conn, &entry, key, fence, &mut got)
         .instrument(span.clone())
         .await;
     // Signed: `tracing` hands unsigned fields to OpenTelemetry as strings.
@@ -122,6 +123,7 @@ async fn receive_data(
     conn: &mut Conn,
     entry: &Entry,
     key: RemoteKey,
+    fence: Fence,
     got: &mut Received,
 ) -> Result<u64, TransferError> {
     let mut buf = Vec::new();
@@ -130,7 +132,7 @@ async fn receive_data(
             return Ok(got.bytes);
         };
         let outcome = match tag {
-            TAG_DATA => apply_data(conn, entry, key, len, &mut buf).await,
+            TAG_DATA => apply_data(conn, entry, key, fence, len, &mut buf).await,
             TAG_FLUSH if len == 0 => {
                 let ack = TransferFlushAck {
                     bytes_applied: got.bytes,
@@ -157,8 +159,8 @@ async fn receive_data(
     }
 }
 
-/// The region a hello names, its key, and the writer's trace context.
-type Accepted = (Arc<Entry>, RemoteKey, HashMap<String, String>);
+/// The region a hello names, its key, the writer's fence and trace context.
+type Accepted = (Arc<Entry>, RemoteKey, Fence, HashMap<String, String>);
 
 /// Reads the hello, answers it, and returns the region on success (`None`: the peer hung up).
 /// The cluster token is checked first, so an outsider learns nothing about the regions.
@@ -202,9 +204,11 @@ async fn accept_hello(
         error: String::new(),
         layout: Some(entry.layout.into()),
         kind: String::new(),
+        memory: Vec::new(),
+        session: 0,
     };
     write_control(conn.get_mut(), TAG_HELLO_ACK, &ack).await?;
-    Ok(Some((entry, key, hello.trace_context)))
+    Ok(Some((entry, key, Fence(hello.fence), hello.trace_context)))
 }
 
 async fn reject(
@@ -216,6 +220,8 @@ async fn reject(
         error: e.to_string(),
         layout: layout.map(Into::into),
         kind: e.kind().to_owned(),
+        memory: Vec::new(),
+        session: 0,
     };
     write_control(conn.get_mut(), TAG_HELLO_ACK, &ack).await
 }
@@ -226,6 +232,7 @@ async fn apply_data(
     conn: &mut Conn,
     entry: &Entry,
     key: RemoteKey,
+    fence: Fence,
     len: u32,
     buf: &mut Vec<u8>,
 ) -> Result<(u32, u64), TransferError> {
@@ -243,7 +250,7 @@ async fn apply_data(
     }
     buf.resize(payload, 0);
     conn.read_exact(buf).await?;
-    entry.region.write(layer, block, buf)?;
+    entry.land(key, fence, layer, block, buf)?;
     Ok((layer, payload as u64))
 }
 

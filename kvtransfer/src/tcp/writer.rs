@@ -8,9 +8,10 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 use super::frame::{
-    data_header, from_failure, read_control, read_header, unexpected, MAX_WRITE, TAG_FAILURE,
-    TAG_FLUSH, TAG_FLUSH_ACK,
+    data_header, read_control, read_header, unexpected, MAX_WRITE, TAG_FAILURE, TAG_FLUSH,
+    TAG_FLUSH_ACK,
 };
+use crate::wire::from_failure;
 use crate::{KvLayoutDesc, RemoteKey, RemoteWriter, TransferError, WriteBatch};
 
 /// One connection writing into one remote region.

@@ -1,0 +1,312 @@
+//! The UCX transport: one-sided puts straight into the receiver's registered memory.
+//!
+//! The receiver registers each layer of a region with `ucp_mem_map` (host memory, or CUDA
+//! memory where the loaded UCX has CUDA support) and packs a remote key per layer. A writer
+//! connects to the receiver's UCP *worker address* (the registration's address, hex-encoded;
+//! it travels in the prefill request, so no listener or port is involved), receives the region's
+//! layout, memory addresses and remote keys in the hello ack, then writes each block with
+//! `ucp_put_nbx` from its own buffer to `base + block × block_bytes`. Nothing on the receiving
+//! side runs per block: no receive buffer, no copy, no callback. A flush is `ucp_ep_flush_nbx`
+//! (every put has landed in remote memory), then a flush message the receiver acknowledges with
+//! the bytes written, which is the writer's completion.
+//!
+//! Layers the region does not expose ([`LayerMemory::Staged`](crate::LayerMemory::Staged)), and
+//! device layers when the loaded UCX cannot register CUDA memory (Debian's UCX has no CUDA
+//! modules), go as active messages whose bytes the receiver lands through
+//! [`KvRegion::write`](crate::KvRegion::write), checking each one like TCP does; the fallback is
+//! logged at registration.
+//!
+//! ```text
+//!  writer (prefill)                              receiver (decode)
+//!  ep = ucp_ep_create(worker address)
+//!  HELLO(conn, key, layout, fence, token) ────►  token? key? layouts compatible?
+//!               ◄────────────────────────────── HELLO_ACK(conn, session, layout, bases, rkeys)
+//!  ucp_put_nbx(block bytes → base + b × bb) ══►  (lands in the pool; no receiver code runs)
+//!  DATA(session, layer, block) + bytes ──────►  staged layers only: admit, region.write
+//!  ucp_ep_flush_nbx, then FLUSH(session, conn, n) ►
+//!               ◄────────────────────────────── FLUSH_ACK(conn, bytes) | FAILURE(conn, kind)
+//!  BYE(session) on drop ─────────────────────►  session freed
+//! ```
+//!
+//! The control messages are active messages whose header is `u64 id | protobuf`
+//! (`transfer.proto`'s `TransferHello`, `TransferHelloAck`, `TransferFlushAck`,
+//! `TransferFailure`), sent eagerly so they arrive whole.
+//!
+//! ## Threads
+//!
+//! A UCP worker is single-threaded, so one thread per [`UcxTransport`] owns the context, the
+//! worker, every endpoint and registration, and runs the progress loop; the async side sends it
+//! commands and awaits one-shot replies, and wakes it with `ucp_worker_signal`. The thread sleeps
+//! on the worker's event fd when idle.
+//!
+//! ## Fences and one-sided puts
+//!
+//! A put cannot be checked on arrival, so the receiver's reservation fence
+//! ([`KvRegion::admit`](crate::KvRegion::admit)) applies to staged blocks only; the writer checks
+//! every put against the region's layout, and only writes the blocks its request names. The
+//! decode worker keeps the blocks of an abandoned transfer out of reuse until its writer is
+//! known to have stopped (`docs/transfer.md`).
+//!
+//! | file | owns |
+//! |---|---|
+//! | `mod.rs` | [`UcxTransport`] and its [`RemoteWriter`] |
+//! | `worker.rs` | the progress thread: endpoints, registrations, sessions, messages |
+//! | `sys.rs` | the `ucp` C API, loaded at run time |
+
+mod sys;
+mod worker;
+
+use std::sync::mpsc;
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use ferry_proto::auth::ClusterToken;
+use ferry_proto::internal::TransferHello;
+use tokio::sync::oneshot;
+
+use crate::registry::Registry;
+use crate::{
+    Fence, KvLayoutDesc, KvRegion, Registration, RemoteKey, RemoteWriter, TransferError, Transport,
+    WriteBatch,
+};
+use worker::{Cmd, WorkerHandle};
+
+/// Registration addresses of this transport start with this prefix (then the hex-encoded UCP
+/// worker address), so a UCX address is never mistaken for a `host:port`.
+pub const ADDRESS_PREFIX: &str = "ucx:";
+
+/// The UCX transport; see the module docs. Dropping the last clone's resources (the transport
+/// and every writer it made) stops the progress thread and releases every UCX resource.
+pub struct UcxTransport {
+    shared: Arc<Shared>,
+}
+
+/// What the transport and its writers share.
+struct Shared {
+    cmds: mpsc::Sender<Cmd>,
+    handle: WorkerHandle,
+    registry: Arc<Registry>,
+    token: Option<ClusterToken>,
+    /// `ADDRESS_PREFIX` + hex worker address.
+    address: String,
+    thread: Option<std::thread::JoinHandle<()>>,
+    version: (u32, u32, u32),
+}
+
+impl Shared {
+    fn send(&self, cmd: Cmd) -> Result<(), TransferError> {
+        self.cmds.send(cmd).map_err(|_| TransferError::Closed)?;
+        self.handle.signal();
+        Ok(())
+    }
+
+    async fn call<T>(
+        &self,
+        make: impl FnOnce(oneshot::Sender<Result<T, TransferError>>) -> Cmd,
+    ) -> Result<T, TransferError> {
+        let (tx, rx) = oneshot::channel();
+        self.send(make(tx))?;
+        rx.await.map_err(|_| TransferError::Closed)?
+    }
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        let _ = self.cmds.send(Cmd::Shutdown);
+        self.handle.signal();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl UcxTransport {
+    /// Loads UCX (see `sys.rs` for where from), creates a context and a worker with RMA and
+    /// active messages, and starts the progress thread. Transports and devices follow UCX's
+    /// environment (`UCX_TLS`, `UCX_NET_DEVICES`, ...).
+    pub fn new() -> Result<Self, TransferError> {
+        Self::with_token(None)
+    }
+
+    /// [`UcxTransport::new`] whose receiver accepts only writers that present `token` (the
+    /// cluster token) in their hello, and whose own writers present it.
+    pub fn with_token(token: Option<ClusterToken>) -> Result<Self, TransferError> {
+        let ucp = sys::ucp().map_err(TransferError::Protocol)?;
+        let registry = Arc::new(Registry::new());
+        let (cmds, rx) = mpsc::channel();
+        let (handle, address, thread) = worker::spawn(ucp, registry.clone(), token.clone(), rx)?;
+        Ok(UcxTransport {
+            shared: Arc::new(Shared {
+                cmds,
+                handle,
+                registry,
+                token,
+                address: format!("{ADDRESS_PREFIX}{}", hex(&address)),
+                thread: Some(thread),
+                version: ucp.version,
+            }),
+        })
+    }
+
+    /// Whether UCX can be loaded on this machine (`Err` says why not).
+    pub fn available() -> Result<(u32, u32, u32), String> {
+        sys::ucp().map(|u| u.version)
+    }
+
+    /// The loaded UCX's version.
+    pub fn version(&self) -> (u32, u32, u32) {
+        self.shared.version
+    }
+}
+
+impl std::fmt::Debug for UcxTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UcxTransport")
+            .field("version", &self.shared.version)
+            .finish_non_exhaustive()
+    }
+}
+
+#[async_trait]
+impl Transport for UcxTransport {
+    fn name(&self) -> &'static str {
+        "ucx"
+    }
+
+    async fn register(&self, region: Arc<dyn KvRegion>) -> Result<Registration, TransferError> {
+        let key = self.shared.registry.insert(region);
+        let entry = self.shared.registry.get(key)?;
+        let mapped = self
+            .shared
+            .call(|done| Cmd::Register { key, entry, done })
+            .await;
+        if let Err(e) = mapped {
+            let _ = self.shared.registry.remove(key);
+            return Err(e);
+        }
+        Ok(Registration {
+            address: self.shared.address.clone(),
+            key,
+        })
+    }
+
+    async fn deregister(&self, key: RemoteKey) -> Result<(), TransferError> {
+        self.shared.registry.remove(key)?;
+        self.shared.call(|done| Cmd::Deregister { key, done }).await
+    }
+
+    async fn connect(
+        &self,
+        address: &str,
+        key: RemoteKey,
+        fence: Fence,
+        writer_layout: &KvLayoutDesc,
+    ) -> Result<Box<dyn RemoteWriter>, TransferError> {
+        let worker_address = address
+            .strip_prefix(ADDRESS_PREFIX)
+            .and_then(unhex)
+            .filter(|a| !a.is_empty())
+            .ok_or_else(|| {
+                TransferError::Protocol(format!(
+                    "a UCX address is {ADDRESS_PREFIX:?} and a hex-encoded worker address, got {:?}",
+                    address.chars().take(40).collect::<String>()
+                ))
+            })?;
+        let hello = TransferHello {
+            layout: Some(writer_layout.into()),
+            remote_key: key.0,
+            trace_context: ferry_proto::trace_ctx::to_carrier(&tracing::Span::current()),
+            cluster_token: self
+                .shared
+                .token
+                .as_ref()
+                .map(|t| t.expose().to_string())
+                .unwrap_or_default(),
+            fence: fence.0,
+        };
+        let (conn, remote) = self
+            .shared
+            .call(|done| Cmd::Connect {
+                address: worker_address,
+                hello,
+                key,
+                writer_layout: *writer_layout,
+                done,
+            })
+            .await?;
+        Ok(Box::new(UcxWriter {
+            shared: self.shared.clone(),
+            conn,
+            remote,
+            failed: false,
+        }))
+    }
+}
+
+/// One connection's writer: puts (or staged messages) on the progress thread.
+struct UcxWriter {
+    shared: Arc<Shared>,
+    conn: u64,
+    remote: KvLayoutDesc,
+    failed: bool,
+}
+
+#[async_trait]
+impl RemoteWriter for UcxWriter {
+    async fn write(&mut self, batch: WriteBatch) -> Result<(), TransferError> {
+        if self.failed {
+            return Err(TransferError::Closed);
+        }
+        batch.validate(&self.remote)?;
+        let conn = self.conn;
+        let r = self
+            .shared
+            .call(|done| Cmd::Write { conn, batch, done })
+            .await;
+        self.failed = r.is_err();
+        r
+    }
+
+    async fn flush(&mut self) -> Result<u64, TransferError> {
+        if self.failed {
+            return Err(TransferError::Closed);
+        }
+        let conn = self.conn;
+        let r = self.shared.call(|done| Cmd::Flush { conn, done }).await;
+        self.failed = r.is_err();
+        r
+    }
+}
+
+impl Drop for UcxWriter {
+    fn drop(&mut self) {
+        let _ = self.shared.send(Cmd::Close { conn: self.conn });
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn unhex(s: &str) -> Option<Vec<u8>> {
+    if s.len() % 2 != 0 {
+        return None;
+    }
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok())
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hex_round_trips_and_rejects_garbage() {
+        let b = vec![0u8, 1, 0xab, 0xff];
+        assert_eq!(unhex(&hex(&b)), Some(b));
+        assert_eq!(unhex("abc"), None);
+        assert_eq!(unhex("zz"), None);
+    }
+}

@@ -1,0 +1,1284 @@
+//! The progress thread of a [`UcxTransport`](super::UcxTransport): the one owner of the UCP
+//! context, worker, endpoints, memory registrations and receiver sessions.
+//!
+//! Each loop turn progresses the worker (which runs the active-message callbacks: they only copy
+//! the message into the inbox), handles the inbox, runs the commands the async side sent,
+//! and checks outstanding requests; when nothing moved it arms the worker and sleeps on its event
+//! fd (the async side wakes it with `ucp_worker_signal`).
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::ffi::{c_int, c_void};
+use std::sync::{mpsc, Arc};
+
+use ferry_proto::auth::ClusterToken;
+use ferry_proto::internal::{
+    LayerMemoryDesc, TransferFailure, TransferFlushAck, TransferHello, TransferHelloAck,
+};
+use prost::Message;
+use tokio::sync::oneshot;
+use tracing::{debug, info, warn};
+
+use super::sys::{self, Ucp};
+use crate::registry::{Entry, Registry};
+use crate::wire::{from_failure, refusal, to_failure};
+use crate::{
+    check_compatible, Fence, KvLayoutDesc, LayerMemory, RemoteKey, TransferError, WriteBatch,
+};
+
+/// Active message ids.
+const AM_HELLO: u32 = 1;
+const AM_HELLO_ACK: u32 = 2;
+const AM_DATA: u32 = 3;
+const AM_FLUSH: u32 = 4;
+const AM_FLUSH_ACK: u32 = 5;
+const AM_FAILURE: u32 = 6;
+const AM_BYE: u32 = 7;
+const AM_IDS: [u32; 7] = [
+    AM_HELLO,
+    AM_HELLO_ACK,
+    AM_DATA,
+    AM_FLUSH,
+    AM_FLUSH_ACK,
+    AM_FAILURE,
+    AM_BYE,
+];
+
+/// `LayerMemoryDesc.kind` values.
+const KIND_STAGED: u32 = 0;
+const KIND_HOST: u32 = 1;
+const KIND_CUDA: u32 = 2;
+
+/// Most receiver sessions kept at once; the oldest is dropped beyond (a writer that died
+/// without saying goodbye leaves one behind).
+const MAX_SESSIONS: usize = 4096;
+
+type Reply<T> = oneshot::Sender<Result<T, TransferError>>;
+
+/// What the async side asks the thread to do.
+pub(super) enum Cmd {
+    Register {
+        key: RemoteKey,
+        entry: Arc<Entry>,
+        done: Reply<()>,
+    },
+    Deregister {
+        key: RemoteKey,
+        done: Reply<()>,
+    },
+    Connect {
+        address: Vec<u8>,
+        hello: TransferHello,
+        key: RemoteKey,
+        writer_layout: KvLayoutDesc,
+        done: Reply<(u64, KvLayoutDesc)>,
+    },
+    Write {
+        conn: u64,
+        batch: WriteBatch,
+        done: Reply<()>,
+    },
+    Flush {
+        conn: u64,
+        done: Reply<u64>,
+    },
+    Close {
+        conn: u64,
+    },
+    Shutdown,
+}
+
+/// The worker pointer, for `ucp_worker_signal` from other threads (documented thread-safe).
+pub(super) struct WorkerHandle {
+    ucp: &'static Ucp,
+    worker: sys::ucp_worker_h,
+}
+
+// SAFETY: only `ucp_worker_signal` is called through it, which UCX documents as callable from
+// any thread; the worker outlives every handle (the thread destroys it only after `Shared`,
+// which owns the handle, sent `Shutdown` and is joining).
+unsafe impl Send for WorkerHandle {}
+// SAFETY: as above.
+unsafe impl Sync for WorkerHandle {}
+
+impl WorkerHandle {
+    pub(super) fn signal(&self) {
+        // SAFETY: see the type's Send/Sync note.
+        unsafe { (self.ucp.worker_signal)(self.worker) };
+    }
+}
+
+/// Starts the thread; returns its handle, the worker's address and the join handle once the
+/// context and worker exist (or the error creating them).
+pub(super) fn spawn(
+    ucp: &'static Ucp,
+    registry: Arc<Registry>,
+    token: Option<ClusterToken>,
+    cmds: mpsc::Receiver<Cmd>,
+) -> Result<(WorkerHandle, Vec<u8>, std::thread::JoinHandle<()>), TransferError> {
+    let (ready_tx, ready_rx) = mpsc::channel();
+    let thread = std::thread::Builder::new()
+        .name("ferry-ucx".into())
+        .spawn(move || match State::new(ucp, registry, token) {
+            Ok(state) => {
+                let worker = WorkerHandle {
+                    ucp,
+                    worker: state.worker,
+                };
+                let address = state.address.clone();
+                if ready_tx.send(Ok((worker, address))).is_ok() {
+                    state.run(cmds);
+                }
+            }
+            Err(e) => {
+                let _ = ready_tx.send(Err(e));
+            }
+        })?;
+    match ready_rx.recv() {
+        Ok(Ok((handle, address))) => Ok((handle, address, thread)),
+        Ok(Err(e)) => {
+            let _ = thread.join();
+            Err(e)
+        }
+        Err(_) => Err(TransferError::Protocol(
+            "the UCX thread ended while starting".into(),
+        )),
+    }
+}
+
+/// What a callback saw, handled after progress returns.
+enum Incoming {
+    Am {
+        id: u32,
+        header: Vec<u8>,
+        data: Vec<u8>,
+        rndv: bool,
+        reply_ep: sys::ucp_ep_h,
+    },
+    EpFailed {
+        conn: u64,
+        status: sys::ucs_status_t,
+    },
+}
+
+type Inbox = RefCell<Vec<Incoming>>;
+
+/// A callback's argument: where to put what it saw, and for which id / connection.
+struct CallbackArg {
+    inbox: *const Inbox,
+    id: u64,
+}
+
+/// A region registered with UCX: one memory handle per exposed layer.
+struct Registered {
+    memhs: Vec<sys::ucp_mem_h>,
+    descs: Vec<LayerMemoryDesc>,
+}
+
+/// The receiver's side of one writer's connection.
+struct Session {
+    entry: Arc<Entry>,
+    key: RemoteKey,
+    fence: Fence,
+    reply_ep: sys::ucp_ep_h,
+    /// The writer's id for the connection, named in every reply.
+    conn: u64,
+    /// Staged bytes landed.
+    applied: u64,
+    failed: Option<TransferError>,
+}
+
+/// A remote layer as the writer sees it.
+enum RemoteLayer {
+    Put { base: u64, rkey: sys::ucp_rkey_h },
+    Staged,
+}
+
+/// The writer's side of one connection.
+struct Conn {
+    ep: sys::ucp_ep_h,
+    key: RemoteKey,
+    _err_arg: Box<CallbackArg>,
+    phase: Phase,
+    failed: Option<TransferError>,
+    put_bytes: u64,
+}
+
+enum Phase {
+    Connecting {
+        writer_layout: KvLayoutDesc,
+        done: Reply<(u64, KvLayoutDesc)>,
+    },
+    Open {
+        session: u64,
+        layout: KvLayoutDesc,
+        layers: Vec<RemoteLayer>,
+        flush: Option<Reply<u64>>,
+    },
+    /// Refused, or failed while connecting.
+    Closed,
+}
+
+/// What an outstanding request keeps alive until it completes (never read: held, then dropped).
+enum Keep {
+    Nothing,
+    Batch(#[allow(dead_code)] Arc<WriteBatch>),
+    Header(#[allow(dead_code)] Vec<u8>),
+    HeaderAndBatch(
+        #[allow(dead_code)] Vec<u8>,
+        #[allow(dead_code)] Arc<WriteBatch>,
+    ),
+    /// A closing endpoint's error-callback argument.
+    ErrArg(#[allow(dead_code)] Box<CallbackArg>),
+}
+
+enum Op {
+    Put,
+    Send,
+    Flush,
+    Close,
+}
+
+struct InFlight {
+    req: *mut c_void,
+    conn: Option<u64>,
+    op: Op,
+    _keep: Keep,
+}
+
+struct State {
+    ucp: &'static Ucp,
+    context: sys::ucp_context_h,
+    worker: sys::ucp_worker_h,
+    address: Vec<u8>,
+    efd: c_int,
+    registry: Arc<Registry>,
+    token: Option<ClusterToken>,
+    inbox: Box<Inbox>,
+    _handler_args: Vec<Box<CallbackArg>>,
+    regions: HashMap<RemoteKey, Registered>,
+    sessions: HashMap<u64, Session>,
+    next_session: u64,
+    conns: HashMap<u64, Conn>,
+    next_conn: u64,
+    inflight: Vec<InFlight>,
+}
+
+fn ucx_error(ucp: &Ucp, what: &str, status: sys::ucs_status_t) -> TransferError {
+    TransferError::Io(std::io::Error::other(format!(
+        "UCX {what}: {}",
+        ucp.describe(status)
+    )))
+}
+
+/// `id | protobuf` header.
+fn frame(id: u64, msg: &impl Message) -> Vec<u8> {
+    let mut v = id.to_le_bytes().to_vec();
+    msg.encode(&mut v).unwrap_or_default();
+    v
+}
+
+fn unframe<M: Message + Default>(h: &[u8], what: &str) -> Result<(u64, M), TransferError> {
+    let (id, body) =
+        split_u64(h).ok_or_else(|| TransferError::Protocol(format!("{what}: header too short")))?;
+    let m = M::decode(body).map_err(|e| TransferError::Protocol(format!("{what}: {e}")))?;
+    Ok((id, m))
+}
+
+fn split_u64(h: &[u8]) -> Option<(u64, &[u8])> {
+    let (a, rest) = h.split_first_chunk::<8>()?;
+    Some((u64::from_le_bytes(*a), rest))
+}
+
+impl State {
+    fn new(
+        ucp: &'static Ucp,
+        registry: Arc<Registry>,
+        token: Option<ClusterToken>,
+    ) -> Result<State, TransferError> {
+        // SAFETY (whole function): plain UCP setup calls with valid out-pointers; every handle
+        // made here is released in `Drop for State` (or below, on failure).
+        unsafe {
+            let mut config = std::ptr::null_mut();
+            let s = (ucp.config_read)(std::ptr::null(), std::ptr::null(), &mut config);
+            if s != sys::UCS_OK {
+                return Err(ucx_error(ucp, "reading the configuration", s));
+            }
+            let mut params = sys::ucp_params_t::zeroed();
+            params.field_mask = sys::UCP_PARAM_FIELD_FEATURES;
+            params.features = sys::UCP_FEATURE_RMA | sys::UCP_FEATURE_AM | sys::UCP_FEATURE_WAKEUP;
+            let mut context = std::ptr::null_mut();
+            let s = (ucp.init_version)(sys::API.0, sys::API.1, &params, config, &mut context);
+            (ucp.config_release)(config);
+            if s != sys::UCS_OK {
+                return Err(ucx_error(ucp, "creating a context", s));
+            }
+            let mut wparams = sys::ucp_worker_params_t::zeroed();
+            wparams.field_mask = sys::UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+            wparams.thread_mode = sys::UCS_THREAD_MODE_SINGLE;
+            let mut worker = std::ptr::null_mut();
+            let s = (ucp.worker_create)(context, &wparams, &mut worker);
+            if s != sys::UCS_OK {
+                (ucp.cleanup)(context);
+                return Err(ucx_error(ucp, "creating a worker", s));
+            }
+            let mut state = State {
+                ucp,
+                context,
+                worker,
+                address: Vec::new(),
+                efd: -1,
+                registry,
+                token,
+                inbox: Box::new(RefCell::new(Vec::new())),
+                _handler_args: Vec::new(),
+                regions: HashMap::new(),
+                sessions: HashMap::new(),
+                next_session: 1,
+                conns: HashMap::new(),
+                next_conn: 1,
+                inflight: Vec::new(),
+            };
+            let mut addr = std::ptr::null_mut();
+            let mut len = 0usize;
+            let s = (ucp.worker_get_address)(worker, &mut addr, &mut len);
+            if s != sys::UCS_OK {
+                return Err(ucx_error(ucp, "reading the worker address", s));
+            }
+            state.address = std::slice::from_raw_parts(addr as *const u8, len).to_vec();
+            (ucp.worker_release_address)(worker, addr);
+            let s = (ucp.worker_get_efd)(worker, &mut state.efd);
+            if s != sys::UCS_OK {
+                return Err(ucx_error(ucp, "reading the worker's event fd", s));
+            }
+            for id in AM_IDS {
+                let arg = Box::new(CallbackArg {
+                    inbox: &*state.inbox,
+                    id: u64::from(id),
+                });
+                let mut p = sys::ucp_am_handler_param_t::zeroed();
+                p.field_mask = sys::UCP_AM_HANDLER_PARAM_FIELD_ID
+                    | sys::UCP_AM_HANDLER_PARAM_FIELD_FLAGS
+                    | sys::UCP_AM_HANDLER_PARAM_FIELD_CB
+                    | sys::UCP_AM_HANDLER_PARAM_FIELD_ARG;
+                p.id = id;
+                p.flags = sys::UCP_AM_FLAG_WHOLE_MSG;
+                p.cb = Some(on_am);
+                p.arg = &*arg as *const CallbackArg as *mut c_void;
+                let s = (ucp.worker_set_am_recv_handler)(worker, &p);
+                if s != sys::UCS_OK {
+                    return Err(ucx_error(ucp, "setting a message handler", s));
+                }
+                state._handler_args.push(arg);
+            }
+            info!(
+                version = %format!("{}.{}.{}", ucp.version.0, ucp.version.1, ucp.version.2),
+                "kvtransfer: UCX worker started"
+            );
+            Ok(state)
+        }
+    }
+
+    fn run(mut self, cmds: mpsc::Receiver<Cmd>) {
+        loop {
+            let mut busy = false;
+            // SAFETY: our worker, on its thread.
+            while unsafe { (self.ucp.worker_progress)(self.worker) } != 0 {
+                busy = true;
+            }
+            let incoming = std::mem::take(&mut *self.inbox.borrow_mut());
+            busy |= !incoming.is_empty();
+            for m in incoming {
+                self.handle(m);
+            }
+            loop {
+                match cmds.try_recv() {
+                    Ok(Cmd::Shutdown) | Err(mpsc::TryRecvError::Disconnected) => return,
+                    Ok(cmd) => {
+                        busy = true;
+                        self.command(cmd);
+                    }
+                    Err(mpsc::TryRecvError::Empty) => break,
+                }
+            }
+            busy |= self.poll_requests();
+            if busy {
+                continue;
+            }
+            // SAFETY: our worker.
+            match unsafe { (self.ucp.worker_arm)(self.worker) } {
+                sys::UCS_OK => {
+                    // Outstanding requests: wake soon even without an event.
+                    let timeout = if self.inflight.is_empty() { 100 } else { 1 };
+                    let mut fd = libc::pollfd {
+                        fd: self.efd,
+                        events: libc::POLLIN,
+                        revents: 0,
+                    };
+                    // SAFETY: one valid pollfd.
+                    unsafe { libc::poll(&mut fd, 1, timeout) };
+                }
+                sys::UCS_ERR_BUSY => {}
+                s => {
+                    warn!(status = %self.ucp.describe(s), "kvtransfer: UCX worker arm failed");
+                    std::thread::sleep(std::time::Duration::from_millis(1));
+                }
+            }
+        }
+    }
+
+    fn command(&mut self, cmd: Cmd) {
+        match cmd {
+            Cmd::Register { key, entry, done } => {
+                let _ = done.send(self.register(key, &entry));
+            }
+            Cmd::Deregister { key, done } => {
+                self.unmap(key);
+                let _ = done.send(Ok(()));
+            }
+            Cmd::Connect {
+                address,
+                hello,
+                key,
+                writer_layout,
+                done,
+            } => self.connect(&address, hello, key, writer_layout, done),
+            Cmd::Write { conn, batch, done } => {
+                let _ = done.send(self.write(conn, batch));
+            }
+            Cmd::Flush { conn, done } => self.flush(conn, done),
+            Cmd::Close { conn } => self.close(conn),
+            Cmd::Shutdown => {}
+        }
+    }
+
+    // ---- receiver side -------------------------------------------------------------------
+
+    fn register(&mut self, key: RemoteKey, entry: &Entry) -> Result<(), TransferError> {
+        let mut reg = Registered {
+            memhs: Vec::new(),
+            descs: Vec::new(),
+        };
+        let mut staged_cuda = 0;
+        for (layer, m) in entry.memory.iter().enumerate() {
+            let (span, memory_type, kind) = match m {
+                LayerMemory::Host(s) => (*s, sys::UCS_MEMORY_TYPE_HOST, KIND_HOST),
+                LayerMemory::Cuda { span, .. } => (*span, sys::UCS_MEMORY_TYPE_CUDA, KIND_CUDA),
+                LayerMemory::Staged => {
+                    reg.descs.push(LayerMemoryDesc::default());
+                    continue;
+                }
+            };
+            match self.map(span.addr(), span.len(), memory_type) {
+                Ok((memh, rkey)) => {
+                    reg.memhs.push(memh);
+                    reg.descs.push(LayerMemoryDesc {
+                        kind,
+                        base: span.addr(),
+                        len: span.len() as u64,
+                        rkey,
+                    });
+                }
+                Err(e) if kind == KIND_CUDA => {
+                    // No CUDA support in this UCX: the layer's blocks come as messages and
+                    // the region copies them to the device.
+                    debug!(layer, error = %e, "kvtransfer: UCX cannot register CUDA memory");
+                    staged_cuda += 1;
+                    reg.descs.push(LayerMemoryDesc::default());
+                }
+                Err(e) => {
+                    self.release(reg);
+                    return Err(e);
+                }
+            }
+        }
+        if staged_cuda > 0 {
+            warn!(
+                layers = staged_cuda,
+                "kvtransfer: the loaded UCX cannot register CUDA memory (no cuda_copy/cuda_ipc); \
+                 those layers are staged through host memory and copied to the device on arrival"
+            );
+        }
+        self.regions.insert(key, reg);
+        Ok(())
+    }
+
+    /// `ucp_mem_map` + `ucp_rkey_pack` of one span.
+    fn map(
+        &self,
+        addr: u64,
+        len: usize,
+        memory_type: c_int,
+    ) -> Result<(sys::ucp_mem_h, Vec<u8>), TransferError> {
+        let mut p = sys::ucp_mem_map_params_t::zeroed();
+        p.field_mask = sys::UCP_MEM_MAP_PARAM_FIELD_ADDRESS
+            | sys::UCP_MEM_MAP_PARAM_FIELD_LENGTH
+            | sys::UCP_MEM_MAP_PARAM_FIELD_PROT
+            | sys::UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE;
+        p.address = addr as *mut c_void;
+        p.length = len;
+        p.prot = sys::UCP_MEM_MAP_PROT_LOCAL_READ
+            | sys::UCP_MEM_MAP_PROT_LOCAL_WRITE
+            | sys::UCP_MEM_MAP_PROT_REMOTE_WRITE;
+        p.memory_type = memory_type;
+        let mut memh = std::ptr::null_mut();
+        // SAFETY: the span is memory the region promised valid while registered
+        // (`LayerMemory::host` / `cuda`); the entry (and so the region) outlives the mapping.
+        let s = unsafe { (self.ucp.mem_map)(self.context, &p, &mut memh) };
+        if s != sys::UCS_OK {
+            return Err(ucx_error(self.ucp, "registering memory", s));
+        }
+        let mut buf = std::ptr::null_mut();
+        let mut blen = 0usize;
+        // SAFETY: a handle just mapped; the packed buffer is copied and released.
+        unsafe {
+            let s = (self.ucp.rkey_pack)(self.context, memh, &mut buf, &mut blen);
+            if s != sys::UCS_OK {
+                (self.ucp.mem_unmap)(self.context, memh);
+                return Err(ucx_error(self.ucp, "packing a remote key", s));
+            }
+            let rkey = std::slice::from_raw_parts(buf as *const u8, blen).to_vec();
+            (self.ucp.rkey_buffer_release)(buf);
+            Ok((memh, rkey))
+        }
+    }
+
+    fn release(&self, reg: Registered) {
+        for memh in reg.memhs {
+            // SAFETY: mapped by `map` on this context, unmapped once.
+            unsafe { (self.ucp.mem_unmap)(self.context, memh) };
+        }
+    }
+
+    fn unmap(&mut self, key: RemoteKey) {
+        // Sessions stay (their next flush must be answered), refusing from now on.
+        for s in self.sessions.values_mut().filter(|s| s.key == key) {
+            s.failed.get_or_insert(TransferError::UnknownRegion(key));
+        }
+        if let Some(reg) = self.regions.remove(&key) {
+            self.release(reg);
+        }
+    }
+
+    fn on_hello(&mut self, header: &[u8], reply_ep: sys::ucp_ep_h) {
+        let (conn, hello) = match unframe::<TransferHello>(header, "UCX hello") {
+            Ok(v) => v,
+            Err(e) => {
+                warn!(error = %e, "kvtransfer: bad UCX hello");
+                return;
+            }
+        };
+        match self.accept(&hello) {
+            Ok((entry, descs)) => {
+                if self.sessions.len() >= MAX_SESSIONS {
+                    if let Some(&oldest) = self.sessions.keys().min() {
+                        self.sessions.remove(&oldest);
+                    }
+                }
+                let session = self.next_session;
+                self.next_session += 1;
+                let ack = TransferHelloAck {
+                    layout: Some(entry.layout.into()),
+                    memory: descs,
+                    session,
+                    ..Default::default()
+                };
+                self.sessions.insert(
+                    session,
+                    Session {
+                        entry,
+                        key: RemoteKey(hello.remote_key),
+                        fence: Fence(hello.fence),
+                        reply_ep,
+                        conn,
+                        applied: 0,
+                        failed: None,
+                    },
+                );
+                self.send(reply_ep, AM_HELLO_ACK, frame(conn, &ack), None, None);
+            }
+            Err((e, layout)) => {
+                let ack = TransferHelloAck {
+                    error: e.to_string(),
+                    layout: layout.map(Into::into),
+                    kind: e.kind().to_owned(),
+                    ..Default::default()
+                };
+                debug!(error = %e, "kvtransfer: refused a UCX writer");
+                self.send(reply_ep, AM_HELLO_ACK, frame(conn, &ack), None, None);
+            }
+        }
+    }
+
+    /// The hello's checks, in TCP's order: the token first (an outsider learns nothing), then
+    /// the key, then the layouts.
+    #[allow(clippy::type_complexity)]
+    fn accept(
+        &self,
+        hello: &TransferHello,
+    ) -> Result<(Arc<Entry>, Vec<LayerMemoryDesc>), (TransferError, Option<KvLayoutDesc>)> {
+        if let Some(token) = &self.token {
+            if !token.matches(hello.cluster_token.as_bytes()) {
+                return Err((TransferError::Unauthenticated, None));
+            }
+        }
+        let key = RemoteKey(hello.remote_key);
+        let entry = self.registry.get(key).map_err(|e| (e, None))?;
+        let descs = match self.regions.get(&key) {
+            Some(r) => r.descs.clone(),
+            None => return Err((TransferError::UnknownRegion(key), None)),
+        };
+        hello
+            .layout
+            .as_ref()
+            .ok_or_else(|| TransferError::Protocol("TransferHello: `layout` is missing".into()))
+            .and_then(KvLayoutDesc::try_from)
+            .and_then(|theirs| check_compatible(&entry.layout, &theirs))
+            .map_err(|e| (e, Some(entry.layout)))?;
+        Ok((entry, descs))
+    }
+
+    fn on_data(&mut self, header: &[u8], data: &[u8], rndv: bool) {
+        let Some((session, rest)) = split_u64(header) else {
+            return;
+        };
+        let Some(s) = self.sessions.get_mut(&session) else {
+            return;
+        };
+        if s.failed.is_some() {
+            return;
+        }
+        let landed = match rest.split_first_chunk::<8>() {
+            _ if rndv => Err(TransferError::Protocol(
+                "a staged block arrived by rendezvous; writers send them eagerly".into(),
+            )),
+            Some((lb, _)) => {
+                let layer = u32::from_le_bytes([lb[0], lb[1], lb[2], lb[3]]);
+                let block = u32::from_le_bytes([lb[4], lb[5], lb[6], lb[7]]);
+                s.entry.land(s.key, s.fence, layer, block, data)
+            }
+            None => Err(TransferError::Protocol("UCX data header too short".into())),
+        };
+        match landed {
+            Ok(()) => s.applied += data.len() as u64,
+            Err(e) => {
+                let (ep, conn) = (s.reply_ep, s.conn);
+                let msg = frame(conn, &to_failure(&e));
+                s.failed = Some(e);
+                self.send(ep, AM_FAILURE, msg, None, None);
+            }
+        }
+    }
+
+    /// FLUSH: `session | conn | put bytes`.
+    fn on_flush(&mut self, header: &[u8], reply_ep: sys::ucp_ep_h) {
+        let words: Vec<u64> = header
+            .chunks_exact(8)
+            .map(|c| u64::from_le_bytes(c.try_into().unwrap_or_default()))
+            .collect();
+        let &[session, conn, put] = words.as_slice() else {
+            return;
+        };
+        let Some(s) = self.sessions.get(&session) else {
+            // Dropped (too many sessions): the writer must not wait for an ack.
+            if !reply_ep.is_null() {
+                let f = to_failure(&TransferError::Closed);
+                self.send(reply_ep, AM_FAILURE, frame(conn, &f), None, None);
+            }
+            return;
+        };
+        let (ep, conn) = (s.reply_ep, s.conn);
+        let failure = match &s.failed {
+            Some(e) => Some(to_failure(e)),
+            None if !s.entry.is_live() => Some(to_failure(&TransferError::UnknownRegion(s.key))),
+            None => None,
+        };
+        match failure {
+            Some(f) => self.send(ep, AM_FAILURE, frame(conn, &f), None, None),
+            None => {
+                let ack = TransferFlushAck {
+                    bytes_applied: s.applied + put,
+                };
+                self.send(ep, AM_FLUSH_ACK, frame(conn, &ack), None, None);
+            }
+        }
+    }
+
+    // ---- writer side ---------------------------------------------------------------------
+
+    fn connect(
+        &mut self,
+        address: &[u8],
+        hello: TransferHello,
+        key: RemoteKey,
+        writer_layout: KvLayoutDesc,
+        done: Reply<(u64, KvLayoutDesc)>,
+    ) {
+        let id = self.next_conn;
+        self.next_conn += 1;
+        let err_arg = Box::new(CallbackArg {
+            inbox: &*self.inbox,
+            id,
+        });
+        let mut p = sys::ucp_ep_params_t::zeroed();
+        p.field_mask = sys::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS
+            | sys::UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE
+            | sys::UCP_EP_PARAM_FIELD_ERR_HANDLER;
+        p.address = address.as_ptr() as *const c_void;
+        p.err_mode = sys::UCP_ERR_HANDLING_MODE_PEER;
+        p.err_handler = sys::ucp_err_handler_t {
+            cb: Some(on_ep_error),
+            arg: &*err_arg as *const CallbackArg as *mut c_void,
+        };
+        let mut ep = std::ptr::null_mut();
+        // SAFETY: `address` is a worker address from a registration (UCX validates its
+        // contents); the error callback's argument lives in the connection, which outlives ep.
+        let s = unsafe { (self.ucp.ep_create)(self.worker, &p, &mut ep) };
+        if s != sys::UCS_OK {
+            let _ = done.send(Err(ucx_error(self.ucp, "connecting to the receiver", s)));
+            return;
+        }
+        self.conns.insert(
+            id,
+            Conn {
+                ep,
+                key,
+                _err_arg: err_arg,
+                phase: Phase::Connecting {
+                    writer_layout,
+                    done,
+                },
+                failed: None,
+                put_bytes: 0,
+            },
+        );
+        self.send(ep, AM_HELLO, frame(id, &hello), None, Some(id));
+    }
+
+    fn on_hello_ack(&mut self, header: &[u8]) {
+        let Ok((id, ack)) = unframe::<TransferHelloAck>(header, "UCX hello ack") else {
+            return;
+        };
+        let Some(conn) = self.conns.get(&id) else {
+            return;
+        };
+        let Phase::Connecting { writer_layout, .. } = &conn.phase else {
+            return;
+        };
+        let result = self.open(&ack, conn.ep, conn.key, writer_layout);
+        let Some(conn) = self.conns.get_mut(&id) else {
+            return;
+        };
+        let Phase::Connecting { done, .. } = std::mem::replace(&mut conn.phase, Phase::Closed)
+        else {
+            return;
+        };
+        match result {
+            Ok((layout, layers)) => {
+                conn.phase = Phase::Open {
+                    session: ack.session,
+                    layout,
+                    layers,
+                    flush: None,
+                };
+                let _ = done.send(Ok((id, layout)));
+            }
+            Err(e) => {
+                let _ = done.send(Err(e));
+                // The async side never got the connection: close it here.
+                self.close(id);
+            }
+        }
+    }
+
+    /// The ack's verdict and, when accepted, the remote layers with their unpacked keys.
+    fn open(
+        &self,
+        ack: &TransferHelloAck,
+        ep: sys::ucp_ep_h,
+        key: RemoteKey,
+        writer_layout: &KvLayoutDesc,
+    ) -> Result<(KvLayoutDesc, Vec<RemoteLayer>), TransferError> {
+        let remote = ack
+            .layout
+            .as_ref()
+            .map(KvLayoutDesc::try_from)
+            .transpose()?;
+        if !ack.error.is_empty() {
+            return Err(refusal(ack, key, writer_layout, remote));
+        }
+        let remote = remote.ok_or_else(|| {
+            TransferError::Protocol("TransferHelloAck: `layout` is missing".into())
+        })?;
+        check_compatible(writer_layout, &remote)?;
+        if ack.memory.len() != remote.num_layers as usize {
+            return Err(TransferError::Protocol(format!(
+                "TransferHelloAck: {} memory entries for {} layers",
+                ack.memory.len(),
+                remote.num_layers
+            )));
+        }
+        let need = remote.num_blocks as u64 * remote.block_bytes() as u64;
+        let mut layers = Vec::with_capacity(ack.memory.len());
+        for (l, m) in ack.memory.iter().enumerate() {
+            if m.kind == KIND_STAGED {
+                layers.push(RemoteLayer::Staged);
+                continue;
+            }
+            if m.len < need {
+                self.destroy_rkeys(layers);
+                return Err(TransferError::Protocol(format!(
+                    "TransferHelloAck: layer {l} has {} bytes of memory, its blocks need {need}",
+                    m.len
+                )));
+            }
+            let mut rkey = std::ptr::null_mut();
+            // SAFETY: unpacks a buffer UCX packed on the receiver (UCX validates it).
+            let s = unsafe {
+                (self.ucp.ep_rkey_unpack)(ep, m.rkey.as_ptr() as *const c_void, &mut rkey)
+            };
+            if s != sys::UCS_OK {
+                self.destroy_rkeys(layers);
+                return Err(ucx_error(self.ucp, "unpacking a remote key", s));
+            }
+            layers.push(RemoteLayer::Put { base: m.base, rkey });
+        }
+        Ok((remote, layers))
+    }
+
+    fn destroy_rkeys(&self, layers: Vec<RemoteLayer>) {
+        for l in layers {
+            if let RemoteLayer::Put { rkey, .. } = l {
+                // SAFETY: unpacked once, destroyed once, before its endpoint closes.
+                unsafe { (self.ucp.rkey_destroy)(rkey) };
+            }
+        }
+    }
+
+    fn write(&mut self, id: u64, batch: WriteBatch) -> Result<(), TransferError> {
+        let Some(conn) = self.conns.get_mut(&id) else {
+            return Err(TransferError::Closed);
+        };
+        if let Some(e) = conn.failed.take() {
+            return Err(e);
+        }
+        let Phase::Open {
+            session,
+            layout,
+            layers,
+            ..
+        } = &conn.phase
+        else {
+            return Err(TransferError::Closed);
+        };
+        batch.validate(layout)?;
+        let (ep, session, bb) = (conn.ep, *session, layout.block_bytes() as u64);
+        let batch = Arc::new(batch);
+        let layer = batch.layer;
+        let mut puts = Vec::new();
+        let mut staged = Vec::new();
+        for (i, w) in batch.writes.iter().enumerate() {
+            match layers.get(layer as usize) {
+                Some(RemoteLayer::Put { base, rkey }) => {
+                    puts.push((i, base + u64::from(w.block) * bb, *rkey));
+                }
+                _ => staged.push(i),
+            }
+        }
+        let mut put_bytes = 0;
+        for (i, remote, rkey) in puts {
+            let data = &batch.writes[i].data;
+            let p = sys::ucp_request_param_t::zeroed();
+            // SAFETY: `data` stays alive until the request completes (the batch is kept with
+            // it); the remote range is inside the layer's registered memory (validated block,
+            // and `open` checked the memory's length).
+            let r = unsafe {
+                (self.ucp.put_nbx)(
+                    ep,
+                    data.as_ptr() as *const c_void,
+                    data.len(),
+                    remote,
+                    rkey,
+                    &p,
+                )
+            };
+            self.track(r, Some(id), Op::Put, Keep::Batch(batch.clone()))?;
+            put_bytes += data.len() as u64;
+        }
+        for i in staged {
+            let w = &batch.writes[i];
+            let mut header = session.to_le_bytes().to_vec();
+            header.extend_from_slice(&layer.to_le_bytes());
+            header.extend_from_slice(&w.block.to_le_bytes());
+            let data = (w.data.as_ptr(), w.data.len());
+            self.send_checked(ep, AM_DATA, header, Some((data, batch.clone())), Some(id))?;
+        }
+        if let Some(conn) = self.conns.get_mut(&id) {
+            conn.put_bytes += put_bytes;
+        }
+        Ok(())
+    }
+
+    fn flush(&mut self, id: u64, done: Reply<u64>) {
+        let Some(conn) = self.conns.get_mut(&id) else {
+            let _ = done.send(Err(TransferError::Closed));
+            return;
+        };
+        if let Some(e) = conn.failed.take() {
+            let _ = done.send(Err(e));
+            return;
+        }
+        let Phase::Open { flush, .. } = &mut conn.phase else {
+            let _ = done.send(Err(TransferError::Closed));
+            return;
+        };
+        *flush = Some(done);
+        let ep = conn.ep;
+        let p = sys::ucp_request_param_t::zeroed();
+        // SAFETY: an open endpoint of this worker.
+        let r = unsafe { (self.ucp.ep_flush_nbx)(ep, &p) };
+        match self.track(r, Some(id), Op::Flush, Keep::Nothing) {
+            Ok(true) => self.flushed(id),
+            Ok(false) => {}
+            Err(e) => self.fail(id, e),
+        }
+    }
+
+    /// Every put of `id` has landed remotely: ask the receiver to confirm.
+    fn flushed(&mut self, id: u64) {
+        let Some(conn) = self.conns.get(&id) else {
+            return;
+        };
+        let Phase::Open { session, .. } = &conn.phase else {
+            return;
+        };
+        let mut header = session.to_le_bytes().to_vec();
+        header.extend_from_slice(&id.to_le_bytes());
+        header.extend_from_slice(&conn.put_bytes.to_le_bytes());
+        let ep = conn.ep;
+        self.send(ep, AM_FLUSH, header, None, Some(id));
+    }
+
+    fn on_flush_ack(&mut self, header: &[u8]) {
+        let Ok((id, ack)) = unframe::<TransferFlushAck>(header, "UCX flush ack") else {
+            return;
+        };
+        if let Some(Conn {
+            phase: Phase::Open { flush, .. },
+            ..
+        }) = self.conns.get_mut(&id)
+        {
+            if let Some(done) = flush.take() {
+                let _ = done.send(Ok(ack.bytes_applied));
+            }
+        }
+    }
+
+    fn on_failure(&mut self, header: &[u8]) {
+        let Ok((id, f)) = unframe::<TransferFailure>(header, "UCX failure") else {
+            return;
+        };
+        let key = match self.conns.get(&id) {
+            Some(c) => c.key,
+            None => return,
+        };
+        self.fail(id, from_failure(f, key));
+    }
+
+    /// Poisons connection `id` with `e`: a pending connect or flush gets it now, the next write
+    /// or flush otherwise.
+    fn fail(&mut self, id: u64, e: TransferError) {
+        let Some(conn) = self.conns.get_mut(&id) else {
+            return;
+        };
+        match &mut conn.phase {
+            Phase::Connecting { .. } => {
+                if let Phase::Connecting { done, .. } =
+                    std::mem::replace(&mut conn.phase, Phase::Closed)
+                {
+                    let _ = done.send(Err(e));
+                }
+                conn.failed = Some(TransferError::Closed);
+            }
+            Phase::Open { flush, .. } => match flush.take() {
+                Some(done) => {
+                    let _ = done.send(Err(e));
+                    conn.failed = Some(TransferError::Closed);
+                }
+                None => {
+                    conn.failed.get_or_insert(e);
+                }
+            },
+            Phase::Closed => {
+                conn.failed.get_or_insert(e);
+            }
+        }
+    }
+
+    fn close(&mut self, id: u64) {
+        let Some(conn) = self.conns.remove(&id) else {
+            return;
+        };
+        let Conn {
+            ep,
+            phase,
+            failed,
+            _err_arg,
+            ..
+        } = conn;
+        if let Phase::Open {
+            session, layers, ..
+        } = phase
+        {
+            self.destroy_rkeys(layers);
+            if failed.is_none() && session != 0 {
+                self.send(ep, AM_BYE, session.to_le_bytes().to_vec(), None, None);
+            }
+        }
+        let mut p = sys::ucp_request_param_t::zeroed();
+        if failed.is_some() {
+            p.op_attr_mask = sys::UCP_OP_ATTR_FIELD_FLAGS;
+            p.flags = sys::UCP_EP_CLOSE_FLAG_FORCE;
+        }
+        // SAFETY: the endpoint is closed once; nothing refers to it after this. Its error
+        // callback's argument stays alive until the close completes.
+        let r = unsafe { (self.ucp.ep_close_nbx)(ep, &p) };
+        let _ = self.track(r, None, Op::Close, Keep::ErrArg(_err_arg));
+    }
+
+    // ---- requests --------------------------------------------------------------------------
+
+    /// Sends an active message; a failure poisons `conn` (if any) and is otherwise logged.
+    fn send(
+        &mut self,
+        ep: sys::ucp_ep_h,
+        id: u32,
+        header: Vec<u8>,
+        data: Option<((*const u8, usize), Arc<WriteBatch>)>,
+        conn: Option<u64>,
+    ) {
+        if let Err(e) = self.send_checked(ep, id, header, data, conn) {
+            match conn {
+                Some(c) => self.fail(c, e),
+                None => debug!(error = %e, am = id, "kvtransfer: UCX reply not sent"),
+            }
+        }
+    }
+
+    fn send_checked(
+        &mut self,
+        ep: sys::ucp_ep_h,
+        id: u32,
+        header: Vec<u8>,
+        data: Option<((*const u8, usize), Arc<WriteBatch>)>,
+        conn: Option<u64>,
+    ) -> Result<(), TransferError> {
+        let mut p = sys::ucp_request_param_t::zeroed();
+        p.op_attr_mask = sys::UCP_OP_ATTR_FIELD_FLAGS;
+        // Eager, so the receiver's callback gets the whole message; reply, so a hello's
+        // receiver gets an endpoint back to the writer.
+        p.flags = sys::UCP_AM_SEND_FLAG_EAGER | sys::UCP_AM_SEND_FLAG_REPLY;
+        let (ptr, len) = data.as_ref().map(|d| d.0).unwrap_or((std::ptr::null(), 0));
+        // SAFETY: header and data stay alive until the request completes (kept with it).
+        let r = unsafe {
+            (self.ucp.am_send_nbx)(
+                ep,
+                id,
+                header.as_ptr() as *const c_void,
+                header.len(),
+                ptr as *const c_void,
+                len,
+                &p,
+            )
+        };
+        let keep = match data {
+            Some((_, batch)) => Keep::HeaderAndBatch(header, batch),
+            None => Keep::Header(header),
+        };
+        self.track(r, conn, Op::Send, keep).map(|_| ())
+    }
+
+    /// Records an operation's status pointer: `Ok(true)` done now, `Ok(false)` in flight (kept
+    /// with what it needs alive), `Err` failed.
+    fn track(
+        &mut self,
+        r: sys::ucs_status_ptr_t,
+        conn: Option<u64>,
+        op: Op,
+        keep: Keep,
+    ) -> Result<bool, TransferError> {
+        if r.is_null() {
+            return Ok(true);
+        }
+        if sys::ptr_is_err(r) {
+            return Err(ucx_error(
+                self.ucp,
+                "posting an operation",
+                sys::ptr_status(r),
+            ));
+        }
+        self.inflight.push(InFlight {
+            req: r,
+            conn,
+            op,
+            _keep: keep,
+        });
+        Ok(false)
+    }
+
+    /// Completes finished requests; true if any did.
+    fn poll_requests(&mut self) -> bool {
+        let mut finished = Vec::new();
+        self.inflight.retain(|f| {
+            // SAFETY: a live request of this worker.
+            let s = unsafe { (self.ucp.request_check_status)(f.req) };
+            if s == sys::UCS_INPROGRESS {
+                return true;
+            }
+            // SAFETY: completed; freed once.
+            unsafe { (self.ucp.request_free)(f.req) };
+            let op = match f.op {
+                Op::Put => 0,
+                Op::Send => 1,
+                Op::Flush => 2,
+                Op::Close => 3,
+            };
+            finished.push((f.conn, op, s));
+            false
+        });
+        let any = !finished.is_empty();
+        for (conn, op, s) in finished {
+            let Some(conn) = conn else { continue };
+            if s != sys::UCS_OK {
+                let e = ucx_error(self.ucp, "transfer", s);
+                self.fail(conn, e);
+            } else if op == 2 {
+                self.flushed(conn);
+            }
+        }
+        any
+    }
+
+    fn handle(&mut self, m: Incoming) {
+        match m {
+            Incoming::Am {
+                id,
+                header,
+                data,
+                rndv,
+                reply_ep,
+            } => match id {
+                AM_HELLO if !reply_ep.is_null() => self.on_hello(&header, reply_ep),
+                AM_HELLO_ACK => self.on_hello_ack(&header),
+                AM_DATA => self.on_data(&header, &data, rndv),
+                AM_FLUSH => self.on_flush(&header, reply_ep),
+                AM_FLUSH_ACK => self.on_flush_ack(&header),
+                AM_FAILURE => self.on_failure(&header),
+                AM_BYE => {
+                    if let Some((session, _)) = split_u64(&header) {
+                        self.sessions.remove(&session);
+                    }
+                }
+                other => debug!(am = other, "kvtransfer: unexpected UCX message"),
+            },
+            Incoming::EpFailed { conn, status } => {
+                let e = ucx_error(self.ucp, "connection to the receiver failed", status);
+                debug!(conn, error = %e, "kvtransfer: UCX endpoint failed");
+                self.fail(conn, e);
+            }
+        }
+    }
+}
+
+impl Drop for State {
+    fn drop(&mut self) {
+        let ids: Vec<u64> = self.conns.keys().copied().collect();
+        for id in ids {
+            if let Some(c) = self.conns.get_mut(&id) {
+                c.failed.get_or_insert(TransferError::Closed);
+            }
+            self.close(id);
+        }
+        // Let closes and sends finish (bounded: a dead peer's requests are abandoned).
+        for _ in 0..1000 {
+            if self.inflight.is_empty() {
+                break;
+            }
+            // SAFETY: our worker.
+            unsafe { (self.ucp.worker_progress)(self.worker) };
+            self.poll_requests();
+        }
+        let keys: Vec<RemoteKey> = self.regions.keys().copied().collect();
+        for key in keys {
+            self.unmap(key);
+        }
+        // SAFETY: every endpoint is closed and every mapping released; destroyed once.
+        unsafe {
+            (self.ucp.worker_destroy)(self.worker);
+            (self.ucp.cleanup)(self.context);
+        }
+    }
+}
+
+/// Active-message callback: copies the message into the inbox (nothing else may run here).
+unsafe extern "C" fn on_am(
+    arg: *mut c_void,
+    header: *const c_void,
+    header_length: usize,
+    data: *mut c_void,
+    length: usize,
+    param: *const sys::ucp_am_recv_param_t,
+) -> sys::ucs_status_t {
+    // SAFETY: `arg` is a `CallbackArg` owned by the state, whose inbox outlives the worker's
+    // handlers; header/data are valid for the call (eager, whole message).
+    unsafe {
+        let arg = &*(arg as *const CallbackArg);
+        let bytes = |p: *const c_void, n: usize| {
+            if p.is_null() || n == 0 {
+                Vec::new()
+            } else {
+                std::slice::from_raw_parts(p as *const u8, n).to_vec()
+            }
+        };
+        let (recv_attr, reply_ep) = if param.is_null() {
+            (0, std::ptr::null_mut())
+        } else {
+            ((*param).recv_attr, (*param).reply_ep)
+        };
+        let rndv = recv_attr & sys::UCP_AM_RECV_ATTR_FLAG_RNDV != 0;
+        let reply_ep = if recv_attr & sys::UCP_AM_RECV_ATTR_FIELD_REPLY_EP != 0 {
+            reply_ep
+        } else {
+            std::ptr::null_mut()
+        };
+        let msg = Incoming::Am {
+            id: arg.id as u32,
+            header: bytes(header, header_length),
+            data: if rndv {
+                Vec::new()
+            } else {
+                bytes(data, length)
+            },
+            rndv,
+            reply_ep,
+        };
+        if let Ok(mut inbox) = (*arg.inbox).try_borrow_mut() {
+            inbox.push(msg);
+        }
+    }
+    sys::UCS_OK
+}
+
+/// Endpoint error callback (peer failure): queues the failure for the connection.
+unsafe extern "C" fn on_ep_error(arg: *mut c_void, _ep: sys::ucp_ep_h, status: sys::ucs_status_t) {
+    // SAFETY: `arg` is the connection's `CallbackArg`, alive until the endpoint is closed.
+    unsafe {
+        let arg = &*(arg as *const CallbackArg);
+        if let Ok(mut inbox) = (*arg.inbox).try_borrow_mut() {
+            inbox.push(Incoming::EpFailed {
+                conn: arg.id,
+                status,
+            });
+        }
+    }
+}
