@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 
-use crate::registry::{Entry, Registry};
+use crate::registry::{Access, Entry, Registry};
 use crate::{
     check_compatible, Fence, KvLayoutDesc, KvRegion, Registration, RemoteKey, RemoteWriter,
     TransferError, Transport, WriteBatch,
@@ -109,9 +109,11 @@ impl RemoteWriter for LocalWriter {
             return Err(TransferError::UnknownRegion(self.key));
         }
         for w in &batch.writes {
-            let landed = self
-                .entry
-                .land(self.key, self.fence, batch.layer, w.block, &w.data);
+            let access = Access {
+                key: self.key,
+                fence: self.fence,
+            };
+            let landed = self.entry.land(access, batch.layer, w.block, &w.data);
             if let Err(e) = landed {
                 self.failed = true;
                 return Err(e);

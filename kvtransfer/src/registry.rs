@@ -10,6 +10,13 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use crate::{check_write, Fence, KvLayoutDesc, KvRegion, LayerMemory, RemoteKey, TransferError};
 
+/// Who writes: the region's key and the writer's reservation fence.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Access {
+    pub(crate) key: RemoteKey,
+    pub(crate) fence: Fence,
+}
+
 /// A registered region, its layout and its memory, read once at registration.
 pub(crate) struct Entry {
     pub(crate) region: Arc<dyn KvRegion>,
@@ -36,22 +43,21 @@ impl Entry {
         self.live.load(Ordering::Acquire)
     }
 
-    /// Lands one received block: checks it against the layout, the registration (`key`) and
-    /// the region's admission under `fence`, then copies it into the layer's host memory or
-    /// hands it to [`KvRegion::write`] (staged and device layers).
+    /// Lands one received block: checks it against the layout, the registration
+    /// (`access.key`) and the region's admission under `access.fence`, then copies it into the
+    /// layer's host memory or hands it to [`KvRegion::write`] (staged and device layers).
     pub(crate) fn land(
         &self,
-        key: RemoteKey,
-        fence: Fence,
+        access: Access,
         layer: u32,
         block: u32,
         data: &[u8],
     ) -> Result<(), TransferError> {
         check_write(&self.layout, layer, block, data.len())?;
         if !self.is_live() {
-            return Err(TransferError::UnknownRegion(key));
+            return Err(TransferError::UnknownRegion(access.key));
         }
-        self.region.admit(block, fence)?;
+        self.region.admit(block, access.fence)?;
         let offset = block as usize * self.layout.block_bytes();
         match self.memory.get(layer as usize) {
             Some(m @ LayerMemory::Host(_)) => {

@@ -17,7 +17,7 @@ use super::frame::{
     read_control, read_header, unexpected, write_control, DATA_HEADER, TAG_DATA, TAG_FAILURE,
     TAG_FLUSH, TAG_FLUSH_ACK, TAG_HELLO, TAG_HELLO_ACK,
 };
-use crate::registry::{Entry, Registry};
+use crate::registry::{Access, Entry, Registry};
 use crate::wire::to_failure;
 use crate::{check_compatible, check_write, Fence, KvLayoutDesc, RemoteKey, TransferError};
 
@@ -132,7 +132,7 @@ async fn receive_data(
             return Ok(got.bytes);
         };
         let outcome = match tag {
-            TAG_DATA => apply_data(conn, entry, key, fence, len, &mut buf).await,
+            TAG_DATA => apply_data(conn, entry, Access { key, fence }, len, &mut buf).await,
             TAG_FLUSH if len == 0 => {
                 let ack = TransferFlushAck {
                     bytes_applied: got.bytes,
@@ -231,8 +231,7 @@ async fn reject(
 async fn apply_data(
     conn: &mut Conn,
     entry: &Entry,
-    key: RemoteKey,
-    fence: Fence,
+    access: Access,
     len: u32,
     buf: &mut Vec<u8>,
 ) -> Result<(u32, u64), TransferError> {
@@ -246,11 +245,11 @@ async fn apply_data(
     let payload = payload as usize;
     check_write(&entry.layout, layer, block, payload)?;
     if !entry.is_live() {
-        return Err(TransferError::UnknownRegion(key));
+        return Err(TransferError::UnknownRegion(access.key));
     }
     buf.resize(payload, 0);
     conn.read_exact(buf).await?;
-    entry.land(key, fence, layer, block, buf)?;
+    entry.land(access, layer, block, buf)?;
     Ok((layer, payload as u64))
 }
 

@@ -58,6 +58,7 @@ mod worker;
 
 use std::sync::mpsc;
 use std::sync::Arc;
+use std::time::Duration;
 
 use async_trait::async_trait;
 use ferry_proto::auth::ClusterToken;
@@ -70,6 +71,15 @@ use crate::{
     WriteBatch,
 };
 use worker::{Cmd, WorkerHandle};
+
+/// How long a connect waits for the receiver's hello ack. A receiver that is gone may not be
+/// detected by the transport at all (shared memory has no connection to break), so the wait is
+/// bounded.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How long a flush waits for the receiver's acknowledgement after its puts completed: the
+/// same bound, for a receiver that dies mid-transfer.
+pub const FLUSH_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Registration addresses of this transport start with this prefix (then the hex-encoded UCP
 /// worker address), so a UCX address is never mistaken for a `host:port`.
@@ -107,6 +117,23 @@ impl Shared {
         let (tx, rx) = oneshot::channel();
         self.send(make(tx))?;
         rx.await.map_err(|_| TransferError::Closed)?
+    }
+
+    /// [`Shared::call`] bounded by `limit` (a timeout is an I/O error naming `what`).
+    async fn call_within<T>(
+        &self,
+        limit: Duration,
+        what: &str,
+        make: impl FnOnce(oneshot::Sender<Result<T, TransferError>>) -> Cmd,
+    ) -> Result<T, TransferError> {
+        tokio::time::timeout(limit, self.call(make))
+            .await
+            .map_err(|_| {
+                TransferError::Io(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!("UCX {what}: no answer from the receiver within {limit:?}"),
+                ))
+            })?
     }
 }
 
@@ -226,7 +253,7 @@ impl Transport for UcxTransport {
         };
         let (conn, remote) = self
             .shared
-            .call(|done| Cmd::Connect {
+            .call_within(CONNECT_TIMEOUT, "connect", |done| Cmd::Connect {
                 address: worker_address,
                 hello,
                 key,
@@ -272,7 +299,10 @@ impl RemoteWriter for UcxWriter {
             return Err(TransferError::Closed);
         }
         let conn = self.conn;
-        let r = self.shared.call(|done| Cmd::Flush { conn, done }).await;
+        let r = self
+            .shared
+            .call_within(FLUSH_TIMEOUT, "flush", |done| Cmd::Flush { conn, done })
+            .await;
         self.failed = r.is_err();
         r
     }

@@ -47,6 +47,7 @@ pub const UCS_THREAD_MODE_SINGLE: c_int = 0;
 pub const UCP_EP_PARAM_FIELD_REMOTE_ADDRESS: u64 = 1 << 0;
 pub const UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE: u64 = 1 << 1;
 pub const UCP_EP_PARAM_FIELD_ERR_HANDLER: u64 = 1 << 2;
+pub const UCP_ERR_HANDLING_MODE_NONE: c_int = 0;
 pub const UCP_ERR_HANDLING_MODE_PEER: c_int = 1;
 pub const UCP_EP_CLOSE_FLAG_FORCE: u32 = 1 << 0;
 

@@ -20,7 +20,7 @@ use tokio::sync::oneshot;
 use tracing::{debug, info, warn};
 
 use super::sys::{self, Ucp};
-use crate::registry::{Entry, Registry};
+use crate::registry::{Access, Entry, Registry};
 use crate::wire::{from_failure, refusal, to_failure};
 use crate::{
     check_compatible, Fence, KvLayoutDesc, LayerMemory, RemoteKey, TransferError, WriteBatch,
@@ -255,6 +255,8 @@ struct State {
     registry: Arc<Registry>,
     token: Option<ClusterToken>,
     inbox: Box<Inbox>,
+    /// Boxed: the worker holds their addresses.
+    #[allow(clippy::vec_box)]
     _handler_args: Vec<Box<CallbackArg>>,
     regions: HashMap<RemoteKey, Registered>,
     sessions: HashMap<u64, Session>,
@@ -296,8 +298,8 @@ impl State {
         registry: Arc<Registry>,
         token: Option<ClusterToken>,
     ) -> Result<State, TransferError> {
-        // SAFETY (whole function): plain UCP setup calls with valid out-pointers; every handle
-        // made here is released in `Drop for State` (or below, on failure).
+        // SAFETY: plain UCP setup calls with valid out-pointers; every handle made here is
+        // released in `Drop for State` (or below, on failure).
         unsafe {
             let mut config = std::ptr::null_mut();
             let s = (ucp.config_read)(std::ptr::null(), std::ptr::null(), &mut config);
@@ -402,6 +404,7 @@ impl State {
                 }
             }
             busy |= self.poll_requests();
+            self.reap_abandoned();
             if busy {
                 continue;
             }
@@ -655,7 +658,11 @@ impl State {
             Some((lb, _)) => {
                 let layer = u32::from_le_bytes([lb[0], lb[1], lb[2], lb[3]]);
                 let block = u32::from_le_bytes([lb[4], lb[5], lb[6], lb[7]]);
-                s.entry.land(s.key, s.fence, layer, block, data)
+                let access = Access {
+                    key: s.key,
+                    fence: s.fence,
+                };
+                s.entry.land(access, layer, block, data)
             }
             None => Err(TransferError::Protocol("UCX data header too short".into())),
         };
@@ -706,6 +713,7 @@ impl State {
 
     // ---- writer side ---------------------------------------------------------------------
 
+    #[allow(clippy::too_many_arguments)] // the fields of `Cmd::Connect`
     fn connect(
         &mut self,
         address: &[u8],
@@ -720,20 +728,31 @@ impl State {
             inbox: &*self.inbox,
             id,
         });
-        let mut p = sys::ucp_ep_params_t::zeroed();
-        p.field_mask = sys::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS
-            | sys::UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE
-            | sys::UCP_EP_PARAM_FIELD_ERR_HANDLER;
-        p.address = address.as_ptr() as *const c_void;
-        p.err_mode = sys::UCP_ERR_HANDLING_MODE_PEER;
-        p.err_handler = sys::ucp_err_handler_t {
-            cb: Some(on_ep_error),
-            arg: &*err_arg as *const CallbackArg as *mut c_void,
+        let create = |mode| {
+            let mut p = sys::ucp_ep_params_t::zeroed();
+            p.field_mask = sys::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS
+                | sys::UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE
+                | sys::UCP_EP_PARAM_FIELD_ERR_HANDLER;
+            p.address = address.as_ptr() as *const c_void;
+            p.err_mode = mode;
+            p.err_handler = sys::ucp_err_handler_t {
+                cb: Some(on_ep_error),
+                arg: &*err_arg as *const CallbackArg as *mut c_void,
+            };
+            let mut ep = std::ptr::null_mut();
+            // SAFETY: `address` is a worker address from a registration (UCX validates its
+            // contents); the error callback's argument lives in the connection, which
+            // outlives the endpoint.
+            let s = unsafe { (self.ucp.ep_create)(self.worker, &p, &mut ep) };
+            (s, ep)
         };
-        let mut ep = std::ptr::null_mut();
-        // SAFETY: `address` is a worker address from a registration (UCX validates its
-        // contents); the error callback's argument lives in the connection, which outlives ep.
-        let s = unsafe { (self.ucp.ep_create)(self.worker, &p, &mut ep) };
+        // Peer-failure detection where the transports support it; Debian's UCX 1.13 has none
+        // for shared memory, where a dead receiver shows as the connect / flush bounds instead.
+        let (mut s, mut ep) = create(sys::UCP_ERR_HANDLING_MODE_PEER);
+        if s != sys::UCS_OK {
+            debug!(status = %self.ucp.describe(s), "kvtransfer: UCX endpoint without peer-failure detection");
+            (s, ep) = create(sys::UCP_ERR_HANDLING_MODE_NONE);
+        }
         if s != sys::UCS_OK {
             let _ = done.send(Err(ucx_error(self.ucp, "connecting to the receiver", s)));
             return;
@@ -1015,6 +1034,22 @@ impl State {
         }
     }
 
+    /// Closes connections whose connect the async side stopped waiting for (timed out).
+    fn reap_abandoned(&mut self) {
+        let gone: Vec<u64> = self
+            .conns
+            .iter()
+            .filter(|(_, c)| matches!(&c.phase, Phase::Connecting { done, .. } if done.is_closed()))
+            .map(|(&id, _)| id)
+            .collect();
+        for id in gone {
+            if let Some(c) = self.conns.get_mut(&id) {
+                c.failed.get_or_insert(TransferError::Closed);
+            }
+            self.close(id);
+        }
+    }
+
     fn close(&mut self, id: u64) {
         let Some(conn) = self.conns.remove(&id) else {
             return;
@@ -1049,6 +1084,7 @@ impl State {
     // ---- requests --------------------------------------------------------------------------
 
     /// Sends an active message; a failure poisons `conn` (if any) and is otherwise logged.
+    #[allow(clippy::too_many_arguments)] // one active message's parts
     fn send(
         &mut self,
         ep: sys::ucp_ep_h,
@@ -1065,6 +1101,7 @@ impl State {
         }
     }
 
+    #[allow(clippy::too_many_arguments)] // one active message's parts
     fn send_checked(
         &mut self,
         ep: sys::ucp_ep_h,
@@ -1199,14 +1236,19 @@ impl Drop for State {
             }
             self.close(id);
         }
-        // Let closes and sends finish (bounded: a dead peer's requests are abandoned).
-        for _ in 0..1000 {
-            if self.inflight.is_empty() {
-                break;
-            }
+        // Let closes and sends finish, for a bounded time (a dead peer's never do).
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
+        while !self.inflight.is_empty() && std::time::Instant::now() < deadline {
             // SAFETY: our worker.
             unsafe { (self.ucp.worker_progress)(self.worker) };
-            self.poll_requests();
+            if !self.poll_requests() {
+                std::thread::sleep(std::time::Duration::from_micros(100));
+            }
+        }
+        for f in self.inflight.drain(..) {
+            // SAFETY: releasing an unfinished request hands it to UCX, which frees it on
+            // completion or with the worker.
+            unsafe { (self.ucp.request_free)(f.req) };
         }
         let keys: Vec<RemoteKey> = self.regions.keys().copied().collect();
         for key in keys {
