@@ -42,6 +42,7 @@ fn hijack() -> internal::RegisterRequest {
         cached_block_hashes: vec![],
         last_event_id: 0,
         instance_id: 666,
+        transports: vec![],
     }
 }
 

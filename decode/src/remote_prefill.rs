@@ -134,7 +134,7 @@ async fn call(job: &RemotePrefill) -> Result<u32, String> {
         skip_tokens: u32::try_from(job.cached_tokens).map_err(|e| e.to_string())?,
         destination: Some(KvDestination {
             transfer_address: job.registration.address.clone(),
-            transport: "tcp".into(),
+            transport: job.registration.transport.into(),
             layout: Some(job.layout.clone()),
             block_ids: job.blocks.iter().map(|b| b.0).collect(),
             remote_key: job.registration.key.0,

@@ -6,11 +6,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{Args, ValueEnum};
-use ferry_kvtransfer::{TcpTransport, Transport};
+use ferry_kvtransfer::{TcpTransport, Transport, UcxTransport};
 use ferry_proto::auth::AttachToken;
 use ferry_proto::internal::decode_worker_server::DecodeWorkerServer;
 use ferry_proto::internal::WorkerRole;
-use ferry_worker::args::WorkerArgs;
+use ferry_worker::args::{TransportKind, WorkerArgs};
 use ferry_worker::registration::PrefillView;
 use ferry_worker::serve::{ServeError, WorkerServer};
 use tokio::sync::watch;
@@ -35,7 +35,8 @@ pub enum FailurePolicy {
 pub struct DecodeArgs {
     #[command(flatten)]
     pub worker: WorkerArgs,
-    /// Address the KV transfer listener binds (peers write prompt KV here).
+    /// Address the KV transfer listener binds (peers write prompt KV here; TCP transport only:
+    /// UCX needs no listener, its address travels in each prefill request).
     #[arg(long, default_value = "127.0.0.1:0")]
     pub transfer_addr: SocketAddr,
     /// Prefill here when at most this many prompt tokens are not cached here.
@@ -55,8 +56,9 @@ pub struct DecodeArgs {
 pub struct DecodeServer {
     base: WorkerServer,
     service: DecodeService,
-    /// The transfer listener prefill peers write into; lives as long as the server.
-    transport: Arc<TcpTransport>,
+    /// The transport prefill peers write into (its TCP listener, or its UCX worker and
+    /// registered memory); lives as long as the server.
+    transport: Arc<dyn Transport>,
 }
 
 impl DecodeServer {
@@ -64,14 +66,22 @@ impl DecodeServer {
     pub async fn bind(args: DecodeArgs, model_dir: PathBuf) -> Result<Self, ServeError> {
         let engine = load_engine(model_dir, &args.spec, args.worker.engine_config()).await?;
         let (view_tx, view_rx) = watch::channel(PrefillView::default());
+        let kind = args.worker.transport;
         let base = WorkerServer::bind(WorkerRole::Decode, &args.worker)
             .await?
-            .with_prefill_view(view_tx);
+            .with_prefill_view(view_tx)
+            .with_transports(vec![kind.as_str().to_owned()]);
         let token = base.cluster_token().cloned();
-        let transport = Arc::new(
-            TcpTransport::bind_with_token(args.transfer_addr, token.clone())
-                .map_err(|e| ServeError::Transport(format!("{}: {e}", args.transfer_addr)))?,
-        );
+        let transport: Arc<dyn Transport> = match kind {
+            TransportKind::Tcp => Arc::new(
+                TcpTransport::bind_with_token(args.transfer_addr, token.clone())
+                    .map_err(|e| ServeError::Transport(format!("{}: {e}", args.transfer_addr)))?,
+            ),
+            TransportKind::Ucx => Arc::new(
+                UcxTransport::with_token(token.clone())
+                    .map_err(|e| ServeError::Transport(format!("--transport ucx: {e}")))?,
+            ),
+        };
         let region = Arc::new(EngineRegion::new(engine.clone()));
         let layout = ferry_kvtransfer::KvRegion::layout(region.as_ref());
         let registration = transport

@@ -305,7 +305,10 @@ impl fmt::Display for RemoteKey {
 /// prefill request (`KvDestination.transfer_address` / `remote_key`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Registration {
-    /// Transport-specific address (`"host:port"` for TCP, `"local"` in-process).
+    /// The transport that made it ([`Transport::name`]; `KvDestination.transport`).
+    pub transport: &'static str,
+    /// Transport-specific address (`"host:port"` for TCP, `"ucx:<hex worker address>"` for
+    /// UCX, `"local"` in-process).
     pub address: String,
     /// The region's key at that address.
     pub key: RemoteKey,

@@ -55,6 +55,7 @@ impl Transport for LocalTransport {
     async fn register(&self, region: Arc<dyn KvRegion>) -> Result<Registration, TransferError> {
         let key = self.fabric.insert(region);
         Ok(Registration {
+            transport: "local",
             address: LOCAL_ADDRESS.to_owned(),
             key,
         })

@@ -7,13 +7,13 @@ use clap::Args;
 use ferry_model::engine::EngineHandle;
 use ferry_proto::internal::prefill_worker_server::PrefillWorkerServer;
 use ferry_proto::internal::WorkerRole;
-use ferry_worker::args::{DrafterArgs, WorkerArgs};
+use ferry_worker::args::{DrafterArgs, TransportKind, WorkerArgs};
 use ferry_worker::serve::{ServeError, WorkerServer};
 use tokio_util::sync::CancellationToken;
 use tracing::info;
 
 use crate::metrics::PrefillMetrics;
-use crate::service::PrefillService;
+use crate::service::{Outbound, PrefillService};
 
 /// Flags of `ferry prefill`.
 #[derive(Debug, Clone, Args)]
@@ -56,14 +56,21 @@ impl PrefillServer {
     /// Loads the model from `model_dir`, starts the engine and binds the gRPC listener.
     pub async fn bind(args: PrefillArgs, model_dir: PathBuf) -> Result<Self, ServeError> {
         let engine = load_engine(&args, model_dir).await?;
-        let base = WorkerServer::bind(WorkerRole::Prefill, &args.worker).await?;
+        let outbound = Outbound::new(
+            WorkerArgs::cluster_token(&args.worker)?,
+            args.worker.transport == TransportKind::Ucx,
+        )
+        .map_err(|e| ServeError::Transport(format!("--transport ucx: {e}")))?;
+        let base = WorkerServer::bind(WorkerRole::Prefill, &args.worker)
+            .await?
+            .with_transports(outbound.names());
         let prefill_metrics = PrefillMetrics::register(base.registry())
             .map_err(|e| ServeError::Metrics(e.to_string()))?;
         let service = PrefillService::new(
             base.worker_id().to_string(),
             engine,
             prefill_metrics,
-            base.cluster_token().cloned(),
+            outbound,
         );
         Ok(Self { base, service })
     }

@@ -6,7 +6,9 @@ use std::time::Instant;
 
 use ferry_kvtransfer::handshake::check_compatible;
 use ferry_kvtransfer::layerwise::LayerStreamer;
-use ferry_kvtransfer::{Fence, KvLayoutDesc, RemoteKey, TcpTransport, Transport};
+use ferry_kvtransfer::{
+    Fence, KvLayoutDesc, RemoteKey, TcpTransport, TransferError, Transport, UcxTransport,
+};
 use ferry_model::engine::{EngineError, EngineHandle, PrefillWork};
 use ferry_proto::auth::ClusterToken;
 use ferry_proto::internal::prefill_worker_server::PrefillWorker;
@@ -19,29 +21,72 @@ use tracing::{field, info_span, Instrument, Span};
 use crate::metrics::PrefillMetrics;
 use crate::push::{layer_pusher, offset_layer_pusher, wire_dtype};
 
-/// The service state: the engine handle and the outbound transport.
+/// The transports this worker writes KV with: TCP always, UCX when started with
+/// `--transport ucx`. The destination names the one to use (`KvDestination.transport`).
+pub struct Outbound {
+    tcp: TcpTransport,
+    ucx: Option<UcxTransport>,
+}
+
+impl Outbound {
+    /// TCP, plus UCX when `ucx` (an error when UCX cannot be loaded or started), presenting
+    /// `token` (the cluster token) to the decode workers written to.
+    pub fn new(token: Option<ClusterToken>, ucx: bool) -> Result<Self, TransferError> {
+        let ucx = if ucx {
+            Some(UcxTransport::with_token(token.clone())?)
+        } else {
+            None
+        };
+        Ok(Self {
+            tcp: TcpTransport::client_with_token(token),
+            ucx,
+        })
+    }
+
+    /// The transports' names, as advertised at registration.
+    pub fn names(&self) -> Vec<String> {
+        let mut names = vec![self.tcp.name().to_owned()];
+        names.extend(self.ucx.as_ref().map(|u| u.name().to_owned()));
+        names
+    }
+
+    /// The transport called `name`; INVALID_ARGUMENT naming `destination.transport` for one
+    /// this worker does not speak.
+    #[allow(clippy::result_large_err)]
+    fn get(&self, name: &str) -> Result<&dyn Transport, Status> {
+        match (name, &self.ucx) {
+            ("tcp", _) => Ok(&self.tcp),
+            ("ucx", Some(u)) => Ok(u),
+            _ => Err(Status::invalid_argument(format!(
+                "`destination.transport` {name:?} is not spoken by this prefill worker (it speaks {}); start it with `--transport {name}`",
+                self.names().join(", ")
+            ))),
+        }
+    }
+}
+
+/// The service state: the engine handle and the outbound transports.
 #[derive(Clone)]
 pub struct PrefillService {
     worker_id: String,
     engine: EngineHandle,
-    tcp: Arc<TcpTransport>,
+    outbound: Arc<Outbound>,
     bytes_sent: Arc<AtomicU64>,
     metrics: PrefillMetrics,
 }
 
 impl PrefillService {
-    /// A service over `engine`, counting into `metrics`, presenting `token` (the cluster
-    /// token) to the decode workers it writes KV into.
+    /// A service over `engine`, counting into `metrics`, writing KV with `outbound`.
     pub fn new(
         worker_id: String,
         engine: EngineHandle,
         metrics: PrefillMetrics,
-        token: Option<ClusterToken>,
+        outbound: Outbound,
     ) -> Self {
         Self {
             worker_id,
             engine,
-            tcp: Arc::new(TcpTransport::client_with_token(token)),
+            outbound: Arc::new(outbound),
             bytes_sent: Arc::new(AtomicU64::new(0)),
             metrics,
         }
@@ -110,18 +155,13 @@ impl PrefillService {
                 prompt_len.div_ceil(page)
             )));
         }
-        if dest.transport != "tcp" {
-            return Err(Status::invalid_argument(format!(
-                "`destination.transport` must be \"tcp\", got {:?}",
-                dest.transport
-            )));
-        }
+        let transport = self.outbound.get(&dest.transport)?;
         // The transfer's span: connect (whose hello carries it to the receiver) → flush ack.
         // Counts are signed: `tracing` hands unsigned fields to OpenTelemetry as strings.
         let transfer = info_span!(
             "kv_transfer",
             otel.kind = "client",
-            ferry.kv_transfer.transport = "tcp",
+            ferry.kv_transfer.transport = transport.name(),
             ferry.kv_transfer.destination = %dest.transfer_address,
             ferry.kv_transfer.bytes = field::Empty,
             ferry.kv_transfer.layers = i64::from(ours.num_layers),
@@ -129,8 +169,7 @@ impl PrefillService {
             ferry.kv_transfer.duration_s = field::Empty,
         );
         let started = Instant::now();
-        let writer = self
-            .tcp
+        let writer = transport
             .connect(
                 &dest.transfer_address,
                 RemoteKey(dest.remote_key),

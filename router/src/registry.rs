@@ -76,6 +76,53 @@ impl From<internal::WorkerLoad> for WorkerLoad {
     }
 }
 
+/// The KV transfer transports a worker speaks (`RegisterRequest.transports`), as a set.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Transports(u8);
+
+impl Transports {
+    const NAMES: [&'static str; 2] = ["tcp", "ucx"];
+
+    /// TCP only: what a worker that names none speaks.
+    pub const TCP: Transports = Transports(1);
+
+    /// Parses the registration's names; empty is [`Transports::TCP`], an unknown name is an
+    /// error naming it.
+    pub fn parse(names: &[String]) -> Result<Self, RegistryError> {
+        if names.is_empty() {
+            return Ok(Self::TCP);
+        }
+        let mut bits = 0u8;
+        for n in names {
+            let i = Self::NAMES.iter().position(|k| k == n).ok_or_else(|| {
+                RegistryError::invalid(
+                    "transports",
+                    format!("must name \"tcp\" or \"ucx\", got {n:?}"),
+                )
+            })?;
+            bits |= 1 << i;
+        }
+        Ok(Transports(bits))
+    }
+
+    /// Whether the two sets share a transport (a prefill worker can write to a decode worker).
+    pub fn meets(self, other: Transports) -> bool {
+        self.0 & other.0 != 0
+    }
+}
+
+impl std::fmt::Display for Transports {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let names: Vec<&str> = Self::NAMES
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| self.0 & (1 << i) != 0)
+            .map(|(_, n)| *n)
+            .collect();
+        f.write_str(&names.join(","))
+    }
+}
+
 /// A parsed `RegisterRequest`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Registration {
@@ -93,6 +140,8 @@ pub struct Registration {
     pub snapshot: Snapshot,
     /// Random per worker process start; heartbeats and events must carry it.
     pub instance: u64,
+    /// The KV transfer transports it speaks.
+    pub transports: Transports,
 }
 
 impl TryFrom<internal::RegisterRequest> for Registration {
@@ -127,6 +176,7 @@ impl TryFrom<internal::RegisterRequest> for Registration {
                 last_event: EventId(r.last_event_id),
             },
             instance: r.instance_id,
+            transports: Transports::parse(&r.transports)?,
         })
     }
 }
@@ -186,12 +236,15 @@ pub struct WorkerSnapshot {
     pub channel: Channel,
     /// Signs calls to the worker with the cluster token.
     pub auth: AttachToken,
+    /// The KV transfer transports it speaks.
+    pub transports: Transports,
 }
 
 #[derive(Debug, Clone)]
 struct Entry {
     role: Role,
     grpc_address: String,
+    transports: Transports,
     instance: u64,
     load: WorkerLoad,
     last_seen: Instant,
@@ -287,6 +340,7 @@ impl Registry {
             Entry {
                 role: reg.role,
                 grpc_address: reg.grpc_address,
+                transports: reg.transports,
                 instance: reg.instance,
                 load: WorkerLoad {
                     kv_blocks_total: reg.total_blocks,
@@ -439,6 +493,7 @@ impl Registry {
                     pending_handle,
                     channel: e.channel.clone(),
                     auth: AttachToken::new(self.inner.cluster_token.clone()),
+                    transports: e.transports,
                 }
             })
             .collect();
@@ -599,6 +654,7 @@ mod tests {
                 last_event: EventId(3),
             },
             instance: 7,
+            transports: Transports::TCP,
         }
     }
 

@@ -14,7 +14,7 @@ use tonic::transport::Channel;
 use crate::error::RequestError;
 use crate::load::{Charge, LoadGuard};
 use crate::policy::{Candidate, Decision, Policy, SelectInput, SelectPolicy};
-use crate::registry::{Registry, Role, WorkerSnapshot};
+use crate::registry::{Registry, Role, Transports, WorkerSnapshot};
 
 /// The prompt to place.
 #[derive(Debug, Clone, Copy)]
@@ -109,6 +109,60 @@ impl Selector {
         self.policy.kind()
     }
 
+    /// `decision`, unless its prefill worker speaks none of its decode worker's transports
+    /// (one started with `--transport ucx`, the other without): then the policy chooses again
+    /// among the prefill workers that can write to that decode worker, or prefills on the
+    /// decode worker when none can, and says so in the log.
+    fn reachable(
+        &self,
+        decision: Decision,
+        input: &SelectInput<'_>,
+        workers: &[WorkerSnapshot],
+    ) -> Decision {
+        let speaks = |id: &WorkerId| {
+            workers
+                .iter()
+                .find(|w| &w.id == id)
+                .map_or(Transports::TCP, |w| w.transports)
+        };
+        let Some(p) = &decision.prefill else {
+            return decision;
+        };
+        let wanted = speaks(&decision.decode);
+        if speaks(p).meets(wanted) {
+            return decision;
+        }
+        let prefill: Vec<Candidate> = input
+            .prefill
+            .iter()
+            .filter(|c| speaks(&c.id).meets(wanted))
+            .cloned()
+            .collect();
+        let decode: Vec<Candidate> = input
+            .decode
+            .iter()
+            .filter(|c| c.id == decision.decode)
+            .cloned()
+            .collect();
+        let again = SelectInput {
+            prefill: &prefill,
+            decode: &decode,
+            ..*input
+        };
+        let retry = self.policy.select(&again);
+        tracing::warn!(
+            decode = %decision.decode,
+            transports = %wanted,
+            skipped = %p,
+            chosen = ?retry.as_ref().and_then(|d| d.prefill.as_ref()).map(|p| p.0.as_str()),
+            "no shared KV transport between the chosen prefill and decode workers; re-paired"
+        );
+        retry.unwrap_or(Decision {
+            prefill: None,
+            ..decision
+        })
+    }
+
     /// Picks the pair for `req` and charges its load. [`RequestError::NoDecodeWorker`] when
     /// no healthy, non-excluded decode worker exists.
     pub fn select(&self, req: &SelectRequest<'_>) -> Result<Selection, RequestError> {
@@ -140,10 +194,11 @@ impl Selector {
             decode: &decode,
             overlaps: &overlaps,
         };
-        let decision = self
+        let mut decision = self
             .policy
             .select(&input)
             .ok_or(RequestError::NoDecodeWorker)?;
+        decision = self.reachable(decision, &input, &workers);
         if let (Some(slo_ms), Some(estimated_ms)) = (self.ttft_slo_ms, decision.estimated_ttft_ms) {
             if estimated_ms > slo_ms {
                 return Err(RequestError::TtftSlo {
@@ -206,9 +261,14 @@ mod tests {
     use super::*;
     use crate::config::PolicyKind;
     use crate::index::{FlatIndex, Snapshot};
-    use crate::registry::{Registration, RegistryParams};
+    use crate::registry::{Registration, RegistryParams, Transports};
 
     fn registry() -> Registry {
+        registry_speaking(&[])
+    }
+
+    /// The test registry, with `transports` overriding a worker's (default: TCP).
+    fn registry_speaking(transports: &[(&str, &[&str])]) -> Registry {
         let r = Registry::new(RegistryParams {
             index: Arc::new(FlatIndex::new()),
             heartbeat_timeout: Duration::from_secs(60),
@@ -233,12 +293,51 @@ mod tests {
                         last_event: EventId(0),
                     },
                     instance: 1,
+                    transports: transports
+                        .iter()
+                        .find(|(w, _)| *w == id)
+                        .map(|(_, names)| {
+                            let names: Vec<String> = names.iter().map(|n| n.to_string()).collect();
+                            Transports::parse(&names).expect("known names")
+                        })
+                        .unwrap_or(Transports::TCP),
                 },
                 Instant::now(),
             )
             .expect("valid registration");
         }
         r
+    }
+
+    #[tokio::test]
+    async fn a_prefill_worker_is_paired_only_with_decode_workers_it_can_write_to() {
+        let hashes: Vec<BlockHash> = [1, 2, 3].into_iter().map(BlockHash).collect();
+        let req = |exclude| SelectRequest {
+            hashes: &hashes,
+            prompt_tokens: 16,
+            exclude,
+            prefill_here: false,
+        };
+        // p1 holds the prefix but speaks only TCP; d0 and d1 receive over UCX; p0 speaks both.
+        let speaking: [(&str, &[&str]); 3] =
+            [("p0", &["tcp", "ucx"]), ("d0", &["ucx"]), ("d1", &["ucx"])];
+        let selector = Selector::new(
+            registry_speaking(&speaking),
+            Policy::new(PolicyKind::CacheAware),
+        );
+        let s = selector.select(&req(&[])).expect("selection");
+        assert_eq!(s.prefill.as_ref().map(|p| p.id.0.as_str()), Some("p0"));
+        // With no prefill worker speaking UCX, the decode worker prefills itself.
+        let speaking: [(&str, &[&str]); 2] = [("d0", &["ucx"]), ("d1", &["ucx"])];
+        let selector = Selector::new(
+            registry_speaking(&speaking),
+            Policy::new(PolicyKind::CacheAware),
+        );
+        let s = selector.select(&req(&[])).expect("selection");
+        assert!(s.prefill.is_none(), "prefilled on {}", s.decode.id.0);
+        // Unknown names are refused at registration, naming the field.
+        let e = Transports::parse(&["rdma".into()]).unwrap_err();
+        assert!(e.to_string().contains("transports"), "{e}");
     }
 
     #[tokio::test]

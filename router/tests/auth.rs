@@ -179,6 +179,7 @@ async fn register(state: &AppState, internal: SocketAddr, addr: &str) {
             cached_block_hashes: vec![],
             last_event_id: 0,
             instance_id: 1,
+            transports: vec![],
         })
         .await
         .expect("register without a key");

@@ -91,6 +91,7 @@ impl Harness {
                 cached_block_hashes: vec![],
                 last_event_id: 0,
                 instance_id: 1,
+                transports: vec![],
             })
             .await
             .expect("register");

@@ -65,6 +65,7 @@ fn served(rt: &tokio::runtime::Runtime) -> Arc<AppState> {
             cached_block_hashes: vec![],
             last_event_id: 0,
             instance_id: 1,
+            transports: vec![],
         })
         .expect("a valid registration");
         state

@@ -29,6 +29,7 @@ fn register(id: &str, address: &str, instance: u64) -> internal::RegisterRequest
         cached_block_hashes: vec![],
         last_event_id: 0,
         instance_id: instance,
+        transports: vec![],
     }
 }
 

@@ -31,6 +31,7 @@ fn register(id: &str, role: internal::WorkerRole, address: &str) -> internal::Re
         cached_block_hashes: vec![],
         last_event_id: 0,
         instance_id: 1,
+        transports: vec![],
     }
 }
 

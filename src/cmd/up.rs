@@ -23,7 +23,7 @@ use clap::Args;
 use ferry_decode::spec::SpecArgs;
 use ferry_proto::auth::ClusterToken;
 use ferry_router::config::PolicyKind;
-use ferry_worker::args::DeviceArgs;
+use ferry_worker::args::{DeviceArgs, TransportKind};
 use ferry_worker::shutdown::shutdown_token;
 use std::process::ExitStatus;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -75,6 +75,11 @@ pub struct UpArgs {
     /// KV blocks per worker.
     #[arg(long, default_value_t = 1024)]
     pub kv_blocks: usize,
+    /// How prefill workers ship KV caches to decode workers: `tcp`, or `ucx` (one-sided puts
+    /// into the decode workers' registered memory; needs UCX's libucp, e.g. Debian's
+    /// `libucx0`, and follows `UCX_TLS` / `UCX_NET_DEVICES`, which every worker inherits).
+    #[arg(long, value_enum, default_value_t = TransportKind::Tcp, env = "FERRY_TRANSPORT")]
+    pub transport: TransportKind,
     /// Decode workers prefill locally when at most this many prompt tokens are uncached.
     #[arg(long, default_value_t = 32)]
     pub local_prefill_threshold: usize,
@@ -314,6 +319,8 @@ async fn up(args: UpArgs, exe: PathBuf, model: PathBuf, served: String) -> anyho
             format!("{role}-{i}"),
             "--kv-blocks".into(),
             args.kv_blocks.to_string(),
+            "--transport".into(),
+            args.transport.as_str().into(),
         ];
         argv.extend(args.device.to_args());
         argv

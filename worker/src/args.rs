@@ -60,11 +60,38 @@ pub struct WorkerArgs {
     /// Heartbeat and KV-event period in milliseconds.
     #[arg(long, default_value_t = 200)]
     pub heartbeat_ms: u64,
+    /// How KV caches move between workers: `tcp`, or `ucx` (one-sided puts into the decode
+    /// worker's registered memory; needs UCX's `libucp.so.0`, and follows `UCX_TLS` /
+    /// `UCX_NET_DEVICES`). A decode worker receives on this transport; a prefill worker
+    /// always speaks TCP and, with `ucx`, UCX too.
+    #[arg(long, value_enum, default_value_t = TransportKind::Tcp, env = "FERRY_TRANSPORT")]
+    pub transport: TransportKind,
     /// Stop when standard input closes (set by `ferry up` for its children).
     #[arg(long, hide = true)]
     pub exit_on_stdin_close: bool,
     #[command(flatten)]
     pub device: DeviceArgs,
+}
+
+/// `--transport`: the KV transfer transport.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, ValueEnum)]
+pub enum TransportKind {
+    /// Length-prefixed frames over TCP (the default; nothing to install).
+    #[default]
+    Tcp,
+    /// UCX: one-sided RDMA-style puts (shared memory, TCP, InfiniBand/RoCE, CUDA IPC, as the
+    /// machine's UCX offers).
+    Ucx,
+}
+
+impl TransportKind {
+    /// The flag's spelling, which is also the transport's wire name (`KvDestination.transport`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TransportKind::Tcp => "tcp",
+            TransportKind::Ucx => "ucx",
+        }
+    }
 }
 
 /// `--speculative`: whether the engine runs with a DSpark drafter.

@@ -44,6 +44,8 @@ pub struct RegistrationConfig {
     pub token: Option<ClusterToken>,
     /// Where to publish the router's list of live prefill workers, if this worker wants it.
     pub prefill_view: Option<watch::Sender<PrefillView>>,
+    /// KV transfer transports this worker speaks (`RegisterRequest.transports`).
+    pub transports: Vec<String>,
 }
 
 /// The prefill workers the router routes to, as its heartbeat answers said.
@@ -122,6 +124,7 @@ async fn session(
             cached_block_hashes: hashes.iter().map(|h| h.0).collect(),
             last_event_id: last_event.0,
             instance_id: instance,
+            transports: config.transports.clone(),
         })
         .await
         .map_err(|e| {

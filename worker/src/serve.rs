@@ -137,6 +137,7 @@ pub struct WorkerServer {
     metrics: WorkerMetrics,
     metrics_listener: MetricsListener,
     prefill_view: Option<tokio::sync::watch::Sender<registration::PrefillView>>,
+    transports: Vec<String>,
 }
 
 impl WorkerServer {
@@ -167,6 +168,7 @@ impl WorkerServer {
             metrics,
             metrics_listener,
             prefill_view: None,
+            transports: vec!["tcp".into()],
         })
     }
 
@@ -180,6 +182,12 @@ impl WorkerServer {
             prefill_view: Some(tx),
             ..self
         }
+    }
+
+    /// Advertises `transports` (KV transfer transport names) at registration instead of
+    /// `["tcp"]`.
+    pub fn with_transports(self, transports: Vec<String>) -> Self {
+        Self { transports, ..self }
     }
 
     /// This worker's id.
@@ -262,6 +270,7 @@ impl WorkerServer {
                 heartbeat: self.heartbeat,
                 token: self.token.clone(),
                 prefill_view: self.prefill_view,
+                transports: self.transports,
             },
             engine.clone(),
             shutdown.clone(),

@@ -200,6 +200,7 @@ impl Transport for TcpTransport {
         };
         let key = self.registry.insert(region);
         Ok(Registration {
+            transport: "tcp",
             address: listener.advertised.clone(),
             key,
         })

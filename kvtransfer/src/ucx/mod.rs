@@ -212,6 +212,7 @@ impl Transport for UcxTransport {
             return Err(e);
         }
         Ok(Registration {
+            transport: "ucx",
             address: self.shared.address.clone(),
             key,
         })
