@@ -1,13 +1,26 @@
 //! The KV region peers write into.
 
-use ferry_kvtransfer::error::TransferError;
-use ferry_kvtransfer::{Dtype, KvLayoutDesc, KvRegion};
-use ferry_model::engine::EngineHandle;
-use ferry_model::kv::{BlockId, KvDtype};
+use std::sync::Arc;
 
-/// This worker's KV pool as a transfer target. Writes are forwarded to the engine thread (the
-/// pool's one owner), which applies them in order before it processes the peer's completion,
-/// and only into blocks reserved for a remote prefill.
+use ferry_kvtransfer::error::TransferError;
+use ferry_kvtransfer::{Dtype, Fence, KvLayoutDesc, KvRegion, LayerMemory};
+use ferry_model::engine::EngineHandle;
+use ferry_model::kv::{BlockId, HostRows, KvDtype, RemoteFences};
+
+/// This worker's KV pool as a transfer target: registered memory where the rows are on the
+/// host, staged writes elsewhere.
+///
+/// - **A CPU engine's target layers are exposed as memory** ([`KvRegion::memory`]): the pool's
+///   rows ([`HostRows`], shared with the engine), so a UCX peer puts blocks straight into them
+///   and the TCP receiver copies each block there, with no engine-thread hop. The engine reads
+///   those blocks only after the peer's completion (its prefill reply, sent after its flush).
+/// - **Everything else is staged** through [`KvRegion::write`] to the engine thread (the pool's
+///   one owner), which applies writes in order before it processes the completion: a GPU
+///   engine's device cache (the engine copies host → device), and the drafter's context layers.
+/// - **Every block a receiver sees is admitted only under its request's fence**
+///   ([`RemoteFences`]: reserved by the engine for exactly that remote prefill), so a peer
+///   whose request was abandoned cannot write into blocks since recomputed or reused. A
+///   one-sided put is not seen by the receiver; see `docs/transfer.md` for what fences it.
 ///
 /// The advertised dtype is the engine's cache dtype ([`EngineHandle::kv_dtype`]: f32 on the CPU
 /// and in CUDA exact mode, bf16 in CUDA fast mode): the wire carries the destination's dtype,
@@ -23,6 +36,11 @@ use ferry_model::kv::{BlockId, KvDtype};
 pub struct EngineRegion {
     engine: EngineHandle,
     layout: KvLayoutDesc,
+    /// The rows exposed as memory (a CPU engine's), kept alive while registered.
+    rows: Option<Arc<HostRows>>,
+    /// Target layers (the rest are the drafter's context, staged).
+    target_layers: u32,
+    fences: Arc<RemoteFences>,
 }
 
 impl EngineRegion {
@@ -40,13 +58,50 @@ impl EngineRegion {
             },
             num_blocks: u(l.num_blocks),
         };
-        Self { engine, layout }
+        // Rows are exposed only when they are what the wire carries (f32 host rows).
+        let rows = engine
+            .host_rows()
+            .filter(|_| engine.kv_dtype() == KvDtype::F32);
+        Self {
+            rows,
+            target_layers: u(l.num_layers),
+            fences: engine.remote_fences(),
+            engine,
+            layout,
+        }
     }
 }
 
 impl KvRegion for EngineRegion {
     fn layout(&self) -> KvLayoutDesc {
         self.layout
+    }
+
+    #[allow(unsafe_code)] // see the crate root
+    fn memory(&self, layer: u32) -> LayerMemory {
+        match &self.rows {
+            Some(rows) if layer < self.target_layers => match rows.layer_span(layer as usize) {
+                // SAFETY: the rows live as long as this region (it holds the `Arc`); peers
+                // write only blocks the engine reserved for them (`admit`, and the writer's
+                // own request), which the engine does not touch until the transfer completes
+                // (`ferry_model::kv::pool`).
+                Some((ptr, len)) => unsafe { LayerMemory::host(ptr, len) },
+                None => LayerMemory::Staged,
+            },
+            _ => LayerMemory::Staged,
+        }
+    }
+
+    fn admit(&self, block: u32, fence: Fence) -> Result<(), TransferError> {
+        if self.fences.holds(block, fence.0) {
+            Ok(())
+        } else {
+            Err(TransferError::Region(format!(
+                "block {block} is not reserved for this transfer (fence {}): its request was \
+                 given up, or the block belongs to another",
+                fence.0
+            )))
+        }
     }
 
     fn write(&self, layer: u32, block: u32, data: &[u8]) -> Result<(), TransferError> {

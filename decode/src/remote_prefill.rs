@@ -45,6 +45,8 @@ pub struct RemotePrefill {
     pub registration: Registration,
     /// This worker's pool layout.
     pub layout: KvLayout,
+    /// The reservation's fence (the awaiting sequence's id; see `EngineRegion::admit`).
+    pub fence: ferry_kvtransfer::Fence,
     /// How long the peer may take.
     pub timeout: Duration,
     /// Signs the call with the cluster token.
@@ -138,7 +140,7 @@ async fn call(job: &RemotePrefill) -> Result<u32, String> {
             layout: Some(job.layout.clone()),
             block_ids: job.blocks.iter().map(|b| b.0).collect(),
             remote_key: job.registration.key.0,
-            fence: 0,
+            fence: job.fence.0,
         }),
     });
     trace_ctx::inject_request(&Span::current(), &mut request);

@@ -364,6 +364,7 @@ async fn drive(
                     cached_tokens,
                     registration: ctx.registration.clone(),
                     layout: KvLayout::from(ctx.layout),
+                    fence: ferry_kvtransfer::Fence(generation.id.0),
                     timeout: ctx.policy.prefill_timeout,
                     auth: ctx.policy.peer_auth.clone(),
                     metrics: ctx.metrics.clone(),

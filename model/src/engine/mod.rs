@@ -423,6 +423,10 @@ pub struct EngineHandle {
     draft_kv_layers: usize,
     /// The device the forward runs on.
     device: Device,
+    /// The host pool's rows (CPU engines), for a transfer region to expose.
+    host_rows: Option<Arc<crate::kv::HostRows>>,
+    /// Which remote prefill each block is reserved for (written by the engine thread).
+    fences: Arc<crate::kv::RemoteFences>,
 }
 
 /// Decrements the in-flight count when a request's handle-side state is dropped.
@@ -474,6 +478,8 @@ impl EngineHandle {
         let device = backend.device();
         // Block ids on every device; rows on the host only where the forward reads them there.
         let pool = backend.new_pool(layout)?;
+        let host_rows = pool.host_rows();
+        let fences = Arc::new(crate::kv::RemoteFences::new(layout.num_blocks));
         let kv_dtype = backend.kv_dtype();
         // On a GPU with graphs, rounds are replayed at a fixed width (B + 1 rows per sequence).
         let fixed_width = device.is_gpu() && config.cuda_graphs;
@@ -486,9 +492,12 @@ impl EngineHandle {
         let draft_kv_layers = spec.as_ref().map_or(0, spec::Speculator::pool_layers);
         let (tx, rx) = mpsc::unbounded_channel();
         let max_in_flight = config.max_in_flight;
+        let engine_fences = fences.clone();
         std::thread::Builder::new()
             .name("ferry-engine".into())
-            .spawn(move || scheduler::Scheduler::new(backend, pool, spec, config).run(rx))
+            .spawn(move || {
+                scheduler::Scheduler::new(backend, pool, spec, config, engine_fences).run(rx)
+            })
             .map_err(|e| ModelError::Invalid(format!("cannot start the engine thread: {e}")))?;
         Ok(Self {
             tx,
@@ -500,6 +509,8 @@ impl EngineHandle {
             config: model_config,
             draft_kv_layers,
             device,
+            host_rows,
+            fences,
         })
     }
 
@@ -534,6 +545,19 @@ impl EngineHandle {
     /// The KV pool geometry.
     pub fn kv_layout(&self) -> crate::kv::KvLayout {
         self.layout
+    }
+
+    /// The host pool's rows (a CPU engine's KV), shared so a decode worker's transfer region
+    /// can expose them as registered memory; `None` when the rows live on a device.
+    pub fn host_rows(&self) -> Option<Arc<crate::kv::HostRows>> {
+        self.host_rows.clone()
+    }
+
+    /// Which remote prefill each block is reserved for: a block written by a peer must be
+    /// reserved under the peer's fence, which is the awaiting sequence's id
+    /// ([`RemoteFences::holds`](crate::kv::RemoteFences::holds)).
+    pub fn remote_fences(&self) -> Arc<crate::kv::RemoteFences> {
+        self.fences.clone()
     }
 
     /// The element type of the engine's KV cache: f32 on the CPU and in CUDA exact mode, bf16

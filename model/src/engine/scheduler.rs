@@ -18,6 +18,7 @@
 //! | `sample.rs` | the sampling side: every plain draw and every round's verification of a batch, on the model's backend |
 
 use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::Arc;
 
 use tokio::sync::mpsc;
 use tracing::warn;
@@ -27,7 +28,7 @@ use super::sequence::{PrefillTask, Sequence};
 use super::spec::{Draft, Speculator};
 use super::{Command, EngineConfig, EngineEvent, EngineStats, FinishReason};
 use super::{Failure, GenerateJob, GenerateOptions, SeqId};
-use crate::kv::{BlockId, KvManager, KvPool};
+use crate::kv::{BlockId, KvManager, KvPool, RemoteFences};
 
 mod admit;
 mod batch;
@@ -64,6 +65,12 @@ pub(crate) struct Scheduler {
     prefills: Vec<PrefillTask>,
     /// Blocks peers may write into (reserved for an awaited remote prefill).
     remote_blocks: HashSet<BlockId>,
+    /// The same reservations with their fences, shared with the transfer region.
+    fences: Arc<RemoteFences>,
+    /// Whether peers' KV lands in the pool's rows directly (a host pool exposed as registered
+    /// memory) rather than through `write_kv`: then the bytes are counted when the transfer
+    /// completes.
+    direct_rows: bool,
     stats: EngineStats,
     /// The drafter and its KV, when this engine speculates.
     spec: Option<Speculator>,
@@ -97,8 +104,12 @@ impl Scheduler {
         pool: KvPool,
         spec: Option<Speculator>,
         config: EngineConfig,
+        fences: Arc<RemoteFences>,
     ) -> Self {
+        let direct_rows = pool.has_rows();
         Self {
+            fences,
+            direct_rows,
             backend,
             kv: KvManager::new(pool),
             config,

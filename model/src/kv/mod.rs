@@ -26,6 +26,7 @@ pub mod cache;
 #[cfg(any(feature = "cuda", feature = "rocm"))]
 pub mod device;
 pub mod events;
+pub mod fences;
 /// Prefix identity (chained block hashes), owned by the wire contract it is part of.
 pub use ferry_proto::block_hash as hash;
 pub mod layout;
@@ -37,11 +38,12 @@ pub mod table;
 
 pub use cache::{KvMut, KvRef, KvRows, KvStore};
 pub use events::{EventLog, KvEvent, KvEventData};
+pub use fences::RemoteFences;
 pub use ferry_proto::ids::{BlockHash, EventId};
 pub use hash::{block_hashes, chain_hash, BLOCK_HASH_SEED};
 pub use layout::KvLayout;
 pub use manager::KvManager;
-pub use pool::{BlockId, KvPool};
+pub use pool::{BlockId, HostRows, KvPool};
 pub use prefix::PrefixCache;
 pub use rows::{KvDtype, LayerRows};
 pub use table::BlockTable;

@@ -8,8 +8,17 @@
 //! ([`KvPool::without_rows`]: a GPU engine, whose rows live in the device cache under the same
 //! ids). Both allocate, count references and back the prefix cache alike; row access on an
 //! ids-only pool is an error saying where the rows are.
+//!
+//! A host pool's rows are a [`HostRows`] shared by `Arc`: a decode worker's transfer region
+//! holds a clone and exposes each layer as registered memory, so peers' KV lands in the rows
+//! directly (a one-sided put, or the TCP receiver's copy) while the engine works on other
+//! blocks. Only blocks reserved for a remote prefill are written that way, and the engine
+//! neither reads nor writes them until the transfer has completed; nothing else touches the
+//! rows outside the pool.
 
 use std::fmt;
+use std::ptr::NonNull;
+use std::sync::Arc;
 
 use super::KvLayout;
 use crate::ModelError;
@@ -25,15 +34,86 @@ impl fmt::Display for BlockId {
     }
 }
 
+/// A host pool's row storage: one zeroed f32 allocation per layer, `[block][page][width]`,
+/// freed when the pool and every transfer region exposing it are gone (see the module docs).
+pub struct HostRows {
+    layers: Vec<(NonNull<f32>, usize)>,
+}
+
+// SAFETY: plain f32 storage; the pool is its one reader/writer of references, and transfer
+// regions write only raw bytes into blocks reserved for them (module docs).
+unsafe impl Send for HostRows {}
+// SAFETY: as above.
+unsafe impl Sync for HostRows {}
+
+impl HostRows {
+    fn zeroed(layers: usize, floats: usize) -> Self {
+        let layers = (0..layers)
+            .map(|_| {
+                let b: Box<[f32]> = vec![0.0f32; floats].into_boxed_slice();
+                let len = b.len();
+                // SAFETY: `Box::into_raw` never returns null.
+                let ptr = unsafe { NonNull::new_unchecked(Box::into_raw(b) as *mut f32) };
+                (ptr, len)
+            })
+            .collect();
+        HostRows { layers }
+    }
+
+    /// Layers held.
+    pub fn num_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// Layer `layer`'s storage as an address and a length in bytes, for registering it with a
+    /// transport (`None` past the last layer).
+    pub fn layer_span(&self, layer: usize) -> Option<(*mut u8, usize)> {
+        self.layers
+            .get(layer)
+            .map(|&(p, n)| (p.as_ptr() as *mut u8, n * std::mem::size_of::<f32>()))
+    }
+
+    fn slice(&self, layer: usize) -> Option<&[f32]> {
+        let &(p, n) = self.layers.get(layer)?;
+        // SAFETY: a live allocation of `n` floats; see the module docs for who writes it.
+        Some(unsafe { std::slice::from_raw_parts(p.as_ptr(), n) })
+    }
+
+    /// # Safety
+    /// The caller is the pool, holding `&mut` on itself: no other reference into the rows
+    /// exists (transfer regions write raw bytes into reserved blocks only).
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn slice_mut(&self, layer: usize) -> Option<&mut [f32]> {
+        let &(p, n) = self.layers.get(layer)?;
+        // SAFETY: per the function's contract.
+        Some(unsafe { std::slice::from_raw_parts_mut(p.as_ptr(), n) })
+    }
+}
+
+impl Drop for HostRows {
+    fn drop(&mut self) {
+        for &(p, n) in &self.layers {
+            // SAFETY: made by `Box::into_raw` of a boxed slice of `n` floats, freed once.
+            drop(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(p.as_ptr(), n)) });
+        }
+    }
+}
+
+impl fmt::Debug for HostRows {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("HostRows")
+            .field("layers", &self.layers.len())
+            .finish()
+    }
+}
+
 /// The latent KV pool of one engine: storage for every layer (unless ids-only) plus the block
 /// allocator.
 #[derive(Debug)]
 pub struct KvPool {
     layout: KvLayout,
-    /// One contiguous region per layer: `[block][page][width]`; empty in an ids-only pool.
-    layers: Vec<Vec<f32>>,
-    /// Whether `layers` holds the rows (else the pool is ids-only).
-    rows: bool,
+    /// The rows, shared with a transfer region (module docs); `None` in an ids-only pool.
+    rows: Option<Arc<HostRows>>,
     refcounts: Vec<u32>,
     /// Free blocks; allocation pops from the end, so low ids are handed out first.
     free: Vec<u32>,
@@ -43,10 +123,8 @@ impl KvPool {
     /// Allocates zeroed storage for `layout`.
     pub fn new(layout: KvLayout) -> Result<Self, ModelError> {
         layout.validate()?;
-        let layers = (0..layout.num_layers)
-            .map(|_| vec![0.0f32; layout.layer_floats()])
-            .collect();
-        Self::build(layout, layers, true)
+        let rows = HostRows::zeroed(layout.num_layers, layout.layer_floats());
+        Self::build(layout, Some(Arc::new(rows)))
     }
 
     /// A pool of `layout`'s block ids with no row storage: allocation, refcounts and the prefix
@@ -55,15 +133,14 @@ impl KvPool {
     /// GPU engine's pool: its rows are the device cache's, under the same ids).
     pub fn without_rows(layout: KvLayout) -> Result<Self, ModelError> {
         layout.validate()?;
-        Self::build(layout, Vec::new(), false)
+        Self::build(layout, None)
     }
 
-    fn build(layout: KvLayout, layers: Vec<Vec<f32>>, rows: bool) -> Result<Self, ModelError> {
+    fn build(layout: KvLayout, rows: Option<Arc<HostRows>>) -> Result<Self, ModelError> {
         let n = u32::try_from(layout.num_blocks)
             .map_err(|_| ModelError::Kv("`num_blocks` must fit in u32".into()))?;
         Ok(Self {
             layout,
-            layers,
             rows,
             refcounts: vec![0; layout.num_blocks],
             free: (0..n).rev().collect(),
@@ -77,12 +154,29 @@ impl KvPool {
 
     /// Whether the pool holds rows (false for [`KvPool::without_rows`]).
     pub fn has_rows(&self) -> bool {
-        self.rows
+        self.rows.is_some()
+    }
+
+    /// The row storage, to expose to a transfer region (`None` for an ids-only pool).
+    pub fn host_rows(&self) -> Option<Arc<HostRows>> {
+        self.rows.clone()
     }
 
     /// Host bytes of row storage: every layer's region in f32, or 0 for an ids-only pool.
     pub fn row_bytes(&self) -> usize {
-        self.layers.iter().map(|l| l.len() * 4).sum()
+        self.rows.as_ref().map_or(0, |r| {
+            (0..r.num_layers())
+                .filter_map(|l| r.layer_span(l))
+                .map(|(_, n)| n)
+                .sum()
+        })
+    }
+
+    fn rows_mut(&mut self, layer: usize) -> Result<&mut [f32], ModelError> {
+        let rows = self.rows.as_ref().ok_or_else(no_rows)?;
+        // SAFETY: `&mut self`: the pool hands out no other reference into its rows now.
+        unsafe { rows.slice_mut(layer) }
+            .ok_or_else(|| ModelError::Kv(format!("layer {layer} out of range")))
     }
 
     /// Blocks not referenced by any sequence.
@@ -152,49 +246,36 @@ impl KvPool {
 
     /// One layer's whole region, `[block][page][width]`.
     pub fn layer(&self, layer: usize) -> Result<&[f32], ModelError> {
-        if !self.rows {
-            return Err(no_rows());
-        }
-        self.layers
-            .get(layer)
-            .map(Vec::as_slice)
+        self.rows
+            .as_ref()
+            .ok_or_else(no_rows)?
+            .slice(layer)
             .ok_or_else(|| ModelError::Kv(format!("layer {layer} out of range")))
     }
 
     /// One layer's whole region, for writing (the forward's new latent rows).
     pub fn layer_mut(&mut self, layer: usize) -> Result<&mut [f32], ModelError> {
-        if !self.rows {
-            return Err(no_rows());
-        }
-        self.layers
-            .get_mut(layer)
-            .map(Vec::as_mut_slice)
-            .ok_or_else(|| ModelError::Kv(format!("layer {layer} out of range")))
+        self.rows_mut(layer)
     }
 
     /// One block of one layer, `[page][width]`, for reading (shipping KV to a peer).
     pub fn block(&self, layer: usize, block: BlockId) -> Result<&[f32], ModelError> {
-        if !self.rows {
-            return Err(no_rows());
-        }
         let n = self.layout.block_floats();
         let start = block.0 as usize * n;
-        self.layers
-            .get(layer)
+        self.rows
+            .as_ref()
+            .ok_or_else(no_rows)?
+            .slice(layer)
             .and_then(|l| l.get(start..start + n))
             .ok_or_else(|| ModelError::Kv(format!("{block} or layer {layer} out of range")))
     }
 
     /// One block of one layer, for writing (KV received from a peer).
     pub fn block_mut(&mut self, layer: usize, block: BlockId) -> Result<&mut [f32], ModelError> {
-        if !self.rows {
-            return Err(no_rows());
-        }
         let n = self.layout.block_floats();
         let start = block.0 as usize * n;
-        self.layers
-            .get_mut(layer)
-            .and_then(|l| l.get_mut(start..start + n))
+        self.rows_mut(layer)?
+            .get_mut(start..start + n)
             .ok_or_else(|| ModelError::Kv(format!("{block} or layer {layer} out of range")))
     }
 
@@ -205,9 +286,6 @@ impl KvPool {
         table: &[BlockId],
         pos: usize,
     ) -> Result<&mut [f32], ModelError> {
-        if !self.rows {
-            return Err(no_rows());
-        }
         let KvLayout {
             page_size, width, ..
         } = self.layout;
@@ -218,9 +296,8 @@ impl KvPool {
             ))
         })?;
         let start = (block.0 as usize * page_size + pos % page_size) * width;
-        self.layers
-            .get_mut(layer)
-            .and_then(|l| l.get_mut(start..start + width))
+        self.rows_mut(layer)?
+            .get_mut(start..start + width)
             .ok_or_else(|| ModelError::Kv(format!("{block} or layer {layer} out of range")))
     }
 }

@@ -68,8 +68,10 @@ impl Scheduler {
                     sp.fresh(&seq.table.blocks()[before..]);
                 }
                 let first_remote = cached / self.kv.page_size();
-                self.remote_blocks
-                    .extend(seq.table.blocks().iter().skip(first_remote).copied());
+                for &b in seq.table.blocks().iter().skip(first_remote) {
+                    self.remote_blocks.insert(b);
+                    self.fences.reserve(b, id.0);
+                }
                 seq.phase = Phase::AwaitingKv;
                 seq.origin = Origin::Remote;
                 seq.emit(EngineEvent::Reserved {
@@ -148,8 +150,10 @@ impl Scheduler {
     }
 
     fn release_remote_blocks(&mut self, seq: &Sequence) {
-        for b in seq.table.blocks() {
-            self.remote_blocks.remove(b);
+        for &b in seq.table.blocks() {
+            if self.remote_blocks.remove(&b) {
+                self.fences.clear(b);
+            }
         }
     }
 
@@ -176,6 +180,15 @@ impl Scheduler {
             }
         }
         self.stats.remote_prefills += 1;
+        if self.direct_rows {
+            // The target's layers landed in the rows without passing through `write_kv`.
+            let l = self.kv.pool().layout();
+            let remote = (seq.table.blocks().len() - seq.cached_tokens / l.page_size) as u64;
+            self.stats.kv_bytes_received += remote * (l.num_layers * l.block_floats() * 4) as u64;
+            // Order the peer's writes (seen through the completion's channel) before the
+            // forward's reads of those rows.
+            std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+        }
         let eos = self.eos().to_vec();
         match seq.accept(first_token, &eos) {
             Next::Continue(t) => {

@@ -1,0 +1,126 @@
+//! The cluster with `--transport ucx`: prefill workers put the prompt's KV into the decode
+//! worker's registered pool with one-sided UCX puts, between real processes, over shared
+//! memory (`UCX_TLS=posix,sysv,cma`) and TCP on loopback (`UCX_TLS=tcp`). Greedy output equals
+//! `ferry generate`, both sides agree on the bytes moved, a SIGKILLed prefill worker's requests
+//! are recomputed, every block comes back, and a decode worker with no prefill worker speaking
+//! its transport prefills itself instead of hanging.
+mod cluster;
+
+use std::time::Duration;
+
+use cluster::{Cluster, Role, Spec};
+use ferry_proto::v1::FinishReason;
+
+const MAX_TOKENS: u32 = 16;
+
+/// UCX reads its environment when each worker starts; every test here uses UCX, so they may
+/// set it concurrently (a cluster that reads the other value still runs over UCX).
+fn ucx_env(tls: &str) {
+    std::env::set_var("UCX_TLS", tls);
+    if tls == "tcp" {
+        std::env::set_var("UCX_NET_DEVICES", "lo");
+    } else {
+        std::env::remove_var("UCX_NET_DEVICES");
+    }
+}
+
+fn ucx_spec() -> Spec {
+    Spec::new(1, 1)
+        .prefill(&["--transport", "ucx"])
+        .decode(&["--transport", "ucx"])
+}
+
+async fn greedy_over(tls: &str) {
+    ucx_env(tls);
+    let prompt = cluster::long_prompt();
+    let want = cluster::reference_generate(&prompt, MAX_TOKENS).await;
+    let cluster = Cluster::start(ucx_spec()).await;
+    let (prefill, decode) = (
+        cluster.live(Role::Prefill)[0].clone(),
+        cluster.live(Role::Decode)[0].clone(),
+    );
+    let mut client = cluster.grpc().await;
+    let out = cluster::generate(&mut client, cluster::greedy_request(&prompt, MAX_TOKENS))
+        .await
+        .expect("Generate succeeds");
+    assert_eq!(out.text, want, "UCX_TLS={tls}: cluster vs ferry generate");
+    let d = cluster.stats(&decode).await;
+    let p = cluster.stats(&prefill).await;
+    assert_eq!(d.remote_prefills, 1, "UCX_TLS={tls}: {d:?}");
+    assert_eq!(d.recomputed_prefills, 0, "UCX_TLS={tls}: {d:?}");
+    assert!(p.kv_transfer_bytes > 0, "{p:?}");
+    assert_eq!(
+        d.kv_transfer_bytes, p.kv_transfer_bytes,
+        "UCX_TLS={tls}: the decode worker counts what the prefill worker put"
+    );
+    cluster.assert_kv_blocks_released().await;
+}
+
+#[tokio::test]
+async fn greedy_output_over_ucx_equals_ferry_generate() {
+    greedy_over("posix,sysv,cma").await;
+    greedy_over("tcp").await;
+}
+
+#[tokio::test]
+async fn killing_the_prefill_worker_mid_transfer_recomputes_and_frees_every_block() {
+    ucx_env("posix,sysv,cma");
+    let mut cluster = Cluster::start(
+        ucx_spec()
+            .router(&["--heartbeat-timeout-ms", "60000"])
+            .decode(&["--local-prefill-threshold", "0"]),
+    )
+    .await;
+    let prefill = cluster.live(Role::Prefill)[0].clone();
+    let client = cluster.grpc().await;
+    let base = cluster::long_prompt();
+    let in_flight: Vec<_> = (0..8)
+        .map(|i| {
+            let mut client = client.clone();
+            let prompt = format!("Chapter {i}. {base} {base}");
+            let req = cluster::greedy_request(&prompt, MAX_TOKENS);
+            tokio::spawn(async move { cluster::generate(&mut client, req).await })
+        })
+        .collect();
+    cluster
+        .wait_stats(&prefill, Duration::from_secs(30), "busy", |s| {
+            s.running_requests + s.waiting_requests > 0 || s.prefill_computed_tokens > 0
+        })
+        .await;
+    cluster.kill(&prefill);
+    for (i, task) in in_flight.into_iter().enumerate() {
+        let out = task
+            .await
+            .expect("the request task")
+            .unwrap_or_else(|e| panic!("in-flight request {i} failed: {e:?}"));
+        assert_eq!(out.token_ids.len(), MAX_TOKENS as usize, "request {i}");
+        assert_eq!(out.finish_reason, Some(FinishReason::Length), "request {i}");
+    }
+    cluster.assert_kv_blocks_released().await;
+}
+
+#[tokio::test]
+async fn a_decode_worker_no_prefill_worker_can_reach_prefills_itself() {
+    ucx_env("posix,sysv,cma");
+    let prompt = cluster::long_prompt();
+    let want = cluster::reference_generate(&prompt, MAX_TOKENS).await;
+    // The prefill worker speaks TCP only; the decode worker receives over UCX.
+    let cluster = Cluster::start(Spec::new(1, 1).decode(&["--transport", "ucx"])).await;
+    let decode = cluster.live(Role::Decode)[0].clone();
+    let mut client = cluster.grpc().await;
+    let out = tokio::time::timeout(
+        Duration::from_secs(60),
+        cluster::generate(&mut client, cluster::greedy_request(&prompt, MAX_TOKENS)),
+    )
+    .await
+    .expect("an answer, not a hang")
+    .expect("Generate succeeds");
+    assert_eq!(out.text, want);
+    let d = cluster.stats(&decode).await;
+    assert_eq!(
+        (d.remote_prefills, d.local_prefills),
+        (0, 1),
+        "re-paired to a local prefill: {d:?}"
+    );
+    cluster.assert_kv_blocks_released().await;
+}
