@@ -37,6 +37,8 @@ enum Command {
     BenchEngine(cmd::bench_engine::BenchEngineArgs),
     /// Run the GPU kernel and end-to-end benchmarks (CUDA).
     BenchGpu(cmd::bench_gpu::BenchGpuArgs),
+    /// Measure KV transfer between two processes per transport (TCP, UCX), next to memcpy.
+    BenchTransfer(cmd::bench_transfer::BenchTransferArgs),
 }
 
 impl Command {
@@ -70,6 +72,7 @@ fn main() -> ExitCode {
         Command::Bench(args) => cmd::bench::run(args),
         Command::BenchEngine(args) => cmd::bench_engine::run(args),
         Command::BenchGpu(args) => cmd::bench_gpu::run(args),
+        Command::BenchTransfer(args) => cmd::bench_transfer::run(args),
     };
     telemetry.shutdown();
     match result {

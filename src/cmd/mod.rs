@@ -2,6 +2,7 @@
 pub mod bench;
 pub mod bench_engine;
 pub mod bench_gpu;
+pub mod bench_transfer;
 pub mod generate;
 pub mod serve;
 pub mod up;

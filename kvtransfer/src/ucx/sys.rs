@@ -33,6 +33,7 @@ pub type ucp_address_t = c_void;
 pub const UCS_OK: ucs_status_t = 0;
 pub const UCS_INPROGRESS: ucs_status_t = 1;
 pub const UCS_ERR_BUSY: ucs_status_t = -15;
+pub const UCS_ERR_UNREACHABLE: ucs_status_t = -6;
 /// Status pointers in `[-100, -1]` are errors (`UCS_PTR_IS_ERR`).
 const UCS_ERR_LAST: isize = -100;
 

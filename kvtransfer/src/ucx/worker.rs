@@ -264,6 +264,9 @@ struct State {
     conns: HashMap<u64, Conn>,
     next_conn: u64,
     inflight: Vec<InFlight>,
+    /// Whether endpoints are still created with peer-failure detection (cleared the first
+    /// time the transports refuse it).
+    peer_failure_detection: bool,
 }
 
 fn ucx_error(ucp: &Ucp, what: &str, status: sys::ucs_status_t) -> TransferError {
@@ -340,6 +343,7 @@ impl State {
                 conns: HashMap::new(),
                 next_conn: 1,
                 inflight: Vec::new(),
+                peer_failure_detection: true,
             };
             let mut addr = std::ptr::null_mut();
             let mut len = 0usize;
@@ -748,9 +752,20 @@ impl State {
         };
         // Peer-failure detection where the transports support it; Debian's UCX 1.13 has none
         // for shared memory, where a dead receiver shows as the connect / flush bounds instead.
-        let (mut s, mut ep) = create(sys::UCP_ERR_HANDLING_MODE_PEER);
+        // Once refused, not asked again (UCX logs every refusal as an error).
+        let (mut s, mut ep) = (sys::UCS_ERR_UNREACHABLE, std::ptr::null_mut());
+        if self.peer_failure_detection {
+            (s, ep) = create(sys::UCP_ERR_HANDLING_MODE_PEER);
+        }
         if s != sys::UCS_OK {
-            debug!(status = %self.ucp.describe(s), "kvtransfer: UCX endpoint without peer-failure detection");
+            if self.peer_failure_detection {
+                info!(
+                    status = %self.ucp.describe(s),
+                    "kvtransfer: UCX's transports here cannot detect a failed receiver; \
+                     connects and flushes are bounded by time instead"
+                );
+                self.peer_failure_detection = false;
+            }
             (s, ep) = create(sys::UCP_ERR_HANDLING_MODE_NONE);
         }
         if s != sys::UCS_OK {

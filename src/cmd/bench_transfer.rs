@@ -1,0 +1,290 @@
+//! `ferry bench-transfer`: moving one prompt's KV cache between two processes, per transport.
+//!
+//! The layout is DeepSeek-V3's: 61 layers × 576 bf16 per token (70,272 bytes per token), in
+//! 64-token blocks. For each prompt length the receiver is a child process (this binary with
+//! `--receiver`) that registers a pool of exactly that many blocks; this process connects,
+//! writes every layer's blocks (prepared before the clock starts) and flushes. A run's time is
+//! connect-to-flush-ack, so it includes the handshake. The peer is `memcpy` of the same bytes,
+//! block by block, within this process: the physical limit of a host-to-host move.
+//!
+//! Transports: the TCP transport, UCX over shared memory (`UCX_TLS=posix,sysv,cma`) and UCX
+//! over TCP on loopback (`UCX_TLS=tcp`, `UCX_NET_DEVICES=lo`). Each case reports the median of
+//! `--runs` runs.
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{bail, Context};
+use clap::{Args, ValueEnum};
+use ferry_kvtransfer::{
+    BlockWrite, Dtype, Fence, HostMemory, KvLayoutDesc, KvRegion, LayerMemory, RemoteKey,
+    TcpTransport, Transport, UcxTransport, WriteBatch,
+};
+use serde_json::json;
+
+/// Flags of `ferry bench-transfer`.
+#[derive(Debug, Clone, Args)]
+pub struct BenchTransferArgs {
+    /// Prompt lengths in tokens (multiples of 64).
+    #[arg(long, value_delimiter = ',', default_value = "1024,8192,32768")]
+    pub tokens: Vec<usize>,
+    /// Runs per case (the median is reported).
+    #[arg(long, default_value_t = 5)]
+    pub runs: usize,
+    /// Write the results as JSON here.
+    #[arg(long)]
+    pub json: Option<std::path::PathBuf>,
+    /// Internal: run as the receiving process for `--transport` and one `--tokens` value.
+    #[arg(long, hide = true)]
+    pub receiver: bool,
+    /// Internal: the receiver's transport.
+    #[arg(long, value_enum, hide = true, default_value_t = Wire::Tcp)]
+    pub transport: Wire,
+}
+
+/// The receiver's transport.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Wire {
+    /// `TcpTransport` on 127.0.0.1.
+    Tcp,
+    /// `UcxTransport` (its `UCX_TLS` from the environment).
+    Ucx,
+}
+
+/// Environment variables of one case's two processes.
+type Env = &'static [(&'static str, &'static str)];
+
+const PAGE: u32 = 64;
+const LAYERS: u32 = 61;
+const WIDTH: u32 = 576;
+
+fn layout(tokens: usize) -> KvLayoutDesc {
+    KvLayoutDesc {
+        num_layers: LAYERS,
+        page_size: PAGE,
+        latent_width: WIDTH,
+        dtype: Dtype::Bf16,
+        num_blocks: (tokens / PAGE as usize) as u32,
+    }
+}
+
+/// The receiving pool: every layer registered host memory.
+struct Pool {
+    layout: KvLayoutDesc,
+    memory: HostMemory,
+}
+
+impl KvRegion for Pool {
+    fn layout(&self) -> KvLayoutDesc {
+        self.layout
+    }
+    fn memory(&self, layer: u32) -> LayerMemory {
+        let len = self.layout.num_blocks as usize * self.layout.block_bytes();
+        self.memory
+            .layer(layer as usize * len, len)
+            .unwrap_or(LayerMemory::Staged)
+    }
+}
+
+/// Runs the benchmark, or the receiver side of one case.
+pub fn run(args: BenchTransferArgs) -> anyhow::Result<()> {
+    let rt = tokio::runtime::Runtime::new()?;
+    if args.receiver {
+        let tokens = *args.tokens.first().context("--tokens")?;
+        return rt.block_on(receive(args.transport, tokens));
+    }
+    for &t in &args.tokens {
+        if t == 0 || t % PAGE as usize != 0 {
+            bail!("`--tokens` must be positive multiples of {PAGE}, got {t}");
+        }
+    }
+    let cases: [(&str, Wire, Env); 3] = [
+        ("tcp transport", Wire::Tcp, &[]),
+        (
+            "ucx shared memory",
+            Wire::Ucx,
+            &[("UCX_TLS", "posix,sysv,cma")],
+        ),
+        (
+            "ucx tcp",
+            Wire::Ucx,
+            &[("UCX_TLS", "tcp"), ("UCX_NET_DEVICES", "lo")],
+        ),
+    ];
+    let mut rows = Vec::new();
+    println!(
+        "{:<18} {:>7} {:>10} {:>10} {:>9} {:>9}",
+        "transport", "tokens", "MB", "ms", "GB/s", "% memcpy"
+    );
+    for &tokens in &args.tokens {
+        let l = layout(tokens);
+        let bytes = l.num_layers as usize * l.num_blocks as usize * l.block_bytes();
+        let batches = batches(&l);
+        let copy = median((0..args.runs).map(|_| memcpy_once(&l, &batches)).collect());
+        let copy_gbs = bytes as f64 / copy / 1e9;
+        println!(
+            "{:<18} {tokens:>7} {:>10.1} {:>10.2} {copy_gbs:>9.2} {:>9}",
+            "memcpy",
+            bytes as f64 / 1e6,
+            copy * 1e3,
+            "100"
+        );
+        rows.push(
+            json!({"transport": "memcpy", "tokens": tokens, "bytes": bytes,
+            "median_s": copy, "gb_per_s": copy_gbs}),
+        );
+        for (name, wire, env) in cases {
+            let secs = rt.block_on(case(wire, env, tokens, &batches, args.runs))?;
+            let gbs = bytes as f64 / secs / 1e9;
+            println!(
+                "{name:<18} {tokens:>7} {:>10.1} {:>10.2} {gbs:>9.2} {:>9.0}",
+                bytes as f64 / 1e6,
+                secs * 1e3,
+                100.0 * gbs / copy_gbs
+            );
+            rows.push(json!({"transport": name, "tokens": tokens, "bytes": bytes,
+                "median_s": secs, "gb_per_s": gbs, "of_memcpy": gbs / copy_gbs}));
+        }
+    }
+    if let Some(path) = &args.json {
+        let doc = json!({
+            "benchmark": "kv transfer between two processes, DeepSeek-V3 layout (61 x 576 bf16 per token, 64-token blocks)",
+            "command": format!("ferry bench-transfer --tokens {} --runs {}",
+                args.tokens.iter().map(usize::to_string).collect::<Vec<_>>().join(","), args.runs),
+            "ucx": UcxTransport::available().map(|(a, b, c)| format!("{a}.{b}.{c}")).unwrap_or_else(|e| e),
+            "results": rows,
+        });
+        std::fs::write(path, serde_json::to_string_pretty(&doc)?)?;
+    }
+    Ok(())
+}
+
+/// Every layer's blocks, in the wire dtype, distinct per block.
+fn batches(l: &KvLayoutDesc) -> Vec<WriteBatch> {
+    (0..l.num_layers)
+        .map(|layer| WriteBatch {
+            layer,
+            writes: (0..l.num_blocks)
+                .map(|block| BlockWrite {
+                    block,
+                    data: vec![(layer ^ block) as u8; l.block_bytes()],
+                })
+                .collect(),
+        })
+        .collect()
+}
+
+fn memcpy_once(l: &KvLayoutDesc, batches: &[WriteBatch]) -> f64 {
+    let len = l.num_layers as usize * l.num_blocks as usize * l.block_bytes();
+    let dst = HostMemory::zeroed(len);
+    // Touch the destination first, as the receiver's pool is before a transfer.
+    dst.write(0, &vec![1u8; len]);
+    let started = Instant::now();
+    for b in batches {
+        for w in &b.writes {
+            let at =
+                (b.layer as usize * l.num_blocks as usize + w.block as usize) * l.block_bytes();
+            dst.write(at, &w.data);
+        }
+    }
+    started.elapsed().as_secs_f64()
+}
+
+/// One transport at one length: spawns the receiver, times `runs` transfers.
+async fn case(
+    wire: Wire,
+    env: &[(&str, &str)],
+    tokens: usize,
+    batches: &[WriteBatch],
+    runs: usize,
+) -> anyhow::Result<f64> {
+    let exe = std::env::current_exe()?;
+    let mut child = Command::new(exe)
+        .args([
+            "bench-transfer",
+            "--receiver",
+            "--transport",
+            match wire {
+                Wire::Tcp => "tcp",
+                Wire::Ucx => "ucx",
+            },
+            "--tokens",
+            &tokens.to_string(),
+        ])
+        .envs(env.iter().copied())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()?;
+    let mut line = String::new();
+    BufReader::new(child.stdout.as_mut().context("receiver stdout")?).read_line(&mut line)?;
+    let mut parts = line.split_whitespace();
+    let (Some("REG"), Some(address), Some(key)) = (parts.next(), parts.next(), parts.next()) else {
+        bail!("the receiver said {line:?}");
+    };
+    let key = RemoteKey(key.parse()?);
+    // The writer's UCX follows the same environment.
+    for (k, v) in env {
+        std::env::set_var(k, v);
+    }
+    let transport: Arc<dyn Transport> = match wire {
+        Wire::Tcp => Arc::new(TcpTransport::client()),
+        Wire::Ucx => Arc::new(UcxTransport::new()?),
+    };
+    let l = layout(tokens);
+    let mut times = Vec::new();
+    for _ in 0..runs {
+        let batches = batches.to_vec();
+        let started = Instant::now();
+        let mut w = transport.connect(address, key, Fence::NONE, &l).await?;
+        for b in batches {
+            w.write(b).await?;
+        }
+        let n = w.flush().await?;
+        times.push(started.elapsed().as_secs_f64());
+        anyhow::ensure!(n as usize == batches_bytes(&l), "flushed {n} bytes");
+    }
+    drop(transport);
+    for (k, _) in env {
+        std::env::remove_var(k);
+    }
+    if let Some(mut stdin) = child.stdin.take() {
+        let _ = stdin.write_all(b"done\n");
+    }
+    let _ = child.wait();
+    Ok(median(times))
+}
+
+fn batches_bytes(l: &KvLayoutDesc) -> usize {
+    l.num_layers as usize * l.num_blocks as usize * l.block_bytes()
+}
+
+/// The receiving process: registers a pool, prints `REG <address> <key>`, serves until stdin
+/// has a line or closes.
+async fn receive(wire: Wire, tokens: usize) -> anyhow::Result<()> {
+    let l = layout(tokens);
+    let memory = HostMemory::zeroed(batches_bytes(&l));
+    // Touch every page, as a running decode worker's pool is.
+    memory.write(0, &vec![0u8; batches_bytes(&l)]);
+    let transport: Arc<dyn Transport> = match wire {
+        Wire::Tcp => Arc::new(TcpTransport::bind("127.0.0.1:0".parse()?)?),
+        Wire::Ucx => Arc::new(UcxTransport::new()?),
+    };
+    let reg = transport
+        .register(Arc::new(Pool { layout: l, memory }))
+        .await?;
+    println!("REG {} {}", reg.address, reg.key.0);
+    std::io::stdout().flush()?;
+    tokio::task::spawn_blocking(|| {
+        let mut s = String::new();
+        let _ = std::io::stdin().read_line(&mut s);
+    })
+    .await?;
+    Ok(())
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+}
