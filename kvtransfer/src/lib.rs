@@ -108,7 +108,7 @@ pub mod ucx;
 mod wire;
 
 pub use convert::{convert, convert_into};
-pub use descriptor::{check_write, BlockWrite, WriteBatch};
+pub use descriptor::{check_run, check_write, BlockWrite, WriteBatch, MAX_RUN_BYTES};
 pub use error::{ParseDtypeError, TransferError};
 pub use handshake::check_compatible;
 pub use layerwise::{LayerSink, LayerStreamer};

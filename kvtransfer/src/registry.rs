@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, PoisonError, RwLock};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use crate::{check_write, Fence, KvLayoutDesc, KvRegion, LayerMemory, RemoteKey, TransferError};
+use crate::{check_run, Fence, KvLayoutDesc, KvRegion, LayerMemory, RemoteKey, TransferError};
 
 /// Who writes: the region's key and the writer's reservation fence.
 #[derive(Debug, Clone, Copy)]
@@ -43,9 +43,10 @@ impl Entry {
         self.live.load(Ordering::Acquire)
     }
 
-    /// Lands one received block: checks it against the layout, the registration
-    /// (`access.key`) and the region's admission under `access.fence`, then copies it into the
-    /// layer's host memory or hands it to [`KvRegion::write`] (staged and device layers).
+    /// Lands one received run of blocks (`block, block + 1, …`): checks it against the layout,
+    /// the registration (`access.key`) and the region's admission of every block under
+    /// `access.fence`, then copies it into the layer's host memory in one go, or hands it to
+    /// [`KvRegion::write`] block by block (staged and device layers).
     pub(crate) fn land(
         &self,
         access: Access,
@@ -53,12 +54,16 @@ impl Entry {
         block: u32,
         data: &[u8],
     ) -> Result<(), TransferError> {
-        check_write(&self.layout, layer, block, data.len())?;
+        check_run(&self.layout, layer, block, data.len())?;
         if !self.is_live() {
             return Err(TransferError::UnknownRegion(access.key));
         }
-        self.region.admit(block, access.fence)?;
-        let offset = block as usize * self.layout.block_bytes();
+        let bb = self.layout.block_bytes();
+        let n = (data.len() / bb) as u32;
+        for b in block..block + n {
+            self.region.admit(b, access.fence)?;
+        }
+        let offset = block as usize * bb;
         match self.memory.get(layer as usize) {
             Some(m @ LayerMemory::Host(_)) => {
                 if m.land_host(offset, data) {
@@ -69,7 +74,9 @@ impl Entry {
                     )))
                 }
             }
-            _ => self.region.write(layer, block, data),
+            _ => (block..)
+                .zip(data.chunks(bb))
+                .try_for_each(|(b, bytes)| self.region.write(layer, b, bytes)),
         }
     }
 }

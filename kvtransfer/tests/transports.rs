@@ -486,6 +486,58 @@ mod contract {
         assert_eq!(region.block(2, 6), pattern(9, 2, 6, 64));
     }
 
+    pub async fn runs_of_blocks_land_whole_and_in_range(t: Arc<dyn Transport>, ex: Exposed) {
+        let region = TestRegion::new(LAYOUT, ex);
+        let reg = t.register(region.clone()).await.unwrap();
+        let mut writer = t
+            .connect(&reg.address, reg.key, Fence::NONE, &LAYOUT)
+            .await
+            .unwrap();
+        // Blocks 4, 5, 6 of layer 1 as one run, and block 9 alone.
+        let run: Vec<u8> = [4, 5, 6]
+            .iter()
+            .flat_map(|&b| pattern(13, 1, b, 64))
+            .collect();
+        let batch = WriteBatch {
+            layer: 1,
+            writes: vec![
+                BlockWrite {
+                    block: 4,
+                    data: run,
+                },
+                BlockWrite {
+                    block: 9,
+                    data: pattern(13, 1, 9, 64),
+                },
+            ],
+        };
+        writer.write(batch).await.unwrap();
+        assert_eq!(writer.flush().await.unwrap(), 4 * 64);
+        let expected: HashMap<(u32, u32), Vec<u8>> = [4, 5, 6, 9]
+            .iter()
+            .map(|&b| ((1, b), pattern(13, 1, b, 64)))
+            .collect();
+        region.assert_only(&expected);
+        // A run past the last block is refused whole, before anything is sent.
+        let past = WriteBatch {
+            layer: 2,
+            writes: vec![BlockWrite {
+                block: 14,
+                data: vec![1; 3 * 64],
+            }],
+        };
+        assert!(matches!(
+            writer.write(past).await,
+            Err(TransferError::OutOfRange {
+                layer: 2,
+                block: 14,
+                len: 192
+            })
+        ));
+        assert_eq!(writer.flush().await.unwrap(), 4 * 64);
+        region.assert_only(&expected);
+    }
+
     pub async fn a_stale_fence_lands_nothing(t: Arc<dyn Transport>, ex: Exposed) {
         let ex = staged_for_ucx(&*t, ex);
         let region = TestRegion::fenced(LAYOUT, ex, Fence(7));
@@ -566,6 +618,11 @@ macro_rules! transport_contract {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn region_refusal_is_reported_by_finish() {
                 contract::region_refusal_is_reported_by_finish($make().await, $exposed).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn runs_of_blocks_land_whole_and_in_range() {
+                contract::runs_of_blocks_land_whole_and_in_range($make().await, $exposed).await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

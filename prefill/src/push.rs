@@ -2,7 +2,7 @@
 
 use ferry_kvtransfer::descriptor::{BlockWrite, WriteBatch};
 use ferry_kvtransfer::layerwise::LayerSink;
-use ferry_kvtransfer::{convert, Dtype};
+use ferry_kvtransfer::{convert, Dtype, MAX_RUN_BYTES};
 use ferry_model::engine::LayerSinkFn;
 use ferry_model::kv::KvDtype;
 
@@ -21,6 +21,8 @@ pub fn wire_dtype(d: KvDtype) -> Dtype {
 /// block ids starting at `dest_first`. Rows go out as `wire` (the destination cache's dtype):
 /// as they are when the engine's cache holds that dtype, converted otherwise (a split bf16 row
 /// → f32 as `hi + lo`, f32 → bf16 rounded to nearest even, `ferry_kvtransfer::convert`).
+/// Blocks whose destination ids are consecutive go as one run (one put, one frame), up to
+/// [`MAX_RUN_BYTES`].
 pub fn layer_pusher(
     sink: LayerSink,
     dest: Vec<u32>,
@@ -54,7 +56,19 @@ pub fn offset_layer_pusher(
             } else {
                 convert(bytes, held, wire, rows.width()).map_err(|e| e.to_string())?
             };
-            writes.push(BlockWrite { block, data });
+            match writes.last_mut() {
+                Some(BlockWrite {
+                    block: first,
+                    data: run,
+                }) if run.len() % data.len().max(1) == 0
+                    && u64::from(*first) + (run.len() / data.len().max(1)) as u64
+                        == u64::from(block)
+                    && run.len() + data.len() <= MAX_RUN_BYTES =>
+                {
+                    run.extend_from_slice(&data)
+                }
+                _ => writes.push(BlockWrite { block, data }),
+            }
         }
         let layer = u32::try_from(layer).map_err(|e| e.to_string())?;
         sink.send(WriteBatch { layer, writes })

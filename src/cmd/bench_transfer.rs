@@ -20,7 +20,7 @@ use anyhow::{bail, Context};
 use clap::{Args, ValueEnum};
 use ferry_kvtransfer::{
     BlockWrite, Dtype, Fence, HostMemory, KvLayoutDesc, KvRegion, LayerMemory, RemoteKey,
-    TcpTransport, Transport, UcxTransport, WriteBatch,
+    TcpTransport, Transport, UcxTransport, WriteBatch, MAX_RUN_BYTES,
 };
 use serde_json::json;
 
@@ -30,6 +30,14 @@ pub struct BenchTransferArgs {
     /// Prompt lengths in tokens (multiples of 64).
     #[arg(long, value_delimiter = ',', default_value = "1024,8192,32768")]
     pub tokens: Vec<usize>,
+    /// Tokens per block: one put per block (64 as in ferry's pools; larger shows what
+    /// coalescing consecutive blocks would buy).
+    #[arg(long, default_value_t = 64)]
+    pub page: u32,
+    /// Blocks per write (a run of consecutive blocks, one put / frame); default: as many as
+    /// fit `MAX_RUN_BYTES` (1 MiB), as the prefill worker sends a fresh reservation.
+    #[arg(long)]
+    pub run_blocks: Option<usize>,
     /// Runs per case (the median is reported).
     #[arg(long, default_value_t = 5)]
     pub runs: usize,
@@ -56,17 +64,16 @@ pub enum Wire {
 /// Environment variables of one case's two processes.
 type Env = &'static [(&'static str, &'static str)];
 
-const PAGE: u32 = 64;
 const LAYERS: u32 = 61;
 const WIDTH: u32 = 576;
 
-fn layout(tokens: usize) -> KvLayoutDesc {
+fn layout(tokens: usize, page: u32) -> KvLayoutDesc {
     KvLayoutDesc {
         num_layers: LAYERS,
-        page_size: PAGE,
+        page_size: page,
         latent_width: WIDTH,
         dtype: Dtype::Bf16,
-        num_blocks: (tokens / PAGE as usize) as u32,
+        num_blocks: (tokens / page as usize) as u32,
     }
 }
 
@@ -93,11 +100,12 @@ pub fn run(args: BenchTransferArgs) -> anyhow::Result<()> {
     let rt = tokio::runtime::Runtime::new()?;
     if args.receiver {
         let tokens = *args.tokens.first().context("--tokens")?;
-        return rt.block_on(receive(args.transport, tokens));
+        return rt.block_on(receive(args.transport, layout(tokens, args.page)));
     }
+    let page = args.page;
     for &t in &args.tokens {
-        if t == 0 || t % PAGE as usize != 0 {
-            bail!("`--tokens` must be positive multiples of {PAGE}, got {t}");
+        if page == 0 || t == 0 || t % page as usize != 0 {
+            bail!("`--tokens` must be positive multiples of `--page` {page}, got {t}");
         }
     }
     let cases: [(&str, Wire, Env); 3] = [
@@ -119,10 +127,20 @@ pub fn run(args: BenchTransferArgs) -> anyhow::Result<()> {
         "transport", "tokens", "MB", "ms", "GB/s", "% memcpy"
     );
     for &tokens in &args.tokens {
-        let l = layout(tokens);
+        let l = layout(tokens, page);
         let bytes = l.num_layers as usize * l.num_blocks as usize * l.block_bytes();
-        let batches = batches(&l);
-        let copy = median((0..args.runs).map(|_| memcpy_once(&l, &batches)).collect());
+        let run_blocks = match args.run_blocks {
+            Some(n) => n,
+            None => (MAX_RUN_BYTES / l.block_bytes()).max(1),
+        };
+        let batches = batches(&l, run_blocks);
+        // The limit: the faster of copying block by block and run by run.
+        let per_block = batches_of_single_blocks(&batches, l.block_bytes());
+        let copy = median(
+            (0..args.runs)
+                .map(|_| memcpy_once(&l, &batches).min(memcpy_once(&l, &per_block)))
+                .collect(),
+        );
         let copy_gbs = bytes as f64 / copy / 1e9;
         println!(
             "{:<18} {tokens:>7} {:>10.1} {:>10.2} {copy_gbs:>9.2} {:>9}",
@@ -136,8 +154,10 @@ pub fn run(args: BenchTransferArgs) -> anyhow::Result<()> {
             "median_s": copy, "gb_per_s": copy_gbs}),
         );
         for (name, wire, env) in cases {
-            let secs = rt.block_on(case(wire, env, tokens, &batches, args.runs))?;
+            let limit = || memcpy_once(&l, &batches).min(memcpy_once(&l, &per_block));
+            let (secs, copy) = rt.block_on(case(wire, env, &l, &batches, args.runs, limit))?;
             let gbs = bytes as f64 / secs / 1e9;
+            let copy_gbs = bytes as f64 / copy / 1e9;
             println!(
                 "{name:<18} {tokens:>7} {:>10.1} {:>10.2} {gbs:>9.2} {:>9.0}",
                 bytes as f64 / 1e6,
@@ -145,14 +165,16 @@ pub fn run(args: BenchTransferArgs) -> anyhow::Result<()> {
                 100.0 * gbs / copy_gbs
             );
             rows.push(json!({"transport": name, "tokens": tokens, "bytes": bytes,
-                "median_s": secs, "gb_per_s": gbs, "of_memcpy": gbs / copy_gbs}));
+                "median_s": secs, "gb_per_s": gbs,
+                "memcpy_interleaved_gb_per_s": copy_gbs, "of_memcpy": gbs / copy_gbs}));
         }
     }
     if let Some(path) = &args.json {
         let doc = json!({
             "benchmark": "kv transfer between two processes, DeepSeek-V3 layout (61 x 576 bf16 per token, 64-token blocks)",
-            "command": format!("ferry bench-transfer --tokens {} --runs {}",
-                args.tokens.iter().map(usize::to_string).collect::<Vec<_>>().join(","), args.runs),
+            "command": format!("ferry bench-transfer --tokens {} --page {page} --runs {}{}",
+                args.tokens.iter().map(usize::to_string).collect::<Vec<_>>().join(","), args.runs,
+                args.run_blocks.map(|n| format!(" --run-blocks {n}")).unwrap_or_default()),
             "ucx": UcxTransport::available().map(|(a, b, c)| format!("{a}.{b}.{c}")).unwrap_or_else(|e| e),
             "results": rows,
         });
@@ -161,15 +183,43 @@ pub fn run(args: BenchTransferArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Every layer's blocks, in the wire dtype, distinct per block.
-fn batches(l: &KvLayoutDesc) -> Vec<WriteBatch> {
+/// Every layer's blocks, in the wire dtype, distinct per block, as the prefill worker sends
+/// them to a fresh reservation: consecutive destination blocks in runs of up to
+/// `MAX_RUN_BYTES` (`--runs-of 1`: one write per block).
+fn batches(l: &KvLayoutDesc, run_blocks: usize) -> Vec<WriteBatch> {
+    let per_run = run_blocks.max(1);
     (0..l.num_layers)
         .map(|layer| WriteBatch {
             layer,
             writes: (0..l.num_blocks)
-                .map(|block| BlockWrite {
-                    block,
-                    data: vec![(layer ^ block) as u8; l.block_bytes()],
+                .collect::<Vec<u32>>()
+                .chunks(per_run)
+                .map(|run| BlockWrite {
+                    block: run[0],
+                    data: run
+                        .iter()
+                        .flat_map(|&b| vec![(layer ^ b) as u8; l.block_bytes()])
+                        .collect(),
+                })
+                .collect(),
+        })
+        .collect()
+}
+
+/// The same bytes as one write per block.
+fn batches_of_single_blocks(batches: &[WriteBatch], block_bytes: usize) -> Vec<WriteBatch> {
+    batches
+        .iter()
+        .map(|b| WriteBatch {
+            layer: b.layer,
+            writes: b
+                .writes
+                .iter()
+                .flat_map(|w| {
+                    w.blocks(block_bytes).map(|(block, d)| BlockWrite {
+                        block,
+                        data: d.to_vec(),
+                    })
                 })
                 .collect(),
         })
@@ -177,7 +227,7 @@ fn batches(l: &KvLayoutDesc) -> Vec<WriteBatch> {
 }
 
 fn memcpy_once(l: &KvLayoutDesc, batches: &[WriteBatch]) -> f64 {
-    let len = l.num_layers as usize * l.num_blocks as usize * l.block_bytes();
+    let len = batches_bytes(l);
     let dst = HostMemory::zeroed(len);
     // Touch the destination first, as the receiver's pool is before a transfer.
     dst.write(0, &vec![1u8; len]);
@@ -192,14 +242,18 @@ fn memcpy_once(l: &KvLayoutDesc, batches: &[WriteBatch]) -> f64 {
     started.elapsed().as_secs_f64()
 }
 
-/// One transport at one length: spawns the receiver, times `runs` transfers.
+/// One transport at one length: spawns the receiver, times `runs` transfers, each right after
+/// a `limit()` (memcpy) measurement, so both see the same machine (this VM drifts by ±20 %
+/// between minutes); returns both medians.
 async fn case(
     wire: Wire,
     env: &[(&str, &str)],
-    tokens: usize,
+    l: &KvLayoutDesc,
     batches: &[WriteBatch],
     runs: usize,
-) -> anyhow::Result<f64> {
+    limit: impl Fn() -> f64,
+) -> anyhow::Result<(f64, f64)> {
+    let tokens = l.num_blocks as usize * l.page_size as usize;
     let exe = std::env::current_exe()?;
     let mut child = Command::new(exe)
         .args([
@@ -212,6 +266,8 @@ async fn case(
             },
             "--tokens",
             &tokens.to_string(),
+            "--page",
+            &l.page_size.to_string(),
         ])
         .envs(env.iter().copied())
         .stdin(Stdio::piped())
@@ -232,9 +288,11 @@ async fn case(
         Wire::Tcp => Arc::new(TcpTransport::client()),
         Wire::Ucx => Arc::new(UcxTransport::new()?),
     };
-    let l = layout(tokens);
+    let l = *l;
     let mut times = Vec::new();
+    let mut copies = Vec::new();
     for _ in 0..runs {
+        copies.push(limit());
         let batches = batches.to_vec();
         let started = Instant::now();
         let mut w = transport.connect(address, key, Fence::NONE, &l).await?;
@@ -253,7 +311,7 @@ async fn case(
         let _ = stdin.write_all(b"done\n");
     }
     let _ = child.wait();
-    Ok(median(times))
+    Ok((median(times), median(copies)))
 }
 
 fn batches_bytes(l: &KvLayoutDesc) -> usize {
@@ -262,8 +320,7 @@ fn batches_bytes(l: &KvLayoutDesc) -> usize {
 
 /// The receiving process: registers a pool, prints `REG <address> <key>`, serves until stdin
 /// has a line or closes.
-async fn receive(wire: Wire, tokens: usize) -> anyhow::Result<()> {
-    let l = layout(tokens);
+async fn receive(wire: Wire, l: KvLayoutDesc) -> anyhow::Result<()> {
     let memory = HostMemory::zeroed(batches_bytes(&l));
     // Touch every page, as a running decode worker's pool is.
     memory.write(0, &vec![0u8; batches_bytes(&l)]);

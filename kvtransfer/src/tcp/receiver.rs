@@ -19,7 +19,7 @@ use super::frame::{
 };
 use crate::registry::{Access, Entry, Registry};
 use crate::wire::to_failure;
-use crate::{check_compatible, check_write, Fence, KvLayoutDesc, RemoteKey, TransferError};
+use crate::{check_compatible, check_run, Fence, KvLayoutDesc, RemoteKey, TransferError};
 
 /// Receive buffer of a connection.
 const READ_BUFFER: usize = 256 << 10;
@@ -243,7 +243,7 @@ async fn apply_data(
     let layer = conn.read_u32().await?;
     let block = conn.read_u32().await?;
     let payload = payload as usize;
-    check_write(&entry.layout, layer, block, payload)?;
+    check_run(&entry.layout, layer, block, payload)?;
     if !entry.is_live() {
         return Err(TransferError::UnknownRegion(access.key));
     }
