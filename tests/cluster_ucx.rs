@@ -1,9 +1,10 @@
 //! The cluster with `--transport ucx`: prefill workers put the prompt's KV into the decode
 //! worker's registered pool with one-sided UCX puts, between real processes, over shared
 //! memory (`UCX_TLS=posix,sysv,cma`) and TCP on loopback (`UCX_TLS=tcp`). Greedy output equals
-//! `ferry generate`, both sides agree on the bytes moved, a SIGKILLed prefill worker's requests
-//! are recomputed, every block comes back, and a decode worker with no prefill worker speaking
-//! its transport prefills itself instead of hanging.
+//! `ferry generate`, both sides agree on the bytes moved, a prompt sharing a prefix the decode
+//! worker holds ships only the blocks past it, a SIGKILLed prefill worker's requests are
+//! recomputed, every block comes back, and a decode worker with no prefill worker speaking its
+//! transport prefills itself instead of hanging.
 mod cluster;
 
 use std::time::Duration;
@@ -122,5 +123,69 @@ async fn a_decode_worker_no_prefill_worker_can_reach_prefills_itself() {
         (0, 1),
         "re-paired to a local prefill: {d:?}"
     );
+    cluster.assert_kv_blocks_released().await;
+}
+
+/// Token ids of `text` as the cluster tokenizes it.
+async fn tokens(cluster: &Cluster, text: &str) -> Vec<u32> {
+    cluster
+        .grpc()
+        .await
+        .tokenize(ferry_proto::v1::TokenizeRequest {
+            model: String::new(),
+            text: text.into(),
+            add_special_tokens: true,
+        })
+        .await
+        .expect("Tokenize")
+        .into_inner()
+        .ids
+}
+
+#[tokio::test]
+async fn prefix_reuse_ships_only_the_missing_blocks() {
+    ucx_env("posix,sysv,cma");
+    let a_text = cluster::long_prompt();
+    let b_text = format!("{a_text} Blessed are they that mourn: for they shall be comforted.");
+    let b_ref = cluster::reference_generate(&b_text, MAX_TOKENS).await;
+    // Every prompt goes to the prefill worker (threshold 0).
+    let cluster = Cluster::start(ucx_spec().decode(&["--local-prefill-threshold", "0"])).await;
+    let (prefill, decode) = (
+        cluster.live(Role::Prefill)[0].clone(),
+        cluster.live(Role::Decode)[0].clone(),
+    );
+    let (a_ids, b_ids) = (
+        tokens(&cluster, &a_text).await,
+        tokens(&cluster, &b_text).await,
+    );
+    let page = cluster::PAGE;
+    let shared = a_ids.iter().zip(&b_ids).take_while(|(x, y)| x == y).count();
+    let held = shared / page;
+    assert!(held >= 3, "A and B share {shared} tokens");
+
+    let mut client = cluster.grpc().await;
+    cluster::generate(&mut client, cluster::greedy_request(&a_text, MAX_TOKENS))
+        .await
+        .expect("request A");
+    let p_a = cluster.stats(&prefill).await.kv_transfer_bytes;
+    let a_blocks = a_ids.len().div_ceil(page) as u64;
+    assert_eq!(p_a % a_blocks, 0, "{p_a} bytes for {a_blocks} blocks");
+    let per_block = p_a / a_blocks;
+
+    // B: the decode worker holds A's whole blocks, so the peer ships only B's blocks past them.
+    let b = cluster::generate(&mut client, cluster::greedy_request(&b_text, MAX_TOKENS))
+        .await
+        .expect("request B");
+    assert_eq!(b.text, b_ref, "B through UCX vs ferry generate");
+    let (p, d) = (cluster.stats(&prefill).await, cluster.stats(&decode).await);
+    let missing = b_ids.len().div_ceil(page) as u64 - held as u64;
+    assert_eq!(
+        p.kv_transfer_bytes - p_a,
+        missing * per_block,
+        "B shipped {missing} of {} blocks",
+        b_ids.len().div_ceil(page)
+    );
+    assert_eq!(d.kv_transfer_bytes, p.kv_transfer_bytes, "{d:?}");
+    assert_eq!(d.remote_prefills, 2, "{d:?}");
     cluster.assert_kv_blocks_released().await;
 }
