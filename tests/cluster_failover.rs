@@ -260,7 +260,15 @@ async fn requests_waiting_on_a_stopped_prefill_worker_recompute_once_the_router_
         "every request was sent to the stopped peer and recomputed: {after:?}"
     );
 
-    // Continued, it registers again and prefills for the decode worker again.
+    // The stopped peer may still write into the blocks it was given (one-sided puts cannot
+    // be refused on arrival): they stay quarantined on the decode worker until its calls end.
+    assert!(
+        after.kv_blocks_used > 0,
+        "the abandoned transfers' blocks are held while the peer is stopped: {after:?}"
+    );
+
+    // Continued, it registers again and prefills for the decode worker again; its abandoned
+    // calls end, and the quarantined blocks come back (checked at the end).
     cluster.resume(&prefill);
     cluster.wait_health(1, 1, Duration::from_secs(10)).await;
     let mut client = client.clone();

@@ -5,6 +5,11 @@
 //! peer's id, [`PrefillView`]); the last three apply the `recompute` / `fail` policy. The
 //! last one is what makes a stalled peer (SIGSTOP, a hung host) cost about one router
 //! heartbeat timeout instead of `--prefill-timeout-s`.
+//!
+//! In the last two the peer may still be writing: this side stops waiting, but the call goes
+//! on, and the blocks reserved for the peer stay quarantined in the engine (a recompute gets
+//! fresh ones) until it ends — a one-sided UCX put cannot be refused on arrival. A call that
+//! never ends is given up after [`SETTLE_LIMIT_FACTOR`] × the prefill timeout, with a warning.
 
 use std::time::{Duration, Instant};
 
@@ -22,6 +27,18 @@ use tracing::{info_span, warn, Instrument, Span};
 
 use crate::metrics::DecodeMetrics;
 use crate::server::FailurePolicy;
+
+/// An abandoned call is awaited at most this many prefill timeouts before its quarantined
+/// blocks are released anyway.
+pub const SETTLE_LIMIT_FACTOR: u32 = 10;
+
+/// How waiting for the peer ended.
+enum Waited {
+    /// The call ended: the peer answered, or failed (either way it writes no more).
+    Ended(Result<u32, String>),
+    /// This side stopped waiting; the call goes on.
+    Abandoned(String),
+}
 
 /// Everything one remote prefill needs.
 pub struct RemotePrefill {
@@ -72,32 +89,46 @@ pub async fn run(job: RemotePrefill, engine: EngineHandle, id: SeqId, policy: Fa
     trace_ctx::set_attribute(&span, "rpc.service", "ferry.internal.v1.PrefillWorker");
     trace_ctx::set_attribute(&span, "rpc.method", "Prefill");
     let started = Instant::now();
-    let call = tokio::time::timeout(job.timeout, call(&job)).instrument(span.clone());
-    let outcome = tokio::select! {
-        result = call => match result {
-            Ok(r) => r,
-            Err(_) => Err(format!(
-                "prefill peer {} timed out after {:?}",
-                job.peer, job.timeout
-            )),
-        },
-        reason = peer_gone(job.view.clone(), &job.peer_id) => Err(reason),
+    let mut pending = std::pin::pin!(call(&job).instrument(span.clone()));
+    let waited = tokio::select! {
+        result = &mut pending => Waited::Ended(result),
+        () = tokio::time::sleep(job.timeout) => Waited::Abandoned(format!(
+            "prefill peer {} timed out after {:?}",
+            job.peer, job.timeout
+        )),
+        reason = peer_gone(job.view.clone(), &job.peer_id) => Waited::Abandoned(reason),
     };
-    match &outcome {
-        Ok(_) => job
-            .metrics
-            .remote_prefill
-            .observe(started.elapsed().as_secs_f64()),
-        Err(reason) => {
-            job.metrics.remote_prefill_failures.inc();
-            trace_ctx::set_error(&span, reason.clone());
+    let reason = match &waited {
+        Waited::Ended(Ok(_)) => {
+            job.metrics
+                .remote_prefill
+                .observe(started.elapsed().as_secs_f64());
+            None
         }
-    }
-    let sent = match outcome {
-        Ok(first) => engine.remote_done(id, first),
-        Err(reason) => {
-            warn!(request_id = %job.request_id, peer = %job.peer, %reason, ?policy, "remote prefill failed");
-            engine.remote_failed(id, policy == FailurePolicy::Recompute, reason)
+        Waited::Ended(Err(r)) | Waited::Abandoned(r) => {
+            job.metrics.remote_prefill_failures.inc();
+            trace_ctx::set_error(&span, r.clone());
+            warn!(request_id = %job.request_id, peer = %job.peer, reason = %r, ?policy, "remote prefill failed");
+            Some(r.clone())
+        }
+    };
+    let recompute = policy == FailurePolicy::Recompute;
+    let sent = match waited {
+        Waited::Ended(Ok(first)) => engine.remote_done(id, first),
+        Waited::Ended(Err(_)) => engine.remote_failed(id, recompute, reason.unwrap_or_default()),
+        Waited::Abandoned(_) => {
+            let sent = engine.remote_abandoned(id, recompute, reason.unwrap_or_default());
+            // The peer may still be writing into the quarantined blocks: wait for its call to
+            // end (its writer has flushed or aborted by then), bounded.
+            let limit = job.timeout * SETTLE_LIMIT_FACTOR;
+            if tokio::time::timeout(limit, &mut pending).await.is_err() {
+                warn!(
+                    request_id = %job.request_id,
+                    peer = %job.peer,
+                    "an abandoned prefill peer did not answer within {limit:?}; releasing its quarantined blocks"
+                );
+            }
+            sent.and_then(|()| engine.remote_settled(id))
         }
     };
     if sent.is_err() {

@@ -235,6 +235,67 @@ async fn failed_remote_prefill_recomputes_or_fails_by_policy() {
     wait_idle(&d).await;
 }
 
+/// A remote prefill this side stopped waiting for (its peer may still be writing, and a
+/// one-sided put cannot be refused on arrival): the peer's blocks are quarantined, the
+/// recompute runs on fresh blocks, a late write into the quarantined rows changes nothing, and
+/// the blocks come back once the peer has settled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_abandoned_remote_prefill_quarantines_its_blocks_until_the_peer_settles() {
+    let d = engine(64);
+    let (prompt_ids, expected) = golden_case(1);
+    let remote = PrefillSource::Remote { local_threshold: 0 };
+    let mut g = d.generate(job(prompt_ids.clone(), 32, remote)).unwrap();
+    let reserved = match g.events.recv().await {
+        Some(EngineEvent::Reserved {
+            blocks,
+            cached_tokens: 0,
+        }) => blocks,
+        other => panic!("expected a reservation, got {other:?}"),
+    };
+    let fences = d.remote_fences();
+    assert!(reserved.iter().all(|b| fences.holds(b.0, g.id.0)));
+    let id = g.id;
+    d.remote_abandoned(id, true, "prefill peer timed out".into())
+        .unwrap();
+    let (toks, end) = collect(g).await;
+    assert_eq!(end, Ok(FinishReason::Length));
+    assert_eq!(toks, expected, "recomputed locally");
+    assert!(
+        reserved.iter().all(|b| !fences.holds(b.0, id.0)),
+        "the fence is lifted: a writer that is seen is refused"
+    );
+    let s = d.stats().await.unwrap();
+    assert_eq!(
+        s.kv_blocks_used,
+        reserved.len(),
+        "only the quarantined blocks are held"
+    );
+
+    // The late peer's puts land in the quarantined rows: garbage, in every layer.
+    let rows = d.host_rows().expect("a CPU engine's rows");
+    let block_bytes = d.kv_layout().block_floats() * 4;
+    for layer in 0..rows.num_layers() {
+        let (base, len) = rows.layer_span(layer).unwrap();
+        for b in &reserved {
+            let at = b.0 as usize * block_bytes;
+            assert!(at + block_bytes <= len);
+            // SAFETY: in range of the layer's allocation; the blocks are quarantined, so
+            // nothing in the engine reads or writes them (as for a real one-sided put).
+            unsafe { std::ptr::write_bytes(base.add(at), 0x7f, block_bytes) };
+        }
+    }
+    // The same prompt again reuses the recomputed (cached) blocks, not the quarantined ones.
+    let (toks, _) = collect(
+        d.generate(job(prompt_ids, 32, PrefillSource::Local))
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(toks, expected, "the late write reached no live block");
+
+    d.remote_settled(id).unwrap();
+    wait_idle(&d).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn short_uncached_prompts_prefill_locally() {
     let d = engine(64);

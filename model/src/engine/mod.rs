@@ -383,6 +383,11 @@ pub(crate) enum Command {
         id: SeqId,
         recompute: bool,
         reason: String,
+        /// Whether the peer may still be writing (the decode side stopped waiting).
+        abandoned: bool,
+    },
+    RemoteSettled {
+        id: SeqId,
     },
     Stats(oneshot::Sender<EngineStats>),
     DrainEvents(oneshot::Sender<Vec<KvEvent>>),
@@ -681,7 +686,33 @@ impl EngineHandle {
             id,
             recompute,
             reason,
+            abandoned: false,
         })
+    }
+
+    /// This side stopped waiting for `id`'s peer (timeout, or the router dropped the peer)
+    /// while the peer may still be writing: like [`Self::remote_failed`], but the blocks
+    /// reserved for the peer are quarantined (held, neither reused nor read) until
+    /// [`Self::remote_settled`], and a recompute gets fresh blocks. One-sided puts cannot be
+    /// refused on arrival, so this is what keeps a late write out of someone else's KV.
+    pub fn remote_abandoned(
+        &self,
+        id: SeqId,
+        recompute: bool,
+        reason: String,
+    ) -> Result<(), EngineError> {
+        self.send(Command::RemoteFailed {
+            id,
+            recompute,
+            reason,
+            abandoned: true,
+        })
+    }
+
+    /// The abandoned peer of `id` has stopped (its call ended): its quarantined blocks are
+    /// released.
+    pub fn remote_settled(&self, id: SeqId) -> Result<(), EngineError> {
+        self.send(Command::RemoteSettled { id })
     }
 
     /// Current counters and gauges.

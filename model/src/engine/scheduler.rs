@@ -67,6 +67,9 @@ pub(crate) struct Scheduler {
     remote_blocks: HashSet<BlockId>,
     /// The same reservations with their fences, shared with the transfer region.
     fences: Arc<RemoteFences>,
+    /// Blocks of abandoned remote prefills whose peer may still be writing, held (one
+    /// reference each) until the peer's call ends.
+    quarantine: HashMap<SeqId, Vec<BlockId>>,
     /// Whether peers' KV lands in the pool's rows directly (a host pool exposed as registered
     /// memory) rather than through `write_kv`: then the bytes are counted when the transfer
     /// completes.
@@ -110,6 +113,7 @@ impl Scheduler {
         Self {
             fences,
             direct_rows,
+            quarantine: HashMap::new(),
             backend,
             kv: KvManager::new(pool),
             config,
@@ -174,7 +178,9 @@ impl Scheduler {
                 id,
                 recompute,
                 reason,
-            } => self.remote_failed(id, recompute, reason),
+                abandoned,
+            } => self.remote_failed(id, recompute, reason, abandoned),
+            Command::RemoteSettled { id } => self.remote_settled(id),
             Command::Stats(tx) => {
                 let _ = tx.send(self.snapshot_stats());
             }

@@ -10,6 +10,7 @@ use crate::engine::{
     EngineEvent, Failure, FailureKind, PrefillJob, PrefillSource, SeqId, SpecCounts,
 };
 use crate::kv::BlockId;
+use crate::ModelError;
 
 impl Scheduler {
     pub(super) fn admit(&mut self, req: NewRequest) {
@@ -199,7 +200,13 @@ impl Scheduler {
         }
     }
 
-    pub(super) fn remote_failed(&mut self, id: SeqId, recompute: bool, reason: String) {
+    pub(super) fn remote_failed(
+        &mut self,
+        id: SeqId,
+        recompute: bool,
+        reason: String,
+        abandoned: bool,
+    ) {
         let Some(mut seq) = self.awaiting.remove(&id) else {
             return;
         };
@@ -207,11 +214,29 @@ impl Scheduler {
         if let Some(sp) = self.spec.as_mut() {
             sp.forget_writes(seq.table.blocks());
         }
+        if abandoned {
+            if let Err(e) = self.quarantine_remote(id, &mut seq) {
+                self.fail(seq, &e.to_string());
+                return;
+            }
+        }
         if seq.cancelled() {
             self.release(seq);
             return;
         }
         if recompute {
+            if abandoned {
+                // Fresh blocks for the positions the peer was writing.
+                let n = seq.prompt.len() - seq.cached_tokens;
+                let before = seq.table.blocks().len();
+                if let Err(e) = self.kv.reserve(&mut seq.table, n) {
+                    self.fail(seq, &e.to_string());
+                    return;
+                }
+                if let Some(sp) = self.spec.as_mut() {
+                    sp.fresh(&seq.table.blocks()[before..]);
+                }
+            }
             warn!(seq = id.0, %reason, "remote prefill failed; recomputing locally");
             seq.origin = Origin::Recomputed;
             seq.phase = Phase::Prefilling {
@@ -224,6 +249,33 @@ impl Scheduler {
                 message: format!("remote prefill failed: {reason}"),
             };
             self.fail_with(seq, failure);
+        }
+    }
+
+    /// Moves the blocks `seq` reserved for its peer out of its table into the quarantine
+    /// (which keeps one reference on each), leaving the table at its cached prefix.
+    fn quarantine_remote(&mut self, id: SeqId, seq: &mut Sequence) -> Result<(), ModelError> {
+        let first = seq.cached_tokens / self.kv.page_size();
+        let remote: Vec<BlockId> = seq.table.blocks().get(first..).unwrap_or_default().to_vec();
+        for &b in &remote {
+            self.kv.pool_mut().retain(b)?;
+        }
+        self.kv.truncate(&mut seq.table, seq.cached_tokens)?;
+        warn!(
+            seq = id.0,
+            blocks = remote.len(),
+            "quarantining the blocks of an abandoned remote prefill until its peer stops"
+        );
+        self.quarantine.entry(id).or_default().extend(remote);
+        Ok(())
+    }
+
+    /// The abandoned peer of `id` stopped: its quarantined blocks go back to the pool.
+    pub(super) fn remote_settled(&mut self, id: SeqId) {
+        if let Some(blocks) = self.quarantine.remove(&id) {
+            if let Err(e) = self.kv.pool_mut().release_all(&blocks) {
+                warn!(seq = id.0, error = %e, "releasing quarantined blocks");
+            }
         }
     }
 
