@@ -3,26 +3,30 @@
 //!
 //! | module | owns |
 //! |---|---|
-//! | `lib.rs` | the layout ([`KvLayoutDesc`], [`Dtype`]), keys, and the three traits: [`KvRegion`] (the receiving memory), [`Transport`] (register / connect), [`RemoteWriter`] (write / flush) |
-//! | [`descriptor`] | [`WriteBatch`] / [`BlockWrite`]: which blocks of which layer go where, and their validation |
+//! | `lib.rs` | the layout ([`KvLayoutDesc`], [`Dtype`]), keys, fences, and the three traits: [`KvRegion`] (the receiving memory), [`Transport`] (register / connect), [`RemoteWriter`] (write / flush) |
+//! | [`memory`] | [`LayerMemory`]: where a region's blocks live (host, CUDA, staged); [`HostMemory`] |
+//! | [`descriptor`] | [`WriteBatch`] / [`BlockWrite`]: which runs of blocks of which layer go where, and their validation |
 //! | [`handshake`] | [`check_compatible`]: layout compatibility with an explicit mismatch error |
 //! | [`convert`] | rows from one [`Dtype`] to another (a writer whose cache dtype is not the destination's) |
 //! | [`tcp`] | [`TcpTransport`], the default: one listener per process, length-prefixed frames |
+//! | [`ucx`] | [`UcxTransport`]: one-sided puts into registered memory, over the machine's UCX (loaded at run time) |
 //! | [`local`] | [`LocalTransport`]: in-process, for tests and single-process clusters |
 //! | [`layerwise`] | [`LayerStreamer`] / [`LayerSink`]: send each layer as soon as it is computed |
 //! | [`error`] | [`TransferError`] |
 //!
-//! The model is one-sided RDMA, so a UCX transport fits the same traits: the decode worker
-//! *registers* its pool as a [`KvRegion`] and gets a [`Registration`] (address + [`RemoteKey`]),
-//! which travels to the prefill worker inside the prefill request. The prefill worker *connects*
-//! to that address and key with its own layout (the layout handshake runs here, and a mismatch
-//! fails the connect), then *writes* batches and *flushes*: a flush returns once every earlier
-//! write has landed in the region.
+//! The model is one-sided RDMA: the decode worker *registers* its pool as a [`KvRegion`], whose
+//! layers are registered memory ([`LayerMemory`]), and gets a [`Registration`] (address +
+//! [`RemoteKey`]), which travels to the prefill worker inside the prefill request with the
+//! request's [`Fence`]. The prefill worker *connects* to that address and key with its own
+//! layout (the layout handshake runs here, and a mismatch fails the connect), then *writes*
+//! batches and *flushes*: a flush returns once every earlier write has landed in the region.
+//! UCX puts the bytes into the region's memory from the writer's side; TCP and in-process copy
+//! them there on the receiving side (docs/transfer.md).
 //!
 //! ```text
 //!  prefill engine thread          tokio (prefill)                 tokio (decode)
-//!  layer 0 done ─ sink.send ─►  LayerStreamer task ─ write ──►  receiver task ─ region.write
-//!  layer 1 done ─ sink.send ─►       (in order)    ─ write ──►                 ─ region.write
+//!  layer 0 done ─ sink.send ─►  LayerStreamer task ─ write ──►  the region's memory (put, or
+//!  layer 1 done ─ sink.send ─►       (in order)    ─ write ──►  the receiver's copy)
 //!  ...                          finish: flush ───────────────►  ack(total bytes)
 //! ```
 //!
