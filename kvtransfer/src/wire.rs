@@ -38,7 +38,28 @@ pub(crate) fn to_failure(e: &TransferError) -> TransferFailure {
 }
 
 /// Rebuilds the receiver's refusal as the error the writer would have computed itself.
-pub(crate) fn refusal(
+/// The writer's verdict on a hello ack: the receiver's layout when it accepted and the layouts
+/// are compatible, else the error the writer would have computed itself.
+pub(crate) fn accepted_layout(
+    ack: &TransferHelloAck,
+    key: RemoteKey,
+    writer_layout: &KvLayoutDesc,
+) -> Result<KvLayoutDesc, TransferError> {
+    let remote = ack
+        .layout
+        .as_ref()
+        .map(KvLayoutDesc::try_from)
+        .transpose()?;
+    if !ack.error.is_empty() {
+        return Err(refusal(ack, key, writer_layout, remote));
+    }
+    let remote = remote
+        .ok_or_else(|| TransferError::Protocol("TransferHelloAck: `layout` is missing".into()))?;
+    check_compatible(writer_layout, &remote)?;
+    Ok(remote)
+}
+
+fn refusal(
     ack: &TransferHelloAck,
     key: RemoteKey,
     writer_layout: &KvLayoutDesc,

@@ -64,10 +64,9 @@ use tokio_util::sync::CancellationToken;
 use tracing::debug;
 
 use crate::registry::Registry;
-use crate::wire::refusal;
+use crate::wire::accepted_layout;
 use crate::{
-    check_compatible, Fence, KvLayoutDesc, KvRegion, Registration, RemoteKey, RemoteWriter,
-    TransferError, Transport,
+    Fence, KvLayoutDesc, KvRegion, Registration, RemoteKey, RemoteWriter, TransferError, Transport,
 };
 use frame::{read_control, read_header, unexpected, write_control, TAG_HELLO, TAG_HELLO_ACK};
 
@@ -241,18 +240,7 @@ impl Transport for TcpTransport {
             return Err(unexpected(tag, len, "a hello ack"));
         }
         let ack: TransferHelloAck = read_control(&mut stream, len, "TransferHelloAck").await?;
-        let remote = ack
-            .layout
-            .as_ref()
-            .map(KvLayoutDesc::try_from)
-            .transpose()?;
-        if !ack.error.is_empty() {
-            return Err(refusal(&ack, key, writer_layout, remote));
-        }
-        let remote = remote.ok_or_else(|| {
-            TransferError::Protocol("TransferHelloAck: `layout` is missing".into())
-        })?;
-        check_compatible(writer_layout, &remote)?;
+        let remote = accepted_layout(&ack, key, writer_layout)?;
         debug!(address, %key, "kvtransfer: tcp writer connected");
         Ok(Box::new(writer::TcpWriter::new(stream, key, remote)))
     }

@@ -21,7 +21,7 @@ use tracing::{debug, info, warn};
 
 use super::sys::{self, Ucp};
 use crate::registry::{Access, Entry, Registry};
-use crate::wire::{from_failure, refusal, to_failure};
+use crate::wire::{accepted_layout, from_failure, to_failure};
 use crate::{
     check_compatible, Fence, KvLayoutDesc, LayerMemory, RemoteKey, TransferError, WriteBatch,
 };
@@ -833,18 +833,7 @@ impl State {
         key: RemoteKey,
         writer_layout: &KvLayoutDesc,
     ) -> Result<(KvLayoutDesc, Vec<RemoteLayer>), TransferError> {
-        let remote = ack
-            .layout
-            .as_ref()
-            .map(KvLayoutDesc::try_from)
-            .transpose()?;
-        if !ack.error.is_empty() {
-            return Err(refusal(ack, key, writer_layout, remote));
-        }
-        let remote = remote.ok_or_else(|| {
-            TransferError::Protocol("TransferHelloAck: `layout` is missing".into())
-        })?;
-        check_compatible(writer_layout, &remote)?;
+        let remote = accepted_layout(ack, key, writer_layout)?;
         if ack.memory.len() != remote.num_layers as usize {
             return Err(TransferError::Protocol(format!(
                 "TransferHelloAck: {} memory entries for {} layers",
