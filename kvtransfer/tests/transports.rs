@@ -189,10 +189,56 @@ async fn local() -> Arc<dyn Transport> {
     Arc::new(LocalTransport::new())
 }
 
-/// One UCX worker that both registers and writes (an endpoint to itself); the two-process
-/// tests are in `ucx_processes.rs`.
+/// One UCX worker that both registers and writes (an endpoint to itself: UCX's `self`
+/// transport); the two-process tests are in `ucx_processes.rs`.
 async fn ucx() -> Arc<dyn Transport> {
     Arc::new(UcxTransport::new().expect("UCX must be installed for these tests (libucx0)"))
+}
+
+/// Two UCX workers: one registers, the other writes, so the puts take a real lane between
+/// workers (shared memory / cma, or tcp), as between processes.
+async fn ucx_pair() -> Arc<dyn Transport> {
+    let make = || UcxTransport::new().expect("UCX must be installed for these tests (libucx0)");
+    Arc::new(Pair {
+        receiver: make(),
+        writer: make(),
+    })
+}
+
+/// A transport whose regions live on `receiver` and whose connections start from `writer`.
+struct Pair {
+    receiver: UcxTransport,
+    writer: UcxTransport,
+}
+
+#[async_trait::async_trait]
+impl Transport for Pair {
+    fn name(&self) -> &'static str {
+        self.receiver.name()
+    }
+
+    async fn register(
+        &self,
+        region: Arc<dyn KvRegion>,
+    ) -> Result<ferry_kvtransfer::Registration, TransferError> {
+        self.receiver.register(region).await
+    }
+
+    async fn deregister(&self, key: RemoteKey) -> Result<(), TransferError> {
+        self.receiver.deregister(key).await
+    }
+
+    async fn connect(
+        &self,
+        address: &str,
+        key: RemoteKey,
+        fence: Fence,
+        writer_layout: &KvLayoutDesc,
+    ) -> Result<Box<dyn RemoteWriter>, TransferError> {
+        self.writer
+            .connect(address, key, fence, writer_layout)
+            .await
+    }
 }
 
 /// The test bodies, each run once per transport by `transport_contract!`.
@@ -644,6 +690,8 @@ transport_contract!(local_into_memory, local, Exposed::Memory);
 transport_contract!(local_staged, local, Exposed::Staged);
 transport_contract!(ucx_into_memory, ucx, Exposed::Memory);
 transport_contract!(ucx_staged, ucx, Exposed::Staged);
+transport_contract!(ucx_pair_into_memory, ucx_pair, Exposed::Memory);
+transport_contract!(ucx_pair_staged, ucx_pair, Exposed::Staged);
 
 /// TCP only: a peer that bypasses the writer's checks, and transport construction.
 mod tcp_only {
