@@ -310,3 +310,29 @@ impl PrefillWorker for PrefillService {
         )))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_destination_transport_this_worker_lacks_is_refused_naming_the_field() {
+        let tcp_only = Outbound::new(None, false).unwrap();
+        assert_eq!(tcp_only.names(), vec!["tcp".to_string()]);
+        assert_eq!(tcp_only.get("tcp").map(|t| t.name()).ok(), Some("tcp"));
+        let e = tcp_only.get("ucx").err().expect("refused");
+        assert_eq!(e.code(), tonic::Code::InvalidArgument);
+        assert!(
+            e.message().contains("`destination.transport`")
+                && e.message().contains("--transport ucx"),
+            "{}",
+            e.message()
+        );
+        let e = tcp_only.get("rdma").err().expect("refused");
+        assert!(e.message().contains("\"rdma\""), "{}", e.message());
+        // With UCX (the machine's libucp; CI installs it), both are spoken.
+        let both = Outbound::new(None, true).expect("UCX loads");
+        assert_eq!(both.names(), vec!["tcp".to_string(), "ucx".to_string()]);
+        assert_eq!(both.get("ucx").map(|t| t.name()).ok(), Some("ucx"));
+    }
+}
