@@ -10,24 +10,8 @@ mod cluster;
 use std::time::Duration;
 
 use cluster::{Cluster, Role, Spec, PAGE};
-use ferry_proto::v1::TokenizeRequest;
 
 const MAX_TOKENS: u32 = 16;
-
-async fn tokens(cluster: &Cluster, text: &str) -> Vec<u32> {
-    cluster
-        .grpc()
-        .await
-        .tokenize(TokenizeRequest {
-            model: String::new(),
-            text: text.into(),
-            add_special_tokens: true,
-        })
-        .await
-        .expect("Tokenize")
-        .into_inner()
-        .ids
-}
 
 #[tokio::test]
 async fn a_shared_prefix_is_routed_to_its_holder_and_only_the_rest_is_computed() {
@@ -42,8 +26,8 @@ async fn a_shared_prefix_is_routed_to_its_holder_and_only_the_rest_is_computed()
     cluster.add_worker(Role::Prefill, "prefill-b").await;
 
     let (a_ids, b_ids) = (
-        tokens(&cluster, &a_text).await,
-        tokens(&cluster, &b_text).await,
+        cluster::tokens(&cluster, &a_text).await,
+        cluster::tokens(&cluster, &b_text).await,
     );
     let shared = a_ids.iter().zip(&b_ids).take_while(|(x, y)| x == y).count();
     let reusable = shared / PAGE * PAGE;

@@ -126,22 +126,6 @@ async fn a_decode_worker_no_prefill_worker_can_reach_prefills_itself() {
     cluster.assert_kv_blocks_released().await;
 }
 
-/// Token ids of `text` as the cluster tokenizes it.
-async fn tokens(cluster: &Cluster, text: &str) -> Vec<u32> {
-    cluster
-        .grpc()
-        .await
-        .tokenize(ferry_proto::v1::TokenizeRequest {
-            model: String::new(),
-            text: text.into(),
-            add_special_tokens: true,
-        })
-        .await
-        .expect("Tokenize")
-        .into_inner()
-        .ids
-}
-
 #[tokio::test]
 async fn prefix_reuse_ships_only_the_missing_blocks() {
     ucx_env("posix,sysv,cma");
@@ -155,8 +139,8 @@ async fn prefix_reuse_ships_only_the_missing_blocks() {
         cluster.live(Role::Decode)[0].clone(),
     );
     let (a_ids, b_ids) = (
-        tokens(&cluster, &a_text).await,
-        tokens(&cluster, &b_text).await,
+        cluster::tokens(&cluster, &a_text).await,
+        cluster::tokens(&cluster, &b_text).await,
     );
     let page = cluster::PAGE;
     let shared = a_ids.iter().zip(&b_ids).take_while(|(x, y)| x == y).count();

@@ -107,6 +107,22 @@ impl Spec {
     }
 }
 
+/// Token ids of `text` as the cluster's `Tokenize` gives them.
+pub async fn tokens(cluster: &Cluster, text: &str) -> Vec<u32> {
+    cluster
+        .grpc()
+        .await
+        .tokenize(ferry_proto::v1::TokenizeRequest {
+            model: String::new(),
+            text: text.into(),
+            add_special_tokens: true,
+        })
+        .await
+        .expect("Tokenize")
+        .into_inner()
+        .ids
+}
+
 /// The cluster token every child of a test cluster gets (in `FERRY_CLUSTER_TOKEN`); the
 /// harness signs its own internal calls (`GetStats`) with it.
 pub const CLUSTER_TOKEN: &str = "ferry-test-cluster-token";

@@ -232,6 +232,7 @@ enum Keep {
     ErrArg(#[allow(dead_code)] Box<CallbackArg>),
 }
 
+#[derive(Clone, Copy, PartialEq, Eq)]
 enum Op {
     Put,
     Send,
@@ -1178,13 +1179,7 @@ impl State {
             }
             // SAFETY: completed; freed once.
             unsafe { (self.ucp.request_free)(f.req) };
-            let op = match f.op {
-                Op::Put => 0,
-                Op::Send => 1,
-                Op::Flush => 2,
-                Op::Close => 3,
-            };
-            finished.push((f.conn, op, s));
+            finished.push((f.conn, f.op, s));
             false
         });
         let any = !finished.is_empty();
@@ -1193,7 +1188,7 @@ impl State {
             if s != sys::UCS_OK {
                 let e = ucx_error(self.ucp, "transfer", s);
                 self.fail(conn, e);
-            } else if op == 2 {
+            } else if op == Op::Flush {
                 self.flushed(conn);
             }
         }

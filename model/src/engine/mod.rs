@@ -682,12 +682,7 @@ impl EngineHandle {
         recompute: bool,
         reason: String,
     ) -> Result<(), EngineError> {
-        self.send(Command::RemoteFailed {
-            id,
-            recompute,
-            reason,
-            abandoned: false,
-        })
+        self.remote_outcome(id, recompute, reason, false)
     }
 
     /// This side stopped waiting for `id`'s peer (timeout, or the router dropped the peer)
@@ -701,11 +696,21 @@ impl EngineHandle {
         recompute: bool,
         reason: String,
     ) -> Result<(), EngineError> {
+        self.remote_outcome(id, recompute, reason, true)
+    }
+
+    fn remote_outcome(
+        &self,
+        id: SeqId,
+        recompute: bool,
+        reason: String,
+        abandoned: bool,
+    ) -> Result<(), EngineError> {
         self.send(Command::RemoteFailed {
             id,
             recompute,
             reason,
-            abandoned: true,
+            abandoned,
         })
     }
 

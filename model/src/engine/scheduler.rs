@@ -17,7 +17,7 @@
 //! | `round.rs` | the speculative parts: drafting, committing a verified round, drafter context |
 //! | `sample.rs` | the sampling side: every plain draw and every round's verification of a batch, on the model's backend |
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
 use tokio::sync::mpsc;
@@ -63,17 +63,12 @@ pub(crate) struct Scheduler {
     waiting: VecDeque<Sequence>,
     awaiting: HashMap<SeqId, Sequence>,
     prefills: Vec<PrefillTask>,
-    /// Blocks peers may write into (reserved for an awaited remote prefill).
-    remote_blocks: HashSet<BlockId>,
-    /// The same reservations with their fences, shared with the transfer region.
+    /// Blocks peers may write into (reserved for an awaited remote prefill), under each
+    /// request's fence; shared with the transfer region, written only here.
     fences: Arc<RemoteFences>,
     /// Blocks of abandoned remote prefills whose peer may still be writing, held (one
     /// reference each) until the peer's call ends.
     quarantine: HashMap<SeqId, Vec<BlockId>>,
-    /// Whether peers' KV lands in the pool's rows directly (a host pool exposed as registered
-    /// memory) rather than through `write_kv`: then the bytes are counted when the transfer
-    /// completes.
-    direct_rows: bool,
     stats: EngineStats,
     /// The drafter and its KV, when this engine speculates.
     spec: Option<Speculator>,
@@ -109,10 +104,8 @@ impl Scheduler {
         config: EngineConfig,
         fences: Arc<RemoteFences>,
     ) -> Self {
-        let direct_rows = pool.has_rows();
         Self {
             fences,
-            direct_rows,
             quarantine: HashMap::new(),
             backend,
             kv: KvManager::new(pool),
@@ -121,7 +114,6 @@ impl Scheduler {
             waiting: VecDeque::new(),
             awaiting: HashMap::new(),
             prefills: Vec::new(),
-            remote_blocks: HashSet::new(),
             stats: EngineStats::default(),
             spec,
         }

@@ -28,11 +28,19 @@ impl RemoteFences {
         }
     }
 
-    /// Ends `block`'s reservation: later writes into it are refused.
-    pub fn clear(&self, block: BlockId) {
+    /// Ends `block`'s reservation if it is the one fenced by `fence`: later writes into it
+    /// are refused. A block reserved under another fence (or none) is left as it is.
+    pub fn clear_if(&self, block: BlockId, fence: u64) {
         if let Some(f) = self.0.get(block.0 as usize) {
-            f.store(0, Ordering::Release);
+            let _ = f.compare_exchange(fence, 0, Ordering::AcqRel, Ordering::Relaxed);
         }
+    }
+
+    /// Whether `block` is reserved for any remote prefill.
+    pub fn is_reserved(&self, block: BlockId) -> bool {
+        self.0
+            .get(block.0 as usize)
+            .is_some_and(|f| f.load(Ordering::Acquire) != 0)
     }
 
     /// Whether `block` is reserved for the transfer fenced by `fence` (never for fence 0).
@@ -54,11 +62,16 @@ mod tests {
         let f = RemoteFences::new(4);
         assert!(!f.holds(1, 0) && !f.holds(1, 7));
         f.reserve(BlockId(1), 7);
-        assert!(f.holds(1, 7));
+        assert!(f.holds(1, 7) && f.is_reserved(BlockId(1)));
         assert!(!f.holds(1, 6), "a stale writer's fence");
-        assert!(!f.holds(2, 7), "another block");
-        f.clear(BlockId(1));
-        assert!(!f.holds(1, 7));
+        assert!(
+            !f.holds(2, 7) && !f.is_reserved(BlockId(2)),
+            "another block"
+        );
+        f.clear_if(BlockId(1), 6);
+        assert!(f.holds(1, 7), "another request's release leaves it");
+        f.clear_if(BlockId(1), 7);
+        assert!(!f.holds(1, 7) && !f.is_reserved(BlockId(1)));
         f.reserve(BlockId(1), 9);
         assert!(
             f.holds(1, 9) && !f.holds(1, 7),

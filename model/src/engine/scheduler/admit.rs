@@ -70,7 +70,6 @@ impl Scheduler {
                 }
                 let first_remote = cached / self.kv.page_size();
                 for &b in seq.table.blocks().iter().skip(first_remote) {
-                    self.remote_blocks.insert(b);
                     self.fences.reserve(b, id.0);
                 }
                 seq.phase = Phase::AwaitingKv;
@@ -121,7 +120,7 @@ impl Scheduler {
     }
 
     pub(super) fn write_kv(&mut self, layer: usize, block: BlockId, data: &[u8]) {
-        if !self.remote_blocks.contains(&block) {
+        if !self.fences.is_reserved(block) {
             warn!(%block, layer, "dropping a KV write into a block not reserved for a peer");
             return;
         }
@@ -150,11 +149,9 @@ impl Scheduler {
         self.stats.kv_bytes_received += data.len() as u64;
     }
 
-    fn release_remote_blocks(&mut self, seq: &Sequence) {
+    fn release_remote_blocks(&self, id: SeqId, seq: &Sequence) {
         for &b in seq.table.blocks() {
-            if self.remote_blocks.remove(&b) {
-                self.fences.clear(b);
-            }
+            self.fences.clear_if(b, id.0);
         }
     }
 
@@ -162,7 +159,7 @@ impl Scheduler {
         let Some(mut seq) = self.awaiting.remove(&id) else {
             return; // cancelled meanwhile
         };
-        self.release_remote_blocks(&seq);
+        self.release_remote_blocks(id, &seq);
         if seq.cancelled() {
             self.release(seq);
             return;
@@ -181,8 +178,9 @@ impl Scheduler {
             }
         }
         self.stats.remote_prefills += 1;
-        if self.direct_rows {
-            // The target's layers landed in the rows without passing through `write_kv`.
+        if self.kv.pool().has_rows() {
+            // The target's layers landed in the rows (registered memory: a put, or the TCP
+            // receiver's copy) without passing through `write_kv`.
             let l = self.kv.pool().layout();
             let remote = (seq.table.blocks().len() - seq.cached_tokens / l.page_size) as u64;
             self.stats.kv_bytes_received += remote * (l.num_layers * l.block_floats() * 4) as u64;
@@ -210,7 +208,7 @@ impl Scheduler {
         let Some(mut seq) = self.awaiting.remove(&id) else {
             return;
         };
-        self.release_remote_blocks(&seq);
+        self.release_remote_blocks(id, &seq);
         if let Some(sp) = self.spec.as_mut() {
             sp.forget_writes(seq.table.blocks());
         }
