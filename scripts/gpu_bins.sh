@@ -8,18 +8,19 @@ cd "$(dirname "$0")/.."
 target="${CARGO_TARGET_DIR:-target}"
 if [ "${1:-}" != "--no-build" ]; then
   cargo build --release -p ferry -p ferry-model --example bench_gpu
+  cargo build --release -p ferry --example bench_transfer_gpu
   cargo test --release --no-run -p ferry-kernels --test cuda_parity --test backend --test backend_sample --test backend_draft -p ferry-model --test gpu_parity --test engine_device --test backend_model --test spec_drafter
-  cargo test --release --no-run -p ferry --test cluster_device --test generate --test cluster_spec --test observability
+  cargo test --release --no-run -p ferry --test cluster_device --test generate --test cluster_spec --test observability --test ucx_device
 fi
 mkdir -p device-bin
-cp "$target/release/ferry" "$target/release/examples/bench_gpu" device-bin/
-TESTS="cuda_parity backend backend_sample backend_draft backend_model gpu_parity engine_device spec_drafter cluster_device generate cluster_spec observability"
+cp "$target/release/ferry" "$target/release/examples/bench_gpu" "$target/release/examples/bench_transfer_gpu" device-bin/
+TESTS="cuda_parity backend backend_sample backend_draft backend_model gpu_parity engine_device spec_drafter cluster_device generate cluster_spec observability ucx_device"
 for t in $TESTS; do
   bin=$(ls -t "$target"/release/deps/$t-* | grep -v '\.d$' | head -1)
   cp "$bin" "device-bin/$t"
 done
 # Debug info makes the binaries ~300 MB; the device tool carries at most 64 MiB.
-strip device-bin/ferry device-bin/bench_gpu
+strip device-bin/ferry device-bin/bench_gpu device-bin/bench_transfer_gpu
 for t in $TESTS; do strip "device-bin/$t"; done
 # Test binaries find the embedded model through the absolute source path they were built in;
 # the device command links that path to its copy of the tree.

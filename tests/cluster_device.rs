@@ -6,6 +6,10 @@
 //!   with a GPU.
 //! - A worker asked for a GPU that cannot be opened refuses to start, naming the device and the
 //!   reason: it never serves at CPU speed in its place.
+//! - On a GPU with a CUDA-enabled UCX (`FERRY_UCX_LIB`, docs/gpu.md), GPU workers on
+//!   `--transport ucx` move the prompt's KV device to device (the decode worker registers its
+//!   device cache with UCX, the prefill worker puts from its own) and serve the reference text;
+//!   both count the same bytes. Skipped (with the reason printed) without a GPU.
 mod cluster;
 
 use std::time::Duration;
@@ -64,6 +68,46 @@ async fn workers_on_device_auto_serve_the_reference_text() {
             "no silent fall-back:\n{section}"
         );
     }
+    cluster.assert_kv_blocks_released().await;
+}
+
+#[tokio::test]
+async fn gpu_workers_over_ucx_move_the_cache_device_to_device() {
+    if let Err(e) = Device::Cuda(0).probe() {
+        eprintln!("skipping: {e}");
+        return;
+    }
+    let long = cluster::long_prompt();
+    let want = cluster::reference_generate(&long, MAX_TOKENS).await;
+    let args = [
+        "--device",
+        "cuda",
+        "--gpu-mode",
+        "exact",
+        "--transport",
+        "ucx",
+    ];
+    let cluster = Cluster::start(Spec::new(1, 1).prefill(&args).decode(&args)).await;
+    let mut client = cluster.grpc().await;
+    let out = cluster::generate(&mut client, cluster::greedy_request(&long, MAX_TOKENS))
+        .await
+        .expect("Generate succeeds");
+    assert_eq!(out.text, want, "GPU workers over UCX vs ferry generate");
+    let (prefill, decode) = (
+        cluster.live(Role::Prefill)[0].clone(),
+        cluster.live(Role::Decode)[0].clone(),
+    );
+    let (p, d) = (cluster.stats(&prefill).await, cluster.stats(&decode).await);
+    assert_eq!(d.remote_prefills, 1, "{d:?}");
+    assert!(
+        p.kv_transfer_bytes > 0 && p.kv_transfer_bytes == d.kv_transfer_bytes,
+        "both sides count the bytes moved: {p:?} {d:?}"
+    );
+    let logs = strip_ansi(&cluster.logs_report());
+    assert!(
+        logs.contains("device KV layers registered with UCX"),
+        "the decode worker exposes its device cache to UCX (a CUDA-enabled UCX is loaded):\n{logs}"
+    );
     cluster.assert_kv_blocks_released().await;
 }
 

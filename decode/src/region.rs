@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use ferry_kvtransfer::error::TransferError;
 use ferry_kvtransfer::{Dtype, Fence, KvLayoutDesc, KvRegion, LayerMemory};
-use ferry_model::engine::EngineHandle;
+use ferry_model::engine::{DeviceKv, EngineHandle};
 use ferry_model::kv::{BlockId, HostRows, KvDtype, RemoteFences};
 
 /// This worker's KV pool as a transfer target: registered memory where the rows are on the
@@ -14,9 +14,14 @@ use ferry_model::kv::{BlockId, HostRows, KvDtype, RemoteFences};
 ///   rows ([`HostRows`], shared with the engine), so a UCX peer puts blocks straight into them
 ///   and the TCP receiver copies each block there, with no engine-thread hop. The engine reads
 ///   those blocks only after the peer's completion (its prefill reply, sent after its flush).
+/// - **A CUDA engine's target layers are exposed as device memory** ([`LayerMemory::Cuda`]:
+///   [`EngineHandle::device_kv`]), so a UCX peer with CUDA support puts blocks straight from its
+///   own device cache into this one (`cuda_ipc` on one GPU or across NVLink). A transport that
+///   cannot reach device memory (TCP, a UCX without CUDA) stages those blocks through
+///   [`KvRegion::write`] instead, and the engine copies them host → device.
 /// - **Everything else is staged** through [`KvRegion::write`] to the engine thread (the pool's
-///   one owner), which applies writes in order before it processes the completion: a GPU
-///   engine's device cache (the engine copies host → device), and the drafter's context layers.
+///   one owner), which applies writes in order before it processes the completion: the
+///   drafter's context layers, and a ROCm engine's cache.
 /// - **Every block a receiver sees is admitted only under its request's fence**
 ///   ([`RemoteFences`]: reserved by the engine for exactly that remote prefill), so a peer
 ///   whose request was abandoned cannot write into blocks since recomputed or reused. A
@@ -38,6 +43,9 @@ pub struct EngineRegion {
     layout: KvLayoutDesc,
     /// The rows exposed as memory (a CPU engine's), kept alive while registered.
     rows: Option<Arc<HostRows>>,
+    /// A CUDA engine's device cache (kept alive by `engine`: the engine thread runs while
+    /// any handle does).
+    device: Option<DeviceKv>,
     /// Target layers (the rest are the drafter's context, staged).
     target_layers: u32,
     fences: Arc<RemoteFences>,
@@ -64,6 +72,7 @@ impl EngineRegion {
             .filter(|_| engine.kv_dtype() == KvDtype::F32);
         Self {
             rows,
+            device: engine.device_kv(),
             target_layers: u(l.num_layers),
             fences: engine.remote_fences(),
             engine,
@@ -79,6 +88,15 @@ impl KvRegion for EngineRegion {
 
     #[allow(unsafe_code)] // see the crate root
     fn memory(&self, layer: u32) -> LayerMemory {
+        if let Some(kv) = self.device.as_ref().filter(|_| layer < self.target_layers) {
+            return match kv.layers.get(layer as usize) {
+                // SAFETY: the device cache lives as long as the engine thread, which runs while
+                // this region's handle does; peers write only blocks reserved for them, which
+                // the engine reads only after the transfer's completion (as for host rows).
+                Some(&(addr, len)) => unsafe { LayerMemory::cuda(addr, len, kv.device) },
+                None => LayerMemory::Staged,
+            };
+        }
         match &self.rows {
             Some(rows) if layer < self.target_layers => match rows.layer_span(layer as usize) {
                 // SAFETY: the rows live as long as this region (it holds the `Arc`); peers

@@ -35,7 +35,7 @@ pub const SETTLE_LIMIT_FACTOR: u32 = 10;
 /// How waiting for the peer ended.
 enum Waited {
     /// The call ended: the peer answered, or failed (either way it writes no more).
-    Ended(Result<u32, String>),
+    Ended(Result<(u32, u64), String>),
     /// This side stopped waiting; the call goes on.
     Abandoned(String),
 }
@@ -114,7 +114,7 @@ pub async fn run(job: RemotePrefill, engine: EngineHandle, id: SeqId, policy: Fa
     };
     let recompute = policy == FailurePolicy::Recompute;
     let sent = match waited {
-        Waited::Ended(Ok(first)) => engine.remote_done(id, first),
+        Waited::Ended(Ok((first, bytes))) => engine.remote_done(id, first, bytes),
         Waited::Ended(Err(_)) => engine.remote_failed(id, recompute, reason.unwrap_or_default()),
         Waited::Abandoned(_) => {
             let sent = engine.remote_abandoned(id, recompute, reason.unwrap_or_default());
@@ -153,7 +153,7 @@ async fn peer_gone(mut view: watch::Receiver<PrefillView>, peer_id: &str) -> Str
     std::future::pending().await
 }
 
-async fn call(job: &RemotePrefill) -> Result<u32, String> {
+async fn call(job: &RemotePrefill) -> Result<(u32, u64), String> {
     let channel = Channel::from_shared(format!("http://{}", job.peer))
         .map_err(|e| format!("prefill peer address {:?}: {e}", job.peer))?
         .connect()
@@ -180,5 +180,5 @@ async fn call(job: &RemotePrefill) -> Result<u32, String> {
         .await
         .map_err(|s| format!("prefill peer {}: {}", job.peer, s.message()))?
         .into_inner();
-    Ok(reply.first_token)
+    Ok((reply.first_token, reply.bytes_transferred))
 }

@@ -18,10 +18,11 @@
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
-use crate::{RemoteWriter, TransferError, WriteBatch};
+use crate::{DeviceBatch, RemoteWriter, TransferError, WriteBatch};
 
 enum Msg {
     Batch(WriteBatch),
+    Device(DeviceBatch),
     Finish,
 }
 
@@ -37,6 +38,15 @@ impl LayerSink {
     pub fn send(&self, batch: WriteBatch) -> Result<(), TransferError> {
         self.tx
             .send(Msg::Batch(batch))
+            .map_err(|_| TransferError::Closed)
+    }
+
+    /// Queues a batch read from device memory, like [`LayerSink::send`]; only for a writer
+    /// that [puts from device memory](crate::RemoteWriter::puts_from_device) into that layer.
+    /// The batch (and so its source's lease) is dropped once written, or when refused.
+    pub fn send_device(&self, batch: DeviceBatch) -> Result<(), TransferError> {
+        self.tx
+            .send(Msg::Device(batch))
             .map_err(|_| TransferError::Closed)
     }
 
@@ -120,6 +130,12 @@ async fn run(
             Msg::Batch(batch) => {
                 if let Err(e) = writer.write(batch).await {
                     // Refuse further sends right away, not when the receiver is dropped.
+                    rx.close();
+                    return Err(e);
+                }
+            }
+            Msg::Device(batch) => {
+                if let Err(e) = writer.write_device(batch).await {
                     rx.close();
                     return Err(e);
                 }

@@ -112,7 +112,9 @@ pub mod ucx;
 mod wire;
 
 pub use convert::{convert, convert_into};
-pub use descriptor::{check_run, check_write, BlockWrite, WriteBatch, MAX_RUN_BYTES};
+pub use descriptor::{
+    check_run, check_write, BlockWrite, DeviceBatch, DeviceRun, WriteBatch, MAX_RUN_BYTES,
+};
 pub use error::{ParseDtypeError, TransferError};
 pub use handshake::check_compatible;
 pub use layerwise::{LayerSink, LayerStreamer};
@@ -430,6 +432,25 @@ pub trait RemoteWriter: Send {
     /// Completion: returns once every write so far has landed in the remote region, with the
     /// total block bytes written on this connection.
     async fn flush(&mut self) -> Result<u64, TransferError>;
+
+    /// Whether destination layer `layer` takes [`DeviceBatch`]es: one-sided puts from this
+    /// process's CUDA memory into the destination's device memory (UCX with CUDA support on
+    /// both ends, the destination layer registered as [`LayerMemory::Cuda`]). Known once the
+    /// connection is open; the default is no.
+    fn puts_from_device(&self, layer: u32) -> bool {
+        let _ = layer;
+        false
+    }
+
+    /// Sends one batch read from device memory (see [`RemoteWriter::puts_from_device`]); the
+    /// batch is dropped once the transport no longer reads its source. The default refuses
+    /// with [`TransferError::Protocol`] (and drops the batch).
+    async fn write_device(&mut self, batch: DeviceBatch) -> Result<(), TransferError> {
+        Err(TransferError::Protocol(format!(
+            "this transport cannot read device memory (layer {})",
+            batch.layer
+        )))
+    }
 }
 
 #[cfg(test)]

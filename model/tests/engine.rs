@@ -80,8 +80,10 @@ async fn remote_prefill(
     prompt: Vec<u32>,
     dest: Vec<BlockId>,
     skip_tokens: usize,
-) -> Result<u32, String> {
+) -> Result<(u32, u64), String> {
     let d2 = d.clone();
+    let landed = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let counted = landed.clone();
     let page = p.kv_layout().page_size;
     let first_dest = skip_tokens / page;
     let out = p
@@ -92,6 +94,7 @@ async fn remote_prefill(
             Box::new(move |layer, blocks, rows| {
                 for (j, b) in blocks.iter().enumerate() {
                     let data = rows.block(*b).map_err(|e| e.to_string())?.to_vec();
+                    counted.fetch_add(data.len() as u64, std::sync::atomic::Ordering::Relaxed);
                     d2.write_kv(layer, dest[first_dest + j], data)
                         .map_err(|e| e.to_string())?;
                 }
@@ -100,7 +103,10 @@ async fn remote_prefill(
         )
         .await
         .map_err(|e| e.to_string())?;
-    Ok(out.first_token)
+    Ok((
+        out.first_token,
+        landed.load(std::sync::atomic::Ordering::Relaxed),
+    ))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -122,10 +128,10 @@ async fn remote_prefill_gives_the_same_tokens_as_local() {
         panic!("expected a reservation");
     };
     assert_eq!(cached_tokens, 0);
-    let first = remote_prefill(&p, &d, prompt_ids, blocks, cached_tokens)
+    let (first, bytes) = remote_prefill(&p, &d, prompt_ids, blocks, cached_tokens)
         .await
         .unwrap();
-    d.remote_done(g.id, first).unwrap();
+    d.remote_done(g.id, first, bytes).unwrap();
     let (toks, end) = collect(g).await;
     assert_eq!(end, Ok(FinishReason::Length));
     assert_eq!(toks, expected);

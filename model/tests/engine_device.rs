@@ -469,23 +469,28 @@ async fn remote_prefill(
     prompt: Vec<u32>,
     dest: Vec<BlockId>,
     skip_tokens: usize,
-) -> u32 {
+) -> (u32, u64) {
     let d2 = d.clone();
+    let landed = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let counted = landed.clone();
     let first_dest = skip_tokens / p.kv_layout().page_size;
     // In the destination's dtype, as a prefill worker sends it (the wire's rule).
     let to = d.kv_dtype();
     let sink: LayerSinkFn = Box::new(move |layer, blocks, rows| {
         for (j, b) in blocks.iter().enumerate() {
             let data = as_dtype(rows, *b, to)?;
+            counted.fetch_add(data.len() as u64, std::sync::atomic::Ordering::Relaxed);
             d2.write_kv(layer, dest[first_dest + j], data)
                 .map_err(|e| e.to_string())?;
         }
         Ok(())
     });
-    p.prefill(prompt, greedy(), skip_tokens, sink)
+    let first = p
+        .prefill(prompt, greedy(), skip_tokens, sink)
         .await
         .expect("remote prefill")
-        .first_token
+        .first_token;
+    (first, landed.load(std::sync::atomic::Ordering::Relaxed))
 }
 
 /// Decodes `prompt` on `d` with its KV prefilled by `p`; returns the tokens.
@@ -504,8 +509,8 @@ async fn disaggregated(p: &EngineHandle, d: &EngineHandle, prompt: Vec<u32>) -> 
     else {
         panic!("expected a reservation");
     };
-    let first = remote_prefill(p, d, prompt, blocks, cached_tokens).await;
-    d.remote_done(g.id, first).unwrap();
+    let (first, bytes) = remote_prefill(p, d, prompt, blocks, cached_tokens).await;
+    d.remote_done(g.id, first, bytes).unwrap();
     let (toks, end) = collect(g).await;
     assert_eq!(end, Ok(FinishReason::Length));
     assert_eq!(d.stats().await.unwrap().remote_prefills, 1);

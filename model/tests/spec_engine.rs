@@ -611,13 +611,16 @@ async fn remote_prefill(
     prompt: Vec<u32>,
     (dest, skip_tokens): (Vec<BlockId>, usize),
     ship_drafter: bool,
-) -> u32 {
+) -> (u32, u64) {
     let first_dest = skip_tokens / p.kv_layout().page_size;
+    let landed = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
     let copy = |offset: usize, d: EngineHandle, dest: Vec<BlockId>| {
+        let counted = landed.clone();
         Box::new(
             move |layer: usize, blocks: &[BlockId], rows: &LayerRows<'_>| -> Result<(), String> {
                 for (j, b) in blocks.iter().enumerate() {
                     let data = rows.block(*b).map_err(|e| e.to_string())?.to_vec();
+                    counted.fetch_add(data.len() as u64, std::sync::atomic::Ordering::Relaxed);
                     d.write_kv(offset + layer, dest[first_dest + j], data)
                         .map_err(|e| e.to_string())?;
                 }
@@ -633,10 +636,14 @@ async fn remote_prefill(
             skip_tokens,
             on_layer: copy(0, d.clone(), dest.clone()),
             on_draft_layer: ship_drafter.then(|| copy(layers, d.clone(), dest)),
+            rows_on_device: false,
         })
         .await
         .unwrap();
-    out.first_token
+    (
+        out.first_token,
+        landed.load(std::sync::atomic::Ordering::Relaxed),
+    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -665,8 +672,9 @@ async fn drafter_context_shipped_with_a_remote_prefill_lets_decode_speculate_at_
         else {
             panic!("expected a reservation");
         };
-        let first = remote_prefill(&p, &d, prompt.clone(), (blocks, cached_tokens), ship).await;
-        d.remote_done(g.id, first).unwrap();
+        let (first, bytes) =
+            remote_prefill(&p, &d, prompt.clone(), (blocks, cached_tokens), ship).await;
+        d.remote_done(g.id, first, bytes).unwrap();
         let (toks, end, spec) = collect(g).await;
         assert_eq!(end, Ok(FinishReason::Length));
         assert_eq!(toks, expected, "ship drafter context: {ship}");

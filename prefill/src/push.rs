@@ -1,6 +1,6 @@
 //! The layer hook: engine thread → transfer stream.
 
-use ferry_kvtransfer::descriptor::{BlockWrite, WriteBatch};
+use ferry_kvtransfer::descriptor::{BlockWrite, DeviceBatch, DeviceRun, WriteBatch};
 use ferry_kvtransfer::layerwise::LayerSink;
 use ferry_kvtransfer::{convert, Dtype, MAX_RUN_BYTES};
 use ferry_model::engine::LayerSinkFn;
@@ -23,6 +23,11 @@ pub fn wire_dtype(d: KvDtype) -> Dtype {
 /// → f32 as `hi + lo`, f32 → bf16 rounded to nearest even, `ferry_kvtransfer::convert`).
 /// Blocks whose destination ids are consecutive go as one run (one put, one frame), up to
 /// [`MAX_RUN_BYTES`].
+///
+/// Rows left in device memory ([`LayerRows::on_device`]: the job asked for them because the
+/// writer puts from device memory into every target layer, and the dtypes agree) go as a
+/// [`DeviceBatch`]: runs whose destination ids *and* source addresses are both consecutive,
+/// uncapped, read by the transport in place under the layer's lease.
 pub fn layer_pusher(
     sink: LayerSink,
     dest: Vec<u32>,
@@ -45,6 +50,43 @@ pub fn offset_layer_pusher(
     Box::new(move |pool_layer, blocks, rows| {
         let layer = offset + pool_layer;
         let held = wire_dtype(rows.dtype());
+        if let Some(dev) = rows.on_device() {
+            if held != wire {
+                return Err(format!(
+                    "rows left on the device are {held}, the destination wants {wire}"
+                ));
+            }
+            let bb = rows.block_bytes();
+            let mut runs: Vec<DeviceRun> = Vec::new();
+            for (j, b) in blocks.iter().enumerate() {
+                let block = *dest.get(dest_first + j).ok_or_else(|| {
+                    format!("no destination block for prompt block {}", dest_first + j)
+                })?;
+                let src = dev
+                    .addr(*b, bb)
+                    .ok_or_else(|| format!("{b} of layer {pool_layer} is not on the device"))?;
+                match runs.last_mut() {
+                    Some(r)
+                        if u64::from(r.block) + (r.len / bb) as u64 == u64::from(block)
+                            && r.src + r.len as u64 == src =>
+                    {
+                        r.len += bb
+                    }
+                    _ => runs.push(DeviceRun {
+                        block,
+                        src,
+                        len: bb,
+                    }),
+                }
+            }
+            let layer = u32::try_from(layer).map_err(|e| e.to_string())?;
+            #[allow(unsafe_code)] // the one unsafe block of this crate: see the crate docs
+            // SAFETY: the runs are the engine's device cache blocks of this layer, computed
+            // (the view is handed out after the layer's compute) and unchanged until the lease
+            // is dropped: the engine waits for every lease before it writes them again.
+            let batch = unsafe { DeviceBatch::new(layer, dev.device, runs, Box::new(dev.lease())) };
+            return sink.send_device(batch).map_err(|e| e.to_string());
+        }
         let mut writes = Vec::with_capacity(blocks.len());
         for (j, b) in blocks.iter().enumerate() {
             let block = *dest.get(dest_first + j).ok_or_else(|| {

@@ -179,6 +179,14 @@ impl PrefillService {
             .instrument(transfer.clone())
             .await
             .map_err(|e| self.transfer_failed(&transfer, format!("KV transfer connect: {e}")))?;
+        // Straight from the device cache when the writer puts from device memory into every
+        // target layer and the wire carries our cache's dtype (a GPU pair over UCX with CUDA).
+        let rows_on_device = self.engine.device().is_gpu()
+            && ours.dtype == target.dtype
+            && (0..target.num_layers).all(|l| writer.puts_from_device(l));
+        if rows_on_device {
+            tracing::debug!("KV leaves from the device cache: puts into the peer's GPU memory");
+        }
         let (sink, streamer) = LayerStreamer::spawn(writer);
         let draft_hook = ship_drafter.then(|| {
             let layers = target.num_layers as usize;
@@ -199,6 +207,7 @@ impl PrefillService {
                 skip_tokens: skip,
                 on_layer: hook,
                 on_draft_layer: draft_hook,
+                rows_on_device,
             })
             .await
             .map_err(engine_status);

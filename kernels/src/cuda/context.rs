@@ -63,6 +63,8 @@ pub struct DeviceBuffer<T: DevicePod> {
     ptr: sys::CUdeviceptr,
     len: usize,
     dev: CudaDevice,
+    /// From `cuMemAlloc` ([`CudaDevice::zeros_shareable`]), not the stream-ordered pool.
+    shareable: bool,
     _t: PhantomData<T>,
 }
 
@@ -129,6 +131,15 @@ impl<T: DevicePod> Drop for DeviceBuffer<T> {
     fn drop(&mut self) {
         let inner = &self.dev.inner;
         if inner.ctx.bind_to_thread().is_err() {
+            return;
+        }
+        if self.shareable {
+            // SAFETY: `ptr` came from cuMemAlloc and is freed exactly once, after the work
+            // queued on the stream (which may still read it) has run.
+            unsafe {
+                let _ = result::stream::synchronize(inner.stream.cu_stream());
+                let _ = result::free_sync(self.ptr);
+            }
             return;
         }
         // SAFETY: `ptr` came from cuMemAllocAsync on this stream and is freed exactly once;
@@ -274,8 +285,33 @@ impl CudaDevice {
             ptr,
             len,
             dev: self.clone(),
+            shareable: false,
             _t: PhantomData,
         })
+    }
+
+    /// `len` zeroed elements in memory other processes can map (`cuMemAlloc`, not the
+    /// stream-ordered pool, whose allocations CUDA IPC cannot export): the KV cache, which a
+    /// peer's transport (UCX `cuda_ipc`) writes into or reads from directly. Freed after the
+    /// stream's queued work.
+    pub fn zeros_shareable<T: DevicePod>(
+        &self,
+        len: usize,
+    ) -> Result<DeviceBuffer<T>, KernelError> {
+        self.bind()?;
+        let bytes = (len * std::mem::size_of::<T>()).max(256);
+        // SAFETY: a plain allocation on this context; the buffer owns the pointer and frees it
+        // once (`Drop`, with `cuMemFree`).
+        let ptr = unsafe { result::malloc_sync(bytes) }.map_err(gpu_err("cuMemAlloc"))?;
+        let b = DeviceBuffer {
+            ptr,
+            len,
+            dev: self.clone(),
+            shareable: true,
+            _t: PhantomData,
+        };
+        self.memset_zero(&b)?;
+        Ok(b)
     }
 
     /// `len` zeroed elements.

@@ -58,6 +58,10 @@ impl Gpu for CudaDevice {
         CudaDevice::zeros(self, len)
     }
 
+    fn zeros_shareable<T: DevicePod>(&self, len: usize) -> Result<DeviceBuffer<T>, KernelError> {
+        CudaDevice::zeros_shareable(self, len)
+    }
+
     fn upload<T: DevicePod>(&self, host: &[T]) -> Result<DeviceBuffer<T>, KernelError> {
         CudaDevice::upload(self, host)
     }

@@ -276,6 +276,12 @@ pub trait Gpu: Clone + std::fmt::Debug + Send + Sync + Sized + 'static {
     /// `len` zeroed elements.
     fn zeros<T: DevicePod>(&self, len: usize) -> Result<Self::Buffer<T>, KernelError>;
 
+    /// `len` zeroed elements that another process may map (CUDA IPC): for the KV cache, which
+    /// a peer's transport writes into or reads from directly. The default is [`Gpu::zeros`].
+    fn zeros_shareable<T: DevicePod>(&self, len: usize) -> Result<Self::Buffer<T>, KernelError> {
+        self.zeros(len)
+    }
+
     /// A device copy of `host`.
     fn upload<T: DevicePod>(&self, host: &[T]) -> Result<Self::Buffer<T>, KernelError>;
 

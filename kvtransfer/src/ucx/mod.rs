@@ -28,6 +28,18 @@
 //!  BYE(session) on drop ─────────────────────►  session freed
 //! ```
 //!
+//! ## Device memory
+//!
+//! With a CUDA-enabled UCX on both ends (PyPI's `libucx-cu13`; `cuda_copy` and `cuda_ipc`), the
+//! receiver registers its device cache's layers as CUDA memory and a writer puts **from its own
+//! device cache** ([`DeviceBatch`], [`RemoteWriter::puts_from_device`]): between two processes
+//! on one GPU, or two GPUs joined by NVLink, `cuda_ipc` maps the receiver's memory into the
+//! writer's process and copies device to device; a NIC with GPUDirect RDMA does the same over
+//! the network. No host memory is involved on either side. Host bytes written to a device layer
+//! (a writer whose rows are on the host) go as staged messages; the receiver copies them in.
+//! The progress thread makes the device's primary CUDA context current before it touches device
+//! memory (`cuda.rs`).
+//!
 //! The control messages are active messages whose header is `u64 id | protobuf`
 //! (`transfer.proto`'s `TransferHello`, `TransferHelloAck`, `TransferFlushAck`,
 //! `TransferFailure`), sent eagerly so they arrive whole.
@@ -52,7 +64,9 @@
 //! | `mod.rs` | [`UcxTransport`] and its [`RemoteWriter`] |
 //! | `worker.rs` | the progress thread: endpoints, registrations, sessions, messages |
 //! | `sys.rs` | the `ucp` C API, loaded at run time |
+//! | `cuda.rs` | the CUDA driver calls that give the progress thread a device context |
 
+mod cuda;
 mod sys;
 mod worker;
 
@@ -67,8 +81,8 @@ use tokio::sync::oneshot;
 
 use crate::registry::Registry;
 use crate::{
-    Fence, KvLayoutDesc, KvRegion, Registration, RemoteKey, RemoteWriter, TransferError, Transport,
-    WriteBatch,
+    DeviceBatch, Fence, KvLayoutDesc, KvRegion, Registration, RemoteKey, RemoteWriter,
+    TransferError, Transport, WriteBatch,
 };
 use worker::{Cmd, WorkerHandle};
 
@@ -252,7 +266,7 @@ impl Transport for UcxTransport {
                 .unwrap_or_default(),
             fence: fence.0,
         };
-        let (conn, remote) = self
+        let (conn, remote, from_device) = self
             .shared
             .call_within(CONNECT_TIMEOUT, "connect", |done| Cmd::Connect {
                 address: worker_address,
@@ -266,6 +280,7 @@ impl Transport for UcxTransport {
             shared: self.shared.clone(),
             conn,
             remote,
+            from_device,
             failed: false,
         }))
     }
@@ -276,6 +291,8 @@ struct UcxWriter {
     shared: Arc<Shared>,
     conn: u64,
     remote: KvLayoutDesc,
+    /// Per destination layer: puts from this process's device memory land there.
+    from_device: Vec<bool>,
     failed: bool,
 }
 
@@ -290,6 +307,33 @@ impl RemoteWriter for UcxWriter {
         let r = self
             .shared
             .call(|done| Cmd::Write { conn, batch, done })
+            .await;
+        self.failed = r.is_err();
+        r
+    }
+
+    fn puts_from_device(&self, layer: u32) -> bool {
+        self.from_device
+            .get(layer as usize)
+            .copied()
+            .unwrap_or(false)
+    }
+
+    async fn write_device(&mut self, batch: DeviceBatch) -> Result<(), TransferError> {
+        if self.failed {
+            return Err(TransferError::Closed);
+        }
+        batch.validate(&self.remote)?;
+        if !self.puts_from_device(batch.layer) {
+            return Err(TransferError::Protocol(format!(
+                "destination layer {} does not take puts from device memory",
+                batch.layer
+            )));
+        }
+        let conn = self.conn;
+        let r = self
+            .shared
+            .call(|done| Cmd::WriteDevice { conn, batch, done })
             .await;
         self.failed = r.is_err();
         r

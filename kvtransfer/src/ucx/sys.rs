@@ -63,6 +63,9 @@ pub const UCS_MEMORY_TYPE_HOST: c_int = 0;
 pub const UCS_MEMORY_TYPE_CUDA: c_int = 1;
 
 pub const UCP_OP_ATTR_FIELD_FLAGS: u32 = 1 << 4;
+pub const UCP_OP_ATTR_FIELD_MEMORY_TYPE: u32 = 1 << 6;
+
+pub const UCP_ATTR_FIELD_MEMORY_TYPES: u64 = 1 << 2;
 
 pub const UCP_AM_SEND_FLAG_REPLY: u32 = 1 << 0;
 pub const UCP_AM_SEND_FLAG_EAGER: u32 = 1 << 1;
@@ -148,6 +151,16 @@ pub struct ucp_request_param_t {
 }
 
 #[repr(C)]
+pub struct ucp_context_attr_t {
+    pub field_mask: u64,
+    pub request_size: usize,
+    pub thread_mode: c_int,
+    /// Bit `t` set: memory type `t` (`UCS_MEMORY_TYPE_*`) is supported.
+    pub memory_types: u64,
+    _rest: [u8; 32 + PAD],
+}
+
+#[repr(C)]
 pub struct ucp_am_handler_param_t {
     pub field_mask: u64,
     pub id: c_uint,
@@ -180,7 +193,8 @@ zeroed!(
     ucp_ep_params_t,
     ucp_mem_map_params_t,
     ucp_request_param_t,
-    ucp_am_handler_param_t
+    ucp_am_handler_param_t,
+    ucp_context_attr_t
 );
 
 /// `UCS_PTR_IS_ERR`.
@@ -209,6 +223,7 @@ pub struct Ucp {
         *mut ucp_context_h,
     ) -> ucs_status_t,
     pub cleanup: unsafe extern "C" fn(ucp_context_h),
+    pub context_query: unsafe extern "C" fn(ucp_context_h, *mut ucp_context_attr_t) -> ucs_status_t,
     pub worker_create: unsafe extern "C" fn(
         ucp_context_h,
         *const ucp_worker_params_t,
@@ -312,6 +327,7 @@ fn load() -> Result<Ucp, String> {
         config_release: sym!("ucp_config_release"),
         init_version: sym!("ucp_init_version"),
         cleanup: sym!("ucp_cleanup"),
+        context_query: sym!("ucp_context_query"),
         worker_create: sym!("ucp_worker_create"),
         worker_destroy: sym!("ucp_worker_destroy"),
         worker_get_address: sym!("ucp_worker_get_address"),
@@ -382,6 +398,8 @@ mod tests {
         assert_eq!(offset_of!(ucp_am_handler_param_t, cb), 16);
         assert_eq!(offset_of!(ucp_am_handler_param_t, arg), 24);
         assert_eq!(offset_of!(ucp_am_recv_param_t, reply_ep), 8);
+        assert_eq!(offset_of!(ucp_context_attr_t, thread_mode), 16);
+        assert_eq!(offset_of!(ucp_context_attr_t, memory_types), 24);
         // At least the 1.13 sizes (the library never reads past them for 1.13 fields).
         assert!(std::mem::size_of::<ucp_params_t>() >= 80);
         assert!(std::mem::size_of::<ucp_worker_params_t>() >= 200);

@@ -23,7 +23,8 @@ use super::sys::{self, Ucp};
 use crate::registry::{Access, Entry, Registry};
 use crate::wire::{accepted_layout, from_failure, to_failure};
 use crate::{
-    check_compatible, Fence, KvLayoutDesc, LayerMemory, RemoteKey, TransferError, WriteBatch,
+    check_compatible, DeviceBatch, Fence, KvLayoutDesc, LayerMemory, RemoteKey, TransferError,
+    WriteBatch,
 };
 
 /// Active message ids.
@@ -55,6 +56,10 @@ const MAX_SESSIONS: usize = 4096;
 
 type Reply<T> = oneshot::Sender<Result<T, TransferError>>;
 
+/// An open connection: its id, the destination's layout, and per destination layer whether
+/// puts from this process's device memory land there.
+pub(super) type Opened = (u64, KvLayoutDesc, Vec<bool>);
+
 /// What the async side asks the thread to do.
 pub(super) enum Cmd {
     Register {
@@ -71,11 +76,16 @@ pub(super) enum Cmd {
         hello: TransferHello,
         key: RemoteKey,
         writer_layout: KvLayoutDesc,
-        done: Reply<(u64, KvLayoutDesc)>,
+        done: Reply<Opened>,
     },
     Write {
         conn: u64,
         batch: WriteBatch,
+        done: Reply<()>,
+    },
+    WriteDevice {
+        conn: u64,
+        batch: DeviceBatch,
         done: Reply<()>,
     },
     Flush {
@@ -190,7 +200,12 @@ struct Session {
 
 /// A remote layer as the writer sees it.
 enum RemoteLayer {
-    Put { base: u64, rkey: sys::ucp_rkey_h },
+    /// Registered memory: host (`cuda: false`) or device.
+    Put {
+        base: u64,
+        rkey: sys::ucp_rkey_h,
+        cuda: bool,
+    },
     Staged,
 }
 
@@ -207,7 +222,7 @@ struct Conn {
 enum Phase {
     Connecting {
         writer_layout: KvLayoutDesc,
-        done: Reply<(u64, KvLayoutDesc)>,
+        done: Reply<Opened>,
     },
     Open {
         session: u64,
@@ -223,6 +238,8 @@ enum Phase {
 enum Keep {
     Nothing,
     Batch(#[allow(dead_code)] Arc<WriteBatch>),
+    /// A device batch: its source stays leased until the last put reading it completes.
+    Device(#[allow(dead_code)] Arc<DeviceBatch>),
     Header(#[allow(dead_code)] Vec<u8>),
     HeaderAndBatch(
         #[allow(dead_code)] Vec<u8>,
@@ -268,6 +285,10 @@ struct State {
     /// Whether endpoints are still created with peer-failure detection (cleared the first
     /// time the transports refuse it).
     peer_failure_detection: bool,
+    /// Whether the loaded UCX handles CUDA memory (`ucp_context_query`'s memory types).
+    cuda: bool,
+    /// The CUDA contexts this thread made current (device memory registered or read).
+    cuda_contexts: super::cuda::Contexts,
 }
 
 fn ucx_error(ucp: &Ucp, what: &str, status: sys::ucs_status_t) -> TransferError {
@@ -345,6 +366,8 @@ impl State {
                 next_conn: 1,
                 inflight: Vec::new(),
                 peer_failure_detection: true,
+                cuda: false,
+                cuda_contexts: Default::default(),
             };
             let mut addr = std::ptr::null_mut();
             let mut len = 0usize;
@@ -378,8 +401,14 @@ impl State {
                 }
                 state._handler_args.push(arg);
             }
+            let mut attr = sys::ucp_context_attr_t::zeroed();
+            attr.field_mask = sys::UCP_ATTR_FIELD_MEMORY_TYPES;
+            if (ucp.context_query)(context, &mut attr) == sys::UCS_OK {
+                state.cuda = attr.memory_types & (1 << sys::UCS_MEMORY_TYPE_CUDA) != 0;
+            }
             info!(
                 version = %format!("{}.{}.{}", ucp.version.0, ucp.version.1, ucp.version.2),
+                cuda = state.cuda,
                 "kvtransfer: UCX worker started"
             );
             Ok(state)
@@ -454,6 +483,9 @@ impl State {
             Cmd::Write { conn, batch, done } => {
                 let _ = done.send(self.write(conn, batch));
             }
+            Cmd::WriteDevice { conn, batch, done } => {
+                let _ = done.send(self.write_device(conn, batch));
+            }
             Cmd::Flush { conn, done } => self.flush(conn, done),
             Cmd::Close { conn } => self.close(conn),
             Cmd::Shutdown => {}
@@ -468,9 +500,28 @@ impl State {
             descs: Vec::new(),
         };
         let mut staged_cuda = 0;
+        let device = entry.memory.iter().find_map(|m| match m {
+            LayerMemory::Cuda { device, .. } => Some(*device),
+            _ => None,
+        });
+        let cuda_ready = match device {
+            Some(d) if self.cuda => match self.cuda_contexts.make_current(d) {
+                Ok(()) => true,
+                Err(e) => {
+                    warn!(error = %e, "kvtransfer: no CUDA context for registering device memory");
+                    false
+                }
+            },
+            _ => false,
+        };
         for (layer, m) in entry.memory.iter().enumerate() {
             let (span, memory_type, kind) = match m {
                 LayerMemory::Host(s) => (*s, sys::UCS_MEMORY_TYPE_HOST, KIND_HOST),
+                LayerMemory::Cuda { .. } if !cuda_ready => {
+                    staged_cuda += 1;
+                    reg.descs.push(LayerMemoryDesc::default());
+                    continue;
+                }
                 LayerMemory::Cuda { span, .. } => (*span, sys::UCS_MEMORY_TYPE_CUDA, KIND_CUDA),
                 LayerMemory::Staged => {
                     reg.descs.push(LayerMemoryDesc::default());
@@ -502,10 +553,13 @@ impl State {
         }
         if staged_cuda > 0 {
             warn!(
+                ucx_cuda = self.cuda,
                 layers = staged_cuda,
                 "kvtransfer: the loaded UCX cannot register CUDA memory (no cuda_copy/cuda_ipc); \
                  those layers are staged through host memory and copied to the device on arrival"
             );
+        } else if device.is_some() {
+            info!("kvtransfer: device KV layers registered with UCX: peers put into GPU memory");
         }
         self.regions.insert(key, reg);
         Ok(())
@@ -725,7 +779,7 @@ impl State {
         hello: TransferHello,
         key: RemoteKey,
         writer_layout: KvLayoutDesc,
-        done: Reply<(u64, KvLayoutDesc)>,
+        done: Reply<Opened>,
     ) {
         let id = self.next_conn;
         self.next_conn += 1;
@@ -810,13 +864,17 @@ impl State {
         };
         match result {
             Ok((layout, layers)) => {
+                let from_device = layers
+                    .iter()
+                    .map(|l| self.cuda && matches!(l, RemoteLayer::Put { cuda: true, .. }))
+                    .collect();
                 conn.phase = Phase::Open {
                     session: ack.session,
                     layout,
                     layers,
                     flush: None,
                 };
-                let _ = done.send(Ok((id, layout)));
+                let _ = done.send(Ok((id, layout, from_device)));
             }
             Err(e) => {
                 let _ = done.send(Err(e));
@@ -865,7 +923,11 @@ impl State {
                 self.destroy_rkeys(layers);
                 return Err(ucx_error(self.ucp, "unpacking a remote key", s));
             }
-            layers.push(RemoteLayer::Put { base: m.base, rkey });
+            layers.push(RemoteLayer::Put {
+                base: m.base,
+                rkey,
+                cuda: m.kind == KIND_CUDA,
+            });
         }
         Ok((remote, layers))
     }
@@ -903,7 +965,13 @@ impl State {
         let mut staged = Vec::new();
         for (i, w) in batch.writes.iter().enumerate() {
             match layers.get(layer as usize) {
-                Some(RemoteLayer::Put { base, rkey }) => {
+                // Host bytes into host memory: a put. Into device memory they go staged (the
+                // receiver copies them in): UCX's device paths read device sources.
+                Some(RemoteLayer::Put {
+                    base,
+                    rkey,
+                    cuda: false,
+                }) => {
                     puts.push((i, base + u64::from(w.block) * bb, *rkey));
                 }
                 _ => staged.push(i),
@@ -936,6 +1004,66 @@ impl State {
             header.extend_from_slice(&w.block.to_le_bytes());
             let data = (w.data.as_ptr(), w.data.len());
             self.send_checked(ep, AM_DATA, header, Some((data, batch.clone())), Some(id))?;
+        }
+        if let Some(conn) = self.conns.get_mut(&id) {
+            conn.put_bytes += put_bytes;
+        }
+        Ok(())
+    }
+
+    /// Puts a device batch's runs from this process's CUDA memory into the destination's
+    /// device memory; the batch (its source lease) is kept until the last put completes.
+    fn write_device(&mut self, id: u64, batch: DeviceBatch) -> Result<(), TransferError> {
+        if let Err(e) = self.cuda_contexts.make_current(batch.device) {
+            return Err(TransferError::Protocol(format!(
+                "no CUDA context for device {}: {e}",
+                batch.device
+            )));
+        }
+        let Some(conn) = self.conns.get_mut(&id) else {
+            return Err(TransferError::Closed);
+        };
+        if let Some(e) = conn.failed.take() {
+            return Err(e);
+        }
+        let Phase::Open { layout, layers, .. } = &conn.phase else {
+            return Err(TransferError::Closed);
+        };
+        batch.validate(layout)?;
+        let Some(&RemoteLayer::Put {
+            base,
+            rkey,
+            cuda: true,
+        }) = layers.get(batch.layer as usize)
+        else {
+            return Err(TransferError::Protocol(format!(
+                "destination layer {} is not device memory",
+                batch.layer
+            )));
+        };
+        let (ep, bb) = (conn.ep, layout.block_bytes() as u64);
+        let batch = Arc::new(batch);
+        let mut put_bytes = 0;
+        for run in batch.runs() {
+            let mut p = sys::ucp_request_param_t::zeroed();
+            p.op_attr_mask = sys::UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+            p.memory_type = sys::UCS_MEMORY_TYPE_CUDA;
+            // SAFETY: the source is device memory that stays valid and unwritten until the
+            // batch drops (`DeviceBatch::new`'s contract), and the batch is kept with the
+            // request; the remote range is inside the layer's registered memory (validated
+            // runs, and `open` checked the memory's length).
+            let r = unsafe {
+                (self.ucp.put_nbx)(
+                    ep,
+                    run.src as *const c_void,
+                    run.len,
+                    base + u64::from(run.block) * bb,
+                    rkey,
+                    &p,
+                )
+            };
+            self.track(r, Some(id), Op::Put, Keep::Device(batch.clone()))?;
+            put_bytes += run.len as u64;
         }
         if let Some(conn) = self.conns.get_mut(&id) {
             conn.put_bytes += put_bytes;

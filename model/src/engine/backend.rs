@@ -117,6 +117,9 @@ pub(crate) struct Pass<'p, 'h, 'a> {
     /// Blocks whose rows `after_layer` reads (prefill jobs' shipped blocks): on CUDA exactly
     /// these are copied off the device, per layer.
     pub(crate) staged: &'p [BlockId],
+    /// Leave the staged rows on the device (every prefill job of the forward asked for it:
+    /// [`crate::engine::PrefillJob::rows_on_device`]); CUDA only.
+    pub(crate) rows_on_device: bool,
 }
 
 /// The one model on its device, and what that device adds around the forward.
@@ -212,6 +215,16 @@ impl Backend {
         }
     }
 
+    /// Where a CUDA engine's KV layers are in device memory (`None` elsewhere): for a decode
+    /// worker's transfer region to register them with a transport that puts into GPU memory.
+    pub(crate) fn device_kv(&self) -> Option<crate::engine::DeviceKv> {
+        match &self.rows {
+            #[cfg(feature = "cuda")]
+            Rows::Cuda(c) => c.device_kv().ok(),
+            _ => None,
+        }
+    }
+
     /// Page-locked host bytes staging shipped layers (0 on the CPU).
     pub(crate) fn staging_bytes(&self) -> usize {
         match &self.rows {
@@ -274,6 +287,23 @@ impl Backend {
     /// Stores one block of one target layer from a peer: `data` is its `[page][width]` rows in
     /// [`Self::kv_dtype`] (little-endian). On the CPU they are decoded into `pool`; on a GPU
     /// they are copied as they are into the device cache (`pool` is ids-only there).
+    /// Every pool block of target layer `layer` as the cache stores it (see
+    /// [`crate::engine::EngineHandle::read_kv_layer`]).
+    pub(crate) fn read_kv_layer(&self, pool: &KvPool, layer: usize) -> Result<Vec<u8>, ModelError> {
+        let layout = pool.layout();
+        let keep = layout.num_blocks * self.kv_dtype().block_bytes(layout);
+        let mut bytes = match &self.rows {
+            Rows::Host => bytemuck::cast_slice(pool.layer(layer)?).to_vec(),
+            #[cfg(feature = "cuda")]
+            Rows::Cuda(c) => c.read_kv_layer(layer)?,
+            #[cfg(feature = "rocm")]
+            Rows::Rocm(r) => r.read_kv_layer(layer)?,
+        };
+        // A GPU cache has a scratch block after the pool's.
+        bytes.truncate(keep);
+        Ok(bytes)
+    }
+
     pub(crate) fn write_kv(
         &mut self,
         pool: &mut KvPool,

@@ -264,6 +264,12 @@ pub struct PrefillJob {
     /// drafter's wire staging pool), so the drafter's context for the prompt travels with the
     /// target KV. An error fails this job.
     pub on_draft_layer: Option<LayerSinkFn>,
+    /// Leave the shipped rows in device memory: on a CUDA engine, `on_layer` gets
+    /// [`LayerRows::on_device`] views (block addresses in the device cache, and a lease that
+    /// keeps them unchanged) instead of host copies, for a transport that puts from device
+    /// memory itself. Honoured when every prefill job of the forward asks for it (else all get
+    /// host rows); ignored on the CPU, whose rows are on the host anyway.
+    pub rows_on_device: bool,
     /// The caller's span: the engine's `queue` span is its child, and each batch span that
     /// computes the job links to it (`follows_from`), so the job stays in the request's trace.
     pub span: tracing::Span,
@@ -290,6 +296,19 @@ pub struct PrefillWork {
     pub on_layer: LayerSinkFn,
     /// See [`PrefillJob::on_draft_layer`].
     pub on_draft_layer: Option<LayerSinkFn>,
+    /// See [`PrefillJob::rows_on_device`].
+    pub rows_on_device: bool,
+}
+
+/// A GPU engine's KV cache in device memory: per target layer, the `(address, bytes)` of the
+/// pool's blocks (block `b` at `address + b × block bytes`, in [`EngineHandle::kv_dtype`]).
+/// The memory lives as long as the engine thread, which runs while any [`EngineHandle`] does.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceKv {
+    /// CUDA device ordinal.
+    pub device: i32,
+    /// Per layer: device address and length in bytes.
+    pub layers: Vec<(u64, usize)>,
 }
 
 /// Result of a prefill job.
@@ -319,7 +338,8 @@ pub struct EngineStats {
     pub local_prefills: u64,
     /// See `remote_prefills`.
     pub recomputed_prefills: u64,
-    /// KV bytes received from peers.
+    /// KV bytes peers landed here for completed remote prefills (what their transfers
+    /// acknowledged: [`EngineHandle::remote_done`]).
     pub kv_bytes_received: u64,
     /// Blocks referenced by live requests.
     pub kv_blocks_used: usize,
@@ -378,6 +398,12 @@ pub(crate) enum Command {
     RemoteDone {
         id: SeqId,
         first_token: u32,
+        bytes: u64,
+    },
+    /// Every block of one target layer as the cache stores it.
+    ReadKv {
+        layer: usize,
+        reply: oneshot::Sender<Result<Vec<u8>, String>>,
     },
     RemoteFailed {
         id: SeqId,
@@ -430,6 +456,8 @@ pub struct EngineHandle {
     device: Device,
     /// The host pool's rows (CPU engines), for a transfer region to expose.
     host_rows: Option<Arc<crate::kv::HostRows>>,
+    /// The device cache's layers (CUDA engines), for a transfer region to expose.
+    device_kv: Option<DeviceKv>,
     /// Which remote prefill each block is reserved for (written by the engine thread).
     fences: Arc<crate::kv::RemoteFences>,
 }
@@ -484,6 +512,7 @@ impl EngineHandle {
         // Block ids on every device; rows on the host only where the forward reads them there.
         let pool = backend.new_pool(layout)?;
         let host_rows = pool.host_rows();
+        let device_kv = backend.device_kv();
         let fences = Arc::new(crate::kv::RemoteFences::new(layout.num_blocks));
         let kv_dtype = backend.kv_dtype();
         // On a GPU with graphs, rounds are replayed at a fixed width (B + 1 rows per sequence).
@@ -515,6 +544,7 @@ impl EngineHandle {
             draft_kv_layers,
             device,
             host_rows,
+            device_kv,
             fences,
         })
     }
@@ -556,6 +586,13 @@ impl EngineHandle {
     /// can expose them as registered memory; `None` when the rows live on a device.
     pub fn host_rows(&self) -> Option<Arc<crate::kv::HostRows>> {
         self.host_rows.clone()
+    }
+
+    /// Where a CUDA engine's KV cache is in device memory, so a decode worker's transfer region
+    /// can register it for peers to put into (valid while any handle lives); `None` on the CPU
+    /// and ROCm.
+    pub fn device_kv(&self) -> Option<DeviceKv> {
+        self.device_kv.clone()
     }
 
     /// Which remote prefill each block is reserved for: a block written by a peer must be
@@ -638,6 +675,7 @@ impl EngineHandle {
             skip_tokens,
             on_layer,
             on_draft_layer: None,
+            rows_on_device: false,
         })
         .await
     }
@@ -654,6 +692,7 @@ impl EngineHandle {
             reply,
             span: tracing::Span::current(),
             on_draft_layer: work.on_draft_layer,
+            rows_on_device: work.rows_on_device,
         }))?;
         rx.await
             .map_err(|_| EngineError::Stopped)?
@@ -670,9 +709,16 @@ impl EngineHandle {
         self.send(Command::WriteKv { layer, block, data })
     }
 
-    /// The peer finished the prompt KV of `id` and sampled `first_token`.
-    pub fn remote_done(&self, id: SeqId, first_token: u32) -> Result<(), EngineError> {
-        self.send(Command::RemoteDone { id, first_token })
+    /// The peer finished the prompt KV of `id` and sampled `first_token`, having landed `bytes`
+    /// of it here (its transfer's acknowledged total, drafter context included), which
+    /// [`EngineStats::kv_bytes_received`] counts: bytes a peer put into registered memory pass
+    /// no engine code, so the engine counts what the completed transfers report.
+    pub fn remote_done(&self, id: SeqId, first_token: u32, bytes: u64) -> Result<(), EngineError> {
+        self.send(Command::RemoteDone {
+            id,
+            first_token,
+            bytes,
+        })
     }
 
     /// The peer or the transfer failed for `id`: recompute locally, or fail the request.
@@ -721,6 +767,17 @@ impl EngineHandle {
     }
 
     /// Current counters and gauges.
+    /// Layer `layer` of the KV cache as it is stored, block `b` at `b ×` block bytes, in
+    /// [`Self::kv_dtype`] (little-endian; the host pool's f32 on the CPU, the device cache's
+    /// bytes on a GPU): what a peer's transfer landed, for inspection and tests.
+    pub async fn read_kv_layer(&self, layer: usize) -> Result<Vec<u8>, EngineError> {
+        let (reply, rx) = oneshot::channel();
+        self.send(Command::ReadKv { layer, reply })?;
+        rx.await
+            .map_err(|_| EngineError::Stopped)?
+            .map_err(EngineError::Job)
+    }
+
     pub async fn stats(&self) -> Result<EngineStats, EngineError> {
         let (tx, rx) = oneshot::channel();
         self.send(Command::Stats(tx))?;

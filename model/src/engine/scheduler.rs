@@ -165,7 +165,11 @@ impl Scheduler {
             }),
             Command::Prefill(job) => self.admit_prefill(job),
             Command::WriteKv { layer, block, data } => self.write_kv(layer, block, &data),
-            Command::RemoteDone { id, first_token } => self.remote_done(id, first_token),
+            Command::RemoteDone {
+                id,
+                first_token,
+                bytes,
+            } => self.remote_done(id, first_token, bytes),
             Command::RemoteFailed {
                 id,
                 recompute,
@@ -173,6 +177,13 @@ impl Scheduler {
                 abandoned,
             } => self.remote_failed(id, recompute, reason, abandoned),
             Command::RemoteSettled { id } => self.remote_settled(id),
+            Command::ReadKv { layer, reply } => {
+                let read = self
+                    .backend
+                    .read_kv_layer(self.kv.pool(), layer)
+                    .map_err(|e| e.to_string());
+                let _ = reply.send(read);
+            }
             Command::Stats(tx) => {
                 let _ = tx.send(self.snapshot_stats());
             }

@@ -52,8 +52,9 @@ impl<D: Gpu> DeviceKvCache<D> {
         let layers = (0..layout.num_layers)
             .map(|_| {
                 Ok(match dtype {
-                    KvDtype::Bf16Split { .. } => Region::Bf16(dev.zeros::<u16>(n)?),
-                    KvDtype::F32 => Region::F32(dev.zeros::<f32>(n)?),
+                    // Shareable: a peer's transport may map it (UCX `cuda_ipc`).
+                    KvDtype::Bf16Split { .. } => Region::Bf16(dev.zeros_shareable::<u16>(n)?),
+                    KvDtype::F32 => Region::F32(dev.zeros_shareable::<f32>(n)?),
                 })
             })
             .collect::<Result<Vec<_>, ModelError>>()?;

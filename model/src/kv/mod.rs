@@ -30,6 +30,7 @@ pub mod fences;
 /// Prefix identity (chained block hashes), owned by the wire contract it is part of.
 pub use ferry_proto::block_hash as hash;
 pub mod layout;
+pub mod lease;
 pub mod manager;
 pub mod pool;
 pub mod prefix;
@@ -42,8 +43,9 @@ pub use fences::RemoteFences;
 pub use ferry_proto::ids::{BlockHash, EventId};
 pub use hash::{block_hashes, chain_hash, BLOCK_HASH_SEED};
 pub use layout::KvLayout;
+pub use lease::{Lease, Leases};
 pub use manager::KvManager;
 pub use pool::{BlockId, HostRows, KvPool};
 pub use prefix::PrefixCache;
-pub use rows::{KvDtype, LayerRows};
+pub use rows::{DeviceRows, KvDtype, LayerRows};
 pub use table::BlockTable;

@@ -146,6 +146,47 @@ pub struct LayerRows<'a> {
     /// `None`: `bytes` is the whole layer, block `b` at `b · block_bytes`. `Some(ids)`: the
     /// blocks `ids` (sorted, distinct), `ids[i]` at `i · block_bytes`.
     ids: Option<&'a [BlockId]>,
+    /// Rows left in device memory (no host bytes): where each block is.
+    device: Option<DeviceRows<'a>>,
+}
+
+/// A layer's shipped blocks where they are in a GPU cache, for a transport that reads device
+/// memory itself (a prefill job that asked for them: `PrefillJob::rows_on_device`).
+///
+/// The bytes are valid (the layer's compute has finished) and stay unchanged while any
+/// [`Lease`](super::Lease) from [`DeviceRows::lease`] is held: the engine waits for every
+/// lease of a forward before later work may write those blocks.
+#[derive(Debug, Clone, Copy)]
+pub struct DeviceRows<'a> {
+    /// CUDA device ordinal.
+    pub device: i32,
+    /// Runs of consecutive blocks: `(first block, blocks, device address of the first)`.
+    pub runs: &'a [(BlockId, usize, u64)],
+    leases: &'a super::Leases,
+}
+
+impl<'a> DeviceRows<'a> {
+    /// Rows in device memory at `runs` on `device`, leased through `leases`.
+    pub fn new(device: i32, runs: &'a [(BlockId, usize, u64)], leases: &'a super::Leases) -> Self {
+        Self {
+            device,
+            runs,
+            leases,
+        }
+    }
+
+    /// Device address of block `block`'s rows, given `block_bytes` per block.
+    pub fn addr(&self, block: BlockId, block_bytes: usize) -> Option<u64> {
+        self.runs.iter().find_map(|&(first, n, addr)| {
+            let i = block.0.checked_sub(first.0)? as usize;
+            (i < n).then(|| addr + (i * block_bytes) as u64)
+        })
+    }
+
+    /// A lease that keeps these blocks unchanged until dropped.
+    pub fn lease(&self) -> super::Lease {
+        self.leases.lease()
+    }
 }
 
 impl<'a> LayerRows<'a> {
@@ -160,6 +201,7 @@ impl<'a> LayerRows<'a> {
             block_bytes: pool.layout().block_floats() * 4,
             bytes: bytemuck::cast_slice(rows),
             ids: None,
+            device: None,
         })
     }
 
@@ -192,7 +234,34 @@ impl<'a> LayerRows<'a> {
             block_bytes,
             bytes,
             ids: Some(ids),
+            device: None,
         })
+    }
+
+    /// The blocks `ids` (sorted, distinct) of layer `layer`, left in device memory at
+    /// `device`'s runs: no host bytes ([`Self::block`] is an error; [`Self::on_device`] says
+    /// where they are).
+    pub fn device(
+        layer: usize,
+        (dtype, width): (KvDtype, usize),
+        block_bytes: usize,
+        ids: &'a [BlockId],
+        device: DeviceRows<'a>,
+    ) -> Self {
+        Self {
+            layer,
+            dtype,
+            width,
+            block_bytes,
+            bytes: &[],
+            ids: Some(ids),
+            device: Some(device),
+        }
+    }
+
+    /// Where the rows are when they were left in device memory.
+    pub fn on_device(&self) -> Option<&DeviceRows<'a>> {
+        self.device.as_ref()
     }
 
     /// The layer these rows belong to.
@@ -226,8 +295,13 @@ impl<'a> LayerRows<'a> {
                 .get(i * self.block_bytes..(i + 1) * self.block_bytes)
         })
         .ok_or_else(|| {
+            let on = if self.device.is_some() {
+                " (they are in device memory)"
+            } else {
+                ""
+            };
             ModelError::Kv(format!(
-                "{block} of layer {} is not among these rows",
+                "{block} of layer {} is not among these rows{on}",
                 self.layer
             ))
         })

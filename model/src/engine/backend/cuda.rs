@@ -270,6 +270,25 @@ impl CudaRows {
         self.cache.dtype()
     }
 
+    /// The device cache's layers as `(address, bytes)` of the host pool's blocks (the scratch
+    /// block after them is left out).
+    pub(crate) fn device_kv(&self) -> Result<crate::engine::DeviceKv, ModelError> {
+        let layout = *self.cache.layout();
+        let pool_blocks = layout.num_blocks - 1;
+        let layers = (0..layout.num_layers)
+            .map(|l| self.cache.block_bytes(l, BlockId(0), pool_blocks))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(crate::engine::DeviceKv {
+            device: i32::try_from(self.dev.ordinal()).unwrap_or(i32::MAX),
+            layers,
+        })
+    }
+
+    /// Layer `layer` of the device cache, downloaded as stored.
+    pub(crate) fn read_kv_layer(&self, layer: usize) -> Result<Vec<u8>, ModelError> {
+        self.cache.download_layer_bytes(layer)
+    }
+
     /// Page-locked bytes of the shipping ring (0 before the first prefill job).
     pub(crate) fn staging_bytes(&self) -> usize {
         self.ring.as_ref().map_or(0, PinnedBuffer::len)
@@ -340,6 +359,9 @@ impl CudaRows {
                 )?;
             }
             return Ok(out);
+        }
+        if pass.rows_on_device {
+            return self.forward_leaving_rows((gpu, batch), &staged, (after_layer, taps, tapped));
         }
         if self.copy.is_none() {
             self.copy = Some(self.dev.copy_stream()?);
@@ -416,6 +438,101 @@ impl CudaRows {
         Ok(out)
     }
 
+    /// Shipping with the rows left in device memory (every prefill job of the forward asked
+    /// for it): after each layer's attention is queued, a mark on the compute stream; once it
+    /// is done the sink gets a [`LayerRows::device`] view of the staged blocks' addresses —
+    /// no copy, no ring — and a lease per layer. Layer-wise while later layers compute (or all
+    /// after the forward, without layer-wise shipping). Before returning, the forward waits for
+    /// every lease to come back (the transport's puts have read the blocks), so nothing later
+    /// writes a block a put is still reading.
+    fn forward_leaving_rows(
+        &mut self,
+        (gpu, batch): (&DeepseekModel, &BatchInputs<'_>),
+        staged: &[BlockId],
+        (after_layer, taps, tapped): (&mut ShipHook<'_>, &[usize], &mut Vec<(usize, Tensor)>),
+    ) -> Result<BatchLogits, ModelError> {
+        let layout = *self.cache.layout();
+        let dtype = self.cache.dtype();
+        let block_bytes = dtype.block_bytes(&layout);
+        let ordinal = i32::try_from(self.dev.ordinal()).unwrap_or(i32::MAX);
+        let mut runs = vec![Vec::new(); layout.num_layers];
+        for (first, n) in block_runs(staged) {
+            for (l, r) in runs.iter_mut().enumerate() {
+                r.push((first, n, self.cache.block_bytes(l, first, n)?.0));
+            }
+        }
+        let leases = crate::kv::Leases::new();
+        let mut pending: std::collections::VecDeque<(usize, Mark)> = Default::default();
+        let mut early = 0u64;
+        let deliver = |l: usize, sink: &mut ShipHook<'_>| {
+            let rows = LayerRows::device(
+                l,
+                (dtype, layout.width),
+                block_bytes,
+                staged,
+                crate::kv::DeviceRows::new(ordinal, &runs[l], &leases),
+            );
+            sink(l, &rows)
+        };
+        let result = if self.layerwise {
+            let dev = self.dev.clone();
+            let mut hook = |l: usize, _: crate::kv::KvRef<'_>| -> Result<(), ModelError> {
+                while let Some((done, _)) = pending.front().filter(|(_, m)| m.is_done()) {
+                    let done = *done;
+                    pending.pop_front();
+                    early += 1;
+                    deliver(done, &mut *after_layer)?;
+                }
+                pending.push_back((l, dev.mark()?));
+                Ok(())
+            };
+            let hooks = Hooks {
+                after_layer: Some(&mut hook),
+                taps: Some(taps),
+                hidden: None,
+                tapped: Some(&mut *tapped),
+                tap_into: None,
+            };
+            gpu.forward_logits(batch, &mut self.cache, gpu.policy, hooks)
+        } else {
+            let hooks = Hooks {
+                after_layer: None,
+                taps: Some(taps),
+                hidden: None,
+                tapped: Some(&mut *tapped),
+                tap_into: None,
+            };
+            gpu.forward_logits(batch, &mut self.cache, gpu.policy, hooks)
+        };
+        let synced = self.dev.synchronize();
+        let forward_done = std::time::Instant::now();
+        let delivered = if result.is_ok() && synced.is_ok() {
+            let rest: Vec<usize> = if self.layerwise {
+                pending.drain(..).map(|(l, _)| l).collect()
+            } else {
+                (0..layout.num_layers).collect()
+            };
+            rest.into_iter()
+                .try_for_each(|l| deliver(l, &mut *after_layer))
+        } else {
+            Ok(())
+        };
+        // The transport reads the blocks until its puts complete: nothing may write them
+        // before every lease is back (a wedged transport fails the forward after the bound).
+        let returned = leases.wait_idle(LEASE_TIMEOUT);
+        self.record_ship(forward_done, early);
+        let out = result?;
+        synced?;
+        delivered?;
+        if !returned {
+            return Err(ModelError::Kv(format!(
+                "{} shipped layers still leased by the transport after {LEASE_TIMEOUT:?}",
+                leases.outstanding()
+            )));
+        }
+        Ok(out)
+    }
+
     fn record_ship(&mut self, forward_done: std::time::Instant, early: u64) {
         self.ship.forwards += 1;
         self.ship.tail_us += forward_done.elapsed().as_micros() as u64;
@@ -435,6 +552,10 @@ fn block_runs(blocks: &[BlockId]) -> Vec<(BlockId, usize)> {
     }
     runs
 }
+
+/// How long a forward that left its rows on the device waits for the transport to finish
+/// reading them (its flush bound).
+const LEASE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// How many layers' rows may be in flight between the device and the host sink.
 const RING_LAYERS: usize = 4;

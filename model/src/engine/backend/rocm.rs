@@ -116,6 +116,11 @@ impl RocmRows {
         Ok(out)
     }
 
+    /// Layer `layer` of the device cache, downloaded as stored.
+    pub(crate) fn read_kv_layer(&self, layer: usize) -> Result<Vec<u8>, ModelError> {
+        self.cache.download_layer_bytes(layer)
+    }
+
     /// One block of one layer from a peer, `data` in the cache's dtype: copied into the device
     /// cache as it is (the shared device cache's byte write, as on CUDA).
     pub(crate) fn write_kv(

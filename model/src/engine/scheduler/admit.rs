@@ -133,7 +133,7 @@ impl Scheduler {
                 None => Err("this engine has no drafter".into()),
             };
             match written {
-                Ok(()) => self.stats.kv_bytes_received += data.len() as u64,
+                Ok(()) => {}
                 Err(e) => warn!(%block, layer, error = %e, "dropping a drafter KV write"),
             }
             return;
@@ -144,9 +144,7 @@ impl Scheduler {
             .write_kv(self.kv.pool_mut(), layer, block, data)
         {
             warn!(%block, layer, bytes = data.len(), error = %e, "dropping a KV write");
-            return;
         }
-        self.stats.kv_bytes_received += data.len() as u64;
     }
 
     fn release_remote_blocks(&self, id: SeqId, seq: &Sequence) {
@@ -155,7 +153,7 @@ impl Scheduler {
         }
     }
 
-    pub(super) fn remote_done(&mut self, id: SeqId, first_token: u32) {
+    pub(super) fn remote_done(&mut self, id: SeqId, first_token: u32, bytes: u64) {
         let Some(mut seq) = self.awaiting.remove(&id) else {
             return; // cancelled meanwhile
         };
@@ -178,14 +176,11 @@ impl Scheduler {
             }
         }
         self.stats.remote_prefills += 1;
+        self.stats.kv_bytes_received += bytes;
         if self.kv.pool().has_rows() {
             // The target's layers landed in the rows (registered memory: a put, or the TCP
-            // receiver's copy) without passing through `write_kv`.
-            let l = self.kv.pool().layout();
-            let remote = (seq.table.blocks().len() - seq.cached_tokens / l.page_size) as u64;
-            self.stats.kv_bytes_received += remote * (l.num_layers * l.block_floats() * 4) as u64;
-            // Order the peer's writes (seen through the completion's channel) before the
-            // forward's reads of those rows.
+            // receiver's copy) without passing through `write_kv`: order the peer's writes
+            // (seen through the completion's channel) before the forward's reads of them.
             std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
         }
         let eos = self.eos().to_vec();

@@ -48,9 +48,11 @@ impl Scheduler {
         let page = self.kv.page_size();
         let mut sinks = Vec::new();
         let mut staged = Vec::new();
+        let mut rows_on_device = true;
         for w in &work {
             if let Work::Prefill(i) = *w {
                 let t = &mut self.prefills[i];
+                rows_on_device &= t.job.rows_on_device;
                 let skip = (t.job.skip_tokens / page).min(t.table.blocks().len());
                 let blocks = t.table.blocks()[skip..].to_vec();
                 staged.extend_from_slice(&blocks);
@@ -131,6 +133,7 @@ impl Scheduler {
             taps: &taps,
             tapped: &mut tapped,
             staged: &staged,
+            rows_on_device: rows_on_device && !staged.is_empty(),
         };
         let result = self.backend.forward(&batch, self.kv.pool_mut(), pass);
         drop(batch);
