@@ -40,7 +40,8 @@
 //! The progress thread makes the device's primary CUDA context current before it touches device
 //! memory (`cuda.rs`).
 //!
-//! The control messages are active messages whose header is `u64 id | protobuf`
+//! The control messages are active messages whose data (not their header, which UCX bounds to
+//! its eager segment) is `u64 id | protobuf`
 //! (`transfer.proto`'s `TransferHello`, `TransferHelloAck`, `TransferFlushAck`,
 //! `TransferFailure`), sent eagerly so they arrive whole.
 //!
@@ -330,11 +331,13 @@ impl RemoteWriter for UcxWriter {
                 batch.layer
             )));
         }
-        let conn = self.conn;
-        let r = self
-            .shared
-            .call(|done| Cmd::WriteDevice { conn, batch, done })
-            .await;
+        // Posted without waiting for the progress thread (device batches are checked above
+        // and need no copy): the puts of consecutive layers go out back to back, and an error
+        // there fails the connection, reported by the next flush.
+        let r = self.shared.send(Cmd::WriteDevice {
+            conn: self.conn,
+            batch,
+        });
         self.failed = r.is_err();
         r
     }

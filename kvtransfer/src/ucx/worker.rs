@@ -83,10 +83,10 @@ pub(super) enum Cmd {
         batch: WriteBatch,
         done: Reply<()>,
     },
+    /// Posted without a reply: an error fails the connection, and its flush reports it.
     WriteDevice {
         conn: u64,
         batch: DeviceBatch,
-        done: Reply<()>,
     },
     Flush {
         conn: u64,
@@ -483,8 +483,10 @@ impl State {
             Cmd::Write { conn, batch, done } => {
                 let _ = done.send(self.write(conn, batch));
             }
-            Cmd::WriteDevice { conn, batch, done } => {
-                let _ = done.send(self.write_device(conn, batch));
+            Cmd::WriteDevice { conn, batch } => {
+                if let Err(e) = self.write_device(conn, batch) {
+                    self.fail(conn, e);
+                }
             }
             Cmd::Flush { conn, done } => self.flush(conn, done),
             Cmd::Close { conn } => self.close(conn),
@@ -657,7 +659,7 @@ impl State {
                         failed: None,
                     },
                 );
-                self.send(reply_ep, AM_HELLO_ACK, frame(conn, &ack), None, None);
+                self.send(reply_ep, AM_HELLO_ACK, frame(conn, &ack), None);
             }
             Err((e, layout)) => {
                 let ack = TransferHelloAck {
@@ -667,7 +669,7 @@ impl State {
                     ..Default::default()
                 };
                 debug!(error = %e, "kvtransfer: refused a UCX writer");
-                self.send(reply_ep, AM_HELLO_ACK, frame(conn, &ack), None, None);
+                self.send(reply_ep, AM_HELLO_ACK, frame(conn, &ack), None);
             }
         }
     }
@@ -731,7 +733,7 @@ impl State {
                 let (ep, conn) = (s.reply_ep, s.conn);
                 let msg = frame(conn, &to_failure(&e));
                 s.failed = Some(e);
-                self.send(ep, AM_FAILURE, msg, None, None);
+                self.send(ep, AM_FAILURE, msg, None);
             }
         }
     }
@@ -749,7 +751,7 @@ impl State {
             // Dropped (too many sessions): the writer must not wait for an ack.
             if !reply_ep.is_null() {
                 let f = to_failure(&TransferError::Closed);
-                self.send(reply_ep, AM_FAILURE, frame(conn, &f), None, None);
+                self.send(reply_ep, AM_FAILURE, frame(conn, &f), None);
             }
             return;
         };
@@ -760,12 +762,12 @@ impl State {
             None => None,
         };
         match failure {
-            Some(f) => self.send(ep, AM_FAILURE, frame(conn, &f), None, None),
+            Some(f) => self.send(ep, AM_FAILURE, frame(conn, &f), None),
             None => {
                 let ack = TransferFlushAck {
                     bytes_applied: s.applied + put,
                 };
-                self.send(ep, AM_FLUSH_ACK, frame(conn, &ack), None, None);
+                self.send(ep, AM_FLUSH_ACK, frame(conn, &ack), None);
             }
         }
     }
@@ -841,7 +843,7 @@ impl State {
                 put_bytes: 0,
             },
         );
-        self.send(ep, AM_HELLO, frame(id, &hello), None, Some(id));
+        self.send(ep, AM_HELLO, frame(id, &hello), Some(id));
     }
 
     fn on_hello_ack(&mut self, header: &[u8]) {
@@ -1108,7 +1110,7 @@ impl State {
         header.extend_from_slice(&id.to_le_bytes());
         header.extend_from_slice(&conn.put_bytes.to_le_bytes());
         let ep = conn.ep;
-        self.send(ep, AM_FLUSH, header, None, Some(id));
+        self.send(ep, AM_FLUSH, header, Some(id));
     }
 
     fn on_flush_ack(&mut self, header: &[u8]) {
@@ -1200,7 +1202,7 @@ impl State {
         {
             self.destroy_rkeys(layers);
             if failed.is_none() && session != 0 {
-                self.send(ep, AM_BYE, session.to_le_bytes().to_vec(), None, None);
+                self.send(ep, AM_BYE, session.to_le_bytes().to_vec(), None);
             }
         }
         let mut p = sys::ucp_request_param_t::zeroed();
@@ -1218,20 +1220,44 @@ impl State {
 
     /// Sends an active message; a failure poisons `conn` (if any) and is otherwise logged.
     #[allow(clippy::too_many_arguments)] // one active message's parts
-    fn send(
-        &mut self,
-        ep: sys::ucp_ep_h,
-        id: u32,
-        header: Vec<u8>,
-        data: Option<((*const u8, usize), Arc<WriteBatch>)>,
-        conn: Option<u64>,
-    ) {
-        if let Err(e) = self.send_checked(ep, id, header, data, conn) {
+    /// Sends a control message: `body` (`u64 id | protobuf`) goes as the message's *data*, not
+    /// its header, since UCX bounds an active message's header to its eager segment and a
+    /// hello ack carries a remote key per layer (CUDA IPC keys are large: 61 of them exceed it).
+    fn send(&mut self, ep: sys::ucp_ep_h, id: u32, body: Vec<u8>, conn: Option<u64>) {
+        let result = self.send_body(ep, id, body, conn);
+        if let Err(e) = result {
             match conn {
                 Some(c) => self.fail(c, e),
                 None => debug!(error = %e, am = id, "kvtransfer: UCX reply not sent"),
             }
         }
+    }
+
+    /// [`State::send`]'s message, sent eagerly with an empty header.
+    fn send_body(
+        &mut self,
+        ep: sys::ucp_ep_h,
+        id: u32,
+        body: Vec<u8>,
+        conn: Option<u64>,
+    ) -> Result<(), TransferError> {
+        let mut p = sys::ucp_request_param_t::zeroed();
+        p.op_attr_mask = sys::UCP_OP_ATTR_FIELD_FLAGS;
+        p.flags = sys::UCP_AM_SEND_FLAG_EAGER | sys::UCP_AM_SEND_FLAG_REPLY;
+        // SAFETY: the body stays alive until the request completes (kept with it).
+        let r = unsafe {
+            (self.ucp.am_send_nbx)(
+                ep,
+                id,
+                std::ptr::null(),
+                0,
+                body.as_ptr() as *const c_void,
+                body.len(),
+                &p,
+            )
+        };
+        self.track(r, conn, Op::Send, Keep::Header(body))
+            .map(|_| ())
     }
 
     #[allow(clippy::too_many_arguments)] // one active message's parts
@@ -1332,14 +1358,15 @@ impl State {
                 rndv,
                 reply_ep,
             } => match id {
-                AM_HELLO if !reply_ep.is_null() => self.on_hello(&header, reply_ep),
-                AM_HELLO_ACK => self.on_hello_ack(&header),
+                // Control messages carry their body as data (`State::send`).
+                AM_HELLO if !reply_ep.is_null() => self.on_hello(&data, reply_ep),
+                AM_HELLO_ACK => self.on_hello_ack(&data),
                 AM_DATA => self.on_data(&header, &data, rndv),
-                AM_FLUSH => self.on_flush(&header, reply_ep),
-                AM_FLUSH_ACK => self.on_flush_ack(&header),
-                AM_FAILURE => self.on_failure(&header),
+                AM_FLUSH => self.on_flush(&data, reply_ep),
+                AM_FLUSH_ACK => self.on_flush_ack(&data),
+                AM_FAILURE => self.on_failure(&data),
                 AM_BYE => {
-                    if let Some((session, _)) = split_u64(&header) {
+                    if let Some((session, _)) = split_u64(&data) {
                         self.sessions.remove(&session);
                     }
                 }
