@@ -693,6 +693,57 @@ transport_contract!(ucx_staged, ucx, Exposed::Staged);
 transport_contract!(ucx_pair_into_memory, ucx_pair, Exposed::Memory);
 transport_contract!(ucx_pair_staged, ucx_pair, Exposed::Staged);
 
+/// UCX only: connections (one per transfer) to one receiver share one endpoint, kept open
+/// between transfers; a failed connection retires it and the next transfer opens a new one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ucx_transfers_to_one_receiver_share_one_endpoint() {
+    let receiver = UcxTransport::new().expect("UCX (libucx0)");
+    let writer = UcxTransport::new().expect("UCX (libucx0)");
+    let layout = LAYOUT;
+    let region = TestRegion::new(layout, Exposed::Memory);
+    let reg = receiver.register(region.clone()).await.unwrap();
+    let mut expected = HashMap::new();
+    for (seed, block) in [(1u32, 0u32), (2, 3), (3, 5)] {
+        let mut w = writer
+            .connect(&reg.address, reg.key, Fence::NONE, &layout)
+            .await
+            .unwrap();
+        w.write(batch(seed, &layout, 0, &[block])).await.unwrap();
+        assert_eq!(w.flush().await.unwrap(), layout.block_bytes() as u64);
+        expected.insert((0, block), pattern(seed, 0, block, layout.block_bytes()));
+        drop(w);
+        assert_eq!(writer.endpoints(), 1, "transfer {seed} reused the endpoint");
+    }
+    region.assert_only(&expected);
+    // A refused connection (a key the receiver does not hold) retires the endpoint...
+    let e = expect_err(
+        writer
+            .connect(&reg.address, RemoteKey(reg.key.0 ^ 1), Fence::NONE, &layout)
+            .await,
+    );
+    assert!(matches!(e, TransferError::UnknownRegion(_)), "{e}");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while writer.endpoints() != 0 && std::time::Instant::now() < deadline {
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        writer.endpoints(),
+        0,
+        "the endpoint of a failed connection is closed"
+    );
+    // ...and the next transfer opens a fresh one that works.
+    let mut w = writer
+        .connect(&reg.address, reg.key, Fence::NONE, &layout)
+        .await
+        .unwrap();
+    w.write(batch(4, &layout, 1, &[2])).await.unwrap();
+    assert_eq!(w.flush().await.unwrap(), layout.block_bytes() as u64);
+    drop(w);
+    expected.insert((1, 2), pattern(4, 1, 2, layout.block_bytes()));
+    region.assert_only(&expected);
+    assert_eq!(writer.endpoints(), 1);
+}
+
 /// TCP only: a peer that bypasses the writer's checks, and transport construction.
 mod tcp_only {
     use super::*;

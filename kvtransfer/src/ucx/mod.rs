@@ -195,6 +195,16 @@ impl UcxTransport {
         sys::ucp().map(|u| u.version)
     }
 
+    /// Endpoints this transport holds open to receivers' workers: one per receiver written to
+    /// recently, shared by every connection to it (connections come and go per transfer;
+    /// endpoints stay, up to 64 idle ones, and are closed when they fail).
+    pub fn endpoints(&self) -> usize {
+        self.shared
+            .handle
+            .endpoints
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// The loaded UCX's version.
     pub fn version(&self) -> (u32, u32, u32) {
         self.shared.version

@@ -50,6 +50,9 @@ const KIND_STAGED: u32 = 0;
 const KIND_HOST: u32 = 1;
 const KIND_CUDA: u32 = 2;
 
+/// Idle endpoints kept open for later connections (see [`Peer`]).
+const MAX_IDLE_PEERS: usize = 64;
+
 /// Most receiver sessions kept at once; the oldest is dropped beyond (a writer that died
 /// without saying goodbye leaves one behind).
 const MAX_SESSIONS: usize = 4096;
@@ -102,6 +105,8 @@ pub(super) enum Cmd {
 pub(super) struct WorkerHandle {
     ucp: &'static Ucp,
     worker: sys::ucp_worker_h,
+    /// Endpoints the thread holds open (written by the thread).
+    pub(super) endpoints: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 // SAFETY: only `ucp_worker_signal` is called through it, which UCX documents as callable from
@@ -134,6 +139,7 @@ pub(super) fn spawn(
                 let worker = WorkerHandle {
                     ucp,
                     worker: state.worker,
+                    endpoints: state.endpoints.clone(),
                 };
                 let address = state.address.clone();
                 if ready_tx.send(Ok((worker, address))).is_ok() {
@@ -166,7 +172,7 @@ enum Incoming {
         reply_ep: sys::ucp_ep_h,
     },
     EpFailed {
-        conn: u64,
+        peer: u64,
         status: sys::ucs_status_t,
     },
 }
@@ -209,11 +215,27 @@ enum RemoteLayer {
     Staged,
 }
 
+/// An endpoint to one receiver's worker, kept open and shared by the connections (one per
+/// transfer) to that worker: a new endpoint costs a wireup exchange and its close a flush,
+/// which at ~1 ms were more than a GPU transfer's puts.
+struct Peer {
+    ep: sys::ucp_ep_h,
+    /// The worker address it was made for (its key in `State::peers`).
+    address: Vec<u8>,
+    /// The error callback's argument (`id` = this peer's id), alive until the endpoint closes.
+    err_arg: Box<CallbackArg>,
+    /// Open connections using it.
+    conns: usize,
+    /// No new connection may use it (it failed, or a connection on it did); closed once idle.
+    retired: bool,
+}
+
 /// The writer's side of one connection.
 struct Conn {
     ep: sys::ucp_ep_h,
+    /// The [`Peer`] whose endpoint it uses.
+    peer: u64,
     key: RemoteKey,
-    _err_arg: Box<CallbackArg>,
     phase: Phase,
     failed: Option<TransferError>,
     put_bytes: u64,
@@ -281,6 +303,12 @@ struct State {
     next_session: u64,
     conns: HashMap<u64, Conn>,
     next_conn: u64,
+    /// Endpoints by peer id, and the live one for each worker address.
+    peers: HashMap<u64, Peer>,
+    peer_by_address: HashMap<Vec<u8>, u64>,
+    next_peer: u64,
+    /// `peers.len()`, for [`UcxTransport::endpoints`](super::UcxTransport::endpoints).
+    endpoints: Arc<std::sync::atomic::AtomicUsize>,
     inflight: Vec<InFlight>,
     /// Whether endpoints are still created with peer-failure detection (cleared the first
     /// time the transports refuse it).
@@ -364,6 +392,10 @@ impl State {
                 next_session: 1,
                 conns: HashMap::new(),
                 next_conn: 1,
+                peers: HashMap::new(),
+                peer_by_address: HashMap::new(),
+                next_peer: 1,
+                endpoints: Arc::default(),
                 inflight: Vec::new(),
                 peer_failure_detection: true,
                 cuda: false,
@@ -785,9 +817,46 @@ impl State {
     ) {
         let id = self.next_conn;
         self.next_conn += 1;
+        let peer = match self.peer_by_address.get(address) {
+            Some(&p) => p,
+            None => match self.new_peer(address) {
+                Ok(p) => p,
+                Err(e) => {
+                    let _ = done.send(Err(e));
+                    return;
+                }
+            },
+        };
+        let Some(p) = self.peers.get_mut(&peer) else {
+            let _ = done.send(Err(TransferError::Closed));
+            return;
+        };
+        p.conns += 1;
+        let ep = p.ep;
+        self.conns.insert(
+            id,
+            Conn {
+                ep,
+                peer,
+                key,
+                phase: Phase::Connecting {
+                    writer_layout,
+                    done,
+                },
+                failed: None,
+                put_bytes: 0,
+            },
+        );
+        self.send(ep, AM_HELLO, frame(id, &hello), Some(id));
+    }
+
+    /// A new endpoint to the worker at `address`, kept for later connections to it.
+    fn new_peer(&mut self, address: &[u8]) -> Result<u64, TransferError> {
+        let peer = self.next_peer;
+        self.next_peer += 1;
         let err_arg = Box::new(CallbackArg {
             inbox: &*self.inbox,
-            id,
+            id: peer,
         });
         let create = |mode| {
             let mut p = sys::ucp_ep_params_t::zeroed();
@@ -826,24 +895,23 @@ impl State {
             (s, ep) = create(sys::UCP_ERR_HANDLING_MODE_NONE);
         }
         if s != sys::UCS_OK {
-            let _ = done.send(Err(ucx_error(self.ucp, "connecting to the receiver", s)));
-            return;
+            return Err(ucx_error(self.ucp, "connecting to the receiver", s));
         }
-        self.conns.insert(
-            id,
-            Conn {
+        self.retire_idle_peers();
+        self.peers.insert(
+            peer,
+            Peer {
                 ep,
-                key,
-                _err_arg: err_arg,
-                phase: Phase::Connecting {
-                    writer_layout,
-                    done,
-                },
-                failed: None,
-                put_bytes: 0,
+                address: address.to_vec(),
+                err_arg,
+                conns: 0,
+                retired: false,
             },
         );
-        self.send(ep, AM_HELLO, frame(id, &hello), Some(id));
+        self.peer_by_address.insert(address.to_vec(), peer);
+        self.endpoints
+            .store(self.peers.len(), std::sync::atomic::Ordering::Relaxed);
+        Ok(peer)
     }
 
     fn on_hello_ack(&mut self, header: &[u8]) {
@@ -880,6 +948,7 @@ impl State {
             }
             Err(e) => {
                 let _ = done.send(Err(e));
+                conn.failed = Some(TransferError::Closed);
                 // The async side never got the connection: close it here.
                 self.close(id);
             }
@@ -1153,6 +1222,8 @@ impl State {
                     let _ = done.send(Err(e));
                 }
                 conn.failed = Some(TransferError::Closed);
+                // The async side never got a writer, so no close will come: close it here.
+                self.close(id);
             }
             Phase::Open { flush, .. } => match flush.take() {
                 Some(done) => {
@@ -1185,15 +1256,18 @@ impl State {
         }
     }
 
+    /// Ends connection `id`: its keys destroyed, the receiver's session freed (`BYE`), and its
+    /// endpoint left open for the next connection to that worker unless the connection failed
+    /// (then the endpoint is retired: closed once no connection uses it).
     fn close(&mut self, id: u64) {
         let Some(conn) = self.conns.remove(&id) else {
             return;
         };
         let Conn {
             ep,
+            peer,
             phase,
             failed,
-            _err_arg,
             ..
         } = conn;
         if let Phase::Open {
@@ -1205,24 +1279,76 @@ impl State {
                 self.send(ep, AM_BYE, session.to_le_bytes().to_vec(), None);
             }
         }
-        let mut p = sys::ucp_request_param_t::zeroed();
-        if failed.is_some() {
-            p.op_attr_mask = sys::UCP_OP_ATTR_FIELD_FLAGS;
-            p.flags = sys::UCP_EP_CLOSE_FLAG_FORCE;
+        if let Some(p) = self.peers.get_mut(&peer) {
+            p.conns = p.conns.saturating_sub(1);
+            if failed.is_some() {
+                self.retire_peer(peer, false);
+            } else if p.retired && p.conns == 0 {
+                self.close_peer(peer, false);
+            }
         }
-        // SAFETY: the endpoint is closed once; nothing refers to it after this. Its error
-        // callback's argument stays alive until the close completes.
-        let r = unsafe { (self.ucp.ep_close_nbx)(ep, &p) };
-        let _ = self.track(r, None, Op::Close, Keep::ErrArg(_err_arg));
+    }
+
+    /// No new connection uses `peer`'s endpoint; it is closed now if idle (forcibly when
+    /// `force`: a failed endpoint cannot flush), else when its last connection closes.
+    fn retire_peer(&mut self, peer: u64, force: bool) {
+        let Some(p) = self.peers.get_mut(&peer) else {
+            return;
+        };
+        p.retired = true;
+        if self.peer_by_address.get(&p.address) == Some(&peer) {
+            self.peer_by_address.remove(&p.address);
+        }
+        if p.conns == 0 {
+            self.close_peer(peer, force);
+        }
+    }
+
+    fn close_peer(&mut self, peer: u64, force: bool) {
+        let Some(p) = self.peers.remove(&peer) else {
+            return;
+        };
+        self.endpoints
+            .store(self.peers.len(), std::sync::atomic::Ordering::Relaxed);
+        if self.peer_by_address.get(&p.address) == Some(&peer) {
+            self.peer_by_address.remove(&p.address);
+        }
+        let mut params = sys::ucp_request_param_t::zeroed();
+        if force {
+            params.op_attr_mask = sys::UCP_OP_ATTR_FIELD_FLAGS;
+            params.flags = sys::UCP_EP_CLOSE_FLAG_FORCE;
+        }
+        // SAFETY: the endpoint is closed once (its peer entry is gone) and no connection uses
+        // it. Its error callback's argument stays alive until the close completes.
+        let r = unsafe { (self.ucp.ep_close_nbx)(p.ep, &params) };
+        let _ = self.track(r, None, Op::Close, Keep::ErrArg(p.err_arg));
+    }
+
+    /// Closes idle endpoints beyond [`MAX_IDLE_PEERS`] (a writer that talked to many decode
+    /// workers over time keeps only the most recent ones open).
+    fn retire_idle_peers(&mut self) {
+        let mut idle: Vec<u64> = self
+            .peers
+            .iter()
+            .filter(|(_, p)| p.conns == 0)
+            .map(|(&id, _)| id)
+            .collect();
+        if idle.len() < MAX_IDLE_PEERS {
+            return;
+        }
+        idle.sort_unstable();
+        let excess = idle.len() + 1 - MAX_IDLE_PEERS;
+        for id in idle.into_iter().take(excess) {
+            self.close_peer(id, false);
+        }
     }
 
     // ---- requests --------------------------------------------------------------------------
 
-    /// Sends an active message; a failure poisons `conn` (if any) and is otherwise logged.
-    #[allow(clippy::too_many_arguments)] // one active message's parts
     /// Sends a control message: `body` (`u64 id | protobuf`) goes as the message's *data*, not
     /// its header, since UCX bounds an active message's header to its eager segment and a
     /// hello ack carries a remote key per layer (CUDA IPC keys are large: 61 of them exceed it).
+    /// A failure poisons `conn` (if any) and is otherwise logged.
     fn send(&mut self, ep: sys::ucp_ep_h, id: u32, body: Vec<u8>, conn: Option<u64>) {
         let result = self.send_body(ep, id, body, conn);
         if let Err(e) = result {
@@ -1372,10 +1498,22 @@ impl State {
                 }
                 other => debug!(am = other, "kvtransfer: unexpected UCX message"),
             },
-            Incoming::EpFailed { conn, status } => {
+            Incoming::EpFailed { peer, status } => {
                 let e = ucx_error(self.ucp, "connection to the receiver failed", status);
-                debug!(conn, error = %e, "kvtransfer: UCX endpoint failed");
-                self.fail(conn, e);
+                debug!(peer, error = %e, "kvtransfer: UCX endpoint failed");
+                let on_it: Vec<u64> = self
+                    .conns
+                    .iter()
+                    .filter(|(_, c)| c.peer == peer)
+                    .map(|(&id, _)| id)
+                    .collect();
+                for conn in on_it {
+                    self.fail(
+                        conn,
+                        ucx_error(self.ucp, "connection to the receiver failed", status),
+                    );
+                }
+                self.retire_peer(peer, true);
             }
         }
     }
@@ -1389,6 +1527,10 @@ impl Drop for State {
                 c.failed.get_or_insert(TransferError::Closed);
             }
             self.close(id);
+        }
+        let peers: Vec<u64> = self.peers.keys().copied().collect();
+        for peer in peers {
+            self.close_peer(peer, false);
         }
         // Let closes and sends finish, for a bounded time (a dead peer's never do).
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
@@ -1465,14 +1607,14 @@ unsafe extern "C" fn on_am(
     sys::UCS_OK
 }
 
-/// Endpoint error callback (peer failure): queues the failure for the connection.
+/// Endpoint error callback (peer failure): queues the failure for the endpoint's peer.
 unsafe extern "C" fn on_ep_error(arg: *mut c_void, _ep: sys::ucp_ep_h, status: sys::ucs_status_t) {
-    // SAFETY: `arg` is the connection's `CallbackArg`, alive until the endpoint is closed.
+    // SAFETY: `arg` is the peer's `CallbackArg`, alive until the endpoint is closed.
     unsafe {
         let arg = &*(arg as *const CallbackArg);
         if let Ok(mut inbox) = (*arg.inbox).try_borrow_mut() {
             inbox.push(Incoming::EpFailed {
-                conn: arg.id,
+                peer: arg.id,
                 status,
             });
         }
