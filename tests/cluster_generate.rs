@@ -2,6 +2,8 @@
 //! the single-process `ferry generate`, through every public front door: gRPC `Generate`
 //! (generated stubs), HTTP `/v1/completions` whole and streamed (SSE). The short prompt is
 //! prefilled locally on the decode worker, the long one remotely on the prefill worker.
+//! Workers on `--load-format dummy` (a `config.json` only) serve what `ferry generate
+//! --load-format dummy` prints with the same seed: every process draws the same weights.
 mod cluster;
 
 use cluster::{Cluster, Role, Spec, CONTEXT, MODEL};
@@ -92,6 +94,71 @@ async fn greedy_output_through_the_cluster_equals_ferry_generate() {
     assert_eq!(p.prefill_computed_tokens, 211, "{p:?}");
     assert!(p.kv_transfer_bytes > 0, "{p:?}");
 
+    cluster.assert_kv_blocks_released().await;
+}
+
+#[tokio::test]
+async fn dummy_weights_serve_through_the_cluster_like_ferry_generate() {
+    // A directory holding only the embedded model's config.json, named like it.
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path().join("tiny-k3");
+    std::fs::create_dir(&dir).unwrap();
+    let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("models/tiny-k3/config.json");
+    std::fs::copy(src, dir.join("config.json")).unwrap();
+    let dir = dir.to_str().unwrap().to_string();
+    let long = cluster::long_prompt();
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_ferry"))
+        .args([
+            "generate",
+            "--model",
+            &dir,
+            "--load-format",
+            "dummy",
+            "--dummy-seed",
+            "3",
+        ])
+        .args(["--device", "cpu", "--ignore-eos", "--max-tokens"])
+        .arg(MAX_TOKENS.to_string())
+        .args(["--prompt", &long])
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let want = String::from_utf8(out.stdout)
+        .unwrap()
+        .trim_end_matches('\n')
+        .to_string();
+
+    let worker = [
+        "--model",
+        &dir,
+        "--load-format",
+        "dummy",
+        "--dummy-seed",
+        "3",
+        "--device",
+        "cpu",
+    ];
+    let spec = Spec::new(1, 1)
+        .router(&["--model", &dir])
+        .prefill(&worker)
+        .decode(&worker);
+    let cluster = Cluster::start(spec).await;
+    let mut client = cluster.grpc().await;
+    let got = cluster::generate(&mut client, cluster::greedy_request(&long, MAX_TOKENS))
+        .await
+        .expect("Generate succeeds");
+    assert_eq!(got.text, want, "dummy cluster vs ferry generate, same seed");
+    let decode = cluster.live(Role::Decode)[0].clone();
+    let d = cluster.stats(&decode).await;
+    assert_eq!(
+        d.remote_prefills, 1,
+        "the long prompt came from the prefill worker: {d:?}"
+    );
     cluster.assert_kv_blocks_released().await;
 }
 

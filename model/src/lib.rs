@@ -3,7 +3,8 @@
 //! | module | owns |
 //! |---|---|
 //! | [`config`] | Hugging Face `config.json` → validated [`config::ModelConfig`] (re-exported from `ferry-modelcard`) |
-//! | [`weights`] | memory-mapped safetensors (bf16, f32, fp8 e4m3 with 128×128 block scales) |
+//! | [`weights`] | memory-mapped safetensors (bf16, f32, fp8 e4m3 with 128×128 block scales); [`weights::TensorSource`] |
+//! | [`dummy`] | `--load-format dummy`: seeded random weights of a config's shapes |
 //! | [`tokenizer`] | `tokenizer.json` and chat templates (re-exported from `ferry-modelcard`) |
 //! | [`kv`] | the paged latent KV pool, block allocation and per-sequence block tables |
 //! | [`deepseek`] | the batched forward: prefill of many sequences, decode steps, cached-prefix reuse |
@@ -16,6 +17,7 @@
 pub use ferry_modelcard::config;
 pub mod deepseek;
 pub mod drafter;
+pub mod dummy;
 pub use ferry_modelcard::embedded;
 pub mod engine;
 pub mod error;

@@ -30,6 +30,25 @@ use safetensors::{Dtype, SafeTensors};
 use crate::config::FP8_BLOCK;
 use crate::error::ModelError;
 
+/// Where a model's tensors come from: a checkpoint ([`Weights`]) or seeded random values of
+/// the same shapes ([`crate::dummy::DummyWeights`]). The loader asks for each tensor by its
+/// checkpoint name and the shape the config implies.
+pub trait TensorSource: Sync {
+    /// `name` as f32 (see [`Weights::get_f32`]).
+    fn get_f32(&self, name: &str, expected_shape: &[usize]) -> Result<Vec<f32>, ModelError>;
+    /// `name` as a `rows × cols` GEMM operand (see [`Weights::get_matrix`]).
+    fn get_matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Matrix, ModelError>;
+}
+
+impl TensorSource for Weights {
+    fn get_f32(&self, name: &str, expected_shape: &[usize]) -> Result<Vec<f32>, ModelError> {
+        Weights::get_f32(self, name, expected_shape)
+    }
+    fn get_matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Matrix, ModelError> {
+        Weights::get_matrix(self, name, rows, cols)
+    }
+}
+
 /// Name of a single-file checkpoint.
 pub const SINGLE_FILE: &str = "model.safetensors";
 /// Name of the index of a sharded checkpoint.

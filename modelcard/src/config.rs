@@ -169,6 +169,52 @@ impl ModelConfig {
     pub fn latent_width(&self) -> usize {
         self.kv_lora_rank + self.qk_rope_head_dim
     }
+
+    /// Weights of the model (MTP layers excluded): `(total, active per token)`. Active counts
+    /// every weight a decode step reads for one token — attention, dense MLPs, the router, the
+    /// shared experts and `num_experts_per_tok` routed experts, the LM head — but one row of
+    /// the embedding: what bounds single-stream decode by memory bandwidth.
+    pub fn parameter_counts(&self) -> (u64, u64) {
+        let (h, heads) = (self.hidden_size as u64, self.num_attention_heads as u64);
+        let qk = (self.qk_nope_head_dim + self.qk_rope_head_dim) as u64;
+        let q = match self.q_lora_rank {
+            Some(r) => r as u64 * h + r as u64 + heads * qk * r as u64,
+            None => heads * qk * h,
+        };
+        let kv_lora = self.kv_lora_rank as u64;
+        let attn = q
+            + self.latent_width() as u64 * h
+            + kv_lora
+            + heads * (self.qk_nope_head_dim + self.v_head_dim) as u64 * kv_lora
+            + h * heads * self.v_head_dim as u64
+            + 2 * h;
+        let expert = 3 * self.moe_intermediate_size as u64 * h;
+        let (mut total, mut active) = (0u64, 0u64);
+        for l in 0..self.num_hidden_layers {
+            total += attn;
+            active += attn;
+            if self.is_moe_layer(l) {
+                let e = self.n_routed_experts as u64;
+                let shared = expert * self.n_shared_experts as u64 + e * h + e;
+                total += shared + e * expert;
+                active += shared + self.num_experts_per_tok as u64 * expert;
+            } else {
+                let dense = 3 * self.intermediate_size as u64 * h;
+                total += dense;
+                active += dense;
+            }
+        }
+        let vocab = self.vocab_size as u64 * h;
+        let head = if self.tie_word_embeddings { 0 } else { vocab };
+        total += vocab + head + h;
+        active +=
+            h + if self.tie_word_embeddings {
+                vocab
+            } else {
+                head
+            } + h;
+        (total, active)
+    }
 }
 
 fn parse(f: &Fields<'_>) -> Result<ModelConfig, CardError> {

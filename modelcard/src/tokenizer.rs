@@ -100,6 +100,19 @@ impl std::fmt::Debug for Tokenizer {
 }
 
 impl Tokenizer {
+    /// The tokenizer of the model in `dir`; for a directory holding only a `config.json` (a
+    /// model served with dummy weights, whose tokenizer this machine may not have either), the
+    /// embedded model's tokenizer instead — `true` in the result says so, for the caller to
+    /// log. Its ids are a prefix of any larger vocabulary, so prompts encode; generated ids
+    /// past its vocabulary decode to nothing.
+    pub fn from_dir_or_embedded(dir: &Path) -> Result<(Self, bool), CardError> {
+        if !dir.join(TOKENIZER_FILE).exists() && dir.join("config.json").exists() {
+            let embedded = crate::embedded::default_model_dir();
+            return Ok((Self::from_dir(&embedded)?, true));
+        }
+        Ok((Self::from_dir(dir)?, false))
+    }
+
     /// Loads `tokenizer.json` (required: [`CardError::MissingFile`] if absent) and, when
     /// present, `tokenizer_config.json` and `chat_template.jinja` from `dir`.
     ///

@@ -64,7 +64,15 @@ impl AppState {
                 dir: dir.clone(),
                 source,
             };
-            let tokenizer = Tokenizer::from_dir(&dir).map_err(model_error)?;
+            let (tokenizer, fallback) =
+                Tokenizer::from_dir_or_embedded(&dir).map_err(model_error)?;
+            if fallback {
+                tracing::warn!(
+                    model = %dir.display(),
+                    "no tokenizer.json in the model directory (a config-only, dummy-weights \
+                     model): using the embedded tokenizer"
+                );
+            }
             let model = ModelConfig::from_file(&dir.join("config.json")).map_err(model_error)?;
             let keys = ApiKeys::load(keys_file.as_deref())?;
             Ok::<_, RouterError>((tokenizer, model, keys))

@@ -80,25 +80,30 @@ pub struct BenchEngineArgs {
 /// Runs the benchmark.
 pub fn run(args: BenchEngineArgs) -> anyhow::Result<()> {
     let dir = crate::embedded::model_dir(args.model.as_deref())?;
-    let model = DeepseekModel::load(&dir)?;
-    let cfg = model.config();
+    let cfg = ferry_model::config::ModelConfig::from_file(&dir.join("config.json"))?;
     if args.prompt_len == 0 || args.prompt_len + args.decode_steps > cfg.max_position_embeddings {
         bail!(
             "`--prompt-len` + `--decode-steps` must be in 1..={}",
             cfg.max_position_embeddings
         );
     }
+    let dummy = args.device.load_format();
     if args.speculative {
-        return run_speculative(&args, &dir, &model);
+        if dummy != ferry_model::dummy::LoadFormat::Auto {
+            bail!("`--speculative` needs the checkpoint's weights (a drafter is trained against them), not `--load-format dummy`");
+        }
+        return run_speculative(&args, &dir, &DeepseekModel::load(&dir)?);
     }
     if args.serving {
-        drop(model);
         return run_serving(&args, &dir);
     }
     if args.prefill_ship {
-        drop(model);
         return run_prefill_ship(&args, &dir);
     }
+    let model = match dummy {
+        ferry_model::dummy::LoadFormat::Auto => DeepseekModel::load(&dir)?,
+        ferry_model::dummy::LoadFormat::Dummy { seed } => DeepseekModel::dummy(&dir, seed)?,
+    };
     let model = match args.device.gpu_model(&model)? {
         Some(gpu) => gpu,
         None => model,
@@ -338,6 +343,7 @@ fn run_serving(args: &BenchEngineArgs, dir: &Path) -> anyhow::Result<()> {
                         device,
                         gpu_mode: args.device.mode(),
                         cuda_graphs: on,
+                        load_format: args.device.load_format(),
                         ..EngineConfig::default()
                     },
                 };
@@ -414,6 +420,7 @@ fn run_prefill_ship(args: &BenchEngineArgs, dir: &Path) -> anyhow::Result<()> {
             device,
             gpu_mode: args.device.mode(),
             gpu_layerwise_shipping: layerwise,
+            load_format: args.device.load_format(),
             ..EngineConfig::default()
         };
         let engine = EngineHandle::load(dir, None, config)?;
@@ -516,6 +523,7 @@ fn engine_run(
         device: base.device,
         gpu_mode: base.gpu_mode,
         cuda_graphs: base.cuda_graphs,
+        load_format: base.load_format,
         ..EngineConfig::default()
     };
     let engine = EngineHandle::load(dir, drafter, config)?;

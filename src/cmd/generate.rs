@@ -14,8 +14,10 @@ use anyhow::{bail, Context};
 use clap::Args;
 use ferry_decode::spec::SpecArgs;
 use ferry_kernels::cpu::sample::SamplingParams;
+use ferry_model::config::ModelConfig;
 use ferry_model::deepseek::DeepseekModel;
 use ferry_model::drafter::DsparkDrafter;
+use ferry_model::dummy::{LoadFormat, ModelSource};
 use ferry_model::engine::{
     EngineConfig, EngineEvent, EngineHandle, GenerateJob, PrefillSource, StopParams,
 };
@@ -90,9 +92,24 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         bail!("`--max-tokens` must be at least 1, got 0");
     }
     let dir = crate::embedded::model_dir(args.model.as_deref())?;
-    let model = DeepseekModel::load(&dir)
-        .with_context(|| format!("loading the model from {}", dir.display()))?;
-    let tokenizer = Tokenizer::from_dir(&dir)?;
+    let model = match args.device.load_format() {
+        LoadFormat::Auto => ModelSource::Model(
+            DeepseekModel::load(&dir)
+                .with_context(|| format!("loading the model from {}", dir.display()))?,
+        ),
+        LoadFormat::Dummy { seed } => ModelSource::Dummy {
+            config: ModelConfig::from_file(&dir.join("config.json"))
+                .with_context(|| format!("reading {}/config.json", dir.display()))?,
+            seed,
+        },
+    };
+    let (tokenizer, fallback) = Tokenizer::from_dir_or_embedded(&dir)?;
+    if fallback {
+        eprintln!(
+            "note: {} has no tokenizer.json; using the embedded model's tokenizer",
+            dir.display()
+        );
+    }
 
     let text = if args.chat {
         tokenizer.apply_chat_template(&[ChatMessage::new("user", &args.prompt)], true)?
@@ -121,7 +138,11 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     }
 
     let device = args.device.resolve()?;
-    let drafter = args.spec.drafter_dir(&dir, device)?;
+    // Dummy weights come without a drafter (its weights would not match them).
+    let drafter = match model {
+        ModelSource::Model(_) => args.spec.drafter_dir(&dir, device)?,
+        ModelSource::Dummy { .. } => None,
+    };
     let run = Run {
         prompt,
         params,
@@ -145,7 +166,7 @@ struct Run<'a> {
 /// Generates through the in-process engine (the same one a decode worker runs) on `device`,
 /// speculating with the DSpark drafter in `drafter_dir` when one is given.
 fn generate(
-    model: DeepseekModel,
+    model: ModelSource,
     drafter_dir: Option<&Path>,
     args: &GenerateArgs,
     device: ferry_kernels::Device,
@@ -171,7 +192,7 @@ fn generate(
         ..EngineConfig::default()
     };
     let drafter = drafter.map(|d| Box::new(d) as Box<dyn ferry_model::drafter::Drafter>);
-    let engine = EngineHandle::spawn_with(model, drafter, config)?;
+    let engine = EngineHandle::spawn_source(model, drafter, config)?;
     let mut generation = engine.generate(GenerateJob {
         prompt: run.prompt,
         sampling: run.params,

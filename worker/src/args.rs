@@ -221,6 +221,36 @@ pub struct DeviceArgs {
     /// sequences); `false` runs every step eagerly.
     #[arg(long, env = "FERRY_CUDA_GRAPHS", default_value_t = true, action = clap::ArgAction::Set)]
     pub cuda_graphs: bool,
+    /// Where the weights come from: `auto` (the checkpoint in the model directory) or `dummy`
+    /// (vLLM's name: `config.json` only, seeded random weights of its shapes, drawn on the GPU
+    /// by a CUDA engine) — to serve and benchmark a model whose weights this machine does not
+    /// have. Outputs mean nothing; every process with the same `--dummy-seed` on the same
+    /// kind of device holds the same weights.
+    #[arg(long, env = "FERRY_LOAD_FORMAT", value_enum, default_value_t = LoadFormatArg::Auto)]
+    pub load_format: LoadFormatArg,
+    /// The dummy weights' seed (`--load-format dummy`).
+    #[arg(long, env = "FERRY_DUMMY_SEED", default_value_t = ferry_model::dummy::DEFAULT_SEED)]
+    pub dummy_seed: u64,
+}
+
+/// `--load-format`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, ValueEnum)]
+pub enum LoadFormatArg {
+    /// The checkpoint's weights.
+    #[default]
+    Auto,
+    /// Seeded random weights of `config.json`'s shapes.
+    Dummy,
+}
+
+impl LoadFormatArg {
+    /// The flag's spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LoadFormatArg::Auto => "auto",
+            LoadFormatArg::Dummy => "dummy",
+        }
+    }
 }
 
 impl Default for DeviceArgs {
@@ -229,11 +259,23 @@ impl Default for DeviceArgs {
             device: Device::Auto,
             gpu_mode: GpuModeArg::Exact,
             cuda_graphs: true,
+            load_format: LoadFormatArg::Auto,
+            dummy_seed: ferry_model::dummy::DEFAULT_SEED,
         }
     }
 }
 
 impl DeviceArgs {
+    /// The engine's [`LoadFormat`](ferry_model::dummy::LoadFormat).
+    pub fn load_format(&self) -> ferry_model::dummy::LoadFormat {
+        match self.load_format {
+            LoadFormatArg::Auto => ferry_model::dummy::LoadFormat::Auto,
+            LoadFormatArg::Dummy => ferry_model::dummy::LoadFormat::Dummy {
+                seed: self.dummy_seed,
+            },
+        }
+    }
+
     /// The GPU numerics.
     pub fn mode(&self) -> GpuMode {
         match self.gpu_mode {
@@ -273,6 +315,10 @@ impl DeviceArgs {
             self.gpu_mode.as_str().into(),
             "--cuda-graphs".into(),
             self.cuda_graphs.to_string(),
+            "--load-format".into(),
+            self.load_format.as_str().into(),
+            "--dummy-seed".into(),
+            self.dummy_seed.to_string(),
         ]
     }
 }
@@ -288,6 +334,7 @@ impl WorkerArgs {
             device: self.device.device,
             gpu_mode: self.device.mode(),
             cuda_graphs: self.device.cuda_graphs,
+            load_format: self.device.load_format(),
             ..EngineConfig::default()
         }
     }

@@ -59,10 +59,8 @@ pub async fn load_engine(
     config: ferry_model::engine::EngineConfig,
 ) -> Result<ferry_model::engine::EngineHandle, ServeError> {
     tokio::task::spawn_blocking(move || {
-        let model = ferry_model::deepseek::DeepseekModel::load(&model_dir)
-            .map_err(|e| ServeError::Model(format!("{}: {e}", model_dir.display())))?;
-        ferry_model::engine::EngineHandle::spawn(model, config)
-            .map_err(|e| ServeError::Model(e.to_string()))
+        ferry_model::engine::EngineHandle::load(&model_dir, None, config)
+            .map_err(|e| ServeError::Model(format!("{}: {e}", model_dir.display())))
     })
     .await
     .map_err(|e| ServeError::Model(e.to_string()))?

@@ -18,7 +18,7 @@ use rayon::prelude::*;
 
 use super::{DeepseekModel, Ffn, Layer, MlaWeights, QueryProj};
 use crate::config::ModelConfig;
-use crate::weights::Weights;
+use crate::weights::{TensorSource, Weights};
 use crate::ModelError;
 
 impl DeepseekModel {
@@ -34,6 +34,18 @@ impl DeepseekModel {
 
     /// Builds the model from an already-open checkpoint.
     pub fn from_weights(config: ModelConfig, w: &Weights) -> Result<Self, ModelError> {
+        Self::from_source(config, w)
+    }
+
+    /// `config.json` from `dir` and seeded random weights of its shapes on the host
+    /// (`--load-format dummy`; [`crate::dummy`]).
+    pub fn dummy(dir: &Path, seed: u64) -> Result<Self, ModelError> {
+        let config = ModelConfig::from_file(&dir.join("config.json"))?;
+        Self::from_source(config, &crate::dummy::DummyWeights::new(seed))
+    }
+
+    /// Builds the model from any tensor source: a checkpoint, or dummy weights.
+    pub fn from_source(config: ModelConfig, w: &dyn TensorSource) -> Result<Self, ModelError> {
         let c = &config;
         let dims = MlaDims {
             heads: c.num_attention_heads,
@@ -76,7 +88,12 @@ impl DeepseekModel {
     }
 }
 
-fn load_layer(c: &ModelConfig, dims: &MlaDims, w: &Weights, l: usize) -> Result<Layer, ModelError> {
+fn load_layer(
+    c: &ModelConfig,
+    dims: &MlaDims,
+    w: &dyn TensorSource,
+    l: usize,
+) -> Result<Layer, ModelError> {
     let p = format!("model.layers.{l}");
     let hidden = c.hidden_size;
     let heads = c.num_attention_heads;
@@ -172,7 +189,7 @@ fn load_layer(c: &ModelConfig, dims: &MlaDims, w: &Weights, l: usize) -> Result<
 }
 
 fn gated_mlp(
-    w: &Weights,
+    w: &dyn TensorSource,
     prefix: &str,
     hidden: usize,
     inter: usize,

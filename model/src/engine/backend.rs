@@ -148,7 +148,7 @@ impl Backend {
     /// backend this binary lacks (ROCm without the `rocm` feature) is an error naming the
     /// reason: never a quiet fall-back to the CPU.
     pub(crate) fn open(
-        model: DeepseekModel,
+        source: crate::dummy::ModelSource,
         layout: &KvLayout,
         device: Device,
         mode: GpuMode,
@@ -157,11 +157,11 @@ impl Backend {
         let device = device.resolve()?;
         if device == Device::Cpu {
             return Ok(Backend {
-                model,
+                model: source.into_host()?,
                 rows: Rows::Host,
             });
         }
-        open_gpu(model, layout, device, mode, gpu)
+        open_gpu(source, layout, device, mode, gpu)
     }
 
     /// How the GPU backend has shipped prefill jobs' layers (zeros on the CPU, whose forward
@@ -334,7 +334,7 @@ impl Backend {
 /// `model` on the GPU `device` names (resolved): a CUDA device with the CUDA rows, a ROCm
 /// device with the ROCm rows where the binary has them; anything else an error naming why.
 fn open_gpu(
-    model: DeepseekModel,
+    source: crate::dummy::ModelSource,
     layout: &KvLayout,
     device: Device,
     mode: GpuMode,
@@ -345,18 +345,18 @@ fn open_gpu(
         let _ = gpu;
         let dev = ferry_kernels::rocm::RocmDevice::open(n)?;
         tracing::info!(device = %device, arch = dev.arch(), "running on the GPU (ROCm)");
-        let (model, rows) = rocm::RocmRows::new(&dev, model, layout, mode)?;
+        let (model, rows) = rocm::RocmRows::new(&dev, source.into_host()?, layout, mode)?;
         return Ok(Backend {
             model,
             rows: Rows::Rocm(Box::new(rows)),
         });
     }
-    open_cuda_rows(model, layout, device, mode, gpu)
+    open_cuda_rows(source, layout, device, mode, gpu)
 }
 
 #[cfg(feature = "cuda")]
 fn open_cuda_rows(
-    model: DeepseekModel,
+    model: crate::dummy::ModelSource,
     layout: &KvLayout,
     device: Device,
     mode: GpuMode,
@@ -372,7 +372,7 @@ fn open_cuda_rows(
 
 #[cfg(not(feature = "cuda"))]
 fn open_cuda_rows(
-    _model: DeepseekModel,
+    _model: crate::dummy::ModelSource,
     _layout: &KvLayout,
     device: Device,
     _mode: GpuMode,

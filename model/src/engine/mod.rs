@@ -74,6 +74,9 @@ pub struct EngineConfig {
     /// On CUDA, ship prefill jobs' layers while later layers compute (the default); `false`
     /// ships them after the whole forward, as before — kept as the benchmark's peer.
     pub gpu_layerwise_shipping: bool,
+    /// Where [`EngineHandle::load`] takes the weights from: the checkpoint, or seeded random
+    /// weights of `config.json`'s shapes (`--load-format dummy`).
+    pub load_format: crate::dummy::LoadFormat,
 }
 
 impl Default for EngineConfig {
@@ -89,6 +92,7 @@ impl Default for EngineConfig {
             gpu_mode: GpuMode::Exact,
             cuda_graphs: true,
             gpu_layerwise_shipping: true,
+            load_format: crate::dummy::LoadFormat::Auto,
         }
     }
 }
@@ -495,11 +499,28 @@ impl EngineHandle {
         drafter: Option<Box<dyn Drafter>>,
         config: EngineConfig,
     ) -> Result<Self, ModelError> {
-        let layout = model.kv_layout(config.num_blocks, config.page_size);
+        Self::spawn_source(crate::dummy::ModelSource::Model(model), drafter, config)
+    }
+
+    /// [`Self::spawn_with`] from a [`ModelSource`](crate::dummy::ModelSource): a built model,
+    /// or a config whose dummy weights are drawn where the model runs (on a CUDA device, drawn
+    /// there directly).
+    pub fn spawn_source(
+        source: crate::dummy::ModelSource,
+        drafter: Option<Box<dyn Drafter>>,
+        config: EngineConfig,
+    ) -> Result<Self, ModelError> {
+        let c = source.config();
+        let layout = crate::kv::KvLayout {
+            num_layers: c.num_hidden_layers,
+            num_blocks: config.num_blocks,
+            page_size: config.page_size,
+            width: c.latent_width(),
+        };
         layout.validate()?;
-        let model_config = Arc::new(model.config().clone());
+        let model_config = Arc::new(c.clone());
         let backend = backend::Backend::open(
-            model,
+            source,
             &layout,
             config.device,
             config.gpu_mode,
@@ -557,6 +578,27 @@ impl EngineHandle {
         drafter_dir: Option<&std::path::Path>,
         config: EngineConfig,
     ) -> Result<Self, ModelError> {
+        if let crate::dummy::LoadFormat::Dummy { seed } = config.load_format {
+            let model_config =
+                crate::config::ModelConfig::from_file(&model_dir.join("config.json"))?;
+            if let Some(d) = drafter_dir {
+                tracing::warn!(
+                    drafter = %d.display(),
+                    "--load-format dummy: the drafter is not loaded (its weights would not match \
+                     the dummy target's)"
+                );
+            }
+            tracing::info!(
+                model = %model_dir.display(),
+                seed,
+                "--load-format dummy: config.json with seeded random weights (outputs mean nothing)"
+            );
+            let source = crate::dummy::ModelSource::Dummy {
+                config: model_config,
+                seed,
+            };
+            return Self::spawn_source(source, None, config);
+        }
         let model = DeepseekModel::load(model_dir)?;
         let drafter = drafter_dir
             .map(|d| crate::drafter::DsparkDrafter::load(d, model.config()))

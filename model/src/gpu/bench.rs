@@ -80,6 +80,18 @@ impl DeepseekModel {
         config: ModelConfig,
         mode: GpuMode,
     ) -> Result<Self, ModelError> {
+        Self::random_seeded(dev, config, mode, 0)
+    }
+
+    /// [`Self::random`] from `seed` (`--load-format dummy --dummy-seed`): the same seed gives
+    /// the same weights on every CUDA device (not the host's dummy weights, which are drawn by
+    /// another generator).
+    pub fn random_seeded(
+        dev: &CudaDevice,
+        config: ModelConfig,
+        mode: GpuMode,
+        seed: u64,
+    ) -> Result<Self, ModelError> {
         let c = &config;
         let dims = MlaDims {
             heads: c.num_attention_heads,
@@ -88,7 +100,10 @@ impl DeepseekModel {
             qk_rope_head_dim: c.qk_rope_head_dim,
             v_head_dim: c.v_head_dim,
         };
-        let mut draw = Draw { dev, seed: 1 };
+        let mut draw = Draw {
+            dev,
+            seed: seed.wrapping_mul(1 << 20).wrapping_add(1),
+        };
         let h = c.hidden_size;
         let q_out = dims.heads * dims.qk_head_dim();
         let mut layers = Vec::with_capacity(c.num_hidden_layers);

@@ -69,14 +69,29 @@ impl CudaRows {
     /// returns the device-resident model with it.
     pub(crate) fn new(
         dev: &CudaDevice,
-        model: DeepseekModel,
+        source: crate::dummy::ModelSource,
         layout: &KvLayout,
         mode: GpuMode,
         options: GpuOptions,
     ) -> Result<(DeepseekModel, Self), ModelError> {
-        let gpu = model.upload(dev, mode)?;
-        drop(model); // the host keeps no weights
-                     // One block more than the host pool: the graphs' scratch block.
+        let gpu = match source {
+            // The host keeps no weights: the host model is dropped once uploaded.
+            crate::dummy::ModelSource::Model(model) => model.upload(dev, mode)?,
+            // Dummy weights are drawn on the device: a large model's would take minutes to
+            // draw and upload from the host.
+            crate::dummy::ModelSource::Dummy { config, seed } => {
+                let started = std::time::Instant::now();
+                let m = DeepseekModel::random_seeded(dev, config, mode, seed)?;
+                dev.synchronize()?;
+                tracing::info!(
+                    seconds = started.elapsed().as_secs_f64(),
+                    seed,
+                    "dummy weights drawn on the GPU"
+                );
+                m
+            }
+        };
+        // One block more than the host pool: the graphs' scratch block.
         let cache = gpu.new_kv_cache(layout.num_blocks + 1, layout.page_size)?;
         let device_layout = crate::kv::KvLayout {
             num_blocks: layout.num_blocks,

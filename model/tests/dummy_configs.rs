@@ -1,0 +1,64 @@
+//! The config-only model directories under `models/dummy/` (served with `--load-format
+//! dummy`) parse, and have the shapes and sizes their README states.
+
+use std::path::Path;
+
+use ferry_model::config::ModelConfig;
+
+fn config(name: &str) -> ModelConfig {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../models/dummy")
+        .join(name);
+    ModelConfig::from_file(&dir.join("config.json")).expect("the fixture parses")
+}
+
+#[test]
+fn v2_lite_shape() {
+    let c = config("v2-lite-shape");
+    assert_eq!(
+        (
+            c.hidden_size,
+            c.num_hidden_layers,
+            c.num_attention_heads,
+            c.q_lora_rank
+        ),
+        (2048, 27, 16, None)
+    );
+    assert_eq!(
+        (
+            c.n_routed_experts,
+            c.num_experts_per_tok,
+            c.n_shared_experts
+        ),
+        (64, 6, 2)
+    );
+    let (total, active) = c.parameter_counts();
+    // DeepSeek-V2-Lite's model card: 15.7 B parameters, 2.4 B active per token. Counted by
+    // hand: attention 13,767,168 per layer × 27, the dense first MLP 67,239,936, per MoE layer
+    // 64 experts × 8,650,752 + 2 shared + the router (and V3's 64 correction biases) × 26,
+    // embedding + LM head 419,430,400, the final norm.
+    assert_eq!(total, 15_706_485_888, "total");
+    assert_eq!(active, 2_451_438_720, "active");
+}
+
+#[test]
+fn v3_tp8_slice() {
+    let c = config("v3-tp8-slice");
+    assert_eq!(
+        (
+            c.hidden_size,
+            c.num_hidden_layers,
+            c.num_attention_heads,
+            c.q_lora_rank
+        ),
+        (7168, 24, 12, Some(1536))
+    );
+    assert_eq!((c.n_routed_experts, c.n_group, c.topk_group), (256, 8, 4));
+    assert_eq!(c.latent_width(), 576);
+    // By hand: attention 31,277,056 per layer × 24, 3 dense MLPs of 49,545,216, per MoE layer
+    // 256 experts × 5,505,024 + 1 shared + the router and its biases × 21, embedding + LM head
+    // 1,853,358,080, the final norm; active: 8 routed experts instead of 256, one embedding row.
+    let (total, active) = c.parameter_counts();
+    assert_eq!(total, 32_501_805_312, "total");
+    assert_eq!(active, 2_904_968_448, "active");
+}
