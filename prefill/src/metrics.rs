@@ -8,6 +8,7 @@
 //! | `ferry_kv_transfer_bytes_total{direction="send"}` | counter | KV bytes landed in decode workers' pools |
 //! | `ferry_kv_transfer_duration_seconds` | histogram | one transfer: connect → every layer written → flush acknowledged |
 //! | `ferry_kv_transfer_failures_total` | counter | transfers that failed (connect, write or flush) |
+//! | `ferry_kv_transfer_tail_seconds` | histogram | the end of the prefill forward → flush acknowledged: what the decode worker waits for beyond the compute |
 
 use ferry_worker::metrics::{counter, counter_vec, histogram, LATENCY_BUCKETS, STEP_BUCKETS};
 use prometheus::{Histogram, IntCounter, IntCounterVec, Opts, Registry};
@@ -27,6 +28,8 @@ pub struct PrefillMetrics {
     pub kv_duration: Histogram,
     /// Failed transfers.
     pub kv_failures: IntCounter,
+    /// Forward end → flush acknowledged, of successful transfers.
+    pub kv_tail: Histogram,
 }
 
 impl PrefillMetrics {
@@ -73,6 +76,13 @@ impl PrefillMetrics {
                 r,
                 "ferry_kv_transfer_failures_total",
                 "KV transfers that failed (connect, write or flush)",
+            )?,
+            kv_tail: histogram(
+                r,
+                "ferry_kv_transfer_tail_seconds",
+                "KV transfer tail: the end of the prefill forward to the flush acknowledgement \
+                 (what the decode worker waits for beyond the compute)",
+                STEP_BUCKETS,
             )?,
         })
     }

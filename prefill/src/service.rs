@@ -167,6 +167,7 @@ impl PrefillService {
             ferry.kv_transfer.layers = i64::from(ours.num_layers),
             ferry.kv_transfer.blocks = count(prompt_len.div_ceil(page) - skip / page),
             ferry.kv_transfer.duration_s = field::Empty,
+            ferry.kv_transfer.tail_s = field::Empty,
         );
         let started = Instant::now();
         let writer = transport
@@ -211,7 +212,12 @@ impl PrefillService {
             })
             .await
             .map_err(engine_status);
+        let computed = Instant::now();
         let bytes = streamer.finish(sink).instrument(transfer.clone()).await;
+        let tail = outcome
+            .as_ref()
+            .map(|o| o.ship_tail + computed.elapsed())
+            .unwrap_or_default();
         let outcome = outcome?;
         let bytes =
             bytes.map_err(|e| self.transfer_failed(&transfer, format!("KV transfer: {e}")))?;
@@ -221,8 +227,10 @@ impl PrefillService {
             i64::try_from(bytes).unwrap_or(i64::MAX),
         );
         transfer.record("ferry.kv_transfer.duration_s", took);
+        transfer.record("ferry.kv_transfer.tail_s", tail.as_secs_f64());
         self.metrics.kv_bytes.inc_by(bytes);
         self.metrics.kv_duration.observe(took);
+        self.metrics.kv_tail.observe(tail.as_secs_f64());
         self.bytes_sent.fetch_add(bytes, Ordering::Relaxed);
         let span = Span::current();
         trace_ctx::set_attribute(

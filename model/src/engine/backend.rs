@@ -100,8 +100,11 @@ pub(crate) struct ShipStats {
     pub(crate) early: u64,
     /// Forwards that shipped layers.
     pub(crate) forwards: u64,
-    /// Summed µs from each such forward's end (logits on the host) to its last sink call.
+    /// Summed µs from each such forward's end (logits on the host) to its last sink call
+    /// (and, for rows left on the device, until the transport is done reading them).
     pub(crate) tail_us: u64,
+    /// The last such forward's tail, µs (a prefill job's `PrefillOutcome::ship_tail`).
+    pub(crate) last_tail_us: u64,
 }
 
 /// One forward's hooks, and the blocks its `after_layer` hook reads.

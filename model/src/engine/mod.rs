@@ -324,6 +324,11 @@ pub struct PrefillOutcome {
     pub computed_tokens: usize,
     /// Prompt tokens reused from this engine's prefix cache.
     pub reused_tokens: usize,
+    /// From the end of the forward that computed the prompt to the last layer handed to the
+    /// job's sink — and, for rows left on the device, until the transport finished reading
+    /// them: how long shipping trailed the compute inside the engine (zero on the CPU, whose
+    /// forward calls the sinks between layers).
+    pub ship_tail: std::time::Duration,
 }
 
 /// Counters since start and current gauges.

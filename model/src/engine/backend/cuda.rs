@@ -549,8 +549,10 @@ impl CudaRows {
     }
 
     fn record_ship(&mut self, forward_done: std::time::Instant, early: u64) {
+        let tail = forward_done.elapsed().as_micros() as u64;
         self.ship.forwards += 1;
-        self.ship.tail_us += forward_done.elapsed().as_micros() as u64;
+        self.ship.tail_us += tail;
+        self.ship.last_tail_us = tail;
         self.ship.early += early;
     }
 }

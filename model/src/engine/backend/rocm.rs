@@ -75,11 +75,13 @@ impl RocmRows {
         batch: &BatchInputs<'_>,
         pass: Pass<'_, '_, '_>,
     ) -> Result<BatchLogits, ModelError> {
+        // Rows always leave through host memory here (`rows_on_device` is CUDA's).
         let Pass {
             after_layer,
             taps,
             tapped,
             staged,
+            rows_on_device: _,
         } = pass;
         let hooks = Hooks {
             taps: Some(taps),
@@ -110,8 +112,10 @@ impl RocmRows {
             after_layer(layer, &rows)?;
         }
         if !staged.is_empty() {
+            let tail = done.elapsed().as_micros() as u64;
             self.ship.forwards += 1;
-            self.ship.tail_us += done.elapsed().as_micros() as u64;
+            self.ship.tail_us += tail;
+            self.ship.last_tail_us = tail;
         }
         Ok(out)
     }

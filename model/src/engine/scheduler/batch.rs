@@ -175,6 +175,8 @@ impl Scheduler {
             drafts,
             taps,
         } = result;
+        // The forward just run shipped the batch's prefill jobs (if any).
+        let ship_tail_us = self.backend.ship_stats().last_tail_us;
         let page = self.kv.page_size();
         let eos = self.eos().to_vec();
         let mut finished_running = Vec::new();
@@ -259,6 +261,7 @@ impl Scheduler {
                             first_token,
                             computed_tokens: computed,
                             reused_tokens: t.reused,
+                            ship_tail: std::time::Duration::from_micros(ship_tail_us),
                         }),
                     };
                     if let Err(e) = t.table.advance(computed, page) {
