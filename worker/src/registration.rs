@@ -10,6 +10,7 @@
 //! publishes that list on a [`watch`] channel ([`PrefillView`]) when the worker asked for it
 //! (decode workers: a remote prefill whose peer the router dropped is given up at once).
 
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -143,12 +144,29 @@ async fn session(
         config.heartbeat
     };
     let mut tick = tokio::time::interval(period);
+    // The engine answers between forwards; one forward can take longer than the router's
+    // heartbeat timeout (a long prefill on a large model). The heartbeat must not wait for it:
+    // a drain still unanswered stays pending to the next tick (dropping it would lose the
+    // events it drained), and the load sent is the last one the engine reported.
+    let mut drain: Option<std::pin::Pin<Box<dyn Future<Output = DrainResult> + Send>>> = None;
+    let mut last_stats = None;
+    let wait = (period / 2).max(Duration::from_millis(5));
     loop {
         tokio::select! {
             _ = shutdown.cancelled() => return Ok(()),
             _ = tick.tick() => {}
         }
-        let events = engine.drain_kv_events().await.map_err(|e| e.to_string())?;
+        let pending = drain.get_or_insert_with(|| {
+            let engine = engine.clone();
+            Box::pin(async move { engine.drain_kv_events().await })
+        });
+        let events = match tokio::time::timeout(wait, pending.as_mut()).await {
+            Ok(events) => {
+                drain = None;
+                events.map_err(|e| e.to_string())?
+            }
+            Err(_) => Vec::new(),
+        };
         if !events.is_empty() {
             let batch = KvEventBatch {
                 worker_id: config.worker_id.clone(),
@@ -165,7 +183,17 @@ async fn session(
                 return Err("out of sync".into());
             }
         }
-        let stats = engine.stats().await.map_err(|e| e.to_string())?;
+        let stats = match tokio::time::timeout(wait, engine.stats()).await {
+            Ok(stats) => {
+                let stats = stats.map_err(|e| e.to_string())?;
+                last_stats = Some(stats.clone());
+                stats
+            }
+            Err(_) => {
+                debug!(worker = %config.worker_id, "engine busy: heartbeat with its last load");
+                last_stats.clone().unwrap_or_default()
+            }
+        };
         let hb = client
             .heartbeat(HeartbeatRequest {
                 worker_id: config.worker_id.clone(),
@@ -186,6 +214,9 @@ async fn session(
         }
     }
 }
+
+/// What an engine's KV event drain resolves to.
+type DrainResult = Result<Vec<ferry_model::kv::KvEvent>, ferry_model::engine::EngineError>;
 
 fn to_wire(e: ferry_model::kv::KvEvent) -> KvEvent {
     let data = match e.data {

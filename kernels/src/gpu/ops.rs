@@ -1091,38 +1091,52 @@ pub fn moe_experts<D: Gpu>(
             "moe_gate_up_f32"
         },
     )?;
-    let mut a = KernelArgs::new();
-    a.push(x.ptr)
-        .push(routes.ids.ptr)
-        .push(experts.gate.ptr())
-        .push(experts.up.ptr())
-        .push(act.ptr())
-        .push(int(OP, "K", k)?)
-        .push(int(OP, "inter", inter)?)
-        .push(int(OP, "hidden", hidden)?);
-    let dims = LaunchDims {
-        grid: (inter.div_ceil(8) as u32, (t * k) as u32, 1),
-        block: (256, 1, 1),
-        smem: 0,
-    };
-    dev.launch(&f, dims, &mut a)?;
+    // The grids' y dimension counts (token, slot) pairs and tokens, and CUDA caps it at
+    // 65,535: a long prefill (8,192 tokens × 8 slots) launches in token chunks below it.
+    let words = |n: usize| (n * 4) as u64; // f32 and i32 elements
+    let per_launch = (MAX_GRID_Y / k.max(1)).max(1);
+    for t0 in (0..t).step_by(per_launch) {
+        let n = per_launch.min(t - t0);
+        let mut a = KernelArgs::new();
+        a.push(x.ptr + words(t0 * hidden))
+            .push(routes.ids.ptr + words(t0 * k))
+            .push(experts.gate.ptr())
+            .push(experts.up.ptr())
+            .push(act.ptr() + words(t0 * k * inter))
+            .push(int(OP, "K", k)?)
+            .push(int(OP, "inter", inter)?)
+            .push(int(OP, "hidden", hidden)?);
+        let dims = LaunchDims {
+            grid: (inter.div_ceil(8) as u32, (n * k) as u32, 1),
+            block: (256, 1, 1),
+            smem: 0,
+        };
+        dev.launch(&f, dims, &mut a)?;
+    }
     let f = kernel(dev, if sfx { "moe_down_bf16" } else { "moe_down_f32" })?;
-    let mut a = KernelArgs::new();
-    a.push(act.ptr())
-        .push(routes.ids.ptr)
-        .push(routes.weights.ptr)
-        .push(experts.down.ptr())
-        .push(h.ptr)
-        .push(int(OP, "K", k)?)
-        .push(int(OP, "inter", inter)?)
-        .push(int(OP, "hidden", hidden)?);
-    let dims = LaunchDims {
-        grid: (hidden as u32, t as u32, 1),
-        block: (256, 1, 1),
-        smem: 0,
-    };
-    dev.launch(&f, dims, &mut a)
+    for t0 in (0..t).step_by(MAX_GRID_Y) {
+        let n = MAX_GRID_Y.min(t - t0);
+        let mut a = KernelArgs::new();
+        a.push(act.ptr() + words(t0 * k * inter))
+            .push(routes.ids.ptr + words(t0 * k))
+            .push(routes.weights.ptr + words(t0 * k))
+            .push(experts.down.ptr())
+            .push(h.ptr + words(t0 * hidden))
+            .push(int(OP, "K", k)?)
+            .push(int(OP, "inter", inter)?)
+            .push(int(OP, "hidden", hidden)?);
+        let dims = LaunchDims {
+            grid: (hidden as u32, n as u32, 1),
+            block: (256, 1, 1),
+            smem: 0,
+        };
+        dev.launch(&f, dims, &mut a)?;
+    }
+    Ok(())
 }
+
+/// CUDA's (and HIP's) limit on a grid's y and z dimensions.
+pub const MAX_GRID_Y: usize = 65_535;
 
 /// Fills `x` with deterministic bf16 noise in `[-scale, scale)`.
 pub fn fill_random_bf16<D: Gpu>(
