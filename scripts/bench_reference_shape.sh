@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The reference serving shape on one GPU (issue 13's cluster benchmark): `ferry up` on a
+# dummy-weights model (default: the DeepSeek-V2-Lite-shaped config), `ferry bench` at
+# PROMPT-token prompts / OUTPUT new tokens over the concurrency levels given, once
+# disaggregated (1 prefill + 1 decode worker sharing the GPU) and once aggregated (one decode
+# worker that prefills itself). Prints ferry bench's Markdown tables.
+#   scripts/bench_reference_shape.sh 1,4,16,64
+# Environment: FERRY (default ./device-bin/ferry), MODEL, PROMPT (1024), OUTPUT (400),
+# REQUESTS (per level, default 16), TRANSPORT (tcp), MODES ("disaggregated aggregated").
+set -uo pipefail
+cd "$(dirname "$0")/.."
+FERRY=${FERRY:-./device-bin/ferry}
+MODEL=${MODEL:-models/dummy/v2-lite-shape}
+LEVELS=${1:-1,4,16}
+for mode in ${MODES:-disaggregated aggregated}; do
+  prefill=1
+  [ "$mode" = aggregated ] && prefill=0
+  log=$(mktemp)
+  "$FERRY" up --device cuda --gpu-mode fast --load-format dummy --model "$MODEL" \
+    --prefill-workers "$prefill" --decode-workers 1 --transport "${TRANSPORT:-tcp}" \
+    --kv-blocks 4096 --http-addr 127.0.0.1:18080 --grpc-addr 127.0.0.1:18051 >"$log" 2>&1 &
+  pid=$!
+  trap 'kill "$pid" 2>/dev/null || true' EXIT
+  for _ in $(seq 600); do
+    plain=$(sed 's/\x1b\[[0-9;]*m//g' "$log")
+    grep -q "ferry is up" <<<"$plain" && grep -q "registered worker=decode-0" <<<"$plain" \
+      && { [ "$prefill" = 0 ] || grep -q "registered worker=prefill-0" <<<"$plain"; } && break
+    if ! kill -0 "$pid" 2>/dev/null; then cat "$log"; exit 1; fi
+    sleep 0.5
+  done
+  echo "### $mode ($MODEL, dummy weights, fast mode; ${PROMPT:-1024} in / ${OUTPUT:-400} out)"
+  "$FERRY" bench --grpc-addr 127.0.0.1:18051 --concurrency "$LEVELS" \
+    --requests-per-level "${REQUESTS:-16}" --prompt-tokens "${PROMPT:-1024}" \
+    --output-tokens "${OUTPUT:-400}" --vocab 100000
+  sed 's/\x1b\[[0-9;]*m//g' "$log" | grep -E "WARN|ERROR" | grep -v tokenizer | tail -5
+  kill "$pid"; wait "$pid" 2>/dev/null || true
+  rm -f "$log"
+done
