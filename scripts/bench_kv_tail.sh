@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The KV transfer's tail on one GPU (issue 14's overlap benchmark): `ferry up` with one prefill
-# and one decode worker on a dummy-weights model (default: the DeepSeek-V2-Lite-shaped config),
+# and one decode worker on a dummy-weights model (default: DeepSeek-V2-Lite's config),
 # KV over each transport given (ucx: cuda_ipc device to device, with a CUDA-enabled UCX loaded
 # through FERRY_UCX_LIB; tcp: through host memory); `ferry bench` sends TOKENS-token prompts one
 # at a time; the prefill worker's metrics give, per request, the tail (the end of the prefill
@@ -12,7 +12,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 FERRY=${FERRY:-./device-bin/ferry}
-MODEL=${MODEL:-models/dummy/v2-lite-shape}
+MODEL=${MODEL:-models/dummy/deepseek-v2-lite}
 TOKENS=${TOKENS:-8192}
 REQUESTS=${REQUESTS:-6}
 rows=()

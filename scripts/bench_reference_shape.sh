@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The reference serving shape on one GPU (issue 13's cluster benchmark): `ferry up` on a
-# dummy-weights model (default: the DeepSeek-V2-Lite-shaped config), `ferry bench` at
+# dummy-weights model (default: DeepSeek-V2-Lite's config), `ferry bench` at
 # PROMPT-token prompts / OUTPUT new tokens over the concurrency levels given, once
 # disaggregated (1 prefill + 1 decode worker sharing the GPU) and once aggregated (one decode
 # worker that prefills itself). Prints ferry bench's Markdown tables.
@@ -10,7 +10,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 FERRY=${FERRY:-./device-bin/ferry}
-MODEL=${MODEL:-models/dummy/v2-lite-shape}
+MODEL=${MODEL:-models/dummy/deepseek-v2-lite}
 LEVELS=${1:-1,4,16}
 for mode in ${MODES:-disaggregated aggregated}; do
   prefill=1

@@ -17,7 +17,7 @@ mod common;
 
 use ferry_kernels::cpu::gemm::{linear, Matrix};
 use ferry_kernels::cpu::mla::{mla_absorbed_reference, LatentContext, LatentPages, SeqAttn};
-use ferry_kernels::cpu::moe::MoeRouting;
+use ferry_kernels::cpu::moe::{MoeRouting, RouteScoring};
 use ferry_kernels::cpu::norm::rms_norm;
 use ferry_kernels::cpu::rope::{Rope, RopeParams, RopeScaling, RotaryLayout, YarnParams};
 use ferry_kernels::cuda::mha_ws::MhaWsConfig;
@@ -951,7 +951,16 @@ fn moe_routing_matches_cpu() {
         return;
     };
     let mut rng = common::rng(5);
-    for (e, top_k, n_group, topk_group) in [(16, 4, 4, 2), (64, 6, 1, 1), (256, 8, 8, 4)] {
+    // DeepSeek-V3's sigmoid routing, then V2's softmax routing (greedy: one group; and
+    // group-limited), the V2 cases with `norm_topk_prob` set to show it is ignored there.
+    let cases = [
+        (16, 4, 4, 2, RouteScoring::Sigmoid),
+        (64, 6, 1, 1, RouteScoring::Sigmoid),
+        (256, 8, 8, 4, RouteScoring::Sigmoid),
+        (64, 6, 1, 1, RouteScoring::Softmax),
+        (160, 6, 8, 3, RouteScoring::Softmax),
+    ];
+    for (e, top_k, n_group, topk_group, scoring) in cases {
         let routing = MoeRouting {
             n_experts: e,
             top_k,
@@ -959,6 +968,7 @@ fn moe_routing_matches_cpu() {
             topk_group,
             norm_topk_prob: true,
             routed_scaling_factor: 2.5,
+            scoring,
         };
         let t = 37;
         let logits = common::uniform(&mut rng, t * e, 4.0);
@@ -979,6 +989,7 @@ fn moe_routing_matches_cpu() {
             norm_topk: 1,
             n_shared: 2,
             scale: 2.5,
+            softmax: i32::from(scoring == RouteScoring::Softmax),
         };
         let r = Routes {
             ids: ids.v(),
@@ -995,7 +1006,7 @@ fn moe_routing_matches_cpu() {
                 assert_eq!(
                     gi[tok * slots + s] as usize,
                     ex,
-                    "token {tok} slot {s} (E={e})"
+                    "token {tok} slot {s} (E={e}, {scoring:?})"
                 );
                 assert!(
                     (gw[tok * slots + s] - w).abs() < 1e-5,

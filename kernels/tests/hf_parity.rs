@@ -292,6 +292,7 @@ fn moe_matches_transformers() {
             topk_group: 2,
             norm_topk_prob: true,
             routed_scaling_factor: 2.5,
+            scoring: Default::default(),
         },
         router: weight(w, "gate.weight", experts),
         correction_bias: floats(&m["bias"]),

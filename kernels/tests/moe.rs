@@ -14,6 +14,7 @@ fn routing(top_k: usize, norm: bool) -> MoeRouting {
         topk_group: 2,
         norm_topk_prob: norm,
         routed_scaling_factor: 2.5,
+        scoring: Default::default(),
     }
 }
 
@@ -77,6 +78,7 @@ fn ties_go_to_lower_index() {
         topk_group: 1,
         norm_topk_prob: false,
         routed_scaling_factor: 1.0,
+        scoring: Default::default(),
     };
     let routes = r.route(&[0.5, 0.5, 0.5, 0.5], &[0.0; 4]).expect("valid");
     assert_eq!(

@@ -13,6 +13,34 @@ fn config(name: &str) -> ModelConfig {
 }
 
 #[test]
+fn deepseek_v2_lite() {
+    let c = config("deepseek-v2-lite");
+    assert_eq!(c.scoring, ferry_model::config::Scoring::Softmax);
+    assert_eq!(
+        (
+            c.hidden_size,
+            c.num_hidden_layers,
+            c.num_attention_heads,
+            c.q_lora_rank
+        ),
+        (2048, 27, 16, None)
+    );
+    assert_eq!(
+        (
+            c.n_routed_experts,
+            c.num_experts_per_tok,
+            c.n_shared_experts
+        ),
+        (64, 6, 2)
+    );
+    let (total, active) = c.parameter_counts();
+    // DeepSeek-V2-Lite's model card: 15.7 B parameters, 2.4 B active per token. The shape
+    // below without V3's 64 correction biases per MoE layer (V2's router has none).
+    assert_eq!(total, 15_706_484_224, "total");
+    assert_eq!(active, 2_451_437_056, "active");
+}
+
+#[test]
 fn v2_lite_shape() {
     let c = config("v2-lite-shape");
     assert_eq!(

@@ -2,9 +2,10 @@
 //!
 //! Parse, don't validate: [`ModelConfig`] can only be built through [`ModelConfig::from_json_str`]
 //! (or [`ModelConfig::from_file`]), which checks every field the forward relies on, so code
-//! holding a `ModelConfig` never re-checks it. Only the `DeepseekV3ForCausalLM` architecture is
-//! accepted (DeepSeek-V3 and Kimi K2 both ship under it, with `model_type` `deepseek_v3` or
-//! `kimi_k2`).
+//! holding a `ModelConfig` never re-checks it. Two architectures are accepted:
+//! `DeepseekV3ForCausalLM` (DeepSeek-V3 and Kimi K2 ship under it, `model_type` `deepseek_v3` or
+//! `kimi_k2`) and `DeepseekV2ForCausalLM` (DeepSeek-V2 and V2-Lite, `deepseek_v2`): the same MLA
+//! and MoE blocks, told apart by their routing ([`Scoring`]).
 //!
 //! The JSON is read field by field rather than through `#[derive(Deserialize)]` so that every
 //! error names its field, the value found and the limit, e.g.
@@ -27,11 +28,28 @@ use serde_json::{Map, Value};
 
 use crate::error::CardError;
 
-/// The only architecture ferry implements.
+/// The DeepSeek-V3 architecture (DeepSeek-V3, Kimi K2).
 pub const ARCHITECTURE: &str = "DeepseekV3ForCausalLM";
 
-/// `model_type` values accepted with [`ARCHITECTURE`].
-pub const MODEL_TYPES: [&str; 2] = ["deepseek_v3", "kimi_k2"];
+/// The DeepSeek-V2 architecture (DeepSeek-V2, V2-Lite): the same MLA and MoE blocks, with
+/// softmax routing ([`Scoring::Softmax`]).
+pub const ARCHITECTURE_V2: &str = "DeepseekV2ForCausalLM";
+
+/// `model_type` values accepted with [`ARCHITECTURE`] / [`ARCHITECTURE_V2`].
+pub const MODEL_TYPES: [&str; 3] = ["deepseek_v3", "kimi_k2", "deepseek_v2"];
+
+/// How a MoE router scores and picks experts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scoring {
+    /// DeepSeek-V3 (`scoring_func: "sigmoid"`, `topk_method: "noaux_tc"`): sigmoid scores, the
+    /// `e_score_correction_bias` added for the choice only, groups scored by their two best,
+    /// weights renormalised when `norm_topk_prob`.
+    Sigmoid,
+    /// DeepSeek-V2 (`topk_method: "greedy"` or `"group_limited_greedy"`), as transformers'
+    /// `DeepseekV2TopkRouter`: softmax scores, no bias, groups scored by their best (only when
+    /// group-limited), weights never renormalised.
+    Softmax,
+}
 
 /// Side of the square weight blocks that share one fp8 scale (`weight_block_size`).
 pub const FP8_BLOCK: usize = 128;
@@ -96,6 +114,8 @@ pub struct ModelConfig {
     pub norm_topk_prob: bool,
     /// Multiplier on the routed experts' combined output.
     pub routed_scaling_factor: f32,
+    /// How the router scores experts (the architecture's routing).
+    pub scoring: Scoring,
     /// RMSNorm epsilon.
     pub rms_norm_eps: f32,
     /// Longest context the model supports.
@@ -195,7 +215,13 @@ impl ModelConfig {
             active += attn;
             if self.is_moe_layer(l) {
                 let e = self.n_routed_experts as u64;
-                let shared = expert * self.n_shared_experts as u64 + e * h + e;
+                // The router, and V3's correction bias.
+                let bias = if self.scoring == Scoring::Sigmoid {
+                    e
+                } else {
+                    0
+                };
+                let shared = expert * self.n_shared_experts as u64 + e * h + bias;
                 total += shared + e * expert;
                 active += shared + self.num_experts_per_tok as u64 * expert;
             } else {
@@ -218,7 +244,7 @@ impl ModelConfig {
 }
 
 fn parse(f: &Fields<'_>) -> Result<ModelConfig, CardError> {
-    check_architecture(f)?;
+    let v2 = check_architecture(f)?;
     let model_type = f.opt_str("model_type")?;
     if let Some(t) = &model_type {
         if !MODEL_TYPES.contains(&t.as_str()) {
@@ -230,12 +256,29 @@ fn parse(f: &Fields<'_>) -> Result<ModelConfig, CardError> {
     }
 
     // Features of other model families that the forward does not implement.
-    f.require_str("scoring_func", "sigmoid", "DeepSeek-V3 routing")?;
-    f.require_str(
-        "topk_method",
-        "noaux_tc",
-        "sigmoid scores plus e_score_correction_bias",
-    )?;
+    let (scoring, group_limited) = if v2 {
+        f.require_str("scoring_func", "softmax", "DeepSeek-V2 routing")?;
+        match f.opt_str("topk_method")?.as_deref() {
+            None | Some("greedy") => (Scoring::Softmax, false),
+            Some("group_limited_greedy") => (Scoring::Softmax, true),
+            Some(other) => {
+                return Err(f.err(
+                    "topk_method",
+                    format!(
+                        "must be \"greedy\" or \"group_limited_greedy\" (DeepSeek-V2 routing), got {other:?}"
+                    ),
+                ))
+            }
+        }
+    } else {
+        f.require_str("scoring_func", "sigmoid", "DeepSeek-V3 routing")?;
+        f.require_str(
+            "topk_method",
+            "noaux_tc",
+            "sigmoid scores plus e_score_correction_bias",
+        )?;
+        (Scoring::Sigmoid, true)
+    };
     f.require_str("hidden_act", "silu", "SwiGLU experts")?;
     if f.opt_bool("attention_bias")?.unwrap_or(false) {
         return Err(f.err(
@@ -275,7 +318,12 @@ fn parse(f: &Fields<'_>) -> Result<ModelConfig, CardError> {
     let v_head_dim = f.positive("v_head_dim")?;
     let max_position_embeddings = f.positive("max_position_embeddings")?;
 
-    let moe = parse_moe(f, num_hidden_layers)?;
+    let mut moe = parse_moe(f, num_hidden_layers)?;
+    if !group_limited {
+        // Greedy routing ignores groups: one group holding every expert.
+        moe.n_group = 1;
+        moe.topk_group = 1;
+    }
 
     let rms_norm_eps = f.positive_f64("rms_norm_eps", Some(1e-6))?;
     let num_nextn_predict_layers = f.opt_usize("num_nextn_predict_layers")?.unwrap_or(0);
@@ -322,6 +370,7 @@ fn parse(f: &Fields<'_>) -> Result<ModelConfig, CardError> {
         moe_layer_freq: moe.moe_layer_freq,
         norm_topk_prob: moe.norm_topk_prob,
         routed_scaling_factor: moe.routed_scaling_factor,
+        scoring,
         rms_norm_eps: rms_norm_eps as f32,
         max_position_embeddings,
         num_nextn_predict_layers,
@@ -334,7 +383,8 @@ fn parse(f: &Fields<'_>) -> Result<ModelConfig, CardError> {
     })
 }
 
-fn check_architecture(f: &Fields<'_>) -> Result<(), CardError> {
+/// Which architecture the config names: `Ok(true)` for [`ARCHITECTURE_V2`].
+fn check_architecture(f: &Fields<'_>) -> Result<bool, CardError> {
     let Some(value) = f.get("architectures") else {
         return Err(f.err(
             "architectures",
@@ -349,7 +399,10 @@ fn check_architecture(f: &Fields<'_>) -> Result<(), CardError> {
     };
     let names: Vec<&str> = items.iter().filter_map(Value::as_str).collect();
     if names.contains(&ARCHITECTURE) {
-        return Ok(());
+        return Ok(false);
+    }
+    if names.contains(&ARCHITECTURE_V2) {
+        return Ok(true);
     }
     if names.is_empty() {
         return Err(f.err(

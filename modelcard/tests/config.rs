@@ -356,3 +356,49 @@ fn bad_values_name_field_value_and_limit() -> anyhow::Result<()> {
         &["[64,64]", "128"],
     )
 }
+
+#[test]
+fn deepseek_v2_configs_parse_with_softmax_routing_and_name_bad_fields() -> anyhow::Result<()> {
+    use ferry_modelcard::config::Scoring;
+    // Kimi K2's shapes under DeepSeek-V2's architecture and routing.
+    let v2 = |edit: fn(&mut Value)| {
+        k2_with(|v| {
+            v["architectures"] = json!(["DeepseekV2ForCausalLM"]);
+            v["model_type"] = json!("deepseek_v2");
+            v["scoring_func"] = json!("softmax");
+            v["topk_method"] = json!("group_limited_greedy");
+            v["n_group"] = json!(8);
+            v["topk_group"] = json!(4);
+            edit(v);
+        })
+    };
+    let grouped = v2(|_| {})??;
+    assert_eq!(grouped.scoring, Scoring::Softmax);
+    assert_eq!(
+        (grouped.n_group, grouped.topk_group),
+        (8, 4),
+        "group-limited keeps the config's groups"
+    );
+    // `greedy` ignores groups; an absent `scoring_func` is V2's softmax.
+    let greedy = v2(|v| {
+        v["topk_method"] = json!("greedy");
+        v.as_object_mut().unwrap().remove("scoring_func");
+    })??;
+    assert_eq!(
+        (greedy.scoring, greedy.n_group, greedy.topk_group),
+        (Scoring::Softmax, 1, 1)
+    );
+    // V3's routing named under V2, and the other way round, are errors naming the field.
+    assert_config_err(
+        v2(|v| v["topk_method"] = json!("noaux_tc"))?,
+        "topk_method",
+        &["\"noaux_tc\"", "greedy"],
+    )?;
+    assert_config_err(
+        v2(|v| v["scoring_func"] = json!("sigmoid"))?,
+        "scoring_func",
+        &["\"sigmoid\"", "softmax"],
+    )?;
+    assert_eq!(k2_with(|_| {})??.scoring, Scoring::Sigmoid);
+    Ok(())
+}

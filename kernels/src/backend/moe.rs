@@ -205,6 +205,7 @@ fn upload<D: crate::gpu::launch::Gpu>(
             norm_topk: i32::from(r.norm_topk_prob),
             n_shared: n_shared as i32,
             scale: r.routed_scaling_factor,
+            softmax: i32::from(r.scoring == crate::cpu::moe::RouteScoring::Softmax),
         },
     ))
 }

@@ -12,6 +12,13 @@
 //! 4. Pick the `top_k` experts by choice; their weights are the *unbiased* `scores`, divided by
 //!    `sum + 1e-20` when `norm_topk_prob`, then multiplied by `routed_scaling_factor`.
 //!
+//! DeepSeek-V2's routing ([`RouteScoring::Softmax`]) follows transformers' (5.x)
+//! `DeepseekV2TopkRouter`: `scores = softmax(logits)` (no bias; `choice = scores`); with
+//! `group_limited_greedy`, a group's score is its best expert's and the experts of groups not
+//! kept get choice `0.0` (`masked_fill(~mask, 0.0)`); `greedy` is one group; the `top_k` best by
+//! choice are weighted by their scores times `routed_scaling_factor`, never renormalised
+//! (transformers' V2 router ignores `norm_topk_prob`).
+//!
 //! Ties (equal group scores or choice values) go to the lower index; torch leaves them
 //! unspecified. [`MoeLayer::forward`] sums expert outputs in ascending expert order, as the
 //! transformers loop does, so f32 rounding matches it as closely as possible.
@@ -21,6 +28,16 @@ use rayon::prelude::*;
 use super::gemm::{check_len, linear, Matrix};
 use super::mlp::GatedMlp;
 use crate::error::KernelError;
+
+/// How the router turns logits into scores (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum RouteScoring {
+    /// DeepSeek-V3: sigmoid, the correction bias in the choice, groups by their two best.
+    #[default]
+    Sigmoid,
+    /// DeepSeek-V2: softmax, no bias, groups by their best, masked experts 0, no renormalising.
+    Softmax,
+}
 
 /// Routing hyper-parameters of one MoE layer.
 #[derive(Debug, Clone, PartialEq)]
@@ -37,6 +54,8 @@ pub struct MoeRouting {
     pub norm_topk_prob: bool,
     /// Multiplier on the final weights (`routed_scaling_factor`).
     pub routed_scaling_factor: f32,
+    /// How logits become scores.
+    pub scoring: RouteScoring,
 }
 
 /// One token's routing: `(expert, weight)`, best choice score first.
@@ -106,13 +125,20 @@ impl MoeRouting {
 
     fn route_token(&self, logits: &[f32], bias: &[f32]) -> TokenRoute {
         let group_size = self.n_experts / self.n_group;
-        let scores: Vec<f32> = logits.iter().map(|&v| sigmoid(v)).collect();
-        let mut choice: Vec<f32> = scores.iter().zip(bias).map(|(s, b)| s + b).collect();
+        let softmax = self.scoring == RouteScoring::Softmax;
+        let (scores, mut choice): (Vec<f32>, Vec<f32>) = if softmax {
+            let scores = softmax_f32(logits);
+            (scores.clone(), scores)
+        } else {
+            let scores: Vec<f32> = logits.iter().map(|&v| sigmoid(v)).collect();
+            let choice = scores.iter().zip(bias).map(|(s, b)| s + b).collect();
+            (scores, choice)
+        };
 
         let group_scores: Vec<f32> = choice
             .chunks_exact(group_size)
             .map(|g| {
-                let best = top_indices(g, g.len().min(2));
+                let best = top_indices(g, g.len().min(if softmax { 1 } else { 2 }));
                 let (a, b) = (g[best[0]], best.get(1).map_or(0.0, |&i| g[i]));
                 a + b
             })
@@ -123,13 +149,13 @@ impl MoeRouting {
         }
         for (g, block) in choice.chunks_exact_mut(group_size).enumerate() {
             if !kept[g] {
-                block.fill(f32::NEG_INFINITY);
+                block.fill(if softmax { 0.0 } else { f32::NEG_INFINITY });
             }
         }
 
         let picked = top_indices(&choice, self.top_k);
         let mut weights: Vec<f32> = picked.iter().map(|&i| scores[i]).collect();
-        if self.norm_topk_prob {
+        if self.norm_topk_prob && !softmax {
             let denom = weights.iter().sum::<f32>() + 1e-20;
             for w in &mut weights {
                 *w /= denom;
@@ -149,6 +175,14 @@ fn top_indices(values: &[f32], k: usize) -> Vec<usize> {
     idx.sort_by(|&a, &b| values[b].total_cmp(&values[a]).then(a.cmp(&b)));
     idx.truncate(k);
     idx
+}
+
+/// `softmax(v)` in f32 (max subtracted), as torch's CPU `softmax(dim=-1, dtype=float32)`.
+fn softmax_f32(v: &[f32]) -> Vec<f32> {
+    let m = v.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let e: Vec<f32> = v.iter().map(|&x| (x - m).exp()).collect();
+    let sum: f32 = e.iter().sum();
+    e.into_iter().map(|x| x / sum).collect()
 }
 
 /// `1 / (1 + exp(-v))` in f32, as torch's CPU `sigmoid`.

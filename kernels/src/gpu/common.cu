@@ -546,6 +546,9 @@ extern "C" __global__ void mha_build_kv_bf16(const float* kv, const float* lat, 
 struct RouteParams {
   int n_experts, top_k, n_group, topk_group, norm_topk, n_shared;
   float scale;
+  // 1: DeepSeek-V2 routing (softmax scores, no bias, groups by their best, masked experts 0,
+  // never renormalised); 0: DeepSeek-V3's (see kernels/src/cpu/moe.rs).
+  int softmax;
 };
 
 __device__ __forceinline__ void warp_argmax(float v, int i, float* bv, int* bi) {
@@ -567,10 +570,31 @@ extern "C" __global__ void moe_route(const float* logits, const float* bias, Rou
   __shared__ int kept[1024];
   int t = blockIdx.x, lane = threadIdx.x, E = p.n_experts, gsz = E / p.n_group;
   int slots = p.top_k + p.n_shared;
-  for (int e = lane; e < E; e += WARP) {
-    float s = 1.0f / (1.0f + expf(-logits[(size_t)t * E + e]));
-    score[e] = s;
-    choice[e] = s + bias[e];
+  const float* row = logits + (size_t)t * E;
+  if (p.softmax) {
+    float m = -FERRY_INF;
+    for (int e = lane; e < E; e += WARP) m = fmaxf(m, row[e]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, SHFL_XOR(m, o));
+    float sum = 0.0f;
+    for (int e = lane; e < E; e += WARP) {
+      float x = expf(row[e] - m);
+      score[e] = x;
+      sum += x;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) sum += SHFL_XOR(sum, o);
+    __syncwarp();
+    for (int e = lane; e < E; e += WARP) {
+      score[e] = score[e] / sum;
+      choice[e] = score[e];
+    }
+  } else {
+    for (int e = lane; e < E; e += WARP) {
+      float s = 1.0f / (1.0f + expf(-row[e]));
+      score[e] = s;
+      choice[e] = s + bias[e];
+    }
   }
   __syncwarp();
   for (int g = lane; g < p.n_group; g += WARP) {
@@ -579,7 +603,7 @@ extern "C" __global__ void moe_route(const float* logits, const float* bias, Rou
       float c = choice[e];
       if (c > a) { b = a; a = c; } else if (c > b) { b = c; }
     }
-    gscore[g] = gsz >= 2 ? a + b : a;
+    gscore[g] = (gsz >= 2 && !p.softmax) ? a + b : a;
     kept[g] = 0;
   }
   __syncwarp();
@@ -595,7 +619,7 @@ extern "C" __global__ void moe_route(const float* logits, const float* bias, Rou
     __syncwarp();
   }
   for (int e = lane; e < E; e += WARP)
-    if (!kept[e / gsz]) choice[e] = -FERRY_INF;
+    if (!kept[e / gsz]) choice[e] = p.softmax ? 0.0f : -FERRY_INF;
   __syncwarp();
   float sum = 0.0f;
   for (int k = 0; k < p.top_k; k++) {
@@ -617,7 +641,7 @@ extern "C" __global__ void moe_route(const float* logits, const float* bias, Rou
     float denom = sum + 1e-20f;
     for (int k = 0; k < p.top_k; k++) {
       float w = weights[(size_t)t * slots + k];
-      if (p.norm_topk) w = w / denom;
+      if (p.norm_topk && !p.softmax) w = w / denom;
       weights[(size_t)t * slots + k] = w * p.scale;
     }
     for (int s = 0; s < p.n_shared; s++) {

@@ -971,8 +971,11 @@ pub struct RouteParams {
     pub n_shared: i32,
     /// `routed_scaling_factor`.
     pub scale: f32,
+    /// 1: DeepSeek-V2 routing (softmax scores, groups by their best, never renormalised);
+    /// 0: DeepSeek-V3's (sigmoid, correction bias, groups by their two best).
+    pub softmax: i32,
 }
-// SAFETY: repr(C), seven 4-byte fields, no padding; matches `struct RouteParams` in common.cu.
+// SAFETY: repr(C), eight 4-byte fields, no padding; matches `struct RouteParams` in common.cu.
 unsafe impl KernelParam for RouteParams {}
 
 /// Stacked expert weights of one MoE layer: routed experts `0..E`, then the shared expert

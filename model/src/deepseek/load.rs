@@ -12,7 +12,7 @@ use ferry_kernels::backend::{Backend, Tensor, Weight};
 use ferry_kernels::cpu::gemm::Matrix;
 use ferry_kernels::cpu::mla::MlaDims;
 use ferry_kernels::cpu::mlp::GatedMlp;
-use ferry_kernels::cpu::moe::{MoeLayer, MoeRouting};
+use ferry_kernels::cpu::moe::{MoeLayer, MoeRouting, RouteScoring};
 use ferry_kernels::cpu::rope::Rope;
 use rayon::prelude::*;
 
@@ -163,12 +163,20 @@ fn load_layer(
                 topk_group: c.topk_group,
                 norm_topk_prob: c.norm_topk_prob,
                 routed_scaling_factor: c.routed_scaling_factor,
+                scoring: match c.scoring {
+                    crate::config::Scoring::Sigmoid => RouteScoring::Sigmoid,
+                    crate::config::Scoring::Softmax => RouteScoring::Softmax,
+                },
             },
             router: w.get_matrix(&format!("{p}.mlp.gate.weight"), c.n_routed_experts, hidden)?,
-            correction_bias: w.get_f32(
-                &format!("{p}.mlp.gate.e_score_correction_bias"),
-                &[c.n_routed_experts],
-            )?,
+            // DeepSeek-V2's router has no correction bias.
+            correction_bias: match c.scoring {
+                crate::config::Scoring::Sigmoid => w.get_f32(
+                    &format!("{p}.mlp.gate.e_score_correction_bias"),
+                    &[c.n_routed_experts],
+                )?,
+                crate::config::Scoring::Softmax => vec![0.0; c.n_routed_experts],
+            },
             experts,
             shared,
         })))

@@ -146,6 +146,7 @@ impl DeepseekModel {
                         norm_topk: i32::from(c.norm_topk_prob),
                         n_shared: c.n_shared_experts as i32,
                         scale: c.routed_scaling_factor,
+                        softmax: i32::from(c.scoring == crate::config::Scoring::Softmax),
                     },
                 }))
             } else {
