@@ -15,22 +15,13 @@ FERRY=${FERRY:-./device-bin/ferry}
 MODEL=${MODEL:-models/dummy/deepseek-v2-lite}
 TOKENS=${TOKENS:-8192}
 REQUESTS=${REQUESTS:-6}
+# shellcheck source=scripts/gpu_cluster.sh
+source scripts/gpu_cluster.sh
 rows=()
 for transport in "$@"; do
   log=$(mktemp)
-  "$FERRY" up --device cuda --gpu-mode fast --load-format dummy --model "$MODEL" \
-    --transport "$transport" --kv-blocks 1024 \
-    --http-addr 127.0.0.1:18080 --grpc-addr 127.0.0.1:18051 >"$log" 2>&1 &
-  pid=$!
-  trap 'kill "$pid" 2>/dev/null || true' EXIT
-  # Up, and both workers registered with the router.
-  for _ in $(seq 600); do
-    plain=$(sed 's/\x1b\[[0-9;]*m//g' "$log")
-    grep -q "ferry is up" <<<"$plain" && grep -q "registered worker=decode-0" <<<"$plain" \
-      && grep -q "registered worker=prefill-0" <<<"$plain" && break
-    if ! kill -0 "$pid" 2>/dev/null; then cat "$log"; exit 1; fi
-    sleep 0.5
-  done
+  up_cluster "$log" 1 --transport "$transport" --kv-blocks 1024 || exit 1
+  pid=$CLUSTER_PID
   metrics=$(grep -oE "prefill-0 +http://[0-9.:]+/metrics" "$log" | awk '{print $2}')
   if [ -z "$metrics" ]; then echo "no prefill metrics address in:"; cat "$log"; exit 1; fi
   if ! "$FERRY" bench --grpc-addr 127.0.0.1:18051 --concurrency 1 \

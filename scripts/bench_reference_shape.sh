@@ -12,22 +12,14 @@ cd "$(dirname "$0")/.."
 FERRY=${FERRY:-./device-bin/ferry}
 MODEL=${MODEL:-models/dummy/deepseek-v2-lite}
 LEVELS=${1:-1,4,16}
+# shellcheck source=scripts/gpu_cluster.sh
+source scripts/gpu_cluster.sh
 for mode in ${MODES:-disaggregated aggregated}; do
   prefill=1
   [ "$mode" = aggregated ] && prefill=0
   log=$(mktemp)
-  "$FERRY" up --device cuda --gpu-mode fast --load-format dummy --model "$MODEL" \
-    --prefill-workers "$prefill" --decode-workers 1 --transport "${TRANSPORT:-tcp}" \
-    --kv-blocks 4096 --http-addr 127.0.0.1:18080 --grpc-addr 127.0.0.1:18051 >"$log" 2>&1 &
-  pid=$!
-  trap 'kill "$pid" 2>/dev/null || true' EXIT
-  for _ in $(seq 600); do
-    plain=$(sed 's/\x1b\[[0-9;]*m//g' "$log")
-    grep -q "ferry is up" <<<"$plain" && grep -q "registered worker=decode-0" <<<"$plain" \
-      && { [ "$prefill" = 0 ] || grep -q "registered worker=prefill-0" <<<"$plain"; } && break
-    if ! kill -0 "$pid" 2>/dev/null; then cat "$log"; exit 1; fi
-    sleep 0.5
-  done
+  up_cluster "$log" "$prefill" --transport "${TRANSPORT:-tcp}" --kv-blocks 4096 || exit 1
+  pid=$CLUSTER_PID
   echo "### $mode ($MODEL, dummy weights, fast mode; ${PROMPT:-1024} in / ${OUTPUT:-400} out)"
   "$FERRY" bench --grpc-addr 127.0.0.1:18051 --concurrency "$LEVELS" \
     --requests-per-level "${REQUESTS:-16}" --prompt-tokens "${PROMPT:-1024}" \
