@@ -45,6 +45,19 @@ fn greedy() -> SamplingParams {
     }
 }
 
+/// A greedy job of [`MAX_TOKENS`] tokens that ignores end-of-sequence tokens.
+fn job(prompt: &[u32], prefill: PrefillSource) -> GenerateJob {
+    GenerateJob {
+        prompt: prompt.to_vec(),
+        sampling: greedy(),
+        stop: StopParams {
+            max_tokens: MAX_TOKENS,
+            ignore_eos: true,
+        },
+        prefill,
+    }
+}
+
 fn engine() -> EngineHandle {
     let model = DeepseekModel::load(&ferry_model::embedded::default_model_dir()).expect("model");
     let config = EngineConfig {
@@ -155,15 +168,7 @@ async fn gpu_to_gpu_puts_land_bit_identical_and_decode_like_a_local_prefill() {
     let mut runs = Vec::new();
     for (e, reg, name) in [(&a, &reg_a, "ucx"), (&b, &reg_b, "tcp")] {
         let mut g = e
-            .generate(GenerateJob {
-                prompt: prompt.clone(),
-                sampling: greedy(),
-                stop: StopParams {
-                    max_tokens: MAX_TOKENS,
-                    ignore_eos: true,
-                },
-                prefill: PrefillSource::Remote { local_threshold: 0 },
-            })
+            .generate(job(&prompt, PrefillSource::Remote { local_threshold: 0 }))
             .unwrap();
         let Some(EngineEvent::Reserved {
             blocks,
@@ -252,17 +257,7 @@ async fn gpu_to_gpu_puts_land_bit_identical_and_decode_like_a_local_prefill() {
         "device-to-device rows are bit-identical to the prefill cache's ({bytes} bytes); \
          (layer, block) that differ: {differ:?}"
     );
-    let mut g = local
-        .generate(GenerateJob {
-            prompt: prompt.clone(),
-            sampling: greedy(),
-            stop: StopParams {
-                max_tokens: MAX_TOKENS,
-                ignore_eos: true,
-            },
-            prefill: PrefillSource::Local,
-        })
-        .unwrap();
+    let mut g = local.generate(job(&prompt, PrefillSource::Local)).unwrap();
     let mut want = Vec::new();
     while let Some(ev) = g.events.recv().await {
         match ev {
