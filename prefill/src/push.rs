@@ -4,7 +4,7 @@ use ferry_kvtransfer::descriptor::{BlockWrite, DeviceBatch, DeviceRun, WriteBatc
 use ferry_kvtransfer::layerwise::LayerSink;
 use ferry_kvtransfer::{convert, Dtype, MAX_RUN_BYTES};
 use ferry_model::engine::LayerSinkFn;
-use ferry_model::kv::KvDtype;
+use ferry_model::kv::{BlockId, KvDtype, LayerRows};
 
 /// The transfer wire's name for a cache dtype.
 pub fn wire_dtype(d: KvDtype) -> Dtype {
@@ -48,74 +48,103 @@ pub fn offset_layer_pusher(
     wire: Dtype,
 ) -> LayerSinkFn {
     Box::new(move |pool_layer, blocks, rows| {
-        let layer = offset + pool_layer;
-        let held = wire_dtype(rows.dtype());
-        if let Some(dev) = rows.on_device() {
-            if held != wire {
-                return Err(format!(
-                    "rows left on the device are {held}, the destination wants {wire}"
-                ));
-            }
-            let bb = rows.block_bytes();
-            let mut runs: Vec<DeviceRun> = Vec::new();
-            for (j, b) in blocks.iter().enumerate() {
-                let block = *dest.get(dest_first + j).ok_or_else(|| {
-                    format!("no destination block for prompt block {}", dest_first + j)
-                })?;
-                let src = dev
-                    .addr(*b, bb)
-                    .ok_or_else(|| format!("{b} of layer {pool_layer} is not on the device"))?;
-                match runs.last_mut() {
-                    Some(r)
-                        if u64::from(r.block) + (r.len / bb) as u64 == u64::from(block)
-                            && r.src + r.len as u64 == src =>
-                    {
-                        r.len += bb
-                    }
-                    _ => runs.push(DeviceRun {
-                        block,
-                        src,
-                        len: bb,
-                    }),
-                }
-            }
-            let layer = u32::try_from(layer).map_err(|e| e.to_string())?;
-            #[allow(unsafe_code)] // the one unsafe block of this crate: see the crate docs
-            // SAFETY: the runs are the engine's device cache blocks of this layer, computed
-            // (the view is handed out after the layer's compute) and unchanged until the lease
-            // is dropped: the engine waits for every lease before it writes them again.
-            let batch = unsafe { DeviceBatch::new(layer, dev.device, runs, Box::new(dev.lease())) };
-            return sink.send_device(batch).map_err(|e| e.to_string());
+        let layer = u32::try_from(offset + pool_layer).map_err(|e| e.to_string())?;
+        let dest_of = |j: usize| {
+            dest.get(dest_first + j)
+                .copied()
+                .ok_or_else(|| format!("no destination block for prompt block {}", dest_first + j))
+        };
+        if rows.on_device().is_some() {
+            let batch = device_batch(layer, blocks, rows, wire, dest_of)?;
+            sink.send_device(batch).map_err(|e| e.to_string())
+        } else {
+            let batch = host_batch(layer, blocks, rows, wire, dest_of)?;
+            sink.send(batch).map_err(|e| e.to_string())
         }
-        let mut writes = Vec::with_capacity(blocks.len());
-        for (j, b) in blocks.iter().enumerate() {
-            let block = *dest.get(dest_first + j).ok_or_else(|| {
-                format!("no destination block for prompt block {}", dest_first + j)
-            })?;
-            let bytes = rows.block(*b).map_err(|e| e.to_string())?;
-            let data = if held == wire {
-                bytes.to_vec()
-            } else {
-                convert(bytes, held, wire, rows.width()).map_err(|e| e.to_string())?
-            };
-            match writes.last_mut() {
-                Some(BlockWrite {
-                    block: first,
-                    data: run,
-                }) if run.len() % data.len().max(1) == 0
-                    && u64::from(*first) + (run.len() / data.len().max(1)) as u64
-                        == u64::from(block)
-                    && run.len() + data.len() <= MAX_RUN_BYTES =>
-                {
-                    run.extend_from_slice(&data)
-                }
-                _ => writes.push(BlockWrite { block, data }),
-            }
-        }
-        let layer = u32::try_from(layer).map_err(|e| e.to_string())?;
-        sink.send(WriteBatch { layer, writes })
-            .map_err(|e| e.to_string())
     })
+}
+
+/// One layer's blocks read in place from the engine's device cache: runs whose destination
+/// ids and source addresses are both consecutive, uncapped, under the layer's lease.
+fn device_batch(
+    layer: u32,
+    blocks: &[BlockId],
+    rows: &LayerRows<'_>,
+    wire: Dtype,
+    dest_of: impl Fn(usize) -> Result<u32, String>,
+) -> Result<DeviceBatch, String> {
+    let dev = rows
+        .on_device()
+        .ok_or_else(|| format!("layer {layer}'s rows are not on the device"))?;
+    let held = wire_dtype(rows.dtype());
+    if held != wire {
+        return Err(format!(
+            "rows left on the device are {held}, the destination wants {wire}"
+        ));
+    }
+    let bb = rows.block_bytes();
+    let mut runs: Vec<DeviceRun> = Vec::new();
+    for (j, b) in blocks.iter().enumerate() {
+        let block = dest_of(j)?;
+        let src = dev
+            .addr(*b, bb)
+            .ok_or_else(|| format!("{b} of layer {layer} is not on the device"))?;
+        match runs.last_mut() {
+            Some(r)
+                if u64::from(r.block) + (r.len / bb) as u64 == u64::from(block)
+                    && r.src + r.len as u64 == src =>
+            {
+                r.len += bb
+            }
+            _ => runs.push(DeviceRun {
+                block,
+                src,
+                len: bb,
+            }),
+        }
+    }
+    #[allow(unsafe_code)] // the one unsafe block of this crate: see the crate docs
+    // SAFETY: the runs are the engine's device cache blocks of this layer, computed (the view
+    // is handed out after the layer's compute) and unchanged until the lease is dropped: the
+    // engine waits for every lease before it writes them again.
+    let batch = unsafe { DeviceBatch::new(layer, dev.device, runs, Box::new(dev.lease())) };
+    Ok(batch)
+}
+
+/// One layer's blocks copied from host rows (converted to `wire` where the cache holds
+/// another dtype), consecutive destination blocks as runs of up to [`MAX_RUN_BYTES`].
+fn host_batch(
+    layer: u32,
+    blocks: &[BlockId],
+    rows: &LayerRows<'_>,
+    wire: Dtype,
+    dest_of: impl Fn(usize) -> Result<u32, String>,
+) -> Result<WriteBatch, String> {
+    let held = wire_dtype(rows.dtype());
+    let mut writes = Vec::with_capacity(blocks.len());
+    for (j, b) in blocks.iter().enumerate() {
+        let block = dest_of(j)?;
+        let bytes = rows.block(*b).map_err(|e| e.to_string())?;
+        let data = if held == wire {
+            bytes.to_vec()
+        } else {
+            convert(bytes, held, wire, rows.width()).map_err(|e| e.to_string())?
+        };
+        match writes.last_mut() {
+            Some(BlockWrite {
+                block: first,
+                data: run,
+            }) if run.len() % data.len().max(1) == 0
+                && u64::from(*first) + (run.len() / data.len().max(1)) as u64
+                    == u64::from(block)
+                && run.len() + data.len() <= MAX_RUN_BYTES =>
+            {
+                run.extend_from_slice(&data)
+            }
+            _ => writes.push(BlockWrite { block, data }),
+        }
+    }
+    Ok(WriteBatch { layer, writes })
 }
 
 #[cfg(test)]
@@ -266,5 +295,107 @@ mod tests {
             push(&rows, &[BlockId(3), BlockId(1)], 0, wire_split).await,
             vec![(0, 6, encode(&a)), (0, 7, encode(&b))]
         );
+    }
+}
+
+#[cfg(test)]
+mod device_tests {
+    use std::sync::{Arc, Mutex};
+    use std::time::Duration;
+
+    use async_trait::async_trait;
+    use ferry_kvtransfer::{
+        DeviceBatch, DeviceRun, LayerStreamer, RemoteWriter, TransferError, WriteBatch,
+    };
+    use ferry_model::kv::{BlockId, DeviceRows, KvDtype, LayerRows, Leases};
+
+    use super::*;
+
+    /// A writer that puts from device memory into every layer and records the runs it got; it
+    /// keeps each batch (and so its lease) until flushed, as a transport does until its puts
+    /// complete.
+    #[derive(Default)]
+    struct Recorder {
+        runs: Arc<Mutex<Vec<(u32, Vec<DeviceRun>)>>>,
+        held: Vec<DeviceBatch>,
+    }
+
+    #[async_trait]
+    impl RemoteWriter for Recorder {
+        async fn write(&mut self, _: WriteBatch) -> Result<(), TransferError> {
+            Err(TransferError::Protocol(
+                "host rows were not expected".into(),
+            ))
+        }
+        async fn flush(&mut self) -> Result<u64, TransferError> {
+            let bytes = self.held.iter().map(DeviceBatch::bytes).sum();
+            self.held.clear();
+            Ok(bytes)
+        }
+        fn puts_from_device(&self, _: u32) -> bool {
+            true
+        }
+        async fn write_device(&mut self, batch: DeviceBatch) -> Result<(), TransferError> {
+            self.runs
+                .lock()
+                .unwrap()
+                .push((batch.layer, batch.runs().to_vec()));
+            self.held.push(batch);
+            Ok(())
+        }
+    }
+
+    #[tokio::test]
+    async fn device_rows_leave_as_leased_runs_coalesced_on_both_sides() {
+        // Blocks 4, 5, 6 of layer 0 lie back to back on the device (one run at 0x1000), block
+        // 9 elsewhere; 1,280-byte blocks (bf16 split rows of 576 + 64 at page 1).
+        let split = KvDtype::Bf16Split { rope: 64 };
+        let bb = 1280;
+        let device_runs = [(BlockId(4), 3, 0x1000u64), (BlockId(9), 1, 0x9000u64)];
+        let leases = Leases::new();
+        let ids = [BlockId(4), BlockId(5), BlockId(6), BlockId(9)];
+        let rows = LayerRows::device(
+            0,
+            (split, 576),
+            bb,
+            &ids,
+            DeviceRows::new(0, &device_runs, &leases),
+        );
+        assert!(rows.block(BlockId(4)).is_err(), "no host bytes to read");
+        let recorder = Recorder::default();
+        let seen = recorder.runs.clone();
+        let (sink, streamer) = LayerStreamer::spawn(Box::new(recorder));
+        // Destination blocks 20, 21, 30, 31: consecutive on both sides only for 4 → 20, 5 → 21;
+        // 6 → 30 breaks the destination run, 9 → 31 the source run.
+        let wire = Dtype::Bf16Split { rope: 64 };
+        let mut hook = layer_pusher(sink.clone(), vec![20, 21, 30, 31], 0, wire);
+        hook(0, &ids, &rows).unwrap();
+        // The lease stays out while the transport holds the batch...
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert_eq!(leases.outstanding(), 1);
+        // ...and comes back once the transfer is done with it.
+        assert_eq!(streamer.finish(sink).await.unwrap(), 4 * bb as u64);
+        assert!(leases.wait_idle(Duration::from_secs(5)));
+        let run = |block, src, n: usize| DeviceRun {
+            block,
+            src,
+            len: n * bb,
+        };
+        assert_eq!(
+            *seen.lock().unwrap(),
+            vec![(
+                0,
+                vec![
+                    run(20, 0x1000, 2),
+                    run(30, 0x1000 + 2 * bb as u64, 1),
+                    run(31, 0x9000, 1)
+                ]
+            )]
+        );
+        // Device rows in another dtype than the wire's cannot be converted in place.
+        let (sink, _streamer) = LayerStreamer::spawn(Box::new(Recorder::default()));
+        let mut f32_hook = layer_pusher(sink, vec![20, 21, 30, 31], 0, Dtype::F32);
+        let e = f32_hook(0, &ids, &rows).unwrap_err();
+        assert!(e.contains("the destination wants f32"), "{e}");
     }
 }
