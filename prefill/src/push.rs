@@ -314,9 +314,12 @@ mod device_tests {
     /// A writer that puts from device memory into every layer and records the runs it got; it
     /// keeps each batch (and so its lease) until flushed, as a transport does until its puts
     /// complete.
+    /// `(layer, runs)` of every device batch written.
+    type Seen = Arc<Mutex<Vec<(u32, Vec<DeviceRun>)>>>;
+
     #[derive(Default)]
     struct Recorder {
-        runs: Arc<Mutex<Vec<(u32, Vec<DeviceRun>)>>>,
+        runs: Seen,
         held: Vec<DeviceBatch>,
     }
 
