@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Tiny DeepSeek-V2 checkpoints and transformers' logits on them: the outside reference for
-ferry's DeepSeek-V2 support (softmax routing; `model/tests/parity_v2.rs`).
+ferry's DeepSeek-V2 support (softmax routing; `model/tests/parity.rs`, module `deepseek_v2`).
 
 Two models under models/tiny-v2/, each a Hugging Face `DeepseekV2ForCausalLM` in float32 with
 seeded random weights (transformers' own init, the router's weights scaled up so routing is

@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use ferry_model::config::ModelConfig;
+use ferry_modelcard::config::ModelConfig;
 
 fn config(name: &str) -> ModelConfig {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -15,7 +15,7 @@ fn config(name: &str) -> ModelConfig {
 #[test]
 fn deepseek_v2_lite() {
     let c = config("deepseek-v2-lite");
-    assert_eq!(c.scoring, ferry_model::config::Scoring::Softmax);
+    assert_eq!(c.scoring, ferry_modelcard::config::Scoring::Softmax);
     assert_eq!(
         (
             c.hidden_size,
