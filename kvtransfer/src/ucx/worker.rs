@@ -228,6 +228,8 @@ struct Peer {
     conns: usize,
     /// No new connection may use it (it failed, or a connection on it did); closed once idle.
     retired: bool,
+    /// It or a connection on it failed: closed forcibly (a failed endpoint cannot flush).
+    broken: bool,
 }
 
 /// The writer's side of one connection.
@@ -906,6 +908,7 @@ impl State {
                 err_arg,
                 conns: 0,
                 retired: false,
+                broken: false,
             },
         );
         self.peer_by_address.insert(address.to_vec(), peer);
@@ -1282,7 +1285,7 @@ impl State {
         if let Some(p) = self.peers.get_mut(&peer) {
             p.conns = p.conns.saturating_sub(1);
             if failed.is_some() {
-                self.retire_peer(peer, false);
+                self.retire_peer(peer, true);
             } else if p.retired && p.conns == 0 {
                 self.close_peer(peer, false);
             }
@@ -1296,6 +1299,7 @@ impl State {
             return;
         };
         p.retired = true;
+        p.broken |= force;
         if self.peer_by_address.get(&p.address) == Some(&peer) {
             self.peer_by_address.remove(&p.address);
         }
@@ -1314,7 +1318,7 @@ impl State {
             self.peer_by_address.remove(&p.address);
         }
         let mut params = sys::ucp_request_param_t::zeroed();
-        if force {
+        if force || p.broken {
             params.op_attr_mask = sys::UCP_OP_ATTR_FIELD_FLAGS;
             params.flags = sys::UCP_EP_CLOSE_FLAG_FORCE;
         }
