@@ -141,12 +141,7 @@ impl DeepseekModel {
 
     /// A pool geometry that fits this model, with `num_blocks` blocks of `page_size` tokens.
     pub fn kv_layout(&self, num_blocks: usize, page_size: usize) -> KvLayout {
-        KvLayout {
-            num_layers: self.layers.len(),
-            num_blocks,
-            page_size,
-            width: self.config.latent_width(),
-        }
+        KvLayout::for_model(&self.config, num_blocks, page_size)
     }
 
     /// How a device cache of this model stores its rows: f32 in exact precision; in fast

@@ -516,12 +516,7 @@ impl EngineHandle {
         config: EngineConfig,
     ) -> Result<Self, ModelError> {
         let c = source.config();
-        let layout = crate::kv::KvLayout {
-            num_layers: c.num_hidden_layers,
-            num_blocks: config.num_blocks,
-            page_size: config.page_size,
-            width: c.latent_width(),
-        };
+        let layout = crate::kv::KvLayout::for_model(c, config.num_blocks, config.page_size);
         layout.validate()?;
         let model_config = Arc::new(c.clone());
         let backend = backend::Backend::open(

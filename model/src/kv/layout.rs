@@ -19,6 +19,20 @@ pub struct KvLayout {
 }
 
 impl KvLayout {
+    /// The pool a model of `config` needs: one latent row per token and layer.
+    pub fn for_model(
+        config: &crate::config::ModelConfig,
+        num_blocks: usize,
+        page_size: usize,
+    ) -> Self {
+        Self {
+            num_layers: config.num_hidden_layers,
+            num_blocks,
+            page_size,
+            width: config.latent_width(),
+        }
+    }
+
     /// Checks every dimension is positive and the pool is addressable with `u32` block ids.
     pub fn validate(&self) -> Result<(), ModelError> {
         for (field, v) in [
