@@ -1,7 +1,8 @@
 //! The GPU benchmark report without the `ferry` CLI: `bench_gpu [e2e_context] [e2e_steps]`.
 //! Environment: `FERRY_BENCH_SKIP_KERNELS`, `FERRY_BENCH_PREFILL_ONLY`,
 //! `FERRY_BENCH_PREFILL_TOKENS=4096,16384` (the prefill lengths), `FERRY_BENCH_SPLIT=0` (the
-//! kernel tables on plain bf16 rows instead of fast mode's split rows).
+//! kernel tables on plain bf16 rows instead of fast mode's split rows), `FERRY_BENCH_BATCH=1,32`
+//! (the batched decode table's batch sizes; empty skips it).
 //! Same measurements as `ferry bench-gpu` (see `ferry_model::gpu::report`).
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -23,6 +24,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     if let Ok(t) = std::env::var("FERRY_BENCH_PREFILL_TOKENS") {
         opts.prefill_tokens = t
             .split(',')
+            .map(|x| x.trim().parse())
+            .collect::<Result<_, _>>()?;
+    }
+    if let Ok(b) = std::env::var("FERRY_BENCH_BATCH") {
+        opts.e2e_batch = b
+            .split(',')
+            .filter(|x| !x.trim().is_empty())
             .map(|x| x.trim().parse())
             .collect::<Result<_, _>>()?;
     }

@@ -27,6 +27,10 @@ pub struct BenchGpuArgs {
     /// Decode steps timed end to end.
     #[arg(long, default_value_t = 64)]
     pub e2e_steps: usize,
+    /// Batch sizes of the end-to-end batched decode table (one token per sequence per step,
+    /// each sequence at `--e2e-context`); empty skips it.
+    #[arg(long, value_delimiter = ',', default_value = "1,4,16,32,64,128,256")]
+    pub e2e_batch: Vec<usize>,
     /// Skip the kernel benchmarks.
     #[arg(long)]
     pub skip_kernels: bool,
@@ -51,6 +55,7 @@ pub fn run(args: BenchGpuArgs) -> anyhow::Result<()> {
         context: args.context,
         e2e_context: args.e2e_context,
         e2e_steps: args.e2e_steps,
+        e2e_batch: args.e2e_batch,
         kernels: !args.skip_kernels,
         absorbed: !args.prefill_only,
         e2e: !args.skip_e2e,

@@ -204,107 +204,158 @@ impl GpuKvCache {
 /// Result of [`decode_throughput`].
 #[derive(Debug, Clone, PartialEq)]
 pub struct DecodeReport {
-    /// Cached tokens before the first step.
+    /// Sequences decoded together (one token each per step).
+    pub batch: usize,
+    /// Cached tokens of each sequence before the first step.
     pub context: usize,
     /// Steps timed.
     pub steps: usize,
-    /// Decoded tokens per second, eager launches (wall clock, host argmax included).
-    pub tokens_per_s: f64,
+    /// Decode steps per second, eager launches (wall clock, host argmax included); a step
+    /// decodes `batch` tokens.
+    pub steps_per_s: f64,
     /// The same through a captured CUDA graph ([`DeepseekModel::replay_decode`]), or why not.
-    pub graph_tokens_per_s: Result<f64, String>,
-    /// Weight bytes read per token.
+    pub graph_steps_per_s: Result<f64, String>,
+    /// Weight bytes read per token of a single stream (attention, dense layers, router, the
+    /// `top_k` routed and the shared experts, lm_head).
     pub weight_bytes: usize,
+    /// Weight bytes a step of `batch` tokens needs at least: every weight but the routed
+    /// experts once, plus each MoE layer's routed experts expected to be touched by `batch`
+    /// tokens under uniform routing (`E · (1 − (1 − k/E)^batch)` of them).
+    pub distinct_weight_bytes: f64,
     /// Latent bytes read per token (all layers, at the mean context of the run).
     pub kv_bytes: usize,
-    /// Tokens per second the bandwidth allows: `bandwidth / (weight + kv bytes)`.
-    pub roofline_tokens_per_s: f64,
+    /// Steps per second the bandwidth allows: `bandwidth / (distinct weight + batch · kv bytes)`.
+    pub roofline_steps_per_s: f64,
 }
 
-/// Greedy single-stream decode of `steps` tokens after `context` random cached tokens;
-/// `bandwidth_gbs` (measured copy bandwidth) sets the roofline.
+impl DecodeReport {
+    /// Tokens per second through the graph if it ran, else eager.
+    pub fn best_tokens_per_s(&self) -> f64 {
+        self.batch as f64 * self.graph_steps_per_s.clone().unwrap_or(self.steps_per_s)
+    }
+
+    /// Bytes a step needs ÷ the best step time, in GB/s.
+    pub fn effective_gbs(&self) -> f64 {
+        let step_bytes = self.distinct_weight_bytes + (self.batch * self.kv_bytes) as f64;
+        step_bytes * self.best_tokens_per_s() / self.batch as f64 / 1e9
+    }
+}
+
+/// Routed expert bytes of one expert (gate, up and down), the experts per token and per layer,
+/// and the MoE layers of `model`.
+fn routed_expert_bytes(model: &DeepseekModel) -> (f64, f64, f64, usize) {
+    let c = &model.config;
+    let per_expert = 3.0 * (c.hidden_size * c.moe_intermediate_size) as f64 * 2.0; // bf16
+    let moe_layers = (0..c.num_hidden_layers)
+        .filter(|&l| c.is_moe_layer(l))
+        .count();
+    (
+        per_expert,
+        c.num_experts_per_tok as f64,
+        c.n_routed_experts as f64,
+        moe_layers,
+    )
+}
+
+/// One decode step's inputs: sequence `i` gets `seqs[i]`'s tokens at its position and `tables[i]`.
+fn batch_inputs<'a>(seqs: &'a [(Vec<u32>, usize)], tables: &'a [Vec<BlockId>]) -> BatchInputs<'a> {
+    BatchInputs {
+        seqs: seqs
+            .iter()
+            .zip(tables)
+            .map(|((tokens, pos), table)| SeqInput {
+                tokens,
+                start_pos: *pos,
+                block_table: table,
+                logits: LogitsWanted::Last,
+            })
+            .collect(),
+    }
+}
+
+/// Greedy decode of `batch` sequences for `steps` steps after `context` random cached tokens
+/// each, every step one token per sequence in one forward; `bandwidth_gbs` (measured copy
+/// bandwidth) sets the roofline. `batch` 1 is single-stream decode.
 pub fn decode_throughput(
     model: &DeepseekModel,
+    batch: usize,
     context: usize,
     steps: usize,
     bandwidth_gbs: f64,
 ) -> Result<DecodeReport, ModelError> {
     let dev = model.cuda_device()?;
     let page = 64;
-    let blocks = (context + steps + 1).div_ceil(page);
-    let mut kv = model.new_kv_cache(blocks, page)?;
+    let per_seq = (context + steps + 1).div_ceil(page);
+    let mut kv = model.new_kv_cache(batch * per_seq, page)?;
     kv.fill_random(dev)?;
-    let table: Vec<BlockId> = (0..blocks as u32).map(BlockId).collect();
-    let mut token = [1u32];
-    let mut step = |pos: usize, tok: &mut [u32; 1]| -> Result<(), ModelError> {
-        let toks = tok.to_vec();
-        let batch = BatchInputs {
-            seqs: vec![SeqInput {
-                tokens: &toks,
-                start_pos: pos,
-                block_table: &table,
-                logits: LogitsWanted::Last,
-            }],
-        };
-        let out = model.forward(&batch, &mut kv)?;
-        tok[0] = out.last_row(0).map(argmax).unwrap_or(0);
+    let tables: Vec<Vec<BlockId>> = (0..batch)
+        .map(|s| {
+            (0..per_seq)
+                .map(|b| BlockId((s * per_seq + b) as u32))
+                .collect()
+        })
+        .collect();
+    let inputs = |pos: usize, toks: &[[u32; 1]]| -> Vec<(Vec<u32>, usize)> {
+        toks.iter().map(|t| (t.to_vec(), pos)).collect()
+    };
+    let mut tokens = vec![[1u32]; batch];
+    let mut step = |pos: usize, toks: &mut [[u32; 1]]| -> Result<(), ModelError> {
+        let seqs = inputs(pos, toks);
+        let out = model.forward(&batch_inputs(&seqs, &tables), &mut kv)?;
+        for (s, t) in toks.iter_mut().enumerate() {
+            t[0] = out.last_row(s).map(argmax).unwrap_or(0);
+        }
         Ok(())
     };
     // Warm-up: compiles every kernel and fills the allocator's pool.
-    step(context, &mut token)?;
+    step(context, &mut tokens)?;
     let start = Instant::now();
     for i in 0..steps {
-        step(context + 1 + i, &mut token)?;
+        step(context + 1 + i, &mut tokens)?;
     }
     let secs = start.elapsed().as_secs_f64();
-    let tokens_per_s = steps as f64 / secs.max(f64::MIN_POSITIVE);
+    let steps_per_s = steps as f64 / secs.max(f64::MIN_POSITIVE);
 
     // The same steps again (rewinding the positions) through a captured graph.
-    let plan_ctx = blocks * page;
-    let graph_tokens_per_s = (|| -> Result<f64, ModelError> {
-        let mut tok = [1u32];
-        let mk = |pos: usize, tok: &[u32; 1]| -> (Vec<u32>, usize) { (tok.to_vec(), pos) };
-        let (t0, p0) = mk(context, &tok);
-        let first = BatchInputs {
-            seqs: vec![SeqInput {
-                tokens: &t0,
-                start_pos: p0,
-                block_table: &table,
-                logits: LogitsWanted::Last,
-            }],
-        };
-        let mut g = model.capture_decode(&first, &mut kv, plan_ctx, &[])?;
-        let out = model.replay_decode(&mut g, &first, &kv)?;
-        tok[0] = out.last_row(0).map(argmax).unwrap_or(0);
+    let plan_ctx = per_seq * page;
+    let graph_steps_per_s = (|| -> Result<f64, ModelError> {
+        let mut toks = vec![[1u32]; batch];
+        let first = inputs(context, &toks);
+        let mut g = model.capture_decode(&batch_inputs(&first, &tables), &mut kv, plan_ctx, &[])?;
+        let out = model.replay_decode(&mut g, &batch_inputs(&first, &tables), &kv)?;
+        for (s, t) in toks.iter_mut().enumerate() {
+            t[0] = out.last_row(s).map(argmax).unwrap_or(0);
+        }
         let start = Instant::now();
         for i in 0..steps {
-            let (t, p) = mk(context + 1 + i, &tok);
-            let b = BatchInputs {
-                seqs: vec![SeqInput {
-                    tokens: &t,
-                    start_pos: p,
-                    block_table: &table,
-                    logits: LogitsWanted::Last,
-                }],
-            };
-            let out = model.replay_decode(&mut g, &b, &kv)?;
-            tok[0] = out.last_row(0).map(argmax).unwrap_or(0);
+            let seqs = inputs(context + 1 + i, &toks);
+            let out = model.replay_decode(&mut g, &batch_inputs(&seqs, &tables), &kv)?;
+            for (s, t) in toks.iter_mut().enumerate() {
+                t[0] = out.last_row(s).map(argmax).unwrap_or(0);
+            }
         }
         Ok(steps as f64 / start.elapsed().as_secs_f64().max(f64::MIN_POSITIVE))
     })()
     .map_err(|e| e.to_string());
     let weight_bytes = model.active_weight_bytes();
+    let (per_expert, k, e, moe_layers) = routed_expert_bytes(model);
+    let touched = e * (1.0 - (1.0 - k / e).powi(batch as i32));
+    let distinct_weight_bytes =
+        weight_bytes as f64 - moe_layers as f64 * per_expert * (k - touched);
     let mean_ctx = context + 1 + steps / 2;
     let row_bytes = model.kv_dtype().row_bytes(model.config.latent_width());
     let kv_bytes = model.layers.len() * mean_ctx * row_bytes;
-    let roofline = bandwidth_gbs * 1e9 / (weight_bytes + kv_bytes) as f64;
+    let roofline = bandwidth_gbs * 1e9 / (distinct_weight_bytes + (batch * kv_bytes) as f64);
     Ok(DecodeReport {
+        batch,
         context,
         steps,
-        tokens_per_s,
-        graph_tokens_per_s,
+        steps_per_s,
+        graph_steps_per_s,
         weight_bytes,
+        distinct_weight_bytes,
         kv_bytes,
-        roofline_tokens_per_s: roofline,
+        roofline_steps_per_s: roofline,
     })
 }
 

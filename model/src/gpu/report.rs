@@ -37,6 +37,8 @@ pub struct ReportOptions {
     pub e2e_context: usize,
     /// Decode steps timed end to end.
     pub e2e_steps: usize,
+    /// Batch sizes of the end-to-end batched decode table (empty: skipped).
+    pub e2e_batch: Vec<usize>,
     /// Run the kernel benchmarks.
     pub kernels: bool,
     /// Within the kernel benchmarks, run the absorbed-decode ones (else prefill only).
@@ -56,6 +58,7 @@ impl Default for ReportOptions {
             context: vec![1024, 8192, 32768, 131072],
             e2e_context: 1024,
             e2e_steps: 64,
+            e2e_batch: vec![1, 4, 16, 32, 64, 128, 256],
             kernels: true,
             absorbed: true,
             e2e: true,
@@ -75,13 +78,13 @@ pub fn report(dev: &CudaDevice, opts: &ReportOptions) -> Result<String, ModelErr
         kernels(dev, opts, bw, &mut out)?;
     }
     if opts.e2e {
+        let model = DeepseekModel::random(dev, v2_lite_like_config()?, GpuMode::Fast)?;
         let _ = writeln!(out, "### End to end: single-stream decode, random DeepSeek-V2-Lite-like model (fast mode)\n");
         let _ = writeln!(out, "| launches | context | steps | tok/s | ms/token | weight MB/token | KV MB/token | roofline tok/s | % of roofline |\n|---|---|---|---|---|---|---|---|---|");
-        let model = DeepseekModel::random(dev, v2_lite_like_config()?, GpuMode::Fast)?;
-        match decode_throughput(&model, opts.e2e_context, opts.e2e_steps, bw) {
+        match decode_throughput(&model, 1, opts.e2e_context, opts.e2e_steps, bw) {
             Ok(r) => {
-                let graph = r.graph_tokens_per_s.clone();
-                for (name, tps) in [("eager", Ok(r.tokens_per_s)), ("CUDA graph", graph)] {
+                let graph = r.graph_steps_per_s.clone();
+                for (name, tps) in [("eager", Ok(r.steps_per_s)), ("CUDA graph", graph)] {
                     match tps {
                         Ok(tps) => {
                             let _ = writeln!(
@@ -93,8 +96,8 @@ pub fn report(dev: &CudaDevice, opts: &ReportOptions) -> Result<String, ModelErr
                                 1e3 / tps,
                                 r.weight_bytes as f64 / 1e6,
                                 r.kv_bytes as f64 / 1e6,
-                                r.roofline_tokens_per_s,
-                                100.0 * tps / r.roofline_tokens_per_s
+                                r.roofline_steps_per_s,
+                                100.0 * tps / r.roofline_steps_per_s
                             );
                         }
                         Err(e) => {
@@ -116,8 +119,49 @@ pub fn report(dev: &CudaDevice, opts: &ReportOptions) -> Result<String, ModelErr
                 );
             }
         }
+        if !opts.e2e_batch.is_empty() {
+            batched(&model, opts, bw, &mut out);
+        }
     }
     Ok(out)
+}
+
+/// The batched decode table: per batch size, one step of `batch` tokens at `e2e_context`.
+fn batched(model: &DeepseekModel, opts: &ReportOptions, bw: f64, out: &mut String) {
+    let _ = writeln!(
+        out,
+        "### End to end: batched decode steps, same model, context {} per sequence
+
+Needed bytes per step: every weight but the routed experts once, the routed experts a batch is expected to touch under uniform routing, and each sequence's latent rows.
+",
+        opts.e2e_context
+    );
+    let _ = writeln!(out, "| batch | eager ms/step | graph ms/step | tok/s | needed MB/step | effective GB/s | % of copy |
+|---|---|---|---|---|---|---|");
+    for &b in &opts.e2e_batch {
+        match decode_throughput(model, b, opts.e2e_context, opts.e2e_steps, bw) {
+            Ok(r) => {
+                let graph = match &r.graph_steps_per_s {
+                    Ok(s) => format!("{:.3}", 1e3 / s),
+                    Err(e) => format!("error: {e}"),
+                };
+                let needed = r.distinct_weight_bytes + (r.batch * r.kv_bytes) as f64;
+                let _ = writeln!(
+                    out,
+                    "| {b} | {:.3} | {graph} | {:.0} | {:.0} | {:.0} | {:.0}% |",
+                    1e3 / r.steps_per_s,
+                    r.best_tokens_per_s(),
+                    needed / 1e6,
+                    r.effective_gbs(),
+                    100.0 * r.effective_gbs() / bw
+                );
+            }
+            Err(e) => {
+                let _ = writeln!(out, "| {b} | error: {e} | | | | | |");
+            }
+        }
+    }
+    let _ = writeln!(out);
 }
 
 fn kernels(
