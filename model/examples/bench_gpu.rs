@@ -2,7 +2,8 @@
 //! Environment: `FERRY_BENCH_SKIP_KERNELS`, `FERRY_BENCH_PREFILL_ONLY`,
 //! `FERRY_BENCH_PREFILL_TOKENS=4096,16384` (the prefill lengths), `FERRY_BENCH_SPLIT=0` (the
 //! kernel tables on plain bf16 rows instead of fast mode's split rows), `FERRY_BENCH_BATCH=1,32`
-//! (the batched decode table's batch sizes; empty skips it).
+//! (the batched decode table's batch sizes; empty skips it), `FERRY_BENCH_PREFILL=1024,8192`
+//! (the end-to-end prefill lengths; empty skips it).
 //! Same measurements as `ferry bench-gpu` (see `ferry_model::gpu::report`).
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -29,6 +30,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     if let Ok(b) = std::env::var("FERRY_BENCH_BATCH") {
         opts.e2e_batch = b
+            .split(',')
+            .filter(|x| !x.trim().is_empty())
+            .map(|x| x.trim().parse())
+            .collect::<Result<_, _>>()?;
+    }
+    if let Ok(p) = std::env::var("FERRY_BENCH_PREFILL") {
+        opts.e2e_prefill = p
             .split(',')
             .filter(|x| !x.trim().is_empty())
             .map(|x| x.trim().parse())

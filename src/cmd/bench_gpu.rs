@@ -31,6 +31,9 @@ pub struct BenchGpuArgs {
     /// each sequence at `--e2e-context`); empty skips it.
     #[arg(long, value_delimiter = ',', default_value = "1,4,16,32,64,128,256")]
     pub e2e_batch: Vec<usize>,
+    /// Prompt lengths of the end-to-end prefill table; empty skips it.
+    #[arg(long, value_delimiter = ',', default_value = "1024,8192")]
+    pub e2e_prefill: Vec<usize>,
     /// Skip the kernel benchmarks.
     #[arg(long)]
     pub skip_kernels: bool,
@@ -56,6 +59,7 @@ pub fn run(args: BenchGpuArgs) -> anyhow::Result<()> {
         e2e_context: args.e2e_context,
         e2e_steps: args.e2e_steps,
         e2e_batch: args.e2e_batch,
+        e2e_prefill: args.e2e_prefill,
         kernels: !args.skip_kernels,
         absorbed: !args.prefill_only,
         e2e: !args.skip_e2e,

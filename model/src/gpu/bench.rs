@@ -359,6 +359,39 @@ pub fn decode_throughput(
     })
 }
 
+/// Seconds one prefill forward of a fresh `tokens`-token sequence takes (the logits of its last
+/// row copied back, as a prefill worker needs them), the median of `runs` after a warm-up.
+pub fn prefill_seconds(
+    model: &DeepseekModel,
+    tokens: usize,
+    runs: usize,
+) -> Result<f64, ModelError> {
+    let page = 64;
+    let blocks = tokens.div_ceil(page);
+    let mut kv = model.new_kv_cache(blocks, page)?;
+    let table: Vec<BlockId> = (0..blocks as u32).map(BlockId).collect();
+    let ids: Vec<u32> = (0..tokens)
+        .map(|i| (i * 7919 % model.config.vocab_size) as u32)
+        .collect();
+    let batch = BatchInputs {
+        seqs: vec![SeqInput {
+            tokens: &ids,
+            start_pos: 0,
+            block_table: &table,
+            logits: LogitsWanted::Last,
+        }],
+    };
+    model.forward(&batch, &mut kv)?;
+    let mut times = Vec::with_capacity(runs);
+    for _ in 0..runs.max(1) {
+        let start = Instant::now();
+        model.forward(&batch, &mut kv)?;
+        times.push(start.elapsed().as_secs_f64());
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(times[times.len() / 2])
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -19,7 +19,7 @@ use ferry_kernels::cuda::bench::{
 use ferry_kernels::cuda::mla::MlaShape;
 use ferry_kernels::cuda::CudaDevice;
 
-use super::bench::{decode_throughput, v2_lite_like_config};
+use super::bench::{decode_throughput, prefill_seconds, v2_lite_like_config};
 use super::GpuMode;
 use crate::deepseek::DeepseekModel;
 use crate::ModelError;
@@ -39,6 +39,8 @@ pub struct ReportOptions {
     pub e2e_steps: usize,
     /// Batch sizes of the end-to-end batched decode table (empty: skipped).
     pub e2e_batch: Vec<usize>,
+    /// Prompt lengths of the end-to-end prefill table (empty: skipped).
+    pub e2e_prefill: Vec<usize>,
     /// Run the kernel benchmarks.
     pub kernels: bool,
     /// Within the kernel benchmarks, run the absorbed-decode ones (else prefill only).
@@ -59,6 +61,7 @@ impl Default for ReportOptions {
             e2e_context: 1024,
             e2e_steps: 64,
             e2e_batch: vec![1, 4, 16, 32, 64, 128, 256],
+            e2e_prefill: vec![1024, 8192],
             kernels: true,
             absorbed: true,
             e2e: true,
@@ -121,6 +124,20 @@ pub fn report(dev: &CudaDevice, opts: &ReportOptions) -> Result<String, ModelErr
         }
         if !opts.e2e_batch.is_empty() {
             batched(&model, opts, bw, &mut out);
+        }
+        if !opts.e2e_prefill.is_empty() {
+            let _ = writeln!(out, "### End to end: prefill of one sequence, same model (median of 3)\n\n| tokens | ms | tok/s |\n|---|---|---|");
+            for &n in &opts.e2e_prefill {
+                match prefill_seconds(&model, n, 3) {
+                    Ok(s) => {
+                        let _ = writeln!(out, "| {n} | {:.1} | {:.0} |", s * 1e3, n as f64 / s);
+                    }
+                    Err(e) => {
+                        let _ = writeln!(out, "| {n} | error: {e} | |");
+                    }
+                }
+            }
+            let _ = writeln!(out);
         }
     }
     Ok(out)
