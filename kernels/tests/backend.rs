@@ -16,6 +16,7 @@ use ferry_kernels::backend::latent::{latent_write, LatentWrite};
 use ferry_kernels::backend::linear::{linear, Linear};
 use ferry_kernels::backend::mla_absorbed::{mla_absorbed, AbsorbedRun};
 use ferry_kernels::backend::mla_mha::{mla_mha, MhaRun};
+use ferry_kernels::backend::moe::{moe, Moe, MoeFfn};
 use ferry_kernels::backend::norm::{add_norm, AddNorm};
 use ferry_kernels::backend::rope::RopeTable;
 use ferry_kernels::backend::rows::{embed, gather, Embed, Gather};
@@ -24,6 +25,8 @@ use ferry_kernels::cpu::gemm::Matrix;
 use ferry_kernels::cpu::mla::{
     mla_absorbed_form, mla_mha_attention, LatentContext, LatentPages, MlaDims, SeqAttn,
 };
+use ferry_kernels::cpu::mlp::GatedMlp;
+use ferry_kernels::cpu::moe::{MoeLayer, MoeRouting};
 use ferry_kernels::cpu::norm::{rms_norm, rms_norm_inplace};
 use ferry_kernels::cpu::rope::{Rope, RopeParams, RopeScaling, RotaryLayout};
 
@@ -450,6 +453,100 @@ fn linear_above_the_gemv_rows_matches_the_cpu_on_every_backend() {
                 "f32"
             };
             check(&b, &format!("linear, {m} rows, {dtype} weights"), &y, &want);
+        }
+    }
+}
+
+/// An MoE layer: 8 routed experts in 4 groups (2 kept), top-2, and a shared expert twice the
+/// routed width (two stacked chunks on a GPU), so each token has 4 slots. The router favours
+/// expert 5 for tokens whose first feature is large, which a third of the tokens get: its
+/// group of pairs then spans many chunks of the grouped kernels, most experts a few.
+fn moe_layer(
+    rng: &mut rand_chacha::ChaCha8Rng,
+    hidden: usize,
+    inter: usize,
+    bf16: bool,
+) -> MoeLayer {
+    let mut matrix = |rows: usize, cols: usize, scale: f32| {
+        let v = common::uniform(rng, rows * cols, scale);
+        if bf16 {
+            Matrix::from_bf16(
+                rows,
+                cols,
+                v.iter().map(|&x| half::bf16::from_f32(x)).collect(),
+            )
+        } else {
+            Matrix::from_f32(rows, cols, v)
+        }
+        .expect("len")
+    };
+    let mut mlp = |w: usize| {
+        GatedMlp::new(
+            matrix(w, hidden, 0.3),
+            matrix(w, hidden, 0.3),
+            matrix(hidden, w, 0.3),
+        )
+        .expect("shapes")
+    };
+    let experts = (0..8).map(|_| mlp(inter)).collect();
+    let shared = Some(mlp(2 * inter));
+    let mut router = common::uniform(rng, 8 * hidden, 0.5);
+    router[5 * hidden] = 3.0;
+    MoeLayer {
+        routing: MoeRouting {
+            n_experts: 8,
+            top_k: 2,
+            n_group: 4,
+            topk_group: 2,
+            norm_topk_prob: true,
+            routed_scaling_factor: 2.5,
+            scoring: Default::default(),
+        },
+        router: Matrix::from_f32(8, hidden, router).expect("len"),
+        correction_bias: common::uniform(rng, 8, 0.1),
+        experts,
+        shared,
+    }
+}
+
+/// The MoE op adds what the CPU layer computes into `h`, for one token (the per-pair device
+/// kernels) and for batches (the expert-grouped kernels: one chunk, many chunks per expert,
+/// and more tokens than one grouped pass takes), with bf16 and f32 experts. On CUDA, bf16
+/// experts of widths that are multiples of 32 take the tensor-core kernels (activations split
+/// into bf16 hi + lo, so the same 1e-4 bound holds), the rest the CUDA-core ones.
+#[test]
+fn moe_matches_the_cpu_layer_on_every_backend() {
+    let mut rng = common::rng(23);
+    for ((hidden, inter), bf16) in [((64, 40), true), ((64, 40), false), ((96, 64), true)] {
+        let layer = moe_layer(&mut rng, hidden, inter, bf16);
+        for tokens in [1, 3, 37, 300, 2100] {
+            let mut x = common::uniform(&mut rng, tokens * hidden, 1.0);
+            for t in (0..tokens).step_by(3) {
+                x[t * hidden] = 2.0;
+            }
+            let h0 = common::uniform(&mut rng, tokens * hidden, 1.0);
+            let mut y = vec![0.0f32; x.len()];
+            layer.forward(&x, &mut y).expect("cpu moe");
+            let want: Vec<f32> = h0.iter().zip(&y).map(|(h, y)| h + y).collect();
+            for b in backends() {
+                let w = Moe::to_backend(&layer, 2, &b).expect("upload");
+                let (x_t, mut h_t) = (b.upload(&x).expect("x"), b.upload(&h0).expect("h"));
+                let p = MoeFfn {
+                    w: &w,
+                    x: &x_t,
+                    h: &mut h_t,
+                    precision: Precision::Exact,
+                };
+                moe(&b, p).expect("moe");
+                let got = h_t.to_host().expect("h");
+                let dtype = if bf16 { "bf16" } else { "f32" };
+                check(
+                    &b,
+                    &format!("moe, {tokens} tokens, {dtype} experts"),
+                    &got,
+                    &want,
+                );
+            }
         }
     }
 }

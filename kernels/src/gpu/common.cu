@@ -240,11 +240,11 @@ struct W8Of<float> {
 };
 
 // Dot products of R weight rows (same width k) with m activation rows, reduced over the warp:
-// acc[r][i] = wrow[r] · x[i]. Each lane issues GEMV_U loads per row before using any.
-template <int R, typename W>
-__device__ __forceinline__ void warp_rows_dots(const float* x, int m, int ldx,
-                                               const W* const* wrow, int k,
-                                               float (*acc)[GEMV_MAX_M]) {
+// acc[r][i] = wrow[r] · xrow(i). Each lane issues GEMV_U loads per row before using any.
+// `xrow(i)` gives activation row i (strided rows, or rows gathered by index for grouped MoE).
+template <int R, typename W, typename X>
+__device__ __forceinline__ void warp_rows_dots_by(X xrow, int m, const W* const* wrow, int k,
+                                                  float (*acc)[GEMV_MAX_M]) {
   int lane = threadIdx.x % WARP;
   if ((k & 7) == 0) {
     for (int c0 = lane * 8; c0 < k; c0 += GEMV_U * WARP * 8) {
@@ -262,7 +262,7 @@ __device__ __forceinline__ void warp_rows_dots(const float* x, int m, int ldx,
           for (int i = 0; i < GEMV_MAX_M; i++)
             if (i < m)
 #pragma unroll
-              for (int r = 0; r < R; r++) fma8(&acc[r][i], x + (size_t)i * ldx + c, wc[r][u]);
+              for (int r = 0; r < R; r++) fma8(&acc[r][i], xrow(i) + c, wc[r][u]);
       }
     }
   } else {
@@ -272,7 +272,7 @@ __device__ __forceinline__ void warp_rows_dots(const float* x, int m, int ldx,
         float wv = ld_f(wrow[r] + c);
 #pragma unroll
         for (int i = 0; i < GEMV_MAX_M; i++)
-          if (i < m) acc[r][i] += x[(size_t)i * ldx + c] * wv;
+          if (i < m) acc[r][i] += xrow(i)[c] * wv;
       }
     }
   }
@@ -281,6 +281,13 @@ __device__ __forceinline__ void warp_rows_dots(const float* x, int m, int ldx,
 #pragma unroll
     for (int i = 0; i < GEMV_MAX_M; i++)
       if (i < m) acc[r][i] = warp_sum(acc[r][i]);  // m is uniform: no divergence
+}
+// The same over m rows of x, ldx apart.
+template <int R, typename W>
+__device__ __forceinline__ void warp_rows_dots(const float* x, int m, int ldx,
+                                               const W* const* wrow, int k,
+                                               float (*acc)[GEMV_MAX_M]) {
+  warp_rows_dots_by<R>([=](int i) { return x + (size_t)i * ldx; }, m, wrow, k, acc);
 }
 // One weight row.
 template <typename W>
@@ -715,6 +722,341 @@ extern "C" __global__ void moe_down_bf16(const float* act, const int* ids, const
                                          const bf16_t* down, float* h, int K, int inter,
                                          int hidden) {
   moe_down_impl(act, ids, w, down, h, K, inter, hidden);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Expert-grouped MoE for batches. The per-pair kernels above read an expert's weights once per
+// (token, slot) pair routed to it, so a batch re-reads the same expert once per token. Here the
+// pairs are first grouped by expert (moe_group), and each expert's rows are streamed once per
+// chunk of up to GEMV_MAX_M of its pairs: a step's weight traffic grows with the distinct
+// experts touched (times ceil(pairs / GEMV_MAX_M) per expert), not with batch × slots.
+// Every pair's result is computed by the same arithmetic wherever it sits in its chunk (the
+// dot products are per row; the slot sum runs in slot order), so the output does not depend on
+// the order moe_group's atomics put the pairs in.
+#define MOE_GROUP_THREADS 1024
+#define MOE_MAX_EXPERTS 2048
+
+// Exclusive prefix sum of v over the block (blockDim.x a multiple of 32); *total = the sum.
+// scratch: WARP + 1 shared ints. Every thread of the block must call it.
+__device__ int block_exclusive_scan(int v, int* scratch, int* total) {
+  int lane = threadIdx.x % WARP, w = threadIdx.x / WARP, nw = blockDim.x / WARP;
+  int x = v;
+#pragma unroll
+  for (int o = 1; o < WARP; o <<= 1) {
+    int y = SHFL(x, (lane - o) & (WARP - 1));
+    if (lane >= o) x += y;
+  }
+  if (lane == WARP - 1) scratch[w] = x;
+  __syncthreads();
+  if (w == 0) {
+    int s = lane < nw ? scratch[lane] : 0;
+#pragma unroll
+    for (int o = 1; o < WARP; o <<= 1) {
+      int y = SHFL(s, (lane - o) & (WARP - 1));
+      if (lane >= o) s += y;
+    }
+    scratch[lane] = s;
+    if (lane == WARP - 1) scratch[WARP] = s;
+  }
+  __syncthreads();
+  int excl = x - v + (w > 0 ? scratch[w - 1] : 0);
+  *total = scratch[WARP];
+  __syncthreads();  // scratch is free again
+  return excl;
+}
+
+// Groups `pairs` (token, slot) pairs by expert: order[] lists pair indices expert by expert,
+// chunks[3c..3c+3] = {expert, first index into order, pairs (<= chunk)}, *n_chunks the
+// chunks written. Ids outside [0, n_total) are left out (moe_route never writes one).
+// Grid: 1; block MOE_GROUP_THREADS; n_total <= MOE_MAX_EXPERTS.
+extern "C" __global__ void moe_group(const int* ids, int pairs, int n_total, int chunk,
+                                     int* order, int* chunks, int* n_chunks) {
+  __shared__ int count[MOE_MAX_EXPERTS];
+  __shared__ int next[MOE_MAX_EXPERTS];
+  __shared__ int scratch[WARP + 1];
+  for (int e = threadIdx.x; e < n_total; e += blockDim.x) count[e] = 0;
+  __syncthreads();
+  for (int p = threadIdx.x; p < pairs; p += blockDim.x) {
+    int e = ids[p];
+    if (e >= 0 && e < n_total) atomicAdd(&count[e], 1);
+  }
+  __syncthreads();
+  // Thread i owns experts [i·per, (i+1)·per): their pairs and chunks are laid out in order.
+  int per = (n_total + blockDim.x - 1) / blockDim.x;
+  int e0 = min((int)threadIdx.x * per, n_total), e1 = min(e0 + per, n_total);
+  int mine = 0, mine_chunks = 0;
+  for (int e = e0; e < e1; e++) {
+    mine += count[e];
+    mine_chunks += (count[e] + chunk - 1) / chunk;
+  }
+  int total_pairs, total_chunks;
+  int off = block_exclusive_scan(mine, scratch, &total_pairs);
+  int c = block_exclusive_scan(mine_chunks, scratch, &total_chunks);
+  for (int e = e0; e < e1; e++) {
+    int n = count[e];
+    next[e] = off;
+    for (int j = 0; j < n; j += chunk, c++) {
+      chunks[3 * c] = e;
+      chunks[3 * c + 1] = off + j;
+      chunks[3 * c + 2] = min(chunk, n - j);
+    }
+    off += n;
+  }
+  if (threadIdx.x == 0) *n_chunks = total_chunks;
+  __syncthreads();
+  for (int p = threadIdx.x; p < pairs; p += blockDim.x) {
+    int e = ids[p];
+    if (e >= 0 && e < n_total) order[atomicAdd(&next[e], 1)] = p;
+  }
+}
+
+// A chunk's expert and its pairs (indices t·K + s), read by every lane of the block.
+struct MoeChunk {
+  int expert, m;
+  int pair[GEMV_MAX_M];
+};
+__device__ __forceinline__ MoeChunk moe_chunk(const int* order, const int* chunks, int c) {
+  MoeChunk ch;
+  ch.expert = chunks[3 * c];
+  int first = chunks[3 * c + 1];
+  ch.m = chunks[3 * c + 2];
+#pragma unroll
+  for (int i = 0; i < GEMV_MAX_M; i++) ch.pair[i] = i < ch.m ? order[first + i] : 0;
+  return ch;
+}
+
+// act[p][r] = silu(gate_e[r]·x_t) · (up_e[r]·x_t) for the pairs p = t·K + s of each chunk.
+// Grid: (ceil(inter/8), chunk bound); block 256; blocks past *n_chunks return at once.
+template <typename W>
+__device__ void moe_gate_up_grouped_impl(const float* x, const int* order, const int* chunks,
+                                         const int* n_chunks, const W* gate, const W* up,
+                                         float* act, int K, int inter, int hidden) {
+  int c = blockIdx.y;
+  if (c >= *n_chunks) return;
+  int r = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
+  if (r >= inter) return;
+  MoeChunk ch = moe_chunk(order, chunks, c);
+  size_t e = (size_t)ch.expert;
+  float gu[2][GEMV_MAX_M];
+#pragma unroll
+  for (int i = 0; i < GEMV_MAX_M; i++) gu[0][i] = gu[1][i] = 0.0f;
+  const W* rows[2] = {gate + (e * inter + r) * hidden, up + (e * inter + r) * hidden};
+  warp_rows_dots_by<2>([&](int i) { return x + (size_t)(ch.pair[i] / K) * hidden; }, ch.m, rows,
+                       hidden, gu);
+  if (threadIdx.x % WARP == 0)
+#pragma unroll
+    for (int i = 0; i < GEMV_MAX_M; i++)
+      if (i < ch.m) act[(size_t)ch.pair[i] * inter + r] = silu_f(gu[0][i]) * gu[1][i];
+}
+extern "C" __global__ void moe_gate_up_grouped_f32(const float* x, const int* order,
+                                                   const int* chunks, const int* n_chunks,
+                                                   const float* gate, const float* up, float* act,
+                                                   int K, int inter, int hidden) {
+  moe_gate_up_grouped_impl(x, order, chunks, n_chunks, gate, up, act, K, inter, hidden);
+}
+extern "C" __global__ void moe_gate_up_grouped_bf16(const float* x, const int* order,
+                                                    const int* chunks, const int* n_chunks,
+                                                    const bf16_t* gate, const bf16_t* up,
+                                                    float* act, int K, int inter, int hidden) {
+  moe_gate_up_grouped_impl(x, order, chunks, n_chunks, gate, up, act, K, inter, hidden);
+}
+
+// y[p][j] = w[p] · (down_e[j] · act[p]) for the pairs p of each chunk.
+// Grid: (ceil(hidden/8), chunk bound); block 256.
+template <typename W>
+__device__ void moe_down_grouped_impl(const float* act, const int* order, const int* chunks,
+                                      const int* n_chunks, const float* wts, const W* down,
+                                      float* y, int inter, int hidden) {
+  int c = blockIdx.y;
+  if (c >= *n_chunks) return;
+  int j = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
+  if (j >= hidden) return;
+  MoeChunk ch = moe_chunk(order, chunks, c);
+  float acc[1][GEMV_MAX_M];
+#pragma unroll
+  for (int i = 0; i < GEMV_MAX_M; i++) acc[0][i] = 0.0f;
+  const W* rows[1] = {down + ((size_t)ch.expert * hidden + j) * inter};
+  warp_rows_dots_by<1>([&](int i) { return act + (size_t)ch.pair[i] * inter; }, ch.m, rows,
+                       inter, acc);
+  if (threadIdx.x % WARP == 0)
+#pragma unroll
+    for (int i = 0; i < GEMV_MAX_M; i++)
+      if (i < ch.m) y[(size_t)ch.pair[i] * hidden + j] = wts[ch.pair[i]] * acc[0][i];
+}
+extern "C" __global__ void moe_down_grouped_f32(const float* act, const int* order,
+                                                const int* chunks, const int* n_chunks,
+                                                const float* w, const float* down, float* y,
+                                                int inter, int hidden) {
+  moe_down_grouped_impl(act, order, chunks, n_chunks, w, down, y, inter, hidden);
+}
+extern "C" __global__ void moe_down_grouped_bf16(const float* act, const int* order,
+                                                 const int* chunks, const int* n_chunks,
+                                                 const float* w, const bf16_t* down, float* y,
+                                                 int inter, int hidden) {
+  moe_down_grouped_impl(act, order, chunks, n_chunks, w, down, y, inter, hidden);
+}
+
+#if FERRY_MMA
+// The same two grouped products on tensor cores (CUDA sm_80+, bf16 experts; chunks of up to
+// 16 pairs): a warp computes 16 pairs × 32 output rows of one expert with m16n8k16 bf16 MMAs.
+// The f32 activations are split into bf16 hi + lo parts (two MMAs against the same weights,
+// ~16 mantissa bits, as the exact cuBLAS path does), so the result stays within rounding of
+// the CUDA-core kernels while the FMAs leave the CUDA cores: those kernels are bound by
+// reading the activations once per weight row, not by the weights.
+// Lane l (g = l / 4, q = l % 4) holds pair rows g and g + 8. Within each 32-wide k step, the
+// k order of both operands is permuted alike (a dot product does not depend on it) so that a
+// lane's B operand is one 16-byte load of 8 consecutive weights, k0 + 8q .. k0 + 8q + 8:
+// MMA s (0, 1) takes elements 4s + {0, 1} (registers a0 / a1, b0) and 4s + {2, 3} (a2 / a3, b1).
+#define MOE_MMA_M 16
+#define MOE_MMA_NT 4  // n8 tiles per warp: 32 output rows
+struct MoeAFrag {
+  u32 hi[2][4], lo[2][4];
+};
+__device__ __forceinline__ void moe_a_frag(const float* r0, const float* r1, MoeAFrag& f) {
+  float v[2][8];
+  const float* rows[2] = {r0, r1};
+#pragma unroll
+  for (int r = 0; r < 2; r++) {
+    float4 a = {0.0f, 0.0f, 0.0f, 0.0f}, b = a;
+    if (rows[r]) {
+      a = *reinterpret_cast<const float4*>(rows[r]);
+      b = *reinterpret_cast<const float4*>(rows[r] + 4);
+    }
+    v[r][0] = a.x, v[r][1] = a.y, v[r][2] = a.z, v[r][3] = a.w;
+    v[r][4] = b.x, v[r][5] = b.y, v[r][6] = b.z, v[r][7] = b.w;
+  }
+#pragma unroll
+  for (int s = 0; s < 2; s++)
+#pragma unroll
+    for (int h = 0; h < 2; h++)      // elements 4s + 2h, 4s + 2h + 1
+#pragma unroll
+      for (int r = 0; r < 2; r++) {  // register a[2h + r]
+        float x0 = v[r][4 * s + 2 * h], x1 = v[r][4 * s + 2 * h + 1];
+        u32 hi = pack_bf2(x0, x1);
+        f.hi[s][2 * h + r] = hi;
+        f.lo[s][2 * h + r] =
+            pack_bf2(x0 - ferry_u2f(hi << 16), x1 - ferry_u2f(hi & 0xffff0000u));
+      }
+}
+__device__ __forceinline__ void moe_mma(float* c, const MoeAFrag& a, uint4 w) {
+  mma_bf16(c, a.hi[0], w.x, w.y);
+  mma_bf16(c, a.lo[0], w.x, w.y);
+  mma_bf16(c, a.hi[1], w.z, w.w);
+  mma_bf16(c, a.lo[1], w.z, w.w);
+}
+#endif
+
+// act[p][n] = silu(gate_e[n]·x_t) · (up_e[n]·x_t) on tensor cores; inter and hidden multiples
+// of 32. Grid: (ceil(inter / 128), chunk bound); block 128 (4 warps × 32 rows).
+extern "C" __global__ void moe_gate_up_mma(const float* x, const int* order, const int* chunks,
+                                           const int* n_chunks, const bf16_t* gate,
+                                           const bf16_t* up, float* act, int K, int inter,
+                                           int hidden) {
+#if FERRY_MMA
+  int c = blockIdx.y;
+  if (c >= *n_chunks) return;
+  int lane = threadIdx.x % WARP, g = lane / 4, q = lane % 4;
+  int n0 = (blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP) * 8 * MOE_MMA_NT;
+  if (n0 >= inter) return;
+  size_t e = (size_t)chunks[3 * c];
+  int first = chunks[3 * c + 1], m = chunks[3 * c + 2];
+  int p0 = g < m ? order[first + g] : -1, p1 = g + 8 < m ? order[first + g + 8] : -1;
+  const float* r0 = p0 >= 0 ? x + (size_t)(p0 / K) * hidden + 8 * q : nullptr;
+  const float* r1 = p1 >= 0 ? x + (size_t)(p1 / K) * hidden + 8 * q : nullptr;
+  const bf16_t* gw = gate + (e * inter + n0 + g) * hidden + 8 * q;
+  const bf16_t* uw = up + (e * inter + n0 + g) * hidden + 8 * q;
+  float cg[MOE_MMA_NT][4], cu[MOE_MMA_NT][4];
+#pragma unroll
+  for (int t = 0; t < MOE_MMA_NT; t++)
+#pragma unroll
+    for (int i = 0; i < 4; i++) cg[t][i] = cu[t][i] = 0.0f;
+  for (int k = 0; k < hidden; k += 32) {
+    uint4 wg[MOE_MMA_NT], wu[MOE_MMA_NT];
+#pragma unroll
+    for (int t = 0; t < MOE_MMA_NT; t++) {
+      wg[t] = __ldg(reinterpret_cast<const uint4*>(gw + (size_t)t * 8 * hidden + k));
+      wu[t] = __ldg(reinterpret_cast<const uint4*>(uw + (size_t)t * 8 * hidden + k));
+    }
+    MoeAFrag a;
+    moe_a_frag(r0 ? r0 + k : nullptr, r1 ? r1 + k : nullptr, a);
+#pragma unroll
+    for (int t = 0; t < MOE_MMA_NT; t++) {
+      moe_mma(cg[t], a, wg[t]);
+      moe_mma(cu[t], a, wu[t]);
+    }
+  }
+#pragma unroll
+  for (int t = 0; t < MOE_MMA_NT; t++) {
+    int n = n0 + t * 8 + 2 * q;
+    if (p0 >= 0) {
+      act[(size_t)p0 * inter + n] = silu_f(cg[t][0]) * cu[t][0];
+      act[(size_t)p0 * inter + n + 1] = silu_f(cg[t][1]) * cu[t][1];
+    }
+    if (p1 >= 0) {
+      act[(size_t)p1 * inter + n] = silu_f(cg[t][2]) * cu[t][2];
+      act[(size_t)p1 * inter + n + 1] = silu_f(cg[t][3]) * cu[t][3];
+    }
+  }
+#endif
+}
+
+// y[p][j] = w[p] · (down_e[j] · act[p]) on tensor cores; hidden and inter multiples of 32.
+// Grid: (ceil(hidden / 128), chunk bound); block 128.
+extern "C" __global__ void moe_down_mma(const float* act, const int* order, const int* chunks,
+                                        const int* n_chunks, const float* wts,
+                                        const bf16_t* down, float* y, int inter, int hidden) {
+#if FERRY_MMA
+  int c = blockIdx.y;
+  if (c >= *n_chunks) return;
+  int lane = threadIdx.x % WARP, g = lane / 4, q = lane % 4;
+  int j0 = (blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP) * 8 * MOE_MMA_NT;
+  if (j0 >= hidden) return;
+  size_t e = (size_t)chunks[3 * c];
+  int first = chunks[3 * c + 1], m = chunks[3 * c + 2];
+  int p0 = g < m ? order[first + g] : -1, p1 = g + 8 < m ? order[first + g + 8] : -1;
+  const float* r0 = p0 >= 0 ? act + (size_t)p0 * inter + 8 * q : nullptr;
+  const float* r1 = p1 >= 0 ? act + (size_t)p1 * inter + 8 * q : nullptr;
+  const bf16_t* dw = down + (e * hidden + j0 + g) * inter + 8 * q;
+  float cd[MOE_MMA_NT][4];
+#pragma unroll
+  for (int t = 0; t < MOE_MMA_NT; t++)
+#pragma unroll
+    for (int i = 0; i < 4; i++) cd[t][i] = 0.0f;
+  for (int k = 0; k < inter; k += 32) {
+    uint4 wd[MOE_MMA_NT];
+#pragma unroll
+    for (int t = 0; t < MOE_MMA_NT; t++)
+      wd[t] = __ldg(reinterpret_cast<const uint4*>(dw + (size_t)t * 8 * inter + k));
+    MoeAFrag a;
+    moe_a_frag(r0 ? r0 + k : nullptr, r1 ? r1 + k : nullptr, a);
+#pragma unroll
+    for (int t = 0; t < MOE_MMA_NT; t++) moe_mma(cd[t], a, wd[t]);
+  }
+  float w0 = p0 >= 0 ? wts[p0] : 0.0f, w1 = p1 >= 0 ? wts[p1] : 0.0f;
+#pragma unroll
+  for (int t = 0; t < MOE_MMA_NT; t++) {
+    int j = j0 + t * 8 + 2 * q;
+    if (p0 >= 0) {
+      y[(size_t)p0 * hidden + j] = w0 * cd[t][0];
+      y[(size_t)p0 * hidden + j + 1] = w0 * cd[t][1];
+    }
+    if (p1 >= 0) {
+      y[(size_t)p1 * hidden + j] = w1 * cd[t][2];
+      y[(size_t)p1 * hidden + j + 1] = w1 * cd[t][3];
+    }
+  }
+#endif
+}
+
+// h[t][j] += Σ_s y[t·K + s][j], the slots summed in order. Grid: ceil(T·hidden / 256); block 256.
+extern "C" __global__ void moe_sum_slots(const float* y, float* h, int K, int hidden,
+                                         long long n) {
+  long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (idx >= n) return;
+  long long t = idx / hidden, j = idx % hidden;
+  float s = 0.0f;
+  for (int k = 0; k < K; k++) s += y[(t * K + k) * hidden + j];
+  h[idx] += s;
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -71,6 +71,17 @@ __device__ __forceinline__ unsigned pack_bf2(float lo, float hi) {
 #endif
 }
 
+#if FERRY_MMA
+// c += a(16x16, row) · b(16x8, col), bf16 in, f32 accumulate (tensor cores, sm_80+).
+__device__ __forceinline__ void mma_bf16(float* c, const u32* a, u32 b0, u32 b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+#endif
+
 // 2^x for softmax weights: the hardware approximation (2 ulp) on CUDA; exp2f elsewhere.
 // exp2(-inf) = 0 either way.
 __device__ __forceinline__ float fast_exp2(float x) {

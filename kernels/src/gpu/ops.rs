@@ -1084,6 +1084,9 @@ pub fn moe_experts<D: Gpu>(
     if t == 0 {
         return Ok(());
     }
+    if t >= MOE_GROUPED_MIN_TOKENS && experts.total() <= MOE_MAX_EXPERTS {
+        return moe_experts_grouped(dev, x, routes, experts, h);
+    }
     let act = dev.alloc::<f32>(t * k * inter)?;
     let sfx = experts.gate.is_bf16();
     let f = kernel(
@@ -1140,6 +1143,173 @@ pub fn moe_experts<D: Gpu>(
 
 /// CUDA's (and HIP's) limit on a grid's y and z dimensions.
 pub const MAX_GRID_Y: usize = 65_535;
+
+/// Tokens from which [`moe_experts`] groups the (token, slot) pairs by expert. One token's
+/// slots name distinct experts, so a single token has nothing to share and keeps the two
+/// per-pair launches (grouping costs two more).
+pub const MOE_GROUPED_MIN_TOKENS: usize = 2;
+
+/// Stacked experts (routed + shared chunks) `moe_group` can count (`MOE_MAX_EXPERTS` in
+/// common.cu); a layer with more takes the per-pair kernels.
+pub const MOE_MAX_EXPERTS: usize = 2048;
+
+/// Tokens per grouped pass: bounds the per-pass scratch (`act` and the per-slot outputs, 4 ·
+/// slots · (inter + hidden) bytes per token: ~110 MB at 2,048 tokens of DeepSeek-V2-Lite)
+/// while every expert still gets whole chunks of pairs from a long prefill.
+const MOE_GROUPED_MAX_TOKENS: usize = 2048;
+
+/// Which grouped kernels [`moe_experts_grouped`] runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum GroupedKernels {
+    /// `moe_{gate_up,down}_mma`: tensor cores, chunks of 16 pairs (CUDA sm_80+, bf16 experts,
+    /// widths multiples of 32).
+    TensorCores,
+    /// `moe_{gate_up,down}_grouped_*`: the portable CUDA-core kernels, chunks of
+    /// [`GEMV_MAX_M`] pairs.
+    CudaCores,
+}
+
+impl GroupedKernels {
+    fn pick<D: Gpu>(dev: &D, experts: &GpuExperts<D>) -> Self {
+        let mma = dev.compute_capability() >= (8, 0)
+            && experts.gate.is_bf16()
+            && experts.inter % 32 == 0
+            && experts.hidden % 32 == 0;
+        if mma {
+            Self::TensorCores
+        } else {
+            Self::CudaCores
+        }
+    }
+
+    /// Pairs per chunk.
+    fn chunk(self) -> usize {
+        match self {
+            Self::TensorCores => 16,
+            Self::CudaCores => GEMV_MAX_M,
+        }
+    }
+
+    /// `(gate_up, down, rows per block, threads per block)`.
+    fn kernels(self, bf16: bool) -> (&'static str, &'static str, usize, u32) {
+        match (self, bf16) {
+            (Self::TensorCores, _) => ("moe_gate_up_mma", "moe_down_mma", 128, 128),
+            (Self::CudaCores, true) => {
+                ("moe_gate_up_grouped_bf16", "moe_down_grouped_bf16", 8, 256)
+            }
+            (Self::CudaCores, false) => ("moe_gate_up_grouped_f32", "moe_down_grouped_f32", 8, 256),
+        }
+    }
+}
+
+/// [`moe_experts`] for a batch: `moe_group` sorts the pairs by expert into chunks, the grouped
+/// gate/up and down kernels read each expert's rows once per chunk (on tensor cores where
+/// [`GroupedKernels::pick`] allows), and `moe_sum_slots` adds each token's slots into `h` in
+/// slot order. The chunk count is known only on the device, so the grids are sized for the most
+/// chunks the pass can have (`pairs / chunk` rounded up, plus one partial chunk per expert
+/// touched) and the extra blocks return at once; nothing waits for the host, so a captured
+/// decode graph replays it.
+fn moe_experts_grouped<D: Gpu>(
+    dev: &D,
+    x: Dv<f32>,
+    routes: Routes,
+    experts: &GpuExperts<D>,
+    h: Dv<f32>,
+) -> Result<(), KernelError> {
+    const OP: &str = "gpu_moe_experts_grouped";
+    let (hidden, inter, k) = (experts.hidden, experts.inter, routes.slots);
+    let n_total = experts.total();
+    let t = x.len / hidden.max(1);
+    let which = GroupedKernels::pick(dev, experts);
+    let chunk = which.chunk();
+    let chunk_bound = |pairs: usize| pairs.div_ceil(chunk) + n_total.min(pairs);
+    // Tokens per pass: the scratch bound, and the chunk bound within a grid's y dimension.
+    let mut per_pass = MOE_GROUPED_MAX_TOKENS.min(t);
+    while per_pass > 1 && chunk_bound(per_pass * k) > MAX_GRID_Y {
+        per_pass /= 2;
+    }
+    let pairs_max = per_pass * k;
+    let order = dev.alloc::<i32>(pairs_max)?;
+    let chunks = dev.alloc::<i32>(3 * chunk_bound(pairs_max))?;
+    let n_chunks = dev.alloc::<i32>(1)?;
+    let act = dev.alloc::<f32>(pairs_max * inter)?;
+    let y = dev.alloc::<f32>(pairs_max * hidden)?;
+    let (gate_up_name, down_name, rows_per_block, threads) = which.kernels(experts.gate.is_bf16());
+    let (group, gate_up, down, sum) = (
+        kernel(dev, "moe_group")?,
+        kernel(dev, gate_up_name)?,
+        kernel(dev, down_name)?,
+        kernel(dev, "moe_sum_slots")?,
+    );
+    let words = |n: usize| (n * 4) as u64; // f32 and i32 elements
+    let (k_i, inter_i, hidden_i) = (
+        int(OP, "K", k)?,
+        int(OP, "inter", inter)?,
+        int(OP, "hidden", hidden)?,
+    );
+    for t0 in (0..t).step_by(per_pass) {
+        let n = per_pass.min(t - t0);
+        let pairs = n * k;
+        let bound = chunk_bound(pairs) as u32;
+        let (ids, wts) = (
+            routes.ids.ptr + words(t0 * k),
+            routes.weights.ptr + words(t0 * k),
+        );
+        let mut a = KernelArgs::new();
+        a.push(ids)
+            .push(int(OP, "pairs", pairs)?)
+            .push(int(OP, "experts", n_total)?)
+            .push(int(OP, "chunk", chunk)?)
+            .push(order.ptr())
+            .push(chunks.ptr())
+            .push(n_chunks.ptr());
+        dev.launch(&group, LaunchDims::linear(1, 1024), &mut a)?;
+
+        let mut a = KernelArgs::new();
+        a.push(x.ptr + words(t0 * hidden))
+            .push(order.ptr())
+            .push(chunks.ptr())
+            .push(n_chunks.ptr())
+            .push(experts.gate.ptr())
+            .push(experts.up.ptr())
+            .push(act.ptr())
+            .push(k_i)
+            .push(inter_i)
+            .push(hidden_i);
+        let dims = LaunchDims {
+            grid: (inter.div_ceil(rows_per_block) as u32, bound, 1),
+            block: (threads, 1, 1),
+            smem: 0,
+        };
+        dev.launch(&gate_up, dims, &mut a)?;
+
+        let mut a = KernelArgs::new();
+        a.push(act.ptr())
+            .push(order.ptr())
+            .push(chunks.ptr())
+            .push(n_chunks.ptr())
+            .push(wts)
+            .push(experts.down.ptr())
+            .push(y.ptr())
+            .push(inter_i)
+            .push(hidden_i);
+        let dims = LaunchDims {
+            grid: (hidden.div_ceil(rows_per_block) as u32, bound, 1),
+            block: (threads, 1, 1),
+            smem: 0,
+        };
+        dev.launch(&down, dims, &mut a)?;
+
+        let mut a = KernelArgs::new();
+        a.push(y.ptr())
+            .push(h.ptr + words(t0 * hidden))
+            .push(k_i)
+            .push(hidden_i)
+            .push((n * hidden) as i64);
+        dev.launch(&sum, LaunchDims::elementwise(n * hidden), &mut a)?;
+    }
+    Ok(())
+}
 
 /// Fills `x` with deterministic bf16 noise in `[-scale, scale)`.
 pub fn fill_random_bf16<D: Gpu>(
