@@ -509,7 +509,7 @@ fn moe_layer(
     }
 }
 
-/// The MoE op adds what the CPU layer computes into `h`, for one token (the per-pair device
+/// The MoE op adds what the CPU layer computes into `h`, for a few tokens (the per-pair device
 /// kernels) and for batches (the expert-grouped kernels: one chunk, many chunks per expert,
 /// and more tokens than one grouped pass takes), with bf16 and f32 experts. On CUDA, bf16
 /// experts of widths that are multiples of 32 take the tensor-core kernels (activations split
@@ -519,7 +519,7 @@ fn moe_matches_the_cpu_layer_on_every_backend() {
     let mut rng = common::rng(23);
     for ((hidden, inter), bf16) in [((64, 40), true), ((64, 40), false), ((96, 64), true)] {
         let layer = moe_layer(&mut rng, hidden, inter, bf16);
-        for tokens in [1, 3, 37, 300, 2100] {
+        for tokens in [1, 3, 9, 37, 300, 2100] {
             let mut x = common::uniform(&mut rng, tokens * hidden, 1.0);
             for t in (0..tokens).step_by(3) {
                 x[t * hidden] = 2.0;
@@ -540,12 +540,8 @@ fn moe_matches_the_cpu_layer_on_every_backend() {
                 moe(&b, p).expect("moe");
                 let got = h_t.to_host().expect("h");
                 let dtype = if bf16 { "bf16" } else { "f32" };
-                check(
-                    &b,
-                    &format!("moe, {tokens} tokens, {dtype} experts"),
-                    &got,
-                    &want,
-                );
+                let what = format!("moe {hidden}x{inter}, {tokens} tokens, {dtype} experts");
+                check(&b, &what, &got, &want);
             }
         }
     }

@@ -1144,10 +1144,12 @@ pub fn moe_experts<D: Gpu>(
 /// CUDA's (and HIP's) limit on a grid's y and z dimensions.
 pub const MAX_GRID_Y: usize = 65_535;
 
-/// Tokens from which [`moe_experts`] groups the (token, slot) pairs by expert. One token's
-/// slots name distinct experts, so a single token has nothing to share and keeps the two
-/// per-pair launches (grouping costs two more).
-pub const MOE_GROUPED_MIN_TOKENS: usize = 2;
+/// Tokens from which [`moe_experts`] groups the (token, slot) pairs by expert. Below it the
+/// two per-pair launches win: on the H200 with DeepSeek-V2-Lite's experts (64 routed top-6 +
+/// 2 shared), a batch of 4 decoded in 7.97 ms per step per pair against 9.57 ms grouped (few
+/// pairs share an expert, and grouping adds two launches and thinner grids), a batch of 16 in
+/// 21.95 ms against 17.60 ms (BENCHMARKS.md).
+pub const MOE_GROUPED_MIN_TOKENS: usize = 8;
 
 /// Stacked experts (routed + shared chunks) `moe_group` can count (`MOE_MAX_EXPERTS` in
 /// common.cu); a layer with more takes the per-pair kernels.
