@@ -4,7 +4,9 @@
 //! layers, 16 heads, full-rank q, kv_lora 512, 64 routed experts top-6 + 2 shared, one dense
 //! layer, vocab 102400) with weights drawn on the device, so nothing is downloaded. The
 //! cache is pre-filled with `context` random latent rows, then `steps` greedy decode steps run
-//! through [`DeepseekModel::forward`] exactly as a server would drive it (host argmax between steps).
+//! through [`DeepseekModel::forward_logits`] (eager) and [`DeepseekModel::replay_decode_logits`]
+//! (CUDA graph) as the serving engine drives them: the greedy token is picked on the device and
+//! only the token ids come back between steps.
 //! Roofline: (active weight bytes + latent bytes read per token) / measured copy bandwidth.
 
 use std::time::Instant;
@@ -14,15 +16,15 @@ use ferry_kernels::backend::moe::Moe;
 use ferry_kernels::backend::{AttnKernels, Backend, Tensor, Weight};
 use ferry_kernels::cpu::mla::MlaDims;
 use ferry_kernels::cpu::rope::Rope;
-use ferry_kernels::cpu::sample::argmax;
+use ferry_kernels::backend::sample::argmax as device_argmax;
 use ferry_kernels::cuda::ops::{fill_random_bf16, GpuExperts, RouteParams};
 use ferry_kernels::cuda::{CudaDevice, GpuMatrix};
 
 use super::{GpuKvCache, GpuMode};
 use crate::config::ModelConfig;
 use crate::deepseek::{
-    BatchInputs, DeepseekModel, Ffn, FormPolicy, Layer, LogitsWanted, MlaWeights, QueryProj,
-    SeqInput,
+    BatchInputs, BatchLogits, DeepseekModel, Ffn, FormPolicy, Hooks, Layer, LogitsWanted,
+    MlaWeights, QueryProj, SeqInput,
 };
 use crate::kv::BlockId;
 use crate::ModelError;
@@ -210,7 +212,7 @@ pub struct DecodeReport {
     pub context: usize,
     /// Steps timed.
     pub steps: usize,
-    /// Decode steps per second, eager launches (wall clock, host argmax included); a step
+    /// Decode steps per second, eager launches (wall clock, device argmax included); a step
     /// decodes `batch` tokens.
     pub steps_per_s: f64,
     /// The same through a captured CUDA graph ([`DeepseekModel::replay_decode`]), or why not.
@@ -298,14 +300,22 @@ pub fn decode_throughput(
     let inputs = |pos: usize, toks: &[[u32; 1]]| -> Vec<(Vec<u32>, usize)> {
         toks.iter().map(|t| (t.to_vec(), pos)).collect()
     };
+    // Greedy tokens picked where the logits are, as the engine does: only the token ids come
+    // back to the host, not `batch` rows of the vocabulary.
+    let vocab = model.config.vocab_size;
+    let pick = |logits: &BatchLogits, toks: &mut [[u32; 1]]| -> Result<(), ModelError> {
+        let ids = device_argmax(&model.backend, &logits.logits, vocab)?.to_host()?;
+        for (t, id) in toks.iter_mut().zip(ids) {
+            t[0] = u32::try_from(id).unwrap_or(0);
+        }
+        Ok(())
+    };
     let mut tokens = vec![[1u32]; batch];
     let mut step = |pos: usize, toks: &mut [[u32; 1]]| -> Result<(), ModelError> {
         let seqs = inputs(pos, toks);
-        let out = model.forward(&batch_inputs(&seqs, &tables), &mut kv)?;
-        for (s, t) in toks.iter_mut().enumerate() {
-            t[0] = out.last_row(s).map(argmax).unwrap_or(0);
-        }
-        Ok(())
+        let batch = batch_inputs(&seqs, &tables);
+        let out = model.forward_logits(&batch, &mut kv, model.policy, Hooks::default())?;
+        pick(&out, toks)
     };
     // Warm-up: compiles every kernel and fills the allocator's pool.
     step(context, &mut tokens)?;
@@ -322,17 +332,14 @@ pub fn decode_throughput(
         let mut toks = vec![[1u32]; batch];
         let first = inputs(context, &toks);
         let mut g = model.capture_decode(&batch_inputs(&first, &tables), &mut kv, plan_ctx, &[])?;
-        let out = model.replay_decode(&mut g, &batch_inputs(&first, &tables), &kv)?;
-        for (s, t) in toks.iter_mut().enumerate() {
-            t[0] = out.last_row(s).map(argmax).unwrap_or(0);
-        }
+        let out = model.replay_decode_logits(&mut g, &batch_inputs(&first, &tables), &kv, batch)?;
+        pick(&out, &mut toks)?;
         let start = Instant::now();
         for i in 0..steps {
             let seqs = inputs(context + 1 + i, &toks);
-            let out = model.replay_decode(&mut g, &batch_inputs(&seqs, &tables), &kv)?;
-            for (s, t) in toks.iter_mut().enumerate() {
-                t[0] = out.last_row(s).map(argmax).unwrap_or(0);
-            }
+            let out =
+                model.replay_decode_logits(&mut g, &batch_inputs(&seqs, &tables), &kv, batch)?;
+            pick(&out, &mut toks)?;
         }
         Ok(steps as f64 / start.elapsed().as_secs_f64().max(f64::MIN_POSITIVE))
     })()
