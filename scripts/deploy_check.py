@@ -151,8 +151,43 @@ def check_planes(docs: list[tuple[str, dict]], name: str, values: dict) -> None:
     print(f"planes ({name}): the public Service carries only http/grpc; everything else is ClusterIP")
 
 
+def help_text(binary: str, role: str) -> str:
+    return subprocess.run([binary, role, "--help"], check=True, capture_output=True, text=True).stdout
+
+
+def possible_values(text: str, flag: str) -> set[str]:
+    """The values clap lists for `flag` in long help ("Possible values:" list or "[possible values: …]")."""
+    m = re.search(rf"^\s+{re.escape(flag)} <[A-Z_]+>\n(.*?)(?=^\s+--|\Z)", text, re.M | re.S)
+    if not m:
+        fail(f"--help has no {flag}")
+    block = m.group(1)
+    listed = re.findall(r"^\s+- ([a-z0-9_]+):", block, re.M)
+    inline = re.search(r"\[possible values: ([^\]]+)\]", block)
+    return set(listed) | (set(v.strip() for v in inline.group(1).split(",")) if inline else set())
+
+
+def check_schema_enums(chart: Path, binary: str) -> None:
+    """values.schema.json's enums must be exactly what ferry's flags accept."""
+    import json
+    schema = json.loads((chart / "values.schema.json").read_text())
+    props = schema["properties"]
+    pairs = [
+        ("router", "--policy", props["router"]["properties"]["policy"]),
+        ("decode", "--speculative", props["model"]["properties"]["speculative"]),
+        ("decode", "--load-format", props["model"]["properties"]["loadFormat"]),
+        ("decode", "--gpu-mode", props["engine"]["properties"]["gpuMode"]),
+        ("decode", "--transport", props["transport"]["properties"]["kind"]),
+        ("decode", "--on-prefill-failure", props["decode"]["properties"]["onPrefillFailure"]),
+    ]
+    for role, flag, node in pairs:
+        want = possible_values(help_text(binary, role), flag)
+        if set(node["enum"]) != want:
+            fail(f"values.schema.json enum for {flag} is {sorted(node['enum'])}, `ferry {role}` accepts {sorted(want)}")
+    print(f"schema: {len(pairs)} enums of values.schema.json equal ferry's possible values")
+
+
 def help_of(binary: str, role: str) -> tuple[set[str], set[str]]:
-    text = subprocess.run([binary, role, "--help"], check=True, capture_output=True, text=True).stdout
+    text = help_text(binary, role)
     flags = set(re.findall(r"^\s+(?:-\w, )?(--[a-z0-9-]+)", text, re.M))
     envs = set(re.findall(r"\[env: ([A-Z0-9_]+)=", text))
     return flags, envs
@@ -339,7 +374,9 @@ def main() -> None:
         check_planes(docs, name, deep_merge(base, over))
         if args.ferry:
             check_flags(docs, name, args.ferry)
-    if not args.ferry:
+    if args.ferry:
+        check_schema_enums(args.chart, args.ferry)
+    else:
         print("flags: skipped (no ferry binary given)")
     # The GPU configuration must ask for GPUs; the CPU one must not.
     def gpus(docs):

@@ -39,7 +39,7 @@ app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 
 {{- define "ferry.image" -}}
-{{- $tag := default .Chart.AppVersion .Values.image.tag -}}
+{{- $tag := printf "%s%s" (default .Chart.AppVersion .Values.image.tag) .Values.image.tagSuffix -}}
 {{- if .Values.image.digest -}}
 {{- printf "%s@%s" .Values.image.repository .Values.image.digest -}}
 {{- else -}}
