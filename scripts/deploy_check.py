@@ -148,7 +148,21 @@ def check_planes(docs: list[tuple[str, dict]], name: str, values: dict) -> None:
                 fail(f"{name}: public Service {svc} exposes {ports}; only http and grpc may be public")
         elif spec.get("type", "ClusterIP") != "ClusterIP":
             fail(f"{name}: Service {svc} is {spec['type']}; only the public router Service may leave the cluster")
-    print(f"planes ({name}): the public Service carries only http/grpc; everything else is ClusterIP")
+    # With NetworkPolicies on, no internal port may be open to everyone: every ingress rule
+    # without `from` may only name public ports (router http/grpc) or metrics ports.
+    if values["networkPolicy"]["enabled"]:
+        open_ok = {values["router"]["ports"]["http"], values["router"]["ports"]["grpc"],
+                   values["prefill"]["ports"]["metrics"], values["decode"]["ports"]["metrics"]}
+        policies = [d for _, d in docs if d["kind"] == "NetworkPolicy"]
+        if not policies:
+            fail(f"{name}: networkPolicy.enabled but no NetworkPolicy rendered")
+        for pol in policies:
+            for rule in pol["spec"]["ingress"]:
+                ports = {p["port"] for p in rule.get("ports", [])}
+                if "from" not in rule and (not ports or not ports <= open_ok):
+                    fail(f"{name}: NetworkPolicy {pol['metadata']['name']} opens {ports or 'every port'} to everyone")
+    print(f"planes ({name}): the public Service carries only http/grpc, everything else is ClusterIP, "
+          "internal ports admit only ferry pods")
 
 
 def help_text(binary: str, role: str) -> str:
