@@ -137,6 +137,37 @@ async fn a_named_gpu_that_cannot_be_opened_is_an_error() {
     }
 }
 
+#[tokio::test]
+async fn ferry_up_checks_each_roles_devices_before_starting_anything() {
+    // A role's device list is resolved and checked up front: a GPU that cannot be opened stops
+    // `ferry up` with the flag, the device and the reason, before any child starts.
+    for (flag, list, bad) in [
+        ("--prefill-devices", "cuda:99", "cuda:99"),
+        ("--decode-devices", "cpu,cuda:98", "cuda:98"),
+    ] {
+        let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_ferry"));
+        cmd.args(["up", "--device", "cpu", flag, list])
+            .args(["--http-addr", "127.0.0.1:0", "--grpc-addr", "127.0.0.1:0"])
+            .env_remove("FERRY_DEVICE")
+            .kill_on_drop(true);
+        let out = tokio::time::timeout(Duration::from_secs(60), cmd.output())
+            .await
+            .expect("ferry up exits instead of serving")
+            .expect("ferry runs");
+        let stderr = strip_ansi(&String::from_utf8_lossy(&out.stderr));
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(!out.status.success(), "ferry up {flag} {list} started:\n{stderr}");
+        assert!(
+            stderr.contains(flag) && stderr.contains(bad) && stderr.contains("unavailable"),
+            "{flag} {list}: the error names the flag, the device and why:\n{stderr}"
+        );
+        assert!(
+            !stdout.contains("ferry is up") && !stderr.contains("router listening"),
+            "nothing started:\n{stdout}\n{stderr}"
+        );
+    }
+}
+
 /// `text` without ANSI colour sequences (`ESC [ … m`), as the workers' logs are coloured.
 fn strip_ansi(text: &str) -> String {
     let mut out = String::with_capacity(text.len());

@@ -23,6 +23,7 @@ use clap::Args;
 use ferry_decode::spec::SpecArgs;
 use ferry_proto::auth::ClusterToken;
 use ferry_router::config::PolicyKind;
+use ferry_kernels::device::Device;
 use ferry_worker::args::{DeviceArgs, TransportKind};
 use ferry_worker::shutdown::shutdown_token;
 use std::process::ExitStatus;
@@ -99,6 +100,33 @@ pub struct UpArgs {
     /// cannot be opened stops `ferry up` with the reason.
     #[command(flatten)]
     pub device: DeviceArgs,
+    /// Devices of the prefill workers, comma-separated, handed out in turn (worker `i` gets
+    /// entry `i mod len`); `--device` when omitted. With `--decode-devices` this puts the two
+    /// roles on different GPUs: `--prefill-devices cuda:0 --decode-devices cuda:1`.
+    #[arg(long, value_delimiter = ',')]
+    pub prefill_devices: Vec<Device>,
+    /// Devices of the decode workers, as `--prefill-devices`: `--prefill-workers 0
+    /// --decode-workers 2 --decode-devices cuda:0,cuda:1` serves aggregated on two GPUs.
+    #[arg(long, value_delimiter = ',')]
+    pub decode_devices: Vec<Device>,
+}
+
+/// The device of worker `i` of a role: its list's entry `i mod len`, or `default` when the
+/// role has no list.
+fn role_device(list: &[Device], default: Device, i: usize) -> Device {
+    match list.len() {
+        0 => default,
+        n => list[i % n],
+    }
+}
+
+/// Every device a role's list names, resolved (`auto`) and checked before any child starts,
+/// with the flag's name in the error.
+fn resolve_devices(list: &mut [Device], flag: &str) -> anyhow::Result<()> {
+    for d in list.iter_mut() {
+        *d = d.resolve().with_context(|| format!("{flag} {d}"))?;
+    }
+    Ok(())
 }
 
 /// How one child is started: built once, reused for every restart.
@@ -244,6 +272,8 @@ pub fn run(mut args: UpArgs) -> anyhow::Result<()> {
     let model = embedded::model_dir(args.model.as_deref())?;
     // One device for the whole cluster, checked before any child starts.
     args.device.device = args.device.resolve().context("--device")?;
+    resolve_devices(&mut args.prefill_devices, "--prefill-devices")?;
+    resolve_devices(&mut args.decode_devices, "--decode-devices")?;
     let served = match &args.model {
         Some(dir) => dir
             .file_name()
@@ -308,7 +338,7 @@ async fn up(args: UpArgs, exe: PathBuf, model: PathBuf, served: String) -> anyho
     )?];
     let deadline = Instant::now() + Duration::from_secs(args.ready_timeout_s);
     wait_for_port(internal_addr, deadline, &mut procs).await?;
-    let common = |role: &str, i: usize| -> Vec<String> {
+    let common = |role: &str, i: usize, device: Device| -> Vec<String> {
         let mut argv: Vec<String> = vec![
             role.into(),
             "--model".into(),
@@ -322,14 +352,20 @@ async fn up(args: UpArgs, exe: PathBuf, model: PathBuf, served: String) -> anyho
             "--transport".into(),
             args.transport.as_str().into(),
         ];
-        argv.extend(args.device.to_args());
+        let device = DeviceArgs {
+            device,
+            ..args.device.clone()
+        };
+        argv.extend(device.to_args());
         argv
     };
+    let prefill_device = |i| role_device(&args.prefill_devices, args.device.device, i);
+    let decode_device = |i| role_device(&args.decode_devices, args.device.device, i);
     let mut metrics = vec![("router".to_string(), args.http_addr)];
     for i in 0..args.prefill_workers {
         let name = format!("prefill-{i}");
         let addr = port()?;
-        let mut argv = common("prefill", i);
+        let mut argv = common("prefill", i, prefill_device(i));
         argv.extend(["--metrics-addr".into(), addr.to_string()]);
         argv.extend(["--grpc-addr".into(), port()?.to_string()]);
         argv.extend(args.spec.drafter.to_args());
@@ -342,7 +378,7 @@ async fn up(args: UpArgs, exe: PathBuf, model: PathBuf, served: String) -> anyho
     for i in 0..args.decode_workers {
         let name = format!("decode-{i}");
         let addr = port()?;
-        let mut argv = common("decode", i);
+        let mut argv = common("decode", i, decode_device(i));
         argv.extend(args.spec.to_args());
         argv.extend([
             "--local-prefill-threshold".into(),
@@ -366,14 +402,23 @@ async fn up(args: UpArgs, exe: PathBuf, model: PathBuf, served: String) -> anyho
         args.decode_workers,
         args.policy.as_str()
     );
-    if args.device.device.is_gpu() {
-        println!(
-            "  Device: {} ({} mode)",
-            args.device.device,
-            args.device.gpu_mode.as_str()
-        );
+    let names = |n: usize, device: &dyn Fn(usize) -> Device| -> String {
+        let mut v: Vec<String> = (0..n).map(|i| device(i).to_string()).collect();
+        v.dedup();
+        v.join(", ")
+    };
+    let (p, d) = (
+        names(args.prefill_workers, &prefill_device),
+        names(args.decode_workers, &decode_device),
+    );
+    let mode = format!(" ({} mode)", args.device.gpu_mode.as_str());
+    let gpu = (0..args.prefill_workers).any(|i| prefill_device(i).is_gpu())
+        || (0..args.decode_workers).any(|i| decode_device(i).is_gpu());
+    let mode = if gpu { mode.as_str() } else { "" };
+    if args.prefill_devices.is_empty() && args.decode_devices.is_empty() {
+        println!("  Device: {}{mode}", args.device.device);
     } else {
-        println!("  Device: cpu");
+        println!("  Devices: prefill {p}; decode {d}{mode}");
     }
     println!("  HTTP (OpenAI API):         http://{}/v1", args.http_addr);
     println!("  gRPC (ferry.v1.Inference): {}", args.grpc_addr);
@@ -505,6 +550,18 @@ async fn health_ok(addr: SocketAddr) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn role_devices_are_handed_out_in_turn() {
+        let list = [Device::Cuda(0), Device::Cuda(1)];
+        let got: Vec<Device> = (0..5).map(|i| role_device(&list, Device::Cpu, i)).collect();
+        assert_eq!(
+            got,
+            [0, 1, 0, 1, 0].map(Device::Cuda),
+            "worker i gets entry i mod len"
+        );
+        assert_eq!(role_device(&[], Device::Cuda(3), 7), Device::Cuda(3));
+    }
 
     #[test]
     fn backoff_doubles_to_the_cap_and_resets_after_a_stable_run() {
