@@ -1,6 +1,8 @@
-//! KV transfer between two processes on one GPU: UCX puts from one process's device memory into
-//! the other's (`cuda_ipc` when the loaded UCX has CUDA support), against a device-to-device
-//! copy of the same bytes within one process (`cuMemcpyDtoDAsync`): the physical limit.
+//! KV transfer between two processes on one GPU or two: UCX puts from one process's device
+//! memory into the other's (`cuda_ipc` when the loaded UCX has CUDA support), against a copy of
+//! the same bytes within one process (`cuMemcpyDtoDAsync`; between two GPUs under unified
+//! addressing a peer-to-peer copy over their link): the physical limit. `--gpus 0,1` puts the
+//! sender on GPU 0 and the receiver on GPU 1 (the two-GPU run, issue 18).
 //!
 //! The layout is DeepSeek-V3's: 61 layers × 576 bf16 per token in 64-token blocks, as
 //! `ferry bench-transfer` uses for host memory. The receiver is a child process (this binary
@@ -44,6 +46,9 @@ struct Args {
     /// Write the results as JSON here.
     #[arg(long)]
     json: Option<std::path::PathBuf>,
+    /// The sender's and the receiver's GPU (`0,0`: both processes on GPU 0).
+    #[arg(long, value_delimiter = ',', num_args = 2, default_value = "0,0")]
+    gpus: Vec<usize>,
     /// Internal: run as the receiving process for one `--tokens` value.
     #[arg(long, hide = true)]
     receiver: bool,
@@ -97,8 +102,9 @@ impl KvRegion for Pool {
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let rt = tokio::runtime::Runtime::new()?;
-    let dev = CudaDevice::open(0).context("GPU 0")?;
+    let (send_gpu, recv_gpu) = (args.gpus[0], args.gpus[1]);
     if args.receiver {
+        let dev = CudaDevice::open(recv_gpu).with_context(|| format!("GPU {recv_gpu}"))?;
         let tokens = *args.tokens.first().context("--tokens")?;
         return rt.block_on(receive(&dev, layout(tokens)));
     }
@@ -107,8 +113,27 @@ fn main() -> anyhow::Result<()> {
             bail!("`--tokens` must be positive multiples of {PAGE}, got {t}");
         }
     }
+    let dev = CudaDevice::open(send_gpu).with_context(|| format!("GPU {send_gpu}"))?;
+    // The copy's destination: on the receiver's GPU, so two GPUs are compared with a
+    // peer-to-peer copy between them.
+    let dst_dev = if recv_gpu == send_gpu {
+        dev.clone()
+    } else {
+        CudaDevice::open(recv_gpu).with_context(|| format!("GPU {recv_gpu}"))?
+    };
     let ucx = UcxTransport::available().map_err(anyhow::Error::msg)?;
-    println!("GPU {}; UCX {}.{}.{}", dev.name(), ucx.0, ucx.1, ucx.2);
+    println!(
+        "GPU {send_gpu} → GPU {recv_gpu}: {}; UCX {}.{}.{}",
+        dev.name(),
+        ucx.0,
+        ucx.1,
+        ucx.2
+    );
+    let copy_case = if recv_gpu == send_gpu {
+        "cuMemcpyDtoDAsync, one process".to_string()
+    } else {
+        format!("cuMemcpyDtoDAsync GPU {send_gpu} -> GPU {recv_gpu} (peer), one process")
+    };
     println!(
         "{:<22} {:>7} {:>9} {:>9} {:>9} {:>9}",
         "case", "tokens", "MB", "ms", "GB/s", "% copy"
@@ -118,9 +143,10 @@ fn main() -> anyhow::Result<()> {
         let l = layout(tokens);
         let bytes = l.num_layers as usize * layer_bytes(&l);
         let src = layers(&dev, &l)?;
-        let mut dst = layers(&dev, &l)?;
+        let mut dst = layers(&dst_dev, &l)?;
         let copy_once = |dst: &mut Vec<DeviceBuffer<u8>>| -> anyhow::Result<f64> {
             dev.synchronize()?;
+            dst_dev.synchronize()?;
             let started = Instant::now();
             for (s, d) in src.iter().zip(dst.iter_mut()) {
                 dev.copy(s, d, s.len())?;
@@ -136,17 +162,18 @@ fn main() -> anyhow::Result<()> {
         let copy_gbs = bytes as f64 / copy / 1e9;
         println!(
             "{:<22} {tokens:>7} {:>9.1} {:>9.3} {copy_gbs:>9.1} {:>9}",
-            "device copy (1 proc)",
+            if recv_gpu == send_gpu { "device copy (1 proc)" } else { "peer copy (1 proc)" },
             bytes as f64 / 1e6,
             copy * 1e3,
             "100"
         );
         rows.push(
-            json!({"case": "cuMemcpyDtoDAsync, one process", "tokens": tokens,
+            json!({"case": copy_case, "tokens": tokens,
             "bytes": bytes, "median_s": copy, "gb_per_s": copy_gbs}),
         );
         let mut child = Command::new(std::env::current_exe()?)
             .args(["--receiver", "--tokens", &tokens.to_string()])
+            .args(["--gpus", &format!("{send_gpu},{recv_gpu}")])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()?;
@@ -226,8 +253,9 @@ fn main() -> anyhow::Result<()> {
     }
     if let Some(path) = &args.json {
         let doc = json!({
-            "benchmark": "kv transfer between two processes on one GPU: UCX puts device to device vs a device copy in one process; DeepSeek-V3 layout (61 x 576 bf16 per token, 64-token blocks)",
-            "command": format!("bench_transfer_gpu --tokens {} --run-mib {} --runs {}",
+            "benchmark": "kv transfer between two processes (sender GPU -> receiver GPU): UCX puts device to device vs a copy of the same bytes in one process; DeepSeek-V3 layout (61 x 576 bf16 per token, 64-token blocks)",
+            "gpus": [send_gpu, recv_gpu],
+            "command": format!("bench_transfer_gpu --gpus {send_gpu},{recv_gpu} --tokens {} --run-mib {} --runs {}",
                 args.tokens.iter().map(usize::to_string).collect::<Vec<_>>().join(","),
                 args.run_mib.iter().map(usize::to_string).collect::<Vec<_>>().join(","),
                 args.runs),
