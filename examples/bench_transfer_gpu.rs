@@ -162,15 +162,17 @@ fn main() -> anyhow::Result<()> {
         let copy_gbs = bytes as f64 / copy / 1e9;
         println!(
             "{:<22} {tokens:>7} {:>9.1} {:>9.3} {copy_gbs:>9.1} {:>9}",
-            if recv_gpu == send_gpu { "device copy (1 proc)" } else { "peer copy (1 proc)" },
+            if recv_gpu == send_gpu {
+                "device copy (1 proc)"
+            } else {
+                "peer copy (1 proc)"
+            },
             bytes as f64 / 1e6,
             copy * 1e3,
             "100"
         );
-        rows.push(
-            json!({"case": copy_case, "tokens": tokens,
-            "bytes": bytes, "median_s": copy, "gb_per_s": copy_gbs}),
-        );
+        rows.push(json!({"case": copy_case, "tokens": tokens,
+            "bytes": bytes, "median_s": copy, "gb_per_s": copy_gbs}));
         let mut child = Command::new(std::env::current_exe()?)
             .args(["--receiver", "--tokens", &tokens.to_string()])
             .args(["--gpus", &format!("{send_gpu},{recv_gpu}")])

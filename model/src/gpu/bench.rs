@@ -13,10 +13,10 @@ use std::time::Instant;
 
 use ferry_kernels::backend::mlp::Dense;
 use ferry_kernels::backend::moe::Moe;
+use ferry_kernels::backend::sample::argmax as device_argmax;
 use ferry_kernels::backend::{AttnKernels, Backend, Tensor, Weight};
 use ferry_kernels::cpu::mla::MlaDims;
 use ferry_kernels::cpu::rope::Rope;
-use ferry_kernels::backend::sample::argmax as device_argmax;
 use ferry_kernels::cuda::ops::{fill_random_bf16, GpuExperts, RouteParams};
 use ferry_kernels::cuda::{CudaDevice, GpuMatrix};
 

@@ -11,7 +11,8 @@
 //! ```
 //!
 //! An [`Endpoint`] says only what differs: its body type, its names, and the shapes of its
-//! chunks and whole response (`completions.rs`, `chat.rs`).
+//! chunks and whole response (`completions.rs`, `chat.rs`). `responses.rs`, whose stream is
+//! typed events rather than chunks, uses the span, admission and dispatch steps directly.
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -77,7 +78,7 @@ pub(crate) struct Meta {
 }
 
 impl Meta {
-    fn new(prefix: &str, state: &AppState) -> Self {
+    pub(crate) fn new(prefix: &str, state: &AppState) -> Self {
         Self {
             id: format!("{prefix}-{:032x}", rand::random::<u128>()),
             created: unix_now(),
@@ -122,7 +123,7 @@ pub(crate) async fn handle<E: Endpoint>(
 
 /// The `request` span of an HTTP generation request on `route`, a child of the client's
 /// `traceparent` if it sent one.
-fn request_span(
+pub(crate) fn request_span(
     state: &AppState,
     headers: &HeaderMap,
     operation: Operation,
@@ -137,7 +138,7 @@ fn request_span(
 
 /// Admits (the key's limits, `limits.rs`), validates and dispatches in the request's span;
 /// logs and counts a failure once.
-async fn start(
+pub(crate) async fn start(
     state: &AppState,
     caller: &Caller,
     params: GenerateParams,
@@ -175,7 +176,7 @@ async fn start(
 }
 
 /// Logs and counts a conversion failure (before validation) once and turns it into a response.
-fn reject(state: &AppState, e: ValidationError, span: &tracing::Span) -> Response {
+pub(crate) fn reject(state: &AppState, e: ValidationError, span: &tracing::Span) -> Response {
     let e = RequestError::Invalid(e);
     spans::request_failed(&state.metrics, span, &e);
     let e = ApiError::from(e);

@@ -9,6 +9,7 @@
 //! | [`openai`] | request and response shapes |
 //! | [`completions`] | `POST /v1/completions`: its chunk and response shapes |
 //! | [`chat`] | `POST /v1/chat/completions`: its chunk and response shapes |
+//! | [`responses`] | `POST /v1/responses` (the Responses API): its request, response object and typed stream events |
 //! | [`tokenize`] | `POST /tokenize`, `POST /detokenize` (vLLM's extensions, vLLM's shapes) |
 //! | [`sse`] | server-sent-event framing |
 //! | [`error`] | OpenAI-shaped error bodies, status mapping, the [`error::ApiJson`] extractor |
@@ -18,6 +19,7 @@ pub mod completions;
 pub mod error;
 mod generate;
 pub mod openai;
+pub mod responses;
 pub mod serve;
 pub mod sse;
 pub mod tokenize;
@@ -45,6 +47,7 @@ pub fn app(state: Arc<AppState>) -> axum::Router {
     let v1 = axum::Router::new()
         .route("/v1/completions", post(completions::completions))
         .route("/v1/chat/completions", post(chat::chat_completions))
+        .route("/v1/responses", post(responses::responses))
         .route("/v1/models", get(models))
         .route("/tokenize", post(tokenize::tokenize))
         .route("/detokenize", post(tokenize::detokenize))

@@ -1,4 +1,6 @@
-//! Server-sent events in OpenAI's framing: `data: {json}\n\n` per chunk, then `data: [DONE]`.
+//! Server-sent events in OpenAI's framings: the chat and completion streams' `data: {json}\n\n`
+//! per chunk, then `data: [DONE]`; the Responses API's `event: {type}` + `data: {json}` per
+//! event, with no terminator.
 use std::convert::Infallible;
 
 use axum::response::sse::{Event, Sse};
@@ -31,5 +33,17 @@ where
     let events = chunks
         .chain(stream::once(async { Chunk(DONE.to_string()) }))
         .map(|c| Ok::<_, Infallible>(Event::default().data(c.0)));
+    Sse::new(events).into_response()
+}
+
+/// An SSE response sending each `(name, payload)` as an event named `name`, with no
+/// terminator (the Responses API's framing). Dropping the body drops `events`, which cancels
+/// the request upstream.
+pub fn named_events<S>(events: S) -> Response
+where
+    S: Stream<Item = (&'static str, Chunk)> + Send + 'static,
+{
+    let events =
+        events.map(|(name, c)| Ok::<_, Infallible>(Event::default().event(name).data(c.0)));
     Sse::new(events).into_response()
 }

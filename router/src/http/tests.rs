@@ -348,6 +348,7 @@ async fn a_valid_request_without_workers_is_503() {
             "/v1/chat/completions",
             json!({"messages": [{"role": "user", "content": "hi"}], "stream": true}),
         ),
+        ("/v1/responses", json!({"input": "hi", "stream": true})),
     ] {
         let (status, body) = send(&s, "POST", uri, &body.to_string()).await;
         assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{uri}: {body}");
@@ -507,4 +508,102 @@ async fn tokenize_needs_an_api_key_when_keys_are_on() {
     }
     let (status, _) = send(&s, "GET", "/health", "").await;
     assert_ne!(status, StatusCode::UNAUTHORIZED);
+}
+
+#[tokio::test]
+async fn responses_validation_errors_are_400_naming_the_field() {
+    let s = state().await;
+    let item = |v: Value| json!({"input": [v]});
+    let cases: Vec<(&str, Value, &str)> = vec![
+        ("input missing", json!({"model": "tiny-k3"}), "input"),
+        ("input empty list", json!({"input": []}), "input"),
+        (
+            "function call output item",
+            item(json!({"type": "function_call_output", "call_id": "c", "output": "x"})),
+            "input",
+        ),
+        (
+            "image part",
+            item(json!({"role": "user", "content": [{"type": "input_image", "image_url": "x"}]})),
+            "input",
+        ),
+        (
+            "unknown role",
+            item(json!({"role": "tool", "content": "x"})),
+            "input",
+        ),
+        (
+            "max_output_tokens 0",
+            json!({"input": "hi", "max_output_tokens": 0}),
+            "max_output_tokens",
+        ),
+        (
+            "max_output_tokens beyond the context",
+            json!({"input": "hi", "max_output_tokens": 100000}),
+            "max_output_tokens",
+        ),
+        (
+            "temperature < 0",
+            json!({"input": "hi", "temperature": -1}),
+            "temperature",
+        ),
+        (
+            "previous_response_id",
+            json!({"input": "hi", "previous_response_id": "resp_1"}),
+            "previous_response_id",
+        ),
+        (
+            "tools",
+            json!({"input": "hi", "tools": [{"type": "function", "name": "f"}]}),
+            "tools",
+        ),
+        (
+            "structured text format",
+            json!({"input": "hi", "text": {"format": {"type": "json_object"}}}),
+            "text",
+        ),
+        (
+            "reasoning",
+            json!({"input": "hi", "reasoning": {"effort": "high"}}),
+            "reasoning",
+        ),
+        (
+            "truncation auto",
+            json!({"input": "hi", "truncation": "auto"}),
+            "truncation",
+        ),
+        (
+            "top_logprobs",
+            json!({"input": "hi", "top_logprobs": 3}),
+            "top_logprobs",
+        ),
+        (
+            "background",
+            json!({"input": "hi", "background": true}),
+            "background",
+        ),
+        (
+            "stored prompt",
+            json!({"input": "hi", "prompt": {"id": "pmpt_1"}}),
+            "prompt",
+        ),
+        (
+            "unknown field",
+            json!({"input": "hi", "frobnicate": 1}),
+            "frobnicate",
+        ),
+    ];
+    for (case, body, field) in cases {
+        let r = send(&s, "POST", "/v1/responses", &body.to_string()).await;
+        assert_invalid(case, r, field);
+    }
+    // The values that change nothing pass validation (and find no worker here).
+    let noop = json!({
+        "input": "hi", "store": true, "metadata": {"k": "v"}, "user": "u", "tools": [],
+        "tool_choice": "auto", "text": {"format": {"type": "text"}}, "truncation": "disabled",
+        "include": [], "top_logprobs": 0, "background": false, "parallel_tool_calls": true,
+        "previous_response_id": null, "reasoning": null
+    });
+    let (status, body) = send(&s, "POST", "/v1/responses", &noop.to_string()).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
 }

@@ -1,0 +1,765 @@
+//! `POST /v1/responses`: OpenAI's Responses API (what current OpenAI clients default to), for
+//! text in and text out, whole or streamed as its typed events.
+//!
+//! The request becomes a chat conversation: `instructions` as a system turn, then `input` (a
+//! string is one user turn; a list holds messages whose content is a string or `input_text` /
+//! `output_text` parts, role `developer` read as `system`), rendered with the model's chat
+//! template like `/v1/chat/completions`. The answer is one `message` output item with one
+//! `output_text` part. A stream sends `response.created`, `response.in_progress`, the item and
+//! part openings, one `response.output_text.delta` per decoded chunk, their closings and
+//! `response.completed` (or `response.incomplete` when `max_output_tokens` cut it), each as an
+//! SSE event named by its `type` with a `sequence_number`, and no `[DONE]` (the Responses API
+//! has none). ferry keeps no responses: `store` has no effect (the object says `"store":
+//! false`) and `previous_response_id` is a 400, as is every field that would change the output
+//! and is not implemented (tools, structured `text.format`, reasoning, …).
+use std::sync::Arc;
+
+use axum::extract::State;
+use axum::http::HeaderMap;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use ferry_modelcard::tokenizer::ChatMessage;
+use futures::StreamExt;
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+use tracing::Instrument;
+
+use super::error::{ApiError, ApiJson};
+use super::generate::{self, Meta};
+use super::sse;
+use crate::auth::Caller;
+use crate::dispatch::GenerationStream;
+use crate::error::{log_failure, RequestError};
+use crate::output::{FinishReason, Usage};
+use crate::spans::Operation;
+use crate::state::AppState;
+use crate::tokenize::PromptInput;
+use crate::validate::{GenerateParams, SamplingInput, ValidationError};
+
+const ROUTE: &str = "/v1/responses";
+
+/// `POST /v1/responses`. Unknown fields are refused; fields ferry does not implement are a
+/// 400 naming them unless their value changes nothing ([`ResponsesRequest::check_unsupported`]).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ResponsesRequest {
+    /// Model name; empty or absent = the served one.
+    #[serde(default)]
+    pub model: String,
+    /// The input: a string (one user turn) or a list of messages.
+    pub input: ResponseInput,
+    /// A system turn put before the input.
+    pub instructions: Option<String>,
+    /// New tokens at most; default: what the context leaves.
+    pub max_output_tokens: Option<i64>,
+    /// Softmax temperature.
+    pub temperature: Option<f64>,
+    /// Nucleus threshold.
+    pub top_p: Option<f64>,
+    /// Extension (as on the other endpoints): keep the k most likely tokens.
+    pub top_k: Option<i64>,
+    /// Extension: drop tokens below min_p × the top probability.
+    pub min_p: Option<f64>,
+    /// Extension: seed for reproducible sampling.
+    pub seed: Option<u64>,
+    /// Extension: speculative decoding for this request; absent = the worker's setting.
+    pub speculative: Option<bool>,
+    /// Extension: keep generating past end-of-sequence tokens.
+    #[serde(default)]
+    pub ignore_eos: bool,
+    /// Stream the typed events.
+    #[serde(default)]
+    pub stream: bool,
+    /// No effect: ferry keeps no responses (the object says `"store": false`).
+    pub store: Option<Value>,
+    /// No effect on the output; echoed back.
+    pub metadata: Option<Value>,
+    /// No effect on the output.
+    pub user: Option<Value>,
+    /// No effect on the output.
+    pub safety_identifier: Option<Value>,
+    /// No effect on the output.
+    pub prompt_cache_key: Option<Value>,
+    /// No effect on the output (ferry's prefix cache keeps what fits, by content).
+    pub prompt_cache_retention: Option<Value>,
+    /// No effect on the output.
+    pub prompt_cache_options: Option<Value>,
+    /// No effect on the output.
+    pub service_tier: Option<Value>,
+    /// No effect on the output.
+    pub stream_options: Option<Value>,
+    /// No effect without tools.
+    pub parallel_tool_calls: Option<Value>,
+    /// Not implemented: null only (ferry keeps no responses to continue from).
+    pub previous_response_id: Option<Value>,
+    /// Not implemented: null only.
+    pub conversation: Option<Value>,
+    /// Only `{"format": {"type": "text"}}`.
+    pub text: Option<Value>,
+    /// Not implemented: empty only.
+    pub tools: Option<Value>,
+    /// Not implemented: `"none"` or `"auto"` (with no tools, the same).
+    pub tool_choice: Option<Value>,
+    /// Not implemented: empty only.
+    pub include: Option<Value>,
+    /// Not implemented: null only.
+    pub reasoning: Option<Value>,
+    /// Only `"disabled"` (a prompt longer than the context is a 400, never cut).
+    pub truncation: Option<Value>,
+    /// Not implemented: 0 only.
+    pub top_logprobs: Option<Value>,
+    /// Not implemented: null only.
+    pub max_tool_calls: Option<Value>,
+    /// Not implemented: false only.
+    pub background: Option<Value>,
+    /// Not implemented (stored prompt templates): null only.
+    pub prompt: Option<Value>,
+}
+
+/// `input`.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(untagged)]
+pub enum ResponseInput {
+    /// One user turn.
+    Text(String),
+    /// Messages.
+    Items(Vec<InputItem>),
+}
+
+/// One input item: a message (`type` absent or `"message"`).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct InputItem {
+    /// `message` (other item types, e.g. function call outputs, are a 400).
+    #[serde(rename = "type", default)]
+    pub kind: Option<String>,
+    /// `user`, `assistant`, `system` or `developer`.
+    #[serde(default)]
+    pub role: Option<String>,
+    /// A string or parts.
+    #[serde(default)]
+    pub content: Option<InputContent>,
+}
+
+/// A message's content.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(untagged)]
+pub enum InputContent {
+    /// Plain text.
+    Text(String),
+    /// Content parts (`input_text`, or `output_text` in assistant turns).
+    Parts(Vec<InputPart>),
+}
+
+/// One content part.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct InputPart {
+    /// `input_text` or `output_text` (others, e.g. images, are a 400).
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// The text.
+    #[serde(default)]
+    pub text: String,
+}
+
+impl ResponsesRequest {
+    /// A 400 naming the first field that would change the output and is not implemented.
+    fn check_unsupported(&self) -> Result<(), ValidationError> {
+        let null = |v: &Value| v.is_null();
+        let checks: [(&'static str, &Option<Value>, &dyn Fn(&Value) -> bool, &str); 11] = [
+            (
+                "previous_response_id",
+                &self.previous_response_id,
+                &null,
+                "null",
+            ),
+            ("conversation", &self.conversation, &null, "null"),
+            (
+                "text",
+                &self.text,
+                &|v: &Value| {
+                    v.is_null()
+                        || v.get("format").is_none_or(|f| {
+                            f.is_null() || f.get("type").and_then(Value::as_str) == Some("text")
+                        })
+                },
+                "{\"format\": {\"type\": \"text\"}}",
+            ),
+            (
+                "tools",
+                &self.tools,
+                &|v: &Value| v.is_null() || v.as_array().is_some_and(Vec::is_empty),
+                "[]",
+            ),
+            (
+                "tool_choice",
+                &self.tool_choice,
+                &|v: &Value| v.is_null() || matches!(v.as_str(), Some("none" | "auto")),
+                "\"none\" or \"auto\"",
+            ),
+            (
+                "include",
+                &self.include,
+                &|v: &Value| v.is_null() || v.as_array().is_some_and(Vec::is_empty),
+                "[]",
+            ),
+            ("reasoning", &self.reasoning, &null, "null"),
+            (
+                "truncation",
+                &self.truncation,
+                &|v: &Value| v.is_null() || v.as_str() == Some("disabled"),
+                "\"disabled\"",
+            ),
+            (
+                "top_logprobs",
+                &self.top_logprobs,
+                &|v: &Value| v.is_null() || v.as_f64() == Some(0.0),
+                "0",
+            ),
+            ("max_tool_calls", &self.max_tool_calls, &null, "null"),
+            (
+                "background",
+                &self.background,
+                &|v: &Value| v.is_null() || v == &Value::Bool(false),
+                "false",
+            ),
+        ];
+        for (field, value, ok, accepted) in checks {
+            if let Some(v) = value.as_ref().filter(|v| !ok(v)) {
+                return Err(ValidationError::new(
+                    field,
+                    format!("is not supported by ferry yet; omit it or send {accepted}, got {v}"),
+                ));
+            }
+        }
+        if let Some(v) = self.prompt.as_ref().filter(|v| !v.is_null()) {
+            return Err(ValidationError::new(
+                "prompt",
+                format!("stored prompt templates are not supported; got {v}"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The conversation to render: `instructions` first, then the input's turns.
+    fn messages(&self) -> Result<Vec<ChatMessage>, ValidationError> {
+        let mut messages = Vec::new();
+        if let Some(i) = &self.instructions {
+            messages.push(ChatMessage::new("system", i.clone()));
+        }
+        let items = match &self.input {
+            ResponseInput::Text(t) => {
+                messages.push(ChatMessage::new("user", t.clone()));
+                return Ok(messages);
+            }
+            ResponseInput::Items(items) => items,
+        };
+        if items.is_empty() {
+            return Err(ValidationError::new(
+                "input",
+                "must hold at least one message",
+            ));
+        }
+        for (i, item) in items.iter().enumerate() {
+            let bad = |what: String| ValidationError::new("input", format!("item {i}: {what}"));
+            if let Some(kind) = item.kind.as_deref().filter(|k| *k != "message") {
+                return Err(bad(format!(
+                    "only \"message\" items are supported, got type {kind:?}"
+                )));
+            }
+            let role = match item.role.as_deref() {
+                Some("developer" | "system") => "system",
+                Some(r @ ("user" | "assistant")) => r,
+                Some(r) => {
+                    return Err(bad(format!(
+                        "role must be user, assistant, system or developer, got {r:?}"
+                    )))
+                }
+                None => return Err(bad("role is missing".into())),
+            };
+            let content = match &item.content {
+                None => String::new(),
+                Some(InputContent::Text(t)) => t.clone(),
+                Some(InputContent::Parts(parts)) => {
+                    let mut text = String::new();
+                    for p in parts {
+                        if !matches!(p.kind.as_str(), "input_text" | "output_text") {
+                            return Err(bad(format!(
+                                "content parts must be input_text or output_text, got {:?}",
+                                p.kind
+                            )));
+                        }
+                        text.push_str(&p.text);
+                    }
+                    text
+                }
+            };
+            messages.push(ChatMessage::new(role, content));
+        }
+        Ok(messages)
+    }
+
+    /// The request in the router's terms (the rest is checked by the validator).
+    pub fn into_params(&self, request_id: &str) -> Result<GenerateParams, ValidationError> {
+        self.check_unsupported()?;
+        if let Some(n) = self.max_output_tokens.filter(|&n| n < 1) {
+            return Err(ValidationError::new(
+                "max_output_tokens",
+                format!("must be >= 1, got {n}"),
+            ));
+        }
+        Ok(GenerateParams {
+            model: self.model.clone(),
+            prompt: PromptInput::Chat(self.messages()?),
+            sampling: SamplingInput {
+                temperature: self.temperature,
+                top_k: self.top_k,
+                top_p: self.top_p,
+                min_p: self.min_p,
+                seed: self.seed,
+            },
+            max_tokens: self.max_output_tokens,
+            stop: Vec::new(),
+            ignore_eos: self.ignore_eos,
+            request_id: Some(request_id.to_string()),
+            speculative: self.speculative,
+        })
+    }
+}
+
+/// The response object, whole or as the events carry it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ResponseObject {
+    /// `resp_…`.
+    pub id: String,
+    /// Always `response`.
+    pub object: &'static str,
+    /// Unix seconds.
+    pub created_at: u64,
+    /// `in_progress`, `completed` or `incomplete`.
+    pub status: &'static str,
+    /// Always null (a failure is an error response or event).
+    pub error: Option<Value>,
+    /// Why it is incomplete: `{"reason": "max_output_tokens"}`.
+    pub incomplete_details: Option<Value>,
+    /// As sent.
+    pub instructions: Option<String>,
+    /// As sent.
+    pub max_output_tokens: Option<i64>,
+    /// The served model.
+    pub model: String,
+    /// The message item (once it exists).
+    pub output: Vec<OutputMessage>,
+    /// Always true (no tools run).
+    pub parallel_tool_calls: bool,
+    /// Always null.
+    pub previous_response_id: Option<String>,
+    /// `{"effort": null, "summary": null}`: no reasoning.
+    pub reasoning: Value,
+    /// Always false: ferry keeps no responses.
+    pub store: bool,
+    /// As sent (default 1).
+    pub temperature: f64,
+    /// `{"format": {"type": "text"}}`.
+    pub text: Value,
+    /// `none`.
+    pub tool_choice: &'static str,
+    /// Always empty.
+    pub tools: Vec<Value>,
+    /// As sent (default 1).
+    pub top_p: f64,
+    /// `disabled`.
+    pub truncation: &'static str,
+    /// Token counts, once finished.
+    pub usage: Option<ResponseUsage>,
+    /// As sent.
+    pub metadata: Value,
+}
+
+/// The output message item.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct OutputMessage {
+    /// Always `message`.
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    /// `msg_…`.
+    pub id: String,
+    /// `in_progress`, `completed` or `incomplete`.
+    pub status: &'static str,
+    /// Always `assistant`.
+    pub role: &'static str,
+    /// The text part (once it exists).
+    pub content: Vec<OutputText>,
+}
+
+/// An `output_text` part.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct OutputText {
+    /// Always `output_text`.
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    /// The text.
+    pub text: String,
+    /// Always empty.
+    pub annotations: Vec<Value>,
+}
+
+impl OutputText {
+    fn new(text: String) -> Self {
+        Self {
+            kind: "output_text",
+            text,
+            annotations: Vec::new(),
+        }
+    }
+}
+
+/// `usage` in the Responses API's names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct ResponseUsage {
+    /// Prompt tokens.
+    pub input_tokens: u32,
+    /// `{"cached_tokens": n}`: prompt tokens served from a KV cache.
+    pub input_tokens_details: CachedTokens,
+    /// Generated tokens.
+    pub output_tokens: u32,
+    /// `{"reasoning_tokens": 0}`.
+    pub output_tokens_details: ReasoningTokens,
+    /// Their sum.
+    pub total_tokens: u32,
+}
+
+/// `input_tokens_details`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct CachedTokens {
+    /// Prompt tokens served from a KV cache.
+    pub cached_tokens: u32,
+}
+
+/// `output_tokens_details`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct ReasoningTokens {
+    /// Always 0.
+    pub reasoning_tokens: u32,
+}
+
+impl From<Usage> for ResponseUsage {
+    fn from(u: Usage) -> Self {
+        Self {
+            input_tokens: u.prompt_tokens,
+            input_tokens_details: CachedTokens {
+                cached_tokens: u.cached_prompt_tokens,
+            },
+            output_tokens: u.completion_tokens,
+            output_tokens_details: ReasoningTokens {
+                reasoning_tokens: 0,
+            },
+            total_tokens: u.prompt_tokens.saturating_add(u.completion_tokens),
+        }
+    }
+}
+
+/// What a response's objects share, fixed when the request is accepted.
+#[derive(Debug, Clone)]
+struct Shape {
+    meta: Meta,
+    message_id: String,
+    instructions: Option<String>,
+    max_output_tokens: Option<i64>,
+    temperature: f64,
+    top_p: f64,
+    metadata: Value,
+}
+
+impl Shape {
+    fn new(meta: Meta, req: &ResponsesRequest) -> Self {
+        Self {
+            message_id: format!("msg_{:032x}", rand::random::<u128>()),
+            meta,
+            instructions: req.instructions.clone(),
+            max_output_tokens: req.max_output_tokens,
+            temperature: req.temperature.unwrap_or(1.0),
+            top_p: req.top_p.unwrap_or(1.0),
+            metadata: req.metadata.clone().unwrap_or_else(|| json!({})),
+        }
+    }
+
+    /// The message item with `text` so far (`None`: no part yet).
+    fn message(&self, status: &'static str, text: Option<String>) -> OutputMessage {
+        OutputMessage {
+            kind: "message",
+            id: self.message_id.clone(),
+            status,
+            role: "assistant",
+            content: text.map(OutputText::new).into_iter().collect(),
+        }
+    }
+
+    /// The response object: in progress (no `finish`), or finished with its text and usage.
+    fn object(&self, done: Option<(&str, FinishReason, Usage)>) -> ResponseObject {
+        let (status, output, incomplete, usage) = match done {
+            None => ("in_progress", Vec::new(), None, None),
+            Some((text, finish, usage)) => {
+                let status = status_of(finish);
+                let incomplete = (finish == FinishReason::Length)
+                    .then(|| json!({"reason": "max_output_tokens"}));
+                let item = self.message(status, Some(text.to_string()));
+                (status, vec![item], incomplete, Some(usage.into()))
+            }
+        };
+        ResponseObject {
+            id: self.meta.id.clone(),
+            object: "response",
+            created_at: self.meta.created,
+            status,
+            error: None,
+            incomplete_details: incomplete,
+            instructions: self.instructions.clone(),
+            max_output_tokens: self.max_output_tokens,
+            model: self.meta.model.clone(),
+            output,
+            parallel_tool_calls: true,
+            previous_response_id: None,
+            reasoning: json!({"effort": null, "summary": null}),
+            store: false,
+            temperature: self.temperature,
+            text: json!({"format": {"type": "text"}}),
+            tool_choice: "none",
+            tools: Vec::new(),
+            top_p: self.top_p,
+            truncation: "disabled",
+            usage,
+            metadata: self.metadata.clone(),
+        }
+    }
+}
+
+/// `completed`, or `incomplete` when the token limit cut the text.
+fn status_of(finish: FinishReason) -> &'static str {
+    match finish {
+        FinishReason::Stop => "completed",
+        FinishReason::Length => "incomplete",
+    }
+}
+
+/// The handler.
+pub async fn responses(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    caller: Caller,
+    ApiJson(req): ApiJson<ResponsesRequest>,
+) -> Response {
+    let meta = Meta::new("resp", &state);
+    let span = generate::request_span(&state, &headers, Operation::Chat, ROUTE, &meta.id);
+    let params = match req.into_params(&meta.id) {
+        Ok(p) => p,
+        Err(e) => return generate::reject(&state, e, &span),
+    };
+    let events = match generate::start(&state, &caller, params, span.clone()).await {
+        Ok(events) => events,
+        Err(e) => return own_names(e).into_response(),
+    };
+    let shape = Shape::new(meta, &req);
+    if req.stream {
+        let stream = Box::pin(stream_events(shape, events, span.clone()));
+        sse::named_events(crate::spans::InSpan::new(stream, span))
+    } else {
+        whole(shape, events).instrument(span).await
+    }
+}
+
+/// The validator's error in this API's field names (`max_tokens` is `max_output_tokens` here).
+fn own_names(mut e: ApiError) -> ApiError {
+    if e.param.as_deref() == Some("max_tokens") {
+        e.param = Some("max_output_tokens".into());
+        e.message = e.message.replace("`max_tokens`", "`max_output_tokens`");
+    }
+    e
+}
+
+/// The non-streamed response, once the generation finished.
+async fn whole(shape: Shape, mut events: GenerationStream) -> Response {
+    let mut text = String::new();
+    while let Some(item) = events.next().await {
+        match item {
+            Ok(event) => {
+                text.push_str(&event.text);
+                if let (Some(finish), Some(usage)) = (event.finish, event.usage) {
+                    return Json(shape.object(Some((&text, finish, usage)))).into_response();
+                }
+            }
+            Err(e) => {
+                log_failure(&e);
+                return ApiError::from(e).into_response();
+            }
+        }
+    }
+    let e = RequestError::Internal("the generation ended without a finish".into());
+    log_failure(&e);
+    ApiError::from(e).into_response()
+}
+
+/// Numbers the events of one stream and names them by their `type`.
+struct Events {
+    next: u64,
+}
+
+impl Events {
+    fn event(&mut self, kind: &'static str, mut body: Value) -> (&'static str, sse::Chunk) {
+        if let Some(o) = body.as_object_mut() {
+            o.insert("type".into(), json!(kind));
+            o.insert("sequence_number".into(), json!(self.next));
+        }
+        self.next += 1;
+        (kind, sse::Chunk::json(&body))
+    }
+}
+
+/// The typed events of a streamed response.
+fn stream_events(
+    shape: Shape,
+    mut events: GenerationStream,
+    span: tracing::Span,
+) -> impl futures::Stream<Item = (&'static str, sse::Chunk)> + Send {
+    async_stream::stream! {
+        let mut ev = Events { next: 0 };
+        let item_id = shape.message_id.clone();
+        let at = |extra: Value| {
+            let mut v = json!({"item_id": item_id, "output_index": 0, "content_index": 0});
+            if let (Some(o), Value::Object(e)) = (v.as_object_mut(), extra) {
+                o.extend(e);
+            }
+            v
+        };
+        yield ev.event("response.created", json!({"response": shape.object(None)}));
+        yield ev.event("response.in_progress", json!({"response": shape.object(None)}));
+        yield ev.event(
+            "response.output_item.added",
+            json!({"output_index": 0, "item": shape.message("in_progress", None)}),
+        );
+        yield ev.event(
+            "response.content_part.added",
+            at(json!({"part": OutputText::new(String::new())})),
+        );
+        let mut text = String::new();
+        while let Some(item) = events.next().await {
+            match item {
+                Ok(event) => {
+                    if !event.text.is_empty() {
+                        text.push_str(&event.text);
+                        yield ev.event(
+                            "response.output_text.delta",
+                            at(json!({"delta": event.text, "logprobs": []})),
+                        );
+                    }
+                    let (Some(finish), Some(usage)) = (event.finish, event.usage) else {
+                        continue;
+                    };
+                    let status = status_of(finish);
+                    yield ev.event(
+                        "response.output_text.done",
+                        at(json!({"text": text, "logprobs": []})),
+                    );
+                    yield ev.event(
+                        "response.content_part.done",
+                        at(json!({"part": OutputText::new(text.clone())})),
+                    );
+                    yield ev.event(
+                        "response.output_item.done",
+                        json!({"output_index": 0, "item": shape.message(status, Some(text.clone()))}),
+                    );
+                    let last = if finish == FinishReason::Length {
+                        "response.incomplete"
+                    } else {
+                        "response.completed"
+                    };
+                    yield ev.event(last, json!({"response": shape.object(Some((&text, finish, usage)))}));
+                    return;
+                }
+                Err(e) => {
+                    span.in_scope(|| log_failure(&e));
+                    let body = ApiError::from(e).body();
+                    let err = body.get("error").cloned().unwrap_or(body);
+                    yield ev.event("error", json!({
+                        "code": err.get("code"),
+                        "message": err.get("message"),
+                        "param": err.get("param"),
+                    }));
+                    return;
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request(body: Value) -> ResponsesRequest {
+        serde_json::from_value(body).expect("a valid body")
+    }
+
+    fn turns(m: &[ChatMessage]) -> Vec<(String, String)> {
+        m.iter()
+            .map(|m| (m.role.clone(), m.content.clone()))
+            .collect()
+    }
+
+    #[test]
+    fn input_becomes_the_chat_turns_after_the_instructions() {
+        let r = request(json!({"input": "Who?", "instructions": "Be brief."}));
+        let want = [("system", "Be brief."), ("user", "Who?")]
+            .map(|(r, c)| (r.to_string(), c.to_string()));
+        assert_eq!(turns(&r.messages().unwrap()), want);
+        let r = request(json!({"input": [
+            {"role": "developer", "content": "Be brief."},
+            {"type": "message", "role": "user", "content": [
+                {"type": "input_text", "text": "Who"}, {"type": "input_text", "text": "?"}]},
+            {"role": "assistant", "content": [{"type": "output_text", "text": "God."}]},
+            {"role": "user", "content": "When?"}
+        ]}));
+        let want = [
+            ("system", "Be brief."),
+            ("user", "Who?"),
+            ("assistant", "God."),
+            ("user", "When?"),
+        ]
+        .map(|(r, c)| (r.to_string(), c.to_string()));
+        assert_eq!(turns(&r.messages().unwrap()), want);
+    }
+
+    #[test]
+    fn a_finished_object_says_why_it_stopped() {
+        let meta = Meta {
+            id: "resp_1".into(),
+            created: 7,
+            model: "tiny-k3".into(),
+        };
+        let shape = Shape::new(
+            meta,
+            &request(json!({"input": "x", "max_output_tokens": 3})),
+        );
+        let usage = Usage {
+            prompt_tokens: 5,
+            completion_tokens: 3,
+            cached_prompt_tokens: 2,
+        };
+        let cut =
+            serde_json::to_value(shape.object(Some(("abc", FinishReason::Length, usage)))).unwrap();
+        assert_eq!(cut["status"], "incomplete");
+        assert_eq!(cut["incomplete_details"]["reason"], "max_output_tokens");
+        assert_eq!(cut["output"][0]["status"], "incomplete");
+        assert_eq!(cut["output"][0]["content"][0]["text"], "abc");
+        assert_eq!(cut["usage"]["input_tokens"], 5);
+        assert_eq!(cut["usage"]["input_tokens_details"]["cached_tokens"], 2);
+        assert_eq!(cut["usage"]["total_tokens"], 8);
+        let done =
+            serde_json::to_value(shape.object(Some(("abc", FinishReason::Stop, usage)))).unwrap();
+        assert_eq!(done["status"], "completed");
+        assert!(done["incomplete_details"].is_null());
+        let open = serde_json::to_value(shape.object(None)).unwrap();
+        assert_eq!(open["status"], "in_progress");
+        assert_eq!(open["output"], json!([]));
+        assert!(open["usage"].is_null());
+    }
+}
