@@ -156,7 +156,10 @@ async fn ferry_up_checks_each_roles_devices_before_starting_anything() {
             .expect("ferry runs");
         let stderr = strip_ansi(&String::from_utf8_lossy(&out.stderr));
         let stdout = String::from_utf8_lossy(&out.stdout);
-        assert!(!out.status.success(), "ferry up {flag} {list} started:\n{stderr}");
+        assert!(
+            !out.status.success(),
+            "ferry up {flag} {list} started:\n{stderr}"
+        );
         assert!(
             stderr.contains(flag) && stderr.contains(bad) && stderr.contains("unavailable"),
             "{flag} {list}: the error names the flag, the device and why:\n{stderr}"

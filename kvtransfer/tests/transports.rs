@@ -737,17 +737,28 @@ async fn ucx_transfers_to_one_receiver_share_one_endpoint() {
         assert_eq!(w.flush().await.unwrap(), layout.block_bytes() as u64);
         if i == 0 {
             after_first = writer.remote_keys_unpacked();
-            assert!((1..=2).contains(&after_first), "{after_first} keys unpacked");
+            assert!(
+                (1..=2).contains(&after_first),
+                "{after_first} keys unpacked"
+            );
         }
     }
     assert_eq!(writer.endpoints(), 1);
     assert_eq!(writer.remote_keys_unpacked(), after_first);
-    other.assert_only(&HashMap::from([((2, 7), pattern(9, 2, 7, layout.block_bytes()))]));
+    other.assert_only(&HashMap::from([(
+        (2, 7),
+        pattern(9, 2, 7, layout.block_bytes()),
+    )]));
     region.assert_only(&expected);
     // A refused connection (a key the receiver does not hold) retires the endpoint...
     let e = expect_err(
         writer
-            .connect(&reg.address, RemoteKey(reg.key.0 ^ 0x8000), Fence::NONE, &layout)
+            .connect(
+                &reg.address,
+                RemoteKey(reg.key.0 ^ 0x8000),
+                Fence::NONE,
+                &layout,
+            )
             .await,
     );
     assert!(matches!(e, TransferError::UnknownRegion(_)), "{e}");

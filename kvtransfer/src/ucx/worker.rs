@@ -1038,9 +1038,8 @@ impl State {
         let mut rkey = std::ptr::null_mut();
         // SAFETY: unpacks a buffer UCX packed on the receiver (UCX validates it) on an open
         // endpoint; the key is destroyed before that endpoint closes (`close_peer`).
-        let s = unsafe {
-            (self.ucp.ep_rkey_unpack)(p.ep, packed.as_ptr() as *const c_void, &mut rkey)
-        };
+        let s =
+            unsafe { (self.ucp.ep_rkey_unpack)(p.ep, packed.as_ptr() as *const c_void, &mut rkey) };
         if s != sys::UCS_OK {
             return Err(ucx_error(self.ucp, "unpacking a remote key", s));
         }
