@@ -18,7 +18,7 @@ use ferry_model::engine::{EngineHandle, SeqId};
 use ferry_model::kv::BlockId;
 use ferry_proto::auth::AttachToken;
 use ferry_proto::internal::prefill_worker_client::PrefillWorkerClient;
-use ferry_proto::internal::{KvDestination, KvLayout, PrefillRequest, Sampling};
+use ferry_proto::internal::{KvDestination, KvLayout, PrefillRequest, Sampling, Stop};
 use ferry_proto::trace_ctx;
 use ferry_worker::registration::PrefillView;
 use tokio::sync::watch;
@@ -54,6 +54,8 @@ pub struct RemotePrefill {
     pub prompt: Vec<u32>,
     /// Sampling parameters for the first token.
     pub sampling: Sampling,
+    /// The request's stop conditions (`min_tokens` masks the first token's stop tokens).
+    pub stop: Option<Stop>,
     /// Blocks reserved here, in position order.
     pub blocks: Vec<BlockId>,
     /// Prompt positions this worker already holds.
@@ -163,7 +165,8 @@ async fn call(job: &RemotePrefill) -> Result<(u32, u64), String> {
     let mut request = tonic::Request::new(PrefillRequest {
         request_id: job.request_id.clone(),
         prompt_tokens: job.prompt.clone(),
-        sampling: Some(job.sampling),
+        sampling: Some(job.sampling.clone()),
+        stop: job.stop.clone(),
         skip_tokens: u32::try_from(job.cached_tokens).map_err(|e| e.to_string())?,
         destination: Some(KvDestination {
             transfer_address: job.registration.address.clone(),

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use ferry_kvtransfer::{KvLayoutDesc, Registration};
 use ferry_model::engine::{
     EngineError, EngineEvent, EngineHandle, FailureKind, FinishReason, GenerateJob,
-    GenerateOptions, Generation, PrefillSource, SpecCounts, StopParams,
+    GenerateOptions, Generation, PrefillSource, SpecCounts,
 };
 use ferry_proto::internal::decode_worker_server::DecodeWorker;
 use ferry_proto::internal::{
@@ -16,7 +16,7 @@ use ferry_proto::internal::{
 };
 use ferry_proto::trace_ctx;
 use ferry_proto::v1::FinishReason as WireFinish;
-use ferry_worker::args::{sampling, validate_prompt};
+use ferry_worker::args::{controls, sampling, stop_params, validate_prompt};
 use ferry_worker::registration::PrefillView;
 use futures::Stream;
 use tokio::sync::{mpsc, watch};
@@ -197,6 +197,9 @@ impl DecodeService {
             max_tokens - resumed,
         )?;
         let params = sampling(r.sampling.as_ref())?;
+        let vocab = self.engine.model_config().vocab_size;
+        let controls = controls(r.sampling.as_ref(), vocab)?;
+        let stop_params = stop_params(Some(stop), vocab)?;
         // A resumed request prefills here: a peer would draw its first token at step 0.
         let peer = r
             .prefill_peer
@@ -231,10 +234,8 @@ impl DecodeService {
         let job = GenerateJob {
             prompt: r.prompt_tokens.clone(),
             sampling: params,
-            stop: StopParams {
-                max_tokens,
-                ignore_eos: stop.ignore_eos,
-            },
+            controls,
+            stop: stop_params,
             prefill,
         };
         // Unset follows this worker: speculation iff it was started with a drafter.
@@ -359,7 +360,8 @@ async fn drive(
                     peer_id,
                     view: ctx.prefill_view.clone(),
                     prompt: ctx.request.prompt_tokens.clone(),
-                    sampling: ctx.request.sampling.unwrap_or_default(),
+                    sampling: ctx.request.sampling.clone().unwrap_or_default(),
+                    stop: ctx.request.stop.clone(),
                     blocks,
                     cached_tokens,
                     registration: ctx.registration.clone(),

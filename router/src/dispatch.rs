@@ -620,11 +620,23 @@ fn decode_request(
             top_p: s.top_p,
             min_p: s.min_p,
             seed: s.seed,
+            // Unset when off: the wire's default is "no penalty".
+            presence_penalty: Some(s.controls.presence_penalty).filter(|&p| p != 0.0),
+            frequency_penalty: Some(s.controls.frequency_penalty).filter(|&p| p != 0.0),
+            repetition_penalty: Some(s.controls.repetition_penalty).filter(|&p| p != 1.0),
+            logit_bias: s
+                .controls
+                .logit_bias
+                .iter()
+                .map(|&(token, bias)| internal::LogitBias { token, bias })
+                .collect(),
         }),
         stop: Some(internal::Stop {
             max_tokens: req.max_tokens(),
             ignore_eos: req.ignore_eos(),
             stop: req.stop().to_vec(),
+            min_tokens: req.min_tokens(),
+            stop_token_ids: req.stop_token_ids().to_vec(),
         }),
         prefill_peer: prefill.map(|p| internal::PrefillPeer {
             worker_id: p.id.0.clone(),

@@ -875,8 +875,8 @@ pub fn request(
         sampling: Some(sampling),
         stop: Some(StopConditions {
             max_tokens,
-            stop: Vec::new(),
             ignore_eos,
+            ..StopConditions::default()
         }),
         ..GenerateRequest::default()
     }

@@ -28,6 +28,7 @@ pub mod spec;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
+use ferry_kernels::cpu::logits::LogitsControls;
 use ferry_kernels::cpu::sample::SamplingParams;
 use ferry_kernels::Device;
 use tokio::sync::{mpsc, oneshot};
@@ -100,7 +101,7 @@ impl Default for EngineConfig {
 /// Why a request stopped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FinishReason {
-    /// An end-of-sequence token.
+    /// An end-of-sequence token or one of the request's `stop_token_ids`.
     Stop,
     /// `max_tokens` reached.
     Length,
@@ -113,6 +114,43 @@ pub struct StopParams {
     pub max_tokens: usize,
     /// Keep going past end-of-sequence tokens.
     pub ignore_eos: bool,
+    /// More tokens that end the request like an EOS (not emitted; `ignore_eos` does not apply
+    /// to them).
+    pub stop_token_ids: Vec<u32>,
+    /// Until this many tokens are generated, the stop tokens ([`StopParams::stop_ids`]) are
+    /// masked out of the distribution (their logit is `-inf`). 0 = off.
+    pub min_tokens: usize,
+}
+
+impl StopParams {
+    /// At most `max_tokens` new tokens, stopping at EOS; nothing else.
+    pub fn max_tokens(max_tokens: usize) -> Self {
+        Self {
+            max_tokens,
+            ignore_eos: false,
+            stop_token_ids: Vec::new(),
+            min_tokens: 0,
+        }
+    }
+
+    /// Whether `token` ends the request: one of `stop_token_ids`, or of the model's `eos`
+    /// unless `ignore_eos`.
+    pub fn is_stop(&self, token: u32, eos: &[u32]) -> bool {
+        self.stop_token_ids.contains(&token) || (!self.ignore_eos && eos.contains(&token))
+    }
+
+    /// The tokens `min_tokens` masks when choosing generated token number `generated + 1`:
+    /// every stop token while `generated < min_tokens`, none after.
+    pub fn masked(&self, generated: usize, eos: &[u32]) -> Vec<u32> {
+        if generated >= self.min_tokens {
+            return Vec::new();
+        }
+        let mut ids = self.stop_token_ids.clone();
+        if !self.ignore_eos {
+            ids.extend(eos.iter().filter(|t| !self.stop_token_ids.contains(t)));
+        }
+        ids
+    }
 }
 
 /// Where a decode request's prompt KV comes from.
@@ -135,6 +173,8 @@ pub struct GenerateJob {
     pub prompt: Vec<u32>,
     /// Sampling parameters.
     pub sampling: SamplingParams,
+    /// Penalties and `logit_bias`, applied to the logits before `sampling`.
+    pub controls: LogitsControls,
     /// Stop conditions.
     pub stop: StopParams,
     /// Where the prompt KV comes from.
@@ -253,6 +293,11 @@ pub struct PrefillJob {
     pub prompt: Vec<u32>,
     /// Parameters for the first token.
     pub sampling: SamplingParams,
+    /// Penalties and `logit_bias` for the first token (the prompt is its history).
+    pub controls: LogitsControls,
+    /// The request's stop conditions: `min_tokens` masks its stop tokens from the first token.
+    /// `max_tokens` is not used here.
+    pub stop: StopParams,
     /// Prompt positions the destination already holds (whole blocks): not shipped.
     pub skip_tokens: usize,
     /// Called on the engine thread with `(layer, blocks to ship from skip_tokens on, rows)` as
@@ -294,6 +339,10 @@ pub struct PrefillWork {
     pub prompt: Vec<u32>,
     /// Parameters for the first token.
     pub sampling: SamplingParams,
+    /// See [`PrefillJob::controls`].
+    pub controls: LogitsControls,
+    /// See [`PrefillJob::stop`].
+    pub stop: StopParams,
     /// Prompt positions the destination already holds (whole blocks): not shipped.
     pub skip_tokens: usize,
     /// See [`PrefillJob::on_layer`].
@@ -703,7 +752,7 @@ impl EngineHandle {
     }
 
     /// Runs a prefill job and waits for its outcome (in the current span, as for
-    /// [`EngineHandle::generate`]).
+    /// [`EngineHandle::generate`]), with no logits controls and no `min_tokens`.
     pub async fn prefill(
         &self,
         prompt: Vec<u32>,
@@ -714,6 +763,8 @@ impl EngineHandle {
         self.prefill_work(PrefillWork {
             prompt,
             sampling,
+            controls: LogitsControls::default(),
+            stop: StopParams::max_tokens(1),
             skip_tokens,
             on_layer,
             on_draft_layer: None,
@@ -729,6 +780,8 @@ impl EngineHandle {
         self.send(Command::Prefill(PrefillJob {
             prompt: work.prompt,
             sampling: work.sampling,
+            controls: work.controls,
+            stop: work.stop,
             skip_tokens: work.skip_tokens,
             on_layer: work.on_layer,
             reply,

@@ -1,12 +1,16 @@
 //! OpenAI API shapes (the subset ferry serves) and their conversion to [`GenerateParams`].
 //!
 //! **Nothing is ignored silently.** A field that would change the output and that ferry does
-//! not implement yet (`logprobs`, penalties, `logit_bias`, `response_format`, `tools`, `echo`,
-//! `best_of`, `suffix`, …, [`UNSUPPORTED`]) is a 400 naming it, unless its value is the one that
-//! changes nothing (`presence_penalty: 0`, `logit_bias: {}`, `response_format: {"type":
-//! "text"}`, `tool_choice: "none"`, …); a field OpenAI does not define is a 400 too. Fields
-//! with no effect on the output are accepted: [`NO_EFFECT`]. Extensions beyond OpenAI: `top_k`,
-//! `min_p`, `ignore_eos`, `speculative` (OpenAI clients send them with `extra_body`).
+//! not implement yet (`logprobs`, `response_format`, `tools`, `echo`, `best_of`, `suffix`, …,
+//! [`UNSUPPORTED`]) is a 400 naming it, unless its value is the one that changes nothing
+//! (`logprobs: false`, `response_format: {"type": "text"}`, `tool_choice: "none"`, …); a field
+//! OpenAI does not define is a 400 too. Fields with no effect on the output are accepted:
+//! [`NO_EFFECT`]. Implemented beyond the basics: `presence_penalty`, `frequency_penalty`,
+//! `logit_bias` (OpenAI's); extensions (vLLM's, sent by OpenAI clients with `extra_body`):
+//! `top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `stop_token_ids`, `ignore_eos`,
+//! `speculative`.
+use std::collections::HashMap;
+
 use ferry_modelcard::tokenizer::ChatMessage;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -74,12 +78,6 @@ pub const NO_EFFECT: &[&str] = &[
 pub const UNSUPPORTED: &[(&str, &str)] = &[
     ("logprobs", "false (chat) or absent (completions)"),
     ("top_logprobs", "0"),
-    ("presence_penalty", "0"),
-    ("frequency_penalty", "0"),
-    ("repetition_penalty", "1"),
-    ("logit_bias", "{}"),
-    ("min_tokens", "0"),
-    ("stop_token_ids", "[]"),
     ("response_format", "{\"type\": \"text\"}"),
     ("tools", "[]"),
     ("tool_choice", "\"none\""),
@@ -95,11 +93,9 @@ fn is_noop(field: &str, v: &Value) -> bool {
     let num = |want: f64| v.as_f64() == Some(want);
     match field {
         "logprobs" | "echo" => v == &Value::Bool(false),
-        "top_logprobs" | "min_tokens" => num(0.0),
-        "presence_penalty" | "frequency_penalty" => num(0.0),
-        "repetition_penalty" | "best_of" => num(1.0),
-        "logit_bias" => v.as_object().is_some_and(|m| m.is_empty()),
-        "stop_token_ids" | "tools" | "functions" => v.as_array().is_some_and(|a| a.is_empty()),
+        "top_logprobs" => num(0.0),
+        "best_of" => num(1.0),
+        "tools" | "functions" => v.as_array().is_some_and(|a| a.is_empty()),
         "response_format" => v.get("type").and_then(Value::as_str) == Some("text"),
         "tool_choice" | "function_call" => v.as_str() == Some("none"),
         "suffix" => v.as_str() == Some(""),
@@ -143,18 +139,19 @@ macro_rules! common_fields {
             pub logprobs: Option<Value>,
             /// Not implemented ([`UNSUPPORTED`]).
             pub top_logprobs: Option<Value>,
-            /// Not implemented ([`UNSUPPORTED`]).
-            pub presence_penalty: Option<Value>,
-            /// Not implemented ([`UNSUPPORTED`]).
-            pub frequency_penalty: Option<Value>,
-            /// Not implemented ([`UNSUPPORTED`]).
-            pub repetition_penalty: Option<Value>,
-            /// Not implemented ([`UNSUPPORTED`]).
-            pub logit_bias: Option<Value>,
-            /// Not implemented ([`UNSUPPORTED`]).
-            pub min_tokens: Option<Value>,
-            /// Not implemented ([`UNSUPPORTED`]).
-            pub stop_token_ids: Option<Value>,
+            /// Subtracted once from the logit of each generated token, in [-2, 2].
+            pub presence_penalty: Option<f64>,
+            /// Subtracted per occurrence from the logit of each generated token, in [-2, 2].
+            pub frequency_penalty: Option<f64>,
+            /// Extension (vLLM): divides positive / multiplies negative logits of prompt and
+            /// output tokens; > 0.
+            pub repetition_penalty: Option<f64>,
+            /// Token id (a decimal string, as OpenAI's JSON keys are) → bias in [-100, 100].
+            pub logit_bias: Option<HashMap<String, f64>>,
+            /// Extension (vLLM): stop tokens masked until this many tokens are generated.
+            pub min_tokens: Option<i64>,
+            /// Extension (vLLM): more tokens that end generation.
+            pub stop_token_ids: Option<Vec<u32>>,
             /// Not implemented ([`UNSUPPORTED`]).
             pub response_format: Option<Value>,
             /// Not implemented ([`UNSUPPORTED`]).
@@ -203,14 +200,18 @@ macro_rules! common_fields {
         }
 
         impl $name {
-            fn sampling(&self) -> SamplingInput {
-                SamplingInput {
+            fn sampling(&self) -> Result<SamplingInput, ValidationError> {
+                Ok(SamplingInput {
                     temperature: self.temperature,
                     top_k: self.top_k,
                     top_p: self.top_p,
                     min_p: self.min_p,
                     seed: self.seed,
-                }
+                    presence_penalty: self.presence_penalty,
+                    frequency_penalty: self.frequency_penalty,
+                    repetition_penalty: self.repetition_penalty,
+                    logit_bias: logit_bias(self.logit_bias.as_ref())?,
+                })
             }
 
             fn check_n(&self) -> Result<(), ValidationError> {
@@ -226,12 +227,6 @@ macro_rules! common_fields {
                 reject_unsupported([
                     ("logprobs", &self.logprobs),
                     ("top_logprobs", &self.top_logprobs),
-                    ("presence_penalty", &self.presence_penalty),
-                    ("frequency_penalty", &self.frequency_penalty),
-                    ("repetition_penalty", &self.repetition_penalty),
-                    ("logit_bias", &self.logit_bias),
-                    ("min_tokens", &self.min_tokens),
-                    ("stop_token_ids", &self.stop_token_ids),
                     ("response_format", &self.response_format),
                     ("tools", &self.tools),
                     ("tool_choice", &self.tool_choice),
@@ -284,7 +279,7 @@ impl CompletionRequest {
             ("best_of", &self.best_of),
             ("suffix", &self.suffix),
         ])?;
-        let (sampling, stop) = (self.sampling(), self.stop_strings());
+        let (sampling, stop) = (self.sampling()?, self.stop_strings());
         let batch = |len: usize| {
             ValidationError::new(
                 "prompt",
@@ -310,6 +305,8 @@ impl CompletionRequest {
             max_tokens: Some(self.max_tokens.unwrap_or(DEFAULT_COMPLETION_MAX_TOKENS)),
             stop,
             ignore_eos: self.ignore_eos,
+            min_tokens: self.min_tokens,
+            stop_token_ids: self.stop_token_ids.unwrap_or_default(),
             request_id: Some(request_id.to_string()),
             speculative: self.speculative,
         })
@@ -369,7 +366,7 @@ impl ChatRequest {
     pub fn into_params(self, request_id: &str) -> Result<GenerateParams, ValidationError> {
         self.check_n()?;
         self.check_unsupported()?;
-        let (sampling, stop) = (self.sampling(), self.stop_strings());
+        let (sampling, stop) = (self.sampling()?, self.stop_strings());
         let messages = chat_messages(self.messages)?;
         Ok(GenerateParams {
             model: self.model,
@@ -378,10 +375,30 @@ impl ChatRequest {
             max_tokens: self.max_completion_tokens.or(self.max_tokens),
             stop,
             ignore_eos: self.ignore_eos,
+            min_tokens: self.min_tokens,
+            stop_token_ids: self.stop_token_ids.unwrap_or_default(),
             request_id: Some(request_id.to_string()),
             speculative: self.speculative,
         })
     }
+}
+
+/// OpenAI's `logit_bias` object (keys are token ids as decimal strings) as `(token, bias)`
+/// pairs, sorted by token; a key that is not a token id is a 400 naming `logit_bias`. Ranges
+/// and the vocabulary are checked by the validator.
+fn logit_bias(map: Option<&HashMap<String, f64>>) -> Result<Vec<(u32, f64)>, ValidationError> {
+    let mut out = Vec::with_capacity(map.map_or(0, HashMap::len));
+    for (key, &bias) in map.into_iter().flatten() {
+        let token = key.trim().parse::<u32>().map_err(|_| {
+            ValidationError::new(
+                "logit_bias",
+                format!("keys must be token ids (non-negative integers), got {key:?}"),
+            )
+        })?;
+        out.push((token, bias));
+    }
+    out.sort_by_key(|&(t, _)| t);
+    Ok(out)
 }
 
 /// Incoming chat turns as the tokenizer takes them: string content, or `text` parts joined

@@ -117,6 +117,56 @@ async fn completion_validation_errors_are_400_naming_the_field() {
             json!({"prompt": "hi", "stream": "yes"}),
             "stream",
         ),
+        (
+            "presence_penalty > 2",
+            json!({"prompt": "hi", "presence_penalty": 2.5}),
+            "presence_penalty",
+        ),
+        (
+            "frequency_penalty < -2",
+            json!({"prompt": "hi", "frequency_penalty": -2.5}),
+            "frequency_penalty",
+        ),
+        (
+            "repetition_penalty 0",
+            json!({"prompt": "hi", "repetition_penalty": 0}),
+            "repetition_penalty",
+        ),
+        (
+            "logit_bias token out of vocab",
+            json!({"prompt": "hi", "logit_bias": {"99999": 1}}),
+            "logit_bias",
+        ),
+        (
+            "logit_bias key not a token id",
+            json!({"prompt": "hi", "logit_bias": {"hello": 1}}),
+            "logit_bias",
+        ),
+        (
+            "logit_bias > 100",
+            json!({"prompt": "hi", "logit_bias": {"5": 101}}),
+            "logit_bias",
+        ),
+        (
+            "wrong type logit_bias",
+            json!({"prompt": "hi", "logit_bias": [5]}),
+            "logit_bias",
+        ),
+        (
+            "min_tokens > max_tokens",
+            json!({"prompt": "hi", "max_tokens": 4, "min_tokens": 5}),
+            "min_tokens",
+        ),
+        (
+            "stop_token_ids out of vocab",
+            json!({"prompt": "hi", "stop_token_ids": [2, 99999]}),
+            "stop_token_ids",
+        ),
+        (
+            "wrong type stop_token_ids",
+            json!({"prompt": "hi", "stop_token_ids": [-1]}),
+            "stop_token_ids",
+        ),
     ];
     for (case, body, field) in cases {
         let got = send(&s, "POST", "/v1/completions", &body.to_string()).await;
@@ -253,12 +303,6 @@ async fn unimplemented_and_unknown_fields_are_refused_by_name() {
     let shared = [
         ("logprobs", json!(true), json!(false)),
         ("top_logprobs", json!(3), json!(0)),
-        ("presence_penalty", json!(1.5), json!(0)),
-        ("frequency_penalty", json!(-0.5), json!(0.0)),
-        ("repetition_penalty", json!(1.2), json!(1)),
-        ("logit_bias", json!({"17": -100}), json!({})),
-        ("min_tokens", json!(4), json!(0)),
-        ("stop_token_ids", json!([2]), json!([])),
         (
             "response_format",
             json!({"type": "json_object"}),

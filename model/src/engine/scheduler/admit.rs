@@ -5,7 +5,7 @@ use ferry_kernels::cpu::sample::Sampler;
 use tracing::{debug, warn};
 
 use super::{NewRequest, Scheduler};
-use crate::engine::sequence::{Next, Origin, Phase, PrefillTask, Sequence};
+use crate::engine::sequence::{history_for, Next, Origin, Phase, PrefillTask, Sequence};
 use crate::engine::{
     EngineEvent, Failure, FailureKind, PrefillJob, PrefillSource, SeqId, SpecCounts,
 };
@@ -35,8 +35,11 @@ impl Scheduler {
                 return;
             }
         };
+        let history = history_for(&job.controls, &job.prompt, options.resumed_tokens);
         let mut seq = Sequence {
             id,
+            controls: job.controls,
+            history,
             tokens: job.prompt[..cached].to_vec(),
             prompt: job.prompt,
             rng: Sampler::for_params(&job.sampling),
@@ -104,12 +107,14 @@ impl Scheduler {
                     sp.fresh(&table.blocks()[before..]);
                 }
                 let rng = Sampler::for_params(&job.sampling);
+                let history = history_for(&job.controls, &job.prompt, 0);
                 let queued = Some(tracing::info_span!(parent: &job.span, "queue"));
                 self.prefills.push(PrefillTask {
                     job,
                     table,
                     reused,
                     rng,
+                    history,
                     queued,
                 });
             }
