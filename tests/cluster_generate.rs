@@ -4,10 +4,14 @@
 //! prefilled locally on the decode worker, the long one remotely on the prefill worker.
 //! Workers on `--load-format dummy` (a `config.json` only) serve what `ferry generate
 //! --load-format dummy` prints with the same seed: every process draws the same weights.
+//! On the same cluster, penalties, `logit_bias`, `stop_token_ids` and `min_tokens` change
+//! what both workers generate, and out-of-range values are a 400 naming the field.
 mod cluster;
 
 use cluster::{Cluster, Role, Spec, CONTEXT, MODEL};
 use ferry_proto::v1::{FinishReason, ListModelsRequest, TokenizeRequest};
+use std::collections::HashMap;
+
 use serde_json::json;
 
 /// The golden continuations are 32 tokens long.
@@ -94,7 +98,190 @@ async fn greedy_output_through_the_cluster_equals_ferry_generate() {
     assert_eq!(p.prefill_computed_tokens, 211, "{p:?}");
     assert!(p.kv_transfer_bytes > 0, "{p:?}");
 
+    // The same cluster: sampling controls through the gateway reach both workers' engines.
+    assert_sampling_controls(&cluster, &short, &long, &decode).await;
+
     cluster.assert_kv_blocks_released().await;
+}
+
+/// The completion text of an HTTP answer.
+fn completion_text(v: &serde_json::Value) -> &str {
+    v["choices"][0]["text"].as_str().unwrap_or_default()
+}
+
+/// `body` with the fields of `extra` set.
+fn with(body: &serde_json::Value, extra: serde_json::Value) -> serde_json::Value {
+    let mut b = body.clone();
+    for (k, v) in extra.as_object().into_iter().flatten() {
+        b[k] = v.clone();
+    }
+    b
+}
+
+/// Penalties, `logit_bias`, `stop_token_ids` and `min_tokens` sent to the HTTP gateway (and
+/// gRPC) change what the engines generate — on the decode worker, and on the prefill worker
+/// that samples a remotely prefilled request's first token — and out-of-range values are a
+/// 400 naming the field.
+async fn assert_sampling_controls(cluster: &Cluster, short: &str, long: &str, decode: &str) {
+    const N: u32 = 12;
+    let mut client = cluster.grpc().await;
+    let base = cluster::generate(&mut client, cluster::greedy_request(short, N))
+        .await
+        .expect("Generate succeeds");
+    let body = json!({
+        "model": MODEL,
+        "prompt": short,
+        "max_tokens": N,
+        "temperature": 0,
+        "ignore_eos": true,
+    });
+    let post = |b: serde_json::Value| async move {
+        let (status, out) = cluster.post_json("/v1/completions", &b).await;
+        assert_eq!(status, 200, "{b}: {out}");
+        out
+    };
+
+    // logit_bias -100 on the greedy first token: another token comes first, through both
+    // front doors alike.
+    let first = base.token_ids[0];
+    let biased = post(with(
+        &body,
+        json!({"logit_bias": {first.to_string(): -100}}),
+    ))
+    .await;
+    assert_ne!(
+        completion_text(&biased),
+        base.text,
+        "logit_bias -100 changes the output"
+    );
+    let mut req = cluster::greedy_request(short, N);
+    if let Some(s) = req.sampling.as_mut() {
+        s.logit_bias = HashMap::from([(first, -100.0)]);
+    }
+    let g = cluster::generate(&mut client, req).await.expect("Generate");
+    assert_ne!(g.token_ids[0], first, "the biased token is not chosen");
+    assert_eq!(
+        g.text,
+        completion_text(&biased),
+        "gRPC and HTTP apply the same bias"
+    );
+
+    // Each penalty changes a greedy output that repeats itself.
+    for extra in [
+        json!({"frequency_penalty": 2}),
+        json!({"presence_penalty": 2}),
+        json!({"repetition_penalty": 2}),
+    ] {
+        let out = post(with(&body, extra.clone())).await;
+        assert_ne!(
+            completion_text(&out),
+            base.text,
+            "{extra} changes the output"
+        );
+    }
+    let chat = json!({"messages": [{"role": "user", "content": short}], "max_tokens": N,
+                      "temperature": 0, "ignore_eos": true});
+    let (_, plain) = cluster.post_json("/v1/chat/completions", &chat).await;
+    let (status, penalised) = cluster
+        .post_json(
+            "/v1/chat/completions",
+            &with(&chat, json!({"frequency_penalty": 2})),
+        )
+        .await;
+    assert_eq!(status, 200, "{penalised}");
+    assert_ne!(
+        penalised["choices"][0]["message"]["content"], plain["choices"][0]["message"]["content"],
+        "chat: frequency_penalty changes the output"
+    );
+
+    // stop_token_ids end generation before the token; min_tokens holds it back.
+    let stop_at = base.token_ids[3];
+    let cut = base
+        .token_ids
+        .iter()
+        .position(|&t| t == stop_at)
+        .unwrap_or(3);
+    let mut req = cluster::greedy_request(short, N);
+    if let Some(s) = req.stop.as_mut() {
+        s.stop_token_ids = vec![stop_at];
+    }
+    let g = cluster::generate(&mut client, req.clone())
+        .await
+        .expect("Generate");
+    assert_eq!(
+        g.token_ids,
+        base.token_ids[..cut],
+        "stops before the stop token"
+    );
+    assert_eq!(g.finish_reason, Some(FinishReason::Stop));
+    let stopped = post(with(&body, json!({"stop_token_ids": [stop_at]}))).await;
+    assert_eq!(completion_text(&stopped), g.text);
+    assert_eq!(stopped["choices"][0]["finish_reason"], "stop");
+    if let Some(s) = req.stop.as_mut() {
+        s.min_tokens = u32::try_from(cut).unwrap_or(0) + 2;
+    }
+    let g = cluster::generate(&mut client, req).await.expect("Generate");
+    assert!(
+        g.token_ids.len() >= cut + 2,
+        "min_tokens: {:?}",
+        g.token_ids
+    );
+    assert!(
+        !g.token_ids[..cut + 2].contains(&stop_at),
+        "{:?}",
+        g.token_ids
+    );
+
+    // A fresh long prompt is prefilled remotely: the prefill worker samples its first token
+    // with the request's controls, exactly as the decode worker does once the prompt is cached
+    // there, and differently from plain greedy decoding.
+    let fresh = format!("Once more. {long}");
+    // Its plain greedy first token, from a single-process run (the cluster has not seen it).
+    let expected = cluster::reference_generate(&fresh, 1).await;
+    let ids = cluster::tokens(cluster, &expected).await;
+    assert_eq!(ids.len(), 2, "BOS and one token for {expected:?}: {ids:?}");
+    let plain_first = ids[1];
+    let one = json!({"model": MODEL, "prompt": fresh, "max_tokens": 1, "temperature": 0,
+                     "repetition_penalty": 2, "logit_bias": {plain_first.to_string(): -100}});
+    let before = cluster.stats(decode).await.remote_prefills;
+    let remote = post(one.clone()).await;
+    assert_eq!(
+        cluster.stats(decode).await.remote_prefills,
+        before + 1,
+        "prefilled remotely"
+    );
+    assert_ne!(
+        completion_text(&remote),
+        expected,
+        "the prefill worker applied the bias"
+    );
+    let local = post(one).await;
+    assert_eq!(
+        cluster.stats(decode).await.remote_prefills,
+        before + 1,
+        "then cached here"
+    );
+    assert_eq!(
+        completion_text(&remote),
+        completion_text(&local),
+        "prefill worker == decode worker"
+    );
+
+    // Out of range: a 400 naming the field, from the real router.
+    for (extra, field) in [
+        (json!({"logit_bias": {"999999": 1}}), "logit_bias"),
+        (json!({"presence_penalty": 3}), "presence_penalty"),
+        (json!({"min_tokens": N + 1}), "min_tokens"),
+    ] {
+        let (status, out) = cluster
+            .post_json("/v1/completions", &with(&body, extra))
+            .await;
+        assert_eq!(
+            (status, &out["error"]["param"]),
+            (400, &json!(field)),
+            "{out}"
+        );
+    }
 }
 
 #[tokio::test]

@@ -165,7 +165,7 @@ async fn completion_validation_errors_are_400_naming_the_field() {
         (
             "wrong type stop_token_ids",
             json!({"prompt": "hi", "stop_token_ids": [-1]}),
-            "stop_token_ids",
+            "stop_token_ids[0]",
         ),
     ];
     for (case, body, field) in cases {
