@@ -125,6 +125,7 @@ fn role() {
                     sampling: greedy(),
                     controls: Default::default(),
                     stop: StopParams::max_tokens(1),
+                    logprobs: None,
                     skip_tokens: 0,
                     on_layer: hook,
                     on_draft_layer: None,

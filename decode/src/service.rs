@@ -16,7 +16,9 @@ use ferry_proto::internal::{
 };
 use ferry_proto::trace_ctx;
 use ferry_proto::v1::FinishReason as WireFinish;
-use ferry_worker::args::{controls, sampling, stop_params, validate_prompt};
+use ferry_worker::args::{
+    controls, logprobs, logprobs_to_wire, sampling, stop_params, validate_prompt,
+};
 use ferry_worker::registration::PrefillView;
 use futures::Stream;
 use tokio::sync::{mpsc, watch};
@@ -242,6 +244,7 @@ impl DecodeService {
         let options = GenerateOptions {
             speculative: r.speculative,
             resumed_tokens: resumed,
+            logprobs: logprobs(r.logprobs)?,
         };
         let generation = self
             .engine
@@ -325,6 +328,7 @@ async fn drive(
     let mut cached = 0u32;
     let mut mode = "local";
     let mut first = true;
+    let mut pending_logprobs = None;
     let mut progress = Progress {
         tokens: 0,
         last_token: None,
@@ -362,6 +366,7 @@ async fn drive(
                     prompt: ctx.request.prompt_tokens.clone(),
                     sampling: ctx.request.sampling.clone().unwrap_or_default(),
                     stop: ctx.request.stop.clone(),
+                    logprobs: ctx.request.logprobs,
                     blocks,
                     cached_tokens,
                     registration: ctx.registration.clone(),
@@ -391,10 +396,16 @@ async fn drive(
                 record_spec(&counts);
                 continue;
             }
+            Some(EngineEvent::Logprobs(lp)) => {
+                // Sent with the token that follows.
+                pending_logprobs = Some(logprobs_to_wire(&lp));
+                continue;
+            }
             Some(EngineEvent::Token(t)) => {
                 progress.token(&ctx.metrics, ctx.started);
                 Ok(DecodeResponse {
                     token_ids: vec![t],
+                    logprobs: pending_logprobs.take().into_iter().collect(),
                     ..Default::default()
                 })
             }

@@ -295,6 +295,7 @@ async fn controlled_runs(e: &EngineHandle) -> (Vec<Vec<u32>>, u32) {
             sampling: greedy(),
             controls,
             stop,
+            logprobs: None,
             skip_tokens: 0,
             on_layer: Box::new(|_, _, _| Ok(())),
             on_draft_layer: None,

@@ -12,7 +12,7 @@ mod common;
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use ferry_kernels::cpu::logits::LogitsControls;
+use ferry_kernels::cpu::logits::{LogitsControls, TokenLogprobs};
 use ferry_kernels::cpu::sample::{probs_from_logits, SamplingParams};
 use ferry_model::deepseek::{DeepseekModel, LogitsWanted};
 use ferry_model::drafter::{
@@ -24,6 +24,7 @@ use ferry_model::engine::{
     GenerateOptions, Generation, PrefillSource, PrefillWork, SpecConfig, SpecCounts, StopParams,
     VerifyLen,
 };
+use ferry_model::kv::KvPool;
 use ferry_model::kv::{BlockId, KvStore, LayerRows};
 use ferry_model::session::Session;
 use ferry_model::ModelError;
@@ -446,6 +447,144 @@ async fn penalised_speculation(variant: usize) {
     }
 }
 
+/// Tokens with their log-probabilities (each `Logprobs` event must come right before its token).
+async fn collect_logprobs(mut g: Generation) -> Vec<(u32, TokenLogprobs)> {
+    let mut out = Vec::new();
+    let mut pending = None;
+    while let Some(e) = g.events.recv().await {
+        match e {
+            EngineEvent::Logprobs(lp) => {
+                assert!(pending.is_none(), "two Logprobs events in a row");
+                pending = Some(lp);
+            }
+            EngineEvent::Token(t) => {
+                let lp = pending
+                    .take()
+                    .expect("every token's log-probabilities before it");
+                assert_eq!(lp.token, t);
+                out.push((t, lp));
+            }
+            EngineEvent::Finished(_) | EngineEvent::Failed(_) => break,
+            _ => {}
+        }
+    }
+    out
+}
+
+/// The raw log-softmax of a direct single-sequence forward after `prompt` + each prefix of
+/// `output`: one row per generated token.
+fn direct_log_softmax(model: &DeepseekModel, prompt: &[u32], output: &[u32]) -> Vec<Vec<f32>> {
+    let mut pool: KvPool = model.new_kv_pool(64, 64).expect("pool");
+    let mut s = Session::new();
+    let mut rows = Vec::new();
+    let mut logits = s
+        .extend(model, &mut pool, prompt, LogitsWanted::Last)
+        .unwrap();
+    for &t in output {
+        ferry_kernels::cpu::softmax::log_softmax_inplace(&mut logits).unwrap();
+        rows.push(logits);
+        logits = s
+            .extend(model, &mut pool, &[t], LogitsWanted::Last)
+            .unwrap();
+    }
+    s.free(&mut pool).unwrap();
+    rows
+}
+
+/// Log-probabilities agree with a direct forward's log-softmax to 2e-4: the engine's rows come
+/// from batched and multi-row verify forwards whose logits differ from the one-row forward's
+/// in float rounding (~1e-5 relative on logits of magnitude ~10), and the reduction is f64
+/// against the reference's f32.
+const LOGPROB_TOL: f32 = 2e-4;
+
+fn assert_logprobs_match(got: &[(u32, TokenLogprobs)], want: &[Vec<f32>], n: usize, case: &str) {
+    assert_eq!(got.len(), want.len(), "{case}");
+    for (k, ((t, lp), row)) in got.iter().zip(want).enumerate() {
+        let d = (lp.logprob - row[*t as usize]).abs();
+        assert!(
+            d <= LOGPROB_TOL,
+            "{case} token {k}: {} vs {}",
+            lp.logprob,
+            row[*t as usize]
+        );
+        assert_eq!(lp.top.len(), n, "{case} token {k}");
+        let mut sorted = row.clone();
+        sorted.sort_by(|a, b| b.total_cmp(a));
+        for (j, &(id, l)) in lp.top.iter().enumerate() {
+            assert!(
+                (l - row[id as usize]).abs() <= LOGPROB_TOL,
+                "{case} token {k} top {j}"
+            );
+            assert!(
+                (l - sorted[j]).abs() <= LOGPROB_TOL,
+                "{case} token {k}: top {j} is the {j}-th largest"
+            );
+        }
+    }
+}
+
+/// Each generated token's log-probabilities are the model's raw log-softmax there (before the
+/// penalties, which are on here, and the temperature): against a direct forward, with plain
+/// decoding, with speculation (rows of multi-row verify forwards) and for a prefill job's
+/// first token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logprobs_are_the_raw_log_softmax_of_a_direct_forward() {
+    let model = target();
+    let (prompt, _) = golden_case(1);
+    let options = GenerateOptions {
+        logprobs: Some(5),
+        ..GenerateOptions::default()
+    };
+    let controlled = || GenerateJob {
+        controls: penalised(0),
+        ..job(prompt.clone(), 12, greedy())
+    };
+    let plain = EngineHandle::spawn(target(), config(64, 64, VerifyLen::Fixed(4))).unwrap();
+    let got = collect_logprobs(plain.generate_with(controlled(), options).unwrap()).await;
+    let output: Vec<u32> = got.iter().map(|(t, _)| *t).collect();
+    let want = direct_log_softmax(&model, &prompt, &output);
+    assert_logprobs_match(&got, &want, 5, "plain");
+    // Penalised greedy: some chosen token is not the raw argmax (the logprobs are raw).
+    assert!(
+        got.iter().any(|(t, lp)| lp.top[0].0 != *t),
+        "the penalties moved some token off the raw argmax"
+    );
+    let first = plain
+        .prefill_work(PrefillWork {
+            prompt: prompt.clone(),
+            sampling: greedy(),
+            controls: penalised(0),
+            stop: StopParams::max_tokens(1),
+            logprobs: Some(3),
+            skip_tokens: 0,
+            on_layer: Box::new(|_, _, _| Ok(())),
+            on_draft_layer: None,
+            rows_on_device: false,
+        })
+        .await
+        .unwrap();
+    assert_eq!(first.first_token, output[0]);
+    let lp = first.first_logprobs.expect("asked for");
+    assert_logprobs_match(&[(output[0], lp)], &want[..1], 3, "prefill job");
+    wait_idle(&plain).await;
+
+    let drafter = dspark(&model);
+    let spec = EngineHandle::spawn_with(
+        target(),
+        Some(Box::new(drafter)),
+        config(64, 64, VerifyLen::Fixed(4)),
+    )
+    .unwrap();
+    let got_spec = collect_logprobs(spec.generate_with(controlled(), options).unwrap()).await;
+    assert_eq!(got_spec.iter().map(|(t, _)| *t).collect::<Vec<_>>(), output);
+    assert_logprobs_match(&got_spec, &want, 5, "speculative");
+    assert!(spec.stats().await.unwrap().spec_rounds > 0);
+    // Without the option, no Logprobs event.
+    let (toks, _, _) = collect(spec.generate(controlled()).unwrap()).await;
+    assert_eq!(toks, output);
+    wait_idle(&spec).await;
+}
+
 /// `stop_token_ids` end a request like EOS (not emitted, finish reason `Stop`), and
 /// `min_tokens` masks them until that many tokens are out, on the plain and the speculative
 /// path alike.
@@ -787,6 +926,7 @@ async fn remote_prefill(
             sampling: greedy(),
             controls: Default::default(),
             stop: StopParams::max_tokens(1),
+            logprobs: None,
             skip_tokens,
             on_layer: copy(0, d.clone(), dest.clone()),
             on_draft_layer: ship_drafter.then(|| copy(layers, d.clone(), dest)),

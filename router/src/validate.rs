@@ -37,6 +37,10 @@ pub const MAX_STOP_STRINGS: usize = 4;
 /// `stop_token_ids` per request, at most.
 pub const MAX_STOP_TOKEN_IDS: usize = 64;
 
+/// Alternatives per token a request may ask log-probabilities for, at most (OpenAI chat's
+/// `top_logprobs` limit; the engine's `MAX_TOP_LOGPROBS`).
+pub const MAX_TOP_LOGPROBS: u32 = 20;
+
 /// A request field that is missing, malformed or out of limits.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("`{field}` {message}")]
@@ -113,6 +117,8 @@ pub struct GenerateParams {
     pub request_id: Option<String>,
     /// Speculative decoding for this request; `None` = the decode worker's setting.
     pub speculative: Option<bool>,
+    /// Return each token's log-probability with this many alternatives; `None` = none.
+    pub logprobs: Option<i64>,
 }
 
 impl From<v1::GenerateRequest> for GenerateParams {
@@ -169,6 +175,7 @@ impl From<v1::GenerateRequest> for GenerateParams {
             stop_token_ids,
             request_id: Some(r.request_id).filter(|id| !id.is_empty()),
             speculative: r.speculative,
+            logprobs: r.logprobs.map(i64::from),
         }
     }
 }
@@ -203,6 +210,7 @@ pub struct ValidRequest {
     min_tokens: u32,
     stop_token_ids: Vec<u32>,
     speculative: Option<bool>,
+    logprobs: Option<u32>,
     received: std::time::Instant,
 }
 
@@ -252,6 +260,11 @@ impl ValidRequest {
     /// this request, `Some(true)` asks for it (plain decoding on a worker without a drafter).
     pub fn speculative(&self) -> Option<bool> {
         self.speculative
+    }
+    /// Alternatives per token when the client asked for log-probabilities (at most
+    /// [`MAX_TOP_LOGPROBS`]).
+    pub fn logprobs(&self) -> Option<u32> {
+        self.logprobs
     }
 }
 
@@ -374,6 +387,7 @@ impl Validator {
         }
         let stop = check_stop(p.stop)?;
         let stop_token_ids = check_stop_token_ids(p.stop_token_ids, self.params.vocab_size)?;
+        let logprobs = check_logprobs(p.logprobs)?;
         check_prompt_shape(&p.prompt, self.params.vocab_size)?;
 
         let prepared = self
@@ -405,6 +419,7 @@ impl Validator {
             min_tokens,
             stop_token_ids,
             speculative: p.speculative,
+            logprobs,
             received,
         })
     }
@@ -575,6 +590,18 @@ pub fn check_stop_token_ids(ids: Vec<u32>, vocab: usize) -> Result<Vec<u32>, Val
     Ok(ids)
 }
 
+/// `logprobs` in `[0, MAX_TOP_LOGPROBS]` when given.
+pub fn check_logprobs(n: Option<i64>) -> Result<Option<u32>, ValidationError> {
+    match n {
+        None => Ok(None),
+        Some(n) if (0..=i64::from(MAX_TOP_LOGPROBS)).contains(&n) => Ok(Some(n as u32)),
+        Some(n) => Err(ValidationError::new(
+            "logprobs",
+            format!("must be in [0, {MAX_TOP_LOGPROBS}], got {n}"),
+        )),
+    }
+}
+
 /// `min_tokens` in `[0, max_tokens]` (the resolved `max_tokens`); unset is 0.
 pub fn check_min_tokens(min_tokens: Option<i64>, max_tokens: u32) -> Result<u32, ValidationError> {
     let n = min_tokens.unwrap_or(0);
@@ -707,6 +734,7 @@ mod tests {
             stop_token_ids: Vec::new(),
             request_id: None,
             speculative: None,
+            logprobs: None,
         }
     }
 
@@ -878,8 +906,10 @@ mod tests {
             }),
             request_id: String::new(),
             speculative: None,
+            logprobs: Some(7),
         };
         let p = GenerateParams::from(wire.clone());
+        assert_eq!(p.logprobs, Some(7));
         assert_eq!(p.prompt, PromptInput::Tokens(vec![1, 2]));
         assert_eq!(p.max_tokens, Some(0), "0 is kept so validation can name it");
         assert_eq!(p.sampling.temperature, Some(0.5));
@@ -1078,6 +1108,11 @@ mod tests {
                 "min_tokens",
                 &["got -1"],
             ),
+            (
+                with(&|p| p.logprobs = Some(21)),
+                "logprobs",
+                &["[0, 20]", "got 21"],
+            ),
         ];
         for (p, field, parts) in cases {
             let (f, m) = field_of(p).await;
@@ -1111,6 +1146,10 @@ mod tests {
             "sorted by token"
         );
         assert_eq!((v.min_tokens(), v.stop_token_ids()), (8, &[4, 2047][..]));
+        assert_eq!(v.logprobs(), None);
+        let asks = with(&|p| p.logprobs = Some(20));
+        let v = validator().validate(asks).await.expect("valid");
+        assert_eq!(v.logprobs(), Some(20));
     }
 
     #[tokio::test]

@@ -183,6 +183,7 @@ fn mutated_generate() -> impl Strategy<Value = Vec<u8>> {
             stop,
             request_id: String::new(),
             speculative: None,
+            logprobs: None,
         });
     (
         request,

@@ -51,6 +51,7 @@ fn generate(text: &str, max_tokens: u32, stop: &[&str]) -> v1::GenerateRequest {
         }),
         request_id: "t-1".into(),
         speculative: None,
+        logprobs: None,
     }
 }
 

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Args, ValueEnum};
-use ferry_kernels::cpu::logits::LogitsControls;
+use ferry_kernels::cpu::logits::{LogitsControls, TokenLogprobs, MAX_TOP_LOGPROBS};
 use ferry_kernels::cpu::sample::SamplingParams;
 use ferry_kernels::cuda::CudaDevice;
 use ferry_kernels::Device;
@@ -423,6 +423,43 @@ pub fn controls(s: Option<&Sampling>, vocab: usize) -> Result<LogitsControls, St
     c.validate()
         .map_err(|e| Status::invalid_argument(e.to_string()))?;
     Ok(c)
+}
+
+/// The wire's `logprobs` (alternatives per token) → the engine's, checked against
+/// [`MAX_TOP_LOGPROBS`] (INVALID_ARGUMENT naming the field).
+pub fn logprobs(n: Option<u32>) -> Result<Option<usize>, Status> {
+    match n {
+        Some(n) if n as usize > MAX_TOP_LOGPROBS => Err(Status::invalid_argument(format!(
+            "`logprobs` must be <= {MAX_TOP_LOGPROBS}, got {n}"
+        ))),
+        n => Ok(n.map(|n| n as usize)),
+    }
+}
+
+/// An engine token's log-probabilities in the wire's shape.
+pub fn logprobs_to_wire(lp: &TokenLogprobs) -> ferry_proto::v1::TokenLogprob {
+    ferry_proto::v1::TokenLogprob {
+        token_id: lp.token,
+        logprob: lp.logprob,
+        top_logprobs: lp
+            .top
+            .iter()
+            .map(|&(token_id, logprob)| ferry_proto::v1::TopLogprob { token_id, logprob })
+            .collect(),
+    }
+}
+
+/// A peer's token log-probabilities in the engine's shape.
+pub fn logprobs_from_wire(lp: &ferry_proto::v1::TokenLogprob) -> TokenLogprobs {
+    TokenLogprobs {
+        token: lp.token_id,
+        logprob: lp.logprob,
+        top: lp
+            .top_logprobs
+            .iter()
+            .map(|t| (t.token_id, t.logprob))
+            .collect(),
+    }
 }
 
 /// Stop token ids per request, at most (as the router enforces).

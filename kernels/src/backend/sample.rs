@@ -29,7 +29,7 @@
 //! ```
 
 use super::{Backend, Ints, Tensor};
-use crate::cpu::logits::RowControls;
+use crate::cpu::logits::{RowControls, RowLogprobs};
 use crate::cpu::sample::{probs_from_logits, sample_from_probs, SamplingParams};
 #[cfg(feature = "cuda")]
 use crate::cuda::DeviceBuffer;
@@ -410,6 +410,39 @@ fn apply_controls_through_host(
         b.copy_into(&b.upload(row)?, logits, r * vocab)?;
     }
     Ok(())
+}
+
+/// The raw log-softmax of the listed `(row, top_n)` rows of `[rows][vocab]` logits
+/// ([`RowLogprobs`], in list order), for requests that ask for log-probabilities. The rows are
+/// copied to the host (on a GPU one gather and one download for all of them) and reduced
+/// there; nothing is copied when the list is empty. A row without a finite maximum is an
+/// error for that row alone.
+pub fn row_logprobs(
+    b: &Backend,
+    logits: &Tensor,
+    vocab: usize,
+    rows: &[(usize, usize)],
+) -> Result<Vec<Result<RowLogprobs, KernelError>>, KernelError> {
+    const OP: &str = "row_logprobs";
+    check_vocab(OP, vocab)?;
+    if rows.is_empty() {
+        return Ok(Vec::new());
+    }
+    let at = b.ints(rows.iter().map(|&(r, _)| r as i32).collect())?;
+    let host = super::rows::gather(
+        b,
+        super::rows::Gather {
+            src: logits,
+            rows: &at,
+            width: vocab,
+        },
+    )?
+    .into_host()?;
+    Ok(host
+        .chunks_exact(vocab)
+        .zip(rows)
+        .map(|(row, &(_, n))| RowLogprobs::new(row.to_vec(), n))
+        .collect())
 }
 
 /// The sampling distributions of a batch of rows.

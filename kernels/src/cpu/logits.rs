@@ -21,6 +21,10 @@
 //!
 //! Cost: proportional to the distinct tokens of prompt and output plus the bias and mask
 //! entries, never to the vocabulary.
+//!
+//! [`RowLogprobs`] is the other thing a request can ask of its logits: the model's raw
+//! log-probabilities (`log_softmax` of the logits *before* any of the above and before
+//! temperature, vLLM's default `raw_logprobs`), for the chosen token and the top alternatives.
 
 use std::collections::{HashMap, HashSet};
 
@@ -166,6 +170,85 @@ pub fn apply_controls(logits: &mut [f32], c: &RowControls<'_>) -> Result<(), Ker
     Ok(())
 }
 
+/// Most alternatives a request may ask for per token (OpenAI's `top_logprobs` limit).
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
+/// A generated token's log-probability under the model's raw distribution, and the `n` most
+/// likely tokens there with theirs (most likely first, ties to the lower id).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprobs {
+    /// The generated token.
+    pub token: u32,
+    /// Its log-probability.
+    pub logprob: f32,
+    /// The top alternatives, `(token, logprob)`.
+    pub top: Vec<(u32, f32)>,
+}
+
+/// One row's raw log-softmax, kept until the row's token is known: the logits, their
+/// log-sum-exp and the top `n`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RowLogprobs {
+    logits: Vec<f32>,
+    lse: f64,
+    top: Vec<(u32, f32)>,
+}
+
+impl RowLogprobs {
+    /// The log-softmax facts of `logits` (one row), with the `n` most likely tokens (at most
+    /// [`MAX_TOP_LOGPROBS`]). The log-sum-exp is accumulated in f64 after subtracting the
+    /// maximum, so a log-probability is the f32 rounding of `x - max - ln Σ exp(x - max)`.
+    /// Errors on an empty row or one without a finite maximum.
+    pub fn new(logits: Vec<f32>, n: usize) -> Result<Self, KernelError> {
+        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        if !max.is_finite() || logits.iter().any(|v| v.is_nan()) {
+            return Err(KernelError::DegenerateDistribution {
+                op: "logprobs",
+                sum: f64::from(max),
+            });
+        }
+        let sum: f64 = logits
+            .iter()
+            .map(|&v| (f64::from(v) - f64::from(max)).exp())
+            .sum();
+        let lse = f64::from(max) + sum.ln();
+        let n = n.min(MAX_TOP_LOGPROBS).min(logits.len());
+        let mut ids: Vec<u32> = (0..logits.len() as u32).collect();
+        let order = |a: &u32, b: &u32| {
+            let (x, y) = (logits[*a as usize], logits[*b as usize]);
+            y.total_cmp(&x).then(a.cmp(b))
+        };
+        if n > 0 && n < ids.len() {
+            ids.select_nth_unstable_by(n - 1, order);
+        }
+        ids.truncate(n);
+        ids.sort_unstable_by(order);
+        let mut row = Self {
+            logits,
+            lse,
+            top: Vec::new(),
+        };
+        row.top = ids.into_iter().map(|t| (t, row.logprob(t))).collect();
+        Ok(row)
+    }
+
+    /// `token`'s log-probability (`-inf` for an id past the row).
+    pub fn logprob(&self, token: u32) -> f32 {
+        self.logits
+            .get(token as usize)
+            .map_or(f32::NEG_INFINITY, |&x| (f64::from(x) - self.lse) as f32)
+    }
+
+    /// What a client gets for `token` chosen from this row.
+    pub fn of(&self, token: u32) -> TokenLogprobs {
+        TokenLogprobs {
+            token,
+            logprob: self.logprob(token),
+            top: self.top.clone(),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -245,12 +328,12 @@ mod tests {
         let h = TokenHistory::new(&[0, 1], &[2, 2, 3]);
         let got = run(&logits, &controls(0.5, 0.25, 2.0), &h, &[], &[]);
         let want = [
-            4.0 / 2.0,                    // prompt, positive: divided
-            -1.0 * 2.0,                   // prompt, negative: multiplied
-            3.0 / 2.0 - 0.25 * 2.0 - 0.5, // output twice: 1.5 - 0.5 - 0.5
-            0.5 / 2.0 - 0.25 - 0.5,       // output once
-            2.0,                          // unseen
-            -3.0,                         // unseen
+            2.0,  // prompt, positive: 4 / 2
+            -2.0, // prompt, negative: -1 · 2
+            0.5,  // output twice: 3 / 2 - 0.25 · 2 - 0.5
+            -0.5, // output once: 0.5 / 2 - 0.25 - 0.5
+            2.0,  // unseen
+            -3.0, // unseen
         ];
         assert_eq!(got, want);
     }
@@ -320,6 +403,41 @@ mod tests {
                 "vocab {vocab} prompt {prompt:?} output {output:?}"
             );
         }
+    }
+
+    #[test]
+    fn row_logprobs_are_the_log_softmax_with_the_top_n() {
+        let logits = vec![1.0f32, 3.0, 3.0, -2.0, 0.5];
+        let row = RowLogprobs::new(logits.clone(), 3).expect("finite");
+        let mut want = logits.clone();
+        crate::cpu::softmax::log_softmax_inplace(&mut want).expect("finite");
+        for (t, w) in want.iter().enumerate() {
+            // f32 log_softmax vs the f64-accumulated one: a few ulp of values near 1.
+            assert!((row.logprob(t as u32) - w).abs() < 1e-6, "{t}");
+        }
+        let got = row.of(3);
+        assert_eq!(got.token, 3);
+        assert_eq!(got.logprob, row.logprob(3));
+        let top: Vec<u32> = got.top.iter().map(|p| p.0).collect();
+        assert_eq!(
+            top,
+            vec![1, 2, 0],
+            "most likely first, ties to the lower id"
+        );
+        let total: f64 = (0..5).map(|t| f64::from(row.logprob(t)).exp()).sum();
+        assert!((total - 1.0).abs() < 1e-6, "{total}");
+        assert!(RowLogprobs::new(vec![f32::NEG_INFINITY; 2], 1).is_err());
+        assert_eq!(
+            RowLogprobs::new(vec![0.0; 50], 99)
+                .expect("finite")
+                .top
+                .len(),
+            20
+        );
+        assert!(RowLogprobs::new(vec![0.0; 4], 0)
+            .expect("finite")
+            .top
+            .is_empty());
     }
 
     #[test]

@@ -41,6 +41,7 @@ use crate::ModelError;
 #[cfg(feature = "cuda")]
 pub use backend::open_cuda;
 pub use backend::GpuMode;
+pub use ferry_kernels::cpu::logits::TokenLogprobs;
 pub use spec::{SpecConfig, VerifyLen};
 
 /// Identifies a request inside one engine.
@@ -193,6 +194,10 @@ pub struct GenerateOptions {
     /// `resumed_tokens`, so seeded sampling draws the same per-step streams and
     /// `max_tokens` counts those tokens too. 0 for a fresh request.
     pub resumed_tokens: usize,
+    /// Send each generated token's raw log-probability with the `n` most likely alternatives
+    /// ([`EngineEvent::Logprobs`], right before its [`EngineEvent::Token`]); `n` at most
+    /// `cpu::logits::MAX_TOP_LOGPROBS`. `None`: no log-probabilities.
+    pub logprobs: Option<usize>,
 }
 
 /// Speculative decoding of one request, sent with its end ([`EngineEvent::Speculation`]).
@@ -266,6 +271,10 @@ pub enum EngineEvent {
         /// Prompt positions reused from the prefix cache.
         cached_tokens: usize,
     },
+    /// The log-probabilities of the token in the next [`EngineEvent::Token`] (requests that
+    /// asked, [`GenerateOptions::logprobs`]): the model's raw `log_softmax` there, before
+    /// penalties and temperature.
+    Logprobs(TokenLogprobs),
     /// A new token.
     Token(u32),
     /// This request's speculative counts, sent right before `Finished` / `Failed` when the
@@ -298,6 +307,9 @@ pub struct PrefillJob {
     /// The request's stop conditions: `min_tokens` masks its stop tokens from the first token.
     /// `max_tokens` is not used here.
     pub stop: StopParams,
+    /// Return the first token's log-probabilities with this many alternatives
+    /// ([`PrefillOutcome::first_logprobs`]).
+    pub logprobs: Option<usize>,
     /// Prompt positions the destination already holds (whole blocks): not shipped.
     pub skip_tokens: usize,
     /// Called on the engine thread with `(layer, blocks to ship from skip_tokens on, rows)` as
@@ -343,6 +355,8 @@ pub struct PrefillWork {
     pub controls: LogitsControls,
     /// See [`PrefillJob::stop`].
     pub stop: StopParams,
+    /// See [`PrefillJob::logprobs`].
+    pub logprobs: Option<usize>,
     /// Prompt positions the destination already holds (whole blocks): not shipped.
     pub skip_tokens: usize,
     /// See [`PrefillJob::on_layer`].
@@ -365,10 +379,12 @@ pub struct DeviceKv {
 }
 
 /// Result of a prefill job.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct PrefillOutcome {
     /// The first generated token.
     pub first_token: u32,
+    /// Its log-probabilities, when the job asked ([`PrefillJob::logprobs`]).
+    pub first_logprobs: Option<TokenLogprobs>,
     /// Prompt tokens computed.
     pub computed_tokens: usize,
     /// Prompt tokens reused from this engine's prefix cache.
@@ -456,6 +472,7 @@ pub(crate) enum Command {
     RemoteDone {
         id: SeqId,
         first_token: u32,
+        logprobs: Option<TokenLogprobs>,
         bytes: u64,
     },
     /// Every block of one target layer as the cache stores it.
@@ -765,6 +782,7 @@ impl EngineHandle {
             sampling,
             controls: LogitsControls::default(),
             stop: StopParams::max_tokens(1),
+            logprobs: None,
             skip_tokens,
             on_layer,
             on_draft_layer: None,
@@ -782,6 +800,7 @@ impl EngineHandle {
             sampling: work.sampling,
             controls: work.controls,
             stop: work.stop,
+            logprobs: work.logprobs,
             skip_tokens: work.skip_tokens,
             on_layer: work.on_layer,
             reply,
@@ -809,9 +828,22 @@ impl EngineHandle {
     /// [`EngineStats::kv_bytes_received`] counts: bytes a peer put into registered memory pass
     /// no engine code, so the engine counts what the completed transfers report.
     pub fn remote_done(&self, id: SeqId, first_token: u32, bytes: u64) -> Result<(), EngineError> {
+        self.remote_done_with_logprobs(id, first_token, None, bytes)
+    }
+
+    /// [`Self::remote_done`], with the first token's log-probabilities as the peer computed
+    /// them (for a request that asked, [`GenerateOptions::logprobs`]).
+    pub fn remote_done_with_logprobs(
+        &self,
+        id: SeqId,
+        first_token: u32,
+        logprobs: Option<TokenLogprobs>,
+        bytes: u64,
+    ) -> Result<(), EngineError> {
         self.send(Command::RemoteDone {
             id,
             first_token,
+            logprobs,
             bytes,
         })
     }

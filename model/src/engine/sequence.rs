@@ -1,6 +1,6 @@
 //! Per-request state on the engine thread.
 
-use ferry_kernels::cpu::logits::{LogitsControls, TokenHistory};
+use ferry_kernels::cpu::logits::{LogitsControls, TokenHistory, TokenLogprobs};
 use ferry_kernels::cpu::sample::{Sampler, SamplingParams};
 use tokio::sync::mpsc;
 
@@ -45,6 +45,8 @@ pub struct Sequence {
     /// The prompt and the generated tokens, as the penalties count them; kept only when
     /// `controls` change something (empty otherwise).
     pub(crate) history: TokenHistory,
+    /// Alternatives per token when the request asked for log-probabilities.
+    pub(crate) logprobs: Option<usize>,
     pub(crate) stop: StopParams,
     pub(crate) table: BlockTable,
     /// Tokens whose KV is in `table` (prompt, then generated tokens once fed back).
@@ -116,14 +118,23 @@ impl Sequence {
         }
     }
 
-    /// Applies the stop rules to a freshly sampled token, emitting it when it is output.
-    pub(crate) fn accept(&mut self, token: u32, eos: &[u32]) -> Next {
+    /// Applies the stop rules to a freshly sampled token, emitting it (preceded by its
+    /// `logprobs`, when given) when it is output.
+    pub(crate) fn accept(
+        &mut self,
+        token: u32,
+        eos: &[u32],
+        logprobs: Option<TokenLogprobs>,
+    ) -> Next {
         self.generated += 1;
         if !self.controls.is_noop() {
             self.history.push(token);
         }
         if self.stop.is_stop(token, eos) {
             return Next::Finish(FinishReason::Stop);
+        }
+        if let Some(lp) = logprobs {
+            self.emit(EngineEvent::Logprobs(lp));
         }
         self.emit(EngineEvent::Token(token));
         if self.generated >= self.stop.max_tokens {

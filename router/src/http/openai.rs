@@ -1,12 +1,13 @@
 //! OpenAI API shapes (the subset ferry serves) and their conversion to [`GenerateParams`].
 //!
 //! **Nothing is ignored silently.** A field that would change the output and that ferry does
-//! not implement yet (`logprobs`, `response_format`, `tools`, `echo`, `best_of`, `suffix`, …,
+//! not implement yet (`response_format`, `tools`, `echo`, `best_of`, `suffix`, …,
 //! [`UNSUPPORTED`]) is a 400 naming it, unless its value is the one that changes nothing
-//! (`logprobs: false`, `response_format: {"type": "text"}`, `tool_choice: "none"`, …); a field
+//! (`response_format: {"type": "text"}`, `tool_choice: "none"`, `echo: false`, …); a field
 //! OpenAI does not define is a 400 too. Fields with no effect on the output are accepted:
 //! [`NO_EFFECT`]. Implemented beyond the basics: `presence_penalty`, `frequency_penalty`,
-//! `logit_bias` (OpenAI's); extensions (vLLM's, sent by OpenAI clients with `extra_body`):
+//! `logit_bias`, log-probabilities (chat `logprobs` + `top_logprobs` in [0, 20], completions
+//! `logprobs` in [0, 5]; `echo` with prompt log-probabilities is not); extensions (vLLM's, sent by OpenAI clients with `extra_body`):
 //! `top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `stop_token_ids`, `ignore_eos`,
 //! `speculative`.
 use std::collections::HashMap;
@@ -15,12 +16,19 @@ use ferry_modelcard::tokenizer::ChatMessage;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use super::logprobs::{LogprobOut, TopOut};
 use crate::output::{FinishReason, Usage};
 use crate::tokenize::PromptInput;
 use crate::validate::{GenerateParams, SamplingInput, ValidationError};
 
 /// `/v1/completions` default `max_tokens` (OpenAI's).
 pub const DEFAULT_COMPLETION_MAX_TOKENS: i64 = 16;
+
+/// `/v1/completions` `logprobs`, at most (OpenAI's).
+pub const MAX_COMPLETION_LOGPROBS: i64 = 5;
+
+/// `/v1/chat/completions` `top_logprobs`, at most (OpenAI's).
+pub const MAX_CHAT_TOP_LOGPROBS: i64 = 20;
 
 /// `prompt`: a string, token ids, or a batch of one of either.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -76,8 +84,6 @@ pub const NO_EFFECT: &[&str] = &[
 /// changes nothing and is therefore accepted. Completions-only fields are checked on that
 /// endpoint alone.
 pub const UNSUPPORTED: &[(&str, &str)] = &[
-    ("logprobs", "false (chat) or absent (completions)"),
-    ("top_logprobs", "0"),
     ("response_format", "{\"type\": \"text\"}"),
     ("tools", "[]"),
     ("tool_choice", "\"none\""),
@@ -92,8 +98,7 @@ pub const UNSUPPORTED: &[(&str, &str)] = &[
 fn is_noop(field: &str, v: &Value) -> bool {
     let num = |want: f64| v.as_f64() == Some(want);
     match field {
-        "logprobs" | "echo" => v == &Value::Bool(false),
-        "top_logprobs" => num(0.0),
+        "echo" => v == &Value::Bool(false),
         "best_of" => num(1.0),
         "tools" | "functions" => v.as_array().is_some_and(|a| a.is_empty()),
         "response_format" => v.get("type").and_then(Value::as_str) == Some("text"),
@@ -135,10 +140,6 @@ macro_rules! common_fields {
         $(#[$meta])*
         pub struct $name {
             $($(#[$fmeta])* pub $field: $ty,)*
-            /// Not implemented: rejected unless `false`/absent ([`UNSUPPORTED`]).
-            pub logprobs: Option<Value>,
-            /// Not implemented ([`UNSUPPORTED`]).
-            pub top_logprobs: Option<Value>,
             /// Subtracted once from the logit of each generated token, in [-2, 2].
             pub presence_penalty: Option<f64>,
             /// Subtracted per occurrence from the logit of each generated token, in [-2, 2].
@@ -225,8 +226,6 @@ macro_rules! common_fields {
             /// output.
             fn check_unsupported(&self) -> Result<(), ValidationError> {
                 reject_unsupported([
-                    ("logprobs", &self.logprobs),
-                    ("top_logprobs", &self.top_logprobs),
                     ("response_format", &self.response_format),
                     ("tools", &self.tools),
                     ("tool_choice", &self.tool_choice),
@@ -259,6 +258,8 @@ common_fields! {
         pub prompt: Prompt,
         /// New tokens at most (default 16).
         pub max_tokens: Option<i64>,
+        /// Return each token's log-probability with this many alternatives, in [0, 5].
+        pub logprobs: Option<i64>,
         /// Not implemented ([`UNSUPPORTED`]).
         pub echo: Option<Value>,
         /// Not implemented ([`UNSUPPORTED`]).
@@ -280,6 +281,15 @@ impl CompletionRequest {
             ("suffix", &self.suffix),
         ])?;
         let (sampling, stop) = (self.sampling()?, self.stop_strings());
+        let logprobs = match self.logprobs {
+            Some(n) if !(0..=MAX_COMPLETION_LOGPROBS).contains(&n) => {
+                return Err(ValidationError::new(
+                    "logprobs",
+                    format!("must be in [0, {MAX_COMPLETION_LOGPROBS}], got {n}"),
+                ))
+            }
+            n => n,
+        };
         let batch = |len: usize| {
             ValidationError::new(
                 "prompt",
@@ -309,6 +319,7 @@ impl CompletionRequest {
             stop_token_ids: self.stop_token_ids.unwrap_or_default(),
             request_id: Some(request_id.to_string()),
             speculative: self.speculative,
+            logprobs,
         })
     }
 }
@@ -358,6 +369,10 @@ common_fields! {
         pub max_tokens: Option<i64>,
         /// New tokens at most; wins over `max_tokens`. Default: what the context leaves.
         pub max_completion_tokens: Option<i64>,
+        /// Return each token's log-probability (`choices[].logprobs.content`).
+        pub logprobs: Option<bool>,
+        /// With `logprobs: true`: this many alternatives per token, in [0, 20].
+        pub top_logprobs: Option<i64>,
     }
 }
 
@@ -367,6 +382,22 @@ impl ChatRequest {
         self.check_n()?;
         self.check_unsupported()?;
         let (sampling, stop) = (self.sampling()?, self.stop_strings());
+        let logprobs = match (self.logprobs, self.top_logprobs) {
+            (Some(true), Some(n)) if !(0..=MAX_CHAT_TOP_LOGPROBS).contains(&n) => {
+                return Err(ValidationError::new(
+                    "top_logprobs",
+                    format!("must be in [0, {MAX_CHAT_TOP_LOGPROBS}], got {n}"),
+                ))
+            }
+            (Some(true), n) => Some(n.unwrap_or(0)),
+            (_, Some(n)) => {
+                return Err(ValidationError::new(
+                    "top_logprobs",
+                    format!("needs `logprobs: true`, got {n} without it"),
+                ))
+            }
+            (_, None) => None,
+        };
         let messages = chat_messages(self.messages)?;
         Ok(GenerateParams {
             model: self.model,
@@ -379,6 +410,7 @@ impl ChatRequest {
             stop_token_ids: self.stop_token_ids.unwrap_or_default(),
             request_id: Some(request_id.to_string()),
             speculative: self.speculative,
+            logprobs,
         })
     }
 }
@@ -476,8 +508,8 @@ pub struct CompletionChoice {
     pub index: u32,
     /// The text.
     pub text: String,
-    /// Always null.
-    pub logprobs: Option<()>,
+    /// The tokens' log-probabilities when the request asked (`logprobs`), else null.
+    pub logprobs: Option<CompletionLogprobs>,
     /// `stop`, `length`, or null while streaming.
     pub finish_reason: Option<&'static str>,
 }
@@ -517,8 +549,8 @@ pub struct ChatChoice {
     pub index: u32,
     /// The reply.
     pub message: ChatMessageOut,
-    /// Always null.
-    pub logprobs: Option<()>,
+    /// The tokens' log-probabilities when the request asked (`logprobs: true`), else null.
+    pub logprobs: Option<ChatLogprobs>,
     /// `stop` or `length`.
     pub finish_reason: Option<&'static str>,
 }
@@ -558,8 +590,8 @@ pub struct ChunkChoice {
     pub index: u32,
     /// What is new.
     pub delta: Delta,
-    /// Always null.
-    pub logprobs: Option<()>,
+    /// The new tokens' log-probabilities when the request asked, else null.
+    pub logprobs: Option<ChatLogprobs>,
     /// Set on the last content chunk.
     pub finish_reason: Option<&'static str>,
 }
@@ -580,6 +612,91 @@ pub struct ChatChunk {
     /// As in [`CompletionResponse::usage`].
     #[serde(skip_serializing_if = "Option::is_none")]
     pub usage: Option<Option<UsageOut>>,
+}
+
+/// A token or an alternative in chat `logprobs.content`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ChatTopLogprob {
+    /// The token's text.
+    pub token: String,
+    /// Its log-probability.
+    pub logprob: f32,
+    /// The text's UTF-8 bytes.
+    pub bytes: Vec<u8>,
+}
+
+/// One generated token in chat `logprobs.content`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ChatTokenLogprob {
+    /// The token's text.
+    pub token: String,
+    /// Its log-probability.
+    pub logprob: f32,
+    /// The text's UTF-8 bytes.
+    pub bytes: Vec<u8>,
+    /// The most likely tokens at its position (`top_logprobs` of them).
+    pub top_logprobs: Vec<ChatTopLogprob>,
+}
+
+/// Chat `choices[].logprobs`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ChatLogprobs {
+    /// One entry per generated token.
+    pub content: Vec<ChatTokenLogprob>,
+}
+
+impl From<&[LogprobOut]> for ChatLogprobs {
+    fn from(tokens: &[LogprobOut]) -> Self {
+        let entry = |t: &TopOut| ChatTopLogprob {
+            token: t.token.clone(),
+            logprob: t.logprob,
+            bytes: t.bytes.clone(),
+        };
+        Self {
+            content: tokens
+                .iter()
+                .map(|t| ChatTokenLogprob {
+                    token: t.chosen.token.clone(),
+                    logprob: t.chosen.logprob,
+                    bytes: t.chosen.bytes.clone(),
+                    top_logprobs: t.top.iter().map(entry).collect(),
+                })
+                .collect(),
+        }
+    }
+}
+
+/// Completions `choices[].logprobs` (OpenAI's legacy shape): parallel lists, one entry per
+/// generated token.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct CompletionLogprobs {
+    /// The tokens' texts.
+    pub tokens: Vec<String>,
+    /// Their log-probabilities.
+    pub token_logprobs: Vec<f32>,
+    /// Per token, the most likely tokens' texts → log-probabilities (`logprobs` of them).
+    pub top_logprobs: Vec<serde_json::Map<String, Value>>,
+    /// Per token, the character offset of its text in the completion.
+    pub text_offset: Vec<usize>,
+}
+
+impl From<&[LogprobOut]> for CompletionLogprobs {
+    fn from(tokens: &[LogprobOut]) -> Self {
+        Self {
+            tokens: tokens.iter().map(|t| t.chosen.token.clone()).collect(),
+            token_logprobs: tokens.iter().map(|t| t.chosen.logprob).collect(),
+            top_logprobs: tokens
+                .iter()
+                .map(|t| {
+                    t.top
+                        .iter()
+                        .map(|a| (a.token.clone(), Value::from(a.logprob)))
+                        .collect()
+                })
+                .collect(),
+            text_offset: tokens.iter().map(|t| t.text_offset).collect(),
+        }
+    }
 }
 
 /// One entry of `/v1/models`.

@@ -163,6 +163,21 @@ async fn completion_validation_errors_are_400_naming_the_field() {
             "stop_token_ids",
         ),
         (
+            "logprobs > 5",
+            json!({"prompt": "hi", "logprobs": 6}),
+            "logprobs",
+        ),
+        (
+            "logprobs < 0",
+            json!({"prompt": "hi", "logprobs": -1}),
+            "logprobs",
+        ),
+        (
+            "top_logprobs is not a completions field",
+            json!({"prompt": "hi", "logprobs": 2, "top_logprobs": 2}),
+            "top_logprobs",
+        ),
+        (
             "wrong type stop_token_ids",
             json!({"prompt": "hi", "stop_token_ids": [-1]}),
             "stop_token_ids[0]",
@@ -256,6 +271,21 @@ async fn chat_validation_errors_are_400_naming_the_field() {
             "model",
         ),
         ("wrong type messages", json!({"messages": "hi"}), "messages"),
+        (
+            "top_logprobs > 20",
+            json!({"messages": user, "logprobs": true, "top_logprobs": 21}),
+            "top_logprobs",
+        ),
+        (
+            "top_logprobs without logprobs",
+            json!({"messages": user, "top_logprobs": 2}),
+            "top_logprobs",
+        ),
+        (
+            "wrong type logprobs",
+            json!({"messages": user, "logprobs": 3}),
+            "logprobs",
+        ),
     ];
     for (case, body, field) in cases {
         let got = send(&s, "POST", "/v1/chat/completions", &body.to_string()).await;
@@ -301,8 +331,6 @@ async fn unimplemented_and_unknown_fields_are_refused_by_name() {
     let user = json!([{"role": "user", "content": "hi"}]);
     // (field, a value that changes the output, the value that does not).
     let shared = [
-        ("logprobs", json!(true), json!(false)),
-        ("top_logprobs", json!(3), json!(0)),
         (
             "response_format",
             json!({"type": "json_object"}),

@@ -1,6 +1,7 @@
 //! The command side of the loop: admitting requests and prefill jobs, peers' KV writes into
 //! reserved blocks, the outcome of an awaited remote prefill, and dropping cancelled requests.
 
+use ferry_kernels::cpu::logits::TokenLogprobs;
 use ferry_kernels::cpu::sample::Sampler;
 use tracing::{debug, warn};
 
@@ -40,6 +41,7 @@ impl Scheduler {
             id,
             controls: job.controls,
             history,
+            logprobs: options.logprobs,
             tokens: job.prompt[..cached].to_vec(),
             prompt: job.prompt,
             rng: Sampler::for_params(&job.sampling),
@@ -158,7 +160,13 @@ impl Scheduler {
         }
     }
 
-    pub(super) fn remote_done(&mut self, id: SeqId, first_token: u32, bytes: u64) {
+    pub(super) fn remote_done(
+        &mut self,
+        id: SeqId,
+        first_token: u32,
+        logprobs: Option<TokenLogprobs>,
+        bytes: u64,
+    ) {
         let Some(mut seq) = self.awaiting.remove(&id) else {
             return; // cancelled meanwhile
         };
@@ -189,7 +197,7 @@ impl Scheduler {
             std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
         }
         let eos = self.eos().to_vec();
-        match seq.accept(first_token, &eos) {
+        match seq.accept(first_token, &eos, logprobs) {
             Next::Continue(t) => {
                 seq.phase = Phase::Decoding { next: t };
                 self.running.push(seq);

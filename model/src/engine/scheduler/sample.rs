@@ -10,15 +10,22 @@
 //! host round trip for those rows only); a verified position's row counts the drafts ahead of
 //! it as generated, so it is processed exactly as plain decoding would process it there.
 //!
+//! Requests that ask for log-probabilities get each decided row's raw log-softmax
+//! (`backend::sample::row_logprobs`, before any processing: one gather and one download for all
+//! such rows of the batch) with their outcome; a round gets one per verified position, and the
+//! commit hands out those of the tokens it emits.
+//!
 //! Randomness is the host's, as before: each plain draw takes one uniform from the request's
 //! stream (a per-step stream for seeded requests; none for greedy ones, whose distribution is a
 //! point mass), each round γ + 1 from its verify stream (`spec::round_uniforms`).
 
 use ferry_kernels::backend::rows::{gather, Gather};
-use ferry_kernels::backend::sample::{apply_controls, argmax, sample, RowParams, Sample, Uniforms};
+use ferry_kernels::backend::sample::{
+    apply_controls, argmax, row_logprobs, sample, RowParams, Sample, Uniforms,
+};
 use ferry_kernels::backend::verify::{verify_logits, VerifyLogits};
 use ferry_kernels::backend::Tensor;
-use ferry_kernels::cpu::logits::{LogitsControls, RowControls, TokenHistory};
+use ferry_kernels::cpu::logits::{LogitsControls, RowControls, RowLogprobs, TokenHistory};
 use ferry_kernels::cpu::sample::SamplingParams;
 use ferry_kernels::cpu::verify::Verified;
 
@@ -33,10 +40,13 @@ use crate::ModelError;
 pub(super) enum Outcome {
     /// Nothing to sample (a prompt chunk that is not the last).
     Nothing,
-    /// A plain draw: the token, or why this request failed.
-    Token(Result<u32, String>),
-    /// A speculative round: the verified drafts and the correction / bonus, or why it failed.
-    Round(Result<Verified, String>),
+    /// A plain draw: the token, or why this request failed; and the row's log-probabilities
+    /// when the request asked.
+    Token(Result<u32, String>, Option<RowLogprobs>),
+    /// A speculative round: the verified drafts and the correction / bonus, or why it failed;
+    /// and one row of log-probabilities per verified position when the request asked (empty
+    /// otherwise).
+    Round(Result<Verified, String>, Vec<RowLogprobs>),
 }
 
 /// Outcomes by work item index.
@@ -124,14 +134,58 @@ impl Scheduler {
                 }
             }
         }
-        let mut out: Vec<Outcome> = work.iter().map(|_| Outcome::Nothing).collect();
-        for (item, token) in self.draw_plain(logits, &plain)? {
-            out[item] = Outcome::Token(token);
+        // Raw log-probabilities, from the unprocessed logits, for the requests that asked.
+        let mut wanted: Vec<(usize, usize)> = Vec::new();
+        for r in &plain {
+            if let Some(n) = self.logprobs_of(r.owner) {
+                wanted.push((r.row, n));
+            }
         }
-        for (item, round) in self.verify_rounds(logits, &rounds, q)? {
-            out[item] = Outcome::Round(round);
+        for r in &rounds {
+            if let Some(n) = self.logprobs_of(Owner::Running(r.seq)) {
+                wanted.extend((0..=r.draft.gamma()).map(|j| (r.first + j, n)));
+            }
+        }
+        let b = self.backend.model().backend();
+        let mut lps = row_logprobs(b, &logits.logits, logits.vocab, &wanted)?.into_iter();
+        let plain_lps: Vec<Option<Result<RowLogprobs, String>>> = plain
+            .iter()
+            .map(|r| self.logprobs_of(r.owner).map(|_| next_logprobs(&mut lps)))
+            .collect();
+        let round_lps: Vec<Result<Vec<RowLogprobs>, String>> = rounds
+            .iter()
+            .map(|r| match self.logprobs_of(Owner::Running(r.seq)) {
+                Some(_) => (0..=r.draft.gamma())
+                    .map(|_| next_logprobs(&mut lps))
+                    .collect(),
+                None => Ok(Vec::new()),
+            })
+            .collect();
+        let mut out: Vec<Outcome> = work.iter().map(|_| Outcome::Nothing).collect();
+        let drawn = self.draw_plain(logits, &plain)?;
+        for ((item, token), lp) in drawn.into_iter().zip(plain_lps) {
+            out[item] = match lp.transpose() {
+                Ok(lp) => Outcome::Token(token, lp),
+                Err(e) => Outcome::Token(Err(e), None),
+            };
+        }
+        let verified = self.verify_rounds(logits, &rounds, q)?;
+        for ((item, round), lp) in verified.into_iter().zip(round_lps) {
+            out[item] = match lp {
+                Ok(lp) => Outcome::Round(round, lp),
+                Err(e) => Outcome::Round(Err(e), Vec::new()),
+            };
         }
         Ok(out)
+    }
+
+    /// How many alternatives `owner` wants per token, if it asked for log-probabilities.
+    fn logprobs_of(&self, owner: Owner) -> Option<usize> {
+        match owner {
+            Owner::Running(i) => self.running.get(i)?.logprobs,
+            Owner::Waiting(i) => self.waiting.get(i)?.logprobs,
+            Owner::Prefill(i) => self.prefills.get(i)?.job.logprobs,
+        }
     }
 
     /// The plain rows: gathered, `probs` + `draw`, one download.
@@ -406,5 +460,17 @@ impl RowCtl<'_> {
             drafted: self.drafted,
             masked: &self.masked,
         }
+    }
+}
+
+/// The next computed row of log-probabilities (in the order they were asked for), or why it
+/// could not be computed (a row without a finite maximum).
+fn next_logprobs(
+    rows: &mut impl Iterator<Item = Result<RowLogprobs, ferry_kernels::KernelError>>,
+) -> Result<RowLogprobs, String> {
+    match rows.next() {
+        Some(Ok(r)) => Ok(r),
+        Some(Err(e)) => Err(format!("log-probabilities: {e}")),
+        None => Err("log-probabilities: a row was not computed".into()),
     }
 }
