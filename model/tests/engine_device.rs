@@ -31,7 +31,8 @@
 //! - decode steps replayed from CUDA graphs give the eager engine's tokens;
 //! - penalties, `logit_bias` and `min_tokens` (processed on the host for the rows that use
 //!   them) give the CPU engine's greedy tokens on the CUDA engine, graph-replayed and
-//!   speculating, and in a prefill job's first token;
+//!   speculating, and in a prefill job's first token; log-probabilities agree with the CPU
+//!   engine's to 1e-3;
 //! - speculative decoding on the CUDA engine (the drafter on the device, from the forward's
 //!   tapped hidden states copied there; sampling and verification on the device) gives the
 //!   plain CUDA engine's and the CPU's greedy tokens, with drafts accepted.
@@ -307,6 +308,26 @@ async fn controlled_runs(e: &EngineHandle) -> (Vec<Vec<u32>>, u32) {
     (out, first)
 }
 
+/// Each token's log-probabilities (3 alternatives) for golden case 0, greedy.
+async fn logprob_run(e: &EngineHandle) -> Vec<ferry_model::engine::TokenLogprobs> {
+    let options = ferry_model::engine::GenerateOptions {
+        logprobs: Some(3),
+        ..Default::default()
+    };
+    let mut g = e
+        .generate_with(job(golden_case(0).0, 16, PrefillSource::Local), options)
+        .unwrap();
+    let mut out = Vec::new();
+    while let Some(ev) = g.events.recv().await {
+        match ev {
+            EngineEvent::Logprobs(lp) => out.push(lp),
+            EngineEvent::Finished(_) | EngineEvent::Failed(_) => break,
+            _ => {}
+        }
+    }
+    out
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs an NVIDIA GPU: run on the GPU machine with --include-ignored (docs/gpu.md)"]
 async fn logits_controls_on_cuda_equal_the_cpu_engine() {
@@ -333,6 +354,21 @@ async fn logits_controls_on_cuda_equal_the_cpu_engine() {
     let (got, first) = controlled_runs(&graphs).await;
     assert_eq!(got, want, "graph-replayed CUDA engine vs CPU engine");
     assert_eq!(first, want_first, "prefill job's first token");
+    // Log-probabilities (rows copied to the host on the GPU) agree with the CPU engine's to
+    // 1e-3: exact mode's logits are within ~5e-6 relative of the CPU's (gpu_parity.rs).
+    let (cpu_lp, gpu_lp) = (logprob_run(&cpu).await, logprob_run(&graphs).await);
+    assert_eq!(cpu_lp.len(), 16);
+    for (k, (c, g)) in cpu_lp.iter().zip(&gpu_lp).enumerate() {
+        assert_eq!((c.token, c.top.len()), (g.token, g.top.len()), "token {k}");
+        assert!(
+            (c.logprob - g.logprob).abs() <= 1e-3,
+            "token {k}: {c:?} vs {g:?}"
+        );
+        for ((ct, cl), (gt, gl)) in c.top.iter().zip(&g.top) {
+            assert_eq!(ct, gt, "token {k}");
+            assert!((cl - gl).abs() <= 1e-3, "token {k}");
+        }
+    }
     let m = model();
     let drafter =
         DsparkDrafter::load(&ferry_model::drafter::embedded_dir(), m.config()).expect("drafter");
