@@ -9,10 +9,10 @@ use axum::Json;
 
 use super::error::ApiJson;
 use super::generate::{self, End, Endpoint, Meta};
-use super::logprobs::LogprobOut;
+use super::logprobs::{ChatLogprobs, LogprobOut};
 use super::openai::{
-    finish_str, ChatChoice, ChatChunk, ChatLogprobs, ChatMessageOut, ChatRequest, ChatResponse,
-    ChunkChoice, Delta, UsageOut,
+    finish_str, ChatChoice, ChatChunk, ChatMessageOut, ChatRequest, ChatResponse, ChunkChoice,
+    Delta, UsageOut,
 };
 use super::sse::Chunk;
 use crate::auth::Caller;

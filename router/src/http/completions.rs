@@ -9,10 +9,9 @@ use axum::Json;
 
 use super::error::ApiJson;
 use super::generate::{self, End, Endpoint, Meta};
-use super::logprobs::LogprobOut;
+use super::logprobs::{CompletionLogprobs, LogprobOut};
 use super::openai::{
-    finish_str, CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
-    UsageOut,
+    finish_str, CompletionChoice, CompletionRequest, CompletionResponse, UsageOut,
 };
 use super::sse::Chunk;
 use crate::auth::Caller;

@@ -16,7 +16,7 @@ use ferry_modelcard::tokenizer::ChatMessage;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use super::logprobs::{LogprobOut, TopOut};
+use super::logprobs::{ChatLogprobs, CompletionLogprobs};
 use crate::output::{FinishReason, Usage};
 use crate::tokenize::PromptInput;
 use crate::validate::{GenerateParams, SamplingInput, ValidationError};
@@ -612,91 +612,6 @@ pub struct ChatChunk {
     /// As in [`CompletionResponse::usage`].
     #[serde(skip_serializing_if = "Option::is_none")]
     pub usage: Option<Option<UsageOut>>,
-}
-
-/// A token or an alternative in chat `logprobs.content`.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct ChatTopLogprob {
-    /// The token's text.
-    pub token: String,
-    /// Its log-probability.
-    pub logprob: f32,
-    /// The text's UTF-8 bytes.
-    pub bytes: Vec<u8>,
-}
-
-/// One generated token in chat `logprobs.content`.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct ChatTokenLogprob {
-    /// The token's text.
-    pub token: String,
-    /// Its log-probability.
-    pub logprob: f32,
-    /// The text's UTF-8 bytes.
-    pub bytes: Vec<u8>,
-    /// The most likely tokens at its position (`top_logprobs` of them).
-    pub top_logprobs: Vec<ChatTopLogprob>,
-}
-
-/// Chat `choices[].logprobs`.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct ChatLogprobs {
-    /// One entry per generated token.
-    pub content: Vec<ChatTokenLogprob>,
-}
-
-impl From<&[LogprobOut]> for ChatLogprobs {
-    fn from(tokens: &[LogprobOut]) -> Self {
-        let entry = |t: &TopOut| ChatTopLogprob {
-            token: t.token.clone(),
-            logprob: t.logprob,
-            bytes: t.bytes.clone(),
-        };
-        Self {
-            content: tokens
-                .iter()
-                .map(|t| ChatTokenLogprob {
-                    token: t.chosen.token.clone(),
-                    logprob: t.chosen.logprob,
-                    bytes: t.chosen.bytes.clone(),
-                    top_logprobs: t.top.iter().map(entry).collect(),
-                })
-                .collect(),
-        }
-    }
-}
-
-/// Completions `choices[].logprobs` (OpenAI's legacy shape): parallel lists, one entry per
-/// generated token.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct CompletionLogprobs {
-    /// The tokens' texts.
-    pub tokens: Vec<String>,
-    /// Their log-probabilities.
-    pub token_logprobs: Vec<f32>,
-    /// Per token, the most likely tokens' texts → log-probabilities (`logprobs` of them).
-    pub top_logprobs: Vec<serde_json::Map<String, Value>>,
-    /// Per token, the character offset of its text in the completion.
-    pub text_offset: Vec<usize>,
-}
-
-impl From<&[LogprobOut]> for CompletionLogprobs {
-    fn from(tokens: &[LogprobOut]) -> Self {
-        Self {
-            tokens: tokens.iter().map(|t| t.chosen.token.clone()).collect(),
-            token_logprobs: tokens.iter().map(|t| t.chosen.logprob).collect(),
-            top_logprobs: tokens
-                .iter()
-                .map(|t| {
-                    t.top
-                        .iter()
-                        .map(|a| (a.token.clone(), Value::from(a.logprob)))
-                        .collect()
-                })
-                .collect(),
-            text_offset: tokens.iter().map(|t| t.text_offset).collect(),
-        }
-    }
 }
 
 /// One entry of `/v1/models`.
