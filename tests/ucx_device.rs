@@ -50,9 +50,10 @@ fn job(prompt: &[u32], prefill: PrefillSource) -> GenerateJob {
     GenerateJob {
         prompt: prompt.to_vec(),
         sampling: greedy(),
+        controls: Default::default(),
         stop: StopParams {
-            max_tokens: MAX_TOKENS,
             ignore_eos: true,
+            ..StopParams::max_tokens(MAX_TOKENS)
         },
         prefill,
     }
@@ -122,6 +123,9 @@ fn role() {
                 .prefill_work(PrefillWork {
                     prompt: prompt(),
                     sampling: greedy(),
+                    controls: Default::default(),
+                    stop: StopParams::max_tokens(1),
+                    logprobs: None,
                     skip_tokens: 0,
                     on_layer: hook,
                     on_draft_layer: None,

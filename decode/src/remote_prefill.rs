@@ -14,12 +14,14 @@
 use std::time::{Duration, Instant};
 
 use ferry_kvtransfer::Registration;
+use ferry_model::engine::TokenLogprobs;
 use ferry_model::engine::{EngineHandle, SeqId};
 use ferry_model::kv::BlockId;
 use ferry_proto::auth::AttachToken;
 use ferry_proto::internal::prefill_worker_client::PrefillWorkerClient;
-use ferry_proto::internal::{KvDestination, KvLayout, PrefillRequest, Sampling};
+use ferry_proto::internal::{KvDestination, KvLayout, PrefillRequest, Sampling, Stop};
 use ferry_proto::trace_ctx;
+use ferry_worker::args::logprobs_from_wire;
 use ferry_worker::registration::PrefillView;
 use tokio::sync::watch;
 use tonic::transport::Channel;
@@ -35,7 +37,7 @@ pub const SETTLE_LIMIT_FACTOR: u32 = 10;
 /// How waiting for the peer ended.
 enum Waited {
     /// The call ended: the peer answered, or failed (either way it writes no more).
-    Ended(Result<(u32, u64), String>),
+    Ended(Result<Prefilled, String>),
     /// This side stopped waiting; the call goes on.
     Abandoned(String),
 }
@@ -54,6 +56,10 @@ pub struct RemotePrefill {
     pub prompt: Vec<u32>,
     /// Sampling parameters for the first token.
     pub sampling: Sampling,
+    /// The request's stop conditions (`min_tokens` masks the first token's stop tokens).
+    pub stop: Option<Stop>,
+    /// Alternatives per token, when the request asked for log-probabilities.
+    pub logprobs: Option<u32>,
     /// Blocks reserved here, in position order.
     pub blocks: Vec<BlockId>,
     /// Prompt positions this worker already holds.
@@ -114,7 +120,9 @@ pub async fn run(job: RemotePrefill, engine: EngineHandle, id: SeqId, policy: Fa
     };
     let recompute = policy == FailurePolicy::Recompute;
     let sent = match waited {
-        Waited::Ended(Ok((first, bytes))) => engine.remote_done(id, first, bytes),
+        Waited::Ended(Ok((first, logprobs, bytes))) => {
+            engine.remote_done_with_logprobs(id, first, logprobs, bytes)
+        }
         Waited::Ended(Err(_)) => engine.remote_failed(id, recompute, reason.unwrap_or_default()),
         Waited::Abandoned(_) => {
             let sent = engine.remote_abandoned(id, recompute, reason.unwrap_or_default());
@@ -153,7 +161,10 @@ async fn peer_gone(mut view: watch::Receiver<PrefillView>, peer_id: &str) -> Str
     std::future::pending().await
 }
 
-async fn call(job: &RemotePrefill) -> Result<(u32, u64), String> {
+/// The first token, its log-probabilities (when the request asked) and the bytes written.
+type Prefilled = (u32, Option<TokenLogprobs>, u64);
+
+async fn call(job: &RemotePrefill) -> Result<Prefilled, String> {
     let channel = Channel::from_shared(format!("http://{}", job.peer))
         .map_err(|e| format!("prefill peer address {:?}: {e}", job.peer))?
         .connect()
@@ -163,7 +174,9 @@ async fn call(job: &RemotePrefill) -> Result<(u32, u64), String> {
     let mut request = tonic::Request::new(PrefillRequest {
         request_id: job.request_id.clone(),
         prompt_tokens: job.prompt.clone(),
-        sampling: Some(job.sampling),
+        sampling: Some(job.sampling.clone()),
+        stop: job.stop.clone(),
+        logprobs: job.logprobs,
         skip_tokens: u32::try_from(job.cached_tokens).map_err(|e| e.to_string())?,
         destination: Some(KvDestination {
             transfer_address: job.registration.address.clone(),
@@ -180,5 +193,16 @@ async fn call(job: &RemotePrefill) -> Result<(u32, u64), String> {
         .await
         .map_err(|s| format!("prefill peer {}: {}", job.peer, s.message()))?
         .into_inner();
-    Ok((reply.first_token, reply.bytes_transferred))
+    // A request that asked for log-probabilities needs them for every token, the first too.
+    let logprobs = match (job.logprobs, reply.first_logprobs.as_ref()) {
+        (None, _) => None,
+        (Some(_), Some(lp)) => Some(logprobs_from_wire(lp)),
+        (Some(_), None) => {
+            return Err(format!(
+                "prefill peer {} returned no log-probabilities for the first token",
+                job.peer
+            ))
+        }
+    };
+    Ok((reply.first_token, logprobs, reply.bytes_transferred))
 }

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use ferry_kvtransfer::{KvLayoutDesc, Registration};
 use ferry_model::engine::{
     EngineError, EngineEvent, EngineHandle, FailureKind, FinishReason, GenerateJob,
-    GenerateOptions, Generation, PrefillSource, SpecCounts, StopParams,
+    GenerateOptions, Generation, PrefillSource, SpecCounts,
 };
 use ferry_proto::internal::decode_worker_server::DecodeWorker;
 use ferry_proto::internal::{
@@ -16,7 +16,9 @@ use ferry_proto::internal::{
 };
 use ferry_proto::trace_ctx;
 use ferry_proto::v1::FinishReason as WireFinish;
-use ferry_worker::args::{sampling, validate_prompt};
+use ferry_worker::args::{
+    controls, logprobs, logprobs_to_wire, sampling, stop_params, validate_prompt,
+};
 use ferry_worker::registration::PrefillView;
 use futures::Stream;
 use tokio::sync::{mpsc, watch};
@@ -197,6 +199,9 @@ impl DecodeService {
             max_tokens - resumed,
         )?;
         let params = sampling(r.sampling.as_ref())?;
+        let vocab = self.engine.model_config().vocab_size;
+        let controls = controls(r.sampling.as_ref(), vocab)?;
+        let stop_params = stop_params(Some(stop), vocab)?;
         // A resumed request prefills here: a peer would draw its first token at step 0.
         let peer = r
             .prefill_peer
@@ -231,16 +236,15 @@ impl DecodeService {
         let job = GenerateJob {
             prompt: r.prompt_tokens.clone(),
             sampling: params,
-            stop: StopParams {
-                max_tokens,
-                ignore_eos: stop.ignore_eos,
-            },
+            controls,
+            stop: stop_params,
             prefill,
         };
         // Unset follows this worker: speculation iff it was started with a drafter.
         let options = GenerateOptions {
             speculative: r.speculative,
             resumed_tokens: resumed,
+            logprobs: logprobs(r.logprobs)?,
         };
         let generation = self
             .engine
@@ -324,6 +328,7 @@ async fn drive(
     let mut cached = 0u32;
     let mut mode = "local";
     let mut first = true;
+    let mut pending_logprobs = None;
     let mut progress = Progress {
         tokens: 0,
         last_token: None,
@@ -359,7 +364,9 @@ async fn drive(
                     peer_id,
                     view: ctx.prefill_view.clone(),
                     prompt: ctx.request.prompt_tokens.clone(),
-                    sampling: ctx.request.sampling.unwrap_or_default(),
+                    sampling: ctx.request.sampling.clone().unwrap_or_default(),
+                    stop: ctx.request.stop.clone(),
+                    logprobs: ctx.request.logprobs,
                     blocks,
                     cached_tokens,
                     registration: ctx.registration.clone(),
@@ -389,10 +396,16 @@ async fn drive(
                 record_spec(&counts);
                 continue;
             }
+            Some(EngineEvent::Logprobs(lp)) => {
+                // Sent with the token that follows.
+                pending_logprobs = Some(logprobs_to_wire(&lp));
+                continue;
+            }
             Some(EngineEvent::Token(t)) => {
                 progress.token(&ctx.metrics, ctx.started);
                 Ok(DecodeResponse {
                     token_ids: vec![t],
+                    logprobs: pending_logprobs.take().into_iter().collect(),
                     ..Default::default()
                 })
             }

@@ -16,6 +16,10 @@
 //!   another order; the uniforms here keep u·total 1e-9 of the total away from any boundary);
 //!   a degenerate row gives -1 without touching the others.
 //! - `argmax`: identical, ties to the lowest index, NaN never chosen.
+//! - `apply_controls` (penalties, `logit_bias`, the `min_tokens` mask): bit-identical to
+//!   `cpu::logits::apply_controls` row by row on every backend (the GPU arm runs that very
+//!   function on the host and writes the rows back), untouched rows unchanged, and the greedy
+//!   token it leads to is the biased one.
 //! - `verify`: identical results to `cpu::verify::verify_probs` for greedy and sampled
 //!   sequences in one batch (accept tests are the same f64 arithmetic; a draw could differ only
 //!   within f64 rounding of a CDF boundary, which random uniforms do not hit); a bad sequence
@@ -29,10 +33,11 @@ mod common;
 mod lossless;
 
 use ferry_kernels::backend::sample::{
-    argmax, draw, probs, sample, Draw, Probs, RowParams, Sample, Uniforms,
+    apply_controls, argmax, draw, probs, sample, Draw, Probs, RowParams, Sample, Uniforms,
 };
 use ferry_kernels::backend::verify::{verify, verify_logits, VerifyBatch, VerifyLogits, VerifyOut};
 use ferry_kernels::backend::{Backend, Ints};
+use ferry_kernels::cpu::logits::{LogitsControls, RowControls, TokenHistory};
 use ferry_kernels::cpu::sample::{
     self as cpu, probs_from_logits, sample_from_probs, SamplingParams,
 };
@@ -411,6 +416,78 @@ fn draw_matches_the_cpu_draw_and_degenerate_rows_give_minus_one() {
             assert_eq!(host_ints(&got), want, "vocab {vocab} on the {}", b.name());
         }
     }
+}
+
+#[test]
+fn apply_controls_matches_the_cpu_row_by_row_on_every_backend() {
+    let mut rng = <ChaCha8Rng as rand::SeedableRng>::seed_from_u64(16);
+    let (rows, vocab) = (5usize, DEEPSEEK_VOCAB);
+    let logits: Vec<f32> = (0..rows * vocab)
+        .map(|_| rng.random_range(-8.0f32..8.0))
+        .collect();
+    let history = TokenHistory::new(&[1, 2, 3, 70_000], &[5, 5, 9, 128_000]);
+    let penalties = LogitsControls {
+        presence_penalty: 0.5,
+        frequency_penalty: -0.25,
+        repetition_penalty: 1.7,
+        logit_bias: vec![(11, -100.0), (42, 100.0)],
+    };
+    let masked = [7u32, 129_279];
+    // Row 0 untouched; row 1 penalties and bias; row 3 the mask only, with drafts ahead.
+    let list = [
+        (
+            1,
+            RowControls {
+                controls: &penalties,
+                history: &history,
+                drafted: &[],
+                masked: &[],
+            },
+        ),
+        (
+            3,
+            RowControls {
+                controls: &LogitsControls::default(),
+                history: &history,
+                drafted: &[9, 9],
+                masked: &masked,
+            },
+        ),
+        (
+            4,
+            RowControls {
+                controls: &penalties,
+                history: &history,
+                drafted: &[128_000, 42],
+                masked: &masked,
+            },
+        ),
+    ];
+    let mut want = logits.clone();
+    for (r, c) in &list {
+        ferry_kernels::cpu::logits::apply_controls(&mut want[r * vocab..(r + 1) * vocab], c)
+            .expect("in range");
+    }
+    for b in backends() {
+        let mut x = b.upload(&logits).expect("upload");
+        apply_controls(&b, &mut x, vocab, &list).expect("apply");
+        let got = x.to_host().expect("download");
+        for r in 0..rows {
+            let row = r * vocab..(r + 1) * vocab;
+            assert!(got[row.clone()] == want[row], "{}: row {r}", b.name());
+        }
+        let ids = host_ints(&argmax(&b, &x, vocab).expect("argmax"));
+        assert_eq!(
+            (ids[1], ids[4]),
+            (42, 42),
+            "{}: the +100 bias wins",
+            b.name()
+        );
+    }
+    // A row past the logits is an error, not a write elsewhere.
+    let mut x = Backend::Cpu.upload(&logits).expect("upload");
+    let past = [(rows, list[0].1)];
+    assert!(apply_controls(&Backend::Cpu, &mut x, vocab, &past).is_err());
 }
 
 #[test]

@@ -29,6 +29,10 @@
 //!   its device cache, and a fast-mode decode engine fed those bytes untouched decodes what a
 //!   plain fast-mode run does;
 //! - decode steps replayed from CUDA graphs give the eager engine's tokens;
+//! - penalties, `logit_bias` and `min_tokens` (processed on the host for the rows that use
+//!   them) give the CPU engine's greedy tokens on the CUDA engine, graph-replayed and
+//!   speculating, and in a prefill job's first token; log-probabilities agree with the CPU
+//!   engine's to 1e-3;
 //! - speculative decoding on the CUDA engine (the drafter on the device, from the forward's
 //!   tapped hidden states copied there; sampling and verification on the device) gives the
 //!   plain CUDA engine's and the CPU's greedy tokens, with drafts accepted.
@@ -39,12 +43,13 @@ mod common;
 
 use std::sync::{Arc, Mutex};
 
+use ferry_kernels::cpu::logits::LogitsControls;
 use ferry_kernels::Device;
 use ferry_model::deepseek::DeepseekModel;
 use ferry_model::drafter::{Drafter, DsparkDrafter};
 use ferry_model::engine::{
-    EngineConfig, EngineEvent, EngineHandle, FinishReason, Generation, GpuMode, LayerSinkFn,
-    PrefillSource,
+    EngineConfig, EngineEvent, EngineHandle, FinishReason, GenerateJob, Generation, GpuMode,
+    LayerSinkFn, PrefillSource, PrefillWork, StopParams,
 };
 use ferry_model::kv::{BlockId, KvDtype, LayerRows};
 
@@ -254,6 +259,136 @@ async fn speculative_greedy_on_cuda_equals_plain_cuda_and_cpu() {
     );
     wait_idle(&spec).await;
     wait_idle(&plain).await;
+}
+
+/// Penalised greedy runs of the golden prompts (concurrent), and a prefill job's first token
+/// with the same controls and a `min_tokens` mask.
+async fn controlled_runs(e: &EngineHandle) -> (Vec<Vec<u32>>, u32) {
+    let controls = LogitsControls {
+        presence_penalty: 1.0,
+        frequency_penalty: 0.5,
+        repetition_penalty: 1.5,
+        logit_bias: vec![(golden_case(0).1[0], -100.0), (golden_case(1).1[5], 4.0)],
+    };
+    let stop = StopParams {
+        ignore_eos: true,
+        min_tokens: 4,
+        stop_token_ids: vec![golden_case(2).1[1]],
+        ..StopParams::max_tokens(24)
+    };
+    let gens: Vec<Generation> = (0..3)
+        .map(|i| {
+            e.generate(GenerateJob {
+                controls: controls.clone(),
+                stop: stop.clone(),
+                ..job(golden_case(i).0, 24, PrefillSource::Local)
+            })
+            .unwrap()
+        })
+        .collect();
+    let mut out = Vec::new();
+    for g in gens {
+        out.push(collect(g).await.0);
+    }
+    let first = e
+        .prefill_work(PrefillWork {
+            prompt: golden_case(0).0,
+            sampling: greedy(),
+            controls,
+            stop,
+            logprobs: None,
+            skip_tokens: 0,
+            on_layer: Box::new(|_, _, _| Ok(())),
+            on_draft_layer: None,
+            rows_on_device: false,
+        })
+        .await
+        .expect("prefill job")
+        .first_token;
+    (out, first)
+}
+
+/// Each token's log-probabilities (3 alternatives) for golden case 0, greedy.
+async fn logprob_run(e: &EngineHandle) -> Vec<ferry_model::engine::TokenLogprobs> {
+    let options = ferry_model::engine::GenerateOptions {
+        logprobs: Some(3),
+        ..Default::default()
+    };
+    let mut g = e
+        .generate_with(job(golden_case(0).0, 16, PrefillSource::Local), options)
+        .unwrap();
+    let mut out = Vec::new();
+    while let Some(ev) = g.events.recv().await {
+        match ev {
+            EngineEvent::Logprobs(lp) => out.push(lp),
+            EngineEvent::Finished(_) | EngineEvent::Failed(_) => break,
+            _ => {}
+        }
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an NVIDIA GPU: run on the GPU machine with --include-ignored (docs/gpu.md)"]
+async fn logits_controls_on_cuda_equal_the_cpu_engine() {
+    let Some(graphs) = cuda_engine(
+        "logits_controls_on_cuda_equal_the_cpu_engine",
+        GpuMode::Exact,
+    ) else {
+        return;
+    };
+    let cpu = engine(Device::Cpu, GpuMode::Exact);
+    let (want, want_first) = controlled_runs(&cpu).await;
+    for (i, w) in want.iter().enumerate() {
+        assert_ne!(
+            w[..],
+            golden_case(i).1[..w.len()],
+            "request {i}: the controls matter"
+        );
+    }
+    assert_ne!(
+        want_first,
+        golden_case(0).1[0],
+        "the bias moves the prefill job's token"
+    );
+    let (got, first) = controlled_runs(&graphs).await;
+    assert_eq!(got, want, "graph-replayed CUDA engine vs CPU engine");
+    assert_eq!(first, want_first, "prefill job's first token");
+    // Log-probabilities (rows copied to the host on the GPU) agree with the CPU engine's to
+    // 1e-3: exact mode's logits are within ~5e-6 relative of the CPU's (gpu_parity.rs).
+    let (cpu_lp, gpu_lp) = (logprob_run(&cpu).await, logprob_run(&graphs).await);
+    assert_eq!(cpu_lp.len(), 16);
+    for (k, (c, g)) in cpu_lp.iter().zip(&gpu_lp).enumerate() {
+        assert_eq!((c.token, c.top.len()), (g.token, g.top.len()), "token {k}");
+        assert!(
+            (c.logprob - g.logprob).abs() <= 1e-3,
+            "token {k}: {c:?} vs {g:?}"
+        );
+        for ((ct, cl), (gt, gl)) in c.top.iter().zip(&g.top) {
+            assert_eq!(ct, gt, "token {k}");
+            assert!((cl - gl).abs() <= 1e-3, "token {k}");
+        }
+    }
+    let m = model();
+    let drafter =
+        DsparkDrafter::load(&ferry_model::drafter::embedded_dir(), m.config()).expect("drafter");
+    let spec = EngineHandle::spawn_with(
+        m,
+        Some(Box::new(drafter) as Box<dyn Drafter>),
+        config(Device::Cuda(0), GpuMode::Exact),
+    )
+    .expect("speculating CUDA engine");
+    let (got, _) = controlled_runs(&spec).await;
+    assert_eq!(got, want, "speculating CUDA engine vs CPU engine");
+    let st = spec.stats().await.unwrap();
+    assert!(st.spec_rounds > 0, "no speculative round ran: {st:?}");
+    eprintln!(
+        "logits controls on cuda: identical to the CPU engine (graphs, speculation: {} rounds)",
+        st.spec_rounds
+    );
+    for e in [&graphs, &cpu, &spec] {
+        wait_idle(e).await;
+    }
 }
 
 /// What a prefill job shipped, as its sink saw it: `(layer, index of the block among those

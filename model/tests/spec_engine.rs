@@ -12,6 +12,7 @@ mod common;
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use ferry_kernels::cpu::logits::{LogitsControls, TokenLogprobs};
 use ferry_kernels::cpu::sample::{probs_from_logits, SamplingParams};
 use ferry_model::deepseek::{DeepseekModel, LogitsWanted};
 use ferry_model::drafter::{
@@ -23,6 +24,7 @@ use ferry_model::engine::{
     GenerateOptions, Generation, PrefillSource, PrefillWork, SpecConfig, SpecCounts, StopParams,
     VerifyLen,
 };
+use ferry_model::kv::KvPool;
 use ferry_model::kv::{BlockId, KvStore, LayerRows};
 use ferry_model::session::Session;
 use ferry_model::ModelError;
@@ -54,9 +56,10 @@ fn job(prompt: Vec<u32>, max_tokens: usize, sampling: SamplingParams) -> Generat
     GenerateJob {
         prompt,
         sampling,
+        controls: Default::default(),
         stop: StopParams {
-            max_tokens,
             ignore_eos: true,
+            ..StopParams::max_tokens(max_tokens)
         },
         prefill: PrefillSource::Local,
     }
@@ -357,6 +360,294 @@ async fn an_engine_without_a_drafter_sends_no_speculative_counts() {
     wait_idle(&e).await;
 }
 
+/// Penalties and a `logit_bias` that move every golden case off its greedy path: strong ones
+/// that forbid repeats, and negative ones that reward them (so a verified position that missed
+/// the drafts ahead of it would choose differently either way).
+fn penalised(variant: usize) -> LogitsControls {
+    let (presence, frequency, repetition) = match variant {
+        0 => (2.0, 2.0, 2.0),
+        _ => (-1.5, -0.5, 1.0),
+    };
+    LogitsControls {
+        presence_penalty: presence,
+        frequency_penalty: frequency,
+        repetition_penalty: repetition,
+        // The first golden case's first greedy token is forbidden.
+        logit_bias: vec![(golden_case(0).1[0], -100.0)],
+    }
+}
+
+/// Greedy decoding with penalties and `logit_bias` is the same with and without speculation:
+/// every verified position is processed with the drafts ahead of it counted as generated. A
+/// drafter that proposes the penalised plain output has every draft accepted (a position
+/// processed differently from plain decoding would reject it or change the token), and the
+/// DSpark drafter, whose drafts ignore the penalties, gives the same tokens too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn penalised_greedy_speculation_equals_plain_decoding() {
+    for variant in 0..2 {
+        penalised_speculation(variant).await;
+    }
+}
+
+async fn penalised_speculation(variant: usize) {
+    let controlled = |i: usize| GenerateJob {
+        controls: penalised(variant),
+        ..job(golden_case(i).0, 24, greedy())
+    };
+    let plain = EngineHandle::spawn(target(), config(128, 64, VerifyLen::Fixed(4))).unwrap();
+    let mut outputs = Vec::new();
+    for i in 0..3 {
+        let (toks, end, _) = collect(plain.generate(controlled(i)).unwrap()).await;
+        assert_eq!(end, Ok(FinishReason::Length));
+        let golden = &golden_case(i).1[..24];
+        assert_ne!(
+            toks, golden,
+            "variant {variant} case {i}: the controls change the output"
+        );
+        outputs.push(toks);
+    }
+    assert_ne!(
+        outputs[0][0],
+        golden_case(0).1[0],
+        "logit_bias -100 forbids the token"
+    );
+    wait_idle(&plain).await;
+
+    let knows = Scripted {
+        sequences: (0..3)
+            .map(|i| [golden_case(i).0, outputs[i].clone()].concat())
+            .collect(),
+        block: 4,
+        wrong: false,
+        vocab: 2048,
+    };
+    let model = target();
+    let dspark = dspark(&model);
+    let drafters: [Box<dyn Drafter>; 2] = [Box::new(knows), Box::new(dspark)];
+    for (d, drafter) in drafters.into_iter().enumerate() {
+        let e = EngineHandle::spawn_with(
+            target(),
+            Some(drafter),
+            config(128, 64, VerifyLen::Fixed(4)),
+        )
+        .unwrap();
+        let gens: Vec<Generation> = (0..3).map(|i| e.generate(controlled(i)).unwrap()).collect();
+        for (i, g) in gens.into_iter().enumerate() {
+            let (toks, end, spec) = collect(g).await;
+            assert_eq!(end, Ok(FinishReason::Length));
+            let case = format!("variant {variant}, drafter {d}, case {i}");
+            assert_eq!(toks, outputs[i], "{case}: speculation vs plain");
+            let c = spec.expect("counts");
+            assert!(c.rounds > 0, "{case}: {c:?}");
+            if d == 0 {
+                assert_eq!(c.accepted_tokens, c.drafted_tokens, "{case}: {c:?}");
+            }
+        }
+        wait_idle(&e).await;
+    }
+}
+
+/// Tokens with their log-probabilities (each `Logprobs` event must come right before its token).
+async fn collect_logprobs(mut g: Generation) -> Vec<(u32, TokenLogprobs)> {
+    let mut out = Vec::new();
+    let mut pending = None;
+    while let Some(e) = g.events.recv().await {
+        match e {
+            EngineEvent::Logprobs(lp) => {
+                assert!(pending.is_none(), "two Logprobs events in a row");
+                pending = Some(lp);
+            }
+            EngineEvent::Token(t) => {
+                let lp = pending
+                    .take()
+                    .expect("every token's log-probabilities before it");
+                assert_eq!(lp.token, t);
+                out.push((t, lp));
+            }
+            EngineEvent::Finished(_) | EngineEvent::Failed(_) => break,
+            _ => {}
+        }
+    }
+    out
+}
+
+/// The raw log-softmax of a direct single-sequence forward after `prompt` + each prefix of
+/// `output`: one row per generated token.
+fn direct_log_softmax(model: &DeepseekModel, prompt: &[u32], output: &[u32]) -> Vec<Vec<f32>> {
+    let mut pool: KvPool = model.new_kv_pool(64, 64).expect("pool");
+    let mut s = Session::new();
+    let mut rows = Vec::new();
+    let mut logits = s
+        .extend(model, &mut pool, prompt, LogitsWanted::Last)
+        .unwrap();
+    for &t in output {
+        ferry_kernels::cpu::softmax::log_softmax_inplace(&mut logits).unwrap();
+        rows.push(logits);
+        logits = s
+            .extend(model, &mut pool, &[t], LogitsWanted::Last)
+            .unwrap();
+    }
+    s.free(&mut pool).unwrap();
+    rows
+}
+
+/// Log-probabilities agree with a direct forward's log-softmax to 2e-4: the engine's rows come
+/// from batched and multi-row verify forwards whose logits differ from the one-row forward's
+/// in float rounding (~1e-5 relative on logits of magnitude ~10), and the reduction is f64
+/// against the reference's f32.
+const LOGPROB_TOL: f32 = 2e-4;
+
+fn assert_logprobs_match(got: &[(u32, TokenLogprobs)], want: &[Vec<f32>], n: usize, case: &str) {
+    assert_eq!(got.len(), want.len(), "{case}");
+    for (k, ((t, lp), row)) in got.iter().zip(want).enumerate() {
+        let d = (lp.logprob - row[*t as usize]).abs();
+        assert!(
+            d <= LOGPROB_TOL,
+            "{case} token {k}: {} vs {}",
+            lp.logprob,
+            row[*t as usize]
+        );
+        assert_eq!(lp.top.len(), n, "{case} token {k}");
+        let mut sorted = row.clone();
+        sorted.sort_by(|a, b| b.total_cmp(a));
+        for (j, &(id, l)) in lp.top.iter().enumerate() {
+            assert!(
+                (l - row[id as usize]).abs() <= LOGPROB_TOL,
+                "{case} token {k} top {j}"
+            );
+            assert!(
+                (l - sorted[j]).abs() <= LOGPROB_TOL,
+                "{case} token {k}: top {j} is the {j}-th largest"
+            );
+        }
+    }
+}
+
+/// Each generated token's log-probabilities are the model's raw log-softmax there (before the
+/// penalties, which are on here, and the temperature): against a direct forward, with plain
+/// decoding, with speculation (rows of multi-row verify forwards) and for a prefill job's
+/// first token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logprobs_are_the_raw_log_softmax_of_a_direct_forward() {
+    let model = target();
+    let (prompt, _) = golden_case(1);
+    let options = GenerateOptions {
+        logprobs: Some(5),
+        ..GenerateOptions::default()
+    };
+    let controlled = || GenerateJob {
+        controls: penalised(0),
+        ..job(prompt.clone(), 12, greedy())
+    };
+    let plain = EngineHandle::spawn(target(), config(64, 64, VerifyLen::Fixed(4))).unwrap();
+    let got = collect_logprobs(plain.generate_with(controlled(), options).unwrap()).await;
+    let output: Vec<u32> = got.iter().map(|(t, _)| *t).collect();
+    let want = direct_log_softmax(&model, &prompt, &output);
+    assert_logprobs_match(&got, &want, 5, "plain");
+    // Penalised greedy: some chosen token is not the raw argmax (the logprobs are raw).
+    assert!(
+        got.iter().any(|(t, lp)| lp.top[0].0 != *t),
+        "the penalties moved some token off the raw argmax"
+    );
+    let first = plain
+        .prefill_work(PrefillWork {
+            prompt: prompt.clone(),
+            sampling: greedy(),
+            controls: penalised(0),
+            stop: StopParams::max_tokens(1),
+            logprobs: Some(3),
+            skip_tokens: 0,
+            on_layer: Box::new(|_, _, _| Ok(())),
+            on_draft_layer: None,
+            rows_on_device: false,
+        })
+        .await
+        .unwrap();
+    assert_eq!(first.first_token, output[0]);
+    let lp = first.first_logprobs.expect("asked for");
+    assert_logprobs_match(&[(output[0], lp)], &want[..1], 3, "prefill job");
+    wait_idle(&plain).await;
+
+    let drafter = dspark(&model);
+    let spec = EngineHandle::spawn_with(
+        target(),
+        Some(Box::new(drafter)),
+        config(64, 64, VerifyLen::Fixed(4)),
+    )
+    .unwrap();
+    let got_spec = collect_logprobs(spec.generate_with(controlled(), options).unwrap()).await;
+    assert_eq!(got_spec.iter().map(|(t, _)| *t).collect::<Vec<_>>(), output);
+    assert_logprobs_match(&got_spec, &want, 5, "speculative");
+    assert!(spec.stats().await.unwrap().spec_rounds > 0);
+    // Without the option, no Logprobs event.
+    let (toks, _, _) = collect(spec.generate(controlled()).unwrap()).await;
+    assert_eq!(toks, output);
+    wait_idle(&spec).await;
+}
+
+/// `stop_token_ids` end a request like EOS (not emitted, finish reason `Stop`), and
+/// `min_tokens` masks them until that many tokens are out, on the plain and the speculative
+/// path alike.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stop_token_ids_end_a_request_and_min_tokens_holds_them_back() {
+    let (prompt, golden) = golden_case(1);
+    let stop_at = golden[3];
+    let first = golden.iter().position(|&t| t == stop_at).unwrap_or(3);
+    let model = target();
+    let drafter = dspark(&model);
+    let e = EngineHandle::spawn_with(
+        model,
+        Some(Box::new(drafter)),
+        config(128, 64, VerifyLen::Fixed(4)),
+    )
+    .unwrap();
+    for speculative in [Some(false), Some(true)] {
+        let options = GenerateOptions {
+            speculative,
+            ..GenerateOptions::default()
+        };
+        let mut stop = StopParams {
+            ignore_eos: true,
+            ..StopParams::max_tokens(24)
+        };
+        stop.stop_token_ids = vec![stop_at];
+        let g = e
+            .generate_with(
+                GenerateJob {
+                    stop: stop.clone(),
+                    ..job(prompt.clone(), 24, greedy())
+                },
+                options,
+            )
+            .unwrap();
+        let (toks, end, _) = collect(g).await;
+        assert_eq!(end, Ok(FinishReason::Stop), "{speculative:?}");
+        assert_eq!(
+            toks,
+            golden[..first],
+            "{speculative:?}: stops before the stop token"
+        );
+
+        stop.min_tokens = first + 3;
+        let g = e
+            .generate_with(
+                GenerateJob {
+                    stop,
+                    ..job(prompt.clone(), 24, greedy())
+                },
+                options,
+            )
+            .unwrap();
+        let (toks, _, _) = collect(g).await;
+        assert!(toks.len() >= first + 3, "{speculative:?}: {toks:?}");
+        assert!(
+            !toks[..first + 3].contains(&stop_at),
+            "{speculative:?}: masked: {toks:?}"
+        );
+    }
+    wait_idle(&e).await;
+}
+
 /// The exact law of the first three generated tokens for `prompt` under `params`, from plain
 /// single-sequence forwards and the sampler's own `probs_from_logits`.
 fn reference_law(
@@ -633,6 +924,9 @@ async fn remote_prefill(
         .prefill_work(PrefillWork {
             prompt,
             sampling: greedy(),
+            controls: Default::default(),
+            stop: StopParams::max_tokens(1),
+            logprobs: None,
             skip_tokens,
             on_layer: copy(0, d.clone(), dest.clone()),
             on_draft_layer: ship_drafter.then(|| copy(layers, d.clone(), dest)),

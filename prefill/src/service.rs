@@ -14,7 +14,9 @@ use ferry_proto::auth::ClusterToken;
 use ferry_proto::internal::prefill_worker_server::PrefillWorker;
 use ferry_proto::internal::{GetStatsRequest, PrefillRequest, PrefillResponse, WorkerStats};
 use ferry_proto::trace_ctx;
-use ferry_worker::args::{sampling, validate_prompt};
+use ferry_worker::args::{
+    controls, logprobs, logprobs_to_wire, sampling, stop_params, validate_prompt,
+};
 use tonic::{Request, Response, Status};
 use tracing::{field, info_span, Instrument, Span};
 
@@ -114,6 +116,9 @@ impl PrefillService {
     async fn run(&self, r: PrefillRequest) -> Result<PrefillResponse, Status> {
         validate_prompt(self.engine.model_config(), &r.prompt_tokens, 0)?;
         let params = sampling(r.sampling.as_ref())?;
+        let vocab = self.engine.model_config().vocab_size;
+        let controls = controls(r.sampling.as_ref(), vocab)?;
+        let stop = stop_params(r.stop.as_ref(), vocab)?;
         let dest = r
             .destination
             .ok_or_else(|| Status::invalid_argument("`destination` is required"))?;
@@ -205,6 +210,9 @@ impl PrefillService {
             .prefill_work(PrefillWork {
                 prompt: r.prompt_tokens,
                 sampling: params,
+                controls,
+                stop,
+                logprobs: logprobs(r.logprobs)?,
                 skip_tokens: skip,
                 on_layer: hook,
                 on_draft_layer: draft_hook,
@@ -245,6 +253,7 @@ impl PrefillService {
         );
         Ok(PrefillResponse {
             first_token: outcome.first_token,
+            first_logprobs: outcome.first_logprobs.as_ref().map(logprobs_to_wire),
             computed_tokens: u32::try_from(outcome.computed_tokens).unwrap_or(u32::MAX),
             reused_tokens: u32::try_from(outcome.reused_tokens).unwrap_or(u32::MAX),
             bytes_transferred: bytes,

@@ -44,7 +44,7 @@ use tracing::{field, Instrument, Span};
 
 use crate::error::RequestError;
 use crate::metrics::RouterMetrics;
-use crate::output::{FinishReason, GenerationEvent, OutputState, Usage};
+use crate::output::{FinishReason, GenerationEvent, OutputState, TokenLogprob, Usage};
 use crate::select::{DecodeTarget, PrefillTarget, SelectRequest, Selection, Selector};
 use crate::spans::{self, InSpan};
 use crate::validate::ValidRequest;
@@ -485,8 +485,9 @@ impl Run {
                 let event = match received {
                     Ok(m) => finish_reason(&current.worker.id, m.finish_reason)
                         .and_then(|finish| {
+                            let logprobs = worker_logprobs(&current.worker.id, &self.req, &m)?;
                             generated.extend_from_slice(&m.token_ids);
-                            output.on_tokens(&m.token_ids, finish)
+                            output.on_tokens(&m.token_ids, logprobs, finish)
                         }),
                     Err(fault) if fault.resumable() && migrations < self.inner.max_migrations => {
                         migrations += 1;
@@ -496,7 +497,9 @@ impl Run {
                                 continue;
                             }
                             // Every token was streamed; only the finish was lost.
-                            Ok(None) => output.on_tokens(&[], Some(FinishReason::Length)),
+                            Ok(None) => {
+                                output.on_tokens(&[], Vec::new(), Some(FinishReason::Length))
+                            }
                             Err(e) => Err(e),
                         }
                     }
@@ -620,19 +623,61 @@ fn decode_request(
             top_p: s.top_p,
             min_p: s.min_p,
             seed: s.seed,
+            // Unset when off: the wire's default is "no penalty".
+            presence_penalty: Some(s.controls.presence_penalty).filter(|&p| p != 0.0),
+            frequency_penalty: Some(s.controls.frequency_penalty).filter(|&p| p != 0.0),
+            repetition_penalty: Some(s.controls.repetition_penalty).filter(|&p| p != 1.0),
+            logit_bias: s
+                .controls
+                .logit_bias
+                .iter()
+                .map(|&(token, bias)| internal::LogitBias { token, bias })
+                .collect(),
         }),
         stop: Some(internal::Stop {
             max_tokens: req.max_tokens(),
             ignore_eos: req.ignore_eos(),
             stop: req.stop().to_vec(),
+            min_tokens: req.min_tokens(),
+            stop_token_ids: req.stop_token_ids().to_vec(),
         }),
         prefill_peer: prefill.map(|p| internal::PrefillPeer {
             worker_id: p.id.0.clone(),
             grpc_address: p.grpc_address.clone(),
         }),
         speculative: req.speculative(),
+        logprobs: req.logprobs(),
         generated_tokens: u32::try_from(resumed.len()).unwrap_or(u32::MAX),
     }
+}
+
+/// The log-probabilities of a worker message's tokens when the request asked for them: one per
+/// token, for the token it names (anything else is the worker's fault).
+fn worker_logprobs(
+    worker: &ferry_proto::ids::WorkerId,
+    req: &ValidRequest,
+    m: &internal::DecodeResponse,
+) -> Result<Vec<TokenLogprob>, RequestError> {
+    if req.logprobs().is_none() {
+        return Ok(Vec::new());
+    }
+    let aligned = m.logprobs.len() == m.token_ids.len()
+        && m.logprobs
+            .iter()
+            .zip(&m.token_ids)
+            .all(|(l, &t)| l.token_id == t);
+    if !aligned {
+        return Err(RequestError::Worker {
+            worker: worker.clone(),
+            code: Code::Internal,
+            message: format!(
+                "sent {} log-probabilities for {} tokens (or for other tokens)",
+                m.logprobs.len(),
+                m.token_ids.len()
+            ),
+        });
+    }
+    Ok(m.logprobs.iter().map(TokenLogprob::from).collect())
 }
 
 fn finish_reason(

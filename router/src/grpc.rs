@@ -69,6 +69,7 @@ fn to_wire(event: GenerationEvent, request_id: &str) -> v1::GenerateResponse {
             cached_prompt_tokens: u.cached_prompt_tokens,
         }),
         request_id: request_id.to_string(),
+        logprobs: event.logprobs.iter().map(v1::TokenLogprob::from).collect(),
     }
 }
 

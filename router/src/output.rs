@@ -38,11 +38,53 @@ pub struct Usage {
     pub cached_prompt_tokens: u32,
 }
 
+/// A generated token's log-probability (the model's raw log-softmax at its position) and the
+/// most likely tokens there, most likely first.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct TokenLogprob {
+    /// The token.
+    pub token: u32,
+    /// Its log-probability.
+    pub logprob: f32,
+    /// `(token, logprob)` of the most likely tokens at its position.
+    pub top: Vec<(u32, f32)>,
+}
+
+impl From<&ferry_proto::v1::TokenLogprob> for TokenLogprob {
+    fn from(w: &ferry_proto::v1::TokenLogprob) -> Self {
+        Self {
+            token: w.token_id,
+            logprob: w.logprob,
+            top: w
+                .top_logprobs
+                .iter()
+                .map(|t| (t.token_id, t.logprob))
+                .collect(),
+        }
+    }
+}
+
+impl From<&TokenLogprob> for ferry_proto::v1::TokenLogprob {
+    fn from(t: &TokenLogprob) -> Self {
+        Self {
+            token_id: t.token,
+            logprob: t.logprob,
+            top_logprobs: t
+                .top
+                .iter()
+                .map(|&(token_id, logprob)| ferry_proto::v1::TopLogprob { token_id, logprob })
+                .collect(),
+        }
+    }
+}
+
 /// One step of a generation as clients see it.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct GenerationEvent {
     /// New token ids.
     pub token_ids: Vec<u32>,
+    /// Their log-probabilities, one per id, when the request asked (empty otherwise).
+    pub logprobs: Vec<TokenLogprob>,
     /// Their text; may be empty while a character or a possible stop string is incomplete.
     pub text: String,
     /// Set on the last event only.
@@ -85,6 +127,7 @@ impl OutputState {
     pub fn on_tokens(
         &mut self,
         ids: &[u32],
+        logprobs: Vec<TokenLogprob>,
         finish: Option<FinishReason>,
     ) -> Result<GenerationEvent, RequestError> {
         let added = u32::try_from(ids.len()).unwrap_or(u32::MAX);
@@ -111,6 +154,7 @@ impl OutputState {
         };
         Ok(GenerationEvent {
             token_ids: ids.to_vec(),
+            logprobs,
             text,
             finish,
             usage: finish.map(|_| self.usage),
@@ -140,12 +184,12 @@ mod tests {
         let mut text = String::new();
         let (last, init) = ids.split_last().expect("some tokens");
         for id in init {
-            let e = out.on_tokens(&[*id], None).expect("step");
+            let e = out.on_tokens(&[*id], Vec::new(), None).expect("step");
             assert_eq!(e.finish, None);
             text.push_str(&e.text);
         }
         let e = out
-            .on_tokens(&[*last], Some(FinishReason::Length))
+            .on_tokens(&[*last], Vec::new(), Some(FinishReason::Length))
             .expect("last");
         text.push_str(&e.text);
         assert_eq!(text, tok.decode(&ids, true).expect("decode"));
@@ -168,7 +212,7 @@ mod tests {
         let mut text = String::new();
         let mut finished = None;
         for id in ids {
-            let e = out.on_tokens(&[id], None).expect("step");
+            let e = out.on_tokens(&[id], Vec::new(), None).expect("step");
             text.push_str(&e.text);
             if e.finish.is_some() {
                 finished = e.finish;

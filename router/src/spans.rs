@@ -99,6 +99,15 @@ pub fn record_request(req: &ValidRequest) {
     );
     trace_ctx::set_attribute(&span, "gen_ai.request.top_p", f64::from(s.top_p));
     trace_ctx::set_attribute(&span, "gen_ai.request.top_k", int(s.top_k));
+    let c = &s.controls;
+    if c.presence_penalty != 0.0 {
+        let p = f64::from(c.presence_penalty);
+        trace_ctx::set_attribute(&span, "gen_ai.request.presence_penalty", p);
+    }
+    if c.frequency_penalty != 0.0 {
+        let p = f64::from(c.frequency_penalty);
+        trace_ctx::set_attribute(&span, "gen_ai.request.frequency_penalty", p);
+    }
     if let Some(seed) = s.seed {
         trace_ctx::set_attribute(&span, "gen_ai.request.seed", int(seed));
     }

@@ -6,9 +6,11 @@
 //! nothing else can build one. Errors name the field (as the OpenAI API spells it), the limit
 //! and the value: "`max_tokens` must be >= 1, got 0".
 //!
-//! Order: cheap checks first (model, the prompt's size in bytes or token ids, sampling,
-//! `max_tokens` >= 1, stop strings, non-empty prompt, token ids in the vocabulary), then
-//! tokenization on the blocking pool, then the length checks that need the token count.
+//! Order: cheap checks first (model, the prompt's size in bytes or token ids, sampling and
+//! the logits controls — penalties, `logit_bias` —, `max_tokens` >= 1, stop strings,
+//! `stop_token_ids`, non-empty prompt, token ids in the vocabulary), then tokenization on the
+//! blocking pool, then the length checks that need the token count (`max_tokens`, then
+//! `min_tokens` <= `max_tokens`).
 //!
 //! **Bounded input before expensive work.** Tokenizing costs memory and CPU in proportion to
 //! the text (a 30 MB prompt once took 13–18 s and a 3.46 GB peak), so text longer than
@@ -21,7 +23,7 @@
 //! worker runs with, then checked by the worker's own `SamplingParams::validate`, so whatever
 //! the router accepts the worker accepts: `temperature: 1e39` is `inf` in `f32` and is refused
 //! here naming `temperature`, not by the worker as a worker failure.
-use ferry_modelcard::sampling::{SamplingError, SamplingParams};
+use ferry_modelcard::sampling::{LogitsControls, SamplingError, SamplingParams};
 use ferry_modelcard::tokenizer::ChatMessage;
 use ferry_proto::ids::{BlockHash, RequestId};
 use ferry_proto::v1;
@@ -31,6 +33,13 @@ use crate::tokenize::{PromptInput, TokenizerPool};
 
 /// Stop strings per request, at most.
 pub const MAX_STOP_STRINGS: usize = 4;
+
+/// `stop_token_ids` per request, at most.
+pub const MAX_STOP_TOKEN_IDS: usize = 64;
+
+/// Alternatives per token a request may ask log-probabilities for, at most (OpenAI chat's
+/// `top_logprobs` limit; the engine's `MAX_TOP_LOGPROBS`).
+pub const MAX_TOP_LOGPROBS: u32 = 20;
 
 /// A request field that is missing, malformed or out of limits.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -61,7 +70,7 @@ impl ValidationError {
 }
 
 /// Sampling controls as the client sent them (unset = default).
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct SamplingInput {
     /// Default 1; finite, >= 0; 0 = greedy.
     pub temperature: Option<f64>,
@@ -73,6 +82,15 @@ pub struct SamplingInput {
     pub min_p: Option<f64>,
     /// Seed for reproducible sampling.
     pub seed: Option<u64>,
+    /// Default 0 (off); in [-2, 2].
+    pub presence_penalty: Option<f64>,
+    /// Default 0 (off); in [-2, 2].
+    pub frequency_penalty: Option<f64>,
+    /// Default 1 (off); finite, > 0.
+    pub repetition_penalty: Option<f64>,
+    /// `(token, bias)` pairs as given (the HTTP keys already parsed as token ids); checked
+    /// against the vocabulary and [-100, 100].
+    pub logit_bias: Vec<(u32, f64)>,
 }
 
 /// A generation request in the router's terms, not yet checked.
@@ -91,10 +109,16 @@ pub struct GenerateParams {
     pub stop: Vec<String>,
     /// Keep generating past end-of-sequence tokens.
     pub ignore_eos: bool,
+    /// Stop tokens are masked until this many tokens are generated; `None` = 0.
+    pub min_tokens: Option<i64>,
+    /// More tokens that end generation.
+    pub stop_token_ids: Vec<u32>,
     /// The client's request id, if any.
     pub request_id: Option<String>,
     /// Speculative decoding for this request; `None` = the decode worker's setting.
     pub speculative: Option<bool>,
+    /// Return each token's log-probability with this many alternatives; `None` = none.
+    pub logprobs: Option<i64>,
 }
 
 impl From<v1::GenerateRequest> for GenerateParams {
@@ -119,12 +143,26 @@ impl From<v1::GenerateRequest> for GenerateParams {
                 top_p: s.top_p.map(f64::from),
                 min_p: s.min_p.map(f64::from),
                 seed: s.seed,
+                presence_penalty: s.presence_penalty.map(f64::from),
+                frequency_penalty: s.frequency_penalty.map(f64::from),
+                repetition_penalty: s.repetition_penalty.map(f64::from),
+                logit_bias: s
+                    .logit_bias
+                    .into_iter()
+                    .map(|(t, b)| (t, f64::from(b)))
+                    .collect(),
             });
         // The proto has no default: `max_tokens` must be >= 1, and an unset `stop` reads as
         // `max_tokens: 0`, which validation refuses by name.
-        let (max_tokens, stop, ignore_eos) = match r.stop {
-            Some(s) => (Some(i64::from(s.max_tokens)), s.stop, s.ignore_eos),
-            None => (Some(0), Vec::new(), false),
+        let (max_tokens, stop, ignore_eos, min_tokens, stop_token_ids) = match r.stop {
+            Some(s) => (
+                Some(i64::from(s.max_tokens)),
+                s.stop,
+                s.ignore_eos,
+                Some(i64::from(s.min_tokens)),
+                s.stop_token_ids,
+            ),
+            None => (Some(0), Vec::new(), false, None, Vec::new()),
         };
         Self {
             model: r.model,
@@ -133,14 +171,17 @@ impl From<v1::GenerateRequest> for GenerateParams {
             max_tokens,
             stop,
             ignore_eos,
+            min_tokens,
+            stop_token_ids,
             request_id: Some(r.request_id).filter(|id| !id.is_empty()),
             speculative: r.speculative,
+            logprobs: r.logprobs.map(i64::from),
         }
     }
 }
 
 /// Resolved sampling parameters (defaults applied, limits checked).
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Sampling {
     /// >= 0, finite; 0 = greedy.
     pub temperature: f32,
@@ -152,6 +193,8 @@ pub struct Sampling {
     pub min_p: f32,
     /// Seed, if the client gave one.
     pub seed: Option<u64>,
+    /// Penalties and `logit_bias` (the worker's own type, checked with its own rules).
+    pub controls: LogitsControls,
 }
 
 /// A request that passed validation: the only kind the dispatcher accepts.
@@ -164,7 +207,10 @@ pub struct ValidRequest {
     max_tokens: u32,
     stop: Vec<String>,
     ignore_eos: bool,
+    min_tokens: u32,
+    stop_token_ids: Vec<u32>,
     speculative: Option<bool>,
+    logprobs: Option<u32>,
     received: std::time::Instant,
 }
 
@@ -186,8 +232,8 @@ impl ValidRequest {
         &self.block_hashes
     }
     /// Resolved sampling.
-    pub fn sampling(&self) -> Sampling {
-        self.sampling
+    pub fn sampling(&self) -> &Sampling {
+        &self.sampling
     }
     /// New tokens at most; >= 1, and prompt + max_tokens fits the context.
     pub fn max_tokens(&self) -> u32 {
@@ -201,10 +247,24 @@ impl ValidRequest {
     pub fn ignore_eos(&self) -> bool {
         self.ignore_eos
     }
+    /// Stop tokens are masked until this many tokens are generated (<= `max_tokens`).
+    pub fn min_tokens(&self) -> u32 {
+        self.min_tokens
+    }
+    /// More tokens that end generation (at most [`MAX_STOP_TOKEN_IDS`], each in the
+    /// vocabulary).
+    pub fn stop_token_ids(&self) -> &[u32] {
+        &self.stop_token_ids
+    }
     /// Speculative decoding: `None` follows the decode worker, `Some(false)` turns it off for
     /// this request, `Some(true)` asks for it (plain decoding on a worker without a drafter).
     pub fn speculative(&self) -> Option<bool> {
         self.speculative
+    }
+    /// Alternatives per token when the client asked for log-probabilities (at most
+    /// [`MAX_TOP_LOGPROBS`]).
+    pub fn logprobs(&self) -> Option<u32> {
+        self.logprobs
     }
 }
 
@@ -317,7 +377,7 @@ impl Validator {
         let received = std::time::Instant::now();
         self.check_model(&p.model)?;
         self.check_prompt_size(&p.prompt)?;
-        let sampling = resolve_sampling(&p.sampling)?;
+        let sampling = resolve_sampling(&p.sampling, self.params.vocab_size)?;
         if let Some(n) = p.max_tokens {
             if n < 1 {
                 return Err(
@@ -326,6 +386,8 @@ impl Validator {
             }
         }
         let stop = check_stop(p.stop)?;
+        let stop_token_ids = check_stop_token_ids(p.stop_token_ids, self.params.vocab_size)?;
+        let logprobs = check_logprobs(p.logprobs)?;
         check_prompt_shape(&p.prompt, self.params.vocab_size)?;
 
         let prepared = self
@@ -341,6 +403,7 @@ impl Validator {
             p.max_tokens,
             self.params.context_length,
         )?;
+        let min_tokens = check_min_tokens(p.min_tokens, max_tokens)?;
         let id = p
             .request_id
             .map(RequestId)
@@ -353,7 +416,10 @@ impl Validator {
             max_tokens,
             stop,
             ignore_eos: p.ignore_eos,
+            min_tokens,
+            stop_token_ids,
             speculative: p.speculative,
+            logprobs,
             received,
         })
     }
@@ -424,9 +490,10 @@ impl Validator {
 }
 
 /// Applies defaults, converts to the `f32`s the decode worker samples with, and runs the
-/// worker's own check (`SamplingParams::validate`) on them: what passes here passes there.
+/// worker's own checks (`SamplingParams::validate`, `LogitsControls::validate` and
+/// `LogitsControls::logit_bias_from` against `vocab`) on them: what passes here passes there.
 /// A value that changes class in `f32` (`1e39` → `inf`, `1e-50` → `0`) is named with both.
-pub fn resolve_sampling(s: &SamplingInput) -> Result<Sampling, ValidationError> {
+pub fn resolve_sampling(s: &SamplingInput, vocab: usize) -> Result<Sampling, ValidationError> {
     let top_k = s.top_k.unwrap_or(0);
     let top_k = u32::try_from(top_k).map_err(|_| {
         ValidationError::new(
@@ -441,34 +508,110 @@ pub fn resolve_sampling(s: &SamplingInput) -> Result<Sampling, ValidationError> 
         min_p: s.min_p.unwrap_or(0.0) as f32,
         seed: s.seed,
     };
-    params.validate().map_err(
-        |SamplingError {
-             field,
-             value,
-             limit,
-         }| {
-            let given = match field {
-                "temperature" => s.temperature,
-                "top_p" => s.top_p,
-                "min_p" => s.min_p,
-                _ => None,
-            }
-            .unwrap_or(value);
-            let as_f32 = if given.is_nan() || given == value {
-                String::new()
-            } else {
-                format!(" ({value:?} as a 32-bit float)")
-            };
-            ValidationError::new(field, format!("must be {limit}, got {given:?}{as_f32}"))
-        },
-    )?;
+    let named = |SamplingError {
+                     field,
+                     value,
+                     limit,
+                 }| {
+        let given = match field {
+            "temperature" => s.temperature,
+            "top_p" => s.top_p,
+            "min_p" => s.min_p,
+            "presence_penalty" => s.presence_penalty,
+            "frequency_penalty" => s.frequency_penalty,
+            "repetition_penalty" => s.repetition_penalty,
+            _ => None,
+        }
+        .unwrap_or(value);
+        let as_f32 = if given.is_nan() || given == value {
+            String::new()
+        } else {
+            format!(" ({value:?} as a 32-bit float)")
+        };
+        ValidationError::new(field, format!("must be {limit}, got {given:?}{as_f32}"))
+    };
+    params.validate().map_err(named)?;
+    // A bias is checked as given (before rounding to f32): 100.00000001 is out of range.
+    if let Some(&(token, bias)) = s
+        .logit_bias
+        .iter()
+        .find(|(_, b)| !(-100.0..=100.0).contains(b))
+    {
+        return Err(ValidationError::new(
+            "logit_bias",
+            format!("values must be in [-100, 100], got {bias:?} for token {token}"),
+        ));
+    }
+    let logit_bias =
+        LogitsControls::logit_bias_from(s.logit_bias.iter().map(|&(t, b)| (t, b as f32)), vocab)
+            .map_err(|e| {
+                // The error's text already starts with the field's name.
+                let text = e.to_string();
+                let message = text
+                    .strip_prefix("`logit_bias` ")
+                    .unwrap_or(&text)
+                    .to_string();
+                ValidationError::new("logit_bias", message)
+            })?;
+    let controls = LogitsControls {
+        presence_penalty: s.presence_penalty.unwrap_or(0.0) as f32,
+        frequency_penalty: s.frequency_penalty.unwrap_or(0.0) as f32,
+        repetition_penalty: s.repetition_penalty.unwrap_or(1.0) as f32,
+        logit_bias,
+    };
+    controls.validate().map_err(named)?;
     Ok(Sampling {
         temperature: params.temperature,
         top_k: params.top_k,
         top_p: params.top_p,
         min_p: params.min_p,
         seed: params.seed,
+        controls,
     })
+}
+
+/// At most [`MAX_STOP_TOKEN_IDS`] stop token ids, each below `vocab`.
+pub fn check_stop_token_ids(ids: Vec<u32>, vocab: usize) -> Result<Vec<u32>, ValidationError> {
+    if ids.len() > MAX_STOP_TOKEN_IDS {
+        return Err(ValidationError::new(
+            "stop_token_ids",
+            format!(
+                "must hold at most {MAX_STOP_TOKEN_IDS} ids, got {}",
+                ids.len()
+            ),
+        ));
+    }
+    if let Some((i, t)) = ids.iter().enumerate().find(|(_, &t)| t as usize >= vocab) {
+        return Err(ValidationError::new(
+            "stop_token_ids",
+            format!("must be < {vocab} (the vocabulary size), got {t} at index {i}"),
+        ));
+    }
+    Ok(ids)
+}
+
+/// `logprobs` in `[0, MAX_TOP_LOGPROBS]` when given.
+pub fn check_logprobs(n: Option<i64>) -> Result<Option<u32>, ValidationError> {
+    match n {
+        None => Ok(None),
+        Some(n) if (0..=i64::from(MAX_TOP_LOGPROBS)).contains(&n) => Ok(Some(n as u32)),
+        Some(n) => Err(ValidationError::new(
+            "logprobs",
+            format!("must be in [0, {MAX_TOP_LOGPROBS}], got {n}"),
+        )),
+    }
+}
+
+/// `min_tokens` in `[0, max_tokens]` (the resolved `max_tokens`); unset is 0.
+pub fn check_min_tokens(min_tokens: Option<i64>, max_tokens: u32) -> Result<u32, ValidationError> {
+    let n = min_tokens.unwrap_or(0);
+    if n < 0 || n > i64::from(max_tokens) {
+        return Err(ValidationError::new(
+            "min_tokens",
+            format!("must be in [0, {max_tokens}] (at most `max_tokens`), got {n}"),
+        ));
+    }
+    Ok(n as u32)
 }
 
 /// At most [`MAX_STOP_STRINGS`] stop strings, none empty.
@@ -587,8 +730,11 @@ mod tests {
             max_tokens: Some(8),
             stop: Vec::new(),
             ignore_eos: false,
+            min_tokens: None,
+            stop_token_ids: Vec::new(),
             request_id: None,
             speculative: None,
+            logprobs: None,
         }
     }
 
@@ -673,7 +819,7 @@ mod tests {
 
     #[test]
     fn sampling_limits() {
-        let ok = resolve_sampling(&SamplingInput::default()).expect("defaults");
+        let ok = resolve_sampling(&SamplingInput::default(), 2048).expect("defaults");
         assert_eq!((ok.top_k, ok.min_p, ok.seed), (0, 0.0, None));
         let cases = [
             (
@@ -726,7 +872,7 @@ mod tests {
             ),
         ];
         for (input, field, value) in cases {
-            let err = resolve_sampling(&input).expect_err(field);
+            let err = resolve_sampling(&input, 2048).expect_err(field);
             assert_eq!(err.field, field);
             assert!(err.to_string().contains(value), "{err}");
         }
@@ -736,8 +882,9 @@ mod tests {
             min_p: Some(1.0),
             top_k: Some(5),
             seed: Some(3),
+            ..Default::default()
         };
-        assert!(resolve_sampling(&greedy).is_ok());
+        assert!(resolve_sampling(&greedy, 2048).is_ok());
     }
 
     #[test]
@@ -755,11 +902,14 @@ mod tests {
                 max_tokens: 0,
                 stop: vec!["x".into()],
                 ignore_eos: true,
+                ..Default::default()
             }),
             request_id: String::new(),
             speculative: None,
+            logprobs: Some(7),
         };
         let p = GenerateParams::from(wire.clone());
+        assert_eq!(p.logprobs, Some(7));
         assert_eq!(p.prompt, PromptInput::Tokens(vec![1, 2]));
         assert_eq!(p.max_tokens, Some(0), "0 is kept so validation can name it");
         assert_eq!(p.sampling.temperature, Some(0.5));
@@ -804,16 +954,19 @@ mod tests {
             ),
         ];
         for (input, field, value) in cases {
-            let err = resolve_sampling(&input).expect_err(field);
+            let err = resolve_sampling(&input, 2048).expect_err(field);
             assert_eq!(err.field, field);
             assert!(err.to_string().contains(value), "{err}");
         }
         // The largest finite f32 passes, and the worker's check agrees with what we resolved.
-        let big = resolve_sampling(&SamplingInput {
-            temperature: Some(f64::from(f32::MAX)),
-            min_p: Some(1e-50),
-            ..Default::default()
-        })
+        let big = resolve_sampling(
+            &SamplingInput {
+                temperature: Some(f64::from(f32::MAX)),
+                min_p: Some(1e-50),
+                ..Default::default()
+            },
+            2048,
+        )
         .expect("finite in f32");
         let worker = SamplingParams {
             temperature: big.temperature,
@@ -895,6 +1048,108 @@ mod tests {
             vec![0, 2, 5, 3],
             "BOS, <|user|>, <|end|>, <|assistant|>"
         );
+    }
+
+    #[tokio::test]
+    async fn logits_controls_and_stop_tokens_are_checked_by_name() {
+        let with = |f: &dyn Fn(&mut GenerateParams)| {
+            let mut p = params(PromptInput::Text("hi".into()));
+            f(&mut p);
+            p
+        };
+        let cases: Vec<(GenerateParams, &str, &[&str])> = vec![
+            (
+                with(&|p| p.sampling.presence_penalty = Some(2.5)),
+                "presence_penalty",
+                &["[-2, 2]", "got 2.5"],
+            ),
+            (
+                with(&|p| p.sampling.frequency_penalty = Some(-3.0)),
+                "frequency_penalty",
+                &["[-2, 2]", "got -3"],
+            ),
+            (
+                with(&|p| p.sampling.repetition_penalty = Some(0.0)),
+                "repetition_penalty",
+                &["> 0", "got 0"],
+            ),
+            (
+                with(&|p| p.sampling.logit_bias = vec![(5000, 1.0)]),
+                "logit_bias",
+                &["< 2048", "5000"],
+            ),
+            (
+                with(&|p| p.sampling.logit_bias = vec![(7, 150.0)]),
+                "logit_bias",
+                &["[-100, 100]", "150"],
+            ),
+            (
+                with(&|p| p.sampling.logit_bias = (0..301).map(|t| (t, 1.0)).collect()),
+                "logit_bias",
+                &["at most 300", "got 301"],
+            ),
+            (
+                with(&|p| p.stop_token_ids = vec![1, 9999]),
+                "stop_token_ids",
+                &["< 2048", "9999"],
+            ),
+            (
+                with(&|p| p.stop_token_ids = vec![1; 65]),
+                "stop_token_ids",
+                &["at most 64", "65"],
+            ),
+            (
+                with(&|p| p.min_tokens = Some(9)),
+                "min_tokens",
+                &["[0, 8]", "got 9"],
+            ),
+            (
+                with(&|p| p.min_tokens = Some(-1)),
+                "min_tokens",
+                &["got -1"],
+            ),
+            (
+                with(&|p| p.logprobs = Some(21)),
+                "logprobs",
+                &["[0, 20]", "got 21"],
+            ),
+        ];
+        for (p, field, parts) in cases {
+            let (f, m) = field_of(p).await;
+            assert_eq!(f, field, "{m}");
+            assert!(m.starts_with(&format!("`{field}`")), "{m}");
+            for part in parts {
+                assert!(m.contains(part), "{m} lacks {part}");
+            }
+        }
+        let ok = with(&|p| {
+            p.sampling.presence_penalty = Some(-2.0);
+            p.sampling.frequency_penalty = Some(2.0);
+            p.sampling.repetition_penalty = Some(1.3);
+            p.sampling.logit_bias = vec![(9, -100.0), (3, 100.0)];
+            p.min_tokens = Some(8);
+            p.stop_token_ids = vec![4, 2047];
+        });
+        let v = validator().validate(ok).await.expect("valid");
+        let c = &v.sampling().controls;
+        assert_eq!(
+            (
+                c.presence_penalty,
+                c.frequency_penalty,
+                c.repetition_penalty
+            ),
+            (-2.0, 2.0, 1.3)
+        );
+        assert_eq!(
+            c.logit_bias,
+            vec![(3, 100.0), (9, -100.0)],
+            "sorted by token"
+        );
+        assert_eq!((v.min_tokens(), v.stop_token_ids()), (8, &[4, 2047][..]));
+        assert_eq!(v.logprobs(), None);
+        let asks = with(&|p| p.logprobs = Some(20));
+        let v = validator().validate(asks).await.expect("valid");
+        assert_eq!(v.logprobs(), Some(20));
     }
 
     #[tokio::test]

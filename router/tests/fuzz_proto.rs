@@ -124,28 +124,52 @@ fn mutated_generate() -> impl Strategy<Value = Vec<u8>> {
         prop::option::of(f.clone()),
         prop::option::of(any::<u32>()),
         prop::option::of(f.clone()),
-        prop::option::of(f),
+        prop::option::of(f.clone()),
         prop::option::of(any::<u64>()),
+        prop::option::of(f.clone()),
+        prop::option::of(f.clone()),
+        prop::option::of(f.clone()),
+        prop::collection::hash_map(0u32..4096, f, 0..4),
     )
         .prop_map(
-            |(temperature, top_k, top_p, min_p, seed)| v1::SamplingParams {
+            |(
                 temperature,
                 top_k,
                 top_p,
                 min_p,
                 seed,
+                presence_penalty,
+                frequency_penalty,
+                repetition_penalty,
+                logit_bias,
+            )| v1::SamplingParams {
+                temperature,
+                top_k,
+                top_p,
+                min_p,
+                seed,
+                presence_penalty,
+                frequency_penalty,
+                repetition_penalty,
+                logit_bias,
             },
         );
     let stop = (
         any::<u32>(),
         prop::collection::vec(".{0,4}", 0..6),
         any::<bool>(),
+        any::<u32>(),
+        prop::collection::vec(0u32..4096, 0..3),
     )
-        .prop_map(|(max_tokens, stop, ignore_eos)| v1::StopConditions {
-            max_tokens: max_tokens % 2048,
-            stop,
-            ignore_eos,
-        });
+        .prop_map(
+            |(max_tokens, stop, ignore_eos, min_tokens, stop_token_ids)| v1::StopConditions {
+                max_tokens: max_tokens % 2048,
+                stop,
+                ignore_eos,
+                min_tokens: min_tokens % 2048,
+                stop_token_ids,
+            },
+        );
     let request = (
         prop::option::of(input),
         prop::option::of(sampling),
@@ -159,6 +183,7 @@ fn mutated_generate() -> impl Strategy<Value = Vec<u8>> {
             stop,
             request_id: String::new(),
             speculative: None,
+            logprobs: None,
         });
     (
         request,

@@ -47,9 +47,11 @@ fn generate(text: &str, max_tokens: u32, stop: &[&str]) -> v1::GenerateRequest {
             max_tokens,
             stop: stop.iter().map(|s| s.to_string()).collect(),
             ignore_eos: false,
+            ..Default::default()
         }),
         request_id: "t-1".into(),
         speculative: None,
+        logprobs: None,
     }
 }
 

@@ -130,11 +130,12 @@ fn request(args: &BenchArgs, salt: u64) -> GenerateRequest {
         }),
         stop: Some(StopConditions {
             max_tokens: args.output_tokens,
-            stop: Vec::new(),
             ignore_eos: true,
+            ..Default::default()
         }),
         request_id: format!("bench-{salt}"),
         speculative: None,
+        logprobs: None,
     }
 }
 

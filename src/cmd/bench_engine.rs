@@ -536,9 +536,10 @@ fn engine_run(
     let job = |prompt: Vec<u32>, max_tokens: usize| GenerateJob {
         prompt,
         sampling: sampling.clone(),
+        controls: Default::default(),
         stop: StopParams {
-            max_tokens,
             ignore_eos: true,
+            ..StopParams::max_tokens(max_tokens)
         },
         prefill: PrefillSource::Local,
     };

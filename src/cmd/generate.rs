@@ -147,8 +147,8 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         prompt,
         params,
         stop: StopParams {
-            max_tokens: args.max_tokens,
             ignore_eos: args.ignore_eos,
+            ..StopParams::max_tokens(args.max_tokens)
         },
         tokenizer: &tokenizer,
     };
@@ -196,6 +196,7 @@ fn generate(
     let mut generation = engine.generate(GenerateJob {
         prompt: run.prompt,
         sampling: run.params,
+        controls: Default::default(),
         stop: run.stop,
         prefill: PrefillSource::Local,
     })?;

@@ -838,6 +838,7 @@ pub fn sse_completion_text(chunks: &[serde_json::Value]) -> (String, Option<Stri
 pub struct Generated {
     pub text: String,
     pub token_ids: Vec<u32>,
+    pub logprobs: Vec<ferry_proto::v1::TokenLogprob>,
     pub finish_reason: Option<FinishReason>,
     pub usage: Option<Usage>,
     pub messages: usize,
@@ -855,6 +856,7 @@ pub async fn generate(
         out.messages += 1;
         out.text.push_str(&msg.text);
         out.token_ids.extend(&msg.token_ids);
+        out.logprobs.extend(msg.logprobs);
         if msg.finish_reason != FinishReason::Unspecified as i32 {
             out.finish_reason = FinishReason::try_from(msg.finish_reason).ok();
             out.usage = msg.usage;
@@ -875,8 +877,8 @@ pub fn request(
         sampling: Some(sampling),
         stop: Some(StopConditions {
             max_tokens,
-            stop: Vec::new(),
             ignore_eos,
+            ..StopConditions::default()
         }),
         ..GenerateRequest::default()
     }

@@ -8,8 +8,10 @@ Streams a chat completion (checking the chunks), makes the same request without 
 (checking `usage`), then once more with speculative decoding off through `extra_body` (ferry's
 `speculative` extension: the same greedy text), once with a wrong type for it (a 400 naming
 the field), with parameters ferry does not implement (a 400 naming each) and with their no-op
-values (the same text), and prints {"streamed": ..., "whole": ...} as one JSON line. Any failed check
-raises, so the process exits non-zero.
+values (the same text), with log-probabilities (whole and streamed: one entry per token, with
+the asked alternatives, spelling the text), with penalties and `logit_bias` (another text, and
+out-of-range values a 400 naming the field), and prints {"streamed": ..., "whole": ...} as one
+JSON line. Any failed check raises, so the process exits non-zero.
 """
 
 import argparse
@@ -87,10 +89,8 @@ def main() -> None:
     # Nothing is ignored silently: parameters ferry does not implement yet are a 400 naming
     # them when they would change the output, accepted when they would not.
     for field, value in [
-        ("logit_bias", {"17": -100}),
-        ("presence_penalty", 1.0),
-        ("logprobs", True),
         ("response_format", {"type": "json_object"}),
+        ("tool_choice", "required"),
     ]:
         try:
             client.chat.completions.create(**{**common, field: value})
@@ -102,6 +102,39 @@ def main() -> None:
         **{**common, "presence_penalty": 0, "logit_bias": {}, "user": "test"}
     )
     assert same.choices[0].message.content == text, "no-op values changed the output"
+
+    # Log-probabilities: one entry per token, `top_logprobs` alternatives each (greedy: the
+    # chosen token is the most likely), the tokens spelling the text; streamed alike.
+    lp = client.chat.completions.create(**{**common, "logprobs": True, "top_logprobs": 2})
+    content = lp.choices[0].logprobs.content
+    assert len(content) == args.max_tokens, len(content)
+    assert "".join(t.token for t in content) == text, [t.token for t in content]
+    for t in content:
+        assert t.logprob <= 0 and len(t.top_logprobs) == 2, t
+        assert t.top_logprobs[0].token == t.token, t
+        assert bytes(t.bytes) == t.token.encode(), t
+    entries = 0
+    for chunk in client.chat.completions.create(
+        stream=True, **{**common, "logprobs": True, "top_logprobs": 1}
+    ):
+        for choice in chunk.choices:
+            if choice.logprobs is not None and choice.logprobs.content:
+                entries += len(choice.logprobs.content)
+    assert entries == args.max_tokens, entries
+    assert whole.choices[0].logprobs is None, "not asked: null"
+
+    # Penalties and logit_bias change the greedy text; out of range is a 400 naming the field.
+    other = client.chat.completions.create(
+        **{**common, "frequency_penalty": 2.0, "presence_penalty": 2.0}
+    )
+    assert other.choices[0].message.content != text, "the penalties changed nothing"
+    for field, value in [("presence_penalty", 2.5), ("logit_bias", {"999999": 1})]:
+        try:
+            client.chat.completions.create(**{**common, field: value})
+        except BadRequestError as e:
+            assert e.status_code == 400 and e.param == field, (field, e.status_code, e.body)
+        else:
+            raise AssertionError(f"{field}={value!r} was accepted")
 
     models = [m.id for m in client.models.list()]
     assert models == [args.model], models

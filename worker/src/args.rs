@@ -5,15 +5,17 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Args, ValueEnum};
+use ferry_kernels::cpu::logits::{LogitsControls, TokenLogprobs, MAX_TOP_LOGPROBS};
 use ferry_kernels::cpu::sample::SamplingParams;
 use ferry_kernels::cuda::CudaDevice;
 use ferry_kernels::Device;
 use ferry_model::config::ModelConfig;
 use ferry_model::deepseek::DeepseekModel;
+use ferry_model::engine::StopParams;
 use ferry_model::engine::{EngineConfig, GpuMode};
 use ferry_model::ModelError;
 use ferry_proto::auth::ClusterToken;
-use ferry_proto::internal::Sampling;
+use ferry_proto::internal::{Sampling, Stop};
 use tonic::Status;
 
 use crate::serve::ServeError;
@@ -401,6 +403,98 @@ pub fn sampling(s: Option<&Sampling>) -> Result<SamplingParams, Status> {
     p.validate()
         .map_err(|e| Status::invalid_argument(e.to_string()))?;
     Ok(p)
+}
+
+/// Wire penalties and `logit_bias` → checked engine controls (INVALID_ARGUMENT naming the
+/// field): the router's checks, run again on peer data. Unset penalties are off.
+pub fn controls(s: Option<&Sampling>, vocab: usize) -> Result<LogitsControls, Status> {
+    let Some(s) = s else {
+        return Ok(LogitsControls::default());
+    };
+    let logit_bias =
+        LogitsControls::logit_bias_from(s.logit_bias.iter().map(|b| (b.token, b.bias)), vocab)
+            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+    let c = LogitsControls {
+        presence_penalty: s.presence_penalty.unwrap_or(0.0),
+        frequency_penalty: s.frequency_penalty.unwrap_or(0.0),
+        repetition_penalty: s.repetition_penalty.unwrap_or(1.0),
+        logit_bias,
+    };
+    c.validate()
+        .map_err(|e| Status::invalid_argument(e.to_string()))?;
+    Ok(c)
+}
+
+/// The wire's `logprobs` (alternatives per token) → the engine's, checked against
+/// [`MAX_TOP_LOGPROBS`] (INVALID_ARGUMENT naming the field).
+pub fn logprobs(n: Option<u32>) -> Result<Option<usize>, Status> {
+    match n {
+        Some(n) if n as usize > MAX_TOP_LOGPROBS => Err(Status::invalid_argument(format!(
+            "`logprobs` must be <= {MAX_TOP_LOGPROBS}, got {n}"
+        ))),
+        n => Ok(n.map(|n| n as usize)),
+    }
+}
+
+/// An engine token's log-probabilities in the wire's shape.
+pub fn logprobs_to_wire(lp: &TokenLogprobs) -> ferry_proto::v1::TokenLogprob {
+    ferry_proto::v1::TokenLogprob {
+        token_id: lp.token,
+        logprob: lp.logprob,
+        top_logprobs: lp
+            .top
+            .iter()
+            .map(|&(token_id, logprob)| ferry_proto::v1::TopLogprob { token_id, logprob })
+            .collect(),
+    }
+}
+
+/// A peer's token log-probabilities in the engine's shape.
+pub fn logprobs_from_wire(lp: &ferry_proto::v1::TokenLogprob) -> TokenLogprobs {
+    TokenLogprobs {
+        token: lp.token_id,
+        logprob: lp.logprob,
+        top: lp
+            .top_logprobs
+            .iter()
+            .map(|t| (t.token_id, t.logprob))
+            .collect(),
+    }
+}
+
+/// Stop token ids per request, at most (as the router enforces).
+pub const MAX_STOP_TOKEN_IDS: usize = 64;
+
+/// Wire stop conditions → engine [`StopParams`] (INVALID_ARGUMENT naming the field):
+/// `stop_token_ids` below `vocab` (at most [`MAX_STOP_TOKEN_IDS`]) and `min_tokens` at most
+/// `max_tokens`. Unset: `max_tokens` only (a prefill job's first token, which uses none).
+pub fn stop_params(stop: Option<&Stop>, vocab: usize) -> Result<StopParams, Status> {
+    let Some(s) = stop else {
+        return Ok(StopParams::max_tokens(1));
+    };
+    if s.stop_token_ids.len() > MAX_STOP_TOKEN_IDS {
+        return Err(Status::invalid_argument(format!(
+            "`stop_token_ids` must hold at most {MAX_STOP_TOKEN_IDS} ids, got {}",
+            s.stop_token_ids.len()
+        )));
+    }
+    if let Some(t) = s.stop_token_ids.iter().find(|&&t| t as usize >= vocab) {
+        return Err(Status::invalid_argument(format!(
+            "`stop_token_ids` must be < {vocab} (the vocabulary size), got {t}"
+        )));
+    }
+    if s.min_tokens > s.max_tokens {
+        return Err(Status::invalid_argument(format!(
+            "`min_tokens` must be <= `max_tokens` ({}), got {}",
+            s.max_tokens, s.min_tokens
+        )));
+    }
+    Ok(StopParams {
+        max_tokens: s.max_tokens as usize,
+        ignore_eos: s.ignore_eos,
+        stop_token_ids: s.stop_token_ids.clone(),
+        min_tokens: s.min_tokens as usize,
+    })
 }
 
 #[cfg(test)]

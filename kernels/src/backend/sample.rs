@@ -29,6 +29,7 @@
 //! ```
 
 use super::{Backend, Ints, Tensor};
+use crate::cpu::logits::{RowControls, RowLogprobs};
 use crate::cpu::sample::{probs_from_logits, sample_from_probs, SamplingParams};
 #[cfg(feature = "cuda")]
 use crate::cuda::DeviceBuffer;
@@ -342,6 +343,106 @@ pub(crate) fn check_len(
             got,
         })
     }
+}
+
+/// Applies each listed row's [`RowControls`] (penalties, `logit_bias`, `min_tokens` mask) to
+/// `[rows][vocab]` logits in place: [`crate::cpu::logits::apply_controls`] on every backend,
+/// so plain draws, argmax and verification all see the processed rows.
+///
+/// On the CPU the rows are processed where they are. On a GPU the listed rows are gathered,
+/// copied to the host, processed there and written back (one gather, one download, one upload
+/// and one device copy per row): only batches holding a request that uses these controls pay
+/// it, every other batch keeps the device-only path.
+pub fn apply_controls(
+    b: &Backend,
+    logits: &mut Tensor,
+    vocab: usize,
+    rows: &[(usize, RowControls<'_>)],
+) -> Result<(), KernelError> {
+    const OP: &str = "apply_controls";
+    check_vocab(OP, vocab)?;
+    let total = logits.len() / vocab;
+    if let Some(&(r, _)) = rows.iter().find(|(r, _)| *r >= total) {
+        return Err(KernelError::InvalidParam {
+            op: OP,
+            field: "row",
+            limit: "below the logits' rows",
+            value: format!("{r} of {total}"),
+        });
+    }
+    let rows: Vec<&(usize, RowControls<'_>)> = rows.iter().filter(|(_, c)| !c.is_noop()).collect();
+    if rows.is_empty() {
+        return Ok(());
+    }
+    match b {
+        Backend::Cpu => {
+            let x = logits.host_mut(OP, "logits")?;
+            for &&(r, ref c) in &rows {
+                crate::cpu::logits::apply_controls(&mut x[r * vocab..(r + 1) * vocab], c)?;
+            }
+            Ok(())
+        }
+        #[cfg(any(feature = "cuda", feature = "rocm"))]
+        _ => apply_controls_through_host(b, logits, vocab, &rows),
+    }
+}
+
+/// [`apply_controls`] on a GPU: gather the rows, process them on the host, write them back.
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+fn apply_controls_through_host(
+    b: &Backend,
+    logits: &mut Tensor,
+    vocab: usize,
+    rows: &[&(usize, RowControls<'_>)],
+) -> Result<(), KernelError> {
+    let at = b.ints(rows.iter().map(|(r, _)| *r as i32).collect())?;
+    let picked = super::rows::gather(
+        b,
+        super::rows::Gather {
+            src: logits,
+            rows: &at,
+            width: vocab,
+        },
+    )?;
+    let mut host = picked.into_host()?;
+    for (&&(r, ref c), row) in rows.iter().zip(host.chunks_exact_mut(vocab)) {
+        crate::cpu::logits::apply_controls(row, c)?;
+        b.copy_into(&b.upload(row)?, logits, r * vocab)?;
+    }
+    Ok(())
+}
+
+/// The raw log-softmax of the listed `(row, top_n)` rows of `[rows][vocab]` logits
+/// ([`RowLogprobs`], in list order), for requests that ask for log-probabilities. The rows are
+/// copied to the host (on a GPU one gather and one download for all of them) and reduced
+/// there; nothing is copied when the list is empty. A row without a finite maximum is an
+/// error for that row alone.
+pub fn row_logprobs(
+    b: &Backend,
+    logits: &Tensor,
+    vocab: usize,
+    rows: &[(usize, usize)],
+) -> Result<Vec<Result<RowLogprobs, KernelError>>, KernelError> {
+    const OP: &str = "row_logprobs";
+    check_vocab(OP, vocab)?;
+    if rows.is_empty() {
+        return Ok(Vec::new());
+    }
+    let at = b.ints(rows.iter().map(|&(r, _)| r as i32).collect())?;
+    let host = super::rows::gather(
+        b,
+        super::rows::Gather {
+            src: logits,
+            rows: &at,
+            width: vocab,
+        },
+    )?
+    .into_host()?;
+    Ok(host
+        .chunks_exact(vocab)
+        .zip(rows)
+        .map(|(row, &(_, n))| RowLogprobs::new(row.to_vec(), n))
+        .collect())
 }
 
 /// The sampling distributions of a batch of rows.

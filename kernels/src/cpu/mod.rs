@@ -6,6 +6,7 @@
 //! | module | owns |
 //! |---|---|
 //! | [`draft`] | the speculative drafter's math: block attention over paged context rows, tap concatenation, the confidence head |
+//! | [`logits`] | a request's penalties, `logit_bias` and `min_tokens` mask, applied to its logits before sampling |
 //! | [`gemm`] | [`Matrix`] (torch `nn.Linear.weight` layout) and `linear` / `matmul_f32` |
 //! | [`norm`] | RMSNorm |
 //! | [`rope`] | rotary tables (plain, YaRN) and their application, interleaved or not |
@@ -18,6 +19,7 @@
 
 pub mod draft;
 pub mod gemm;
+pub mod logits;
 pub mod mla;
 pub mod mlp;
 pub mod moe;

@@ -28,6 +28,7 @@ pub mod spec;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
+use ferry_kernels::cpu::logits::LogitsControls;
 use ferry_kernels::cpu::sample::SamplingParams;
 use ferry_kernels::Device;
 use tokio::sync::{mpsc, oneshot};
@@ -40,6 +41,7 @@ use crate::ModelError;
 #[cfg(feature = "cuda")]
 pub use backend::open_cuda;
 pub use backend::GpuMode;
+pub use ferry_kernels::cpu::logits::TokenLogprobs;
 pub use spec::{SpecConfig, VerifyLen};
 
 /// Identifies a request inside one engine.
@@ -100,7 +102,7 @@ impl Default for EngineConfig {
 /// Why a request stopped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FinishReason {
-    /// An end-of-sequence token.
+    /// An end-of-sequence token or one of the request's `stop_token_ids`.
     Stop,
     /// `max_tokens` reached.
     Length,
@@ -113,6 +115,43 @@ pub struct StopParams {
     pub max_tokens: usize,
     /// Keep going past end-of-sequence tokens.
     pub ignore_eos: bool,
+    /// More tokens that end the request like an EOS (not emitted; `ignore_eos` does not apply
+    /// to them).
+    pub stop_token_ids: Vec<u32>,
+    /// Until this many tokens are generated, the stop tokens ([`StopParams::stop_ids`]) are
+    /// masked out of the distribution (their logit is `-inf`). 0 = off.
+    pub min_tokens: usize,
+}
+
+impl StopParams {
+    /// At most `max_tokens` new tokens, stopping at EOS; nothing else.
+    pub fn max_tokens(max_tokens: usize) -> Self {
+        Self {
+            max_tokens,
+            ignore_eos: false,
+            stop_token_ids: Vec::new(),
+            min_tokens: 0,
+        }
+    }
+
+    /// Whether `token` ends the request: one of `stop_token_ids`, or of the model's `eos`
+    /// unless `ignore_eos`.
+    pub fn is_stop(&self, token: u32, eos: &[u32]) -> bool {
+        self.stop_token_ids.contains(&token) || (!self.ignore_eos && eos.contains(&token))
+    }
+
+    /// The tokens `min_tokens` masks when choosing generated token number `generated + 1`:
+    /// every stop token while `generated < min_tokens`, none after.
+    pub fn masked(&self, generated: usize, eos: &[u32]) -> Vec<u32> {
+        if generated >= self.min_tokens {
+            return Vec::new();
+        }
+        let mut ids = self.stop_token_ids.clone();
+        if !self.ignore_eos {
+            ids.extend(eos.iter().filter(|t| !self.stop_token_ids.contains(t)));
+        }
+        ids
+    }
 }
 
 /// Where a decode request's prompt KV comes from.
@@ -135,6 +174,8 @@ pub struct GenerateJob {
     pub prompt: Vec<u32>,
     /// Sampling parameters.
     pub sampling: SamplingParams,
+    /// Penalties and `logit_bias`, applied to the logits before `sampling`.
+    pub controls: LogitsControls,
     /// Stop conditions.
     pub stop: StopParams,
     /// Where the prompt KV comes from.
@@ -153,6 +194,10 @@ pub struct GenerateOptions {
     /// `resumed_tokens`, so seeded sampling draws the same per-step streams and
     /// `max_tokens` counts those tokens too. 0 for a fresh request.
     pub resumed_tokens: usize,
+    /// Send each generated token's raw log-probability with the `n` most likely alternatives
+    /// ([`EngineEvent::Logprobs`], right before its [`EngineEvent::Token`]); `n` at most
+    /// `cpu::logits::MAX_TOP_LOGPROBS`. `None`: no log-probabilities.
+    pub logprobs: Option<usize>,
 }
 
 /// Speculative decoding of one request, sent with its end ([`EngineEvent::Speculation`]).
@@ -226,6 +271,10 @@ pub enum EngineEvent {
         /// Prompt positions reused from the prefix cache.
         cached_tokens: usize,
     },
+    /// The log-probabilities of the token in the next [`EngineEvent::Token`] (requests that
+    /// asked, [`GenerateOptions::logprobs`]): the model's raw `log_softmax` there, before
+    /// penalties and temperature.
+    Logprobs(TokenLogprobs),
     /// A new token.
     Token(u32),
     /// This request's speculative counts, sent right before `Finished` / `Failed` when the
@@ -253,6 +302,14 @@ pub struct PrefillJob {
     pub prompt: Vec<u32>,
     /// Parameters for the first token.
     pub sampling: SamplingParams,
+    /// Penalties and `logit_bias` for the first token (the prompt is its history).
+    pub controls: LogitsControls,
+    /// The request's stop conditions: `min_tokens` masks its stop tokens from the first token.
+    /// `max_tokens` is not used here.
+    pub stop: StopParams,
+    /// Return the first token's log-probabilities with this many alternatives
+    /// ([`PrefillOutcome::first_logprobs`]).
+    pub logprobs: Option<usize>,
     /// Prompt positions the destination already holds (whole blocks): not shipped.
     pub skip_tokens: usize,
     /// Called on the engine thread with `(layer, blocks to ship from skip_tokens on, rows)` as
@@ -294,6 +351,12 @@ pub struct PrefillWork {
     pub prompt: Vec<u32>,
     /// Parameters for the first token.
     pub sampling: SamplingParams,
+    /// See [`PrefillJob::controls`].
+    pub controls: LogitsControls,
+    /// See [`PrefillJob::stop`].
+    pub stop: StopParams,
+    /// See [`PrefillJob::logprobs`].
+    pub logprobs: Option<usize>,
     /// Prompt positions the destination already holds (whole blocks): not shipped.
     pub skip_tokens: usize,
     /// See [`PrefillJob::on_layer`].
@@ -316,10 +379,12 @@ pub struct DeviceKv {
 }
 
 /// Result of a prefill job.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct PrefillOutcome {
     /// The first generated token.
     pub first_token: u32,
+    /// Its log-probabilities, when the job asked ([`PrefillJob::logprobs`]).
+    pub first_logprobs: Option<TokenLogprobs>,
     /// Prompt tokens computed.
     pub computed_tokens: usize,
     /// Prompt tokens reused from this engine's prefix cache.
@@ -407,6 +472,7 @@ pub(crate) enum Command {
     RemoteDone {
         id: SeqId,
         first_token: u32,
+        logprobs: Option<TokenLogprobs>,
         bytes: u64,
     },
     /// Every block of one target layer as the cache stores it.
@@ -703,7 +769,7 @@ impl EngineHandle {
     }
 
     /// Runs a prefill job and waits for its outcome (in the current span, as for
-    /// [`EngineHandle::generate`]).
+    /// [`EngineHandle::generate`]), with no logits controls and no `min_tokens`.
     pub async fn prefill(
         &self,
         prompt: Vec<u32>,
@@ -714,6 +780,9 @@ impl EngineHandle {
         self.prefill_work(PrefillWork {
             prompt,
             sampling,
+            controls: LogitsControls::default(),
+            stop: StopParams::max_tokens(1),
+            logprobs: None,
             skip_tokens,
             on_layer,
             on_draft_layer: None,
@@ -729,6 +798,9 @@ impl EngineHandle {
         self.send(Command::Prefill(PrefillJob {
             prompt: work.prompt,
             sampling: work.sampling,
+            controls: work.controls,
+            stop: work.stop,
+            logprobs: work.logprobs,
             skip_tokens: work.skip_tokens,
             on_layer: work.on_layer,
             reply,
@@ -756,9 +828,22 @@ impl EngineHandle {
     /// [`EngineStats::kv_bytes_received`] counts: bytes a peer put into registered memory pass
     /// no engine code, so the engine counts what the completed transfers report.
     pub fn remote_done(&self, id: SeqId, first_token: u32, bytes: u64) -> Result<(), EngineError> {
+        self.remote_done_with_logprobs(id, first_token, None, bytes)
+    }
+
+    /// [`Self::remote_done`], with the first token's log-probabilities as the peer computed
+    /// them (for a request that asked, [`GenerateOptions::logprobs`]).
+    pub fn remote_done_with_logprobs(
+        &self,
+        id: SeqId,
+        first_token: u32,
+        logprobs: Option<TokenLogprobs>,
+        bytes: u64,
+    ) -> Result<(), EngineError> {
         self.send(Command::RemoteDone {
             id,
             first_token,
+            logprobs,
             bytes,
         })
     }

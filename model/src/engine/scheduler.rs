@@ -168,8 +168,9 @@ impl Scheduler {
             Command::RemoteDone {
                 id,
                 first_token,
+                logprobs,
                 bytes,
-            } => self.remote_done(id, first_token, bytes),
+            } => self.remote_done(id, first_token, logprobs, bytes),
             Command::RemoteFailed {
                 id,
                 recompute,

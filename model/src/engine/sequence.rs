@@ -1,5 +1,6 @@
 //! Per-request state on the engine thread.
 
+use ferry_kernels::cpu::logits::{LogitsControls, TokenHistory, TokenLogprobs};
 use ferry_kernels::cpu::sample::{Sampler, SamplingParams};
 use tokio::sync::mpsc;
 
@@ -39,6 +40,13 @@ pub struct Sequence {
     pub(crate) id: SeqId,
     pub(crate) prompt: Vec<u32>,
     pub(crate) sampling: SamplingParams,
+    /// Penalties and `logit_bias` (applied before `sampling`).
+    pub(crate) controls: LogitsControls,
+    /// The prompt and the generated tokens, as the penalties count them; kept only when
+    /// `controls` change something (empty otherwise).
+    pub(crate) history: TokenHistory,
+    /// Alternatives per token when the request asked for log-probabilities.
+    pub(crate) logprobs: Option<usize>,
     pub(crate) stop: StopParams,
     pub(crate) table: BlockTable,
     /// Tokens whose KV is in `table` (prompt, then generated tokens once fed back).
@@ -67,6 +75,8 @@ pub struct PrefillTask {
     pub(crate) table: BlockTable,
     pub(crate) reused: usize,
     pub(crate) rng: Sampler,
+    /// The prompt, as the penalties count it (empty when the job's controls are a no-op).
+    pub(crate) history: TokenHistory,
     /// Open from admission until the job's batch (its `queue` span).
     pub(crate) queued: Option<tracing::Span>,
 }
@@ -108,11 +118,23 @@ impl Sequence {
         }
     }
 
-    /// Applies the stop rules to a freshly sampled token, emitting it when it is output.
-    pub(crate) fn accept(&mut self, token: u32, eos: &[u32]) -> Next {
+    /// Applies the stop rules to a freshly sampled token, emitting it (preceded by its
+    /// `logprobs`, when given) when it is output.
+    pub(crate) fn accept(
+        &mut self,
+        token: u32,
+        eos: &[u32],
+        logprobs: Option<TokenLogprobs>,
+    ) -> Next {
         self.generated += 1;
-        if !self.stop.ignore_eos && eos.contains(&token) {
+        if !self.controls.is_noop() {
+            self.history.push(token);
+        }
+        if self.stop.is_stop(token, eos) {
             return Next::Finish(FinishReason::Stop);
+        }
+        if let Some(lp) = logprobs {
+            self.emit(EngineEvent::Logprobs(lp));
         }
         self.emit(EngineEvent::Token(token));
         if self.generated >= self.stop.max_tokens {
@@ -166,4 +188,19 @@ fn splitmix64(mut x: u64) -> u64 {
     x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
     x ^ (x >> 31)
+}
+
+/// The history the penalties of `controls` need for `prompt`, whose last `generated` tokens
+/// were generated (a migrated request's); empty when `controls` change nothing.
+pub(crate) fn history_for(
+    controls: &LogitsControls,
+    prompt: &[u32],
+    generated: usize,
+) -> TokenHistory {
+    if controls.is_noop() {
+        return TokenHistory::default();
+    }
+    let split = prompt.len().saturating_sub(generated);
+    let (prompt, output) = prompt.split_at(split);
+    TokenHistory::new(prompt, output)
 }

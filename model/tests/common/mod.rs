@@ -23,9 +23,10 @@ pub fn job(prompt: Vec<u32>, max_tokens: usize, prefill: PrefillSource) -> Gener
     GenerateJob {
         prompt,
         sampling: greedy(),
+        controls: Default::default(),
         stop: StopParams {
-            max_tokens,
             ignore_eos: true,
+            ..StopParams::max_tokens(max_tokens)
         },
         prefill,
     }

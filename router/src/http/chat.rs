@@ -8,7 +8,8 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 
 use super::error::ApiJson;
-use super::generate::{self, Endpoint, Meta};
+use super::generate::{self, End, Endpoint, Meta};
+use super::logprobs::{ChatLogprobs, LogprobOut};
 use super::openai::{
     finish_str, ChatChoice, ChatChunk, ChatMessageOut, ChatRequest, ChatResponse, ChunkChoice,
     Delta, UsageOut,
@@ -61,29 +62,30 @@ impl Endpoint for Chat {
         Some(chunk(meta, Some(opening), usage))
     }
 
-    fn delta(
-        meta: &Meta,
-        text: String,
-        finish: Option<FinishReason>,
-        usage: Option<Option<UsageOut>>,
-    ) -> Chunk {
+    fn delta(meta: &Meta, text: String, logprobs: Option<&[LogprobOut]>, end: End) -> Chunk {
         let choice = ChunkChoice {
             index: 0,
             delta: Delta {
                 role: None,
                 content: Some(text).filter(|t| !t.is_empty()),
             },
-            logprobs: None,
-            finish_reason: finish_str(finish),
+            logprobs: logprobs.map(ChatLogprobs::from),
+            finish_reason: finish_str(end.finish),
         };
-        chunk(meta, Some(choice), usage)
+        chunk(meta, Some(choice), end.usage)
     }
 
     fn usage(meta: &Meta, usage: UsageOut) -> Chunk {
         chunk(meta, None, Some(Some(usage)))
     }
 
-    fn whole(meta: Meta, text: String, finish: FinishReason, usage: UsageOut) -> Response {
+    fn whole(
+        meta: Meta,
+        text: String,
+        logprobs: Option<&[LogprobOut]>,
+        finish: FinishReason,
+        usage: UsageOut,
+    ) -> Response {
         Json(ChatResponse {
             id: meta.id,
             object: "chat.completion",
@@ -95,7 +97,7 @@ impl Endpoint for Chat {
                     role: "assistant",
                     content: text,
                 },
-                logprobs: None,
+                logprobs: logprobs.map(ChatLogprobs::from),
                 finish_reason: Some(finish.as_str()),
             }],
             usage,

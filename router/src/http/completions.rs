@@ -8,7 +8,8 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 
 use super::error::ApiJson;
-use super::generate::{self, Endpoint, Meta};
+use super::generate::{self, End, Endpoint, Meta};
+use super::logprobs::{CompletionLogprobs, LogprobOut};
 use super::openai::{
     finish_str, CompletionChoice, CompletionRequest, CompletionResponse, UsageOut,
 };
@@ -53,26 +54,27 @@ impl Endpoint for Completions {
         None
     }
 
-    fn delta(
-        meta: &Meta,
-        text: String,
-        finish: Option<FinishReason>,
-        usage: Option<Option<UsageOut>>,
-    ) -> Chunk {
+    fn delta(meta: &Meta, text: String, logprobs: Option<&[LogprobOut]>, end: End) -> Chunk {
         let choice = CompletionChoice {
             index: 0,
             text,
-            logprobs: None,
-            finish_reason: finish_str(finish),
+            logprobs: logprobs.map(CompletionLogprobs::from),
+            finish_reason: finish_str(end.finish),
         };
-        chunk(meta, vec![choice], usage)
+        chunk(meta, vec![choice], end.usage)
     }
 
     fn usage(meta: &Meta, usage: UsageOut) -> Chunk {
         chunk(meta, vec![], Some(Some(usage)))
     }
 
-    fn whole(meta: Meta, text: String, finish: FinishReason, usage: UsageOut) -> Response {
+    fn whole(
+        meta: Meta,
+        text: String,
+        logprobs: Option<&[LogprobOut]>,
+        finish: FinishReason,
+        usage: UsageOut,
+    ) -> Response {
         Json(CompletionResponse {
             id: meta.id,
             object: "text_completion",
@@ -81,7 +83,7 @@ impl Endpoint for Completions {
             choices: vec![CompletionChoice {
                 index: 0,
                 text,
-                logprobs: None,
+                logprobs: logprobs.map(CompletionLogprobs::from),
                 finish_reason: Some(finish.as_str()),
             }],
             usage: Some(Some(usage)),

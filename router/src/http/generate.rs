@@ -22,6 +22,7 @@ use futures::StreamExt;
 use tracing::Instrument;
 
 use super::error::ApiError;
+use super::logprobs::{LogprobOut, Namer};
 use super::openai::UsageOut;
 use super::sse::{self, Chunk};
 use crate::auth::Caller;
@@ -54,19 +55,31 @@ pub(crate) trait Endpoint: 'static {
     /// before the usage chunk carries (absent, or null with `include_usage`).
     fn opening(meta: &Meta, usage: Option<Option<UsageOut>>) -> Option<Chunk>;
 
-    /// A chunk with new text and, on the last one, the finish reason.
-    fn delta(
-        meta: &Meta,
-        text: String,
-        finish: Option<FinishReason>,
-        usage: Option<Option<UsageOut>>,
-    ) -> Chunk;
+    /// A chunk with new text, its tokens' log-probabilities (when the request asked) and, on
+    /// the last one, the finish reason.
+    fn delta(meta: &Meta, text: String, logprobs: Option<&[LogprobOut]>, end: End) -> Chunk;
 
     /// The usage-only chunk after the finish (with `include_usage`).
     fn usage(meta: &Meta, usage: UsageOut) -> Chunk;
 
-    /// The non-streamed response.
-    fn whole(meta: Meta, text: String, finish: FinishReason, usage: UsageOut) -> Response;
+    /// The non-streamed response (with every token's log-probabilities when the request
+    /// asked).
+    fn whole(
+        meta: Meta,
+        text: String,
+        logprobs: Option<&[LogprobOut]>,
+        finish: FinishReason,
+        usage: UsageOut,
+    ) -> Response;
+}
+
+/// How a chunk relates to the end of the stream: the finish reason on the last content chunk,
+/// and the `usage` every chunk before the usage chunk carries (absent, or null with
+/// `include_usage`).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct End {
+    pub finish: Option<FinishReason>,
+    pub usage: Option<Option<UsageOut>>,
 }
 
 /// What every response of one request carries besides the events.
@@ -107,15 +120,26 @@ pub(crate) async fn handle<E: Endpoint>(
         Ok(p) => p,
         Err(e) => return reject(&state, e, &span),
     };
+    // Tokens are named only for requests that asked for their log-probabilities.
+    let namer = params
+        .logprobs
+        .is_some()
+        .then(|| Namer::new(state.validator.tokenizer().tokenizer().clone()));
     let events = match start(&state, &caller, params, span.clone()).await {
         Ok(events) => events,
         Err(e) => return e.into_response(),
     };
     if stream {
-        let chunks = Box::pin(chunks::<E>(meta, events, include_usage, span.clone()));
+        let chunks = Box::pin(chunks::<E>(
+            meta,
+            events,
+            namer,
+            include_usage,
+            span.clone(),
+        ));
         sse::response(InSpan::new(chunks, span))
     } else {
-        whole::<E>(meta, events, span.clone())
+        whole::<E>(meta, events, namer, span.clone())
             .instrument(span)
             .await
     }
@@ -192,6 +216,7 @@ pub(crate) fn reject(state: &AppState, e: ValidationError, span: &tracing::Span)
 fn chunks<E: Endpoint>(
     meta: Meta,
     mut events: GenerationStream,
+    mut namer: Option<Namer>,
     include_usage: bool,
     span: tracing::Span,
 ) -> impl futures::Stream<Item = Chunk> + Send {
@@ -200,13 +225,21 @@ fn chunks<E: Endpoint>(
         if let Some(opening) = E::opening(&meta, null_usage) {
             yield opening;
         }
+        // Log-probabilities of tokens whose text is not out yet (an incomplete character or a
+        // possible stop string) wait for the chunk that carries it.
+        let mut pending: Vec<LogprobOut> = Vec::new();
         while let Some(item) = events.next().await {
             match item {
                 Ok(event) => {
+                    if let Some(n) = namer.as_mut() {
+                        pending.extend(n.name_all(&event.logprobs));
+                    }
                     if event.text.is_empty() && event.finish.is_none() {
                         continue;
                     }
-                    yield E::delta(&meta, event.text, event.finish, null_usage);
+                    let logprobs = namer.as_ref().map(|_| std::mem::take(&mut pending));
+                    let end = End { finish: event.finish, usage: null_usage };
+                    yield E::delta(&meta, event.text, logprobs.as_deref(), end);
                     if let (true, Some(usage)) = (include_usage, event.usage) {
                         yield E::usage(&meta, usage.into());
                     }
@@ -225,15 +258,21 @@ fn chunks<E: Endpoint>(
 async fn whole<E: Endpoint>(
     meta: Meta,
     mut events: GenerationStream,
+    mut namer: Option<Namer>,
     span: tracing::Span,
 ) -> Response {
     let mut text = String::new();
+    let mut logprobs = Vec::new();
     while let Some(item) = events.next().await {
         match item {
             Ok(event) => {
                 text.push_str(&event.text);
+                if let Some(n) = namer.as_mut() {
+                    logprobs.extend(n.name_all(&event.logprobs));
+                }
                 if let (Some(finish), Some(usage)) = (event.finish, event.usage) {
-                    return E::whole(meta, text, finish, usage.into());
+                    let logprobs = namer.as_ref().map(|_| logprobs.as_slice());
+                    return E::whole(meta, text, logprobs, finish, usage.into());
                 }
             }
             Err(e) => {

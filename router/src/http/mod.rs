@@ -7,6 +7,7 @@
 //! | [`serve`] | the accept loop: header-read and idle timeouts, optional TLS, graceful drain |
 //! | `generate.rs` | what both generation endpoints share: the request span (parent from `traceparent`), body → params, validate-then-dispatch, streamed and whole response assembly, error bodies |
 //! | [`openai`] | request and response shapes |
+//! | [`logprobs`] | tokens' log-probabilities named (text, bytes, offsets) for both endpoints' shapes |
 //! | [`completions`] | `POST /v1/completions`: its chunk and response shapes |
 //! | [`chat`] | `POST /v1/chat/completions`: its chunk and response shapes |
 //! | [`responses`] | `POST /v1/responses` (the Responses API): its request, response object and typed stream events |
@@ -18,6 +19,7 @@ pub mod chat;
 pub mod completions;
 pub mod error;
 mod generate;
+pub mod logprobs;
 pub mod openai;
 pub mod responses;
 pub mod serve;

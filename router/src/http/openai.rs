@@ -1,22 +1,34 @@
 //! OpenAI API shapes (the subset ferry serves) and their conversion to [`GenerateParams`].
 //!
 //! **Nothing is ignored silently.** A field that would change the output and that ferry does
-//! not implement yet (`logprobs`, penalties, `logit_bias`, `response_format`, `tools`, `echo`,
-//! `best_of`, `suffix`, …, [`UNSUPPORTED`]) is a 400 naming it, unless its value is the one that
-//! changes nothing (`presence_penalty: 0`, `logit_bias: {}`, `response_format: {"type":
-//! "text"}`, `tool_choice: "none"`, …); a field OpenAI does not define is a 400 too. Fields
-//! with no effect on the output are accepted: [`NO_EFFECT`]. Extensions beyond OpenAI: `top_k`,
-//! `min_p`, `ignore_eos`, `speculative` (OpenAI clients send them with `extra_body`).
+//! not implement yet (`response_format`, `tools`, `echo`, `best_of`, `suffix`, …,
+//! [`UNSUPPORTED`]) is a 400 naming it, unless its value is the one that changes nothing
+//! (`response_format: {"type": "text"}`, `tool_choice: "none"`, `echo: false`, …); a field
+//! OpenAI does not define is a 400 too. Fields with no effect on the output are accepted:
+//! [`NO_EFFECT`]. Implemented beyond the basics: `presence_penalty`, `frequency_penalty`,
+//! `logit_bias`, log-probabilities (chat `logprobs` + `top_logprobs` in [0, 20], completions
+//! `logprobs` in [0, 5]; `echo` with prompt log-probabilities is not); extensions (vLLM's, sent by OpenAI clients with `extra_body`):
+//! `top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `stop_token_ids`, `ignore_eos`,
+//! `speculative`.
+use std::collections::HashMap;
+
 use ferry_modelcard::tokenizer::ChatMessage;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use super::logprobs::{ChatLogprobs, CompletionLogprobs};
 use crate::output::{FinishReason, Usage};
 use crate::tokenize::PromptInput;
 use crate::validate::{GenerateParams, SamplingInput, ValidationError};
 
 /// `/v1/completions` default `max_tokens` (OpenAI's).
 pub const DEFAULT_COMPLETION_MAX_TOKENS: i64 = 16;
+
+/// `/v1/completions` `logprobs`, at most (OpenAI's).
+pub const MAX_COMPLETION_LOGPROBS: i64 = 5;
+
+/// `/v1/chat/completions` `top_logprobs`, at most (OpenAI's).
+pub const MAX_CHAT_TOP_LOGPROBS: i64 = 20;
 
 /// `prompt`: a string, token ids, or a batch of one of either.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -72,14 +84,6 @@ pub const NO_EFFECT: &[&str] = &[
 /// changes nothing and is therefore accepted. Completions-only fields are checked on that
 /// endpoint alone.
 pub const UNSUPPORTED: &[(&str, &str)] = &[
-    ("logprobs", "false (chat) or absent (completions)"),
-    ("top_logprobs", "0"),
-    ("presence_penalty", "0"),
-    ("frequency_penalty", "0"),
-    ("repetition_penalty", "1"),
-    ("logit_bias", "{}"),
-    ("min_tokens", "0"),
-    ("stop_token_ids", "[]"),
     ("response_format", "{\"type\": \"text\"}"),
     ("tools", "[]"),
     ("tool_choice", "\"none\""),
@@ -94,12 +98,9 @@ pub const UNSUPPORTED: &[(&str, &str)] = &[
 fn is_noop(field: &str, v: &Value) -> bool {
     let num = |want: f64| v.as_f64() == Some(want);
     match field {
-        "logprobs" | "echo" => v == &Value::Bool(false),
-        "top_logprobs" | "min_tokens" => num(0.0),
-        "presence_penalty" | "frequency_penalty" => num(0.0),
-        "repetition_penalty" | "best_of" => num(1.0),
-        "logit_bias" => v.as_object().is_some_and(|m| m.is_empty()),
-        "stop_token_ids" | "tools" | "functions" => v.as_array().is_some_and(|a| a.is_empty()),
+        "echo" => v == &Value::Bool(false),
+        "best_of" => num(1.0),
+        "tools" | "functions" => v.as_array().is_some_and(|a| a.is_empty()),
         "response_format" => v.get("type").and_then(Value::as_str) == Some("text"),
         "tool_choice" | "function_call" => v.as_str() == Some("none"),
         "suffix" => v.as_str() == Some(""),
@@ -139,22 +140,19 @@ macro_rules! common_fields {
         $(#[$meta])*
         pub struct $name {
             $($(#[$fmeta])* pub $field: $ty,)*
-            /// Not implemented: rejected unless `false`/absent ([`UNSUPPORTED`]).
-            pub logprobs: Option<Value>,
-            /// Not implemented ([`UNSUPPORTED`]).
-            pub top_logprobs: Option<Value>,
-            /// Not implemented ([`UNSUPPORTED`]).
-            pub presence_penalty: Option<Value>,
-            /// Not implemented ([`UNSUPPORTED`]).
-            pub frequency_penalty: Option<Value>,
-            /// Not implemented ([`UNSUPPORTED`]).
-            pub repetition_penalty: Option<Value>,
-            /// Not implemented ([`UNSUPPORTED`]).
-            pub logit_bias: Option<Value>,
-            /// Not implemented ([`UNSUPPORTED`]).
-            pub min_tokens: Option<Value>,
-            /// Not implemented ([`UNSUPPORTED`]).
-            pub stop_token_ids: Option<Value>,
+            /// Subtracted once from the logit of each generated token, in [-2, 2].
+            pub presence_penalty: Option<f64>,
+            /// Subtracted per occurrence from the logit of each generated token, in [-2, 2].
+            pub frequency_penalty: Option<f64>,
+            /// Extension (vLLM): divides positive / multiplies negative logits of prompt and
+            /// output tokens; > 0.
+            pub repetition_penalty: Option<f64>,
+            /// Token id (a decimal string, as OpenAI's JSON keys are) → bias in [-100, 100].
+            pub logit_bias: Option<HashMap<String, f64>>,
+            /// Extension (vLLM): stop tokens masked until this many tokens are generated.
+            pub min_tokens: Option<i64>,
+            /// Extension (vLLM): more tokens that end generation.
+            pub stop_token_ids: Option<Vec<u32>>,
             /// Not implemented ([`UNSUPPORTED`]).
             pub response_format: Option<Value>,
             /// Not implemented ([`UNSUPPORTED`]).
@@ -203,14 +201,18 @@ macro_rules! common_fields {
         }
 
         impl $name {
-            fn sampling(&self) -> SamplingInput {
-                SamplingInput {
+            fn sampling(&self) -> Result<SamplingInput, ValidationError> {
+                Ok(SamplingInput {
                     temperature: self.temperature,
                     top_k: self.top_k,
                     top_p: self.top_p,
                     min_p: self.min_p,
                     seed: self.seed,
-                }
+                    presence_penalty: self.presence_penalty,
+                    frequency_penalty: self.frequency_penalty,
+                    repetition_penalty: self.repetition_penalty,
+                    logit_bias: logit_bias(self.logit_bias.as_ref())?,
+                })
             }
 
             fn check_n(&self) -> Result<(), ValidationError> {
@@ -224,14 +226,6 @@ macro_rules! common_fields {
             /// output.
             fn check_unsupported(&self) -> Result<(), ValidationError> {
                 reject_unsupported([
-                    ("logprobs", &self.logprobs),
-                    ("top_logprobs", &self.top_logprobs),
-                    ("presence_penalty", &self.presence_penalty),
-                    ("frequency_penalty", &self.frequency_penalty),
-                    ("repetition_penalty", &self.repetition_penalty),
-                    ("logit_bias", &self.logit_bias),
-                    ("min_tokens", &self.min_tokens),
-                    ("stop_token_ids", &self.stop_token_ids),
                     ("response_format", &self.response_format),
                     ("tools", &self.tools),
                     ("tool_choice", &self.tool_choice),
@@ -264,6 +258,8 @@ common_fields! {
         pub prompt: Prompt,
         /// New tokens at most (default 16).
         pub max_tokens: Option<i64>,
+        /// Return each token's log-probability with this many alternatives, in [0, 5].
+        pub logprobs: Option<i64>,
         /// Not implemented ([`UNSUPPORTED`]).
         pub echo: Option<Value>,
         /// Not implemented ([`UNSUPPORTED`]).
@@ -284,7 +280,16 @@ impl CompletionRequest {
             ("best_of", &self.best_of),
             ("suffix", &self.suffix),
         ])?;
-        let (sampling, stop) = (self.sampling(), self.stop_strings());
+        let (sampling, stop) = (self.sampling()?, self.stop_strings());
+        let logprobs = match self.logprobs {
+            Some(n) if !(0..=MAX_COMPLETION_LOGPROBS).contains(&n) => {
+                return Err(ValidationError::new(
+                    "logprobs",
+                    format!("must be in [0, {MAX_COMPLETION_LOGPROBS}], got {n}"),
+                ))
+            }
+            n => n,
+        };
         let batch = |len: usize| {
             ValidationError::new(
                 "prompt",
@@ -310,8 +315,11 @@ impl CompletionRequest {
             max_tokens: Some(self.max_tokens.unwrap_or(DEFAULT_COMPLETION_MAX_TOKENS)),
             stop,
             ignore_eos: self.ignore_eos,
+            min_tokens: self.min_tokens,
+            stop_token_ids: self.stop_token_ids.unwrap_or_default(),
             request_id: Some(request_id.to_string()),
             speculative: self.speculative,
+            logprobs,
         })
     }
 }
@@ -361,6 +369,10 @@ common_fields! {
         pub max_tokens: Option<i64>,
         /// New tokens at most; wins over `max_tokens`. Default: what the context leaves.
         pub max_completion_tokens: Option<i64>,
+        /// Return each token's log-probability (`choices[].logprobs.content`).
+        pub logprobs: Option<bool>,
+        /// With `logprobs: true`: this many alternatives per token, in [0, 20].
+        pub top_logprobs: Option<i64>,
     }
 }
 
@@ -369,7 +381,23 @@ impl ChatRequest {
     pub fn into_params(self, request_id: &str) -> Result<GenerateParams, ValidationError> {
         self.check_n()?;
         self.check_unsupported()?;
-        let (sampling, stop) = (self.sampling(), self.stop_strings());
+        let (sampling, stop) = (self.sampling()?, self.stop_strings());
+        let logprobs = match (self.logprobs, self.top_logprobs) {
+            (Some(true), Some(n)) if !(0..=MAX_CHAT_TOP_LOGPROBS).contains(&n) => {
+                return Err(ValidationError::new(
+                    "top_logprobs",
+                    format!("must be in [0, {MAX_CHAT_TOP_LOGPROBS}], got {n}"),
+                ))
+            }
+            (Some(true), n) => Some(n.unwrap_or(0)),
+            (_, Some(n)) => {
+                return Err(ValidationError::new(
+                    "top_logprobs",
+                    format!("needs `logprobs: true`, got {n} without it"),
+                ))
+            }
+            (_, None) => None,
+        };
         let messages = chat_messages(self.messages)?;
         Ok(GenerateParams {
             model: self.model,
@@ -378,10 +406,31 @@ impl ChatRequest {
             max_tokens: self.max_completion_tokens.or(self.max_tokens),
             stop,
             ignore_eos: self.ignore_eos,
+            min_tokens: self.min_tokens,
+            stop_token_ids: self.stop_token_ids.unwrap_or_default(),
             request_id: Some(request_id.to_string()),
             speculative: self.speculative,
+            logprobs,
         })
     }
+}
+
+/// OpenAI's `logit_bias` object (keys are token ids as decimal strings) as `(token, bias)`
+/// pairs, sorted by token; a key that is not a token id is a 400 naming `logit_bias`. Ranges
+/// and the vocabulary are checked by the validator.
+fn logit_bias(map: Option<&HashMap<String, f64>>) -> Result<Vec<(u32, f64)>, ValidationError> {
+    let mut out = Vec::with_capacity(map.map_or(0, HashMap::len));
+    for (key, &bias) in map.into_iter().flatten() {
+        let token = key.trim().parse::<u32>().map_err(|_| {
+            ValidationError::new(
+                "logit_bias",
+                format!("keys must be token ids (non-negative integers), got {key:?}"),
+            )
+        })?;
+        out.push((token, bias));
+    }
+    out.sort_by_key(|&(t, _)| t);
+    Ok(out)
 }
 
 /// Incoming chat turns as the tokenizer takes them: string content, or `text` parts joined
@@ -459,8 +508,8 @@ pub struct CompletionChoice {
     pub index: u32,
     /// The text.
     pub text: String,
-    /// Always null.
-    pub logprobs: Option<()>,
+    /// The tokens' log-probabilities when the request asked (`logprobs`), else null.
+    pub logprobs: Option<CompletionLogprobs>,
     /// `stop`, `length`, or null while streaming.
     pub finish_reason: Option<&'static str>,
 }
@@ -500,8 +549,8 @@ pub struct ChatChoice {
     pub index: u32,
     /// The reply.
     pub message: ChatMessageOut,
-    /// Always null.
-    pub logprobs: Option<()>,
+    /// The tokens' log-probabilities when the request asked (`logprobs: true`), else null.
+    pub logprobs: Option<ChatLogprobs>,
     /// `stop` or `length`.
     pub finish_reason: Option<&'static str>,
 }
@@ -541,8 +590,8 @@ pub struct ChunkChoice {
     pub index: u32,
     /// What is new.
     pub delta: Delta,
-    /// Always null.
-    pub logprobs: Option<()>,
+    /// The new tokens' log-probabilities when the request asked, else null.
+    pub logprobs: Option<ChatLogprobs>,
     /// Set on the last content chunk.
     pub finish_reason: Option<&'static str>,
 }

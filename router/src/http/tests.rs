@@ -117,6 +117,71 @@ async fn completion_validation_errors_are_400_naming_the_field() {
             json!({"prompt": "hi", "stream": "yes"}),
             "stream",
         ),
+        (
+            "presence_penalty > 2",
+            json!({"prompt": "hi", "presence_penalty": 2.5}),
+            "presence_penalty",
+        ),
+        (
+            "frequency_penalty < -2",
+            json!({"prompt": "hi", "frequency_penalty": -2.5}),
+            "frequency_penalty",
+        ),
+        (
+            "repetition_penalty 0",
+            json!({"prompt": "hi", "repetition_penalty": 0}),
+            "repetition_penalty",
+        ),
+        (
+            "logit_bias token out of vocab",
+            json!({"prompt": "hi", "logit_bias": {"99999": 1}}),
+            "logit_bias",
+        ),
+        (
+            "logit_bias key not a token id",
+            json!({"prompt": "hi", "logit_bias": {"hello": 1}}),
+            "logit_bias",
+        ),
+        (
+            "logit_bias > 100",
+            json!({"prompt": "hi", "logit_bias": {"5": 101}}),
+            "logit_bias",
+        ),
+        (
+            "wrong type logit_bias",
+            json!({"prompt": "hi", "logit_bias": [5]}),
+            "logit_bias",
+        ),
+        (
+            "min_tokens > max_tokens",
+            json!({"prompt": "hi", "max_tokens": 4, "min_tokens": 5}),
+            "min_tokens",
+        ),
+        (
+            "stop_token_ids out of vocab",
+            json!({"prompt": "hi", "stop_token_ids": [2, 99999]}),
+            "stop_token_ids",
+        ),
+        (
+            "logprobs > 5",
+            json!({"prompt": "hi", "logprobs": 6}),
+            "logprobs",
+        ),
+        (
+            "logprobs < 0",
+            json!({"prompt": "hi", "logprobs": -1}),
+            "logprobs",
+        ),
+        (
+            "top_logprobs is not a completions field",
+            json!({"prompt": "hi", "logprobs": 2, "top_logprobs": 2}),
+            "top_logprobs",
+        ),
+        (
+            "wrong type stop_token_ids",
+            json!({"prompt": "hi", "stop_token_ids": [-1]}),
+            "stop_token_ids[0]",
+        ),
     ];
     for (case, body, field) in cases {
         let got = send(&s, "POST", "/v1/completions", &body.to_string()).await;
@@ -206,6 +271,21 @@ async fn chat_validation_errors_are_400_naming_the_field() {
             "model",
         ),
         ("wrong type messages", json!({"messages": "hi"}), "messages"),
+        (
+            "top_logprobs > 20",
+            json!({"messages": user, "logprobs": true, "top_logprobs": 21}),
+            "top_logprobs",
+        ),
+        (
+            "top_logprobs without logprobs",
+            json!({"messages": user, "top_logprobs": 2}),
+            "top_logprobs",
+        ),
+        (
+            "wrong type logprobs",
+            json!({"messages": user, "logprobs": 3}),
+            "logprobs",
+        ),
     ];
     for (case, body, field) in cases {
         let got = send(&s, "POST", "/v1/chat/completions", &body.to_string()).await;
@@ -251,14 +331,6 @@ async fn unimplemented_and_unknown_fields_are_refused_by_name() {
     let user = json!([{"role": "user", "content": "hi"}]);
     // (field, a value that changes the output, the value that does not).
     let shared = [
-        ("logprobs", json!(true), json!(false)),
-        ("top_logprobs", json!(3), json!(0)),
-        ("presence_penalty", json!(1.5), json!(0)),
-        ("frequency_penalty", json!(-0.5), json!(0.0)),
-        ("repetition_penalty", json!(1.2), json!(1)),
-        ("logit_bias", json!({"17": -100}), json!({})),
-        ("min_tokens", json!(4), json!(0)),
-        ("stop_token_ids", json!([2]), json!([])),
         (
             "response_format",
             json!({"type": "json_object"}),

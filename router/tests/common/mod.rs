@@ -146,6 +146,7 @@ impl DecodeWorker for Scripted {
                     } else {
                         String::new()
                     },
+                    logprobs: Vec::new(),
                 };
                 tokio::time::sleep(pace).await;
                 if tx.send(Ok(message)).await.is_err() {

@@ -1,11 +1,12 @@
 //! The command side of the loop: admitting requests and prefill jobs, peers' KV writes into
 //! reserved blocks, the outcome of an awaited remote prefill, and dropping cancelled requests.
 
+use ferry_kernels::cpu::logits::TokenLogprobs;
 use ferry_kernels::cpu::sample::Sampler;
 use tracing::{debug, warn};
 
 use super::{NewRequest, Scheduler};
-use crate::engine::sequence::{Next, Origin, Phase, PrefillTask, Sequence};
+use crate::engine::sequence::{history_for, Next, Origin, Phase, PrefillTask, Sequence};
 use crate::engine::{
     EngineEvent, Failure, FailureKind, PrefillJob, PrefillSource, SeqId, SpecCounts,
 };
@@ -35,8 +36,12 @@ impl Scheduler {
                 return;
             }
         };
+        let history = history_for(&job.controls, &job.prompt, options.resumed_tokens);
         let mut seq = Sequence {
             id,
+            controls: job.controls,
+            history,
+            logprobs: options.logprobs,
             tokens: job.prompt[..cached].to_vec(),
             prompt: job.prompt,
             rng: Sampler::for_params(&job.sampling),
@@ -104,12 +109,14 @@ impl Scheduler {
                     sp.fresh(&table.blocks()[before..]);
                 }
                 let rng = Sampler::for_params(&job.sampling);
+                let history = history_for(&job.controls, &job.prompt, 0);
                 let queued = Some(tracing::info_span!(parent: &job.span, "queue"));
                 self.prefills.push(PrefillTask {
                     job,
                     table,
                     reused,
                     rng,
+                    history,
                     queued,
                 });
             }
@@ -153,7 +160,13 @@ impl Scheduler {
         }
     }
 
-    pub(super) fn remote_done(&mut self, id: SeqId, first_token: u32, bytes: u64) {
+    pub(super) fn remote_done(
+        &mut self,
+        id: SeqId,
+        first_token: u32,
+        logprobs: Option<TokenLogprobs>,
+        bytes: u64,
+    ) {
         let Some(mut seq) = self.awaiting.remove(&id) else {
             return; // cancelled meanwhile
         };
@@ -184,7 +197,7 @@ impl Scheduler {
             std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
         }
         let eos = self.eos().to_vec();
-        match seq.accept(first_token, &eos) {
+        match seq.accept(first_token, &eos, logprobs) {
             Next::Continue(t) => {
                 seq.phase = Phase::Decoding { next: t };
                 self.running.push(seq);

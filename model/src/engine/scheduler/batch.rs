@@ -5,6 +5,8 @@ use std::collections::HashMap;
 
 use tracing::warn;
 
+use ferry_kernels::cpu::logits::RowLogprobs;
+
 use super::sample::Outcome;
 use super::{BatchResult, Owner, Scheduler, Work};
 use crate::deepseek::{BatchInputs, LogitsWanted, SeqInput};
@@ -198,10 +200,13 @@ impl Scheduler {
             };
             match *w {
                 Work::Decode(i) => {
-                    if let (Some(Some(d)), Outcome::Round(verified)) = (drafts.get(i), &outcome) {
+                    if let (Some(Some(d)), Outcome::Round(verified, lps)) =
+                        (drafts.get(i), &outcome)
+                    {
                         let start = self.running[i].table.len();
-                        let committed_round =
-                            verified.clone().and_then(|v| self.commit_round(i, d, v));
+                        let committed_round = verified
+                            .clone()
+                            .and_then(|v| self.commit_round(i, d, v, lps));
                         match committed_round {
                             Ok((kept, end)) => {
                                 committed.push((Owner::Running(i), start, row, kept));
@@ -224,8 +229,9 @@ impl Scheduler {
                     }
                     committed.push((Owner::Running(i), start, row, 1));
                     s.tokens.push(next);
-                    match token(outcome) {
-                        Ok(tok) => match s.accept(tok, &eos) {
+                    let (tok, lp) = token(outcome);
+                    match tok {
+                        Ok(tok) => match s.accept(tok, &eos, lp.map(|r| r.of(tok))) {
                             Next::Continue(t) => s.phase = Phase::Decoding { next: t },
                             Next::Finish(r) => finished_running.push((i, Ok(r))),
                         },
@@ -247,8 +253,11 @@ impl Scheduler {
                         continue;
                     }
                     self.stats.prefill_reused_tokens += s.cached_tokens as u64;
-                    match token(outcome) {
-                        Ok(tok) => promoted.push((i, Ok(s.accept(tok, &eos)))),
+                    let (tok, lp) = token(outcome);
+                    match tok {
+                        Ok(tok) => {
+                            promoted.push((i, Ok(s.accept(tok, &eos, lp.map(|r| r.of(tok))))))
+                        }
                         Err(e) => promoted.push((i, Err(e))),
                     }
                 }
@@ -257,12 +266,16 @@ impl Scheduler {
                     let computed = t.job.prompt.len() - t.reused;
                     let outcome = match hook_errors.get(&i) {
                         Some(e) => Err(format!("KV transfer failed: {e}")),
-                        None => token(outcome).map(|first_token| PrefillOutcome {
-                            first_token,
-                            computed_tokens: computed,
-                            reused_tokens: t.reused,
-                            ship_tail: std::time::Duration::from_micros(ship_tail_us),
-                        }),
+                        None => {
+                            let (tok, lp) = token(outcome);
+                            tok.map(|first_token| PrefillOutcome {
+                                first_token,
+                                first_logprobs: lp.map(|r| r.of(first_token)),
+                                computed_tokens: computed,
+                                reused_tokens: t.reused,
+                                ship_tail: std::time::Duration::from_micros(ship_tail_us),
+                            })
+                        }
                     };
                     if let Err(e) = t.table.advance(computed, page) {
                         done_prefills.push((i, Err(e.to_string())));
@@ -360,11 +373,13 @@ impl Scheduler {
     }
 }
 
-/// The token a plain draw decided (an outcome of any other kind is an engine bug, reported as
-/// this request's error).
-fn token(outcome: Outcome) -> Result<u32, String> {
+/// The token a plain draw decided, with its row's log-probabilities when the request asked (an
+/// outcome of any other kind is an engine bug, reported as this request's error).
+fn token(outcome: Outcome) -> (Result<u32, String>, Option<RowLogprobs>) {
     match outcome {
-        Outcome::Token(t) => t,
-        Outcome::Round(_) | Outcome::Nothing => Err("no token was sampled for this row".into()),
+        Outcome::Token(t, lp) => (t, lp),
+        Outcome::Round(..) | Outcome::Nothing => {
+            (Err("no token was sampled for this row".into()), None)
+        }
     }
 }

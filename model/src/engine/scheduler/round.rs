@@ -5,6 +5,7 @@
 use std::collections::HashMap;
 
 use ferry_kernels::backend::Tensor;
+use ferry_kernels::cpu::logits::RowLogprobs;
 use ferry_kernels::cpu::verify::Verified;
 use tracing::{trace, warn};
 
@@ -45,11 +46,14 @@ impl Scheduler {
     /// KV (the rest is rolled back), the accepted tokens and the correction / bonus are
     /// emitted. Returns the positions kept and, when the request ended, why; an error fails
     /// this request alone.
+    /// `logprobs` holds one row per verified position when the request asked for them (the
+    /// emitted token `k` was decided by row `k`), and is empty otherwise.
     pub(super) fn commit_round(
         &mut self,
         i: usize,
         draft: &Draft,
         verified: Verified,
+        logprobs: &[RowLogprobs],
     ) -> Result<(usize, Option<FinishReason>), String> {
         let page = self.kv.page_size();
         let eos = self.backend.config().eos_token_ids.clone();
@@ -75,8 +79,9 @@ impl Scheduler {
             accepted = verified.accepted,
             "speculative round"
         );
-        for &tok in &verified.tokens {
-            match s.accept(tok, &eos) {
+        for (k, &tok) in verified.tokens.iter().enumerate() {
+            let lp = logprobs.get(k).map(|r| r.of(tok));
+            match s.accept(tok, &eos, lp) {
                 Next::Continue(t) => s.phase = Phase::Decoding { next: t },
                 Next::Finish(r) => return Ok((kept, Some(r))),
             }
