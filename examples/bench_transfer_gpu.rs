@@ -47,7 +47,7 @@ struct Args {
     #[arg(long)]
     json: Option<std::path::PathBuf>,
     /// The sender's and the receiver's GPU (`0,0`: both processes on GPU 0).
-    #[arg(long, value_delimiter = ',', num_args = 2, default_value = "0,0")]
+    #[arg(long, value_delimiter = ',', default_value = "0,0")]
     gpus: Vec<usize>,
     /// Internal: run as the receiving process for one `--tokens` value.
     #[arg(long, hide = true)]
@@ -102,7 +102,9 @@ impl KvRegion for Pool {
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let rt = tokio::runtime::Runtime::new()?;
-    let (send_gpu, recv_gpu) = (args.gpus[0], args.gpus[1]);
+    let &[send_gpu, recv_gpu] = args.gpus.as_slice() else {
+        bail!("`--gpus` takes two GPUs (sender,receiver), got {:?}", args.gpus);
+    };
     if args.receiver {
         let dev = CudaDevice::open(recv_gpu).with_context(|| format!("GPU {recv_gpu}"))?;
         let tokens = *args.tokens.first().context("--tokens")?;
