@@ -103,7 +103,10 @@ fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let rt = tokio::runtime::Runtime::new()?;
     let &[send_gpu, recv_gpu] = args.gpus.as_slice() else {
-        bail!("`--gpus` takes two GPUs (sender,receiver), got {:?}", args.gpus);
+        bail!(
+            "`--gpus` takes two GPUs (sender,receiver), got {:?}",
+            args.gpus
+        );
     };
     if args.receiver {
         let dev = CudaDevice::open(recv_gpu).with_context(|| format!("GPU {recv_gpu}"))?;

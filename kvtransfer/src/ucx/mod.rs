@@ -205,17 +205,6 @@ impl UcxTransport {
             .load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// Remote keys this transport has unpacked since it started: one per distinct registered
-    /// buffer of each receiver registration it wrote to (a GPU decode worker's cache has one
-    /// per layer), since later transfers to the same registration reuse the keys kept with
-    /// the endpoint.
-    pub fn remote_keys_unpacked(&self) -> usize {
-        self.shared
-            .handle
-            .rkeys_unpacked
-            .load(std::sync::atomic::Ordering::Relaxed)
-    }
-
     /// The loaded UCX's version.
     pub fn version(&self) -> (u32, u32, u32) {
         self.shared.version

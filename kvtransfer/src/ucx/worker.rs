@@ -53,11 +53,6 @@ const KIND_CUDA: u32 = 2;
 /// Idle endpoints kept open for later connections (see [`Peer`]).
 const MAX_IDLE_PEERS: usize = 64;
 
-/// Unpacked remote keys kept per endpoint (see [`Peer::rkeys`]); beyond it, the keys no open
-/// connection uses are destroyed. A receiver's registration gives one key per layer (61 for
-/// DeepSeek-V3), so this holds a few registrations' worth.
-const MAX_RKEYS_PER_PEER: usize = 1024;
-
 /// Most receiver sessions kept at once; the oldest is dropped beyond (a writer that died
 /// without saying goodbye leaves one behind).
 const MAX_SESSIONS: usize = 4096;
@@ -112,8 +107,6 @@ pub(super) struct WorkerHandle {
     worker: sys::ucp_worker_h,
     /// Endpoints the thread holds open (written by the thread).
     pub(super) endpoints: Arc<std::sync::atomic::AtomicUsize>,
-    /// Remote keys the thread has unpacked (written by the thread).
-    pub(super) rkeys_unpacked: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 // SAFETY: only `ucp_worker_signal` is called through it, which UCX documents as callable from
@@ -147,7 +140,6 @@ pub(super) fn spawn(
                     ucp,
                     worker: state.worker,
                     endpoints: state.endpoints.clone(),
-                    rkeys_unpacked: state.rkeys_unpacked.clone(),
                 };
                 let address = state.address.clone();
                 if ready_tx.send(Ok((worker, address))).is_ok() {
@@ -238,13 +230,6 @@ struct Peer {
     retired: bool,
     /// It or a connection on it failed: closed forcibly (a failed endpoint cannot flush).
     broken: bool,
-    /// Remote keys unpacked on this endpoint, by their packed bytes. The receiver sends the
-    /// same packed key for the same registration in every hello ack, so each transfer after
-    /// the first reuses the unpacked key instead of unpacking it again (with CUDA IPC an
-    /// unpack opens the remote allocation's handle). A key stays valid as long as the
-    /// receiver's registration does; a new registration packs different bytes. Destroyed when
-    /// the endpoint closes (a key must not outlive its endpoint).
-    rkeys: HashMap<Vec<u8>, sys::ucp_rkey_h>,
 }
 
 /// The writer's side of one connection.
@@ -326,9 +311,6 @@ struct State {
     next_peer: u64,
     /// `peers.len()`, for [`UcxTransport::endpoints`](super::UcxTransport::endpoints).
     endpoints: Arc<std::sync::atomic::AtomicUsize>,
-    /// Remote keys unpacked so far, for
-    /// [`UcxTransport::remote_keys_unpacked`](super::UcxTransport::remote_keys_unpacked).
-    rkeys_unpacked: Arc<std::sync::atomic::AtomicUsize>,
     inflight: Vec<InFlight>,
     /// Whether endpoints are still created with peer-failure detection (cleared the first
     /// time the transports refuse it).
@@ -416,7 +398,6 @@ impl State {
                 peer_by_address: HashMap::new(),
                 next_peer: 1,
                 endpoints: Arc::default(),
-                rkeys_unpacked: Arc::default(),
                 inflight: Vec::new(),
                 peer_failure_detection: true,
                 cuda: false,
@@ -928,7 +909,6 @@ impl State {
                 conns: 0,
                 retired: false,
                 broken: false,
-                rkeys: HashMap::new(),
             },
         );
         self.peer_by_address.insert(address.to_vec(), peer);
@@ -947,9 +927,7 @@ impl State {
         let Phase::Connecting { writer_layout, .. } = &conn.phase else {
             return;
         };
-        let (peer, key) = (conn.peer, conn.key);
-        let writer_layout = *writer_layout;
-        let result = self.open(&ack, peer, key, &writer_layout);
+        let result = self.open(&ack, conn.ep, conn.key, writer_layout);
         let Some(conn) = self.conns.get_mut(&id) else {
             return;
         };
@@ -980,12 +958,11 @@ impl State {
         }
     }
 
-    /// The ack's verdict and, when accepted, the remote layers with their keys, unpacked on
-    /// `peer`'s endpoint (or taken from its cache, [`Peer::rkeys`]).
+    /// The ack's verdict and, when accepted, the remote layers with their unpacked keys.
     fn open(
-        &mut self,
+        &self,
         ack: &TransferHelloAck,
-        peer: u64,
+        ep: sys::ucp_ep_h,
         key: RemoteKey,
         writer_layout: &KvLayoutDesc,
     ) -> Result<(KvLayoutDesc, Vec<RemoteLayer>), TransferError> {
@@ -1005,12 +982,21 @@ impl State {
                 continue;
             }
             if m.len < need {
+                self.destroy_rkeys(layers);
                 return Err(TransferError::Protocol(format!(
                     "TransferHelloAck: layer {l} has {} bytes of memory, its blocks need {need}",
                     m.len
                 )));
             }
-            let rkey = self.rkey(peer, &m.rkey)?;
+            let mut rkey = std::ptr::null_mut();
+            // SAFETY: unpacks a buffer UCX packed on the receiver (UCX validates it).
+            let s = unsafe {
+                (self.ucp.ep_rkey_unpack)(ep, m.rkey.as_ptr() as *const c_void, &mut rkey)
+            };
+            if s != sys::UCS_OK {
+                self.destroy_rkeys(layers);
+                return Err(ucx_error(self.ucp, "unpacking a remote key", s));
+            }
             layers.push(RemoteLayer::Put {
                 base: m.base,
                 rkey,
@@ -1020,63 +1006,13 @@ impl State {
         Ok((remote, layers))
     }
 
-    /// The key `packed` unpacked on `peer`'s endpoint: from its cache, or unpacked now and
-    /// cached (evicting the keys no open connection uses once the cache is full).
-    fn rkey(&mut self, peer: u64, packed: &[u8]) -> Result<sys::ucp_rkey_h, TransferError> {
-        let Some(p) = self.peers.get(&peer) else {
-            return Err(TransferError::Closed);
-        };
-        if let Some(&rkey) = p.rkeys.get(packed) {
-            return Ok(rkey);
-        }
-        if p.rkeys.len() >= MAX_RKEYS_PER_PEER {
-            self.evict_rkeys(peer);
-        }
-        let Some(p) = self.peers.get_mut(&peer) else {
-            return Err(TransferError::Closed);
-        };
-        let mut rkey = std::ptr::null_mut();
-        // SAFETY: unpacks a buffer UCX packed on the receiver (UCX validates it) on an open
-        // endpoint; the key is destroyed before that endpoint closes (`close_peer`).
-        let s =
-            unsafe { (self.ucp.ep_rkey_unpack)(p.ep, packed.as_ptr() as *const c_void, &mut rkey) };
-        if s != sys::UCS_OK {
-            return Err(ucx_error(self.ucp, "unpacking a remote key", s));
-        }
-        p.rkeys.insert(packed.to_vec(), rkey);
-        self.rkeys_unpacked
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        Ok(rkey)
-    }
-
-    /// Destroys `peer`'s cached keys that no open connection uses.
-    fn evict_rkeys(&mut self, peer: u64) {
-        let in_use: std::collections::HashSet<usize> = self
-            .conns
-            .values()
-            .filter(|c| c.peer == peer)
-            .filter_map(|c| match &c.phase {
-                Phase::Open { layers, .. } => Some(layers),
-                _ => None,
-            })
-            .flatten()
-            .filter_map(|l| match l {
-                RemoteLayer::Put { rkey, .. } => Some(*rkey as usize),
-                RemoteLayer::Staged => None,
-            })
-            .collect();
-        let Some(p) = self.peers.get_mut(&peer) else {
-            return;
-        };
-        let ucp = self.ucp;
-        p.rkeys.retain(|_, rkey| {
-            let keep = in_use.contains(&(*rkey as usize));
-            if !keep {
-                // SAFETY: no connection holds it; destroyed once (removed from the cache).
-                unsafe { (ucp.rkey_destroy)(*rkey) };
+    fn destroy_rkeys(&self, layers: Vec<RemoteLayer>) {
+        for l in layers {
+            if let RemoteLayer::Put { rkey, .. } = l {
+                // SAFETY: unpacked once, destroyed once, before its endpoint closes.
+                unsafe { (self.ucp.rkey_destroy)(rkey) };
             }
-            keep
-        });
+        }
     }
 
     fn write(&mut self, id: u64, batch: WriteBatch) -> Result<(), TransferError> {
@@ -1337,8 +1273,11 @@ impl State {
             failed,
             ..
         } = conn;
-        // Its keys stay in the peer's cache for the next connection to the same receiver.
-        if let Phase::Open { session, .. } = phase {
+        if let Phase::Open {
+            session, layers, ..
+        } = phase
+        {
+            self.destroy_rkeys(layers);
             if failed.is_none() && session != 0 {
                 self.send(ep, AM_BYE, session.to_le_bytes().to_vec(), None);
             }
@@ -1377,11 +1316,6 @@ impl State {
             .store(self.peers.len(), std::sync::atomic::Ordering::Relaxed);
         if self.peer_by_address.get(&p.address) == Some(&peer) {
             self.peer_by_address.remove(&p.address);
-        }
-        for (_, rkey) in p.rkeys {
-            // SAFETY: no connection uses the endpoint (so none holds its keys); each key is
-            // destroyed once, before its endpoint is closed.
-            unsafe { (self.ucp.rkey_destroy)(rkey) };
         }
         let mut params = sys::ucp_request_param_t::zeroed();
         if force || p.broken {
