@@ -6,7 +6,8 @@
 # worker that prefills itself). Prints ferry bench's Markdown tables.
 #   scripts/bench_reference_shape.sh 1,4,16,64
 # Environment: FERRY (default ./device-bin/ferry), MODEL, PROMPT (1024), OUTPUT (400),
-# REQUESTS (per level, default 16), TRANSPORT (tcp), MODES ("disaggregated aggregated").
+# REQUESTS (per level, default 16), TRANSPORT (tcp), MODES ("disaggregated aggregated"),
+# MAX_RUNNING (sequences a worker decodes at once, default 64).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 FERRY=${FERRY:-./device-bin/ferry}
@@ -18,7 +19,8 @@ for mode in ${MODES:-disaggregated aggregated}; do
   prefill=1
   [ "$mode" = aggregated ] && prefill=0
   log=$(mktemp)
-  up_cluster "$log" "$prefill" --transport "${TRANSPORT:-tcp}" --kv-blocks 4096 || exit 1
+  up_cluster "$log" "$prefill" --transport "${TRANSPORT:-tcp}" --kv-blocks 4096 \
+    --max-running "${MAX_RUNNING:-64}" || exit 1
   pid=$CLUSTER_PID
   echo "### $mode ($MODEL, dummy weights, fast mode; ${PROMPT:-1024} in / ${OUTPUT:-400} out)"
   "$FERRY" bench --grpc-addr 127.0.0.1:18051 --concurrency "$LEVELS" \

@@ -76,6 +76,10 @@ pub struct UpArgs {
     /// KV blocks per worker.
     #[arg(long, default_value_t = 1024)]
     pub kv_blocks: usize,
+    /// Sequences a worker decodes at once (the workers' `--max-running`); the rest wait in
+    /// its queue.
+    #[arg(long, default_value_t = 64)]
+    pub max_running: usize,
     /// How prefill workers ship KV caches to decode workers: `tcp`, or `ucx` (one-sided puts
     /// into the decode workers' registered memory; needs UCX's libucp, e.g. Debian's
     /// `libucx0`, and follows `UCX_TLS` / `UCX_NET_DEVICES`, which every worker inherits).
@@ -349,6 +353,8 @@ async fn up(args: UpArgs, exe: PathBuf, model: PathBuf, served: String) -> anyho
             format!("{role}-{i}"),
             "--kv-blocks".into(),
             args.kv_blocks.to_string(),
+            "--max-running".into(),
+            args.max_running.to_string(),
             "--transport".into(),
             args.transport.as_str().into(),
         ];
