@@ -116,6 +116,31 @@ pub struct ResponsesRequest {
     pub prompt: Option<Value>,
 }
 
+/// A field ferry does not implement: accepted only with a value for which `ok` holds (the
+/// values that change nothing), else a 400 naming it and what it accepts.
+struct Unsupported<'a> {
+    field: &'static str,
+    value: &'a Option<Value>,
+    ok: fn(&Value) -> bool,
+    accepted: &'static str,
+}
+
+impl<'a> Unsupported<'a> {
+    fn new(
+        field: &'static str,
+        value: &'a Option<Value>,
+        ok: fn(&Value) -> bool,
+        accepted: &'static str,
+    ) -> Self {
+        Self {
+            field,
+            value,
+            ok,
+            accepted,
+        }
+    }
+}
+
 /// `input`.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(untagged)]
@@ -164,70 +189,69 @@ pub struct InputPart {
 impl ResponsesRequest {
     /// A 400 naming the first field that would change the output and is not implemented.
     fn check_unsupported(&self) -> Result<(), ValidationError> {
-        let null = |v: &Value| v.is_null();
-        let checks: [(&'static str, &Option<Value>, &dyn Fn(&Value) -> bool, &str); 11] = [
-            (
+        fn null(v: &Value) -> bool {
+            v.is_null()
+        }
+        fn empty(v: &Value) -> bool {
+            v.is_null() || v.as_array().is_some_and(Vec::is_empty)
+        }
+        fn plain_text(v: &Value) -> bool {
+            v.is_null()
+                || v.get("format").is_none_or(|f| {
+                    f.is_null() || f.get("type").and_then(Value::as_str) == Some("text")
+                })
+        }
+        let checks = [
+            Unsupported::new(
                 "previous_response_id",
                 &self.previous_response_id,
-                &null,
+                null,
                 "null",
             ),
-            ("conversation", &self.conversation, &null, "null"),
-            (
+            Unsupported::new("conversation", &self.conversation, null, "null"),
+            Unsupported::new(
                 "text",
                 &self.text,
-                &|v: &Value| {
-                    v.is_null()
-                        || v.get("format").is_none_or(|f| {
-                            f.is_null() || f.get("type").and_then(Value::as_str) == Some("text")
-                        })
-                },
+                plain_text,
                 "{\"format\": {\"type\": \"text\"}}",
             ),
-            (
-                "tools",
-                &self.tools,
-                &|v: &Value| v.is_null() || v.as_array().is_some_and(Vec::is_empty),
-                "[]",
-            ),
-            (
+            Unsupported::new("tools", &self.tools, empty, "[]"),
+            Unsupported::new(
                 "tool_choice",
                 &self.tool_choice,
-                &|v: &Value| v.is_null() || matches!(v.as_str(), Some("none" | "auto")),
+                |v| v.is_null() || matches!(v.as_str(), Some("none" | "auto")),
                 "\"none\" or \"auto\"",
             ),
-            (
-                "include",
-                &self.include,
-                &|v: &Value| v.is_null() || v.as_array().is_some_and(Vec::is_empty),
-                "[]",
-            ),
-            ("reasoning", &self.reasoning, &null, "null"),
-            (
+            Unsupported::new("include", &self.include, empty, "[]"),
+            Unsupported::new("reasoning", &self.reasoning, null, "null"),
+            Unsupported::new(
                 "truncation",
                 &self.truncation,
-                &|v: &Value| v.is_null() || v.as_str() == Some("disabled"),
+                |v| v.is_null() || v.as_str() == Some("disabled"),
                 "\"disabled\"",
             ),
-            (
+            Unsupported::new(
                 "top_logprobs",
                 &self.top_logprobs,
-                &|v: &Value| v.is_null() || v.as_f64() == Some(0.0),
+                |v| v.is_null() || v.as_f64() == Some(0.0),
                 "0",
             ),
-            ("max_tool_calls", &self.max_tool_calls, &null, "null"),
-            (
+            Unsupported::new("max_tool_calls", &self.max_tool_calls, null, "null"),
+            Unsupported::new(
                 "background",
                 &self.background,
-                &|v: &Value| v.is_null() || v == &Value::Bool(false),
+                |v| v.is_null() || v == &Value::Bool(false),
                 "false",
             ),
         ];
-        for (field, value, ok, accepted) in checks {
-            if let Some(v) = value.as_ref().filter(|v| !ok(v)) {
+        for c in checks {
+            if let Some(v) = c.value.as_ref().filter(|v| !(c.ok)(v)) {
                 return Err(ValidationError::new(
-                    field,
-                    format!("is not supported by ferry yet; omit it or send {accepted}, got {v}"),
+                    c.field,
+                    format!(
+                        "is not supported by ferry yet; omit it or send {}, got {v}",
+                        c.accepted
+                    ),
                 ));
             }
         }
