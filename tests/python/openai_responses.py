@@ -10,8 +10,9 @@ the whole response is `incomplete` for `max_output_tokens` with the counted usag
 equals `/v1/chat/completions` on the same conversation (instructions as the system turn); the
 stream's typed events come in the API's order with increasing sequence numbers, their deltas
 add up to the same text, and the last event carries the same response; a list input with
-`input_text` parts gives the same text as the string; `previous_response_id` and `tools` are
-400s naming the field. Prints {"text": ..., "events": N} as one JSON line; a failed check
+`input_text` parts gives the same text as the string; log-probabilities (`include` +
+`top_logprobs`) equal chat completions', whole and streamed; `previous_response_id` and `tools`
+are 400s naming the field. Prints {"text": ..., "events": N} as one JSON line; a failed check
 raises, so the process exits non-zero.
 """
 
@@ -104,6 +105,38 @@ def main() -> None:
     assert "".join(deltas) == text, ("".join(deltas), text)
     assert last is not None and last.output_text == text, last
     assert last.usage.output_tokens == args.max_tokens, last.usage
+
+    # Log-probabilities: the same tokens and values as chat completions' on the same
+    # conversation, on the whole response and on the stream's deltas.
+    lp_args = dict(include=["message.output_text.logprobs"], top_logprobs=2, **common)
+    with_lp = client.responses.create(input=question, **lp_args)
+    part = with_lp.output[0].content[0]
+    chat_lp = client.chat.completions.create(
+        model=args.model,
+        messages=[
+            {"role": "system", "content": instructions},
+            {"role": "user", "content": question},
+        ],
+        max_tokens=args.max_tokens,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
+    ).choices[0].logprobs.content
+    assert len(part.logprobs) == args.max_tokens, part.logprobs
+    for mine, theirs in zip(part.logprobs, chat_lp):
+        assert mine.token == theirs.token, (mine, theirs)
+        assert abs(mine.logprob - theirs.logprob) < 1e-6, (mine, theirs)
+        assert len(mine.top_logprobs) == 2, mine
+        assert [t.token for t in mine.top_logprobs] == [t.token for t in theirs.top_logprobs]
+    streamed_lp = []
+    for event in client.responses.create(input=question, stream=True, **lp_args):
+        if event.type == "response.output_text.delta":
+            streamed_lp.extend(event.logprobs)
+    got = [(x.token, x.logprob) for x in streamed_lp]
+    want = [(x.token, x.logprob) for x in part.logprobs]
+    assert got == want, f"streamed log-probabilities {got} differ from the whole response's {want}"
+    assert whole.output[0].content[0].logprobs == [], "log-probabilities only when asked"
 
     for field, extra in [
         ("previous_response_id", {"previous_response_id": "resp_0123"}),

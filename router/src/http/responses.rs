@@ -11,7 +11,9 @@
 //! SSE event named by its `type` with a `sequence_number`, and no `[DONE]` (the Responses API
 //! has none). ferry keeps no responses: `store` has no effect (the object says `"store":
 //! false`) and `previous_response_id` is a 400, as is every field that would change the output
-//! and is not implemented (tools, structured `text.format`, reasoning, …).
+//! and is not implemented (tools, structured `text.format`, reasoning, …). Log-probabilities
+//! (`include: ["message.output_text.logprobs"]` and/or `top_logprobs` 1–20) are the chat
+//! endpoint's: the raw log-softmax, on the text part and on every delta.
 use std::sync::Arc;
 
 use axum::extract::State;
@@ -26,6 +28,8 @@ use tracing::Instrument;
 
 use super::error::{ApiError, ApiJson};
 use super::generate::{self, Meta};
+use super::logprobs::{LogprobOut, Namer, TopOut};
+use super::openai::MAX_CHAT_TOP_LOGPROBS;
 use super::sse;
 use crate::auth::Caller;
 use crate::dispatch::GenerationStream;
@@ -100,14 +104,15 @@ pub struct ResponsesRequest {
     pub tools: Option<Value>,
     /// Not implemented: `"none"` or `"auto"` (with no tools, the same).
     pub tool_choice: Option<Value>,
-    /// Not implemented: empty only.
+    /// Extra output: only `"message.output_text.logprobs"` (the tokens' log-probabilities).
     pub include: Option<Value>,
     /// Not implemented: null only.
     pub reasoning: Option<Value>,
     /// Only `"disabled"` (a prompt longer than the context is a 400, never cut).
     pub truncation: Option<Value>,
-    /// Not implemented: 0 only.
-    pub top_logprobs: Option<Value>,
+    /// Alternatives per token, in [0, 20]; above 0 (or with `include`'s
+    /// `message.output_text.logprobs`) the text part carries its tokens' log-probabilities.
+    pub top_logprobs: Option<i64>,
     /// Not implemented: null only.
     pub max_tool_calls: Option<Value>,
     /// Not implemented: false only.
@@ -222,19 +227,12 @@ impl ResponsesRequest {
                 |v| v.is_null() || matches!(v.as_str(), Some("none" | "auto")),
                 "\"none\" or \"auto\"",
             ),
-            Unsupported::new("include", &self.include, empty, "[]"),
             Unsupported::new("reasoning", &self.reasoning, null, "null"),
             Unsupported::new(
                 "truncation",
                 &self.truncation,
                 |v| v.is_null() || v.as_str() == Some("disabled"),
                 "\"disabled\"",
-            ),
-            Unsupported::new(
-                "top_logprobs",
-                &self.top_logprobs,
-                |v| v.is_null() || v.as_f64() == Some(0.0),
-                "0",
             ),
             Unsupported::new("max_tool_calls", &self.max_tool_calls, null, "null"),
             Unsupported::new(
@@ -262,6 +260,35 @@ impl ResponsesRequest {
             ));
         }
         Ok(())
+    }
+
+    /// Alternatives per token when log-probabilities are asked for (`include` names
+    /// `message.output_text.logprobs`, or `top_logprobs` > 0), else `None`.
+    fn logprobs(&self) -> Result<Option<i64>, ValidationError> {
+        const LOGPROBS: &str = "message.output_text.logprobs";
+        let mut included = false;
+        if let Some(v) = self.include.as_ref().filter(|v| !v.is_null()) {
+            let bad = || {
+                ValidationError::new(
+                    "include",
+                    format!("only [\"{LOGPROBS}\"] is supported, got {v}"),
+                )
+            };
+            for item in v.as_array().ok_or_else(bad)? {
+                match item.as_str() {
+                    Some(LOGPROBS) => included = true,
+                    _ => return Err(bad()),
+                }
+            }
+        }
+        match self.top_logprobs {
+            Some(n) if !(0..=MAX_CHAT_TOP_LOGPROBS).contains(&n) => Err(ValidationError::new(
+                "top_logprobs",
+                format!("must be in [0, {MAX_CHAT_TOP_LOGPROBS}], got {n}"),
+            )),
+            Some(n) if n > 0 || included => Ok(Some(n)),
+            _ => Ok(included.then_some(0)),
+        }
     }
 
     /// The conversation to render: `instructions` first, then the input's turns.
@@ -350,7 +377,7 @@ impl ResponsesRequest {
             ignore_eos: self.ignore_eos,
             min_tokens: None,
             stop_token_ids: Vec::new(),
-            logprobs: None,
+            logprobs: self.logprobs()?,
             request_id: Some(request_id.to_string()),
             speculative: self.speculative,
         })
@@ -432,16 +459,76 @@ pub struct OutputText {
     pub text: String,
     /// Always empty.
     pub annotations: Vec<Value>,
+    /// The text's tokens with their log-probabilities when asked for, else empty.
+    pub logprobs: Vec<TokenLogprob>,
+}
+
+/// One token of the text with its log-probability and the most likely alternatives.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TokenLogprob {
+    /// The token's text.
+    pub token: String,
+    /// Its log-probability.
+    pub logprob: f64,
+    /// The text's UTF-8 bytes.
+    pub bytes: Vec<u8>,
+    /// The most likely tokens at its position (`top_logprobs` of them).
+    pub top_logprobs: Vec<TopLogprob>,
+}
+
+/// An alternative at a position.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TopLogprob {
+    /// The token's text.
+    pub token: String,
+    /// Its log-probability.
+    pub logprob: f64,
+    /// The text's UTF-8 bytes.
+    pub bytes: Vec<u8>,
+}
+
+impl From<&TopOut> for TopLogprob {
+    fn from(t: &TopOut) -> Self {
+        Self {
+            token: t.token.clone(),
+            logprob: shortest_f64(t.logprob),
+            bytes: t.bytes.clone(),
+        }
+    }
+}
+
+/// The f64 whose shortest decimal is `x`'s (the engine computes f32 values): the stream's
+/// events are built as JSON values, where an f32 would otherwise print all of its f64 digits
+/// and differ in the last places from the same value in the whole response.
+fn shortest_f64(x: f32) -> f64 {
+    x.to_string().parse().unwrap_or(f64::from(x))
 }
 
 impl OutputText {
-    fn new(text: String) -> Self {
+    fn new(text: String, logprobs: &[LogprobOut]) -> Self {
         Self {
             kind: "output_text",
             text,
             annotations: Vec::new(),
+            logprobs: entries(logprobs),
         }
     }
+}
+
+/// Named tokens in this API's shape (the chat completion entries').
+fn entries(logprobs: &[LogprobOut]) -> Vec<TokenLogprob> {
+    logprobs
+        .iter()
+        .map(|t| {
+            let chosen = TopLogprob::from(&t.chosen);
+            TokenLogprob {
+                token: chosen.token,
+                logprob: chosen.logprob,
+                bytes: chosen.bytes,
+                top_logprobs: t.top.iter().map(TopLogprob::from).collect(),
+            }
+        })
+        .collect()
 }
 
 /// `usage` in the Responses API's names.
@@ -515,25 +602,38 @@ impl Shape {
     }
 
     /// The message item with `text` so far (`None`: no part yet).
-    fn message(&self, status: &'static str, text: Option<String>) -> OutputMessage {
+    fn message(
+        &self,
+        status: &'static str,
+        text: Option<(String, &[LogprobOut])>,
+    ) -> OutputMessage {
         OutputMessage {
             kind: "message",
             id: self.message_id.clone(),
             status,
             role: "assistant",
-            content: text.map(OutputText::new).into_iter().collect(),
+            content: text
+                .map(|(t, lp)| OutputText::new(t, lp))
+                .into_iter()
+                .collect(),
         }
     }
 
-    /// The response object: in progress (no `finish`), or finished with its text and usage.
-    fn object(&self, done: Option<(&str, FinishReason, Usage)>) -> ResponseObject {
+    /// The response object: in progress (no `finish`), or finished with its text, its
+    /// tokens' log-probabilities (when asked for) and usage.
+    fn object(&self, done: Option<Done<'_>>) -> ResponseObject {
         let (status, output, incomplete, usage) = match done {
             None => ("in_progress", Vec::new(), None, None),
-            Some((text, finish, usage)) => {
+            Some(Done {
+                text,
+                logprobs,
+                finish,
+                usage,
+            }) => {
                 let status = status_of(finish);
                 let incomplete = (finish == FinishReason::Length)
                     .then(|| json!({"reason": "max_output_tokens"}));
-                let item = self.message(status, Some(text.to_string()));
+                let item = self.message(status, Some((text.to_string(), logprobs)));
                 (status, vec![item], incomplete, Some(usage.into()))
             }
         };
@@ -564,6 +664,15 @@ impl Shape {
     }
 }
 
+/// A finished generation, as the final object shows it.
+#[derive(Debug, Clone, Copy)]
+struct Done<'a> {
+    text: &'a str,
+    logprobs: &'a [LogprobOut],
+    finish: FinishReason,
+    usage: Usage,
+}
+
 /// `completed`, or `incomplete` when the token limit cut the text.
 fn status_of(finish: FinishReason) -> &'static str {
     match finish {
@@ -585,16 +694,21 @@ pub async fn responses(
         Ok(p) => p,
         Err(e) => return generate::reject(&state, e, &span),
     };
+    // Tokens are named only for requests that asked for their log-probabilities.
+    let namer = params
+        .logprobs
+        .is_some()
+        .then(|| Namer::new(state.validator.tokenizer().tokenizer().clone()));
     let events = match generate::start(&state, &caller, params, span.clone()).await {
         Ok(events) => events,
         Err(e) => return own_names(e).into_response(),
     };
     let shape = Shape::new(meta, &req);
     if req.stream {
-        let stream = Box::pin(stream_events(shape, events, span.clone()));
+        let stream = Box::pin(stream_events(shape, events, namer, span.clone()));
         sse::named_events(crate::spans::InSpan::new(stream, span))
     } else {
-        whole(shape, events).instrument(span).await
+        whole(shape, events, namer).instrument(span).await
     }
 }
 
@@ -608,14 +722,24 @@ fn own_names(mut e: ApiError) -> ApiError {
 }
 
 /// The non-streamed response, once the generation finished.
-async fn whole(shape: Shape, mut events: GenerationStream) -> Response {
+async fn whole(shape: Shape, mut events: GenerationStream, mut namer: Option<Namer>) -> Response {
     let mut text = String::new();
+    let mut logprobs = Vec::new();
     while let Some(item) = events.next().await {
         match item {
             Ok(event) => {
                 text.push_str(&event.text);
+                if let Some(n) = namer.as_mut() {
+                    logprobs.extend(n.name_all(&event.logprobs));
+                }
                 if let (Some(finish), Some(usage)) = (event.finish, event.usage) {
-                    return Json(shape.object(Some((&text, finish, usage)))).into_response();
+                    let done = Done {
+                        text: &text,
+                        logprobs: &logprobs,
+                        finish,
+                        usage,
+                    };
+                    return Json(shape.object(Some(done))).into_response();
                 }
             }
             Err(e) => {
@@ -649,6 +773,7 @@ impl Events {
 fn stream_events(
     shape: Shape,
     mut events: GenerationStream,
+    mut namer: Option<Namer>,
     span: tracing::Span,
 ) -> impl futures::Stream<Item = (&'static str, sse::Chunk)> + Send {
     async_stream::stream! {
@@ -669,41 +794,62 @@ fn stream_events(
         );
         yield ev.event(
             "response.content_part.added",
-            at(json!({"part": OutputText::new(String::new())})),
+            at(json!({"part": OutputText::new(String::new(), &[])})),
         );
         let mut text = String::new();
+        // Every token's log-probabilities (for the closing events), and those whose text is not
+        // out yet (an incomplete character or a possible stop string), which wait for the delta
+        // that carries it.
+        let (mut all, mut pending): (Vec<LogprobOut>, Vec<LogprobOut>) = (Vec::new(), Vec::new());
         while let Some(item) = events.next().await {
             match item {
                 Ok(event) => {
+                    if let Some(n) = namer.as_mut() {
+                        pending.extend(n.name_all(&event.logprobs));
+                    }
                     if !event.text.is_empty() {
                         text.push_str(&event.text);
+                        let lp = entries(&pending);
+                        all.append(&mut pending);
                         yield ev.event(
                             "response.output_text.delta",
-                            at(json!({"delta": event.text, "logprobs": []})),
+                            at(json!({"delta": event.text, "logprobs": lp})),
                         );
                     }
                     let (Some(finish), Some(usage)) = (event.finish, event.usage) else {
                         continue;
                     };
+                    // Tokens whose text is not out (a stop string cut it, or it ends in an
+                    // incomplete character) still count, as on chat: their entries go out in
+                    // a last delta without text.
+                    if !pending.is_empty() {
+                        let lp = entries(&pending);
+                        all.append(&mut pending);
+                        yield ev.event(
+                            "response.output_text.delta",
+                            at(json!({"delta": "", "logprobs": lp})),
+                        );
+                    }
                     let status = status_of(finish);
                     yield ev.event(
                         "response.output_text.done",
-                        at(json!({"text": text, "logprobs": []})),
+                        at(json!({"text": text, "logprobs": entries(&all)})),
                     );
                     yield ev.event(
                         "response.content_part.done",
-                        at(json!({"part": OutputText::new(text.clone())})),
+                        at(json!({"part": OutputText::new(text.clone(), &all)})),
                     );
                     yield ev.event(
                         "response.output_item.done",
-                        json!({"output_index": 0, "item": shape.message(status, Some(text.clone()))}),
+                        json!({"output_index": 0, "item": shape.message(status, Some((text.clone(), &all)))}),
                     );
                     let last = if finish == FinishReason::Length {
                         "response.incomplete"
                     } else {
                         "response.completed"
                     };
-                    yield ev.event(last, json!({"response": shape.object(Some((&text, finish, usage)))}));
+                    let done = Done { text: &text, logprobs: &all, finish, usage };
+                    yield ev.event(last, json!({"response": shape.object(Some(done))}));
                     return;
                 }
                 Err(e) => {
@@ -775,8 +921,13 @@ mod tests {
             completion_tokens: 3,
             cached_prompt_tokens: 2,
         };
-        let cut =
-            serde_json::to_value(shape.object(Some(("abc", FinishReason::Length, usage)))).unwrap();
+        let done = |finish| Done {
+            text: "abc",
+            logprobs: &[],
+            finish,
+            usage,
+        };
+        let cut = serde_json::to_value(shape.object(Some(done(FinishReason::Length)))).unwrap();
         assert_eq!(cut["status"], "incomplete");
         assert_eq!(cut["incomplete_details"]["reason"], "max_output_tokens");
         assert_eq!(cut["output"][0]["status"], "incomplete");
@@ -784,10 +935,9 @@ mod tests {
         assert_eq!(cut["usage"]["input_tokens"], 5);
         assert_eq!(cut["usage"]["input_tokens_details"]["cached_tokens"], 2);
         assert_eq!(cut["usage"]["total_tokens"], 8);
-        let done =
-            serde_json::to_value(shape.object(Some(("abc", FinishReason::Stop, usage)))).unwrap();
-        assert_eq!(done["status"], "completed");
-        assert!(done["incomplete_details"].is_null());
+        let stop = serde_json::to_value(shape.object(Some(done(FinishReason::Stop)))).unwrap();
+        assert_eq!(stop["status"], "completed");
+        assert!(stop["incomplete_details"].is_null());
         let open = serde_json::to_value(shape.object(None)).unwrap();
         assert_eq!(open["status"], "in_progress");
         assert_eq!(open["output"], json!([]));

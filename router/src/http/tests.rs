@@ -645,9 +645,14 @@ async fn responses_validation_errors_are_400_naming_the_field() {
             "truncation",
         ),
         (
+            "top_logprobs above 20",
+            json!({"input": "hi", "top_logprobs": 21}),
             "top_logprobs",
-            json!({"input": "hi", "top_logprobs": 3}),
-            "top_logprobs",
+        ),
+        (
+            "include other than logprobs",
+            json!({"input": "hi", "include": ["file_search_call.results"]}),
+            "include",
         ),
         (
             "background",
