@@ -20,15 +20,14 @@
 #         The `cpu` image can also use a GPU if NVRTC/cuBLAS 13 are mounted in and put on
 #         LD_LIBRARY_PATH (scripts/gpu_env.sh finds them on a host).
 #
-# Health: `grpc_health_probe` (built from its Go module, pinned; checksums verified by the Go
-# checksum database) asks `grpc.health.v1` at $FERRY_HEALTH_ADDR (default 127.0.0.1:50051, the
-# router's public gRPC port as `ferry up`/`ferry router` bind it). For a worker container set
+# Health: `ferry health` asks `grpc.health.v1` at $FERRY_HEALTH_ADDR (default 127.0.0.1:50051,
+# the router's public gRPC port as `ferry up`/`ferry router` bind it) and exits 0 only for
+# SERVING. For a worker container set
 # FERRY_HEALTH_ADDR to its --grpc-addr. Kubernetes ignores HEALTHCHECK and uses its own gRPC
 # probes (deploy/helm/ferry).
 
 ARG RUST_VERSION=1.95
 ARG DEBIAN_RELEASE=bookworm
-ARG GO_VERSION=1.26
 
 # ---- build the binary ------------------------------------------------------------------------
 FROM rust:${RUST_VERSION}-${DEBIAN_RELEASE} AS builder
@@ -40,14 +39,6 @@ RUN --mount=type=cache,target=/usr/local/cargo/registry,sharing=locked \
     --mount=type=cache,target=/src/target,sharing=locked \
     cargo build --release --locked --bin ferry \
  && install -D -m 0755 target/release/ferry /out/ferry
-
-# ---- grpc_health_probe for HEALTHCHECK -------------------------------------------------------
-FROM golang:${GO_VERSION}-${DEBIAN_RELEASE} AS probe
-ARG GRPC_HEALTH_PROBE_VERSION=v0.4.56
-ENV CGO_ENABLED=0 GOTOOLCHAIN=local
-RUN go install -trimpath -ldflags="-s -w" \
-      "github.com/grpc-ecosystem/grpc-health-probe@${GRPC_HEALTH_PROBE_VERSION}" \
- && install -D -m 0755 "$(go env GOPATH)/bin/grpc-health-probe" /out/grpc_health_probe
 
 # ---- NVRTC + cuBLAS for the `cuda` target ----------------------------------------------------
 FROM python:3.12-slim-${DEBIAN_RELEASE} AS cudalibs
@@ -77,7 +68,6 @@ RUN groupadd --system --gid 10001 ferry \
  && useradd --system --uid 10001 --gid ferry --home-dir /var/lib/ferry --create-home \
       --shell /usr/sbin/nologin ferry
 COPY --from=builder /out/ferry /usr/local/bin/ferry
-COPY --from=probe /out/grpc_health_probe /usr/local/bin/grpc_health_probe
 # Model configs for `--load-format dummy` benchmarks (config.json only, random weights).
 COPY models/dummy /usr/share/ferry/models/dummy
 # The embedded model is unpacked once into $XDG_CACHE_HOME/ferry (a few MB); keep it writable
@@ -90,7 +80,7 @@ WORKDIR /var/lib/ferry
 # 50052, workers' gRPC, KV transfer, worker metrics) are chosen by flags and stay private.
 EXPOSE 8000 50051
 HEALTHCHECK --interval=15s --timeout=5s --start-period=60s --retries=3 \
-  CMD ["/bin/sh", "-c", "exec grpc_health_probe -addr=\"$FERRY_HEALTH_ADDR\" -connect-timeout=2s -rpc-timeout=2s"]
+  CMD ["/usr/local/bin/ferry", "health", "--timeout-ms", "2000"]
 ENTRYPOINT ["/usr/local/bin/ferry"]
 # `ferry up` on every interface; anything after `docker run IMAGE` replaces this.
 CMD ["up", "--http-addr", "0.0.0.0:8000", "--grpc-addr", "0.0.0.0:50051"]

@@ -39,6 +39,8 @@ enum Command {
     BenchGpu(cmd::bench_gpu::BenchGpuArgs),
     /// Measure KV transfer between two processes per transport (TCP, UCX), next to memcpy.
     BenchTransfer(cmd::bench_transfer::BenchTransferArgs),
+    /// Ask a ferry gRPC server's health service; exit 0 only if it is SERVING.
+    Health(cmd::health::HealthArgs),
 }
 
 impl Command {
@@ -73,6 +75,7 @@ fn main() -> ExitCode {
         Command::BenchEngine(args) => cmd::bench_engine::run(args),
         Command::BenchGpu(args) => cmd::bench_gpu::run(args),
         Command::BenchTransfer(args) => cmd::bench_transfer::run(args),
+        Command::Health(args) => cmd::health::run(args),
     };
     telemetry.shutdown();
     match result {

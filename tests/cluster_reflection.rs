@@ -206,3 +206,51 @@ async fn python_grpcio_reflection_lists_the_public_services() {
     assert_eq!(report["file"], "ferry/v1/inference.proto");
     cluster.assert_kv_blocks_released().await;
 }
+
+/// `ferry health` (the image's HEALTHCHECK) through the real binary: SERVING for the router's
+/// public port and internal plane and for a worker, with or without a service name; a service
+/// the server does not have, or nothing listening, exits non-zero naming why.
+#[tokio::test]
+async fn ferry_health_exits_zero_only_for_serving() {
+    let cluster = Cluster::start(Spec::new(0, 1)).await;
+    let health = |addr: String, service: &'static str| async move {
+        let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_ferry"));
+        cmd.args(["health", "--addr", &addr, "--service", service])
+            .env_remove("FERRY_HEALTH_ADDR")
+            .kill_on_drop(true);
+        let out = tokio::time::timeout(std::time::Duration::from_secs(30), cmd.output())
+            .await
+            .expect("ferry health returns")
+            .expect("ferry runs");
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        (out.status.success(), text)
+    };
+    let public = cluster.grpc_addr().to_string();
+    let internal = cluster.internal_addr().to_string();
+    let worker = cluster.worker_addr("decode-0").to_string();
+    for (addr, service) in [
+        (public.clone(), ""),
+        (public.clone(), "ferry.v1.Inference"),
+        (internal, ""),
+        (worker.clone(), "ferry.internal.v1.DecodeWorker"),
+    ] {
+        let (ok, text) = health(addr.clone(), service).await;
+        assert!(ok && text.contains("SERVING"), "{addr} {service:?}: {text}");
+    }
+    let (ok, text) = health(worker, "ferry.internal.v1.PrefillWorker").await;
+    assert!(!ok, "a decode worker has no prefill service: {text}");
+    assert!(text.contains("PrefillWorker"), "{text}");
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .to_string();
+    let (ok, text) = health(closed.clone(), "").await;
+    assert!(
+        !ok && text.contains(&closed),
+        "nothing listens there: {text}"
+    );
+}

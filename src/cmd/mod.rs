@@ -4,5 +4,6 @@ pub mod bench_engine;
 pub mod bench_gpu;
 pub mod bench_transfer;
 pub mod generate;
+pub mod health;
 pub mod serve;
 pub mod up;
