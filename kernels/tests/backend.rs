@@ -13,7 +13,7 @@
 mod common;
 
 use ferry_kernels::backend::latent::{latent_write, LatentWrite};
-use ferry_kernels::backend::linear::{linear, Linear};
+use ferry_kernels::backend::linear::{linear, linear_pair, Linear, LinearPair};
 use ferry_kernels::backend::mla_absorbed::{mla_absorbed, AbsorbedRun};
 use ferry_kernels::backend::mla_mha::{mla_mha, MhaRun};
 use ferry_kernels::backend::moe::{moe, Moe, MoeFfn};
@@ -453,6 +453,66 @@ fn linear_above_the_gemv_rows_matches_the_cpu_on_every_backend() {
                 "f32"
             };
             check(&b, &format!("linear, {m} rows, {dtype} weights"), &y, &want);
+        }
+    }
+}
+
+/// Two projections of one input (an attention layer's first query projection and kv_a):
+/// `linear_pair` must give bitwise what two `linear` calls give on every backend — on a GPU
+/// one `gemv_pair` launch up to 8 rows, two launches above — for f32 and bf16 weights, widths
+/// on and off the GEMV's 8-wide vector path, and weights of different element types (which
+/// are never fused).
+#[test]
+fn linear_pair_is_bitwise_two_linears_on_every_backend() {
+    let mut rng = common::rng(19);
+    for (k, n1, n2) in [(64, 40, 9), (70, 33, 17)] {
+        let w1 = common::uniform(&mut rng, n1 * k, 0.3);
+        let w2 = common::uniform(&mut rng, n2 * k, 0.3);
+        let bf = |v: &[f32]| v.iter().map(|&v| half::bf16::from_f32(v)).collect::<Vec<_>>();
+        let pairs = [
+            (
+                Matrix::from_f32(n1, k, w1.clone()).expect("w1"),
+                Matrix::from_f32(n2, k, w2.clone()).expect("w2"),
+            ),
+            (
+                Matrix::from_bf16(n1, k, bf(&w1)).expect("w1"),
+                Matrix::from_bf16(n2, k, bf(&w2)).expect("w2"),
+            ),
+            (
+                Matrix::from_bf16(n1, k, bf(&w1)).expect("w1"),
+                Matrix::from_f32(n2, k, w2.clone()).expect("w2"),
+            ),
+        ];
+        for m in [1, 3, 8, 9] {
+            let x = common::uniform(&mut rng, m * k, 1.0);
+            for (a, c) in &pairs {
+                for b in backends() {
+                    let (x_t, a_t, c_t) = (
+                        b.upload(&x).expect("x"),
+                        b.weight(a).expect("a"),
+                        b.weight(c).expect("c"),
+                    );
+                    let one = |w| {
+                        let p = Linear {
+                            x: &x_t,
+                            w,
+                            precision: Precision::Exact,
+                        };
+                        linear(&b, p).expect("linear").to_host().expect("y")
+                    };
+                    let p = LinearPair {
+                        x: &x_t,
+                        first: &a_t,
+                        second: &c_t,
+                        precision: Precision::Exact,
+                    };
+                    let (y1, y2) = linear_pair(&b, p).expect("linear_pair");
+                    let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
+                    let what = format!("{} k {k} m {m}", b.name());
+                    assert_eq!(bits(y1.to_host().expect("y1")), bits(one(&a_t)), "{what}: first");
+                    assert_eq!(bits(y2.to_host().expect("y2")), bits(one(&c_t)), "{what}: second");
+                }
+            }
         }
     }
 }

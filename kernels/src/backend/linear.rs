@@ -5,6 +5,9 @@
 //! ([`Precision::Exact`]) or rounded to bf16 ([`Precision::Fast`]) against bf16 weights. ROCm:
 //! the same GEMV, and above it the portable tiled GEMM (`gemm_tiled_*`, f32 activations in
 //! both precisions).
+//!
+//! [`linear_pair`]: two projections of the same input (an attention layer's first query
+//! projection and `kv_a`), one GEMV launch on a GPU for decode-sized inputs.
 
 use super::{Backend, Precision, Tensor, Weight};
 use crate::KernelError;
@@ -64,4 +67,75 @@ fn on_gpu<D: super::OnDevice>(dev: &D, p: Linear<'_>, out: &Tensor) -> Result<()
         tv::<D>(out, OP, "out")?,
     );
     crate::gpu::ops::linear(dev, x, w, y, p.precision.gemm())
+}
+
+/// Two projections of the same input, `x · Wfirstᵀ` and `x · Wsecondᵀ`.
+#[derive(Debug, Clone, Copy)]
+pub struct LinearPair<'a> {
+    /// `[rows][k]` inputs.
+    pub x: &'a Tensor,
+    /// `[n1][k]` weight of the first output.
+    pub first: &'a Weight,
+    /// `[n2][k]` weight of the second output.
+    pub second: &'a Weight,
+    /// GEMM input precision on a GPU.
+    pub precision: Precision,
+}
+
+/// `([rows][n1], [rows][n2])`, new tensors on `b`. On a GPU, up to 8 rows (decode) with both
+/// weights of one element type go through one `gemv_pair` launch — bitwise what two [`linear`]
+/// calls give — unless fusion is off ([`super::fuse`]); everything else is two [`linear`] calls.
+pub fn linear_pair(b: &Backend, p: LinearPair<'_>) -> Result<(Tensor, Tensor), KernelError> {
+    let one = |w| Linear {
+        x: p.x,
+        w,
+        precision: p.precision,
+    };
+    #[cfg(any(feature = "cuda", feature = "rocm"))]
+    {
+        let k = p.first.cols();
+        let rows = p.x.len() / k.max(1);
+        let fits = k > 0
+            && p.second.cols() == k
+            && rows * k == p.x.len()
+            && rows <= crate::gpu::ops::GEMV_MAX_M
+            && super::fuse();
+        if fits {
+            let mut a = b.scratch(rows * p.first.rows())?;
+            let mut c = b.scratch(rows * p.second.rows())?;
+            let fused = match b {
+                Backend::Cpu => false,
+                #[cfg(feature = "cuda")]
+                Backend::Cuda(dev) => pair_on_gpu(dev, p, &mut a, &mut c)?,
+                #[cfg(feature = "rocm")]
+                Backend::Rocm(dev) => pair_on_gpu(dev, p, &mut a, &mut c)?,
+            };
+            if fused {
+                return Ok((a, c));
+            }
+        }
+    }
+    Ok((linear(b, one(p.first))?, linear(b, one(p.second))?))
+}
+
+/// The fused GPU arm: `false` (nothing launched) when the weights' element types differ.
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+fn pair_on_gpu<D: super::OnDevice>(
+    dev: &D,
+    p: LinearPair<'_>,
+    a: &mut Tensor,
+    c: &mut Tensor,
+) -> Result<bool, KernelError> {
+    use super::{tv, wv};
+    let (w1, w2) = (
+        wv::<D>(p.first, OP, "first")?,
+        wv::<D>(p.second, OP, "second")?,
+    );
+    if w1.is_bf16() != w2.is_bf16() {
+        return Ok(false);
+    }
+    let x = tv::<D>(p.x, OP, "x")?;
+    let (o1, o2) = (tv::<D>(a, OP, "out")?, tv::<D>(c, OP, "out")?);
+    crate::gpu::ops::gemv_pair(dev, x, (w1, o1), (w2, o2))?;
+    Ok(true)
 }

@@ -606,6 +606,17 @@ impl OnDevice for RocmDevice {
     }
 }
 
+/// Whether GPU ops use session 13's fuller launches: `gemv_pair` (a layer's first query
+/// projection and `kv_a` in one GEMV), and the per-pair MoE kernels with two gate/up rows per
+/// warp and four down outputs per block.
+/// `FERRY_FUSE=0` runs the launches as they were before, so one binary measures the before and
+/// after; the results are bitwise equal either way.
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+pub(crate) fn fuse() -> bool {
+    static FUSE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *FUSE.get_or_init(|| std::env::var("FERRY_FUSE").map_or(true, |v| v != "0"))
+}
+
 /// An operand that is not on the runtime `D`.
 #[cfg(any(feature = "cuda", feature = "rocm"))]
 pub(crate) fn mismatch_on<D: Gpu>(

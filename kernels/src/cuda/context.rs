@@ -157,6 +157,9 @@ struct Inner {
     cc: (i32, i32),
     sms: u32,
     smem_optin: u32,
+    /// Launch with programmatic dependent launch (sm_90+; `FERRY_PDL=0` turns it off): see
+    /// [`CudaDevice::launch`].
+    pdl: bool,
     modules: ModuleCache,
     /// Functions whose dynamic shared memory limit was already raised.
     smem_set: Mutex<HashMap<(usize, u32), ()>>,
@@ -213,6 +216,7 @@ impl CudaDevice {
             attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?
                 as u32;
         keep_pool_warm(&ctx)?;
+        let pdl = cc.0 >= 9 && std::env::var("FERRY_PDL").map_or(true, |v| v != "0");
         Ok(Self {
             inner: Arc::new(Inner {
                 ctx,
@@ -223,6 +227,7 @@ impl CudaDevice {
                 cc,
                 sms,
                 smem_optin,
+                pdl,
                 modules: ModuleCache::default(),
                 smem_set: Mutex::new(HashMap::new()),
             }),
@@ -482,6 +487,14 @@ impl CudaDevice {
     }
 
     /// Launches `f` on the device's stream.
+    ///
+    /// On sm_90+ every launch carries the programmatic-stream-serialization attribute
+    /// (programmatic dependent launch): the kernel's blocks may be scheduled while the kernel
+    /// ahead of it is still running, and wait for it with `griddepcontrol.wait`, the first
+    /// statement of every kernel in `kernels/src/gpu/*.cu` (`pdl_enter` in compat.cuh). A
+    /// decode step is ~400 short launches; this hides each one's launch and ramp-up behind
+    /// its predecessor, in eager steps and in captured graphs alike (a captured launch keeps
+    /// the attribute as a programmatic edge).
     pub fn launch(
         &self,
         f: &CudaFunction,
@@ -493,19 +506,53 @@ impl CudaDevice {
             self.raise_smem_limit(f, dims.smem)?;
         }
         let mut params = args.pointers();
-        // SAFETY: every typed launcher checks buffer lengths against the kernel's indexing
-        // before building `args`, whose slots match the kernel's parameters in order and type.
+        if !self.inner.pdl {
+            // SAFETY: every typed launcher checks buffer lengths against the kernel's indexing
+            // before building `args`, whose slots match the kernel's parameters in order and
+            // type.
+            return unsafe {
+                result::launch_kernel(
+                    f.cu_function(),
+                    dims.grid,
+                    dims.block,
+                    dims.smem,
+                    self.inner.stream.cu_stream(),
+                    &mut params,
+                )
+            }
+            .map_err(gpu_err("cuLaunchKernel"));
+        }
+        // SAFETY: the union is plain data; the attribute's id says which field is read.
+        let mut value: sys::CUlaunchAttributeValue = unsafe { std::mem::zeroed() };
+        value.programmaticStreamSerializationAllowed = 1;
+        let mut attr = sys::CUlaunchAttribute {
+            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+            pad: [0; 4],
+            value,
+        };
+        let config = sys::CUlaunchConfig {
+            gridDimX: dims.grid.0,
+            gridDimY: dims.grid.1,
+            gridDimZ: dims.grid.2,
+            blockDimX: dims.block.0,
+            blockDimY: dims.block.1,
+            blockDimZ: dims.block.2,
+            sharedMemBytes: dims.smem,
+            hStream: self.inner.stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        // SAFETY: as above; `config` and `attr` outlive the call, which copies them.
         unsafe {
-            result::launch_kernel(
+            sys::cuLaunchKernelEx(
+                &config,
                 f.cu_function(),
-                dims.grid,
-                dims.block,
-                dims.smem,
-                self.inner.stream.cu_stream(),
-                &mut params,
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
             )
         }
-        .map_err(gpu_err("cuLaunchKernel"))
+        .result()
+        .map_err(gpu_err("cuLaunchKernelEx"))
     }
 
     fn raise_smem_limit(&self, f: &CudaFunction, bytes: u32) -> Result<(), KernelError> {

@@ -34,22 +34,68 @@ __device__ void embed_impl(const W* table, const int* ids, float* out, int hidde
 }
 extern "C" __global__ void embed_f32(const float* t, const int* ids, float* out, int hidden,
                                      int rows) {
+  pdl_enter();
   embed_impl(t, ids, out, hidden, rows);
 }
 extern "C" __global__ void embed_bf16(const bf16_t* t, const int* ids, float* out, int hidden,
                                       int rows) {
+  pdl_enter();
   embed_impl(t, ids, out, hidden, rows);
 }
 
 // ---------------------------------------------------------------------------------------------
 // Residual add and RMSNorm: if delta, h[r] += delta[r]; then out[r] = w * (h[r] * rsqrt(mean(h²)+eps)).
-// `out` may be null (add only). Grid: rows; block 256.
+// `out` may be null (add only). A row of up to NORM_V4 · 4 · blockDim floats (width a multiple
+// of 4) is held in registers: every load of the row is issued before the first use, so the
+// kernel pays one memory round trip instead of one per loop trip (a single-stream decode step
+// runs 56 of these on one block each). Other widths take the strided loop.
+// Grid: rows; block 256–1024 (ops.rs picks it from the width).
+#define NORM_V4 4
 extern "C" __global__ void add_rms_norm(float* h, const float* delta, const float* w, float* out,
                                         int width, float eps) {
+  pdl_enter();
   __shared__ float red[32];
   float* x = h + (size_t)blockIdx.x * width;
   const float* d = delta ? delta + (size_t)blockIdx.x * width : nullptr;
   float ss = 0.0f;
+  int n4 = width / 4;
+  size_t align = (size_t)x | (size_t)d | (size_t)w | (size_t)out;
+  if ((width & 3) == 0 && (align & 15) == 0 && n4 <= NORM_V4 * (int)blockDim.x) {
+    float4 v[NORM_V4];
+#pragma unroll
+    for (int j = 0; j < NORM_V4; j++) {
+      int i = threadIdx.x + j * blockDim.x;
+      if (i < n4) v[j] = reinterpret_cast<const float4*>(x)[i];
+    }
+    if (d) {
+#pragma unroll
+      for (int j = 0; j < NORM_V4; j++) {
+        int i = threadIdx.x + j * blockDim.x;
+        if (i < n4) {
+          float4 e = reinterpret_cast<const float4*>(d)[i];
+          v[j].x += e.x, v[j].y += e.y, v[j].z += e.z, v[j].w += e.w;
+          reinterpret_cast<float4*>(x)[i] = v[j];
+        }
+      }
+    }
+    if (!out) return;
+#pragma unroll
+    for (int j = 0; j < NORM_V4; j++)
+      if (threadIdx.x + j * blockDim.x < n4)
+        ss += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
+    float r = 1.0f / sqrtf(block_sum(ss, red) / (float)width + eps);
+    float4* o = reinterpret_cast<float4*>(out + (size_t)blockIdx.x * width);
+#pragma unroll
+    for (int j = 0; j < NORM_V4; j++) {
+      int i = threadIdx.x + j * blockDim.x;
+      if (i < n4) {
+        float4 g = reinterpret_cast<const float4*>(w)[i];
+        o[i] = make_float4(g.x * (v[j].x * r), g.y * (v[j].y * r), g.z * (v[j].z * r),
+                           g.w * (v[j].w * r));
+      }
+    }
+    return;
+  }
   for (int i = threadIdx.x; i < width; i += blockDim.x) {
     float v = x[i];
     if (d) { v += d[i]; x[i] = v; }
@@ -65,6 +111,7 @@ extern "C" __global__ void add_rms_norm(float* h, const float* delta, const floa
 // In-place RMSNorm of the first `width` floats of rows `stride` apart. Grid: rows; block 256.
 extern "C" __global__ void rms_norm_strided(float* x, int stride, const float* w, int width,
                                             float eps) {
+  pdl_enter();
   __shared__ float red[32];
   float* row = x + (size_t)blockIdx.x * stride;
   float ss = 0.0f;
@@ -80,6 +127,7 @@ extern "C" __global__ void rms_norm_strided(float* x, int stride, const float* w
 // Grid: (tokens, heads); block: dim/2 threads.
 extern "C" __global__ void rope_apply(float* x, const float* cos_t, const float* sin_t, int heads,
                                       int head_stride, int offset, int dim, int interleaved) {
+  pdl_enter();
   int t = blockIdx.x, h = blockIdx.y, j = threadIdx.x, half = dim / 2;
   float* v = x + ((size_t)t * heads + h) * head_stride + offset;
   float x1 = 0.0f, x2 = 0.0f;
@@ -133,26 +181,31 @@ __device__ void latent_finish_impl(float* lat, int width, int kv_lora, const flo
 extern "C" __global__ void latent_finish_f32(float* lat, int width, int kv_lora, const float* nw,
                                              float eps, const float* c, const float* s, int il,
                                              const long long* slots, float* pages) {
+  pdl_enter();
   latent_finish_impl(lat, width, kv_lora, nw, eps, c, s, il, slots, pages, 0);
 }
 extern "C" __global__ void latent_finish_bf16(float* lat, int width, int kv_lora, const float* nw,
                                               float eps, const float* c, const float* s, int il,
                                               const long long* slots, bf16_t* pages, int split) {
+  pdl_enter();
   latent_finish_impl(lat, width, kv_lora, nw, eps, c, s, il, slots, pages, split);
 }
 
 // ---------------------------------------------------------------------------------------------
 // Elementwise.
 extern "C" __global__ void silu_mul(float* g, const float* u, long long n) {
+  pdl_enter();
   long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (i < n) g[i] = silu_f(g[i]) * u[i];
 }
 extern "C" __global__ void cast_f32_bf16(const float* x, bf16_t* out, long long n) {
+  pdl_enter();
   long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (i < n) out[i] = f2bf(x[i]);
 }
 // x = hi + lo with both halves bf16: products against bf16 weights keep ~16 mantissa bits.
 extern "C" __global__ void split_bf16(const float* x, bf16_t* hi, bf16_t* lo, long long n) {
+  pdl_enter();
   long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (i < n) {
     bf16_t h = f2bf(x[i]);
@@ -165,6 +218,7 @@ extern "C" __global__ void split_bf16(const float* x, bf16_t* hi, bf16_t* lo, lo
 // plain cast. Grid: ceil(rows·(width + 2·split) / 256); block 256.
 extern "C" __global__ void split_pe_bf16(const float* x, bf16_t* out, long long rows, int width,
                                          int split) {
+  pdl_enter();
   long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   int ow = width + 2 * split;
   if (i >= rows * ow) return;
@@ -179,11 +233,13 @@ extern "C" __global__ void split_pe_bf16(const float* x, bf16_t* out, long long 
   }
 }
 extern "C" __global__ void widen_bf16(const bf16_t* x, float* out, long long n) {
+  pdl_enter();
   long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (i < n) out[i] = bf2f(x[i]);
 }
 // dst[i][:] = src[rows[i]][:]. Grid: rows.
 extern "C" __global__ void gather_rows(const float* src, const int* rows, float* dst, int width) {
+  pdl_enter();
   const float* s = src + (size_t)rows[blockIdx.x] * width;
   float* d = dst + (size_t)blockIdx.x * width;
   for (int i = threadIdx.x; i < width; i += blockDim.x) d[i] = s[i];
@@ -313,13 +369,67 @@ __device__ void gemv_impl(const float* x, int m, const W* w, int n, int k, float
     }
   }
 }
+// Before waiting for the kernel ahead (compat.cuh's pdl_enter), each warp pulls its weight row
+// into L2: the weights are constants, so a projection's ramp-up overlaps the norm or attention
+// that produces its input.
+template <typename W>
+__device__ __forceinline__ void gemv_prefetch(const W* w, int n, int k) {
+  int row = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
+  if (row < n) prefetch_l2(w + (size_t)row * k, (size_t)k * sizeof(W));
+}
 extern "C" __global__ void gemv_f32(const float* x, int m, const float* w, int n, int k,
                                     float* out, int acc) {
+  gemv_prefetch(w, n, k);
+  pdl_enter();
   gemv_impl(x, m, w, n, k, out, acc);
 }
 extern "C" __global__ void gemv_bf16(const float* x, int m, const bf16_t* w, int n, int k,
                                      float* out, int acc) {
+  gemv_prefetch(w, n, k);
+  pdl_enter();
   gemv_impl(x, m, w, n, k, out, acc);
+}
+
+// Two projections of the same activations in one launch: rows [0, n1) of the grid's warps
+// compute out1 = x · W1ᵀ, rows [n1, n1 + n2) out2 = x · W2ᵀ — an attention layer's first query
+// projection and its kv_a (576 rows alone fill 72 blocks of a 132-SM card). Each output row is
+// the same arithmetic as gemv's, so the results are bitwise those of two launches.
+// Grid: ceil((n1 + n2) / 8); block 256.
+template <typename W>
+__device__ __forceinline__ void gemv_pair_pick(const W* w1, int n1, float* o1, const W* w2, int n2,
+                                               float* o2, int k, const W** w, float** out,
+                                               int* n, int* row) {
+  int r = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
+  if (r < n1) {
+    *w = w1 + (size_t)r * k, *out = o1, *n = n1, *row = r;
+  } else {
+    *w = w2 + (size_t)(r - n1) * k, *out = o2, *n = n2, *row = r - n1;
+  }
+}
+template <typename W>
+__device__ void gemv_pair_impl(const float* x, int m, const W* w1, int n1, float* o1,
+                               const W* w2, int n2, float* o2, int k) {
+  const W* w;
+  float* out;
+  int n, row;
+  gemv_pair_pick(w1, n1, o1, w2, n2, o2, k, &w, &out, &n, &row);
+  if (row < n) prefetch_l2(w, (size_t)k * sizeof(W));
+  pdl_enter();
+  if (row >= n) return;
+  float acc[GEMV_MAX_M];
+#pragma unroll
+  for (int i = 0; i < GEMV_MAX_M; i++) acc[i] = 0.0f;
+  warp_row_dots(x, m, k, w, k, acc);
+  if (threadIdx.x % WARP == 0)
+    for (int i = 0; i < m; i++) out[(size_t)i * n + row] = acc[i];
+}
+extern "C" __global__ void gemv_pair_f32(const float* x, int m, const float* w1, int n1,
+                                         float* o1, const float* w2, int n2, float* o2, int k) {
+  gemv_pair_impl(x, m, w1, n1, o1, w2, n2, o2, k);
+}
+extern "C" __global__ void gemv_pair_bf16(const float* x, int m, const bf16_t* w1, int n1,
+                                          float* o1, const bf16_t* w2, int n2, float* o2, int k) {
+  gemv_pair_impl(x, m, w1, n1, o1, w2, n2, o2, k);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -384,10 +494,12 @@ __device__ void gemm_tiled_impl(const float* x, const W* w, float* out, int m, i
 }
 extern "C" __global__ void __launch_bounds__(256)
     gemm_tiled_f32(const float* x, const float* w, float* out, int m, int n, int k, int acc) {
+  pdl_enter();
   gemm_tiled_impl(x, w, out, m, n, k, acc);
 }
 extern "C" __global__ void __launch_bounds__(256)
     gemm_tiled_bf16(const float* x, const bf16_t* w, float* out, int m, int n, int k, int acc) {
+  pdl_enter();
   gemm_tiled_impl(x, w, out, m, n, k, acc);
 }
 
@@ -398,6 +510,10 @@ extern "C" __global__ void __launch_bounds__(256)
 // summed through shared memory (enough blocks to keep a decode step's 2 MB read parallel).
 // Grid: (ceil(kv_lora/32), heads, ceil(T/8)); block 256; dynamic smem: 8·nope floats.
 #define ABS_TT 8
+// Nope rows each warp holds in registers at once: all 16 of DeepSeek's 128 (8 warps × 16),
+// loaded before the kernel waits for the one ahead of it (the weights are constants), so the
+// 2 MB read of a decode step costs one memory round trip, overlapped with the RoPE launch.
+#define ABS_PER 16
 template <typename W, typename O>
 __device__ void absorb_impl(const float* q, const W* kv_b, O* out, int T, int H, int nope,
                             int rope, int v, int kv_lora, int split) {
@@ -407,22 +523,37 @@ __device__ void absorb_impl(const float* q, const W* kv_b, O* out, int T, int H,
   // lo] (mla.cu's top comment).
   int h = blockIdx.y, t0 = blockIdx.z * ABS_TT, qk = nope + rope, lw = kv_lora + rope + 2 * split;
   int nt = min(ABS_TT, T - t0), lane = threadIdx.x % WARP, w = threadIdx.x / WARP;
+  int j = blockIdx.x * WARP + lane;
+  const W* wcol = kv_b + (size_t)h * (nope + v) * kv_lora + min(j, kv_lora - 1);
+  float wv[ABS_PER];
+#pragma unroll
+  for (int i = 0; i < ABS_PER; i++) {
+    int d = w + 8 * i;
+    wv[i] = d < nope ? ld_f(wcol + (size_t)d * kv_lora) : 0.0f;
+  }
+  pdl_enter();
   for (int i = threadIdx.x; i < nt * nope; i += blockDim.x) {
     int tt = i / nope, d = i % nope;
     qs[i] = q[((size_t)(t0 + tt) * H + h) * qk + d];
   }
   __syncthreads();
-  int j = blockIdx.x * WARP + lane;
   float acc[ABS_TT];
 #pragma unroll
   for (int tt = 0; tt < ABS_TT; tt++) acc[tt] = 0.0f;
-  if (j < kv_lora) {
-    const W* wcol = kv_b + (size_t)h * (nope + v) * kv_lora + j;
-#pragma unroll 4
-    for (int d = w; d < nope; d += 8) {
-      float wv = ld_f(wcol + (size_t)d * kv_lora);
+  for (int c0 = 0; c0 < nope; c0 += 8 * ABS_PER) {
+    if (c0 > 0) {
 #pragma unroll
-      for (int tt = 0; tt < ABS_TT; tt++) acc[tt] += qs[tt * nope + d] * wv;
+      for (int i = 0; i < ABS_PER; i++) {
+        int d = c0 + w + 8 * i;
+        wv[i] = d < nope ? ld_f(wcol + (size_t)d * kv_lora) : 0.0f;
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < ABS_PER; i++) {
+      int d = c0 + w + 8 * i;
+      if (d < nope)
+#pragma unroll
+        for (int tt = 0; tt < ABS_TT; tt++) acc[tt] += qs[tt * nope + d] * wv[i];
     }
   }
 #pragma unroll
@@ -449,6 +580,7 @@ __device__ void absorb_impl(const float* q, const W* kv_b, O* out, int T, int H,
     }
   }
 }
+// absorb_impl calls pdl_enter itself, after its weight loads.
 #define ABSORB(NAME, W, O)                                                                    \
   extern "C" __global__ void NAME(const float* q, const W* kv_b, O* out, int T, int H,       \
                                   int nope, int rope, int v, int kv_lora, int split) {       \
@@ -480,10 +612,12 @@ __device__ void unabsorb_impl(const float* o_lat, const W* kv_b, float* out, int
 }
 extern "C" __global__ void unabsorb_f32(const float* o, const float* w, float* out, int T, int H,
                                         int nope, int v, int kv_lora) {
+  pdl_enter();
   unabsorb_impl(o, w, out, T, H, nope, v, kv_lora);
 }
 extern "C" __global__ void unabsorb_bf16(const float* o, const bf16_t* w, float* out, int T, int H,
                                          int nope, int v, int kv_lora) {
+  pdl_enter();
   unabsorb_impl(o, w, out, T, H, nope, v, kv_lora);
 }
 
@@ -506,11 +640,13 @@ __device__ void gather_latent_impl(const KV* pages, const int* table, int page, 
 }
 extern "C" __global__ void gather_latent_f32(const float* pages, const int* table, int page,
                                              int width, float* out, float* ckv, int kv_lora) {
+  pdl_enter();
   gather_latent_impl(pages, table, page, width, out, ckv, kv_lora, 0);
 }
 extern "C" __global__ void gather_latent_bf16(const bf16_t* pages, const int* table, int page,
                                               int width, float* out, float* ckv, int kv_lora,
                                               int split) {
+  pdl_enter();
   gather_latent_impl(pages, table, page, width, out, ckv, kv_lora, split);
 }
 
@@ -537,11 +673,13 @@ __device__ void mha_build_kv_impl(const float* kv, const float* lat, int H, int 
 }
 extern "C" __global__ void mha_build_kv_f32(const float* kv, const float* lat, int H, int nope,
                                             int rope, int v, int kv_lora, float* K, float* V) {
+  pdl_enter();
   mha_build_kv_impl(kv, lat, H, nope, rope, v, kv_lora, K, V, 0);
 }
 extern "C" __global__ void mha_build_kv_bf16(const float* kv, const float* lat, int H, int nope,
                                              int rope, int v, int kv_lora, bf16_t* K, bf16_t* V,
                                              int split) {
+  pdl_enter();
   mha_build_kv_impl(kv, lat, H, nope, rope, v, kv_lora, K, V, split);
 }
 
@@ -571,6 +709,7 @@ __device__ __forceinline__ void warp_argmax(float v, int i, float* bv, int* bi) 
 
 extern "C" __global__ void moe_route(const float* logits, const float* bias, RouteParams p,
                                      int* ids, float* weights) {
+  pdl_enter();
   __shared__ float score[1024];
   __shared__ float choice[1024];
   __shared__ float gscore[1024];
@@ -659,69 +798,127 @@ extern "C" __global__ void moe_route(const float* logits, const float* bias, Rou
 }
 
 // act[t·K+s][r] = silu(gate_e[r]·x_t) · (up_e[r]·x_t), e = ids[t][s]; experts stacked
-// [E_total][inter][hidden]; a warp streams the gate and up rows together.
-// Grid: (ceil(inter/8), T·K); block 256.
-template <typename W>
+// [E_total][inter][hidden]; a warp streams R gate rows and their R up rows together.
+// `moe_gate_up_*` take R = 2 (704 blocks for 8 slots of 1,408 rows: one wave on a 132-SM card,
+// and four weight rows in flight per warp), `moe_gate_up1_*` R = 1 (the kernel before session
+// 13, kept for FERRY_FUSE=0's before/after). Each output is the same arithmetic either way.
+// Grid: (ceil(inter / (8·R)), T·K); block 256.
+template <int R, typename W>
 __device__ void moe_gate_up_impl(const float* x, const int* ids, const W* gate, const W* up,
                                  float* act, int K, int inter, int hidden) {
   int slot = blockIdx.y, t = slot / K;
-  int r = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
-  if (r >= inter) return;
+  int r0 = (blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP) * R;
+  if (r0 >= inter) return;
   size_t e = (size_t)ids[slot];
-  float gu[2][GEMV_MAX_M];
+  float gu[2 * R][GEMV_MAX_M];
+  const W* rows[2 * R];
 #pragma unroll
-  for (int i = 0; i < GEMV_MAX_M; i++) gu[0][i] = gu[1][i] = 0.0f;
-  const W* rows[2] = {gate + (e * inter + r) * hidden, up + (e * inter + r) * hidden};
-  warp_rows_dots<2>(x + (size_t)t * hidden, 1, hidden, rows, hidden, gu);
-  if (threadIdx.x % WARP == 0) act[(size_t)slot * inter + r] = silu_f(gu[0][0]) * gu[1][0];
+  for (int k = 0; k < R; k++) {
+    // Rows past the end repeat the last one (computed, never written).
+    size_t r = (size_t)min(r0 + k, inter - 1);
+    rows[k] = gate + (e * inter + r) * hidden;
+    rows[R + k] = up + (e * inter + r) * hidden;
+  }
+#pragma unroll
+  for (int k = 0; k < 2 * R; k++)
+#pragma unroll
+    for (int i = 0; i < GEMV_MAX_M; i++) gu[k][i] = 0.0f;
+  warp_rows_dots<2 * R>(x + (size_t)t * hidden, 1, hidden, rows, hidden, gu);
+  if (threadIdx.x % WARP == 0)
+#pragma unroll
+    for (int k = 0; k < R; k++)
+      if (r0 + k < inter) act[(size_t)slot * inter + r0 + k] = silu_f(gu[k][0]) * gu[R + k][0];
 }
 extern "C" __global__ void moe_gate_up_f32(const float* x, const int* ids, const float* gate,
-                                           const float* up, float* act, int K, int inter,
-                                           int hidden) {
-  moe_gate_up_impl(x, ids, gate, up, act, K, inter, hidden);
+                                            const float* up, float* act, int K, int inter,
+                                            int hidden) {
+  pdl_enter();
+  moe_gate_up_impl<2>(x, ids, gate, up, act, K, inter, hidden);
 }
 extern "C" __global__ void moe_gate_up_bf16(const float* x, const int* ids, const bf16_t* gate,
                                             const bf16_t* up, float* act, int K, int inter,
                                             int hidden) {
-  moe_gate_up_impl(x, ids, gate, up, act, K, inter, hidden);
+  pdl_enter();
+  moe_gate_up_impl<2>(x, ids, gate, up, act, K, inter, hidden);
+}
+extern "C" __global__ void moe_gate_up1_f32(const float* x, const int* ids, const float* gate,
+                                            const float* up, float* act, int K, int inter,
+                                            int hidden) {
+  pdl_enter();
+  moe_gate_up_impl<1>(x, ids, gate, up, act, K, inter, hidden);
+}
+extern "C" __global__ void moe_gate_up1_bf16(const float* x, const int* ids, const bf16_t* gate,
+                                            const bf16_t* up, float* act, int K, int inter,
+                                            int hidden) {
+  pdl_enter();
+  moe_gate_up_impl<1>(x, ids, gate, up, act, K, inter, hidden);
 }
 
 // h[t][j] += Σ_s w[t][s] · (down_e[j] · act[t·K+s]); down stacked [E_total][hidden][inter].
-// One block per (j, t): warp w takes slots w, w + 8, …, and the per-warp partials are summed in
-// a fixed order (deterministic), so the K expert rows of an output stream in parallel.
-// Grid: (hidden, T); block 256.
-template <typename W>
+// One block per (MOE_DOWN_R outputs j, token t): warp w takes slots w, w + 8, … and streams
+// the MOE_DOWN_R expert rows of its slot together (one row of 1,408 bf16 alone is too short to
+// keep a warp's loads in flight); the per-warp partials are summed in a fixed order
+// (deterministic), each output's dot products in the same order as with one row per block.
+// `moe_down_*` take 4 outputs per block, `moe_down1_*` one (the kernel before session 13,
+// kept for FERRY_FUSE=0's before/after). Grid: (ceil(hidden / R), T); block 256.
+template <int MOE_DOWN_R, typename W>
 __device__ void moe_down_impl(const float* act, const int* ids, const float* wts, const W* down,
                               float* h, int K, int inter, int hidden) {
-  __shared__ float part[8];
-  int t = blockIdx.y, j = blockIdx.x, w = threadIdx.x / WARP;
-  float total = 0.0f;
+  __shared__ float part[8][MOE_DOWN_R];
+  int t = blockIdx.y, j0 = blockIdx.x * MOE_DOWN_R, w = threadIdx.x / WARP;
+  float total[MOE_DOWN_R];
+#pragma unroll
+  for (int r = 0; r < MOE_DOWN_R; r++) total[r] = 0.0f;
   for (int s = w; s < K; s += blockDim.x / WARP) {
     size_t e = (size_t)ids[(size_t)t * K + s];
-    float acc[GEMV_MAX_M];
+    float acc[MOE_DOWN_R][GEMV_MAX_M];
+    const W* rows[MOE_DOWN_R];
 #pragma unroll
-    for (int i = 0; i < GEMV_MAX_M; i++) acc[i] = 0.0f;
-    warp_row_dots(act + ((size_t)t * K + s) * inter, 1, inter, down + (e * hidden + j) * inter,
-                  inter, acc);
-    total += wts[(size_t)t * K + s] * acc[0];
+    for (int r = 0; r < MOE_DOWN_R; r++) {
+      // Rows past the end repeat the last one (computed, never written).
+      rows[r] = down + (e * hidden + min(j0 + r, hidden - 1)) * inter;
+#pragma unroll
+      for (int i = 0; i < GEMV_MAX_M; i++) acc[r][i] = 0.0f;
+    }
+    warp_rows_dots<MOE_DOWN_R>(act + ((size_t)t * K + s) * inter, 1, inter, rows, inter, acc);
+    float ws = wts[(size_t)t * K + s];
+#pragma unroll
+    for (int r = 0; r < MOE_DOWN_R; r++) total[r] += ws * acc[r][0];
   }
-  if (threadIdx.x % WARP == 0) part[w] = total;
+  if (threadIdx.x % WARP == 0)
+#pragma unroll
+    for (int r = 0; r < MOE_DOWN_R; r++) part[w][r] = total[r];
   __syncthreads();
-  if (threadIdx.x == 0) {
+  int r = threadIdx.x;
+  if (r < MOE_DOWN_R && j0 + r < hidden) {
     float sum = 0.0f;
-    for (int x = 0; x < blockDim.x / WARP; x++) sum += part[x];
-    h[(size_t)t * hidden + j] += sum;
+    for (int x = 0; x < blockDim.x / WARP; x++) sum += part[x][r];
+    h[(size_t)t * hidden + j0 + r] += sum;
   }
 }
 extern "C" __global__ void moe_down_f32(const float* act, const int* ids, const float* w,
-                                        const float* down, float* h, int K, int inter,
-                                        int hidden) {
-  moe_down_impl(act, ids, w, down, h, K, inter, hidden);
+                                         const float* down, float* h, int K, int inter,
+                                         int hidden) {
+  pdl_enter();
+  moe_down_impl<4>(act, ids, w, down, h, K, inter, hidden);
 }
 extern "C" __global__ void moe_down_bf16(const float* act, const int* ids, const float* w,
                                          const bf16_t* down, float* h, int K, int inter,
                                          int hidden) {
-  moe_down_impl(act, ids, w, down, h, K, inter, hidden);
+  pdl_enter();
+  moe_down_impl<4>(act, ids, w, down, h, K, inter, hidden);
+}
+extern "C" __global__ void moe_down1_f32(const float* act, const int* ids, const float* w,
+                                         const float* down, float* h, int K, int inter,
+                                         int hidden) {
+  pdl_enter();
+  moe_down_impl<1>(act, ids, w, down, h, K, inter, hidden);
+}
+extern "C" __global__ void moe_down1_bf16(const float* act, const int* ids, const float* w,
+                                         const bf16_t* down, float* h, int K, int inter,
+                                         int hidden) {
+  pdl_enter();
+  moe_down_impl<1>(act, ids, w, down, h, K, inter, hidden);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -771,6 +968,7 @@ __device__ int block_exclusive_scan(int v, int* scratch, int* total) {
 // Grid: 1; block MOE_GROUP_THREADS; n_total <= MOE_MAX_EXPERTS.
 extern "C" __global__ void moe_group(const int* ids, int pairs, int n_total, int chunk,
                                      int* order, int* chunks, int* n_chunks) {
+  pdl_enter();
   __shared__ int count[MOE_MAX_EXPERTS];
   __shared__ int next[MOE_MAX_EXPERTS];
   __shared__ int scratch[WARP + 1];
@@ -852,12 +1050,14 @@ extern "C" __global__ void moe_gate_up_grouped_f32(const float* x, const int* or
                                                    const int* chunks, const int* n_chunks,
                                                    const float* gate, const float* up, float* act,
                                                    int K, int inter, int hidden) {
+  pdl_enter();
   moe_gate_up_grouped_impl(x, order, chunks, n_chunks, gate, up, act, K, inter, hidden);
 }
 extern "C" __global__ void moe_gate_up_grouped_bf16(const float* x, const int* order,
                                                     const int* chunks, const int* n_chunks,
                                                     const bf16_t* gate, const bf16_t* up,
                                                     float* act, int K, int inter, int hidden) {
+  pdl_enter();
   moe_gate_up_grouped_impl(x, order, chunks, n_chunks, gate, up, act, K, inter, hidden);
 }
 
@@ -887,12 +1087,14 @@ extern "C" __global__ void moe_down_grouped_f32(const float* act, const int* ord
                                                 const int* chunks, const int* n_chunks,
                                                 const float* w, const float* down, float* y,
                                                 int inter, int hidden) {
+  pdl_enter();
   moe_down_grouped_impl(act, order, chunks, n_chunks, w, down, y, inter, hidden);
 }
 extern "C" __global__ void moe_down_grouped_bf16(const float* act, const int* order,
                                                  const int* chunks, const int* n_chunks,
                                                  const float* w, const bf16_t* down, float* y,
                                                  int inter, int hidden) {
+  pdl_enter();
   moe_down_grouped_impl(act, order, chunks, n_chunks, w, down, y, inter, hidden);
 }
 
@@ -952,6 +1154,7 @@ extern "C" __global__ void moe_gate_up_mma(const float* x, const int* order, con
                                            const int* n_chunks, const bf16_t* gate,
                                            const bf16_t* up, float* act, int K, int inter,
                                            int hidden) {
+  pdl_enter();
 #if FERRY_MMA
   int c = blockIdx.y;
   if (c >= *n_chunks) return;
@@ -1005,6 +1208,7 @@ extern "C" __global__ void moe_gate_up_mma(const float* x, const int* order, con
 extern "C" __global__ void moe_down_mma(const float* act, const int* order, const int* chunks,
                                         const int* n_chunks, const float* wts,
                                         const bf16_t* down, float* y, int inter, int hidden) {
+  pdl_enter();
 #if FERRY_MMA
   int c = blockIdx.y;
   if (c >= *n_chunks) return;
@@ -1051,6 +1255,7 @@ extern "C" __global__ void moe_down_mma(const float* act, const int* order, cons
 // h[t][j] += Σ_s y[t·K + s][j], the slots summed in order. Grid: ceil(T·hidden / 256); block 256.
 extern "C" __global__ void moe_sum_slots(const float* y, float* h, int K, int hidden,
                                          long long n) {
+  pdl_enter();
   long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (idx >= n) return;
   long long t = idx / hidden, j = idx % hidden;
@@ -1064,6 +1269,7 @@ extern "C" __global__ void moe_sum_slots(const float* y, float* h, int K, int hi
 // [-1, 1) from a 64-bit mix of (seed, i).
 extern "C" __global__ void fill_random_bf16(bf16_t* x, long long n, unsigned long long seed,
                                             float scale) {
+  pdl_enter();
   long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= n) return;
   unsigned long long z = seed + 0x9e3779b97f4a7c15ull * (unsigned long long)(i + 1);

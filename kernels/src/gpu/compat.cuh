@@ -45,6 +45,32 @@ __device__ __forceinline__ unsigned ferry_f2u(float f) { return __float_as_uint(
 #define FERRY_INF __int_as_float(0x7f800000)
 #define WARP 32
 
+// Programmatic dependent launch (sm_90+, CUDA). The host launches every kernel with the
+// programmatic-stream-serialization attribute (kernels/src/cuda/context.rs), which lets a
+// kernel's blocks start while the kernel before it in the stream is still running. So every
+// kernel's first statement is `pdl_enter()`: `griddepcontrol.wait` blocks until the previous
+// grid has completed and its writes are visible (so nothing a kernel reads or writes can race
+// with its predecessor), then `griddepcontrol.launch_dependents` lets the next kernel's blocks
+// be scheduled now, into the slots this grid leaves free, instead of after it retires. A
+// kernel may do work that touches no data another kernel writes (e.g. prefetch its weights
+// into L2) before `pdl_enter()`. Without the attribute (FERRY_PDL=0, graphs captured without
+// it, other vendors) both instructions are no-ops.
+#if !FERRY_HIP && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+__device__ __forceinline__ void pdl_enter() {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+// Pulls `bytes` from `p` into L2 (128-byte lines, spread over the calling warp's lanes).
+__device__ __forceinline__ void prefetch_l2(const void* p, size_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (size_t o = (size_t)(threadIdx.x % WARP) * 128; o < bytes; o += WARP * 128)
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(c + o));
+}
+#else
+__device__ __forceinline__ void pdl_enter() {}
+__device__ __forceinline__ void prefetch_l2(const void*, size_t) {}
+#endif
+
 typedef unsigned short bf16_t;
 typedef unsigned int u32;
 typedef unsigned long long u64;

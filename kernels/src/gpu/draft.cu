@@ -29,10 +29,12 @@ __device__ void draft_scatter_impl(const float* rows, const long long* slots, KV
 }
 extern "C" __global__ void draft_scatter_f32(const float* rows, const long long* slots,
                                              float* pages, int width, long long total) {
+  pdl_enter();
   draft_scatter_impl(rows, slots, pages, width, total);
 }
 extern "C" __global__ void draft_scatter_bf16(const float* rows, const long long* slots,
                                               bf16_t* pages, int width, long long total) {
+  pdl_enter();
   draft_scatter_impl(rows, slots, pages, width, total);
 }
 
@@ -247,7 +249,7 @@ __device__ void draft_attn_impl(const DraftAttnArgs& a) {
 
 #define DRAFT_ATTN(KV, kvname, QB, D)                                               \
   extern "C" __global__ void __launch_bounds__(DA_WARPS * WARP)                     \
-      draft_attn_##kvname##_q##QB##_d##D(DraftAttnArgs a) {                         \
+      draft_attn_##kvname##_q##QB##_d##D(DraftAttnArgs a) { pdl_enter();                         \
     draft_attn_impl<KV, QB, D / WARP>(a);                                           \
   }
 #define DRAFT_ATTN_D(KV, kvname, QB) \
@@ -266,6 +268,7 @@ DRAFT_ATTN_D(bf16_t, bf16, 16)
 // m = −inf and weight 0; a NaN partial (a bad index) stays NaN.
 extern "C" __global__ void draft_attn_combine(const float* o_part, const float* ml_part,
                                               int splits, int rows, int d, float* out) {
+  pdl_enter();
   extern __shared__ float w_s[];
   size_t r = blockIdx.x;
   float M = -FERRY_INF;
@@ -289,6 +292,7 @@ extern "C" __global__ void draft_attn_combine(const float* o_part, const float* 
 // Grid: rows; block 128.
 extern "C" __global__ void draft_concat(const float* src, int n, const int* rows, int width,
                                         float* dst, int dst_stride, int col0) {
+  pdl_enter();
   int sr = rows[blockIdx.x];
   bool ok = sr >= 0 && sr < n;
   const float* s = src + (size_t)(ok ? sr : 0) * width;
@@ -300,6 +304,7 @@ extern "C" __global__ void draft_concat(const float* src, int n, const int* rows
 // out[r] = σ(Σ_i w[i]·h[r][i] + Σ_i w[hid + i]·e[r][i] + bias). A warp per row; block 256.
 extern "C" __global__ void draft_confidence(const float* h, const float* e, const float* w,
                                             int rows, int hid, int rank, float bias, float* out) {
+  pdl_enter();
   int r = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
   int lane = threadIdx.x % WARP;
   float acc = 0.0f;

@@ -168,9 +168,11 @@ __device__ void mla_generic_impl(const MlaArgs& a) {
   }
 }
 extern "C" __global__ void mla_generic_f32(MlaArgs a) {
+  pdl_enter();
   mla_generic_impl<float, float, MLA_DQK, MLA_DQK, 0>(a);
 }
 extern "C" __global__ void mla_generic_bf16(MlaArgs a) {
+  pdl_enter();
   mla_generic_impl<bf16_t, bf16_t, MLA_QROW, MLA_KROW, MLA_SPLIT>(a);
 }
 
@@ -181,6 +183,7 @@ extern "C" __global__ void mla_generic_bf16(MlaArgs a) {
 // a serial per-thread walk over the splits cost more than the attention itself.
 extern "C" __global__ void mla_combine(const float* o_part, const float* ml_part, int splits,
                                        int total_rows, float* out) {
+  pdl_enter();
   extern __shared__ float s_w[];  // [splits]
   __shared__ float s_red[32];
   size_t r = blockIdx.x;
@@ -225,6 +228,7 @@ extern "C" __global__ void mla_combine(const float* o_part, const float* ml_part
 
 // [T][H][W] → [T][Hp][W] with zero rows H..Hp (bf16). Grid: T·Hp; block 128.
 extern "C" __global__ void pad_heads_bf16(const bf16_t* src, bf16_t* dst, int H, int Hp, int W) {
+  pdl_enter();
   int t = blockIdx.x / Hp, h = blockIdx.x % Hp;
   bf16_t* d = dst + (size_t)blockIdx.x * W;
   for (int i = threadIdx.x; i < W; i += blockDim.x)
@@ -232,6 +236,7 @@ extern "C" __global__ void pad_heads_bf16(const bf16_t* src, bf16_t* dst, int H,
 }
 // [T][Hp][W] → [T][H][W] (f32). Grid: T·H; block 128.
 extern "C" __global__ void unpad_heads_f32(const float* src, float* dst, int H, int Hp, int W) {
+  pdl_enter();
   int t = blockIdx.x / H, h = blockIdx.x % H;
   const float* s = src + ((size_t)t * Hp + h) * W;
   for (int i = threadIdx.x; i < W; i += blockDim.x) dst[(size_t)blockIdx.x * W + i] = s[i];
@@ -844,8 +849,10 @@ __device__ void mla_tile_scalar(const MlaArgs& a) {
 #else
 #define MLA_TILE_BODY(P) mla_tile_scalar<P>(a)
 #endif
-extern "C" __global__ void __launch_bounds__(128) mla_tile_bf16(MlaArgs a) { MLA_TILE_BODY(0); }
-extern "C" __global__ void __launch_bounds__(128) mla_packed_bf16(MlaArgs a) { MLA_TILE_BODY(1); }
+extern "C" __global__ void __launch_bounds__(128) mla_tile_bf16(MlaArgs a) {
+  pdl_enter(); MLA_TILE_BODY(0); }
+extern "C" __global__ void __launch_bounds__(128) mla_packed_bf16(MlaArgs a) {
+  pdl_enter(); MLA_TILE_BODY(1); }
 
 // ---------------------------------------------------------------------------------------------
 // Absorbed tile kernel, warp-specialised (sm_90): the 4-warp kernel's tiling and math, with the
@@ -924,9 +931,11 @@ __device__ void mla_tile_ws(const MlaArgs& a) {
   tile_finish(a, split, acc, s_l, s_row, sync);
 }
 extern "C" __global__ void __launch_bounds__(160) mla_tile_ws_bf16(MlaArgs a) {
+  pdl_enter();
   mla_tile_ws<0>(a);
 }
 extern "C" __global__ void __launch_bounds__(160) mla_packed_ws_bf16(MlaArgs a) {
+  pdl_enter();
   mla_tile_ws<1>(a);
 }
 #endif
@@ -1123,9 +1132,11 @@ __device__ void mla_tile8_mma(const MlaArgs& a) {
   }
 }
 extern "C" __global__ void __launch_bounds__(256, 1) mla_tile8_bf16(MlaArgs a) {
+  pdl_enter();
   mla_tile8_mma<0>(a);
 }
 extern "C" __global__ void __launch_bounds__(256, 1) mla_packed8_bf16(MlaArgs a) {
+  pdl_enter();
   mla_tile8_mma<1>(a);
 }
 #endif
@@ -1150,6 +1161,7 @@ struct MhaArgs {
 #define M_QPL ((MHA_DQK + WARP - 1) / WARP)
 #define M_VPL ((MHA_DV + WARP - 1) / WARP)
 extern "C" __global__ void mha_f32(MhaArgs a) {
+  pdl_enter();
   __shared__ float s_m[4], s_l[4];
   __shared__ float s_o[4][MHA_DV];
   int H = a.heads, qrow = blockIdx.x / H, h = blockIdx.x % H;
@@ -1218,6 +1230,7 @@ extern "C" __global__ void mha_f32(MhaArgs a) {
 #define FKS (MHA_QKB + 8)
 #define FVS (MHA_DV + 8)
 extern "C" __global__ void __launch_bounds__(128) mha_flash_bf16(MhaArgs a) {
+  pdl_enter();
   extern __shared__ __align__(16) unsigned char smem[];
   bf16_t* s_q = (bf16_t*)smem;             // [FQ][FKS]
   bf16_t* s_k = s_q + FQ * FKS;            // [2][FK][FKS]
@@ -1551,6 +1564,7 @@ __device__ __forceinline__ void wg_pv(float (*o)[32], u32 (*pf)[4], u32 v_addr) 
 }
 
 extern "C" __global__ void __launch_bounds__(128 * MHA_WGS, 3 - MHA_WGS) mha_wgmma_bf16(MhaArgs a) {
+  pdl_enter();
   extern __shared__ __align__(16) unsigned char smem[];
   // Swizzled tiles need 1024-byte-aligned atoms: the host allots 1 KB of slack for this.
   unsigned char* base = smem + ((1024 - (smem_u32(smem) & 1023)) & 1023) * MHA_WG_SWZ;
@@ -1818,6 +1832,7 @@ __device__ __forceinline__ void ws_pv(float (*o)[MHA_WS_PVN / 2], u32 (*pf)[4], 
 extern "C" __global__ void __launch_bounds__(288, 1)
     mha_ws_bf16(MhaArgs a, const __grid_constant__ TmaMap tm_q,
                 const __grid_constant__ TmaMap tm_k, const __grid_constant__ TmaMap tm_v) {
+  pdl_enter();
   extern __shared__ __align__(16) unsigned char smem[];
   // Swizzled tiles need 1024-byte-aligned atoms: the host allots 1 KB of slack.
   u32 s_q = smem_u32(smem);

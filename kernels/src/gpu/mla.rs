@@ -345,12 +345,37 @@ unsafe impl KernelParam for MlaArgsC {}
 /// at once, so the launch is one wave), at least one, each at least 64 keys;
 /// `keys_per_split` is a multiple of 64 (whole tile steps).
 pub fn plan_splits(target_blocks: usize, work_items: usize, max_ctx: usize) -> (usize, usize) {
+    plan_splits_min(target_blocks, work_items, max_ctx, TILE_KEYS)
+}
+
+/// [`plan_splits`] with at least `min_keys` keys per split (rounded up to whole 64-key steps):
+/// fewer, longer splits trade parallelism for less per-split work (the query tile's load, one
+/// partial row of `kv_lora` floats per head written and merged).
+pub fn plan_splits_min(
+    target_blocks: usize,
+    work_items: usize,
+    max_ctx: usize,
+    min_keys: usize,
+) -> (usize, usize) {
     let max_ctx = max_ctx.max(1);
     let want = (target_blocks / work_items.max(1)).max(1);
-    let max_splits = max_ctx.div_ceil(TILE_KEYS).max(1);
+    let min_keys = min_keys.max(1).div_ceil(TILE_KEYS) * TILE_KEYS;
+    let max_splits = max_ctx.div_ceil(min_keys).max(1);
     let splits = want.min(max_splits);
     let kps = max_ctx.div_ceil(splits).div_ceil(TILE_KEYS) * TILE_KEYS;
     (max_ctx.div_ceil(kps), kps)
+}
+
+/// The fewest keys one split of the absorbed kernels takes: `FERRY_MLA_SPLIT_KEYS` (a
+/// benchmark sweep's knob), else 64.
+fn split_keys() -> usize {
+    static KEYS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *KEYS.get_or_init(|| {
+        std::env::var("FERRY_MLA_SPLIT_KEYS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(TILE_KEYS)
+    })
 }
 
 fn int(field: &'static str, v: usize) -> Result<i32, KernelError> {
@@ -512,7 +537,7 @@ pub fn mla_absorbed<D: Gpu>(
     } else {
         1
     };
-    let (splits, kps) = plan_splits(target * per_sm, b.batch * items, b.max_ctx);
+    let (splits, kps) = plan_splits_min(target * per_sm, b.batch * items, b.max_ctx, split_keys());
     let defines = shape.defines();
     let (o_part, ml_part) = if splits > 1 {
         (

@@ -289,6 +289,51 @@ pub fn gemv<D: Gpu>(
     dev.launch(&f, LaunchDims::linear(n.div_ceil(8), 256), &mut a)
 }
 
+/// Two projections of the same `x` (`m <= 8` rows, equal input width and element type) in one
+/// GEMV launch (`gemv_pair_*`): `out1 = x · W1ᵀ`, `out2 = x · W2ᵀ`, bitwise what two [`gemv`]
+/// launches give. An attention layer's first query projection and `kv_a` (see
+/// [`crate::backend::linear::linear_pair`]).
+pub fn gemv_pair<D: Gpu>(
+    dev: &D,
+    x: Dv<f32>,
+    (w1, out1): (&GpuMatrix<D>, Dv<f32>),
+    (w2, out2): (&GpuMatrix<D>, Dv<f32>),
+) -> Result<(), KernelError> {
+    const OP: &str = "gpu_gemv_pair";
+    let k = w1.cols;
+    if w2.cols != k || w1.is_bf16() != w2.is_bf16() {
+        return Err(KernelError::InvalidParam {
+            op: OP,
+            field: "w2",
+            limit: "the input width and element type of w1",
+            value: format!("{} columns (w1: {k})", w2.cols),
+        });
+    }
+    let m = x.len / k.max(1);
+    if m > GEMV_MAX_M || m * k != x.len {
+        return Err(KernelError::InvalidParam {
+            op: OP,
+            field: "x rows",
+            limit: "a whole number <= 8",
+            value: format!("{} / {k}", x.len),
+        });
+    }
+    need(OP, "out1", m * w1.rows, out1.len)?;
+    need(OP, "out2", m * w2.rows, out2.len)?;
+    let f = kernel(dev, if w1.is_bf16() { "gemv_pair_bf16" } else { "gemv_pair_f32" })?;
+    let mut a = KernelArgs::new();
+    a.push(x.ptr)
+        .push(int(OP, "m", m)?)
+        .push(w1.ptr())
+        .push(int(OP, "n1", w1.rows)?)
+        .push(out1.ptr)
+        .push(w2.ptr())
+        .push(int(OP, "n2", w2.rows)?)
+        .push(out2.ptr)
+        .push(int(OP, "k", k)?);
+    dev.launch(&f, LaunchDims::linear((w1.rows + w2.rows).div_ceil(8), 256), &mut a)
+}
+
 /// `out[t] = table[ids[t]]` (f32); an id outside the table gives a zero row.
 pub fn embed<D: Gpu>(
     dev: &D,
@@ -353,7 +398,13 @@ pub fn add_rms_norm<D: Gpu>(dev: &D, p: NormRows, eps: f32) -> Result<(), Kernel
         .push(p.out.map_or(0, |d| d.ptr))
         .push(int(OP, "width", p.width)?)
         .push(eps);
-    dev.launch(&f, LaunchDims::linear(rows, 256), &mut a)
+    // Enough threads that the row fits the kernel's registers (4 float4 per thread).
+    let threads = match p.width / 4 {
+        0..=1024 => 256,
+        1025..=2048 => 512,
+        _ => 1024,
+    };
+    dev.launch(&f, LaunchDims::linear(rows, threads), &mut a)
 }
 
 /// In-place RMSNorm of the first `weight.len` floats of each `stride`-float row of `x`.
@@ -1067,6 +1118,11 @@ pub fn moe_route<D: Gpu>(
     dev.launch(&f, LaunchDims::linear(t, 32), &mut a)
 }
 
+/// Outputs per block of `moe_down_*` (common.cu's `moe_down_impl<4>`).
+const MOE_DOWN_R: usize = 4;
+/// Gate/up rows per warp of `moe_gate_up_*` (common.cu's `moe_gate_up_impl<2>`).
+const MOE_GATE_UP_R: usize = 2;
+
 /// `h[t] += Σ_slots w · expert(x[t])` for routed slots (shared experts included as slots).
 pub fn moe_experts<D: Gpu>(
     dev: &D,
@@ -1089,12 +1145,17 @@ pub fn moe_experts<D: Gpu>(
     }
     let act = dev.alloc::<f32>(t * k * inter)?;
     let sfx = experts.gate.is_bf16();
+    // Two gate/up rows per warp and four down outputs per block; one of each (the kernels
+    // before session 13) when fusion is off, for before/after measurements in one binary.
+    let fuller = crate::backend::fuse();
+    let (up_rows, down_rows) = if fuller { (MOE_GATE_UP_R, MOE_DOWN_R) } else { (1, 1) };
     let f = kernel(
         dev,
-        if sfx {
-            "moe_gate_up_bf16"
-        } else {
-            "moe_gate_up_f32"
+        match (sfx, fuller) {
+            (true, true) => "moe_gate_up_bf16",
+            (false, true) => "moe_gate_up_f32",
+            (true, false) => "moe_gate_up1_bf16",
+            (false, false) => "moe_gate_up1_f32",
         },
     )?;
     // The grids' y dimension counts (token, slot) pairs and tokens, and CUDA caps it at
@@ -1113,13 +1174,21 @@ pub fn moe_experts<D: Gpu>(
             .push(int(OP, "inter", inter)?)
             .push(int(OP, "hidden", hidden)?);
         let dims = LaunchDims {
-            grid: (inter.div_ceil(8) as u32, (n * k) as u32, 1),
+            grid: (inter.div_ceil(8 * up_rows) as u32, (n * k) as u32, 1),
             block: (256, 1, 1),
             smem: 0,
         };
         dev.launch(&f, dims, &mut a)?;
     }
-    let f = kernel(dev, if sfx { "moe_down_bf16" } else { "moe_down_f32" })?;
+    let f = kernel(
+        dev,
+        match (sfx, fuller) {
+            (true, true) => "moe_down_bf16",
+            (false, true) => "moe_down_f32",
+            (true, false) => "moe_down1_bf16",
+            (false, false) => "moe_down1_f32",
+        },
+    )?;
     for t0 in (0..t).step_by(MAX_GRID_Y) {
         let n = MAX_GRID_Y.min(t - t0);
         let mut a = KernelArgs::new();
@@ -1132,7 +1201,7 @@ pub fn moe_experts<D: Gpu>(
             .push(int(OP, "inter", inter)?)
             .push(int(OP, "hidden", hidden)?);
         let dims = LaunchDims {
-            grid: (hidden as u32, n as u32, 1),
+            grid: (hidden.div_ceil(down_rows) as u32, n as u32, 1),
             block: (256, 1, 1),
             smem: 0,
         };

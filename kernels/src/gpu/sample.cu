@@ -202,6 +202,7 @@ __device__ void mark_degenerate(float* p, int n) {
 // Grid: rows; block: SAMPLE_THREADS. `vocab` < 2^24 (counts are exact in f32).
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     sample_probs(const float* logits, float* probs, const u32* params, int vocab) {
+  pdl_enter();
   __shared__ ProbsSmem s;
   const float* x = logits + (size_t)blockIdx.x * vocab;
   float* p = probs + (size_t)blockIdx.x * vocab;
@@ -272,6 +273,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
 // cpu::sample::argmax per row. Grid: rows; block: SAMPLE_THREADS.
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     sample_argmax(const float* logits, int vocab, int* out) {
+  pdl_enter();
   __shared__ float red_v[SAMPLE_WARPS];
   __shared__ int red_i[SAMPLE_WARPS];
   int a = block_argmax(logits + (size_t)blockIdx.x * vocab, vocab, red_v, red_i);
@@ -409,6 +411,7 @@ __device__ int block_draw(F value, int n, double u, DrawSmem& s, float* sum) {
 // Grid: rows; block: SAMPLE_THREADS.
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     sample_draw(const float* probs, const double* uniforms, int vocab, int* out) {
+  pdl_enter();
   __shared__ DrawSmem s;
   RowProbs row = {probs + (size_t)blockIdx.x * vocab};
   float sum;
@@ -428,6 +431,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     spec_verify(const float* p, const float* q, const int* drafts, const double* uniforms,
                 const int* q_offsets, const int* q_rows, int vocab, int* out, int width) {
+  pdl_enter();
   __shared__ DrawSmem s;
   int seq = blockIdx.x, tid = threadIdx.x;
   int q0 = q_offsets[seq], gamma = q_offsets[seq + 1] - q0;

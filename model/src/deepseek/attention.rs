@@ -3,7 +3,7 @@
 //! plan groups runs of sequences that share a form; see [`super::forward`]).
 
 use ferry_kernels::backend::latent::{latent_write, LatentWrite};
-use ferry_kernels::backend::linear::{linear, Linear};
+use ferry_kernels::backend::linear::{linear, linear_pair, Linear, LinearPair};
 use ferry_kernels::backend::mla_absorbed::{mla_absorbed, AbsorbedRun};
 use ferry_kernels::backend::mla_mha::{mla_mha, MhaRun};
 use ferry_kernels::backend::norm::{norm_strided, NormStrided};
@@ -93,10 +93,24 @@ impl DeepseekModel {
         let precision = self.kernels.precision;
         let lin = |x: &Tensor, w: &Weight| linear(b, Linear { x, w, precision });
 
+        // The two projections of `x`: the first query projection (q_a, or the full q) and
+        // kv_a, one launch for a decode step on a GPU.
+        let first = match &w.q {
+            QueryProj::LowRank { a, .. } => a,
+            QueryProj::Full(p) => p,
+        };
+        let p = LinearPair {
+            x,
+            first,
+            second: &w.kv_a,
+            precision,
+        };
+        let (q0, mut latent) = linear_pair(b, p)?;
+
         // Queries `[T][heads][qk_nope | qk_rope]`, RoPE on the rope part.
         let mut q = match &w.q {
             QueryProj::LowRank { a, norm, b: qb } => {
-                let mut qa = lin(x, a)?;
+                let mut qa = q0;
                 let p = NormStrided {
                     x: &mut qa,
                     stride: a.rows(),
@@ -106,7 +120,7 @@ impl DeepseekModel {
                 norm_strided(b, p)?;
                 lin(&qa, qb)?
             }
-            QueryProj::Full(p) => lin(x, p)?,
+            QueryProj::Full(_) => q0,
         };
         let layout = RotaryLayout {
             heads: d.heads,
@@ -121,7 +135,6 @@ impl DeepseekModel {
         rope(b, p)?;
 
         // The latent: [normalised c_kv | rotated k_pe] per token, written into the cache.
-        let mut latent = lin(x, &w.kv_a)?;
         let p = LatentWrite {
             latent: &mut latent,
             norm: &w.kv_a_norm,

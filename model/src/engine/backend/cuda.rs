@@ -136,8 +136,8 @@ impl CudaRows {
     /// NVRTC compiles each kernel source on first use, which can take seconds on a cold
     /// machine; on the engine thread that would stall the first requests and the worker's
     /// heartbeats (they wait for the engine's stats), and the router would drop the worker.
-    /// Runs a short prompt in the MHA form, then one decode step in the absorbed form, in the
-    /// first blocks of the cache: those rows are garbage afterwards, but every row is written
+    /// Runs a short prompt in the MHA form, then one decode step in the absorbed form (one
+    /// sequence, then a batch of 8), in the first blocks of the cache: those rows are garbage afterwards, but every row is written
     /// by a forward or a peer before any forward reads it.
     fn warm_up(&mut self, gpu: &DeepseekModel) -> Result<(), ModelError> {
         let layout = *self.cache.layout();
@@ -148,7 +148,6 @@ impl CudaRows {
             (AttentionForm::Mha, 0, positions.saturating_sub(1).max(1)),
             (AttentionForm::Absorbed, positions - 1, positions),
         ];
-        let mut result = Ok(());
         for (form, start, end) in steps {
             if start >= end {
                 continue;
@@ -161,14 +160,26 @@ impl CudaRows {
                     logits: LogitsWanted::Last,
                 }],
             };
-            result = gpu
-                .forward_with(&batch, &mut self.cache, FormPolicy::Force(form))
-                .map(drop);
-            if result.is_err() {
-                break;
-            }
+            gpu.forward_with(&batch, &mut self.cache, FormPolicy::Force(form))?;
         }
-        result
+        // The absorbed tile kernels take their ring depth as a compile-time define that
+        // changes at 8 (sequence, tile) items (`kernels::gpu::mla`): one decode step of 8
+        // sequences compiles the batched variant too, so the first batch of 8 does not stall
+        // on NVRTC (a 12–13 s TTFT tail at the first concurrency above 4 after each start).
+        // The sequences share the warm-up blocks: their rows are garbage as well.
+        let last = positions - 1;
+        let batch = BatchInputs {
+            seqs: (0..8)
+                .map(|_| SeqInput {
+                    tokens: &tokens[last..positions],
+                    start_pos: last,
+                    block_table: &table,
+                    logits: LogitsWanted::Last,
+                })
+                .collect(),
+        };
+        gpu.forward_with(&batch, &mut self.cache, FormPolicy::Force(AttentionForm::Absorbed))
+            .map(drop)
     }
 
     /// The shipping counters.
