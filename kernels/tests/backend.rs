@@ -468,7 +468,11 @@ fn linear_pair_is_bitwise_two_linears_on_every_backend() {
     for (k, n1, n2) in [(64, 40, 9), (70, 33, 17)] {
         let w1 = common::uniform(&mut rng, n1 * k, 0.3);
         let w2 = common::uniform(&mut rng, n2 * k, 0.3);
-        let bf = |v: &[f32]| v.iter().map(|&v| half::bf16::from_f32(v)).collect::<Vec<_>>();
+        let bf = |v: &[f32]| {
+            v.iter()
+                .map(|&v| half::bf16::from_f32(v))
+                .collect::<Vec<_>>()
+        };
         let pairs = [
             (
                 Matrix::from_f32(n1, k, w1.clone()).expect("w1"),
@@ -509,8 +513,16 @@ fn linear_pair_is_bitwise_two_linears_on_every_backend() {
                     let (y1, y2) = linear_pair(&b, p).expect("linear_pair");
                     let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
                     let what = format!("{} k {k} m {m}", b.name());
-                    assert_eq!(bits(y1.to_host().expect("y1")), bits(one(&a_t)), "{what}: first");
-                    assert_eq!(bits(y2.to_host().expect("y2")), bits(one(&c_t)), "{what}: second");
+                    assert_eq!(
+                        bits(y1.to_host().expect("y1")),
+                        bits(one(&a_t)),
+                        "{what}: first"
+                    );
+                    assert_eq!(
+                        bits(y2.to_host().expect("y2")),
+                        bits(one(&c_t)),
+                        "{what}: second"
+                    );
                 }
             }
         }

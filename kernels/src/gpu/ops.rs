@@ -320,7 +320,14 @@ pub fn gemv_pair<D: Gpu>(
     }
     need(OP, "out1", m * w1.rows, out1.len)?;
     need(OP, "out2", m * w2.rows, out2.len)?;
-    let f = kernel(dev, if w1.is_bf16() { "gemv_pair_bf16" } else { "gemv_pair_f32" })?;
+    let f = kernel(
+        dev,
+        if w1.is_bf16() {
+            "gemv_pair_bf16"
+        } else {
+            "gemv_pair_f32"
+        },
+    )?;
     let mut a = KernelArgs::new();
     a.push(x.ptr)
         .push(int(OP, "m", m)?)
@@ -331,7 +338,11 @@ pub fn gemv_pair<D: Gpu>(
         .push(int(OP, "n2", w2.rows)?)
         .push(out2.ptr)
         .push(int(OP, "k", k)?);
-    dev.launch(&f, LaunchDims::linear((w1.rows + w2.rows).div_ceil(8), 256), &mut a)
+    dev.launch(
+        &f,
+        LaunchDims::linear((w1.rows + w2.rows).div_ceil(8), 256),
+        &mut a,
+    )
 }
 
 /// `out[t] = table[ids[t]]` (f32); an id outside the table gives a zero row.
@@ -1148,7 +1159,11 @@ pub fn moe_experts<D: Gpu>(
     // Two gate/up rows per warp and four down outputs per block; one of each (the kernels
     // before session 13) when fusion is off, for before/after measurements in one binary.
     let fuller = crate::backend::fuse();
-    let (up_rows, down_rows) = if fuller { (MOE_GATE_UP_R, MOE_DOWN_R) } else { (1, 1) };
+    let (up_rows, down_rows) = if fuller {
+        (MOE_GATE_UP_R, MOE_DOWN_R)
+    } else {
+        (1, 1)
+    };
     let f = kernel(
         dev,
         match (sfx, fuller) {

@@ -178,8 +178,12 @@ impl CudaRows {
                 })
                 .collect(),
         };
-        gpu.forward_with(&batch, &mut self.cache, FormPolicy::Force(AttentionForm::Absorbed))
-            .map(drop)
+        gpu.forward_with(
+            &batch,
+            &mut self.cache,
+            FormPolicy::Force(AttentionForm::Absorbed),
+        )
+        .map(drop)
     }
 
     /// The shipping counters.
