@@ -1,13 +1,14 @@
 //! OpenAI API shapes (the subset ferry serves) and their conversion to [`GenerateParams`].
 //!
 //! **Nothing is ignored silently.** A field that would change the output and that ferry does
-//! not implement yet (`response_format`, `tools`, `echo`, `best_of`, `suffix`, …,
-//! [`UNSUPPORTED`]) is a 400 naming it, unless its value is the one that changes nothing
-//! (`response_format: {"type": "text"}`, `tool_choice: "none"`, `echo: false`, …); a field
+//! not implement yet (`echo`, `best_of`, `suffix`, `functions`, …, [`UNSUPPORTED`]) is a 400
+//! naming it, unless its value is the one that changes nothing (`echo: false`, …); a field
 //! OpenAI does not define is a 400 too. Fields with no effect on the output are accepted:
 //! [`NO_EFFECT`]. Implemented beyond the basics: `presence_penalty`, `frequency_penalty`,
 //! `logit_bias`, log-probabilities (chat `logprobs` + `top_logprobs` in [0, 20], completions
-//! `logprobs` in [0, 5]; `echo` with prompt log-probabilities is not); extensions (vLLM's, sent by OpenAI clients with `extra_body`):
+//! `logprobs` in [0, 5]; `echo` with prompt log-probabilities is not); structured output
+//! (`response_format` `json_object` / `json_schema`, both endpoints, [`crate::structured`]);
+//! extensions (vLLM's, sent by OpenAI clients with `extra_body`):
 //! `top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `stop_token_ids`, `ignore_eos`,
 //! `speculative`.
 use std::collections::HashMap;
@@ -18,6 +19,7 @@ use serde_json::Value;
 
 use super::logprobs::{ChatLogprobs, CompletionLogprobs};
 use crate::output::{FinishReason, Usage};
+use crate::structured::{parse_format, FormatApi, FormatInput};
 use crate::tokenize::PromptInput;
 use crate::validate::{GenerateParams, SamplingInput, ValidationError};
 
@@ -84,7 +86,6 @@ pub const NO_EFFECT: &[&str] = &[
 /// changes nothing and is therefore accepted. Completions-only fields are checked on that
 /// endpoint alone.
 pub const UNSUPPORTED: &[(&str, &str)] = &[
-    ("response_format", "{\"type\": \"text\"}"),
     ("tools", "[]"),
     ("tool_choice", "\"none\""),
     ("functions", "[]"),
@@ -101,7 +102,6 @@ fn is_noop(field: &str, v: &Value) -> bool {
         "echo" => v == &Value::Bool(false),
         "best_of" => num(1.0),
         "tools" | "functions" => v.as_array().is_some_and(|a| a.is_empty()),
-        "response_format" => v.get("type").and_then(Value::as_str) == Some("text"),
         "tool_choice" | "function_call" => v.as_str() == Some("none"),
         "suffix" => v.as_str() == Some(""),
         _ => false,
@@ -153,7 +153,7 @@ macro_rules! common_fields {
             pub min_tokens: Option<i64>,
             /// Extension (vLLM): more tokens that end generation.
             pub stop_token_ids: Option<Vec<u32>>,
-            /// Not implemented ([`UNSUPPORTED`]).
+            /// Structured output: `{"type": "text" | "json_object" | "json_schema", …}`.
             pub response_format: Option<Value>,
             /// Not implemented ([`UNSUPPORTED`]).
             pub tools: Option<Value>,
@@ -226,12 +226,19 @@ macro_rules! common_fields {
             /// output.
             fn check_unsupported(&self) -> Result<(), ValidationError> {
                 reject_unsupported([
-                    ("response_format", &self.response_format),
                     ("tools", &self.tools),
                     ("tool_choice", &self.tool_choice),
                     ("functions", &self.functions),
                     ("function_call", &self.function_call),
                 ])
+            }
+
+            /// `response_format`, parsed (its schema is compiled by the validator).
+            fn response_format(&self) -> Result<Option<FormatInput>, ValidationError> {
+                match &self.response_format {
+                    Some(v) => parse_format(v, FormatApi::Chat),
+                    None => Ok(None),
+                }
             }
 
             fn stop_strings(&self) -> Vec<String> {
@@ -281,6 +288,7 @@ impl CompletionRequest {
             ("suffix", &self.suffix),
         ])?;
         let (sampling, stop) = (self.sampling()?, self.stop_strings());
+        let response_format = self.response_format()?;
         let logprobs = match self.logprobs {
             Some(n) if !(0..=MAX_COMPLETION_LOGPROBS).contains(&n) => {
                 return Err(ValidationError::new(
@@ -320,6 +328,7 @@ impl CompletionRequest {
             request_id: Some(request_id.to_string()),
             speculative: self.speculative,
             logprobs,
+            response_format,
         })
     }
 }
@@ -382,6 +391,7 @@ impl ChatRequest {
         self.check_n()?;
         self.check_unsupported()?;
         let (sampling, stop) = (self.sampling()?, self.stop_strings());
+        let response_format = self.response_format()?;
         let logprobs = match (self.logprobs, self.top_logprobs) {
             (Some(true), Some(n)) if !(0..=MAX_CHAT_TOP_LOGPROBS).contains(&n) => {
                 return Err(ValidationError::new(
@@ -411,6 +421,7 @@ impl ChatRequest {
             request_id: Some(request_id.to_string()),
             speculative: self.speculative,
             logprobs,
+            response_format,
         })
     }
 }
