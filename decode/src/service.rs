@@ -6,11 +6,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ferry_kvtransfer::{KvLayoutDesc, Registration};
-use ferry_model::grammar::{Grammar, GrammarCompiler};
 use ferry_model::engine::{
     EngineError, EngineEvent, EngineHandle, FailureKind, FinishReason, GenerateJob,
     GenerateOptions, Generation, PrefillSource, SpecCounts,
 };
+use ferry_model::grammar::{Grammar, GrammarCompiler};
 use ferry_proto::internal::decode_worker_server::DecodeWorker;
 use ferry_proto::internal::{
     DecodeRequest, DecodeResponse, GetStatsRequest, KvLayout, WorkerStats,
@@ -145,9 +145,10 @@ impl DecodeWorker for DecodeService {
             "gen_ai.usage.input_tokens",
             i64::try_from(r.prompt_tokens.len()).unwrap_or(i64::MAX),
         );
-        let grammar = ferry_worker::grammar::compile(self.grammar.as_ref(), r.response_format.as_ref())
-            .instrument(span.clone())
-            .await;
+        let grammar =
+            ferry_worker::grammar::compile(self.grammar.as_ref(), r.response_format.as_ref())
+                .instrument(span.clone())
+                .await;
         let submitted = grammar.and_then(|g| span.in_scope(|| self.submit(&r, g)));
         let (generation, peer) = submitted.inspect_err(|status| {
             let kind = match status.code() {

@@ -504,8 +504,17 @@ fn apply_controls_matches_the_cpu_row_by_row_on_every_backend() {
         );
         let row2 = &got[2 * vocab..3 * vocab];
         let finite: Vec<usize> = (0..vocab).filter(|&t| row2[t].is_finite()).collect();
-        let want_finite: Vec<usize> = [3usize].into_iter().chain(40..72).chain([129_000]).collect();
-        assert_eq!(finite, want_finite, "{}: only the grammar's tokens remain", b.name());
+        let want_finite: Vec<usize> = [3usize]
+            .into_iter()
+            .chain(40..72)
+            .chain([129_000])
+            .collect();
+        assert_eq!(
+            finite,
+            want_finite,
+            "{}: only the grammar's tokens remain",
+            b.name()
+        );
     }
     // A row past the logits is an error, not a write elsewhere.
     let mut x = Backend::Cpu.upload(&logits).expect("upload");

@@ -1021,7 +1021,8 @@ struct Grammars {
 impl Grammars {
     fn new(model: &DeepseekModel) -> Self {
         let dir = ferry_model::embedded::default_model_dir();
-        let tokenizer = std::sync::Arc::new(ferry_model::tokenizer::Tokenizer::from_dir(&dir).unwrap());
+        let tokenizer =
+            std::sync::Arc::new(ferry_model::tokenizer::Tokenizer::from_dir(&dir).unwrap());
         let c = model.config();
         let compiler = ferry_model::grammar::GrammarCompiler::new(
             tokenizer.clone(),
@@ -1029,7 +1030,10 @@ impl Grammars {
             &c.eos_token_ids,
         )
         .unwrap();
-        Self { compiler, tokenizer }
+        Self {
+            compiler,
+            tokenizer,
+        }
     }
 
     /// A job for golden prompt `i` constrained to [`tribe_schema`], stopping at EOS.
@@ -1049,8 +1053,14 @@ impl Grammars {
             .unwrap_or_else(|e| panic!("{case}: {text:?} is not JSON: {e}"));
         let o = v.as_object().unwrap_or_else(|| panic!("{case}: {text}"));
         assert_eq!(o.len(), 4, "{case}: {text}");
-        assert!(v["name"].as_str().is_some_and(|s| s.chars().count() <= 10), "{case}: {text}");
-        assert!(v["age"].as_i64().is_some_and(|a| (0..=120).contains(&a)), "{case}: {text}");
+        assert!(
+            v["name"].as_str().is_some_and(|s| s.chars().count() <= 10),
+            "{case}: {text}"
+        );
+        assert!(
+            v["age"].as_i64().is_some_and(|a| (0..=120).contains(&a)),
+            "{case}: {text}"
+        );
         assert!(
             ["Judah", "Levi", "Dan"].contains(&v["tribe"].as_str().unwrap_or("")),
             "{case}: {text}"
@@ -1091,7 +1101,10 @@ async fn json_schema_output_is_valid_and_speculation_is_lossless() {
         assert_eq!(end, Ok(FinishReason::Stop), "seed {s}");
         distinct.insert(g.check(&toks, &format!("T=1 seed {s}")).to_string());
     }
-    assert!(distinct.len() > 1, "sampling varies the output: {distinct:?}");
+    assert!(
+        distinct.len() > 1,
+        "sampling varies the output: {distinct:?}"
+    );
     wait_idle(&plain).await;
 
     let knows = Scripted {
@@ -1106,9 +1119,15 @@ async fn json_schema_output_is_valid_and_speculation_is_lossless() {
     let dspark = dspark(&model);
     let drafters: [Box<dyn Drafter>; 2] = [Box::new(knows), Box::new(dspark)];
     for (d, drafter) in drafters.into_iter().enumerate() {
-        let e = EngineHandle::spawn_with(target(), Some(drafter), config(128, 64, VerifyLen::Fixed(4)))
-            .unwrap();
-        let gens: Vec<Generation> = (0..3).map(|i| e.generate(g.job(i, greedy())).unwrap()).collect();
+        let e = EngineHandle::spawn_with(
+            target(),
+            Some(drafter),
+            config(128, 64, VerifyLen::Fixed(4)),
+        )
+        .unwrap();
+        let gens: Vec<Generation> = (0..3)
+            .map(|i| e.generate(g.job(i, greedy())).unwrap())
+            .collect();
         for (i, gen) in gens.into_iter().enumerate() {
             let (toks, end, spec) = collect(gen).await;
             let case = format!("drafter {d}, case {i}");

@@ -341,9 +341,7 @@ fn decoder_kind(d: &DecoderWrapper, kind: &mut Option<DecoderKind>) {
 
 /// GPT-2's byte-level alphabet: the printable character standing for each byte.
 fn byte_level_chars() -> HashMap<char, u8> {
-    let printable = |c: u32| {
-        matches!(c, 0x21..=0x7e | 0xa1..=0xac | 0xae..=0xff)
-    };
+    let printable = |c: u32| matches!(c, 0x21..=0x7e | 0xa1..=0xac | 0xae..=0xff);
     let mut map = HashMap::new();
     let mut next = 0x100u32;
     for b in 0..=255u32 {

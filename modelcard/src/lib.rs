@@ -15,8 +15,8 @@
 //! `ferry_proto::block_hash`.
 pub mod config;
 pub mod embedded;
-pub mod grammar;
 pub mod error;
+pub mod grammar;
 pub mod rope;
 pub mod sampling;
 pub mod tokenizer;

@@ -58,7 +58,9 @@ fn random_walks_give_valid_json() {
     let (tok, c, eos) = compiler();
     let mut state = 0x9e37_79b9_u64;
     for _ in 0..20 {
-        let mut g = c.compile(&OutputGrammar::JsonSchema(schema())).expect("compiles");
+        let mut g = c
+            .compile(&OutputGrammar::JsonSchema(schema()))
+            .expect("compiles");
         let tokens = walk(&mut g, eos, |allowed| {
             state ^= state << 13;
             state ^= state >> 7;
@@ -87,19 +89,27 @@ fn eos_only_where_the_output_may_end_and_padding_never() {
     assert!(first.iter().all(|&t| (t as usize) < tok.vocab_size()));
     for t in &first {
         let text = tok.decode(&[*t], false).expect("decodes");
-        assert!(text.trim_start().starts_with('{'), "{text:?} cannot start an object");
+        assert!(
+            text.trim_start().starts_with('{'),
+            "{text:?} cannot start an object"
+        );
     }
     for t in tok.encode_text("{}", false).expect("encodes") {
         g.consume(t).expect("consumes");
     }
-    assert!(g.is_stopped(), "a complete top-level object ends the output");
+    assert!(
+        g.is_stopped(),
+        "a complete top-level object ends the output"
+    );
     assert_eq!(Grammar::tokens_of(&g.allowed().expect("mask")), vec![eos]);
 }
 
 #[test]
 fn rollback_and_valid_prefix() {
     let (tok, c, _) = compiler();
-    let mut g = c.compile(&OutputGrammar::JsonSchema(schema())).expect("compiles");
+    let mut g = c
+        .compile(&OutputGrammar::JsonSchema(schema()))
+        .expect("compiles");
     let start = g.allowed().expect("mask");
     let good = tok.encode_text("{\"name\":\"Ab\"", false).expect("encodes");
     // `}` now: the other properties are required.

@@ -64,9 +64,9 @@ pub fn parse_format(v: &Value, api: FormatApi) -> Result<Option<FormatInput>, Va
     if v.is_null() {
         return Ok(None);
     }
-    let obj = v.as_object().ok_or_else(|| {
-        ValidationError::new(api.field(), format!("must be an object, got {v}"))
-    })?;
+    let obj = v
+        .as_object()
+        .ok_or_else(|| ValidationError::new(api.field(), format!("must be an object, got {v}")))?;
     let kind = obj.get("type").and_then(Value::as_str).ok_or_else(|| {
         ValidationError::new(
             api.type_field(),
@@ -145,7 +145,8 @@ fn check_schema_envelope(
             "name" => v.as_str().is_some_and(|n| {
                 !n.is_empty()
                     && n.len() <= 64
-                    && n.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+                    && n.chars()
+                        .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
             }),
             "strict" => v.is_boolean() || v.is_null(),
             "description" => v.is_string() || v.is_null(),
@@ -239,7 +240,9 @@ pub async fn check(
     let compiled = tokio::task::spawn_blocking(move || compiler.compile(&grammar).map(|_| ()))
         .await
         .map_err(|e| ValidationError::new(input.field, format!("could not be compiled: {e}")))?;
-    compiled.map_err(|e| ValidationError::new(input.field, format!("is not a usable JSON Schema: {e}")))?;
+    compiled.map_err(|e| {
+        ValidationError::new(input.field, format!("is not a usable JSON Schema: {e}"))
+    })?;
     Ok(input.grammar)
 }
 
@@ -271,7 +274,10 @@ mod tests {
             (json!({"type": "yaml"}), "response_format.type"),
             (json!({}), "response_format.type"),
             (json!("json"), "response_format"),
-            (json!({"type": "json_schema"}), "response_format.json_schema"),
+            (
+                json!({"type": "json_schema"}),
+                "response_format.json_schema",
+            ),
             (
                 json!({"type": "json_schema", "json_schema": {"name": "x"}}),
                 "response_format.json_schema.schema",
@@ -284,9 +290,16 @@ mod tests {
                 json!({"type": "json_schema", "json_schema": {"name": "a b", "schema": {}}}),
                 "response_format.json_schema",
             ),
-            (json!({"type": "json_object", "schema": {}}), "response_format"),
+            (
+                json!({"type": "json_object", "schema": {}}),
+                "response_format",
+            ),
         ] {
-            assert_eq!(chat(bad.clone()).expect_err(&bad.to_string()).field, field, "{bad}");
+            assert_eq!(
+                chat(bad.clone()).expect_err(&bad.to_string()).field,
+                field,
+                "{bad}"
+            );
         }
         let r = parse_format(
             &json!({"type": "json_schema", "name": "x", "schema": s, "strict": true}),

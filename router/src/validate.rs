@@ -1049,7 +1049,7 @@ mod tests {
             input: Some(v1::generate_request::Input::Text("hi".into())),
             ..Default::default()
         };
-        let p = GenerateParams::from(wire);
+        let p = GenerateParams::try_from(wire).expect("converts");
         assert_eq!(p.max_tokens, Some(0), "unset reads as 0, as the proto says");
         assert_eq!(field_of(p).await.1, "`max_tokens` must be >= 1, got 0");
     }

@@ -55,9 +55,7 @@ pub fn output_grammar(f: Option<&ResponseFormat>) -> Result<Option<OutputGrammar
         Some(Format::JsonSchema(text)) => serde_json::from_str(text)
             .map(|v| Some(OutputGrammar::JsonSchema(v)))
             .map_err(|e| {
-                Status::invalid_argument(format!(
-                    "`response_format.json_schema` is not JSON: {e}"
-                ))
+                Status::invalid_argument(format!("`response_format.json_schema` is not JSON: {e}"))
             }),
     }
 }

@@ -33,13 +33,13 @@ use super::generate::{self, Meta};
 use super::logprobs::{LogprobOut, Namer, TopOut};
 use super::openai::MAX_CHAT_TOP_LOGPROBS;
 use super::sse;
-use crate::structured::{parse_format, FormatApi, FormatInput};
 use crate::auth::Caller;
 use crate::dispatch::GenerationStream;
 use crate::error::{log_failure, RequestError};
 use crate::output::{FinishReason, Usage};
 use crate::spans::Operation;
 use crate::state::AppState;
+use crate::structured::{parse_format, FormatApi, FormatInput};
 use crate::tokenize::PromptInput;
 use crate::validate::{GenerateParams, SamplingInput, ValidationError};
 
@@ -259,9 +259,9 @@ impl ResponsesRequest {
         let Some(text) = self.text.as_ref().filter(|v| !v.is_null()) else {
             return Ok(None);
         };
-        let obj = text
-            .as_object()
-            .ok_or_else(|| ValidationError::new("text", format!("must be an object, got {text}")))?;
+        let obj = text.as_object().ok_or_else(|| {
+            ValidationError::new("text", format!("must be an object, got {text}"))
+        })?;
         if let Some(k) = obj.keys().find(|k| k.as_str() != "format") {
             return Err(ValidationError::new(
                 "text",
@@ -618,7 +618,10 @@ impl Shape {
                 .as_ref()
                 .and_then(|t| t.get("format"))
                 .filter(|f| !f.is_null())
-                .map_or_else(|| json!({"format": {"type": "text"}}), |f| json!({"format": f})),
+                .map_or_else(
+                    || json!({"format": {"type": "text"}}),
+                    |f| json!({"format": f}),
+                ),
         }
     }
 

@@ -322,6 +322,59 @@ async fn speculative_must_be_a_bool() {
     }
 }
 
+/// `response_format` on both endpoints: `text`, `json_object` and a valid `json_schema` pass
+/// validation (without workers the request is then a 503); a schema the grammar engine
+/// refuses, a malformed envelope or an unknown type is a 400 naming the field.
+#[tokio::test]
+async fn response_format_is_validated_by_compiling_the_schema() {
+    let s = state().await;
+    let user = json!([{"role": "user", "content": "hi"}]);
+    let schema = json!({"type": "object", "properties": {"a": {"type": "integer"}},
+        "required": ["a"]});
+    for (uri, base) in [
+        ("/v1/completions", json!({"prompt": "hi"})),
+        ("/v1/chat/completions", json!({"messages": user})),
+    ] {
+        for ok in [
+            json!({"type": "text"}),
+            json!({"type": "json_object"}),
+            json!({"type": "json_schema", "json_schema": {"name": "a", "schema": schema,
+                "strict": true}}),
+        ] {
+            let mut body = base.clone();
+            body["response_format"] = ok.clone();
+            let (status, got) = send(&s, "POST", uri, &body.to_string()).await;
+            assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{uri} {ok}: {got}");
+        }
+        for (bad, field) in [
+            (
+                json!({"type": "json_schema", "json_schema": {"name": "a",
+                    "schema": {"type": "no-such-type"}}}),
+                "response_format.json_schema.schema",
+            ),
+            (
+                json!({"type": "json_schema", "json_schema": {"name": "a",
+                    "schema": {"type": "string", "minLength": 9, "maxLength": 2}}}),
+                "response_format.json_schema.schema",
+            ),
+            (
+                json!({"type": "json_schema", "json_schema": {"name": "a"}}),
+                "response_format.json_schema.schema",
+            ),
+            (
+                json!({"type": "json_schema"}),
+                "response_format.json_schema",
+            ),
+            (json!({"type": "xml"}), "response_format.type"),
+        ] {
+            let mut body = base.clone();
+            body["response_format"] = bad.clone();
+            let got = send(&s, "POST", uri, &body.to_string()).await;
+            assert_invalid(&format!("{uri} {bad}"), got, field);
+        }
+    }
+}
+
 /// Nothing is ignored silently: every OpenAI field ferry does not implement is a 400 naming it
 /// when its value would change the output, accepted when it would not; fields with no effect
 /// on the output pass; a field OpenAI does not define is a 400 naming it.
@@ -331,11 +384,6 @@ async fn unimplemented_and_unknown_fields_are_refused_by_name() {
     let user = json!([{"role": "user", "content": "hi"}]);
     // (field, a value that changes the output, the value that does not).
     let shared = [
-        (
-            "response_format",
-            json!({"type": "json_object"}),
-            json!({"type": "text"}),
-        ),
         (
             "tools",
             json!([{"type": "function", "function": {"name": "f"}}]),
@@ -630,8 +678,19 @@ async fn responses_validation_errors_are_400_naming_the_field() {
             "tools",
         ),
         (
-            "structured text format",
-            json!({"input": "hi", "text": {"format": {"type": "json_object"}}}),
+            "an unsatisfiable text.format schema",
+            json!({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x",
+                "schema": {"type": "integer", "minimum": 5, "maximum": 1}}}}),
+            "text.format.schema",
+        ),
+        (
+            "an unknown text.format type",
+            json!({"input": "hi", "text": {"format": {"type": "yaml"}}}),
+            "text.format.type",
+        ),
+        (
+            "text with more than a format",
+            json!({"input": "hi", "text": {"verbosity": "low"}}),
             "text",
         ),
         (

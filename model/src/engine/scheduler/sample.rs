@@ -520,7 +520,10 @@ fn round_masks(
     drafts: &[u32],
     is_stop: impl Fn(u32) -> bool,
 ) -> Result<Vec<Vec<u32>>, GrammarError> {
-    let until_stop = drafts.iter().position(|&t| is_stop(t)).unwrap_or(drafts.len());
+    let until_stop = drafts
+        .iter()
+        .position(|&t| is_stop(t))
+        .unwrap_or(drafts.len());
     let valid = g.valid_prefix(&drafts[..until_stop])?;
     let mut masks = Vec::with_capacity(drafts.len() + 1);
     masks.push(g.allowed()?);
