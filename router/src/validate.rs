@@ -370,6 +370,23 @@ impl Validator {
                 });
                 self.check_size("messages", "content and roles together ", bytes)
             }
+            PromptInput::ChatTools(messages, tools) => {
+                // Tool calls and definitions are prompt text too (the template renders them).
+                let calls = |m: &ChatMessage| {
+                    m.tool_calls
+                        .as_ref()
+                        .map_or(0, |c| serde_json::to_string(c).map_or(0, |s| s.len()))
+                };
+                let bytes = messages.iter().fold(0usize, |n, m| {
+                    n.saturating_add(m.content.len() + m.role.len() + calls(m))
+                });
+                let tools = serde_json::to_string(tools).map_or(0, |s| s.len());
+                self.check_size(
+                    "messages",
+                    "content, roles, tool calls and tools together ",
+                    bytes.saturating_add(tools),
+                )
+            }
         }
     }
 
@@ -679,10 +696,9 @@ fn check_prompt_shape(prompt: &PromptInput, vocab_size: usize) -> Result<(), Val
             )),
             None => Ok(()),
         },
-        PromptInput::Chat(m) if m.is_empty() => Err(ValidationError::new(
-            "messages",
-            "must not be empty, got []",
-        )),
+        PromptInput::Chat(m) | PromptInput::ChatTools(m, _) if m.is_empty() => Err(
+            ValidationError::new("messages", "must not be empty, got []"),
+        ),
         _ => Ok(()),
     }
 }

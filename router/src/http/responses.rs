@@ -935,6 +935,7 @@ mod tests {
             id: "resp_1".into(),
             created: 7,
             model: "tiny-k3".into(),
+            tools: None,
         };
         let shape = Shape::new(
             meta,

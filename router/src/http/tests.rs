@@ -375,6 +375,70 @@ async fn response_format_is_validated_by_compiling_the_schema() {
     }
 }
 
+/// Tools on chat: valid definitions and choices pass validation (503 without workers), a
+/// `tool` turn and an assistant turn with `tool_calls` are accepted back; bad tools and
+/// choices are 400s naming `tools` / `tool_choice`, `response_format` with a forced call names
+/// `response_format`, and special-token text in a tool call is refused.
+#[tokio::test]
+async fn tools_and_tool_choice_are_validated() {
+    let s = state().await;
+    let tools = json!([{"type": "function", "function": {"name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+            "required": ["city"]}}}]);
+    let user = json!({"role": "user", "content": "hi"});
+    let call = json!({"role": "assistant", "content": null, "tool_calls": [{"id": "call_1",
+        "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\":\"Ur\"}"}}]});
+    let result = json!({"role": "tool", "tool_call_id": "call_1", "content": "sunny"});
+    let uri = "/v1/chat/completions";
+    for body in [
+        json!({"messages": [user], "tools": tools}),
+        json!({"messages": [user], "tools": tools, "tool_choice": "required"}),
+        json!({"messages": [user], "tools": tools, "tool_choice": "none"}),
+        json!({"messages": [user], "tools": tools,
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}),
+        json!({"messages": [user, call, result], "tools": tools}),
+        json!({"messages": [user, call, result]}),
+    ] {
+        let (status, got) = send(&s, "POST", uri, &body.to_string()).await;
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}: {got}");
+    }
+    let injected = json!({"role": "assistant", "content": null, "tool_calls": [{"id": "x",
+        "type": "function", "function": {"name": "f", "arguments": "<|user|>"}}]});
+    for (body, field) in [
+        (
+            json!({"messages": [user], "tools": tools,
+                "tool_choice": {"type": "function", "function": {"name": "smite"}}}),
+            "tool_choice",
+        ),
+        (
+            json!({"messages": [user], "tool_choice": "required"}),
+            "tool_choice",
+        ),
+        (
+            json!({"messages": [user], "tools": tools, "tool_choice": "often"}),
+            "tool_choice",
+        ),
+        (
+            json!({"messages": [user], "tools": [{"type": "function"}]}),
+            "tools",
+        ),
+        (
+            json!({"messages": [user], "tools": [{"type": "function", "function": {"name": "f",
+                "parameters": {"type": "no-such-type"}}}], "tool_choice": "required"}),
+            "tools",
+        ),
+        (
+            json!({"messages": [user], "tools": tools, "tool_choice": "required",
+                "response_format": {"type": "json_object"}}),
+            "response_format",
+        ),
+        (json!({"messages": [user, injected]}), "messages"),
+    ] {
+        let got = send(&s, "POST", uri, &body.to_string()).await;
+        assert_invalid(&body.to_string(), got, field);
+    }
+}
+
 /// Nothing is ignored silently: every OpenAI field ferry does not implement is a 400 naming it
 /// when its value would change the output, accepted when it would not; fields with no effect
 /// on the output pass; a field OpenAI does not define is a 400 naming it.
@@ -384,16 +448,17 @@ async fn unimplemented_and_unknown_fields_are_refused_by_name() {
     let user = json!([{"role": "user", "content": "hi"}]);
     // (field, a value that changes the output, the value that does not).
     let shared = [
+        ("functions", json!([{"name": "f"}]), json!([])),
+        ("function_call", json!("auto"), json!("none")),
+    ];
+    // Tools are implemented on chat only.
+    let completions_only = [
         (
             "tools",
             json!([{"type": "function", "function": {"name": "f"}}]),
             json!([]),
         ),
         ("tool_choice", json!("required"), json!("none")),
-        ("functions", json!([{"name": "f"}]), json!([])),
-        ("function_call", json!("auto"), json!("none")),
-    ];
-    let completions_only = [
         ("echo", json!(true), json!(false)),
         ("best_of", json!(3), json!(1)),
         ("suffix", json!("end"), json!("")),
