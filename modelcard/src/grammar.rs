@@ -320,10 +320,11 @@ enum DecoderKind {
 fn decoder_kind(d: &DecoderWrapper, kind: &mut Option<DecoderKind>) {
     match d {
         DecoderWrapper::ByteLevel(_) => *kind = Some(DecoderKind::ByteLevel),
-        DecoderWrapper::ByteFallback(_) => {
-            if !matches!(kind, Some(DecoderKind::ByteFallback { .. })) {
-                *kind = Some(DecoderKind::ByteFallback { space: '▁' });
-            }
+        // A `Metaspace` decoder seen earlier keeps its replacement character.
+        DecoderWrapper::ByteFallback(_)
+            if !matches!(kind, Some(DecoderKind::ByteFallback { .. })) =>
+        {
+            *kind = Some(DecoderKind::ByteFallback { space: '▁' });
         }
         DecoderWrapper::Metaspace(m) => {
             *kind = Some(DecoderKind::ByteFallback {
