@@ -143,3 +143,36 @@ fn invalid_schemas_are_refused() {
         );
     }
 }
+
+#[test]
+fn local_refs_and_patterns_compile_and_constrain() {
+    let (tok, c, eos) = compiler();
+    let schema = json!({
+        "$defs": {"code": {"type": "string", "pattern": "^[A-Z]{2}[0-9]$"}},
+        "type": "object",
+        "properties": {"a": {"$ref": "#/$defs/code"}, "b": {"$ref": "#/$defs/code"}},
+        "required": ["a", "b"],
+        "additionalProperties": false
+    });
+    let mut g = c
+        .compile(&OutputGrammar::JsonSchema(schema))
+        .expect("compiles");
+    let mut state = 7u64;
+    let tokens = walk(&mut g, eos, |allowed| {
+        state = state
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        allowed[((state >> 33) % allowed.len() as u64) as usize]
+    });
+    let text = tok.decode(&tokens, false).expect("decodes");
+    let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{text:?}: {e}"));
+    for k in ["a", "b"] {
+        let s = v[k].as_str().expect("a string");
+        assert!(
+            s.len() == 3
+                && s[..2].chars().all(|c| c.is_ascii_uppercase())
+                && s.as_bytes()[2].is_ascii_digit(),
+            "{text}"
+        );
+    }
+}
