@@ -8,6 +8,7 @@ Run by tests/cluster_python.rs against a live cluster:
   `tool_calls` entry of a listed function whose `arguments` parse and validate against that
   function's `parameters` (`jsonschema`), and `finish_reason: "tool_calls"`; streamed, the call
   arrives in `delta.tool_calls` and equals the whole reply's.
+- `auto`: prose comes back as `content`, whole and streamed alike.
 - A named `tool_choice` calls that function.
 - The call goes back into the conversation (an assistant turn with `tool_calls`, then a `tool`
   turn with its result) and the next request is served.
@@ -104,6 +105,20 @@ def main() -> None:
     assert len(deltas) == 1 and deltas[0].index == 0, deltas
     assert deltas[0].function.name == whole.function.name, (deltas, whole)
     assert deltas[0].function.arguments == whole.function.arguments, (deltas, whole)
+
+    # auto (the default with tools): this model answers in prose, which comes back as content,
+    # whole and streamed alike (the held-back start is released once it cannot be a call).
+    auto = dict(temperature=0, **{**common, "max_tokens": 12})
+    prose = client.chat.completions.create(**auto).choices[0]
+    assert prose.message.tool_calls is None, prose
+    assert prose.finish_reason in ("stop", "length"), prose
+    assert prose.message.content, prose
+    streamed = "".join(
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(stream=True, **auto)
+        if c.choices
+    )
+    assert streamed == prose.message.content, (streamed, prose.message.content)
 
     # A named choice calls that function.
     named = client.chat.completions.create(
