@@ -55,11 +55,22 @@ VOCAB_SIZE = 2048
 # A chat template in the Hugging Face convention (rendered by minijinja in ferry).
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    # Tool definitions (OpenAI's `tools`) as a system turn; ferry's tool-call format.
+    "{% if tools %}<|system|>You can call these functions: "
+    "{{ tools | tojson(separators=(',', ':')) }}. To call one, answer with only "
+    "{\"name\":<its name>,\"arguments\":<an object of its parameters>}.<|end|>{% endif %}"
     "{% for message in messages %}"
-    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant', 'tool'] %}"
     "{{ raise_exception('unknown role: ' ~ message['role']) }}"
     "{% endif %}"
-    "<|{{ message['role'] }}|>{{ message['content'] }}<|end|>"
+    # Tool results are user turns; an assistant's tool calls are their JSON.
+    "{% if message['role'] == 'tool' %}<|user|>{{ message['content'] }}<|end|>"
+    "{% elif message['role'] == 'assistant' and message['tool_calls'] %}<|assistant|>"
+    "{% for call in message['tool_calls'] %}"
+    "{{ {'name': call['function']['name'], 'arguments': call['function']['arguments']}"
+    " | tojson(separators=(',', ':')) }}"
+    "{% endfor %}<|end|>"
+    "{% else %}<|{{ message['role'] }}|>{{ message['content'] }}<|end|>{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )

@@ -553,3 +553,73 @@ async fn assert_logprobs(cluster: &Cluster, short: &str, long: &str, decode: &st
     );
     assert_eq!(g.logprobs[0].token_id, g.token_ids[0]);
 }
+
+/// Structured output on gRPC (`GenerateRequest.response_format`): a JSON Schema constrains the
+/// completion, prefilled locally (short prompt) and on the prefill worker (long prompt, whose
+/// first token the prefill worker samples under the grammar), greedy and sampled: the text is
+/// JSON valid under the schema and the finish reason is STOP; a schema that is not JSON, and
+/// one the grammar engine refuses, are INVALID_ARGUMENT naming `response_format.json_schema`.
+#[tokio::test]
+async fn grpc_response_format_constrains_the_output() {
+    use ferry_proto::v1::{response_format::Format, ResponseFormat, SamplingParams};
+    let cluster = Cluster::start(Spec::new(1, 1)).await;
+    let mut client = cluster.grpc().await;
+    let schema = json!({
+        "type": "object",
+        "properties": {
+            "book": {"enum": ["Genesis", "Exodus", "Ruth"]},
+            "chapter": {"type": "integer", "minimum": 1, "maximum": 50},
+            "words": {"type": "array", "items": {"type": "string", "maxLength": 6},
+                      "maxItems": 3}
+        },
+        "required": ["book", "chapter", "words"],
+        "additionalProperties": false
+    });
+    let format = |text: String| ResponseFormat {
+        format: Some(Format::JsonSchema(text)),
+    };
+    let long = "And it came to pass after these things, that God did tempt Abraham, and said \
+                unto him, Abraham: and he said, Behold, here I am. And he said, Take now thy son";
+    for (prompt, seed) in [("In the beginning", None), (long, None), (long, Some(11))] {
+        let sampling = match seed {
+            None => cluster::greedy(),
+            Some(s) => SamplingParams {
+                temperature: Some(1.0),
+                seed: Some(s),
+                ..SamplingParams::default()
+            },
+        };
+        let mut req = cluster::request(prompt, 120, sampling, false);
+        req.response_format = Some(format(schema.to_string()));
+        let out = cluster::generate(&mut client, req).await.expect("Generate");
+        let case = format!("{prompt:?} seed {seed:?}: {:?}", out.text);
+        assert_eq!(out.finish_reason, Some(FinishReason::Stop), "{case}");
+        let v: serde_json::Value = serde_json::from_str(&out.text).expect(&case);
+        assert!(
+            ["Genesis", "Exodus", "Ruth"].contains(&v["book"].as_str().unwrap_or("")),
+            "{case}"
+        );
+        assert!(
+            v["chapter"].as_u64().is_some_and(|c| (1..=50).contains(&c)),
+            "{case}"
+        );
+        assert!(
+            v["words"].as_array().is_some_and(|w| w.len() <= 3),
+            "{case}"
+        );
+    }
+    for bad in [
+        "{not json".to_string(),
+        json!({"type": "integer", "minimum": 3, "maximum": 2}).to_string(),
+    ] {
+        let mut req = cluster::greedy_request("In the beginning", 8);
+        req.response_format = Some(format(bad.clone()));
+        let e = cluster::generate(&mut client, req).await.expect_err(&bad);
+        assert_eq!(e.code(), tonic::Code::InvalidArgument, "{bad}: {e:?}");
+        assert!(
+            e.message().contains("response_format.json_schema"),
+            "{bad}: {e:?}"
+        );
+    }
+    cluster.assert_kv_blocks_released().await;
+}

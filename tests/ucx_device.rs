@@ -56,6 +56,7 @@ fn job(prompt: &[u32], prefill: PrefillSource) -> GenerateJob {
             ..StopParams::max_tokens(MAX_TOKENS)
         },
         prefill,
+        grammar: None,
     }
 }
 
@@ -129,6 +130,7 @@ fn role() {
                     skip_tokens: 0,
                     on_layer: hook,
                     on_draft_layer: None,
+                    grammar: None,
                     rows_on_device: from_device,
                 })
                 .await

@@ -60,6 +60,8 @@ pub struct RemotePrefill {
     pub stop: Option<Stop>,
     /// Alternatives per token, when the request asked for log-probabilities.
     pub logprobs: Option<u32>,
+    /// Structured output: the peer constrains the first token to it too.
+    pub response_format: Option<ferry_proto::v1::ResponseFormat>,
     /// Blocks reserved here, in position order.
     pub blocks: Vec<BlockId>,
     /// Prompt positions this worker already holds.
@@ -177,6 +179,7 @@ async fn call(job: &RemotePrefill) -> Result<Prefilled, String> {
         sampling: Some(job.sampling.clone()),
         stop: job.stop.clone(),
         logprobs: job.logprobs,
+        response_format: job.response_format.clone(),
         skip_tokens: u32::try_from(job.cached_tokens).map_err(|e| e.to_string())?,
         destination: Some(KvDestination {
             transfer_address: job.registration.address.clone(),

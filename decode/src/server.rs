@@ -64,7 +64,9 @@ pub struct DecodeServer {
 impl DecodeServer {
     /// Loads the model, starts the engine, the transfer listener and binds the gRPC listener.
     pub async fn bind(args: DecodeArgs, model_dir: PathBuf) -> Result<Self, ServeError> {
-        let engine = load_engine(model_dir, &args.spec, args.worker.engine_config()).await?;
+        let engine =
+            load_engine(model_dir.clone(), &args.spec, args.worker.engine_config()).await?;
+        let grammar = ferry_worker::grammar::load_compiler(&model_dir, engine.model_config()).await;
         let (view_tx, view_rx) = watch::channel(PrefillView::default());
         let kind = args.worker.transport;
         let base = WorkerServer::bind(WorkerRole::Decode, &args.worker)
@@ -105,7 +107,8 @@ impl DecodeServer {
             },
             decode_metrics,
         )
-        .with_prefill_view(view_rx);
+        .with_prefill_view(view_rx)
+        .with_grammar(grammar);
         Ok(Self {
             base,
             service,

@@ -10,6 +10,7 @@ use ferry_model::engine::{
     EngineError, EngineEvent, EngineHandle, FailureKind, FinishReason, GenerateJob,
     GenerateOptions, Generation, PrefillSource, SpecCounts,
 };
+use ferry_model::grammar::{Grammar, GrammarCompiler};
 use ferry_proto::internal::decode_worker_server::DecodeWorker;
 use ferry_proto::internal::{
     DecodeRequest, DecodeResponse, GetStatsRequest, KvLayout, WorkerStats,
@@ -53,6 +54,8 @@ pub struct DecodeService {
     policy: Arc<DecodePolicy>,
     metrics: DecodeMetrics,
     prefill_view: watch::Receiver<PrefillView>,
+    /// Compiles requests' `response_format` (structured output); `None`: they are refused.
+    grammar: Option<GrammarCompiler>,
 }
 
 /// Where peers write this worker's KV: its transfer registration and pool layout.
@@ -82,6 +85,16 @@ impl DecodeService {
             policy: Arc::new(policy),
             metrics,
             prefill_view: watch::channel(PrefillView::default()).1,
+            grammar: None,
+        }
+    }
+
+    /// Serves structured output with `compiler` (built once per worker,
+    /// [`ferry_worker::grammar::load_compiler`]).
+    pub fn with_grammar(self, compiler: Option<GrammarCompiler>) -> Self {
+        Self {
+            grammar: compiler,
+            ..self
         }
     }
 
@@ -132,7 +145,12 @@ impl DecodeWorker for DecodeService {
             "gen_ai.usage.input_tokens",
             i64::try_from(r.prompt_tokens.len()).unwrap_or(i64::MAX),
         );
-        let (generation, peer) = span.in_scope(|| self.submit(&r)).inspect_err(|status| {
+        let grammar =
+            ferry_worker::grammar::compile(self.grammar.as_ref(), r.response_format.as_ref())
+                .instrument(span.clone())
+                .await;
+        let submitted = grammar.and_then(|g| span.in_scope(|| self.submit(&r, g)));
+        let (generation, peer) = submitted.inspect_err(|status| {
             let kind = match status.code() {
                 Code::InvalidArgument => "invalid_argument",
                 Code::ResourceExhausted => "overloaded",
@@ -174,7 +192,11 @@ impl DecodeWorker for DecodeService {
 impl DecodeService {
     /// Validates `r` and submits it to the engine (in the request's span, which the engine
     /// keeps); returns the generation and the prefill peer, if any.
-    fn submit(&self, r: &DecodeRequest) -> Result<(Generation, Option<Peer>), Status> {
+    fn submit(
+        &self,
+        r: &DecodeRequest,
+        grammar: Option<Grammar>,
+    ) -> Result<(Generation, Option<Peer>), Status> {
         let stop = r
             .stop
             .as_ref()
@@ -239,6 +261,7 @@ impl DecodeService {
             controls,
             stop: stop_params,
             prefill,
+            grammar,
         };
         // Unset follows this worker: speculation iff it was started with a drafter.
         let options = GenerateOptions {
@@ -367,6 +390,7 @@ async fn drive(
                     sampling: ctx.request.sampling.clone().unwrap_or_default(),
                     stop: ctx.request.stop.clone(),
                     logprobs: ctx.request.logprobs,
+                    response_format: ctx.request.response_format.clone(),
                     blocks,
                     cached_tokens,
                     registration: ctx.registration.clone(),

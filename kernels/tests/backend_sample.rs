@@ -433,8 +433,24 @@ fn apply_controls_matches_the_cpu_row_by_row_on_every_backend() {
         logit_bias: vec![(11, -100.0), (42, 100.0)],
     };
     let masked = [7u32, 129_279];
-    // Row 0 untouched; row 1 penalties and bias; row 3 the mask only, with drafts ahead.
+    // A grammar mask allowing tokens 3, 40..72 and 129_000: everything else -inf.
+    let mut allowed = vec![0u32; vocab.div_ceil(32)];
+    for t in [3usize, 129_000].into_iter().chain(40..72) {
+        allowed[t / 32] |= 1 << (t % 32);
+    }
+    // Row 0 untouched; row 1 penalties and bias; row 2 a grammar mask; row 3 the mask only,
+    // with drafts ahead.
     let list = [
+        (
+            2,
+            RowControls {
+                controls: &LogitsControls::default(),
+                history: &history,
+                drafted: &[],
+                masked: &[],
+                allowed: Some(&allowed),
+            },
+        ),
         (
             1,
             RowControls {
@@ -442,6 +458,7 @@ fn apply_controls_matches_the_cpu_row_by_row_on_every_backend() {
                 history: &history,
                 drafted: &[],
                 masked: &[],
+                allowed: None,
             },
         ),
         (
@@ -451,6 +468,7 @@ fn apply_controls_matches_the_cpu_row_by_row_on_every_backend() {
                 history: &history,
                 drafted: &[9, 9],
                 masked: &masked,
+                allowed: None,
             },
         ),
         (
@@ -460,6 +478,7 @@ fn apply_controls_matches_the_cpu_row_by_row_on_every_backend() {
                 history: &history,
                 drafted: &[128_000, 42],
                 masked: &masked,
+                allowed: None,
             },
         ),
     ];
@@ -483,10 +502,23 @@ fn apply_controls_matches_the_cpu_row_by_row_on_every_backend() {
             "{}: the +100 bias wins",
             b.name()
         );
+        let row2 = &got[2 * vocab..3 * vocab];
+        let finite: Vec<usize> = (0..vocab).filter(|&t| row2[t].is_finite()).collect();
+        let want_finite: Vec<usize> = [3usize]
+            .into_iter()
+            .chain(40..72)
+            .chain([129_000])
+            .collect();
+        assert_eq!(
+            finite,
+            want_finite,
+            "{}: only the grammar's tokens remain",
+            b.name()
+        );
     }
     // A row past the logits is an error, not a write elsewhere.
     let mut x = Backend::Cpu.upload(&logits).expect("upload");
-    let past = [(rows, list[0].1)];
+    let past = [(rows, list[1].1)];
     assert!(apply_controls(&Backend::Cpu, &mut x, vocab, &past).is_err());
 }
 

@@ -19,6 +19,7 @@ pub mod deepseek;
 pub mod drafter;
 pub mod dummy;
 pub use ferry_modelcard::embedded;
+pub use ferry_modelcard::grammar;
 pub mod engine;
 pub mod error;
 #[cfg(feature = "cuda")]

@@ -300,6 +300,7 @@ async fn controlled_runs(e: &EngineHandle) -> (Vec<Vec<u32>>, u32) {
             skip_tokens: 0,
             on_layer: Box::new(|_, _, _| Ok(())),
             on_draft_layer: None,
+            grammar: None,
             rows_on_device: false,
         })
         .await

@@ -62,6 +62,7 @@ fn job(prompt: Vec<u32>, max_tokens: usize, sampling: SamplingParams) -> Generat
             ..StopParams::max_tokens(max_tokens)
         },
         prefill: PrefillSource::Local,
+        grammar: None,
     }
 }
 
@@ -559,6 +560,7 @@ async fn logprobs_are_the_raw_log_softmax_of_a_direct_forward() {
             skip_tokens: 0,
             on_layer: Box::new(|_, _, _| Ok(())),
             on_draft_layer: None,
+            grammar: None,
             rows_on_device: false,
         })
         .await
@@ -930,6 +932,7 @@ async fn remote_prefill(
             skip_tokens,
             on_layer: copy(0, d.clone(), dest.clone()),
             on_draft_layer: ship_drafter.then(|| copy(layers, d.clone(), dest)),
+            grammar: None,
             rows_on_device: false,
         })
         .await
@@ -956,6 +959,7 @@ async fn drafter_context_shipped_with_a_remote_prefill_lets_decode_speculate_at_
         let mut g = d
             .generate(GenerateJob {
                 prefill: PrefillSource::Remote { local_threshold: 0 },
+                grammar: None,
                 ..job(prompt.clone(), 32, greedy())
             })
             .unwrap();
@@ -990,4 +994,161 @@ async fn drafter_context_shipped_with_a_remote_prefill_lets_decode_speculate_at_
         // 19-token tail from the peer without drafter rows: still no speculation.
     }
     wait_idle(&p).await;
+}
+
+/// The schema of the structured-output tests: bounded so a tiny model always finishes.
+fn tribe_schema() -> serde_json::Value {
+    serde_json::json!({
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 10},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            "tribe": {"enum": ["Judah", "Levi", "Dan"]},
+            "blessed": {"type": "boolean"}
+        },
+        "required": ["name", "age", "tribe", "blessed"],
+        "additionalProperties": false
+    })
+}
+
+/// A fresh matcher for [`tribe_schema`] on the embedded tokenizer (the compiler is built once
+/// per test, as a worker builds it once).
+struct Grammars {
+    compiler: ferry_model::grammar::GrammarCompiler,
+    tokenizer: std::sync::Arc<ferry_model::tokenizer::Tokenizer>,
+}
+
+impl Grammars {
+    fn new(model: &DeepseekModel) -> Self {
+        let dir = ferry_model::embedded::default_model_dir();
+        let tokenizer =
+            std::sync::Arc::new(ferry_model::tokenizer::Tokenizer::from_dir(&dir).unwrap());
+        let c = model.config();
+        let compiler = ferry_model::grammar::GrammarCompiler::new(
+            tokenizer.clone(),
+            c.vocab_size,
+            &c.eos_token_ids,
+        )
+        .unwrap();
+        Self {
+            compiler,
+            tokenizer,
+        }
+    }
+
+    /// A job for golden prompt `i` constrained to [`tribe_schema`], stopping at EOS.
+    fn job(&self, i: usize, sampling: SamplingParams) -> GenerateJob {
+        let schema = ferry_model::grammar::OutputGrammar::JsonSchema(tribe_schema());
+        GenerateJob {
+            stop: StopParams::max_tokens(96),
+            grammar: Some(self.compiler.compile(&schema).unwrap()),
+            ..job(golden_case(i).0, 96, sampling)
+        }
+    }
+
+    /// Asserts `toks` is JSON valid under [`tribe_schema`] and returns it.
+    fn check(&self, toks: &[u32], case: &str) -> serde_json::Value {
+        let text = self.tokenizer.decode(toks, false).unwrap();
+        let v: serde_json::Value = serde_json::from_str(&text)
+            .unwrap_or_else(|e| panic!("{case}: {text:?} is not JSON: {e}"));
+        let o = v.as_object().unwrap_or_else(|| panic!("{case}: {text}"));
+        assert_eq!(o.len(), 4, "{case}: {text}");
+        assert!(
+            v["name"].as_str().is_some_and(|s| s.chars().count() <= 10),
+            "{case}: {text}"
+        );
+        assert!(
+            v["age"].as_i64().is_some_and(|a| (0..=120).contains(&a)),
+            "{case}: {text}"
+        );
+        assert!(
+            ["Judah", "Levi", "Dan"].contains(&v["tribe"].as_str().unwrap_or("")),
+            "{case}: {text}"
+        );
+        assert!(v["blessed"].is_boolean(), "{case}: {text}");
+        v
+    }
+}
+
+/// Structured output through the engine: greedy and T = 1 outputs are JSON valid under the
+/// schema and end (reason stop) when the object closes; greedy output is the same with and
+/// without speculation (the DSpark drafter's drafts ignore the grammar, a drafter that
+/// proposes the constrained plain output has every draft accepted), and sampled outputs under
+/// speculation are valid too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn json_schema_output_is_valid_and_speculation_is_lossless() {
+    let model = target();
+    let g = Grammars::new(&model);
+    let plain = EngineHandle::spawn(model, config(128, 64, VerifyLen::Fixed(4))).unwrap();
+    let mut outputs = Vec::new();
+    for i in 0..3 {
+        let (toks, end, _) = collect(plain.generate(g.job(i, greedy())).unwrap()).await;
+        assert_eq!(end, Ok(FinishReason::Stop), "case {i}: {toks:?}");
+        g.check(&toks, &format!("greedy case {i}"));
+        outputs.push(toks);
+    }
+    let sampled = |seed: u64| SamplingParams {
+        temperature: 1.0,
+        seed: Some(seed),
+        ..SamplingParams::default()
+    };
+    let gens: Vec<Generation> = (0..10)
+        .map(|s| plain.generate(g.job(s as usize % 3, sampled(s))).unwrap())
+        .collect();
+    let mut distinct = std::collections::HashSet::new();
+    for (s, gen) in gens.into_iter().enumerate() {
+        let (toks, end, _) = collect(gen).await;
+        assert_eq!(end, Ok(FinishReason::Stop), "seed {s}");
+        distinct.insert(g.check(&toks, &format!("T=1 seed {s}")).to_string());
+    }
+    assert!(
+        distinct.len() > 1,
+        "sampling varies the output: {distinct:?}"
+    );
+    wait_idle(&plain).await;
+
+    let knows = Scripted {
+        sequences: (0..3)
+            .map(|i| [golden_case(i).0, outputs[i].clone()].concat())
+            .collect(),
+        block: 4,
+        wrong: false,
+        vocab: 2048,
+    };
+    let model = target();
+    let dspark = dspark(&model);
+    let drafters: [Box<dyn Drafter>; 2] = [Box::new(knows), Box::new(dspark)];
+    for (d, drafter) in drafters.into_iter().enumerate() {
+        let e = EngineHandle::spawn_with(
+            target(),
+            Some(drafter),
+            config(128, 64, VerifyLen::Fixed(4)),
+        )
+        .unwrap();
+        let gens: Vec<Generation> = (0..3)
+            .map(|i| e.generate(g.job(i, greedy())).unwrap())
+            .collect();
+        for (i, gen) in gens.into_iter().enumerate() {
+            let (toks, end, spec) = collect(gen).await;
+            let case = format!("drafter {d}, case {i}");
+            assert_eq!(end, Ok(FinishReason::Stop), "{case}");
+            assert_eq!(toks, outputs[i], "{case}: speculation vs plain");
+            let c = spec.expect("counts");
+            assert!(c.rounds > 0, "{case}: {c:?}");
+            if d == 0 {
+                assert_eq!(c.accepted_tokens, c.drafted_tokens, "{case}: {c:?}");
+            }
+        }
+        // Sampled, with the DSpark drafter (the scripted one knows only the greedy outputs).
+        let n = if d == 1 { 6 } else { 0 };
+        let gens: Vec<Generation> = (0..n)
+            .map(|s| e.generate(g.job(s as usize % 3, sampled(100 + s))).unwrap())
+            .collect();
+        for (s, gen) in gens.into_iter().enumerate() {
+            let (toks, end, _) = collect(gen).await;
+            assert_eq!(end, Ok(FinishReason::Stop), "drafter {d}, seed {s}");
+            g.check(&toks, &format!("drafter {d}, T=1 seed {s}"));
+        }
+        wait_idle(&e).await;
+    }
 }

@@ -7,6 +7,7 @@
 //! | [`rope`] | RoPE / YaRN parameters as the config states them |
 //! | [`tokenizer`] | `tokenizer.json` through `tokenizers`, chat templates through `minijinja`, streaming detokenization |
 //! | [`sampling`] | a request's [`sampling::SamplingParams`] and their range check |
+//! | [`grammar`] | constrained decoding: JSON Schema / JSON object → per-request token masks (llguidance) |
 //! | [`embedded`] | the embedded default model and its DSpark drafter, compiled into the binary |
 //! | [`error`] | [`CardError`] |
 //!
@@ -15,6 +16,7 @@
 pub mod config;
 pub mod embedded;
 pub mod error;
+pub mod grammar;
 pub mod rope;
 pub mod sampling;
 pub mod tokenizer;

@@ -4,7 +4,7 @@
 //! | item | what |
 //! |---|---|
 //! | [`Tokenizer`] | encode/decode plus the model's chat template, loaded from a model directory |
-//! | [`ChatMessage`] | one `{role, content}` turn handed to the template |
+//! | [`ChatMessage`] | one `{role, content}` turn handed to the template (with `tool_calls` / `tool_call_id` in tool conversations) |
 //! | [`DecodeStream`] | turns one id at a time into text, holding back incomplete UTF-8 |
 //!
 //! **Client text never becomes a control token.** [`Tokenizer::encode_text`] tokenizes text
@@ -14,7 +14,8 @@
 //! and is for trusted text only: a rendered template, the CLI's own prompt.
 //!
 //! Templates render the way transformers renders them (`trim_blocks` and `lstrip_blocks` on;
-//! variables `messages`, `add_generation_prompt`, `bos_token`, `eos_token`; a
+//! variables `messages`, `add_generation_prompt`, `bos_token`, `eos_token`, and `tools` (the
+//! request's tool definitions in OpenAI's shape, or undefined without tools); a
 //! `raise_exception(msg)` function; Python string/dict methods such as `.strip()` and
 //! `.get()` through minijinja-contrib's pycompat; and a `tojson` filter that writes JSON the way
 //! Python's `json.dumps(..., ensure_ascii=False)` does, including the `indent` and `separators`
@@ -52,13 +53,23 @@ const NORMALIZER_SHRINK: usize = 4;
 const PLACEHOLDER_OPEN: char = '\u{E000}';
 const PLACEHOLDER_CLOSE: char = '\u{E001}';
 
-/// One conversation turn as chat templates see it (`message['role']`, `message['content']`).
+/// One conversation turn as chat templates see it (`message['role']`, `message['content']`,
+/// and in tool conversations `message['tool_calls']` / `message['tool_call_id']`, absent
+/// otherwise, as in transformers).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ChatMessage {
-    /// `system`, `user`, `assistant`, … — whatever the template understands.
+    /// `system`, `user`, `assistant`, `tool`, … — whatever the template understands.
     pub role: String,
     /// The turn's text.
     pub content: String,
+    /// An assistant turn's tool calls, OpenAI's shape (`{"id", "type": "function",
+    /// "function": {"name", "arguments"}}`) with `arguments` as a JSON value, as transformers'
+    /// templates expect.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<serde_json::Value>>,
+    /// A `tool` turn's answer to this call id.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
 }
 
 impl ChatMessage {
@@ -67,7 +78,22 @@ impl ChatMessage {
         Self {
             role: role.into(),
             content: content.into(),
+            tool_calls: None,
+            tool_call_id: None,
         }
+    }
+
+    /// Client text of this turn besides `content` and `role` (its tool calls and call id), as
+    /// JSON, for the special-token check.
+    fn tool_text(&self) -> Option<String> {
+        if self.tool_calls.is_none() && self.tool_call_id.is_none() {
+            return None;
+        }
+        Some(format!(
+            "{} {}",
+            serde_json::to_string(&self.tool_calls).unwrap_or_default(),
+            self.tool_call_id.as_deref().unwrap_or_default()
+        ))
     }
 }
 
@@ -248,14 +274,43 @@ impl Tokenizer {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<Vec<u32>, CardError> {
+        self.encode_chat_with_tools(messages, &[], add_generation_prompt)
+    }
+
+    /// [`Self::encode_chat`] with the request's tool definitions (OpenAI's `tools`) in the
+    /// template's `tools` variable. Tool definitions, tool calls and call ids are client text
+    /// the template may place anywhere: one holding special-token text is refused
+    /// ([`CardError::ChatTemplate`]).
+    pub fn encode_chat_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: &[serde_json::Value],
+        add_generation_prompt: bool,
+    ) -> Result<Vec<u32>, CardError> {
         for (i, m) in messages.iter().enumerate() {
             if let Some(token) = self.find_special_token(&m.role) {
                 return Err(CardError::ChatTemplate(format!(
                     "the role of message {i} contains the special token {token:?}"
                 )));
             }
+            if let Some(token) = m
+                .tool_text()
+                .and_then(|t| self.find_special_token(&t).map(str::to_owned))
+            {
+                return Err(CardError::ChatTemplate(format!(
+                    "the tool calls of message {i} contain the special token {token:?}"
+                )));
+            }
         }
-        let rendered = self.apply_chat_template(messages, add_generation_prompt)?;
+        if !tools.is_empty() {
+            let text = serde_json::to_string(tools).unwrap_or_default();
+            if let Some(token) = self.find_special_token(&text) {
+                return Err(CardError::ChatTemplate(format!(
+                    "the tool definitions contain the special token {token:?}"
+                )));
+            }
+        }
+        let rendered = self.render(messages, tools, add_generation_prompt)?;
         let injected = messages
             .iter()
             .enumerate()
@@ -264,7 +319,7 @@ impl Tokenizer {
             return self.encode(&rendered, false);
         };
         let spans = self
-            .content_spans(messages, add_generation_prompt, &rendered)?
+            .content_spans(messages, tools, add_generation_prompt, &rendered)?
             .ok_or_else(|| {
                 CardError::ChatTemplate(format!(
                     "message {index} contains the special token {token:?}, and this model's \
@@ -280,20 +335,19 @@ impl Tokenizer {
     fn content_spans(
         &self,
         messages: &[ChatMessage],
+        tools: &[serde_json::Value],
         add_generation_prompt: bool,
         rendered: &str,
     ) -> Result<Option<Vec<Range<usize>>>, CardError> {
         let marked: Vec<ChatMessage> = messages
             .iter()
             .enumerate()
-            .map(|(i, m)| {
-                ChatMessage::new(
-                    m.role.clone(),
-                    format!("{PLACEHOLDER_OPEN}{i}{PLACEHOLDER_CLOSE}"),
-                )
+            .map(|(i, m)| ChatMessage {
+                content: format!("{PLACEHOLDER_OPEN}{i}{PLACEHOLDER_CLOSE}"),
+                ..m.clone()
             })
             .collect();
-        let skeleton = self.apply_chat_template(&marked, add_generation_prompt)?;
+        let skeleton = self.render(&marked, tools, add_generation_prompt)?;
         let mut rebuilt = String::with_capacity(rendered.len());
         let mut spans = Vec::new();
         let mut rest = skeleton.as_str();
@@ -416,6 +470,17 @@ impl Tokenizer {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<String, CardError> {
+        self.render(messages, &[], add_generation_prompt)
+    }
+
+    /// [`Self::apply_chat_template`] with `tools` in the template's `tools` variable (left
+    /// undefined when empty, as transformers passes `None`).
+    pub fn render(
+        &self,
+        messages: &[ChatMessage],
+        tools: &[serde_json::Value],
+        add_generation_prompt: bool,
+    ) -> Result<String, CardError> {
         let env = self.template.as_ref().ok_or_else(|| {
             CardError::ChatTemplate(format!(
                 "this model has no chat template (neither `{CHAT_TEMPLATE_FILE}` nor \
@@ -431,6 +496,7 @@ impl Tokenizer {
                 add_generation_prompt => add_generation_prompt,
                 bos_token => self.bos_token.as_deref().unwrap_or(""),
                 eos_token => self.eos_token.as_deref().unwrap_or(""),
+                tools => (!tools.is_empty()).then_some(tools),
             })
             .map_err(|e| CardError::ChatTemplate(render_error(&e)))
     }

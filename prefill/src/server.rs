@@ -55,7 +55,8 @@ pub struct PrefillServer {
 impl PrefillServer {
     /// Loads the model from `model_dir`, starts the engine and binds the gRPC listener.
     pub async fn bind(args: PrefillArgs, model_dir: PathBuf) -> Result<Self, ServeError> {
-        let engine = load_engine(&args, model_dir).await?;
+        let engine = load_engine(&args, model_dir.clone()).await?;
+        let grammar = ferry_worker::grammar::load_compiler(&model_dir, engine.model_config()).await;
         let outbound = Outbound::new(
             WorkerArgs::cluster_token(&args.worker)?,
             args.worker.transport == TransportKind::Ucx,
@@ -71,7 +72,8 @@ impl PrefillServer {
             engine,
             prefill_metrics,
             outbound,
-        );
+        )
+        .with_grammar(grammar);
         Ok(Self { base, service })
     }
 

@@ -10,6 +10,7 @@ use ferry_kvtransfer::{
     Fence, KvLayoutDesc, RemoteKey, TcpTransport, TransferError, Transport, UcxTransport,
 };
 use ferry_model::engine::{EngineError, EngineHandle, PrefillWork};
+use ferry_model::grammar::GrammarCompiler;
 use ferry_proto::auth::ClusterToken;
 use ferry_proto::internal::prefill_worker_server::PrefillWorker;
 use ferry_proto::internal::{GetStatsRequest, PrefillRequest, PrefillResponse, WorkerStats};
@@ -75,6 +76,9 @@ pub struct PrefillService {
     outbound: Arc<Outbound>,
     bytes_sent: Arc<AtomicU64>,
     metrics: PrefillMetrics,
+    /// Compiles requests' `response_format` (the first token is constrained too); `None`:
+    /// such requests are refused.
+    grammar: Option<GrammarCompiler>,
 }
 
 impl PrefillService {
@@ -91,6 +95,16 @@ impl PrefillService {
             outbound: Arc::new(outbound),
             bytes_sent: Arc::new(AtomicU64::new(0)),
             metrics,
+            grammar: None,
+        }
+    }
+
+    /// Serves structured output with `compiler` (built once per worker,
+    /// [`ferry_worker::grammar::load_compiler`]).
+    pub fn with_grammar(self, compiler: Option<GrammarCompiler>) -> Self {
+        Self {
+            grammar: compiler,
+            ..self
         }
     }
 
@@ -119,6 +133,9 @@ impl PrefillService {
         let vocab = self.engine.model_config().vocab_size;
         let controls = controls(r.sampling.as_ref(), vocab)?;
         let stop = stop_params(r.stop.as_ref(), vocab)?;
+        let grammar =
+            ferry_worker::grammar::compile(self.grammar.as_ref(), r.response_format.as_ref())
+                .await?;
         let dest = r
             .destination
             .ok_or_else(|| Status::invalid_argument("`destination` is required"))?;
@@ -213,6 +230,7 @@ impl PrefillService {
                 controls,
                 stop,
                 logprobs: logprobs(r.logprobs)?,
+                grammar,
                 skip_tokens: skip,
                 on_layer: hook,
                 on_draft_layer: draft_hook,

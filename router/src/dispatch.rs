@@ -647,6 +647,7 @@ fn decode_request(
         }),
         speculative: req.speculative(),
         logprobs: req.logprobs(),
+        response_format: req.response_format().map(crate::structured::to_wire),
         generated_tokens: u32::try_from(resumed.len()).unwrap_or(u32::MAX),
     }
 }

@@ -90,16 +90,16 @@ impl Inference for InferenceService {
         };
         let span = spans::request_span(FrontDoor::Grpc, operation, &self.state.model.name);
         trace_ctx::set_parent_from_request(&span, &request);
-        let params = GenerateParams::from(request.into_inner());
-        let requested = if params.model.is_empty() {
-            self.state.model.name.clone()
-        } else {
-            params.model.clone()
+        let params = GenerateParams::try_from(request.into_inner());
+        let requested = match &params {
+            Ok(p) if !p.model.is_empty() => p.model.clone(),
+            _ => self.state.model.name.clone(),
         };
         trace_ctx::set_attribute(&span, "gen_ai.request.model", requested);
         caller.record(&span);
         let state = self.state.clone();
         let started = async move {
+            let params = params?;
             let admission = caller.admit()?;
             let valid = state.validator.validate(params).await?;
             let id = valid.id().0.clone();

@@ -18,6 +18,7 @@
 //! | [`dispatch`] | [`dispatch::Dispatcher`]: admission, `Decode` on the worker, one retry, the event stream |
 //! | [`output`] | detokenization, stop strings and usage of one request's output |
 //! | [`stop`] | stop-string matching across chunks |
+//! | [`structured`] | structured output: `response_format` / `text.format` / gRPC shapes → a grammar, checked by compiling it |
 //! | [`validate`] | the one place requests become [`validate::ValidRequest`] |
 //! | [`tokenize`] | tokenization, chat templates and block hashing on the blocking pool |
 //! | [`grpc`] | the public `Inference` service |
@@ -64,6 +65,7 @@ pub mod server;
 pub mod spans;
 pub mod state;
 pub mod stop;
+pub mod structured;
 pub mod tls;
 pub mod tokenize;
 pub mod validate;

@@ -3,6 +3,7 @@ use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use ferry_modelcard::config::ModelConfig;
+use ferry_modelcard::grammar::GrammarCompiler;
 use ferry_modelcard::tokenizer::Tokenizer;
 use tokio_util::sync::CancellationToken;
 
@@ -75,12 +76,23 @@ impl AppState {
             }
             let model = ModelConfig::from_file(&dir.join("config.json")).map_err(model_error)?;
             let keys = ApiKeys::load(keys_file.as_deref())?;
-            Ok::<_, RouterError>((tokenizer, model, keys))
+            let tokenizer = Arc::new(tokenizer);
+            // The grammar compiler (structured output), on the same tokenizer as the workers'.
+            let eos: Vec<u32> = tokenizer
+                .eos_token()
+                .and_then(|t| tokenizer.token_id(t))
+                .into_iter()
+                .collect();
+            let grammar = GrammarCompiler::new(tokenizer.clone(), model.vocab_size, &eos)
+                .inspect_err(|e| {
+                    tracing::warn!(error = %e, "response_format and tool_choice will be refused")
+                })
+                .ok();
+            Ok::<_, RouterError>((tokenizer, model, keys, grammar))
         })
         .await
         .map_err(|e| RouterError::Task(format!("model loading: {e}")))?;
-        let (tokenizer, model_config, keys) = loaded?;
-        let tokenizer = Arc::new(tokenizer);
+        let (tokenizer, model_config, keys, grammar) = loaded?;
 
         let model = ModelInfo {
             name: config.model_name(),
@@ -103,6 +115,7 @@ impl AppState {
             vocab_size: model.vocab_size,
             page_size: config.page_size,
             tokenizer: TokenizerPool::new(tokenizer.clone()),
+            grammar,
         });
         let drain = CancellationToken::new();
         let metrics = Arc::new(RouterMetrics::new());

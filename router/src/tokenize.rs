@@ -24,6 +24,9 @@ pub enum PromptInput {
     /// Chat turns, rendered with the chat template and an assistant generation prompt; only
     /// the template inserts control tokens (`Tokenizer::encode_chat`).
     Chat(Vec<ChatMessage>),
+    /// Chat turns with the request's tool definitions (OpenAI's `tools`, in the template's
+    /// `tools` variable; `Tokenizer::encode_chat_with_tools`).
+    ChatTools(Vec<ChatMessage>, Vec<serde_json::Value>),
 }
 
 /// A prompt ready to route: its tokens and the chained hashes of its full blocks.
@@ -69,18 +72,11 @@ impl TokenizerPool {
                 PromptInput::Text(text) => tokenizer.encode_text(&text, true).map_err(internal)?,
                 PromptInput::Tokens(ids) => ids,
                 PromptInput::Chat(messages) => {
-                    tokenizer
-                        .encode_chat(&messages, true)
-                        .map_err(|e| match e {
-                            CardError::ChatTemplate(msg) => {
-                                RequestError::Invalid(ValidationError::new(
-                                    "messages",
-                                    format!("cannot be rendered: {msg}"),
-                                ))
-                            }
-                            other => internal(other),
-                        })?
+                    tokenizer.encode_chat(&messages, true).map_err(chat_error)?
                 }
+                PromptInput::ChatTools(messages, tools) => tokenizer
+                    .encode_chat_with_tools(&messages, &tools, true)
+                    .map_err(chat_error)?,
             };
             let hashes = ferry_proto::block_hash::block_hashes(&tokens, page_size);
             Ok(Prepared { tokens, hashes })
@@ -115,13 +111,7 @@ impl TokenizerPool {
         blocking(move || {
             tokenizer
                 .encode_chat(&messages, add_generation_prompt)
-                .map_err(|e| match e {
-                    CardError::ChatTemplate(msg) => RequestError::Invalid(ValidationError::new(
-                        "messages",
-                        format!("cannot be rendered: {msg}"),
-                    )),
-                    other => internal(other),
-                })
+                .map_err(chat_error)
         })
         .await
     }
@@ -130,6 +120,17 @@ impl TokenizerPool {
     pub async fn decode(&self, ids: Vec<u32>) -> Result<String, RequestError> {
         let tokenizer = self.tokenizer.clone();
         blocking(move || tokenizer.decode(&ids, false).map_err(internal)).await
+    }
+}
+
+/// A chat template failure is the client's (a 400 naming `messages`); anything else is ours.
+fn chat_error(e: CardError) -> RequestError {
+    match e {
+        CardError::ChatTemplate(msg) => RequestError::Invalid(ValidationError::new(
+            "messages",
+            format!("cannot be rendered: {msg}"),
+        )),
+        other => internal(other),
     }
 }
 

@@ -8,8 +8,9 @@
 //!
 //! Order: cheap checks first (model, the prompt's size in bytes or token ids, sampling and
 //! the logits controls — penalties, `logit_bias` —, `max_tokens` >= 1, stop strings,
-//! `stop_token_ids`, non-empty prompt, token ids in the vocabulary), then tokenization on the
-//! blocking pool, then the length checks that need the token count (`max_tokens`, then
+//! `stop_token_ids`, non-empty prompt, token ids in the vocabulary), then the output grammar
+//! (`response_format`, tools: compiled on the blocking pool, [`crate::structured`]), then
+//! tokenization on the blocking pool, then the length checks that need the token count (`max_tokens`, then
 //! `min_tokens` <= `max_tokens`).
 //!
 //! **Bounded input before expensive work.** Tokenizing costs memory and CPU in proportion to
@@ -23,12 +24,14 @@
 //! worker runs with, then checked by the worker's own `SamplingParams::validate`, so whatever
 //! the router accepts the worker accepts: `temperature: 1e39` is `inf` in `f32` and is refused
 //! here naming `temperature`, not by the worker as a worker failure.
+use ferry_modelcard::grammar::{GrammarCompiler, OutputGrammar};
 use ferry_modelcard::sampling::{LogitsControls, SamplingError, SamplingParams};
 use ferry_modelcard::tokenizer::ChatMessage;
 use ferry_proto::ids::{BlockHash, RequestId};
 use ferry_proto::v1;
 
 use crate::error::RequestError;
+use crate::structured::FormatInput;
 use crate::tokenize::{PromptInput, TokenizerPool};
 
 /// Stop strings per request, at most.
@@ -119,10 +122,18 @@ pub struct GenerateParams {
     pub speculative: Option<bool>,
     /// Return each token's log-probability with this many alternatives; `None` = none.
     pub logprobs: Option<i64>,
+    /// Structured output (`response_format`, or the tool-call grammar of `tool_choice`);
+    /// `None` = free text.
+    pub response_format: Option<FormatInput>,
 }
 
-impl From<v1::GenerateRequest> for GenerateParams {
-    fn from(r: v1::GenerateRequest) -> Self {
+impl TryFrom<v1::GenerateRequest> for GenerateParams {
+    type Error = ValidationError;
+
+    /// The gRPC request in the router's terms; only `response_format` is checked here (its
+    /// schema must be JSON text).
+    fn try_from(r: v1::GenerateRequest) -> Result<Self, ValidationError> {
+        let response_format = crate::structured::from_wire(r.response_format.clone())?;
         use v1::generate_request::Input;
         let prompt = match r.input {
             Some(Input::Text(text)) => PromptInput::Text(text),
@@ -164,7 +175,7 @@ impl From<v1::GenerateRequest> for GenerateParams {
             ),
             None => (Some(0), Vec::new(), false, None, Vec::new()),
         };
-        Self {
+        Ok(Self {
             model: r.model,
             prompt,
             sampling,
@@ -176,7 +187,8 @@ impl From<v1::GenerateRequest> for GenerateParams {
             request_id: Some(r.request_id).filter(|id| !id.is_empty()),
             speculative: r.speculative,
             logprobs: r.logprobs.map(i64::from),
-        }
+            response_format,
+        })
     }
 }
 
@@ -211,6 +223,7 @@ pub struct ValidRequest {
     stop_token_ids: Vec<u32>,
     speculative: Option<bool>,
     logprobs: Option<u32>,
+    response_format: Option<OutputGrammar>,
     received: std::time::Instant,
 }
 
@@ -266,6 +279,11 @@ impl ValidRequest {
     pub fn logprobs(&self) -> Option<u32> {
         self.logprobs
     }
+    /// What the output must be (compiled once by the router: the workers' compiler accepts
+    /// it); `None` = free text.
+    pub fn response_format(&self) -> Option<&OutputGrammar> {
+        self.response_format.as_ref()
+    }
 }
 
 /// What the validator needs to know about the served model.
@@ -281,6 +299,9 @@ pub struct ValidatorParams {
     pub page_size: usize,
     /// The tokenizer.
     pub tokenizer: TokenizerPool,
+    /// The grammar compiler on that tokenizer (structured output); `None` when the tokenizer
+    /// cannot become a token trie, and then every `response_format` is refused.
+    pub grammar: Option<GrammarCompiler>,
 }
 
 /// Checks requests against the served model (cheap to clone).
@@ -349,6 +370,23 @@ impl Validator {
                 });
                 self.check_size("messages", "content and roles together ", bytes)
             }
+            PromptInput::ChatTools(messages, tools) => {
+                // Tool calls and definitions are prompt text too (the template renders them).
+                let calls = |m: &ChatMessage| {
+                    m.tool_calls
+                        .as_ref()
+                        .map_or(0, |c| serde_json::to_string(c).map_or(0, |s| s.len()))
+                };
+                let bytes = messages.iter().fold(0usize, |n, m| {
+                    n.saturating_add(m.content.len() + m.role.len() + calls(m))
+                });
+                let tools = serde_json::to_string(tools).map_or(0, |s| s.len());
+                self.check_size(
+                    "messages",
+                    "content, roles, tool calls and tools together ",
+                    bytes.saturating_add(tools),
+                )
+            }
         }
     }
 
@@ -389,6 +427,10 @@ impl Validator {
         let stop_token_ids = check_stop_token_ids(p.stop_token_ids, self.params.vocab_size)?;
         let logprobs = check_logprobs(p.logprobs)?;
         check_prompt_shape(&p.prompt, self.params.vocab_size)?;
+        let response_format = match p.response_format {
+            Some(f) => Some(crate::structured::check(self.params.grammar.as_ref(), f).await?),
+            None => None,
+        };
 
         let prepared = self
             .params
@@ -420,6 +462,7 @@ impl Validator {
             stop_token_ids,
             speculative: p.speculative,
             logprobs,
+            response_format,
             received,
         })
     }
@@ -653,10 +696,9 @@ fn check_prompt_shape(prompt: &PromptInput, vocab_size: usize) -> Result<(), Val
             )),
             None => Ok(()),
         },
-        PromptInput::Chat(m) if m.is_empty() => Err(ValidationError::new(
-            "messages",
-            "must not be empty, got []",
-        )),
+        PromptInput::Chat(m) | PromptInput::ChatTools(m, _) if m.is_empty() => Err(
+            ValidationError::new("messages", "must not be empty, got []"),
+        ),
         _ => Ok(()),
     }
 }
@@ -719,6 +761,7 @@ mod tests {
             vocab_size: 2048,
             page_size: 4,
             tokenizer: TokenizerPool::new(Arc::new(tokenizer)),
+            grammar: None,
         })
     }
 
@@ -735,6 +778,7 @@ mod tests {
             request_id: None,
             speculative: None,
             logprobs: None,
+            response_format: None,
         }
     }
 
@@ -907,8 +951,9 @@ mod tests {
             request_id: String::new(),
             speculative: None,
             logprobs: Some(7),
+            response_format: None,
         };
-        let p = GenerateParams::from(wire.clone());
+        let p = GenerateParams::try_from(wire.clone()).expect("converts");
         assert_eq!(p.logprobs, Some(7));
         assert_eq!(p.prompt, PromptInput::Tokens(vec![1, 2]));
         assert_eq!(p.max_tokens, Some(0), "0 is kept so validation can name it");
@@ -917,10 +962,11 @@ mod tests {
         assert!(p.ignore_eos);
         assert_eq!(p.speculative, None, "unset: the decode worker decides");
         for choice in [false, true] {
-            let p = GenerateParams::from(v1::GenerateRequest {
+            let p = GenerateParams::try_from(v1::GenerateRequest {
                 speculative: Some(choice),
                 ..wire.clone()
-            });
+            })
+            .expect("converts");
             assert_eq!(p.speculative, Some(choice));
         }
     }
@@ -1019,7 +1065,7 @@ mod tests {
             input: Some(v1::generate_request::Input::Text("hi".into())),
             ..Default::default()
         };
-        let p = GenerateParams::from(wire);
+        let p = GenerateParams::try_from(wire).expect("converts");
         assert_eq!(p.max_tokens, Some(0), "unset reads as 0, as the proto says");
         assert_eq!(field_of(p).await.1, "`max_tokens` must be >= 1, got 0");
     }

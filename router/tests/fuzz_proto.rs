@@ -77,11 +77,11 @@ async fn generate(state: &AppState, bytes: &[u8]) -> Result<bool, String> {
     let Ok(request) = v1::GenerateRequest::decode(bytes) else {
         return Ok(false);
     };
-    match state
-        .validator
-        .validate(GenerateParams::from(request))
-        .await
-    {
+    // A `response_format` whose schema is not JSON is refused before validation.
+    let Ok(params) = GenerateParams::try_from(request) else {
+        return Ok(false);
+    };
+    match state.validator.validate(params).await {
         Ok(_) => Ok(true),
         Err(e @ RequestError::Invalid(_)) if e.code() == Code::InvalidArgument => Ok(false),
         Err(e) => Err(format!("{:02x?}: {e} ({:?})", bytes, e.code())),
@@ -184,6 +184,7 @@ fn mutated_generate() -> impl Strategy<Value = Vec<u8>> {
             request_id: String::new(),
             speculative: None,
             logprobs: None,
+            response_format: None,
         });
     (
         request,

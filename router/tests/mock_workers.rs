@@ -52,6 +52,7 @@ fn generate(text: &str, max_tokens: u32, stop: &[&str]) -> v1::GenerateRequest {
         request_id: "t-1".into(),
         speculative: None,
         logprobs: None,
+        response_format: None,
     }
 }
 

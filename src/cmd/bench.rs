@@ -136,6 +136,7 @@ fn request(args: &BenchArgs, salt: u64) -> GenerateRequest {
         request_id: format!("bench-{salt}"),
         speculative: None,
         logprobs: None,
+        response_format: None,
     }
 }
 

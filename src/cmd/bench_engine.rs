@@ -542,6 +542,7 @@ fn engine_run(
             ..StopParams::max_tokens(max_tokens)
         },
         prefill: PrefillSource::Local,
+        grammar: None,
     };
     let rt = tokio::runtime::Builder::new_current_thread().build()?;
     rt.block_on(async {

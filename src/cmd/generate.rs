@@ -199,6 +199,7 @@ fn generate(
         controls: Default::default(),
         stop: run.stop,
         prefill: PrefillSource::Local,
+        grammar: None,
     })?;
     let rt = tokio::runtime::Builder::new_current_thread().build()?;
     let mut stream = DecodeStream::new(true);

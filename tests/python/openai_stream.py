@@ -89,8 +89,8 @@ def main() -> None:
     # Nothing is ignored silently: parameters ferry does not implement yet are a 400 naming
     # them when they would change the output, accepted when they would not.
     for field, value in [
-        ("response_format", {"type": "json_object"}),
-        ("tool_choice", "required"),
+        ("functions", [{"name": "f", "parameters": {"type": "object"}}]),
+        ("function_call", "auto"),
     ]:
         try:
             client.chat.completions.create(**{**common, field: value})

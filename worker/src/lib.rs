@@ -3,6 +3,7 @@
 //! | module | owns |
 //! |---|---|
 //! | [`args`] | flags every worker takes, and validation of peer requests |
+//! | [`grammar`] | structured output: the worker's grammar compiler (built once from the tokenizer) and wire response formats → compiled per-request grammars, off the runtime |
 //! | [`registration`] | the agent that registers with the router (with a KV snapshot), heartbeats load, publishes KV events, and re-registers when the router lost track |
 //! | [`stats`] | engine counters → wire messages |
 //! | [`shutdown`] | signals (Ctrl-C, SIGTERM, stdin closed by a parent) → one cancellation token |
@@ -11,6 +12,7 @@
 #![forbid(unsafe_code)]
 
 pub mod args;
+pub mod grammar;
 pub mod metrics;
 pub mod registration;
 pub mod serve;

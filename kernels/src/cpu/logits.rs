@@ -14,13 +14,15 @@
 //! 1. `logit_bias`: `x += bias[t]`;
 //! 2. `min_tokens`: `x = -inf` for each [`RowControls::masked`] token (the engine passes the
 //!    request's stop tokens while fewer than `min_tokens` tokens have been generated);
+//!    the grammar mask (structured output): `x = -inf` for each token outside
+//!    [`RowControls::allowed`];
 //! 3. `repetition_penalty` `r` (HF/vLLM), for `t` in the prompt or the output:
 //!    `x = x / r` if `x > 0`, else `x = x · r`;
 //! 4. `frequency_penalty` `f`: `x -= f · count(t)`, count over the *generated* tokens;
 //! 5. `presence_penalty` `p`: `x -= p` if `count(t) > 0`.
 //!
 //! Cost: proportional to the distinct tokens of prompt and output plus the bias and mask
-//! entries, never to the vocabulary.
+//! entries; a grammar mask adds one pass over the row.
 //!
 //! [`RowLogprobs`] is the other thing a request can ask of its logits: the model's raw
 //! log-probabilities (`log_softmax` of the logits *before* any of the above and before
@@ -84,12 +86,32 @@ pub struct RowControls<'a> {
     pub drafted: &'a [u32],
     /// Tokens whose logit becomes `-inf` (`min_tokens` holding back the stop tokens).
     pub masked: &'a [u32],
+    /// The request's grammar mask at this position (structured output), a bit set over the
+    /// vocabulary: bit `t % 32` of word `t / 32` set ⇔ token `t` allowed; every other
+    /// token's logit becomes `-inf` (tokens past the words too). `None`: no grammar.
+    pub allowed: Option<&'a [u32]>,
 }
 
 impl RowControls<'_> {
     /// Whether the row would be left unchanged.
     pub fn is_noop(&self) -> bool {
-        self.controls.is_noop() && self.masked.is_empty()
+        self.controls.is_noop() && self.masked.is_empty() && self.allowed.is_none()
+    }
+}
+
+/// Sets every logit of `logits` whose token is not in `allowed` (a bit set, see
+/// [`RowControls::allowed`]) to `-inf`.
+pub fn apply_allowed(logits: &mut [f32], allowed: &[u32]) {
+    for (w, chunk) in logits.chunks_mut(32).enumerate() {
+        let bits = allowed.get(w).copied().unwrap_or(0);
+        if bits == u32::MAX {
+            continue;
+        }
+        for (b, x) in chunk.iter_mut().enumerate() {
+            if bits & (1 << b) == 0 {
+                *x = f32::NEG_INFINITY;
+            }
+        }
     }
 }
 
@@ -119,6 +141,9 @@ pub fn apply_controls(logits: &mut [f32], c: &RowControls<'_>) -> Result<(), Ker
     }
     for &t in c.masked {
         *at(logits, t, "masked")? = f32::NEG_INFINITY;
+    }
+    if let Some(allowed) = c.allowed {
+        apply_allowed(logits, allowed);
     }
     let penalised =
         k.repetition_penalty != 1.0 || k.frequency_penalty != 0.0 || k.presence_penalty != 0.0;
@@ -277,6 +302,7 @@ mod tests {
                 history: h,
                 drafted,
                 masked,
+                allowed: None,
             },
         )
         .expect("in range");
@@ -441,6 +467,31 @@ mod tests {
     }
 
     #[test]
+    fn the_grammar_mask_keeps_only_allowed_tokens_after_the_bias() {
+        let c = LogitsControls {
+            logit_bias: vec![(1, 50.0)],
+            ..Default::default()
+        };
+        let h = TokenHistory::default();
+        // Tokens 2 and 33 allowed; the vocabulary (40) runs past the mask's words (32 bits
+        // and one more word), and token 1's +50 bias does not bring it back.
+        let allowed = [1u32 << 2, 1 << 1];
+        let mut x: Vec<f32> = (0..70).map(|t| t as f32).collect();
+        let row = RowControls {
+            controls: &c,
+            history: &h,
+            drafted: &[],
+            masked: &[],
+            allowed: Some(&allowed),
+        };
+        assert!(!row.is_noop());
+        apply_controls(&mut x, &row).expect("in range");
+        let finite: Vec<usize> = (0..70).filter(|&t| x[t].is_finite()).collect();
+        assert_eq!(finite, vec![2, 33]);
+        assert_eq!((x[2], x[33]), (2.0, 33.0));
+    }
+
+    #[test]
     fn ids_past_the_row_are_errors_and_noops_change_nothing() {
         let c = LogitsControls {
             logit_bias: vec![(9, 1.0)],
@@ -455,6 +506,7 @@ mod tests {
                 history: &h,
                 drafted: &[],
                 masked: &[],
+                allowed: None,
             },
         )
         .expect_err("id 9 of 4");
@@ -465,6 +517,7 @@ mod tests {
             history: &TokenHistory::new(&[1], &[2]),
             drafted: &[3],
             masked: &[],
+            allowed: None,
         };
         assert!(row.is_noop());
         let mut x = vec![1.0, -2.0, 3.0, 4.0];

@@ -31,6 +31,7 @@ use std::sync::Arc;
 use ferry_kernels::cpu::logits::LogitsControls;
 use ferry_kernels::cpu::sample::SamplingParams;
 use ferry_kernels::Device;
+use ferry_modelcard::grammar::Grammar;
 use tokio::sync::{mpsc, oneshot};
 
 use crate::deepseek::DeepseekModel;
@@ -180,6 +181,10 @@ pub struct GenerateJob {
     pub stop: StopParams,
     /// Where the prompt KV comes from.
     pub prefill: PrefillSource,
+    /// Structured output: the request's compiled grammar, fresh (a migrated request's resumed
+    /// tokens are consumed at admission). Every token is drawn from the logits masked to what
+    /// it allows; the request finishes (reason stop) when the grammar is complete.
+    pub grammar: Option<Grammar>,
 }
 
 /// Per-request engine options beyond the job itself.
@@ -310,6 +315,9 @@ pub struct PrefillJob {
     /// Return the first token's log-probabilities with this many alternatives
     /// ([`PrefillOutcome::first_logprobs`]).
     pub logprobs: Option<usize>,
+    /// Structured output: the first token is drawn from the logits masked to what this fresh
+    /// grammar allows.
+    pub grammar: Option<Grammar>,
     /// Prompt positions the destination already holds (whole blocks): not shipped.
     pub skip_tokens: usize,
     /// Called on the engine thread with `(layer, blocks to ship from skip_tokens on, rows)` as
@@ -357,6 +365,8 @@ pub struct PrefillWork {
     pub stop: StopParams,
     /// See [`PrefillJob::logprobs`].
     pub logprobs: Option<usize>,
+    /// See [`PrefillJob::grammar`].
+    pub grammar: Option<Grammar>,
     /// Prompt positions the destination already holds (whole blocks): not shipped.
     pub skip_tokens: usize,
     /// See [`PrefillJob::on_layer`].
@@ -783,6 +793,7 @@ impl EngineHandle {
             controls: LogitsControls::default(),
             stop: StopParams::max_tokens(1),
             logprobs: None,
+            grammar: None,
             skip_tokens,
             on_layer,
             on_draft_layer: None,
@@ -801,6 +812,7 @@ impl EngineHandle {
             controls: work.controls,
             stop: work.stop,
             logprobs: work.logprobs,
+            grammar: work.grammar,
             skip_tokens: work.skip_tokens,
             on_layer: work.on_layer,
             reply,

@@ -2,6 +2,7 @@
 
 use ferry_kernels::cpu::logits::{LogitsControls, TokenHistory, TokenLogprobs};
 use ferry_kernels::cpu::sample::{Sampler, SamplingParams};
+use ferry_modelcard::grammar::Grammar;
 use tokio::sync::mpsc;
 
 use super::{EngineEvent, FinishReason, PrefillJob, SeqId, SpecCounts, StopParams};
@@ -47,6 +48,9 @@ pub struct Sequence {
     pub(crate) history: TokenHistory,
     /// Alternatives per token when the request asked for log-probabilities.
     pub(crate) logprobs: Option<usize>,
+    /// Structured output: the grammar state after the committed tokens; every sampled row is
+    /// masked with it (speculative rows with it advanced through the drafts ahead).
+    pub(crate) grammar: Option<Grammar>,
     pub(crate) stop: StopParams,
     pub(crate) table: BlockTable,
     /// Tokens whose KV is in `table` (prompt, then generated tokens once fed back).
@@ -82,12 +86,14 @@ pub struct PrefillTask {
 }
 
 /// What sampling a token led to.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Next {
     /// Keep decoding with this token.
     Continue(u32),
     /// The request is done.
     Finish(FinishReason),
+    /// The request failed (its grammar refused a committed token).
+    Fail(String),
 }
 
 impl Sequence {
@@ -119,7 +125,8 @@ impl Sequence {
     }
 
     /// Applies the stop rules to a freshly sampled token, emitting it (preceded by its
-    /// `logprobs`, when given) when it is output.
+    /// `logprobs`, when given) when it is output, and advances the grammar past it (a
+    /// stopped grammar finishes the request, reason stop).
     pub(crate) fn accept(
         &mut self,
         token: u32,
@@ -133,10 +140,19 @@ impl Sequence {
         if self.stop.is_stop(token, eos) {
             return Next::Finish(FinishReason::Stop);
         }
+        if let Some(g) = self.grammar.as_mut() {
+            if let Err(e) = g.consume(token) {
+                return Next::Fail(e.to_string());
+            }
+        }
         if let Some(lp) = logprobs {
             self.emit(EngineEvent::Logprobs(lp));
         }
         self.emit(EngineEvent::Token(token));
+        // The output is complete (a JSON document closed): nothing but EOS may follow.
+        if self.grammar.as_ref().is_some_and(Grammar::is_stopped) {
+            return Next::Finish(FinishReason::Stop);
+        }
         if self.generated >= self.stop.max_tokens {
             Next::Finish(FinishReason::Length)
         } else {

@@ -29,6 +29,7 @@ pub fn job(prompt: Vec<u32>, max_tokens: usize, prefill: PrefillSource) -> Gener
             ..StopParams::max_tokens(max_tokens)
         },
         prefill,
+        grammar: None,
     }
 }
 

@@ -1,5 +1,6 @@
 //! `POST /v1/chat/completions`: chat turns rendered with the model's template, streamed or
-//! whole. The shapes of its chunks and response; the plumbing is [`super::generate`].
+//! whole. The shapes of its chunks and response, tool calls included ([`super::tools`]); the
+//! plumbing is [`super::generate`].
 use std::sync::Arc;
 
 use axum::extract::State;
@@ -15,6 +16,7 @@ use super::openai::{
     Delta, UsageOut,
 };
 use super::sse::Chunk;
+use super::tools::{ToolCallOut, Tools};
 use crate::auth::Caller;
 use crate::output::FinishReason;
 use crate::spans::Operation;
@@ -44,8 +46,10 @@ impl Endpoint for Chat {
         (req.stream, req.include_usage())
     }
 
-    fn into_params(req: ChatRequest, request_id: &str) -> Result<GenerateParams, ValidationError> {
-        req.into_params(request_id)
+    fn into_params(req: ChatRequest, meta: &mut Meta) -> Result<GenerateParams, ValidationError> {
+        let (params, tools) = req.into_params_with_tools(&meta.id)?;
+        meta.tools = tools.filter(Tools::parses).map(Arc::new);
+        Ok(params)
     }
 
     /// The assistant role with empty content, as OpenAI opens every chat stream.
@@ -55,6 +59,7 @@ impl Endpoint for Chat {
             delta: Delta {
                 role: Some("assistant"),
                 content: Some(String::new()),
+                tool_calls: None,
             },
             logprobs: None,
             finish_reason: None,
@@ -68,6 +73,7 @@ impl Endpoint for Chat {
             delta: Delta {
                 role: None,
                 content: Some(text).filter(|t| !t.is_empty()),
+                tool_calls: None,
             },
             logprobs: logprobs.map(ChatLogprobs::from),
             finish_reason: finish_str(end.finish),
@@ -95,7 +101,8 @@ impl Endpoint for Chat {
                 index: 0,
                 message: ChatMessageOut {
                     role: "assistant",
-                    content: text,
+                    content: Some(text),
+                    tool_calls: None,
                 },
                 logprobs: logprobs.map(ChatLogprobs::from),
                 finish_reason: Some(finish.as_str()),
@@ -104,7 +111,67 @@ impl Endpoint for Chat {
         })
         .into_response()
     }
+
+    /// The calls in one chunk (each with its whole `arguments` and its `index`), finish reason
+    /// `tool_calls`.
+    fn tool_calls(
+        meta: &Meta,
+        calls: Vec<ToolCallOut>,
+        logprobs: Option<&[LogprobOut]>,
+        end: End,
+    ) -> Chunk {
+        let calls = calls
+            .into_iter()
+            .enumerate()
+            .map(|(i, c)| ToolCallOut {
+                index: Some(i as u32),
+                ..c
+            })
+            .collect();
+        let choice = ChunkChoice {
+            index: 0,
+            delta: Delta {
+                role: None,
+                content: None,
+                tool_calls: Some(calls),
+            },
+            logprobs: logprobs.map(ChatLogprobs::from),
+            finish_reason: Some(TOOL_CALLS),
+        };
+        chunk(meta, Some(choice), end.usage)
+    }
+
+    /// `content: null`, the calls, finish reason `tool_calls`.
+    fn whole_tool_calls(
+        meta: Meta,
+        calls: Vec<ToolCallOut>,
+        logprobs: Option<&[LogprobOut]>,
+        _finish: FinishReason,
+        usage: UsageOut,
+    ) -> Response {
+        Json(ChatResponse {
+            id: meta.id,
+            object: "chat.completion",
+            created: meta.created,
+            model: meta.model,
+            choices: vec![ChatChoice {
+                index: 0,
+                message: ChatMessageOut {
+                    role: "assistant",
+                    content: None,
+                    tool_calls: Some(calls),
+                },
+                logprobs: logprobs.map(ChatLogprobs::from),
+                finish_reason: Some(TOOL_CALLS),
+            }],
+            usage,
+        })
+        .into_response()
+    }
 }
+
+/// The finish reason of a reply that is tool calls.
+const TOOL_CALLS: &str = "tool_calls";
 
 fn chunk(meta: &Meta, choice: Option<ChunkChoice>, usage: Option<Option<UsageOut>>) -> Chunk {
     Chunk::json(&ChatChunk {

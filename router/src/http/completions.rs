@@ -45,9 +45,9 @@ impl Endpoint for Completions {
 
     fn into_params(
         req: CompletionRequest,
-        request_id: &str,
+        meta: &mut Meta,
     ) -> Result<GenerateParams, ValidationError> {
-        req.into_params(request_id)
+        req.into_params(&meta.id)
     }
 
     fn opening(_meta: &Meta, _usage: Option<Option<UsageOut>>) -> Option<Chunk> {

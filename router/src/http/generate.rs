@@ -8,6 +8,8 @@
 //!   stream: E::opening, E::delta per event, E::usage after the finish, then `[DONE]`;
 //!           an error mid-stream is one error chunk
 //!   whole:  text accumulated until the finish → E::whole
+//!   tools (chat, `Meta::tools`): text held back while it may be a tool call; a parsed call
+//!           → E::tool_calls (streamed) / E::whole_tool_calls instead of the text
 //! ```
 //!
 //! An [`Endpoint`] says only what differs: its body type, its names, and the shapes of its
@@ -25,6 +27,7 @@ use super::error::ApiError;
 use super::logprobs::{LogprobOut, Namer};
 use super::openai::UsageOut;
 use super::sse::{self, Chunk};
+use super::tools::{ToolCallOut, Tools};
 use crate::auth::Caller;
 use crate::dispatch::GenerationStream;
 use crate::error::{log_failure, RequestError};
@@ -47,9 +50,9 @@ pub(crate) trait Endpoint: 'static {
     /// `(stream, stream_options.include_usage)` of the body.
     fn stream_options(req: &Self::Request) -> (bool, bool);
 
-    /// The body → the parameters to validate; errors name the field.
-    fn into_params(req: Self::Request, request_id: &str)
-        -> Result<GenerateParams, ValidationError>;
+    /// The body → the parameters to validate (`meta.id` is the request id; an endpoint with
+    /// tools sets `meta.tools`); errors name the field.
+    fn into_params(req: Self::Request, meta: &mut Meta) -> Result<GenerateParams, ValidationError>;
 
     /// The chunk sent before any token, if the endpoint has one. `usage` is what every chunk
     /// before the usage chunk carries (absent, or null with `include_usage`).
@@ -71,6 +74,30 @@ pub(crate) trait Endpoint: 'static {
         finish: FinishReason,
         usage: UsageOut,
     ) -> Response;
+
+    /// The last chunk of a streamed reply that is tool calls (only endpoints whose
+    /// [`Meta::tools`] can be set, i.e. chat, override it; by default the calls' JSON text).
+    fn tool_calls(
+        meta: &Meta,
+        calls: Vec<ToolCallOut>,
+        logprobs: Option<&[LogprobOut]>,
+        end: End,
+    ) -> Chunk {
+        let text = serde_json::to_string(&calls).unwrap_or_default();
+        Self::delta(meta, text, logprobs, end)
+    }
+
+    /// The non-streamed reply that is tool calls (see [`Endpoint::tool_calls`]).
+    fn whole_tool_calls(
+        meta: Meta,
+        calls: Vec<ToolCallOut>,
+        logprobs: Option<&[LogprobOut]>,
+        finish: FinishReason,
+        usage: UsageOut,
+    ) -> Response {
+        let text = serde_json::to_string(&calls).unwrap_or_default();
+        Self::whole(meta, text, logprobs, finish, usage)
+    }
 }
 
 /// How a chunk relates to the end of the stream: the finish reason on the last content chunk,
@@ -88,6 +115,9 @@ pub(crate) struct Meta {
     pub id: String,
     pub created: u64,
     pub model: String,
+    /// The request's tools when its output is parsed for tool calls (chat with tools and a
+    /// `tool_choice` other than `none`).
+    pub tools: Option<Arc<Tools>>,
 }
 
 impl Meta {
@@ -96,6 +126,7 @@ impl Meta {
             id: format!("{prefix}-{:032x}", rand::random::<u128>()),
             created: unix_now(),
             model: state.model.name.clone(),
+            tools: None,
         }
     }
 }
@@ -113,10 +144,10 @@ pub(crate) async fn handle<E: Endpoint>(
     caller: Caller,
     req: E::Request,
 ) -> Response {
-    let meta = Meta::new(E::ID_PREFIX, &state);
+    let mut meta = Meta::new(E::ID_PREFIX, &state);
     let span = request_span(&state, &headers, E::OPERATION, E::ROUTE, &meta.id);
     let (stream, include_usage) = E::stream_options(&req);
-    let params = match E::into_params(req, &meta.id) {
+    let params = match E::into_params(req, &mut meta) {
         Ok(p) => p,
         Err(e) => return reject(&state, e, &span),
     };
@@ -228,18 +259,40 @@ fn chunks<E: Endpoint>(
         // Log-probabilities of tokens whose text is not out yet (an incomplete character or a
         // possible stop string) wait for the chunk that carries it.
         let mut pending: Vec<LogprobOut> = Vec::new();
+        // Text held back while it may be a tool call (`Meta::tools`); `None` once it is not.
+        let mut held: Option<String> = meta.tools.as_ref().map(|_| String::new());
         while let Some(item) = events.next().await {
             match item {
                 Ok(event) => {
                     if let Some(n) = namer.as_mut() {
                         pending.extend(n.name_all(&event.logprobs));
                     }
-                    if event.text.is_empty() && event.finish.is_none() {
+                    let mut text = event.text;
+                    if let (Some(h), Some(tools)) = (held.as_mut(), meta.tools.as_ref()) {
+                        h.push_str(&text);
+                        if event.finish.is_none() {
+                            if tools.may_be_call(h) {
+                                continue;
+                            }
+                        } else if let Some(calls) = tools.parse_calls(h) {
+                            let logprobs = namer.as_ref().map(|_| std::mem::take(&mut pending));
+                            let end = End { finish: event.finish, usage: null_usage };
+                            yield E::tool_calls(&meta, calls, logprobs.as_deref(), end);
+                            if let (true, Some(usage)) = (include_usage, event.usage) {
+                                yield E::usage(&meta, usage.into());
+                            }
+                            continue;
+                        }
+                        // Not a call: everything held goes out as content.
+                        text = std::mem::take(h);
+                        held = None;
+                    }
+                    if text.is_empty() && event.finish.is_none() {
                         continue;
                     }
                     let logprobs = namer.as_ref().map(|_| std::mem::take(&mut pending));
                     let end = End { finish: event.finish, usage: null_usage };
-                    yield E::delta(&meta, event.text, logprobs.as_deref(), end);
+                    yield E::delta(&meta, text, logprobs.as_deref(), end);
                     if let (true, Some(usage)) = (include_usage, event.usage) {
                         yield E::usage(&meta, usage.into());
                     }
@@ -272,6 +325,9 @@ async fn whole<E: Endpoint>(
                 }
                 if let (Some(finish), Some(usage)) = (event.finish, event.usage) {
                     let logprobs = namer.as_ref().map(|_| logprobs.as_slice());
+                    if let Some(calls) = meta.tools.as_ref().and_then(|t| t.parse_calls(&text)) {
+                        return E::whole_tool_calls(meta, calls, logprobs, finish, usage.into());
+                    }
                     return E::whole(meta, text, logprobs, finish, usage.into());
                 }
             }

@@ -9,7 +9,8 @@
 //! | [`openai`] | request and response shapes |
 //! | [`logprobs`] | tokens' log-probabilities named (text, bytes, offsets) for both endpoints' shapes |
 //! | [`completions`] | `POST /v1/completions`: its chunk and response shapes |
-//! | [`chat`] | `POST /v1/chat/completions`: its chunk and response shapes |
+//! | [`chat`] | `POST /v1/chat/completions`: its chunk and response shapes, tool calls included |
+//! | [`tools`] | `tools` and `tool_choice` checked, the tool-call grammar, tool calls parsed from the output (the format is documented there) |
 //! | [`responses`] | `POST /v1/responses` (the Responses API): its request, response object and typed stream events |
 //! | [`tokenize`] | `POST /tokenize`, `POST /detokenize` (vLLM's extensions, vLLM's shapes) |
 //! | [`sse`] | server-sent-event framing |
@@ -25,6 +26,7 @@ pub mod responses;
 pub mod serve;
 pub mod sse;
 pub mod tokenize;
+pub mod tools;
 
 use std::sync::Arc;
 

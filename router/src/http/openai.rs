@@ -1,13 +1,15 @@
 //! OpenAI API shapes (the subset ferry serves) and their conversion to [`GenerateParams`].
 //!
 //! **Nothing is ignored silently.** A field that would change the output and that ferry does
-//! not implement yet (`response_format`, `tools`, `echo`, `best_of`, `suffix`, …,
-//! [`UNSUPPORTED`]) is a 400 naming it, unless its value is the one that changes nothing
-//! (`response_format: {"type": "text"}`, `tool_choice: "none"`, `echo: false`, …); a field
+//! not implement yet (`echo`, `best_of`, `suffix`, `functions`, …, [`UNSUPPORTED`]) is a 400
+//! naming it, unless its value is the one that changes nothing (`echo: false`, …); a field
 //! OpenAI does not define is a 400 too. Fields with no effect on the output are accepted:
 //! [`NO_EFFECT`]. Implemented beyond the basics: `presence_penalty`, `frequency_penalty`,
 //! `logit_bias`, log-probabilities (chat `logprobs` + `top_logprobs` in [0, 20], completions
-//! `logprobs` in [0, 5]; `echo` with prompt log-probabilities is not); extensions (vLLM's, sent by OpenAI clients with `extra_body`):
+//! `logprobs` in [0, 5]; `echo` with prompt log-probabilities is not); structured output
+//! (`response_format` `json_object` / `json_schema`, both endpoints, [`crate::structured`]);
+//! tools on chat (`tools`, `tool_choice`, `tool` turns and assistant `tool_calls` in
+//! `messages`, [`super::tools`]; a 400 on completions); extensions (vLLM's, sent by OpenAI clients with `extra_body`):
 //! `top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `stop_token_ids`, `ignore_eos`,
 //! `speculative`.
 use std::collections::HashMap;
@@ -17,7 +19,9 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::logprobs::{ChatLogprobs, CompletionLogprobs};
+use super::tools::{template_tool_calls, ToolCallOut, Tools};
 use crate::output::{FinishReason, Usage};
+use crate::structured::{parse_format, FormatApi, FormatInput};
 use crate::tokenize::PromptInput;
 use crate::validate::{GenerateParams, SamplingInput, ValidationError};
 
@@ -81,10 +85,9 @@ pub const NO_EFFECT: &[&str] = &[
 ];
 
 /// OpenAI fields ferry does not implement yet, each with the one value (besides `null`) that
-/// changes nothing and is therefore accepted. Completions-only fields are checked on that
-/// endpoint alone.
+/// changes nothing and is therefore accepted. Completions-only fields (and `tools` /
+/// `tool_choice`, implemented on chat) are checked on that endpoint alone.
 pub const UNSUPPORTED: &[(&str, &str)] = &[
-    ("response_format", "{\"type\": \"text\"}"),
     ("tools", "[]"),
     ("tool_choice", "\"none\""),
     ("functions", "[]"),
@@ -101,7 +104,6 @@ fn is_noop(field: &str, v: &Value) -> bool {
         "echo" => v == &Value::Bool(false),
         "best_of" => num(1.0),
         "tools" | "functions" => v.as_array().is_some_and(|a| a.is_empty()),
-        "response_format" => v.get("type").and_then(Value::as_str) == Some("text"),
         "tool_choice" | "function_call" => v.as_str() == Some("none"),
         "suffix" => v.as_str() == Some(""),
         _ => false,
@@ -153,11 +155,13 @@ macro_rules! common_fields {
             pub min_tokens: Option<i64>,
             /// Extension (vLLM): more tokens that end generation.
             pub stop_token_ids: Option<Vec<u32>>,
-            /// Not implemented ([`UNSUPPORTED`]).
+            /// Structured output: `{"type": "text" | "json_object" | "json_schema", …}`.
             pub response_format: Option<Value>,
-            /// Not implemented ([`UNSUPPORTED`]).
+            /// Chat: the functions the model may call ([`super::tools`]); completions: not
+            /// implemented ([`UNSUPPORTED`]).
             pub tools: Option<Value>,
-            /// Not implemented ([`UNSUPPORTED`]).
+            /// Chat: `none`, `auto`, `required` or a named function; completions: not
+            /// implemented ([`UNSUPPORTED`]).
             pub tool_choice: Option<Value>,
             /// Not implemented ([`UNSUPPORTED`]).
             pub functions: Option<Value>,
@@ -226,12 +230,17 @@ macro_rules! common_fields {
             /// output.
             fn check_unsupported(&self) -> Result<(), ValidationError> {
                 reject_unsupported([
-                    ("response_format", &self.response_format),
-                    ("tools", &self.tools),
-                    ("tool_choice", &self.tool_choice),
                     ("functions", &self.functions),
                     ("function_call", &self.function_call),
                 ])
+            }
+
+            /// `response_format`, parsed (its schema is compiled by the validator).
+            fn response_format(&self) -> Result<Option<FormatInput>, ValidationError> {
+                match &self.response_format {
+                    Some(v) => parse_format(v, FormatApi::Chat),
+                    None => Ok(None),
+                }
             }
 
             fn stop_strings(&self) -> Vec<String> {
@@ -276,11 +285,14 @@ impl CompletionRequest {
         self.check_n()?;
         self.check_unsupported()?;
         reject_unsupported([
+            ("tools", &self.tools),
+            ("tool_choice", &self.tool_choice),
             ("echo", &self.echo),
             ("best_of", &self.best_of),
             ("suffix", &self.suffix),
         ])?;
         let (sampling, stop) = (self.sampling()?, self.stop_strings());
+        let response_format = self.response_format()?;
         let logprobs = match self.logprobs {
             Some(n) if !(0..=MAX_COMPLETION_LOGPROBS).contains(&n) => {
                 return Err(ValidationError::new(
@@ -320,6 +332,7 @@ impl CompletionRequest {
             request_id: Some(request_id.to_string()),
             speculative: self.speculative,
             logprobs,
+            response_format,
         })
     }
 }
@@ -348,11 +361,21 @@ pub struct ContentPart {
 /// One incoming chat message.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 pub struct ChatMessageIn {
-    /// `system`, `user` or `assistant`.
+    /// `system`, `user`, `assistant` or `tool` (whatever the chat template renders).
     pub role: String,
     /// The content (may be null for assistant turns).
     #[serde(default)]
     pub content: Option<MessageContent>,
+    /// An assistant turn's tool calls (`[{"id", "type": "function", "function": {"name",
+    /// "arguments"}}]`), rendered by the chat template.
+    #[serde(default)]
+    pub tool_calls: Option<Value>,
+    /// A `tool` turn: the call it answers.
+    #[serde(default)]
+    pub tool_call_id: Option<String>,
+    /// A participant name (no effect on the output).
+    #[serde(default)]
+    pub name: Option<String>,
 }
 
 common_fields! {
@@ -379,9 +402,29 @@ common_fields! {
 impl ChatRequest {
     /// The request in the router's terms.
     pub fn into_params(self, request_id: &str) -> Result<GenerateParams, ValidationError> {
+        self.into_params_with_tools(request_id).map(|(p, _)| p)
+    }
+
+    /// The request in the router's terms and its checked tools (`None` without tools): the
+    /// tool-call grammar of `tool_choice` `required` / a named function becomes the
+    /// request's output grammar (with `response_format` too it is a 400).
+    pub fn into_params_with_tools(
+        self,
+        request_id: &str,
+    ) -> Result<(GenerateParams, Option<Tools>), ValidationError> {
         self.check_n()?;
         self.check_unsupported()?;
         let (sampling, stop) = (self.sampling()?, self.stop_strings());
+        let tools = Tools::parse(self.tools.as_ref(), self.tool_choice.as_ref())?;
+        let response_format = match (self.response_format()?, tools.as_ref().and_then(Tools::grammar)) {
+            (Some(_), Some(_)) => {
+                return Err(ValidationError::new(
+                    "response_format",
+                    "cannot be combined with `tool_choice` \"required\" or a named function                      (the output is the tool call)",
+                ))
+            }
+            (f, None) | (None, f) => f,
+        };
         let logprobs = match (self.logprobs, self.top_logprobs) {
             (Some(true), Some(n)) if !(0..=MAX_CHAT_TOP_LOGPROBS).contains(&n) => {
                 return Err(ValidationError::new(
@@ -399,9 +442,15 @@ impl ChatRequest {
             (_, None) => None,
         };
         let messages = chat_messages(self.messages)?;
-        Ok(GenerateParams {
+        let with_calls = messages.iter().any(|m| m.tool_calls.is_some());
+        let prompt = match &tools {
+            Some(t) => PromptInput::ChatTools(messages, t.template_tools().to_vec()),
+            None if with_calls => PromptInput::ChatTools(messages, Vec::new()),
+            None => PromptInput::Chat(messages),
+        };
+        let params = GenerateParams {
             model: self.model,
-            prompt: PromptInput::Chat(messages),
+            prompt,
             sampling,
             max_tokens: self.max_completion_tokens.or(self.max_tokens),
             stop,
@@ -411,7 +460,9 @@ impl ChatRequest {
             request_id: Some(request_id.to_string()),
             speculative: self.speculative,
             logprobs,
-        })
+            response_format,
+        };
+        Ok((params, tools))
     }
 }
 
@@ -458,7 +509,12 @@ pub fn chat_messages(incoming: Vec<ChatMessageIn>) -> Result<Vec<ChatMessage>, V
                 text
             }
         };
-        messages.push(ChatMessage::new(m.role, content));
+        let mut message = ChatMessage::new(m.role, content);
+        if let Some(calls) = m.tool_calls.as_ref().filter(|v| !v.is_null()) {
+            message.tool_calls = Some(template_tool_calls(i, calls)?);
+        }
+        message.tool_call_id = m.tool_call_id;
+        messages.push(message);
     }
     Ok(messages)
 }
@@ -538,8 +594,11 @@ pub struct CompletionResponse {
 pub struct ChatMessageOut {
     /// `assistant`.
     pub role: &'static str,
-    /// The generated text.
-    pub content: String,
+    /// The generated text; null when the reply is tool calls.
+    pub content: Option<String>,
+    /// The tool calls parsed from the output ([`super::tools`]); absent otherwise.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCallOut>>,
 }
 
 /// One chat choice.
@@ -581,6 +640,9 @@ pub struct Delta {
     /// New text.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
+    /// The reply's tool calls, whole, in the last content chunk ([`super::tools`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCallOut>>,
 }
 
 /// One chat chunk choice.

@@ -11,7 +11,9 @@
 //! SSE event named by its `type` with a `sequence_number`, and no `[DONE]` (the Responses API
 //! has none). ferry keeps no responses: `store` has no effect (the object says `"store":
 //! false`) and `previous_response_id` is a 400, as is every field that would change the output
-//! and is not implemented (tools, structured `text.format`, reasoning, …). Log-probabilities
+//! and is not implemented (tools, reasoning, …). Structured output: `text.format` `{"type":
+//! "json_object"}` or `{"type": "json_schema", "name", "schema", "strict"}`, as on the chat
+//! endpoint ([`crate::structured`]), echoed in the response's `text`. Log-probabilities
 //! (`include: ["message.output_text.logprobs"]` and/or `top_logprobs` 1–20) are the chat
 //! endpoint's: the raw log-softmax, on the text part and on every delta.
 use std::sync::Arc;
@@ -37,6 +39,7 @@ use crate::error::{log_failure, RequestError};
 use crate::output::{FinishReason, Usage};
 use crate::spans::Operation;
 use crate::state::AppState;
+use crate::structured::{parse_format, FormatApi, FormatInput};
 use crate::tokenize::PromptInput;
 use crate::validate::{GenerateParams, SamplingInput, ValidationError};
 
@@ -98,7 +101,7 @@ pub struct ResponsesRequest {
     pub previous_response_id: Option<Value>,
     /// Not implemented: null only.
     pub conversation: Option<Value>,
-    /// Only `{"format": {"type": "text"}}`.
+    /// `{"format": {"type": "text" | "json_object" | "json_schema", …}}`.
     pub text: Option<Value>,
     /// Not implemented: empty only.
     pub tools: Option<Value>,
@@ -200,12 +203,6 @@ impl ResponsesRequest {
         fn empty(v: &Value) -> bool {
             v.is_null() || v.as_array().is_some_and(Vec::is_empty)
         }
-        fn plain_text(v: &Value) -> bool {
-            v.is_null()
-                || v.get("format").is_none_or(|f| {
-                    f.is_null() || f.get("type").and_then(Value::as_str) == Some("text")
-                })
-        }
         let checks = [
             Unsupported::new(
                 "previous_response_id",
@@ -214,12 +211,6 @@ impl ResponsesRequest {
                 "null",
             ),
             Unsupported::new("conversation", &self.conversation, null, "null"),
-            Unsupported::new(
-                "text",
-                &self.text,
-                plain_text,
-                "{\"format\": {\"type\": \"text\"}}",
-            ),
             Unsupported::new("tools", &self.tools, empty, "[]"),
             Unsupported::new(
                 "tool_choice",
@@ -260,6 +251,27 @@ impl ResponsesRequest {
             ));
         }
         Ok(())
+    }
+
+    /// `text.format`, parsed (its schema is compiled by the validator); `text` may hold
+    /// nothing but `format`.
+    fn text_format(&self) -> Result<Option<FormatInput>, ValidationError> {
+        let Some(text) = self.text.as_ref().filter(|v| !v.is_null()) else {
+            return Ok(None);
+        };
+        let obj = text.as_object().ok_or_else(|| {
+            ValidationError::new("text", format!("must be an object, got {text}"))
+        })?;
+        if let Some(k) = obj.keys().find(|k| k.as_str() != "format") {
+            return Err(ValidationError::new(
+                "text",
+                format!("only `format` is supported, got {k:?}"),
+            ));
+        }
+        match obj.get("format") {
+            Some(f) => parse_format(f, FormatApi::Responses),
+            None => Ok(None),
+        }
     }
 
     /// Alternatives per token when log-probabilities are asked for (`include` names
@@ -380,6 +392,7 @@ impl ResponsesRequest {
             logprobs: self.logprobs()?,
             request_id: Some(request_id.to_string()),
             speculative: self.speculative,
+            response_format: self.text_format()?,
         })
     }
 }
@@ -586,6 +599,8 @@ struct Shape {
     temperature: f64,
     top_p: f64,
     metadata: Value,
+    /// The response's `text`: the request's format, or `{"format": {"type": "text"}}`.
+    text: Value,
 }
 
 impl Shape {
@@ -598,6 +613,15 @@ impl Shape {
             temperature: req.temperature.unwrap_or(1.0),
             top_p: req.top_p.unwrap_or(1.0),
             metadata: req.metadata.clone().unwrap_or_else(|| json!({})),
+            text: req
+                .text
+                .as_ref()
+                .and_then(|t| t.get("format"))
+                .filter(|f| !f.is_null())
+                .map_or_else(
+                    || json!({"format": {"type": "text"}}),
+                    |f| json!({"format": f}),
+                ),
         }
     }
 
@@ -653,7 +677,7 @@ impl Shape {
             reasoning: json!({"effort": null, "summary": null}),
             store: false,
             temperature: self.temperature,
-            text: json!({"format": {"type": "text"}}),
+            text: self.text.clone(),
             tool_choice: "none",
             tools: Vec::new(),
             top_p: self.top_p,
@@ -911,6 +935,7 @@ mod tests {
             id: "resp_1".into(),
             created: 7,
             model: "tiny-k3".into(),
+            tools: None,
         };
         let shape = Shape::new(
             meta,

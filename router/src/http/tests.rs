@@ -322,6 +322,123 @@ async fn speculative_must_be_a_bool() {
     }
 }
 
+/// `response_format` on both endpoints: `text`, `json_object` and a valid `json_schema` pass
+/// validation (without workers the request is then a 503); a schema the grammar engine
+/// refuses, a malformed envelope or an unknown type is a 400 naming the field.
+#[tokio::test]
+async fn response_format_is_validated_by_compiling_the_schema() {
+    let s = state().await;
+    let user = json!([{"role": "user", "content": "hi"}]);
+    let schema = json!({"type": "object", "properties": {"a": {"type": "integer"}},
+        "required": ["a"]});
+    for (uri, base) in [
+        ("/v1/completions", json!({"prompt": "hi"})),
+        ("/v1/chat/completions", json!({"messages": user})),
+    ] {
+        for ok in [
+            json!({"type": "text"}),
+            json!({"type": "json_object"}),
+            json!({"type": "json_schema", "json_schema": {"name": "a", "schema": schema,
+                "strict": true}}),
+        ] {
+            let mut body = base.clone();
+            body["response_format"] = ok.clone();
+            let (status, got) = send(&s, "POST", uri, &body.to_string()).await;
+            assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{uri} {ok}: {got}");
+        }
+        for (bad, field) in [
+            (
+                json!({"type": "json_schema", "json_schema": {"name": "a",
+                    "schema": {"type": "no-such-type"}}}),
+                "response_format.json_schema.schema",
+            ),
+            (
+                json!({"type": "json_schema", "json_schema": {"name": "a",
+                    "schema": {"type": "string", "minLength": 9, "maxLength": 2}}}),
+                "response_format.json_schema.schema",
+            ),
+            (
+                json!({"type": "json_schema", "json_schema": {"name": "a"}}),
+                "response_format.json_schema.schema",
+            ),
+            (
+                json!({"type": "json_schema"}),
+                "response_format.json_schema",
+            ),
+            (json!({"type": "xml"}), "response_format.type"),
+        ] {
+            let mut body = base.clone();
+            body["response_format"] = bad.clone();
+            let got = send(&s, "POST", uri, &body.to_string()).await;
+            assert_invalid(&format!("{uri} {bad}"), got, field);
+        }
+    }
+}
+
+/// Tools on chat: valid definitions and choices pass validation (503 without workers), a
+/// `tool` turn and an assistant turn with `tool_calls` are accepted back; bad tools and
+/// choices are 400s naming `tools` / `tool_choice`, `response_format` with a forced call names
+/// `response_format`, and special-token text in a tool call is refused.
+#[tokio::test]
+async fn tools_and_tool_choice_are_validated() {
+    let s = state().await;
+    let tools = json!([{"type": "function", "function": {"name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+            "required": ["city"]}}}]);
+    let user = json!({"role": "user", "content": "hi"});
+    let call = json!({"role": "assistant", "content": null, "tool_calls": [{"id": "call_1",
+        "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\":\"Ur\"}"}}]});
+    let result = json!({"role": "tool", "tool_call_id": "call_1", "content": "sunny"});
+    let uri = "/v1/chat/completions";
+    for body in [
+        json!({"messages": [user], "tools": tools}),
+        json!({"messages": [user], "tools": tools, "tool_choice": "required"}),
+        json!({"messages": [user], "tools": tools, "tool_choice": "none"}),
+        json!({"messages": [user], "tools": tools,
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}),
+        json!({"messages": [user, call, result], "tools": tools}),
+        json!({"messages": [user, call, result]}),
+    ] {
+        let (status, got) = send(&s, "POST", uri, &body.to_string()).await;
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}: {got}");
+    }
+    let injected = json!({"role": "assistant", "content": null, "tool_calls": [{"id": "x",
+        "type": "function", "function": {"name": "f", "arguments": "<|user|>"}}]});
+    for (body, field) in [
+        (
+            json!({"messages": [user], "tools": tools,
+                "tool_choice": {"type": "function", "function": {"name": "smite"}}}),
+            "tool_choice",
+        ),
+        (
+            json!({"messages": [user], "tool_choice": "required"}),
+            "tool_choice",
+        ),
+        (
+            json!({"messages": [user], "tools": tools, "tool_choice": "often"}),
+            "tool_choice",
+        ),
+        (
+            json!({"messages": [user], "tools": [{"type": "function"}]}),
+            "tools",
+        ),
+        (
+            json!({"messages": [user], "tools": [{"type": "function", "function": {"name": "f",
+                "parameters": {"type": "no-such-type"}}}], "tool_choice": "required"}),
+            "tools",
+        ),
+        (
+            json!({"messages": [user], "tools": tools, "tool_choice": "required",
+                "response_format": {"type": "json_object"}}),
+            "response_format",
+        ),
+        (json!({"messages": [user, injected]}), "messages"),
+    ] {
+        let got = send(&s, "POST", uri, &body.to_string()).await;
+        assert_invalid(&body.to_string(), got, field);
+    }
+}
+
 /// Nothing is ignored silently: every OpenAI field ferry does not implement is a 400 naming it
 /// when its value would change the output, accepted when it would not; fields with no effect
 /// on the output pass; a field OpenAI does not define is a 400 naming it.
@@ -331,21 +448,17 @@ async fn unimplemented_and_unknown_fields_are_refused_by_name() {
     let user = json!([{"role": "user", "content": "hi"}]);
     // (field, a value that changes the output, the value that does not).
     let shared = [
-        (
-            "response_format",
-            json!({"type": "json_object"}),
-            json!({"type": "text"}),
-        ),
+        ("functions", json!([{"name": "f"}]), json!([])),
+        ("function_call", json!("auto"), json!("none")),
+    ];
+    // Tools are implemented on chat only.
+    let completions_only = [
         (
             "tools",
             json!([{"type": "function", "function": {"name": "f"}}]),
             json!([]),
         ),
         ("tool_choice", json!("required"), json!("none")),
-        ("functions", json!([{"name": "f"}]), json!([])),
-        ("function_call", json!("auto"), json!("none")),
-    ];
-    let completions_only = [
         ("echo", json!(true), json!(false)),
         ("best_of", json!(3), json!(1)),
         ("suffix", json!("end"), json!("")),
@@ -630,8 +743,19 @@ async fn responses_validation_errors_are_400_naming_the_field() {
             "tools",
         ),
         (
-            "structured text format",
-            json!({"input": "hi", "text": {"format": {"type": "json_object"}}}),
+            "an unsatisfiable text.format schema",
+            json!({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x",
+                "schema": {"type": "integer", "minimum": 5, "maximum": 1}}}}),
+            "text.format.schema",
+        ),
+        (
+            "an unknown text.format type",
+            json!({"input": "hi", "text": {"format": {"type": "yaml"}}}),
+            "text.format.type",
+        ),
+        (
+            "text with more than a format",
+            json!({"input": "hi", "text": {"verbosity": "low"}}),
             "text",
         ),
         (

@@ -37,11 +37,19 @@ impl Scheduler {
             }
         };
         let history = history_for(&job.controls, &job.prompt, options.resumed_tokens);
+        // A migrated request's resumed tokens were generated under its grammar: replay them.
+        let mut grammar = job.grammar;
+        let resumed = &job.prompt[prompt_len.saturating_sub(options.resumed_tokens)..];
+        let replayed = match grammar.as_mut() {
+            Some(g) => resumed.iter().try_for_each(|&t| g.consume(t)),
+            None => Ok(()),
+        };
         let mut seq = Sequence {
             id,
             controls: job.controls,
             history,
             logprobs: options.logprobs,
+            grammar,
             tokens: job.prompt[..cached].to_vec(),
             prompt: job.prompt,
             rng: Sampler::for_params(&job.sampling),
@@ -59,6 +67,10 @@ impl Scheduler {
             spec: SpecCounts::default(),
             draft_ctx: 0,
         };
+        if let Err(e) = replayed {
+            self.fail(seq, &format!("the resumed tokens: {e}"));
+            return;
+        }
         let page = self.kv.page_size();
         if let Some(sp) = &self.spec {
             seq.draft_ctx = sp.valid_prefix(seq.table.blocks(), cached, page);
@@ -203,6 +215,7 @@ impl Scheduler {
                 self.running.push(seq);
             }
             Next::Finish(r) => self.finish(seq, r),
+            Next::Fail(e) => self.fail(seq, &e),
         }
     }
 

@@ -234,6 +234,7 @@ impl Scheduler {
                         Ok(tok) => match s.accept(tok, &eos, lp.map(|r| r.of(tok))) {
                             Next::Continue(t) => s.phase = Phase::Decoding { next: t },
                             Next::Finish(r) => finished_running.push((i, Ok(r))),
+                            Next::Fail(e) => finished_running.push((i, Err(e))),
                         },
                         Err(e) => finished_running.push((i, Err(e))),
                     }
@@ -316,7 +317,7 @@ impl Scheduler {
                     self.running.push(s);
                 }
                 Ok(Next::Finish(reason)) => self.finish(s, reason),
-                Err(e) => self.fail(s, &e),
+                Ok(Next::Fail(e)) | Err(e) => self.fail(s, &e),
             }
         }
         done_prefills.sort_by_key(|e| std::cmp::Reverse(e.0));

@@ -84,6 +84,7 @@ impl Scheduler {
             match s.accept(tok, &eos, lp) {
                 Next::Continue(t) => s.phase = Phase::Decoding { next: t },
                 Next::Finish(r) => return Ok((kept, Some(r))),
+                Next::Fail(e) => return Err(e),
             }
         }
         Ok((kept, None))

@@ -10,6 +10,13 @@
 //! host round trip for those rows only); a verified position's row counts the drafts ahead of
 //! it as generated, so it is processed exactly as plain decoding would process it there.
 //!
+//! Requests with structured output (a grammar) have each row masked the same way: a plain
+//! draw with the grammar's mask after the committed tokens; a verified position's row with
+//! the mask after the drafts ahead of it (the grammar advanced through them, then rolled
+//! back), so verification accepts exactly what the constrained distribution would draw. A
+//! draft the grammar refuses gets probability 0 from the row before it and is rejected, so
+//! the rows after it (masked like the last allowed one) are never used.
+//!
 //! Requests that ask for log-probabilities get each decided row's raw log-softmax
 //! (`backend::sample::row_logprobs`, before any processing: one gather and one download for all
 //! such rows of the batch) with their outcome; a round gets one per verified position, and the
@@ -28,6 +35,7 @@ use ferry_kernels::backend::Tensor;
 use ferry_kernels::cpu::logits::{LogitsControls, RowControls, RowLogprobs, TokenHistory};
 use ferry_kernels::cpu::sample::SamplingParams;
 use ferry_kernels::cpu::verify::Verified;
+use ferry_modelcard::grammar::{Grammar, GrammarError};
 
 use super::{Owner, Scheduler, Work};
 use crate::deepseek::BatchLogits;
@@ -52,13 +60,15 @@ pub(super) enum Outcome {
 /// Outcomes by work item index.
 type Decided<T> = Vec<(usize, Result<T, String>)>;
 
-/// One plain draw: the logits row, its request, the parameters and the uniform.
+/// One plain draw: the logits row, its request, the parameters and the uniform, and the
+/// grammar mask (or why it could not be computed).
 struct PlainRow {
     item: usize,
     row: usize,
     owner: Owner,
     params: SamplingParams,
     uniform: f64,
+    allowed: Result<Option<Vec<u32>>, String>,
 }
 
 /// One round: its first logits row, its sequence (`running[seq]`), the drafts and the
@@ -70,6 +80,8 @@ struct RoundRows<'d> {
     draft: &'d Draft,
     params: SamplingParams,
     uniforms: Vec<f64>,
+    /// One grammar mask per verified position (empty without a grammar), or why not.
+    allowed: Result<Vec<Vec<u32>>, String>,
 }
 
 impl Scheduler {
@@ -85,6 +97,7 @@ impl Scheduler {
         q: Option<&Tensor>,
     ) -> Result<Vec<Outcome>, ModelError> {
         let firsts = logits.first_rows();
+        let eos = self.eos().to_vec();
         let mut plain = Vec::new();
         let mut rounds = Vec::new();
         for (item, w) in work.iter().enumerate() {
@@ -93,20 +106,31 @@ impl Scheduler {
                 Work::Decode(i) => {
                     let s = &mut self.running[i];
                     match drafts.get(i).and_then(Option::as_ref) {
-                        Some(draft) => rounds.push(RoundRows {
-                            item,
-                            first: row,
-                            seq: i,
-                            draft,
-                            params: s.sampling.clone(),
-                            uniforms: verify_uniforms(s, draft.gamma()),
-                        }),
+                        Some(draft) => {
+                            let ahead = draft.tokens.get(1..).unwrap_or(&[]);
+                            let stop = &s.stop;
+                            let allowed = match s.grammar.as_mut() {
+                                Some(g) => round_masks(g, ahead, |t| stop.is_stop(t, &eos))
+                                    .map_err(|e| e.to_string()),
+                                None => Ok(Vec::new()),
+                            };
+                            rounds.push(RoundRows {
+                                item,
+                                first: row,
+                                seq: i,
+                                draft,
+                                params: s.sampling.clone(),
+                                uniforms: verify_uniforms(s, draft.gamma()),
+                                allowed,
+                            })
+                        }
                         None => plain.push(PlainRow {
                             item,
                             row,
                             owner: Owner::Running(i),
                             params: s.sampling.clone(),
                             uniform: step_uniform(&s.sampling, s.generated, &mut s.rng),
+                            allowed: plain_mask(s.grammar.as_mut()),
                         }),
                     }
                 }
@@ -119,6 +143,7 @@ impl Scheduler {
                             owner: Owner::Waiting(i),
                             params: s.sampling.clone(),
                             uniform: step_uniform(&s.sampling, s.generated, &mut s.rng),
+                            allowed: plain_mask(s.grammar.as_mut()),
                         });
                     }
                 }
@@ -130,6 +155,7 @@ impl Scheduler {
                         owner: Owner::Prefill(i),
                         params: t.job.sampling.clone(),
                         uniform: step_uniform(&t.job.sampling, 0, &mut t.rng),
+                        allowed: plain_mask(t.job.grammar.as_mut()),
                     });
                 }
             }
@@ -163,17 +189,19 @@ impl Scheduler {
             .collect();
         let mut out: Vec<Outcome> = work.iter().map(|_| Outcome::Nothing).collect();
         let drawn = self.draw_plain(logits, &plain)?;
-        for ((item, token), lp) in drawn.into_iter().zip(plain_lps) {
-            out[item] = match lp.transpose() {
-                Ok(lp) => Outcome::Token(token, lp),
-                Err(e) => Outcome::Token(Err(e), None),
+        for (((item, token), lp), r) in drawn.into_iter().zip(plain_lps).zip(&plain) {
+            out[item] = match (lp.transpose(), &r.allowed) {
+                (_, Err(e)) => Outcome::Token(Err(e.clone()), None),
+                (Err(e), _) => Outcome::Token(Err(e), None),
+                (Ok(lp), Ok(_)) => Outcome::Token(token, lp),
             };
         }
         let verified = self.verify_rounds(logits, &rounds, q)?;
-        for ((item, round), lp) in verified.into_iter().zip(round_lps) {
-            out[item] = match lp {
-                Ok(lp) => Outcome::Round(round, lp),
-                Err(e) => Outcome::Round(Err(e), Vec::new()),
+        for (((item, round), lp), r) in verified.into_iter().zip(round_lps).zip(&rounds) {
+            out[item] = match (lp, &r.allowed) {
+                (_, Err(e)) => Outcome::Round(Err(e.clone()), Vec::new()),
+                (Err(e), _) => Outcome::Round(Err(e), Vec::new()),
+                (Ok(lp), Ok(_)) => Outcome::Round(round, lp),
             };
         }
         Ok(out)
@@ -202,7 +230,10 @@ impl Scheduler {
         let controlled: Vec<(usize, RowCtl<'_>)> = rows
             .iter()
             .enumerate()
-            .filter_map(|(k, r)| self.controls_of(r.owner, 0, &[]).map(|c| (k, c)))
+            .filter_map(|(k, r)| {
+                let allowed = r.allowed.as_ref().ok().and_then(Option::as_deref);
+                self.controls_of(r.owner, 0, &[], allowed).map(|c| (k, c))
+            })
             .collect();
         // A decode-only batch without controls samples every row in order: no gather.
         let total: usize = logits.rows_per_seq.iter().sum();
@@ -285,7 +316,13 @@ impl Scheduler {
         for r in rounds {
             for j in 0..=r.draft.gamma() {
                 let ahead = r.draft.tokens.get(1..=j).unwrap_or(&[]);
-                if let Some(c) = self.controls_of(Owner::Running(r.seq), j, ahead) {
+                let allowed = r
+                    .allowed
+                    .as_ref()
+                    .ok()
+                    .and_then(|m| m.get(j))
+                    .map(Vec::as_slice);
+                if let Some(c) = self.controls_of(Owner::Running(r.seq), j, ahead, allowed) {
                     controlled.push((at + j, c));
                 }
             }
@@ -332,13 +369,15 @@ impl Scheduler {
     }
 
     /// The logits processing of `owner`'s row for its generated token number
-    /// `generated + ahead + 1`, `drafted` being the `ahead` drafts before it; `None` when the
-    /// request uses no controls and `min_tokens` masks nothing there.
+    /// `generated + ahead + 1`, `drafted` being the `ahead` drafts before it and `allowed`
+    /// the grammar's mask there; `None` when the request uses no controls, `min_tokens` masks
+    /// nothing there and there is no grammar.
     fn controls_of<'s>(
         &'s self,
         owner: Owner,
         ahead: usize,
         drafted: &'s [u32],
+        allowed: Option<&'s [u32]>,
     ) -> Option<RowCtl<'s>> {
         let (controls, history, stop, generated) = match owner {
             Owner::Running(i) => {
@@ -355,7 +394,7 @@ impl Scheduler {
             }
         };
         let masked = stop.masked(generated + ahead, self.eos());
-        if controls.is_noop() && masked.is_empty() {
+        if controls.is_noop() && masked.is_empty() && allowed.is_none() {
             return None;
         }
         Some(RowCtl {
@@ -363,6 +402,7 @@ impl Scheduler {
             history,
             drafted,
             masked,
+            allowed,
         })
     }
 
@@ -450,6 +490,7 @@ struct RowCtl<'s> {
     history: &'s TokenHistory,
     drafted: &'s [u32],
     masked: Vec<u32>,
+    allowed: Option<&'s [u32]>,
 }
 
 impl RowCtl<'_> {
@@ -459,8 +500,50 @@ impl RowCtl<'_> {
             history: self.history,
             drafted: self.drafted,
             masked: &self.masked,
+            allowed: self.allowed,
         }
     }
+}
+
+/// The grammar mask of a plain draw (`None` without a grammar), or why it failed.
+fn plain_mask(g: Option<&mut Grammar>) -> Result<Option<Vec<u32>>, String> {
+    g.map(|g| g.allowed().map_err(|e| e.to_string()))
+        .transpose()
+}
+
+/// The grammar masks of a round's `drafts.len() + 1` verified positions: position `j`'s with
+/// the grammar advanced through `drafts[..j]`, then rolled back to where it was. Drafts from
+/// the first one the grammar refuses (or the first stop token, which ends the request) on
+/// can never be accepted, so their positions repeat the last computed mask.
+fn round_masks(
+    g: &mut Grammar,
+    drafts: &[u32],
+    is_stop: impl Fn(u32) -> bool,
+) -> Result<Vec<Vec<u32>>, GrammarError> {
+    let until_stop = drafts
+        .iter()
+        .position(|&t| is_stop(t))
+        .unwrap_or(drafts.len());
+    let valid = g.valid_prefix(&drafts[..until_stop])?;
+    let mut masks = Vec::with_capacity(drafts.len() + 1);
+    masks.push(g.allowed()?);
+    let mut consumed = 0;
+    let mut walk = || -> Result<(), GrammarError> {
+        for &t in &drafts[..valid] {
+            g.consume(t)?;
+            consumed += 1;
+            masks.push(g.allowed()?);
+        }
+        Ok(())
+    };
+    let walked = walk();
+    g.rollback(consumed)?;
+    walked?;
+    while masks.len() < drafts.len() + 1 {
+        let last = masks.last().cloned().unwrap_or_default();
+        masks.push(last);
+    }
+    Ok(masks)
 }
 
 /// The next computed row of log-probabilities (in the order they were asked for), or why it
