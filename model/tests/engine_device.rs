@@ -33,6 +33,8 @@
 //!   them) give the CPU engine's greedy tokens on the CUDA engine, graph-replayed and
 //!   speculating, and in a prefill job's first token; log-probabilities agree with the CPU
 //!   engine's to 1e-3;
+//! - a JSON-schema grammar's token mask gives the CPU engine's greedy tokens on the CUDA
+//!   engine, graph-replayed and speculating;
 //! - speculative decoding on the CUDA engine (the drafter on the device, from the forward's
 //!   tapped hidden states copied there; sampling and verification on the device) gives the
 //!   plain CUDA engine's and the CPU's greedy tokens, with drafts accepted.
@@ -385,6 +387,90 @@ async fn logits_controls_on_cuda_equal_the_cpu_engine() {
     assert!(st.spec_rounds > 0, "no speculative round ran: {st:?}");
     eprintln!(
         "logits controls on cuda: identical to the CPU engine (graphs, speculation: {} rounds)",
+        st.spec_rounds
+    );
+    for e in [&graphs, &cpu, &spec] {
+        wait_idle(e).await;
+    }
+}
+
+/// Greedy runs of the three golden prompts (concurrent) constrained to a JSON schema, stopping
+/// when the grammar closes the object: the tokens and the finish reasons.
+async fn grammar_runs(e: &EngineHandle) -> Vec<(Vec<u32>, Result<FinishReason, String>)> {
+    let dir = ferry_model::embedded::default_model_dir();
+    let tokenizer =
+        Arc::new(ferry_model::tokenizer::Tokenizer::from_dir(&dir).expect("tokenizer"));
+    let c = model().config().clone();
+    let compiler =
+        ferry_model::grammar::GrammarCompiler::new(tokenizer, c.vocab_size, &c.eos_token_ids)
+            .expect("grammar compiler");
+    let schema = ferry_model::grammar::OutputGrammar::JsonSchema(serde_json::json!({
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 10},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            "tribe": {"enum": ["Judah", "Levi", "Dan"]}
+        },
+        "required": ["name", "age", "tribe"],
+        "additionalProperties": false
+    }));
+    let gens: Vec<Generation> = (0..3)
+        .map(|i| {
+            e.generate(GenerateJob {
+                stop: StopParams::max_tokens(64),
+                grammar: Some(compiler.compile(&schema).expect("schema compiles")),
+                ..job(golden_case(i).0, 64, PrefillSource::Local)
+            })
+            .unwrap()
+        })
+        .collect();
+    let mut out = Vec::new();
+    for g in gens {
+        out.push(collect(g).await);
+    }
+    out
+}
+
+/// Structured output's token mask (a host round trip for the constrained rows on a GPU, like
+/// the controls): the CUDA engine, graph-replayed and speculating, gives the CPU engine's
+/// greedy tokens under a JSON schema, and the output is that schema's JSON.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an NVIDIA GPU: run on the GPU machine with --include-ignored (docs/gpu.md)"]
+async fn json_schema_output_on_cuda_equals_the_cpu_engine() {
+    let Some(graphs) = cuda_engine(
+        "json_schema_output_on_cuda_equals_the_cpu_engine",
+        GpuMode::Exact,
+    ) else {
+        return;
+    };
+    let cpu = engine(Device::Cpu, GpuMode::Exact);
+    let want = grammar_runs(&cpu).await;
+    let dir = ferry_model::embedded::default_model_dir();
+    let tokenizer = ferry_model::tokenizer::Tokenizer::from_dir(&dir).expect("tokenizer");
+    for (i, (toks, reason)) in want.iter().enumerate() {
+        assert!(reason.is_ok(), "request {i}: {reason:?}");
+        let text = tokenizer.decode(toks, false).expect("decode");
+        let v: serde_json::Value = serde_json::from_str(&text)
+            .unwrap_or_else(|e| panic!("request {i}: {text:?} is not JSON: {e}"));
+        assert!(
+            ["Judah", "Levi", "Dan"].contains(&v["tribe"].as_str().unwrap_or("")),
+            "request {i}: {text}"
+        );
+    }
+    assert_eq!(grammar_runs(&graphs).await, want, "CUDA engine vs CPU engine");
+    let m = model();
+    let drafter =
+        DsparkDrafter::load(&ferry_model::drafter::embedded_dir(), m.config()).expect("drafter");
+    let spec = EngineHandle::spawn_with(
+        m,
+        Some(Box::new(drafter) as Box<dyn Drafter>),
+        config(Device::Cuda(0), GpuMode::Exact),
+    )
+    .expect("speculating CUDA engine");
+    assert_eq!(grammar_runs(&spec).await, want, "speculating CUDA engine vs CPU");
+    let st = spec.stats().await.unwrap();
+    eprintln!(
+        "json schema on cuda: identical to the CPU engine ({} speculative rounds)",
         st.spec_rounds
     );
     for e in [&graphs, &cpu, &spec] {
