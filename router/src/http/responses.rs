@@ -393,6 +393,7 @@ impl ResponsesRequest {
             request_id: Some(request_id.to_string()),
             speculative: self.speculative,
             response_format: self.text_format()?,
+            n: None,
         })
     }
 }

@@ -93,7 +93,9 @@ async fn completion_validation_errors_are_400_naming_the_field() {
             "stop",
         ),
         ("empty stop", json!({"prompt": "hi", "stop": ""}), "stop"),
-        ("n > 1", json!({"prompt": "hi", "n": 2}), "n"),
+        ("n above the cap", json!({"prompt": "hi", "n": 17}), "n"),
+        ("n 0", json!({"prompt": "hi", "n": 0}), "n"),
+        ("n negative", json!({"prompt": "hi", "n": -1}), "n"),
         ("prompt batch", json!({"prompt": ["a", "b"]}), "prompt"),
         (
             "token out of vocab",
