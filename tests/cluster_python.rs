@@ -122,7 +122,10 @@ async fn the_openai_python_client_gets_n_choices_from_one_prefill() {
         forks,
         "every other sample forked: {after:?}"
     );
-    assert!(after.fork_tail_tokens > before.fork_tail_tokens, "{after:?}");
+    assert!(
+        after.fork_tail_tokens > before.fork_tail_tokens,
+        "{after:?}"
+    );
 }
 
 #[tokio::test]

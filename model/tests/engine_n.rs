@@ -103,7 +103,10 @@ async fn seeded_samples_differ_from_each_other_and_are_reproducible() {
     .await;
     for i in 0..first.len() {
         for j in i + 1..first.len() {
-            assert_ne!(first[i], first[j], "samples {i} and {j} drew the same tokens");
+            assert_ne!(
+                first[i], first[j],
+                "samples {i} and {j} drew the same tokens"
+            );
         }
     }
     let again = run_all(
@@ -115,12 +118,13 @@ async fn seeded_samples_differ_from_each_other_and_are_reproducible() {
     // Sample 0 draws with the request's seed, sample i with `sample_seed(seed, i)`: each is
     // what a one-sample request with that seed gives.
     for (i, expected) in first.iter().enumerate() {
-        let one = e
-            .generate(seeded(sample_seed(7, i)))
-            .expect("one sample");
+        let one = e.generate(seeded(sample_seed(7, i))).expect("one sample");
         let (toks, end) = collect(one).await;
         assert_eq!(end, Ok(FinishReason::Length));
-        assert_eq!(&toks, expected, "sample {i} = one request seeded sample_seed(7, {i})");
+        assert_eq!(
+            &toks, expected,
+            "sample {i} = one request seeded sample_seed(7, {i})"
+        );
     }
     assert_eq!(sample_seed(7, 0), 7);
     wait_idle(&e).await;

@@ -165,8 +165,8 @@ impl Caller {
         match self {
             Self::Anonymous => Ok(()),
             Self::Key(key) => {
-                let cost = req.prompt().len() as u64
-                    + u64::from(req.n()) * u64::from(req.max_tokens());
+                let cost =
+                    req.prompt().len() as u64 + u64::from(req.n()) * u64::from(req.max_tokens());
                 key.limits().charge(cost)
             }
         }

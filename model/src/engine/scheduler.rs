@@ -99,9 +99,11 @@ pub(crate) struct PendingFork {
 impl PendingFork {
     /// Tells the sample it will not run: the prompt it was to share failed or went away.
     pub(crate) fn abandon(self, why: &str) {
-        let _ = self.events.send(EngineEvent::Failed(super::Failure::internal(format!(
-            "the prompt this sample shares {why}"
-        ))));
+        let _ = self
+            .events
+            .send(EngineEvent::Failed(super::Failure::internal(format!(
+                "the prompt this sample shares {why}"
+            ))));
     }
 }
 

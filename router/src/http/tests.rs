@@ -252,6 +252,7 @@ async fn chat_validation_errors_are_400_naming_the_field() {
             json!({"messages": user, "max_completion_tokens": 0}),
             "max_tokens",
         ),
+        ("n above the cap", json!({"messages": user, "n": 17}), "n"),
         (
             "max_tokens beyond context",
             json!({"messages": user, "max_tokens": 4096}),
@@ -795,6 +796,7 @@ async fn responses_validation_errors_are_400_naming_the_field() {
             json!({"input": "hi", "frobnicate": 1}),
             "frobnicate",
         ),
+        ("n (not in this API)", json!({"input": "hi", "n": 2}), "n"),
     ];
     for (case, body, field) in cases {
         let r = send(&s, "POST", "/v1/responses", &body.to_string()).await;
