@@ -937,6 +937,7 @@ mod tests {
             created: 7,
             model: "tiny-k3".into(),
             tools: None,
+            n: 1,
         };
         let shape = Shape::new(
             meta,
