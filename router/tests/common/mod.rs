@@ -147,6 +147,8 @@ impl DecodeWorker for Scripted {
                         String::new()
                     },
                     logprobs: Vec::new(),
+                    index: 0,
+                    error: String::new(),
                 };
                 tokio::time::sleep(pace).await;
                 if tx.send(Ok(message)).await.is_err() {
