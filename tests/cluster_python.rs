@@ -76,6 +76,58 @@ async fn the_openai_python_client_streams_a_chat_completion() {
     cluster.assert_kv_blocks_released().await;
 }
 
+/// `n` > 1 through the gateway: the script checks the choices and the streamed indexes; here
+/// the workers' counters say each request was prefilled once (remote or local, on the decode
+/// worker's counters) and every other sample was forked off that prefill, not prefilled again.
+#[tokio::test]
+async fn the_openai_python_client_gets_n_choices_from_one_prefill() {
+    require_python_modules().await;
+    let cluster = Cluster::start(Spec::new(1, 1)).await;
+    let base = cluster.openai_base_url();
+    let before = cluster.stats("decode-0").await;
+    let out = python(&[
+        "tests/python/openai_n.py",
+        "--base-url",
+        &base,
+        "--model",
+        MODEL,
+    ])
+    .await;
+    assert!(
+        out.status.success(),
+        "tests/python/openai_n.py failed:\n{}{}",
+        stdout(&out),
+        stderr(&out)
+    );
+    let line = stdout(&out);
+    let report: serde_json::Value = serde_json::from_str(line.trim())
+        .unwrap_or_else(|e| panic!("openai_n.py printed no JSON ({e}): {line:?}"));
+    let (requests, forks) = (
+        report["requests"].as_u64().expect("requests"),
+        report["forks"].as_u64().expect("forks"),
+    );
+    assert!(forks > 0, "{report}");
+    cluster.assert_kv_blocks_released().await;
+    let after = cluster.stats("decode-0").await;
+    let prefills = |s: &ferry_proto::internal::WorkerStats| {
+        s.remote_prefills + s.local_prefills + s.recomputed_prefills
+    };
+    assert_eq!(
+        prefills(&after) - prefills(&before),
+        requests,
+        "one prefill per request, whatever its n: {after:?}"
+    );
+    assert_eq!(
+        after.forked_samples - before.forked_samples,
+        forks,
+        "every other sample forked: {after:?}"
+    );
+    assert!(
+        after.fork_tail_tokens > before.fork_tail_tokens,
+        "{after:?}"
+    );
+}
+
 #[tokio::test]
 async fn the_openai_python_client_uses_the_responses_api() {
     require_python_modules().await;

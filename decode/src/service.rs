@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use ferry_kvtransfer::{KvLayoutDesc, Registration};
 use ferry_model::engine::{
     EngineError, EngineEvent, EngineHandle, FailureKind, FinishReason, GenerateJob,
-    GenerateOptions, Generation, PrefillSource, SpecCounts,
+    GenerateOptions, Generation, PrefillSource, SpecCounts, MAX_SAMPLES,
 };
 use ferry_model::grammar::{Grammar, GrammarCompiler};
 use ferry_proto::internal::decode_worker_server::DecodeWorker;
@@ -150,7 +150,7 @@ impl DecodeWorker for DecodeService {
                 .instrument(span.clone())
                 .await;
         let submitted = grammar.and_then(|g| span.in_scope(|| self.submit(&r, g)));
-        let (generation, peer) = submitted.inspect_err(|status| {
+        let (mut generations, peer) = submitted.inspect_err(|status| {
             let kind = match status.code() {
                 Code::InvalidArgument => "invalid_argument",
                 Code::ResourceExhausted => "overloaded",
@@ -161,7 +161,22 @@ impl DecodeWorker for DecodeService {
             span.in_scope(|| debug!(error = status.message(), kind, "decode request refused"));
         })?;
         let (tx, rx) = mpsc::channel(64);
+        let samples = generations.len();
+        // Samples 1.. (n > 1) stream on their own, into the same response stream.
+        let forks = generations.split_off(1.min(generations.len()));
+        for (i, g) in forks.into_iter().enumerate() {
+            let i = i + 1;
+            let fork = Fork {
+                index: u32::try_from(i).unwrap_or(u32::MAX),
+                metrics: self.metrics.clone(),
+            };
+            tokio::spawn(drive_fork(fork, g, tx.clone()).instrument(span.clone()));
+        }
+        let Some(generation) = generations.pop() else {
+            return Err(Status::internal("the engine started no sample"));
+        };
         let ctx = Drive {
+            samples,
             engine: self.engine.clone(),
             request: r,
             peer,
@@ -196,7 +211,7 @@ impl DecodeService {
         &self,
         r: &DecodeRequest,
         grammar: Option<Grammar>,
-    ) -> Result<(Generation, Option<Peer>), Status> {
+    ) -> Result<(Vec<Generation>, Option<Peer>), Status> {
         let stop = r
             .stop
             .as_ref()
@@ -208,6 +223,17 @@ impl DecodeService {
         }
         let max_tokens = stop.max_tokens as usize;
         let resumed = r.generated_tokens as usize;
+        let n = (r.n as usize).max(1);
+        if n > MAX_SAMPLES {
+            return Err(Status::invalid_argument(format!(
+                "`n` must be between 1 and {MAX_SAMPLES}, got {n}"
+            )));
+        }
+        if n > 1 && resumed > 0 {
+            return Err(Status::invalid_argument(format!(
+                "`n` must be 1 for a resumed request (`generated_tokens` {resumed}), got {n}"
+            )));
+        }
         if resumed >= max_tokens || resumed >= r.prompt_tokens.len() {
             return Err(Status::invalid_argument(format!(
                 "`generated_tokens` must be < `stop.max_tokens` ({max_tokens}) and < the prompt \
@@ -269,11 +295,11 @@ impl DecodeService {
             resumed_tokens: resumed,
             logprobs: logprobs(r.logprobs)?,
         };
-        let generation = self
+        let generations = self
             .engine
-            .generate_with(job, options)
+            .generate_n(job, n, options)
             .map_err(engine_status)?;
-        Ok((generation, peer))
+        Ok((generations, peer))
     }
 }
 
@@ -286,6 +312,9 @@ struct Peer {
 }
 
 struct Drive {
+    /// Samples of the request (n); with more than one, sample 0's failure is sent in-band
+    /// (`DecodeResponse.error`) so the other samples' stream goes on.
+    samples: usize,
     engine: EngineHandle,
     request: DecodeRequest,
     peer: Option<Peer>,
@@ -440,14 +469,19 @@ async fn drive(
                 } as i32,
                 ..Default::default()
             }),
+            Some(EngineEvent::Failed(e)) if ctx.samples > 1 => Ok(DecodeResponse {
+                error: e.message,
+                ..Default::default()
+            }),
             Some(EngineEvent::Failed(e)) => Err(match e.kind {
                 FailureKind::PeerUnavailable => Status::unavailable(e.message),
                 FailureKind::Internal => Status::internal(e.message),
             }),
         };
-        let done = !matches!(&msg, Ok(m) if m.finish_reason == WireFinish::Unspecified as i32);
+        let done = !matches!(&msg, Ok(m) if m.finish_reason == WireFinish::Unspecified as i32 && m.error.is_empty());
         if done {
             let outcome = match &msg {
+                Ok(m) if !m.error.is_empty() => Err(("failed", m.error.as_str())),
                 Ok(m) if m.finish_reason == WireFinish::Stop as i32 => Ok("stop"),
                 Ok(_) => Ok("length"),
                 Err(status) => Err(("failed", status.message())),
@@ -469,6 +503,71 @@ async fn drive(
             return;
         }
         if done {
+            return;
+        }
+    }
+}
+
+/// Sample `index` ≥ 1 of an `n` > 1 request.
+struct Fork {
+    index: u32,
+    metrics: DecodeMetrics,
+}
+
+/// Forwards a forked sample's events into the request's stream, tagged with its index; its
+/// failure is sent in-band ([`DecodeResponse::error`]) and ends this sample only. Returning
+/// drops the generation, which cancels the sample in the engine.
+async fn drive_fork(
+    fork: Fork,
+    mut generation: Generation,
+    tx: mpsc::Sender<Result<DecodeResponse, Status>>,
+) {
+    let mut pending_logprobs = None;
+    loop {
+        let event = tokio::select! {
+            _ = tx.closed() => return,
+            e = generation.events.recv() => e,
+        };
+        let msg = match event {
+            None => DecodeResponse {
+                error: "the engine ended the sample without a reason".into(),
+                ..Default::default()
+            },
+            Some(
+                EngineEvent::Reserved { .. }
+                | EngineEvent::LocalPrefill { .. }
+                | EngineEvent::Speculation(_),
+            ) => continue,
+            Some(EngineEvent::Logprobs(lp)) => {
+                pending_logprobs = Some(logprobs_to_wire(&lp));
+                continue;
+            }
+            Some(EngineEvent::Token(t)) => {
+                fork.metrics.generation_tokens.inc();
+                DecodeResponse {
+                    token_ids: vec![t],
+                    logprobs: pending_logprobs.take().into_iter().collect(),
+                    ..Default::default()
+                }
+            }
+            Some(EngineEvent::Finished(r)) => DecodeResponse {
+                finish_reason: match r {
+                    FinishReason::Stop => WireFinish::Stop,
+                    FinishReason::Length => WireFinish::Length,
+                } as i32,
+                ..Default::default()
+            },
+            Some(EngineEvent::Failed(e)) => DecodeResponse {
+                error: e.message,
+                ..Default::default()
+            },
+        };
+        let done = msg.finish_reason != WireFinish::Unspecified as i32 || !msg.error.is_empty();
+        let msg = DecodeResponse {
+            index: fork.index,
+            ..msg
+        };
+        if tx.send(Ok(msg)).await.is_err() || done {
             return;
         }
     }

@@ -398,8 +398,7 @@ async fn logits_controls_on_cuda_equal_the_cpu_engine() {
 /// when the grammar closes the object: the tokens and the finish reasons.
 async fn grammar_runs(e: &EngineHandle) -> Vec<(Vec<u32>, Result<FinishReason, String>)> {
     let dir = ferry_model::embedded::default_model_dir();
-    let tokenizer =
-        Arc::new(ferry_model::tokenizer::Tokenizer::from_dir(&dir).expect("tokenizer"));
+    let tokenizer = Arc::new(ferry_model::tokenizer::Tokenizer::from_dir(&dir).expect("tokenizer"));
     let c = model().config().clone();
     let compiler =
         ferry_model::grammar::GrammarCompiler::new(tokenizer, c.vocab_size, &c.eos_token_ids)
@@ -457,7 +456,11 @@ async fn json_schema_output_on_cuda_equals_the_cpu_engine() {
             "request {i}: {text}"
         );
     }
-    assert_eq!(grammar_runs(&graphs).await, want, "CUDA engine vs CPU engine");
+    assert_eq!(
+        grammar_runs(&graphs).await,
+        want,
+        "CUDA engine vs CPU engine"
+    );
     let m = model();
     let drafter =
         DsparkDrafter::load(&ferry_model::drafter::embedded_dir(), m.config()).expect("drafter");
@@ -467,7 +470,11 @@ async fn json_schema_output_on_cuda_equals_the_cpu_engine() {
         config(Device::Cuda(0), GpuMode::Exact),
     )
     .expect("speculating CUDA engine");
-    assert_eq!(grammar_runs(&spec).await, want, "speculating CUDA engine vs CPU");
+    assert_eq!(
+        grammar_runs(&spec).await,
+        want,
+        "speculating CUDA engine vs CPU"
+    );
     let st = spec.stats().await.unwrap();
     eprintln!(
         "json schema on cuda: identical to the CPU engine ({} speculative rounds)",

@@ -165,6 +165,17 @@ pub struct Grammar {
     vocab: usize,
 }
 
+/// An independent copy of the state (its own parser and lexer caches), for another sample of
+/// the same request (`n` > 1) to advance on its own.
+impl Clone for Grammar {
+    fn clone(&self) -> Self {
+        Self {
+            matcher: self.matcher.deep_clone(),
+            vocab: self.vocab,
+        }
+    }
+}
+
 impl std::fmt::Debug for Grammar {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Grammar")

@@ -456,6 +456,9 @@ impl Current {
 
 impl Run {
     fn stream(mut self, attempt: Attempt, permit: OwnedSemaphorePermit) -> GenerationStream {
+        if self.req.n() > 1 {
+            return self.stream_samples(attempt, permit);
+        }
         let span = attempt.span.clone();
         let mut output = OutputState::new(
             self.inner.tokenizer.clone(),
@@ -512,6 +515,115 @@ impl Run {
                             accounting.finished(usage, reason);
                         }
                         let done = event.finish.is_some();
+                        yield Ok(event);
+                        if done {
+                            break;
+                        }
+                    }
+                    Err(e) => {
+                        accounting.failed(&e);
+                        yield Err(e);
+                        break;
+                    }
+                }
+            }
+            drop(current);
+        });
+        Box::pin(InSpan::new(stream, span))
+    }
+
+    /// The stream of an `n` > 1 request: one worker stream carries every sample's messages,
+    /// tagged with its index; each sample has its own [`OutputState`] (detokenization, stop
+    /// strings) and ends with its own finish; the last one to finish carries the usage of all
+    /// (the prompt once, every sample's completion tokens). A sample whose stop string matched
+    /// is finished here while the worker may still be generating it: its later messages are
+    /// dropped (the worker stops it at its own finish). Not migrated: a worker fault, or a
+    /// sample the worker reports failed, ends the request with an error.
+    fn stream_samples(self, attempt: Attempt, permit: OwnedSemaphorePermit) -> GenerationStream {
+        let span = attempt.span.clone();
+        let n = self.req.n() as usize;
+        let cached = attempt.opened.first.cached_prompt_tokens;
+        let prompt_tokens = u32::try_from(self.req.prompt().len()).unwrap_or(u32::MAX);
+        let mut outputs: Vec<OutputState> = (0..n)
+            .map(|_| {
+                let mut o = OutputState::new(
+                    self.inner.tokenizer.clone(),
+                    self.req.stop(),
+                    self.req.prompt().len(),
+                );
+                o.set_cached_prompt_tokens(cached);
+                o
+            })
+            .collect();
+        let drain = self.inner.drain.clone();
+        let mut accounting = Accounting {
+            metrics: self.inner.metrics.clone(),
+            request: self.request_span.clone(),
+            received: self.req.received(),
+            last_token: None,
+            ended: false,
+        };
+        let (mut current, first) = Current::from_attempt(attempt);
+        let stream = Box::pin(async_stream::stream! {
+            let _permit = permit;
+            let mut finished = vec![false; n];
+            let mut completion_tokens = 0u32;
+            let mut next = Some(first);
+            loop {
+                let received = match next.take() {
+                    Some(message) => Ok(message),
+                    None => current.next(&drain).await,
+                };
+                let worker = current.worker.id.clone();
+                let event = match received {
+                    Err(fault) => Err(fault.error(&worker)),
+                    Ok(m) => {
+                        let index = m.index as usize;
+                        if index >= n {
+                            Err(RequestError::Worker {
+                                worker,
+                                code: Code::Internal,
+                                message: format!("sent sample index {index} of a request of {n}"),
+                            })
+                        } else if !m.error.is_empty() {
+                            Err(RequestError::Worker {
+                                worker,
+                                code: Code::Internal,
+                                message: format!("sample {index} failed: {}", m.error),
+                            })
+                        } else if finished[index] {
+                            continue;
+                        } else {
+                            finish_reason(&worker, m.finish_reason).and_then(|finish| {
+                                let logprobs = worker_logprobs(&worker, &self.req, &m)?;
+                                outputs[index].on_tokens(&m.token_ids, logprobs, finish)
+                            }).map(|mut e| {
+                                e.index = m.index;
+                                e
+                            })
+                        }
+                    }
+                };
+                match event {
+                    Ok(mut event) => {
+                        accounting.tokens(event.token_ids.len());
+                        let i = event.index as usize;
+                        let mut done = false;
+                        if let Some(reason) = event.finish {
+                            finished[i] = true;
+                            let sample = event.usage.take().unwrap_or_default();
+                            completion_tokens = completion_tokens.saturating_add(sample.completion_tokens);
+                            if finished.iter().all(|&f| f) {
+                                let usage = Usage {
+                                    prompt_tokens,
+                                    completion_tokens,
+                                    cached_prompt_tokens: cached,
+                                };
+                                accounting.finished(&usage, reason);
+                                event.usage = Some(usage);
+                                done = true;
+                            }
+                        }
                         yield Ok(event);
                         if done {
                             break;
@@ -649,6 +761,7 @@ fn decode_request(
         logprobs: req.logprobs(),
         response_format: req.response_format().map(crate::structured::to_wire),
         generated_tokens: u32::try_from(resumed.len()).unwrap_or(u32::MAX),
+        n: req.n(),
     }
 }
 

@@ -159,12 +159,14 @@ impl Caller {
         }
     }
 
-    /// Charges `req`'s prompt tokens + `max_tokens` to the key's `tokens_per_minute`.
+    /// Charges `req`'s prompt tokens + `n × max_tokens` (each sample may generate
+    /// `max_tokens`) to the key's `tokens_per_minute`.
     pub fn charge(&self, req: &ValidRequest) -> Result<(), RequestError> {
         match self {
             Self::Anonymous => Ok(()),
             Self::Key(key) => {
-                let cost = req.prompt().len() as u64 + u64::from(req.max_tokens());
+                let cost =
+                    req.prompt().len() as u64 + u64::from(req.n()) * u64::from(req.max_tokens());
                 key.limits().charge(cost)
             }
         }

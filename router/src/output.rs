@@ -89,8 +89,12 @@ pub struct GenerationEvent {
     pub text: String,
     /// Set on the last event only.
     pub finish: Option<FinishReason>,
-    /// Set on the last event only.
+    /// Set on the last event only: with several samples, on the event that finishes the last
+    /// one, counting every sample's completion tokens.
     pub usage: Option<Usage>,
+    /// The sample these tokens belong to (`choices[index]`; 0 for a request of one sample).
+    /// With several samples each one's last event has `finish`.
+    pub index: u32,
 }
 
 /// Per-request output state.
@@ -158,6 +162,7 @@ impl OutputState {
             text,
             finish,
             usage: finish.map(|_| self.usage),
+            index: 0,
         })
     }
 }

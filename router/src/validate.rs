@@ -125,7 +125,14 @@ pub struct GenerateParams {
     /// Structured output (`response_format`, or the tool-call grammar of `tool_choice`);
     /// `None` = free text.
     pub response_format: Option<FormatInput>,
+    /// Samples of the prompt (OpenAI's `n`), in [1, [`MAX_SAMPLES`]]; `None` = 1.
+    pub n: Option<i64>,
 }
+
+/// Samples one request may ask for (`n`) at most. All `n` share one prefill of the prompt on
+/// one decode worker, but each decodes up to `max_tokens`: the cap bounds what one request
+/// can claim, and the key's token budget is charged `n × max_tokens`.
+pub const MAX_SAMPLES: u32 = 16;
 
 impl TryFrom<v1::GenerateRequest> for GenerateParams {
     type Error = ValidationError;
@@ -188,6 +195,7 @@ impl TryFrom<v1::GenerateRequest> for GenerateParams {
             speculative: r.speculative,
             logprobs: r.logprobs.map(i64::from),
             response_format,
+            n: None,
         })
     }
 }
@@ -224,6 +232,7 @@ pub struct ValidRequest {
     speculative: Option<bool>,
     logprobs: Option<u32>,
     response_format: Option<OutputGrammar>,
+    n: u32,
     received: std::time::Instant,
 }
 
@@ -283,6 +292,10 @@ impl ValidRequest {
     /// it); `None` = free text.
     pub fn response_format(&self) -> Option<&OutputGrammar> {
         self.response_format.as_ref()
+    }
+    /// Samples of the prompt, in [1, [`MAX_SAMPLES`]].
+    pub fn n(&self) -> u32 {
+        self.n
     }
 }
 
@@ -423,6 +436,15 @@ impl Validator {
                 );
             }
         }
+        let n = match p.n {
+            None => 1,
+            Some(n) => u32::try_from(n)
+                .ok()
+                .filter(|n| (1..=MAX_SAMPLES).contains(n))
+                .ok_or_else(|| {
+                    ValidationError::new("n", format!("must be in [1, {MAX_SAMPLES}], got {n}"))
+                })?,
+        };
         let stop = check_stop(p.stop)?;
         let stop_token_ids = check_stop_token_ids(p.stop_token_ids, self.params.vocab_size)?;
         let logprobs = check_logprobs(p.logprobs)?;
@@ -463,6 +485,7 @@ impl Validator {
             speculative: p.speculative,
             logprobs,
             response_format,
+            n,
             received,
         })
     }
@@ -779,6 +802,7 @@ mod tests {
             speculative: None,
             logprobs: None,
             response_format: None,
+            n: None,
         }
     }
 

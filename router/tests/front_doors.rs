@@ -595,3 +595,59 @@ async fn a_worker_failing_mid_stream_ends_the_response_with_an_openai_error() {
     }
     h.stop().await;
 }
+
+/// `n` = 3: the router sends the worker ONE `Decode` call carrying `n` (one prefill there) and
+/// answers with `choices[0..3]`, whole and streamed (every index, one finish each, usage of all
+/// samples).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn n_samples_are_one_decode_call_and_n_choices() {
+    let (tok, tokens) = script();
+    const N: u32 = 5;
+    let want = tok.decode(&tokens[..N as usize], true).expect("decode");
+    let worker = streaming(tokens);
+    let (calls, seen) = (worker.calls.clone(), worker.seen.clone());
+    let h = Harness::with_worker(RouterConfig::ephemeral(), worker).await;
+    let request = json!({"prompt": "hi", "max_tokens": N, "n": 3, "temperature": 0});
+    let (status, body) = h.post("/v1/completions", request).await;
+    assert_eq!(status, 200, "{body}");
+    let choices = body["choices"].as_array().expect("choices");
+    assert_eq!(choices.len(), 3, "{body}");
+    for (i, c) in choices.iter().enumerate() {
+        assert_eq!(c["index"], i, "{body}");
+        assert_eq!(c["text"], want.as_str(), "{body}");
+        assert_eq!(c["finish_reason"], "length", "{body}");
+    }
+    assert_eq!(body["usage"]["completion_tokens"], 3 * N, "{body}");
+    assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 1);
+    assert_eq!(seen.lock().expect("test mutex")[0].n, 3);
+
+    let (status, text) = h
+        .http(
+            "POST",
+            "/v1/chat/completions",
+            json!({
+                "messages": [{"role": "user", "content": "hi"}], "max_tokens": N, "n": 3,
+                "stream": true, "stream_options": {"include_usage": true},
+            }),
+        )
+        .await;
+    assert_eq!(status, 200, "{text}");
+    let chunks = sse_chunks("chat n=3", &text);
+    let mut texts = vec![String::new(); 3];
+    let mut finishes = [0; 3];
+    for c in &chunks {
+        for choice in c["choices"].as_array().into_iter().flatten() {
+            let i = choice["index"].as_u64().expect("index") as usize;
+            texts[i].push_str(choice["delta"]["content"].as_str().unwrap_or_default());
+            if !choice["finish_reason"].is_null() {
+                finishes[i] += 1;
+            }
+        }
+    }
+    assert_eq!(finishes, [1, 1, 1], "{text}");
+    assert!(texts.iter().all(|t| t == &want), "{texts:?} != {want:?}");
+    let last = chunks.last().expect("chunks");
+    assert_eq!(last["usage"]["completion_tokens"], 3 * N, "{text}");
+    assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 2);
+    h.stop().await;
+}

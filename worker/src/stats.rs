@@ -34,5 +34,7 @@ pub fn worker_stats(worker_id: &str, s: &EngineStats, kv_transfer_bytes: u64) ->
         kv_transfer_bytes,
         running_requests: u32_sat(s.running),
         waiting_requests: u32_sat(s.waiting),
+        forked_samples: s.forked_samples,
+        fork_tail_tokens: s.fork_tail_tokens,
     }
 }

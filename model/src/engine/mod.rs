@@ -205,6 +205,21 @@ pub struct GenerateOptions {
     pub logprobs: Option<usize>,
 }
 
+/// Samples one request may fork into ([`EngineHandle::generate_n`]) at most: bounds the work
+/// and the KV one request can claim.
+pub const MAX_SAMPLES: usize = 16;
+
+/// The seed of sample `index` of a request seeded with `seed`: sample 0 uses `seed` itself
+/// (so `n` = 1 and sample 0 of `n` > 1 draw the same tokens); sample `i ≥ 1` uses
+/// `splitmix64(seed ⊕ splitmix64(i))`, a distinct, deterministic stream per sample.
+pub fn sample_seed(seed: u64, index: usize) -> u64 {
+    if index == 0 {
+        seed
+    } else {
+        sequence::splitmix64(seed ^ sequence::splitmix64(index as u64))
+    }
+}
+
 /// Speculative decoding of one request, sent with its end ([`EngineEvent::Speculation`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct SpecCounts {
@@ -422,6 +437,12 @@ pub struct EngineStats {
     pub local_prefills: u64,
     /// See `remote_prefills`.
     pub recomputed_prefills: u64,
+    /// Samples forked from another sample's prompt (`n` > 1: every sample but the first). A
+    /// fork shares the prompt's full blocks and computes only the rest (1 to a page of
+    /// tokens), which `fork_tail_tokens` counts; neither counts as a prefill above.
+    pub forked_samples: u64,
+    /// See `forked_samples`.
+    pub fork_tail_tokens: u64,
     /// KV bytes peers landed here for completed remote prefills (what their transfers
     /// acknowledged: [`EngineHandle::remote_done`]).
     pub kv_bytes_received: u64,
@@ -471,6 +492,9 @@ pub(crate) enum Command {
         options: GenerateOptions,
         /// The caller's span (see [`PrefillJob::span`]).
         span: tracing::Span,
+        /// Samples 1.. of an `n` > 1 request (empty for one sample): forked off this request
+        /// once its prompt is in the cache.
+        forks: Vec<(SeqId, mpsc::UnboundedSender<EngineEvent>)>,
     },
     Prefill(PrefillJob),
     /// One block of one layer from a peer, in the engine's cache dtype.
@@ -770,12 +794,77 @@ impl EngineHandle {
             events,
             options,
             span,
+            forks: Vec::new(),
         })?;
         Ok(Generation {
             id,
             events: rx,
             _in_flight: guard,
         })
+    }
+
+    /// `n` samples of one prompt (`1 ≤ n ≤` [`MAX_SAMPLES`]), one [`Generation`] each, in
+    /// sample order. The prompt is prefilled once, as `job.prefill` says, by sample 0; when its
+    /// KV is in the cache every other sample is forked off it: it shares the prompt's full
+    /// blocks by reference and computes only the rest (the last, partly filled block, or the
+    /// last page when the prompt fills its blocks exactly — at least the last token, whose
+    /// logits it samples its first token from). Each sample then decodes, finishes, fails and
+    /// frees its blocks on its own. Sample `i` draws with [`sample_seed`]`(seed, i)` when the
+    /// job is seeded; each has its own copy of the grammar. If the prompt's prefill fails (or
+    /// sample 0 goes away before it), every sample fails with it. Each sample counts as one
+    /// request in flight. Not for migrated requests (`options.resumed_tokens` must be 0).
+    pub fn generate_n(
+        &self,
+        job: GenerateJob,
+        n: usize,
+        options: GenerateOptions,
+    ) -> Result<Vec<Generation>, EngineError> {
+        if n == 0 || n > MAX_SAMPLES {
+            return Err(EngineError::Job(format!(
+                "`n` must be between 1 and {MAX_SAMPLES}, got {n}"
+            )));
+        }
+        if n > 1 && options.resumed_tokens > 0 {
+            return Err(EngineError::Job(
+                "a resumed request cannot fork into several samples".into(),
+            ));
+        }
+        let mut guards = Vec::with_capacity(n);
+        for _ in 0..n {
+            guards.push(self.admit()?);
+        }
+        let mut channels: Vec<_> = (0..n)
+            .map(|_| {
+                let id = SeqId(self.next_id.fetch_add(1, Ordering::Relaxed));
+                let (tx, rx) = mpsc::unbounded_channel();
+                (id, tx, rx)
+            })
+            .collect();
+        let mut generations = Vec::with_capacity(n);
+        let mut forks = Vec::with_capacity(n - 1);
+        let (id, events) = {
+            let (id, tx, _) = &channels[0];
+            (*id, tx.clone())
+        };
+        for (i, ((sid, tx, rx), guard)) in channels.drain(..).zip(guards).enumerate() {
+            if i > 0 {
+                forks.push((sid, tx));
+            }
+            generations.push(Generation {
+                id: sid,
+                events: rx,
+                _in_flight: guard,
+            });
+        }
+        self.send(Command::Generate {
+            id,
+            job,
+            events,
+            options,
+            span: tracing::Span::current(),
+            forks,
+        })?;
+        Ok(generations)
     }
 
     /// Runs a prefill job and waits for its outcome (in the current span, as for

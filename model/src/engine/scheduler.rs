@@ -81,6 +81,45 @@ struct NewRequest {
     events: mpsc::UnboundedSender<EngineEvent>,
     options: GenerateOptions,
     span: tracing::Span,
+    /// Samples to fork off this one once its prompt is in the cache.
+    forks: Vec<PendingFork>,
+    /// This request is such a fork ([`Origin::Fork`](super::sequence::Origin::Fork)).
+    forked: bool,
+}
+
+/// A sample of an `n` > 1 request waiting for the first sample's prompt: admitted (as a local
+/// prefill that finds the prompt's full blocks in the prefix cache) when that is in the cache.
+pub(crate) struct PendingFork {
+    id: SeqId,
+    job: GenerateJob,
+    events: mpsc::UnboundedSender<EngineEvent>,
+    options: GenerateOptions,
+}
+
+impl PendingFork {
+    /// Tells the sample it will not run: the prompt it was to share failed or went away.
+    pub(crate) fn abandon(self, why: &str) {
+        let _ = self
+            .events
+            .send(EngineEvent::Failed(super::Failure::internal(format!(
+                "the prompt this sample shares {why}"
+            ))));
+    }
+}
+
+/// Sample `index`'s own copy of `job` (its seed, a fresh grammar), prefilled locally after
+/// the prompt's full blocks are shared.
+fn fork_job(job: &GenerateJob, index: usize) -> GenerateJob {
+    let mut sampling = job.sampling.clone();
+    sampling.seed = sampling.seed.map(|s| super::sample_seed(s, index));
+    GenerateJob {
+        prompt: job.prompt.clone(),
+        sampling,
+        controls: job.controls.clone(),
+        stop: job.stop.clone(),
+        prefill: super::PrefillSource::Local,
+        grammar: job.grammar.clone(),
+    }
 }
 
 /// What a successful forward hands to [`Scheduler::apply`].
@@ -156,13 +195,28 @@ impl Scheduler {
                 events,
                 options,
                 span,
-            } => self.admit(NewRequest {
-                id,
-                job,
-                events,
-                options,
-                span,
-            }),
+                forks,
+            } => {
+                let forks = forks
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, (id, events))| PendingFork {
+                        id,
+                        job: fork_job(&job, i + 1),
+                        events,
+                        options,
+                    })
+                    .collect();
+                self.admit(NewRequest {
+                    id,
+                    job,
+                    events,
+                    options,
+                    span,
+                    forks,
+                    forked: false,
+                })
+            }
             Command::Prefill(job) => self.admit_prefill(job),
             Command::WriteKv { layer, block, data } => self.write_kv(layer, block, &data),
             Command::RemoteDone {
@@ -284,8 +338,49 @@ impl Scheduler {
         self.release(s);
     }
 
+    /// Sample 0 of an `n` > 1 request has its prompt in the cache: the prompt's full blocks go
+    /// into the prefix cache (if not there yet) and every other sample is admitted, finding
+    /// them there (reference-counted, shared) and computing only the rest of the prompt.
+    fn fork(&mut self, s: &mut Sequence) {
+        if s.forks.is_empty() {
+            return;
+        }
+        let page = self.kv.page_size();
+        if s.tokens.len() == s.table.len() && s.table.len() >= s.prompt.len() {
+            if let Some(sp) = self.spec.as_mut() {
+                // As on release: full blocks whose drafter rows are not valid must not pass for
+                // valid drafter context when shared.
+                let full = s.prompt.len() / page;
+                if s.draft_ctx < full * page {
+                    let blocks = s.table.blocks().get(..full).unwrap_or_default();
+                    sp.mark_stale(blocks, s.draft_ctx, page);
+                }
+            }
+            if let Err(e) = self.kv.cache_full_blocks(&s.table, &s.tokens) {
+                // The forks then prefill the prompt themselves: slower, still correct.
+                warn!(error = %e, "could not share a prompt's blocks with its other samples");
+            }
+        }
+        let span = s.span.clone();
+        for f in std::mem::take(&mut s.forks) {
+            self.admit(NewRequest {
+                id: f.id,
+                job: f.job,
+                events: f.events,
+                options: f.options,
+                span: span.clone(),
+                forks: Vec::new(),
+                forked: true,
+            });
+        }
+    }
+
     /// Caches the sequence's full blocks and frees its references.
     fn release(&mut self, mut s: Sequence) {
+        for f in std::mem::take(&mut s.forks) {
+            f.abandon("ended before its prefill completed");
+            self.stats.requests_finished += 1;
+        }
         if let Some(sp) = self.spec.as_mut() {
             // Blocks whose drafter rows do not match their KV must not pass for valid context
             // when their prefix is reused.

@@ -34,6 +34,9 @@ pub enum Origin {
     Local,
     /// Computed here after a peer failed.
     Recomputed,
+    /// Sample `i ≥ 1` of an `n` > 1 request: the prompt's full blocks shared with the sample
+    /// it was forked from, only the rest computed here.
+    Fork,
 }
 
 /// A decode request.
@@ -71,6 +74,9 @@ pub struct Sequence {
     pub(crate) span: tracing::Span,
     /// Open from admission until the request's first batch (its `queue` span).
     pub(crate) queued: Option<tracing::Span>,
+    /// The other samples of an `n` > 1 request, forked off this one once its prompt is in the
+    /// cache (`Scheduler::fork`); failed with it if it ends before that.
+    pub(crate) forks: Vec<super::scheduler::PendingFork>,
 }
 
 /// A prefill-only job in flight.
@@ -199,7 +205,7 @@ pub(crate) fn round_uniforms(
     }
 }
 
-fn splitmix64(mut x: u64) -> u64 {
+pub(crate) fn splitmix64(mut x: u64) -> u64 {
     x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
     x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);

@@ -9,7 +9,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 
 use super::error::ApiJson;
-use super::generate::{self, End, Endpoint, Meta};
+use super::generate::{self, End, Endpoint, Meta, WholeChoice};
 use super::logprobs::{ChatLogprobs, LogprobOut};
 use super::openai::{
     finish_str, ChatChoice, ChatChunk, ChatMessageOut, ChatRequest, ChatResponse, ChunkChoice,
@@ -18,7 +18,6 @@ use super::openai::{
 use super::sse::Chunk;
 use super::tools::{ToolCallOut, Tools};
 use crate::auth::Caller;
-use crate::output::FinishReason;
 use crate::spans::Operation;
 use crate::state::AppState;
 use crate::validate::{GenerateParams, ValidationError};
@@ -53,9 +52,9 @@ impl Endpoint for Chat {
     }
 
     /// The assistant role with empty content, as OpenAI opens every chat stream.
-    fn opening(meta: &Meta, usage: Option<Option<UsageOut>>) -> Option<Chunk> {
+    fn opening(meta: &Meta, index: u32, usage: Option<Option<UsageOut>>) -> Option<Chunk> {
         let opening = ChunkChoice {
-            index: 0,
+            index,
             delta: Delta {
                 role: Some("assistant"),
                 content: Some(String::new()),
@@ -67,9 +66,15 @@ impl Endpoint for Chat {
         Some(chunk(meta, Some(opening), usage))
     }
 
-    fn delta(meta: &Meta, text: String, logprobs: Option<&[LogprobOut]>, end: End) -> Chunk {
+    fn delta(
+        meta: &Meta,
+        index: u32,
+        text: String,
+        logprobs: Option<&[LogprobOut]>,
+        end: End,
+    ) -> Chunk {
         let choice = ChunkChoice {
-            index: 0,
+            index,
             delta: Delta {
                 role: None,
                 content: Some(text).filter(|t| !t.is_empty()),
@@ -85,28 +90,39 @@ impl Endpoint for Chat {
         chunk(meta, None, Some(Some(usage)))
     }
 
-    fn whole(
-        meta: Meta,
-        text: String,
-        logprobs: Option<&[LogprobOut]>,
-        finish: FinishReason,
-        usage: UsageOut,
-    ) -> Response {
+    /// Each sample's message: its text, or `content: null` and its calls (finish reason
+    /// `tool_calls`).
+    fn whole(meta: Meta, choices: Vec<WholeChoice>, usage: UsageOut) -> Response {
+        let choices = choices
+            .into_iter()
+            .enumerate()
+            .map(|(i, c)| {
+                let finish = match c.calls {
+                    Some(_) => TOOL_CALLS,
+                    None => c.finish.as_str(),
+                };
+                let (content, tool_calls) = match c.calls {
+                    Some(calls) => (None, Some(calls)),
+                    None => (Some(c.text), None),
+                };
+                ChatChoice {
+                    index: u32::try_from(i).unwrap_or(u32::MAX),
+                    message: ChatMessageOut {
+                        role: "assistant",
+                        content,
+                        tool_calls,
+                    },
+                    logprobs: c.logprobs.as_deref().map(ChatLogprobs::from),
+                    finish_reason: Some(finish),
+                }
+            })
+            .collect();
         Json(ChatResponse {
             id: meta.id,
             object: "chat.completion",
             created: meta.created,
             model: meta.model,
-            choices: vec![ChatChoice {
-                index: 0,
-                message: ChatMessageOut {
-                    role: "assistant",
-                    content: Some(text),
-                    tool_calls: None,
-                },
-                logprobs: logprobs.map(ChatLogprobs::from),
-                finish_reason: Some(finish.as_str()),
-            }],
+            choices,
             usage,
         })
         .into_response()
@@ -116,6 +132,7 @@ impl Endpoint for Chat {
     /// `tool_calls`.
     fn tool_calls(
         meta: &Meta,
+        index: u32,
         calls: Vec<ToolCallOut>,
         logprobs: Option<&[LogprobOut]>,
         end: End,
@@ -129,7 +146,7 @@ impl Endpoint for Chat {
             })
             .collect();
         let choice = ChunkChoice {
-            index: 0,
+            index,
             delta: Delta {
                 role: None,
                 content: None,
@@ -139,34 +156,6 @@ impl Endpoint for Chat {
             finish_reason: Some(TOOL_CALLS),
         };
         chunk(meta, Some(choice), end.usage)
-    }
-
-    /// `content: null`, the calls, finish reason `tool_calls`.
-    fn whole_tool_calls(
-        meta: Meta,
-        calls: Vec<ToolCallOut>,
-        logprobs: Option<&[LogprobOut]>,
-        _finish: FinishReason,
-        usage: UsageOut,
-    ) -> Response {
-        Json(ChatResponse {
-            id: meta.id,
-            object: "chat.completion",
-            created: meta.created,
-            model: meta.model,
-            choices: vec![ChatChoice {
-                index: 0,
-                message: ChatMessageOut {
-                    role: "assistant",
-                    content: None,
-                    tool_calls: Some(calls),
-                },
-                logprobs: logprobs.map(ChatLogprobs::from),
-                finish_reason: Some(TOOL_CALLS),
-            }],
-            usage,
-        })
-        .into_response()
     }
 }
 

@@ -8,14 +8,13 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 
 use super::error::ApiJson;
-use super::generate::{self, End, Endpoint, Meta};
+use super::generate::{self, End, Endpoint, Meta, WholeChoice};
 use super::logprobs::{CompletionLogprobs, LogprobOut};
 use super::openai::{
     finish_str, CompletionChoice, CompletionRequest, CompletionResponse, UsageOut,
 };
 use super::sse::Chunk;
 use crate::auth::Caller;
-use crate::output::FinishReason;
 use crate::spans::Operation;
 use crate::state::AppState;
 use crate::validate::{GenerateParams, ValidationError};
@@ -50,13 +49,19 @@ impl Endpoint for Completions {
         req.into_params(&meta.id)
     }
 
-    fn opening(_meta: &Meta, _usage: Option<Option<UsageOut>>) -> Option<Chunk> {
+    fn opening(_meta: &Meta, _index: u32, _usage: Option<Option<UsageOut>>) -> Option<Chunk> {
         None
     }
 
-    fn delta(meta: &Meta, text: String, logprobs: Option<&[LogprobOut]>, end: End) -> Chunk {
+    fn delta(
+        meta: &Meta,
+        index: u32,
+        text: String,
+        logprobs: Option<&[LogprobOut]>,
+        end: End,
+    ) -> Chunk {
         let choice = CompletionChoice {
-            index: 0,
+            index,
             text,
             logprobs: logprobs.map(CompletionLogprobs::from),
             finish_reason: finish_str(end.finish),
@@ -68,24 +73,23 @@ impl Endpoint for Completions {
         chunk(meta, vec![], Some(Some(usage)))
     }
 
-    fn whole(
-        meta: Meta,
-        text: String,
-        logprobs: Option<&[LogprobOut]>,
-        finish: FinishReason,
-        usage: UsageOut,
-    ) -> Response {
+    fn whole(meta: Meta, choices: Vec<WholeChoice>, usage: UsageOut) -> Response {
+        let choices = choices
+            .into_iter()
+            .enumerate()
+            .map(|(i, c)| CompletionChoice {
+                index: u32::try_from(i).unwrap_or(u32::MAX),
+                text: c.text_or_calls(),
+                logprobs: c.logprobs.as_deref().map(CompletionLogprobs::from),
+                finish_reason: Some(c.finish.as_str()),
+            })
+            .collect();
         Json(CompletionResponse {
             id: meta.id,
             object: "text_completion",
             created: meta.created,
             model: meta.model,
-            choices: vec![CompletionChoice {
-                index: 0,
-                text,
-                logprobs: logprobs.map(CompletionLogprobs::from),
-                finish_reason: Some(finish.as_str()),
-            }],
+            choices,
             usage: Some(Some(usage)),
         })
         .into_response()

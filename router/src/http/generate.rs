@@ -5,11 +5,12 @@
 //!   Meta (id `{E::ID_PREFIX}-…`), request span (parent from `traceparent`)
 //!   E::into_params → 400 naming the field            (reject)
 //!   key slot → validate → key tokens → dispatch, in the span → error status   (start)
-//!   stream: E::opening, E::delta per event, E::usage after the finish, then `[DONE]`;
-//!           an error mid-stream is one error chunk
-//!   whole:  text accumulated until the finish → E::whole
-//!   tools (chat, `Meta::tools`): text held back while it may be a tool call; a parsed call
-//!           → E::tool_calls (streamed) / E::whole_tool_calls instead of the text
+//!   stream: E::opening per sample, E::delta per event (tagged with its sample's index),
+//!           E::usage after the last sample's finish, then `[DONE]`; an error mid-stream is
+//!           one error chunk
+//!   whole:  text accumulated per sample until every sample finished → E::whole(choices)
+//!   tools (chat, `Meta::tools`): each sample's text held back while it may be a tool call; a
+//!           parsed call → E::tool_calls (streamed) / the choice's calls instead of the text
 //! ```
 //!
 //! An [`Endpoint`] says only what differs: its body type, its names, and the shapes of its
@@ -54,49 +55,63 @@ pub(crate) trait Endpoint: 'static {
     /// tools sets `meta.tools`); errors name the field.
     fn into_params(req: Self::Request, meta: &mut Meta) -> Result<GenerateParams, ValidationError>;
 
-    /// The chunk sent before any token, if the endpoint has one. `usage` is what every chunk
-    /// before the usage chunk carries (absent, or null with `include_usage`).
-    fn opening(meta: &Meta, usage: Option<Option<UsageOut>>) -> Option<Chunk>;
+    /// The chunk sent before any token of sample `index`, if the endpoint has one. `usage` is
+    /// what every chunk before the usage chunk carries (absent, or null with `include_usage`).
+    fn opening(meta: &Meta, index: u32, usage: Option<Option<UsageOut>>) -> Option<Chunk>;
 
-    /// A chunk with new text, its tokens' log-probabilities (when the request asked) and, on
-    /// the last one, the finish reason.
-    fn delta(meta: &Meta, text: String, logprobs: Option<&[LogprobOut]>, end: End) -> Chunk;
+    /// A chunk with new text of sample `index` (`choices[index]`), its tokens'
+    /// log-probabilities (when the request asked) and, on the sample's last one, the finish
+    /// reason.
+    fn delta(
+        meta: &Meta,
+        index: u32,
+        text: String,
+        logprobs: Option<&[LogprobOut]>,
+        end: End,
+    ) -> Chunk;
 
     /// The usage-only chunk after the finish (with `include_usage`).
     fn usage(meta: &Meta, usage: UsageOut) -> Chunk;
 
-    /// The non-streamed response (with every token's log-probabilities when the request
-    /// asked).
-    fn whole(
-        meta: Meta,
-        text: String,
-        logprobs: Option<&[LogprobOut]>,
-        finish: FinishReason,
-        usage: UsageOut,
-    ) -> Response;
+    /// The non-streamed response: every sample's choice, in index order (with every token's
+    /// log-probabilities when the request asked).
+    fn whole(meta: Meta, choices: Vec<WholeChoice>, usage: UsageOut) -> Response;
 
-    /// The last chunk of a streamed reply that is tool calls (only endpoints whose
+    /// The last chunk of sample `index` when its reply is tool calls (only endpoints whose
     /// [`Meta::tools`] can be set, i.e. chat, override it; by default the calls' JSON text).
     fn tool_calls(
         meta: &Meta,
+        index: u32,
         calls: Vec<ToolCallOut>,
         logprobs: Option<&[LogprobOut]>,
         end: End,
     ) -> Chunk {
         let text = serde_json::to_string(&calls).unwrap_or_default();
-        Self::delta(meta, text, logprobs, end)
+        Self::delta(meta, index, text, logprobs, end)
     }
+}
 
-    /// The non-streamed reply that is tool calls (see [`Endpoint::tool_calls`]).
-    fn whole_tool_calls(
-        meta: Meta,
-        calls: Vec<ToolCallOut>,
-        logprobs: Option<&[LogprobOut]>,
-        finish: FinishReason,
-        usage: UsageOut,
-    ) -> Response {
-        let text = serde_json::to_string(&calls).unwrap_or_default();
-        Self::whole(meta, text, logprobs, finish, usage)
+/// One sample's whole reply.
+#[derive(Debug, Clone)]
+pub(crate) struct WholeChoice {
+    /// Its text (with tool calls, the raw text they were parsed from).
+    pub text: String,
+    /// Its tokens' log-probabilities, when the request asked.
+    pub logprobs: Option<Vec<LogprobOut>>,
+    /// Why it ended.
+    pub finish: FinishReason,
+    /// The tool calls parsed from `text` (chat with tools), instead of content.
+    pub calls: Option<Vec<ToolCallOut>>,
+}
+
+impl WholeChoice {
+    /// `calls` as JSON text when there are calls (for an endpoint without tool calls), else
+    /// the text.
+    pub fn text_or_calls(&self) -> String {
+        match &self.calls {
+            Some(calls) => serde_json::to_string(calls).unwrap_or_default(),
+            None => self.text.clone(),
+        }
     }
 }
 
@@ -118,6 +133,9 @@ pub(crate) struct Meta {
     /// The request's tools when its output is parsed for tool calls (chat with tools and a
     /// `tool_choice` other than `none`).
     pub tools: Option<Arc<Tools>>,
+    /// Samples of the prompt (`n`, clamped to [1, `MAX_SAMPLES`]; validation refuses others
+    /// before any response).
+    pub n: u32,
 }
 
 impl Meta {
@@ -127,6 +145,7 @@ impl Meta {
             created: unix_now(),
             model: state.model.name.clone(),
             tools: None,
+            n: 1,
         }
     }
 }
@@ -151,11 +170,18 @@ pub(crate) async fn handle<E: Endpoint>(
         Ok(p) => p,
         Err(e) => return reject(&state, e, &span),
     };
+    meta.n = params
+        .n
+        .and_then(|n| u32::try_from(n).ok())
+        .unwrap_or(1)
+        .clamp(1, crate::validate::MAX_SAMPLES);
     // Tokens are named only for requests that asked for their log-probabilities.
-    let namer = params
-        .logprobs
-        .is_some()
-        .then(|| Namer::new(state.validator.tokenizer().tokenizer().clone()));
+    let namer = params.logprobs.is_some().then(|| {
+        let tokenizer = state.validator.tokenizer().tokenizer();
+        (0..meta.n)
+            .map(|_| Namer::new(tokenizer.clone()))
+            .collect::<Vec<_>>()
+    });
     let events = match start(&state, &caller, params, span.clone()).await {
         Ok(events) => events,
         Err(e) => return e.into_response(),
@@ -243,41 +269,49 @@ pub(crate) fn reject(state: &AppState, e: ValidationError, span: &tracing::Span)
     e.into_response()
 }
 
-/// The SSE chunks of a streamed response (without the `[DONE]` terminator).
+/// The SSE chunks of a streamed response (without the `[DONE]` terminator): each sample's
+/// opening, its deltas tagged with its index (its last one with its finish), then the usage
+/// chunk after the last sample's finish.
 fn chunks<E: Endpoint>(
     meta: Meta,
     mut events: GenerationStream,
-    mut namer: Option<Namer>,
+    mut namers: Option<Vec<Namer>>,
     include_usage: bool,
     span: tracing::Span,
 ) -> impl futures::Stream<Item = Chunk> + Send {
     let null_usage = include_usage.then_some(None);
+    let n = meta.n as usize;
     async_stream::stream! {
-        if let Some(opening) = E::opening(&meta, null_usage) {
-            yield opening;
+        for index in 0..meta.n {
+            if let Some(opening) = E::opening(&meta, index, null_usage) {
+                yield opening;
+            }
         }
-        // Log-probabilities of tokens whose text is not out yet (an incomplete character or a
-        // possible stop string) wait for the chunk that carries it.
-        let mut pending: Vec<LogprobOut> = Vec::new();
-        // Text held back while it may be a tool call (`Meta::tools`); `None` once it is not.
-        let mut held: Option<String> = meta.tools.as_ref().map(|_| String::new());
+        // Per sample: log-probabilities of tokens whose text is not out yet (an incomplete
+        // character or a possible stop string) wait for the chunk that carries it.
+        let mut pending: Vec<Vec<LogprobOut>> = vec![Vec::new(); n];
+        // Per sample: text held back while it may be a tool call (`Meta::tools`); `None` once
+        // it is not.
+        let mut held: Vec<Option<String>> = vec![meta.tools.as_ref().map(|_| String::new()); n];
         while let Some(item) = events.next().await {
             match item {
                 Ok(event) => {
-                    if let Some(n) = namer.as_mut() {
-                        pending.extend(n.name_all(&event.logprobs));
+                    let index = event.index;
+                    let i = (index as usize).min(n - 1);
+                    if let Some(namer) = namers.as_mut().and_then(|v| v.get_mut(i)) {
+                        pending[i].extend(namer.name_all(&event.logprobs));
                     }
                     let mut text = event.text;
-                    if let (Some(h), Some(tools)) = (held.as_mut(), meta.tools.as_ref()) {
+                    if let (Some(h), Some(tools)) = (held[i].as_mut(), meta.tools.as_ref()) {
                         h.push_str(&text);
                         if event.finish.is_none() {
                             if tools.may_be_call(h) {
                                 continue;
                             }
                         } else if let Some(calls) = tools.parse_calls(h) {
-                            let logprobs = namer.as_ref().map(|_| std::mem::take(&mut pending));
+                            let logprobs = namers.as_ref().map(|_| std::mem::take(&mut pending[i]));
                             let end = End { finish: event.finish, usage: null_usage };
-                            yield E::tool_calls(&meta, calls, logprobs.as_deref(), end);
+                            yield E::tool_calls(&meta, index, calls, logprobs.as_deref(), end);
                             if let (true, Some(usage)) = (include_usage, event.usage) {
                                 yield E::usage(&meta, usage.into());
                             }
@@ -285,14 +319,14 @@ fn chunks<E: Endpoint>(
                         }
                         // Not a call: everything held goes out as content.
                         text = std::mem::take(h);
-                        held = None;
+                        held[i] = None;
                     }
                     if text.is_empty() && event.finish.is_none() {
                         continue;
                     }
-                    let logprobs = namer.as_ref().map(|_| std::mem::take(&mut pending));
+                    let logprobs = namers.as_ref().map(|_| std::mem::take(&mut pending[i]));
                     let end = End { finish: event.finish, usage: null_usage };
-                    yield E::delta(&meta, text, logprobs.as_deref(), end);
+                    yield E::delta(&meta, index, text, logprobs.as_deref(), end);
                     if let (true, Some(usage)) = (include_usage, event.usage) {
                         yield E::usage(&meta, usage.into());
                     }
@@ -307,28 +341,42 @@ fn chunks<E: Endpoint>(
     }
 }
 
-/// The whole response, once the generation finished.
+/// The whole response, once every sample finished.
 async fn whole<E: Endpoint>(
     meta: Meta,
     mut events: GenerationStream,
-    mut namer: Option<Namer>,
+    mut namers: Option<Vec<Namer>>,
     span: tracing::Span,
 ) -> Response {
-    let mut text = String::new();
-    let mut logprobs = Vec::new();
+    let n = meta.n as usize;
+    let mut texts = vec![String::new(); n];
+    let mut logprobs: Vec<Vec<LogprobOut>> = vec![Vec::new(); n];
+    let mut finishes: Vec<Option<FinishReason>> = vec![None; n];
     while let Some(item) = events.next().await {
         match item {
             Ok(event) => {
-                text.push_str(&event.text);
-                if let Some(n) = namer.as_mut() {
-                    logprobs.extend(n.name_all(&event.logprobs));
+                let i = (event.index as usize).min(n - 1);
+                texts[i].push_str(&event.text);
+                if let Some(namer) = namers.as_mut().and_then(|v| v.get_mut(i)) {
+                    logprobs[i].extend(namer.name_all(&event.logprobs));
                 }
-                if let (Some(finish), Some(usage)) = (event.finish, event.usage) {
-                    let logprobs = namer.as_ref().map(|_| logprobs.as_slice());
-                    if let Some(calls) = meta.tools.as_ref().and_then(|t| t.parse_calls(&text)) {
-                        return E::whole_tool_calls(meta, calls, logprobs, finish, usage.into());
-                    }
-                    return E::whole(meta, text, logprobs, finish, usage.into());
+                if event.finish.is_some() {
+                    finishes[i] = event.finish;
+                }
+                if let Some(usage) = event.usage {
+                    let asked = namers.is_some();
+                    let choices = texts
+                        .into_iter()
+                        .zip(logprobs)
+                        .zip(finishes)
+                        .map(|((text, lps), finish)| WholeChoice {
+                            calls: meta.tools.as_ref().and_then(|t| t.parse_calls(&text)),
+                            text,
+                            logprobs: asked.then_some(lps),
+                            finish: finish.unwrap_or(FinishReason::Stop),
+                        })
+                        .collect();
+                    return E::whole(meta, choices, usage.into());
                 }
             }
             Err(e) => {

@@ -189,7 +189,8 @@ macro_rules! common_fields {
             pub seed: Option<u64>,
             /// Stop strings.
             pub stop: Option<StopSpec>,
-            /// Number of choices; only 1 is supported.
+            /// Samples of the prompt, returned as `choices[i]` (index `i`); in
+            /// [1, `MAX_SAMPLES`]; unset = 1.
             pub n: Option<i64>,
             /// Extension: keep generating past EOS.
             #[serde(default)]
@@ -217,13 +218,6 @@ macro_rules! common_fields {
                     repetition_penalty: self.repetition_penalty,
                     logit_bias: logit_bias(self.logit_bias.as_ref())?,
                 })
-            }
-
-            fn check_n(&self) -> Result<(), ValidationError> {
-                match self.n {
-                    None | Some(1) => Ok(()),
-                    Some(n) => Err(ValidationError::new("n", format!("must be 1, got {n}"))),
-                }
             }
 
             /// The shared unsupported fields: a 400 naming the first that would change the
@@ -282,7 +276,6 @@ impl CompletionRequest {
     /// The request in the router's terms (checked later by the validator, except the shapes
     /// only this API has: `n` and prompt batches).
     pub fn into_params(self, request_id: &str) -> Result<GenerateParams, ValidationError> {
-        self.check_n()?;
         self.check_unsupported()?;
         reject_unsupported([
             ("tools", &self.tools),
@@ -333,6 +326,7 @@ impl CompletionRequest {
             speculative: self.speculative,
             logprobs,
             response_format,
+            n: self.n,
         })
     }
 }
@@ -412,7 +406,6 @@ impl ChatRequest {
         self,
         request_id: &str,
     ) -> Result<(GenerateParams, Option<Tools>), ValidationError> {
-        self.check_n()?;
         self.check_unsupported()?;
         let (sampling, stop) = (self.sampling()?, self.stop_strings());
         let tools = Tools::parse(self.tools.as_ref(), self.tool_choice.as_ref())?;
@@ -461,6 +454,7 @@ impl ChatRequest {
             speculative: self.speculative,
             logprobs,
             response_format,
+            n: self.n,
         };
         Ok((params, tools))
     }

@@ -393,6 +393,7 @@ impl ResponsesRequest {
             request_id: Some(request_id.to_string()),
             speculative: self.speculative,
             response_format: self.text_format()?,
+            n: None,
         })
     }
 }
@@ -936,6 +937,7 @@ mod tests {
             created: 7,
             model: "tiny-k3".into(),
             tools: None,
+            n: 1,
         };
         let shape = Shape::new(
             meta,

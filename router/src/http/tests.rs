@@ -93,7 +93,9 @@ async fn completion_validation_errors_are_400_naming_the_field() {
             "stop",
         ),
         ("empty stop", json!({"prompt": "hi", "stop": ""}), "stop"),
-        ("n > 1", json!({"prompt": "hi", "n": 2}), "n"),
+        ("n above the cap", json!({"prompt": "hi", "n": 17}), "n"),
+        ("n 0", json!({"prompt": "hi", "n": 0}), "n"),
+        ("n negative", json!({"prompt": "hi", "n": -1}), "n"),
         ("prompt batch", json!({"prompt": ["a", "b"]}), "prompt"),
         (
             "token out of vocab",
@@ -250,6 +252,7 @@ async fn chat_validation_errors_are_400_naming_the_field() {
             json!({"messages": user, "max_completion_tokens": 0}),
             "max_tokens",
         ),
+        ("n above the cap", json!({"messages": user, "n": 17}), "n"),
         (
             "max_tokens beyond context",
             json!({"messages": user, "max_tokens": 4096}),
@@ -793,6 +796,7 @@ async fn responses_validation_errors_are_400_naming_the_field() {
             json!({"input": "hi", "frobnicate": 1}),
             "frobnicate",
         ),
+        ("n (not in this API)", json!({"input": "hi", "n": 2}), "n"),
     ];
     for (case, body, field) in cases {
         let r = send(&s, "POST", "/v1/responses", &body.to_string()).await;

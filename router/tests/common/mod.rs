@@ -124,34 +124,40 @@ impl DecodeWorker for Scripted {
         };
         let (tx, rx) = mpsc::channel(1);
         let (cancelled, pace, fail_after) = (self.cancelled.clone(), self.pace, self.fail_after);
+        // `n` samples: each token of the script goes out once per sample, tagged with its index.
+        let samples = req.n.max(1);
         tokio::spawn(async move {
             let n = tokens.len();
             for (i, t) in tokens.into_iter().enumerate() {
-                if fail_after == Some(i) {
-                    let _ = tx
-                        .send(Err(Status::internal("scripted mid-stream failure")))
-                        .await;
-                    return;
-                }
-                let message = DecodeResponse {
-                    token_ids: vec![t],
-                    finish_reason: if i + 1 == n {
-                        finish as i32
-                    } else {
-                        v1::FinishReason::Unspecified as i32
-                    },
-                    cached_prompt_tokens: if i == 0 { CACHED } else { 0 },
-                    prefill_mode: if i == 0 {
-                        "local".into()
-                    } else {
-                        String::new()
-                    },
-                    logprobs: Vec::new(),
-                };
-                tokio::time::sleep(pace).await;
-                if tx.send(Ok(message)).await.is_err() {
-                    cancelled.notify_one();
-                    return;
+                for index in 0..samples {
+                    if fail_after == Some(i) {
+                        let _ = tx
+                            .send(Err(Status::internal("scripted mid-stream failure")))
+                            .await;
+                        return;
+                    }
+                    let message = DecodeResponse {
+                        token_ids: vec![t],
+                        finish_reason: if i + 1 == n {
+                            finish as i32
+                        } else {
+                            v1::FinishReason::Unspecified as i32
+                        },
+                        cached_prompt_tokens: if i == 0 { CACHED } else { 0 },
+                        prefill_mode: if i == 0 {
+                            "local".into()
+                        } else {
+                            String::new()
+                        },
+                        logprobs: Vec::new(),
+                        index,
+                        error: String::new(),
+                    };
+                    tokio::time::sleep(pace).await;
+                    if tx.send(Ok(message)).await.is_err() {
+                        cancelled.notify_one();
+                        return;
+                    }
                 }
             }
         });

@@ -21,6 +21,8 @@ impl Scheduler {
             events,
             options,
             span,
+            forks,
+            forked,
         } = req;
         let prompt_len = job.prompt.len();
         let speculative = self.spec.is_some() && options.speculative.unwrap_or(true);
@@ -33,6 +35,10 @@ impl Scheduler {
                 }
                 let _ = events.send(EngineEvent::Failed(Failure::internal(e.to_string())));
                 self.stats.requests_finished += 1;
+                for f in forks {
+                    f.abandon("could not start");
+                    self.stats.requests_finished += 1;
+                }
                 return;
             }
         };
@@ -59,7 +65,8 @@ impl Scheduler {
             phase: Phase::Prefilling { done: cached },
             generated: options.resumed_tokens,
             cached_tokens: cached,
-            origin: Origin::Local,
+            origin: if forked { Origin::Fork } else { Origin::Local },
+            forks,
             events,
             span,
             queued: None,
@@ -200,6 +207,7 @@ impl Scheduler {
                 seq.draft_ctx = seq.prompt.len();
             }
         }
+        self.fork(&mut seq);
         self.stats.remote_prefills += 1;
         self.stats.kv_bytes_received += bytes;
         if self.kv.pool().has_rows() {

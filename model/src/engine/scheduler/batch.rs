@@ -248,12 +248,18 @@ impl Scheduler {
                     let done = s.table.len();
                     committed.push((Owner::Waiting(i), done - n, row, n));
                     s.tokens.extend_from_slice(&s.prompt[done - n..done]);
-                    self.stats.prefill_computed_tokens += n as u64;
+                    if s.origin == Origin::Fork {
+                        self.stats.fork_tail_tokens += n as u64;
+                    } else {
+                        self.stats.prefill_computed_tokens += n as u64;
+                    }
                     s.phase = Phase::Prefilling { done };
                     if done < s.prompt.len() {
                         continue;
                     }
-                    self.stats.prefill_reused_tokens += s.cached_tokens as u64;
+                    if s.origin != Origin::Fork {
+                        self.stats.prefill_reused_tokens += s.cached_tokens as u64;
+                    }
                     let (tok, lp) = token(outcome);
                     match tok {
                         Ok(tok) => {
@@ -309,7 +315,12 @@ impl Scheduler {
             match s.origin {
                 Origin::Local => self.stats.local_prefills += 1,
                 Origin::Recomputed => self.stats.recomputed_prefills += 1,
+                Origin::Fork => self.stats.forked_samples += 1,
                 Origin::Remote => {}
+            }
+            if r.is_ok() {
+                // The prompt is in the cache: the request's other samples fork off it.
+                self.fork(&mut s);
             }
             match r {
                 Ok(Next::Continue(t)) => {
