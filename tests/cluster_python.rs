@@ -102,11 +102,15 @@ async fn the_openai_python_client_gets_n_choices_from_one_prefill() {
     let line = stdout(&out);
     let report: serde_json::Value = serde_json::from_str(line.trim())
         .unwrap_or_else(|e| panic!("openai_n.py printed no JSON ({e}): {line:?}"));
-    let (requests, forks) = (
+    let (mut requests, mut forks) = (
         report["requests"].as_u64().expect("requests"),
         report["forks"].as_u64().expect("forks"),
     );
     assert!(forks > 0, "{report}");
+    // gRPC `n` = 3 on the same cluster: three streams told apart by `index`, from one prefill
+    // (counted below with the script's requests).
+    grpc_n_samples(&cluster).await;
+    (requests, forks) = (requests + 1, forks + 2);
     cluster.assert_kv_blocks_released().await;
     let after = cluster.stats("decode-0").await;
     let prefills = |s: &ferry_proto::internal::WorkerStats| {
@@ -126,6 +130,51 @@ async fn the_openai_python_client_gets_n_choices_from_one_prefill() {
         after.fork_tail_tokens > before.fork_tail_tokens,
         "{after:?}"
     );
+}
+
+/// Seeded `Generate` with `n` = 3 at T = 1: every message names its sample in `index`, each
+/// sample has exactly one finish and its `max_tokens` tokens, the samples are not all the same,
+/// and the last message's usage counts all three.
+async fn grpc_n_samples(cluster: &Cluster) {
+    use ferry_proto::v1;
+    const MAX_TOKENS: u32 = 12;
+    let sampling = v1::SamplingParams {
+        temperature: Some(1.0),
+        seed: Some(5),
+        ..Default::default()
+    };
+    let req = v1::GenerateRequest {
+        n: Some(3),
+        ..cluster::request("And God said", MAX_TOKENS, sampling, true)
+    };
+    let mut stream = cluster
+        .grpc()
+        .await
+        .generate(req)
+        .await
+        .expect("Generate with n = 3")
+        .into_inner();
+    let (mut tokens, mut texts, mut finishes) = (vec![0u32; 3], vec![String::new(); 3], [0; 3]);
+    let mut usage = None;
+    while let Some(m) = stream.message().await.expect("the stream") {
+        let i = m.index as usize;
+        assert!(i < 3, "index {i} of 3");
+        tokens[i] += m.token_ids.len() as u32;
+        texts[i].push_str(&m.text);
+        if m.finish_reason != v1::FinishReason::Unspecified as i32 {
+            assert_eq!(m.finish_reason, v1::FinishReason::Length as i32, "{m:?}");
+            finishes[i] += 1;
+        }
+        usage = m.usage.or(usage);
+    }
+    assert_eq!(finishes, [1, 1, 1], "{texts:?}");
+    assert_eq!(tokens, [MAX_TOKENS; 3], "{texts:?}");
+    assert!(
+        texts[0] != texts[1] || texts[1] != texts[2],
+        "3 seeded samples all equal: {texts:?}"
+    );
+    let usage = usage.expect("usage on the last message");
+    assert_eq!(usage.completion_tokens, 3 * MAX_TOKENS, "{usage:?}");
 }
 
 #[tokio::test]

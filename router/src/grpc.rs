@@ -1,7 +1,7 @@
 //! The public `ferry.v1.Inference` service over the [`Dispatcher`](crate::dispatch::Dispatcher).
 //!
 //! Wire → [`GenerateParams`] (no checks) → [`Validator`](crate::validate::Validator) →
-//! dispatcher → events → `GenerateResponse`s. Errors become `tonic::Status` through
+//! dispatcher → events → `GenerateResponse`s, each tagged with its sample's `index` (`n` > 1). Errors become `tonic::Status` through
 //! `From<RequestError>` (error.rs) and are logged here, once, in the request span.
 //!
 //! With API keys on, every call needs `authorization: Bearer <key>` metadata (UNAUTHENTICATED
@@ -70,6 +70,7 @@ fn to_wire(event: GenerationEvent, request_id: &str) -> v1::GenerateResponse {
         }),
         request_id: request_id.to_string(),
         logprobs: event.logprobs.iter().map(v1::TokenLogprob::from).collect(),
+        index: event.index,
     }
 }
 

@@ -125,7 +125,8 @@ pub struct GenerateParams {
     /// Structured output (`response_format`, or the tool-call grammar of `tool_choice`);
     /// `None` = free text.
     pub response_format: Option<FormatInput>,
-    /// Samples of the prompt (OpenAI's `n`), in [1, [`MAX_SAMPLES`]]; `None` = 1.
+    /// Samples of the prompt (OpenAI's `n`, gRPC's `GenerateRequest.n`), in
+    /// [1, [`MAX_SAMPLES`]]; `None` = 1.
     pub n: Option<i64>,
 }
 
@@ -195,7 +196,7 @@ impl TryFrom<v1::GenerateRequest> for GenerateParams {
             speculative: r.speculative,
             logprobs: r.logprobs.map(i64::from),
             response_format,
-            n: None,
+            n: r.n.map(i64::from),
         })
     }
 }
@@ -976,9 +977,11 @@ mod tests {
             speculative: None,
             logprobs: Some(7),
             response_format: None,
+            n: Some(3),
         };
         let p = GenerateParams::try_from(wire.clone()).expect("converts");
         assert_eq!(p.logprobs, Some(7));
+        assert_eq!(p.n, Some(3), "checked by the validator, as on HTTP");
         assert_eq!(p.prompt, PromptInput::Tokens(vec![1, 2]));
         assert_eq!(p.max_tokens, Some(0), "0 is kept so validation can name it");
         assert_eq!(p.sampling.temperature, Some(0.5));

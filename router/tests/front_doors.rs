@@ -6,7 +6,9 @@
 //!   RESOURCE_EXHAUSTED / 429, bad input → INVALID_ARGUMENT / 400; every HTTP failure an
 //!   OpenAI-shaped body naming the cause;
 //! - the response shapes of `/v1/completions` and `/v1/chat/completions`, whole and streamed,
-//!   with and without usage, and an error in the middle of a stream.
+//!   with and without usage, and an error in the middle of a stream;
+//! - `n` samples as one `Decode` call on both front doors (gRPC: streams told apart by
+//!   `index`).
 mod common;
 
 use std::sync::Arc;
@@ -649,5 +651,73 @@ async fn n_samples_are_one_decode_call_and_n_choices() {
     let last = chunks.last().expect("chunks");
     assert_eq!(last["usage"]["completion_tokens"], 3 * N, "{text}");
     assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 2);
+    h.stop().await;
+}
+
+/// Every message of a gRPC `Generate` stream.
+async fn grpc_messages(h: &mut Harness, req: v1::GenerateRequest) -> Vec<v1::GenerateResponse> {
+    let mut stream = h.grpc.generate(req).await.expect("generate").into_inner();
+    let mut out = Vec::new();
+    while let Some(m) = stream.message().await.expect("the stream") {
+        out.push(m);
+    }
+    out
+}
+
+/// gRPC `n` = 3 (the HTTP path's validation and dispatch): ONE `Decode` call carrying `n`, and
+/// three samples told apart by `index`, each with its text and exactly one finish, the usage
+/// (every sample's tokens) on the stream's last message only; `n` out of [1, 16] is
+/// INVALID_ARGUMENT naming `n`, before any worker sees it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_n_samples_are_one_decode_call_and_indexed_streams() {
+    let (tok, tokens) = script();
+    const N: u32 = 5;
+    let want = tok.decode(&tokens[..N as usize], true).expect("decode");
+    let worker = streaming(tokens);
+    let (calls, seen) = (worker.calls.clone(), worker.seen.clone());
+    let mut h = Harness::with_worker(RouterConfig::ephemeral(), worker).await;
+    let messages = grpc_messages(
+        &mut h,
+        v1::GenerateRequest {
+            n: Some(3),
+            ..generate(N)
+        },
+    )
+    .await;
+    let mut texts = vec![String::new(); 3];
+    let mut finishes = [0; 3];
+    for m in &messages {
+        let i = m.index as usize;
+        assert!(i < 3, "{m:?}");
+        texts[i].push_str(&m.text);
+        if m.finish_reason != v1::FinishReason::Unspecified as i32 {
+            assert_eq!(m.finish_reason, v1::FinishReason::Length as i32, "{m:?}");
+            finishes[i] += 1;
+        }
+    }
+    assert_eq!(finishes, [1, 1, 1], "{messages:?}");
+    assert!(texts.iter().all(|t| t == &want), "{texts:?} != {want:?}");
+    let (last, rest) = messages.split_last().expect("messages");
+    assert!(rest.iter().all(|m| m.usage.is_none()), "{messages:?}");
+    let usage = last.usage.expect("usage on the last message");
+    assert_eq!(usage.completion_tokens, 3 * N, "{usage:?}");
+    assert_eq!(usage.cached_prompt_tokens, CACHED, "{usage:?}");
+    assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 1);
+    assert_eq!(seen.lock().expect("test mutex")[0].n, 3);
+
+    for bad in [0, 17] {
+        let status = h
+            .grpc_error(v1::GenerateRequest {
+                n: Some(bad),
+                ..generate(4)
+            })
+            .await;
+        assert_eq!(status.code(), Code::InvalidArgument, "n={bad}: {status:?}");
+        assert!(
+            status.message().starts_with("`n` must be in [1, 16]"),
+            "{status:?}"
+        );
+    }
+    assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 1);
     h.stop().await;
 }

@@ -175,8 +175,9 @@ fn mutated_generate() -> impl Strategy<Value = Vec<u8>> {
         prop::option::of(sampling),
         prop::option::of(stop),
         "(tiny-k3)?",
+        prop::option::of(0u32..20),
     )
-        .prop_map(|(input, sampling, stop, model)| v1::GenerateRequest {
+        .prop_map(|(input, sampling, stop, model, n)| v1::GenerateRequest {
             model,
             input,
             sampling,
@@ -185,6 +186,7 @@ fn mutated_generate() -> impl Strategy<Value = Vec<u8>> {
             speculative: None,
             logprobs: None,
             response_format: None,
+            n,
         });
     (
         request,

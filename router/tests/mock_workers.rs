@@ -50,9 +50,7 @@ fn generate(text: &str, max_tokens: u32, stop: &[&str]) -> v1::GenerateRequest {
             ..Default::default()
         }),
         request_id: "t-1".into(),
-        speculative: None,
-        logprobs: None,
-        response_format: None,
+        ..Default::default()
     }
 }
 

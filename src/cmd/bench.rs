@@ -134,9 +134,7 @@ fn request(args: &BenchArgs, salt: u64) -> GenerateRequest {
             ..Default::default()
         }),
         request_id: format!("bench-{salt}"),
-        speculative: None,
-        logprobs: None,
-        response_format: None,
+        ..Default::default()
     }
 }
 
