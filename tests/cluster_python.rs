@@ -260,7 +260,100 @@ async fn the_openai_python_client_gets_tool_calls_whose_arguments_validate() {
         .unwrap_or_else(|e| panic!("openai_tools.py printed no JSON ({e}): {line:?}"));
     assert_eq!(report["calls"].as_u64(), Some(8), "{report}");
     assert!(report["named"]["talents"].is_u64(), "{report}");
+    grpc_tool_calls(&cluster).await;
     cluster.assert_kv_blocks_released().await;
+}
+
+/// Tools on gRPC through the same cluster (openai_tools.py's functions): `MODE_REQUIRED` with
+/// `n` = 2, sampled: each sample's last message carries one call of a listed function, with
+/// FINISH_REASON_TOOL_CALLS, whose arguments satisfy that function's schema (checked here
+/// field by field; the script checks the HTTP API's with `jsonschema`), and the text streamed
+/// is the call's JSON.
+async fn grpc_tool_calls(cluster: &Cluster) {
+    use ferry_proto::v1;
+    let sheep = r#"{"type":"object","properties":{"shepherd":{"type":"string","maxLength":10},
+        "field":{"enum":["north","south"]}},"required":["shepherd","field"],
+        "additionalProperties":false}"#;
+    let gold = r#"{"type":"object","properties":{"talents":{"type":"integer","minimum":1,
+        "maximum":99}},"required":["talents"],"additionalProperties":false}"#;
+    let tool = |name: &str, parameters: &str| v1::Tool {
+        name: name.into(),
+        description: String::new(),
+        parameters: parameters.into(),
+    };
+    let req = v1::GenerateRequest {
+        input: Some(v1::generate_request::Input::Chat(v1::ChatMessages {
+            messages: vec![v1::ChatMessage {
+                role: "user".into(),
+                content: "How many sheep hath Jacob?".into(),
+                ..Default::default()
+            }],
+        })),
+        tools: vec![tool("count_sheep", sheep), tool("weigh_gold", gold)],
+        tool_choice: Some(v1::ToolChoice {
+            choice: Some(v1::tool_choice::Choice::Mode(
+                v1::tool_choice::Mode::Required as i32,
+            )),
+        }),
+        n: Some(2),
+        ..cluster::request(
+            "",
+            120,
+            v1::SamplingParams {
+                temperature: Some(1.0),
+                seed: Some(7),
+                ..Default::default()
+            },
+            false,
+        )
+    };
+    let mut stream = cluster
+        .grpc()
+        .await
+        .generate(req)
+        .await
+        .expect("Generate with tools")
+        .into_inner();
+    let mut texts = vec![String::new(); 2];
+    let mut calls: Vec<Vec<v1::ToolCall>> = vec![Vec::new(); 2];
+    while let Some(m) = stream.message().await.expect("the stream") {
+        let i = m.index as usize;
+        texts[i].push_str(&m.text);
+        if m.finish_reason != v1::FinishReason::Unspecified as i32 {
+            assert_eq!(m.finish_reason, v1::FinishReason::ToolCalls as i32, "{m:?}");
+            calls[i] = m.tool_calls;
+        }
+    }
+    for (text, calls) in texts.iter().zip(&calls) {
+        let [call] = calls.as_slice() else {
+            panic!("one call per sample: {calls:?} from {text:?}")
+        };
+        assert!(call.id.starts_with("call_"), "{call:?}");
+        let args: serde_json::Value = serde_json::from_str(&call.arguments).expect("JSON");
+        let streamed: serde_json::Value = serde_json::from_str(text).expect("the call's JSON");
+        assert_eq!(streamed["arguments"], args, "{text}");
+        let mut keys: Vec<&str> = args
+            .as_object()
+            .expect("an object")
+            .keys()
+            .map(String::as_str)
+            .collect();
+        keys.sort_unstable();
+        match call.name.as_str() {
+            "count_sheep" => {
+                assert_eq!(keys, ["field", "shepherd"], "{args}");
+                let shepherd = args["shepherd"].as_str().expect("a string");
+                assert!(shepherd.chars().count() <= 10, "{args}");
+                assert!(["north", "south"].contains(&args["field"].as_str().unwrap_or("")));
+            }
+            "weigh_gold" => {
+                assert_eq!(keys, ["talents"], "{args}");
+                let talents = args["talents"].as_i64().expect("an integer");
+                assert!((1..=99).contains(&talents), "{args}");
+            }
+            other => panic!("a function not in tools: {other}"),
+        }
+    }
 }
 
 #[tokio::test]

@@ -802,7 +802,8 @@ fn finish_reason(
         Ok(v1::FinishReason::Unspecified) => Ok(None),
         Ok(v1::FinishReason::Stop) => Ok(Some(FinishReason::Stop)),
         Ok(v1::FinishReason::Length) => Ok(Some(FinishReason::Length)),
-        Err(_) => Err(RequestError::Worker {
+        // Tool calls are parsed here, at the router; a worker never reports them.
+        Ok(v1::FinishReason::ToolCalls) | Err(_) => Err(RequestError::Worker {
             worker: worker.clone(),
             code: Code::Internal,
             message: format!("unknown finish_reason {raw}"),

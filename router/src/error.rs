@@ -189,9 +189,9 @@ impl RequestError {
     }
 
     /// The request field at fault, for validation errors.
-    pub fn param(&self) -> Option<&'static str> {
+    pub fn param(&self) -> Option<&str> {
         match self {
-            Self::Invalid(e) => Some(e.field),
+            Self::Invalid(e) => Some(&e.field),
             Self::OverKeyBudget { .. } => Some("max_tokens"),
             _ => None,
         }

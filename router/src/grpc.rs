@@ -1,8 +1,13 @@
 //! The public `ferry.v1.Inference` service over the [`Dispatcher`](crate::dispatch::Dispatcher).
 //!
-//! Wire → [`GenerateParams`] (no checks) → [`Validator`](crate::validate::Validator) →
-//! dispatcher → events → `GenerateResponse`s, each tagged with its sample's `index` (`n` > 1). Errors become `tonic::Status` through
-//! `From<RequestError>` (error.rs) and are logged here, once, in the request span.
+//! Wire → [`GrpcGenerate`] (parameters, no checks but the shapes of `response_format` and
+//! tools) → [`Validator`](crate::validate::Validator) → dispatcher → events →
+//! `GenerateResponse`s, each tagged with its sample's `index` (`n` > 1). With tools (a choice
+//! other than none), each sample's text is kept and parsed for calls at its finish
+//! ([`crate::tools::Tools::parse_calls`], the code the HTTP API uses): its last message then
+//! carries the calls and FINISH_REASON_TOOL_CALLS; the text itself streams as generated.
+//! Errors become `tonic::Status` through `From<RequestError>` (error.rs) and are logged here,
+//! once, in the request span.
 //!
 //! With API keys on, every call needs `authorization: Bearer <key>` metadata (UNAUTHENTICATED
 //! otherwise); `Generate` is also held to the key's limits (`limits.rs`). gRPC health and
@@ -21,7 +26,8 @@ use crate::error::{log_failure, RequestError};
 use crate::output::{FinishReason, GenerationEvent};
 use crate::spans::{self, FrontDoor, InSpan, Operation};
 use crate::state::AppState;
-use crate::validate::GenerateParams;
+use crate::tools::{ToolCall, Tools};
+use crate::validate::GrpcGenerate;
 
 /// The `Inference` service.
 #[derive(Debug, Clone)]
@@ -54,15 +60,23 @@ impl InferenceService {
     }
 }
 
-fn to_wire(event: GenerationEvent, request_id: &str) -> v1::GenerateResponse {
+/// One event on the wire. `calls`: the sample's parsed tool calls, on its last event (its
+/// finish reason then says so).
+fn to_wire(
+    event: GenerationEvent,
+    request_id: &str,
+    calls: Option<Vec<ToolCall>>,
+) -> v1::GenerateResponse {
+    let finish_reason = match (event.finish, &calls) {
+        (None, _) => v1::FinishReason::Unspecified,
+        (Some(_), Some(_)) => v1::FinishReason::ToolCalls,
+        (Some(FinishReason::Stop), None) => v1::FinishReason::Stop,
+        (Some(FinishReason::Length), None) => v1::FinishReason::Length,
+    };
     v1::GenerateResponse {
         token_ids: event.token_ids,
         text: event.text,
-        finish_reason: match event.finish {
-            None => v1::FinishReason::Unspecified,
-            Some(FinishReason::Stop) => v1::FinishReason::Stop,
-            Some(FinishReason::Length) => v1::FinishReason::Length,
-        } as i32,
+        finish_reason: finish_reason as i32,
         usage: event.usage.map(|u| v1::Usage {
             prompt_tokens: u.prompt_tokens,
             completion_tokens: u.completion_tokens,
@@ -71,6 +85,33 @@ fn to_wire(event: GenerationEvent, request_id: &str) -> v1::GenerateResponse {
         request_id: request_id.to_string(),
         logprobs: event.logprobs.iter().map(v1::TokenLogprob::from).collect(),
         index: event.index,
+        tool_calls: calls
+            .into_iter()
+            .flatten()
+            .map(v1::ToolCall::from)
+            .collect(),
+    }
+}
+
+/// Each sample's output so far, for requests whose output is parsed for tool calls: at a
+/// sample's finish, the calls its whole text makes.
+struct CallParser {
+    tools: Tools,
+    texts: Vec<String>,
+}
+
+impl CallParser {
+    /// Adds `event`'s text to its sample's; on the sample's finish, its calls (`None`: the
+    /// output is text).
+    fn on_event(&mut self, event: &GenerationEvent) -> Option<Vec<ToolCall>> {
+        let i = event.index as usize;
+        if self.texts.len() <= i {
+            self.texts.resize(i + 1, String::new());
+        }
+        let text = self.texts.get_mut(i)?;
+        text.push_str(&event.text);
+        event.finish?;
+        self.tools.parse_calls(&std::mem::take(text))
     }
 }
 
@@ -91,14 +132,22 @@ impl Inference for InferenceService {
         };
         let span = spans::request_span(FrontDoor::Grpc, operation, &self.state.model.name);
         trace_ctx::set_parent_from_request(&span, &request);
-        let params = GenerateParams::try_from(request.into_inner());
-        let requested = match &params {
-            Ok(p) if !p.model.is_empty() => p.model.clone(),
+        let converted = GrpcGenerate::try_from(request.into_inner());
+        let requested = match &converted {
+            Ok(g) if !g.params.model.is_empty() => g.params.model.clone(),
             _ => self.state.model.name.clone(),
         };
         trace_ctx::set_attribute(&span, "gen_ai.request.model", requested);
         caller.record(&span);
         let state = self.state.clone();
+        let (params, tools) = match converted {
+            Ok(g) => (Ok(g.params), g.tools.filter(Tools::parses)),
+            Err(e) => (Err(e), None),
+        };
+        let mut parser = tools.map(|tools| CallParser {
+            tools,
+            texts: Vec::new(),
+        });
         let started = async move {
             let params = params?;
             let admission = caller.admit()?;
@@ -117,7 +166,10 @@ impl Inference for InferenceService {
         })?;
         let in_span = span.clone();
         let stream = events.map(move |item| match item {
-            Ok(event) => Ok(to_wire(event, &id)),
+            Ok(event) => {
+                let calls = parser.as_mut().and_then(|p| p.on_event(&event));
+                Ok(to_wire(event, &id, calls))
+            }
             Err(e) => {
                 in_span.in_scope(|| log_failure(&e));
                 Err(Status::from(e))

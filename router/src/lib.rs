@@ -19,6 +19,7 @@
 //! | [`output`] | detokenization, stop strings and usage of one request's output |
 //! | [`stop`] | stop-string matching across chunks |
 //! | [`structured`] | structured output: `response_format` / `text.format` / gRPC shapes → a grammar, checked by compiling it |
+//! | [`tools`] | tools whatever the front door: checked definitions and choice, the tool-call grammar, calls parsed from the output |
 //! | [`validate`] | the one place requests become [`validate::ValidRequest`] |
 //! | [`tokenize`] | tokenization, chat templates and block hashing on the blocking pool |
 //! | [`grpc`] | the public `Inference` service |
@@ -68,6 +69,7 @@ pub mod stop;
 pub mod structured;
 pub mod tls;
 pub mod tokenize;
+pub mod tools;
 pub mod validate;
 
 pub use config::{PolicyKind, RouterConfig};

@@ -1,8 +1,9 @@
 //! The one place a client request becomes a [`ValidRequest`].
 //!
-//! Both front doors (gRPC `Generate`, HTTP `/v1/completions` and `/v1/chat/completions`)
-//! translate their wire shapes into [`GenerateParams`] without checking anything, then call
-//! [`Validator::validate`]. Only a [`ValidRequest`] goes inward: its fields are private, so
+//! Both front doors (gRPC `Generate`; HTTP `/v1/completions`, `/v1/chat/completions` and
+//! `/v1/responses`) translate their wire shapes into [`GenerateParams`] without checking
+//! anything but the shapes only they have (tools: [`crate::tools::Tools`], whose grammar and
+//! template definitions land in the parameters), then call [`Validator::validate`]. Only a [`ValidRequest`] goes inward: its fields are private, so
 //! nothing else can build one. Errors name the field (as the OpenAI API spells it), the limit
 //! and the value: "`max_tokens` must be >= 1, got 0".
 //!
@@ -24,6 +25,8 @@
 //! worker runs with, then checked by the worker's own `SamplingParams::validate`, so whatever
 //! the router accepts the worker accepts: `temperature: 1e39` is `inf` in `f32` and is refused
 //! here naming `temperature`, not by the worker as a worker failure.
+use std::borrow::Cow;
+
 use ferry_modelcard::grammar::{GrammarCompiler, OutputGrammar};
 use ferry_modelcard::sampling::{LogitsControls, SamplingError, SamplingParams};
 use ferry_modelcard::tokenizer::ChatMessage;
@@ -33,6 +36,7 @@ use ferry_proto::v1;
 use crate::error::RequestError;
 use crate::structured::FormatInput;
 use crate::tokenize::{PromptInput, TokenizerPool};
+use crate::tools::Tools;
 
 /// Stop strings per request, at most.
 pub const MAX_STOP_STRINGS: usize = 4;
@@ -48,24 +52,25 @@ pub const MAX_TOP_LOGPROBS: u32 = 20;
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("`{field}` {message}")]
 pub struct ValidationError {
-    /// The field, as the OpenAI API spells it (`max_tokens`, `prompt`, `messages`, …).
-    pub field: &'static str,
+    /// The field, as the OpenAI API spells it (`max_tokens`, `prompt`, `messages`, …; a path
+    /// with an index where the API has one, e.g. `tools[2].type`).
+    pub field: Cow<'static, str>,
     /// The rule, the limit and the value: "must be >= 1, got 0".
     pub message: String,
 }
 
 impl ValidationError {
     /// An error on `field`.
-    pub fn new(field: &'static str, message: impl Into<String>) -> Self {
+    pub fn new(field: impl Into<Cow<'static, str>>, message: impl Into<String>) -> Self {
         Self {
-            field,
+            field: field.into(),
             message: message.into(),
         }
     }
 
     /// A snake_case label: `model_not_found` for an unknown model, else `invalid_value`.
     pub fn kind(&self) -> &'static str {
-        match self.field {
+        match &*self.field {
             "model" => "model_not_found",
             _ => "invalid_value",
         }
@@ -135,23 +140,51 @@ pub struct GenerateParams {
 /// can claim, and the key's token budget is charged `n × max_tokens`.
 pub const MAX_SAMPLES: u32 = 16;
 
+/// A gRPC `GenerateRequest` in the router's terms: the parameters to validate, and the
+/// request's tools (parsed again from each sample's output when the choice is not none).
+#[derive(Debug, Clone, PartialEq)]
+pub struct GrpcGenerate {
+    /// The parameters.
+    pub params: GenerateParams,
+    /// The checked tools (`tools`, `tool_choice`); `None` without tools.
+    pub tools: Option<Tools>,
+}
+
 impl TryFrom<v1::GenerateRequest> for GenerateParams {
     type Error = ValidationError;
 
-    /// The gRPC request in the router's terms; only `response_format` is checked here (its
-    /// schema must be JSON text).
+    /// [`GrpcGenerate`]'s parameters.
     fn try_from(r: v1::GenerateRequest) -> Result<Self, ValidationError> {
-        let response_format = crate::structured::from_wire(r.response_format.clone())?;
+        GrpcGenerate::try_from(r).map(|g| g.params)
+    }
+}
+
+impl TryFrom<v1::GenerateRequest> for GrpcGenerate {
+    type Error = ValidationError;
+
+    /// The gRPC request in the router's terms. Checked here: `response_format` (its schema
+    /// must be JSON text) and the tools ([`crate::tools::from_wire`]: their shapes, and chat
+    /// input only, else a 400 naming `tools`); the rest by the validator.
+    fn try_from(r: v1::GenerateRequest) -> Result<Self, ValidationError> {
+        let format = crate::structured::from_wire(r.response_format.clone())?;
+        let tools = crate::tools::from_wire(r.tools, r.tool_choice)?;
+        let response_format =
+            crate::tools::output_grammar(format, tools.as_ref(), "response_format")?;
         use v1::generate_request::Input;
         let prompt = match r.input {
+            Some(Input::Chat(c)) => {
+                let messages = c.messages.into_iter().map(chat_message).collect();
+                crate::tools::chat_prompt(messages, tools.as_ref())
+            }
+            _ if tools.is_some() => {
+                return Err(ValidationError::new(
+                    "tools",
+                    "need chat input (`chat`): the chat template renders them; text and token \
+                     prompts have no place for them",
+                ))
+            }
             Some(Input::Text(text)) => PromptInput::Text(text),
             Some(Input::Tokens(t)) => PromptInput::Tokens(t.ids),
-            Some(Input::Chat(c)) => PromptInput::Chat(
-                c.messages
-                    .into_iter()
-                    .map(|m| ChatMessage::new(m.role, m.content))
-                    .collect(),
-            ),
             None => PromptInput::Text(String::new()),
         };
         let sampling = r
@@ -183,7 +216,7 @@ impl TryFrom<v1::GenerateRequest> for GenerateParams {
             ),
             None => (Some(0), Vec::new(), false, None, Vec::new()),
         };
-        Ok(Self {
+        let params = GenerateParams {
             model: r.model,
             prompt,
             sampling,
@@ -197,8 +230,28 @@ impl TryFrom<v1::GenerateRequest> for GenerateParams {
             logprobs: r.logprobs.map(i64::from),
             response_format,
             n: r.n.map(i64::from),
-        })
+        };
+        Ok(Self { params, tools })
     }
+}
+
+/// A gRPC chat turn as the template takes it: its tool calls' arguments parsed from JSON
+/// text ([`crate::tools::template_call`]), an empty `tool_call_id` absent.
+fn chat_message(m: v1::ChatMessage) -> ChatMessage {
+    let mut message = ChatMessage::new(m.role, m.content);
+    if !m.tool_calls.is_empty() {
+        message.tool_calls = Some(
+            m.tool_calls
+                .into_iter()
+                .map(|c| {
+                    let id = Some(c.id).filter(|id| !id.is_empty());
+                    crate::tools::template_call(id, &c.name, serde_json::Value::String(c.arguments))
+                })
+                .collect(),
+        );
+    }
+    message.tool_call_id = Some(m.tool_call_id).filter(|id| !id.is_empty());
+    message
 }
 
 /// Resolved sampling parameters (defaults applied, limits checked).
@@ -807,9 +860,9 @@ mod tests {
         }
     }
 
-    async fn field_of(p: GenerateParams) -> (&'static str, String) {
+    async fn field_of(p: GenerateParams) -> (String, String) {
         match validator().validate(p).await {
-            Err(RequestError::Invalid(e)) => (e.field, e.to_string()),
+            Err(RequestError::Invalid(e)) => (e.field.to_string(), e.to_string()),
             other => panic!("expected a validation error, got {other:?}"),
         }
     }
@@ -978,6 +1031,7 @@ mod tests {
             logprobs: Some(7),
             response_format: None,
             n: Some(3),
+            ..Default::default()
         };
         let p = GenerateParams::try_from(wire.clone()).expect("converts");
         assert_eq!(p.logprobs, Some(7));

@@ -8,7 +8,7 @@
 //! - the response shapes of `/v1/completions` and `/v1/chat/completions`, whole and streamed,
 //!   with and without usage, and an error in the middle of a stream;
 //! - `n` samples as one `Decode` call on both front doors (gRPC: streams told apart by
-//!   `index`).
+//!   `index`), tool calls on gRPC (per sample).
 mod common;
 
 use std::sync::Arc;
@@ -719,5 +719,186 @@ async fn grpc_n_samples_are_one_decode_call_and_indexed_streams() {
         );
     }
     assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 1);
+    h.stop().await;
+}
+
+/// A gRPC chat request with `tools`.
+fn tools_request(choice: Option<v1::tool_choice::Choice>, n: u32) -> v1::GenerateRequest {
+    let weather =
+        r#"{"type":"object","properties":{"city":{"type":"string"}},"required":["city"]}"#;
+    v1::GenerateRequest {
+        input: Some(v1::generate_request::Input::Chat(v1::ChatMessages {
+            messages: vec![v1::ChatMessage {
+                role: "user".into(),
+                content: "Weather in Ur?".into(),
+                ..Default::default()
+            }],
+        })),
+        tools: vec![
+            v1::Tool {
+                name: "get_weather".into(),
+                description: "The sky over a city.".into(),
+                parameters: weather.into(),
+            },
+            v1::Tool {
+                name: "noop".into(),
+                ..Default::default()
+            },
+        ],
+        tool_choice: choice.map(|c| v1::ToolChoice { choice: Some(c) }),
+        n: Some(n),
+        ..generate(64)
+    }
+}
+
+/// Tools on gRPC, through the code HTTP chat uses: the template gets the definitions, a
+/// `required` choice sends the decode worker the tool-call grammar, and each sample's last
+/// message carries the call parsed from its output (FINISH_REASON_TOOL_CALLS); `auto` parses
+/// too, `none` does not; an earlier call and its result go back as chat turns; bad tools,
+/// choices, tools without chat input and tools with `response_format` are INVALID_ARGUMENT
+/// naming the field.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_tool_calls_are_parsed_per_sample() {
+    use v1::tool_choice::{Choice, Mode};
+    let (tok, _) = script();
+    let call = r#"{"name":"get_weather","arguments":{"city":"Ur"}}"#;
+    let worker = streaming(tok.encode(call, false).expect("encode"));
+    let seen = worker.seen.clone();
+    let mut h = Harness::with_worker(RouterConfig::ephemeral(), worker).await;
+
+    let required = Some(Choice::Mode(Mode::Required as i32));
+    let messages = grpc_messages(&mut h, tools_request(required.clone(), 2)).await;
+    for index in 0..2 {
+        let of: Vec<_> = messages.iter().filter(|m| m.index == index).collect();
+        let text: String = of.iter().map(|m| m.text.as_str()).collect();
+        assert_eq!(text, call, "the raw output streams as generated");
+        let (last, rest) = of.split_last().expect("messages");
+        assert!(rest.iter().all(|m| m.tool_calls.is_empty()), "{of:?}");
+        assert_eq!(
+            last.finish_reason,
+            v1::FinishReason::ToolCalls as i32,
+            "{last:?}"
+        );
+        let [c] = last.tool_calls.as_slice() else {
+            panic!("one call: {last:?}")
+        };
+        assert_eq!(
+            (c.name.as_str(), c.arguments.as_str()),
+            ("get_weather", r#"{"city":"Ur"}"#)
+        );
+        assert!(c.id.starts_with("call_"), "{c:?}");
+    }
+    {
+        let seen = seen.lock().expect("test mutex");
+        let sent = seen.last().expect("a decode call");
+        let grammar = match sent.response_format.as_ref().and_then(|f| f.format.clone()) {
+            Some(v1::response_format::Format::JsonSchema(s)) => s,
+            other => panic!("no tool-call grammar: {other:?}"),
+        };
+        assert!(
+            grammar.contains("anyOf") && grammar.contains("get_weather"),
+            "{grammar}"
+        );
+        let prompt = tok.decode(&sent.prompt_tokens, false).expect("decode");
+        assert!(prompt.contains("The sky over a city."), "{prompt}");
+    }
+
+    // auto parses the same output; none leaves it text.
+    for (choice, finish, parsed) in [
+        (None, v1::FinishReason::ToolCalls, true),
+        (
+            Some(Choice::Mode(Mode::Auto as i32)),
+            v1::FinishReason::ToolCalls,
+            true,
+        ),
+        (
+            Some(Choice::Mode(Mode::None as i32)),
+            v1::FinishReason::Stop,
+            false,
+        ),
+    ] {
+        let messages = grpc_messages(&mut h, tools_request(choice.clone(), 1)).await;
+        let last = messages.last().expect("messages");
+        assert_eq!(last.finish_reason, finish as i32, "{choice:?}: {last:?}");
+        assert_eq!(!last.tool_calls.is_empty(), parsed, "{choice:?}: {last:?}");
+        let sent = seen
+            .lock()
+            .expect("test mutex")
+            .last()
+            .cloned()
+            .expect("sent");
+        assert!(sent.response_format.is_none(), "{choice:?}: unconstrained");
+    }
+
+    // The call and its result go back into the conversation.
+    let mut back = tools_request(Some(Choice::Function("noop".into())), 1);
+    if let Some(v1::generate_request::Input::Chat(chat)) = back.input.as_mut() {
+        chat.messages.push(v1::ChatMessage {
+            role: "assistant".into(),
+            tool_calls: vec![v1::ToolCall {
+                id: "call_1".into(),
+                name: "get_weather".into(),
+                arguments: r#"{"city":"Ur"}"#.into(),
+            }],
+            ..Default::default()
+        });
+        chat.messages.push(v1::ChatMessage {
+            role: "tool".into(),
+            content: "Sunny over Ur.".into(),
+            tool_call_id: "call_1".into(),
+            ..Default::default()
+        });
+    }
+    grpc_messages(&mut h, back).await;
+    {
+        let seen = seen.lock().expect("test mutex");
+        let sent = seen.last().expect("sent");
+        let prompt = tok.decode(&sent.prompt_tokens, false).expect("decode");
+        assert!(
+            prompt.contains(r#"{"name":"get_weather","arguments":{"city":"Ur"}}"#)
+                && prompt.contains("Sunny over Ur."),
+            "{prompt}"
+        );
+        let grammar = format!("{:?}", sent.response_format);
+        assert!(
+            grammar.contains("noop") && !grammar.contains("get_weather"),
+            "{grammar}"
+        );
+    }
+
+    let text_input = v1::GenerateRequest {
+        tools: tools_request(None, 1).tools,
+        ..generate(4)
+    };
+    let bad_params = {
+        let mut r = tools_request(None, 1);
+        r.tools[0].parameters = "{not json".into();
+        r
+    };
+    let with_format = v1::GenerateRequest {
+        response_format: Some(v1::ResponseFormat {
+            format: Some(v1::response_format::Format::JsonObject(v1::JsonObject {})),
+        }),
+        ..tools_request(required.clone(), 1)
+    };
+    for (what, req, field) in [
+        ("text input", text_input, "`tools`"),
+        ("parameters not JSON", bad_params, "`tools`"),
+        (
+            "an unknown function",
+            tools_request(Some(Choice::Function("smite".into())), 1),
+            "`tool_choice`",
+        ),
+        (
+            "an unknown mode",
+            tools_request(Some(Choice::Mode(9)), 1),
+            "`tool_choice`",
+        ),
+        ("response_format too", with_format, "`response_format`"),
+    ] {
+        let status = h.grpc_error(req).await;
+        assert_eq!(status.code(), Code::InvalidArgument, "{what}: {status:?}");
+        assert!(status.message().starts_with(field), "{what}: {status:?}");
+    }
     h.stop().await;
 }

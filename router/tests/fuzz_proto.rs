@@ -114,7 +114,11 @@ fn mutated_generate() -> impl Strategy<Value = Vec<u8>> {
             v1::generate_request::Input::Chat(v1::ChatMessages {
                 messages: m
                     .into_iter()
-                    .map(|(role, content)| v1::ChatMessage { role, content })
+                    .map(|(role, content)| v1::ChatMessage {
+                        role,
+                        content,
+                        ..Default::default()
+                    })
                     .collect(),
             })
         }),
@@ -170,23 +174,44 @@ fn mutated_generate() -> impl Strategy<Value = Vec<u8>> {
                 stop_token_ids,
             },
         );
+    let tools = prop::collection::vec(
+        ("(f|g|a b|.{0,4})", r#"(|\{\}|\{"type":"object"\}|.{0,6})"#).prop_map(
+            |(name, parameters)| v1::Tool {
+                name,
+                description: String::new(),
+                parameters,
+            },
+        ),
+        0..3,
+    );
+    let tool_choice = prop_oneof![
+        (0i32..5).prop_map(v1::tool_choice::Choice::Mode),
+        "(f|g|.{0,3})".prop_map(v1::tool_choice::Choice::Function),
+    ]
+    .prop_map(|c| v1::ToolChoice { choice: Some(c) });
     let request = (
         prop::option::of(input),
         prop::option::of(sampling),
         prop::option::of(stop),
         "(tiny-k3)?",
         prop::option::of(0u32..20),
+        tools,
+        prop::option::of(tool_choice),
     )
-        .prop_map(|(input, sampling, stop, model, n)| v1::GenerateRequest {
-            model,
-            input,
-            sampling,
-            stop,
-            request_id: String::new(),
-            speculative: None,
-            logprobs: None,
-            response_format: None,
-            n,
+        .prop_map(|(input, sampling, stop, model, n, tools, tool_choice)| {
+            v1::GenerateRequest {
+                model,
+                input,
+                sampling,
+                stop,
+                request_id: String::new(),
+                speculative: None,
+                logprobs: None,
+                response_format: None,
+                n,
+                tools,
+                tool_choice,
+            }
         });
     (
         request,

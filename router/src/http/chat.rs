@@ -16,10 +16,11 @@ use super::openai::{
     Delta, UsageOut,
 };
 use super::sse::Chunk;
-use super::tools::{ToolCallOut, Tools};
+use super::tools::ToolCallOut;
 use crate::auth::Caller;
 use crate::spans::Operation;
 use crate::state::AppState;
+use crate::tools::Tools;
 use crate::validate::{GenerateParams, ValidationError};
 
 /// The handler.

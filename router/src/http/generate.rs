@@ -28,13 +28,14 @@ use super::error::ApiError;
 use super::logprobs::{LogprobOut, Namer};
 use super::openai::UsageOut;
 use super::sse::{self, Chunk};
-use super::tools::{ToolCallOut, Tools};
+use super::tools::ToolCallOut;
 use crate::auth::Caller;
 use crate::dispatch::GenerationStream;
 use crate::error::{log_failure, RequestError};
 use crate::output::FinishReason;
 use crate::spans::{self, FrontDoor, InSpan, Operation};
 use crate::state::AppState;
+use crate::tools::Tools;
 use crate::validate::{GenerateParams, ValidationError};
 
 /// What one generation endpoint adds to the shared plumbing.
@@ -308,7 +309,7 @@ fn chunks<E: Endpoint>(
                             if tools.may_be_call(h) {
                                 continue;
                             }
-                        } else if let Some(calls) = tools.parse_calls(h) {
+                        } else if let Some(calls) = chat_calls(tools, h) {
                             let logprobs = namers.as_ref().map(|_| std::mem::take(&mut pending[i]));
                             let end = End { finish: event.finish, usage: null_usage };
                             yield E::tool_calls(&meta, index, calls, logprobs.as_deref(), end);
@@ -341,6 +342,13 @@ fn chunks<E: Endpoint>(
     }
 }
 
+/// The calls a sample's whole `text` makes, in chat's shape.
+fn chat_calls(tools: &Tools, text: &str) -> Option<Vec<ToolCallOut>> {
+    tools
+        .parse_calls(text)
+        .map(|calls| calls.into_iter().map(ToolCallOut::from).collect())
+}
+
 /// The whole response, once every sample finished.
 async fn whole<E: Endpoint>(
     meta: Meta,
@@ -370,7 +378,7 @@ async fn whole<E: Endpoint>(
                         .zip(logprobs)
                         .zip(finishes)
                         .map(|((text, lps), finish)| WholeChoice {
-                            calls: meta.tools.as_ref().and_then(|t| t.parse_calls(&text)),
+                            calls: meta.tools.as_ref().and_then(|t| chat_calls(t, &text)),
                             text,
                             logprobs: asked.then_some(lps),
                             finish: finish.unwrap_or(FinishReason::Stop),

@@ -10,7 +10,7 @@
 //! | [`logprobs`] | tokens' log-probabilities named (text, bytes, offsets) for both endpoints' shapes |
 //! | [`completions`] | `POST /v1/completions`: its chunk and response shapes |
 //! | [`chat`] | `POST /v1/chat/completions`: its chunk and response shapes, tool calls included |
-//! | [`tools`] | `tools` and `tool_choice` checked, the tool-call grammar, tool calls parsed from the output (the format is documented there) |
+//! | [`tools`] | the JSON shapes of `tools` and `tool_choice` (chat and responses) → [`crate::tools::Tools`], chat's tool-call shapes |
 //! | [`responses`] | `POST /v1/responses` (the Responses API): its request, response object and typed stream events |
 //! | [`tokenize`] | `POST /tokenize`, `POST /detokenize` (vLLM's extensions, vLLM's shapes) |
 //! | [`sse`] | server-sent-event framing |

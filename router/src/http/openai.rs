@@ -19,10 +19,11 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::logprobs::{ChatLogprobs, CompletionLogprobs};
-use super::tools::{template_tool_calls, ToolCallOut, Tools};
+use super::tools::{parse_tools, template_tool_calls, ToolCallOut, ToolsApi};
 use crate::output::{FinishReason, Usage};
 use crate::structured::{parse_format, FormatApi, FormatInput};
 use crate::tokenize::PromptInput;
+use crate::tools::{self, Tools};
 use crate::validate::{GenerateParams, SamplingInput, ValidationError};
 
 /// `/v1/completions` default `max_tokens` (OpenAI's).
@@ -408,16 +409,13 @@ impl ChatRequest {
     ) -> Result<(GenerateParams, Option<Tools>), ValidationError> {
         self.check_unsupported()?;
         let (sampling, stop) = (self.sampling()?, self.stop_strings());
-        let tools = Tools::parse(self.tools.as_ref(), self.tool_choice.as_ref())?;
-        let response_format = match (self.response_format()?, tools.as_ref().and_then(Tools::grammar)) {
-            (Some(_), Some(_)) => {
-                return Err(ValidationError::new(
-                    "response_format",
-                    "cannot be combined with `tool_choice` \"required\" or a named function                      (the output is the tool call)",
-                ))
-            }
-            (f, None) | (None, f) => f,
-        };
+        let tools = parse_tools(
+            ToolsApi::Chat,
+            self.tools.as_ref(),
+            self.tool_choice.as_ref(),
+        )?;
+        let response_format =
+            tools::output_grammar(self.response_format()?, tools.as_ref(), "response_format")?;
         let logprobs = match (self.logprobs, self.top_logprobs) {
             (Some(true), Some(n)) if !(0..=MAX_CHAT_TOP_LOGPROBS).contains(&n) => {
                 return Err(ValidationError::new(
@@ -434,13 +432,7 @@ impl ChatRequest {
             }
             (_, None) => None,
         };
-        let messages = chat_messages(self.messages)?;
-        let with_calls = messages.iter().any(|m| m.tool_calls.is_some());
-        let prompt = match &tools {
-            Some(t) => PromptInput::ChatTools(messages, t.template_tools().to_vec()),
-            None if with_calls => PromptInput::ChatTools(messages, Vec::new()),
-            None => PromptInput::Chat(messages),
-        };
+        let prompt = tools::chat_prompt(chat_messages(self.messages)?, tools.as_ref());
         let params = GenerateParams {
             model: self.model,
             prompt,

@@ -1,309 +1,174 @@
-//! Tools on `/v1/chat/completions`: OpenAI's `tools` and `tool_choice` checked into [`Tools`],
-//! the tool-call grammar of `required` / a named function, and tool calls parsed out of the
-//! generated text.
+//! Tools on the OpenAI HTTP API: the JSON shapes of `tools` and `tool_choice` on
+//! `/v1/chat/completions` and on `/v1/responses` → the router's [`Tools`]
+//! ([`crate::tools`], shared with gRPC: the checks, the tool-call grammar, parsing calls), and
+//! chat's shape of the calls in a reply ([`ToolCallOut`]) and in incoming assistant turns.
 //!
-//! **The tool-call format.** A tool call is the JSON object
-//! `{"name": <function name>, "arguments": <its arguments object>}`, optionally wrapped in
-//! `<tool_call>…</tool_call>` (Hermes / Qwen templates), or a JSON array of such objects for
-//! several calls. The chat template sees the definitions in its `tools` variable and is
-//! expected to ask for this format (the embedded model's does).
-//!
-//! | `tool_choice` | output | reply |
+//! | API | `tools[i]` | named `tool_choice` |
 //! |---|---|---|
-//! | `none` | free text | `content`, no call parsed |
-//! | `auto` (default with tools) | free text | `tool_calls` when the whole output is a call to a listed function, else `content` |
-//! | `required` | constrained to one call of any listed function | `tool_calls` |
-//! | `{"type": "function", "function": {"name": …}}` | constrained to one call of that function | `tool_calls` |
+//! | chat | `{"type": "function", "function": {"name", "description"?, "parameters"?, "strict"?}}` | `{"type": "function", "function": {"name"}}` |
+//! | responses | `{"type": "function", "name", "description"?, "parameters"?, "strict"?}` | `{"type": "function", "name"}` |
 //!
-//! The constraint is a JSON Schema (an `anyOf` over the functions, each `name` a `const` and
-//! `arguments` the function's `parameters`) compiled like `response_format`
-//! ([`crate::structured`]), so the arguments of a constrained call always validate. A reply
-//! with calls has `content: null` and `finish_reason: "tool_calls"`; streamed, the text is
-//! held back while it may still be a call, and the calls come in one `delta.tool_calls` chunk
-//! (each with its whole `arguments`) at the end. Without a constraint (`auto`), arguments are
-//! checked to be an object, not validated against the schema.
+//! `tool_choice` is otherwise `"none"`, `"auto"` or `"required"` on both. A reply with calls
+//! has `content: null` and `finish_reason: "tool_calls"` on chat (function-call output items on
+//! responses); streamed, the text is held back while it may still be a call
+//! ([`Tools::may_be_call`]), and the calls come whole at the end.
 
-use ferry_modelcard::grammar::OutputGrammar;
 use serde::Serialize;
-use serde_json::{json, Map, Value};
+use serde_json::{Map, Value};
 
-use crate::structured::FormatInput;
+use crate::tools::{template_call, ToolCall, ToolChoice, ToolDef, Tools};
 use crate::validate::ValidationError;
 
-/// Tools per request, at most (OpenAI's limit).
-pub const MAX_TOOLS: usize = 128;
-
-/// One function the model may call.
-#[derive(Debug, Clone, PartialEq)]
-pub struct ToolDef {
-    /// `function.name`: 1-64 of `a-z A-Z 0-9 _ -`.
-    pub name: String,
-    /// `function.parameters`: a JSON Schema object (default: an object with no properties).
-    pub parameters: Value,
+/// Which API's JSON shapes to read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ToolsApi {
+    /// `/v1/chat/completions`: the function nested under `function`.
+    Chat,
+    /// `/v1/responses`: the function's fields at the top of the tool.
+    Responses,
 }
 
-/// `tool_choice`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum ToolChoice {
-    /// Never call a tool.
-    None,
-    /// The model decides; calls are parsed from free text.
-    Auto,
-    /// Exactly one call of some listed function.
-    Required,
-    /// Exactly one call of this function.
-    Named(String),
-}
-
-/// A request's checked tools.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Tools {
-    defs: Vec<ToolDef>,
-    /// The definitions as the client sent them (OpenAI's shape), for the chat template.
-    raw: Vec<Value>,
-    choice: ToolChoice,
+impl ToolsApi {
+    fn named_choice(self) -> &'static str {
+        match self {
+            Self::Chat => "{\"type\": \"function\", \"function\": {\"name\": …}}",
+            Self::Responses => "{\"type\": \"function\", \"name\": …}",
+        }
+    }
 }
 
 fn bad(field: &'static str, message: impl Into<String>) -> ValidationError {
     ValidationError::new(field, message)
 }
 
-fn valid_name(n: &str) -> bool {
-    !n.is_empty()
-        && n.len() <= 64
-        && n.chars()
-            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+/// Reads `tools` and `tool_choice` in `api`'s shapes and checks them ([`Tools::new`]); `None`
+/// when there are no tools (then only `tool_choice` `"none"` or `"auto"` is accepted).
+/// Malformed tools are a 400 naming `tools` (on responses, a tool of another type than
+/// `function`, e.g. `web_search`, names `tools[i].type`), a malformed choice `tool_choice`.
+pub fn parse_tools(
+    api: ToolsApi,
+    tools: Option<&Value>,
+    choice: Option<&Value>,
+) -> Result<Option<Tools>, ValidationError> {
+    let list = match tools.filter(|v| !v.is_null()) {
+        None => &[][..],
+        Some(Value::Array(a)) => a.as_slice(),
+        Some(v) => return Err(bad("tools", format!("must be an array, got {v}"))),
+    };
+    let defs = list
+        .iter()
+        .enumerate()
+        .map(|(i, t)| tool_def(api, i, t))
+        .collect::<Result<Vec<_>, _>>()?;
+    let choice = match choice.filter(|v| !v.is_null()) {
+        None => None,
+        Some(v) => Some(tool_choice(api, v)?),
+    };
+    Tools::new(defs, choice)
 }
 
-impl Tools {
-    /// Checks `tools` and `tool_choice`: each tool `{"type": "function", "function": {"name",
-    /// "description"?, "parameters"?, "strict"?}}`, names valid and distinct; `tool_choice`
-    /// `none` / `auto` / `required` / a named function that is in `tools`. `None` when there
-    /// are no tools (then only `tool_choice: "none"` or `"auto"` is accepted).
-    pub fn parse(
-        tools: Option<&Value>,
-        choice: Option<&Value>,
-    ) -> Result<Option<Self>, ValidationError> {
-        let list = match tools.filter(|v| !v.is_null()) {
-            None => &[][..],
-            Some(Value::Array(a)) => a.as_slice(),
-            Some(v) => return Err(bad("tools", format!("must be an array, got {v}"))),
+/// `tool_choice`: `"none"`, `"auto"`, `"required"` or `api`'s named-function object.
+fn tool_choice(api: ToolsApi, v: &Value) -> Result<ToolChoice, ValidationError> {
+    let named = api.named_choice();
+    if let Some(s) = v.as_str() {
+        return match s {
+            "none" => Ok(ToolChoice::None),
+            "auto" => Ok(ToolChoice::Auto),
+            "required" => Ok(ToolChoice::Required),
+            other => Err(bad(
+                "tool_choice",
+                format!("must be \"none\", \"auto\", \"required\" or {named}, got {other:?}"),
+            )),
         };
-        if list.len() > MAX_TOOLS {
-            return Err(bad(
-                "tools",
-                format!("must hold at most {MAX_TOOLS} tools, got {}", list.len()),
-            ));
-        }
-        let mut defs: Vec<ToolDef> = Vec::with_capacity(list.len());
-        for (i, t) in list.iter().enumerate() {
-            let def = tool_def(i, t)?;
-            if defs.iter().any(|d| d.name == def.name) {
-                return Err(bad(
-                    "tools",
-                    format!(
-                        "function names must be distinct, {:?} is listed twice",
-                        def.name
-                    ),
-                ));
-            }
-            defs.push(def);
-        }
-        let choice = match choice.filter(|v| !v.is_null()) {
-            None if defs.is_empty() => ToolChoice::None,
-            None => ToolChoice::Auto,
-            Some(Value::String(s)) => match s.as_str() {
-                "none" => ToolChoice::None,
-                "auto" => ToolChoice::Auto,
-                "required" => ToolChoice::Required,
-                other => {
-                    return Err(bad(
-                        "tool_choice",
-                        format!(
-                            "must be \"none\", \"auto\", \"required\" or {{\"type\": \"function\", \
-                             \"function\": {{\"name\": …}}}}, got {other:?}"
-                        ),
-                    ))
-                }
-            },
-            Some(v) => {
-                let name = v
-                    .get("function")
-                    .and_then(|f| f.get("name"))
-                    .and_then(Value::as_str)
-                    .filter(|_| v.get("type").and_then(Value::as_str) == Some("function"))
-                    .ok_or_else(|| {
-                        bad(
-                            "tool_choice",
-                            format!(
-                                "an object must be {{\"type\": \"function\", \"function\": \
-                                 {{\"name\": …}}}}, got {v}"
-                            ),
-                        )
-                    })?;
-                if !defs.iter().any(|d| d.name == name) {
-                    return Err(bad(
-                        "tool_choice",
-                        format!("names the function {name:?}, which is not in `tools`"),
-                    ));
-                }
-                ToolChoice::Named(name.to_owned())
-            }
-        };
-        if defs.is_empty() {
-            return match choice {
-                ToolChoice::None | ToolChoice::Auto => Ok(None),
-                _ => Err(bad(
-                    "tool_choice",
-                    "\"required\" or a named function needs `tools`",
-                )),
-            };
-        }
-        Ok(Some(Self {
-            defs,
-            raw: list.to_vec(),
-            choice,
-        }))
     }
-
-    /// The definitions for the chat template's `tools` variable.
-    pub fn template_tools(&self) -> &[Value] {
-        &self.raw
-    }
-
-    /// The choice.
-    pub fn choice(&self) -> &ToolChoice {
-        &self.choice
-    }
-
-    /// The grammar `tool_choice` imposes: one call of the named function, or of any listed
-    /// one for `required`; `None` for `auto` and `none`.
-    pub fn grammar(&self) -> Option<FormatInput> {
-        let call = |d: &ToolDef| {
-            json!({
-                "type": "object",
-                "properties": {"name": {"const": d.name}, "arguments": d.parameters},
-                "required": ["name", "arguments"],
-                "additionalProperties": false
-            })
-        };
-        let schema = match &self.choice {
-            ToolChoice::None | ToolChoice::Auto => return None,
-            ToolChoice::Named(n) => self.defs.iter().find(|d| &d.name == n).map(call)?,
-            ToolChoice::Required if self.defs.len() == 1 => call(&self.defs[0]),
-            ToolChoice::Required => {
-                json!({"anyOf": self.defs.iter().map(call).collect::<Vec<_>>()})
-            }
-        };
-        Some(FormatInput {
-            grammar: OutputGrammar::JsonSchema(schema),
-            field: "tools",
+    let name = match api {
+        ToolsApi::Chat => v.get("function").and_then(|f| f.get("name")),
+        ToolsApi::Responses => v.get("name"),
+    };
+    name.and_then(Value::as_str)
+        .filter(|_| v.get("type").and_then(Value::as_str) == Some("function"))
+        .map(|n| ToolChoice::Named(n.to_owned()))
+        .ok_or_else(|| {
+            bad(
+                "tool_choice",
+                format!("an object must be {named} (only function tools are supported), got {v}"),
+            )
         })
-    }
-
-    /// Whether output is parsed for calls (every choice but `none`).
-    pub fn parses(&self) -> bool {
-        self.choice != ToolChoice::None
-    }
-
-    /// Whether streamed text must be held back: with `text` generated so far, the output may
-    /// still turn out to be a call (always under a constraint; under `auto` while the text is
-    /// blank or starts like a call).
-    pub fn may_be_call(&self, text: &str) -> bool {
-        match self.choice {
-            ToolChoice::None => false,
-            ToolChoice::Required | ToolChoice::Named(_) => true,
-            ToolChoice::Auto => {
-                let t = text.trim_start();
-                t.is_empty()
-                    || t.starts_with('{')
-                    || t.starts_with('[')
-                    || "<tool_call>".starts_with(t)
-                    || t.starts_with("<tool_call>")
-            }
-        }
-    }
-
-    /// The calls `text` (the whole output) makes, in the format of the module doc; `None`
-    /// when it is not a call of listed functions (then it is plain content).
-    pub fn parse_calls(&self, text: &str) -> Option<Vec<ToolCallOut>> {
-        if !self.parses() {
-            return None;
-        }
-        let mut t = text.trim();
-        if let Some(inner) = t
-            .strip_prefix("<tool_call>")
-            .and_then(|r| r.strip_suffix("</tool_call>"))
-        {
-            t = inner.trim();
-        }
-        let v: Value = serde_json::from_str(t).ok()?;
-        let items = match v {
-            Value::Array(a) if !a.is_empty() => a,
-            v @ Value::Object(_) => vec![v],
-            _ => return None,
-        };
-        items
-            .into_iter()
-            .map(|item| {
-                let name = item.get("name")?.as_str()?;
-                self.defs.iter().find(|d| d.name == name)?;
-                let args = item.get("arguments").or_else(|| item.get("parameters"))?;
-                args.is_object().then(|| ToolCallOut::new(name, args))
-            })
-            .collect()
-    }
 }
 
-/// One entry of `tools`, checked.
-fn tool_def(i: usize, t: &Value) -> Result<ToolDef, ValidationError> {
+/// One entry of `tools` in `api`'s shape; unknown fields are refused.
+fn tool_def(api: ToolsApi, i: usize, t: &Value) -> Result<ToolDef, ValidationError> {
     let at = |what: String| bad("tools", format!("tool {i}: {what}"));
     let obj = t
         .as_object()
         .ok_or_else(|| at(format!("must be an object, got {t}")))?;
-    match obj.get("type").and_then(Value::as_str) {
-        Some("function") => {}
-        other => return Err(at(format!("`type` must be \"function\", got {other:?}"))),
+    let kind = obj.get("type");
+    if kind.and_then(Value::as_str) != Some("function") {
+        let got = kind.map_or_else(|| "nothing".to_owned(), Value::to_string);
+        return Err(match api {
+            ToolsApi::Chat => at(format!("`type` must be \"function\", got {got}")),
+            ToolsApi::Responses => ValidationError::new(
+                format!("tools[{i}].type"),
+                format!(
+                    "must be \"function\": ferry runs no built-in tools (web_search, \
+                     file_search, …), got {got}"
+                ),
+            ),
+        });
     }
-    if let Some(k) = obj
-        .keys()
-        .find(|k| !matches!(k.as_str(), "type" | "function"))
-    {
-        return Err(at(format!("unknown field {k:?}")));
-    }
-    let f = obj
-        .get("function")
-        .and_then(Value::as_object)
-        .ok_or_else(|| at("`function` must be an object with a `name`".into()))?;
-    if let Some(k) = f
-        .keys()
-        .find(|k| !matches!(k.as_str(), "name" | "description" | "parameters" | "strict"))
-    {
-        return Err(at(format!("unknown field `function.{k}`")));
-    }
-    let name = f.get("name").and_then(Value::as_str).unwrap_or_default();
-    if !valid_name(name) {
-        return Err(at(format!(
-            "`function.name` must be 1-64 characters of a-z, A-Z, 0-9, _ and -, got {:?}",
-            f.get("name")
-        )));
-    }
-    let parameters = match f.get("parameters") {
-        None | Some(Value::Null) => json!({"type": "object", "properties": {}}),
-        Some(p @ Value::Object(_)) => p.clone(),
-        Some(p) => {
-            return Err(at(format!(
-                "`function.parameters` must be a JSON Schema object, got {p}"
-            )))
+    let function_fields = ["name", "description", "parameters", "strict"];
+    let f: &Map<String, Value> = match api {
+        ToolsApi::Chat => {
+            if let Some(k) = obj
+                .keys()
+                .find(|k| !matches!(k.as_str(), "type" | "function"))
+            {
+                return Err(at(format!("unknown field {k:?}")));
+            }
+            let f = obj
+                .get("function")
+                .and_then(Value::as_object)
+                .ok_or_else(|| at("`function` must be an object with a `name`".into()))?;
+            if let Some(k) = f.keys().find(|k| !function_fields.contains(&k.as_str())) {
+                return Err(at(format!("unknown field `function.{k}`")));
+            }
+            f
         }
+        ToolsApi::Responses => {
+            if let Some(k) = obj
+                .keys()
+                .find(|k| *k != "type" && !function_fields.contains(&k.as_str()))
+            {
+                return Err(at(format!("unknown field {k:?}")));
+            }
+            obj
+        }
+    };
+    let name = f.get("name").and_then(Value::as_str).ok_or_else(|| {
+        at(format!(
+            "the function's `name` must be a string, got {:?}",
+            f.get("name")
+        ))
+    })?;
+    let description = match f.get("description") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) => Some(s.clone()),
+        Some(v) => return Err(at(format!("`description` must be a string, got {v}"))),
+    };
+    let strict = match f.get("strict") {
+        None | Some(Value::Null) => None,
+        Some(Value::Bool(b)) => Some(*b),
+        Some(v) => return Err(at(format!("`strict` must be a boolean, got {v}"))),
     };
     Ok(ToolDef {
         name: name.to_owned(),
-        parameters,
+        description,
+        parameters: f.get("parameters").filter(|p| !p.is_null()).cloned(),
+        strict,
     })
 }
 
-/// A tool call in a reply (`message.tool_calls[i]`, and in one `delta.tool_calls` chunk).
+/// A tool call in a chat reply (`message.tool_calls[i]`, and in one `delta.tool_calls` chunk).
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct ToolCallOut {
     /// The chunk index of the call (streamed chunks only; absent in whole replies).
@@ -327,23 +192,23 @@ pub struct FunctionCall {
     pub arguments: String,
 }
 
-impl ToolCallOut {
-    fn new(name: &str, args: &Value) -> Self {
+impl From<ToolCall> for ToolCallOut {
+    fn from(c: ToolCall) -> Self {
         Self {
             index: None,
-            id: format!("call_{:024x}", rand::random::<u128>() >> 32),
+            id: c.id,
             kind: "function",
             function: FunctionCall {
-                name: name.to_owned(),
-                arguments: args.to_string(),
+                name: c.name,
+                arguments: c.arguments,
             },
         }
     }
 }
 
-/// An incoming assistant turn's `tool_calls` for the chat template: each `{"id", "type":
-/// "function", "function": {"name", "arguments"}}` with `arguments` parsed from its JSON text
-/// (kept as text when it is not JSON). A malformed entry is a 400 naming `messages`.
+/// An incoming chat assistant turn's `tool_calls` for the chat template
+/// ([`template_call`]: `arguments` parsed from its JSON text). A malformed entry is a 400
+/// naming `messages`.
 pub fn template_tool_calls(i: usize, calls: &Value) -> Result<Vec<Value>, ValidationError> {
     let at = |what: String| bad("messages", format!("message {i}: {what}"));
     let list = calls
@@ -359,18 +224,12 @@ pub fn template_tool_calls(i: usize, calls: &Value) -> Result<Vec<Value>, Valida
                 .get("name")
                 .and_then(Value::as_str)
                 .ok_or_else(|| at("a tool call's `function.name` must be a string".into()))?;
-            let arguments = match f.get("arguments") {
-                Some(Value::String(s)) => {
-                    serde_json::from_str(s).unwrap_or_else(|_| Value::String(s.clone()))
-                }
-                Some(v) => v.clone(),
-                None => Value::Object(Map::new()),
-            };
-            Ok(json!({
-                "id": c.get("id").cloned().unwrap_or(Value::Null),
-                "type": "function",
-                "function": {"name": name, "arguments": arguments}
-            }))
+            let id = c.get("id").and_then(Value::as_str).map(str::to_owned);
+            let arguments = f
+                .get("arguments")
+                .cloned()
+                .unwrap_or_else(|| Value::Object(Map::new()));
+            Ok(template_call(id, name, arguments))
         })
         .collect()
 }
@@ -378,6 +237,7 @@ pub fn template_tool_calls(i: usize, calls: &Value) -> Result<Vec<Value>, Valida
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     fn weather() -> Value {
         json!([{"type": "function", "function": {"name": "get_weather",
@@ -387,27 +247,29 @@ mod tests {
     }
 
     #[test]
-    fn choices_and_their_errors() {
-        let t = Tools::parse(Some(&weather()), None)
-            .expect("valid")
-            .expect("tools");
+    fn chat_shapes_and_their_errors() {
+        let chat = |t: &Value, c: Option<Value>| parse_tools(ToolsApi::Chat, Some(t), c.as_ref());
+        let t = chat(&weather(), None).expect("valid").expect("tools");
         assert_eq!(t.choice(), &ToolChoice::Auto);
-        assert!(t.grammar().is_none());
-        let t = Tools::parse(Some(&weather()), Some(&json!("required")))
-            .expect("valid")
-            .expect("tools");
-        let g = t.grammar().expect("constrained");
-        assert_eq!(g.field, "tools");
+        assert_eq!(t.template_tools(), weather().as_array().cloned().unwrap());
         let named = json!({"type": "function", "function": {"name": "noop"}});
-        let t = Tools::parse(Some(&weather()), Some(&named))
+        let t = chat(&weather(), Some(named))
             .expect("valid")
             .expect("tools");
         assert_eq!(t.choice(), &ToolChoice::Named("noop".into()));
-        assert_eq!(Tools::parse(None, Some(&json!("auto"))), Ok(None));
+        assert_eq!(
+            parse_tools(ToolsApi::Chat, None, Some(&json!("auto"))),
+            Ok(None)
+        );
         for (tools, choice, field) in [
             (
                 weather(),
                 json!({"type": "function", "function": {"name": "nope"}}),
+                "tool_choice",
+            ),
+            (
+                weather(),
+                json!({"type": "function", "name": "noop"}),
                 "tool_choice",
             ),
             (weather(), json!("sometimes"), "tool_choice"),
@@ -419,6 +281,16 @@ mod tests {
                 "tools",
             ),
             (
+                json!([{"type": "function", "function": {"name": "a", "extra": 1}}]),
+                json!("auto"),
+                "tools",
+            ),
+            (
+                json!([{"type": "function", "function": {"name": "a", "description": 3}}]),
+                json!("auto"),
+                "tools",
+            ),
+            (
                 json!([{"type": "function", "function": {"name": "a"}},
                        {"type": "function", "function": {"name": "a"}}]),
                 json!("auto"),
@@ -426,42 +298,63 @@ mod tests {
             ),
             (json!({"name": "a"}), json!("auto"), "tools"),
         ] {
-            let e =
-                Tools::parse(Some(&tools), Some(&choice)).expect_err(&format!("{tools} {choice}"));
+            let e = chat(&tools, Some(choice.clone())).expect_err(&format!("{tools} {choice}"));
             assert_eq!(e.field, field, "{tools} {choice}: {e}");
         }
     }
 
     #[test]
-    fn calls_are_parsed_from_the_documented_format() {
-        let t = Tools::parse(Some(&weather()), None)
-            .expect("valid")
-            .expect("tools");
-        let c = t
-            .parse_calls(r#" {"name":"get_weather","arguments":{"city":"Ur"}} "#)
-            .expect("a call");
-        assert_eq!(c.len(), 1);
-        assert_eq!(c[0].function.name, "get_weather");
-        assert_eq!(c[0].function.arguments, r#"{"city":"Ur"}"#);
-        assert!(c[0].id.starts_with("call_"));
-        let wrapped = r#"<tool_call>{"name": "noop", "arguments": {}}</tool_call>"#;
+    fn responses_shapes_and_their_errors() {
+        let tools = json!([{"type": "function", "name": "get_weather", "description": "Sky.",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+            "strict": true}]);
+        let resp =
+            |t: &Value, c: Option<Value>| parse_tools(ToolsApi::Responses, Some(t), c.as_ref());
+        let t = resp(
+            &tools,
+            Some(json!({"type": "function", "name": "get_weather"})),
+        )
+        .expect("valid")
+        .expect("tools");
+        assert_eq!(t.choice(), &ToolChoice::Named("get_weather".into()));
         assert_eq!(
-            t.parse_calls(wrapped).expect("a call")[0].function.name,
-            "noop"
+            t.template_tools()[0]["function"]["description"],
+            json!("Sky."),
+            "rendered in chat's shape"
         );
-        let two =
-            r#"[{"name":"noop","arguments":{}},{"name":"get_weather","arguments":{"city":"x"}}]"#;
-        assert_eq!(t.parse_calls(two).expect("calls").len(), 2);
-        for not_a_call in [
-            "In the beginning",
-            r#"{"name":"unknown","arguments":{}}"#,
-            r#"{"name":"noop","arguments":"x"}"#,
-            r#"{"name":"noop""#,
+        let web = json!([{"type": "function", "name": "f"}, {"type": "web_search"}]);
+        let e = resp(&web, None).expect_err("a built-in tool");
+        assert_eq!(e.field, "tools[1].type", "{e}");
+        assert!(e.message.contains("web_search"), "{e}");
+        for (tools, choice, field) in [
+            (tools.clone(), json!({"type": "file_search"}), "tool_choice"),
+            (
+                tools.clone(),
+                json!({"type": "function", "name": "nope"}),
+                "tool_choice",
+            ),
+            (
+                json!([{"type": "function", "name": "f", "function": {}}]),
+                json!("auto"),
+                "tools",
+            ),
+            (json!([{"name": "f"}]), json!("auto"), "tools[0].type"),
         ] {
-            assert_eq!(t.parse_calls(not_a_call), None, "{not_a_call}");
+            let e = resp(&tools, Some(choice.clone())).expect_err(&format!("{tools} {choice}"));
+            assert_eq!(e.field, field, "{tools} {choice}: {e}");
         }
-        assert!(t.may_be_call("  {\"na"));
-        assert!(t.may_be_call("<tool"));
-        assert!(!t.may_be_call("And God"));
+    }
+
+    #[test]
+    fn incoming_calls_are_parsed_for_the_template() {
+        let calls = json!([{"id": "call_1", "type": "function",
+            "function": {"name": "noop", "arguments": "{\"x\":1}"}}]);
+        assert_eq!(
+            template_tool_calls(0, &calls).expect("valid")[0]["function"]["arguments"],
+            json!({"x": 1})
+        );
+        let e = template_tool_calls(2, &json!([{"id": "x"}])).expect_err("no function");
+        assert_eq!(e.field, "messages");
+        assert!(e.message.contains("message 2"), "{e}");
     }
 }
