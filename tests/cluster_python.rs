@@ -260,6 +260,7 @@ async fn the_openai_python_client_gets_tool_calls_whose_arguments_validate() {
         .unwrap_or_else(|e| panic!("openai_tools.py printed no JSON ({e}): {line:?}"));
     assert_eq!(report["calls"].as_u64(), Some(8), "{report}");
     assert!(report["named"]["talents"].is_u64(), "{report}");
+    assert_eq!(report["responses_calls"].as_u64(), Some(4), "{report}");
     grpc_tool_calls(&cluster).await;
     cluster.assert_kv_blocks_released().await;
 }

@@ -8,7 +8,8 @@
 //! - the response shapes of `/v1/completions` and `/v1/chat/completions`, whole and streamed,
 //!   with and without usage, and an error in the middle of a stream;
 //! - `n` samples as one `Decode` call on both front doors (gRPC: streams told apart by
-//!   `index`), tool calls on gRPC (per sample).
+//!   `index`), tool calls on gRPC (per sample) and on `/v1/responses` (function-call items and
+//!   their events).
 mod common;
 
 use std::sync::Arc;
@@ -900,5 +901,139 @@ async fn grpc_tool_calls_are_parsed_per_sample() {
         assert_eq!(status.code(), Code::InvalidArgument, "{what}: {status:?}");
         assert!(status.message().starts_with(field), "{what}: {status:?}");
     }
+    h.stop().await;
+}
+
+/// A Responses API stream's events: `(event name, data)`, the name checked against `type` and
+/// the sequence numbers against their order.
+fn named_events(body: &str) -> Vec<(String, Value)> {
+    let events: Vec<(String, Value)> = body
+        .split("\n\n")
+        .filter(|e| !e.trim().is_empty())
+        .map(|e| {
+            let name = e
+                .lines()
+                .find_map(|l| l.strip_prefix("event: "))
+                .unwrap_or_else(|| panic!("an event without a name: {e}"));
+            let data = e
+                .lines()
+                .find_map(|l| l.strip_prefix("data: "))
+                .unwrap_or_else(|| panic!("an event without data: {e}"));
+            let data: Value = serde_json::from_str(data).expect("JSON data");
+            assert_eq!(data["type"], name, "{e}");
+            (name.to_string(), data)
+        })
+        .collect();
+    for (i, (_, data)) in events.iter().enumerate() {
+        assert_eq!(data["sequence_number"], i, "{body}");
+    }
+    events
+}
+
+/// Tools on `/v1/responses`: with `required`, the worker gets the tool-call grammar and the
+/// output becomes one `function_call` item, whole and streamed (the item's events in order,
+/// the arguments in one delta, the final object holding the same item); with `auto` and
+/// prose, the held-back text opens the message item and arrives whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn responses_tool_calls_are_function_call_items_whole_and_streamed() {
+    let (tok, prose) = script();
+    let call = r#"{"name":"get_weather","arguments":{"city":"Ur"}}"#;
+    let worker = streaming(tok.encode(call, false).expect("encode"));
+    let seen = worker.seen.clone();
+    let h = Harness::with_worker(RouterConfig::ephemeral(), worker).await;
+    let tools = json!([{"type": "function", "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+            "required": ["city"]}}]);
+    let body = json!({"input": "Weather in Ur?", "tools": tools, "tool_choice": "required",
+        "max_output_tokens": 64});
+
+    let (status, whole) = h.post("/v1/responses", body.clone()).await;
+    assert_eq!(status, 200, "{whole}");
+    assert_eq!(whole["status"], "completed", "{whole}");
+    assert_eq!(whole["tool_choice"], "required", "{whole}");
+    let [item] = whole["output"].as_array().expect("output").as_slice() else {
+        panic!("one item: {whole}")
+    };
+    assert_eq!(item["type"], "function_call", "{whole}");
+    assert_eq!(item["name"], "get_weather", "{whole}");
+    assert_eq!(item["arguments"], r#"{"city":"Ur"}"#, "{whole}");
+    assert_eq!(item["status"], "completed", "{whole}");
+    assert!(
+        seen.lock().expect("test mutex")[0]
+            .response_format
+            .is_some(),
+        "the tool-call grammar went to the worker"
+    );
+
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let (status, text) = h.http("POST", "/v1/responses", streamed).await;
+    assert_eq!(status, 200, "{text}");
+    let events = named_events(&text);
+    let names: Vec<&str> = events.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "response.created",
+            "response.in_progress",
+            "response.output_item.added",
+            "response.function_call_arguments.delta",
+            "response.function_call_arguments.done",
+            "response.output_item.done",
+            "response.completed",
+        ],
+        "{text}"
+    );
+    let added = &events[2].1["item"];
+    assert_eq!(
+        (&added["type"], &added["status"], &added["arguments"]),
+        (&json!("function_call"), &json!("in_progress"), &json!(""))
+    );
+    let id = added["id"].as_str().expect("item id");
+    for (_, e) in &events[3..5] {
+        assert_eq!(
+            (e["item_id"].as_str(), &e["output_index"]),
+            (Some(id), &json!(0))
+        );
+    }
+    assert_eq!(events[3].1["delta"], r#"{"city":"Ur"}"#);
+    assert_eq!(events[4].1["arguments"], r#"{"city":"Ur"}"#);
+    let done = &events[5].1["item"];
+    assert_eq!(
+        (&done["id"], &done["status"]),
+        (&json!(id), &json!("completed"))
+    );
+    assert_eq!(events[6].1["response"]["output"][0], *done, "{text}");
+    h.stop().await;
+
+    // auto with prose: the message item opens once the text cannot be a call.
+    let h = Harness::with_worker(RouterConfig::ephemeral(), streaming(prose.clone())).await;
+    const N: usize = 6;
+    let want = tok.decode(&prose[..N], true).expect("decode");
+    let auto = json!({"input": "hi", "tools": tools, "max_output_tokens": N, "stream": true});
+    let (status, text) = h.http("POST", "/v1/responses", auto).await;
+    assert_eq!(status, 200, "{text}");
+    let events = named_events(&text);
+    let names: Vec<&str> = events.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(
+        &names[..4],
+        [
+            "response.created",
+            "response.in_progress",
+            "response.output_item.added",
+            "response.content_part.added"
+        ],
+        "{text}"
+    );
+    assert_eq!(names.last(), Some(&"response.incomplete"), "{text}");
+    let deltas: String = events
+        .iter()
+        .filter(|(n, _)| n == "response.output_text.delta")
+        .filter_map(|(_, e)| e["delta"].as_str())
+        .collect();
+    assert_eq!(deltas, want, "{text}");
+    let last = &events.last().expect("events").1["response"];
+    assert_eq!(last["output"][0]["type"], "message", "{text}");
+    assert_eq!(last["output"][0]["content"][0]["text"], want.as_str());
     h.stop().await;
 }

@@ -11,8 +11,8 @@ equals `/v1/chat/completions` on the same conversation (instructions as the syst
 stream's typed events come in the API's order with increasing sequence numbers, their deltas
 add up to the same text, and the last event carries the same response; a list input with
 `input_text` parts gives the same text as the string; log-probabilities (`include` +
-`top_logprobs`) equal chat completions', whole and streamed; `previous_response_id` and `tools`
-are 400s naming the field. Prints {"text": ..., "events": N} as one JSON line; a failed check
+`top_logprobs`) equal chat completions', whole and streamed; `previous_response_id` and a
+built-in tool (`web_search`) are 400s naming the field (function tools: openai_tools.py). Prints {"text": ..., "events": N} as one JSON line; a failed check
 raises, so the process exits non-zero.
 """
 
@@ -140,7 +140,7 @@ def main() -> None:
 
     for field, extra in [
         ("previous_response_id", {"previous_response_id": "resp_0123"}),
-        ("tools", {"tools": [{"type": "function", "name": "f", "parameters": {}}]}),
+        ("tools[0].type", {"tools": [{"type": "web_search"}]}),
     ]:
         try:
             client.responses.create(input=question, model=args.model, **extra)

@@ -14,8 +14,16 @@ Run by tests/cluster_python.rs against a live cluster:
   turn with its result) and the next request is served.
 - `tool_choice` naming a function not in `tools` is a 400 naming `tool_choice`; a malformed
   tool is a 400 naming `tools`.
+- The Responses API (`client.responses.create`) with the same functions in its shape:
+  `tool_choice: "required"` (sampled, several seeds) returns one `function_call` output item
+  whose arguments validate against the schema; streamed, the events come in order
+  (`output_item.added`, `function_call_arguments.delta` / `.done`, `output_item.done`,
+  `response.completed`) with increasing sequence numbers and carry the whole reply's call; a
+  named choice calls that function; the call and a `function_call_output` go back as input
+  and the next response is served; a built-in tool type is a 400 naming `tools[0].type`.
 
-Prints {"calls": N, "named": ...} as one JSON line; a failed check raises.
+Prints {"calls": N, "named": ..., "responses_calls": M} as one JSON line; a failed check
+raises.
 """
 
 import argparse
@@ -169,7 +177,87 @@ def main() -> None:
         else:
             raise AssertionError(f"{extra} was accepted")
 
-    print(json.dumps({"calls": calls, "named": named_args}))
+    responses_calls = check_responses(client, args.model)
+    print(json.dumps({"calls": calls, "named": named_args, "responses_calls": responses_calls}))
+
+
+def check_responses(client: OpenAI, model: str) -> int:
+    """Function tools on `/v1/responses`; returns the sampled required calls checked."""
+    tools = [{"type": "function", **t["function"]} for t in TOOLS]
+    question = "How many sheep hath Jacob?"
+    common = dict(model=model, input=question, tools=tools, max_output_tokens=120)
+
+    calls = 0
+    for seed in range(4):
+        r = client.responses.create(
+            tool_choice="required", temperature=1.0, extra_body={"seed": seed}, **common
+        )
+        assert r.status == "completed", (seed, r)
+        assert len(r.output) == 1, r.output
+        item = r.output[0]
+        assert item.type == "function_call" and item.status == "completed", item
+        assert item.id.startswith("fc_") and item.call_id.startswith("call_"), item
+        assert item.name in SCHEMAS, item
+        jsonschema.validate(json.loads(item.arguments), SCHEMAS[item.name])
+        calls += 1
+
+    # Streamed (greedy): the call's events in order, equal to the whole reply's call.
+    greedy = dict(tool_choice="required", temperature=0, **common)
+    whole = client.responses.create(**greedy).output[0]
+    events = list(client.responses.create(stream=True, **greedy))
+    kinds = [e.type for e in events]
+    assert kinds == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ], kinds
+    seq = [e.sequence_number for e in events]
+    assert seq == list(range(len(events))), seq
+    added, delta, done, item_done, completed = events[2:]
+    assert added.item.type == "function_call" and added.item.status == "in_progress", added
+    assert added.item.name == whole.name, (added, whole)
+    assert delta.item_id == added.item.id and delta.output_index == 0, delta
+    assert delta.delta == whole.arguments, (delta, whole)
+    assert done.arguments == whole.arguments, (done, whole)
+    assert item_done.item.arguments == whole.arguments and item_done.item.status == "completed"
+    assert completed.response.output[0].call_id == item_done.item.call_id, completed
+
+    # A named choice calls that function.
+    named = client.responses.create(
+        tool_choice={"type": "function", "name": "weigh_gold"},
+        temperature=1.0,
+        extra_body={"seed": 3},
+        **common,
+    ).output[0]
+    assert named.type == "function_call" and named.name == "weigh_gold", named
+    jsonschema.validate(json.loads(named.arguments), SCHEMAS["weigh_gold"])
+
+    # The call (as the previous response returned it) and its output go back as input.
+    follow = client.responses.create(
+        model=model,
+        input=[
+            {"role": "user", "content": question},
+            named.model_dump(exclude_none=True),
+            {"type": "function_call_output", "call_id": named.call_id, "output": "Seven."},
+        ],
+        tools=tools,
+        tool_choice="none",
+        max_output_tokens=8,
+    )
+    assert follow.output[0].type == "message", follow.output
+    assert follow.output_text, follow
+
+    try:
+        client.responses.create(model=model, input=question, tools=[{"type": "web_search"}])
+    except BadRequestError as e:
+        assert e.status_code == 400 and e.param == "tools[0].type", (e.status_code, e.body)
+    else:
+        raise AssertionError("a web_search tool was accepted")
+    return calls
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@
 //! | [`completions`] | `POST /v1/completions`: its chunk and response shapes |
 //! | [`chat`] | `POST /v1/chat/completions`: its chunk and response shapes, tool calls included |
 //! | [`tools`] | the JSON shapes of `tools` and `tool_choice` (chat and responses) → [`crate::tools::Tools`], chat's tool-call shapes |
-//! | [`responses`] | `POST /v1/responses` (the Responses API): its request, response object and typed stream events |
+//! | [`responses`] | `POST /v1/responses` (the Responses API): its request (input items, function tools) → params, the whole answer |
+//! | [`responses_out`] | the Responses API's response object, output items (message, function calls) and typed stream events |
 //! | [`tokenize`] | `POST /tokenize`, `POST /detokenize` (vLLM's extensions, vLLM's shapes) |
 //! | [`sse`] | server-sent-event framing |
 //! | [`error`] | OpenAI-shaped error bodies, status mapping, the [`error::ApiJson`] extractor |
@@ -23,6 +24,7 @@ mod generate;
 pub mod logprobs;
 pub mod openai;
 pub mod responses;
+pub mod responses_out;
 pub mod serve;
 pub mod sse;
 pub mod tokenize;

@@ -1,21 +1,22 @@
 //! `POST /v1/responses`: OpenAI's Responses API (what current OpenAI clients default to), for
-//! text in and text out, whole or streamed as its typed events.
+//! text in and text or function calls out, whole or streamed as its typed events
+//! ([`super::responses_out`]).
 //!
 //! The request becomes a chat conversation: `instructions` as a system turn, then `input` (a
 //! string is one user turn; a list holds messages whose content is a string or `input_text` /
-//! `output_text` parts, role `developer` read as `system`), rendered with the model's chat
-//! template like `/v1/chat/completions`. The answer is one `message` output item with one
-//! `output_text` part. A stream sends `response.created`, `response.in_progress`, the item and
-//! part openings, one `response.output_text.delta` per decoded chunk, their closings and
-//! `response.completed` (or `response.incomplete` when `max_output_tokens` cut it), each as an
-//! SSE event named by its `type` with a `sequence_number`, and no `[DONE]` (the Responses API
-//! has none). ferry keeps no responses: `store` has no effect (the object says `"store":
+//! `output_text` parts, role `developer` read as `system`; `function_call` items as the
+//! assistant turn's tool calls, `function_call_output` items as `tool` turns), rendered with
+//! the model's chat template like `/v1/chat/completions`. Function `tools` and `tool_choice`
+//! are read in this API's shapes (`http/tools.rs`) into the router's [`crate::tools::Tools`],
+//! whose grammar, template definitions and call parsing are the ones chat and gRPC use. The
+//! answer is one `message` output item with one `output_text` part, or one `function_call`
+//! item per call. ferry keeps no responses: `store` has no effect (the object says `"store":
 //! false`) and `previous_response_id` is a 400, as is every field that would change the output
-//! and is not implemented (tools, reasoning, …). Structured output: `text.format` `{"type":
-//! "json_object"}` or `{"type": "json_schema", "name", "schema", "strict"}`, as on the chat
-//! endpoint ([`crate::structured`]), echoed in the response's `text`. Log-probabilities
-//! (`include: ["message.output_text.logprobs"]` and/or `top_logprobs` 1–20) are the chat
-//! endpoint's: the raw log-softmax, on the text part and on every delta.
+//! and is not implemented (reasoning, built-in tools, …). Structured output: `text.format`
+//! `{"type": "json_object"}` or `{"type": "json_schema", "name", "schema", "strict"}`, as on
+//! the chat endpoint ([`crate::structured`]), echoed in the response's `text`.
+//! Log-probabilities (`include: ["message.output_text.logprobs"]` and/or `top_logprobs` 1–20)
+//! are the chat endpoint's: the raw log-softmax, on the text part and on every delta.
 use std::sync::Arc;
 
 use axum::extract::State;
@@ -24,23 +25,24 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use ferry_modelcard::tokenizer::ChatMessage;
 use futures::StreamExt;
-use serde::{Deserialize, Serialize};
-use serde_json::{json, Value};
+use serde::Deserialize;
+use serde_json::Value;
 use tracing::Instrument;
 
 use super::error::{ApiError, ApiJson};
 use super::generate::{self, Meta};
-use super::logprobs::{LogprobOut, Namer, TopOut};
+use super::logprobs::Namer;
 use super::openai::MAX_CHAT_TOP_LOGPROBS;
+use super::responses_out::{stream_events, Done, Shape};
 use super::sse;
+use super::tools::{parse_tools, ToolsApi};
 use crate::auth::Caller;
 use crate::dispatch::GenerationStream;
 use crate::error::{log_failure, RequestError};
-use crate::output::{FinishReason, Usage};
 use crate::spans::Operation;
 use crate::state::AppState;
 use crate::structured::{parse_format, FormatApi, FormatInput};
-use crate::tokenize::PromptInput;
+use crate::tools::{self, Tools};
 use crate::validate::{GenerateParams, SamplingInput, ValidationError};
 
 const ROUTE: &str = "/v1/responses";
@@ -95,7 +97,7 @@ pub struct ResponsesRequest {
     pub service_tier: Option<Value>,
     /// No effect on the output.
     pub stream_options: Option<Value>,
-    /// No effect without tools.
+    /// No effect (a constrained reply is one call; an unconstrained one may hold several).
     pub parallel_tool_calls: Option<Value>,
     /// Not implemented: null only (ferry keeps no responses to continue from).
     pub previous_response_id: Option<Value>,
@@ -103,9 +105,11 @@ pub struct ResponsesRequest {
     pub conversation: Option<Value>,
     /// `{"format": {"type": "text" | "json_object" | "json_schema", …}}`.
     pub text: Option<Value>,
-    /// Not implemented: empty only.
+    /// Function tools: `{"type": "function", "name", "description"?, "parameters"?,
+    /// "strict"?}` (other types, e.g. `web_search`, are a 400 naming `tools[i].type`).
     pub tools: Option<Value>,
-    /// Not implemented: `"none"` or `"auto"` (with no tools, the same).
+    /// `"none"`, `"auto"` (default with tools), `"required"` or `{"type": "function",
+    /// "name"}`.
     pub tool_choice: Option<Value>,
     /// Extra output: only `"message.output_text.logprobs"` (the tokens' log-probabilities).
     pub include: Option<Value>,
@@ -159,18 +163,33 @@ pub enum ResponseInput {
     Items(Vec<InputItem>),
 }
 
-/// One input item: a message (`type` absent or `"message"`).
+/// One input item: a message (`type` absent or `"message"`), a `function_call` (an earlier
+/// answer's call, sent back) or a `function_call_output` (its result). Other fields an item
+/// carries when an earlier response's output is sent back (`id`, `status`, …) have no effect.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 pub struct InputItem {
-    /// `message` (other item types, e.g. function call outputs, are a 400).
+    /// `message`, `function_call` or `function_call_output` (others, e.g. images or
+    /// reasoning, are a 400).
     #[serde(rename = "type", default)]
     pub kind: Option<String>,
-    /// `user`, `assistant`, `system` or `developer`.
+    /// A message's role: `user`, `assistant`, `system` or `developer`.
     #[serde(default)]
     pub role: Option<String>,
-    /// A string or parts.
+    /// A message's content: a string or parts.
     #[serde(default)]
     pub content: Option<InputContent>,
+    /// A call's id (`function_call`), or the call a `function_call_output` answers.
+    #[serde(default)]
+    pub call_id: Option<Value>,
+    /// A `function_call`'s function.
+    #[serde(default)]
+    pub name: Option<Value>,
+    /// A `function_call`'s arguments, JSON text.
+    #[serde(default)]
+    pub arguments: Option<Value>,
+    /// A `function_call_output`'s result: a string or `input_text` parts.
+    #[serde(default)]
+    pub output: Option<Value>,
 }
 
 /// A message's content.
@@ -200,9 +219,6 @@ impl ResponsesRequest {
         fn null(v: &Value) -> bool {
             v.is_null()
         }
-        fn empty(v: &Value) -> bool {
-            v.is_null() || v.as_array().is_some_and(Vec::is_empty)
-        }
         let checks = [
             Unsupported::new(
                 "previous_response_id",
@@ -211,13 +227,6 @@ impl ResponsesRequest {
                 "null",
             ),
             Unsupported::new("conversation", &self.conversation, null, "null"),
-            Unsupported::new("tools", &self.tools, empty, "[]"),
-            Unsupported::new(
-                "tool_choice",
-                &self.tool_choice,
-                |v| v.is_null() || matches!(v.as_str(), Some("none" | "auto")),
-                "\"none\" or \"auto\"",
-            ),
             Unsupported::new("reasoning", &self.reasoning, null, "null"),
             Unsupported::new(
                 "truncation",
@@ -324,55 +333,99 @@ impl ResponsesRequest {
         }
         for (i, item) in items.iter().enumerate() {
             let bad = |what: String| ValidationError::new("input", format!("item {i}: {what}"));
-            if let Some(kind) = item.kind.as_deref().filter(|k| *k != "message") {
-                return Err(bad(format!(
-                    "only \"message\" items are supported, got type {kind:?}"
-                )));
-            }
-            let role = match item.role.as_deref() {
-                Some("developer" | "system") => "system",
-                Some(r @ ("user" | "assistant")) => r,
-                Some(r) => {
+            match item.kind.as_deref() {
+                None | Some("message") => messages.push(message_item(item, &bad)?),
+                Some("function_call") => {
+                    let text = |field: &str, v: &Option<Value>| match v {
+                        Some(Value::String(s)) => Ok(s.clone()),
+                        other => Err(bad(format!(
+                            "a function_call's `{field}` must be a string, got {}",
+                            other
+                                .as_ref()
+                                .map_or_else(|| "nothing".into(), Value::to_string)
+                        ))),
+                    };
+                    let call = tools::template_call(
+                        Some(text("call_id", &item.call_id)?),
+                        &text("name", &item.name)?,
+                        Value::String(text("arguments", &item.arguments)?),
+                    );
+                    // Calls right after an assistant turn (its text, or calls before them)
+                    // belong to that turn.
+                    match messages.last_mut().filter(|m| m.role == "assistant") {
+                        Some(turn) => turn.tool_calls.get_or_insert_with(Vec::new).push(call),
+                        None => {
+                            let mut turn = ChatMessage::new("assistant", "");
+                            turn.tool_calls = Some(vec![call]);
+                            messages.push(turn);
+                        }
+                    }
+                }
+                Some("function_call_output") => {
+                    let call_id = match &item.call_id {
+                        Some(Value::String(s)) => s.clone(),
+                        other => {
+                            return Err(bad(format!(
+                                "a function_call_output's `call_id` must be a string, got {}",
+                                other
+                                    .as_ref()
+                                    .map_or_else(|| "nothing".into(), Value::to_string)
+                            )))
+                        }
+                    };
+                    let output = match &item.output {
+                        Some(Value::String(s)) => s.clone(),
+                        Some(Value::Array(parts)) => parts_text(parts, &bad)?,
+                        other => {
+                            return Err(bad(format!(
+                                "a function_call_output's `output` must be a string or \
+                                 input_text parts, got {}",
+                                other
+                                    .as_ref()
+                                    .map_or_else(|| "nothing".into(), Value::to_string)
+                            )))
+                        }
+                    };
+                    let mut turn = ChatMessage::new("tool", output);
+                    turn.tool_call_id = Some(call_id);
+                    messages.push(turn);
+                }
+                Some(kind) => {
                     return Err(bad(format!(
-                        "role must be user, assistant, system or developer, got {r:?}"
+                        "only message, function_call and function_call_output items are \
+                         supported, got type {kind:?}"
                     )))
                 }
-                None => return Err(bad("role is missing".into())),
-            };
-            let content = match &item.content {
-                None => String::new(),
-                Some(InputContent::Text(t)) => t.clone(),
-                Some(InputContent::Parts(parts)) => {
-                    let mut text = String::new();
-                    for p in parts {
-                        if !matches!(p.kind.as_str(), "input_text" | "output_text") {
-                            return Err(bad(format!(
-                                "content parts must be input_text or output_text, got {:?}",
-                                p.kind
-                            )));
-                        }
-                        text.push_str(&p.text);
-                    }
-                    text
-                }
-            };
-            messages.push(ChatMessage::new(role, content));
+            }
         }
         Ok(messages)
     }
 
-    /// The request in the router's terms (the rest is checked by the validator).
-    pub fn into_params(&self, request_id: &str) -> Result<GenerateParams, ValidationError> {
+    /// The request in the router's terms (the rest is checked by the validator) and its
+    /// checked tools (`None` without tools): the tool-call grammar of `tool_choice`
+    /// `required` / a named function becomes the output grammar (with `text.format` too it is
+    /// a 400).
+    pub fn into_params(
+        &self,
+        request_id: &str,
+    ) -> Result<(GenerateParams, Option<Tools>), ValidationError> {
         self.check_unsupported()?;
+        let tools = parse_tools(
+            ToolsApi::Responses,
+            self.tools.as_ref(),
+            self.tool_choice.as_ref(),
+        )?;
+        let response_format =
+            tools::output_grammar(self.text_format()?, tools.as_ref(), "text.format")?;
         if let Some(n) = self.max_output_tokens.filter(|&n| n < 1) {
             return Err(ValidationError::new(
                 "max_output_tokens",
                 format!("must be >= 1, got {n}"),
             ));
         }
-        Ok(GenerateParams {
+        let params = GenerateParams {
             model: self.model.clone(),
-            prompt: PromptInput::Chat(self.messages()?),
+            prompt: tools::chat_prompt(self.messages()?, tools.as_ref()),
             sampling: SamplingInput {
                 temperature: self.temperature,
                 top_k: self.top_k,
@@ -392,318 +445,65 @@ impl ResponsesRequest {
             logprobs: self.logprobs()?,
             request_id: Some(request_id.to_string()),
             speculative: self.speculative,
-            response_format: self.text_format()?,
+            response_format,
             n: None,
-        })
-    }
-}
-
-/// The response object, whole or as the events carry it.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct ResponseObject {
-    /// `resp_…`.
-    pub id: String,
-    /// Always `response`.
-    pub object: &'static str,
-    /// Unix seconds.
-    pub created_at: u64,
-    /// `in_progress`, `completed` or `incomplete`.
-    pub status: &'static str,
-    /// Always null (a failure is an error response or event).
-    pub error: Option<Value>,
-    /// Why it is incomplete: `{"reason": "max_output_tokens"}`.
-    pub incomplete_details: Option<Value>,
-    /// As sent.
-    pub instructions: Option<String>,
-    /// As sent.
-    pub max_output_tokens: Option<i64>,
-    /// The served model.
-    pub model: String,
-    /// The message item (once it exists).
-    pub output: Vec<OutputMessage>,
-    /// Always true (no tools run).
-    pub parallel_tool_calls: bool,
-    /// Always null.
-    pub previous_response_id: Option<String>,
-    /// `{"effort": null, "summary": null}`: no reasoning.
-    pub reasoning: Value,
-    /// Always false: ferry keeps no responses.
-    pub store: bool,
-    /// As sent (default 1).
-    pub temperature: f64,
-    /// `{"format": {"type": "text"}}`.
-    pub text: Value,
-    /// `none`.
-    pub tool_choice: &'static str,
-    /// Always empty.
-    pub tools: Vec<Value>,
-    /// As sent (default 1).
-    pub top_p: f64,
-    /// `disabled`.
-    pub truncation: &'static str,
-    /// Token counts, once finished.
-    pub usage: Option<ResponseUsage>,
-    /// As sent.
-    pub metadata: Value,
-}
-
-/// The output message item.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct OutputMessage {
-    /// Always `message`.
-    #[serde(rename = "type")]
-    pub kind: &'static str,
-    /// `msg_…`.
-    pub id: String,
-    /// `in_progress`, `completed` or `incomplete`.
-    pub status: &'static str,
-    /// Always `assistant`.
-    pub role: &'static str,
-    /// The text part (once it exists).
-    pub content: Vec<OutputText>,
-}
-
-/// An `output_text` part.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct OutputText {
-    /// Always `output_text`.
-    #[serde(rename = "type")]
-    pub kind: &'static str,
-    /// The text.
-    pub text: String,
-    /// Always empty.
-    pub annotations: Vec<Value>,
-    /// The text's tokens with their log-probabilities when asked for, else empty.
-    pub logprobs: Vec<TokenLogprob>,
-}
-
-/// One token of the text with its log-probability and the most likely alternatives.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct TokenLogprob {
-    /// The token's text.
-    pub token: String,
-    /// Its log-probability.
-    pub logprob: f64,
-    /// The text's UTF-8 bytes.
-    pub bytes: Vec<u8>,
-    /// The most likely tokens at its position (`top_logprobs` of them).
-    pub top_logprobs: Vec<TopLogprob>,
-}
-
-/// An alternative at a position.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct TopLogprob {
-    /// The token's text.
-    pub token: String,
-    /// Its log-probability.
-    pub logprob: f64,
-    /// The text's UTF-8 bytes.
-    pub bytes: Vec<u8>,
-}
-
-impl From<&TopOut> for TopLogprob {
-    fn from(t: &TopOut) -> Self {
-        Self {
-            token: t.token.clone(),
-            logprob: shortest_f64(t.logprob),
-            bytes: t.bytes.clone(),
-        }
-    }
-}
-
-/// The f64 whose shortest decimal is `x`'s (the engine computes f32 values): the stream's
-/// events are built as JSON values, where an f32 would otherwise print all of its f64 digits
-/// and differ in the last places from the same value in the whole response.
-fn shortest_f64(x: f32) -> f64 {
-    x.to_string().parse().unwrap_or(f64::from(x))
-}
-
-impl OutputText {
-    fn new(text: String, logprobs: &[LogprobOut]) -> Self {
-        Self {
-            kind: "output_text",
-            text,
-            annotations: Vec::new(),
-            logprobs: entries(logprobs),
-        }
-    }
-}
-
-/// Named tokens in this API's shape (the chat completion entries').
-fn entries(logprobs: &[LogprobOut]) -> Vec<TokenLogprob> {
-    logprobs
-        .iter()
-        .map(|t| {
-            let chosen = TopLogprob::from(&t.chosen);
-            TokenLogprob {
-                token: chosen.token,
-                logprob: chosen.logprob,
-                bytes: chosen.bytes,
-                top_logprobs: t.top.iter().map(TopLogprob::from).collect(),
-            }
-        })
-        .collect()
-}
-
-/// `usage` in the Responses API's names.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-pub struct ResponseUsage {
-    /// Prompt tokens.
-    pub input_tokens: u32,
-    /// `{"cached_tokens": n}`: prompt tokens served from a KV cache.
-    pub input_tokens_details: CachedTokens,
-    /// Generated tokens.
-    pub output_tokens: u32,
-    /// `{"reasoning_tokens": 0}`.
-    pub output_tokens_details: ReasoningTokens,
-    /// Their sum.
-    pub total_tokens: u32,
-}
-
-/// `input_tokens_details`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-pub struct CachedTokens {
-    /// Prompt tokens served from a KV cache.
-    pub cached_tokens: u32,
-}
-
-/// `output_tokens_details`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-pub struct ReasoningTokens {
-    /// Always 0.
-    pub reasoning_tokens: u32,
-}
-
-impl From<Usage> for ResponseUsage {
-    fn from(u: Usage) -> Self {
-        Self {
-            input_tokens: u.prompt_tokens,
-            input_tokens_details: CachedTokens {
-                cached_tokens: u.cached_prompt_tokens,
-            },
-            output_tokens: u.completion_tokens,
-            output_tokens_details: ReasoningTokens {
-                reasoning_tokens: 0,
-            },
-            total_tokens: u.prompt_tokens.saturating_add(u.completion_tokens),
-        }
-    }
-}
-
-/// What a response's objects share, fixed when the request is accepted.
-#[derive(Debug, Clone)]
-struct Shape {
-    meta: Meta,
-    message_id: String,
-    instructions: Option<String>,
-    max_output_tokens: Option<i64>,
-    temperature: f64,
-    top_p: f64,
-    metadata: Value,
-    /// The response's `text`: the request's format, or `{"format": {"type": "text"}}`.
-    text: Value,
-}
-
-impl Shape {
-    fn new(meta: Meta, req: &ResponsesRequest) -> Self {
-        Self {
-            message_id: format!("msg_{:032x}", rand::random::<u128>()),
-            meta,
-            instructions: req.instructions.clone(),
-            max_output_tokens: req.max_output_tokens,
-            temperature: req.temperature.unwrap_or(1.0),
-            top_p: req.top_p.unwrap_or(1.0),
-            metadata: req.metadata.clone().unwrap_or_else(|| json!({})),
-            text: req
-                .text
-                .as_ref()
-                .and_then(|t| t.get("format"))
-                .filter(|f| !f.is_null())
-                .map_or_else(
-                    || json!({"format": {"type": "text"}}),
-                    |f| json!({"format": f}),
-                ),
-        }
-    }
-
-    /// The message item with `text` so far (`None`: no part yet).
-    fn message(
-        &self,
-        status: &'static str,
-        text: Option<(String, &[LogprobOut])>,
-    ) -> OutputMessage {
-        OutputMessage {
-            kind: "message",
-            id: self.message_id.clone(),
-            status,
-            role: "assistant",
-            content: text
-                .map(|(t, lp)| OutputText::new(t, lp))
-                .into_iter()
-                .collect(),
-        }
-    }
-
-    /// The response object: in progress (no `finish`), or finished with its text, its
-    /// tokens' log-probabilities (when asked for) and usage.
-    fn object(&self, done: Option<Done<'_>>) -> ResponseObject {
-        let (status, output, incomplete, usage) = match done {
-            None => ("in_progress", Vec::new(), None, None),
-            Some(Done {
-                text,
-                logprobs,
-                finish,
-                usage,
-            }) => {
-                let status = status_of(finish);
-                let incomplete = (finish == FinishReason::Length)
-                    .then(|| json!({"reason": "max_output_tokens"}));
-                let item = self.message(status, Some((text.to_string(), logprobs)));
-                (status, vec![item], incomplete, Some(usage.into()))
-            }
         };
-        ResponseObject {
-            id: self.meta.id.clone(),
-            object: "response",
-            created_at: self.meta.created,
-            status,
-            error: None,
-            incomplete_details: incomplete,
-            instructions: self.instructions.clone(),
-            max_output_tokens: self.max_output_tokens,
-            model: self.meta.model.clone(),
-            output,
-            parallel_tool_calls: true,
-            previous_response_id: None,
-            reasoning: json!({"effort": null, "summary": null}),
-            store: false,
-            temperature: self.temperature,
-            text: self.text.clone(),
-            tool_choice: "none",
-            tools: Vec::new(),
-            top_p: self.top_p,
-            truncation: "disabled",
-            usage,
-            metadata: self.metadata.clone(),
+        Ok((params, tools))
+    }
+}
+
+/// A message item as a chat turn.
+fn message_item(
+    item: &InputItem,
+    bad: &dyn Fn(String) -> ValidationError,
+) -> Result<ChatMessage, ValidationError> {
+    let role = match item.role.as_deref() {
+        Some("developer" | "system") => "system",
+        Some(r @ ("user" | "assistant")) => r,
+        Some(r) => {
+            return Err(bad(format!(
+                "role must be user, assistant, system or developer, got {r:?}"
+            )))
+        }
+        None => return Err(bad("role is missing".into())),
+    };
+    let content = match &item.content {
+        None => String::new(),
+        Some(InputContent::Text(t)) => t.clone(),
+        Some(InputContent::Parts(parts)) => {
+            let mut text = String::new();
+            for p in parts {
+                if !matches!(p.kind.as_str(), "input_text" | "output_text") {
+                    return Err(bad(format!(
+                        "content parts must be input_text or output_text, got {:?}",
+                        p.kind
+                    )));
+                }
+                text.push_str(&p.text);
+            }
+            text
+        }
+    };
+    Ok(ChatMessage::new(role, content))
+}
+
+/// A function call output given as parts: the `input_text` parts' text, joined.
+fn parts_text(
+    parts: &[Value],
+    bad: &dyn Fn(String) -> ValidationError,
+) -> Result<String, ValidationError> {
+    let mut text = String::new();
+    for p in parts {
+        match (p.get("type").and_then(Value::as_str), p.get("text")) {
+            (Some("input_text"), Some(Value::String(t))) => text.push_str(t),
+            _ => {
+                return Err(bad(format!(
+                    "a function_call_output's parts must be input_text parts, got {p}"
+                )))
+            }
         }
     }
-}
-
-/// A finished generation, as the final object shows it.
-#[derive(Debug, Clone, Copy)]
-struct Done<'a> {
-    text: &'a str,
-    logprobs: &'a [LogprobOut],
-    finish: FinishReason,
-    usage: Usage,
-}
-
-/// `completed`, or `incomplete` when the token limit cut the text.
-fn status_of(finish: FinishReason) -> &'static str {
-    match finish {
-        FinishReason::Stop => "completed",
-        FinishReason::Length => "incomplete",
-    }
+    Ok(text)
 }
 
 /// The handler.
@@ -713,10 +513,13 @@ pub async fn responses(
     caller: Caller,
     ApiJson(req): ApiJson<ResponsesRequest>,
 ) -> Response {
-    let meta = Meta::new("resp", &state);
+    let mut meta = Meta::new("resp", &state);
     let span = generate::request_span(&state, &headers, Operation::Chat, ROUTE, &meta.id);
     let params = match req.into_params(&meta.id) {
-        Ok(p) => p,
+        Ok((p, tools)) => {
+            meta.tools = tools.filter(Tools::parses).map(Arc::new);
+            p
+        }
         Err(e) => return generate::reject(&state, e, &span),
     };
     // Tokens are named only for requests that asked for their log-probabilities.
@@ -758,11 +561,13 @@ async fn whole(shape: Shape, mut events: GenerationStream, mut namer: Option<Nam
                     logprobs.extend(n.name_all(&event.logprobs));
                 }
                 if let (Some(finish), Some(usage)) = (event.finish, event.usage) {
+                    let calls = shape.calls(&text);
                     let done = Done {
                         text: &text,
                         logprobs: &logprobs,
                         finish,
                         usage,
+                        calls: calls.as_deref(),
                     };
                     return Json(shape.object(Some(done))).into_response();
                 }
@@ -778,124 +583,11 @@ async fn whole(shape: Shape, mut events: GenerationStream, mut namer: Option<Nam
     ApiError::from(e).into_response()
 }
 
-/// Numbers the events of one stream and names them by their `type`.
-struct Events {
-    next: u64,
-}
-
-impl Events {
-    fn event(&mut self, kind: &'static str, mut body: Value) -> (&'static str, sse::Chunk) {
-        if let Some(o) = body.as_object_mut() {
-            o.insert("type".into(), json!(kind));
-            o.insert("sequence_number".into(), json!(self.next));
-        }
-        self.next += 1;
-        (kind, sse::Chunk::json(&body))
-    }
-}
-
-/// The typed events of a streamed response.
-fn stream_events(
-    shape: Shape,
-    mut events: GenerationStream,
-    mut namer: Option<Namer>,
-    span: tracing::Span,
-) -> impl futures::Stream<Item = (&'static str, sse::Chunk)> + Send {
-    async_stream::stream! {
-        let mut ev = Events { next: 0 };
-        let item_id = shape.message_id.clone();
-        let at = |extra: Value| {
-            let mut v = json!({"item_id": item_id, "output_index": 0, "content_index": 0});
-            if let (Some(o), Value::Object(e)) = (v.as_object_mut(), extra) {
-                o.extend(e);
-            }
-            v
-        };
-        yield ev.event("response.created", json!({"response": shape.object(None)}));
-        yield ev.event("response.in_progress", json!({"response": shape.object(None)}));
-        yield ev.event(
-            "response.output_item.added",
-            json!({"output_index": 0, "item": shape.message("in_progress", None)}),
-        );
-        yield ev.event(
-            "response.content_part.added",
-            at(json!({"part": OutputText::new(String::new(), &[])})),
-        );
-        let mut text = String::new();
-        // Every token's log-probabilities (for the closing events), and those whose text is not
-        // out yet (an incomplete character or a possible stop string), which wait for the delta
-        // that carries it.
-        let (mut all, mut pending): (Vec<LogprobOut>, Vec<LogprobOut>) = (Vec::new(), Vec::new());
-        while let Some(item) = events.next().await {
-            match item {
-                Ok(event) => {
-                    if let Some(n) = namer.as_mut() {
-                        pending.extend(n.name_all(&event.logprobs));
-                    }
-                    if !event.text.is_empty() {
-                        text.push_str(&event.text);
-                        let lp = entries(&pending);
-                        all.append(&mut pending);
-                        yield ev.event(
-                            "response.output_text.delta",
-                            at(json!({"delta": event.text, "logprobs": lp})),
-                        );
-                    }
-                    let (Some(finish), Some(usage)) = (event.finish, event.usage) else {
-                        continue;
-                    };
-                    // Tokens whose text is not out (a stop string cut it, or it ends in an
-                    // incomplete character) still count, as on chat: their entries go out in
-                    // a last delta without text.
-                    if !pending.is_empty() {
-                        let lp = entries(&pending);
-                        all.append(&mut pending);
-                        yield ev.event(
-                            "response.output_text.delta",
-                            at(json!({"delta": "", "logprobs": lp})),
-                        );
-                    }
-                    let status = status_of(finish);
-                    yield ev.event(
-                        "response.output_text.done",
-                        at(json!({"text": text, "logprobs": entries(&all)})),
-                    );
-                    yield ev.event(
-                        "response.content_part.done",
-                        at(json!({"part": OutputText::new(text.clone(), &all)})),
-                    );
-                    yield ev.event(
-                        "response.output_item.done",
-                        json!({"output_index": 0, "item": shape.message(status, Some((text.clone(), &all)))}),
-                    );
-                    let last = if finish == FinishReason::Length {
-                        "response.incomplete"
-                    } else {
-                        "response.completed"
-                    };
-                    let done = Done { text: &text, logprobs: &all, finish, usage };
-                    yield ev.event(last, json!({"response": shape.object(Some(done))}));
-                    return;
-                }
-                Err(e) => {
-                    span.in_scope(|| log_failure(&e));
-                    let body = ApiError::from(e).body();
-                    let err = body.get("error").cloned().unwrap_or(body);
-                    yield ev.event("error", json!({
-                        "code": err.get("code"),
-                        "message": err.get("message"),
-                        "param": err.get("param"),
-                    }));
-                    return;
-                }
-            }
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::output::{FinishReason, Usage};
+    use serde_json::json;
 
     fn request(body: Value) -> ResponsesRequest {
         serde_json::from_value(body).expect("a valid body")
@@ -931,6 +623,76 @@ mod tests {
     }
 
     #[test]
+    fn function_calls_and_their_outputs_become_tool_turns() {
+        let r = request(json!({"input": [
+            {"role": "user", "content": "Weather in Ur?"},
+            {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "get_weather",
+             "arguments": "{\"city\":\"Ur\"}", "status": "completed"},
+            {"type": "function_call", "call_id": "call_2", "name": "noop", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "call_1", "output": "Sunny."},
+            {"type": "function_call_output", "call_id": "call_2",
+             "output": [{"type": "input_text", "text": "Done."}]}
+        ]}));
+        let m = r.messages().expect("valid");
+        assert_eq!(
+            turns(&m),
+            [
+                ("user", "Weather in Ur?"),
+                ("assistant", ""),
+                ("tool", "Sunny."),
+                ("tool", "Done.")
+            ]
+            .map(|(r, c)| (r.to_string(), c.to_string()))
+        );
+        let calls = m[1].tool_calls.as_ref().expect("one turn with both calls");
+        assert_eq!(calls.len(), 2);
+        assert_eq!(calls[0]["id"], "call_1");
+        assert_eq!(calls[0]["function"]["arguments"], json!({"city": "Ur"}));
+        assert_eq!(m[3].tool_call_id.as_deref(), Some("call_2"));
+        for bad in [
+            json!({"type": "function_call", "name": "f", "arguments": "{}"}),
+            json!({"type": "function_call", "call_id": "c", "name": "f", "arguments": {}}),
+            json!({"type": "function_call_output", "output": "x"}),
+            json!({"type": "function_call_output", "call_id": "c", "output": 3}),
+            json!({"type": "reasoning", "summary": []}),
+        ] {
+            let e = request(json!({"input": [bad.clone()]}))
+                .messages()
+                .expect_err(&bad.to_string());
+            assert_eq!(e.field, "input", "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn tools_are_read_in_this_apis_shapes() {
+        let tools = json!([{"type": "function", "name": "noop", "description": "Nothing."}]);
+        let r = request(json!({"input": "x", "tools": tools, "tool_choice": "required"}));
+        let (p, t) = r.into_params("resp_1").expect("valid");
+        let t = t.expect("tools");
+        assert!(
+            p.response_format.is_some(),
+            "required constrains the output"
+        );
+        assert!(
+            matches!(p.prompt, crate::tokenize::PromptInput::ChatTools(_, ref d) if d.len() == 1)
+        );
+        assert_eq!(t.template_tools()[0]["function"]["description"], "Nothing.");
+        let both = request(
+            json!({"input": "x", "tools": tools, "tool_choice": "required",
+            "text": {"format": {"type": "json_object"}}}),
+        );
+        assert_eq!(
+            both.into_params("r").expect_err("both").field,
+            "text.format"
+        );
+        let web = request(json!({"input": "x", "tools": [{"type": "web_search"}]}));
+        assert_eq!(
+            web.into_params("r").expect_err("built-in").field,
+            "tools[0].type"
+        );
+    }
+
+    #[test]
     fn a_finished_object_says_why_it_stopped() {
         let meta = Meta {
             id: "resp_1".into(),
@@ -940,7 +702,7 @@ mod tests {
             n: 1,
         };
         let shape = Shape::new(
-            meta,
+            meta.clone(),
             &request(json!({"input": "x", "max_output_tokens": 3})),
         );
         let usage = Usage {
@@ -953,6 +715,7 @@ mod tests {
             logprobs: &[],
             finish,
             usage,
+            calls: None,
         };
         let cut = serde_json::to_value(shape.object(Some(done(FinishReason::Length)))).unwrap();
         assert_eq!(cut["status"], "incomplete");
@@ -969,5 +732,57 @@ mod tests {
         assert_eq!(open["status"], "in_progress");
         assert_eq!(open["output"], json!([]));
         assert!(open["usage"].is_null());
+        assert_eq!(
+            (&open["tool_choice"], &open["tools"]),
+            (&json!("none"), &json!([]))
+        );
+
+        // With tools, an output that is a call becomes one completed function_call item.
+        let req = request(json!({"input": "x", "tools": [{"type": "function", "name": "noop"}]}));
+        let (_, tools) = req.into_params("resp_1").expect("valid");
+        let shape = Shape::new(
+            Meta {
+                tools: tools.map(Arc::new),
+                ..meta
+            },
+            &req,
+        );
+        assert!(shape.calls("In the beginning").is_none());
+        let calls = shape
+            .calls(r#"{"name": "noop", "arguments": {}}"#)
+            .expect("a call");
+        let done = Done {
+            calls: Some(&calls),
+            ..done(FinishReason::Stop)
+        };
+        let called = serde_json::to_value(shape.object(Some(done))).unwrap();
+        assert_eq!(called["status"], "completed");
+        assert_eq!(called["tool_choice"], "auto");
+        assert_eq!(called["tools"][0]["name"], "noop");
+        let item = &called["output"][0];
+        assert_eq!(
+            (
+                &item["type"],
+                &item["name"],
+                &item["arguments"],
+                &item["status"]
+            ),
+            (
+                &json!("function_call"),
+                &json!("noop"),
+                &json!("{}"),
+                &json!("completed")
+            )
+        );
+        assert!(
+            item["id"].as_str().is_some_and(|i| i.starts_with("fc_")),
+            "{item}"
+        );
+        assert!(
+            item["call_id"]
+                .as_str()
+                .is_some_and(|i| i.starts_with("call_")),
+            "{item}"
+        );
     }
 }

@@ -706,8 +706,18 @@ async fn responses_validation_errors_are_400_naming_the_field() {
         ("input missing", json!({"model": "tiny-k3"}), "input"),
         ("input empty list", json!({"input": []}), "input"),
         (
-            "function call output item",
-            item(json!({"type": "function_call_output", "call_id": "c", "output": "x"})),
+            "function call output without a call id",
+            item(json!({"type": "function_call_output", "output": "x"})),
+            "input",
+        ),
+        (
+            "function call without a name",
+            item(json!({"type": "function_call", "call_id": "c", "arguments": "{}"})),
+            "input",
+        ),
+        (
+            "a reasoning item",
+            item(json!({"type": "reasoning", "summary": []})),
             "input",
         ),
         (
@@ -741,9 +751,50 @@ async fn responses_validation_errors_are_400_naming_the_field() {
             "previous_response_id",
         ),
         (
+            "a built-in tool",
+            json!({"input": "hi", "tools": [{"type": "function", "name": "f"},
+                {"type": "file_search", "vector_store_ids": []}]}),
+            "tools[1].type",
+        ),
+        (
+            "a chat-shaped tool",
+            json!({"input": "hi", "tools": [{"type": "function", "function": {"name": "f"}}]}),
             "tools",
-            json!({"input": "hi", "tools": [{"type": "function", "name": "f"}]}),
+        ),
+        (
+            "a chat-shaped tool_choice",
+            json!({"input": "hi", "tools": [{"type": "function", "name": "f"}],
+                "tool_choice": {"type": "function", "function": {"name": "f"}}}),
+            "tool_choice",
+        ),
+        (
+            "tool_choice naming a function not in tools",
+            json!({"input": "hi", "tools": [{"type": "function", "name": "f"}],
+                "tool_choice": {"type": "function", "name": "g"}}),
+            "tool_choice",
+        ),
+        (
+            "required without tools",
+            json!({"input": "hi", "tool_choice": "required"}),
+            "tool_choice",
+        ),
+        (
+            "a parameters schema llguidance refuses",
+            json!({"input": "hi", "tools": [{"type": "function", "name": "f",
+                "parameters": {"type": "integer", "minimum": 5, "maximum": 1}}],
+                "tool_choice": "required"}),
             "tools",
+        ),
+        (
+            "a forced call with text.format",
+            json!({"input": "hi", "tools": [{"type": "function", "name": "f"}],
+                "tool_choice": "required", "text": {"format": {"type": "json_object"}}}),
+            "text.format",
+        ),
+        (
+            "max_tool_calls",
+            json!({"input": "hi", "max_tool_calls": 2}),
+            "max_tool_calls",
         ),
         (
             "an unsatisfiable text.format schema",
@@ -811,4 +862,23 @@ async fn responses_validation_errors_are_400_naming_the_field() {
     });
     let (status, body) = send(&s, "POST", "/v1/responses", &noop.to_string()).await;
     assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+    // So do function tools, every choice, and calls with their outputs sent back.
+    let tools = json!([{"type": "function", "name": "get_weather", "description": "Sky.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        "strict": true}, {"type": "function", "name": "noop"}]);
+    for choice in [
+        json!("none"),
+        json!("auto"),
+        json!("required"),
+        json!({"type": "function", "name": "noop"}),
+    ] {
+        let body = json!({"input": [
+            {"role": "user", "content": "Weather in Ur?"},
+            {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+             "arguments": "{\"city\":\"Ur\"}"},
+            {"type": "function_call_output", "call_id": "call_1", "output": "Sunny."}
+        ], "tools": tools, "tool_choice": choice});
+        let (status, body) = send(&s, "POST", "/v1/responses", &body.to_string()).await;
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{choice}: {body}");
+    }
 }
