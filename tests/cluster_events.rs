@@ -486,3 +486,104 @@ async fn two_routers_share_one_exact_index_through_router_and_nats_restarts() {
     }
     drop(plane);
 }
+
+impl Plane {
+    /// Routing decisions per prefill worker, summed over both routers.
+    async fn prefill_decisions(&self) -> [f64; 2] {
+        let mut out = [0.0; 2];
+        for r in 0..self.routers.len() {
+            let text = self.metrics(r).await;
+            for (i, slot) in out.iter_mut().enumerate() {
+                let label = format!("prefill_worker=\"prefill-{i}\"");
+                *slot += text
+                    .lines()
+                    .filter(|l| {
+                        l.starts_with("ferry_routing_decisions_total{") && l.contains(&label)
+                    })
+                    .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                    .sum::<f64>();
+            }
+        }
+        out
+    }
+
+    /// Sends `n` concurrent requests sharing one long prefix (unique tails), alternating
+    /// between the routers; returns how many each prefill worker was given.
+    async fn burst(&self, n: usize, prefix: &str) -> ([f64; 2], [u64; 2]) {
+        let before = self.prefill_decisions().await;
+        let work_before = self.prefill_counts().await;
+        let mut clients = Vec::new();
+        for r in 0..self.routers.len() {
+            clients.push(self.client(r).await);
+        }
+        // Router-a's half first, router-b's a few milliseconds later: inside one heartbeat
+        // period, so only shared bookkeeping tells router-b what router-a just sent.
+        let requests = (0..n).map(|i| {
+            let r = usize::from(i >= n / 2);
+            let mut client = clients[r].clone();
+            let prompt = format!("{prefix} Verse {i}: and it was so.");
+            async move {
+                if r == 1 {
+                    tokio::time::sleep(Duration::from_millis(15)).await;
+                }
+                cluster::generate(&mut client, cluster::greedy_request(&prompt, MAX_TOKENS)).await
+            }
+        });
+        for (i, r) in futures::future::join_all(requests)
+            .await
+            .into_iter()
+            .enumerate()
+        {
+            r.unwrap_or_else(|e| panic!("burst request {i}: {e}\n{}", self.report()));
+        }
+        let after = self.prefill_decisions().await;
+        let work = self.prefill_counts().await;
+        (
+            [after[0] - before[0], after[1] - before[1]],
+            [work[0].0 - work_before[0].0, work[1].0 - work_before[1].0],
+        )
+    }
+}
+
+/// Herding (issue 17 item 2): 32 concurrent requests with one shared prefix, spread over two
+/// routers, land on the two prefill workers within a bound — with the routers' predictive
+/// load shared on the events plane. The same burst with sharing off is measured too and
+/// printed (the "before"), so the two can be compared run to run.
+#[tokio::test]
+async fn a_shared_prefix_burst_over_two_routers_spreads_over_the_prefill_workers() {
+    const N: usize = 32;
+    let mut plane = Plane::start(&["--share-load", "false"]).await;
+    let prefix = |tag: &str| format!("{tag} {}", cluster::long_prompt());
+    // The prefix is cached on one prefill worker first (a request, then the index settles),
+    // so each router prefers that worker until its predictive load says otherwise.
+    plane.generate(0, &prefix("First.")).await;
+    plane.wait_indexes_exact().await;
+    let unshared = plane.burst(N, &prefix("First.")).await;
+    // The same routers with sharing on (restarted with the flag flipped).
+    for r in 0..2 {
+        plane.kill_router(r);
+        let args = &mut plane.routers[r].args;
+        let at = args.iter().position(|a| a == "--share-load").expect("flag") + 1;
+        args[at] = "true".into();
+        plane.restart_router(r).await;
+    }
+    plane.generate(0, &prefix("Second.")).await;
+    plane.wait_indexes_exact().await;
+    let shared = plane.burst(N, &prefix("Second.")).await;
+    eprintln!("herding: {N} requests over 2 routers → prefill-0/prefill-1 requests, computed tokens = {unshared:?} without shared load, {shared:?} with it");
+    // The bound: no prefill worker is left out or given everything (the holder of the prefix
+    // takes the larger share by design: its requests cost only their tails).
+    let (requests, _) = shared;
+    assert_eq!(
+        requests[0] + requests[1],
+        N as f64,
+        "every request went to a prefill worker"
+    );
+    for (i, got) in requests.iter().enumerate() {
+        assert!(
+            *got >= (N / 8) as f64,
+            "prefill-{i} got {got} of {N} requests (bound: at least {}): {shared:?}",
+            N / 8
+        );
+    }
+}
