@@ -74,6 +74,11 @@ fn flag(argv: &[String], name: &str) -> Option<String> {
 
 impl Up {
     fn start() -> Self {
+        Self::start_with(&[])
+    }
+
+    /// `ferry up` with `extra` flags.
+    fn start_with(extra: &[&str]) -> Self {
         let dir = tempfile::tempdir().expect("a temporary directory");
         let log = dir.path().join("up.log");
         let out = std::fs::File::create(&log).expect("the log file");
@@ -83,6 +88,7 @@ impl Up {
         cmd.args(["up", "--prefill-workers", "1", "--decode-workers", "2"])
             .args(["--kv-blocks", "256", "--http-addr", &http.to_string()])
             .args(["--grpc-addr", &grpc.to_string()])
+            .args(extra)
             .stdin(Stdio::null())
             .stdout(out)
             .stderr(err);
@@ -124,8 +130,13 @@ impl Up {
                 continue;
             }
             let argv = cmdline(pid);
-            let Some(role) = argv.get(1).cloned() else {
-                continue;
+            // ferry's children: `ferry <role> …`; the local NATS server: `nats-server -c …`.
+            let role = match argv.first() {
+                Some(exe) if exe.ends_with("nats-server") => "nats-server".to_string(),
+                _ => match argv.get(1) {
+                    Some(role) => role.clone(),
+                    None => continue,
+                },
             };
             out.push(Kid {
                 pid,
@@ -411,4 +422,64 @@ async fn ferry_up_restarts_a_killed_worker_or_router_and_keeps_serving() {
             "{k:?} outlived ferry up"
         );
     }
+}
+
+/// `ferry up --events nats`: a local NATS server is started and supervised with the others;
+/// the router and the workers use it (no worker registers directly); killed, it is restarted
+/// and routing recovers; SIGTERM stops it too.
+#[tokio::test]
+async fn ferry_up_events_nats_runs_a_supervised_local_nats_server() {
+    let mut up = Up::start_with(&["--events", "nats"]);
+    up.wait_health((1, 2), START_TIMEOUT).await;
+    let nats = up
+        .kid(|k| k.role == "nats-server")
+        .unwrap_or_else(|| panic!("a nats-server child: {:?}\n{}", up.kids(), up.log_text()));
+    let metrics = || async {
+        up.client
+            .get(format!("http://{}/metrics", up.http))
+            .send()
+            .await
+            .expect("GET /metrics")
+            .text()
+            .await
+            .expect("the /metrics body")
+    };
+    let connected = cluster::counter_value(&metrics().await, "ferry_router_events_connected");
+    assert_eq!(connected, 1.0, "the router is on the events plane");
+    let mut client = up.grpc().await;
+    let out = cluster::generate(&mut client, cluster::greedy_request("And God said", 4))
+        .await
+        .expect("a request through the events plane");
+    assert_eq!(out.finish_reason, Some(FinishReason::Length));
+
+    cluster::signal(nats.pid, "KILL");
+    let restarted = up.wait_restarted(&nats, |k| k.role == "nats-server").await;
+    let deadline = Instant::now() + RESTART_TIMEOUT;
+    while cluster::counter_value(&metrics().await, "ferry_router_events_connected") != 1.0 {
+        assert!(
+            Instant::now() < deadline,
+            "the router did not reconnect\n{}",
+            up.log_text()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let out = cluster::generate(&mut client, cluster::greedy_request("And God said", 4))
+        .await
+        .expect("a request after the NATS restart");
+    assert_eq!(out.finish_reason, Some(FinishReason::Length));
+
+    cluster::signal(up.child.id(), "TERM");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while up.child.try_wait().expect("wait on ferry up").is_none() {
+        assert!(
+            Instant::now() < deadline,
+            "ferry up did not stop on SIGTERM"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        !std::path::Path::new(&format!("/proc/{}", restarted.pid)).exists()
+            || ppid(restarted.pid) != Some(up.child.id()),
+        "the NATS server outlived ferry up"
+    );
 }

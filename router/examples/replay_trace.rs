@@ -36,6 +36,17 @@ struct Args {
     /// Engine: seconds per attended (query, key) pair.
     #[arg(long, default_value_t = 6e-9)]
     per_token_pair_s: f64,
+    /// Instead of the policy table: `cache_aware` through 1 router and through N routers
+    /// (shared predictive load off and on), all with heartbeats every `--heartbeat-ms` (what
+    /// routers on the events plane see: docs/deploy.md, "Several routers").
+    #[arg(long)]
+    routers: Option<usize>,
+    /// Heartbeat period for `--routers` (the workers' default is 200 ms).
+    #[arg(long, default_value_t = 200.0)]
+    heartbeat_ms: f64,
+    /// With `--routers`: also write the rows as JSON here.
+    #[arg(long)]
+    json: Option<std::path::PathBuf>,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -63,6 +74,9 @@ fn main() -> anyhow::Result<()> {
         cfg.cache_blocks,
         cfg.rate_scale
     );
+    if let Some(n) = a.routers {
+        return routers_table(&trace, &cfg, n, a.heartbeat_ms / 1e3, a.json.as_deref());
+    }
     println!(
         "| policy | TTFT mean s | p50 | p90 | p99 | token hit | busiest P / mean | rejected |"
     );
@@ -84,6 +98,62 @@ fn main() -> anyhow::Result<()> {
             r.max_share,
             r.rejected
         );
+    }
+    Ok(())
+}
+
+/// `cache_aware` through 1 router, then `n` routers without and with shared predictive load.
+fn routers_table(
+    trace: &[ferry_router::replay::TraceRequest],
+    cfg: &ReplayConfig,
+    n: usize,
+    heartbeat_s: f64,
+    json: Option<&std::path::Path>,
+) -> anyhow::Result<()> {
+    println!(
+        "cache_aware, heartbeats every {:.0} ms\n",
+        heartbeat_s * 1e3
+    );
+    println!(
+        "| routers | shared load | TTFT mean s | p50 | p90 | p99 | token hit | busiest P / mean |"
+    );
+    println!("|---|---|---|---|---|---|---|---|");
+    let policy = Policy::new(PolicyKind::CacheAware);
+    let mut rows = Vec::new();
+    for (routers, share) in [(1, true), (n, false), (n, true)] {
+        let cfg = ReplayConfig {
+            routers,
+            heartbeat_s,
+            share_load: share,
+            ..*cfg
+        };
+        let r = replay(trace, &cfg, &policy);
+        let shared = if routers == 1 {
+            "—"
+        } else if share {
+            "on"
+        } else {
+            "off"
+        };
+        println!(
+            "| {routers} | {shared} | {:.2} | {:.2} | {:.2} | {:.2} | {:.1} % | {:.2} |",
+            r.ttft_mean_s,
+            r.ttft_p50_s,
+            r.ttft_p90_s,
+            r.ttft_p99_s,
+            100.0 * r.token_hit_ratio,
+            r.max_share
+        );
+        rows.push(serde_json::json!({
+            "routers": routers, "share_load": share, "heartbeat_ms": heartbeat_s * 1e3,
+            "rate_scale": cfg.rate_scale, "requests": r.requests,
+            "ttft_mean_s": r.ttft_mean_s, "ttft_p50_s": r.ttft_p50_s, "ttft_p90_s": r.ttft_p90_s,
+            "ttft_p99_s": r.ttft_p99_s, "token_hit_ratio": r.token_hit_ratio, "max_share": r.max_share,
+        }));
+    }
+    if let Some(path) = json {
+        std::fs::write(path, serde_json::to_string_pretty(&rows)?)
+            .with_context(|| format!("writing {}", path.display()))?;
     }
     Ok(())
 }

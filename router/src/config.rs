@@ -175,6 +175,25 @@ pub struct RouterConfig {
     /// per request; the client's stream continues without an error. 0 turns it off.
     #[arg(long, env = "FERRY_ROUTER_MAX_MIGRATIONS", default_value_t = 3)]
     pub max_migrations: u32,
+
+    /// The events plane: a NATS server (`nats://host:port`, JetStream enabled) where workers
+    /// started with the same `--events` publish their heartbeats and KV caches, so that every
+    /// router there routes to every worker with an exact prefix index, and routers share
+    /// their predictive load (docs/deploy.md, "Several routers"). Workers may still register
+    /// directly as well. Unset: direct registration only.
+    #[arg(long, env = "FERRY_EVENTS")]
+    pub events: Option<String>,
+
+    /// This router's name on the events plane; must differ between routers (default: random
+    /// per start).
+    #[arg(long, env = "FERRY_ROUTER_ID", default_value = "")]
+    pub router_id: String,
+
+    /// With `--events`: publish this router's predictive load and add the other routers' to
+    /// its own, so that routers do not herd onto the worker that looked idle at the last
+    /// heartbeat (off only to measure the difference).
+    #[arg(long, env = "FERRY_ROUTER_SHARE_LOAD", default_value_t = true, action = clap::ArgAction::Set)]
+    pub share_load: bool,
 }
 
 impl Default for RouterConfig {
@@ -198,6 +217,9 @@ impl Default for RouterConfig {
             tls_cert: None,
             tls_key: None,
             max_migrations: 3,
+            events: None,
+            router_id: String::new(),
+            share_load: true,
         }
     }
 }
@@ -264,6 +286,7 @@ impl RouterConfig {
                 ),
             });
         }
+        self.events_url()?;
         match (&self.tls_cert, &self.tls_key) {
             (Some(_), None) => Err(RouterError::Config {
                 field: "tls_key",
@@ -313,6 +336,16 @@ impl RouterConfig {
             })
             .next_back()
             .unwrap_or_else(|| "ferry".to_string())
+    }
+
+    /// The events plane's URL, if one is set.
+    pub fn events_url(&self) -> Result<Option<ferry_events::EventsUrl>, RouterError> {
+        self.events.as_deref().map(str::parse).transpose().map_err(
+            |e: ferry_events::EventsError| RouterError::Config {
+                field: "events",
+                message: e.to_string(),
+            },
+        )
     }
 
     /// `heartbeat_timeout_ms` as a duration.

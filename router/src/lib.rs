@@ -11,6 +11,7 @@
 //! | [`server`] | [`Router`] → [`BoundRouter`] → `run`, and [`serve`]: listeners, health, reflection, shutdown |
 //! | [`state`] | [`state::AppState`], what both front doors share |
 //! | [`registry`] | workers, roles, load, heartbeats, the reaper; the `Registry` gRPC service |
+//! | [`events`] | the events plane (`--events`): workers heard from NATS, the index rebuilt from the KV stream, routers' shared predictive load |
 //! | [`index`] | the KV prefix index built from events, with event-id gap detection |
 //! | [`load`] | predictive load charged at dispatch, released by a guard |
 //! | [`policy`] | `round_robin`, `least_loaded`, `cache_aware`, `mooncake`: pure choices over a snapshot |
@@ -51,6 +52,7 @@ pub mod auth;
 pub mod config;
 pub mod dispatch;
 pub mod error;
+pub mod events;
 pub mod grpc;
 pub mod http;
 pub mod index;

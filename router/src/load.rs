@@ -14,12 +14,16 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
+use tokio::sync::Notify;
+
 /// Router-side counters of one worker; kept across re-registrations of the same worker id.
 #[derive(Debug, Default)]
 pub struct PendingLoad {
     prefill_blocks: AtomicU64,
     active_blocks: AtomicU64,
     requests: AtomicU64,
+    /// Told of every change (the events plane publishes this router's load to the others).
+    changed: Option<Arc<Notify>>,
 }
 
 /// A point-in-time copy of [`PendingLoad`].
@@ -33,7 +37,33 @@ pub struct PendingSnapshot {
     pub requests: u64,
 }
 
+impl std::ops::Add for PendingSnapshot {
+    type Output = Self;
+
+    fn add(self, other: Self) -> Self {
+        Self {
+            prefill_blocks: self.prefill_blocks.saturating_add(other.prefill_blocks),
+            active_blocks: self.active_blocks.saturating_add(other.active_blocks),
+            requests: self.requests.saturating_add(other.requests),
+        }
+    }
+}
+
 impl PendingLoad {
+    /// Counters that notify `changed` whenever they change.
+    pub fn notifying(changed: Arc<Notify>) -> Self {
+        Self {
+            changed: Some(changed),
+            ..Self::default()
+        }
+    }
+
+    fn notify(&self) {
+        if let Some(n) = &self.changed {
+            n.notify_one();
+        }
+    }
+
     /// Reads the counters.
     pub fn snapshot(&self) -> PendingSnapshot {
         PendingSnapshot {
@@ -67,6 +97,7 @@ impl Held {
         load.active_blocks
             .fetch_add(charge.active_blocks, Ordering::Relaxed);
         load.requests.fetch_add(1, Ordering::Relaxed);
+        load.notify();
         Self { load, charge }
     }
 }
@@ -83,6 +114,7 @@ impl Drop for Held {
         saturating_sub(&self.load.prefill_blocks, self.charge.prefill_blocks);
         saturating_sub(&self.load.active_blocks, self.charge.active_blocks);
         saturating_sub(&self.load.requests, 1);
+        self.load.notify();
     }
 }
 
@@ -112,6 +144,7 @@ impl LoadGuard {
         self.prefill_phase = None;
         let local = std::mem::take(&mut self.decode_phase.charge.prefill_blocks);
         saturating_sub(&self.decode_phase.load.prefill_blocks, local);
+        self.decode_phase.load.notify();
     }
 }
 

@@ -18,6 +18,10 @@
 //! | `ferry_routing_retries_total` | counter | attempts sent to another decode worker after one failed before the first token |
 //! | `ferry_request_migrations_total` | counter | requests resumed on another decode worker after theirs failed mid-stream (one per resumption) |
 //! | `ferry_routing_workers_marked_down_total` | counter | decode workers dropped from routing at once after a connect error or a broken stream |
+//! | `ferry_router_events_connected` | gauge | 1 while the events plane (`--events`) is reachable, 0 while not (routing by load only); absent without one |
+//! | `ferry_router_kv_snapshot_requests_total` | counter | snapshots this router asked a worker for on the events plane (a gap, a trimmed stream, a worker it had lost) |
+//! | `ferry_router_kv_feed_messages_total` | counter | KV stream messages applied (snapshot parts and event batches) |
+//! | `ferry_router_index_blocks{worker}` | gauge | blocks the prefix index holds per healthy worker: this router's view of each worker's cache |
 //! | `ferry_router_requests_in_flight` | gauge | admitted requests not yet finished |
 //! | `ferry_router_workers{worker_role}` | gauge | healthy registered workers by role |
 
@@ -86,8 +90,27 @@ pub struct RouterMetrics {
     pub migrations: IntCounter,
     /// Workers marked down on a transport failure.
     pub marked_down: IntCounter,
+    /// Whether the events plane is reachable (registered only with one).
+    pub events_connected: IntGauge,
+    /// Snapshots asked for on the events plane.
+    pub snapshot_requests: IntCounter,
+    /// KV stream messages applied.
+    pub kv_feed_messages: IntCounter,
     in_flight: IntGauge,
     workers: IntGaugeVec,
+    index_blocks: IntGaugeVec,
+}
+
+impl RouterMetrics {
+    /// Exposes `ferry_router_events_connected` (a router on the events plane calls it once).
+    pub fn register_events_gauge(&self) {
+        if let Err(e) = self
+            .registry
+            .register(Box::new(self.events_connected.clone()))
+        {
+            tracing::debug!(error = %e, "events gauge already registered");
+        }
+    }
 }
 
 impl std::fmt::Debug for RouterMetrics {
@@ -106,6 +129,9 @@ pub struct Gauges {
     /// Healthy decode workers.
     pub decode_workers: usize,
 }
+
+/// Blocks the index holds per healthy worker, read at scrape time.
+pub type IndexBlocks = Vec<(String, usize)>;
 
 fn histogram(r: &Registry, name: &str, help: &str, b: &[f64]) -> prometheus::Result<Histogram> {
     let h = Histogram::with_opts(HistogramOpts::new(name, help).buckets(b.to_vec()))?;
@@ -141,16 +167,29 @@ impl RouterMetrics {
             .into_iter()
             .collect();
         let r = Registry::new_custom(None, Some(labels))?;
+
         let in_flight = IntGauge::with_opts(Opts::new(
             "ferry_router_requests_in_flight",
             "Requests admitted by the router and not yet finished",
         ))?;
         r.register(Box::new(in_flight.clone()))?;
+        let events_connected = IntGauge::with_opts(Opts::new(
+            "ferry_router_events_connected",
+            "1 while the events plane is reachable, 0 while routing by load only",
+        ))?;
         let workers = IntGaugeVec::new(
             Opts::new("ferry_router_workers", "Healthy registered workers by role"),
             &["worker_role"],
         )?;
         r.register(Box::new(workers.clone()))?;
+        let index_blocks = IntGaugeVec::new(
+            Opts::new(
+                "ferry_router_index_blocks",
+                "Blocks the prefix index holds per healthy worker",
+            ),
+            &["worker"],
+        )?;
+        r.register(Box::new(index_blocks.clone()))?;
         let success = counter_vec(
             &r,
             "ferry_request_success_total",
@@ -227,6 +266,17 @@ impl RouterMetrics {
                 "ferry_request_migrations_total",
                 "Requests resumed on another decode worker (prompt + tokens already streamed) after theirs failed mid-stream",
             )?,
+            events_connected,
+            snapshot_requests: counter(
+                &r,
+                "ferry_router_kv_snapshot_requests_total",
+                "Snapshots this router asked workers for on the events plane",
+            )?,
+            kv_feed_messages: counter(
+                &r,
+                "ferry_router_kv_feed_messages_total",
+                "KV stream messages (snapshot parts, event batches) applied to the index",
+            )?,
             marked_down: counter(
                 &r,
                 "ferry_routing_workers_marked_down_total",
@@ -234,13 +284,26 @@ impl RouterMetrics {
             )?,
             in_flight,
             workers,
+            index_blocks,
             registry: r,
         })
     }
 
     /// The text exposition, with the live `gauges`.
     pub fn render(&self, gauges: Gauges) -> String {
+        self.render_with_index(gauges, Vec::new())
+    }
+
+    /// [`RouterMetrics::render`], with the index's block count per healthy worker (workers
+    /// no longer healthy drop out of the series).
+    pub fn render_with_index(&self, gauges: Gauges, index: IndexBlocks) -> String {
         let i = |v: usize| i64::try_from(v).unwrap_or(i64::MAX);
+        self.index_blocks.reset();
+        for (worker, blocks) in &index {
+            self.index_blocks
+                .with_label_values(&[worker])
+                .set(i(*blocks));
+        }
         self.in_flight.set(i(gauges.in_flight));
         self.workers
             .with_label_values(&["prefill"])

@@ -15,6 +15,8 @@
 //! entry keeps a lazily connected tonic [`Channel`] so requests reuse one HTTP/2 connection per
 //! worker. Router-side predictive load ([`PendingLoad`]) is kept per worker id across
 //! re-registrations, because requests dispatched before a re-registration are still running.
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -22,6 +24,7 @@ use dashmap::DashMap;
 use ferry_proto::auth::{AttachToken, ClusterToken, RequireToken};
 use ferry_proto::ids::{BlockHash, EventId, WorkerId};
 use ferry_proto::internal::{self, registry_server};
+use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tonic::transport::{Channel, Endpoint};
@@ -240,8 +243,19 @@ pub struct WorkerSnapshot {
     pub transports: Transports,
 }
 
+/// How a worker made itself known, which decides whether it may be reaped while the events
+/// plane is unreachable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Source {
+    /// `Register` on the internal listener; heartbeats arrive by gRPC.
+    Direct,
+    /// Heartbeats heard on the events plane (`crate::events`).
+    Events,
+}
+
 #[derive(Debug, Clone)]
 struct Entry {
+    source: Source,
     role: Role,
     grpc_address: String,
     transports: Transports,
@@ -259,7 +273,41 @@ struct Inner {
     timeout: Duration,
     page_size: usize,
     cluster_token: Option<ClusterToken>,
+    /// Whether the events plane is reachable (always true without one): while it is not,
+    /// workers known through it are not reaped (their heartbeats cannot arrive) and the index
+    /// it feeds is not trusted ([`Registry::index_trusted`]).
+    events_up: AtomicBool,
+    /// Other routers' predictive load on the workers, as they published it.
+    remote: DashMap<String, RemoteLoad>,
+    /// Signalled whenever this router's own predictive load changes.
+    pending_changed: Arc<Notify>,
 }
+
+/// What another router published about its predictive load (`RouterLoad` on the wire).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RemoteLoadReport {
+    /// Its name.
+    pub router: String,
+    /// Its process instance.
+    pub instance: u64,
+    /// Message order within the instance.
+    pub seq: u64,
+    /// Its pending load per worker.
+    pub workers: HashMap<WorkerId, PendingSnapshot>,
+}
+
+/// One other router's published predictive load.
+#[derive(Debug, Clone)]
+struct RemoteLoad {
+    instance: u64,
+    seq: u64,
+    received: Instant,
+    workers: HashMap<WorkerId, PendingSnapshot>,
+}
+
+/// Another router's load is forgotten when it has not been refreshed for this long (the
+/// router died, or lost the events plane).
+pub const REMOTE_LOAD_TTL: Duration = Duration::from_secs(3);
 
 /// How to build a [`Registry`].
 #[derive(Debug, Clone)]
@@ -291,6 +339,9 @@ impl Registry {
                 timeout: params.heartbeat_timeout,
                 page_size: params.page_size,
                 cluster_token: params.cluster_token,
+                events_up: AtomicBool::new(true),
+                remote: DashMap::new(),
+                pending_changed: Arc::new(Notify::new()),
             }),
         }
     }
@@ -309,6 +360,33 @@ impl Registry {
     /// address it is the worker itself (a restart binds the port the old process held), so the
     /// new instance replaces the old one.
     pub fn register(&self, reg: Registration, now: Instant) -> Result<(), RegistryError> {
+        let (id, snapshot) = (reg.id.clone(), reg.snapshot.clone());
+        self.admit(reg, Source::Direct, now)?;
+        self.inner.index.replace(&id, snapshot);
+        Ok(())
+    }
+
+    /// Adds or refreshes a worker heard on the events plane at `now` (its heartbeat carries
+    /// its registration): the index is left alone (the KV stream feeds it). The same claim
+    /// rule as [`Registry::register`] applies. Returns whether the worker (this instance) is
+    /// new to the registry, i.e. the caller must make sure the index has its cache.
+    pub fn join(
+        &self,
+        reg: Registration,
+        load: WorkerLoad,
+        now: Instant,
+    ) -> Result<bool, RegistryError> {
+        if self.heartbeat(&reg.id, reg.instance, load, now) {
+            return Ok(false);
+        }
+        let (id, instance) = (reg.id.clone(), reg.instance);
+        self.admit(reg, Source::Events, now)?;
+        self.heartbeat(&id, instance, load, now);
+        Ok(true)
+    }
+
+    /// The membership half of a registration: checks, claims the id, inserts the entry.
+    fn admit(&self, reg: Registration, source: Source, now: Instant) -> Result<(), RegistryError> {
         if reg.page_size != self.inner.page_size {
             return Err(RegistryError::invalid(
                 "page_size",
@@ -333,11 +411,13 @@ impl Registry {
             Some(channel) => channel,
             None => connect_lazy(&reg.grpc_address)?,
         };
-        self.inner.index.replace(&reg.id, reg.snapshot);
-        self.inner.pending.entry(reg.id.clone()).or_default();
+        self.inner.pending.entry(reg.id.clone()).or_insert_with(|| {
+            Arc::new(PendingLoad::notifying(self.inner.pending_changed.clone()))
+        });
         self.inner.workers.insert(
             reg.id,
             Entry {
+                source,
                 role: reg.role,
                 grpc_address: reg.grpc_address,
                 transports: reg.transports,
@@ -353,8 +433,102 @@ impl Registry {
         Ok(())
     }
 
+    /// Heard from within the timeout; or known through the events plane while that is down
+    /// (its heartbeats cannot arrive then: a dead worker is still found by the dispatcher,
+    /// which marks it down).
     fn is_live(&self, e: &Entry, now: Instant) -> bool {
-        now.saturating_duration_since(e.last_seen) <= self.inner.timeout
+        (e.source == Source::Events && !self.events_up())
+            || now.saturating_duration_since(e.last_seen) <= self.inner.timeout
+    }
+
+    /// The instance of `id` the registry knows, if it knows the worker.
+    pub fn instance(&self, id: &WorkerId) -> Option<u64> {
+        self.inner.workers.get(id).map(|e| e.instance)
+    }
+
+    /// Whether the events plane is reachable (true when there is none).
+    pub fn events_up(&self) -> bool {
+        self.inner.events_up.load(Ordering::Relaxed)
+    }
+
+    /// Records whether the events plane is reachable at `now`. When it comes back, the workers
+    /// known through it get one heartbeat timeout from `now` to be heard again before they
+    /// count as silent.
+    pub fn set_events_up(&self, up: bool, now: Instant) {
+        let was = self.inner.events_up.swap(up, Ordering::Relaxed);
+        if up && !was {
+            for mut e in self.inner.workers.iter_mut() {
+                if e.source == Source::Events {
+                    e.last_seen = now;
+                }
+            }
+        }
+    }
+
+    /// Whether routing may use the prefix index: not while the events plane that feeds it is
+    /// down (routing is then by load only).
+    pub fn index_trusted(&self) -> bool {
+        self.events_up()
+    }
+
+    /// Notified whenever this router's own predictive load changes.
+    pub fn pending_changed(&self) -> Arc<Notify> {
+        self.inner.pending_changed.clone()
+    }
+
+    /// This router's own predictive load per worker (workers with nothing pending left out).
+    pub fn local_pending(&self) -> Vec<(WorkerId, PendingSnapshot)> {
+        let mut out: Vec<(WorkerId, PendingSnapshot)> = self
+            .inner
+            .pending
+            .iter()
+            .map(|p| (p.key().clone(), p.value().snapshot()))
+            .filter(|(_, p)| *p != PendingSnapshot::default())
+            .collect();
+        out.sort_by(|a, b| a.0.cmp(&b.0));
+        out
+    }
+
+    /// Records another router's published predictive load at `now` (`seq` orders the
+    /// messages of one router instance; an older one is dropped). Returns whether it was
+    /// applied.
+    pub fn set_remote_load(&self, report: RemoteLoadReport, now: Instant) -> bool {
+        let mut entry = self
+            .inner
+            .remote
+            .entry(report.router)
+            .or_insert_with(|| RemoteLoad {
+                instance: report.instance,
+                seq: 0,
+                received: now,
+                workers: HashMap::new(),
+            });
+        if entry.instance == report.instance && report.seq <= entry.seq && entry.seq != 0 {
+            return false;
+        }
+        *entry = RemoteLoad {
+            instance: report.instance,
+            seq: report.seq,
+            received: now,
+            workers: report.workers,
+        };
+        true
+    }
+
+    /// Forgets other routers' load not refreshed within [`REMOTE_LOAD_TTL`] of `now`.
+    pub fn expire_remote_load(&self, now: Instant) {
+        self.inner
+            .remote
+            .retain(|_, r| now.saturating_duration_since(r.received) <= REMOTE_LOAD_TTL);
+    }
+
+    /// The other routers' predictive load on `worker`, summed.
+    fn remote_pending(&self, worker: &WorkerId) -> PendingSnapshot {
+        self.inner
+            .remote
+            .iter()
+            .filter_map(|r| r.workers.get(worker).copied())
+            .fold(PendingSnapshot::default(), |a, b| a + b)
     }
 
     /// Records a heartbeat of `instance`; `false` when the worker is unknown, or registered
@@ -430,19 +604,17 @@ impl Registry {
     /// Removes every worker whose last heartbeat is older than the timeout at `now`; returns
     /// them.
     pub fn reap(&self, now: Instant) -> Vec<WorkerId> {
+        let reapable = |e: &Entry| !self.is_live(e, now);
         let stale: Vec<WorkerId> = self
             .inner
             .workers
             .iter()
-            .filter(|e| !self.is_live(e.value(), now))
+            .filter(|e| reapable(e.value()))
             .map(|e| e.key().clone())
             .collect();
         for id in &stale {
             // Re-check under the entry lock: a heartbeat may have arrived meanwhile.
-            let removed = self
-                .inner
-                .workers
-                .remove_if(id, |_, e| !self.is_live(e, now));
+            let removed = self.inner.workers.remove_if(id, |_, e| reapable(e));
             if removed.is_some() {
                 self.inner.index.remove_worker(id);
             }
@@ -489,7 +661,7 @@ impl Registry {
                     role: e.role,
                     grpc_address: e.grpc_address.clone(),
                     load: e.load,
-                    pending: pending_handle.snapshot(),
+                    pending: pending_handle.snapshot() + self.remote_pending(e.key()),
                     pending_handle,
                     channel: e.channel.clone(),
                     auth: AttachToken::new(self.inner.cluster_token.clone()),

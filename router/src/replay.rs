@@ -124,6 +124,18 @@ pub struct ReplayConfig {
     /// The router's `--ttft-slo-ms`, in seconds: a request whose estimated TTFT exceeds it is
     /// rejected (only policies that estimate TTFT, i.e. `mooncake`, reject).
     pub ttft_slo_s: Option<f64>,
+    /// Routers placing the requests (request i goes to router i mod n), each with its own
+    /// predictive load, as on the events plane (docs/deploy.md, "Several routers").
+    pub routers: usize,
+    /// Heartbeat period, seconds. 0: routers see exact, instantaneous load and a predictive
+    /// index (the cache as it will be). Above 0: what the real routers see — load as of the
+    /// last heartbeat, a worker's new blocks in the index one heartbeat after its prefill
+    /// ends (KV events ride on heartbeats), plus each router's predictive load (its requests
+    /// not yet prefilled / finished).
+    pub heartbeat_s: f64,
+    /// With `heartbeat_s` > 0 and several routers: each router also sees the others'
+    /// predictive load (`--share-load`).
+    pub share_load: bool,
 }
 
 impl Default for ReplayConfig {
@@ -142,6 +154,9 @@ impl Default for ReplayConfig {
             tbt_s: 0.03,
             rate_scale: 1.0,
             ttft_slo_s: None,
+            routers: 1,
+            heartbeat_s: 0.0,
+            share_load: true,
         }
     }
 }
@@ -192,8 +207,9 @@ impl Lru {
             .count()
     }
 
-    /// Touches or inserts every block (in order), then evicts down to capacity.
-    fn store(&mut self, blocks: &[u64]) {
+    /// Touches or inserts every block (in order), then evicts down to capacity; returns the
+    /// evicted blocks.
+    fn store(&mut self, blocks: &[u64]) -> Vec<u64> {
         for &b in blocks {
             self.tick += 1;
             if let Some(old) = self.last_use.insert(b, self.tick) {
@@ -201,18 +217,26 @@ impl Lru {
             }
             self.by_age.insert(self.tick, b);
         }
+        let mut evicted = Vec::new();
         while self.last_use.len() > self.capacity {
             let Some((_, b)) = self.by_age.pop_first() else {
                 break;
             };
             self.last_use.remove(&b);
+            evicted.push(b);
         }
+        evicted
+    }
+
+    fn contains(&self, block: u64) -> bool {
+        self.last_use.contains_key(&block)
     }
 }
 
 /// One request on a prefill worker's FIFO.
 #[derive(Debug, Clone, Copy)]
 struct Job {
+    dispatched_s: f64,
     start_s: f64,
     end_s: f64,
     uncached_tokens: u64,
@@ -222,6 +246,8 @@ struct Job {
 struct PrefillSim {
     id: WorkerId,
     cache: Lru,
+    /// When each cached block shows in the routers' index (heartbeat mode).
+    visible_at: HashMap<u64, f64>,
     jobs: VecDeque<Job>,
     busy_until_s: f64,
     served: usize,
@@ -232,14 +258,16 @@ impl Simulated for PrefillSim {
         &self.id
     }
 
-    /// Drops finished jobs; queued tokens (the running job pro rata), running, waiting.
+    /// Queued tokens (the running job pro rata), running, waiting, as of `now` (jobs
+    /// dispatched after `now` are not seen; finished ones are dropped by [`Self::forget`]).
     fn load_at(&mut self, now: f64) -> WorkerLoad {
-        while self.jobs.front().is_some_and(|j| j.end_s <= now) {
-            self.jobs.pop_front();
-        }
         let mut queued = 0.0;
         let (mut running, mut waiting) = (0, 0);
-        for j in &self.jobs {
+        for j in self
+            .jobs
+            .iter()
+            .filter(|j| j.dispatched_s <= now && j.end_s > now)
+        {
             if j.start_s <= now {
                 running += 1;
                 let left = (j.end_s - now) / (j.end_s - j.start_s).max(1e-12);
@@ -262,8 +290,8 @@ impl Simulated for PrefillSim {
 #[derive(Debug)]
 struct DecodeSim {
     id: WorkerId,
-    /// (finish time, blocks) of requests assigned and not finished.
-    active: Vec<(f64, u64)>,
+    /// (dispatch time, finish time, blocks) of requests assigned and not finished.
+    active: Vec<(f64, f64, u64)>,
 }
 
 impl Simulated for DecodeSim {
@@ -272,11 +300,15 @@ impl Simulated for DecodeSim {
     }
 
     fn load_at(&mut self, now: f64) -> WorkerLoad {
-        self.active.retain(|&(end, _)| end > now);
+        let live = || {
+            self.active
+                .iter()
+                .filter(move |&&(at, end, _)| at <= now && end > now)
+        };
         WorkerLoad {
-            running_requests: self.active.len() as u32,
+            running_requests: live().count() as u32,
             waiting_requests: 0,
-            kv_blocks_used: self.active.iter().map(|&(_, b)| b).sum::<u64>() as u32,
+            kv_blocks_used: live().map(|&(_, _, b)| b).sum::<u64>() as u32,
             kv_blocks_total: u32::MAX,
             queued_prefill_tokens: 0,
         }
@@ -305,6 +337,40 @@ fn percentile(sorted: &[f64], q: f64) -> f64 {
     sorted[i.min(sorted.len() - 1)]
 }
 
+/// One router's predictive load: what it dispatched, until it is released (prefill charges
+/// at the prefill's end, decode charges at the request's end), per worker index.
+#[derive(Debug, Default, Clone)]
+struct RouterSim {
+    /// (release time, uncached blocks) per prefill worker.
+    prefill: Vec<Vec<(f64, u64)>>,
+    /// (release time, blocks) per decode worker.
+    decode: Vec<Vec<(f64, u64)>>,
+}
+
+impl RouterSim {
+    fn new(prefill: usize, decode: usize) -> Self {
+        Self {
+            prefill: vec![Vec::new(); prefill],
+            decode: vec![Vec::new(); decode],
+        }
+    }
+
+    fn release(&mut self, now: f64) {
+        for v in self.prefill.iter_mut().chain(self.decode.iter_mut()) {
+            v.retain(|&(until, _)| until > now);
+        }
+    }
+}
+
+fn pending_of(charges: &[(f64, u64)], prefill: bool) -> PendingSnapshot {
+    let blocks = charges.iter().map(|&(_, b)| b).sum();
+    PendingSnapshot {
+        prefill_blocks: if prefill { blocks } else { 0 },
+        active_blocks: if prefill { 0 } else { blocks },
+        requests: charges.len() as u64,
+    }
+}
+
 /// Replays `trace` through `policy` on the cluster `cfg`.
 pub fn replay(trace: &[TraceRequest], cfg: &ReplayConfig, policy: &Policy) -> ReplayReport {
     let page = TRACE_BLOCK_TOKENS;
@@ -312,6 +378,7 @@ pub fn replay(trace: &[TraceRequest], cfg: &ReplayConfig, policy: &Policy) -> Re
         .map(|i| PrefillSim {
             id: WorkerId::from(format!("p{i:02}").as_str()),
             cache: Lru::new(cfg.cache_blocks),
+            visible_at: HashMap::new(),
             jobs: VecDeque::new(),
             busy_until_s: 0.0,
             served: 0,
@@ -323,19 +390,84 @@ pub fn replay(trace: &[TraceRequest], cfg: &ReplayConfig, policy: &Policy) -> Re
             active: Vec::new(),
         })
         .collect();
+    let hb = cfg.heartbeat_s.max(0.0);
+    let mut routers: Vec<RouterSim> = (0..cfg.routers.max(1))
+        .map(|_| RouterSim::new(prefill.len(), decode.len()))
+        .collect();
     let scale = cfg.rate_scale.max(1e-9);
     let mut ttfts = Vec::with_capacity(trace.len());
     let (mut hit_tokens, mut input_tokens) = (0u64, 0u64);
     let mut rejected = 0;
-    for r in trace {
+    for (i, r) in trace.iter().enumerate() {
         let now = r.arrival_s / scale;
-        let p_cands: Vec<Candidate> = prefill.iter_mut().map(|p| p.candidate_at(now)).collect();
-        let d_cands: Vec<Candidate> = decode.iter_mut().map(|d| d.candidate_at(now)).collect();
-        let overlaps = Overlaps::from_pairs(
-            prefill
-                .iter()
-                .map(|p| (p.id.clone(), p.cache.prefix_hits(&r.blocks))),
-        );
+        // What the routers' heartbeats say: now (exact mode), or the last heartbeat's.
+        let seen = if hb > 0.0 {
+            (now / hb).floor() * hb
+        } else {
+            now
+        };
+        for p in prefill.iter_mut() {
+            while p.jobs.front().is_some_and(|j| j.end_s <= seen) {
+                p.jobs.pop_front();
+            }
+        }
+        for d in decode.iter_mut() {
+            d.active.retain(|&(_, end, _)| end > seen);
+        }
+        routers.iter_mut().for_each(|x| x.release(now));
+        let me = i % routers.len();
+        // The predictive load this router sees on worker `w` (heartbeat mode only: in exact
+        // mode the heartbeat already shows everything).
+        let pending = |w: usize, is_prefill: bool| -> PendingSnapshot {
+            if hb == 0.0 {
+                return PendingSnapshot::default();
+            }
+            let charges = |x: &RouterSim| {
+                let v = if is_prefill {
+                    &x.prefill[w]
+                } else {
+                    &x.decode[w]
+                };
+                pending_of(v, is_prefill)
+            };
+            if cfg.share_load {
+                routers
+                    .iter()
+                    .map(charges)
+                    .fold(PendingSnapshot::default(), |a, b| a + b)
+            } else {
+                charges(&routers[me])
+            }
+        };
+        let p_cands: Vec<Candidate> = prefill
+            .iter_mut()
+            .enumerate()
+            .map(|(w, p)| Candidate {
+                pending: pending(w, true),
+                ..p.candidate_at(seen)
+            })
+            .collect();
+        let d_cands: Vec<Candidate> = decode
+            .iter_mut()
+            .enumerate()
+            .map(|(w, d)| Candidate {
+                pending: pending(w, false),
+                ..d.candidate_at(seen)
+            })
+            .collect();
+        let overlaps = Overlaps::from_pairs(prefill.iter().map(|p| {
+            let known = if hb > 0.0 {
+                r.blocks
+                    .iter()
+                    .take_while(|b| {
+                        p.cache.contains(**b) && p.visible_at.get(b).is_some_and(|&t| t <= now)
+                    })
+                    .count()
+            } else {
+                p.cache.prefix_hits(&r.blocks)
+            };
+            (p.id.clone(), known)
+        }));
         let input = SelectInput {
             prompt_tokens: r.input_tokens as usize,
             page_size: page,
@@ -369,16 +501,25 @@ pub fn replay(trace: &[TraceRequest], cfg: &ReplayConfig, policy: &Policy) -> Re
         let end = start + cfg.engine.prefill_s(uncached, cached);
         p.busy_until_s = end;
         p.jobs.push_back(Job {
+            dispatched_s: now,
             start_s: start,
             end_s: end,
             uncached_tokens: uncached,
         });
-        p.cache.store(&r.blocks);
+        for b in p.cache.store(&r.blocks) {
+            p.visible_at.remove(&b);
+        }
+        for &b in &r.blocks {
+            // Stored at the prefill's end, in the index with the next heartbeat's events.
+            p.visible_at.entry(b).or_insert(end + hb);
+        }
         p.served += 1;
-        if let Some(d) = decode.iter_mut().find(|d| d.id == decision.decode) {
+        routers[me].prefill[pi].push((end, uncached.div_ceil(page as u64)));
+        if let Some(di) = decode.iter().position(|d| d.id == decision.decode) {
             let blocks = (r.input_tokens + r.output_tokens).div_ceil(page as u64);
-            d.active
-                .push((end + r.output_tokens as f64 * cfg.tbt_s, blocks));
+            let finish = end + r.output_tokens as f64 * cfg.tbt_s;
+            decode[di].active.push((now, finish, blocks));
+            routers[me].decode[di].push((finish, blocks));
         }
         ttfts.push(end - now);
         hit_tokens += cached;
@@ -454,6 +595,39 @@ mod tests {
         assert_eq!(c.prefix_hits(&[1, 2]), 1);
         assert_eq!(c.prefix_hits(&[2]), 0);
         assert_eq!(c.prefix_hits(&[3, 4]), 2);
+    }
+
+    /// Several routers with heartbeats: sharing predictive load makes two routers place a
+    /// burst exactly as one router does; without it, each router fills the gap the stale
+    /// heartbeat shows and together they overshoot (herding), which costs TTFT.
+    #[test]
+    fn routers_sharing_load_place_like_one_router_and_without_it_they_herd() {
+        // Bursts of 8 simultaneous distinct 8-block prompts, one every 5 s.
+        let mut lines = Vec::new();
+        for burst in 0..6u64 {
+            for i in 0..8u64 {
+                let blocks: Vec<u64> = (0..8).map(|b| 100_000 * burst + 1000 * i + b).collect();
+                lines.push(req(burst * 5000 + i, &blocks));
+            }
+        }
+        let trace = parse_trace(&lines.join("\n")).expect("trace");
+        let cfg = |routers, share_load| ReplayConfig {
+            prefill_workers: 4,
+            decode_workers: 2,
+            routers,
+            heartbeat_s: 0.2,
+            share_load,
+            ..ReplayConfig::default()
+        };
+        let policy = Policy::new(PolicyKind::CacheAware);
+        let one = replay(&trace, &cfg(1, true), &policy);
+        let shared = replay(&trace, &cfg(2, true), &policy);
+        let unshared = replay(&trace, &cfg(2, false), &policy);
+        assert_eq!(shared, one, "shared load: two routers place like one");
+        assert!(
+            unshared.ttft_mean_s > one.ttft_mean_s,
+            "without sharing two routers herd: {unshared:?} vs {one:?}"
+        );
     }
 
     /// Sessions that return to their own growing prefix: routing by cache finds the earlier

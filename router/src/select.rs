@@ -12,6 +12,7 @@ use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
 
 use crate::error::RequestError;
+use crate::index::Overlaps;
 use crate::load::{Charge, LoadGuard};
 use crate::policy::{Candidate, Decision, Policy, SelectInput, SelectPolicy};
 use crate::registry::{Registry, Role, Transports, WorkerSnapshot};
@@ -167,7 +168,12 @@ impl Selector {
     /// no healthy, non-excluded decode worker exists.
     pub fn select(&self, req: &SelectRequest<'_>) -> Result<Selection, RequestError> {
         let workers = self.registry.healthy_workers(Instant::now());
-        let overlaps = self.registry.index().overlaps(req.hashes);
+        // While the events plane that feeds the index is down, route by load alone.
+        let overlaps = if self.registry.index_trusted() {
+            self.registry.index().overlaps(req.hashes)
+        } else {
+            Overlaps::default()
+        };
         let candidates = |role: Role| -> Vec<Candidate> {
             workers
                 .iter()

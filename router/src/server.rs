@@ -190,6 +190,34 @@ impl BoundRouter {
         }
         let stop_accepting = CancellationToken::new();
         let reaper = state.registry.spawn_reaper(shutdown.child_token());
+        let events = match config.events_url()? {
+            Some(url) => {
+                let router_id = if config.router_id.is_empty() {
+                    format!("router-{:08x}", rand::random::<u32>())
+                } else {
+                    config.router_id.clone()
+                };
+                let connection = ferry_events::Connection::open(
+                    &url,
+                    config.token()?.as_ref(),
+                    &format!("ferry-{router_id}"),
+                )
+                .await
+                .map_err(|e| RouterError::Task(e.to_string()))?;
+                tracing::info!(events = %url, router = %router_id, share_load = config.share_load, "on the events plane");
+                Some(crate::events::spawn(
+                    crate::events::EventsParams {
+                        connection,
+                        registry: state.registry.clone(),
+                        router_id,
+                        share_load: config.share_load,
+                        metrics: state.metrics.clone(),
+                    },
+                    shutdown.child_token(),
+                ))
+            }
+            None => None,
+        };
 
         let grpc_server = grpc_builder
             .add_routes(reflection)
@@ -245,6 +273,9 @@ impl BoundRouter {
             http_task.abort();
             internal_task.abort();
             reaper.abort();
+            if let Some(events) = &events {
+                events.abort();
+            }
             return failed;
         }
 
@@ -282,6 +313,9 @@ impl BoundRouter {
             internal_task.abort();
         }
         let _ = reaper.await;
+        if let Some(events) = events {
+            events.abort();
+        }
         let (grpc_joined, http_joined) =
             joined.map_err(|e| RouterError::Task(format!("shutdown: {e}")))?;
         grpc_result(grpc_joined)?;

@@ -142,11 +142,23 @@ impl AppState {
     /// The Prometheus text exposition of the router's metrics, with live gauges.
     pub fn render_metrics(&self) -> String {
         let now = Instant::now();
-        self.metrics.render(Gauges {
-            in_flight: self.dispatcher.in_flight(),
-            prefill_workers: self.registry.count(Role::Prefill, now),
-            decode_workers: self.registry.count(Role::Decode, now),
-        })
+        let index = self
+            .registry
+            .healthy_workers(now)
+            .into_iter()
+            .map(|w| {
+                let blocks = self.registry.index().worker_blocks(&w.id);
+                (w.id.0, blocks)
+            })
+            .collect();
+        self.metrics.render_with_index(
+            Gauges {
+                in_flight: self.dispatcher.in_flight(),
+                prefill_workers: self.registry.count(Role::Prefill, now),
+                decode_workers: self.registry.count(Role::Decode, now),
+            },
+            index,
+        )
     }
 
     /// Healthy decode workers now.

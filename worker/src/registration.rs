@@ -216,9 +216,10 @@ async fn session(
 }
 
 /// What an engine's KV event drain resolves to.
-type DrainResult = Result<Vec<ferry_model::kv::KvEvent>, ferry_model::engine::EngineError>;
+pub(crate) type DrainResult =
+    Result<Vec<ferry_model::kv::KvEvent>, ferry_model::engine::EngineError>;
 
-fn to_wire(e: ferry_model::kv::KvEvent) -> KvEvent {
+pub(crate) fn to_wire(e: ferry_model::kv::KvEvent) -> KvEvent {
     let data = match e.data {
         KvEventData::Stored { hashes, parent } => kv_event::Data::Stored(BlocksStored {
             block_hashes: hashes.iter().map(|h| h.0).collect(),

@@ -20,6 +20,7 @@ use tonic_health::ServingStatus;
 use tracing::info;
 
 use crate::args::WorkerArgs;
+use crate::events::{self, EventsAgentConfig};
 use crate::metrics::{MetricsListener, WorkerMetrics};
 use crate::registration::{self, RegistrationConfig};
 
@@ -112,6 +113,15 @@ struct Served {
     name: &'static str,
 }
 
+/// Where a worker makes itself known.
+#[derive(Debug, Clone)]
+enum Plane {
+    /// Registers with the one router at this URI (the default).
+    Router(String),
+    /// Publishes on the events plane, heard by every router ([`crate::events`]).
+    Events(ferry_events::EventsUrl),
+}
+
 /// What every worker binds the same way before it builds its own gRPC service: the gRPC
 /// listener, its id, its metrics registry and `/metrics` listener, and where the router is.
 /// [`WorkerServer::run`] then registers, heartbeats, serves and shuts down, the same for both
@@ -129,7 +139,7 @@ pub struct WorkerServer {
     listener: TcpListener,
     addr: SocketAddr,
     worker_id: String,
-    router: String,
+    plane: Plane,
     heartbeat: Duration,
     token: Option<ClusterToken>,
     metrics: WorkerMetrics,
@@ -160,7 +170,10 @@ impl WorkerServer {
             listener,
             addr,
             worker_id,
-            router: args.router_uri(),
+            plane: match &args.events {
+                Some(url) => Plane::Events(url.clone()),
+                None => Plane::Router(args.router_uri()),
+            },
             heartbeat: args.heartbeat(),
             token,
             metrics,
@@ -259,20 +272,45 @@ impl WorkerServer {
         health
             .set_service_status(name, ServingStatus::Serving)
             .await;
-        let agent = registration::spawn(
-            RegistrationConfig {
-                router: self.router,
-                worker_id: self.worker_id.clone(),
-                role: self.role,
-                advertise: self.addr.to_string(),
-                heartbeat: self.heartbeat,
-                token: self.token.clone(),
-                prefill_view: self.prefill_view,
-                transports: self.transports,
-            },
-            engine.clone(),
-            shutdown.clone(),
-        );
+        let agent = match self.plane {
+            Plane::Router(router) => registration::spawn(
+                RegistrationConfig {
+                    router,
+                    worker_id: self.worker_id.clone(),
+                    role: self.role,
+                    advertise: self.addr.to_string(),
+                    heartbeat: self.heartbeat,
+                    token: self.token.clone(),
+                    prefill_view: self.prefill_view,
+                    transports: self.transports,
+                },
+                engine.clone(),
+                shutdown.clone(),
+            ),
+            Plane::Events(url) => {
+                let connection = ferry_events::Connection::open(
+                    &url,
+                    self.token.as_ref(),
+                    &format!("ferry-{}-{}", role_name(self.role), self.worker_id),
+                )
+                .await
+                .map_err(|e| ServeError::Transport(e.to_string()))?;
+                events::spawn(
+                    EventsAgentConfig {
+                        connection,
+                        worker_id: self.worker_id.clone(),
+                        role: self.role,
+                        advertise: self.addr.to_string(),
+                        heartbeat: self.heartbeat,
+                        prefill_view: self.prefill_view,
+                        peer_timeout: (self.heartbeat * 15).max(Duration::from_secs(3)),
+                        transports: self.transports,
+                    },
+                    engine.clone(),
+                    shutdown.clone(),
+                )
+            }
+        };
         let metrics_addr = self.metrics_listener.local_addr();
         let metrics_server =
             self.metrics_listener

@@ -174,4 +174,8 @@ impl PrefixIndex for FlatIndex {
     fn last_event(&self, worker: &WorkerId) -> Option<EventId> {
         self.workers.get(worker).map(|s| s.last_event)
     }
+
+    fn worker_blocks(&self, worker: &WorkerId) -> usize {
+        self.workers.get(worker).map_or(0, |s| s.blocks.len())
+    }
 }

@@ -46,6 +46,10 @@ pub trait PrefixIndex: Send + Sync + fmt::Debug {
 
     /// The last event applied for `worker`, if it is known.
     fn last_event(&self, worker: &WorkerId) -> Option<EventId>;
+
+    /// How many blocks the index holds for `worker` (0 if unknown): for `/metrics`, so that
+    /// an operator (and the tests) can compare a router's view with the workers' caches.
+    fn worker_blocks(&self, worker: &WorkerId) -> usize;
 }
 
 /// Leading blocks of one prompt held by each worker.

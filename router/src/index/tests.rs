@@ -102,6 +102,14 @@ impl PrefixIndex for NaiveIndex {
             .get(worker)
             .map(|s| s.0)
     }
+
+    fn worker_blocks(&self, worker: &WorkerId) -> usize {
+        self.workers
+            .lock()
+            .expect("test mutex")
+            .get(worker)
+            .map_or(0, |s| s.2.len())
+    }
 }
 
 fn w(name: &str) -> WorkerId {
@@ -292,6 +300,7 @@ fn random_run(seed: u64) {
                     "seed {seed} step {step}: matched_blocks({x}, {query:?})"
                 );
                 assert_eq!(real.last_event(x), naive.last_event(x));
+                assert_eq!(real.worker_blocks(x), naive.worker_blocks(x));
             }
         }
     }

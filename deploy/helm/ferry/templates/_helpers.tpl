@@ -90,6 +90,19 @@ Environment every ferry container gets: who it is (the downward API; workers bin
 advertise $(POD_IP) and use $(POD_NAME) as their worker id), where its traces go, and the
 directory the embedded model is unpacked into.
 */}}
+{{/* The events plane's URL (`FERRY_EVENTS` of the router and every worker; empty: off):
+`events: nats` is this release's NATS Service, which must then run with JetStream. */}}
+{{- define "ferry.eventsUrl" -}}
+{{- if eq .Values.events "nats" -}}
+{{- if not (and .Values.nats.enabled .Values.nats.jetstream) -}}
+{{- fail "events: nats needs nats.enabled and nats.jetstream (the KV stream lives in JetStream)" -}}
+{{- end -}}
+nats://{{ include "ferry.fullname" . }}-nats:4222
+{{- else -}}
+{{- .Values.events -}}
+{{- end -}}
+{{- end -}}
+
 {{- define "ferry.commonEnv" -}}
 - name: POD_NAME
   valueFrom:
@@ -107,6 +120,10 @@ directory the embedded model is unpacked into.
   value: /var/lib/ferry/cache
 - name: FERRY_LOG
   value: {{ .Values.logLevel | quote }}
+{{- with (include "ferry.eventsUrl" .) }}
+- name: FERRY_EVENTS
+  value: {{ . | quote }}
+{{- end }}
 {{- with (include "ferry.otlpEndpoint" .) }}
 - name: OTEL_EXPORTER_OTLP_ENDPOINT
   value: {{ . | quote }}
