@@ -27,7 +27,8 @@ use ferry_kernels::cuda::mla::{
 };
 use ferry_kernels::cuda::nvrtc::compile_ptx;
 use ferry_kernels::cuda::ops::{
-    self, bf16_bits, GemmPrecision, GpuMatrix, NormRows, PagesView, RopeTables, RouteParams, Routes,
+    self, bf16_bits, GemmPrecision, GpuExperts, GpuMatrix, MoeArgs, MoeDownRows, NormRows,
+    PagesView, PerPairKernels, RopeTables, RouteArgs, RouteKernel, RouteParams, Routes,
 };
 use ferry_kernels::cuda::CudaDevice;
 use ferry_kernels::gpu::Source;
@@ -170,6 +171,14 @@ fn nvrtc_compiles_every_source() {
         }
         let ptx = compile_ptx(Source::Common, &Default::default(), cc).expect("common.cu compiles");
         assert!(ptx.contains("moe_route") && ptx.contains("gemv_bf16"));
+        for k in [
+            "moe_route_w2",
+            "moe_route_w8",
+            "moe_down8_bf16",
+            "moe_down16_f32",
+        ] {
+            assert!(ptx.contains(k), "{k} missing for sm_{}{}", cc.0, cc.1);
+        }
         // The portable GEMM (ROCm's large GEMM) compiles for CUDA too: its contract test runs
         // here (`gemm_tiled_matches_cpu`).
         assert!(ptx.contains("gemm_tiled_f32") && ptx.contains("gemm_tiled_bf16"));
@@ -944,6 +953,11 @@ fn mha_kernels_match_cpu() {
     }
 }
 
+/// Both routing kernels match the CPU (ids exactly, weights to 1e-5) and each other bitwise,
+/// with random logits and with logits and biases on a coarse grid (many ties: the lower expert
+/// or group id wins everywhere). On the grid the sigmoid cases are compared between the kernels
+/// only: a group's best two, e.g. σ(1) + σ(-1) against σ(2) + σ(-2), tie to within an ulp there,
+/// and the CPU's `exp` and the device's `expf` may round them apart.
 #[test]
 #[ignore = "needs an NVIDIA GPU: run on the GPU machine with --include-ignored (docs/gpu.md)"]
 fn moe_routing_matches_cpu() {
@@ -952,15 +966,20 @@ fn moe_routing_matches_cpu() {
     };
     let mut rng = common::rng(5);
     // DeepSeek-V3's sigmoid routing, then V2's softmax routing (greedy: one group; and
-    // group-limited), the V2 cases with `norm_topk_prob` set to show it is ignored there.
+    // group-limited), the V2 cases with `norm_topk_prob` set to show it is ignored there; groups
+    // that straddle lanes (200 / 8) and a top-8 of 32.
     let cases = [
         (16, 4, 4, 2, RouteScoring::Sigmoid),
         (64, 6, 1, 1, RouteScoring::Sigmoid),
         (256, 8, 8, 4, RouteScoring::Sigmoid),
+        (200, 8, 8, 3, RouteScoring::Sigmoid),
         (64, 6, 1, 1, RouteScoring::Softmax),
         (160, 6, 8, 3, RouteScoring::Softmax),
+        (32, 8, 1, 1, RouteScoring::Softmax),
     ];
-    for (e, top_k, n_group, topk_group, scoring) in cases {
+    for ((e, top_k, n_group, topk_group, scoring), ties) in
+        cases.into_iter().flat_map(|c| [(c, false), (c, true)])
+    {
         let routing = MoeRouting {
             n_experts: e,
             top_k,
@@ -971,16 +990,21 @@ fn moe_routing_matches_cpu() {
             scoring,
         };
         let t = 37;
-        let logits = common::uniform(&mut rng, t * e, 4.0);
-        let bias = common::uniform(&mut rng, e, 0.5);
+        let grid = |v: Vec<f32>, step: f32| -> Vec<f32> {
+            if ties {
+                v.iter().map(|x| (x / step).round() * step).collect()
+            } else {
+                v
+            }
+        };
+        let logits = grid(common::uniform(&mut rng, t * e, 4.0), 1.0);
+        let bias = grid(common::uniform(&mut rng, e, 0.5), 0.25);
         let want = routing.route(&logits, &bias).expect("cpu route");
         let slots = top_k + 2;
         let (gl, gb) = (
             dev.upload(&logits).expect("up"),
             dev.upload(&bias).expect("up"),
         );
-        let ids = dev.zeros::<i32>(t * slots).expect("ids");
-        let wts = dev.zeros::<f32>(t * slots).expect("w");
         let p = RouteParams {
             n_experts: e as i32,
             top_k: top_k as i32,
@@ -991,31 +1015,137 @@ fn moe_routing_matches_cpu() {
             scale: 2.5,
             softmax: i32::from(scoring == RouteScoring::Softmax),
         };
-        let r = Routes {
-            ids: ids.v(),
-            weights: wts.v(),
-            slots,
-        };
-        ops::moe_route(&dev, gl.v(), gb.v(), p, r).expect("gpu route");
-        let (gi, gw) = (
-            dev.download(&ids).expect("d"),
-            dev.download(&wts).expect("d"),
-        );
-        for (tok, route) in want.iter().enumerate() {
-            for (s, &(ex, w)) in route.iter().enumerate() {
-                assert_eq!(
-                    gi[tok * slots + s] as usize,
-                    ex,
-                    "token {tok} slot {s} (E={e}, {scoring:?})"
-                );
-                assert!(
-                    (gw[tok * slots + s] - w).abs() < 1e-5,
-                    "weight token {tok} slot {s}"
-                );
+        let mut runs = Vec::new();
+        for kernel in [RouteKernel::Shared, RouteKernel::Registers] {
+            let ids = dev.zeros::<i32>(t * slots).expect("ids");
+            let wts = dev.zeros::<f32>(t * slots).expect("w");
+            let out = Routes {
+                ids: ids.v(),
+                weights: wts.v(),
+                slots,
+            };
+            let args = RouteArgs {
+                logits: gl.v(),
+                bias: gb.v(),
+                p,
+                out,
+            };
+            ops::moe_route_with(&dev, kernel, args).expect("gpu route");
+            let (gi, gw) = (
+                dev.download(&ids).expect("d"),
+                dev.download(&wts).expect("d"),
+            );
+            let what = format!("E={e}, {scoring:?}, ties {ties}, {kernel:?}");
+            let against_cpu = !ties || scoring == RouteScoring::Softmax;
+            for (tok, route) in want.iter().enumerate().filter(|_| against_cpu) {
+                for (s, &(ex, w)) in route.iter().enumerate() {
+                    assert_eq!(
+                        gi[tok * slots + s] as usize,
+                        ex,
+                        "token {tok} slot {s} ({what})"
+                    );
+                    assert!(
+                        (gw[tok * slots + s] - w).abs() < 1e-5,
+                        "weight token {tok} slot {s} ({what})"
+                    );
+                }
+                assert_eq!(gi[tok * slots + top_k], e as i32);
+                assert_eq!(gw[tok * slots + top_k + 1], 1.0);
             }
-            assert_eq!(gi[tok * slots + top_k], e as i32);
-            assert_eq!(gw[tok * slots + top_k + 1], 1.0);
+            let wbits: Vec<u32> = gw.iter().map(|w| w.to_bits()).collect();
+            runs.push((gi, wbits));
         }
+        assert!(
+            runs[0] == runs[1],
+            "register routing is bitwise the shared-memory kernel's (E={e}, {scoring:?}, ties {ties})"
+        );
     }
     let _ = bf16_bits(&[]);
+}
+
+/// Every per-pair MoE kernel choice (`FERRY_FUSE=0`'s, and `FERRY_MOE_DOWN_R` = 1, 4, 8, 16)
+/// adds bitwise the same into `h`: DeepSeek-V2-Lite's widths (5.5 chunks of a 1,408-wide row
+/// per lane), nine slots (warp 0 sums two), a hidden width that is not a multiple of 16 (the
+/// last block's rows repeat), and an expert width that is not a multiple of 8 (the streaming
+/// kernels fall back to four rows per block); bf16 and f32 experts, one and three tokens.
+#[test]
+#[ignore = "needs an NVIDIA GPU: run on the GPU machine with --include-ignored (docs/gpu.md)"]
+fn moe_per_pair_kernels_are_bitwise_equal() {
+    let Some(dev) = gpu("moe_per_pair_kernels_are_bitwise_equal") else {
+        return;
+    };
+    let mut rng = common::rng(41);
+    for (hidden, inter, n_exp, slots) in [(2048, 1408, 10, 8), (264, 520, 12, 9), (200, 36, 6, 9)] {
+        for bf16 in [true, false] {
+            let mut matrix = |rows: usize, cols: usize| {
+                let v = common::uniform(&mut rng, rows * cols, 0.05);
+                let m = if bf16 {
+                    Matrix::from_bf16(rows, cols, v.iter().map(|&x| bf16::from_f32(x)).collect())
+                } else {
+                    Matrix::from_f32(rows, cols, v)
+                };
+                GpuMatrix::upload(&dev, &m.expect("len")).expect("upload")
+            };
+            let experts = GpuExperts {
+                gate: matrix(n_exp * inter, hidden),
+                up: matrix(n_exp * inter, hidden),
+                down: matrix(n_exp * hidden, inter),
+                inter,
+                hidden,
+            };
+            for t in [1, 3] {
+                let x = dev
+                    .upload(&common::uniform(&mut rng, t * hidden, 1.0))
+                    .expect("x");
+                let ids: Vec<i32> = (0..t * slots)
+                    .map(|i| ((i * 7 + t) % n_exp) as i32)
+                    .collect();
+                let ids = dev.upload(&ids).expect("ids");
+                let w = dev
+                    .upload(&common::uniform(&mut rng, t * slots, 1.0))
+                    .expect("w");
+                let h0 = common::uniform(&mut rng, t * hidden, 1.0);
+                let routes = Routes {
+                    ids: ids.v(),
+                    weights: w.v(),
+                    slots,
+                };
+                let mut first: Option<Vec<u32>> = None;
+                let choices = [
+                    (false, MoeDownRows::One),
+                    (true, MoeDownRows::One),
+                    (true, MoeDownRows::Four),
+                    (true, MoeDownRows::Eight),
+                    (true, MoeDownRows::Sixteen),
+                ];
+                for (gate_up_pairs, down) in choices {
+                    let h = dev.upload(&h0).expect("h");
+                    let a = MoeArgs {
+                        x: x.v(),
+                        routes,
+                        experts: &experts,
+                        h: h.v(),
+                    };
+                    let which = PerPairKernels {
+                        gate_up_pairs,
+                        down,
+                    };
+                    ops::moe_experts_per_pair(&dev, a, which).expect("moe");
+                    let got: Vec<u32> = dev
+                        .download(&h)
+                        .expect("h")
+                        .iter()
+                        .map(|v| v.to_bits())
+                        .collect();
+                    match &first {
+                        None => first = Some(got),
+                        Some(f) => assert!(
+                            *f == got,
+                            "{which:?}: {hidden}x{inter}, {slots} slots, {t} tokens, bf16 {bf16}"
+                        ),
+                    }
+                }
+            }
+        }
+    }
 }

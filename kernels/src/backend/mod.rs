@@ -608,13 +608,29 @@ impl OnDevice for RocmDevice {
 
 /// Whether GPU ops use session 13's fuller launches: `gemv_pair` (a layer's first query
 /// projection and `kv_a` in one GEMV), and the per-pair MoE kernels with two gate/up rows per
-/// warp and four down outputs per block.
+/// warp and four down outputs per block (or `FERRY_MOE_DOWN_R`'s) — and session 14's register
+/// routing kernel (`moe_route_w*`).
 /// `FERRY_FUSE=0` runs the launches as they were before, so one binary measures the before and
 /// after; the results are bitwise equal either way.
 #[cfg(any(feature = "cuda", feature = "rocm"))]
 pub(crate) fn fuse() -> bool {
     static FUSE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *FUSE.get_or_init(|| std::env::var("FERRY_FUSE").map_or(true, |v| v != "0"))
+}
+
+/// Outputs per block of the per-pair MoE down kernel when fusion is on: `FERRY_MOE_DOWN_R` =
+/// 1, 4 (the default), 8 or 16, read once, so one binary measures each (docs/gpu.md); the
+/// results are bitwise equal whichever runs. A value outside those is logged and ignored.
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+pub(crate) fn moe_down_rows() -> crate::gpu::ops::MoeDownRows {
+    static ROWS: std::sync::OnceLock<crate::gpu::ops::MoeDownRows> = std::sync::OnceLock::new();
+    *ROWS.get_or_init(|| match std::env::var("FERRY_MOE_DOWN_R") {
+        Ok(v) => v.parse().unwrap_or_else(|e| {
+            tracing::warn!("{e}; using the default");
+            Default::default()
+        }),
+        Err(_) => Default::default(),
+    })
 }
 
 /// An operand that is not on the runtime `D`.

@@ -267,10 +267,9 @@ __device__ __forceinline__ W8b load8(const bf16_t* w) {
 __device__ __forceinline__ W8f load8(const float* w) {
   return {__ldg(reinterpret_cast<const float4*>(w)), __ldg(reinterpret_cast<const float4*>(w + 4))};
 }
-__device__ __forceinline__ void fma8(float* acc, const float* x, W8b w) {
+// acc += x[0..8) · w, x given as two float4 already in registers.
+__device__ __forceinline__ void fma8v(float* acc, float4 xa, float4 xb, W8b w) {
   unsigned p[4] = {w.v.x, w.v.y, w.v.z, w.v.w};
-  float4 xa = *reinterpret_cast<const float4*>(x);
-  float4 xb = *reinterpret_cast<const float4*>(x + 4);
   float xs[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
 #pragma unroll
   for (int j = 0; j < 4; j++) {
@@ -278,11 +277,14 @@ __device__ __forceinline__ void fma8(float* acc, const float* x, W8b w) {
     *acc += xs[2 * j + 1] * ferry_u2f(p[j] & 0xffff0000u);
   }
 }
-__device__ __forceinline__ void fma8(float* acc, const float* x, W8f w) {
-  float4 xa = *reinterpret_cast<const float4*>(x);
-  float4 xb = *reinterpret_cast<const float4*>(x + 4);
+__device__ __forceinline__ void fma8v(float* acc, float4 xa, float4 xb, W8f w) {
   *acc += xa.x * w.a.x + xa.y * w.a.y + xa.z * w.a.z + xa.w * w.a.w;
   *acc += xb.x * w.b.x + xb.y * w.b.y + xb.z * w.b.z + xb.w * w.b.w;
+}
+// The same with x read from memory (16-byte aligned).
+template <typename V>
+__device__ __forceinline__ void fma8(float* acc, const float* x, V w) {
+  fma8v(acc, *reinterpret_cast<const float4*>(x), *reinterpret_cast<const float4*>(x + 4), w);
 }
 template <typename W>
 struct W8Of;
@@ -797,6 +799,145 @@ extern "C" __global__ void moe_route(const float* logits, const float* bias, Rou
   }
 }
 
+// The same routing with each lane's experts in registers (session 14; ops.rs takes it for
+// E <= 32·NPL, n_group <= 32, top_k <= 32 unless FERRY_FUSE=0). Expert e sits in lane e % 32,
+// register e / 32: the lanes and order the strided loops above give it, so the softmax max and
+// sum, and hence every score, are bitwise moe_route's. The group scores are moe_route's (each
+// group's best, or best two, scanned in expert order); the topk_group kept groups are those
+// with fewer than topk_group better groups (a larger score, or an equal one and a lower
+// index: the order of moe_route's rounds; a NaN score never counts and is never kept, as
+// there); the top_k experts are picked by warp shuffles of (choice, id, score) with
+// moe_route's comparison, the picked register set to -inf, and lane k keeps pick k. No
+// shared-memory rounds and no serial lane-0 tail: only the group scan goes through shared
+// memory, and not at all for DeepSeek-V2's softmax routing when every group is kept (V2-Lite's
+// one group), where the scan and ranking decide nothing. Four tokens per block of 128.
+template <int NPL>
+__device__ void moe_route_reg_impl(const float* logits, const float* bias, RouteParams p,
+                                   int* ids, float* weights, int T) {
+  // Per warp, a token's choices with one pad word per 32 (expert e at e + e / 32), so that
+  // lanes scanning 32-expert groups hit different banks.
+  __shared__ float sh[4][NPL * (WARP + 1)];
+  int w = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+  int t = blockIdx.x * (blockDim.x / WARP) + w;
+  if (t >= T) return;
+  int E = p.n_experts, slots = p.top_k + p.n_shared;
+  const float* row = logits + (size_t)t * E;
+  float score[NPL], choice[NPL], b[NPL];
+#pragma unroll
+  for (int j = 0; j < NPL; j++) {
+    int e = lane + j * WARP;
+    score[j] = e < E ? row[e] : 0.0f;
+    b[j] = (!p.softmax && e < E) ? bias[e] : 0.0f;
+  }
+  if (p.softmax) {
+    float m = -FERRY_INF;
+#pragma unroll
+    for (int j = 0; j < NPL; j++)
+      if (lane + j * WARP < E) m = fmaxf(m, score[j]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, SHFL_XOR(m, o));
+    float sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < NPL; j++)
+      if (lane + j * WARP < E) {
+        float x = expf(score[j] - m);
+        score[j] = x;
+        sum += x;
+      }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) sum += SHFL_XOR(sum, o);
+#pragma unroll
+    for (int j = 0; j < NPL; j++) {
+      score[j] = score[j] / sum;
+      choice[j] = score[j];
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < NPL; j++) {
+      float s = 1.0f / (1.0f + expf(-score[j]));
+      score[j] = s;
+      choice[j] = s + b[j];
+    }
+  }
+  if (!(p.softmax && p.topk_group >= p.n_group)) {
+    int gsz = E / p.n_group;
+    float* c = sh[w];
+#pragma unroll
+    for (int j = 0; j < NPL; j++)
+      if (lane + j * WARP < E) c[lane + j * (WARP + 1)] = choice[j];
+    __syncwarp();
+    float gs = -FERRY_INF;
+    if (lane < p.n_group) {
+      float a = -FERRY_INF, b2 = -FERRY_INF;
+      for (int e = lane * gsz; e < (lane + 1) * gsz; e++) {
+        float v = c[e + e / WARP];
+        if (v > a) { b2 = a; a = v; } else if (v > b2) { b2 = v; }
+      }
+      gs = (gsz >= 2 && !p.softmax) ? a + b2 : a;
+    }
+    int better = 0;
+    for (int g = 0; g < p.n_group; g++) {
+      float o = SHFL(gs, g);
+      better += (o > gs || (o == gs && g < lane)) ? 1 : 0;
+    }
+    unsigned kept = (lane < p.n_group && better < p.topk_group && gs == gs) ? 1u << lane : 0u;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) kept |= SHFL_XOR(kept, o);
+#pragma unroll
+    for (int j = 0; j < NPL; j++) {
+      int e = lane + j * WARP;
+      if (e < E && !((kept >> (e / gsz)) & 1u)) choice[j] = p.softmax ? 0.0f : -FERRY_INF;
+    }
+  }
+  float sum = 0.0f, my_w = 0.0f;
+  int my_id = 0;
+  for (int k = 0; k < p.top_k; k++) {
+    float bv = -FERRY_INF, bs = 0.0f;
+    int bi = 0x7fffffff;
+#pragma unroll
+    for (int j = 0; j < NPL; j++) {
+      int e = lane + j * WARP;
+      if (e < E && (choice[j] > bv || (choice[j] == bv && e < bi))) {
+        bv = choice[j];
+        bi = e;
+        bs = score[j];
+      }
+    }
+#pragma unroll
+    for (int m = 16; m > 0; m >>= 1) {
+      float ov = SHFL_XOR(bv, m), os = SHFL_XOR(bs, m);
+      int oi = SHFL_XOR(bi, m);
+      if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; bs = os; }
+    }
+#pragma unroll
+    for (int j = 0; j < NPL; j++)
+      if (lane + j * WARP == bi) choice[j] = -FERRY_INF;
+    if (lane == k) { my_id = bi; my_w = bs; }
+    sum += bs;
+  }
+  if (lane < p.top_k) {
+    float wt = my_w;
+    if (p.norm_topk && !p.softmax) wt = wt / (sum + 1e-20f);
+    ids[(size_t)t * slots + lane] = my_id;
+    weights[(size_t)t * slots + lane] = wt * p.scale;
+  }
+  for (int s = lane; s < p.n_shared; s += WARP) {
+    ids[(size_t)t * slots + p.top_k + s] = E + s;
+    weights[(size_t)t * slots + p.top_k + s] = 1.0f;
+  }
+}
+// E <= 64 (DeepSeek-V2-Lite) and E <= 256 (DeepSeek-V2, V3). Grid: ceil(T / 4); block 128.
+extern "C" __global__ void moe_route_w2(const float* logits, const float* bias, RouteParams p,
+                                        int* ids, float* weights, int T) {
+  pdl_enter();
+  moe_route_reg_impl<2>(logits, bias, p, ids, weights, T);
+}
+extern "C" __global__ void moe_route_w8(const float* logits, const float* bias, RouteParams p,
+                                        int* ids, float* weights, int T) {
+  pdl_enter();
+  moe_route_reg_impl<8>(logits, bias, p, ids, weights, T);
+}
+
 // act[t·K+s][r] = silu(gate_e[r]·x_t) · (up_e[r]·x_t), e = ids[t][s]; experts stacked
 // [E_total][inter][hidden]; a warp streams R gate rows and their R up rows together.
 // `moe_gate_up_*` take R = 2 (704 blocks for 8 slots of 1,408 rows: one wave on a 132-SM card,
@@ -919,6 +1060,114 @@ extern "C" __global__ void moe_down1_bf16(const float* act, const int* ids, cons
                                          int hidden) {
   pdl_enter();
   moe_down_impl<1>(act, ids, w, down, h, K, inter, hidden);
+}
+
+// Decode's down projection with many outputs per block (FERRY_MOE_DOWN_R=8|16, ops.rs): the
+// same blocks, slots and reduction as moe_down_impl<R>, but each warp streams its slot's R
+// expert rows (j0..j0+R-1 of one expert: R·inter contiguous weights) a 16-byte column chunk of
+// every row at a time, software-pipelined: chunk n+1 of all the rows is loaded (with the eight
+// activations it meets) before chunk n's FMAs. So a warp keeps RP × 512 bytes of weights in
+// flight from its first load to its last, reads its slot's activation once per RP rows instead
+// of once per four, and the registers stay bounded by RP (moe_down_impl<4> needs 133 on sm_90a:
+// one block per SM, and its 512 blocks ran in four waves). Needs inter % 8 == 0 (ops.rs falls
+// back to moe_down_impl<4> otherwise). Lane L adds columns L·8 + 256·n in ascending n with
+// fma8's arithmetic, then warp_sum; the slot and warp sums are moe_down_impl's: every output
+// is bitwise what moe_down_impl<1> and <4> give.
+// acc[r] = row(j + r) · x over `inter` columns, rows past `hidden` repeating the last one.
+template <int RP, typename W>
+__device__ __forceinline__ void warp_rows_stream(const float* x, const W* w0, int j, int hidden,
+                                                 int inter, float* acc) {
+  typedef typename W8Of<W>::T V;
+  int lane = threadIdx.x % WARP;
+  const W* rows[RP];
+#pragma unroll
+  for (int r = 0; r < RP; r++) rows[r] = w0 + (size_t)min(j + r, hidden - 1) * inter;
+  V cur[RP], nxt[RP];
+  float4 xa = make_float4(0.f, 0.f, 0.f, 0.f), xb = xa, na = xa, nb = xa;
+  int c = lane * 8;
+  if (c < inter) {
+    xa = *reinterpret_cast<const float4*>(x + c);
+    xb = *reinterpret_cast<const float4*>(x + c + 4);
+#pragma unroll
+    for (int r = 0; r < RP; r++) cur[r] = load8(rows[r] + c);
+  }
+  for (; c < inter; c += WARP * 8) {
+    int cn = c + WARP * 8;
+    if (cn < inter) {
+      na = *reinterpret_cast<const float4*>(x + cn);
+      nb = *reinterpret_cast<const float4*>(x + cn + 4);
+#pragma unroll
+      for (int r = 0; r < RP; r++) nxt[r] = load8(rows[r] + cn);
+    }
+#pragma unroll
+    for (int r = 0; r < RP; r++) fma8v(&acc[r], xa, xb, cur[r]);
+    xa = na, xb = nb;
+#pragma unroll
+    for (int r = 0; r < RP; r++) cur[r] = nxt[r];
+  }
+#pragma unroll
+  for (int r = 0; r < RP; r++) acc[r] = warp_sum(acc[r]);
+}
+// R outputs per block, the rows streamed RP at a time (RP < R for f32 weights, whose chunks
+// take twice the registers). Grid: (ceil(hidden / R), T); block 256.
+template <int R, int RP, typename W>
+__device__ void moe_down_rows_impl(const float* act, const int* ids, const float* wts,
+                                   const W* down, float* h, int K, int inter, int hidden) {
+  __shared__ float part[8][R];
+  int t = blockIdx.y, j0 = blockIdx.x * R, w = threadIdx.x / WARP;
+  float total[R];
+#pragma unroll
+  for (int r = 0; r < R; r++) total[r] = 0.0f;
+  for (int s = w; s < K; s += blockDim.x / WARP) {
+    size_t e = (size_t)ids[(size_t)t * K + s];
+    const float* x = act + ((size_t)t * K + s) * inter;
+    float ws = wts[(size_t)t * K + s];
+#pragma unroll
+    for (int p = 0; p < R; p += RP) {
+      float acc[RP];
+#pragma unroll
+      for (int r = 0; r < RP; r++) acc[r] = 0.0f;
+      warp_rows_stream<RP>(x, down + e * hidden * inter, j0 + p, hidden, inter, acc);
+#pragma unroll
+      for (int r = 0; r < RP; r++) total[p + r] += ws * acc[r];
+    }
+  }
+  if (threadIdx.x % WARP == 0)
+#pragma unroll
+    for (int r = 0; r < R; r++) part[w][r] = total[r];
+  __syncthreads();
+  int r = threadIdx.x;
+  if (r < R && j0 + r < hidden) {
+    float sum = 0.0f;
+    for (int x = 0; x < blockDim.x / WARP; x++) sum += part[x][r];
+    h[(size_t)t * hidden + j0 + r] += sum;
+  }
+}
+// R = 8: 256 blocks at T = 1, two per SM (hence the register bound): one wave on 132 SMs.
+extern "C" __global__ void __launch_bounds__(256, 2)
+    moe_down8_f32(const float* act, const int* ids, const float* w, const float* down, float* h,
+                  int K, int inter, int hidden) {
+  pdl_enter();
+  moe_down_rows_impl<8, 2>(act, ids, w, down, h, K, inter, hidden);
+}
+extern "C" __global__ void __launch_bounds__(256, 2)
+    moe_down8_bf16(const float* act, const int* ids, const float* w, const bf16_t* down,
+                   float* h, int K, int inter, int hidden) {
+  pdl_enter();
+  moe_down_rows_impl<8, 8>(act, ids, w, down, h, K, inter, hidden);
+}
+// R = 16: 128 blocks at T = 1, one per SM.
+extern "C" __global__ void __launch_bounds__(256, 1)
+    moe_down16_f32(const float* act, const int* ids, const float* w, const float* down,
+                   float* h, int K, int inter, int hidden) {
+  pdl_enter();
+  moe_down_rows_impl<16, 4>(act, ids, w, down, h, K, inter, hidden);
+}
+extern "C" __global__ void __launch_bounds__(256, 1)
+    moe_down16_bf16(const float* act, const int* ids, const float* w, const bf16_t* down,
+                    float* h, int K, int inter, int hidden) {
+  pdl_enter();
+  moe_down_rows_impl<16, 16>(act, ids, w, down, h, K, inter, hidden);
 }
 
 // ---------------------------------------------------------------------------------------------

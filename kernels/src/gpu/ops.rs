@@ -1092,7 +1092,52 @@ pub struct Routes {
     pub slots: usize,
 }
 
-/// Routes every token of `logits [T][E]`.
+/// Which kernel [`moe_route`] runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RouteKernel {
+    /// `moe_route`: one warp per token, scores in shared memory, the picks in rounds separated
+    /// by `__syncwarp` and a serial tail on lane 0 (before session 14; any E <= 1024).
+    Shared,
+    /// `moe_route_w2` / `moe_route_w8`: each lane's experts in registers, picks by warp
+    /// shuffles, four tokens per block; bitwise the same ids and weights as [`Self::Shared`].
+    /// E <= 256, n_group <= 32, top_k <= 32 ([`Self::fits`]).
+    Registers,
+}
+
+impl RouteKernel {
+    /// [`Self::Registers`] where it [`fits`](Self::fits) and fusion is on (`FERRY_FUSE=0`
+    /// keeps the old kernel, for before/after measurements in one binary).
+    pub fn pick(p: &RouteParams) -> Self {
+        if crate::backend::fuse() && Self::Registers.fits(p) {
+            Self::Registers
+        } else {
+            Self::Shared
+        }
+    }
+
+    /// Whether this kernel takes the routing `p`.
+    pub fn fits(self, p: &RouteParams) -> bool {
+        match self {
+            Self::Shared => p.n_experts <= 1024,
+            Self::Registers => p.n_experts <= 256 && p.n_group <= 32 && p.top_k <= 32,
+        }
+    }
+}
+
+/// What [`moe_route_with`] routes, and where the routes go.
+#[derive(Debug, Clone, Copy)]
+pub struct RouteArgs {
+    /// `[T][E]` router logits.
+    pub logits: Dv<f32>,
+    /// `[E]` correction bias (read in sigmoid mode only).
+    pub bias: Dv<f32>,
+    /// Routing hyper-parameters.
+    pub p: RouteParams,
+    /// `ids` and `weights`, `[T][slots]` each.
+    pub out: Routes,
+}
+
+/// Routes every token of `logits [T][E]` with the kernel [`RouteKernel::pick`] chooses.
 pub fn moe_route<D: Gpu>(
     dev: &D,
     logits: Dv<f32>,
@@ -1100,9 +1145,25 @@ pub fn moe_route<D: Gpu>(
     p: RouteParams,
     out: Routes,
 ) -> Result<(), KernelError> {
+    let args = RouteArgs {
+        logits,
+        bias,
+        p,
+        out,
+    };
+    moe_route_with(dev, RouteKernel::pick(&p), args)
+}
+
+/// [`moe_route`] on the given kernel (the tests compare the two bitwise).
+pub fn moe_route_with<D: Gpu>(
+    dev: &D,
+    which: RouteKernel,
+    a: RouteArgs,
+) -> Result<(), KernelError> {
     const OP: &str = "gpu_moe_route";
+    let (p, out) = (a.p, a.out);
     let e = p.n_experts.max(1) as usize;
-    let t = logits.len / e;
+    let t = a.logits.len / e;
     if e > 1024 || p.n_group <= 0 || p.n_experts % p.n_group != 0 {
         return Err(KernelError::InvalidParam {
             op: OP,
@@ -1111,7 +1172,15 @@ pub fn moe_route<D: Gpu>(
             value: format!("{} / {}", p.n_experts, p.n_group),
         });
     }
-    need(OP, "bias", e, bias.len)?;
+    if !which.fits(&p) {
+        return Err(KernelError::InvalidParam {
+            op: OP,
+            field: "n_experts / n_group / top_k",
+            limit: "<= 256 / 32 / 32 for the register kernel",
+            value: format!("{} / {} / {}", p.n_experts, p.n_group, p.top_k),
+        });
+    }
+    need(OP, "bias", e, a.bias.len)?;
     let slots = (p.top_k + p.n_shared) as usize;
     crate::cpu::gemm::check_len(OP, "slots", slots, out.slots)?;
     need(OP, "ids", t * slots, out.ids.len)?;
@@ -1119,18 +1188,147 @@ pub fn moe_route<D: Gpu>(
     if t == 0 {
         return Ok(());
     }
-    let f = kernel(dev, "moe_route")?;
-    let mut a = KernelArgs::new();
-    a.push(logits.ptr)
-        .push(bias.ptr)
+    let mut args = KernelArgs::new();
+    args.push(a.logits.ptr)
+        .push(a.bias.ptr)
         .push(p)
         .push(out.ids.ptr)
         .push(out.weights.ptr);
-    dev.launch(&f, LaunchDims::linear(t, 32), &mut a)
+    let (f, dims) = match which {
+        RouteKernel::Shared => (kernel(dev, "moe_route")?, LaunchDims::linear(t, 32)),
+        RouteKernel::Registers => {
+            args.push(int(OP, "T", t)?);
+            let name = if e <= 64 {
+                "moe_route_w2"
+            } else {
+                "moe_route_w8"
+            };
+            // Four tokens (one warp each) per block.
+            (kernel(dev, name)?, LaunchDims::linear(t.div_ceil(4), 128))
+        }
+    };
+    dev.launch(&f, dims, &mut args)
 }
 
-/// Outputs per block of `moe_down_*` (common.cu's `moe_down_impl<4>`).
-const MOE_DOWN_R: usize = 4;
+/// Outputs per block of the per-pair `moe_down` kernels (`FERRY_MOE_DOWN_R` = 1, 4, 8 or 16).
+/// Every choice gives bitwise the same `h` (common.cu keeps each output's summation order).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum MoeDownRows {
+    /// `moe_down1_*` (`moe_down_impl<1>`): one output per block, 2,048 blocks at
+    /// DeepSeek-V2-Lite's width (the kernel before session 13; what `FERRY_FUSE=0` runs).
+    One,
+    /// `moe_down_*` (`moe_down_impl<4>`: four rows per warp). 133 registers on sm_90a, so
+    /// one block per SM: its 512 blocks run in four waves on a 132-SM card.
+    #[default]
+    Four,
+    /// `moe_down8_*` (`moe_down_rows_impl<8, 8>`: each warp streams eight rows, software-
+    /// pipelined). 115 registers, two blocks per SM: 256 blocks, one wave.
+    Eight,
+    /// `moe_down16_*` (`moe_down_rows_impl<16, 16>`). 206 registers, one block per SM: 128
+    /// blocks, one wave.
+    Sixteen,
+}
+
+impl MoeDownRows {
+    /// Outputs per block.
+    pub fn rows(self) -> usize {
+        match self {
+            Self::One => 1,
+            Self::Four => 4,
+            Self::Eight => 8,
+            Self::Sixteen => 16,
+        }
+    }
+
+    /// What runs for `inter`-wide expert rows: the streaming kernels load 16-byte chunks and
+    /// need `inter % 8 == 0`; other widths take [`Self::Four`].
+    pub fn fitting(self, inter: usize) -> Self {
+        match self {
+            Self::Eight | Self::Sixteen if inter % 8 != 0 => Self::Four,
+            other => other,
+        }
+    }
+
+    fn kernel(self, bf16: bool) -> &'static str {
+        match (self, bf16) {
+            (Self::One, true) => "moe_down1_bf16",
+            (Self::One, false) => "moe_down1_f32",
+            (Self::Four, true) => "moe_down_bf16",
+            (Self::Four, false) => "moe_down_f32",
+            (Self::Eight, true) => "moe_down8_bf16",
+            (Self::Eight, false) => "moe_down8_f32",
+            (Self::Sixteen, true) => "moe_down16_bf16",
+            (Self::Sixteen, false) => "moe_down16_f32",
+        }
+    }
+}
+
+impl std::str::FromStr for MoeDownRows {
+    type Err = KernelError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim() {
+            "1" => Ok(Self::One),
+            "4" => Ok(Self::Four),
+            "8" => Ok(Self::Eight),
+            "16" => Ok(Self::Sixteen),
+            other => Err(KernelError::InvalidParam {
+                op: "moe_down",
+                field: "FERRY_MOE_DOWN_R",
+                limit: "1, 4, 8 or 16",
+                value: other.to_string(),
+            }),
+        }
+    }
+}
+
+impl std::fmt::Display for MoeDownRows {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.rows())
+    }
+}
+
+/// The per-pair kernels [`moe_experts`] launches below [`MOE_GROUPED_MIN_TOKENS`] tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PerPairKernels {
+    /// Two gate/up rows per warp (`moe_gate_up_*`), else one (`moe_gate_up1_*`).
+    pub gate_up_pairs: bool,
+    /// The down kernel.
+    pub down: MoeDownRows,
+}
+
+impl PerPairKernels {
+    /// From the environment, read once: `FERRY_FUSE=0` gives the kernels before session 13
+    /// (one gate/up row per warp, [`MoeDownRows::One`]); otherwise two gate/up rows per warp
+    /// and `FERRY_MOE_DOWN_R` (default 4).
+    pub fn from_env() -> Self {
+        if crate::backend::fuse() {
+            Self {
+                gate_up_pairs: true,
+                down: crate::backend::moe_down_rows(),
+            }
+        } else {
+            Self {
+                gate_up_pairs: false,
+                down: MoeDownRows::One,
+            }
+        }
+    }
+}
+
+/// What [`moe_experts_per_pair`] computes: `h += Σ_slots w · expert(x)`.
+#[derive(Debug)]
+pub struct MoeArgs<'a, D: Gpu> {
+    /// `[T][hidden]` activations.
+    pub x: Dv<f32>,
+    /// Each token's slots.
+    pub routes: Routes,
+    /// The layer's stacked experts.
+    pub experts: &'a GpuExperts<D>,
+    /// `[T][hidden]` residual, added to.
+    pub h: Dv<f32>,
+}
+
 /// Gate/up rows per warp of `moe_gate_up_*` (common.cu's `moe_gate_up_impl<2>`).
 const MOE_GATE_UP_R: usize = 2;
 
@@ -1142,7 +1340,35 @@ pub fn moe_experts<D: Gpu>(
     experts: &GpuExperts<D>,
     h: Dv<f32>,
 ) -> Result<(), KernelError> {
+    let t = x.len / experts.hidden.max(1);
+    if t >= MOE_GROUPED_MIN_TOKENS && experts.total() <= MOE_MAX_EXPERTS {
+        experts.check("gpu_moe_experts")?;
+        need("gpu_moe_experts", "h", t * experts.hidden, h.len)?;
+        return moe_experts_grouped(dev, x, routes, experts, h);
+    }
+    let a = MoeArgs {
+        x,
+        routes,
+        experts,
+        h,
+    };
+    moe_experts_per_pair(dev, a, PerPairKernels::from_env())
+}
+
+/// [`moe_experts`] by the per-pair kernels `which` (any token count; a batch re-reads an
+/// expert once per pair routed to it): gate/up, then down with its in-block slot sum.
+pub fn moe_experts_per_pair<D: Gpu>(
+    dev: &D,
+    a: MoeArgs<'_, D>,
+    which: PerPairKernels,
+) -> Result<(), KernelError> {
     const OP: &str = "gpu_moe_experts";
+    let MoeArgs {
+        x,
+        routes,
+        experts,
+        h,
+    } = a;
     experts.check(OP)?;
     let (hidden, inter, k) = (experts.hidden, experts.inter, routes.slots);
     let t = x.len / hidden.max(1);
@@ -1151,22 +1377,16 @@ pub fn moe_experts<D: Gpu>(
     if t == 0 {
         return Ok(());
     }
-    if t >= MOE_GROUPED_MIN_TOKENS && experts.total() <= MOE_MAX_EXPERTS {
-        return moe_experts_grouped(dev, x, routes, experts, h);
-    }
     let act = dev.alloc::<f32>(t * k * inter)?;
     let sfx = experts.gate.is_bf16();
-    // Two gate/up rows per warp and four down outputs per block; one of each (the kernels
-    // before session 13) when fusion is off, for before/after measurements in one binary.
-    let fuller = crate::backend::fuse();
-    let (up_rows, down_rows) = if fuller {
-        (MOE_GATE_UP_R, MOE_DOWN_R)
+    let up_rows = if which.gate_up_pairs {
+        MOE_GATE_UP_R
     } else {
-        (1, 1)
+        1
     };
     let f = kernel(
         dev,
-        match (sfx, fuller) {
+        match (sfx, which.gate_up_pairs) {
             (true, true) => "moe_gate_up_bf16",
             (false, true) => "moe_gate_up_f32",
             (true, false) => "moe_gate_up1_bf16",
@@ -1195,15 +1415,8 @@ pub fn moe_experts<D: Gpu>(
         };
         dev.launch(&f, dims, &mut a)?;
     }
-    let f = kernel(
-        dev,
-        match (sfx, fuller) {
-            (true, true) => "moe_down_bf16",
-            (false, true) => "moe_down_f32",
-            (true, false) => "moe_down1_bf16",
-            (false, false) => "moe_down1_f32",
-        },
-    )?;
+    let down = which.down.fitting(inter);
+    let f = kernel(dev, down.kernel(sfx))?;
     for t0 in (0..t).step_by(MAX_GRID_Y) {
         let n = MAX_GRID_Y.min(t - t0);
         let mut a = KernelArgs::new();
@@ -1216,7 +1429,7 @@ pub fn moe_experts<D: Gpu>(
             .push(int(OP, "inter", inter)?)
             .push(int(OP, "hidden", hidden)?);
         let dims = LaunchDims {
-            grid: (hidden.div_ceil(down_rows) as u32, n as u32, 1),
+            grid: (hidden.div_ceil(down.rows()) as u32, n as u32, 1),
             block: (256, 1, 1),
             smem: 0,
         };
@@ -1411,4 +1624,47 @@ pub fn fill_random_bf16<D: Gpu>(
     let mut a = KernelArgs::new();
     a.push(x.ptr).push(x.len as i64).push(seed).push(scale);
     dev.launch(&f, LaunchDims::elementwise(x.len), &mut a)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn moe_down_rows_parse_print_and_fall_back() {
+        for r in [
+            MoeDownRows::One,
+            MoeDownRows::Four,
+            MoeDownRows::Eight,
+            MoeDownRows::Sixteen,
+        ] {
+            assert_eq!(r.to_string().parse::<MoeDownRows>().expect("round trip"), r);
+            assert_eq!(r.fitting(1408), r);
+        }
+        let e = "3".parse::<MoeDownRows>().expect_err("3 rows").to_string();
+        assert!(e.contains("FERRY_MOE_DOWN_R") && e.contains('3'), "{e}");
+        assert_eq!(MoeDownRows::default(), MoeDownRows::Four);
+        assert_eq!(MoeDownRows::Sixteen.fitting(36), MoeDownRows::Four);
+        assert_eq!(MoeDownRows::One.fitting(36), MoeDownRows::One);
+    }
+
+    #[test]
+    fn the_register_router_takes_up_to_256_experts_32_groups_and_top_32() {
+        let p = |n_experts, n_group, top_k| RouteParams {
+            n_experts,
+            top_k,
+            n_group,
+            topk_group: 1,
+            norm_topk: 0,
+            n_shared: 0,
+            scale: 1.0,
+            softmax: 1,
+        };
+        assert!(RouteKernel::Registers.fits(&p(64, 1, 6)));
+        assert!(RouteKernel::Registers.fits(&p(256, 8, 8)));
+        assert!(!RouteKernel::Registers.fits(&p(384, 8, 8)));
+        assert!(!RouteKernel::Registers.fits(&p(256, 64, 8)));
+        assert!(!RouteKernel::Registers.fits(&p(256, 8, 33)));
+        assert!(RouteKernel::Shared.fits(&p(384, 8, 8)));
+    }
 }
