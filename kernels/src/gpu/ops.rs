@@ -1219,10 +1219,12 @@ pub enum MoeDownRows {
     One,
     /// `moe_down_*` (`moe_down_impl<4>`: four rows per warp). 133 registers on sm_90a, so
     /// one block per SM: its 512 blocks run in four waves on a 132-SM card.
-    #[default]
     Four,
     /// `moe_down8_*` (`moe_down_rows_impl<8, 8>`: each warp streams eight rows, software-
-    /// pipelined). 115 registers, two blocks per SM: 256 blocks, one wave.
+    /// pipelined). 115 registers, two blocks per SM: 256 blocks, one wave. The default:
+    /// measured on the H200 at 15.2 us a V2-Lite layer against 21.7 us for `Four`, a
+    /// single-stream step 2.94 → 2.74 ms (BENCHMARKS.md, session 14).
+    #[default]
     Eight,
     /// `moe_down16_*` (`moe_down_rows_impl<16, 16>`). 206 registers, one block per SM: 128
     /// blocks, one wave.
@@ -1300,7 +1302,7 @@ pub struct PerPairKernels {
 impl PerPairKernels {
     /// From the environment, read once: `FERRY_FUSE=0` gives the kernels before session 13
     /// (one gate/up row per warp, [`MoeDownRows::One`]); otherwise two gate/up rows per warp
-    /// and `FERRY_MOE_DOWN_R` (default 4).
+    /// and `FERRY_MOE_DOWN_R` (default 8).
     pub fn from_env() -> Self {
         if crate::backend::fuse() {
             Self {
@@ -1643,7 +1645,7 @@ mod tests {
         }
         let e = "3".parse::<MoeDownRows>().expect_err("3 rows").to_string();
         assert!(e.contains("FERRY_MOE_DOWN_R") && e.contains('3'), "{e}");
-        assert_eq!(MoeDownRows::default(), MoeDownRows::Four);
+        assert_eq!(MoeDownRows::default(), MoeDownRows::Eight);
         assert_eq!(MoeDownRows::Sixteen.fitting(36), MoeDownRows::Four);
         assert_eq!(MoeDownRows::One.fitting(36), MoeDownRows::One);
     }
