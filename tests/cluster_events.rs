@@ -22,9 +22,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use cluster::{Proc, Role, CLUSTER_TOKEN, KV_BLOCKS, PAGE};
-use ferry_proto::internal::decode_worker_client::DecodeWorkerClient;
-use ferry_proto::internal::prefill_worker_client::PrefillWorkerClient;
-use ferry_proto::internal::{GetStatsRequest, WorkerStats};
+use ferry_proto::internal::WorkerStats;
 use ferry_proto::v1::inference_client::InferenceClient;
 
 const MAX_TOKENS: u32 = 8;
@@ -287,27 +285,9 @@ impl Plane {
             .iter()
             .find(|w| w.0 == id)
             .unwrap_or_else(|| panic!("no worker {id}"));
-        let channel = tonic::transport::Channel::from_shared(format!("http://{addr}"))
-            .expect("uri")
-            .connect()
+        cluster::worker_stats(*role, *addr)
             .await
-            .unwrap_or_else(|e| panic!("connecting to {id}: {e}"));
-        let auth = ferry_proto::auth::AttachToken::new(Some(cluster::cluster_token()));
-        let reply = match role {
-            Role::Prefill => {
-                PrefillWorkerClient::with_interceptor(channel, auth)
-                    .get_stats(GetStatsRequest {})
-                    .await
-            }
-            Role::Decode => {
-                DecodeWorkerClient::with_interceptor(channel, auth)
-                    .get_stats(GetStatsRequest {})
-                    .await
-            }
-        };
-        reply
             .unwrap_or_else(|e| panic!("GetStats on {id}: {e}"))
-            .into_inner()
     }
 
     /// Every router's index equals every worker's cache (block counts), once no request runs.

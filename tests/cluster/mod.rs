@@ -537,25 +537,7 @@ impl Cluster {
 
     async fn try_stats(&self, id: &str) -> Result<WorkerStats, String> {
         let w = self.worker(id);
-        let channel = Channel::from_shared(format!("http://{}", w.addr))
-            .map_err(|e| e.to_string())?
-            .connect()
-            .await
-            .map_err(|e| e.to_string())?;
-        let auth = ferry_proto::auth::AttachToken::new(Some(cluster_token()));
-        let stats = match w.role {
-            Role::Prefill => {
-                PrefillWorkerClient::with_interceptor(channel, auth)
-                    .get_stats(GetStatsRequest {})
-                    .await
-            }
-            Role::Decode => {
-                DecodeWorkerClient::with_interceptor(channel, auth)
-                    .get_stats(GetStatsRequest {})
-                    .await
-            }
-        };
-        stats.map(|r| r.into_inner()).map_err(|e| e.to_string())
+        worker_stats(w.role, w.addr).await
     }
 
     /// A live worker's `GetStats`.
@@ -746,6 +728,29 @@ impl Drop for Cluster {
         }
         self.router.take();
     }
+}
+
+/// `GetStats` of the worker of `role` at `addr`, signed with the cluster token.
+pub async fn worker_stats(role: Role, addr: SocketAddr) -> Result<WorkerStats, String> {
+    let channel = Channel::from_shared(format!("http://{}", addr))
+        .map_err(|e| e.to_string())?
+        .connect()
+        .await
+        .map_err(|e| e.to_string())?;
+    let auth = ferry_proto::auth::AttachToken::new(Some(cluster_token()));
+    let stats = match role {
+        Role::Prefill => {
+            PrefillWorkerClient::with_interceptor(channel, auth)
+                .get_stats(GetStatsRequest {})
+                .await
+        }
+        Role::Decode => {
+            DecodeWorkerClient::with_interceptor(channel, auth)
+                .get_stats(GetStatsRequest {})
+                .await
+        }
+    };
+    stats.map(|r| r.into_inner()).map_err(|e| e.to_string())
 }
 
 /// Sends `SIG{name}` to `pid` with `kill(1)`.

@@ -13,7 +13,6 @@
 //! with a snapshot, which covers the events that did not make it. The worker's block ownership
 //! is the truth; the routers' indexes are advisory, as on the direct path.
 use std::collections::HashMap;
-use std::future::Future;
 use std::time::{Duration, Instant};
 
 use ferry_events::{subject, Connection, EventsError, StreamLimits};
@@ -28,7 +27,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
-use crate::registration::{to_wire, DrainResult, PrefillView};
+use crate::registration::{run_sessions, to_wire, EngineTick, PrefillView};
 
 /// Hashes per snapshot part: 8 bytes each, so a part stays far below NATS's default 1 MiB
 /// payload limit.
@@ -64,24 +63,12 @@ pub fn spawn(
 ) -> JoinHandle<()> {
     let instance = rand::random::<u64>();
     tokio::spawn(async move {
-        let mut backoff = Duration::from_millis(50);
-        loop {
-            let result = tokio::select! {
-                _ = shutdown.cancelled() => return,
-                r = session(&config, instance, &engine, &shutdown) => r,
-            };
-            match result {
-                Ok(()) => return,
-                Err(e) => {
-                    warn!(worker = %config.worker_id, error = %e, "events session ended; starting again with a snapshot");
-                    tokio::select! {
-                        _ = shutdown.cancelled() => return,
-                        _ = tokio::time::sleep(backoff) => {}
-                    }
-                    backoff = (backoff * 2).min(Duration::from_secs(2));
-                }
-            }
-        }
+        run_sessions(
+            &shutdown,
+            || session(&config, instance, &engine, &shutdown),
+            |e| warn!(worker = %config.worker_id, error = %e, "events session ended; starting again with a snapshot"),
+        )
+        .await;
     })
 }
 
@@ -179,11 +166,7 @@ async fn session(
     };
     let hb_subject = subject::heartbeat(role_name(config.role), &config.worker_id);
     let mut tick = tokio::time::interval(config.heartbeat);
-    // As in the registration agent: a drain the engine has not answered yet (a long forward)
-    // stays pending to the next tick instead of holding the heartbeat back.
-    let mut drain: Option<std::pin::Pin<Box<dyn Future<Output = DrainResult> + Send>>> = None;
-    let mut last_stats = None;
-    let wait = (config.heartbeat / 2).max(Duration::from_millis(5));
+    let mut sample = EngineTick::new(config.heartbeat);
     loop {
         tokio::select! {
             _ = shutdown.cancelled() => return Ok(()),
@@ -202,17 +185,7 @@ async fn session(
             }
             _ = tick.tick() => {}
         }
-        let pending = drain.get_or_insert_with(|| {
-            let engine = engine.clone();
-            Box::pin(async move { engine.drain_kv_events().await })
-        });
-        let events = match tokio::time::timeout(wait, pending.as_mut()).await {
-            Ok(events) => {
-                drain = None;
-                events.map_err(|e| e.to_string())?
-            }
-            Err(_) => Vec::new(),
-        };
+        let events = sample.events(engine).await?;
         if !events.is_empty() {
             let message = KvFeedMessage {
                 message: Some(kv_feed_message::Message::Events(KvEventBatch {
@@ -225,14 +198,7 @@ async fn session(
                 .await
                 .map_err(|e: EventsError| e.to_string())?;
         }
-        let stats = match tokio::time::timeout(wait, engine.stats()).await {
-            Ok(stats) => {
-                let stats = stats.map_err(|e| e.to_string())?;
-                last_stats = Some(stats.clone());
-                stats
-            }
-            Err(_) => last_stats.clone().unwrap_or_default(),
-        };
+        let stats = sample.stats(engine).await?;
         let heartbeat = WorkerHeartbeat {
             registration: Some(identity.clone()),
             load: Some(crate::stats::load(&stats)),

@@ -14,7 +14,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use ferry_model::engine::EngineHandle;
+use ferry_model::engine::{EngineHandle, EngineStats};
 use ferry_model::kv::KvEventData;
 use ferry_proto::auth::{AttachToken, ClusterToken};
 use ferry_proto::internal::registry_client::RegistryClient;
@@ -77,25 +77,99 @@ pub fn spawn(
     // forged) registration of the same id.
     let instance = rand::random::<u64>();
     tokio::spawn(async move {
-        let mut backoff = Duration::from_millis(50);
-        loop {
-            let result = tokio::select! {
-                _ = shutdown.cancelled() => return,
-                r = session(&config, instance, &engine, &shutdown) => r,
-            };
-            match result {
-                Ok(()) => return,
-                Err(e) => {
-                    debug!(error = %e, "router session ended; registering again");
-                    tokio::select! {
-                        _ = shutdown.cancelled() => return,
-                        _ = tokio::time::sleep(backoff) => {}
-                    }
-                    backoff = (backoff * 2).min(Duration::from_secs(2));
+        run_sessions(
+            &shutdown,
+            || session(&config, instance, &engine, &shutdown),
+            |e| debug!(error = %e, "router session ended; registering again"),
+        )
+        .await;
+    })
+}
+
+/// Runs `session` again and again until it returns Ok or `shutdown`, waiting 50 ms doubling to
+/// 2 s between attempts; `ended` is told why each one ended. Both agents (direct registration
+/// and the events plane) recover this way: every new session starts with a full snapshot.
+pub(crate) async fn run_sessions<F, Fut>(
+    shutdown: &CancellationToken,
+    mut session: F,
+    ended: impl Fn(&str),
+) where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<(), String>>,
+{
+    let mut backoff = Duration::from_millis(50);
+    loop {
+        let result = tokio::select! {
+            _ = shutdown.cancelled() => return,
+            r = session() => r,
+        };
+        match result {
+            Ok(()) => return,
+            Err(e) => {
+                ended(&e);
+                tokio::select! {
+                    _ = shutdown.cancelled() => return,
+                    _ = tokio::time::sleep(backoff) => {}
                 }
+                backoff = (backoff * 2).min(Duration::from_secs(2));
             }
         }
-    })
+    }
+}
+
+/// What a heartbeat tick asks the engine for, without waiting on it for long: the engine
+/// answers between forwards, and one forward can take longer than the router's heartbeat
+/// timeout (a long prefill on a large model). A drain still unanswered stays pending to the
+/// next tick (dropping it would lose the events it drained), and the load sent is the last
+/// one the engine reported.
+pub(crate) struct EngineTick {
+    drain: Option<std::pin::Pin<Box<dyn Future<Output = DrainResult> + Send>>>,
+    last_stats: Option<EngineStats>,
+    wait: Duration,
+}
+
+impl EngineTick {
+    /// For a heartbeat `period`: each call waits at most half of it.
+    pub(crate) fn new(period: Duration) -> Self {
+        Self {
+            drain: None,
+            last_stats: None,
+            wait: (period / 2).max(Duration::from_millis(5)),
+        }
+    }
+
+    /// The KV events drained since the last call (none yet if the engine is busy).
+    pub(crate) async fn events(
+        &mut self,
+        engine: &EngineHandle,
+    ) -> Result<Vec<ferry_model::kv::KvEvent>, String> {
+        let pending = self.drain.get_or_insert_with(|| {
+            let engine = engine.clone();
+            Box::pin(async move { engine.drain_kv_events().await })
+        });
+        match tokio::time::timeout(self.wait, pending.as_mut()).await {
+            Ok(events) => {
+                self.drain = None;
+                events.map_err(|e| e.to_string())
+            }
+            Err(_) => Ok(Vec::new()),
+        }
+    }
+
+    /// The engine's stats now, or the last ones it reported if it is busy.
+    pub(crate) async fn stats(&mut self, engine: &EngineHandle) -> Result<EngineStats, String> {
+        match tokio::time::timeout(self.wait, engine.stats()).await {
+            Ok(stats) => {
+                let stats = stats.map_err(|e| e.to_string())?;
+                self.last_stats = Some(stats.clone());
+                Ok(stats)
+            }
+            Err(_) => {
+                debug!("engine busy: heartbeat with its last load");
+                Ok(self.last_stats.clone().unwrap_or_default())
+            }
+        }
+    }
 }
 
 /// One registration and the heartbeats after it; returns Err when the router needs a fresh
@@ -144,29 +218,13 @@ async fn session(
         config.heartbeat
     };
     let mut tick = tokio::time::interval(period);
-    // The engine answers between forwards; one forward can take longer than the router's
-    // heartbeat timeout (a long prefill on a large model). The heartbeat must not wait for it:
-    // a drain still unanswered stays pending to the next tick (dropping it would lose the
-    // events it drained), and the load sent is the last one the engine reported.
-    let mut drain: Option<std::pin::Pin<Box<dyn Future<Output = DrainResult> + Send>>> = None;
-    let mut last_stats = None;
-    let wait = (period / 2).max(Duration::from_millis(5));
+    let mut sample = EngineTick::new(period);
     loop {
         tokio::select! {
             _ = shutdown.cancelled() => return Ok(()),
             _ = tick.tick() => {}
         }
-        let pending = drain.get_or_insert_with(|| {
-            let engine = engine.clone();
-            Box::pin(async move { engine.drain_kv_events().await })
-        });
-        let events = match tokio::time::timeout(wait, pending.as_mut()).await {
-            Ok(events) => {
-                drain = None;
-                events.map_err(|e| e.to_string())?
-            }
-            Err(_) => Vec::new(),
-        };
+        let events = sample.events(engine).await?;
         if !events.is_empty() {
             let batch = KvEventBatch {
                 worker_id: config.worker_id.clone(),
@@ -183,17 +241,7 @@ async fn session(
                 return Err("out of sync".into());
             }
         }
-        let stats = match tokio::time::timeout(wait, engine.stats()).await {
-            Ok(stats) => {
-                let stats = stats.map_err(|e| e.to_string())?;
-                last_stats = Some(stats.clone());
-                stats
-            }
-            Err(_) => {
-                debug!(worker = %config.worker_id, "engine busy: heartbeat with its last load");
-                last_stats.clone().unwrap_or_default()
-            }
-        };
+        let stats = sample.stats(engine).await?;
         let hb = client
             .heartbeat(HeartbeatRequest {
                 worker_id: config.worker_id.clone(),
@@ -216,8 +264,7 @@ async fn session(
 }
 
 /// What an engine's KV event drain resolves to.
-pub(crate) type DrainResult =
-    Result<Vec<ferry_model::kv::KvEvent>, ferry_model::engine::EngineError>;
+type DrainResult = Result<Vec<ferry_model::kv::KvEvent>, ferry_model::engine::EngineError>;
 
 pub(crate) fn to_wire(e: ferry_model::kv::KvEvent) -> KvEvent {
     let data = match e.data {
