@@ -112,3 +112,55 @@ fn norm_strided_on<D: super::OnDevice>(dev: &D, p: NormStrided<'_>) -> Result<()
     );
     crate::gpu::ops::rms_norm_strided(dev, x, p.stride, w, p.eps)
 }
+
+/// RMSNorm of a projection's input rows, `RMSNorm(h) · weight`: given to [`super::linear`]'s
+/// pair and to [`super::moe`], which fold it into their first GEMV on a GPU for decode-sized
+/// inputs (no norm launch, no round trip of the normalised rows) and compute it first
+/// elsewhere ([`rms_norm_into`]).
+#[derive(Debug, Clone, Copy)]
+pub struct RowNorm<'a> {
+    /// `[width]` norm weight.
+    pub weight: &'a Tensor,
+    /// RMSNorm epsilon.
+    pub eps: f32,
+}
+
+/// `out = RMSNorm(h) · norm.weight`, row by row (`h` is not written).
+pub fn rms_norm_into(
+    b: &Backend,
+    h: &Tensor,
+    norm: RowNorm<'_>,
+    out: &mut Tensor,
+) -> Result<(), KernelError> {
+    const OP: &str = "rms_norm";
+    match b {
+        Backend::Cpu => {
+            let w = norm.weight.host(OP, "weight")?;
+            crate::cpu::norm::rms_norm(h.host(OP, "h")?, w, norm.eps, out.host_mut(OP, "out")?)
+        }
+        #[cfg(feature = "cuda")]
+        Backend::Cuda(dev) => rms_norm_into_on(dev, h, norm, out),
+        #[cfg(feature = "rocm")]
+        Backend::Rocm(dev) => rms_norm_into_on(dev, h, norm, out),
+    }
+}
+
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+fn rms_norm_into_on<D: super::OnDevice>(
+    dev: &D,
+    h: &Tensor,
+    norm: RowNorm<'_>,
+    out: &mut Tensor,
+) -> Result<(), KernelError> {
+    use super::tv;
+    const OP: &str = "rms_norm";
+    let weight = tv::<D>(norm.weight, OP, "weight")?;
+    let rows = crate::gpu::ops::NormRows {
+        h: tv::<D>(h, OP, "h")?,
+        delta: None,
+        weight,
+        out: Some(tv::<D>(out, OP, "out")?),
+        width: weight.len,
+    };
+    crate::gpu::ops::add_rms_norm(dev, rows, norm.eps)
+}

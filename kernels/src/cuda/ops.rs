@@ -115,13 +115,14 @@ impl Gpu for CudaDevice {
 
     /// cuBLAS: f32 GEMM for f32 weights; against bf16 weights the activations are split into
     /// bf16 hi + lo and multiplied twice ([`GemmPrecision::Exact`]) or rounded to bf16 once
-    /// ([`GemmPrecision::Fast`]).
+    /// ([`GemmPrecision::Fast`]); `accumulate` adds into `out` (cuBLAS's beta = 1).
     fn gemm(
         &self,
         x: Dv<f32>,
         w: &GpuMatrix,
         out: Dv<f32>,
         precision: GemmPrecision,
+        accumulate: bool,
     ) -> Result<(), KernelError> {
         let (n, k) = (w.rows(), w.cols());
         let m = x.len / k.max(1);
@@ -132,7 +133,7 @@ impl Gpu for CudaDevice {
                 w: w.ptr(),
                 out: out.ptr,
             };
-            return gemm(self, GemmInputs::F32, p, shape, false);
+            return gemm(self, GemmInputs::F32, p, shape, accumulate);
         }
         let hi = CudaDevice::alloc::<u16>(self, m * k)?;
         match precision {
@@ -143,12 +144,12 @@ impl Gpu for CudaDevice {
                     w: w.ptr(),
                     out: out.ptr,
                 };
-                gemm(self, GemmInputs::Bf16, p, shape, false)
+                gemm(self, GemmInputs::Bf16, p, shape, accumulate)
             }
             GemmPrecision::Exact => {
                 let lo = CudaDevice::alloc::<u16>(self, m * k)?;
                 split_bf16(self, x, hi.v(), lo.v())?;
-                for (part, acc) in [(&hi, false), (&lo, true)] {
+                for (part, acc) in [(&hi, accumulate), (&lo, true)] {
                     let p = GemmPtrs {
                         x: part.ptr(),
                         w: w.ptr(),

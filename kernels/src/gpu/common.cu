@@ -429,6 +429,146 @@ extern "C" __global__ void gemv_pair_f32(const float* x, int m, const float* w1,
                                          float* o1, const float* w2, int n2, float* o2, int k) {
   gemv_pair_impl(x, m, w1, n1, o1, w2, n2, o2, k);
 }
+
+// ---------------------------------------------------------------------------------------------
+// Projections of normalised rows with the RMSNorm folded in: out[i][row] = (W[row] · (g ⊙ h_i))
+// · r_i, r_i = rsqrt(mean(h_i²) + eps) — what RMSNorm(h_i) · g then the GEMV give, up to
+// rounding, without the norm's launch or its round trip through memory. Each warp sums h_i²
+// over the row while it streams its weight row (every lane already reads its share of h_i for
+// the dot products), so the norm costs no extra pass, synchronisation or shared memory: the
+// only extra reads are g's, which every warp shares through L1/L2. A decode step runs one per
+// sub-layer (the input norm into the first query projection + kv_a, the post-attention norm
+// into the MoE router). k must be a multiple of 8 and the rows 16-byte aligned (ops.rs checks).
+template <int R, typename W>
+__device__ __forceinline__ void warp_rows_dots_normed(const float* h, int m, int ldh,
+                                                      const float* g, const W* const* wrow,
+                                                      int k, float (*acc)[GEMV_MAX_M],
+                                                      float* ss) {
+  int lane = threadIdx.x % WARP;
+  for (int c0 = lane * 8; c0 < k; c0 += GEMV_U * WARP * 8) {
+    typename W8Of<W>::T wc[R][GEMV_U];
+#pragma unroll
+    for (int u = 0; u < GEMV_U; u++)
+#pragma unroll
+      for (int r = 0; r < R; r++)
+        if (c0 + u * WARP * 8 < k) wc[r][u] = load8(wrow[r] + c0 + u * WARP * 8);
+#pragma unroll
+    for (int u = 0; u < GEMV_U; u++) {
+      int c = c0 + u * WARP * 8;
+      if (c < k) {
+        float4 ga = *reinterpret_cast<const float4*>(g + c);
+        float4 gb = *reinterpret_cast<const float4*>(g + c + 4);
+#pragma unroll
+        for (int i = 0; i < GEMV_MAX_M; i++)
+          if (i < m) {
+            const float* hr = h + (size_t)i * ldh + c;
+            float4 a = *reinterpret_cast<const float4*>(hr);
+            float4 b = *reinterpret_cast<const float4*>(hr + 4);
+            ss[i] += a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w;
+            ss[i] += b.x * b.x + b.y * b.y + b.z * b.z + b.w * b.w;
+            float4 xa = make_float4(ga.x * a.x, ga.y * a.y, ga.z * a.z, ga.w * a.w);
+            float4 xb = make_float4(gb.x * b.x, gb.y * b.y, gb.z * b.z, gb.w * b.w);
+#pragma unroll
+            for (int r = 0; r < R; r++) fma8v(&acc[r][i], xa, xb, wc[r][u]);
+          }
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < GEMV_MAX_M; i++)
+    if (i < m) {
+      ss[i] = warp_sum(ss[i]);
+#pragma unroll
+      for (int r = 0; r < R; r++) acc[r][i] = warp_sum(acc[r][i]);
+    }
+}
+
+// One weight row per warp against RMSNorm(h)·g; returns through `acc` the dot products already
+// scaled by each row's r_i, and `scale` the r_i (every lane holds them).
+template <typename W>
+__device__ __forceinline__ void warp_row_normed(const float* h, int m, const float* g, float eps,
+                                                const W* wrow, int k, float* acc, float* scale) {
+  const W* rows[1] = {wrow};
+  float ss[GEMV_MAX_M];
+#pragma unroll
+  for (int i = 0; i < GEMV_MAX_M; i++) ss[i] = 0.0f, acc[i] = 0.0f;
+  warp_rows_dots_normed<1>(h, m, k, g, rows, k, reinterpret_cast<float(*)[GEMV_MAX_M]>(acc), ss);
+#pragma unroll
+  for (int i = 0; i < GEMV_MAX_M; i++)
+    if (i < m) {
+      scale[i] = 1.0f / sqrtf(ss[i] / (float)k + eps);
+      acc[i] *= scale[i];
+    }
+}
+
+// out = RMSNorm(h)·g · Wᵀ; block 0 also writes the normalised rows to x_out (when not null) for
+// the kernels after it (the MoE experts read them), its warps splitting the row.
+// Grid: ceil(n/8); block 256.
+template <typename W>
+__device__ void gemv_normed_impl(const float* h, int m, const float* g, float eps, const W* w,
+                                 int n, int k, float* out, float* x_out) {
+  int warps = blockDim.x / WARP, wid = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+  int row = blockIdx.x * warps + wid;
+  if (row >= n) return;
+  float acc[GEMV_MAX_M], scale[GEMV_MAX_M];
+  warp_row_normed(h, m, g, eps, w + (size_t)row * k, k, acc, scale);
+  if (lane == 0)
+    for (int i = 0; i < m; i++) out[(size_t)i * n + row] = acc[i];
+  if (x_out && blockIdx.x == 0) {
+    int writers = min(warps, n);
+    for (int i = 0; i < m; i++)
+      for (int c = (wid * WARP + lane) * 4; c < k; c += writers * WARP * 4) {
+        float4 a = *reinterpret_cast<const float4*>(h + (size_t)i * k + c);
+        float4 q = *reinterpret_cast<const float4*>(g + c);
+        float r = scale[i];
+        *reinterpret_cast<float4*>(x_out + (size_t)i * k + c) =
+            make_float4(q.x * (a.x * r), q.y * (a.y * r), q.z * (a.z * r), q.w * (a.w * r));
+      }
+  }
+}
+extern "C" __global__ void gemv_normed_f32(const float* h, int m, const float* g, float eps,
+                                           const float* w, int n, int k, float* out,
+                                           float* x_out) {
+  gemv_prefetch(w, n, k);
+  pdl_enter();
+  gemv_normed_impl(h, m, g, eps, w, n, k, out, x_out);
+}
+extern "C" __global__ void gemv_normed_bf16(const float* h, int m, const float* g, float eps,
+                                            const bf16_t* w, int n, int k, float* out,
+                                            float* x_out) {
+  gemv_prefetch(w, n, k);
+  pdl_enter();
+  gemv_normed_impl(h, m, g, eps, w, n, k, out, x_out);
+}
+
+// gemv_pair's two projections of RMSNorm(h)·g (an attention layer's input norm folded into its
+// first query projection and kv_a). Grid: ceil((n1 + n2) / 8); block 256.
+template <typename W>
+__device__ void gemv_pair_normed_impl(const float* h, int m, const float* g, float eps,
+                                      const W* w1, int n1, float* o1, const W* w2, int n2,
+                                      float* o2, int k) {
+  const W* w;
+  float* out;
+  int n, row;
+  gemv_pair_pick(w1, n1, o1, w2, n2, o2, k, &w, &out, &n, &row);
+  if (row < n) prefetch_l2(w, (size_t)k * sizeof(W));
+  pdl_enter();
+  if (row >= n) return;
+  float acc[GEMV_MAX_M], scale[GEMV_MAX_M];
+  warp_row_normed(h, m, g, eps, w, k, acc, scale);
+  if (threadIdx.x % WARP == 0)
+    for (int i = 0; i < m; i++) out[(size_t)i * n + row] = acc[i];
+}
+extern "C" __global__ void gemv_pair_normed_f32(const float* h, int m, const float* g, float eps,
+                                                const float* w1, int n1, float* o1,
+                                                const float* w2, int n2, float* o2, int k) {
+  gemv_pair_normed_impl(h, m, g, eps, w1, n1, o1, w2, n2, o2, k);
+}
+extern "C" __global__ void gemv_pair_normed_bf16(const float* h, int m, const float* g, float eps,
+                                                 const bf16_t* w1, int n1, float* o1,
+                                                 const bf16_t* w2, int n2, float* o2, int k) {
+  gemv_pair_normed_impl(h, m, g, eps, w1, n1, o1, w2, n2, o2, k);
+}
 extern "C" __global__ void gemv_pair_bf16(const float* x, int m, const bf16_t* w1, int n1,
                                           float* o1, const bf16_t* w2, int n2, float* o2, int k) {
   gemv_pair_impl(x, m, w1, n1, o1, w2, n2, o2, k);

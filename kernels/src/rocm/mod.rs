@@ -640,8 +640,9 @@ impl Gpu for RocmDevice {
         w: &GpuMatrix<Self>,
         out: Dv<f32>,
         _precision: GemmPrecision,
+        accumulate: bool,
     ) -> Result<(), KernelError> {
-        gemm_tiled(self, x, w, out, false)
+        gemm_tiled(self, x, w, out, accumulate)
     }
 }
 

@@ -3,10 +3,10 @@
 //! plan groups runs of sequences that share a form; see [`super::forward`]).
 
 use ferry_kernels::backend::latent::{latent_write, LatentWrite};
-use ferry_kernels::backend::linear::{linear, linear_pair, Linear, LinearPair};
+use ferry_kernels::backend::linear::{linear, linear_add, linear_pair, Linear, LinearPair};
 use ferry_kernels::backend::mla_absorbed::{mla_absorbed, AbsorbedRun};
 use ferry_kernels::backend::mla_mha::{mla_mha, MhaRun};
-use ferry_kernels::backend::norm::{norm_strided, NormStrided};
+use ferry_kernels::backend::norm::{norm_strided, NormStrided, RowNorm};
 use ferry_kernels::backend::rope::{rope, ApplyRope};
 use ferry_kernels::backend::{Tensor, Weight};
 use ferry_kernels::cpu::mla::MlaDims;
@@ -77,15 +77,16 @@ pub fn estimate_flops(form: AttentionForm, dims: &MlaDims, cached: usize, new: u
 }
 
 impl DeepseekModel {
-    /// MLA of layer `l` for the normalised hidden states `x` (`[T][hidden]`): writes the new
-    /// tokens' latent rows into `kv` and returns the `o_proj` output `[T][hidden]`.
+    /// MLA of layer `l` over the residual stream `h` (`[T][hidden]`), its input norm taken by
+    /// the first projections (folded into their launch on a GPU): writes the new tokens'
+    /// latent rows into `kv` and adds the `o_proj` output into `h`.
     pub(super) fn attention(
         &self,
         l: usize,
-        x: &Tensor,
+        h: &mut Tensor,
         plan: &Plan,
         kv: &mut KvMut<'_>,
-    ) -> Result<Tensor, ModelError> {
+    ) -> Result<(), ModelError> {
         let b = &self.backend;
         let w = &self.layers[l].attn;
         let d = self.dims;
@@ -100,7 +101,11 @@ impl DeepseekModel {
             QueryProj::Full(p) => p,
         };
         let p = LinearPair {
-            x,
+            x: h,
+            norm: Some(RowNorm {
+                weight: &self.layers[l].input_norm,
+                eps: self.config.rms_norm_eps,
+            }),
             first,
             second: &w.kv_a,
             precision,
@@ -205,7 +210,12 @@ impl DeepseekModel {
                 }
             }
         }
-        Ok(lin(&attn, &w.o)?)
+        let p = Linear {
+            x: &attn,
+            w: &w.o,
+            precision,
+        };
+        Ok(linear_add(b, p, h)?)
     }
 }
 

@@ -15,8 +15,8 @@
 
 use ferry_kernels::backend::linear::{linear_into, Linear};
 use ferry_kernels::backend::mlp::{dense, DenseFfn};
-use ferry_kernels::backend::moe::{moe, MoeFfn};
-use ferry_kernels::backend::norm::{add_norm, AddNorm};
+use ferry_kernels::backend::moe::{moe, FfnInput, MoeFfn};
+use ferry_kernels::backend::norm::{add_norm, rms_norm_into, AddNorm, RowNorm};
 use ferry_kernels::backend::rope::RopeTable;
 use ferry_kernels::backend::rows::{embed, gather, Embed, Gather};
 use ferry_kernels::backend::{Backend, Ints, Precision, Slots, Tensor};
@@ -290,44 +290,33 @@ impl DeepseekModel {
         )?;
         let mut x = b.scratch(t * width)?;
         for (l, layer) in self.layers.iter().enumerate() {
-            let p = AddNorm {
-                h: &mut h,
-                delta: None,
-                weight: &layer.input_norm,
-                out: Some(&mut x),
-                width,
-                eps,
-            };
-            add_norm(b, p)?;
-            let attn = self.attention(l, &x, plan, kv)?;
+            // `h += attention(norm(h))`, the norm taken by the first projections.
+            self.attention(l, &mut h, plan, kv)?;
             if let Some(hook) = after_layer.as_mut() {
                 hook(l, kv.as_ref())?;
             }
-            let p = AddNorm {
-                h: &mut h,
-                delta: Some(&attn),
+            let precision = self.kernels.precision;
+            let norm = RowNorm {
                 weight: &layer.post_norm,
-                out: Some(&mut x),
-                width,
                 eps,
             };
-            add_norm(b, p)?;
-            let precision = self.kernels.precision;
             match &layer.ffn {
-                Ffn::Dense(w) => dense(
-                    b,
-                    DenseFfn {
+                Ffn::Dense(w) => {
+                    rms_norm_into(b, &h, norm, &mut x)?;
+                    let p = DenseFfn {
                         w,
                         x: &x,
                         h: &mut h,
                         precision,
-                    },
-                )?,
+                    };
+                    dense(b, p)?
+                }
+                // The router's projection takes the norm and writes `x` for the experts.
                 Ffn::Moe(w) => moe(
                     b,
                     MoeFfn {
                         w,
-                        x: &x,
+                        x: FfnInput::Normed { norm, into: &mut x },
                         h: &mut h,
                         precision,
                     },
