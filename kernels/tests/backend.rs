@@ -276,7 +276,9 @@ fn attention_ops_match_the_cpu_kernels_on_every_backend() {
 }
 
 /// Three new tokens' latent rows (positions 19, 9 and 5 of three sequences) normalised,
-/// rotated and written at their cache slots; every other row untouched.
+/// rotated and written at their cache slots; every other row untouched. The same op rotates
+/// the tokens' queries (3 heads of 40 floats, the rope part at 24) exactly as the CPU's RoPE
+/// does: on a GPU in the latent's launch, bitwise what the rope kernel gives.
 #[test]
 fn latent_write_lands_each_row_at_its_slot_on_every_backend() {
     let width = DIMS.latent_width();
@@ -315,10 +317,19 @@ fn latent_write_lands_each_row_at_its_slot_on_every_backend() {
         let s = s as usize;
         want[s * width..(s + 1) * width].copy_from_slice(row);
     }
+    let q_layout = RotaryLayout {
+        heads: 3,
+        head_stride: 40,
+        offset: 24,
+    };
+    let queries = common::uniform(&mut rng, 3 * 3 * 40, 1.0);
+    let mut want_q = queries.clone();
+    rope.apply(&mut want_q, &positions, q_layout).expect("rope");
 
     for b in backends() {
         let mut store = PageStore::new(&b, &cache);
         let mut lat = b.upload(&latent).expect("latent");
+        let mut q = b.upload(&queries).expect("queries");
         let table = RopeTable::new(&b, &rope, &positions).expect("rope table");
         let p = LatentWrite {
             latent: &mut lat,
@@ -327,9 +338,11 @@ fn latent_write_lands_each_row_at_its_slot_on_every_backend() {
             rope: &table,
             slots: &b.slots(slots.clone()).expect("slots"),
             pages: store.pages_mut(),
+            queries: Some((&mut q, q_layout)),
         };
         latent_write(&b, p).expect("latent write");
         check(&b, "latent write", &store.to_host(), &want);
+        check(&b, "queries' rope", &q.to_host().expect("q"), &want_q);
     }
 }
 

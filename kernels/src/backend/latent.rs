@@ -1,6 +1,7 @@
-//! The new tokens' latent rows: `[RMSNorm(c_kv) | RoPE(k_pe)]`, written into the paged cache.
+//! The new tokens' latent rows: `[RMSNorm(c_kv) | RoPE(k_pe)]`, written into the paged cache —
+//! and optionally the queries' RoPE, which a GPU does in the same launch.
 
-use super::rope::RopeTable;
+use super::rope::{ApplyRope, RopeTable};
 use super::{Backend, PagesMut, Slots, Tensor};
 use crate::cpu::rope::RotaryLayout;
 use crate::KernelError;
@@ -20,11 +21,26 @@ pub struct LatentWrite<'a> {
     pub slots: &'a Slots,
     /// The layer's pages.
     pub pages: PagesMut<'a>,
+    /// Queries `[tokens][heads · head_stride]` to rotate with the same table (what
+    /// [`super::rope::rope`] does with `layout`), if any: on a GPU the latent's launch does it
+    /// too (unless fusion is off, [`super::fuse`]).
+    pub queries: Option<(&'a mut Tensor, RotaryLayout)>,
 }
 
 /// Runs [`LatentWrite`].
-pub fn latent_write(b: &Backend, p: LatentWrite<'_>) -> Result<(), KernelError> {
+pub fn latent_write(b: &Backend, mut p: LatentWrite<'_>) -> Result<(), KernelError> {
     const OP: &str = "latent_write";
+    let fold = !matches!(b, Backend::Cpu) && super::fuse();
+    if !fold {
+        if let Some((q, layout)) = p.queries.take() {
+            let r = ApplyRope {
+                x: q,
+                table: p.rope,
+                layout,
+            };
+            super::rope::rope(b, r)?;
+        }
+    }
     match b {
         Backend::Cpu => {
             let got = p.pages.place();
@@ -47,7 +63,7 @@ pub fn latent_write(b: &Backend, p: LatentWrite<'_>) -> Result<(), KernelError> 
             };
             super::rope::rope(
                 b,
-                super::rope::ApplyRope {
+                ApplyRope {
                     x: p.latent,
                     table: p.rope,
                     layout,
@@ -70,18 +86,23 @@ pub fn latent_write(b: &Backend, p: LatentWrite<'_>) -> Result<(), KernelError> 
     }
 }
 
-/// The GPU arm: one fused launch (norm, RoPE, store).
+/// The GPU arm: one fused launch (norm, RoPE, store, and the queries' RoPE).
 #[cfg(any(feature = "cuda", feature = "rocm"))]
 fn write_on<D: super::OnDevice>(dev: &D, p: &LatentWrite<'_>) -> Result<(), KernelError> {
     use super::{pmv, sv, tv};
     const OP: &str = "latent_write";
     let pages = pmv::<D>(&p.pages, OP)?;
+    let queries = match &p.queries {
+        Some((q, layout)) => Some((tv::<D>(q, OP, "queries")?, *layout)),
+        None => None,
+    };
     let fin = crate::gpu::ops::LatentFinish {
         latent: tv::<D>(p.latent, OP, "latent")?,
         norm: tv::<D>(p.norm, OP, "norm")?,
         eps: p.eps,
         rope: p.rope.on::<D>(OP)?,
         slots: sv::<D>(p.slots, OP, "slots")?,
+        queries,
     };
     crate::gpu::ops::latent_finish(dev, &fin, pages)
 }

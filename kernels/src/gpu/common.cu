@@ -145,15 +145,34 @@ extern "C" __global__ void rope_apply(float* x, const float* cos_t, const float*
 // The new tokens' latent rows: RMSNorm of c_kv (first kv_lora), RoPE of k_pe (the rest), then
 // the row is stored into the paged cache at slot[t] (= block * page + row). A split bf16 cache
 // (split > 0, fast mode; mla.cu's top comment) stores the row's last `split` elements again
-// after it as the lo half of a bf16 pair: [c_kv | k_pe hi | k_pe lo]. Grid: tokens; block 256.
+// after it as the lo half of a bf16 pair: [c_kv | k_pe hi | k_pe lo]. With `q` (not null) the
+// same launch also rotates the queries' rope parts (rope_apply's work for q_heads heads of
+// q_stride floats, the rope part at q_offset): blocks (t, 0) write the latent, blocks (t, 1 + h)
+// rotate query head h — two independent jobs that a decode step used to launch apart.
+// Grid: (tokens, 1 + q_heads); block 256.
 template <typename KV>
 __device__ void latent_finish_impl(float* lat, int width, int kv_lora, const float* norm_w,
                                    float eps, const float* cos_t, const float* sin_t,
                                    int interleaved, const long long* slots, KV* pages,
-                                   int split) {
+                                   int split, float* q, int q_stride, int q_offset) {
   __shared__ float red[32];
   __shared__ float rot[1024];
   int t = blockIdx.x, dim = width - kv_lora, half = dim / 2;
+  if (blockIdx.y > 0) {
+    // rope_apply's body for query head blockIdx.y − 1 of token t.
+    int q_heads = gridDim.y - 1, h = blockIdx.y - 1, j = threadIdx.x;
+    float* v = q + ((size_t)t * q_heads + h) * q_stride + q_offset;
+    float x1 = 0.0f, x2 = 0.0f;
+    if (j < half) {
+      if (interleaved) { x1 = v[2 * j]; x2 = v[2 * j + 1]; } else { x1 = v[j]; x2 = v[j + half]; }
+    }
+    __syncthreads();
+    if (j >= half) return;
+    float c = cos_t[(size_t)t * half + j], s = sin_t[(size_t)t * half + j];
+    v[j] = x1 * c + (-x2) * s;
+    v[j + half] = x2 * c + x1 * s;
+    return;
+  }
   float* row = lat + (size_t)t * width;
   float ss = 0.0f;
   for (int i = threadIdx.x; i < kv_lora; i += blockDim.x) ss += row[i] * row[i];
@@ -180,15 +199,19 @@ __device__ void latent_finish_impl(float* lat, int width, int kv_lora, const flo
 }
 extern "C" __global__ void latent_finish_f32(float* lat, int width, int kv_lora, const float* nw,
                                              float eps, const float* c, const float* s, int il,
-                                             const long long* slots, float* pages) {
+                                             const long long* slots, float* pages, float* q,
+                                             int q_stride, int q_offset) {
   pdl_enter();
-  latent_finish_impl(lat, width, kv_lora, nw, eps, c, s, il, slots, pages, 0);
+  latent_finish_impl(lat, width, kv_lora, nw, eps, c, s, il, slots, pages, 0, q, q_stride,
+                     q_offset);
 }
 extern "C" __global__ void latent_finish_bf16(float* lat, int width, int kv_lora, const float* nw,
                                               float eps, const float* c, const float* s, int il,
-                                              const long long* slots, bf16_t* pages, int split) {
+                                              const long long* slots, bf16_t* pages, int split,
+                                              float* q, int q_stride, int q_offset) {
   pdl_enter();
-  latent_finish_impl(lat, width, kv_lora, nw, eps, c, s, il, slots, pages, split);
+  latent_finish_impl(lat, width, kv_lora, nw, eps, c, s, il, slots, pages, split, q, q_stride,
+                     q_offset);
 }
 
 // ---------------------------------------------------------------------------------------------

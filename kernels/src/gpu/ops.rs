@@ -740,6 +740,9 @@ pub struct LatentFinish<'a, D: Gpu> {
     pub rope: &'a RopeTables<D>,
     /// Cache row of each token (`block · page_size + offset`).
     pub slots: Dv<i64>,
+    /// The queries `[tokens][heads · head_stride]` whose rope parts the same launch rotates
+    /// (what [`rope`] does), if any.
+    pub queries: Option<(Dv<f32>, crate::cpu::rope::RotaryLayout)>,
 }
 
 impl<D: Gpu> Clone for LatentFinish<'_, D> {
@@ -749,7 +752,9 @@ impl<D: Gpu> Clone for LatentFinish<'_, D> {
 }
 impl<D: Gpu> Copy for LatentFinish<'_, D> {}
 
-/// Normalises `c_kv`, rotates `k_pe` and writes each token's row into `pages`.
+/// Normalises `c_kv`, rotates `k_pe` and writes each token's row into `pages`; with
+/// `queries`, rotates their rope parts in the same launch (a rope dim above 512 takes a
+/// separate [`rope`] launch).
 pub fn latent_finish<D: Gpu>(
     dev: &D,
     p: &LatentFinish<'_, D>,
@@ -773,6 +778,20 @@ pub fn latent_finish<D: Gpu>(
     if t == 0 {
         return Ok(());
     }
+    let mut queries = p.queries;
+    if let Some((q, layout)) = queries {
+        need(OP, "queries", t * layout.heads * layout.head_stride, q.len)?;
+        need(
+            OP,
+            "queries head_stride",
+            layout.offset + p.rope.dim,
+            layout.head_stride,
+        )?;
+        if p.rope.dim > 512 || layout.heads == 0 {
+            rope(dev, q, p.rope, layout)?;
+            queries = None;
+        }
+    }
     let f = kernel(
         dev,
         if pages.bf16 {
@@ -795,7 +814,28 @@ pub fn latent_finish<D: Gpu>(
     if pages.bf16 {
         a.push(int(OP, "split", pages.split)?);
     }
-    dev.launch(&f, LaunchDims::linear(t, 256), &mut a)
+    let heads = match queries {
+        Some((q, layout)) => {
+            a.push(q.ptr)
+                .push(int(OP, "queries head_stride", layout.head_stride)?)
+                .push(int(OP, "queries offset", layout.offset)?);
+            layout.heads
+        }
+        None => {
+            a.push(0u64).push(0i32).push(0i32);
+            0
+        }
+    };
+    let dims = LaunchDims {
+        grid: (
+            int(OP, "tokens", t)? as u32,
+            1 + int(OP, "queries heads", heads)? as u32,
+            1,
+        ),
+        block: (256, 1, 1),
+        smem: 0,
+    };
+    dev.launch(&f, dims, &mut a)
 }
 
 /// A split cache keeps exactly its rows' rope part as pairs, and only bf16 pages split.

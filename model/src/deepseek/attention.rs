@@ -7,7 +7,6 @@ use ferry_kernels::backend::linear::{linear, linear_add, linear_pair, Linear, Li
 use ferry_kernels::backend::mla_absorbed::{mla_absorbed, AbsorbedRun};
 use ferry_kernels::backend::mla_mha::{mla_mha, MhaRun};
 use ferry_kernels::backend::norm::{norm_strided, NormStrided, RowNorm};
-use ferry_kernels::backend::rope::{rope, ApplyRope};
 use ferry_kernels::backend::{Tensor, Weight};
 use ferry_kernels::cpu::mla::MlaDims;
 use ferry_kernels::cpu::rope::RotaryLayout;
@@ -112,7 +111,7 @@ impl DeepseekModel {
         };
         let (q0, mut latent) = linear_pair(b, p)?;
 
-        // Queries `[T][heads][qk_nope | qk_rope]`, RoPE on the rope part.
+        // Queries `[T][heads][qk_nope | qk_rope]` (RoPE on the rope part below).
         let mut q = match &w.q {
             QueryProj::LowRank { a, norm, b: qb } => {
                 let mut qa = q0;
@@ -127,19 +126,13 @@ impl DeepseekModel {
             }
             QueryProj::Full(_) => q0,
         };
+        // The latent: [normalised c_kv | rotated k_pe] per token, written into the cache; the
+        // queries' rope parts rotated with it (one launch on a GPU).
         let layout = RotaryLayout {
             heads: d.heads,
             head_stride: d.qk_head_dim(),
             offset: d.qk_nope_head_dim,
         };
-        let p = ApplyRope {
-            x: &mut q,
-            table: &plan.rope,
-            layout,
-        };
-        rope(b, p)?;
-
-        // The latent: [normalised c_kv | rotated k_pe] per token, written into the cache.
         let p = LatentWrite {
             latent: &mut latent,
             norm: &w.kv_a_norm,
@@ -147,6 +140,7 @@ impl DeepseekModel {
             rope: &plan.rope,
             slots: &plan.slots,
             pages: kv.pages_mut(l)?,
+            queries: Some((&mut q, layout)),
         };
         latent_write(b, p)?;
 
