@@ -1149,3 +1149,81 @@ fn moe_per_pair_kernels_are_bitwise_equal() {
         }
     }
 }
+
+/// The output un-absorption with the split-K merge folded in (`unabsorb_combine`) is bitwise
+/// `mla_combine` then `unabsorb`: random partials of 1–37 splits (one split's rows all masked,
+/// −∞, as a split past a short context is), 1, 3 and 11 tokens (more than the 8 rows one pass
+/// merges), f32 and bf16 `kv_b`.
+#[test]
+#[ignore = "needs an NVIDIA GPU: run on the GPU machine with --include-ignored (docs/gpu.md)"]
+fn unabsorb_combine_is_bitwise_combine_then_unabsorb() {
+    use ferry_kernels::cuda::mla::{mla_combine, SplitParts};
+    let Some(dev) = gpu("unabsorb_combine_is_bitwise_combine_then_unabsorb") else {
+        return;
+    };
+    let mut rng = common::rng(41);
+    let (heads, nope, rope, v, kv_lora) = (4, 32, 16, 32, 64);
+    let shape = MlaShape::new(kv_lora + rope, kv_lora, nope + rope, v);
+    let hs = ops::HeadShape {
+        heads,
+        nope,
+        rope,
+        v,
+        kv_lora,
+        split: 0,
+    };
+    let kv_b_f32 = common::uniform(&mut rng, heads * (nope + v) * kv_lora, 0.3);
+    for bf in [false, true] {
+        let m = if bf {
+            let w = kv_b_f32.iter().map(|&x| bf16::from_f32(x)).collect();
+            Matrix::from_bf16(heads * (nope + v), kv_lora, w).expect("kv_b")
+        } else {
+            Matrix::from_f32(heads * (nope + v), kv_lora, kv_b_f32.clone()).expect("kv_b")
+        };
+        let kv_b = GpuMatrix::upload(&dev, &m).expect("upload kv_b");
+        for (splits, tokens) in [(1, 1), (2, 3), (17, 1), (37, 11)] {
+            let rows = tokens * heads;
+            let o = common::uniform(&mut rng, splits * rows * kv_lora, 4.0);
+            let mut ml = Vec::with_capacity(splits * rows * 2);
+            for s in 0..splits {
+                for _ in 0..rows {
+                    let masked = splits > 1 && s == splits - 1;
+                    let m = if masked {
+                        f32::NEG_INFINITY
+                    } else {
+                        common::uniform(&mut rng, 1, 6.0)[0]
+                    };
+                    let l = if masked {
+                        0.0
+                    } else {
+                        1.0 + common::uniform(&mut rng, 1, 0.9)[0]
+                    };
+                    ml.extend([m, l]);
+                }
+            }
+            let parts = SplitParts {
+                o_part: dev.upload(&o).expect("o"),
+                ml_part: dev.upload(&ml).expect("ml"),
+                splits,
+                rows,
+            };
+            let o_lat = dev.alloc::<f32>(rows * kv_lora).expect("o_lat");
+            let want = dev.alloc::<f32>(tokens * heads * v).expect("want");
+            let got = dev.alloc::<f32>(tokens * heads * v).expect("got");
+            mla_combine(&dev, shape, &parts, o_lat.v()).expect("combine");
+            ops::unabsorb(&dev, o_lat.v(), &kv_b, hs, want.v()).expect("unabsorb");
+            ops::unabsorb_combine(&dev, &parts, &kv_b, hs, got.v()).expect("unabsorb_combine");
+            let (want, got) = (
+                dev.download(&want).expect("want"),
+                dev.download(&got).expect("got"),
+            );
+            assert!(want.iter().all(|x| x.is_finite()), "reference not finite");
+            let b = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(
+                b(&got),
+                b(&want),
+                "{splits} splits, {tokens} tokens, bf16 kv_b {bf}"
+            );
+        }
+    }
+}

@@ -123,27 +123,52 @@ fn absorbed_on<D: super::OnDevice>(dev: &D, p: AbsorbedRun<'_>) -> Result<(), Ke
         heads: d.heads,
         scale: p.scale,
     };
-    match dispatch::absorbed::<D>(p.kernels, &shape) {
+    // The kernel leaves its split-K partials unmerged where it can, and the output
+    // un-absorption merges them (one launch fewer per layer; bitwise the same).
+    let parts = match dispatch::absorbed::<D>(p.kernels, &shape) {
         AbsorbedPlan::GenericF32 => {
             let q_abs = dev.alloc::<f32>(rows * d.heads * lw)?;
             ops::absorb(dev, q, kv_b, hs, AbsorbedOut::F32(q_abs.v()))?;
             let batch = mk(Elems::F32(q_abs.v()));
-            k::mla_absorbed(dev, shape, k::AbsorbedKernel::Generic, &batch, o_lat.v())?;
+            k::mla_absorbed_parts(dev, shape, k::AbsorbedKernel::Generic, &batch, o_lat.v())?
         }
         plan => {
             let q_abs = dev.alloc::<u16>(rows * d.heads * shape.qrow())?;
             ops::absorb(dev, q, kv_b, hs, AbsorbedOut::Bf16(q_abs.v()))?;
             let batch = mk(Elems::Bf16(q_abs.v()));
             match plan {
-                AbsorbedPlan::TilePadded => k::mla_absorbed_padded(dev, shape, &batch, o_lat.v())?,
-                AbsorbedPlan::Packed => {
-                    k::mla_absorbed(dev, shape, k::AbsorbedKernel::Packed, &batch, o_lat.v())?
+                AbsorbedPlan::TilePadded
+                    if crate::ops::mla_plan::HeadPadPlan::for_heads(d.heads)?.needs_padding() =>
+                {
+                    k::mla_absorbed_padded(dev, shape, &batch, o_lat.v())?;
+                    None
                 }
-                _ => k::mla_absorbed(dev, shape, k::AbsorbedKernel::Generic, &batch, o_lat.v())?,
+                AbsorbedPlan::TilePadded => {
+                    k::mla_absorbed_parts(dev, shape, k::AbsorbedKernel::Tile, &batch, o_lat.v())?
+                }
+                AbsorbedPlan::Packed => {
+                    k::mla_absorbed_parts(dev, shape, k::AbsorbedKernel::Packed, &batch, o_lat.v())?
+                }
+                _ => k::mla_absorbed_parts(
+                    dev,
+                    shape,
+                    k::AbsorbedKernel::Generic,
+                    &batch,
+                    o_lat.v(),
+                )?,
             }
         }
+    };
+    match parts {
+        Some(parts) if super::fuse() && ops::unabsorb_combine_fits(&parts, &hs) => {
+            ops::unabsorb_combine(dev, &parts, kv_b, hs, out)
+        }
+        Some(parts) => {
+            k::mla_combine(dev, shape, &parts, o_lat.v())?;
+            ops::unabsorb(dev, o_lat.v(), kv_b, hs, out)
+        }
+        None => ops::unabsorb(dev, o_lat.v(), kv_b, hs, out),
     }
-    ops::unabsorb(dev, o_lat.v(), kv_b, hs, out)
 }
 
 /// The attention kernels' shape for `d` over pages splitting `split` rope elements, with the

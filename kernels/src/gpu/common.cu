@@ -786,6 +786,92 @@ extern "C" __global__ void unabsorb_bf16(const float* o, const bf16_t* w, float*
   unabsorb_impl(o, w, out, T, H, nope, v, kv_lora);
 }
 
+// unabsorb with mla_combine folded in: the attention's split-K partials (o_part [S][rows][kv_lora],
+// ml_part [S][rows][2] = log2-domain max and sum, rows = T·H) are merged by each block for its
+// head's rows into shared memory, then un-absorbed from there — one launch instead of two, and
+// the merged rows never go through memory. The merge is mla_combine's arithmetic in its order
+// (the sum L over the splits by 128 threads, shuffles, then 4 warp partials; the output column
+// by four interleaved accumulators), so the result is bitwise combine-then-unabsorb.
+// Grid: (ceil(v/8), heads); block 256; dynamic shared memory: (GEMV_MAX_M · kv_lora + splits)
+// floats.
+template <typename W>
+__device__ void unabsorb_combine_impl(const float* o_part, const float* ml_part, int splits,
+                                      const W* kv_b, float* out, int T, int H, int nope, int v,
+                                      int kv_lora) {
+  extern __shared__ float s_uc[];
+  float* xs = s_uc;                                  // [GEMV_MAX_M][kv_lora] merged rows
+  float* s_w = s_uc + GEMV_MAX_M * kv_lora;          // [splits] weights of the current row
+  __shared__ float s_red[32];
+  int h = blockIdx.y, c = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
+  int tid = threadIdx.x, lane = tid % WARP, warp = tid / WARP;
+  const int CT = 128;  // mla_combine's block size: the merge's summation order follows it
+  size_t rows = (size_t)T * H, step = rows * kv_lora;
+  const W* wrow = kv_b + ((size_t)h * (nope + v) + nope + min(c, v - 1)) * kv_lora;
+  prefetch_l2(wrow, (size_t)kv_lora * sizeof(W));
+  pdl_enter();
+  for (int t0 = 0; t0 < T; t0 += GEMV_MAX_M) {
+    int m = min(GEMV_MAX_M, T - t0);
+    for (int i = 0; i < m; i++) {
+      size_t r = (size_t)(t0 + i) * H + h;
+      float M = -FERRY_INF;
+      for (int s = tid; s < splits; s += blockDim.x) M = fmaxf(M, ml_part[((size_t)s * rows + r) * 2]);
+      for (int k = 16; k > 0; k >>= 1) M = fmaxf(M, SHFL_XOR(M, k));
+      if (lane == 0) s_red[warp] = M;
+      __syncthreads();
+      M = -FERRY_INF;
+      for (int x = 0; x < (int)blockDim.x / WARP; x++) M = fmaxf(M, s_red[x]);
+      __syncthreads();
+      float L = 0.0f;
+      if (tid < CT)
+        for (int s = tid; s < splits; s += CT) {
+          float mx = ml_part[((size_t)s * rows + r) * 2];
+          float w = mx == -FERRY_INF ? 0.0f : exp2f(mx - M);
+          s_w[s] = w;
+          L += ml_part[((size_t)s * rows + r) * 2 + 1] * w;
+        }
+      for (int k = 16; k > 0; k >>= 1) L += SHFL_XOR(L, k);
+      if (lane == 0) s_red[warp] = L;
+      __syncthreads();
+      L = 0.0f;
+      for (int x = 0; x < CT / WARP; x++) L += s_red[x];
+      for (int d = tid; d < kv_lora; d += blockDim.x) {
+        const float* src = o_part + r * kv_lora + d;
+        float o0 = 0.0f, o1 = 0.0f, o2 = 0.0f, o3 = 0.0f;
+        int s = 0;
+        for (; s + 4 <= splits; s += 4) {
+          o0 += s_w[s] * src[(size_t)s * step];
+          o1 += s_w[s + 1] * src[(size_t)(s + 1) * step];
+          o2 += s_w[s + 2] * src[(size_t)(s + 2) * step];
+          o3 += s_w[s + 3] * src[(size_t)(s + 3) * step];
+        }
+        for (; s < splits; s++) o0 += s_w[s] * src[(size_t)s * step];
+        float o = (o0 + o1) + (o2 + o3);
+        xs[(size_t)i * kv_lora + d] = L > 0.0f ? o / L : 0.0f;
+      }
+      __syncthreads();  // s_w and s_red are reused by the next row
+    }
+    if (c < v) {
+      float acc[GEMV_MAX_M];
+#pragma unroll
+      for (int i = 0; i < GEMV_MAX_M; i++) acc[i] = 0.0f;
+      warp_row_dots(xs, m, kv_lora, wrow, kv_lora, acc);
+      if (lane == 0)
+        for (int i = 0; i < m; i++) out[((size_t)(t0 + i) * H + h) * v + c] = acc[i];
+    }
+    __syncthreads();  // xs is rewritten by the next chunk of tokens
+  }
+}
+extern "C" __global__ void unabsorb_combine_f32(const float* op, const float* ml, int splits,
+                                                const float* w, float* out, int T, int H,
+                                                int nope, int v, int kv_lora) {
+  unabsorb_combine_impl(op, ml, splits, w, out, T, H, nope, v, kv_lora);
+}
+extern "C" __global__ void unabsorb_combine_bf16(const float* op, const float* ml, int splits,
+                                                 const bf16_t* w, float* out, int T, int H,
+                                                 int nope, int v, int kv_lora) {
+  unabsorb_combine_impl(op, ml, splits, w, out, T, H, nope, v, kv_lora);
+}
+
 // ---------------------------------------------------------------------------------------------
 // MHA-form inputs: gather a sequence's latent rows from the pages (all `width`, and the
 // c_kv part alone for kv_b_proj), then split kv_b's output into per-head K = [k_nope | k_pe]

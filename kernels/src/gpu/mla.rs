@@ -395,6 +395,64 @@ pub fn mla_absorbed<D: Gpu>(
     b: &AbsorbedBatch,
     out: Dv<f32>,
 ) -> Result<(), KernelError> {
+    match mla_absorbed_parts(dev, shape, kernel, b, out)? {
+        Some(parts) => mla_combine(dev, shape, &parts, out),
+        None => Ok(()),
+    }
+}
+
+/// The split-K partials of an absorbed-form launch that were not merged yet (`splits` > 1):
+/// `o_part` `[splits][rows][kv_lora]` unnormalised outputs, `ml_part` `[splits][rows][2]` the
+/// log2-domain max and sum of each split. [`mla_combine`] merges them into the output rows;
+/// `ops::unabsorb_combine` merges them inside the output un-absorption instead.
+pub struct SplitParts<D: Gpu> {
+    /// `[splits][rows][kv_lora]`.
+    pub o_part: D::Buffer<f32>,
+    /// `[splits][rows][2]`.
+    pub ml_part: D::Buffer<f32>,
+    /// Splits of the keys.
+    pub splits: usize,
+    /// Output rows (`batch·sq·heads`).
+    pub rows: usize,
+}
+
+/// Merges `parts` into `out` (`[rows][kv_lora]`): the `mla_combine` launch.
+pub fn mla_combine<D: Gpu>(
+    dev: &D,
+    shape: MlaShape,
+    parts: &SplitParts<D>,
+    out: Dv<f32>,
+) -> Result<(), KernelError> {
+    need(
+        "gpu_mla_combine",
+        "out",
+        parts.rows * shape.kv_lora,
+        out.len,
+    )?;
+    let f = dev.function(Source::Mla, &shape.defines(), "mla_combine")?;
+    let mut a = KernelArgs::new();
+    a.ptr(&parts.o_part)
+        .ptr(&parts.ml_part)
+        .push(int("splits", parts.splits)?)
+        .push(int("rows", parts.rows)?)
+        .push(out.ptr);
+    let dims = LaunchDims {
+        grid: (parts.rows as u32, shape.kv_lora.div_ceil(128) as u32, 1),
+        block: (128, 1, 1),
+        smem: (parts.splits * 4) as u32,
+    };
+    dev.launch(&f, dims, &mut a)
+}
+
+/// [`mla_absorbed`] without the merge: the kernel writes `out` itself when it runs unsplit
+/// (`None`), else its split-K partials come back for the caller to merge.
+pub fn mla_absorbed_parts<D: Gpu>(
+    dev: &D,
+    shape: MlaShape,
+    kernel: AbsorbedKernel,
+    b: &AbsorbedBatch,
+    out: Dv<f32>,
+) -> Result<Option<SplitParts<D>>, KernelError> {
     const OP: &str = "gpu_mla_absorbed";
     let rows = b.batch * b.sq * b.heads;
     let q_width = if b.q.is_bf16() {
@@ -424,7 +482,7 @@ pub fn mla_absorbed<D: Gpu>(
         });
     }
     if rows == 0 {
-        return Ok(());
+        return Ok(None);
     }
     let tiled = kernel != AbsorbedKernel::Generic;
     if tiled && !(b.q.is_bf16() && b.pages.bf16 && shape.tile_ok()) {
@@ -573,22 +631,15 @@ pub fn mla_absorbed<D: Gpu>(
         smem: block_smem as u32,
     };
     dev.launch(&f, dims, &mut a)?;
-    if let (Some(o), Some(ml)) = (o_part, ml_part) {
-        let f = dev.function(Source::Mla, &defines, "mla_combine")?;
-        let mut a = KernelArgs::new();
-        a.ptr(&o)
-            .ptr(&ml)
-            .push(int("splits", splits)?)
-            .push(int("rows", rows)?)
-            .push(out.ptr);
-        let dims = LaunchDims {
-            grid: (rows as u32, shape.kv_lora.div_ceil(128) as u32, 1),
-            block: (128, 1, 1),
-            smem: (splits * 4) as u32,
-        };
-        dev.launch(&f, dims, &mut a)?;
-    }
-    Ok(())
+    Ok(match (o_part, ml_part) {
+        (Some(o_part), Some(ml_part)) => Some(SplitParts {
+            o_part,
+            ml_part,
+            splits,
+            rows,
+        }),
+        _ => None,
+    })
 }
 
 /// The padding dispatcher: the tile kernel for 4, 8 or 16k heads; otherwise zero-pad the

@@ -1097,6 +1097,83 @@ pub fn unabsorb<D: Gpu>(
     dev.launch(&f, dims, &mut a)
 }
 
+/// Whether [`unabsorb_combine`] takes `parts` of a model of shape `s` (its merged rows and split
+/// weights fit 48 KiB of shared memory).
+pub fn unabsorb_combine_fits<D: Gpu>(
+    parts: &crate::gpu::mla::SplitParts<D>,
+    s: &HeadShape,
+) -> bool {
+    (GEMV_MAX_M * s.kv_lora + parts.splits) * 4 <= 48 * 1024
+}
+
+/// [`unabsorb`] of the attention's split-K partials, merged inside the launch
+/// (`unabsorb_combine_*`): bitwise `mla_combine` then [`unabsorb`], one launch and no merged
+/// rows in memory.
+pub fn unabsorb_combine<D: Gpu>(
+    dev: &D,
+    parts: &crate::gpu::mla::SplitParts<D>,
+    kv_b: &GpuMatrix<D>,
+    s: HeadShape,
+    out: Dv<f32>,
+) -> Result<(), KernelError> {
+    const OP: &str = "gpu_unabsorb_combine";
+    s.check_kv_b(OP, kv_b)?;
+    let t = parts.rows / s.heads.max(1);
+    need(
+        OP,
+        "parts",
+        parts.splits * parts.rows * s.kv_lora,
+        parts.o_part.v().len,
+    )?;
+    need(
+        OP,
+        "parts",
+        parts.splits * parts.rows * 2,
+        parts.ml_part.v().len,
+    )?;
+    need(OP, "out", t * s.heads * s.v, out.len)?;
+    let smem = (GEMV_MAX_M * s.kv_lora + parts.splits) * 4;
+    if !unabsorb_combine_fits(parts, &s) || t * s.heads != parts.rows {
+        return Err(KernelError::InvalidParam {
+            op: OP,
+            field: "parts",
+            limit: "whole tokens of the heads, and (8 · kv_lora + splits) floats within 48 KiB",
+            value: format!(
+                "{} rows of {} heads, kv_lora {}, {} splits",
+                parts.rows, s.heads, s.kv_lora, parts.splits
+            ),
+        });
+    }
+    if t == 0 {
+        return Ok(());
+    }
+    let f = kernel(
+        dev,
+        if kv_b.is_bf16() {
+            "unabsorb_combine_bf16"
+        } else {
+            "unabsorb_combine_f32"
+        },
+    )?;
+    let mut a = KernelArgs::new();
+    a.push(parts.o_part.ptr())
+        .push(parts.ml_part.ptr())
+        .push(int(OP, "splits", parts.splits)?)
+        .push(kv_b.ptr())
+        .push(out.ptr)
+        .push(int(OP, "T", t)?)
+        .push(int(OP, "H", s.heads)?)
+        .push(int(OP, "nope", s.nope)?)
+        .push(int(OP, "v", s.v)?)
+        .push(int(OP, "kv_lora", s.kv_lora)?);
+    let dims = LaunchDims {
+        grid: (s.v.div_ceil(8) as u32, s.heads as u32, 1),
+        block: (256, 1, 1),
+        smem: smem as u32,
+    };
+    dev.launch(&f, dims, &mut a)
+}
+
 /// Where [`gather_latent`] writes: all latent rows `[L][width]` and their c_kv part `[L][kv_lora]`.
 #[derive(Debug, Clone, Copy)]
 pub struct LatentRows {
