@@ -16,7 +16,7 @@ use ferry_kernels::backend::latent::{latent_write, LatentWrite};
 use ferry_kernels::backend::linear::{linear, linear_add, linear_pair, Linear, LinearPair};
 use ferry_kernels::backend::mla_absorbed::{mla_absorbed, AbsorbedRun};
 use ferry_kernels::backend::mla_mha::{mla_mha, MhaRun};
-use ferry_kernels::backend::moe::{moe, FfnInput, Moe, MoeFfn};
+use ferry_kernels::backend::moe::{moe, Moe, MoeFfn};
 use ferry_kernels::backend::norm::{add_norm, rms_norm_into, AddNorm, RowNorm};
 use ferry_kernels::backend::rope::RopeTable;
 use ferry_kernels::backend::rows::{embed, gather, Embed, Gather};
@@ -519,7 +519,6 @@ fn linear_pair_is_bitwise_two_linears_on_every_backend() {
                     };
                     let p = LinearPair {
                         x: &x_t,
-                        norm: None,
                         first: &a_t,
                         second: &c_t,
                         precision: Precision::Exact,
@@ -619,7 +618,7 @@ fn moe_matches_the_cpu_layer_on_every_backend() {
                 let (x_t, mut h_t) = (b.upload(&x).expect("x"), b.upload(&h0).expect("h"));
                 let p = MoeFfn {
                     w: &w,
-                    x: FfnInput::Rows(&x_t),
+                    x: &x_t,
                     h: &mut h_t,
                     precision: Precision::Exact,
                 };
@@ -633,128 +632,34 @@ fn moe_matches_the_cpu_layer_on_every_backend() {
     }
 }
 
-/// The MoE op fed the residual stream and a norm (`FfnInput::Normed`, the forward's
-/// post-attention norm): it writes `RMSNorm(h) · g` into the given buffer — on a GPU for up to 8
-/// tokens from inside the router's GEMV, the norm folded in — and adds the layer's output of
-/// those rows into `h`, as the CPU's norm then layer do. Token counts on both sides of the
-/// folded kernel's 8 rows; hidden 64 and 96 take it, 60 (not a multiple of 8) the norm launch.
+/// `rms_norm_into` (the forward's input and post-attention norms): the CPU's RMSNorm of every
+/// row, the input rows untouched; widths on and off the norm kernel's float4 path.
 #[test]
-fn moe_with_the_norm_folded_in_matches_norm_then_layer_on_every_backend() {
-    let mut rng = common::rng(29);
-    for ((hidden, inter), bf16) in [((64, 40), true), ((96, 64), false), ((60, 40), true)] {
-        let layer = moe_layer(&mut rng, hidden, inter, bf16);
-        let g: Vec<f32> = common::uniform(&mut rng, hidden, 0.5)
-            .iter()
-            .map(|v| v + 1.0)
-            .collect();
-        for tokens in [1, 2, 8, 9, 37] {
-            let h0 = common::uniform(&mut rng, tokens * hidden, 1.0);
-            let mut x = vec![0.0f32; h0.len()];
-            rms_norm(&h0, &g, 1e-6, &mut x).expect("norm");
-            let mut y = vec![0.0f32; x.len()];
-            layer.forward(&x, &mut y).expect("cpu moe");
-            let want: Vec<f32> = h0.iter().zip(&y).map(|(h, y)| h + y).collect();
-            for b in backends() {
-                let w = Moe::to_backend(&layer, 2, &b).expect("upload");
-                let g_t = b.upload(&g).expect("g");
-                let mut h_t = b.upload(&h0).expect("h");
-                let mut x_t = b.zeros(h0.len()).expect("x");
-                let p = MoeFfn {
-                    w: &w,
-                    x: FfnInput::Normed {
-                        norm: RowNorm {
-                            weight: &g_t,
-                            eps: 1e-6,
-                        },
-                        into: &mut x_t,
-                    },
-                    h: &mut h_t,
-                    precision: Precision::Exact,
-                };
-                moe(&b, p).expect("moe");
-                let what = format!("normed moe {hidden}x{inter}, {tokens} tokens");
-                check(&b, &format!("{what}: rows"), &x_t.to_host().expect("x"), &x);
-                check(&b, &what, &h_t.to_host().expect("h"), &want);
-            }
-        }
-    }
-}
-
-/// `linear_pair` of `RMSNorm(x) · g` (the attention's input norm): what the CPU's norm then two
-/// projections give — bitwise on the CPU, within summation rounding on a GPU, where up to 8
-/// rows of a width that is a multiple of 8 take `gemv_pair_normed` (the norm folded in) and the
-/// rest a norm launch first; the input rows are not written.
-#[test]
-fn linear_pair_with_a_norm_matches_norm_then_two_linears_on_every_backend() {
+fn rms_norm_into_matches_the_cpu_norm_on_every_backend() {
     let mut rng = common::rng(31);
-    for (k, n1, n2, bf16) in [(64, 40, 9, true), (128, 33, 17, false), (70, 24, 8, true)] {
-        let mk = |rng: &mut rand_chacha::ChaCha8Rng, n| {
-            let v = common::uniform(rng, n * k, 0.3);
-            if bf16 {
-                let v = v.iter().map(|&v| half::bf16::from_f32(v)).collect();
-                Matrix::from_bf16(n, k, v).expect("w")
-            } else {
-                Matrix::from_f32(n, k, v).expect("w")
-            }
-        };
-        let (w1, w2) = (mk(&mut rng, n1), mk(&mut rng, n2));
-        let g: Vec<f32> = common::uniform(&mut rng, k, 0.5)
+    for (rows, width) in [(1, 64), (3, 2048), (9, 70)] {
+        let h = common::uniform(&mut rng, rows * width, 2.0);
+        let g: Vec<f32> = common::uniform(&mut rng, width, 0.5)
             .iter()
             .map(|v| v + 1.0)
             .collect();
-        for m in [1, 3, 8, 9] {
-            let h = common::uniform(&mut rng, m * k, 2.0);
-            let mut x = vec![0.0f32; h.len()];
-            rms_norm(&h, &g, 1e-6, &mut x).expect("norm");
-            let mut want1 = vec![0.0f32; m * n1];
-            let mut want2 = vec![0.0f32; m * n2];
-            ferry_kernels::cpu::gemm::linear(&x, &w1, &mut want1).expect("linear");
-            ferry_kernels::cpu::gemm::linear(&x, &w2, &mut want2).expect("linear");
-            for b in backends() {
-                let (h_t, g_t) = (b.upload(&h).expect("h"), b.upload(&g).expect("g"));
-                let (a_t, c_t) = (b.weight(&w1).expect("w1"), b.weight(&w2).expect("w2"));
-                let p = LinearPair {
-                    x: &h_t,
-                    norm: Some(RowNorm {
-                        weight: &g_t,
-                        eps: 1e-6,
-                    }),
-                    first: &a_t,
-                    second: &c_t,
-                    precision: Precision::Exact,
-                };
-                let (y1, y2) = linear_pair(&b, p).expect("linear_pair");
-                let what = format!("normed pair k {k} m {m}");
-                check(
-                    &b,
-                    &format!("{what}: first"),
-                    &y1.to_host().expect("y1"),
-                    &want1,
-                );
-                check(
-                    &b,
-                    &format!("{what}: second"),
-                    &y2.to_host().expect("y2"),
-                    &want2,
-                );
-                assert_eq!(
-                    h_t.to_host().expect("h"),
-                    h,
-                    "{what}: the input was written"
-                );
-                let mut x_t = b.zeros(h.len()).expect("x");
-                let norm = RowNorm {
-                    weight: &g_t,
-                    eps: 1e-6,
-                };
-                rms_norm_into(&b, &h_t, norm, &mut x_t).expect("rms_norm_into");
-                check(
-                    &b,
-                    &format!("{what}: rms_norm_into"),
-                    &x_t.to_host().expect("x"),
-                    &x,
-                );
-            }
+        let mut want = vec![0.0f32; h.len()];
+        rms_norm(&h, &g, 1e-6, &mut want).expect("norm");
+        for b in backends() {
+            let (h_t, g_t) = (b.upload(&h).expect("h"), b.upload(&g).expect("g"));
+            let mut x_t = b.zeros(h.len()).expect("x");
+            let norm = RowNorm {
+                weight: &g_t,
+                eps: 1e-6,
+            };
+            rms_norm_into(&b, &h_t, norm, &mut x_t).expect("rms_norm_into");
+            let what = format!("rms_norm_into {rows} x {width}");
+            check(&b, &what, &x_t.to_host().expect("x"), &want);
+            assert_eq!(
+                h_t.to_host().expect("h"),
+                h,
+                "{what}: the input was written"
+            );
         }
     }
 }

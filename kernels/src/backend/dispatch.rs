@@ -5,7 +5,7 @@
 //!
 //! | op | CUDA | ROCm |
 //! |---|---|---|
-//! | `linear` ≤ 8 rows | `gemv_{f32,bf16}` (`gemv_pair_*` for two projections, `*_normed_*` with an RMSNorm folded in) | the same |
+//! | `linear` ≤ 8 rows | `gemv_{f32,bf16}` (`gemv_pair_*` for two projections) | the same |
 //! | `linear` > 8 rows | cuBLAS (exact: split-bf16 activations, two GEMMs) | `gemm_tiled_{f32,bf16}` (f32 activations, both modes) |
 //! | `embed`, `gather`, norms, RoPE, latent write, absorb / unabsorb, MLP, MoE | `common.cu` | the same kernels |
 //! | absorbed MLA, exact | `mla_generic_f32` | the same |
@@ -130,16 +130,7 @@ pub fn forward_kernels<D: Gpu>(k: AttnKernels, shape: &MlaShape, cc: (i32, i32))
         source,
         kernels: kernels.to_vec(),
     };
-    let mut linear = vec![
-        "gemv_f32",
-        "gemv_bf16",
-        "gemv_pair_f32",
-        "gemv_pair_bf16",
-        "gemv_normed_f32",
-        "gemv_normed_bf16",
-        "gemv_pair_normed_f32",
-        "gemv_pair_normed_bf16",
-    ];
+    let mut linear = vec!["gemv_f32", "gemv_bf16", "gemv_pair_f32", "gemv_pair_bf16"];
     if D::VENDOR_GEMM.is_none() {
         linear.extend(["gemm_tiled_f32", "gemm_tiled_bf16"]);
     }

@@ -7,11 +7,9 @@
 //! both precisions).
 //!
 //! [`linear_pair`]: two projections of the same input (an attention layer's first query
-//! projection and `kv_a`), one GEMV launch on a GPU for decode-sized inputs, optionally of
-//! `RMSNorm(h)` folded into that launch ([`RowNorm`]). [`linear_add`]: a projection added into
-//! the residual stream (`o_proj`), the GEMV accumulating in place on a GPU.
+//! projection and `kv_a`), one GEMV launch on a GPU for decode-sized inputs. [`linear_add`]: a
+//! projection added into the residual stream (`o_proj`), accumulated in place on a GPU.
 
-use super::norm::{rms_norm_into, RowNorm};
 use super::{Backend, Precision, Tensor, Weight};
 use crate::KernelError;
 
@@ -74,14 +72,14 @@ fn on_gpu<D: super::OnDevice>(dev: &D, p: Linear<'_>, out: &Tensor) -> Result<()
 
 /// `h += x · Wᵀ` (a sub-layer's output projection added into the residual stream): on a GPU
 /// the GEMV (up to 8 rows) or the large GEMM adds into `h` itself — for the GEMV bitwise
-/// `h + linear(x)` — with no separate add ([`super::fuse_norm`]; off, a [`linear`] then an
-/// add); on the CPU [`linear`] then the add.
+/// `h + linear(x)` — with no separate add (unless fusion is off, [`super::fuse`]); on the CPU
+/// [`linear`] then the add.
 pub fn linear_add(b: &Backend, p: Linear<'_>, h: &mut Tensor) -> Result<(), KernelError> {
     match b {
         #[cfg(feature = "cuda")]
-        Backend::Cuda(dev) if super::fuse_norm() => return add_on_gpu(dev, p, h),
+        Backend::Cuda(dev) if super::fuse() => return add_on_gpu(dev, p, h),
         #[cfg(feature = "rocm")]
-        Backend::Rocm(dev) if super::fuse_norm() => return add_on_gpu(dev, p, h),
+        Backend::Rocm(dev) if super::fuse() => return add_on_gpu(dev, p, h),
         _ => {}
     }
     let y = linear(b, p)?;
@@ -112,14 +110,11 @@ fn add_on_gpu<D: super::OnDevice>(
     crate::gpu::ops::linear_add(dev, x, w, y, p.precision.gemm())
 }
 
-/// Two projections of the same input, `x · Wfirstᵀ` and `x · Wsecondᵀ` — or, with `norm`, of
-/// `RMSNorm(x) · norm.weight`.
+/// Two projections of the same input, `x · Wfirstᵀ` and `x · Wsecondᵀ`.
 #[derive(Debug, Clone, Copy)]
 pub struct LinearPair<'a> {
-    /// `[rows][k]` inputs (with `norm`: the residual stream, not written).
+    /// `[rows][k]` inputs.
     pub x: &'a Tensor,
-    /// The RMSNorm the inputs take first, if any (folded into the launch on a GPU).
-    pub norm: Option<RowNorm<'a>>,
     /// `[n1][k]` weight of the first output.
     pub first: &'a Weight,
     /// `[n2][k]` weight of the second output.
@@ -131,35 +126,7 @@ pub struct LinearPair<'a> {
 /// `([rows][n1], [rows][n2])`, new tensors on `b`. On a GPU, up to 8 rows (decode) with both
 /// weights of one element type go through one `gemv_pair` launch — bitwise what two [`linear`]
 /// calls give — unless fusion is off ([`super::fuse`]); everything else is two [`linear`] calls.
-/// With `norm`, a GPU folds the norm into that launch (`gemv_pair_normed`, equal up to
-/// rounding; [`super::fuse_norm`]); otherwise the normalised rows are computed first.
 pub fn linear_pair(b: &Backend, p: LinearPair<'_>) -> Result<(Tensor, Tensor), KernelError> {
-    if let Some(norm) = p.norm {
-        #[cfg(any(feature = "cuda", feature = "rocm"))]
-        if super::fuse_norm() && p.first.cols() == p.second.cols() {
-            let rows = p.x.len() / p.first.cols().max(1);
-            let mut a = b.scratch(rows * p.first.rows())?;
-            let mut c = b.scratch(rows * p.second.rows())?;
-            let fused = match b {
-                Backend::Cpu => false,
-                #[cfg(feature = "cuda")]
-                Backend::Cuda(dev) => pair_normed_on_gpu(dev, p, norm, &mut a, &mut c)?,
-                #[cfg(feature = "rocm")]
-                Backend::Rocm(dev) => pair_normed_on_gpu(dev, p, norm, &mut a, &mut c)?,
-            };
-            if fused {
-                return Ok((a, c));
-            }
-        }
-        let mut x = b.scratch(p.x.len())?;
-        rms_norm_into(b, p.x, norm, &mut x)?;
-        let p = LinearPair {
-            x: &x,
-            norm: None,
-            ..p
-        };
-        return linear_pair(b, p);
-    }
     let one = |w| Linear {
         x: p.x,
         w,
@@ -211,34 +178,5 @@ fn pair_on_gpu<D: super::OnDevice>(
     let x = tv::<D>(p.x, OP, "x")?;
     let (o1, o2) = (tv::<D>(a, OP, "out")?, tv::<D>(c, OP, "out")?);
     crate::gpu::ops::gemv_pair(dev, x, (w1, o1), (w2, o2))?;
-    Ok(true)
-}
-
-/// The GPU arm with the norm folded in: `false` (nothing launched) where the folded kernel does
-/// not take the shapes ([`crate::gpu::ops::NormedInput::fits`]) or the weights' element types
-/// differ.
-#[cfg(any(feature = "cuda", feature = "rocm"))]
-fn pair_normed_on_gpu<D: super::OnDevice>(
-    dev: &D,
-    p: LinearPair<'_>,
-    norm: RowNorm<'_>,
-    a: &mut Tensor,
-    c: &mut Tensor,
-) -> Result<bool, KernelError> {
-    use super::{tv, wv};
-    let (w1, w2) = (
-        wv::<D>(p.first, OP, "first")?,
-        wv::<D>(p.second, OP, "second")?,
-    );
-    let input = crate::gpu::ops::NormedInput {
-        h: tv::<D>(p.x, OP, "x")?,
-        weight: tv::<D>(norm.weight, OP, "norm")?,
-        eps: norm.eps,
-    };
-    if w1.is_bf16() != w2.is_bf16() || !input.fits(w1.cols()) {
-        return Ok(false);
-    }
-    let (o1, o2) = (tv::<D>(a, OP, "out")?, tv::<D>(c, OP, "out")?);
-    crate::gpu::ops::gemv_pair_normed(dev, input, (w1, o1), (w2, o2))?;
     Ok(true)
 }

@@ -123,7 +123,7 @@ fn absorbed_on<D: super::OnDevice>(dev: &D, p: AbsorbedRun<'_>) -> Result<(), Ke
         heads: d.heads,
         scale: p.scale,
     };
-    // The kernel leaves its split-K partials unmerged where it can, and the output
+    // The kernel leaves its split-K partials unmerged, and for a token or two the output
     // un-absorption merges them (one launch fewer per layer; bitwise the same).
     let parts = match dispatch::absorbed::<D>(p.kernels, &shape) {
         AbsorbedPlan::GenericF32 => {
@@ -160,7 +160,11 @@ fn absorbed_on<D: super::OnDevice>(dev: &D, p: AbsorbedRun<'_>) -> Result<(), Ke
         }
     };
     match parts {
-        Some(parts) if super::fuse() && ops::unabsorb_combine_fits(&parts, &hs) => {
+        Some(parts)
+            if super::fuse()
+                && rows <= ops::UNABSORB_COMBINE_MAX_TOKENS
+                && ops::unabsorb_combine_fits(&parts, &hs) =>
+        {
             ops::unabsorb_combine(dev, &parts, kv_b, hs, out)
         }
         Some(parts) => {

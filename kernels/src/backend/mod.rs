@@ -618,13 +618,6 @@ pub(crate) fn fuse() -> bool {
     *FUSE.get_or_init(|| std::env::var("FERRY_FUSE").map_or(true, |v| v != "0"))
 }
 
-/// Whether a GPU folds RMSNorm into the projection after it ([`norm::RowNorm`]): on unless
-/// `FERRY_FUSE_NORM=0` or `FERRY_FUSE=0`, read once, so one binary measures both.
-pub(crate) fn fuse_norm() -> bool {
-    static FUSE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *FUSE.get_or_init(|| fuse() && std::env::var("FERRY_FUSE_NORM").map_or(true, |v| v != "0"))
-}
-
 /// Outputs per block of the per-pair MoE down kernel when fusion is on: `FERRY_MOE_DOWN_R` =
 /// 1, 4 (the default), 8 or 16, read once, so one binary measures each (docs/gpu.md); the
 /// results are bitwise equal whichever runs. A value outside those is logged and ignored.

@@ -6,7 +6,6 @@
 //! `(token, slot)` pair, the shared expert stacked as extra expert slots so it costs no
 //! separate pass, the weighted sum added straight into `h`.
 
-use super::norm::{rms_norm_into, RowNorm};
 use super::{Backend, Precision, Tensor};
 use crate::cpu::moe::MoeLayer;
 use crate::KernelError;
@@ -121,29 +120,13 @@ impl Moe {
     }
 }
 
-/// The input rows of a feed-forward sub-layer.
-#[derive(Debug)]
-pub enum FfnInput<'a> {
-    /// `[T][hidden]` rows, already normalised.
-    Rows(&'a Tensor),
-    /// `RMSNorm(h) · norm.weight` of the op's residual stream, which the op writes into `into`
-    /// (`[T][hidden]`) before the experts read it: on a GPU for decode-sized inputs the router's
-    /// GEMV does so with the norm folded in (no norm launch), elsewhere a norm runs first.
-    Normed {
-        /// The norm.
-        norm: RowNorm<'a>,
-        /// Receives the normalised rows.
-        into: &'a mut Tensor,
-    },
-}
-
 /// `h += moe(x)`.
 #[derive(Debug)]
 pub struct MoeFfn<'a> {
     /// The weights.
     pub w: &'a Moe,
-    /// The inputs.
-    pub x: FfnInput<'a>,
+    /// `[T][hidden]` normalised inputs.
+    pub x: &'a Tensor,
     /// `[T][hidden]` residual stream.
     pub h: &'a mut Tensor,
     /// GEMM input precision of the router on a GPU.
@@ -155,14 +138,7 @@ pub fn moe(b: &Backend, p: MoeFfn<'_>) -> Result<(), KernelError> {
     const OP: &str = "moe";
     match (b, p.w) {
         (Backend::Cpu, Moe::Host(m)) => {
-            let x: &Tensor = match p.x {
-                FfnInput::Rows(x) => x,
-                FfnInput::Normed { norm, into } => {
-                    rms_norm_into(b, p.h, norm, into)?;
-                    into
-                }
-            };
-            super::add_residual_host(OP, x, p.h, |x, y| m.forward(x, y))
+            super::add_residual_host(OP, p.x, p.h, |x, y| m.forward(x, y))
         }
         #[cfg(feature = "cuda")]
         (
@@ -263,38 +239,10 @@ fn moe_on<D: super::OnDevice>(
     use crate::gpu::ops;
     const OP: &str = "moe";
     let gemm = p.precision.gemm();
-    let h = super::tv::<D>(p.h, OP, "h")?;
-    let t = h.len / router.cols().max(1);
+    let x = super::tv::<D>(p.x, OP, "x")?;
+    let t = x.len / router.cols().max(1);
     let logits = dev.alloc::<f32>(t * router.rows())?;
-    let x = match p.x {
-        FfnInput::Rows(x) => {
-            let x = super::tv::<D>(x, OP, "x")?;
-            ops::linear(dev, x, router, logits.v(), gemm)?;
-            x
-        }
-        FfnInput::Normed { norm, into } => {
-            let input = ops::NormedInput {
-                h,
-                weight: super::tv::<D>(norm.weight, OP, "norm")?,
-                eps: norm.eps,
-            };
-            let x = super::tv::<D>(into, OP, "into")?;
-            if super::fuse_norm() && input.fits(router.cols()) {
-                ops::gemv_normed(dev, input, router, logits.v(), Some(x))?;
-            } else {
-                let rows = ops::NormRows {
-                    h,
-                    delta: None,
-                    weight: input.weight,
-                    out: Some(x),
-                    width: router.cols(),
-                };
-                ops::add_rms_norm(dev, rows, norm.eps)?;
-                ops::linear(dev, x, router, logits.v(), gemm)?;
-            }
-            x
-        }
-    };
+    ops::linear(dev, x, router, logits.v(), gemm)?;
     let slots = (routing.top_k + routing.n_shared) as usize;
     let ids = dev.alloc::<i32>(t * slots)?;
     let w = dev.alloc::<f32>(t * slots)?;
@@ -304,7 +252,7 @@ fn moe_on<D: super::OnDevice>(
         slots,
     };
     ops::moe_route(dev, logits.v(), bias.v(), routing, routes)?;
-    ops::moe_experts(dev, x, routes, experts, h)
+    ops::moe_experts(dev, x, routes, experts, super::tv::<D>(p.h, OP, "h")?)
 }
 
 /// Expert stacking for the device kernels.

@@ -113,10 +113,7 @@ fn norm_strided_on<D: super::OnDevice>(dev: &D, p: NormStrided<'_>) -> Result<()
     crate::gpu::ops::rms_norm_strided(dev, x, p.stride, w, p.eps)
 }
 
-/// RMSNorm of a projection's input rows, `RMSNorm(h) · weight`: given to [`super::linear`]'s
-/// pair and to [`super::moe`], which fold it into their first GEMV on a GPU for decode-sized
-/// inputs (no norm launch, no round trip of the normalised rows) and compute it first
-/// elsewhere ([`rms_norm_into`]).
+/// An RMSNorm, `RMSNorm(h) · weight` ([`rms_norm_into`]).
 #[derive(Debug, Clone, Copy)]
 pub struct RowNorm<'a> {
     /// `[width]` norm weight.

@@ -375,128 +375,6 @@ pub fn gemv_pair<D: Gpu>(
     )
 }
 
-/// RMSNorm folded into a projection (`gemv_normed_*`, `gemv_pair_normed_*` in `common.cu`):
-/// the projection's input is `RMSNorm(h) · weight`, computed inside the GEMV instead of by a
-/// norm launch before it.
-#[derive(Debug, Clone, Copy)]
-pub struct NormedInput {
-    /// The residual stream `[m][k]` (read only).
-    pub h: Dv<f32>,
-    /// The norm weight `[k]`.
-    pub weight: Dv<f32>,
-    /// RMSNorm epsilon.
-    pub eps: f32,
-}
-
-impl NormedInput {
-    /// Whether the folded kernels take `h` as rows of width `k`: at most [`GEMV_MAX_M`] whole
-    /// rows, `k` a multiple of 8, 16-byte aligned rows and weight (the kernels' vector loads).
-    pub fn fits(&self, k: usize) -> bool {
-        let m = self.h.len / k.max(1);
-        k > 0
-            && k % 8 == 0
-            && m * k == self.h.len
-            && (1..=GEMV_MAX_M).contains(&m)
-            && self.weight.len == k
-            && (self.h.ptr | self.weight.ptr) % 16 == 0
-    }
-
-    fn check(&self, op: &'static str, k: usize) -> Result<usize, KernelError> {
-        if !self.fits(k) {
-            return Err(KernelError::InvalidParam {
-                op,
-                field: "h",
-                limit: "1–8 whole rows of a width that is a multiple of 8, 16-byte aligned, and a weight of that width",
-                value: format!("{} floats, width {k}, weight {}", self.h.len, self.weight.len),
-            });
-        }
-        Ok(self.h.len / k)
-    }
-}
-
-/// `out = (RMSNorm(h) · weight) · Wᵀ` in one GEMV launch; with `x_out`, the normalised rows are
-/// written there too (for the kernels that read them next). Equal to [`add_rms_norm`] then
-/// [`gemv`] up to rounding (the norm's sum is taken in another order and its scale applied to
-/// the dot product instead of to each input).
-pub fn gemv_normed<D: Gpu>(
-    dev: &D,
-    input: NormedInput,
-    w: &GpuMatrix<D>,
-    out: Dv<f32>,
-    x_out: Option<Dv<f32>>,
-) -> Result<(), KernelError> {
-    const OP: &str = "gpu_gemv_normed";
-    let (n, k) = (w.rows, w.cols);
-    let m = input.check(OP, k)?;
-    need(OP, "out", m * n, out.len)?;
-    if let Some(x) = x_out {
-        need(OP, "x_out", m * k, x.len)?;
-    }
-    let name = if w.is_bf16() {
-        "gemv_normed_bf16"
-    } else {
-        "gemv_normed_f32"
-    };
-    let f = kernel(dev, name)?;
-    let mut a = KernelArgs::new();
-    a.push(input.h.ptr)
-        .push(int(OP, "m", m)?)
-        .push(input.weight.ptr)
-        .push(input.eps)
-        .push(w.ptr())
-        .push(int(OP, "n", n)?)
-        .push(int(OP, "k", k)?)
-        .push(out.ptr)
-        .push(x_out.map_or(0, |x| x.ptr));
-    dev.launch(&f, LaunchDims::linear(n.div_ceil(8), 256), &mut a)
-}
-
-/// [`gemv_pair`] of `RMSNorm(h) · weight` in one launch (the norm folded in as in
-/// [`gemv_normed`]).
-pub fn gemv_pair_normed<D: Gpu>(
-    dev: &D,
-    input: NormedInput,
-    (w1, out1): (&GpuMatrix<D>, Dv<f32>),
-    (w2, out2): (&GpuMatrix<D>, Dv<f32>),
-) -> Result<(), KernelError> {
-    const OP: &str = "gpu_gemv_pair_normed";
-    let k = w1.cols;
-    if w2.cols != k || w1.is_bf16() != w2.is_bf16() {
-        return Err(KernelError::InvalidParam {
-            op: OP,
-            field: "w2",
-            limit: "the input width and element type of w1",
-            value: format!("{} columns (w1: {k})", w2.cols),
-        });
-    }
-    let m = input.check(OP, k)?;
-    need(OP, "out1", m * w1.rows, out1.len)?;
-    need(OP, "out2", m * w2.rows, out2.len)?;
-    let name = if w1.is_bf16() {
-        "gemv_pair_normed_bf16"
-    } else {
-        "gemv_pair_normed_f32"
-    };
-    let f = kernel(dev, name)?;
-    let mut a = KernelArgs::new();
-    a.push(input.h.ptr)
-        .push(int(OP, "m", m)?)
-        .push(input.weight.ptr)
-        .push(input.eps)
-        .push(w1.ptr())
-        .push(int(OP, "n1", w1.rows)?)
-        .push(out1.ptr)
-        .push(w2.ptr())
-        .push(int(OP, "n2", w2.rows)?)
-        .push(out2.ptr)
-        .push(int(OP, "k", k)?);
-    dev.launch(
-        &f,
-        LaunchDims::linear((w1.rows + w2.rows).div_ceil(8), 256),
-        &mut a,
-    )
-}
-
 /// `out[t] = table[ids[t]]` (f32); an id outside the table gives a zero row.
 pub fn embed<D: Gpu>(
     dev: &D,
@@ -1096,6 +974,13 @@ pub fn unabsorb<D: Gpu>(
     };
     dev.launch(&f, dims, &mut a)
 }
+
+/// Tokens up to which the absorbed-form forward merges the split-K partials inside the output
+/// un-absorption ([`unabsorb_combine`]) rather than in `mla_combine`: each of a head's
+/// `ceil(v / 8)` blocks merges every token's row of that head, so the merge's reads grow with
+/// the batch; on the H200 (V2-Lite shape, 1k context) it saved 1.8 us a layer for one token
+/// (7.3 us against 5.0 + 4.1) and cost 1.7 ms a step at 32 tokens.
+pub const UNABSORB_COMBINE_MAX_TOKENS: usize = 2;
 
 /// Whether [`unabsorb_combine`] takes `parts` of a model of shape `s` (its merged rows and split
 /// weights fit 48 KiB of shared memory).

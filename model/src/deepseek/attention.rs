@@ -6,7 +6,7 @@ use ferry_kernels::backend::latent::{latent_write, LatentWrite};
 use ferry_kernels::backend::linear::{linear, linear_add, linear_pair, Linear, LinearPair};
 use ferry_kernels::backend::mla_absorbed::{mla_absorbed, AbsorbedRun};
 use ferry_kernels::backend::mla_mha::{mla_mha, MhaRun};
-use ferry_kernels::backend::norm::{norm_strided, NormStrided, RowNorm};
+use ferry_kernels::backend::norm::{norm_strided, NormStrided};
 use ferry_kernels::backend::{Tensor, Weight};
 use ferry_kernels::cpu::mla::MlaDims;
 use ferry_kernels::cpu::rope::RotaryLayout;
@@ -76,15 +76,16 @@ pub fn estimate_flops(form: AttentionForm, dims: &MlaDims, cached: usize, new: u
 }
 
 impl DeepseekModel {
-    /// MLA of layer `l` over the residual stream `h` (`[T][hidden]`), its input norm taken by
-    /// the first projections (folded into their launch on a GPU): writes the new tokens'
-    /// latent rows into `kv` and adds the `o_proj` output into `h`.
+    /// MLA of layer `l` for the normalised hidden states `x` (`[T][hidden]`): writes the new
+    /// tokens' latent rows into `kv` and adds the `o_proj` output into the residual stream `h`
+    /// (accumulated in place on a GPU).
     pub(super) fn attention(
         &self,
         l: usize,
-        h: &mut Tensor,
+        x: &Tensor,
         plan: &Plan,
         kv: &mut KvMut<'_>,
+        h: &mut Tensor,
     ) -> Result<(), ModelError> {
         let b = &self.backend;
         let w = &self.layers[l].attn;
@@ -100,11 +101,7 @@ impl DeepseekModel {
             QueryProj::Full(p) => p,
         };
         let p = LinearPair {
-            x: h,
-            norm: Some(RowNorm {
-                weight: &self.layers[l].input_norm,
-                eps: self.config.rms_norm_eps,
-            }),
+            x,
             first,
             second: &w.kv_a,
             precision,

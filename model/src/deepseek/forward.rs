@@ -15,7 +15,7 @@
 
 use ferry_kernels::backend::linear::{linear_into, Linear};
 use ferry_kernels::backend::mlp::{dense, DenseFfn};
-use ferry_kernels::backend::moe::{moe, FfnInput, MoeFfn};
+use ferry_kernels::backend::moe::{moe, MoeFfn};
 use ferry_kernels::backend::norm::{add_norm, rms_norm_into, AddNorm, RowNorm};
 use ferry_kernels::backend::rope::RopeTable;
 use ferry_kernels::backend::rows::{embed, gather, Embed, Gather};
@@ -290,33 +290,30 @@ impl DeepseekModel {
         )?;
         let mut x = b.scratch(t * width)?;
         for (l, layer) in self.layers.iter().enumerate() {
-            // `h += attention(norm(h))`, the norm taken by the first projections.
-            self.attention(l, &mut h, plan, kv)?;
+            let norm = |weight| RowNorm { weight, eps };
+            rms_norm_into(b, &h, norm(&layer.input_norm), &mut x)?;
+            // `h += o_proj(attention(x))`, added in place.
+            self.attention(l, &x, plan, kv, &mut h)?;
             if let Some(hook) = after_layer.as_mut() {
                 hook(l, kv.as_ref())?;
             }
+            rms_norm_into(b, &h, norm(&layer.post_norm), &mut x)?;
             let precision = self.kernels.precision;
-            let norm = RowNorm {
-                weight: &layer.post_norm,
-                eps,
-            };
             match &layer.ffn {
-                Ffn::Dense(w) => {
-                    rms_norm_into(b, &h, norm, &mut x)?;
-                    let p = DenseFfn {
+                Ffn::Dense(w) => dense(
+                    b,
+                    DenseFfn {
                         w,
                         x: &x,
                         h: &mut h,
                         precision,
-                    };
-                    dense(b, p)?
-                }
-                // The router's projection takes the norm and writes `x` for the experts.
+                    },
+                )?,
                 Ffn::Moe(w) => moe(
                     b,
                     MoeFfn {
                         w,
-                        x: FfnInput::Normed { norm, into: &mut x },
+                        x: &x,
                         h: &mut h,
                         precision,
                     },
