@@ -303,16 +303,13 @@ def main() -> None:
     if experts == "bf16_grouped_mm":
         register_bf16_experts()
     model = DeepseekV3ForCausalLM(config)  # seeded above: the same weights for the same seed
-    if experts is not None:
-        model.set_experts_implementation(experts)
     model.to(device)
     model.train()
     total_params = sum(t.numel() for t in model.parameters())
     counts = param_counts(cfg_dict, total_params)
     print(f"train-target: preset {args.preset}: {counts['total'] / 1e6:.1f}M parameters, "
           f"{counts['active'] / 1e6:.1f}M active per token "
-          f"({counts['active_without_embedding'] / 1e6:.1f}M without the embedding); experts "
-          f"{model.config._experts_implementation}", flush=True)
+          f"({counts['active_without_embedding'] / 1e6:.1f}M without the embedding)", flush=True)
 
     decay, no_decay = [], []
     for name, prm in model.named_parameters():
@@ -338,6 +335,25 @@ def main() -> None:
     for i, g in enumerate(gates):
         g.register_forward_hook(hook(i))
 
+    # A probe step (forward + backward on one short sequence) so that an experts kernel this
+    # machine cannot run falls back instead of ending an unattended lease.
+    fallbacks = [experts] + [e for e in ("grouped_mm", "eager") if e != experts]
+    for impl in fallbacks:
+        try:
+            if impl is not None:
+                model.set_experts_implementation(impl)
+            probe = batch_of(train_ids, [0])[:, :65]
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+                lg = model(input_ids=probe[:, :-1], use_cache=False).logits
+            F.cross_entropy(lg.float().reshape(-1, lg.shape[-1]), probe[:, 1:].reshape(-1)).backward()
+            break
+        except Exception as e:  # noqa: BLE001 - any failure of the kernel path
+            print(f"train-target: WARNING: experts implementation {impl} failed its probe step "
+                  f"({type(e).__name__}: {str(e)[:200]}); trying the next", flush=True)
+    model.zero_grad(set_to_none=True)
+    loads.zero_()
+
+    print(f"train-target: experts implementation {model.config._experts_implementation}", flush=True)
     fwd = model
     if args.compile:
         fwd = torch.compile(model)
