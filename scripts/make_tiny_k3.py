@@ -154,9 +154,17 @@ def stage_corpus(args: argparse.Namespace) -> None:
 
 
 def stage_tokenizer(args: argparse.Namespace) -> None:
+    train_bpe_tokenizer([str(args.corpus)], VOCAB_SIZE, Path(args.out),
+                        MODEL_CONFIG["max_position_embeddings"])
+
+
+def train_bpe_tokenizer(files: list, vocab_size: int, out: Path, model_max_length: int) -> None:
+    """A byte-level BPE with ferry's special tokens (`<|bos|>` = 0, `<|eos|>` = 1, ...), BOS
+    prepended by the post-processor, and the chat template: OUT/tokenizer.json and
+    OUT/tokenizer_config.json. Also used by scripts/make_corpus.py for the trained target."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-    out = Path(args.out)
+    out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -165,13 +173,13 @@ def stage_tokenizer(args: argparse.Namespace) -> None:
         single="<|bos|> $A", special_tokens=[("<|bos|>", 0)]
     )
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
+        vocab_size=vocab_size,
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train([str(args.corpus)], trainer)
-    assert tok.get_vocab_size() == VOCAB_SIZE, tok.get_vocab_size()
+    tok.train(files, trainer)
+    assert tok.get_vocab_size() == vocab_size, tok.get_vocab_size()
     assert tok.token_to_id("<|bos|>") == 0 and tok.token_to_id("<|eos|>") == 1
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(
@@ -180,7 +188,7 @@ def stage_tokenizer(args: argparse.Namespace) -> None:
                 "bos_token": "<|bos|>",
                 "eos_token": "<|eos|>",
                 "chat_template": CHAT_TEMPLATE,
-                "model_max_length": MODEL_CONFIG["max_position_embeddings"],
+                "model_max_length": model_max_length,
                 "tokenizer_class": "PreTrainedTokenizerFast",
             },
             indent=2,
@@ -236,6 +244,17 @@ def to_deepseek_state_dict(model) -> dict:
     return out
 
 
+def write_hf_config(config, out: Path) -> None:
+    """OUT/config.json as a Hugging Face checkpoint has it (bf16 weights); also used by
+    scripts/train_target.py."""
+    cfg = config.to_dict()
+    cfg["architectures"] = ["DeepseekV3ForCausalLM"]
+    cfg["torch_dtype"] = "bfloat16"
+    for k in ("transformers_version", "dtype"):
+        cfg.pop(k, None)
+    (Path(out) / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+
+
 def stage_train(args: argparse.Namespace) -> None:
     import torch
     from safetensors.torch import save_file
@@ -276,12 +295,7 @@ def stage_train(args: argparse.Namespace) -> None:
     model.to("cpu")
     state = to_deepseek_state_dict(model)
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    cfg = config.to_dict()
-    cfg["architectures"] = ["DeepseekV3ForCausalLM"]
-    cfg["torch_dtype"] = "bfloat16"
-    for k in ("transformers_version", "dtype"):
-        cfg.pop(k, None)
-    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    write_hf_config(config, out)
     nparams = sum(t.numel() for t in state.values())
     print(f"train: saved {nparams} parameters -> {out}")
 
@@ -445,22 +459,29 @@ def drafter_reference(torch, cfg: dict, w: dict, target, prompt_ids: list, ancho
     return _train_drafter_module().reference(cfg, w, target, prompt_ids, anchor)
 
 
-def write_drafter(args: argparse.Namespace, state: dict, produced_by: str, weights: str) -> None:
+def write_drafter(args: argparse.Namespace, state: dict, produced_by: str, weights: str,
+                  cfg: dict | None = None) -> None:
     """Writes DRAFTER_OUT: config.json, the bf16 weights `state`, and the float32 golden reference
-    of the drafter on the target's golden prompts (computed on the CPU)."""
+    of the drafter on the target's golden prompts (computed on the CPU; only for a target with
+    golden data, i.e. the embedded tiny-k3)."""
     import torch
     import transformers
     from safetensors.torch import save_file
     from transformers import DeepseekV3ForCausalLM
 
+    cfg = DRAFTER_CONFIG if cfg is None else cfg
     out = Path(args.drafter_out)
-    (out / "golden").mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(DRAFTER_CONFIG, indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     nparams = sum(t.numel() for t in state.values())
     print(f"drafter: {nparams} parameters ({weights}) -> {out}")
 
     target_dir = Path(args.out)
+    if not (target_dir / "golden" / "cases.json").exists():
+        print(f"drafter: no golden data in {target_dir}: no drafter golden reference written")
+        return
+    (out / "golden").mkdir(parents=True, exist_ok=True)
     target = DeepseekV3ForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32)
     target.eval()
     target_cases = json.loads((target_dir / "golden" / "cases.json").read_text())["cases"]
@@ -468,7 +489,7 @@ def write_drafter(args: argparse.Namespace, state: dict, produced_by: str, weigh
     for i, tc in enumerate(target_cases):
         # The anchor is the target's own greedy next token, as in a real decode step.
         anchor = tc["greedy_ids"][0]
-        ref = drafter_reference(torch, DRAFTER_CONFIG, state, target, tc["prompt_ids"], anchor)
+        ref = drafter_reference(torch, cfg, state, target, tc["prompt_ids"], anchor)
         tensors[f"case{i}.block_logits"] = ref["block_logits"]
         tensors[f"case{i}.markov_logits"] = ref["markov_logits"]
         cases.append(
@@ -509,10 +530,66 @@ def stage_train_drafter(args: argparse.Namespace) -> None:
     import torch
 
     td = _train_drafter_module()
-    init = drafter_state_dict(torch, DRAFTER_CONFIG)
-    state, report = td.train(args, DRAFTER_CONFIG, init, Path(args.out))
-    write_drafter(args, state, "scripts/make_tiny_k3.py train-drafter", "trained")
+    cfg = drafter_config_for_target(args)
+    init = drafter_state_dict(torch, cfg)
+    state, report = td.train(args, cfg, init, Path(args.out))
+    write_drafter(args, state, "scripts/make_tiny_k3.py train-drafter", "trained", cfg)
     td.write_report(Path(args.drafter_out), report)
+
+
+def drafter_config_for_target(args: argparse.Namespace) -> dict:
+    """The drafter config for the target in --out: --drafter-config if given; the embedded
+    DRAFTER_CONFIG for the embedded target (tiny-k3's hidden size, vocabulary and depth); else one
+    derived from the target's config.json (`derive_drafter_config`)."""
+    if args.drafter_config:
+        return json.loads(Path(args.drafter_config).read_text())
+    target = json.loads((Path(args.out) / "config.json").read_text())
+    keys = ("hidden_size", "vocab_size", "num_hidden_layers")
+    if all(target[k] == MODEL_CONFIG[k] for k in keys) and not (
+        args.drafter_layers or args.drafter_block_size or args.drafter_taps
+    ):
+        return DRAFTER_CONFIG
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(Path(args.out) / "tokenizer.json"))
+    taps = [int(x) for x in args.drafter_taps.split(",")] if args.drafter_taps else None
+    cfg = derive_drafter_config(target, tok.token_to_id("<|system|>"), args.drafter_layers or 2,
+                                args.drafter_block_size or 8, taps)
+    print(f"drafter: config derived from {args.out}: {json.dumps(cfg)}")
+    return cfg
+
+
+def derive_drafter_config(target: dict, mask_token_id: int, layers: int, block_size: int,
+                          taps: list | None = None) -> dict:
+    """A DSpark drafter for any DeepSeek-V3-family target, in DRAFTER_CONFIG's proportions: the
+    target's hidden size and vocabulary, head_dim 32 (64 from hidden 512), 2 KV heads, SwiGLU of
+    2 x hidden, taps evenly spaced from layer 1 to layer L - 3 (DFlash's rule; 3 taps from 12
+    target layers, else 2), Markov rank 32 (64 from hidden 512). For tiny-k3's config this gives
+    DRAFTER_CONFIG with the requested block size and layer count."""
+    hid, depth = target["hidden_size"], target["num_hidden_layers"]
+    head_dim = 64 if hid >= 512 else 32
+    if taps is None:
+        n = 3 if depth >= 12 else 2
+        last = max(depth - 3, n)
+        taps = sorted({round(1 + i * (last - 1) / (n - 1)) for i in range(n)})
+    assert all(0 <= t < depth for t in taps), f"taps {taps} outside the target's {depth} layers"
+    return dict(
+        architectures=["DSparkDrafter"],
+        hidden_size=hid,
+        num_hidden_layers=layers,
+        num_attention_heads=hid // head_dim,
+        num_key_value_heads=2,
+        head_dim=head_dim,
+        intermediate_size=2 * hid,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        vocab_size=target["vocab_size"],
+        target_layer_ids=taps,
+        block_size=block_size,
+        # `<|system|>`: a special token that never appears inside a generated continuation.
+        mask_token_id=mask_token_id,
+        markov_rank=64 if hid >= 512 else 32,
+    )
 
 
 def add_train_drafter_args(p: argparse.ArgumentParser) -> None:
@@ -544,6 +621,14 @@ def add_train_drafter_args(p: argparse.ArgumentParser) -> None:
                    help="stop the training loop after this many seconds (0: no limit)")
     g.add_argument("--drafter-log-every", type=int, default=100)
     g.add_argument("--drafter-seed", type=int, default=5)
+    g.add_argument("--drafter-config", default=None,
+                   help="drafter config.json to train (default: the embedded one for tiny-k3, else "
+                        "derived from the target's config)")
+    g.add_argument("--drafter-layers", type=int, default=0, help="derived config: drafter layers (2)")
+    g.add_argument("--drafter-block-size", type=int, default=0, help="derived config: block size (8)")
+    g.add_argument("--drafter-taps", default="", help="derived config: target layers tapped, e.g. 1,9,17")
+    g.add_argument("--drafter-corpus-mb", type=float, default=16.0,
+                   help="corpus directory (scripts/make_corpus.py): MB of train text to draw prompts from")
 
 
 STAGES = ["corpus", "tokenizer", "train", "golden", "drafter", "train-drafter"]

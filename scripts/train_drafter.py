@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -423,6 +424,37 @@ def calibrate_confidence(cfg, w, embed, lm_head, data, stride, batch, steps, lr,
     return out, {"blocks": int(x.shape[0]), "bce_before": round(loss0 or 0.0, 4), "bce_after": round(loss1, 4)}
 
 
+def corpus_dir_segments(tok, corpus: Path, max_mb: float, seed: int):
+    """A scripts/make_corpus.py corpus: prompts come from whole files. Training prompts from a
+    seeded sample of about max_mb MB of train files; validation and test prompts from alternate
+    held-out files (the split the target never trained on). Returns the token stream (files
+    concatenated) and the (start, end) range of every file in each part."""
+    import random
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import make_corpus
+
+    train_docs = make_corpus.read_docs(corpus / "train.txt.xz")
+    random.Random(seed).shuffle(train_docs)
+    keep, size = [], 0
+    for d in train_docs:
+        if size >= max_mb * 1e6:
+            break
+        keep.append(d)
+        size += len(d)
+    held = make_corpus.read_docs(corpus / "heldout.txt.xz")
+    parts = {"train": keep, "val": held[0::2], "test": held[1::2]}
+    chunks, segs, pos = [], {}, 0
+    for name, docs in parts.items():
+        segs[name] = []
+        for i in range(0, len(docs), 1024):
+            for e in tok.encode_batch(docs[i : i + 1024], add_special_tokens=False):
+                chunks.append(torch.tensor(e.ids, dtype=torch.long))
+                segs[name].append((pos, pos + len(e.ids)))
+                pos += len(e.ids)
+    return torch.cat(chunks), segs["train"], segs["val"], segs["test"]
+
+
 def train(args, cfg: dict, init_state: dict, target_dir: Path) -> tuple[dict, dict]:
     """Trains the drafter against the frozen target; returns (bf16 state dict, report)."""
     from tokenizers import Tokenizer
@@ -438,20 +470,30 @@ def train(args, cfg: dict, init_state: dict, target_dir: Path) -> tuple[dict, di
     b = cfg["block_size"]
 
     tok = Tokenizer.from_file(str(target_dir / "tokenizer.json"))
-    text = Path(args.corpus).read_text(encoding="utf-8")
-    ids = torch.tensor(tok.encode(text, add_special_tokens=False).ids, dtype=torch.long)
-    # 4096-token segments of the corpus: every 20th is test text (the reported acceptance), the
-    # ones 5 after those are validation text (checkpoint choice, confidence calibration).
-    seg = 4096
-    bounds = [(s, min(s + seg, ids.numel())) for s in range(0, ids.numel(), seg)]
-    test_segs = [x for i, x in enumerate(bounds) if i % 20 == 10]
-    val_segs = [x for i, x in enumerate(bounds) if i % 20 == 5]
-    train_segs = [x for i, x in enumerate(bounds) if i % 20 not in (5, 10)]
-    print(
-        f"train-drafter: {ids.numel()} corpus tokens; {len(train_segs)} train, {len(val_segs)} "
-        f"validation, {len(test_segs)} test segments of {seg}; on {device}",
-        flush=True,
-    )
+    if Path(args.corpus).is_dir():
+        ids, train_segs, val_segs, test_segs = corpus_dir_segments(
+            tok, Path(args.corpus), args.drafter_corpus_mb, args.drafter_seed)
+        print(
+            f"train-drafter: {ids.numel()} corpus tokens of {args.corpus}: {len(train_segs)} train "
+            f"files, {len(val_segs)} validation and {len(test_segs)} test files (held-out split); "
+            f"on {device}",
+            flush=True,
+        )
+    else:
+        text = Path(args.corpus).read_text(encoding="utf-8")
+        ids = torch.tensor(tok.encode(text, add_special_tokens=False).ids, dtype=torch.long)
+        # 4096-token segments of the corpus: every 20th is test text (the reported acceptance), the
+        # ones 5 after those are validation text (checkpoint choice, confidence calibration).
+        seg = 4096
+        bounds = [(s, min(s + seg, ids.numel())) for s in range(0, ids.numel(), seg)]
+        test_segs = [x for i, x in enumerate(bounds) if i % 20 == 10]
+        val_segs = [x for i, x in enumerate(bounds) if i % 20 == 5]
+        train_segs = [x for i, x in enumerate(bounds) if i % 20 not in (5, 10)]
+        print(
+            f"train-drafter: {ids.numel()} corpus tokens; {len(train_segs)} train, {len(val_segs)} "
+            f"validation, {len(test_segs)} test segments of {seg}; on {device}",
+            flush=True,
+        )
 
     target = DeepseekV3ForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32)
     target.eval().to(device)

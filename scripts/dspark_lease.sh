@@ -1,0 +1,241 @@
+#!/usr/bin/env bash
+# One GPU lease for issue 15 (docs/spec_decode.md, "Training a target worth speculating on"):
+# train the target from scratch, train its DSpark drafter, make held-out prompts, check that ferry
+# loads the pair, and run the benchmark hook — unattended, everything under $RUN (git-ignored),
+# which survives between device calls of one lease but not the lease.
+#
+#   scripts/dspark_lease.sh STAGE...
+#
+# Stages (each fits one 10-minute device command; run in this order):
+#   target    scripts/train_target.py --preset $PRESET          -> $RUN/target     (~7 min on an H200)
+#   drafter   make_tiny_k3.py train-drafter against $RUN/target -> $RUN/drafter    (~6 min)
+#   prompts   scripts/heldout_prompts.py                        -> $RUN/prompts-$PROMPT_TOKENS.jsonl
+#   check     ferry generate, plain and speculative, greedy: loads the pair, same text (needs ferry)
+#   bench     the benchmark hook $BENCH_HOOK (not written yet: it prints its contract)
+#   summary   the numbers of every report so far
+# Chains:
+#   all       target drafter prompts check bench summary (longer than one device command)
+#   start     `all` in the background (setsid: it outlives the device command), then `wait`
+#   wait      follow the background run for at most $WAIT_SECONDS (default 570), then summary;
+#             call it again (within the machine's 30 s warm window) until it says "finished"
+#   smoke     the whole chain with PRESET=tiny on the CPU (minutes)
+#
+# The device command for a lease (one H200; corpus from scripts/make_corpus.py, ferry as
+# `xz -T0 -k device-bin/ferry` since ferry + corpus + tree exceed the 64 MiB carry otherwise):
+#   run(carry=["corpus", "device-bin/ferry.xz"], timeout_s=600,
+#       command="bash scripts/dspark_lease.sh start")
+#   run(timeout_s=600, command="bash scripts/dspark_lease.sh wait")     # again until "finished"
+#
+# Settings (environment):
+#   PRESET=h200|tiny   CORPUS=corpus   RUN=train-out   PY=python3   DEVICE=(auto: cuda if present)
+#   TARGET_MINUTES (h200 6, tiny 1.5)   DRAFTER_SECONDS: drafter training loop budget (h200 200)
+#   DRAFTER_ARGS: extra make_tiny_k3.py train-drafter options (e.g. --drafter-block-size 16)
+#   FERRY: a ferry binary (default: device-bin/ferry, device-bin/ferry.xz unpacked, target/release/ferry)
+#   PROMPT_TOKENS (h200 1024, tiny 64), PROMPT_COUNT (256)
+#   BENCH_HOOK=scripts/dspark_bench.sh: run as `bash $BENCH_HOOK` with TARGET_DIR, DRAFTER_DIR,
+#     PROMPTS, FERRY, RUN, DEVICE exported; it writes its results under $RUN/bench/
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+
+PRESET=${PRESET:-h200}
+CORPUS=${CORPUS:-corpus}
+RUN=${RUN:-train-out}
+PY=${PY:-python3}
+BENCH_HOOK=${BENCH_HOOK:-scripts/dspark_bench.sh}
+WAIT_SECONDS=${WAIT_SECONDS:-570}
+PROMPT_COUNT=${PROMPT_COUNT:-256}
+if [ "$PRESET" = tiny ]; then
+  TARGET_MINUTES=${TARGET_MINUTES:-1.5}
+  DRAFTER_SECONDS=${DRAFTER_SECONDS:-60}
+  PROMPT_TOKENS=${PROMPT_TOKENS:-64}
+  # A drafter run sized for a CPU: minutes, not hours (the data and the loop scale down together).
+  DRAFTER_PRESET="--drafter-steps 40 --drafter-batch 16 --drafter-anchors 8 --drafter-seqs 128
+    --drafter-eval-seqs 16 --drafter-seq-len 80 --drafter-prompt-lens 8,16 --drafter-gen-batch 128
+    --drafter-eval-every 20 --drafter-eval-batch 8 --drafter-eval-stride 4 --drafter-calib-steps 20
+    --drafter-log-every 10 --drafter-corpus-mb 1"
+else
+  TARGET_MINUTES=${TARGET_MINUTES:-6}
+  DRAFTER_SECONDS=${DRAFTER_SECONDS:-200}
+  PROMPT_TOKENS=${PROMPT_TOKENS:-1024}
+  # The embedded drafter's H200 settings (BENCHMARKS.md), with half the sequences: this target's
+  # greedy continuations cost ~20x the tiny one's.
+  DRAFTER_PRESET="--drafter-seqs 8192 --drafter-gen-batch 2048"
+fi
+DRAFTER_ARGS=${DRAFTER_ARGS:-}
+DEVICE_ARG=()
+[ -n "${DEVICE:-}" ] && DEVICE_ARG=(--device "$DEVICE")
+mkdir -p "$RUN/logs"
+
+ferry_bin() {
+  if [ -n "${FERRY:-}" ]; then echo "$FERRY"; return; fi
+  if [ -x device-bin/ferry ]; then echo device-bin/ferry; return; fi
+  if [ -f device-bin/ferry.xz ]; then
+    mkdir -p "$RUN/bin"
+    if [ ! -x "$RUN/bin/ferry" ] || [ device-bin/ferry.xz -nt "$RUN/bin/ferry" ]; then
+      xz -dc device-bin/ferry.xz > "$RUN/bin/ferry" && chmod +x "$RUN/bin/ferry"
+    fi
+    echo "$RUN/bin/ferry"; return
+  fi
+  if [ -x target/release/ferry ]; then echo target/release/ferry; return; fi
+  echo ""
+}
+
+stage_target() {
+  for f in train.txt.xz heldout.txt.xz tokenizer.json tokenizer_config.json; do
+    [ -f "$CORPUS/$f" ] || { echo "lease: $CORPUS/$f missing: run scripts/make_corpus.py and carry $CORPUS"; exit 2; }
+  done
+  ls -l "$CORPUS"
+  "$PY" -c 'import torch, transformers, tokenizers; print("lease: torch", torch.__version__, "transformers", transformers.__version__, "tokenizers", tokenizers.__version__, "cuda", torch.cuda.is_available() and torch.cuda.get_device_name(0))'
+  "$PY" scripts/train_target.py --preset "$PRESET" --corpus "$CORPUS" --out "$RUN/target" \
+    --minutes "$TARGET_MINUTES" "${DEVICE_ARG[@]}" 2>&1 | tee "$RUN/logs/target.log"
+}
+
+stage_drafter() {
+  [ -f "$RUN/target/config.json" ] || { echo "lease: no $RUN/target: run the target stage first"; exit 2; }
+  # shellcheck disable=SC2086
+  "$PY" scripts/make_tiny_k3.py train-drafter --out "$RUN/target" --drafter-out "$RUN/drafter" \
+    --corpus "$CORPUS" --drafter-time-budget "$DRAFTER_SECONDS" "${DEVICE_ARG[@]}" \
+    $DRAFTER_PRESET $DRAFTER_ARGS 2>&1 | tee "$RUN/logs/drafter.log"
+}
+
+stage_prompts() {
+  "$PY" scripts/heldout_prompts.py --corpus "$CORPUS" --model "$RUN/target" \
+    --tokens "$PROMPT_TOKENS" --count "$PROMPT_COUNT" --out "$RUN/prompts-$PROMPT_TOKENS.jsonl"
+}
+
+stage_check() {
+  local ferry dev
+  ferry=$(ferry_bin)
+  if [ -z "$ferry" ]; then echo "lease: check skipped: no ferry binary (FERRY, device-bin/ferry[.xz])"; return; fi
+  dev=${DEVICE:-auto}
+  if [ "$dev" != cpu ]; then
+    # cudarc loads libnvrtc / libcublas at run time (docs/gpu.md); gpu_env.sh is not `set -u` clean.
+    set +u; source scripts/gpu_env.sh; set -u
+  fi
+  local prompt
+  prompt=$("$PY" -c 'import json,sys; print(json.loads(open(sys.argv[1]).readline())["prompt"][-400:])' \
+    "$RUN/prompts-$PROMPT_TOKENS.jsonl" 2>/dev/null || echo "def main():")
+  echo "lease: ferry generate --device $dev --model $RUN/target (greedy, 48 tokens), plain then speculative"
+  "$ferry" generate --device "$dev" --model "$RUN/target" --prompt "$prompt" --max-tokens 48 \
+    --speculative off > "$RUN/logs/check_plain.txt" 2> "$RUN/logs/check_plain.err" \
+    || { cat "$RUN/logs/check_plain.err"; echo "lease: ferry REJECTED the target"; exit 3; }
+  "$ferry" generate --device "$dev" --model "$RUN/target" --drafter "$RUN/drafter" --speculative on \
+    --prompt "$prompt" --max-tokens 48 > "$RUN/logs/check_spec.txt" 2> "$RUN/logs/check_spec.err" \
+    || { cat "$RUN/logs/check_spec.err"; echo "lease: ferry REJECTED the drafter"; exit 3; }
+  tail -n 3 "$RUN/logs/check_plain.err" "$RUN/logs/check_spec.err" || true
+  if cmp -s "$RUN/logs/check_plain.txt" "$RUN/logs/check_spec.txt"; then
+    echo "lease: check: ferry loaded target and drafter; greedy plain == speculative"
+  else
+    echo "lease: check: ferry loaded both, but greedy plain != speculative (see $RUN/logs/check_*.txt)"
+  fi
+  "$PY" -c 'import sys; print("lease: greedy text:", repr(open(sys.argv[1]).read()[:400]))' "$RUN/logs/check_plain.txt"
+}
+
+stage_bench() {
+  export TARGET_DIR="$RUN/target" DRAFTER_DIR="$RUN/drafter" PROMPTS="$RUN/prompts-$PROMPT_TOKENS.jsonl"
+  export RUN DEVICE="${DEVICE:-cuda}" FERRY
+  FERRY=$(ferry_bin)
+  if [ "$DEVICE" != cpu ]; then set +u; source scripts/gpu_env.sh; set -u; fi
+  if [ -f "$BENCH_HOOK" ]; then
+    mkdir -p "$RUN/bench"
+    bash "$BENCH_HOOK" 2>&1 | tee "$RUN/logs/bench.log"
+  else
+    echo "lease: bench: no $BENCH_HOOK yet. Its contract: run as 'bash $BENCH_HOOK' from the repo root"
+    echo "  with TARGET_DIR=$TARGET_DIR DRAFTER_DIR=$DRAFTER_DIR PROMPTS=$PROMPTS (JSON lines:"
+    echo "  prompt, prompt_tokens, ids) FERRY=${FERRY:-<none>} DEVICE=$DEVICE RUN=$RUN; write results"
+    echo "  under \$RUN/bench/ (the lease's wait stage copies \$RUN/bench/*.json and *.md to \$OUT)"
+  fi
+}
+
+stage_summary() {
+  "$PY" - "$RUN" <<'EOF'
+import json, sys
+from pathlib import Path
+run = Path(sys.argv[1])
+t = run / "target" / "train_report.json"
+if t.exists():
+    r = json.loads(t.read_text())
+    p = r["parameters"]
+    print(f"summary: target {r['preset']} on {r['device']}: {p['total']/1e6:.1f}M parameters "
+          f"({p['active']/1e6:.1f}M active), {r['bf16_bytes']/1e6:.0f} MB bf16; "
+          f"{r['tokens_seen']:,} tokens = {r['epochs']:.3f} epochs in {r['train_seconds']:.0f}s "
+          f"({r['tokens_per_second']:,} tok/s, stopped by {r['schedule']['stopped_by']}); "
+          f"loss train {r['final']['train_loss_on_seen_windows']:.3f} / held-out "
+          f"{r['final']['heldout_loss']:.3f}; experts {r['experts_implementation']}")
+    for s in r.get("samples", [])[:1]:
+        print(f"summary: sample {s['prompt'][-60:]!r} -> {s['greedy'][:120]!r}")
+d = run / "drafter" / "train_report.json"
+if d.exists():
+    r = json.loads(d.read_text())
+    a = r["test_after"]
+    cfg = json.loads((run / "drafter" / "config.json").read_text())
+    print(f"summary: drafter block {cfg['block_size']}, {cfg['num_hidden_layers']} layers, taps "
+          f"{cfg['target_layer_ids']}: held-out acceptance length {a['acceptance_length_fixed_B']:.3f} "
+          f"(gamma = B), {a['confidence_0.3_acceptance_length']:.3f} under confidence:0.3; match per "
+          f"position {a['match_rate_per_position']}; {r['total_seconds']:.0f}s")
+for f in sorted((run / "logs").glob("check_*.txt")):
+    print(f"summary: {f.name}: {f.read_text()[:100]!r}")
+EOF
+}
+
+copy_out() {
+  [ -n "${OUT:-}" ] && [ -d "${OUT:-}" ] || return 0
+  cp "$RUN/lease.log" "$OUT/" 2>/dev/null || true
+  cp "$RUN/target/train_report.json" "$OUT/target_train_report.json" 2>/dev/null || true
+  cp "$RUN/target/config.json" "$OUT/target_config.json" 2>/dev/null || true
+  cp "$RUN/drafter/train_report.json" "$OUT/drafter_train_report.json" 2>/dev/null || true
+  cp "$RUN/drafter/config.json" "$OUT/drafter_config.json" 2>/dev/null || true
+  mkdir -p "$OUT/bench"
+  cp "$RUN"/bench/*.json "$RUN"/bench/*.md "$OUT/bench/" 2>/dev/null || true
+}
+
+stage_wait() {
+  local pid
+  pid=$(cat "$RUN/lease.pid" 2>/dev/null || echo "")
+  [ -n "$pid" ] || { echo "lease: nothing started ($RUN/lease.pid missing)"; exit 2; }
+  if kill -0 "$pid" 2>/dev/null; then
+    timeout "$WAIT_SECONDS" tail -n +1 -f --pid="$pid" "$RUN/lease.log" || true
+  else
+    tail -c 8000 "$RUN/lease.log"
+  fi
+  if kill -0 "$pid" 2>/dev/null; then
+    echo "lease: still running (pid $pid): call 'scripts/dspark_lease.sh wait' again"
+  else
+    echo "lease: finished: $(tail -1 "$RUN/lease.status" 2>/dev/null || echo '?')"
+    stage_summary
+  fi
+  copy_out
+}
+
+run_stage() {
+  local s=$1 t0=$SECONDS
+  echo "lease: === $s ($(date -u +%H:%M:%S)) ==="
+  "stage_$s"
+  echo "lease: === $s done in $((SECONDS - t0))s ==="
+}
+
+[ $# -ge 1 ] || { sed -n 2,40p "$0"; exit 2; }
+for stage in "$@"; do
+  case "$stage" in
+    target|drafter|prompts|check|bench|summary) run_stage "$stage" ;;
+    all)
+      for s in target drafter prompts check bench summary; do run_stage "$s"; done ;;
+    start)
+      if [ -f "$RUN/lease.pid" ] && kill -0 "$(cat "$RUN/lease.pid")" 2>/dev/null; then
+        echo "lease: a run is going on already (pid $(cat "$RUN/lease.pid")): following it"
+        stage_wait; continue
+      fi
+      : > "$RUN/lease.log"; rm -f "$RUN/lease.status"
+      setsid nohup bash -c "bash '$0' all; echo \"exit \$? at \$(date -u +%H:%M:%S)\" > '$RUN/lease.status'" \
+        >> "$RUN/lease.log" 2>&1 < /dev/null &
+      echo $! > "$RUN/lease.pid"
+      echo "lease: started (pid $!), log $RUN/lease.log"
+      sleep 2
+      stage_wait ;;
+    wait) stage_wait ;;
+    smoke)
+      PRESET=tiny CORPUS=$CORPUS RUN=$RUN bash "$0" target drafter prompts check summary ;;
+    *) echo "lease: unknown stage $stage"; exit 2 ;;
+  esac
+done

@@ -1,0 +1,61 @@
+#!/usr/bin/env python3
+"""Held-out benchmark prompts for the trained target (issue 15): windows of held-out corpus files
+(scripts/make_corpus.py's held-out split, which neither the target nor the drafter trained on),
+each exactly --tokens tokens of the target's tokenizer (after its BOS), as JSON lines
+{"prompt": text, "prompt_tokens": n, "ids": [...], "source": "heldout[i]@offset"}.
+
+    python3 scripts/heldout_prompts.py --corpus corpus --model train-out/target \\
+        --tokens 1024 --count 256 --out train-out/prompts-1024.jsonl
+
+Windows start at file beginnings, then every --tokens + --room tokens inside long files (room for
+the generated tokens the benchmark asks for); files are taken in sha256 order (deterministic).
+The text is the decoded window: re-encoding it gives the same ids for byte-level BPE in nearly
+every case; `ids` are what the target saw, `prompt_tokens` their count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import make_corpus  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--corpus", default="corpus")
+    p.add_argument("--model", required=True, help="the target's directory (tokenizer.json)")
+    p.add_argument("--tokens", type=int, default=1024)
+    p.add_argument("--room", type=int, default=400, help="tokens between windows of one file")
+    p.add_argument("--count", type=int, default=256)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(Path(args.model) / "tokenizer.json"))
+    docs = make_corpus.read_docs(Path(args.corpus) / "heldout.txt.xz")
+    order = sorted(range(len(docs)), key=lambda i: hashlib.sha256(docs[i].encode()).hexdigest())
+    rows = []
+    for i in order:
+        ids = tok.encode(docs[i], add_special_tokens=False).ids
+        for off in range(0, len(ids) - args.tokens + 1, args.tokens + args.room):
+            w = ids[off : off + args.tokens]
+            rows.append({"prompt": tok.decode(w), "prompt_tokens": len(w), "ids": w,
+                         "source": f"heldout[{i}]@{off}"})
+            if len(rows) == args.count:
+                break
+        if len(rows) == args.count:
+            break
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    with open(args.out, "w") as fh:
+        for r in rows:
+            fh.write(json.dumps(r) + "\n")
+    print(f"heldout-prompts: {len(rows)} prompts of {args.tokens} tokens -> {args.out}")
+
+
+if __name__ == "__main__":
+    main()
