@@ -455,3 +455,109 @@ async fn python_grpc_stubs_generate_the_same_text_as_the_rust_stubs() {
 
     cluster.assert_kv_blocks_released().await;
 }
+
+/// The log-softmax of a direct, single-process forward of `prompt` at every position but the
+/// last: row `i` is the distribution prompt token `i + 1` is drawn from.
+fn direct_prompt_log_softmax(prompt: &[u32]) -> Vec<Vec<f32>> {
+    use ferry_model::deepseek::{DeepseekModel, LogitsWanted};
+    let model = DeepseekModel::load(&ferry_model::embedded::default_model_dir()).expect("model");
+    let mut pool = model.new_kv_pool(16, 64).expect("pool");
+    let mut s = ferry_model::session::Session::new();
+    let all = s
+        .extend(&model, &mut pool, prompt, LogitsWanted::All)
+        .expect("forward");
+    s.free(&mut pool).expect("free");
+    all.chunks_exact(model.config().vocab_size)
+        .take(prompt.len() - 1)
+        .map(|row| {
+            let mut row = row.to_vec();
+            ferry_kernels::cpu::softmax::log_softmax_inplace(&mut row).expect("finite");
+            row
+        })
+        .collect()
+}
+
+/// The engine's tolerance for log-probabilities against a direct forward
+/// (`model/tests/prompt_logprobs.rs`: batched, chunked forwards round differently).
+const LOGPROB_TOL: f64 = 2e-4;
+
+/// `echo=True, logprobs=2` with the `openai` client, disaggregated: the decode worker sends
+/// every prompt to the prefill worker (threshold 0), so the prompt's log-probabilities come
+/// back in the prefill response. The script sends the prompt plainly first (its prefix is then
+/// cached on both workers) and checks the shapes, the cached, streamed and `max_tokens=0`
+/// answers; here its values are checked against a direct forward, the workers' counters show
+/// every echo prompt computed whole on the prefill worker, and gRPC `prompt_logprobs` gives
+/// the same values on its first message.
+#[tokio::test]
+async fn the_openai_python_client_echoes_the_prompt_with_its_logprobs() {
+    require_python_modules().await;
+    let cluster = Cluster::start(Spec::new(1, 1).decode(&["--local-prefill-threshold", "0"])).await;
+    let prompt = cluster::long_prompt();
+    let ids = cluster::tokens(&cluster, &prompt).await;
+    let want = direct_prompt_log_softmax(&ids);
+    let decode = cluster.live(cluster::Role::Decode)[0].clone();
+    let prefill = cluster.live(cluster::Role::Prefill)[0].clone();
+    let (d0, p0) = (cluster.stats(&decode).await, cluster.stats(&prefill).await);
+    let base = cluster.openai_base_url();
+    let out = python(&[
+        "tests/python/openai_echo.py",
+        "--base-url",
+        &base,
+        "--model",
+        MODEL,
+        "--prompt",
+        &prompt,
+    ])
+    .await;
+    assert!(
+        out.status.success(),
+        "tests/python/openai_echo.py failed:\n{}{}",
+        stdout(&out),
+        stderr(&out)
+    );
+    let line = stdout(&out);
+    let report: serde_json::Value = serde_json::from_str(line.trim())
+        .unwrap_or_else(|e| panic!("openai_echo.py printed no JSON ({e}): {line:?}"));
+    assert_eq!(report["prompt_tokens"].as_u64(), Some(ids.len() as u64));
+    let logprobs = report["token_logprobs"].as_array().expect("token_logprobs");
+    assert!(logprobs[0].is_null(), "{report}");
+    for (i, &t) in ids.iter().enumerate().skip(1) {
+        let got = logprobs[i].as_f64().expect("a log-probability");
+        let direct = f64::from(want[i - 1][t as usize]);
+        assert!(
+            (got - direct).abs() <= LOGPROB_TOL,
+            "prompt token {i}: {got} vs the direct forward's {direct}"
+        );
+    }
+    // Five requests, all prefilled remotely; the four with echo + logprobs computed the whole
+    // prompt on the prefill worker although its prefix was cached there.
+    let (d1, p1) = (cluster.stats(&decode).await, cluster.stats(&prefill).await);
+    assert_eq!(d1.remote_prefills - d0.remote_prefills, 5, "{d1:?}");
+    let len = ids.len() as u64;
+    assert_eq!(
+        p1.prefill_computed_tokens - p0.prefill_computed_tokens,
+        5 * len,
+        "the plain request and the four echoes each computed the whole prompt: {p1:?}"
+    );
+    assert_eq!(p1.prefill_reused_tokens, p0.prefill_reused_tokens, "{p1:?}");
+
+    // gRPC `prompt_logprobs` on the same (cached) prompt: the first message carries them.
+    let req = ferry_proto::v1::GenerateRequest {
+        prompt_logprobs: Some(2),
+        ..cluster::greedy_request(&prompt, 2)
+    };
+    let got = cluster::generate(&mut cluster.grpc().await, req)
+        .await
+        .expect("Generate with prompt_logprobs");
+    assert_eq!(got.prompt_logprobs.len(), ids.len() - 1);
+    for (i, lp) in got.prompt_logprobs.iter().enumerate() {
+        assert_eq!(lp.token_id, ids[i + 1]);
+        assert_eq!(lp.top_logprobs.len(), 2);
+        let direct = f64::from(want[i][lp.token_id as usize]);
+        assert!(
+            (f64::from(lp.logprob) - direct).abs() <= LOGPROB_TOL,
+            "gRPC entry {i}"
+        );
+    }
+    cluster.assert_kv_blocks_released().await;
+}

@@ -127,6 +127,7 @@ fn role() {
                     controls: Default::default(),
                     stop: StopParams::max_tokens(1),
                     logprobs: None,
+                    prompt_logprobs: None,
                     skip_tokens: 0,
                     on_layer: hook,
                     on_draft_layer: None,

@@ -14,14 +14,13 @@
 use std::time::{Duration, Instant};
 
 use ferry_kvtransfer::Registration;
-use ferry_model::engine::TokenLogprobs;
-use ferry_model::engine::{EngineHandle, SeqId};
+use ferry_model::engine::{EngineHandle, RemoteFirst, SeqId};
 use ferry_model::kv::BlockId;
 use ferry_proto::auth::AttachToken;
 use ferry_proto::internal::prefill_worker_client::PrefillWorkerClient;
 use ferry_proto::internal::{KvDestination, KvLayout, PrefillRequest, Sampling, Stop};
 use ferry_proto::trace_ctx;
-use ferry_worker::args::logprobs_from_wire;
+use ferry_worker::args::{logprobs_from_wire, prompt_logprobs_from_wire};
 use ferry_worker::registration::PrefillView;
 use tokio::sync::watch;
 use tonic::transport::Channel;
@@ -60,6 +59,11 @@ pub struct RemotePrefill {
     pub stop: Option<Stop>,
     /// Alternatives per token, when the request asked for log-probabilities.
     pub logprobs: Option<u32>,
+    /// Alternatives per prompt token, when the request asked for the prompt's
+    /// log-probabilities (the peer then computes the whole prompt).
+    pub prompt_logprobs: Option<u32>,
+    /// The model's vocabulary size (the peer's answer is checked against it).
+    pub vocab: usize,
     /// Structured output: the peer constrains the first token to it too.
     pub response_format: Option<ferry_proto::v1::ResponseFormat>,
     /// Blocks reserved here, in position order.
@@ -122,9 +126,7 @@ pub async fn run(job: RemotePrefill, engine: EngineHandle, id: SeqId, policy: Fa
     };
     let recompute = policy == FailurePolicy::Recompute;
     let sent = match waited {
-        Waited::Ended(Ok((first, logprobs, bytes))) => {
-            engine.remote_done_with_logprobs(id, first, logprobs, bytes)
-        }
+        Waited::Ended(Ok((first, bytes))) => engine.remote_done_with(id, first, bytes),
         Waited::Ended(Err(_)) => engine.remote_failed(id, recompute, reason.unwrap_or_default()),
         Waited::Abandoned(_) => {
             let sent = engine.remote_abandoned(id, recompute, reason.unwrap_or_default());
@@ -163,8 +165,9 @@ async fn peer_gone(mut view: watch::Receiver<PrefillView>, peer_id: &str) -> Str
     std::future::pending().await
 }
 
-/// The first token, its log-probabilities (when the request asked) and the bytes written.
-type Prefilled = (u32, Option<TokenLogprobs>, u64);
+/// The first token with its and the prompt's log-probabilities (when the request asked), and
+/// the bytes written.
+type Prefilled = (RemoteFirst, u64);
 
 async fn call(job: &RemotePrefill) -> Result<Prefilled, String> {
     let channel = Channel::from_shared(format!("http://{}", job.peer))
@@ -179,6 +182,7 @@ async fn call(job: &RemotePrefill) -> Result<Prefilled, String> {
         sampling: Some(job.sampling.clone()),
         stop: job.stop.clone(),
         logprobs: job.logprobs,
+        prompt_logprobs: job.prompt_logprobs,
         response_format: job.response_format.clone(),
         skip_tokens: u32::try_from(job.cached_tokens).map_err(|e| e.to_string())?,
         destination: Some(KvDestination {
@@ -207,5 +211,19 @@ async fn call(job: &RemotePrefill) -> Result<Prefilled, String> {
             ))
         }
     };
-    Ok((reply.first_token, logprobs, reply.bytes_transferred))
+    // Checked like every peer answer: one entry per prompt token after the first, each for
+    // that token; a request that did not ask gets none.
+    let prompt_logprobs = match job.prompt_logprobs {
+        None => Vec::new(),
+        Some(top) => {
+            prompt_logprobs_from_wire(&reply.prompt_logprobs, &job.prompt, top as usize, job.vocab)
+                .map_err(|e| format!("prefill peer {}: {e}", job.peer))?
+        }
+    };
+    let first = RemoteFirst {
+        token: reply.first_token,
+        logprobs,
+        prompt_logprobs,
+    };
+    Ok((first, reply.bytes_transferred))
 }

@@ -18,7 +18,7 @@ use ferry_proto::internal::{
 use ferry_proto::trace_ctx;
 use ferry_proto::v1::FinishReason as WireFinish;
 use ferry_worker::args::{
-    controls, logprobs, logprobs_to_wire, sampling, stop_params, validate_prompt,
+    controls, logprobs, logprobs_to_wire, prompt_logprobs, sampling, stop_params, validate_prompt,
 };
 use ferry_worker::registration::PrefillView;
 use futures::Stream;
@@ -229,6 +229,12 @@ impl DecodeService {
                 "`n` must be between 1 and {MAX_SAMPLES}, got {n}"
             )));
         }
+        if r.prompt_logprobs.is_some() && resumed > 0 {
+            return Err(Status::invalid_argument(format!(
+                "`prompt_logprobs` must be unset for a resumed request (`generated_tokens` \
+                 {resumed}): the prompt holds generated tokens"
+            )));
+        }
         if n > 1 && resumed > 0 {
             return Err(Status::invalid_argument(format!(
                 "`n` must be 1 for a resumed request (`generated_tokens` {resumed}), got {n}"
@@ -294,6 +300,7 @@ impl DecodeService {
             speculative: r.speculative,
             resumed_tokens: resumed,
             logprobs: logprobs(r.logprobs)?,
+            prompt_logprobs: prompt_logprobs(r.prompt_logprobs)?,
         };
         let generations = self
             .engine
@@ -381,6 +388,8 @@ async fn drive(
     let mut mode = "local";
     let mut first = true;
     let mut pending_logprobs = None;
+    // The prompt's log-probabilities go out with the first token (sample 0's first message).
+    let mut pending_prompt = Vec::new();
     let mut progress = Progress {
         tokens: 0,
         last_token: None,
@@ -419,6 +428,8 @@ async fn drive(
                     sampling: ctx.request.sampling.clone().unwrap_or_default(),
                     stop: ctx.request.stop.clone(),
                     logprobs: ctx.request.logprobs,
+                    prompt_logprobs: ctx.request.prompt_logprobs,
+                    vocab: ctx.engine.model_config().vocab_size,
                     response_format: ctx.request.response_format.clone(),
                     blocks,
                     cached_tokens,
@@ -449,6 +460,10 @@ async fn drive(
                 record_spec(&counts);
                 continue;
             }
+            Some(EngineEvent::PromptLogprobs(lps)) => {
+                pending_prompt = lps.iter().map(logprobs_to_wire).collect();
+                continue;
+            }
             Some(EngineEvent::Logprobs(lp)) => {
                 // Sent with the token that follows.
                 pending_logprobs = Some(logprobs_to_wire(&lp));
@@ -459,6 +474,7 @@ async fn drive(
                 Ok(DecodeResponse {
                     token_ids: vec![t],
                     logprobs: pending_logprobs.take().into_iter().collect(),
+                    prompt_logprobs: std::mem::take(&mut pending_prompt),
                     ..Default::default()
                 })
             }
@@ -467,6 +483,8 @@ async fn drive(
                     FinishReason::Stop => WireFinish::Stop,
                     FinishReason::Length => WireFinish::Length,
                 } as i32,
+                // A first token that was a stop token is not sent: its prompt's entries are.
+                prompt_logprobs: std::mem::take(&mut pending_prompt),
                 ..Default::default()
             }),
             Some(EngineEvent::Failed(e)) if ctx.samples > 1 => Ok(DecodeResponse {
@@ -536,6 +554,7 @@ async fn drive_fork(
             Some(
                 EngineEvent::Reserved { .. }
                 | EngineEvent::LocalPrefill { .. }
+                | EngineEvent::PromptLogprobs(_)
                 | EngineEvent::Speculation(_),
             ) => continue,
             Some(EngineEvent::Logprobs(lp)) => {

@@ -75,6 +75,7 @@ impl Session {
     ) -> Result<Vec<f32>, ModelError> {
         self.table.reserve(pool, new.len())?;
         let batch = BatchInputs {
+            prompt_logprobs: Vec::new(),
             seqs: vec![SeqInput {
                 tokens: new,
                 start_pos: self.table.len(),

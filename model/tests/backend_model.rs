@@ -17,6 +17,7 @@ fn logits(model: &DeepseekModel, prompt: &[u32]) -> Vec<f32> {
     let mut table = BlockTable::new();
     table.reserve(&mut pool, prompt.len()).expect("blocks");
     let batch = BatchInputs {
+        prompt_logprobs: Vec::new(),
         seqs: vec![SeqInput {
             tokens: prompt,
             start_pos: 0,
@@ -134,6 +135,7 @@ fn every_backend_gives_the_cpus_logits_on_a_golden_prompt() {
                     LogitsWanted::Last
                 };
                 let batch = BatchInputs {
+                    prompt_logprobs: Vec::new(),
                     seqs: vec![SeqInput {
                         tokens: &tokens[start..],
                         start_pos: start,
@@ -212,6 +214,7 @@ fn kv_rows_must_live_where_the_weights_do() {
     let mut table = BlockTable::new();
     table.reserve(&mut pool, 3).expect("blocks");
     let batch = BatchInputs {
+        prompt_logprobs: Vec::new(),
         seqs: vec![SeqInput {
             tokens: &[1, 2, 3],
             start_pos: 0,

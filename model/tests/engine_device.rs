@@ -33,6 +33,9 @@
 //!   them) give the CPU engine's greedy tokens on the CUDA engine, graph-replayed and
 //!   speculating, and in a prefill job's first token; log-probabilities agree with the CPU
 //!   engine's to 1e-3;
+//! - prompt log-probabilities (`echo`: the prompt rows reduced in the forward, in chunks) of a
+//!   local prefill and of a prefill job agree with the CPU engine's to 1e-3, with the same
+//!   tokens named;
 //! - a JSON-schema grammar's token mask gives the CPU engine's greedy tokens on the CUDA
 //!   engine, graph-replayed and speculating;
 //! - speculative decoding on the CUDA engine (the drafter on the device, from the forward's
@@ -299,6 +302,7 @@ async fn controlled_runs(e: &EngineHandle) -> (Vec<Vec<u32>>, u32) {
             controls,
             stop,
             logprobs: None,
+            prompt_logprobs: None,
             skip_tokens: 0,
             on_layer: Box::new(|_, _, _| Ok(())),
             on_draft_layer: None,
@@ -392,6 +396,83 @@ async fn logits_controls_on_cuda_equal_the_cpu_engine() {
     for e in [&graphs, &cpu, &spec] {
         wait_idle(e).await;
     }
+}
+
+/// The prompt log-probabilities (3 alternatives) of golden case 2 (211 tokens) from a local
+/// prefill and from a prefill job.
+async fn prompt_logprob_runs(
+    e: &EngineHandle,
+) -> (
+    Vec<ferry_model::engine::TokenLogprobs>,
+    Vec<ferry_model::engine::TokenLogprobs>,
+) {
+    let prompt = golden_case(2).0;
+    let options = ferry_model::engine::GenerateOptions {
+        prompt_logprobs: Some(3),
+        ..Default::default()
+    };
+    let mut g = e
+        .generate_with(job(prompt.clone(), 2, PrefillSource::Local), options)
+        .unwrap();
+    let mut local = Vec::new();
+    while let Some(ev) = g.events.recv().await {
+        match ev {
+            EngineEvent::PromptLogprobs(lps) => local = lps,
+            EngineEvent::Finished(_) | EngineEvent::Failed(_) => break,
+            _ => {}
+        }
+    }
+    let job = e
+        .prefill_work(PrefillWork {
+            prompt,
+            sampling: greedy(),
+            controls: LogitsControls::default(),
+            stop: StopParams::max_tokens(1),
+            logprobs: None,
+            prompt_logprobs: Some(3),
+            skip_tokens: 0,
+            on_layer: Box::new(|_, _, _| Ok(())),
+            on_draft_layer: None,
+            grammar: None,
+            rows_on_device: false,
+        })
+        .await
+        .expect("prefill job");
+    (local, job.prompt_logprobs)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an NVIDIA GPU: run on the GPU machine with --include-ignored (docs/gpu.md)"]
+async fn prompt_logprobs_on_cuda_equal_the_cpu_engine() {
+    let Some(gpu) = cuda_engine(
+        "prompt_logprobs_on_cuda_equal_the_cpu_engine",
+        GpuMode::Exact,
+    ) else {
+        return;
+    };
+    let cpu = engine(Device::Cpu, GpuMode::Exact);
+    let (cpu_local, cpu_job) = prompt_logprob_runs(&cpu).await;
+    let (gpu_local, gpu_job) = prompt_logprob_runs(&gpu).await;
+    let n = golden_case(2).0.len() - 1;
+    for (what, c, g) in [
+        ("local", &cpu_local, &gpu_local),
+        ("job", &cpu_job, &gpu_job),
+    ] {
+        assert_eq!((c.len(), g.len()), (n, n), "{what}");
+        for (k, (c, g)) in c.iter().zip(g).enumerate() {
+            assert_eq!((c.token, c.top.len()), (g.token, g.top.len()), "{what} {k}");
+            assert!(
+                (c.logprob - g.logprob).abs() <= 1e-3,
+                "{what} {k}: {c:?} vs {g:?}"
+            );
+            for ((_, cl), (_, gl)) in c.top.iter().zip(&g.top) {
+                assert!((cl - gl).abs() <= 1e-3, "{what} {k}");
+            }
+        }
+    }
+    eprintln!("prompt logprobs on cuda: {n} entries within 1e-3 of the CPU engine's");
+    wait_idle(&gpu).await;
+    wait_idle(&cpu).await;
 }
 
 /// Greedy runs of the three golden prompts (concurrent) constrained to a JSON schema, stopping
@@ -671,6 +752,7 @@ fn direct_fast_cache(prompt: &[u32], page: usize) -> Vec<(usize, usize, Vec<u8>)
     let mut cache = gpu.new_kv_cache(blocks, page).expect("cache");
     let table: Vec<BlockId> = (0..blocks as u32).map(BlockId).collect();
     let batch = BatchInputs {
+        prompt_logprobs: Vec::new(),
         seqs: vec![SeqInput {
             tokens: prompt,
             start_pos: 0,

@@ -63,6 +63,7 @@ fn run(
     let mut worst = 0.0f32;
     let mut step = |tokens: &[u32], start: usize, wanted| {
         let batch = BatchInputs {
+            prompt_logprobs: Vec::new(),
             seqs: vec![SeqInput {
                 tokens,
                 start_pos: start,
@@ -208,7 +209,10 @@ fn mixed_batch_matches_cpu() {
             logits: LogitsWanted::All,
         })
         .collect();
-    let batch = BatchInputs { seqs };
+    let batch = BatchInputs {
+        seqs,
+        prompt_logprobs: Vec::new(),
+    };
     let c = model.forward(&batch, &mut pool).expect("cpu");
     let g = gpu.forward(&batch, &mut cache).expect("gpu");
     for i in 0..3 {
@@ -218,6 +222,7 @@ fn mixed_batch_matches_cpu() {
     // Step 2: decode for two sequences and a 5-token chunk for the third, in one batch.
     let (d0, d1, chunk) = ([7u32], [9u32], [3u32, 4, 5, 6, 7]);
     let batch = BatchInputs {
+        prompt_logprobs: Vec::new(),
         seqs: vec![
             SeqInput {
                 tokens: &d0,
@@ -287,6 +292,7 @@ fn graph_replayed_decode_step_equals_the_eager_step() {
             .map(|s| (s * 8..s * 8 + 8).map(BlockId).collect())
             .collect();
         let prefill = BatchInputs {
+            prompt_logprobs: Vec::new(),
             seqs: prompts
                 .iter()
                 .zip(&tables)
@@ -304,6 +310,7 @@ fn graph_replayed_decode_step_equals_the_eager_step() {
         for step in 0..4usize {
             let toks: Vec<[u32; 1]> = (0..3u32).map(|s| [100 + s + step as u32]).collect();
             let batch = BatchInputs {
+                prompt_logprobs: Vec::new(),
                 seqs: toks
                     .iter()
                     .zip(&prompts)

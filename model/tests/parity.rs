@@ -193,6 +193,7 @@ fn mixed_length_batch_equals_each_sequence_alone() {
         tables.push(t);
     }
     let batch = BatchInputs {
+        prompt_logprobs: Vec::new(),
         seqs: cases
             .iter()
             .zip(&tables)
@@ -269,6 +270,7 @@ fn bad_batches_are_rejected_before_touching_the_cache() {
     t.reserve(&mut pool, 4).unwrap();
     let bad_token = [model.config().vocab_size as u32];
     let batch = BatchInputs {
+        prompt_logprobs: Vec::new(),
         seqs: vec![SeqInput {
             tokens: &bad_token,
             start_pos: 0,
@@ -281,6 +283,7 @@ fn bad_batches_are_rejected_before_touching_the_cache() {
 
     let too_long = vec![5u32; 65];
     let batch = BatchInputs {
+        prompt_logprobs: Vec::new(),
         seqs: vec![SeqInput {
             tokens: &too_long,
             start_pos: 0,

@@ -81,6 +81,7 @@ fn prefill_taps(
     let mut tapped = vec![Vec::new(); taps.len()];
     {
         let batch = BatchInputs {
+            prompt_logprobs: Vec::new(),
             seqs: vec![SeqInput {
                 tokens: prompt,
                 start_pos: 0,
@@ -284,6 +285,7 @@ fn draft_on<K: ferry_model::kv::KvRows>(
     let taps = drafter.taps().to_vec();
     let mut tapped = Vec::new();
     let batch = BatchInputs {
+        prompt_logprobs: Vec::new(),
         seqs: vec![SeqInput {
             tokens: &case.prompt,
             start_pos: 0,
@@ -480,6 +482,7 @@ fn drafter_passes_replayed_from_graphs_equal_eager_passes() {
     let taps = eager.taps().to_vec();
     let mut tapped = Vec::new();
     let batch = BatchInputs {
+        prompt_logprobs: Vec::new(),
         seqs: cases
             .iter()
             .zip(&tables)

@@ -16,7 +16,7 @@ use ferry_proto::internal::prefill_worker_server::PrefillWorker;
 use ferry_proto::internal::{GetStatsRequest, PrefillRequest, PrefillResponse, WorkerStats};
 use ferry_proto::trace_ctx;
 use ferry_worker::args::{
-    controls, logprobs, logprobs_to_wire, sampling, stop_params, validate_prompt,
+    controls, logprobs, logprobs_to_wire, prompt_logprobs, sampling, stop_params, validate_prompt,
 };
 use tonic::{Request, Response, Status};
 use tracing::{field, info_span, Instrument, Span};
@@ -133,6 +133,7 @@ impl PrefillService {
         let vocab = self.engine.model_config().vocab_size;
         let controls = controls(r.sampling.as_ref(), vocab)?;
         let stop = stop_params(r.stop.as_ref(), vocab)?;
+        let prompt_lps = prompt_logprobs(r.prompt_logprobs)?;
         let grammar =
             ferry_worker::grammar::compile(self.grammar.as_ref(), r.response_format.as_ref())
                 .await?;
@@ -230,6 +231,7 @@ impl PrefillService {
                 controls,
                 stop,
                 logprobs: logprobs(r.logprobs)?,
+                prompt_logprobs: prompt_lps,
                 grammar,
                 skip_tokens: skip,
                 on_layer: hook,
@@ -272,6 +274,11 @@ impl PrefillService {
         Ok(PrefillResponse {
             first_token: outcome.first_token,
             first_logprobs: outcome.first_logprobs.as_ref().map(logprobs_to_wire),
+            prompt_logprobs: outcome
+                .prompt_logprobs
+                .iter()
+                .map(logprobs_to_wire)
+                .collect(),
             computed_tokens: u32::try_from(outcome.computed_tokens).unwrap_or(u32::MAX),
             reused_tokens: u32::try_from(outcome.reused_tokens).unwrap_or(u32::MAX),
             bytes_transferred: bytes,

@@ -16,6 +16,11 @@
 //!       prefilled on the new worker; at most max_migrations times; OutputState carries on
 //! ```
 //!
+//! Prompt log-probabilities (`echo` with `logprobs`, gRPC `prompt_logprobs`) come on sample
+//! 0's first message, checked against the prompt ([`worker_prompt_logprobs`]), and go out on
+//! each sample's first event; with `n` > 1, other samples' messages that arrive before them
+//! wait. A migration never asks again: they arrived with the first message.
+//!
 //! A migrated greedy or seeded request gives exactly the tokens it would have given on one
 //! worker: the new worker's engine resumes at step `generated_tokens`, and seeded sampling
 //! draws step `k` from a generator derived from `(seed, k)` alone.
@@ -44,7 +49,9 @@ use tracing::{field, Instrument, Span};
 
 use crate::error::RequestError;
 use crate::metrics::RouterMetrics;
-use crate::output::{FinishReason, GenerationEvent, OutputState, TokenLogprob, Usage};
+use crate::output::{
+    FinishReason, GenerationEvent, OutputState, PromptLogprobs, TokenLogprob, Usage,
+};
 use crate::select::{DecodeTarget, PrefillTarget, SelectRequest, Selection, Selector};
 use crate::spans::{self, InSpan};
 use crate::validate::ValidRequest;
@@ -464,7 +471,8 @@ impl Run {
             self.inner.tokenizer.clone(),
             self.req.stop(),
             self.req.prompt().len(),
-        );
+        )
+        .prompt_only(self.req.prompt_only());
         output.set_cached_prompt_tokens(attempt.opened.first.cached_prompt_tokens);
         let drain = self.inner.drain.clone();
         let mut accounting = Accounting {
@@ -480,6 +488,8 @@ impl Run {
             let mut generated: Vec<u32> = Vec::new();
             let mut migrations = 0u32;
             let mut next = Some(first);
+            // The prompt's log-probabilities are due on the first message (when asked).
+            let mut prompt_due = self.req.prompt_logprobs().is_some();
             loop {
                 let received = match next.take() {
                     Some(message) => Ok(message),
@@ -489,8 +499,16 @@ impl Run {
                     Ok(m) => finish_reason(&current.worker.id, m.finish_reason)
                         .and_then(|finish| {
                             let logprobs = worker_logprobs(&current.worker.id, &self.req, &m)?;
+                            let prompt = if prompt_due {
+                                prompt_due = false;
+                                Some(worker_prompt_logprobs(&current.worker.id, &self.req, &m)?)
+                            } else {
+                                None
+                            };
                             generated.extend_from_slice(&m.token_ids);
-                            output.on_tokens(&m.token_ids, logprobs, finish)
+                            let mut event = output.on_tokens(&m.token_ids, logprobs, finish)?;
+                            event.prompt_logprobs = prompt;
+                            Ok(event)
                         }),
                     Err(fault) if fault.resumable() && migrations < self.inner.max_migrations => {
                         migrations += 1;
@@ -550,7 +568,8 @@ impl Run {
                     self.inner.tokenizer.clone(),
                     self.req.stop(),
                     self.req.prompt().len(),
-                );
+                )
+                .prompt_only(self.req.prompt_only());
                 o.set_cached_prompt_tokens(cached);
                 o
             })
@@ -569,11 +588,33 @@ impl Run {
             let mut finished = vec![false; n];
             let mut completion_tokens = 0u32;
             let mut next = Some(first);
+            // Prompt log-probabilities (when asked): sample 0's first message brings them and
+            // every sample's first event carries them; messages of other samples that come
+            // first wait in `early`.
+            let asked_prompt = self.req.prompt_logprobs().is_some();
+            let mut prompt: Option<Arc<PromptLogprobs>> = None;
+            let mut started = vec![false; n];
+            let mut early: std::collections::VecDeque<internal::DecodeResponse> =
+                std::collections::VecDeque::new();
             loop {
-                let received = match next.take() {
-                    Some(message) => Ok(message),
-                    None => current.next(&drain).await,
+                let ready = !asked_prompt || prompt.is_some();
+                let received = match (next.take(), ready.then(|| early.pop_front()).flatten()) {
+                    (Some(message), _) | (None, Some(message)) => Ok(message),
+                    (None, None) => current.next(&drain).await,
                 };
+                if let Ok(m) = &received {
+                    let waits = asked_prompt
+                        && prompt.is_none()
+                        && m.index != 0
+                        && (m.index as usize) < n
+                        && m.error.is_empty();
+                    if waits {
+                        if let Ok(m) = received {
+                            early.push_back(m);
+                        }
+                        continue;
+                    }
+                }
                 let worker = current.worker.id.clone();
                 let event = match received {
                     Err(fault) => Err(fault.error(&worker)),
@@ -596,9 +637,16 @@ impl Run {
                         } else {
                             finish_reason(&worker, m.finish_reason).and_then(|finish| {
                                 let logprobs = worker_logprobs(&worker, &self.req, &m)?;
+                                if asked_prompt && prompt.is_none() {
+                                    prompt = Some(worker_prompt_logprobs(&worker, &self.req, &m)?);
+                                }
                                 outputs[index].on_tokens(&m.token_ids, logprobs, finish)
                             }).map(|mut e| {
                                 e.index = m.index;
+                                if asked_prompt && !started[index] {
+                                    started[index] = true;
+                                    e.prompt_logprobs = prompt.clone();
+                                }
                                 e
                             })
                         }
@@ -759,6 +807,8 @@ fn decode_request(
         }),
         speculative: req.speculative(),
         logprobs: req.logprobs(),
+        // A migration's first message never carries them: they came with the first one.
+        prompt_logprobs: req.prompt_logprobs().filter(|_| resumed.is_empty()),
         response_format: req.response_format().map(crate::structured::to_wire),
         generated_tokens: u32::try_from(resumed.len()).unwrap_or(u32::MAX),
         n: req.n(),
@@ -792,6 +842,40 @@ fn worker_logprobs(
         });
     }
     Ok(m.logprobs.iter().map(TokenLogprob::from).collect())
+}
+
+/// The prompt's log-probabilities on a worker message (sample 0's first, for a request that
+/// asked): one per prompt token after the first, each for that token, with at most the asked
+/// number of alternatives (anything else is the worker's fault).
+fn worker_prompt_logprobs(
+    worker: &ferry_proto::ids::WorkerId,
+    req: &ValidRequest,
+    m: &internal::DecodeResponse,
+) -> Result<Arc<PromptLogprobs>, RequestError> {
+    let prompt = req.prompt();
+    let top = req.prompt_logprobs().unwrap_or(0) as usize;
+    let want = prompt.get(1..).unwrap_or_default();
+    let aligned = m.prompt_logprobs.len() == want.len()
+        && m.prompt_logprobs
+            .iter()
+            .zip(want)
+            .all(|(l, &t)| l.token_id == t && l.top_logprobs.len() <= top);
+    if !aligned {
+        return Err(RequestError::Worker {
+            worker: worker.clone(),
+            code: Code::Internal,
+            message: format!(
+                "sent {} prompt log-probabilities for a prompt of {} tokens (or for other \
+                 tokens, or with more than {top} alternatives)",
+                m.prompt_logprobs.len(),
+                prompt.len()
+            ),
+        });
+    }
+    Ok(Arc::new(PromptLogprobs {
+        first_token: prompt.first().copied().unwrap_or_default(),
+        rest: m.prompt_logprobs.iter().map(TokenLogprob::from).collect(),
+    }))
 }
 
 fn finish_reason(

@@ -2,7 +2,8 @@
 //!
 //! Wire → [`GrpcGenerate`] (parameters, no checks but the shapes of `response_format` and
 //! tools) → [`Validator`](crate::validate::Validator) → dispatcher → events →
-//! `GenerateResponse`s, each tagged with its sample's `index` (`n` > 1). With tools (a choice
+//! `GenerateResponse`s, each tagged with its sample's `index` (`n` > 1; with
+//! `prompt_logprobs`, the prompt's on each sample's first message). With tools (a choice
 //! other than none), each sample's text is kept and parsed for calls at its finish
 //! ([`crate::tools::Tools::parse_calls`], the code the HTTP API uses): its last message then
 //! carries the calls and FINISH_REASON_TOOL_CALLS; the text itself streams as generated.
@@ -84,6 +85,11 @@ fn to_wire(
         }),
         request_id: request_id.to_string(),
         logprobs: event.logprobs.iter().map(v1::TokenLogprob::from).collect(),
+        prompt_logprobs: event
+            .prompt_logprobs
+            .as_deref()
+            .map(|p| p.rest.iter().map(v1::TokenLogprob::from).collect())
+            .unwrap_or_default(),
         index: event.index,
         tool_calls: calls
             .into_iter()

@@ -78,6 +78,17 @@ impl From<&TokenLogprob> for ferry_proto::v1::TokenLogprob {
     }
 }
 
+/// The prompt's tokens with their log-probabilities (requests that asked for them): the
+/// first token has none (nothing predicts it), every later one the model's raw log-softmax at
+/// the position before it, with the most likely tokens there.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct PromptLogprobs {
+    /// The prompt's first token.
+    pub first_token: u32,
+    /// One entry per later prompt token, in order.
+    pub rest: Vec<TokenLogprob>,
+}
+
 /// One step of a generation as clients see it.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct GenerationEvent {
@@ -95,6 +106,8 @@ pub struct GenerationEvent {
     /// The sample these tokens belong to (`choices[index]`; 0 for a request of one sample).
     /// With several samples each one's last event has `finish`.
     pub index: u32,
+    /// On each sample's first event, when the request asked: the prompt's log-probabilities.
+    pub prompt_logprobs: Option<std::sync::Arc<PromptLogprobs>>,
 }
 
 /// Per-request output state.
@@ -104,6 +117,9 @@ pub struct OutputState {
     decoder: DecodeStream,
     stop: StopMatcher,
     usage: Usage,
+    /// The client asked for the prompt alone (`max_tokens: 0` with `echo`): the worker's
+    /// token is left out of the text, the log-probabilities and the usage.
+    prompt_only: bool,
 }
 
 impl OutputState {
@@ -117,6 +133,17 @@ impl OutputState {
                 prompt_tokens: u32::try_from(prompt_tokens).unwrap_or(u32::MAX),
                 ..Usage::default()
             },
+            prompt_only: false,
+        }
+    }
+
+    /// Leaves every generated token out (text, log-probabilities, usage) and finishes with
+    /// `length` at the worker's finish: a request for the prompt alone
+    /// ([`crate::validate::ValidRequest::prompt_only`]), answered as vLLM does.
+    pub fn prompt_only(self, on: bool) -> Self {
+        Self {
+            prompt_only: on,
+            ..self
         }
     }
 
@@ -134,6 +161,13 @@ impl OutputState {
         logprobs: Vec<TokenLogprob>,
         finish: Option<FinishReason>,
     ) -> Result<GenerationEvent, RequestError> {
+        if self.prompt_only {
+            return Ok(GenerationEvent {
+                finish: finish.map(|_| FinishReason::Length),
+                usage: finish.map(|_| self.usage),
+                ..GenerationEvent::default()
+            });
+        }
         let added = u32::try_from(ids.len()).unwrap_or(u32::MAX);
         self.usage.completion_tokens = self.usage.completion_tokens.saturating_add(added);
         let mut text = String::new();
@@ -163,6 +197,7 @@ impl OutputState {
             finish,
             usage: finish.map(|_| self.usage),
             index: 0,
+            prompt_logprobs: None,
         })
     }
 }

@@ -133,6 +133,12 @@ pub struct GenerateParams {
     /// Samples of the prompt (OpenAI's `n`, gRPC's `GenerateRequest.n`), in
     /// [1, [`MAX_SAMPLES`]]; `None` = 1.
     pub n: Option<i64>,
+    /// Return the prompt's log-probabilities with this many alternatives per token (HTTP
+    /// completions' `logprobs` with `echo`, gRPC `prompt_logprobs`); `None` = none.
+    pub prompt_logprobs: Option<i64>,
+    /// The reply repeats the prompt (completions' `echo`; on gRPC, `prompt_logprobs` is set):
+    /// then `max_tokens: 0` is allowed and asks for the prompt alone (vLLM's rule).
+    pub echo: bool,
 }
 
 /// Samples one request may ask for (`n`) at most. All `n` share one prefill of the prompt on
@@ -230,6 +236,8 @@ impl TryFrom<v1::GenerateRequest> for GrpcGenerate {
             logprobs: r.logprobs.map(i64::from),
             response_format,
             n: r.n.map(i64::from),
+            prompt_logprobs: r.prompt_logprobs.map(i64::from),
+            echo: r.prompt_logprobs.is_some(),
         };
         Ok(Self { params, tools })
     }
@@ -285,6 +293,8 @@ pub struct ValidRequest {
     stop_token_ids: Vec<u32>,
     speculative: Option<bool>,
     logprobs: Option<u32>,
+    prompt_logprobs: Option<u32>,
+    prompt_only: bool,
     response_format: Option<OutputGrammar>,
     n: u32,
     received: std::time::Instant,
@@ -341,6 +351,16 @@ impl ValidRequest {
     /// [`MAX_TOP_LOGPROBS`]).
     pub fn logprobs(&self) -> Option<u32> {
         self.logprobs
+    }
+    /// Alternatives per prompt token when the client asked for the prompt's
+    /// log-probabilities (at most [`MAX_TOP_LOGPROBS`]).
+    pub fn prompt_logprobs(&self) -> Option<u32> {
+        self.prompt_logprobs
+    }
+    /// The client asked for the prompt alone (`max_tokens: 0` with `echo`): the workers
+    /// generate one token (`max_tokens()` is 1), which the reply leaves out, as vLLM does.
+    pub fn prompt_only(&self) -> bool {
+        self.prompt_only
     }
     /// What the output must be (compiled once by the router: the workers' compiler accepts
     /// it); `None` = free text.
@@ -483,10 +503,15 @@ impl Validator {
         self.check_model(&p.model)?;
         self.check_prompt_size(&p.prompt)?;
         let sampling = resolve_sampling(&p.sampling, self.params.vocab_size)?;
-        if let Some(n) = p.max_tokens {
+        // `max_tokens: 0` with `echo` asks for the prompt alone: the workers still generate
+        // one token (their prefill samples it), which the reply leaves out.
+        let prompt_only = p.echo && p.max_tokens == Some(0);
+        let asked_max_tokens = if prompt_only { Some(1) } else { p.max_tokens };
+        if let Some(n) = asked_max_tokens {
             if n < 1 {
+                let rule = if p.echo { ">= 0 with `echo`" } else { ">= 1" };
                 return Err(
-                    ValidationError::new("max_tokens", format!("must be >= 1, got {n}")).into(),
+                    ValidationError::new("max_tokens", format!("must be {rule}, got {n}")).into(),
                 );
             }
         }
@@ -502,6 +527,7 @@ impl Validator {
         let stop = check_stop(p.stop)?;
         let stop_token_ids = check_stop_token_ids(p.stop_token_ids, self.params.vocab_size)?;
         let logprobs = check_logprobs(p.logprobs)?;
+        let prompt_logprobs = check_top_n("prompt_logprobs", p.prompt_logprobs)?;
         check_prompt_shape(&p.prompt, self.params.vocab_size)?;
         let response_format = match p.response_format {
             Some(f) => Some(crate::structured::check(self.params.grammar.as_ref(), f).await?),
@@ -518,10 +544,11 @@ impl Validator {
         }
         let max_tokens = fit_context(
             prepared.tokens.len(),
-            p.max_tokens,
+            asked_max_tokens,
             self.params.context_length,
         )?;
-        let min_tokens = check_min_tokens(p.min_tokens, max_tokens)?;
+        // Against what the client asked for: 0 with `max_tokens: 0`.
+        let min_tokens = check_min_tokens(p.min_tokens, if prompt_only { 0 } else { max_tokens })?;
         let id = p
             .request_id
             .map(RequestId)
@@ -538,6 +565,8 @@ impl Validator {
             stop_token_ids,
             speculative: p.speculative,
             logprobs,
+            prompt_logprobs,
+            prompt_only,
             response_format,
             n,
             received,
@@ -712,11 +741,16 @@ pub fn check_stop_token_ids(ids: Vec<u32>, vocab: usize) -> Result<Vec<u32>, Val
 
 /// `logprobs` in `[0, MAX_TOP_LOGPROBS]` when given.
 pub fn check_logprobs(n: Option<i64>) -> Result<Option<u32>, ValidationError> {
+    check_top_n("logprobs", n)
+}
+
+/// A count of alternatives per token (`field`) in `[0, MAX_TOP_LOGPROBS]` when given.
+fn check_top_n(field: &'static str, n: Option<i64>) -> Result<Option<u32>, ValidationError> {
     match n {
         None => Ok(None),
         Some(n) if (0..=i64::from(MAX_TOP_LOGPROBS)).contains(&n) => Ok(Some(n as u32)),
         Some(n) => Err(ValidationError::new(
-            "logprobs",
+            field,
             format!("must be in [0, {MAX_TOP_LOGPROBS}], got {n}"),
         )),
     }
@@ -857,6 +891,8 @@ mod tests {
             logprobs: None,
             response_format: None,
             n: None,
+            prompt_logprobs: None,
+            echo: false,
         }
     }
 
@@ -1277,6 +1313,67 @@ mod tests {
         let asks = with(&|p| p.logprobs = Some(20));
         let v = validator().validate(asks).await.expect("valid");
         assert_eq!(v.logprobs(), Some(20));
+    }
+
+    /// `echo`: `max_tokens: 0` asks for the prompt alone (the workers get 1, the request says
+    /// `prompt_only`), without `echo` it is refused as before; `prompt_logprobs` is checked
+    /// like `logprobs`, by its own name; `min_tokens` is held to the client's 0.
+    #[tokio::test]
+    async fn echo_allows_max_tokens_zero_and_prompt_logprobs_are_checked() {
+        let with = |f: &dyn Fn(&mut GenerateParams)| {
+            let mut p = params(PromptInput::Text("hi".into()));
+            f(&mut p);
+            p
+        };
+        let only = with(&|p| {
+            p.echo = true;
+            p.max_tokens = Some(0);
+            p.prompt_logprobs = Some(2);
+        });
+        let v = validator().validate(only).await.expect("valid");
+        assert!(v.prompt_only());
+        assert_eq!((v.max_tokens(), v.prompt_logprobs()), (1, Some(2)));
+        let echo = with(&|p| p.echo = true);
+        let v = validator().validate(echo).await.expect("valid");
+        assert!(!v.prompt_only());
+        assert_eq!((v.max_tokens(), v.prompt_logprobs()), (8, None));
+        let cases: Vec<(GenerateParams, &str, &str)> = vec![
+            (
+                with(&|p| p.max_tokens = Some(0)),
+                "max_tokens",
+                "must be >= 1, got 0",
+            ),
+            (
+                with(&|p| {
+                    p.echo = true;
+                    p.max_tokens = Some(-1);
+                }),
+                "max_tokens",
+                "must be >= 0 with `echo`, got -1",
+            ),
+            (
+                with(&|p| {
+                    p.echo = true;
+                    p.prompt_logprobs = Some(21);
+                }),
+                "prompt_logprobs",
+                "must be in [0, 20], got 21",
+            ),
+            (
+                with(&|p| {
+                    p.echo = true;
+                    p.max_tokens = Some(0);
+                    p.min_tokens = Some(1);
+                }),
+                "min_tokens",
+                "must be in [0, 0]",
+            ),
+        ];
+        for (p, field, part) in cases {
+            let (f, m) = field_of(p).await;
+            assert_eq!(f, field, "{m}");
+            assert!(m.contains(part), "{m} lacks {part}");
+        }
     }
 
     #[tokio::test]

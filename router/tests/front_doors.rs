@@ -9,7 +9,9 @@
 //!   with and without usage, and an error in the middle of a stream;
 //! - `n` samples as one `Decode` call on both front doors (gRPC: streams told apart by
 //!   `index`), tool calls on gRPC (per sample) and on `/v1/responses` (function-call items and
-//!   their events).
+//!   their events);
+//! - `echo` on `/v1/completions` and gRPC `prompt_logprobs`: the prompt and its
+//!   log-probabilities first, whole and streamed, and `max_tokens: 0` for the prompt alone.
 mod common;
 
 use std::sync::Arc;
@@ -1035,5 +1037,293 @@ async fn responses_tool_calls_are_function_call_items_whole_and_streamed() {
     let last = &events.last().expect("events").1["response"];
     assert_eq!(last["output"][0]["type"], "message", "{text}");
     assert_eq!(last["output"][0]["content"][0]["text"], want.as_str());
+    h.stop().await;
+}
+
+/// Asserts a completions `logprobs` object covers the prompt `prompt` (named by `tok`) and then
+/// `generated` tokens: the prompt's first token with `null`s, the others with the scripted
+/// worker's values and `top` alternatives, generated tokens with none asked of the script
+/// (their entries are the worker's, empty here), offsets over the token texts from 0.
+fn assert_echo_logprobs(what: &str, lp: &Value, tok: &Tokenizer, prompt: &[u32], top: usize) {
+    let tokens = lp["tokens"].as_array().expect("tokens");
+    let logprobs = lp["token_logprobs"].as_array().expect("token_logprobs");
+    let tops = lp["top_logprobs"].as_array().expect("top_logprobs");
+    let offsets = lp["text_offset"].as_array().expect("text_offset");
+    assert!(tokens.len() >= prompt.len(), "{what}: {lp}");
+    assert_eq!(logprobs.len(), tokens.len(), "{what}: {lp}");
+    assert_eq!(tops.len(), tokens.len(), "{what}: {lp}");
+    assert_eq!(offsets.len(), tokens.len(), "{what}: {lp}");
+    assert_eq!(
+        logprobs[0],
+        Value::Null,
+        "{what}: the first prompt token has none: {lp}"
+    );
+    assert_eq!(tops[0], Value::Null, "{what}: {lp}");
+    let mut at = 0;
+    for (i, &t) in prompt.iter().enumerate() {
+        let text = tok.decode(&[t], false).expect("decode");
+        assert_eq!(tokens[i], text.as_str(), "{what}: prompt token {i}: {lp}");
+        assert_eq!(offsets[i], at, "{what}: offset {i}: {lp}");
+        at += text.chars().count();
+        if i > 0 {
+            let want = common::scripted_prompt_logprob(i);
+            assert_eq!(
+                logprobs[i].as_f64(),
+                Some(f64::from(want)),
+                "{what}: {i}: {lp}"
+            );
+            assert_eq!(
+                tops[i].as_object().map(|o| o.len()),
+                Some(top),
+                "{what}: {lp}"
+            );
+        }
+    }
+    // The offsets go on into the generated tokens.
+    assert_eq!(
+        offsets
+            .get(prompt.len())
+            .map_or(at, |o| o.as_u64().unwrap_or(0) as usize),
+        at
+    );
+}
+
+/// `echo` on `/v1/completions` (vLLM's behaviour): the prompt starts each choice's text, and
+/// with `logprobs` its tokens start the `logprobs` lists (the first with `null`s), whole and
+/// streamed (the prompt comes first, in each choice's first chunk); the worker is asked for
+/// the prompt's log-probabilities only when `logprobs` is set; `max_tokens: 0` with `echo`
+/// returns the prompt alone (`length`, no completion tokens; the worker is asked for one
+/// token, which is left out), without `echo` it is a 400 naming `max_tokens`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn completions_echo_returns_the_prompt_and_its_logprobs() {
+    let (tok, tokens) = script();
+    const N: usize = 4;
+    let generated = tok.decode(&tokens[..N], true).expect("decode");
+    let worker = streaming(tokens.clone());
+    let seen = worker.seen.clone();
+    let h = Harness::with_worker(RouterConfig::ephemeral(), worker).await;
+    let prompt_text = "And God said";
+    let body = json!({"prompt": prompt_text, "max_tokens": N, "temperature": 0, "echo": true, "logprobs": 2});
+
+    // Whole.
+    let (status, got) = h.post("/v1/completions", body.clone()).await;
+    assert_eq!(status, 200, "{got}");
+    let asked = seen
+        .lock()
+        .expect("test mutex")
+        .last()
+        .cloned()
+        .expect("a call");
+    assert_eq!(asked.prompt_logprobs, Some(2));
+    let prompt = asked.prompt_tokens.clone();
+    let choice = &got["choices"][0];
+    assert_eq!(choice["text"], format!("{prompt_text}{generated}"), "{got}");
+    assert_echo_logprobs("whole", &choice["logprobs"], &tok, &prompt, 2);
+    assert_eq!(
+        choice["logprobs"]["tokens"].as_array().map(Vec::len),
+        Some(prompt.len() + N),
+        "{got}"
+    );
+    assert_eq!(got["usage"]["completion_tokens"], N, "{got}");
+
+    // Streamed: the prompt and its log-probabilities lead the first chunk.
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let (status, text) = h.http("POST", "/v1/completions", streamed).await;
+    assert_eq!(status, 200, "{text}");
+    let chunks = sse_chunks("echo stream", &text);
+    let first = &chunks[0]["choices"][0];
+    assert!(
+        first["text"]
+            .as_str()
+            .is_some_and(|t| t.starts_with(prompt_text)),
+        "{text}"
+    );
+    assert_echo_logprobs("first chunk", &first["logprobs"], &tok, &prompt, 2);
+    let all: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["text"].as_str())
+        .collect();
+    assert_eq!(all, format!("{prompt_text}{generated}"), "{text}");
+    let count: usize = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["logprobs"]["tokens"].as_array())
+        .map(Vec::len)
+        .sum();
+    assert_eq!(count, prompt.len() + N, "{text}");
+
+    // Echo without logprobs: the text only, and the worker computes no prompt logprobs.
+    let (status, got) = h
+        .post(
+            "/v1/completions",
+            json!({"prompt": prompt_text, "max_tokens": N, "echo": true}),
+        )
+        .await;
+    assert_eq!(status, 200, "{got}");
+    assert_eq!(
+        got["choices"][0]["text"],
+        format!("{prompt_text}{generated}")
+    );
+    assert_eq!(got["choices"][0]["logprobs"], Value::Null);
+    let asked = seen
+        .lock()
+        .expect("test mutex")
+        .last()
+        .cloned()
+        .expect("a call");
+    assert_eq!(asked.prompt_logprobs, None);
+
+    // Token-id prompts echo their decoded text.
+    let (status, got) = h
+        .post(
+            "/v1/completions",
+            json!({"prompt": tokens[..3].to_vec(), "max_tokens": 1, "echo": true}),
+        )
+        .await;
+    assert_eq!(status, 200, "{got}");
+    let decoded = tok.decode(&tokens[..3], true).expect("decode");
+    let single = tok.decode(&tokens[..1], true).expect("decode");
+    assert_eq!(
+        got["choices"][0]["text"],
+        format!("{decoded}{single}"),
+        "{got}"
+    );
+
+    // `max_tokens: 0` with echo: the prompt alone, whole and streamed.
+    let only = json!({"prompt": prompt_text, "max_tokens": 0, "echo": true, "logprobs": 1});
+    let (status, got) = h.post("/v1/completions", only.clone()).await;
+    assert_eq!(status, 200, "{got}");
+    assert_eq!(got["choices"][0]["text"], prompt_text, "{got}");
+    assert_eq!(got["choices"][0]["finish_reason"], "length", "{got}");
+    assert_eq!(got["usage"]["completion_tokens"], 0, "{got}");
+    assert_eq!(
+        got["choices"][0]["logprobs"]["tokens"]
+            .as_array()
+            .map(Vec::len),
+        Some(prompt.len()),
+        "{got}"
+    );
+    assert_echo_logprobs(
+        "prompt only",
+        &got["choices"][0]["logprobs"],
+        &tok,
+        &prompt,
+        1,
+    );
+    let asked = seen
+        .lock()
+        .expect("test mutex")
+        .last()
+        .cloned()
+        .expect("a call");
+    assert_eq!(
+        asked.stop.map(|s| s.max_tokens),
+        Some(1),
+        "one token, left out"
+    );
+    let mut only_streamed = only;
+    only_streamed["stream"] = json!(true);
+    let (status, text) = h.http("POST", "/v1/completions", only_streamed).await;
+    assert_eq!(status, 200, "{text}");
+    let chunks = sse_chunks("prompt only stream", &text);
+    assert_eq!(chunks.len(), 1, "{text}");
+    assert_eq!(chunks[0]["choices"][0]["text"], prompt_text, "{text}");
+    assert_eq!(chunks[0]["choices"][0]["finish_reason"], "length", "{text}");
+
+    // n = 2: each choice starts with the prompt and its log-probabilities.
+    let (status, got) = h
+        .post(
+            "/v1/completions",
+            json!({"prompt": prompt_text, "max_tokens": N, "n": 2, "echo": true, "logprobs": 2}),
+        )
+        .await;
+    assert_eq!(status, 200, "{got}");
+    for c in got["choices"].as_array().expect("choices") {
+        assert_eq!(c["text"], format!("{prompt_text}{generated}"), "{got}");
+        assert_echo_logprobs("n = 2", &c["logprobs"], &tok, &prompt, 2);
+    }
+
+    // Refused by name: max_tokens 0 without echo, a non-boolean echo, logprobs above 5.
+    for (bad, field) in [
+        (json!({"prompt": "hi", "max_tokens": 0}), "max_tokens"),
+        (
+            json!({"prompt": "hi", "max_tokens": -1, "echo": true}),
+            "max_tokens",
+        ),
+        (json!({"prompt": "hi", "echo": "yes"}), "echo"),
+        (
+            json!({"prompt": "hi", "echo": true, "logprobs": 6}),
+            "logprobs",
+        ),
+    ] {
+        let (status, got) = h.post("/v1/completions", bad.clone()).await;
+        assert_eq!(status, 400, "{bad}: {got}");
+        assert_eq!(got["error"]["param"], field, "{bad}: {got}");
+    }
+    h.stop().await;
+}
+
+/// gRPC `prompt_logprobs`: the prompt's entries on the first message (one per prompt token
+/// after the first), checked against the worker's; with `max_tokens` 0, one message with them,
+/// no tokens and FINISH_REASON_LENGTH; above 20 is INVALID_ARGUMENT naming the field, before
+/// any worker sees it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_prompt_logprobs_come_on_the_first_message() {
+    let (_, tokens) = script();
+    let worker = streaming(tokens);
+    let (calls, seen) = (worker.calls.clone(), worker.seen.clone());
+    let mut h = Harness::with_worker(RouterConfig::ephemeral(), worker).await;
+    let messages = grpc_messages(
+        &mut h,
+        v1::GenerateRequest {
+            prompt_logprobs: Some(3),
+            ..generate(4)
+        },
+    )
+    .await;
+    let prompt = seen.lock().expect("test mutex")[0].prompt_tokens.clone();
+    assert_eq!(seen.lock().expect("test mutex")[0].prompt_logprobs, Some(3));
+    assert_eq!(
+        messages[0].prompt_logprobs,
+        common::scripted_prompt_logprobs(&prompt, 3)
+    );
+    assert!(messages[1..].iter().all(|m| m.prompt_logprobs.is_empty()));
+    assert_eq!(messages.iter().map(|m| m.token_ids.len()).sum::<usize>(), 4);
+
+    let only = grpc_messages(
+        &mut h,
+        v1::GenerateRequest {
+            prompt_logprobs: Some(0),
+            ..generate(0)
+        },
+    )
+    .await;
+    assert_eq!(only.len(), 1, "{only:?}");
+    assert!(
+        only[0].token_ids.is_empty() && only[0].text.is_empty(),
+        "{only:?}"
+    );
+    assert_eq!(only[0].finish_reason, v1::FinishReason::Length as i32);
+    assert_eq!(only[0].prompt_logprobs.len(), prompt.len() - 1);
+    assert_eq!(only[0].usage.map(|u| u.completion_tokens), Some(0));
+
+    let before = calls.load(std::sync::atomic::Ordering::SeqCst);
+    let status = h
+        .grpc_error(v1::GenerateRequest {
+            prompt_logprobs: Some(21),
+            ..generate(4)
+        })
+        .await;
+    assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
+    assert!(
+        status
+            .message()
+            .starts_with("`prompt_logprobs` must be in [0, 20], got 21"),
+        "{status:?}"
+    );
+    let status = h.grpc_error(generate(0)).await;
+    assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
+    assert!(status.message().starts_with("`max_tokens`"), "{status:?}");
+    assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), before);
     h.stop().await;
 }

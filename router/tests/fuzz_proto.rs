@@ -211,6 +211,7 @@ fn mutated_generate() -> impl Strategy<Value = Vec<u8>> {
                 n,
                 tools,
                 tool_choice,
+                prompt_logprobs: None,
             }
         });
     (

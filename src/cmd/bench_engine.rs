@@ -161,6 +161,7 @@ fn measure(model: &DeepseekModel, b: EngineBench) -> anyhow::Result<(f64, f64)> 
     };
 
     let inputs = BatchInputs {
+        prompt_logprobs: Vec::new(),
         seqs: prompts
             .iter()
             .zip(&tables)
@@ -182,6 +183,7 @@ fn measure(model: &DeepseekModel, b: EngineBench) -> anyhow::Result<(f64, f64)> 
     let mut decode_s = 0.0;
     for step in 0..b.decode_steps {
         let inputs = BatchInputs {
+            prompt_logprobs: Vec::new(),
             seqs: next
                 .iter()
                 .zip(&tables)
@@ -721,6 +723,7 @@ fn batch_of<'a>(
     logits: LogitsWanted,
 ) -> BatchInputs<'a> {
     BatchInputs {
+        prompt_logprobs: Vec::new(),
         seqs: tokens
             .iter()
             .zip(tables)

@@ -845,6 +845,8 @@ pub struct Generated {
     pub text: String,
     pub token_ids: Vec<u32>,
     pub logprobs: Vec<ferry_proto::v1::TokenLogprob>,
+    /// The prompt's log-probabilities, when the request asked (`prompt_logprobs`).
+    pub prompt_logprobs: Vec<ferry_proto::v1::TokenLogprob>,
     pub finish_reason: Option<FinishReason>,
     pub usage: Option<Usage>,
     pub messages: usize,
@@ -863,6 +865,7 @@ pub async fn generate(
         out.text.push_str(&msg.text);
         out.token_ids.extend(&msg.token_ids);
         out.logprobs.extend(msg.logprobs);
+        out.prompt_logprobs.extend(msg.prompt_logprobs);
         if msg.finish_reason != FinishReason::Unspecified as i32 {
             out.finish_reason = FinishReason::try_from(msg.finish_reason).ok();
             out.usage = msg.usage;

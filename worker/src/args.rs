@@ -433,12 +433,63 @@ pub fn controls(s: Option<&Sampling>, vocab: usize) -> Result<LogitsControls, St
 /// The wire's `logprobs` (alternatives per token) → the engine's, checked against
 /// [`MAX_TOP_LOGPROBS`] (INVALID_ARGUMENT naming the field).
 pub fn logprobs(n: Option<u32>) -> Result<Option<usize>, Status> {
+    top_n("logprobs", n)
+}
+
+/// The wire's `prompt_logprobs` (alternatives per prompt token) → the engine's, checked
+/// against [`MAX_TOP_LOGPROBS`] (INVALID_ARGUMENT naming the field).
+pub fn prompt_logprobs(n: Option<u32>) -> Result<Option<usize>, Status> {
+    top_n("prompt_logprobs", n)
+}
+
+fn top_n(field: &str, n: Option<u32>) -> Result<Option<usize>, Status> {
     match n {
         Some(n) if n as usize > MAX_TOP_LOGPROBS => Err(Status::invalid_argument(format!(
-            "`logprobs` must be <= {MAX_TOP_LOGPROBS}, got {n}"
+            "`{field}` must be <= {MAX_TOP_LOGPROBS}, got {n}"
         ))),
         n => Ok(n.map(|n| n as usize)),
     }
+}
+
+/// A peer's prompt log-probabilities for `prompt`, checked: one entry per prompt token after
+/// the first, each naming that token, with at most `top` alternatives (ids below `vocab`).
+/// The error names what is wrong (the peer's fault).
+pub fn prompt_logprobs_from_wire(
+    entries: &[ferry_proto::v1::TokenLogprob],
+    prompt: &[u32],
+    top: usize,
+    vocab: usize,
+) -> Result<Vec<TokenLogprobs>, String> {
+    let want = prompt.get(1..).unwrap_or_default();
+    if entries.len() != want.len() {
+        return Err(format!(
+            "{} prompt log-probabilities for a prompt of {} tokens (want {})",
+            entries.len(),
+            prompt.len(),
+            want.len()
+        ));
+    }
+    for (i, (e, &t)) in entries.iter().zip(want).enumerate() {
+        if e.token_id != t {
+            return Err(format!(
+                "prompt log-probability {i} is for token {}, the prompt has {t} there",
+                e.token_id
+            ));
+        }
+        if e.top_logprobs.len() > top {
+            return Err(format!(
+                "prompt log-probability {i} has {} alternatives, the request asked for {top}",
+                e.top_logprobs.len()
+            ));
+        }
+        if let Some(bad) = e.top_logprobs.iter().find(|a| a.token_id as usize >= vocab) {
+            return Err(format!(
+                "prompt log-probability {i} names token {}, outside the vocabulary of {vocab}",
+                bad.token_id
+            ));
+        }
+    }
+    Ok(entries.iter().map(logprobs_from_wire).collect())
 }
 
 /// An engine token's log-probabilities in the wire's shape.

@@ -1,6 +1,7 @@
 //! The contract between a scheduler and the forward.
 
 use ferry_kernels::backend::Tensor;
+use ferry_kernels::cpu::logits::TokenLogprobs;
 
 use crate::config::ModelConfig;
 use crate::kv::{BlockId, KvLayout};
@@ -28,11 +29,37 @@ pub struct SeqInput<'a> {
     pub logits: LogitsWanted,
 }
 
+/// Rows of one sequence whose log-probabilities the forward computes and reduces right away
+/// (prompt log-probabilities, `echo` with `logprobs`): row `k` of the sequence's new tokens
+/// predicts `targets[k]`, the prompt's next token.
+///
+/// These rows are not in [`BatchLogits::logits`]: the forward runs the LM head over them in
+/// chunks of at most [`PROMPT_LOGITS_CHUNK_FLOATS`] floats and reduces each row at once to the
+/// target's log-probability and the `top` most likely tokens
+/// ([`ferry_kernels::backend::sample::row_logprobs`]), so a long prompt never holds
+/// `prompt_len × vocab` floats.
+#[derive(Debug, Clone, Copy)]
+pub struct PromptRows<'a> {
+    /// The sequence (an index into [`BatchInputs::seqs`]).
+    pub seq: usize,
+    /// The token each of the sequence's first `targets.len()` new rows predicts.
+    pub targets: &'a [u32],
+    /// Alternatives per row (at most `MAX_TOP_LOGPROBS`).
+    pub top: usize,
+}
+
+/// Logits floats one chunk of [`PromptRows`] may hold at once (64 MiB of f32): 129 rows of
+/// DeepSeek-V3's 129,280-token vocabulary, 8,192 of the embedded model's 2,048.
+pub const PROMPT_LOGITS_CHUNK_FLOATS: usize = 1 << 24;
+
 /// A batch: any mix of fresh prompts, prefill chunks over a cached prefix and decode steps.
 #[derive(Debug, Clone, Default)]
 pub struct BatchInputs<'a> {
     /// The sequences, each computed against its own block table.
     pub seqs: Vec<SeqInput<'a>>,
+    /// Rows reduced to log-probabilities in the forward (prompt log-probabilities); empty for
+    /// most batches.
+    pub prompt_logprobs: Vec<PromptRows<'a>>,
 }
 
 /// Per-token positions and the row range of each sequence in the flattened batch: the same on
@@ -81,6 +108,10 @@ pub struct BatchLogits {
     pub rows_per_seq: Vec<usize>,
     /// Vocabulary size (floats per row).
     pub vocab: usize,
+    /// Per entry of [`BatchInputs::prompt_logprobs`], in order: one [`TokenLogprobs`] per
+    /// target, or why that sequence's rows could not be reduced (a row without a finite
+    /// maximum).
+    pub prompt: Vec<Result<Vec<TokenLogprobs>, String>>,
 }
 
 impl BatchLogits {
@@ -184,6 +215,28 @@ impl BatchInputs<'_> {
             {
                 return Err(ModelError::Kv(format!(
                     "sequence {i}: {b} is outside the KV cache"
+                )));
+            }
+        }
+        for (i, p) in self.prompt_logprobs.iter().enumerate() {
+            let Some(s) = self.seqs.get(p.seq) else {
+                return Err(ModelError::Invalid(format!(
+                    "prompt_logprobs {i}: sequence {} is not in the batch of {}",
+                    p.seq,
+                    self.seqs.len()
+                )));
+            };
+            if p.targets.len() > s.tokens.len() {
+                return Err(ModelError::Invalid(format!(
+                    "prompt_logprobs {i}: {} targets for {} new tokens of sequence {}",
+                    p.targets.len(),
+                    s.tokens.len(),
+                    p.seq
+                )));
+            }
+            if let Some(bad) = p.targets.iter().find(|&&t| t as usize >= vocab) {
+                return Err(ModelError::Invalid(format!(
+                    "prompt_logprobs {i}: target {bad} is outside the vocabulary of {vocab}"
                 )));
             }
         }

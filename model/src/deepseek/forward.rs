@@ -19,7 +19,9 @@ use ferry_kernels::backend::moe::{moe, MoeFfn};
 use ferry_kernels::backend::norm::{add_norm, rms_norm_into, AddNorm, RowNorm};
 use ferry_kernels::backend::rope::RopeTable;
 use ferry_kernels::backend::rows::{embed, gather, Embed, Gather};
+use ferry_kernels::backend::sample::row_logprobs;
 use ferry_kernels::backend::{Backend, Ints, Precision, Slots, Tensor};
+use ferry_kernels::cpu::logits::TokenLogprobs;
 
 use super::attention::{AttentionForm, FormPolicy};
 use super::batch::{BatchGeometry, BatchInputs, BatchLogits, BatchOutput, SeqInput};
@@ -230,12 +232,79 @@ impl DeepseekModel {
         let plan = self.prepare(batch, kv.layout().page_size, None, policy)?;
         let n: usize = plan.rows_per_seq.iter().sum();
         let mut logits = self.backend.scratch(n * self.config.vocab_size)?;
-        self.execute(&plan, &mut kv, &mut logits, hooks)?;
+        let x = self.execute_hidden(&plan, &mut kv, hooks)?;
+        self.lm_head_rows(&plan, &x, &mut logits)?;
+        let prompt = self.prompt_logprobs(batch, &plan.geo, &x)?;
         Ok(BatchLogits {
             logits,
             rows_per_seq: plan.rows_per_seq,
             vocab: self.config.vocab_size,
+            prompt,
         })
+    }
+
+    /// The rows of `batch.prompt_logprobs` reduced to log-probabilities
+    /// ([`super::PromptRows`]): the LM head over at most [`super::PROMPT_LOGITS_CHUNK_FLOATS`] floats
+    /// (or what [`Self::set_prompt_logits_chunk`] set) of logits at a time (rows of
+    /// several sequences share a chunk), each row reduced on the host at once
+    /// (`row_logprobs`: on a GPU one gather and one download per chunk) and its logits
+    /// dropped. `x` is the final-normed hidden state of every batch row.
+    fn prompt_logprobs(
+        &self,
+        batch: &BatchInputs<'_>,
+        geo: &BatchGeometry,
+        x: &Tensor,
+    ) -> Result<Vec<Result<Vec<TokenLogprobs>, String>>, ModelError> {
+        let b = &self.backend;
+        let vocab = self.config.vocab_size;
+        let width = self.config.hidden_size;
+        // (entry, batch row, target, top) for every wanted row, in batch order.
+        let mut rows = Vec::new();
+        for (e, p) in batch.prompt_logprobs.iter().enumerate() {
+            let first = geo.spans.get(p.seq).map_or(0, |&(first, _)| first);
+            for (k, &target) in p.targets.iter().enumerate() {
+                rows.push((e, first + k, target, p.top));
+            }
+        }
+        let mut out: Vec<Result<Vec<TokenLogprobs>, String>> = batch
+            .prompt_logprobs
+            .iter()
+            .map(|p| Ok(Vec::with_capacity(p.targets.len())))
+            .collect();
+        let per_chunk = (self.prompt_chunk_floats / vocab.max(1)).max(1);
+        for chunk in rows.chunks(per_chunk) {
+            let at = b.ints(chunk.iter().map(|&(_, r, _, _)| r as i32).collect())?;
+            let picked = gather(
+                b,
+                Gather {
+                    src: x,
+                    rows: &at,
+                    width,
+                },
+            )?;
+            let mut logits = b.scratch(chunk.len() * vocab)?;
+            let p = Linear {
+                x: &picked,
+                w: self.lm_head(),
+                precision: self.kernels.precision,
+            };
+            linear_into(b, p, &mut logits)?;
+            let asked: Vec<(usize, usize)> = chunk
+                .iter()
+                .enumerate()
+                .map(|(k, &(_, _, _, top))| (k, top))
+                .collect();
+            let reduced = row_logprobs(b, &logits, vocab, &asked)?;
+            for (&(e, _, target, _), row) in chunk.iter().zip(reduced) {
+                if let Some(Ok(list)) = out.get_mut(e) {
+                    match row {
+                        Ok(row) => list.push(row.of(target)),
+                        Err(err) => out[e] = Err(format!("prompt log-probabilities: {err}")),
+                    }
+                }
+            }
+        }
+        Ok(out)
     }
 
     /// Puts the batch's inputs on the backend. `plan_ctx` plans every absorbed run for that
@@ -270,6 +339,37 @@ impl DeepseekModel {
         logits: &mut Tensor,
         hooks: Hooks<'_, '_>,
     ) -> Result<(), ModelError> {
+        let x = self.execute_hidden(plan, kv, hooks)?;
+        self.lm_head_rows(plan, &x, logits)
+    }
+
+    /// The picked rows of the final-normed hidden state `x` through the LM head, into `logits`.
+    fn lm_head_rows(&self, plan: &Plan, x: &Tensor, logits: &mut Tensor) -> Result<(), ModelError> {
+        let b = &self.backend;
+        let picked = gather(
+            b,
+            Gather {
+                src: x,
+                rows: &plan.picked,
+                width: self.config.hidden_size,
+            },
+        )?;
+        let p = Linear {
+            x: &picked,
+            w: self.lm_head(),
+            precision: self.kernels.precision,
+        };
+        Ok(linear_into(b, p, logits)?)
+    }
+
+    /// Every op of the forward up to the final norm: the final-normed hidden state of every
+    /// batch row (`[T][hidden]`), which the LM head reads.
+    fn execute_hidden(
+        &self,
+        plan: &Plan,
+        kv: &mut KvMut<'_>,
+        hooks: Hooks<'_, '_>,
+    ) -> Result<Tensor, ModelError> {
         let Hooks {
             mut after_layer,
             taps,
@@ -348,20 +448,7 @@ impl DeepseekModel {
             eps,
         };
         add_norm(b, p)?;
-        let picked = gather(
-            b,
-            Gather {
-                src: &x,
-                rows: &plan.picked,
-                width,
-            },
-        )?;
-        let p = Linear {
-            x: &picked,
-            w: self.lm_head(),
-            precision: self.kernels.precision,
-        };
-        Ok(linear_into(b, p, logits)?)
+        Ok(x)
     }
 
     /// Groups the batch into attention launches: runs of consecutive sequences that take the

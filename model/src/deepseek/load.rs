@@ -76,6 +76,7 @@ impl DeepseekModel {
             backend: Backend::Cpu,
             kernels: Default::default(),
             policy: Default::default(),
+            prompt_chunk_floats: super::PROMPT_LOGITS_CHUNK_FLOATS,
             config,
             embed,
             layers,

@@ -22,7 +22,10 @@ use ferry_kernels::cpu::mla::MlaDims;
 use ferry_kernels::cpu::rope::Rope;
 
 pub use attention::{AttentionForm, FormPolicy};
-pub use batch::{BatchInputs, BatchLogits, BatchOutput, LogitsWanted, SeqInput};
+pub use batch::{
+    BatchInputs, BatchLogits, BatchOutput, LogitsWanted, PromptRows, SeqInput,
+    PROMPT_LOGITS_CHUNK_FLOATS,
+};
 pub use forward::{ForwardHooks, Hooks, LayerHook};
 
 use crate::config::ModelConfig;
@@ -105,6 +108,9 @@ pub struct DeepseekModel {
     pub(crate) scale: f32,
     pub(crate) kernels: AttnKernels,
     pub(crate) policy: FormPolicy,
+    /// Logits floats one chunk of prompt log-probability rows may hold
+    /// ([`batch::PROMPT_LOGITS_CHUNK_FLOATS`] unless set).
+    pub(crate) prompt_chunk_floats: usize,
 }
 
 impl DeepseekModel {
@@ -131,6 +137,13 @@ impl DeepseekModel {
     /// Overrides how each chunk's attention form is chosen (tests, benchmarks).
     pub fn set_policy(&mut self, policy: FormPolicy) {
         self.policy = policy;
+    }
+
+    /// Overrides how many logits floats one chunk of prompt log-probability rows may hold
+    /// ([`PromptRows`]; default [`PROMPT_LOGITS_CHUNK_FLOATS`]); at least one row per chunk.
+    /// Tests use it to split a short prompt's rows over several chunks.
+    pub fn set_prompt_logits_chunk(&mut self, floats: usize) {
+        self.prompt_chunk_floats = floats;
     }
 
     /// Which absorbed-form kernel fast mode uses on a GPU: [`AbsorbedKernel::Tile`] (the
@@ -223,6 +236,7 @@ impl DeepseekModel {
                 ..self.kernels
             },
             policy: self.policy,
+            prompt_chunk_floats: self.prompt_chunk_floats,
         })
     }
 

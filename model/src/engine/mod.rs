@@ -203,6 +203,13 @@ pub struct GenerateOptions {
     /// ([`EngineEvent::Logprobs`], right before its [`EngineEvent::Token`]); `n` at most
     /// `cpu::logits::MAX_TOP_LOGPROBS`. `None`: no log-probabilities.
     pub logprobs: Option<usize>,
+    /// Send the prompt's log-probabilities with the `n` most likely alternatives
+    /// ([`EngineEvent::PromptLogprobs`], once, before the first token): for each prompt token
+    /// after the first, the model's raw log-softmax at the position before it. Such a
+    /// request reuses no cached prefix (positions served from the cache have no logits) and
+    /// computes its whole prompt, here or on its prefill peer; its other samples (`n` > 1)
+    /// reuse its blocks as usual. `None`: none.
+    pub prompt_logprobs: Option<usize>,
 }
 
 /// Samples one request may fork into ([`EngineHandle::generate_n`]) at most: bounds the work
@@ -291,6 +298,11 @@ pub enum EngineEvent {
         /// Prompt positions reused from the prefix cache.
         cached_tokens: usize,
     },
+    /// The prompt's log-probabilities (requests that asked,
+    /// [`GenerateOptions::prompt_logprobs`]), sent once before the first token: entry `i` is
+    /// prompt token `i + 1` under the model's raw `log_softmax` at position `i` (nothing
+    /// predicts the first token), so there are prompt length − 1 entries.
+    PromptLogprobs(Vec<TokenLogprobs>),
     /// The log-probabilities of the token in the next [`EngineEvent::Token`] (requests that
     /// asked, [`GenerateOptions::logprobs`]): the model's raw `log_softmax` there, before
     /// penalties and temperature.
@@ -330,6 +342,10 @@ pub struct PrefillJob {
     /// Return the first token's log-probabilities with this many alternatives
     /// ([`PrefillOutcome::first_logprobs`]).
     pub logprobs: Option<usize>,
+    /// Return the prompt's log-probabilities with this many alternatives
+    /// ([`PrefillOutcome::prompt_logprobs`]); the job then reuses none of this engine's cached
+    /// prefix (see [`GenerateOptions::prompt_logprobs`]).
+    pub prompt_logprobs: Option<usize>,
     /// Structured output: the first token is drawn from the logits masked to what this fresh
     /// grammar allows.
     pub grammar: Option<Grammar>,
@@ -380,6 +396,8 @@ pub struct PrefillWork {
     pub stop: StopParams,
     /// See [`PrefillJob::logprobs`].
     pub logprobs: Option<usize>,
+    /// See [`PrefillJob::prompt_logprobs`].
+    pub prompt_logprobs: Option<usize>,
     /// See [`PrefillJob::grammar`].
     pub grammar: Option<Grammar>,
     /// Prompt positions the destination already holds (whole blocks): not shipped.
@@ -410,6 +428,9 @@ pub struct PrefillOutcome {
     pub first_token: u32,
     /// Its log-probabilities, when the job asked ([`PrefillJob::logprobs`]).
     pub first_logprobs: Option<TokenLogprobs>,
+    /// The prompt's log-probabilities when the job asked ([`PrefillJob::prompt_logprobs`]; as
+    /// [`EngineEvent::PromptLogprobs`]); empty otherwise.
+    pub prompt_logprobs: Vec<TokenLogprobs>,
     /// Prompt tokens computed.
     pub computed_tokens: usize,
     /// Prompt tokens reused from this engine's prefix cache.
@@ -419,6 +440,19 @@ pub struct PrefillOutcome {
     /// them: how long shipping trailed the compute inside the engine (zero on the CPU, whose
     /// forward calls the sinks between layers).
     pub ship_tail: std::time::Duration,
+}
+
+/// What a prefill peer returned for an awaited request besides its KV
+/// ([`EngineHandle::remote_done_with`]).
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct RemoteFirst {
+    /// The first generated token.
+    pub token: u32,
+    /// Its log-probabilities, when the request asked.
+    pub logprobs: Option<TokenLogprobs>,
+    /// The prompt's log-probabilities, when the request asked (as
+    /// [`EngineEvent::PromptLogprobs`]); empty otherwise.
+    pub prompt_logprobs: Vec<TokenLogprobs>,
 }
 
 /// Counters since start and current gauges.
@@ -505,8 +539,7 @@ pub(crate) enum Command {
     },
     RemoteDone {
         id: SeqId,
-        first_token: u32,
-        logprobs: Option<TokenLogprobs>,
+        first: RemoteFirst,
         bytes: u64,
     },
     /// Every block of one target layer as the cache stores it.
@@ -882,6 +915,7 @@ impl EngineHandle {
             controls: LogitsControls::default(),
             stop: StopParams::max_tokens(1),
             logprobs: None,
+            prompt_logprobs: None,
             grammar: None,
             skip_tokens,
             on_layer,
@@ -901,6 +935,7 @@ impl EngineHandle {
             controls: work.controls,
             stop: work.stop,
             logprobs: work.logprobs,
+            prompt_logprobs: work.prompt_logprobs,
             grammar: work.grammar,
             skip_tokens: work.skip_tokens,
             on_layer: work.on_layer,
@@ -941,12 +976,25 @@ impl EngineHandle {
         logprobs: Option<TokenLogprobs>,
         bytes: u64,
     ) -> Result<(), EngineError> {
-        self.send(Command::RemoteDone {
-            id,
-            first_token,
+        let first = RemoteFirst {
+            token: first_token,
             logprobs,
-            bytes,
-        })
+            prompt_logprobs: Vec::new(),
+        };
+        self.remote_done_with(id, first, bytes)
+    }
+
+    /// [`Self::remote_done`] with everything the peer returned besides the KV: the first token,
+    /// its log-probabilities and the prompt's (requests that asked,
+    /// [`GenerateOptions::logprobs`] / [`GenerateOptions::prompt_logprobs`]; the caller has
+    /// checked them against the request).
+    pub fn remote_done_with(
+        &self,
+        id: SeqId,
+        first: RemoteFirst,
+        bytes: u64,
+    ) -> Result<(), EngineError> {
+        self.send(Command::RemoteDone { id, first, bytes })
     }
 
     /// The peer or the transfer failed for `id`: recompute locally, or fail the request.

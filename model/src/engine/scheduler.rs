@@ -29,6 +29,7 @@ use super::spec::{Draft, Speculator};
 use super::{Command, EngineConfig, EngineEvent, EngineStats, FinishReason};
 use super::{Failure, GenerateJob, GenerateOptions, SeqId};
 use crate::kv::{BlockId, KvManager, KvPool, RemoteFences};
+use ferry_kernels::cpu::logits::TokenLogprobs;
 
 mod admit;
 mod batch;
@@ -126,6 +127,9 @@ fn fork_job(job: &GenerateJob, index: usize) -> GenerateJob {
 struct BatchResult {
     /// Per work item, what its logits decided (sampled and verified on the backend).
     outcomes: Vec<sample::Outcome>,
+    /// Per work item, the prompt log-probabilities its rows gave (items that asked), or why
+    /// they could not be computed.
+    prompt: HashMap<usize, Result<Vec<TokenLogprobs>, String>>,
     /// Prefill jobs whose layer sink failed.
     hook_errors: HashMap<usize, String>,
     /// Per running sequence, the drafts it verified (empty without a drafter).
@@ -204,7 +208,12 @@ impl Scheduler {
                         id,
                         job: fork_job(&job, i + 1),
                         events,
-                        options,
+                        // Sample 0 reports the prompt's log-probabilities; the others share
+                        // its prompt blocks.
+                        options: GenerateOptions {
+                            prompt_logprobs: None,
+                            ..options
+                        },
                     })
                     .collect();
                 self.admit(NewRequest {
@@ -219,12 +228,7 @@ impl Scheduler {
             }
             Command::Prefill(job) => self.admit_prefill(job),
             Command::WriteKv { layer, block, data } => self.write_kv(layer, block, &data),
-            Command::RemoteDone {
-                id,
-                first_token,
-                logprobs,
-                bytes,
-            } => self.remote_done(id, first_token, logprobs, bytes),
+            Command::RemoteDone { id, first, bytes } => self.remote_done(id, first, bytes),
             Command::RemoteFailed {
                 id,
                 recompute,

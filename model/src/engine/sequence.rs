@@ -51,6 +51,12 @@ pub struct Sequence {
     pub(crate) history: TokenHistory,
     /// Alternatives per token when the request asked for log-probabilities.
     pub(crate) logprobs: Option<usize>,
+    /// Alternatives per prompt token when the request asked for the prompt's
+    /// log-probabilities ([`super::GenerateOptions::prompt_logprobs`]).
+    pub(crate) prompt_logprobs: Option<usize>,
+    /// The prompt's log-probabilities computed so far (one per prompt token after the first,
+    /// filled chunk by chunk), sent before the first token.
+    pub(crate) prompt_lps: Vec<TokenLogprobs>,
     /// Structured output: the grammar state after the committed tokens; every sampled row is
     /// masked with it (speculative rows with it advanced through the drafts ahead).
     pub(crate) grammar: Option<Grammar>,
@@ -127,6 +133,15 @@ impl Sequence {
         match self.phase {
             Phase::Prefilling { done } => self.prompt.len() - done,
             _ => 0,
+        }
+    }
+
+    /// Sends the prompt's log-probabilities once, before the first token, when the request
+    /// asked for them.
+    pub(crate) fn emit_prompt_logprobs(&mut self) {
+        if self.prompt_logprobs.is_some() {
+            let lps = std::mem::take(&mut self.prompt_lps);
+            self.emit(EngineEvent::PromptLogprobs(lps));
         }
     }
 

@@ -183,6 +183,7 @@ impl DeepseekModel {
                 ..AttnKernels::default()
             },
             policy: FormPolicy::CostModel,
+            prompt_chunk_floats: crate::deepseek::PROMPT_LOGITS_CHUNK_FLOATS,
             config,
         })
     }
@@ -262,6 +263,7 @@ fn routed_expert_bytes(model: &DeepseekModel) -> (f64, f64, f64, usize) {
 /// One decode step's inputs: sequence `i` gets `seqs[i]`'s tokens at its position and `tables[i]`.
 fn batch_inputs<'a>(seqs: &'a [(Vec<u32>, usize)], tables: &'a [Vec<BlockId>]) -> BatchInputs<'a> {
     BatchInputs {
+        prompt_logprobs: Vec::new(),
         seqs: seqs
             .iter()
             .zip(tables)
@@ -381,6 +383,7 @@ pub fn prefill_seconds(
         .map(|i| (i * 7919 % model.config.vocab_size) as u32)
         .collect();
     let batch = BatchInputs {
+        prompt_logprobs: Vec::new(),
         seqs: vec![SeqInput {
             tokens: &ids,
             start_pos: 0,

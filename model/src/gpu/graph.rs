@@ -182,6 +182,7 @@ impl DeepseekModel {
             logits,
             rows_per_seq,
             vocab,
+            prompt: Vec::new(),
         })
     }
 

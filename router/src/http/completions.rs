@@ -1,5 +1,7 @@
 //! `POST /v1/completions`: text (or token-id) prompts, streamed or whole. The shapes of its
-//! chunks and response; the plumbing is [`super::generate`].
+//! chunks and response; the plumbing is [`super::generate`]. `echo` puts the prompt (its text
+//! as given; a token-id prompt decoded) before each choice's text, and with `logprobs` its
+//! tokens before the generated ones ([`super::generate::Echo`]).
 use std::sync::Arc;
 
 use axum::extract::State;
@@ -8,7 +10,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 
 use super::error::ApiJson;
-use super::generate::{self, End, Endpoint, Meta, WholeChoice};
+use super::generate::{self, Echo, End, Endpoint, Meta, WholeChoice};
 use super::logprobs::{CompletionLogprobs, LogprobOut};
 use super::openai::{
     finish_str, CompletionChoice, CompletionRequest, CompletionResponse, UsageOut,
@@ -17,6 +19,7 @@ use super::sse::Chunk;
 use crate::auth::Caller;
 use crate::spans::Operation;
 use crate::state::AppState;
+use crate::tokenize::PromptInput;
 use crate::validate::{GenerateParams, ValidationError};
 
 /// The handler.
@@ -46,7 +49,15 @@ impl Endpoint for Completions {
         req: CompletionRequest,
         meta: &mut Meta,
     ) -> Result<GenerateParams, ValidationError> {
-        req.into_params(&meta.id)
+        let params = req.into_params(&meta.id)?;
+        if params.echo {
+            meta.echo = Some(match &params.prompt {
+                PromptInput::Tokens(ids) => Echo::Tokens(ids.clone()),
+                PromptInput::Text(t) => Echo::Text(t.clone()),
+                PromptInput::Chat(_) | PromptInput::ChatTools(..) => Echo::Text(String::new()),
+            });
+        }
+        Ok(params)
     }
 
     fn opening(_meta: &Meta, _index: u32, _usage: Option<Option<UsageOut>>) -> Option<Chunk> {

@@ -137,6 +137,31 @@ pub(crate) struct Meta {
     /// Samples of the prompt (`n`, clamped to [1, `MAX_SAMPLES`]; validation refuses others
     /// before any response).
     pub n: u32,
+    /// The prompt each choice's text starts with (completions' `echo`); set by the endpoint,
+    /// resolved to text once the request is validated.
+    pub echo: Option<Echo>,
+}
+
+/// The prompt a reply repeats (completions' `echo`), as vLLM does: a text prompt as given, a
+/// token-id prompt decoded (on the blocking pool, after validation). Streamed, it comes first
+/// in each choice's first chunk, with the prompt tokens' log-probabilities when asked; whole,
+/// it starts each choice's `text`.
+#[derive(Debug, Clone)]
+pub(crate) enum Echo {
+    /// The prompt's text.
+    Text(String),
+    /// A token-id prompt, not decoded yet.
+    Tokens(Vec<u32>),
+}
+
+impl Echo {
+    /// The text to repeat.
+    fn text(&self) -> &str {
+        match self {
+            Echo::Text(t) => t,
+            Echo::Tokens(_) => "",
+        }
+    }
 }
 
 impl Meta {
@@ -147,6 +172,7 @@ impl Meta {
             model: state.model.name.clone(),
             tools: None,
             n: 1,
+            echo: None,
         }
     }
 }
@@ -187,6 +213,22 @@ pub(crate) async fn handle<E: Endpoint>(
         Ok(events) => events,
         Err(e) => return e.into_response(),
     };
+    if let Some(Echo::Tokens(ids)) = &meta.echo {
+        let ids = ids.clone();
+        let text = state
+            .validator
+            .tokenizer()
+            .decode(ids)
+            .instrument(span.clone())
+            .await;
+        match text {
+            Ok(t) => meta.echo = Some(Echo::Text(t)),
+            Err(e) => {
+                span.in_scope(|| log_failure(&e));
+                return ApiError::from(e).into_response();
+            }
+        }
+    }
     if stream {
         let chunks = Box::pin(chunks::<E>(
             meta,
@@ -294,15 +336,25 @@ fn chunks<E: Endpoint>(
         // Per sample: text held back while it may be a tool call (`Meta::tools`); `None` once
         // it is not.
         let mut held: Vec<Option<String>> = vec![meta.tools.as_ref().map(|_| String::new()); n];
+        // Per sample: whether its first chunk (which carries the echoed prompt) went out.
+        let mut echoed = vec![false; n];
         while let Some(item) = events.next().await {
             match item {
                 Ok(event) => {
                     let index = event.index;
                     let i = (index as usize).min(n - 1);
                     if let Some(namer) = namers.as_mut().and_then(|v| v.get_mut(i)) {
+                        if let Some(prompt) = event.prompt_logprobs.as_deref() {
+                            pending[i].extend(namer.name_prompt(prompt));
+                        }
                         pending[i].extend(namer.name_all(&event.logprobs));
                     }
                     let mut text = event.text;
+                    // The prompt comes first in the choice's first chunk (vLLM's order).
+                    if let Some(echo) = meta.echo.as_ref().filter(|_| !echoed[i]) {
+                        echoed[i] = true;
+                        text.insert_str(0, echo.text());
+                    }
                     if let (Some(h), Some(tools)) = (held[i].as_mut(), meta.tools.as_ref()) {
                         h.push_str(&text);
                         if event.finish.is_none() {
@@ -357,7 +409,8 @@ async fn whole<E: Endpoint>(
     span: tracing::Span,
 ) -> Response {
     let n = meta.n as usize;
-    let mut texts = vec![String::new(); n];
+    let echo = meta.echo.as_ref().map_or("", Echo::text);
+    let mut texts = vec![echo.to_string(); n];
     let mut logprobs: Vec<Vec<LogprobOut>> = vec![Vec::new(); n];
     let mut finishes: Vec<Option<FinishReason>> = vec![None; n];
     while let Some(item) = events.next().await {
@@ -366,6 +419,9 @@ async fn whole<E: Endpoint>(
                 let i = (event.index as usize).min(n - 1);
                 texts[i].push_str(&event.text);
                 if let Some(namer) = namers.as_mut().and_then(|v| v.get_mut(i)) {
+                    if let Some(prompt) = event.prompt_logprobs.as_deref() {
+                        logprobs[i].extend(namer.name_prompt(prompt));
+                    }
                     logprobs[i].extend(namer.name_all(&event.logprobs));
                 }
                 if event.finish.is_some() {

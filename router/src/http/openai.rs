@@ -1,12 +1,12 @@
 //! OpenAI API shapes (the subset ferry serves) and their conversion to [`GenerateParams`].
 //!
 //! **Nothing is ignored silently.** A field that would change the output and that ferry does
-//! not implement yet (`echo`, `best_of`, `suffix`, `functions`, …, [`UNSUPPORTED`]) is a 400
-//! naming it, unless its value is the one that changes nothing (`echo: false`, …); a field
+//! not implement yet (`best_of`, `suffix`, `functions`, …, [`UNSUPPORTED`]) is a 400
+//! naming it, unless its value is the one that changes nothing (`best_of: 1`, …); a field
 //! OpenAI does not define is a 400 too. Fields with no effect on the output are accepted:
 //! [`NO_EFFECT`]. Implemented beyond the basics: `presence_penalty`, `frequency_penalty`,
 //! `logit_bias`, log-probabilities (chat `logprobs` + `top_logprobs` in [0, 20], completions
-//! `logprobs` in [0, 5]; `echo` with prompt log-probabilities is not); structured output
+//! `logprobs` in [0, 5], with `echo` the prompt's too, as vLLM: docs/api.md); structured output
 //! (`response_format` `json_object` / `json_schema`, both endpoints, [`crate::structured`]);
 //! tools on chat (`tools`, `tool_choice`, `tool` turns and assistant `tool_calls` in
 //! `messages`, [`super::tools`]; a 400 on completions); extensions (vLLM's, sent by OpenAI clients with `extra_body`):
@@ -93,7 +93,6 @@ pub const UNSUPPORTED: &[(&str, &str)] = &[
     ("tool_choice", "\"none\""),
     ("functions", "[]"),
     ("function_call", "\"none\""),
-    ("echo", "false"),
     ("best_of", "1"),
     ("suffix", "\"\""),
 ];
@@ -102,7 +101,6 @@ pub const UNSUPPORTED: &[(&str, &str)] = &[
 fn is_noop(field: &str, v: &Value) -> bool {
     let num = |want: f64| v.as_f64() == Some(want);
     match field {
-        "echo" => v == &Value::Bool(false),
         "best_of" => num(1.0),
         "tools" | "functions" => v.as_array().is_some_and(|a| a.is_empty()),
         "tool_choice" | "function_call" => v.as_str() == Some("none"),
@@ -262,10 +260,12 @@ common_fields! {
         pub prompt: Prompt,
         /// New tokens at most (default 16).
         pub max_tokens: Option<i64>,
-        /// Return each token's log-probability with this many alternatives, in [0, 5].
+        /// Return each token's log-probability with this many alternatives, in [0, 5] (with
+        /// `echo`, the prompt's tokens' too).
         pub logprobs: Option<i64>,
-        /// Not implemented ([`UNSUPPORTED`]).
-        pub echo: Option<Value>,
+        /// Put the prompt before each choice's text (and, with `logprobs`, its tokens before
+        /// the generated ones: the first with `null`s). With `max_tokens: 0`, the prompt alone.
+        pub echo: Option<bool>,
         /// Not implemented ([`UNSUPPORTED`]).
         pub best_of: Option<Value>,
         /// Not implemented ([`UNSUPPORTED`]).
@@ -281,7 +281,6 @@ impl CompletionRequest {
         reject_unsupported([
             ("tools", &self.tools),
             ("tool_choice", &self.tool_choice),
-            ("echo", &self.echo),
             ("best_of", &self.best_of),
             ("suffix", &self.suffix),
         ])?;
@@ -296,6 +295,7 @@ impl CompletionRequest {
             }
             n => n,
         };
+        let echo = self.echo.unwrap_or(false);
         let batch = |len: usize| {
             ValidationError::new(
                 "prompt",
@@ -328,6 +328,8 @@ impl CompletionRequest {
             logprobs,
             response_format,
             n: self.n,
+            prompt_logprobs: logprobs.filter(|_| echo),
+            echo,
         })
     }
 }
@@ -447,6 +449,8 @@ impl ChatRequest {
             logprobs,
             response_format,
             n: self.n,
+            prompt_logprobs: None,
+            echo: false,
         };
         Ok((params, tools))
     }

@@ -447,6 +447,8 @@ impl ResponsesRequest {
             speculative: self.speculative,
             response_format,
             n: None,
+            prompt_logprobs: None,
+            echo: false,
         };
         Ok((params, tools))
     }
@@ -700,6 +702,7 @@ mod tests {
             model: "tiny-k3".into(),
             tools: None,
             n: 1,
+            echo: None,
         };
         let shape = Shape::new(
             meta.clone(),

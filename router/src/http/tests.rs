@@ -462,7 +462,6 @@ async fn unimplemented_and_unknown_fields_are_refused_by_name() {
             json!([]),
         ),
         ("tool_choice", json!("required"), json!("none")),
-        ("echo", json!(true), json!(false)),
         ("best_of", json!(3), json!(1)),
         ("suffix", json!("end"), json!("")),
     ];

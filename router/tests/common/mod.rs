@@ -37,6 +37,32 @@ pub fn greedy_hello(max_tokens: u32) -> v1::GenerateRequest {
 /// Cached prompt tokens the scripted worker reports on its first message.
 pub const CACHED: u32 = 5;
 
+/// The log-probability the scripted worker reports for prompt token `i` (≥ 1) when the request
+/// asks for the prompt's (`DecodeRequest.prompt_logprobs`); its alternatives are tokens
+/// `0..top` at `scripted_prompt_logprob(i) - k`.
+pub fn scripted_prompt_logprob(i: usize) -> f32 {
+    -0.25 * i as f32
+}
+
+/// The prompt log-probabilities a scripted worker sends for `prompt` with `top` alternatives.
+pub fn scripted_prompt_logprobs(prompt: &[u32], top: u32) -> Vec<v1::TokenLogprob> {
+    prompt
+        .iter()
+        .enumerate()
+        .skip(1)
+        .map(|(i, &t)| v1::TokenLogprob {
+            token_id: t,
+            logprob: scripted_prompt_logprob(i),
+            top_logprobs: (0..top)
+                .map(|k| v1::TopLogprob {
+                    token_id: k,
+                    logprob: scripted_prompt_logprob(i) - k as f32,
+                })
+                .collect(),
+        })
+        .collect()
+}
+
 /// A decode worker that streams `script` (up to the request's `max_tokens`: LENGTH when cut
 /// there, else STOP), one token per `pace` — or refuses every call, or fails mid-stream.
 /// Clones share the counters, so a test keeps one to inspect what the router sent.
@@ -126,6 +152,12 @@ impl DecodeWorker for Scripted {
         let (cancelled, pace, fail_after) = (self.cancelled.clone(), self.pace, self.fail_after);
         // `n` samples: each token of the script goes out once per sample, tagged with its index.
         let samples = req.n.max(1);
+        // Asked for: the prompt's log-probabilities on sample 0's first message.
+        let mut prompt_logprobs = req
+            .prompt_logprobs
+            .map(|top| scripted_prompt_logprobs(&req.prompt_tokens, top))
+            .unwrap_or_default();
+        let req_logprobs = req.logprobs;
         tokio::spawn(async move {
             let n = tokens.len();
             for (i, t) in tokens.into_iter().enumerate() {
@@ -149,9 +181,28 @@ impl DecodeWorker for Scripted {
                         } else {
                             String::new()
                         },
-                        logprobs: Vec::new(),
+                        // Asked for: each token at -0.5 with alternatives 0..top.
+                        logprobs: req_logprobs
+                            .map(|top| {
+                                vec![v1::TokenLogprob {
+                                    token_id: t,
+                                    logprob: -0.5,
+                                    top_logprobs: (0..top)
+                                        .map(|k| v1::TopLogprob {
+                                            token_id: k,
+                                            logprob: -0.5 - k as f32,
+                                        })
+                                        .collect(),
+                                }]
+                            })
+                            .unwrap_or_default(),
                         index,
                         error: String::new(),
+                        prompt_logprobs: if index == 0 {
+                            std::mem::take(&mut prompt_logprobs)
+                        } else {
+                            Vec::new()
+                        },
                     };
                     tokio::time::sleep(pace).await;
                     if tx.send(Ok(message)).await.is_err() {

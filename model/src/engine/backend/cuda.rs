@@ -153,6 +153,7 @@ impl CudaRows {
                 continue;
             }
             let batch = BatchInputs {
+                prompt_logprobs: Vec::new(),
                 seqs: vec![SeqInput {
                     tokens: &tokens[start..end],
                     start_pos: start,
@@ -169,6 +170,7 @@ impl CudaRows {
         // The sequences share the warm-up blocks: their rows are garbage as well.
         let last = positions - 1;
         let batch = BatchInputs {
+            prompt_logprobs: Vec::new(),
             seqs: (0..8)
                 .map(|_| SeqInput {
                     tokens: &tokens[last..positions],
@@ -225,7 +227,9 @@ impl CudaRows {
         } else {
             LogitsWanted::All
         };
+        // A graph computes only the picked rows' logits: prompt log-probabilities run eagerly.
         let graph_shaped = n > 0
+            && batch.prompt_logprobs.is_empty()
             && n <= MAX_GRAPH_BATCH
             && sq >= 1
             // The padding sequences' tokens sit at positions 1..=sq of the scratch block.
@@ -261,7 +265,10 @@ impl CudaRows {
             block_table: &scratch,
             logits: wanted,
         });
-        let padded = BatchInputs { seqs };
+        let padded = BatchInputs {
+            seqs,
+            prompt_logprobs: Vec::new(),
+        };
         let key = (bucket, sq);
         let stale = graphs.get(&key).is_some_and(|g| g.plan_ctx() < plan_ctx);
         if stale || !graphs.contains_key(&key) {

@@ -1,14 +1,13 @@
 //! The command side of the loop: admitting requests and prefill jobs, peers' KV writes into
 //! reserved blocks, the outcome of an awaited remote prefill, and dropping cancelled requests.
 
-use ferry_kernels::cpu::logits::TokenLogprobs;
 use ferry_kernels::cpu::sample::Sampler;
 use tracing::{debug, warn};
 
 use super::{NewRequest, Scheduler};
 use crate::engine::sequence::{history_for, Next, Origin, Phase, PrefillTask, Sequence};
 use crate::engine::{
-    EngineEvent, Failure, FailureKind, PrefillJob, PrefillSource, SeqId, SpecCounts,
+    EngineEvent, Failure, FailureKind, PrefillJob, PrefillSource, RemoteFirst, SeqId, SpecCounts,
 };
 use crate::kv::BlockId;
 use crate::ModelError;
@@ -26,7 +25,12 @@ impl Scheduler {
         } = req;
         let prompt_len = job.prompt.len();
         let speculative = self.spec.is_some() && options.speculative.unwrap_or(true);
-        let reuse_cap = prompt_len.saturating_sub(1);
+        // Positions served from cached blocks have no logits: a request that wants the
+        // prompt's log-probabilities computes its whole prompt (vLLM does the same).
+        let reuse_cap = match options.prompt_logprobs {
+            Some(_) => 0,
+            None => prompt_len.saturating_sub(1),
+        };
         let (table, cached) = match self.kv.start_sequence(&job.prompt, reuse_cap) {
             Ok(t) => t,
             Err(e) => {
@@ -55,6 +59,8 @@ impl Scheduler {
             controls: job.controls,
             history,
             logprobs: options.logprobs,
+            prompt_logprobs: options.prompt_logprobs,
+            prompt_lps: Vec::new(),
             grammar,
             tokens: job.prompt[..cached].to_vec(),
             prompt: job.prompt,
@@ -115,7 +121,11 @@ impl Scheduler {
     }
 
     pub(super) fn admit_prefill(&mut self, job: PrefillJob) {
-        let reuse_cap = job.prompt.len().saturating_sub(1);
+        // As in `admit`: prompt log-probabilities need every prompt row computed.
+        let reuse_cap = match job.prompt_logprobs {
+            Some(_) => 0,
+            None => job.prompt.len().saturating_sub(1),
+        };
         match self.kv.start_sequence(&job.prompt, reuse_cap) {
             Ok((mut table, reused)) => {
                 let before = table.blocks().len();
@@ -179,13 +189,12 @@ impl Scheduler {
         }
     }
 
-    pub(super) fn remote_done(
-        &mut self,
-        id: SeqId,
-        first_token: u32,
-        logprobs: Option<TokenLogprobs>,
-        bytes: u64,
-    ) {
+    pub(super) fn remote_done(&mut self, id: SeqId, first: RemoteFirst, bytes: u64) {
+        let RemoteFirst {
+            token: first_token,
+            logprobs,
+            prompt_logprobs,
+        } = first;
         let Some(mut seq) = self.awaiting.remove(&id) else {
             return; // cancelled meanwhile
         };
@@ -217,6 +226,8 @@ impl Scheduler {
             std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
         }
         let eos = self.eos().to_vec();
+        seq.prompt_lps = prompt_logprobs;
+        seq.emit_prompt_logprobs();
         match seq.accept(first_token, &eos, logprobs) {
             Next::Continue(t) => {
                 seq.phase = Phase::Decoding { next: t };

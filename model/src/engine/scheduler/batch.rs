@@ -9,7 +9,7 @@ use ferry_kernels::cpu::logits::RowLogprobs;
 
 use super::sample::Outcome;
 use super::{BatchResult, Owner, Scheduler, Work};
-use crate::deepseek::{BatchInputs, LogitsWanted, SeqInput};
+use crate::deepseek::{BatchInputs, LogitsWanted, PromptRows, SeqInput};
 use crate::engine::backend::Pass;
 use crate::engine::sequence::{Next, Origin, Phase};
 use crate::engine::spec::Draft;
@@ -107,7 +107,37 @@ impl Scheduler {
                 }
             });
         }
-        let batch = BatchInputs { seqs };
+        // Prompt log-probabilities: every computed prompt row of a request that asked, each
+        // predicting the prompt's next token (the last prompt row predicts the first generated
+        // token and is sampled as usual).
+        let mut prompt_logprobs = Vec::new();
+        let mut prompt_items = Vec::new();
+        for (item, w) in work.iter().enumerate() {
+            let (prompt, start, n, top) = match *w {
+                Work::Chunk(i, n) => {
+                    let s = &self.waiting[i];
+                    (&s.prompt, s.table.len(), n, s.prompt_logprobs)
+                }
+                Work::Prefill(i) => {
+                    let t = &self.prefills[i];
+                    let n = t.job.prompt.len() - t.reused;
+                    (&t.job.prompt, t.reused, n, t.job.prompt_logprobs)
+                }
+                Work::Decode(_) => continue,
+            };
+            let Some(top) = top else { continue };
+            let end = (start + n + 1).min(prompt.len());
+            prompt_logprobs.push(PromptRows {
+                seq: item,
+                targets: prompt.get(start + 1..end).unwrap_or_default(),
+                top,
+            });
+            prompt_items.push(item);
+        }
+        let batch = BatchInputs {
+            prompt_logprobs,
+            seqs,
+        };
 
         // A failing sink fails its own job only; the forward goes on.
         let mut hook_errors: HashMap<usize, String> = HashMap::new();
@@ -140,10 +170,16 @@ impl Scheduler {
         let result = self.backend.forward(&batch, self.kv.pool_mut(), pass);
         drop(batch);
         // Every token the logits decide, drawn and verified where the logits are.
-        let result =
-            result.and_then(|logits| self.sample_batch(&work, &logits, &drafts, q.as_ref()));
+        let result = result.and_then(|mut logits| {
+            let prompt: HashMap<usize, _> = prompt_items
+                .into_iter()
+                .zip(std::mem::take(&mut logits.prompt))
+                .collect();
+            let outcomes = self.sample_batch(&work, &logits, &drafts, q.as_ref())?;
+            Ok((outcomes, prompt))
+        });
         match result {
-            Ok(outcomes) => {
+            Ok((outcomes, prompt)) => {
                 // In the drafter's tap order (a layer tapped twice is copied once).
                 let taps = taps
                     .iter()
@@ -159,6 +195,7 @@ impl Scheduler {
                     work,
                     BatchResult {
                         outcomes,
+                        prompt,
                         hook_errors,
                         drafts,
                         taps,
@@ -173,6 +210,7 @@ impl Scheduler {
     fn apply(&mut self, work: Vec<Work>, result: BatchResult) {
         let BatchResult {
             outcomes,
+            mut prompt,
             hook_errors,
             drafts,
             taps,
@@ -188,8 +226,9 @@ impl Scheduler {
         // first batch row, rows).
         let mut committed = Vec::new();
         let mut first_row = 0;
-        for (w, outcome) in work.iter().zip(outcomes) {
+        for (item, (w, outcome)) in work.iter().zip(outcomes).enumerate() {
             let row = first_row;
+            let prompt_lps = prompt.remove(&item);
             first_row += match *w {
                 Work::Decode(i) => drafts
                     .get(i)
@@ -245,6 +284,14 @@ impl Scheduler {
                         promoted.push((i, Err(e.to_string())));
                         continue;
                     }
+                    match prompt_lps {
+                        Some(Ok(lps)) => s.prompt_lps.extend(lps),
+                        Some(Err(e)) => {
+                            promoted.push((i, Err(e)));
+                            continue;
+                        }
+                        None => {}
+                    }
                     let done = s.table.len();
                     committed.push((Owner::Waiting(i), done - n, row, n));
                     s.tokens.extend_from_slice(&s.prompt[done - n..done]);
@@ -263,6 +310,7 @@ impl Scheduler {
                     let (tok, lp) = token(outcome);
                     match tok {
                         Ok(tok) => {
+                            s.emit_prompt_logprobs();
                             promoted.push((i, Ok(s.accept(tok, &eos, lp.map(|r| r.of(tok))))))
                         }
                         Err(e) => promoted.push((i, Err(e))),
@@ -271,13 +319,17 @@ impl Scheduler {
                 Work::Prefill(i) => {
                     let t = &mut self.prefills[i];
                     let computed = t.job.prompt.len() - t.reused;
-                    let outcome = match hook_errors.get(&i) {
-                        Some(e) => Err(format!("KV transfer failed: {e}")),
-                        None => {
+                    let outcome = match (hook_errors.get(&i), prompt_lps) {
+                        (Some(e), _) => Err(format!("KV transfer failed: {e}")),
+                        (None, Some(Err(e))) => Err(e),
+                        (None, prompt_lps) => {
                             let (tok, lp) = token(outcome);
                             tok.map(|first_token| PrefillOutcome {
                                 first_token,
                                 first_logprobs: lp.map(|r| r.of(first_token)),
+                                prompt_logprobs: prompt_lps
+                                    .and_then(Result::ok)
+                                    .unwrap_or_default(),
                                 computed_tokens: computed,
                                 reused_tokens: t.reused,
                                 ship_tail: std::time::Duration::from_micros(ship_tail_us),
