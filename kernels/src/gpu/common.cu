@@ -452,11 +452,6 @@ extern "C" __global__ void gemv_pair_f32(const float* x, int m, const float* w1,
                                          float* o1, const float* w2, int n2, float* o2, int k) {
   gemv_pair_impl(x, m, w1, n1, o1, w2, n2, o2, k);
 }
-extern "C" __global__ void gemv_pair_normed_bf16(const float* h, int m, const float* g, float eps,
-                                                 const bf16_t* w1, int n1, float* o1,
-                                                 const bf16_t* w2, int n2, float* o2, int k) {
-  gemv_pair_normed_impl(h, m, g, eps, w1, n1, o1, w2, n2, o2, k);
-}
 extern "C" __global__ void gemv_pair_bf16(const float* x, int m, const bf16_t* w1, int n1,
                                           float* o1, const bf16_t* w2, int n2, float* o2, int k) {
   gemv_pair_impl(x, m, w1, n1, o1, w2, n2, o2, k);
