@@ -11,14 +11,15 @@
 #   drafter   make_tiny_k3.py train-drafter against $RUN/target -> $RUN/drafter    (~6 min)
 #   prompts   scripts/heldout_prompts.py                        -> $RUN/prompts-$PROMPT_TOKENS.jsonl
 #   check     ferry generate, plain and speculative, greedy: loads the pair, same text (needs ferry)
-#   bench     the benchmark hook $BENCH_HOOK (not written yet: it prints its contract)
+#   bench     the benchmark hook $BENCH_HOOK (scripts/dspark_bench.sh: plain vs speculative through
+#             `ferry up`; at PRESET=tiny with CPU-sized BENCH_* defaults)
 #   summary   the numbers of every report so far
 # Chains:
 #   all       target drafter prompts check bench summary (longer than one device command)
 #   start     `all` in the background (setsid: it outlives the device command), then `wait`
 #   wait      follow the background run for at most $WAIT_SECONDS (default 570), then summary;
 #             call it again (within the machine's 30 s warm window) until it says "finished"
-#   smoke     the whole chain with PRESET=tiny on the CPU (minutes)
+#   smoke     the whole chain with PRESET=tiny on the CPU (minutes; bench only with FERRY set)
 #
 # The device command for a lease (one H200; corpus from scripts/make_corpus.py, ferry as
 # `xz -T0 -k device-bin/ferry` since ferry + corpus + tree exceed the 64 MiB carry otherwise):
@@ -33,7 +34,8 @@
 #   FERRY: a ferry binary (default: device-bin/ferry, device-bin/ferry.xz unpacked, target/release/ferry)
 #   PROMPT_TOKENS (h200 1024, tiny 64), PROMPT_COUNT (256)
 #   BENCH_HOOK=scripts/dspark_bench.sh: run as `bash $BENCH_HOOK` with TARGET_DIR, DRAFTER_DIR,
-#     PROMPTS, FERRY, RUN, DEVICE exported; it writes its results under $RUN/bench/
+#     PROMPTS, FERRY, RUN, DEVICE exported; it writes its results under $RUN/bench/ (its own
+#     BENCH_* settings: scripts/dspark_bench.sh); a failed hook is reported, the chain goes on
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -134,12 +136,19 @@ stage_check() {
 
 stage_bench() {
   export TARGET_DIR="$RUN/target" DRAFTER_DIR="$RUN/drafter" PROMPTS="$RUN/prompts-$PROMPT_TOKENS.jsonl"
-  export RUN DEVICE="${DEVICE:-cuda}" FERRY
+  export RUN DEVICE="${DEVICE:-cuda}" FERRY PY
   FERRY=$(ferry_bin)
+  if [ "$PRESET" = tiny ]; then
+    # A CPU-sized run of the hook (its defaults are the H200's): short outputs, two levels.
+    export BENCH_CONCURRENCY=${BENCH_CONCURRENCY:-1,2} BENCH_REQUESTS=${BENCH_REQUESTS:-2} \
+      BENCH_OUTPUT_TOKENS=${BENCH_OUTPUT_TOKENS:-32} BENCH_KV_BLOCKS=${BENCH_KV_BLOCKS:-256} \
+      BENCH_MAX_RUNNING=${BENCH_MAX_RUNNING:-8} BENCH_SECONDS=${BENCH_SECONDS:-240}
+  fi
   if [ "$DEVICE" != cpu ]; then set +u; source scripts/gpu_env.sh; set -u; fi
   if [ -f "$BENCH_HOOK" ]; then
     mkdir -p "$RUN/bench"
-    bash "$BENCH_HOOK" 2>&1 | tee "$RUN/logs/bench.log"
+    bash "$BENCH_HOOK" 2>&1 | tee "$RUN/logs/bench.log" \
+      || echo "lease: bench: the hook exited with ${PIPESTATUS[0]} (see $RUN/bench/dspark_bench.json)"
   else
     echo "lease: bench: no $BENCH_HOOK yet. Its contract: run as 'bash $BENCH_HOOK' from the repo root"
     echo "  with TARGET_DIR=$TARGET_DIR DRAFTER_DIR=$DRAFTER_DIR PROMPTS=$PROMPTS (JSON lines:"
@@ -176,6 +185,16 @@ if d.exists():
           f"position {a['match_rate_per_position']}; {r['total_seconds']:.0f}s")
 for f in sorted((run / "logs").glob("check_*.txt")):
     print(f"summary: {f.name}: {f.read_text()[:100]!r}")
+b = run / "bench" / "dspark_bench.json"
+if b.exists():
+    r = json.loads(b.read_text())
+    for arm, a in r["arms"].items():
+        if a.get("error"):
+            print(f"summary: bench: {arm} arm failed: {a['error']}")
+    for t, sp in r.get("speedup", {}).items():
+        lv = " ".join(f"c{x['concurrency']}:{x['aggregate']}x" for x in sp["per_level"])
+        print(f"summary: bench T={t}: spec/plain aggregate {lv}; peak {sp['spec_peak_aggregate_tok_s']} vs "
+              f"{sp['plain_peak_aggregate_tok_s']} tok/s = {sp['peak_aggregate_ratio']}x")
 EOF
 }
 
@@ -235,7 +254,8 @@ for stage in "$@"; do
       stage_wait ;;
     wait) stage_wait ;;
     smoke)
-      PRESET=tiny CORPUS=$CORPUS RUN=$RUN bash "$0" target drafter prompts check summary ;;
+      PRESET=tiny CORPUS=$CORPUS RUN=$RUN bash "$0" target drafter prompts check \
+        $([ -n "${FERRY:-}" ] && echo bench) summary ;;
     *) echo "lease: unknown stage $stage"; exit 2 ;;
   esac
 done

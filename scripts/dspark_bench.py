@@ -1,0 +1,666 @@
+#!/usr/bin/env python3
+"""Issue 15's benchmark: plain vs DSpark speculative decoding through the real cluster.
+
+For each arm (`plain`: `ferry up` without a drafter, `--speculative off`; `spec`: the same with
+`--drafter DIR --speculative on`) this starts `ferry up --device DEVICE --model TARGET`, waits
+until it answers, warms it up, then drives the router's OpenAI endpoint (`/v1/completions`,
+streamed, token-id prompts from the held-out prompts file, `ignore_eos`) at every concurrency
+level and temperature, closed loop (each of `c` clients sends its next request when the last one
+ended), and stops the cluster (SIGTERM, then SIGKILL of its process group after a grace period)
+before the next arm. Standard library only (the GPU machine has no network).
+
+Per arm, temperature and concurrency it records: requests (ok / failed), output tokens, wall,
+aggregate tok/s (output tokens / wall of the level), per-stream tok/s (mean over requests of
+(tokens - 1) / (last chunk - first chunk): the decode rate a client sees after its first token),
+TTFT p50/p99, ITL p50/p99 (gaps between streamed chunks, as `ferry bench` measures them; the
+router streams one chunk per token, so a speculative round's k tokens arrive as a burst of
+near-zero gaps and the round's cost shows in the tail), TPOT (mean time per output token
+after the first), tokens per chunk, prompt tokens served from the cache, and from the decode
+worker's Prometheus counters (deltas over the level): speculative rounds, drafts verified,
+drafts accepted, tau = (accepted + rounds) / rounds, drafts verified per round, and the remote /
+local prefill split. Speed-ups spec / plain per level, the peak-aggregate ratio per temperature,
+and the greedy identity (same text plain and spec per prompt) close the report.
+
+Results: OUT/dspark_bench.json (rewritten after every level, so a killed run leaves what it had)
+and OUT/dspark_bench.md. Run by scripts/dspark_bench.sh (which documents the environment).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import datetime as dt
+import hashlib
+import http.client
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+T0 = time.monotonic()
+CURRENT: list = []  # the cluster running now, for the signal handler
+
+
+def on_signal(signum, _frame):
+    """SIGTERM / SIGINT (the hook's `timeout`): take the running cluster down first, so that the
+    requests in flight fail at once and no `ferry up` outlives the benchmark, then unwind."""
+    for cl in CURRENT:
+        cl.kill_now()
+    raise SystemExit(128 + signum)
+
+
+def log(msg: str) -> None:
+    print(f"dspark-bench [{time.monotonic() - T0:6.1f}s] {msg}", flush=True)
+
+
+def pct(v: list[float], p: float) -> float | None:
+    """Nearest-rank percentile (ferry bench's)."""
+    if not v:
+        return None
+    s = sorted(v)
+    k = int(-(-p / 100.0 * len(s) // 1))  # ceil
+    return s[min(max(k, 1), len(s)) - 1]
+
+
+def mean(v: list[float]) -> float | None:
+    return sum(v) / len(v) if v else None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------- prompts
+
+
+class Prompts:
+    """Held-out prompts (scripts/heldout_prompts.py: JSON lines with `ids`), handed out in
+    order; the k-th use of a row drops its first k tokens so that no two requests of one arm
+    share a prefix (ferry caches prefixes; a reused prompt would be a cache hit). Both arms get
+    the same sequence of prompts."""
+
+    def __init__(self, path: str, tokens: int, bos: int | None):
+        self.rows = []
+        with open(path) as fh:
+            for line in fh:
+                if line.strip():
+                    self.rows.append(json.loads(line)["ids"])
+        if not self.rows:
+            raise SystemExit(f"dspark-bench: no prompts in {path}")
+        self.tokens = min(tokens, min(len(r) for r in self.rows))
+        self.bos = bos
+        self.next = 0
+
+    def reset(self) -> None:
+        self.next = 0
+
+    def take(self) -> tuple[int, list[int]]:
+        k = self.next
+        self.next += 1
+        row = self.rows[k % len(self.rows)]
+        use = k // len(self.rows)
+        ids = row[use : use + self.tokens]
+        if len(ids) < self.tokens:  # a row used more times than it has spare tokens
+            ids = row[-self.tokens :]
+        return k, ([self.bos] if self.bos is not None else []) + ids
+
+
+# ---------------------------------------------------------------- the cluster
+
+
+class Cluster:
+    def __init__(self, args, arm: str, logdir: Path):
+        self.args, self.arm = args, arm
+        self.http_port, self.grpc_port = free_port(), free_port()
+        while self.grpc_port == self.http_port:
+            self.grpc_port = free_port()
+        self.log_path = logdir / f"ferry_up_{arm}.log"
+        self.proc: subprocess.Popen | None = None
+        self.metrics: dict[str, str] = {}
+        self.model_name = ""
+
+    def argv(self) -> list[str]:
+        a = self.args
+        argv = [a.ferry, "up", "--device", a.device, "--model", a.target,
+                "--http-addr", f"127.0.0.1:{self.http_port}", "--grpc-addr", f"127.0.0.1:{self.grpc_port}",
+                "--prefill-workers", str(a.prefill_workers), "--decode-workers", "1",
+                "--max-running", str(a.max_running), "--kv-blocks", str(a.kv_blocks),
+                "--ready-timeout-s", str(int(a.ready_seconds))]
+        if a.device != "cpu":
+            argv += ["--gpu-mode", a.gpu_mode]
+        if self.arm == "spec":
+            argv += ["--drafter", a.drafter, "--speculative", "on", "--verify-len", a.verify_len,
+                     "--max-verify-tokens", str(a.max_verify_tokens)]
+        else:
+            argv += ["--speculative", "off"]
+        argv += a.up_args.split()
+        return argv
+
+    def start(self) -> None:
+        argv = self.argv()
+        log(f"{self.arm}: {' '.join(argv)}")
+        self.logf = open(self.log_path, "w")
+        self.proc = subprocess.Popen(argv, stdout=self.logf, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def log_text(self) -> str:
+        try:
+            return re.sub(r"\x1b\[[0-9;]*m", "", self.log_path.read_text(errors="replace"))
+        except OSError:
+            return ""
+
+    def log_tail(self, n: int = 40) -> str:
+        lines = [l for l in self.log_text().splitlines() if l.strip()]
+        return "\n".join(lines[-n:])
+
+    def wait_up(self, deadline: float) -> None:
+        """Until `ferry up` printed that it is up and a first completion came back."""
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"ferry up exited with {self.proc.returncode}")
+            text = self.log_text()
+            if "ferry is up" in text:
+                for name, addr in re.findall(r"^\s+(\S+)\s+http://(\S+)/metrics\s*$", text, re.M):
+                    self.metrics[name] = f"http://{addr}/metrics"
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError("ferry up did not say it is up in time")
+            time.sleep(0.5)
+        while True:
+            try:
+                body = json.loads(http_get(f"http://127.0.0.1:{self.http_port}/v1/models", 10))
+                self.model_name = body["data"][0]["id"]
+                r = one_request("127.0.0.1", self.http_port,
+                                {"prompt": "def main():", "max_tokens": 4, "temperature": 0}, 60)
+                if r["error"] is None:
+                    return
+                err = r["error"]
+            except Exception as e:  # noqa: BLE001 — retried until the deadline
+                err = repr(e)
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"ferry up exited with {self.proc.returncode}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no completion from the cluster in time: {err}")
+            time.sleep(1.0)
+
+    def kill_now(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                self.proc.send_signal(signal.SIGTERM)
+                self.proc.wait(timeout=5)
+            except Exception:  # noqa: BLE001
+                pass
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    def stop(self) -> int | None:
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            try:
+                self.proc.send_signal(signal.SIGTERM)
+                self.proc.wait(timeout=self.args.stop_seconds)
+            except subprocess.TimeoutExpired:
+                log(f"{self.arm}: ferry up did not stop in {self.args.stop_seconds}s: killing its group")
+            except ProcessLookupError:
+                pass
+        # Children of ferry up that outlived it (they stop when their stdin closes; belt and braces).
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        self.logf.close()
+        return self.proc.returncode
+
+    def scrape(self) -> dict[str, float]:
+        """The decode worker's counters (summed over label sets of one name)."""
+        url = next((u for n, u in self.metrics.items() if n.startswith("decode")), None)
+        if url is None:
+            return {}
+        out: dict[str, float] = {}
+        try:
+            text = http_get(url, 10)
+        except Exception:  # noqa: BLE001
+            return {}
+        for line in text.splitlines():
+            if line.startswith("#") or not line.strip():
+                continue
+            m = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)", line)
+            if not m:
+                continue
+            name = m.group(1)
+            if m.group(2) and name == "ferry_prefills_total":
+                mode = re.search(r'mode="([^"]*)"', m.group(2))
+                name = f"{name}:{mode.group(1) if mode else '?'}"
+            try:
+                out[name] = out.get(name, 0.0) + float(m.group(3))
+            except ValueError:
+                pass
+        return out
+
+
+def http_get(url: str, timeout: float) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.read().decode()
+
+
+# ---------------------------------------------------------------- one request
+
+
+def one_request(host: str, port: int, body: dict, timeout: float) -> dict:
+    """One streamed completion: TTFT, chunk times, the usage's token counts, the text."""
+    body = dict(body, stream=True, stream_options={"include_usage": True})
+    payload = json.dumps(body).encode()
+    res = {"ttft": None, "times": [], "tokens": 0, "cached": 0, "text": "", "finish": None,
+           "error": None, "e2e": None}
+    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    t0 = time.perf_counter()
+    try:
+        conn.request("POST", "/v1/completions", body=payload,
+                     headers={"Content-Type": "application/json", "Accept": "text/event-stream"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            res["error"] = f"HTTP {resp.status}: {resp.read()[:300].decode(errors='replace')}"
+            return res
+        parts = []
+        while True:
+            line = resp.readline()
+            if not line:
+                break
+            line = line.strip()
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                break
+            now = time.perf_counter()
+            msg = json.loads(data)
+            if "error" in msg and "choices" not in msg:
+                res["error"] = json.dumps(msg["error"])[:300]
+                break
+            for ch in msg.get("choices") or []:
+                if ch.get("text"):
+                    if res["ttft"] is None:
+                        res["ttft"] = now - t0
+                    res["times"].append(now - t0)
+                    parts.append(ch["text"])
+                if ch.get("finish_reason"):
+                    res["finish"] = ch["finish_reason"]
+            u = msg.get("usage")
+            if u:
+                res["tokens"] = u.get("completion_tokens", 0)
+                res["cached"] = (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0) or 0
+        res["text"] = "".join(parts)
+        res["e2e"] = time.perf_counter() - t0
+        if res["ttft"] is None and res["error"] is None:
+            res["error"] = "the stream ended without text"
+    except Exception as e:  # noqa: BLE001 — recorded per request
+        res["error"] = repr(e)[:300]
+    finally:
+        conn.close()
+    return res
+
+
+# ---------------------------------------------------------------- one level
+
+
+def run_level(cl: Cluster, prompts: Prompts, c: int, n: int, temp: float, out_tokens: int,
+              deadline: float, args, texts: dict) -> dict:
+    jobs = []
+    for i in range(n):
+        k, ids = prompts.take()
+        body = {"model": cl.model_name, "prompt": ids, "max_tokens": out_tokens,
+                "temperature": temp, "ignore_eos": True}
+        if temp > 0:
+            body["seed"] = 1000 + k
+        jobs.append((k, body))
+    before = cl.scrape()
+    skipped = [0]
+
+    def work(job):
+        k, body = job
+        if time.monotonic() > deadline:
+            skipped[0] += 1
+            return k, None
+        return k, one_request("127.0.0.1", cl.http_port, body, args.request_seconds)
+
+    t0 = time.perf_counter()
+    with cf.ThreadPoolExecutor(max_workers=c) as pool:
+        results = list(pool.map(work, jobs))
+    wall = time.perf_counter() - t0
+    after = cl.scrape()
+    ok = [(k, r) for k, r in results if r is not None and r["error"] is None]
+    failed = [r["error"] for _, r in results if r is not None and r["error"] is not None]
+    ttft = [r["ttft"] * 1e3 for _, r in ok]
+    itl = [(b - a) * 1e3 for _, r in ok for a, b in zip(r["times"], r["times"][1:])]
+    streams, tpot = [], []
+    for _, r in ok:
+        span = r["times"][-1] - r["times"][0]
+        if r["tokens"] > 1 and span > 0:
+            streams.append((r["tokens"] - 1) / span)
+            tpot.append(span / (r["tokens"] - 1) * 1e3)
+    tokens = sum(r["tokens"] for _, r in ok)
+    chunks = sum(len(r["times"]) for _, r in ok)
+    if temp == 0:
+        for k, r in ok:
+            texts[k] = hashlib.sha256(r["text"].encode()).hexdigest()[:16]
+    d = {key: after.get(key, 0.0) - before.get(key, 0.0) for key in set(after) | set(before)}
+    rounds = d.get("ferry_spec_decode_num_drafts_total", 0.0)
+    drafted = d.get("ferry_spec_decode_num_draft_tokens_total", 0.0)
+    accepted = d.get("ferry_spec_decode_num_accepted_tokens_total", 0.0)
+    r3 = lambda x: None if x is None else round(x, 3)  # noqa: E731
+    level = {
+        "concurrency": c, "requests": n, "ok": len(ok), "failed": len(failed),
+        "skipped_deadline": skipped[0], "errors": failed[:3],
+        "output_tokens": tokens, "wall_s": r3(wall),
+        "aggregate_tok_s": r3(tokens / wall if wall > 0 else None),
+        "per_stream_tok_s": r3(mean(streams)), "per_stream_tok_s_p50": r3(pct(streams, 50)),
+        "ttft_ms_p50": r3(pct(ttft, 50)), "ttft_ms_p99": r3(pct(ttft, 99)),
+        "itl_ms_p50": r3(pct(itl, 50)), "itl_ms_p99": r3(pct(itl, 99)),
+        "tpot_ms_mean": r3(mean(tpot)),
+        "tokens_per_chunk": r3(tokens / chunks if chunks else None),
+        "short_outputs": sum(1 for _, r in ok if r["tokens"] < out_tokens),
+        "cached_prompt_tokens": sum(r["cached"] for _, r in ok),
+        "spec_rounds": int(rounds), "spec_drafted_tokens": int(drafted),
+        "spec_accepted_tokens": int(accepted),
+        "tau": r3((accepted + rounds) / rounds if rounds else None),
+        "drafts_verified_per_round": r3(drafted / rounds if rounds else None),
+        "acceptance_rate": r3(accepted / drafted if drafted else None),
+        "tokens_from_rounds_share": r3((accepted + rounds) / tokens if tokens and rounds else None),
+        "prefills": {m.split(":", 1)[1]: int(v) for m, v in d.items()
+                     if m.startswith("ferry_prefills_total:") and v},
+    }
+    return level
+
+
+# ---------------------------------------------------------------- report
+
+
+def speedups(report: dict) -> None:
+    arms = report["arms"]
+    plain, spec = arms.get("plain", {}), arms.get("spec", {})
+    out = {}
+    for tkey in report["settings"]["temperature_keys"]:
+        p_levels = {l["concurrency"]: l for l in plain.get("results", {}).get(tkey, [])}
+        s_levels = {l["concurrency"]: l for l in spec.get("results", {}).get(tkey, [])}
+        rows = []
+        for c in sorted(set(p_levels) & set(s_levels)):
+            p, s = p_levels[c], s_levels[c]
+            ratio = lambda a, b: round(a / b, 3) if a and b else None  # noqa: E731
+            rows.append({"concurrency": c,
+                         "aggregate": ratio(s.get("aggregate_tok_s"), p.get("aggregate_tok_s")),
+                         "per_stream": ratio(s.get("per_stream_tok_s"), p.get("per_stream_tok_s")),
+                         "ttft_p50": ratio(s.get("ttft_ms_p50"), p.get("ttft_ms_p50")),
+                         "comparable": p["ok"] == p["requests"] == s["ok"] == s["requests"]})
+        pk = lambda lv: max((l.get("aggregate_tok_s") or 0 for l in lv.values()), default=0)  # noqa: E731
+        pp, sp = pk(p_levels), pk(s_levels)
+        argmax = lambda lv, v: next((c for c, l in lv.items() if (l.get("aggregate_tok_s") or 0) == v and v), None)  # noqa: E731
+        out[tkey] = {"per_level": rows,
+                     "plain_peak_aggregate_tok_s": pp or None, "plain_peak_at": argmax(p_levels, pp),
+                     "spec_peak_aggregate_tok_s": sp or None, "spec_peak_at": argmax(s_levels, sp),
+                     "peak_aggregate_ratio": round(sp / pp, 3) if pp and sp else None}
+    report["speedup"] = out
+    pt, st = plain.get("greedy_texts", {}), spec.get("greedy_texts", {})
+    common = set(pt) & set(st)
+    report["greedy_identity"] = {"compared": len(common),
+                                 "identical": sum(1 for k in common if pt[k] == st[k])}
+
+
+def fmt(x, nd=1) -> str:
+    if x is None:
+        return "–"
+    if isinstance(x, float) and abs(x) >= 1000:
+        return f"{x:,.0f}"
+    return f"{x:.{nd}f}" if isinstance(x, float) else str(x)
+
+
+def markdown(report: dict) -> str:
+    s = report["settings"]
+    L = [f"## DSpark: speculative vs plain decoding through the cluster ({report['date']})", "",
+         f"{report['device_name']} · `{s['ferry']} up --device {s['device']}"
+         + (f" --gpu-mode {s['gpu_mode']}" if s["device"] != "cpu" else "")
+         + f" --prefill-workers {s['prefill_workers']} --decode-workers 1 --max-running {s['max_running']}"
+         f" --kv-blocks {s['kv_blocks']}` · target `{s['target']}`, drafter `{s['drafter']}`"
+         f" (spec arm: `--speculative on --verify-len {s['verify_len']} --max-verify-tokens"
+         f" {s['max_verify_tokens']}`; plain arm: `--speculative off`, no drafter) · held-out prompts"
+         f" `{s['prompts']}`: {s['prompt_tokens']} tokens (+ BOS), {s['output_tokens']} output tokens"
+         f" (`ignore_eos`), closed loop, `/v1/completions` streamed · JSON: `dspark_bench.json`", ""]
+    for arm, a in report["arms"].items():
+        if a.get("error"):
+            L.append(f"- **{arm} arm failed**: {a['error']}")
+    L.append("")
+    for tkey in s["temperature_keys"]:
+        L += [f"### {'greedy' if float(tkey) == 0 else 'T = ' + tkey}", "",
+              "| c | requests | plain agg tok/s | spec agg tok/s | **agg ×** | plain per-stream tok/s |"
+              " spec per-stream tok/s | **per-stream ×** | TTFT p50 / p99 ms plain | spec |"
+              " ITL p50 / p99 ms plain | spec | TPOT ms plain | spec | τ | drafts / round |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        pl = {l["concurrency"]: l for l in report["arms"].get("plain", {}).get("results", {}).get(tkey, [])}
+        sl = {l["concurrency"]: l for l in report["arms"].get("spec", {}).get("results", {}).get(tkey, [])}
+        sp = {r["concurrency"]: r for r in report.get("speedup", {}).get(tkey, {}).get("per_level", [])}
+        for c in sorted(set(pl) | set(sl)):
+            p, q, r = pl.get(c, {}), sl.get(c, {}), sp.get(c, {})
+            req = "/".join(f"{x.get('ok', '–')}" for x in (p, q)) + f" of {(p or q).get('requests')}"
+            L.append(
+                f"| {c} | {req} | {fmt(p.get('aggregate_tok_s'))} | {fmt(q.get('aggregate_tok_s'))} | "
+                f"**{fmt(r.get('aggregate'), 2)}** | {fmt(p.get('per_stream_tok_s'))} | "
+                f"{fmt(q.get('per_stream_tok_s'))} | **{fmt(r.get('per_stream'), 2)}** | "
+                f"{fmt(p.get('ttft_ms_p50'))} / {fmt(p.get('ttft_ms_p99'))} | "
+                f"{fmt(q.get('ttft_ms_p50'))} / {fmt(q.get('ttft_ms_p99'))} | "
+                f"{fmt(p.get('itl_ms_p50'), 2)} / {fmt(p.get('itl_ms_p99'), 2)} | "
+                f"{fmt(q.get('itl_ms_p50'), 2)} / {fmt(q.get('itl_ms_p99'), 2)} | "
+                f"{fmt(p.get('tpot_ms_mean'), 2)} | {fmt(q.get('tpot_ms_mean'), 2)} | "
+                f"{fmt(q.get('tau'), 2)} | {fmt(q.get('drafts_verified_per_round'), 2)} |")
+        pk = report.get("speedup", {}).get(tkey, {})
+        L += ["", f"Peak aggregate: plain {fmt(pk.get('plain_peak_aggregate_tok_s'))} tok/s (c = "
+              f"{pk.get('plain_peak_at')}), spec {fmt(pk.get('spec_peak_aggregate_tok_s'))} tok/s (c = "
+              f"{pk.get('spec_peak_at')}): **{fmt(pk.get('peak_aggregate_ratio'), 2)}×**.", ""]
+    g = report.get("greedy_identity", {})
+    L += [f"Greedy identity: {g.get('identical')} of {g.get('compared')} greedy requests gave the same"
+          " text plain and speculative.", "",
+          "Per-stream tok/s: (output tokens − 1) / (last chunk − first chunk), mean over requests;"
+          " aggregate: output tokens / wall of the level; TPOT: (last chunk − first chunk) / (output"
+          " tokens − 1), mean over requests; ITL: gaps between streamed chunks, over all requests (the"
+          " router streams one chunk per token, so a round's tokens arrive as a burst of near-zero gaps"
+          " and its cost shows in the tail); τ = (accepted + rounds) / rounds and drafts /"
+          " round = drafted / rounds from the decode worker's `ferry_spec_decode_*` counters over"
+          " the level.", ""]
+    return "\n".join(L)
+
+
+def device_name(device: str) -> str:
+    if device == "cpu":
+        try:
+            for line in open("/proc/cpuinfo"):
+                if line.startswith("model name"):
+                    return f"CPU ({line.split(':', 1)[1].strip()}, {os.cpu_count()} cores)"
+        except OSError:
+            pass
+        return "CPU"
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20).stdout.strip().splitlines()
+        if out:
+            return f"{out[0]} ({device})"
+    except Exception:  # noqa: BLE001
+        pass
+    return device
+
+
+# ---------------------------------------------------------------- main
+
+
+def parse_requests(spec: str, levels: list[int]) -> dict[int, int]:
+    """`auto` (c >= 64: c; else max(4, 2c)), a number (at least c), or c:n,c:n."""
+    if spec == "auto":
+        return {c: c if c >= 64 else max(4, 2 * c) for c in levels}
+    if ":" in spec:
+        m = {int(a): int(b) for a, b in (x.split(":") for x in spec.split(","))}
+        return {c: max(c, m.get(c, c)) for c in levels}
+    return {c: max(c, int(spec)) for c in levels}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--ferry", required=True)
+    p.add_argument("--target", required=True)
+    p.add_argument("--drafter", required=True)
+    p.add_argument("--prompts", required=True)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--out", required=True, help="results directory ($RUN/bench)")
+    p.add_argument("--arms", default="plain,spec")
+    p.add_argument("--concurrency", default="1,4,16,64,128")
+    p.add_argument("--requests", default="auto")
+    p.add_argument("--temperatures", default="0,0.7")
+    p.add_argument("--prompt-tokens", type=int, default=1024)
+    p.add_argument("--output-tokens", type=int, default=400)
+    p.add_argument("--max-running", type=int, default=128)
+    p.add_argument("--kv-blocks", type=int, default=4096)
+    p.add_argument("--prefill-workers", type=int, default=1)
+    p.add_argument("--gpu-mode", default="fast")
+    p.add_argument("--verify-len", default="confidence:0.3")
+    p.add_argument("--max-verify-tokens", type=int, default=64)
+    p.add_argument("--up-args", default="", help="more `ferry up` flags, both arms")
+    p.add_argument("--seconds", type=float, default=480, help="budget of the whole run")
+    p.add_argument("--ready-seconds", type=float, default=240)
+    p.add_argument("--stop-seconds", type=float, default=30)
+    p.add_argument("--request-seconds", type=float, default=180)
+    p.add_argument("--warmup-tokens", type=int, default=16,
+                   help="warm-up: one request, then each concurrency level once with this many output tokens (0: none)")
+    args = p.parse_args()
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    out = Path(args.out)
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
+    nreq = parse_requests(args.requests, levels)
+    temps = [float(x) for x in args.temperatures.split(",") if x.strip()]
+    tkeys = [f"{t:g}" for t in temps]
+    arms = [a for a in args.arms.split(",") if a]
+
+    cfg = json.loads((Path(args.target) / "config.json").read_text())
+    ctx = int(cfg.get("max_position_embeddings", 4096))
+    bos = cfg.get("bos_token_id")
+    # The prompt (+ BOS) and the output must fit the model's context.
+    prompt_tokens = min(args.prompt_tokens, ctx - args.output_tokens - 1 - (bos is not None))
+    if prompt_tokens < 1:
+        raise SystemExit(f"dspark-bench: {args.output_tokens} output tokens leave no room in a {ctx}-token context")
+    prompts = Prompts(args.prompts, prompt_tokens, bos)
+
+    report = {
+        "benchmark": "dspark_bench", "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "device_name": device_name(args.device),
+        "settings": {
+            "ferry": args.ferry, "device": args.device, "target": args.target, "drafter": args.drafter,
+            "prompts": args.prompts, "prompt_rows": len(prompts.rows), "context_length": ctx,
+            "prompt_tokens": prompts.tokens, "bos_prepended": bos is not None,
+            "output_tokens": args.output_tokens, "ignore_eos": True,
+            "concurrency": levels, "requests_per_level": {str(c): n for c, n in nreq.items()},
+            "temperatures": temps, "temperature_keys": tkeys, "seeded_sampling": "seed = 1000 + prompt serial",
+            "gpu_mode": args.gpu_mode if args.device != "cpu" else None,
+            "prefill_workers": args.prefill_workers, "decode_workers": 1,
+            "max_running": args.max_running, "kv_blocks": args.kv_blocks,
+            "verify_len": args.verify_len, "max_verify_tokens": args.max_verify_tokens,
+            "up_args": args.up_args, "budget_s": args.seconds, "warmup_tokens": args.warmup_tokens,
+            "endpoint": "/v1/completions (stream, token-id prompts)", "load": "closed loop, c clients",
+        },
+        "arms": {},
+    }
+    try:
+        report["git_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                              text=True, timeout=10).stdout.strip() or None
+    except Exception:  # noqa: BLE001
+        report["git_commit"] = None
+    for f in ("train_report.json",):
+        for who, d in (("target", args.target), ("drafter", args.drafter)):
+            try:
+                r = json.loads((Path(d) / f).read_text())
+                if who == "drafter":
+                    a = r.get("test_after", {})
+                    report["drafter_offline"] = {k: a.get(k) for k in
+                                                 ("acceptance_length_fixed_B", "confidence_0.3_acceptance_length")}
+                else:
+                    report["target_params"] = r.get("parameters")
+            except Exception:  # noqa: BLE001
+                pass
+
+    def save() -> None:
+        speedups(report)
+        (out / "dspark_bench.json").write_text(json.dumps(report, indent=1) + "\n")
+        (out / "dspark_bench.md").write_text(markdown(report))
+
+    end = T0 + args.seconds
+    for ai, arm in enumerate(arms):
+        # Each arm gets an equal share of what is left, so a slow first arm cannot eat the second's.
+        arm_deadline = time.monotonic() + (end - time.monotonic()) / (len(arms) - ai)
+        a = report["arms"][arm] = {"results": {k: [] for k in tkeys}, "error": None, "greedy_texts": {}}
+        cl = Cluster(args, arm, out / "logs")
+        CURRENT[:] = [cl]
+        prompts.reset()
+        t_arm = time.monotonic()
+        try:
+            cl.start()
+            a["command"] = " ".join(cl.argv())
+            cl.wait_up(min(arm_deadline, time.monotonic() + args.ready_seconds))
+            a["ready_s"] = round(time.monotonic() - t_arm, 1)
+            log(f"{arm}: up in {a['ready_s']}s (model {cl.model_name!r}, metrics {cl.metrics})")
+            if args.warmup_tokens > 0:
+                t = time.monotonic()
+                for c in levels:
+                    run_level(cl, prompts, c, c, 0.0, args.warmup_tokens, arm_deadline, args, {})
+                a["warmup_s"] = round(time.monotonic() - t, 1)
+                log(f"{arm}: warm-up {a['warmup_s']}s")
+            for t, tkey in zip(temps, tkeys):
+                for c in levels:
+                    if time.monotonic() > arm_deadline - 2:
+                        log(f"{arm}: T={tkey} c={c}: skipped (arm budget spent)")
+                        a["results"][tkey].append({"concurrency": c, "requests": nreq[c], "ok": 0,
+                                                   "failed": 0, "skipped_deadline": nreq[c]})
+                        continue
+                    lv = run_level(cl, prompts, c, nreq[c], t, args.output_tokens, arm_deadline, args,
+                                   a["greedy_texts"])
+                    a["results"][tkey].append(lv)
+                    log(f"{arm}: T={tkey} c={c}: {lv['ok']}/{lv['requests']} ok, agg {lv['aggregate_tok_s']} tok/s, "
+                        f"per-stream {lv['per_stream_tok_s']}, TTFT p50 {lv['ttft_ms_p50']} ms, "
+                        f"ITL p50 {lv['itl_ms_p50']} ms, tau {lv['tau']}, drafts/round {lv['drafts_verified_per_round']}"
+                        + (f", errors {lv['errors']}" if lv["errors"] else ""))
+                    save()
+        except Exception as e:  # noqa: BLE001 — a failed arm is recorded, the next one still runs
+            a["error"] = f"{type(e).__name__}: {e}"
+            a["log_tail"] = cl.log_tail()
+            log(f"{arm}: FAILED: {a['error']}\n{a['log_tail']}")
+        except BaseException as e:  # the signal handler's SystemExit: record, stop, unwind
+            a["error"] = f"interrupted ({type(e).__name__} {e})"
+            raise
+        finally:
+            rc = cl.stop()
+            a["ferry_up_exit"] = rc
+            a["arm_s"] = round(time.monotonic() - t_arm, 1)
+            log(f"{arm}: stopped (exit {rc}) after {a['arm_s']}s")
+            save()
+    report["total_s"] = round(time.monotonic() - T0, 1)
+    save()
+    for tkey, sp in report["speedup"].items():
+        log(f"T={tkey}: per level {[(r['concurrency'], r['aggregate'], r['per_stream']) for r in sp['per_level']]}, "
+            f"peak aggregate ratio {sp['peak_aggregate_ratio']}")
+    log(f"greedy identity {report['greedy_identity']}; wrote {out / 'dspark_bench.json'} and .md")
+    return 0 if all(not a.get("error") for a in report["arms"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Issue 15's benchmark hook (called by `scripts/dspark_lease.sh bench`; docs/spec_decode.md,
+# "The benchmark hook"): plain vs DSpark speculative decoding of the trained target through
+# `ferry up`, same engine, model and held-out prompts in one run. Arm `plain`: `ferry up` without
+# a drafter (`--speculative off`); arm `spec`: `--drafter $DRAFTER_DIR --speculative on`. Each
+# arm: start the cluster, wait until it answers, warm up, drive `/v1/completions` (streamed,
+# token-id prompts) at each concurrency and temperature, stop the cluster. The load generator is
+# scripts/dspark_bench.py (standard library only).
+#
+#   TARGET_DIR=… DRAFTER_DIR=… PROMPTS=….jsonl FERRY=… RUN=… DEVICE=cuda bash scripts/dspark_bench.sh
+#
+# Writes $RUN/bench/dspark_bench.{json,md} (the JSON after every level) and the clusters' logs
+# under $RUN/bench/logs/. Exit status: 0 when both arms ran, 1 when one failed (recorded in the
+# JSON), 124 when the hook's own time limit cut it.
+#
+# Settings (environment; defaults for the H200):
+#   BENCH_CONCURRENCY=1,4,16,64,128   BENCH_TEMPERATURES=0,0.7   BENCH_ARMS=plain,spec
+#   BENCH_REQUESTS=auto (per level: c >= 64 -> c, else max(4, 2c); or one number; or c:n,c:n)
+#   BENCH_PROMPT_TOKENS=1024 (cut to the model's context - output - 1)   BENCH_OUTPUT_TOKENS=400
+#   BENCH_SECONDS=480: budget of both arms together (each arm gets half of what is left: start-up,
+#     warm-up, levels; a level that does not fit is recorded as skipped); the hook is killed at
+#     BENCH_SECONDS + BENCH_GRACE (default 120: requests in flight, the last cluster's stop)
+#   BENCH_MAX_RUNNING=128  BENCH_KV_BLOCKS=4096  BENCH_PREFILL_WORKERS=1  BENCH_GPU_MODE=fast
+#   BENCH_VERIFY_LEN=confidence:0.3  BENCH_MAX_VERIFY_TOKENS=64  (the spec arm's ferry up flags)
+#   BENCH_UP_ARGS: more `ferry up` flags for both arms   BENCH_WARMUP_TOKENS=16 (0: no warm-up)
+#   BENCH_READY_SECONDS=240  BENCH_REQUEST_SECONDS=180   PY=python3
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+: "${TARGET_DIR:?TARGET_DIR: the target model directory}"
+: "${DRAFTER_DIR:?DRAFTER_DIR: the drafter directory}"
+: "${PROMPTS:?PROMPTS: held-out prompts (scripts/heldout_prompts.py JSON lines)}"
+: "${RUN:?RUN: the lease directory (results go to \$RUN/bench)}"
+FERRY=${FERRY:-}
+[ -n "$FERRY" ] || { echo "dspark-bench: no ferry binary (FERRY)"; exit 2; }
+DEVICE=${DEVICE:-cuda}
+PY=${PY:-python3}
+BENCH_SECONDS=${BENCH_SECONDS:-480}
+BENCH_GRACE=${BENCH_GRACE:-120}
+for f in "$TARGET_DIR/config.json" "$DRAFTER_DIR/config.json" "$PROMPTS" "$FERRY"; do
+  [ -e "$f" ] || { echo "dspark-bench: $f missing"; exit 2; }
+done
+if [ "$DEVICE" != cpu ] && [ -z "${DSPARK_BENCH_NO_GPU_ENV:-}" ]; then
+  # cudarc loads libnvrtc / libcublas at run time (docs/gpu.md); the lease sourced it already.
+  set +u; source scripts/gpu_env.sh >/dev/null; set -u
+fi
+mkdir -p "$RUN/bench"
+export PYTHONUNBUFFERED=1
+exec timeout -k 20 "$((BENCH_SECONDS + BENCH_GRACE))" "$PY" scripts/dspark_bench.py \
+  --ferry "$FERRY" --target "$TARGET_DIR" --drafter "$DRAFTER_DIR" --prompts "$PROMPTS" \
+  --device "$DEVICE" --out "$RUN/bench" \
+  --arms "${BENCH_ARMS:-plain,spec}" \
+  --concurrency "${BENCH_CONCURRENCY:-1,4,16,64,128}" \
+  --requests "${BENCH_REQUESTS:-auto}" \
+  --temperatures "${BENCH_TEMPERATURES:-0,0.7}" \
+  --prompt-tokens "${BENCH_PROMPT_TOKENS:-1024}" \
+  --output-tokens "${BENCH_OUTPUT_TOKENS:-400}" \
+  --max-running "${BENCH_MAX_RUNNING:-128}" \
+  --kv-blocks "${BENCH_KV_BLOCKS:-4096}" \
+  --prefill-workers "${BENCH_PREFILL_WORKERS:-1}" \
+  --gpu-mode "${BENCH_GPU_MODE:-fast}" \
+  --verify-len "${BENCH_VERIFY_LEN:-confidence:0.3}" \
+  --max-verify-tokens "${BENCH_MAX_VERIFY_TOKENS:-64}" \
+  --up-args "${BENCH_UP_ARGS:-}" \
+  --seconds "$BENCH_SECONDS" \
+  --ready-seconds "${BENCH_READY_SECONDS:-240}" \
+  --request-seconds "${BENCH_REQUEST_SECONDS:-180}" \
+  --warmup-tokens "${BENCH_WARMUP_TOKENS:-16}"
