@@ -115,15 +115,15 @@ impl Gpu for CudaDevice {
 
     /// cuBLAS: f32 GEMM for f32 weights; against bf16 weights the activations are split into
     /// bf16 hi + lo and multiplied twice ([`GemmPrecision::Exact`]) or rounded to bf16 once
-    /// ([`GemmPrecision::Fast`]); `accumulate` adds into `out` (cuBLAS's beta = 1).
+    /// ([`GemmPrecision::Fast`]); `out.accumulate` adds into the output (cuBLAS's beta = 1).
     fn gemm(
         &self,
         x: Dv<f32>,
         w: &GpuMatrix,
-        out: Dv<f32>,
+        out: GemmOut,
         precision: GemmPrecision,
-        accumulate: bool,
     ) -> Result<(), KernelError> {
+        let GemmOut { out, accumulate } = out;
         let (n, k) = (w.rows(), w.cols());
         let m = x.len / k.max(1);
         let shape = GemmShape { m, n, k };

@@ -329,14 +329,13 @@ pub trait Gpu: Clone + std::fmt::Debug + Send + Sync + Sized + 'static {
     /// `out[m][n] = x[m][k] · Wᵀ` for more rows than the GEMV kernel takes (lengths checked
     /// by the caller, `super::ops::linear`): cuBLAS on CUDA, the portable tiled kernel
     /// (`gemm_tiled_*` in `common.cu`) on ROCm.
-    /// With `accumulate`, the product is added into `out`.
+    /// `out` says whether the product replaces or is added into the output.
     fn gemm(
         &self,
         x: Dv<f32>,
         w: &GpuMatrix<Self>,
-        out: Dv<f32>,
+        out: super::ops::GemmOut,
         precision: GemmPrecision,
-        accumulate: bool,
     ) -> Result<(), KernelError>;
 
     /// Appends a TMA descriptor of `t` to `a` (the warp-specialised Hopper prefill). Only a

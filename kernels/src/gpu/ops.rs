@@ -165,6 +165,15 @@ pub enum GemmPrecision {
     Fast,
 }
 
+/// Where a large GEMM's product goes: written over `out`, or added into it.
+#[derive(Debug, Clone, Copy)]
+pub struct GemmOut {
+    /// `[m][n]` output.
+    pub out: Dv<f32>,
+    /// Add into `out` (cuBLAS's beta = 1) instead of writing over it.
+    pub accumulate: bool,
+}
+
 /// `out[m][n] = x[m][k] · Wᵀ` (`m = x.len / k`); GEMV for `m <= 8`, the runtime's large GEMM
 /// above ([`Gpu::gemm`]: cuBLAS on CUDA, [`gemm_tiled`] on ROCm).
 pub fn linear<D: Gpu>(
@@ -192,7 +201,11 @@ pub fn linear<D: Gpu>(
     if m <= GEMV_MAX_M {
         return gemv(dev, x, w, out, false);
     }
-    dev.gemm(x, w, out, precision, false)
+    let out = GemmOut {
+        out,
+        accumulate: false,
+    };
+    dev.gemm(x, w, out, precision)
 }
 
 /// `out[m][n] += x[m][k] · Wᵀ`: [`linear`] adding into `out` (the GEMV's and the large GEMM's
@@ -222,7 +235,11 @@ pub fn linear_add<D: Gpu>(
     if m <= GEMV_MAX_M {
         return gemv(dev, x, w, out, true);
     }
-    dev.gemm(x, w, out, precision, true)
+    let out = GemmOut {
+        out,
+        accumulate: true,
+    };
+    dev.gemm(x, w, out, precision)
 }
 
 /// Rows and columns of one output tile of [`gemm_tiled`] (`GT_M` = `GT_N` in `common.cu`).

@@ -638,11 +638,10 @@ impl Gpu for RocmDevice {
         &self,
         x: Dv<f32>,
         w: &GpuMatrix<Self>,
-        out: Dv<f32>,
+        out: crate::gpu::ops::GemmOut,
         _precision: GemmPrecision,
-        accumulate: bool,
     ) -> Result<(), KernelError> {
-        gemm_tiled(self, x, w, out, accumulate)
+        gemm_tiled(self, x, w, out.out, out.accumulate)
     }
 }
 

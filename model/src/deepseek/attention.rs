@@ -3,7 +3,7 @@
 //! plan groups runs of sequences that share a form; see [`super::forward`]).
 
 use ferry_kernels::backend::latent::{latent_write, LatentWrite};
-use ferry_kernels::backend::linear::{linear, linear_add, linear_pair, Linear, LinearPair};
+use ferry_kernels::backend::linear::{linear, linear_pair, Linear, LinearPair};
 use ferry_kernels::backend::mla_absorbed::{mla_absorbed, AbsorbedRun};
 use ferry_kernels::backend::mla_mha::{mla_mha, MhaRun};
 use ferry_kernels::backend::norm::{norm_strided, NormStrided};
@@ -77,16 +77,15 @@ pub fn estimate_flops(form: AttentionForm, dims: &MlaDims, cached: usize, new: u
 
 impl DeepseekModel {
     /// MLA of layer `l` for the normalised hidden states `x` (`[T][hidden]`): writes the new
-    /// tokens' latent rows into `kv` and adds the `o_proj` output into the residual stream `h`
-    /// (accumulated in place on a GPU).
+    /// tokens' latent rows into `kv` and returns the heads' outputs `[T][heads · v_head_dim]`,
+    /// the input of `o_proj` (which the forward adds into the residual stream).
     pub(super) fn attention(
         &self,
         l: usize,
         x: &Tensor,
         plan: &Plan,
         kv: &mut KvMut<'_>,
-        h: &mut Tensor,
-    ) -> Result<(), ModelError> {
+    ) -> Result<Tensor, ModelError> {
         let b = &self.backend;
         let w = &self.layers[l].attn;
         let d = self.dims;
@@ -201,12 +200,7 @@ impl DeepseekModel {
                 }
             }
         }
-        let p = Linear {
-            x: &attn,
-            w: &w.o,
-            precision,
-        };
-        Ok(linear_add(b, p, h)?)
+        Ok(attn)
     }
 }
 

@@ -13,7 +13,7 @@
 //! written (CPU) or queued (GPU: work queued from then on runs after them), and `hidden` with
 //! the residual stream after the tap layers (a drafter's context; a download on a GPU).
 
-use ferry_kernels::backend::linear::{linear_into, Linear};
+use ferry_kernels::backend::linear::{linear_add, linear_into, Linear};
 use ferry_kernels::backend::mlp::{dense, DenseFfn};
 use ferry_kernels::backend::moe::{moe, MoeFfn};
 use ferry_kernels::backend::norm::{add_norm, rms_norm_into, AddNorm, RowNorm};
@@ -392,8 +392,14 @@ impl DeepseekModel {
         for (l, layer) in self.layers.iter().enumerate() {
             let norm = |weight| RowNorm { weight, eps };
             rms_norm_into(b, &h, norm(&layer.input_norm), &mut x)?;
-            // `h += o_proj(attention(x))`, added in place.
-            self.attention(l, &x, plan, kv, &mut h)?;
+            let attn = self.attention(l, &x, plan, kv)?;
+            // `h += o_proj(attn)`, added in place (no separate add on a GPU).
+            let p = Linear {
+                x: &attn,
+                w: &layer.attn.o,
+                precision: self.kernels.precision,
+            };
+            linear_add(b, p, &mut h)?;
             if let Some(hook) = after_layer.as_mut() {
                 hook(l, kv.as_ref())?;
             }
