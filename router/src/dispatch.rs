@@ -462,26 +462,38 @@ impl Current {
 }
 
 impl Run {
-    fn stream(mut self, attempt: Attempt, permit: OwnedSemaphorePermit) -> GenerationStream {
-        if self.req.n() > 1 {
-            return self.stream_samples(attempt, permit);
-        }
-        let span = attempt.span.clone();
+    /// A sample's output state (detokenization, stop strings, usage) for this request, with
+    /// `cached` prompt tokens served from the decode worker's cache.
+    fn output_state(&self, cached: u32) -> OutputState {
         let mut output = OutputState::new(
             self.inner.tokenizer.clone(),
             self.req.stop(),
             self.req.prompt().len(),
         )
         .prompt_only(self.req.prompt_only());
-        output.set_cached_prompt_tokens(attempt.opened.first.cached_prompt_tokens);
-        let drain = self.inner.drain.clone();
-        let mut accounting = Accounting {
+        output.set_cached_prompt_tokens(cached);
+        output
+    }
+
+    /// The request's metrics and span bookkeeping, from its first token to its end.
+    fn accounting(&self) -> Accounting {
+        Accounting {
             metrics: self.inner.metrics.clone(),
             request: self.request_span.clone(),
             received: self.req.received(),
             last_token: None,
             ended: false,
-        };
+        }
+    }
+
+    fn stream(mut self, attempt: Attempt, permit: OwnedSemaphorePermit) -> GenerationStream {
+        if self.req.n() > 1 {
+            return self.stream_samples(attempt, permit);
+        }
+        let span = attempt.span.clone();
+        let mut output = self.output_state(attempt.opened.first.cached_prompt_tokens);
+        let drain = self.inner.drain.clone();
+        let mut accounting = self.accounting();
         let (mut current, first) = Current::from_attempt(attempt);
         let stream = Box::pin(async_stream::stream! {
             let _permit = permit;
@@ -562,26 +574,9 @@ impl Run {
         let n = self.req.n() as usize;
         let cached = attempt.opened.first.cached_prompt_tokens;
         let prompt_tokens = u32::try_from(self.req.prompt().len()).unwrap_or(u32::MAX);
-        let mut outputs: Vec<OutputState> = (0..n)
-            .map(|_| {
-                let mut o = OutputState::new(
-                    self.inner.tokenizer.clone(),
-                    self.req.stop(),
-                    self.req.prompt().len(),
-                )
-                .prompt_only(self.req.prompt_only());
-                o.set_cached_prompt_tokens(cached);
-                o
-            })
-            .collect();
+        let mut outputs: Vec<OutputState> = (0..n).map(|_| self.output_state(cached)).collect();
         let drain = self.inner.drain.clone();
-        let mut accounting = Accounting {
-            metrics: self.inner.metrics.clone(),
-            request: self.request_span.clone(),
-            received: self.req.received(),
-            last_token: None,
-            ended: false,
-        };
+        let mut accounting = self.accounting();
         let (mut current, first) = Current::from_attempt(attempt);
         let stream = Box::pin(async_stream::stream! {
             let _permit = permit;
