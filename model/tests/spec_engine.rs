@@ -492,35 +492,10 @@ fn direct_log_softmax(model: &DeepseekModel, prompt: &[u32], output: &[u32]) -> 
     rows
 }
 
-/// Log-probabilities agree with a direct forward's log-softmax to 2e-4: the engine's rows come
-/// from batched and multi-row verify forwards whose logits differ from the one-row forward's
-/// in float rounding (~1e-5 relative on logits of magnitude ~10), and the reduction is f64
-/// against the reference's f32.
-const LOGPROB_TOL: f32 = 2e-4;
-
 fn assert_logprobs_match(got: &[(u32, TokenLogprobs)], want: &[Vec<f32>], n: usize, case: &str) {
     assert_eq!(got.len(), want.len(), "{case}");
     for (k, ((t, lp), row)) in got.iter().zip(want).enumerate() {
-        let d = (lp.logprob - row[*t as usize]).abs();
-        assert!(
-            d <= LOGPROB_TOL,
-            "{case} token {k}: {} vs {}",
-            lp.logprob,
-            row[*t as usize]
-        );
-        assert_eq!(lp.top.len(), n, "{case} token {k}");
-        let mut sorted = row.clone();
-        sorted.sort_by(|a, b| b.total_cmp(a));
-        for (j, &(id, l)) in lp.top.iter().enumerate() {
-            assert!(
-                (l - row[id as usize]).abs() <= LOGPROB_TOL,
-                "{case} token {k} top {j}"
-            );
-            assert!(
-                (l - sorted[j]).abs() <= LOGPROB_TOL,
-                "{case} token {k}: top {j} is the {j}-th largest"
-            );
-        }
+        common::assert_entry_matches(lp, *t, row, n, &format!("{case} token {k}"));
     }
 }
 

@@ -183,29 +183,11 @@ pub fn linear<D: Gpu>(
     out: Dv<f32>,
     precision: GemmPrecision,
 ) -> Result<(), KernelError> {
-    const OP: &str = "gpu_linear";
-    let (n, k) = (w.rows, w.cols);
-    if k == 0 || x.len % k != 0 {
-        return Err(KernelError::NotDivisible {
-            op: OP,
-            what: "x",
-            len: x.len,
-            width: k,
-        });
-    }
-    let m = x.len / k;
-    need(OP, "out", m * n, out.len)?;
-    if m == 0 {
-        return Ok(());
-    }
-    if m <= GEMV_MAX_M {
-        return gemv(dev, x, w, out, false);
-    }
     let out = GemmOut {
         out,
         accumulate: false,
     };
-    dev.gemm(x, w, out, precision)
+    project(dev, x, w, out, precision)
 }
 
 /// `out[m][n] += x[m][k] · Wᵀ`: [`linear`] adding into `out` (the GEMV's and the large GEMM's
@@ -217,28 +199,43 @@ pub fn linear_add<D: Gpu>(
     out: Dv<f32>,
     precision: GemmPrecision,
 ) -> Result<(), KernelError> {
-    const OP: &str = "gpu_linear_add";
+    let out = GemmOut {
+        out,
+        accumulate: true,
+    };
+    project(dev, x, w, out, precision)
+}
+
+/// [`linear`] and [`linear_add`]: the shape checks, then the GEMV or the large GEMM.
+fn project<D: Gpu>(
+    dev: &D,
+    x: Dv<f32>,
+    w: &GpuMatrix<D>,
+    out: GemmOut,
+    precision: GemmPrecision,
+) -> Result<(), KernelError> {
+    let op = if out.accumulate {
+        "gpu_linear_add"
+    } else {
+        "gpu_linear"
+    };
     let (n, k) = (w.rows, w.cols);
     if k == 0 || x.len % k != 0 {
         return Err(KernelError::NotDivisible {
-            op: OP,
+            op,
             what: "x",
             len: x.len,
             width: k,
         });
     }
     let m = x.len / k;
-    need(OP, "out", m * n, out.len)?;
+    need(op, "out", m * n, out.out.len)?;
     if m == 0 {
         return Ok(());
     }
     if m <= GEMV_MAX_M {
-        return gemv(dev, x, w, out, true);
+        return gemv(dev, x, w, out.out, out.accumulate);
     }
-    let out = GemmOut {
-        out,
-        accumulate: true,
-    };
     dev.gemm(x, w, out, precision)
 }
 

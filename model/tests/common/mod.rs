@@ -7,6 +7,7 @@ use std::time::Duration;
 use ferry_kernels::cpu::sample::SamplingParams;
 use ferry_model::engine::{
     EngineEvent, EngineHandle, FinishReason, GenerateJob, Generation, PrefillSource, StopParams,
+    TokenLogprobs,
 };
 use ferry_model::tokenizer::Tokenizer;
 
@@ -81,4 +82,35 @@ pub async fn wait_idle(e: &EngineHandle) {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     panic!("engine did not go idle: {:?}", e.stats().await.unwrap());
+}
+
+/// Log-probabilities agree with a direct forward's log-softmax to 2e-4: the engine's rows come
+/// from batched and multi-row forwards whose logits differ from the one-row forward's in float
+/// rounding (~1e-5 relative on logits of magnitude ~10), and the reduction is f64 against the
+/// reference's f32.
+pub const LOGPROB_TOL: f32 = 2e-4;
+
+/// One log-probability entry against `row`, the reference log-softmax of its position: the
+/// chosen `token`'s value, `n` alternatives, each equal to its row value and the j-th largest.
+pub fn assert_entry_matches(lp: &TokenLogprobs, token: u32, row: &[f32], n: usize, what: &str) {
+    let d = (lp.logprob - row[token as usize]).abs();
+    assert!(
+        d <= LOGPROB_TOL,
+        "{what}: {} vs {}",
+        lp.logprob,
+        row[token as usize]
+    );
+    assert_eq!(lp.top.len(), n, "{what}");
+    let mut sorted = row.to_vec();
+    sorted.sort_by(|a, b| b.total_cmp(a));
+    for (j, &(id, l)) in lp.top.iter().enumerate() {
+        assert!(
+            (l - row[id as usize]).abs() <= LOGPROB_TOL,
+            "{what} top {j}"
+        );
+        assert!(
+            (l - sorted[j]).abs() <= LOGPROB_TOL,
+            "{what}: top {j} is the {j}-th largest"
+        );
+    }
 }
