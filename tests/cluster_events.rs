@@ -29,6 +29,13 @@ const MAX_TOKENS: u32 = 8;
 const POLL: Duration = Duration::from_millis(50);
 const WAIT: Duration = Duration::from_secs(60);
 
+/// The two tests take turns: each runs seven `ferry` processes and a NATS server, and run side
+/// by side on a 2-core machine one of the fourteen processes was twice seen making no progress
+/// at start-up for a minute (not diagnosed; see the closing note of session 15). Their ports are
+/// also picked free and released before the processes bind them, which the other test's
+/// connections could take in between.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
@@ -369,6 +376,7 @@ impl Plane {
 
 #[tokio::test]
 async fn two_routers_share_one_exact_index_through_router_and_nats_restarts() {
+    let _turn = ONE_AT_A_TIME.lock().await;
     let mut plane = Plane::start(&[]).await;
     let base = cluster::long_prompt();
     let variant = |i: usize| format!("{base} And the {i}th day was the last day of the feast.");
@@ -531,6 +539,7 @@ impl Plane {
 /// printed (the "before"), so the two can be compared run to run.
 #[tokio::test]
 async fn a_shared_prefix_burst_over_two_routers_spreads_over_the_prefill_workers() {
+    let _turn = ONE_AT_A_TIME.lock().await;
     const N: usize = 32;
     let mut plane = Plane::start(&["--share-load", "false"]).await;
     let prefix = |tag: &str| format!("{tag} {}", cluster::long_prompt());
