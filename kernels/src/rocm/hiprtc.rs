@@ -4,6 +4,7 @@
 //! to the scalar paths where the CUDA code uses PTX. No GPU is needed to compile.
 
 use std::ffi::{c_char, CStr, CString};
+use std::sync::Mutex;
 
 use super::ffi::{self, HiprtcProgram, HIPRTC_SUCCESS};
 use crate::error::KernelError;
@@ -31,9 +32,19 @@ impl Drop for Program {
     }
 }
 
+/// One hipRTC compile at a time in this process: Debian's hipRTC 5.2 is not thread-safe.
+/// Two tests compiling side by side once left LLVM's AMDGPU target registered twice, and
+/// every compile after that failed with "unable to create target: Cannot choose between
+/// targets \"amdgcn\" and \"amdgcn\"" (CI); eight C threads compiling a one-line kernel at
+/// once corrupted the heap in one run of five. Kernels compile once per process and are
+/// cached by the caller, so serialising costs nothing in serving.
+static COMPILE: Mutex<()> = Mutex::new(());
+
 /// Compiles `source` with `defines` for `arch` (e.g. `gfx90a`, `gfx942`); returns the code
 /// object for `hipModuleLoadData`.
 pub fn compile(source: Source, defines: &Defines, arch: &str) -> Result<Vec<u8>, KernelError> {
+    // A poisoned lock only means another compile panicked; hipRTC's state is still usable.
+    let _one_at_a_time = COMPILE.lock().unwrap_or_else(|p| p.into_inner());
     let text = CString::new(source.expanded()).map_err(|_| KernelError::Gpu {
         op: "hiprtc",
         message: format!("{} contains a NUL byte", source.name()),
