@@ -1,6 +1,6 @@
 //! 32 concurrent requests through a 2 prefill + 2 decode cluster, half over gRPC and half over
 //! HTTP, short and long prompts, greedy and seeded sampling: all finish, and every KV block
-//! comes back.
+//! comes back. `ferry bench` with a long-prompt mix, against a real cluster.
 mod cluster;
 
 use cluster::{Cluster, Role, Spec, MODEL};
@@ -121,5 +121,62 @@ async fn concurrent_mixed_requests_all_complete_and_free_their_blocks() {
     }
     assert!(remote > 0, "no prompt was prefilled on a prefill worker");
 
+    cluster.assert_kv_blocks_released().await;
+}
+
+/// `ferry bench` with a long-prompt mix against a real cluster: every request is counted in
+/// its class, every one generates exactly `--output-tokens`, the long prompts were prefilled
+/// on the prefill worker, and `--json` holds what the table printed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ferry_bench_runs_a_long_prompt_mix_and_writes_json() {
+    let cluster = Cluster::start(Spec::new(1, 1)).await;
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let json_path = dir.path().join("bench.json");
+    let addr = cluster.grpc_addr().to_string();
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_ferry"))
+        .args(["bench", "--grpc-addr", &addr, "--concurrency", "1,4"])
+        .args(["--requests-per-level", "8", "--prompt-tokens", "16"])
+        .args(["--long-prompt-tokens", "600", "--long-every", "4"])
+        .args(["--output-tokens", "6", "--json"])
+        .arg(&json_path)
+        .kill_on_drop(true)
+        .output()
+        .await
+        .expect("ferry bench runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "ferry bench failed: {stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("| 4 | 8 (2) |"), "table row: {stdout}");
+
+    let doc: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&json_path).expect("the JSON file")).expect("JSON");
+    assert_eq!(doc["long_prompt_tokens"], 600);
+    let levels = doc["levels"].as_array().expect("levels");
+    assert_eq!(levels.len(), 2);
+    for (level, c) in levels.iter().zip([1, 4]) {
+        assert_eq!(level["concurrency"], c);
+        assert_eq!(level["requests"], 8);
+        // Requests 4 and 8 of each level are the long ones.
+        assert_eq!(level["long"]["requests"], 2, "{level}");
+        assert_eq!(level["short"]["requests"], 6, "{level}");
+        assert_eq!(
+            level["output_tokens"],
+            8 * 6,
+            "ignore_eos: every request its 6 tokens"
+        );
+        let ttft = level["long"]["ttft_ms"]["p50"].as_f64().expect("long TTFT");
+        assert!(ttft > 0.0, "{level}");
+        assert!(level["short"]["itl_ms"]["p99"].as_f64().expect("short ITL") > 0.0);
+    }
+    // The four long prompts (distinct, no shared prefix) were prefilled remotely.
+    let prefill = cluster.live(Role::Prefill);
+    let computed = cluster.stats(&prefill[0]).await.prefill_computed_tokens;
+    assert!(
+        computed >= 4 * 600,
+        "prefill worker computed {computed} tokens"
+    );
     cluster.assert_kv_blocks_released().await;
 }

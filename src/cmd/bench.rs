@@ -6,6 +6,12 @@
 //! no prefix is shared) of `--prompt-tokens`; every request generates exactly
 //! `--output-tokens` (`ignore_eos`). The default shape, 512 in / 200 out, is the reference
 //! workload's 1,024 / 400 scaled to the embedded model's 1,024-token context.
+//!
+//! A long-prompt mix (`--long-prompt-tokens N --long-every K`: every K-th request of a level
+//! has an N-token prompt) shows what disaggregation is for: a long prefill on the worker that
+//! also decodes stalls every sequence decoding there. The short requests' TTFT and ITL are then
+//! reported on their own next to the long ones' TTFT. `--json` writes every level's figures
+//! for `benchmarks/results/`.
 
 use std::time::{Duration, Instant};
 
@@ -14,6 +20,7 @@ use clap::Args;
 use ferry_proto::v1::generate_request::Input;
 use ferry_proto::v1::inference_client::InferenceClient;
 use ferry_proto::v1::{GenerateRequest, SamplingParams, StopConditions, TokenIds};
+use serde_json::json;
 use tokio::task::JoinSet;
 
 /// Options of `ferry bench`.
@@ -40,13 +47,52 @@ pub struct BenchArgs {
     /// Sampling temperature (0 = greedy).
     #[arg(long, default_value_t = 0.0)]
     pub temperature: f32,
+    /// Prompt length of the long requests of a mix (0: no mix, every prompt is
+    /// `--prompt-tokens`).
+    #[arg(long, default_value_t = 0)]
+    pub long_prompt_tokens: usize,
+    /// With `--long-prompt-tokens`: every K-th request of a level is a long one.
+    #[arg(long, default_value_t = 8)]
+    pub long_every: usize,
+    /// Also write every level's figures here as JSON.
+    #[arg(long)]
+    pub json: Option<std::path::PathBuf>,
+}
+
+impl BenchArgs {
+    /// The prompt length of a level's `i`-th request (1-based).
+    fn prompt_len(&self, i: usize) -> usize {
+        if self.long_prompt_tokens > 0 && i % self.long_every == 0 {
+            self.long_prompt_tokens
+        } else {
+            self.prompt_tokens
+        }
+    }
+
+    fn mix(&self) -> bool {
+        self.long_prompt_tokens > 0
+    }
 }
 
 /// One request's timings.
 struct Sample {
+    long: bool,
     ttft: Duration,
     gaps: Vec<Duration>,
     tokens: usize,
+}
+
+/// TTFT and ITL percentiles (ms) of a set of requests.
+fn latencies<'a>(samples: impl Iterator<Item = &'a Sample> + Clone) -> serde_json::Value {
+    let mut ttft: Vec<f64> = samples.clone().map(|s| ms(s.ttft)).collect();
+    let mut itl: Vec<f64> = samples
+        .flat_map(|s| s.gaps.iter().map(|g| ms(*g)))
+        .collect();
+    json!({
+        "requests": ttft.len(),
+        "ttft_ms": {"p50": pct(&mut ttft, 50.0), "p90": pct(&mut ttft, 90.0), "p99": pct(&mut ttft, 99.0)},
+        "itl_ms": {"p50": pct(&mut itl, 50.0), "p90": pct(&mut itl, 90.0), "p99": pct(&mut itl, 99.0)},
+    })
 }
 
 /// Runs the benchmark and prints one Markdown row per level.
@@ -61,15 +107,25 @@ async fn bench(args: BenchArgs) -> anyhow::Result<()> {
     if args.prompt_tokens == 0 || args.output_tokens == 0 {
         bail!("`--prompt-tokens` and `--output-tokens` must be at least 1");
     }
+    if args.mix() && args.long_every == 0 {
+        bail!("`--long-every` must be at least 1");
+    }
     let uri = format!("http://{}", args.grpc_addr);
     let client = InferenceClient::connect(uri.clone())
         .await
         .with_context(|| format!("connecting to {uri}"))?;
-    println!(
-        "| concurrency | requests | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | ITL p50 ms | ITL p90 ms | ITL p99 ms | output tok/s | req/s |"
-    );
+    if args.mix() {
+        println!(
+            "| concurrency | requests (long) | short TTFT p50 ms | short TTFT p99 ms | long TTFT p50 ms | short ITL p50 ms | short ITL p99 ms | ITL p99 ms (all) | output tok/s | req/s |"
+        );
+    } else {
+        println!(
+            "| concurrency | requests | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | ITL p50 ms | ITL p90 ms | ITL p99 ms | output tok/s | req/s |"
+        );
+    }
     println!("|---|---|---|---|---|---|---|---|---|---|");
     let mut salt = 0u64;
+    let mut levels = Vec::new();
     for &c in &args.concurrency {
         let n = args.requests_per_level.max(c);
         let start = Instant::now();
@@ -79,40 +135,77 @@ async fn bench(args: BenchArgs) -> anyhow::Result<()> {
         while issued < n || !set.is_empty() {
             while issued < n && set.len() < c.max(1) {
                 salt += 1;
-                let req = request(&args, salt);
-                let mut client = client.clone();
-                set.spawn(async move { one(&mut client, req).await });
                 issued += 1;
+                let len = args.prompt_len(issued);
+                let req = request(&args, len, salt);
+                let long = len != args.prompt_tokens;
+                let mut client = client.clone();
+                set.spawn(async move { one(&mut client, req, long).await });
             }
             if let Some(r) = set.join_next().await {
                 samples.push(r.context("bench task")??);
             }
         }
         let wall = start.elapsed().as_secs_f64();
-        let mut ttft: Vec<f64> = samples.iter().map(|s| ms(s.ttft)).collect();
-        let mut itl: Vec<f64> = samples
-            .iter()
-            .flat_map(|s| s.gaps.iter().map(|g| ms(*g)))
-            .collect();
         let tokens: usize = samples.iter().map(|s| s.tokens).sum();
-        println!(
-            "| {c} | {n} | {:.1} | {:.1} | {:.1} | {:.2} | {:.2} | {:.2} | {:.1} | {:.2} |",
-            pct(&mut ttft, 50.0),
-            pct(&mut ttft, 90.0),
-            pct(&mut ttft, 99.0),
-            pct(&mut itl, 50.0),
-            pct(&mut itl, 90.0),
-            pct(&mut itl, 99.0),
-            tokens as f64 / wall,
-            n as f64 / wall
-        );
+        let all = latencies(samples.iter());
+        let short = latencies(samples.iter().filter(|s| !s.long));
+        let long = latencies(samples.iter().filter(|s| s.long));
+        let f = |v: &serde_json::Value, k: &str, p: &str| v[k][p].as_f64().unwrap_or(f64::NAN);
+        let (tok_s, req_s) = (tokens as f64 / wall, n as f64 / wall);
+        if args.mix() {
+            println!(
+                "| {c} | {n} ({}) | {:.1} | {:.1} | {:.1} | {:.2} | {:.2} | {:.2} | {tok_s:.1} | {req_s:.2} |",
+                long["requests"],
+                f(&short, "ttft_ms", "p50"),
+                f(&short, "ttft_ms", "p99"),
+                f(&long, "ttft_ms", "p50"),
+                f(&short, "itl_ms", "p50"),
+                f(&short, "itl_ms", "p99"),
+                f(&all, "itl_ms", "p99"),
+            );
+        } else {
+            println!(
+                "| {c} | {n} | {:.1} | {:.1} | {:.1} | {:.2} | {:.2} | {:.2} | {tok_s:.1} | {req_s:.2} |",
+                f(&all, "ttft_ms", "p50"),
+                f(&all, "ttft_ms", "p90"),
+                f(&all, "ttft_ms", "p99"),
+                f(&all, "itl_ms", "p50"),
+                f(&all, "itl_ms", "p90"),
+                f(&all, "itl_ms", "p99"),
+            );
+        }
+        levels.push(json!({
+            "concurrency": c,
+            "requests": n,
+            "output_tokens": tokens,
+            "wall_s": wall,
+            "output_tok_s": tok_s,
+            "req_s": req_s,
+            "all": all,
+            "short": short,
+            "long": long,
+        }));
+    }
+    if let Some(path) = &args.json {
+        let doc = json!({
+            "grpc_addr": args.grpc_addr,
+            "prompt_tokens": args.prompt_tokens,
+            "long_prompt_tokens": args.long_prompt_tokens,
+            "long_every": if args.mix() { args.long_every } else { 0 },
+            "output_tokens_per_request": args.output_tokens,
+            "temperature": args.temperature,
+            "levels": levels,
+        });
+        std::fs::write(path, serde_json::to_string_pretty(&doc)? + "\n")
+            .with_context(|| format!("writing {}", path.display()))?;
     }
     Ok(())
 }
 
-fn request(args: &BenchArgs, salt: u64) -> GenerateRequest {
+fn request(args: &BenchArgs, prompt_tokens: usize, salt: u64) -> GenerateRequest {
     let mut x = salt.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    let ids = (0..args.prompt_tokens)
+    let ids = (0..prompt_tokens)
         .map(|_| {
             x ^= x << 13;
             x ^= x >> 7;
@@ -141,6 +234,7 @@ fn request(args: &BenchArgs, salt: u64) -> GenerateRequest {
 async fn one(
     client: &mut InferenceClient<tonic::transport::Channel>,
     req: GenerateRequest,
+    long: bool,
 ) -> anyhow::Result<Sample> {
     let start = Instant::now();
     let mut stream = client.generate(req).await?.into_inner();
@@ -161,6 +255,7 @@ async fn one(
         tokens += msg.token_ids.len();
     }
     Ok(Sample {
+        long,
         ttft: ttft.context("the stream ended without a token")?,
         gaps,
         tokens,
