@@ -13,9 +13,14 @@
 #   check     ferry generate, plain and speculative, greedy: loads the pair, same text (needs ferry)
 #   bench     the benchmark hook $BENCH_HOOK (scripts/dspark_bench.sh: plain vs speculative through
 #             `ferry up`; at PRESET=tiny with CPU-sized BENCH_* defaults)
+#   verifycost  the regime of a large model: `ferry bench-engine --verify-cost` on the
+#             DeepSeek-V2-Lite-shaped model (dummy weights) with a drafter of
+#             models/dummy/v2-lite-drafter's size: decode step, verify forward of k + 1 rows and
+#             drafter pass per batch; the speed-up at the trained pair's held-out τ computed from
+#             them                                               -> $RUN/bench/verify_cost.json
 #   summary   the numbers of every report so far
 # Chains:
-#   all       target drafter prompts check bench summary (longer than one device command)
+#   all       target drafter prompts check bench verifycost summary (longer than one device command)
 #   start     `all` in the background (setsid: it outlives the device command), then `wait`
 #   wait      follow the background run for at most $WAIT_SECONDS (default 570), then summary;
 #             call it again (within the machine's 30 s warm window) until it says "finished"
@@ -157,6 +162,37 @@ stage_bench() {
   fi
 }
 
+stage_verifycost() {
+  local ferry tau=() ks="1,2,3,4,5,7,9,11,13,15"
+  ferry=$(ferry_bin)
+  if [ -z "$ferry" ]; then echo "lease: verifycost skipped: no ferry binary"; return; fi
+  if [ "${DEVICE:-cuda}" = cpu ] || [ "$PRESET" = tiny ]; then
+    echo "lease: verifycost skipped: it measures the V2-Lite-shaped model on a GPU"; return
+  fi
+  set +u; source scripts/gpu_env.sh; set -u
+  # The trained pair's held-out τ for every k up to its block B: from the conditional acceptance
+  # per position c_j (train_drafter.py's greedy evaluation), τ(k) = 1 + Σ_{j<k} Π_{i≤j} c_i.
+  if [ -f "$RUN/drafter/train_report.json" ]; then
+    local pairs
+    pairs=$("$PY" -c 'import json,sys
+c = json.load(open(sys.argv[1]))["test_after"]["conditional_acceptance_per_position"]
+tau, reach, out = 1.0, 1.0, []
+for k, ck in enumerate(c, 1):
+    reach *= ck; tau += reach; out.append(f"{k}:{min(tau, k + 1):.3f}")
+print(",".join(out))' "$RUN/drafter/train_report.json" 2>/dev/null || echo "")
+    if [ -n "$pairs" ]; then
+      tau=(--tau "$pairs")
+      local b=${pairs##*,}; b=${b%%:*}
+      case ",$ks," in *",$b,"*) ;; *) ks="$ks,$b" ;; esac
+    fi
+  fi
+  mkdir -p "$RUN/bench"
+  "$ferry" bench-engine --verify-cost --device cuda --gpu-mode fast --load-format dummy \
+    --model models/dummy/deepseek-v2-lite --drafter-config models/dummy/v2-lite-drafter/config.json \
+    --batch "${VERIFY_BATCH:-1,4,16,64}" --prompt-len 1024 --verify-k "$ks" "${tau[@]}" \
+    --json "$RUN/bench/verify_cost.json" 2>&1 | tee "$RUN/bench/verify_cost.md"
+}
+
 stage_summary() {
   "$PY" - "$RUN" <<'EOF'
 import json, sys
@@ -185,6 +221,13 @@ if d.exists():
           f"position {a['match_rate_per_position']}; {r['total_seconds']:.0f}s")
 for f in sorted((run / "logs").glob("check_*.txt")):
     print(f"summary: {f.name}: {f.read_text()[:100]!r}")
+v = run / "bench" / "verify_cost.json"
+if v.exists():
+    for row in json.loads(v.read_text())["rows"]:
+        if row.get("computed_speedup"):
+            print(f"summary: verify cost (V2-Lite shape, batch {row['batch']}, k {row['k']}): verify/step "
+                  f"{row['verify_over_step']:.2f}, draft {row['draft_pass_ms']:.2f} ms; computed speed-up at "
+                  f"tau {row['tau']}: {row['computed_speedup']:.2f}x")
 b = run / "bench" / "dspark_bench.json"
 if b.exists():
     r = json.loads(b.read_text())
@@ -237,9 +280,9 @@ run_stage() {
 [ $# -ge 1 ] || { sed -n 2,40p "$0"; exit 2; }
 for stage in "$@"; do
   case "$stage" in
-    target|drafter|prompts|check|bench|summary) run_stage "$stage" ;;
+    target|drafter|prompts|check|bench|verifycost|summary) run_stage "$stage" ;;
     all)
-      for s in target drafter prompts check bench summary; do run_stage "$s"; done ;;
+      for s in target drafter prompts check bench verifycost summary; do run_stage "$s"; done ;;
     start)
       if [ -f "$RUN/lease.pid" ] && kill -0 "$(cat "$RUN/lease.pid")" 2>/dev/null; then
         echo "lease: a run is going on already (pid $(cat "$RUN/lease.pid")): following it"

@@ -11,21 +11,19 @@
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+use super::pass_cost::PassBench;
 use anyhow::{bail, Context};
 use clap::Args;
-use ferry_kernels::backend::{Backend, Tensor};
+use ferry_kernels::backend::Backend;
 use ferry_kernels::cpu::sample::{argmax, SamplingParams};
-use ferry_model::deepseek::forward::Hooks;
 use ferry_model::deepseek::{BatchInputs, DeepseekModel, LogitsWanted, SeqInput};
-use ferry_model::drafter::{
-    ContextRows, ContextSegment, DraftCtx, DraftInput, Drafter, DsparkDrafter,
-};
+use ferry_model::drafter::{Drafter, DsparkDrafter};
 use ferry_model::engine::{
     EngineConfig, EngineEvent, EngineHandle, EngineStats, GenerateJob, PrefillSource, SpecConfig,
     StopParams, VerifyLen,
 };
 use ferry_model::kv::layout::DEFAULT_PAGE_SIZE;
-use ferry_model::kv::{BlockTable, KvStore};
+use ferry_model::kv::BlockTable;
 
 /// Options of `ferry bench-engine`.
 #[derive(Debug, Args)]
@@ -72,7 +70,23 @@ pub struct BenchEngineArgs {
     /// `--batch` is the number of jobs per measurement.
     #[arg(long)]
     pub prefill_ship: bool,
-    /// With `--serving`, `--prefill-ship` or `--speculative`: also write the results as JSON to this file.
+    /// What a speculative round's passes cost against a decode step on `--device`, per batch
+    /// size and verify length (issue 15's "regime of a large model"; see `pass_cost.rs`):
+    /// `--batch` is the batch, `--prompt-len` the cached tokens per sequence.
+    #[arg(long)]
+    pub verify_cost: bool,
+    /// With `--verify-cost`: the verify lengths k (k + 1 rows per sequence).
+    #[arg(long, value_delimiter = ',', default_value = "1,2,3,4,5,7,9,11,13,15")]
+    pub verify_k: Vec<usize>,
+    /// With `--verify-cost`: a drafter `config.json` whose shapes are measured with seeded
+    /// random weights, instead of a trained `--drafter`.
+    #[arg(long)]
+    pub drafter_config: Option<PathBuf>,
+    /// With `--verify-cost`: acceptance lengths measured elsewhere, `K:T` per verify length;
+    /// each row with one gets the speed-up computed from its measured costs.
+    #[arg(long, value_delimiter = ',')]
+    pub tau: Vec<super::pass_cost::Tau>,
+    /// With `--serving`, `--prefill-ship`, `--speculative` or `--verify-cost`: also write the results as JSON to this file.
     #[arg(long)]
     pub json: Option<PathBuf>,
 }
@@ -88,6 +102,9 @@ pub fn run(args: BenchEngineArgs) -> anyhow::Result<()> {
         );
     }
     let dummy = args.device.load_format();
+    if args.verify_cost {
+        return super::pass_cost::run_verify_cost(&args, &dir);
+    }
     if args.speculative {
         if dummy != ferry_model::dummy::LoadFormat::Auto {
             bail!("`--speculative` needs the checkpoint's weights (a drafter is trained against them), not `--load-format dummy`");
@@ -210,13 +227,13 @@ fn measure(model: &DeepseekModel, b: EngineBench) -> anyhow::Result<(f64, f64)> 
     Ok((prefill_tps, decode_tps))
 }
 
-fn median(v: &mut [f64]) -> f64 {
+pub(super) fn median(v: &mut [f64]) -> f64 {
     v.sort_by(f64::total_cmp);
     v.get(v.len() / 2).copied().unwrap_or(0.0)
 }
 
 /// Deterministic, distinct prompts (a simple LCG over the vocabulary, skipping specials).
-fn synthetic_prompts(vocab: u32, batch: usize, len: usize, salt: u32) -> Vec<Vec<u32>> {
+pub(super) fn synthetic_prompts(vocab: u32, batch: usize, len: usize, salt: u32) -> Vec<Vec<u32>> {
     (0..batch as u32)
         .map(|b| {
             let mut x = 0x9e37_79b9u32 ^ (b.wrapping_mul(7919) + salt);
@@ -289,7 +306,14 @@ fn run_speculative(
             spec.push(tps);
             stats = s;
         }
-        let (d, v, st) = pass_costs(target, &drafter, c, args)?;
+        let b = drafter.block_size();
+        let mut passes = PassBench::new(target, &drafter, c, args.prompt_len, b + 1)?;
+        let (d, v, st) = (
+            passes.draft_ms(5)?,
+            passes.forward_ms(b + 1, 5)?,
+            passes.forward_ms(1, 5)?,
+        );
+        drop(passes);
         let (p, s) = (median(&mut plain), median(&mut spec));
         let rounds = stats.spec_rounds.max(1) as f64;
         let acceptance = (stats.spec_accepted_tokens + stats.spec_rounds) as f64 / rounds;
@@ -377,7 +401,7 @@ fn run_serving(args: &BenchEngineArgs, dir: &Path) -> anyhow::Result<()> {
 
 /// Writes `doc` (a JSON object) to `--json` when given, with the device, the GPU mode and the
 /// prompt length added: the benchmark result files of `benchmarks/results/`.
-fn write_json(
+pub(super) fn write_json(
     args: &BenchEngineArgs,
     device: ferry_kernels::Device,
     mut doc: serde_json::Value,
@@ -584,157 +608,6 @@ fn engine_run(
         };
         Ok((tokens as f64 / secs, stats))
     })
-}
-
-/// Median wall time (ms) of one drafter pass over `c` sequences (replayed from a CUDA graph
-/// when `--cuda-graphs` is on a GPU, as in the engine), one eager verify forward of
-/// `c × (1 + block)` tokens, and one eager plain decode step of `c` tokens, all over
-/// `--prompt-len` tokens of context.
-fn pass_costs(
-    target: &DeepseekModel,
-    drafter: &DsparkDrafter,
-    c: usize,
-    args: &BenchEngineArgs,
-) -> anyhow::Result<(f64, f64, f64)> {
-    let (l, b) = (args.prompt_len, drafter.block_size());
-    let vocab = target.config().vocab_size as u32;
-    let per_seq = (l + b + 1).div_ceil(DEFAULT_PAGE_SIZE);
-    let mut pool = target.new_kv_pool(per_seq * c, DEFAULT_PAGE_SIZE)?;
-    // The target's rows: the pool on the CPU, a device cache with its block ids on a GPU.
-    let mut device = match target.backend() {
-        Backend::Cpu => None,
-        _ => Some(target.new_kv_cache(per_seq * c, DEFAULT_PAGE_SIZE)?),
-    };
-    let layout = drafter.kv_layout().context("the drafter keeps context")?;
-    let mut dkv = KvStore::new(target.backend(), layout.rows_layout(pool.layout()))?;
-    let prompts = synthetic_prompts(vocab, c, l, 7);
-    let mut tables = Vec::with_capacity(c);
-    for _ in 0..c {
-        let mut t = BlockTable::new();
-        t.reserve(&mut pool, l + b + 1)?;
-        tables.push(t);
-    }
-    // Prefill with the drafter's taps (copied on the device), then its context.
-    let taps = drafter.taps().to_vec();
-    let mut tapped = Vec::new();
-    let hooks = Hooks {
-        after_layer: None,
-        taps: Some(&taps),
-        hidden: None,
-        tapped: Some(&mut tapped),
-        tap_into: None,
-    };
-    let prefill = batch_of(&prompts, &tables, 0, LogitsWanted::Last);
-    match device.as_mut() {
-        Some(cache) => target.forward_hooked(&prefill, cache, hooks)?,
-        None => target.forward_hooked(&prefill, &mut pool, hooks)?,
-    };
-    let mut tapped: Vec<Option<(usize, Tensor)>> = tapped.into_iter().map(Some).collect();
-    let tapped: Vec<Tensor> = taps
-        .iter()
-        .filter_map(|l| {
-            tapped
-                .iter_mut()
-                .find(|t| t.as_ref().is_some_and(|(layer, _)| layer == l))
-                .and_then(Option::take)
-                .map(|(_, t)| t)
-        })
-        .collect();
-    let mut forward = |batch: &BatchInputs<'_>| match device.as_mut() {
-        Some(cache) => target.forward(batch, cache),
-        None => target.forward(batch, &mut pool),
-    };
-    let segments: Vec<ContextSegment<'_>> = tables
-        .iter()
-        .enumerate()
-        .map(|(i, t)| ContextSegment {
-            block_table: t.blocks(),
-            start_pos: 0,
-            first_row: i * l,
-            rows: l,
-        })
-        .collect();
-    drafter.extend_context(
-        target,
-        &mut dkv,
-        &ContextRows {
-            taps: &tapped,
-            segments: &segments,
-        },
-    )?;
-    let greedy = SamplingParams {
-        temperature: 0.0,
-        ..SamplingParams::default()
-    };
-    let reps = 5;
-    let mut draft = Vec::with_capacity(reps);
-    let mut verify = Vec::with_capacity(reps);
-    let mut step = Vec::with_capacity(reps);
-    for _ in 0..reps {
-        let inputs: Vec<DraftInput<'_>> = prompts
-            .iter()
-            .zip(&tables)
-            .map(|(p, t)| DraftInput {
-                anchor: p[0],
-                context_len: l,
-                block_table: t.blocks(),
-                tokens: p,
-                params: &greedy,
-                uniforms: &[],
-            })
-            .collect();
-        let ctx = DraftCtx {
-            target,
-            kv: Some(&dkv),
-        };
-        let start = Instant::now();
-        let proposals = drafter.propose(&ctx, &inputs);
-        draft.push(start.elapsed().as_secs_f64() * 1e3);
-        let blocks: Vec<Vec<u32>> = proposals
-            .each
-            .into_iter()
-            .zip(&prompts)
-            .map(|(p, prompt)| {
-                let mut v = vec![prompt[0]];
-                v.extend(p.map(|p| p.drafts).unwrap_or_default());
-                v.resize(b + 1, prompt[0]);
-                v
-            })
-            .collect();
-        let start = Instant::now();
-        forward(&batch_of(&blocks, &tables, l, LogitsWanted::All))?;
-        verify.push(start.elapsed().as_secs_f64() * 1e3);
-        let anchors: Vec<Vec<u32>> = prompts.iter().map(|p| vec![p[0]]).collect();
-        let start = Instant::now();
-        forward(&batch_of(&anchors, &tables, l, LogitsWanted::Last))?;
-        step.push(start.elapsed().as_secs_f64() * 1e3);
-    }
-    for mut t in tables {
-        t.free(&mut pool)?;
-    }
-    Ok((median(&mut draft), median(&mut verify), median(&mut step)))
-}
-
-/// One sequence per table, `tokens[i]` after `start` cached positions.
-fn batch_of<'a>(
-    tokens: &'a [Vec<u32>],
-    tables: &'a [BlockTable],
-    start: usize,
-    logits: LogitsWanted,
-) -> BatchInputs<'a> {
-    BatchInputs {
-        prompt_logprobs: Vec::new(),
-        seqs: tokens
-            .iter()
-            .zip(tables)
-            .map(|(t, table)| SeqInput {
-                tokens: t,
-                start_pos: start,
-                block_table: table.blocks(),
-                logits,
-            })
-            .collect(),
-    }
 }
 
 /// Shape of one `bench-engine` measurement.

@@ -54,7 +54,7 @@ use super::{
 use crate::config::ModelConfig;
 use crate::deepseek::DeepseekModel;
 use crate::kv::{BlockId, KvStore};
-use crate::weights::Weights;
+use crate::weights::{TensorSource, Weights};
 use crate::ModelError;
 
 /// One drafter decoder layer.
@@ -191,11 +191,23 @@ impl DsparkDrafter {
         Self::from_weights(config, target, &w)
     }
 
-    /// Builds the drafter from an open checkpoint (on the CPU).
+    /// A drafter of `config`'s shapes with seeded random weights ([`crate::dummy::DummyWeights`]),
+    /// checked against the target: what a drafter of that size costs, for benchmarks on a model
+    /// without a trained drafter (`ferry bench-engine --verify-cost`). Its drafts mean nothing.
+    pub fn dummy(
+        config: DrafterConfig,
+        target: &ModelConfig,
+        seed: u64,
+    ) -> Result<Self, ModelError> {
+        config.check_target(target)?;
+        Self::from_weights(config, target, &crate::dummy::DummyWeights::new(seed))
+    }
+
+    /// Builds the drafter from a checkpoint or another source of tensors (on the CPU).
     pub fn from_weights(
         config: DrafterConfig,
         target: &ModelConfig,
-        w: &Weights,
+        w: &impl TensorSource,
     ) -> Result<Self, ModelError> {
         let c = &config;
         let (hid, hd) = (c.hidden_size, c.head_dim);

@@ -1,0 +1,85 @@
+//! `ferry bench-engine --verify-cost` as a user runs it: a real process on the CPU, its table
+//! and its JSON.
+
+use std::path::Path;
+use std::process::Command;
+
+/// The embedded target with a drafter of the embedded drafter's shapes and random weights
+/// (`--drafter-config`): every (batch, k) row is measured, the computed speed-up appears
+/// exactly where an acceptance length was given and follows its formula from the row's own
+/// costs, and a drafter config that does not fit the target is an error naming why.
+#[test]
+fn verify_cost_measures_every_row_and_computes_the_speedup_from_them() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let json = dir.path().join("verify.json");
+    let drafter = root.join("models/tiny-k3-dspark/config.json");
+    let out = Command::new(env!("CARGO_BIN_EXE_ferry"))
+        .args(["bench-engine", "--verify-cost", "--device", "cpu"])
+        .args([
+            "--load-format",
+            "dummy",
+            "--batch",
+            "1,2",
+            "--prompt-len",
+            "64",
+        ])
+        .args(["--verify-k", "1,3", "--repeat", "1", "--tau", "3:2.5"])
+        .arg("--drafter-config")
+        .arg(&drafter)
+        .arg("--json")
+        .arg(&json)
+        .env_remove("FERRY_DEVICE")
+        .output()
+        .expect("ferry runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("(τ 2.5)"), "{stdout}");
+
+    let doc: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&json).expect("the JSON file")).expect("JSON");
+    assert_eq!(doc["benchmark"], "bench-engine --verify-cost");
+    assert_eq!(doc["drafter_block_size"], 4);
+    let rows = doc["rows"].as_array().expect("rows");
+    let keys: Vec<(u64, u64)> = rows
+        .iter()
+        .map(|r| (r["batch"].as_u64().unwrap(), r["k"].as_u64().unwrap()))
+        .collect();
+    assert_eq!(keys, [(1, 1), (1, 3), (2, 1), (2, 3)]);
+    for r in rows {
+        let ms = |k: &str| r[k].as_f64().unwrap_or_else(|| panic!("{k} in {r}"));
+        let (step, verify, draft) = (ms("decode_step_ms"), ms("verify_ms"), ms("draft_pass_ms"));
+        assert!(step > 0.0 && verify > 0.0 && draft > 0.0, "{r}");
+        if r["k"] == 3 {
+            assert_eq!(r["tau"], 2.5);
+            let expected = 2.5 * step / (draft + verify);
+            assert!((ms("computed_speedup") - expected).abs() < 1e-9, "{r}");
+        } else {
+            assert!(r["tau"].is_null() && r["computed_speedup"].is_null(), "{r}");
+        }
+    }
+
+    // A drafter sized for another target (V2-Lite's width) is refused before anything runs.
+    let out = Command::new(env!("CARGO_BIN_EXE_ferry"))
+        .args(["bench-engine", "--verify-cost", "--device", "cpu"])
+        .args([
+            "--load-format",
+            "dummy",
+            "--batch",
+            "1",
+            "--prompt-len",
+            "64",
+        ])
+        .arg("--drafter-config")
+        .arg(root.join("models/dummy/v2-lite-drafter/config.json"))
+        .env_remove("FERRY_DEVICE")
+        .output()
+        .expect("ferry runs");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("hidden_size"), "{err}");
+}
