@@ -1,8 +1,28 @@
 //! `ferry bench-engine --verify-cost` as a user runs it: a real process on the CPU, its table
 //! and its JSON.
 
+use std::ffi::OsStr;
 use std::path::Path;
-use std::process::Command;
+use std::process::{Command, Output};
+
+/// `ferry bench-engine --verify-cost` on the CPU with the embedded target's shapes and dummy
+/// weights, `--batch` and `--prompt-len` as given, then `more`.
+fn verify_cost(batch: &str, more: &[&OsStr]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_ferry"))
+        .args(["bench-engine", "--verify-cost", "--device", "cpu"])
+        .args([
+            "--load-format",
+            "dummy",
+            "--batch",
+            batch,
+            "--prompt-len",
+            "64",
+        ])
+        .args(more)
+        .env_remove("FERRY_DEVICE")
+        .output()
+        .expect("ferry runs")
+}
 
 /// The embedded target with a drafter of the embedded drafter's shapes and random weights
 /// (`--drafter-config`): every (batch, k) row is measured, the computed speed-up appears
