@@ -1,27 +1,23 @@
 //! `ferry bench-engine --verify-cost` as a user runs it: a real process on the CPU, its table
 //! and its JSON.
 
-use std::ffi::OsStr;
 use std::path::Path;
 use std::process::{Command, Output};
 
-/// `ferry bench-engine --verify-cost` on the CPU with the embedded target's shapes and dummy
-/// weights, `--batch` and `--prompt-len` as given, then `more`.
-fn verify_cost(batch: &str, more: &[&OsStr]) -> Output {
+/// `ferry bench-engine --verify-cost` on the CPU: the embedded target's shapes with dummy
+/// weights, 64 cached tokens per sequence, then `args`.
+fn verify_cost(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_ferry"))
         .args(["bench-engine", "--verify-cost", "--device", "cpu"])
-        .args([
-            "--load-format",
-            "dummy",
-            "--batch",
-            batch,
-            "--prompt-len",
-            "64",
-        ])
-        .args(more)
+        .args(["--load-format", "dummy", "--prompt-len", "64"])
+        .args(args)
         .env_remove("FERRY_DEVICE")
         .output()
         .expect("ferry runs")
+}
+
+fn path(p: &Path) -> &str {
+    p.to_str().expect("a UTF-8 path")
 }
 
 /// The embedded target with a drafter of the embedded drafter's shapes and random weights
@@ -34,24 +30,20 @@ fn verify_cost_measures_every_row_and_computes_the_speedup_from_them() {
     let dir = tempfile::tempdir().expect("a temporary directory");
     let json = dir.path().join("verify.json");
     let drafter = root.join("models/tiny-k3-dspark/config.json");
-    let out = Command::new(env!("CARGO_BIN_EXE_ferry"))
-        .args(["bench-engine", "--verify-cost", "--device", "cpu"])
-        .args([
-            "--load-format",
-            "dummy",
-            "--batch",
-            "1,2",
-            "--prompt-len",
-            "64",
-        ])
-        .args(["--verify-k", "1,3", "--repeat", "1", "--tau", "3:2.5"])
-        .arg("--drafter-config")
-        .arg(&drafter)
-        .arg("--json")
-        .arg(&json)
-        .env_remove("FERRY_DEVICE")
-        .output()
-        .expect("ferry runs");
+    let out = verify_cost(&[
+        "--batch",
+        "1,2",
+        "--verify-k",
+        "3,1",
+        "--repeat",
+        "1",
+        "--tau",
+        "3:2.5",
+        "--drafter-config",
+        path(&drafter),
+        "--json",
+        path(&json),
+    ]);
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),
@@ -69,6 +61,7 @@ fn verify_cost_measures_every_row_and_computes_the_speedup_from_them() {
         .iter()
         .map(|r| (r["batch"].as_u64().unwrap(), r["k"].as_u64().unwrap()))
         .collect();
+    // Verify lengths in increasing order whatever order they were given in.
     assert_eq!(keys, [(1, 1), (1, 3), (2, 1), (2, 3)]);
     for r in rows {
         let ms = |k: &str| r[k].as_f64().unwrap_or_else(|| panic!("{k} in {r}"));
@@ -84,21 +77,8 @@ fn verify_cost_measures_every_row_and_computes_the_speedup_from_them() {
     }
 
     // A drafter sized for another target (V2-Lite's width) is refused before anything runs.
-    let out = Command::new(env!("CARGO_BIN_EXE_ferry"))
-        .args(["bench-engine", "--verify-cost", "--device", "cpu"])
-        .args([
-            "--load-format",
-            "dummy",
-            "--batch",
-            "1",
-            "--prompt-len",
-            "64",
-        ])
-        .arg("--drafter-config")
-        .arg(root.join("models/dummy/v2-lite-drafter/config.json"))
-        .env_remove("FERRY_DEVICE")
-        .output()
-        .expect("ferry runs");
+    let v2_lite = root.join("models/dummy/v2-lite-drafter/config.json");
+    let out = verify_cost(&["--batch", "1", "--drafter-config", path(&v2_lite)]);
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("hidden_size"), "{err}");
