@@ -550,7 +550,7 @@ pub fn finish_str(f: Option<FinishReason>) -> Option<&'static str> {
 /// One `/v1/completions` choice (whole or a streamed chunk).
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct CompletionChoice {
-    /// Always 0.
+    /// The sample's index: 0 to `n` − 1.
     pub index: u32,
     /// The text.
     pub text: String,
@@ -594,7 +594,7 @@ pub struct ChatMessageOut {
 /// One chat choice.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct ChatChoice {
-    /// Always 0.
+    /// The sample's index: 0 to `n` − 1.
     pub index: u32,
     /// The reply.
     pub message: ChatMessageOut,
@@ -638,7 +638,7 @@ pub struct Delta {
 /// One chat chunk choice.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct ChunkChoice {
-    /// Always 0.
+    /// The sample's index: 0 to `n` − 1.
     pub index: u32,
     /// What is new.
     pub delta: Delta,
