@@ -1,5 +1,6 @@
 //! Routing around failures, through real processes: a decode worker SIGKILLed mid-stream
-//! (the request migrates and gives exactly the text it would have given), one of two decode
+//! (the request migrates and gives exactly the text it would have given; with `n` = 2 each
+//! sample is resumed on its own and gives its own text), one of two decode
 //! workers SIGKILLed under load (no request fails; a dead worker is marked down at its first
 //! connect error), and a prefill worker SIGSTOPped while requests wait on it (they recompute
 //! as soon as the router drops it, not after `--prefill-timeout-s`).
@@ -133,6 +134,94 @@ async fn a_request_whose_decode_worker_dies_mid_stream_migrates_and_gives_the_sa
         );
         assert_eq!(after, before + 1.0, "{what}: one migration counted");
     }
+    cluster.assert_kv_blocks_released().await;
+}
+
+/// One sample of an `n` > 1 stream as the client read it.
+#[derive(Debug, Default, Clone, PartialEq)]
+struct Sample {
+    token_ids: Vec<u32>,
+    text: String,
+    finish_reason: Option<FinishReason>,
+}
+
+/// Streams the `n` > 1 request `req`; with `kill_after`, SIGKILLs the decode worker serving it
+/// once that many tokens (all samples) came. Returns each sample, the usage and the killed
+/// worker.
+async fn generate_samples(
+    cluster: &mut Cluster,
+    req: GenerateRequest,
+    kill_after: Option<usize>,
+) -> (Vec<Sample>, Option<ferry_proto::v1::Usage>, Option<String>) {
+    let n = req.n.unwrap_or(1) as usize;
+    let decode = cluster.live(Role::Decode);
+    let mut client = cluster.grpc().await;
+    let mut stream = client
+        .generate(req)
+        .await
+        .expect("Generate starts")
+        .into_inner();
+    let (mut samples, mut usage, mut killed) = (vec![Sample::default(); n], None, None);
+    let mut tokens = 0;
+    while let Some(msg) = stream.next().await {
+        let msg = msg.unwrap_or_else(|e| panic!("the stream failed after {tokens} tokens: {e:?}"));
+        let s = &mut samples[msg.index as usize];
+        s.text.push_str(&msg.text);
+        s.token_ids.extend(&msg.token_ids);
+        tokens += msg.token_ids.len();
+        if msg.finish_reason != FinishReason::Unspecified as i32 {
+            assert_eq!(s.finish_reason, None, "one finish per sample");
+            s.finish_reason = FinishReason::try_from(msg.finish_reason).ok();
+        }
+        if msg.usage.is_some() {
+            usage = msg.usage;
+        }
+        if killed.is_none() && kill_after.is_some_and(|k| tokens >= k) {
+            let id = serving(cluster, &decode).await;
+            cluster.kill(&id);
+            killed = Some(id);
+        }
+    }
+    (samples, usage, killed)
+}
+
+#[tokio::test]
+async fn an_n_2_request_whose_decode_worker_dies_resumes_each_sample_and_gives_the_same_text() {
+    // Seeded without speculation (exact across a migration, docs/fault-tolerance.md), so the
+    // two samples draw different streams: each must continue its own.
+    const MAX: u32 = 160;
+    let mut cluster = Cluster::start(Spec::new(0, 3)).await;
+    let req = GenerateRequest {
+        n: Some(2),
+        speculative: Some(false),
+        ..cluster::request(&cluster::long_prompt(), MAX, seeded(), true)
+    };
+    let (want, want_usage, _) = generate_samples(&mut cluster, req.clone(), None).await;
+    assert_ne!(
+        want[0].token_ids, want[1].token_ids,
+        "seeded samples differ"
+    );
+    let before = cluster::counter_value(
+        &cluster.router_metrics().await,
+        "ferry_request_migrations_total",
+    );
+    let (got, usage, killed) = generate_samples(&mut cluster, req, Some(KILL_AFTER)).await;
+    let killed = killed.expect("the stream ended before the kill");
+    eprintln!("n = 2: killed {killed} after {KILL_AFTER} tokens");
+    for (i, (got, want)) in got.iter().zip(&want).enumerate() {
+        assert_eq!(got.token_ids.len(), MAX as usize, "sample {i}");
+        assert_eq!(got.token_ids, want.token_ids, "sample {i}: the token ids");
+        assert_eq!(got.text, want.text, "sample {i}: the text");
+        assert_eq!(got.finish_reason, Some(FinishReason::Length), "sample {i}");
+    }
+    let (usage, want_usage) = (usage.expect("usage"), want_usage.expect("usage"));
+    assert_eq!(usage.prompt_tokens, want_usage.prompt_tokens);
+    assert_eq!(usage.completion_tokens, 2 * MAX);
+    let after = cluster::counter_value(
+        &cluster.router_metrics().await,
+        "ferry_request_migrations_total",
+    );
+    assert_eq!(after, before + 1.0, "one migration counted");
     cluster.assert_kv_blocks_released().await;
 }
 

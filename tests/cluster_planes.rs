@@ -128,6 +128,15 @@ async fn nobody_without_the_cluster_token_can_take_over_routing_or_a_worker() {
         .expect_err("no token");
         assert_eq!(err.code(), Code::Unauthenticated, "{id}: {err:?}");
     }
+    let err = DecodeWorkerClient::new(channel(cluster.worker_addr("decode-0")).await)
+        .cancel_sample(internal::CancelSampleRequest {
+            request_id: "r".into(),
+            call_id: 1,
+            index: 1,
+        })
+        .await
+        .expect_err("no token");
+    assert_eq!(err.code(), Code::Unauthenticated, "CancelSample: {err:?}");
     // …and accept the cluster's (the router's calls do, or nothing above would be served).
     let stats = cluster.stats("prefill-0").await;
     assert!(

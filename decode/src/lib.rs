@@ -2,7 +2,8 @@
 //!
 //! | module | owns |
 //! |---|---|
-//! | [`service`] | `DecodeWorker` gRPC: validate, submit to the engine, stream tokens, cancel on disconnect |
+//! | [`service`] | `DecodeWorker` gRPC: validate, submit to the engine, stream tokens, cancel on disconnect (or one sample on `CancelSample`) |
+//! | [`samples`] | the samples of running `n` > 1 calls by call id: `CancelSample` stops one, the others go on |
 //! | [`remote_prefill`] | asking the prefill peer to fill reserved blocks; the `recompute` / `fail` policy |
 //! | [`region`] | the KV region peers write into (forwarded to the engine thread) |
 //! | [`server`] | [`server::DecodeServer`]: load, start the engine and the transfer listener, register, serve |
@@ -21,6 +22,7 @@
 pub mod metrics;
 pub mod region;
 pub mod remote_prefill;
+pub mod samples;
 pub mod server;
 pub mod service;
 pub mod spec;

@@ -7,13 +7,14 @@ use std::time::{Duration, Instant};
 
 use ferry_kvtransfer::{KvLayoutDesc, Registration};
 use ferry_model::engine::{
-    EngineError, EngineEvent, EngineHandle, FailureKind, FinishReason, GenerateJob,
+    sample_seed, EngineError, EngineEvent, EngineHandle, FailureKind, FinishReason, GenerateJob,
     GenerateOptions, Generation, PrefillSource, SpecCounts, MAX_SAMPLES,
 };
 use ferry_model::grammar::{Grammar, GrammarCompiler};
 use ferry_proto::internal::decode_worker_server::DecodeWorker;
 use ferry_proto::internal::{
-    DecodeRequest, DecodeResponse, GetStatsRequest, KvLayout, WorkerStats,
+    CancelSampleRequest, CancelSampleResponse, DecodeRequest, DecodeResponse, GetStatsRequest,
+    KvLayout, WorkerStats,
 };
 use ferry_proto::trace_ctx;
 use ferry_proto::v1::FinishReason as WireFinish;
@@ -29,6 +30,7 @@ use tracing::{debug, field, info_span, Instrument, Span};
 
 use crate::metrics::DecodeMetrics;
 use crate::remote_prefill::{self, RemotePrefill};
+use crate::samples::{LiveSamples, SampleSlot};
 use crate::server::FailurePolicy;
 
 /// Decode-side settings the service applies per request.
@@ -56,6 +58,8 @@ pub struct DecodeService {
     prefill_view: watch::Receiver<PrefillView>,
     /// Compiles requests' `response_format` (structured output); `None`: they are refused.
     grammar: Option<GrammarCompiler>,
+    /// The samples of the running `n` > 1 calls, for `CancelSample`.
+    live: LiveSamples,
 }
 
 /// Where peers write this worker's KV: its transfer registration and pool layout.
@@ -86,6 +90,7 @@ impl DecodeService {
             metrics,
             prefill_view: watch::channel(PrefillView::default()).1,
             grammar: None,
+            live: LiveSamples::default(),
         }
     }
 
@@ -110,6 +115,11 @@ impl DecodeService {
     /// The engine this service drives.
     pub fn engine_handle(&self) -> EngineHandle {
         self.engine.clone()
+    }
+
+    /// The `n` > 1 calls running now (their samples can be stopped one by one).
+    pub fn live_calls(&self) -> usize {
+        self.live.len()
     }
 }
 
@@ -162,12 +172,24 @@ impl DecodeWorker for DecodeService {
         })?;
         let (tx, rx) = mpsc::channel(64);
         let samples = generations.len();
+        // With n > 1, the call's id (sample 0's engine id) names it in `CancelSample`, and
+        // each sample can be stopped on its own.
+        let call_id = generations.first().map_or(0, |g| g.id.0);
+        let mut slots = if samples > 1 {
+            self.live.register(call_id, &r.request_id, samples)
+        } else {
+            Vec::new()
+        }
+        .into_iter();
+        let slot = slots.next();
         // Samples 1.. (n > 1) stream on their own, into the same response stream.
         let forks = generations.split_off(1.min(generations.len()));
-        for (i, g) in forks.into_iter().enumerate() {
+        for ((i, g), slot) in forks.into_iter().enumerate().zip(slots) {
             let i = i + 1;
             let fork = Fork {
                 index: u32::try_from(i).unwrap_or(u32::MAX),
+                call_id,
+                slot,
                 metrics: self.metrics.clone(),
             };
             tokio::spawn(drive_fork(fork, g, tx.clone()).instrument(span.clone()));
@@ -177,6 +199,8 @@ impl DecodeWorker for DecodeService {
         };
         let ctx = Drive {
             samples,
+            call_id: if samples > 1 { call_id } else { 0 },
+            slot,
             engine: self.engine.clone(),
             request: r,
             peer,
@@ -189,6 +213,22 @@ impl DecodeWorker for DecodeService {
         };
         tokio::spawn(drive(ctx, generation, tx).instrument(span));
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
+    async fn cancel_sample(
+        &self,
+        request: Request<CancelSampleRequest>,
+    ) -> Result<Response<CancelSampleResponse>, Status> {
+        let r = request.into_inner();
+        let stopped = self.live.cancel(&r.request_id, r.call_id, r.index);
+        debug!(
+            request_id = r.request_id,
+            call_id = r.call_id,
+            index = r.index,
+            stopped,
+            "the router stops a sample"
+        );
+        Ok(Response::new(CancelSampleResponse { stopped }))
     }
 
     async fn get_stats(
@@ -240,6 +280,13 @@ impl DecodeService {
                 "`n` must be 1 for a resumed request (`generated_tokens` {resumed}), got {n}"
             )));
         }
+        let sample = r.sample_index as usize;
+        if sample >= MAX_SAMPLES || (sample > 0 && n > 1) {
+            return Err(Status::invalid_argument(format!(
+                "`sample_index` must be < {MAX_SAMPLES}, and 0 with `n` > 1 (got `n` {n}), \
+                 got {sample}"
+            )));
+        }
         if resumed >= max_tokens || resumed >= r.prompt_tokens.len() {
             return Err(Status::invalid_argument(format!(
                 "`generated_tokens` must be < `stop.max_tokens` ({max_tokens}) and < the prompt \
@@ -252,7 +299,9 @@ impl DecodeService {
             &r.prompt_tokens,
             max_tokens - resumed,
         )?;
-        let params = sampling(r.sampling.as_ref())?;
+        let mut params = sampling(r.sampling.as_ref())?;
+        // Sample i of a request alone draws the stream it would have drawn forked (n > 1).
+        params.seed = params.seed.map(|s| sample_seed(s, sample));
         let vocab = self.engine.model_config().vocab_size;
         let controls = controls(r.sampling.as_ref(), vocab)?;
         let stop_params = stop_params(Some(stop), vocab)?;
@@ -322,6 +371,10 @@ struct Drive {
     /// Samples of the request (n); with more than one, sample 0's failure is sent in-band
     /// (`DecodeResponse.error`) so the other samples' stream goes on.
     samples: usize,
+    /// With n > 1, the call's id (sent on sample 0's first message); 0 otherwise.
+    call_id: u64,
+    /// With n > 1, sample 0's stop token (`CancelSample`).
+    slot: Option<SampleSlot>,
     engine: EngineHandle,
     request: DecodeRequest,
     peer: Option<Peer>,
@@ -399,6 +452,11 @@ async fn drive(
             _ = tx.closed() => {
                 debug!("client went away; cancelling");
                 record_end(&ctx, &progress, Err(("cancelled", "the client went away")));
+                return;
+            }
+            _ = stopped(ctx.slot.as_ref()) => {
+                debug!("the router stopped sample 0; cancelling it");
+                record_end(&ctx, &progress, Err(("cancelled", "the router stopped the sample")));
                 return;
             }
             e = generation.events.recv() => e,
@@ -510,8 +568,11 @@ async fn drive(
             if first {
                 m.cached_prompt_tokens = cached;
                 m.prefill_mode = mode.into();
+                m.call_id = ctx.call_id;
                 first = false;
             }
+            // Sample 0, or the one sample a `sample_index` call generates.
+            m.index = ctx.request.sample_index;
             m
         });
         if tx.send(msg).await.is_err() {
@@ -529,21 +590,31 @@ async fn drive(
 /// Sample `index` ≥ 1 of an `n` > 1 request.
 struct Fork {
     index: u32,
+    /// The call's id (sent on the sample's first message).
+    call_id: u64,
+    /// The sample's stop token (`CancelSample`).
+    slot: SampleSlot,
     metrics: DecodeMetrics,
 }
 
 /// Forwards a forked sample's events into the request's stream, tagged with its index; its
 /// failure is sent in-band ([`DecodeResponse::error`]) and ends this sample only. Returning
-/// drops the generation, which cancels the sample in the engine.
+/// (the stream or the sample stopped, or its end) drops the generation, which cancels the
+/// sample in the engine.
 async fn drive_fork(
     fork: Fork,
     mut generation: Generation,
     tx: mpsc::Sender<Result<DecodeResponse, Status>>,
 ) {
     let mut pending_logprobs = None;
+    let mut first = true;
     loop {
         let event = tokio::select! {
             _ = tx.closed() => return,
+            _ = fork.slot.stop.cancelled() => {
+                debug!(index = fork.index, "the router stopped the sample; cancelling it");
+                return;
+            }
             e = generation.events.recv() => e,
         };
         let msg = match event {
@@ -584,11 +655,21 @@ async fn drive_fork(
         let done = msg.finish_reason != WireFinish::Unspecified as i32 || !msg.error.is_empty();
         let msg = DecodeResponse {
             index: fork.index,
+            call_id: if first { fork.call_id } else { 0 },
             ..msg
         };
+        first = false;
         if tx.send(Ok(msg)).await.is_err() || done {
             return;
         }
+    }
+}
+
+/// Resolves when the router stopped this sample (`CancelSample`); never without a slot.
+async fn stopped(slot: Option<&SampleSlot>) {
+    match slot {
+        Some(s) => s.stop.cancelled().await,
+        None => std::future::pending().await,
     }
 }
 

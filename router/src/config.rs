@@ -172,7 +172,8 @@ pub struct RouterConfig {
     /// Request migration: when a decode worker fails mid-stream (broken connection,
     /// UNAVAILABLE, a stream that ends without a finish reason), resume the request on another
     /// decode worker with the prompt and the tokens already streamed, at most this many times
-    /// per request; the client's stream continues without an error. 0 turns it off.
+    /// per request (with `n` > 1: per sample, each resumed on its own); the client's stream
+    /// continues without an error. 0 turns it off.
     #[arg(long, env = "FERRY_ROUTER_MAX_MIGRATIONS", default_value_t = 3)]
     pub max_migrations: u32,
 

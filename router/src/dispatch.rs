@@ -3,6 +3,11 @@
 //! the request elsewhere if it fails mid-stream (migration), and turns the workers' token
 //! streams into one stream of [`GenerationEvent`]s.
 //!
+//! | file | owns |
+//! |---|---|
+//! | `dispatch.rs` | admission, attempts, migration of one stream, the stream of an `n` = 1 request |
+//! | `dispatch/samples.rs` | the stream of an `n` > 1 request: its samples' messages from one call or, after a migration, one call per sample; stopping a sample the router finished (`CancelSample`) |
+//!
 //! ```text
 //! generate(req)
 //!   admission permit (max_concurrent_requests; none left → RESOURCE_EXHAUSTED)
@@ -14,20 +19,27 @@
 //!     D fails mid-stream (broken connection, UNAVAILABLE, no finish) → migration: attempts
 //!       as above with prompt + tokens streamed so far, generated_tokens = their count,
 //!       prefilled on the new worker; at most max_migrations times; OutputState carries on
+//!   n > 1 (samples.rs): one D.Decode(n) carries every sample, tagged with its index
+//!     a sample finished here (stop string) while others go on → D.CancelSample(call, index)
+//!     D fails mid-stream → each unfinished sample migrates as above on its own call
+//!       (D'.Decode(n = 1, sample_index = i, prompt + sample i's tokens)); each sample at
+//!       most max_migrations times; finished samples are not resumed
 //! ```
 //!
 //! Prompt log-probabilities (`echo` with `logprobs`, gRPC `prompt_logprobs`) come on sample
 //! 0's first message, checked against the prompt ([`worker_prompt_logprobs`]), and go out on
 //! each sample's first event; with `n` > 1, other samples' messages that arrive before them
-//! wait. A migration never asks again: they arrived with the first message.
+//! wait. A migration never asks again: they arrived with the first message (with `n` > 1,
+//! unless the worker failed before sample 0's first message: its resumed call asks).
 //!
 //! A migrated greedy or seeded request gives exactly the tokens it would have given on one
 //! worker: the new worker's engine resumes at step `generated_tokens`, and seeded sampling
-//! draws step `k` from a generator derived from `(seed, k)` alone.
+//! draws step `k` from a generator derived from `(seed, k)` alone — with `n` > 1 from sample
+//! `i`'s seed, which a `sample_index` call uses as the forked sample did.
 //!
 //! Ownership does the cleanup: the returned stream owns the admission permit, the
-//! [`LoadGuard`](crate::load::LoadGuard) and the worker stream, so a finished, failed or
-//! dropped (client gone) request releases all three. On shutdown, after the drain deadline, the
+//! [`LoadGuard`](crate::load::LoadGuard)s and the worker streams, so a finished, failed or
+//! dropped (client gone) request releases them all. On shutdown, after the drain deadline, the
 //! `drain` token ends open streams with [`RequestError::ShuttingDown`].
 //!
 //! Called inside the request's span: each attempt gets a `route` span (the decision) and a
@@ -55,6 +67,8 @@ use crate::output::{
 use crate::select::{DecodeTarget, PrefillTarget, SelectRequest, Selection, Selector};
 use crate::spans::{self, InSpan};
 use crate::validate::ValidRequest;
+
+mod samples;
 
 /// Decode workers one request (or one migration of it) is offered to before its first
 /// message, at most; each is tried once, so with fewer workers every one is tried.
@@ -291,12 +305,12 @@ impl Dispatcher {
 impl Inner {
     /// Offers `req` to decode workers until one produces a first message: each at most once,
     /// [`MAX_ATTEMPTS`] in all, skipping `excluded` (to which each failed worker is added).
-    /// `resume` is `Some(tokens streamed so far)` for a migration. INVALID_ARGUMENT is
-    /// final; a transport failure also marks the worker down.
+    /// `resume` is `Some` for a migration. INVALID_ARGUMENT is final; a transport failure
+    /// also marks the worker down.
     async fn attempts(
         &self,
         req: &ValidRequest,
-        resume: Option<&[u32]>,
+        resume: Option<Resume<'_>>,
         excluded: &mut Vec<ferry_proto::ids::WorkerId>,
         request_span: &Span,
     ) -> Result<Attempt, RequestError> {
@@ -315,12 +329,17 @@ impl Inner {
                 otel.kind = "client",
                 worker = %selection.decode.id,
                 attempt = spans::int(attempt),
-                resumed_tokens = spans::int(resume.map_or(0, <[u32]>::len)),
+                resumed_tokens = spans::int(resume.map_or(0, |r| r.tokens.len())),
             );
             trace_ctx::set_attribute(&dispatch, "rpc.system", "grpc");
             trace_ctx::set_attribute(&dispatch, "rpc.service", "ferry.internal.v1.DecodeWorker");
             trace_ctx::set_attribute(&dispatch, "rpc.method", "Decode");
-            let wire = decode_request(req, selection.prefill.as_ref(), resume.unwrap_or(&[]));
+            if req.n() > 1 {
+                if let Some(r) = resume {
+                    trace_ctx::set_attribute(&dispatch, "ferry.sample_index", i64::from(r.sample));
+                }
+            }
+            let wire = decode_request(req, selection.prefill.as_ref(), resume);
             match open(&selection, wire).instrument(dispatch.clone()).await {
                 Ok(opened) => {
                     return Ok(Attempt {
@@ -412,6 +431,19 @@ impl Inner {
         tracing::debug!(decode, prefill, cached_blocks = cached, "selected");
         Ok(selection)
     }
+}
+
+/// What a migration resumes: one sample's tokens streamed so far.
+#[derive(Debug, Clone, Copy)]
+struct Resume<'a> {
+    /// The sample: 0 for a request of one sample; with `n` > 1, the sample this call
+    /// generates alone (`DecodeRequest.sample_index`).
+    sample: u32,
+    /// Its tokens streamed so far: appended to the prompt, counted in `generated_tokens`.
+    tokens: &'a [u32],
+    /// Ask for the prompt's log-probabilities (when the request does): only for sample 0 of
+    /// an `n` > 1 request whose first message never came; otherwise they came with it.
+    prompt_logprobs: bool,
 }
 
 /// One admitted request after its first message: what a migration needs to resume it.
@@ -562,128 +594,6 @@ impl Run {
         Box::pin(InSpan::new(stream, span))
     }
 
-    /// The stream of an `n` > 1 request: one worker stream carries every sample's messages,
-    /// tagged with its index; each sample has its own [`OutputState`] (detokenization, stop
-    /// strings) and ends with its own finish; the last one to finish carries the usage of all
-    /// (the prompt once, every sample's completion tokens). A sample whose stop string matched
-    /// is finished here while the worker may still be generating it: its later messages are
-    /// dropped (the worker stops it at its own finish). Not migrated: a worker fault, or a
-    /// sample the worker reports failed, ends the request with an error.
-    fn stream_samples(self, attempt: Attempt, permit: OwnedSemaphorePermit) -> GenerationStream {
-        let span = attempt.span.clone();
-        let n = self.req.n() as usize;
-        let cached = attempt.opened.first.cached_prompt_tokens;
-        let prompt_tokens = u32::try_from(self.req.prompt().len()).unwrap_or(u32::MAX);
-        let mut outputs: Vec<OutputState> = (0..n).map(|_| self.output_state(cached)).collect();
-        let drain = self.inner.drain.clone();
-        let mut accounting = self.accounting();
-        let (mut current, first) = Current::from_attempt(attempt);
-        let stream = Box::pin(async_stream::stream! {
-            let _permit = permit;
-            let mut finished = vec![false; n];
-            let mut completion_tokens = 0u32;
-            let mut next = Some(first);
-            // Prompt log-probabilities (when asked): sample 0's first message brings them and
-            // every sample's first event carries them; messages of other samples that come
-            // first wait in `early`.
-            let asked_prompt = self.req.prompt_logprobs().is_some();
-            let mut prompt: Option<Arc<PromptLogprobs>> = None;
-            let mut started = vec![false; n];
-            let mut early: std::collections::VecDeque<internal::DecodeResponse> =
-                std::collections::VecDeque::new();
-            loop {
-                let ready = !asked_prompt || prompt.is_some();
-                let received = match (next.take(), ready.then(|| early.pop_front()).flatten()) {
-                    (Some(message), _) | (None, Some(message)) => Ok(message),
-                    (None, None) => current.next(&drain).await,
-                };
-                if let Ok(m) = &received {
-                    let waits = asked_prompt
-                        && prompt.is_none()
-                        && m.index != 0
-                        && (m.index as usize) < n
-                        && m.error.is_empty();
-                    if waits {
-                        if let Ok(m) = received {
-                            early.push_back(m);
-                        }
-                        continue;
-                    }
-                }
-                let worker = current.worker.id.clone();
-                let event = match received {
-                    Err(fault) => Err(fault.error(&worker)),
-                    Ok(m) => {
-                        let index = m.index as usize;
-                        if index >= n {
-                            Err(RequestError::Worker {
-                                worker,
-                                code: Code::Internal,
-                                message: format!("sent sample index {index} of a request of {n}"),
-                            })
-                        } else if !m.error.is_empty() {
-                            Err(RequestError::Worker {
-                                worker,
-                                code: Code::Internal,
-                                message: format!("sample {index} failed: {}", m.error),
-                            })
-                        } else if finished[index] {
-                            continue;
-                        } else {
-                            finish_reason(&worker, m.finish_reason).and_then(|finish| {
-                                let logprobs = worker_logprobs(&worker, &self.req, &m)?;
-                                if asked_prompt && prompt.is_none() {
-                                    prompt = Some(worker_prompt_logprobs(&worker, &self.req, &m)?);
-                                }
-                                outputs[index].on_tokens(&m.token_ids, logprobs, finish)
-                            }).map(|mut e| {
-                                e.index = m.index;
-                                if asked_prompt && !started[index] {
-                                    started[index] = true;
-                                    e.prompt_logprobs = prompt.clone();
-                                }
-                                e
-                            })
-                        }
-                    }
-                };
-                match event {
-                    Ok(mut event) => {
-                        accounting.tokens(event.token_ids.len());
-                        let i = event.index as usize;
-                        let mut done = false;
-                        if let Some(reason) = event.finish {
-                            finished[i] = true;
-                            let sample = event.usage.take().unwrap_or_default();
-                            completion_tokens = completion_tokens.saturating_add(sample.completion_tokens);
-                            if finished.iter().all(|&f| f) {
-                                let usage = Usage {
-                                    prompt_tokens,
-                                    completion_tokens,
-                                    cached_prompt_tokens: cached,
-                                };
-                                accounting.finished(&usage, reason);
-                                event.usage = Some(usage);
-                                done = true;
-                            }
-                        }
-                        yield Ok(event);
-                        if done {
-                            break;
-                        }
-                    }
-                    Err(e) => {
-                        accounting.failed(&e);
-                        yield Err(e);
-                        break;
-                    }
-                }
-            }
-            drop(current);
-        });
-        Box::pin(InSpan::new(stream, span))
-    }
-
     /// Resumes the request on another decode worker after `fault` on the current one, with
     /// the prompt and the `generated` tokens: `Ok(Some(first message))` with `current`
     /// replaced, `Ok(None)` when all `max_tokens` were already streamed (nothing to resume),
@@ -695,28 +605,64 @@ impl Run {
         generated: &[u32],
         migration: u32,
     ) -> Result<Option<internal::DecodeResponse>, RequestError> {
-        let failed = fault.error(&current.worker.id);
-        if fault.transport() {
-            self.inner.mark_down(&current.worker);
-        }
-        self.excluded.push(current.worker.id.clone());
+        let failed = self.worker_failed(&current.worker, fault);
         if generated.len() >= self.req.max_tokens() as usize {
             return Ok(None);
         }
+        self.count_migration(&current.worker, &failed, generated.len(), migration);
+        let resume = Resume {
+            sample: 0,
+            tokens: generated,
+            prompt_logprobs: false,
+        };
+        let attempt = self.resume(resume, failed).await?;
+        let (next, first) = Current::from_attempt(attempt);
+        *current = next;
+        Ok(Some(first))
+    }
+
+    /// Takes `worker`, which failed this request mid-stream with `fault`, out of its way:
+    /// marked down when unreachable, excluded from its further attempts. Returns the
+    /// client-facing error, should the request not be resumed.
+    fn worker_failed(&mut self, worker: &DecodeTarget, fault: &Fault) -> RequestError {
+        if fault.transport() {
+            self.inner.mark_down(worker);
+        }
+        self.excluded.push(worker.id.clone());
+        fault.error(&worker.id)
+    }
+
+    /// Counts migration number `migration` of this request (the metric, the request span's
+    /// `ferry.migrations`) away from `worker`, which `failed` after `streamed` tokens.
+    fn count_migration(
+        &self,
+        worker: &DecodeTarget,
+        failed: &RequestError,
+        streamed: usize,
+        migration: u32,
+    ) {
         self.inner.metrics.migrations.inc();
         trace_ctx::set_attribute(&self.request_span, "ferry.migrations", i64::from(migration));
         tracing::warn!(
-            worker = %current.worker.id,
+            worker = %worker.id,
             error = %failed,
-            streamed_tokens = generated.len(),
+            streamed_tokens = streamed,
             migration,
             "decode worker failed mid-stream; resuming the request on another one"
         );
-        let attempt = self
-            .inner
+    }
+
+    /// Offers `resume` to the decode workers this request has not excluded; when none is
+    /// left, the error is `failed` (the fault that made it move).
+    async fn resume(
+        &mut self,
+        resume: Resume<'_>,
+        failed: RequestError,
+    ) -> Result<Attempt, RequestError> {
+        self.inner
             .attempts(
                 &self.req,
-                Some(generated),
+                Some(resume),
                 &mut self.excluded,
                 &self.request_span,
             )
@@ -724,10 +670,7 @@ impl Run {
             .map_err(|e| match e {
                 RequestError::NoDecodeWorker => failed,
                 e => e,
-            })?;
-        let (next, first) = Current::from_attempt(attempt);
-        *current = next;
-        Ok(Some(first))
+            })
     }
 }
 
@@ -759,13 +702,14 @@ async fn open(
     }
 }
 
-/// The internal wire form of a validated request; `resumed` are the tokens already streamed
-/// (a migration), appended to the prompt.
+/// The internal wire form of a validated request; `resume` is a migration's (one sample: its
+/// tokens already streamed are appended to the prompt).
 fn decode_request(
     req: &ValidRequest,
     prefill: Option<&PrefillTarget>,
-    resumed: &[u32],
+    resume: Option<Resume<'_>>,
 ) -> internal::DecodeRequest {
+    let resumed = resume.map_or(&[][..], |r| r.tokens);
     let s = req.sampling();
     let mut prompt_tokens = req.prompt().to_vec();
     prompt_tokens.extend_from_slice(resumed);
@@ -802,11 +746,15 @@ fn decode_request(
         }),
         speculative: req.speculative(),
         logprobs: req.logprobs(),
-        // A migration's first message never carries them: they came with the first one.
-        prompt_logprobs: req.prompt_logprobs().filter(|_| resumed.is_empty()),
+        // A migration asks only when they never came (see `Resume::prompt_logprobs`).
+        prompt_logprobs: req
+            .prompt_logprobs()
+            .filter(|_| resume.is_none_or(|r| r.prompt_logprobs)),
         response_format: req.response_format().map(crate::structured::to_wire),
         generated_tokens: u32::try_from(resumed.len()).unwrap_or(u32::MAX),
-        n: req.n(),
+        // A migration resumes one sample per call.
+        n: if resume.is_some() { 1 } else { req.n() },
+        sample_index: resume.map_or(0, |r| r.sample),
     }
 }
 

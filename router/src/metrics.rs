@@ -16,7 +16,7 @@
 //! | `ferry_routing_decisions_total{policy,prefill_worker,decode_worker}` | counter | selections (`prefill_worker="none"`: prefilled on the decode worker) |
 //! | `ferry_routing_predicted_cached_blocks` | histogram | prompt blocks the policy expected to be cached on the chosen pair |
 //! | `ferry_routing_retries_total` | counter | attempts sent to another decode worker after one failed before the first token |
-//! | `ferry_request_migrations_total` | counter | requests resumed on another decode worker after theirs failed mid-stream (one per resumption) |
+//! | `ferry_request_migrations_total` | counter | requests resumed on another decode worker after theirs failed mid-stream (one per resumption of a failed worker stream; an `n` > 1 request's first call counts once however many samples it resumes) |
 //! | `ferry_routing_workers_marked_down_total` | counter | decode workers dropped from routing at once after a connect error or a broken stream |
 //! | `ferry_router_events_connected` | gauge | 1 while the events plane (`--events`) is reachable, 0 while not (routing by load only); absent without one |
 //! | `ferry_router_kv_snapshot_requests_total` | counter | snapshots this router asked a worker for on the events plane (a gap, a trimmed stream, a worker it had lost) |

@@ -1,7 +1,8 @@
 //! The router against scripted decode workers over real gRPC on 127.0.0.1:0: registration,
 //! heartbeats and KV events through the Registry service; Generate through the Inference
-//! service; the HTTP app over the same state; stop strings cancelling the worker; the retry on
-//! another decode worker; health; shutdown. (Whole-cluster tests with real workers live in the
+//! service; the HTTP app over the same state; stop strings cancelling the worker (the whole
+//! stream, or with `n` > 1 one sample through `CancelSample`); the retry on another decode
+//! worker; an `n` > 1 request migrated sample by sample; health; shutdown. (Whole-cluster tests with real workers live in the
 //! workspace's `tests/`.)
 mod common;
 
@@ -442,4 +443,244 @@ async fn shutdown_ends_open_streams_after_the_drain_deadline() {
         .expect("shuts down in time")
         .expect("task")
         .expect("clean shutdown");
+}
+
+/// A router (`max_migrations` as given) with decode workers `d0`, `d1`, … serving `workers`.
+async fn router_with(
+    max_migrations: u32,
+    workers: &[Scripted],
+) -> (
+    std::sync::Arc<ferry_router::state::AppState>,
+    InferenceClient<tonic::transport::Channel>,
+    CancellationToken,
+    tokio::task::JoinHandle<Result<(), ferry_router::RouterError>>,
+) {
+    let config = RouterConfig {
+        page_size: 4,
+        max_migrations,
+        ..RouterConfig::ephemeral()
+    };
+    let bound = Router::load(config)
+        .await
+        .expect("load")
+        .bind()
+        .await
+        .expect("bind");
+    let state = bound.state().clone();
+    let (grpc, internal_addr) = (bound.grpc_addr(), bound.internal_addr());
+    let shutdown = CancellationToken::new();
+    let running = tokio::spawn(bound.run(shutdown.clone()));
+    let mut registry = RegistryClient::connect(format!("http://{internal_addr}"))
+        .await
+        .expect("connect");
+    for (i, w) in workers.iter().enumerate() {
+        let addr = start_worker(w.clone()).await;
+        registry
+            .register(register(
+                &format!("d{i}"),
+                internal::WorkerRole::Decode,
+                &addr,
+            ))
+            .await
+            .expect("register");
+    }
+    let client = InferenceClient::connect(format!("http://{grpc}"))
+        .await
+        .expect("connect");
+    (state, client, shutdown, running)
+}
+
+/// Per sample: token ids, text and finishes, as a client reads them from a gRPC stream.
+#[derive(Debug, Default, Clone, PartialEq)]
+struct Sample {
+    tokens: Vec<u32>,
+    text: String,
+    finishes: Vec<i32>,
+}
+
+fn samples(n: usize, messages: &[v1::GenerateResponse]) -> Vec<Sample> {
+    let mut out = vec![Sample::default(); n];
+    for m in messages {
+        let s = &mut out[m.index as usize];
+        s.tokens.extend(&m.token_ids);
+        s.text.push_str(&m.text);
+        if m.finish_reason != v1::FinishReason::Unspecified as i32 {
+            s.finishes.push(m.finish_reason);
+        }
+    }
+    out
+}
+
+/// Three samples, scripted apart: sample 2 finishes (STOP, 3 tokens) before the worker
+/// serving the request goes away (UNAVAILABLE after its 10th message: samples 0 and 1 then
+/// have 4 and 3 tokens). Each unfinished sample is resumed on the other worker as its own call
+/// naming its index, with the prompt + its own tokens; the client sees every sample's whole
+/// output once, with one finish each and the usage of all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_n_request_whose_worker_dies_resumes_each_unfinished_sample_on_another() {
+    let tok =
+        Tokenizer::from_dir(&ferry_modelcard::embedded::default_model_dir()).expect("tokenizer");
+    let mut scripts: Vec<Vec<u32>> = [
+        "The quick brown fox jumps over the lazy dog.",
+        "One two three four five six seven eight nine ten.",
+        "Hi there, friend.",
+    ]
+    .iter()
+    .map(|t| tok.encode(t, false).expect("encode"))
+    .collect();
+    scripts[2].truncate(3);
+    const MAX: usize = 8;
+    assert!(scripts[0].len() > MAX && scripts[1].len() > MAX && scripts[2].len() == 3);
+    let workers = [
+        Scripted::per_sample(scripts.clone()).dying_after(10),
+        Scripted::per_sample(scripts.clone()).dying_after(10),
+    ];
+    let (state, mut client, shutdown, running) = router_with(3, &workers).await;
+    let req = v1::GenerateRequest {
+        n: Some(3),
+        ..generate("hello", MAX as u32, &[])
+    };
+    let (_, messages) = collect(&mut client, req).await;
+
+    let got = samples(3, &messages);
+    let (length, stop) = (
+        v1::FinishReason::Length as i32,
+        v1::FinishReason::Stop as i32,
+    );
+    for (i, (s, finish)) in got.iter().zip([length, length, stop]).enumerate() {
+        let want: Vec<u32> = scripts[i].iter().copied().take(MAX).collect();
+        assert_eq!(s.tokens, want, "sample {i}: every token once, in order");
+        assert_eq!(
+            s.text,
+            tok.decode(&want, true).expect("decode"),
+            "sample {i}"
+        );
+        assert_eq!(s.finishes, vec![finish], "sample {i}: one finish");
+    }
+    let (last, rest) = messages.split_last().expect("messages");
+    assert!(rest.iter().all(|m| m.usage.is_none()), "{messages:?}");
+    let prompt = tok.encode("hello", true).expect("encode");
+    let usage = last.usage.expect("usage on the last message");
+    assert_eq!(
+        (
+            usage.prompt_tokens,
+            usage.completion_tokens,
+            usage.cached_prompt_tokens
+        ),
+        (prompt.len() as u32, (MAX + MAX + 3) as u32, common::CACHED)
+    );
+
+    // One worker got the request (n = 3) and died; the other resumed samples 0 and 1.
+    let (died, resumed) = if workers[0].requests().first().is_some_and(|r| r.n == 3) {
+        (&workers[0], &workers[1])
+    } else {
+        (&workers[1], &workers[0])
+    };
+    let first = died.requests();
+    assert_eq!(first.len(), 1, "{first:?}");
+    assert_eq!((first[0].n, first[0].generated_tokens), (3, 0));
+    let mut calls = resumed.requests();
+    calls.sort_by_key(|r| r.sample_index);
+    let sent: Vec<(u32, u32, u32, Vec<u32>)> = calls
+        .iter()
+        .map(|r| {
+            (
+                r.sample_index,
+                r.n,
+                r.generated_tokens,
+                r.prompt_tokens.clone(),
+            )
+        })
+        .collect();
+    let with = |i: usize, k: usize| [prompt.clone(), scripts[i][..k].to_vec()].concat();
+    assert_eq!(
+        sent,
+        vec![(0, 1, 4, with(0, 4)), (1, 1, 3, with(1, 3))],
+        "one call per unfinished sample: its index, prompt + its own tokens"
+    );
+    assert!(calls.iter().all(|r| r.prompt_logprobs.is_none()));
+    assert_eq!(state.metrics.migrations.get(), 1, "one migration counted");
+    assert!(
+        died.cancel_calls().is_empty() && resumed.cancel_calls().is_empty(),
+        "samples the workers finished need no cancel"
+    );
+    common::stop_router(&state, shutdown, running).await;
+}
+
+/// With `max_migrations` 0 an `n` > 1 request whose worker goes away fails, as before: the
+/// client gets the worker's UNAVAILABLE and no other worker is asked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_n_request_is_not_resumed_with_max_migrations_0() {
+    let script = vec![10; 12];
+    let workers = [
+        Scripted::streaming(script.clone()).dying_after(4),
+        Scripted::streaming(script).dying_after(4),
+    ];
+    let (state, mut client, shutdown, running) = router_with(0, &workers).await;
+    let req = v1::GenerateRequest {
+        n: Some(2),
+        ..generate("hello", 8, &[])
+    };
+    let mut stream = client.generate(req).await.expect("generate").into_inner();
+    let status = loop {
+        match stream.message().await {
+            Ok(Some(_)) => continue,
+            Ok(None) => panic!("the request succeeded"),
+            Err(status) => break status,
+        }
+    };
+    assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+    assert_eq!(workers[0].call_count() + workers[1].call_count(), 1);
+    assert_eq!(state.metrics.migrations.get(), 0);
+    common::stop_router(&state, shutdown, running).await;
+}
+
+/// A stop string that matches in one sample of two finishes it at the router, which asks the
+/// worker to stop exactly that sample of that call (`CancelSample`); the other sample runs to
+/// its end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sample_finished_by_a_stop_string_is_stopped_on_the_worker() {
+    let tok =
+        Tokenizer::from_dir(&ferry_modelcard::embedded::default_model_dir()).expect("tokenizer");
+    let scripts: Vec<Vec<u32>> = [
+        "One two three four five six seven eight nine ten eleven twelve.",
+        "The quick brown fox jumps over the lazy dog.",
+    ]
+    .iter()
+    .map(|t| tok.encode(t, false).expect("encode"))
+    .collect();
+    let worker = Scripted::per_sample(scripts.clone()).paced(Duration::from_millis(5));
+    let (state, mut client, shutdown, running) =
+        router_with(3, std::slice::from_ref(&worker)).await;
+    let req = v1::GenerateRequest {
+        n: Some(2),
+        ..generate("hello", 40, &[" fox"])
+    };
+    let (_, messages) = collect(&mut client, req).await;
+    let got = samples(2, &messages);
+    assert_eq!(got[1].text, "The quick brown");
+    assert_eq!(got[1].finishes, vec![v1::FinishReason::Stop as i32]);
+    assert_eq!(
+        got[0].tokens, scripts[0],
+        "the other sample runs to its end"
+    );
+    assert_eq!(got[0].finishes, vec![v1::FinishReason::Stop as i32]);
+
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while worker.cancel_calls().is_empty() {
+        assert!(std::time::Instant::now() < deadline, "no CancelSample came");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let cancels = worker.cancel_calls();
+    assert_eq!(cancels.len(), 1, "{cancels:?}");
+    assert_eq!(
+        (
+            cancels[0].request_id.as_str(),
+            cancels[0].call_id,
+            cancels[0].index
+        ),
+        ("t-1", 1, 1),
+        "the request, its call (the id the worker gave) and the sample"
+    );
+    common::stop_router(&state, shutdown, running).await;
 }

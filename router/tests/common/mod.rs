@@ -2,8 +2,9 @@
 //! `DecodeWorker` server on a local port whose answers the test decides.
 #![allow(dead_code)] // each test binary uses part of it
 
+use std::collections::HashSet;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -65,23 +66,37 @@ pub fn scripted_prompt_logprobs(prompt: &[u32], top: u32) -> Vec<v1::TokenLogpro
 
 /// A decode worker that streams `script` (up to the request's `max_tokens`: LENGTH when cut
 /// there, else STOP), one token per `pace` — or refuses every call, or fails mid-stream.
-/// Clones share the counters, so a test keeps one to inspect what the router sent.
+/// With `n` > 1 each position of the script goes out once per sample, tagged with its index
+/// (and the call's id on each sample's first message); a call with `sample_index` streams
+/// that sample alone, from its `generated_tokens`-th token on. `CancelSample` stops the named
+/// sample. Clones share the counters, so a test keeps one to inspect what the router sent.
 #[derive(Clone)]
 pub struct Scripted {
     /// Tokens to stream.
     pub script: Vec<u32>,
+    /// When not empty: sample `i`'s tokens instead of `script`.
+    pub per_sample: Vec<Vec<u32>>,
     /// Pause before each token (a real worker's pace, so cancellations land mid-stream).
     pub pace: Duration,
     /// Refuse every call with this code and message.
     pub refuse: Option<(Code, &'static str)>,
     /// Fail with INTERNAL after this many tokens.
     pub fail_after: Option<usize>,
+    /// Fail with UNAVAILABLE (the worker is going away: the router migrates) after this many
+    /// messages of a fresh call (`generated_tokens` 0); a resumed call runs to its end.
+    pub die_after: Option<usize>,
     /// `decode` calls received.
     pub calls: Arc<AtomicUsize>,
     /// The requests accepted.
     pub seen: Arc<Mutex<Vec<DecodeRequest>>>,
     /// Notified when the router dropped a stream before its end.
     pub cancelled: Arc<Notify>,
+    /// The `CancelSample` calls received.
+    pub cancels: Arc<Mutex<Vec<internal::CancelSampleRequest>>>,
+    /// Samples stopped by `CancelSample`: (call id, index).
+    stopped: Arc<Mutex<HashSet<(u64, u32)>>>,
+    /// The last call id handed out.
+    call_ids: Arc<AtomicU64>,
 }
 
 impl Scripted {
@@ -90,11 +105,32 @@ impl Scripted {
         Self {
             script,
             pace: Duration::from_millis(2),
+            per_sample: Vec::new(),
             refuse: None,
             fail_after: None,
+            die_after: None,
             calls: Arc::default(),
             seen: Arc::default(),
             cancelled: Arc::default(),
+            cancels: Arc::default(),
+            stopped: Arc::default(),
+            call_ids: Arc::default(),
+        }
+    }
+
+    /// Streams `scripts[i]` as sample `i` every 2 ms.
+    pub fn per_sample(scripts: Vec<Vec<u32>>) -> Self {
+        Self {
+            per_sample: scripts,
+            ..Self::streaming(Vec::new())
+        }
+    }
+
+    /// The same scripts, failing with UNAVAILABLE after `n` messages of a fresh call.
+    pub fn dying_after(self, n: usize) -> Self {
+        Self {
+            die_after: Some(n),
+            ..self
         }
     }
 
@@ -123,6 +159,25 @@ impl Scripted {
     pub fn call_count(&self) -> usize {
         self.calls.load(Ordering::SeqCst)
     }
+
+    /// The requests accepted so far.
+    pub fn requests(&self) -> Vec<DecodeRequest> {
+        self.seen.lock().expect("test mutex").clone()
+    }
+
+    /// The `CancelSample` calls received so far.
+    pub fn cancel_calls(&self) -> Vec<internal::CancelSampleRequest> {
+        self.cancels.lock().expect("test mutex").clone()
+    }
+
+    /// Sample `index`'s script.
+    fn script_of(&self, index: u32) -> &[u32] {
+        match self.per_sample.get(index as usize) {
+            Some(s) => s,
+            None if self.per_sample.is_empty() => &self.script,
+            None => &[],
+        }
+    }
 }
 
 type Tokens = Pin<Box<dyn Stream<Item = Result<DecodeResponse, Status>> + Send>>;
@@ -141,17 +196,35 @@ impl DecodeWorker for Scripted {
         }
         let req = request.into_inner();
         self.seen.lock().expect("test mutex").push(req.clone());
-        let max = req.stop.map_or(u32::MAX, |s| s.max_tokens) as usize;
-        let tokens: Vec<u32> = self.script.iter().copied().take(max).collect();
-        let finish = if tokens.len() == max {
-            v1::FinishReason::Length
+        let max = req.stop.as_ref().map_or(u32::MAX, |s| s.max_tokens) as usize;
+        let start = req.generated_tokens as usize;
+        // `n` samples, or the one a `sample_index` call resumes: (index, tokens, finish).
+        let indices: Vec<u32> = if req.n > 1 {
+            (0..req.n).collect()
         } else {
-            v1::FinishReason::Stop
+            vec![req.sample_index]
+        };
+        let samples: Vec<(u32, Vec<u32>, v1::FinishReason)> = indices
+            .into_iter()
+            .map(|index| {
+                let all: Vec<u32> = self.script_of(index).iter().copied().take(max).collect();
+                let finish = if all.len() == max {
+                    v1::FinishReason::Length
+                } else {
+                    v1::FinishReason::Stop
+                };
+                (index, all.get(start..).unwrap_or_default().to_vec(), finish)
+            })
+            .collect();
+        let call_id = if req.n > 1 {
+            self.call_ids.fetch_add(1, Ordering::SeqCst) + 1
+        } else {
+            0
         };
         let (tx, rx) = mpsc::channel(1);
         let (cancelled, pace, fail_after) = (self.cancelled.clone(), self.pace, self.fail_after);
-        // `n` samples: each token of the script goes out once per sample, tagged with its index.
-        let samples = req.n.max(1);
+        let die_after = self.die_after.filter(|_| start == 0);
+        let stopped = self.stopped.clone();
         // Asked for: the prompt's log-probabilities on sample 0's first message.
         let mut prompt_logprobs = req
             .prompt_logprobs
@@ -159,19 +232,35 @@ impl DecodeWorker for Scripted {
             .unwrap_or_default();
         let req_logprobs = req.logprobs;
         tokio::spawn(async move {
-            let n = tokens.len();
-            for (i, t) in tokens.into_iter().enumerate() {
-                for index in 0..samples {
+            let longest = samples.iter().map(|(_, t, _)| t.len()).max().unwrap_or(0);
+            let mut sent = 0;
+            for i in 0..longest {
+                for (index, tokens, finish) in &samples {
+                    let index = *index;
                     if fail_after == Some(i) {
                         let _ = tx
                             .send(Err(Status::internal("scripted mid-stream failure")))
                             .await;
                         return;
                     }
+                    let Some(&t) = tokens.get(i) else { continue };
+                    if stopped
+                        .lock()
+                        .expect("test mutex")
+                        .contains(&(call_id, index))
+                    {
+                        continue;
+                    }
+                    if die_after == Some(sent) {
+                        let _ = tx
+                            .send(Err(Status::unavailable("scripted worker going away")))
+                            .await;
+                        return;
+                    }
                     let message = DecodeResponse {
                         token_ids: vec![t],
-                        finish_reason: if i + 1 == n {
-                            finish as i32
+                        finish_reason: if i + 1 == tokens.len() {
+                            *finish as i32
                         } else {
                             v1::FinishReason::Unspecified as i32
                         },
@@ -203,16 +292,32 @@ impl DecodeWorker for Scripted {
                         } else {
                             Vec::new()
                         },
+                        call_id: if i == 0 { call_id } else { 0 },
                     };
                     tokio::time::sleep(pace).await;
                     if tx.send(Ok(message)).await.is_err() {
                         cancelled.notify_one();
                         return;
                     }
+                    sent += 1;
                 }
             }
         });
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
+    async fn cancel_sample(
+        &self,
+        request: Request<internal::CancelSampleRequest>,
+    ) -> Result<Response<internal::CancelSampleResponse>, Status> {
+        let req = request.into_inner();
+        let stopped = self
+            .stopped
+            .lock()
+            .expect("test mutex")
+            .insert((req.call_id, req.index));
+        self.cancels.lock().expect("test mutex").push(req);
+        Ok(Response::new(internal::CancelSampleResponse { stopped }))
     }
 
     async fn get_stats(
