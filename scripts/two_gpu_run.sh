@@ -20,10 +20,11 @@
 #   summary   Markdown tables of everything in $OUT                             -> summary.md
 #   all       topo transfer tail serve mix summary (longer than one device command)
 #
-# The device calls (the two-GPU kind; device-bin/ from scripts/gpu_bins.sh, the CUDA-enabled UCX
-# from scripts/ucx_cuda_pack.sh in devpack/ucx.tar.xz):
-#   run(kind="nvidia-h200-x2", carry=["device-bin", "devpack"],
-#       command="OUT=$OUT bash scripts/two_gpu_run.sh topo transfer tail")
+# The device calls (the two-GPU kind). Before: scripts/gpu_bins.sh, then
+# `xz -T0 -k device-bin/ferry device-bin/bench_transfer_gpu` (tree + carry must stay under 64 MiB;
+# the stripped binaries are unpacked here), and scripts/ucx_cuda_pack.sh (devpack/ucx.tar.xz):
+#   run(kind="nvidia-h200-x2", carry=["device-bin/ferry.xz", "device-bin/bench_transfer_gpu.xz",
+#       "devpack/ucx.tar.xz"], command="OUT=$OUT bash scripts/two_gpu_run.sh topo transfer tail")
 #   run(kind="nvidia-h200-x2", carry=[…], command="OUT=$OUT bash scripts/two_gpu_run.sh serve mix summary")
 # A dry run with both workers on one GPU: GPUS=0,0. On a machine without a GPU (the script's own
 # check): GPUS=cpu UP_DEVICE="--device cpu" VOCAB=2048 PROMPT=64 OUTPUT=16 LONG=600 ... serve mix.
