@@ -116,6 +116,13 @@ class Prompts:
 # ---------------------------------------------------------------- the cluster
 
 
+# Arms with the drafter: `spec` verifies as `--verify-len` says (DSpark's confidence-scheduled
+# length by default); `spec_fixed` is the same cluster with a fixed verify length
+# (`--fixed-verify-len`), the comparison issue 15's item 3 asks for. It runs only at
+# `--fixed-concurrency`, greedy, on half an arm's share of the budget.
+SPEC_ARMS = ("spec", "spec_fixed")
+
+
 class Cluster:
     def __init__(self, args, arm: str, logdir: Path):
         self.args, self.arm = args, arm
@@ -136,8 +143,9 @@ class Cluster:
                 "--ready-timeout-s", str(int(a.ready_seconds))]
         if a.device != "cpu":
             argv += ["--gpu-mode", a.gpu_mode]
-        if self.arm == "spec":
-            argv += ["--drafter", a.drafter, "--speculative", "on", "--verify-len", a.verify_len,
+        if self.arm in SPEC_ARMS:
+            verify_len = a.verify_len if self.arm == "spec" else a.fixed_verify_len
+            argv += ["--drafter", a.drafter, "--speculative", "on", "--verify-len", verify_len,
                      "--max-verify-tokens", str(a.max_verify_tokens)]
         else:
             argv += ["--speculative", "off"]
@@ -390,9 +398,10 @@ def run_level(cl: Cluster, prompts: Prompts, c: int, n: int, temp: float, out_to
 # ---------------------------------------------------------------- report
 
 
-def speedups(report: dict) -> None:
+def compare(report: dict, base: str, arm: str) -> dict:
+    """`arm` against `base` per temperature: ratios per level and the peak aggregates."""
     arms = report["arms"]
-    plain, spec = arms.get("plain", {}), arms.get("spec", {})
+    plain, spec = arms.get(base, {}), arms.get(arm, {})
     out = {}
     for tkey in report["settings"]["temperature_keys"]:
         p_levels = {l["concurrency"]: l for l in plain.get("results", {}).get(tkey, [])}
@@ -409,11 +418,22 @@ def speedups(report: dict) -> None:
         pk = lambda lv: max((l.get("aggregate_tok_s") or 0 for l in lv.values()), default=0)  # noqa: E731
         pp, sp = pk(p_levels), pk(s_levels)
         argmax = lambda lv, v: next((c for c, l in lv.items() if (l.get("aggregate_tok_s") or 0) == v and v), None)  # noqa: E731
-        out[tkey] = {"per_level": rows,
-                     "plain_peak_aggregate_tok_s": pp or None, "plain_peak_at": argmax(p_levels, pp),
-                     "spec_peak_aggregate_tok_s": sp or None, "spec_peak_at": argmax(s_levels, sp),
-                     "peak_aggregate_ratio": round(sp / pp, 3) if pp and sp else None}
-    report["speedup"] = out
+        if rows or pp or sp:
+            out[tkey] = {"per_level": rows,
+                         "plain_peak_aggregate_tok_s": pp or None, "plain_peak_at": argmax(p_levels, pp),
+                         "spec_peak_aggregate_tok_s": sp or None, "spec_peak_at": argmax(s_levels, sp),
+                         "peak_aggregate_ratio": round(sp / pp, 3) if pp and sp else None}
+    return out
+
+
+def speedups(report: dict) -> None:
+    arms = report["arms"]
+    report["speedup"] = compare(report, "plain", "spec")
+    if "spec_fixed" in arms:
+        # Both against plain; the confidence-scheduled arm against the fixed one.
+        report["speedup_fixed"] = compare(report, "plain", "spec_fixed")
+        report["confidence_vs_fixed"] = compare(report, "spec_fixed", "spec")
+    plain, spec = arms.get("plain", {}), arms.get("spec", {})
     pt, st = plain.get("greedy_texts", {}), spec.get("greedy_texts", {})
     common = set(pt) & set(st)
     report["greedy_identity"] = {"compared": len(common),
@@ -469,6 +489,23 @@ def markdown(report: dict) -> str:
         L += ["", f"Peak aggregate: plain {fmt(pk.get('plain_peak_aggregate_tok_s'))} tok/s (c = "
               f"{pk.get('plain_peak_at')}), spec {fmt(pk.get('spec_peak_aggregate_tok_s'))} tok/s (c = "
               f"{pk.get('spec_peak_at')}): **{fmt(pk.get('peak_aggregate_ratio'), 2)}×**.", ""]
+    if "spec_fixed" in report["arms"]:
+        L += [f"### Verify length: confidence-scheduled (`{s['verify_len']}`) against fixed "
+              f"(`{s['fixed_verify_len']}`), greedy", "",
+              "| c | plain agg tok/s | fixed agg tok/s | confidence agg tok/s | **confidence / fixed** |"
+              " fixed τ | confidence τ | fixed drafts / round | confidence drafts / round |",
+              "|---|---|---|---|---|---|---|---|---|"]
+        tkey = s["temperature_keys"][0]
+        by = lambda arm: {l["concurrency"]: l for l in report["arms"].get(arm, {}).get("results", {}).get(tkey, [])}  # noqa: E731
+        pl, fl, cl = by("plain"), by("spec_fixed"), by("spec")
+        cf = {r["concurrency"]: r for r in report.get("confidence_vs_fixed", {}).get(tkey, {}).get("per_level", [])}
+        for c in sorted(fl):
+            p, f, q = pl.get(c, {}), fl.get(c, {}), cl.get(c, {})
+            L.append(f"| {c} | {fmt(p.get('aggregate_tok_s'))} | {fmt(f.get('aggregate_tok_s'))} | "
+                     f"{fmt(q.get('aggregate_tok_s'))} | **{fmt(cf.get(c, {}).get('aggregate'), 2)}** | "
+                     f"{fmt(f.get('tau'), 2)} | {fmt(q.get('tau'), 2)} | "
+                     f"{fmt(f.get('drafts_verified_per_round'), 2)} | {fmt(q.get('drafts_verified_per_round'), 2)} |")
+        L.append("")
     g = report.get("greedy_identity", {})
     L += [f"Greedy identity: {g.get('identical')} of {g.get('compared')} greedy requests gave the same"
           " text plain and speculative.", "",
@@ -534,6 +571,8 @@ def main() -> int:
     p.add_argument("--gpu-mode", default="fast")
     p.add_argument("--verify-len", default="confidence:0.3")
     p.add_argument("--max-verify-tokens", type=int, default=64)
+    p.add_argument("--fixed-verify-len", default="fixed:4", help="the spec_fixed arm's --verify-len")
+    p.add_argument("--fixed-concurrency", default="1,16,64", help="the spec_fixed arm's levels (greedy only)")
     p.add_argument("--up-args", default="", help="more `ferry up` flags, both arms")
     p.add_argument("--seconds", type=float, default=480, help="budget of the whole run")
     p.add_argument("--ready-seconds", type=float, default=240)
@@ -552,6 +591,14 @@ def main() -> int:
     temps = [float(x) for x in args.temperatures.split(",") if x.strip()]
     tkeys = [f"{t:g}" for t in temps]
     arms = [a for a in args.arms.split(",") if a]
+    unknown = [a for a in arms if a not in ("plain",) + SPEC_ARMS]
+    if unknown:
+        raise SystemExit(f"dspark-bench: unknown arm(s) {unknown}: plain, spec, spec_fixed")
+    fixed_levels = [int(x) for x in args.fixed_concurrency.split(",") if x.strip()]
+    for c in fixed_levels:
+        nreq.setdefault(c, parse_requests(args.requests, [c])[c])
+    # A spec_fixed arm weighs half: its levels and temperatures are fewer.
+    weight = {a: (0.5 if a == "spec_fixed" else 1.0) for a in arms}
 
     cfg = json.loads((Path(args.target) / "config.json").read_text())
     ctx = int(cfg.get("max_position_embeddings", 4096))
@@ -576,6 +623,7 @@ def main() -> int:
             "prefill_workers": args.prefill_workers, "decode_workers": 1,
             "max_running": args.max_running, "kv_blocks": args.kv_blocks,
             "verify_len": args.verify_len, "max_verify_tokens": args.max_verify_tokens,
+            "fixed_verify_len": args.fixed_verify_len,
             "up_args": args.up_args, "budget_s": args.seconds, "warmup_tokens": args.warmup_tokens,
             "endpoint": "/v1/completions (stream, token-id prompts)", "load": "closed loop, c clients",
         },
@@ -606,8 +654,11 @@ def main() -> int:
 
     end = T0 + args.seconds
     for ai, arm in enumerate(arms):
-        # Each arm gets an equal share of what is left, so a slow first arm cannot eat the second's.
-        arm_deadline = time.monotonic() + (end - time.monotonic()) / (len(arms) - ai)
+        # Each arm gets its share of what is left, so a slow first arm cannot eat the others'.
+        left = sum(weight[x] for x in arms[ai:])
+        arm_deadline = time.monotonic() + (end - time.monotonic()) * weight[arm] / left
+        arm_levels = fixed_levels if arm == "spec_fixed" else levels
+        arm_temps = list(zip(temps, tkeys))[:1] if arm == "spec_fixed" else list(zip(temps, tkeys))
         a = report["arms"][arm] = {"results": {k: [] for k in tkeys}, "error": None, "greedy_texts": {}}
         cl = Cluster(args, arm, out / "logs")
         CURRENT[:] = [cl]
@@ -621,12 +672,12 @@ def main() -> int:
             log(f"{arm}: up in {a['ready_s']}s (model {cl.model_name!r}, metrics {cl.metrics})")
             if args.warmup_tokens > 0:
                 t = time.monotonic()
-                for c in levels:
+                for c in arm_levels:
                     run_level(cl, prompts, c, c, 0.0, args.warmup_tokens, arm_deadline, args, {})
                 a["warmup_s"] = round(time.monotonic() - t, 1)
                 log(f"{arm}: warm-up {a['warmup_s']}s")
-            for t, tkey in zip(temps, tkeys):
-                for c in levels:
+            for t, tkey in arm_temps:
+                for c in arm_levels:
                     if time.monotonic() > arm_deadline - 2:
                         log(f"{arm}: T={tkey} c={c}: skipped (arm budget spent)")
                         a["results"][tkey].append({"concurrency": c, "requests": nreq[c], "ok": 0,

@@ -14,7 +14,10 @@
 # JSON), 124 when the hook's own time limit cut it.
 #
 # Settings (environment; defaults for the H200):
-#   BENCH_CONCURRENCY=1,4,16,64,128   BENCH_TEMPERATURES=0,0.7   BENCH_ARMS=plain,spec
+#   BENCH_CONCURRENCY=1,4,16,64,128   BENCH_TEMPERATURES=0,0.7   BENCH_ARMS=plain,spec,spec_fixed
+#   BENCH_FIXED_VERIFY_LEN=fixed:B (B: the drafter's block size; the spec_fixed arm: the same
+#     drafter verifying every draft of a block, the comparison for the confidence-scheduled arm)
+#   BENCH_FIXED_CONCURRENCY=1,16,64 (the spec_fixed arm's levels, greedy only)
 #   BENCH_REQUESTS=auto (per level: c >= 64 -> c, else max(4, 2c); or one number; or c:n,c:n)
 #   BENCH_PROMPT_TOKENS=1024 (cut to the model's context - output - 1)   BENCH_OUTPUT_TOKENS=400
 #   BENCH_SECONDS=480: budget of both arms together (each arm gets half of what is left: start-up,
@@ -46,10 +49,13 @@ if [ "$DEVICE" != cpu ] && [ -z "${DSPARK_BENCH_NO_GPU_ENV:-}" ]; then
 fi
 mkdir -p "$RUN/bench"
 export PYTHONUNBUFFERED=1
+block=$("$PY" -c 'import json,sys; print(json.load(open(sys.argv[1]))["block_size"])' "$DRAFTER_DIR/config.json")
 exec timeout -k 20 "$((BENCH_SECONDS + BENCH_GRACE))" "$PY" scripts/dspark_bench.py \
   --ferry "$FERRY" --target "$TARGET_DIR" --drafter "$DRAFTER_DIR" --prompts "$PROMPTS" \
   --device "$DEVICE" --out "$RUN/bench" \
-  --arms "${BENCH_ARMS:-plain,spec}" \
+  --arms "${BENCH_ARMS:-plain,spec,spec_fixed}" \
+  --fixed-verify-len "${BENCH_FIXED_VERIFY_LEN:-fixed:$block}" \
+  --fixed-concurrency "${BENCH_FIXED_CONCURRENCY:-1,16,64}" \
   --concurrency "${BENCH_CONCURRENCY:-1,4,16,64,128}" \
   --requests "${BENCH_REQUESTS:-auto}" \
   --temperatures "${BENCH_TEMPERATURES:-0,0.7}" \

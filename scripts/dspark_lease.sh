@@ -146,6 +146,7 @@ stage_bench() {
   if [ "$PRESET" = tiny ]; then
     # A CPU-sized run of the hook (its defaults are the H200's): short outputs, two levels.
     export BENCH_CONCURRENCY=${BENCH_CONCURRENCY:-1,2} BENCH_REQUESTS=${BENCH_REQUESTS:-2} \
+      BENCH_FIXED_CONCURRENCY=${BENCH_FIXED_CONCURRENCY:-1,2} \
       BENCH_OUTPUT_TOKENS=${BENCH_OUTPUT_TOKENS:-32} BENCH_KV_BLOCKS=${BENCH_KV_BLOCKS:-256} \
       BENCH_MAX_RUNNING=${BENCH_MAX_RUNNING:-8} BENCH_SECONDS=${BENCH_SECONDS:-240}
   fi
@@ -238,6 +239,9 @@ if b.exists():
         lv = " ".join(f"c{x['concurrency']}:{x['aggregate']}x" for x in sp["per_level"])
         print(f"summary: bench T={t}: spec/plain aggregate {lv}; peak {sp['spec_peak_aggregate_tok_s']} vs "
               f"{sp['plain_peak_aggregate_tok_s']} tok/s = {sp['peak_aggregate_ratio']}x")
+    for t, sp in r.get("confidence_vs_fixed", {}).items():
+        lv = " ".join(f"c{x['concurrency']}:{x['aggregate']}x" for x in sp["per_level"])
+        print(f"summary: bench T={t}: confidence-scheduled / fixed verify length, aggregate {lv}")
 EOF
 }
 
