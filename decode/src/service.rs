@@ -546,13 +546,11 @@ async fn drive(
                 ..Default::default()
             }),
             Some(EngineEvent::Failed(e)) if ctx.samples > 1 => Ok(DecodeResponse {
+                error_code: failure_code(e.kind) as u32,
                 error: e.message,
                 ..Default::default()
             }),
-            Some(EngineEvent::Failed(e)) => Err(match e.kind {
-                FailureKind::PeerUnavailable => Status::unavailable(e.message),
-                FailureKind::Internal => Status::internal(e.message),
-            }),
+            Some(EngineEvent::Failed(e)) => Err(Status::new(failure_code(e.kind), e.message)),
         };
         let done = !matches!(&msg, Ok(m) if m.finish_reason == WireFinish::Unspecified as i32 && m.error.is_empty());
         if done {
@@ -648,6 +646,7 @@ async fn drive_fork(
                 ..Default::default()
             },
             Some(EngineEvent::Failed(e)) => DecodeResponse {
+                error_code: failure_code(e.kind) as u32,
                 error: e.message,
                 ..Default::default()
             },
@@ -702,5 +701,15 @@ pub fn engine_status(e: EngineError) -> Status {
         EngineError::Overloaded { .. } => Status::resource_exhausted(e.to_string()),
         EngineError::Stopped => Status::unavailable(e.to_string()),
         EngineError::Job(m) => Status::internal(m),
+    }
+}
+
+/// The gRPC code a failed sample ends with: on the stream's status for a request of one
+/// sample, in `DecodeResponse.error_code` for one of several (the router resumes UNAVAILABLE
+/// elsewhere, as it does a worker going away).
+fn failure_code(kind: FailureKind) -> Code {
+    match kind {
+        FailureKind::PeerUnavailable => Code::Unavailable,
+        FailureKind::Internal => Code::Internal,
     }
 }

@@ -1,7 +1,9 @@
 //! The decode service's `n` > 1 calls, on the embedded model through the service itself (no
 //! network): `CancelSample` stops one forked sample (its blocks return while the others run,
 //! and they give the tokens they give without the cancel), and a `sample_index` call resumes
-//! one sample exactly where it left off (what the router sends after a migration).
+//! one sample exactly where it left off (what the router sends after a migration), and a
+//! sample failed by an unreachable prefill peer says UNAVAILABLE in its `error_code` (the router
+//! resumes it elsewhere).
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
@@ -19,6 +21,12 @@ use futures::StreamExt;
 use tonic::Request;
 
 async fn service() -> DecodeService {
+    service_with(1024, FailurePolicy::Recompute).await
+}
+
+/// The service with prompts of more than `local_prefill_threshold` uncached tokens prefilled
+/// by the request's peer, and `on_failure` when that fails.
+async fn service_with(local_prefill_threshold: usize, on_failure: FailurePolicy) -> DecodeService {
     let dir = ferry_model::embedded::default_model_dir();
     let model = DeepseekModel::load(&dir).expect("model");
     let engine = EngineHandle::spawn(
@@ -46,8 +54,8 @@ async fn service() -> DecodeService {
             layout,
         },
         DecodePolicy {
-            local_prefill_threshold: 1024,
-            on_failure: FailurePolicy::Recompute,
+            local_prefill_threshold,
+            on_failure,
             prefill_timeout: Duration::from_secs(60),
             peer_auth: AttachToken::new(None),
         },
@@ -247,5 +255,40 @@ async fn a_sample_index_call_resumes_that_sample_exactly() {
         assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
         assert!(status.message().contains("`sample_index`"), "{status:?}");
     }
+    wait_idle(&s.engine_handle()).await;
+}
+
+/// Under `--on-prefill-failure fail`, an `n` = 2 call whose prefill peer cannot be reached
+/// fails each sample in-band with UNAVAILABLE in `error_code` (the router resumes such a sample
+/// on another worker) and frees every block.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sample_failed_by_an_unreachable_peer_says_unavailable() {
+    let s = service_with(4, FailurePolicy::Fail).await;
+    // A port nothing listens on: bind one, note it, let it go.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port();
+    let req = DecodeRequest {
+        prefill_peer: Some(ferry_proto::internal::PrefillPeer {
+            worker_id: "p-gone".into(),
+            grpc_address: format!("127.0.0.1:{port}"),
+        }),
+        ..seeded(prompt(), 8, 2)
+    };
+    let mut stream = s
+        .decode(Request::new(req))
+        .await
+        .expect("decode")
+        .into_inner();
+    let mut failed = BTreeMap::new();
+    while let Some(m) = stream.next().await {
+        let m = m.expect("in-band failures, not a failed stream");
+        assert!(m.token_ids.is_empty(), "no token without a prefill: {m:?}");
+        assert!(!m.error.is_empty(), "{m:?}");
+        failed.insert(m.index, m.error_code);
+    }
+    let unavailable = tonic::Code::Unavailable as u32;
+    assert_eq!(failed, BTreeMap::from([(0, unavailable), (1, unavailable)]));
     wait_idle(&s.engine_handle()).await;
 }

@@ -684,3 +684,84 @@ async fn a_sample_finished_by_a_stop_string_is_stopped_on_the_worker() {
     );
     common::stop_router(&state, shutdown, running).await;
 }
+
+/// A worker that reports one sample failed with UNAVAILABLE (its `error_code`; what a worker
+/// sends when that sample's prefill peer was unreachable) while the call's other sample goes
+/// on: that sample alone is resumed on the other worker with its own tokens, the first worker
+/// finishes the other, and the client sees both samples whole. A sample failed with another
+/// code ends the request, as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sample_failed_unavailable_in_band_is_resumed_alone() {
+    let scripts = vec![(10..22).collect::<Vec<u32>>(), (30..42).collect()];
+    const MAX: usize = 10;
+    let workers = [
+        Scripted::per_sample(scripts.clone()).sample_failing(1, 3, Code::Unavailable),
+        Scripted::per_sample(scripts.clone()).sample_failing(1, 3, Code::Unavailable),
+    ];
+    let (state, mut client, shutdown, running) = router_with(3, &workers).await;
+    let req = v1::GenerateRequest {
+        n: Some(2),
+        ..generate("hello", MAX as u32, &[])
+    };
+    let (_, messages) = collect(&mut client, req).await;
+    let got = samples(2, &messages);
+    for (i, s) in got.iter().enumerate() {
+        let want: Vec<u32> = scripts[i].iter().copied().take(MAX).collect();
+        assert_eq!(s.tokens, want, "sample {i}: every token once, in order");
+        assert_eq!(
+            s.finishes,
+            vec![v1::FinishReason::Length as i32],
+            "sample {i}"
+        );
+    }
+    let usage = messages.last().and_then(|m| m.usage).expect("usage");
+    assert_eq!(usage.completion_tokens, 2 * MAX as u32);
+
+    let (first, other) = if workers[0].requests().first().is_some_and(|r| r.n == 2) {
+        (&workers[0], &workers[1])
+    } else {
+        (&workers[1], &workers[0])
+    };
+    assert_eq!(first.requests().len(), 1, "the first worker kept sample 0");
+    let resumed = other.requests();
+    assert_eq!(resumed.len(), 1, "{resumed:?}");
+    let prompt = Tokenizer::from_dir(&ferry_modelcard::embedded::default_model_dir())
+        .expect("tokenizer")
+        .encode("hello", true)
+        .expect("encode");
+    assert_eq!(
+        (
+            resumed[0].sample_index,
+            resumed[0].n,
+            resumed[0].generated_tokens,
+            resumed[0].prompt_tokens.clone()
+        ),
+        (1, 1, 3, [prompt, scripts[1][..3].to_vec()].concat()),
+        "sample 1 alone, with the prompt + its own 3 tokens"
+    );
+    assert_eq!(state.metrics.migrations.get(), 1);
+    common::stop_router(&state, shutdown, running).await;
+
+    // INTERNAL: not resumable; the request ends with the sample's failure.
+    let workers = [
+        Scripted::per_sample(scripts.clone()).sample_failing(1, 3, Code::Internal),
+        Scripted::per_sample(scripts.clone()).sample_failing(1, 3, Code::Internal),
+    ];
+    let (state, mut client, shutdown, running) = router_with(3, &workers).await;
+    let req = v1::GenerateRequest {
+        n: Some(2),
+        ..generate("hello", MAX as u32, &[])
+    };
+    let mut stream = client.generate(req).await.expect("generate").into_inner();
+    let status = loop {
+        match stream.message().await {
+            Ok(Some(_)) => continue,
+            Ok(None) => panic!("the request succeeded"),
+            Err(status) => break status,
+        }
+    };
+    assert!(status.message().contains("sample 1 failed"), "{status:?}");
+    assert_eq!(workers[0].call_count() + workers[1].call_count(), 1);
+    assert_eq!(state.metrics.migrations.get(), 0);
+    common::stop_router(&state, shutdown, running).await;
+}

@@ -27,7 +27,7 @@ use super::backend::Backend;
 use super::sequence::{PrefillTask, Sequence};
 use super::spec::{Draft, Speculator};
 use super::{Command, EngineConfig, EngineEvent, EngineStats, FinishReason};
-use super::{Failure, GenerateJob, GenerateOptions, SeqId};
+use super::{Failure, FailureKind, GenerateJob, GenerateOptions, SeqId};
 use crate::kv::{BlockId, KvManager, KvPool, RemoteFences};
 use ferry_kernels::cpu::logits::TokenLogprobs;
 
@@ -98,13 +98,14 @@ pub(crate) struct PendingFork {
 }
 
 impl PendingFork {
-    /// Tells the sample it will not run: the prompt it was to share failed or went away.
-    pub(crate) fn abandon(self, why: &str) {
-        let _ = self
-            .events
-            .send(EngineEvent::Failed(super::Failure::internal(format!(
-                "the prompt this sample shares {why}"
-            ))));
+    /// Tells the sample it will not run: the prompt it was to share failed (as `kind`: a
+    /// peer that could not prefill it fails the sample as UNAVAILABLE too, which the router
+    /// resumes elsewhere) or went away.
+    pub(crate) fn abandon(self, why: &str, kind: FailureKind) {
+        let _ = self.events.send(EngineEvent::Failed(super::Failure {
+            kind,
+            message: format!("the prompt this sample shares {why}"),
+        }));
     }
 }
 
@@ -337,7 +338,12 @@ impl Scheduler {
         self.fail_with(s, Failure::internal(err));
     }
 
-    fn fail_with(&mut self, s: Sequence, failure: Failure) {
+    fn fail_with(&mut self, mut s: Sequence, failure: Failure) {
+        // The samples waiting to share this prompt fail as it did.
+        for f in std::mem::take(&mut s.forks) {
+            f.abandon(&format!("failed: {}", failure.message), failure.kind);
+            self.stats.requests_finished += 1;
+        }
         s.emit_end(EngineEvent::Failed(failure));
         self.release(s);
     }
@@ -382,7 +388,7 @@ impl Scheduler {
     /// Caches the sequence's full blocks and frees its references.
     fn release(&mut self, mut s: Sequence) {
         for f in std::mem::take(&mut s.forks) {
-            f.abandon("ended before its prefill completed");
+            f.abandon("ended before its prefill completed", FailureKind::Internal);
             self.stats.requests_finished += 1;
         }
         if let Some(sp) = self.spec.as_mut() {

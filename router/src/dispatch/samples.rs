@@ -12,6 +12,9 @@
 //!     → D'.Decode(n = 1, sample_index = i, prompt + i's tokens, generated_tokens = their
 //!       count) → a source carrying sample i alone (attempts as for the first call)
 //!     → or, all of i's max_tokens already streamed, i finishes `length` without a call
+//!   D reports one sample failed with UNAVAILABLE (`error_code`; e.g. its prefill peer was
+//!   unreachable) → that sample alone is migrated as above; the source goes on with the others
+//!   (another in-band failure ends the request)
 //!   a one-sample source's sample finishes → the source is dropped (cancels it on D')
 //! the last sample's finish carries the usage of all; any error ends the request
 //! ```
@@ -31,7 +34,7 @@ use futures::{Stream, StreamExt};
 use tokio::sync::OwnedSemaphorePermit;
 use tokio_stream::StreamMap;
 use tokio_util::sync::CancellationToken;
-use tonic::{Code, Streaming};
+use tonic::{Code, Status, Streaming};
 use tracing::{Instrument, Span};
 
 use super::{
@@ -96,6 +99,15 @@ enum Input {
     Empty,
 }
 
+/// What one received message amounts to.
+enum Received {
+    /// An event to send, nothing yet, or the error that ends the request.
+    Event(Option<Result<GenerationEvent, RequestError>>),
+    /// The worker reported sample `.0` failed with UNAVAILABLE (`DecodeResponse.error_code`):
+    /// resumed elsewhere like a worker going away, the call's other samples going on.
+    SampleFailed(usize, Fault),
+}
+
 /// The state of an `n` > 1 request's stream; owned by it.
 struct SampleRun {
     run: Run,
@@ -134,8 +146,8 @@ impl Run {
     /// one to finish carries the usage of all (the prompt once, every sample's completion
     /// tokens). A sample the router finishes while others go on is stopped on the worker
     /// (`CancelSample`). A worker failing mid-stream is resumed as for one sample, each
-    /// unfinished sample on its own call; a sample the worker reports failed ends the request
-    /// with an error.
+    /// unfinished sample on its own call; so is a sample the worker reports failed with
+    /// UNAVAILABLE, alone. Any other failure of a sample ends the request with an error.
     pub(super) fn stream_samples(
         self,
         attempt: Attempt,
@@ -172,8 +184,16 @@ impl Run {
             'run: loop {
                 let events: Vec<Result<GenerationEvent, RequestError>> =
                     match state.next(&drain).await {
-                        Input::Source(key, Ok(m)) => state.receive(key, m).into_iter().collect(),
-                        Input::Source(key, Err(fault)) => match state.on_fault(key, fault).await {
+                        Input::Source(key, Ok(m)) => match state.receive(key, m) {
+                            Received::Event(e) => e.into_iter().collect(),
+                            Received::SampleFailed(i, fault) => {
+                                match state.on_fault(key, fault, Some(i)).await {
+                                    Ok(events) => events.into_iter().map(Ok).collect(),
+                                    Err(e) => vec![Err(e)],
+                                }
+                            }
+                        },
+                        Input::Source(key, Err(fault)) => match state.on_fault(key, fault, None).await {
                             Ok(events) => events.into_iter().map(Ok).collect(),
                             Err(e) => vec![Err(e)],
                         },
@@ -273,12 +293,10 @@ impl SampleRun {
     /// A message from source `key`: checked against the samples it carries, recorded (a
     /// migration resumes with it), then handled now or, when it must wait for the prompt's
     /// log-probabilities, later.
-    fn receive(
-        &mut self,
-        key: u64,
-        m: internal::DecodeResponse,
-    ) -> Option<Result<GenerationEvent, RequestError>> {
-        let source = self.sources.get_mut(&key)?;
+    fn receive(&mut self, key: u64, m: internal::DecodeResponse) -> Received {
+        let Some(source) = self.sources.get_mut(&key) else {
+            return Received::Event(None);
+        };
         let index = m.index as usize;
         let ours = match source.carries {
             Carries::All => index < self.finished.len(),
@@ -289,31 +307,35 @@ impl SampleRun {
                 Carries::All => format!("a request of {}", self.finished.len()),
                 Carries::One(i) => format!("a call for sample {i}"),
             };
-            return Some(Err(RequestError::Worker {
+            return Received::Event(Some(Err(RequestError::Worker {
                 worker: source.worker.id.clone(),
                 code: Code::Internal,
                 message: format!("sent sample index {index} on {call}"),
-            }));
+            })));
         }
         if source.call_id == 0 {
             source.call_id = m.call_id;
         }
         if self.finished[index] {
-            return None;
+            return Received::Event(None);
         }
         if !m.error.is_empty() {
-            return Some(Err(RequestError::Worker {
+            let message = format!("sample {index} failed: {}", m.error);
+            if m.error_code == Code::Unavailable as u32 {
+                return Received::SampleFailed(index, Fault::Status(Status::unavailable(message)));
+            }
+            return Received::Event(Some(Err(RequestError::Worker {
                 worker: source.worker.id.clone(),
                 code: Code::Internal,
-                message: format!("sample {index} failed: {}", m.error),
-            }));
+                message,
+            })));
         }
         self.received[index].extend_from_slice(&m.token_ids);
         if self.asked_prompt && self.prompt.is_none() && index != 0 {
             self.early.push_back(m);
-            return None;
+            return Received::Event(None);
         }
-        self.process(m).transpose()
+        Received::Event(self.process(m).transpose())
     }
 
     /// Turns a received message of an unfinished sample into its event (`None`: the sample
@@ -377,20 +399,28 @@ impl SampleRun {
         }
     }
 
-    /// Source `key` stopped short with `fault`: its unfinished samples are resumed on other
-    /// decode workers (module docs), or the request ends with the fault's error. Returns the
-    /// events of samples finished without a call (all their tokens were streamed).
+    /// Source `key` stopped short with `fault` (`only`: `None`), or reported its sample `only`
+    /// failed with it while its other samples go on: the unfinished samples it hit are resumed
+    /// on other decode workers (module docs), or the request ends with the fault's error.
+    /// Returns the events of samples finished without a call (all their tokens were streamed).
     async fn on_fault(
         &mut self,
         key: u64,
         fault: Fault,
+        only: Option<usize>,
     ) -> Result<Vec<GenerationEvent>, RequestError> {
-        self.streams.remove(&key);
-        let Some(source) = self.sources.remove(&key) else {
+        let Some(source) = self.sources.get(&key) else {
             return Ok(Vec::new());
         };
+        // A failed call ends; a call of several samples goes on without the one that failed.
+        let source_worker = source.worker.clone();
+        if only.is_none() || source.carries != Carries::All {
+            self.streams.remove(&key);
+            self.sources.remove(&key);
+        }
         let affected: Vec<usize> = (0..self.n())
             .filter(|&i| !self.finished[i] && self.carrier[i] == key)
+            .filter(|&i| only.is_none_or(|o| o == i))
             .collect();
         let max_migrations = self.run.inner.max_migrations;
         if !fault.resumable()
@@ -398,9 +428,9 @@ impl SampleRun {
                 .iter()
                 .any(|&i| self.migrations[i] >= max_migrations)
         {
-            return Err(fault.error(&source.worker.id));
+            return Err(fault.error(&source_worker.id));
         }
-        let failed = self.run.worker_failed(&source.worker, &fault);
+        let failed = self.run.worker_failed(&source_worker, &fault);
         let max_tokens = self.run.req.max_tokens() as usize;
         let (done, resumed): (Vec<usize>, Vec<usize>) = affected
             .into_iter()
@@ -408,7 +438,7 @@ impl SampleRun {
         if let Some(migration) = resumed.iter().map(|&i| self.migrations[i] + 1).max() {
             let streamed = resumed.iter().map(|&i| self.received[i].len()).sum();
             self.run
-                .count_migration(&source.worker, &failed, streamed, migration);
+                .count_migration(&source_worker, &failed, streamed, migration);
         }
         let mut events = Vec::new();
         // Every token of these was streamed; only the finish was lost. It comes after the
@@ -434,7 +464,7 @@ impl SampleRun {
             };
             let attempt = self
                 .run
-                .resume(resume, fault.error(&source.worker.id))
+                .resume(resume, fault.error(&source_worker.id))
                 .await?;
             self.add_source(attempt, Carries::One(i));
         }

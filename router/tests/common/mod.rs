@@ -85,6 +85,9 @@ pub struct Scripted {
     /// Fail with UNAVAILABLE (the worker is going away: the router migrates) after this many
     /// messages of a fresh call (`generated_tokens` 0); a resumed call runs to its end.
     pub die_after: Option<usize>,
+    /// On a fresh call of several samples: sample `.0` reports itself failed in-band with
+    /// gRPC code `.2` after `.1` of its tokens (`DecodeResponse.error`), the others going on.
+    pub sample_fails: Option<(u32, usize, Code)>,
     /// `decode` calls received.
     pub calls: Arc<AtomicUsize>,
     /// The requests accepted.
@@ -109,6 +112,7 @@ impl Scripted {
             refuse: None,
             fail_after: None,
             die_after: None,
+            sample_fails: None,
             calls: Arc::default(),
             seen: Arc::default(),
             cancelled: Arc::default(),
@@ -130,6 +134,15 @@ impl Scripted {
     pub fn dying_after(self, n: usize) -> Self {
         Self {
             die_after: Some(n),
+            ..self
+        }
+    }
+
+    /// The same scripts; on a fresh call of several samples, sample `index` reports itself
+    /// failed with `code` after `after` of its tokens.
+    pub fn sample_failing(self, index: u32, after: usize, code: Code) -> Self {
+        Self {
+            sample_fails: Some((index, after, code)),
             ..self
         }
     }
@@ -224,6 +237,7 @@ impl DecodeWorker for Scripted {
         let (tx, rx) = mpsc::channel(1);
         let (cancelled, pace, fail_after) = (self.cancelled.clone(), self.pace, self.fail_after);
         let die_after = self.die_after.filter(|_| start == 0);
+        let sample_fails = self.sample_fails.filter(|_| start == 0 && req.n > 1);
         let stopped = self.stopped.clone();
         // Asked for: the prompt's log-probabilities on sample 0's first message.
         let mut prompt_logprobs = req
@@ -242,6 +256,23 @@ impl DecodeWorker for Scripted {
                             .send(Err(Status::internal("scripted mid-stream failure")))
                             .await;
                         return;
+                    }
+                    if let Some((failing, after, code)) = sample_fails {
+                        if failing == index && i == after {
+                            let failed = DecodeResponse {
+                                index,
+                                error: "scripted sample failure".into(),
+                                error_code: code as u32,
+                                ..Default::default()
+                            };
+                            if tx.send(Ok(failed)).await.is_err() {
+                                return;
+                            }
+                            continue;
+                        }
+                        if failing == index && i > after {
+                            continue;
+                        }
                     }
                     let Some(&t) = tokens.get(i) else { continue };
                     if stopped
@@ -293,6 +324,7 @@ impl DecodeWorker for Scripted {
                             Vec::new()
                         },
                         call_id: if i == 0 { call_id } else { 0 },
+                        error_code: 0,
                     };
                     tokio::time::sleep(pace).await;
                     if tx.send(Ok(message)).await.is_err() {

@@ -40,7 +40,7 @@ impl Scheduler {
                 let _ = events.send(EngineEvent::Failed(Failure::internal(e.to_string())));
                 self.stats.requests_finished += 1;
                 for f in forks {
-                    f.abandon("could not start");
+                    f.abandon("could not start", FailureKind::Internal);
                     self.stats.requests_finished += 1;
                 }
                 return;
