@@ -243,6 +243,8 @@ if b.exists():
         print(f"summary: bench T={t}: spec/plain aggregate {lv}; peak {sp['spec_peak_aggregate_tok_s']} vs "
               f"{sp['plain_peak_aggregate_tok_s']} tok/s = {sp['peak_aggregate_ratio']}x")
     for t, sp in r.get("confidence_vs_fixed", {}).items():
+        if not sp["per_level"]:
+            continue
         lv = " ".join(f"c{x['concurrency']}:{x['aggregate']}x" for x in sp["per_level"])
         print(f"summary: bench T={t}: confidence-scheduled / fixed verify length, aggregate {lv}")
 EOF
