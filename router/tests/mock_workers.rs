@@ -490,6 +490,21 @@ async fn router_with(
     (state, client, shutdown, running)
 }
 
+/// The status `req` ends with, reading its stream to the end (panics if it succeeds).
+async fn failure(
+    client: &mut InferenceClient<tonic::transport::Channel>,
+    req: v1::GenerateRequest,
+) -> tonic::Status {
+    let mut stream = client.generate(req).await.expect("generate").into_inner();
+    loop {
+        match stream.message().await {
+            Ok(Some(_)) => continue,
+            Ok(None) => panic!("the request succeeded"),
+            Err(status) => return status,
+        }
+    }
+}
+
 /// Per sample: token ids, text and finishes, as a client reads them from a gRPC stream.
 #[derive(Debug, Default, Clone, PartialEq)]
 struct Sample {
@@ -621,14 +636,7 @@ async fn an_n_request_is_not_resumed_with_max_migrations_0() {
         n: Some(2),
         ..generate("hello", 8, &[])
     };
-    let mut stream = client.generate(req).await.expect("generate").into_inner();
-    let status = loop {
-        match stream.message().await {
-            Ok(Some(_)) => continue,
-            Ok(None) => panic!("the request succeeded"),
-            Err(status) => break status,
-        }
-    };
+    let status = failure(&mut client, req).await;
     assert_eq!(status.code(), Code::Unavailable, "{status:?}");
     assert_eq!(workers[0].call_count() + workers[1].call_count(), 1);
     assert_eq!(state.metrics.migrations.get(), 0);
@@ -752,14 +760,7 @@ async fn a_sample_failed_unavailable_in_band_is_resumed_alone() {
         n: Some(2),
         ..generate("hello", MAX as u32, &[])
     };
-    let mut stream = client.generate(req).await.expect("generate").into_inner();
-    let status = loop {
-        match stream.message().await {
-            Ok(Some(_)) => continue,
-            Ok(None) => panic!("the request succeeded"),
-            Err(status) => break status,
-        }
-    };
+    let status = failure(&mut client, req).await;
     assert!(status.message().contains("sample 1 failed"), "{status:?}");
     assert_eq!(workers[0].call_count() + workers[1].call_count(), 1);
     assert_eq!(state.metrics.migrations.get(), 0);
