@@ -60,9 +60,14 @@ pub struct BenchArgs {
 }
 
 impl BenchArgs {
+    /// Whether a level's `i`-th request (1-based) is a long one of the mix.
+    fn is_long(&self, i: usize) -> bool {
+        self.mix() && i % self.long_every == 0
+    }
+
     /// The prompt length of a level's `i`-th request (1-based).
     fn prompt_len(&self, i: usize) -> usize {
-        if self.long_prompt_tokens > 0 && i % self.long_every == 0 {
+        if self.is_long(i) {
             self.long_prompt_tokens
         } else {
             self.prompt_tokens
@@ -136,9 +141,8 @@ async fn bench(args: BenchArgs) -> anyhow::Result<()> {
             while issued < n && set.len() < c.max(1) {
                 salt += 1;
                 issued += 1;
-                let len = args.prompt_len(issued);
-                let req = request(&args, len, salt);
-                let long = len != args.prompt_tokens;
+                let req = request(&args, args.prompt_len(issued), salt);
+                let long = args.is_long(issued);
                 let mut client = client.clone();
                 set.spawn(async move { one(&mut client, req, long).await });
             }
