@@ -52,7 +52,7 @@ pub struct BenchEngineArgs {
     /// DSpark drafter (with `--speculative`); the embedded drafter for the embedded model.
     #[arg(long)]
     pub drafter: Option<PathBuf>,
-    /// Verify length (with `--speculative`): `confidence[:MIN]` or `fixed:N`.
+    /// Verify length (with `--speculative`): `confidence[:MIN]`, `goodput` or `fixed:N`.
     #[arg(long, default_value = "confidence:0.3")]
     pub verify_len: VerifyLen,
     /// Draft slots verified per engine step across the batch (with `--speculative`).

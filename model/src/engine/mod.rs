@@ -21,6 +21,7 @@
 //! Compute never runs on the tokio runtime. Every request owns its blocks through its sequence;
 //! a finished, failed or cancelled (receiver dropped) request frees them in the same step.
 pub mod backend;
+mod goodput;
 pub mod scheduler;
 pub mod sequence;
 pub mod spec;

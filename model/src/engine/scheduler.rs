@@ -283,6 +283,8 @@ impl Scheduler {
             .config
             .max_batch_tokens
             .saturating_sub(self.running.len());
+        let started = std::time::Instant::now();
+        let graphs_before = self.backend.graph_steps();
         let (drafts, q) = self.plan_drafts(budget);
         let mut work = Vec::new();
         for i in 0..self.running.len() {
@@ -326,7 +328,16 @@ impl Scheduler {
         if work.is_empty() {
             return;
         }
+        // A decode-only step's shape, for the `goodput` verify length's cost estimates.
+        let decode_only = work.iter().all(|w| matches!(w, Work::Decode(_)));
+        let seqs = self.running.len();
+        let rows = seqs + drafted;
         self.run_batch(work, drafts, q);
+        if let Some(sp) = self.spec.as_mut() {
+            let graph = self.backend.graph_steps() > graphs_before;
+            let shape = decode_only.then_some((seqs, rows, drafted > 0, graph));
+            sp.observe_step(shape, started.elapsed().as_secs_f64());
+        }
     }
 
     fn finish(&mut self, s: Sequence, reason: FinishReason) {

@@ -37,6 +37,7 @@ use std::str::FromStr;
 
 use ferry_kernels::backend::{Backend, Tensor};
 
+use super::goodput::{Choice, Goodput, Observed, Shape};
 use super::sequence::{round_uniforms, Phase, Sequence};
 use crate::deepseek::DeepseekModel;
 use crate::drafter::{
@@ -60,6 +61,12 @@ pub enum VerifyLen {
         /// Smallest cumulative survival worth a verify slot.
         min_survival: f32,
     },
+    /// Verify what the measured costs say pays at the batch's current size
+    /// ([`super::goodput`]): the confidence head's survivals, calibrated by what was
+    /// accepted, against this engine's own step costs; no drafter pass at all when
+    /// speculation would not pay. Until the costs are measured it verifies like
+    /// `confidence:0.3`.
+    Goodput,
 }
 
 impl Default for VerifyLen {
@@ -73,6 +80,7 @@ impl fmt::Display for VerifyLen {
         match self {
             VerifyLen::Fixed(n) => write!(f, "fixed:{n}"),
             VerifyLen::Confidence { min_survival } => write!(f, "confidence:{min_survival}"),
+            VerifyLen::Goodput => write!(f, "goodput"),
         }
     }
 }
@@ -80,7 +88,7 @@ impl fmt::Display for VerifyLen {
 impl FromStr for VerifyLen {
     type Err = String;
 
-    /// `fixed:N` or `confidence[:MIN_SURVIVAL]`.
+    /// `fixed:N`, `confidence[:MIN_SURVIVAL]` or `goodput`.
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         let (kind, arg) = s.split_once(':').unwrap_or((s, ""));
         match (kind, arg) {
@@ -89,6 +97,7 @@ impl FromStr for VerifyLen {
                 .map(VerifyLen::Fixed)
                 .map_err(|_| format!("`fixed:N` needs a whole number, got {n:?}")),
             ("confidence", "") => Ok(VerifyLen::default()),
+            ("goodput", "") => Ok(VerifyLen::Goodput),
             ("confidence", m) => match m.parse::<f32>() {
                 Ok(v) if (0.0..=1.0).contains(&v) => Ok(VerifyLen::Confidence { min_survival: v }),
                 _ => Err(format!(
@@ -96,7 +105,7 @@ impl FromStr for VerifyLen {
                 )),
             },
             _ => Err(format!(
-                "verify length must be `fixed:N` or `confidence[:MIN]`, got {s:?}"
+                "verify length must be `fixed:N`, `confidence[:MIN]` or `goodput`, got {s:?}"
             )),
         }
     }
@@ -128,6 +137,9 @@ pub(crate) struct Draft {
     pub tokens: Vec<u32>,
     /// Their q (`[γ][vocab]` when sampled).
     pub q: DraftDist,
+    /// Accepted drafts the confidence head predicted (the sum of the γ slots' cumulative
+    /// survivals), for the `goodput` policy's calibration.
+    pub predicted: f64,
 }
 
 impl Draft {
@@ -156,6 +168,10 @@ pub(crate) struct Speculator {
     /// Rounds are replayed from CUDA graphs of a fixed width: when every running sequence can
     /// take a whole block, each verifies all B drafts (see [`Self::plan`]).
     fixed_width: bool,
+    /// The `goodput` policy's measurements (kept whatever the policy; used by `goodput`).
+    goodput: Goodput,
+    /// The last drafter pass: sequences and seconds, until the engine reports the step.
+    last_pass: Option<(usize, f64)>,
 }
 
 impl Speculator {
@@ -184,6 +200,8 @@ impl Speculator {
             stale: HashSet::new(),
             writes: HashMap::new(),
             fixed_width,
+            goodput: Goodput::default(),
+            last_pass: None,
         })
     }
 
@@ -353,7 +371,7 @@ impl Speculator {
     /// running sequence (`None`: a plain decode step), and the drafter's shared q rows
     /// (on the model's backend) that [`DraftDist::Rows`] drafts name.
     pub fn plan(
-        &self,
+        &mut self,
         model: &DeepseekModel,
         running: &mut [Sequence],
         budget: usize,
@@ -383,6 +401,22 @@ impl Speculator {
         let step_budget = budget;
         let budget = budget.min(self.config.max_verify_tokens);
         if eligible.is_empty() || budget == 0 {
+            return (plan, None);
+        }
+        // A whole-block round can be replayed from a graph only if every running sequence
+        // drafts (checked again on the proposals below).
+        let shape = Shape {
+            seqs: running.len(),
+            eligible: eligible.len(),
+            block,
+            budget,
+            graph: self.fixed_width
+                && eligible.len() == running.len()
+                && eligible.len() * block <= step_budget
+                && eligible.iter().all(|&i| room[i] >= block),
+        };
+        let goodput = self.config.verify_len == VerifyLen::Goodput;
+        if goodput && !self.goodput.should_draft(shape) {
             return (plan, None);
         }
         let uniforms: Vec<Vec<f64>> = eligible
@@ -415,7 +449,9 @@ impl Speculator {
             target: model,
             kv: self.kv.as_ref(),
         };
+        let started = std::time::Instant::now();
         let proposals = self.drafter.propose(&ctx, &inputs);
+        self.last_pass = Some((eligible.len(), started.elapsed().as_secs_f64()));
         drop(inputs);
         let vocab = model.config().vocab_size;
         let Proposals { each, q } = proposals;
@@ -452,12 +488,32 @@ impl Speculator {
             && props
                 .iter()
                 .all(|(i, p)| p.drafts.len() == block && room[*i] >= block);
-        let policy = if whole_blocks {
+        let mut policy = if whole_blocks {
             VerifyLen::Fixed(block)
         } else {
             self.config.verify_len
         };
-        if whole_blocks {
+        if goodput {
+            slots.sort_by(|a, b| b.2.total_cmp(&a.2).then(a.1.cmp(&b.1)));
+            let survival: Vec<f32> = slots.iter().map(|s| s.2).collect();
+            let shape = Shape {
+                eligible: props.len(),
+                graph: whole_blocks,
+                ..shape
+            };
+            policy = match self.goodput.choose(shape, &survival) {
+                Choice::Plain => VerifyLen::Fixed(0),
+                Choice::WholeBlocks => VerifyLen::Fixed(block),
+                // The r most likely slots: the confidence rule with no floor and a budget of r.
+                Choice::Slots(r) => {
+                    left = r;
+                    VerifyLen::Confidence { min_survival: 0.0 }
+                }
+                Choice::Explore if whole_blocks => VerifyLen::Fixed(block),
+                Choice::Explore => VerifyLen::default(),
+            };
+        }
+        if whole_blocks && policy == VerifyLen::Fixed(block) {
             left = props.len() * block;
         }
         match policy {
@@ -468,7 +524,11 @@ impl Speculator {
                     gamma.insert(*i, g);
                 }
             }
-            VerifyLen::Confidence { min_survival } => {
+            VerifyLen::Confidence { .. } | VerifyLen::Goodput => {
+                let min_survival = match policy {
+                    VerifyLen::Confidence { min_survival } => min_survival,
+                    _ => 0.3,
+                };
                 slots.retain(|s| s.2 >= min_survival);
                 slots.sort_by(|a, b| b.2.total_cmp(&a.2).then(a.1.cmp(&b.1)));
                 let mut admitted: HashSet<(usize, usize)> = HashSet::new();
@@ -486,6 +546,15 @@ impl Speculator {
             if g == 0 {
                 continue;
             }
+            let predicted = p
+                .confidence
+                .iter()
+                .take(g)
+                .scan(1.0f64, |reach, &c| {
+                    *reach *= f64::from(c);
+                    Some(*reach)
+                })
+                .sum();
             let Phase::Decoding { next } = running[i].phase else {
                 continue;
             };
@@ -499,9 +568,40 @@ impl Speculator {
             let mut tokens = Vec::with_capacity(g + 1);
             tokens.push(next);
             tokens.extend_from_slice(&p.drafts[..g]);
-            plan[i] = Some(Draft { tokens, q });
+            plan[i] = Some(Draft {
+                tokens,
+                q,
+                predicted,
+            });
         }
         (plan, q)
+    }
+
+    /// The engine ran a decode-only step (no prompt work) of `seqs` sequences and `rows` target
+    /// rows, `round` if they verified drafts, replayed from a graph or not, in `step_secs`
+    /// (the drafter's pass of [`Self::plan`], if one ran, included): the `goodput` policy's
+    /// cost estimates learn from it. A step with prompt work only forgets the pass's time.
+    pub fn observe_step(&mut self, step: Option<(usize, usize, bool, bool)>, step_secs: f64) {
+        let pass = self.last_pass.take();
+        let Some((seqs, rows, round, graph)) = step else {
+            return;
+        };
+        let (drafted, draft_secs) = pass.unwrap_or((0, 0.0));
+        self.goodput.observe(Observed {
+            seqs,
+            drafted,
+            rows,
+            round,
+            graph,
+            draft_secs,
+            step_secs,
+        });
+    }
+
+    /// A sequence's round verified `draft` and accepted `accepted` of its drafts.
+    pub fn observe_round(&mut self, draft: &Draft, accepted: usize) {
+        self.goodput
+            .observe_round(draft.gamma(), accepted, draft.predicted);
     }
 
     /// Writes context rows for the committed rows of a batch (`taps`: the tapped residual

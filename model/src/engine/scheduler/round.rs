@@ -21,7 +21,7 @@ impl Scheduler {
     /// returns the drafter's shared q rows, on the model's backend.
     pub(super) fn plan_drafts(&mut self, budget: usize) -> (Vec<Option<Draft>>, Option<Tensor>) {
         // The drafter runs where the target does, sharing its embedding and LM head.
-        let Some(sp) = self.spec.as_ref() else {
+        let Some(sp) = self.spec.as_mut() else {
             return (Vec::new(), None);
         };
         let model = self.backend.model();
@@ -73,6 +73,9 @@ impl Scheduler {
         s.spec.rounds += 1;
         s.spec.drafted_tokens += draft.gamma() as u64;
         s.spec.accepted_tokens += verified.accepted as u64;
+        if let Some(sp) = self.spec.as_mut() {
+            sp.observe_round(draft, verified.accepted);
+        }
         trace!(
             seq = s.id.0,
             gamma = draft.gamma(),

@@ -1,0 +1,578 @@
+//! The `goodput` verify length: speculate only as much as the measured costs of this engine
+//! say pays, at the batch's current size.
+//!
+//! The confidence head says how likely each draft is to survive; what a draft slot *costs*
+//! depends on the device, the model and the load: on a GPU a verify forward of a few rows per
+//! sequence costs about one decode step at small batches (launch- and weight-bound) and grows
+//! with the rows once the batch is large, while the drafter's pass is a fixed cost per step.
+//! So this policy learns, online, what steps of each shape cost here ([`CostCurve`]s fed by
+//! the engine's own decode-only steps) and how much of what the confidence head promises is
+//! accepted ([`Acceptance`]), and each step picks the option with the most expected tokens per
+//! second (SmartSpec's goodput):
+//!
+//! ```text
+//!  before drafting:  plain rate n / T_plain(n)  vs  max over γ of
+//!                    (n + m·E[accepted | γ]) / (T_draft(m) + T_verify(n + m·γ))
+//!                    (and the whole-block round replayed from a graph, where one exists)
+//!                    → no drafter pass at all when speculation would not pay
+//!  after drafting:   the draft is paid; admit the r most likely slots (cumulative survival,
+//!                    calibrated) maximising (n + Σ survival) / T_verify(n + r), r = 0 being a
+//!                    plain step (T_plain(n)), or the graph round
+//! ```
+//!
+//! `n` is the number of running sequences (each commits at least one token per step), `m` the
+//! number that may draft. Unknown costs are measured, not guessed: while a shape has no
+//! estimate the policy tries it (a plain step, or a round under the confidence rule), and
+//! every [`EXPLORE_EVERY`] steps it tries the option it has been avoiding, so estimates follow
+//! the load. Everything here is pure bookkeeping over numbers the engine hands in: the unit
+//! tests drive it with made-up costs.
+
+/// Steps of one kind after which the policy tries the other once, to keep its estimate fresh.
+pub(crate) const EXPLORE_EVERY: u32 = 64;
+
+/// Weight of a new observation in a cost estimate once it has a few.
+const COST_ALPHA: f64 = 0.1;
+
+/// Weight of a new round in the acceptance estimates.
+const ACCEPT_ALPHA: f64 = 0.02;
+
+/// One bucket of a [`CostCurve`]: the running mean of the sizes and seconds seen in it.
+#[derive(Debug, Clone, Copy)]
+struct Point {
+    x: f64,
+    secs: f64,
+    seen: u32,
+}
+
+/// Seconds a step costs as a function of one size (sequences, or rows of a forward), learned
+/// online: power-of-two buckets, each a running mean of (size, seconds); estimates interpolate
+/// linearly between buckets, are flat below the smallest and grow in proportion above the
+/// largest (pessimistic: an untried larger shape never looks cheap).
+#[derive(Debug, Clone, Default)]
+pub(crate) struct CostCurve {
+    points: Vec<Option<Point>>,
+}
+
+fn bucket(x: usize) -> usize {
+    (usize::BITS - x.max(1).leading_zeros() - 1) as usize
+}
+
+impl CostCurve {
+    /// A step of `size` took `secs`. The first observation of a bucket is kept only until a
+    /// cheaper second one arrives (a first step pays one-off costs: kernel compiles, graph
+    /// captures); later ones move the mean by [`COST_ALPHA`], an outlier (over 3× the
+    /// estimate) counting as 3×.
+    pub fn record(&mut self, size: usize, secs: f64) {
+        if size == 0 || !secs.is_finite() || secs <= 0.0 {
+            return;
+        }
+        let b = bucket(size);
+        if self.points.len() <= b {
+            self.points.resize(b + 1, None);
+        }
+        let x = size as f64;
+        self.points[b] = Some(match self.points[b] {
+            None => Point { x, secs, seen: 1 },
+            Some(p) if p.seen == 1 => {
+                if secs < p.secs {
+                    Point { x, secs, seen: 2 }
+                } else {
+                    Point { seen: 2, ..p }
+                }
+            }
+            Some(p) => {
+                let secs = secs.min(3.0 * p.secs);
+                Point {
+                    x: p.x + COST_ALPHA * (x - p.x),
+                    secs: p.secs + COST_ALPHA * (secs - p.secs),
+                    seen: p.seen.saturating_add(1),
+                }
+            }
+        });
+    }
+
+    /// Whether `size` has an estimate of its own: a measured bucket, or measured buckets on
+    /// both sides.
+    pub fn knows(&self, size: usize) -> bool {
+        let b = bucket(size);
+        let at = |i: usize| self.points.get(i).is_some_and(Option::is_some);
+        at(b) || ((0..b).any(at) && (b + 1..self.points.len()).any(at))
+    }
+
+    /// The estimated seconds of a step of `size`; `None` before any observation.
+    pub fn estimate(&self, size: usize) -> Option<f64> {
+        let x = size as f64;
+        let pts: Vec<Point> = self.points.iter().flatten().copied().collect();
+        let first = *pts.first()?;
+        let last = *pts.last()?;
+        if x <= first.x {
+            return Some(first.secs);
+        }
+        if x >= last.x {
+            return Some(last.secs * x / last.x);
+        }
+        let hi = pts.iter().position(|p| p.x >= x)?;
+        let (a, b) = (pts[hi - 1], pts[hi]);
+        let w = (x - a.x) / (b.x - a.x);
+        Some(a.secs + w * (b.secs - a.secs))
+    }
+}
+
+/// What verification has accepted so far: per draft position the conditional acceptance
+/// (a draft reached is accepted), and how the confidence head's promises compare with what
+/// was accepted.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Acceptance {
+    /// Position k (0-based): (drafts reached, running rate).
+    conditional: Vec<Option<f64>>,
+    /// Running sums of accepted drafts and of the survival the head predicted for them.
+    accepted: f64,
+    predicted: f64,
+}
+
+impl Acceptance {
+    /// A round verified `gamma` drafts for which the head predicted `predicted` accepted in
+    /// expectation (the sum of their cumulative survivals), and `accepted` were.
+    pub fn record(&mut self, gamma: usize, accepted: usize, predicted: f64) {
+        if gamma == 0 {
+            return;
+        }
+        if self.conditional.len() < gamma {
+            self.conditional.resize(gamma, None);
+        }
+        // Drafts 0..=accepted were reached (the last of them rejected unless all were taken).
+        for k in 0..gamma.min(accepted + 1) {
+            let hit = if k < accepted { 1.0 } else { 0.0 };
+            let r = &mut self.conditional[k];
+            *r = Some(r.map_or(hit, |v| v + ACCEPT_ALPHA * (hit - v)));
+        }
+        let decay = 1.0 - ACCEPT_ALPHA;
+        self.accepted = self.accepted * decay + accepted as f64;
+        self.predicted = self.predicted * decay + predicted.max(0.0);
+    }
+
+    /// Whether any round has been seen.
+    pub fn known(&self) -> bool {
+        self.conditional.first().is_some_and(Option::is_some)
+    }
+
+    /// The factor that turns the head's cumulative survival into the acceptance observed
+    /// here (1 before any round; bounded so one bad stretch cannot switch speculation off
+    /// for good).
+    pub fn calibration(&self) -> f64 {
+        if self.predicted < 1.0 {
+            return 1.0;
+        }
+        (self.accepted / self.predicted).clamp(0.05, 2.0)
+    }
+
+    /// Expected accepted drafts of a sequence that verifies `gamma`: Σ_{k<γ} Π_{j≤k} a_j
+    /// (positions never reached yet take the last known rate).
+    pub fn expected(&self, gamma: usize) -> f64 {
+        let mut reach = 1.0;
+        let mut sum = 0.0;
+        let mut last = 0.0;
+        for k in 0..gamma {
+            let a = self.conditional.get(k).copied().flatten().unwrap_or(last);
+            last = a;
+            reach *= a;
+            sum += reach;
+        }
+        sum
+    }
+}
+
+/// The shape of a step the engine may run, for the policy.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Shape {
+    /// Running sequences (each commits at least one token).
+    pub seqs: usize,
+    /// Of those, the ones that may draft.
+    pub eligible: usize,
+    /// Drafts per sequence from one drafter pass.
+    pub block: usize,
+    /// Draft slots an eager round may verify (the step's verify budget).
+    pub budget: usize,
+    /// Whether a whole-block round would be replayed from a graph.
+    pub graph: bool,
+}
+
+/// What the policy picked after drafting.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Choice {
+    /// Verify nothing: a plain step.
+    Plain,
+    /// Verify the `r` most likely slots, eagerly.
+    Slots(usize),
+    /// Verify every sequence's whole block (the graph round).
+    WholeBlocks,
+    /// A cost is unknown: verify under the confidence rule, and measure.
+    Explore,
+}
+
+/// How a finished decode-only step looked, for the cost estimates.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Observed {
+    /// Running sequences.
+    pub seqs: usize,
+    /// Sequences that drafted (0: no drafter pass).
+    pub drafted: usize,
+    /// Rows of the target forward.
+    pub rows: usize,
+    /// Whether the rows verified drafts (a round).
+    pub round: bool,
+    /// Whether the forward was replayed from a graph.
+    pub graph: bool,
+    /// Seconds of the drafter pass (0 without one).
+    pub draft_secs: f64,
+    /// Seconds of the whole step.
+    pub step_secs: f64,
+}
+
+/// The `goodput` policy's state: cost curves, acceptance, exploration counters.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Goodput {
+    /// Decode-only steps without drafts, by sequences.
+    plain: CostCurve,
+    /// The drafter pass, by drafting sequences.
+    draft: CostCurve,
+    /// Eager rounds, drafter pass excluded, by rows.
+    verify: CostCurve,
+    /// Whole-block rounds replayed from a graph, drafter pass excluded, by sequences.
+    graph_verify: CostCurve,
+    acceptance: Acceptance,
+    /// Steps since the last drafter pass / the last plain step.
+    since_round: u32,
+    since_plain: u32,
+}
+
+impl Goodput {
+    /// Feeds a finished decode-only step into the cost curves.
+    pub fn observe(&mut self, o: Observed) {
+        if o.drafted > 0 {
+            self.draft.record(o.drafted, o.draft_secs);
+            self.since_round = 0;
+        } else {
+            self.since_round = self.since_round.saturating_add(1);
+        }
+        let rest = o.step_secs - o.draft_secs;
+        match (o.round, o.graph) {
+            (false, _) => {
+                self.plain.record(o.seqs, rest);
+                self.since_plain = 0;
+            }
+            (true, true) => self.graph_verify.record(o.seqs, rest),
+            (true, false) => self.verify.record(o.rows, rest),
+        }
+        if o.round {
+            self.since_plain = self.since_plain.saturating_add(1);
+        }
+    }
+
+    /// Feeds one sequence's verified round into the acceptance estimates.
+    pub fn observe_round(&mut self, gamma: usize, accepted: usize, predicted: f64) {
+        self.acceptance.record(gamma, accepted, predicted);
+    }
+
+    /// The calibration factor for the head's survivals.
+    pub fn calibration(&self) -> f64 {
+        self.acceptance.calibration()
+    }
+
+    /// Whether to run the drafter this step.
+    pub fn should_draft(&self, s: Shape) -> bool {
+        if s.eligible == 0 || s.block == 0 {
+            return false;
+        }
+        // Measure what is unknown, and now and then what has been avoided.
+        if !self.plain.knows(s.seqs) || self.since_plain >= EXPLORE_EVERY {
+            return false;
+        }
+        if self.since_round >= EXPLORE_EVERY {
+            return true;
+        }
+        if !self.acceptance.known() || !self.draft.knows(s.eligible) {
+            return true;
+        }
+        let Some(plain) = self.plain.estimate(s.seqs) else {
+            return true;
+        };
+        let Some(draft) = self.draft.estimate(s.eligible) else {
+            return true;
+        };
+        let n = s.seqs as f64;
+        let m = s.eligible as f64;
+        let plain_rate = n / plain;
+        let mut best = 0.0f64;
+        for gamma in 1..=s.block {
+            let slots = s.eligible * gamma;
+            if slots > s.budget {
+                break;
+            }
+            if let Some(v) = self.verify.estimate(s.seqs + slots) {
+                let tokens = n + m * self.acceptance.expected(gamma);
+                best = best.max(tokens / (draft + v));
+            }
+        }
+        if s.graph && s.eligible == s.seqs {
+            match self.graph_verify.estimate(s.seqs) {
+                Some(v) => {
+                    let tokens = n + m * self.acceptance.expected(s.block);
+                    best = best.max(tokens / (draft + v));
+                }
+                None => return true,
+            }
+        }
+        best > plain_rate
+    }
+
+    /// After drafting: how many of `survival` (every candidate slot's cumulative survival as
+    /// the head predicted it, sorted in decreasing order) to verify.
+    pub fn choose(&self, s: Shape, survival: &[f32]) -> Choice {
+        let Some(plain) = self.plain.estimate(s.seqs) else {
+            return Choice::Explore;
+        };
+        let graph = s.graph && s.eligible == s.seqs && survival.len() == s.seqs * s.block;
+        let eager_known = self.verify.estimate(s.seqs + 1).is_some();
+        if self.since_round >= EXPLORE_EVERY
+            || (graph && !self.graph_verify.knows(s.seqs))
+            || (!graph && !eager_known)
+        {
+            return Choice::Explore;
+        }
+        let cal = self.calibration();
+        let n = s.seqs as f64;
+        let mut best = (Choice::Plain, n / plain);
+        let mut tokens = n;
+        for (r, &p) in survival.iter().take(s.budget).enumerate() {
+            tokens += (f64::from(p) * cal).min(1.0);
+            // Widths never tried are estimated pessimistically (flat below what was seen,
+            // proportional above), so the policy reaches them only when they look worth it.
+            if let Some(t) = self.verify.estimate(s.seqs + r + 1) {
+                if tokens / t > best.1 {
+                    best = (Choice::Slots(r + 1), tokens / t);
+                }
+            }
+        }
+        if graph {
+            if let Some(t) = self.graph_verify.estimate(s.seqs) {
+                let all: f64 = survival
+                    .iter()
+                    .map(|&p| (f64::from(p) * cal).min(1.0))
+                    .sum();
+                if (n + all) / t > best.1 {
+                    best = (Choice::WholeBlocks, (n + all) / t);
+                }
+            }
+        }
+        best.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A device whose decode step costs `base` up to `flat` rows and grows linearly after,
+    /// with a drafter pass of `draft` seconds, fed to the policy as measured steps.
+    fn trained(base: f64, flat: usize, per_row: f64, draft: f64, accept: f64) -> Goodput {
+        let cost = |rows: usize| base + per_row * rows.saturating_sub(flat) as f64;
+        let mut g = Goodput::default();
+        let sizes = [1usize, 2, 4, 8, 16, 32, 64, 128, 256];
+        for n in sizes {
+            for gamma in [1, 2, 4, 8] {
+                g.observe(Observed {
+                    seqs: n,
+                    drafted: n,
+                    rows: n * (1 + gamma),
+                    round: true,
+                    graph: false,
+                    draft_secs: draft,
+                    step_secs: draft + cost(n * (1 + gamma)),
+                });
+            }
+        }
+        // Plain steps last: the policy then has no reason to re-measure them.
+        for n in sizes {
+            for _ in 0..3 {
+                g.observe(Observed {
+                    seqs: n,
+                    drafted: 0,
+                    rows: n,
+                    round: false,
+                    graph: false,
+                    draft_secs: 0.0,
+                    step_secs: cost(n),
+                });
+            }
+        }
+        for _ in 0..200 {
+            // Geometric acceptance at `accept` per position, as the head predicts.
+            let gamma = 8;
+            let mut accepted = 0;
+            let mut x = 0.37f64;
+            while accepted < gamma {
+                x = (x * 7919.0 + 0.1234).fract();
+                if x >= accept {
+                    break;
+                }
+                accepted += 1;
+            }
+            let predicted = (1..=gamma).map(|k| accept.powi(k as i32)).sum();
+            g.observe_round(gamma, accepted, predicted);
+        }
+        g
+    }
+
+    fn survivals(seqs: usize, block: usize, c: f32) -> Vec<f32> {
+        let mut v: Vec<f32> = (0..seqs)
+            .flat_map(|_| (1..=block).map(move |k| c.powi(k as i32)))
+            .collect();
+        v.sort_by(|a, b| b.total_cmp(a));
+        v
+    }
+
+    fn shape(seqs: usize) -> Shape {
+        Shape {
+            seqs,
+            eligible: seqs,
+            block: 8,
+            budget: 64,
+            graph: false,
+        }
+    }
+
+    #[test]
+    fn a_cost_curve_interpolates_and_is_pessimistic_beyond_what_it_saw() {
+        let mut c = CostCurve::default();
+        assert_eq!(c.estimate(4), None);
+        assert!(!c.knows(4));
+        c.record(4, 1.0);
+        c.record(4, 1.0);
+        c.record(16, 3.0);
+        c.record(16, 3.0);
+        assert_eq!(c.estimate(1), Some(1.0));
+        assert!((c.estimate(10).unwrap() - 2.0).abs() < 1e-9);
+        assert!((c.estimate(32).unwrap() - 6.0).abs() < 1e-9);
+        assert!(c.knows(8) && c.knows(16) && !c.knows(64));
+    }
+
+    #[test]
+    fn a_first_expensive_observation_gives_way_to_a_cheaper_second() {
+        let mut c = CostCurve::default();
+        c.record(8, 0.5); // a graph capture
+        c.record(8, 0.001);
+        assert_eq!(c.estimate(8), Some(0.001));
+        for _ in 0..10 {
+            c.record(8, 10.0); // outliers move it by at most 3x per step, weighted
+        }
+        assert!(c.estimate(8).unwrap() < 0.01);
+    }
+
+    #[test]
+    fn acceptance_counts_reached_positions_only() {
+        let mut a = Acceptance::default();
+        assert!(!a.known());
+        for _ in 0..100 {
+            a.record(4, 2, 2.0); // drafts 0, 1 accepted, 2 rejected, 3 never reached
+        }
+        assert!(a.known());
+        assert!((a.expected(2) - 2.0).abs() < 1e-9);
+        assert!(a.expected(4) < 2.0 + 1e-9);
+        assert!((a.calibration() - 1.0).abs() < 1e-9);
+        let mut b = Acceptance::default();
+        for _ in 0..100 {
+            b.record(4, 1, 4.0); // the head promised 4, one came
+        }
+        assert!((b.calibration() - 0.25).abs() < 1e-6);
+    }
+
+    #[test]
+    fn a_launch_bound_device_speculates_at_every_load_it_pays_for() {
+        // Flat cost up to 256 rows (a small model on a GPU): verifying costs nothing extra.
+        let g = trained(1e-3, 256, 1e-5, 0.3e-3, 0.8);
+        assert!(g.should_draft(shape(1)));
+        assert!(g.should_draft(shape(16)));
+        let c = g.choose(shape(16), &survivals(16, 8, 0.8));
+        assert_eq!(c, Choice::Slots(64), "the whole budget pays: {c:?}");
+    }
+
+    #[test]
+    fn a_saturated_device_stops_speculating_when_rows_cost_what_tokens_are_worth() {
+        // Cost grows with every row past 8 (a large batch on a big model): a verified draft
+        // costs a full token's time but is only accepted 30 % of the time.
+        let g = trained(1e-3, 8, 1e-3 / 8.0, 2e-3, 0.3);
+        assert!(
+            !g.should_draft(shape(64)),
+            "plain decoding wins at batch 64"
+        );
+        let c = g.choose(shape(64), &survivals(64, 8, 0.3));
+        assert_eq!(c, Choice::Plain);
+    }
+
+    #[test]
+    fn low_acceptance_switches_drafting_off_even_at_batch_one() {
+        let g = trained(1e-3, 256, 0.0, 0.9e-3, 0.02);
+        assert!(!g.should_draft(shape(1)));
+    }
+
+    #[test]
+    fn the_policy_admits_the_most_likely_slots_when_only_some_pay() {
+        // A step of n rows costs n·c past 32 rows: at batch 16 the first 16 slots are free,
+        // later ones cost 1/16 of a step each; slots survive with 0.9, 0.81, ... per position.
+        let g = trained(16e-4, 32, 1e-4, 0.2e-3, 0.9);
+        let c = g.choose(shape(16), &survivals(16, 8, 0.9));
+        match c {
+            Choice::Slots(r) => assert!((16..64).contains(&r), "{r} slots"),
+            other => panic!("expected some slots, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn unknown_costs_are_measured_before_they_are_trusted() {
+        let g = Goodput::default();
+        // No plain estimate yet: run a plain step first.
+        assert!(!g.should_draft(shape(4)));
+        let mut g = Goodput::default();
+        g.observe(Observed {
+            seqs: 4,
+            drafted: 0,
+            rows: 4,
+            round: false,
+            graph: false,
+            draft_secs: 0.0,
+            step_secs: 1e-3,
+        });
+        g.observe(Observed {
+            seqs: 4,
+            drafted: 0,
+            rows: 4,
+            round: false,
+            graph: false,
+            draft_secs: 0.0,
+            step_secs: 1e-3,
+        });
+        // Plain known, rounds not: draft, and verify under the confidence rule.
+        assert!(g.should_draft(shape(4)));
+        assert_eq!(g.choose(shape(4), &survivals(4, 8, 0.5)), Choice::Explore);
+    }
+
+    #[test]
+    fn an_avoided_option_is_tried_again_now_and_then() {
+        let mut g = trained(1e-3, 8, 1e-3 / 8.0, 2e-3, 0.3);
+        assert!(!g.should_draft(shape(64)));
+        for _ in 0..EXPLORE_EVERY {
+            g.observe(Observed {
+                seqs: 64,
+                drafted: 0,
+                rows: 64,
+                round: false,
+                graph: false,
+                draft_secs: 0.0,
+                step_secs: 1e-3 + 56.0 * 1e-3 / 8.0,
+            });
+        }
+        assert!(g.should_draft(shape(64)));
+        assert_eq!(g.choose(shape(64), &survivals(64, 8, 0.3)), Choice::Explore);
+    }
+}
