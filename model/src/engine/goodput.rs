@@ -91,18 +91,36 @@ impl CostCurve {
         });
     }
 
-    /// Whether `size` has an estimate of its own: a measured bucket, or measured buckets on
-    /// both sides.
+    /// Whether `size` has an estimate of its own: a bucket measured at least twice (the first
+    /// step of a shape may pay a graph capture), or such buckets on both sides.
     pub fn knows(&self, size: usize) -> bool {
         let b = bucket(size);
-        let at = |i: usize| self.points.get(i).is_some_and(Option::is_some);
+        let at = |i: usize| {
+            self.points
+                .get(i)
+                .copied()
+                .flatten()
+                .is_some_and(|p| p.seen >= 2)
+        };
         at(b) || ((0..b).any(at) && (b + 1..self.points.len()).any(at))
     }
 
-    /// The estimated seconds of a step of `size`; `None` before any observation.
+    /// Whether any bucket has been measured at least twice.
+    pub fn measured(&self) -> bool {
+        self.points.iter().flatten().any(|p| p.seen >= 2)
+    }
+
+    /// The estimated seconds of a step of `size`, from buckets measured at least twice;
+    /// `None` before that.
     pub fn estimate(&self, size: usize) -> Option<f64> {
         let x = size as f64;
-        let pts: Vec<Point> = self.points.iter().flatten().copied().collect();
+        let pts: Vec<Point> = self
+            .points
+            .iter()
+            .flatten()
+            .filter(|p| p.seen >= 2)
+            .copied()
+            .collect();
         let first = *pts.first()?;
         let last = *pts.last()?;
         if x <= first.x {
@@ -291,7 +309,12 @@ impl Goodput {
         if self.since_round >= EXPLORE_EVERY {
             return true;
         }
-        if !self.acceptance.known() || !self.draft.knows(s.eligible) {
+        let graph = s.graph && s.eligible == s.seqs;
+        if !self.acceptance.known()
+            || !self.draft.knows(s.eligible)
+            || (graph && !self.graph_verify.knows(s.seqs))
+            || (!graph && !self.verify.measured())
+        {
             return true;
         }
         let Some(plain) = self.plain.estimate(s.seqs) else {
@@ -314,14 +337,9 @@ impl Goodput {
                 best = best.max(tokens / (draft + v));
             }
         }
-        if s.graph && s.eligible == s.seqs {
-            match self.graph_verify.estimate(s.seqs) {
-                Some(v) => {
-                    let tokens = n + m * self.acceptance.expected(s.block);
-                    best = best.max(tokens / (draft + v));
-                }
-                None => return true,
-            }
+        if let Some(v) = self.graph_verify.estimate(s.seqs).filter(|_| graph) {
+            let tokens = n + m * self.acceptance.expected(s.block);
+            best = best.max(tokens / (draft + v));
         }
         best > plain_rate
     }
@@ -333,7 +351,7 @@ impl Goodput {
             return Choice::Explore;
         };
         let graph = s.graph && s.eligible == s.seqs && survival.len() == s.seqs * s.block;
-        let eager_known = self.verify.estimate(s.seqs + 1).is_some();
+        let eager_known = self.verify.measured();
         if self.since_round >= EXPLORE_EVERY
             || (graph && !self.graph_verify.knows(s.seqs))
             || (!graph && !eager_known)
