@@ -116,8 +116,8 @@ class Prompts:
 # ---------------------------------------------------------------- the cluster
 
 
-# Arms with the drafter: `spec` verifies as `--verify-len` says (DSpark's confidence-scheduled
-# length by default); `spec_fixed` is the same cluster with a fixed verify length
+# Arms with the drafter: `spec` verifies as `--verify-len` says (`goodput` by default: the
+# confidence head against the engine's measured costs); `spec_fixed` is the same cluster with a fixed verify length
 # (`--fixed-verify-len`), the comparison issue 15's item 3 asks for. It runs only at
 # `--fixed-concurrency`, greedy, on half an arm's share of the budget.
 SPEC_ARMS = ("spec", "spec_fixed")
@@ -490,7 +490,7 @@ def markdown(report: dict) -> str:
               f"{pk.get('plain_peak_at')}), spec {fmt(pk.get('spec_peak_aggregate_tok_s'))} tok/s (c = "
               f"{pk.get('spec_peak_at')}): **{fmt(pk.get('peak_aggregate_ratio'), 2)}×**.", ""]
     if "spec_fixed" in report["arms"]:
-        L += [f"### Verify length: confidence-scheduled (`{s['verify_len']}`) against fixed "
+        L += [f"### Verify length: `{s['verify_len']}` against fixed "
               f"(`{s['fixed_verify_len']}`), greedy", "",
               "| c | plain agg tok/s | fixed agg tok/s | confidence agg tok/s | **confidence / fixed** |"
               " fixed τ | confidence τ | fixed drafts / round | confidence drafts / round |",
@@ -569,7 +569,7 @@ def main() -> int:
     p.add_argument("--kv-blocks", type=int, default=4096)
     p.add_argument("--prefill-workers", type=int, default=1)
     p.add_argument("--gpu-mode", default="fast")
-    p.add_argument("--verify-len", default="confidence:0.3")
+    p.add_argument("--verify-len", default="goodput")
     p.add_argument("--max-verify-tokens", type=int, default=64)
     p.add_argument("--fixed-verify-len", default="fixed:4", help="the spec_fixed arm's --verify-len")
     p.add_argument("--fixed-concurrency", default="1,16,64", help="the spec_fixed arm's levels (greedy only)")

@@ -246,7 +246,7 @@ if b.exists():
         if not sp["per_level"]:
             continue
         lv = " ".join(f"c{x['concurrency']}:{x['aggregate']}x" for x in sp["per_level"])
-        print(f"summary: bench T={t}: confidence-scheduled / fixed verify length, aggregate {lv}")
+        print(f"summary: bench T={t}: spec arm / fixed verify length, aggregate {lv}")
 EOF
 }
 

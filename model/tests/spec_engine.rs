@@ -187,6 +187,32 @@ impl<D: Drafter> Drafter for Breaks<D> {
     }
 }
 
+/// `--verify-len goodput` changes how many drafts are verified, never the output: greedy
+/// requests give the golden text. Its first decisions follow from what it has measured, not
+/// from timings (plain steps until a plain step's cost is known twice, then rounds until a
+/// round's is), so this engine verifies rounds whatever the machine's speed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn goodput_verify_length_keeps_greedy_output_and_speculates_to_measure() {
+    let model = target();
+    let drafter = dspark(&model);
+    let e = EngineHandle::spawn_with(
+        model,
+        Some(Box::new(drafter)),
+        config(128, 64, VerifyLen::Goodput),
+    )
+    .unwrap();
+    let gens: Vec<_> = (0..3)
+        .map(|i| e.generate(job(golden_case(i).0, 32, greedy())).unwrap())
+        .collect();
+    for (i, g) in gens.into_iter().enumerate() {
+        let (toks, end, _) = collect(g).await;
+        assert_eq!(end, Ok(FinishReason::Length));
+        assert_eq!(toks, golden_case(i).1, "request {i} under goodput");
+    }
+    let s = e.stats().await.unwrap();
+    assert!(s.spec_rounds > 0, "goodput measures rounds: {s:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dspark_greedy_output_equals_plain_decoding() {
     let model = target();

@@ -641,9 +641,11 @@ mod tests {
             "confidence:0.5".parse::<VerifyLen>(),
             Ok(VerifyLen::Confidence { min_survival: 0.5 })
         );
+        assert_eq!("goodput".parse::<VerifyLen>(), Ok(VerifyLen::Goodput));
+        assert!("goodput:1".parse::<VerifyLen>().is_err());
         assert!("confidence:2".parse::<VerifyLen>().is_err());
         assert!("sometimes".parse::<VerifyLen>().is_err());
-        for v in [VerifyLen::Fixed(4), VerifyLen::default()] {
+        for v in [VerifyLen::Fixed(4), VerifyLen::default(), VerifyLen::Goodput] {
             assert_eq!(v.to_string().parse::<VerifyLen>(), Ok(v));
         }
     }
