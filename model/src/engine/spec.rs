@@ -39,6 +39,7 @@ use ferry_kernels::backend::{Backend, Tensor};
 
 use super::goodput::{Choice, Goodput, Observed, Shape};
 use super::sequence::{round_uniforms, Phase, Sequence};
+use super::SeqId;
 use crate::deepseek::DeepseekModel;
 use crate::drafter::{
     ContextRows, ContextSegment, DraftCtx, DraftDist, DraftInput, DraftKvLayout, Drafter, Proposals,
@@ -172,7 +173,33 @@ pub(crate) struct Speculator {
     goodput: Goodput,
     /// The last drafter pass: sequences and seconds, until the engine reports the step.
     last_pass: Option<(usize, f64)>,
+    /// Under `goodput`: committed rows of plain steps whose drafter context is written later.
+    deferred: Deferred,
 }
+
+/// Committed rows of plain decode steps whose drafter context is not written yet.
+///
+/// Under `goodput` a step that does not speculate should cost what a plain engine's step
+/// costs, but every committed row must become drafter context before its sequence drafts
+/// again. So a plain decode step only copies its tapped rows here (one copy per tap layer), and
+/// the context of all of them is written in one pass right before the next drafter pass that
+/// needs it, before any step that writes context itself, or when the buffer is full. Rows of a
+/// sequence that ended before then are dropped: its blocks are marked stale from its written
+/// context on, as for any gap.
+#[derive(Default)]
+struct Deferred {
+    /// Per tap layer, `[capacity rows][hidden]` on the model's backend (allocated on first use).
+    taps: Vec<Tensor>,
+    /// Rows held.
+    rows: usize,
+    /// Rows the buffers hold at most.
+    capacity: usize,
+    /// (sequence, first position, first row here, rows).
+    segments: Vec<(SeqId, usize, usize, usize)>,
+}
+
+/// Bytes the deferred taps may hold (the rows of many plain steps of a large batch).
+const DEFERRED_BYTES: usize = 64 << 20;
 
 impl Speculator {
     /// A speculator for an engine whose target pool has geometry `target` and whose model
@@ -202,6 +229,7 @@ impl Speculator {
             fixed_width,
             goodput: Goodput::default(),
             last_pass: None,
+            deferred: Deferred::default(),
         })
     }
 
@@ -389,12 +417,13 @@ impl Speculator {
                 left.min(ctx).min(block)
             })
             .collect();
-        let eligible: Vec<usize> = (0..running.len())
+        // Rows whose context is deferred count as written: they are, before any drafting.
+        let mut eligible: Vec<usize> = (0..running.len())
             .filter(|&i| {
                 let s = &running[i];
                 s.speculative
                     && room[i] > 0
-                    && s.draft_ctx == s.table.len()
+                    && s.draft_ctx + self.deferred_rows(s.id) == s.table.len()
                     && matches!(s.phase, Phase::Decoding { .. })
             })
             .collect();
@@ -418,6 +447,15 @@ impl Speculator {
         let goodput = self.config.verify_len == VerifyLen::Goodput;
         if goodput && !self.goodput.should_draft(shape) {
             return (plan, None);
+        }
+        if self.deferred.rows > 0 {
+            if let Err(e) = self.flush(model, running) {
+                tracing::warn!(error = %e, "writing deferred drafter context failed; those sequences stop speculating");
+            }
+            eligible.retain(|&i| running[i].draft_ctx == running[i].table.len());
+            if eligible.is_empty() {
+                return (plan, None);
+            }
         }
         let uniforms: Vec<Vec<f64>> = eligible
             .iter()
@@ -598,6 +636,115 @@ impl Speculator {
         });
     }
 
+    /// Rows of sequence `id` whose drafter context is deferred.
+    fn deferred_rows(&self, id: SeqId) -> usize {
+        self.deferred
+            .segments
+            .iter()
+            .filter(|s| s.0 == id)
+            .map(|s| s.3)
+            .sum()
+    }
+
+    /// Whether this engine defers the context of plain steps (`goodput`).
+    pub fn defers(&self) -> bool {
+        self.config.verify_len == VerifyLen::Goodput && self.kv.is_some()
+    }
+
+    /// Keeps a plain decode step's committed rows for later (see [`Deferred`]): `taps` are the
+    /// step's tapped rows (`[rows][hidden]` per tap layer, every row of the step), `segments`
+    /// (sequence, first position, first row, rows) the committed ones. Returns `false` when
+    /// they do not fit; the caller then writes the context now.
+    pub fn defer(
+        &mut self,
+        backend: &Backend,
+        hidden: usize,
+        taps: &[Tensor],
+        segments: &[(SeqId, usize, usize, usize)],
+    ) -> Result<bool, ModelError> {
+        let hidden = hidden.max(1);
+        let rows = taps.first().map_or(0, |t| t.len() / hidden);
+        if taps.iter().any(|t| t.len() != rows * hidden) {
+            return Ok(false);
+        }
+        let d = &mut self.deferred;
+        if d.taps.is_empty() {
+            let per_row = hidden * taps.len().max(1) * std::mem::size_of::<f32>();
+            d.capacity = (DEFERRED_BYTES / per_row).max(rows);
+            d.taps = taps
+                .iter()
+                .map(|_| backend.scratch(d.capacity * hidden))
+                .collect::<Result<_, _>>()?;
+        }
+        if d.rows + rows > d.capacity || d.taps.len() != taps.len() {
+            return Ok(false);
+        }
+        for (src, dst) in taps.iter().zip(&mut d.taps) {
+            backend.copy_into(src, dst, d.rows * hidden)?;
+        }
+        d.segments.extend(
+            segments
+                .iter()
+                .map(|&(id, start, first, n)| (id, start, d.rows + first, n)),
+        );
+        d.rows += rows;
+        Ok(true)
+    }
+
+    /// Writes the deferred rows' context for the sequences still in `running`, in one pass,
+    /// and advances their `draft_ctx`; empties the buffer whatever happens.
+    pub fn flush(
+        &mut self,
+        model: &DeepseekModel,
+        running: &mut [Sequence],
+    ) -> Result<(), ModelError> {
+        let segments = std::mem::take(&mut self.deferred.segments);
+        self.deferred.rows = 0;
+        let Some(kv) = self.kv.as_mut() else {
+            return Ok(());
+        };
+        // Only rows that continue a sequence's written context (in order) are written.
+        let mut ctx: HashMap<SeqId, (usize, usize)> = running
+            .iter()
+            .enumerate()
+            .map(|(i, s)| (s.id, (i, s.draft_ctx)))
+            .collect();
+        let mut keep = Vec::new();
+        for &(id, start, first, n) in &segments {
+            if let Some((i, at)) = ctx.get_mut(&id) {
+                if *at == start {
+                    *at += n;
+                    keep.push((*i, start, first, n));
+                }
+            }
+        }
+        if keep.is_empty() {
+            return Ok(());
+        }
+        let segs: Vec<ContextSegment<'_>> = keep
+            .iter()
+            .map(|&(i, start, first, n)| ContextSegment {
+                block_table: running[i].table.blocks(),
+                start_pos: start,
+                first_row: first,
+                rows: n,
+            })
+            .collect();
+        self.drafter.extend_context(
+            model,
+            kv,
+            &ContextRows {
+                taps: &self.deferred.taps,
+                segments: &segs,
+            },
+        )?;
+        drop(segs);
+        for (i, _, _, n) in keep {
+            running[i].draft_ctx += n;
+        }
+        Ok(())
+    }
+
     /// A sequence's round verified `draft` and accepted `accepted` of its drafts.
     pub fn observe_round(&mut self, draft: &Draft, accepted: usize) {
         self.goodput
@@ -645,7 +792,11 @@ mod tests {
         assert!("goodput:1".parse::<VerifyLen>().is_err());
         assert!("confidence:2".parse::<VerifyLen>().is_err());
         assert!("sometimes".parse::<VerifyLen>().is_err());
-        for v in [VerifyLen::Fixed(4), VerifyLen::default(), VerifyLen::Goodput] {
+        for v in [
+            VerifyLen::Fixed(4),
+            VerifyLen::default(),
+            VerifyLen::Goodput,
+        ] {
             assert_eq!(v.to_string().parse::<VerifyLen>(), Ok(v));
         }
     }

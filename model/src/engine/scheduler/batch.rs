@@ -349,7 +349,9 @@ impl Scheduler {
         }
         // Before anything is released: the committed rows become drafter context, and prefill
         // jobs ship it.
-        let mut draft_errors = self.extend_drafter(&committed, &taps);
+        let plain_decode =
+            drafts.iter().all(Option::is_none) && work.iter().all(|w| matches!(w, Work::Decode(_)));
+        let mut draft_errors = self.extend_drafter(&committed, &taps, plain_decode);
         // Remove from the highest index down so earlier indices stay valid.
         finished_running.sort_by_key(|e| std::cmp::Reverse(e.0));
         for (i, r) in finished_running {

@@ -95,17 +95,42 @@ impl Scheduler {
 
     /// Turns the rows a batch committed into drafter context (sequences whose context was
     /// complete so far; prefill jobs always) and ships prefill jobs' drafter layers. Returns the
-    /// prefill jobs whose drafter shipping failed.
+    /// prefill jobs whose drafter shipping failed. A plain decode step (`plain_decode`: no
+    /// drafts, no prompt work) of an engine that defers (`goodput`) only keeps its rows for
+    /// later; any other step first writes what was kept.
     pub(super) fn extend_drafter(
         &mut self,
         committed: &[(Owner, usize, usize, usize)],
         taps: &[Tensor],
+        plain_decode: bool,
     ) -> HashMap<usize, String> {
         let mut errors = HashMap::new();
         let Some(sp) = self.spec.as_mut() else {
             return errors;
         };
         let model = self.backend.model();
+        if plain_decode && sp.defers() {
+            let segments: Option<Vec<_>> = committed
+                .iter()
+                .map(|&(owner, start, first, rows)| match owner {
+                    Owner::Running(i) => Some((self.running[i].id, start, first, rows)),
+                    _ => None,
+                })
+                .collect();
+            if let Some(segments) = segments {
+                let hidden = model.config().hidden_size;
+                match sp.defer(model.backend(), hidden, taps, &segments) {
+                    Ok(true) => return errors,
+                    Ok(false) => {}
+                    Err(e) => {
+                        warn!(error = %e, "keeping drafter context rows for later failed; writing them now");
+                    }
+                }
+            }
+        }
+        if let Err(e) = sp.flush(model, &mut self.running) {
+            warn!(error = %e, "writing deferred drafter context failed; those sequences stop speculating");
+        }
         let page = self.kv.page_size();
         let mut keep = Vec::with_capacity(committed.len());
         let mut segments = Vec::with_capacity(committed.len());
