@@ -105,12 +105,16 @@ class Prompts:
     def take(self) -> tuple[int, list[int]]:
         k = self.next
         self.next += 1
+        return k, self.ids_for(k)
+
+    def ids_for(self, k: int) -> list[int]:
+        """The prompt of serial `k` (what `take` gives the k-th time after a reset)."""
         row = self.rows[k % len(self.rows)]
         use = k // len(self.rows)
         ids = row[use : use + self.tokens]
         if len(ids) < self.tokens:  # a row used more times than it has spare tokens
             ids = row[-self.tokens :]
-        return k, ([self.bos] if self.bos is not None else []) + ids
+        return ([self.bos] if self.bos is not None else []) + ids
 
 
 # ---------------------------------------------------------------- the cluster
@@ -327,10 +331,16 @@ def one_request(host: str, port: int, body: dict, timeout: float) -> dict:
 
 
 def run_level(cl: Cluster, prompts: Prompts, c: int, n: int, temp: float, out_tokens: int,
-              deadline: float, args, texts: dict) -> dict:
+              deadline: float, args, texts: dict, serials: list[int] | None = None) -> dict:
+    """One closed-loop level: n requests by c clients (the next prompts, or the prompts of
+    `serials` when given)."""
     jobs = []
     for i in range(n):
-        k, ids = prompts.take()
+        if serials is not None:
+            k = serials[i]
+            ids = prompts.ids_for(k)
+        else:
+            k, ids = prompts.take()
         body = {"model": cl.model_name, "prompt": ids, "max_tokens": out_tokens,
                 "temperature": temp, "ignore_eos": True}
         if temp > 0:
@@ -391,8 +401,29 @@ def run_level(cl: Cluster, prompts: Prompts, c: int, n: int, temp: float, out_to
         "tokens_from_rounds_share": r3((accepted + rounds) / tokens if tokens and rounds else None),
         "prefills": {m.split(":", 1)[1]: int(v) for m, v in d.items()
                      if m.startswith("ferry_prefills_total:") and v},
+        "serials": [k for k, _ in jobs],
     }
     return level
+
+
+def probe_batch_identity(cl: Cluster, prompts: Prompts, a: dict, tkey: str, deadline: float,
+                         args, report: dict) -> None:
+    """Plain decoding against itself: the first `--identity-probe` greedy prompts of the
+    largest concurrency level that ran, again one at a time. A bf16 forward's rows depend on
+    the batch's shape (GEMV vs GEMM, split-K), so near-ties can flip; how often that parts the
+    plain texts is the floor for the plain-vs-speculative identity at that level."""
+    levels = [l for l in a["results"].get(tkey, []) if l.get("ok") and l.get("serials")]
+    if not levels:
+        return
+    big = max(levels, key=lambda l: l["concurrency"])
+    serials = [k for k in big["serials"] if str(k) in a["greedy_texts"] or k in a["greedy_texts"]]
+    serials = serials[: args.identity_probe]
+    texts: dict = {}
+    run_level(cl, prompts, 1, len(serials), 0.0, args.output_tokens, deadline, args, texts, serials)
+    same = sum(1 for k in serials if k in texts and texts[k] == a["greedy_texts"].get(k))
+    report["plain_batch_identity"] = {"concurrency": big["concurrency"], "compared": len(texts),
+                                      "identical": same}
+    log(f"plain: greedy texts at c={big['concurrency']} vs alone: {same} of {len(texts)} identical")
 
 
 # ---------------------------------------------------------------- report
@@ -436,8 +467,16 @@ def speedups(report: dict) -> None:
     plain, spec = arms.get("plain", {}), arms.get("spec", {})
     pt, st = plain.get("greedy_texts", {}), spec.get("greedy_texts", {})
     common = set(pt) & set(st)
+    per_level = []
+    tkey = report["settings"]["temperature_keys"][0] if report["settings"]["temperature_keys"] else None
+    for lv in spec.get("results", {}).get(tkey, []) if tkey == "0" else []:
+        ks = [k for k in lv.get("serials", []) if k in common]
+        if ks:
+            per_level.append({"concurrency": lv["concurrency"], "compared": len(ks),
+                              "identical": sum(1 for k in ks if pt[k] == st[k])})
     report["greedy_identity"] = {"compared": len(common),
-                                 "identical": sum(1 for k in common if pt[k] == st[k])}
+                                 "identical": sum(1 for k in common if pt[k] == st[k]),
+                                 "per_level": per_level}
 
 
 def fmt(x, nd=1) -> str:
@@ -507,8 +546,15 @@ def markdown(report: dict) -> str:
                      f"{fmt(f.get('drafts_verified_per_round'), 2)} | {fmt(q.get('drafts_verified_per_round'), 2)} |")
         L.append("")
     g = report.get("greedy_identity", {})
+    by = ", ".join(f"{x['identical']}/{x['compared']} at c = {x['concurrency']}" for x in g.get("per_level", []))
     L += [f"Greedy identity: {g.get('identical')} of {g.get('compared')} greedy requests gave the same"
-          " text plain and speculative.", "",
+          " text plain and speculative" + (f" ({by})" if by else "") + "."]
+    pb = report.get("plain_batch_identity")
+    if pb:
+        L += [f"Plain against itself: {pb['identical']} of {pb['compared']} greedy prompts of the c = "
+              f"{pb['concurrency']} level gave the same text again alone (batch-shape numerics: the floor"
+              " for the identity above)."]
+    L += ["",
           "Per-stream tok/s: (output tokens − 1) / (last chunk − first chunk), mean over requests;"
           " aggregate: output tokens / wall of the level; TPOT: (last chunk − first chunk) / (output"
           " tokens − 1), mean over requests; ITL: gaps between streamed chunks, over all requests (the"
@@ -572,6 +618,9 @@ def main() -> int:
     p.add_argument("--verify-len", default="goodput")
     p.add_argument("--max-verify-tokens", type=int, default=64)
     p.add_argument("--fixed-verify-len", default="fixed:4", help="the spec_fixed arm's --verify-len")
+    p.add_argument("--identity-probe", type=int, default=16,
+                   help="plain arm: re-run this many greedy prompts of its largest level one at a "
+                        "time and compare the texts (batch-shape numerics; 0: off)")
     p.add_argument("--fixed-concurrency", default="1,16,64", help="the spec_fixed arm's levels (greedy only)")
     p.add_argument("--up-args", default="", help="more `ferry up` flags, both arms")
     p.add_argument("--seconds", type=float, default=480, help="budget of the whole run")
@@ -691,6 +740,9 @@ def main() -> int:
                         f"ITL p50 {lv['itl_ms_p50']} ms, tau {lv['tau']}, drafts/round {lv['drafts_verified_per_round']}"
                         + (f", errors {lv['errors']}" if lv["errors"] else ""))
                     save()
+            if arm == "plain" and args.identity_probe > 0 and temps and temps[0] == 0.0:
+                probe_batch_identity(cl, prompts, a, tkeys[0], arm_deadline, args, report)
+                save()
         except Exception as e:  # noqa: BLE001 — a failed arm is recorded, the next one still runs
             a["error"] = f"{type(e).__name__}: {e}"
             a["log_tail"] = cl.log_tail()
