@@ -57,17 +57,30 @@ if [ "$PRESET" = tiny ]; then
   DRAFTER_SECONDS=${DRAFTER_SECONDS:-60}
   PROMPT_TOKENS=${PROMPT_TOKENS:-64}
   # A drafter run sized for a CPU: minutes, not hours (the data and the loop scale down together).
+  # The h200 preset's shape at the tiny scale: a long part of 64-token prompts (PROMPT_TOKENS)
+  # with a 32-token tail, anchors from position 24.
   DRAFTER_PRESET="--drafter-steps 40 --drafter-batch 16 --drafter-anchors 8 --drafter-seqs 128
     --drafter-eval-seqs 16 --drafter-seq-len 80 --drafter-prompt-lens 8,16 --drafter-gen-batch 128
     --drafter-eval-every 20 --drafter-eval-batch 8 --drafter-eval-stride 4 --drafter-calib-steps 20
-    --drafter-log-every 10 --drafter-corpus-mb 1"
+    --drafter-log-every 10 --drafter-corpus-mb 1 --drafter-pack-splits
+    --drafter-long-prompt-lens 64 --drafter-long-seq-len 96 --drafter-long-seqs 32
+    --drafter-long-eval-seqs 8 --drafter-anchor-from 24"
 else
   TARGET_MINUTES=${TARGET_MINUTES:-6}
   DRAFTER_SECONDS=${DRAFTER_SECONDS:-200}
   PROMPT_TOKENS=${PROMPT_TOKENS:-1024}
-  # The embedded drafter's H200 settings (BENCHMARKS.md), with half the sequences: this target's
-  # greedy continuations cost ~20x the tiny one's.
-  DRAFTER_PRESET="--drafter-seqs 8192 --drafter-gen-batch 2048"
+  # Serving-shaped data (docs/spec_decode.md, "The drafter against it"): the short part (greedy
+  # continuations of 16- and 64-token prompts to 192 tokens; 3,584 + 2 x 256 held out, one generate
+  # call of 2,048 per prompt length: 304 generated steps) and a long part (1,024-token corpus
+  # prompts, PROMPT_TOKENS, + 64 greedy tokens; 336 + 2 x 72 held out in 2 calls of 240: 128
+  # steps); anchors from position 512, a quarter of each step's sequences long, half of their
+  # anchors in the tail. Checkpoint choice and confidence calibration on the long validation
+  # tail. Estimated data ~2 min (HF generate ~0.26 s per step as measured at 2048 x 192).
+  DRAFTER_PRESET="--drafter-seqs 3584 --drafter-eval-seqs 256 --drafter-seq-len 192
+    --drafter-prompt-lens 16,64 --drafter-gen-batch 2048 --drafter-pack-splits
+    --drafter-long-prompt-lens 1024 --drafter-long-seq-len 1088 --drafter-long-seqs 336
+    --drafter-long-eval-seqs 72 --drafter-long-gen-tokens 262144 --drafter-anchor-from 512
+    --drafter-long-share 0.25 --drafter-long-tail-share 0.5"
 fi
 DRAFTER_ARGS=${DRAFTER_ARGS:-}
 DEVICE_ARG=()
@@ -175,11 +188,14 @@ stage_verifycost() {
   fi
   set +u; source scripts/gpu_env.sh; set -u
   # The trained pair's held-out τ for every k up to its block B: from the conditional acceptance
-  # per position c_j (train_drafter.py's greedy evaluation), τ(k) = 1 + Σ_{j<k} Π_{i≤j} c_i.
+  # per position c_j (train_drafter.py's greedy evaluation; the serving-shaped test when the
+  # report has one), τ(k) = 1 + Σ_{j<k} Π_{i≤j} c_i.
   if [ -f "$RUN/drafter/train_report.json" ]; then
     local pairs
     pairs=$("$PY" -c 'import json,sys
-c = json.load(open(sys.argv[1]))["test_after"]["conditional_acceptance_per_position"]
+r = json.load(open(sys.argv[1]))
+ev = (r.get("serving_shaped") or {}).get("test_after") or r["test_after"]
+c = ev["conditional_acceptance_per_position"]
 tau, reach, out = 1.0, 1.0, []
 for k, ck in enumerate(c, 1):
     reach *= ck; tau += reach; out.append(f"{k}:{min(tau, k + 1):.3f}")
@@ -223,6 +239,20 @@ if d.exists():
           f"{cfg['target_layer_ids']}: held-out acceptance length {a['acceptance_length_fixed_B']:.3f} "
           f"(gamma = B), {a['confidence_0.3_acceptance_length']:.3f} under confidence:0.3; match per "
           f"position {a['match_rate_per_position']}; {r['total_seconds']:.0f}s")
+    for part, regions in (r.get("test_after_by_part") or {}).items():
+        for region, e in regions.items():
+            if e is None:
+                continue
+            print(f"summary: drafter test, {part} data, {region} region: acceptance length "
+                  f"{e['acceptance_length_fixed_B']:.3f} (gamma = B), "
+                  f"{e['confidence_0.3_acceptance_length']:.3f} under confidence:0.3; conditional "
+                  f"{e['conditional_acceptance_per_position']} ({e['blocks']} blocks)")
+    s = (r.get("serving_shaped") or {}).get("test_after")
+    if s:
+        print(f"summary: drafter serving-shaped held-out τ (prompt {r['serving_shaped']['prompt_lens']} "
+              f"+ greedy tail to {r['serving_shaped']['seq_len']}): {s['acceptance_length_fixed_B']:.3f} "
+              f"at gamma = B; data {r['data_seconds']:.0f}s, {r['steps_run']} steps, device memory "
+              f"peak {(r.get('device_memory_peak_gb') or {}).get('all')} GB")
 for f in sorted((run / "logs").glob("check_*.txt")):
     print(f"summary: {f.name}: {f.read_text()[:100]!r}")
 v = run / "bench" / "verify_cost.json"

@@ -24,7 +24,8 @@ Stages (each can be run alone):
              the same, with the drafter TRAINED against the frozen target (scripts/train_drafter.py:
              the target's greedy continuations of corpus prompts, random anchors, CE + KL to the
              target, confidence head by BCE), a held-out acceptance estimate in the log and in
-             DRAFTER_OUT/train_report.json; runs on --device (default cuda if present)
+             DRAFTER_OUT/train_report.json; runs on --device (default cuda if present);
+             --drafter-long-* and --drafter-anchor-from add serving-shaped long contexts
                                                                               -> DRAFTER_OUT/
 
 Typical use (the training stage is fast on a GPU, minutes on a CPU):
@@ -629,6 +630,29 @@ def add_train_drafter_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--drafter-taps", default="", help="derived config: target layers tapped, e.g. 1,9,17")
     g.add_argument("--drafter-corpus-mb", type=float, default=16.0,
                    help="corpus directory (scripts/make_corpus.py): MB of train text to draw prompts from")
+    # Serving-shaped data (docs/spec_decode.md, "The drafter against it"): anchors inside the
+    # prompt, and a second data part of long corpus prompts with a short generated tail.
+    g.add_argument("--drafter-anchor-from", type=int, default=-1,
+                   help="anchors from this position on, inside the prompt too (labels only where the "
+                        "text follows the target's greedy chain); -1: from the last prompt position")
+    g.add_argument("--drafter-pack-splits", action="store_true",
+                   help="generate the train, validation and test prompts of one length in shared "
+                        "generate calls (fewer generated steps; the long part always does)")
+    g.add_argument("--drafter-long-prompt-lens", default="",
+                   help="long part: corpus prompt lengths, e.g. 1024 (empty: no long part)")
+    g.add_argument("--drafter-long-seq-len", type=int, default=1088,
+                   help="long part: prompt + greedy tail")
+    g.add_argument("--drafter-long-seqs", type=int, default=336, help="long part: training sequences")
+    g.add_argument("--drafter-long-eval-seqs", type=int, default=72,
+                   help="long part: held-out sequences, each for validation and for test")
+    g.add_argument("--drafter-long-share", type=float, default=0.25,
+                   help="long part: share of each step's --drafter-batch sequences")
+    g.add_argument("--drafter-long-tail-share", type=float, default=0.5,
+                   help="long part: share of a sequence's anchors in the generated tail (the others "
+                        "in the prompt from --drafter-anchor-from on)")
+    g.add_argument("--drafter-long-gen-tokens", type=int, default=262144,
+                   help="long part: at most this many tokens (sequences x seq len) per generate call; "
+                        "the sequences per call are min(--drafter-gen-batch, this / seq len)")
 
 
 STAGES = ["corpus", "tokenizer", "train", "golden", "drafter", "train-drafter"]
