@@ -18,9 +18,11 @@
 #             models/dummy/v2-lite-drafter's size: decode step, verify forward of k + 1 rows and
 #             drafter pass per batch; the speed-up at the trained pair's held-out τ computed from
 #             them                                               -> $RUN/bench/verify_cost.json
+#   cpu       the same pair on the GPU machine's CPU cores: `ferry bench-engine --speculative
+#             --device cpu` under goodput and confidence:0.3        -> $RUN/bench/cpu_spec.json
 #   summary   the numbers of every report so far
 # Chains:
-#   all       target drafter prompts check bench verifycost summary (longer than one device command)
+#   all       target drafter prompts check bench verifycost cpu summary (longer than one device command)
 #   start     `all` in the background (setsid: it outlives the device command), then `wait`
 #   wait      follow the background run for at most $WAIT_SECONDS (default 570), then summary;
 #             call it again (within the machine's 30 s warm window) until it says "finished"
@@ -213,6 +215,35 @@ print(",".join(out))' "$RUN/drafter/train_report.json" 2>/dev/null || echo "")
     --json "$RUN/bench/verify_cost.json" 2>&1 | tee "$RUN/bench/verify_cost.md"
 }
 
+stage_cpu() {
+  # Issue 15's "CPU figures re-measured with the new pair": the GPU machine's own CPU cores (the
+  # weights exist only in this lease), plain against speculative in one command per policy.
+  local ferry
+  ferry=$(ferry_bin)
+  if [ -z "$ferry" ]; then echo "lease: cpu skipped: no ferry binary"; return; fi
+  mkdir -p "$RUN/bench"
+  : > "$RUN/bench/cpu_spec.md"
+  local v parts=()
+  for v in ${CPU_VERIFY_LENS:-goodput confidence:0.3}; do
+    local f="$RUN/bench/.cpu_spec_${v%%:*}.json"
+    echo "lease: cpu: ferry bench-engine --speculative --device cpu --verify-len $v" | tee -a "$RUN/bench/cpu_spec.md"
+    timeout "${CPU_SECONDS:-150}" "$ferry" bench-engine --speculative --device cpu --model "$RUN/target" \
+      --drafter "$RUN/drafter" --batch "${CPU_BATCH:-1,4,16}" --prompt-len "${CPU_PROMPT_LEN:-512}" \
+      --decode-steps "${CPU_DECODE_STEPS:-64}" --repeat 1 --verify-len "$v" --json "$f" 2>&1 \
+      | grep '^|' | tee -a "$RUN/bench/cpu_spec.md" || echo "lease: cpu: $v did not finish"
+    [ -f "$f" ] && parts+=("$v=$f")
+  done
+  "$PY" - "$RUN/bench/cpu_spec.json" "$(nproc)" "${parts[@]}" <<'EOF2'
+import json, sys
+out = {"benchmark": "bench-engine --speculative --device cpu, the lease's trained pair", "cpu_cores": int(sys.argv[2]),
+       "policies": {}}
+for arg in sys.argv[3:]:
+    v, f = arg.split("=", 1)
+    out["policies"][v] = json.load(open(f))
+json.dump(out, open(sys.argv[1], "w"), indent=1)
+EOF2
+}
+
 stage_summary() {
   "$PY" - "$RUN" <<'EOF'
 import json, sys
@@ -277,16 +308,31 @@ if b.exists():
             continue
         lv = " ".join(f"c{x['concurrency']}:{x['aggregate']}x" for x in sp["per_level"])
         print(f"summary: bench T={t}: spec arm / fixed verify length, aggregate {lv}")
+c = run / "bench" / "cpu_spec.json"
+if c.exists():
+    r = json.loads(c.read_text())
+    for v, p in r.get("policies", {}).items():
+        lv = " ".join(f"c{x['concurrency']}:{x['spec_tok_s'] / x['plain_tok_s']:.2f}x (tau {x['acceptance_length']:.2f})"
+                      for x in p.get("rows", []) if x.get("plain_tok_s"))
+        print(f"summary: cpu ({r['cpu_cores']} cores) {v}: spec/plain {lv}")
 EOF
 }
 
 copy_out() {
   [ -n "${OUT:-}" ] && [ -d "${OUT:-}" ] || return 0
+  # At most 8 files come back from a device command: the four reports travel as one.
   cp "$RUN/lease.log" "$OUT/" 2>/dev/null || true
-  cp "$RUN/target/train_report.json" "$OUT/target_train_report.json" 2>/dev/null || true
-  cp "$RUN/target/config.json" "$OUT/target_config.json" 2>/dev/null || true
-  cp "$RUN/drafter/train_report.json" "$OUT/drafter_train_report.json" 2>/dev/null || true
-  cp "$RUN/drafter/config.json" "$OUT/drafter_config.json" 2>/dev/null || true
+  "$PY" - "$RUN" "$OUT/lease_reports.json" <<'EOF2' 2>/dev/null || true
+import json, sys
+from pathlib import Path
+run, out = Path(sys.argv[1]), {}
+for key, f in (("target_config", "target/config.json"), ("target_train_report", "target/train_report.json"),
+               ("drafter_config", "drafter/config.json"), ("drafter_train_report", "drafter/train_report.json")):
+    p = run / f
+    if p.exists():
+        out[key] = json.loads(p.read_text())
+Path(sys.argv[2]).write_text(json.dumps(out, indent=1) + "\n")
+EOF2
   mkdir -p "$OUT/bench"
   cp "$RUN"/bench/*.json "$RUN"/bench/*.md "$OUT/bench/" 2>/dev/null || true
 }
@@ -319,9 +365,9 @@ run_stage() {
 [ $# -ge 1 ] || { sed -n 2,40p "$0"; exit 2; }
 for stage in "$@"; do
   case "$stage" in
-    target|drafter|prompts|check|bench|verifycost|summary) run_stage "$stage" ;;
+    target|drafter|prompts|check|bench|verifycost|cpu|summary) run_stage "$stage" ;;
     all)
-      for s in target drafter prompts check bench verifycost summary; do run_stage "$s"; done ;;
+      for s in target drafter prompts check bench verifycost cpu summary; do run_stage "$s"; done ;;
     start)
       if [ -f "$RUN/lease.pid" ] && kill -0 "$(cat "$RUN/lease.pid")" 2>/dev/null; then
         echo "lease: a run is going on already (pid $(cat "$RUN/lease.pid")): following it"
