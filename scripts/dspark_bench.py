@@ -616,7 +616,7 @@ def main() -> int:
     p.add_argument("--prefill-workers", type=int, default=1)
     p.add_argument("--gpu-mode", default="fast")
     p.add_argument("--verify-len", default="goodput")
-    p.add_argument("--max-verify-tokens", type=int, default=64)
+    p.add_argument("--max-verify-tokens", type=int, default=1024)
     p.add_argument("--fixed-verify-len", default="fixed:4", help="the spec_fixed arm's --verify-len")
     p.add_argument("--identity-probe", type=int, default=16,
                    help="plain arm: re-run this many greedy prompts of its largest level one at a "

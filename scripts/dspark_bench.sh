@@ -24,7 +24,8 @@
 #     warm-up, levels; a level that does not fit is recorded as skipped); the hook is killed at
 #     BENCH_SECONDS + BENCH_GRACE (default 120: requests in flight, the last cluster's stop)
 #   BENCH_MAX_RUNNING=128  BENCH_KV_BLOCKS=4096  BENCH_PREFILL_WORKERS=1  BENCH_GPU_MODE=fast
-#   BENCH_VERIFY_LEN=goodput  BENCH_MAX_VERIFY_TOKENS=64  (the spec arm's ferry up flags)
+#   BENCH_VERIFY_LEN=goodput  BENCH_MAX_VERIFY_TOKENS=1024  (the spec arms' ferry up flags: a budget
+#   that lets every one of 128 sequences verify a whole block of 8, so the policy decides, not the cap)
 #   BENCH_UP_ARGS: more `ferry up` flags for both arms   BENCH_WARMUP_TOKENS=16 (0: no warm-up)
 #   BENCH_READY_SECONDS=240  BENCH_REQUEST_SECONDS=180   PY=python3
 set -uo pipefail
@@ -66,7 +67,7 @@ exec timeout -k 20 "$((BENCH_SECONDS + BENCH_GRACE))" "$PY" scripts/dspark_bench
   --prefill-workers "${BENCH_PREFILL_WORKERS:-1}" \
   --gpu-mode "${BENCH_GPU_MODE:-fast}" \
   --verify-len "${BENCH_VERIFY_LEN:-goodput}" \
-  --max-verify-tokens "${BENCH_MAX_VERIFY_TOKENS:-64}" \
+  --max-verify-tokens "${BENCH_MAX_VERIFY_TOKENS:-1024}" \
   --up-args "${BENCH_UP_ARGS:-}" \
   --seconds "$BENCH_SECONDS" \
   --ready-seconds "${BENCH_READY_SECONDS:-240}" \
