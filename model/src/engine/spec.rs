@@ -698,6 +698,10 @@ impl Speculator {
         model: &DeepseekModel,
         running: &mut [Sequence],
     ) -> Result<(), ModelError> {
+        if self.deferred.segments.is_empty() {
+            self.deferred.rows = 0;
+            return Ok(());
+        }
         let segments = std::mem::take(&mut self.deferred.segments);
         self.deferred.rows = 0;
         let Some(kv) = self.kv.as_mut() else {
