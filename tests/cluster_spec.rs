@@ -154,6 +154,35 @@ async fn speculative_cluster_equals_plain(extra: &[&str]) {
     cluster.assert_kv_blocks_released().await;
 }
 
+/// `--verify-len goodput` through `ferry up`'s decode worker: the flag reaches the engine, the
+/// output is plain decoding's, prefilled locally or remotely (the remote prompt's drafter
+/// context arrives with its KV; later plain steps defer theirs), and the worker speculates —
+/// goodput's first rounds measure what a round costs, whatever this machine's speed.
+#[tokio::test]
+async fn goodput_verify_length_through_the_cluster_keeps_the_output() {
+    let (short, long) = (cluster::short_prompt(), cluster::long_prompt());
+    let short_ref = plain_generate(&short).await;
+    let long_ref = plain_generate(&long).await;
+    let metrics = free_addr();
+    let m = metrics.to_string();
+    let cluster = Cluster::start(Spec::new(1, 1).decode(&[
+        "--verify-len",
+        "goodput",
+        "--metrics-addr",
+        m.as_str(),
+    ]))
+    .await;
+    let r0 = spec_rounds(metrics).await;
+    assert_eq!(generate(&cluster, &short).await, short_ref, "short prompt");
+    assert_eq!(
+        generate(&cluster, &long).await,
+        long_ref,
+        "long prompt, remote prefill"
+    );
+    assert!(spec_rounds(metrics).await > r0, "goodput verified no round");
+    cluster.assert_kv_blocks_released().await;
+}
+
 #[tokio::test]
 async fn speculation_off_on_either_side_keeps_the_output() {
     let (short, long) = (cluster::short_prompt(), cluster::long_prompt());
