@@ -154,6 +154,18 @@ async fn speculative_cluster_equals_plain(extra: &[&str]) {
     cluster.assert_kv_blocks_released().await;
 }
 
+/// One prefill and one speculating decode worker (`--verify-len verify_len`), and the decode
+/// worker's metrics address.
+async fn speculating_cluster(verify_len: &str) -> (Cluster, SocketAddr) {
+    let metrics = free_addr();
+    let m = metrics.to_string();
+    let decode = ["--verify-len", verify_len, "--metrics-addr", m.as_str()];
+    (
+        Cluster::start(Spec::new(1, 1).decode(&decode)).await,
+        metrics,
+    )
+}
+
 /// `--verify-len goodput` through `ferry up`'s decode worker: the flag reaches the engine, the
 /// output is plain decoding's, prefilled locally or remotely (the remote prompt's drafter
 /// context arrives with its KV; later plain steps defer theirs), and the worker speculates —
@@ -163,15 +175,7 @@ async fn goodput_verify_length_through_the_cluster_keeps_the_output() {
     let (short, long) = (cluster::short_prompt(), cluster::long_prompt());
     let short_ref = plain_generate(&short).await;
     let long_ref = plain_generate(&long).await;
-    let metrics = free_addr();
-    let m = metrics.to_string();
-    let cluster = Cluster::start(Spec::new(1, 1).decode(&[
-        "--verify-len",
-        "goodput",
-        "--metrics-addr",
-        m.as_str(),
-    ]))
-    .await;
+    let (cluster, metrics) = speculating_cluster("goodput").await;
     let r0 = spec_rounds(metrics).await;
     assert_eq!(generate(&cluster, &short).await, short_ref, "short prompt");
     assert_eq!(
@@ -231,15 +235,7 @@ async fn speculation_off_for_one_request_on_a_speculating_cluster() {
     let short_ref = plain_generate(&short).await;
     let long_ref = plain_generate(&long).await;
 
-    let metrics = free_addr();
-    let m = metrics.to_string();
-    let cluster = Cluster::start(Spec::new(1, 1).decode(&[
-        "--verify-len",
-        "fixed:4",
-        "--metrics-addr",
-        m.as_str(),
-    ]))
-    .await;
+    let (cluster, metrics) = speculating_cluster("fixed:4").await;
     // gRPC, local prefill (short) and remote prefill with the drafter context shipped (long).
     // The `speculative = false` request goes first: it still builds drafter context for the
     // prefix it leaves cached, so the requests after it speculate on the reused prefix.

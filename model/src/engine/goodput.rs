@@ -413,15 +413,7 @@ mod tests {
         // Plain steps last: the policy then has no reason to re-measure them.
         for n in sizes {
             for _ in 0..3 {
-                g.observe(Observed {
-                    seqs: n,
-                    drafted: 0,
-                    rows: n,
-                    round: false,
-                    graph: false,
-                    draft_secs: 0.0,
-                    step_secs: cost(n),
-                });
+                g.observe(plain_step(n, cost(n)));
             }
         }
         for _ in 0..200 {
@@ -440,6 +432,19 @@ mod tests {
             g.observe_round(gamma, accepted, predicted);
         }
         g
+    }
+
+    /// A decode-only step of `seqs` sequences without drafts that took `secs`.
+    fn plain_step(seqs: usize, secs: f64) -> Observed {
+        Observed {
+            seqs,
+            drafted: 0,
+            rows: seqs,
+            round: false,
+            graph: false,
+            draft_secs: 0.0,
+            step_secs: secs,
+        }
     }
 
     fn survivals(seqs: usize, block: usize, c: f32) -> Vec<f32> {
@@ -552,24 +557,8 @@ mod tests {
         // No plain estimate yet: run a plain step first.
         assert!(!g.should_draft(shape(4)));
         let mut g = Goodput::default();
-        g.observe(Observed {
-            seqs: 4,
-            drafted: 0,
-            rows: 4,
-            round: false,
-            graph: false,
-            draft_secs: 0.0,
-            step_secs: 1e-3,
-        });
-        g.observe(Observed {
-            seqs: 4,
-            drafted: 0,
-            rows: 4,
-            round: false,
-            graph: false,
-            draft_secs: 0.0,
-            step_secs: 1e-3,
-        });
+        g.observe(plain_step(4, 1e-3));
+        g.observe(plain_step(4, 1e-3));
         // Plain known, rounds not: draft, and verify under the confidence rule.
         assert!(g.should_draft(shape(4)));
         assert_eq!(g.choose(shape(4), &survivals(4, 8, 0.5)), Choice::Explore);
@@ -580,15 +569,7 @@ mod tests {
         let mut g = trained(1e-3, 8, 1e-3 / 8.0, 2e-3, 0.3);
         assert!(!g.should_draft(shape(64)));
         for _ in 0..EXPLORE_EVERY {
-            g.observe(Observed {
-                seqs: 64,
-                drafted: 0,
-                rows: 64,
-                round: false,
-                graph: false,
-                draft_secs: 0.0,
-                step_secs: 1e-3 + 56.0 * 1e-3 / 8.0,
-            });
+            g.observe(plain_step(64, 1e-3 + 56.0 * 1e-3 / 8.0));
         }
         assert!(g.should_draft(shape(64)));
         assert_eq!(g.choose(shape(64), &survivals(64, 8, 0.3)), Choice::Explore);
