@@ -223,6 +223,30 @@ stage_cpu() {
   if [ -z "$ferry" ]; then echo "lease: cpu skipped: no ferry binary"; return; fi
   mkdir -p "$RUN/bench"
   : > "$RUN/bench/cpu_spec.md"
+  # Greedy identity on the CPU backend for the trained pair (the GPU's is the `check` stage).
+  local prompt
+  prompt=$("$PY" -c 'import json,sys; print(json.loads(open(sys.argv[1]).readline())["prompt"][-400:])' \
+    "$RUN/prompts-$PROMPT_TOKENS.jsonl" 2>/dev/null || echo "def main():")
+  if "$ferry" generate --device cpu --model "$RUN/target" --prompt "$prompt" --max-tokens 48 \
+       --speculative off > "$RUN/logs/cpu_plain.txt" 2>/dev/null \
+     && "$ferry" generate --device cpu --model "$RUN/target" --drafter "$RUN/drafter" --speculative on \
+       --prompt "$prompt" --max-tokens 48 > "$RUN/logs/cpu_spec.txt" 2>/dev/null; then
+    if cmp -s "$RUN/logs/cpu_plain.txt" "$RUN/logs/cpu_spec.txt"; then
+      echo "lease: cpu: greedy plain == speculative on the CPU (48 tokens)" | tee -a "$RUN/bench/cpu_spec.md"
+    else
+      echo "lease: cpu: greedy plain != speculative on the CPU (see $RUN/logs/cpu_*.txt)" | tee -a "$RUN/bench/cpu_spec.md"
+    fi
+    if [ -f "$RUN/logs/check_plain.txt" ]; then
+      if cmp -s "$RUN/logs/cpu_plain.txt" "$RUN/logs/check_plain.txt"; then
+        echo "lease: cpu: the CPU's greedy text == the GPU's (check stage)" | tee -a "$RUN/bench/cpu_spec.md"
+      else
+        echo "lease: cpu: the CPU's greedy text != the GPU's (fast mode's bf16 against f32: informational)" \
+          | tee -a "$RUN/bench/cpu_spec.md"
+      fi
+    fi
+  else
+    echo "lease: cpu: ferry generate --device cpu failed" | tee -a "$RUN/bench/cpu_spec.md"
+  fi
   local v parts=()
   for v in ${CPU_VERIFY_LENS:-goodput confidence:0.3}; do
     local f="$RUN/bench/.cpu_spec_${v%%:*}.json"
