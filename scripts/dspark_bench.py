@@ -588,9 +588,10 @@ def device_name(device: str) -> str:
 
 
 def parse_requests(spec: str, levels: list[int]) -> dict[int, int]:
-    """`auto` (c >= 64: c; else max(4, 2c)), a number (at least c), or c:n,c:n."""
+    """`auto` (max(16, 2c): two requests per client, and at least 16 so that a low level is not
+    four prompts' luck), a number (at least c), or c:n,c:n."""
     if spec == "auto":
-        return {c: c if c >= 64 else max(4, 2 * c) for c in levels}
+        return {c: max(16, 2 * c) for c in levels}
     if ":" in spec:
         m = {int(a): int(b) for a, b in (x.split(":") for x in spec.split(","))}
         return {c: max(c, m.get(c, c)) for c in levels}

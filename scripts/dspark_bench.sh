@@ -18,7 +18,7 @@
 #   BENCH_FIXED_VERIFY_LEN=fixed:B (B: the drafter's block size; the spec_fixed arm: the same
 #     drafter verifying every draft of a block, the comparison for the confidence-scheduled arm)
 #   BENCH_FIXED_CONCURRENCY=1,16,64 (the spec_fixed arm's levels, greedy only)
-#   BENCH_REQUESTS=auto (per level: c >= 64 -> c, else max(4, 2c); or one number; or c:n,c:n)
+#   BENCH_REQUESTS=auto (per level: max(16, 2c); or one number; or c:n,c:n)
 #   BENCH_PROMPT_TOKENS=1024 (cut to the model's context - output - 1)   BENCH_OUTPUT_TOKENS=400
 #   BENCH_SECONDS=480: budget of both arms together (each arm gets half of what is left: start-up,
 #     warm-up, levels; a level that does not fit is recorded as skipped); the hook is killed at
