@@ -114,25 +114,18 @@ impl CostCurve {
     /// `None` before that.
     pub fn estimate(&self, size: usize) -> Option<f64> {
         let x = size as f64;
-        let pts: Vec<Point> = self
-            .points
-            .iter()
-            .flatten()
-            .filter(|p| p.seen >= 2)
-            .copied()
-            .collect();
-        let first = *pts.first()?;
-        let last = *pts.last()?;
-        if x <= first.x {
-            return Some(first.secs);
+        // Buckets are in increasing order of size, and so are their mean sizes.
+        let mut below: Option<Point> = None;
+        for p in self.points.iter().flatten().filter(|p| p.seen >= 2) {
+            if x <= p.x {
+                return Some(match below {
+                    None => p.secs,
+                    Some(a) => a.secs + (x - a.x) / (p.x - a.x) * (p.secs - a.secs),
+                });
+            }
+            below = Some(*p);
         }
-        if x >= last.x {
-            return Some(last.secs * x / last.x);
-        }
-        let hi = pts.iter().position(|p| p.x >= x)?;
-        let (a, b) = (pts[hi - 1], pts[hi]);
-        let w = (x - a.x) / (b.x - a.x);
-        Some(a.secs + w * (b.secs - a.secs))
+        below.map(|last| last.secs * x / last.x)
     }
 }
 

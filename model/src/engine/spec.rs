@@ -196,6 +196,8 @@ struct Deferred {
     capacity: usize,
     /// (sequence, first position, first row here, rows).
     segments: Vec<(SeqId, usize, usize, usize)>,
+    /// Rows held per sequence.
+    per_seq: HashMap<SeqId, usize>,
 }
 
 /// Bytes the deferred taps may hold (the rows of many plain steps of a large batch).
@@ -638,12 +640,7 @@ impl Speculator {
 
     /// Rows of sequence `id` whose drafter context is deferred.
     fn deferred_rows(&self, id: SeqId) -> usize {
-        self.deferred
-            .segments
-            .iter()
-            .filter(|s| s.0 == id)
-            .map(|s| s.3)
-            .sum()
+        self.deferred.per_seq.get(&id).copied().unwrap_or(0)
     }
 
     /// Whether this engine defers the context of plain steps (`goodput`).
@@ -682,11 +679,10 @@ impl Speculator {
         for (src, dst) in taps.iter().zip(&mut d.taps) {
             backend.copy_into(src, dst, d.rows * hidden)?;
         }
-        d.segments.extend(
-            segments
-                .iter()
-                .map(|&(id, start, first, n)| (id, start, d.rows + first, n)),
-        );
+        for &(id, start, first, n) in segments {
+            d.segments.push((id, start, d.rows + first, n));
+            *d.per_seq.entry(id).or_default() += n;
+        }
         d.rows += rows;
         Ok(true)
     }
@@ -698,12 +694,12 @@ impl Speculator {
         model: &DeepseekModel,
         running: &mut [Sequence],
     ) -> Result<(), ModelError> {
+        self.deferred.rows = 0;
+        self.deferred.per_seq.clear();
         if self.deferred.segments.is_empty() {
-            self.deferred.rows = 0;
             return Ok(());
         }
         let segments = std::mem::take(&mut self.deferred.segments);
-        self.deferred.rows = 0;
         let Some(kv) = self.kv.as_mut() else {
             return Ok(());
         };
