@@ -26,7 +26,9 @@
 #   run(kind="nvidia-h200-x2", carry=["device-bin/ferry.xz", "device-bin/bench_transfer_gpu.xz",
 #       "devpack/ucx.tar.xz"], command="OUT=$OUT bash scripts/two_gpu_run.sh topo transfer tail")
 #   run(kind="nvidia-h200-x2", carry=[…], command="OUT=$OUT bash scripts/two_gpu_run.sh serve mix summary")
-# A dry run with both workers on one GPU: GPUS=0,0. On a machine without a GPU (the script's own
+# A dry run with both workers on one GPU: GPUS=0,0; sized for one device command: DRY=1
+#   run(carry=["device-bin/ferry.xz", "device-bin/bench_transfer_gpu.xz", "devpack/ucx.tar.xz"],
+#       command="DRY=1 OUT=$OUT bash scripts/two_gpu_run.sh topo transfer tail serve mix summary") On a machine without a GPU (the script's own
 # check): GPUS=cpu UP_DEVICE="--device cpu" VOCAB=2048 PROMPT=64 OUTPUT=16 LONG=600 ... serve mix.
 #
 # Settings (environment): OUT (default two-gpu-out), GPUS (P,D: default 0,1; `cpu` for the dry
@@ -37,6 +39,13 @@
 # TAIL_TOKENS (8192,32768), TAIL_REQUESTS (3).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# DRY=1: the one-GPU dry run issue 18 asks for before the two-GPU kind, sized for one device
+# command (~5 min, estimated): both workers on GPU 0, two levels, 64 output tokens, one 8k tail
+# request, a 4k-token long prompt in the mix. Any setting given explicitly wins.
+if [ "${DRY:-0}" = 1 ]; then
+  GPUS=${GPUS:-0,0} LEVELS=${LEVELS:-1,16} OUTPUT=${OUTPUT:-64} MIX_LEVELS=${MIX_LEVELS:-16}
+  LONG=${LONG:-4096} TAIL_TOKENS=${TAIL_TOKENS:-8192} TAIL_REQUESTS=${TAIL_REQUESTS:-1}
+fi
 OUT=${OUT:-two-gpu-out}
 mkdir -p "$OUT/logs"
 OUT=$(cd "$OUT" && pwd)
