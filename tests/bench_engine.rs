@@ -67,6 +67,9 @@ fn verify_cost_measures_every_row_and_computes_the_speedup_from_them() {
         let ms = |k: &str| r[k].as_f64().unwrap_or_else(|| panic!("{k} in {r}"));
         let (step, verify, draft) = (ms("decode_step_ms"), ms("verify_ms"), ms("draft_pass_ms"));
         assert!(step > 0.0 && verify > 0.0 && draft > 0.0, "{r}");
+        // No drafter graphs on the CPU: the eager pass is what serving pays.
+        assert!(r["draft_pass_graph_ms"].is_null(), "{r}");
+        assert_eq!(draft, ms("draft_pass_eager_ms"), "{r}");
         if r["k"] == 3 {
             assert_eq!(r["tau"], 2.5);
             let expected = 2.5 * step / (draft + verify);
