@@ -88,12 +88,7 @@ async fn router_serves_through_scripted_workers() {
         page_size: 4,
         ..RouterConfig::ephemeral()
     };
-    let bound = Router::load(config)
-        .await
-        .expect("load")
-        .bind()
-        .await
-        .expect("bind");
+    let bound = bind(config).await;
     let (grpc_addr, state) = (bound.grpc_addr(), bound.state().clone());
     let internal_addr = bound.internal_addr();
     let shutdown = CancellationToken::new();
@@ -396,12 +391,7 @@ async fn shutdown_ends_open_streams_after_the_drain_deadline() {
         drain_timeout_ms: 300,
         ..RouterConfig::ephemeral()
     };
-    let bound = Router::load(config)
-        .await
-        .expect("load")
-        .bind()
-        .await
-        .expect("bind");
+    let bound = bind(config).await;
     let endpoint = format!("http://{}", bound.grpc_addr());
     let internal = format!("http://{}", bound.internal_addr());
     let shutdown = CancellationToken::new();
@@ -445,6 +435,16 @@ async fn shutdown_ends_open_streams_after_the_drain_deadline() {
         .expect("clean shutdown");
 }
 
+/// A router loaded from `config` and bound to its ports, not yet serving.
+async fn bind(config: RouterConfig) -> ferry_router::BoundRouter {
+    Router::load(config)
+        .await
+        .expect("load")
+        .bind()
+        .await
+        .expect("bind")
+}
+
 /// A router (`max_migrations` as given) with decode workers `d0`, `d1`, … serving `workers`.
 async fn router_with(
     max_migrations: u32,
@@ -460,12 +460,7 @@ async fn router_with(
         max_migrations,
         ..RouterConfig::ephemeral()
     };
-    let bound = Router::load(config)
-        .await
-        .expect("load")
-        .bind()
-        .await
-        .expect("bind");
+    let bound = bind(config).await;
     let state = bound.state().clone();
     let (grpc, internal_addr) = (bound.grpc_addr(), bound.internal_addr());
     let shutdown = CancellationToken::new();

@@ -134,7 +134,8 @@ impl CostCurve {
 /// was accepted.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Acceptance {
-    /// Position k (0-based): (drafts reached, running rate).
+    /// Position k (0-based): the running rate at which a reached draft is accepted (`None`
+    /// before one is reached).
     conditional: Vec<Option<f64>>,
     /// Running sums of accepted drafts and of the survival the head predicted for them.
     accepted: f64,

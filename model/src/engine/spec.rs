@@ -72,8 +72,22 @@ pub enum VerifyLen {
 
 impl Default for VerifyLen {
     fn default() -> Self {
-        VerifyLen::Confidence { min_survival: 0.3 }
+        VerifyLen::Confidence {
+            min_survival: CONFIDENCE_FLOOR,
+        }
     }
+}
+
+/// The default `confidence` floor, also what `goodput` verifies by while it measures.
+const CONFIDENCE_FLOOR: f32 = 0.3;
+
+/// The rule one step verifies by (what a [`VerifyLen`] resolves to for that step).
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Rule {
+    /// Up to `n` drafts per sequence.
+    Fixed(usize),
+    /// The most likely slots with cumulative survival at least this, within the budget.
+    Confidence(f32),
 }
 
 impl fmt::Display for VerifyLen {
@@ -528,10 +542,12 @@ impl Speculator {
             && props
                 .iter()
                 .all(|(i, p)| p.drafts.len() == block && room[*i] >= block);
-        let mut policy = if whole_blocks {
-            VerifyLen::Fixed(block)
-        } else {
-            self.config.verify_len
+        // The rule this step verifies by: `goodput` resolves to one of the other two.
+        let mut policy = match (whole_blocks, self.config.verify_len) {
+            (true, _) => Rule::Fixed(block),
+            (false, VerifyLen::Fixed(n)) => Rule::Fixed(n),
+            (false, VerifyLen::Confidence { min_survival }) => Rule::Confidence(min_survival),
+            (false, VerifyLen::Goodput) => Rule::Confidence(CONFIDENCE_FLOOR),
         };
         if goodput {
             slots.sort_by(|a, b| b.2.total_cmp(&a.2).then(a.1.cmp(&b.1)));
@@ -542,33 +558,29 @@ impl Speculator {
                 ..shape
             };
             policy = match self.goodput.choose(shape, &survival) {
-                Choice::Plain => VerifyLen::Fixed(0),
-                Choice::WholeBlocks => VerifyLen::Fixed(block),
+                Choice::Plain => Rule::Fixed(0),
+                Choice::WholeBlocks => Rule::Fixed(block),
                 // The r most likely slots: the confidence rule with no floor and a budget of r.
                 Choice::Slots(r) => {
                     left = r;
-                    VerifyLen::Confidence { min_survival: 0.0 }
+                    Rule::Confidence(0.0)
                 }
-                Choice::Explore if whole_blocks => VerifyLen::Fixed(block),
-                Choice::Explore => VerifyLen::default(),
+                Choice::Explore if whole_blocks => Rule::Fixed(block),
+                Choice::Explore => Rule::Confidence(CONFIDENCE_FLOOR),
             };
         }
-        if whole_blocks && policy == VerifyLen::Fixed(block) {
+        if whole_blocks && policy == Rule::Fixed(block) {
             left = props.len() * block;
         }
         match policy {
-            VerifyLen::Fixed(n) => {
+            Rule::Fixed(n) => {
                 for (i, p) in &props {
                     let g = n.min(p.drafts.len()).min(room[*i]).min(left);
                     left -= g;
                     gamma.insert(*i, g);
                 }
             }
-            VerifyLen::Confidence { .. } | VerifyLen::Goodput => {
-                let min_survival = match policy {
-                    VerifyLen::Confidence { min_survival } => min_survival,
-                    _ => 0.3,
-                };
+            Rule::Confidence(min_survival) => {
                 slots.retain(|s| s.2 >= min_survival);
                 slots.sort_by(|a, b| b.2.total_cmp(&a.2).then(a.1.cmp(&b.1)));
                 let mut admitted: HashSet<(usize, usize)> = HashSet::new();
