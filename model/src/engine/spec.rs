@@ -36,6 +36,7 @@ use std::fmt;
 use std::str::FromStr;
 
 use ferry_kernels::backend::{Backend, Tensor};
+use ferry_kernels::KernelError;
 
 use super::goodput::{Choice, Goodput, Observed, Shape};
 use super::sequence::{round_uniforms, Phase, Sequence};
@@ -216,6 +217,71 @@ struct Deferred {
 
 /// Bytes the deferred taps may hold (the rows of many plain steps of a large batch).
 const DEFERRED_BYTES: usize = 64 << 20;
+
+impl Deferred {
+    /// Copies a plain step's tapped rows (`[rows][hidden]` per tap layer) to the end of the
+    /// buffers and records `segments` (sequence, first position, first row in `taps`, rows)
+    /// at their rows here. `false` (nothing kept) when they do not fit.
+    fn keep(
+        &mut self,
+        backend: &Backend,
+        hidden: usize,
+        taps: &[Tensor],
+        segments: &[(SeqId, usize, usize, usize)],
+    ) -> Result<bool, KernelError> {
+        let hidden = hidden.max(1);
+        let rows = taps.first().map_or(0, |t| t.len() / hidden);
+        if taps.iter().any(|t| t.len() != rows * hidden) {
+            return Ok(false);
+        }
+        if self.taps.is_empty() {
+            let per_row = hidden * taps.len().max(1) * std::mem::size_of::<f32>();
+            self.capacity = (DEFERRED_BYTES / per_row).max(rows);
+            self.taps = taps
+                .iter()
+                .map(|_| backend.scratch(self.capacity * hidden))
+                .collect::<Result<_, _>>()?;
+        }
+        if self.rows + rows > self.capacity || self.taps.len() != taps.len() {
+            return Ok(false);
+        }
+        for (src, dst) in taps.iter().zip(&mut self.taps) {
+            backend.copy_into(src, dst, self.rows * hidden)?;
+        }
+        for &(id, start, first, n) in segments {
+            self.segments.push((id, start, self.rows + first, n));
+            *self.per_seq.entry(id).or_default() += n;
+        }
+        self.rows += rows;
+        Ok(true)
+    }
+
+    /// Empties the buffer's bookkeeping (the rows stay readable until the next [`Self::keep`])
+    /// and returns the segments to write, as (index, first position, first row here, rows):
+    /// those that continue their sequence's written context in order. `running` gives each
+    /// live sequence's index and written context length; rows of other sequences are dropped.
+    fn take(
+        &mut self,
+        running: impl IntoIterator<Item = (SeqId, (usize, usize))>,
+    ) -> Vec<(usize, usize, usize, usize)> {
+        self.rows = 0;
+        self.per_seq.clear();
+        if self.segments.is_empty() {
+            return Vec::new();
+        }
+        let mut ctx: HashMap<SeqId, (usize, usize)> = running.into_iter().collect();
+        let mut keep = Vec::new();
+        for (id, start, first, n) in self.segments.drain(..) {
+            if let Some((i, at)) = ctx.get_mut(&id) {
+                if *at == start {
+                    *at += n;
+                    keep.push((*i, start, first, n));
+                }
+            }
+        }
+        keep
+    }
+}
 
 impl Speculator {
     /// A speculator for an engine whose target pool has geometry `target` and whose model
@@ -671,32 +737,7 @@ impl Speculator {
         taps: &[Tensor],
         segments: &[(SeqId, usize, usize, usize)],
     ) -> Result<bool, ModelError> {
-        let hidden = hidden.max(1);
-        let rows = taps.first().map_or(0, |t| t.len() / hidden);
-        if taps.iter().any(|t| t.len() != rows * hidden) {
-            return Ok(false);
-        }
-        let d = &mut self.deferred;
-        if d.taps.is_empty() {
-            let per_row = hidden * taps.len().max(1) * std::mem::size_of::<f32>();
-            d.capacity = (DEFERRED_BYTES / per_row).max(rows);
-            d.taps = taps
-                .iter()
-                .map(|_| backend.scratch(d.capacity * hidden))
-                .collect::<Result<_, _>>()?;
-        }
-        if d.rows + rows > d.capacity || d.taps.len() != taps.len() {
-            return Ok(false);
-        }
-        for (src, dst) in taps.iter().zip(&mut d.taps) {
-            backend.copy_into(src, dst, d.rows * hidden)?;
-        }
-        for &(id, start, first, n) in segments {
-            d.segments.push((id, start, d.rows + first, n));
-            *d.per_seq.entry(id).or_default() += n;
-        }
-        d.rows += rows;
-        Ok(true)
+        Ok(self.deferred.keep(backend, hidden, taps, segments)?)
     }
 
     /// Writes the deferred rows' context for the sequences still in `running`, in one pass,
@@ -706,33 +747,18 @@ impl Speculator {
         model: &DeepseekModel,
         running: &mut [Sequence],
     ) -> Result<(), ModelError> {
-        self.deferred.rows = 0;
-        self.deferred.per_seq.clear();
-        if self.deferred.segments.is_empty() {
-            return Ok(());
-        }
-        let segments = std::mem::take(&mut self.deferred.segments);
-        let Some(kv) = self.kv.as_mut() else {
-            return Ok(());
-        };
-        // Only rows that continue a sequence's written context (in order) are written.
-        let mut ctx: HashMap<SeqId, (usize, usize)> = running
-            .iter()
-            .enumerate()
-            .map(|(i, s)| (s.id, (i, s.draft_ctx)))
-            .collect();
-        let mut keep = Vec::new();
-        for &(id, start, first, n) in &segments {
-            if let Some((i, at)) = ctx.get_mut(&id) {
-                if *at == start {
-                    *at += n;
-                    keep.push((*i, start, first, n));
-                }
-            }
-        }
+        let keep = self.deferred.take(
+            running
+                .iter()
+                .enumerate()
+                .map(|(i, s)| (s.id, (i, s.draft_ctx))),
+        );
         if keep.is_empty() {
             return Ok(());
         }
+        let Some(kv) = self.kv.as_mut() else {
+            return Ok(());
+        };
         let segs: Vec<ContextSegment<'_>> = keep
             .iter()
             .map(|&(i, start, first, n)| ContextSegment {
@@ -811,5 +837,79 @@ mod tests {
         ] {
             assert_eq!(v.to_string().parse::<VerifyLen>(), Ok(v));
         }
+    }
+
+    /// Tapped rows of a plain step: row `r` of tap layer `l` holds `100·l + tag(r)` in every
+    /// column, so a row read back names the step, sequence and position it came from.
+    fn step_taps(hidden: usize, layers: usize, tags: &[f32]) -> Vec<Tensor> {
+        (0..layers)
+            .map(|l| {
+                let v = tags
+                    .iter()
+                    .flat_map(|&t| std::iter::repeat_n(100.0 * l as f32 + t, hidden))
+                    .collect();
+                Tensor::Host(v)
+            })
+            .collect()
+    }
+
+    /// What the deferred buffer writes at flush: for each sequence still running whose
+    /// context it continues, the rows of its positions in order, found at the rows named.
+    #[test]
+    fn deferred_rows_come_back_at_their_positions_and_rows() {
+        let (hidden, layers) = (3, 2);
+        let (a, b, c) = (SeqId(1), SeqId(2), SeqId(3));
+        let mut d = Deferred::default();
+        // Step 1: a at position 10 (row 0), b at 20 (row 1), c at 30 (row 2).
+        let taps = step_taps(hidden, layers, &[10.0, 20.0, 30.0]);
+        let segs = [(a, 10, 0, 1), (b, 20, 1, 1), (c, 30, 2, 1)];
+        assert!(d.keep(&Backend::Cpu, hidden, &taps, &segs).unwrap());
+        // Step 2: c ended; b first (row 0, position 21), then a (row 1, position 11) and a
+        // padding row no sequence committed.
+        let taps = step_taps(hidden, layers, &[21.0, 11.0, -1.0]);
+        let segs = [(b, 21, 0, 1), (a, 11, 1, 1)];
+        assert!(d.keep(&Backend::Cpu, hidden, &taps, &segs).unwrap());
+        assert_eq!((d.rows, d.per_seq[&a], d.per_seq[&b]), (6, 2, 2));
+        // a has written context up to 10, b only up to 19 (a gap: its rows are dropped);
+        // c is gone. a is running at index 4.
+        let keep = d.take([(a, (4, 10)), (b, (0, 19))]);
+        assert_eq!(keep, vec![(4, 10, 0, 1), (4, 11, 4, 1)]);
+        for (_, start, first, n) in keep {
+            for (l, t) in d.taps.iter().enumerate() {
+                let t = t.host("test", "taps").unwrap();
+                for r in first..first + n {
+                    let pos = start + r - first;
+                    let want = 100.0 * l as f32 + pos as f32;
+                    assert!(
+                        t[r * hidden..(r + 1) * hidden].iter().all(|&x| x == want),
+                        "layer {l} row {r}: position {pos}"
+                    );
+                }
+            }
+        }
+        // Taken: empty again, and the next step starts at row 0.
+        assert_eq!((d.rows, d.per_seq.len(), d.segments.len()), (0, 0, 0));
+        assert!(d.take([(a, (4, 12))]).is_empty());
+    }
+
+    /// Rows that do not fit are refused whole, so the caller writes them at once.
+    #[test]
+    fn deferred_buffer_refuses_rows_beyond_its_capacity() {
+        let mut d = Deferred::default();
+        let hidden = DEFERRED_BYTES / std::mem::size_of::<f32>() / 4;
+        let taps = step_taps(hidden, 1, &[1.0, 2.0]);
+        assert!(d
+            .keep(&Backend::Cpu, hidden, &taps, &[(SeqId(1), 0, 0, 2)])
+            .unwrap());
+        assert!(d
+            .keep(&Backend::Cpu, hidden, &taps, &[(SeqId(1), 2, 0, 2)])
+            .unwrap());
+        assert!(!d
+            .keep(&Backend::Cpu, hidden, &taps, &[(SeqId(1), 4, 0, 2)])
+            .unwrap());
+        assert_eq!((d.rows, d.per_seq[&SeqId(1)]), (4, 4));
+        // Mismatched tap shapes are refused too.
+        let odd = vec![Tensor::Host(vec![0.0; hidden + 1])];
+        assert!(!d.keep(&Backend::Cpu, hidden, &odd, &[]).unwrap());
     }
 }
