@@ -134,6 +134,11 @@ impl DeepseekModel {
         self.kernels.precision
     }
 
+    /// How each chunk's attention form is chosen.
+    pub fn policy(&self) -> FormPolicy {
+        self.policy
+    }
+
     /// Overrides how each chunk's attention form is chosen (tests, benchmarks).
     pub fn set_policy(&mut self, policy: FormPolicy) {
         self.policy = policy;
