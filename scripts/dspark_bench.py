@@ -17,8 +17,9 @@ router streams one chunk per token, so a speculative round's k tokens arrive as 
 near-zero gaps and the round's cost shows in the tail), TPOT (mean time per output token
 after the first), tokens per chunk, prompt tokens served from the cache, and from the decode
 worker's Prometheus counters (deltas over the level): speculative rounds, drafts verified,
-drafts accepted, tau = (accepted + rounds) / rounds, drafts verified per round, and the remote /
-local prefill split. Speed-ups spec / plain per level, the peak-aggregate ratio per temperature,
+drafts accepted, tau = (accepted + rounds) / rounds, drafts verified per round, the remote /
+local prefill split, and where the engine's time went (steps and mean ms of plain decode steps,
+speculative round steps with their drafter pass, and steps with prompt work). Speed-ups spec / plain per level, the peak-aggregate ratio per temperature,
 and the greedy identity (same text plain and spec per prompt) close the report.
 
 Results: OUT/dspark_bench.json (rewritten after every level, so a killed run leaves what it had)
@@ -258,6 +259,9 @@ class Cluster:
             if m.group(2) and name == "ferry_prefills_total":
                 mode = re.search(r'mode="([^"]*)"', m.group(2))
                 name = f"{name}:{mode.group(1) if mode else '?'}"
+            elif m.group(2) and name.startswith("ferry_engine_step"):
+                kind = re.search(r'kind="([^"]*)"', m.group(2))
+                name = f"{name}:{kind.group(1) if kind else '?'}"
             try:
                 out[name] = out.get(name, 0.0) + float(m.group(3))
             except ValueError:
@@ -401,9 +405,26 @@ def run_level(cl: Cluster, prompts: Prompts, c: int, n: int, temp: float, out_to
         "tokens_from_rounds_share": r3((accepted + rounds) / tokens if tokens and rounds else None),
         "prefills": {m.split(":", 1)[1]: int(v) for m, v in d.items()
                      if m.startswith("ferry_prefills_total:") and v},
+        "engine_steps": step_breakdown(d),
         "serials": [k for k, _ in jobs],
     }
     return level
+
+
+def step_breakdown(d: dict[str, float]) -> dict:
+    """Where the decode worker's engine spent the level's time, from its step counters: steps
+    and mean milliseconds per kind (decode: plain decode-only steps; spec_round: decode-only
+    steps that verified drafts, their drafter pass included; prompt: steps with prompt work),
+    and the drafter passes' share of the round steps."""
+    out: dict = {}
+    for kind in ("decode", "spec_round", "prompt"):
+        n = d.get(f"ferry_engine_steps_total:{kind}", 0.0)
+        us = d.get(f"ferry_engine_step_microseconds_total:{kind}", 0.0)
+        out[kind] = {"steps": int(n), "mean_ms": round(us / n / 1e3, 4) if n else None}
+    draft = d.get("ferry_spec_decode_draft_microseconds_total", 0.0)
+    rounds = out["spec_round"]["steps"]
+    out["draft_pass_mean_ms"] = round(draft / rounds / 1e3, 4) if rounds else None
+    return out
 
 
 def probe_batch_identity(cl: Cluster, prompts: Prompts, a: dict, tkey: str, deadline: float,
@@ -528,6 +549,21 @@ def markdown(report: dict) -> str:
         L += ["", f"Peak aggregate: plain {fmt(pk.get('plain_peak_aggregate_tok_s'))} tok/s (c = "
               f"{pk.get('plain_peak_at')}), spec {fmt(pk.get('spec_peak_aggregate_tok_s'))} tok/s (c = "
               f"{pk.get('spec_peak_at')}): **{fmt(pk.get('peak_aggregate_ratio'), 2)}×**.", ""]
+    L += ["### Where the decode worker's steps went (engine step counters, mean ms per step)", "",
+          "| arm | T | c | decode steps | decode ms | round steps | round ms | of it drafter ms |"
+          " prompt steps | prompt ms |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for arm, a in report["arms"].items():
+        for tkey, levels in a.get("results", {}).items():
+            for l in levels:
+                e = l.get("engine_steps") or {}
+                if not e:
+                    continue
+                d, r, p = (e.get(k, {}) for k in ("decode", "spec_round", "prompt"))
+                L.append(f"| {arm} | {tkey} | {l['concurrency']} | {d.get('steps')} | "
+                         f"{fmt(d.get('mean_ms'), 3)} | {r.get('steps')} | {fmt(r.get('mean_ms'), 3)} | "
+                         f"{fmt(e.get('draft_pass_mean_ms'), 3)} | {p.get('steps')} | "
+                         f"{fmt(p.get('mean_ms'), 3)} |")
+    L.append("")
     if "spec_fixed" in report["arms"]:
         L += [f"### Verify length: `{s['verify_len']}` against fixed "
               f"(`{s['fixed_verify_len']}`), greedy", "",

@@ -41,6 +41,22 @@ async fn concurrent_requests_match_the_reference_and_free_every_block() {
     wait_idle(&e).await;
 }
 
+/// The step counters a worker's dashboard reads: one request alone is one step with prompt
+/// work (its prefill samples the first token), then one plain decode step per later token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn steps_are_counted_and_timed_by_kind() {
+    let e = engine(64);
+    let (p, _) = golden_case(0);
+    let g = e.generate(job(p, 12, PrefillSource::Local)).unwrap();
+    let (toks, end) = collect(g).await;
+    assert_eq!((toks.len(), end), (12, Ok(FinishReason::Length)));
+    let t = e.stats().await.unwrap().step_times;
+    assert_eq!((t.prompt_steps, t.decode_steps, t.round_steps), (1, 11, 0));
+    assert!(t.prompt_us > 0 && t.decode_us > 0, "{t:?}");
+    assert_eq!((t.round_us, t.round_draft_us), (0, 0));
+    wait_idle(&e).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_shared_prefix_is_reused_not_recomputed() {
     let e = engine(128);

@@ -98,6 +98,14 @@ fn advance(c: &IntCounter, total: u64) {
     }
 }
 
+/// `family` with its `kind` series created (so each reads 0 before its first step).
+fn step_kinds(family: IntCounterVec) -> IntCounterVec {
+    for kind in ["decode", "spec_round", "prompt"] {
+        family.with_label_values(&[kind]);
+    }
+    family
+}
+
 /// Admission → first batch, per request, from the engine's `queue` spans (process-wide: the
 /// spans of every engine in the process land here).
 static QUEUE_TIME: LazyLock<Histogram> = LazyLock::new(|| {
@@ -133,6 +141,9 @@ struct EngineSeries {
     ship_forwards: IntCounter,
     ship_early: IntCounter,
     ship_tail_us: IntCounter,
+    /// Engine steps and their summed wall time by kind (`decode`, `spec_round`, `prompt`).
+    steps: IntCounterVec,
+    step_us: IntCounterVec,
     /// Decode workers only.
     decode: Option<DecodeSeries>,
 }
@@ -148,6 +159,8 @@ struct DecodeSeries {
     spec_drafted: IntCounter,
     spec_accepted: IntCounter,
     spec_acceptance_length: Gauge,
+    /// Of the speculative round steps' time: planning them (the drafter pass).
+    spec_draft_us: IntCounter,
 }
 
 impl DecodeSeries {
@@ -192,6 +205,11 @@ impl DecodeSeries {
                 "ferry_spec_decode_acceptance_length",
                 "Mean tokens emitted per speculative round since start: (accepted + rounds) / rounds (SGLang's spec_accept_length); 0 before the first round",
             )?,
+            spec_draft_us: counter(
+                r,
+                "ferry_spec_decode_draft_microseconds_total",
+                "Of ferry_engine_step_microseconds_total{kind=\"spec_round\"}: planning the rounds (the drafter pass and any drafter context it wrote first)",
+            )?,
         })
     }
 
@@ -209,6 +227,7 @@ impl DecodeSeries {
         advance(&self.spec_rounds, s.spec_rounds);
         advance(&self.spec_drafted, s.spec_drafted_tokens);
         advance(&self.spec_accepted, s.spec_accepted_tokens);
+        advance(&self.spec_draft_us, s.step_times.round_draft_us);
         self.spec_acceptance_length.set(if s.spec_rounds == 0 {
             0.0
         } else {
@@ -306,6 +325,18 @@ impl EngineSeries {
                 "ferry_kv_ship_tail_microseconds_total",
                 "Summed wall time from the end of each shipping forward to its last layer handed to the transfer (the shipping the forward did not hide); divide by ferry_kv_ship_forwards_total",
             )?,
+            steps: step_kinds(counter_vec(
+                r,
+                "ferry_engine_steps_total",
+                "Engine steps (batches) by kind: decode (decode-only, no drafts verified), spec_round (decode-only, drafts verified), prompt (with prompt work)",
+                &["kind"],
+            )?),
+            step_us: step_kinds(counter_vec(
+                r,
+                "ferry_engine_step_microseconds_total",
+                "Summed wall time of engine steps by kind, from planning the step to its tokens sent (spec_round includes the drafter pass); divide by ferry_engine_steps_total for the mean step",
+                &["kind"],
+            )?),
             decode,
         })
     }
@@ -342,6 +373,15 @@ impl EngineSeries {
         advance(&self.ship_forwards, s.kv_ship_forwards);
         advance(&self.ship_early, s.kv_layers_shipped_early);
         advance(&self.ship_tail_us, s.kv_ship_tail_us);
+        let t = &s.step_times;
+        for (kind, steps, us) in [
+            ("decode", t.decode_steps, t.decode_us),
+            ("spec_round", t.round_steps, t.round_us),
+            ("prompt", t.prompt_steps, t.prompt_us),
+        ] {
+            advance(&self.steps.with_label_values(&[kind]), steps);
+            advance(&self.step_us.with_label_values(&[kind]), us);
+        }
         if let Some(decode) = &self.decode {
             decode.update(s);
         }
@@ -519,10 +559,24 @@ mod tests {
             kv_ship_forwards: 2,
             kv_layers_shipped_early: 5,
             kv_ship_tail_us: 700,
+            step_times: ferry_model::engine::StepTimes {
+                decode_steps: 10,
+                decode_us: 1_000,
+                round_steps: 4,
+                round_us: 1_200,
+                round_draft_us: 300,
+                prompt_steps: 2,
+                prompt_us: 5_000,
+            },
             ..EngineStats::default()
         };
         m.update(&s);
         assert_eq!(m.graph_steps.get(), 9);
+        let kind = |f: &IntCounterVec, k: &str| f.with_label_values(&[k]).get();
+        assert_eq!(
+            ["decode", "spec_round", "prompt"].map(|k| (kind(&m.steps, k), kind(&m.step_us, k))),
+            [(10, 1_000), (4, 1_200), (2, 5_000)]
+        );
         assert_eq!(
             (
                 m.ship_forwards.get(),
@@ -541,6 +595,7 @@ mod tests {
         let decode = m.decode.as_ref().expect("decode series");
         assert_eq!(decode.modes.with_label_values(&["remote"]).get(), 5);
         assert_eq!(decode.spec_drafted.get(), 12);
+        assert_eq!(decode.spec_draft_us.get(), 300);
         assert!((decode.spec_acceptance_length.get() - 2.5).abs() < 1e-12);
         s.prefill_computed_tokens = 0;
         m.update(&s);

@@ -516,6 +516,52 @@ pub struct EngineStats {
     /// On a GPU, page-locked host bytes staging shipped layers (the ring, sized for the layers
     /// in flight of the largest prefill batch so far); 0 on the CPU and before any shipping.
     pub kv_host_staging_bytes: u64,
+    /// Engine steps by kind and their summed wall time (µs, from planning the step to its
+    /// outputs sent): where a worker's time goes. See [`StepTimes`].
+    pub step_times: StepTimes,
+}
+
+/// Engine steps by kind, each with its count and summed wall time in µs.
+///
+/// A step is one batch: planning (drafting, if any), the forward, sampling or verification,
+/// and sending each sequence's tokens. Mean cost of a kind = µs / steps. Speculation pays when a
+/// round step's tokens per second beat a plain decode step's, so both are kept apart, with the
+/// drafter's share of the round steps on its own.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StepTimes {
+    /// Decode-only steps that verified no drafts (plain decoding, or speculation skipped).
+    pub decode_steps: u64,
+    /// See `decode_steps`.
+    pub decode_us: u64,
+    /// Decode-only steps that verified drafts (speculative rounds), their drafter pass included.
+    pub round_steps: u64,
+    /// See `round_steps`.
+    pub round_us: u64,
+    /// Of `round_us`: planning the rounds (the drafter pass and any deferred context it wrote).
+    pub round_draft_us: u64,
+    /// Steps with prompt work (prefill jobs or prompt chunks), decode rows riding along or not.
+    pub prompt_steps: u64,
+    /// See `prompt_steps`.
+    pub prompt_us: u64,
+}
+
+impl StepTimes {
+    /// Counts one step of `secs` (`draft_secs` of it planning drafts): `prompt` if it had
+    /// prompt work, else a round if it verified drafts.
+    pub(crate) fn record(&mut self, prompt: bool, round: bool, secs: f64, draft_secs: f64) {
+        let us = |s: f64| (s.max(0.0) * 1e6) as u64;
+        if prompt {
+            self.prompt_steps += 1;
+            self.prompt_us += us(secs);
+        } else if round {
+            self.round_steps += 1;
+            self.round_us += us(secs);
+            self.round_draft_us += us(draft_secs);
+        } else {
+            self.decode_steps += 1;
+            self.decode_us += us(secs);
+        }
+    }
 }
 
 /// Commands the engine thread executes, in order.

@@ -286,6 +286,7 @@ impl Scheduler {
         let started = std::time::Instant::now();
         let graphs_before = self.backend.graph_steps();
         let (drafts, q) = self.plan_drafts(budget);
+        let planned = started.elapsed().as_secs_f64();
         let mut work = Vec::new();
         for i in 0..self.running.len() {
             work.push(Work::Decode(i));
@@ -333,10 +334,14 @@ impl Scheduler {
         let seqs = self.running.len();
         let rows = seqs + drafted;
         self.run_batch(work, drafts, q);
+        let secs = started.elapsed().as_secs_f64();
+        self.stats
+            .step_times
+            .record(!decode_only, drafted > 0, secs, planned);
         if let Some(sp) = self.spec.as_mut() {
             let graph = self.backend.graph_steps() > graphs_before;
             let shape = decode_only.then_some((seqs, rows, drafted > 0, graph));
-            sp.observe_step(shape, started.elapsed().as_secs_f64());
+            sp.observe_step(shape, secs);
         }
     }
 
