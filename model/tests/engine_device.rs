@@ -54,7 +54,7 @@ use ferry_model::deepseek::DeepseekModel;
 use ferry_model::drafter::{Drafter, DsparkDrafter};
 use ferry_model::engine::{
     EngineConfig, EngineEvent, EngineHandle, FinishReason, GenerateJob, Generation, GpuMode,
-    LayerSinkFn, PrefillSource, PrefillWork, StopParams,
+    LayerSinkFn, PrefillSource, PrefillWork, SpecConfig, SpecCounts, StopParams, VerifyLen,
 };
 use ferry_model::kv::{BlockId, KvDtype, LayerRows};
 
@@ -264,6 +264,77 @@ async fn speculative_greedy_on_cuda_equals_plain_cuda_and_cpu() {
     );
     wait_idle(&spec).await;
     wait_idle(&plain).await;
+}
+
+/// The reference's whole generations (`common::replay_cases`, see `spec_engine.rs`) on CUDA in
+/// exact mode: the same greedy tokens, and round for round the drafts the reference drafter
+/// accepted, so the device engine's drafter context (written by graph-replayed rounds) is the
+/// one the drafter was trained on. Exact mode computes in f32 like the reference, and no draft
+/// of these runs is within 1e-3 of a tie.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an NVIDIA GPU: run on the GPU machine with --include-ignored (docs/gpu.md)"]
+async fn whole_generations_on_cuda_accept_what_the_reference_drafter_accepts() {
+    if let Err(e) = Device::Cuda(0).probe() {
+        eprintln!(
+            "skipping whole_generations_on_cuda_accept_what_the_reference_drafter_accepts: {e}"
+        );
+        return;
+    }
+    let m = model();
+    let drafter =
+        DsparkDrafter::load(&ferry_model::drafter::embedded_dir(), m.config()).expect("drafter");
+    let e = EngineHandle::spawn_with(
+        m,
+        Some(Box::new(drafter) as Box<dyn Drafter>),
+        EngineConfig {
+            spec: SpecConfig {
+                verify_len: VerifyLen::Fixed(4),
+                ..SpecConfig::default()
+            },
+            ..config(Device::Cuda(0), GpuMode::Exact)
+        },
+    )
+    .expect("speculating CUDA engine");
+    for c in common::replay_cases() {
+        let g = e
+            .generate(job(
+                c.prompt_ids.clone(),
+                c.max_tokens,
+                PrefillSource::Local,
+            ))
+            .unwrap();
+        let (toks, end, spec) = collect_spec(g).await;
+        assert_eq!(end, Ok(FinishReason::Length), "{}", c.prompt);
+        assert_eq!(toks, c.tokens, "{}: the target's greedy text", c.prompt);
+        assert_eq!(
+            spec.map(|s| (s.rounds, s.drafted_tokens, s.accepted_tokens)),
+            Some((c.rounds, c.drafted, c.accepted)),
+            "{}: rounds, drafted, accepted",
+            c.prompt
+        );
+    }
+    assert!(
+        e.stats().await.unwrap().graph_steps > 0,
+        "rounds replayed from graphs"
+    );
+    wait_idle(&e).await;
+}
+
+/// Tokens, the end, and the request's speculative counts.
+async fn collect_spec(
+    mut g: Generation,
+) -> (Vec<u32>, Result<FinishReason, String>, Option<SpecCounts>) {
+    let (mut toks, mut spec) = (Vec::new(), None);
+    while let Some(ev) = g.events.recv().await {
+        match ev {
+            EngineEvent::Token(t) => toks.push(t),
+            EngineEvent::Speculation(c) => spec = Some(c),
+            EngineEvent::Finished(r) => return (toks, Ok(r), spec),
+            EngineEvent::Failed(e) => return (toks, Err(e.message), spec),
+            _ => {}
+        }
+    }
+    (toks, Err("stream ended".into()), spec)
 }
 
 /// Penalised greedy runs of the golden prompts (concurrent), and a prefill job's first token

@@ -228,6 +228,45 @@ async fn goodput_verify_length_keeps_greedy_output_and_speculates_to_measure() {
     assert!(s.spec_accepted_tokens > 0, "no draft accepted: {s:?}");
 }
 
+/// Whole generations replayed by the reference: `scripts/spec_replay.py` let Hugging Face
+/// transformers continue each prompt greedily (float32) and walked the rounds `fixed:4` runs on
+/// that text with the PyTorch drafter that trained the embedded one, drafting from the target's
+/// taps of every position before each anchor (`models/tiny-k3-dspark/golden/replay.json`).
+/// The engine writes that context step by step (the prefill's rows, then each round's kept rows
+/// after rolling back the rejected ones), so it must accept exactly the drafts the reference
+/// accepted, round for round: the totals over ~55 rounds per prompt cannot match by chance with
+/// a context row wrong. (No draft of these runs is within 1e-3 of a tie, so float32 rounding
+/// cannot move a count.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn whole_generations_accept_what_the_reference_drafter_accepts() {
+    let cases = common::replay_cases();
+    assert_eq!(cases.len(), 3);
+    let model = target();
+    let drafter = dspark(&model);
+    let e = EngineHandle::spawn_with(
+        model,
+        Some(Box::new(drafter)),
+        config(128, 64, VerifyLen::Fixed(4)),
+    )
+    .unwrap();
+    // One at a time, as the reference ran them (a batch's rows are the same on the CPU, but a
+    // golden of single requests is what it checks).
+    for c in &cases {
+        let g = e
+            .generate(job(c.prompt_ids.clone(), c.max_tokens, greedy()))
+            .unwrap();
+        let (toks, end, spec) = collect(g).await;
+        assert_eq!(end, Ok(FinishReason::Length), "{}", c.prompt);
+        assert_eq!(toks, c.tokens, "{}: the target's greedy text", c.prompt);
+        let want = SpecCounts {
+            rounds: c.rounds,
+            drafted_tokens: c.drafted,
+            accepted_tokens: c.accepted,
+        };
+        assert_eq!(spec, Some(want), "{}: rounds, drafted, accepted", c.prompt);
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dspark_greedy_output_equals_plain_decoding() {
     let model = target();

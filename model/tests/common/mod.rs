@@ -114,3 +114,24 @@ pub fn assert_entry_matches(lp: &TokenLogprobs, token: u32, row: &[f32], n: usiz
         );
     }
 }
+
+/// One whole greedy generation the reference walked under `fixed:4` (`scripts/spec_replay.py`,
+/// `models/tiny-k3-dspark/golden/replay.json`): the prompt, the target's greedy tokens, and the
+/// rounds, drafts verified and drafts accepted the reference drafter gave on that text.
+#[derive(Debug, serde::Deserialize)]
+pub struct ReplayCase {
+    pub prompt: String,
+    pub prompt_ids: Vec<u32>,
+    pub max_tokens: usize,
+    pub tokens: Vec<u32>,
+    pub rounds: u64,
+    pub drafted: u64,
+    pub accepted: u64,
+}
+
+/// The embedded pair's replay golden.
+pub fn replay_cases() -> Vec<ReplayCase> {
+    let path = ferry_model::drafter::embedded_dir().join("golden/replay.json");
+    let text = std::fs::read_to_string(&path).expect("models/tiny-k3-dspark/golden/replay.json");
+    serde_json::from_str(&text).expect("replay.json parses")
+}

@@ -78,6 +78,7 @@ impl Scheduler {
         }
         trace!(
             seq = s.id.0,
+            position = start,
             gamma = draft.gamma(),
             accepted = verified.accepted,
             "speculative round"
