@@ -152,6 +152,21 @@ stage_check() {
     echo "lease: check: ferry loaded both, but greedy plain != speculative (see $RUN/logs/check_*.txt)"
   fi
   "$PY" -c 'import sys; print("lease: greedy text:", repr(open(sys.argv[1]).read()[:400]))' "$RUN/logs/check_plain.txt"
+  # Online against offline on the same text: ferry's rounds (exact mode: f32 like the reference)
+  # replayed with the torch drafter that trained it (scripts/spec_replay.py; docs/spec_decode.md).
+  local gm=()
+  [ "$dev" != cpu ] && gm=(--gpu-mode exact)
+  echo "lease: check: replaying ferry's rounds (fixed:8, 128 tokens${gm:+, exact mode}) with the torch drafter"
+  if FERRY_LOG=warn,ferry_model=trace "$ferry" generate --device "$dev" "${gm[@]}" --model "$RUN/target" \
+       --drafter "$RUN/drafter" --speculative on --verify-len fixed:8 --ignore-eos --prompt "$prompt" \
+       --max-tokens 128 > "$RUN/logs/replay.txt" 2> "$RUN/logs/replay.log"; then
+    "$PY" scripts/spec_replay.py --target "$RUN/target" --drafter "$RUN/drafter" --prompt "$prompt" \
+      --max-tokens 128 --ferry "$RUN/logs/replay.log" --device "$([ "$dev" = cpu ] && echo cpu || echo cuda)" \
+      --json "$RUN/logs/replay.json" 2>&1 | grep -v '^Loading' \
+      || echo "lease: check: ferry's rounds differ from the reference's (see $RUN/logs/replay.json)"
+  else
+    echo "lease: check: the replay run failed (see $RUN/logs/replay.log)"
+  fi
 }
 
 stage_bench() {
@@ -310,6 +325,13 @@ if d.exists():
               f"peak {(r.get('device_memory_peak_gb') or {}).get('all')} GB")
 for f in sorted((run / "logs").glob("check_*.txt")):
     print(f"summary: {f.name}: {f.read_text()[:100]!r}")
+rp = run / "logs" / "replay.json"
+if rp.exists():
+    r = json.loads(rp.read_text())
+    f = r.get("ferry", {})
+    print(f"summary: replay (fixed:8, 128 tokens): reference tau {r['tau']} over {r['rounds']} rounds; "
+          f"ferry accepted {f.get('accepted')} vs {r['accepted']}, {f.get('rounds_differing')} rounds differ "
+          f"({f.get('of_them_near_ties')} at near-ties)")
 v = run / "bench" / "verify_cost.json"
 if v.exists():
     for row in json.loads(v.read_text())["rows"]:
@@ -351,7 +373,8 @@ import json, sys
 from pathlib import Path
 run, out = Path(sys.argv[1]), {}
 for key, f in (("target_config", "target/config.json"), ("target_train_report", "target/train_report.json"),
-               ("drafter_config", "drafter/config.json"), ("drafter_train_report", "drafter/train_report.json")):
+               ("drafter_config", "drafter/config.json"), ("drafter_train_report", "drafter/train_report.json"),
+               ("replay", "logs/replay.json")):
     p = run / f
     if p.exists():
         out[key] = json.loads(p.read_text())

@@ -53,15 +53,17 @@ ROOT = Path(__file__).resolve().parent.parent
 def ferry_rounds(log: Path) -> list[tuple[int, int, int]]:
     """(position, gamma, accepted) of every `speculative round` trace line, in order."""
     pat = re.compile(r"speculative round seq=\d+ position=(\d+) gamma=(\d+) accepted=(\d+)")
-    return [tuple(int(x) for x in m.groups()) for m in pat.finditer(log.read_text())]
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", log.read_text())  # the log's colours, if any
+    return [tuple(int(x) for x in m.groups()) for m in pat.finditer(plain)]
 
 
 def greedy_text(target, ids: list[int], new: int) -> list[int]:
     """The target's greedy continuation (first maximum, as ferry's argmax), `new` tokens."""
     out = list(ids)
+    dev = target.device
     with torch.no_grad():
         for _ in range(new):
-            logits = target(input_ids=torch.tensor([out])).logits[0, -1].float()
+            logits = target(input_ids=torch.tensor([out], device=dev)).logits[0, -1].float()
             out.append(int(logits.argmax()))
     return out
 
@@ -71,8 +73,9 @@ class Reference:
 
     def __init__(self, cfg: dict, w: dict, target, text: list[int], tie: float):
         self.cfg, self.w, self.text, self.tie = cfg, w, text, tie
+        self.dev = target.device
         with torch.no_grad():
-            taps, _, _ = target_taps(target, cfg, torch.tensor([text]))
+            taps, _, _ = target_taps(target, cfg, torch.tensor([text], device=self.dev))
             self.feat = context_feature(cfg, w, taps)
             self.embed = target.model.embed_tokens.weight.float()
             self.lm_head = target.lm_head.weight.float()
@@ -82,9 +85,10 @@ class Reference:
         verifies `g` greedy drafts against the text."""
         text = self.text
         with torch.no_grad():
+            at = lambda x: torch.tensor(x, device=self.dev)  # noqa: E731
             hidden, u = block_forward(self.cfg, self.w, self.embed, self.lm_head, self.feat,
-                                      torch.tensor([[text[p]]]), torch.tensor([[p]]))
-            drafts, markov, _ = greedy_drafts(self.w, hidden[0, 0], u[0, 0], torch.tensor(text[p]))
+                                      at([[text[p]]]), at([[p]]))
+            drafts, markov, _ = greedy_drafts(self.w, hidden[0, 0], u[0, 0], at(text[p]))
             top2 = torch.topk(markov, 2, dim=-1).values
         drafts = [int(d) for d in drafts[:g]]
         a = 0
@@ -128,6 +132,7 @@ def main() -> int:
     ap.add_argument("--ferry", type=Path,
                     help="ferry's trace log of the same prompt and --max-tokens: replay its rounds")
     ap.add_argument("--tie", type=float, default=1e-3, help="logit margin reported as a tie")
+    ap.add_argument("--device", default="cpu", help="torch device (float32 either way)")
     ap.add_argument("--json", type=Path, help="write the rounds and the comparison here")
     ap.add_argument("--golden", type=Path,
                     help="add this prompt's simulated run to a golden file (JSON list of cases)")
@@ -135,11 +140,17 @@ def main() -> int:
 
     from tokenizers import Tokenizer
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
 
     torch.manual_seed(0)
     cfg = json.loads((args.drafter / "config.json").read_text())
-    w = {k: v.float() for k, v in load_file(str(args.drafter / "model.safetensors")).items()}
-    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
+    torch.backends.cuda.matmul.allow_tf32 = False  # float32 means float32 on a GPU too
+    w = {k: v.float().to(args.device)
+         for k, v in load_file(str(args.drafter / "model.safetensors")).items()}
+    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32)
+    target = target.to(args.device).eval()
     tok = Tokenizer.from_file(str(args.target / "tokenizer.json"))
     ids = tok.encode(args.prompt, add_special_tokens=True).ids
     text = greedy_text(target, ids, args.max_tokens)
@@ -155,10 +166,11 @@ def main() -> int:
     else:
         rounds = simulate(ref, len(ids), args.max_tokens, args.gamma)
     acc = sum(r["accepted"] for r in rounds)
-    tau = (acc + len(rounds)) / len(rounds) if rounds else float("nan")
+    tau = (acc + len(rounds)) / len(rounds) if rounds else None
     report = {"prompt_tokens": len(ids), "max_tokens": args.max_tokens, "rounds": len(rounds),
               "accepted": acc, "tau": tau, "per_round": rounds}
-    print(f"reference: {len(rounds)} rounds, {acc} accepted, tau {tau:.3f}")
+    print(f"reference: {len(rounds)} rounds, {acc} accepted, tau "
+          + (f"{tau:.3f}" if tau is not None else "-"))
     if args.ferry:
         f_acc = sum(r["ferry_accepted"] for r in rounds)
         differ = [r for r in rounds if r["accepted"] != r["ferry_accepted"]]
