@@ -13,6 +13,9 @@
 #   check     ferry generate, plain and speculative, greedy: loads the pair, same text (needs ferry)
 #   bench     the benchmark hook $BENCH_HOOK (scripts/dspark_bench.sh: plain vs speculative through
 #             `ferry up`; at PRESET=tiny with CPU-sized BENCH_* defaults)
+#   engine    the same pair in-process on the GPU, no cluster: `ferry bench-engine --speculative
+#             --device cuda` under goodput and fixed:B, plain in the same command, with the
+#             drafter pass / verify forward / decode step timed apart   -> $RUN/bench/engine_spec.json
 #   verifycost  the regime of a large model: `ferry bench-engine --verify-cost` on the
 #             DeepSeek-V2-Lite-shaped model (dummy weights) with a drafter of
 #             models/dummy/v2-lite-drafter's size: decode step, verify forward of k + 1 rows and
@@ -22,7 +25,7 @@
 #             --device cpu` under goodput and confidence:0.3        -> $RUN/bench/cpu_spec.json
 #   summary   the numbers of every report so far
 # Chains:
-#   all       target drafter prompts check bench verifycost cpu summary (longer than one device command)
+#   all       target drafter prompts check bench engine verifycost cpu summary (longer than one device command)
 #   start     `all` in the background (setsid: it outlives the device command), then `wait`
 #   wait      follow the background run for at most $WAIT_SECONDS (default 570), then summary;
 #             call it again (within the machine's 30 s warm window) until it says "finished"
@@ -196,6 +199,41 @@ stage_bench() {
   fi
 }
 
+stage_engine() {
+  # Speculative against plain in the engine alone (the cluster's router, gRPC and streaming
+  # left out), on the lease's trained pair: if this pays and `bench` does not, the cluster path
+  # is where the time goes.
+  local ferry
+  ferry=$(ferry_bin)
+  if [ -z "$ferry" ]; then echo "lease: engine skipped: no ferry binary"; return; fi
+  if [ "${DEVICE:-cuda}" = cpu ] || [ "$PRESET" = tiny ]; then
+    echo "lease: engine skipped: it measures the trained pair on a GPU"; return
+  fi
+  set +u; source scripts/gpu_env.sh; set -u
+  mkdir -p "$RUN/bench"
+  : > "$RUN/bench/engine_spec.md"
+  local v parts=()
+  for v in ${ENGINE_VERIFY_LENS:-goodput fixed:8}; do
+    local f="$RUN/bench/.engine_spec_${v%%:*}.json"
+    echo "lease: engine: ferry bench-engine --speculative --device cuda --verify-len $v" | tee -a "$RUN/bench/engine_spec.md"
+    timeout "${ENGINE_SECONDS:-150}" "$ferry" bench-engine --speculative --device cuda --gpu-mode fast \
+      --model "$RUN/target" --drafter "$RUN/drafter" --batch "${ENGINE_BATCH:-1,4,16,64,128}" \
+      --prompt-len "${ENGINE_PROMPT_LEN:-1024}" --decode-steps "${ENGINE_DECODE_STEPS:-128}" --repeat 1 \
+      --verify-len "$v" --max-verify-tokens "${BENCH_MAX_VERIFY_TOKENS:-1024}" --json "$f" 2>&1 \
+      | grep '^|' | tee -a "$RUN/bench/engine_spec.md" || echo "lease: engine: $v did not finish"
+    [ -f "$f" ] && parts+=("$v=$f")
+  done
+  "$PY" - "$RUN/bench/engine_spec.json" "${parts[@]}" <<'EOF2'
+import json, sys
+out = {"benchmark": "bench-engine --speculative --device cuda --gpu-mode fast, the lease's trained pair",
+       "policies": {}}
+for arg in sys.argv[2:]:
+    v, f = arg.split("=", 1)
+    out["policies"][v] = json.load(open(f))
+open(sys.argv[1], "w").write(json.dumps(out, indent=1) + "\n")
+EOF2
+}
+
 stage_verifycost() {
   local ferry tau=() ks="1,2,3,4,5,7,9,11,13,15"
   ferry=$(ferry_bin)
@@ -361,12 +399,23 @@ if c.exists():
         lv = " ".join(f"c{x['concurrency']}:{x['spec_tok_s'] / x['plain_tok_s']:.2f}x (tau {x['acceptance_length']:.2f})"
                       for x in p.get("rows", []) if x.get("plain_tok_s"))
         print(f"summary: cpu ({r['cpu_cores']} cores) {v}: spec/plain {lv}")
+e = run / "bench" / "engine_spec.json"
+if e.exists():
+    for v, p in json.loads(e.read_text()).get("policies", {}).items():
+        for x in p.get("rows", []):
+            if not x.get("plain_tok_s"):
+                continue
+            print(f"summary: engine on cuda {v} c{x['concurrency']}: spec/plain "
+                  f"{x['spec_tok_s'] / x['plain_tok_s']:.2f}x ({x['spec_tok_s']:.0f} vs {x['plain_tok_s']:.0f} tok/s), "
+                  f"tau {x['acceptance_length']:.2f}, {x['drafts_per_round']:.2f} drafts/round; draft "
+                  f"{x['draft_pass_ms']:.3f} ms, verify {x['verify_pass_ms']:.3f} ms, decode step {x['decode_step_ms']:.3f} ms")
 EOF
 }
 
 copy_out() {
   [ -n "${OUT:-}" ] && [ -d "${OUT:-}" ] || return 0
-  # At most 8 files come back from a device command: the four reports travel as one.
+  # At most 8 files come back from a device command: every JSON report travels in one file
+  # (bench reports under "bench/NAME"), the markdown tables (≤ 4) next to it.
   cp "$RUN/lease.log" "$OUT/" 2>/dev/null || true
   "$PY" - "$RUN" "$OUT/lease_reports.json" <<'EOF2' 2>/dev/null || true
 import json, sys
@@ -378,10 +427,12 @@ for key, f in (("target_config", "target/config.json"), ("target_train_report", 
     p = run / f
     if p.exists():
         out[key] = json.loads(p.read_text())
+for p in sorted((run / "bench").glob("*.json")):
+    out[f"bench/{p.name}"] = json.loads(p.read_text())
 Path(sys.argv[2]).write_text(json.dumps(out, indent=1) + "\n")
 EOF2
   mkdir -p "$OUT/bench"
-  cp "$RUN"/bench/*.json "$RUN"/bench/*.md "$OUT/bench/" 2>/dev/null || true
+  cp "$RUN"/bench/*.md "$OUT/bench/" 2>/dev/null || true
 }
 
 stage_wait() {
@@ -412,9 +463,9 @@ run_stage() {
 [ $# -ge 1 ] || { sed -n 2,40p "$0"; exit 2; }
 for stage in "$@"; do
   case "$stage" in
-    target|drafter|prompts|check|bench|verifycost|cpu|summary) run_stage "$stage" ;;
+    target|drafter|prompts|check|bench|engine|verifycost|cpu|summary) run_stage "$stage" ;;
     all)
-      for s in target drafter prompts check bench verifycost cpu summary; do run_stage "$s"; done ;;
+      for s in target drafter prompts check bench engine verifycost cpu summary; do run_stage "$s"; done ;;
     start)
       if [ -f "$RUN/lease.pid" ] && kill -0 "$(cat "$RUN/lease.pid")" 2>/dev/null; then
         echo "lease: a run is going on already (pid $(cat "$RUN/lease.pid")): following it"
