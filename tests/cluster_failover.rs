@@ -47,44 +47,6 @@ async fn serving(cluster: &Cluster, ids: &[String]) -> String {
     }
 }
 
-/// Streams `req`, SIGKILLs the decode worker serving it after [`KILL_AFTER`] tokens, and
-/// returns the whole stream as the client saw it.
-async fn generate_killing_after(
-    cluster: &mut Cluster,
-    req: GenerateRequest,
-) -> (cluster::Generated, String) {
-    let decode = cluster.live(Role::Decode);
-    let mut client = cluster.grpc().await;
-    let mut stream = client
-        .generate(req)
-        .await
-        .expect("Generate starts")
-        .into_inner();
-    let mut out = cluster::Generated::default();
-    let mut killed = None;
-    while let Some(msg) = stream.next().await {
-        let msg = msg.unwrap_or_else(|e| {
-            panic!(
-                "the stream failed after {} tokens: {e:?}",
-                out.token_ids.len()
-            )
-        });
-        out.text.push_str(&msg.text);
-        out.token_ids.extend(&msg.token_ids);
-        if msg.finish_reason != FinishReason::Unspecified as i32 {
-            out.finish_reason = FinishReason::try_from(msg.finish_reason).ok();
-            out.usage = msg.usage;
-        }
-        if killed.is_none() && out.token_ids.len() >= KILL_AFTER {
-            let id = serving(cluster, &decode).await;
-            cluster.kill(&id);
-            killed = Some(id);
-        }
-    }
-    let killed = killed.expect("the stream ended before the kill");
-    (out, killed)
-}
-
 #[tokio::test]
 async fn a_request_whose_decode_worker_dies_mid_stream_migrates_and_gives_the_same_text() {
     // The prompt is prefilled remotely (211 tokens > the threshold); the resumed request is
@@ -114,7 +76,8 @@ async fn a_request_whose_decode_worker_dies_mid_stream_migrates_and_gives_the_sa
             "ferry_request_migrations_total",
         );
         let started = Instant::now();
-        let (got, killed) = generate_killing_after(&mut cluster, req).await;
+        let (got, usage, killed) = generate_samples(&mut cluster, req, Some(KILL_AFTER)).await;
+        let (got, killed) = (&got[0], killed.expect("the stream ended before the kill"));
         eprintln!(
             "{what}: killed {killed} after {KILL_AFTER} tokens; the request finished in {:?}",
             started.elapsed()
@@ -123,7 +86,7 @@ async fn a_request_whose_decode_worker_dies_mid_stream_migrates_and_gives_the_sa
         assert_eq!(got.text, want.text, "{what}: the text");
         assert_eq!(got.finish_reason, Some(FinishReason::Length), "{what}");
         let (usage, want_usage) = (
-            got.usage.expect("usage on the last message"),
+            usage.expect("usage on the last message"),
             want.usage.expect("usage"),
         );
         assert_eq!(usage.prompt_tokens, want_usage.prompt_tokens, "{what}");
@@ -145,9 +108,8 @@ struct Sample {
     finish_reason: Option<FinishReason>,
 }
 
-/// Streams the `n` > 1 request `req`; with `kill_after`, SIGKILLs the decode worker serving it
-/// once that many tokens (all samples) came. Returns each sample, the usage and the killed
-/// worker.
+/// Streams `req` (any `n`); with `kill_after`, SIGKILLs the decode worker serving it once that
+/// many tokens (all samples) came. Returns each sample, the usage and the killed worker.
 async fn generate_samples(
     cluster: &mut Cluster,
     req: GenerateRequest,
