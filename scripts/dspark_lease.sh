@@ -216,8 +216,8 @@ stage_engine() {
   for v in ${ENGINE_VERIFY_LENS:-goodput fixed:8}; do
     local f="$RUN/bench/.engine_spec_${v%%:*}.json"
     echo "lease: engine: ferry bench-engine --speculative --device cuda --verify-len $v" | tee -a "$RUN/bench/engine_spec.md"
-    timeout "${ENGINE_SECONDS:-150}" "$ferry" bench-engine --speculative --device cuda --gpu-mode fast \
-      --model "$RUN/target" --drafter "$RUN/drafter" --batch "${ENGINE_BATCH:-1,4,16,64,128}" \
+    timeout "${ENGINE_SECONDS:-100}" "$ferry" bench-engine --speculative --device cuda --gpu-mode fast \
+      --model "$RUN/target" --drafter "$RUN/drafter" --batch "${ENGINE_BATCH:-1,16,64,128}" \
       --prompt-len "${ENGINE_PROMPT_LEN:-1024}" --decode-steps "${ENGINE_DECODE_STEPS:-128}" --repeat 1 \
       --verify-len "$v" --max-verify-tokens "${BENCH_MAX_VERIFY_TOKENS:-1024}" --json "$f" 2>&1 \
       | grep '^|' | tee -a "$RUN/bench/engine_spec.md" || echo "lease: engine: $v did not finish"
@@ -304,8 +304,8 @@ stage_cpu() {
   for v in ${CPU_VERIFY_LENS:-goodput confidence:0.3}; do
     local f="$RUN/bench/.cpu_spec_${v%%:*}.json"
     echo "lease: cpu: ferry bench-engine --speculative --device cpu --verify-len $v" | tee -a "$RUN/bench/cpu_spec.md"
-    timeout "${CPU_SECONDS:-150}" "$ferry" bench-engine --speculative --device cpu --model "$RUN/target" \
-      --drafter "$RUN/drafter" --batch "${CPU_BATCH:-1,4,16}" --prompt-len "${CPU_PROMPT_LEN:-512}" \
+    timeout "${CPU_SECONDS:-80}" "$ferry" bench-engine --speculative --device cpu --model "$RUN/target" \
+      --drafter "$RUN/drafter" --batch "${CPU_BATCH:-1,4}" --prompt-len "${CPU_PROMPT_LEN:-512}" \
       --decode-steps "${CPU_DECODE_STEPS:-64}" --repeat 1 --verify-len "$v" --json "$f" 2>&1 \
       | grep '^|' | tee -a "$RUN/bench/cpu_spec.md" || echo "lease: cpu: $v did not finish"
     [ -f "$f" ] && parts+=("$v=$f")
