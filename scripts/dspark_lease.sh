@@ -219,6 +219,7 @@ stage_engine() {
     timeout "${ENGINE_SECONDS:-100}" "$ferry" bench-engine --speculative --device cuda --gpu-mode fast \
       --model "$RUN/target" --drafter "$RUN/drafter" --batch "${ENGINE_BATCH:-1,16,64,128}" \
       --prompt-len "${ENGINE_PROMPT_LEN:-1024}" --decode-steps "${ENGINE_DECODE_STEPS:-128}" --repeat 1 \
+      --prompts "$RUN/prompts-$PROMPT_TOKENS.jsonl" \
       --verify-len "$v" --max-verify-tokens "${BENCH_MAX_VERIFY_TOKENS:-1024}" --json "$f" 2>&1 \
       | grep '^|' | tee -a "$RUN/bench/engine_spec.md" || echo "lease: engine: $v did not finish"
     [ -f "$f" ] && parts+=("$v=$f")
@@ -306,6 +307,7 @@ stage_cpu() {
     echo "lease: cpu: ferry bench-engine --speculative --device cpu --verify-len $v" | tee -a "$RUN/bench/cpu_spec.md"
     timeout "${CPU_SECONDS:-80}" "$ferry" bench-engine --speculative --device cpu --model "$RUN/target" \
       --drafter "$RUN/drafter" --batch "${CPU_BATCH:-1,4}" --prompt-len "${CPU_PROMPT_LEN:-512}" \
+      --prompts "$RUN/prompts-$PROMPT_TOKENS.jsonl" \
       --decode-steps "${CPU_DECODE_STEPS:-64}" --repeat 1 --verify-len "$v" --json "$f" 2>&1 \
       | grep '^|' | tee -a "$RUN/bench/cpu_spec.md" || echo "lease: cpu: $v did not finish"
     [ -f "$f" ] && parts+=("$v=$f")
@@ -409,6 +411,11 @@ if e.exists():
                   f"{x['spec_tok_s'] / x['plain_tok_s']:.2f}x ({x['spec_tok_s']:.0f} vs {x['plain_tok_s']:.0f} tok/s), "
                   f"tau {x['acceptance_length']:.2f}, {x['drafts_per_round']:.2f} drafts/round; draft "
                   f"{x['draft_pass_ms']:.3f} ms, verify {x['verify_pass_ms']:.3f} ms, decode step {x['decode_step_ms']:.3f} ms")
+            es = x.get("engine_steps") or {}
+            pl, sp = es.get("plain") or {}, es.get("spec") or {}
+            print(f"summary: engine on cuda {v} c{x['concurrency']} steps: plain {pl.get('decode_steps')} x "
+                  f"{pl.get('decode_ms')} ms; spec {sp.get('decode_steps')} plain x {sp.get('decode_ms')} ms + "
+                  f"{sp.get('round_steps')} rounds x {sp.get('round_ms')} ms (drafter {sp.get('round_draft_ms')} ms)")
 EOF
 }
 

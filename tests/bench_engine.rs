@@ -86,3 +86,80 @@ fn verify_cost_measures_every_row_and_computes_the_speedup_from_them() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("hidden_size"), "{err}");
 }
+
+/// `ferry bench-engine --speculative --prompts FILE` on the CPU: the requests decode the file's
+/// token ids (cut to `--prompt-len`), and each row says where both engines' steps went — the
+/// plain engine only decodes plainly, the speculating one (`fixed:4`) verifies rounds whose
+/// drafter share is part of their time. A prompt shorter than `--prompt-len` or with an id
+/// outside the vocabulary is an error naming the file's line.
+#[test]
+fn speculative_bench_on_given_prompts_breaks_the_steps_down() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    // The replay golden's prompts, each continued by its greedy tokens: real text, 24 ids.
+    let golden: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(root.join("models/tiny-k3-dspark/golden/replay.json")).expect("golden"),
+    )
+    .expect("JSON");
+    let lines: Vec<String> = golden
+        .as_array()
+        .expect("cases")
+        .iter()
+        .map(|c| {
+            let ids: Vec<u64> = c["prompt_ids"]
+                .as_array()
+                .into_iter()
+                .chain(c["tokens"].as_array())
+                .flatten()
+                .map(|t| t.as_u64().expect("an id"))
+                .collect();
+            serde_json::json!({ "ids": ids }).to_string()
+        })
+        .collect();
+    let prompts = dir.path().join("prompts.jsonl");
+    std::fs::write(&prompts, lines.join("\n")).expect("write prompts");
+    let json = dir.path().join("spec.json");
+    let bench = |prompts: &Path, json: Option<&Path>| {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_ferry"));
+        c.args(["bench-engine", "--speculative", "--device", "cpu"])
+            .args(["--batch", "2", "--prompt-len", "24", "--decode-steps", "16"])
+            .args(["--repeat", "1", "--verify-len", "fixed:4", "--prompts", path(prompts)])
+            .env_remove("FERRY_DEVICE");
+        if let Some(j) = json {
+            c.args(["--json", path(j)]);
+        }
+        c.output().expect("ferry runs")
+    };
+    let out = bench(&prompts, Some(&json));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let doc: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&json).expect("the JSON file")).expect("JSON");
+    assert_eq!(doc["prompts"], path(&prompts));
+    let row = &doc["rows"][0];
+    let (plain, spec) = (&row["engine_steps"]["plain"], &row["engine_steps"]["spec"]);
+    // Two requests of 16 tokens: one prompt step gives both first tokens, then 15 plain steps.
+    assert_eq!(plain["prompt_steps"], 1, "{plain}");
+    assert_eq!(plain["decode_steps"], 15, "{plain}");
+    assert_eq!(plain["round_steps"], 0, "{plain}");
+    let n = |v: &serde_json::Value, k: &str| v[k].as_f64().unwrap_or_else(|| panic!("{k}: {v}"));
+    assert!(n(spec, "round_steps") > 0.0, "{spec}");
+    assert!(
+        0.0 < n(spec, "round_draft_ms") && n(spec, "round_draft_ms") < n(spec, "round_ms"),
+        "{spec}"
+    );
+
+    for (bad, says) in [
+        (r#"{"ids": [1, 2, 3]}"#, "line 1: 3 ids, `--prompt-len` is 24"),
+        (r#"{"prompt": "x"}"#, "line 1: no `ids` array"),
+        (&format!(r#"{{"ids": [{}]}}"#, ["5"; 23].join(",") + ",99999"), "token id 99999"),
+    ] {
+        std::fs::write(&prompts, bad).expect("write prompts");
+        let out = bench(&prompts, None);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && stderr.contains(says), "{bad}: {stderr}");
+    }
+}

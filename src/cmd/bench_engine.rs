@@ -20,7 +20,7 @@ use ferry_model::deepseek::{BatchInputs, DeepseekModel, LogitsWanted, SeqInput};
 use ferry_model::drafter::{Drafter, DsparkDrafter};
 use ferry_model::engine::{
     EngineConfig, EngineEvent, EngineHandle, EngineStats, GenerateJob, PrefillSource, SpecConfig,
-    StopParams, VerifyLen,
+    StepTimes, StopParams, VerifyLen,
 };
 use ferry_model::kv::layout::DEFAULT_PAGE_SIZE;
 use ferry_model::kv::BlockTable;
@@ -86,6 +86,12 @@ pub struct BenchEngineArgs {
     /// each row with one gets the speed-up computed from its measured costs.
     #[arg(long, value_delimiter = ',')]
     pub tau: Vec<super::pass_cost::Tau>,
+    /// With `--speculative`: token-id prompts instead of synthetic ones — JSON lines, each with
+    /// an `ids` array (scripts/heldout_prompts.py's output), cut to `--prompt-len`; a level's
+    /// requests take them in turn. Acceptance depends on the text, so a trained pair is
+    /// measured on text like what it serves.
+    #[arg(long)]
+    pub prompts: Option<PathBuf>,
     /// With `--serving`, `--prefill-ship`, `--speculative` or `--verify-cost`: also write the results as JSON to this file.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -281,6 +287,11 @@ fn run_speculative(
         cuda_graphs: args.device.cuda_graphs,
         ..EngineConfig::default()
     };
+    let file_prompts = args
+        .prompts
+        .as_deref()
+        .map(|p| load_prompts(p, args.prompt_len, model.config().vocab_size as u32))
+        .transpose()?;
     println!("engines on {device}\n");
     println!(
         "| concurrency | no-spec tok/s | spec tok/s | speedup | acceptance length | drafts verified / round | draft pass ms | verify pass ms | decode step ms |\n|---|---|---|---|---|---|---|---|---|"
@@ -290,18 +301,23 @@ fn run_speculative(
         let mut plain = Vec::new();
         let mut spec = Vec::new();
         let mut stats = EngineStats::default();
+        let mut plain_stats = EngineStats::default();
         for rep in 0..args.repeat.max(1) {
             let plain_setup = EngineSetup {
                 dir,
                 drafter: None,
                 base: base.clone(),
+                prompts: file_prompts.as_deref(),
             };
             let spec_setup = EngineSetup {
                 dir,
                 drafter: Some(&drafter_dir),
                 base: base.clone(),
+                prompts: file_prompts.as_deref(),
             };
-            plain.push(engine_run(&plain_setup, c, args, rep as u32)?.0);
+            let (tps, s) = engine_run(&plain_setup, c, args, rep as u32)?;
+            plain.push(tps);
+            plain_stats = s;
             let (tps, s) = engine_run(&spec_setup, c, args, rep as u32)?;
             spec.push(tps);
             stats = s;
@@ -322,10 +338,23 @@ fn run_speculative(
             "| {c} | {p:.1} | {s:.1} | {:.2}x | {acceptance:.2} | {drafted:.2} | {d:.2} | {v:.2} | {st:.2} |",
             s / p,
         );
+        // Where the last repetition's engines spent their steps (mean ms per step by kind).
+        let steps = |t: &StepTimes| {
+            serde_json::json!({
+                "decode_steps": t.decode_steps, "decode_ms": mean_ms(t.decode_us, t.decode_steps),
+                "round_steps": t.round_steps, "round_ms": mean_ms(t.round_us, t.round_steps),
+                "round_draft_ms": mean_ms(t.round_draft_us, t.round_steps),
+                "prompt_steps": t.prompt_steps, "prompt_ms": mean_ms(t.prompt_us, t.prompt_steps),
+            })
+        };
         rows.push(serde_json::json!({
             "concurrency": c, "plain_tok_s": p, "spec_tok_s": s, "acceptance_length": acceptance,
             "drafts_per_round": drafted, "draft_pass_ms": d, "verify_pass_ms": v,
             "decode_step_ms": st,
+            "engine_steps": {
+                "plain": steps(&plain_stats.step_times),
+                "spec": steps(&stats.step_times),
+            },
         }));
     }
     write_json(
@@ -333,6 +362,7 @@ fn run_speculative(
         device,
         serde_json::json!({
             "benchmark": "bench-engine --speculative",
+            "prompts": args.prompts.as_ref().map(|p| p.display().to_string()),
             "decode_steps": args.decode_steps,
             "repeat": args.repeat,
             "rows": rows,
@@ -372,6 +402,7 @@ fn run_serving(args: &BenchEngineArgs, dir: &Path) -> anyhow::Result<()> {
                         load_format: args.device.load_format(),
                         ..EngineConfig::default()
                     },
+                    prompts: None,
                 };
                 let (tps, stats) = engine_run(&setup, c, args, rep as u32)?;
                 out.push(tps);
@@ -526,6 +557,8 @@ struct EngineSetup<'a> {
     dir: &'a Path,
     drafter: Option<&'a Path>,
     base: EngineConfig,
+    /// `--prompts`, cut to `--prompt-len`; synthetic prompts when `None`.
+    prompts: Option<&'a [Vec<u32>]>,
 }
 
 fn engine_run(
@@ -534,7 +567,12 @@ fn engine_run(
     args: &BenchEngineArgs,
     salt: u32,
 ) -> anyhow::Result<(f64, EngineStats)> {
-    let EngineSetup { dir, drafter, base } = setup;
+    let EngineSetup {
+        dir,
+        drafter,
+        base,
+        prompts,
+    } = setup;
     let (dir, drafter) = (*dir, *drafter);
     let per_seq = (args.prompt_len + args.decode_steps + 16).div_ceil(DEFAULT_PAGE_SIZE) + 1;
     let config = EngineConfig {
@@ -583,7 +621,14 @@ fn engine_run(
         let before = engine.stats().await?;
         let start = Instant::now();
         let mut gens = Vec::with_capacity(c);
-        for p in synthetic_prompts(vocab, c, args.prompt_len, salt) {
+        let batch = match prompts {
+            // The level's requests take the file's prompts in turn, each repetition the next c.
+            Some(file) => (0..c)
+                .map(|i| file[(salt as usize * c + i) % file.len()].clone())
+                .collect(),
+            None => synthetic_prompts(vocab, c, args.prompt_len, salt),
+        };
+        for p in batch {
             gens.push(engine.generate(job(p, args.decode_steps))?);
         }
         let mut tokens = 0usize;
@@ -604,10 +649,61 @@ fn engine_run(
             spec_drafted_tokens: after.spec_drafted_tokens - before.spec_drafted_tokens,
             spec_accepted_tokens: after.spec_accepted_tokens - before.spec_accepted_tokens,
             graph_steps: after.graph_steps - before.graph_steps,
+            step_times: step_delta(&after.step_times, &before.step_times),
             ..after
         };
         Ok((tokens as f64 / secs, stats))
     })
+}
+
+/// The engine's step counters between two snapshots.
+fn step_delta(after: &StepTimes, before: &StepTimes) -> StepTimes {
+    StepTimes {
+        decode_steps: after.decode_steps - before.decode_steps,
+        decode_us: after.decode_us - before.decode_us,
+        round_steps: after.round_steps - before.round_steps,
+        round_us: after.round_us - before.round_us,
+        round_draft_us: after.round_draft_us - before.round_draft_us,
+        prompt_steps: after.prompt_steps - before.prompt_steps,
+        prompt_us: after.prompt_us - before.prompt_us,
+    }
+}
+
+/// Mean milliseconds of `us` over `n` steps (`None` without steps).
+fn mean_ms(us: u64, n: u64) -> Option<f64> {
+    (n > 0).then(|| us as f64 / n as f64 / 1e3)
+}
+
+/// `--prompts`: every line's `ids`, cut to `len` tokens; a line that is not JSON with an `ids`
+/// array of token ids below `vocab`, or is shorter than `len`, is an error naming the line.
+fn load_prompts(path: &Path, len: usize, vocab: u32) -> anyhow::Result<Vec<Vec<u32>>> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("reading `--prompts` {}", path.display()))?;
+    let mut out = Vec::new();
+    for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+        let at = || format!("`--prompts` {} line {}", path.display(), i + 1);
+        let v: serde_json::Value = serde_json::from_str(line).with_context(at)?;
+        let ids: Vec<u32> = v
+            .get("ids")
+            .and_then(|x| x.as_array())
+            .and_then(|a| {
+                a.iter()
+                    .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
+                    .collect()
+            })
+            .with_context(|| format!("{}: no `ids` array of token ids", at()))?;
+        if ids.len() < len {
+            bail!("{}: {} ids, `--prompt-len` is {len}", at(), ids.len());
+        }
+        if let Some(&t) = ids.iter().find(|&&t| t >= vocab) {
+            bail!("{}: token id {t} is outside the vocabulary of {vocab}", at());
+        }
+        out.push(ids[..len].to_vec());
+    }
+    if out.is_empty() {
+        bail!("`--prompts` {}: no prompts", path.display());
+    }
+    Ok(out)
 }
 
 /// Shape of one `bench-engine` measurement.
