@@ -19,7 +19,8 @@ after the first), tokens per chunk, prompt tokens served from the cache, and fro
 worker's Prometheus counters (deltas over the level): speculative rounds, drafts verified,
 drafts accepted, tau = (accepted + rounds) / rounds, drafts verified per round, the remote /
 local prefill split, and where the engine's time went (steps and mean ms of plain decode steps,
-speculative round steps with their drafter pass, and steps with prompt work). Speed-ups spec / plain per level, the peak-aggregate ratio per temperature,
+speculative round steps and steps with prompt work, each split into the drafter pass, the
+forward's launch, sampling / verification and the commit). Speed-ups spec / plain per level, the peak-aggregate ratio per temperature,
 and the greedy identity (same text plain and spec per prompt) close the report.
 
 Results: OUT/dspark_bench.json (rewritten after every level, so a killed run leaves what it had)
@@ -260,8 +261,10 @@ class Cluster:
                 mode = re.search(r'mode="([^"]*)"', m.group(2))
                 name = f"{name}:{mode.group(1) if mode else '?'}"
             elif m.group(2) and name.startswith("ferry_engine_step"):
-                kind = re.search(r'kind="([^"]*)"', m.group(2))
-                name = f"{name}:{kind.group(1) if kind else '?'}"
+                for label in ("kind", "phase"):
+                    v = re.search(label + r'="([^"]*)"', m.group(2))
+                    if v:
+                        name = f"{name}:{v.group(1)}"
             try:
                 out[name] = out.get(name, 0.0) + float(m.group(3))
             except ValueError:
@@ -411,19 +414,22 @@ def run_level(cl: Cluster, prompts: Prompts, c: int, n: int, temp: float, out_to
     return level
 
 
+PHASES = ("plan", "launch", "sample", "commit")
+
+
 def step_breakdown(d: dict[str, float]) -> dict:
-    """Where the decode worker's engine spent the level's time, from its step counters: steps
-    and mean milliseconds per kind (decode: plain decode-only steps; spec_round: decode-only
-    steps that verified drafts, their drafter pass included; prompt: steps with prompt work),
-    and the drafter passes' share of the round steps."""
+    """Where the decode worker's engine spent the level's time, from its step counters: per kind
+    (decode: plain decode-only steps; spec_round: decode-only steps that verified drafts;
+    prompt: steps with prompt work), the steps and the mean ms per step in all and by phase
+    (plan: the drafter pass; launch: inputs and the forward's launches; sample: sampling or
+    verification, the wait for the device included; commit: tables, tokens, drafter context)."""
     out: dict = {}
     for kind in ("decode", "spec_round", "prompt"):
         n = d.get(f"ferry_engine_steps_total:{kind}", 0.0)
-        us = d.get(f"ferry_engine_step_microseconds_total:{kind}", 0.0)
-        out[kind] = {"steps": int(n), "mean_ms": round(us / n / 1e3, 4) if n else None}
-    draft = d.get("ferry_spec_decode_draft_microseconds_total", 0.0)
-    rounds = out["spec_round"]["steps"]
-    out["draft_pass_mean_ms"] = round(draft / rounds / 1e3, 4) if rounds else None
+        us = {p: d.get(f"ferry_engine_step_microseconds_total:{kind}:{p}", 0.0) for p in PHASES}
+        ms = (lambda x: round(x / n / 1e3, 4)) if n else (lambda x: None)
+        out[kind] = {"steps": int(n), "mean_ms": ms(sum(us.values())),
+                     **{f"{p}_ms": ms(v) for p, v in us.items()}}
     return out
 
 
@@ -550,8 +556,19 @@ def markdown(report: dict) -> str:
               f"{pk.get('plain_peak_at')}), spec {fmt(pk.get('spec_peak_aggregate_tok_s'))} tok/s (c = "
               f"{pk.get('spec_peak_at')}): **{fmt(pk.get('peak_aggregate_ratio'), 2)}×**.", ""]
     L += ["### Where the decode worker's steps went (engine step counters, mean ms per step)", "",
-          "| arm | T | c | decode steps | decode ms | round steps | round ms | of it drafter ms |"
-          " prompt steps | prompt ms |", "|---|---|---|---|---|---|---|---|---|---|"]
+          "Phases: plan (the drafter pass), launch (inputs and the forward's launches), sample "
+          "(sampling or verification; on a GPU the wait for the forward), commit (tables, tokens, "
+          "drafter context).", "",
+          "| arm | T | c | decode steps | decode ms (plan / launch / sample / commit) | round steps |"
+          " round ms (plan / launch / sample / commit) | prompt steps | prompt ms |",
+          "|---|---|---|---|---|---|---|---|---|"]
+
+    def split(k: dict) -> str:
+        if not k.get("steps"):
+            return "–"
+        return (f"{fmt(k.get('mean_ms'), 3)} ("
+                + " / ".join(fmt(k.get(f"{p}_ms"), 3) for p in PHASES) + ")")
+
     for arm, a in report["arms"].items():
         for tkey, levels in a.get("results", {}).items():
             for l in levels:
@@ -559,10 +576,8 @@ def markdown(report: dict) -> str:
                 if not e:
                     continue
                 d, r, p = (e.get(k, {}) for k in ("decode", "spec_round", "prompt"))
-                L.append(f"| {arm} | {tkey} | {l['concurrency']} | {d.get('steps')} | "
-                         f"{fmt(d.get('mean_ms'), 3)} | {r.get('steps')} | {fmt(r.get('mean_ms'), 3)} | "
-                         f"{fmt(e.get('draft_pass_mean_ms'), 3)} | {p.get('steps')} | "
-                         f"{fmt(p.get('mean_ms'), 3)} |")
+                L.append(f"| {arm} | {tkey} | {l['concurrency']} | {d.get('steps')} | {split(d)} | "
+                         f"{r.get('steps')} | {split(r)} | {p.get('steps')} | {fmt(p.get('mean_ms'), 3)} |")
     L.append("")
     if "spec_fixed" in report["arms"]:
         L += [f"### Verify length: `{s['verify_len']}` against fixed "

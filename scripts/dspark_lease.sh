@@ -412,10 +412,12 @@ if e.exists():
                   f"tau {x['acceptance_length']:.2f}, {x['drafts_per_round']:.2f} drafts/round; draft "
                   f"{x['draft_pass_ms']:.3f} ms, verify {x['verify_pass_ms']:.3f} ms, decode step {x['decode_step_ms']:.3f} ms")
             es = x.get("engine_steps") or {}
-            pl, sp = es.get("plain") or {}, es.get("spec") or {}
-            print(f"summary: engine on cuda {v} c{x['concurrency']} steps: plain {pl.get('decode_steps')} x "
-                  f"{pl.get('decode_ms')} ms; spec {sp.get('decode_steps')} plain x {sp.get('decode_ms')} ms + "
-                  f"{sp.get('round_steps')} rounds x {sp.get('round_ms')} ms (drafter {sp.get('round_draft_ms')} ms)")
+            for arm in ("plain", "spec"):
+                for kind, k in (es.get(arm) or {}).items():
+                    if k.get("steps"):
+                        ph = " / ".join(f"{k.get(p + '_ms') or 0:.3f}" for p in ("plan", "launch", "sample", "commit"))
+                        print(f"summary: engine on cuda {v} c{x['concurrency']} {arm} {kind}: {k['steps']} steps x "
+                              f"{k['ms']:.3f} ms (plan / launch / sample / commit {ph})")
 EOF
 }
 

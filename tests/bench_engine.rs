@@ -123,7 +123,14 @@ fn speculative_bench_on_given_prompts_breaks_the_steps_down() {
         let mut c = Command::new(env!("CARGO_BIN_EXE_ferry"));
         c.args(["bench-engine", "--speculative", "--device", "cpu"])
             .args(["--batch", "2", "--prompt-len", "24", "--decode-steps", "16"])
-            .args(["--repeat", "1", "--verify-len", "fixed:4", "--prompts", path(prompts)])
+            .args([
+                "--repeat",
+                "1",
+                "--verify-len",
+                "fixed:4",
+                "--prompts",
+                path(prompts),
+            ])
             .env_remove("FERRY_DEVICE");
         if let Some(j) = json {
             c.args(["--json", path(j)]);
@@ -142,24 +149,39 @@ fn speculative_bench_on_given_prompts_breaks_the_steps_down() {
     let row = &doc["rows"][0];
     let (plain, spec) = (&row["engine_steps"]["plain"], &row["engine_steps"]["spec"]);
     // Two requests of 16 tokens: one prompt step gives both first tokens, then 15 plain steps.
-    assert_eq!(plain["prompt_steps"], 1, "{plain}");
-    assert_eq!(plain["decode_steps"], 15, "{plain}");
-    assert_eq!(plain["round_steps"], 0, "{plain}");
+    assert_eq!(plain["prompt"]["steps"], 1, "{plain}");
+    assert_eq!(plain["decode"]["steps"], 15, "{plain}");
+    assert_eq!(plain["spec_round"]["steps"], 0, "{plain}");
+    assert!(plain["spec_round"]["ms"].is_null(), "{plain}");
     let n = |v: &serde_json::Value, k: &str| v[k].as_f64().unwrap_or_else(|| panic!("{k}: {v}"));
-    assert!(n(spec, "round_steps") > 0.0, "{spec}");
-    assert!(
-        0.0 < n(spec, "round_draft_ms") && n(spec, "round_draft_ms") < n(spec, "round_ms"),
-        "{spec}"
-    );
+    let round = &spec["spec_round"];
+    assert!(n(round, "steps") > 0.0, "{spec}");
+    // The phases add up to the step; a round plans (drafts), a plain step does not.
+    let phases: f64 = ["plan_ms", "launch_ms", "sample_ms", "commit_ms"]
+        .iter()
+        .map(|k| n(round, k))
+        .sum();
+    assert!((phases - n(round, "ms")).abs() < 1e-6, "{round}");
+    assert!(n(round, "plan_ms") > 0.0, "{round}");
+    assert_eq!(n(&plain["decode"], "plan_ms"), 0.0, "{plain}");
 
     for (bad, says) in [
-        (r#"{"ids": [1, 2, 3]}"#, "line 1: 3 ids, `--prompt-len` is 24"),
+        (
+            r#"{"ids": [1, 2, 3]}"#,
+            "line 1: 3 ids, `--prompt-len` is 24",
+        ),
         (r#"{"prompt": "x"}"#, "line 1: no `ids` array"),
-        (&format!(r#"{{"ids": [{}]}}"#, ["5"; 23].join(",") + ",99999"), "token id 99999"),
+        (
+            &format!(r#"{{"ids": [{}]}}"#, ["5"; 23].join(",") + ",99999"),
+            "token id 99999",
+        ),
     ] {
         std::fs::write(&prompts, bad).expect("write prompts");
         let out = bench(&prompts, None);
         let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success() && stderr.contains(says), "{bad}: {stderr}");
+        assert!(
+            !out.status.success() && stderr.contains(says),
+            "{bad}: {stderr}"
+        );
     }
 }

@@ -338,14 +338,21 @@ fn run_speculative(
             "| {c} | {p:.1} | {s:.1} | {:.2}x | {acceptance:.2} | {drafted:.2} | {d:.2} | {v:.2} | {st:.2} |",
             s / p,
         );
-        // Where the last repetition's engines spent their steps (mean ms per step by kind).
+        // Where the last repetition's engines spent their steps: by kind, steps and mean ms
+        // per step in all and by phase.
         let steps = |t: &StepTimes| {
-            serde_json::json!({
-                "decode_steps": t.decode_steps, "decode_ms": mean_ms(t.decode_us, t.decode_steps),
-                "round_steps": t.round_steps, "round_ms": mean_ms(t.round_us, t.round_steps),
-                "round_draft_ms": mean_ms(t.round_draft_us, t.round_steps),
-                "prompt_steps": t.prompt_steps, "prompt_ms": mean_ms(t.prompt_us, t.prompt_steps),
-            })
+            let mut out = serde_json::Map::new();
+            for (name, k) in t.kinds() {
+                out.insert(
+                    name.into(),
+                    serde_json::json!({
+                        "steps": k.steps, "ms": k.mean_ms(k.total_us()),
+                        "plan_ms": k.mean_ms(k.plan_us), "launch_ms": k.mean_ms(k.launch_us),
+                        "sample_ms": k.mean_ms(k.sample_us), "commit_ms": k.mean_ms(k.commit_us),
+                    }),
+                );
+            }
+            serde_json::Value::Object(out)
         };
         rows.push(serde_json::json!({
             "concurrency": c, "plain_tok_s": p, "spec_tok_s": s, "acceptance_length": acceptance,
@@ -649,29 +656,11 @@ fn engine_run(
             spec_drafted_tokens: after.spec_drafted_tokens - before.spec_drafted_tokens,
             spec_accepted_tokens: after.spec_accepted_tokens - before.spec_accepted_tokens,
             graph_steps: after.graph_steps - before.graph_steps,
-            step_times: step_delta(&after.step_times, &before.step_times),
+            step_times: after.step_times.since(&before.step_times),
             ..after
         };
         Ok((tokens as f64 / secs, stats))
     })
-}
-
-/// The engine's step counters between two snapshots.
-fn step_delta(after: &StepTimes, before: &StepTimes) -> StepTimes {
-    StepTimes {
-        decode_steps: after.decode_steps - before.decode_steps,
-        decode_us: after.decode_us - before.decode_us,
-        round_steps: after.round_steps - before.round_steps,
-        round_us: after.round_us - before.round_us,
-        round_draft_us: after.round_draft_us - before.round_draft_us,
-        prompt_steps: after.prompt_steps - before.prompt_steps,
-        prompt_us: after.prompt_us - before.prompt_us,
-    }
-}
-
-/// Mean milliseconds of `us` over `n` steps (`None` without steps).
-fn mean_ms(us: u64, n: u64) -> Option<f64> {
-    (n > 0).then(|| us as f64 / n as f64 / 1e3)
 }
 
 /// `--prompts`: every line's `ids`, cut to `len` tokens; a line that is not JSON with an `ids`
@@ -680,7 +669,11 @@ fn load_prompts(path: &Path, len: usize, vocab: u32) -> anyhow::Result<Vec<Vec<u
     let text = std::fs::read_to_string(path)
         .with_context(|| format!("reading `--prompts` {}", path.display()))?;
     let mut out = Vec::new();
-    for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+    for (i, line) in text
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+    {
         let at = || format!("`--prompts` {} line {}", path.display(), i + 1);
         let v: serde_json::Value = serde_json::from_str(line).with_context(at)?;
         let ids: Vec<u32> = v
@@ -696,7 +689,10 @@ fn load_prompts(path: &Path, len: usize, vocab: u32) -> anyhow::Result<Vec<Vec<u
             bail!("{}: {} ids, `--prompt-len` is {len}", at(), ids.len());
         }
         if let Some(&t) = ids.iter().find(|&&t| t >= vocab) {
-            bail!("{}: token id {t} is outside the vocabulary of {vocab}", at());
+            bail!(
+                "{}: token id {t} is outside the vocabulary of {vocab}",
+                at()
+            );
         }
         out.push(ids[..len].to_vec());
     }

@@ -98,14 +98,6 @@ fn advance(c: &IntCounter, total: u64) {
     }
 }
 
-/// `family` with its `kind` series created (so each reads 0 before its first step).
-fn step_kinds(family: IntCounterVec) -> IntCounterVec {
-    for kind in ["decode", "spec_round", "prompt"] {
-        family.with_label_values(&[kind]);
-    }
-    family
-}
-
 /// Admission → first batch, per request, from the engine's `queue` spans (process-wide: the
 /// spans of every engine in the process land here).
 static QUEUE_TIME: LazyLock<Histogram> = LazyLock::new(|| {
@@ -141,7 +133,8 @@ struct EngineSeries {
     ship_forwards: IntCounter,
     ship_early: IntCounter,
     ship_tail_us: IntCounter,
-    /// Engine steps and their summed wall time by kind (`decode`, `spec_round`, `prompt`).
+    /// Engine steps by kind (`decode`, `spec_round`, `prompt`), and their summed wall time by
+    /// kind and phase (`plan`, `launch`, `sample`, `commit`).
     steps: IntCounterVec,
     step_us: IntCounterVec,
     /// Decode workers only.
@@ -159,8 +152,6 @@ struct DecodeSeries {
     spec_drafted: IntCounter,
     spec_accepted: IntCounter,
     spec_acceptance_length: Gauge,
-    /// Of the speculative round steps' time: planning them (the drafter pass).
-    spec_draft_us: IntCounter,
 }
 
 impl DecodeSeries {
@@ -205,11 +196,6 @@ impl DecodeSeries {
                 "ferry_spec_decode_acceptance_length",
                 "Mean tokens emitted per speculative round since start: (accepted + rounds) / rounds (SGLang's spec_accept_length); 0 before the first round",
             )?,
-            spec_draft_us: counter(
-                r,
-                "ferry_spec_decode_draft_microseconds_total",
-                "Of ferry_engine_step_microseconds_total{kind=\"spec_round\"}: planning the rounds (the drafter pass and any drafter context it wrote first)",
-            )?,
         })
     }
 
@@ -227,7 +213,6 @@ impl DecodeSeries {
         advance(&self.spec_rounds, s.spec_rounds);
         advance(&self.spec_drafted, s.spec_drafted_tokens);
         advance(&self.spec_accepted, s.spec_accepted_tokens);
-        advance(&self.spec_draft_us, s.step_times.round_draft_us);
         self.spec_acceptance_length.set(if s.spec_rounds == 0 {
             0.0
         } else {
@@ -325,18 +310,18 @@ impl EngineSeries {
                 "ferry_kv_ship_tail_microseconds_total",
                 "Summed wall time from the end of each shipping forward to its last layer handed to the transfer (the shipping the forward did not hide); divide by ferry_kv_ship_forwards_total",
             )?,
-            steps: step_kinds(counter_vec(
+            steps: counter_vec(
                 r,
                 "ferry_engine_steps_total",
                 "Engine steps (batches) by kind: decode (decode-only, no drafts verified), spec_round (decode-only, drafts verified), prompt (with prompt work)",
                 &["kind"],
-            )?),
-            step_us: step_kinds(counter_vec(
+            )?,
+            step_us: counter_vec(
                 r,
                 "ferry_engine_step_microseconds_total",
-                "Summed wall time of engine steps by kind, from planning the step to its tokens sent (spec_round includes the drafter pass); divide by ferry_engine_steps_total for the mean step",
-                &["kind"],
-            )?),
+                "Summed host wall time of engine steps by kind and phase: plan (the drafter pass), launch (inputs and the forward's launches), sample (sampling or verification, on a GPU the wait for the forward included), commit (tables, tokens sent, drafter context); sum the phases and divide by ferry_engine_steps_total for the mean step",
+                &["kind", "phase"],
+            )?,
             decode,
         })
     }
@@ -373,14 +358,16 @@ impl EngineSeries {
         advance(&self.ship_forwards, s.kv_ship_forwards);
         advance(&self.ship_early, s.kv_layers_shipped_early);
         advance(&self.ship_tail_us, s.kv_ship_tail_us);
-        let t = &s.step_times;
-        for (kind, steps, us) in [
-            ("decode", t.decode_steps, t.decode_us),
-            ("spec_round", t.round_steps, t.round_us),
-            ("prompt", t.prompt_steps, t.prompt_us),
-        ] {
-            advance(&self.steps.with_label_values(&[kind]), steps);
-            advance(&self.step_us.with_label_values(&[kind]), us);
+        for (kind, k) in s.step_times.kinds() {
+            advance(&self.steps.with_label_values(&[kind]), k.steps);
+            for (phase, us) in [
+                ("plan", k.plan_us),
+                ("launch", k.launch_us),
+                ("sample", k.sample_us),
+                ("commit", k.commit_us),
+            ] {
+                advance(&self.step_us.with_label_values(&[kind, phase]), us);
+            }
         }
         if let Some(decode) = &self.decode {
             decode.update(s);
@@ -541,6 +528,18 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+    use ferry_model::engine::{StepKind, StepTimes};
+
+    /// A step kind of `steps` steps with `[plan, launch, sample, commit]` µs.
+    fn kind(steps: u64, [plan_us, launch_us, sample_us, commit_us]: [u64; 4]) -> StepKind {
+        StepKind {
+            steps,
+            plan_us,
+            launch_us,
+            sample_us,
+            commit_us,
+        }
+    }
 
     #[test]
     fn engine_counters_follow_the_stats_and_never_go_down() {
@@ -559,24 +558,24 @@ mod tests {
             kv_ship_forwards: 2,
             kv_layers_shipped_early: 5,
             kv_ship_tail_us: 700,
-            step_times: ferry_model::engine::StepTimes {
-                decode_steps: 10,
-                decode_us: 1_000,
-                round_steps: 4,
-                round_us: 1_200,
-                round_draft_us: 300,
-                prompt_steps: 2,
-                prompt_us: 5_000,
+            step_times: StepTimes {
+                decode: kind(10, [0, 600, 300, 100]),
+                round: kind(4, [300, 400, 300, 200]),
+                prompt: kind(2, [0, 4_000, 800, 200]),
             },
             ..EngineStats::default()
         };
         m.update(&s);
         assert_eq!(m.graph_steps.get(), 9);
-        let kind = |f: &IntCounterVec, k: &str| f.with_label_values(&[k]).get();
+        let steps =
+            ["decode", "spec_round", "prompt"].map(|k| m.steps.with_label_values(&[k]).get());
+        assert_eq!(steps, [10, 4, 2]);
+        let us = |k: &str, p: &str| m.step_us.with_label_values(&[k, p]).get();
         assert_eq!(
-            ["decode", "spec_round", "prompt"].map(|k| (kind(&m.steps, k), kind(&m.step_us, k))),
-            [(10, 1_000), (4, 1_200), (2, 5_000)]
+            ["plan", "launch", "sample", "commit"].map(|p| us("spec_round", p)),
+            [300, 400, 300, 200]
         );
+        assert_eq!(us("prompt", "launch"), 4_000);
         assert_eq!(
             (
                 m.ship_forwards.get(),
@@ -595,7 +594,6 @@ mod tests {
         let decode = m.decode.as_ref().expect("decode series");
         assert_eq!(decode.modes.with_label_values(&["remote"]).get(), 5);
         assert_eq!(decode.spec_drafted.get(), 12);
-        assert_eq!(decode.spec_draft_us.get(), 300);
         assert!((decode.spec_acceptance_length.get() - 2.5).abs() < 1e-12);
         s.prefill_computed_tokens = 0;
         m.update(&s);

@@ -516,51 +516,111 @@ pub struct EngineStats {
     /// On a GPU, page-locked host bytes staging shipped layers (the ring, sized for the layers
     /// in flight of the largest prefill batch so far); 0 on the CPU and before any shipping.
     pub kv_host_staging_bytes: u64,
-    /// Engine steps by kind and their summed wall time (µs, from planning the step to its
-    /// outputs sent): where a worker's time goes. See [`StepTimes`].
+    /// Engine steps by kind and their summed wall time by phase: where a worker's time goes.
+    /// See [`StepTimes`].
     pub step_times: StepTimes,
 }
 
-/// Engine steps by kind, each with its count and summed wall time in µs.
+/// Engine steps by kind, each with its count and its summed wall time by phase.
 ///
-/// A step is one batch: planning (drafting, if any), the forward, sampling or verification,
-/// and sending each sequence's tokens. Mean cost of a kind = µs / steps. Speculation pays when a
-/// round step's tokens per second beat a plain decode step's, so both are kept apart, with the
-/// drafter's share of the round steps on its own.
+/// A step is one batch. Speculation pays when a round step's tokens per second beat a plain
+/// decode step's, so the kinds are kept apart; the phases say where a kind's time goes. They
+/// are host wall time, measured without extra device synchronisation: on a GPU the forward's
+/// launches return before the device is done, so `launch` is the host's share and `sample`
+/// holds the wait for the device (and a commit's launched drafter context is waited for by
+/// the next step).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct StepTimes {
     /// Decode-only steps that verified no drafts (plain decoding, or speculation skipped).
-    pub decode_steps: u64,
-    /// See `decode_steps`.
-    pub decode_us: u64,
-    /// Decode-only steps that verified drafts (speculative rounds), their drafter pass included.
-    pub round_steps: u64,
-    /// See `round_steps`.
-    pub round_us: u64,
-    /// Of `round_us`: planning the rounds (the drafter pass and any deferred context it wrote).
-    pub round_draft_us: u64,
+    pub decode: StepKind,
+    /// Decode-only steps that verified drafts (speculative rounds).
+    pub round: StepKind,
     /// Steps with prompt work (prefill jobs or prompt chunks), decode rows riding along or not.
-    pub prompt_steps: u64,
-    /// See `prompt_steps`.
-    pub prompt_us: u64,
+    pub prompt: StepKind,
+}
+
+/// One kind of engine step: how many ran and their summed wall time (µs) by phase.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StepKind {
+    /// Steps.
+    pub steps: u64,
+    /// Planning: the drafter pass, and any deferred drafter context written before it.
+    pub plan_us: u64,
+    /// Building the batch's inputs and running (on a GPU: launching) its forward.
+    pub launch_us: u64,
+    /// Sampling and verification, the tokens brought to the host (on a GPU: the wait for the
+    /// forward included).
+    pub sample_us: u64,
+    /// Committing: block tables, tokens sent, drafter context of the committed rows.
+    pub commit_us: u64,
+}
+
+impl StepKind {
+    /// All phases.
+    pub fn total_us(&self) -> u64 {
+        self.plan_us + self.launch_us + self.sample_us + self.commit_us
+    }
+
+    /// Mean milliseconds of `us` per step; `None` without steps.
+    pub fn mean_ms(&self, us: u64) -> Option<f64> {
+        (self.steps > 0).then(|| us as f64 / self.steps as f64 / 1e3)
+    }
+
+    /// The counts since `before` (an earlier snapshot of the same engine).
+    pub fn since(&self, before: &StepKind) -> StepKind {
+        StepKind {
+            steps: self.steps.saturating_sub(before.steps),
+            plan_us: self.plan_us.saturating_sub(before.plan_us),
+            launch_us: self.launch_us.saturating_sub(before.launch_us),
+            sample_us: self.sample_us.saturating_sub(before.sample_us),
+            commit_us: self.commit_us.saturating_sub(before.commit_us),
+        }
+    }
+}
+
+/// Wall time of one step's phases, in seconds (see [`StepKind`]).
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct StepPhases {
+    pub plan: f64,
+    pub launch: f64,
+    pub sample: f64,
+    pub commit: f64,
 }
 
 impl StepTimes {
-    /// Counts one step of `secs` (`draft_secs` of it planning drafts): `prompt` if it had
-    /// prompt work, else a round if it verified drafts.
-    pub(crate) fn record(&mut self, prompt: bool, round: bool, secs: f64, draft_secs: f64) {
-        let us = |s: f64| (s.max(0.0) * 1e6) as u64;
-        if prompt {
-            self.prompt_steps += 1;
-            self.prompt_us += us(secs);
-        } else if round {
-            self.round_steps += 1;
-            self.round_us += us(secs);
-            self.round_draft_us += us(draft_secs);
-        } else {
-            self.decode_steps += 1;
-            self.decode_us += us(secs);
+    /// The kinds with their metric label: `decode`, `spec_round`, `prompt`.
+    pub fn kinds(&self) -> [(&'static str, &StepKind); 3] {
+        [
+            ("decode", &self.decode),
+            ("spec_round", &self.round),
+            ("prompt", &self.prompt),
+        ]
+    }
+
+    /// The counts since `before` (an earlier snapshot of the same engine).
+    pub fn since(&self, before: &StepTimes) -> StepTimes {
+        StepTimes {
+            decode: self.decode.since(&before.decode),
+            round: self.round.since(&before.round),
+            prompt: self.prompt.since(&before.prompt),
         }
+    }
+
+    /// Counts one step: `prompt` if it had prompt work, else a round if it verified drafts.
+    pub(crate) fn record(&mut self, prompt: bool, round: bool, p: StepPhases) {
+        let kind = if prompt {
+            &mut self.prompt
+        } else if round {
+            &mut self.round
+        } else {
+            &mut self.decode
+        };
+        let us = |s: f64| (s.max(0.0) * 1e6) as u64;
+        kind.steps += 1;
+        kind.plan_us += us(p.plan);
+        kind.launch_us += us(p.launch);
+        kind.sample_us += us(p.sample);
+        kind.commit_us += us(p.commit);
     }
 }
 

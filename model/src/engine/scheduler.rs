@@ -26,7 +26,7 @@ use tracing::warn;
 use super::backend::Backend;
 use super::sequence::{PrefillTask, Sequence};
 use super::spec::{Draft, Speculator};
-use super::{Command, EngineConfig, EngineEvent, EngineStats, FinishReason};
+use super::{Command, EngineConfig, EngineEvent, EngineStats, FinishReason, StepPhases};
 use super::{Failure, FailureKind, GenerateJob, GenerateOptions, SeqId};
 use crate::kv::{BlockId, KvManager, KvPool, RemoteFences};
 use ferry_kernels::cpu::logits::TokenLogprobs;
@@ -286,7 +286,7 @@ impl Scheduler {
         let started = std::time::Instant::now();
         let graphs_before = self.backend.graph_steps();
         let (drafts, q) = self.plan_drafts(budget);
-        let planned = started.elapsed().as_secs_f64();
+        let planned = std::time::Instant::now();
         let mut work = Vec::new();
         for i in 0..self.running.len() {
             work.push(Work::Decode(i));
@@ -333,11 +333,18 @@ impl Scheduler {
         let decode_only = work.iter().all(|w| matches!(w, Work::Decode(_)));
         let seqs = self.running.len();
         let rows = seqs + drafted;
-        self.run_batch(work, drafts, q);
-        let secs = started.elapsed().as_secs_f64();
+        let (forwarded, sampled) = self.run_batch(work, drafts, q);
+        let done = std::time::Instant::now();
+        let secs = (done - started).as_secs_f64();
+        let phases = StepPhases {
+            plan: (planned - started).as_secs_f64(),
+            launch: (forwarded - planned).as_secs_f64(),
+            sample: (sampled - forwarded).as_secs_f64(),
+            commit: (done - sampled).as_secs_f64(),
+        };
         self.stats
             .step_times
-            .record(!decode_only, drafted > 0, secs, planned);
+            .record(!decode_only, drafted > 0, phases);
         if let Some(sp) = self.spec.as_mut() {
             let graph = self.backend.graph_steps() > graphs_before;
             let shape = decode_only.then_some((seqs, rows, drafted > 0, graph));

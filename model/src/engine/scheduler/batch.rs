@@ -2,6 +2,7 @@
 //! and committing its outcome (or failing every request in it).
 
 use std::collections::HashMap;
+use std::time::Instant;
 
 use tracing::warn;
 
@@ -18,12 +19,14 @@ use crate::kv::LayerRows;
 use crate::ModelError;
 
 impl Scheduler {
+    /// Runs one batch and returns when its forward returned and when its tokens were on the
+    /// host (the step's phases, [`crate::engine::StepKind`]); a failed forward's are equal.
     pub(super) fn run_batch(
         &mut self,
         work: Vec<Work>,
         drafts: Vec<Option<Draft>>,
         q: Option<ferry_kernels::backend::Tensor>,
-    ) {
+    ) -> (Instant, Instant) {
         // One span per batch, linked to the span of every request it serves (their `queue`
         // spans end here, the first time a request is scheduled).
         let batch_span = tracing::debug_span!("batch", requests = work.len());
@@ -168,6 +171,7 @@ impl Scheduler {
             rows_on_device: rows_on_device && !staged.is_empty(),
         };
         let result = self.backend.forward(&batch, self.kv.pool_mut(), pass);
+        let forwarded = Instant::now();
         drop(batch);
         // Every token the logits decide, drawn and verified where the logits are.
         let result = result.and_then(|mut logits| {
@@ -178,6 +182,7 @@ impl Scheduler {
             let outcomes = self.sample_batch(&work, &logits, &drafts, q.as_ref())?;
             Ok((outcomes, prompt))
         });
+        let sampled = Instant::now();
         match result {
             Ok((outcomes, prompt)) => {
                 // In the drafter's tap order (a layer tapped twice is copied once).
@@ -204,6 +209,7 @@ impl Scheduler {
             }
             Err(e) => self.fail_batch(work, &e.to_string()),
         }
+        (forwarded, sampled)
     }
 
     /// Commits a successful forward: advance tables, sample, emit, finish.
