@@ -221,7 +221,7 @@ stage_engine() {
       --prompt-len "${ENGINE_PROMPT_LEN:-1024}" --decode-steps "${ENGINE_DECODE_STEPS:-128}" --repeat 1 \
       --prompts "$RUN/prompts-$PROMPT_TOKENS.jsonl" \
       --verify-len "$v" --max-verify-tokens "${BENCH_MAX_VERIFY_TOKENS:-1024}" --json "$f" 2>&1 \
-      | grep '^|' | tee -a "$RUN/bench/engine_spec.md" || echo "lease: engine: $v did not finish"
+      | grep '^|' | tee -a "$RUN/bench/engine_spec.md" || echo "lease: engine: $v did not finish (the levels it did are kept)"
     [ -f "$f" ] && parts+=("$v=$f")
   done
   "$PY" - "$RUN/bench/engine_spec.json" "${parts[@]}" <<'EOF2'

@@ -363,18 +363,20 @@ fn run_speculative(
                 "spec": steps(&stats.step_times),
             },
         }));
+        // Rewritten after every level: a run cut short (a device lease's time limit) keeps
+        // the levels it finished.
+        write_json(
+            args,
+            device,
+            serde_json::json!({
+                "benchmark": "bench-engine --speculative",
+                "prompts": args.prompts.as_ref().map(|p| p.display().to_string()),
+                "decode_steps": args.decode_steps,
+                "repeat": args.repeat,
+                "rows": rows,
+            }),
+        )?;
     }
-    write_json(
-        args,
-        device,
-        serde_json::json!({
-            "benchmark": "bench-engine --speculative",
-            "prompts": args.prompts.as_ref().map(|p| p.display().to_string()),
-            "decode_steps": args.decode_steps,
-            "repeat": args.repeat,
-            "rows": rows,
-        }),
-    )?;
     Ok(())
 }
 
