@@ -54,11 +54,11 @@ use ferry_model::deepseek::DeepseekModel;
 use ferry_model::drafter::{Drafter, DsparkDrafter};
 use ferry_model::engine::{
     EngineConfig, EngineEvent, EngineHandle, FinishReason, GenerateJob, Generation, GpuMode,
-    LayerSinkFn, PrefillSource, PrefillWork, SpecConfig, SpecCounts, StopParams, VerifyLen,
+    LayerSinkFn, PrefillSource, PrefillWork, SpecConfig, StopParams, VerifyLen,
 };
 use ferry_model::kv::{BlockId, KvDtype, LayerRows};
 
-use common::{collect, golden_case, greedy, job, tokens, wait_idle};
+use common::{collect, collect_spec, golden_case, greedy, job, tokens, wait_idle};
 
 fn model() -> DeepseekModel {
     DeepseekModel::load(&ferry_model::embedded::default_model_dir()).expect("model")
@@ -318,23 +318,6 @@ async fn whole_generations_on_cuda_accept_what_the_reference_drafter_accepts() {
         "rounds replayed from graphs"
     );
     wait_idle(&e).await;
-}
-
-/// Tokens, the end, and the request's speculative counts.
-async fn collect_spec(
-    mut g: Generation,
-) -> (Vec<u32>, Result<FinishReason, String>, Option<SpecCounts>) {
-    let (mut toks, mut spec) = (Vec::new(), None);
-    while let Some(ev) = g.events.recv().await {
-        match ev {
-            EngineEvent::Token(t) => toks.push(t),
-            EngineEvent::Speculation(c) => spec = Some(c),
-            EngineEvent::Finished(r) => return (toks, Ok(r), spec),
-            EngineEvent::Failed(e) => return (toks, Err(e.message), spec),
-            _ => {}
-        }
-    }
-    (toks, Err("stream ended".into()), spec)
 }
 
 /// Penalised greedy runs of the golden prompts (concurrent), and a prefill job's first token

@@ -29,7 +29,7 @@ use ferry_model::kv::{BlockId, KvStore, LayerRows};
 use ferry_model::session::Session;
 use ferry_model::ModelError;
 
-use common::{golden_case, greedy, wait_idle};
+use common::{collect_spec, golden_case, greedy, wait_idle};
 
 fn target() -> DeepseekModel {
     DeepseekModel::load(&ferry_model::embedded::default_model_dir()).expect("model")
@@ -64,31 +64,6 @@ fn job(prompt: Vec<u32>, max_tokens: usize, sampling: SamplingParams) -> Generat
         prefill: PrefillSource::Local,
         grammar: None,
     }
-}
-
-/// Tokens, the end, and the request's speculative counts, which must come at most once and
-/// right before the end.
-async fn collect(
-    mut g: Generation,
-) -> (Vec<u32>, Result<FinishReason, String>, Option<SpecCounts>) {
-    let mut toks = Vec::new();
-    let mut spec = None;
-    while let Some(e) = g.events.recv().await {
-        match e {
-            EngineEvent::Token(t) => {
-                assert!(spec.is_none(), "a token after the speculative counts");
-                toks.push(t);
-            }
-            EngineEvent::Speculation(c) => {
-                assert!(spec.is_none(), "speculative counts sent twice");
-                spec = Some(c);
-            }
-            EngineEvent::Finished(r) => return (toks, Ok(r), spec),
-            EngineEvent::Failed(e) => return (toks, Err(e.message), spec),
-            other => assert!(spec.is_none(), "{other:?} after the speculative counts"),
-        }
-    }
-    (toks, Err("stream ended".into()), spec)
 }
 
 /// A drafter of known behaviour: proposes the continuation of whichever known sequence extends
@@ -206,7 +181,7 @@ async fn goodput_verify_length_keeps_greedy_output_and_speculates_to_measure() {
         .map(|i| e.generate(job(golden_case(i).0, 32, greedy())).unwrap())
         .collect();
     for (i, g) in gens.into_iter().enumerate() {
-        let (toks, end, _) = collect(g).await;
+        let (toks, end, _) = collect_spec(g).await;
         assert_eq!(end, Ok(FinishReason::Length));
         assert_eq!(toks, golden_case(i).1, "request {i} under goodput");
     }
@@ -252,7 +227,7 @@ async fn whole_generations_accept_what_the_reference_drafter_accepts() {
         let g = e
             .generate(job(c.prompt_ids.clone(), c.max_tokens, greedy()))
             .unwrap();
-        let (toks, end, spec) = collect(g).await;
+        let (toks, end, spec) = collect_spec(g).await;
         assert_eq!(end, Ok(FinishReason::Length), "{}", c.prompt);
         assert_eq!(toks, c.tokens, "{}: the target's greedy text", c.prompt);
         let want = SpecCounts {
@@ -296,7 +271,7 @@ async fn dspark_greedy_output_equals_plain_decoding() {
         .unwrap();
     let mut sum = SpecCounts::default();
     for (i, g) in gens.into_iter().enumerate() {
-        let (toks, end, spec) = collect(g).await;
+        let (toks, end, spec) = collect_spec(g).await;
         assert_eq!(end, Ok(FinishReason::Length));
         assert_eq!(toks, golden_case(i).1, "request {i} with speculation");
         let c = spec.expect("a speculating request gets its counts");
@@ -304,7 +279,7 @@ async fn dspark_greedy_output_equals_plain_decoding() {
         sum.drafted_tokens += c.drafted_tokens;
         sum.accepted_tokens += c.accepted_tokens;
     }
-    let (toks, _, spec) = collect(off).await;
+    let (toks, _, spec) = collect_spec(off).await;
     assert_eq!(toks, golden_case(2).1, "speculation off");
     assert_eq!(spec, None, "a request that opted out gets no counts");
     let s = e.stats().await.unwrap();
@@ -343,7 +318,8 @@ async fn drafts_of_the_targets_own_greedy_tokens_are_all_accepted() {
         config(128, 64, VerifyLen::Fixed(4)),
     )
     .unwrap();
-    let (toks, end, spec) = collect(e.generate(job(golden_case(2).0, 32, greedy())).unwrap()).await;
+    let (toks, end, spec) =
+        collect_spec(e.generate(job(golden_case(2).0, 32, greedy())).unwrap()).await;
     assert_eq!(end, Ok(FinishReason::Length));
     assert_eq!(toks, golden_case(2).1);
     let s = e.stats().await.unwrap();
@@ -388,7 +364,7 @@ async fn wrong_drafts_are_all_rejected_and_their_kv_rolled_back() {
         gens.push(e.generate(job(golden_case(i).0, 32, greedy())).unwrap());
     }
     for (i, g) in gens.into_iter().enumerate() {
-        let (toks, end, spec) = collect(g).await;
+        let (toks, end, spec) = collect_spec(g).await;
         assert_eq!(end, Ok(FinishReason::Length));
         assert_eq!(
             toks,
@@ -430,7 +406,7 @@ async fn an_engine_without_a_drafter_sends_no_speculative_counts() {
                 },
             )
             .unwrap();
-        let (toks, end, spec) = collect(g).await;
+        let (toks, end, spec) = collect_spec(g).await;
         assert_eq!(end, Ok(FinishReason::Length));
         assert_eq!(toks.len(), 4);
         assert_eq!(spec, None, "speculative: {speculative:?}");
@@ -475,7 +451,7 @@ async fn penalised_speculation(variant: usize) {
     let plain = EngineHandle::spawn(target(), config(128, 64, VerifyLen::Fixed(4))).unwrap();
     let mut outputs = Vec::new();
     for i in 0..3 {
-        let (toks, end, _) = collect(plain.generate(controlled(i)).unwrap()).await;
+        let (toks, end, _) = collect_spec(plain.generate(controlled(i)).unwrap()).await;
         assert_eq!(end, Ok(FinishReason::Length));
         let golden = &golden_case(i).1[..24];
         assert_ne!(
@@ -511,7 +487,7 @@ async fn penalised_speculation(variant: usize) {
         .unwrap();
         let gens: Vec<Generation> = (0..3).map(|i| e.generate(controlled(i)).unwrap()).collect();
         for (i, g) in gens.into_iter().enumerate() {
-            let (toks, end, spec) = collect(g).await;
+            let (toks, end, spec) = collect_spec(g).await;
             assert_eq!(end, Ok(FinishReason::Length));
             let case = format!("variant {variant}, drafter {d}, case {i}");
             assert_eq!(toks, outputs[i], "{case}: speculation vs plain");
@@ -635,7 +611,7 @@ async fn logprobs_are_the_raw_log_softmax_of_a_direct_forward() {
     assert_logprobs_match(&got_spec, &want, 5, "speculative");
     assert!(spec.stats().await.unwrap().spec_rounds > 0);
     // Without the option, no Logprobs event.
-    let (toks, _, _) = collect(spec.generate(controlled()).unwrap()).await;
+    let (toks, _, _) = collect_spec(spec.generate(controlled()).unwrap()).await;
     assert_eq!(toks, output);
     wait_idle(&spec).await;
 }
@@ -675,7 +651,7 @@ async fn stop_token_ids_end_a_request_and_min_tokens_holds_them_back() {
                 options,
             )
             .unwrap();
-        let (toks, end, _) = collect(g).await;
+        let (toks, end, _) = collect_spec(g).await;
         assert_eq!(end, Ok(FinishReason::Stop), "{speculative:?}");
         assert_eq!(
             toks,
@@ -693,7 +669,7 @@ async fn stop_token_ids_end_a_request_and_min_tokens_holds_them_back() {
                 options,
             )
             .unwrap();
-        let (toks, _, _) = collect(g).await;
+        let (toks, _, _) = collect_spec(g).await;
         assert!(toks.len() >= first + 3, "{speculative:?}: {toks:?}");
         assert!(
             !toks[..first + 3].contains(&stop_at),
@@ -813,13 +789,13 @@ async fn mixed_batch<D: Drafter + 'static>(model: DeepseekModel, drafter: D) -> 
                 ..params.clone()
             };
             let g = e.generate(job(prompt.clone(), 3, p)).unwrap();
-            tasks.push((Some(k), tokio::spawn(collect(g))));
+            tasks.push((Some(k), tokio::spawn(collect_spec(g))));
         }
         if n % 100 == 0 {
             let g = e.generate(job(golden_case(1).0, 32, greedy())).unwrap();
-            tasks.push((None, tokio::spawn(collect(g))));
+            tasks.push((None, tokio::spawn(collect_spec(g))));
             let g = e.generate(job(broken_prompt.clone(), 3, greedy())).unwrap();
-            tasks.push((Some(99), tokio::spawn(collect(g))));
+            tasks.push((Some(99), tokio::spawn(collect_spec(g))));
         }
     }
     let mut counts: Vec<HashMap<[u32; 3], u64>> = vec![HashMap::new(); kinds.len()];
@@ -1027,7 +1003,7 @@ async fn drafter_context_shipped_with_a_remote_prefill_lets_decode_speculate_at_
         let (first, bytes) =
             remote_prefill(&p, &d, prompt.clone(), (blocks, cached_tokens), ship).await;
         d.remote_done(g.id, first, bytes).unwrap();
-        let (toks, end, spec) = collect(g).await;
+        let (toks, end, spec) = collect_spec(g).await;
         assert_eq!(end, Ok(FinishReason::Length));
         assert_eq!(toks, expected, "ship drafter context: {ship}");
         let after = d.stats().await.unwrap();
@@ -1136,7 +1112,7 @@ async fn json_schema_output_is_valid_and_speculation_is_lossless() {
     let plain = EngineHandle::spawn(model, config(128, 64, VerifyLen::Fixed(4))).unwrap();
     let mut outputs = Vec::new();
     for i in 0..3 {
-        let (toks, end, _) = collect(plain.generate(g.job(i, greedy())).unwrap()).await;
+        let (toks, end, _) = collect_spec(plain.generate(g.job(i, greedy())).unwrap()).await;
         assert_eq!(end, Ok(FinishReason::Stop), "case {i}: {toks:?}");
         g.check(&toks, &format!("greedy case {i}"));
         outputs.push(toks);
@@ -1151,7 +1127,7 @@ async fn json_schema_output_is_valid_and_speculation_is_lossless() {
         .collect();
     let mut distinct = std::collections::HashSet::new();
     for (s, gen) in gens.into_iter().enumerate() {
-        let (toks, end, _) = collect(gen).await;
+        let (toks, end, _) = collect_spec(gen).await;
         assert_eq!(end, Ok(FinishReason::Stop), "seed {s}");
         distinct.insert(g.check(&toks, &format!("T=1 seed {s}")).to_string());
     }
@@ -1183,7 +1159,7 @@ async fn json_schema_output_is_valid_and_speculation_is_lossless() {
             .map(|i| e.generate(g.job(i, greedy())).unwrap())
             .collect();
         for (i, gen) in gens.into_iter().enumerate() {
-            let (toks, end, spec) = collect(gen).await;
+            let (toks, end, spec) = collect_spec(gen).await;
             let case = format!("drafter {d}, case {i}");
             assert_eq!(end, Ok(FinishReason::Stop), "{case}");
             assert_eq!(toks, outputs[i], "{case}: speculation vs plain");
@@ -1199,7 +1175,7 @@ async fn json_schema_output_is_valid_and_speculation_is_lossless() {
             .map(|s| e.generate(g.job(s as usize % 3, sampled(100 + s))).unwrap())
             .collect();
         for (s, gen) in gens.into_iter().enumerate() {
-            let (toks, end, _) = collect(gen).await;
+            let (toks, end, _) = collect_spec(gen).await;
             assert_eq!(end, Ok(FinishReason::Stop), "drafter {d}, seed {s}");
             g.check(&toks, &format!("drafter {d}, T=1 seed {s}"));
         }

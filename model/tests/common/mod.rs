@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use ferry_kernels::cpu::sample::SamplingParams;
 use ferry_model::engine::{
-    EngineEvent, EngineHandle, FinishReason, GenerateJob, Generation, PrefillSource, StopParams,
-    TokenLogprobs,
+    EngineEvent, EngineHandle, FinishReason, GenerateJob, Generation, PrefillSource, SpecCounts,
+    StopParams, TokenLogprobs,
 };
 use ferry_model::tokenizer::Tokenizer;
 
@@ -134,4 +134,29 @@ pub fn replay_cases() -> Vec<ReplayCase> {
     let path = ferry_model::drafter::embedded_dir().join("golden/replay.json");
     let text = std::fs::read_to_string(&path).expect("models/tiny-k3-dspark/golden/replay.json");
     serde_json::from_str(&text).expect("replay.json parses")
+}
+
+/// Tokens, the end, and the request's speculative counts, which must come at most once and
+/// right before the end.
+pub async fn collect_spec(
+    mut g: Generation,
+) -> (Vec<u32>, Result<FinishReason, String>, Option<SpecCounts>) {
+    let mut toks = Vec::new();
+    let mut spec = None;
+    while let Some(e) = g.events.recv().await {
+        match e {
+            EngineEvent::Token(t) => {
+                assert!(spec.is_none(), "a token after the speculative counts");
+                toks.push(t);
+            }
+            EngineEvent::Speculation(c) => {
+                assert!(spec.is_none(), "speculative counts sent twice");
+                spec = Some(c);
+            }
+            EngineEvent::Finished(r) => return (toks, Ok(r), spec),
+            EngineEvent::Failed(e) => return (toks, Err(e.message), spec),
+            other => assert!(spec.is_none(), "{other:?} after the speculative counts"),
+        }
+    }
+    (toks, Err("stream ended".into()), spec)
 }
