@@ -27,8 +27,10 @@
 # Chains:
 #   all       target drafter prompts check bench engine verifycost cpu summary (longer than one device command)
 #   start     `all` in the background (setsid: it outlives the device command), then `wait`
-#   wait      follow the background run for at most $WAIT_SECONDS (default 570), then summary;
-#             call it again (within the machine's 30 s warm window) until it says "finished"
+#   wait      wait for the background run for at most $WAIT_SECONDS (default 570), print the stages
+#             so far and the log's last lines (the whole log comes back as lease.log), then summary;
+#             call it again AT ONCE (the machine is given back 30 s after a command ends, and the
+#             run with it: session 19 lost a trained pair so) until it says "finished"
 #   smoke     the whole chain with PRESET=tiny on the CPU (minutes; bench only with FERRY set)
 #
 # The device command for a lease (one H200; corpus from scripts/make_corpus.py, ferry as
@@ -448,11 +450,13 @@ stage_wait() {
   local pid
   pid=$(cat "$RUN/lease.pid" 2>/dev/null || echo "")
   [ -n "$pid" ] || { echo "lease: nothing started ($RUN/lease.pid missing)"; exit 2; }
+  # Quiet on purpose: the machine is given back 30 s after a command ends, so the next `wait`
+  # must follow at once; a short answer is read fast. The whole log comes back as lease.log.
   if kill -0 "$pid" 2>/dev/null; then
-    timeout "$WAIT_SECONDS" tail -n +1 -f --pid="$pid" "$RUN/lease.log" || true
-  else
-    tail -c 8000 "$RUN/lease.log"
+    timeout "$WAIT_SECONDS" tail --pid="$pid" -f /dev/null || true
   fi
+  grep '^lease: ===' "$RUN/lease.log" | tail -n 12
+  tail -n "${WAIT_TAIL_LINES:-4}" "$RUN/lease.log" | cut -c1-240
   if kill -0 "$pid" 2>/dev/null; then
     echo "lease: still running (pid $pid): call 'scripts/dspark_lease.sh wait' again"
   else

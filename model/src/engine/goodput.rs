@@ -22,13 +22,22 @@
 //!
 //! `n` is the number of running sequences (each commits at least one token per step), `m` the
 //! number that may draft. Unknown costs are measured, not guessed: while a shape has no
-//! estimate the policy tries it (a plain step, or a round under the confidence rule), and
-//! every [`EXPLORE_EVERY`] steps it tries the option it has been avoiding, so estimates follow
-//! the load. Everything here is pure bookkeeping over numbers the engine hands in: the unit
+//! estimate the policy tries it (a plain step, or a round under the confidence rule), and now
+//! and then it tries the option it has been avoiding, so estimates follow the load: after
+//! [`EXPLORE_EVERY`] steps of the other kind *and* [`EXPLORE_RATIO`] times the avoided
+//! option's own cost in time. The second rule bounds what exploring costs: on a GPU an
+//! exploratory round (drafter pass and an eager verify forward) can cost a dozen plain steps of
+//! a small model, and trying one every 64 steps took a fifth of the time (BENCHMARKS.md,
+//! session 19). Everything here is pure bookkeeping over numbers the engine hands in: the unit
 //! tests drive it with made-up costs.
 
-/// Steps of one kind after which the policy tries the other once, to keep its estimate fresh.
+/// Steps of one kind after which the policy may try the other once, to keep its estimate fresh.
 pub(crate) const EXPLORE_EVERY: u32 = 64;
+
+/// Time spent in steps of one kind, as a multiple of the other option's estimated cost, after
+/// which the policy may try that option once: exploring costs at most ~1/`EXPLORE_RATIO` of the
+/// time (2 %).
+pub(crate) const EXPLORE_RATIO: f64 = 50.0;
 
 /// Weight of a new observation in a cost estimate once it has a few.
 const COST_ALPHA: f64 = 0.1;
@@ -256,29 +265,75 @@ pub(crate) struct Goodput {
     /// Steps since the last drafter pass / the last plain step.
     since_round: u32,
     since_plain: u32,
+    /// Seconds of the steps since the last drafter pass / the last plain step.
+    secs_since_round: f64,
+    secs_since_plain: f64,
+    /// Seconds of the last step with a drafter pass / the last plain step (the cost of an
+    /// option before it has an estimate of its own).
+    last_round_secs: f64,
+    last_plain_secs: f64,
 }
 
 impl Goodput {
     /// Feeds a finished decode-only step into the cost curves.
     pub fn observe(&mut self, o: Observed) {
+        let secs = if o.step_secs.is_finite() {
+            o.step_secs.max(0.0)
+        } else {
+            0.0
+        };
         if o.drafted > 0 {
             self.draft.record(o.drafted, o.draft_secs);
             self.since_round = 0;
+            self.secs_since_round = 0.0;
+            self.last_round_secs = secs;
         } else {
             self.since_round = self.since_round.saturating_add(1);
+            self.secs_since_round += secs;
         }
         let rest = o.step_secs - o.draft_secs;
         match (o.round, o.graph) {
             (false, _) => {
                 self.plain.record(o.seqs, rest);
                 self.since_plain = 0;
+                self.secs_since_plain = 0.0;
+                self.last_plain_secs = secs;
             }
             (true, true) => self.graph_verify.record(o.seqs, rest),
             (true, false) => self.verify.record(o.rows, rest),
         }
         if o.round {
             self.since_plain = self.since_plain.saturating_add(1);
+            self.secs_since_plain += secs;
         }
+    }
+
+    /// The cheapest round this shape could run, drafter pass included (one draft per
+    /// sequence eagerly, or the graph round), from the estimates; the last round's time
+    /// before there are any.
+    fn round_cost(&self, s: Shape) -> f64 {
+        let graph = s.graph && s.eligible == s.seqs;
+        let verify = if graph {
+            self.graph_verify.estimate(s.seqs)
+        } else {
+            self.verify.estimate(s.seqs + s.eligible)
+        };
+        match (self.draft.estimate(s.eligible), verify) {
+            (Some(d), Some(v)) => d + v,
+            _ => self.last_round_secs,
+        }
+    }
+
+    /// Whether a round is due to refresh the estimates of an avoided speculation.
+    fn round_due(&self, s: Shape) -> bool {
+        self.since_round >= EXPLORE_EVERY
+            && self.secs_since_round >= EXPLORE_RATIO * self.round_cost(s)
+    }
+
+    /// Whether a plain step is due to refresh the estimate of avoided plain decoding.
+    fn plain_due(&self, s: Shape) -> bool {
+        let cost = self.plain.estimate(s.seqs).unwrap_or(self.last_plain_secs);
+        self.since_plain >= EXPLORE_EVERY && self.secs_since_plain >= EXPLORE_RATIO * cost
     }
 
     /// Feeds one sequence's verified round into the acceptance estimates.
@@ -297,10 +352,10 @@ impl Goodput {
             return false;
         }
         // Measure what is unknown, and now and then what has been avoided.
-        if !self.plain.knows(s.seqs) || self.since_plain >= EXPLORE_EVERY {
+        if !self.plain.knows(s.seqs) || self.plain_due(s) {
             return false;
         }
-        if self.since_round >= EXPLORE_EVERY {
+        if self.round_due(s) {
             return true;
         }
         let graph = s.graph && s.eligible == s.seqs;
@@ -346,7 +401,7 @@ impl Goodput {
         };
         let graph = s.graph && s.eligible == s.seqs && survival.len() == s.seqs * s.block;
         let eager_known = self.verify.measured();
-        if self.since_round >= EXPLORE_EVERY
+        if self.round_due(s)
             || (graph && !self.graph_verify.knows(s.seqs))
             || (!graph && !eager_known)
         {
@@ -562,10 +617,63 @@ mod tests {
     fn an_avoided_option_is_tried_again_now_and_then() {
         let mut g = trained(1e-3, 8, 1e-3 / 8.0, 2e-3, 0.3);
         assert!(!g.should_draft(shape(64)));
-        for _ in 0..EXPLORE_EVERY {
-            g.observe(plain_step(64, 1e-3 + 56.0 * 1e-3 / 8.0));
+        let step = 1e-3 + 56.0 * 1e-3 / 8.0;
+        let mut steps = 0u32;
+        while !g.should_draft(shape(64)) {
+            g.observe(plain_step(64, step));
+            steps += 1;
+            assert!(steps < 10_000, "the avoided round is never tried again");
         }
-        assert!(g.should_draft(shape(64)));
+        // A round here (drafter pass + 128 verify rows, at most 18 ms) costs about two plain
+        // steps (8 ms), so the time rule waits past EXPLORE_EVERY steps, but not longer than
+        // EXPLORE_RATIO rounds' worth of time.
+        assert!(steps > EXPLORE_EVERY, "{steps}");
+        assert!(
+            f64::from(steps) * step <= EXPLORE_RATIO * 18e-3 * 1.1,
+            "{steps}"
+        );
         assert_eq!(g.choose(shape(64), &survivals(64, 8, 0.3)), Choice::Explore);
+    }
+
+    #[test]
+    fn exploring_an_expensive_round_costs_a_bounded_share_of_the_time() {
+        // A launch-bound small model: a plain step 0.2 ms, a round (drafter pass + eager
+        // verify forward) 2.6 ms, and drafts that are not accepted. Trying a round every 64
+        // steps would spend 2.6 / (64 * 0.2 + 2.6) = 17 % of the time exploring.
+        let (plain, draft, verify) = (0.2e-3, 1.0e-3, 1.6e-3);
+        let mut g = Goodput::default();
+        for _ in 0..3 {
+            g.observe(plain_step(1, plain));
+        }
+        for _ in 0..3 {
+            g.observe(Observed {
+                seqs: 1,
+                drafted: 1,
+                rows: 2,
+                round: true,
+                graph: false,
+                draft_secs: draft,
+                step_secs: draft + verify,
+            });
+            g.observe_round(1, 0, 0.5);
+        }
+        let mut steps = 0u32;
+        let mut secs = 0.0;
+        while !g.should_draft(shape(1)) {
+            g.observe(plain_step(1, plain));
+            steps += 1;
+            secs += plain;
+            assert!(steps < 100_000, "the avoided round is never tried again");
+        }
+        assert!(steps > EXPLORE_EVERY, "{steps} plain steps");
+        let share = (draft + verify) / (secs + draft + verify);
+        assert!(
+            share <= 1.0 / EXPLORE_RATIO,
+            "exploring takes {share:.3} of the time"
+        );
+        assert!(
+            share > 0.5 / EXPLORE_RATIO,
+            "exploring waited too long: {share:.4}"
+        );
     }
 }
