@@ -612,10 +612,18 @@ impl OnDevice for RocmDevice {
 /// routing kernel (`moe_route_w*`).
 /// `FERRY_FUSE=0` runs the launches as they were before, so one binary measures the before and
 /// after; the results are bitwise equal either way.
-#[cfg(any(feature = "cuda", feature = "rocm"))]
 pub(crate) fn fuse() -> bool {
     static FUSE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *FUSE.get_or_init(|| std::env::var("FERRY_FUSE").map_or(true, |v| v != "0"))
+}
+
+/// Whether the tensor-core grouped MoE kernels stream their weights two k steps ahead
+/// (`moe_*_mma2`, the default) or wait for each step's (`FERRY_MOE_MMA_PIPE=0`: the kernels
+/// before session 19), read once, so one binary measures both; the results are bitwise equal.
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+pub(crate) fn moe_mma_pipe() -> bool {
+    static PIPE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *PIPE.get_or_init(|| std::env::var("FERRY_MOE_MMA_PIPE").map_or(true, |v| v != "0"))
 }
 
 /// Outputs per block of the per-pair MoE down kernel when fusion is on: `FERRY_MOE_DOWN_R` =

@@ -1610,6 +1610,137 @@ extern "C" __global__ void moe_down_mma(const float* act, const int* order, cons
 #endif
 }
 
+// The two products again, with the weights streamed two k steps ahead (`FERRY_MOE_MMA_PIPE`,
+// default on; the kernels above are the "before" arm). Above, a warp issues one k step's
+// weights (4 KB a warp for gate/up) and waits for them before its MMAs, so a warp is bound by
+// memory latency, and the last, partial wave of blocks (about 680 blocks on 528 slots at batch
+// 32 of V2-Lite) ran at a fraction of the bandwidth: 2.3 TB/s for gate/up and 1.7 for down,
+// 80 % of a batch-32 step (ncu, BENCHMARKS.md session 19). Here two register buffers alternate:
+// while one step's MMAs run, the next step's weights are in flight and the one after is issued
+// as soon as a buffer frees. Each accumulator sees the same k steps in the same order, so the
+// results are bitwise those of the kernels above.
+#if FERRY_MMA
+template <int NW>
+__device__ __forceinline__ void moe_mma_load(uint4 (&b)[NW][MOE_MMA_NT], const bf16_t* const* w,
+                                             size_t ld, int k) {
+#pragma unroll
+  for (int m = 0; m < NW; m++)
+#pragma unroll
+    for (int t = 0; t < MOE_MMA_NT; t++)
+      b[m][t] = __ldg(reinterpret_cast<const uint4*>(w[m] + (size_t)t * 8 * ld + k));
+}
+template <int NW>
+__device__ __forceinline__ void moe_mma_step(float (*c)[MOE_MMA_NT][4],
+                                             const uint4 (&b)[NW][MOE_MMA_NT], const float* r0,
+                                             const float* r1, int k) {
+  MoeAFrag a;
+  moe_a_frag(r0 ? r0 + k : nullptr, r1 ? r1 + k : nullptr, a);
+#pragma unroll
+  for (int t = 0; t < MOE_MMA_NT; t++)
+#pragma unroll
+    for (int m = 0; m < NW; m++) moe_mma(c[m][t], a, b[m][t]);
+}
+// c[m] += the chunk's pairs (rows r0, r1 of this lane) times weight matrix m's 32 rows at w[m]
+// (row stride ld), over k_total (a multiple of 32), two register buffers alternating.
+template <int NW>
+__device__ __forceinline__ void moe_mma_stream(const float* r0, const float* r1,
+                                               const bf16_t* const* w, size_t ld, int k_total,
+                                               float (*c)[MOE_MMA_NT][4]) {
+  uint4 b0[NW][MOE_MMA_NT], b1[NW][MOE_MMA_NT];
+  moe_mma_load<NW>(b0, w, ld, 0);
+  if (32 < k_total) moe_mma_load<NW>(b1, w, ld, 32);
+  for (int k = 0; k < k_total; k += 64) {
+    moe_mma_step<NW>(c, b0, r0, r1, k);
+    if (k + 64 < k_total) moe_mma_load<NW>(b0, w, ld, k + 64);
+    if (k + 32 < k_total) {
+      moe_mma_step<NW>(c, b1, r0, r1, k + 32);
+      if (k + 96 < k_total) moe_mma_load<NW>(b1, w, ld, k + 96);
+    }
+  }
+}
+#endif
+
+// moe_gate_up_mma with the weights streamed ahead. Grid and block as moe_gate_up_mma.
+extern "C" __global__ void moe_gate_up_mma2(const float* x, const int* order, const int* chunks,
+                                            const int* n_chunks, const bf16_t* gate,
+                                            const bf16_t* up, float* act, int K, int inter,
+                                            int hidden) {
+  pdl_enter();
+#if FERRY_MMA
+  int c = blockIdx.y;
+  if (c >= *n_chunks) return;
+  int lane = threadIdx.x % WARP, g = lane / 4, q = lane % 4;
+  int n0 = (blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP) * 8 * MOE_MMA_NT;
+  if (n0 >= inter) return;
+  size_t e = (size_t)chunks[3 * c];
+  int first = chunks[3 * c + 1], m = chunks[3 * c + 2];
+  int p0 = g < m ? order[first + g] : -1, p1 = g + 8 < m ? order[first + g + 8] : -1;
+  const float* r0 = p0 >= 0 ? x + (size_t)(p0 / K) * hidden + 8 * q : nullptr;
+  const float* r1 = p1 >= 0 ? x + (size_t)(p1 / K) * hidden + 8 * q : nullptr;
+  const bf16_t* w[2] = {gate + (e * inter + n0 + g) * hidden + 8 * q,
+                        up + (e * inter + n0 + g) * hidden + 8 * q};
+  float acc[2][MOE_MMA_NT][4];
+#pragma unroll
+  for (int i = 0; i < 2; i++)
+#pragma unroll
+    for (int t = 0; t < MOE_MMA_NT; t++)
+#pragma unroll
+      for (int j = 0; j < 4; j++) acc[i][t][j] = 0.0f;
+  moe_mma_stream<2>(r0, r1, w, hidden, hidden, acc);
+#pragma unroll
+  for (int t = 0; t < MOE_MMA_NT; t++) {
+    int n = n0 + t * 8 + 2 * q;
+    if (p0 >= 0) {
+      act[(size_t)p0 * inter + n] = silu_f(acc[0][t][0]) * acc[1][t][0];
+      act[(size_t)p0 * inter + n + 1] = silu_f(acc[0][t][1]) * acc[1][t][1];
+    }
+    if (p1 >= 0) {
+      act[(size_t)p1 * inter + n] = silu_f(acc[0][t][2]) * acc[1][t][2];
+      act[(size_t)p1 * inter + n + 1] = silu_f(acc[0][t][3]) * acc[1][t][3];
+    }
+  }
+#endif
+}
+
+// moe_down_mma with the weights streamed ahead. Grid and block as moe_down_mma.
+extern "C" __global__ void moe_down_mma2(const float* act, const int* order, const int* chunks,
+                                         const int* n_chunks, const float* wts,
+                                         const bf16_t* down, float* y, int inter, int hidden) {
+  pdl_enter();
+#if FERRY_MMA
+  int c = blockIdx.y;
+  if (c >= *n_chunks) return;
+  int lane = threadIdx.x % WARP, g = lane / 4, q = lane % 4;
+  int j0 = (blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP) * 8 * MOE_MMA_NT;
+  if (j0 >= hidden) return;
+  size_t e = (size_t)chunks[3 * c];
+  int first = chunks[3 * c + 1], m = chunks[3 * c + 2];
+  int p0 = g < m ? order[first + g] : -1, p1 = g + 8 < m ? order[first + g + 8] : -1;
+  const float* r0 = p0 >= 0 ? act + (size_t)p0 * inter + 8 * q : nullptr;
+  const float* r1 = p1 >= 0 ? act + (size_t)p1 * inter + 8 * q : nullptr;
+  const bf16_t* w[1] = {down + (e * hidden + j0 + g) * inter + 8 * q};
+  float cd[1][MOE_MMA_NT][4];
+#pragma unroll
+  for (int t = 0; t < MOE_MMA_NT; t++)
+#pragma unroll
+    for (int j = 0; j < 4; j++) cd[0][t][j] = 0.0f;
+  moe_mma_stream<1>(r0, r1, w, inter, inter, cd);
+  float w0 = p0 >= 0 ? wts[p0] : 0.0f, w1 = p1 >= 0 ? wts[p1] : 0.0f;
+#pragma unroll
+  for (int t = 0; t < MOE_MMA_NT; t++) {
+    int j = j0 + t * 8 + 2 * q;
+    if (p0 >= 0) {
+      y[(size_t)p0 * hidden + j] = w0 * cd[0][t][0];
+      y[(size_t)p0 * hidden + j + 1] = w0 * cd[0][t][1];
+    }
+    if (p1 >= 0) {
+      y[(size_t)p1 * hidden + j] = w1 * cd[0][t][2];
+      y[(size_t)p1 * hidden + j + 1] = w1 * cd[0][t][3];
+    }
+  }
+#endif
+}
+
 // h[t][j] += Σ_s y[t·K + s][j], the slots summed in order. Grid: ceil(T·hidden / 256); block 256.
 extern "C" __global__ void moe_sum_slots(const float* y, float* h, int K, int hidden,
                                          long long n) {

@@ -1662,6 +1662,9 @@ impl GroupedKernels {
     /// `(gate_up, down, rows per block, threads per block)`.
     fn kernels(self, bf16: bool) -> (&'static str, &'static str, usize, u32) {
         match (self, bf16) {
+            (Self::TensorCores, _) if crate::backend::moe_mma_pipe() => {
+                ("moe_gate_up_mma2", "moe_down_mma2", 128, 128)
+            }
             (Self::TensorCores, _) => ("moe_gate_up_mma", "moe_down_mma", 128, 128),
             (Self::CudaCores, true) => {
                 ("moe_gate_up_grouped_bf16", "moe_down_grouped_bf16", 8, 256)
