@@ -25,7 +25,8 @@
 #             --device cpu` under goodput and confidence:0.3        -> $RUN/bench/cpu_spec.json
 #   summary   the numbers of every report so far
 # Chains:
-#   all       target drafter prompts check bench engine verifycost cpu summary (longer than one device command)
+#   all       target drafter prompts check bench engine cpu verifycost summary (longer than one device
+#             command; verifycost last: session 19 measured it with session 17's τ, BENCHMARKS.md)
 #   start     `all` in the background (setsid: it outlives the device command), then `wait`
 #   wait      wait for the background run for at most $WAIT_SECONDS (default 570), print the stages
 #             so far and the log's last lines (the whole log comes back as lease.log), then summary;
@@ -478,7 +479,7 @@ for stage in "$@"; do
   case "$stage" in
     target|drafter|prompts|check|bench|engine|verifycost|cpu|summary) run_stage "$stage" ;;
     all)
-      for s in target drafter prompts check bench engine verifycost cpu summary; do run_stage "$s"; done ;;
+      for s in target drafter prompts check bench engine cpu verifycost summary; do run_stage "$s"; done ;;
     start)
       if [ -f "$RUN/lease.pid" ] && kill -0 "$(cat "$RUN/lease.pid")" 2>/dev/null; then
         echo "lease: a run is going on already (pid $(cat "$RUN/lease.pid")): following it"
