@@ -194,6 +194,42 @@ impl Proc {
         self.stdin.take();
     }
 
+    /// The child's threads, one line each: `tid name state wait-channel`, from `/proc` (Linux;
+    /// empty elsewhere or once it exited). What a hung child is doing — parked on a futex,
+    /// waiting in epoll, running — for a start-up timeout's report.
+    pub fn threads(&self) -> String {
+        let Ok(tasks) = std::fs::read_dir(format!("/proc/{}/task", self.child.id())) else {
+            return String::new();
+        };
+        let mut lines: Vec<String> = tasks
+            .flatten()
+            .map(|task| {
+                let dir = task.path();
+                let read = |f: &str| {
+                    std::fs::read_to_string(dir.join(f))
+                        .unwrap_or_default()
+                        .trim()
+                        .to_string()
+                };
+                // `stat` is "tid (comm) state ...": the state follows the last ')'.
+                let stat = read("stat");
+                let state = stat
+                    .rsplit_once(')')
+                    .and_then(|(_, rest)| rest.split_whitespace().next())
+                    .unwrap_or("?")
+                    .to_string();
+                format!(
+                    "{} {} {state} {}",
+                    task.file_name().to_string_lossy(),
+                    read("comm"),
+                    read("wchan")
+                )
+            })
+            .collect();
+        lines.sort();
+        lines.join("\n")
+    }
+
     /// The last `lines` lines of the child's log.
     pub fn log_tail(&self, lines: usize) -> String {
         let text = std::fs::read_to_string(&self.log).unwrap_or_default();
@@ -431,9 +467,10 @@ impl Cluster {
             if Instant::now() > deadline {
                 return Err(StartError::Timeout(format!(
                     "the cluster was not ready after {START_TIMEOUT:?} (want {want:?} prefill/decode \
-                     workers registered, /health says {:?})\n{}",
+                     workers registered, /health says {:?})\n{}{}",
                     self.health_counts().await,
-                    self.logs_report()
+                    self.logs_report(),
+                    self.threads_report()
                 )));
             }
             tokio::time::sleep(POLL).await;
@@ -700,6 +737,23 @@ impl Cluster {
     }
 
     /// The tails of every child's log, for failure messages.
+    /// Every child's threads ([`Proc::threads`]).
+    fn threads_report(&self) -> String {
+        let procs = self
+            .router
+            .iter()
+            .chain(self.workers.iter().filter_map(|w| w.proc.as_ref()));
+        procs
+            .map(|p| {
+                format!(
+                    "---- {} threads (tid name state wait-channel) ----\n{}\n",
+                    p.name,
+                    p.threads()
+                )
+            })
+            .collect()
+    }
+
     pub fn logs_report(&self) -> String {
         let mut out = String::new();
         let procs = self
