@@ -39,6 +39,13 @@ fn dspark(model: &DeepseekModel) -> DsparkDrafter {
     DsparkDrafter::load(&ferry_model::drafter::embedded_dir(), model.config()).expect("drafter")
 }
 
+/// An engine serving the embedded target with the embedded DSpark drafter.
+fn dspark_engine(config: EngineConfig) -> EngineHandle {
+    let model = target();
+    let drafter = dspark(&model);
+    EngineHandle::spawn_with(model, Some(Box::new(drafter)), config).unwrap()
+}
+
 fn config(blocks: usize, page_size: usize, verify_len: VerifyLen) -> EngineConfig {
     EngineConfig {
         num_blocks: blocks,
@@ -169,14 +176,7 @@ impl<D: Drafter> Drafter for Breaks<D> {
 /// first plain steps defer their drafter context to the round's pass.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn goodput_verify_length_keeps_greedy_output_and_speculates_to_measure() {
-    let model = target();
-    let drafter = dspark(&model);
-    let e = EngineHandle::spawn_with(
-        model,
-        Some(Box::new(drafter)),
-        config(128, 64, VerifyLen::Goodput),
-    )
-    .unwrap();
+    let e = dspark_engine(config(128, 64, VerifyLen::Goodput));
     let gens: Vec<_> = (0..3)
         .map(|i| e.generate(job(golden_case(i).0, 32, greedy())).unwrap())
         .collect();
@@ -213,14 +213,7 @@ async fn goodput_verify_length_keeps_greedy_output_and_speculates_to_measure() {
 async fn whole_generations_accept_what_the_reference_drafter_accepts() {
     let cases = common::replay_cases();
     assert_eq!(cases.len(), 3);
-    let model = target();
-    let drafter = dspark(&model);
-    let e = EngineHandle::spawn_with(
-        model,
-        Some(Box::new(drafter)),
-        config(128, 64, VerifyLen::Fixed(4)),
-    )
-    .unwrap();
+    let e = dspark_engine(config(128, 64, VerifyLen::Fixed(4)));
     // One at a time, as the reference ran them (a batch's rows are the same on the CPU, but a
     // golden of single requests is what it checks).
     for c in &cases {
@@ -241,14 +234,7 @@ async fn whole_generations_accept_what_the_reference_drafter_accepts() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dspark_greedy_output_equals_plain_decoding() {
-    let model = target();
-    let drafter = dspark(&model);
-    let e = EngineHandle::spawn_with(
-        model,
-        Some(Box::new(drafter)),
-        config(128, 64, VerifyLen::Fixed(4)),
-    )
-    .unwrap();
+    let e = dspark_engine(config(128, 64, VerifyLen::Fixed(4)));
     assert_eq!(
         e.draft_kv_layers(),
         4,
@@ -624,14 +610,7 @@ async fn stop_token_ids_end_a_request_and_min_tokens_holds_them_back() {
     let (prompt, golden) = golden_case(1);
     let stop_at = golden[3];
     let first = golden.iter().position(|&t| t == stop_at).unwrap_or(3);
-    let model = target();
-    let drafter = dspark(&model);
-    let e = EngineHandle::spawn_with(
-        model,
-        Some(Box::new(drafter)),
-        config(128, 64, VerifyLen::Fixed(4)),
-    )
-    .unwrap();
+    let e = dspark_engine(config(128, 64, VerifyLen::Fixed(4)));
     for speculative in [Some(false), Some(true)] {
         let options = GenerateOptions {
             speculative,
@@ -975,14 +954,8 @@ async fn remote_prefill(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn drafter_context_shipped_with_a_remote_prefill_lets_decode_speculate_at_once() {
-    let pm = target();
-    let pd = dspark(&pm);
-    let p = EngineHandle::spawn_with(pm, Some(Box::new(pd)), config(64, 64, VerifyLen::Fixed(4)))
-        .unwrap();
-    let dm = target();
-    let dd = dspark(&dm);
-    let d = EngineHandle::spawn_with(dm, Some(Box::new(dd)), config(64, 64, VerifyLen::Fixed(4)))
-        .unwrap();
+    let p = dspark_engine(config(64, 64, VerifyLen::Fixed(4)));
+    let d = dspark_engine(config(64, 64, VerifyLen::Fixed(4)));
     let (prompt, expected) = golden_case(2);
     for ship in [true, false] {
         let before = d.stats().await.unwrap();
