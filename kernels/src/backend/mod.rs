@@ -617,13 +617,27 @@ pub(crate) fn fuse() -> bool {
     *FUSE.get_or_init(|| std::env::var("FERRY_FUSE").map_or(true, |v| v != "0"))
 }
 
-/// Whether the tensor-core grouped MoE kernels stream their weights two k steps ahead
-/// (`moe_*_mma2`, the default) or wait for each step's (`FERRY_MOE_MMA_PIPE=0`: the kernels
-/// before session 19), read once, so one binary measures both; the results are bitwise equal.
+/// The tensor-core grouped MoE kernels: `FERRY_MOE_MMA` = `wait`, `stream` (the default),
+/// `tiled` or `tiled64` ([`crate::gpu::ops::MoeMma`]), read once, so one binary measures each;
+/// the results are bitwise equal whichever runs. A value outside those is logged and ignored.
 #[cfg(any(feature = "cuda", feature = "rocm"))]
-pub(crate) fn moe_mma_pipe() -> bool {
-    static PIPE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *PIPE.get_or_init(|| std::env::var("FERRY_MOE_MMA_PIPE").map_or(true, |v| v != "0"))
+pub(crate) fn moe_mma() -> crate::gpu::ops::MoeMma {
+    static MMA: std::sync::OnceLock<crate::gpu::ops::MoeMma> = std::sync::OnceLock::new();
+    *MMA.get_or_init(|| match std::env::var("FERRY_MOE_MMA") {
+        Ok(v) => v.parse().unwrap_or_else(|e| {
+            tracing::warn!("{e}; using the default");
+            Default::default()
+        }),
+        Err(_) => Default::default(),
+    })
+}
+
+/// Whether `unabsorb` spreads a batch's token chunks over the grid (the default) or loops over
+/// them in each warp (`FERRY_UNABSORB_Z=0`, as before session 20), read once; bitwise equal.
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+pub(crate) fn unabsorb_z() -> bool {
+    static Z: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *Z.get_or_init(|| std::env::var("FERRY_UNABSORB_Z").map_or(true, |v| v != "0"))
 }
 
 /// Outputs per block of the per-pair MoE down kernel when fusion is on: `FERRY_MOE_DOWN_R` =

@@ -981,8 +981,16 @@ pub fn unabsorb<D: Gpu>(
         .push(int(OP, "nope", s.nope)?)
         .push(int(OP, "v", s.v)?)
         .push(int(OP, "kv_lora", s.kv_lora)?);
+    // One block per head, 8 output columns and chunk of GEMV_MAX_M tokens: a batch's tokens
+    // run side by side instead of one chunk after another in each warp.
+    // `FERRY_UNABSORB_Z=0`: one block column for all tokens, as before (A/B runs).
+    let chunks = if crate::backend::unabsorb_z() {
+        t.div_ceil(GEMV_MAX_M).min(MAX_GRID_Y)
+    } else {
+        1
+    };
     let dims = LaunchDims {
-        grid: (s.v.div_ceil(8) as u32, s.heads as u32, 1),
+        grid: (s.v.div_ceil(8) as u32, s.heads as u32, chunks as u32),
         block: (256, 1, 1),
         smem: 0,
     };
@@ -1627,25 +1635,138 @@ pub const MOE_MAX_EXPERTS: usize = 2048;
 /// while every expert still gets whole chunks of pairs from a long prefill.
 const MOE_GROUPED_MAX_TOKENS: usize = 2048;
 
+/// The tensor-core grouped expert kernels (`FERRY_MOE_MMA`, read once per process so one binary
+/// measures each; docs/gpu.md). Every choice gives bitwise the same outputs: each output row
+/// sees the same fragments in the same order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum MoeMma {
+    /// `wait`: `moe_{gate_up,down}_mma` (session 11). A warp computes 16 pairs × 32 rows and
+    /// waits for each 32-wide k step's weights before its MMAs.
+    Wait,
+    /// `stream`: `moe_{gate_up,down}_mma2` (session 19). The same tiles with two register
+    /// buffers of weights alternating, so the next step's are in flight during the MMAs.
+    #[default]
+    Stream,
+    /// `tiled`: `moe_{gate_up,down}_tile32`. A block computes 64 rows for a chunk of up to 32
+    /// pairs from weights and activations staged through shared memory by cp.async, three
+    /// 64-wide k stages in flight; an expert is read once per 32 of its pairs.
+    Tiled32,
+    /// `tiled64`: `moe_{gate_up,down}_tile64`, chunks of up to 64 pairs (101 KB of shared
+    /// memory per gate/up block: sm_80 and sm_90 only, else [`Self::Tiled32`]).
+    Tiled64,
+}
+
+impl MoeMma {
+    /// What runs on a device of compute capability `cc`.
+    fn fitting(self, cc: (i32, i32)) -> Self {
+        match self {
+            Self::Tiled64 if !(cc == (8, 0) || cc.0 >= 9) => Self::Tiled32,
+            other => other,
+        }
+    }
+
+    /// Pairs per chunk.
+    fn chunk(self) -> usize {
+        match self {
+            Self::Wait | Self::Stream => 16,
+            Self::Tiled32 => 32,
+            Self::Tiled64 => 64,
+        }
+    }
+
+    /// `(gate_up, down)` kernel names.
+    fn kernels(self) -> (&'static str, &'static str) {
+        match self {
+            Self::Wait => ("moe_gate_up_mma", "moe_down_mma"),
+            Self::Stream => ("moe_gate_up_mma2", "moe_down_mma2"),
+            Self::Tiled32 => ("moe_gate_up_tile32", "moe_down_tile32"),
+            Self::Tiled64 => ("moe_gate_up_tile64", "moe_down_tile64"),
+        }
+    }
+
+    /// Output rows per block (of each weight matrix).
+    fn rows(self) -> usize {
+        match self {
+            Self::Wait | Self::Stream => 128,
+            Self::Tiled32 | Self::Tiled64 => 64,
+        }
+    }
+
+    /// Dynamic shared memory of a block reading `matrices` weight matrices (2 for gate/up, 1
+    /// for down): `MOE_TILE_STAGES` (3) stages of 64 rows × 64 bf16 per matrix plus a chunk's
+    /// f32 activation rows padded to 68, then the chunk's pair indices (common.cu).
+    fn smem(self, matrices: usize) -> u32 {
+        const STAGES: usize = 3;
+        match self {
+            Self::Wait | Self::Stream => 0,
+            Self::Tiled32 | Self::Tiled64 => {
+                let pairs = self.chunk();
+                (STAGES * (matrices * 64 * 64 * 2 + pairs * 68 * 4) + pairs * 4) as u32
+            }
+        }
+    }
+}
+
+impl std::str::FromStr for MoeMma {
+    type Err = KernelError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim() {
+            "wait" => Ok(Self::Wait),
+            "stream" => Ok(Self::Stream),
+            "tiled" => Ok(Self::Tiled32),
+            "tiled64" => Ok(Self::Tiled64),
+            other => Err(KernelError::InvalidParam {
+                op: "moe_experts_grouped",
+                field: "FERRY_MOE_MMA",
+                limit: "wait, stream, tiled or tiled64",
+                value: other.to_string(),
+            }),
+        }
+    }
+}
+
+impl std::fmt::Display for MoeMma {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Wait => "wait",
+            Self::Stream => "stream",
+            Self::Tiled32 => "tiled",
+            Self::Tiled64 => "tiled64",
+        })
+    }
+}
+
 /// Which grouped kernels [`moe_experts_grouped`] runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum GroupedKernels {
-    /// `moe_{gate_up,down}_mma`: tensor cores, chunks of 16 pairs (CUDA sm_80+, bf16 experts,
-    /// widths multiples of 32).
-    TensorCores,
+    /// Tensor cores (CUDA sm_80+, bf16 experts, widths multiples of 32): [`MoeMma`]'s pick.
+    TensorCores(MoeMma),
     /// `moe_{gate_up,down}_grouped_*`: the portable CUDA-core kernels, chunks of
     /// [`GEMV_MAX_M`] pairs.
     CudaCores,
 }
 
+/// One grouped pass's two launches: kernel names, rows per block, threads per block, and the
+/// gate/up and down blocks' dynamic shared memory.
+struct GroupedLaunch {
+    gate_up: &'static str,
+    down: &'static str,
+    rows: usize,
+    threads: u32,
+    gate_up_smem: u32,
+    down_smem: u32,
+}
+
 impl GroupedKernels {
     fn pick<D: Gpu>(dev: &D, experts: &GpuExperts<D>) -> Self {
-        let mma = dev.compute_capability() >= (8, 0)
+        let cc = dev.compute_capability();
+        let mma = cc >= (8, 0)
             && experts.gate.is_bf16()
             && experts.inter % 32 == 0
             && experts.hidden % 32 == 0;
         if mma {
-            Self::TensorCores
+            Self::TensorCores(crate::backend::moe_mma().fitting(cc))
         } else {
             Self::CudaCores
         }
@@ -1654,22 +1775,37 @@ impl GroupedKernels {
     /// Pairs per chunk.
     fn chunk(self) -> usize {
         match self {
-            Self::TensorCores => 16,
+            Self::TensorCores(mma) => mma.chunk(),
             Self::CudaCores => GEMV_MAX_M,
         }
     }
 
-    /// `(gate_up, down, rows per block, threads per block)`.
-    fn kernels(self, bf16: bool) -> (&'static str, &'static str, usize, u32) {
-        match (self, bf16) {
-            (Self::TensorCores, _) if crate::backend::moe_mma_pipe() => {
-                ("moe_gate_up_mma2", "moe_down_mma2", 128, 128)
-            }
-            (Self::TensorCores, _) => ("moe_gate_up_mma", "moe_down_mma", 128, 128),
-            (Self::CudaCores, true) => {
-                ("moe_gate_up_grouped_bf16", "moe_down_grouped_bf16", 8, 256)
-            }
-            (Self::CudaCores, false) => ("moe_gate_up_grouped_f32", "moe_down_grouped_f32", 8, 256),
+    fn launch(self, bf16: bool) -> GroupedLaunch {
+        match self {
+            Self::TensorCores(mma) => GroupedLaunch {
+                gate_up: mma.kernels().0,
+                down: mma.kernels().1,
+                rows: mma.rows(),
+                threads: 128,
+                gate_up_smem: mma.smem(2),
+                down_smem: mma.smem(1),
+            },
+            Self::CudaCores => GroupedLaunch {
+                gate_up: if bf16 {
+                    "moe_gate_up_grouped_bf16"
+                } else {
+                    "moe_gate_up_grouped_f32"
+                },
+                down: if bf16 {
+                    "moe_down_grouped_bf16"
+                } else {
+                    "moe_down_grouped_f32"
+                },
+                rows: 8,
+                threads: 256,
+                gate_up_smem: 0,
+                down_smem: 0,
+            },
         }
     }
 }
@@ -1706,11 +1842,11 @@ fn moe_experts_grouped<D: Gpu>(
     let n_chunks = dev.alloc::<i32>(1)?;
     let act = dev.alloc::<f32>(pairs_max * inter)?;
     let y = dev.alloc::<f32>(pairs_max * hidden)?;
-    let (gate_up_name, down_name, rows_per_block, threads) = which.kernels(experts.gate.is_bf16());
+    let plan = which.launch(experts.gate.is_bf16());
     let (group, gate_up, down, sum) = (
         kernel(dev, "moe_group")?,
-        kernel(dev, gate_up_name)?,
-        kernel(dev, down_name)?,
+        kernel(dev, plan.gate_up)?,
+        kernel(dev, plan.down)?,
         kernel(dev, "moe_sum_slots")?,
     );
     let words = |n: usize| (n * 4) as u64; // f32 and i32 elements
@@ -1749,9 +1885,9 @@ fn moe_experts_grouped<D: Gpu>(
             .push(inter_i)
             .push(hidden_i);
         let dims = LaunchDims {
-            grid: (inter.div_ceil(rows_per_block) as u32, bound, 1),
-            block: (threads, 1, 1),
-            smem: 0,
+            grid: (inter.div_ceil(plan.rows) as u32, bound, 1),
+            block: (plan.threads, 1, 1),
+            smem: plan.gate_up_smem,
         };
         dev.launch(&gate_up, dims, &mut a)?;
 
@@ -1766,9 +1902,9 @@ fn moe_experts_grouped<D: Gpu>(
             .push(inter_i)
             .push(hidden_i);
         let dims = LaunchDims {
-            grid: (hidden.div_ceil(rows_per_block) as u32, bound, 1),
-            block: (threads, 1, 1),
-            smem: 0,
+            grid: (hidden.div_ceil(plan.rows) as u32, bound, 1),
+            block: (plan.threads, 1, 1),
+            smem: plan.down_smem,
         };
         dev.launch(&down, dims, &mut a)?;
 
@@ -1819,6 +1955,27 @@ mod tests {
         assert_eq!(MoeDownRows::default(), MoeDownRows::Eight);
         assert_eq!(MoeDownRows::Sixteen.fitting(36), MoeDownRows::Four);
         assert_eq!(MoeDownRows::One.fitting(36), MoeDownRows::One);
+    }
+
+    #[test]
+    fn moe_mma_parses_prints_and_falls_back_where_shared_memory_is_short() {
+        for m in [
+            MoeMma::Wait,
+            MoeMma::Stream,
+            MoeMma::Tiled32,
+            MoeMma::Tiled64,
+        ] {
+            assert_eq!(m.to_string().parse::<MoeMma>().expect("round trip"), m);
+        }
+        let e = "fast".parse::<MoeMma>().expect_err("fast").to_string();
+        assert!(e.contains("FERRY_MOE_MMA") && e.contains("fast"), "{e}");
+        assert_eq!(MoeMma::Tiled64.fitting((8, 6)), MoeMma::Tiled32);
+        assert_eq!(MoeMma::Tiled64.fitting((9, 0)), MoeMma::Tiled64);
+        // The gate/up block of 64-pair chunks: three stages of 2 × 8 KB weights and 64 × 272 B
+        // activations, then 64 pair indices (common.cu's moe_tile_pairs offset).
+        assert_eq!(MoeMma::Tiled64.smem(2), 3 * (16_384 + 17_408) + 256);
+        assert_eq!(MoeMma::Tiled32.smem(1), 3 * (8_192 + 8_704) + 128);
+        assert_eq!(MoeMma::Stream.smem(2), 0);
     }
 
     #[test]
