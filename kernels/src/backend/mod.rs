@@ -617,8 +617,8 @@ pub(crate) fn fuse() -> bool {
     *FUSE.get_or_init(|| std::env::var("FERRY_FUSE").map_or(true, |v| v != "0"))
 }
 
-/// The tensor-core grouped MoE kernels: `FERRY_MOE_MMA` = `wait`, `stream` (the default),
-/// `tiled` or `tiled64` ([`crate::gpu::ops::MoeMma`]), read once, so one binary measures each;
+/// The tensor-core grouped MoE kernels: `FERRY_MOE_MMA` = one of [`crate::gpu::ops::MoeMma`]'s
+/// names (`auto` by default), read once, so one binary measures each;
 /// the results are bitwise equal whichever runs. A value outside those is logged and ignored.
 #[cfg(any(feature = "cuda", feature = "rocm"))]
 pub(crate) fn moe_mma() -> crate::gpu::ops::MoeMma {

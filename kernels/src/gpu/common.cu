@@ -1644,7 +1644,10 @@ __device__ __forceinline__ void moe_mma_step(float (*c)[MOE_MMA_NT][4],
 }
 // c[m] += the chunk's pairs (rows r0, r1 of this lane) times weight matrix m's 32 rows at w[m]
 // (row stride ld), over k_total (a multiple of 32), two register buffers alternating.
-template <int NW>
+// PF > 0 (`FERRY_MOE_MMA=prefetch`): each iteration also asks L2 for the 128-byte lines of its
+// rows PF elements ahead (one lane of each four that share a line), which keeps more of the
+// weight stream in flight than the two register buffers hold without costing registers.
+template <int NW, int PF = 0>
 __device__ __forceinline__ void moe_mma_stream(const float* r0, const float* r1,
                                                const bf16_t* const* w, size_t ld, int k_total,
                                                float (*c)[MOE_MMA_NT][4]) {
@@ -1652,6 +1655,12 @@ __device__ __forceinline__ void moe_mma_stream(const float* r0, const float* r1,
   moe_mma_load<NW>(b0, w, ld, 0);
   if (32 < k_total) moe_mma_load<NW>(b1, w, ld, 32);
   for (int k = 0; k < k_total; k += 64) {
+    if (PF > 0 && threadIdx.x % 4 == 0 && k + PF < k_total)
+#pragma unroll
+      for (int m = 0; m < NW; m++)
+#pragma unroll
+        for (int t = 0; t < MOE_MMA_NT; t++)
+          asm volatile("prefetch.global.L2 [%0];" ::"l"(w[m] + (size_t)t * 8 * ld + k + PF));
     moe_mma_step<NW>(c, b0, r0, r1, k);
     if (k + 64 < k_total) moe_mma_load<NW>(b0, w, ld, k + 64);
     if (k + 32 < k_total) {
@@ -1662,12 +1671,14 @@ __device__ __forceinline__ void moe_mma_stream(const float* r0, const float* r1,
 }
 #endif
 
-// moe_gate_up_mma with the weights streamed ahead. Grid and block as moe_gate_up_mma.
-extern "C" __global__ void moe_gate_up_mma2(const float* x, const int* order, const int* chunks,
-                                            const int* n_chunks, const bf16_t* gate,
-                                            const bf16_t* up, float* act, int K, int inter,
-                                            int hidden) {
-  pdl_enter();
+// moe_gate_up_mma with the weights streamed ahead (PF: moe_mma_stream's L2 prefetch distance).
+// Grid and block as moe_gate_up_mma.
+template <int PF>
+__device__ __forceinline__ void moe_gate_up_stream_impl(const float* x, const int* order,
+                                                        const int* chunks, const int* n_chunks,
+                                                        const bf16_t* gate, const bf16_t* up,
+                                                        float* act, int K, int inter,
+                                                        int hidden) {
 #if FERRY_MMA
   int c = blockIdx.y;
   if (c >= *n_chunks) return;
@@ -1688,7 +1699,7 @@ extern "C" __global__ void moe_gate_up_mma2(const float* x, const int* order, co
     for (int t = 0; t < MOE_MMA_NT; t++)
 #pragma unroll
       for (int j = 0; j < 4; j++) acc[i][t][j] = 0.0f;
-  moe_mma_stream<2>(r0, r1, w, hidden, hidden, acc);
+  moe_mma_stream<2, PF>(r0, r1, w, hidden, hidden, acc);
 #pragma unroll
   for (int t = 0; t < MOE_MMA_NT; t++) {
     int n = n0 + t * 8 + 2 * q;
@@ -1705,10 +1716,11 @@ extern "C" __global__ void moe_gate_up_mma2(const float* x, const int* order, co
 }
 
 // moe_down_mma with the weights streamed ahead. Grid and block as moe_down_mma.
-extern "C" __global__ void moe_down_mma2(const float* act, const int* order, const int* chunks,
-                                         const int* n_chunks, const float* wts,
-                                         const bf16_t* down, float* y, int inter, int hidden) {
-  pdl_enter();
+template <int PF>
+__device__ __forceinline__ void moe_down_stream_impl(const float* act, const int* order,
+                                                     const int* chunks, const int* n_chunks,
+                                                     const float* wts, const bf16_t* down,
+                                                     float* y, int inter, int hidden) {
 #if FERRY_MMA
   int c = blockIdx.y;
   if (c >= *n_chunks) return;
@@ -1726,7 +1738,7 @@ extern "C" __global__ void moe_down_mma2(const float* act, const int* order, con
   for (int t = 0; t < MOE_MMA_NT; t++)
 #pragma unroll
     for (int j = 0; j < 4; j++) cd[0][t][j] = 0.0f;
-  moe_mma_stream<1>(r0, r1, w, inter, inter, cd);
+  moe_mma_stream<1, PF>(r0, r1, w, inter, inter, cd);
   float w0 = p0 >= 0 ? wts[p0] : 0.0f, w1 = p1 >= 0 ? wts[p1] : 0.0f;
 #pragma unroll
   for (int t = 0; t < MOE_MMA_NT; t++) {
@@ -1743,215 +1755,29 @@ extern "C" __global__ void moe_down_mma2(const float* act, const int* order, con
 #endif
 }
 
-// The two products again as block tiles staged in shared memory (`FERRY_MOE_MMA=tiled`). The
-// register-streamed kernels above leave two costs: each warp still waits on one global load of
-// its activations per k step, and a chunk holds at most 16 pairs, so an expert with more pairs
-// (the shared experts take every token of the batch) is read once per 16 of them: at batch 256
-// a V2-Lite layer reads 160 experts' weights for 66 distinct ones.
-// Here a block (4 warps) computes 64 output rows of each of its NW weight matrices (gate and
-// up, or down) for a chunk of up to 16·MT pairs. K is walked in 64-wide stages, MOE_TILE_STAGES
-// of them in flight through cp.async: the block's weight rows (NW × 64 rows × 128 bytes, the
-// 16-byte pieces of odd rows swapped by halves so a quarter warp's fragment reads hit distinct
-// banks) and its pairs' f32 activation rows (padded to 68 floats for the same reason). Warp w
-// owns rows 16w … 16w + 15 of every matrix (two n8 tiles) for every m16 tile that holds a pair;
-// tiles past the chunk's last pair are skipped. Each 32-wide half of a stage builds fragments
-// and issues MMAs exactly as moe_mma_step does (same k permutation, hi then lo, same order), so
-// every output is bitwise that of the kernels above, whatever MT is.
-#if FERRY_MMA
-#define MOE_TILE_ROWS 64
-#define MOE_TILE_K 64
-#define MOE_TILE_STAGES 3
-#define MOE_TILE_ASTRIDE (MOE_TILE_K + 4)
-#define MOE_TILE_NT 2
-
-// acc[m][mt][t] += pairs (rows of `src`: pair p's row at src + (p / div) · stride) of m16 tile
-// mt times rows 16·warp + 8t + (0…7) of matrix m, whose first row (n0) is at w[m] (row stride
-// k_total); rows at or past n are neither loaded nor computed. Block: 128 threads.
-template <int NW, int MT>
-__device__ __forceinline__ void moe_tile_mma(const float* src, int div, int stride,
-                                             const int* s_pair, int m, const bf16_t* w0,
-                                             const bf16_t* w1, int n, int n0, int k_total,
-                                             unsigned char* smem,
-                                             float (&acc)[NW][MT][MOE_TILE_NT][4]) {
-  constexpr int P = 16 * MT;
-  constexpr int W_STAGE = NW * MOE_TILE_ROWS * MOE_TILE_K;  // bf16 elements
-  constexpr int A_STAGE = P * MOE_TILE_ASTRIDE;             // floats
-  bf16_t* s_w = reinterpret_cast<bf16_t*>(smem);
-  float* s_a = reinterpret_cast<float*>(smem + MOE_TILE_STAGES * W_STAGE * sizeof(bf16_t));
-  int tid = threadIdx.x, lane = tid % WARP, wid = tid / WARP, g = lane / 4, q = lane % 4;
-  int k_tiles = (k_total + MOE_TILE_K - 1) / MOE_TILE_K;
-  auto load = [&](int kt) {
-    int st = kt % MOE_TILE_STAGES, k0 = kt * MOE_TILE_K;
-    bf16_t* sw = s_w + st * W_STAGE;
-    for (int i = tid; i < NW * MOE_TILE_ROWS * 8; i += blockDim.x) {
-      int mat = i / (MOE_TILE_ROWS * 8), r = (i / 8) % MOE_TILE_ROWS, c = i % 8, kk = k0 + 8 * c;
-      if (n0 + r < n && kk < k_total) {
-        const bf16_t* from = (mat == 0 ? w0 : w1) + (size_t)r * k_total + kk;
-        int to = (mat * MOE_TILE_ROWS + r) * MOE_TILE_K + 8 * (c ^ ((r & 1) << 2));
-        cp_async16(smem_u32(sw + to), from, 16);
-      }
-    }
-    float* sa = s_a + st * A_STAGE;
-    for (int i = tid; i < P * (MOE_TILE_K / 4); i += blockDim.x) {
-      int r = i / (MOE_TILE_K / 4), c = i % (MOE_TILE_K / 4), kk = k0 + 4 * c;
-      if (r < m && kk < k_total)
-        cp_async16(smem_u32(sa + r * MOE_TILE_ASTRIDE + 4 * c),
-                   src + (size_t)(s_pair[r] / div) * stride + kk, 16);
-    }
-  };
-#pragma unroll
-  for (int s = 0; s < MOE_TILE_STAGES - 1; s++) {
-    if (s < k_tiles) load(s);
-    cp_async_commit();
+// The streamed kernels: `mma2` as measured in session 19; `mma3` adds the L2 prefetch 128
+// elements (two iterations) ahead. ncu at batch 32: `mma2`'s warps wait on memory ~80 % of
+// their cycles at 3 (gate/up) and 5 (down) blocks per SM. On the H200 (V2-Lite shape) the
+// prefetch took a graph step at batch 16 / 32 / 64 / 128 from 11.68 / 13.78 / 15.49 / 19.19 ms
+// to 11.07 / 12.71 / 14.50 / 18.33, and cost 8 % at 256 (24.8 → 26.8 ms: with 16 chunks of each
+// shared expert the lines a chunk re-reads from L2 get evicted), so ops.rs takes it up to 128
+// tokens a pass. Capping registers for more blocks per SM (4 and 6) lost 4–26 % with or
+// without it; prefetching 256 elements ahead lost 33 % (BENCHMARKS.md, session 20).
+#define MOE_STREAM_KERNELS(SUFFIX, PF)                                    \
+  extern "C" __global__ void moe_gate_up_##SUFFIX(                                   \
+      const float* x, const int* order, const int* chunks, const int* n_chunks,                \
+      const bf16_t* gate, const bf16_t* up, float* act, int K, int inter, int hidden) {        \
+    pdl_enter();                                                                               \
+    moe_gate_up_stream_impl<PF>(x, order, chunks, n_chunks, gate, up, act, K, inter, hidden);  \
+  }                                                                                            \
+  extern "C" __global__ void moe_down_##SUFFIX(                                      \
+      const float* act, const int* order, const int* chunks, const int* n_chunks,              \
+      const float* wts, const bf16_t* down, float* y, int inter, int hidden) {                 \
+    pdl_enter();                                                                               \
+    moe_down_stream_impl<PF>(act, order, chunks, n_chunks, wts, down, y, inter, hidden);       \
   }
-  bool active = n0 + 16 * wid < n;
-  for (int kt = 0; kt < k_tiles; kt++) {
-    cp_async_wait<MOE_TILE_STAGES - 2>();
-    __syncthreads();  // stage kt is in; every warp is done with the slot the next load fills
-    if (kt + MOE_TILE_STAGES - 1 < k_tiles) load(kt + MOE_TILE_STAGES - 1);
-    cp_async_commit();
-    if (!active) continue;
-    const bf16_t* sw = s_w + (kt % MOE_TILE_STAGES) * W_STAGE;
-    const float* sa = s_a + (kt % MOE_TILE_STAGES) * A_STAGE;
-#pragma unroll
-    for (int h = 0; h < 2; h++) {  // the stage's two 32-wide k steps
-      if (kt * MOE_TILE_K + 32 * h >= k_total) break;
-      uint4 b[NW][MOE_TILE_NT];
-#pragma unroll
-      for (int mat = 0; mat < NW; mat++)
-#pragma unroll
-        for (int t = 0; t < MOE_TILE_NT; t++) {
-          int r = 16 * wid + 8 * t + g;
-          b[mat][t] = *reinterpret_cast<const uint4*>(
-              sw + (mat * MOE_TILE_ROWS + r) * MOE_TILE_K + 8 * ((4 * h + q) ^ ((r & 1) << 2)));
-        }
-#pragma unroll
-      for (int mt = 0; mt < MT; mt++) {
-        if (16 * mt < m) {
-          const float* a0 = sa + (16 * mt + g) * MOE_TILE_ASTRIDE + 32 * h + 8 * q;
-          MoeAFrag a;
-          moe_a_frag(a0, a0 + 8 * MOE_TILE_ASTRIDE, a);
-#pragma unroll
-          for (int t = 0; t < MOE_TILE_NT; t++)
-#pragma unroll
-            for (int mat = 0; mat < NW; mat++) moe_mma(acc[mat][mt][t], a, b[mat][t]);
-        }
-      }
-    }
-  }
-  cp_async_wait0();
-}
-
-// The chunk's pairs into shared memory after the stages (-1 past the chunk's m).
-template <int NW, int MT>
-__device__ __forceinline__ int* moe_tile_pairs(unsigned char* smem, const int* order,
-                                               int first, int m) {
-  int* s_pair = reinterpret_cast<int*>(
-      smem + MOE_TILE_STAGES * (NW * MOE_TILE_ROWS * MOE_TILE_K * sizeof(bf16_t) +
-                                16 * MT * MOE_TILE_ASTRIDE * sizeof(float)));
-  if (threadIdx.x < 16 * MT) s_pair[threadIdx.x] = threadIdx.x < m ? order[first + threadIdx.x] : -1;
-  __syncthreads();
-  return s_pair;
-}
-
-// act[p][r] = silu(gate_e[r]·x_t) · (up_e[r]·x_t): moe_gate_up_mma's product as block tiles.
-// Grid: (ceil(inter / 64), chunk bound for chunks of 16·MT pairs); block 128; dynamic shared
-// memory MOE_TILE_STAGES · (2 · 64 · 64 · 2 + 16·MT · 68 · 4) + 16·MT · 4 bytes.
-template <int MT>
-__device__ void moe_gate_up_tile_impl(const float* x, const int* order, const int* chunks,
-                                      const int* n_chunks, const bf16_t* gate, const bf16_t* up,
-                                      float* act, int K, int inter, int hidden) {
-  extern __shared__ __align__(16) unsigned char smem[];
-  int c = blockIdx.y;
-  if (c >= *n_chunks) return;
-  size_t e = (size_t)chunks[3 * c];
-  int first = chunks[3 * c + 1], m = chunks[3 * c + 2];
-  int n0 = blockIdx.x * MOE_TILE_ROWS;
-  int* s_pair = moe_tile_pairs<2, MT>(smem, order, first, m);
-  float acc[2][MT][MOE_TILE_NT][4] = {};
-  moe_tile_mma<2, MT>(x, K, hidden, s_pair, m, gate + (e * inter + n0) * hidden,
-                      up + (e * inter + n0) * hidden, inter, n0, hidden, smem, acc);
-  int lane = threadIdx.x % WARP, g = lane / 4, q = lane % 4, wid = threadIdx.x / WARP;
-  if (n0 + 16 * wid >= inter) return;
-#pragma unroll
-  for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-    for (int half = 0; half < 2; half++) {
-      int i = 16 * mt + g + 8 * half;
-      if (i >= m) continue;
-      size_t p = (size_t)s_pair[i];
-#pragma unroll
-      for (int t = 0; t < MOE_TILE_NT; t++) {
-        int nn = n0 + 16 * wid + 8 * t + 2 * q;
-        act[p * inter + nn] = silu_f(acc[0][mt][t][2 * half]) * acc[1][mt][t][2 * half];
-        act[p * inter + nn + 1] =
-            silu_f(acc[0][mt][t][2 * half + 1]) * acc[1][mt][t][2 * half + 1];
-      }
-    }
-}
-
-// y[p][j] = w[p] · (down_e[j] · act[p]): moe_down_mma's product as block tiles.
-// Grid: (ceil(hidden / 64), chunk bound); block 128; dynamic shared memory
-// MOE_TILE_STAGES · (64 · 64 · 2 + 16·MT · 68 · 4) + 16·MT · 4 bytes.
-template <int MT>
-__device__ void moe_down_tile_impl(const float* act, const int* order, const int* chunks,
-                                   const int* n_chunks, const float* wts, const bf16_t* down,
-                                   float* y, int inter, int hidden) {
-  extern __shared__ __align__(16) unsigned char smem[];
-  int c = blockIdx.y;
-  if (c >= *n_chunks) return;
-  size_t e = (size_t)chunks[3 * c];
-  int first = chunks[3 * c + 1], m = chunks[3 * c + 2];
-  int j0 = blockIdx.x * MOE_TILE_ROWS;
-  int* s_pair = moe_tile_pairs<1, MT>(smem, order, first, m);
-  float acc[1][MT][MOE_TILE_NT][4] = {};
-  const bf16_t* w = down + (e * hidden + j0) * inter;
-  moe_tile_mma<1, MT>(act, 1, inter, s_pair, m, w, w, hidden, j0, inter, smem, acc);
-  int lane = threadIdx.x % WARP, g = lane / 4, q = lane % 4, wid = threadIdx.x / WARP;
-  if (j0 + 16 * wid >= hidden) return;
-#pragma unroll
-  for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-    for (int half = 0; half < 2; half++) {
-      int i = 16 * mt + g + 8 * half;
-      if (i >= m) continue;
-      size_t p = (size_t)s_pair[i];
-      float wp = wts[p];
-#pragma unroll
-      for (int t = 0; t < MOE_TILE_NT; t++) {
-        int j = j0 + 16 * wid + 8 * t + 2 * q;
-        y[p * hidden + j] = wp * acc[0][mt][t][2 * half];
-        y[p * hidden + j + 1] = wp * acc[0][mt][t][2 * half + 1];
-      }
-    }
-}
-#endif
-
-// Chunks of 32 pairs (MT = 2) and of 64 (MT = 4); the grids' chunk bound follows the choice.
-#define MOE_TILE_KERNELS(MT, PAIRS)                                                             \
-  extern "C" __global__ void __launch_bounds__(128)                                             \
-      moe_gate_up_tile##PAIRS(const float* x, const int* order, const int* chunks,              \
-                              const int* n_chunks, const bf16_t* gate, const bf16_t* up,        \
-                              float* act, int K, int inter, int hidden) {                       \
-    pdl_enter();                                                                                \
-    MOE_TILE_BODY(moe_gate_up_tile_impl<MT>(x, order, chunks, n_chunks, gate, up, act, K,       \
-                                            inter, hidden));                                    \
-  }                                                                                             \
-  extern "C" __global__ void __launch_bounds__(128)                                             \
-      moe_down_tile##PAIRS(const float* act, const int* order, const int* chunks,               \
-                           const int* n_chunks, const float* wts, const bf16_t* down, float* y, \
-                           int inter, int hidden) {                                             \
-    pdl_enter();                                                                                \
-    MOE_TILE_BODY(moe_down_tile_impl<MT>(act, order, chunks, n_chunks, wts, down, y, inter,     \
-                                         hidden));                                              \
-  }
-#if FERRY_MMA
-#define MOE_TILE_BODY(call) call
-#else
-#define MOE_TILE_BODY(call)
-#endif
-MOE_TILE_KERNELS(2, 32)
-MOE_TILE_KERNELS(4, 64)
+MOE_STREAM_KERNELS(mma2, 0)
+MOE_STREAM_KERNELS(mma3, 128)
 
 // h[t][j] += Σ_s y[t·K + s][j], the slots summed in order. Grid: ceil(T·hidden / 256); block 256.
 extern "C" __global__ void moe_sum_slots(const float* y, float* h, int K, int hidden,

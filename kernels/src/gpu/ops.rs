@@ -1636,104 +1636,76 @@ pub const MOE_MAX_EXPERTS: usize = 2048;
 const MOE_GROUPED_MAX_TOKENS: usize = 2048;
 
 /// The tensor-core grouped expert kernels (`FERRY_MOE_MMA`, read once per process so one binary
-/// measures each; docs/gpu.md). Every choice gives bitwise the same outputs: each output row
-/// sees the same fragments in the same order.
+/// measures each; docs/gpu.md). A warp computes 16 pairs × 32 rows of one expert; every choice
+/// gives bitwise the same outputs (same fragments, same order).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum MoeMma {
-    /// `wait`: `moe_{gate_up,down}_mma` (session 11). A warp computes 16 pairs × 32 rows and
-    /// waits for each 32-wide k step's weights before its MMAs.
-    Wait,
-    /// `stream`: `moe_{gate_up,down}_mma2` (session 19). The same tiles with two register
-    /// buffers of weights alternating, so the next step's are in flight during the MMAs.
+    /// `auto` (the default): [`Self::Prefetch`] for passes of up to
+    /// [`MOE_PREFETCH_MAX_TOKENS`] tokens, [`Self::Stream`] above.
     #[default]
+    Auto,
+    /// `wait`: `moe_{gate_up,down}_mma` (session 11): each 32-wide k step's weights are waited
+    /// for before its MMAs.
+    Wait,
+    /// `stream`: `moe_{gate_up,down}_mma2` (session 19): two register buffers of weights
+    /// alternate, the next step's in flight during the MMAs.
     Stream,
-    /// `tiled`: `moe_{gate_up,down}_tile32`. A block computes 64 rows for a chunk of up to 32
-    /// pairs from weights and activations staged through shared memory by cp.async, three
-    /// 64-wide k stages in flight; an expert is read once per 32 of its pairs.
-    Tiled32,
-    /// `tiled64`: `moe_{gate_up,down}_tile64`, chunks of up to 64 pairs (101 KB of shared
-    /// memory per gate/up block: sm_80 and sm_90 only, else [`Self::Tiled32`]).
-    Tiled64,
+    /// `prefetch`: `moe_{gate_up,down}_mma3` (session 20): `stream` plus an L2 prefetch of each
+    /// row's line 128 elements ahead, more of the weight stream in flight at no register cost.
+    Prefetch,
 }
 
+/// Tokens a grouped pass may have for [`MoeMma::Auto`] to take the prefetching kernels. On the
+/// H200 (V2-Lite shape, graph steps, same run) they won 5–8 % at batch 16–128 and lost 8 % at
+/// 256, where each shared expert's 16 chunks re-read its lines from L2 and the prefetched lines
+/// evict them (BENCHMARKS.md, session 20).
+pub const MOE_PREFETCH_MAX_TOKENS: usize = 128;
+
 impl MoeMma {
-    /// What runs on a device of compute capability `cc`.
-    fn fitting(self, cc: (i32, i32)) -> Self {
+    /// The kernels for a pass of `tokens` tokens: `(gate_up, down)` names.
+    fn kernels(self, tokens: usize) -> (&'static str, &'static str) {
         match self {
-            Self::Tiled64 if !(cc == (8, 0) || cc.0 >= 9) => Self::Tiled32,
-            other => other,
-        }
-    }
-
-    /// Pairs per chunk.
-    fn chunk(self) -> usize {
-        match self {
-            Self::Wait | Self::Stream => 16,
-            Self::Tiled32 => 32,
-            Self::Tiled64 => 64,
-        }
-    }
-
-    /// `(gate_up, down)` kernel names.
-    fn kernels(self) -> (&'static str, &'static str) {
-        match self {
+            Self::Auto if tokens <= MOE_PREFETCH_MAX_TOKENS => Self::Prefetch.kernels(tokens),
+            Self::Auto => Self::Stream.kernels(tokens),
             Self::Wait => ("moe_gate_up_mma", "moe_down_mma"),
             Self::Stream => ("moe_gate_up_mma2", "moe_down_mma2"),
-            Self::Tiled32 => ("moe_gate_up_tile32", "moe_down_tile32"),
-            Self::Tiled64 => ("moe_gate_up_tile64", "moe_down_tile64"),
+            Self::Prefetch => ("moe_gate_up_mma3", "moe_down_mma3"),
         }
     }
 
-    /// Output rows per block (of each weight matrix).
-    fn rows(self) -> usize {
-        match self {
-            Self::Wait | Self::Stream => 128,
-            Self::Tiled32 | Self::Tiled64 => 64,
-        }
-    }
-
-    /// Dynamic shared memory of a block reading `matrices` weight matrices (2 for gate/up, 1
-    /// for down): `MOE_TILE_STAGES` (3) stages of 64 rows × 64 bf16 per matrix plus a chunk's
-    /// f32 activation rows padded to 68, then the chunk's pair indices (common.cu).
-    fn smem(self, matrices: usize) -> u32 {
-        const STAGES: usize = 3;
-        match self {
-            Self::Wait | Self::Stream => 0,
-            Self::Tiled32 | Self::Tiled64 => {
-                let pairs = self.chunk();
-                (STAGES * (matrices * 64 * 64 * 2 + pairs * 68 * 4) + pairs * 4) as u32
-            }
-        }
-    }
+    const ALL: [(Self, &'static str); 4] = [
+        (Self::Auto, "auto"),
+        (Self::Wait, "wait"),
+        (Self::Stream, "stream"),
+        (Self::Prefetch, "prefetch"),
+    ];
 }
 
 impl std::str::FromStr for MoeMma {
     type Err = KernelError;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s.trim() {
-            "wait" => Ok(Self::Wait),
-            "stream" => Ok(Self::Stream),
-            "tiled" => Ok(Self::Tiled32),
-            "tiled64" => Ok(Self::Tiled64),
-            other => Err(KernelError::InvalidParam {
+        let s = s.trim();
+        Self::ALL
+            .iter()
+            .find(|(_, name)| *name == s)
+            .map(|(m, _)| *m)
+            .ok_or_else(|| KernelError::InvalidParam {
                 op: "moe_experts_grouped",
                 field: "FERRY_MOE_MMA",
-                limit: "wait, stream, tiled or tiled64",
-                value: other.to_string(),
-            }),
-        }
+                limit: "auto, wait, stream or prefetch",
+                value: s.to_string(),
+            })
     }
 }
 
 impl std::fmt::Display for MoeMma {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Self::Wait => "wait",
-            Self::Stream => "stream",
-            Self::Tiled32 => "tiled",
-            Self::Tiled64 => "tiled64",
-        })
+        let name = Self::ALL
+            .iter()
+            .find(|(m, _)| m == self)
+            .map_or("?", |(_, n)| n);
+        f.write_str(name)
     }
 }
 
@@ -1747,15 +1719,12 @@ enum GroupedKernels {
     CudaCores,
 }
 
-/// One grouped pass's two launches: kernel names, rows per block, threads per block, and the
-/// gate/up and down blocks' dynamic shared memory.
+/// One grouped pass's two launches: kernel names, rows per block, threads per block.
 struct GroupedLaunch {
     gate_up: &'static str,
     down: &'static str,
     rows: usize,
     threads: u32,
-    gate_up_smem: u32,
-    down_smem: u32,
 }
 
 impl GroupedKernels {
@@ -1766,7 +1735,7 @@ impl GroupedKernels {
             && experts.inter % 32 == 0
             && experts.hidden % 32 == 0;
         if mma {
-            Self::TensorCores(crate::backend::moe_mma().fitting(cc))
+            Self::TensorCores(crate::backend::moe_mma())
         } else {
             Self::CudaCores
         }
@@ -1775,20 +1744,19 @@ impl GroupedKernels {
     /// Pairs per chunk.
     fn chunk(self) -> usize {
         match self {
-            Self::TensorCores(mma) => mma.chunk(),
+            Self::TensorCores(_) => 16,
             Self::CudaCores => GEMV_MAX_M,
         }
     }
 
-    fn launch(self, bf16: bool) -> GroupedLaunch {
+    /// The launches of a pass of up to `tokens` tokens.
+    fn launch(self, bf16: bool, tokens: usize) -> GroupedLaunch {
         match self {
             Self::TensorCores(mma) => GroupedLaunch {
-                gate_up: mma.kernels().0,
-                down: mma.kernels().1,
-                rows: mma.rows(),
+                gate_up: mma.kernels(tokens).0,
+                down: mma.kernels(tokens).1,
+                rows: 128,
                 threads: 128,
-                gate_up_smem: mma.smem(2),
-                down_smem: mma.smem(1),
             },
             Self::CudaCores => GroupedLaunch {
                 gate_up: if bf16 {
@@ -1803,8 +1771,6 @@ impl GroupedKernels {
                 },
                 rows: 8,
                 threads: 256,
-                gate_up_smem: 0,
-                down_smem: 0,
             },
         }
     }
@@ -1842,7 +1808,7 @@ fn moe_experts_grouped<D: Gpu>(
     let n_chunks = dev.alloc::<i32>(1)?;
     let act = dev.alloc::<f32>(pairs_max * inter)?;
     let y = dev.alloc::<f32>(pairs_max * hidden)?;
-    let plan = which.launch(experts.gate.is_bf16());
+    let plan = which.launch(experts.gate.is_bf16(), per_pass);
     let (group, gate_up, down, sum) = (
         kernel(dev, "moe_group")?,
         kernel(dev, plan.gate_up)?,
@@ -1887,7 +1853,7 @@ fn moe_experts_grouped<D: Gpu>(
         let dims = LaunchDims {
             grid: (inter.div_ceil(plan.rows) as u32, bound, 1),
             block: (plan.threads, 1, 1),
-            smem: plan.gate_up_smem,
+            smem: 0,
         };
         dev.launch(&gate_up, dims, &mut a)?;
 
@@ -1904,7 +1870,7 @@ fn moe_experts_grouped<D: Gpu>(
         let dims = LaunchDims {
             grid: (hidden.div_ceil(plan.rows) as u32, bound, 1),
             block: (plan.threads, 1, 1),
-            smem: plan.down_smem,
+            smem: 0,
         };
         dev.launch(&down, dims, &mut a)?;
 
@@ -1958,24 +1924,21 @@ mod tests {
     }
 
     #[test]
-    fn moe_mma_parses_prints_and_falls_back_where_shared_memory_is_short() {
-        for m in [
-            MoeMma::Wait,
-            MoeMma::Stream,
-            MoeMma::Tiled32,
-            MoeMma::Tiled64,
-        ] {
-            assert_eq!(m.to_string().parse::<MoeMma>().expect("round trip"), m);
+    fn moe_mma_parses_and_prints_every_arm() {
+        for (m, name) in MoeMma::ALL {
+            assert_eq!(m.to_string(), name);
+            assert_eq!(name.parse::<MoeMma>().expect("round trip"), m);
         }
-        let e = "fast".parse::<MoeMma>().expect_err("fast").to_string();
-        assert!(e.contains("FERRY_MOE_MMA") && e.contains("fast"), "{e}");
-        assert_eq!(MoeMma::Tiled64.fitting((8, 6)), MoeMma::Tiled32);
-        assert_eq!(MoeMma::Tiled64.fitting((9, 0)), MoeMma::Tiled64);
-        // The gate/up block of 64-pair chunks: three stages of 2 × 8 KB weights and 64 × 272 B
-        // activations, then 64 pair indices (common.cu's moe_tile_pairs offset).
-        assert_eq!(MoeMma::Tiled64.smem(2), 3 * (16_384 + 17_408) + 256);
-        assert_eq!(MoeMma::Tiled32.smem(1), 3 * (8_192 + 8_704) + 128);
-        assert_eq!(MoeMma::Stream.smem(2), 0);
+        let e = "tiled".parse::<MoeMma>().expect_err("tiled").to_string();
+        assert!(e.contains("FERRY_MOE_MMA") && e.contains("tiled"), "{e}");
+        // The default prefetches up to the measured crossover and streams above it.
+        let auto = MoeMma::default();
+        assert_eq!(auto.kernels(1), MoeMma::Prefetch.kernels(1));
+        assert_eq!(
+            auto.kernels(MOE_PREFETCH_MAX_TOKENS),
+            MoeMma::Prefetch.kernels(MOE_PREFETCH_MAX_TOKENS)
+        );
+        assert_eq!(auto.kernels(256), MoeMma::Stream.kernels(256));
     }
 
     #[test]
