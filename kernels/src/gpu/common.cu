@@ -1755,14 +1755,15 @@ __device__ __forceinline__ void moe_down_stream_impl(const float* act, const int
 #endif
 }
 
-// The streamed kernels: `mma2` as measured in session 19; `mma3` adds the L2 prefetch 128
-// elements (two iterations) ahead. ncu at batch 32: `mma2`'s warps wait on memory ~80 % of
-// their cycles at 3 (gate/up) and 5 (down) blocks per SM. On the H200 (V2-Lite shape) the
-// prefetch took a graph step at batch 16 / 32 / 64 / 128 from 11.68 / 13.78 / 15.49 / 19.19 ms
-// to 11.07 / 12.71 / 14.50 / 18.33, and cost 8 % at 256 (24.8 → 26.8 ms: with 16 chunks of each
-// shared expert the lines a chunk re-reads from L2 get evicted), so ops.rs takes it up to 128
-// tokens a pass. Capping registers for more blocks per SM (4 and 6) lost 4–26 % with or
-// without it; prefetching 256 elements ahead lost 33 % (BENCHMARKS.md, session 20).
+// The streamed kernels: `mma2` as measured in session 19; `mma3` adds the L2 prefetch 64
+// elements (one iteration, one 128-byte line per row) ahead. ncu at batch 32: `mma2`'s warps
+// wait on memory ~80 % of their cycles at 3 (gate/up) and 5 (down) blocks per SM. On the H200
+// (V2-Lite shape, graph steps, same run) the prefetch took batch 16 / 32 / 64 / 128 from
+// 11.64 / 13.74 / 15.53 / 19.20 ms to 9.75 / 11.18 / 12.81 / 16.76; 128 and 192 elements ahead
+// gained less or lost (12.79 / 15.59 ms at batch 32). At 256 every distance lost 7–8 %
+// (24.9 → 26.7 ms: each shared expert's 16 chunks re-read its lines from L2, and prefetched
+// lines evict them), so ops.rs takes it up to 128 tokens a pass. Capping registers for more
+// blocks per SM (4 and 6) lost 4–26 % (BENCHMARKS.md, session 20).
 #define MOE_STREAM_KERNELS(SUFFIX, PF)                                    \
   extern "C" __global__ void moe_gate_up_##SUFFIX(                                   \
       const float* x, const int* order, const int* chunks, const int* n_chunks,                \
@@ -1777,7 +1778,7 @@ __device__ __forceinline__ void moe_down_stream_impl(const float* act, const int
     moe_down_stream_impl<PF>(act, order, chunks, n_chunks, wts, down, y, inter, hidden);       \
   }
 MOE_STREAM_KERNELS(mma2, 0)
-MOE_STREAM_KERNELS(mma3, 128)
+MOE_STREAM_KERNELS(mma3, 64)
 
 // h[t][j] += Σ_s y[t·K + s][j], the slots summed in order. Grid: ceil(T·hidden / 256); block 256.
 extern "C" __global__ void moe_sum_slots(const float* y, float* h, int K, int hidden,

@@ -1651,12 +1651,13 @@ pub enum MoeMma {
     /// alternate, the next step's in flight during the MMAs.
     Stream,
     /// `prefetch`: `moe_{gate_up,down}_mma3` (session 20): `stream` plus an L2 prefetch of each
-    /// row's line 128 elements ahead, more of the weight stream in flight at no register cost.
+    /// row's next 128-byte line (64 elements ahead), more of the weight stream in flight at no
+    /// register cost.
     Prefetch,
 }
 
 /// Tokens a grouped pass may have for [`MoeMma::Auto`] to take the prefetching kernels. On the
-/// H200 (V2-Lite shape, graph steps, same run) they won 5–8 % at batch 16–128 and lost 8 % at
+/// H200 (V2-Lite shape, graph steps, same run) they won 13–19 % at batch 16–128 and lost 7 % at
 /// 256, where each shared expert's 16 chunks re-read its lines from L2 and the prefetched lines
 /// evict them (BENCHMARKS.md, session 20).
 pub const MOE_PREFETCH_MAX_TOKENS: usize = 128;
