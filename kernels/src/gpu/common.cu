@@ -1612,8 +1612,8 @@ extern "C" __global__ void moe_down_mma(const float* act, const int* order, cons
 #endif
 }
 
-// The two products again, with the weights streamed two k steps ahead (`FERRY_MOE_MMA_PIPE`,
-// default on; the kernels above are the "before" arm). Above, a warp issues one k step's
+// The two products again, with the weights streamed two k steps ahead (`FERRY_MOE_MMA=stream`;
+// `mma3` below adds an L2 prefetch; the kernels above are the "before" arm). Above, a warp issues one k step's
 // weights (4 KB a warp for gate/up) and waits for them before its MMAs, so a warp is bound by
 // memory latency, and the last, partial wave of blocks (about 680 blocks on 528 slots at batch
 // 32 of V2-Lite) ran at a fraction of the bandwidth: 2.3 TB/s for gate/up and 1.7 for down,
