@@ -101,6 +101,14 @@ impl KvRegion for Pool {
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    // `FERRY_LOG=ferry_kvtransfer=debug` prints each transfer's breakdown (time in the puts'
+    // posting, to the flush, to local completion, to the receiver's acknowledgement).
+    if let Ok(filter) = std::env::var("FERRY_LOG") {
+        tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+            .with_writer(std::io::stderr)
+            .init();
+    }
     let rt = tokio::runtime::Runtime::new()?;
     let &[send_gpu, recv_gpu] = args.gpus.as_slice() else {
         bail!(

@@ -3,13 +3,16 @@
 //!
 //! Each loop turn progresses the worker (which runs the active-message callbacks: they only copy
 //! the message into the inbox), handles the inbox, runs the commands the async side sent,
-//! and checks outstanding requests; when nothing moved it arms the worker and sleeps on its event
-//! fd (the async side wakes it with `ucp_worker_signal`).
+//! and checks outstanding requests. When a turn moved nothing, the thread keeps polling while
+//! requests are in flight and for a short window after the last activity ([`Idle`]); past
+//! that it arms the worker and sleeps on its event fd (the async side wakes it with
+//! `ucp_worker_signal`).
 
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::ffi::{c_int, c_void};
 use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
 
 use ferry_proto::auth::ClusterToken;
 use ferry_proto::internal::{
@@ -58,6 +61,55 @@ const MAX_IDLE_PEERS: usize = 64;
 const MAX_SESSIONS: usize = 4096;
 
 type Reply<T> = oneshot::Sender<Result<T, TransferError>>;
+
+/// How the progress thread waits when a loop turn moved nothing.
+///
+/// Arming the worker is not free while CUDA puts are in flight: UCX's CUDA transports then
+/// queue a host callback (`cuLaunchHostFunc`) on every stream with pending copies so that
+/// their completion wakes the event fd, and a host callback blocks the copies posted behind
+/// it on that stream until it has run on the driver's thread. A layer-by-layer transfer armed
+/// between its puts so stalled its own copies once per layer. So the thread polls instead
+/// while any request is in flight (for at most [`Idle::INFLIGHT_MAX`] without progress, then
+/// it sleeps as before), and for `spin` after the last activity, which also answers the next
+/// message of an exchange (a flush after the last put, its acknowledgement) without a wake-up.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Idle {
+    /// Polling window after the last activity; zero: arm as soon as a turn moved nothing
+    /// (the behaviour before, kept for A/B runs).
+    spin: Duration,
+}
+
+impl Idle {
+    /// Default polling window after the last activity.
+    const SPIN: Duration = Duration::from_micros(1000);
+    /// Longest stretch polled for in-flight requests that make no progress (a peer that
+    /// stopped answering): beyond it the thread sleeps on the event fd.
+    const INFLIGHT_MAX: Duration = Duration::from_millis(20);
+
+    /// `FERRY_UCX_SPIN_US` (microseconds; 0 turns polling off), else [`Idle::SPIN`].
+    fn from_env() -> Self {
+        let spin = match std::env::var("FERRY_UCX_SPIN_US") {
+            Ok(v) => match v.trim().parse::<u64>() {
+                Ok(us) => Duration::from_micros(us),
+                Err(_) => {
+                    warn!(value = %v, "kvtransfer: FERRY_UCX_SPIN_US is not a number of microseconds; using the default");
+                    Self::SPIN
+                }
+            },
+            Err(_) => Self::SPIN,
+        };
+        Self { spin }
+    }
+
+    /// Whether to poll again rather than arm and sleep, `since` the last turn that moved
+    /// something, with requests `in_flight` or not.
+    fn keep_polling(self, since: Duration, in_flight: bool) -> bool {
+        if self.spin.is_zero() {
+            return false;
+        }
+        since < self.spin || (in_flight && since < Self::INFLIGHT_MAX)
+    }
+}
 
 /// An open connection: its id, the destination's layout, and per destination layer whether
 /// puts from this process's device memory land there.
@@ -241,6 +293,52 @@ struct Conn {
     phase: Phase,
     failed: Option<TransferError>,
     put_bytes: u64,
+    clock: PutClock,
+}
+
+/// Where a connection's time went between its first put and its flush acknowledgement,
+/// logged (debug) when the acknowledgement arrives: what the transfer benchmark's
+/// breakdown reads.
+#[derive(Default)]
+struct PutClock {
+    /// The connect command handled (the hello posted).
+    hello: Option<Instant>,
+    /// The receiver's acknowledgement arrived, and the connection opened (remote keys unpacked).
+    hello_acked: Option<Instant>,
+    opened: Option<Instant>,
+    puts: u32,
+    /// Time spent inside `ucp_put_nbx`.
+    posting: Duration,
+    first_put: Option<Instant>,
+    flush_posted: Option<Instant>,
+    /// Every put completed locally (the endpoint's flush).
+    flushed: Option<Instant>,
+}
+
+impl PutClock {
+    fn log(&self, conn: u64) {
+        let (Some(first), Some(posted), Some(flushed)) =
+            (self.first_put, self.flush_posted, self.flushed)
+        else {
+            return;
+        };
+        let us = |d: Duration| d.as_secs_f64() * 1e6;
+        let span = |a: Option<Instant>, b: Option<Instant>| match (a, b) {
+            (Some(a), Some(b)) => us(b.saturating_duration_since(a)),
+            _ => f64::NAN,
+        };
+        debug!(
+            conn,
+            hello_to_ack_us = span(self.hello, self.hello_acked),
+            open_us = span(self.hello_acked, self.opened),
+            puts = self.puts,
+            posting_us = us(self.posting),
+            first_put_to_flush_us = us(posted.saturating_duration_since(first)),
+            flush_to_completion_us = us(flushed.saturating_duration_since(posted)),
+            completion_to_ack_us = us(flushed.elapsed()),
+            "kvtransfer: UCX transfer flushed"
+        );
+    }
 }
 
 enum Phase {
@@ -450,6 +548,8 @@ impl State {
     }
 
     fn run(mut self, cmds: mpsc::Receiver<Cmd>) {
+        let idle = Idle::from_env();
+        let mut last_busy = Instant::now();
         loop {
             let mut busy = false;
             // SAFETY: our worker, on its thread.
@@ -474,6 +574,13 @@ impl State {
             busy |= self.poll_requests();
             self.reap_abandoned();
             if busy {
+                last_busy = Instant::now();
+                continue;
+            }
+            if idle.keep_polling(last_busy.elapsed(), !self.inflight.is_empty()) {
+                // Polling, but giving the core away when another thread wants it (a machine
+                // with fewer cores than busy threads).
+                std::thread::yield_now();
                 continue;
             }
             // SAFETY: our worker.
@@ -847,6 +954,10 @@ impl State {
                 },
                 failed: None,
                 put_bytes: 0,
+                clock: PutClock {
+                    hello: Some(Instant::now()),
+                    ..PutClock::default()
+                },
             },
         );
         self.send(ep, AM_HELLO, frame(id, &hello), Some(id));
@@ -927,10 +1038,13 @@ impl State {
         let Phase::Connecting { writer_layout, .. } = &conn.phase else {
             return;
         };
+        let acked = Instant::now();
         let result = self.open(&ack, conn.ep, conn.key, writer_layout);
         let Some(conn) = self.conns.get_mut(&id) else {
             return;
         };
+        conn.clock.hello_acked = Some(acked);
+        conn.clock.opened = Some(Instant::now());
         let Phase::Connecting { done, .. } = std::mem::replace(&mut conn.phase, Phase::Closed)
         else {
             return;
@@ -1118,7 +1232,9 @@ impl State {
         let (ep, bb) = (conn.ep, layout.block_bytes() as u64);
         let batch = Arc::new(batch);
         let mut put_bytes = 0;
+        let (started, mut puts) = (Instant::now(), 0);
         for run in batch.runs() {
+            puts += 1;
             let mut p = sys::ucp_request_param_t::zeroed();
             p.op_attr_mask = sys::UCP_OP_ATTR_FIELD_MEMORY_TYPE;
             p.memory_type = sys::UCS_MEMORY_TYPE_CUDA;
@@ -1141,6 +1257,10 @@ impl State {
         }
         if let Some(conn) = self.conns.get_mut(&id) {
             conn.put_bytes += put_bytes;
+            let clock = &mut conn.clock;
+            clock.puts += puts;
+            clock.posting += started.elapsed();
+            clock.first_put.get_or_insert(started);
         }
         Ok(())
     }
@@ -1159,6 +1279,7 @@ impl State {
             return;
         };
         *flush = Some(done);
+        conn.clock.flush_posted = Some(Instant::now());
         let ep = conn.ep;
         let p = sys::ucp_request_param_t::zeroed();
         // SAFETY: an open endpoint of this worker.
@@ -1172,9 +1293,10 @@ impl State {
 
     /// Every put of `id` has landed remotely: ask the receiver to confirm.
     fn flushed(&mut self, id: u64) {
-        let Some(conn) = self.conns.get(&id) else {
+        let Some(conn) = self.conns.get_mut(&id) else {
             return;
         };
+        conn.clock.flushed = Some(Instant::now());
         let Phase::Open { session, .. } = &conn.phase else {
             return;
         };
@@ -1191,9 +1313,11 @@ impl State {
         };
         if let Some(Conn {
             phase: Phase::Open { flush, .. },
+            clock,
             ..
         }) = self.conns.get_mut(&id)
         {
+            clock.log(id);
             if let Some(done) = flush.take() {
                 let _ = done.send(Ok(ack.bytes_applied));
             }
@@ -1622,5 +1746,32 @@ unsafe extern "C" fn on_ep_error(arg: *mut c_void, _ep: sys::ucp_ep_h, status: s
                 status,
             });
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn idle_polls_in_the_window_and_while_requests_are_in_flight() {
+        let idle = Idle {
+            spin: Duration::from_micros(200),
+        };
+        assert!(idle.keep_polling(Duration::from_micros(50), false));
+        assert!(!idle.keep_polling(Duration::from_micros(300), false));
+        // In flight: polled past the window (no host callbacks queued behind the copies) ...
+        assert!(idle.keep_polling(Duration::from_millis(5), true));
+        // ... but not for ever when nothing progresses.
+        assert!(!idle.keep_polling(Idle::INFLIGHT_MAX, true));
+    }
+
+    #[test]
+    fn idle_without_a_window_arms_at_once() {
+        let idle = Idle {
+            spin: Duration::ZERO,
+        };
+        assert!(!idle.keep_polling(Duration::ZERO, true));
+        assert!(!idle.keep_polling(Duration::ZERO, false));
     }
 }
