@@ -27,7 +27,9 @@
 # Chains:
 #   all       target drafter prompts check bench engine cpu verifycost summary (longer than one device
 #             command; verifycost last: session 19 measured it with session 17's τ, BENCHMARKS.md)
-#   start     `all` in the background (setsid: it outlives the device command), then `wait`
+#   start     `all` in the background (setsid: it outlives the device command), then `wait`;
+#             LEASE_STAGES="target drafter ..." runs those stages instead of `all` (a lease that
+#             has fewer device-minutes than the whole chain)
 #   wait      wait for the background run for at most $WAIT_SECONDS (default 570), print the stages
 #             so far and the log's last lines (the whole log comes back as lease.log), then summary;
 #             call it again AT ONCE (the machine is given back 30 s after a command ends, and the
@@ -486,7 +488,7 @@ for stage in "$@"; do
         stage_wait; continue
       fi
       : > "$RUN/lease.log"; rm -f "$RUN/lease.status"
-      setsid nohup bash -c "bash '$0' all; echo \"exit \$? at \$(date -u +%H:%M:%S)\" > '$RUN/lease.status'" \
+      setsid nohup bash -c "bash '$0' ${LEASE_STAGES:-all}; echo \"exit \$? at \$(date -u +%H:%M:%S)\" > '$RUN/lease.status'" \
         >> "$RUN/lease.log" 2>&1 < /dev/null &
       echo $! > "$RUN/lease.pid"
       echo "lease: started (pid $!), log $RUN/lease.log"
