@@ -428,8 +428,12 @@ def step_breakdown(d: dict[str, float]) -> dict:
         n = d.get(f"ferry_engine_steps_total:{kind}", 0.0)
         us = {p: d.get(f"ferry_engine_step_microseconds_total:{kind}:{p}", 0.0) for p in PHASES}
         ms = (lambda x: round(x / n / 1e3, 4)) if n else (lambda x: None)
+        per = (lambda x: round(x / n, 2)) if n else (lambda x: None)
         out[kind] = {"steps": int(n), "mean_ms": ms(sum(us.values())),
-                     **{f"{p}_ms": ms(v) for p, v in us.items()}}
+                     **{f"{p}_ms": ms(v) for p, v in us.items()},
+                     # How full the steps were (counters since session 21; absent before).
+                     "sequences_per_step": per(d.get(f"ferry_engine_step_sequences_total:{kind}", 0.0)),
+                     "decode_rows_per_step": per(d.get(f"ferry_engine_step_decode_rows_total:{kind}", 0.0))}
     return out
 
 
@@ -559,9 +563,10 @@ def markdown(report: dict) -> str:
           "Phases: plan (the drafter pass), launch (inputs and the forward's launches), sample "
           "(sampling or verification; on a GPU the wait for the forward), commit (tables, tokens, "
           "drafter context).", "",
-          "| arm | T | c | decode steps | decode ms (plan / launch / sample / commit) | round steps |"
-          " round ms (plan / launch / sample / commit) | prompt steps | prompt ms |",
-          "|---|---|---|---|---|---|---|---|---|"]
+          "| arm | T | c | decode steps | decode ms (plan / launch / sample / commit) | seqs / decode step |"
+          " round steps | round ms (plan / launch / sample / commit) | seqs / round | rows / round |"
+          " prompt steps | prompt ms |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def split(k: dict) -> str:
         if not k.get("steps"):
@@ -577,7 +582,9 @@ def markdown(report: dict) -> str:
                     continue
                 d, r, p = (e.get(k, {}) for k in ("decode", "spec_round", "prompt"))
                 L.append(f"| {arm} | {tkey} | {l['concurrency']} | {d.get('steps')} | {split(d)} | "
-                         f"{r.get('steps')} | {split(r)} | {p.get('steps')} | {fmt(p.get('mean_ms'), 3)} |")
+                         f"{fmt(d.get('sequences_per_step'), 1)} | {r.get('steps')} | {split(r)} | "
+                         f"{fmt(r.get('sequences_per_step'), 1)} | {fmt(r.get('decode_rows_per_step'), 1)} | "
+                         f"{p.get('steps')} | {fmt(p.get('mean_ms'), 3)} |")
     L.append("")
     if "spec_fixed" in report["arms"]:
         L += [f"### Verify length: `{s['verify_len']}` against fixed "

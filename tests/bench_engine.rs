@@ -164,6 +164,18 @@ fn speculative_bench_on_given_prompts_breaks_the_steps_down() {
     assert!((phases - n(round, "ms")).abs() < 1e-6, "{round}");
     assert!(n(round, "plan_ms") > 0.0, "{round}");
     assert_eq!(n(&plain["decode"], "plan_ms"), 0.0, "{plain}");
+    // How full the steps were: both requests decode in every plain step, one row each; a
+    // round's rows are its sequences' plus the drafts they verified (fixed:4: up to 4 each).
+    assert_eq!(n(&plain["decode"], "sequences_per_step"), 2.0, "{plain}");
+    assert_eq!(n(&plain["decode"], "decode_rows_per_step"), 2.0, "{plain}");
+    let (seqs, rows) = (
+        n(round, "sequences_per_step"),
+        n(round, "decode_rows_per_step"),
+    );
+    assert!(
+        (1.0..=2.0).contains(&seqs) && rows > seqs && rows <= 5.0 * seqs,
+        "{round}"
+    );
 
     for (bad, says) in [
         (

@@ -52,6 +52,10 @@ async fn steps_are_counted_and_timed_by_kind() {
     assert_eq!((toks.len(), end), (12, Ok(FinishReason::Length)));
     let t = e.stats().await.unwrap().step_times;
     assert_eq!((t.prompt.steps, t.decode.steps, t.round.steps), (1, 11, 0));
+    // One decoding sequence in every decode step, one row each (no drafts); the prompt step
+    // ran before the sequence was decoding.
+    assert_eq!((t.decode.sequences, t.decode.decode_rows), (11, 11));
+    assert_eq!((t.prompt.sequences, t.round.sequences), (0, 0));
     // Without a drafter nothing is planned; every step runs a forward and samples.
     for k in [t.prompt, t.decode] {
         assert_eq!(k.plan_us, 0, "{t:?}");

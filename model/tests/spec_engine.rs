@@ -192,6 +192,16 @@ async fn goodput_verify_length_keeps_greedy_output_and_speculates_to_measure() {
     let t = s.step_times;
     assert!(t.decode.steps >= 2 && t.round.steps > 0, "{t:?}");
     assert!(0 < t.round.plan_us && t.round.launch_us > 0, "{t:?}");
+    // A step's rows are its sequences' own plus the drafts they verified (plain steps verify
+    // none), and no round carried more than the three requests.
+    let drafts: u64 = t
+        .kinds()
+        .iter()
+        .map(|(_, k)| k.decode_rows - k.sequences)
+        .sum();
+    assert_eq!(drafts, s.spec_drafted_tokens, "{t:?} {s:?}");
+    assert_eq!(t.decode.decode_rows, t.decode.sequences, "{t:?}");
+    assert!(t.round.steps <= t.round.sequences && t.round.sequences <= 3 * t.round.steps);
     // The plain steps before the first round only kept their rows; the round's drafter pass
     // wrote their context first. How many drafts are accepted depends on the verify lengths
     // the policy picked from this machine's timings (one CI run accepted 27 of 74), so it is

@@ -338,8 +338,8 @@ fn run_speculative(
             "| {c} | {p:.1} | {s:.1} | {:.2}x | {acceptance:.2} | {drafted:.2} | {d:.2} | {v:.2} | {st:.2} |",
             s / p,
         );
-        // Where the last repetition's engines spent their steps: by kind, steps and mean ms
-        // per step in all and by phase.
+        // Where the last repetition's engines spent their steps: by kind, steps, mean ms per
+        // step in all and by phase, and how full the steps were.
         let steps = |t: &StepTimes| {
             let mut out = serde_json::Map::new();
             for (name, k) in t.kinds() {
@@ -349,6 +349,8 @@ fn run_speculative(
                         "steps": k.steps, "ms": k.mean_ms(k.total_us()),
                         "plan_ms": k.mean_ms(k.plan_us), "launch_ms": k.mean_ms(k.launch_us),
                         "sample_ms": k.mean_ms(k.sample_us), "commit_ms": k.mean_ms(k.commit_us),
+                        "sequences_per_step": (k.steps > 0).then(|| k.sequences as f64 / k.steps as f64),
+                        "decode_rows_per_step": (k.steps > 0).then(|| k.decode_rows as f64 / k.steps as f64),
                     }),
                 );
             }

@@ -137,6 +137,8 @@ struct EngineSeries {
     /// kind and phase (`plan`, `launch`, `sample`, `commit`).
     steps: IntCounterVec,
     step_us: IntCounterVec,
+    step_sequences: IntCounterVec,
+    step_rows: IntCounterVec,
     /// Decode workers only.
     decode: Option<DecodeSeries>,
 }
@@ -322,6 +324,18 @@ impl EngineSeries {
                 "Summed host wall time of engine steps by kind and phase: plan (the drafter pass), launch (inputs and the forward's launches), sample (sampling or verification, on a GPU the wait for the forward included), commit (tables, tokens sent, drafter context); sum the phases and divide by ferry_engine_steps_total for the mean step",
                 &["kind", "phase"],
             )?,
+            step_sequences: counter_vec(
+                r,
+                "ferry_engine_step_sequences_total",
+                "Decoding sequences (prompt work not counted) summed over engine steps by kind; divide by ferry_engine_steps_total for how full a step of that kind was",
+                &["kind"],
+            )?,
+            step_rows: counter_vec(
+                r,
+                "ferry_engine_step_decode_rows_total",
+                "Decode rows summed over engine steps by kind: one per running sequence plus the drafts it verified (prompt tokens not counted)",
+                &["kind"],
+            )?,
             decode,
         })
     }
@@ -360,6 +374,8 @@ impl EngineSeries {
         advance(&self.ship_tail_us, s.kv_ship_tail_us);
         for (kind, k) in s.step_times.kinds() {
             advance(&self.steps.with_label_values(&[kind]), k.steps);
+            advance(&self.step_sequences.with_label_values(&[kind]), k.sequences);
+            advance(&self.step_rows.with_label_values(&[kind]), k.decode_rows);
             for (phase, us) in [
                 ("plan", k.plan_us),
                 ("launch", k.launch_us),
@@ -538,6 +554,8 @@ mod tests {
             launch_us,
             sample_us,
             commit_us,
+            sequences: steps * 3,
+            decode_rows: steps * 5,
         }
     }
 
@@ -576,6 +594,10 @@ mod tests {
             [300, 400, 300, 200]
         );
         assert_eq!(us("prompt", "launch"), 4_000);
+        let per =
+            |v: &IntCounterVec| ["decode", "spec_round"].map(|k| v.with_label_values(&[k]).get());
+        assert_eq!(per(&m.step_sequences), [30, 12]);
+        assert_eq!(per(&m.step_rows), [50, 20]);
         assert_eq!(
             (
                 m.ship_forwards.get(),

@@ -553,6 +553,12 @@ pub struct StepKind {
     pub sample_us: u64,
     /// Committing: block tables, tokens sent, drafter context of the committed rows.
     pub commit_us: u64,
+    /// Decoding sequences (prompt work not counted), summed over the steps (÷ `steps`: how
+    /// full a step of this kind was).
+    pub sequences: u64,
+    /// Decode rows, summed over the steps: one per sequence plus its drafts verified (prompt
+    /// tokens not counted).
+    pub decode_rows: u64,
 }
 
 impl StepKind {
@@ -574,8 +580,21 @@ impl StepKind {
             launch_us: self.launch_us.saturating_sub(before.launch_us),
             sample_us: self.sample_us.saturating_sub(before.sample_us),
             commit_us: self.commit_us.saturating_sub(before.commit_us),
+            sequences: self.sequences.saturating_sub(before.sequences),
+            decode_rows: self.decode_rows.saturating_sub(before.decode_rows),
         }
     }
+}
+
+/// What one step carried (see [`StepKind`]).
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct StepShape {
+    /// It had prompt work.
+    pub prompt: bool,
+    /// Decoding sequences.
+    pub sequences: usize,
+    /// Drafts verified.
+    pub drafts: usize,
 }
 
 /// Wall time of one step's phases, in seconds (see [`StepKind`]).
@@ -607,10 +626,10 @@ impl StepTimes {
     }
 
     /// Counts one step: `prompt` if it had prompt work, else a round if it verified drafts.
-    pub(crate) fn record(&mut self, prompt: bool, round: bool, p: StepPhases) {
-        let kind = if prompt {
+    pub(crate) fn record(&mut self, shape: StepShape, p: StepPhases) {
+        let kind = if shape.prompt {
             &mut self.prompt
-        } else if round {
+        } else if shape.drafts > 0 {
             &mut self.round
         } else {
             &mut self.decode
@@ -621,6 +640,8 @@ impl StepTimes {
         kind.launch_us += us(p.launch);
         kind.sample_us += us(p.sample);
         kind.commit_us += us(p.commit);
+        kind.sequences += shape.sequences as u64;
+        kind.decode_rows += (shape.sequences + shape.drafts) as u64;
     }
 }
 

@@ -26,7 +26,7 @@ use tracing::warn;
 use super::backend::Backend;
 use super::sequence::{PrefillTask, Sequence};
 use super::spec::{Draft, Speculator};
-use super::{Command, EngineConfig, EngineEvent, EngineStats, FinishReason, StepPhases};
+use super::{Command, EngineConfig, EngineEvent, EngineStats, FinishReason, StepPhases, StepShape};
 use super::{Failure, FailureKind, GenerateJob, GenerateOptions, SeqId};
 use crate::kv::{BlockId, KvManager, KvPool, RemoteFences};
 use ferry_kernels::cpu::logits::TokenLogprobs;
@@ -342,9 +342,12 @@ impl Scheduler {
             sample: (sampled - forwarded).as_secs_f64(),
             commit: (done - sampled).as_secs_f64(),
         };
-        self.stats
-            .step_times
-            .record(!decode_only, drafted > 0, phases);
+        let shape = StepShape {
+            prompt: !decode_only,
+            sequences: seqs,
+            drafts: drafted,
+        };
+        self.stats.step_times.record(shape, phases);
         if let Some(sp) = self.spec.as_mut() {
             let graph = self.backend.graph_steps() > graphs_before;
             let shape = decode_only.then_some((seqs, rows, drafted > 0, graph));
