@@ -614,7 +614,29 @@ impl OnDevice for RocmDevice {
 /// after; the results are bitwise equal either way.
 pub(crate) fn fuse() -> bool {
     static FUSE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *FUSE.get_or_init(|| std::env::var("FERRY_FUSE").map_or(true, |v| v != "0"))
+    *FUSE.get_or_init(|| env_switch("FERRY_FUSE"))
+}
+
+/// An A/B switch read from environment variable `name`: on unless it is `0`.
+fn env_switch(name: &str) -> bool {
+    std::env::var(name).map_or(true, |v| v != "0")
+}
+
+/// A choice parsed from environment variable `name`: its `Default` when unset, and when the
+/// value does not parse (logged with the parser's message, which names the accepted values).
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+fn env_choice<T>(name: &str) -> T
+where
+    T: std::str::FromStr + Default,
+    T::Err: std::fmt::Display,
+{
+    match std::env::var(name) {
+        Ok(v) => v.parse().unwrap_or_else(|e| {
+            tracing::warn!("{e}; using the default");
+            T::default()
+        }),
+        Err(_) => T::default(),
+    }
 }
 
 /// The tensor-core grouped MoE kernels: `FERRY_MOE_MMA` = one of [`crate::gpu::ops::MoeMma`]'s
@@ -623,13 +645,7 @@ pub(crate) fn fuse() -> bool {
 #[cfg(any(feature = "cuda", feature = "rocm"))]
 pub(crate) fn moe_mma() -> crate::gpu::ops::MoeMma {
     static MMA: std::sync::OnceLock<crate::gpu::ops::MoeMma> = std::sync::OnceLock::new();
-    *MMA.get_or_init(|| match std::env::var("FERRY_MOE_MMA") {
-        Ok(v) => v.parse().unwrap_or_else(|e| {
-            tracing::warn!("{e}; using the default");
-            Default::default()
-        }),
-        Err(_) => Default::default(),
-    })
+    *MMA.get_or_init(|| env_choice("FERRY_MOE_MMA"))
 }
 
 /// Whether `unabsorb` spreads a batch's token chunks over the grid (the default) or loops over
@@ -637,7 +653,7 @@ pub(crate) fn moe_mma() -> crate::gpu::ops::MoeMma {
 #[cfg(any(feature = "cuda", feature = "rocm"))]
 pub(crate) fn unabsorb_z() -> bool {
     static Z: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *Z.get_or_init(|| std::env::var("FERRY_UNABSORB_Z").map_or(true, |v| v != "0"))
+    *Z.get_or_init(|| env_switch("FERRY_UNABSORB_Z"))
 }
 
 /// Outputs per block of the per-pair MoE down kernel when fusion is on: `FERRY_MOE_DOWN_R` =
@@ -646,13 +662,7 @@ pub(crate) fn unabsorb_z() -> bool {
 #[cfg(any(feature = "cuda", feature = "rocm"))]
 pub(crate) fn moe_down_rows() -> crate::gpu::ops::MoeDownRows {
     static ROWS: std::sync::OnceLock<crate::gpu::ops::MoeDownRows> = std::sync::OnceLock::new();
-    *ROWS.get_or_init(|| match std::env::var("FERRY_MOE_DOWN_R") {
-        Ok(v) => v.parse().unwrap_or_else(|e| {
-            tracing::warn!("{e}; using the default");
-            Default::default()
-        }),
-        Err(_) => Default::default(),
-    })
+    *ROWS.get_or_init(|| env_choice("FERRY_MOE_DOWN_R"))
 }
 
 /// An operand that is not on the runtime `D`.

@@ -1753,12 +1753,15 @@ impl GroupedKernels {
     /// The launches of a pass of up to `tokens` tokens.
     fn launch(self, bf16: bool, tokens: usize) -> GroupedLaunch {
         match self {
-            Self::TensorCores(mma) => GroupedLaunch {
-                gate_up: mma.kernels(tokens).0,
-                down: mma.kernels(tokens).1,
-                rows: 128,
-                threads: 128,
-            },
+            Self::TensorCores(mma) => {
+                let (gate_up, down) = mma.kernels(tokens);
+                GroupedLaunch {
+                    gate_up,
+                    down,
+                    rows: 128,
+                    threads: 128,
+                }
+            }
             Self::CudaCores => GroupedLaunch {
                 gate_up: if bf16 {
                     "moe_gate_up_grouped_bf16"
