@@ -223,7 +223,7 @@ stage_engine() {
     echo "lease: engine: ferry bench-engine --speculative --device cuda --verify-len $v" | tee -a "$RUN/bench/engine_spec.md"
     timeout "${ENGINE_SECONDS:-100}" "$ferry" bench-engine --speculative --device cuda --gpu-mode fast \
       --model "$RUN/target" --drafter "$RUN/drafter" --batch "${ENGINE_BATCH:-1,16,64,128}" \
-      --prompt-len "${ENGINE_PROMPT_LEN:-1024}" --decode-steps "${ENGINE_DECODE_STEPS:-128}" --repeat 1 \
+      --prompt-len "${ENGINE_PROMPT_LEN:-1024}" --decode-steps "${ENGINE_DECODE_STEPS:-512}" --repeat 1 \
       --prompts "$RUN/prompts-$PROMPT_TOKENS.jsonl" \
       --verify-len "$v" --max-verify-tokens "${BENCH_MAX_VERIFY_TOKENS:-1024}" --json "$f" 2>&1 \
       | grep '^|' | tee -a "$RUN/bench/engine_spec.md" || echo "lease: engine: $v did not finish (the levels it did are kept)"
