@@ -296,9 +296,8 @@ struct Conn {
     clock: PutClock,
 }
 
-/// Where a connection's time went between its first put and its flush acknowledgement,
-/// logged (debug) when the acknowledgement arrives: what the transfer benchmark's
-/// breakdown reads.
+/// Where a connection's time went from its hello to its flush acknowledgement, logged
+/// (debug) when the acknowledgement arrives: what the transfer benchmark's breakdown reads.
 #[derive(Default)]
 struct PutClock {
     /// The connect command handled (the hello posted).
