@@ -241,35 +241,46 @@ class Cluster:
         return self.proc.returncode
 
     def scrape(self) -> dict[str, float]:
-        """The decode worker's counters (summed over label sets of one name)."""
-        url = next((u for n, u in self.metrics.items() if n.startswith("decode")), None)
-        if url is None:
-            return {}
+        """The decode worker's counters (summed over label sets of one name), and the prefill
+        workers' engine step counters summed over them under `prefill/`-prefixed names."""
         out: dict[str, float] = {}
-        try:
-            text = http_get(url, 10)
-        except Exception:  # noqa: BLE001
-            return {}
-        for line in text.splitlines():
-            if line.startswith("#") or not line.strip():
-                continue
-            m = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)", line)
-            if not m:
-                continue
-            name = m.group(1)
-            if m.group(2) and name == "ferry_prefills_total":
-                mode = re.search(r'mode="([^"]*)"', m.group(2))
-                name = f"{name}:{mode.group(1) if mode else '?'}"
-            elif m.group(2) and name.startswith("ferry_engine_step"):
-                for label in ("kind", "phase"):
-                    v = re.search(label + r'="([^"]*)"', m.group(2))
-                    if v:
-                        name = f"{name}:{v.group(1)}"
-            try:
-                out[name] = out.get(name, 0.0) + float(m.group(3))
-            except ValueError:
-                pass
+        decode = next((u for n, u in self.metrics.items() if n.startswith("decode")), None)
+        if decode is not None:
+            parse_metrics(decode, "", out)
+        for name, url in self.metrics.items():
+            if name.startswith("prefill"):
+                parse_metrics(url, "prefill/", out, only="ferry_engine_step")
+        out["prefill/workers"] = float(sum(1 for n in self.metrics if n.startswith("prefill")))
         return out
+
+
+def parse_metrics(url: str, prefix: str, out: dict[str, float], only: str = "") -> None:
+    """Adds one process's counters to `out` (summed over label sets of one name; the
+    `mode` of ferry_prefills_total and the `kind` / `phase` of the engine step series kept in
+    the key), names starting with `only`, under `prefix`."""
+    try:
+        text = http_get(url, 10)
+    except Exception:  # noqa: BLE001
+        return
+    for line in text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        m = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)", line)
+        if not m or not m.group(1).startswith(only):
+            continue
+        name = m.group(1)
+        if m.group(2) and name == "ferry_prefills_total":
+            mode = re.search(r'mode="([^"]*)"', m.group(2))
+            name = f"{name}:{mode.group(1) if mode else '?'}"
+        elif m.group(2) and name.startswith("ferry_engine_step"):
+            for label in ("kind", "phase"):
+                v = re.search(label + r'="([^"]*)"', m.group(2))
+                if v:
+                    name = f"{name}:{v.group(1)}"
+        try:
+            out[prefix + name] = out.get(prefix + name, 0.0) + float(m.group(3))
+        except ValueError:
+            pass
 
 
 def http_get(url: str, timeout: float) -> str:
@@ -409,6 +420,12 @@ def run_level(cl: Cluster, prompts: Prompts, c: int, n: int, temp: float, out_to
         "prefills": {m.split(":", 1)[1]: int(v) for m, v in d.items()
                      if m.startswith("ferry_prefills_total:") and v},
         "engine_steps": step_breakdown(d),
+        # How busy each side's engine was over the level's wall time (a share near 1 is the
+        # bottleneck): the decode worker's steps, and the prefill workers' steps per worker.
+        "decode_busy_share": r3(busy_s(d, "") / wall if wall > 0 else None),
+        "prefill_engine_steps": step_breakdown(d, "prefill/"),
+        "prefill_busy_share": r3(busy_s(d, "prefill/") / wall / max(after.get("prefill/workers", 1.0), 1.0)
+                                 if wall > 0 else None),
         "serials": [k for k, _ in jobs],
     }
     return level
@@ -417,7 +434,13 @@ def run_level(cl: Cluster, prompts: Prompts, c: int, n: int, temp: float, out_to
 PHASES = ("plan", "launch", "sample", "commit")
 
 
-def step_breakdown(d: dict[str, float]) -> dict:
+def busy_s(d: dict[str, float], prefix: str) -> float:
+    """Seconds the engine spent in steps of any kind, from its step counters."""
+    return sum(v for k, v in d.items()
+               if k.startswith(prefix + "ferry_engine_step_microseconds_total:")) / 1e6
+
+
+def step_breakdown(d: dict[str, float], prefix: str = "") -> dict:
     """Where the decode worker's engine spent the level's time, from its step counters: per kind
     (decode: plain decode-only steps; spec_round: decode-only steps that verified drafts;
     prompt: steps with prompt work), the steps and the mean ms per step in all and by phase
@@ -425,15 +448,16 @@ def step_breakdown(d: dict[str, float]) -> dict:
     verification, the wait for the device included; commit: tables, tokens, drafter context)."""
     out: dict = {}
     for kind in ("decode", "spec_round", "prompt"):
-        n = d.get(f"ferry_engine_steps_total:{kind}", 0.0)
-        us = {p: d.get(f"ferry_engine_step_microseconds_total:{kind}:{p}", 0.0) for p in PHASES}
+        n = d.get(f"{prefix}ferry_engine_steps_total:{kind}", 0.0)
+        us = {p: d.get(f"{prefix}ferry_engine_step_microseconds_total:{kind}:{p}", 0.0)
+              for p in PHASES}
         ms = (lambda x: round(x / n / 1e3, 4)) if n else (lambda x: None)
         per = (lambda x: round(x / n, 2)) if n else (lambda x: None)
         out[kind] = {"steps": int(n), "mean_ms": ms(sum(us.values())),
                      **{f"{p}_ms": ms(v) for p, v in us.items()},
                      # How full the steps were (counters since session 21; absent before).
-                     "sequences_per_step": per(d.get(f"ferry_engine_step_sequences_total:{kind}", 0.0)),
-                     "decode_rows_per_step": per(d.get(f"ferry_engine_step_decode_rows_total:{kind}", 0.0))}
+                     "sequences_per_step": per(d.get(f"{prefix}ferry_engine_step_sequences_total:{kind}", 0.0)),
+                     "decode_rows_per_step": per(d.get(f"{prefix}ferry_engine_step_decode_rows_total:{kind}", 0.0))}
     return out
 
 
@@ -562,11 +586,12 @@ def markdown(report: dict) -> str:
     L += ["### Where the decode worker's steps went (engine step counters, mean ms per step)", "",
           "Phases: plan (the drafter pass), launch (inputs and the forward's launches), sample "
           "(sampling or verification; on a GPU the wait for the forward), commit (tables, tokens, "
-          "drafter context).", "",
+          "drafter context). Busy: the share of the level's wall time the decode worker's engine "
+          "(and each prefill worker's, on average) spent in steps; near 1 is the bottleneck.", "",
           "| arm | T | c | decode steps | decode ms (plan / launch / sample / commit) | seqs / decode step |"
           " round steps | round ms (plan / launch / sample / commit) | seqs / round | rows / round |"
-          " prompt steps | prompt ms |",
-          "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+          " prompt steps | prompt ms | decode busy | prefill busy |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def split(k: dict) -> str:
         if not k.get("steps"):
@@ -584,7 +609,8 @@ def markdown(report: dict) -> str:
                 L.append(f"| {arm} | {tkey} | {l['concurrency']} | {d.get('steps')} | {split(d)} | "
                          f"{fmt(d.get('sequences_per_step'), 1)} | {r.get('steps')} | {split(r)} | "
                          f"{fmt(r.get('sequences_per_step'), 1)} | {fmt(r.get('decode_rows_per_step'), 1)} | "
-                         f"{p.get('steps')} | {fmt(p.get('mean_ms'), 3)} |")
+                         f"{p.get('steps')} | {fmt(p.get('mean_ms'), 3)} | "
+                         f"{fmt(l.get('decode_busy_share'), 2)} | {fmt(l.get('prefill_busy_share'), 2)} |")
     L.append("")
     if "spec_fixed" in report["arms"]:
         L += [f"### Verify length: `{s['verify_len']}` against fixed "
