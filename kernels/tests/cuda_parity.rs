@@ -1227,3 +1227,130 @@ fn unabsorb_combine_is_bitwise_combine_then_unabsorb() {
         }
     }
 }
+
+/// The batch path of the query absorption and the output un-absorption (per-head tensor-core
+/// GEMMs on cuBLAS, `absorb_gemm` / `unabsorb_gemm`) against the CUDA-core kernels, which the
+/// CPU parity tests hold to the CPU backend: DeepSeek-V2-Lite's head shape (16 heads, nope 128,
+/// rope 64, v 128, kv_lora 512), bf16 `kv_b`, 37 tokens, f32 and split-bf16 query rows.
+/// Tolerances, relative to the largest reference value: exact mode splits the activations into
+/// bf16 hi + lo (~16 mantissa bits, as exact-mode linears do): 1e-4; fast mode rounds them to
+/// bf16 (2^-9 relative per element, errors of random sign over 128–512 terms): 1e-2; bf16
+/// output rows add one bf16 ulp (2^-8) for their own rounding. The rope part of the absorbed
+/// rows is copied, so it must match bit for bit.
+#[test]
+#[ignore = "needs an NVIDIA GPU: run on the GPU machine with --include-ignored (docs/gpu.md)"]
+fn head_gemms_match_the_absorb_kernels() {
+    let Some(dev) = gpu("head_gemms_match_the_absorb_kernels") else {
+        return;
+    };
+    let mut rng = common::rng(43);
+    let (heads, nope, rope, v, kv_lora, t) = (16, 128, 64, 128, 512, 37);
+    let w: Vec<bf16> = common::uniform(&mut rng, heads * (nope + v) * kv_lora, 0.05)
+        .iter()
+        .map(|&x| bf16::from_f32(x))
+        .collect();
+    let m = Matrix::from_bf16(heads * (nope + v), kv_lora, w).expect("kv_b");
+    let kv_b = GpuMatrix::upload(&dev, &m).expect("upload kv_b");
+    let q = dev
+        .upload(&common::uniform(&mut rng, t * heads * (nope + rope), 1.0))
+        .expect("q");
+    let o_lat = dev
+        .upload(&common::uniform(&mut rng, t * heads * kv_lora, 1.0))
+        .expect("o_lat");
+    let worst = |want: &[f32], got: &[f32]| {
+        let scale = want.iter().fold(0.0f32, |a, x| a.max(x.abs()));
+        let err = want
+            .iter()
+            .zip(got)
+            .fold(0.0f32, |a, (w, g)| a.max((w - g).abs()));
+        (err, scale)
+    };
+    for (precision, tol) in [(GemmPrecision::Exact, 1e-4), (GemmPrecision::Fast, 1e-2)] {
+        let hw = |shape| ops::HeadWeights {
+            kv_b: &kv_b,
+            shape,
+            precision,
+        };
+        for split in [0, rope] {
+            let hs = ops::HeadShape {
+                heads,
+                nope,
+                rope,
+                v,
+                kv_lora,
+                split,
+            };
+            let lw = kv_lora + rope + 2 * split;
+            let (want, got) = if split == 0 {
+                let a = dev.alloc::<f32>(t * heads * lw).expect("a");
+                let b = dev.alloc::<f32>(t * heads * lw).expect("b");
+                ops::absorb(&dev, q.v(), &kv_b, hs, ops::AbsorbedOut::F32(a.v())).expect("absorb");
+                let ran = ops::absorb_gemm(&dev, q.v(), hw(hs), ops::AbsorbedOut::F32(b.v()))
+                    .expect("absorb_gemm");
+                assert!(ran, "CUDA has the tensor-core path");
+                (dev.download(&a).expect("a"), dev.download(&b).expect("b"))
+            } else {
+                let a = dev.alloc::<u16>(t * heads * lw).expect("a");
+                let b = dev.alloc::<u16>(t * heads * lw).expect("b");
+                ops::absorb(&dev, q.v(), &kv_b, hs, ops::AbsorbedOut::Bf16(a.v())).expect("absorb");
+                let ran = ops::absorb_gemm(&dev, q.v(), hw(hs), ops::AbsorbedOut::Bf16(b.v()))
+                    .expect("absorb_gemm");
+                assert!(ran, "CUDA has the tensor-core path");
+                let widen = |v: Vec<u16>| {
+                    v.into_iter()
+                        .map(|x| bf16::from_bits(x).to_f32())
+                        .collect::<Vec<_>>()
+                };
+                (
+                    widen(dev.download(&a).expect("a")),
+                    widen(dev.download(&b).expect("b")),
+                )
+            };
+            let (lat_want, lat_got): (Vec<f32>, Vec<f32>) = want
+                .chunks(lw)
+                .zip(got.chunks(lw))
+                .flat_map(|(a, b)| {
+                    a[..kv_lora]
+                        .iter()
+                        .copied()
+                        .zip(b[..kv_lora].iter().copied())
+                })
+                .unzip();
+            // bf16 rows: both sides then round to bf16, and a difference far below the
+            // tolerance can still land on the neighbouring bf16 value (one ulp, 2^-8 relative).
+            let tol = if split == 0 { tol } else { tol + 1.0 / 256.0 };
+            let (err, scale) = worst(&lat_want, &lat_got);
+            assert!(
+                err <= tol * scale,
+                "absorb {precision:?} split {split}: max error {err} > {tol} × {scale}"
+            );
+            for (a, b) in want.chunks(lw).zip(got.chunks(lw)) {
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(&a[kv_lora..]),
+                    bits(&b[kv_lora..]),
+                    "rope part, split {split}"
+                );
+            }
+        }
+        let hs = ops::HeadShape {
+            heads,
+            nope,
+            rope,
+            v,
+            kv_lora,
+            split: 0,
+        };
+        let a = dev.alloc::<f32>(t * heads * v).expect("a");
+        let b = dev.alloc::<f32>(t * heads * v).expect("b");
+        ops::unabsorb(&dev, o_lat.v(), &kv_b, hs, a.v()).expect("unabsorb");
+        let ran = ops::unabsorb_gemm(&dev, o_lat.v(), hw(hs), b.v()).expect("unabsorb_gemm");
+        assert!(ran, "CUDA has the tensor-core path");
+        let (want, got) = (dev.download(&a).expect("a"), dev.download(&b).expect("b"));
+        let (err, scale) = worst(&want, &got);
+        assert!(
+            err <= tol * scale,
+            "unabsorb {precision:?}: max error {err} > {tol} × {scale}"
+        );
+    }
+}

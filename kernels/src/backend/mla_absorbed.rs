@@ -110,6 +110,26 @@ fn absorbed_on<D: super::OnDevice>(dev: &D, p: AbsorbedRun<'_>) -> Result<(), Ke
     let q = tv::<D>(p.q, OP, "q")?.sub(p.first_row * qk, rows * qk)?;
     let out = tv::<D>(p.out, OP, "out")?.sub(p.first_row * hv, rows * hv)?;
     let o_lat = dev.alloc::<f32>(rows * d.heads * d.kv_lora_rank)?;
+    // From a few dozen tokens the absorption and un-absorption are per-head GEMMs on tensor
+    // cores (the CUDA-core kernels re-read each token's row per output column).
+    let heads_gemm = rows >= ops::head_gemm_min_tokens();
+    let hw = ops::HeadWeights {
+        kv_b,
+        shape: hs,
+        precision: p.kernels.precision.gemm(),
+    };
+    let absorb = |out: AbsorbedOut| -> Result<(), KernelError> {
+        if !(heads_gemm && ops::absorb_gemm(dev, q, hw, out)?) {
+            ops::absorb(dev, q, kv_b, hs, out)?;
+        }
+        Ok(())
+    };
+    let unabsorb = |o_lat: crate::gpu::launch::Dv<f32>| -> Result<(), KernelError> {
+        if !(heads_gemm && ops::unabsorb_gemm(dev, o_lat, hw, out)?) {
+            ops::unabsorb(dev, o_lat, kv_b, hs, out)?;
+        }
+        Ok(())
+    };
     let (table, ctx) = (iv::<D>(p.tables, OP, "tables")?, iv::<D>(p.ctx, OP, "ctx")?);
     let mk = |q: Elems| AbsorbedBatch {
         q,
@@ -128,13 +148,13 @@ fn absorbed_on<D: super::OnDevice>(dev: &D, p: AbsorbedRun<'_>) -> Result<(), Ke
     let parts = match dispatch::absorbed::<D>(p.kernels, &shape) {
         AbsorbedPlan::GenericF32 => {
             let q_abs = dev.alloc::<f32>(rows * d.heads * lw)?;
-            ops::absorb(dev, q, kv_b, hs, AbsorbedOut::F32(q_abs.v()))?;
+            absorb(AbsorbedOut::F32(q_abs.v()))?;
             let batch = mk(Elems::F32(q_abs.v()));
             k::mla_absorbed_parts(dev, shape, k::AbsorbedKernel::Generic, &batch, o_lat.v())?
         }
         plan => {
             let q_abs = dev.alloc::<u16>(rows * d.heads * shape.qrow())?;
-            ops::absorb(dev, q, kv_b, hs, AbsorbedOut::Bf16(q_abs.v()))?;
+            absorb(AbsorbedOut::Bf16(q_abs.v()))?;
             let batch = mk(Elems::Bf16(q_abs.v()));
             match plan {
                 AbsorbedPlan::TilePadded
@@ -169,9 +189,9 @@ fn absorbed_on<D: super::OnDevice>(dev: &D, p: AbsorbedRun<'_>) -> Result<(), Ke
         }
         Some(parts) => {
             k::mla_combine(dev, shape, &parts, o_lat.v())?;
-            ops::unabsorb(dev, o_lat.v(), kv_b, hs, out)
+            unabsorb(o_lat.v())
         }
-        None => ops::unabsorb(dev, o_lat.v(), kv_b, hs, out),
+        None => unabsorb(o_lat.v()),
     }
 }
 

@@ -9,7 +9,7 @@
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::marker::PhantomData;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaFunction, CudaStream};
@@ -163,6 +163,54 @@ struct Inner {
     modules: ModuleCache,
     /// Functions whose dynamic shared memory limit was already raised.
     smem_set: Mutex<HashMap<(usize, u32), ()>>,
+    /// Functions [`Twice`] launches twice (a profiling switch; empty in normal runs).
+    twice: Mutex<std::collections::HashSet<usize>>,
+}
+
+/// `FERRY_PROFILE_TWICE=name,name,...`: every launch of the named kernels is queued twice, so
+/// that a decode step's time with and without the repeat gives a kernel's cost *inside* the
+/// step (a captured graph with programmatic dependent launch overlaps neighbours, which a
+/// profiler timing each kernel alone does not see). Results are wrong under it (in-place
+/// kernels apply twice): for timing runs only, and it says so on stderr.
+struct Twice;
+
+impl Twice {
+    /// The kernel names, read once per process; `None` when unset (the normal case).
+    fn names() -> Option<&'static std::collections::HashSet<String>> {
+        static NAMES: OnceLock<Option<std::collections::HashSet<String>>> = OnceLock::new();
+        NAMES
+            .get_or_init(|| {
+                let v = std::env::var("FERRY_PROFILE_TWICE").ok()?;
+                let names: std::collections::HashSet<String> = v
+                    .split(',')
+                    .map(str::trim)
+                    .filter(|n| !n.is_empty())
+                    .map(String::from)
+                    .collect();
+                if names.is_empty() {
+                    return None;
+                }
+                eprintln!(
+                    "FERRY_PROFILE_TWICE: launching {names:?} twice: timings only, results are wrong"
+                );
+                Some(names)
+            })
+            .as_ref()
+    }
+
+    /// Names each kernel the first time it is looked up, so a run lists what a step launches.
+    fn seen(name: &'static str, twice: bool) {
+        static SEEN: Mutex<Vec<&'static str>> = Mutex::new(Vec::new());
+        if let Ok(mut seen) = SEEN.lock() {
+            if !seen.contains(&name) {
+                seen.push(name);
+                eprintln!(
+                    "FERRY_PROFILE_TWICE: kernel {name}{}",
+                    if twice { " (twice)" } else { "" }
+                );
+            }
+        }
+    }
 }
 
 /// One CUDA device: context, stream, cuBLAS handle and compiled modules. Cheap to clone.
@@ -230,6 +278,7 @@ impl CudaDevice {
                 pdl,
                 modules: ModuleCache::default(),
                 smem_set: Mutex::new(HashMap::new()),
+                twice: Mutex::default(),
             }),
         })
     }
@@ -481,9 +530,19 @@ impl CudaDevice {
         name: &'static str,
     ) -> Result<CudaFunction, KernelError> {
         self.bind()?;
-        self.inner
-            .modules
-            .function(&self.inner.ctx, self.inner.cc, (source, defines, name))
+        let f =
+            self.inner
+                .modules
+                .function(&self.inner.ctx, self.inner.cc, (source, defines, name))?;
+        if let Some(names) = Twice::names() {
+            Twice::seen(name, names.contains(name));
+            if names.contains(name) {
+                if let Ok(mut set) = self.inner.twice.lock() {
+                    set.insert(f.cu_function() as usize);
+                }
+            }
+        }
+        Ok(f)
     }
 
     /// Launches `f` on the device's stream.
@@ -496,6 +555,24 @@ impl CudaDevice {
     /// its predecessor, in eager steps and in captured graphs alike (a captured launch keeps
     /// the attribute as a programmatic edge).
     pub fn launch(
+        &self,
+        f: &CudaFunction,
+        dims: LaunchDims,
+        args: &mut KernelArgs,
+    ) -> Result<(), KernelError> {
+        if Twice::names().is_some()
+            && self
+                .inner
+                .twice
+                .lock()
+                .is_ok_and(|s| s.contains(&(f.cu_function() as usize)))
+        {
+            self.launch_once(f, dims, args)?;
+        }
+        self.launch_once(f, dims, args)
+    }
+
+    fn launch_once(
         &self,
         f: &CudaFunction,
         dims: LaunchDims,

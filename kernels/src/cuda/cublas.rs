@@ -105,3 +105,80 @@ pub(crate) fn gemm(
         message: format!("{e:?} (m={m}, n={n}, k={k})"),
     })
 }
+
+/// One product per attention head, all heads in one `cublasGemmStridedBatchedEx` call, bf16
+/// operands, f32 compute and output: `out_h[t][:n] (+)= x_h[t][:k] · op(W_h)` where head `h`'s
+/// operands start `h · *_head` elements after the given addresses and rows are `*_ld` apart.
+/// `w_rows_are_outputs`: `W_h` is row-major `[n][k]` (`x · W_hᵀ`, the output un-absorption's
+/// `W_UV`), else `[k][n]` (`x · W_h`, the query absorption's `W_UK`).
+///
+/// The caller guarantees every addressed element lies inside live allocations of the stated
+/// types (`gpu::ops::HeadGemm`'s checks).
+pub(crate) fn gemm_heads_bf16(
+    dev: &CudaDevice,
+    g: &crate::gpu::ops::HeadGemm,
+    x: u64,
+    accumulate: bool,
+) -> Result<(), KernelError> {
+    use cudarc::cublas::result::gemm_strided_batched_ex;
+    let dim = |v: usize, field| {
+        i32::try_from(v).map_err(|_| KernelError::InvalidParam {
+            op: "cublas_gemm_heads",
+            field,
+            limit: "< 2^31",
+            value: v.to_string(),
+        })
+    };
+    let long = |v: usize, field| {
+        i64::try_from(v).map_err(|_| KernelError::InvalidParam {
+            op: "cublas_gemm_heads",
+            field,
+            limit: "< 2^63",
+            value: v.to_string(),
+        })
+    };
+    if g.m == 0 || g.n == 0 || g.heads == 0 {
+        return Ok(());
+    }
+    let (transa, lda) = if g.w_rows_are_outputs {
+        (cublasOperation_t::CUBLAS_OP_T, dim(g.w_ld, "w_ld")?)
+    } else {
+        (cublasOperation_t::CUBLAS_OP_N, dim(g.w_ld, "w_ld")?)
+    };
+    let alpha = 1.0f32;
+    let beta = if accumulate { 1.0f32 } else { 0.0f32 };
+    dev.bind()?;
+    // SAFETY: the handle is bound to the device's stream; the caller guarantees the operands'
+    // extents; alpha/beta are host f32 scalars matching CUBLAS_COMPUTE_32F.
+    unsafe {
+        gemm_strided_batched_ex(
+            dev.blas_handle(),
+            transa,
+            cublasOperation_t::CUBLAS_OP_N,
+            dim(g.n, "n")?,
+            dim(g.m, "m")?,
+            dim(g.k, "k")?,
+            &alpha as *const f32 as *const c_void,
+            g.w as *const c_void,
+            cudaDataType::CUDA_R_16BF,
+            lda,
+            long(g.w_head, "w_head")?,
+            x as *const c_void,
+            cudaDataType::CUDA_R_16BF,
+            dim(g.x_ld, "x_ld")?,
+            long(g.x_head, "x_head")?,
+            &beta as *const f32 as *const c_void,
+            g.out.ptr as *mut c_void,
+            cudaDataType::CUDA_R_32F,
+            dim(g.out_ld, "out_ld")?,
+            long(g.out_head, "out_head")?,
+            dim(g.heads, "heads")?,
+            cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+        )
+    }
+    .map_err(|e| KernelError::Gpu {
+        op: "cublasGemmStridedBatchedEx",
+        message: format!("{e:?} (m={}, n={}, k={}, heads={})", g.m, g.n, g.k, g.heads),
+    })
+}

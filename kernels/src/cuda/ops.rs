@@ -162,6 +162,31 @@ impl Gpu for CudaDevice {
         }
     }
 
+    fn gemm_heads(
+        &self,
+        g: &crate::gpu::ops::HeadGemm,
+        precision: GemmPrecision,
+    ) -> Result<bool, KernelError> {
+        if !g.w_bf16 {
+            return Ok(false);
+        }
+        let x = g.x;
+        let hi = CudaDevice::alloc::<u16>(self, x.len)?;
+        match precision {
+            GemmPrecision::Fast => {
+                cast_f32_bf16(self, x, hi.v())?;
+                super::cublas::gemm_heads_bf16(self, g, hi.ptr(), false)?;
+            }
+            GemmPrecision::Exact => {
+                let lo = CudaDevice::alloc::<u16>(self, x.len)?;
+                split_bf16(self, x, hi.v(), lo.v())?;
+                super::cublas::gemm_heads_bf16(self, g, hi.ptr(), false)?;
+                super::cublas::gemm_heads_bf16(self, g, lo.ptr(), true)?;
+            }
+        }
+        Ok(true)
+    }
+
     fn push_tma_bf16_rows(&self, a: &mut KernelArgs, t: TmaRows) -> Result<(), KernelError> {
         let map = super::mha_ws::TmaMap::bf16_rows(t.ptr, t.rows, t.heads, t.width, t.box_rows)?;
         a.push(map);

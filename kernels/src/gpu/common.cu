@@ -616,6 +616,36 @@ ABSORB(absorb_f32_bf16, float, bf16_t)
 ABSORB(absorb_bf16_f32, bf16_t, float)
 ABSORB(absorb_bf16_bf16, bf16_t, bf16_t)
 
+// The query absorption's rows from a per-head GEMM's f32 product lat [T·H][kv_lora] (ops.rs's
+// absorb_gemm, for batches): the latent part stored in the output's type, then the rope part
+// exactly as absorb_impl writes it. Grid: T·H; block 128.
+template <typename O>
+__device__ void absorb_finish_impl(const float* lat, const float* q, O* out, int nope, int rope,
+                                   int kv_lora, int split) {
+  size_t row = blockIdx.x;
+  int qk = nope + rope, lw = kv_lora + rope + 2 * split;
+  O* o = out + row * lw;
+  for (int j = threadIdx.x; j < kv_lora; j += blockDim.x) st_f(o + j, lat[row * kv_lora + j]);
+  for (int r = threadIdx.x; r < rope; r += blockDim.x) {
+    float x = q[row * qk + nope + r];
+    st_f(o + kv_lora + r, x);
+    if (split) {
+      st_f(o + kv_lora + rope + r, x);
+      st_f(o + kv_lora + 2 * rope + r, x - bf2f(f2bf(x)));
+    }
+  }
+}
+extern "C" __global__ void absorb_finish_f32(const float* lat, const float* q, float* out,
+                                             int nope, int rope, int kv_lora, int split) {
+  pdl_enter();
+  absorb_finish_impl(lat, q, out, nope, rope, kv_lora, split);
+}
+extern "C" __global__ void absorb_finish_bf16(const float* lat, const float* q, bf16_t* out,
+                                              int nope, int rope, int kv_lora, int split) {
+  pdl_enter();
+  absorb_finish_impl(lat, q, out, nope, rope, kv_lora, split);
+}
+
 // Output un-absorption: out[t][h][c] = W_UV_h[c] · o_lat[t][h], W_UV_h = kv_b rows
 // h·(nope+v)+nope .. +v. One warp per (head, c) and chunk of GEMV_MAX_M tokens: block z takes
 // chunks z, z + gridDim.z, … (a batch's chunks run side by side; each output's arithmetic does

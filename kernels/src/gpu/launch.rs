@@ -338,6 +338,19 @@ pub trait Gpu: Clone + std::fmt::Debug + Send + Sync + Sized + 'static {
         precision: GemmPrecision,
     ) -> Result<(), KernelError>;
 
+    /// Per-head products on the vendor BLAS's tensor cores ([`super::ops::HeadGemm`]; the
+    /// activations rounded to bf16, or split into bf16 hi + lo, as [`Gpu::gemm`] does).
+    /// `Ok(false)` where the runtime has no vendor BLAS (ROCm) or the weights are not bf16:
+    /// the caller then runs its own kernel.
+    fn gemm_heads(
+        &self,
+        g: &super::ops::HeadGemm,
+        precision: GemmPrecision,
+    ) -> Result<bool, KernelError> {
+        let _ = (g, precision);
+        Ok(false)
+    }
+
     /// Appends a TMA descriptor of `t` to `a` (the warp-specialised Hopper prefill). Only a
     /// CUDA device encodes one; elsewhere this is an error naming the device.
     fn push_tma_bf16_rows(&self, a: &mut KernelArgs, t: TmaRows) -> Result<(), KernelError> {

@@ -949,6 +949,193 @@ pub fn absorb<D: Gpu>(
     dev.launch(&f, dims, &mut a)
 }
 
+/// One product per attention head on the vendor BLAS ([`Gpu::gemm_heads`]):
+/// `out_h[t][:n] = x_h[t][:k] · op(W_h)`, head `h`'s operands `h · *_head` elements after the
+/// buffers' starts, rows `*_ld` apart. Built by [`absorb_gemm`] and [`unabsorb_gemm`], which
+/// check every extent against the buffers.
+#[derive(Debug, Clone, Copy)]
+pub struct HeadGemm {
+    /// f32 activations (the whole buffer: the runtime rounds or splits it to bf16 at once).
+    pub x: Dv<f32>,
+    /// Elements between a head's consecutive activation rows (tokens).
+    pub x_ld: usize,
+    /// Elements between consecutive heads' first activation rows.
+    pub x_head: usize,
+    /// Device address of head 0's weights.
+    pub w: u64,
+    /// Whether the weights are bf16 (the only kind the tensor-core path takes).
+    pub w_bf16: bool,
+    /// Elements between a weight matrix's rows.
+    pub w_ld: usize,
+    /// Elements between consecutive heads' weight matrices.
+    pub w_head: usize,
+    /// `W_h` is `[n][k]` (`x · W_hᵀ`), else `[k][n]` (`x · W_h`).
+    pub w_rows_are_outputs: bool,
+    /// f32 output.
+    pub out: Dv<f32>,
+    /// Elements between a head's consecutive output rows.
+    pub out_ld: usize,
+    /// Elements between consecutive heads' first output rows.
+    pub out_head: usize,
+    /// Tokens.
+    pub m: usize,
+    /// Outputs per head and token.
+    pub n: usize,
+    /// Inner dimension.
+    pub k: usize,
+    /// Heads.
+    pub heads: usize,
+}
+
+/// Tokens from which the query absorption and the output un-absorption run as per-head
+/// tensor-core GEMMs ([`absorb_gemm`], [`unabsorb_gemm`]) instead of their CUDA-core kernels,
+/// whose activation reads grow with the batch (`FERRY_HEAD_GEMM_MIN` overrides it for A/B
+/// runs; docs/gpu.md).
+pub const HEAD_GEMM_MIN_TOKENS: usize = 32;
+
+/// [`HEAD_GEMM_MIN_TOKENS`], or `FERRY_HEAD_GEMM_MIN` when set (read once).
+pub fn head_gemm_min_tokens() -> usize {
+    static MIN: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *MIN.get_or_init(|| {
+        std::env::var("FERRY_HEAD_GEMM_MIN")
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(HEAD_GEMM_MIN_TOKENS)
+    })
+}
+
+/// The weights of [`absorb_gemm`] / [`unabsorb_gemm`]: `kv_b_proj` and its head shape, with
+/// the precision the activations take on the tensor cores.
+#[derive(Debug)]
+pub struct HeadWeights<'a, D: Gpu> {
+    /// `kv_b_proj` (`W_UK` and `W_UV` per head).
+    pub kv_b: &'a GpuMatrix<D>,
+    /// Head dimensions.
+    pub shape: HeadShape,
+    /// bf16 activations, or split into bf16 hi + lo.
+    pub precision: GemmPrecision,
+}
+
+// By hand: a derive would ask `D: Copy`.
+impl<D: Gpu> Clone for HeadWeights<'_, D> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<D: Gpu> Copy for HeadWeights<'_, D> {}
+
+/// [`absorb`] as per-head GEMMs `q_nope · W_UK_h` on the vendor BLAS (activations as
+/// `precision` says), then `absorb_finish_*` writing the output rows (latent part and rope
+/// part, the same layout). `Ok(false)`, with nothing launched, where the runtime has no such
+/// path (ROCm, f32 `kv_b`): run [`absorb`].
+pub fn absorb_gemm<D: Gpu>(
+    dev: &D,
+    q: Dv<f32>,
+    w: HeadWeights<'_, D>,
+    out: AbsorbedOut,
+) -> Result<bool, KernelError> {
+    const OP: &str = "gpu_absorb_gemm";
+    let HeadWeights {
+        kv_b,
+        shape: s,
+        precision,
+    } = w;
+    s.check_kv_b(OP, kv_b)?;
+    if D::VENDOR_GEMM.is_none() || !kv_b.is_bf16() {
+        return Ok(false);
+    }
+    let qk = s.nope + s.rope;
+    let t = q.len / (s.heads * qk).max(1);
+    need(OP, "q", t * s.heads * qk, q.len)?;
+    let (ptr, len, name, split) = match out {
+        AbsorbedOut::F32(v) => (v.ptr, v.len, "absorb_finish_f32", 0),
+        AbsorbedOut::Bf16(v) => (v.ptr, v.len, "absorb_finish_bf16", s.split),
+    };
+    let lw = s.kv_lora + s.rope + 2 * split;
+    need(OP, "out", t * s.heads * lw, len)?;
+    if t == 0 {
+        return Ok(true);
+    }
+    let lat = dev.alloc::<f32>(t * s.heads * s.kv_lora)?;
+    let g = HeadGemm {
+        x: q,
+        x_ld: s.heads * qk,
+        x_head: qk,
+        w: kv_b.ptr(),
+        w_bf16: true,
+        w_ld: s.kv_lora,
+        w_head: (s.nope + s.v) * s.kv_lora,
+        w_rows_are_outputs: false,
+        out: lat.v(),
+        out_ld: s.heads * s.kv_lora,
+        out_head: s.kv_lora,
+        m: t,
+        n: s.kv_lora,
+        k: s.nope,
+        heads: s.heads,
+    };
+    if !dev.gemm_heads(&g, precision)? {
+        return Ok(false);
+    }
+    let f = kernel(dev, name)?;
+    let mut a = KernelArgs::new();
+    a.push(lat.ptr())
+        .push(q.ptr)
+        .push(ptr)
+        .push(int(OP, "nope", s.nope)?)
+        .push(int(OP, "rope", s.rope)?)
+        .push(int(OP, "kv_lora", s.kv_lora)?)
+        .push(int(OP, "split", split)?);
+    dev.launch(&f, LaunchDims::linear(t * s.heads, 128), &mut a)?;
+    Ok(true)
+}
+
+/// [`unabsorb`] as per-head GEMMs `o_lat · W_UV_hᵀ` on the vendor BLAS (activations as
+/// `precision` says). `Ok(false)`, with nothing launched, where the runtime has no such path:
+/// run [`unabsorb`].
+pub fn unabsorb_gemm<D: Gpu>(
+    dev: &D,
+    o_lat: Dv<f32>,
+    w: HeadWeights<'_, D>,
+    out: Dv<f32>,
+) -> Result<bool, KernelError> {
+    const OP: &str = "gpu_unabsorb_gemm";
+    let HeadWeights {
+        kv_b,
+        shape: s,
+        precision,
+    } = w;
+    s.check_kv_b(OP, kv_b)?;
+    if D::VENDOR_GEMM.is_none() || !kv_b.is_bf16() {
+        return Ok(false);
+    }
+    let t = o_lat.len / (s.heads * s.kv_lora).max(1);
+    need(OP, "o_lat", t * s.heads * s.kv_lora, o_lat.len)?;
+    need(OP, "out", t * s.heads * s.v, out.len)?;
+    if t == 0 {
+        return Ok(true);
+    }
+    let g = HeadGemm {
+        x: o_lat,
+        x_ld: s.heads * s.kv_lora,
+        x_head: s.kv_lora,
+        // W_UV_h: rows h·(nope + v) + nope .. + v of kv_b (bf16: two bytes an element).
+        w: kv_b.ptr() + (s.nope * s.kv_lora * 2) as u64,
+        w_bf16: true,
+        w_ld: s.kv_lora,
+        w_head: (s.nope + s.v) * s.kv_lora,
+        w_rows_are_outputs: true,
+        out,
+        out_ld: s.heads * s.v,
+        out_head: s.v,
+        m: t,
+        n: s.v,
+        k: s.kv_lora,
+        heads: s.heads,
+    };
+    dev.gemm_heads(&g, precision)
+}
+
 /// `out[t][h] = W_UV_h · o_lat[t][h]`: `[T][H][kv_lora]` → `[T][H][v]`.
 pub fn unabsorb<D: Gpu>(
     dev: &D,
