@@ -175,12 +175,12 @@ impl Gpu for CudaDevice {
         match precision {
             GemmPrecision::Fast => {
                 cast_f32_bf16(self, x, hi.v())?;
-                super::cublas::gemm_heads_bf16(self, g, hi.ptr(), false)?;
+                super::cublas::gemm_heads_bf16(self, g, hi.ptr(), g.accumulate)?;
             }
             GemmPrecision::Exact => {
                 let lo = CudaDevice::alloc::<u16>(self, x.len)?;
                 split_bf16(self, x, hi.v(), lo.v())?;
-                super::cublas::gemm_heads_bf16(self, g, hi.ptr(), false)?;
+                super::cublas::gemm_heads_bf16(self, g, hi.ptr(), g.accumulate)?;
                 super::cublas::gemm_heads_bf16(self, g, lo.ptr(), true)?;
             }
         }

@@ -985,6 +985,8 @@ pub struct HeadGemm {
     pub k: usize,
     /// Heads.
     pub heads: usize,
+    /// Add the product into `out` (cuBLAS's beta = 1) instead of writing over it.
+    pub accumulate: bool,
 }
 
 /// Tokens from which the query absorption and the output un-absorption run as per-head
@@ -1073,6 +1075,7 @@ pub fn absorb_gemm<D: Gpu>(
         n: s.kv_lora,
         k: s.nope,
         heads: s.heads,
+        accumulate: false,
     };
     if !dev.gemm_heads(&g, precision)? {
         return Ok(false);
@@ -1132,8 +1135,128 @@ pub fn unabsorb_gemm<D: Gpu>(
         n: s.v,
         k: s.kv_lora,
         heads: s.heads,
+        accumulate: false,
     };
     dev.gemm_heads(&g, precision)
+}
+
+/// Tokens from which an MoE layer's shared expert runs as a dense MLP on the vendor BLAS
+/// ([`shared_experts_gemm`]) and the grouped expert kernels take only the routed slots: each
+/// 16-pair chunk of a shared expert re-reads its weights, and a batch gives a shared expert a
+/// chunk per 16 tokens (`FERRY_SHARED_GEMM_MIN` overrides it for A/B runs; docs/gpu.md).
+pub const SHARED_GEMM_MIN_TOKENS: usize = 64;
+
+/// [`SHARED_GEMM_MIN_TOKENS`], or `FERRY_SHARED_GEMM_MIN` when set (read once).
+pub fn shared_gemm_min_tokens() -> usize {
+    static MIN: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *MIN.get_or_init(|| {
+        std::env::var("FERRY_SHARED_GEMM_MIN")
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(SHARED_GEMM_MIN_TOKENS)
+    })
+}
+
+/// The shared expert of [`shared_experts_gemm`]: the last `n_shared` stacked experts of
+/// `experts`, and the precision its activations take on the tensor cores.
+#[derive(Debug)]
+pub struct SharedMlp<'a, D: Gpu> {
+    /// The layer's stacked experts.
+    pub experts: &'a GpuExperts<D>,
+    /// Shared-expert chunks stacked last.
+    pub n_shared: usize,
+    /// bf16 activations, or split into bf16 hi + lo.
+    pub precision: GemmPrecision,
+}
+
+/// `h[t] += shared(x[t])` for the `n_shared` shared-expert chunks stacked last in `experts`, as
+/// one dense MLP on the vendor BLAS: `g = x · W_gateᵀ`, `u = x · W_upᵀ` over the chunks' rows
+/// together (`[n_shared · inter]` wide), `g = silu(g) · u`, then each chunk's down projection
+/// added into `h` (activations as `precision` says). `Ok(false)`, with nothing launched, where
+/// the runtime has no vendor BLAS or the experts are not bf16: route the shared experts as
+/// slots instead.
+pub fn shared_experts_gemm<D: Gpu>(
+    dev: &D,
+    x: Dv<f32>,
+    w: SharedMlp<'_, D>,
+    h: Dv<f32>,
+) -> Result<bool, KernelError> {
+    const OP: &str = "gpu_shared_experts_gemm";
+    let SharedMlp {
+        experts,
+        n_shared,
+        precision,
+    } = w;
+    experts.check(OP)?;
+    if D::VENDOR_GEMM.is_none() || !experts.gate.is_bf16() || n_shared == 0 {
+        return Ok(false);
+    }
+    let (hidden, inter) = (experts.hidden, experts.inter);
+    let routed = experts
+        .total()
+        .checked_sub(n_shared)
+        .ok_or(KernelError::InvalidParam {
+            op: OP,
+            field: "n_shared",
+            limit: "<= the stacked experts",
+            value: n_shared.to_string(),
+        })?;
+    let t = x.len / hidden.max(1);
+    need(OP, "x", t * hidden, x.len)?;
+    need(OP, "h", t * hidden, h.len)?;
+    if t == 0 {
+        return Ok(true);
+    }
+    let width = n_shared * inter;
+    let bf16 = |elems: usize| (elems * 2) as u64;
+    let g = dev.alloc::<f32>(t * width)?;
+    let u = dev.alloc::<f32>(t * width)?;
+    for (w, dst) in [(&experts.gate, &g), (&experts.up, &u)] {
+        let p = HeadGemm {
+            x,
+            x_ld: hidden,
+            x_head: 0,
+            w: w.ptr() + bf16(routed * inter * hidden),
+            w_bf16: true,
+            w_ld: hidden,
+            w_head: 0,
+            w_rows_are_outputs: true,
+            out: dst.v(),
+            out_ld: width,
+            out_head: 0,
+            m: t,
+            n: width,
+            k: hidden,
+            heads: 1,
+            accumulate: false,
+        };
+        if !dev.gemm_heads(&p, precision)? {
+            return Ok(false);
+        }
+    }
+    silu_mul(dev, g.v(), u.v())?;
+    for s in 0..n_shared {
+        let p = HeadGemm {
+            x: g.v().sub(s * inter, (t - 1) * width + inter)?,
+            x_ld: width,
+            x_head: 0,
+            w: experts.down.ptr() + bf16((routed + s) * hidden * inter),
+            w_bf16: true,
+            w_ld: inter,
+            w_head: 0,
+            w_rows_are_outputs: true,
+            out: h,
+            out_ld: hidden,
+            out_head: 0,
+            m: t,
+            n: hidden,
+            k: inter,
+            heads: 1,
+            accumulate: true,
+        };
+        dev.gemm_heads(&p, precision)?;
+    }
+    Ok(true)
 }
 
 /// `out[t][h] = W_UV_h · o_lat[t][h]`: `[T][H][kv_lora]` → `[T][H][v]`.
