@@ -244,20 +244,17 @@ fn moe_on<D: super::OnDevice>(
     let t = x.len / router.cols().max(1);
     // A batch's shared expert as one dense MLP on the vendor BLAS, the routed slots alone
     // through the expert kernels (where the runtime has no BLAS the shared expert stays slots).
-    let shared = ops::SharedMlp {
-        experts,
-        n_shared: routing.n_shared.max(0) as usize,
-        precision: gemm,
+    let n_shared = routing.n_shared.max(0) as usize;
+    let routing = if t >= ops::shared_gemm_min_tokens()
+        && ops::shared_experts_gemm(dev, x, experts, n_shared, h)?
+    {
+        crate::gpu::ops::RouteParams {
+            n_shared: 0,
+            ..routing
+        }
+    } else {
+        routing
     };
-    let routing =
-        if t >= ops::shared_gemm_min_tokens() && ops::shared_experts_gemm(dev, x, shared, h)? {
-            crate::gpu::ops::RouteParams {
-                n_shared: 0,
-                ..routing
-            }
-        } else {
-            routing
-        };
     let logits = dev.alloc::<f32>(t * router.rows())?;
     ops::linear(dev, x, router, logits.v(), gemm)?;
     let slots = (routing.top_k + routing.n_shared) as usize;

@@ -1144,7 +1144,7 @@ pub fn unabsorb_gemm<D: Gpu>(
 /// ([`shared_experts_gemm`]) and the grouped expert kernels take only the routed slots: each
 /// 16-pair chunk of a shared expert re-reads its weights, and a batch gives a shared expert a
 /// chunk per 16 tokens (`FERRY_SHARED_GEMM_MIN` overrides it for A/B runs; docs/gpu.md).
-pub const SHARED_GEMM_MIN_TOKENS: usize = 64;
+pub const SHARED_GEMM_MIN_TOKENS: usize = 128;
 
 /// [`SHARED_GEMM_MIN_TOKENS`], or `FERRY_SHARED_GEMM_MIN` when set (read once).
 pub fn shared_gemm_min_tokens() -> usize {
@@ -1157,36 +1157,23 @@ pub fn shared_gemm_min_tokens() -> usize {
     })
 }
 
-/// The shared expert of [`shared_experts_gemm`]: the last `n_shared` stacked experts of
-/// `experts`, and the precision its activations take on the tensor cores.
-#[derive(Debug)]
-pub struct SharedMlp<'a, D: Gpu> {
-    /// The layer's stacked experts.
-    pub experts: &'a GpuExperts<D>,
-    /// Shared-expert chunks stacked last.
-    pub n_shared: usize,
-    /// bf16 activations, or split into bf16 hi + lo.
-    pub precision: GemmPrecision,
-}
-
 /// `h[t] += shared(x[t])` for the `n_shared` shared-expert chunks stacked last in `experts`, as
 /// one dense MLP on the vendor BLAS: `g = x · W_gateᵀ`, `u = x · W_upᵀ` over the chunks' rows
 /// together (`[n_shared · inter]` wide), `g = silu(g) · u`, then each chunk's down projection
-/// added into `h` (activations as `precision` says). `Ok(false)`, with nothing launched, where
-/// the runtime has no vendor BLAS or the experts are not bf16: route the shared experts as
-/// slots instead.
+/// added into `h`. The activations are split into bf16 hi + lo in both modes: the grouped
+/// expert kernels the shared expert leaves keep ~16 mantissa bits of them, and fast mode's
+/// logits stay within their bound only so (rounding them to bf16 here measured outside it on
+/// the golden prompts). `Ok(false)`, with nothing launched, where the runtime has no vendor
+/// BLAS or the experts are not bf16: route the shared experts as slots instead.
 pub fn shared_experts_gemm<D: Gpu>(
     dev: &D,
     x: Dv<f32>,
-    w: SharedMlp<'_, D>,
+    experts: &GpuExperts<D>,
+    n_shared: usize,
     h: Dv<f32>,
 ) -> Result<bool, KernelError> {
     const OP: &str = "gpu_shared_experts_gemm";
-    let SharedMlp {
-        experts,
-        n_shared,
-        precision,
-    } = w;
+    let precision = GemmPrecision::Exact;
     experts.check(OP)?;
     if D::VENDOR_GEMM.is_none() || !experts.gate.is_bf16() || n_shared == 0 {
         return Ok(false);
