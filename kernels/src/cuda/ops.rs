@@ -173,9 +173,36 @@ impl Gpu for CudaDevice {
         let x = g.x;
         let hi = CudaDevice::alloc::<u16>(self, x.len)?;
         match precision {
+            GemmPrecision::Fast if g.stacked => {
+                return Err(KernelError::InvalidParam {
+                    op: "gemm_heads",
+                    field: "stacked",
+                    limit: "exact precision (hi and lo rows)",
+                    value: "fast".into(),
+                });
+            }
             GemmPrecision::Fast => {
                 cast_f32_bf16(self, x, hi.v())?;
                 super::cublas::gemm_heads_bf16(self, g, hi.ptr(), g.accumulate)?;
+            }
+            GemmPrecision::Exact if g.stacked => {
+                if x.len != g.m * g.x_ld {
+                    return Err(KernelError::InvalidParam {
+                        op: "gemm_heads",
+                        field: "x",
+                        limit: "m · x_ld elements when stacked",
+                        value: format!("{} (m {}, x_ld {})", x.len, g.m, g.x_ld),
+                    });
+                }
+                let both = CudaDevice::alloc::<u16>(self, 2 * x.len)?;
+                split_bf16(
+                    self,
+                    x,
+                    both.v().sub(0, x.len)?,
+                    both.v().sub(x.len, x.len)?,
+                )?;
+                let rows = crate::gpu::ops::HeadGemm { m: 2 * g.m, ..*g };
+                super::cublas::gemm_heads_bf16(self, &rows, both.ptr(), g.accumulate)?;
             }
             GemmPrecision::Exact => {
                 let lo = CudaDevice::alloc::<u16>(self, x.len)?;

@@ -221,6 +221,22 @@ extern "C" __global__ void silu_mul(float* g, const float* u, long long n) {
   long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (i < n) g[i] = silu_f(g[i]) * u[i];
 }
+// A product of stacked hi and lo activation rows (ops.rs's shared_experts_gemm): g2 and u2 hold
+// [hi rows | lo rows], n elements each half; g = silu(g2_hi + g2_lo) · (u2_hi + u2_lo).
+extern "C" __global__ void silu_mul_halves(const float* g2, const float* u2, float* g, long long n) {
+  pdl_enter();
+  long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) g[i] = silu_f(g2[i] + g2[n + i]) * (u2[i] + u2[n + i]);
+}
+// h[i] += parts[0][i] + parts[1][i] + … + parts[k − 1][i] (in that order), parts n apart.
+extern "C" __global__ void add_parts(float* h, const float* parts, int k, long long n) {
+  pdl_enter();
+  long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  float s = 0.0f;
+  for (int j = 0; j < k; j++) s += parts[(long long)j * n + i];
+  h[i] += s;
+}
 extern "C" __global__ void cast_f32_bf16(const float* x, bf16_t* out, long long n) {
   pdl_enter();
   long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;

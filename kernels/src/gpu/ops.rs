@@ -987,6 +987,10 @@ pub struct HeadGemm {
     pub heads: usize,
     /// Add the product into `out` (cuBLAS's beta = 1) instead of writing over it.
     pub accumulate: bool,
+    /// With [`GemmPrecision::Exact`]: the hi and lo rows as one product of `2m` rows (lo rows
+    /// after the hi ones), so the weights are read once; `out` then gets `2m` rows per head
+    /// and the caller adds the halves. Needs `x.len == m · x_ld`.
+    pub stacked: bool,
 }
 
 /// Tokens from which the query absorption and the output un-absorption run as per-head
@@ -1076,6 +1080,7 @@ pub fn absorb_gemm<D: Gpu>(
         k: s.nope,
         heads: s.heads,
         accumulate: false,
+        stacked: false,
     };
     if !dev.gemm_heads(&g, precision)? {
         return Ok(false);
@@ -1136,6 +1141,7 @@ pub fn unabsorb_gemm<D: Gpu>(
         k: s.kv_lora,
         heads: s.heads,
         accumulate: false,
+        stacked: false,
     };
     dev.gemm_heads(&g, precision)
 }
@@ -1144,7 +1150,7 @@ pub fn unabsorb_gemm<D: Gpu>(
 /// ([`shared_experts_gemm`]) and the grouped expert kernels take only the routed slots: each
 /// 16-pair chunk of a shared expert re-reads its weights, and a batch gives a shared expert a
 /// chunk per 16 tokens (`FERRY_SHARED_GEMM_MIN` overrides it for A/B runs; docs/gpu.md).
-pub const SHARED_GEMM_MIN_TOKENS: usize = 128;
+pub const SHARED_GEMM_MIN_TOKENS: usize = 64;
 
 /// [`SHARED_GEMM_MIN_TOKENS`], or `FERRY_SHARED_GEMM_MIN` when set (read once).
 pub fn shared_gemm_min_tokens() -> usize {
@@ -1196,9 +1202,10 @@ pub fn shared_experts_gemm<D: Gpu>(
     }
     let width = n_shared * inter;
     let bf16 = |elems: usize| (elems * 2) as u64;
-    let g = dev.alloc::<f32>(t * width)?;
-    let u = dev.alloc::<f32>(t * width)?;
-    for (w, dst) in [(&experts.gate, &g), (&experts.up, &u)] {
+    // Each product runs on [hi rows | lo rows] stacked (`HeadGemm::stacked`): 2T rows out.
+    let g2 = dev.alloc::<f32>(2 * t * width)?;
+    let u2 = dev.alloc::<f32>(2 * t * width)?;
+    for (w, dst) in [(&experts.gate, &g2), (&experts.up, &u2)] {
         let p = HeadGemm {
             x,
             x_ld: hidden,
@@ -1216,33 +1223,49 @@ pub fn shared_experts_gemm<D: Gpu>(
             k: hidden,
             heads: 1,
             accumulate: false,
+            stacked: true,
         };
         if !dev.gemm_heads(&p, precision)? {
             return Ok(false);
         }
     }
-    silu_mul(dev, g.v(), u.v())?;
-    for s in 0..n_shared {
-        let p = HeadGemm {
-            x: g.v().sub(s * inter, (t - 1) * width + inter)?,
-            x_ld: width,
-            x_head: 0,
-            w: experts.down.ptr() + bf16((routed + s) * hidden * inter),
-            w_bf16: true,
-            w_ld: inter,
-            w_head: 0,
-            w_rows_are_outputs: true,
-            out: h,
-            out_ld: hidden,
-            out_head: 0,
-            m: t,
-            n: hidden,
-            k: inter,
-            heads: 1,
-            accumulate: true,
-        };
-        dev.gemm_heads(&p, precision)?;
-    }
+    let act = dev.alloc::<f32>(t * width)?;
+    elementwise(
+        dev,
+        "silu_mul_halves",
+        &[g2.ptr(), u2.ptr(), act.ptr()],
+        t * width,
+    )?;
+    // Every chunk's down projection in one batched product (chunk s = "head" s), the 2 · n_shared
+    // partial rows then added into h in a fixed order.
+    let parts = dev.alloc::<f32>(n_shared * 2 * t * hidden)?;
+    let p = HeadGemm {
+        x: act.v(),
+        x_ld: width,
+        x_head: inter,
+        w: experts.down.ptr() + bf16(routed * hidden * inter),
+        w_bf16: true,
+        w_ld: inter,
+        w_head: hidden * inter,
+        w_rows_are_outputs: true,
+        out: parts.v(),
+        out_ld: hidden,
+        out_head: 2 * t * hidden,
+        m: t,
+        n: hidden,
+        k: inter,
+        heads: n_shared,
+        accumulate: false,
+        stacked: true,
+    };
+    dev.gemm_heads(&p, precision)?;
+    let f = kernel(dev, "add_parts")?;
+    let mut a = KernelArgs::new();
+    a.push(h.ptr)
+        .push(parts.ptr())
+        .push(int(OP, "parts", 2 * n_shared)?)
+        .push((t * hidden) as i64);
+    dev.launch(&f, LaunchDims::elementwise(t * hidden), &mut a)?;
     Ok(true)
 }
 
