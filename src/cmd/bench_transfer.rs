@@ -41,6 +41,9 @@ pub struct BenchTransferArgs {
     /// Runs per case (the median is reported).
     #[arg(long, default_value_t = 5)]
     pub runs: usize,
+    /// Which transports to measure (memcpy, the peer, always runs).
+    #[arg(long, value_enum, value_delimiter = ',', default_values_t = [Case::Tcp, Case::UcxShm, Case::UcxTcp])]
+    pub transports: Vec<Case>,
     /// Write the results as JSON here.
     #[arg(long)]
     pub json: Option<std::path::PathBuf>,
@@ -59,6 +62,36 @@ pub enum Wire {
     Tcp,
     /// `UcxTransport` (its `UCX_TLS` from the environment).
     Ucx,
+}
+
+/// A transport setup the benchmark measures.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Case {
+    /// The TCP transport.
+    Tcp,
+    /// UCX over shared memory (`UCX_TLS=posix,sysv,cma`).
+    UcxShm,
+    /// UCX over TCP on loopback (`UCX_TLS=tcp`, `UCX_NET_DEVICES=lo`).
+    UcxTcp,
+}
+
+impl Case {
+    /// The row's name, the receiver's transport and both processes' environment.
+    fn setup(self) -> (&'static str, Wire, Env) {
+        match self {
+            Case::Tcp => ("tcp transport", Wire::Tcp, &[]),
+            Case::UcxShm => (
+                "ucx shared memory",
+                Wire::Ucx,
+                &[("UCX_TLS", "posix,sysv,cma")],
+            ),
+            Case::UcxTcp => (
+                "ucx tcp",
+                Wire::Ucx,
+                &[("UCX_TLS", "tcp"), ("UCX_NET_DEVICES", "lo")],
+            ),
+        }
+    }
 }
 
 /// Environment variables of one case's two processes.
@@ -108,19 +141,7 @@ pub fn run(args: BenchTransferArgs) -> anyhow::Result<()> {
             bail!("`--tokens` must be positive multiples of `--page` {page}, got {t}");
         }
     }
-    let cases: [(&str, Wire, Env); 3] = [
-        ("tcp transport", Wire::Tcp, &[]),
-        (
-            "ucx shared memory",
-            Wire::Ucx,
-            &[("UCX_TLS", "posix,sysv,cma")],
-        ),
-        (
-            "ucx tcp",
-            Wire::Ucx,
-            &[("UCX_TLS", "tcp"), ("UCX_NET_DEVICES", "lo")],
-        ),
-    ];
+    let cases: Vec<_> = args.transports.iter().map(|c| c.setup()).collect();
     let mut rows = Vec::new();
     println!(
         "{:<18} {:>7} {:>10} {:>10} {:>9} {:>9}",
@@ -153,7 +174,7 @@ pub fn run(args: BenchTransferArgs) -> anyhow::Result<()> {
             json!({"transport": "memcpy", "tokens": tokens, "bytes": bytes,
             "median_s": copy, "gb_per_s": copy_gbs}),
         );
-        for (name, wire, env) in cases {
+        for &(name, wire, env) in &cases {
             let limit = || memcpy_once(&l, &batches).min(memcpy_once(&l, &per_block));
             let (secs, copy) = rt.block_on(case((wire, env), &l, &batches, args.runs, limit))?;
             let gbs = bytes as f64 / secs / 1e9;
@@ -172,9 +193,10 @@ pub fn run(args: BenchTransferArgs) -> anyhow::Result<()> {
     if let Some(path) = &args.json {
         let doc = json!({
             "benchmark": "kv transfer between two processes, DeepSeek-V3 layout (61 x 576 bf16 per token, 64-token blocks)",
-            "command": format!("ferry bench-transfer --tokens {} --page {page} --runs {}{}",
+            "command": format!("ferry bench-transfer --tokens {} --page {page} --runs {}{} --transports {}",
                 args.tokens.iter().map(usize::to_string).collect::<Vec<_>>().join(","), args.runs,
-                args.run_blocks.map(|n| format!(" --run-blocks {n}")).unwrap_or_default()),
+                args.run_blocks.map(|n| format!(" --run-blocks {n}")).unwrap_or_default(),
+                args.transports.iter().map(|c| c.to_possible_value().map(|v| v.get_name().to_owned()).unwrap_or_default()).collect::<Vec<_>>().join(",")),
             "ucx": UcxTransport::available().map(|(a, b, c)| format!("{a}.{b}.{c}")).unwrap_or_else(|e| e),
             "results": rows,
         });
@@ -306,10 +328,17 @@ async fn case(
     for (k, _) in env {
         std::env::remove_var(k);
     }
-    if let Some(mut stdin) = child.stdin.take() {
-        let _ = stdin.write_all(b"done\n");
-    }
+    // The receiver checks that its pool holds every byte the last run wrote.
+    let mut stdin = child.stdin.take().context("receiver stdin")?;
+    stdin.write_all(b"done\n")?;
+    drop(stdin);
+    let mut verdict = String::new();
+    BufReader::new(child.stdout.as_mut().context("receiver stdout")?).read_line(&mut verdict)?;
     let _ = child.wait();
+    anyhow::ensure!(
+        verdict.trim() == "OK",
+        "the receiver's pool does not hold what was written: {verdict:?}"
+    );
     Ok((median(times), median(copies)))
 }
 
@@ -327,9 +356,8 @@ async fn receive(wire: Wire, l: KvLayoutDesc) -> anyhow::Result<()> {
         Wire::Tcp => Arc::new(TcpTransport::bind("127.0.0.1:0".parse()?)?),
         Wire::Ucx => Arc::new(UcxTransport::new()?),
     };
-    let reg = transport
-        .register(Arc::new(Pool { layout: l, memory }))
-        .await?;
+    let pool = Arc::new(Pool { layout: l, memory });
+    let reg = transport.register(pool.clone()).await?;
     println!("REG {} {}", reg.address, reg.key.0);
     std::io::stdout().flush()?;
     tokio::task::spawn_blocking(|| {
@@ -337,7 +365,29 @@ async fn receive(wire: Wire, l: KvLayoutDesc) -> anyhow::Result<()> {
         let _ = std::io::stdin().read_line(&mut s);
     })
     .await?;
+    match first_wrong_block(&l, &pool.memory) {
+        None => println!("OK"),
+        Some((layer, block)) => println!("WRONG layer {layer} block {block}"),
+    }
+    std::io::stdout().flush()?;
     Ok(())
+}
+
+/// The first block whose bytes are not `batches`' pattern (`layer ^ block`), if any.
+fn first_wrong_block(l: &KvLayoutDesc, memory: &HostMemory) -> Option<(u32, u32)> {
+    let bb = l.block_bytes();
+    for layer in 0..l.num_layers {
+        for block in 0..l.num_blocks {
+            let at = (layer as usize * l.num_blocks as usize + block as usize) * bb;
+            let ok = memory
+                .read(at, bb)
+                .is_some_and(|b| b.iter().all(|&x| x == (layer ^ block) as u8));
+            if !ok {
+                return Some((layer, block));
+            }
+        }
+    }
+    None
 }
 
 fn median(mut v: Vec<f64>) -> f64 {

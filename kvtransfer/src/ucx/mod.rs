@@ -162,6 +162,54 @@ impl Drop for Shared {
     }
 }
 
+/// The environment variables that set the shared-memory transports' segment size.
+const SEGMENT_VARS: [&str; 4] = [
+    "UCX_MM_SEG_SIZE",
+    "UCX_POSIX_SEG_SIZE",
+    "UCX_SYSV_SEG_SIZE",
+    "UCX_XPMEM_SEG_SIZE",
+];
+
+/// The largest shared-memory segment UCX can carry intact: its shared-memory FIFO records a
+/// message's length in 16 bits (`uct_mm_fifo_element_t::length`, UCX 1.13 through today's
+/// master) while a message may be as long as the segment. Larger segments wrap the length and
+/// land wrong bytes without an error (measured: `ferry bench-transfer` with
+/// `UCX_MM_SEG_SIZE=65536` or `262144` fails its check of the receiver's pool; 49152 passes).
+pub const MAX_SEGMENT_BYTES: u64 = u16::MAX as u64;
+
+/// Refuses a segment size UCX would silently corrupt KV with (see [`MAX_SEGMENT_BYTES`]).
+/// Values UCX's memory-units syntax allows that this does not parse are left to UCX.
+fn check_segment_settings(var: impl Fn(&str) -> Option<String>) -> Result<(), TransferError> {
+    for name in SEGMENT_VARS {
+        let Some(value) = var(name) else { continue };
+        if parse_memunits(&value).is_some_and(|b| b > MAX_SEGMENT_BYTES) {
+            return Err(TransferError::Io(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!(
+                    "{name}={value}: UCX's shared-memory transports record a message's length \
+                     in 16 bits, so segments over {MAX_SEGMENT_BYTES} bytes corrupt KV \
+                     transfers; unset it (UCX's default is 8256) or use at most \
+                     {MAX_SEGMENT_BYTES}"
+                ),
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// A byte count in UCX's memory units (`8256`, `64k`, `1M`, `2mb`; binary multiples).
+fn parse_memunits(value: &str) -> Option<u64> {
+    let v = value.trim().to_ascii_lowercase();
+    let v = v.strip_suffix('b').unwrap_or(&v);
+    let (digits, scale) = match v.char_indices().last()? {
+        (i, 'k') => (&v[..i], 1u64 << 10),
+        (i, 'm') => (&v[..i], 1 << 20),
+        (i, 'g') => (&v[..i], 1 << 30),
+        _ => (v, 1),
+    };
+    digits.parse::<u64>().ok()?.checked_mul(scale)
+}
+
 impl UcxTransport {
     /// Loads UCX (see `sys.rs` for where from), creates a context and a worker with RMA and
     /// active messages, and starts the progress thread. Transports and devices follow UCX's
@@ -173,6 +221,7 @@ impl UcxTransport {
     /// [`UcxTransport::new`] whose receiver accepts only writers that present `token` (the
     /// cluster token) in their hello, and whose own writers present it.
     pub fn with_token(token: Option<ClusterToken>) -> Result<Self, TransferError> {
+        check_segment_settings(|name| std::env::var(name).ok())?;
         let ucp = sys::ucp().map_err(TransferError::Protocol)?;
         let registry = Arc::new(Registry::new());
         let (cmds, rx) = mpsc::channel();
@@ -396,5 +445,43 @@ mod tests {
         assert_eq!(unhex(&hex(&b)), Some(b));
         assert_eq!(unhex("abc"), None);
         assert_eq!(unhex("zz"), None);
+    }
+
+    #[test]
+    fn memory_units_parse_as_ucx_writes_them() {
+        assert_eq!(parse_memunits("8256"), Some(8256));
+        assert_eq!(parse_memunits("64k"), Some(65536));
+        assert_eq!(parse_memunits(" 1M "), Some(1 << 20));
+        assert_eq!(parse_memunits("2mb"), Some(2 << 20));
+        assert_eq!(parse_memunits("auto"), None);
+        assert_eq!(parse_memunits(""), None);
+    }
+
+    /// The environment `pairs` sets, as `check_segment_settings` reads it.
+    fn env_of<'a>(pairs: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
+        move |name| {
+            pairs
+                .iter()
+                .find(|(k, _)| *k == name)
+                .map(|(_, v)| v.to_string())
+        }
+    }
+
+    #[test]
+    fn a_segment_size_ucx_would_corrupt_is_refused_by_name() {
+        assert!(check_segment_settings(env_of(&[])).is_ok());
+        assert!(check_segment_settings(env_of(&[("UCX_MM_SEG_SIZE", "49152")])).is_ok());
+        assert!(check_segment_settings(env_of(&[("UCX_POSIX_SEG_SIZE", "65535")])).is_ok());
+        for (name, value) in [
+            ("UCX_MM_SEG_SIZE", "65536"),
+            ("UCX_SYSV_SEG_SIZE", "256k"),
+            ("UCX_POSIX_SEG_SIZE", "1m"),
+        ] {
+            let err = check_segment_settings(env_of(&[(name, value)]))
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(&format!("{name}={value}")), "{err}");
+            assert!(err.contains("65535"), "{err}");
+        }
     }
 }
