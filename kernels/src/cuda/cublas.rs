@@ -44,6 +44,16 @@ pub struct GemmPtrs {
     pub out: u64,
 }
 
+/// `v` as cuBLAS's `int` (a dimension or leading dimension of `op`).
+fn dim(op: &'static str, field: &'static str, v: usize) -> Result<i32, KernelError> {
+    i32::try_from(v).map_err(|_| KernelError::InvalidParam {
+        op,
+        field,
+        limit: "< 2^31",
+        value: v.to_string(),
+    })
+}
+
 /// Runs one product; `accumulate` adds into `out` instead of overwriting it.
 ///
 /// The caller guarantees the three addresses hold at least `m·k`, `n·k` and `m·n` elements of
@@ -59,14 +69,7 @@ pub(crate) fn gemm(
     if m == 0 || n == 0 {
         return Ok(());
     }
-    let dim = |v: usize, field| {
-        i32::try_from(v).map_err(|_| KernelError::InvalidParam {
-            op: "cublas_gemm",
-            field,
-            limit: "< 2^31",
-            value: v.to_string(),
-        })
-    };
+    let dim = |v, field| dim("cublas_gemm", field, v);
     let (mi, ni, ki) = (dim(m, "m")?, dim(n, "n")?, dim(k, "k")?);
     let dtype = match inputs {
         GemmInputs::F32 => cudaDataType::CUDA_R_32F,
@@ -121,14 +124,7 @@ pub(crate) fn gemm_heads_bf16(
     accumulate: bool,
 ) -> Result<(), KernelError> {
     use cudarc::cublas::result::gemm_strided_batched_ex;
-    let dim = |v: usize, field| {
-        i32::try_from(v).map_err(|_| KernelError::InvalidParam {
-            op: "cublas_gemm_heads",
-            field,
-            limit: "< 2^31",
-            value: v.to_string(),
-        })
-    };
+    let dim = |v, field| dim("cublas_gemm_heads", field, v);
     let long = |v: usize, field| {
         i64::try_from(v).map_err(|_| KernelError::InvalidParam {
             op: "cublas_gemm_heads",
@@ -140,11 +136,12 @@ pub(crate) fn gemm_heads_bf16(
     if g.m == 0 || g.n == 0 || g.heads == 0 {
         return Ok(());
     }
-    let (transa, lda) = if g.w_rows_are_outputs {
-        (cublasOperation_t::CUBLAS_OP_T, dim(g.w_ld, "w_ld")?)
+    let transa = if g.w_rows_are_outputs {
+        cublasOperation_t::CUBLAS_OP_T
     } else {
-        (cublasOperation_t::CUBLAS_OP_N, dim(g.w_ld, "w_ld")?)
+        cublasOperation_t::CUBLAS_OP_N
     };
+    let lda = dim(g.w_ld, "w_ld")?;
     let alpha = 1.0f32;
     let beta = if accumulate { 1.0f32 } else { 0.0f32 };
     dev.bind()?;

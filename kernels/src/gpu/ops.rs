@@ -1002,12 +1002,19 @@ pub const HEAD_GEMM_MIN_TOKENS: usize = 32;
 /// [`HEAD_GEMM_MIN_TOKENS`], or `FERRY_HEAD_GEMM_MIN` when set (read once).
 pub fn head_gemm_min_tokens() -> usize {
     static MIN: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *MIN.get_or_init(|| {
-        std::env::var("FERRY_HEAD_GEMM_MIN")
-            .ok()
-            .and_then(|v| v.trim().parse().ok())
-            .unwrap_or(HEAD_GEMM_MIN_TOKENS)
-    })
+    *MIN.get_or_init(|| env_tokens("FERRY_HEAD_GEMM_MIN", HEAD_GEMM_MIN_TOKENS))
+}
+
+/// A token threshold from environment variable `name` (an A/B switch), else `default`; a value
+/// that is not a count is logged and ignored.
+fn env_tokens(name: &str, default: usize) -> usize {
+    match std::env::var(name) {
+        Ok(v) => v.trim().parse().unwrap_or_else(|_| {
+            tracing::warn!(value = %v, "{name} is not a token count; using {default}");
+            default
+        }),
+        Err(_) => default,
+    }
 }
 
 /// The weights of [`absorb_gemm`] / [`unabsorb_gemm`]: `kv_b_proj` and its head shape, with
@@ -1155,12 +1162,7 @@ pub const SHARED_GEMM_MIN_TOKENS: usize = 64;
 /// [`SHARED_GEMM_MIN_TOKENS`], or `FERRY_SHARED_GEMM_MIN` when set (read once).
 pub fn shared_gemm_min_tokens() -> usize {
     static MIN: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *MIN.get_or_init(|| {
-        std::env::var("FERRY_SHARED_GEMM_MIN")
-            .ok()
-            .and_then(|v| v.trim().parse().ok())
-            .unwrap_or(SHARED_GEMM_MIN_TOKENS)
-    })
+    *MIN.get_or_init(|| env_tokens("FERRY_SHARED_GEMM_MIN", SHARED_GEMM_MIN_TOKENS))
 }
 
 /// `h[t] += shared(x[t])` for the `n_shared` shared-expert chunks stacked last in `experts`, as
