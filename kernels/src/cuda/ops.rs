@@ -167,11 +167,7 @@ impl Gpu for CudaDevice {
         g: &crate::gpu::ops::HeadGemm,
         precision: GemmPrecision,
     ) -> Result<bool, KernelError> {
-        if !g.w_bf16 {
-            return Ok(false);
-        }
         let x = g.x;
-        let hi = CudaDevice::alloc::<u16>(self, x.len)?;
         match precision {
             GemmPrecision::Fast if g.stacked => {
                 return Err(KernelError::InvalidParam {
@@ -182,6 +178,7 @@ impl Gpu for CudaDevice {
                 });
             }
             GemmPrecision::Fast => {
+                let hi = CudaDevice::alloc::<u16>(self, x.len)?;
                 cast_f32_bf16(self, x, hi.v())?;
                 super::cublas::gemm_heads_bf16(self, g, hi.ptr(), g.accumulate)?;
             }
@@ -205,6 +202,7 @@ impl Gpu for CudaDevice {
                 super::cublas::gemm_heads_bf16(self, &rows, both.ptr(), g.accumulate)?;
             }
             GemmPrecision::Exact => {
+                let hi = CudaDevice::alloc::<u16>(self, x.len)?;
                 let lo = CudaDevice::alloc::<u16>(self, x.len)?;
                 split_bf16(self, x, hi.v(), lo.v())?;
                 super::cublas::gemm_heads_bf16(self, g, hi.ptr(), g.accumulate)?;

@@ -961,10 +961,9 @@ pub struct HeadGemm {
     pub x_ld: usize,
     /// Elements between consecutive heads' first activation rows.
     pub x_head: usize,
-    /// Device address of head 0's weights.
+    /// Device address of head 0's bf16 weights (the only kind the tensor-core path takes:
+    /// the builders check).
     pub w: u64,
-    /// Whether the weights are bf16 (the only kind the tensor-core path takes).
-    pub w_bf16: bool,
     /// Elements between a weight matrix's rows.
     pub w_ld: usize,
     /// Elements between consecutive heads' weight matrices.
@@ -1029,6 +1028,16 @@ pub struct HeadWeights<'a, D: Gpu> {
     pub precision: GemmPrecision,
 }
 
+impl<D: Gpu> HeadWeights<'_, D> {
+    /// Checks `kv_b` against the head shape (an error names `op`), then whether the per-head
+    /// GEMMs can run here: a vendor BLAS and bf16 weights (ROCm and f32 `kv_b` keep the
+    /// CUDA-core kernels).
+    fn usable(&self, op: &'static str) -> Result<bool, KernelError> {
+        self.shape.check_kv_b(op, self.kv_b)?;
+        Ok(D::VENDOR_GEMM.is_some() && self.kv_b.is_bf16())
+    }
+}
+
 // By hand: a derive would ask `D: Copy`.
 impl<D: Gpu> Clone for HeadWeights<'_, D> {
     fn clone(&self) -> Self {
@@ -1048,15 +1057,14 @@ pub fn absorb_gemm<D: Gpu>(
     out: AbsorbedOut,
 ) -> Result<bool, KernelError> {
     const OP: &str = "gpu_absorb_gemm";
+    if !w.usable(OP)? {
+        return Ok(false);
+    }
     let HeadWeights {
         kv_b,
         shape: s,
         precision,
     } = w;
-    s.check_kv_b(OP, kv_b)?;
-    if D::VENDOR_GEMM.is_none() || !kv_b.is_bf16() {
-        return Ok(false);
-    }
     let qk = s.nope + s.rope;
     let t = q.len / (s.heads * qk).max(1);
     need(OP, "q", t * s.heads * qk, q.len)?;
@@ -1075,7 +1083,6 @@ pub fn absorb_gemm<D: Gpu>(
         x_ld: s.heads * qk,
         x_head: qk,
         w: kv_b.ptr(),
-        w_bf16: true,
         w_ld: s.kv_lora,
         w_head: (s.nope + s.v) * s.kv_lora,
         w_rows_are_outputs: false,
@@ -1115,15 +1122,14 @@ pub fn unabsorb_gemm<D: Gpu>(
     out: Dv<f32>,
 ) -> Result<bool, KernelError> {
     const OP: &str = "gpu_unabsorb_gemm";
+    if !w.usable(OP)? {
+        return Ok(false);
+    }
     let HeadWeights {
         kv_b,
         shape: s,
         precision,
     } = w;
-    s.check_kv_b(OP, kv_b)?;
-    if D::VENDOR_GEMM.is_none() || !kv_b.is_bf16() {
-        return Ok(false);
-    }
     let t = o_lat.len / (s.heads * s.kv_lora).max(1);
     need(OP, "o_lat", t * s.heads * s.kv_lora, o_lat.len)?;
     need(OP, "out", t * s.heads * s.v, out.len)?;
@@ -1136,7 +1142,6 @@ pub fn unabsorb_gemm<D: Gpu>(
         x_head: s.kv_lora,
         // W_UV_h: rows h·(nope + v) + nope .. + v of kv_b (bf16: two bytes an element).
         w: kv_b.ptr() + (s.nope * s.kv_lora * 2) as u64,
-        w_bf16: true,
         w_ld: s.kv_lora,
         w_head: (s.nope + s.v) * s.kv_lora,
         w_rows_are_outputs: true,
@@ -1213,7 +1218,6 @@ pub fn shared_experts_gemm<D: Gpu>(
             x_ld: hidden,
             x_head: 0,
             w: w.ptr() + bf16(routed * inter * hidden),
-            w_bf16: true,
             w_ld: hidden,
             w_head: 0,
             w_rows_are_outputs: true,
@@ -1246,7 +1250,6 @@ pub fn shared_experts_gemm<D: Gpu>(
         x_ld: width,
         x_head: inter,
         w: experts.down.ptr() + bf16(routed * hidden * inter),
-        w_bf16: true,
         w_ld: inter,
         w_head: hidden * inter,
         w_rows_are_outputs: true,
