@@ -221,6 +221,60 @@ async fn graph_replayed_decode_steps_equal_eager_ones() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs an NVIDIA GPU: run on the GPU machine with --include-ignored (docs/gpu.md)"]
+async fn a_batch_past_64_sequences_replays_a_graph_with_the_eager_tokens() {
+    let wide = |cuda_graphs| EngineConfig {
+        num_blocks: 256,
+        max_batch_tokens: 4096,
+        max_running: 128,
+        cuda_graphs,
+        ..config(Device::Cuda(0), GpuMode::Exact)
+    };
+    if let Err(e) = Device::Cuda(0).probe() {
+        eprintln!("skipping a_batch_past_64_sequences_replays_a_graph_with_the_eager_tokens: {e}");
+        return;
+    }
+    let graphs = EngineHandle::spawn(model(), wide(true)).expect("graph engine");
+    let eager = EngineHandle::spawn(model(), wide(false)).expect("eager engine");
+    // 70 sequences decoding together: bucket 96 (a multiple of 32, not a power of two), 26
+    // padding sequences; before session 23 nothing past 64 sequences was graphed.
+    let prompts: Vec<Vec<u32>> = (0..70)
+        .map(|i| tokens(&format!("{i}: and the LORD spake unto Moses, saying"), true))
+        .collect();
+    let run = |e: &EngineHandle| {
+        let gens: Vec<Generation> = prompts
+            .iter()
+            .map(|p| {
+                e.generate(job(p.clone(), 16, PrefillSource::Local))
+                    .unwrap()
+            })
+            .collect();
+        async move {
+            let mut out = Vec::new();
+            for g in gens {
+                let (toks, end) = collect(g).await;
+                assert_eq!(end, Ok(FinishReason::Length));
+                out.push(toks);
+            }
+            out
+        }
+    };
+    let want = run(&eager).await;
+    let got = run(&graphs).await;
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert_eq!(g, w, "request {i}: graph-replayed (70 sequences) vs eager");
+    }
+    let replayed = graphs.stats().await.unwrap().graph_steps;
+    assert!(
+        replayed >= 10,
+        "70 sequences decoded 15 steps together; {replayed} were replayed"
+    );
+    eprintln!("70 sequences: {replayed} decode steps replayed from the bucket-96 graph, tokens identical to the eager engine");
+    wait_idle(&graphs).await;
+    wait_idle(&eager).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an NVIDIA GPU: run on the GPU machine with --include-ignored (docs/gpu.md)"]
 async fn speculative_greedy_on_cuda_equals_plain_cuda_and_cpu() {
     if let Err(e) = Device::Cuda(0).probe() {
         eprintln!("skipping speculative_greedy_on_cuda_equals_plain_cuda_and_cpu: {e}");

@@ -91,10 +91,6 @@ pub struct DsparkDrafter {
     graphs: std::cell::RefCell<std::collections::HashMap<(usize, bool), DraftGraph>>,
 }
 
-/// The largest batch a drafter pass is replayed from a graph for (larger ones run eagerly).
-#[cfg(feature = "cuda")]
-const MAX_GRAPH_BATCH: usize = 64;
-
 /// The smallest context a pass graph is planned for.
 #[cfg(feature = "cuda")]
 const MIN_GRAPH_CTX: usize = 256;
@@ -749,15 +745,18 @@ impl DsparkDrafter {
             return Ok(None);
         };
         let n = inputs.len();
-        if !self.use_graphs || n == 0 || n > MAX_GRAPH_BATCH {
-            return Ok(None);
-        }
+        // The engine's buckets and limit: a drafter pass is graphed whenever its round's verify
+        // forward can be.
+        let bucket = match crate::gpu::graph::graph_bucket(n, crate::gpu::graph::graph_max_batch())
+        {
+            Some(b) if self.use_graphs => b,
+            _ => return Ok(None),
+        };
         let kv_id = match kv.pages(0)? {
             ferry_kernels::backend::Pages::Cuda(v) => v.ptr,
             _ => return Ok(None),
         };
         let page = kv.layout().page_size;
-        let bucket = n.next_power_of_two();
         let greedy = inputs.iter().all(|i| i.params.is_greedy());
         let longest = inputs.iter().map(|i| i.context_len).max().unwrap_or(0);
         let max_pos = target.config().max_position_embeddings.max(longest);

@@ -72,8 +72,9 @@ pub struct EngineConfig {
     pub device: Device,
     /// Numerics on a GPU.
     pub gpu_mode: GpuMode,
-    /// On CUDA, replay decode-only steps (every sequence one token, absorbed form, at most 64
-    /// sequences) from CUDA graphs captured per batch-size bucket; everything else runs eagerly.
+    /// On CUDA, replay decode-only steps and verify forwards (every sequence the same number of
+    /// tokens, absorbed form, up to `gpu::graph::graph_max_seqs` sequences) from CUDA
+    /// graphs captured per batch-size bucket; everything else runs eagerly.
     pub cuda_graphs: bool,
     /// On CUDA, ship prefill jobs' layers while later layers compute (the default); `false`
     /// ships them after the whole forward, as before — kept as the benchmark's peer.

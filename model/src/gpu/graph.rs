@@ -22,6 +22,59 @@ use crate::deepseek::{
 use crate::kv::KvMut;
 use crate::ModelError;
 
+/// The largest batch (sequences) replayed from a CUDA graph, for decode steps, verify forwards
+/// and drafter passes alike: [`GRAPH_MAX_BATCH`] unless `FERRY_GRAPH_MAX_BATCH` sets another
+/// (read once; the benchmarks' A/B switch, `64` the limit before session 23).
+pub fn graph_max_batch() -> usize {
+    static MAX: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *MAX.get_or_init(|| match std::env::var("FERRY_GRAPH_MAX_BATCH") {
+        Ok(v) => v.trim().parse().unwrap_or_else(|_| {
+            tracing::warn!(value = %v, "FERRY_GRAPH_MAX_BATCH is not a count; using {GRAPH_MAX_BATCH}");
+            GRAPH_MAX_BATCH
+        }),
+        Err(_) => GRAPH_MAX_BATCH,
+    })
+}
+
+/// See [`graph_max_batch`]. A small model's eager step is bound by the host issuing its
+/// launches at every batch size (the trained 78M-active target: 5.6 ms eager at 128 sequences
+/// against 2.5 ms graphed at 64), and a large one's still gains a few per cent (V2-Lite at 128:
+/// 14.5 ms eager, 13.8 ms graphed).
+pub const GRAPH_MAX_BATCH: usize = 256;
+
+/// Sequences of any length up to this many are graphed (as before session 23), unless
+/// `FERRY_GRAPH_MAX_BATCH` is lower.
+const GRAPH_MIN_SEQS: usize = 64;
+
+/// The most sequences of `sq` new tokens each a graph replays: [`graph_max_batch`] rows' worth
+/// (a graph keeps the memory of every intermediate, which grows with its rows), and at least
+/// [`GRAPH_MIN_SEQS`] (a verify forward of 64 sequences × 9 rows was graphed before) unless the
+/// limit itself is lower. Decode steps (`sq` = 1): up to 256 sequences.
+pub fn graph_max_seqs(sq: usize) -> usize {
+    max_seqs(sq, graph_max_batch())
+}
+
+fn max_seqs(sq: usize, max: usize) -> usize {
+    (max / sq.max(1)).max(GRAPH_MIN_SEQS.min(max))
+}
+
+/// Batch sizes up to this run in power-of-two buckets; above it, in multiples of it, so a
+/// graph's padding (dummy sequences the GPU computes in full) stays under this many sequences.
+const GRAPH_BUCKET_STEP: usize = 32;
+
+/// The bucket (graph batch size) a batch of `n` sequences is padded to, or `None` when `n` is
+/// zero or past `max`: the next power of two up to 32, then the next multiple of 32.
+pub fn graph_bucket(n: usize, max: usize) -> Option<usize> {
+    if n == 0 || n > max {
+        return None;
+    }
+    Some(if n <= GRAPH_BUCKET_STEP {
+        n.next_power_of_two()
+    } else {
+        n.div_ceil(GRAPH_BUCKET_STEP) * GRAPH_BUCKET_STEP
+    })
+}
+
 /// A captured decode step (or verify forward) and the buffers it reads and writes.
 pub struct DecodeGraph {
     graph: GpuGraph,
@@ -230,5 +283,36 @@ impl DeepseekModel {
         }
         g.graph.launch()?;
         Ok(hi.rows_per_seq)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buckets_are_powers_of_two_then_multiples_of_32_up_to_the_limit() {
+        let got: Vec<_> = [1, 2, 3, 5, 17, 32, 33, 64, 65, 100, 128, 129, 255, 256]
+            .iter()
+            .map(|&n| graph_bucket(n, 256))
+            .collect();
+        let want = [1, 2, 4, 8, 32, 32, 64, 64, 96, 128, 128, 160, 256, 256];
+        assert_eq!(got, want.map(Some).to_vec());
+        assert_eq!(graph_bucket(0, 256), None);
+        assert_eq!(graph_bucket(257, 256), None);
+        // The limit before session 23: nothing past 64 is graphed.
+        assert_eq!(graph_bucket(65, 64), None);
+        assert_eq!(graph_bucket(64, 64), Some(64));
+        // Decode steps up to the limit; verify forwards by rows, never below 64 sequences.
+        assert_eq!(max_seqs(1, 256), 256);
+        assert_eq!(max_seqs(2, 256), 128);
+        assert_eq!(max_seqs(9, 256), 64);
+        assert_eq!(max_seqs(1, 64), 64);
+        assert_eq!(max_seqs(9, 32), 32);
+        // Padding stays under one step past 32 sequences.
+        for n in 33..=256 {
+            let b = graph_bucket(n, 256).unwrap_or(0);
+            assert!(b >= n && b - n < GRAPH_BUCKET_STEP, "{n} -> {b}");
+        }
     }
 }

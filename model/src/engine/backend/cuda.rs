@@ -11,14 +11,17 @@
 //!
 //! **Graphs.** A step in which every sequence decodes one token in the absorbed form (the
 //! steady state of serving) is replayed from a [`DecodeGraph`] captured for its batch-size
-//! bucket (the next power of two, up to [`MAX_GRAPH_BATCH`]): the host refreshes the inputs and
+//! bucket ([`graph_bucket`]: the next power of two up to 32, then of 32, up to [`graph_max_seqs`]
+//! sequences): the host refreshes the inputs and
 //! issues one launch instead of ~14 per layer. The batch is padded to the bucket with dummy
 //! sequences that decode token 0 at position 1 of a scratch block — one block past the host
 //! pool's, which no sequence owns and nothing else reads — and their logits are dropped. A graph is
 //! planned for a context (block-table width and split-K plan) of the next power of two ≥ 256
 //! above the batch's longest sequence and recaptured, once per doubling, when a sequence grows
-//! past it. Any other step (a prefill chunk in the batch, speculative verification, an MHA-form
-//! chunk) runs eagerly.
+//! past it. A speculative round's verify forward (`sq` rows per sequence) is replayed the same way,
+//! from a graph of its own per (bucket, `sq`), for up to [`graph_max_seqs`]`(sq)` sequences. Any
+//! other step (a prefill chunk in the batch, an MHA-form chunk, prompt log-probabilities) runs
+//! eagerly.
 
 use std::collections::HashMap;
 
@@ -30,14 +33,10 @@ use crate::deepseek::forward::Hooks;
 use crate::deepseek::{
     AttentionForm, BatchInputs, BatchLogits, DeepseekModel, FormPolicy, LogitsWanted, SeqInput,
 };
-use crate::gpu::graph::DecodeGraph;
+use crate::gpu::graph::{graph_bucket, graph_max_seqs, DecodeGraph};
 use crate::gpu::GpuKvCache;
 use crate::kv::{BlockId, KvDtype, KvLayout, LayerRows};
 use crate::ModelError;
-
-/// The largest batch replayed from a graph; larger decode batches run eagerly (the launch
-/// overhead graphs remove is then a small part of the step).
-pub(crate) const MAX_GRAPH_BATCH: usize = 64;
 
 /// The smallest context a graph is planned for.
 const MIN_GRAPH_CTX: usize = 256;
@@ -228,9 +227,9 @@ impl CudaRows {
             LogitsWanted::All
         };
         // A graph computes only the picked rows' logits: prompt log-probabilities run eagerly.
-        let graph_shaped = n > 0
+        let bucket = graph_bucket(n, graph_max_seqs(sq));
+        let graph_shaped = bucket.is_some()
             && batch.prompt_logprobs.is_empty()
-            && n <= MAX_GRAPH_BATCH
             && sq >= 1
             // The padding sequences' tokens sit at positions 1..=sq of the scratch block.
             && self.cache.layout().page_size > sq
@@ -240,10 +239,9 @@ impl CudaRows {
                     && s.logits == wanted
                     && gpu.policy.choose(dims, s.start_pos, sq) == AttentionForm::Absorbed
             });
-        if !graph_shaped {
+        let (true, Some(bucket)) = (graph_shaped, bucket) else {
             return Ok(None);
-        }
-        let bucket = n.next_power_of_two();
+        };
         let longest = batch
             .seqs
             .iter()
