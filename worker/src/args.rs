@@ -225,8 +225,8 @@ pub struct DeviceArgs {
     #[arg(long, env = "FERRY_GPU_MODE", value_enum, default_value_t = GpuModeArg::Exact)]
     pub gpu_mode: GpuModeArg,
     /// On CUDA, replay decode steps and verify forwards from CUDA graphs (per batch-size
-    /// bucket, up to 256 sequences of one token; `FERRY_GRAPH_MAX_BATCH` changes it); `false`
-    /// runs every step eagerly.
+    /// bucket, up to 64 sequences; `FERRY_GRAPH_MAX_BATCH` changes it); `false` runs every
+    /// step eagerly.
     #[arg(long, env = "FERRY_CUDA_GRAPHS", default_value_t = true, action = clap::ArgAction::Set)]
     pub cuda_graphs: bool,
     /// Where the weights come from: `auto` (the checkpoint in the model directory) or `dummy`

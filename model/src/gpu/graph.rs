@@ -24,7 +24,7 @@ use crate::ModelError;
 
 /// The largest batch (sequences) replayed from a CUDA graph, for decode steps, verify forwards
 /// and drafter passes alike: [`GRAPH_MAX_BATCH`] unless `FERRY_GRAPH_MAX_BATCH` sets another
-/// (read once; the benchmarks' A/B switch, `64` the limit before session 23).
+/// (read once; the benchmarks' A/B switch).
 pub fn graph_max_batch() -> usize {
     static MAX: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *MAX.get_or_init(|| match std::env::var("FERRY_GRAPH_MAX_BATCH") {
@@ -36,11 +36,12 @@ pub fn graph_max_batch() -> usize {
     })
 }
 
-/// See [`graph_max_batch`]. A small model's eager step is bound by the host issuing its
-/// launches at every batch size (the trained 78M-active target: 5.6 ms eager at 128 sequences
-/// against 2.5 ms graphed at 64), and a large one's still gains a few per cent (V2-Lite at 128:
-/// 14.5 ms eager, 13.8 ms graphed).
-pub const GRAPH_MAX_BATCH: usize = 256;
+/// See [`graph_max_batch`]. Kept at 64 until a long run shows more pays: a small model's eager
+/// step is bound by the host issuing its launches (the trained 78M-active target: 5.6 ms eager
+/// at 128 sequences against 2.5 ms graphed at 64, session 23's lease), but the one A/B run of
+/// `FERRY_GRAPH_MAX_BATCH=256` (32 decode steps, so each graph's capture weighed in) measured
+/// V2-Lite at 96 sequences at 1,508 tok/s graphed against 4,232 eager (BENCHMARKS.md).
+pub const GRAPH_MAX_BATCH: usize = 64;
 
 /// Sequences of any length up to this many are graphed (as before session 23), unless
 /// `FERRY_GRAPH_MAX_BATCH` is lower.
@@ -49,7 +50,7 @@ const GRAPH_MIN_SEQS: usize = 64;
 /// The most sequences of `sq` new tokens each a graph replays: [`graph_max_batch`] rows' worth
 /// (a graph keeps the memory of every intermediate, which grows with its rows), and at least
 /// [`GRAPH_MIN_SEQS`] (a verify forward of 64 sequences × 9 rows was graphed before) unless the
-/// limit itself is lower. Decode steps (`sq` = 1): up to 256 sequences.
+/// limit itself is lower. Decode steps (`sq` = 1): up to the limit.
 pub fn graph_max_seqs(sq: usize) -> usize {
     max_seqs(sq, graph_max_batch())
 }
