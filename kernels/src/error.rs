@@ -142,3 +142,15 @@ impl From<ferry_modelcard::sampling::SamplingError> for KernelError {
         }
     }
 }
+
+/// `v` as a C `int` (a kernel argument, or a cuBLAS dimension) for operation `op`; too large a
+/// value is an error naming `field`.
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+pub(crate) fn c_int(op: &'static str, field: &'static str, v: usize) -> Result<i32, KernelError> {
+    i32::try_from(v).map_err(|_| KernelError::InvalidParam {
+        op,
+        field,
+        limit: "< 2^31",
+        value: v.to_string(),
+    })
+}

@@ -11,7 +11,7 @@ use cudarc::cublas::result::gemm_ex;
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
 
 use super::context::CudaDevice;
-use crate::error::KernelError;
+use crate::error::{c_int as dim, KernelError};
 
 /// Shape of one product.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -42,16 +42,6 @@ pub struct GemmPtrs {
     pub w: u64,
     /// `[m][n]` f32 output.
     pub out: u64,
-}
-
-/// `v` as cuBLAS's `int` (a dimension or leading dimension of `op`).
-fn dim(op: &'static str, field: &'static str, v: usize) -> Result<i32, KernelError> {
-    i32::try_from(v).map_err(|_| KernelError::InvalidParam {
-        op,
-        field,
-        limit: "< 2^31",
-        value: v.to_string(),
-    })
 }
 
 /// Runs one product; `accumulate` adds into `out` instead of overwriting it.

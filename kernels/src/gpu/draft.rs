@@ -10,7 +10,7 @@
 use super::launch::{DeviceMem, Gpu, KernelArgs, KernelParam, LaunchDims};
 use super::ops::{need, Dv, PagesView};
 use crate::cpu::draft::BlockAttnDims;
-use crate::error::KernelError;
+use crate::error::{c_int as int, KernelError};
 use crate::gpu::{Defines, Source};
 
 /// Warps per block-attention block (`DA_WARPS` in `draft.cu`).
@@ -24,15 +24,6 @@ pub const MAX_HEAD_DIM: usize = 128;
 
 fn kernel<D: Gpu>(dev: &D, name: &'static str) -> Result<D::Function, KernelError> {
     dev.function(Source::Draft, &Defines::new(), name)
-}
-
-fn int(op: &'static str, field: &'static str, v: usize) -> Result<i32, KernelError> {
-    i32::try_from(v).map_err(|_| KernelError::InvalidParam {
-        op,
-        field,
-        limit: "< 2^31",
-        value: v.to_string(),
-    })
 }
 
 /// `pages[slots[r]] = rows[r]` for `[R][pages.width]` rows and `R = slots.len` slots (f32

@@ -10,7 +10,7 @@ use half::bf16;
 pub use super::launch::Dv;
 use super::launch::{DeviceMem, Gpu, KernelArgs, KernelParam, LaunchDims};
 use crate::cpu::gemm::{Matrix, MatrixData};
-use crate::error::KernelError;
+use crate::error::{c_int as int, KernelError};
 use crate::gpu::{Defines, Source};
 
 /// Largest row count served by the GEMV kernel (decode); more rows go through the runtime's
@@ -34,15 +34,6 @@ pub(crate) fn need(
             got,
         })
     }
-}
-
-fn int(op: &'static str, field: &'static str, v: usize) -> Result<i32, KernelError> {
-    i32::try_from(v).map_err(|_| KernelError::InvalidParam {
-        op,
-        field,
-        limit: "< 2^31",
-        value: v.to_string(),
-    })
 }
 
 /// Storage of a [`GpuMatrix`] on the runtime `D`.

@@ -8,7 +8,7 @@
 use super::launch::{DeviceMem, Gpu, KernelArgs, LaunchDims};
 use super::ops::{need, Dv};
 use crate::cpu::sample::SamplingParams;
-use crate::error::KernelError;
+use crate::error::{c_int as int, KernelError};
 use crate::gpu::{Defines, Source};
 
 /// Threads per block of every kernel in `sample.cu` (`SAMPLE_THREADS` there).
@@ -51,15 +51,6 @@ pub fn pack_params(params: &[SamplingParams]) -> Vec<u32> {
             ]
         })
         .collect()
-}
-
-fn int(op: &'static str, field: &'static str, v: usize) -> Result<i32, KernelError> {
-    i32::try_from(v).map_err(|_| KernelError::InvalidParam {
-        op,
-        field,
-        limit: "< 2^31",
-        value: v.to_string(),
-    })
 }
 
 /// `vocab` in `1..=limit`.
