@@ -16,6 +16,10 @@
 #   engine    the same pair in-process on the GPU, no cluster: `ferry bench-engine --speculative
 #             --device cuda` under goodput and fixed:B, plain in the same command, with the
 #             drafter pass / verify forward / decode step timed apart   -> $RUN/bench/engine_spec.json
+#   knobs     plain decoding of the trained target in-process (batches 64, 96, 128; 1,024 steps)
+#             under session 23's open A/B switches: FERRY_GRAPH_MAX_BATCH=256 (graphs past 64
+#             sequences) and FERRY_HEAD_GEMM_MIN / FERRY_SHARED_GEMM_MIN off, alone and together,
+#             twice, interleaved                                -> $RUN/bench/knobs.md (not in `all`)
 #   verifycost  the regime of a large model: `ferry bench-engine --verify-cost` on the
 #             DeepSeek-V2-Lite-shaped model (dummy weights) with a drafter of
 #             models/dummy/v2-lite-drafter's size: decode step, verify forward of k + 1 rows and
@@ -238,6 +242,37 @@ for arg in sys.argv[2:]:
     out["policies"][v] = json.load(open(f))
 open(sys.argv[1], "w").write(json.dumps(out, indent=1) + "\n")
 EOF2
+}
+
+stage_knobs() {
+  # Plain decoding of the trained target in-process at serving length, under the A/B switches
+  # session 23 left open (BENCHMARKS.md, "CUDA graphs past 64 sequences"): graphs past 64
+  # sequences (FERRY_GRAPH_MAX_BATCH=256) and issue 13's batched cuBLAS paths turned off
+  # (FERRY_HEAD_GEMM_MIN / FERRY_SHARED_GEMM_MIN past any batch), alone and together. Arms
+  # interleaved and run twice; KNOBS_DECODE_STEPS (1024) keeps each bucket's one capture small
+  # next to its replays.
+  local ferry
+  ferry=$(ferry_bin)
+  if [ -z "$ferry" ]; then echo "lease: knobs skipped: no ferry binary"; return; fi
+  if [ "${DEVICE:-cuda}" = cpu ] || [ "$PRESET" = tiny ]; then
+    echo "lease: knobs skipped: the switches are the CUDA engine's"; return
+  fi
+  set +u; source scripts/gpu_env.sh; set -u
+  mkdir -p "$RUN/bench"
+  local md="$RUN/bench/knobs.md" arm round
+  : > "$md"
+  local arms=("default" "FERRY_GRAPH_MAX_BATCH=256" "FERRY_HEAD_GEMM_MIN=1000000 FERRY_SHARED_GEMM_MIN=1000000"
+    "FERRY_GRAPH_MAX_BATCH=256 FERRY_HEAD_GEMM_MIN=1000000 FERRY_SHARED_GEMM_MIN=1000000")
+  for round in 1 2; do
+    for arm in "${arms[@]}"; do
+      echo "lease: knobs round $round: $arm" | tee -a "$md"
+      # shellcheck disable=SC2086
+      env $([ "$arm" = default ] || echo "$arm") timeout "${KNOBS_SECONDS:-120}" "$ferry" bench-engine \
+        --device cuda --gpu-mode fast --model "$RUN/target" --batch "${KNOBS_BATCH:-64,96,128}" \
+        --prompt-len "${ENGINE_PROMPT_LEN:-1024}" --decode-steps "${KNOBS_DECODE_STEPS:-1024}" --repeat 1 2>&1 \
+        | grep '^|' | tee -a "$md" || echo "lease: knobs: $arm did not finish" | tee -a "$md"
+    done
+  done
 }
 
 stage_verifycost() {
@@ -479,7 +514,7 @@ run_stage() {
 [ $# -ge 1 ] || { sed -n 2,40p "$0"; exit 2; }
 for stage in "$@"; do
   case "$stage" in
-    target|drafter|prompts|check|bench|engine|verifycost|cpu|summary) run_stage "$stage" ;;
+    target|drafter|prompts|check|bench|engine|knobs|verifycost|cpu|summary) run_stage "$stage" ;;
     all)
       for s in target drafter prompts check bench engine cpu verifycost summary; do run_stage "$s"; done ;;
     start)
