@@ -53,6 +53,8 @@ use super::{
 };
 use crate::config::ModelConfig;
 use crate::deepseek::DeepseekModel;
+#[cfg(feature = "cuda")]
+use crate::gpu::graph::{graph_bucket, graph_max_batch};
 use crate::kv::{BlockId, KvStore};
 use crate::weights::{TensorSource, Weights};
 use crate::ModelError;
@@ -745,10 +747,8 @@ impl DsparkDrafter {
             return Ok(None);
         };
         let n = inputs.len();
-        // The engine's buckets and limit: a drafter pass is graphed whenever its round's verify
-        // forward can be.
-        let bucket = match crate::gpu::graph::graph_bucket(n, crate::gpu::graph::graph_max_batch())
-        {
+        // The engine's buckets, and its limit for decode steps (`FERRY_GRAPH_MAX_BATCH`).
+        let bucket = match graph_bucket(n, graph_max_batch()) {
             Some(b) if self.use_graphs => b,
             _ => return Ok(None),
         };
