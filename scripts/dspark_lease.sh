@@ -115,6 +115,19 @@ ferry_bin() {
   echo ""
 }
 
+# The ferry binary for a stage that measures on the GPU; prints nothing and fails (the reason in
+# the log) where it cannot run: no binary, or a CPU / tiny lease. The caller then sources
+# scripts/gpu_env.sh in its own shell (cudarc loads libnvrtc / libcublas at run time).
+gpu_stage_ferry() {  # stage, why it needs a GPU
+  local ferry
+  ferry=$(ferry_bin)
+  if [ -z "$ferry" ]; then echo "lease: $1 skipped: no ferry binary" >&2; return 1; fi
+  if [ "${DEVICE:-cuda}" = cpu ] || [ "$PRESET" = tiny ]; then
+    echo "lease: $1 skipped: $2" >&2; return 1
+  fi
+  echo "$ferry"
+}
+
 stage_target() {
   for f in train.txt.xz heldout.txt.xz tokenizer.json tokenizer_config.json; do
     [ -f "$CORPUS/$f" ] || { echo "lease: $CORPUS/$f missing: run scripts/make_corpus.py and carry $CORPUS"; exit 2; }
@@ -213,11 +226,7 @@ stage_engine() {
   # left out), on the lease's trained pair: if this pays and `bench` does not, the cluster path
   # is where the time goes.
   local ferry
-  ferry=$(ferry_bin)
-  if [ -z "$ferry" ]; then echo "lease: engine skipped: no ferry binary"; return; fi
-  if [ "${DEVICE:-cuda}" = cpu ] || [ "$PRESET" = tiny ]; then
-    echo "lease: engine skipped: it measures the trained pair on a GPU"; return
-  fi
+  ferry=$(gpu_stage_ferry engine "it measures the trained pair on a GPU") || return 0
   set +u; source scripts/gpu_env.sh; set -u
   mkdir -p "$RUN/bench"
   : > "$RUN/bench/engine_spec.md"
@@ -252,11 +261,7 @@ stage_knobs() {
   # interleaved and run twice; KNOBS_DECODE_STEPS (1024) keeps each bucket's one capture small
   # next to its replays.
   local ferry
-  ferry=$(ferry_bin)
-  if [ -z "$ferry" ]; then echo "lease: knobs skipped: no ferry binary"; return; fi
-  if [ "${DEVICE:-cuda}" = cpu ] || [ "$PRESET" = tiny ]; then
-    echo "lease: knobs skipped: the switches are the CUDA engine's"; return
-  fi
+  ferry=$(gpu_stage_ferry knobs "the switches are the CUDA engine's") || return 0
   set +u; source scripts/gpu_env.sh; set -u
   mkdir -p "$RUN/bench"
   local md="$RUN/bench/knobs.md" arm round
@@ -277,11 +282,7 @@ stage_knobs() {
 
 stage_verifycost() {
   local ferry tau=() ks="1,2,3,4,5,7,9,11,13,15"
-  ferry=$(ferry_bin)
-  if [ -z "$ferry" ]; then echo "lease: verifycost skipped: no ferry binary"; return; fi
-  if [ "${DEVICE:-cuda}" = cpu ] || [ "$PRESET" = tiny ]; then
-    echo "lease: verifycost skipped: it measures the V2-Lite-shaped model on a GPU"; return
-  fi
+  ferry=$(gpu_stage_ferry verifycost "it measures the V2-Lite-shaped model on a GPU") || return 0
   set +u; source scripts/gpu_env.sh; set -u
   # The trained pair's held-out τ for every k up to its block B: from the conditional acceptance
   # per position c_j (train_drafter.py's greedy evaluation; the serving-shaped test when the
