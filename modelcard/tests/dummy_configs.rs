@@ -90,3 +90,35 @@ fn v3_tp8_slice() {
     assert_eq!(total, 32_501_805_312, "total");
     assert_eq!(active, 2_904_968_448, "active");
 }
+
+/// The shape of the DSpark lease's trained target (`scripts/train_target.py --preset h200`),
+/// for measuring a speculating engine's costs on it without a lease's training.
+#[test]
+fn dspark_h200() {
+    let c = config("dspark-h200");
+    assert_eq!(
+        (
+            c.hidden_size,
+            c.num_hidden_layers,
+            c.num_attention_heads,
+            c.q_lora_rank,
+            c.vocab_size
+        ),
+        (512, 20, 12, Some(256), 8192)
+    );
+    assert_eq!(
+        (
+            c.n_routed_experts,
+            c.num_experts_per_tok,
+            c.n_shared_experts
+        ),
+        (32, 4, 2)
+    );
+    let (total, active) = c.parameter_counts();
+    // The lease's training report (2026-12-04, session 23): 287,059,968 parameters counted by
+    // torch on the trained checkpoint, where V3's routing correction biases are buffers, not
+    // parameters (+ 32 per MoE layer × 19 here); 73,674,752 active per token without the
+    // embedding table, by its own formula, which leaves out the final norm (+ 512).
+    assert_eq!(total, 287_059_968 + 19 * 32, "total");
+    assert_eq!(active, 73_674_752 + 19 * 32 + 512, "active");
+}

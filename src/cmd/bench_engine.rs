@@ -112,10 +112,7 @@ pub fn run(args: BenchEngineArgs) -> anyhow::Result<()> {
         return super::pass_cost::run_verify_cost(&args, &dir);
     }
     if args.speculative {
-        if dummy != ferry_model::dummy::LoadFormat::Auto {
-            bail!("`--speculative` needs the checkpoint's weights (a drafter is trained against them), not `--load-format dummy`");
-        }
-        return run_speculative(&args, &dir, &DeepseekModel::load(&dir)?);
+        return run_speculative(&args, &dir);
     }
     if args.serving {
         return run_serving(&args, &dir);
@@ -258,39 +255,48 @@ pub(super) fn synthetic_prompts(vocab: u32, batch: usize, len: usize, salt: u32)
 /// included; median of `--repeat`), the mean acceptance length (tokens per speculative round),
 /// and the cost of one drafter pass and of one verify pass over the whole batch, next to a
 /// plain decode step of the same batch.
-fn run_speculative(
-    args: &BenchEngineArgs,
-    dir: &Path,
-    model: &DeepseekModel,
-) -> anyhow::Result<()> {
+///
+/// With `--load-format dummy` the target and the drafter (`--drafter DIR`'s config.json) get
+/// seeded random weights: the drafts are then almost never accepted, so the speed-up means
+/// nothing, but what a drafter pass, a verify forward and a round cost on that model's shape
+/// (the step counters in the JSON) is measured through the real engine.
+fn run_speculative(args: &BenchEngineArgs, dir: &Path) -> anyhow::Result<()> {
     let drafter_dir = match args.drafter.clone() {
         Some(d) => d,
         None => ferry_model::drafter::default_for(dir)?
             .context("no drafter for this model: pass `--drafter DIR`")?,
     };
-    let drafter = DsparkDrafter::load(&drafter_dir, model.config())?;
-    let ctx_limit = model.config().max_position_embeddings;
-    if args.prompt_len + args.decode_steps + drafter.block_size() > ctx_limit {
-        bail!("`--prompt-len` + `--decode-steps` + the block size must fit the context of {ctx_limit}");
-    }
     // The engines run on `--device`; so do the per-pass costs (the target's forwards and the
     // drafter's passes on that device, as in the engine).
     let device = args.device.resolve()?;
-    let target = args.device.gpu_model(model)?;
-    let target = target.as_ref().unwrap_or(model);
-    let mut drafter = drafter;
+    let load_format = args.device.load_format();
+    let target = super::pass_cost::bench_target(args, dir)?;
+    let mut drafter = match load_format {
+        ferry_model::dummy::LoadFormat::Auto => DsparkDrafter::load(&drafter_dir, target.config())?,
+        ferry_model::dummy::LoadFormat::Dummy { seed } => {
+            println!("--load-format dummy: random target and drafter; the speed-up and acceptance mean nothing, the pass and step costs do\n");
+            let c =
+                ferry_model::drafter::DrafterConfig::from_file(&drafter_dir.join("config.json"))?;
+            DsparkDrafter::dummy(c, target.config(), seed)?
+        }
+    };
+    let ctx_limit = target.config().max_position_embeddings;
+    if args.prompt_len + args.decode_steps + drafter.block_size() > ctx_limit {
+        bail!("`--prompt-len` + `--decode-steps` + the block size must fit the context of {ctx_limit}");
+    }
     drafter.to_backend(target.backend())?;
     drafter.set_graphs(args.device.cuda_graphs && device.is_gpu());
     let base = EngineConfig {
         device,
         gpu_mode: args.device.mode(),
         cuda_graphs: args.device.cuda_graphs,
+        load_format,
         ..EngineConfig::default()
     };
     let file_prompts = args
         .prompts
         .as_deref()
-        .map(|p| load_prompts(p, args.prompt_len, model.config().vocab_size as u32))
+        .map(|p| load_prompts(p, args.prompt_len, target.config().vocab_size as u32))
         .transpose()?;
     println!("engines on {device}\n");
     println!(
@@ -323,7 +329,7 @@ fn run_speculative(
             stats = s;
         }
         let b = drafter.block_size();
-        let mut passes = PassBench::new(target, &drafter, c, args.prompt_len, b + 1)?;
+        let mut passes = PassBench::new(&target, &drafter, c, args.prompt_len, b + 1)?;
         let (d, v, st) = (
             passes.draft_ms(5)?,
             passes.forward_ms(b + 1, 5)?,

@@ -262,13 +262,13 @@ pub fn computed_speedup(tau: f64, step_ms: f64, draft_ms: f64, verify_ms: f64) -
     tau * step_ms / (draft_ms + verify_ms)
 }
 
-/// `ferry bench-engine --verify-cost` (see the module docs).
-pub fn run_verify_cost(args: &BenchEngineArgs, dir: &Path) -> anyhow::Result<()> {
-    let device = args.device.resolve()?;
+/// The target a pass benchmark times, where `--device` runs it: the checkpoint in `dir`, or
+/// with `--load-format dummy` its config with seeded random weights (drawn on a CUDA device
+/// directly: a large model's would take minutes from the host).
+pub fn bench_target(args: &BenchEngineArgs, dir: &Path) -> anyhow::Result<DeepseekModel> {
     let config = ferry_model::config::ModelConfig::from_file(&dir.join("config.json"))?;
-    let target = match (args.device.load_format(), args.device.cuda()?) {
+    Ok(match (args.device.load_format(), args.device.cuda()?) {
         (ferry_model::dummy::LoadFormat::Dummy { seed }, Some(dev)) => {
-            // Drawn on the device: a large model's weights would take minutes from the host.
             DeepseekModel::random_seeded(&dev, config, args.device.mode(), seed)?
         }
         (ferry_model::dummy::LoadFormat::Dummy { seed }, None) => DeepseekModel::dummy(dir, seed)?,
@@ -279,7 +279,13 @@ pub fn run_verify_cost(args: &BenchEngineArgs, dir: &Path) -> anyhow::Result<()>
                 None => host,
             }
         }
-    };
+    })
+}
+
+/// `ferry bench-engine --verify-cost` (see the module docs).
+pub fn run_verify_cost(args: &BenchEngineArgs, dir: &Path) -> anyhow::Result<()> {
+    let device = args.device.resolve()?;
+    let target = bench_target(args, dir)?;
     let make_drafter = |graphs: bool| -> anyhow::Result<DsparkDrafter> {
         let mut drafter = match (&args.drafter_config, &args.drafter) {
             (Some(_), Some(_)) => bail!("give `--drafter` or `--drafter-config`, not both"),

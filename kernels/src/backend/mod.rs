@@ -369,25 +369,28 @@ impl Backend {
         Ok(out)
     }
 
-    /// Copies all of `src` into the start of `dst` (index arrays; stream-ordered on a GPU).
-    pub fn copy_ints_into(&self, src: &Ints, dst: &mut Ints) -> Result<(), KernelError> {
+    /// Copies all of `src` into `dst` from element `at` on (index arrays; stream-ordered on a
+    /// GPU).
+    pub fn copy_ints_into(&self, src: &Ints, dst: &mut Ints, at: usize) -> Result<(), KernelError> {
         const OP: &str = "copy_ints_into";
         let (n, got) = (src.len(), dst.len());
-        if n > got {
+        if at + n > got {
             return Err(KernelError::ShapeMismatch {
                 op: OP,
                 what: "dst",
-                expected: n,
+                expected: at + n,
                 got,
             });
         }
         match (self, src, dst) {
             (Backend::Cpu, Ints::Host(s), Ints::Host(d)) => {
-                d[..n].copy_from_slice(s);
+                d[at..at + n].copy_from_slice(s);
                 Ok(())
             }
             #[cfg(feature = "cuda")]
-            (Backend::Cuda(dev), Ints::Cuda(s), Ints::Cuda(d)) => dev.copy_range((s, 0), (d, 0), n),
+            (Backend::Cuda(dev), Ints::Cuda(s), Ints::Cuda(d)) => {
+                dev.copy_range((s, 0), (d, at), n)
+            }
             (b, Ints::Host(_), _) if !matches!(b, Backend::Cpu) => {
                 Err(mismatch(OP, "src", b, "CPU"))
             }

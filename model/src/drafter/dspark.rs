@@ -157,12 +157,15 @@ struct PassPlan {
     order: Option<Ints>,
 }
 
-/// What one pass writes.
+/// What one pass writes. Every step's drafts and confidences share one buffer each, so a pass
+/// costs two downloads, not two per block position (each a synchronising copy).
 struct PassOut {
-    /// Per step, each input's draft (-1: no valid distribution).
-    steps: Vec<Ints>,
-    /// Per step, each input's confidence.
-    confidence: Vec<Tensor>,
+    /// `[B][width]`: at block position `k`, each input's draft (-1: no valid distribution).
+    drafts: Ints,
+    /// `[B][width]`: at block position `k`, each input's confidence.
+    confidence: Tensor,
+    /// Inputs of the pass (padded ones included): the rows of `drafts` and `confidence`.
+    width: usize,
     /// `[n · B][vocab]` the sampled drafts' distributions, sequence-major (sampled batches).
     q: Option<Tensor>,
 }
@@ -561,10 +564,9 @@ impl DsparkDrafter {
         let b = &self.backend;
         let blk = self.config.block_size;
         Ok(PassOut {
-            steps: (0..blk)
-                .map(|_| b.ints(vec![0; n]))
-                .collect::<Result<_, _>>()?,
-            confidence: (0..blk).map(|_| b.zeros(n)).collect::<Result<_, _>>()?,
+            drafts: b.ints(vec![0; blk * n])?,
+            confidence: b.zeros(blk * n)?,
+            width: n,
             q: sampled
                 .then(|| b.zeros(n * blk * self.config.vocab_size))
                 .transpose()?,
@@ -598,15 +600,11 @@ impl DsparkDrafter {
         // A row that could not be drawn (-1) fails its own proposal; the next step must still
         // embed a valid id there: on the host the -1 is replaced by 0 (a device embed reads an
         // out-of-range id as a zero row).
-        let mut clamped: Option<Ints> = None;
+        let mut prev: Option<Ints> = None;
         for (k, at) in plan.at.iter().enumerate() {
-            let (done, _) = out.steps.split_at(k);
-            let prev = match (k, &clamped) {
-                (0, _) => &plan.anchors,
-                (_, Some(c)) => c,
-                (_, None) => &done[k - 1],
-            };
-            let e = self.markov.embed(b, prev)?;
+            let e = self
+                .markov
+                .embed(b, prev.as_ref().unwrap_or(&plan.anchors))?;
             let bias = self.markov.bias(b, &e, precision)?;
             let mut logits_k = gather(
                 b,
@@ -636,7 +634,7 @@ impl DsparkDrafter {
                 },
             )?;
             let conf = self.confidence.survival(b, &hidden_k, &e)?;
-            b.copy_into(&conf, &mut out.confidence[k], 0)?;
+            b.copy_into(&conf, &mut out.confidence, k * n)?;
             let ids = match (&plan.params, plan.uniforms.get(k)) {
                 (Some(params), Some(uniforms)) => {
                     let p = probs(
@@ -661,13 +659,13 @@ impl DsparkDrafter {
                 }
                 _ => argmax(b, &logits_k, vocab)?,
             };
-            clamped = match &ids {
-                Ints::Host(v) => Some(Ints::Host(v.iter().map(|&t| t.max(0)).collect())),
+            b.copy_ints_into(&ids, &mut out.drafts, k * n)?;
+            prev = Some(match ids {
+                Ints::Host(v) => Ints::Host(v.iter().map(|&t| t.max(0)).collect()),
                 // Device ids are clamped by the embedding kernel itself.
                 #[allow(unreachable_patterns)]
-                _ => None,
-            };
-            b.copy_ints_into(&ids, &mut out.steps[k])?;
+                device => device,
+            });
         }
         // Sequence-major q for the verifier: row s·B + k.
         if let (Some(q), Some(order), Some(dst)) = (q_steps, &plan.order, out.q.as_mut()) {
@@ -685,22 +683,15 @@ impl DsparkDrafter {
     }
 
     /// The proposals of the first `inputs.len()` inputs of a pass's `out`: drafts and
-    /// confidences downloaded (one download per step), the q rows copied on the backend
+    /// confidences downloaded (one download each), the q rows copied on the backend
     /// (a graph's buffers are overwritten by its next replay).
     fn collect(&self, inputs: &[DraftInput<'_>], out: &PassOut) -> Result<Proposals, ModelError> {
         let b = &self.backend;
         let (blk, vocab) = (self.config.block_size, self.config.vocab_size);
         let n = inputs.len();
-        let drafts: Vec<Vec<i32>> = out
-            .steps
-            .iter()
-            .map(Ints::to_host)
-            .collect::<Result<_, _>>()?;
-        let confidence: Vec<Vec<f32>> = out
-            .confidence
-            .iter()
-            .map(Tensor::to_host)
-            .collect::<Result<_, _>>()?;
+        let w = out.width;
+        let drafts = out.drafts.to_host()?;
+        let confidence = out.confidence.to_host()?;
         let sampled: Vec<bool> = inputs.iter().map(|i| !i.params.is_greedy()).collect();
         let q = match &out.q {
             Some(all) if sampled.iter().any(|&s| s) => {
@@ -712,7 +703,7 @@ impl DsparkDrafter {
         };
         let each = (0..n)
             .map(|s| {
-                let ids: Vec<i32> = drafts.iter().map(|d| d[s]).collect();
+                let ids: Vec<i32> = (0..blk).map(|k| drafts[k * w + s]).collect();
                 if let Some(k) = ids.iter().position(|&t| t < 0) {
                     return Err(ModelError::Invalid(format!(
                         "drafter Markov head: block position {k} has no valid distribution"
@@ -725,7 +716,7 @@ impl DsparkDrafter {
                     } else {
                         DraftDist::Greedy
                     },
-                    confidence: confidence.iter().map(|c| c[s]).collect(),
+                    confidence: (0..blk).map(|k| confidence[k * w + s]).collect(),
                 })
             })
             .collect();

@@ -843,13 +843,22 @@ impl EngineHandle {
         if let crate::dummy::LoadFormat::Dummy { seed } = config.load_format {
             let model_config =
                 crate::config::ModelConfig::from_file(&model_dir.join("config.json"))?;
-            if let Some(d) = drafter_dir {
-                tracing::warn!(
-                    drafter = %d.display(),
-                    "--load-format dummy: the drafter is not loaded (its weights would not match \
-                     the dummy target's)"
-                );
-            }
+            // A trained drafter's weights would not match the dummy target's: the drafter's
+            // config.json is drawn with seeded random weights too, so a speculating engine's
+            // costs (drafter pass, verify forwards, rounds) can be measured on a large model's
+            // shape. Its drafts are then almost never accepted.
+            let drafter = drafter_dir
+                .map(|d| {
+                    let c = crate::drafter::DrafterConfig::from_file(&d.join("config.json"))?;
+                    tracing::info!(
+                        drafter = %d.display(),
+                        "--load-format dummy: the drafter's config.json with seeded random \
+                         weights (its drafts mean nothing)"
+                    );
+                    crate::drafter::DsparkDrafter::dummy(c, &model_config, seed)
+                })
+                .transpose()?
+                .map(|d| Box::new(d) as Box<dyn Drafter>);
             tracing::info!(
                 model = %model_dir.display(),
                 seed,
@@ -859,7 +868,7 @@ impl EngineHandle {
                 config: model_config,
                 seed,
             };
-            return Self::spawn_source(source, None, config);
+            return Self::spawn_source(source, drafter, config);
         }
         let model = DeepseekModel::load(model_dir)?;
         let drafter = drafter_dir
