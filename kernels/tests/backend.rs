@@ -472,8 +472,7 @@ fn linear_above_the_gemv_rows_matches_the_cpu_on_every_backend() {
 
 /// Two projections of one input (an attention layer's first query projection and kv_a):
 /// `linear_pair` must give bitwise what two `linear` calls give on every backend — on a GPU
-/// one `gemv_pair` launch up to 16 rows of these small weights, two launches above — for f32
-/// and bf16 weights, widths
+/// one `gemv_pair` launch up to 8 rows, two launches above — for f32 and bf16 weights, widths
 /// on and off the GEMV's 8-wide vector path, and weights of different element types (which
 /// are never fused).
 #[test]
@@ -501,7 +500,7 @@ fn linear_pair_is_bitwise_two_linears_on_every_backend() {
                 Matrix::from_f32(n2, k, w2.clone()).expect("w2"),
             ),
         ];
-        for m in [1, 3, 8, 9, 16, 17] {
+        for m in [1, 3, 8, 9] {
             let x = common::uniform(&mut rng, m * k, 1.0);
             for (a, c) in &pairs {
                 for b in backends() {

@@ -227,6 +227,5 @@ pub fn forward_kernels<D: Gpu>(k: AttnKernels, shape: &MlaShape, cc: (i32, i32))
     ]
 }
 
-/// Rows up to which `linear` always takes the GEMV kernel (more rows: the runtime's large GEMM,
-/// unless the weight is small: [`crate::gpu::ops::gemv_takes`]).
+/// Rows above which `linear` leaves the GEMV kernel for the runtime's large GEMM.
 pub const LINEAR_GEMV_ROWS: usize = GEMV_MAX_M;

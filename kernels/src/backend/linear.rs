@@ -1,8 +1,7 @@
 //! `y = x · Wᵀ`: the one linear op of every projection.
 //!
 //! CPU: the `gemm` crate over bf16 or f32 weights ([`crate::cpu::gemm::linear`]). CUDA: a GEMV
-//! kernel for ≤ 8 rows (decode) and for ≤ 16 rows of a small weight
-//! ([`crate::gpu::ops::gemv_takes`]: a speculative round's verify rows), cuBLAS otherwise, with the activations split into two bf16 halves
+//! kernel for ≤ 8 rows (decode), cuBLAS above, with the activations split into two bf16 halves
 //! ([`Precision::Exact`]) or rounded to bf16 ([`Precision::Fast`]) against bf16 weights. ROCm:
 //! the same GEMV, and above it the portable tiled GEMM (`gemm_tiled_*`, f32 activations in
 //! both precisions).
@@ -72,7 +71,7 @@ fn on_gpu<D: super::OnDevice>(dev: &D, p: Linear<'_>, out: &Tensor) -> Result<()
 }
 
 /// `h += x · Wᵀ` (a sub-layer's output projection added into the residual stream): on a GPU
-/// the GEMV (decode rows) or the large GEMM adds into `h` itself — for the GEMV bitwise
+/// the GEMV (up to 8 rows) or the large GEMM adds into `h` itself — for the GEMV bitwise
 /// `h + linear(x)` — with no separate add (unless fusion is off, [`super::fuse`]); on the CPU
 /// [`linear`] then the add.
 pub fn linear_add(b: &Backend, p: Linear<'_>, h: &mut Tensor) -> Result<(), KernelError> {
@@ -124,8 +123,7 @@ pub struct LinearPair<'a> {
     pub precision: Precision,
 }
 
-/// `([rows][n1], [rows][n2])`, new tensors on `b`. On a GPU, the rows the GEMV takes
-/// ([`crate::gpu::ops::gemv_takes`]) with both
+/// `([rows][n1], [rows][n2])`, new tensors on `b`. On a GPU, up to 8 rows (decode) with both
 /// weights of one element type go through one `gemv_pair` launch — bitwise what two [`linear`]
 /// calls give — unless fusion is off ([`super::fuse`]); everything else is two [`linear`] calls.
 pub fn linear_pair(b: &Backend, p: LinearPair<'_>) -> Result<(Tensor, Tensor), KernelError> {
@@ -141,7 +139,7 @@ pub fn linear_pair(b: &Backend, p: LinearPair<'_>) -> Result<(Tensor, Tensor), K
         let fits = k > 0
             && p.second.cols() == k
             && rows * k == p.x.len()
-            && crate::gpu::ops::gemv_takes(rows, p.first.bytes() + p.second.bytes())
+            && rows <= crate::gpu::ops::GEMV_MAX_M
             && super::fuse();
         if fits {
             let mut a = b.scratch(rows * p.first.rows())?;

@@ -285,11 +285,8 @@ extern "C" __global__ void gather_rows(const float* src, const int* rows, float*
 }
 
 // ---------------------------------------------------------------------------------------------
-// GEMV for decode-sized batches: out[m][n] = x[m][k] · W[n][k]ᵀ, f32 accumulation. One warp
-// per weight row, 16-byte weight loads; memory-bound on W. Grid: ceil(n/8); block 256. The
-// kernels take activation rows GEMV_MAX_M at a time (one register accumulator each): more rows
-// (gemv / gemv_pair: up to ops.rs's GEMV_WIDE_MAX_M) re-read the warp's weight row per chunk,
-// from L1 / L2, and every output row is the same arithmetic whatever m is.
+// GEMV for decode-sized batches: out[m][n] = x[m][k] · W[n][k]ᵀ, m <= 8, f32 accumulation.
+// One warp per weight row, 16-byte weight loads; memory-bound on W. Grid: ceil(n/8); block 256.
 #define GEMV_MAX_M 8
 // Loads in flight per lane before the FMAs that use them: a warp streams GEMV_U × 512 bytes of a
 // weight row at once instead of one 16-byte load per lane per loop trip (memory-level
@@ -402,17 +399,14 @@ __device__ void gemv_impl(const float* x, int m, const W* w, int n, int k, float
                           int accumulate) {
   int row = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
   if (row >= n) return;
-  for (int t0 = 0; t0 < m; t0 += GEMV_MAX_M) {
-    int mc = min(GEMV_MAX_M, m - t0);
-    float acc[GEMV_MAX_M];
+  float acc[GEMV_MAX_M];
 #pragma unroll
-    for (int i = 0; i < GEMV_MAX_M; i++) acc[i] = 0.0f;
-    warp_row_dots(x + (size_t)t0 * k, mc, k, w + (size_t)row * k, k, acc);
-    if (threadIdx.x % WARP == 0) {
-      for (int i = 0; i < mc; i++) {
-        float* o = out + (size_t)(t0 + i) * n + row;
-        *o = accumulate ? *o + acc[i] : acc[i];
-      }
+  for (int i = 0; i < GEMV_MAX_M; i++) acc[i] = 0.0f;
+  warp_row_dots(x, m, k, w + (size_t)row * k, k, acc);
+  if (threadIdx.x % WARP == 0) {
+    for (int i = 0; i < m; i++) {
+      float* o = out + (size_t)i * n + row;
+      *o = accumulate ? *o + acc[i] : acc[i];
     }
   }
 }
@@ -463,15 +457,12 @@ __device__ void gemv_pair_impl(const float* x, int m, const W* w1, int n1, float
   if (row < n) prefetch_l2(w, (size_t)k * sizeof(W));
   pdl_enter();
   if (row >= n) return;
-  for (int t0 = 0; t0 < m; t0 += GEMV_MAX_M) {
-    int mc = min(GEMV_MAX_M, m - t0);
-    float acc[GEMV_MAX_M];
+  float acc[GEMV_MAX_M];
 #pragma unroll
-    for (int i = 0; i < GEMV_MAX_M; i++) acc[i] = 0.0f;
-    warp_row_dots(x + (size_t)t0 * k, mc, k, w, k, acc);
-    if (threadIdx.x % WARP == 0)
-      for (int i = 0; i < mc; i++) out[(size_t)(t0 + i) * n + row] = acc[i];
-  }
+  for (int i = 0; i < GEMV_MAX_M; i++) acc[i] = 0.0f;
+  warp_row_dots(x, m, k, w, k, acc);
+  if (threadIdx.x % WARP == 0)
+    for (int i = 0; i < m; i++) out[(size_t)i * n + row] = acc[i];
 }
 extern "C" __global__ void gemv_pair_f32(const float* x, int m, const float* w1, int n1,
                                          float* o1, const float* w2, int n2, float* o2, int k) {

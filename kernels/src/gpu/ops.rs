@@ -13,36 +13,9 @@ use crate::cpu::gemm::{Matrix, MatrixData};
 use crate::error::{c_int as int, KernelError};
 use crate::gpu::{Defines, Source};
 
-/// Activation rows the GEMV kernels take at a time (one register accumulator each; also the
-/// chunk of the kernels built on the same dot products). Up to this many rows a projection
-/// always runs as a GEMV (decode).
+/// Largest row count served by the GEMV kernel (decode); more rows go through the runtime's
+/// large GEMM ([`Gpu::gemm`]).
 pub const GEMV_MAX_M: usize = 8;
-
-/// Rows up to which a *small* projection ([`GEMV_WIDE_MAX_BYTES`]) still runs as a GEMV, in
-/// chunks of [`GEMV_MAX_M`] rows that re-read the weight row from L1 / L2: a speculative
-/// round's verify forward (block 8 + the anchor = 9 rows per sequence) and small batches. A
-/// latency-bound model's projections cost a launch each, and the large GEMM path costs two or
-/// three (the activations' bf16 copy, cuBLAS, its split-K) plus an allocation.
-pub const GEMV_WIDE_MAX_M: usize = 16;
-
-/// Weight bytes up to which a projection of [`GEMV_MAX_M`]`+1 ..=`[`GEMV_WIDE_MAX_M`] rows
-/// stays a GEMV. Each chunk of 8 rows streams the activations from L1 again, so a large weight
-/// is faster on the tensor cores (a vocabulary's LM head); 8 MiB keeps every projection of
-/// the trained DSpark target and DeepSeek-V2-Lite's `o_proj` and `kv_a` on the GEMV.
-/// `FERRY_GEMV_WIDE_MAX_BYTES` overrides it for A/B runs (0: only ≤ 8 rows, as before).
-pub const GEMV_WIDE_MAX_BYTES: usize = 8 << 20;
-
-/// [`GEMV_WIDE_MAX_BYTES`], or `FERRY_GEMV_WIDE_MAX_BYTES` when set (read once).
-pub fn gemv_wide_max_bytes() -> usize {
-    static MAX: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *MAX.get_or_init(|| env_tokens("FERRY_GEMV_WIDE_MAX_BYTES", GEMV_WIDE_MAX_BYTES))
-}
-
-/// Whether a projection of `m` rows against `weight_bytes` of weights runs as a GEMV (else the
-/// runtime's large GEMM, [`Gpu::gemm`]).
-pub fn gemv_takes(m: usize, weight_bytes: usize) -> bool {
-    m <= GEMV_MAX_M || (m <= GEMV_WIDE_MAX_M && weight_bytes <= gemv_wide_max_bytes())
-}
 
 /// `got >= needed`, or a shape error naming the buffer.
 pub(crate) fn need(
@@ -192,9 +165,8 @@ pub struct GemmOut {
     pub accumulate: bool,
 }
 
-/// `out[m][n] = x[m][k] · Wᵀ` (`m = x.len / k`); GEMV where [`gemv_takes`] says so (decode,
-/// small projections of a few more rows), the runtime's large GEMM otherwise ([`Gpu::gemm`]:
-/// cuBLAS on CUDA, [`gemm_tiled`] on ROCm).
+/// `out[m][n] = x[m][k] · Wᵀ` (`m = x.len / k`); GEMV for `m <= 8`, the runtime's large GEMM
+/// above ([`Gpu::gemm`]: cuBLAS on CUDA, [`gemm_tiled`] on ROCm).
 pub fn linear<D: Gpu>(
     dev: &D,
     x: Dv<f32>,
@@ -252,7 +224,7 @@ fn project<D: Gpu>(
     if m == 0 {
         return Ok(());
     }
-    if gemv_takes(m, w.bytes()) {
+    if m <= GEMV_MAX_M {
         return gemv(dev, x, w, out.out, out.accumulate);
     }
     dev.gemm(x, w, out, precision)
@@ -320,7 +292,7 @@ pub fn gemm_tiled<D: Gpu>(
     dev.launch(&f, dims, &mut a)
 }
 
-/// The GEMV kernel alone: `out (+)= x · Wᵀ` for `x.len / k <= `[`GEMV_WIDE_MAX_M`] rows.
+/// The GEMV kernel alone: `out (+)= x · Wᵀ` for `x.len / k <= 8` rows.
 pub fn gemv<D: Gpu>(
     dev: &D,
     x: Dv<f32>,
@@ -331,11 +303,11 @@ pub fn gemv<D: Gpu>(
     const OP: &str = "gpu_gemv";
     let (n, k) = (w.rows, w.cols);
     let m = x.len / k.max(1);
-    if m > GEMV_WIDE_MAX_M || m * k != x.len {
+    if m > GEMV_MAX_M || m * k != x.len {
         return Err(KernelError::InvalidParam {
             op: OP,
             field: "x rows",
-            limit: "a whole number <= 16",
+            limit: "a whole number <= 8",
             value: format!("{} / {k}", x.len),
         });
     }
@@ -352,8 +324,7 @@ pub fn gemv<D: Gpu>(
     dev.launch(&f, LaunchDims::linear(n.div_ceil(8), 256), &mut a)
 }
 
-/// Two projections of the same `x` (`m <= `[`GEMV_WIDE_MAX_M`] rows, equal input width and
-/// element type) in one
+/// Two projections of the same `x` (`m <= 8` rows, equal input width and element type) in one
 /// GEMV launch (`gemv_pair_*`): `out1 = x · W1ᵀ`, `out2 = x · W2ᵀ`, bitwise what two [`gemv`]
 /// launches give. An attention layer's first query projection and `kv_a` (see
 /// [`crate::backend::linear::linear_pair`]).
@@ -374,11 +345,11 @@ pub fn gemv_pair<D: Gpu>(
         });
     }
     let m = x.len / k.max(1);
-    if m > GEMV_WIDE_MAX_M || m * k != x.len {
+    if m > GEMV_MAX_M || m * k != x.len {
         return Err(KernelError::InvalidParam {
             op: OP,
             field: "x rows",
-            limit: "a whole number <= 16",
+            limit: "a whole number <= 8",
             value: format!("{} / {k}", x.len),
         });
     }
