@@ -16,10 +16,12 @@
 #   engine    the same pair in-process on the GPU, no cluster: `ferry bench-engine --speculative
 #             --device cuda` under goodput and fixed:B, plain in the same command, with the
 #             drafter pass / verify forward / decode step timed apart   -> $RUN/bench/engine_spec.json
-#   knobs     plain decoding of the trained target in-process (batches 64, 96, 128; 1,024 steps)
-#             under session 23's open A/B switches: FERRY_GRAPH_MAX_BATCH=256 (graphs past 64
-#             sequences) and FERRY_HEAD_GEMM_MIN / FERRY_SHARED_GEMM_MIN off, alone and together,
-#             twice, interleaved                                -> $RUN/bench/knobs.md (not in `all`)
+#   knobs     plain decoding of the trained target through the serving engine (`bench-engine
+#             --serving`: eager and graphs; batches 64, 96, 128; 512 steps) under session 23's open
+#             A/B switches: FERRY_GRAPH_MAX_BATCH=256 (graphs past 64 sequences) and
+#             FERRY_HEAD_GEMM_MIN / FERRY_SHARED_GEMM_MIN off, alone and together, twice,
+#             interleaved; its shape with dummy weights when there is no trained target
+#                                                               -> $RUN/bench/knobs.md (not in `all`)
 #   verifycost  the regime of a large model: `ferry bench-engine --verify-cost` on the
 #             DeepSeek-V2-Lite-shaped model (dummy weights) with a drafter of
 #             models/dummy/v2-lite-drafter's size: decode step, verify forward of k + 1 rows and
@@ -254,27 +256,32 @@ EOF2
 }
 
 stage_knobs() {
-  # Plain decoding of the trained target in-process at serving length, under the A/B switches
+  # Plain decoding of the trained target through the serving engine (`bench-engine --serving`:
+  # eager and graph-replayed steps, prefill included) at serving length, under the A/B switches
   # session 23 left open (BENCHMARKS.md, "CUDA graphs past 64 sequences"): graphs past 64
   # sequences (FERRY_GRAPH_MAX_BATCH=256) and issue 13's batched cuBLAS paths turned off
   # (FERRY_HEAD_GEMM_MIN / FERRY_SHARED_GEMM_MIN past any batch), alone and together. Arms
-  # interleaved and run twice; KNOBS_DECODE_STEPS (1024) keeps each bucket's one capture small
-  # next to its replays.
-  local ferry
+  # interleaved and run twice. Without a trained target ($RUN/target) it measures the same shape
+  # with seeded random weights (models/dummy/dspark-h200, `--load-format dummy`): plain decoding
+  # costs the same whatever the weights (routing aside).
+  local ferry model=() arm round
   ferry=$(gpu_stage_ferry knobs "the switches are the CUDA engine's") || return 0
   set +u; source scripts/gpu_env.sh; set -u
+  if [ -f "$RUN/target/config.json" ]; then model=(--model "$RUN/target")
+  else model=(--model models/dummy/dspark-h200 --load-format dummy); fi
   mkdir -p "$RUN/bench"
-  local md="$RUN/bench/knobs.md" arm round
+  local md="$RUN/bench/knobs.md"
   : > "$md"
+  echo "lease: knobs: ${model[*]}" | tee -a "$md"
   local arms=("default" "FERRY_GRAPH_MAX_BATCH=256" "FERRY_HEAD_GEMM_MIN=1000000 FERRY_SHARED_GEMM_MIN=1000000"
     "FERRY_GRAPH_MAX_BATCH=256 FERRY_HEAD_GEMM_MIN=1000000 FERRY_SHARED_GEMM_MIN=1000000")
-  for round in 1 2; do
+  for round in $(seq 1 "${KNOBS_ROUNDS:-2}"); do
     for arm in "${arms[@]}"; do
       echo "lease: knobs round $round: $arm" | tee -a "$md"
       # shellcheck disable=SC2086
       env $([ "$arm" = default ] || echo "$arm") timeout "${KNOBS_SECONDS:-120}" "$ferry" bench-engine \
-        --device cuda --gpu-mode fast --model "$RUN/target" --batch "${KNOBS_BATCH:-64,96,128}" \
-        --prompt-len "${ENGINE_PROMPT_LEN:-1024}" --decode-steps "${KNOBS_DECODE_STEPS:-1024}" --repeat 1 2>&1 \
+        --serving --device cuda --gpu-mode fast "${model[@]}" --batch "${KNOBS_BATCH:-64,96,128}" \
+        --prompt-len "${ENGINE_PROMPT_LEN:-1024}" --decode-steps "${KNOBS_DECODE_STEPS:-512}" --repeat 1 2>&1 \
         | grep '^|' | tee -a "$md" || echo "lease: knobs: $arm did not finish" | tee -a "$md"
     done
   done

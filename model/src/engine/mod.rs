@@ -731,6 +731,54 @@ pub struct EngineHandle {
     device_kv: Option<DeviceKv>,
     /// Which remote prefill each block is reserved for (written by the engine thread).
     fences: Arc<crate::kv::RemoteFences>,
+    /// The engine thread, waited for when the last handle goes (declared after `tx`, whose
+    /// drop is what ends it). Held for its `Drop` only.
+    #[allow(dead_code)]
+    thread: Arc<EngineThread>,
+}
+
+/// How long the last [`EngineHandle`]'s drop waits for the engine thread to end.
+const ENGINE_EXIT_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// The engine thread's end, seen from the handles: when the last handle is dropped (its
+/// command sender first, so the thread leaves its loop after the step it is in), the drop waits
+/// — at most [`ENGINE_EXIT_WAIT`] — until the thread has dropped the scheduler and with it the
+/// model, the KV cache and any GPU state. Without the wait a process could return from `main`
+/// while its engine thread was still inside cuBLAS or freeing device memory, and the CUDA
+/// teardown at exit then met it: a segfault after the work was done (docs/gpu.md, sessions 9,
+/// 10 and 24).
+struct EngineThread {
+    /// Disconnected when the thread has dropped the scheduler.
+    done: std::sync::Mutex<std::sync::mpsc::Receiver<()>>,
+    /// Joined once `done` says the thread is about to return (never while it may block).
+    handle: std::sync::Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+impl Drop for EngineThread {
+    fn drop(&mut self) {
+        let Ok(mut handle) = self.handle.lock() else {
+            return;
+        };
+        let Some(h) = handle.take() else { return };
+        if std::thread::current().id() == h.thread().id() {
+            return; // never wait for oneself
+        }
+        let ended = match self.done.lock() {
+            Ok(done) => !matches!(
+                done.recv_timeout(ENGINE_EXIT_WAIT),
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout)
+            ),
+            Err(_) => false,
+        };
+        if ended {
+            let _ = h.join();
+        } else {
+            tracing::warn!(
+                seconds = ENGINE_EXIT_WAIT.as_secs(),
+                "the engine thread did not end after its last handle was dropped"
+            );
+        }
+    }
 }
 
 /// Decrements the in-flight count when a request's handle-side state is dropped.
@@ -810,12 +858,20 @@ impl EngineHandle {
         let (tx, rx) = mpsc::unbounded_channel();
         let max_in_flight = config.max_in_flight;
         let engine_fences = fences.clone();
-        std::thread::Builder::new()
+        let (done_tx, done) = std::sync::mpsc::channel::<()>();
+        let handle = std::thread::Builder::new()
             .name("ferry-engine".into())
             .spawn(move || {
-                scheduler::Scheduler::new(backend, pool, spec, config, engine_fences).run(rx)
+                // `run` owns the scheduler: it is dropped (model, cache, GPU state) before the
+                // handles are told the thread is done.
+                scheduler::Scheduler::new(backend, pool, spec, config, engine_fences).run(rx);
+                drop(done_tx);
             })
             .map_err(|e| ModelError::Invalid(format!("cannot start the engine thread: {e}")))?;
+        let thread = Arc::new(EngineThread {
+            done: std::sync::Mutex::new(done),
+            handle: std::sync::Mutex::new(Some(handle)),
+        });
         Ok(Self {
             tx,
             next_id: Arc::new(AtomicU64::new(1)),
@@ -829,6 +885,7 @@ impl EngineHandle {
             host_rows,
             device_kv,
             fences,
+            thread,
         })
     }
 
