@@ -263,8 +263,8 @@ async fn a_batch_past_64_sequences_gives_the_eager_tokens_graphed_or_not() {
     for (i, (g, w)) in got.iter().zip(&want).enumerate() {
         assert_eq!(g, w, "request {i}: graph-replayed (70 sequences) vs eager");
     }
-    // Graphs past 64 sequences are opt-in (`FERRY_GRAPH_MAX_BATCH`, docs/gpu.md): with the
-    // default every step here runs eagerly and only the tokens are compared.
+    // Graphs go past 64 sequences by default (256; `FERRY_GRAPH_MAX_BATCH` lowers it, docs/gpu.md):
+    // under a limit below 70 every step here runs eagerly and only the tokens are compared.
     let replayed = graphs.stats().await.unwrap().graph_steps;
     let limit = ferry_model::gpu::graph::graph_max_seqs(1);
     if limit >= 70 {

@@ -307,7 +307,7 @@ pub fn run_verify_cost(args: &BenchEngineArgs, dir: &Path) -> anyhow::Result<()>
     };
     let drafter = make_drafter(false)?;
     // The serving engine replays the drafter's pass from a CUDA graph (per batch bucket, up to
-    // 64 sequences by default): a second copy of the drafter, with graphs, times that too.
+    // 256 sequences by default): a second copy of the drafter, with graphs, times that too.
     let graphed = match device {
         ferry_kernels::Device::Cuda(_) if args.device.cuda_graphs => Some(make_drafter(true)?),
         _ => None,

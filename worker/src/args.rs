@@ -225,7 +225,7 @@ pub struct DeviceArgs {
     #[arg(long, env = "FERRY_GPU_MODE", value_enum, default_value_t = GpuModeArg::Exact)]
     pub gpu_mode: GpuModeArg,
     /// On CUDA, replay decode steps and verify forwards from CUDA graphs (per batch-size
-    /// bucket, up to 64 sequences; `FERRY_GRAPH_MAX_BATCH` changes it); `false` runs every
+    /// bucket, up to 256 sequences; `FERRY_GRAPH_MAX_BATCH` changes it); `false` runs every
     /// step eagerly.
     #[arg(long, env = "FERRY_CUDA_GRAPHS", default_value_t = true, action = clap::ArgAction::Set)]
     pub cuda_graphs: bool,

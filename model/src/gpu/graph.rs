@@ -36,12 +36,13 @@ pub fn graph_max_batch() -> usize {
     })
 }
 
-/// See [`graph_max_batch`]. Kept at 64 until a long run shows more pays: a small model's eager
-/// step is bound by the host issuing its launches (the trained 78M-active target: 5.6 ms eager
-/// at 128 sequences against 2.5 ms graphed at 64, session 23's lease), but the one A/B run of
-/// `FERRY_GRAPH_MAX_BATCH=256` (32 decode steps, so each graph's capture weighed in) measured
-/// V2-Lite at 96 sequences at 1,508 tok/s graphed against 4,232 eager (BENCHMARKS.md).
-pub const GRAPH_MAX_BATCH: usize = 64;
+/// See [`graph_max_batch`]. 256 since session 24's serving-length A/B through the engine
+/// (512 decode steps, BENCHMARKS.md "CUDA graphs past 64 sequences"): a small model's eager step
+/// is bound by the host issuing its launches, and the DSpark target's shape decoded 52–64 %
+/// faster at 96 / 128 sequences graphed; V2-Lite, GPU-bound there, ran the same either way
+/// (3,290 / 3,590 tok/s). Session 23's short A/B (32 steps, each capture inside them) had
+/// measured V2-Lite slower graphed. Verify forwards stay at 64 sequences (256 rows' worth).
+pub const GRAPH_MAX_BATCH: usize = 256;
 
 /// Sequences of any length up to this many are graphed (as before session 23), unless
 /// `FERRY_GRAPH_MAX_BATCH` is lower.
