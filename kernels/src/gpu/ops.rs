@@ -1835,7 +1835,7 @@ pub fn moe_experts<D: Gpu>(
     h: Dv<f32>,
 ) -> Result<(), KernelError> {
     let t = x.len / experts.hidden.max(1);
-    if t >= MOE_GROUPED_MIN_TOKENS && experts.total() <= MOE_MAX_EXPERTS {
+    if moe_grouped(t, routes.slots, experts) {
         experts.check("gpu_moe_experts")?;
         need("gpu_moe_experts", "h", t * experts.hidden, h.len)?;
         return moe_experts_grouped(dev, x, routes, experts, h);
@@ -1941,6 +1941,37 @@ pub const MAX_GRID_Y: usize = 65_535;
 /// pairs share an expert, and grouping adds two launches and thinner grids), a batch of 16 in
 /// 21.95 ms against 17.60 ms (BENCHMARKS.md).
 pub const MOE_GROUPED_MIN_TOKENS: usize = 8;
+
+/// Tokens up to which a batch of small experts stays on the per-pair kernels
+/// ([`MOE_PER_PAIR_MAX_BYTES`]): a speculative round's verify forward (block 8 + the anchor).
+pub const MOE_PER_PAIR_MAX_TOKENS: usize = 16;
+
+/// Bytes of expert weights the per-pair kernels may read for a batch of
+/// [`MOE_GROUPED_MIN_TOKENS`]`..=`[`MOE_PER_PAIR_MAX_TOKENS`] tokens (one read per (token,
+/// slot) pair) and still be taken over the grouped ones. Grouping adds two launches and thin
+/// grids; with small experts that costs more than re-reading them: on the H200 the DSpark
+/// target's experts (512 × 256) took 38 us a layer grouped for 8 tokens (`moe_group`,
+/// `moe_gate_up_mma3`, `moe_down_mma3`, `moe_sum_slots`, each alone under ncu) against 12 us
+/// per pair for one token. DeepSeek-V2-Lite's 17 MB experts are past it from 1 token × 8 slots.
+/// `FERRY_MOE_PER_PAIR_MAX_BYTES` overrides it for A/B runs (0: grouped from 8 tokens).
+pub const MOE_PER_PAIR_MAX_BYTES: usize = 64 << 20;
+
+/// [`MOE_PER_PAIR_MAX_BYTES`], or `FERRY_MOE_PER_PAIR_MAX_BYTES` when set (read once).
+pub fn moe_per_pair_max_bytes() -> usize {
+    static MAX: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *MAX.get_or_init(|| env_tokens("FERRY_MOE_PER_PAIR_MAX_BYTES", MOE_PER_PAIR_MAX_BYTES))
+}
+
+/// Whether [`moe_experts`] groups the (token, slot) pairs of `t` tokens with `slots` slots each
+/// by expert: from [`MOE_GROUPED_MIN_TOKENS`] tokens, unless the batch is small and its pairs'
+/// expert weights are too ([`MOE_PER_PAIR_MAX_BYTES`]), and never past what `moe_group` counts.
+pub fn moe_grouped<D: Gpu>(t: usize, slots: usize, experts: &GpuExperts<D>) -> bool {
+    let elem = if experts.gate.is_bf16() { 2 } else { 4 };
+    let expert_bytes = 3 * experts.inter * experts.hidden * elem;
+    let small =
+        t <= MOE_PER_PAIR_MAX_TOKENS && t * slots * expert_bytes <= moe_per_pair_max_bytes();
+    t >= MOE_GROUPED_MIN_TOKENS && !small && experts.total() <= MOE_MAX_EXPERTS
+}
 
 /// Stacked experts (routed + shared chunks) `moe_group` can count (`MOE_MAX_EXPERTS` in
 /// common.cu); a layer with more takes the per-pair kernels.
