@@ -22,6 +22,9 @@
 #             FERRY_HEAD_GEMM_MIN / FERRY_SHARED_GEMM_MIN off, alone and together, twice,
 #             interleaved; its shape with dummy weights when there is no trained target
 #                                                               -> $RUN/bench/knobs.md (not in `all`)
+#   rounds    a speculating engine's step costs on the pair's shape with dummy weights (no training
+#             needed): `bench-engine --speculative --load-format dummy` on models/dummy/dspark-h200
+#             + its drafter, fixed:8, c = 1 / 16 / 64 / 128  -> $RUN/bench/rounds.{json,md} (not in `all`)
 #   verifycost  the regime of a large model: `ferry bench-engine --verify-cost` on the
 #             DeepSeek-V2-Lite-shaped model (dummy weights) with a drafter of
 #             models/dummy/v2-lite-drafter's size: decode step, verify forward of k + 1 rows and
@@ -287,6 +290,32 @@ stage_knobs() {
   done
 }
 
+stage_rounds() {
+  # What a speculating engine's steps cost on the lease pair's shape without training it
+  # (models/dummy/dspark-h200 + dspark-h200-drafter, seeded random weights: drafts are never
+  # accepted, so the speed-up means nothing; the engine step counters — a round's drafter pass,
+  # launch, verify wait and commit next to a plain step — are real). ROUNDS_VERIFY_LEN (fixed:8)
+  # drafts a whole block every step.
+  local ferry
+  ferry=$(gpu_stage_ferry rounds "it measures the CUDA engine") || return 0
+  set +u; source scripts/gpu_env.sh; set -u
+  mkdir -p "$RUN/bench"
+  timeout "${ROUNDS_SECONDS:-240}" "$ferry" bench-engine --speculative --load-format dummy \
+    --model models/dummy/dspark-h200 --drafter models/dummy/dspark-h200-drafter --device cuda \
+    --gpu-mode fast --batch "${ROUNDS_BATCH:-1,16,64,128}" --prompt-len "${ENGINE_PROMPT_LEN:-1024}" \
+    --decode-steps "${ROUNDS_DECODE_STEPS:-256}" --verify-len "${ROUNDS_VERIFY_LEN:-fixed:8}" \
+    --json "$RUN/bench/rounds.json" 2>&1 | grep '^|' | tee "$RUN/bench/rounds.md" \
+    || echo "lease: rounds did not finish" | tee -a "$RUN/bench/rounds.md"
+  "$PY" - "$RUN/bench/rounds.json" <<'PY' | tee -a "$RUN/bench/rounds.md" || true
+import json, sys
+for r in json.load(open(sys.argv[1]))["rows"]:
+    e = r["engine_steps"]; p = e["plain"]["decode"]; q = e["spec"]["spec_round"]
+    ph = " / ".join(f"{q[k]:.3f}" for k in ("plan_ms", "launch_ms", "sample_ms", "commit_ms"))
+    print(f"rounds: c = {r['concurrency']}: plain step {p['ms']:.3f} ms; round {q['ms']:.3f} ms "
+          f"(plan / launch / sample / commit {ph}), {q['decode_rows_per_step']:.1f} rows")
+PY
+}
+
 stage_verifycost() {
   local ferry tau=() ks="1,2,3,4,5,7,9,11,13,15"
   ferry=$(gpu_stage_ferry verifycost "it measures the V2-Lite-shaped model on a GPU") || return 0
@@ -522,7 +551,7 @@ run_stage() {
 [ $# -ge 1 ] || { sed -n 2,40p "$0"; exit 2; }
 for stage in "$@"; do
   case "$stage" in
-    target|drafter|prompts|check|bench|engine|knobs|verifycost|cpu|summary) run_stage "$stage" ;;
+    target|drafter|prompts|check|bench|engine|knobs|rounds|verifycost|cpu|summary) run_stage "$stage" ;;
     all)
       for s in target drafter prompts check bench engine cpu verifycost summary; do run_stage "$s"; done ;;
     start)
