@@ -992,15 +992,15 @@ pub const HEAD_GEMM_MIN_TOKENS: usize = 32;
 /// [`HEAD_GEMM_MIN_TOKENS`], or `FERRY_HEAD_GEMM_MIN` when set (read once).
 pub fn head_gemm_min_tokens() -> usize {
     static MIN: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *MIN.get_or_init(|| env_tokens("FERRY_HEAD_GEMM_MIN", HEAD_GEMM_MIN_TOKENS))
+    *MIN.get_or_init(|| env_count("FERRY_HEAD_GEMM_MIN", HEAD_GEMM_MIN_TOKENS))
 }
 
-/// A token threshold from environment variable `name` (an A/B switch), else `default`; a value
-/// that is not a count is logged and ignored.
-fn env_tokens(name: &str, default: usize) -> usize {
+/// A threshold (tokens, bytes) from environment variable `name` (an A/B switch), else
+/// `default`; a value that is not a whole number is logged and ignored.
+fn env_count(name: &str, default: usize) -> usize {
     match std::env::var(name) {
         Ok(v) => v.trim().parse().unwrap_or_else(|_| {
-            tracing::warn!(value = %v, "{name} is not a token count; using {default}");
+            tracing::warn!(value = %v, "{name} is not a whole number; using {default}");
             default
         }),
         Err(_) => default,
@@ -1158,7 +1158,7 @@ pub const SHARED_GEMM_MIN_TOKENS: usize = 64;
 /// [`SHARED_GEMM_MIN_TOKENS`], or `FERRY_SHARED_GEMM_MIN` when set (read once).
 pub fn shared_gemm_min_tokens() -> usize {
     static MIN: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *MIN.get_or_init(|| env_tokens("FERRY_SHARED_GEMM_MIN", SHARED_GEMM_MIN_TOKENS))
+    *MIN.get_or_init(|| env_count("FERRY_SHARED_GEMM_MIN", SHARED_GEMM_MIN_TOKENS))
 }
 
 /// `h[t] += shared(x[t])` for the `n_shared` shared-expert chunks stacked last in `experts`, as
@@ -1959,7 +1959,7 @@ pub const MOE_PER_PAIR_MAX_BYTES: usize = 64 << 20;
 /// [`MOE_PER_PAIR_MAX_BYTES`], or `FERRY_MOE_PER_PAIR_MAX_BYTES` when set (read once).
 pub fn moe_per_pair_max_bytes() -> usize {
     static MAX: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *MAX.get_or_init(|| env_tokens("FERRY_MOE_PER_PAIR_MAX_BYTES", MOE_PER_PAIR_MAX_BYTES))
+    *MAX.get_or_init(|| env_count("FERRY_MOE_PER_PAIR_MAX_BYTES", MOE_PER_PAIR_MAX_BYTES))
 }
 
 /// Whether [`moe_experts`] groups the (token, slot) pairs of `t` tokens with `slots` slots each
@@ -1968,9 +1968,33 @@ pub fn moe_per_pair_max_bytes() -> usize {
 pub fn moe_grouped<D: Gpu>(t: usize, slots: usize, experts: &GpuExperts<D>) -> bool {
     let elem = if experts.gate.is_bf16() { 2 } else { 4 };
     let expert_bytes = 3 * experts.inter * experts.hidden * elem;
-    let small =
-        t <= MOE_PER_PAIR_MAX_TOKENS && t * slots * expert_bytes <= moe_per_pair_max_bytes();
-    t >= MOE_GROUPED_MIN_TOKENS && !small && experts.total() <= MOE_MAX_EXPERTS
+    let batch = MoeBatch {
+        tokens: t,
+        slots,
+        expert_bytes,
+        experts: experts.total(),
+    };
+    batch.grouped(moe_per_pair_max_bytes())
+}
+
+/// What [`moe_grouped`] decides from: a batch's tokens and slots, one expert's bytes and the
+/// experts stacked.
+#[derive(Debug, Clone, Copy)]
+struct MoeBatch {
+    tokens: usize,
+    slots: usize,
+    expert_bytes: usize,
+    experts: usize,
+}
+
+impl MoeBatch {
+    /// [`moe_grouped`] with the per-pair byte bound `per_pair_max`.
+    fn grouped(self, per_pair_max: usize) -> bool {
+        let t = self.tokens;
+        let small =
+            t <= MOE_PER_PAIR_MAX_TOKENS && t * self.slots * self.expert_bytes <= per_pair_max;
+        t >= MOE_GROUPED_MIN_TOKENS && !small && self.experts <= MOE_MAX_EXPERTS
+    }
 }
 
 /// Stacked experts (routed + shared chunks) `moe_group` can count (`MOE_MAX_EXPERTS` in
@@ -2255,6 +2279,37 @@ pub fn fill_random_bf16<D: Gpu>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn small_batches_of_small_experts_stay_per_pair() {
+        // The DSpark lease target: 512 × 256 bf16 experts (0.79 MB), 4 routed + 2 shared slots,
+        // 34 stacked; DeepSeek-V2-Lite: 2048 × 1408 (17.3 MB), 6 + 2 slots, 66 stacked.
+        let dspark = |tokens| MoeBatch {
+            tokens,
+            slots: 6,
+            expert_bytes: 3 * 512 * 256 * 2,
+            experts: 34,
+        };
+        let v2_lite = |tokens| MoeBatch {
+            tokens,
+            slots: 8,
+            expert_bytes: 3 * 2048 * 1408 * 2,
+            experts: 66,
+        };
+        let max = MOE_PER_PAIR_MAX_BYTES;
+        // A verify forward of 9 rows stays per pair; 16 tokens × 6 slots read 75 MB: grouped.
+        assert!(!dspark(7).grouped(max) && !dspark(9).grouped(max) && !dspark(13).grouped(max));
+        assert!(dspark(16).grouped(max) && dspark(17).grouped(max));
+        // The old rule when the bound is 0, and always for V2-Lite's experts.
+        assert!(dspark(8).grouped(0) && !dspark(7).grouped(0));
+        assert!(v2_lite(8).grouped(max) && !v2_lite(7).grouped(max));
+        // Never past what `moe_group` counts.
+        let many = MoeBatch {
+            experts: MOE_MAX_EXPERTS + 1,
+            ..v2_lite(64)
+        };
+        assert!(!many.grouped(max));
+    }
 
     #[test]
     fn moe_down_rows_parse_print_and_fall_back() {
