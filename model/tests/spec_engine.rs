@@ -1165,3 +1165,40 @@ async fn json_schema_output_is_valid_and_speculation_is_lossless() {
         wait_idle(&e).await;
     }
 }
+
+/// `--load-format dummy` with a drafter: `EngineHandle::load` draws the target and the drafter
+/// (its config.json) with seeded random weights, and the engine speculates with them. A random
+/// drafter's drafts are almost never right, but verification is lossless: greedy requests give
+/// what the same dummy target gives without the drafter, token for token, and rounds ran.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dummy_weights_speculate_and_keep_the_plain_greedy_output() {
+    let dummy = EngineConfig {
+        load_format: ferry_model::dummy::LoadFormat::Dummy { seed: 7 },
+        ..config(128, 16, VerifyLen::Fixed(4))
+    };
+    let dir = ferry_model::embedded::default_model_dir();
+    let drafter = ferry_model::drafter::embedded_dir();
+    let spec = EngineHandle::load(&dir, Some(&drafter), dummy.clone()).expect("spec engine");
+    let plain = EngineHandle::load(&dir, None, dummy).expect("plain engine");
+    assert!(
+        spec.draft_kv_layers() > 0,
+        "the dummy drafter keeps context"
+    );
+    for i in 0..2 {
+        let prompt = golden_case(i).0;
+        let (want, _, none) =
+            collect_spec(plain.generate(job(prompt.clone(), 24, greedy())).unwrap()).await;
+        let (got, end, counts) =
+            collect_spec(spec.generate(job(prompt, 24, greedy())).unwrap()).await;
+        assert_eq!(end, Ok(FinishReason::Length));
+        assert_eq!(
+            got, want,
+            "request {i}: dummy target with and without the dummy drafter"
+        );
+        assert!(none.is_none(), "no drafter, no speculative counts");
+        let counts = counts.expect("speculative counts");
+        assert!(counts.rounds > 0, "request {i} speculated: {counts:?}");
+    }
+    wait_idle(&spec).await;
+    wait_idle(&plain).await;
+}
