@@ -271,15 +271,10 @@ fn run_speculative(args: &BenchEngineArgs, dir: &Path) -> anyhow::Result<()> {
     let device = args.device.resolve()?;
     let load_format = args.device.load_format();
     let target = super::pass_cost::bench_target(args, dir)?;
-    let mut drafter = match load_format {
-        ferry_model::dummy::LoadFormat::Auto => DsparkDrafter::load(&drafter_dir, target.config())?,
-        ferry_model::dummy::LoadFormat::Dummy { seed } => {
-            println!("--load-format dummy: random target and drafter; the speed-up and acceptance mean nothing, the pass and step costs do\n");
-            let c =
-                ferry_model::drafter::DrafterConfig::from_file(&drafter_dir.join("config.json"))?;
-            DsparkDrafter::dummy(c, target.config(), seed)?
-        }
-    };
+    if load_format != ferry_model::dummy::LoadFormat::Auto {
+        println!("--load-format dummy: random target and drafter; the speed-up and acceptance mean nothing, the pass and step costs do\n");
+    }
+    let mut drafter = DsparkDrafter::load_as(&drafter_dir, target.config(), load_format)?;
     let ctx_limit = target.config().max_position_embeddings;
     if args.prompt_len + args.decode_steps + drafter.block_size() > ctx_limit {
         bail!("`--prompt-len` + `--decode-steps` + the block size must fit the context of {ctx_limit}");

@@ -192,6 +192,29 @@ impl DsparkDrafter {
         Self::from_weights(config, target, &w)
     }
 
+    /// The drafter in `dir` as `format` says: its checkpoint ([`Self::load`]), or under
+    /// `--load-format dummy` its config.json with seeded random weights ([`Self::dummy`]; a
+    /// trained drafter's weights would not match a dummy target's). The dummy drafter's drafts
+    /// are almost never accepted; what its passes cost is real.
+    pub fn load_as(
+        dir: &Path,
+        target: &ModelConfig,
+        format: crate::dummy::LoadFormat,
+    ) -> Result<Self, ModelError> {
+        match format {
+            crate::dummy::LoadFormat::Auto => Self::load(dir, target),
+            crate::dummy::LoadFormat::Dummy { seed } => {
+                let config = DrafterConfig::from_file(&dir.join("config.json"))?;
+                tracing::info!(
+                    drafter = %dir.display(),
+                    "--load-format dummy: the drafter's config.json with seeded random weights \
+                     (its drafts mean nothing)"
+                );
+                Self::dummy(config, target, seed)
+            }
+        }
+    }
+
     /// A drafter of `config`'s shapes with seeded random weights ([`crate::dummy::DummyWeights`]),
     /// checked against the target: what a drafter of that size costs, for benchmarks on a model
     /// without a trained drafter (`ferry bench-engine --verify-cost`). Its drafts mean nothing.

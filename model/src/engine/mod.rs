@@ -748,22 +748,20 @@ const ENGINE_EXIT_WAIT: std::time::Duration = std::time::Duration::from_secs(10)
 /// teardown at exit then met it: a segfault after the work was done (docs/gpu.md, sessions 9,
 /// 10 and 24).
 struct EngineThread {
-    /// Disconnected when the thread has dropped the scheduler.
+    /// Disconnected when the thread has dropped the scheduler (in a mutex only so the handles
+    /// stay `Sync`: the drop reads it through `&mut self`).
     done: std::sync::Mutex<std::sync::mpsc::Receiver<()>>,
     /// Joined once `done` says the thread is about to return (never while it may block).
-    handle: std::sync::Mutex<Option<std::thread::JoinHandle<()>>>,
+    handle: Option<std::thread::JoinHandle<()>>,
 }
 
 impl Drop for EngineThread {
     fn drop(&mut self) {
-        let Ok(mut handle) = self.handle.lock() else {
-            return;
-        };
-        let Some(h) = handle.take() else { return };
+        let Some(h) = self.handle.take() else { return };
         if std::thread::current().id() == h.thread().id() {
             return; // never wait for oneself
         }
-        let ended = match self.done.lock() {
+        let ended = match self.done.get_mut() {
             Ok(done) => !matches!(
                 done.recv_timeout(ENGINE_EXIT_WAIT),
                 Err(std::sync::mpsc::RecvTimeoutError::Timeout)
@@ -870,7 +868,7 @@ impl EngineHandle {
             .map_err(|e| ModelError::Invalid(format!("cannot start the engine thread: {e}")))?;
         let thread = Arc::new(EngineThread {
             done: std::sync::Mutex::new(done),
-            handle: std::sync::Mutex::new(Some(handle)),
+            handle: Some(handle),
         });
         Ok(Self {
             tx,
@@ -900,19 +898,12 @@ impl EngineHandle {
         if let crate::dummy::LoadFormat::Dummy { seed } = config.load_format {
             let model_config =
                 crate::config::ModelConfig::from_file(&model_dir.join("config.json"))?;
-            // A trained drafter's weights would not match the dummy target's: the drafter's
-            // config.json is drawn with seeded random weights too, so a speculating engine's
-            // costs (drafter pass, verify forwards, rounds) can be measured on a large model's
-            // shape. Its drafts are then almost never accepted.
+            // The drafter's config.json gets seeded random weights too, so a speculating
+            // engine's costs (drafter pass, verify forwards, rounds) can be measured on a large
+            // model's shape.
             let drafter = drafter_dir
                 .map(|d| {
-                    let c = crate::drafter::DrafterConfig::from_file(&d.join("config.json"))?;
-                    tracing::info!(
-                        drafter = %d.display(),
-                        "--load-format dummy: the drafter's config.json with seeded random \
-                         weights (its drafts mean nothing)"
-                    );
-                    crate::drafter::DsparkDrafter::dummy(c, &model_config, seed)
+                    crate::drafter::DsparkDrafter::load_as(d, &model_config, config.load_format)
                 })
                 .transpose()?
                 .map(|d| Box::new(d) as Box<dyn Drafter>);
