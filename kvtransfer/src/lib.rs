@@ -394,6 +394,15 @@ pub trait Transport: Send + Sync {
     /// Short name, as in `KvDestination.transport`: `"tcp"`, `"ucx"`, `"local"`.
     fn name(&self) -> &'static str;
 
+    /// `len` zeroed bytes of host memory for a region this transport will register: the memory
+    /// its writers reach fastest. UCX allocates shared memory (System V or POSIX) when its
+    /// shared-memory transports are enabled, which a writer on the same machine copies into
+    /// directly ([`UcxTransport`]); the default, and the other transports, use the heap
+    /// ([`HostMemory::zeroed`]). Blocks briefly (an allocation on the transport's thread).
+    fn alloc_host(&self, len: usize) -> Result<HostMemory, TransferError> {
+        Ok(HostMemory::zeroed(len))
+    }
+
     /// Makes `region` writable by remote writers; returns where and under which key.
     async fn register(&self, region: Arc<dyn KvRegion>) -> Result<Registration, TransferError>;
 

@@ -116,13 +116,25 @@ impl LayerMemory {
 
 /// A zeroed, page-aligned host allocation shared by clones, freed when the last one drops: the
 /// memory behind a [`LayerMemory::Host`] for regions that own their bytes (tests, benchmarks,
-/// staging buffers). Page alignment keeps registration (`ucp_mem_map`, pinning) cheap.
+/// staging buffers, a decode worker's pool). Page alignment keeps registration (`ucp_mem_map`,
+/// pinning) cheap. It comes from the heap ([`HostMemory::zeroed`]) or from a transport
+/// ([`Transport::alloc_host`](crate::Transport::alloc_host): UCX's shared memory, which a
+/// writer on the same machine copies into directly).
 #[derive(Clone)]
 pub struct HostMemory(Arc<Allocation>);
 
 struct Allocation {
     ptr: NonNull<u8>,
-    layout: Layout,
+    len: usize,
+    owner: Owner,
+}
+
+/// Who frees an [`Allocation`].
+enum Owner {
+    /// `std::alloc` with this layout.
+    Heap(Layout),
+    /// Whatever allocated it: freed when this value drops.
+    Foreign(#[allow(dead_code)] Box<dyn Send + Sync>),
 }
 
 // SAFETY: the allocation is plain bytes; every access is a raw copy whose exclusivity the
@@ -133,13 +145,16 @@ unsafe impl Sync for Allocation {}
 
 impl Drop for Allocation {
     fn drop(&mut self) {
-        // SAFETY: allocated in `HostMemory::zeroed` with this layout.
-        unsafe { alloc::dealloc(self.ptr.as_ptr(), self.layout) }
+        if let Owner::Heap(layout) = self.owner {
+            // SAFETY: allocated in `HostMemory::zeroed` with this layout.
+            unsafe { alloc::dealloc(self.ptr.as_ptr(), layout) }
+        }
+        // A foreign owner frees its memory when it drops, after this.
     }
 }
 
 /// Alignment of [`HostMemory`].
-const PAGE: usize = 4096;
+pub(crate) const PAGE: usize = 4096;
 
 impl HostMemory {
     /// `len` zero bytes (at least one byte is allocated).
@@ -149,7 +164,25 @@ impl HostMemory {
         // SAFETY: non-zero size.
         let ptr = unsafe { alloc::alloc_zeroed(layout) };
         let ptr = NonNull::new(ptr).unwrap_or_else(|| alloc::handle_alloc_error(layout));
-        HostMemory(Arc::new(Allocation { ptr, layout }))
+        HostMemory(Arc::new(Allocation {
+            ptr,
+            len: layout.size(),
+            owner: Owner::Heap(layout),
+        }))
+    }
+
+    /// `len` bytes at `ptr` that `owner` frees when it drops (after the last clone of the
+    /// returned value).
+    ///
+    /// # Safety
+    /// `ptr..ptr + len` must be zeroed (or initialised), writable host memory, aligned to
+    /// 4,096 bytes, that stays valid until `owner` drops and that nothing else frees.
+    pub unsafe fn from_owner(ptr: NonNull<u8>, len: usize, owner: Box<dyn Send + Sync>) -> Self {
+        HostMemory(Arc::new(Allocation {
+            ptr,
+            len,
+            owner: Owner::Foreign(owner),
+        }))
     }
 
     /// `len` bytes, each `fill`.
@@ -162,7 +195,7 @@ impl HostMemory {
 
     /// Length in bytes (as asked for).
     pub fn len(&self) -> usize {
-        self.0.layout.size()
+        self.0.len
     }
 
     /// Whether the allocation is empty.
@@ -239,5 +272,32 @@ mod tests {
         assert_eq!(m.read(8191, 1), Some(vec![9]));
         assert!(m.layer(8192, 4096).is_none());
         assert!(!LayerMemory::Staged.land_host(0, &[1]));
+    }
+
+    /// Memory from elsewhere is freed by its owner, once, after the last clone.
+    #[test]
+    fn a_foreign_owner_frees_after_the_last_clone() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        struct Owner(Arc<AtomicUsize>, #[allow(dead_code)] HostMemory);
+        impl Drop for Owner {
+            fn drop(&mut self) {
+                self.0.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+        let backing = HostMemory::zeroed(2 * PAGE);
+        let freed = Arc::new(AtomicUsize::new(0));
+        let ptr = NonNull::new(backing.as_ptr()).unwrap();
+        // SAFETY: `backing` is zeroed, page-aligned and lives in the owner.
+        let m = unsafe {
+            HostMemory::from_owner(ptr, 2 * PAGE, Box::new(Owner(freed.clone(), backing)))
+        };
+        assert_eq!(m.len(), 2 * PAGE);
+        let clone = m.clone();
+        assert!(m.write(PAGE, &[3]));
+        drop(m);
+        assert_eq!(freed.load(Ordering::SeqCst), 0);
+        assert_eq!(clone.read(PAGE, 1), Some(vec![3]));
+        drop(clone);
+        assert_eq!(freed.load(Ordering::SeqCst), 1);
     }
 }

@@ -1,7 +1,8 @@
 //! The UCX transport between two real processes: a receiver process registers a region and a
 //! writer process puts blocks into it, over shared memory (`UCX_TLS=posix,sysv,cma`) and over
-//! TCP on loopback (`UCX_TLS=tcp`, `UCX_NET_DEVICES=lo`); and a writer whose receiver died gets
-//! an error, not a hang.
+//! TCP on loopback (`UCX_TLS=tcp`, `UCX_NET_DEVICES=lo`), into a heap pool or one the
+//! transport allocated (`Transport::alloc_host`: UCX shared memory, which the writer maps and
+//! copies into); and a writer whose receiver died gets an error, not a hang.
 //!
 //! Each process is this test binary re-run on the ignored `role` test with `FERRY_UCX_ROLE`
 //! set, so both ends load UCX with exactly the environment the case gives.
@@ -61,12 +62,16 @@ fn role() {
     }
 }
 
-/// Registers the pool, prints `REG <address> <key>`, waits for a line on stdin, then prints
-/// `DUMP <hex of the whole pool>`.
+/// Registers the pool (from the heap, or `alloc_host` with `FERRY_UCX_POOL=transport`), prints
+/// `REG <address> <key>`, waits for a line on stdin, then prints `DUMP <hex of the whole pool>`.
 async fn receiver() {
     let t = UcxTransport::new().unwrap();
     let len = LAYOUT.num_layers as usize * LAYOUT.num_blocks as usize * LAYOUT.block_bytes();
-    let memory = HostMemory::zeroed(len);
+    let memory = match std::env::var("FERRY_UCX_POOL").as_deref() {
+        Ok("transport") => t.alloc_host(len).unwrap(),
+        _ => HostMemory::zeroed(len),
+    };
+    assert!(memory.read(0, len).unwrap().iter().all(|&b| b == 0));
     let reg = t.register(Arc::new(Pool(memory.clone()))).await.unwrap();
     println!("REG {} {}", reg.address, reg.key.0);
     std::io::stdout().flush().unwrap();
@@ -78,7 +83,7 @@ async fn receiver() {
 }
 
 /// Connects to `FERRY_UCX_ADDRESS` / `FERRY_UCX_KEY`, writes [`BLOCKS`], flushes, prints
-/// `FLUSHED <bytes>` or `FAILED <error>`.
+/// `FLUSHED <bytes> MAPPED <receivers' memory mapped here>` or `FAILED <error>`.
 async fn writer() {
     let address = std::env::var("FERRY_UCX_ADDRESS").unwrap();
     let key = RemoteKey(std::env::var("FERRY_UCX_KEY").unwrap().parse().unwrap());
@@ -100,7 +105,7 @@ async fn writer() {
     }
     .await;
     match result {
-        Ok(n) => println!("FLUSHED {n}"),
+        Ok(n) => println!("FLUSHED {n} MAPPED {}", t.mapped()),
         Err(e) => println!("FAILED {e}"),
     }
 }
@@ -158,11 +163,18 @@ fn run_writer(env: &[(&str, &str)], address: &str, key: &str) -> String {
     out
 }
 
-fn puts_land_between_processes(env: &[(&str, &str)]) {
+/// Writes [`BLOCKS`] from a writer process into a receiver process under `env`; the writer
+/// must have mapped `mapped` receivers' memory (copies instead of puts) and every byte of the
+/// pool must be what was written, or still zero.
+fn puts_land_between_processes(env: &[(&str, &str)], mapped: usize) {
     let (mut rx, address, key) = start_receiver(env);
     let out = run_writer(env, &address, &key);
     let block = LAYOUT.block_bytes();
-    assert_eq!(out, format!("FLUSHED {}", 3 * block), "writer said {out:?}");
+    assert_eq!(
+        out,
+        format!("FLUSHED {} MAPPED {mapped}", 3 * block),
+        "writer said {out:?}"
+    );
     writeln!(rx.stdin.as_mut().unwrap(), "dump").unwrap();
     let dump = read_tagged(&mut rx, &["DUMP "]);
     let dump = &dump["DUMP ".len()..];
@@ -192,12 +204,45 @@ fn puts_land_between_processes(env: &[(&str, &str)]) {
 
 #[test]
 fn puts_land_between_processes_over_shared_memory() {
-    puts_land_between_processes(&[("UCX_TLS", "posix,sysv,cma")]);
+    puts_land_between_processes(&[("UCX_TLS", "posix,sysv,cma")], 0);
 }
 
 #[test]
 fn puts_land_between_processes_over_tcp() {
-    puts_land_between_processes(&[("UCX_TLS", "tcp"), ("UCX_NET_DEVICES", "lo")]);
+    puts_land_between_processes(&[("UCX_TLS", "tcp"), ("UCX_NET_DEVICES", "lo")], 0);
+}
+
+/// A pool in UCX shared memory: the writer maps it once and copies into it.
+#[test]
+fn copies_land_in_a_shared_memory_pool() {
+    let env = [
+        ("UCX_TLS", "posix,sysv,cma"),
+        ("FERRY_UCX_POOL", "transport"),
+    ];
+    puts_land_between_processes(&env, 1);
+}
+
+/// The same pool written by puts (`FERRY_UCX_RKEY_PTR=0`, the comparison arm).
+#[test]
+fn puts_land_in_a_shared_memory_pool() {
+    let env = [
+        ("UCX_TLS", "posix,sysv,cma"),
+        ("FERRY_UCX_POOL", "transport"),
+        ("FERRY_UCX_RKEY_PTR", "0"),
+    ];
+    puts_land_between_processes(&env, 0);
+}
+
+/// Without the shared-memory transports UCX allocates the pool elsewhere (zeroed here); the
+/// writer cannot map it and puts over TCP.
+#[test]
+fn a_transport_pool_without_shared_memory_takes_puts() {
+    let env = [
+        ("UCX_TLS", "tcp"),
+        ("UCX_NET_DEVICES", "lo"),
+        ("FERRY_UCX_POOL", "transport"),
+    ];
+    puts_land_between_processes(&env, 0);
 }
 
 /// The receiver is killed before the writer connects: the writer reports an error within the

@@ -44,6 +44,10 @@ pub struct BenchTransferArgs {
     /// Which transports to measure (memcpy, the peer, always runs).
     #[arg(long, value_enum, value_delimiter = ',', default_values_t = [Case::Tcp, Case::UcxShm, Case::UcxTcp])]
     pub transports: Vec<Case>,
+    /// Where the receiver's pool lives: the transport's memory (`Transport::alloc_host`, as a
+    /// decode worker's pool: UCX shared memory for UCX) or the heap (the comparison).
+    #[arg(long, value_enum, default_value_t = PoolMemory::Transport)]
+    pub pool: PoolMemory,
     /// Write the results as JSON here.
     #[arg(long)]
     pub json: Option<std::path::PathBuf>,
@@ -62,6 +66,15 @@ pub enum Wire {
     Tcp,
     /// `UcxTransport` (its `UCX_TLS` from the environment).
     Ucx,
+}
+
+/// Where the receiving pool is allocated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum PoolMemory {
+    /// `Transport::alloc_host`.
+    Transport,
+    /// `HostMemory::zeroed`.
+    Heap,
 }
 
 /// A transport setup the benchmark measures.
@@ -133,7 +146,11 @@ pub fn run(args: BenchTransferArgs) -> anyhow::Result<()> {
     let rt = tokio::runtime::Runtime::new()?;
     if args.receiver {
         let tokens = *args.tokens.first().context("--tokens")?;
-        return rt.block_on(receive(args.transport, layout(tokens, args.page)));
+        return rt.block_on(receive(
+            args.transport,
+            args.pool,
+            layout(tokens, args.page),
+        ));
     }
     let page = args.page;
     for &t in &args.tokens {
@@ -176,7 +193,8 @@ pub fn run(args: BenchTransferArgs) -> anyhow::Result<()> {
         );
         for &(name, wire, env) in &cases {
             let limit = || memcpy_once(&l, &batches).min(memcpy_once(&l, &per_block));
-            let (secs, copy) = rt.block_on(case((wire, env), &l, &batches, args.runs, limit))?;
+            let (secs, copy) =
+                rt.block_on(case((wire, env), args.pool, &l, &batches, args.runs, limit))?;
             let gbs = bytes as f64 / secs / 1e9;
             let copy_gbs = bytes as f64 / copy / 1e9;
             println!(
@@ -193,6 +211,7 @@ pub fn run(args: BenchTransferArgs) -> anyhow::Result<()> {
     if let Some(path) = &args.json {
         let doc = json!({
             "benchmark": "kv transfer between two processes, DeepSeek-V3 layout (61 x 576 bf16 per token, 64-token blocks)",
+            "pool": args.pool.to_possible_value().map(|v| v.get_name().to_owned()),
             "command": format!("ferry bench-transfer --tokens {} --page {page} --runs {}{} --transports {}",
                 args.tokens.iter().map(usize::to_string).collect::<Vec<_>>().join(","), args.runs,
                 args.run_blocks.map(|n| format!(" --run-blocks {n}")).unwrap_or_default(),
@@ -269,6 +288,7 @@ fn memcpy_once(l: &KvLayoutDesc, batches: &[WriteBatch]) -> f64 {
 /// between minutes); returns both medians.
 async fn case(
     (wire, env): (Wire, Env),
+    pool: PoolMemory,
     l: &KvLayoutDesc,
     batches: &[WriteBatch],
     runs: usize,
@@ -289,6 +309,11 @@ async fn case(
             &tokens.to_string(),
             "--page",
             &l.page_size.to_string(),
+            "--pool",
+            match pool {
+                PoolMemory::Transport => "transport",
+                PoolMemory::Heap => "heap",
+            },
         ])
         .envs(env.iter().copied())
         .stdin(Stdio::piped())
@@ -348,14 +373,17 @@ fn batches_bytes(l: &KvLayoutDesc) -> usize {
 
 /// The receiving process: registers a pool, prints `REG <address> <key>`, serves until stdin
 /// has a line or closes.
-async fn receive(wire: Wire, l: KvLayoutDesc) -> anyhow::Result<()> {
-    let memory = HostMemory::zeroed(batches_bytes(&l));
-    // Touch every page, as a running decode worker's pool is.
-    memory.write(0, &vec![0u8; batches_bytes(&l)]);
+async fn receive(wire: Wire, pool: PoolMemory, l: KvLayoutDesc) -> anyhow::Result<()> {
     let transport: Arc<dyn Transport> = match wire {
         Wire::Tcp => Arc::new(TcpTransport::bind("127.0.0.1:0".parse()?)?),
         Wire::Ucx => Arc::new(UcxTransport::new()?),
     };
+    let memory = match pool {
+        PoolMemory::Transport => transport.alloc_host(batches_bytes(&l))?,
+        PoolMemory::Heap => HostMemory::zeroed(batches_bytes(&l)),
+    };
+    // Touch every page, as a running decode worker's pool is.
+    memory.write(0, &vec![0u8; batches_bytes(&l)]);
     let pool = Arc::new(Pool { layout: l, memory });
     let reg = transport.register(pool.clone()).await?;
     println!("REG {} {}", reg.address, reg.key.0);

@@ -54,8 +54,14 @@ pub const UCP_EP_CLOSE_FLAG_FORCE: u32 = 1 << 0;
 
 pub const UCP_MEM_MAP_PARAM_FIELD_ADDRESS: u64 = 1 << 0;
 pub const UCP_MEM_MAP_PARAM_FIELD_LENGTH: u64 = 1 << 1;
+pub const UCP_MEM_MAP_PARAM_FIELD_FLAGS: u64 = 1 << 2;
 pub const UCP_MEM_MAP_PARAM_FIELD_PROT: u64 = 1 << 3;
 pub const UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE: u64 = 1 << 4;
+/// `ucp_mem_map` allocates the memory (from the first memory domain in `UCX_ALLOC_PRIO` that
+/// can: System V or POSIX shared memory before the heap, by default).
+pub const UCP_MEM_MAP_ALLOCATE: c_uint = 1 << 1;
+pub const UCP_MEM_ATTR_FIELD_ADDRESS: u64 = 1 << 0;
+pub const UCP_MEM_ATTR_FIELD_LENGTH: u64 = 1 << 1;
 pub const UCP_MEM_MAP_PROT_LOCAL_READ: c_uint = 1 << 0;
 pub const UCP_MEM_MAP_PROT_LOCAL_WRITE: c_uint = 1 << 1;
 pub const UCP_MEM_MAP_PROT_REMOTE_WRITE: c_uint = 1 << 9;
@@ -138,6 +144,15 @@ pub struct ucp_mem_map_params_t {
 }
 
 #[repr(C)]
+pub struct ucp_mem_attr_t {
+    pub field_mask: u64,
+    pub address: *mut c_void,
+    pub length: usize,
+    pub mem_type: c_int,
+    _rest: [u8; 4 + PAD],
+}
+
+#[repr(C)]
 pub struct ucp_request_param_t {
     pub op_attr_mask: u32,
     pub flags: u32,
@@ -192,6 +207,7 @@ zeroed!(
     ucp_worker_params_t,
     ucp_ep_params_t,
     ucp_mem_map_params_t,
+    ucp_mem_attr_t,
     ucp_request_param_t,
     ucp_am_handler_param_t,
     ucp_context_attr_t
@@ -251,6 +267,7 @@ pub struct Ucp {
         *mut ucp_mem_h,
     ) -> ucs_status_t,
     pub mem_unmap: unsafe extern "C" fn(ucp_context_h, ucp_mem_h) -> ucs_status_t,
+    pub mem_query: unsafe extern "C" fn(ucp_mem_h, *mut ucp_mem_attr_t) -> ucs_status_t,
     pub rkey_pack: unsafe extern "C" fn(
         ucp_context_h,
         ucp_mem_h,
@@ -261,6 +278,9 @@ pub struct Ucp {
     pub ep_rkey_unpack:
         unsafe extern "C" fn(ucp_ep_h, *const c_void, *mut ucp_rkey_h) -> ucs_status_t,
     pub rkey_destroy: unsafe extern "C" fn(ucp_rkey_h),
+    /// A local pointer to remote memory (shared-memory transports only: the remote segment is
+    /// mapped into this process).
+    pub rkey_ptr: unsafe extern "C" fn(ucp_rkey_h, u64, *mut *mut c_void) -> ucs_status_t,
     pub put_nbx: unsafe extern "C" fn(
         ucp_ep_h,
         *const c_void,
@@ -342,10 +362,12 @@ fn load() -> Result<Ucp, String> {
         ep_flush_nbx: sym!("ucp_ep_flush_nbx"),
         mem_map: sym!("ucp_mem_map"),
         mem_unmap: sym!("ucp_mem_unmap"),
+        mem_query: sym!("ucp_mem_query"),
         rkey_pack: sym!("ucp_rkey_pack"),
         rkey_buffer_release: sym!("ucp_rkey_buffer_release"),
         ep_rkey_unpack: sym!("ucp_ep_rkey_unpack"),
         rkey_destroy: sym!("ucp_rkey_destroy"),
+        rkey_ptr: sym!("ucp_rkey_ptr"),
         put_nbx: sym!("ucp_put_nbx"),
         am_send_nbx: sym!("ucp_am_send_nbx"),
         request_check_status: sym!("ucp_request_check_status"),
@@ -386,6 +408,9 @@ mod tests {
         assert_eq!(offset_of!(ucp_mem_map_params_t, flags), 24);
         assert_eq!(offset_of!(ucp_mem_map_params_t, prot), 28);
         assert_eq!(offset_of!(ucp_mem_map_params_t, memory_type), 32);
+        assert_eq!(offset_of!(ucp_mem_attr_t, address), 8);
+        assert_eq!(offset_of!(ucp_mem_attr_t, length), 16);
+        assert_eq!(offset_of!(ucp_mem_attr_t, mem_type), 24);
         assert_eq!(offset_of!(ucp_request_param_t, flags), 4);
         assert_eq!(offset_of!(ucp_request_param_t, request), 8);
         assert_eq!(offset_of!(ucp_request_param_t, cb), 16);

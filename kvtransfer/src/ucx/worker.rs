@@ -9,7 +9,7 @@
 //! `ucp_worker_signal`).
 
 use std::cell::RefCell;
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::ffi::{c_int, c_void};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
@@ -55,6 +55,13 @@ const KIND_CUDA: u32 = 2;
 
 /// Idle endpoints kept open for later connections (see [`Peer`]).
 const MAX_IDLE_PEERS: usize = 64;
+
+/// Remote keys of mapped shared memory kept per endpoint ([`Peer::mapped`]); beyond it, the
+/// ones no connection uses are released.
+const MAX_MAPPED_KEYS: usize = 16;
+
+/// `madvise` advice that faults pages in writable without touching them (Linux 5.14+).
+const MADV_POPULATE_WRITE: c_int = 23;
 
 /// Most receiver sessions kept at once; the oldest is dropped beyond (a writer that died
 /// without saying goodbye leaves one behind).
@@ -133,12 +140,12 @@ pub(super) enum Cmd {
         writer_layout: KvLayoutDesc,
         done: Reply<Opened>,
     },
+    /// Posted without a reply: an error fails the connection, and its flush reports it.
     Write {
         conn: u64,
         batch: WriteBatch,
-        done: Reply<()>,
     },
-    /// Posted without a reply: an error fails the connection, and its flush reports it.
+    /// As `Write`.
     WriteDevice {
         conn: u64,
         batch: DeviceBatch,
@@ -150,7 +157,26 @@ pub(super) enum Cmd {
     Close {
         conn: u64,
     },
+    /// Allocates host memory for a region ([`State::alloc`]).
+    Alloc {
+        len: usize,
+        done: mpsc::Sender<Result<Allocated, TransferError>>,
+    },
+    /// Frees an allocation made by `Alloc` (its address); no reply.
+    Free {
+        addr: u64,
+    },
     Shutdown,
+}
+
+/// Host memory the thread allocated with `ucp_mem_map`: the address, the length, and
+/// whether it is a shared mapping (System V or POSIX shared memory, which writers on this
+/// machine map and copy into) rather than private memory (UCX fell back to the heap).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Allocated {
+    pub addr: u64,
+    pub len: usize,
+    pub shared: bool,
 }
 
 /// The worker pointer, for `ucp_worker_signal` from other threads (documented thread-safe).
@@ -159,6 +185,8 @@ pub(super) struct WorkerHandle {
     worker: sys::ucp_worker_h,
     /// Endpoints the thread holds open (written by the thread).
     pub(super) endpoints: Arc<std::sync::atomic::AtomicUsize>,
+    /// Receivers' memory mapped into this process (written by the thread).
+    pub(super) mapped: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 // SAFETY: only `ucp_worker_signal` is called through it, which UCX documents as callable from
@@ -192,6 +220,7 @@ pub(super) fn spawn(
                     ucp,
                     worker: state.worker,
                     endpoints: state.endpoints.clone(),
+                    mapped: state.mapped_count.clone(),
                 };
                 let address = state.address.clone();
                 if ready_tx.send(Ok((worker, address))).is_ok() {
@@ -237,7 +266,8 @@ struct CallbackArg {
     id: u64,
 }
 
-/// A region registered with UCX: one memory handle per exposed layer.
+/// A region registered with UCX: one memory handle per exposed layer (none for layers inside
+/// an allocation of this thread's, which has its own handle and key).
 struct Registered {
     memhs: Vec<sys::ucp_mem_h>,
     descs: Vec<LayerMemoryDesc>,
@@ -263,8 +293,21 @@ enum RemoteLayer {
         base: u64,
         rkey: sys::ucp_rkey_h,
         cuda: bool,
+        /// Host memory UCX maps into this process (the receiver's shared memory, through
+        /// `ucp_rkey_ptr`): the layer's first byte here. Writes are copies to it, and the
+        /// key belongs to the peer's [`Peer::mapped`] cache, not to the connection.
+        mapped: Option<*mut u8>,
     },
     Staged,
+}
+
+/// A remote key whose memory is mapped into this process, kept for the endpoint's later
+/// connections: unpacking it again would attach the receiver's segment anew and fault every
+/// page of it in on the first copy (a 576 MB pool copied at a third of memcpy's rate).
+struct MappedKey {
+    rkey: sys::ucp_rkey_h,
+    /// Open connections using it.
+    users: usize,
 }
 
 /// An endpoint to one receiver's worker, kept open and shared by the connections (one per
@@ -282,6 +325,9 @@ struct Peer {
     retired: bool,
     /// It or a connection on it failed: closed forcibly (a failed endpoint cannot flush).
     broken: bool,
+    /// Mapped remote keys by their packed bytes (see [`MappedKey`]); destroyed before the
+    /// endpoint closes.
+    mapped: HashMap<Vec<u8>, MappedKey>,
 }
 
 /// The writer's side of one connection.
@@ -294,6 +340,8 @@ struct Conn {
     failed: Option<TransferError>,
     put_bytes: u64,
     clock: PutClock,
+    /// The [`Peer::mapped`] keys it uses (one use each), given back when it closes.
+    mapped_keys: Vec<Vec<u8>>,
 }
 
 /// Where a connection's time went from its hello to its flush acknowledgement, logged
@@ -408,6 +456,8 @@ struct State {
     next_peer: u64,
     /// `peers.len()`, for [`UcxTransport::endpoints`](super::UcxTransport::endpoints).
     endpoints: Arc<std::sync::atomic::AtomicUsize>,
+    /// Mapped keys over all peers, for [`UcxTransport::mapped`](super::UcxTransport::mapped).
+    mapped_count: Arc<std::sync::atomic::AtomicUsize>,
     inflight: Vec<InFlight>,
     /// Whether endpoints are still created with peer-failure detection (cleared the first
     /// time the transports refuse it).
@@ -416,6 +466,22 @@ struct State {
     cuda: bool,
     /// The CUDA contexts this thread made current (device memory registered or read).
     cuda_contexts: super::cuda::Contexts,
+    /// Host memory allocated for regions (`Cmd::Alloc`), by address.
+    allocations: BTreeMap<u64, Allocation>,
+    /// Whether a writer copies into remote memory UCX maps here (`ucp_rkey_ptr`) instead of
+    /// putting (`FERRY_UCX_RKEY_PTR=0` turns it off, for comparison).
+    rkey_ptr: bool,
+    /// Batches already copied out, freed once no flush is waiting: freeing a transfer's
+    /// source buffers (hundreds of MB) is not on the way to its acknowledgement.
+    copied: Vec<Arc<WriteBatch>>,
+}
+
+/// One `Cmd::Alloc` allocation.
+struct Allocation {
+    len: usize,
+    memh: sys::ucp_mem_h,
+    /// Its packed remote key, for every layer registered inside it.
+    rkey: Vec<u8>,
 }
 
 fn ucx_error(ucp: &Ucp, what: &str, status: sys::ucs_status_t) -> TransferError {
@@ -495,10 +561,14 @@ impl State {
                 peer_by_address: HashMap::new(),
                 next_peer: 1,
                 endpoints: Arc::default(),
+                mapped_count: Arc::default(),
                 inflight: Vec::new(),
                 peer_failure_detection: true,
                 cuda: false,
                 cuda_contexts: Default::default(),
+                allocations: BTreeMap::new(),
+                rkey_ptr: std::env::var("FERRY_UCX_RKEY_PTR").map_or(true, |v| v != "0"),
+                copied: Vec::new(),
             };
             let mut addr = std::ptr::null_mut();
             let mut len = 0usize;
@@ -562,7 +632,16 @@ impl State {
             }
             loop {
                 match cmds.try_recv() {
-                    Ok(Cmd::Shutdown) | Err(mpsc::TryRecvError::Disconnected) => return,
+                    Ok(Cmd::Shutdown) | Err(mpsc::TryRecvError::Disconnected) => {
+                        // Frees already sent are honoured; allocations still held elsewhere
+                        // stay mapped (leaked) rather than pulled from under their holders.
+                        while let Ok(cmd) = cmds.try_recv() {
+                            if let Cmd::Free { addr } = cmd {
+                                self.free(addr);
+                            }
+                        }
+                        return;
+                    }
                     Ok(cmd) => {
                         busy = true;
                         self.command(cmd);
@@ -572,6 +651,9 @@ impl State {
             }
             busy |= self.poll_requests();
             self.reap_abandoned();
+            if !busy {
+                self.free_copied();
+            }
             if busy {
                 last_busy = Instant::now();
                 continue;
@@ -620,8 +702,10 @@ impl State {
                 writer_layout,
                 done,
             } => self.connect(&address, hello, key, writer_layout, done),
-            Cmd::Write { conn, batch, done } => {
-                let _ = done.send(self.write(conn, batch));
+            Cmd::Write { conn, batch } => {
+                if let Err(e) = self.write(conn, batch) {
+                    self.fail(conn, e);
+                }
             }
             Cmd::WriteDevice { conn, batch } => {
                 if let Err(e) = self.write_device(conn, batch) {
@@ -630,6 +714,10 @@ impl State {
             }
             Cmd::Flush { conn, done } => self.flush(conn, done),
             Cmd::Close { conn } => self.close(conn),
+            Cmd::Alloc { len, done } => {
+                let _ = done.send(self.alloc(len));
+            }
+            Cmd::Free { addr } => self.free(addr),
             Cmd::Shutdown => {}
         }
     }
@@ -670,6 +758,17 @@ impl State {
                     continue;
                 }
             };
+            if kind == KIND_HOST {
+                if let Some(rkey) = self.allocation_key(span.addr(), span.len()) {
+                    reg.descs.push(LayerMemoryDesc {
+                        kind,
+                        base: span.addr(),
+                        len: span.len() as u64,
+                        rkey,
+                    });
+                    continue;
+                }
+            }
             match self.map(span.addr(), span.len(), memory_type) {
                 Ok((memh, rkey)) => {
                     reg.memhs.push(memh);
@@ -745,6 +844,79 @@ impl State {
             (self.ucp.rkey_buffer_release)(buf);
             Ok((memh, rkey))
         }
+    }
+
+    /// Allocates `len` bytes of host memory with `ucp_mem_map(ALLOCATE)` and packs its key:
+    /// UCX takes it from the first memory domain of `UCX_ALLOC_PRIO` that can allocate
+    /// (System V, then POSIX shared memory by default), so writers on this machine can map it
+    /// and copy into it. Memory UCX took from the heap instead is zeroed here (shared memory
+    /// is zero-filled by the kernel).
+    fn alloc(&mut self, len: usize) -> Result<Allocated, TransferError> {
+        let mut p = sys::ucp_mem_map_params_t::zeroed();
+        p.field_mask = sys::UCP_MEM_MAP_PARAM_FIELD_LENGTH
+            | sys::UCP_MEM_MAP_PARAM_FIELD_FLAGS
+            | sys::UCP_MEM_MAP_PARAM_FIELD_PROT;
+        p.length = len.max(1);
+        p.flags = sys::UCP_MEM_MAP_ALLOCATE;
+        p.prot = sys::UCP_MEM_MAP_PROT_LOCAL_READ
+            | sys::UCP_MEM_MAP_PROT_LOCAL_WRITE
+            | sys::UCP_MEM_MAP_PROT_REMOTE_WRITE;
+        let mut memh = std::ptr::null_mut();
+        // SAFETY: UCX allocates; the handle is unmapped once (`free`, or below on failure).
+        let s = unsafe { (self.ucp.mem_map)(self.context, &p, &mut memh) };
+        if s != sys::UCS_OK {
+            return Err(ucx_error(self.ucp, "allocating host memory", s));
+        }
+        let mut attr = sys::ucp_mem_attr_t::zeroed();
+        attr.field_mask = sys::UCP_MEM_ATTR_FIELD_ADDRESS | sys::UCP_MEM_ATTR_FIELD_LENGTH;
+        // SAFETY: a handle just mapped, a valid out-struct.
+        let s = unsafe { (self.ucp.mem_query)(memh, &mut attr) };
+        let addr = attr.address as u64;
+        let aligned = addr % crate::memory::PAGE as u64 == 0;
+        if s != sys::UCS_OK || attr.address.is_null() || attr.length < len || !aligned {
+            // SAFETY: mapped above, unmapped once.
+            unsafe { (self.ucp.mem_unmap)(self.context, memh) };
+            return Err(TransferError::Protocol(format!(
+                "UCX allocated {} bytes at {addr:#x} for {len} page-aligned bytes ({})",
+                attr.length,
+                self.ucp.describe(s)
+            )));
+        }
+        let mut buf = std::ptr::null_mut();
+        let mut blen = 0usize;
+        // SAFETY: the handle above; the packed buffer is copied and released.
+        let rkey = unsafe {
+            let s = (self.ucp.rkey_pack)(self.context, memh, &mut buf, &mut blen);
+            if s != sys::UCS_OK {
+                (self.ucp.mem_unmap)(self.context, memh);
+                return Err(ucx_error(self.ucp, "packing a remote key", s));
+            }
+            let rkey = std::slice::from_raw_parts(buf as *const u8, blen).to_vec();
+            (self.ucp.rkey_buffer_release)(buf);
+            rkey
+        };
+        let shared = is_shared_mapping(addr);
+        if !shared {
+            // SAFETY: `len` bytes UCX just allocated for us; nothing else refers to them yet.
+            unsafe { std::ptr::write_bytes(attr.address as *mut u8, 0, len) };
+        }
+        self.allocations
+            .insert(addr, Allocation { len, memh, rkey });
+        Ok(Allocated { addr, len, shared })
+    }
+
+    fn free(&mut self, addr: u64) {
+        if let Some(a) = self.allocations.remove(&addr) {
+            // SAFETY: mapped by `alloc`, unmapped once; its holder has dropped it.
+            unsafe { (self.ucp.mem_unmap)(self.context, a.memh) };
+        }
+    }
+
+    /// The packed key of the allocation holding `addr..addr + len`, if one does.
+    fn allocation_key(&self, addr: u64, len: usize) -> Option<Vec<u8>> {
+        let (&start, a) = self.allocations.range(..=addr).next_back()?;
+        let end = addr.checked_add(len as u64)?;
+        (end <= start + a.len as u64).then(|| a.rkey.clone())
     }
 
     fn release(&self, reg: Registered) {
@@ -957,6 +1129,7 @@ impl State {
                     hello: Some(Instant::now()),
                     ..PutClock::default()
                 },
+                mapped_keys: Vec::new(),
             },
         );
         self.send(ep, AM_HELLO, frame(id, &hello), Some(id));
@@ -1019,6 +1192,7 @@ impl State {
                 conns: 0,
                 retired: false,
                 broken: false,
+                mapped: HashMap::new(),
             },
         );
         self.peer_by_address.insert(address.to_vec(), peer);
@@ -1037,8 +1211,9 @@ impl State {
         let Phase::Connecting { writer_layout, .. } = &conn.phase else {
             return;
         };
+        let (peer, key, writer_layout) = (conn.peer, conn.key, *writer_layout);
         let acked = Instant::now();
-        let result = self.open(&ack, conn.ep, conn.key, writer_layout);
+        let result = self.open(&ack, peer, key, &writer_layout);
         let Some(conn) = self.conns.get_mut(&id) else {
             return;
         };
@@ -1049,7 +1224,8 @@ impl State {
             return;
         };
         match result {
-            Ok((layout, layers)) => {
+            Ok((layout, layers, mapped_keys)) => {
+                conn.mapped_keys = mapped_keys;
                 let from_device = layers
                     .iter()
                     .map(|l| self.cuda && matches!(l, RemoteLayer::Put { cuda: true, .. }))
@@ -1071,15 +1247,18 @@ impl State {
         }
     }
 
-    /// The ack's verdict and, when accepted, the remote layers with their unpacked keys.
+    /// The ack's verdict and, when accepted, the remote layers with their keys unpacked on
+    /// `peer`'s endpoint, and the mapped keys of `peer` they use (each counted as one more use).
+    #[allow(clippy::type_complexity)]
     fn open(
-        &self,
+        &mut self,
         ack: &TransferHelloAck,
-        ep: sys::ucp_ep_h,
+        peer: u64,
         key: RemoteKey,
         writer_layout: &KvLayoutDesc,
-    ) -> Result<(KvLayoutDesc, Vec<RemoteLayer>), TransferError> {
+    ) -> Result<(KvLayoutDesc, Vec<RemoteLayer>, Vec<Vec<u8>>), TransferError> {
         let remote = accepted_layout(ack, key, writer_layout)?;
+        let ep = self.peers.get(&peer).ok_or(TransferError::Closed)?.ep;
         if ack.memory.len() != remote.num_layers as usize {
             return Err(TransferError::Protocol(format!(
                 "TransferHelloAck: {} memory entries for {} layers",
@@ -1089,6 +1268,8 @@ impl State {
         }
         let need = remote.num_blocks as u64 * remote.block_bytes() as u64;
         let mut layers = Vec::with_capacity(ack.memory.len());
+        let mut used: Vec<Vec<u8>> = Vec::new();
+        let mut fresh: Vec<(usize, usize)> = Vec::new();
         for (l, m) in ack.memory.iter().enumerate() {
             if m.kind == KIND_STAGED {
                 layers.push(RemoteLayer::Staged);
@@ -1101,27 +1282,132 @@ impl State {
                     m.len
                 )));
             }
-            let mut rkey = std::ptr::null_mut();
-            // SAFETY: unpacks a buffer UCX packed on the receiver (UCX validates it).
-            let s = unsafe {
-                (self.ucp.ep_rkey_unpack)(ep, m.rkey.as_ptr() as *const c_void, &mut rkey)
-            };
-            if s != sys::UCS_OK {
-                self.destroy_rkeys(layers);
-                return Err(ucx_error(self.ucp, "unpacking a remote key", s));
+            if m.kind == KIND_HOST && self.rkey_ptr {
+                if let Some((rkey, ptr)) = self.mapped_layer(peer, m, need, &mut fresh) {
+                    if !used.contains(&m.rkey) {
+                        used.push(m.rkey.clone());
+                    }
+                    layers.push(RemoteLayer::Put {
+                        base: m.base,
+                        rkey,
+                        cuda: false,
+                        mapped: Some(ptr),
+                    });
+                    continue;
+                }
             }
+            let rkey = match self.unpack(ep, &m.rkey) {
+                Ok(rkey) => rkey,
+                Err(e) => {
+                    self.destroy_rkeys(layers);
+                    return Err(e);
+                }
+            };
             layers.push(RemoteLayer::Put {
                 base: m.base,
                 rkey,
                 cuda: m.kind == KIND_CUDA,
+                mapped: None,
             });
         }
-        Ok((remote, layers))
+        if let Some(p) = self.peers.get_mut(&peer) {
+            for k in &used {
+                if let Some(m) = p.mapped.get_mut(k) {
+                    m.users += 1;
+                }
+            }
+        }
+        if !fresh.is_empty() {
+            prefault(fresh);
+        }
+        Ok((remote, layers, used))
     }
 
+    fn unpack(&self, ep: sys::ucp_ep_h, packed: &[u8]) -> Result<sys::ucp_rkey_h, TransferError> {
+        let mut rkey = std::ptr::null_mut();
+        // SAFETY: unpacks a buffer UCX packed on the receiver (UCX validates it).
+        let s =
+            unsafe { (self.ucp.ep_rkey_unpack)(ep, packed.as_ptr() as *const c_void, &mut rkey) };
+        if s != sys::UCS_OK {
+            return Err(ucx_error(self.ucp, "unpacking a remote key", s));
+        }
+        Ok(rkey)
+    }
+
+    /// Host layer `m` mapped into this process: its key (from `peer`'s cache, or unpacked and
+    /// cached) and the local address of its first byte. `None` when UCX cannot map it (a
+    /// receiver's heap memory, another machine's memory): the layer is then written by puts.
+    /// A key cached here has its layer's range noted in `fresh`, to fault in ahead of use.
+    fn mapped_layer(
+        &mut self,
+        peer: u64,
+        m: &LayerMemoryDesc,
+        need: u64,
+        fresh: &mut Vec<(usize, usize)>,
+    ) -> Option<(sys::ucp_rkey_h, *mut u8)> {
+        let p = self.peers.get(&peer)?;
+        let (ep, cached) = (p.ep, p.mapped.get(&m.rkey).map(|k| k.rkey));
+        let rkey = match cached {
+            Some(rkey) => rkey,
+            None => self.unpack(ep, &m.rkey).ok()?,
+        };
+        let mut ptr = std::ptr::null_mut();
+        // SAFETY: a key unpacked on this endpoint; UCX answers an error for memory it cannot
+        // map here.
+        let s = unsafe { (self.ucp.rkey_ptr)(rkey, m.base, &mut ptr) };
+        let usable = s == sys::UCS_OK && !ptr.is_null() && is_mapped(ptr as usize, need as usize);
+        if cached.is_none() {
+            if !usable {
+                debug!(
+                    peer,
+                    status = %self.ucp.describe(s),
+                    "kvtransfer: a receiver's host memory cannot be mapped here; writes are puts"
+                );
+                // SAFETY: unpacked above, destroyed once; never cached.
+                unsafe { (self.ucp.rkey_destroy)(rkey) };
+                return None;
+            }
+            let p = self.peers.get_mut(&peer)?;
+            if p.mapped.len() >= MAX_MAPPED_KEYS {
+                let idle: Vec<Vec<u8>> = p
+                    .mapped
+                    .iter()
+                    .filter(|(_, k)| k.users == 0)
+                    .map(|(b, _)| b.clone())
+                    .collect();
+                for b in idle {
+                    if let Some(k) = p.mapped.remove(&b) {
+                        // SAFETY: no connection uses it; destroyed once.
+                        unsafe { (self.ucp.rkey_destroy)(k.rkey) };
+                    }
+                }
+            }
+            p.mapped
+                .insert(m.rkey.clone(), MappedKey { rkey, users: 0 });
+            self.count_mapped();
+            fresh.push((ptr as usize, need as usize));
+            debug!(
+                peer,
+                bytes = need,
+                "kvtransfer: a receiver's host memory is mapped here; writes into it are copies"
+            );
+        }
+        usable.then_some((rkey, ptr as *mut u8))
+    }
+
+    fn count_mapped(&self) {
+        let n = self.peers.values().map(|p| p.mapped.len()).sum();
+        self.mapped_count
+            .store(n, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Destroys a connection's own keys (mapped ones belong to the peer's cache).
     fn destroy_rkeys(&self, layers: Vec<RemoteLayer>) {
         for l in layers {
-            if let RemoteLayer::Put { rkey, .. } = l {
+            if let RemoteLayer::Put {
+                rkey, mapped: None, ..
+            } = l
+            {
                 // SAFETY: unpacked once, destroyed once, before its endpoint closes.
                 unsafe { (self.ucp.rkey_destroy)(rkey) };
             }
@@ -1148,16 +1434,24 @@ impl State {
         let (ep, session, bb) = (conn.ep, *session, layout.block_bytes() as u64);
         let batch = Arc::new(batch);
         let layer = batch.layer;
+        let mut copies = Vec::new();
         let mut puts = Vec::new();
         let mut staged = Vec::new();
         for (i, w) in batch.writes.iter().enumerate() {
             match layers.get(layer as usize) {
-                // Host bytes into host memory: a put. Into device memory they go staged (the
-                // receiver copies them in): UCX's device paths read device sources.
+                // Host bytes into host memory mapped here: a copy.
+                Some(RemoteLayer::Put {
+                    mapped: Some(first),
+                    cuda: false,
+                    ..
+                }) => copies.push((i, *first, u64::from(w.block) * bb)),
+                // Host bytes into other host memory: a put. Into device memory they go staged
+                // (the receiver copies them in): UCX's device paths read device sources.
                 Some(RemoteLayer::Put {
                     base,
                     rkey,
                     cuda: false,
+                    mapped: None,
                 }) => {
                     puts.push((i, base + u64::from(w.block) * bb, *rkey));
                 }
@@ -1165,6 +1459,27 @@ impl State {
             }
         }
         let mut put_bytes = 0;
+        let (started, n_copies) = (Instant::now(), copies.len() as u32);
+        for (i, first, offset) in copies {
+            let data = &batch.writes[i].data;
+            // SAFETY: the layer's memory is mapped here from `first` for at least `num_blocks`
+            // blocks (`open` checked its length, `mapped_layer` that the range is mapped), and
+            // the batch's runs were validated against the layout; the receiver does not touch
+            // blocks reserved for this transfer until its flush is acknowledged.
+            unsafe {
+                std::ptr::copy_nonoverlapping(data.as_ptr(), first.add(offset as usize), data.len())
+            };
+            put_bytes += data.len() as u64;
+        }
+        if n_copies > 0 {
+            self.copied.push(batch.clone());
+            if let Some(conn) = self.conns.get_mut(&id) {
+                let clock = &mut conn.clock;
+                clock.puts += n_copies;
+                clock.posting += started.elapsed();
+                clock.first_put.get_or_insert(started);
+            }
+        }
         for (i, remote, rkey) in puts {
             let data = &batch.writes[i].data;
             let p = sys::ucp_request_param_t::zeroed();
@@ -1221,6 +1536,7 @@ impl State {
             base,
             rkey,
             cuda: true,
+            ..
         }) = layers.get(batch.layer as usize)
         else {
             return Err(TransferError::Protocol(format!(
@@ -1265,6 +1581,9 @@ impl State {
     }
 
     fn flush(&mut self, id: u64, done: Reply<u64>) {
+        // Copies into mapped memory are plain stores: visible to the receiver before the
+        // flush message that tells it they are done.
+        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
         let Some(conn) = self.conns.get_mut(&id) else {
             let _ = done.send(Err(TransferError::Closed));
             return;
@@ -1366,6 +1685,17 @@ impl State {
         }
     }
 
+    /// Frees the copied batches once no connection waits for a flush acknowledgement.
+    fn free_copied(&mut self) {
+        let waiting = self
+            .conns
+            .values()
+            .any(|c| matches!(&c.phase, Phase::Open { flush: Some(_), .. }));
+        if !waiting {
+            self.copied.clear();
+        }
+    }
+
     /// Closes connections whose connect the async side stopped waiting for (timed out).
     fn reap_abandoned(&mut self) {
         let gone: Vec<u64> = self
@@ -1394,8 +1724,16 @@ impl State {
             peer,
             phase,
             failed,
+            mapped_keys,
             ..
         } = conn;
+        if let Some(p) = self.peers.get_mut(&peer) {
+            for k in &mapped_keys {
+                if let Some(m) = p.mapped.get_mut(k) {
+                    m.users = m.users.saturating_sub(1);
+                }
+            }
+        }
         if let Phase::Open {
             session, layers, ..
         } = phase
@@ -1440,6 +1778,12 @@ impl State {
         if self.peer_by_address.get(&p.address) == Some(&peer) {
             self.peer_by_address.remove(&p.address);
         }
+        for (_, m) in p.mapped {
+            // SAFETY: no connection uses the peer any more; each key destroyed once, before
+            // its endpoint closes.
+            unsafe { (self.ucp.rkey_destroy)(m.rkey) };
+        }
+        self.count_mapped();
         let mut params = sys::ucp_request_param_t::zeroed();
         if force || p.broken {
             params.op_attr_mask = sys::UCP_OP_ATTR_FIELD_FLAGS;
@@ -1677,11 +2021,76 @@ impl Drop for State {
         for key in keys {
             self.unmap(key);
         }
-        // SAFETY: every endpoint is closed and every mapping released; destroyed once.
-        unsafe {
-            (self.ucp.worker_destroy)(self.worker);
-            (self.ucp.cleanup)(self.context);
+        self.copied.clear();
+        // SAFETY: every endpoint is closed; destroyed once.
+        unsafe { (self.ucp.worker_destroy)(self.worker) };
+        if !self.allocations.is_empty() {
+            // Their holders still use them (a pool outliving its transport): the context
+            // stays, so the memory stays mapped until the process exits.
+            debug!(
+                allocations = self.allocations.len(),
+                "kvtransfer: UCX context kept for host memory still in use"
+            );
+            return;
         }
+        // SAFETY: every mapping released; destroyed once.
+        unsafe { (self.ucp.cleanup)(self.context) };
+    }
+}
+
+/// Whether `addr` lies in a shared mapping of this process (`/proc/self/maps`: System V or
+/// POSIX shared memory), as opposed to private memory.
+fn is_shared_mapping(addr: u64) -> bool {
+    let Ok(maps) = std::fs::read_to_string("/proc/self/maps") else {
+        return false;
+    };
+    maps.lines().any(|line| {
+        let mut fields = line.split_whitespace();
+        let (Some(range), Some(perms)) = (fields.next(), fields.next()) else {
+            return false;
+        };
+        let Some((start, end)) = range.split_once('-') else {
+            return false;
+        };
+        let parse = |v| u64::from_str_radix(v, 16).ok();
+        matches!((parse(start), parse(end)), (Some(s), Some(e)) if s <= addr && addr < e)
+            && perms.as_bytes().get(3) == Some(&b's')
+    })
+}
+
+/// Whether `addr..addr + len` is mapped in this process (`msync` refuses unmapped ranges).
+fn is_mapped(addr: usize, len: usize) -> bool {
+    let page = crate::memory::PAGE;
+    let start = addr & !(page - 1);
+    let Some(end) = addr.checked_add(len) else {
+        return false;
+    };
+    // SAFETY: `MS_ASYNC` on any range only checks it (nothing is written back or changed).
+    unsafe { libc::msync(start as *mut c_void, end - start, libc::MS_ASYNC) == 0 }
+}
+
+/// Faults newly mapped ranges in, on a short-lived thread, so the first transfer into a
+/// receiver's memory copies at memory speed instead of page-faulting through it.
+/// `MADV_POPULATE_WRITE` prepares page tables only (no byte changes); on an older kernel, or
+/// a range unmapped meanwhile, it fails and nothing happens.
+fn prefault(ranges: Vec<(usize, usize)>) {
+    let spawned = std::thread::Builder::new()
+        .name("ferry-ucx-prefault".into())
+        .spawn(move || {
+            for (addr, len) in ranges {
+                let start = addr & !(crate::memory::PAGE - 1);
+                // SAFETY: advice only; it never changes memory contents.
+                unsafe {
+                    libc::madvise(
+                        start as *mut c_void,
+                        addr + len - start,
+                        MADV_POPULATE_WRITE,
+                    )
+                };
+            }
+        });
+    if let Err(e) = spawned {
+        debug!(error = %e, "kvtransfer: no thread to fault mapped memory in");
     }
 }
 
