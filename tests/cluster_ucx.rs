@@ -54,6 +54,23 @@ async fn greedy_over(tls: &str) {
         d.kv_transfer_bytes, p.kv_transfer_bytes,
         "UCX_TLS={tls}: the decode worker counts what the prefill worker put"
     );
+    if tls != "tcp" {
+        // The decode worker's pool is UCX shared memory, which the prefill worker maps and
+        // copies into (the other tests here may change UCX_TLS between the two clusters, so
+        // only the shared-memory one is checked).
+        assert!(
+            cluster
+                .log(&decode)
+                .contains("KV pool in UCX shared memory"),
+            "{}",
+            cluster.log(&decode)
+        );
+        assert!(
+            cluster.log(&prefill).contains("mapped here"),
+            "{}",
+            cluster.log(&prefill)
+        );
+    }
     cluster.assert_kv_blocks_released().await;
 }
 

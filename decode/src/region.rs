@@ -3,9 +3,26 @@
 use std::sync::Arc;
 
 use ferry_kvtransfer::error::TransferError;
-use ferry_kvtransfer::{Dtype, Fence, KvLayoutDesc, KvRegion, LayerMemory};
+use ferry_kvtransfer::{Dtype, Fence, KvLayoutDesc, KvRegion, LayerMemory, Transport};
 use ferry_model::engine::{DeviceKv, EngineHandle};
-use ferry_model::kv::{BlockId, HostRows, KvDtype, RemoteFences};
+use ferry_model::kv::{BlockId, HostRows, KvDtype, RemoteFences, RowBuffer, RowMemory};
+
+/// A CPU engine's KV rows in the KV transport's memory ([`Transport::alloc_host`]): with UCX,
+/// shared memory that a prefill worker on this machine maps and copies into; with TCP, the
+/// heap.
+pub struct TransportRows(pub Arc<dyn Transport>);
+
+impl RowMemory for TransportRows {
+    #[allow(unsafe_code)] // see the crate root
+    fn alloc(&self, bytes: usize) -> Result<RowBuffer, String> {
+        let memory = self.0.alloc_host(bytes).map_err(|e| e.to_string())?;
+        let ptr = std::ptr::NonNull::new(memory.as_ptr()).ok_or("a null allocation")?;
+        let len = memory.len();
+        // SAFETY: `HostMemory` is zeroed, page-aligned and lives as long as the owner (this
+        // clone); the pool and its transfer region are its only writers.
+        Ok(unsafe { RowBuffer::new(ptr, len, Box::new(memory)) })
+    }
+}
 
 /// This worker's KV pool as a transfer target: registered memory where the rows are on the
 /// host, staged writes elsewhere.

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use clap::{Args, ValueEnum};
 use ferry_kvtransfer::{TcpTransport, Transport, UcxTransport};
+use ferry_model::engine::HostKvMemory;
 use ferry_proto::auth::AttachToken;
 use ferry_proto::internal::decode_worker_server::DecodeWorkerServer;
 use ferry_proto::internal::WorkerRole;
@@ -17,7 +18,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::metrics::DecodeMetrics;
-use crate::region::EngineRegion;
+use crate::region::{EngineRegion, TransportRows};
 use crate::service::{DecodePolicy, DecodeService, KvTarget};
 use crate::spec::{load_engine, SpecArgs};
 
@@ -64,9 +65,6 @@ pub struct DecodeServer {
 impl DecodeServer {
     /// Loads the model, starts the engine, the transfer listener and binds the gRPC listener.
     pub async fn bind(args: DecodeArgs, model_dir: PathBuf) -> Result<Self, ServeError> {
-        let engine =
-            load_engine(model_dir.clone(), &args.spec, args.worker.engine_config()).await?;
-        let grammar = ferry_worker::grammar::load_compiler(&model_dir, engine.model_config()).await;
         let (view_tx, view_rx) = watch::channel(PrefillView::default());
         let kind = args.worker.transport;
         let base = WorkerServer::bind(WorkerRole::Decode, &args.worker)
@@ -84,6 +82,12 @@ impl DecodeServer {
                     .map_err(|e| ServeError::Transport(format!("--transport ucx: {e}")))?,
             ),
         };
+        // A CPU engine's KV rows live in the transport's memory (UCX: shared memory that a
+        // prefill worker on this machine copies into directly).
+        let mut config = args.worker.engine_config();
+        config.host_kv_memory = Some(HostKvMemory(Arc::new(TransportRows(transport.clone()))));
+        let engine = load_engine(model_dir.clone(), &args.spec, config).await?;
+        let grammar = ferry_worker::grammar::load_compiler(&model_dir, engine.model_config()).await;
         let region = Arc::new(EngineRegion::new(engine.clone()));
         let layout = ferry_kvtransfer::KvRegion::layout(region.as_ref());
         let registration = transport

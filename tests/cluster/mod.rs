@@ -630,6 +630,17 @@ impl Cluster {
             .id()
     }
 
+    /// Everything a live worker has logged so far.
+    #[allow(dead_code)] // not every test binary reads logs
+    pub fn log(&self, id: &str) -> String {
+        let p = self
+            .worker(id)
+            .proc
+            .as_ref()
+            .unwrap_or_else(|| panic!("{id} is dead"));
+        std::fs::read_to_string(&p.log).unwrap_or_default()
+    }
+
     /// SIGSTOPs a live worker (a stalled process: its sockets stay open, nothing answers).
     /// [`Cluster::resume`] continues it; a paused worker is still killed on drop.
     pub fn pause(&self, id: &str) {

@@ -195,11 +195,18 @@ impl Backend {
         self.model.backend().device()
     }
 
-    /// The engine's pool for `layout`: with rows on the CPU (the forward's KV), ids only on a
-    /// GPU (the rows are the device cache's).
-    pub(crate) fn new_pool(&self, layout: KvLayout) -> Result<KvPool, ModelError> {
+    /// The engine's pool for `layout`: with rows on the CPU (the forward's KV; in `memory`
+    /// when given, else the heap), ids only on a GPU (the rows are the device cache's).
+    pub(crate) fn new_pool(
+        &self,
+        layout: KvLayout,
+        memory: Option<&dyn crate::kv::RowMemory>,
+    ) -> Result<KvPool, ModelError> {
         match &self.rows {
-            Rows::Host => KvPool::new(layout),
+            Rows::Host => match memory {
+                Some(m) => KvPool::new_in(layout, m),
+                None => KvPool::new(layout),
+            },
             #[cfg(feature = "cuda")]
             Rows::Cuda(_) => KvPool::without_rows(layout),
             #[cfg(feature = "rocm")]

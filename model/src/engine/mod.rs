@@ -82,6 +82,19 @@ pub struct EngineConfig {
     /// Where [`EngineHandle::load`] takes the weights from: the checkpoint, or seeded random
     /// weights of `config.json`'s shapes (`--load-format dummy`).
     pub load_format: crate::dummy::LoadFormat,
+    /// Where a CPU engine's KV rows are allocated (`None`: the heap). A decode worker passes
+    /// its KV transport's memory, which peers on the same machine write into directly.
+    pub host_kv_memory: Option<HostKvMemory>,
+}
+
+/// A [`RowMemory`](crate::kv::RowMemory) for [`EngineConfig::host_kv_memory`].
+#[derive(Clone)]
+pub struct HostKvMemory(pub Arc<dyn crate::kv::RowMemory>);
+
+impl std::fmt::Debug for HostKvMemory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("HostKvMemory")
+    }
 }
 
 impl Default for EngineConfig {
@@ -98,6 +111,7 @@ impl Default for EngineConfig {
             cuda_graphs: true,
             gpu_layerwise_shipping: true,
             load_format: crate::dummy::LoadFormat::Auto,
+            host_kv_memory: None,
         }
     }
 }
@@ -839,7 +853,7 @@ impl EngineHandle {
         )?;
         let device = backend.device();
         // Block ids on every device; rows on the host only where the forward reads them there.
-        let pool = backend.new_pool(layout)?;
+        let pool = backend.new_pool(layout, config.host_kv_memory.as_ref().map(|m| &*m.0))?;
         let host_rows = pool.host_rows();
         let device_kv = backend.device_kv();
         let fences = Arc::new(crate::kv::RemoteFences::new(layout.num_blocks));

@@ -45,7 +45,7 @@ pub use hash::{block_hashes, chain_hash, BLOCK_HASH_SEED};
 pub use layout::KvLayout;
 pub use lease::{Lease, Leases};
 pub use manager::KvManager;
-pub use pool::{BlockId, HostRows, KvPool};
+pub use pool::{BlockId, HostRows, KvPool, RowBuffer, RowMemory};
 pub use prefix::PrefixCache;
 pub use rows::{DeviceRows, KvDtype, LayerRows};
 pub use table::BlockTable;

@@ -15,6 +15,11 @@
 //! blocks. Only blocks reserved for a remote prefill are written that way, and the engine
 //! neither reads nor writes them until the transfer has completed; nothing else touches the
 //! rows outside the pool.
+//!
+//! The rows come from the heap, or from a [`RowMemory`] the pool's owner passes in
+//! ([`KvPool::new_in`]): a decode worker takes them from its KV transport
+//! (`Transport::alloc_host`), so that a UCX pool lives in shared memory a prefill worker on
+//! the same machine copies into directly.
 
 use std::fmt;
 use std::ptr::NonNull;
@@ -34,10 +39,42 @@ impl fmt::Display for BlockId {
     }
 }
 
-/// A host pool's row storage: one zeroed f32 allocation per layer, `[block][page][width]`,
+/// Where a host pool's rows are allocated instead of the heap (see the module docs).
+pub trait RowMemory: Send + Sync {
+    /// `bytes` zeroed bytes, aligned to at least 4 bytes, alive as long as the buffer.
+    fn alloc(&self, bytes: usize) -> Result<RowBuffer, String>;
+}
+
+/// Memory from a [`RowMemory`]: a start, a length, and what keeps them alive.
+pub struct RowBuffer {
+    ptr: NonNull<u8>,
+    len: usize,
+    _owner: Box<dyn Send + Sync>,
+}
+
+impl RowBuffer {
+    /// `len` bytes at `ptr`, kept alive by `owner`.
+    ///
+    /// # Safety
+    /// `ptr..ptr + len` must be zeroed, writable host memory aligned to 4 bytes, valid until
+    /// `owner` drops, and written by nothing but the pool that takes it and the transfer
+    /// regions it exposes its rows to.
+    pub unsafe fn new(ptr: NonNull<u8>, len: usize, owner: Box<dyn Send + Sync>) -> Self {
+        RowBuffer {
+            ptr,
+            len,
+            _owner: owner,
+        }
+    }
+}
+
+/// A host pool's row storage: one zeroed f32 region per layer, `[block][page][width]`,
 /// freed when the pool and every transfer region exposing it are gone (see the module docs).
 pub struct HostRows {
     layers: Vec<(NonNull<f32>, usize)>,
+    /// Every layer, back to back, when the rows came from a [`RowMemory`]; `None`: each
+    /// layer is its own heap allocation.
+    buffer: Option<RowBuffer>,
 }
 
 // SAFETY: plain f32 storage; the pool is its one reader/writer of references, and transfer
@@ -57,7 +94,40 @@ impl HostRows {
                 (ptr, len)
             })
             .collect();
-        HostRows { layers }
+        HostRows {
+            layers,
+            buffer: None,
+        }
+    }
+
+    /// `layers` regions of `floats` zeroed f32 each, back to back in one buffer of `memory`.
+    fn in_memory(memory: &dyn RowMemory, layers: usize, floats: usize) -> Result<Self, ModelError> {
+        let bytes = layers
+            .checked_mul(floats)
+            .and_then(|n| n.checked_mul(std::mem::size_of::<f32>()))
+            .ok_or_else(|| ModelError::Kv("the KV pool's size overflows".into()))?;
+        let buffer = memory
+            .alloc(bytes)
+            .map_err(|e| ModelError::Kv(format!("allocating the KV pool's rows: {e}")))?;
+        if buffer.len < bytes || buffer.ptr.as_ptr() as usize % std::mem::align_of::<f32>() != 0 {
+            return Err(ModelError::Kv(format!(
+                "the KV pool's row memory has {} bytes at {:p}; {bytes} aligned bytes needed",
+                buffer.len,
+                buffer.ptr.as_ptr()
+            )));
+        }
+        let base = buffer.ptr.as_ptr() as *mut f32;
+        let layers = (0..layers)
+            .map(|l| {
+                // SAFETY: inside the buffer (checked above), aligned for f32.
+                let ptr = unsafe { NonNull::new_unchecked(base.add(l * floats)) };
+                (ptr, floats)
+            })
+            .collect();
+        Ok(HostRows {
+            layers,
+            buffer: Some(buffer),
+        })
     }
 
     /// Layers held.
@@ -92,6 +162,10 @@ impl HostRows {
 
 impl Drop for HostRows {
     fn drop(&mut self) {
+        if self.buffer.is_some() {
+            // The buffer's owner frees it (after this).
+            return;
+        }
         for &(p, n) in &self.layers {
             // SAFETY: made by `Box::into_raw` of a boxed slice of `n` floats, freed once.
             drop(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(p.as_ptr(), n)) });
@@ -124,6 +198,13 @@ impl KvPool {
     pub fn new(layout: KvLayout) -> Result<Self, ModelError> {
         layout.validate()?;
         let rows = HostRows::zeroed(layout.num_layers, layout.layer_floats());
+        Self::build(layout, Some(Arc::new(rows)))
+    }
+
+    /// [`KvPool::new`] with its rows in `memory` (one buffer for every layer).
+    pub fn new_in(layout: KvLayout, memory: &dyn RowMemory) -> Result<Self, ModelError> {
+        layout.validate()?;
+        let rows = HostRows::in_memory(memory, layout.num_layers, layout.layer_floats())?;
         Self::build(layout, Some(Arc::new(rows)))
     }
 
