@@ -194,7 +194,7 @@ pub fn run(args: BenchTransferArgs) -> anyhow::Result<()> {
         for &(name, wire, env) in &cases {
             let limit = || memcpy_once(&l, &batches).min(memcpy_once(&l, &per_block));
             let (secs, copy) =
-                rt.block_on(case((wire, env), args.pool, &l, &batches, args.runs, limit))?;
+                rt.block_on(case((wire, env, args.pool), &l, &batches, args.runs, limit))?;
             let gbs = bytes as f64 / secs / 1e9;
             let copy_gbs = bytes as f64 / copy / 1e9;
             println!(
@@ -287,8 +287,7 @@ fn memcpy_once(l: &KvLayoutDesc, batches: &[WriteBatch]) -> f64 {
 /// a `limit()` (memcpy) measurement, so both see the same machine (this VM drifts by ±20 %
 /// between minutes); returns both medians.
 async fn case(
-    (wire, env): (Wire, Env),
-    pool: PoolMemory,
+    (wire, env, pool): (Wire, Env, PoolMemory),
     l: &KvLayoutDesc,
     batches: &[WriteBatch],
     runs: usize,

@@ -1386,10 +1386,11 @@ impl State {
                 .insert(m.rkey.clone(), MappedKey { rkey, users: 0 });
             self.count_mapped();
             fresh.push((ptr as usize, need as usize));
-            debug!(
+            info!(
                 peer,
-                bytes = need,
-                "kvtransfer: a receiver's host memory is mapped here; writes into it are copies"
+                layer_bytes = need,
+                "kvtransfer: a receiver's KV pool is shared memory, mapped here; writes into it \
+                 are copies"
             );
         }
         usable.then_some((rkey, ptr as *mut u8))
