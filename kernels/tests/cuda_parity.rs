@@ -27,7 +27,7 @@ use ferry_kernels::cuda::mla::{
 };
 use ferry_kernels::cuda::nvrtc::compile_ptx;
 use ferry_kernels::cuda::ops::{
-    self, bf16_bits, GemmPrecision, GpuExperts, GpuMatrix, MoeArgs, MoeDownRows, NormRows,
+    self, bf16_bits, GemmPrecision, GpuExperts, GpuMatrix, MoeArgs, MoeDownRows, MoeMma, NormRows,
     PagesView, PerPairKernels, RopeTables, RouteArgs, RouteKernel, RouteParams, Routes,
 };
 use ferry_kernels::cuda::CudaDevice;
@@ -1145,6 +1145,89 @@ fn moe_per_pair_kernels_are_bitwise_equal() {
                         ),
                     }
                 }
+            }
+        }
+    }
+}
+
+/// Every tensor-core grouped MoE kernel choice (`FERRY_MOE_MMA`: chunks of 16 pairs waited,
+/// streamed or prefetched, and chunks of 32 streamed or prefetched) adds bitwise the same into
+/// `h`: DeepSeek-V2-Lite's widths, 8 experts, 6 slots; 3 tokens (one partial chunk each), 64
+/// and 200 tokens (48 and 150 pairs an expert on average: whole and partial chunks of either
+/// size), and a skewed batch where one expert takes half the pairs.
+#[test]
+#[ignore = "needs an NVIDIA GPU: run on the GPU machine with --include-ignored (docs/gpu.md)"]
+fn moe_grouped_kernels_are_bitwise_equal() {
+    let Some(dev) = gpu("moe_grouped_kernels_are_bitwise_equal") else {
+        return;
+    };
+    let mut rng = common::rng(43);
+    let (hidden, inter, n_exp, slots) = (2048, 1408, 8, 6);
+    let mut matrix = |rows: usize, cols: usize| {
+        let v = common::uniform(&mut rng, rows * cols, 0.05);
+        let m = Matrix::from_bf16(rows, cols, v.iter().map(|&x| bf16::from_f32(x)).collect());
+        GpuMatrix::upload(&dev, &m.expect("len")).expect("upload")
+    };
+    let experts = GpuExperts {
+        gate: matrix(n_exp * inter, hidden),
+        up: matrix(n_exp * inter, hidden),
+        down: matrix(n_exp * hidden, inter),
+        inter,
+        hidden,
+    };
+    for (t, skewed) in [(3, false), (64, false), (200, false), (200, true)] {
+        let x = dev
+            .upload(&common::uniform(&mut rng, t * hidden, 1.0))
+            .expect("x");
+        let ids: Vec<i32> = (0..t * slots)
+            .map(|i| {
+                if skewed && i % 2 == 0 {
+                    3
+                } else {
+                    ((i * 5 + i / slots) % n_exp) as i32
+                }
+            })
+            .collect();
+        let ids = dev.upload(&ids).expect("ids");
+        let w = dev
+            .upload(&common::uniform(&mut rng, t * slots, 1.0))
+            .expect("w");
+        let h0 = common::uniform(&mut rng, t * hidden, 1.0);
+        let routes = Routes {
+            ids: ids.v(),
+            weights: w.v(),
+            slots,
+        };
+        let mut first: Option<Vec<u32>> = None;
+        let choices = [
+            MoeMma::Wait,
+            MoeMma::Stream,
+            MoeMma::Prefetch,
+            MoeMma::Stream32,
+            MoeMma::Prefetch32,
+        ];
+        for mma in choices {
+            let h = dev.upload(&h0).expect("h");
+            let a = MoeArgs {
+                x: x.v(),
+                routes,
+                experts: &experts,
+                h: h.v(),
+            };
+            ops::moe_experts_grouped_mma(&dev, a, mma).expect("moe");
+            let got: Vec<u32> = dev
+                .download(&h)
+                .expect("h")
+                .iter()
+                .map(|v| v.to_bits())
+                .collect();
+            assert!(
+                got.iter().zip(&h0).any(|(g, h)| *g != h.to_bits()),
+                "{mma}: {t} tokens, nothing was added"
+            );
+            match &first {
+                None => first = Some(got),
+                Some(f) => assert!(*f == got, "{mma}: {t} tokens, skewed {skewed}"),
             }
         }
     }

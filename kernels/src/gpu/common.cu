@@ -1677,26 +1677,34 @@ __device__ __forceinline__ void moe_mma_load(uint4 (&b)[NW][MOE_MMA_NT], const b
     for (int t = 0; t < MOE_MMA_NT; t++)
       b[m][t] = __ldg(reinterpret_cast<const uint4*>(w[m] + (size_t)t * 8 * ld + k));
 }
-template <int NW>
-__device__ __forceinline__ void moe_mma_step(float (*c)[MOE_MMA_NT][4],
-                                             const uint4 (&b)[NW][MOE_MMA_NT], const float* r0,
-                                             const float* r1, int k) {
-  MoeAFrag a;
-  moe_a_frag(r0 ? r0 + k : nullptr, r1 ? r1 + k : nullptr, a);
+// One k step for MT m-tiles of 16 pairs: each m-tile's A fragment is built from its two rows
+// (r[2i], r[2i + 1]: this lane's pairs g + 16i and g + 16i + 8) and multiplied by the same
+// weight registers, so a chunk of 16 · MT pairs reads its expert's weights once.
+template <int NW, int MT>
+__device__ __forceinline__ void moe_mma_step(float (*c)[MT][MOE_MMA_NT][4],
+                                             const uint4 (&b)[NW][MOE_MMA_NT],
+                                             const float* const* r, int k) {
 #pragma unroll
-  for (int t = 0; t < MOE_MMA_NT; t++)
+  for (int i = 0; i < MT; i++) {
+    MoeAFrag a;
+    moe_a_frag(r[2 * i] ? r[2 * i] + k : nullptr, r[2 * i + 1] ? r[2 * i + 1] + k : nullptr, a);
 #pragma unroll
-    for (int m = 0; m < NW; m++) moe_mma(c[m][t], a, b[m][t]);
+    for (int t = 0; t < MOE_MMA_NT; t++)
+#pragma unroll
+      for (int m = 0; m < NW; m++) moe_mma(c[m][i][t], a, b[m][t]);
+  }
 }
-// c[m] += the chunk's pairs (rows r0, r1 of this lane) times weight matrix m's 32 rows at w[m]
-// (row stride ld), over k_total (a multiple of 32), two register buffers alternating.
+// c[m][i] += the chunk's pairs (m-tile i: rows r[2i], r[2i + 1] of this lane) times weight
+// matrix m's 32 rows at w[m] (row stride ld), over k_total (a multiple of 32), two register
+// buffers alternating. Every accumulator sees the k steps in the same order whatever MT is, so
+// a pair's outputs are bitwise the same in a chunk of 16 or of 32.
 // PF > 0 (`FERRY_MOE_MMA=prefetch`): each iteration also asks L2 for the 128-byte lines of its
 // rows PF elements ahead (one lane of each four that share a line), which keeps more of the
 // weight stream in flight than the two register buffers hold without costing registers.
-template <int NW, int PF = 0>
-__device__ __forceinline__ void moe_mma_stream(const float* r0, const float* r1,
-                                               const bf16_t* const* w, size_t ld, int k_total,
-                                               float (*c)[MOE_MMA_NT][4]) {
+template <int NW, int MT, int PF = 0>
+__device__ __forceinline__ void moe_mma_stream(const float* const* r, const bf16_t* const* w,
+                                               size_t ld, int k_total,
+                                               float (*c)[MT][MOE_MMA_NT][4]) {
   uint4 b0[NW][MOE_MMA_NT], b1[NW][MOE_MMA_NT];
   moe_mma_load<NW>(b0, w, ld, 0);
   if (32 < k_total) moe_mma_load<NW>(b1, w, ld, 32);
@@ -1707,19 +1715,29 @@ __device__ __forceinline__ void moe_mma_stream(const float* r0, const float* r1,
 #pragma unroll
         for (int t = 0; t < MOE_MMA_NT; t++)
           asm volatile("prefetch.global.L2 [%0];" ::"l"(w[m] + (size_t)t * 8 * ld + k + PF));
-    moe_mma_step<NW>(c, b0, r0, r1, k);
+    moe_mma_step<NW, MT>(c, b0, r, k);
     if (k + 64 < k_total) moe_mma_load<NW>(b0, w, ld, k + 64);
     if (k + 32 < k_total) {
-      moe_mma_step<NW>(c, b1, r0, r1, k + 32);
+      moe_mma_step<NW, MT>(c, b1, r, k + 32);
       if (k + 96 < k_total) moe_mma_load<NW>(b1, w, ld, k + 96);
     }
   }
 }
+// This lane's pairs of chunk c (pair g + 8j for j < 2 · MT, -1 past the chunk's m) and the
+// chunk's expert.
+template <int MT>
+__device__ __forceinline__ size_t moe_mma_pairs(const int* order, const int* chunks, int c, int g,
+                                                int (&p)[2 * MT]) {
+  int first = chunks[3 * c + 1], m = chunks[3 * c + 2];
+#pragma unroll
+  for (int j = 0; j < 2 * MT; j++) p[j] = g + 8 * j < m ? order[first + g + 8 * j] : -1;
+  return (size_t)chunks[3 * c];
+}
 #endif
 
-// moe_gate_up_mma with the weights streamed ahead (PF: moe_mma_stream's L2 prefetch distance).
-// Grid and block as moe_gate_up_mma.
-template <int PF>
+// moe_gate_up_mma with the weights streamed ahead (PF: moe_mma_stream's L2 prefetch distance),
+// for chunks of 16 · MT pairs. Grid and block as moe_gate_up_mma.
+template <int PF, int MT>
 __device__ __forceinline__ void moe_gate_up_stream_impl(const float* x, const int* order,
                                                         const int* chunks, const int* n_chunks,
                                                         const bf16_t* gate, const bf16_t* up,
@@ -1731,38 +1749,44 @@ __device__ __forceinline__ void moe_gate_up_stream_impl(const float* x, const in
   int lane = threadIdx.x % WARP, g = lane / 4, q = lane % 4;
   int n0 = (blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP) * 8 * MOE_MMA_NT;
   if (n0 >= inter) return;
-  size_t e = (size_t)chunks[3 * c];
-  int first = chunks[3 * c + 1], m = chunks[3 * c + 2];
-  int p0 = g < m ? order[first + g] : -1, p1 = g + 8 < m ? order[first + g + 8] : -1;
-  const float* r0 = p0 >= 0 ? x + (size_t)(p0 / K) * hidden + 8 * q : nullptr;
-  const float* r1 = p1 >= 0 ? x + (size_t)(p1 / K) * hidden + 8 * q : nullptr;
+  int p[2 * MT];
+  size_t e = moe_mma_pairs<MT>(order, chunks, c, g, p);
+  const float* r[2 * MT];
+#pragma unroll
+  for (int j = 0; j < 2 * MT; j++)
+    r[j] = p[j] >= 0 ? x + (size_t)(p[j] / K) * hidden + 8 * q : nullptr;
   const bf16_t* w[2] = {gate + (e * inter + n0 + g) * hidden + 8 * q,
                         up + (e * inter + n0 + g) * hidden + 8 * q};
-  float acc[2][MOE_MMA_NT][4];
+  float acc[2][MT][MOE_MMA_NT][4];
 #pragma unroll
-  for (int i = 0; i < 2; i++)
+  for (int m = 0; m < 2; m++)
 #pragma unroll
-    for (int t = 0; t < MOE_MMA_NT; t++)
+    for (int i = 0; i < MT; i++)
 #pragma unroll
-      for (int j = 0; j < 4; j++) acc[i][t][j] = 0.0f;
-  moe_mma_stream<2, PF>(r0, r1, w, hidden, hidden, acc);
+      for (int t = 0; t < MOE_MMA_NT; t++)
 #pragma unroll
-  for (int t = 0; t < MOE_MMA_NT; t++) {
-    int n = n0 + t * 8 + 2 * q;
-    if (p0 >= 0) {
-      act[(size_t)p0 * inter + n] = silu_f(acc[0][t][0]) * acc[1][t][0];
-      act[(size_t)p0 * inter + n + 1] = silu_f(acc[0][t][1]) * acc[1][t][1];
+        for (int j = 0; j < 4; j++) acc[m][i][t][j] = 0.0f;
+  moe_mma_stream<2, MT, PF>(r, w, hidden, hidden, acc);
+#pragma unroll
+  for (int i = 0; i < MT; i++)
+#pragma unroll
+    for (int t = 0; t < MOE_MMA_NT; t++) {
+      int n = n0 + t * 8 + 2 * q;
+#pragma unroll
+      for (int h = 0; h < 2; h++) {  // rows g + 16i (h = 0) and g + 16i + 8 (h = 1)
+        int pp = p[2 * i + h];
+        if (pp < 0) continue;
+        act[(size_t)pp * inter + n] = silu_f(acc[0][i][t][2 * h]) * acc[1][i][t][2 * h];
+        act[(size_t)pp * inter + n + 1] =
+            silu_f(acc[0][i][t][2 * h + 1]) * acc[1][i][t][2 * h + 1];
+      }
     }
-    if (p1 >= 0) {
-      act[(size_t)p1 * inter + n] = silu_f(acc[0][t][2]) * acc[1][t][2];
-      act[(size_t)p1 * inter + n + 1] = silu_f(acc[0][t][3]) * acc[1][t][3];
-    }
-  }
 #endif
 }
 
-// moe_down_mma with the weights streamed ahead. Grid and block as moe_down_mma.
-template <int PF>
+// moe_down_mma with the weights streamed ahead, for chunks of 16 · MT pairs. Grid and block as
+// moe_down_mma.
+template <int PF, int MT>
 __device__ __forceinline__ void moe_down_stream_impl(const float* act, const int* order,
                                                      const int* chunks, const int* n_chunks,
                                                      const float* wts, const bf16_t* down,
@@ -1773,31 +1797,34 @@ __device__ __forceinline__ void moe_down_stream_impl(const float* act, const int
   int lane = threadIdx.x % WARP, g = lane / 4, q = lane % 4;
   int j0 = (blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP) * 8 * MOE_MMA_NT;
   if (j0 >= hidden) return;
-  size_t e = (size_t)chunks[3 * c];
-  int first = chunks[3 * c + 1], m = chunks[3 * c + 2];
-  int p0 = g < m ? order[first + g] : -1, p1 = g + 8 < m ? order[first + g + 8] : -1;
-  const float* r0 = p0 >= 0 ? act + (size_t)p0 * inter + 8 * q : nullptr;
-  const float* r1 = p1 >= 0 ? act + (size_t)p1 * inter + 8 * q : nullptr;
+  int p[2 * MT];
+  size_t e = moe_mma_pairs<MT>(order, chunks, c, g, p);
+  const float* r[2 * MT];
+#pragma unroll
+  for (int j = 0; j < 2 * MT; j++) r[j] = p[j] >= 0 ? act + (size_t)p[j] * inter + 8 * q : nullptr;
   const bf16_t* w[1] = {down + (e * hidden + j0 + g) * inter + 8 * q};
-  float cd[1][MOE_MMA_NT][4];
+  float cd[1][MT][MOE_MMA_NT][4];
 #pragma unroll
-  for (int t = 0; t < MOE_MMA_NT; t++)
+  for (int i = 0; i < MT; i++)
 #pragma unroll
-    for (int j = 0; j < 4; j++) cd[0][t][j] = 0.0f;
-  moe_mma_stream<1, PF>(r0, r1, w, inter, inter, cd);
-  float w0 = p0 >= 0 ? wts[p0] : 0.0f, w1 = p1 >= 0 ? wts[p1] : 0.0f;
+    for (int t = 0; t < MOE_MMA_NT; t++)
 #pragma unroll
-  for (int t = 0; t < MOE_MMA_NT; t++) {
-    int j = j0 + t * 8 + 2 * q;
-    if (p0 >= 0) {
-      y[(size_t)p0 * hidden + j] = w0 * cd[0][t][0];
-      y[(size_t)p0 * hidden + j + 1] = w0 * cd[0][t][1];
+      for (int j = 0; j < 4; j++) cd[0][i][t][j] = 0.0f;
+  moe_mma_stream<1, MT, PF>(r, w, inter, inter, cd);
+#pragma unroll
+  for (int i = 0; i < MT; i++)
+#pragma unroll
+    for (int t = 0; t < MOE_MMA_NT; t++) {
+      int j = j0 + t * 8 + 2 * q;
+#pragma unroll
+      for (int h = 0; h < 2; h++) {
+        int pp = p[2 * i + h];
+        if (pp < 0) continue;
+        float wp = wts[pp];
+        y[(size_t)pp * hidden + j] = wp * cd[0][i][t][2 * h];
+        y[(size_t)pp * hidden + j + 1] = wp * cd[0][i][t][2 * h + 1];
+      }
     }
-    if (p1 >= 0) {
-      y[(size_t)p1 * hidden + j] = w1 * cd[0][t][2];
-      y[(size_t)p1 * hidden + j + 1] = w1 * cd[0][t][3];
-    }
-  }
 #endif
 }
 
@@ -1810,21 +1837,27 @@ __device__ __forceinline__ void moe_down_stream_impl(const float* act, const int
 // (24.9 → 26.7 ms: each shared expert's 16 chunks re-read its lines from L2, and prefetched
 // lines evict them), so ops.rs takes it up to 128 tokens a pass. Capping registers for more
 // blocks per SM (4 and 6) lost 4–26 % (BENCHMARKS.md, session 20).
-#define MOE_STREAM_KERNELS(SUFFIX, PF)                                    \
-  extern "C" __global__ void moe_gate_up_##SUFFIX(                                   \
+// The `_m32` kernels take chunks of 32 pairs (two m-tiles per warp on the same weight
+// registers): an expert with 17–32 pairs in a pass, which a batch of 256 gives most of
+// DeepSeek-V2-Lite's 64 experts, has its weights read once instead of twice.
+#define MOE_STREAM_KERNELS(SUFFIX, PF, MT)                                                     \
+  extern "C" __global__ void moe_gate_up_##SUFFIX(                                             \
       const float* x, const int* order, const int* chunks, const int* n_chunks,                \
       const bf16_t* gate, const bf16_t* up, float* act, int K, int inter, int hidden) {        \
     pdl_enter();                                                                               \
-    moe_gate_up_stream_impl<PF>(x, order, chunks, n_chunks, gate, up, act, K, inter, hidden);  \
+    moe_gate_up_stream_impl<PF, MT>(x, order, chunks, n_chunks, gate, up, act, K, inter,       \
+                                    hidden);                                                   \
   }                                                                                            \
-  extern "C" __global__ void moe_down_##SUFFIX(                                      \
+  extern "C" __global__ void moe_down_##SUFFIX(                                                \
       const float* act, const int* order, const int* chunks, const int* n_chunks,              \
       const float* wts, const bf16_t* down, float* y, int inter, int hidden) {                 \
     pdl_enter();                                                                               \
-    moe_down_stream_impl<PF>(act, order, chunks, n_chunks, wts, down, y, inter, hidden);       \
+    moe_down_stream_impl<PF, MT>(act, order, chunks, n_chunks, wts, down, y, inter, hidden);   \
   }
-MOE_STREAM_KERNELS(mma2, 0)
-MOE_STREAM_KERNELS(mma3, 64)
+MOE_STREAM_KERNELS(mma2, 0, 1)
+MOE_STREAM_KERNELS(mma3, 64, 1)
+MOE_STREAM_KERNELS(mma2_m32, 0, 2)
+MOE_STREAM_KERNELS(mma3_m32, 64, 2)
 
 // h[t][j] += Σ_s y[t·K + s][j], the slots summed in order. Grid: ceil(T·hidden / 256); block 256.
 extern "C" __global__ void moe_sum_slots(const float* y, float* h, int K, int hidden,

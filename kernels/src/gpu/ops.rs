@@ -2007,12 +2007,12 @@ pub const MOE_MAX_EXPERTS: usize = 2048;
 const MOE_GROUPED_MAX_TOKENS: usize = 2048;
 
 /// The tensor-core grouped expert kernels (`FERRY_MOE_MMA`, read once per process so one binary
-/// measures each; docs/gpu.md). A warp computes 16 pairs × 32 rows of one expert; every choice
-/// gives bitwise the same outputs (same fragments, same order).
+/// measures each; docs/gpu.md). A warp computes 16 or 32 pairs × 32 rows of one expert; every
+/// choice gives bitwise the same outputs (same fragments, same order).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum MoeMma {
     /// `auto` (the default): [`Self::Prefetch`] for passes of up to
-    /// [`MOE_PREFETCH_MAX_TOKENS`] tokens, [`Self::Stream`] above.
+    /// [`MOE_PREFETCH_MAX_TOKENS`] tokens, [`Self::Stream32`] above.
     #[default]
     Auto,
     /// `wait`: `moe_{gate_up,down}_mma` (session 11): each 32-wide k step's weights are waited
@@ -2025,31 +2025,42 @@ pub enum MoeMma {
     /// row's next 128-byte line (64 elements ahead), more of the weight stream in flight at no
     /// register cost.
     Prefetch,
+    /// `stream32`: `stream` over chunks of 32 pairs (`moe_{gate_up,down}_mma2_m32`): two m-tiles
+    /// per warp on the same weight registers, so an expert with 17–32 pairs in a pass reads
+    /// its weights once instead of twice.
+    Stream32,
+    /// `prefetch32`: `prefetch` over chunks of 32 pairs (`moe_{gate_up,down}_mma3_m32`).
+    Prefetch32,
 }
 
-/// Tokens a grouped pass may have for [`MoeMma::Auto`] to take the prefetching kernels. On the
-/// H200 (V2-Lite shape, graph steps, same run) they won 13–19 % at batch 16–128 and lost 7 % at
-/// 256, where each shared expert's 16 chunks re-read its lines from L2 and the prefetched lines
-/// evict them (BENCHMARKS.md, session 20).
+/// Tokens a grouped pass may have for [`MoeMma::Auto`] to take the prefetching kernels over
+/// chunks of 16 pairs. On the H200 (V2-Lite shape, graph steps, same run) they won 13–19 % at
+/// batch 16–128 and lost 7 % at 256, where each shared expert's 16 chunks re-read its lines
+/// from L2 and the prefetched lines evict them (BENCHMARKS.md, session 20); above it a pass
+/// gives most experts more than 16 pairs, and chunks of 32 read their weights once.
 pub const MOE_PREFETCH_MAX_TOKENS: usize = 128;
 
 impl MoeMma {
-    /// The kernels for a pass of `tokens` tokens: `(gate_up, down)` names.
-    fn kernels(self, tokens: usize) -> (&'static str, &'static str) {
+    /// The kernels for a pass of `tokens` tokens: `(gate_up, down)` names and pairs per chunk.
+    fn kernels(self, tokens: usize) -> (&'static str, &'static str, usize) {
         match self {
             Self::Auto if tokens <= MOE_PREFETCH_MAX_TOKENS => Self::Prefetch.kernels(tokens),
-            Self::Auto => Self::Stream.kernels(tokens),
-            Self::Wait => ("moe_gate_up_mma", "moe_down_mma"),
-            Self::Stream => ("moe_gate_up_mma2", "moe_down_mma2"),
-            Self::Prefetch => ("moe_gate_up_mma3", "moe_down_mma3"),
+            Self::Auto => Self::Stream32.kernels(tokens),
+            Self::Wait => ("moe_gate_up_mma", "moe_down_mma", 16),
+            Self::Stream => ("moe_gate_up_mma2", "moe_down_mma2", 16),
+            Self::Prefetch => ("moe_gate_up_mma3", "moe_down_mma3", 16),
+            Self::Stream32 => ("moe_gate_up_mma2_m32", "moe_down_mma2_m32", 32),
+            Self::Prefetch32 => ("moe_gate_up_mma3_m32", "moe_down_mma3_m32", 32),
         }
     }
 
-    const ALL: [(Self, &'static str); 4] = [
+    const ALL: [(Self, &'static str); 6] = [
         (Self::Auto, "auto"),
         (Self::Wait, "wait"),
         (Self::Stream, "stream"),
         (Self::Prefetch, "prefetch"),
+        (Self::Stream32, "stream32"),
+        (Self::Prefetch32, "prefetch32"),
     ];
 }
 
@@ -2065,7 +2076,7 @@ impl std::str::FromStr for MoeMma {
             .ok_or_else(|| KernelError::InvalidParam {
                 op: "moe_experts_grouped",
                 field: "FERRY_MOE_MMA",
-                limit: "auto, wait, stream or prefetch",
+                limit: "auto, wait, stream, prefetch, stream32 or prefetch32",
                 value: s.to_string(),
             })
     }
@@ -2091,10 +2102,12 @@ enum GroupedKernels {
     CudaCores,
 }
 
-/// One grouped pass's two launches: kernel names, rows per block, threads per block.
+/// One grouped pass's two launches: kernel names, pairs per chunk, rows per block, threads per
+/// block.
 struct GroupedLaunch {
     gate_up: &'static str,
     down: &'static str,
+    chunk: usize,
     rows: usize,
     threads: u32,
 }
@@ -2113,22 +2126,15 @@ impl GroupedKernels {
         }
     }
 
-    /// Pairs per chunk.
-    fn chunk(self) -> usize {
-        match self {
-            Self::TensorCores(_) => 16,
-            Self::CudaCores => GEMV_MAX_M,
-        }
-    }
-
     /// The launches of a pass of up to `tokens` tokens.
     fn launch(self, bf16: bool, tokens: usize) -> GroupedLaunch {
         match self {
             Self::TensorCores(mma) => {
-                let (gate_up, down) = mma.kernels(tokens);
+                let (gate_up, down, chunk) = mma.kernels(tokens);
                 GroupedLaunch {
                     gate_up,
                     down,
+                    chunk,
                     rows: 128,
                     threads: 128,
                 }
@@ -2144,10 +2150,42 @@ impl GroupedKernels {
                 } else {
                     "moe_down_grouped_f32"
                 },
+                chunk: GEMV_MAX_M,
                 rows: 8,
                 threads: 256,
             },
         }
+    }
+}
+
+/// [`moe_experts`] by the tensor-core grouped kernels `mma`, whatever the batch's size (the
+/// experts must be bf16, their widths multiples of 32, the device sm_80 or newer): what the
+/// tests use to check that every [`MoeMma`] choice adds bitwise the same into `h`.
+pub fn moe_experts_grouped_mma<D: Gpu>(
+    dev: &D,
+    a: MoeArgs<'_, D>,
+    mma: MoeMma,
+) -> Result<(), KernelError> {
+    const OP: &str = "gpu_moe_experts_grouped";
+    let MoeArgs {
+        x,
+        routes,
+        experts,
+        h,
+    } = a;
+    experts.check(OP)?;
+    let t = x.len / experts.hidden.max(1);
+    need(OP, "h", t * experts.hidden, h.len)?;
+    match GroupedKernels::pick(dev, experts) {
+        GroupedKernels::TensorCores(_) => {
+            moe_experts_grouped_by(dev, x, routes, experts, h, GroupedKernels::TensorCores(mma))
+        }
+        GroupedKernels::CudaCores => Err(KernelError::InvalidParam {
+            op: OP,
+            field: "experts",
+            limit: "bf16, widths multiples of 32, on sm_80 or newer",
+            value: format!("{} x {}", experts.inter, experts.hidden),
+        }),
     }
 }
 
@@ -2165,12 +2203,27 @@ fn moe_experts_grouped<D: Gpu>(
     experts: &GpuExperts<D>,
     h: Dv<f32>,
 ) -> Result<(), KernelError> {
+    let which = GroupedKernels::pick(dev, experts);
+    moe_experts_grouped_by(dev, x, routes, experts, h, which)
+}
+
+/// [`moe_experts_grouped`] by the kernels `which`.
+fn moe_experts_grouped_by<D: Gpu>(
+    dev: &D,
+    x: Dv<f32>,
+    routes: Routes,
+    experts: &GpuExperts<D>,
+    h: Dv<f32>,
+    which: GroupedKernels,
+) -> Result<(), KernelError> {
     const OP: &str = "gpu_moe_experts_grouped";
     let (hidden, inter, k) = (experts.hidden, experts.inter, routes.slots);
     let n_total = experts.total();
     let t = x.len / hidden.max(1);
-    let which = GroupedKernels::pick(dev, experts);
-    let chunk = which.chunk();
+    // The kernels (and so the chunk) for the largest pass; a pass halved below to fit the grid
+    // keeps them.
+    let plan = which.launch(experts.gate.is_bf16(), MOE_GROUPED_MAX_TOKENS.min(t));
+    let chunk = plan.chunk;
     let chunk_bound = |pairs: usize| pairs.div_ceil(chunk) + n_total.min(pairs);
     // Tokens per pass: the scratch bound, and the chunk bound within a grid's y dimension.
     let mut per_pass = MOE_GROUPED_MAX_TOKENS.min(t);
@@ -2183,7 +2236,6 @@ fn moe_experts_grouped<D: Gpu>(
     let n_chunks = dev.alloc::<i32>(1)?;
     let act = dev.alloc::<f32>(pairs_max * inter)?;
     let y = dev.alloc::<f32>(pairs_max * hidden)?;
-    let plan = which.launch(experts.gate.is_bf16(), per_pass);
     let (group, gate_up, down, sum) = (
         kernel(dev, "moe_group")?,
         kernel(dev, plan.gate_up)?,
@@ -2344,7 +2396,8 @@ mod tests {
             auto.kernels(MOE_PREFETCH_MAX_TOKENS),
             MoeMma::Prefetch.kernels(MOE_PREFETCH_MAX_TOKENS)
         );
-        assert_eq!(auto.kernels(256), MoeMma::Stream.kernels(256));
+        assert_eq!(auto.kernels(256), MoeMma::Stream32.kernels(256));
+        assert_eq!(MoeMma::Stream32.kernels(1).2, 32);
     }
 
     #[test]
