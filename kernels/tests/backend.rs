@@ -604,8 +604,10 @@ fn moe_matches_the_cpu_layer_on_every_backend() {
     let mut rng = common::rng(23);
     for ((hidden, inter), bf16) in [((64, 40), true), ((64, 40), false), ((96, 64), true)] {
         let layer = moe_layer(&mut rng, hidden, inter, bf16);
-        // 9 tokens of these small experts stay per pair (`moe_grouped`); 20 on are grouped.
-        for tokens in [1, 3, 9, 20, 37, 300, 2100] {
+        // 9 tokens of these small experts stay per pair (`moe_grouped`); 20 on are grouped
+        // (on CUDA's tensor cores: chunks of 16 pairs up to 128 tokens, of 32 at 150, of 16
+        // again from 300).
+        for tokens in [1, 3, 9, 20, 37, 150, 300, 2100] {
             let mut x = common::uniform(&mut rng, tokens * hidden, 1.0);
             for t in (0..tokens).step_by(3) {
                 x[t * hidden] = 2.0;

@@ -2012,7 +2012,8 @@ const MOE_GROUPED_MAX_TOKENS: usize = 2048;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum MoeMma {
     /// `auto` (the default): [`Self::Prefetch`] for passes of up to
-    /// [`MOE_PREFETCH_MAX_TOKENS`] tokens, [`Self::Stream32`] above.
+    /// [`MOE_PREFETCH_MAX_TOKENS`] tokens, [`Self::Prefetch32`] up to
+    /// [`MOE_CHUNK32_MAX_TOKENS`], [`Self::Stream`] above.
     #[default]
     Auto,
     /// `wait`: `moe_{gate_up,down}_mma` (session 11): each 32-wide k step's weights are waited
@@ -2036,16 +2037,26 @@ pub enum MoeMma {
 /// Tokens a grouped pass may have for [`MoeMma::Auto`] to take the prefetching kernels over
 /// chunks of 16 pairs. On the H200 (V2-Lite shape, graph steps, same run) they won 13–19 % at
 /// batch 16–128 and lost 7 % at 256, where each shared expert's 16 chunks re-read its lines
-/// from L2 and the prefetched lines evict them (BENCHMARKS.md, session 20); above it a pass
-/// gives most experts more than 16 pairs, and chunks of 32 read their weights once.
+/// from L2 and the prefetched lines evict them (BENCHMARKS.md, session 20).
 pub const MOE_PREFETCH_MAX_TOKENS: usize = 128;
+
+/// Tokens a grouped pass may have for [`MoeMma::Auto`] to take chunks of 32 pairs
+/// ([`MoeMma::Prefetch32`]) above [`MOE_PREFETCH_MAX_TOKENS`]. A decode batch of 256 gives most
+/// of V2-Lite's experts 17–32 pairs: chunks of 32 took its step from 20.65 / 20.72 ms
+/// (`stream`) to 19.56 / 19.64 on the H200. They lose where an expert gets many chunks anyway:
+/// a 1,024-token prefill 43.1 / 43.8 → 47.8 / 47.6 ms, 8,192 tokens 342 / 345 → 358 / 358, and
+/// a batch of 128 (13.8 → 16.1 ms): the 32-pair kernels hold 206 registers a thread, two
+/// blocks per SM instead of three (BENCHMARKS.md, session 26). Passes between 256 and 1,024
+/// tokens were not measured and keep `stream`.
+pub const MOE_CHUNK32_MAX_TOKENS: usize = 256;
 
 impl MoeMma {
     /// The kernels for a pass of `tokens` tokens: `(gate_up, down)` names and pairs per chunk.
     fn kernels(self, tokens: usize) -> (&'static str, &'static str, usize) {
         match self {
             Self::Auto if tokens <= MOE_PREFETCH_MAX_TOKENS => Self::Prefetch.kernels(tokens),
-            Self::Auto => Self::Stream32.kernels(tokens),
+            Self::Auto if tokens <= MOE_CHUNK32_MAX_TOKENS => Self::Prefetch32.kernels(tokens),
+            Self::Auto => Self::Stream.kernels(tokens),
             Self::Wait => ("moe_gate_up_mma", "moe_down_mma", 16),
             Self::Stream => ("moe_gate_up_mma2", "moe_down_mma2", 16),
             Self::Prefetch => ("moe_gate_up_mma3", "moe_down_mma3", 16),
@@ -2396,7 +2407,13 @@ mod tests {
             auto.kernels(MOE_PREFETCH_MAX_TOKENS),
             MoeMma::Prefetch.kernels(MOE_PREFETCH_MAX_TOKENS)
         );
-        assert_eq!(auto.kernels(256), MoeMma::Stream32.kernels(256));
+        assert_eq!(
+            auto.kernels(MOE_PREFETCH_MAX_TOKENS + 1),
+            MoeMma::Prefetch32.kernels(MOE_PREFETCH_MAX_TOKENS + 1)
+        );
+        assert_eq!(auto.kernels(256), MoeMma::Prefetch32.kernels(256));
+        assert_eq!(auto.kernels(257), MoeMma::Stream.kernels(257));
+        assert_eq!(auto.kernels(2048), MoeMma::Stream.kernels(2048));
         assert_eq!(MoeMma::Stream32.kernels(1).2, 32);
     }
 
