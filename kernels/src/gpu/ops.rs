@@ -2178,24 +2178,18 @@ pub fn moe_experts_grouped_mma<D: Gpu>(
     mma: MoeMma,
 ) -> Result<(), KernelError> {
     const OP: &str = "gpu_moe_experts_grouped";
-    let MoeArgs {
-        x,
-        routes,
-        experts,
-        h,
-    } = a;
-    experts.check(OP)?;
-    let t = x.len / experts.hidden.max(1);
-    need(OP, "h", t * experts.hidden, h.len)?;
-    match GroupedKernels::pick(dev, experts) {
+    a.experts.check(OP)?;
+    let t = a.x.len / a.experts.hidden.max(1);
+    need(OP, "h", t * a.experts.hidden, a.h.len)?;
+    match GroupedKernels::pick(dev, a.experts) {
         GroupedKernels::TensorCores(_) => {
-            moe_experts_grouped_by(dev, x, routes, experts, h, GroupedKernels::TensorCores(mma))
+            moe_experts_grouped_by(dev, a, GroupedKernels::TensorCores(mma))
         }
         GroupedKernels::CudaCores => Err(KernelError::InvalidParam {
             op: OP,
             field: "experts",
             limit: "bf16, widths multiples of 32, on sm_80 or newer",
-            value: format!("{} x {}", experts.inter, experts.hidden),
+            value: format!("{} x {}", a.experts.inter, a.experts.hidden),
         }),
     }
 }
@@ -2215,19 +2209,28 @@ fn moe_experts_grouped<D: Gpu>(
     h: Dv<f32>,
 ) -> Result<(), KernelError> {
     let which = GroupedKernels::pick(dev, experts);
-    moe_experts_grouped_by(dev, x, routes, experts, h, which)
+    let a = MoeArgs {
+        x,
+        routes,
+        experts,
+        h,
+    };
+    moe_experts_grouped_by(dev, a, which)
 }
 
 /// [`moe_experts_grouped`] by the kernels `which`.
 fn moe_experts_grouped_by<D: Gpu>(
     dev: &D,
-    x: Dv<f32>,
-    routes: Routes,
-    experts: &GpuExperts<D>,
-    h: Dv<f32>,
+    a: MoeArgs<'_, D>,
     which: GroupedKernels,
 ) -> Result<(), KernelError> {
     const OP: &str = "gpu_moe_experts_grouped";
+    let MoeArgs {
+        x,
+        routes,
+        experts,
+        h,
+    } = a;
     let (hidden, inter, k) = (experts.hidden, experts.inter, routes.slots);
     let n_total = experts.total();
     let t = x.len / hidden.max(1);
