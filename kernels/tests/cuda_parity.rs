@@ -30,7 +30,7 @@ use ferry_kernels::cuda::ops::{
     self, bf16_bits, GemmPrecision, GpuExperts, GpuMatrix, MoeArgs, MoeDownRows, MoeMma, NormRows,
     PagesView, PerPairKernels, RopeTables, RouteArgs, RouteKernel, RouteParams, Routes,
 };
-use ferry_kernels::cuda::CudaDevice;
+use ferry_kernels::cuda::{CudaDevice, DeviceBuffer};
 use ferry_kernels::gpu::Source;
 use half::bf16;
 use rand::seq::SliceRandom;
@@ -1063,6 +1063,91 @@ fn moe_routing_matches_cpu() {
     let _ = bf16_bits(&[]);
 }
 
+/// `n_exp` random experts of `hidden` × `inter` (bf16 or f32) on the device, stacked as the
+/// MoE ops take them.
+fn random_experts(
+    dev: &CudaDevice,
+    rng: &mut ChaCha8Rng,
+    (hidden, inter, n_exp): (usize, usize, usize),
+    bf16: bool,
+) -> GpuExperts {
+    let mut matrix = |rows: usize, cols: usize| {
+        let v = common::uniform(rng, rows * cols, 0.05);
+        let m = if bf16 {
+            Matrix::from_bf16(rows, cols, v.iter().map(|&x| bf16::from_f32(x)).collect())
+        } else {
+            Matrix::from_f32(rows, cols, v)
+        };
+        GpuMatrix::upload(dev, &m.expect("len")).expect("upload")
+    };
+    GpuExperts {
+        gate: matrix(n_exp * inter, hidden),
+        up: matrix(n_exp * inter, hidden),
+        down: matrix(n_exp * hidden, inter),
+        inter,
+        hidden,
+    }
+}
+
+/// One MoE op's random inputs for `ids.len() / slots` tokens: activations, the routes' ids and
+/// weights on the device, and the residual's starting values on the host.
+struct MoeInputs {
+    x: DeviceBuffer<f32>,
+    ids: DeviceBuffer<i32>,
+    w: DeviceBuffer<f32>,
+    h0: Vec<f32>,
+    slots: usize,
+}
+
+impl MoeInputs {
+    fn new(
+        dev: &CudaDevice,
+        rng: &mut ChaCha8Rng,
+        hidden: usize,
+        slots: usize,
+        ids: &[i32],
+    ) -> Self {
+        let t = ids.len() / slots;
+        Self {
+            x: dev
+                .upload(&common::uniform(rng, t * hidden, 1.0))
+                .expect("x"),
+            ids: dev.upload(ids).expect("ids"),
+            w: dev
+                .upload(&common::uniform(rng, t * slots, 1.0))
+                .expect("w"),
+            h0: common::uniform(rng, t * hidden, 1.0),
+            slots,
+        }
+    }
+
+    /// Runs `op` on a fresh copy of the residual; what it holds afterwards, as bits.
+    fn run(
+        &self,
+        dev: &CudaDevice,
+        experts: &GpuExperts,
+        op: impl FnOnce(MoeArgs<'_, CudaDevice>),
+    ) -> Vec<u32> {
+        let h = dev.upload(&self.h0).expect("h");
+        let routes = Routes {
+            ids: self.ids.v(),
+            weights: self.w.v(),
+            slots: self.slots,
+        };
+        op(MoeArgs {
+            x: self.x.v(),
+            routes,
+            experts,
+            h: h.v(),
+        });
+        dev.download(&h)
+            .expect("h")
+            .iter()
+            .map(|v| v.to_bits())
+            .collect()
+    }
+}
+
 /// Every per-pair MoE kernel choice (`FERRY_FUSE=0`'s, and `FERRY_MOE_DOWN_R` = 1, 4, 8, 16)
 /// adds bitwise the same into `h`: DeepSeek-V2-Lite's widths (5.5 chunks of a 1,408-wide row
 /// per lane), nine slots (warp 0 sums two), a hidden width that is not a multiple of 16 (the
@@ -1077,39 +1162,12 @@ fn moe_per_pair_kernels_are_bitwise_equal() {
     let mut rng = common::rng(41);
     for (hidden, inter, n_exp, slots) in [(2048, 1408, 10, 8), (264, 520, 12, 9), (200, 36, 6, 9)] {
         for bf16 in [true, false] {
-            let mut matrix = |rows: usize, cols: usize| {
-                let v = common::uniform(&mut rng, rows * cols, 0.05);
-                let m = if bf16 {
-                    Matrix::from_bf16(rows, cols, v.iter().map(|&x| bf16::from_f32(x)).collect())
-                } else {
-                    Matrix::from_f32(rows, cols, v)
-                };
-                GpuMatrix::upload(&dev, &m.expect("len")).expect("upload")
-            };
-            let experts = GpuExperts {
-                gate: matrix(n_exp * inter, hidden),
-                up: matrix(n_exp * inter, hidden),
-                down: matrix(n_exp * hidden, inter),
-                inter,
-                hidden,
-            };
+            let experts = random_experts(&dev, &mut rng, (hidden, inter, n_exp), bf16);
             for t in [1, 3] {
-                let x = dev
-                    .upload(&common::uniform(&mut rng, t * hidden, 1.0))
-                    .expect("x");
                 let ids: Vec<i32> = (0..t * slots)
                     .map(|i| ((i * 7 + t) % n_exp) as i32)
                     .collect();
-                let ids = dev.upload(&ids).expect("ids");
-                let w = dev
-                    .upload(&common::uniform(&mut rng, t * slots, 1.0))
-                    .expect("w");
-                let h0 = common::uniform(&mut rng, t * hidden, 1.0);
-                let routes = Routes {
-                    ids: ids.v(),
-                    weights: w.v(),
-                    slots,
-                };
+                let inputs = MoeInputs::new(&dev, &mut rng, hidden, slots, &ids);
                 let mut first: Option<Vec<u32>> = None;
                 let choices = [
                     (false, MoeDownRows::One),
@@ -1119,24 +1177,13 @@ fn moe_per_pair_kernels_are_bitwise_equal() {
                     (true, MoeDownRows::Sixteen),
                 ];
                 for (gate_up_pairs, down) in choices {
-                    let h = dev.upload(&h0).expect("h");
-                    let a = MoeArgs {
-                        x: x.v(),
-                        routes,
-                        experts: &experts,
-                        h: h.v(),
-                    };
                     let which = PerPairKernels {
                         gate_up_pairs,
                         down,
                     };
-                    ops::moe_experts_per_pair(&dev, a, which).expect("moe");
-                    let got: Vec<u32> = dev
-                        .download(&h)
-                        .expect("h")
-                        .iter()
-                        .map(|v| v.to_bits())
-                        .collect();
+                    let got = inputs.run(&dev, &experts, |a| {
+                        ops::moe_experts_per_pair(&dev, a, which).expect("moe")
+                    });
                     match &first {
                         None => first = Some(got),
                         Some(f) => assert!(
@@ -1163,22 +1210,8 @@ fn moe_grouped_kernels_are_bitwise_equal() {
     };
     let mut rng = common::rng(43);
     let (hidden, inter, n_exp, slots) = (2048, 1408, 8, 6);
-    let mut matrix = |rows: usize, cols: usize| {
-        let v = common::uniform(&mut rng, rows * cols, 0.05);
-        let m = Matrix::from_bf16(rows, cols, v.iter().map(|&x| bf16::from_f32(x)).collect());
-        GpuMatrix::upload(&dev, &m.expect("len")).expect("upload")
-    };
-    let experts = GpuExperts {
-        gate: matrix(n_exp * inter, hidden),
-        up: matrix(n_exp * inter, hidden),
-        down: matrix(n_exp * hidden, inter),
-        inter,
-        hidden,
-    };
+    let experts = random_experts(&dev, &mut rng, (hidden, inter, n_exp), true);
     for (t, skewed) in [(3, false), (64, false), (200, false), (200, true)] {
-        let x = dev
-            .upload(&common::uniform(&mut rng, t * hidden, 1.0))
-            .expect("x");
         let ids: Vec<i32> = (0..t * slots)
             .map(|i| {
                 if skewed && i % 2 == 0 {
@@ -1188,16 +1221,7 @@ fn moe_grouped_kernels_are_bitwise_equal() {
                 }
             })
             .collect();
-        let ids = dev.upload(&ids).expect("ids");
-        let w = dev
-            .upload(&common::uniform(&mut rng, t * slots, 1.0))
-            .expect("w");
-        let h0 = common::uniform(&mut rng, t * hidden, 1.0);
-        let routes = Routes {
-            ids: ids.v(),
-            weights: w.v(),
-            slots,
-        };
+        let inputs = MoeInputs::new(&dev, &mut rng, hidden, slots, &ids);
         let mut first: Option<Vec<u32>> = None;
         let choices = [
             MoeMma::Wait,
@@ -1207,22 +1231,11 @@ fn moe_grouped_kernels_are_bitwise_equal() {
             MoeMma::Prefetch32,
         ];
         for mma in choices {
-            let h = dev.upload(&h0).expect("h");
-            let a = MoeArgs {
-                x: x.v(),
-                routes,
-                experts: &experts,
-                h: h.v(),
-            };
-            ops::moe_experts_grouped_mma(&dev, a, mma).expect("moe");
-            let got: Vec<u32> = dev
-                .download(&h)
-                .expect("h")
-                .iter()
-                .map(|v| v.to_bits())
-                .collect();
+            let got = inputs.run(&dev, &experts, |a| {
+                ops::moe_experts_grouped_mma(&dev, a, mma).expect("moe")
+            });
             assert!(
-                got.iter().zip(&h0).any(|(g, h)| *g != h.to_bits()),
+                got.iter().zip(&inputs.h0).any(|(g, h)| *g != h.to_bits()),
                 "{mma}: {t} tokens, nothing was added"
             );
             match &first {
