@@ -7,6 +7,8 @@
 //! transfer (one put, one frame): the destination's blocks of a run are contiguous in its
 //! memory, and a ~1 MiB put moves better than many 72 KB ones ([`MAX_RUN_BYTES`]).
 
+use std::sync::Arc;
+
 use crate::{KvLayoutDesc, TransferError};
 
 /// Whole blocks of one layer: destination blocks `block, block + 1, …`, as many as `data` holds.
@@ -16,7 +18,89 @@ pub struct BlockWrite {
     pub block: u32,
     /// The blocks' bytes: a non-zero multiple of [`KvLayoutDesc::block_bytes`] of the
     /// destination layout.
-    pub data: Vec<u8>,
+    pub data: Payload,
+}
+
+/// A run's bytes: a buffer of their own, or the sender's cache rows read in place (no copy on
+/// the way to the transport), kept unchanged until the payload's last clone is dropped.
+///
+/// A transport drops a batch as soon as it no longer reads it (copied into a frame or a mapped
+/// segment, or its puts completed), not at the flush: the rows' owner waits for that drop
+/// before it lets anything overwrite them.
+#[derive(Clone)]
+pub struct Payload(Repr);
+
+#[derive(Clone)]
+enum Repr {
+    Owned(Vec<u8>),
+    InPlace {
+        ptr: *const u8,
+        len: usize,
+        _keep: Arc<dyn Send + Sync>,
+    },
+}
+
+// SAFETY: an in-place payload is a read-only view of memory that `Payload::in_place`'s caller
+// keeps allocated and unwritten, from any thread, until `_keep` is dropped.
+unsafe impl Send for Payload {}
+// SAFETY: as above; nothing writes through the view.
+unsafe impl Sync for Payload {}
+
+impl Payload {
+    /// The `len` bytes at `ptr`, read in place; `keep` is dropped when the last clone is.
+    ///
+    /// # Safety
+    /// `ptr..ptr + len` must stay allocated and unwritten until `keep` is dropped.
+    pub unsafe fn in_place(ptr: *const u8, len: usize, keep: Arc<dyn Send + Sync>) -> Self {
+        Self(Repr::InPlace {
+            ptr,
+            len,
+            _keep: keep,
+        })
+    }
+
+    /// Whether these bytes are the sender's rows read in place.
+    pub fn is_in_place(&self) -> bool {
+        matches!(self.0, Repr::InPlace { .. })
+    }
+}
+
+impl std::ops::Deref for Payload {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        match &self.0 {
+            Repr::Owned(v) => v,
+            // SAFETY: `in_place`'s contract: allocated and unwritten while `_keep` lives, and
+            // it lives as long as `self`.
+            Repr::InPlace { ptr, len, .. } => unsafe { std::slice::from_raw_parts(*ptr, *len) },
+        }
+    }
+}
+
+impl From<Vec<u8>> for Payload {
+    fn from(v: Vec<u8>) -> Self {
+        Self(Repr::Owned(v))
+    }
+}
+
+impl PartialEq for Payload {
+    fn eq(&self, other: &Self) -> bool {
+        **self == **other
+    }
+}
+
+impl Eq for Payload {}
+
+impl std::fmt::Debug for Payload {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let kind = if self.is_in_place() {
+            "in place"
+        } else {
+            "owned"
+        };
+        write!(f, "Payload({} bytes, {kind})", self.len())
+    }
 }
 
 impl BlockWrite {
@@ -36,6 +120,12 @@ pub struct WriteBatch {
 }
 
 impl WriteBatch {
+    /// Whether any write reads the sender's rows in place ([`Payload::in_place`]): the batch
+    /// must then be dropped as soon as it has been read, not kept until a flush.
+    pub fn in_place(&self) -> bool {
+        self.writes.iter().any(|w| w.data.is_in_place())
+    }
+
     /// Total payload bytes of the batch.
     pub fn bytes(&self) -> u64 {
         self.writes.iter().map(|w| w.data.len() as u64).sum()
@@ -211,11 +301,11 @@ mod tests {
             writes: vec![
                 BlockWrite {
                     block: 0,
-                    data: vec![0; 128],
+                    data: vec![0; 128].into(),
                 },
                 BlockWrite {
                     block,
-                    data: vec![0; len],
+                    data: vec![0; len].into(),
                 },
             ],
         }
@@ -230,7 +320,7 @@ mod tests {
         assert!(check_run(&LAYOUT, 0, 0, 192).is_err(), "not whole blocks");
         let w = BlockWrite {
             block: 1,
-            data: [vec![1u8; 128], vec![2u8; 128]].concat(),
+            data: [vec![1u8; 128], vec![2u8; 128]].concat().into(),
         };
         let blocks: Vec<(u32, u8)> = w.blocks(128).map(|(b, d)| (b, d[0])).collect();
         assert_eq!(blocks, vec![(1, 1), (2, 2)]);

@@ -79,7 +79,7 @@
 //! let writer = transport.connect(&reg.address, reg.key, Fence::NONE, &layout).await?;
 //! let (sink, streamer) = LayerStreamer::spawn(writer);
 //! for layer in 0..layout.num_layers {
-//!     let data = vec![1; layout.block_bytes()];
+//!     let data = vec![1; layout.block_bytes()].into();
 //!     sink.send(WriteBatch { layer, writes: vec![BlockWrite { block: 5, data }] })?;
 //! }
 //! // Every batch has landed once `finish` returns.
@@ -113,7 +113,7 @@ mod wire;
 
 pub use convert::{convert, convert_into};
 pub use descriptor::{
-    check_run, check_write, BlockWrite, DeviceBatch, DeviceRun, WriteBatch, MAX_RUN_BYTES,
+    check_run, check_write, BlockWrite, DeviceBatch, DeviceRun, Payload, WriteBatch, MAX_RUN_BYTES,
 };
 pub use error::{ParseDtypeError, TransferError};
 pub use handshake::check_compatible;

@@ -245,7 +245,9 @@ async fn rows_arrive_in_the_destination_dtype(t: Arc<dyn Transport>) {
             let writes = (0..2)
                 .map(|b| BlockWrite {
                     block: 3 - b,
-                    data: convert(&source_block(from, layer, b), from, to, 8).unwrap(),
+                    data: convert(&source_block(from, layer, b), from, to, 8)
+                        .unwrap()
+                        .into(),
                 })
                 .collect();
             sink.send(WriteBatch { layer, writes }).unwrap();

@@ -6,8 +6,8 @@ use std::sync::Arc;
 
 use ferry_kvtransfer::{
     check_write, BlockWrite, Dtype, Fence, HostMemory, KvLayoutDesc, KvRegion, LayerMemory,
-    LayerStreamer, LocalTransport, RemoteKey, RemoteWriter, TcpTransport, TransferError, Transport,
-    UcxTransport, WriteBatch,
+    LayerStreamer, LocalTransport, Payload, RemoteKey, RemoteWriter, TcpTransport, TransferError,
+    Transport, UcxTransport, WriteBatch,
 };
 use ferry_proto::auth::ClusterToken;
 
@@ -199,7 +199,7 @@ fn batch(seed: u32, layout: &KvLayoutDesc, layer: u32, blocks: &[u32]) -> WriteB
             .iter()
             .map(|&block| BlockWrite {
                 block,
-                data: pattern(seed, layer, block, layout.block_bytes()),
+                data: pattern(seed, layer, block, layout.block_bytes()).into(),
             })
             .collect(),
     }
@@ -494,7 +494,7 @@ mod contract {
             layer: 1,
             writes: vec![BlockWrite {
                 block: 3,
-                data: vec![0; 63],
+                data: vec![0; 63].into(),
             }],
         };
         let bad = [
@@ -583,6 +583,46 @@ mod contract {
         assert_eq!(region.block(2, 6), pattern(9, 2, 6, 64));
     }
 
+    /// A run read in place from the sender's rows (`Payload::in_place`, as a CPU prefill
+    /// engine ships) lands like a buffer, and the writer lets go of it without waiting for a
+    /// flush: the rows' owner waits for that before it writes them, and flushes only after.
+    pub async fn in_place_rows_land_and_are_let_go_before_the_flush(
+        t: Arc<dyn Transport>,
+        ex: Exposed,
+    ) {
+        let region = TestRegion::on(&*t, LAYOUT, ex);
+        let reg = t.register(region.clone()).await.unwrap();
+        let mut w = t
+            .connect(&reg.address, reg.key, Fence::NONE, &LAYOUT)
+            .await
+            .unwrap();
+        let bb = LAYOUT.block_bytes();
+        // The sender's rows: blocks 4, 5, 6 of layer 1, back to back.
+        let rows: Vec<u8> = (4..7).flat_map(|b| pattern(5, 1, b, bb)).collect();
+        let keep = Arc::new(());
+        // SAFETY: `rows` outlives the wait below for every clone of `keep` to be dropped.
+        let data = unsafe { Payload::in_place(rows.as_ptr(), rows.len(), keep.clone()) };
+        assert!(data.is_in_place());
+        w.write(WriteBatch {
+            layer: 1,
+            writes: vec![BlockWrite { block: 4, data }],
+        })
+        .await
+        .unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while Arc::strong_count(&keep) > 1 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{}: the rows are still held without a flush",
+                t.name()
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+        }
+        assert_eq!(w.flush().await.unwrap(), 3 * bb as u64);
+        let expected = (4..7).map(|b| ((1, b), pattern(5, 1, b, bb))).collect();
+        region.assert_only(&expected);
+    }
+
     pub async fn runs_of_blocks_land_whole_and_in_range(t: Arc<dyn Transport>, ex: Exposed) {
         let region = TestRegion::on(&*t, LAYOUT, ex);
         let reg = t.register(region.clone()).await.unwrap();
@@ -600,11 +640,11 @@ mod contract {
             writes: vec![
                 BlockWrite {
                     block: 4,
-                    data: run,
+                    data: run.into(),
                 },
                 BlockWrite {
                     block: 9,
-                    data: pattern(13, 1, 9, 64),
+                    data: pattern(13, 1, 9, 64).into(),
                 },
             ],
         };
@@ -620,7 +660,7 @@ mod contract {
             layer: 2,
             writes: vec![BlockWrite {
                 block: 14,
-                data: vec![1; 3 * 64],
+                data: vec![1; 3 * 64].into(),
             }],
         };
         assert!(matches!(
@@ -720,6 +760,15 @@ macro_rules! transport_contract {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn runs_of_blocks_land_whole_and_in_range() {
                 contract::runs_of_blocks_land_whole_and_in_range($make().await, $exposed).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn in_place_rows_land_and_are_let_go_before_the_flush() {
+                contract::in_place_rows_land_and_are_let_go_before_the_flush(
+                    $make().await,
+                    $exposed,
+                )
+                .await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -96,7 +96,7 @@ async fn writer() {
                 layer,
                 writes: vec![BlockWrite {
                     block,
-                    data: pattern(layer, block),
+                    data: pattern(layer, block).into(),
                 }],
             })
             .await?;

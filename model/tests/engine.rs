@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 
 use ferry_model::deepseek::{BatchInputs, DeepseekModel, LogitsWanted, SeqInput};
 use ferry_model::engine::{EngineConfig, EngineEvent, EngineHandle, FinishReason, PrefillSource};
-use ferry_model::kv::{BlockId, KvDtype, LayerRows};
+use ferry_model::kv::{BlockId, KvDtype, LayerRows, Lease};
 
 use common::{collect, golden_case, greedy, job, tokens, wait_idle};
 
@@ -236,6 +236,50 @@ async fn a_prefill_job_ships_the_pool_rows_as_f32_bytes_through_the_view() {
             "layer {layer} block {j}: the shipped bytes are the pool's rows"
         );
     }
+    wait_idle(&e).await;
+}
+
+/// A CPU prefill job's rows come with a lease (a transport reads them in place instead of
+/// copying them first): the job's forward returns only after every lease is back, so nothing
+/// writes rows a transport is still reading.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cpu_prefill_job_s_rows_are_leased_until_the_transport_lets_go() {
+    use std::time::{Duration, Instant};
+    let e = engine(64);
+    let layout = e.kv_layout();
+    let (prompt, _) = golden_case(2);
+    let held: Arc<Mutex<Vec<Lease>>> = Arc::default();
+    let keep = held.clone();
+    let hook = Box::new(move |_layer, _blocks: &[BlockId], rows: &LayerRows<'_>| {
+        let lease = rows
+            .host_lease()
+            .ok_or("a CPU engine's shipped rows come with a lease")?;
+        keep.lock().unwrap().push(lease);
+        Ok(())
+    });
+    // The "transport": once every layer's lease is out, it reads for 200 ms, then lets go.
+    let letgo = held.clone();
+    let layers = layout.num_layers;
+    let reader = std::thread::spawn(move || {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while letgo.lock().unwrap().len() < layers && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        std::thread::sleep(Duration::from_millis(200));
+        let n = letgo.lock().unwrap().drain(..).count();
+        (Instant::now(), n)
+    });
+    e.prefill(prompt, greedy(), layout.page_size, hook)
+        .await
+        .unwrap();
+    let returned = Instant::now();
+    let (let_go, n) = reader.join().unwrap();
+    assert_eq!(n, layers, "one lease per shipped layer");
+    assert!(
+        let_go <= returned,
+        "the prefill returned {:?} before the transport let go of its rows",
+        let_go - returned
+    );
     wait_idle(&e).await;
 }
 

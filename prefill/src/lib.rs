@@ -3,7 +3,7 @@
 //! | module | owns |
 //! |---|---|
 //! | [`service`] | `PrefillWorker` gRPC: validate, connect to the destination, run the prefill job, report |
-//! | [`push`] | the per-layer hook that copies each finished layer's blocks into a transfer stream |
+//! | [`push`] | the per-layer hook that hands each finished layer's blocks to a transfer stream |
 //! | [`server`] | [`server::PrefillServer`]: load the model, start the engine, bind, register, serve |
 //! | [`metrics`] | the prefill worker's Prometheus series (requests, KV transfer bytes and duration) |
 //!
@@ -13,8 +13,9 @@
 //! overlaps the remaining layers. The response (first token, counts, bytes) is sent only after
 //! the transport confirmed every write landed.
 //!
-//! One `unsafe` block (`push.rs`) hands the engine's leased device-cache addresses to the
-//! transport as a `DeviceBatch`; the rest of the crate is safe code.
+//! Two `unsafe` blocks (`push.rs`) hand the engine's leased cache to the transport to read in
+//! place: device-cache addresses as a `DeviceBatch`, host rows as in-place `Payload`s; the
+//! rest of the crate is safe code.
 #![deny(unsafe_code)]
 
 pub mod metrics;

@@ -1,10 +1,12 @@
 //! The layer hook: engine thread → transfer stream.
 
-use ferry_kvtransfer::descriptor::{BlockWrite, DeviceBatch, DeviceRun, WriteBatch};
+use std::sync::Arc;
+
+use ferry_kvtransfer::descriptor::{BlockWrite, DeviceBatch, DeviceRun, Payload, WriteBatch};
 use ferry_kvtransfer::layerwise::LayerSink;
 use ferry_kvtransfer::{convert, Dtype, MAX_RUN_BYTES};
 use ferry_model::engine::LayerSinkFn;
-use ferry_model::kv::{BlockId, KvDtype, LayerRows};
+use ferry_model::kv::{BlockId, KvDtype, LayerRows, Lease};
 
 /// The transfer wire's name for a cache dtype.
 pub fn wire_dtype(d: KvDtype) -> Dtype {
@@ -111,8 +113,9 @@ fn device_batch(
     Ok(batch)
 }
 
-/// One layer's blocks copied from host rows (converted to `wire` where the cache holds
-/// another dtype), consecutive destination blocks as runs of up to [`MAX_RUN_BYTES`].
+/// One layer's blocks from host rows, consecutive destination blocks as runs of up to
+/// [`MAX_RUN_BYTES`]: read in place when the rows are leased ([`LayerRows::host_lease`]) and
+/// already in `wire`'s dtype, else copied (converted where the cache holds another dtype).
 fn host_batch(
     layer: u32,
     blocks: &[BlockId],
@@ -121,7 +124,12 @@ fn host_batch(
     dest_of: impl Fn(usize) -> Result<u32, String>,
 ) -> Result<WriteBatch, String> {
     let held = wire_dtype(rows.dtype());
-    let mut writes = Vec::with_capacity(blocks.len());
+    if held == wire {
+        if let Some(lease) = rows.host_lease() {
+            return in_place_batch(layer, blocks, rows, dest_of, Arc::new(lease));
+        }
+    }
+    let mut writes: Vec<(u32, Vec<u8>)> = Vec::with_capacity(blocks.len());
     for (j, b) in blocks.iter().enumerate() {
         let block = dest_of(j)?;
         let bytes = rows.block(*b).map_err(|e| e.to_string())?;
@@ -131,19 +139,65 @@ fn host_batch(
             convert(bytes, held, wire, rows.width()).map_err(|e| e.to_string())?
         };
         match writes.last_mut() {
-            Some(BlockWrite {
-                block: first,
-                data: run,
-            }) if run.len() % data.len().max(1) == 0
-                && u64::from(*first) + (run.len() / data.len().max(1)) as u64
-                    == u64::from(block)
-                && run.len() + data.len() <= MAX_RUN_BYTES =>
+            Some((first, run))
+                if run.len() % data.len().max(1) == 0
+                    && u64::from(*first) + (run.len() / data.len().max(1)) as u64
+                        == u64::from(block)
+                    && run.len() + data.len() <= MAX_RUN_BYTES =>
             {
                 run.extend_from_slice(&data)
             }
-            _ => writes.push(BlockWrite { block, data }),
+            _ => writes.push((block, data)),
         }
     }
+    let writes = writes
+        .into_iter()
+        .map(|(block, data)| BlockWrite {
+            block,
+            data: data.into(),
+        })
+        .collect();
+    Ok(WriteBatch { layer, writes })
+}
+
+/// [`host_batch`] reading the engine's rows in place: runs whose destination ids and source
+/// rows are both consecutive, up to [`MAX_RUN_BYTES`], each a view of the rows under `lease`.
+fn in_place_batch(
+    layer: u32,
+    blocks: &[BlockId],
+    rows: &LayerRows<'_>,
+    dest_of: impl Fn(usize) -> Result<u32, String>,
+    lease: Arc<Lease>,
+) -> Result<WriteBatch, String> {
+    let bb = rows.block_bytes();
+    // (first destination block, first source byte, length)
+    let mut runs: Vec<(u32, *const u8, usize)> = Vec::new();
+    for (j, b) in blocks.iter().enumerate() {
+        let block = dest_of(j)?;
+        let bytes = rows.block(*b).map_err(|e| e.to_string())?;
+        match runs.last_mut() {
+            Some((first, src, len))
+                if u64::from(*first) + (*len / bb) as u64 == u64::from(block)
+                    && src.wrapping_add(*len) == bytes.as_ptr()
+                    && *len + bb <= MAX_RUN_BYTES =>
+            {
+                *len += bb
+            }
+            _ => runs.push((block, bytes.as_ptr(), bb)),
+        }
+    }
+    let writes = runs
+        .into_iter()
+        .map(|(block, src, len)| {
+            #[allow(unsafe_code)] // see the crate docs
+            // SAFETY: `src..src + len` are consecutive blocks of the engine's rows (each came
+            // from `rows.block`, and their addresses follow one another), computed before the
+            // hook, and unwritten until `lease` is dropped: the engine waits for every lease of
+            // the forward before anything writes those rows.
+            let data = unsafe { Payload::in_place(src, len, lease.clone()) };
+            BlockWrite { block, data }
+        })
+        .collect();
     Ok(WriteBatch { layer, writes })
 }
 
@@ -345,6 +399,94 @@ mod device_tests {
                 .push((batch.layer, batch.runs().to_vec()));
             self.held.push(batch);
             Ok(())
+        }
+    }
+
+    /// `(layer, first block, bytes, read in place)` of every host write.
+    type HostSeen = Arc<Mutex<Vec<(u32, u32, Vec<u8>, bool)>>>;
+
+    /// A writer for host rows that records each run and keeps the batches until flushed (a
+    /// transport keeps them no longer than it reads them; holding them shows the lease is out
+    /// meanwhile).
+    #[derive(Default)]
+    struct HostRecorder {
+        seen: HostSeen,
+        held: Vec<WriteBatch>,
+    }
+
+    #[async_trait]
+    impl RemoteWriter for HostRecorder {
+        async fn write(&mut self, batch: WriteBatch) -> Result<(), TransferError> {
+            for w in &batch.writes {
+                let write = (batch.layer, w.block, w.data.to_vec(), w.data.is_in_place());
+                self.seen.lock().unwrap().push(write);
+            }
+            self.held.push(batch);
+            Ok(())
+        }
+        async fn flush(&mut self) -> Result<u64, TransferError> {
+            let bytes = self.held.iter().map(WriteBatch::bytes).sum();
+            self.held.clear();
+            Ok(bytes)
+        }
+    }
+
+    #[tokio::test]
+    async fn leased_host_rows_leave_in_place_and_come_back() {
+        use ferry_model::kv::{KvLayout, KvPool};
+        let mut pool = KvPool::new(KvLayout {
+            num_layers: 1,
+            num_blocks: 8,
+            page_size: 2,
+            width: 2,
+        })
+        .unwrap();
+        for b in 0..8u32 {
+            let v = [b as f32, 0.5, -(b as f32), 2.0];
+            pool.block_mut(0, BlockId(b)).unwrap().copy_from_slice(&v);
+        }
+        let bytes = |b: u32| -> Vec<u8> {
+            [b as f32, 0.5, -(b as f32), 2.0]
+                .iter()
+                .flat_map(|x| x.to_le_bytes())
+                .collect()
+        };
+        let run = |blocks: &[u32]| blocks.iter().flat_map(|&b| bytes(b)).collect::<Vec<u8>>();
+        let ids = [BlockId(1), BlockId(2), BlockId(3), BlockId(6)];
+        // Destination 10, 11, 12, 20: blocks 1-3 are one run on both sides, 6 its own.
+        let dest = vec![10, 11, 12, 20];
+        let leases = Leases::new();
+        let leased = LayerRows::pool_leased(&pool, 0, &leases).unwrap();
+        let recorder = HostRecorder::default();
+        let seen = recorder.seen.clone();
+        let (sink, streamer) = LayerStreamer::spawn(Box::new(recorder));
+        let mut hook = layer_pusher(sink.clone(), dest.clone(), 0, Dtype::F32);
+        hook(0, &ids, &leased).unwrap();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert_eq!(leases.outstanding(), 1, "the rows are leased while held");
+        assert_eq!(streamer.finish(sink).await.unwrap(), 4 * 16);
+        assert!(
+            leases.wait_idle(Duration::from_secs(5)),
+            "the lease came back"
+        );
+        assert_eq!(
+            *seen.lock().unwrap(),
+            vec![(0, 10, run(&[1, 2, 3]), true), (0, 20, run(&[6]), true)]
+        );
+        // Rows without a lease (the hook's own view), or in another dtype than the wire's,
+        // leave as copies; no lease is taken.
+        let plain = LayerRows::pool(&pool, 0).unwrap();
+        for (rows, wire) in [(&plain, Dtype::F32), (&leased, Dtype::Bf16)] {
+            let recorder = HostRecorder::default();
+            let seen = recorder.seen.clone();
+            let (sink, streamer) = LayerStreamer::spawn(Box::new(recorder));
+            let mut hook = layer_pusher(sink.clone(), dest.clone(), 0, wire);
+            hook(0, &ids, rows).unwrap();
+            assert_eq!(leases.outstanding(), 0, "{wire}");
+            streamer.finish(sink).await.unwrap();
+            let seen = seen.lock().unwrap();
+            assert_eq!(seen.len(), 2, "{wire}");
+            assert!(seen.iter().all(|w| !w.3), "{wire}: copies");
         }
     }
 

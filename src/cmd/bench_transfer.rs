@@ -239,7 +239,8 @@ fn batches(l: &KvLayoutDesc, run_blocks: usize) -> Vec<WriteBatch> {
                     data: run
                         .iter()
                         .flat_map(|&b| vec![(layer ^ b) as u8; l.block_bytes()])
-                        .collect(),
+                        .collect::<Vec<u8>>()
+                        .into(),
                 })
                 .collect(),
         })
@@ -258,7 +259,7 @@ fn batches_of_single_blocks(batches: &[WriteBatch], block_bytes: usize) -> Vec<W
                 .flat_map(|w| {
                     w.blocks(block_bytes).map(|(block, d)| BlockWrite {
                         block,
-                        data: d.to_vec(),
+                        data: d.to_vec().into(),
                     })
                 })
                 .collect(),

@@ -1483,7 +1483,12 @@ impl State {
             put_bytes += data.len() as u64;
         }
         if n_copies > 0 {
-            self.copied.push(batch.clone());
+            // Buffers of their own are freed later, off the way to a flush's ack; rows read in
+            // place go back to their owner now (it waits for them before it writes them, and
+            // another connection's pending flush would otherwise keep them).
+            if !batch.in_place() {
+                self.copied.push(batch.clone());
+            }
             if let Some(conn) = self.conns.get_mut(&id) {
                 let clock = &mut conn.clock;
                 clock.puts += n_copies;

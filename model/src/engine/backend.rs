@@ -273,8 +273,13 @@ impl Backend {
                     tapped,
                     ..
                 } = pass;
+                // A transport may read a shipped layer's rows in place after the hook returns
+                // (no copy on the way out); the forward returns only once every lease is back,
+                // so no later step writes rows it is still reading. Layers after `l` are other
+                // memory, written while it reads.
+                let leases = crate::kv::Leases::new();
                 let mut on_layer = |l: usize, kv: KvRef<'_>| match kv.host() {
-                    Some(pool) => after_layer(l, &LayerRows::pool(pool, l)?),
+                    Some(pool) => after_layer(l, &LayerRows::pool_leased(pool, l, &leases)?),
                     None => Err(ModelError::Kv("a host-pool hook got a device cache".into())),
                 };
                 let hooks = Hooks {
@@ -284,8 +289,17 @@ impl Backend {
                     tapped: Some(tapped),
                     tap_into: None,
                 };
-                self.model
-                    .forward_logits(batch, pool, FormPolicy::CostModel, hooks)
+                let out = self
+                    .model
+                    .forward_logits(batch, pool, FormPolicy::CostModel, hooks);
+                if !leases.wait_idle(crate::kv::LEASE_TIMEOUT) {
+                    return Err(ModelError::Kv(format!(
+                        "{} shipped layers still leased by the transport after {:?}",
+                        leases.outstanding(),
+                        crate::kv::LEASE_TIMEOUT
+                    )));
+                }
+                out
             }
             #[cfg(feature = "cuda")]
             Rows::Cuda(c) => c.forward(&self.model, batch, pass),

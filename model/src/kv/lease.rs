@@ -1,14 +1,18 @@
-//! Leases on device KV blocks that a transfer is reading in place.
+//! Leases on KV blocks that a transfer is reading in place.
 //!
-//! When a prefill job ships straight from the device cache (a transport putting from GPU
-//! memory into the destination's), the cache blocks are the transfer's source until its puts
-//! complete. The forward hands out one [`Lease`] per shipped layer ([`Leases::lease`]); the
+//! When a prefill job ships straight from the cache (a transport putting from GPU memory into
+//! the destination's, or reading a CPU engine's host rows without copying them first), the
+//! cache blocks are the transfer's source until it has read them. The forward hands out one [`Lease`] per shipped layer ([`Leases::lease`]); the
 //! transport drops it when its last put of that layer has completed (or when the batch is
 //! refused or dropped), and the engine waits for every lease of a forward to come back
 //! ([`Leases::wait_idle`]) before it lets any later step write those blocks.
 
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::time::{Duration, Instant};
+
+/// How long a forward that shipped rows for a transport to read in place waits for it to finish
+/// reading them (its flush bound).
+pub const LEASE_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// The count of leases out, and a condition to wait on it.
 #[derive(Default)]

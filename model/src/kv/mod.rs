@@ -43,7 +43,7 @@ pub use fences::RemoteFences;
 pub use ferry_proto::ids::{BlockHash, EventId};
 pub use hash::{block_hashes, chain_hash, BLOCK_HASH_SEED};
 pub use layout::KvLayout;
-pub use lease::{Lease, Leases};
+pub use lease::{Lease, Leases, LEASE_TIMEOUT};
 pub use manager::KvManager;
 pub use pool::{BlockId, HostRows, KvPool, RowBuffer, RowMemory};
 pub use prefix::PrefixCache;

@@ -13,8 +13,11 @@
 //! holds a clone and exposes each layer as registered memory, so peers' KV lands in the rows
 //! directly (a one-sided put, or the TCP receiver's copy) while the engine works on other
 //! blocks. Only blocks reserved for a remote prefill are written that way, and the engine
-//! neither reads nor writes them until the transfer has completed; nothing else touches the
-//! rows outside the pool.
+//! neither reads nor writes them until the transfer has completed. The other way, a prefill
+//! job's transport may read a shipped layer's rows in place while the forward goes on with
+//! later layers (each layer is its own region, and the pool makes references one layer at a
+//! time), under a lease the forward waits for before it returns (`LayerRows::pool_leased`).
+//! Nothing else touches the rows outside the pool.
 //!
 //! The rows come from the heap, or from a [`RowMemory`] the pool's owner passes in
 //! ([`KvPool::new_in`]): a decode worker takes them from its KV transport

@@ -148,6 +148,9 @@ pub struct LayerRows<'a> {
     ids: Option<&'a [BlockId]>,
     /// Rows left in device memory (no host bytes): where each block is.
     device: Option<DeviceRows<'a>>,
+    /// Host rows a transport may read in place after the hook returns: the engine waits for
+    /// every lease from here before it lets anything write them ([`Self::host_lease`]).
+    host_leases: Option<&'a super::Leases>,
 }
 
 /// A layer's shipped blocks where they are in a GPU cache, for a transport that reads device
@@ -202,6 +205,21 @@ impl<'a> LayerRows<'a> {
             bytes: bytemuck::cast_slice(rows),
             ids: None,
             device: None,
+            host_leases: None,
+        })
+    }
+
+    /// [`Self::pool`] whose rows a transport may go on reading after the hook returns, under a
+    /// [`Self::host_lease`]: the engine that hands it out waits for every lease from `leases`
+    /// before anything writes the layer's rows again.
+    pub fn pool_leased(
+        pool: &'a KvPool,
+        layer: usize,
+        leases: &'a super::Leases,
+    ) -> Result<Self, ModelError> {
+        Ok(Self {
+            host_leases: Some(leases),
+            ..Self::pool(pool, layer)?
         })
     }
 
@@ -235,6 +253,7 @@ impl<'a> LayerRows<'a> {
             bytes,
             ids: Some(ids),
             device: None,
+            host_leases: None,
         })
     }
 
@@ -256,12 +275,20 @@ impl<'a> LayerRows<'a> {
             bytes: &[],
             ids: Some(ids),
             device: Some(device),
+            host_leases: None,
         }
     }
 
     /// Where the rows are when they were left in device memory.
     pub fn on_device(&self) -> Option<&DeviceRows<'a>> {
         self.device.as_ref()
+    }
+
+    /// A lease under which a transport may read these host rows ([`Self::block`]'s bytes) in
+    /// place after the hook returns, until it drops the lease; `None` when the rows are only
+    /// valid during the hook (a staging slot, or an engine that does not wait for leases).
+    pub fn host_lease(&self) -> Option<super::Lease> {
+        self.host_leases.map(super::Leases::lease)
     }
 
     /// The layer these rows belong to.

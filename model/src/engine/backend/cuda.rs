@@ -554,15 +554,16 @@ impl CudaRows {
         };
         // The transport reads the blocks until its puts complete: nothing may write them
         // before every lease is back (a wedged transport fails the forward after the bound).
-        let returned = leases.wait_idle(LEASE_TIMEOUT);
+        let returned = leases.wait_idle(crate::kv::LEASE_TIMEOUT);
         self.record_ship(forward_done, early);
         let out = result?;
         synced?;
         delivered?;
         if !returned {
             return Err(ModelError::Kv(format!(
-                "{} shipped layers still leased by the transport after {LEASE_TIMEOUT:?}",
-                leases.outstanding()
+                "{} shipped layers still leased by the transport after {:?}",
+                leases.outstanding(),
+                crate::kv::LEASE_TIMEOUT
             )));
         }
         Ok(out)
@@ -589,10 +590,6 @@ fn block_runs(blocks: &[BlockId]) -> Vec<(BlockId, usize)> {
     }
     runs
 }
-
-/// How long a forward that left its rows on the device waits for the transport to finish
-/// reading them (its flush bound).
-const LEASE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// How many layers' rows may be in flight between the device and the host sink.
 const RING_LAYERS: usize = 4;
