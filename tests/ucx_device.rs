@@ -119,7 +119,9 @@ fn role() {
                 .expect("connect");
             let from_device = (0..ours.num_layers).all(|l| writer.puts_from_device(l));
             let (sink, streamer) = LayerStreamer::spawn(writer);
-            let hook = ferry_prefill::push::layer_pusher(sink.clone(), blocks, 0, ours.dtype);
+            // A CUDA engine's rows are on the device or in its staging ring: no host lease.
+            let copy = ferry_prefill::push::HostShip::Copy;
+            let hook = ferry_prefill::push::layer_pusher(sink.clone(), blocks, 0, ours.dtype, copy);
             let out = e
                 .prefill_work(PrefillWork {
                     prompt: prompt(),

@@ -442,6 +442,14 @@ pub trait RemoteWriter: Send {
     /// total block bytes written on this connection.
     async fn flush(&mut self) -> Result<u64, TransferError>;
 
+    /// Whether this writer reads host batches' [`Payload::in_place`] rows without waiting on
+    /// the destination's pace (copies into mapped memory, one-sided puts, in-process copies).
+    /// The rows' owner waits for them before it computes anything else, so a writer that would
+    /// hold them while a socket drains says no, and gets buffers of their own. Default: no.
+    fn reads_in_place(&self) -> bool {
+        false
+    }
+
     /// Whether destination layer `layer` takes [`DeviceBatch`]es: one-sided puts from this
     /// process's CUDA memory into the destination's device memory (UCX with CUDA support on
     /// both ends, the destination layer registered as [`LayerMemory::Cuda`]). Known once the

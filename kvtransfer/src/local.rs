@@ -124,6 +124,11 @@ impl RemoteWriter for LocalWriter {
         Ok(())
     }
 
+    /// Each write is a copy into the region, made at once.
+    fn reads_in_place(&self) -> bool {
+        true
+    }
+
     async fn flush(&mut self) -> Result<u64, TransferError> {
         if self.failed {
             return Err(TransferError::Closed);

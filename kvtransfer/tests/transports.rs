@@ -596,6 +596,8 @@ mod contract {
             .connect(&reg.address, reg.key, Fence::NONE, &LAYOUT)
             .await
             .unwrap();
+        // TCP copies every batch into its frames: it asks for buffers of their own.
+        assert_eq!(w.reads_in_place(), t.name() != "tcp", "{}", t.name());
         let bb = LAYOUT.block_bytes();
         // The sender's rows: blocks 4, 5, 6 of layer 1, back to back.
         let rows: Vec<u8> = (4..7).flat_map(|b| pattern(5, 1, b, bb)).collect();

@@ -35,8 +35,20 @@ pub fn layer_pusher(
     dest: Vec<u32>,
     dest_first: usize,
     wire: Dtype,
+    host: HostShip,
 ) -> LayerSinkFn {
-    offset_layer_pusher(sink, dest, dest_first, 0, wire)
+    offset_layer_pusher(sink, dest, dest_first, 0, (wire, host))
+}
+
+/// How host rows leave when the engine leases them ([`LayerRows::host_lease`]) and they are
+/// already in the wire's dtype.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HostShip {
+    /// Copied into buffers of their own (a writer that would hold the rows while a socket
+    /// drains: `RemoteWriter::reads_in_place` is false).
+    Copy,
+    /// Read in place under the lease ([`Payload::in_place`]).
+    InPlace,
 }
 
 /// [`layer_pusher`] for a pool whose layer `l` is destination layer `offset + l`: the drafter's
@@ -47,7 +59,7 @@ pub fn offset_layer_pusher(
     dest: Vec<u32>,
     dest_first: usize,
     offset: usize,
-    wire: Dtype,
+    (wire, host): (Dtype, HostShip),
 ) -> LayerSinkFn {
     Box::new(move |pool_layer, blocks, rows| {
         let layer = u32::try_from(offset + pool_layer).map_err(|e| e.to_string())?;
@@ -60,7 +72,7 @@ pub fn offset_layer_pusher(
             let batch = device_batch(layer, blocks, rows, wire, dest_of)?;
             sink.send_device(batch).map_err(|e| e.to_string())
         } else {
-            let batch = host_batch(layer, blocks, rows, wire, dest_of)?;
+            let batch = host_batch(layer, blocks, rows, (wire, host), dest_of)?;
             sink.send(batch).map_err(|e| e.to_string())
         }
     })
@@ -114,17 +126,18 @@ fn device_batch(
 }
 
 /// One layer's blocks from host rows, consecutive destination blocks as runs of up to
-/// [`MAX_RUN_BYTES`]: read in place when the rows are leased ([`LayerRows::host_lease`]) and
-/// already in `wire`'s dtype, else copied (converted where the cache holds another dtype).
+/// [`MAX_RUN_BYTES`]: read in place when `host` allows it, the rows are leased
+/// ([`LayerRows::host_lease`]) and already in `wire`'s dtype, else copied (converted where the
+/// cache holds another dtype).
 fn host_batch(
     layer: u32,
     blocks: &[BlockId],
     rows: &LayerRows<'_>,
-    wire: Dtype,
+    (wire, host): (Dtype, HostShip),
     dest_of: impl Fn(usize) -> Result<u32, String>,
 ) -> Result<WriteBatch, String> {
     let held = wire_dtype(rows.dtype());
-    if held == wire {
+    if held == wire && host == HostShip::InPlace {
         if let Some(lease) = rows.host_lease() {
             return in_place_batch(layer, blocks, rows, dest_of, Arc::new(lease));
         }
@@ -265,7 +278,13 @@ mod tests {
             .unwrap();
         let (sink, streamer) = LayerStreamer::spawn(writer);
         // Destination blocks 5, 6, 7 for prompt blocks 0, 1, 2; the job ships from block 1.
-        let mut hook = offset_layer_pusher(sink.clone(), vec![5, 6, 7], 1, offset, wire);
+        let mut hook = offset_layer_pusher(
+            sink.clone(),
+            vec![5, 6, 7],
+            1,
+            offset,
+            (wire, HostShip::InPlace),
+        );
         hook(0, blocks, rows).unwrap();
         streamer.finish(sink).await.unwrap();
         let landed = std::mem::take(&mut *region.writes.lock().unwrap());
@@ -460,7 +479,7 @@ mod device_tests {
         let recorder = HostRecorder::default();
         let seen = recorder.seen.clone();
         let (sink, streamer) = LayerStreamer::spawn(Box::new(recorder));
-        let mut hook = layer_pusher(sink.clone(), dest.clone(), 0, Dtype::F32);
+        let mut hook = layer_pusher(sink.clone(), dest.clone(), 0, Dtype::F32, HostShip::InPlace);
         hook(0, &ids, &leased).unwrap();
         tokio::time::sleep(Duration::from_millis(50)).await;
         assert_eq!(leases.outstanding(), 1, "the rows are leased while held");
@@ -473,14 +492,19 @@ mod device_tests {
             *seen.lock().unwrap(),
             vec![(0, 10, run(&[1, 2, 3]), true), (0, 20, run(&[6]), true)]
         );
-        // Rows without a lease (the hook's own view), or in another dtype than the wire's,
-        // leave as copies; no lease is taken.
+        // Rows without a lease (the hook's own view), in another dtype than the wire's, or for
+        // a writer that copies (`HostShip::Copy`) leave as copies; no lease is taken.
         let plain = LayerRows::pool(&pool, 0).unwrap();
-        for (rows, wire) in [(&plain, Dtype::F32), (&leased, Dtype::Bf16)] {
+        let cases = [
+            (&plain, Dtype::F32, HostShip::InPlace),
+            (&leased, Dtype::Bf16, HostShip::InPlace),
+            (&leased, Dtype::F32, HostShip::Copy),
+        ];
+        for (rows, wire, host) in cases {
             let recorder = HostRecorder::default();
             let seen = recorder.seen.clone();
             let (sink, streamer) = LayerStreamer::spawn(Box::new(recorder));
-            let mut hook = layer_pusher(sink.clone(), dest.clone(), 0, wire);
+            let mut hook = layer_pusher(sink.clone(), dest.clone(), 0, wire, host);
             hook(0, &ids, rows).unwrap();
             assert_eq!(leases.outstanding(), 0, "{wire}");
             streamer.finish(sink).await.unwrap();
@@ -513,7 +537,7 @@ mod device_tests {
         // Destination blocks 20, 21, 30, 31: consecutive on both sides only for 4 → 20, 5 → 21;
         // 6 → 30 breaks the destination run, 9 → 31 the source run.
         let wire = Dtype::Bf16Split { rope: 64 };
-        let mut hook = layer_pusher(sink.clone(), vec![20, 21, 30, 31], 0, wire);
+        let mut hook = layer_pusher(sink.clone(), vec![20, 21, 30, 31], 0, wire, HostShip::Copy);
         hook(0, &ids, &rows).unwrap();
         // The lease stays out while the transport holds the batch...
         tokio::time::sleep(Duration::from_millis(50)).await;
@@ -539,7 +563,7 @@ mod device_tests {
         );
         // Device rows in another dtype than the wire's cannot be converted in place.
         let (sink, _streamer) = LayerStreamer::spawn(Box::new(Recorder::default()));
-        let mut f32_hook = layer_pusher(sink, vec![20, 21, 30, 31], 0, Dtype::F32);
+        let mut f32_hook = layer_pusher(sink, vec![20, 21, 30, 31], 0, Dtype::F32, HostShip::Copy);
         let e = f32_hook(0, &ids, &rows).unwrap_err();
         assert!(e.contains("the destination wants f32"), "{e}");
     }

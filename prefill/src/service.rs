@@ -22,7 +22,7 @@ use tonic::{Request, Response, Status};
 use tracing::{field, info_span, Instrument, Span};
 
 use crate::metrics::PrefillMetrics;
-use crate::push::{layer_pusher, offset_layer_pusher, wire_dtype};
+use crate::push::{layer_pusher, offset_layer_pusher, wire_dtype, HostShip};
 
 /// The transports this worker writes KV with: TCP always, UCX when started with
 /// `--transport ucx`. The destination names the one to use (`KvDestination.transport`).
@@ -211,6 +211,13 @@ impl PrefillService {
         if rows_on_device {
             tracing::debug!("KV leaves from the device cache: puts into the peer's GPU memory");
         }
+        // A CPU engine's rows are read in place by a writer that does not hold them while a
+        // socket drains (the engine waits for them before its next forward).
+        let host = if writer.reads_in_place() {
+            HostShip::InPlace
+        } else {
+            HostShip::Copy
+        };
         let (sink, streamer) = LayerStreamer::spawn(writer);
         let draft_hook = ship_drafter.then(|| {
             let layers = target.num_layers as usize;
@@ -219,10 +226,10 @@ impl PrefillService {
                 dest.block_ids.clone(),
                 skip / page,
                 layers,
-                ours.dtype,
+                (ours.dtype, HostShip::Copy),
             )
         });
-        let hook = layer_pusher(sink.clone(), dest.block_ids, skip / page, ours.dtype);
+        let hook = layer_pusher(sink.clone(), dest.block_ids, skip / page, ours.dtype, host);
         let outcome = self
             .engine
             .prefill_work(PrefillWork {

@@ -450,6 +450,11 @@ impl RemoteWriter for UcxWriter {
         r
     }
 
+    /// Copies into a mapped pool and puts read the rows on the progress thread as they come.
+    fn reads_in_place(&self) -> bool {
+        true
+    }
+
     fn puts_from_device(&self, layer: u32) -> bool {
         self.from_device
             .get(layer as usize)
