@@ -841,6 +841,13 @@ impl State {
         if s != sys::UCS_OK {
             return Err(ucx_error(self.ucp, "registering memory", s));
         }
+        let rkey = self.pack_key(memh)?;
+        Ok((memh, rkey))
+    }
+
+    /// The packed remote key of `memh`, a handle just mapped; on failure the handle is
+    /// unmapped (it was the caller's only use).
+    fn pack_key(&self, memh: sys::ucp_mem_h) -> Result<Vec<u8>, TransferError> {
         let mut buf = std::ptr::null_mut();
         let mut blen = 0usize;
         // SAFETY: a handle just mapped; the packed buffer is copied and released.
@@ -852,7 +859,7 @@ impl State {
             }
             let rkey = std::slice::from_raw_parts(buf as *const u8, blen).to_vec();
             (self.ucp.rkey_buffer_release)(buf);
-            Ok((memh, rkey))
+            Ok(rkey)
         }
     }
 
@@ -892,19 +899,7 @@ impl State {
                 self.ucp.describe(s)
             )));
         }
-        let mut buf = std::ptr::null_mut();
-        let mut blen = 0usize;
-        // SAFETY: the handle above; the packed buffer is copied and released.
-        let rkey = unsafe {
-            let s = (self.ucp.rkey_pack)(self.context, memh, &mut buf, &mut blen);
-            if s != sys::UCS_OK {
-                (self.ucp.mem_unmap)(self.context, memh);
-                return Err(ucx_error(self.ucp, "packing a remote key", s));
-            }
-            let rkey = std::slice::from_raw_parts(buf as *const u8, blen).to_vec();
-            (self.ucp.rkey_buffer_release)(buf);
-            rkey
-        };
+        let rkey = self.pack_key(memh)?;
         let shared = is_shared_mapping(addr);
         if !shared {
             // SAFETY: `len` bytes UCX just allocated for us; nothing else refers to them yet.
