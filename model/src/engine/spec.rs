@@ -576,8 +576,7 @@ impl Speculator {
         let vocab = model.config().vocab_size;
         let Proposals { each, q } = proposals;
 
-        // Candidate slots: (sequence, slot k, cumulative survival).
-        let mut slots = Vec::new();
+        let mut slots: Vec<Slot> = Vec::new();
         let mut props = Vec::with_capacity(eligible.len());
         for (&i, p) in eligible.iter().zip(each) {
             match p {
@@ -586,7 +585,11 @@ impl Speculator {
                     let mut survival = 1.0f32;
                     for k in 0..n {
                         survival *= p.confidence.get(k).copied().unwrap_or(0.0);
-                        slots.push((i, k, survival));
+                        slots.push(Slot {
+                            seq: i,
+                            k,
+                            survival,
+                        });
                     }
                     props.push((i, p));
                 }
@@ -616,8 +619,8 @@ impl Speculator {
             (false, VerifyLen::Goodput) => Rule::Confidence(CONFIDENCE_FLOOR),
         };
         if goodput {
-            slots.sort_by(|a, b| b.2.total_cmp(&a.2).then(a.1.cmp(&b.1)));
-            let survival: Vec<f32> = slots.iter().map(|s| s.2).collect();
+            by_likelihood(&mut slots);
+            let survival: Vec<f32> = slots.iter().map(|s| s.survival).collect();
             let shape = Shape {
                 eligible: props.len(),
                 graph: whole_blocks,
@@ -647,16 +650,7 @@ impl Speculator {
                 }
             }
             Rule::Confidence(min_survival) => {
-                slots.retain(|s| s.2 >= min_survival);
-                slots.sort_by(|a, b| b.2.total_cmp(&a.2).then(a.1.cmp(&b.1)));
-                let mut admitted: HashSet<(usize, usize)> = HashSet::new();
-                for (i, k, _) in slots.into_iter().take(left) {
-                    admitted.insert((i, k));
-                }
-                for (i, _) in &props {
-                    let g = (0..).take_while(|k| admitted.contains(&(*i, *k))).count();
-                    gamma.insert(*i, g);
-                }
+                gamma = confidence_lengths(slots, min_survival, left);
             }
         }
         for (i, p) in props {
@@ -808,6 +802,46 @@ impl Speculator {
     }
 }
 
+/// One draft slot a sequence could verify this step: position `k` of its block, and the
+/// confidence head's cumulative survival `Π_{j≤k} c_j` (the predicted chance that drafts
+/// `0..=k` are all accepted).
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Slot {
+    /// Index of the sequence among the step's running sequences.
+    seq: usize,
+    k: usize,
+    survival: f32,
+}
+
+/// Sorts slots most likely first; on a tie the earlier position first, so that a sequence's
+/// slots keep their block order (equal survivals mean the later drafts were predicted certain).
+fn by_likelihood(slots: &mut [Slot]) {
+    slots.sort_by(|a, b| b.survival.total_cmp(&a.survival).then(a.k.cmp(&b.k)));
+}
+
+/// The confidence rule: admit the `budget` most likely slots whose cumulative survival is at
+/// least `min_survival` (a NaN never is); each sequence then verifies the longest prefix of
+/// its block that was admitted. Cumulative survival never grows along a block, so what is
+/// admitted is already a prefix and no budget is spent on a slot that cannot be verified.
+/// Returns γ for every sequence that had a slot admitted.
+fn confidence_lengths(
+    mut slots: Vec<Slot>,
+    min_survival: f32,
+    budget: usize,
+) -> HashMap<usize, usize> {
+    slots.retain(|s| s.survival >= min_survival);
+    by_likelihood(&mut slots);
+    let admitted: HashSet<(usize, usize)> =
+        slots.iter().take(budget).map(|s| (s.seq, s.k)).collect();
+    let mut gamma = HashMap::new();
+    for &(seq, _) in &admitted {
+        gamma
+            .entry(seq)
+            .or_insert_with(|| (0..).take_while(|k| admitted.contains(&(seq, *k))).count());
+    }
+    gamma
+}
+
 /// The γ + 1 uniforms of sequence `s`'s verification this step (one per draft, then the
 /// correction / bonus draw), from its verify stream.
 pub(crate) fn verify_uniforms(s: &mut Sequence, gamma: usize) -> Vec<f64> {
@@ -817,6 +851,69 @@ pub(crate) fn verify_uniforms(s: &mut Sequence, gamma: usize) -> Vec<f64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The slots of one sequence from its per-position confidences, as the planner forms them.
+    fn block(seq: usize, confidence: &[f32]) -> Vec<Slot> {
+        let mut survival = 1.0f32;
+        confidence
+            .iter()
+            .enumerate()
+            .map(|(k, c)| {
+                survival *= c;
+                Slot { seq, k, survival }
+            })
+            .collect()
+    }
+
+    fn lengths(blocks: &[&[f32]], min_survival: f32, budget: usize) -> Vec<usize> {
+        let slots = blocks
+            .iter()
+            .enumerate()
+            .flat_map(|(seq, c)| block(seq, c))
+            .collect();
+        let gamma = confidence_lengths(slots, min_survival, budget);
+        (0..blocks.len())
+            .map(|seq| gamma.get(&seq).copied().unwrap_or(0))
+            .collect()
+    }
+
+    #[test]
+    fn the_budget_goes_to_the_most_likely_slots_across_sequences() {
+        // Cumulative survivals: A 0.9, 0.72, 0.144; B 0.95, 0.475, 0.43.
+        let (a, b): (&[f32], &[f32]) = (&[0.9, 0.8, 0.2], &[0.95, 0.5, 0.9]);
+        assert_eq!(lengths(&[a, b], 0.0, 1), [0, 1]);
+        assert_eq!(lengths(&[a, b], 0.0, 3), [2, 1]);
+        assert_eq!(lengths(&[a, b], 0.0, 4), [2, 2]);
+        assert_eq!(lengths(&[a, b], 0.0, 5), [2, 3]);
+        assert_eq!(lengths(&[a, b], 0.0, 99), [3, 3]);
+    }
+
+    #[test]
+    fn slots_below_the_floor_are_never_verified_whatever_the_budget() {
+        let (a, b): (&[f32], &[f32]) = (&[0.9, 0.8, 0.2], &[0.95, 0.5, 0.9]);
+        assert_eq!(lengths(&[a, b], 0.5, 99), [2, 1]);
+        assert_eq!(lengths(&[a, b], 0.96, 99), [0, 0]);
+        // A NaN confidence ends its block's admissible prefix.
+        assert_eq!(lengths(&[&[0.9, f32::NAN, 0.9]], 0.0, 99), [1]);
+    }
+
+    #[test]
+    fn equal_survivals_are_admitted_in_block_order() {
+        // Every cumulative survival is 1: a tie everywhere. Slot order must still be each
+        // block's own order, or the budget would buy slots past a gap that cannot be verified.
+        let certain: &[f32] = &[1.0, 1.0, 1.0, 1.0];
+        assert_eq!(lengths(&[certain, certain], 0.3, 2), [1, 1]);
+        assert_eq!(lengths(&[certain, certain], 0.3, 5), [3, 2]);
+        assert_eq!(lengths(&[certain, certain], 0.3, 8), [4, 4]);
+    }
+
+    #[test]
+    fn a_sequence_without_admitted_slots_gets_no_length() {
+        let gamma = confidence_lengths(block(7, &[0.1, 0.1]), 0.3, 4);
+        assert!(gamma.is_empty(), "{gamma:?}");
+        assert!(confidence_lengths(Vec::new(), 0.0, 4).is_empty());
+        assert!(confidence_lengths(block(0, &[0.9]), 0.0, 0).is_empty());
+    }
 
     #[test]
     fn verify_len_parses_and_prints() {
