@@ -1246,6 +1246,61 @@ fn moe_grouped_kernels_are_bitwise_equal() {
     }
 }
 
+/// The pipelined grouped GEMM (`MoeMma::Pipe`: cp.async-staged operands, ldmatrix fragments,
+/// natural k order) adds into `h` what the register-streamed kernels add, to f32 rounding:
+/// DeepSeek-V2-Lite's widths, the token counts and the skewed batch of
+/// `moe_grouped_kernels_are_bitwise_equal` plus 256 tokens (one pass with many 32-pair chunks).
+/// Tolerance 1e-4 of the largest |Δh| the experts add: both sides multiply the same bf16
+/// weights by the same bf16 hi + lo activation parts with f32 accumulation, in another k order
+/// (and the pipelined down reads the activations as those parts, where the others split the
+/// same f32 values the same way); a pair in the wrong row or a missing k step is O(1).
+#[test]
+#[ignore = "needs an NVIDIA GPU: run on the GPU machine with --include-ignored (docs/gpu.md)"]
+fn moe_pipelined_kernels_match_the_grouped_ones() {
+    let Some(dev) = gpu("moe_pipelined_kernels_match_the_grouped_ones") else {
+        return;
+    };
+    let mut rng = common::rng(47);
+    let (hidden, inter, n_exp, slots) = (2048, 1408, 8, 6);
+    let experts = random_experts(&dev, &mut rng, (hidden, inter, n_exp), true);
+    assert!(ops::moe_pipe_fits(&experts));
+    for (t, skewed) in [(3, false), (64, false), (200, false), (200, true), (256, false)] {
+        let ids: Vec<i32> = (0..t * slots)
+            .map(|i| {
+                if skewed && i % 2 == 0 {
+                    3
+                } else {
+                    ((i * 5 + i / slots) % n_exp) as i32
+                }
+            })
+            .collect();
+        let inputs = MoeInputs::new(&dev, &mut rng, hidden, slots, &ids);
+        let run = |mma| {
+            inputs.run(&dev, &experts, |a| {
+                ops::moe_experts_grouped_mma(&dev, a, mma).expect("moe")
+            })
+        };
+        let (want, got) = (run(MoeMma::Prefetch), run(MoeMma::Pipe));
+        let added = |bits: &[u32]| -> Vec<f32> {
+            bits.iter()
+                .zip(&inputs.h0)
+                .map(|(b, h)| f32::from_bits(*b) - h)
+                .collect()
+        };
+        let (want, got) = (added(&want), added(&got));
+        let scale = want.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        assert!(scale > 0.1, "{t} tokens: nothing was added ({scale})");
+        let worst = want
+            .iter()
+            .zip(&got)
+            .fold(0.0f32, |m, (w, g)| m.max((w - g).abs()));
+        assert!(
+            worst <= 1e-4 * scale,
+            "{t} tokens, skewed {skewed}: max |Δ| {worst} against max |h added| {scale}"
+        );
+    }
+}
+
 /// The output un-absorption with the split-K merge folded in (`unabsorb_combine`) is bitwise
 /// `mla_combine` then `unabsorb`: random partials of 1–37 splits (one split's rows all masked,
 /// −∞, as a split past a short context is), 1, 3 and 11 tokens (more than the 8 rows one pass

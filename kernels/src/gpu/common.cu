@@ -1859,6 +1859,219 @@ MOE_STREAM_KERNELS(mma3, 64, 1)
 MOE_STREAM_KERNELS(mma2_m32, 0, 2)
 MOE_STREAM_KERNELS(mma3_m32, 64, 2)
 
+// ---------------------------------------------------------------------------------------------
+// The grouped expert products as a pipelined grouped GEMM (`FERRY_MOE_MMA=pipe`). A block
+// multiplies one chunk of up to 32 pairs by 128 weight rows of the chunk's expert, staging both
+// operands in shared memory through a MOE_PIPE_STAGES-deep cp.async pipeline and taking its MMA
+// fragments with ldmatrix. The register-streamed kernels above are bound by how many weight
+// bytes they keep in flight (registers cap them at 2–3 blocks an SM; BENCHMARKS.md, session 26);
+// here two 16 KB stages of weights per block are in flight whatever the registers. Session 20's
+// shared-memory attempt lost to instruction issue, each warp rebuilding bf16 hi + lo fragments
+// from f32 activations; here the activations are split into bf16 hi and lo rows once (the host
+// side's `split_bf16` of x for gate/up; the gate/up epilogue writes act that way for down) and
+// ldmatrix takes fragments of both halves as they are. The two halves are two MMAs against the
+// same weight fragment, as in the kernels above (~16 mantissa bits of the activations), but the
+// k order is the natural one, so the results match those kernels to f32 rounding, not bitwise.
+//
+// A stage: B = 128 weight rows × 64 k, then A hi and A lo = 32 pair rows × 64 k each; rows
+// padded to 72 elements (144 bytes) so the 8 rows one ldmatrix phase reads fall in distinct
+// banks. Warp w owns B rows 32w .. 32w + 31 as four n8 tiles; each warp computes both 16-pair
+// m-tiles. 82,944 bytes of dynamic shared memory (ops.rs `MOE_PIPE_SMEM`): two blocks an SM.
+#define MOE_PIPE_PAIRS 32
+#define MOE_PIPE_ROWS 128
+#define MOE_PIPE_BK 64
+#define MOE_PIPE_LD (MOE_PIPE_BK + 8)
+#define MOE_PIPE_STAGES 3
+#define MOE_PIPE_STAGE_ELEMS ((MOE_PIPE_ROWS + 2 * MOE_PIPE_PAIRS) * MOE_PIPE_LD)
+#if FERRY_MMA
+// acc[i][t] += A(pair rows 16i .. 16i + 15) · W(B rows 32w + 8t .. 32w + 8t + 7)ᵀ over k_total
+// (a multiple of MOE_PIPE_BK), for the 128 threads of the block. This thread copies, each stage,
+// 16-byte segment `seg` of B rows brow + 16j (w_src[j], advanced by 64 elements a stage) and of
+// A rows arow and arow + 16 (a_src[r], null past the chunk: zero-filled), hi and, `lo_off`
+// elements on, lo.
+__device__ __forceinline__ void moe_pipe_gemm(const bf16_t* const (&w_src)[8],
+                                              const bf16_t* const (&a_src)[2], long long lo_off,
+                                              int k_total, bf16_t* smem, float (&acc)[2][4][4]) {
+  int tid = threadIdx.x, seg = tid % 8, row = tid / 8;
+  int lane = tid % WARP, w = tid / WARP;
+  const int kt_total = k_total / MOE_PIPE_BK;
+  auto load = [&](int slot, int kt) {
+    bf16_t* st = smem + (size_t)slot * MOE_PIPE_STAGE_ELEMS;
+    int k = kt * MOE_PIPE_BK;
+#pragma unroll
+    for (int j = 0; j < 8; j++)
+      cp_async16(smem_u32(st + (row + 16 * j) * MOE_PIPE_LD + seg * 8), w_src[j] + k, 16);
+    bf16_t* a = st + MOE_PIPE_ROWS * MOE_PIPE_LD;
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+      const bf16_t* src = a_src[r] ? a_src[r] + k : w_src[0];
+      int bytes = a_src[r] ? 16 : 0;
+      int at = (row + 16 * r) * MOE_PIPE_LD + seg * 8;
+      cp_async16(smem_u32(a + at), src, bytes);
+      cp_async16(smem_u32(a + MOE_PIPE_PAIRS * MOE_PIPE_LD + at), a_src[r] ? src + lo_off : src,
+                 bytes);
+    }
+  };
+#pragma unroll
+  for (int s = 0; s < MOE_PIPE_STAGES - 1; s++) {
+    if (s < kt_total) load(s, s);
+    cp_async_commit();
+  }
+  for (int kt = 0; kt < kt_total; kt++) {
+    cp_async_wait<MOE_PIPE_STAGES - 2>();
+    __syncthreads();  // stage kt landed for every thread; stage kt - 1's slot is free
+    int next = kt + MOE_PIPE_STAGES - 1;
+    if (next < kt_total) load(next % MOE_PIPE_STAGES, next);
+    cp_async_commit();
+    const bf16_t* st = smem + (size_t)(kt % MOE_PIPE_STAGES) * MOE_PIPE_STAGE_ELEMS;
+    const bf16_t* a = st + MOE_PIPE_ROWS * MOE_PIPE_LD;
+#pragma unroll
+    for (int kk = 0; kk < MOE_PIPE_BK; kk += 16) {
+      // A (16 × 16, row-major): lanes 0–15 address rows 0–15 at k, lanes 16–31 at k + 8.
+      u32 ahi[2][4], alo[2][4];
+#pragma unroll
+      for (int i = 0; i < 2; i++) {
+        int at = (16 * i + lane % 16) * MOE_PIPE_LD + kk + (lane / 16) * 8;
+        ldsm_x4(ahi[i], smem_u32(a + at));
+        ldsm_x4(alo[i], smem_u32(a + MOE_PIPE_PAIRS * MOE_PIPE_LD + at));
+      }
+      // B (weight rows n, k contiguous): one x4 covers two n8 tiles × k16; lanes 0–7 / 8–15
+      // address the first tile's rows at k / k + 8, lanes 16–31 the second tile's.
+      u32 b[2][4];
+#pragma unroll
+      for (int tp = 0; tp < 2; tp++) {
+        int n = 32 * w + 16 * tp + (lane / 16) * 8 + lane % 8;
+        ldsm_x4(b[tp], smem_u32(st + n * MOE_PIPE_LD + kk + ((lane / 8) % 2) * 8));
+      }
+#pragma unroll
+      for (int i = 0; i < 2; i++)
+#pragma unroll
+        for (int t = 0; t < 4; t++) {
+          u32 b0 = b[t / 2][2 * (t % 2)], b1 = b[t / 2][2 * (t % 2) + 1];
+          mma_bf16(acc[i][t], ahi[i], b0, b1);
+          mma_bf16(acc[i][t], alo[i], b0, b1);
+        }
+    }
+  }
+  cp_async_wait0();
+}
+#endif
+
+// act = silu(gate_e · x_t) · (up_e · x_t) for the pairs of each chunk, written as bf16 hi rows
+// and, `act_lo` elements on, lo rows, at the pairs' positions in `order` (what moe_down_pipe
+// reads). xs: x split into bf16 hi rows [T][hidden] and, `x_lo` elements on, lo rows. Block row
+// b of the 128 is gate row n0 + 16 (b / 32) + b % 16 when b % 32 < 16, else that up row, so
+// each warp's tiles 0–1 (gate) and 2–3 (up) hold the same output rows. inter a multiple of 64,
+// hidden of 64. Grid: (inter / 64, chunk bound); block 128; MOE_PIPE_SMEM dynamic shared bytes.
+extern "C" __global__ void moe_gate_up_pipe(const bf16_t* xs, long long x_lo, const int* order,
+                                            const int* chunks, const int* n_chunks,
+                                            const bf16_t* gate, const bf16_t* up, bf16_t* act,
+                                            long long act_lo, int K, int inter, int hidden) {
+  pdl_enter();
+#if FERRY_MMA
+  extern __shared__ __align__(16) bf16_t moe_pipe_smem[];
+  int c = blockIdx.y;
+  if (c >= *n_chunks) return;
+  size_t e = (size_t)chunks[3 * c];
+  int first = chunks[3 * c + 1], m = chunks[3 * c + 2];
+  int n0 = blockIdx.x * 64, seg = threadIdx.x % 8, row = threadIdx.x / 8;
+  const bf16_t* w_src[8];
+#pragma unroll
+  for (int j = 0; j < 8; j++) {
+    int b = row + 16 * j;
+    const bf16_t* mat = b % 32 < 16 ? gate : up;
+    w_src[j] = mat + (e * inter + n0 + 16 * (b / 32) + b % 16) * hidden + seg * 8;
+  }
+  const bf16_t* a_src[2];
+#pragma unroll
+  for (int r = 0; r < 2; r++) {
+    int pr = row + 16 * r;
+    a_src[r] = pr < m ? xs + (size_t)(order[first + pr] / K) * hidden + seg * 8 : nullptr;
+  }
+  float acc[2][4][4];
+#pragma unroll
+  for (int i = 0; i < 2; i++)
+#pragma unroll
+    for (int t = 0; t < 4; t++)
+#pragma unroll
+      for (int j = 0; j < 4; j++) acc[i][t][j] = 0.0f;
+  moe_pipe_gemm(w_src, a_src, x_lo, hidden, moe_pipe_smem, acc);
+  int lane = threadIdx.x % WARP, w = threadIdx.x / WARP, g = lane / 4, q = lane % 4;
+#pragma unroll
+  for (int i = 0; i < 2; i++)
+#pragma unroll
+    for (int h = 0; h < 2; h++) {  // pair rows 16i + g (h = 0) and 16i + g + 8 (h = 1)
+      int pr = 16 * i + g + 8 * h;
+      if (pr >= m) continue;
+      bf16_t* dst = act + (size_t)(first + pr) * inter;
+#pragma unroll
+      for (int t = 0; t < 2; t++) {
+        float v0 = silu_f(acc[i][t][2 * h]) * acc[i][t + 2][2 * h];
+        float v1 = silu_f(acc[i][t][2 * h + 1]) * acc[i][t + 2][2 * h + 1];
+        u32 hi = pack_bf2(v0, v1);
+        u32 lo = pack_bf2(v0 - ferry_u2f(hi << 16), v1 - ferry_u2f(hi & 0xffff0000u));
+        int n = n0 + 16 * w + 8 * t + 2 * q;
+        *reinterpret_cast<u32*>(dst + n) = hi;
+        *reinterpret_cast<u32*>(dst + act_lo + n) = lo;
+      }
+    }
+#endif
+}
+
+// y[p][j] = w[p] · (down_e[j] · act[p]) for the pairs p of each chunk, act as moe_gate_up_pipe
+// wrote it. inter a multiple of 64, hidden of 128. Grid: (hidden / 128, chunk bound); block 128;
+// MOE_PIPE_SMEM dynamic shared bytes.
+extern "C" __global__ void moe_down_pipe(const bf16_t* act, long long act_lo, const int* order,
+                                         const int* chunks, const int* n_chunks, const float* wts,
+                                         const bf16_t* down, float* y, int inter, int hidden) {
+  pdl_enter();
+#if FERRY_MMA
+  extern __shared__ __align__(16) bf16_t moe_pipe_smem[];
+  int c = blockIdx.y;
+  if (c >= *n_chunks) return;
+  size_t e = (size_t)chunks[3 * c];
+  int first = chunks[3 * c + 1], m = chunks[3 * c + 2];
+  int j0 = blockIdx.x * MOE_PIPE_ROWS, seg = threadIdx.x % 8, row = threadIdx.x / 8;
+  const bf16_t* w_src[8];
+#pragma unroll
+  for (int j = 0; j < 8; j++)
+    w_src[j] = down + (e * hidden + j0 + row + 16 * j) * inter + seg * 8;
+  const bf16_t* a_src[2];
+#pragma unroll
+  for (int r = 0; r < 2; r++) {
+    int pr = row + 16 * r;
+    a_src[r] = pr < m ? act + (size_t)(first + pr) * inter + seg * 8 : nullptr;
+  }
+  float acc[2][4][4];
+#pragma unroll
+  for (int i = 0; i < 2; i++)
+#pragma unroll
+    for (int t = 0; t < 4; t++)
+#pragma unroll
+      for (int j = 0; j < 4; j++) acc[i][t][j] = 0.0f;
+  moe_pipe_gemm(w_src, a_src, act_lo, inter, moe_pipe_smem, acc);
+  int lane = threadIdx.x % WARP, w = threadIdx.x / WARP, g = lane / 4, q = lane % 4;
+#pragma unroll
+  for (int i = 0; i < 2; i++)
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+      int pr = 16 * i + g + 8 * h;
+      if (pr >= m) continue;
+      int p = order[first + pr];
+      float wp = wts[p];
+      float* dst = y + (size_t)p * hidden;
+#pragma unroll
+      for (int t = 0; t < 4; t++) {
+        int j = j0 + 32 * w + 8 * t + 2 * q;
+        float2 v;
+        v.x = wp * acc[i][t][2 * h];
+        v.y = wp * acc[i][t][2 * h + 1];
+        *reinterpret_cast<float2*>(dst + j) = v;
+      }
+    }
+#endif
+}
+
 // h[t][j] += Σ_s y[t·K + s][j], the slots summed in order. Grid: ceil(T·hidden / 256); block 256.
 extern "C" __global__ void moe_sum_slots(const float* y, float* h, int K, int hidden,
                                          long long n) {

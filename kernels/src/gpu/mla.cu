@@ -245,30 +245,7 @@ extern "C" __global__ void unpad_heads_f32(const float* src, float* dst, int H, 
 // ---------------------------------------------------------------------------------------------
 // Tensor-core helpers (PTX; CUDA sm_80+).
 #if FERRY_MMA
-__device__ __forceinline__ u32 smem_u32(const void* p) {
-  u32 r;
-  asm volatile("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }"
-               : "=r"(r) : "l"(p));
-  return r;
-}
-__device__ __forceinline__ void ldsm_x4(u32* r, u32 addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
-}
-__device__ __forceinline__ void ldsm_x4_t(u32* r, u32 addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
-}
-// 16-byte global → shared copy; src_bytes 0 zero-fills.
-__device__ __forceinline__ void cp_async16(u32 dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
-               "r"(src_bytes));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
-__device__ __forceinline__ void cp_async_wait1() { asm volatile("cp.async.wait_group 1;"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
-__device__ __forceinline__ void cp_async_wait0() { asm volatile("cp.async.wait_group 0;"); }
+// (smem_u32, ldmatrix, cp.async: compat.cuh)
 
 // Online softmax of one step's scores held in the m16n8 accumulator layout of one warp (the
 // layout of mma.sync's C fragment and of each warp's share of a wgmma accumulator), in place:

@@ -5,6 +5,8 @@
 //! Every launcher checks that each buffer holds what the kernel will index before launching;
 //! buffers are passed as [`Dv`] views (address + length) so callers can hand in sub-ranges.
 
+use std::ops::Range;
+
 use half::bf16;
 
 pub use super::launch::Dv;
@@ -2032,6 +2034,13 @@ pub enum MoeMma {
     Stream32,
     /// `prefetch32`: `prefetch` over chunks of 32 pairs (`moe_{gate_up,down}_mma3_m32`).
     Prefetch32,
+    /// `pipe`: a pipelined grouped GEMM over chunks of 32 pairs (`moe_{gate_up,down}_pipe`):
+    /// weights and bf16 hi + lo activation rows staged in shared memory by a 3-deep cp.async
+    /// pipeline, fragments by ldmatrix. Outputs match the other arms to f32 rounding, not
+    /// bitwise (natural k order). Needs `inter` a multiple of 64 and `hidden` of 128
+    /// ([`moe_pipe_fits`]); other shapes take `auto`'s kernels. Not measured on a GPU yet, so
+    /// `auto` never picks it.
+    Pipe,
 }
 
 /// Tokens a grouped pass may have for [`MoeMma::Auto`] to take the prefetching kernels over
@@ -2062,16 +2071,19 @@ impl MoeMma {
             Self::Prefetch => ("moe_gate_up_mma3", "moe_down_mma3", 16),
             Self::Stream32 => ("moe_gate_up_mma2_m32", "moe_down_mma2_m32", 32),
             Self::Prefetch32 => ("moe_gate_up_mma3_m32", "moe_down_mma3_m32", 32),
+            // What a shape the pipelined kernels do not take falls back to.
+            Self::Pipe => Self::Auto.kernels(tokens),
         }
     }
 
-    const ALL: [(Self, &'static str); 6] = [
+    const ALL: [(Self, &'static str); 7] = [
         (Self::Auto, "auto"),
         (Self::Wait, "wait"),
         (Self::Stream, "stream"),
         (Self::Prefetch, "prefetch"),
         (Self::Stream32, "stream32"),
         (Self::Prefetch32, "prefetch32"),
+        (Self::Pipe, "pipe"),
     ];
 }
 
@@ -2087,7 +2099,7 @@ impl std::str::FromStr for MoeMma {
             .ok_or_else(|| KernelError::InvalidParam {
                 op: "moe_experts_grouped",
                 field: "FERRY_MOE_MMA",
-                limit: "auto, wait, stream, prefetch, stream32 or prefetch32",
+                limit: "auto, wait, stream, prefetch, stream32, prefetch32 or pipe",
                 value: s.to_string(),
             })
     }
@@ -2225,6 +2237,14 @@ fn moe_experts_grouped_by<D: Gpu>(
     which: GroupedKernels,
 ) -> Result<(), KernelError> {
     const OP: &str = "gpu_moe_experts_grouped";
+    if which == GroupedKernels::TensorCores(MoeMma::Pipe) && moe_pipe_fits(a.experts) {
+        return moe_experts_pipelined(dev, a);
+    }
+    // The kernels (and so the chunk) for the largest pass; a pass halved below to fit the grid
+    // keeps them.
+    let t = a.x.len / a.experts.hidden.max(1);
+    let plan = which.launch(a.experts.gate.is_bf16(), MOE_GROUPED_MAX_TOKENS.min(t));
+    let passes = GroupedPasses::new(dev, &a, plan.chunk)?;
     let MoeArgs {
         x,
         routes,
@@ -2232,53 +2252,22 @@ fn moe_experts_grouped_by<D: Gpu>(
         h,
     } = a;
     let (hidden, inter, k) = (experts.hidden, experts.inter, routes.slots);
-    let n_total = experts.total();
-    let t = x.len / hidden.max(1);
-    // The kernels (and so the chunk) for the largest pass; a pass halved below to fit the grid
-    // keeps them.
-    let plan = which.launch(experts.gate.is_bf16(), MOE_GROUPED_MAX_TOKENS.min(t));
-    let chunk = plan.chunk;
-    let chunk_bound = |pairs: usize| pairs.div_ceil(chunk) + n_total.min(pairs);
-    // Tokens per pass: the scratch bound, and the chunk bound within a grid's y dimension.
-    let mut per_pass = MOE_GROUPED_MAX_TOKENS.min(t);
-    while per_pass > 1 && chunk_bound(per_pass * k) > MAX_GRID_Y {
-        per_pass /= 2;
-    }
-    let pairs_max = per_pass * k;
-    let order = dev.alloc::<i32>(pairs_max)?;
-    let chunks = dev.alloc::<i32>(3 * chunk_bound(pairs_max))?;
-    let n_chunks = dev.alloc::<i32>(1)?;
+    let pairs_max = passes.per_pass * k;
     let act = dev.alloc::<f32>(pairs_max * inter)?;
     let y = dev.alloc::<f32>(pairs_max * hidden)?;
-    let (group, gate_up, down, sum) = (
-        kernel(dev, "moe_group")?,
-        kernel(dev, plan.gate_up)?,
-        kernel(dev, plan.down)?,
-        kernel(dev, "moe_sum_slots")?,
-    );
+    let (gate_up, down) = (kernel(dev, plan.gate_up)?, kernel(dev, plan.down)?);
     let words = |n: usize| (n * 4) as u64; // f32 and i32 elements
     let (k_i, inter_i, hidden_i) = (
         int(OP, "K", k)?,
         int(OP, "inter", inter)?,
         int(OP, "hidden", hidden)?,
     );
-    for t0 in (0..t).step_by(per_pass) {
-        let n = per_pass.min(t - t0);
-        let pairs = n * k;
-        let bound = chunk_bound(pairs) as u32;
-        let (ids, wts) = (
-            routes.ids.ptr + words(t0 * k),
-            routes.weights.ptr + words(t0 * k),
-        );
-        let mut a = KernelArgs::new();
-        a.push(ids)
-            .push(int(OP, "pairs", pairs)?)
-            .push(int(OP, "experts", n_total)?)
-            .push(int(OP, "chunk", chunk)?)
-            .push(order.ptr())
-            .push(chunks.ptr())
-            .push(n_chunks.ptr());
-        dev.launch(&group, LaunchDims::linear(1, 1024), &mut a)?;
+    let (order, chunks, n_chunks) = (&passes.order, &passes.chunks, &passes.n_chunks);
+    for t0 in (0..t).step_by(passes.per_pass) {
+        let n = passes.per_pass.min(t - t0);
+        let bound = passes.chunk_bound(n * k) as u32;
+        let wts = routes.weights.ptr + words(t0 * k);
+        passes.group(dev, routes, t0..t0 + n)?;
 
         let mut a = KernelArgs::new();
         a.push(x.ptr + words(t0 * hidden))
@@ -2314,16 +2303,192 @@ fn moe_experts_grouped_by<D: Gpu>(
             smem: 0,
         };
         dev.launch(&down, dims, &mut a)?;
-
-        let mut a = KernelArgs::new();
-        a.push(y.ptr())
-            .push(h.ptr + words(t0 * hidden))
-            .push(k_i)
-            .push(hidden_i)
-            .push((n * hidden) as i64);
-        dev.launch(&sum, LaunchDims::elementwise(n * hidden), &mut a)?;
+        passes.sum_slots(dev, y.v(), h, t0..t0 + n)?;
     }
     Ok(())
+}
+
+/// Pairs per chunk of the pipelined expert kernels (common.cu's `MOE_PIPE_PAIRS`).
+const MOE_PIPE_PAIRS: usize = 32;
+/// Weight rows per block of the pipelined expert kernels (`MOE_PIPE_ROWS`): 64 gate + 64 up
+/// output rows, or 128 down rows.
+const MOE_PIPE_ROWS: usize = 128;
+/// Dynamic shared memory of a pipelined expert block: `MOE_PIPE_STAGES` (3) stages of 128 weight
+/// rows and 32 + 32 activation rows (hi, lo), each 64 + 8 bf16 wide.
+const MOE_PIPE_SMEM: u32 = 3 * (MOE_PIPE_ROWS as u32 + 2 * MOE_PIPE_PAIRS as u32) * 72 * 2;
+
+/// Whether the pipelined expert kernels ([`MoeMma::Pipe`]) take these experts: bf16, `inter` a
+/// multiple of their 64-wide k step and gate/up blocks, `hidden` of the 128-row down blocks
+/// (DeepSeek-V2-Lite: 1408 × 2048; V3: 2048 × 7168).
+pub fn moe_pipe_fits<D: Gpu>(experts: &GpuExperts<D>) -> bool {
+    experts.gate.is_bf16() && experts.inter % 64 == 0 && experts.hidden % MOE_PIPE_ROWS == 0
+}
+
+/// [`moe_experts_grouped`] by the pipelined kernels (`moe_{gate_up,down}_pipe`, common.cu):
+/// `x` split once into bf16 hi and lo rows, then per pass `moe_group` into chunks of 32 pairs,
+/// gate/up writing each pair's activation as bf16 hi and lo rows in `order`'s positions, down
+/// reading them there, and the slot sum.
+fn moe_experts_pipelined<D: Gpu>(dev: &D, a: MoeArgs<'_, D>) -> Result<(), KernelError> {
+    const OP: &str = "gpu_moe_experts_pipelined";
+    let passes = GroupedPasses::new(dev, &a, MOE_PIPE_PAIRS)?;
+    let MoeArgs {
+        x,
+        routes,
+        experts,
+        h,
+    } = a;
+    let (hidden, inter, k) = (experts.hidden, experts.inter, routes.slots);
+    let t = x.len / hidden.max(1);
+    let xs = dev.alloc::<u16>(2 * x.len)?;
+    split_bf16(dev, x, xs.v().sub(0, x.len)?, xs.v().sub(x.len, x.len)?)?;
+    let pairs_max = passes.per_pass * k;
+    let act = dev.alloc::<u16>(2 * pairs_max * inter)?;
+    let y = dev.alloc::<f32>(pairs_max * hidden)?;
+    let (gate_up, down) = (
+        kernel(dev, "moe_gate_up_pipe")?,
+        kernel(dev, "moe_down_pipe")?,
+    );
+    let (k_i, inter_i, hidden_i) = (
+        int(OP, "K", k)?,
+        int(OP, "inter", inter)?,
+        int(OP, "hidden", hidden)?,
+    );
+    let (x_lo, act_lo) = (x.len as i64, (pairs_max * inter) as i64);
+    for t0 in (0..t).step_by(passes.per_pass) {
+        let n = passes.per_pass.min(t - t0);
+        let bound = passes.chunk_bound(n * k) as u32;
+        passes.group(dev, routes, t0..t0 + n)?;
+        // A pass's pairs index tokens from t0: its hi rows start there, its lo rows x_lo on.
+        let mut a = KernelArgs::new();
+        a.push(xs.ptr() + (t0 * hidden * 2) as u64)
+            .push(x_lo)
+            .push(passes.order.ptr())
+            .push(passes.chunks.ptr())
+            .push(passes.n_chunks.ptr())
+            .push(experts.gate.ptr())
+            .push(experts.up.ptr())
+            .push(act.ptr())
+            .push(act_lo)
+            .push(k_i)
+            .push(inter_i)
+            .push(hidden_i);
+        let dims = LaunchDims {
+            grid: ((inter / 64) as u32, bound, 1),
+            block: (128, 1, 1),
+            smem: MOE_PIPE_SMEM,
+        };
+        dev.launch(&gate_up, dims, &mut a)?;
+
+        let mut a = KernelArgs::new();
+        a.push(act.ptr())
+            .push(act_lo)
+            .push(passes.order.ptr())
+            .push(passes.chunks.ptr())
+            .push(passes.n_chunks.ptr())
+            .push(routes.weights.ptr + (t0 * k * 4) as u64)
+            .push(experts.down.ptr())
+            .push(y.ptr())
+            .push(inter_i)
+            .push(hidden_i);
+        let dims = LaunchDims {
+            grid: ((hidden / MOE_PIPE_ROWS) as u32, bound, 1),
+            block: (128, 1, 1),
+            smem: MOE_PIPE_SMEM,
+        };
+        dev.launch(&down, dims, &mut a)?;
+        passes.sum_slots(dev, y.v(), h, t0..t0 + n)?;
+    }
+    Ok(())
+}
+
+/// The grouping shared by every grouped pass: tokens per pass, `moe_group`'s outputs, and the
+/// slot sum that adds a pass's per-pair outputs into `h`.
+struct GroupedPasses<D: Gpu> {
+    /// Tokens per pass: the scratch bound, and the chunk bound within a grid's y dimension.
+    per_pass: usize,
+    /// (Token, slot) pairs of a token.
+    slots: usize,
+    /// Width of `h`'s rows.
+    hidden: usize,
+    /// Experts stacked.
+    experts: usize,
+    /// Pairs per chunk.
+    chunk: usize,
+    /// Pair indices, expert by expert.
+    order: D::Buffer<i32>,
+    /// `{expert, first index into order, pairs}` per chunk.
+    chunks: D::Buffer<i32>,
+    /// Chunks written.
+    n_chunks: D::Buffer<i32>,
+}
+
+impl<D: Gpu> GroupedPasses<D> {
+    const OP: &'static str = "gpu_moe_experts_grouped";
+
+    /// Passes over the `t` tokens of `a`, grouped into chunks of up to `chunk` pairs.
+    fn new(dev: &D, a: &MoeArgs<'_, D>, chunk: usize) -> Result<Self, KernelError> {
+        let (hidden, slots) = (a.experts.hidden, a.routes.slots);
+        let t = a.x.len / hidden.max(1);
+        let mut p = Self {
+            per_pass: MOE_GROUPED_MAX_TOKENS.min(t),
+            slots,
+            hidden,
+            experts: a.experts.total(),
+            chunk,
+            order: dev.alloc::<i32>(0)?,
+            chunks: dev.alloc::<i32>(0)?,
+            n_chunks: dev.alloc::<i32>(1)?,
+        };
+        while p.per_pass > 1 && p.chunk_bound(p.per_pass * slots) > MAX_GRID_Y {
+            p.per_pass /= 2;
+        }
+        let pairs_max = p.per_pass * slots;
+        p.order = dev.alloc::<i32>(pairs_max)?;
+        p.chunks = dev.alloc::<i32>(3 * p.chunk_bound(pairs_max))?;
+        Ok(p)
+    }
+
+    /// The most chunks `pairs` pairs can make: whole chunks, plus one partial chunk per expert
+    /// touched. Grids are sized for it; blocks past the chunks written return at once.
+    fn chunk_bound(&self, pairs: usize) -> usize {
+        pairs.div_ceil(self.chunk) + self.experts.min(pairs)
+    }
+
+    /// `moe_group` over the pass's `tokens`.
+    fn group(&self, dev: &D, routes: Routes, tokens: Range<usize>) -> Result<(), KernelError> {
+        let op = Self::OP;
+        let (t0, n) = (tokens.start, tokens.len());
+        let mut a = KernelArgs::new();
+        a.push(routes.ids.ptr + (t0 * self.slots * 4) as u64)
+            .push(int(op, "pairs", n * self.slots)?)
+            .push(int(op, "experts", self.experts)?)
+            .push(int(op, "chunk", self.chunk)?)
+            .push(self.order.ptr())
+            .push(self.chunks.ptr())
+            .push(self.n_chunks.ptr());
+        dev.launch(&kernel(dev, "moe_group")?, LaunchDims::linear(1, 1024), &mut a)
+    }
+
+    /// `h[t] += Σ_slots y[(t − start) · slots + s]` for the pass's `tokens`, slots in order.
+    fn sum_slots(
+        &self,
+        dev: &D,
+        y: Dv<f32>,
+        h: Dv<f32>,
+        tokens: Range<usize>,
+    ) -> Result<(), KernelError> {
+        let op = Self::OP;
+        let (t0, n) = (tokens.start, tokens.len());
+        let hidden = self.hidden;
+        let mut a = KernelArgs::new();
+        a.push(y.ptr)
+            .push(h.ptr + (t0 * hidden * 4) as u64)
+            .push(int(op, "K", self.slots)?)
+            .push(int(op, "hidden", hidden)?)
+            .push((n * hidden) as i64);
+        let f = kernel(dev, "moe_sum_slots")?;
+        dev.launch(&f, LaunchDims::elementwise(n * hidden), &mut a)
+    }
 }
 
 /// Fills `x` with deterministic bf16 noise in `[-scale, scale)`.
@@ -2418,6 +2583,10 @@ mod tests {
         assert_eq!(auto.kernels(257), MoeMma::Stream.kernels(257));
         assert_eq!(auto.kernels(2048), MoeMma::Stream.kernels(2048));
         assert_eq!(MoeMma::Stream32.kernels(1).2, 32);
+        // A shape the pipelined kernels do not take falls back to `auto`'s choice.
+        for t in [1, 200, 4096] {
+            assert_eq!(MoeMma::Pipe.kernels(t), auto.kernels(t));
+        }
     }
 
     #[test]
