@@ -1264,7 +1264,13 @@ fn moe_pipelined_kernels_match_the_grouped_ones() {
     let (hidden, inter, n_exp, slots) = (2048, 1408, 8, 6);
     let experts = random_experts(&dev, &mut rng, (hidden, inter, n_exp), true);
     assert!(ops::moe_pipe_fits(&experts));
-    for (t, skewed) in [(3, false), (64, false), (200, false), (200, true), (256, false)] {
+    for (t, skewed) in [
+        (3, false),
+        (64, false),
+        (200, false),
+        (200, true),
+        (256, false),
+    ] {
         let ids: Vec<i32> = (0..t * slots)
             .map(|i| {
                 if skewed && i % 2 == 0 {

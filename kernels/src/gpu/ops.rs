@@ -2401,6 +2401,12 @@ fn moe_experts_pipelined<D: Gpu>(dev: &D, a: MoeArgs<'_, D>) -> Result<(), Kerne
     Ok(())
 }
 
+/// The most chunks of up to `chunk` pairs that `pairs` pairs over `experts` experts can make:
+/// whole chunks, plus one partial chunk per expert touched.
+fn chunk_bound(pairs: usize, chunk: usize, experts: usize) -> usize {
+    pairs.div_ceil(chunk) + experts.min(pairs)
+}
+
 /// The grouping shared by every grouped pass: tokens per pass, `moe_group`'s outputs, and the
 /// slot sum that adds a pass's per-pair outputs into `h`.
 struct GroupedPasses<D: Gpu> {
@@ -2427,31 +2433,30 @@ impl<D: Gpu> GroupedPasses<D> {
 
     /// Passes over the `t` tokens of `a`, grouped into chunks of up to `chunk` pairs.
     fn new(dev: &D, a: &MoeArgs<'_, D>, chunk: usize) -> Result<Self, KernelError> {
-        let (hidden, slots) = (a.experts.hidden, a.routes.slots);
+        let (hidden, slots, experts) = (a.experts.hidden, a.routes.slots, a.experts.total());
         let t = a.x.len / hidden.max(1);
-        let mut p = Self {
-            per_pass: MOE_GROUPED_MAX_TOKENS.min(t),
+        let chunk_bound = |pairs: usize| chunk_bound(pairs, chunk, experts);
+        let mut per_pass = MOE_GROUPED_MAX_TOKENS.min(t);
+        while per_pass > 1 && chunk_bound(per_pass * slots) > MAX_GRID_Y {
+            per_pass /= 2;
+        }
+        let pairs_max = per_pass * slots;
+        Ok(Self {
+            per_pass,
             slots,
             hidden,
-            experts: a.experts.total(),
+            experts,
             chunk,
-            order: dev.alloc::<i32>(0)?,
-            chunks: dev.alloc::<i32>(0)?,
+            order: dev.alloc::<i32>(pairs_max)?,
+            chunks: dev.alloc::<i32>(3 * chunk_bound(pairs_max))?,
             n_chunks: dev.alloc::<i32>(1)?,
-        };
-        while p.per_pass > 1 && p.chunk_bound(p.per_pass * slots) > MAX_GRID_Y {
-            p.per_pass /= 2;
-        }
-        let pairs_max = p.per_pass * slots;
-        p.order = dev.alloc::<i32>(pairs_max)?;
-        p.chunks = dev.alloc::<i32>(3 * p.chunk_bound(pairs_max))?;
-        Ok(p)
+        })
     }
 
     /// The most chunks `pairs` pairs can make: whole chunks, plus one partial chunk per expert
     /// touched. Grids are sized for it; blocks past the chunks written return at once.
     fn chunk_bound(&self, pairs: usize) -> usize {
-        pairs.div_ceil(self.chunk) + self.experts.min(pairs)
+        chunk_bound(pairs, self.chunk, self.experts)
     }
 
     /// `moe_group` over the pass's `tokens`.
@@ -2466,7 +2471,11 @@ impl<D: Gpu> GroupedPasses<D> {
             .push(self.order.ptr())
             .push(self.chunks.ptr())
             .push(self.n_chunks.ptr());
-        dev.launch(&kernel(dev, "moe_group")?, LaunchDims::linear(1, 1024), &mut a)
+        dev.launch(
+            &kernel(dev, "moe_group")?,
+            LaunchDims::linear(1, 1024),
+            &mut a,
+        )
     }
 
     /// `h[t] += Σ_slots y[(t − start) · slots + s]` for the pass's `tokens`, slots in order.
