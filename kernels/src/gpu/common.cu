@@ -1892,24 +1892,31 @@ MOE_STREAM_KERNELS(mma3_m32, 64, 2)
 __device__ __forceinline__ void moe_pipe_gemm(const bf16_t* const (&w_src)[8],
                                               const bf16_t* const (&a_src)[2], long long lo_off,
                                               int k_total, bf16_t* smem, float (&acc)[2][4][4]) {
+  // Shared addresses in bytes, worked out once (no address conversion in the loop).
+  constexpr u32 ROW = MOE_PIPE_LD * 2, STAGE = MOE_PIPE_STAGE_ELEMS * 2;
+  constexpr u32 A_HI = MOE_PIPE_ROWS * ROW, A_LO = A_HI + MOE_PIPE_PAIRS * ROW;
   int tid = threadIdx.x, seg = tid % 8, row = tid / 8;
   int lane = tid % WARP, w = tid / WARP;
+  const u32 base = smem_u32(smem);
+  const u32 copy_at = row * ROW + seg * 16;  // + 16 rows a step of j or r
+  // A (16 × 16, row-major): lanes 0–15 address rows 0–15 at k, lanes 16–31 at k + 8.
+  const u32 a_at = (lane % 16) * ROW + (lane / 16) * 16;
+  // B (weight rows n, k contiguous): one x4 covers two n8 tiles × k16; lanes 0–7 / 8–15
+  // address the first tile's rows at k / k + 8, lanes 16–31 the second tile's.
+  const u32 b_at = (32 * w + (lane / 16) * 8 + lane % 8) * ROW + ((lane / 8) % 2) * 16;
   const int kt_total = k_total / MOE_PIPE_BK;
   auto load = [&](int slot, int kt) {
-    bf16_t* st = smem + (size_t)slot * MOE_PIPE_STAGE_ELEMS;
+    u32 st = base + slot * STAGE;
     int k = kt * MOE_PIPE_BK;
 #pragma unroll
-    for (int j = 0; j < 8; j++)
-      cp_async16(smem_u32(st + (row + 16 * j) * MOE_PIPE_LD + seg * 8), w_src[j] + k, 16);
-    bf16_t* a = st + MOE_PIPE_ROWS * MOE_PIPE_LD;
+    for (int j = 0; j < 8; j++) cp_async16(st + copy_at + 16 * j * ROW, w_src[j] + k, 16);
 #pragma unroll
     for (int r = 0; r < 2; r++) {
-      const bf16_t* src = a_src[r] ? a_src[r] + k : w_src[0];
-      int bytes = a_src[r] ? 16 : 0;
-      int at = (row + 16 * r) * MOE_PIPE_LD + seg * 8;
-      cp_async16(smem_u32(a + at), src, bytes);
-      cp_async16(smem_u32(a + MOE_PIPE_PAIRS * MOE_PIPE_LD + at), a_src[r] ? src + lo_off : src,
-                 bytes);
+      const bf16_t* hi = a_src[r] ? a_src[r] + k : w_src[0];
+      const bf16_t* lo = a_src[r] ? hi + lo_off : hi;
+      int bytes = a_src[r] ? 16 : 0;  // rows past the chunk: zero-filled
+      cp_async16(st + A_HI + copy_at + 16 * r * ROW, hi, bytes);
+      cp_async16(st + A_LO + copy_at + 16 * r * ROW, lo, bytes);
     }
   };
 #pragma unroll
@@ -1923,26 +1930,17 @@ __device__ __forceinline__ void moe_pipe_gemm(const bf16_t* const (&w_src)[8],
     int next = kt + MOE_PIPE_STAGES - 1;
     if (next < kt_total) load(next % MOE_PIPE_STAGES, next);
     cp_async_commit();
-    const bf16_t* st = smem + (size_t)(kt % MOE_PIPE_STAGES) * MOE_PIPE_STAGE_ELEMS;
-    const bf16_t* a = st + MOE_PIPE_ROWS * MOE_PIPE_LD;
+    const u32 st = base + (kt % MOE_PIPE_STAGES) * STAGE;
 #pragma unroll
     for (int kk = 0; kk < MOE_PIPE_BK; kk += 16) {
-      // A (16 × 16, row-major): lanes 0–15 address rows 0–15 at k, lanes 16–31 at k + 8.
-      u32 ahi[2][4], alo[2][4];
+      u32 ahi[2][4], alo[2][4], b[2][4];
 #pragma unroll
       for (int i = 0; i < 2; i++) {
-        int at = (16 * i + lane % 16) * MOE_PIPE_LD + kk + (lane / 16) * 8;
-        ldsm_x4(ahi[i], smem_u32(a + at));
-        ldsm_x4(alo[i], smem_u32(a + MOE_PIPE_PAIRS * MOE_PIPE_LD + at));
+        ldsm_x4(ahi[i], st + A_HI + 16 * i * ROW + a_at + kk * 2);
+        ldsm_x4(alo[i], st + A_LO + 16 * i * ROW + a_at + kk * 2);
       }
-      // B (weight rows n, k contiguous): one x4 covers two n8 tiles × k16; lanes 0–7 / 8–15
-      // address the first tile's rows at k / k + 8, lanes 16–31 the second tile's.
-      u32 b[2][4];
 #pragma unroll
-      for (int tp = 0; tp < 2; tp++) {
-        int n = 32 * w + 16 * tp + (lane / 16) * 8 + lane % 8;
-        ldsm_x4(b[tp], smem_u32(st + n * MOE_PIPE_LD + kk + ((lane / 8) % 2) * 8));
-      }
+      for (int tp = 0; tp < 2; tp++) ldsm_x4(b[tp], st + 16 * tp * ROW + b_at + kk * 2);
 #pragma unroll
       for (int i = 0; i < 2; i++)
 #pragma unroll
