@@ -62,6 +62,28 @@ fn linear_matches_naive_for_f32_and_bf16_weights() {
     }
 }
 
+/// On the decode path (up to 4 tokens) bf16 weights give bitwise what their exact f32 widening
+/// gives: the row is widened as it is read, the products summed in the f32 row's order. Sizes
+/// below and above the product size from which the rows are split across threads.
+#[test]
+fn bf16_gemv_is_bitwise_its_f32_widening() {
+    let mut rng = common::rng(2);
+    for (n, k) in [(67, 45), (256, 256), (600, 4096)] {
+        let w16 = common::uniform_bf16(&mut rng, n * k, 0.5);
+        let wide: Vec<f32> = w16.iter().map(|v| v.to_f32()).collect();
+        let bf = Matrix::from_bf16(n, k, w16).expect("len matches");
+        let f = Matrix::from_f32(n, k, wide).expect("len matches");
+        for m in 1..=4 {
+            let x = common::uniform(&mut rng, m * k, 1.0);
+            let (mut a, mut b) = (vec![f32::NAN; m * n], vec![f32::NAN; m * n]);
+            linear(&x, &bf, &mut a).expect("shapes match");
+            linear(&x, &f, &mut b).expect("shapes match");
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&a), bits(&b), "n={n} k={k} m={m}");
+        }
+    }
+}
+
 #[test]
 fn linear_rejects_bad_shapes() {
     let w = Matrix::from_f32(3, 4, vec![0.0; 12]).expect("len matches");

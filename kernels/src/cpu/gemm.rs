@@ -5,7 +5,7 @@
 //!
 //! | tokens `m` | path | why |
 //! |---|---|---|
-//! | `<= 4` (decode) | rayon GEMV over weight rows, bf16 read directly | memory-bound: read each weight once, no scratch |
+//! | `<= 4` (decode) | GEMV over weight rows, bf16 widened as it is read; rows split across rayon's threads from 64K multiply-adds | memory-bound: read each weight once, no scratch; a small product stays on the calling thread, where waking the pool would cost more than it saves |
 //! | `> 4` (prefill) | `gemm` crate SGEMM with `W` passed through transposed strides | compute-bound: blocked, multi-threaded kernel |
 //!
 //! bf16 weights on the SGEMM path are widened to f32 one row panel at a time (about 4 MiB of
@@ -20,6 +20,9 @@ use crate::error::KernelError;
 const GEMV_MAX_TOKENS: usize = 4;
 /// Weight rows per rayon task on the GEMV path.
 const GEMV_ROWS_PER_TASK: usize = 32;
+/// Multiply-adds below which a GEMV runs on the calling thread: waking the pool's threads
+/// costs more than they save on a small product.
+const GEMV_PAR_MIN_MACS: usize = 1 << 16;
 /// f32 elements of widened bf16 weight per SGEMM panel (4 MiB).
 const PANEL_ELEMS: usize = 1 << 20;
 
@@ -327,29 +330,30 @@ fn gemv(x: &[f32], m: usize, w: &Matrix, out: &mut [f32]) {
     let (n, k) = (w.rows, w.cols);
     // Row-major over weight rows so each task owns a contiguous slice: `[n][m]`.
     let mut by_row = vec![0.0f32; n * m];
-    by_row
-        .par_chunks_mut(m * GEMV_ROWS_PER_TASK)
-        .enumerate()
-        .for_each(|(task, dst)| {
-            let first = task * GEMV_ROWS_PER_TASK;
-            let mut widened = match &w.data {
-                MatrixData::Bf16(_) => vec![0.0f32; k],
-                MatrixData::F32(_) => Vec::new(),
-            };
-            for (i, dst_row) in dst.chunks_exact_mut(m).enumerate() {
-                let r = first + i;
-                let row: &[f32] = match &w.data {
-                    MatrixData::F32(d) => &d[r * k..(r + 1) * k],
-                    MatrixData::Bf16(d) => {
-                        widen(&d[r * k..(r + 1) * k], &mut widened);
-                        &widened
-                    }
+    let task = |(task, dst): (usize, &mut [f32])| {
+        let first = task * GEMV_ROWS_PER_TASK;
+        for (i, dst_row) in dst.chunks_exact_mut(m).enumerate() {
+            let cols = (first + i) * k..(first + i + 1) * k;
+            for (t, v) in dst_row.iter_mut().enumerate() {
+                let xt = &x[t * k..(t + 1) * k];
+                *v = match &w.data {
+                    MatrixData::F32(d) => dot(xt, &d[cols.clone()]),
+                    MatrixData::Bf16(d) => dot_bf16(xt, &d[cols.clone()]),
                 };
-                for (t, v) in dst_row.iter_mut().enumerate() {
-                    *v = dot(&x[t * k..(t + 1) * k], row);
-                }
             }
-        });
+        }
+    };
+    if n * k * m >= GEMV_PAR_MIN_MACS {
+        by_row
+            .par_chunks_mut(m * GEMV_ROWS_PER_TASK)
+            .enumerate()
+            .for_each(task);
+    } else {
+        by_row
+            .chunks_mut(m * GEMV_ROWS_PER_TASK)
+            .enumerate()
+            .for_each(task);
+    }
     for (r, vals) in by_row.chunks_exact(m).enumerate() {
         for (t, v) in vals.iter().enumerate() {
             out[t * n + r] = *v;
@@ -359,6 +363,19 @@ fn gemv(x: &[f32], m: usize, w: &Matrix, out: &mut [f32]) {
 
 /// f32 dot product with 16 independent accumulators (vectorisable, deterministic order).
 pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
+    dot_with(a, b, |v| v)
+}
+
+/// [`dot`] against bf16 weights widened as they are read (no widened copy of the row): the
+/// same products in the same order, so bitwise `dot(a, widen(b))`.
+fn dot_bf16(a: &[f32], b: &[bf16]) -> f32 {
+    dot_with(a, b, bf16_bits_to_f32)
+}
+
+/// The dot product behind [`dot`] and [`dot_bf16`]: `Σ a[i] · f(b[i])` over 16 lanes, then a
+/// pairwise fold of the lanes and the tail added last.
+#[inline(always)]
+fn dot_with<T: Copy>(a: &[f32], b: &[T], f: impl Fn(T) -> f32) -> f32 {
     const LANES: usize = 16;
     let mut acc = [0.0f32; LANES];
     let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
@@ -366,11 +383,11 @@ pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
         .remainder()
         .iter()
         .zip(cb.remainder())
-        .map(|(x, y)| x * y)
+        .map(|(x, y)| x * f(*y))
         .sum();
     for (xa, xb) in ca.zip(cb) {
         for l in 0..LANES {
-            acc[l] += xa[l] * xb[l];
+            acc[l] += xa[l] * f(xb[l]);
         }
     }
     let mut width = LANES / 2;
@@ -383,10 +400,18 @@ pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
     acc[0] + tail
 }
 
-/// Widens bf16 to f32 (exact: bf16 is the top half of an f32).
+/// One bf16 as f32 (exact: bf16 is the top half of an f32). A plain shift, which the compiler
+/// vectorises; `bf16::to_f32` also quiets signalling NaNs, a branch that kept loops over it
+/// scalar (a NaN weight stays a NaN either way).
+#[inline(always)]
+fn bf16_bits_to_f32(v: bf16) -> f32 {
+    f32::from_bits(u32::from(v.to_bits()) << 16)
+}
+
+/// Widens bf16 to f32 ([`bf16_bits_to_f32`]).
 fn widen(src: &[bf16], dst: &mut [f32]) {
     for (d, s) in dst.iter_mut().zip(src) {
-        *d = s.to_f32();
+        *d = bf16_bits_to_f32(*s);
     }
 }
 
