@@ -12,7 +12,6 @@
 use rayon::prelude::*;
 
 use super::{check_len, KeyRows, LatentContext};
-use crate::cpu::gemm::dot;
 use crate::error::KernelError;
 use crate::ops::mla_plan::{is_supported_tile_heads, TILE_ROWS};
 
@@ -110,14 +109,30 @@ impl Tile<'_> {
         out.fill(0.0); // the running, unnormalised accumulators `[rows][kv_lora]`
         let mut scores = vec![0.0f32; rows * page_size]; // `[rows][page keys]`
 
+        // The tile's queries transposed, `[width][TILE_ROWS]` (rows past `rows` zero): a key's
+        // scores against every row are then TILE_ROWS-wide multiply-adds over its elements, no
+        // horizontal sum per (key, row).
+        let mut q_t = vec![0.0f32; width * TILE_ROWS];
+        for (r, q) in self.q.chunks_exact(width).enumerate() {
+            for (d, v) in q.iter().enumerate() {
+                q_t[d * TILE_ROWS + r] = *v;
+            }
+        }
+
         for page in 0..n_keys.div_ceil(page_size) {
             let count = page_size.min(n_keys - page * page_size);
             let page_rows = &keys.page(page)[..count * width];
 
-            // Scores: each key row is loaded once and dotted with every query row of the tile.
+            // Scores: each key row is loaded once and scored against every query row of the tile.
             for (j, key) in page_rows.chunks_exact(width).enumerate() {
-                for (r, q) in self.q.chunks_exact(width).enumerate() {
-                    scores[r * page_size + j] = dot(q, key) * self.scale;
+                let mut acc = [0.0f32; TILE_ROWS];
+                for (k, q_d) in key.iter().zip(q_t.chunks_exact(TILE_ROWS)) {
+                    for (a, q) in acc.iter_mut().zip(q_d) {
+                        *a += q * k;
+                    }
+                }
+                for (r, a) in acc.iter().take(rows).enumerate() {
+                    scores[r * page_size + j] = a * self.scale;
                 }
             }
             // Online softmax: rescale the running state to the new max, turn scores into weights.
