@@ -85,17 +85,21 @@ fn assert_close(got: &[f32], want: &[f32], rel: f32, what: &str) {
 
 #[test]
 fn absorbed_form_matches_mha_form() {
-    // (heads, page_size, start_pos, num_queries): chunk over a cached prefix, fresh prompts
-    // spanning more than two pages, and single-token decode.
+    // (heads, page_size, start_pos, num_queries, f32 weights): chunk over a cached prefix,
+    // fresh prompts spanning more than two pages, and decode (up to 4 rows: the absorption's
+    // row-by-row path, bf16 and f32 weights).
     let cases = [
-        (16, 64, 100, 50),
-        (12, 16, 0, 40),
-        (8, 64, 0, 150),
-        (12, 64, 149, 1),
-        (3, 16, 37, 5),
+        (16, 64, 100, 50, false),
+        (12, 16, 0, 40, false),
+        (8, 64, 0, 150, false),
+        (12, 64, 149, 1, false),
+        (3, 16, 37, 5, false),
+        (16, 16, 20, 4, false),
+        (8, 64, 70, 3, true),
+        (12, 16, 9, 1, true),
     ];
     let mut rng = common::rng(5);
-    for (heads, page_size, start_pos, num_queries) in cases {
+    for (heads, page_size, start_pos, num_queries, f32_weights) in cases {
         let dims = MlaDims {
             heads,
             kv_lora_rank: KV_LORA,
@@ -104,11 +108,19 @@ fn absorbed_form_matches_mha_form() {
             v_head_dim: 128,
         };
         let rows = heads * dims.kv_b_rows_per_head();
-        let kv_b = Matrix::from_bf16(
-            rows,
-            KV_LORA,
-            common::uniform_bf16(&mut rng, rows * KV_LORA, 0.1),
-        )
+        let kv_b = if f32_weights {
+            Matrix::from_f32(
+                rows,
+                KV_LORA,
+                common::uniform(&mut rng, rows * KV_LORA, 0.1),
+            )
+        } else {
+            Matrix::from_bf16(
+                rows,
+                KV_LORA,
+                common::uniform_bf16(&mut rng, rows * KV_LORA, 0.1),
+            )
+        }
         .expect("len");
         let cache = Cache::new(&mut rng, page_size, start_pos + num_queries);
         let ctx = cache.ctx(start_pos, num_queries, scale());

@@ -17,7 +17,7 @@ use rayon::prelude::*;
 use crate::error::KernelError;
 
 /// Largest token count served by the GEMV path.
-const GEMV_MAX_TOKENS: usize = 4;
+pub(crate) const GEMV_MAX_TOKENS: usize = 4;
 /// Weight rows per rayon task on the GEMV path.
 const GEMV_ROWS_PER_TASK: usize = 32;
 /// Multiply-adds below which a GEMV runs on the calling thread: waking the pool's threads
@@ -370,6 +370,34 @@ pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
 /// same products in the same order, so bitwise `dot(a, widen(b))`.
 fn dot_bf16(a: &[f32], b: &[bf16]) -> f32 {
     dot_with(a, b, bf16_bits_to_f32)
+}
+
+/// `Σ_j x[j] · W[row][j]`: one weight row (bf16 widened as read) dotted with `x`, in [`dot`]'s
+/// order. `row < w.rows()` and `x.len() == w.cols()` are the caller's invariants.
+pub(crate) fn row_dot(w: &Matrix, row: usize, x: &[f32]) -> f32 {
+    let cols = row * w.cols..(row + 1) * w.cols;
+    match &w.data {
+        MatrixData::F32(d) => dot(x, &d[cols]),
+        MatrixData::Bf16(d) => dot_bf16(x, &d[cols]),
+    }
+}
+
+/// `acc[j] += alpha · W[row][j]` over one weight row (bf16 widened as read). `row < w.rows()`
+/// and `acc.len() == w.cols()` are the caller's invariants.
+pub(crate) fn row_axpy(w: &Matrix, row: usize, alpha: f32, acc: &mut [f32]) {
+    let cols = row * w.cols..(row + 1) * w.cols;
+    match &w.data {
+        MatrixData::F32(d) => {
+            for (a, v) in acc.iter_mut().zip(&d[cols]) {
+                *a += alpha * v;
+            }
+        }
+        MatrixData::Bf16(d) => {
+            for (a, v) in acc.iter_mut().zip(&d[cols]) {
+                *a += alpha * bf16_bits_to_f32(*v);
+            }
+        }
+    }
 }
 
 /// The dot product behind [`dot`] and [`dot_bf16`]: `Σ a[i] · f(b[i])` over 16 lanes, then a

@@ -17,7 +17,7 @@ use rayon::prelude::*;
 
 use super::tiled::{mla_absorbed_tiled, value_width};
 use super::{check_len, KeyRows, LatentContext, MlaDims};
-use crate::cpu::gemm::{matmul_f32, MatmulDims, Matrix};
+use crate::cpu::gemm::{matmul_f32, row_axpy, row_dot, MatmulDims, Matrix, GEMV_MAX_TOKENS};
 use crate::cpu::softmax::softmax_inplace;
 use crate::error::KernelError;
 use crate::ops::mla_plan::HeadPadPlan;
@@ -35,6 +35,27 @@ pub fn absorb_queries(
     let (nope, r) = (dims.qk_nope_head_dim, dims.kv_lora_rank);
     let s = tokens(OP, "q", q.len(), h * qk)?;
     check_len(OP, "out", s * h * lw, out.len())?;
+    if s <= GEMV_MAX_TOKENS {
+        // Decode: each output row `q_nope · W_UK_h` straight from the weight rows (no copy of
+        // the head's rows, no GEMM set up for a row or four).
+        let rows_per_head = dims.kv_b_rows_per_head();
+        let row = |(ih, dst): (usize, &mut [f32])| {
+            let (i, head) = (ih / h, ih % h);
+            let q_row = &q[(i * h + head) * qk..(i * h + head + 1) * qk];
+            let (lat, pe) = dst.split_at_mut(r);
+            lat.fill(0.0);
+            for (j, &v) in q_row[..nope].iter().enumerate() {
+                row_axpy(kv_b_proj, head * rows_per_head + j, v, lat);
+            }
+            pe.copy_from_slice(&q_row[nope..]);
+        };
+        if s * h * nope * r >= DECODE_PAR_MIN_MACS {
+            out.par_chunks_mut(lw).enumerate().for_each(row);
+        } else {
+            out.chunks_mut(lw).enumerate().for_each(row);
+        }
+        return Ok(());
+    }
 
     let per_head = per_head_product(h, |head| {
         let w_uk = kv_b_proj
@@ -90,6 +111,23 @@ pub fn unabsorb_outputs(
     );
     let s = tokens(OP, "o_lat", o_lat.len(), h * r)?;
     check_len(OP, "out", s * h * v, out.len())?;
+    if s <= GEMV_MAX_TOKENS {
+        // Decode: each output element a dot of the latent row with one `W_UV_h` row.
+        let rows_per_head = dims.kv_b_rows_per_head();
+        let row = |(ih, dst): (usize, &mut [f32])| {
+            let head = ih % h;
+            let o_row = &o_lat[ih * r..(ih + 1) * r];
+            for (c, d) in dst.iter_mut().enumerate() {
+                *d = row_dot(kv_b_proj, head * rows_per_head + nope + c, o_row);
+            }
+        };
+        if s * h * v * r >= DECODE_PAR_MIN_MACS {
+            out.par_chunks_mut(v).enumerate().for_each(row);
+        } else {
+            out.chunks_mut(v).enumerate().for_each(row);
+        }
+        return Ok(());
+    }
 
     let per_head = per_head_product(h, |head| {
         let w_uv = kv_b_proj
@@ -217,6 +255,10 @@ pub fn mla_absorbed_reference(
     }
     Ok(())
 }
+
+/// Multiply-adds from which a decode step's absorption splits its rows across rayon's threads
+/// (as the GEMV does: below it, waking the pool costs more than it saves).
+const DECODE_PAR_MIN_MACS: usize = 1 << 16;
 
 /// Runs `f` for every head in parallel and collects the per-head results in head order.
 fn per_head_product<F>(heads: usize, f: F) -> Result<Vec<Vec<f32>>, KernelError>
