@@ -266,8 +266,11 @@ async fn a_cpu_prefill_job_s_rows_are_leased_until_the_transport_lets_go() {
             std::thread::sleep(Duration::from_millis(1));
         }
         std::thread::sleep(Duration::from_millis(200));
+        // The time is taken before the leases go: the forward may return the moment they do,
+        // before this thread runs again.
+        let letting_go = Instant::now();
         let n = letgo.lock().unwrap().drain(..).count();
-        (Instant::now(), n)
+        (letting_go, n)
     });
     e.prefill(prompt, greedy(), layout.page_size, hook)
         .await

@@ -1,7 +1,8 @@
 //! MLA in the absorbed form for a run of sequences with the same query count: `W_UK` folded
 //! into the queries, attention over the shared latent, `W_UV` folded into the output.
 //!
-//! CPU: [`crate::cpu::mla::mla_absorbed_form`] per sequence. GPU: one absorb launch, one
+//! CPU: [`crate::cpu::mla::mla_absorbed_form`] per sequence, the sequences spread over rayon's
+//! threads. GPU: one absorb launch, one
 //! attention launch for the whole run (split-K planned for `max_ctx`), one unabsorb. On CUDA in
 //! fast mode the attention runs on tensor cores in 16-row head tiles, head counts the tile does
 //! not take zero-padded (12 → 16, `mla_absorbed_padded`), or with several queries' heads packed
@@ -53,17 +54,29 @@ pub fn mla_absorbed(b: &Backend, p: AbsorbedRun<'_>) -> Result<(), KernelError> 
     let (qk, hv) = (d.heads * d.qk_head_dim(), d.heads * d.v_head_dim);
     match b {
         Backend::Cpu => {
+            use rayon::prelude::*;
             let pages = p.pages.host(OP)?;
             let (tables, ctx) = (p.tables.host(OP, "tables")?, p.ctx.host(OP, "ctx")?);
             let kv_b = p.kv_b.host(OP, "kv_b")?;
             let q = p.q.host(OP, "q")?;
             let out = p.out.host_mut(OP, "out")?;
-            for i in 0..p.seqs {
-                let table: Vec<u32> = tables[i * p.stride..(i + 1) * p.stride]
+            let out_len = out.len() / hv.max(1);
+            let rows = p.first_row..p.first_row + p.seqs * p.sq;
+            let out_run = out
+                .get_mut(rows.start * hv..rows.end * hv)
+                .ok_or(super::out_of_range(OP, "out row", rows.end, out_len))?;
+            // Sequence i of the run: its queries' rows, its own output rows.
+            let one = |(i, out_s): (usize, &mut [f32])| -> Result<(), KernelError> {
+                let table: Vec<u32> = tables
+                    .get(i * p.stride..(i + 1) * p.stride)
+                    .ok_or(super::out_of_range(OP, "tables row", i + 1, p.seqs))?
                     .iter()
                     .map(|&b| b as u32)
                     .collect();
-                let len = ctx[i] as usize;
+                let len = *ctx
+                    .get(i)
+                    .ok_or(super::out_of_range(OP, "ctx", i + 1, ctx.len()))?
+                    as usize;
                 let row = p.first_row + i * p.sq;
                 let lc = LatentContext {
                     pages,
@@ -75,13 +88,20 @@ pub fn mla_absorbed(b: &Backend, p: AbsorbedRun<'_>) -> Result<(), KernelError> 
                     scale: p.scale,
                 };
                 let q_s = super::rows_of(OP, q, row..row + p.sq, qk, "q row")?;
-                let out_len = out.len() / hv.max(1);
-                let out_s = out
-                    .get_mut(row * hv..(row + p.sq) * hv)
-                    .ok_or(super::out_of_range(OP, "out row", row + p.sq, out_len))?;
                 crate::cpu::mla::mla_absorbed_form(q_s, &d, kv_b, &lc, out_s)?;
+                Ok(())
+            };
+            // The sequences of a decode batch are independent: spread them over the pool (one
+            // sequence's attention is one 16-row tile, a single task on its own).
+            let per_seq = (p.sq * hv).max(1);
+            if p.seqs > 1 {
+                out_run
+                    .par_chunks_mut(per_seq)
+                    .enumerate()
+                    .try_for_each(one)
+            } else {
+                out_run.chunks_mut(per_seq).enumerate().try_for_each(one)
             }
-            Ok(())
         }
         #[cfg(feature = "cuda")]
         Backend::Cuda(dev) => absorbed_on(dev, p),
