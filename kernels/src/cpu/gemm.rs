@@ -20,9 +20,9 @@ use crate::error::KernelError;
 pub(crate) const GEMV_MAX_TOKENS: usize = 4;
 /// Weight rows per rayon task on the GEMV path.
 const GEMV_ROWS_PER_TASK: usize = 32;
-/// Multiply-adds below which a GEMV runs on the calling thread: waking the pool's threads
-/// costs more than they save on a small product.
-const GEMV_PAR_MIN_MACS: usize = 1 << 16;
+/// Multiply-adds below which a GEMV (and a decode step's MLA absorption) runs on the calling
+/// thread: waking the pool's threads costs more than they save on a small product.
+pub(crate) const GEMV_PAR_MIN_MACS: usize = 1 << 16;
 /// f32 elements of widened bf16 weight per SGEMM panel (4 MiB).
 const PANEL_ELEMS: usize = 1 << 20;
 

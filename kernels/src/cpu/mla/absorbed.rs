@@ -17,7 +17,9 @@ use rayon::prelude::*;
 
 use super::tiled::{mla_absorbed_tiled, value_width};
 use super::{check_len, KeyRows, LatentContext, MlaDims};
-use crate::cpu::gemm::{matmul_f32, row_axpy, row_dot, MatmulDims, Matrix, GEMV_MAX_TOKENS};
+use crate::cpu::gemm::{
+    matmul_f32, row_axpy, row_dot, MatmulDims, Matrix, GEMV_MAX_TOKENS, GEMV_PAR_MIN_MACS,
+};
 use crate::cpu::softmax::softmax_inplace;
 use crate::error::KernelError;
 use crate::ops::mla_plan::HeadPadPlan;
@@ -40,8 +42,8 @@ pub fn absorb_queries(
         // the head's rows, no GEMM set up for a row or four).
         let rows_per_head = dims.kv_b_rows_per_head();
         let row = |(ih, dst): (usize, &mut [f32])| {
-            let (i, head) = (ih / h, ih % h);
-            let q_row = &q[(i * h + head) * qk..(i * h + head + 1) * qk];
+            let head = ih % h;
+            let q_row = &q[ih * qk..(ih + 1) * qk];
             let (lat, pe) = dst.split_at_mut(r);
             lat.fill(0.0);
             for (j, &v) in q_row[..nope].iter().enumerate() {
@@ -49,7 +51,7 @@ pub fn absorb_queries(
             }
             pe.copy_from_slice(&q_row[nope..]);
         };
-        if s * h * nope * r >= DECODE_PAR_MIN_MACS {
+        if s * h * nope * r >= GEMV_PAR_MIN_MACS {
             out.par_chunks_mut(lw).enumerate().for_each(row);
         } else {
             out.chunks_mut(lw).enumerate().for_each(row);
@@ -121,7 +123,7 @@ pub fn unabsorb_outputs(
                 *d = row_dot(kv_b_proj, head * rows_per_head + nope + c, o_row);
             }
         };
-        if s * h * v * r >= DECODE_PAR_MIN_MACS {
+        if s * h * v * r >= GEMV_PAR_MIN_MACS {
             out.par_chunks_mut(v).enumerate().for_each(row);
         } else {
             out.chunks_mut(v).enumerate().for_each(row);
@@ -255,10 +257,6 @@ pub fn mla_absorbed_reference(
     }
     Ok(())
 }
-
-/// Multiply-adds from which a decode step's absorption splits its rows across rayon's threads
-/// (as the GEMV does: below it, waking the pool costs more than it saves).
-const DECODE_PAR_MIN_MACS: usize = 1 << 16;
 
 /// Runs `f` for every head in parallel and collects the per-head results in head order.
 fn per_head_product<F>(heads: usize, f: F) -> Result<Vec<Vec<f32>>, KernelError>
