@@ -30,15 +30,15 @@ use crate::kv::{KvMut, KvPool, KvRef, KvRows};
 use crate::ModelError;
 
 /// Called after each layer's KV is written: `(layer, pool)` (the host-pool forward).
-pub type LayerHook<'a> = dyn FnMut(usize, &KvPool) -> Result<(), ModelError> + 'a;
+pub type LayerHook<'a> = dyn FnMut(usize, &KvPool) -> Result<(), ModelError> + Send + 'a;
 
 /// Called after each decoder layer with the residual stream leaving it, `(layer, [T][hidden])`
 /// for the whole batch in batch order (a speculative drafter taps its context from these).
-pub type HiddenHook<'a> = dyn FnMut(usize, &[f32]) -> Result<(), ModelError> + 'a;
+pub type HiddenHook<'a> = dyn FnMut(usize, &[f32]) -> Result<(), ModelError> + Send + 'a;
 
 /// Called with `(layer, kv)` once layer `layer`'s latent rows for every new token are written
 /// (CPU) or queued behind the rest of its work (GPU), before its MLP.
-pub type AfterLayer<'a> = dyn FnMut(usize, KvRef<'_>) -> Result<(), ModelError> + 'a;
+pub type AfterLayer<'a> = dyn FnMut(usize, KvRef<'_>) -> Result<(), ModelError> + Send + 'a;
 
 /// The callbacks of [`DeepseekModel::forward_with_hooks`] (a forward over the host pool).
 pub struct ForwardHooks<'h, 'a> {

@@ -59,7 +59,8 @@ use crate::kv::{BlockId, KvDtype, KvLayout, KvPool, KvRef, LayerRows};
 use crate::ModelError;
 
 /// Called per layer with that layer's rows of the staged blocks (prefill jobs' layer sinks).
-pub(crate) type ShipHook<'a> = dyn FnMut(usize, &LayerRows<'_>) -> Result<(), ModelError> + 'a;
+pub(crate) type ShipHook<'a> =
+    dyn FnMut(usize, &LayerRows<'_>) -> Result<(), ModelError> + Send + 'a;
 
 /// Numerics of the GPU forward.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -289,9 +290,13 @@ impl Backend {
                     tapped: Some(tapped),
                     tap_into: None,
                 };
-                let out = self
-                    .model
-                    .forward_logits(batch, pool, FormPolicy::CostModel, hooks);
+                // The forward runs on one of rayon's threads: its ops' parallel loops then
+                // split from inside the pool, instead of each queueing its work from this
+                // thread and parking it until the pool is done.
+                let model = &self.model;
+                let out = rayon::scope(|_| {
+                    model.forward_logits(batch, pool, FormPolicy::CostModel, hooks)
+                });
                 if !leases.wait_idle(crate::kv::LEASE_TIMEOUT) {
                     return Err(ModelError::Kv(format!(
                         "{} shipped layers still leased by the transport after {:?}",

@@ -570,7 +570,14 @@ impl Speculator {
             kv: self.kv.as_ref(),
         };
         let started = std::time::Instant::now();
-        let proposals = self.drafter.propose(&ctx, &inputs);
+        // On the CPU the pass runs on rayon's threads, as the target's forward does
+        // (`Backend::forward`); a GPU pass stays on the engine thread, whose device it uses.
+        let proposals = if model.backend().device().is_gpu() {
+            self.drafter.propose(&ctx, &inputs)
+        } else {
+            let (drafter, ctx, ins) = (&mut self.drafter, &ctx, &inputs);
+            rayon::scope(move |_| drafter.propose(ctx, ins))
+        };
         self.last_pass = Some((eligible.len(), started.elapsed().as_secs_f64()));
         drop(inputs);
         let vocab = model.config().vocab_size;
