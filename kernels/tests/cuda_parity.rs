@@ -1089,6 +1089,20 @@ fn random_experts(
     }
 }
 
+/// Expert ids of `t` tokens × `slots` slots over `n_exp` experts, spread evenly, or with every
+/// other pair on expert 3 (`skewed`): the grouped-kernel tests' batches.
+fn grouped_ids(t: usize, slots: usize, n_exp: usize, skewed: bool) -> Vec<i32> {
+    (0..t * slots)
+        .map(|i| {
+            if skewed && i % 2 == 0 {
+                3
+            } else {
+                ((i * 5 + i / slots) % n_exp) as i32
+            }
+        })
+        .collect()
+}
+
 /// One MoE op's random inputs for `ids.len() / slots` tokens: activations, the routes' ids and
 /// weights on the device, and the residual's starting values on the host.
 struct MoeInputs {
@@ -1212,15 +1226,7 @@ fn moe_grouped_kernels_are_bitwise_equal() {
     let (hidden, inter, n_exp, slots) = (2048, 1408, 8, 6);
     let experts = random_experts(&dev, &mut rng, (hidden, inter, n_exp), true);
     for (t, skewed) in [(3, false), (64, false), (200, false), (200, true)] {
-        let ids: Vec<i32> = (0..t * slots)
-            .map(|i| {
-                if skewed && i % 2 == 0 {
-                    3
-                } else {
-                    ((i * 5 + i / slots) % n_exp) as i32
-                }
-            })
-            .collect();
+        let ids = grouped_ids(t, slots, n_exp, skewed);
         let inputs = MoeInputs::new(&dev, &mut rng, hidden, slots, &ids);
         let mut first: Option<Vec<u32>> = None;
         let choices = [
@@ -1271,15 +1277,7 @@ fn moe_pipelined_kernels_match_the_grouped_ones() {
         (200, true),
         (256, false),
     ] {
-        let ids: Vec<i32> = (0..t * slots)
-            .map(|i| {
-                if skewed && i % 2 == 0 {
-                    3
-                } else {
-                    ((i * 5 + i / slots) % n_exp) as i32
-                }
-            })
-            .collect();
+        let ids = grouped_ids(t, slots, n_exp, skewed);
         let inputs = MoeInputs::new(&dev, &mut rng, hidden, slots, &ids);
         let run = |mma| {
             inputs.run(&dev, &experts, |a| {

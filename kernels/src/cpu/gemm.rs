@@ -333,13 +333,8 @@ fn gemv(x: &[f32], m: usize, w: &Matrix, out: &mut [f32]) {
     let task = |(task, dst): (usize, &mut [f32])| {
         let first = task * GEMV_ROWS_PER_TASK;
         for (i, dst_row) in dst.chunks_exact_mut(m).enumerate() {
-            let cols = (first + i) * k..(first + i + 1) * k;
             for (t, v) in dst_row.iter_mut().enumerate() {
-                let xt = &x[t * k..(t + 1) * k];
-                *v = match &w.data {
-                    MatrixData::F32(d) => dot(xt, &d[cols.clone()]),
-                    MatrixData::Bf16(d) => dot_bf16(xt, &d[cols.clone()]),
-                };
+                *v = row_dot(w, first + i, &x[t * k..(t + 1) * k]);
             }
         }
     };

@@ -1520,6 +1520,12 @@ extern "C" __global__ void moe_down_grouped_bf16(const float* act, const int* or
 struct MoeAFrag {
   u32 hi[2][4], lo[2][4];
 };
+// (x0, x1) as packed bf16 hi parts and the packed bf16 rounding of what they leave (lo):
+// hi + lo keeps ~16 mantissa bits of each value.
+__device__ __forceinline__ void split_bf2(float x0, float x1, u32& hi, u32& lo) {
+  hi = pack_bf2(x0, x1);
+  lo = pack_bf2(x0 - ferry_u2f(hi << 16), x1 - ferry_u2f(hi & 0xffff0000u));
+}
 __device__ __forceinline__ void moe_a_frag(const float* r0, const float* r1, MoeAFrag& f) {
   float v[2][8];
   const float* rows[2] = {r0, r1};
@@ -1539,11 +1545,8 @@ __device__ __forceinline__ void moe_a_frag(const float* r0, const float* r1, Moe
     for (int h = 0; h < 2; h++)      // elements 4s + 2h, 4s + 2h + 1
 #pragma unroll
       for (int r = 0; r < 2; r++) {  // register a[2h + r]
-        float x0 = v[r][4 * s + 2 * h], x1 = v[r][4 * s + 2 * h + 1];
-        u32 hi = pack_bf2(x0, x1);
-        f.hi[s][2 * h + r] = hi;
-        f.lo[s][2 * h + r] =
-            pack_bf2(x0 - ferry_u2f(hi << 16), x1 - ferry_u2f(hi & 0xffff0000u));
+        split_bf2(v[r][4 * s + 2 * h], v[r][4 * s + 2 * h + 1], f.hi[s][2 * h + r],
+                  f.lo[s][2 * h + r]);
       }
 }
 __device__ __forceinline__ void moe_mma(float* c, const MoeAFrag& a, uint4 w) {
@@ -1884,7 +1887,7 @@ MOE_STREAM_KERNELS(mma3_m32, 64, 2)
 #define MOE_PIPE_STAGES 3
 #define MOE_PIPE_STAGE_ELEMS ((MOE_PIPE_ROWS + 2 * MOE_PIPE_PAIRS) * MOE_PIPE_LD)
 #if FERRY_MMA
-// acc[i][t] += A(pair rows 16i .. 16i + 15) · W(B rows 32w + 8t .. 32w + 8t + 7)ᵀ over k_total
+// acc[i][t] = A(pair rows 16i .. 16i + 15) · W(B rows 32w + 8t .. 32w + 8t + 7)ᵀ over k_total
 // (a multiple of MOE_PIPE_BK), for the 128 threads of the block. This thread copies, each stage,
 // 16-byte segment `seg` of B rows brow + 16j (w_src[j], advanced by 64 elements a stage) and of
 // A rows arow and arow + 16 (a_src[r], null past the chunk: zero-filled), hi and, `lo_off`
@@ -1892,6 +1895,12 @@ MOE_STREAM_KERNELS(mma3_m32, 64, 2)
 __device__ __forceinline__ void moe_pipe_gemm(const bf16_t* const (&w_src)[8],
                                               const bf16_t* const (&a_src)[2], long long lo_off,
                                               int k_total, bf16_t* smem, float (&acc)[2][4][4]) {
+#pragma unroll
+  for (int i = 0; i < 2; i++)
+#pragma unroll
+    for (int t = 0; t < 4; t++)
+#pragma unroll
+      for (int j = 0; j < 4; j++) acc[i][t][j] = 0.0f;
   // Shared addresses in bytes, worked out once (no address conversion in the loop).
   constexpr u32 ROW = MOE_PIPE_LD * 2, STAGE = MOE_PIPE_STAGE_ELEMS * 2;
   constexpr u32 A_HI = MOE_PIPE_ROWS * ROW, A_LO = A_HI + MOE_PIPE_PAIRS * ROW;
@@ -1987,12 +1996,6 @@ extern "C" __global__ void moe_gate_up_pipe(const bf16_t* xs, long long x_lo, co
     a_src[r] = pr < m ? xs + (size_t)(order[first + pr] / K) * hidden + seg * 8 : nullptr;
   }
   float acc[2][4][4];
-#pragma unroll
-  for (int i = 0; i < 2; i++)
-#pragma unroll
-    for (int t = 0; t < 4; t++)
-#pragma unroll
-      for (int j = 0; j < 4; j++) acc[i][t][j] = 0.0f;
   moe_pipe_gemm(w_src, a_src, x_lo, hidden, moe_pipe_smem, acc);
   int lane = threadIdx.x % WARP, w = threadIdx.x / WARP, g = lane / 4, q = lane % 4;
 #pragma unroll
@@ -2006,8 +2009,8 @@ extern "C" __global__ void moe_gate_up_pipe(const bf16_t* xs, long long x_lo, co
       for (int t = 0; t < 2; t++) {
         float v0 = silu_f(acc[i][t][2 * h]) * acc[i][t + 2][2 * h];
         float v1 = silu_f(acc[i][t][2 * h + 1]) * acc[i][t + 2][2 * h + 1];
-        u32 hi = pack_bf2(v0, v1);
-        u32 lo = pack_bf2(v0 - ferry_u2f(hi << 16), v1 - ferry_u2f(hi & 0xffff0000u));
+        u32 hi, lo;
+        split_bf2(v0, v1, hi, lo);
         int n = n0 + 16 * w + 8 * t + 2 * q;
         *reinterpret_cast<u32*>(dst + n) = hi;
         *reinterpret_cast<u32*>(dst + act_lo + n) = lo;
@@ -2041,12 +2044,6 @@ extern "C" __global__ void moe_down_pipe(const bf16_t* act, long long act_lo, co
     a_src[r] = pr < m ? act + (size_t)(first + pr) * inter + seg * 8 : nullptr;
   }
   float acc[2][4][4];
-#pragma unroll
-  for (int i = 0; i < 2; i++)
-#pragma unroll
-    for (int t = 0; t < 4; t++)
-#pragma unroll
-      for (int j = 0; j < 4; j++) acc[i][t][j] = 0.0f;
   moe_pipe_gemm(w_src, a_src, act_lo, inter, moe_pipe_smem, acc);
   int lane = threadIdx.x % WARP, w = threadIdx.x / WARP, g = lane / 4, q = lane % 4;
 #pragma unroll
