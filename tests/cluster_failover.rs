@@ -54,18 +54,12 @@ async fn a_request_whose_decode_worker_dies_mid_stream_migrates_and_gives_the_sa
     let mut cluster = Cluster::start(Spec::new(1, 3)).await;
     let prompt = cluster::long_prompt();
     let mut client = cluster.grpc().await;
-    // Greedy with the workers' default speculative decoding (lossless for greedy); seeded
-    // without it: a speculative round draws its randomness per round, so a seeded request
-    // that speculates is reproducible only with the same round boundaries, which a migration
-    // changes (docs/fault-tolerance.md).
-    for (what, sampling, speculative) in [
-        ("greedy", cluster::greedy(), None),
-        ("seeded", seeded(), Some(false)),
-    ] {
-        let req = GenerateRequest {
-            speculative,
-            ..cluster::request(&prompt, LONG, sampling, true)
-        };
+    // Both with the `speculative` field unset, as a client sends them: greedy requests
+    // speculate on the workers' drafter (lossless for greedy); a seeded sampled request then
+    // decodes without speculation, since a speculative round draws its randomness per round
+    // and a migration moves the rounds' boundaries (docs/fault-tolerance.md).
+    for (what, sampling) in [("greedy", cluster::greedy()), ("seeded", seeded())] {
+        let req = cluster::request(&prompt, LONG, sampling, true);
         let want = cluster::generate(&mut client, req.clone())
             .await
             .unwrap_or_else(|e| panic!("{what}: the undisturbed run: {e:?}"));
@@ -149,13 +143,13 @@ async fn generate_samples(
 
 #[tokio::test]
 async fn an_n_2_request_whose_decode_worker_dies_resumes_each_sample_and_gives_the_same_text() {
-    // Seeded without speculation (exact across a migration, docs/fault-tolerance.md), so the
-    // two samples draw different streams: each must continue its own.
+    // Seeded, so without speculation unless asked (exact across a migration,
+    // docs/fault-tolerance.md), and the two samples draw different streams: each must
+    // continue its own.
     const MAX: u32 = 160;
     let mut cluster = Cluster::start(Spec::new(0, 3)).await;
     let req = GenerateRequest {
         n: Some(2),
-        speculative: Some(false),
         ..cluster::request(&cluster::long_prompt(), MAX, seeded(), true)
     };
     let (want, want_usage, _) = generate_samples(&mut cluster, req.clone(), None).await;

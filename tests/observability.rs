@@ -165,8 +165,8 @@ impl Up {
                 "--local-prefill-threshold",
                 "0",
                 // Every step of the request verifies 4 of the embedded drafter's drafts;
-                // under the default `confidence:0.3` its confidence head would decide how
-                // many, possibly none.
+                // under the default `goodput` the measured costs would decide how many,
+                // possibly none.
                 "--verify-len",
                 "fixed:4",
                 // The embedded drafter, on every device (`auto` leaves it off on a GPU).

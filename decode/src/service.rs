@@ -344,7 +344,8 @@ impl DecodeService {
             prefill,
             grammar,
         };
-        // Unset follows this worker: speculation iff it was started with a drafter.
+        // Unset follows this worker: speculation iff it was started with a drafter, except for
+        // seeded sampled requests (`GenerateOptions::speculates`).
         let options = GenerateOptions {
             speculative: r.speculative,
             resumed_tokens: resumed,

@@ -23,12 +23,12 @@ pub struct SpecArgs {
     /// `--speculative` and `--drafter`.
     #[command(flatten)]
     pub drafter: DrafterArgs,
-    /// Drafts verified per sequence per step: `confidence[:MIN_SURVIVAL]` (the confidence
-    /// head picks, non-anticipating, under `--max-verify-tokens`), `goodput` (the confidence
-    /// head's survivals against this engine's measured step costs at the batch's current
-    /// size: as many drafts as pay, none — and no drafter pass — when speculation would not)
-    /// or `fixed:N`.
-    #[arg(long, default_value = "confidence:0.3")]
+    /// Drafts verified per sequence per step: `goodput` (the default: the confidence head's
+    /// survivals against this engine's measured step costs at the batch's current size: as
+    /// many drafts as pay, none — and no drafter pass — when speculation would not),
+    /// `confidence[:MIN_SURVIVAL]` (the confidence head picks, non-anticipating, under
+    /// `--max-verify-tokens`; 0.3 when not given) or `fixed:N`.
+    #[arg(long, default_value = "goodput")]
     pub verify_len: VerifyLen,
     /// Draft slots verified per step across the whole batch (the verify budget).
     #[arg(long, default_value_t = 64)]

@@ -59,6 +59,14 @@ fn config(blocks: usize, page_size: usize, verify_len: VerifyLen) -> EngineConfi
     }
 }
 
+/// Speculation asked for (a seeded sampled request does not speculate otherwise).
+const SPECULATE: GenerateOptions = GenerateOptions {
+    speculative: Some(true),
+    resumed_tokens: 0,
+    logprobs: None,
+    prompt_logprobs: None,
+};
+
 fn job(prompt: Vec<u32>, max_tokens: usize, sampling: SamplingParams) -> GenerateJob {
     GenerateJob {
         prompt,
@@ -407,6 +415,61 @@ async fn an_engine_without_a_drafter_sends_no_speculative_counts() {
         assert_eq!(toks.len(), 4);
         assert_eq!(spec, None, "speculative: {speculative:?}");
     }
+    wait_idle(&e).await;
+}
+
+/// A seeded sampled request that does not say whether to speculate decodes plainly on an engine
+/// with a drafter: the same tokens as on a plain engine, alone or next to speculating greedy
+/// requests, and no speculative counts. Asked to (`speculative: Some(true)`) it speculates.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn seeded_sampled_requests_decode_plainly_unless_they_ask_to_speculate() {
+    let seeded = SamplingParams {
+        temperature: 0.8,
+        seed: Some(42),
+        ..SamplingParams::default()
+    };
+    let prompt = golden_case(0).0;
+    let plain = EngineHandle::spawn(target(), config(128, 64, VerifyLen::Fixed(4))).unwrap();
+    let (want, end, _) = collect_spec(
+        plain
+            .generate(job(prompt.clone(), 24, seeded.clone()))
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(end, Ok(FinishReason::Length));
+    wait_idle(&plain).await;
+
+    let e = dspark_engine(config(128, 64, VerifyLen::Fixed(4)));
+    let with = |speculative: Option<bool>, sampling: &SamplingParams, prompt: &[u32]| {
+        e.generate_with(
+            job(prompt.to_vec(), 24, sampling.clone()),
+            GenerateOptions {
+                speculative,
+                ..GenerateOptions::default()
+            },
+        )
+        .unwrap()
+    };
+    let (alone, _, spec) = collect_spec(with(None, &seeded, &prompt)).await;
+    assert_eq!(alone, want, "alone: seeded output vs the plain engine");
+    assert_eq!(spec, None, "a seeded sampled request speculated unasked");
+    // Under load: greedy requests speculating in the same steps.
+    let greedy_gens: Vec<Generation> = (0..3)
+        .map(|i| with(None, &greedy(), &golden_case(i).0))
+        .collect();
+    let (busy, _, spec) = collect_spec(with(None, &seeded, &prompt)).await;
+    assert_eq!(busy, want, "under load: seeded output vs the plain engine");
+    assert_eq!(spec, None);
+    for g in greedy_gens {
+        let (_, end, spec) = collect_spec(g).await;
+        assert_eq!(end, Ok(FinishReason::Length));
+        assert!(spec.expect("greedy requests speculate").rounds > 0);
+    }
+    let (asked, end, spec) = collect_spec(with(Some(true), &seeded, &prompt)).await;
+    assert_eq!(end, Ok(FinishReason::Length));
+    assert_eq!(asked.len(), 24);
+    let c = spec.expect("an opted-in seeded request speculates");
+    assert!(c.rounds > 0, "{c:?}");
     wait_idle(&e).await;
 }
 
@@ -777,7 +840,10 @@ async fn mixed_batch<D: Drafter + 'static>(model: DeepseekModel, drafter: D) -> 
                 seed: Some(n * 10 + k as u64),
                 ..params.clone()
             };
-            let g = e.generate(job(prompt.clone(), 3, p)).unwrap();
+            // Seeded sampled requests speculate only when they ask to.
+            let g = e
+                .generate_with(job(prompt.clone(), 3, p), SPECULATE)
+                .unwrap();
             tasks.push((Some(k), tokio::spawn(collect_spec(g))));
         }
         if n % 100 == 0 {
@@ -1155,10 +1221,14 @@ async fn json_schema_output_is_valid_and_speculation_is_lossless() {
         // Sampled, with the DSpark drafter (the scripted one knows only the greedy outputs).
         let n = if d == 1 { 6 } else { 0 };
         let gens: Vec<Generation> = (0..n)
-            .map(|s| e.generate(g.job(s as usize % 3, sampled(100 + s))).unwrap())
+            .map(|s| {
+                e.generate_with(g.job(s as usize % 3, sampled(100 + s)), SPECULATE)
+                    .unwrap()
+            })
             .collect();
         for (s, gen) in gens.into_iter().enumerate() {
-            let (toks, end, _) = collect_spec(gen).await;
+            let (toks, end, spec) = collect_spec(gen).await;
+            assert!(spec.is_some(), "drafter {d}, seed {s}: did not speculate");
             assert_eq!(end, Ok(FinishReason::Stop), "drafter {d}, seed {s}");
             g.check(&toks, &format!("drafter {d}, T=1 seed {s}"));
         }

@@ -52,8 +52,9 @@ pub struct BenchEngineArgs {
     /// DSpark drafter (with `--speculative`); the embedded drafter for the embedded model.
     #[arg(long)]
     pub drafter: Option<PathBuf>,
-    /// Verify length (with `--speculative`): `confidence[:MIN]`, `goodput` or `fixed:N`.
-    #[arg(long, default_value = "confidence:0.3")]
+    /// Verify length (with `--speculative`): `goodput` (the serving default),
+    /// `confidence[:MIN]` or `fixed:N`.
+    #[arg(long, default_value = "goodput")]
     pub verify_len: VerifyLen,
     /// Draft slots verified per engine step across the batch (with `--speculative`).
     #[arg(long, default_value_t = 64)]

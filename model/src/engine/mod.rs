@@ -207,8 +207,9 @@ pub struct GenerateJob {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct GenerateOptions {
     /// Speculative decoding for this request: `None` follows the engine (on when it has a
-    /// drafter); `Some(false)` turns it off; `Some(true)` on an engine without a drafter is
-    /// plain decoding.
+    /// drafter) except for a seeded sampled request, which decodes plainly (see
+    /// [`Self::speculates`]); `Some(false)` turns it off; `Some(true)` turns it on, and on an
+    /// engine without a drafter is plain decoding.
     pub speculative: Option<bool>,
     /// Request migration: the last `resumed_tokens` of the prompt were generated for this
     /// request earlier (by an engine that failed mid-stream). Generation continues at step
@@ -226,6 +227,22 @@ pub struct GenerateOptions {
     /// computes its whole prompt, here or on its prefill peer; its other samples (`n` > 1)
     /// reuse its blocks as usual. `None`: none.
     pub prompt_logprobs: Option<usize>,
+}
+
+impl GenerateOptions {
+    /// Whether a request sampled with `sampling` speculates on an engine with a drafter.
+    ///
+    /// Unless the request says, it does — except when it is seeded and sampled (a seed,
+    /// temperature > 0): plain seeded sampling draws step `k` from `(seed, k)` alone, so its
+    /// tokens are the same whatever the load, on any worker and across a migration; a
+    /// speculative round's draws depend on how many drafts it verified, which the step's
+    /// shared verify budget, a graph round and (under `goodput`) measured timings decide.
+    /// Such a request still speculates when it asks to (`Some(true)`). Greedy requests lose
+    /// nothing: their verification is exact argmax matching.
+    pub fn speculates(&self, sampling: &SamplingParams) -> bool {
+        self.speculative
+            .unwrap_or(sampling.seed.is_none() || sampling.is_greedy())
+    }
 }
 
 /// Samples one request may fork into ([`EngineHandle::generate_n`]) at most: bounds the work
@@ -1279,7 +1296,38 @@ impl EngineHandle {
 
 #[cfg(test)]
 mod tests {
-    use super::SpecCounts;
+    use super::{GenerateOptions, SamplingParams, SpecCounts};
+
+    #[test]
+    fn seeded_sampled_requests_speculate_only_when_they_ask() {
+        let sampled = SamplingParams::default();
+        let seeded = SamplingParams {
+            seed: Some(7),
+            ..SamplingParams::default()
+        };
+        let greedy_seeded = SamplingParams {
+            temperature: 0.0,
+            ..seeded.clone()
+        };
+        let top1_seeded = SamplingParams {
+            top_k: 1,
+            ..seeded.clone()
+        };
+        let unset = GenerateOptions::default();
+        assert!(unset.speculates(&sampled));
+        assert!(unset.speculates(&greedy_seeded));
+        assert!(unset.speculates(&top1_seeded));
+        assert!(!unset.speculates(&seeded));
+        for p in [&sampled, &seeded, &greedy_seeded] {
+            for on in [false, true] {
+                let asked = GenerateOptions {
+                    speculative: Some(on),
+                    ..GenerateOptions::default()
+                };
+                assert_eq!(asked.speculates(p), on, "{p:?} asked {on}");
+            }
+        }
+    }
 
     #[test]
     fn acceptance_length_counts_the_extra_token_of_each_round() {

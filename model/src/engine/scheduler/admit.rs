@@ -24,7 +24,7 @@ impl Scheduler {
             forked,
         } = req;
         let prompt_len = job.prompt.len();
-        let speculative = self.spec.is_some() && options.speculative.unwrap_or(true);
+        let speculative = self.spec.is_some() && options.speculates(&job.sampling);
         // Positions served from cached blocks have no logits: a request that wants the
         // prompt's log-probabilities computes its whole prompt (vLLM does the same).
         let reuse_cap = match options.prompt_logprobs {
