@@ -53,7 +53,7 @@ const DRAFT_SALT: u64 = 0x6472_6166_7473_0001;
 const VERIFY_SALT: u64 = 0x7665_7269_6679_0002;
 
 /// How many drafts each sequence has verified per step.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub enum VerifyLen {
     /// Always `n` (capped by the block size and what the request still needs).
     Fixed(usize),
@@ -69,13 +69,8 @@ pub enum VerifyLen {
     /// speculation would not pay. Until the costs are measured it verifies like
     /// `confidence:0.3`. The default: it is the only policy measured never to cost much
     /// against plain decoding (BENCHMARKS.md, sessions 19 and 27).
+    #[default]
     Goodput,
-}
-
-impl Default for VerifyLen {
-    fn default() -> Self {
-        VerifyLen::Goodput
-    }
 }
 
 /// The `confidence` floor when none is given, also what `goodput` verifies by while it
