@@ -86,10 +86,12 @@ fn assert_close(got: &[f32], want: &[f32], rel: f32, what: &str) {
 #[test]
 fn absorbed_form_matches_mha_form() {
     // (heads, page_size, start_pos, num_queries, f32 weights): chunk over a cached prefix,
-    // fresh prompts spanning more than two pages, and decode (up to 4 rows: the absorption's
-    // row-by-row path, bf16 and f32 weights).
+    // fresh prompts spanning more than two pages (and the MHA form's 64-row query blocks,
+    // from 0 and from a cached prefix), and decode (up to 4 rows: the absorption's row-by-row
+    // path, bf16 and f32 weights).
     let cases = [
         (16, 64, 100, 50, false),
+        (12, 16, 70, 130, false),
         (12, 16, 0, 40, false),
         (8, 64, 0, 150, false),
         (12, 64, 149, 1, false),

@@ -15,6 +15,7 @@
 //! | [`softmax`] | row softmax / log-softmax |
 //! | [`mla`] | MLA attention over the paged latent cache: MHA form, absorbed form, tiled kernel |
 //! | [`sample`] | sampling parameters, the filters and the seeded sampler |
+//! | `scratch` | per-thread reusable buffers for kernels' intermediates |
 //! | [`verify`] | lossless speculative verification: accept / correct / bonus per request |
 
 pub mod draft;
@@ -26,6 +27,7 @@ pub mod moe;
 pub mod norm;
 pub mod rope;
 pub mod sample;
+mod scratch;
 pub mod softmax;
 pub mod verify;
 

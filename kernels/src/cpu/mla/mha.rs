@@ -9,10 +9,15 @@ use rayon::prelude::*;
 
 use super::{check_len, KeyRows, LatentContext, MlaDims};
 use crate::cpu::gemm::{linear, matmul_f32, MatmulDims, Matrix};
-use crate::cpu::softmax::softmax_inplace;
+use crate::cpu::scratch::with_scratch;
+use crate::cpu::softmax::attention_softmax;
 use crate::error::KernelError;
 
 const OP: &str = "mla_mha_attention";
+
+/// Query rows attended together: one block's scores are `[QUERY_BLOCK][keys its last row
+/// sees]`, so blocks skip the keys no row of theirs sees (and the scores stay small).
+const QUERY_BLOCK: usize = 64;
 
 /// Causal MLA attention in the MHA form, for any head count.
 ///
@@ -46,77 +51,101 @@ pub fn mla_mha_attention(
     }
     let l = ctx.seq.context_len();
 
-    // Gather the sequence's latents and shared rotary keys, then decompress all keys at once.
-    let mut latent = vec![0.0f32; l * r];
-    let mut k_pe = vec![0.0f32; l * rope];
-    for p in 0..l {
-        let row = keys.row(p);
-        latent[p * r..(p + 1) * r].copy_from_slice(&row[..r]);
-        k_pe[p * rope..(p + 1) * rope].copy_from_slice(&row[r..]);
-    }
     let kv_stride = h * dims.kv_b_rows_per_head();
-    let mut kv = vec![0.0f32; l * kv_stride];
-    linear(&latent, kv_b_proj, &mut kv)?;
-
-    let per_head: Vec<Vec<f32>> = (0..h)
-        .into_par_iter()
-        .map(|head| {
-            let base = head * dims.kv_b_rows_per_head();
-            let mut k_h = vec![0.0f32; l * qk];
-            let mut v_h = vec![0.0f32; l * v];
-            for p in 0..l {
-                let src = &kv[p * kv_stride + base..p * kv_stride + base + nope + v];
-                k_h[p * qk..p * qk + nope].copy_from_slice(&src[..nope]);
-                k_h[p * qk + nope..(p + 1) * qk].copy_from_slice(&k_pe[p * rope..(p + 1) * rope]);
-                v_h[p * v..(p + 1) * v].copy_from_slice(&src[nope..]);
-            }
-            let mut q_h = vec![0.0f32; s * qk];
-            for i in 0..s {
-                q_h[i * qk..(i + 1) * qk]
-                    .copy_from_slice(&q[(i * h + head) * qk..(i * h + head + 1) * qk]);
-            }
-            let mut scores = vec![0.0f32; s * l];
-            matmul_f32(
-                &q_h,
-                &k_h,
-                MatmulDims {
-                    m: s,
-                    k: qk,
-                    n: l,
-                    b_transposed: true,
-                },
-                &mut scores,
-            )?;
-            for (i, row) in scores.chunks_exact_mut(l).enumerate() {
-                let visible = ctx.seq.start_pos + i + 1;
-                let (live, masked) = row.split_at_mut(visible);
-                for x in live.iter_mut() {
-                    *x *= ctx.scale;
-                }
-                softmax_inplace(live)?;
-                masked.fill(0.0);
-            }
-            let mut o_h = vec![0.0f32; s * v];
-            matmul_f32(
-                &scores,
-                &v_h,
-                MatmulDims {
-                    m: s,
-                    k: l,
-                    n: v,
-                    b_transposed: false,
-                },
-                &mut o_h,
-            )?;
-            Ok(o_h)
-        })
-        .collect::<Result<_, KernelError>>()?;
-
-    for (head, o_h) in per_head.iter().enumerate() {
-        for i in 0..s {
-            out[(i * h + head) * v..(i * h + head + 1) * v]
-                .copy_from_slice(&o_h[i * v..(i + 1) * v]);
+    let block = QUERY_BLOCK.min(s);
+    with_scratch(l * (r + rope + kv_stride) + h * s * v, |buf| {
+        let (latent, buf) = buf.split_at_mut(l * r);
+        let (k_pe, buf) = buf.split_at_mut(l * rope);
+        let (kv, o_all) = buf.split_at_mut(l * kv_stride);
+        // Gather the sequence's latents and shared rotary keys, then decompress all keys at
+        // once.
+        for p in 0..l {
+            let row = keys.row(p);
+            latent[p * r..(p + 1) * r].copy_from_slice(&row[..r]);
+            k_pe[p * rope..(p + 1) * rope].copy_from_slice(&row[r..]);
         }
+        linear(latent, kv_b_proj, kv)?;
+
+        // Each head's output, `[heads][s][v]`.
+        o_all
+            .par_chunks_mut(s * v)
+            .enumerate()
+            .try_for_each(|(head, o_h)| {
+                with_scratch(l * (qk + v) + s * qk + block * l, |hb| {
+                    let (k_h, hb) = hb.split_at_mut(l * qk);
+                    let (v_h, hb) = hb.split_at_mut(l * v);
+                    let (q_h, scores) = hb.split_at_mut(s * qk);
+                    let base = head * dims.kv_b_rows_per_head();
+                    for p in 0..l {
+                        let src = &kv[p * kv_stride + base..p * kv_stride + base + nope + v];
+                        k_h[p * qk..p * qk + nope].copy_from_slice(&src[..nope]);
+                        k_h[p * qk + nope..(p + 1) * qk]
+                            .copy_from_slice(&k_pe[p * rope..(p + 1) * rope]);
+                        v_h[p * v..(p + 1) * v].copy_from_slice(&src[nope..]);
+                    }
+                    for i in 0..s {
+                        q_h[i * qk..(i + 1) * qk]
+                            .copy_from_slice(&q[(i * h + head) * qk..(i * h + head + 1) * qk]);
+                    }
+                    attend_head(q_h, k_h, v_h, scores, o_h, [s, qk, v], ctx)
+                })
+            })?;
+
+        for (head, o_h) in o_all.chunks_exact(s * v).enumerate() {
+            for i in 0..s {
+                out[(i * h + head) * v..(i * h + head + 1) * v]
+                    .copy_from_slice(&o_h[i * v..(i + 1) * v]);
+            }
+        }
+        Ok(())
+    })
+}
+
+/// One head's causal attention: `o = softmax(q·kᵀ · scale) · v` over `[s][qk]` queries and the
+/// context's `[keys][qk]` keys and `[keys][v]` values. Queries go in blocks of [`QUERY_BLOCK`]
+/// rows, each block against only the keys its last row sees, so a prompt's attention costs
+/// about half the full rectangle; `scores` holds one block's `[rows][keys]`.
+fn attend_head(
+    q_h: &[f32],
+    k_h: &[f32],
+    v_h: &[f32],
+    scores: &mut [f32],
+    o_h: &mut [f32],
+    [s, qk, v]: [usize; 3],
+    ctx: &LatentContext<'_>,
+) -> Result<(), KernelError> {
+    for i0 in (0..s).step_by(QUERY_BLOCK) {
+        let rows = QUERY_BLOCK.min(s - i0);
+        let keys = ctx.seq.start_pos + i0 + rows;
+        let scores = &mut scores[..rows * keys];
+        matmul_f32(
+            &q_h[i0 * qk..(i0 + rows) * qk],
+            &k_h[..keys * qk],
+            MatmulDims {
+                m: rows,
+                k: qk,
+                n: keys,
+                b_transposed: true,
+            },
+            scores,
+        )?;
+        for (i, row) in scores.chunks_exact_mut(keys).enumerate() {
+            let visible = ctx.seq.start_pos + i0 + i + 1;
+            let (live, masked) = row.split_at_mut(visible);
+            attention_softmax(live, ctx.scale)?;
+            masked.fill(0.0);
+        }
+        matmul_f32(
+            scores,
+            &v_h[..keys * v],
+            MatmulDims {
+                m: rows,
+                k: keys,
+                n: v,
+                b_transposed: false,
+            },
+            &mut o_h[i0 * v..(i0 + rows) * v],
+        )?;
     }
     Ok(())
 }

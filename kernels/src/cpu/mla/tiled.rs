@@ -12,6 +12,7 @@
 use rayon::prelude::*;
 
 use super::{check_len, KeyRows, LatentContext};
+use crate::cpu::softmax::{exp_f32, lane_sum};
 use crate::error::KernelError;
 use crate::ops::mla_plan::{is_supported_tile_heads, TILE_ROWS};
 
@@ -143,14 +144,12 @@ impl Tile<'_> {
                 let alpha = if max[r] == f32::NEG_INFINITY {
                     0.0
                 } else {
-                    (max[r] - new_max).exp()
+                    exp_f32(max[r] - new_max)
                 };
-                let mut page_sum = 0.0f32;
                 for x in s_r.iter_mut() {
-                    *x = (*x - new_max).exp();
-                    page_sum += *x;
+                    *x = exp_f32(*x - new_max);
                 }
-                sum[r] = sum[r] * alpha + page_sum;
+                sum[r] = sum[r] * alpha + lane_sum(s_r);
                 max[r] = new_max;
                 if alpha != 1.0 {
                     for a in &mut out[r * kv_lora..(r + 1) * kv_lora] {
