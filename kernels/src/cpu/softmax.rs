@@ -53,7 +53,7 @@ pub(crate) fn exp_f32(x: f32) -> f32 {
     p = p * r + 8.333_452e-3;
     p = p * r + 4.166_579_6e-2;
     p = p * r + 1.666_666_5e-1;
-    p = p * r + 5.000_000_1e-1;
+    p = p * r + 0.5;
     let y = p * r * r + r + 1.0;
     // 2^n: n (two's complement, |n| < 2²²) is t's bit pattern minus ROUND's.
     let n_bits = t.to_bits().wrapping_sub(ROUND.to_bits());

@@ -87,7 +87,14 @@ pub fn mla_mha_attention(
                         q_h[i * qk..(i + 1) * qk]
                             .copy_from_slice(&q[(i * h + head) * qk..(i * h + head + 1) * qk]);
                     }
-                    attend_head(q_h, k_h, v_h, scores, o_h, [s, qk, v], ctx)
+                    let head = HeadRows {
+                        q: q_h,
+                        k: k_h,
+                        v: v_h,
+                        qk,
+                        v_dim: v,
+                    };
+                    head.attend(ctx, scores, o_h)
                 })
             })?;
 
@@ -101,51 +108,61 @@ pub fn mla_mha_attention(
     })
 }
 
-/// One head's causal attention: `o = softmax(q·kᵀ · scale) · v` over `[s][qk]` queries and the
-/// context's `[keys][qk]` keys and `[keys][v]` values. Queries go in blocks of [`QUERY_BLOCK`]
-/// rows, each block against only the keys its last row sees, so a prompt's attention costs
-/// about half the full rectangle; `scores` holds one block's `[rows][keys]`.
-fn attend_head(
-    q_h: &[f32],
-    k_h: &[f32],
-    v_h: &[f32],
-    scores: &mut [f32],
-    o_h: &mut [f32],
-    [s, qk, v]: [usize; 3],
-    ctx: &LatentContext<'_>,
-) -> Result<(), KernelError> {
-    for i0 in (0..s).step_by(QUERY_BLOCK) {
-        let rows = QUERY_BLOCK.min(s - i0);
-        let keys = ctx.seq.start_pos + i0 + rows;
-        let scores = &mut scores[..rows * keys];
-        matmul_f32(
-            &q_h[i0 * qk..(i0 + rows) * qk],
-            &k_h[..keys * qk],
-            MatmulDims {
-                m: rows,
-                k: qk,
-                n: keys,
-                b_transposed: true,
-            },
-            scores,
-        )?;
-        for (i, row) in scores.chunks_exact_mut(keys).enumerate() {
-            let visible = ctx.seq.start_pos + i0 + i + 1;
-            let (live, masked) = row.split_at_mut(visible);
-            attention_softmax(live, ctx.scale)?;
-            masked.fill(0.0);
+/// One head's queries, keys and values, row-major: `[s][qk]`, `[keys][qk]`, `[keys][v_dim]`.
+struct HeadRows<'a> {
+    q: &'a [f32],
+    k: &'a [f32],
+    v: &'a [f32],
+    qk: usize,
+    v_dim: usize,
+}
+
+impl HeadRows<'_> {
+    /// Causal attention, `o = softmax(q·kᵀ · scale) · v`, into `o` (`[s][v_dim]`). Queries go
+    /// in blocks of [`QUERY_BLOCK`] rows, each block against only the keys its last row sees,
+    /// so a prompt's attention costs about half the full rectangle; `scores` holds one
+    /// block's `[rows][keys]`.
+    fn attend(
+        &self,
+        ctx: &LatentContext<'_>,
+        scores: &mut [f32],
+        o: &mut [f32],
+    ) -> Result<(), KernelError> {
+        let (qk, v) = (self.qk, self.v_dim);
+        let s = self.q.len() / qk;
+        for i0 in (0..s).step_by(QUERY_BLOCK) {
+            let rows = QUERY_BLOCK.min(s - i0);
+            let keys = ctx.seq.start_pos + i0 + rows;
+            let scores = &mut scores[..rows * keys];
+            matmul_f32(
+                &self.q[i0 * qk..(i0 + rows) * qk],
+                &self.k[..keys * qk],
+                MatmulDims {
+                    m: rows,
+                    k: qk,
+                    n: keys,
+                    b_transposed: true,
+                },
+                scores,
+            )?;
+            for (i, row) in scores.chunks_exact_mut(keys).enumerate() {
+                let visible = ctx.seq.start_pos + i0 + i + 1;
+                let (live, masked) = row.split_at_mut(visible);
+                attention_softmax(live, ctx.scale)?;
+                masked.fill(0.0);
+            }
+            matmul_f32(
+                scores,
+                &self.v[..keys * v],
+                MatmulDims {
+                    m: rows,
+                    k: keys,
+                    n: v,
+                    b_transposed: false,
+                },
+                &mut o[i0 * v..(i0 + rows) * v],
+            )?;
         }
-        matmul_f32(
-            scores,
-            &v_h[..keys * v],
-            MatmulDims {
-                m: rows,
-                k: keys,
-                n: v,
-                b_transposed: false,
-            },
-            &mut o_h[i0 * v..(i0 + rows) * v],
-        )?;
+        Ok(())
     }
-    Ok(())
 }
