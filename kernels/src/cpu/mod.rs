@@ -12,7 +12,7 @@
 //! | [`rope`] | rotary tables (plain, YaRN) and their application, interleaved or not |
 //! | [`mlp`] | the SwiGLU block used by dense layers and experts |
 //! | [`moe`] | DeepSeek-V3 grouped sigmoid routing and the expert sum |
-//! | [`softmax`] | row softmax / log-softmax |
+//! | [`softmax`] | row softmax / log-softmax (the sampler's), and attention's vectorised softmax |
 //! | [`mla`] | MLA attention over the paged latent cache: MHA form, absorbed form, tiled kernel |
 //! | [`sample`] | sampling parameters, the filters and the seeded sampler |
 //! | `scratch` | per-thread reusable buffers for kernels' intermediates |
