@@ -15,7 +15,7 @@
 
 use rayon::prelude::*;
 
-use super::tiled::{mla_absorbed_tiled, value_width};
+use super::tiled::{mla_absorbed_tiled, tiled, value_width};
 use super::{check_len, KeyRows, LatentContext, MlaDims};
 use crate::cpu::gemm::{
     matmul_f32, row_axpy, row_dot, MatmulDims, Matrix, GEMV_MAX_TOKENS, GEMV_PAR_MIN_MACS,
@@ -208,7 +208,8 @@ pub fn mla_absorbed_attention(
     let mut q_pad = vec![0.0f32; s * plan.padded * width];
     plan.pad_heads(q_abs, width, &mut q_pad)?;
     let mut o_pad = vec![0.0f32; s * plan.padded * kv_lora];
-    mla_absorbed_tiled(&q_pad, plan.padded, ctx, &mut o_pad)?;
+    // The padded rows' outputs are sliced away: the kernel skips them.
+    tiled(&q_pad, plan.padded, heads, ctx, &mut o_pad)?;
     plan.unpad_heads(&o_pad, kv_lora, out_latent)
 }
 

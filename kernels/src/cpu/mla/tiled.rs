@@ -33,6 +33,19 @@ pub fn mla_absorbed_tiled(
     ctx: &LatentContext<'_>,
     out_latent: &mut [f32],
 ) -> Result<(), KernelError> {
+    tiled(q_abs, heads, heads, ctx, out_latent)
+}
+
+/// [`mla_absorbed_tiled`] over `heads` rows per token of which only the first `live` are
+/// wanted (the rest zero padding, [`super::mla_absorbed_attention`]): rows past `live` are
+/// neither softmaxed nor accumulated, and their outputs are left zero.
+pub(crate) fn tiled(
+    q_abs: &[f32],
+    heads: usize,
+    live: usize,
+    ctx: &LatentContext<'_>,
+    out_latent: &mut [f32],
+) -> Result<(), KernelError> {
     if !is_supported_tile_heads(heads) {
         return Err(KernelError::UnsupportedHeadCount { op: OP, heads });
     }
@@ -51,15 +64,22 @@ pub fn mla_absorbed_tiled(
         .enumerate()
         .for_each(|(chunk, out)| {
             let (i, tile) = (chunk / tiles, chunk % tiles);
+            let live = live.saturating_sub(tile * tile_rows).min(tile_rows);
+            if live == 0 {
+                out.fill(0.0);
+                return;
+            }
             let first_row = (i * heads + tile * tile_rows) * width;
             let q_tile = &q_abs[first_row..first_row + tile_rows * width];
             let tile = Tile {
                 q: q_tile,
-                rows: tile_rows,
+                rows: live,
                 kv_lora,
                 scale: ctx.scale,
             };
-            tile.attend(&keys, ctx.seq.start_pos + i + 1, out);
+            let (live_out, padding) = out.split_at_mut(live * kv_lora);
+            padding.fill(0.0);
+            tile.attend_dispatch(&keys, ctx.seq.start_pos + i + 1, live_out);
         });
     Ok(())
 }
@@ -93,15 +113,36 @@ pub(crate) fn value_width(
 
 /// One tile of query rows and what they need to attend.
 struct Tile<'q> {
-    /// `[rows][width]` absorbed queries.
+    /// `[rows or more][width]` absorbed queries (rows past `rows` are not read).
     q: &'q [f32],
+    /// Query rows to attend (≤ [`TILE_ROWS`]).
     rows: usize,
     kv_lora: usize,
     scale: f32,
 }
 
 impl Tile<'_> {
+    /// [`Self::attend`], compiled for AVX2 when the CPU has it (the same operations in the same
+    /// order: the results are bitwise those of the baseline build).
+    fn attend_dispatch(&self, keys: &KeyRows<'_>, n_keys: usize, out: &mut [f32]) {
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: this CPU has AVX2, checked just above.
+            return unsafe { self.attend_avx2(keys, n_keys, out) };
+        }
+        self.attend(keys, n_keys, out)
+    }
+
+    /// # Safety
+    /// The CPU must support AVX2.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    unsafe fn attend_avx2(&self, keys: &KeyRows<'_>, n_keys: usize, out: &mut [f32]) {
+        self.attend(keys, n_keys, out)
+    }
+
     /// Streams keys `0..n_keys` page by page and writes `[rows][kv_lora]` into `out`.
+    #[inline(always)]
     fn attend(&self, keys: &KeyRows<'_>, n_keys: usize, out: &mut [f32]) {
         let (rows, kv_lora, width, page_size) =
             (self.rows, self.kv_lora, keys.width(), keys.page_size());
@@ -114,7 +155,7 @@ impl Tile<'_> {
         // scores against every row are then TILE_ROWS-wide multiply-adds over its elements, no
         // horizontal sum per (key, row).
         let mut q_t = vec![0.0f32; width * TILE_ROWS];
-        for (r, q) in self.q.chunks_exact(width).enumerate() {
+        for (r, q) in self.q.chunks_exact(width).take(rows).enumerate() {
             for (d, v) in q.iter().enumerate() {
                 q_t[d * TILE_ROWS + r] = *v;
             }
@@ -173,5 +214,79 @@ impl Tile<'_> {
                 *a /= l;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu::mla::{LatentPages, SeqAttn};
+
+    /// A deterministic spread of values in about [-1, 1].
+    fn values(n: usize, salt: usize) -> Vec<f32> {
+        (0..n)
+            .map(|i| (((i * 7919 + salt * 104_729) % 2003) as f32 / 1001.0) - 1.0)
+            .collect()
+    }
+
+    #[test]
+    fn skipped_padding_rows_and_the_avx2_build_change_no_live_output() {
+        // 12 real heads padded to 16 (the embedded model's shape), 3 queries over a cached
+        // prefix spanning pages: the live rows are bitwise those of the full 16-row tile
+        // (heads never mix), the padded ones are zero, and the baseline build of a tile gives
+        // the same bits as the dispatched one.
+        let (width, kv_lora, page, heads, live, s, start) = (80, 64, 16, 16, 12, 3, 37);
+        let table: Vec<u32> = vec![2, 0, 3];
+        let data = values(4 * page * width, 1);
+        let ctx = LatentContext {
+            pages: LatentPages {
+                data: &data,
+                page_size: page,
+                width,
+            },
+            seq: SeqAttn {
+                block_table: &table,
+                start_pos: start,
+                num_queries: s,
+            },
+            scale: 0.2,
+        };
+        let mut q = values(s * heads * width, 2);
+        for t in 0..s {
+            q[(t * heads + live) * width..(t + 1) * heads * width].fill(0.0);
+        }
+        let mut full = vec![0.0f32; s * heads * kv_lora];
+        let mut skipped = vec![1.0f32; full.len()];
+        mla_absorbed_tiled(&q, heads, &ctx, &mut full).unwrap();
+        tiled(&q, heads, live, &ctx, &mut skipped).unwrap();
+        for (row, (a, b)) in full
+            .chunks_exact(kv_lora)
+            .zip(skipped.chunks_exact(kv_lora))
+            .enumerate()
+        {
+            if row % heads < live {
+                assert!(
+                    a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                    "row {row}"
+                );
+            } else {
+                assert!(b.iter().all(|&y| y == 0.0), "padded row {row}");
+            }
+        }
+        let keys = KeyRows::new(OP, &ctx).unwrap();
+        let tile = Tile {
+            q: &q[..heads * width],
+            rows: live,
+            kv_lora,
+            scale: ctx.scale,
+        };
+        let (mut base, mut dispatched) = (vec![0.0f32; live * kv_lora], vec![0.0; live * kv_lora]);
+        tile.attend(&keys, start + 1, &mut base);
+        tile.attend_dispatch(&keys, start + 1, &mut dispatched);
+        assert!(base
+            .iter()
+            .zip(&dispatched)
+            .all(|(x, y)| x.to_bits() == y.to_bits()));
+        assert!(base.iter().any(|&v| v != 0.0));
     }
 }
