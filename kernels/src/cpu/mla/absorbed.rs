@@ -186,7 +186,8 @@ pub fn mla_absorbed_form(
 
 /// Absorbed attention for any head count: runs [`mla_absorbed_tiled`] directly when it takes
 /// `heads`, otherwise zero-pads the queries to [`HeadPadPlan::padded`] heads, runs the tiled
-/// kernel, and slices the real heads back. Exact, because heads never mix. Same shapes as
+/// kernel (which skips the padded rows: their outputs are never read), and slices the real
+/// heads back. Exact, because heads never mix. Same shapes as
 /// [`mla_absorbed_tiled`].
 pub fn mla_absorbed_attention(
     q_abs: &[f32],
