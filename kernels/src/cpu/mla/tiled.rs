@@ -111,6 +111,12 @@ pub(crate) fn value_width(
     Ok(kv_lora)
 }
 
+/// Keys scored together (independent accumulators: 4 keys × 16 rows are 8 AVX2 registers).
+const KEY_STEP: usize = 4;
+
+/// Value columns accumulated together in registers (4 AVX2 registers).
+const VALUE_STEP: usize = 32;
+
 /// One tile of query rows and what they need to attend.
 struct Tile<'q> {
     /// `[rows or more][width]` absorbed queries (rows past `rows` are not read).
@@ -141,6 +147,28 @@ impl Tile<'_> {
         self.attend(keys, n_keys, out)
     }
 
+    /// The scores (unscaled) of `U` consecutive key rows (`keys`, `[U][width]`) against the
+    /// tile's transposed queries `q_t` (`[width][TILE_ROWS]`), each summed over the key's
+    /// elements in order.
+    #[inline(always)]
+    fn scores<const U: usize>(
+        &self,
+        q_t: &[f32],
+        keys: &[f32],
+        width: usize,
+    ) -> [[f32; TILE_ROWS]; U] {
+        let mut acc = [[0.0f32; TILE_ROWS]; U];
+        for (d, q_d) in q_t.chunks_exact(TILE_ROWS).enumerate() {
+            for (u, acc) in acc.iter_mut().enumerate() {
+                let k = keys[u * width + d];
+                for (a, q) in acc.iter_mut().zip(q_d) {
+                    *a += q * k;
+                }
+            }
+        }
+        acc
+    }
+
     /// Streams keys `0..n_keys` page by page and writes `[rows][kv_lora]` into `out`.
     #[inline(always)]
     fn attend(&self, keys: &KeyRows<'_>, n_keys: usize, out: &mut [f32]) {
@@ -165,17 +193,25 @@ impl Tile<'_> {
             let count = page_size.min(n_keys - page * page_size);
             let page_rows = &keys.page(page)[..count * width];
 
-            // Scores: each key row is loaded once and scored against every query row of the tile.
-            for (j, key) in page_rows.chunks_exact(width).enumerate() {
-                let mut acc = [0.0f32; TILE_ROWS];
-                for (k, q_d) in key.iter().zip(q_t.chunks_exact(TILE_ROWS)) {
-                    for (a, q) in acc.iter_mut().zip(q_d) {
-                        *a += q * k;
+            // Scores: each key row is loaded once and scored against every query row of the
+            // tile, KEY_STEP keys at a time so that as many independent accumulators are in
+            // flight (one key's 16 sums are a chain of dependent adds over its elements).
+            let mut j = 0;
+            for group in page_rows.chunks_exact(KEY_STEP * width) {
+                let acc = self.scores::<KEY_STEP>(&q_t, group, width);
+                for (u, acc) in acc.iter().enumerate() {
+                    for (r, a) in acc.iter().take(rows).enumerate() {
+                        scores[r * page_size + j + u] = a * self.scale;
                     }
                 }
+                j += KEY_STEP;
+            }
+            for key in page_rows[j * width..].chunks_exact(width) {
+                let [acc] = self.scores::<1>(&q_t, key, width);
                 for (r, a) in acc.iter().take(rows).enumerate() {
                     scores[r * page_size + j] = a * self.scale;
                 }
+                j += 1;
             }
             // Online softmax: rescale the running state to the new max, turn scores into weights.
             for r in 0..rows {
@@ -198,12 +234,24 @@ impl Tile<'_> {
                     }
                 }
             }
-            // Values: again one load of each key row for the whole tile.
-            for (j, key) in page_rows.chunks_exact(width).enumerate() {
-                let value = &key[..kv_lora];
-                for (r, acc) in out.chunks_exact_mut(kv_lora).enumerate() {
-                    let p = scores[r * page_size + j];
-                    for (a, v) in acc.iter_mut().zip(value) {
+            // Values: per row and VALUE_STEP-wide column block, the accumulators stay in
+            // registers while the page's keys stream by (the same sums in the same key order).
+            for (r, acc) in out.chunks_exact_mut(kv_lora).enumerate() {
+                let p_r = &scores[r * page_size..r * page_size + count];
+                let mut c0 = 0;
+                for block in acc.chunks_exact_mut(VALUE_STEP) {
+                    let mut a = [0.0f32; VALUE_STEP];
+                    a.copy_from_slice(block);
+                    for (p, key) in p_r.iter().zip(page_rows.chunks_exact(width)) {
+                        for (a, v) in a.iter_mut().zip(&key[c0..c0 + VALUE_STEP]) {
+                            *a += p * v;
+                        }
+                    }
+                    block.copy_from_slice(&a);
+                    c0 += VALUE_STEP;
+                }
+                for (p, key) in p_r.iter().zip(page_rows.chunks_exact(width)) {
+                    for (a, v) in acc[c0..].iter_mut().zip(&key[c0..kv_lora]) {
                         *a += p * v;
                     }
                 }
