@@ -51,7 +51,7 @@ fn linear_matches_naive_for_f32_and_bf16_weights() {
                 w16_as_f32,
             ),
         ];
-        for m in [1, 3, 37, 130] {
+        for m in [1, 3, 4, 5, 16, 17, 37, 130] {
             let x = common::uniform(&mut rng, m * k, 1.0);
             for (mat, dense) in &mats {
                 let mut out = vec![f32::NAN; m * n];
