@@ -12,12 +12,18 @@ use std::cell::RefCell;
 /// Buffers a thread keeps at most (one per nesting level in use at once).
 const KEPT: usize = 4;
 
+/// Largest buffer kept for reuse (64 MiB of f32). Larger ones (a long prompt's decompressed
+/// keys on a large model) are freed after use as before: faulting them in is small next to the
+/// work they serve, and keeping them would hold that memory for the life of the thread.
+const KEEP_MAX_FLOATS: usize = 16 << 20;
+
 thread_local! {
     static POOL: RefCell<Vec<Vec<f32>>> = const { RefCell::new(Vec::new()) };
 }
 
 /// Runs `f` on a zeroed `len`-float buffer, reusing one of this thread's scratch buffers when
-/// one is free (a buffer's capacity only grows, up to the largest `len` it served).
+/// one is free (a kept buffer's capacity only grows, up to the largest `len` it served, at
+/// most [`KEEP_MAX_FLOATS`]).
 pub(crate) fn with_scratch<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
     let mut buf = POOL.with(|p| p.borrow_mut().pop()).unwrap_or_default();
     buf.clear();
@@ -25,7 +31,7 @@ pub(crate) fn with_scratch<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R 
     let out = f(&mut buf);
     POOL.with(|p| {
         let mut pool = p.borrow_mut();
-        if pool.len() < KEPT {
+        if pool.len() < KEPT && buf.capacity() <= KEEP_MAX_FLOATS {
             pool.push(buf);
         }
     });
@@ -50,6 +56,9 @@ mod tests {
             b.as_ptr() as usize
         });
         assert_eq!(first, again);
+        // A buffer over the cap serves its call and is not kept.
+        let big = with_scratch(super::KEEP_MAX_FLOATS + 1, |b| b.as_ptr() as usize);
+        with_scratch(10, |b| assert_ne!(b.as_ptr() as usize, big));
         // A nested call gets a distinct buffer.
         with_scratch(10, |outer| {
             outer.fill(1.0);
