@@ -65,8 +65,9 @@ pub(crate) fn tiled(
         .for_each(|(chunk, out)| {
             let (i, tile) = (chunk / tiles, chunk % tiles);
             let live = live.saturating_sub(tile * tile_rows).min(tile_rows);
+            let (live_out, padding) = out.split_at_mut(live * kv_lora);
+            padding.fill(0.0);
             if live == 0 {
-                out.fill(0.0);
                 return;
             }
             let first_row = (i * heads + tile * tile_rows) * width;
@@ -77,8 +78,6 @@ pub(crate) fn tiled(
                 kv_lora,
                 scale: ctx.scale,
             };
-            let (live_out, padding) = out.split_at_mut(live * kv_lora);
-            padding.fill(0.0);
             tile.attend_dispatch(&keys, ctx.seq.start_pos + i + 1, live_out);
         });
     Ok(())
