@@ -1962,6 +1962,22 @@ __device__ __forceinline__ void moe_pipe_gemm(const bf16_t* const (&w_src)[8],
   }
   cp_async_wait0();
 }
+
+// One chunk of a grouped pass, as moe_group wrote it: expert `e`, first position `first` in
+// `order`, `m` pairs (≤ MOE_PIPE_PAIRS). False for the grid's blocks past the pass's chunks.
+struct MoePipeChunk {
+  size_t e;
+  int first, m;
+};
+__device__ __forceinline__ bool moe_pipe_chunk(const int* chunks, const int* n_chunks,
+                                               MoePipeChunk& ck) {
+  int c = blockIdx.y;
+  if (c >= *n_chunks) return false;
+  ck.e = (size_t)chunks[3 * c];
+  ck.first = chunks[3 * c + 1];
+  ck.m = chunks[3 * c + 2];
+  return true;
+}
 #endif
 
 // act = silu(gate_e · x_t) · (up_e · x_t) for the pairs of each chunk, written as bf16 hi rows
@@ -1977,10 +1993,10 @@ extern "C" __global__ void moe_gate_up_pipe(const bf16_t* xs, long long x_lo, co
   pdl_enter();
 #if FERRY_MMA
   extern __shared__ __align__(16) bf16_t moe_pipe_smem[];
-  int c = blockIdx.y;
-  if (c >= *n_chunks) return;
-  size_t e = (size_t)chunks[3 * c];
-  int first = chunks[3 * c + 1], m = chunks[3 * c + 2];
+  MoePipeChunk ck;
+  if (!moe_pipe_chunk(chunks, n_chunks, ck)) return;
+  const size_t e = ck.e;
+  const int first = ck.first, m = ck.m;
   int n0 = blockIdx.x * 64, seg = threadIdx.x % 8, row = threadIdx.x / 8;
   const bf16_t* w_src[8];
 #pragma unroll
@@ -2028,10 +2044,10 @@ extern "C" __global__ void moe_down_pipe(const bf16_t* act, long long act_lo, co
   pdl_enter();
 #if FERRY_MMA
   extern __shared__ __align__(16) bf16_t moe_pipe_smem[];
-  int c = blockIdx.y;
-  if (c >= *n_chunks) return;
-  size_t e = (size_t)chunks[3 * c];
-  int first = chunks[3 * c + 1], m = chunks[3 * c + 2];
+  MoePipeChunk ck;
+  if (!moe_pipe_chunk(chunks, n_chunks, ck)) return;
+  const size_t e = ck.e;
+  const int first = ck.first, m = ck.m;
   int j0 = blockIdx.x * MOE_PIPE_ROWS, seg = threadIdx.x % 8, row = threadIdx.x / 8;
   const bf16_t* w_src[8];
 #pragma unroll
