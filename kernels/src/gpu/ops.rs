@@ -2013,8 +2013,9 @@ const MOE_GROUPED_MAX_TOKENS: usize = 2048;
 /// choice gives bitwise the same outputs (same fragments, same order).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum MoeMma {
-    /// `auto` (the default): [`Self::Prefetch`] for passes of up to
-    /// [`MOE_PREFETCH_MAX_TOKENS`] tokens, [`Self::Prefetch32`] up to
+    /// `auto` (the default): [`Self::Pipe`] from [`MOE_PIPE_MIN_TOKENS`] tokens where the
+    /// experts' shape fits it ([`moe_pipe_fits`]); otherwise [`Self::Prefetch`] for passes of up
+    /// to [`MOE_PREFETCH_MAX_TOKENS`] tokens, [`Self::Prefetch32`] up to
     /// [`MOE_CHUNK32_MAX_TOKENS`], [`Self::Stream`] above.
     #[default]
     Auto,
@@ -2038,8 +2039,8 @@ pub enum MoeMma {
     /// weights and bf16 hi + lo activation rows staged in shared memory by a 3-deep cp.async
     /// pipeline, fragments by ldmatrix. Outputs match the other arms to f32 rounding, not
     /// bitwise (natural k order). Needs `inter` a multiple of 64 and `hidden` of 128
-    /// ([`moe_pipe_fits`]); other shapes take `auto`'s kernels. Not measured on a GPU yet, so
-    /// `auto` never picks it.
+    /// ([`moe_pipe_fits`]); other shapes, and [`Self::Auto`] below [`MOE_PIPE_MIN_TOKENS`],
+    /// take the register-streamed kernels.
     Pipe,
 }
 
@@ -2059,8 +2060,27 @@ pub const MOE_PREFETCH_MAX_TOKENS: usize = 128;
 /// tokens were not measured and keep `stream`.
 pub const MOE_CHUNK32_MAX_TOKENS: usize = 256;
 
+/// Tokens a grouped call needs for [`MoeMma::Auto`] to take the pipelined kernels
+/// ([`MoeMma::Pipe`]) where the experts fit them. On the H200 (DeepSeek-V2-Lite shape, graph
+/// steps, two interleaved runs per arm, BENCHMARKS.md session 29) they beat `auto`'s register-
+/// streamed kernels at every size measured: batch 32 10.75 → 10.52 ms a step, 128 13.67 →
+/// 13.41, 256 19.29 → 16.64 (49 → 57 % of copy bandwidth); prefill of 1,024 tokens 43.4 →
+/// 39.9 ms, 8,192 tokens 338 → 314 ms. Smaller batches were not measured and keep the
+/// register-streamed kernels.
+pub const MOE_PIPE_MIN_TOKENS: usize = 32;
+
 impl MoeMma {
-    /// The kernels for a pass of `tokens` tokens: `(gate_up, down)` names and pairs per chunk.
+    /// Whether a grouped call of `tokens` tokens runs the pipelined kernels (where the experts
+    /// fit them).
+    fn pipelined(self, tokens: usize) -> bool {
+        match self {
+            Self::Pipe => true,
+            Self::Auto => tokens >= MOE_PIPE_MIN_TOKENS,
+            _ => false,
+        }
+    }
+
+    /// The register-streamed kernels for a pass of `tokens` tokens: `(gate_up, down)` names and pairs per chunk.
     fn kernels(self, tokens: usize) -> (&'static str, &'static str, usize) {
         match self {
             Self::Auto if tokens <= MOE_PREFETCH_MAX_TOKENS => Self::Prefetch.kernels(tokens),
@@ -2237,12 +2257,14 @@ fn moe_experts_grouped_by<D: Gpu>(
     which: GroupedKernels,
 ) -> Result<(), KernelError> {
     const OP: &str = "gpu_moe_experts_grouped";
-    if which == GroupedKernels::TensorCores(MoeMma::Pipe) && moe_pipe_fits(a.experts) {
-        return moe_experts_pipelined(dev, a);
+    let t = a.x.len / a.experts.hidden.max(1);
+    if let GroupedKernels::TensorCores(mma) = which {
+        if mma.pipelined(t) && moe_pipe_fits(a.experts) {
+            return moe_experts_pipelined(dev, a);
+        }
     }
     // The kernels (and so the chunk) for the largest pass; a pass halved below to fit the grid
     // keeps them.
-    let t = a.x.len / a.experts.hidden.max(1);
     let plan = which.launch(a.experts.gate.is_bf16(), MOE_GROUPED_MAX_TOKENS.min(t));
     let passes = GroupedPasses::new(dev, &a, plan.chunk)?;
     let MoeArgs {
@@ -2592,9 +2614,21 @@ mod tests {
         assert_eq!(auto.kernels(257), MoeMma::Stream.kernels(257));
         assert_eq!(auto.kernels(2048), MoeMma::Stream.kernels(2048));
         assert_eq!(MoeMma::Stream32.kernels(1).2, 32);
-        // A shape the pipelined kernels do not take falls back to `auto`'s choice.
+        // A shape the pipelined kernels do not take falls back to `auto`'s register-streamed
+        // choice.
         for t in [1, 200, 4096] {
             assert_eq!(MoeMma::Pipe.kernels(t), auto.kernels(t));
+        }
+        // Where the shape fits, `auto` takes the pipelined kernels from the measured size up;
+        // `pipe` at every size; the other arms never.
+        assert!(!auto.pipelined(MOE_PIPE_MIN_TOKENS - 1));
+        assert!(auto.pipelined(MOE_PIPE_MIN_TOKENS));
+        assert!(auto.pipelined(8192));
+        assert!(MoeMma::Pipe.pipelined(1));
+        for (m, _) in MoeMma::ALL {
+            if !matches!(m, MoeMma::Auto | MoeMma::Pipe) {
+                assert!(!m.pipelined(4096), "{m}");
+            }
         }
     }
 
