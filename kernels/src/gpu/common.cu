@@ -1879,15 +1879,12 @@ MOE_STREAM_KERNELS(mma3_m32, 64, 2)
 // A stage: B = 128 weight rows × 64 k, then A hi and A lo = 32 pair rows × 64 k each; rows
 // padded to 72 elements (144 bytes) so the 8 rows one ldmatrix phase reads fall in distinct
 // banks. Warp w owns B rows 32w .. 32w + 31 as four n8 tiles; each warp computes both 16-pair
-// m-tiles. 27,648 bytes of dynamic shared memory a stage (ops.rs `MOE_PIPE_STAGE_BYTES`; 82,944
-// at 3 stages, 110,592 at 4): two blocks an SM.
+// m-tiles. 82,944 bytes of dynamic shared memory (ops.rs `MOE_PIPE_SMEM`): two blocks an SM.
 #define MOE_PIPE_PAIRS 32
 #define MOE_PIPE_ROWS 128
 #define MOE_PIPE_BK 64
 #define MOE_PIPE_LD (MOE_PIPE_BK + 8)
-#ifndef MOE_PIPE_STAGES  // ops.rs compiles other depths for A/B runs (FERRY_MOE_PIPE_STAGES)
 #define MOE_PIPE_STAGES 3
-#endif
 #define MOE_PIPE_STAGE_ELEMS ((MOE_PIPE_ROWS + 2 * MOE_PIPE_PAIRS) * MOE_PIPE_LD)
 #if FERRY_MMA
 // acc[i][t] = A(pair rows 16i .. 16i + 15) · W(B rows 32w + 8t .. 32w + 8t + 7)ᵀ over k_total
@@ -1988,8 +1985,7 @@ __device__ __forceinline__ bool moe_pipe_chunk(const int* chunks, const int* n_c
 // reads). xs: x split into bf16 hi rows [T][hidden] and, `x_lo` elements on, lo rows. Block row
 // b of the 128 is gate row n0 + 16 (b / 32) + b % 16 when b % 32 < 16, else that up row, so
 // each warp's tiles 0–1 (gate) and 2–3 (up) hold the same output rows. inter a multiple of 64,
-// hidden of 64. Grid: (inter / 64, chunk bound); block 128; MOE_PIPE_STAGES stages of shared
-// memory.
+// hidden of 64. Grid: (inter / 64, chunk bound); block 128; MOE_PIPE_SMEM dynamic shared bytes.
 extern "C" __global__ void moe_gate_up_pipe(const bf16_t* xs, long long x_lo, const int* order,
                                             const int* chunks, const int* n_chunks,
                                             const bf16_t* gate, const bf16_t* up, bf16_t* act,
@@ -2041,7 +2037,7 @@ extern "C" __global__ void moe_gate_up_pipe(const bf16_t* xs, long long x_lo, co
 
 // y[p][j] = w[p] · (down_e[j] · act[p]) for the pairs p of each chunk, act as moe_gate_up_pipe
 // wrote it. inter a multiple of 64, hidden of 128. Grid: (hidden / 128, chunk bound); block 128;
-// MOE_PIPE_STAGES stages of shared memory.
+// MOE_PIPE_SMEM dynamic shared bytes.
 extern "C" __global__ void moe_down_pipe(const bf16_t* act, long long act_lo, const int* order,
                                          const int* chunks, const int* n_chunks, const float* wts,
                                          const bf16_t* down, float* y, int inter, int hidden) {

@@ -2335,25 +2335,9 @@ const MOE_PIPE_PAIRS: usize = 32;
 /// Weight rows per block of the pipelined expert kernels (`MOE_PIPE_ROWS`): 64 gate + 64 up
 /// output rows, or 128 down rows.
 const MOE_PIPE_ROWS: usize = 128;
-/// Shared memory of one stage of a pipelined expert block: 128 weight rows and 32 + 32
-/// activation rows (hi, lo), each 64 + 8 bf16 wide.
-const MOE_PIPE_STAGE_BYTES: u32 = (MOE_PIPE_ROWS as u32 + 2 * MOE_PIPE_PAIRS as u32) * 72 * 2;
-
-/// The pipelined expert kernels' cp.async depth (`MOE_PIPE_STAGES` in common.cu): 3 (82,944
-/// bytes of shared memory a block), or 4 with `FERRY_MOE_PIPE_STAGES=4` for A/B runs (110,592
-/// bytes; still two blocks an SM). Read once. The depth changes what is in flight, not the
-/// arithmetic: the outputs are bitwise the same.
-fn moe_pipe_stages() -> u32 {
-    static STAGES: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
-    *STAGES.get_or_init(|| match std::env::var("FERRY_MOE_PIPE_STAGES").as_deref() {
-        Ok("4") => 4,
-        Ok(v) if v != "3" => {
-            tracing::warn!("FERRY_MOE_PIPE_STAGES={v}: 3 or 4; using 3");
-            3
-        }
-        _ => 3,
-    })
-}
+/// Dynamic shared memory of a pipelined expert block: `MOE_PIPE_STAGES` (3) stages of 128 weight
+/// rows and 32 + 32 activation rows (hi, lo), each 64 + 8 bf16 wide.
+const MOE_PIPE_SMEM: u32 = 3 * (MOE_PIPE_ROWS as u32 + 2 * MOE_PIPE_PAIRS as u32) * 72 * 2;
 
 /// Whether the pipelined expert kernels ([`MoeMma::Pipe`]) take these experts: bf16, `inter` a
 /// multiple of their 64-wide k step and gate/up blocks, `hidden` of the 128-row down blocks
@@ -2382,13 +2366,10 @@ fn moe_experts_pipelined<D: Gpu>(dev: &D, a: MoeArgs<'_, D>) -> Result<(), Kerne
     let pairs_max = passes.per_pass * k;
     let act = dev.alloc::<u16>(2 * pairs_max * inter)?;
     let y = dev.alloc::<f32>(pairs_max * hidden)?;
-    let stages = moe_pipe_stages();
-    let defines = Defines::new().with("MOE_PIPE_STAGES", stages);
     let (gate_up, down) = (
-        dev.function(Source::Common, &defines, "moe_gate_up_pipe")?,
-        dev.function(Source::Common, &defines, "moe_down_pipe")?,
+        kernel(dev, "moe_gate_up_pipe")?,
+        kernel(dev, "moe_down_pipe")?,
     );
-    let smem = stages * MOE_PIPE_STAGE_BYTES;
     let (k_i, inter_i, hidden_i) = (
         int(OP, "K", k)?,
         int(OP, "inter", inter)?,
@@ -2416,7 +2397,7 @@ fn moe_experts_pipelined<D: Gpu>(dev: &D, a: MoeArgs<'_, D>) -> Result<(), Kerne
         let dims = LaunchDims {
             grid: ((inter / 64) as u32, bound, 1),
             block: (128, 1, 1),
-            smem,
+            smem: MOE_PIPE_SMEM,
         };
         dev.launch(&gate_up, dims, &mut a)?;
 
@@ -2434,7 +2415,7 @@ fn moe_experts_pipelined<D: Gpu>(dev: &D, a: MoeArgs<'_, D>) -> Result<(), Kerne
         let dims = LaunchDims {
             grid: ((hidden / MOE_PIPE_ROWS) as u32, bound, 1),
             block: (128, 1, 1),
-            smem,
+            smem: MOE_PIPE_SMEM,
         };
         dev.launch(&down, dims, &mut a)?;
         passes.sum_slots(dev, y.v(), h, t0..t0 + n)?;
