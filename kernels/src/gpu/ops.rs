@@ -2062,12 +2062,13 @@ pub const MOE_CHUNK32_MAX_TOKENS: usize = 256;
 
 /// Tokens a grouped call needs for [`MoeMma::Auto`] to take the pipelined kernels
 /// ([`MoeMma::Pipe`]) where the experts fit them. On the H200 (DeepSeek-V2-Lite shape, graph
-/// steps, two interleaved runs per arm, BENCHMARKS.md session 29) they beat `auto`'s register-
-/// streamed kernels at every size measured: batch 32 10.75 → 10.52 ms a step, 128 13.67 →
-/// 13.41, 256 19.29 → 16.64 (49 → 57 % of copy bandwidth); prefill of 1,024 tokens 43.4 →
-/// 39.9 ms, 8,192 tokens 338 → 314 ms. Smaller batches were not measured and keep the
-/// register-streamed kernels.
-pub const MOE_PIPE_MIN_TOKENS: usize = 32;
+/// steps, BENCHMARKS.md session 29) they beat the register-streamed kernels at every size
+/// measured: batch 8 8.95 → 8.88 ms a step, 16 9.77 → 9.43, 24 10.76 → 10.43, 32 10.75 →
+/// 10.52, 128 13.67 → 13.41, 256 19.29 → 16.64 (49 → 57 % of copy bandwidth); prefill of 1,024
+/// tokens 43.4 → 39.9 ms, 8,192 tokens 338 → 314 ms. 8 is also where a decode batch starts
+/// grouping ([`MOE_GROUPED_MIN_TOKENS`]); a smaller grouped call (tests force them) keeps the
+/// register-streamed kernels, which were not measured against these there.
+pub const MOE_PIPE_MIN_TOKENS: usize = 8;
 
 impl MoeMma {
     /// Whether a grouped call of `tokens` tokens runs the pipelined kernels (where the experts
