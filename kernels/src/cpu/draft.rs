@@ -9,7 +9,9 @@
 
 use rayon::prelude::*;
 
+use super::gemm::{matmul_f32, MatmulDims};
 use super::mla::LatentPages;
+use super::softmax::attention_softmax;
 use crate::backend::host_index;
 use crate::KernelError;
 
@@ -90,9 +92,13 @@ pub struct BlockRows<'a> {
 /// `B` block rows (bidirectional: no causal mask inside the block):
 /// `out = Σ_j softmax_j(q · key_j / sqrt(d)) · value_j`.
 ///
-/// The operation order is the drafter's: all scores, their max, `exp(s − max)` and their sum,
-/// then `out += (e_j / sum) · value_j` key by key, context keys first. Any caller that
-/// computes the drafter's attention through this function gets the same bits.
+/// Per KV head, the group's keys and values are gathered into contiguous rows (context rows
+/// first, then the block's), and its `B · H / KV` query rows attend as two products — scores
+/// `Q · Kᵀ`, [`attention_softmax`] per row, then `P · V` — on the same SGEMM and softmax as the
+/// target's MHA prefill ([`crate::cpu::mla`]). Sums run in the SGEMM's order, so the result
+/// matches a left-to-right definition to f32 rounding (`backend_draft.rs` holds it to an f64
+/// reference). Any caller that computes the drafter's attention through this function gets the
+/// same bits.
 pub fn attend_block<'c>(
     d: &BlockAttnDims,
     x: BlockRows<'_>,
@@ -121,46 +127,52 @@ pub fn attend_block<'c>(
     let group = heads / d.kv_heads;
     let scale = 1.0 / (hd as f32).sqrt();
     let keys = n + b;
-    let mut scores = vec![0.0f32; keys];
-    // Row j of the keys / values: context rows first, then the block.
-    let key = |j: usize, g: usize| -> &[f32] {
-        if j < n {
-            &rows[j][g * hd..(g + 1) * hd]
-        } else {
-            let r = j - n;
-            &k[r * kvw + g * hd..r * kvw + (g + 1) * hd]
+    // One KV head's query rows (block row i, head g · group + h at row i · group + h), keys,
+    // values, scores and outputs.
+    let r = b * group;
+    let (mut qg, mut og) = (vec![0.0f32; r * hd], vec![0.0f32; r * hd]);
+    let (mut kg, mut vg) = (vec![0.0f32; keys * hd], vec![0.0f32; keys * hd]);
+    let mut scores = vec![0.0f32; r * keys];
+    for g in 0..d.kv_heads {
+        let head = g * hd..(g + 1) * hd;
+        for (j, (kd, vd)) in kg
+            .chunks_exact_mut(hd)
+            .zip(vg.chunks_exact_mut(hd))
+            .enumerate()
+        {
+            let (kr, vr) = if j < n {
+                (&rows[j][..kvw], &rows[j][kvw..2 * kvw])
+            } else {
+                let row = (j - n) * kvw..(j - n + 1) * kvw;
+                (&k[row.clone()], &v[row])
+            };
+            kd.copy_from_slice(&kr[head.clone()]);
+            vd.copy_from_slice(&vr[head.clone()]);
         }
-    };
-    let value = |j: usize, g: usize| -> &[f32] {
-        if j < n {
-            &rows[j][kvw + g * hd..kvw + (g + 1) * hd]
-        } else {
-            let r = j - n;
-            &v[r * kvw + g * hd..r * kvw + (g + 1) * hd]
+        for (row, qd) in qg.chunks_exact_mut(hd).enumerate() {
+            let (i, head) = (row / group, g * group + row % group);
+            qd.copy_from_slice(&q[(i * heads + head) * hd..(i * heads + head + 1) * hd]);
         }
-    };
-    for i in 0..b {
-        for head in 0..heads {
-            let g = head / group;
-            let qv = &q[(i * heads + head) * hd..(i * heads + head + 1) * hd];
-            let mut max = f32::NEG_INFINITY;
-            for (j, s) in scores.iter_mut().enumerate() {
-                *s = qv.iter().zip(key(j, g)).map(|(x, y)| x * y).sum::<f32>() * scale;
-                max = max.max(*s);
-            }
-            let mut sum = 0.0f32;
-            for s in scores.iter_mut() {
-                *s = (*s - max).exp();
-                sum += *s;
-            }
-            let dst = &mut out[(i * heads + head) * hd..(i * heads + head + 1) * hd];
-            dst.fill(0.0);
-            for (j, &s) in scores.iter().enumerate() {
-                let wgt = s / sum;
-                for (o, x) in dst.iter_mut().zip(value(j, g)) {
-                    *o += wgt * x;
-                }
-            }
+        let scores_of = MatmulDims {
+            m: r,
+            k: hd,
+            n: keys,
+            b_transposed: true,
+        };
+        matmul_f32(&qg, &kg, scores_of, &mut scores)?;
+        for row in scores.chunks_exact_mut(keys) {
+            attention_softmax(row, scale)?;
+        }
+        let out_of = MatmulDims {
+            m: r,
+            k: keys,
+            n: hd,
+            b_transposed: false,
+        };
+        matmul_f32(&scores, &vg, out_of, &mut og)?;
+        for (row, od) in og.chunks_exact(hd).enumerate() {
+            let (i, head) = (row / group, g * group + row % group);
+            out[(i * heads + head) * hd..(i * heads + head + 1) * hd].copy_from_slice(od);
         }
     }
     Ok(())
