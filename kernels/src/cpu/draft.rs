@@ -127,8 +127,7 @@ pub fn attend_block<'c>(
     let group = heads / d.kv_heads;
     let scale = 1.0 / (hd as f32).sqrt();
     let keys = n + b;
-    // One KV head's query rows (block row i, head g · group + h at row i · group + h), keys,
-    // values, scores and outputs.
+    // One KV head's query rows, keys, values, scores and outputs.
     let r = b * group;
     let (mut qg, mut og) = (vec![0.0f32; r * hd], vec![0.0f32; r * hd]);
     let (mut kg, mut vg) = (vec![0.0f32; keys * hd], vec![0.0f32; keys * hd]);
@@ -149,9 +148,14 @@ pub fn attend_block<'c>(
             kd.copy_from_slice(&kr[head.clone()]);
             vd.copy_from_slice(&vr[head.clone()]);
         }
+        // Row `row` of the group's queries / outputs: block row `row / group`, head
+        // `g · group + row % group` of `q` and `out`.
+        let at = |row: usize| {
+            let h = (row / group) * heads + g * group + row % group;
+            h * hd..(h + 1) * hd
+        };
         for (row, qd) in qg.chunks_exact_mut(hd).enumerate() {
-            let (i, head) = (row / group, g * group + row % group);
-            qd.copy_from_slice(&q[(i * heads + head) * hd..(i * heads + head + 1) * hd]);
+            qd.copy_from_slice(&q[at(row)]);
         }
         let scores_of = MatmulDims {
             m: r,
@@ -171,8 +175,7 @@ pub fn attend_block<'c>(
         };
         matmul_f32(&scores, &vg, out_of, &mut og)?;
         for (row, od) in og.chunks_exact(hd).enumerate() {
-            let (i, head) = (row / group, g * group + row % group);
-            out[(i * heads + head) * hd..(i * heads + head + 1) * hd].copy_from_slice(od);
+            out[at(row)].copy_from_slice(od);
         }
     }
     Ok(())

@@ -2081,7 +2081,8 @@ impl MoeMma {
         }
     }
 
-    /// The register-streamed kernels for a pass of `tokens` tokens: `(gate_up, down)` names and pairs per chunk.
+    /// The register-streamed kernels for a pass of `tokens` tokens: `(gate_up, down)` names and
+    /// pairs per chunk.
     fn kernels(self, tokens: usize) -> (&'static str, &'static str, usize) {
         match self {
             Self::Auto if tokens <= MOE_PREFETCH_MAX_TOKENS => Self::Prefetch.kernels(tokens),
