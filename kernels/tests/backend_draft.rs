@@ -15,17 +15,24 @@
 //!   calls that function directly).
 //! - `scatter_rows` (read the pages back), `gather_concat` (exact: a copy), `confidence`
 //!   (against `ConfidenceHead::survival`, copied: bit-exact on the CPU, 1e-5 on CUDA).
+//! - `markov_step` against an f64 reference of DSpark's Markov and confidence heads (f32 and
+//!   bf16 weights, rank with and without the GPU's 8-wide loads, inputs filling one thread
+//!   group and not): 1e-6 of max |reference| on the CPU, 1e-5 on a GPU (f32 sums of at most a
+//!   few hundred terms in another order). A GPU's stated handling of ids it cannot check (a
+//!   zero W1 row for a previous token outside the vocabulary, NaN for a row outside the pass);
+//!   the CPU's errors naming them.
 //! - Errors name the op and the operand: an out-of-range slot, a short block table, a host
 //!   operand on a CUDA op.
 
 mod common;
 
 use ferry_kernels::backend::draft::{
-    block_attention, confidence, gather_concat, scatter_rows, BlockAttention, Confidence,
-    GatherConcat, ScatterRows,
+    block_attention, confidence, gather_concat, markov_step, scatter_rows, BlockAttention,
+    Confidence, GatherConcat, MarkovStep, ScatterRows,
 };
 use ferry_kernels::backend::{Backend, Pages, PagesMut, Tensor};
 use ferry_kernels::cpu::draft::{attend_block, BlockAttnDims, BlockRows};
+use ferry_kernels::cpu::gemm::Matrix;
 use ferry_kernels::cpu::mla::LatentPages;
 use ferry_kernels::KernelError;
 use rand::seq::SliceRandom;
@@ -785,4 +792,221 @@ fn a_mixed_device_call_names_the_op_and_operand() {
     };
     let e = gather_concat(&gpu, p).expect_err("host src").to_string();
     assert!(e.contains("gather_concat") && e.contains("`src`"), "{e}");
+}
+
+/// One Markov-step case on the host: a block pass of `rows` rows, `n` inputs.
+struct MarkovCase {
+    vocab: usize,
+    rank: usize,
+    hid: usize,
+    logits: Vec<f32>,
+    hidden: Vec<f32>,
+    /// W1 and W2 as stored (bf16-rounded when `bf16`).
+    w1: Vec<f32>,
+    w2: Vec<f32>,
+    bf16: bool,
+    cw: Vec<f32>,
+    bias: f32,
+    at: Vec<i32>,
+    prev: Vec<i32>,
+}
+
+impl MarkovCase {
+    fn new(vocab: usize, rank: usize, n: usize, bf16: bool, seed: u64) -> Self {
+        let (rows, hid) = (40, 96);
+        let mut rng = common::rng(seed);
+        let round = |v: Vec<f32>| -> Vec<f32> {
+            if bf16 {
+                v.into_iter()
+                    .map(|x| half::bf16::from_f32(x).to_f32())
+                    .collect()
+            } else {
+                v
+            }
+        };
+        let logits = common::uniform(&mut rng, rows * vocab, 2.0);
+        let hidden = common::uniform(&mut rng, rows * hid, 1.0);
+        let w1 = round(common::uniform(&mut rng, vocab * rank, 0.5));
+        let w2 = round(common::uniform(&mut rng, vocab * rank, 0.5));
+        let cw = common::uniform(&mut rng, hid + rank, 0.2);
+        let at = (0..n).map(|s| ((s * 7 + 3) % rows) as i32).collect();
+        // The last token, the first, and repeats.
+        let mut prev: Vec<i32> = (0..n).map(|s| ((s * 131 + 5) % vocab) as i32).collect();
+        prev[0] = vocab as i32 - 1;
+        if n > 2 {
+            prev[1] = 0;
+            prev[2] = prev[0];
+        }
+        Self {
+            vocab,
+            rank,
+            hid,
+            logits,
+            hidden,
+            w1,
+            w2,
+            bf16,
+            cw,
+            bias: -0.1,
+            at,
+            prev,
+        }
+    }
+
+    fn matrix(&self, w: &[f32]) -> Matrix {
+        if self.bf16 {
+            let bits = w.iter().map(|&x| half::bf16::from_f32(x)).collect();
+            Matrix::from_bf16(self.vocab, self.rank, bits).expect("bf16 matrix")
+        } else {
+            Matrix::from_f32(self.vocab, self.rank, w.to_vec()).expect("f32 matrix")
+        }
+    }
+
+    /// `(logits [n][vocab], confidence [n])` in f64 for previous tokens `prev`; a token
+    /// outside the vocabulary reads a zero W1 row.
+    fn reference(&self, prev: &[i32]) -> (Vec<f64>, Vec<f64>) {
+        let (v, r, h) = (self.vocab, self.rank, self.hid);
+        let mut logits = Vec::new();
+        let mut conf = Vec::new();
+        for (&a, &t) in self.at.iter().zip(prev) {
+            let a = a as usize;
+            let e: Vec<f64> = match usize::try_from(t).ok().filter(|&t| t < v) {
+                Some(t) => self.w1[t * r..(t + 1) * r].iter().map(|&x| x as f64).collect(),
+                None => vec![0.0; r],
+            };
+            for j in 0..v {
+                let bias: f64 = (0..r).map(|i| self.w2[j * r + i] as f64 * e[i]).sum();
+                logits.push(self.logits[a * v + j] as f64 + bias);
+            }
+            let zh: f64 = (0..h)
+                .map(|i| self.cw[i] as f64 * self.hidden[a * h + i] as f64)
+                .sum();
+            let ze: f64 = (0..r).map(|i| self.cw[h + i] as f64 * e[i]).sum();
+            conf.push(1.0 / (1.0 + (-(zh + ze + self.bias as f64)).exp()));
+        }
+        (logits, conf)
+    }
+
+    fn run(
+        &self,
+        b: &Backend,
+        at: &[i32],
+        prev: &[i32],
+    ) -> Result<(Vec<f32>, Vec<f32>), KernelError> {
+        let (w1, w2) = (
+            b.weight(&self.matrix(&self.w1)).expect("w1"),
+            b.weight(&self.matrix(&self.w2)).expect("w2"),
+        );
+        let (logits, hidden, cw) = (
+            b.upload(&self.logits).expect("logits"),
+            b.upload(&self.hidden).expect("hidden"),
+            b.upload(&self.cw).expect("cw"),
+        );
+        let (at, prev) = (
+            b.ints(at.to_vec()).expect("at"),
+            b.ints(prev.to_vec()).expect("prev"),
+        );
+        let out = markov_step(
+            b,
+            MarkovStep {
+                logits: &logits,
+                hidden: &hidden,
+                at: &at,
+                prev: &prev,
+                w1: &w1,
+                w2: &w2,
+                conf_w: &cw,
+                conf_bias: self.bias,
+            },
+        )?;
+        Ok((
+            out.logits.into_host().expect("logits"),
+            out.confidence.into_host().expect("confidence"),
+        ))
+    }
+}
+
+#[test]
+fn markov_step_is_the_bigram_bias_and_the_confidence_head() {
+    // (vocab, rank, inputs): a vocabulary that is no multiple of the GPU's 256-entry blocks,
+    // two thread groups (8 + 3 inputs); a rank the GPU takes without its 8-wide loads; one
+    // input (a single stream).
+    for (i, (vocab, rank, n)) in [(1000, 24, 11), (777, 20, 3), (300, 64, 1)]
+        .into_iter()
+        .enumerate()
+    {
+        for bf16 in [false, true] {
+            let case = MarkovCase::new(vocab, rank, n, bf16, 300 + i as u64);
+            let (want_logits, want_conf) = case.reference(&case.prev);
+            for b in backends() {
+                let (logits, conf) = case.run(&b, &case.at, &case.prev).expect("markov_step");
+                let what = format!("vocab {vocab} rank {rank} n {n} bf16 {bf16}");
+                check(&b, &format!("{what}: logits"), &logits, &want_logits);
+                check(&b, &format!("{what}: confidence"), &conf, &want_conf);
+            }
+        }
+    }
+}
+
+#[test]
+fn markov_step_ids_it_cannot_use() {
+    let case = MarkovCase::new(500, 16, 4, false, 400);
+    for b in backends() {
+        let mut bad_prev = case.prev.clone();
+        bad_prev[1] = -1;
+        bad_prev[3] = 500;
+        let mut bad_at = case.at.clone();
+        bad_at[2] = 40;
+        match b {
+            Backend::Cpu => {
+                let e = case.run(&b, &case.at, &bad_prev).expect_err("prev -1");
+                let msg = e.to_string();
+                assert!(msg.contains("markov_step") && msg.contains("prev"), "{msg}");
+                let e = case.run(&b, &bad_at, &case.prev).expect_err("at 40 of 40");
+                let msg = e.to_string();
+                assert!(msg.contains("markov_step") && msg.contains("at"), "{msg}");
+            }
+            #[cfg(any(feature = "cuda", feature = "rocm"))]
+            _ => {
+                // A previous token outside the vocabulary is a zero W1 row.
+                let (logits, conf) = case.run(&b, &case.at, &bad_prev).expect("bad prev");
+                let (want_logits, want_conf) = case.reference(&bad_prev);
+                check(&b, "out-of-vocabulary prev: logits", &logits, &want_logits);
+                check(&b, "out-of-vocabulary prev: confidence", &conf, &want_conf);
+                // A row outside the pass is NaN, that input only.
+                let (logits, conf) = case.run(&b, &bad_at, &case.prev).expect("bad at");
+                let v = case.vocab;
+                assert!(logits[2 * v..3 * v].iter().all(|x| x.is_nan()) && conf[2].is_nan());
+                assert!(logits[..2 * v].iter().all(|x| x.is_finite()) && conf[3].is_finite());
+            }
+        }
+        // W2 of another shape, on every backend.
+        let w1 = b.weight(&case.matrix(&case.w1)).expect("w1");
+        let short = Matrix::from_f32(499, 16, case.w2[..499 * 16].to_vec()).expect("w2");
+        let w2 = b.weight(&short).expect("w2");
+        let (logits, hidden, cw) = (
+            b.upload(&case.logits).expect("logits"),
+            b.upload(&case.hidden).expect("hidden"),
+            b.upload(&case.cw).expect("cw"),
+        );
+        let (at, prev) = (
+            b.ints(case.at.clone()).expect("at"),
+            b.ints(case.prev.clone()).expect("prev"),
+        );
+        let e = markov_step(
+            &b,
+            MarkovStep {
+                logits: &logits,
+                hidden: &hidden,
+                at: &at,
+                prev: &prev,
+                w1: &w1,
+                w2: &w2,
+                conf_w: &cw,
+                conf_bias: 0.0,
+            },
+        )
+        .expect_err("w2 [499][16]");
+        assert!(e.to_string().contains("w2"), "{e}");
+    }
 }

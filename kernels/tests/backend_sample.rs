@@ -15,7 +15,8 @@
 //! - `draw`: identical ids for uniforms away from CDF boundaries (the GPU cumulates in f64 in
 //!   another order; the uniforms here keep u·total 1e-9 of the total away from any boundary);
 //!   a degenerate row gives -1 without touching the others.
-//! - `argmax`: identical, ties to the lowest index, NaN never chosen.
+//! - `argmax`: identical, ties to the lowest index, NaN never chosen; a batch and each row
+//!   alone (a GPU splits a few long rows over several blocks, then merges).
 //! - `apply_controls` (penalties, `logit_bias`, the `min_tokens` mask): bit-identical to
 //!   `cpu::logits::apply_controls` row by row on every backend (the GPU arm runs that very
 //!   function on the host and writes the rows back), untouched rows unchanged, and the greedy
@@ -542,6 +543,18 @@ fn argmax_matches_the_cpu_with_ties_to_the_lowest_index() {
         inf[vocab - 1] = f32::INFINITY;
         rows.push(inf);
         rows.push(flat(&mut rng, vocab));
+        if vocab > 8192 {
+            // Ties in different 2,048-entry parts of a GPU's split argmax, the first of them
+            // last in its part; the winner alone in the row's last, partial part.
+            let mut split = flat(&mut rng, vocab);
+            split[4095] = 9.0;
+            split[4096] = 9.0;
+            split[vocab - 5] = 9.0;
+            rows.push(split);
+            let mut last = vec![f32::NEG_INFINITY; vocab];
+            last[vocab - 1] = -3.0;
+            rows.push(last);
+        }
         let want: Vec<i32> = rows.iter().map(|r| cpu::argmax(r) as i32).collect();
         assert_eq!(want[0], 3);
         assert_eq!(want[2..4], [0, 0]);
@@ -549,6 +562,12 @@ fn argmax_matches_the_cpu_with_ties_to_the_lowest_index() {
             let x = b.upload(&rows.concat()).expect("upload");
             let got = host_ints(&argmax(&b, &x, vocab).expect("argmax"));
             assert_eq!(got, want, "vocab {vocab} on the {}", b.name());
+            // Each row alone: on a GPU, one row is split over the most blocks.
+            for (r, row) in rows.iter().enumerate() {
+                let x = b.upload(row).expect("upload");
+                let got = host_ints(&argmax(&b, &x, vocab).expect("argmax"));
+                assert_eq!(got, [want[r]], "vocab {vocab}, row {r} alone on the {}", b.name());
+            }
         }
     }
 }

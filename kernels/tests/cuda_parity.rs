@@ -196,6 +196,8 @@ fn nvrtc_compiles_every_source() {
                     "draft_attn_combine".into(),
                     "draft_concat".into(),
                     "draft_confidence".into(),
+                    "draft_markov_f32".into(),
+                    "draft_markov_bf16".into(),
                 ];
                 for kv in ["f32", "bf16"] {
                     for q in [4, 8, 16] {
@@ -212,6 +214,8 @@ fn nvrtc_compiles_every_source() {
                 for k in [
                     "sample_probs",
                     "sample_argmax",
+                    "sample_argmax_part",
+                    "sample_argmax_merge",
                     "sample_draw",
                     "spec_verify",
                 ] {

@@ -1,6 +1,6 @@
 //! The speculative drafter's own ops (DSpark / DFlash block drafter): context rows scattered
 //! into the drafter's pages, block attention over them (GQA), the concatenation of tapped
-//! hidden states, the confidence head.
+//! hidden states, the confidence head, and one step of the Markov head with it.
 //!
 //! The drafter's context cache has a natural paged layout per drafter layer:
 //! `[block][page][width]` f32 (or bf16 on a GPU) with `width = 2 · kv_heads · head_dim`, each
@@ -12,7 +12,9 @@
 //! block attention is f32 with an online softmax and a split-K merge, so it matches the CPU
 //! within summation order (1e-5 of max |out|, `tests/backend_draft.rs`).
 
-use super::{mismatch, Backend, Ints, Pages, PagesMut, Slots, Tensor};
+use super::linear::{linear, Linear};
+use super::rows::{embed, gather, Embed, Gather};
+use super::{mismatch, Backend, Ints, Pages, PagesMut, Precision, Slots, Tensor, Weight};
 use crate::cpu::draft::{BlockAttnDims, BlockRows, ConfidenceRows, PagedContext};
 use crate::KernelError;
 
@@ -369,4 +371,167 @@ fn confidence_on<D: super::OnDevice>(
         bias: p.bias,
     };
     crate::gpu::draft::confidence(dev, &batch, tv::<D>(out, OP, "out")?)
+}
+
+/// One left-to-right step of DSpark's Markov head (and its confidence head) for `n` inputs:
+/// input `s` is at row `at[s]` of the backbone's block pass, its previous token is `prev[s]`.
+#[derive(Debug, Clone, Copy)]
+pub struct MarkovStep<'a> {
+    /// `[R][vocab]` the backbone's LM-head logits, every block position of every input.
+    pub logits: &'a Tensor,
+    /// `[R][hidden]` the backbone's final hidden states, same rows.
+    pub hidden: &'a Tensor,
+    /// `[n]` each input's row of `logits` / `hidden` at this block position.
+    pub at: &'a Ints,
+    /// `[n]` each input's previous token (the anchor, then the last draft).
+    pub prev: &'a Ints,
+    /// `[vocab][rank]` the bigram embedding `W1`.
+    pub w1: &'a Weight,
+    /// `[vocab][rank]` the bigram projection `W2`.
+    pub w2: &'a Weight,
+    /// `[hidden + rank]` the confidence head's weight.
+    pub conf_w: &'a Tensor,
+    /// The confidence head's bias.
+    pub conf_bias: f32,
+}
+
+/// What a [`MarkovStep`] gives each input.
+#[derive(Debug)]
+pub struct MarkovRows {
+    /// `[n][vocab]` the corrected logits `U_k + W2 · W1[prev]`: the distribution the input's
+    /// draft is drawn from (after the sampler's controls).
+    pub logits: Tensor,
+    /// `[n]` the confidence head's survival estimate `σ(w · [h_k ; W1[prev]] + b)`.
+    pub confidence: Tensor,
+}
+
+/// Runs [`MarkovStep`]. The CPU arm is the composition the drafter ran before this op existed
+/// (embedding, the bias [`linear`], the gathers, the add, [`confidence`]), so its bits are
+/// unchanged; there a `prev` or `at` outside its range is an error. A GPU does it in one
+/// launch (`gpu::draft::markov_step`: f32 sums in another order; a `prev` outside the
+/// vocabulary reads a zero `W1` row, an `at` outside the rows gives NaN).
+pub fn markov_step(b: &Backend, p: MarkovStep<'_>) -> Result<MarkovRows, KernelError> {
+    const OP: &str = "markov_step";
+    let (vocab, rank) = (p.w1.rows(), p.w1.cols());
+    if p.w2.rows() != vocab || p.w2.cols() != rank {
+        return Err(KernelError::InvalidParam {
+            op: OP,
+            field: "w2",
+            limit: "the shape of w1",
+            value: format!("[{}][{}] vs [{vocab}][{rank}]", p.w2.rows(), p.w2.cols()),
+        });
+    }
+    if vocab == 0 || rank == 0 || p.conf_w.len() <= rank {
+        return Err(KernelError::InvalidParam {
+            op: OP,
+            field: "w1 / conf_w",
+            limit: "a non-empty [vocab][rank] and hidden + rank confidence weights",
+            value: format!("[{vocab}][{rank}], {} weights", p.conf_w.len()),
+        });
+    }
+    let hid = p.conf_w.len() - rank;
+    if p.logits.len() % vocab != 0 {
+        return Err(KernelError::NotDivisible {
+            op: OP,
+            what: "logits",
+            len: p.logits.len(),
+            width: vocab,
+        });
+    }
+    let rows = p.logits.len() / vocab;
+    crate::cpu::gemm::check_len(OP, "hidden", rows * hid, p.hidden.len())?;
+    crate::cpu::gemm::check_len(OP, "prev", p.at.len(), p.prev.len())?;
+    match b {
+        Backend::Cpu => {
+            // Named here, not by the inner ops.
+            for &a in p.at.host(OP, "at")? {
+                super::host_index(OP, "at", a.into(), rows)?;
+            }
+            for &t in p.prev.host(OP, "prev")? {
+                super::host_index(OP, "prev", t.into(), vocab)?;
+            }
+            let e = embed(
+                b,
+                Embed {
+                    table: p.w1,
+                    ids: p.prev,
+                },
+            )?;
+            let bias = linear(
+                b,
+                Linear {
+                    x: &e,
+                    w: p.w2,
+                    precision: Precision::Exact,
+                },
+            )?;
+            let mut logits = gather(
+                b,
+                Gather {
+                    src: p.logits,
+                    rows: p.at,
+                    width: vocab,
+                },
+            )?;
+            for (x, d) in logits
+                .host_mut(OP, "logits")?
+                .iter_mut()
+                .zip(bias.host(OP, "bias")?)
+            {
+                *x += d;
+            }
+            let h = gather(
+                b,
+                Gather {
+                    src: p.hidden,
+                    rows: p.at,
+                    width: hid,
+                },
+            )?;
+            let confidence = confidence(
+                b,
+                Confidence {
+                    h: &h,
+                    e: &e,
+                    w: p.conf_w,
+                    bias: p.conf_bias,
+                },
+            )?;
+            Ok(MarkovRows { logits, confidence })
+        }
+        #[cfg(feature = "cuda")]
+        Backend::Cuda(dev) => markov_on(dev, b, &p),
+        #[cfg(feature = "rocm")]
+        Backend::Rocm(dev) => markov_on(dev, b, &p),
+    }
+}
+
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+fn markov_on<D: super::OnDevice>(
+    dev: &D,
+    b: &Backend,
+    p: &MarkovStep<'_>,
+) -> Result<MarkovRows, KernelError> {
+    use super::{iv, tv, wv};
+    const OP: &str = "markov_step";
+    let n = p.at.len();
+    let logits = b.scratch(n * p.w1.rows())?;
+    let confidence = b.scratch(n)?;
+    let batch = crate::gpu::draft::MarkovBatch {
+        logits: tv::<D>(p.logits, OP, "logits")?,
+        hidden: tv::<D>(p.hidden, OP, "hidden")?,
+        at: iv::<D>(p.at, OP, "at")?,
+        prev: iv::<D>(p.prev, OP, "prev")?,
+        w1: wv::<D>(p.w1, OP, "w1")?,
+        w2: wv::<D>(p.w2, OP, "w2")?,
+        conf_w: tv::<D>(p.conf_w, OP, "conf_w")?,
+        conf_bias: p.conf_bias,
+    };
+    crate::gpu::draft::markov_step(
+        dev,
+        &batch,
+        tv::<D>(&logits, OP, "out")?,
+        tv::<D>(&confidence, OP, "confidence")?,
+    )?;
+    Ok(MarkovRows { logits, confidence })
 }

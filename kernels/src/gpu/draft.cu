@@ -8,6 +8,9 @@
 //   draft_attn_combine              merges the attention's split-K partials
 //   draft_concat                    one source's rows into a column range of the output
 //   draft_confidence                σ(w·[h ; e] + bias), a warp per row
+//   draft_markov_{f32,bf16}         one step of the Markov head: the backbone's logits at each
+//                                   input's block position plus the bigram bias W2·W1[prev],
+//                                   and the confidence head, in one launch
 //
 // Device-side indices the host could not check (slots, block ids, row ids, context lengths on
 // the device) never make a kernel read or write outside its buffers: a bad slot is skipped, a
@@ -314,4 +317,120 @@ extern "C" __global__ void draft_confidence(const float* h, const float* e, cons
   }
   float z = warp_sum(acc) + bias;
   if (r < rows && lane == 0) out[r] = 1.0f / (1.0f + expf(-z));
+}
+
+// ---------------------------------------------------------------------------------------------
+// One left-to-right step of DSpark's Markov head for n inputs (W1, W2: [vocab][rank]):
+//   out[s][v] = logits[at[s]][v] + Σ_r W2[v][r] · W1[prev[s]][r]
+//   conf[s]   = σ(Σ_i cw[i]·hidden[at[s]][i] + Σ_r cw[hid + r]·W1[prev[s]][r] + cb)
+// which the host would otherwise issue as seven launches (an embedding, the bias GEMV, two
+// gathers, the add, the confidence head), one of them a single block walking a whole
+// vocabulary row. A prev outside [0, vocab) reads a zero W1 row, as the embedding does (a failed
+// draw's -1); an `at` outside [0, rows) gives NaN logits and confidence.
+//
+// Grid: (⌈vocab / MK_THREADS⌉, ⌈n / MK_ROWS⌉); block MK_THREADS; dynamic shared memory
+// MK_ROWS · rank floats (the group's W1 rows). Thread t of block (x, g) takes vocabulary entry
+// x · MK_THREADS + t for the group's MK_ROWS inputs: its W2 row is read once (16-byte loads when
+// rank % 8 == 0) and dotted with each input's W1 row, read from shared memory as broadcasts, so
+// W2 crosses memory once a step for up to MK_ROWS inputs. Blocks (0, g) also compute the group's
+// confidences, a warp per input.
+#define MK_THREADS 256
+#define MK_ROWS 8
+static_assert(MK_THREADS / WARP == MK_ROWS, "a warp per input for the confidences");
+
+// Eight consecutive weights widened to f32 (16-byte aligned).
+__device__ __forceinline__ void mk_load8(const bf16_t* w, float* f) {
+  uint4 v = *reinterpret_cast<const uint4*>(w);
+  unsigned p[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int j = 0; j < 4; j++) {
+    f[2 * j] = ferry_u2f(p[j] << 16);
+    f[2 * j + 1] = ferry_u2f(p[j] & 0xffff0000u);
+  }
+}
+__device__ __forceinline__ void mk_load8(const float* w, float* f) {
+  float4 a = *reinterpret_cast<const float4*>(w), b = *reinterpret_cast<const float4*>(w + 4);
+  f[0] = a.x, f[1] = a.y, f[2] = a.z, f[3] = a.w, f[4] = b.x, f[5] = b.y, f[6] = b.z, f[7] = b.w;
+}
+
+struct MarkovArgs {
+  const float* logits;  // [rows][vocab] the backbone's logits
+  const float* hidden;  // [rows][hid] its final hidden states
+  const int* at;        // [n] each input's row at this block position
+  const int* prev;      // [n] each input's previous token
+  const void* w1;       // [vocab][rank]
+  const void* w2;       // [vocab][rank]
+  const float* cw;      // [hid + rank] confidence head weight
+  float* out;           // [n][vocab]
+  float* conf;          // [n]
+  float cb;
+  int n, rows, vocab, rank, hid;
+};
+
+template <typename W>
+__device__ void draft_markov_impl(const MarkovArgs& a) {
+  extern __shared__ float e_s[];  // [MK_ROWS][rank]
+  const W* w1 = static_cast<const W*>(a.w1);
+  const W* w2 = static_cast<const W*>(a.w2);
+  int rank = a.rank, g0 = blockIdx.y * MK_ROWS;
+  int nr = min(MK_ROWS, a.n - g0);
+  for (int i = threadIdx.x; i < MK_ROWS * rank; i += blockDim.x) {
+    int j = i / rank, r = i - j * rank;
+    float x = 0.0f;
+    if (j < nr) {
+      int id = a.prev[g0 + j];
+      if (id >= 0 && id < a.vocab) x = ld_f(w1 + (size_t)id * rank + r);
+    }
+    e_s[i] = x;
+  }
+  __syncthreads();
+  int v = blockIdx.x * MK_THREADS + threadIdx.x;
+  if (v < a.vocab) {
+    float acc[MK_ROWS];
+#pragma unroll
+    for (int j = 0; j < MK_ROWS; j++) acc[j] = 0.0f;
+    const W* wr = w2 + (size_t)v * rank;
+    if ((rank & 7) == 0) {
+      for (int r = 0; r < rank; r += 8) {
+        float w[8];
+        mk_load8(wr + r, w);
+#pragma unroll
+        for (int j = 0; j < MK_ROWS; j++)
+#pragma unroll
+          for (int q = 0; q < 8; q++) acc[j] += w[q] * e_s[j * rank + r + q];
+      }
+    } else {
+      for (int r = 0; r < rank; r++) {
+        float w = ld_f(wr + r);
+#pragma unroll
+        for (int j = 0; j < MK_ROWS; j++) acc[j] += w * e_s[j * rank + r];
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < MK_ROWS; j++) {
+      if (j >= nr) break;
+      int row = a.at[g0 + j];
+      float x = row >= 0 && row < a.rows ? a.logits[(size_t)row * a.vocab + v] + acc[j] : FERRY_NAN;
+      a.out[(size_t)(g0 + j) * a.vocab + v] = x;
+    }
+  }
+  if (blockIdx.x != 0) return;
+  int j = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+  if (j >= nr) return;
+  int row = a.at[g0 + j];
+  bool ok = row >= 0 && row < a.rows;
+  float z = 0.0f;
+  if (ok)
+    for (int i = lane; i < a.hid; i += WARP) z += a.cw[i] * a.hidden[(size_t)row * a.hid + i];
+  for (int i = lane; i < rank; i += WARP) z += a.cw[a.hid + i] * e_s[j * rank + i];
+  z = warp_sum(z) + a.cb;
+  if (lane == 0) a.conf[g0 + j] = ok ? 1.0f / (1.0f + expf(-z)) : FERRY_NAN;
+}
+extern "C" __global__ void __launch_bounds__(MK_THREADS) draft_markov_f32(MarkovArgs a) {
+  pdl_enter();
+  draft_markov_impl<float>(a);
+}
+extern "C" __global__ void __launch_bounds__(MK_THREADS) draft_markov_bf16(MarkovArgs a) {
+  pdl_enter();
+  draft_markov_impl<bf16_t>(a);
 }

@@ -1,5 +1,5 @@
 //! Typed launchers for `gpu/draft.cu`: the speculative drafter's row scatter, block attention
-//! (with its split-K merge), tap concatenation and confidence head.
+//! (with its split-K merge), tap concatenation, confidence head and Markov-head step.
 //!
 //! Every launcher checks that each buffer holds what the kernel will index before launching.
 //! Indices that live on the device (slots, block ids, row ids, context lengths) cannot be
@@ -8,7 +8,7 @@
 //! them all.
 
 use super::launch::{DeviceMem, Gpu, KernelArgs, KernelParam, LaunchDims};
-use super::ops::{need, Dv, PagesView};
+use super::ops::{need, Dv, GpuMatrix, PagesView};
 use crate::cpu::draft::BlockAttnDims;
 use crate::error::{c_int as int, KernelError};
 use crate::gpu::{Defines, Source};
@@ -351,6 +351,144 @@ pub fn confidence<D: Gpu>(dev: &D, b: &ConfidenceBatch, out: Dv<f32>) -> Result<
         .push(bias)
         .push(out.ptr);
     dev.launch(&f, LaunchDims::linear(r.div_ceil(8), 256), &mut a)
+}
+
+/// Inputs a Markov-step block takes together (`MK_ROWS` in `draft.cu`).
+const MARKOV_ROWS: usize = 8;
+/// Threads (vocabulary entries) per Markov-step block (`MK_THREADS` in `draft.cu`).
+const MARKOV_THREADS: usize = 256;
+/// Largest Markov rank: the group's W1 rows fit 32 KB of shared memory.
+pub const MAX_MARKOV_RANK: usize = 1024;
+
+/// One Markov-head step's operands (`backend::draft::MarkovStep`, on the device).
+#[derive(Debug, Clone, Copy)]
+pub struct MarkovBatch<'a, D: Gpu> {
+    /// `[rows][vocab]` the backbone's logits.
+    pub logits: Dv<f32>,
+    /// `[rows][hidden]` its final hidden states.
+    pub hidden: Dv<f32>,
+    /// `[n]` each input's row at this block position.
+    pub at: Dv<i32>,
+    /// `[n]` each input's previous token.
+    pub prev: Dv<i32>,
+    /// `[vocab][rank]` the bigram embedding.
+    pub w1: &'a GpuMatrix<D>,
+    /// `[vocab][rank]` the bigram projection.
+    pub w2: &'a GpuMatrix<D>,
+    /// `[hidden + rank]` the confidence head's weight.
+    pub conf_w: Dv<f32>,
+    /// The confidence head's bias.
+    pub conf_bias: f32,
+}
+
+/// `MarkovArgs` in `draft.cu`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct MarkovArgs {
+    logits: u64,
+    hidden: u64,
+    at: u64,
+    prev: u64,
+    w1: u64,
+    w2: u64,
+    cw: u64,
+    out: u64,
+    conf: u64,
+    cb: f32,
+    n: i32,
+    rows: i32,
+    vocab: i32,
+    rank: i32,
+    hid: i32,
+}
+// SAFETY: repr(C): nine u64 then six 4-byte fields: 96 bytes, no padding; matches
+// `struct MarkovArgs` in draft.cu field for field.
+unsafe impl KernelParam for MarkovArgs {}
+
+/// One left-to-right Markov-head step for `n = at.len` inputs, in one launch:
+/// `out[s] = logits[at[s]] + W2 · W1[prev[s]]` (`[n][vocab]`) and
+/// `conf[s] = σ(w · [hidden[at[s]] ; W1[prev[s]]] + bias)`. f32 sums (the bias in 8-wide
+/// steps of the rank, the confidence a warp per input), so it matches the CPU's composition
+/// within summation order. On the device a `prev` outside the vocabulary reads a zero W1 row
+/// and an `at` outside the rows gives NaN (neither can be checked without a download).
+pub fn markov_step<D: Gpu>(
+    dev: &D,
+    b: &MarkovBatch<'_, D>,
+    out: Dv<f32>,
+    conf: Dv<f32>,
+) -> Result<(), KernelError> {
+    const OP: &str = "gpu_markov_step";
+    let (vocab, rank) = (b.w1.rows(), b.w1.cols());
+    if b.w2.rows() != vocab || b.w2.cols() != rank || b.w2.is_bf16() != b.w1.is_bf16() {
+        return Err(KernelError::InvalidParam {
+            op: OP,
+            field: "w2",
+            limit: "the shape and element type of w1",
+            value: format!("[{}][{}]", b.w2.rows(), b.w2.cols()),
+        });
+    }
+    if rank == 0 || rank > MAX_MARKOV_RANK {
+        return Err(KernelError::InvalidParam {
+            op: OP,
+            field: "rank",
+            limit: "in 1..=1024",
+            value: rank.to_string(),
+        });
+    }
+    need(OP, "conf_w", rank + 1, b.conf_w.len)?;
+    let hid = b.conf_w.len - rank;
+    let n = b.at.len;
+    let rows = b.logits.len / vocab.max(1);
+    need(OP, "logits", rows * vocab, b.logits.len)?;
+    need(OP, "hidden", rows * hid, b.hidden.len)?;
+    need(OP, "prev", n, b.prev.len)?;
+    need(OP, "out", n * vocab, out.len)?;
+    need(OP, "conf", n, conf.len)?;
+    if n == 0 {
+        return Ok(());
+    }
+    let groups = n.div_ceil(MARKOV_ROWS);
+    if groups > 65_535 {
+        return Err(KernelError::InvalidParam {
+            op: OP,
+            field: "inputs",
+            limit: "<= 524280",
+            value: n.to_string(),
+        });
+    }
+    let args = MarkovArgs {
+        logits: b.logits.ptr,
+        hidden: b.hidden.ptr,
+        at: b.at.ptr,
+        prev: b.prev.ptr,
+        w1: b.w1.ptr(),
+        w2: b.w2.ptr(),
+        cw: b.conf_w.ptr,
+        out: out.ptr,
+        conf: conf.ptr,
+        cb: b.conf_bias,
+        n: int(OP, "inputs", n)?,
+        rows: int(OP, "rows", rows)?,
+        vocab: int(OP, "vocab", vocab)?,
+        rank: int(OP, "rank", rank)?,
+        hid: int(OP, "hidden", hid)?,
+    };
+    let f = kernel(
+        dev,
+        if b.w1.is_bf16() {
+            "draft_markov_bf16"
+        } else {
+            "draft_markov_f32"
+        },
+    )?;
+    let mut a = KernelArgs::new();
+    a.push(args);
+    let dims = LaunchDims {
+        grid: (vocab.div_ceil(MARKOV_THREADS) as u32, groups as u32, 1),
+        block: (MARKOV_THREADS as u32, 1, 1),
+        smem: (MARKOV_ROWS * rank * 4) as u32,
+    };
+    dev.launch(&f, dims, &mut a)
 }
 
 #[cfg(test)]

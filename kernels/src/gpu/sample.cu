@@ -80,15 +80,26 @@ __device__ __forceinline__ void warp_argmax(float& v, int& i) {
   }
 }
 
-// cpu::sample::argmax over x[0..n): the largest value, ties to the lowest index, NaN never
-// chosen; 0 when nothing beats -inf (empty, all -inf or all NaN). Every thread gets it.
-__device__ int block_argmax(const float* x, int n, float* red_v, int* red_i) {
+// The best (value, index) of x[lo..hi) over the block, by `arg_better`; (-inf, NO_INDEX) when
+// nothing beats -inf (empty, all -inf or all NaN). Every thread gets it. Each thread takes
+// ARGMAX_UNROLL strided entries a trip, loading them all before comparing (one memory round
+// trip a trip, not one per entry), and visits its indices in increasing order, so `>` keeps
+// its lowest tied index.
+#define ARGMAX_UNROLL 4
+__device__ void block_argmax_range(const float* x, int lo, int hi, float* red_v, int* red_i,
+                                   float* out_v, int* out_i) {
   float bv = -FERRY_INF;
   int bi = NO_INDEX;
-  // Each thread visits its indices in increasing order, so `>` keeps its lowest tied index.
-  for (int i = threadIdx.x; i < n; i += SAMPLE_THREADS) {
-    float v = x[i];
-    if (v > bv) { bv = v; bi = i; }
+  for (int base = lo + threadIdx.x; base < hi; base += ARGMAX_UNROLL * SAMPLE_THREADS) {
+    float v[ARGMAX_UNROLL];
+#pragma unroll
+    for (int j = 0; j < ARGMAX_UNROLL; j++) {
+      int i = base + j * SAMPLE_THREADS;
+      v[j] = i < hi ? x[i] : -FERRY_INF;
+    }
+#pragma unroll
+    for (int j = 0; j < ARGMAX_UNROLL; j++)
+      if (v[j] > bv) { bv = v[j]; bi = base + j * SAMPLE_THREADS; }
   }
   warp_argmax(bv, bi);
   int w = threadIdx.x / WARP, lane = threadIdx.x % WARP;
@@ -98,6 +109,16 @@ __device__ int block_argmax(const float* x, int n, float* red_v, int* red_i) {
   bv = lane < SAMPLE_WARPS ? red_v[lane] : -FERRY_INF;
   bi = lane < SAMPLE_WARPS ? red_i[lane] : NO_INDEX;
   warp_argmax(bv, bi);
+  *out_v = bv;
+  *out_i = bi;
+}
+
+// cpu::sample::argmax over x[0..n): the largest value, ties to the lowest index, NaN never
+// chosen; 0 when nothing beats -inf (empty, all -inf or all NaN). Every thread gets it.
+__device__ int block_argmax(const float* x, int n, float* red_v, int* red_i) {
+  float bv;
+  int bi;
+  block_argmax_range(x, 0, n, red_v, red_i, &bv, &bi);
   return bi == NO_INDEX ? 0 : bi;
 }
 
@@ -278,6 +299,41 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
   __shared__ int red_i[SAMPLE_WARPS];
   int a = block_argmax(logits + (size_t)blockIdx.x * vocab, vocab, red_v, red_i);
   if (threadIdx.x == 0) out[blockIdx.x] = a;
+}
+
+// The same argmax with each row split over `parts` blocks, for a few long rows (one block
+// walking a 100k-entry row alone is one SM's latency-bound loop; a single-stream decode step
+// and each Markov step of a drafter pass pay it). Grid: (parts, rows); block: SAMPLE_THREADS.
+// Block (c, r) writes the best of row r's entries [c·chunk, (c+1)·chunk) to part r·parts + c.
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
+    sample_argmax_part(const float* logits, int vocab, int chunk, float* part_v, int* part_i) {
+  pdl_enter();
+  __shared__ float red_v[SAMPLE_WARPS];
+  __shared__ int red_i[SAMPLE_WARPS];
+  int c = blockIdx.x, parts = gridDim.x;
+  int lo = c * chunk, hi = min(vocab, lo + chunk);
+  float bv;
+  int bi;
+  block_argmax_range(logits + (size_t)blockIdx.y * vocab, lo, hi, red_v, red_i, &bv, &bi);
+  if (threadIdx.x == 0) {
+    part_v[(size_t)blockIdx.y * parts + c] = bv;
+    part_i[(size_t)blockIdx.y * parts + c] = bi;
+  }
+}
+
+// Merges a row's parts (written by sample_argmax_part) by `arg_better`: the same winner as
+// one block over the whole row, whatever the order. Grid: rows; block: one warp.
+extern "C" __global__ void sample_argmax_merge(const float* part_v, const int* part_i, int parts,
+                                               int* out) {
+  pdl_enter();
+  float bv = -FERRY_INF;
+  int bi = NO_INDEX;
+  const float* pv = part_v + (size_t)blockIdx.x * parts;
+  const int* pi = part_i + (size_t)blockIdx.x * parts;
+  for (int c = threadIdx.x; c < parts; c += WARP)
+    if (arg_better(pv[c], pi[c], bv, bi)) { bv = pv[c]; bi = pi[c]; }
+  warp_argmax(bv, bi);
+  if (threadIdx.x == 0) out[blockIdx.x] = bi == NO_INDEX ? 0 : bi;
 }
 
 // ---------------------------------------------------------------------------------------------

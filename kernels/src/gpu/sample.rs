@@ -133,8 +133,25 @@ pub fn draw<D: Gpu>(
     dev.launch(&f, LaunchDims::linear(rows, THREADS), &mut a)
 }
 
+/// Fewest entries one block of the split argmax takes: one unrolled trip of its threads
+/// (`ARGMAX_UNROLL` · `SAMPLE_THREADS` in `sample.cu`).
+const ARGMAX_MIN_CHUNK: usize = 4 * THREADS as usize;
+
+/// How the argmax splits each of `rows` rows of `vocab` entries over a card of `sms`
+/// multiprocessors: `(parts, chunk)`, `parts` blocks a row of `chunk` entries each (a multiple
+/// of [`ARGMAX_MIN_CHUNK`]), as many as keep `rows · parts` near two blocks an SM. `parts == 1`
+/// is the one-block-a-row kernel (a large batch already fills the card).
+pub fn argmax_parts(sms: usize, rows: usize, vocab: usize) -> (usize, usize) {
+    let want = (2 * sms.max(1)).div_ceil(rows.max(1));
+    let parts = want.min(vocab.div_ceil(ARGMAX_MIN_CHUNK)).max(1);
+    let chunk = vocab.div_ceil(parts).next_multiple_of(ARGMAX_MIN_CHUNK);
+    (vocab.div_ceil(chunk).max(1), chunk)
+}
+
 /// `cpu::sample::argmax` of each `[vocab]` row of `logits` (ties to the lowest index, NaN never
-/// chosen, 0 for a row with nothing above -inf) into `out[row]`. Exact.
+/// chosen, 0 for a row with nothing above -inf) into `out[row]`. Exact: the winner does not
+/// depend on how a row is split ([`argmax_parts`]: a few long rows take several blocks each,
+/// then a merge launch).
 pub fn argmax<D: Gpu>(
     dev: &D,
     logits: Dv<f32>,
@@ -143,17 +160,43 @@ pub fn argmax<D: Gpu>(
     vocab: usize,
 ) -> Result<(), KernelError> {
     const OP: &str = "gpu_sample_argmax";
-    let v = check_vocab(OP, vocab, i32::MAX as usize)?;
+    // Indices stay below i32::MAX through the kernel's last unrolled trip.
+    let v = check_vocab(OP, vocab, i32::MAX as usize - ARGMAX_MIN_CHUNK)?;
     need(OP, "logits", rows * vocab, logits.len)?;
     need(OP, "out", rows, out.len)?;
     int(OP, "rows", rows)?;
     if rows == 0 {
         return Ok(());
     }
-    let f = kernel(dev, "sample_argmax")?;
+    let (parts, chunk) = argmax_parts(dev.sm_count() as usize, rows, vocab);
+    if parts == 1 || rows > 65_535 {
+        let f = kernel(dev, "sample_argmax")?;
+        let mut a = KernelArgs::new();
+        a.push(logits.ptr).push(v).push(out.ptr);
+        return dev.launch(&f, LaunchDims::linear(rows, THREADS), &mut a);
+    }
+    let part_v = dev.alloc::<f32>(rows * parts)?;
+    let part_i = dev.alloc::<i32>(rows * parts)?;
+    let f = kernel(dev, "sample_argmax_part")?;
     let mut a = KernelArgs::new();
-    a.push(logits.ptr).push(v).push(out.ptr);
-    dev.launch(&f, LaunchDims::linear(rows, THREADS), &mut a)
+    a.push(logits.ptr)
+        .push(v)
+        .push(int(OP, "chunk", chunk)?)
+        .push(part_v.ptr())
+        .push(part_i.ptr());
+    let dims = LaunchDims {
+        grid: (parts as u32, rows as u32, 1),
+        block: (THREADS, 1, 1),
+        smem: 0,
+    };
+    dev.launch(&f, dims, &mut a)?;
+    let f = kernel(dev, "sample_argmax_merge")?;
+    let mut a = KernelArgs::new();
+    a.push(part_v.ptr())
+        .push(part_i.ptr())
+        .push(int(OP, "parts", parts)?)
+        .push(out.ptr);
+    dev.launch(&f, LaunchDims::linear(rows, 32), &mut a)
 }
 
 /// The operands of one batched verification (shapes as in `backend::verify::VerifyBatch`).
@@ -256,4 +299,27 @@ pub fn verify<D: Gpu>(dev: &D, a: VerifyArgs<'_>) -> Result<(), KernelError> {
         .push(int(OP, "width", a.width)?);
     dev.launch(&f, LaunchDims::linear(seqs, THREADS), &mut k)
     // `offsets` is freed stream-ordered, after the kernel has read it.
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn argmax_splits_few_long_rows_and_covers_every_entry() {
+        // One row of DeepSeek's vocabulary on 132 SMs: as many 2,048-entry parts as it has.
+        assert_eq!(argmax_parts(132, 1, 102_400), (50, 2048));
+        // A batch of 64: five parts a row, 320 blocks.
+        let (parts, chunk) = argmax_parts(132, 64, 102_400);
+        assert_eq!(parts, 5);
+        assert!(chunk % ARGMAX_MIN_CHUNK == 0 && parts * chunk >= 102_400);
+        // A batch that fills the card alone, and a short row: one block a row.
+        assert_eq!(argmax_parts(132, 264, 102_400).0, 1);
+        assert_eq!(argmax_parts(132, 1, 1000), (1, ARGMAX_MIN_CHUNK));
+        for (rows, vocab) in [(1, 129_280), (3, 2049), (7, 32_000), (1, 1)] {
+            let (parts, chunk) = argmax_parts(132, rows, vocab);
+            assert!(parts * chunk >= vocab, "{rows} x {vocab}: covered");
+            assert!((parts - 1) * chunk < vocab, "{rows} x {vocab}: no empty part");
+        }
+    }
 }

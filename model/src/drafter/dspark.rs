@@ -33,7 +33,8 @@
 use std::path::Path;
 
 use ferry_kernels::backend::draft::{
-    block_attention, gather_concat, scatter_rows, BlockAttention, GatherConcat, ScatterRows,
+    block_attention, gather_concat, markov_step, scatter_rows, BlockAttention, GatherConcat,
+    MarkovRows, MarkovStep, ScatterRows,
 };
 use ferry_kernels::backend::linear::{linear, Linear};
 use ferry_kernels::backend::mlp::{dense, Dense, DenseFfn};
@@ -611,9 +612,8 @@ impl DsparkDrafter {
     ) -> Result<(), ModelError> {
         let c = &self.config;
         let b = &self.backend;
-        let precision = target.precision();
         let pass = self.backbone(target, kv, plan)?;
-        let (blk, hid, vocab) = (c.block_size, c.hidden_size, c.vocab_size);
+        let (blk, vocab) = (c.block_size, c.vocab_size);
         let n = plan.anchors.len();
         // Step-major q: row k·n + s is input s's distribution at block position k.
         let mut q_steps = match plan.params {
@@ -625,38 +625,22 @@ impl DsparkDrafter {
         // out-of-range id as a zero row).
         let mut prev: Option<Ints> = None;
         for (k, at) in plan.at.iter().enumerate() {
-            let e = self
-                .markov
-                .embed(b, prev.as_ref().unwrap_or(&plan.anchors))?;
-            let bias = self.markov.bias(b, &e, precision)?;
-            let mut logits_k = gather(
+            let MarkovRows {
+                logits: logits_k,
+                confidence: conf,
+            } = markov_step(
                 b,
-                Gather {
-                    src: &pass.logits,
-                    rows: at,
-                    width: vocab,
+                MarkovStep {
+                    logits: &pass.logits,
+                    hidden: &pass.hidden,
+                    at,
+                    prev: prev.as_ref().unwrap_or(&plan.anchors),
+                    w1: &self.markov.w1,
+                    w2: &self.markov.w2,
+                    conf_w: &self.confidence.w,
+                    conf_bias: self.confidence.b,
                 },
             )?;
-            add_norm(
-                b,
-                AddNorm {
-                    h: &mut logits_k,
-                    delta: Some(&bias),
-                    weight: &bias,
-                    out: None,
-                    width: vocab,
-                    eps: 0.0,
-                },
-            )?;
-            let hidden_k = gather(
-                b,
-                Gather {
-                    src: &pass.hidden,
-                    rows: at,
-                    width: hid,
-                },
-            )?;
-            let conf = self.confidence.survival(b, &hidden_k, &e)?;
             b.copy_into(&conf, &mut out.confidence, k * n)?;
             let ids = match (&plan.params, plan.uniforms.get(k)) {
                 (Some(params), Some(uniforms)) => {

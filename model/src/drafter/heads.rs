@@ -8,11 +8,11 @@
 //! - **Confidence head**: `c_k = σ(wᵀ[h_k ; W1[x_{k−1}]] + b)` predicts that draft `k` survives
 //!   verification. It reads the previous draft, never draft `k` itself, so a verify length
 //!   chosen from it is non-anticipating.
+//!
+//! A pass applies both heads one block position at a time with
+//! `ferry_kernels::backend::draft::markov_step` (one launch a position on a GPU).
 
-use ferry_kernels::backend::draft::{confidence, Confidence};
-use ferry_kernels::backend::linear::{linear, Linear};
-use ferry_kernels::backend::rows::{embed, Embed};
-use ferry_kernels::backend::{Backend, Ints, Precision, Tensor, Weight};
+use ferry_kernels::backend::{Backend, Tensor, Weight};
 
 use crate::ModelError;
 
@@ -29,35 +29,6 @@ impl MarkovHead {
     /// The low rank r.
     pub fn rank(&self) -> usize {
         self.w1.cols()
-    }
-
-    /// `W1[x]` for each of `prev`, `[n][rank]`.
-    pub fn embed(&self, b: &Backend, prev: &Ints) -> Result<Tensor, ModelError> {
-        Ok(embed(
-            b,
-            Embed {
-                table: &self.w1,
-                ids: prev,
-            },
-        )?)
-    }
-
-    /// `W2 · e` for each row of `e` (`[n][rank]` → `[n][vocab]`): the bias added to the
-    /// backbone's logits.
-    pub fn bias(
-        &self,
-        b: &Backend,
-        e: &Tensor,
-        precision: Precision,
-    ) -> Result<Tensor, ModelError> {
-        Ok(linear(
-            b,
-            Linear {
-                x: e,
-                w: &self.w2,
-                precision,
-            },
-        )?)
     }
 
     /// The head on `b`.
@@ -79,20 +50,6 @@ pub struct ConfidenceHead {
 }
 
 impl ConfidenceHead {
-    /// The survival estimate of each row: `h` is `[n][hidden]` (final hidden states), `e` is
-    /// `[n][rank]` (the previous tokens' `W1` rows); `[n]` out.
-    pub fn survival(&self, b: &Backend, h: &Tensor, e: &Tensor) -> Result<Tensor, ModelError> {
-        Ok(confidence(
-            b,
-            Confidence {
-                h,
-                e,
-                w: &self.w,
-                bias: self.b,
-            },
-        )?)
-    }
-
     /// The head on `b`.
     pub fn to_backend(&self, b: &Backend) -> Result<Self, ModelError> {
         Ok(Self {
