@@ -7,6 +7,9 @@
 # times are what counts). The baseline run lists every kernel the bench launches.
 #   BLOCKS="4 8 16" KERNELS="sample_argmax add_rms_norm ..." scripts/bench_drafter_pass.sh
 # Environment: FERRY (default ./device-bin/ferry), BATCH (1), OUT (logs; else ./gpu-logs).
+# Kernels a build does not launch double nothing (the row equals the baseline): the default
+# list names both the one-launch Markov step (draft_markov_*, the split argmax) and the
+# launches it replaced, so one list profiles a build from before it too.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 FERRY=${FERRY:-./device-bin/ferry}
@@ -35,7 +38,7 @@ done
 echo
 echo "| kernel launched twice | decode step ms | drafter pass ms (eager / graph) |"
 echo "|---|---|---|"
-for k in ${KERNELS:-sample_argmax add_rms_norm gather_rows embed_bf16 gemv_bf16 draft_confidence draft_attn_bf16_q16_d128 draft_attn_combine}; do
+for k in ${KERNELS:-draft_markov_bf16 sample_argmax_part sample_argmax_merge sample_argmax add_rms_norm gather_rows embed_bf16 gemv_bf16 draft_attn_bf16_q16_d128 draft_attn_combine}; do
   cost "$base" FERRY_PROFILE_TWICE="$k" >"$out/drafter_twice_$k.log"
   grep '^| 1 | 1 |' "$out/drafter_twice_$k.log" | awk -F'|' -v k="$k" '{print "| " k " |" $4 "|" $7 "|"}'
 done
