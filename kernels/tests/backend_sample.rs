@@ -15,6 +15,9 @@
 //! - `draw`: identical ids for uniforms away from CDF boundaries (the GPU cumulates in f64 in
 //!   another order; the uniforms here keep u·total 1e-9 of the total away from any boundary);
 //!   a degenerate row gives -1 without touching the others.
+//! - `probs` and `draw` at DeepSeek's vocabulary run as a batch and row by row: a GPU splits a
+//!   few long rows over several blocks each (softmax and draw in parts), so both paths are
+//!   held to the same bounds; degenerate rows too.
 //! - `argmax`: identical, ties to the lowest index, NaN never chosen; a batch and each row
 //!   alone (a GPU splits a few long rows over several blocks, then merges).
 //! - `apply_controls` (penalties, `logit_bias`, the `min_tokens` mask): bit-identical to
@@ -265,13 +268,42 @@ fn probs_match_the_cpu_sampler_row_by_row() {
                 "probs, vocab {vocab}, on the {}: max |Δ| {worst:.2e}",
                 b.name()
             );
+            if vocab != DEEPSEEK_VOCAB || is_cpu(&b) {
+                continue;
+            }
+            // Each row alone: a GPU splits one long row over the most blocks.
+            for (r, (row, prm)) in batch.iter().enumerate() {
+                let rp = RowParams::new(&b, std::slice::from_ref(prm)).expect("valid params");
+                let x = b.upload(row).expect("upload");
+                let got = probs(
+                    &b,
+                    Probs {
+                        logits: &x,
+                        vocab,
+                        params: &rp,
+                    },
+                )
+                .expect("probs")
+                .to_host()
+                .expect("download");
+                let want = probs_from_logits(row, prm).expect("valid row");
+                let same_set = got.iter().zip(&want).all(|(g, w)| (*g > 0.0) == (*w > 0.0));
+                let d = common::max_abs_diff(&got, &want);
+                assert!(same_set && d <= 1e-6, "row {r} alone ({prm:?}): max |Δ| {d:.2e}");
+            }
         }
     }
 }
 
 #[test]
 fn a_degenerate_row_is_marked_and_does_not_touch_the_others() {
-    let vocab = 1000;
+    // 1,000 entries: one block a row on a GPU; DeepSeek's vocabulary: five rows split.
+    for vocab in [1000, DEEPSEEK_VOCAB] {
+        degenerate_rows(vocab);
+    }
+}
+
+fn degenerate_rows(vocab: usize) {
     let mut rng = common::rng(20);
     let good = flat(&mut rng, vocab);
     let mut nan = flat(&mut rng, vocab);
@@ -415,6 +447,24 @@ fn draw_matches_the_cpu_draw_and_degenerate_rows_give_minus_one() {
             )
             .expect("draw");
             assert_eq!(host_ints(&got), want, "vocab {vocab} on the {}", b.name());
+            if vocab != DEEPSEEK_VOCAB || is_cpu(&b) {
+                continue;
+            }
+            // Each row alone: a GPU splits one long row over the most blocks.
+            for (r, (row, &u)) in rows.iter().zip(&us).enumerate() {
+                let p = b.upload(row).expect("upload");
+                let u = Uniforms::new(&b, &[u]).expect("uniforms");
+                let got = draw(
+                    &b,
+                    Draw {
+                        probs: &p,
+                        vocab,
+                        uniforms: &u,
+                    },
+                )
+                .expect("draw");
+                assert_eq!(host_ints(&got), [want[r]], "row {r} alone on the {}", b.name());
+            }
         }
     }
 }

@@ -216,7 +216,13 @@ fn nvrtc_compiles_every_source() {
                     "sample_argmax",
                     "sample_argmax_part",
                     "sample_argmax_merge",
+                    "sample_softmax_max",
+                    "sample_softmax_exp",
+                    "sample_softmax_norm",
+                    "sample_probs_finish",
                     "sample_draw",
+                    "sample_draw_part",
+                    "sample_draw_pick",
                     "spec_verify",
                 ] {
                     assert!(ptx.contains(k), "{k} missing for sm_{}{}", cc.0, cc.1);

@@ -217,6 +217,50 @@ __device__ void mark_degenerate(float* p, int n) {
   for (int i = threadIdx.x; i < n; i += SAMPLE_THREADS) p[i] = nan_f();
 }
 
+// Whether a (non-greedy) row has a filter to apply after its softmax.
+__device__ __forceinline__ bool has_filters(const u32* prm, int vocab) {
+  u32 k = prm[PARAM_TOP_K];
+  return (k != 0 && k < (u32)vocab) || ferry_u2f(prm[PARAM_TOP_P]) < 1.0f ||
+         ferry_u2f(prm[PARAM_MIN_P]) > 0.0f;
+}
+
+// The filters of cpu::sample::probs_from_logits on a softmax row p, in place: top-k, top-p,
+// min-p, each renormalising with pivot ties kept; a degenerate kept mass marks the row NaN.
+__device__ void apply_filters(float* p, const u32* prm, int vocab, ProbsSmem& s) {
+  int tid = threadIdx.x;
+  u32 k = prm[PARAM_TOP_K];
+  if (k != 0 && k < (u32)vocab) {
+    u32 pivot = 0;
+    radix_pivot<false>(p, vocab, (float)k, s, &pivot);  // always found: W(0) = vocab > k
+    if (!keep_at_least(p, vocab, ferry_u2f(pivot), s)) {
+      mark_degenerate(p, vocab);
+      return;
+    }
+    __syncthreads();
+  }
+  float top_p = ferry_u2f(prm[PARAM_TOP_P]);
+  if (top_p < 1.0f) {
+    float total = 0.0f;
+    for (int i = tid; i < vocab; i += SAMPLE_THREADS) total += p[i];
+    total = block_sum_t(total, s.red);
+    u32 pivot = 0;
+    if (radix_pivot<true>(p, vocab, top_p * total, s, &pivot)) {
+      if (!keep_at_least(p, vocab, ferry_u2f(pivot), s)) {
+        mark_degenerate(p, vocab);
+        return;
+      }
+      __syncthreads();
+    }
+  }
+  float min_p = ferry_u2f(prm[PARAM_MIN_P]);
+  if (min_p > 0.0f) {
+    float mx = -FERRY_INF;
+    for (int i = tid; i < vocab; i += SAMPLE_THREADS) mx = fmaxf(mx, p[i]);
+    mx = block_max_f(mx, s.red);
+    if (!keep_at_least(p, vocab, min_p * mx, s)) mark_degenerate(p, vocab);
+  }
+}
+
 // cpu::sample::probs_from_logits per row: a one-hot at the argmax for greedy rows; otherwise
 // softmax(logits / T) (max subtracted), top-k, top-p, min-p, each renormalising with pivot
 // ties kept. A row whose softmax or kept mass is degenerate is written as all NaN.
@@ -258,37 +302,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
   for (int i = tid; i < vocab; i += SAMPLE_THREADS) p[i] = p[i] / sum;
   __syncthreads();
 
-  u32 k = prm[PARAM_TOP_K];
-  if (k != 0 && k < (u32)vocab) {
-    u32 pivot = 0;
-    radix_pivot<false>(p, vocab, (float)k, s, &pivot);  // always found: W(0) = vocab > k
-    if (!keep_at_least(p, vocab, ferry_u2f(pivot), s)) {
-      mark_degenerate(p, vocab);
-      return;
-    }
-    __syncthreads();
-  }
-  float top_p = ferry_u2f(prm[PARAM_TOP_P]);
-  if (top_p < 1.0f) {
-    float total = 0.0f;
-    for (int i = tid; i < vocab; i += SAMPLE_THREADS) total += p[i];
-    total = block_sum_t(total, s.red);
-    u32 pivot = 0;
-    if (radix_pivot<true>(p, vocab, top_p * total, s, &pivot)) {
-      if (!keep_at_least(p, vocab, ferry_u2f(pivot), s)) {
-        mark_degenerate(p, vocab);
-        return;
-      }
-      __syncthreads();
-    }
-  }
-  float min_p = ferry_u2f(prm[PARAM_MIN_P]);
-  if (min_p > 0.0f) {
-    float mx = -FERRY_INF;
-    for (int i = tid; i < vocab; i += SAMPLE_THREADS) mx = fmaxf(mx, p[i]);
-    mx = block_max_f(mx, s.red);
-    if (!keep_at_least(p, vocab, min_p * mx, s)) mark_degenerate(p, vocab);
-  }
+  apply_filters(p, prm, vocab, s);
 }
 
 // cpu::sample::argmax per row. Grid: rows; block: SAMPLE_THREADS.
@@ -473,6 +487,273 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
   float sum;
   int r = block_draw(row, vocab, uniforms[blockIdx.x], s, &sum);
   if (threadIdx.x == 0) out[blockIdx.x] = r;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The distribution and the draw of a few long rows, each row split over several blocks.
+//
+// One block walking a 100k-entry row is one SM's latency-bound loop, several times over (the
+// softmax's three passes, the draw's cumulation and scan): at batch 1 that is a large part of a
+// sampled decode step, and a drafter pass pays it at each of its block positions. These kernels
+// give a row `parts` blocks of `chunk` entries each (grid (parts, rows); the launcher picks the
+// split from the row count only, so a captured graph stays valid whatever the parameters):
+//
+//   sample_softmax_max   part max of x / T and whether it saw a NaN
+//   sample_softmax_exp   the row max from its parts; e = exp(x / T − max) into p; part sums
+//   sample_softmax_norm  the row sum from its parts (fixed order: every block the same sum); p /= it
+//   sample_probs_finish  one block a row: a greedy row's one-hot at its argmax; a row with
+//                        top-k / top-p / min-p filters them as sample_probs does; others return
+//   sample_draw_part     part mass (f64), last positive index, negative-entry flag
+//   sample_draw_pick     one block a row: the total, then the part holding u · total, scanned
+//                        512 entries at a time by the whole block
+//
+// The split kernels skip greedy rows (sample_probs_finish writes them). Numerics are
+// sample_probs' and sample_draw's up to summation order.
+
+// The row's part values reduced by the block (max, or the sum in a fixed tree order): every
+// block of a row gets the same value. `red` holds SAMPLE_WARPS.
+__device__ __forceinline__ float parts_max(const float* part, int parts, float* red) {
+  float m = -FERRY_INF;
+  for (int c = threadIdx.x; c < parts; c += SAMPLE_THREADS) m = fmaxf(m, part[c]);
+  return block_max_f(m, red);
+}
+__device__ __forceinline__ float parts_sum(const float* part, int parts, float* red) {
+  float t = 0.0f;
+  for (int c = threadIdx.x; c < parts; c += SAMPLE_THREADS) t += part[c];
+  return block_sum_t(t, red);
+}
+
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
+    sample_softmax_max(const float* logits, const u32* params, int vocab, int chunk,
+                       float* part_m, float* part_nan) {
+  pdl_enter();
+  __shared__ float red[SAMPLE_WARPS];
+  int r = blockIdx.y, parts = gridDim.x;
+  const u32* prm = params + (size_t)r * SAMPLE_PARAM_WORDS;
+  if (prm[PARAM_GREEDY]) return;
+  float temp = ferry_u2f(prm[PARAM_TEMPERATURE]);
+  const float* x = logits + (size_t)r * vocab;
+  int lo = blockIdx.x * chunk, hi = min(vocab, lo + chunk);
+  float m = -FERRY_INF, has_nan = 0.0f;
+  for (int i = lo + threadIdx.x; i < hi; i += SAMPLE_THREADS) {
+    float y = x[i] / temp;
+    m = fmaxf(m, y);
+    if (y != y) has_nan = 1.0f;
+  }
+  m = block_max_f(m, red);
+  has_nan = block_max_f(has_nan, red);
+  if (threadIdx.x == 0) {
+    part_m[(size_t)r * parts + blockIdx.x] = m;
+    part_nan[(size_t)r * parts + blockIdx.x] = has_nan;
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
+    sample_softmax_exp(const float* logits, const u32* params, int vocab, int chunk,
+                       const float* part_m, const float* part_nan, float* probs,
+                       float* part_s) {
+  pdl_enter();
+  __shared__ float red[SAMPLE_WARPS];
+  int r = blockIdx.y, parts = gridDim.x;
+  const u32* prm = params + (size_t)r * SAMPLE_PARAM_WORDS;
+  if (prm[PARAM_GREEDY]) return;
+  float temp = ferry_u2f(prm[PARAM_TEMPERATURE]);
+  float m = parts_max(part_m + (size_t)r * parts, parts, red);
+  float has_nan = parts_max(part_nan + (size_t)r * parts, parts, red);
+  const float* x = logits + (size_t)r * vocab;
+  float* p = probs + (size_t)r * vocab;
+  int lo = blockIdx.x * chunk, hi = min(vocab, lo + chunk);
+  if (has_nan > 0.0f || !finite_f(m)) {
+    for (int i = lo + threadIdx.x; i < hi; i += SAMPLE_THREADS) p[i] = nan_f();
+    if (threadIdx.x == 0) part_s[(size_t)r * parts + blockIdx.x] = nan_f();
+    return;
+  }
+  float sum = 0.0f;
+  for (int i = lo + threadIdx.x; i < hi; i += SAMPLE_THREADS) {
+    float e = expf(x[i] / temp - m);
+    p[i] = e;
+    sum += e;
+  }
+  sum = block_sum_t(sum, red);
+  if (threadIdx.x == 0) part_s[(size_t)r * parts + blockIdx.x] = sum;
+}
+
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
+    sample_softmax_norm(const u32* params, int vocab, int chunk, const float* part_s,
+                        float* probs) {
+  pdl_enter();
+  __shared__ float red[SAMPLE_WARPS];
+  int r = blockIdx.y, parts = gridDim.x;
+  if (params[(size_t)r * SAMPLE_PARAM_WORDS + PARAM_GREEDY]) return;
+  float sum = parts_sum(part_s + (size_t)r * parts, parts, red);
+  if (sum != sum) return;  // a degenerate row, already NaN
+  float* p = probs + (size_t)r * vocab;
+  int lo = blockIdx.x * chunk, hi = min(vocab, lo + chunk);
+  for (int i = lo + threadIdx.x; i < hi; i += SAMPLE_THREADS) p[i] = p[i] / sum;
+}
+
+// Grid: rows; block: SAMPLE_THREADS.
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
+    sample_probs_finish(const float* logits, float* probs, const u32* params, int vocab) {
+  pdl_enter();
+  __shared__ ProbsSmem s;
+  const float* x = logits + (size_t)blockIdx.x * vocab;
+  float* p = probs + (size_t)blockIdx.x * vocab;
+  const u32* prm = params + (size_t)blockIdx.x * SAMPLE_PARAM_WORDS;
+  if (prm[PARAM_GREEDY]) {
+    int a = block_argmax(x, vocab, s.red, s.red_i);
+    for (int i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) p[i] = i == a ? 1.0f : 0.0f;
+    return;
+  }
+  // A degenerate row is NaN everywhere; it stays as it is.
+  if (!has_filters(prm, vocab) || p[0] != p[0]) return;
+  apply_filters(p, prm, vocab, s);
+}
+
+// Max over the block; every thread gets it. `red` holds SAMPLE_WARPS.
+__device__ __forceinline__ int block_max_i(int v, int* red) {
+  v = warp_max_i(v);
+  int w = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+  __syncthreads();
+  if (lane == 0) red[w] = v;
+  __syncthreads();
+  return warp_max_i(lane < SAMPLE_WARPS ? red[lane] : -0x7fffffff - 1);
+}
+
+// Part totals of the draw. Grid: (parts, rows); block: SAMPLE_THREADS.
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
+    sample_draw_part(const float* probs, int vocab, int chunk, double* part_mass,
+                     int* part_last, int* part_bad) {
+  pdl_enter();
+  __shared__ double red_d[SAMPLE_WARPS];
+  __shared__ int red_i[SAMPLE_WARPS];
+  int r = blockIdx.y, parts = gridDim.x;
+  const float* p = probs + (size_t)r * vocab;
+  int lo = blockIdx.x * chunk, hi = min(vocab, lo + chunk);
+  double mass = 0.0;
+  int last = -1, bad = 0;
+  for (int i = lo + threadIdx.x; i < hi; i += SAMPLE_THREADS) {
+    float v = p[i];
+    if (v > 0.0f) {
+      mass += (double)v;
+      last = i;
+    } else if (v < 0.0f || v != v) {
+      // NaN adds to the total (making it NaN), as on the CPU; a negative entry is an error.
+      if (v != v) mass += (double)v; else bad = 1;
+    }
+  }
+  mass = block_sum_t(mass, red_d);
+  last = block_max_i(last, red_i);
+  bad = block_max_i(bad, red_i);
+  if (threadIdx.x == 0) {
+    size_t at = (size_t)r * parts + blockIdx.x;
+    part_mass[at] = mass;
+    part_last[at] = last;
+    part_bad[at] = bad;
+  }
+}
+
+// The draw from the part totals. Grid: rows; block: SAMPLE_THREADS.
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
+    sample_draw_pick(const float* probs, const double* uniforms, int vocab, int chunk, int parts,
+                     const double* part_mass, const int* part_last, const int* part_bad,
+                     int* out) {
+  pdl_enter();
+  __shared__ double wsum[SAMPLE_WARPS];
+  __shared__ int whit[SAMPLE_WARPS];
+  __shared__ double s_target;
+  __shared__ int s_start, s_last, s_bad;
+  __shared__ double s_base;
+  int r = blockIdx.x, tid = threadIdx.x, w = tid / WARP, lane = tid % WARP;
+  const double* pm = part_mass + (size_t)r * parts;
+  if (w == 0) {
+    // The total and the flags, then the first part whose cumulative mass passes the target:
+    // one warp, 32 parts at a time, in part order.
+    double total = 0.0;
+    int last = -1, bad = 0;
+    for (int c = lane; c < parts; c += WARP) {
+      total += pm[c];
+      last = max(last, part_last[(size_t)r * parts + c]);
+      bad |= part_bad[(size_t)r * parts + c];
+    }
+    total = warp_sum_t(total);
+    last = warp_max_i(last);
+    bad = warp_max_i(bad);
+    double u = uniforms[r];
+    double uc = u < 0.0 ? 0.0 : (u > 1.0 ? 1.0 : u);
+    double target = uc * total;
+    int start = -1;
+    double base = 0.0;
+    if (total == total && total > 0.0 && total < 1.0e308 && !bad) {
+      for (int c0 = 0; c0 < parts && start < 0; c0 += WARP) {
+        double x = c0 + lane < parts ? pm[c0 + lane] : 0.0;
+#pragma unroll
+        for (int off = 1; off < WARP; off <<= 1) {
+          double y = SHFL(x, (lane - off) & (WARP - 1));
+          if (lane >= off) x += y;
+        }
+        int hit = base + x > target ? lane : WARP;
+        hit = warp_min_i(hit);
+        if (hit < WARP) {
+          start = c0 + hit;
+          double before = SHFL(x, (hit + WARP - 1) & (WARP - 1));
+          if (hit > 0) base += before;
+        } else {
+          base += SHFL(x, WARP - 1);
+        }
+      }
+    }
+    if (lane == 0) {
+      s_target = target;
+      s_start = start;
+      s_last = last;
+      s_bad = !(total == total && total > 0.0 && total < 1.0e308) || bad;
+      s_base = base;
+    }
+  }
+  __syncthreads();
+  if (s_bad) {
+    if (tid == 0) out[r] = -1;
+    return;
+  }
+  if (s_start < 0) {
+    // Rounding left every cumulative mass a hair short of the target.
+    if (tid == 0) out[r] = s_last;
+    return;
+  }
+  const float* p = probs + (size_t)r * vocab;
+  double target = s_target, base = s_base;
+  int result = s_last;
+  for (int t0 = s_start * chunk; t0 < vocab; t0 += SAMPLE_THREADS) {
+    int i = t0 + tid;
+    float v = i < vocab ? p[i] : 0.0f;
+    double x = v > 0.0f ? (double)v : 0.0;
+#pragma unroll
+    for (int off = 1; off < WARP; off <<= 1) {
+      double y = SHFL(x, (lane - off) & (WARP - 1));
+      if (lane >= off) x += y;
+    }
+    if (lane == WARP - 1) wsum[w] = x;
+    __syncthreads();
+    double before = 0.0, all = 0.0;
+    for (int k = 0; k < SAMPLE_WARPS; k++) {
+      if (k < w) before += wsum[k];
+      all += wsum[k];
+    }
+    int hit = (v > 0.0f && base + before + x > target) ? i : NO_INDEX;
+    hit = warp_min_i(hit);
+    if (lane == 0) whit[w] = hit;
+    __syncthreads();
+    int first = NO_INDEX;
+    for (int k = 0; k < SAMPLE_WARPS; k++) first = min(first, whit[k]);
+    __syncthreads();  // wsum and whit are rewritten by the next trip
+    if (first != NO_INDEX) {
+      result = first;
+      break;
+    }
+    base += all;
+  }
+  if (tid == 0) out[r] = result;
 }
 
 // ---------------------------------------------------------------------------------------------

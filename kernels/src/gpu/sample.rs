@@ -1,5 +1,6 @@
 //! Launchers for `gpu/sample.cu`: sampling distributions, inverse-CDF draws, argmax and
-//! speculative verification, one block per row (or per verified sequence).
+//! speculative verification, one block per row (or per verified sequence); a few long rows
+//! are split over several blocks each ([`row_parts`]).
 //!
 //! Every launcher checks that each buffer holds what its kernel will index before launching.
 //! The semantics are the CPU sampler's ([`crate::cpu::sample`], [`crate::cpu::verify`]); the
@@ -77,7 +78,8 @@ fn kernel<D: Gpu>(dev: &D, name: &'static str) -> Result<D::Function, KernelErro
 /// degenerate is written as all NaN (the CPU errors on it); other rows are unaffected.
 ///
 /// Numerics: the kernel's `expf` is within 2 ulp of the CPU's `exp`, and its sums are
-/// per-thread partials combined in a fixed tree instead of one sequential f32 sum. So values
+/// per-thread partials combined in a fixed tree instead of one sequential f32 sum (a few long
+/// rows, split over several blocks each: the blocks' sums, then a tree over them). So values
 /// differ from the CPU's by rounding only, and a filter's kept set differs only where an entry
 /// lies within that rounding of its pivot (top-p: where `p · total` is within rounding of a
 /// cumulative boundary; top-k and min-p compare exact values of the kernel's own row).
@@ -97,10 +99,56 @@ pub fn probs<D: Gpu>(
     if rows == 0 {
         return Ok(());
     }
-    let f = kernel(dev, "sample_probs")?;
+    let (parts, chunk) = row_parts(dev.sm_count() as usize, rows, vocab);
+    if parts == 1 || rows > 65_535 {
+        let f = kernel(dev, "sample_probs")?;
+        let mut a = KernelArgs::new();
+        a.push(logits.ptr).push(out.ptr).push(params.ptr).push(v);
+        return dev.launch(&f, LaunchDims::linear(rows, THREADS), &mut a);
+    }
+    // A few long rows: the softmax split over `parts` blocks a row, then one block a row for
+    // greedy rows and filters (`sample.cu`'s split section).
+    let chunk = int(OP, "chunk", chunk)?;
+    let part_m = dev.alloc::<f32>(rows * parts)?;
+    let part_nan = dev.alloc::<f32>(rows * parts)?;
+    let part_s = dev.alloc::<f32>(rows * parts)?;
+    let split = LaunchDims {
+        grid: (parts as u32, rows as u32, 1),
+        block: (THREADS, 1, 1),
+        smem: 0,
+    };
+    let mut a = KernelArgs::new();
+    a.push(logits.ptr)
+        .push(params.ptr)
+        .push(v)
+        .push(chunk)
+        .push(part_m.ptr())
+        .push(part_nan.ptr());
+    dev.launch(&kernel(dev, "sample_softmax_max")?, split, &mut a)?;
+    let mut a = KernelArgs::new();
+    a.push(logits.ptr)
+        .push(params.ptr)
+        .push(v)
+        .push(chunk)
+        .push(part_m.ptr())
+        .push(part_nan.ptr())
+        .push(out.ptr)
+        .push(part_s.ptr());
+    dev.launch(&kernel(dev, "sample_softmax_exp")?, split, &mut a)?;
+    let mut a = KernelArgs::new();
+    a.push(params.ptr)
+        .push(v)
+        .push(chunk)
+        .push(part_s.ptr())
+        .push(out.ptr);
+    dev.launch(&kernel(dev, "sample_softmax_norm")?, split, &mut a)?;
     let mut a = KernelArgs::new();
     a.push(logits.ptr).push(out.ptr).push(params.ptr).push(v);
-    dev.launch(&f, LaunchDims::linear(rows, THREADS), &mut a)
+    dev.launch(
+        &kernel(dev, "sample_probs_finish")?,
+        LaunchDims::linear(rows, THREADS),
+        &mut a,
+    )
 }
 
 /// One inverse-CDF draw per `[vocab]` row of `probs` with `uniforms[row]`:
@@ -109,8 +157,8 @@ pub fn probs<D: Gpu>(
 /// positive, or a negative entry).
 ///
 /// Numerics: cumulation is in f64 like the CPU's but in another order (per-warp chunk totals,
-/// then 32-wide scans), so a draw can differ from the CPU's only when `u · total` lies within a
-/// few f64 ulps of a CDF boundary.
+/// then 32-wide scans; a few long rows: part totals, then block-wide scans), so a draw can
+/// differ from the CPU's only when `u · total` lies within a few f64 ulps of a CDF boundary.
 pub fn draw<D: Gpu>(
     dev: &D,
     probs: Dv<f32>,
@@ -127,30 +175,68 @@ pub fn draw<D: Gpu>(
     if rows == 0 {
         return Ok(());
     }
-    let f = kernel(dev, "sample_draw")?;
+    let (parts, chunk) = row_parts(dev.sm_count() as usize, rows, vocab);
+    if parts == 1 || rows > 65_535 || vocab > MAX_VOCAB {
+        let f = kernel(dev, "sample_draw")?;
+        let mut a = KernelArgs::new();
+        a.push(probs.ptr).push(uniforms.ptr).push(v).push(out.ptr);
+        return dev.launch(&f, LaunchDims::linear(rows, THREADS), &mut a);
+    }
+    // A few long rows: part totals over `parts` blocks a row, then one block a row finds the
+    // part holding the target and scans it.
+    let chunk = int(OP, "chunk", chunk)?;
+    let part_mass = dev.alloc::<f64>(rows * parts)?;
+    let part_last = dev.alloc::<i32>(rows * parts)?;
+    let part_bad = dev.alloc::<i32>(rows * parts)?;
     let mut a = KernelArgs::new();
-    a.push(probs.ptr).push(uniforms.ptr).push(v).push(out.ptr);
-    dev.launch(&f, LaunchDims::linear(rows, THREADS), &mut a)
+    a.push(probs.ptr)
+        .push(v)
+        .push(chunk)
+        .push(part_mass.ptr())
+        .push(part_last.ptr())
+        .push(part_bad.ptr());
+    let split = LaunchDims {
+        grid: (parts as u32, rows as u32, 1),
+        block: (THREADS, 1, 1),
+        smem: 0,
+    };
+    dev.launch(&kernel(dev, "sample_draw_part")?, split, &mut a)?;
+    let mut a = KernelArgs::new();
+    a.push(probs.ptr)
+        .push(uniforms.ptr)
+        .push(v)
+        .push(chunk)
+        .push(int(OP, "parts", parts)?)
+        .push(part_mass.ptr())
+        .push(part_last.ptr())
+        .push(part_bad.ptr())
+        .push(out.ptr);
+    dev.launch(
+        &kernel(dev, "sample_draw_pick")?,
+        LaunchDims::linear(rows, THREADS),
+        &mut a,
+    )
 }
 
-/// Fewest entries one block of the split argmax takes: one unrolled trip of its threads
+/// Fewest entries one block of a split row takes: one unrolled trip of the argmax's threads
 /// (`ARGMAX_UNROLL` · `SAMPLE_THREADS` in `sample.cu`).
-const ARGMAX_MIN_CHUNK: usize = 4 * THREADS as usize;
+const SPLIT_MIN_CHUNK: usize = 4 * THREADS as usize;
 
-/// How the argmax splits each of `rows` rows of `vocab` entries over a card of `sms`
-/// multiprocessors: `(parts, chunk)`, `parts` blocks a row of `chunk` entries each (a multiple
-/// of [`ARGMAX_MIN_CHUNK`]), as many as keep `rows · parts` near two blocks an SM. `parts == 1`
+/// How the argmax, the distribution and the draw split each of `rows` rows of `vocab` entries
+/// over a card of `sms` multiprocessors (from the shape only, so a captured graph's launches
+/// stay right whatever parameters its rows get): `(parts, chunk)`, `parts` blocks a row of `chunk` entries each (a multiple
+/// of [`SPLIT_MIN_CHUNK`]), as many as keep `rows · parts` near two blocks an SM. `parts == 1`
 /// is the one-block-a-row kernel (a large batch already fills the card).
-pub fn argmax_parts(sms: usize, rows: usize, vocab: usize) -> (usize, usize) {
+pub fn row_parts(sms: usize, rows: usize, vocab: usize) -> (usize, usize) {
     let want = (2 * sms.max(1)).div_ceil(rows.max(1));
-    let parts = want.min(vocab.div_ceil(ARGMAX_MIN_CHUNK)).max(1);
-    let chunk = vocab.div_ceil(parts).next_multiple_of(ARGMAX_MIN_CHUNK);
+    let parts = want.min(vocab.div_ceil(SPLIT_MIN_CHUNK)).max(1);
+    let chunk = vocab.div_ceil(parts).next_multiple_of(SPLIT_MIN_CHUNK);
     (vocab.div_ceil(chunk).max(1), chunk)
 }
 
 /// `cpu::sample::argmax` of each `[vocab]` row of `logits` (ties to the lowest index, NaN never
 /// chosen, 0 for a row with nothing above -inf) into `out[row]`. Exact: the winner does not
-/// depend on how a row is split ([`argmax_parts`]: a few long rows take several blocks each,
+/// depend on how a row is split ([`row_parts`]: a few long rows take several blocks each,
 /// then a merge launch).
 pub fn argmax<D: Gpu>(
     dev: &D,
@@ -161,14 +247,14 @@ pub fn argmax<D: Gpu>(
 ) -> Result<(), KernelError> {
     const OP: &str = "gpu_sample_argmax";
     // Indices stay below i32::MAX through the kernel's last unrolled trip.
-    let v = check_vocab(OP, vocab, i32::MAX as usize - ARGMAX_MIN_CHUNK)?;
+    let v = check_vocab(OP, vocab, i32::MAX as usize - SPLIT_MIN_CHUNK)?;
     need(OP, "logits", rows * vocab, logits.len)?;
     need(OP, "out", rows, out.len)?;
     int(OP, "rows", rows)?;
     if rows == 0 {
         return Ok(());
     }
-    let (parts, chunk) = argmax_parts(dev.sm_count() as usize, rows, vocab);
+    let (parts, chunk) = row_parts(dev.sm_count() as usize, rows, vocab);
     if parts == 1 || rows > 65_535 {
         let f = kernel(dev, "sample_argmax")?;
         let mut a = KernelArgs::new();
@@ -306,18 +392,18 @@ mod tests {
     use super::*;
 
     #[test]
-    fn argmax_splits_few_long_rows_and_covers_every_entry() {
+    fn few_long_rows_are_split_and_every_entry_covered() {
         // One row of DeepSeek's vocabulary on 132 SMs: as many 2,048-entry parts as it has.
-        assert_eq!(argmax_parts(132, 1, 102_400), (50, 2048));
+        assert_eq!(row_parts(132, 1, 102_400), (50, 2048));
         // A batch of 64: five parts a row, 320 blocks.
-        let (parts, chunk) = argmax_parts(132, 64, 102_400);
+        let (parts, chunk) = row_parts(132, 64, 102_400);
         assert_eq!(parts, 5);
-        assert!(chunk % ARGMAX_MIN_CHUNK == 0 && parts * chunk >= 102_400);
+        assert!(chunk % SPLIT_MIN_CHUNK == 0 && parts * chunk >= 102_400);
         // A batch that fills the card alone, and a short row: one block a row.
-        assert_eq!(argmax_parts(132, 264, 102_400).0, 1);
-        assert_eq!(argmax_parts(132, 1, 1000), (1, ARGMAX_MIN_CHUNK));
+        assert_eq!(row_parts(132, 264, 102_400).0, 1);
+        assert_eq!(row_parts(132, 1, 1000), (1, SPLIT_MIN_CHUNK));
         for (rows, vocab) in [(1, 129_280), (3, 2049), (7, 32_000), (1, 1)] {
-            let (parts, chunk) = argmax_parts(132, rows, vocab);
+            let (parts, chunk) = row_parts(132, rows, vocab);
             assert!(parts * chunk >= vocab, "{rows} x {vocab}: covered");
             assert!((parts - 1) * chunk < vocab, "{rows} x {vocab}: no empty part");
         }
