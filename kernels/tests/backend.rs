@@ -724,3 +724,33 @@ fn a_mixed_device_call_names_the_op_and_operand() {
         .to_string();
     assert!(e.contains("linear") && e.contains("`w`"), "{e}");
 }
+
+/// `gather` is a copy on every backend: exact, for rows picked out of order and twice, at
+/// widths below, at and past a GPU block's 1,024 columns, up to a vocabulary row.
+#[test]
+fn gather_copies_rows_exactly_at_every_width() {
+    let mut rng = common::rng(61);
+    for width in [1, 1000, 1024, 1025, 102_403] {
+        let n = 5;
+        let src = common::uniform(&mut rng, n * width, 1.0);
+        let picked = vec![4, 0, 4, 2];
+        let want: Vec<f32> = picked
+            .iter()
+            .flat_map(|&r: &i32| src[r as usize * width..(r as usize + 1) * width].to_vec())
+            .collect();
+        for b in backends() {
+            let got = gather(
+                &b,
+                Gather {
+                    src: &b.upload(&src).expect("src"),
+                    rows: &b.ints(picked.clone()).expect("rows"),
+                    width,
+                },
+            )
+            .expect("gather")
+            .to_host()
+            .expect("download");
+            assert!(got == want, "width {width} on the {}", b.name());
+        }
+    }
+}

@@ -276,12 +276,26 @@ extern "C" __global__ void widen_bf16(const bf16_t* x, float* out, long long n) 
   long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (i < n) out[i] = bf2f(x[i]);
 }
-// dst[i][:] = src[rows[i]][:]. Grid: rows.
+// dst[i][:] = src[rows[i]][:]. Grid: (rows, ⌈width / (GATHER_U · blockDim)⌉): a block copies
+// GATHER_U · blockDim columns of one row, each thread issuing its loads before its stores (a
+// block looping over a whole vocabulary row paid one memory round trip per trip).
+#define GATHER_U 4
 extern "C" __global__ void gather_rows(const float* src, const int* rows, float* dst, int width) {
   pdl_enter();
   const float* s = src + (size_t)rows[blockIdx.x] * width;
   float* d = dst + (size_t)blockIdx.x * width;
-  for (int i = threadIdx.x; i < width; i += blockDim.x) d[i] = s[i];
+  int base = blockIdx.y * GATHER_U * blockDim.x + threadIdx.x;
+  float v[GATHER_U];
+#pragma unroll
+  for (int j = 0; j < GATHER_U; j++) {
+    int i = base + j * blockDim.x;
+    v[j] = i < width ? s[i] : 0.0f;
+  }
+#pragma unroll
+  for (int j = 0; j < GATHER_U; j++) {
+    int i = base + j * blockDim.x;
+    if (i < width) d[i] = v[j];
+  }
 }
 
 // ---------------------------------------------------------------------------------------------

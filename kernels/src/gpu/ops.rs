@@ -834,13 +834,29 @@ pub fn gather_rows<D: Gpu>(
     if rows.len == 0 {
         return Ok(());
     }
+    // `GATHER_U` columns a thread (common.cu).
+    const SPAN: usize = 4 * 256;
+    let spans = width.div_ceil(SPAN);
+    if spans > 65_535 {
+        return Err(KernelError::InvalidParam {
+            op: "gpu_gather_rows",
+            field: "width",
+            limit: "<= 65535 * 1024",
+            value: width.to_string(),
+        });
+    }
     let f = kernel(dev, "gather_rows")?;
     let mut a = KernelArgs::new();
     a.push(src.ptr)
         .push(rows.ptr)
         .push(dst.ptr)
         .push(int("gpu_gather_rows", "width", width)?);
-    dev.launch(&f, LaunchDims::linear(rows.len, 256), &mut a)
+    let dims = LaunchDims {
+        grid: (rows.len as u32, spans.max(1) as u32, 1),
+        block: (256, 1, 1),
+        smem: 0,
+    };
+    dev.launch(&f, dims, &mut a)
 }
 
 /// MLA head shapes as the absorb/unabsorb kernels need them.
