@@ -207,6 +207,14 @@ pub fn forward_kernels<D: Gpu>(k: AttnKernels, shape: &MlaShape, cc: (i32, i32))
                 "sample_probs",
                 "sample_draw",
                 "sample_argmax",
+                "sample_argmax_part",
+                "sample_argmax_merge",
+                "sample_softmax_max",
+                "sample_softmax_exp",
+                "sample_softmax_norm",
+                "sample_probs_finish",
+                "sample_draw_part",
+                "sample_draw_pick",
                 "spec_verify",
             ],
         ),
@@ -219,6 +227,8 @@ pub fn forward_kernels<D: Gpu>(k: AttnKernels, shape: &MlaShape, cc: (i32, i32))
                 "draft_attn_combine",
                 "draft_concat",
                 "draft_confidence",
+                "draft_markov_f32",
+                "draft_markov_bf16",
             ]
             .into_iter()
             .chain(crate::gpu::draft::attn_kernels())
