@@ -498,16 +498,17 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
 // give a row `parts` blocks of `chunk` entries each (grid (parts, rows); the launcher picks the
 // split from the row count only, so a captured graph stays valid whatever the parameters):
 //
-//   sample_softmax_max   part max of x / T and whether it saw a NaN
+//   sample_softmax_max   part max of x / T and whether it saw a NaN (greedy rows: the part's
+//                        argmax)
 //   sample_softmax_exp   the row max from its parts; e = exp(x / T − max) into p; part sums
 //   sample_softmax_norm  the row sum from its parts (fixed order: every block the same sum); p /= it
-//   sample_probs_finish  one block a row: a greedy row's one-hot at its argmax; a row with
+//   sample_probs_finish  one block a row: a greedy row's one-hot at its parts' argmax; a row with
 //                        top-k / top-p / min-p filters them as sample_probs does; others return
 //   sample_draw_part     part mass (f64), last positive index, negative-entry flag
 //   sample_draw_pick     one block a row: the total, then the part holding u · total, scanned
 //                        512 entries at a time by the whole block
 //
-// The split kernels skip greedy rows (sample_probs_finish writes them). Numerics are
+// The exp and norm kernels skip greedy rows (sample_probs_finish writes them). Numerics are
 // sample_probs' and sample_draw's up to summation order.
 
 // The row's part values reduced by the block (max, or the sum in a fixed tree order): every
@@ -525,15 +526,26 @@ __device__ __forceinline__ float parts_sum(const float* part, int parts, float* 
 
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     sample_softmax_max(const float* logits, const u32* params, int vocab, int chunk,
-                       float* part_m, float* part_nan) {
+                       float* part_m, float* part_nan, int* part_i) {
   pdl_enter();
   __shared__ float red[SAMPLE_WARPS];
+  __shared__ int red_i[SAMPLE_WARPS];
   int r = blockIdx.y, parts = gridDim.x;
   const u32* prm = params + (size_t)r * SAMPLE_PARAM_WORDS;
-  if (prm[PARAM_GREEDY]) return;
-  float temp = ferry_u2f(prm[PARAM_TEMPERATURE]);
   const float* x = logits + (size_t)r * vocab;
   int lo = blockIdx.x * chunk, hi = min(vocab, lo + chunk);
+  if (prm[PARAM_GREEDY]) {
+    // The part's argmax, merged by sample_probs_finish.
+    float bv;
+    int bi;
+    block_argmax_range(x, lo, hi, red, red_i, &bv, &bi);
+    if (threadIdx.x == 0) {
+      part_m[(size_t)r * parts + blockIdx.x] = bv;
+      part_i[(size_t)r * parts + blockIdx.x] = bi;
+    }
+    return;
+  }
+  float temp = ferry_u2f(prm[PARAM_TEMPERATURE]);
   float m = -FERRY_INF, has_nan = 0.0f;
   for (int i = lo + threadIdx.x; i < hi; i += SAMPLE_THREADS) {
     float y = x[i] / temp;
@@ -592,16 +604,29 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
   for (int i = lo + threadIdx.x; i < hi; i += SAMPLE_THREADS) p[i] = p[i] / sum;
 }
 
-// Grid: rows; block: SAMPLE_THREADS.
+// Grid: rows; block: SAMPLE_THREADS. A greedy row's argmax comes from its parts
+// (sample_softmax_max wrote them): the same winner as one block over the row.
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
-    sample_probs_finish(const float* logits, float* probs, const u32* params, int vocab) {
+    sample_probs_finish(float* probs, const u32* params, int vocab, int parts,
+                        const float* part_m, const int* part_i) {
   pdl_enter();
   __shared__ ProbsSmem s;
-  const float* x = logits + (size_t)blockIdx.x * vocab;
+  __shared__ int s_arg;
   float* p = probs + (size_t)blockIdx.x * vocab;
   const u32* prm = params + (size_t)blockIdx.x * SAMPLE_PARAM_WORDS;
   if (prm[PARAM_GREEDY]) {
-    int a = block_argmax(x, vocab, s.red, s.red_i);
+    if (threadIdx.x < WARP) {
+      const float* pv = part_m + (size_t)blockIdx.x * parts;
+      const int* pi = part_i + (size_t)blockIdx.x * parts;
+      float bv = -FERRY_INF;
+      int bi = NO_INDEX;
+      for (int c = threadIdx.x; c < parts; c += WARP)
+        if (arg_better(pv[c], pi[c], bv, bi)) { bv = pv[c]; bi = pi[c]; }
+      warp_argmax(bv, bi);
+      if (threadIdx.x == 0) s_arg = bi == NO_INDEX ? 0 : bi;
+    }
+    __syncthreads();
+    int a = s_arg;
     for (int i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) p[i] = i == a ? 1.0f : 0.0f;
     return;
   }

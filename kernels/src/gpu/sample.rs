@@ -106,12 +106,13 @@ pub fn probs<D: Gpu>(
         a.push(logits.ptr).push(out.ptr).push(params.ptr).push(v);
         return dev.launch(&f, LaunchDims::linear(rows, THREADS), &mut a);
     }
-    // A few long rows: the softmax split over `parts` blocks a row, then one block a row for
-    // greedy rows and filters (`sample.cu`'s split section).
+    // A few long rows: the softmax (greedy rows: the argmax) split over `parts` blocks a row,
+    // then one block a row for greedy rows' one-hots and filters (`sample.cu`'s split section).
     let chunk = int(OP, "chunk", chunk)?;
     let part_m = dev.alloc::<f32>(rows * parts)?;
     let part_nan = dev.alloc::<f32>(rows * parts)?;
     let part_s = dev.alloc::<f32>(rows * parts)?;
+    let part_i = dev.alloc::<i32>(rows * parts)?;
     let split = LaunchDims {
         grid: (parts as u32, rows as u32, 1),
         block: (THREADS, 1, 1),
@@ -123,7 +124,8 @@ pub fn probs<D: Gpu>(
         .push(v)
         .push(chunk)
         .push(part_m.ptr())
-        .push(part_nan.ptr());
+        .push(part_nan.ptr())
+        .push(part_i.ptr());
     dev.launch(&kernel(dev, "sample_softmax_max")?, split, &mut a)?;
     let mut a = KernelArgs::new();
     a.push(logits.ptr)
@@ -143,7 +145,12 @@ pub fn probs<D: Gpu>(
         .push(out.ptr);
     dev.launch(&kernel(dev, "sample_softmax_norm")?, split, &mut a)?;
     let mut a = KernelArgs::new();
-    a.push(logits.ptr).push(out.ptr).push(params.ptr).push(v);
+    a.push(out.ptr)
+        .push(params.ptr)
+        .push(v)
+        .push(int(OP, "parts", parts)?)
+        .push(part_m.ptr())
+        .push(part_i.ptr());
     dev.launch(
         &kernel(dev, "sample_probs_finish")?,
         LaunchDims::linear(rows, THREADS),
