@@ -27,7 +27,8 @@
 //! - `verify`: identical results to `cpu::verify::verify_probs` for greedy and sampled
 //!   sequences in one batch (accept tests are the same f64 arithmetic; a draw could differ only
 //!   within f64 rounding of a CDF boundary, which random uniforms do not hit); a bad sequence
-//!   fails alone.
+//!   fails alone. At DeepSeek's vocabulary too, as a batch and sequence by sequence (a GPU
+//!   splits a few sequences' draws over several blocks each).
 //! - Losslessness of the backend verifier: chi-square of the emitted tokens per position and of
 //!   the accepted lengths against a float64 reference of the target distribution, over 40,000
 //!   sequences of one `verify_logits` call per parameter set, with negative controls that must
@@ -671,7 +672,14 @@ fn one_hot(vocab: usize, at: usize) -> Vec<f32> {
 
 #[test]
 fn verify_matches_the_cpu_verifier_and_a_bad_sequence_fails_alone() {
-    let vocab = 1000;
+    // 1,000 entries: one block a sequence on a GPU; DeepSeek's vocabulary: each sequence's draw
+    // split over several blocks (and over the most, for a sequence alone).
+    for vocab in [1000, DEEPSEEK_VOCAB] {
+        verify_against_the_cpu(vocab);
+    }
+}
+
+fn verify_against_the_cpu(vocab: usize) {
     let mut rng = common::rng(50);
     let soft = SamplingParams {
         temperature: 0.9,
@@ -773,6 +781,18 @@ fn verify_matches_the_cpu_verifier_and_a_bad_sequence_fails_alone() {
             assert_eq!(v.tokens.len(), v.accepted + 1);
             assert!(v.accepted <= s.drafts.len());
         }
+        if vocab != DEEPSEEK_VOCAB || is_cpu(&b) {
+            continue;
+        }
+        // Each sequence alone, bad ones included.
+        for (i, (s, w)) in seqs.iter().zip(&want).enumerate() {
+            let got = verify_on(&b, std::slice::from_ref(s), vocab);
+            match (&got[0], w) {
+                (Ok(g), Ok(w)) => assert_eq!(g, w, "sequence {i} alone on the {}", b.name()),
+                (Err(_), Err(_)) => {}
+                (g, w) => panic!("sequence {i} alone on the {}: {g:?}, CPU {w:?}", b.name()),
+            }
+        }
     }
 }
 
@@ -809,8 +829,14 @@ fn verify_flagged(b: &Backend, seqs: &[Seq], greedy: &[bool], vocab: usize) -> V
 fn greedy_drafts_need_no_q_rows_and_verify_as_their_one_hot_rows() {
     // Argmax drafts declared greedy (no q rows; the correction from p with the draft's entry
     // zeroed) must verify exactly as the same drafts with one-hot q rows, and as the CPU's
-    // `DraftProbs::Greedy`; sampled sequences in the same batch keep their own rows.
-    let vocab = 1000;
+    // `DraftProbs::Greedy`; sampled sequences in the same batch keep their own rows. At 1,000
+    // entries and at DeepSeek's vocabulary (a GPU splits each sequence's draw there).
+    for vocab in [1000, DEEPSEEK_VOCAB] {
+        greedy_flags(vocab);
+    }
+}
+
+fn greedy_flags(vocab: usize) {
     let mut rng = common::rng(51);
     let soft = SamplingParams {
         temperature: 0.8,
@@ -896,6 +922,14 @@ fn greedy_drafts_need_no_q_rows_and_verify_as_their_one_hot_rows() {
             .collect();
         for (g, w) in got.iter().zip(want_only) {
             assert_eq!(g.as_ref().expect("valid"), w);
+        }
+        if vocab != DEEPSEEK_VOCAB || is_cpu(&b) {
+            continue;
+        }
+        // Each sequence alone, greedy-flagged where it is.
+        for (i, ((s, &g), w)) in seqs.iter().zip(&flags).zip(&want).enumerate() {
+            let got = verify_flagged(&b, std::slice::from_ref(s), &[g], vocab);
+            assert_eq!(got[0].as_ref().expect("valid"), w, "sequence {i} alone");
         }
     }
 }

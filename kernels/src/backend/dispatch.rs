@@ -216,6 +216,9 @@ pub fn forward_kernels<D: Gpu>(k: AttnKernels, shape: &MlaShape, cc: (i32, i32))
                 "sample_draw_part",
                 "sample_draw_pick",
                 "spec_verify",
+                "spec_verify_accept",
+                "spec_verify_part",
+                "spec_verify_pick",
             ],
         ),
         OpKernels {

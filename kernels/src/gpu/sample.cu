@@ -645,20 +645,17 @@ __device__ __forceinline__ int block_max_i(int v, int* red) {
   return warp_max_i(lane < SAMPLE_WARPS ? red[lane] : -0x7fffffff - 1);
 }
 
-// Part totals of the draw. Grid: (parts, rows); block: SAMPLE_THREADS.
-extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
-    sample_draw_part(const float* probs, int vocab, int chunk, double* part_mass,
-                     int* part_last, int* part_bad) {
-  pdl_enter();
+// A split draw's part totals over value(lo..hi) of one row: mass (f64), last positive index,
+// negative-entry flag, written by thread 0 to slot `at`.
+template <typename F>
+__device__ void draw_part_impl(F value, int lo, int hi, double* part_mass, int* part_last,
+                               int* part_bad, size_t at) {
   __shared__ double red_d[SAMPLE_WARPS];
   __shared__ int red_i[SAMPLE_WARPS];
-  int r = blockIdx.y, parts = gridDim.x;
-  const float* p = probs + (size_t)r * vocab;
-  int lo = blockIdx.x * chunk, hi = min(vocab, lo + chunk);
   double mass = 0.0;
   int last = -1, bad = 0;
   for (int i = lo + threadIdx.x; i < hi; i += SAMPLE_THREADS) {
-    float v = p[i];
+    float v = value(i);
     if (v > 0.0f) {
       mass += (double)v;
       last = i;
@@ -671,45 +668,41 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
   last = block_max_i(last, red_i);
   bad = block_max_i(bad, red_i);
   if (threadIdx.x == 0) {
-    size_t at = (size_t)r * parts + blockIdx.x;
     part_mass[at] = mass;
     part_last[at] = last;
     part_bad[at] = bad;
   }
 }
 
-// The draw from the part totals. Grid: rows; block: SAMPLE_THREADS.
-extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
-    sample_draw_pick(const float* probs, const double* uniforms, int vocab, int chunk, int parts,
-                     const double* part_mass, const int* part_last, const int* part_bad,
-                     int* out) {
-  pdl_enter();
+// block_draw over value(0..n) from the row's part totals (draw_part_impl): the total, then the
+// part holding u · total (found by one warp, 32 parts at a time, in part order), scanned
+// SAMPLE_THREADS entries at a time by the whole block. -1 when the total is not finite and
+// positive or an entry is negative; `*sum` gets the total. Every thread gets the result.
+template <typename F>
+__device__ int draw_pick_impl(F value, int n, int chunk, int parts, const double* pm,
+                              const int* pl, const int* pb, double u, float* sum) {
   __shared__ double wsum[SAMPLE_WARPS];
   __shared__ int whit[SAMPLE_WARPS];
-  __shared__ double s_target;
+  __shared__ double s_target, s_base, s_total;
   __shared__ int s_start, s_last, s_bad;
-  __shared__ double s_base;
-  int r = blockIdx.x, tid = threadIdx.x, w = tid / WARP, lane = tid % WARP;
-  const double* pm = part_mass + (size_t)r * parts;
+  int tid = threadIdx.x, w = tid / WARP, lane = tid % WARP;
   if (w == 0) {
-    // The total and the flags, then the first part whose cumulative mass passes the target:
-    // one warp, 32 parts at a time, in part order.
     double total = 0.0;
     int last = -1, bad = 0;
     for (int c = lane; c < parts; c += WARP) {
       total += pm[c];
-      last = max(last, part_last[(size_t)r * parts + c]);
-      bad |= part_bad[(size_t)r * parts + c];
+      last = max(last, pl[c]);
+      bad |= pb[c];
     }
     total = warp_sum_t(total);
     last = warp_max_i(last);
     bad = warp_max_i(bad);
-    double u = uniforms[r];
+    bool ok = total == total && total > 0.0 && total < 1.0e308 && !bad;
     double uc = u < 0.0 ? 0.0 : (u > 1.0 ? 1.0 : u);
     double target = uc * total;
     int start = -1;
     double base = 0.0;
-    if (total == total && total > 0.0 && total < 1.0e308 && !bad) {
+    if (ok) {
       for (int c0 = 0; c0 < parts && start < 0; c0 += WARP) {
         double x = c0 + lane < parts ? pm[c0 + lane] : 0.0;
 #pragma unroll
@@ -730,55 +723,79 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     }
     if (lane == 0) {
       s_target = target;
+      s_base = base;
+      s_total = total;
       s_start = start;
       s_last = last;
-      s_bad = !(total == total && total > 0.0 && total < 1.0e308) || bad;
-      s_base = base;
+      s_bad = !ok;
     }
   }
   __syncthreads();
-  if (s_bad) {
-    if (tid == 0) out[r] = -1;
-    return;
-  }
-  if (s_start < 0) {
-    // Rounding left every cumulative mass a hair short of the target.
-    if (tid == 0) out[r] = s_last;
-    return;
-  }
-  const float* p = probs + (size_t)r * vocab;
-  double target = s_target, base = s_base;
+  *sum = (float)s_total;
   int result = s_last;
-  for (int t0 = s_start * chunk; t0 < vocab; t0 += SAMPLE_THREADS) {
-    int i = t0 + tid;
-    float v = i < vocab ? p[i] : 0.0f;
-    double x = v > 0.0f ? (double)v : 0.0;
+  if (s_bad) {
+    result = -1;
+  } else if (s_start >= 0) {
+    double target = s_target, base = s_base;
+    for (int t0 = s_start * chunk; t0 < n; t0 += SAMPLE_THREADS) {
+      int i = t0 + tid;
+      float v = i < n ? value(i) : 0.0f;
+      double x = v > 0.0f ? (double)v : 0.0;
 #pragma unroll
-    for (int off = 1; off < WARP; off <<= 1) {
-      double y = SHFL(x, (lane - off) & (WARP - 1));
-      if (lane >= off) x += y;
+      for (int off = 1; off < WARP; off <<= 1) {
+        double y = SHFL(x, (lane - off) & (WARP - 1));
+        if (lane >= off) x += y;
+      }
+      if (lane == WARP - 1) wsum[w] = x;
+      __syncthreads();
+      double before = 0.0, all = 0.0;
+      for (int k = 0; k < SAMPLE_WARPS; k++) {
+        if (k < w) before += wsum[k];
+        all += wsum[k];
+      }
+      int hit = (v > 0.0f && base + before + x > target) ? i : NO_INDEX;
+      hit = warp_min_i(hit);
+      if (lane == 0) whit[w] = hit;
+      __syncthreads();
+      int first = NO_INDEX;
+      for (int k = 0; k < SAMPLE_WARPS; k++) first = min(first, whit[k]);
+      __syncthreads();  // wsum and whit are rewritten by the next trip
+      if (first != NO_INDEX) {
+        result = first;
+        break;
+      }
+      base += all;
     }
-    if (lane == WARP - 1) wsum[w] = x;
-    __syncthreads();
-    double before = 0.0, all = 0.0;
-    for (int k = 0; k < SAMPLE_WARPS; k++) {
-      if (k < w) before += wsum[k];
-      all += wsum[k];
-    }
-    int hit = (v > 0.0f && base + before + x > target) ? i : NO_INDEX;
-    hit = warp_min_i(hit);
-    if (lane == 0) whit[w] = hit;
-    __syncthreads();
-    int first = NO_INDEX;
-    for (int k = 0; k < SAMPLE_WARPS; k++) first = min(first, whit[k]);
-    __syncthreads();  // wsum and whit are rewritten by the next trip
-    if (first != NO_INDEX) {
-      result = first;
-      break;
-    }
-    base += all;
+    // Not found: rounding left the cumulative a hair short of the target; the last positive.
   }
-  if (tid == 0) out[r] = result;
+  __syncthreads();  // the shared results are read by every thread before any reuse
+  return result;
+}
+
+// Part totals of the draw. Grid: (parts, rows); block: SAMPLE_THREADS.
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
+    sample_draw_part(const float* probs, int vocab, int chunk, double* part_mass,
+                     int* part_last, int* part_bad) {
+  pdl_enter();
+  int r = blockIdx.y, parts = gridDim.x;
+  RowProbs row = {probs + (size_t)r * vocab};
+  int lo = blockIdx.x * chunk, hi = min(vocab, lo + chunk);
+  draw_part_impl(row, lo, hi, part_mass, part_last, part_bad, (size_t)r * parts + blockIdx.x);
+}
+
+// The draw from the part totals. Grid: rows; block: SAMPLE_THREADS.
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
+    sample_draw_pick(const float* probs, const double* uniforms, int vocab, int chunk, int parts,
+                     const double* part_mass, const int* part_last, const int* part_bad,
+                     int* out) {
+  pdl_enter();
+  int r = blockIdx.x;
+  size_t at = (size_t)r * parts;
+  RowProbs row = {probs + (size_t)r * vocab};
+  float sum;
+  int y = draw_pick_impl(row, vocab, chunk, parts, part_mass + at, part_last + at,
+                         part_bad + at, uniforms[r], &sum);
+  if (threadIdx.x == 0) out[r] = y;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -852,6 +869,140 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
       o[0] = VERIFY_DEGENERATE; o[1] = gamma; o[2] = (int)ferry_f2u(sum);
     } else {
       o[0] = gamma; o[1 + gamma] = y;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The same verification for a few sequences, its one draw split over several blocks (see the
+// split section above): spec_verify_accept runs each sequence's accept tests (no row scans)
+// and leaves a draw job, spec_verify_part sums the job's row in parts, spec_verify_pick draws
+// and writes the result row exactly as spec_verify does.
+
+// A draw job, VERIFY_JOB_WORDS ints per sequence.
+#define VERIFY_JOB_WORDS 6
+#define JOB_KIND 0   // -1: none (an error is written); 0: the bonus row p; 1: max(0, p − q); 2: p, x zeroed
+#define JOB_POS 1    // the position drawn at (the rejected draft's, or γ for the bonus)
+#define JOB_DRAFT 2  // the rejected greedy draft x (kind 2)
+#define JOB_P 3      // the p row
+#define JOB_Q 4      // the q row (kind 1)
+#define JOB_U 5      // the uniform's index
+
+// The row a job draws from (RowProbs, RowResidual or RowResidualGreedy by kind).
+struct JobRow {
+  const float* p;
+  const float* q;
+  int x, kind;
+  __device__ __forceinline__ float operator()(int i) const {
+    float v = p[i];
+    if (kind == 1) return fmaxf(v - q[i], 0.0f);
+    if (kind == 2) return i == x ? 0.0f : v;
+    return v;
+  }
+};
+
+__device__ __forceinline__ JobRow job_row(const int* job, const float* p, const float* q,
+                                          int vocab) {
+  JobRow r;
+  r.kind = job[JOB_KIND];
+  r.p = p + (size_t)job[JOB_P] * vocab;
+  r.q = r.kind == 1 ? q + (size_t)job[JOB_Q] * vocab : nullptr;
+  r.x = job[JOB_DRAFT];
+  return r;
+}
+
+// Grid: sequences; block: one warp (thread 0 works: a sequence's γ accept tests read two
+// entries each).
+extern "C" __global__ void spec_verify_accept(const float* p, const float* q, const int* drafts,
+                                              const double* uniforms, const int* q_offsets,
+                                              const int* q_rows, int vocab, int* out, int width,
+                                              int* jobs) {
+  pdl_enter();
+  if (threadIdx.x != 0) return;
+  int seq = blockIdx.x;
+  int q0 = q_offsets[seq], gamma = q_offsets[seq + 1] - q0;
+  int p0 = q0 + seq;
+  int qr = q_rows[seq];
+  const double* u = uniforms + p0;
+  int* o = out + (size_t)seq * width;
+  int* job = jobs + (size_t)seq * VERIFY_JOB_WORDS;
+  job[JOB_KIND] = -1;
+  for (int k = 0; k < gamma; k++) {
+    int x = drafts[q0 + k];
+    if (x < 0 || x >= vocab) {
+      o[0] = VERIFY_BAD_ID; o[1] = k; o[2] = x;
+      return;
+    }
+  }
+  job[JOB_U] = p0 + gamma;
+  for (int k = 0; k < gamma; k++) {
+    int x = drafts[q0 + k];
+    const float* pk = p + (size_t)(p0 + k) * vocab;
+    float qx = qr < 0 ? 1.0f : q[(size_t)(qr + k) * vocab + x];
+    if (!(qx > 0.0f && finite_f(qx))) {
+      o[0] = VERIFY_ZERO_Q; o[1] = k; o[2] = x; o[3] = (int)ferry_f2u(qx);
+      return;
+    }
+    if (u[k] * (double)qx < (double)pk[x]) {
+      o[1 + k] = x;
+      continue;
+    }
+    job[JOB_KIND] = qr < 0 ? 2 : 1;
+    job[JOB_POS] = k;
+    job[JOB_DRAFT] = x;
+    job[JOB_P] = p0 + k;
+    job[JOB_Q] = qr + k;
+    return;
+  }
+  job[JOB_KIND] = 0;
+  job[JOB_POS] = gamma;
+  job[JOB_DRAFT] = -1;
+  job[JOB_P] = p0 + gamma;
+  job[JOB_Q] = 0;
+}
+
+// Grid: (parts, sequences); block: SAMPLE_THREADS.
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
+    spec_verify_part(const float* p, const float* q, const int* jobs, int vocab, int chunk,
+                     double* part_mass, int* part_last, int* part_bad) {
+  pdl_enter();
+  int seq = blockIdx.y, parts = gridDim.x;
+  const int* job = jobs + (size_t)seq * VERIFY_JOB_WORDS;
+  if (job[JOB_KIND] < 0) return;
+  JobRow row = job_row(job, p, q, vocab);
+  int lo = blockIdx.x * chunk, hi = min(vocab, lo + chunk);
+  draw_part_impl(row, lo, hi, part_mass, part_last, part_bad, (size_t)seq * parts + blockIdx.x);
+}
+
+// Grid: sequences; block: SAMPLE_THREADS.
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
+    spec_verify_pick(const float* p, const float* q, const double* uniforms, const int* jobs,
+                     int vocab, int chunk, int parts, const double* part_mass,
+                     const int* part_last, const int* part_bad, int* out, int width) {
+  pdl_enter();
+  __shared__ DrawSmem s;
+  int seq = blockIdx.x;
+  const int* job = jobs + (size_t)seq * VERIFY_JOB_WORDS;
+  int kind = job[JOB_KIND];
+  if (kind < 0) return;
+  int k = job[JOB_POS];
+  double u = uniforms[job[JOB_U]];
+  size_t at = (size_t)seq * parts;
+  float sum;
+  JobRow row = job_row(job, p, q, vocab);
+  int y = draw_pick_impl(row, vocab, chunk, parts, part_mass + at, part_last + at,
+                         part_bad + at, u, &sum);
+  if (y < 0 && kind != 0) {
+    // The residual has no mass: the correction comes from p (one block; rare).
+    RowProbs pk = {row.p};
+    y = block_draw(pk, vocab, u, s, &sum);
+  }
+  if (threadIdx.x == 0) {
+    int* o = out + (size_t)seq * width;
+    if (y < 0) {
+      o[0] = VERIFY_DEGENERATE; o[1] = k; o[2] = (int)ferry_f2u(sum);
+    } else {
+      o[0] = k; o[1 + k] = y;
     }
   }
 }

@@ -318,7 +318,9 @@ pub struct VerifyArgs<'a> {
 
 /// `cpu::verify::verify_probs` with sampled drafts, one block per sequence, into `out` (see
 /// `spec_verify` in `sample.cu` for the row layout). Uploads the sequences' draft offsets (one
-/// small copy) and queues the kernel.
+/// small copy) and queues the kernel. A few sequences ([`row_parts`]) run their accept tests
+/// first and split each one's draw over several blocks (`spec_verify_{accept,part,pick}`):
+/// the same results.
 ///
 /// Numerics: the accept test `u · q(x) < p(x)` is the CPU's, in f64 on the same f32 inputs, so
 /// accept decisions are identical; the correction / bonus draw is [`draw`]'s.
@@ -378,21 +380,86 @@ pub fn verify<D: Gpu>(dev: &D, a: VerifyArgs<'_>) -> Result<(), KernelError> {
         }
     }
     let offsets = dev.upload(&offsets)?;
-    let f = kernel(dev, "spec_verify")?;
+    // Greedy-only batches read no q: any valid address stands in.
+    let q = a.q.map_or(a.p.ptr, |q| q.ptr);
+    let width = int(OP, "width", a.width)?;
+    let (parts, chunk) = row_parts(dev.sm_count() as usize, seqs, a.vocab);
+    if parts == 1 || seqs > 65_535 || a.vocab > MAX_VOCAB {
+        let f = kernel(dev, "spec_verify")?;
+        let mut k = KernelArgs::new();
+        k.push(a.p.ptr)
+            .push(q)
+            .push(a.drafts.ptr)
+            .push(a.uniforms.ptr)
+            .push(offsets.ptr())
+            .push(offsets.ptr_at(seqs + 1))
+            .push(v)
+            .push(a.out.ptr)
+            .push(width);
+        // `offsets` is freed stream-ordered, after the kernel has read it.
+        return dev.launch(&f, LaunchDims::linear(seqs, THREADS), &mut k);
+    }
+    // A few sequences: the accept tests, then each sequence's one draw split over `parts`
+    // blocks (`sample.cu`'s split verification).
+    let chunk = int(OP, "chunk", chunk)?;
+    let jobs = dev.alloc::<i32>(seqs * JOB_WORDS)?;
+    let part_mass = dev.alloc::<f64>(seqs * parts)?;
+    let part_last = dev.alloc::<i32>(seqs * parts)?;
+    let part_bad = dev.alloc::<i32>(seqs * parts)?;
     let mut k = KernelArgs::new();
     k.push(a.p.ptr)
-        // Greedy-only batches read no q: any valid address stands in.
-        .push(a.q.map_or(a.p.ptr, |q| q.ptr))
+        .push(q)
         .push(a.drafts.ptr)
         .push(a.uniforms.ptr)
         .push(offsets.ptr())
         .push(offsets.ptr_at(seqs + 1))
         .push(v)
         .push(a.out.ptr)
-        .push(int(OP, "width", a.width)?);
-    dev.launch(&f, LaunchDims::linear(seqs, THREADS), &mut k)
-    // `offsets` is freed stream-ordered, after the kernel has read it.
+        .push(width)
+        .push(jobs.ptr());
+    dev.launch(
+        &kernel(dev, "spec_verify_accept")?,
+        LaunchDims::linear(seqs, 32),
+        &mut k,
+    )?;
+    let mut k = KernelArgs::new();
+    k.push(a.p.ptr)
+        .push(q)
+        .push(jobs.ptr())
+        .push(v)
+        .push(chunk)
+        .push(part_mass.ptr())
+        .push(part_last.ptr())
+        .push(part_bad.ptr());
+    let split = LaunchDims {
+        grid: (parts as u32, seqs as u32, 1),
+        block: (THREADS, 1, 1),
+        smem: 0,
+    };
+    dev.launch(&kernel(dev, "spec_verify_part")?, split, &mut k)?;
+    let mut k = KernelArgs::new();
+    k.push(a.p.ptr)
+        .push(q)
+        .push(a.uniforms.ptr)
+        .push(jobs.ptr())
+        .push(v)
+        .push(chunk)
+        .push(int(OP, "parts", parts)?)
+        .push(part_mass.ptr())
+        .push(part_last.ptr())
+        .push(part_bad.ptr())
+        .push(a.out.ptr)
+        .push(width);
+    dev.launch(
+        &kernel(dev, "spec_verify_pick")?,
+        LaunchDims::linear(seqs, THREADS),
+        &mut k,
+    )
 }
+
+/// Words per sequence of the split verification's draw jobs (`VERIFY_JOB_WORDS` in
+/// `sample.cu`).
+const JOB_WORDS: usize = 6;
 
 #[cfg(test)]
 mod tests {
