@@ -30,7 +30,7 @@ use ferry_kernels::backend::draft::{
     block_attention, confidence, gather_concat, markov_step, scatter_rows, BlockAttention,
     Confidence, GatherConcat, MarkovStep, ScatterRows,
 };
-use ferry_kernels::backend::{Backend, Pages, PagesMut, Tensor};
+use ferry_kernels::backend::{Backend, Pages, PagesMut, Precision, Tensor};
 use ferry_kernels::cpu::draft::{attend_block, BlockAttnDims, BlockRows};
 use ferry_kernels::cpu::gemm::Matrix;
 use ferry_kernels::cpu::mla::LatentPages;
@@ -871,7 +871,10 @@ impl MarkovCase {
         for (&a, &t) in self.at.iter().zip(prev) {
             let a = a as usize;
             let e: Vec<f64> = match usize::try_from(t).ok().filter(|&t| t < v) {
-                Some(t) => self.w1[t * r..(t + 1) * r].iter().map(|&x| x as f64).collect(),
+                Some(t) => self.w1[t * r..(t + 1) * r]
+                    .iter()
+                    .map(|&x| x as f64)
+                    .collect(),
                 None => vec![0.0; r],
             };
             for j in 0..v {
@@ -917,6 +920,7 @@ impl MarkovCase {
                 w2: &w2,
                 conf_w: &cw,
                 conf_bias: self.bias,
+                precision: Precision::Exact,
             },
         )?;
         Ok((
@@ -1004,6 +1008,7 @@ fn markov_step_ids_it_cannot_use() {
                 w2: &w2,
                 conf_w: &cw,
                 conf_bias: 0.0,
+                precision: Precision::Exact,
             },
         )
         .expect_err("w2 [499][16]");

@@ -290,7 +290,10 @@ fn probs_match_the_cpu_sampler_row_by_row() {
                 let want = probs_from_logits(row, prm).expect("valid row");
                 let same_set = got.iter().zip(&want).all(|(g, w)| (*g > 0.0) == (*w > 0.0));
                 let d = common::max_abs_diff(&got, &want);
-                assert!(same_set && d <= 1e-6, "row {r} alone ({prm:?}): max |Δ| {d:.2e}");
+                assert!(
+                    same_set && d <= 1e-6,
+                    "row {r} alone ({prm:?}): max |Δ| {d:.2e}"
+                );
             }
         }
     }
@@ -464,7 +467,12 @@ fn draw_matches_the_cpu_draw_and_degenerate_rows_give_minus_one() {
                     },
                 )
                 .expect("draw");
-                assert_eq!(host_ints(&got), [want[r]], "row {r} alone on the {}", b.name());
+                assert_eq!(
+                    host_ints(&got),
+                    [want[r]],
+                    "row {r} alone on the {}",
+                    b.name()
+                );
             }
         }
     }
@@ -617,7 +625,12 @@ fn argmax_matches_the_cpu_with_ties_to_the_lowest_index() {
             for (r, row) in rows.iter().enumerate() {
                 let x = b.upload(row).expect("upload");
                 let got = host_ints(&argmax(&b, &x, vocab).expect("argmax"));
-                assert_eq!(got, [want[r]], "vocab {vocab}, row {r} alone on the {}", b.name());
+                assert_eq!(
+                    got,
+                    [want[r]],
+                    "vocab {vocab}, row {r} alone on the {}",
+                    b.name()
+                );
             }
         }
     }

@@ -59,7 +59,8 @@ pub struct BenchEngineArgs {
     /// Draft slots verified per engine step across the batch (with `--speculative`).
     #[arg(long, default_value_t = 64)]
     pub max_verify_tokens: usize,
-    /// Sampling temperature of the requests (with `--speculative`; 0 = greedy).
+    /// Sampling temperature of the requests (with `--speculative`; with `--verify-cost`, of
+    /// the drafter pass's inputs; 0 = greedy).
     #[arg(long, default_value_t = 0.0)]
     pub temperature: f32,
     /// Measure plain decoding through the serving engine on `--device`, decode steps replayed
@@ -325,7 +326,8 @@ fn run_speculative(args: &BenchEngineArgs, dir: &Path) -> anyhow::Result<()> {
             stats = s;
         }
         let b = drafter.block_size();
-        let mut passes = PassBench::new(&target, &drafter, c, args.prompt_len, b + 1)?;
+        let mut passes = PassBench::new(&target, &drafter, c, args.prompt_len, b + 1)?
+            .with_temperature(args.temperature);
         let (d, v, st) = (
             passes.draft_ms(5)?,
             passes.forward_ms(b + 1, 5)?,

@@ -42,9 +42,18 @@ pub struct PassBench<'a> {
     prompts: Vec<Vec<u32>>,
     tables: Vec<BlockTable>,
     context: usize,
+    /// The drafter inputs' sampling temperature (0: greedy, argmax drafts).
+    temperature: f32,
 }
 
 impl<'a> PassBench<'a> {
+    /// Drafter passes for requests sampled at `temperature` (0, the default: greedy). A
+    /// sampled pass builds each block position's distribution and draws from it.
+    pub fn with_temperature(mut self, temperature: f32) -> Self {
+        self.temperature = temperature;
+        self
+    }
+
     /// `batch` sequences of `context` tokens, room for `max_rows` more each.
     pub fn new(
         target: &'a DeepseekModel,
@@ -123,6 +132,7 @@ impl<'a> PassBench<'a> {
             prompts,
             tables,
             context,
+            temperature: 0.0,
         })
     }
 
@@ -135,9 +145,19 @@ impl<'a> PassBench<'a> {
     /// [`Self::draft_ms`] with another copy of the bench's drafter (same weights; e.g. one
     /// that replays its pass from CUDA graphs).
     pub fn draft_ms_with(&mut self, drafter: &DsparkDrafter, reps: usize) -> anyhow::Result<f64> {
-        let greedy = SamplingParams {
-            temperature: 0.0,
+        let params = SamplingParams {
+            temperature: self.temperature,
             ..SamplingParams::default()
+        };
+        // One uniform per block position (a sampled pass draws with them; values do not
+        // change its cost).
+        let uniforms: Vec<f64> = (0..drafter.block_size())
+            .map(|k| (k as f64 + 0.5) / (drafter.block_size() as f64 + 1.0))
+            .collect();
+        let uniforms = if params.is_greedy() {
+            &[][..]
+        } else {
+            &uniforms[..]
         };
         let mut ms = Vec::with_capacity(reps);
         for _ in 0..reps.max(1) {
@@ -150,8 +170,8 @@ impl<'a> PassBench<'a> {
                     context_len: self.context,
                     block_table: t.blocks(),
                     tokens: &p[..self.context],
-                    params: &greedy,
-                    uniforms: &[],
+                    params: &params,
+                    uniforms,
                 })
                 .collect();
             let ctx = DraftCtx {
@@ -321,17 +341,23 @@ pub fn run_verify_cost(args: &BenchEngineArgs, dir: &Path) -> anyhow::Result<()>
     }
     let reps = args.repeat.max(1) * 3;
     println!(
-        "{device}, {:?} mode, {} cached tokens per sequence; drafter: {} layers, block {} (eager \
-         forwards, median of {reps})\n",
+        "{device}, {:?} mode, {} cached tokens per sequence; drafter: {} layers, block {}, \
+         {} (eager forwards, median of {reps})\n",
         args.device.mode(),
         args.prompt_len,
         drafter.config().num_layers,
         drafter.block_size(),
+        if args.temperature > 0.0 {
+            format!("drafts sampled at T = {}", args.temperature)
+        } else {
+            "greedy drafts".into()
+        },
     );
     println!("| batch | k | decode step ms | verify (k+1 rows) ms | verify / step | drafter pass ms (eager / graph) | draft / step | computed speed-up at τ |\n|---|---|---|---|---|---|---|---|");
     let mut rows = Vec::new();
     for &batch in &args.batch {
-        let mut bench = PassBench::new(&target, &drafter, batch, args.prompt_len, max_rows)?;
+        let mut bench = PassBench::new(&target, &drafter, batch, args.prompt_len, max_rows)?
+            .with_temperature(args.temperature);
         // One of each first: the first launches of a shape compile and allocate.
         bench.forward_ms(1, 1)?;
         bench.draft_ms(1)?;
@@ -378,6 +404,7 @@ pub fn run_verify_cost(args: &BenchEngineArgs, dir: &Path) -> anyhow::Result<()>
             "load_format": args.device.load_format.as_str(),
             "drafter_layers": drafter.config().num_layers,
             "drafter_block_size": drafter.block_size(),
+            "draft_temperature": args.temperature,
             "note": "computed_speedup = tau * decode_step / (draft_pass + verify): computed from measured costs and an acceptance length measured elsewhere; draft_pass_ms is the graph replay where the engine would use one (CUDA, batch <= 64), else the eager pass; every target forward is eager",
             "rows": rows,
         }),

@@ -13,6 +13,7 @@
 //! within summation order (1e-5 of max |out|, `tests/backend_draft.rs`).
 
 use super::linear::{linear, Linear};
+use super::norm::{add_norm, AddNorm};
 use super::rows::{embed, gather, Embed, Gather};
 use super::{mismatch, Backend, Ints, Pages, PagesMut, Precision, Slots, Tensor, Weight};
 use crate::cpu::draft::{BlockAttnDims, BlockRows, ConfidenceRows, PagedContext};
@@ -393,6 +394,9 @@ pub struct MarkovStep<'a> {
     pub conf_w: &'a Tensor,
     /// The confidence head's bias.
     pub conf_bias: f32,
+    /// The bias GEMM's input precision where it runs as backend ops (the CPU, or a GPU under
+    /// `FERRY_MARKOV_FUSED=0`); the one-launch kernel sums in f32 whatever this is.
+    pub precision: Precision,
 }
 
 /// What a [`MarkovStep`] gives each input.
@@ -409,7 +413,8 @@ pub struct MarkovRows {
 /// (embedding, the bias [`linear`], the gathers, the add, [`confidence`]), so its bits are
 /// unchanged; there a `prev` or `at` outside its range is an error. A GPU does it in one
 /// launch (`gpu::draft::markov_step`: f32 sums in another order; a `prev` outside the
-/// vocabulary reads a zero `W1` row, an `at` outside the rows gives NaN).
+/// vocabulary reads a zero `W1` row, an `at` outside the rows gives NaN), or as the
+/// composition under `FERRY_MARKOV_FUSED=0`.
 pub fn markov_step(b: &Backend, p: MarkovStep<'_>) -> Result<MarkovRows, KernelError> {
     const OP: &str = "markov_step";
     let (vocab, rank) = (p.w1.rows(), p.w1.cols());
@@ -441,69 +446,82 @@ pub fn markov_step(b: &Backend, p: MarkovStep<'_>) -> Result<MarkovRows, KernelE
     let rows = p.logits.len() / vocab;
     crate::cpu::gemm::check_len(OP, "hidden", rows * hid, p.hidden.len())?;
     crate::cpu::gemm::check_len(OP, "prev", p.at.len(), p.prev.len())?;
-    match b {
-        Backend::Cpu => {
-            // Named here, not by the inner ops.
-            for &a in p.at.host(OP, "at")? {
-                super::host_index(OP, "at", a.into(), rows)?;
-            }
-            for &t in p.prev.host(OP, "prev")? {
-                super::host_index(OP, "prev", t.into(), vocab)?;
-            }
-            let e = embed(
-                b,
-                Embed {
-                    table: p.w1,
-                    ids: p.prev,
-                },
-            )?;
-            let bias = linear(
-                b,
-                Linear {
-                    x: &e,
-                    w: p.w2,
-                    precision: Precision::Exact,
-                },
-            )?;
-            let mut logits = gather(
-                b,
-                Gather {
-                    src: p.logits,
-                    rows: p.at,
-                    width: vocab,
-                },
-            )?;
-            for (x, d) in logits
-                .host_mut(OP, "logits")?
-                .iter_mut()
-                .zip(bias.host(OP, "bias")?)
-            {
-                *x += d;
-            }
-            let h = gather(
-                b,
-                Gather {
-                    src: p.hidden,
-                    rows: p.at,
-                    width: hid,
-                },
-            )?;
-            let confidence = confidence(
-                b,
-                Confidence {
-                    h: &h,
-                    e: &e,
-                    w: p.conf_w,
-                    bias: p.conf_bias,
-                },
-            )?;
-            Ok(MarkovRows { logits, confidence })
+    if let Backend::Cpu = b {
+        // Named here, not by the inner ops.
+        for &a in p.at.host(OP, "at")? {
+            super::host_index(OP, "at", a.into(), rows)?;
         }
-        #[cfg(feature = "cuda")]
-        Backend::Cuda(dev) => markov_on(dev, b, &p),
-        #[cfg(feature = "rocm")]
-        Backend::Rocm(dev) => markov_on(dev, b, &p),
+        for &t in p.prev.host(OP, "prev")? {
+            super::host_index(OP, "prev", t.into(), vocab)?;
+        }
     }
+    match b {
+        #[cfg(feature = "cuda")]
+        Backend::Cuda(dev) if super::markov_fused() => markov_on(dev, b, &p),
+        #[cfg(feature = "rocm")]
+        Backend::Rocm(dev) if super::markov_fused() => markov_on(dev, b, &p),
+        _ => markov_composed(b, &p, hid),
+    }
+}
+
+/// [`markov_step`] as backend ops: the embedding of the previous tokens, the bias
+/// [`linear`], the logits' rows gathered and the bias added, the hidden rows gathered, the
+/// [`confidence`] head. The CPU's arm, and a GPU's under `FERRY_MARKOV_FUSED=0` (seven
+/// launches).
+fn markov_composed(b: &Backend, p: &MarkovStep<'_>, hid: usize) -> Result<MarkovRows, KernelError> {
+    let vocab = p.w1.rows();
+    let e = embed(
+        b,
+        Embed {
+            table: p.w1,
+            ids: p.prev,
+        },
+    )?;
+    let bias = linear(
+        b,
+        Linear {
+            x: &e,
+            w: p.w2,
+            precision: p.precision,
+        },
+    )?;
+    let mut logits = gather(
+        b,
+        Gather {
+            src: p.logits,
+            rows: p.at,
+            width: vocab,
+        },
+    )?;
+    add_norm(
+        b,
+        AddNorm {
+            h: &mut logits,
+            delta: Some(&bias),
+            weight: &bias,
+            out: None,
+            width: vocab,
+            eps: 0.0,
+        },
+    )?;
+    let h = gather(
+        b,
+        Gather {
+            src: p.hidden,
+            rows: p.at,
+            width: hid,
+        },
+    )?;
+    let confidence = confidence(
+        b,
+        Confidence {
+            h: &h,
+            e: &e,
+            w: p.conf_w,
+            bias: p.conf_bias,
+        },
+    )?;
+    Ok(MarkovRows { logits, confidence })
 }
 
 #[cfg(any(feature = "cuda", feature = "rocm"))]

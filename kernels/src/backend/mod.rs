@@ -620,6 +620,26 @@ pub(crate) fn fuse() -> bool {
     *FUSE.get_or_init(|| env_switch("FERRY_FUSE"))
 }
 
+/// Whether the sampling kernels split a few long rows over several blocks each (the argmax,
+/// the distribution, the draw and the verifier's draw; `gpu::sample::row_parts`):
+/// `FERRY_SPLIT_ROWS=0` runs one block a row as before session 30, read once, so one binary
+/// measures both. Argmax and verify results are identical either way; distributions and draws
+/// differ by summation order only.
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+pub(crate) fn split_rows() -> bool {
+    static SPLIT: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *SPLIT.get_or_init(|| env_switch("FERRY_SPLIT_ROWS"))
+}
+
+/// Whether a GPU's `draft::markov_step` is its one launch (the default) or the composition the
+/// CPU runs (`FERRY_MARKOV_FUSED=0`: seven launches, as before session 30), read once, so one
+/// binary measures both; equal within summation order.
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+pub(crate) fn markov_fused() -> bool {
+    static FUSED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *FUSED.get_or_init(|| env_switch("FERRY_MARKOV_FUSED"))
+}
+
 /// An A/B switch read from environment variable `name`: on unless it is `0`.
 fn env_switch(name: &str) -> bool {
     std::env::var(name).map_or(true, |v| v != "0")

@@ -99,7 +99,7 @@ pub fn probs<D: Gpu>(
     if rows == 0 {
         return Ok(());
     }
-    let (parts, chunk) = row_parts(dev.sm_count() as usize, rows, vocab);
+    let (parts, chunk) = plan_rows(dev, rows, vocab);
     if parts == 1 || rows > 65_535 {
         let f = kernel(dev, "sample_probs")?;
         let mut a = KernelArgs::new();
@@ -182,7 +182,7 @@ pub fn draw<D: Gpu>(
     if rows == 0 {
         return Ok(());
     }
-    let (parts, chunk) = row_parts(dev.sm_count() as usize, rows, vocab);
+    let (parts, chunk) = plan_rows(dev, rows, vocab);
     if parts == 1 || rows > 65_535 || vocab > MAX_VOCAB {
         let f = kernel(dev, "sample_draw")?;
         let mut a = KernelArgs::new();
@@ -241,6 +241,15 @@ pub fn row_parts(sms: usize, rows: usize, vocab: usize) -> (usize, usize) {
     (vocab.div_ceil(chunk).max(1), chunk)
 }
 
+/// [`row_parts`] on `dev`, or one block a row under `FERRY_SPLIT_ROWS=0`.
+fn plan_rows<D: Gpu>(dev: &D, rows: usize, vocab: usize) -> (usize, usize) {
+    if crate::backend::split_rows() {
+        row_parts(dev.sm_count() as usize, rows, vocab)
+    } else {
+        (1, vocab)
+    }
+}
+
 /// `cpu::sample::argmax` of each `[vocab]` row of `logits` (ties to the lowest index, NaN never
 /// chosen, 0 for a row with nothing above -inf) into `out[row]`. Exact: the winner does not
 /// depend on how a row is split ([`row_parts`]: a few long rows take several blocks each,
@@ -261,7 +270,7 @@ pub fn argmax<D: Gpu>(
     if rows == 0 {
         return Ok(());
     }
-    let (parts, chunk) = row_parts(dev.sm_count() as usize, rows, vocab);
+    let (parts, chunk) = plan_rows(dev, rows, vocab);
     if parts == 1 || rows > 65_535 {
         let f = kernel(dev, "sample_argmax")?;
         let mut a = KernelArgs::new();
@@ -383,7 +392,7 @@ pub fn verify<D: Gpu>(dev: &D, a: VerifyArgs<'_>) -> Result<(), KernelError> {
     // Greedy-only batches read no q: any valid address stands in.
     let q = a.q.map_or(a.p.ptr, |q| q.ptr);
     let width = int(OP, "width", a.width)?;
-    let (parts, chunk) = row_parts(dev.sm_count() as usize, seqs, a.vocab);
+    let (parts, chunk) = plan_rows(dev, seqs, a.vocab);
     if parts == 1 || seqs > 65_535 || a.vocab > MAX_VOCAB {
         let f = kernel(dev, "spec_verify")?;
         let mut k = KernelArgs::new();
@@ -479,7 +488,10 @@ mod tests {
         for (rows, vocab) in [(1, 129_280), (3, 2049), (7, 32_000), (1, 1)] {
             let (parts, chunk) = row_parts(132, rows, vocab);
             assert!(parts * chunk >= vocab, "{rows} x {vocab}: covered");
-            assert!((parts - 1) * chunk < vocab, "{rows} x {vocab}: no empty part");
+            assert!(
+                (parts - 1) * chunk < vocab,
+                "{rows} x {vocab}: no empty part"
+            );
         }
     }
 }

@@ -639,6 +639,7 @@ impl DsparkDrafter {
                     w2: &self.markov.w2,
                     conf_w: &self.confidence.w,
                     conf_bias: self.confidence.b,
+                    precision: target.precision(),
                 },
             )?;
             b.copy_into(&conf, &mut out.confidence, k * n)?;
