@@ -8,9 +8,9 @@ for lib in libnvrtc.so.13 libcublas.so.13 libcublasLt.so.13; do
     hit=$(find "$root" -maxdepth 5 -name "$lib" 2>/dev/null | head -1)
     if [ -n "$hit" ]; then
       d=$(dirname "$hit")
-      case ":$LD_LIBRARY_PATH:" in *":$d:"*) ;; *) export LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}";; esac
+      case ":${LD_LIBRARY_PATH:-}:" in *":$d:"*) ;; *) export LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}";; esac
       break
     fi
   done
 done
-echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
+echo "LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}"
