@@ -395,15 +395,20 @@ __device__ void draft_markov_impl(const MarkovArgs& a) {
         float w[8];
         mk_load8(wr + r, w);
 #pragma unroll
-        for (int j = 0; j < MK_ROWS; j++)
+        for (int j = 0; j < MK_ROWS; j++) {
+          if (j >= nr) break;  // uniform: a single stream does one input's FMAs, not eight
 #pragma unroll
           for (int q = 0; q < 8; q++) acc[j] += w[q] * e_s[j * rank + r + q];
+        }
       }
     } else {
       for (int r = 0; r < rank; r++) {
         float w = ld_f(wr + r);
 #pragma unroll
-        for (int j = 0; j < MK_ROWS; j++) acc[j] += w * e_s[j * rank + r];
+        for (int j = 0; j < MK_ROWS; j++) {
+          if (j >= nr) break;
+          acc[j] += w * e_s[j * rank + r];
+        }
       }
     }
 #pragma unroll

@@ -501,7 +501,8 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
 //   sample_softmax_max   part max of x / T and whether it saw a NaN (greedy rows: the part's
 //                        argmax)
 //   sample_softmax_exp   the row max from its parts; e = exp(x / T − max) into p; part sums
-//   sample_softmax_norm  the row sum from its parts (fixed order: every block the same sum); p /= it
+//   sample_softmax_norm  the row sum from its parts (fixed order: every block the same sum);
+//                        p /= it
 //   sample_probs_finish  one block a row: a greedy row's one-hot at its parts' argmax; a row with
 //                        top-k / top-p / min-p filters them as sample_probs does; others return
 //   sample_draw_part     part mass (f64), last positive index, negative-entry flag
@@ -881,7 +882,8 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
 
 // A draw job, VERIFY_JOB_WORDS ints per sequence.
 #define VERIFY_JOB_WORDS 6
-#define JOB_KIND 0   // -1: none (an error is written); 0: the bonus row p; 1: max(0, p − q); 2: p, x zeroed
+// JOB_KIND: -1 none (an error is written); 0 the bonus row p; 1 max(0, p − q); 2 p, x zeroed.
+#define JOB_KIND 0
 #define JOB_POS 1    // the position drawn at (the rejected draft's, or γ for the bonus)
 #define JOB_DRAFT 2  // the rejected greedy draft x (kind 2)
 #define JOB_P 3      // the p row

@@ -231,9 +231,10 @@ const SPLIT_MIN_CHUNK: usize = 4 * THREADS as usize;
 
 /// How the argmax, the distribution and the draw split each of `rows` rows of `vocab` entries
 /// over a card of `sms` multiprocessors (from the shape only, so a captured graph's launches
-/// stay right whatever parameters its rows get): `(parts, chunk)`, `parts` blocks a row of `chunk` entries each (a multiple
-/// of [`SPLIT_MIN_CHUNK`]), as many as keep `rows · parts` near two blocks an SM. `parts == 1`
-/// is the one-block-a-row kernel (a large batch already fills the card).
+/// stay right whatever parameters its rows get): `(parts, chunk)`, `parts` blocks a row of
+/// `chunk` entries each (a multiple of [`SPLIT_MIN_CHUNK`]), as many as keep `rows · parts`
+/// near two blocks an SM. `parts == 1` is the one-block-a-row kernel (a large batch already
+/// fills the card).
 pub fn row_parts(sms: usize, rows: usize, vocab: usize) -> (usize, usize) {
     let want = (2 * sms.max(1)).div_ceil(rows.max(1));
     let parts = want.min(vocab.div_ceil(SPLIT_MIN_CHUNK)).max(1);
