@@ -395,6 +395,17 @@ __device__ __forceinline__ int warp_max_i(int v) {
   return v;
 }
 
+// One entry of a draw's totals: a positive entry adds its mass and is the last positive so
+// far; NaN adds to the total (making it NaN), as on the CPU; a negative entry is an error there.
+__device__ __forceinline__ void draw_tally(float v, int i, double& mass, int& last, int& bad) {
+  if (v > 0.0f) {
+    mass += (double)v;
+    last = i;
+  } else if (v < 0.0f || v != v) {
+    if (v != v) mass += (double)v; else bad = 1;
+  }
+}
+
 // cpu::sample::sample_from_probs over value(0..n), by the whole block: the first index whose
 // cumulative mass exceeds u·total (u clamped to [0, 1]); the last positive index when rounding
 // leaves the cumulative a hair short of the target at the end. Cumulation is in f64 like the
@@ -409,16 +420,7 @@ __device__ int block_draw(F value, int n, double u, DrawSmem& s, float* sum) {
   int begin = min(w * chunk, n), end = min(begin + chunk, n);
   double mass = 0.0;
   int last = -1, bad = 0;
-  for (int i = begin + lane; i < end; i += WARP) {
-    float v = value(i);
-    if (v > 0.0f) {
-      mass += (double)v;
-      last = i;
-    } else if (v < 0.0f || v != v) {
-      // NaN adds to the total on the CPU (making it NaN); a negative entry is an error there.
-      if (v != v) mass += (double)v; else bad = 1;
-    }
-  }
+  for (int i = begin + lane; i < end; i += WARP) draw_tally(value(i), i, mass, last, bad);
   mass = warp_sum_t(mass);
   last = warp_max_i(last);
   bad = warp_max_i(bad);
@@ -655,16 +657,8 @@ __device__ void draw_part_impl(F value, int lo, int hi, double* part_mass, int* 
   __shared__ int red_i[SAMPLE_WARPS];
   double mass = 0.0;
   int last = -1, bad = 0;
-  for (int i = lo + threadIdx.x; i < hi; i += SAMPLE_THREADS) {
-    float v = value(i);
-    if (v > 0.0f) {
-      mass += (double)v;
-      last = i;
-    } else if (v < 0.0f || v != v) {
-      // NaN adds to the total (making it NaN), as on the CPU; a negative entry is an error.
-      if (v != v) mass += (double)v; else bad = 1;
-    }
-  }
+  for (int i = lo + threadIdx.x; i < hi; i += SAMPLE_THREADS)
+    draw_tally(value(i), i, mass, last, bad);
   mass = block_sum_t(mass, red_d);
   last = block_max_i(last, red_i);
   bad = block_max_i(bad, red_i);

@@ -113,11 +113,7 @@ pub fn probs<D: Gpu>(
     let part_nan = dev.alloc::<f32>(rows * parts)?;
     let part_s = dev.alloc::<f32>(rows * parts)?;
     let part_i = dev.alloc::<i32>(rows * parts)?;
-    let split = LaunchDims {
-        grid: (parts as u32, rows as u32, 1),
-        block: (THREADS, 1, 1),
-        smem: 0,
-    };
+    let split = split_dims(parts, rows);
     let mut a = KernelArgs::new();
     a.push(logits.ptr)
         .push(params.ptr)
@@ -202,11 +198,7 @@ pub fn draw<D: Gpu>(
         .push(part_mass.ptr())
         .push(part_last.ptr())
         .push(part_bad.ptr());
-    let split = LaunchDims {
-        grid: (parts as u32, rows as u32, 1),
-        block: (THREADS, 1, 1),
-        smem: 0,
-    };
+    let split = split_dims(parts, rows);
     dev.launch(&kernel(dev, "sample_draw_part")?, split, &mut a)?;
     let mut a = KernelArgs::new();
     a.push(probs.ptr)
@@ -240,6 +232,15 @@ pub fn row_parts(sms: usize, rows: usize, vocab: usize) -> (usize, usize) {
     let parts = want.min(vocab.div_ceil(SPLIT_MIN_CHUNK)).max(1);
     let chunk = vocab.div_ceil(parts).next_multiple_of(SPLIT_MIN_CHUNK);
     (vocab.div_ceil(chunk).max(1), chunk)
+}
+
+/// A split kernel's launch: `parts` blocks a row (x), one row per y.
+fn split_dims(parts: usize, rows: usize) -> LaunchDims {
+    LaunchDims {
+        grid: (parts as u32, rows as u32, 1),
+        block: (THREADS, 1, 1),
+        smem: 0,
+    }
 }
 
 /// [`row_parts`] on `dev`, or one block a row under `FERRY_SPLIT_ROWS=0`.
@@ -287,11 +288,7 @@ pub fn argmax<D: Gpu>(
         .push(int(OP, "chunk", chunk)?)
         .push(part_v.ptr())
         .push(part_i.ptr());
-    let dims = LaunchDims {
-        grid: (parts as u32, rows as u32, 1),
-        block: (THREADS, 1, 1),
-        smem: 0,
-    };
+    let dims = split_dims(parts, rows);
     dev.launch(&f, dims, &mut a)?;
     let f = kernel(dev, "sample_argmax_merge")?;
     let mut a = KernelArgs::new();
@@ -441,11 +438,7 @@ pub fn verify<D: Gpu>(dev: &D, a: VerifyArgs<'_>) -> Result<(), KernelError> {
         .push(part_mass.ptr())
         .push(part_last.ptr())
         .push(part_bad.ptr());
-    let split = LaunchDims {
-        grid: (parts as u32, seqs as u32, 1),
-        block: (THREADS, 1, 1),
-        smem: 0,
-    };
+    let split = split_dims(parts, seqs);
     dev.launch(&kernel(dev, "spec_verify_part")?, split, &mut k)?;
     let mut k = KernelArgs::new();
     k.push(a.p.ptr)
