@@ -38,7 +38,7 @@ mod common;
 mod lossless;
 
 use ferry_kernels::backend::sample::{
-    apply_controls, argmax, draw, probs, sample, Draw, Probs, RowParams, Sample, Uniforms,
+    apply_controls, argmax, draw, draw_at, probs, sample, Draw, Probs, RowParams, Sample, Uniforms,
 };
 use ferry_kernels::backend::verify::{verify, verify_logits, VerifyBatch, VerifyLogits, VerifyOut};
 use ferry_kernels::backend::{Backend, Ints};
@@ -474,6 +474,45 @@ fn draw_matches_the_cpu_draw_and_degenerate_rows_give_minus_one() {
                     b.name()
                 );
             }
+        }
+    }
+}
+
+/// `draw_at` reads its rows' draws from an offset of a longer buffer (a drafter pass's block
+/// positions share one), exactly as `draw` with those draws alone; past the end is an error.
+#[test]
+fn draw_at_reads_its_draws_at_an_offset() {
+    for vocab in [1000, DEEPSEEK_VOCAB] {
+        let mut rng = common::rng(31);
+        let rows: Vec<Vec<f32>> = (0..3)
+            .map(|_| {
+                probs_from_logits(&flat(&mut rng, vocab), &SamplingParams::default())
+                    .expect("valid")
+            })
+            .collect();
+        // Six draws: the rows take 2, 3 and 4 (offset 2).
+        let mut us = vec![0.5, 0.5];
+        for p in &rows {
+            us.push(uniform_off_boundaries(&mut rng, p));
+        }
+        us.push(0.5);
+        let want: Vec<i32> = rows
+            .iter()
+            .zip(&us[2..])
+            .map(|(p, &u)| sample_from_probs(p, u).expect("valid") as i32)
+            .collect();
+        for b in backends() {
+            let p = b.upload(&rows.concat()).expect("upload");
+            let u = Uniforms::new(&b, &us).expect("uniforms");
+            let d = Draw {
+                probs: &p,
+                vocab,
+                uniforms: &u,
+            };
+            let got = host_ints(&draw_at(&b, d, 2).expect("draw_at"));
+            assert_eq!(got, want, "vocab {vocab} on the {}", b.name());
+            let e = draw_at(&b, d, 4).expect_err("draws 4..7 of 6");
+            assert!(e.to_string().contains("uniforms"), "{e}");
         }
     }
 }

@@ -520,14 +520,34 @@ pub struct Draw<'a> {
 /// [`sample_from_probs`]`(row, uniforms[row])`, or -1 where the row has no distribution (total
 /// not finite and positive, or a negative entry — a row [`probs`] marked degenerate).
 pub fn draw(b: &Backend, d: Draw<'_>) -> Result<Ints, KernelError> {
+    draw_rows(b, d, 0, d.uniforms.len())
+}
+
+/// [`draw`] of `probs.len() / vocab` rows with the draws `uniforms[first..]`: a drafter pass
+/// keeps every block position's draws in one buffer, written once per pass.
+pub fn draw_at(b: &Backend, d: Draw<'_>, first: usize) -> Result<Ints, KernelError> {
     const OP: &str = "sample_draw";
     check_vocab(OP, d.vocab)?;
-    let rows = d.uniforms.len();
+    let rows = d.probs.len() / d.vocab;
+    if first + rows > d.uniforms.len() {
+        return Err(KernelError::ShapeMismatch {
+            op: OP,
+            what: "uniforms",
+            expected: first + rows,
+            got: d.uniforms.len(),
+        });
+    }
+    draw_rows(b, d, first, rows)
+}
+
+fn draw_rows(b: &Backend, d: Draw<'_>, first: usize, rows: usize) -> Result<Ints, KernelError> {
+    const OP: &str = "sample_draw";
+    check_vocab(OP, d.vocab)?;
     check_len(OP, "probs", rows * d.vocab, d.probs.len())?;
     match b {
         Backend::Cpu => {
             let probs = d.probs.host(OP, "probs")?;
-            let u = d.uniforms.host(OP)?;
+            let u = &d.uniforms.host(OP)?[first..first + rows];
             let mut out = Vec::with_capacity(rows);
             for (row, &u) in probs.chunks_exact(d.vocab).zip(u) {
                 out.push(match sample_from_probs(row, u) {
@@ -540,19 +560,24 @@ pub fn draw(b: &Backend, d: Draw<'_>) -> Result<Ints, KernelError> {
             Ok(Ints::Host(out))
         }
         #[cfg(feature = "cuda")]
-        Backend::Cuda(dev) => draw_on(dev, d, rows),
+        Backend::Cuda(dev) => draw_on(dev, d, first, rows),
         #[cfg(feature = "rocm")]
-        Backend::Rocm(dev) => draw_on(dev, d, rows),
+        Backend::Rocm(dev) => draw_on(dev, d, first, rows),
     }
 }
 
 #[cfg(any(feature = "cuda", feature = "rocm"))]
-fn draw_on<D: OnSample>(dev: &D, d: Draw<'_>, rows: usize) -> Result<Ints, KernelError> {
+fn draw_on<D: OnSample>(
+    dev: &D,
+    d: Draw<'_>,
+    first: usize,
+    rows: usize,
+) -> Result<Ints, KernelError> {
     const OP: &str = "sample_draw";
     let out = dev.alloc::<i32>(rows)?;
     let (probs, u) = (
         super::tv::<D>(d.probs, OP, "probs")?,
-        d.uniforms.view::<D>(OP)?,
+        d.uniforms.view::<D>(OP)?.sub(first, rows)?,
     );
     crate::gpu::sample::draw(dev, probs, u, out.v(), d.vocab)?;
     Ok(D::into_ints(out))

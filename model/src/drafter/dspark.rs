@@ -41,7 +41,7 @@ use ferry_kernels::backend::mlp::{dense, Dense, DenseFfn};
 use ferry_kernels::backend::norm::{add_norm, norm_strided, AddNorm, NormStrided};
 use ferry_kernels::backend::rope::{rope, ApplyRope, RopeTable};
 use ferry_kernels::backend::rows::{embed, gather, Embed, Gather};
-use ferry_kernels::backend::sample::{argmax, draw, probs, Draw, Probs, RowParams, Uniforms};
+use ferry_kernels::backend::sample::{argmax, draw_at, probs, Draw, Probs, RowParams, Uniforms};
 use ferry_kernels::backend::{Backend, Ints, Precision, Tensor, Weight};
 use ferry_kernels::cpu::gemm::Matrix;
 use ferry_kernels::cpu::mlp::GatedMlp;
@@ -128,8 +128,8 @@ struct HostPass {
     greedy: bool,
     params: Vec<ferry_kernels::cpu::sample::SamplingParams>,
     anchors: Vec<i32>,
-    /// Per step, one uniform per input.
-    uniforms: Vec<Vec<f64>>,
+    /// Step-major: step `k`'s uniforms at `k·n ..` (one per input).
+    uniforms: Vec<f64>,
 }
 
 /// What one pass reads, on the drafter's backend: uploaded before its first op, refreshed in
@@ -152,8 +152,9 @@ struct PassPlan {
     anchors: Ints,
     /// Per step `k`, the block rows `s·B + k` of every input.
     at: Vec<Ints>,
-    /// Per step, one uniform per input (empty when every input is greedy).
-    uniforms: Vec<Uniforms>,
+    /// Every step's uniforms, step-major (`None` when every input is greedy): one buffer, so
+    /// a graph's refresh writes them in one upload.
+    uniforms: Option<Uniforms>,
     /// The permutation from step-major q rows to sequence-major ones (sampled batches).
     order: Option<Ints>,
 }
@@ -393,11 +394,10 @@ impl DsparkDrafter {
         }
         let greedy = inputs.iter().all(|i| i.params.is_greedy());
         let uniforms = (0..blk)
-            .map(|k| {
+            .flat_map(|k| {
                 inputs
                     .iter()
-                    .map(|i| i.uniforms.get(k).copied().unwrap_or(0.5))
-                    .collect()
+                    .map(move |i| i.uniforms.get(k).copied().unwrap_or(0.5))
             })
             .collect();
         Ok(HostPass {
@@ -435,14 +435,7 @@ impl DsparkDrafter {
             at: (0..blk)
                 .map(|k| b.ints((0..n).map(|s| (s * blk + k) as i32).collect()))
                 .collect::<Result<_, _>>()?,
-            uniforms: if sampled {
-                h.uniforms
-                    .iter()
-                    .map(|u| Uniforms::new(b, u))
-                    .collect::<Result<_, _>>()?
-            } else {
-                Vec::new()
-            },
+            uniforms: sampled.then(|| Uniforms::new(b, &h.uniforms)).transpose()?,
             order: sampled
                 .then(|| {
                     b.ints(
@@ -468,8 +461,8 @@ impl DsparkDrafter {
         if let Some(p) = plan.params.as_mut() {
             p.write(&h.params)?;
         }
-        for (u, host) in plan.uniforms.iter_mut().zip(&h.uniforms) {
-            u.write(host)?;
+        if let Some(u) = plan.uniforms.as_mut() {
+            u.write(&h.uniforms)?;
         }
         Ok(())
     }
@@ -643,7 +636,7 @@ impl DsparkDrafter {
                 },
             )?;
             b.copy_into(&conf, &mut out.confidence, k * n)?;
-            let ids = match (&plan.params, plan.uniforms.get(k)) {
+            let ids = match (&plan.params, &plan.uniforms) {
                 (Some(params), Some(uniforms)) => {
                     let p = probs(
                         b,
@@ -656,13 +649,14 @@ impl DsparkDrafter {
                     if let Some(q) = q_steps.as_mut() {
                         b.copy_into(&p, q, k * n * vocab)?;
                     }
-                    draw(
+                    draw_at(
                         b,
                         Draw {
                             probs: &p,
                             vocab,
                             uniforms,
                         },
+                        k * n,
                     )?
                 }
                 _ => argmax(b, &logits_k, vocab)?,
