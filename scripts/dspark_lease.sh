@@ -30,6 +30,8 @@
 #             models/dummy/v2-lite-drafter's size: decode step, verify forward of k + 1 rows and
 #             drafter pass per batch; the speed-up at the trained pair's held-out τ computed from
 #             them                                               -> $RUN/bench/verify_cost.json
+#             and the drafter pass sampled at VERIFY_TEMPS (0.7), batch 1 / 16
+#                                                        -> $RUN/bench/verify_cost_t0.7.json
 #   cpu       the same pair on the GPU machine's CPU cores: `ferry bench-engine --speculative
 #             --device cpu` under goodput and confidence:0.3        -> $RUN/bench/cpu_spec.json
 #   summary   the numbers of every report so far
@@ -344,6 +346,14 @@ print(",".join(out))' "$RUN/drafter/train_report.json" 2>/dev/null || echo "")
     --model models/dummy/deepseek-v2-lite --drafter-config models/dummy/v2-lite-drafter/config.json \
     --batch "${VERIFY_BATCH:-1,4,16,64}" --prompt-len 1024 --verify-k "$ks" "${tau[@]}" \
     --json "$RUN/bench/verify_cost.json" 2>&1 | tee "$RUN/bench/verify_cost.md"
+  # The drafter pass for sampled requests (its distributions built and drawn at each block
+  # position), at the temperatures of VERIFY_TEMPS (one verify length: the pass is the point).
+  for t in ${VERIFY_TEMPS-0.7}; do
+    "$ferry" bench-engine --verify-cost --device cuda --gpu-mode fast --load-format dummy \
+      --model models/dummy/deepseek-v2-lite --drafter-config models/dummy/v2-lite-drafter/config.json \
+      --batch "${VERIFY_TEMP_BATCH:-1,16}" --prompt-len 1024 --verify-k 1 --temperature "$t" \
+      --json "$RUN/bench/verify_cost_t$t.json" 2>&1 | tee "$RUN/bench/verify_cost_t$t.md"
+  done
 }
 
 stage_cpu() {
