@@ -896,9 +896,20 @@ impl MarkovCase {
         at: &[i32],
         prev: &[i32],
     ) -> Result<(Vec<f32>, Vec<f32>), KernelError> {
+        self.run_with(b, at, prev, &self.matrix(&self.w2))
+    }
+
+    /// [`Self::run`] with another W2.
+    fn run_with(
+        &self,
+        b: &Backend,
+        at: &[i32],
+        prev: &[i32],
+        w2: &Matrix,
+    ) -> Result<(Vec<f32>, Vec<f32>), KernelError> {
         let (w1, w2) = (
             b.weight(&self.matrix(&self.w1)).expect("w1"),
-            b.weight(&self.matrix(&self.w2)).expect("w2"),
+            b.weight(w2).expect("w2"),
         );
         let (logits, hidden, cw) = (
             b.upload(&self.logits).expect("logits"),
@@ -985,33 +996,10 @@ fn markov_step_ids_it_cannot_use() {
             }
         }
         // W2 of another shape, on every backend.
-        let w1 = b.weight(&case.matrix(&case.w1)).expect("w1");
         let short = Matrix::from_f32(499, 16, case.w2[..499 * 16].to_vec()).expect("w2");
-        let w2 = b.weight(&short).expect("w2");
-        let (logits, hidden, cw) = (
-            b.upload(&case.logits).expect("logits"),
-            b.upload(&case.hidden).expect("hidden"),
-            b.upload(&case.cw).expect("cw"),
-        );
-        let (at, prev) = (
-            b.ints(case.at.clone()).expect("at"),
-            b.ints(case.prev.clone()).expect("prev"),
-        );
-        let e = markov_step(
-            &b,
-            MarkovStep {
-                logits: &logits,
-                hidden: &hidden,
-                at: &at,
-                prev: &prev,
-                w1: &w1,
-                w2: &w2,
-                conf_w: &cw,
-                conf_bias: 0.0,
-                precision: Precision::Exact,
-            },
-        )
-        .expect_err("w2 [499][16]");
+        let e = case
+            .run_with(&b, &case.at, &case.prev, &short)
+            .expect_err("w2 [499][16]");
         assert!(e.to_string().contains("w2"), "{e}");
     }
 }

@@ -395,6 +395,16 @@ __device__ __forceinline__ int warp_max_i(int v) {
   return v;
 }
 
+// Inclusive prefix sum over the warp's lanes (lane i gets Σ_{j<=i} x_j), in a fixed order.
+__device__ __forceinline__ double warp_scan_incl(double x, int lane) {
+#pragma unroll
+  for (int off = 1; off < WARP; off <<= 1) {
+    double y = SHFL(x, (lane - off) & (WARP - 1));
+    if (lane >= off) x += y;
+  }
+  return x;
+}
+
 // One entry of a draw's totals: a positive entry adds its mass and is the last positive so
 // far; NaN adds to the total (making it NaN), as on the CPU; a negative entry is an error there.
 __device__ __forceinline__ void draw_tally(float v, int i, double& mass, int& last, int& bad) {
@@ -459,11 +469,7 @@ __device__ int block_draw(F value, int n, double u, DrawSmem& s, float* sum) {
       int i = t0 + lane;
       float v = i < n ? value(i) : 0.0f;
       double x = v > 0.0f ? (double)v : 0.0;
-#pragma unroll
-      for (int off = 1; off < WARP; off <<= 1) {
-        double y = SHFL(x, (lane - off) & (WARP - 1));
-        if (lane >= off) x += y;
-      }
+      x = warp_scan_incl(x, lane);
       int hit = (v > 0.0f && base + x > target) ? lane : WARP;
       hit = warp_min_i(hit);
       if (hit < WARP) {
@@ -700,11 +706,7 @@ __device__ int draw_pick_impl(F value, int n, int chunk, int parts, const double
     if (ok) {
       for (int c0 = 0; c0 < parts && start < 0; c0 += WARP) {
         double x = c0 + lane < parts ? pm[c0 + lane] : 0.0;
-#pragma unroll
-        for (int off = 1; off < WARP; off <<= 1) {
-          double y = SHFL(x, (lane - off) & (WARP - 1));
-          if (lane >= off) x += y;
-        }
+        x = warp_scan_incl(x, lane);
         int hit = base + x > target ? lane : WARP;
         hit = warp_min_i(hit);
         if (hit < WARP) {
@@ -736,11 +738,7 @@ __device__ int draw_pick_impl(F value, int n, int chunk, int parts, const double
       int i = t0 + tid;
       float v = i < n ? value(i) : 0.0f;
       double x = v > 0.0f ? (double)v : 0.0;
-#pragma unroll
-      for (int off = 1; off < WARP; off <<= 1) {
-        double y = SHFL(x, (lane - off) & (WARP - 1));
-        if (lane >= off) x += y;
-      }
+      x = warp_scan_incl(x, lane);
       if (lane == WARP - 1) wsum[w] = x;
       __syncthreads();
       double before = 0.0, all = 0.0;
