@@ -1,0 +1,304 @@
+//! Runs one kernel launch on the calling OS thread: the grid's blocks one after another, each
+//! block's threads as fibers (stackful coroutines, `corosensei`) switched at barriers.
+//!
+//! A fiber runs until it reaches a barrier (`__syncthreads`, `__syncwarp` or a shuffle) or
+//! returns. When no fiber can run, the scheduler releases a barrier: a block barrier once every
+//! live thread of the block waits at one, a warp barrier once every live lane of that warp (32
+//! lanes, as on CUDA and as ferry's kernels treat a HIP wavefront) waits at one. Threads that
+//! returned count as arrived, as on the hardware. If nothing can be released, some thread waits
+//! at a barrier its block or warp never reaches: the launch fails with the block and each
+//! thread's state instead of hanging. Shared memory is `static thread_local` in the kernel's
+//! code (prelude.h), so running a block's fibers on one OS thread makes it the block's.
+
+use std::cell::{Cell, RefCell};
+use std::ffi::c_void;
+
+use corosensei::stack::DefaultStack;
+use corosensei::{Coroutine, CoroutineResult, Yielder};
+
+/// Stack of one GPU thread. Kernels keep small arrays in registers; 256 KiB leaves room for
+/// the deepest of them (mmap'd lazily, with a guard page).
+const STACK_BYTES: usize = 256 * 1024;
+
+/// A kernel's trampoline in a compiled module: calls the kernel with `kernelParams`.
+pub type Trampoline = unsafe extern "C" fn(*mut *mut c_void);
+
+/// Three-dimensional sizes and indices, as `dim3` / `uint3` (prelude.h).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Dim3 {
+    pub x: u32,
+    pub y: u32,
+    pub z: u32,
+}
+
+impl Dim3 {
+    fn count(self) -> usize {
+        self.x as usize * self.y as usize * self.z as usize
+    }
+}
+
+/// What a fiber's kernel code reads through `ferry_emu_ctx()` (layout: `FerryEmuCtx` in
+/// prelude.h).
+#[repr(C)]
+struct Ctx {
+    thread_idx: Dim3,
+    block_idx: Dim3,
+    block_dim: Dim3,
+    grid_dim: Dim3,
+    linear: u32,
+    lane: u32,
+    dyn_smem: *mut c_void,
+    exchange: *mut u64,
+    yielder: *const Yielder<(), Wait>,
+}
+
+/// Why a fiber stopped.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Wait {
+    Block,
+    Warp,
+    Trap,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum State {
+    Ready,
+    At(Wait),
+    Done,
+}
+
+thread_local! {
+    /// The running fiber's context (null outside a launch).
+    static CURRENT: Cell<*mut Ctx> = const { Cell::new(std::ptr::null_mut()) };
+    /// Stacks of finished fibers, reused by the next block.
+    static STACKS: RefCell<Vec<DefaultStack>> = const { RefCell::new(Vec::new()) };
+}
+
+fn current() -> *mut Ctx {
+    let c = CURRENT.with(Cell::get);
+    assert!(!c.is_null(), "a GPU builtin was called outside a kernel launch");
+    c
+}
+
+fn suspend(w: Wait) {
+    let c = current();
+    // SAFETY: `c` is the running fiber's context, set by the scheduler before it resumed the
+    // fiber; its yielder belongs to that fiber's coroutine, which is running now.
+    unsafe { (*(*c).yielder).suspend(w) };
+}
+
+/// `ferry_emu_ctx()`: the running fiber's indices and block resources.
+#[no_mangle]
+pub extern "C" fn ferry_emu_ctx() -> *mut c_void {
+    current() as *mut c_void
+}
+
+/// `__syncthreads()`.
+#[no_mangle]
+pub extern "C" fn ferry_emu_syncthreads() {
+    suspend(Wait::Block);
+}
+
+/// `__syncwarp()` (and each half of a shuffle).
+#[no_mangle]
+pub extern "C" fn ferry_emu_syncwarp() {
+    suspend(Wait::Warp);
+}
+
+/// `__trap()`: the launch fails.
+#[no_mangle]
+pub extern "C" fn ferry_emu_trap() {
+    suspend(Wait::Trap);
+}
+
+/// A failed launch: which block, and why.
+#[derive(Debug)]
+pub struct LaunchError(pub String);
+
+/// One launch's shape.
+#[derive(Clone, Copy, Debug)]
+pub struct Launch {
+    pub grid: Dim3,
+    pub block: Dim3,
+    pub smem: usize,
+}
+
+/// Runs `kernel(params)` over the grid; returns once every block has finished.
+///
+/// # Safety
+/// `kernel` must be a trampoline of a loaded module and `params` its kernel's parameters, as
+/// `hipModuleLaunchKernel` takes them; the kernel may read and write any memory its pointers
+/// name, like a GPU would.
+pub unsafe fn run(kernel: Trampoline, params: *mut *mut c_void, l: Launch) -> Result<(), LaunchError> {
+    let threads = l.block.count();
+    if threads == 0 || threads > 1024 || l.grid.count() == 0 {
+        return Err(LaunchError(format!(
+            "bad launch shape: grid {:?}, block {:?}",
+            l.grid, l.block
+        )));
+    }
+    // Dynamic shared memory starts as garbage (0xFF bytes: NaN as f32), as on a GPU it holds
+    // whatever the last block left: a kernel that reads it before writing shows up.
+    let mut smem = vec![0xFFu8; l.smem.max(1) + 256];
+    let smem_at = smem.as_mut_ptr().wrapping_add(smem.as_ptr().align_offset(256)) as *mut c_void;
+    let mut exchange = vec![0u64; threads];
+    for bz in 0..l.grid.z {
+        for by in 0..l.grid.y {
+            for bx in 0..l.grid.x {
+                let block = Dim3 { x: bx, y: by, z: bz };
+                // SAFETY: forwarded from the caller.
+                unsafe { run_block(kernel, params, l, block, smem_at, exchange.as_mut_ptr()) }?;
+            }
+        }
+    }
+    drop(smem);
+    Ok(())
+}
+
+struct Fiber {
+    co: Coroutine<(), Wait, (), DefaultStack>,
+    ctx: Box<Ctx>,
+    state: State,
+}
+
+/// Runs one block to completion.
+unsafe fn run_block(
+    kernel: Trampoline,
+    params: *mut *mut c_void,
+    l: Launch,
+    block: Dim3,
+    dyn_smem: *mut c_void,
+    exchange: *mut u64,
+) -> Result<(), LaunchError> {
+    let b = l.block;
+    let mut fibers: Vec<Fiber> = Vec::with_capacity(b.count());
+    let params_addr = params as usize;
+    let kernel_addr = kernel as usize;
+    for tz in 0..b.z {
+        for ty in 0..b.y {
+            for tx in 0..b.x {
+                let linear = tx + b.x * (ty + b.y * tz);
+                let mut ctx = Box::new(Ctx {
+                    thread_idx: Dim3 { x: tx, y: ty, z: tz },
+                    block_idx: block,
+                    block_dim: b,
+                    grid_dim: l.grid,
+                    linear,
+                    lane: linear % 32,
+                    dyn_smem,
+                    exchange,
+                    yielder: std::ptr::null(),
+                });
+                let ctx_addr = &mut *ctx as *mut Ctx as usize;
+                let stack = STACKS
+                    .with(|s| s.borrow_mut().pop())
+                    .map_or_else(|| DefaultStack::new(STACK_BYTES), Ok)
+                    .map_err(|e| LaunchError(format!("fiber stack: {e}")))?;
+                let co = Coroutine::with_stack(stack, move |y: &Yielder<(), Wait>, ()| {
+                    // SAFETY: the context is boxed and outlives the coroutine (both live in
+                    // `fibers` until the block ends); the trampoline and parameters are the
+                    // caller's, valid for the whole launch.
+                    unsafe {
+                        (*(ctx_addr as *mut Ctx)).yielder = y as *const _;
+                        let k: Trampoline = std::mem::transmute::<usize, Trampoline>(kernel_addr);
+                        k(params_addr as *mut *mut c_void);
+                    }
+                });
+                fibers.push(Fiber {
+                    co,
+                    ctx,
+                    state: State::Ready,
+                });
+            }
+        }
+    }
+    let result = schedule(&mut fibers, block);
+    for mut f in fibers {
+        if f.state != State::Done {
+            // SAFETY: the fiber is suspended at a barrier of a failed launch; its stack holds
+            // only the kernel's plain locals (no destructors to run), so it is dropped
+            // without unwinding.
+            unsafe { f.co.force_reset() };
+        }
+        let stack = f.co.into_stack();
+        STACKS.with(|s| s.borrow_mut().push(stack));
+    }
+    result
+}
+
+fn schedule(fibers: &mut [Fiber], block: Dim3) -> Result<(), LaunchError> {
+    let prev = CURRENT.with(Cell::get);
+    let out = loop {
+        for f in fibers.iter_mut().filter(|f| f.state == State::Ready) {
+            CURRENT.with(|c| c.set(&mut *f.ctx as *mut Ctx));
+            f.state = match f.co.resume(()) {
+                CoroutineResult::Yield(w) => State::At(w),
+                CoroutineResult::Return(()) => State::Done,
+            };
+        }
+        if let Some(t) = fibers.iter().find(|f| f.state == State::At(Wait::Trap)) {
+            break Err(LaunchError(format!(
+                "block {block:?}: thread {} called __trap()",
+                t.ctx.linear
+            )));
+        }
+        let live = fibers.iter().filter(|f| f.state != State::Done).count();
+        if live == 0 {
+            break Ok(());
+        }
+        let mut released = false;
+        if fibers
+            .iter()
+            .all(|f| matches!(f.state, State::Done | State::At(Wait::Block)))
+        {
+            for f in fibers.iter_mut().filter(|f| f.state != State::Done) {
+                f.state = State::Ready;
+            }
+            released = true;
+        } else {
+            for warp in fibers.chunks_mut(32) {
+                let waiting = warp.iter().any(|f| f.state == State::At(Wait::Warp));
+                if waiting
+                    && warp
+                        .iter()
+                        .all(|f| matches!(f.state, State::Done | State::At(Wait::Warp)))
+                {
+                    for f in warp.iter_mut().filter(|f| f.state != State::Done) {
+                        f.state = State::Ready;
+                    }
+                    released = true;
+                }
+            }
+        }
+        if !released {
+            break Err(LaunchError(format!(
+                "block {block:?}: barrier never completes (divergent __syncthreads / __syncwarp / \
+                 shuffle): {}",
+                describe(fibers)
+            )));
+        }
+    };
+    CURRENT.with(|c| c.set(prev));
+    out
+}
+
+/// Runs of threads in the same state, e.g. `0-31 warp barrier, 32-255 block barrier`.
+fn describe(fibers: &[Fiber]) -> String {
+    let mut out: Vec<String> = Vec::new();
+    let mut start = 0;
+    for i in 1..=fibers.len() {
+        if i == fibers.len() || fibers[i].state != fibers[start].state {
+            let what = match fibers[start].state {
+                State::Ready => "ready",
+                State::At(Wait::Block) => "block barrier",
+                State::At(Wait::Warp) => "warp barrier",
+                State::At(Wait::Trap) => "trap",
+                State::Done => "returned",
+            };
+            out.push(format!("threads {}-{} {what}", start, i - 1));
+            start = i;
+        }
+    }
+    out.join(", ")
+}

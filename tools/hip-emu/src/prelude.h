@@ -1,0 +1,159 @@
+// prelude.h: what a CUDA/HIP kernel source needs to compile as C++ for the CPU and run under
+// ferry-hip-emu's block scheduler (src/fiber.rs). ferry-hip-emu's hipRTC puts this in front of
+// the source it is given (compat.cuh + a `gpu/*.cu` file); compat.cuh then takes its CUDA
+// branch without `__CUDA_ARCH__`, i.e. the portable scalar paths (FERRY_MMA 0, no PTX).
+//
+// Every GPU thread of a block is a fiber on the launching OS thread, so:
+// - `__shared__` variables are `static thread_local`: one instance per OS thread, shared by
+//   the block's fibers (blocks of a launch run one after another);
+// - `__syncthreads()` / `__syncwarp()` / the shuffles suspend the fiber until every live
+//   thread of the block / warp (32 lanes) has arrived; a barrier some live threads never reach
+//   fails the launch instead of hanging;
+// - atomics are plain read-modify-writes (one fiber runs at a time).
+#pragma once
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <math.h>
+#include <type_traits>
+#include <utility>
+
+struct uint3 {
+  unsigned x, y, z;
+};
+typedef uint3 dim3;
+
+// What the scheduler keeps per fiber (layout shared with src/fiber.rs `Ctx`).
+struct FerryEmuCtx {
+  uint3 thread_idx;
+  uint3 block_idx;
+  uint3 block_dim;
+  uint3 grid_dim;
+  unsigned linear;  // thread index within the block
+  unsigned lane;    // linear % 32
+  void* dyn_smem;
+  unsigned long long* exchange;  // one slot per thread of the block (shuffles)
+  void* yielder;
+};
+
+extern "C" FerryEmuCtx* ferry_emu_ctx();
+extern "C" void ferry_emu_syncthreads();
+extern "C" void ferry_emu_syncwarp();
+extern "C" void ferry_emu_trap();
+
+#define threadIdx (ferry_emu_ctx()->thread_idx)
+#define blockIdx (ferry_emu_ctx()->block_idx)
+#define blockDim (ferry_emu_ctx()->block_dim)
+#define gridDim (ferry_emu_ctx()->grid_dim)
+
+#ifdef FERRY_EMU_SCAN
+#define __global__ FERRY_EMU_KERNEL
+#else
+#define __global__ __attribute__((visibility("default")))
+#endif
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __grid_constant__
+#define __align__(n) __attribute__((aligned(n)))
+#define __shared__ static thread_local
+
+inline void __syncthreads() { ferry_emu_syncthreads(); }
+inline void __syncwarp(unsigned = 0xffffffffu) { ferry_emu_syncwarp(); }
+inline void __threadfence() {}
+[[noreturn]] inline void __trap() {
+  ferry_emu_trap();
+  __builtin_unreachable();
+}
+
+template <class T>
+inline T ferry_emu_shfl_at(T v, unsigned src_lane) {
+  static_assert(sizeof(T) <= 8, "shuffle of more than 8 bytes");
+  FerryEmuCtx* c = ferry_emu_ctx();
+  unsigned long long bits = 0;
+  std::memcpy(&bits, &v, sizeof(T));
+  c->exchange[c->linear] = bits;
+  ferry_emu_syncwarp();
+  unsigned long long r = c->exchange[c->linear - c->lane + (src_lane & 31u)];
+  ferry_emu_syncwarp();
+  T out;
+  std::memcpy(&out, &r, sizeof(T));
+  return out;
+}
+template <class T>
+inline T __shfl_xor_sync(unsigned, T v, int m) {
+  return ferry_emu_shfl_at(v, ferry_emu_ctx()->lane ^ (unsigned)m);
+}
+template <class T>
+inline T __shfl_sync(unsigned, T v, int src) {
+  return ferry_emu_shfl_at(v, (unsigned)src);
+}
+
+inline float __int_as_float(int i) {
+  float f;
+  std::memcpy(&f, &i, 4);
+  return f;
+}
+inline float __uint_as_float(unsigned u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline unsigned __float_as_uint(float f) {
+  unsigned u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+inline int __float_as_int(float f) {
+  int i;
+  std::memcpy(&i, &f, 4);
+  return i;
+}
+
+template <class A, class B>
+inline typename std::common_type<A, B>::type min(A a, B b) {
+  typedef typename std::common_type<A, B>::type T;
+  return (T)b < (T)a ? (T)b : (T)a;
+}
+template <class A, class B>
+inline typename std::common_type<A, B>::type max(A a, B b) {
+  typedef typename std::common_type<A, B>::type T;
+  return (T)a < (T)b ? (T)b : (T)a;
+}
+
+template <class T>
+inline T __ldg(const T* p) {
+  return *p;
+}
+template <class T>
+inline T atomicAdd(T* p, T v) {
+  T old = *p;
+  *p = old + v;
+  return old;
+}
+
+struct __attribute__((aligned(8))) float2 {
+  float x, y;
+};
+struct __attribute__((aligned(16))) float4 {
+  float x, y, z, w;
+};
+struct __attribute__((aligned(16))) uint4 {
+  unsigned x, y, z, w;
+};
+inline float2 make_float2(float x, float y) { return {x, y}; }
+inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
+
+// Calls kernel `f` with the parameters `a[i]` points at (hipModuleLaunchKernel's
+// kernelParams), once per fiber.
+template <class... A, std::size_t... I>
+inline void ferry_emu_call(void (*f)(A...), void** a, std::index_sequence<I...>) {
+  f(*static_cast<typename std::remove_cv<typename std::remove_reference<A>::type>::type*>(a[I])...);
+}
+template <class... A>
+inline void ferry_emu_invoke(void (*f)(A...), void** a) {
+  ferry_emu_call(f, a, std::index_sequence_for<A...>{});
+}
