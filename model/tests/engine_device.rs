@@ -90,9 +90,9 @@ fn cuda_engine(test: &str, mode: GpuMode) -> Option<EngineHandle> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unopenable_gpu_is_an_error_and_auto_picks_a_device_that_serves() {
     // A named GPU that cannot be opened fails the engine's start, naming it: never the CPU in
-    // its place (GPU 99 exists nowhere; no ROCm device opens here: none exists, and a binary
-    // without the `rocm` feature cannot open one).
-    for device in [Device::Cuda(99), Device::Rocm(0)] {
+    // its place (GPU 99 exists nowhere, CUDA or ROCm; a binary without the `rocm` feature
+    // cannot open any ROCm device, and scripts/hip_emu.sh's CPU HIP has only ordinal 0).
+    for device in [Device::Cuda(99), Device::Rocm(99)] {
         let err = EngineHandle::spawn(model(), config(device, GpuMode::Exact))
             .err()
             .unwrap_or_else(|| panic!("an engine on {device} started"));
@@ -101,8 +101,8 @@ async fn an_unopenable_gpu_is_an_error_and_auto_picks_a_device_that_serves() {
             "the error names {device}: {err}"
         );
     }
-    // `auto`: the GPU when one opens, else the CPU; either way it serves the golden tokens.
-    let gpu_opens = Device::Cuda(0).probe().is_ok();
+    // `auto`: the first GPU that opens (CUDA, then ROCm), else the CPU; either way it serves
+    // the golden tokens.
     let m = model();
     let drafter =
         DsparkDrafter::load(&ferry_model::drafter::embedded_dir(), m.config()).expect("drafter");
@@ -112,11 +112,10 @@ async fn an_unopenable_gpu_is_an_error_and_auto_picks_a_device_that_serves() {
         config(Device::Auto, GpuMode::Exact),
     )
     .expect("an engine on auto starts");
-    let want = if gpu_opens {
-        Device::Cuda(0)
-    } else {
-        Device::Cpu
-    };
+    let want = [Device::Cuda(0), Device::Rocm(0)]
+        .into_iter()
+        .find(|d| d.probe().is_ok())
+        .unwrap_or(Device::Cpu);
     assert_eq!(e.device(), want, "auto resolves to the GPU iff one opens");
     // The drafter is kept on every device.
     assert!(e.draft_kv_layers() > 0, "drafter kept on {}", e.device());

@@ -9,6 +9,8 @@
 //! 1e-4 on confidences, and compare greedy drafts only where the reference's top-2 margin
 //! exceeds 0.05 (the third case has a 0.009 near-tie).
 
+mod common;
+
 use ferry_kernels::backend::Tensor;
 use ferry_kernels::cpu::sample::SamplingParams;
 use ferry_model::deepseek::forward::ForwardHooks;
@@ -358,23 +360,23 @@ fn draft_on<K: ferry_model::kv::KvRows>(
 }
 
 #[test]
-#[ignore = "needs an NVIDIA GPU: run on the GPU machine with --include-ignored (docs/gpu.md)"]
-fn drafter_on_cuda_matches_the_cpu_drafter() {
-    // The same drafter code on a CUDA device (exact mode): its block logits within 1e-4 of
+#[ignore = "needs a GPU: run on the GPU machine with --include-ignored (docs/gpu.md), or on the CPU HIP (scripts/hip_emu.sh)"]
+fn drafter_on_a_gpu_matches_the_cpu_drafter() {
+    // The same drafter code on a GPU (CUDA, else ROCm; exact mode): its block logits within 1e-4 of
     // max|logit| of the CPU drafter's (the CPU is within 6e-6 of torch; the device differs in
     // summation order and in its split-bf16 GEMMs, ~5e-6 relative on the target's logits per
     // gpu_parity.rs), the same greedy drafts where the reference's top-2 margin exceeds 0.05,
     // confidences within 1e-4, and for sampled requests q rows within 1e-5 and the same
     // inverse-CDF drafts (fixed uniforms, away from CDF boundaries on these cases).
     use ferry_kernels::backend::{Backend, Precision};
-    let dev = match ferry_kernels::cuda::CudaDevice::open(0) {
-        Ok(d) => d,
+    let gpu = match common::first_gpu() {
+        Ok(b) => b,
         Err(e) => {
-            eprintln!("skipping drafter_on_cuda_matches_the_cpu_drafter: {e}");
+            eprintln!("skipping drafter_on_a_gpu_matches_the_cpu_drafter: {e}");
             return;
         }
     };
-    let gpu = Backend::Cuda(dev);
+    let on = gpu.name();
     let cpu_target = DeepseekModel::load(&ferry_model::embedded::default_model_dir()).unwrap();
     let cpu_drafter =
         DsparkDrafter::load(&ferry_model::drafter::embedded_dir(), cpu_target.config()).unwrap();
@@ -397,8 +399,18 @@ fn drafter_on_cuda_matches_the_cpu_drafter() {
     for (i, case) in golden().iter().enumerate() {
         let mut pool = cpu_target.new_kv_pool(8, 64).unwrap();
         let want = draft_on(&cpu_target, &cpu_drafter, &mut pool, case, &params);
-        let mut cache = gpu_target.new_kv_cache(8, 64).unwrap();
-        let got = draft_on(&gpu_target, &gpu_drafter, &mut cache, case, &params);
+        let got = match &gpu {
+            Backend::Cuda(_) => {
+                let mut cache = gpu_target.new_kv_cache(8, 64).unwrap();
+                draft_on(&gpu_target, &gpu_drafter, &mut cache, case, &params)
+            }
+            #[cfg(feature = "rocm")]
+            Backend::Rocm(_) => {
+                let mut cache = gpu_target.new_rocm_kv_cache(8, 64).unwrap();
+                draft_on(&gpu_target, &gpu_drafter, &mut cache, case, &params)
+            }
+            other => unreachable!("first_gpu gave {}", other.name()),
+        };
         let scale = want.logits.iter().fold(1.0f32, |m, v| m.max(v.abs()));
         let diff = got
             .logits
@@ -408,12 +420,12 @@ fn drafter_on_cuda_matches_the_cpu_drafter() {
             .fold(0.0f32, f32::max);
         assert!(
             diff <= 1e-4 * scale,
-            "case {i}: block logits on cuda differ by {diff} (scale {scale})"
+            "case {i}: block logits on {on} differ by {diff} (scale {scale})"
         );
         let ((g, _), (w, _)) = (&got.proposals[0], &want.proposals[0]);
         assert_eq!(g.q, DraftDist::Greedy);
         if case.min_margin > 0.05 {
-            assert_eq!(g.drafts, w.drafts, "case {i}: greedy drafts on cuda");
+            assert_eq!(g.drafts, w.drafts, "case {i}: greedy drafts on {on}");
         }
         for (k, (a, b)) in g.confidence.iter().zip(&w.confidence).enumerate() {
             if case.min_margin > 0.05 || k == 0 {
@@ -428,9 +440,9 @@ fn drafter_on_cuda_matches_the_cpu_drafter() {
             .map(|(a, b)| (a - b).abs())
             .fold(0.0f32, f32::max);
         assert!(qdiff <= 1e-5, "case {i}: sampled q rows differ by {qdiff}");
-        assert_eq!(g.drafts, w.drafts, "case {i}: sampled drafts on cuda");
+        assert_eq!(g.drafts, w.drafts, "case {i}: sampled drafts on {on}");
         eprintln!(
-            "case {i}: logits {:.1e} of max, q rows {qdiff:.1e}, drafts {:?}",
+            "case {i} on {on}: logits {:.1e} of max, q rows {qdiff:.1e}, drafts {:?}",
             diff / scale,
             g.drafts
         );

@@ -391,6 +391,10 @@ impl Backend {
             (Backend::Cuda(dev), Ints::Cuda(s), Ints::Cuda(d)) => {
                 dev.copy_range((s, 0), (d, at), n)
             }
+            #[cfg(feature = "rocm")]
+            (Backend::Rocm(dev), Ints::Rocm(s), Ints::Rocm(d)) => {
+                dev.copy_range((s, 0), (d, at), n)
+            }
             (b, Ints::Host(_), _) if !matches!(b, Backend::Cpu) => {
                 Err(mismatch(OP, "src", b, "CPU"))
             }

@@ -160,3 +160,21 @@ pub async fn collect_spec(
     }
     (toks, Err("stream ended".into()), spec)
 }
+
+/// The first GPU backend that opens: CUDA device 0, then (in a `rocm` build) ROCm device 0 —
+/// on a machine without an AMD GPU, the CPU HIP of `scripts/hip_emu.sh`. `Err` says why none
+/// did.
+pub fn first_gpu() -> Result<ferry_kernels::backend::Backend, String> {
+    use ferry_kernels::backend::Backend;
+    #[cfg_attr(not(feature = "rocm"), allow(unused_mut))]
+    let mut why = match ferry_kernels::cuda::CudaDevice::open(0) {
+        Ok(d) => return Ok(Backend::Cuda(d)),
+        Err(e) => e.to_string(),
+    };
+    #[cfg(feature = "rocm")]
+    match ferry_kernels::rocm::RocmDevice::open(0) {
+        Ok(d) => return Ok(Backend::Rocm(d)),
+        Err(e) => why = format!("{why}; {e}"),
+    }
+    Err(why)
+}

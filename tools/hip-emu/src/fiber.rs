@@ -51,6 +51,7 @@ struct Ctx {
     dyn_smem: *mut c_void,
     exchange: *mut u64,
     yielder: *const Yielder<(), Wait>,
+    shuffles: u32,
 }
 
 /// Why a fiber stopped.
@@ -142,7 +143,8 @@ pub unsafe fn run(kernel: Trampoline, params: *mut *mut c_void, l: Launch) -> Re
     // whatever the last block left: a kernel that reads it before writing shows up.
     let mut smem = vec![0xFFu8; l.smem.max(1) + 256];
     let smem_at = smem.as_mut_ptr().wrapping_add(smem.as_ptr().align_offset(256)) as *mut c_void;
-    let mut exchange = vec![0u64; threads];
+    // Two slots per thread: shuffles alternate between two buffers (prelude.h).
+    let mut exchange = vec![0u64; 2 * threads];
     for bz in 0..l.grid.z {
         for by in 0..l.grid.y {
             for bx in 0..l.grid.x {
@@ -189,6 +191,7 @@ unsafe fn run_block(
                     dyn_smem,
                     exchange,
                     yielder: std::ptr::null(),
+                    shuffles: 0,
                 });
                 let ctx_addr = &mut *ctx as *mut Ctx as usize;
                 let stack = STACKS
@@ -229,58 +232,81 @@ unsafe fn run_block(
 
 fn schedule(fibers: &mut [Fiber], block: Dim3) -> Result<(), LaunchError> {
     let prev = CURRENT.with(Cell::get);
-    let out = loop {
-        for f in fibers.iter_mut().filter(|f| f.state == State::Ready) {
+    let out = schedule_inner(fibers, block);
+    CURRENT.with(|c| c.set(prev));
+    out
+}
+
+/// Resumes ready fibers until all returned, releasing barriers between rounds. Counts are kept
+/// as fibers stop, so a round costs the fibers it resumes plus one pass over the warps.
+fn schedule_inner(fibers: &mut [Fiber], block: Dim3) -> Result<(), LaunchError> {
+    let n = fibers.len();
+    let warps = n.div_ceil(32);
+    let mut warp_wait = vec![0usize; warps];
+    let mut warp_done = vec![0usize; warps];
+    let (mut at_block, mut done) = (0usize, 0usize);
+    let mut ready: Vec<usize> = (0..n).collect();
+    loop {
+        for &i in &ready {
+            let f = &mut fibers[i];
             CURRENT.with(|c| c.set(&mut *f.ctx as *mut Ctx));
             f.state = match f.co.resume(()) {
-                CoroutineResult::Yield(w) => State::At(w),
-                CoroutineResult::Return(()) => State::Done,
+                CoroutineResult::Yield(Wait::Trap) => {
+                    f.state = State::At(Wait::Trap);
+                    return Err(LaunchError(format!(
+                        "block {block:?}: thread {i} called __trap()"
+                    )));
+                }
+                CoroutineResult::Yield(Wait::Block) => {
+                    at_block += 1;
+                    State::At(Wait::Block)
+                }
+                CoroutineResult::Yield(Wait::Warp) => {
+                    warp_wait[i / 32] += 1;
+                    State::At(Wait::Warp)
+                }
+                CoroutineResult::Return(()) => {
+                    done += 1;
+                    warp_done[i / 32] += 1;
+                    State::Done
+                }
             };
         }
-        if let Some(t) = fibers.iter().find(|f| f.state == State::At(Wait::Trap)) {
-            break Err(LaunchError(format!(
-                "block {block:?}: thread {} called __trap()",
-                t.ctx.linear
-            )));
+        ready.clear();
+        if done == n {
+            return Ok(());
         }
-        let live = fibers.iter().filter(|f| f.state != State::Done).count();
-        if live == 0 {
-            break Ok(());
-        }
-        let mut released = false;
-        if fibers
-            .iter()
-            .all(|f| matches!(f.state, State::Done | State::At(Wait::Block)))
-        {
-            for f in fibers.iter_mut().filter(|f| f.state != State::Done) {
-                f.state = State::Ready;
-            }
-            released = true;
-        } else {
-            for warp in fibers.chunks_mut(32) {
-                let waiting = warp.iter().any(|f| f.state == State::At(Wait::Warp));
-                if waiting
-                    && warp
-                        .iter()
-                        .all(|f| matches!(f.state, State::Done | State::At(Wait::Warp)))
-                {
-                    for f in warp.iter_mut().filter(|f| f.state != State::Done) {
-                        f.state = State::Ready;
-                    }
-                    released = true;
+        if at_block + done == n {
+            // Every live thread is at a block barrier.
+            for (i, f) in fibers.iter_mut().enumerate() {
+                if f.state == State::At(Wait::Block) {
+                    f.state = State::Ready;
+                    ready.push(i);
                 }
             }
+            at_block = 0;
+            continue;
         }
-        if !released {
-            break Err(LaunchError(format!(
+        for w in 0..warps {
+            let lanes = 32.min(n - 32 * w);
+            if warp_wait[w] > 0 && warp_wait[w] + warp_done[w] == lanes {
+                for (i, f) in fibers.iter_mut().enumerate().skip(32 * w).take(lanes) {
+                    if f.state == State::At(Wait::Warp) {
+                        f.state = State::Ready;
+                        ready.push(i);
+                    }
+                }
+                warp_wait[w] = 0;
+            }
+        }
+        if ready.is_empty() {
+            return Err(LaunchError(format!(
                 "block {block:?}: barrier never completes (divergent __syncthreads / __syncwarp / \
                  shuffle): {}",
                 describe(fibers)
             )));
         }
-    };
-    CURRENT.with(|c| c.set(prev));
-    out
+    }
 }
 
 /// Runs of threads in the same state, e.g. `0-31 warp barrier, 32-255 block barrier`.

@@ -33,11 +33,14 @@ struct FerryEmuCtx {
   unsigned linear;  // thread index within the block
   unsigned lane;    // linear % 32
   void* dyn_smem;
-  unsigned long long* exchange;  // one slot per thread of the block (shuffles)
+  unsigned long long* exchange;  // two slots per thread of the block (shuffles)
   void* yielder;
+  unsigned shuffles;  // this thread's shuffles so far (which exchange slot is next)
 };
 
-extern "C" FerryEmuCtx* ferry_emu_ctx();
+// The running fiber's context. `const`: a fiber always gets its own, unchanged for the launch,
+// so the compiler may call it once per function.
+extern "C" __attribute__((const)) FerryEmuCtx* ferry_emu_ctx();
 extern "C" void ferry_emu_syncthreads();
 extern "C" void ferry_emu_syncwarp();
 extern "C" void ferry_emu_trap();
@@ -68,16 +71,21 @@ inline void __threadfence() {}
   __builtin_unreachable();
 }
 
+// A shuffle: each lane writes its value, the warp meets, each lane reads its source lane's.
+// Shuffles alternate between two exchange buffers, so one barrier each is enough: a lane
+// writes a buffer again only two shuffles later, after a barrier every lane reached once done
+// reading it (a warp's lanes execute the same shuffles, as CUDA requires with a full mask).
 template <class T>
 inline T ferry_emu_shfl_at(T v, unsigned src_lane) {
   static_assert(sizeof(T) <= 8, "shuffle of more than 8 bytes");
   FerryEmuCtx* c = ferry_emu_ctx();
   unsigned long long bits = 0;
   std::memcpy(&bits, &v, sizeof(T));
-  c->exchange[c->linear] = bits;
+  const size_t threads = (size_t)c->block_dim.x * c->block_dim.y * c->block_dim.z;
+  unsigned long long* ex = c->exchange + (c->shuffles++ & 1u) * threads;
+  ex[c->linear] = bits;
   ferry_emu_syncwarp();
-  unsigned long long r = c->exchange[c->linear - c->lane + (src_lane & 31u)];
-  ferry_emu_syncwarp();
+  unsigned long long r = ex[c->linear - c->lane + (src_lane & 31u)];
   T out;
   std::memcpy(&out, &r, sizeof(T));
   return out;

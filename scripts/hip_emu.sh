@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Runs the ROCm backend's contract tests on the CPU: tools/hip-emu (the HIP runtime and hipRTC
+# calls ferry makes, implemented with the system C++ compiler and fibers) is linked as
+# libamdhip64.so.5 and put in front of Debian's on the library path, so `RocmDevice::open(0)`
+# opens a device whose kernels — every portable kernel of kernels/src/gpu/*.cu, through the same
+# launchers as on an AMD or NVIDIA GPU — run on this machine's CPU. What that checks and what
+# it cannot (timing, races, the PTX paths): tools/hip-emu/src/lib.rs and docs/gpu.md.
+#
+#   scripts/hip_emu.sh            the kernel, model and engine tests below
+#   scripts/hip_emu.sh -- ARGS    one `cargo test` of your own under the CPU HIP (e.g. `-- -p
+#                                 ferry-kernels --features rocm --test backend_draft markov`)
+#
+# Needs Debian's libamdhip64-dev (headers and the link-time library, as for `--features rocm`)
+# and a C++ compiler (`CXX`, default c++). Compiled kernel modules are cached under
+# target/hip-emu/modules (FERRY_HIP_EMU_CACHE).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+TARGET=${CARGO_TARGET_DIR:-target}
+if [ ! -f /usr/include/hip/hip_runtime_api.h ]; then
+  echo "hip_emu.sh: needs Debian's libamdhip64-dev (apt-get install libamdhip64-dev)" >&2
+  exit 2
+fi
+cargo build -q -p ferry-hip-emu --locked
+mkdir -p "$TARGET/hip-emu/lib"
+# The Rust static library, linked as HIP's shared library with HIP's symbol version.
+${CC:-cc} -shared -o "$TARGET/hip-emu/lib/libamdhip64.so.5" \
+  -Wl,--whole-archive "$TARGET/debug/libferry_hip_emu.a" -Wl,--no-whole-archive \
+  -Wl,--version-script=tools/hip-emu/hip.map -Wl,-soname,libamdhip64.so.5 -lpthread -ldl -lm
+export LD_LIBRARY_PATH="$PWD/$TARGET/hip-emu/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export FERRY_HIP_EMU_CACHE=${FERRY_HIP_EMU_CACHE:-$PWD/$TARGET/hip-emu/modules}
+export HIP_PATH=/usr
+
+if [ "${1:-}" = "--" ]; then
+  shift
+  exec cargo test --locked "$@"
+fi
+# The kernels' contract tests against the CPU backend. The two losslessness tests (chi-square
+# over 40,000 sequences each) take over ten minutes here; the CPU and the GPUs run them.
+cargo test -q -p ferry-kernels --features rocm --locked \
+  --test backend --test backend_draft --test backend_sample -- --skip lossless
+# The model over Backend::Rocm: golden-prompt logits against the CPU backend.
+cargo test -q -p ferry-model --features rocm --locked --test backend_model
+# The serving engine on rocm:0 (golden tokens, a prefill job's shipped rows), and `auto`
+# picking it.
+cargo test -q -p ferry-model --features rocm --locked --test engine_device -- \
+  --include-ignored rocm_engine_serves_the_cpu_engines_tokens \
+  an_unopenable_gpu_is_an_error_and_auto_picks_a_device_that_serves
