@@ -6,7 +6,9 @@
 # launchers as on an AMD or NVIDIA GPU — run on this machine's CPU. What that checks and what
 # it cannot (timing, races, the PTX paths): tools/hip-emu/src/lib.rs and docs/gpu.md.
 #
-#   scripts/hip_emu.sh            the kernel, model and engine tests below
+#   scripts/hip_emu.sh            the kernels' and the model's contract tests (~2 min; CI)
+#   scripts/hip_emu.sh --engine   also the serving engine on rocm:0, plainly and speculating
+#                                 (~4 more minutes)
 #   scripts/hip_emu.sh -- ARGS    one `cargo test` of your own under the CPU HIP (e.g. `-- -p
 #                                 ferry-kernels --features rocm --test backend_draft markov`)
 #
@@ -40,8 +42,14 @@ cargo test -q -p ferry-kernels --features rocm --locked \
   --test backend --test backend_draft --test backend_sample -- --skip lossless
 # The model over Backend::Rocm: golden-prompt logits against the CPU backend.
 cargo test -q -p ferry-model --features rocm --locked --test backend_model
-# The serving engine on rocm:0 (golden tokens, a prefill job's shipped rows), and `auto`
-# picking it.
-cargo test -q -p ferry-model --features rocm --locked --test engine_device -- \
-  --include-ignored rocm_engine_serves_the_cpu_engines_tokens \
-  an_unopenable_gpu_is_an_error_and_auto_picks_a_device_that_serves
+# The DSpark drafter on the device (its Markov steps, sampling, draws) against the CPU drafter.
+cargo test -q -p ferry-model --features rocm --locked --test spec_drafter -- \
+  --include-ignored drafter_on_a_gpu_matches_the_cpu_drafter
+if [ "${1:-}" = "--engine" ]; then
+  # The serving engine on rocm:0: golden tokens, a prefill job's shipped rows, `auto` picking
+  # it, and speculative decoding equal to plain decoding.
+  cargo test -q -p ferry-model --features rocm --locked --test engine_device -- \
+    --include-ignored rocm_engine_serves_the_cpu_engines_tokens \
+    an_unopenable_gpu_is_an_error_and_auto_picks_a_device_that_serves \
+    speculative_greedy_on_a_gpu_equals_plain_and_the_cpu
+fi

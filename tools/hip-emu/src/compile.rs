@@ -35,7 +35,10 @@ pub fn compile(source: &str, options: &[String]) -> Result<Module, String> {
         .filter(|o| o.starts_with("-D") || o.starts_with("-U"))
         .collect();
     let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
-    let text = format!("{PRELUDE}\n#line 1 \"kernel\"\n{}", rewrite_dynamic_shared(source));
+    let text = format!(
+        "{PRELUDE}\n#line 1 \"kernel\"\n{}",
+        rewrite_dynamic_shared(source)
+    );
     let mut h = std::collections::hash_map::DefaultHasher::new();
     (CACHE_VERSION, &cxx, &defines, &text).hash(&mut h);
     let key = format!("{:016x}", h.finish());
@@ -50,12 +53,10 @@ pub fn compile(source: &str, options: &[String]) -> Result<Module, String> {
     let stem = dir.join(format!("{key}.{}", std::process::id()));
     let cpp = stem.with_extension("cpp");
     std::fs::write(&cpp, &text).map_err(|e| format!("{}: {e}", cpp.display()))?;
-    let scanned = run(
-        Command::new(&cxx)
-            .args(["-std=c++17", "-E", "-P", "-x", "c++", "-DFERRY_EMU_SCAN"])
-            .args(&defines)
-            .arg(&cpp),
-    )?;
+    let scanned = run(Command::new(&cxx)
+        .args(["-std=c++17", "-E", "-P", "-x", "c++", "-DFERRY_EMU_SCAN"])
+        .args(&defines)
+        .arg(&cpp))?;
     let kernels = kernel_names(&scanned);
     let mut full = text;
     full.push_str("\n// ferry-hip-emu trampolines\n");

@@ -1,5 +1,6 @@
-//! Runs one kernel launch on the calling OS thread: the grid's blocks one after another, each
-//! block's threads as fibers (stackful coroutines, `corosensei`) switched at barriers.
+//! Runs one kernel launch: the grid's blocks spread over one OS thread per core (the calling
+//! thread among them), each block's threads as fibers (stackful coroutines, `corosensei`) on
+//! one OS thread, switched at barriers.
 //!
 //! A fiber runs until it reaches a barrier (`__syncthreads`, `__syncwarp` or a shuffle) or
 //! returns. When no fiber can run, the scheduler releases a barrier: a block barrier once every
@@ -8,7 +9,8 @@
 //! returned count as arrived, as on the hardware. If nothing can be released, some thread waits
 //! at a barrier its block or warp never reaches: the launch fails with the block and each
 //! thread's state instead of hanging. Shared memory is `static thread_local` in the kernel's
-//! code (prelude.h), so running a block's fibers on one OS thread makes it the block's.
+//! code (prelude.h), so running a block's fibers on one OS thread makes it the block's; atomics
+//! are real atomics, since blocks run side by side.
 
 use std::cell::{Cell, RefCell};
 use std::ffi::c_void;
@@ -78,7 +80,10 @@ thread_local! {
 
 fn current() -> *mut Ctx {
     let c = CURRENT.with(Cell::get);
-    assert!(!c.is_null(), "a GPU builtin was called outside a kernel launch");
+    assert!(
+        !c.is_null(),
+        "a GPU builtin was called outside a kernel launch"
+    );
     c
 }
 
@@ -131,7 +136,11 @@ pub struct Launch {
 /// `kernel` must be a trampoline of a loaded module and `params` its kernel's parameters, as
 /// `hipModuleLaunchKernel` takes them; the kernel may read and write any memory its pointers
 /// name, like a GPU would.
-pub unsafe fn run(kernel: Trampoline, params: *mut *mut c_void, l: Launch) -> Result<(), LaunchError> {
+pub unsafe fn run(
+    kernel: Trampoline,
+    params: *mut *mut c_void,
+    l: Launch,
+) -> Result<(), LaunchError> {
     let threads = l.block.count();
     if threads == 0 || threads > 1024 || l.grid.count() == 0 {
         return Err(LaunchError(format!(
@@ -139,23 +148,91 @@ pub unsafe fn run(kernel: Trampoline, params: *mut *mut c_void, l: Launch) -> Re
             l.grid, l.block
         )));
     }
-    // Dynamic shared memory starts as garbage (0xFF bytes: NaN as f32), as on a GPU it holds
-    // whatever the last block left: a kernel that reads it before writing shows up.
-    let mut smem = vec![0xFFu8; l.smem.max(1) + 256];
-    let smem_at = smem.as_mut_ptr().wrapping_add(smem.as_ptr().align_offset(256)) as *mut c_void;
-    // Two slots per thread: shuffles alternate between two buffers (prelude.h).
-    let mut exchange = vec![0u64; 2 * threads];
-    for bz in 0..l.grid.z {
-        for by in 0..l.grid.y {
-            for bx in 0..l.grid.x {
-                let block = Dim3 { x: bx, y: by, z: bz };
-                // SAFETY: forwarded from the caller.
-                unsafe { run_block(kernel, params, l, block, smem_at, exchange.as_mut_ptr()) }?;
+    let count = l.grid.count();
+    let (gx, gy) = (l.grid.x as usize, l.grid.y as usize);
+    let block_at = |i: usize| Dim3 {
+        x: (i % gx) as u32,
+        y: ((i / gx) % gy) as u32,
+        z: (i / (gx * gy)) as u32,
+    };
+    let workers = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(count);
+    let grid = Grid {
+        kernel: kernel as usize,
+        params: params as usize,
+        launch: l,
+    };
+    // Each worker takes the next block until none is left or one failed. Blocks of a grid run
+    // in no set order on a GPU, so running them side by side on OS threads is faithful; a
+    // worker's `static thread_local` shared memory is its blocks'.
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let failed = std::sync::Mutex::new(None::<LaunchError>);
+    let work = || {
+        let mut scratch = Scratch::new(l.smem, threads);
+        loop {
+            let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let stop = failed.lock().map_or(true, |f| f.is_some());
+            if i >= count || stop {
+                break;
+            }
+            // SAFETY: forwarded from the caller.
+            if let Err(e) = unsafe { run_block(grid, block_at(i), &mut scratch) } {
+                if let Ok(mut f) = failed.lock() {
+                    f.get_or_insert(e);
+                }
+                break;
             }
         }
+    };
+    if workers <= 1 {
+        work();
+    } else {
+        std::thread::scope(|s| {
+            for _ in 1..workers {
+                s.spawn(work);
+            }
+            work();
+        });
     }
-    drop(smem);
-    Ok(())
+    match failed.into_inner() {
+        Ok(None) => Ok(()),
+        Ok(Some(e)) => Err(e),
+        Err(_) => Err(LaunchError("a block worker panicked".into())),
+    }
+}
+
+/// A launch as the block workers share it: the trampoline and parameter array as addresses
+/// (valid for the whole launch, see [`run`]), and the shape.
+#[derive(Clone, Copy)]
+struct Grid {
+    kernel: usize,
+    params: usize,
+    launch: Launch,
+}
+
+/// One worker's per-block memory, reused block after block.
+struct Scratch {
+    smem: Vec<u8>,
+    /// Two slots per thread: shuffles alternate between two buffers (prelude.h).
+    exchange: Vec<u64>,
+}
+
+impl Scratch {
+    fn new(smem_bytes: usize, threads: usize) -> Self {
+        Self {
+            // Dynamic shared memory starts as garbage (0xFF bytes: NaN as f32), as on a GPU it
+            // holds whatever the last block left: a kernel that reads it before writing shows.
+            smem: vec![0xFFu8; smem_bytes.max(1) + 256],
+            exchange: vec![0u64; 2 * threads],
+        }
+    }
+
+    /// The dynamic shared memory, 256-byte aligned.
+    fn smem_at(&mut self) -> *mut c_void {
+        let at = self.smem.as_ptr().align_offset(256);
+        self.smem.as_mut_ptr().wrapping_add(at) as *mut c_void
+    }
 }
 
 struct Fiber {
@@ -165,24 +242,24 @@ struct Fiber {
 }
 
 /// Runs one block to completion.
-unsafe fn run_block(
-    kernel: Trampoline,
-    params: *mut *mut c_void,
-    l: Launch,
-    block: Dim3,
-    dyn_smem: *mut c_void,
-    exchange: *mut u64,
-) -> Result<(), LaunchError> {
-    let b = l.block;
+///
+/// # Safety
+/// As [`run`], for `grid`'s trampoline and parameters.
+unsafe fn run_block(grid: Grid, block: Dim3, scratch: &mut Scratch) -> Result<(), LaunchError> {
+    let (l, b) = (grid.launch, grid.launch.block);
     let mut fibers: Vec<Fiber> = Vec::with_capacity(b.count());
-    let params_addr = params as usize;
-    let kernel_addr = kernel as usize;
+    let (params_addr, kernel_addr) = (grid.params, grid.kernel);
+    let (dyn_smem, exchange) = (scratch.smem_at(), scratch.exchange.as_mut_ptr());
     for tz in 0..b.z {
         for ty in 0..b.y {
             for tx in 0..b.x {
                 let linear = tx + b.x * (ty + b.y * tz);
                 let mut ctx = Box::new(Ctx {
-                    thread_idx: Dim3 { x: tx, y: ty, z: tz },
+                    thread_idx: Dim3 {
+                        x: tx,
+                        y: ty,
+                        z: tz,
+                    },
                     block_idx: block,
                     block_dim: b,
                     grid_dim: l.grid,

@@ -13,13 +13,15 @@
 //! **What it checks and what it does not.** Kernel logic runs as written: indexing, the
 //! split-row plans and merges, warp shuffles and scans, barriers (a divergent barrier fails
 //! the launch with each thread's state), shared memory, every launcher's grid and argument
-//! list. Not checked: timing, races between threads (one fiber runs at a time, so a missing
-//! barrier between a write and another thread's read may go unseen), the memory model, and
+//! list, and atomics between blocks (which run side by side on OS threads). Not checked:
+//! timing, races between a block's threads (its fibers run one at a time, so a missing barrier
+//! between a write and another thread's read may go unseen), the memory model, and
 //! everything behind `FERRY_MMA` (PTX: tensor cores, `cp.async`, TMA), which compat.cuh
 //! compiles out here as hipRTC does. Floating point is the host's: `expf` and friends differ
 //! from the GPU's in the last bits, which the contract tests' tolerances already allow.
 //!
-//! **Runtime model.** Everything is synchronous: a launch returns when the grid has run,
+//! **Runtime model.** Everything is synchronous: a launch returns when the grid has run (its
+//! blocks spread over one OS thread per core),
 //! copies and memsets happen at the call, streams and synchronisation are no-ops. Device
 //! pointers are host addresses. One device, ordinal 0, whose compute-unit count is
 //! `FERRY_HIP_EMU_CUS` (default 16: enough that split plans split).
@@ -128,7 +130,11 @@ pub unsafe extern "C" fn hipGetDeviceProperties(props: *mut u8, ordinal: c_int) 
         // at GCN_ARCH_NAME_OFFSET; both strings are shorter.
         unsafe {
             std::ptr::copy_nonoverlapping(NAME.as_ptr(), props, NAME.len());
-            std::ptr::copy_nonoverlapping(ARCH.as_ptr(), props.add(GCN_ARCH_NAME_OFFSET), ARCH.len());
+            std::ptr::copy_nonoverlapping(
+                ARCH.as_ptr(),
+                props.add(GCN_ARCH_NAME_OFFSET),
+                ARCH.len(),
+            );
         }
     }
     r
@@ -139,7 +145,11 @@ pub unsafe extern "C" fn hipGetDeviceProperties(props: *mut u8, ordinal: c_int) 
 /// # Safety
 /// `name` has `len` writable bytes.
 #[no_mangle]
-pub unsafe extern "C" fn hipDeviceGetName(name: *mut c_char, len: c_int, ordinal: c_int) -> HipError {
+pub unsafe extern "C" fn hipDeviceGetName(
+    name: *mut c_char,
+    len: c_int,
+    ordinal: c_int,
+) -> HipError {
     if name.is_null() || (len as usize) < NAME.len() {
         return HIP_ERROR_INVALID_VALUE;
     }
@@ -153,7 +163,11 @@ pub unsafe extern "C" fn hipDeviceGetName(name: *mut c_char, len: c_int, ordinal
 /// # Safety
 /// `value` is writable.
 #[no_mangle]
-pub unsafe extern "C" fn hipDeviceGetAttribute(value: *mut c_int, attr: c_int, ordinal: c_int) -> HipError {
+pub unsafe extern "C" fn hipDeviceGetAttribute(
+    value: *mut c_int,
+    attr: c_int,
+    ordinal: c_int,
+) -> HipError {
     if value.is_null() || attr != ATTR_MULTIPROCESSOR_COUNT {
         return HIP_ERROR_INVALID_VALUE;
     }
@@ -183,7 +197,8 @@ pub unsafe extern "C" fn hipMalloc(ptr: *mut *mut c_void, bytes: usize) -> HipEr
     // SAFETY: `p` has `layout.size()` bytes.
     unsafe { std::ptr::write_bytes(p, 0xFF, layout.size()) };
     let mut a = ALLOCS.lock().unwrap_or_else(|e| e.into_inner());
-    a.get_or_insert_with(HashMap::new).insert(p as usize, layout);
+    a.get_or_insert_with(HashMap::new)
+        .insert(p as usize, layout);
     // SAFETY: checked non-null.
     unsafe { *ptr = p as *mut c_void };
     HIP_SUCCESS
@@ -194,7 +209,11 @@ pub unsafe extern "C" fn hipMalloc(ptr: *mut *mut c_void, bytes: usize) -> HipEr
 /// # Safety
 /// As [`hipMalloc`].
 #[no_mangle]
-pub unsafe extern "C" fn hipMallocAsync(ptr: *mut *mut c_void, bytes: usize, _stream: *mut c_void) -> HipError {
+pub unsafe extern "C" fn hipMallocAsync(
+    ptr: *mut *mut c_void,
+    bytes: usize,
+    _stream: *mut c_void,
+) -> HipError {
     // SAFETY: forwarded.
     unsafe { hipMalloc(ptr, bytes) }
 }
@@ -276,7 +295,12 @@ pub unsafe extern "C" fn hipMemcpyDtoDAsync(
 /// # Safety
 /// `dst` is valid for `n` bytes.
 #[no_mangle]
-pub unsafe extern "C" fn hipMemsetD8Async(dst: *mut c_void, value: u8, n: usize, _stream: *mut c_void) -> HipError {
+pub unsafe extern "C" fn hipMemsetD8Async(
+    dst: *mut c_void,
+    value: u8,
+    n: usize,
+    _stream: *mut c_void,
+) -> HipError {
     if n == 0 {
         return HIP_SUCCESS;
     }
@@ -317,12 +341,19 @@ struct Function {
 /// # Safety
 /// `module` is writable; `image` is a NUL-terminated path from [`hiprtcGetCode`].
 #[no_mangle]
-pub unsafe extern "C" fn hipModuleLoadData(module: *mut *mut c_void, image: *const c_void) -> HipError {
+pub unsafe extern "C" fn hipModuleLoadData(
+    module: *mut *mut c_void,
+    image: *const c_void,
+) -> HipError {
     if module.is_null() || image.is_null() {
         return HIP_ERROR_INVALID_VALUE;
     }
     // SAFETY: the caller's contract.
-    let path = PathBuf::from(unsafe { CStr::from_ptr(image as *const c_char) }.to_string_lossy().into_owned());
+    let path = PathBuf::from(
+        unsafe { CStr::from_ptr(image as *const c_char) }
+            .to_string_lossy()
+            .into_owned(),
+    );
     if !compile::is_module(&path) {
         return HIP_ERROR_INVALID_IMAGE;
     }
@@ -346,7 +377,11 @@ pub unsafe extern "C" fn hipModuleLoadData(module: *mut *mut c_void, image: *con
 /// # Safety
 /// `module` came from [`hipModuleLoadData`]; `name` is NUL-terminated; `f` is writable.
 #[no_mangle]
-pub unsafe extern "C" fn hipModuleGetFunction(f: *mut *mut c_void, module: *mut c_void, name: *const c_char) -> HipError {
+pub unsafe extern "C" fn hipModuleGetFunction(
+    f: *mut *mut c_void,
+    module: *mut c_void,
+    name: *const c_char,
+) -> HipError {
     if f.is_null() || module.is_null() || name.is_null() {
         return HIP_ERROR_INVALID_VALUE;
     }
@@ -417,8 +452,16 @@ pub unsafe extern "C" fn hipModuleLaunchKernel(
     // SAFETY: the caller's contract.
     let function = unsafe { &*(f as *const Function) };
     let launch = Launch {
-        grid: Dim3 { x: gx, y: gy, z: gz },
-        block: Dim3 { x: bx, y: by, z: bz },
+        grid: Dim3 {
+            x: gx,
+            y: gy,
+            z: gz,
+        },
+        block: Dim3 {
+            x: bx,
+            y: by,
+            z: bz,
+        },
         smem: smem as usize,
     };
     // SAFETY: forwarded from the caller.
@@ -467,7 +510,9 @@ pub unsafe extern "C" fn hiprtcCreateProgram(
         return HIPRTC_ERROR_INVALID_INPUT;
     }
     // SAFETY: the caller's contract.
-    let source = unsafe { CStr::from_ptr(src) }.to_string_lossy().into_owned();
+    let source = unsafe { CStr::from_ptr(src) }
+        .to_string_lossy()
+        .into_owned();
     let p = Program {
         source,
         log: CString::default(),
@@ -483,7 +528,11 @@ pub unsafe extern "C" fn hiprtcCreateProgram(
 /// # Safety
 /// `prog` came from [`hiprtcCreateProgram`]; `options` holds `n` NUL-terminated strings.
 #[no_mangle]
-pub unsafe extern "C" fn hiprtcCompileProgram(prog: *mut c_void, n: c_int, options: *const *const c_char) -> c_int {
+pub unsafe extern "C" fn hiprtcCompileProgram(
+    prog: *mut c_void,
+    n: c_int,
+    options: *const *const c_char,
+) -> c_int {
     if prog.is_null() || (n > 0 && options.is_null()) {
         return HIPRTC_ERROR_INVALID_INPUT;
     }
@@ -491,7 +540,11 @@ pub unsafe extern "C" fn hiprtcCompileProgram(prog: *mut c_void, n: c_int, optio
     let p = unsafe { &mut *(prog as *mut Program) };
     let opts: Vec<String> = (0..n.max(0) as usize)
         // SAFETY: `n` valid strings.
-        .map(|i| unsafe { CStr::from_ptr(*options.add(i)) }.to_string_lossy().into_owned())
+        .map(|i| {
+            unsafe { CStr::from_ptr(*options.add(i)) }
+                .to_string_lossy()
+                .into_owned()
+        })
         .collect();
     match compile::compile(&p.source, &opts) {
         Ok(m) => {

@@ -3,13 +3,14 @@
 // the source it is given (compat.cuh + a `gpu/*.cu` file); compat.cuh then takes its CUDA
 // branch without `__CUDA_ARCH__`, i.e. the portable scalar paths (FERRY_MMA 0, no PTX).
 //
-// Every GPU thread of a block is a fiber on the launching OS thread, so:
+// Every GPU thread of a block is a fiber on one OS thread (blocks run side by side, one OS
+// thread each), so:
 // - `__shared__` variables are `static thread_local`: one instance per OS thread, shared by
-//   the block's fibers (blocks of a launch run one after another);
+//   the fibers of the block it runs;
 // - `__syncthreads()` / `__syncwarp()` / the shuffles suspend the fiber until every live
 //   thread of the block / warp (32 lanes) has arrived; a barrier some live threads never reach
 //   fails the launch instead of hanging;
-// - atomics are plain read-modify-writes (one fiber runs at a time).
+// - atomics are the host's atomics (blocks run side by side).
 #pragma once
 #include <cmath>
 #include <cstddef>
@@ -135,11 +136,18 @@ template <class T>
 inline T __ldg(const T* p) {
   return *p;
 }
+// Blocks run side by side on OS threads: atomics are the host's.
 template <class T>
 inline T atomicAdd(T* p, T v) {
-  T old = *p;
-  *p = old + v;
-  return old;
+  if constexpr (std::is_integral<T>::value) {
+    return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST);
+  } else {
+    T old = *p, want;
+    do {
+      want = old + v;
+    } while (!__atomic_compare_exchange(p, &old, &want, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST));
+    return old;
+  }
 }
 
 struct __attribute__((aligned(8))) float2 {
