@@ -4,8 +4,8 @@
 //!
 //! The cache is the same type as CUDA's (`crate::kv::device::DeviceKvCache`), on HIP.
 //!
-//! No AMD GPU was available: this compiles and its contract test
-//! (`tests/backend_model.rs`) skips without one. The engine's ROCm rows
+//! No AMD GPU was available: its contract test (`tests/backend_model.rs`) and the engine's
+//! ROCm test ran only on a CPU HIP (`scripts/hip_emu.sh`). The engine's ROCm rows
 //! (`engine/backend/rocm.rs`) keep their KV here.
 
 use ferry_kernels::backend::{Backend, Precision};

@@ -32,8 +32,9 @@
 //! enums to a runtime's buffers), calling the launchers of `crate::gpu`, themselves generic over
 //! `crate::gpu::launch::Gpu`. What differs is decided by the runtime type: `dispatch` (only
 //! with a GPU feature) says which kernel each op runs — on ROCm only portable kernels (per-head
-//! absorbed MLA, `mha_f32`, the tiled GEMM in place of cuBLAS). The ROCm arms compile and
-//! their kernels compile with hipRTC, but no AMD GPU has run them (`crate::rocm`).
+//! absorbed MLA, `mha_f32`, the tiled GEMM in place of cuBLAS). The ROCm arms compile, their
+//! kernels compile with hipRTC, and they run in CI on a CPU HIP (`scripts/hip_emu.sh`), but no
+//! AMD GPU has run them (`crate::rocm`).
 //!
 //! ```
 //! use ferry_kernels::backend::{linear::{linear, Linear}, Backend, Precision, Weight};

@@ -30,9 +30,10 @@
 //! compiles every kernel source with every set of defines the ROCm arms use for gfx90a on a
 //! machine without a GPU (`tests/rocm.rs`). The launchers are the CUDA backend's, exercised on
 //! an H200; the portable GEMM kernel has run there too (`tests/cuda_parity.rs`). No AMD GPU was
-//! available, so **no kernel has been executed through this backend**: the contract tests
-//! (`tests/backend*.rs`, `model/tests/backend_model.rs`) include it when `RocmDevice::open(0)`
-//! works and skip it otherwise.
+//! available, so this backend has run only against a CPU implementation of the same HIP calls
+//! (`tools/hip-emu`, in CI through `scripts/hip_emu.sh`): the contract tests
+//! (`tests/backend*.rs`, `model/tests/backend_model.rs`, the drafter and engine tests) include
+//! it when `RocmDevice::open(0)` works and skip it otherwise.
 
 pub mod ffi;
 pub mod hiprtc;
