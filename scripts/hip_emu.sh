@@ -6,7 +6,8 @@
 # launchers as on an AMD or NVIDIA GPU — run on this machine's CPU. What that checks and what
 # it cannot (timing, races, the PTX paths): tools/hip-emu/src/lib.rs and docs/gpu.md.
 #
-#   scripts/hip_emu.sh            the kernels' and the model's contract tests (~2 min; CI)
+#   scripts/hip_emu.sh            the kernels' and the model's contract tests (~1.5 min after
+#                                 the build; CI)
 #   scripts/hip_emu.sh --engine   also the serving engine on rocm:0, plainly and speculating
 #                                 (~4 more minutes)
 #   scripts/hip_emu.sh -- ARGS    one `cargo test` of your own under the CPU HIP (e.g. `-- -p
@@ -36,10 +37,17 @@ if [ "${1:-}" = "--" ]; then
   shift
   exec cargo test --locked "$@"
 fi
-# The kernels' contract tests against the CPU backend. The two losslessness tests (chi-square
-# over 40,000 sequences each) take over ten minutes here; the CPU and the GPUs run them.
-cargo test -q -p ferry-kernels --features rocm --locked \
-  --test backend --test backend_draft --test backend_sample -- --skip lossless
+# The kernels' contract tests against the CPU backend, with a block's threads run in increasing
+# and then in decreasing order between barriers: a thread reading shared memory another wrote
+# with no barrier between gets different values in the two orders (tools/hip-emu/src/fiber.rs,
+# `reverse_order`), so such a race fails one of the runs. The two losslessness tests
+# (chi-square over 40,000 sequences each) take over ten minutes here; the CPU and the GPUs run
+# them.
+for order in forward reverse; do
+  FERRY_HIP_EMU_ORDER=$order cargo test -q -p ferry-kernels --features rocm --locked \
+    --test backend --test backend_draft --test backend_sample -- --skip lossless
+done
+FERRY_HIP_EMU_ORDER=reverse cargo test -q -p ferry-hip-emu --locked
 # The model over Backend::Rocm: golden-prompt logits against the CPU backend.
 cargo test -q -p ferry-model --features rocm --locked --test backend_model
 # The DSpark drafter on the device (its Markov steps, sampling, draws) against the CPU drafter.

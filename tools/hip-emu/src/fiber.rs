@@ -323,7 +323,11 @@ fn schedule_inner(fibers: &mut [Fiber], block: Dim3) -> Result<(), LaunchError> 
     let mut warp_done = vec![0usize; warps];
     let (mut at_block, mut done) = (0usize, 0usize);
     let mut ready: Vec<usize> = (0..n).collect();
+    let reverse = reverse_order();
     loop {
+        if reverse {
+            ready.reverse();
+        }
         for &i in &ready {
             let f = &mut fibers[i];
             CURRENT.with(|c| c.set(&mut *f.ctx as *mut Ctx));
@@ -384,6 +388,18 @@ fn schedule_inner(fibers: &mut [Fiber], block: Dim3) -> Result<(), LaunchError> 
             )));
         }
     }
+}
+
+/// Whether a block's ready fibers run from the highest thread index down
+/// (`FERRY_HIP_EMU_ORDER=reverse`) instead of up.
+///
+/// Between two barriers the fibers run one after another, so a thread that reads shared
+/// memory another thread writes with no barrier between sees the write if the writer runs
+/// first. A GPU gives no such order: running the tests in both orders makes such a race fail
+/// one of them, whichever thread has the lower index.
+fn reverse_order() -> bool {
+    static REVERSE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *REVERSE.get_or_init(|| std::env::var("FERRY_HIP_EMU_ORDER").is_ok_and(|v| v == "reverse"))
 }
 
 /// Runs of threads in the same state, e.g. `0-31 warp barrier, 32-255 block barrier`.

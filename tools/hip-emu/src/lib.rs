@@ -13,9 +13,9 @@
 //! **What it checks and what it does not.** Kernel logic runs as written: indexing, the
 //! split-row plans and merges, warp shuffles and scans, barriers (a divergent barrier fails
 //! the launch with each thread's state), shared memory, every launcher's grid and argument
-//! list, and atomics between blocks (which run side by side on OS threads). Not checked:
-//! timing, races between a block's threads (its fibers run one at a time, so a missing barrier
-//! between a write and another thread's read may go unseen), the memory model, and
+//! list, atomics between blocks (which run side by side on OS threads), and — run once in each
+//! fiber order (`FERRY_HIP_EMU_ORDER`, [`fiber`]) — races through shared memory between a
+//! block's threads. Not checked: timing, races through global memory, the memory model, and
 //! everything behind `FERRY_MMA` (PTX: tensor cores, `cp.async`, TMA), which compat.cuh
 //! compiles out here as hipRTC does. Floating point is the host's: `expf` and friends differ
 //! from the GPU's in the last bits, which the contract tests' tolerances already allow.

@@ -47,7 +47,11 @@ extern "C" __global__ void traps(int* out) {
 
 /// Compiles `SOURCE` and returns its module.
 fn module() -> *mut c_void {
-    let src = CString::new(SOURCE).unwrap();
+    module_of(&CString::new(SOURCE).unwrap())
+}
+
+/// Compiles `src` through the CPU hipRTC and loads it.
+fn module_of(src: &CString) -> *mut c_void {
     let mut prog = std::ptr::null_mut();
     // SAFETY: valid strings and out-pointers throughout; the program is destroyed at the end.
     unsafe {
@@ -246,4 +250,51 @@ fn a_barrier_some_threads_never_reach_and_a_trap_fail_the_launch() {
         0
     );
     assert_eq!(download::<u32>(counter, 1), vec![3]);
+}
+
+/// A race a GPU may or may not show: thread t reads the shared slot thread t + 1 writes, with
+/// no barrier between. Fibers run one after another between barriers, so in forward order
+/// (the default) thread t reads the old value, and in reverse order (`FERRY_HIP_EMU_ORDER=
+/// reverse`) the new one. The two orders disagree, which is how `scripts/hip_emu.sh`, running
+/// the contract tests in both, turns such a race into a failure.
+#[test]
+fn the_fiber_order_decides_what_a_missing_barrier_reads() {
+    let src = CString::new(
+        r#"
+extern "C" __global__ void racy_neighbour(int* out) {
+  __shared__ int slot[64];
+  slot[threadIdx.x] = 0;
+  __syncthreads();
+  slot[threadIdx.x] = (int)threadIdx.x + 1;
+  out[threadIdx.x] = slot[(threadIdx.x + 1) % 64];  // no barrier before: a race
+}
+"#,
+    )
+    .unwrap();
+    let m = module_of(&src);
+    let out = upload(&[-1i32; 64]);
+    let mut p = out;
+    assert_eq!(
+        launch(
+            function(m, "racy_neighbour"),
+            1,
+            64,
+            0,
+            &mut [&mut p as *mut _ as *mut c_void]
+        ),
+        0
+    );
+    let got: Vec<i32> = download(out, 64);
+    let reverse = std::env::var("FERRY_HIP_EMU_ORDER").is_ok_and(|v| v == "reverse");
+    let want: Vec<i32> = (0..64)
+        .map(|t| match (reverse, t) {
+            // Forward: t + 1 has not written yet, except thread 0, which wrote before 63 ran.
+            (false, 63) => 1,
+            (false, _) => 0,
+            // Reverse: t + 1 wrote already, except thread 0, which runs last.
+            (true, 63) => 0,
+            (true, t) => t + 2,
+        })
+        .collect();
+    assert_eq!(got, want, "reverse order: {reverse}");
 }
