@@ -87,6 +87,19 @@ fn cuda_engine(test: &str, mode: GpuMode) -> Option<EngineHandle> {
     Some(engine(Device::Cuda(0), mode))
 }
 
+/// An engine on the first GPU that opens — cuda:0, else rocm:0 (in a `rocm` build; without an
+/// AMD GPU, the CPU HIP of scripts/hip_emu.sh) — or `None` after saying why `test` skips.
+fn gpu_engine(test: &str, mode: GpuMode) -> Option<EngineHandle> {
+    let Some(device) = [Device::Cuda(0), Device::Rocm(0)]
+        .into_iter()
+        .find(|d| d.probe().is_ok())
+    else {
+        eprintln!("skipping {test}: no GPU opens");
+        return None;
+    };
+    Some(engine(device, mode))
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unopenable_gpu_is_an_error_and_auto_picks_a_device_that_serves() {
     // A named GPU that cannot be opened fails the engine's start, naming it: never the CPU in
@@ -153,9 +166,9 @@ async fn greedy_runs(e: &EngineHandle, prompts: &[Vec<u32>]) -> (Vec<Vec<u32>>, 
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs an NVIDIA GPU: run on the GPU machine with --include-ignored (docs/gpu.md)"]
-async fn cuda_engine_greedy_equals_the_cpu_engine() {
-    let Some(gpu) = cuda_engine("cuda_engine_greedy_equals_the_cpu_engine", GpuMode::Exact) else {
+#[ignore = "needs a GPU: run on the GPU machine with --include-ignored (docs/gpu.md), or on the CPU HIP (scripts/hip_emu.sh)"]
+async fn gpu_engine_greedy_equals_the_cpu_engine() {
+    let Some(gpu) = gpu_engine("gpu_engine_greedy_equals_the_cpu_engine", GpuMode::Exact) else {
         return;
     };
     let cpu = engine(Device::Cpu, GpuMode::Exact);
@@ -170,7 +183,7 @@ async fn cuda_engine_greedy_equals_the_cpu_engine() {
         gpu.device()
     );
     for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-        assert_eq!(g, w, "request {i}: CUDA engine vs CPU engine");
+        assert_eq!(g, w, "request {i}: {} engine vs CPU engine", gpu.device());
     }
     for (i, g) in got.iter().take(3).enumerate() {
         assert_eq!(
@@ -180,7 +193,8 @@ async fn cuda_engine_greedy_equals_the_cpu_engine() {
         );
     }
     eprintln!(
-        "cuda engine (exact): {} requests identical to the CPU engine, prefix hit reused {got_reused} tokens",
+        "{} engine (exact): {} requests identical to the CPU engine, prefix hit reused {got_reused} tokens",
+        gpu.device(),
         got.len()
     );
     wait_idle(&gpu).await;
@@ -455,10 +469,10 @@ async fn logprob_run(e: &EngineHandle) -> Vec<ferry_model::engine::TokenLogprobs
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs an NVIDIA GPU: run on the GPU machine with --include-ignored (docs/gpu.md)"]
-async fn logits_controls_on_cuda_equal_the_cpu_engine() {
-    let Some(graphs) = cuda_engine(
-        "logits_controls_on_cuda_equal_the_cpu_engine",
+#[ignore = "needs a GPU: run on the GPU machine with --include-ignored (docs/gpu.md), or on the CPU HIP (scripts/hip_emu.sh)"]
+async fn logits_controls_on_a_gpu_equal_the_cpu_engine() {
+    let Some(graphs) = gpu_engine(
+        "logits_controls_on_a_gpu_equal_the_cpu_engine",
         GpuMode::Exact,
     ) else {
         return;
@@ -478,7 +492,12 @@ async fn logits_controls_on_cuda_equal_the_cpu_engine() {
         "the bias moves the prefill job's token"
     );
     let (got, first) = controlled_runs(&graphs).await;
-    assert_eq!(got, want, "graph-replayed CUDA engine vs CPU engine");
+    assert_eq!(
+        got,
+        want,
+        "graph-replayed {} engine vs CPU engine",
+        graphs.device()
+    );
     assert_eq!(first, want_first, "prefill job's first token");
     // Log-probabilities (rows copied to the host on the GPU) agree with the CPU engine's to
     // 1e-3: exact mode's logits are within ~5e-6 relative of the CPU's (gpu_parity.rs).
@@ -501,15 +520,21 @@ async fn logits_controls_on_cuda_equal_the_cpu_engine() {
     let spec = EngineHandle::spawn_with(
         m,
         Some(Box::new(drafter) as Box<dyn Drafter>),
-        config(Device::Cuda(0), GpuMode::Exact),
+        config(graphs.device(), GpuMode::Exact),
     )
-    .expect("speculating CUDA engine");
+    .expect("speculating GPU engine");
     let (got, _) = controlled_runs(&spec).await;
-    assert_eq!(got, want, "speculating CUDA engine vs CPU engine");
+    assert_eq!(
+        got,
+        want,
+        "speculating {} engine vs CPU engine",
+        spec.device()
+    );
     let st = spec.stats().await.unwrap();
     assert!(st.spec_rounds > 0, "no speculative round ran: {st:?}");
     eprintln!(
-        "logits controls on cuda: identical to the CPU engine (graphs, speculation: {} rounds)",
+        "logits controls on {}: identical to the CPU engine (graphs where CUDA, speculation: {} rounds)",
+        graphs.device(),
         st.spec_rounds
     );
     for e in [&graphs, &cpu, &spec] {
@@ -561,10 +586,10 @@ async fn prompt_logprob_runs(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs an NVIDIA GPU: run on the GPU machine with --include-ignored (docs/gpu.md)"]
-async fn prompt_logprobs_on_cuda_equal_the_cpu_engine() {
-    let Some(gpu) = cuda_engine(
-        "prompt_logprobs_on_cuda_equal_the_cpu_engine",
+#[ignore = "needs a GPU: run on the GPU machine with --include-ignored (docs/gpu.md), or on the CPU HIP (scripts/hip_emu.sh)"]
+async fn prompt_logprobs_on_a_gpu_equal_the_cpu_engine() {
+    let Some(gpu) = gpu_engine(
+        "prompt_logprobs_on_a_gpu_equal_the_cpu_engine",
         GpuMode::Exact,
     ) else {
         return;
@@ -589,7 +614,10 @@ async fn prompt_logprobs_on_cuda_equal_the_cpu_engine() {
             }
         }
     }
-    eprintln!("prompt logprobs on cuda: {n} entries within 1e-3 of the CPU engine's");
+    eprintln!(
+        "prompt logprobs on {}: {n} entries within 1e-3 of the CPU engine's",
+        gpu.device()
+    );
     wait_idle(&gpu).await;
     wait_idle(&cpu).await;
 }
@@ -631,13 +659,13 @@ async fn grammar_runs(e: &EngineHandle) -> Vec<(Vec<u32>, Result<FinishReason, S
 }
 
 /// Structured output's token mask (a host round trip for the constrained rows on a GPU, like
-/// the controls): the CUDA engine, graph-replayed and speculating, gives the CPU engine's
-/// greedy tokens under a JSON schema, and the output is that schema's JSON.
+/// the controls): a GPU engine (graph-replayed on CUDA) and a speculating one give the CPU
+/// engine's greedy tokens under a JSON schema, and the output is that schema's JSON.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs an NVIDIA GPU: run on the GPU machine with --include-ignored (docs/gpu.md)"]
-async fn json_schema_output_on_cuda_equals_the_cpu_engine() {
-    let Some(graphs) = cuda_engine(
-        "json_schema_output_on_cuda_equals_the_cpu_engine",
+#[ignore = "needs a GPU: run on the GPU machine with --include-ignored (docs/gpu.md), or on the CPU HIP (scripts/hip_emu.sh)"]
+async fn json_schema_output_on_a_gpu_equals_the_cpu_engine() {
+    let Some(graphs) = gpu_engine(
+        "json_schema_output_on_a_gpu_equals_the_cpu_engine",
         GpuMode::Exact,
     ) else {
         return;
@@ -659,7 +687,8 @@ async fn json_schema_output_on_cuda_equals_the_cpu_engine() {
     assert_eq!(
         grammar_runs(&graphs).await,
         want,
-        "CUDA engine vs CPU engine"
+        "{} engine vs CPU engine",
+        graphs.device()
     );
     let m = model();
     let drafter =
@@ -667,17 +696,19 @@ async fn json_schema_output_on_cuda_equals_the_cpu_engine() {
     let spec = EngineHandle::spawn_with(
         m,
         Some(Box::new(drafter) as Box<dyn Drafter>),
-        config(Device::Cuda(0), GpuMode::Exact),
+        config(graphs.device(), GpuMode::Exact),
     )
-    .expect("speculating CUDA engine");
+    .expect("speculating GPU engine");
     assert_eq!(
         grammar_runs(&spec).await,
         want,
-        "speculating CUDA engine vs CPU"
+        "speculating {} engine vs CPU",
+        spec.device()
     );
     let st = spec.stats().await.unwrap();
     eprintln!(
-        "json schema on cuda: identical to the CPU engine ({} speculative rounds)",
+        "json schema on {}: identical to the CPU engine ({} speculative rounds)",
+        graphs.device(),
         st.spec_rounds
     );
     for e in [&graphs, &cpu, &spec] {
