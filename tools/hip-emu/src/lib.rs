@@ -8,7 +8,7 @@
 //! |---|---|
 //! | [`compile`] | hipRTC: a kernel source → a shared object, via the system C++ compiler and `prelude.h` |
 //! | [`fiber`] | one launch: blocks in turn, each block's threads as fibers switched at barriers |
-//! | this file | the C ABI: devices, memory (host memory standing in for device memory), modules, launches |
+//! | this file | the C ABI: devices, memory (host pages standing in for device memory, each allocation ending at a guard page), modules, launches |
 //!
 //! **What it checks and what it does not.** Kernel logic runs as written: indexing, the
 //! split-row plans and merges, warp shuffles and scans, barriers (a divergent barrier fails
@@ -65,8 +65,52 @@ fn compute_units() -> c_int {
         .unwrap_or(16)
 }
 
-/// Live allocations: address → layout (`hipFree` needs the layout back).
-static ALLOCS: Mutex<Option<HashMap<usize, std::alloc::Layout>>> = Mutex::new(None);
+/// Live allocations: the address handed out → the mapping it lies in (`hipFree` unmaps it).
+static ALLOCS: Mutex<Option<HashMap<usize, Mapping>>> = Mutex::new(None);
+
+/// One allocation's pages: the buffer, then one inaccessible guard page.
+#[derive(Clone, Copy)]
+struct Mapping {
+    base: usize,
+    len: usize,
+}
+
+/// A buffer whose end touches an inaccessible page, so a kernel reading or writing past it
+/// (by more than the rounding to 256 bytes) faults at once, as it may on a GPU, instead of
+/// reading a neighbour's bytes. Filled with 0xFF bytes (NaN as f32), so a kernel reading memory
+/// nothing wrote shows up in results.
+fn map_guarded(bytes: usize) -> Option<(usize, Mapping)> {
+    // SAFETY: sysconf has no preconditions.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(4096) as usize;
+    let size = bytes.max(1).checked_next_multiple_of(256)?;
+    let body = size.checked_next_multiple_of(page)?;
+    let len = body.checked_add(page)?;
+    // SAFETY: a fresh anonymous private mapping; no existing memory is touched.
+    let base = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    if base == libc::MAP_FAILED {
+        return None;
+    }
+    let base = base as usize;
+    // SAFETY: the last page lies inside the mapping just made.
+    if unsafe { libc::mprotect((base + body) as *mut c_void, page, libc::PROT_NONE) } != 0 {
+        // SAFETY: unmaps the mapping just made.
+        unsafe { libc::munmap(base as *mut c_void, len) };
+        return None;
+    }
+    let ptr = base + body - size;
+    // SAFETY: `ptr..ptr + size` lies in the writable part of the mapping.
+    unsafe { std::ptr::write_bytes(ptr as *mut u8, 0xFF, size) };
+    Some((ptr, Mapping { base, len }))
+}
 
 fn check_device(ordinal: c_int) -> HipError {
     if ordinal == 0 {
@@ -176,8 +220,8 @@ pub unsafe extern "C" fn hipDeviceGetAttribute(
     check_device(ordinal)
 }
 
-/// `hipMalloc`: host memory, 256-byte aligned, filled with 0xFF bytes (NaN as f32) so that a
-/// kernel reading memory nothing wrote shows up in results.
+/// `hipMalloc`: host memory, 256-byte aligned, ending at a guard page and filled with 0xFF
+/// bytes ([`map_guarded`]).
 ///
 /// # Safety
 /// `ptr` is writable.
@@ -186,19 +230,11 @@ pub unsafe extern "C" fn hipMalloc(ptr: *mut *mut c_void, bytes: usize) -> HipEr
     if ptr.is_null() {
         return HIP_ERROR_INVALID_VALUE;
     }
-    let Ok(layout) = std::alloc::Layout::from_size_align(bytes.max(1), 256) else {
+    let Some((p, mapping)) = map_guarded(bytes) else {
         return HIP_ERROR_OUT_OF_MEMORY;
     };
-    // SAFETY: non-zero size.
-    let p = unsafe { std::alloc::alloc(layout) };
-    if p.is_null() {
-        return HIP_ERROR_OUT_OF_MEMORY;
-    }
-    // SAFETY: `p` has `layout.size()` bytes.
-    unsafe { std::ptr::write_bytes(p, 0xFF, layout.size()) };
     let mut a = ALLOCS.lock().unwrap_or_else(|e| e.into_inner());
-    a.get_or_insert_with(HashMap::new)
-        .insert(p as usize, layout);
+    a.get_or_insert_with(HashMap::new).insert(p, mapping);
     // SAFETY: checked non-null.
     unsafe { *ptr = p as *mut c_void };
     HIP_SUCCESS
@@ -227,15 +263,15 @@ pub unsafe extern "C" fn hipFree(ptr: *mut c_void) -> HipError {
     if ptr.is_null() {
         return HIP_SUCCESS;
     }
-    let layout = {
+    let mapping = {
         let mut a = ALLOCS.lock().unwrap_or_else(|e| e.into_inner());
         a.get_or_insert_with(HashMap::new).remove(&(ptr as usize))
     };
-    match layout {
-        // SAFETY: allocated by `hipMalloc` with this layout, freed once (removed from the map).
-        Some(l) => unsafe { std::alloc::dealloc(ptr as *mut u8, l) },
+    match mapping {
+        // SAFETY: mapped by `hipMalloc`, unmapped once (removed from the map).
+        Some(m) => unsafe { libc::munmap(m.base as *mut c_void, m.len) },
         None => return HIP_ERROR_INVALID_VALUE,
-    }
+    };
     HIP_SUCCESS
 }
 

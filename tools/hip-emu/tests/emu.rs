@@ -298,3 +298,46 @@ extern "C" __global__ void racy_neighbour(int* out) {
         .collect();
     assert_eq!(got, want, "reverse order: {reverse}");
 }
+
+/// Device buffers end at an inaccessible page: a kernel reading past the end (by more than the
+/// rounding to 256 bytes) faults at once, as it may on a GPU. The fault kills the process, so
+/// the launch runs in a child process (this test binary again) and the parent checks that it
+/// died of SIGSEGV.
+#[test]
+fn reading_past_a_buffer_faults() {
+    const CHILD: &str = "FERRY_HIP_EMU_TEST_CHILD";
+    if std::env::var_os(CHILD).is_some() {
+        let src = CString::new(
+            r#"
+extern "C" __global__ void read_at(const float* x, int i, float* out) { out[0] = x[i]; }
+"#,
+        )
+        .unwrap();
+        let m = module_of(&src);
+        let (x, out) = (upload(&[1.0f32; 64]), upload(&[0f32]));
+        let (mut px, mut pout) = (x, out);
+        // The last element is fine; 64 floats are exactly 256 bytes, so one past the end is on
+        // the guard page.
+        for mut i in [63i32, 64] {
+            let mut args = [
+                &mut px as *mut _ as *mut c_void,
+                &mut i as *mut _ as *mut c_void,
+                &mut pout as *mut _ as *mut c_void,
+            ];
+            assert_eq!(launch(function(m, "read_at"), 1, 1, 0, &mut args), 0);
+            assert_eq!(download::<f32>(out, 1), vec![1.0]);
+        }
+        std::process::exit(0);
+    }
+    let status = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "reading_past_a_buffer_faults", "--nocapture"])
+        .env(CHILD, "1")
+        .status()
+        .expect("the child runs");
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(
+        status.signal(),
+        Some(libc::SIGSEGV),
+        "the out-of-bounds read did not fault: {status}"
+    );
+}
