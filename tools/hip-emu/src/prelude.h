@@ -100,26 +100,17 @@ inline T __shfl_sync(unsigned, T v, int src) {
   return ferry_emu_shfl_at(v, (unsigned)src);
 }
 
-inline float __int_as_float(int i) {
-  float f;
-  std::memcpy(&f, &i, 4);
-  return f;
+template <class To, class From>
+inline To ferry_emu_bits(From f) {
+  static_assert(sizeof(To) == sizeof(From), "bit cast between sizes");
+  To t;
+  std::memcpy(&t, &f, sizeof(To));
+  return t;
 }
-inline float __uint_as_float(unsigned u) {
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-inline unsigned __float_as_uint(float f) {
-  unsigned u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
-inline int __float_as_int(float f) {
-  int i;
-  std::memcpy(&i, &f, 4);
-  return i;
-}
+inline float __int_as_float(int i) { return ferry_emu_bits<float>(i); }
+inline float __uint_as_float(unsigned u) { return ferry_emu_bits<float>(u); }
+inline unsigned __float_as_uint(float f) { return ferry_emu_bits<unsigned>(f); }
+inline int __float_as_int(float f) { return ferry_emu_bits<int>(f); }
 
 template <class A, class B>
 inline typename std::common_type<A, B>::type min(A a, B b) {
