@@ -9,7 +9,7 @@
 #   scripts/hip_emu.sh            the kernels' and the model's contract tests (~1.5 min after
 #                                 the build; CI)
 #   scripts/hip_emu.sh --engine   also the serving engine on rocm:0, plainly and speculating
-#                                 (~4 more minutes)
+#                                 (~8 more minutes)
 #   scripts/hip_emu.sh -- ARGS    one `cargo test` of your own under the CPU HIP (e.g. `-- -p
 #                                 ferry-kernels --features rocm --test backend_draft markov`)
 #
