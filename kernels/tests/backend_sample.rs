@@ -221,6 +221,23 @@ fn mixed_batch(vocab: usize, seed: u64) -> Vec<(Vec<f32>, SamplingParams)> {
     rows
 }
 
+/// `probs` of `logits` (rows of `vocab`) under `params` on `b`, downloaded.
+fn probs_on(b: &Backend, logits: &[f32], params: &[SamplingParams], vocab: usize) -> Vec<f32> {
+    let rp = RowParams::new(b, params).expect("valid params");
+    let x = b.upload(logits).expect("upload");
+    probs(
+        b,
+        Probs {
+            logits: &x,
+            vocab,
+            params: &rp,
+        },
+    )
+    .expect("probs")
+    .to_host()
+    .expect("download")
+}
+
 #[test]
 fn probs_match_the_cpu_sampler_row_by_row() {
     for b in backends() {
@@ -228,19 +245,7 @@ fn probs_match_the_cpu_sampler_row_by_row() {
             let batch = mixed_batch(vocab, 10 + i as u64);
             let logits: Vec<f32> = batch.iter().flat_map(|(x, _)| x.clone()).collect();
             let params: Vec<SamplingParams> = batch.iter().map(|(_, p)| p.clone()).collect();
-            let rp = RowParams::new(&b, &params).expect("valid params");
-            let x = b.upload(&logits).expect("upload");
-            let got = probs(
-                &b,
-                Probs {
-                    logits: &x,
-                    vocab,
-                    params: &rp,
-                },
-            )
-            .expect("probs")
-            .to_host()
-            .expect("download");
+            let got = probs_on(&b, &logits, &params, vocab);
             let mut worst = 0.0f32;
             for (r, ((row, prm), got)) in batch.iter().zip(got.chunks_exact(vocab)).enumerate() {
                 let want = probs_from_logits(row, prm).expect("valid row");
@@ -274,19 +279,7 @@ fn probs_match_the_cpu_sampler_row_by_row() {
             }
             // Each row alone: a GPU splits one long row over the most blocks.
             for (r, (row, prm)) in batch.iter().enumerate() {
-                let rp = RowParams::new(&b, std::slice::from_ref(prm)).expect("valid params");
-                let x = b.upload(row).expect("upload");
-                let got = probs(
-                    &b,
-                    Probs {
-                        logits: &x,
-                        vocab,
-                        params: &rp,
-                    },
-                )
-                .expect("probs")
-                .to_host()
-                .expect("download");
+                let got = probs_on(&b, row, std::slice::from_ref(prm), vocab);
                 let want = probs_from_logits(row, prm).expect("valid row");
                 let same_set = got.iter().zip(&want).all(|(g, w)| (*g > 0.0) == (*w > 0.0));
                 let d = common::max_abs_diff(&got, &want);
