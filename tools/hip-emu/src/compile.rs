@@ -22,14 +22,9 @@ pub const PRELUDE: &str = include_str!("prelude.h");
 /// Bumped when the way modules are built changes, so stale cache entries are not reused.
 const CACHE_VERSION: u32 = 1;
 
-/// A compiled module on disk and the kernels it holds.
-pub struct Module {
-    pub path: PathBuf,
-}
-
 /// Compiles `source` with the `-D` options among `options` (others, like `--offload-arch`, are
-/// for a GPU compiler and ignored). Returns the module or the compiler's log.
-pub fn compile(source: &str, options: &[String]) -> Result<Module, String> {
+/// for a GPU compiler and ignored). Returns the module's path or the compiler's log.
+pub fn compile(source: &str, options: &[String]) -> Result<PathBuf, String> {
     let defines: Vec<&String> = options
         .iter()
         .filter(|o| o.starts_with("-D") || o.starts_with("-U"))
@@ -46,7 +41,7 @@ pub fn compile(source: &str, options: &[String]) -> Result<Module, String> {
     std::fs::create_dir_all(&dir).map_err(|e| format!("cache dir {}: {e}", dir.display()))?;
     let so = dir.join(format!("{key}.so"));
     if so.is_file() {
-        return Ok(Module { path: so });
+        return Ok(so);
     }
     // Build under names of this process's own, then rename: processes compiling the same
     // module side by side each produce a whole file.
@@ -86,7 +81,7 @@ pub fn compile(source: &str, options: &[String]) -> Result<Module, String> {
         .arg(&tmp_so))?;
     std::fs::rename(&tmp_so, &so).map_err(|e| format!("{}: {e}", so.display()))?;
     let _ = std::fs::remove_file(&cpp);
-    Ok(Module { path: so })
+    Ok(so)
 }
 
 fn cache_dir() -> PathBuf {

@@ -29,7 +29,7 @@
 pub mod compile;
 pub mod fiber;
 
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr, CString};
 use std::path::PathBuf;
 use std::sync::Mutex;
@@ -66,7 +66,7 @@ fn compute_units() -> c_int {
 }
 
 /// Live allocations: the address handed out → the mapping it lies in (`hipFree` unmaps it).
-static ALLOCS: Mutex<Option<HashMap<usize, Mapping>>> = Mutex::new(None);
+static ALLOCS: Mutex<BTreeMap<usize, Mapping>> = Mutex::new(BTreeMap::new());
 
 /// One allocation's pages: the buffer, then one inaccessible guard page.
 #[derive(Clone, Copy)]
@@ -234,7 +234,7 @@ pub unsafe extern "C" fn hipMalloc(ptr: *mut *mut c_void, bytes: usize) -> HipEr
         return HIP_ERROR_OUT_OF_MEMORY;
     };
     let mut a = ALLOCS.lock().unwrap_or_else(|e| e.into_inner());
-    a.get_or_insert_with(HashMap::new).insert(p, mapping);
+    a.insert(p, mapping);
     // SAFETY: checked non-null.
     unsafe { *ptr = p as *mut c_void };
     HIP_SUCCESS
@@ -265,7 +265,7 @@ pub unsafe extern "C" fn hipFree(ptr: *mut c_void) -> HipError {
     }
     let mapping = {
         let mut a = ALLOCS.lock().unwrap_or_else(|e| e.into_inner());
-        a.get_or_insert_with(HashMap::new).remove(&(ptr as usize))
+        a.remove(&(ptr as usize))
     };
     match mapping {
         // SAFETY: mapped by `hipMalloc`, unmapped once (removed from the map).
@@ -584,7 +584,7 @@ pub unsafe extern "C" fn hiprtcCompileProgram(
         .collect();
     match compile::compile(&p.source, &opts) {
         Ok(m) => {
-            p.code = CString::new(m.path.to_string_lossy().into_owned()).ok();
+            p.code = CString::new(m.to_string_lossy().into_owned()).ok();
             p.log = CString::default();
             if p.code.is_some() {
                 HIPRTC_SUCCESS
