@@ -635,6 +635,122 @@ fn moe_matches_the_cpu_layer_on_every_backend() {
     }
 }
 
+/// One token's MoE with the shared-expert slots launched beside the router
+/// (`ops::moe_token_beside`: on the device's second stream where it has one, CUDA; in order on
+/// the one stream otherwise) is bitwise the per-pair path after the router and the routing —
+/// the same kernels on the same operands, only the launch order differs. (With `--features
+/// cuda` the test above already takes the side stream for its one-token case, against the
+/// CPU.)
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+#[test]
+fn one_token_moe_beside_the_router_is_bitwise_the_per_pair_path() {
+    let mut rng = common::rng(29);
+    for ((hidden, inter), bf16) in [((64, 40), true), ((96, 64), false)] {
+        let layer = moe_layer(&mut rng, hidden, inter, bf16);
+        for first in [2.0f32, -1.0] {
+            let mut x = common::uniform(&mut rng, hidden, 1.0);
+            x[0] = first; // 2.0 favours expert 5 (see `moe_layer`)
+            let h0 = common::uniform(&mut rng, hidden, 1.0);
+            for b in backends() {
+                let w = Moe::to_backend(&layer, 2, &b).expect("upload");
+                match (&b, &w) {
+                    #[cfg(feature = "cuda")]
+                    (
+                        Backend::Cuda(dev),
+                        Moe::Cuda {
+                            router,
+                            bias,
+                            experts,
+                            routing,
+                        },
+                    ) => beside_equals_per_pair(dev, (router, bias, experts, *routing), &x, &h0),
+                    #[cfg(feature = "rocm")]
+                    (
+                        Backend::Rocm(dev),
+                        Moe::Rocm {
+                            router,
+                            bias,
+                            experts,
+                            routing,
+                        },
+                    ) => beside_equals_per_pair(dev, (router, bias, experts, *routing), &x, &h0),
+                    _ => {}
+                }
+            }
+        }
+    }
+}
+
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+fn beside_equals_per_pair<D: ferry_kernels::gpu::launch::Gpu>(
+    dev: &D,
+    (router, bias, experts, routing): (
+        &ferry_kernels::gpu::ops::GpuMatrix<D>,
+        &D::Buffer<f32>,
+        &ferry_kernels::gpu::ops::GpuExperts<D>,
+        ferry_kernels::gpu::ops::RouteParams,
+    ),
+    x: &[f32],
+    h0: &[f32],
+) {
+    use ferry_kernels::gpu::launch::DeviceMem;
+    use ferry_kernels::gpu::ops::{self, GemmPrecision, MoeArgs, MoeToken, PerPairKernels, Routes};
+    assert!(routing.n_shared > 0 && experts.shared_ids.is_some());
+    let gemm = GemmPrecision::Exact;
+    let slots = (routing.top_k + routing.n_shared) as usize;
+    // 0: router, routing, per-pair kernels; 1: beside, one stream; 2: beside, side stream.
+    let run = |path: u8| -> Option<Vec<u32>> {
+        let side = match path {
+            0 | 1 => dev.clone(),
+            _ => dev.side()?,
+        };
+        let x_d = dev.upload(x).expect("x");
+        let h_d = dev.upload(h0).expect("h");
+        if path == 0 {
+            let logits = dev.alloc::<f32>(router.rows()).expect("logits");
+            ops::linear(dev, x_d.v(), router, logits.v(), gemm).expect("router");
+            let ids = dev.alloc::<i32>(slots).expect("ids");
+            let w = dev.alloc::<f32>(slots).expect("weights");
+            let routes = Routes {
+                ids: ids.v(),
+                weights: w.v(),
+                slots,
+            };
+            ops::moe_route(dev, logits.v(), bias.v(), routing, routes).expect("route");
+            let a = MoeArgs {
+                x: x_d.v(),
+                routes,
+                experts,
+                h: h_d.v(),
+            };
+            ops::moe_experts_per_pair(dev, a, PerPairKernels::from_env()).expect("experts");
+        } else {
+            let m = MoeToken {
+                x: x_d.v(),
+                router,
+                bias: bias.v(),
+                routing,
+                experts,
+                h: h_d.v(),
+                gemm,
+            };
+            ops::moe_token_beside(dev, &side, m).expect("beside");
+        }
+        let h = dev.download(&h_d).expect("h");
+        Some(h.iter().map(|v| v.to_bits()).collect())
+    };
+    let want = run(0).expect("per pair");
+    assert_ne!(
+        want,
+        h0.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+        "h changed"
+    );
+    assert_eq!(run(1).expect("one stream"), want, "beside, one stream");
+    if let Some(got) = run(2) {
+        assert_eq!(got, want, "beside, side stream");
+    }
+}
+
 /// `rms_norm_into` (the forward's input and post-attention norms): the CPU's RMSNorm of every
 /// row, the input rows untouched; widths on and off the norm kernel's float4 path.
 #[test]

@@ -1099,6 +1099,7 @@ fn random_experts(
         down: matrix(n_exp * hidden, inter),
         inter,
         hidden,
+        shared_ids: None,
     }
 }
 

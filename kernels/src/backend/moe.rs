@@ -255,6 +255,20 @@ fn moe_on<D: super::OnDevice>(
     } else {
         routing
     };
+    // One token (a single-stream decode step): the shared slots stream their weights on the
+    // side stream while the router and the routing run.
+    if let (1, true, Some(side)) = (t, routing.n_shared > 0 && ops::shared_beside(), dev.side()) {
+        let m = ops::MoeToken {
+            x,
+            router,
+            bias: bias.v(),
+            routing,
+            experts,
+            h,
+            gemm,
+        };
+        return ops::moe_token_beside(dev, &side, m);
+    }
     let logits = dev.alloc::<f32>(t * router.rows())?;
     ops::linear(dev, x, router, logits.v(), gemm)?;
     let slots = (routing.top_k + routing.n_shared) as usize;
@@ -347,12 +361,22 @@ mod stack {
             };
             GpuMatrix::from_parts(rows, cols, data)
         };
+        let shared_ids = match shared {
+            Some(_) => {
+                let ids = (experts.len()..experts.len() + n_shared)
+                    .map(|e| i32::try_from(e).map_err(|_| invalid(format!("{e} experts"))))
+                    .collect::<Result<Vec<_>, _>>()?;
+                Some(dev.upload(&ids)?)
+            }
+            None => None,
+        };
         Ok(GpuExperts {
             gate: stack(&gates, hidden)?,
             up: stack(&ups, hidden)?,
             down: stack(&downs, inter)?,
             inter,
             hidden,
+            shared_ids,
         })
     }
 

@@ -151,6 +151,12 @@ impl<T: DevicePod> Drop for DeviceBuffer<T> {
 struct Inner {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
+    /// The second stream of [`CudaDevice::side`] handles (kernel launches only).
+    side_stream: Arc<CudaStream>,
+    /// The events [`CudaDevice::wait_for`] records and waits on, one per direction (main →
+    /// side, side → main), reused: re-recording an event after a wait was queued does not
+    /// change that wait. The lock keeps a record and its wait together.
+    order: Mutex<(CudaEvent, CudaEvent)>,
     blas: CudaBlas,
     ordinal: usize,
     name: String,
@@ -217,14 +223,21 @@ impl Twice {
 #[derive(Clone)]
 pub struct CudaDevice {
     inner: Arc<Inner>,
+    /// Launches go to the side stream ([`CudaDevice::side`]).
+    on_side: bool,
 }
 
 impl std::fmt::Debug for CudaDevice {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "CudaDevice(cuda:{} {} sm_{}{}, {} SMs)",
-            self.inner.ordinal, self.inner.name, self.inner.cc.0, self.inner.cc.1, self.inner.sms
+            "CudaDevice(cuda:{} {} sm_{}{}, {} SMs{})",
+            self.inner.ordinal,
+            self.inner.name,
+            self.inner.cc.0,
+            self.inner.cc.1,
+            self.inner.sms,
+            if self.on_side { ", side stream" } else { "" }
         )
     }
 }
@@ -250,6 +263,9 @@ impl CudaDevice {
         // SAFETY: no cudarc-managed buffers are used with this context.
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream().map_err(gpu_err("cuStreamCreate"))?;
+        let side_stream = ctx.new_stream().map_err(gpu_err("cuStreamCreate"))?;
+        let event = || ctx.new_event(None).map_err(gpu_err("cuEventCreate"));
+        let order = Mutex::new((event()?, event()?));
         let blas = CudaBlas::new(stream.clone()).map_err(|e| KernelError::Gpu {
             op: "cublasCreate",
             message: e.to_string(),
@@ -269,6 +285,8 @@ impl CudaDevice {
             inner: Arc::new(Inner {
                 ctx,
                 stream,
+                side_stream,
+                order,
                 blas,
                 ordinal,
                 name,
@@ -280,7 +298,48 @@ impl CudaDevice {
                 smem_set: Mutex::new(HashMap::new()),
                 twice: Mutex::default(),
             }),
+            on_side: false,
         })
+    }
+
+    /// A handle whose kernel launches go to the device's second stream (everything else it
+    /// does — allocations, copies, synchronisation — stays on the main stream). Work queued
+    /// there runs beside the main stream's; order the two with [`CudaDevice::wait_for`].
+    pub fn side(&self) -> CudaDevice {
+        CudaDevice {
+            inner: self.inner.clone(),
+            on_side: true,
+        }
+    }
+
+    /// The stream this handle launches on.
+    fn launch_stream(&self) -> &Arc<CudaStream> {
+        if self.on_side {
+            &self.inner.side_stream
+        } else {
+            &self.inner.stream
+        }
+    }
+
+    /// Work launched through this handle from now on waits for everything queued so far on
+    /// `other`'s launch stream: an event recorded there, waited on here (under stream capture,
+    /// a graph edge). A no-op when both launch on the same stream.
+    pub fn wait_for(&self, other: &CudaDevice) -> Result<(), KernelError> {
+        if self.on_side == other.on_side {
+            return Ok(());
+        }
+        self.bind()?;
+        let order = self.inner.order.lock().map_err(|_| KernelError::Gpu {
+            op: "cuStreamWaitEvent",
+            message: "stream-order events poisoned".into(),
+        })?;
+        let event = if other.on_side { &order.1 } else { &order.0 };
+        event
+            .record(other.launch_stream())
+            .map_err(gpu_err("cuEventRecord"))?;
+        self.launch_stream()
+            .wait(event)
+            .map_err(gpu_err("cuStreamWaitEvent"))
     }
 
     /// Device name as the driver reports it ("NVIDIA H200").
@@ -593,7 +652,7 @@ impl CudaDevice {
                     dims.grid,
                     dims.block,
                     dims.smem,
-                    self.inner.stream.cu_stream(),
+                    self.launch_stream().cu_stream(),
                     &mut params,
                 )
             }
@@ -615,7 +674,7 @@ impl CudaDevice {
             blockDimY: dims.block.1,
             blockDimZ: dims.block.2,
             sharedMemBytes: dims.smem,
-            hStream: self.inner.stream.cu_stream(),
+            hStream: self.launch_stream().cu_stream(),
             attrs: &mut attr,
             numAttrs: 1,
         };

@@ -101,6 +101,14 @@ impl Gpu for CudaDevice {
         CudaDevice::synchronize(self)
     }
 
+    fn side(&self) -> Option<Self> {
+        Some(CudaDevice::side(self))
+    }
+
+    fn wait_for(&self, other: &Self) -> Result<(), KernelError> {
+        CudaDevice::wait_for(self, other)
+    }
+
     fn ordinal(&self) -> usize {
         CudaDevice::ordinal(self)
     }

@@ -316,6 +316,24 @@ pub trait Gpu: Clone + std::fmt::Debug + Send + Sync + Sized + 'static {
     /// Waits for all queued work.
     fn synchronize(&self) -> Result<(), KernelError>;
 
+    /// A handle on the same device whose kernel launches go to a second stream, so that work
+    /// that does not depend on the main stream's latest kernels can run beside them (memory
+    /// operations through it stay on the main stream). Order the two with
+    /// [`Gpu::wait_for`]: `side.wait_for(main)` before the side's first launch,
+    /// `main.wait_for(side)` before anything reads what it wrote. `None` where the runtime
+    /// has no second stream (ROCm here): callers then queue the same work on the main stream.
+    fn side(&self) -> Option<Self> {
+        None
+    }
+
+    /// Makes the work queued on this handle's stream from now on wait for everything queued
+    /// on `other`'s stream so far (an event recorded there and waited on here; it becomes a
+    /// graph edge under capture). A no-op when both are the same stream.
+    fn wait_for(&self, other: &Self) -> Result<(), KernelError> {
+        let _ = other;
+        Ok(())
+    }
+
     /// The device's ordinal.
     fn ordinal(&self) -> usize;
 

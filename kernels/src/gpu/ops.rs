@@ -1565,6 +1565,10 @@ pub struct GpuExperts<D: Gpu> {
     pub inter: usize,
     /// Model width.
     pub hidden: usize,
+    /// The ids of the shared-expert chunks (`n_routed..E_total`), on the device: what
+    /// [`moe_token_beside`] hands the kernels for the shared slots before routing has written
+    /// them. `None` without a shared expert.
+    pub shared_ids: Option<D::Buffer<i32>>,
 }
 
 impl<D: Gpu> GpuExperts<D> {
@@ -1890,64 +1894,258 @@ pub fn moe_experts_per_pair<D: Gpu>(
         return Ok(());
     }
     let act = dev.alloc::<f32>(t * k * inter)?;
-    let sfx = experts.gate.is_bf16();
-    let up_rows = if which.gate_up_pairs {
-        MOE_GATE_UP_R
-    } else {
-        1
-    };
-    let f = kernel(
-        dev,
-        match (sfx, which.gate_up_pairs) {
-            (true, true) => "moe_gate_up_bf16",
-            (false, true) => "moe_gate_up_f32",
-            (true, false) => "moe_gate_up1_bf16",
-            (false, false) => "moe_gate_up1_f32",
-        },
-    )?;
+    let pairs = PairKernels::new(dev, experts, which)?;
     // The grids' y dimension counts (token, slot) pairs and tokens, and CUDA caps it at
     // 65,535: a long prefill (8,192 tokens × 8 slots) launches in token chunks below it.
-    let words = |n: usize| (n * 4) as u64; // f32 and i32 elements
     let per_launch = (MAX_GRID_Y / k.max(1)).max(1);
     for t0 in (0..t).step_by(per_launch) {
         let n = per_launch.min(t - t0);
-        let mut a = KernelArgs::new();
-        a.push(x.ptr + words(t0 * hidden))
-            .push(routes.ids.ptr + words(t0 * k))
-            .push(experts.gate.ptr())
-            .push(experts.up.ptr())
-            .push(act.ptr() + words(t0 * k * inter))
-            .push(int(OP, "K", k)?)
-            .push(int(OP, "inter", inter)?)
-            .push(int(OP, "hidden", hidden)?);
-        let dims = LaunchDims {
-            grid: (inter.div_ceil(8 * up_rows) as u32, (n * k) as u32, 1),
-            block: (256, 1, 1),
-            smem: 0,
+        let at = GateUpAt {
+            x: x.ptr + words(t0 * hidden),
+            ids: routes.ids.ptr + words(t0 * k),
+            act: act.ptr() + words(t0 * k * inter),
+            pairs: n * k,
+            slots: k,
         };
-        dev.launch(&f, dims, &mut a)?;
+        pairs.gate_up(dev, at)?;
     }
-    let down = which.down.fitting(inter);
-    let f = kernel(dev, down.kernel(sfx))?;
     for t0 in (0..t).step_by(MAX_GRID_Y) {
         let n = MAX_GRID_Y.min(t - t0);
+        let at = DownAt {
+            act: act.ptr() + words(t0 * k * inter),
+            ids: routes.ids.ptr + words(t0 * k),
+            weights: routes.weights.ptr + words(t0 * k),
+            h: h.ptr + words(t0 * hidden),
+            tokens: n,
+            slots: k,
+        };
+        pairs.down(dev, at)?;
+    }
+    Ok(())
+}
+
+/// Bytes of `n` f32 / i32 elements, for offsetting device pointers.
+fn words(n: usize) -> u64 {
+    (n * 4) as u64
+}
+
+/// The per-pair gate/up and down kernels of one expert stack, compiled, and how to launch
+/// them over a range of (token, slot) pairs.
+struct PairKernels<'a, D: Gpu> {
+    experts: &'a GpuExperts<D>,
+    gate_up: D::Function,
+    gate_up_rows: usize,
+    down: D::Function,
+    down_rows: usize,
+}
+
+/// Where one gate/up launch reads and writes: `pairs` consecutive pairs from `ids`, token
+/// `p / slots` of `x` for pair `p`, `act` rows `0..pairs`.
+struct GateUpAt {
+    x: u64,
+    ids: u64,
+    act: u64,
+    pairs: usize,
+    slots: usize,
+}
+
+/// Where one down launch reads and adds: `tokens` rows of `h`, each the weighted sum of its
+/// `slots` rows of `act`.
+struct DownAt {
+    act: u64,
+    ids: u64,
+    weights: u64,
+    h: u64,
+    tokens: usize,
+    slots: usize,
+}
+
+impl<'a, D: Gpu> PairKernels<'a, D> {
+    fn new(
+        dev: &D,
+        experts: &'a GpuExperts<D>,
+        which: PerPairKernels,
+    ) -> Result<Self, KernelError> {
+        let bf16 = experts.gate.is_bf16();
+        let gate_up = kernel(
+            dev,
+            match (bf16, which.gate_up_pairs) {
+                (true, true) => "moe_gate_up_bf16",
+                (false, true) => "moe_gate_up_f32",
+                (true, false) => "moe_gate_up1_bf16",
+                (false, false) => "moe_gate_up1_f32",
+            },
+        )?;
+        let down = which.down.fitting(experts.inter);
+        Ok(Self {
+            experts,
+            gate_up,
+            gate_up_rows: if which.gate_up_pairs {
+                MOE_GATE_UP_R
+            } else {
+                1
+            },
+            down: kernel(dev, down.kernel(bf16))?,
+            down_rows: down.rows(),
+        })
+    }
+
+    /// `act[p] = silu(gate_e · x) ⊙ (up_e · x)` for the launch's pairs, on `dev`'s stream.
+    fn gate_up(&self, dev: &D, at: GateUpAt) -> Result<(), KernelError> {
+        const OP: &str = "gpu_moe_experts";
+        let (e, inter) = (self.experts, self.experts.inter);
         let mut a = KernelArgs::new();
-        a.push(act.ptr() + words(t0 * k * inter))
-            .push(routes.ids.ptr + words(t0 * k))
-            .push(routes.weights.ptr + words(t0 * k))
-            .push(experts.down.ptr())
-            .push(h.ptr + words(t0 * hidden))
-            .push(int(OP, "K", k)?)
+        a.push(at.x)
+            .push(at.ids)
+            .push(e.gate.ptr())
+            .push(e.up.ptr())
+            .push(at.act)
+            .push(int(OP, "K", at.slots)?)
             .push(int(OP, "inter", inter)?)
-            .push(int(OP, "hidden", hidden)?);
+            .push(int(OP, "hidden", e.hidden)?);
         let dims = LaunchDims {
-            grid: (hidden.div_ceil(down.rows()) as u32, n as u32, 1),
+            grid: (
+                inter.div_ceil(8 * self.gate_up_rows) as u32,
+                at.pairs as u32,
+                1,
+            ),
             block: (256, 1, 1),
             smem: 0,
         };
-        dev.launch(&f, dims, &mut a)?;
+        dev.launch(&self.gate_up, dims, &mut a)
     }
-    Ok(())
+
+    /// `h[t] += Σ_s w[t][s] · down_e · act[t][s]` for the launch's tokens.
+    fn down(&self, dev: &D, at: DownAt) -> Result<(), KernelError> {
+        const OP: &str = "gpu_moe_experts";
+        let e = self.experts;
+        let mut a = KernelArgs::new();
+        a.push(at.act)
+            .push(at.ids)
+            .push(at.weights)
+            .push(e.down.ptr())
+            .push(at.h)
+            .push(int(OP, "K", at.slots)?)
+            .push(int(OP, "inter", e.inter)?)
+            .push(int(OP, "hidden", e.hidden)?);
+        let dims = LaunchDims {
+            grid: (
+                e.hidden.div_ceil(self.down_rows) as u32,
+                at.tokens as u32,
+                1,
+            ),
+            block: (256, 1, 1),
+            smem: 0,
+        };
+        dev.launch(&self.down, dims, &mut a)
+    }
+}
+
+/// One token's MoE layer (router GEMV, routing, experts) for a single-stream decode step.
+#[derive(Debug)]
+pub struct MoeToken<'a, D: Gpu> {
+    /// `[hidden]` normed activation.
+    pub x: Dv<f32>,
+    /// `[n_experts][hidden]` router.
+    pub router: &'a GpuMatrix<D>,
+    /// The routing's correction bias.
+    pub bias: Dv<f32>,
+    /// Routing hyper-parameters; `n_shared` > 0 (the layer has a shared expert).
+    pub routing: RouteParams,
+    /// The layer's stacked experts, with their `shared_ids`.
+    pub experts: &'a GpuExperts<D>,
+    /// `[hidden]` residual, added to.
+    pub h: Dv<f32>,
+    /// How the router GEMV treats its activation.
+    pub gemm: GemmPrecision,
+}
+
+/// [`MoeToken`] with the shared-expert slots' gate/up launched on `side` (the device's second
+/// stream, [`Gpu::side`]) before the router: they need only `x`, so they stream their weights
+/// while the router GEMV and the routing — short, latency-bound launches — run on the main
+/// stream; the routed slots' gate/up follow the routing, and the down projection sums every
+/// slot after both. The same kernels on the same operands as [`moe_experts_per_pair`] after
+/// the router and [`moe_route`], so `h` is bitwise what that path gives. `side` may be `dev`
+/// itself (the same work, in order on one stream).
+///
+/// One token only: the kernels index a pair's activation row by its position in the launch,
+/// which for one token is its slot, so the two gate/up launches write one `[slots][inter]`
+/// block that the down kernel reads as usual.
+pub fn moe_token_beside<D: Gpu>(dev: &D, side: &D, m: MoeToken<'_, D>) -> Result<(), KernelError> {
+    const OP: &str = "gpu_moe_token";
+    let MoeToken {
+        x,
+        router,
+        bias,
+        routing,
+        experts,
+        h,
+        gemm,
+    } = m;
+    experts.check(OP)?;
+    let (hidden, inter) = (experts.hidden, experts.inter);
+    need(OP, "x", hidden, x.len)?;
+    need(OP, "h", hidden, h.len)?;
+    let top_k = usize::try_from(routing.top_k).unwrap_or(0);
+    let n_shared = usize::try_from(routing.n_shared).unwrap_or(0);
+    let shared_ids = experts
+        .shared_ids
+        .as_ref()
+        .filter(|ids| n_shared > 0 && ids.v().len == n_shared)
+        .ok_or_else(|| KernelError::InvalidParam {
+            op: OP,
+            field: "n_shared",
+            limit: "> 0, the experts' shared-expert ids",
+            value: n_shared.to_string(),
+        })?;
+    let slots = top_k + n_shared;
+    let logits = dev.alloc::<f32>(router.rows())?;
+    let ids = dev.alloc::<i32>(slots)?;
+    let weights = dev.alloc::<f32>(slots)?;
+    let act = dev.alloc::<f32>(slots * inter)?;
+    let pairs = PairKernels::new(dev, experts, PerPairKernels::from_env())?;
+    // The shared slots (rows top_k.. of `act`), beside the router and the routing.
+    side.wait_for(dev)?;
+    let shared = GateUpAt {
+        x: x.ptr,
+        ids: shared_ids.ptr(),
+        act: act.ptr() + words(top_k * inter),
+        pairs: n_shared,
+        slots: n_shared,
+    };
+    pairs.gate_up(side, shared)?;
+    linear(dev, x, router, logits.v(), gemm)?;
+    let routes = Routes {
+        ids: ids.v(),
+        weights: weights.v(),
+        slots,
+    };
+    moe_route(dev, logits.v(), bias, routing, routes)?;
+    let routed = GateUpAt {
+        x: x.ptr,
+        ids: ids.ptr(),
+        act: act.ptr(),
+        pairs: top_k,
+        slots: top_k,
+    };
+    pairs.gate_up(dev, routed)?;
+    dev.wait_for(side)?;
+    let down = DownAt {
+        act: act.ptr(),
+        ids: ids.ptr(),
+        weights: weights.ptr(),
+        h: h.ptr,
+        tokens: 1,
+        slots,
+    };
+    pairs.down(dev, down)
+}
+
+/// Whether a one-token MoE step launches its shared-expert slots beside the router
+/// ([`moe_token_beside`]): on unless `FERRY_SHARED_BESIDE=0` (read once; the A/B peer).
+pub fn shared_beside() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("FERRY_SHARED_BESIDE").map_or(true, |v| v != "0"))
 }
 
 /// CUDA's (and HIP's) limit on a grid's y and z dimensions.
