@@ -15,7 +15,9 @@
 #             `ferry up`; at PRESET=tiny with CPU-sized BENCH_* defaults)
 #   engine    the same pair in-process on the GPU, no cluster: `ferry bench-engine --speculative
 #             --device cuda` under goodput and fixed:B, plain in the same command, with the
-#             drafter pass / verify forward / decode step timed apart   -> $RUN/bench/engine_spec.json
+#             drafter pass / verify forward / decode step timed apart; ENGINE_REQUESTS (16)
+#             requests per level, c at a time, so c = 1 is not one prompt's luck
+#                                                                       -> $RUN/bench/engine_spec.json
 #   knobs     plain decoding of the trained target through the serving engine (`bench-engine
 #             --serving`: eager and graphs; batches 64, 96, 128; 512 steps) under session 23's open
 #             A/B switches: FERRY_GRAPH_MAX_BATCH=256 (graphs past 64 sequences) and
@@ -244,7 +246,7 @@ stage_engine() {
     timeout "${ENGINE_SECONDS:-100}" "$ferry" bench-engine --speculative --device cuda --gpu-mode fast \
       --model "$RUN/target" --drafter "$RUN/drafter" --batch "${ENGINE_BATCH:-1,16,64,128}" \
       --prompt-len "${ENGINE_PROMPT_LEN:-1024}" --decode-steps "${ENGINE_DECODE_STEPS:-512}" --repeat 1 \
-      --prompts "$RUN/prompts-$PROMPT_TOKENS.jsonl" \
+      --requests "${ENGINE_REQUESTS:-16}" --prompts "$RUN/prompts-$PROMPT_TOKENS.jsonl" \
       --verify-len "$v" --max-verify-tokens "${BENCH_MAX_VERIFY_TOKENS:-1024}" --json "$f" 2>&1 \
       | grep '^|' | tee -a "$RUN/bench/engine_spec.md" || echo "lease: engine: $v did not finish (the levels it did are kept)"
     [ -f "$f" ] && parts+=("$v=$f")

@@ -177,6 +177,29 @@ fn speculative_bench_on_given_prompts_breaks_the_steps_down() {
         "{round}"
     );
 
+    // `--requests`: a level of one client runs three requests one after the other (closed
+    // loop), each its own prompt step and 15 plain steps.
+    let mut c = Command::new(env!("CARGO_BIN_EXE_ferry"));
+    c.args(["bench-engine", "--speculative", "--device", "cpu"])
+        .args(["--batch", "1", "--requests", "3", "--prompt-len", "24"])
+        .args(["--decode-steps", "16", "--repeat", "1", "--verify-len", "fixed:4"])
+        .args(["--prompts", path(&prompts), "--json", path(&json)])
+        .env_remove("FERRY_DEVICE");
+    let out = c.output().expect("ferry runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let doc: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&json).expect("the JSON file")).expect("JSON");
+    let row = &doc["rows"][0];
+    assert_eq!(row["requests"], 3, "{row}");
+    let plain = &row["engine_steps"]["plain"];
+    assert_eq!(plain["prompt"]["steps"], 3, "{plain}");
+    assert_eq!(plain["decode"]["steps"], 45, "{plain}");
+    assert_eq!(n(&plain["decode"], "sequences_per_step"), 1.0, "{plain}");
+
     for (bad, says) in [
         (
             r#"{"ids": [1, 2, 3]}"#,

@@ -88,6 +88,12 @@ pub struct BenchEngineArgs {
     /// each row with one gets the speed-up computed from its measured costs.
     #[arg(long, value_delimiter = ',')]
     pub tau: Vec<super::pass_cost::Tau>,
+    /// With `--speculative`: requests per concurrency level, at least the level's `c` (0, the
+    /// default: `c`). Closed loop: `c` in flight, the next prompt starting as one finishes, so
+    /// that a low level is measured over several prompts rather than one prompt's luck
+    /// (acceptance varies from text to text).
+    #[arg(long, default_value_t = 0)]
+    pub requests: usize,
     /// With `--speculative`: token-id prompts instead of synthetic ones — JSON lines, each with
     /// an `ids` array (scripts/heldout_prompts.py's output), cut to `--prompt-len`; a level's
     /// requests take them in turn. Acceptance depends on the text, so a trained pair is
@@ -361,7 +367,8 @@ fn run_speculative(args: &BenchEngineArgs, dir: &Path) -> anyhow::Result<()> {
             serde_json::Value::Object(out)
         };
         rows.push(serde_json::json!({
-            "concurrency": c, "plain_tok_s": p, "spec_tok_s": s, "acceptance_length": acceptance,
+            "concurrency": c, "requests": args.requests.max(c), "plain_tok_s": p, "spec_tok_s": s,
+            "acceptance_length": acceptance,
             "drafts_per_round": drafted, "draft_pass_ms": d, "verify_pass_ms": v,
             "decode_step_ms": st,
             "engine_steps": {
@@ -623,6 +630,7 @@ fn engine_run(
         prefill: PrefillSource::Local,
         grammar: None,
     };
+    let n = args.requests.max(c);
     let rt = tokio::runtime::Builder::new_current_thread().build()?;
     rt.block_on(async {
         // Warm-up: thread pools and first-touch allocations stay out of the measurement.
@@ -635,27 +643,45 @@ fn engine_run(
         }
         let before = engine.stats().await?;
         let start = Instant::now();
-        let mut gens = Vec::with_capacity(c);
-        let batch = match prompts {
-            // The level's requests take the file's prompts in turn, each repetition the next c.
-            Some(file) => (0..c)
-                .map(|i| file[(salt as usize * c + i) % file.len()].clone())
+        let batch: Vec<Vec<u32>> = match prompts {
+            // The level's requests take the file's prompts in turn, each repetition the next n.
+            Some(file) => (0..n)
+                .map(|i| file[(salt as usize * n + i) % file.len()].clone())
                 .collect(),
-            None => synthetic_prompts(vocab, c, args.prompt_len, salt),
+            None => synthetic_prompts(vocab, n, args.prompt_len, salt),
         };
-        for p in batch {
-            gens.push(engine.generate(job(p, args.decode_steps))?);
+        // `c` clients, each taking the next request when its last one finished.
+        let queue = std::sync::Arc::new(std::sync::Mutex::new(
+            batch
+                .into_iter()
+                .map(|p| job(p, args.decode_steps))
+                .collect::<std::collections::VecDeque<_>>(),
+        ));
+        let mut clients = tokio::task::JoinSet::new();
+        for _ in 0..c {
+            let (engine, queue) = (engine.clone(), queue.clone());
+            clients.spawn(async move {
+                let mut tokens = 0usize;
+                loop {
+                    let next = queue.lock().ok().and_then(|mut q| q.pop_front());
+                    let Some(job) = next else {
+                        return anyhow::Ok(tokens);
+                    };
+                    let mut g = engine.generate(job)?;
+                    while let Some(e) = g.events.recv().await {
+                        match e {
+                            EngineEvent::Token(_) => tokens += 1,
+                            EngineEvent::Finished(_) => break,
+                            EngineEvent::Failed(e) => bail!("a benchmark request failed: {e}"),
+                            _ => {}
+                        }
+                    }
+                }
+            });
         }
         let mut tokens = 0usize;
-        for mut g in gens {
-            while let Some(e) = g.events.recv().await {
-                match e {
-                    EngineEvent::Token(_) => tokens += 1,
-                    EngineEvent::Finished(_) => break,
-                    EngineEvent::Failed(e) => bail!("a benchmark request failed: {e}"),
-                    _ => {}
-                }
-            }
+        while let Some(done) = clients.join_next().await {
+            tokens += done??;
         }
         let secs = start.elapsed().as_secs_f64();
         let after = engine.stats().await?;
