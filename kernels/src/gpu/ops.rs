@@ -2142,10 +2142,11 @@ pub fn moe_token_beside<D: Gpu>(dev: &D, side: &D, m: MoeToken<'_, D>) -> Result
 }
 
 /// Whether a one-token MoE step launches its shared-expert slots beside the router
-/// ([`moe_token_beside`]): on unless `FERRY_SHARED_BESIDE=0` (read once; the A/B peer).
+/// ([`moe_token_beside`]): only with `FERRY_SHARED_BESIDE=1` (read once) until an A/B on the
+/// H200 says it pays — it has not run on a GPU yet (docs/gpu.md).
 pub fn shared_beside() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("FERRY_SHARED_BESIDE").map_or(true, |v| v != "0"))
+    *ON.get_or_init(|| std::env::var("FERRY_SHARED_BESIDE").is_ok_and(|v| v == "1"))
 }
 
 /// CUDA's (and HIP's) limit on a grid's y and z dimensions.
