@@ -119,10 +119,12 @@ fn speculative_bench_on_given_prompts_breaks_the_steps_down() {
     let prompts = dir.path().join("prompts.jsonl");
     std::fs::write(&prompts, lines.join("\n")).expect("write prompts");
     let json = dir.path().join("spec.json");
-    let bench = |prompts: &Path, json: Option<&Path>| {
+    // Two clients by default; `level` replaces `--batch 2` (e.g. with `--requests`).
+    let bench_level = |prompts: &Path, json: Option<&Path>, level: &[&str]| {
         let mut c = Command::new(env!("CARGO_BIN_EXE_ferry"));
         c.args(["bench-engine", "--speculative", "--device", "cpu"])
-            .args(["--batch", "2", "--prompt-len", "24", "--decode-steps", "16"])
+            .args(level)
+            .args(["--prompt-len", "24", "--decode-steps", "16"])
             .args([
                 "--repeat",
                 "1",
@@ -137,14 +139,18 @@ fn speculative_bench_on_given_prompts_breaks_the_steps_down() {
         }
         c.output().expect("ferry runs")
     };
-    let out = bench(&prompts, Some(&json));
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let doc: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(&json).expect("the JSON file")).expect("JSON");
+    let bench = |prompts: &Path, json: Option<&Path>| bench_level(prompts, json, &["--batch", "2"]);
+    // A run on `prompts` that succeeds, and its JSON file.
+    let run_doc = |level: &[&str]| -> serde_json::Value {
+        let out = bench_level(&prompts, Some(&json), level);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice(&std::fs::read(&json).expect("the JSON file")).expect("JSON")
+    };
+    let doc = run_doc(&["--batch", "2"]);
     assert_eq!(doc["prompts"], path(&prompts));
     let row = &doc["rows"][0];
     let (plain, spec) = (&row["engine_steps"]["plain"], &row["engine_steps"]["spec"]);
@@ -179,20 +185,7 @@ fn speculative_bench_on_given_prompts_breaks_the_steps_down() {
 
     // `--requests`: a level of one client runs three requests one after the other (closed
     // loop), each its own prompt step and 15 plain steps.
-    let mut c = Command::new(env!("CARGO_BIN_EXE_ferry"));
-    c.args(["bench-engine", "--speculative", "--device", "cpu"])
-        .args(["--batch", "1", "--requests", "3", "--prompt-len", "24"])
-        .args(["--decode-steps", "16", "--repeat", "1", "--verify-len", "fixed:4"])
-        .args(["--prompts", path(&prompts), "--json", path(&json)])
-        .env_remove("FERRY_DEVICE");
-    let out = c.output().expect("ferry runs");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let doc: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(&json).expect("the JSON file")).expect("JSON");
+    let doc = run_doc(&["--batch", "1", "--requests", "3"]);
     let row = &doc["rows"][0];
     assert_eq!(row["requests"], 3, "{row}");
     let plain = &row["engine_steps"]["plain"];
