@@ -255,9 +255,10 @@ fn moe_on<D: super::OnDevice>(
     } else {
         routing
     };
-    // One token (a single-stream decode step): the shared slots stream their weights on the
-    // side stream while the router and the routing run.
-    if let (1, true, Some(side)) = (t, routing.n_shared > 0 && ops::shared_beside(), dev.side()) {
+    // One token (a single-stream decode step) in a captured graph: the shared slots stream
+    // their weights on the side stream while the router and the routing run.
+    let beside = routing.n_shared > 0 && ops::SharedBeside::from_env().applies(dev);
+    if let (1, true, Some(side)) = (t, beside, dev.side()) {
         let m = ops::MoeToken {
             x,
             router,

@@ -9,6 +9,7 @@
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::marker::PhantomData;
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::cublas::CudaBlas;
@@ -171,6 +172,8 @@ struct Inner {
     smem_set: Mutex<HashMap<(usize, u32), ()>>,
     /// Functions [`Twice`] launches twice (a profiling switch; empty in normal runs).
     twice: Mutex<std::collections::HashSet<usize>>,
+    /// Between [`CudaDevice::begin_capture`] and [`CudaDevice::end_capture`].
+    capturing: std::sync::atomic::AtomicBool,
 }
 
 /// `FERRY_PROFILE_TWICE=name,name,...`: every launch of the named kernels is queued twice, so
@@ -297,6 +300,7 @@ impl CudaDevice {
                 modules: ModuleCache::default(),
                 smem_set: Mutex::new(HashMap::new()),
                 twice: Mutex::default(),
+                capturing: std::sync::atomic::AtomicBool::new(false),
             }),
             on_side: false,
         })
@@ -728,11 +732,19 @@ impl CudaDevice {
         self.inner
             .stream
             .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
-            .map_err(gpu_err("cuStreamBeginCapture"))
+            .map_err(gpu_err("cuStreamBeginCapture"))?;
+        self.inner.capturing.store(true, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Whether the stream's work is being recorded into a graph ([`Self::begin_capture`]).
+    pub fn capturing(&self) -> bool {
+        self.inner.capturing.load(Ordering::Relaxed)
     }
 
     /// Ends a capture and instantiates the graph.
     pub fn end_capture(&self) -> Result<GpuGraph, KernelError> {
+        self.inner.capturing.store(false, Ordering::Relaxed);
         let graph = self
             .inner
             .stream

@@ -109,6 +109,10 @@ impl Gpu for CudaDevice {
         CudaDevice::wait_for(self, other)
     }
 
+    fn capturing(&self) -> bool {
+        CudaDevice::capturing(self)
+    }
+
     fn ordinal(&self) -> usize {
         CudaDevice::ordinal(self)
     }

@@ -334,6 +334,13 @@ pub trait Gpu: Clone + std::fmt::Debug + Send + Sync + Sized + 'static {
         Ok(())
     }
 
+    /// Whether the work queued now is being recorded into a graph rather than run (CUDA's
+    /// stream capture): launch orders that pay only when replayed (their per-launch host
+    /// cost is paid once) can be chosen for captures alone.
+    fn capturing(&self) -> bool {
+        false
+    }
+
     /// The device's ordinal.
     fn ordinal(&self) -> usize;
 

@@ -2141,12 +2141,39 @@ pub fn moe_token_beside<D: Gpu>(dev: &D, side: &D, m: MoeToken<'_, D>) -> Result
     pairs.down(dev, down)
 }
 
-/// Whether a one-token MoE step launches its shared-expert slots beside the router
-/// ([`moe_token_beside`]): only with `FERRY_SHARED_BESIDE=1` (read once) until an A/B on the
-/// H200 says it pays — it has not run on a GPU yet (docs/gpu.md).
-pub fn shared_beside() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("FERRY_SHARED_BESIDE").is_ok_and(|v| v == "1"))
+/// When a one-token MoE step launches its shared-expert slots beside the router
+/// ([`moe_token_beside`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SharedBeside {
+    /// Never: the router, routing, then all slots (`FERRY_SHARED_BESIDE=0`).
+    Never,
+    /// In captured graphs only (the default): on the H200 a graph-replayed V2-Lite-shaped step
+    /// took 2.661 ms against 2.690 (five interleaved pairs), while an eager step, which pays
+    /// the two events' host calls every layer, took 2.81–2.86 ms against 2.71–2.74.
+    Graphs,
+    /// Always (`FERRY_SHARED_BESIDE=1`), eager steps too.
+    Always,
+}
+
+impl SharedBeside {
+    /// From `FERRY_SHARED_BESIDE` (read once): `0`, `1`, else [`SharedBeside::Graphs`].
+    pub fn from_env() -> Self {
+        static MODE: std::sync::OnceLock<SharedBeside> = std::sync::OnceLock::new();
+        *MODE.get_or_init(|| match std::env::var("FERRY_SHARED_BESIDE").as_deref() {
+            Ok("0") => SharedBeside::Never,
+            Ok("1") => SharedBeside::Always,
+            _ => SharedBeside::Graphs,
+        })
+    }
+
+    /// Whether work queued on `dev` now takes [`moe_token_beside`].
+    pub fn applies<D: Gpu>(self, dev: &D) -> bool {
+        match self {
+            SharedBeside::Never => false,
+            SharedBeside::Graphs => dev.capturing(),
+            SharedBeside::Always => true,
+        }
+    }
 }
 
 /// CUDA's (and HIP's) limit on a grid's y and z dimensions.
