@@ -4,7 +4,9 @@
 //! CPU: [`MoeLayer::forward`] (each expert once over the tokens routed to it). GPU (CUDA and
 //! ROCm, the same kernels): routing on the device, then two launches over every
 //! `(token, slot)` pair, the shared expert stacked as extra expert slots so it costs no
-//! separate pass, the weighted sum added straight into `h`.
+//! separate pass, the weighted sum added straight into `h`. One token in a captured CUDA graph
+//! launches its shared slots on the device's second stream beside the router and the routing
+//! (`gpu::ops::moe_token_beside`; the same kernels, so the same `h`).
 
 use super::{Backend, Precision, Tensor};
 use crate::cpu::moe::MoeLayer;
