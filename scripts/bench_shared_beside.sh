@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (docs/gpu.md): issue 13's A/B of one token's shared expert beside the
-# router (kernels/src/gpu/ops.rs `moe_token_beside`; by default in captured graphs, `SharedBeside`)
-# against the old launch order (`FERRY_SHARED_BESIDE=0`), same binaries, arms interleaved ROUNDS
-# times (default 3). ARMS (default "0 default") may add `1` (beside in eager steps too):
+# router (kernels/src/gpu/ops.rs `moe_token_beside`, `SharedBeside`) against the old launch order
+# (`FERRY_SHARED_BESIDE=0`, the default), same binaries, arms interleaved ROUNDS times (default 3).
+# ARMS (default "0 graphs": beside in captured graphs only) may add `1` (eager steps too):
 #   1. the graph-replayed single-stream step of the DeepSeek-V2-Lite-shaped model at 1k context
 #      (`bench_gpu 1024 64`, batch 1; BATCH adds batches, where nothing changes: one token only);
 #   2. the same through the serving engine on the DSpark lease target's shape with dummy weights
@@ -18,7 +18,7 @@ source scripts/gpu_env.sh >/dev/null
 echo "| arm | round | batch | eager ms/step | graph ms/step | tok/s | % of copy |"
 echo "|---|---|---|---|---|---|---|"
 for round in $(seq "${ROUNDS:-3}"); do
-  for arm in ${ARMS:-0 default}; do
+  for arm in ${ARMS:-0 graphs}; do
     log="$out/bench_gpu_beside${arm}_$round.log"
     # shellcheck disable=SC2046
     env $([ "$arm" = default ] || echo "FERRY_SHARED_BESIDE=$arm") FERRY_BENCH_SKIP_KERNELS=1 FERRY_BENCH_PREFILL= \
@@ -31,7 +31,7 @@ echo
 echo "| arm | plain step ms | round ms (plan / launch / sample / commit) |"
 echo "|---|---|---|"
 for round in $(seq "${ROUNDS:-3}"); do
-  for arm in ${ARMS:-0 default}; do
+  for arm in ${ARMS:-0 graphs}; do
     json="$out/rounds_beside${arm}_$round.json"
     # shellcheck disable=SC2046
     env $([ "$arm" = default ] || echo "FERRY_SHARED_BESIDE=$arm") timeout "${RUN_TIMEOUT:-120}" ./device-bin/ferry bench-engine --speculative \

@@ -4,8 +4,8 @@
 //! CPU: [`MoeLayer::forward`] (each expert once over the tokens routed to it). GPU (CUDA and
 //! ROCm, the same kernels): routing on the device, then two launches over every
 //! `(token, slot)` pair, the shared expert stacked as extra expert slots so it costs no
-//! separate pass, the weighted sum added straight into `h`. One token in a captured CUDA graph
-//! launches its shared slots on the device's second stream beside the router and the routing
+//! separate pass, the weighted sum added straight into `h`. With `FERRY_SHARED_BESIDE`, one
+//! token launches its shared slots on CUDA's second stream beside the router and the routing
 //! (`gpu::ops::moe_token_beside`; the same kernels, so the same `h`).
 
 use super::{Backend, Precision, Tensor};
@@ -257,8 +257,8 @@ fn moe_on<D: super::OnDevice>(
     } else {
         routing
     };
-    // One token (a single-stream decode step) in a captured graph: the shared slots stream
-    // their weights on the side stream while the router and the routing run.
+    // One token (a single-stream decode step), where `FERRY_SHARED_BESIDE` asks: the shared
+    // slots stream their weights on the side stream while the router and the routing run.
     let beside = routing.n_shared > 0 && ops::SharedBeside::from_env().applies(dev);
     if let (1, true, Some(side)) = (t, beside, dev.side()) {
         let m = ops::MoeToken {
@@ -364,15 +364,8 @@ mod stack {
             };
             GpuMatrix::from_parts(rows, cols, data)
         };
-        let shared_ids = match shared {
-            Some(_) => {
-                let ids = (experts.len()..experts.len() + n_shared)
-                    .map(|e| i32::try_from(e).map_err(|_| invalid(format!("{e} experts"))))
-                    .collect::<Result<Vec<_>, _>>()?;
-                Some(dev.upload(&ids)?)
-            }
-            None => None,
-        };
+        let n_shared = if shared.is_some() { n_shared } else { 0 };
+        let shared_ids = crate::gpu::ops::shared_expert_ids(dev, experts.len(), n_shared)?;
         Ok(GpuExperts {
             gate: stack(&gates, hidden)?,
             up: stack(&ups, hidden)?,

@@ -1571,6 +1571,29 @@ pub struct GpuExperts<D: Gpu> {
     pub shared_ids: Option<D::Buffer<i32>>,
 }
 
+/// [`GpuExperts::shared_ids`] for `n_shared` shared-expert chunks stacked after `n_routed`
+/// routed experts: their ids on `dev`, or `None` without a shared expert.
+pub fn shared_expert_ids<D: Gpu>(
+    dev: &D,
+    n_routed: usize,
+    n_shared: usize,
+) -> Result<Option<D::Buffer<i32>>, KernelError> {
+    if n_shared == 0 {
+        return Ok(None);
+    }
+    let ids = (n_routed..n_routed + n_shared)
+        .map(|e| {
+            i32::try_from(e).map_err(|_| KernelError::InvalidParam {
+                op: "gpu_moe_experts",
+                field: "experts",
+                limit: "< 2^31",
+                value: e.to_string(),
+            })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(Some(dev.upload(&ids)?))
+}
+
 impl<D: Gpu> GpuExperts<D> {
     fn check(&self, op: &'static str) -> Result<(), KernelError> {
         let same =
@@ -2145,24 +2168,25 @@ pub fn moe_token_beside<D: Gpu>(dev: &D, side: &D, m: MoeToken<'_, D>) -> Result
 /// ([`moe_token_beside`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SharedBeside {
-    /// Never: the router, routing, then all slots (`FERRY_SHARED_BESIDE=0`).
+    /// Never (the default, `FERRY_SHARED_BESIDE=0`): the router, routing, then all slots.
     Never,
-    /// In captured graphs only (the default): on the H200 a graph-replayed V2-Lite-shaped step
-    /// took 2.661 ms against 2.690 (five interleaved pairs), while an eager step, which pays
-    /// the two events' host calls every layer, took 2.81–2.86 ms against 2.71–2.74.
+    /// In captured graphs only (`FERRY_SHARED_BESIDE=graphs`): on the H200 a graph-replayed
+    /// V2-Lite-shaped step took 2.661 ms against 2.690 (four interleaved pairs), while an eager
+    /// step, which pays the two events' host calls every layer, took 2.81–2.86 ms against
+    /// 2.71–2.74. The default once this gate itself has run on a GPU (it has not).
     Graphs,
     /// Always (`FERRY_SHARED_BESIDE=1`), eager steps too.
     Always,
 }
 
 impl SharedBeside {
-    /// From `FERRY_SHARED_BESIDE` (read once): `0`, `1`, else [`SharedBeside::Graphs`].
+    /// From `FERRY_SHARED_BESIDE` (read once): `1`, `graphs`, else [`SharedBeside::Never`].
     pub fn from_env() -> Self {
         static MODE: std::sync::OnceLock<SharedBeside> = std::sync::OnceLock::new();
         *MODE.get_or_init(|| match std::env::var("FERRY_SHARED_BESIDE").as_deref() {
-            Ok("0") => SharedBeside::Never,
             Ok("1") => SharedBeside::Always,
-            _ => SharedBeside::Graphs,
+            Ok("graphs") => SharedBeside::Graphs,
+            _ => SharedBeside::Never,
         })
     }
 
@@ -2522,7 +2546,6 @@ fn moe_experts_grouped_by<D: Gpu>(
     let act = dev.alloc::<f32>(pairs_max * inter)?;
     let y = dev.alloc::<f32>(pairs_max * hidden)?;
     let (gate_up, down) = (kernel(dev, plan.gate_up)?, kernel(dev, plan.down)?);
-    let words = |n: usize| (n * 4) as u64; // f32 and i32 elements
     let (k_i, inter_i, hidden_i) = (
         int(OP, "K", k)?,
         int(OP, "inter", inter)?,

@@ -19,6 +19,7 @@ use ferry_kernels::cpu::mla::MlaDims;
 use ferry_kernels::cpu::rope::Rope;
 use ferry_kernels::cuda::ops::{fill_random_bf16, GpuExperts, RouteParams};
 use ferry_kernels::cuda::{CudaDevice, GpuMatrix};
+use ferry_kernels::gpu::ops::shared_expert_ids;
 
 use super::{GpuKvCache, GpuMode};
 use crate::config::ModelConfig;
@@ -139,7 +140,7 @@ impl DeepseekModel {
                         down: draw.matrix(e * h, inter)?,
                         inter,
                         hidden: h,
-                        shared_ids: shared_ids(dev, c.n_routed_experts, c.n_shared_experts)?,
+                        shared_ids: shared_expert_ids(dev, c.n_routed_experts, c.n_shared_experts)?,
                     },
                     routing: RouteParams {
                         n_experts: c.n_routed_experts as i32,
@@ -401,20 +402,6 @@ pub fn prefill_seconds(
     }
     times.sort_by(f64::total_cmp);
     Ok(times[times.len() / 2])
-}
-
-/// The stacked ids of `n_shared` shared-expert chunks after `n_routed` routed experts
-/// ([`GpuExperts::shared_ids`]); `None` without a shared expert.
-fn shared_ids(
-    dev: &CudaDevice,
-    n_routed: usize,
-    n_shared: usize,
-) -> Result<Option<ferry_kernels::cuda::DeviceBuffer<i32>>, ModelError> {
-    if n_shared == 0 {
-        return Ok(None);
-    }
-    let ids: Vec<i32> = (n_routed..n_routed + n_shared).map(|e| e as i32).collect();
-    Ok(Some(dev.upload(&ids)?))
 }
 
 #[cfg(test)]
