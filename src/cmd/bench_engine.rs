@@ -650,24 +650,36 @@ fn engine_run(
                 .collect(),
             None => synthetic_prompts(vocab, n, args.prompt_len, salt),
         };
+        let mut jobs: std::collections::VecDeque<_> = batch
+            .into_iter()
+            .map(|p| job(p, args.decode_steps))
+            .collect();
+        // The level's first `c` requests are all submitted before any client waits, so the
+        // engine sees `c` in flight from its first step (a client task spawned later could
+        // miss the first prompt step and split it in two).
+        let mut first = Vec::with_capacity(c);
+        for job in jobs.drain(..c.min(jobs.len())) {
+            first.push(engine.generate(job)?);
+        }
         // `c` clients, each taking the next request when its last one finished.
-        let queue = std::sync::Arc::new(std::sync::Mutex::new(
-            batch
-                .into_iter()
-                .map(|p| job(p, args.decode_steps))
-                .collect::<std::collections::VecDeque<_>>(),
-        ));
+        let queue = std::sync::Arc::new(std::sync::Mutex::new(jobs));
         let mut clients = tokio::task::JoinSet::new();
-        for _ in 0..c {
+        for g in first {
             let (engine, queue) = (engine.clone(), queue.clone());
             clients.spawn(async move {
                 let mut tokens = 0usize;
+                let mut current = Some(g);
                 loop {
-                    let next = queue.lock().ok().and_then(|mut q| q.pop_front());
-                    let Some(job) = next else {
-                        return anyhow::Ok(tokens);
+                    let mut g = match current.take() {
+                        Some(g) => g,
+                        None => {
+                            let next = queue.lock().ok().and_then(|mut q| q.pop_front());
+                            let Some(job) = next else {
+                                return anyhow::Ok(tokens);
+                            };
+                            engine.generate(job)?
+                        }
                     };
-                    let mut g = engine.generate(job)?;
                     while let Some(e) = g.events.recv().await {
                         match e {
                             EngineEvent::Token(_) => tokens += 1,
