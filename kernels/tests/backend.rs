@@ -751,6 +751,142 @@ fn beside_equals_per_pair<D: ferry_kernels::gpu::launch::Gpu>(
     }
 }
 
+/// The L2 warm-up of an MoE layer (`FERRY_L2_WARM`, `gpu::l2`) names exactly the shared
+/// experts' bytes in the stacked device matrices — gate and up rows, and each chunk's columns
+/// of the down projection — and warming them changes nothing the layer computes: `h` is
+/// bitwise the same after `l2::warm` over every choice of ranges. (On CUDA sm_90 the prefetch
+/// kernel runs; elsewhere `warm` queues nothing and the ranges are still checked.)
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+#[test]
+fn l2_warm_names_the_shared_experts_and_changes_no_result() {
+    let mut rng = common::rng(37);
+    for ((hidden, inter), bf16) in [((64, 40), true), ((96, 64), false)] {
+        let layer = moe_layer(&mut rng, hidden, inter, bf16);
+        let x = common::uniform(&mut rng, 3 * hidden, 1.0);
+        let h0 = common::uniform(&mut rng, 3 * hidden, 1.0);
+        for b in backends() {
+            let w = Moe::to_backend(&layer, 2, &b).expect("upload");
+            match (&b, &w) {
+                #[cfg(feature = "cuda")]
+                (Backend::Cuda(dev), Moe::Cuda { experts, .. }) => {
+                    warm_names_the_shared_experts(dev, experts, &layer, 2)
+                }
+                #[cfg(feature = "rocm")]
+                (Backend::Rocm(dev), Moe::Rocm { experts, .. }) => {
+                    warm_names_the_shared_experts(dev, experts, &layer, 2)
+                }
+                _ => continue,
+            }
+            let run = |warm: Option<ferry_kernels::gpu::l2::L2Warm>| -> Vec<u32> {
+                let (x_t, mut h_t) = (b.upload(&x).expect("x"), b.upload(&h0).expect("h"));
+                if let Some(what) = warm {
+                    warm_on(&b, &w, what);
+                }
+                let p = MoeFfn {
+                    w: &w,
+                    x: &x_t,
+                    h: &mut h_t,
+                    precision: Precision::Exact,
+                };
+                moe(&b, p).expect("moe");
+                h_t.to_host()
+                    .expect("h")
+                    .iter()
+                    .map(|v| v.to_bits())
+                    .collect()
+            };
+            use ferry_kernels::gpu::l2::L2Warm;
+            let want = run(None);
+            for what in [L2Warm::SharedGateUp, L2Warm::Shared, L2Warm::SharedLast] {
+                assert_eq!(run(Some(what)), want, "{} after {what:?}", b.name());
+            }
+        }
+    }
+}
+
+/// Queues `what`'s ranges of `w` on `b` (the device arm of `backend::moe::warm`, with the
+/// choice given rather than read from the environment).
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+fn warm_on(b: &Backend, w: &Moe, what: ferry_kernels::gpu::l2::L2Warm) {
+    use ferry_kernels::gpu::l2::{self, L2Warm};
+    let last = what == L2Warm::SharedLast;
+    match (b, w) {
+        #[cfg(feature = "cuda")]
+        (
+            Backend::Cuda(dev),
+            Moe::Cuda {
+                experts, routing, ..
+            },
+        ) => {
+            let ranges = l2::shared_expert_ranges(experts, routing.n_shared as usize, what);
+            l2::warm(dev, &ranges, last).expect("warm");
+        }
+        #[cfg(feature = "rocm")]
+        (
+            Backend::Rocm(dev),
+            Moe::Rocm {
+                experts, routing, ..
+            },
+        ) => {
+            let ranges = l2::shared_expert_ranges(experts, routing.n_shared as usize, what);
+            l2::warm(dev, &ranges, last).expect("warm");
+        }
+        _ => {}
+    }
+}
+
+/// The bytes at `shared_expert_ranges` on the device are the layer's shared expert, chunk by
+/// chunk, as the expert kernels read it; `Off` names nothing.
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+fn warm_names_the_shared_experts<D: ferry_kernels::gpu::launch::Gpu>(
+    dev: &D,
+    experts: &ferry_kernels::gpu::ops::GpuExperts<D>,
+    layer: &MoeLayer,
+    n_shared: usize,
+) {
+    use ferry_kernels::gpu::l2::{shared_expert_ranges, L2Warm};
+    use ferry_kernels::gpu::ops::{GpuMatrix, GpuMatrixData};
+    assert!(shared_expert_ranges(experts, n_shared, L2Warm::Off).is_empty());
+    let shared = layer.shared.as_ref().expect("a shared expert");
+    let inter = experts.inter;
+    // The f32 values at a byte range of one stacked matrix.
+    let read = |m: &GpuMatrix<D>, (ptr, len): (u64, usize)| -> Vec<f32> {
+        let offset = (ptr - m.ptr()) as usize;
+        match m.data() {
+            GpuMatrixData::Bf16(buf) => dev
+                .download_range(buf, offset / 2, len / 2)
+                .expect("bf16 range")
+                .into_iter()
+                .map(|b| half::bf16::from_bits(b).to_f32())
+                .collect(),
+            GpuMatrixData::F32(buf) => dev
+                .download_range(buf, offset / 4, len / 4)
+                .expect("f32 range"),
+        }
+    };
+    let gate_up = shared_expert_ranges(experts, n_shared, L2Warm::SharedGateUp);
+    assert_eq!(gate_up.len(), 2);
+    assert_eq!(read(&experts.gate, gate_up[0]), shared.gate.to_f32_vec());
+    assert_eq!(read(&experts.up, gate_up[1]), shared.up.to_f32_vec());
+    let all = shared_expert_ranges(experts, n_shared, L2Warm::Shared);
+    assert_eq!(&all[..2], &gate_up[..]);
+    // The down projection `[hidden][n_shared·inter]`, stacked as n_shared chunks of
+    // `[hidden][inter]` (each chunk a band of columns).
+    let down = shared.down.to_f32_vec();
+    let width = n_shared * inter;
+    let chunks: Vec<f32> = (0..n_shared)
+        .flat_map(|k| {
+            down.chunks(width)
+                .flat_map(move |row| row[k * inter..(k + 1) * inter].to_vec())
+        })
+        .collect();
+    assert_eq!(read(&experts.down, all[2]), chunks);
+    assert_eq!(
+        shared_expert_ranges(experts, n_shared, L2Warm::SharedLast),
+        all
+    );
+}
+
 /// `rms_norm_into` (the forward's input and post-attention norms): the CPU's RMSNorm of every
 /// row, the input rows untouched; widths on and off the norm kernel's float4 path.
 #[test]

@@ -66,9 +66,20 @@ __device__ __forceinline__ void prefetch_l2(const void* p, size_t bytes) {
   for (size_t o = (size_t)(threadIdx.x % WARP) * 128; o < bytes; o += WARP * 128)
     asm volatile("prefetch.global.L2 [%0];" ::"l"(c + o));
 }
+// Pulls the 128-byte line holding `p` into L2 (this thread alone); LAST marks it evict-last,
+// so streams that pass through L2 before its reader evict other lines first.
+template <bool LAST>
+__device__ __forceinline__ void prefetch_l2_line(const void* p) {
+  if (LAST)
+    asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(p));
+  else
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
 #else
 __device__ __forceinline__ void pdl_enter() {}
 __device__ __forceinline__ void prefetch_l2(const void*, size_t) {}
+template <bool LAST>
+__device__ __forceinline__ void prefetch_l2_line(const void*) {}
 #endif
 
 typedef unsigned short bf16_t;

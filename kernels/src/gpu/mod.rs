@@ -16,6 +16,7 @@
 //!
 //! | module | launches |
 //! |---|---|
+//! | `l2` | `common.cu`'s `l2_warm`: an MoE layer's shared experts pulled into L2 during its attention chain |
 //! | `launch` | the [`launch::Gpu`] trait, device views, argument lists, grid shapes |
 //! | `ops` | `common.cu`: GEMV, the portable tiled GEMM, norms, RoPE, the latent write, absorb / unabsorb, MoE; the device weight type |
 //! | `mla` | `mla.cu`: absorbed attention (tile / packed / per-head, split-K), MHA-form prefill |
@@ -25,6 +26,8 @@
 
 #[cfg(any(feature = "cuda", feature = "rocm"))]
 pub mod draft;
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+pub mod l2;
 #[cfg(any(feature = "cuda", feature = "rocm"))]
 pub mod launch;
 #[cfg(any(feature = "cuda", feature = "rocm"))]

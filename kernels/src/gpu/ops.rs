@@ -112,6 +112,11 @@ impl<D: Gpu> GpuMatrix<D> {
         matches!(self.data, GpuMatrixData::Bf16(_))
     }
 
+    /// The device data.
+    pub fn data(&self) -> &GpuMatrixData<D> {
+        &self.data
+    }
+
     /// Device address of element 0.
     pub fn ptr(&self) -> u64 {
         match &self.data {

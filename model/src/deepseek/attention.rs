@@ -6,13 +6,14 @@ use ferry_kernels::backend::latent::{latent_write, LatentWrite};
 use ferry_kernels::backend::linear::{linear, linear_pair, Linear, LinearPair};
 use ferry_kernels::backend::mla_absorbed::{mla_absorbed, AbsorbedRun};
 use ferry_kernels::backend::mla_mha::{mla_mha, MhaRun};
+use ferry_kernels::backend::moe::warm as moe_warm;
 use ferry_kernels::backend::norm::{norm_strided, NormStrided};
 use ferry_kernels::backend::{Tensor, Weight};
 use ferry_kernels::cpu::mla::MlaDims;
 use ferry_kernels::cpu::rope::RotaryLayout;
 
 use super::forward::{Plan, RunPlan};
-use super::{DeepseekModel, QueryProj, LATENT_NORM_EPS};
+use super::{DeepseekModel, Ffn, QueryProj, LATENT_NORM_EPS};
 use crate::kv::KvMut;
 use crate::ModelError;
 
@@ -106,6 +107,11 @@ impl DeepseekModel {
             precision,
         };
         let (q0, mut latent) = linear_pair(b, p)?;
+        // The layer's shared experts into L2 while the rest of the chain leaves HBM idle
+        // (`FERRY_L2_WARM`; nothing by default).
+        if let Ffn::Moe(m) = &self.layers[l].ffn {
+            moe_warm(b, m)?;
+        }
 
         // Queries `[T][heads][qk_nope | qk_rope]` (RoPE on the rope part below).
         let mut q = match &w.q {
