@@ -1523,3 +1523,40 @@ fn head_gemms_match_the_absorb_kernels() {
         );
     }
 }
+
+/// Staged writes (`CudaDevice::write_staged`, what `FERRY_ASYNC_WRITES=1` gives small writes)
+/// land in stream order: three times as many writes as there are staging slots, each of its
+/// own pattern into the same small buffer and each followed by a device copy of that buffer
+/// into its own place, leave every pattern in its place — so no write overtook the copy
+/// queued before it, and no slot was refilled while its last copy had yet to read it. A write
+/// larger than a slot is refused with the limit named.
+#[test]
+fn staged_writes_land_in_stream_order() {
+    use ferry_kernels::cuda::upload::{SLOTS, SLOT_BYTES};
+    let Some(dev) = gpu("staged_writes_land_in_stream_order") else {
+        return;
+    };
+    let n = SLOT_BYTES / 4;
+    let rounds = 3 * SLOTS + 5;
+    let mut src = dev.alloc::<i32>(n).expect("src");
+    let mut out = dev.alloc::<i32>(n * rounds).expect("out");
+    for r in 0..rounds {
+        let pattern: Vec<i32> = (0..n).map(|i| (r * n + i) as i32).collect();
+        dev.write_staged(&mut src, 0, &pattern)
+            .expect("staged write");
+        dev.copy_range((&src, 0), (&mut out, r * n), n)
+            .expect("device copy");
+    }
+    let got = dev.download(&out).expect("download");
+    let bad = got
+        .iter()
+        .enumerate()
+        .find(|&(i, &v)| v != i as i32)
+        .map(|(i, _)| i / n);
+    assert_eq!(bad, None, "the first place holding another round's pattern");
+    let mut big = dev.alloc::<i32>(n + 1).expect("big");
+    let err = dev
+        .write_staged(&mut big, 0, &vec![0i32; n + 1])
+        .expect_err("larger than a slot");
+    assert!(err.to_string().contains(&SLOT_BYTES.to_string()), "{err}");
+}

@@ -150,6 +150,9 @@ impl<T: DevicePod> Drop for DeviceBuffer<T> {
 }
 
 struct Inner {
+    /// Page-locked staging for small writes (`FERRY_ASYNC_WRITES=1`, [`super::upload`]),
+    /// made at the first such write. First, so it is dropped (waiting for its copies) first.
+    uploads: Mutex<Option<super::upload::UploadRing>>,
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     /// The second stream of [`CudaDevice::side`] handles (kernel launches only).
@@ -245,6 +248,23 @@ impl std::fmt::Debug for CudaDevice {
     }
 }
 
+/// `dst[offset..offset + host.len()]` is inside `dst`, or a shape error.
+fn check_write<T: DevicePod>(
+    dst: &DeviceBuffer<T>,
+    offset: usize,
+    host: &[T],
+) -> Result<(), KernelError> {
+    if offset + host.len() > dst.len {
+        return Err(KernelError::ShapeMismatch {
+            op: "cuda_write",
+            what: "dst",
+            expected: offset + host.len(),
+            got: dst.len,
+        });
+    }
+    Ok(())
+}
+
 pub(crate) fn gpu_err(op: &'static str) -> impl Fn(cudarc::driver::DriverError) -> KernelError {
     move |e| KernelError::Gpu {
         op,
@@ -286,6 +306,7 @@ impl CudaDevice {
         let pdl = cc.0 >= 9 && std::env::var("FERRY_PDL").map_or(true, |v| v != "0");
         Ok(Self {
             inner: Arc::new(Inner {
+                uploads: Mutex::new(None),
                 ctx,
                 stream,
                 side_stream,
@@ -453,22 +474,23 @@ impl CudaDevice {
         Ok(b)
     }
 
-    /// Copies `host` into `dst[offset..offset + host.len()]`; returns once the copy is done,
-    /// so `host` may be reused immediately.
+    /// Copies `host` into `dst[offset..offset + host.len()]`; `host` may be reused on return.
+    /// The copy is done on return, except that with `FERRY_ASYNC_WRITES=1` a write of up to
+    /// [`super::upload::SLOT_BYTES`] outside a graph capture takes [`Self::write_staged`] and
+    /// is only queued (stream order still puts it before anything queued later).
     pub fn write<T: DevicePod>(
         &self,
         dst: &mut DeviceBuffer<T>,
         offset: usize,
         host: &[T],
     ) -> Result<(), KernelError> {
-        if offset + host.len() > dst.len {
-            return Err(KernelError::ShapeMismatch {
-                op: "cuda_write",
-                what: "dst",
-                expected: offset + host.len(),
-                got: dst.len,
-            });
+        if super::upload::enabled()
+            && std::mem::size_of_val(host) <= super::upload::SLOT_BYTES
+            && !self.capturing()
+        {
+            return self.write_staged(dst, offset, host);
         }
+        check_write(dst, offset, host)?;
         if host.is_empty() {
             return Ok(());
         }
@@ -480,6 +502,47 @@ impl CudaDevice {
         }
         .map_err(gpu_err("cuMemcpyHtoDAsync"))?;
         self.synchronize()
+    }
+
+    /// [`Self::write`] without waiting ([`super::upload`]): `host` (at most
+    /// [`super::upload::SLOT_BYTES`]) is copied into a page-locked slot, its copy into `dst`
+    /// queued on the stream, and the call returns; kernels queued later see the data. Refused
+    /// under a graph capture, where the copy would replay from a slot since reused.
+    pub fn write_staged<T: DevicePod>(
+        &self,
+        dst: &mut DeviceBuffer<T>,
+        offset: usize,
+        host: &[T],
+    ) -> Result<(), KernelError> {
+        check_write(dst, offset, host)?;
+        if self.capturing() {
+            return Err(KernelError::InvalidParam {
+                op: "cuda_write_staged",
+                field: "stream",
+                limit: "not under graph capture",
+                value: "capturing".into(),
+            });
+        }
+        if host.is_empty() {
+            return Ok(());
+        }
+        self.bind()?;
+        let mut ring = self.inner.uploads.lock().map_err(|_| KernelError::Gpu {
+            op: "cuda_write_staged",
+            message: "the staging slots' lock is poisoned".into(),
+        })?;
+        let ring = match &mut *ring {
+            Some(r) => r,
+            empty => empty.insert(super::upload::UploadRing::new(self)?),
+        };
+        // SAFETY: `T: DevicePod` is a primitive without padding, so its bytes are initialised
+        // and may be read as `u8`s.
+        let raw = unsafe {
+            std::slice::from_raw_parts(host.as_ptr().cast::<u8>(), std::mem::size_of_val(host))
+        };
+        // SAFETY: the destination range is inside `dst` (checked above), whose free is queued
+        // on this stream behind the copy.
+        unsafe { ring.write(dst.ptr_at(offset), raw, &self.inner.stream) }
     }
 
     /// Copies the whole buffer back to the host (waits for queued work).

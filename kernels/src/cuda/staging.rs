@@ -66,6 +66,19 @@ impl<T: DevicePod> PinnedBuffer<T> {
     }
 }
 
+impl<T: DevicePod> PinnedBuffer<T> {
+    /// The contents, to fill before a host → device copy reads them (`super::upload`); the
+    /// caller makes sure no queued copy still reads the range.
+    pub(crate) fn as_mut_slice(&mut self) -> &mut [T] {
+        if self.len == 0 {
+            return &mut [];
+        }
+        // SAFETY: `ptr` points to `len` initialised elements that live as long as `self`, and
+        // `&mut self` excludes any other reference from this side.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
 impl<T: DevicePod> Drop for PinnedBuffer<T> {
     fn drop(&mut self) {
         if !self.ptr.is_null() {

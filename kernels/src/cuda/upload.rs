@@ -1,0 +1,108 @@
+//! Small host → device writes that do not wait for the device (`FERRY_ASYNC_WRITES=1`).
+//!
+//! [`CudaDevice::write`] copies from pageable host memory and then synchronises the stream, so
+//! that the caller may reuse its slice: every per-step input a decode step or a speculative
+//! round refreshes (positions, cache slots, block tables, sampling parameters, a graph's
+//! inputs) costs a round trip to an idle device, and the host cannot queue anything behind
+//! work still running. With the switch on, a write of at most [`SLOT_BYTES`] is staged in one
+//! of [`SLOTS`] page-locked slots, its copy queued on the stream, and an event recorded behind
+//! it; the call returns at once. The stream runs the copy before anything queued later, so
+//! kernels see the data exactly as before; the slot is written again only after its event
+//! says its last copy has run. Larger writes, and writes while the stream is being captured
+//! into a graph (a captured copy would replay from a slot since reused), take the
+//! synchronous path.
+//!
+//! Off by default until an H200 run shows it pays (docs/gpu.md).
+
+use cudarc::driver::{result, CudaEvent, CudaStream};
+
+use super::context::{gpu_err, CudaDevice};
+use super::staging::PinnedBuffer;
+use crate::error::KernelError;
+
+/// The largest write staged (bigger ones synchronise as before).
+pub const SLOT_BYTES: usize = 64 << 10;
+/// Staging slots, used in turn: a slot is reused after this many later writes.
+pub const SLOTS: usize = 64;
+
+/// Whether `FERRY_ASYNC_WRITES=1` (read once).
+pub fn enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("FERRY_ASYNC_WRITES").is_ok_and(|v| v == "1"))
+}
+
+/// One page-locked slot and the event recorded behind its latest copy.
+struct Slot {
+    buf: PinnedBuffer<u8>,
+    copied: CudaEvent,
+}
+
+/// The staging slots of one device, used in turn.
+pub(super) struct UploadRing {
+    slots: Vec<Slot>,
+    next: usize,
+}
+
+impl UploadRing {
+    /// [`SLOTS`] slots of [`SLOT_BYTES`] on `dev` (4 MB of page-locked memory).
+    pub(super) fn new(dev: &CudaDevice) -> Result<Self, KernelError> {
+        let slots = (0..SLOTS)
+            .map(|_| {
+                Ok(Slot {
+                    buf: dev.pinned::<u8>(SLOT_BYTES)?,
+                    copied: dev
+                        .context()
+                        .new_event(None)
+                        .map_err(gpu_err("cuEventCreate"))?,
+                })
+            })
+            .collect::<Result<Vec<_>, KernelError>>()?;
+        Ok(Self { slots, next: 0 })
+    }
+
+    /// Stages `bytes` and queues their copy to device address `dst` on `stream`, returning
+    /// without waiting for it.
+    ///
+    /// # Safety
+    /// `dst..dst + bytes.len()` lies inside a live device allocation of the stream's context
+    /// that stays alive until the copy has run (stream order: any later free is queued behind
+    /// it).
+    pub(super) unsafe fn write(
+        &mut self,
+        dst: u64,
+        bytes: &[u8],
+        stream: &CudaStream,
+    ) -> Result<(), KernelError> {
+        if bytes.len() > SLOT_BYTES {
+            return Err(KernelError::ShapeMismatch {
+                op: "cuda_staged_write",
+                what: "bytes",
+                expected: SLOT_BYTES,
+                got: bytes.len(),
+            });
+        }
+        let i = self.next;
+        self.next = (i + 1) % self.slots.len();
+        let slot = &mut self.slots[i];
+        // The slot's previous copy (queued SLOTS writes ago) must have read it.
+        slot.copied
+            .synchronize()
+            .map_err(gpu_err("cuEventSynchronize"))?;
+        let staged = &mut slot.buf.as_mut_slice()[..bytes.len()];
+        staged.copy_from_slice(bytes);
+        // SAFETY: `staged` is page-locked and is not written again until `copied`, recorded
+        // right behind this copy, has completed; `dst` is the caller's live range.
+        unsafe { result::memcpy_htod_async(dst, &*staged, stream.cu_stream()) }
+            .map_err(gpu_err("cuMemcpyHtoDAsync"))?;
+        slot.copied.record(stream).map_err(gpu_err("cuEventRecord"))
+    }
+}
+
+impl Drop for UploadRing {
+    fn drop(&mut self) {
+        // No copy may still read a slot when its page-locked memory is freed.
+        for s in &self.slots {
+            let _ = s.copied.synchronize();
+        }
+    }
+}
