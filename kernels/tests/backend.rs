@@ -751,21 +751,31 @@ fn beside_equals_per_pair<D: ferry_kernels::gpu::launch::Gpu>(
     }
 }
 
-/// The L2 warm-up of an MoE layer (`FERRY_L2_WARM`, `gpu::l2`) names exactly the shared
-/// experts' bytes in the stacked device matrices — gate and up rows, and each chunk's columns
-/// of the down projection — and warming them changes nothing the layer computes: `h` is
-/// bitwise the same after `l2::warm` over every choice of ranges. (On CUDA sm_90 the prefetch
-/// kernel runs; elsewhere `warm` queues nothing and the ranges are still checked.)
+/// The L2 warm-up of a layer (`FERRY_L2_WARM`, `gpu::l2`, `backend::l2`) names exactly the
+/// shared experts' bytes in the stacked device matrices — gate and up rows, and each chunk's
+/// columns of the down projection — and warming changes nothing the layer computes: `h` is
+/// bitwise the same after a warm-up of every part (with `o_proj`, and evict-last or not). (On
+/// CUDA sm_90 the prefetch kernel runs; elsewhere nothing is queued and the ranges are still
+/// checked.)
 #[cfg(any(feature = "cuda", feature = "rocm"))]
 #[test]
 fn l2_warm_names_the_shared_experts_and_changes_no_result() {
+    use ferry_kernels::gpu::l2::L2Warm;
     let mut rng = common::rng(37);
+    let parts = |gate_up, down, o_proj, last| L2Warm {
+        gate_up,
+        down,
+        o_proj,
+        last,
+    };
     for ((hidden, inter), bf16) in [((64, 40), true), ((96, 64), false)] {
         let layer = moe_layer(&mut rng, hidden, inter, bf16);
+        let o_proj = matrix_weight(&mut rng, hidden, hidden, bf16);
         let x = common::uniform(&mut rng, 3 * hidden, 1.0);
         let h0 = common::uniform(&mut rng, 3 * hidden, 1.0);
         for b in backends() {
             let w = Moe::to_backend(&layer, 2, &b).expect("upload");
+            let o = b.weight(&o_proj).expect("o_proj");
             match (&b, &w) {
                 #[cfg(feature = "cuda")]
                 (Backend::Cuda(dev), Moe::Cuda { experts, .. }) => {
@@ -777,10 +787,10 @@ fn l2_warm_names_the_shared_experts_and_changes_no_result() {
                 }
                 _ => continue,
             }
-            let run = |warm: Option<ferry_kernels::gpu::l2::L2Warm>| -> Vec<u32> {
+            let run = |warm: Option<L2Warm>| -> Vec<u32> {
                 let (x_t, mut h_t) = (b.upload(&x).expect("x"), b.upload(&h0).expect("h"));
                 if let Some(what) = warm {
-                    warm_on(&b, &w, what);
+                    warm_on(&b, &w, &o, what);
                 }
                 let p = MoeFfn {
                     w: &w,
@@ -795,31 +805,51 @@ fn l2_warm_names_the_shared_experts_and_changes_no_result() {
                     .map(|v| v.to_bits())
                     .collect()
             };
-            use ferry_kernels::gpu::l2::L2Warm;
             let want = run(None);
-            for what in [L2Warm::SharedGateUp, L2Warm::Shared, L2Warm::SharedLast] {
+            for what in [
+                parts(true, false, false, false),
+                parts(true, true, false, false),
+                parts(true, true, true, false),
+                parts(true, true, true, true),
+            ] {
                 assert_eq!(run(Some(what)), want, "{} after {what:?}", b.name());
             }
         }
     }
 }
 
-/// Queues `what`'s ranges of `w` on `b` (the device arm of `backend::moe::warm`, with the
-/// choice given rather than read from the environment).
+/// A random `[rows][cols]` weight (bf16 or f32).
+fn matrix_weight(
+    rng: &mut rand_chacha::ChaCha8Rng,
+    rows: usize,
+    cols: usize,
+    bf16: bool,
+) -> Matrix {
+    let v = common::uniform(rng, rows * cols, 0.3);
+    if bf16 {
+        Matrix::from_bf16(
+            rows,
+            cols,
+            v.iter().map(|&x| half::bf16::from_f32(x)).collect(),
+        )
+    } else {
+        Matrix::from_f32(rows, cols, v)
+    }
+    .expect("len")
+}
+
+/// Queues `what`'s warm-up of `w` and `o` on `b` (`backend::l2` with the parts given rather
+/// than read from the environment; on ROCm the launcher, which queues nothing there).
 #[cfg(any(feature = "cuda", feature = "rocm"))]
-fn warm_on(b: &Backend, w: &Moe, what: ferry_kernels::gpu::l2::L2Warm) {
-    use ferry_kernels::gpu::l2::{self, L2Warm};
-    let last = what == L2Warm::SharedLast;
+fn warm_on(b: &Backend, w: &Moe, o: &Weight, what: ferry_kernels::gpu::l2::L2Warm) {
     match (b, w) {
         #[cfg(feature = "cuda")]
-        (
-            Backend::Cuda(dev),
-            Moe::Cuda {
-                experts, routing, ..
-            },
-        ) => {
-            let ranges = l2::shared_expert_ranges(experts, routing.n_shared as usize, what);
-            l2::warm(dev, &ranges, last).expect("warm");
+        (Backend::Cuda(dev), _) => {
+            let layer = ferry_kernels::backend::l2::LayerWeights {
+                o_proj: o,
+                moe: Some(w),
+            };
+            ferry_kernels::backend::l2::warm_cuda(dev, layer, what).expect("warm");
         }
         #[cfg(feature = "rocm")]
         (
@@ -828,15 +858,17 @@ fn warm_on(b: &Backend, w: &Moe, what: ferry_kernels::gpu::l2::L2Warm) {
                 experts, routing, ..
             },
         ) => {
+            use ferry_kernels::gpu::l2;
+            let _ = o;
             let ranges = l2::shared_expert_ranges(experts, routing.n_shared as usize, what);
-            l2::warm(dev, &ranges, last).expect("warm");
+            l2::warm(dev, &ranges, what.last).expect("warm");
         }
         _ => {}
     }
 }
 
 /// The bytes at `shared_expert_ranges` on the device are the layer's shared expert, chunk by
-/// chunk, as the expert kernels read it; `Off` names nothing.
+/// chunk, as the expert kernels read it; no part named, no range.
 #[cfg(any(feature = "cuda", feature = "rocm"))]
 fn warm_names_the_shared_experts<D: ferry_kernels::gpu::launch::Gpu>(
     dev: &D,
@@ -846,7 +878,8 @@ fn warm_names_the_shared_experts<D: ferry_kernels::gpu::launch::Gpu>(
 ) {
     use ferry_kernels::gpu::l2::{shared_expert_ranges, L2Warm};
     use ferry_kernels::gpu::ops::{GpuMatrix, GpuMatrixData};
-    assert!(shared_expert_ranges(experts, n_shared, L2Warm::Off).is_empty());
+    let none = L2Warm::default();
+    assert!(shared_expert_ranges(experts, n_shared, none).is_empty());
     let shared = layer.shared.as_ref().expect("a shared expert");
     let inter = experts.inter;
     // The f32 values at a byte range of one stacked matrix.
@@ -864,27 +897,34 @@ fn warm_names_the_shared_experts<D: ferry_kernels::gpu::launch::Gpu>(
                 .expect("f32 range"),
         }
     };
-    let gate_up = shared_expert_ranges(experts, n_shared, L2Warm::SharedGateUp);
-    assert_eq!(gate_up.len(), 2);
-    assert_eq!(read(&experts.gate, gate_up[0]), shared.gate.to_f32_vec());
-    assert_eq!(read(&experts.up, gate_up[1]), shared.up.to_f32_vec());
-    let all = shared_expert_ranges(experts, n_shared, L2Warm::Shared);
-    assert_eq!(&all[..2], &gate_up[..]);
+    let gate_up = L2Warm {
+        gate_up: true,
+        ..none
+    };
+    let ranges = shared_expert_ranges(experts, n_shared, gate_up);
+    assert_eq!(ranges.len(), 2);
+    assert_eq!(read(&experts.gate, ranges[0]), shared.gate.to_f32_vec());
+    assert_eq!(read(&experts.up, ranges[1]), shared.up.to_f32_vec());
+    let down = L2Warm { down: true, ..none };
+    let ranges = shared_expert_ranges(experts, n_shared, down);
+    assert_eq!(ranges.len(), 1);
     // The down projection `[hidden][n_shared·inter]`, stacked as n_shared chunks of
     // `[hidden][inter]` (each chunk a band of columns).
-    let down = shared.down.to_f32_vec();
+    let rows = shared.down.to_f32_vec();
     let width = n_shared * inter;
     let chunks: Vec<f32> = (0..n_shared)
         .flat_map(|k| {
-            down.chunks(width)
+            rows.chunks(width)
                 .flat_map(move |row| row[k * inter..(k + 1) * inter].to_vec())
         })
         .collect();
-    assert_eq!(read(&experts.down, all[2]), chunks);
-    assert_eq!(
-        shared_expert_ranges(experts, n_shared, L2Warm::SharedLast),
-        all
-    );
+    assert_eq!(read(&experts.down, ranges[0]), chunks);
+    let all = L2Warm {
+        gate_up: true,
+        down: true,
+        ..none
+    };
+    assert_eq!(shared_expert_ranges(experts, n_shared, all).len(), 3);
 }
 
 /// `rms_norm_into` (the forward's input and post-attention norms): the CPU's RMSNorm of every

@@ -18,6 +18,7 @@
 //! | [`moe`] | MoE routing + routed and shared experts added into the residual | [`moe::MoeFfn`] |
 //! | [`sample`] | the sampling distribution of a batch of rows (softmax at temperature, top-k / top-p with pivot ties, min-p), inverse-CDF draws, argmax; per-row parameters and uniforms on the backend | [`sample::Probs`], [`sample::Draw`], [`sample::Sample`], [`sample::RowParams`], [`sample::Uniforms`] |
 //! | [`verify`] | lossless speculative verification of a batch of drafted blocks (one result per sequence, one small download on a GPU), from probabilities or straight from logits | [`verify::VerifyBatch`], [`verify::VerifyLogits`] |
+//! | [`l2`] | L2 warm-up of a layer's shared experts and `o_proj` during its attention chain (`FERRY_L2_WARM`; CUDA sm_90+ only) | [`l2::LayerWeights`] |
 //! | [`draft`] | the drafter's own ops: block attention over a paged context (GQA), row scatter into pages, tap concatenation, the confidence head | [`draft::BlockAttention`], [`draft::ScatterRows`], [`draft::GatherConcat`], [`draft::Confidence`] |
 //!
 //! **Why a closed enum and not a trait** (argued in `docs/architecture.md`): the set of backends
@@ -53,6 +54,7 @@
 #[cfg(any(feature = "cuda", feature = "rocm"))]
 pub mod dispatch;
 pub mod draft;
+pub mod l2;
 pub mod latent;
 pub mod linear;
 pub mod mla_absorbed;

@@ -172,28 +172,6 @@ pub fn moe(b: &Backend, p: MoeFfn<'_>) -> Result<(), KernelError> {
     }
 }
 
-/// Queues the L2 warm-up of `w`'s routing-independent weights that `FERRY_L2_WARM` names
-/// ([`crate::gpu::l2`]): called at the start of the layer's attention chain, so the expert
-/// kernels read the shared experts from L2. Nothing on the CPU, with the switch off, or where
-/// the device has no L2 prefetch (ROCm, CUDA below sm_90). Changes no result.
-pub fn warm(b: &Backend, w: &Moe) -> Result<(), KernelError> {
-    match (b, w) {
-        #[cfg(feature = "cuda")]
-        (
-            Backend::Cuda(dev),
-            Moe::Cuda {
-                experts, routing, ..
-            },
-        ) => {
-            use crate::gpu::l2::{self, L2Warm};
-            let what = L2Warm::from_env();
-            let ranges = l2::shared_expert_ranges(experts, routing.n_shared.max(0) as usize, what);
-            l2::warm(dev, &ranges, what == L2Warm::SharedLast)
-        }
-        _ => Ok(()),
-    }
-}
-
 /// One MoE layer's device weights: router, correction bias, stacked experts, routing.
 #[cfg(any(feature = "cuda", feature = "rocm"))]
 type DeviceMoe<D> = (

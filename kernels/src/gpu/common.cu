@@ -445,35 +445,30 @@ extern "C" __global__ void gemv_bf16(const float* x, int m, const bf16_t* w, int
   gemv_impl(x, m, w, n, k, out, acc);
 }
 
-// Warms L2 with up to three byte ranges of weights ahead of the kernels that read them (an MoE
-// layer's shared experts while the attention chain, which leaves HBM mostly idle at small
-// batches, runs; `gpu::l2`). Every warp asks for 32 lines of 128 bytes (one per lane) at a time,
-// the grid's warps striding over each range; `l2_warm_last` marks the lines evict-last. The
-// weights are constants, so the requests go out before `pdl_enter()`; the wait after them
-// keeps the stream's order for the kernels behind this one. Writes nothing. Grid: (blocks);
-// block 256.
+// Warms L2 with up to four byte ranges of weights ahead of the kernels that read them (a
+// layer's shared experts and output projection while its attention chain, which leaves HBM
+// mostly idle at small batches, runs; `gpu::l2`). Every warp asks for 32 lines of 128 bytes
+// (one per lane) at a time, the grid's warps striding over each range; `l2_warm_last` marks
+// the lines evict-last. The weights are constants, so the requests go out before
+// `pdl_enter()`; the wait after them keeps the stream's order for the kernels behind this one.
+// Writes nothing. Grid: (blocks); block 256.
+struct L2Ranges {
+  const char* base[4];
+  u64 len[4];
+};
 template <bool LAST>
-__device__ __forceinline__ void l2_warm_impl(const char* a, u64 na, const char* b, u64 nb,
-                                             const char* c, u64 nc) {
-  const char* base[3] = {a, b, c};
-  u64 len[3] = {na, nb, nc};
+__device__ __forceinline__ void l2_warm_impl(const L2Ranges& r) {
   u64 warp = (u64)blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
   u64 warps = (u64)gridDim.x * (blockDim.x / WARP);
   u64 lane = threadIdx.x % WARP;
 #pragma unroll
-  for (int r = 0; r < 3; r++)
-    for (u64 o = (warp * WARP + lane) * 128; o < len[r]; o += warps * WARP * 128)
-      prefetch_l2_line<LAST>(base[r] + o);
+  for (int i = 0; i < 4; i++)
+    for (u64 o = (warp * WARP + lane) * 128; o < r.len[i]; o += warps * WARP * 128)
+      prefetch_l2_line<LAST>(r.base[i] + o);
   pdl_enter();
 }
-extern "C" __global__ void l2_warm(const char* a, u64 na, const char* b, u64 nb, const char* c,
-                                   u64 nc) {
-  l2_warm_impl<false>(a, na, b, nb, c, nc);
-}
-extern "C" __global__ void l2_warm_last(const char* a, u64 na, const char* b, u64 nb,
-                                        const char* c, u64 nc) {
-  l2_warm_impl<true>(a, na, b, nb, c, nc);
-}
+extern "C" __global__ void l2_warm(L2Ranges r) { l2_warm_impl<false>(r); }
+extern "C" __global__ void l2_warm_last(L2Ranges r) { l2_warm_impl<true>(r); }
 
 // Two projections of the same activations in one launch: rows [0, n1) of the grid's warps
 // compute out1 = x · W1ᵀ, rows [n1, n1 + n2) out2 = x · W2ᵀ — an attention layer's first query

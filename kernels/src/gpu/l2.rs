@@ -1,92 +1,117 @@
 //! L2 warm-up: weights pulled into the GPU's L2 cache ahead of the kernel that reads them, while
 //! the kernels in between leave HBM idle.
 //!
-//! At small batches an MoE layer's attention chain (query and latent projections, the latent
+//! At small batches a layer's attention chain (query and latent projections, the latent
 //! write, absorption, attention, the merge and un-absorption, `o_proj`, the router and the
 //! routing) is a row of short, latency-bound launches: ~30 us a DeepSeek-V2-Lite layer on the
 //! H200 in which HBM moves ~15 MB, against the ~130 MB it could. The shared experts' weights
-//! do not depend on the routing, so their lines can be requested at the start of that chain
-//! (`l2_warm` in `common.cu`, one launch, writes nothing) and the expert kernels then read
-//! them from L2 while the routed experts stream from HBM.
+//! do not depend on the routing, nor `o_proj`'s on the attention, so their lines can be
+//! requested at the start of that chain (`l2_warm` in `common.cu`, one launch, writes
+//! nothing); the expert kernels then read the shared slots from L2 while the routed experts
+//! stream from HBM, and `o_proj`'s short GEMV reads L2.
 //!
-//! Which ranges a layer warms is [`L2Warm`], from `FERRY_L2_WARM`; the default is none until an
+//! Which parts a layer warms is [`L2Warm`], from `FERRY_L2_WARM`; the default is none until an
 //! H200 run shows it pays (docs/gpu.md). Warming changes no result: the same kernels read the
-//! same bytes, from L2 or from HBM.
+//! same bytes, from L2 or from HBM. `crate::backend::l2` calls it for a layer.
 
-use super::launch::{Gpu, KernelArgs, LaunchDims};
+use super::launch::{Gpu, KernelArgs, KernelParam, LaunchDims};
 use super::ops::GpuExperts;
 use super::{Defines, Source};
 use crate::KernelError;
 
-/// Which of an MoE layer's weights the attention chain warms in L2 (`FERRY_L2_WARM`).
+/// Which of a layer's routing-independent weights the attention chain warms in L2
+/// (`FERRY_L2_WARM`). All off by default.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum L2Warm {
-    /// Nothing (the default).
-    #[default]
-    Off,
+pub struct L2Warm {
     /// The shared experts' gate and up rows (DeepSeek-V2-Lite: 23 MB of the 50 MB L2).
-    SharedGateUp,
-    /// The shared experts' gate, up and down rows (V2-Lite: 35 MB).
-    Shared,
-    /// [`L2Warm::Shared`], the lines marked evict-last, so the chain's own weight streams
-    /// evict other lines first.
-    SharedLast,
+    pub gate_up: bool,
+    /// Each shared-expert chunk's down columns (V2-Lite: 12 MB).
+    pub down: bool,
+    /// The attention output projection (`o_proj`; V2-Lite: 8 MB), read by the chain itself
+    /// after the attention.
+    pub o_proj: bool,
+    /// Mark the warmed lines evict-last, so the chain's own weight streams evict other lines
+    /// first.
+    pub last: bool,
 }
 
 impl L2Warm {
-    /// From `FERRY_L2_WARM` (read once): `gate_up`, `shared`, `shared_last`; anything else,
-    /// or unset, is [`L2Warm::Off`].
+    /// From `FERRY_L2_WARM` (read once): a comma list of `gate_up`, `down`, `o_proj`, `last`,
+    /// or `shared` (= `gate_up,down`); unset, empty or `0` is all off. An unknown word is
+    /// logged and ignored.
     pub fn from_env() -> Self {
         static MODE: std::sync::OnceLock<L2Warm> = std::sync::OnceLock::new();
         *MODE.get_or_init(|| Self::parse(std::env::var("FERRY_L2_WARM").ok().as_deref()))
     }
 
     fn parse(v: Option<&str>) -> Self {
-        match v {
-            Some("gate_up") => L2Warm::SharedGateUp,
-            Some("shared") => L2Warm::Shared,
-            Some("shared_last") => L2Warm::SharedLast,
-            Some(other) if !other.is_empty() && other != "0" && other != "off" => {
-                tracing::warn!(
-                    value = other,
-                    "FERRY_L2_WARM: not gate_up, shared or shared_last; off"
-                );
-                L2Warm::Off
+        let mut w = L2Warm::default();
+        for word in v.unwrap_or("").split(',').map(str::trim) {
+            match word {
+                "" | "0" | "off" => {}
+                "gate_up" => w.gate_up = true,
+                "down" => w.down = true,
+                "shared" => (w.gate_up, w.down) = (true, true),
+                "o_proj" => w.o_proj = true,
+                "last" => w.last = true,
+                other => tracing::warn!(
+                    word = other,
+                    "FERRY_L2_WARM: not gate_up, down, shared, o_proj or last; ignored"
+                ),
             }
-            _ => L2Warm::Off,
         }
+        w
+    }
+
+    /// Whether anything is warmed.
+    pub fn any(self) -> bool {
+        self.gate_up || self.down || self.o_proj
     }
 }
 
 /// A byte range of device memory: `(address, bytes)`.
 pub type ByteRange = (u64, usize);
 
-/// The device ranges [`L2Warm`] names in `experts`, whose last `n_shared` stacked experts are the
-/// shared chunks (`gate` and `up` rows `[E_total·inter][hidden]`, `down` rows
-/// `[E_total·hidden][inter]`, so each matrix's shared part is one tail range). Empty for
-/// [`L2Warm::Off`] or without a shared expert.
+/// The device ranges `what` names in `experts` (its `gate_up` and `down`), whose last
+/// `n_shared` stacked experts are the shared chunks (`gate` and `up` rows
+/// `[E_total·inter][hidden]`, `down` rows `[E_total·hidden][inter]`, so each matrix's shared
+/// part is one tail range). Empty without a shared expert.
 pub fn shared_expert_ranges<D: Gpu>(
     experts: &GpuExperts<D>,
     n_shared: usize,
     what: L2Warm,
 ) -> Vec<ByteRange> {
     let total = experts.total();
-    if what == L2Warm::Off || n_shared == 0 || n_shared > total {
+    if n_shared == 0 || n_shared > total {
         return Vec::new();
     }
     let tail = |ptr: u64, bytes: usize| -> ByteRange {
         let (offset, len) = stacked_tail(bytes, total, n_shared);
         (ptr + offset as u64, len)
     };
-    let mut out = vec![
-        tail(experts.gate.ptr(), experts.gate.bytes()),
-        tail(experts.up.ptr(), experts.up.bytes()),
-    ];
-    if what != L2Warm::SharedGateUp {
+    let mut out = Vec::new();
+    if what.gate_up {
+        out.push(tail(experts.gate.ptr(), experts.gate.bytes()));
+        out.push(tail(experts.up.ptr(), experts.up.bytes()));
+    }
+    if what.down {
         out.push(tail(experts.down.ptr(), experts.down.bytes()));
     }
     out
 }
+
+/// The ranges [`warm`] takes in one launch.
+pub const MAX_RANGES: usize = 4;
+
+/// `common.cu`'s `L2Ranges`: the ranges' addresses, then their bytes (unused ones empty).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+struct L2RangesC {
+    base: [u64; MAX_RANGES],
+    len: [u64; MAX_RANGES],
+}
+// SAFETY: `#[repr(C)]`, eight u64s without padding, the layout of `L2Ranges` in common.cu.
+unsafe impl KernelParam for L2RangesC {}
 
 /// `(offset, bytes)` of the last `n` of `total` equal experts stacked in `bytes` bytes.
 fn stacked_tail(bytes: usize, total: usize, n: usize) -> (usize, usize) {
@@ -98,15 +123,16 @@ fn stacked_tail(bytes: usize, total: usize, n: usize) -> (usize, usize) {
 /// requests (one SM alone issues ~200 GB/s of line requests), few enough to stay one wave.
 const BYTES_PER_BLOCK: usize = 256 << 10;
 
-/// Queues `l2_warm` (`l2_warm_last` when `last`) over up to three `ranges` on `dev`. Only an
-/// sm_90+ CUDA device has the prefetch instructions (compat.cuh); elsewhere this queues nothing.
+/// Queues `l2_warm` (`l2_warm_last` when `last`) over up to [`MAX_RANGES`] `ranges` on `dev`.
+/// Only an sm_90+ CUDA device has the prefetch instructions (compat.cuh); elsewhere this
+/// queues nothing.
 pub fn warm<D: Gpu>(dev: &D, ranges: &[ByteRange], last: bool) -> Result<(), KernelError> {
     const OP: &str = "gpu_l2_warm";
-    if ranges.len() > 3 {
+    if ranges.len() > MAX_RANGES {
         return Err(KernelError::InvalidParam {
             op: OP,
             field: "ranges",
-            limit: "at most 3",
+            limit: "at most 4",
             value: ranges.len().to_string(),
         });
     }
@@ -114,11 +140,13 @@ pub fn warm<D: Gpu>(dev: &D, ranges: &[ByteRange], last: bool) -> Result<(), Ker
     if bytes == 0 || dev.compute_capability().0 < 9 {
         return Ok(());
     }
-    let mut args = KernelArgs::new();
-    for i in 0..3 {
-        let (ptr, len) = ranges.get(i).copied().unwrap_or((0, 0));
-        args.push(ptr).push(len as u64);
+    let mut r = L2RangesC::default();
+    for (i, &(ptr, len)) in ranges.iter().enumerate() {
+        r.base[i] = ptr;
+        r.len[i] = len as u64;
     }
+    let mut args = KernelArgs::new();
+    args.push(r);
     let name = if last { "l2_warm_last" } else { "l2_warm" };
     let f = dev.function(Source::Common, &Defines::new(), name)?;
     let blocks = bytes
@@ -132,13 +160,28 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_switch_names_three_choices_and_defaults_to_off() {
-        assert_eq!(L2Warm::parse(None), L2Warm::Off);
-        assert_eq!(L2Warm::parse(Some("0")), L2Warm::Off);
-        assert_eq!(L2Warm::parse(Some("gate_up")), L2Warm::SharedGateUp);
-        assert_eq!(L2Warm::parse(Some("shared")), L2Warm::Shared);
-        assert_eq!(L2Warm::parse(Some("shared_last")), L2Warm::SharedLast);
-        assert_eq!(L2Warm::parse(Some("everything")), L2Warm::Off);
+    fn the_switch_is_a_list_of_parts_and_defaults_to_none() {
+        let none = L2Warm::default();
+        assert_eq!(L2Warm::parse(None), none);
+        assert_eq!(L2Warm::parse(Some("0")), none);
+        assert!(!L2Warm::parse(Some("")).any());
+        let w = |gate_up, down, o_proj, last| L2Warm {
+            gate_up,
+            down,
+            o_proj,
+            last,
+        };
+        assert_eq!(L2Warm::parse(Some("gate_up")), w(true, false, false, false));
+        assert_eq!(L2Warm::parse(Some("shared")), w(true, true, false, false));
+        assert_eq!(
+            L2Warm::parse(Some("shared, o_proj,last")),
+            w(true, true, true, true)
+        );
+        assert_eq!(
+            L2Warm::parse(Some("o_proj,everything")),
+            w(false, false, true, false)
+        );
+        assert!(!L2Warm::parse(Some("last")).any());
     }
 
     #[test]

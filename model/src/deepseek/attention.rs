@@ -2,11 +2,11 @@
 //! choice between the decompressed (MHA) and absorbed forms per sequence chunk (the launch
 //! plan groups runs of sequences that share a form; see [`super::forward`]).
 
+use ferry_kernels::backend::l2::{warm as l2_warm, LayerWeights};
 use ferry_kernels::backend::latent::{latent_write, LatentWrite};
 use ferry_kernels::backend::linear::{linear, linear_pair, Linear, LinearPair};
 use ferry_kernels::backend::mla_absorbed::{mla_absorbed, AbsorbedRun};
 use ferry_kernels::backend::mla_mha::{mla_mha, MhaRun};
-use ferry_kernels::backend::moe::warm as moe_warm;
 use ferry_kernels::backend::norm::{norm_strided, NormStrided};
 use ferry_kernels::backend::{Tensor, Weight};
 use ferry_kernels::cpu::mla::MlaDims;
@@ -107,11 +107,13 @@ impl DeepseekModel {
             precision,
         };
         let (q0, mut latent) = linear_pair(b, p)?;
-        // The layer's shared experts into L2 while the rest of the chain leaves HBM idle
-        // (`FERRY_L2_WARM`; nothing by default).
-        if let Ffn::Moe(m) = &self.layers[l].ffn {
-            moe_warm(b, m)?;
-        }
+        // The layer's shared experts and `o_proj` into L2 while the rest of the chain leaves
+        // HBM idle (`FERRY_L2_WARM`; nothing by default).
+        let moe = match &self.layers[l].ffn {
+            Ffn::Moe(m) => Some(&**m),
+            Ffn::Dense(_) => None,
+        };
+        l2_warm(b, LayerWeights { o_proj: &w.o, moe })?;
 
         // Queries `[T][heads][qk_nope | qk_rope]` (RoPE on the rope part below).
         let mut q = match &w.q {
