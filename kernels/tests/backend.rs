@@ -767,6 +767,7 @@ fn l2_warm_names_the_shared_experts_and_changes_no_result() {
         down,
         o_proj,
         last,
+        ..L2Warm::default()
     };
     for ((hidden, inter), bf16) in [((64, 40), true), ((96, 64), false)] {
         let layer = moe_layer(&mut rng, hidden, inter, bf16);

@@ -1,7 +1,9 @@
-//! L2 warm-up of a layer's routing-independent weights at the start of its attention chain
-//! (`crate::gpu::l2`, `FERRY_L2_WARM`): on an sm_90+ CUDA device one launch requests the lines
-//! of the shared experts and of `o_proj` that `FERRY_L2_WARM` names; on the CPU, on ROCm and
-//! with the switch off (the default) nothing is queued. It changes no result.
+//! L2 warm-up of weights ahead of the kernels that read them (`crate::gpu::l2`,
+//! `FERRY_L2_WARM`): at the start of a layer's attention chain its shared experts and
+//! `o_proj` ([`warm`]), before its router the next layer's first projections
+//! ([`warm_next_attention`]). On an sm_90+ CUDA device each is one launch requesting the lines
+//! `FERRY_L2_WARM` names; on the CPU, on ROCm and with the switch off (the default) nothing is
+//! queued. It changes no result.
 
 use super::moe::Moe;
 use super::{Backend, Weight};
@@ -53,4 +55,24 @@ pub fn warm_cuda(
         ranges.push((o.ptr(), o.bytes()));
     }
     l2::warm(dev, &ranges, what.last)
+}
+
+/// Queues the warm-up of the next layer's first query projection and `kv_a` (`q_first`,
+/// `kv_a`) when `FERRY_L2_WARM` names `next_attn`: called before a layer's router, whose
+/// short launches leave HBM idle.
+pub fn warm_next_attention(
+    b: &Backend,
+    q_first: &Weight,
+    kv_a: &Weight,
+) -> Result<(), KernelError> {
+    #[cfg(feature = "cuda")]
+    if let (Backend::Cuda(dev), Weight::Cuda(q), Weight::Cuda(kv)) = (b, q_first, kv_a) {
+        let what = crate::gpu::l2::L2Warm::from_env();
+        if what.next_attn {
+            let ranges = [(q.ptr(), q.bytes()), (kv.ptr(), kv.bytes())];
+            return crate::gpu::l2::warm(dev, &ranges, what.last);
+        }
+    }
+    let _ = (b, q_first, kv_a);
+    Ok(())
 }

@@ -30,15 +30,20 @@ pub struct L2Warm {
     /// The attention output projection (`o_proj`; V2-Lite: 8 MB), read by the chain itself
     /// after the attention.
     pub o_proj: bool,
+    /// The next layer's first query projection and `kv_a` (V2-Lite: 15 MB), warmed before
+    /// this layer's router: the router and the routing leave HBM idle, but this layer's
+    /// experts stream ~140 MB through L2 before the next layer reads them, so it needs
+    /// `last` to survive.
+    pub next_attn: bool,
     /// Mark the warmed lines evict-last, so the chain's own weight streams evict other lines
     /// first.
     pub last: bool,
 }
 
 impl L2Warm {
-    /// From `FERRY_L2_WARM` (read once): a comma list of `gate_up`, `down`, `o_proj`, `last`,
-    /// or `shared` (= `gate_up,down`); unset, empty or `0` is all off. An unknown word is
-    /// logged and ignored.
+    /// From `FERRY_L2_WARM` (read once): a comma list of `gate_up`, `down`, `o_proj`,
+    /// `next_attn`, `last`, or `shared` (= `gate_up,down`); unset, empty or `0` is all off. An
+    /// unknown word is logged and ignored.
     pub fn from_env() -> Self {
         static MODE: std::sync::OnceLock<L2Warm> = std::sync::OnceLock::new();
         *MODE.get_or_init(|| Self::parse(std::env::var("FERRY_L2_WARM").ok().as_deref()))
@@ -53,17 +58,18 @@ impl L2Warm {
                 "down" => w.down = true,
                 "shared" => (w.gate_up, w.down) = (true, true),
                 "o_proj" => w.o_proj = true,
+                "next_attn" => w.next_attn = true,
                 "last" => w.last = true,
                 other => tracing::warn!(
                     word = other,
-                    "FERRY_L2_WARM: not gate_up, down, shared, o_proj or last; ignored"
+                    "FERRY_L2_WARM: not gate_up, down, shared, o_proj, next_attn or last; ignored"
                 ),
             }
         }
         w
     }
 
-    /// Whether anything is warmed.
+    /// Whether anything is warmed at the start of the attention chain.
     pub fn any(self) -> bool {
         self.gate_up || self.down || self.o_proj
     }
@@ -170,6 +176,7 @@ mod tests {
             down,
             o_proj,
             last,
+            next_attn: false,
         };
         assert_eq!(L2Warm::parse(Some("gate_up")), w(true, false, false, false));
         assert_eq!(L2Warm::parse(Some("shared")), w(true, true, false, false));
@@ -182,6 +189,8 @@ mod tests {
             w(false, false, true, false)
         );
         assert!(!L2Warm::parse(Some("last")).any());
+        let next = L2Warm::parse(Some("next_attn,last"));
+        assert!(next.next_attn && next.last && !next.any());
     }
 
     #[test]

@@ -13,6 +13,7 @@
 //! written (CPU) or queued (GPU: work queued from then on runs after them), and `hidden` with
 //! the residual stream after the tap layers (a drafter's context; a download on a GPU).
 
+use ferry_kernels::backend::l2::warm_next_attention;
 use ferry_kernels::backend::linear::{linear_add, linear_into, Linear};
 use ferry_kernels::backend::mlp::{dense, DenseFfn};
 use ferry_kernels::backend::moe::{moe, MoeFfn};
@@ -25,7 +26,7 @@ use ferry_kernels::cpu::logits::TokenLogprobs;
 
 use super::attention::{AttentionForm, FormPolicy};
 use super::batch::{BatchGeometry, BatchInputs, BatchLogits, BatchOutput, SeqInput};
-use super::{DeepseekModel, Ffn};
+use super::{DeepseekModel, Ffn, QueryProj};
 use crate::kv::{KvMut, KvPool, KvRef, KvRows};
 use crate::ModelError;
 
@@ -404,6 +405,15 @@ impl DeepseekModel {
                 hook(l, kv.as_ref())?;
             }
             rms_norm_into(b, &h, norm(&layer.post_norm), &mut x)?;
+            // The next layer's first projections into L2 while the router and the routing
+            // leave HBM idle (`FERRY_L2_WARM=next_attn`; nothing by default).
+            if let Some(next) = self.layers.get(l + 1) {
+                let first = match &next.attn.q {
+                    QueryProj::LowRank { a, .. } => a,
+                    QueryProj::Full(p) => p,
+                };
+                warm_next_attention(b, first, &next.attn.kv_a)?;
+            }
             let precision = self.kernels.precision;
             match &layer.ffn {
                 Ffn::Dense(w) => dense(
