@@ -447,24 +447,27 @@ extern "C" __global__ void gemv_bf16(const float* x, int m, const bf16_t* w, int
 
 // Warms L2 with up to four byte ranges of weights ahead of the kernels that read them (a
 // layer's shared experts and output projection while its attention chain, which leaves HBM
-// mostly idle at small batches, runs; `gpu::l2`). Every warp asks for 32 lines of 128 bytes
-// (one per lane) at a time, the grid's warps striding over each range; `l2_warm_last` marks
-// the lines evict-last. The weights are constants, so the requests go out before
-// `pdl_enter()`; the wait after them keeps the stream's order for the kernels behind this one.
-// Writes nothing. Grid: (blocks); block 256.
+// mostly idle at small batches, runs; `gpu::l2`). Each lane hands the copy engine one 4 KB
+// chunk at a time (compat.cuh's bulk prefetch, sm_90; elsewhere nothing), the grid's lanes
+// striding over each range; `l2_warm_last` marks the lines evict-last. The host passes
+// 16-byte-aligned ranges of whole 16-byte units. The weights are constants, so the requests
+// go out before `pdl_enter()`; the wait after them keeps the stream's order for the kernels
+// behind this one. Writes nothing. Grid: (blocks); block 256.
 struct L2Ranges {
   const char* base[4];
   u64 len[4];
 };
+#define L2_WARM_CHUNK 4096
 template <bool LAST>
 __device__ __forceinline__ void l2_warm_impl(const L2Ranges& r) {
-  u64 warp = (u64)blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
-  u64 warps = (u64)gridDim.x * (blockDim.x / WARP);
-  u64 lane = threadIdx.x % WARP;
+  u64 lane = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+  u64 lanes = (u64)gridDim.x * blockDim.x;
 #pragma unroll
   for (int i = 0; i < 4; i++)
-    for (u64 o = (warp * WARP + lane) * 128; o < r.len[i]; o += warps * WARP * 128)
-      prefetch_l2_line<LAST>(r.base[i] + o);
+    for (u64 o = lane * L2_WARM_CHUNK; o < r.len[i]; o += lanes * L2_WARM_CHUNK) {
+      u64 n = r.len[i] - o;
+      prefetch_l2_bulk<LAST>(r.base[i] + o, (unsigned)(n < L2_WARM_CHUNK ? n : L2_WARM_CHUNK));
+    }
   pdl_enter();
 }
 extern "C" __global__ void l2_warm(L2Ranges r) { l2_warm_impl<false>(r); }

@@ -66,20 +66,26 @@ __device__ __forceinline__ void prefetch_l2(const void* p, size_t bytes) {
   for (size_t o = (size_t)(threadIdx.x % WARP) * 128; o < bytes; o += WARP * 128)
     asm volatile("prefetch.global.L2 [%0];" ::"l"(c + o));
 }
-// Pulls the 128-byte line holding `p` into L2 (this thread alone); LAST marks it evict-last,
-// so streams that pass through L2 before its reader evict other lines first.
+// Asks the copy engine (TMA) to pull `bytes` from `p` into L2, without waiting (sm_90's bulk
+// prefetch: `p` 16-byte aligned, `bytes` a multiple of 16). LAST marks the lines evict-last,
+// so streams that pass through L2 before their reader evict other lines first.
 template <bool LAST>
-__device__ __forceinline__ void prefetch_l2_line(const void* p) {
-  if (LAST)
-    asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(p));
-  else
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+__device__ __forceinline__ void prefetch_l2_bulk(const void* p, unsigned bytes) {
+  if (LAST) {
+    unsigned long long policy;
+    asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+    asm volatile("cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, %2;" ::"l"(p),
+                 "r"(bytes), "l"(policy)
+                 : "memory");
+  } else {
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+  }
 }
 #else
 __device__ __forceinline__ void pdl_enter() {}
 __device__ __forceinline__ void prefetch_l2(const void*, size_t) {}
 template <bool LAST>
-__device__ __forceinline__ void prefetch_l2_line(const void*) {}
+__device__ __forceinline__ void prefetch_l2_bulk(const void*, unsigned) {}
 #endif
 
 typedef unsigned short bf16_t;

@@ -125,8 +125,16 @@ fn stacked_tail(bytes: usize, total: usize, n: usize) -> (usize, usize) {
     (bytes - len, len)
 }
 
-/// Bytes the grid's blocks cover each: enough blocks that each SM issues a share of the
-/// requests (one SM alone issues ~200 GB/s of line requests), few enough to stay one wave.
+/// `range` shrunk to whole 16-byte units at a 16-byte-aligned address, as the bulk prefetch
+/// takes them: `(address, bytes)`, the bytes 0 when nothing whole is left.
+fn bulk_aligned((ptr, len): ByteRange) -> (u64, u64) {
+    let start = ptr.next_multiple_of(16);
+    let end = (ptr + len as u64) & !15;
+    (start, end.saturating_sub(start))
+}
+
+/// Bytes the grid's blocks cover each (64 of its lanes' 4 KB chunks): enough blocks that the
+/// SMs' copy engines share the requests, few enough to stay one wave.
 const BYTES_PER_BLOCK: usize = 256 << 10;
 
 /// Queues `l2_warm` (`l2_warm_last` when `last`) over up to [`MAX_RANGES`] `ranges` on `dev`.
@@ -147,9 +155,8 @@ pub fn warm<D: Gpu>(dev: &D, ranges: &[ByteRange], last: bool) -> Result<(), Ker
         return Ok(());
     }
     let mut r = L2RangesC::default();
-    for (i, &(ptr, len)) in ranges.iter().enumerate() {
-        r.base[i] = ptr;
-        r.len[i] = len as u64;
+    for (i, &range) in ranges.iter().enumerate() {
+        (r.base[i], r.len[i]) = bulk_aligned(range);
     }
     let mut args = KernelArgs::new();
     args.push(r);
@@ -191,6 +198,14 @@ mod tests {
         assert!(!L2Warm::parse(Some("last")).any());
         let next = L2Warm::parse(Some("next_attn,last"));
         assert!(next.next_attn && next.last && !next.any());
+    }
+
+    #[test]
+    fn bulk_ranges_keep_whole_aligned_16_byte_units_inside() {
+        assert_eq!(bulk_aligned((256, 4096)), (256, 4096));
+        assert_eq!(bulk_aligned((250, 100)), (256, 80));
+        assert_eq!(bulk_aligned((1, 20)), (16, 0));
+        assert_eq!(bulk_aligned((3, 0)), (16, 0));
     }
 
     #[test]
