@@ -552,24 +552,11 @@ fn moe_layer(
     inter: usize,
     bf16: bool,
 ) -> MoeLayer {
-    let mut matrix = |rows: usize, cols: usize, scale: f32| {
-        let v = common::uniform(rng, rows * cols, scale);
-        if bf16 {
-            Matrix::from_bf16(
-                rows,
-                cols,
-                v.iter().map(|&x| half::bf16::from_f32(x)).collect(),
-            )
-        } else {
-            Matrix::from_f32(rows, cols, v)
-        }
-        .expect("len")
-    };
     let mut mlp = |w: usize| {
         GatedMlp::new(
-            matrix(w, hidden, 0.3),
-            matrix(w, hidden, 0.3),
-            matrix(hidden, w, 0.3),
+            matrix_weight(rng, w, hidden, bf16),
+            matrix_weight(rng, w, hidden, bf16),
+            matrix_weight(rng, hidden, w, bf16),
         )
         .expect("shapes")
     };
@@ -819,7 +806,7 @@ fn l2_warm_names_the_shared_experts_and_changes_no_result() {
     }
 }
 
-/// A random `[rows][cols]` weight (bf16 or f32).
+/// A random `[rows][cols]` weight (bf16 or f32), uniform in ±0.3.
 fn matrix_weight(
     rng: &mut rand_chacha::ChaCha8Rng,
     rows: usize,
