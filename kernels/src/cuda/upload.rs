@@ -31,33 +31,29 @@ pub fn enabled() -> bool {
     *ON.get_or_init(|| std::env::var("FERRY_ASYNC_WRITES").is_ok_and(|v| v == "1"))
 }
 
-/// One page-locked slot and the event recorded behind its latest copy.
-struct Slot {
-    buf: PinnedBuffer<u8>,
-    copied: CudaEvent,
-}
-
-/// The staging slots of one device, used in turn.
+/// The staging slots of one device, used in turn: one page-locked allocation of
+/// [`SLOTS`] × [`SLOT_BYTES`], and per slot the event recorded behind its latest copy.
 pub(super) struct UploadRing {
-    slots: Vec<Slot>,
+    buf: PinnedBuffer<u8>,
+    copied: Vec<CudaEvent>,
     next: usize,
 }
 
 impl UploadRing {
-    /// [`SLOTS`] slots of [`SLOT_BYTES`] on `dev` (4 MB of page-locked memory).
+    /// The slots on `dev` (4 MB of page-locked memory).
     pub(super) fn new(dev: &CudaDevice) -> Result<Self, KernelError> {
-        let slots = (0..SLOTS)
+        let copied = (0..SLOTS)
             .map(|_| {
-                Ok(Slot {
-                    buf: dev.pinned::<u8>(SLOT_BYTES)?,
-                    copied: dev
-                        .context()
-                        .new_event(None)
-                        .map_err(gpu_err("cuEventCreate"))?,
-                })
+                dev.context()
+                    .new_event(None)
+                    .map_err(gpu_err("cuEventCreate"))
             })
             .collect::<Result<Vec<_>, KernelError>>()?;
-        Ok(Self { slots, next: 0 })
+        Ok(Self {
+            buf: dev.pinned::<u8>(SLOTS * SLOT_BYTES)?,
+            copied,
+            next: 0,
+        })
     }
 
     /// Stages `bytes` and queues their copy to device address `dst` on `stream`, returning
@@ -82,27 +78,30 @@ impl UploadRing {
             });
         }
         let i = self.next;
-        self.next = (i + 1) % self.slots.len();
-        let slot = &mut self.slots[i];
+        self.next = (i + 1) % SLOTS;
         // The slot's previous copy (queued SLOTS writes ago) must have read it.
-        slot.copied
+        self.copied[i]
             .synchronize()
             .map_err(gpu_err("cuEventSynchronize"))?;
-        let staged = &mut slot.buf.as_mut_slice()[..bytes.len()];
+        let at = i * SLOT_BYTES;
+        let staged = &mut self.buf.as_mut_slice()[at..at + bytes.len()];
         staged.copy_from_slice(bytes);
-        // SAFETY: `staged` is page-locked and is not written again until `copied`, recorded
+        // SAFETY: `staged` is page-locked and is not written again until `copied[i]`, recorded
         // right behind this copy, has completed; `dst` is the caller's live range.
         unsafe { result::memcpy_htod_async(dst, &*staged, stream.cu_stream()) }
             .map_err(gpu_err("cuMemcpyHtoDAsync"))?;
-        slot.copied.record(stream).map_err(gpu_err("cuEventRecord"))
+        self.copied[i]
+            .record(stream)
+            .map_err(gpu_err("cuEventRecord"))
     }
 }
 
 impl Drop for UploadRing {
     fn drop(&mut self) {
-        // No copy may still read a slot when its page-locked memory is freed.
-        for s in &self.slots {
-            let _ = s.copied.synchronize();
+        // No copy may still read a slot when the page-locked memory is freed (`buf` is dropped
+        // after this body).
+        for e in &self.copied {
+            let _ = e.synchronize();
         }
     }
 }
