@@ -915,6 +915,97 @@ fn warm_names_the_shared_experts<D: ferry_kernels::gpu::launch::Gpu>(
     assert_eq!(shared_expert_ranges(experts, n_shared, all).len(), 3);
 }
 
+/// The router GEMV and the routing in one launch (`ops::moe_router_route`,
+/// `FERRY_ROUTER_FUSED`) give bitwise the logits, ids and weights of `linear` then
+/// `moe_route`: 1, 3 and 8 tokens; 64 experts (the two-register kernel) and 256 in groups (the
+/// eight-register one); sigmoid and softmax scoring; f32 and bf16 routers. The same counter
+/// serves three launches in a row, so the last block sets it back. Nine tokens (past the GEMV)
+/// take the two launches through `router_and_route`.
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+#[test]
+fn fused_router_and_routing_are_bitwise_the_two_launches() {
+    for b in backends() {
+        match &b {
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(dev) => router_route_is_bitwise(dev),
+            #[cfg(feature = "rocm")]
+            Backend::Rocm(dev) => router_route_is_bitwise(dev),
+            _ => {}
+        }
+    }
+}
+
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+fn router_route_is_bitwise<D: ferry_kernels::gpu::launch::Gpu>(dev: &D) {
+    use ferry_kernels::gpu::launch::DeviceMem;
+    use ferry_kernels::gpu::ops::{
+        self, GemmPrecision, GpuMatrix, RouteParams, RouterRoute, Routes,
+    };
+    let mut rng = common::rng(41);
+    let hidden = 96;
+    // (experts, top_k, groups, groups kept, softmax)
+    for (e, top_k, n_group, topk_group, softmax) in [
+        (64, 6, 1, 1, false),
+        (256, 8, 8, 4, false),
+        (64, 6, 1, 1, true),
+    ] {
+        for bf16 in [false, true] {
+            let router =
+                GpuMatrix::upload(dev, &matrix_weight(&mut rng, e, hidden, bf16)).expect("router");
+            let bias = dev
+                .upload(&common::uniform(&mut rng, e, 0.5))
+                .expect("bias");
+            let p = RouteParams {
+                n_experts: e as i32,
+                top_k: top_k as i32,
+                n_group,
+                topk_group,
+                norm_topk: 1,
+                n_shared: 2,
+                scale: 2.5,
+                softmax: i32::from(softmax),
+            };
+            let slots = top_k + 2;
+            let done = dev.zeros::<u32>(1).expect("counter");
+            for t in [1, 3, 8, 9, 1] {
+                let x = dev
+                    .upload(&common::uniform(&mut rng, t * hidden, 1.0))
+                    .expect("x");
+                let run = |fused: bool| -> (Vec<u32>, Vec<i32>, Vec<u32>) {
+                    let logits = dev.zeros::<f32>(t * e).expect("logits");
+                    let ids = dev.zeros::<i32>(t * slots).expect("ids");
+                    let w = dev.zeros::<f32>(t * slots).expect("weights");
+                    let a = RouterRoute {
+                        x: x.v(),
+                        router: &router,
+                        bias: bias.v(),
+                        p,
+                        logits: logits.v(),
+                        out: Routes {
+                            ids: ids.v(),
+                            weights: w.v(),
+                            slots,
+                        },
+                        done: done.v(),
+                    };
+                    ops::router_and_route(dev, a, fused, GemmPrecision::Exact).expect("route");
+                    let bits = |v: Vec<f32>| v.iter().map(|f| f.to_bits()).collect();
+                    (
+                        bits(dev.download(&logits).expect("logits")),
+                        dev.download(&ids).expect("ids"),
+                        bits(dev.download(&w).expect("weights")),
+                    )
+                };
+                let want = run(false);
+                assert!(want.1[..top_k].iter().all(|&i| (0..e as i32).contains(&i)));
+                let what = format!("{e} experts, {t} tokens, bf16 {bf16}, softmax {softmax}");
+                assert_eq!(run(true), want, "{what}");
+                assert_eq!(dev.download(&done).expect("counter"), vec![0], "{what}");
+            }
+        }
+    }
+}
+
 /// `rms_norm_into` (the forward's input and post-attention norms): the CPU's RMSNorm of every
 /// row, the input rows untouched; widths on and off the norm kernel's float4 path.
 #[test]

@@ -1100,6 +1100,7 @@ fn random_experts(
         inter,
         hidden,
         shared_ids: None,
+        route_done: dev.zeros::<u32>(1).expect("counter"),
     }
 }
 

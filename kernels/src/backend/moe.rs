@@ -273,7 +273,6 @@ fn moe_on<D: super::OnDevice>(
         return ops::moe_token_beside(dev, &side, m);
     }
     let logits = dev.alloc::<f32>(t * router.rows())?;
-    ops::linear(dev, x, router, logits.v(), gemm)?;
     let slots = (routing.top_k + routing.n_shared) as usize;
     let ids = dev.alloc::<i32>(t * slots)?;
     let w = dev.alloc::<f32>(t * slots)?;
@@ -282,7 +281,17 @@ fn moe_on<D: super::OnDevice>(
         weights: w.v(),
         slots,
     };
-    ops::moe_route(dev, logits.v(), bias.v(), routing, routes)?;
+    // One launch for both at small batches where `FERRY_ROUTER_FUSED` asks.
+    let rr = ops::RouterRoute {
+        x,
+        router,
+        bias: bias.v(),
+        p: routing,
+        logits: logits.v(),
+        out: routes,
+        done: experts.route_done.v(),
+    };
+    ops::router_and_route(dev, rr, ops::router_fused(), gemm)?;
     ops::moe_experts(dev, x, routes, experts, h)
 }
 
@@ -366,6 +375,7 @@ mod stack {
         };
         let n_shared = if shared.is_some() { n_shared } else { 0 };
         let shared_ids = crate::gpu::ops::shared_expert_ids(dev, experts.len(), n_shared)?;
+        let route_done = dev.zeros::<u32>(1)?;
         Ok(GpuExperts {
             gate: stack(&gates, hidden)?,
             up: stack(&ups, hidden)?,
@@ -373,6 +383,7 @@ mod stack {
             inter,
             hidden,
             shared_ids,
+            route_done,
         })
     }
 

@@ -1010,15 +1010,13 @@ extern "C" __global__ void moe_route(const float* logits, const float* bias, Rou
 // shared-memory rounds and no serial lane-0 tail: only the group scan goes through shared
 // memory, and not at all for DeepSeek-V2's softmax routing when every group is kept (V2-Lite's
 // one group), where the scan and ranking decide nothing. Four tokens per block of 128.
+// One warp routes token t; `c` is the warp's NPL · (WARP + 1) floats of shared memory (a
+// token's choices with one pad word per 32, expert e at e + e / 32, so that lanes scanning
+// 32-expert groups hit different banks).
 template <int NPL>
-__device__ void moe_route_reg_impl(const float* logits, const float* bias, RouteParams p,
-                                   int* ids, float* weights, int T) {
-  // Per warp, a token's choices with one pad word per 32 (expert e at e + e / 32), so that
-  // lanes scanning 32-expert groups hit different banks.
-  __shared__ float sh[4][NPL * (WARP + 1)];
-  int w = threadIdx.x / WARP, lane = threadIdx.x % WARP;
-  int t = blockIdx.x * (blockDim.x / WARP) + w;
-  if (t >= T) return;
+__device__ void moe_route_token(const float* logits, const float* bias, RouteParams p, int* ids,
+                                float* weights, int t, float* c) {
+  int lane = threadIdx.x % WARP;
   int E = p.n_experts, slots = p.top_k + p.n_shared;
   const float* row = logits + (size_t)t * E;
   float score[NPL], choice[NPL], b[NPL];
@@ -1060,7 +1058,6 @@ __device__ void moe_route_reg_impl(const float* logits, const float* bias, Route
   }
   if (!(p.softmax && p.topk_group >= p.n_group)) {
     int gsz = E / p.n_group;
-    float* c = sh[w];
 #pragma unroll
     for (int j = 0; j < NPL; j++)
       if (lane + j * WARP < E) c[lane + j * (WARP + 1)] = choice[j];
@@ -1125,6 +1122,16 @@ __device__ void moe_route_reg_impl(const float* logits, const float* bias, Route
     weights[(size_t)t * slots + p.top_k + s] = 1.0f;
   }
 }
+// Four tokens per block, one warp each.
+template <int NPL>
+__device__ void moe_route_reg_impl(const float* logits, const float* bias, RouteParams p,
+                                   int* ids, float* weights, int T) {
+  __shared__ float sh[4][NPL * (WARP + 1)];
+  int w = threadIdx.x / WARP;
+  int t = blockIdx.x * (blockDim.x / WARP) + w;
+  if (t >= T) return;
+  moe_route_token<NPL>(logits, bias, p, ids, weights, t, sh[w]);
+}
 // E <= 64 (DeepSeek-V2-Lite) and E <= 256 (DeepSeek-V2, V3). Grid: ceil(T / 4); block 128.
 extern "C" __global__ void moe_route_w2(const float* logits, const float* bias, RouteParams p,
                                         int* ids, float* weights, int T) {
@@ -1136,6 +1143,43 @@ extern "C" __global__ void moe_route_w8(const float* logits, const float* bias, 
   pdl_enter();
   moe_route_reg_impl<8>(logits, bias, p, ids, weights, T);
 }
+
+// The router GEMV and the routing of up to 8 tokens in one launch (a decode step's MoE at small
+// batches; `gpu::ops::moe_router_route`, `FERRY_ROUTER_FUSED`). Every block computes 8 of the
+// router's rows for every token with gemv_impl (so the logits are bitwise the GEMV's), then
+// the last block to finish — counted on `done`, which it sets back to 0 for the next launch —
+// routes the tokens, one warp each, with moe_route_token (so the ids and weights are bitwise
+// the routing kernels'). The fence before the count makes each block's logits visible to the
+// block that counts last. Grid: ceil(E / 8); block 256.
+template <int NPL, typename W>
+__device__ void moe_router_route_impl(const float* x, int T, const W* w, int hidden,
+                                      const float* bias, RouteParams p, float* logits, int* ids,
+                                      float* weights, unsigned* done) {
+  __shared__ float sh[8][NPL * (WARP + 1)];
+  __shared__ int last;
+  gemv_impl(x, T, w, p.n_experts, hidden, logits, 0);
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(done, 1u) == gridDim.x - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  int wi = threadIdx.x / WARP;
+  if (wi < T) moe_route_token<NPL>(logits, bias, p, ids, weights, wi, sh[wi]);
+  if (threadIdx.x == 0) *done = 0u;
+}
+#define ROUTER_ROUTE(NAME, NPL, W)                                                              \
+  extern "C" __global__ void NAME(const float* x, int T, const W* w, int hidden,                \
+                                  const float* bias, RouteParams p, float* logits, int* ids,    \
+                                  float* weights, unsigned* done) {                             \
+    gemv_prefetch(w, p.n_experts, hidden);                                                      \
+    pdl_enter();                                                                                \
+    moe_router_route_impl<NPL>(x, T, w, hidden, bias, p, logits, ids, weights, done);           \
+  }
+ROUTER_ROUTE(moe_router_route_w2_f32, 2, float)
+ROUTER_ROUTE(moe_router_route_w2_bf16, 2, bf16_t)
+ROUTER_ROUTE(moe_router_route_w8_f32, 8, float)
+ROUTER_ROUTE(moe_router_route_w8_bf16, 8, bf16_t)
 
 // act[t·K+s][r] = silu(gate_e[r]·x_t) · (up_e[r]·x_t), e = ids[t][s]; experts stacked
 // [E_total][inter][hidden]; a warp streams R gate rows and their R up rows together.

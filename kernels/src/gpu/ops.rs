@@ -1574,6 +1574,9 @@ pub struct GpuExperts<D: Gpu> {
     /// [`moe_token_beside`] hands the kernels for the shared slots before routing has written
     /// them. `None` without a shared expert.
     pub shared_ids: Option<D::Buffer<i32>>,
+    /// This layer's completion counter for [`moe_router_route`] (one `u32`, zero between
+    /// launches: the kernel's last block sets it back).
+    pub route_done: D::Buffer<u32>,
 }
 
 /// [`GpuExperts::shared_ids`] for `n_shared` shared-expert chunks stacked after `n_routed`
@@ -1750,6 +1753,107 @@ pub fn moe_route_with<D: Gpu>(
         }
     };
     dev.launch(&f, dims, &mut args)
+}
+
+/// Whether small batches take the router GEMV and the routing in one launch
+/// ([`moe_router_route`]; `FERRY_ROUTER_FUSED=1`, read once). Off by default until an H200 run
+/// shows it pays (docs/gpu.md).
+pub fn router_fused() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("FERRY_ROUTER_FUSED").is_ok_and(|v| v == "1"))
+}
+
+/// `a`'s router logits and routes: one launch ([`moe_router_route`]) when `fused` and the
+/// batch is small enough (at most [`GEMV_MAX_M`] tokens, routing the register kernel takes),
+/// else [`linear`] then [`moe_route`]. Either way the same logits, ids and weights, bit for
+/// bit.
+pub fn router_and_route<D: Gpu>(
+    dev: &D,
+    a: RouterRoute<'_, D>,
+    fused: bool,
+    gemm: GemmPrecision,
+) -> Result<(), KernelError> {
+    let t = a.x.len / a.router.cols().max(1);
+    if fused && (1..=GEMV_MAX_M).contains(&t) && RouteKernel::Registers.fits(&a.p) {
+        return moe_router_route(dev, a);
+    }
+    linear(dev, a.x, a.router, a.logits, gemm)?;
+    moe_route(dev, a.logits, a.bias, a.p, a.out)
+}
+
+/// What [`moe_router_route`] computes: `x`'s router logits and their routes.
+#[derive(Debug, Clone, Copy)]
+pub struct RouterRoute<'a, D: Gpu> {
+    /// `[T][hidden]` inputs, 1 ≤ T ≤ [`GEMV_MAX_M`].
+    pub x: Dv<f32>,
+    /// `[E][hidden]` router.
+    pub router: &'a GpuMatrix<D>,
+    /// `[E]` correction bias.
+    pub bias: Dv<f32>,
+    /// Routing hyper-parameters (the register kernel's limits, [`RouteKernel::fits`]).
+    pub p: RouteParams,
+    /// `[T][E]` logits (written).
+    pub logits: Dv<f32>,
+    /// `ids` and `weights`, `[T][slots]` each.
+    pub out: Routes,
+    /// The call site's counter (one `u32`, zero; [`GpuExperts::route_done`]).
+    pub done: Dv<u32>,
+}
+
+/// The router GEMV and the routing in one launch (`moe_router_route_w{2,8}_*`): every block
+/// computes eight router rows for every token, the last block to finish routes them (and sets
+/// `done` back to zero). Bitwise [`linear`] then [`moe_route`] (the same GEMV and routing
+/// code). `done` must not be shared with a launch that may run at the same time.
+pub fn moe_router_route<D: Gpu>(dev: &D, a: RouterRoute<'_, D>) -> Result<(), KernelError> {
+    const OP: &str = "gpu_moe_router_route";
+    let (p, router) = (a.p, a.router);
+    let (e, hidden) = (router.rows(), router.cols());
+    let t = a.x.len / hidden.max(1);
+    if !(1..=GEMV_MAX_M).contains(&t) || t * hidden != a.x.len {
+        return Err(KernelError::InvalidParam {
+            op: OP,
+            field: "x",
+            limit: "1 to 8 whole rows of the router's width",
+            value: format!("{} values of width {hidden}", a.x.len),
+        });
+    }
+    if e != p.n_experts.max(0) as usize || !RouteKernel::Registers.fits(&p) || p.n_group <= 0 {
+        return Err(KernelError::InvalidParam {
+            op: OP,
+            field: "n_experts / n_group / top_k",
+            limit: "the router's rows; <= 256 / 32 / 32",
+            value: format!("{e} rows, {} / {} / {}", p.n_experts, p.n_group, p.top_k),
+        });
+    }
+    need(OP, "bias", e, a.bias.len)?;
+    need(OP, "logits", t * e, a.logits.len)?;
+    let slots = (p.top_k + p.n_shared) as usize;
+    crate::cpu::gemm::check_len(OP, "slots", slots, a.out.slots)?;
+    need(OP, "ids", t * slots, a.out.ids.len)?;
+    need(OP, "weights", t * slots, a.out.weights.len)?;
+    need(OP, "done", 1, a.done.len)?;
+    let name = match (e <= 64, router.is_bf16()) {
+        (true, true) => "moe_router_route_w2_bf16",
+        (true, false) => "moe_router_route_w2_f32",
+        (false, true) => "moe_router_route_w8_bf16",
+        (false, false) => "moe_router_route_w8_f32",
+    };
+    let mut args = KernelArgs::new();
+    args.push(a.x.ptr)
+        .push(int(OP, "T", t)?)
+        .push(router.ptr())
+        .push(int(OP, "hidden", hidden)?)
+        .push(a.bias.ptr)
+        .push(p)
+        .push(a.logits.ptr)
+        .push(a.out.ids.ptr)
+        .push(a.out.weights.ptr)
+        .push(a.done.ptr);
+    dev.launch(
+        &kernel(dev, name)?,
+        LaunchDims::linear(e.div_ceil(8), 256),
+        &mut args,
+    )
 }
 
 /// Outputs per block of the per-pair `moe_down` kernels (`FERRY_MOE_DOWN_R` = 1, 4, 8 or 16).
@@ -2142,13 +2246,21 @@ pub fn moe_token_beside<D: Gpu>(dev: &D, side: &D, m: MoeToken<'_, D>) -> Result
         slots: n_shared,
     };
     pairs.gate_up(side, shared)?;
-    linear(dev, x, router, logits.v(), gemm)?;
     let routes = Routes {
         ids: ids.v(),
         weights: weights.v(),
         slots,
     };
-    moe_route(dev, logits.v(), bias, routing, routes)?;
+    let rr = RouterRoute {
+        x,
+        router,
+        bias,
+        p: routing,
+        logits: logits.v(),
+        out: routes,
+        done: experts.route_done.v(),
+    };
+    router_and_route(dev, rr, router_fused(), gemm)?;
     let routed = GateUpAt {
         x: x.ptr,
         ids: ids.ptr(),

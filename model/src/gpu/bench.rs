@@ -141,6 +141,7 @@ impl DeepseekModel {
                         inter,
                         hidden: h,
                         shared_ids: shared_expert_ids(dev, c.n_routed_experts, c.n_shared_experts)?,
+                        route_done: dev.zeros::<u32>(1)?,
                     },
                     routing: RouteParams {
                         n_experts: c.n_routed_experts as i32,
