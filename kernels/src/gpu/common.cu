@@ -1009,16 +1009,17 @@ extern "C" __global__ void moe_route(const float* logits, const float* bias, Rou
 // moe_route's comparison, the picked register set to -inf, and lane k keeps pick k. No
 // shared-memory rounds and no serial lane-0 tail: only the group scan goes through shared
 // memory, and not at all for DeepSeek-V2's softmax routing when every group is kept (V2-Lite's
-// one group), where the scan and ranking decide nothing. Four tokens per block of 128.
+// one group), where the scan and ranking decide nothing.
 // One warp routes token t; `c` is the warp's NPL · (WARP + 1) floats of shared memory (a
 // token's choices with one pad word per 32, expert e at e + e / 32, so that lanes scanning
-// 32-expert groups hit different banks).
+// 32-expert groups hit different banks). The logits are read through a volatile pointer (past
+// L1): in moe_router_route other blocks of the same launch wrote them.
 template <int NPL>
 __device__ void moe_route_token(const float* logits, const float* bias, RouteParams p, int* ids,
                                 float* weights, int t, float* c) {
   int lane = threadIdx.x % WARP;
   int E = p.n_experts, slots = p.top_k + p.n_shared;
-  const float* row = logits + (size_t)t * E;
+  const volatile float* row = logits + (size_t)t * E;
   float score[NPL], choice[NPL], b[NPL];
 #pragma unroll
   for (int j = 0; j < NPL; j++) {
