@@ -817,7 +817,17 @@ impl CudaDevice {
                 op: "cuStreamEndCapture",
                 message: "the capture recorded nothing".into(),
             })?;
-        Ok(GpuGraph { graph })
+        let graph = GpuGraph { graph };
+        if graph_edges_switch() {
+            match graph.edges() {
+                Ok(e) => eprintln!(
+                    "FERRY_GRAPH_EDGES: captured {} nodes, {} edges, {} programmatic",
+                    e.nodes, e.edges, e.programmatic
+                ),
+                Err(e) => eprintln!("FERRY_GRAPH_EDGES: {e}"),
+            }
+        }
+        Ok(graph)
     }
 
     /// A stopwatch of GPU time on this device's stream.
@@ -854,6 +864,75 @@ impl GpuGraph {
     pub fn launch(&self) -> Result<(), KernelError> {
         self.graph.launch().map_err(gpu_err("cuGraphLaunch"))
     }
+
+    /// The captured graph's nodes and edges, and how many edges are programmatic (a kernel
+    /// launched with programmatic dependent launch kept that in the graph: the next kernel may
+    /// be scheduled before this one ends). A diagnostic: `FERRY_GRAPH_EDGES=1` prints it at
+    /// each capture, to tell whether graph replays overlap neighbouring kernels at all.
+    pub fn edges(&self) -> Result<GraphEdges, KernelError> {
+        let g = self.graph.cu_graph();
+        let mut nodes = 0usize;
+        // SAFETY: a count query on the live graph this handle owns (null node array).
+        unsafe { sys::cuGraphGetNodes(g, std::ptr::null_mut(), &mut nodes) }
+            .result()
+            .map_err(gpu_err("cuGraphGetNodes"))?;
+        let mut n = 0usize;
+        // SAFETY: as above, for the edges.
+        unsafe {
+            use std::ptr::null_mut;
+            sys::cuGraphGetEdges_v2(g, null_mut(), null_mut(), null_mut(), &mut n)
+        }
+        .result()
+        .map_err(gpu_err("cuGraphGetEdges_v2"))?;
+        let mut from = vec![std::ptr::null_mut(); n];
+        let mut to = vec![std::ptr::null_mut(); n];
+        let blank = sys::CUgraphEdgeData {
+            from_port: 0,
+            to_port: 0,
+            type_: 0,
+            reserved: [0; 5],
+        };
+        let mut data = vec![blank; n];
+        // SAFETY: the three arrays hold `n` entries each, the count just queried; the driver
+        // writes at most `n` and sets `n` to what it wrote.
+        unsafe {
+            sys::cuGraphGetEdges_v2(
+                g,
+                from.as_mut_ptr(),
+                to.as_mut_ptr(),
+                data.as_mut_ptr(),
+                &mut n,
+            )
+        }
+        .result()
+        .map_err(gpu_err("cuGraphGetEdges_v2"))?;
+        let programmatic = sys::CUgraphDependencyType::CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC as u8;
+        Ok(GraphEdges {
+            nodes,
+            edges: n,
+            programmatic: data[..n.min(data.len())]
+                .iter()
+                .filter(|d| d.type_ == programmatic)
+                .count(),
+        })
+    }
+}
+
+/// What [`GpuGraph::edges`] counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GraphEdges {
+    /// Nodes (kernels, copies, memory nodes, event nodes).
+    pub nodes: usize,
+    /// Dependencies between them.
+    pub edges: usize,
+    /// Of those, programmatic ones (programmatic dependent launch).
+    pub programmatic: usize,
+}
+
+/// `FERRY_GRAPH_EDGES=1` (read once): print each captured graph's [`GraphEdges`] on stderr.
+fn graph_edges_switch() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var("FERRY_GRAPH_EDGES").is_ok_and(|v| v == "1"))
 }
 
 /// GPU-side timing between two events on the device's stream.

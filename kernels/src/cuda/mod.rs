@@ -31,6 +31,8 @@ pub mod sample;
 pub mod staging;
 pub mod upload;
 
-pub use context::{CudaDevice, DeviceBuffer, GpuGraph, GpuTimer, KernelArgs, LaunchDims};
+pub use context::{
+    CudaDevice, DeviceBuffer, GpuGraph, GpuTimer, GraphEdges, KernelArgs, LaunchDims,
+};
 pub use ops::{GpuMatrix, GpuMatrixData};
 pub use staging::{CopyStream, DeviceRange, Mark, PinnedBuffer};
