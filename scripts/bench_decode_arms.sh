@@ -8,7 +8,8 @@
 #      context (`bench_gpu 1024 64`; BATCH, default 1, e.g. 1,32);
 #   2. unless ROUNDS_ENGINE=0, the serving engine on the DSpark lease target's shape with dummy
 #      weights (`ferry bench-engine --speculative`, c = 1, fixed:8): its plain step and its round.
-# Logs and the runs' JSON under $OUT (else ./gpu-logs).
+# Logs and the runs' JSON under $OUT (else ./gpu-logs). With FERRY_GRAPH_EDGES=1 set, it also
+# prints each arm's captured graphs' node, edge and programmatic-edge counts.
 #   ARMS=... ROUNDS=3 BATCH=1 OUT=... bash scripts/bench_decode_arms.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -34,6 +35,13 @@ for round in $(seq "$rounds"); do
       awk -F'|' -v a="$arm" -v r="$round" '{print "| " a " | " r " |" $2 "|" $3 "|" $4 "|" $5 "|" $8 "|"}'
   done
 done
+# With FERRY_GRAPH_EDGES=1 in the environment, what each arm's captured graphs held.
+if [ "${FERRY_GRAPH_EDGES:-}" = 1 ]; then
+  echo
+  for arm in $arms; do
+    echo "$arm: $(grep -h '^FERRY_GRAPH_EDGES' "$out/bench_gpu_$(tag "$arm")_1.log" | sort | uniq -c | tr -s ' ' | paste -sd ';' -)"
+  done
+fi
 [ "${ROUNDS_ENGINE:-1}" = 0 ] && exit 0
 echo
 echo "| arm | plain step ms | round ms (plan / launch / sample / commit) |"
