@@ -1699,6 +1699,39 @@ pub fn moe_route<D: Gpu>(
     moe_route_with(dev, RouteKernel::pick(&p), args)
 }
 
+/// The checks every routing launch makes: `a.p` in whole groups and within what `which`
+/// takes, a bias of `p.n_experts`, and `a.out` sized for `t` tokens.
+fn check_routing(
+    op: &'static str,
+    which: RouteKernel,
+    a: &RouteArgs,
+    t: usize,
+) -> Result<(), KernelError> {
+    let (p, out) = (&a.p, &a.out);
+    let e = p.n_experts.max(1) as usize;
+    if e > 1024 || p.n_group <= 0 || p.n_experts % p.n_group != 0 {
+        return Err(KernelError::InvalidParam {
+            op,
+            field: "n_experts / n_group",
+            limit: "<= 1024 experts in whole groups",
+            value: format!("{} / {}", p.n_experts, p.n_group),
+        });
+    }
+    if !which.fits(p) {
+        return Err(KernelError::InvalidParam {
+            op,
+            field: "n_experts / n_group / top_k",
+            limit: "<= 256 / 32 / 32 for the register kernel",
+            value: format!("{} / {} / {}", p.n_experts, p.n_group, p.top_k),
+        });
+    }
+    need(op, "bias", e, a.bias.len)?;
+    let slots = (p.top_k + p.n_shared) as usize;
+    crate::cpu::gemm::check_len(op, "slots", slots, out.slots)?;
+    need(op, "ids", t * slots, out.ids.len)?;
+    need(op, "weights", t * slots, out.weights.len)
+}
+
 /// [`moe_route`] on the given kernel (the tests compare the two bitwise).
 pub fn moe_route_with<D: Gpu>(
     dev: &D,
@@ -1709,27 +1742,7 @@ pub fn moe_route_with<D: Gpu>(
     let (p, out) = (a.p, a.out);
     let e = p.n_experts.max(1) as usize;
     let t = a.logits.len / e;
-    if e > 1024 || p.n_group <= 0 || p.n_experts % p.n_group != 0 {
-        return Err(KernelError::InvalidParam {
-            op: OP,
-            field: "n_experts / n_group",
-            limit: "<= 1024 experts in whole groups",
-            value: format!("{} / {}", p.n_experts, p.n_group),
-        });
-    }
-    if !which.fits(&p) {
-        return Err(KernelError::InvalidParam {
-            op: OP,
-            field: "n_experts / n_group / top_k",
-            limit: "<= 256 / 32 / 32 for the register kernel",
-            value: format!("{} / {} / {}", p.n_experts, p.n_group, p.top_k),
-        });
-    }
-    need(OP, "bias", e, a.bias.len)?;
-    let slots = (p.top_k + p.n_shared) as usize;
-    crate::cpu::gemm::check_len(OP, "slots", slots, out.slots)?;
-    need(OP, "ids", t * slots, out.ids.len)?;
-    need(OP, "weights", t * slots, out.weights.len)?;
+    check_routing(OP, which, &a, t)?;
     if t == 0 {
         return Ok(());
     }
@@ -1817,20 +1830,22 @@ pub fn moe_router_route<D: Gpu>(dev: &D, a: RouterRoute<'_, D>) -> Result<(), Ke
             value: format!("{} values of width {hidden}", a.x.len),
         });
     }
-    if e != p.n_experts.max(0) as usize || !RouteKernel::Registers.fits(&p) || p.n_group <= 0 {
+    if e != p.n_experts.max(0) as usize {
         return Err(KernelError::InvalidParam {
             op: OP,
-            field: "n_experts / n_group / top_k",
-            limit: "the router's rows; <= 256 / 32 / 32",
-            value: format!("{e} rows, {} / {} / {}", p.n_experts, p.n_group, p.top_k),
+            field: "n_experts",
+            limit: "the router's rows",
+            value: format!("{} against {e} rows", p.n_experts),
         });
     }
-    need(OP, "bias", e, a.bias.len)?;
+    let route = RouteArgs {
+        logits: a.logits,
+        bias: a.bias,
+        p,
+        out: a.out,
+    };
+    check_routing(OP, RouteKernel::Registers, &route, t)?;
     need(OP, "logits", t * e, a.logits.len)?;
-    let slots = (p.top_k + p.n_shared) as usize;
-    crate::cpu::gemm::check_len(OP, "slots", slots, a.out.slots)?;
-    need(OP, "ids", t * slots, a.out.ids.len)?;
-    need(OP, "weights", t * slots, a.out.weights.len)?;
     need(OP, "done", 1, a.done.len)?;
     let name = match (e <= 64, router.is_bf16()) {
         (true, true) => "moe_router_route_w2_bf16",
