@@ -14,28 +14,25 @@ use ferry_proto::v1::FinishReason;
 
 const MAX_TOKENS: u32 = 16;
 
-/// UCX reads its environment when each worker starts; every test here uses UCX, so they may
-/// set it concurrently (a cluster that reads the other value still runs over UCX).
-fn ucx_env(tls: &str) {
-    std::env::set_var("UCX_TLS", tls);
-    if tls == "tcp" {
-        std::env::set_var("UCX_NET_DEVICES", "lo");
-    } else {
-        std::env::remove_var("UCX_NET_DEVICES");
-    }
-}
+/// UCX over shared memory (`UCX_TLS`).
+const SHM: &str = "posix,sysv,cma";
 
-fn ucx_spec() -> Spec {
+/// One prefill and one decode worker speaking UCX over the transports `tls`, set in that
+/// cluster's processes alone: the tests here run at the same time, and a prefill worker on
+/// `tcp` cannot reach a decode worker on shared memory ("Destination is unreachable"), which
+/// is what a shared process environment used to let happen.
+fn ucx_spec(tls: &str) -> Spec {
+    let devices = if tls == "tcp" { "lo" } else { "all" };
     Spec::new(1, 1)
         .prefill(&["--transport", "ucx"])
         .decode(&["--transport", "ucx"])
+        .env(&[("UCX_TLS", tls), ("UCX_NET_DEVICES", devices)])
 }
 
 async fn greedy_over(tls: &str) {
-    ucx_env(tls);
     let prompt = cluster::long_prompt();
     let want = cluster::reference_generate(&prompt, MAX_TOKENS).await;
-    let cluster = Cluster::start(ucx_spec()).await;
+    let cluster = Cluster::start(ucx_spec(tls)).await;
     let (prefill, decode) = (
         cluster.live(Role::Prefill)[0].clone(),
         cluster.live(Role::Decode)[0].clone(),
@@ -56,8 +53,7 @@ async fn greedy_over(tls: &str) {
     );
     if tls != "tcp" {
         // The decode worker's pool is UCX shared memory, which the prefill worker maps and
-        // copies into (the other tests here may change UCX_TLS between the two clusters, so
-        // only the shared-memory one is checked).
+        // copies into (only the shared-memory cluster has one).
         assert!(
             cluster
                 .log(&decode)
@@ -76,15 +72,14 @@ async fn greedy_over(tls: &str) {
 
 #[tokio::test]
 async fn greedy_output_over_ucx_equals_ferry_generate() {
-    greedy_over("posix,sysv,cma").await;
+    greedy_over(SHM).await;
     greedy_over("tcp").await;
 }
 
 #[tokio::test]
 async fn killing_the_prefill_worker_mid_transfer_recomputes_and_frees_every_block() {
-    ucx_env("posix,sysv,cma");
     let mut cluster = Cluster::start(
-        ucx_spec()
+        ucx_spec(SHM)
             .router(&["--heartbeat-timeout-ms", "60000"])
             .decode(&["--local-prefill-threshold", "0"]),
     )
@@ -119,11 +114,13 @@ async fn killing_the_prefill_worker_mid_transfer_recomputes_and_frees_every_bloc
 
 #[tokio::test]
 async fn a_decode_worker_no_prefill_worker_can_reach_prefills_itself() {
-    ucx_env("posix,sysv,cma");
     let prompt = cluster::long_prompt();
     let want = cluster::reference_generate(&prompt, MAX_TOKENS).await;
     // The prefill worker speaks TCP only; the decode worker receives over UCX.
-    let cluster = Cluster::start(Spec::new(1, 1).decode(&["--transport", "ucx"])).await;
+    let spec = Spec::new(1, 1)
+        .decode(&["--transport", "ucx"])
+        .env(&[("UCX_TLS", SHM), ("UCX_NET_DEVICES", "all")]);
+    let cluster = Cluster::start(spec).await;
     let decode = cluster.live(Role::Decode)[0].clone();
     let mut client = cluster.grpc().await;
     let out = tokio::time::timeout(
@@ -145,12 +142,11 @@ async fn a_decode_worker_no_prefill_worker_can_reach_prefills_itself() {
 
 #[tokio::test]
 async fn prefix_reuse_ships_only_the_missing_blocks() {
-    ucx_env("posix,sysv,cma");
     let a_text = cluster::long_prompt();
     let b_text = format!("{a_text} Blessed are they that mourn: for they shall be comforted.");
     let b_ref = cluster::reference_generate(&b_text, MAX_TOKENS).await;
     // Every prompt goes to the prefill worker (threshold 0).
-    let cluster = Cluster::start(ucx_spec().decode(&["--local-prefill-threshold", "0"])).await;
+    let cluster = Cluster::start(ucx_spec(SHM).decode(&["--local-prefill-threshold", "0"])).await;
     let (prefill, decode) = (
         cluster.live(Role::Prefill)[0].clone(),
         cluster.live(Role::Decode)[0].clone(),

@@ -68,7 +68,7 @@ impl Role {
     }
 }
 
-/// What to start: worker counts and extra flags per role.
+/// What to start: worker counts, extra flags per role, and environment for every child.
 #[derive(Debug, Clone, Default)]
 pub struct Spec {
     prefill: usize,
@@ -76,6 +76,7 @@ pub struct Spec {
     router_args: Vec<String>,
     prefill_args: Vec<String>,
     decode_args: Vec<String>,
+    env: Vec<(String, String)>,
 }
 
 impl Spec {
@@ -103,6 +104,15 @@ impl Spec {
     /// Extra `ferry decode` flags (every decode worker).
     pub fn decode(mut self, args: &[&str]) -> Self {
         self.decode_args.extend(args.iter().map(|s| s.to_string()));
+        self
+    }
+
+    /// Environment variables set in every process of this cluster alone (tests running at
+    /// the same time in one test binary must not share settings through the process
+    /// environment: a cluster whose workers read different values can fail).
+    pub fn env(mut self, vars: &[(&str, &str)]) -> Self {
+        self.env
+            .extend(vars.iter().map(|(k, v)| (k.to_string(), v.to_string())));
         self
     }
 }
@@ -159,6 +169,16 @@ pub struct Proc {
 impl Proc {
     /// Starts `ferry <args>` with the test environment, logging to `log_dir/<name>.log`.
     pub fn spawn(name: &str, args: &[String], log_dir: &Path) -> Self {
+        Self::spawn_with_env(name, args, &[], log_dir)
+    }
+
+    /// [`Proc::spawn`] with `env` set in the child's environment.
+    pub fn spawn_with_env(
+        name: &str,
+        args: &[String],
+        env: &[(String, String)],
+        log_dir: &Path,
+    ) -> Self {
         let log = log_dir.join(format!("{name}.log"));
         let out = File::create(&log).expect("create a log file");
         let err = out.try_clone().expect("clone the log file handle");
@@ -170,6 +190,7 @@ impl Proc {
             .stderr(err);
         remove_ferry_env(&mut cmd);
         cmd.env("FERRY_CLUSTER_TOKEN", CLUSTER_TOKEN);
+        cmd.envs(env.iter().map(|(k, v)| (k, v)));
         let mut child = cmd
             .spawn()
             .unwrap_or_else(|e| panic!("starting {name}: {e}"));
@@ -318,7 +339,7 @@ impl Cluster {
             internal_addr.to_string(),
         ];
         router_args.extend(spec.router_args.iter().cloned());
-        let router = Proc::spawn("router", &router_args, logs.path());
+        let router = Proc::spawn_with_env("router", &router_args, &spec.env, logs.path());
         let mut cluster = Self {
             grpc_addr,
             http_addr,
@@ -374,7 +395,7 @@ impl Cluster {
             .iter()
             .cloned(),
         );
-        let proc = Proc::spawn(&id, &args, self.logs.path());
+        let proc = Proc::spawn_with_env(&id, &args, &self.spec.env, self.logs.path());
         self.workers.push(Worker {
             id,
             role,
