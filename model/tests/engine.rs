@@ -68,6 +68,36 @@ async fn steps_are_counted_and_timed_by_kind() {
     wait_idle(&e).await;
 }
 
+/// Requests submitted together (`generate_all`) are admitted before the engine's next step:
+/// all three prompts are one prompt step, then every decode step carries all three.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_submitted_together_share_their_first_step() {
+    let dir = ferry_model::embedded::default_model_dir();
+    let model = DeepseekModel::load(&dir).expect("model");
+    let e = EngineHandle::spawn(
+        model,
+        EngineConfig {
+            num_blocks: 128,
+            max_batch_tokens: 2048,
+            ..EngineConfig::default()
+        },
+    )
+    .expect("engine");
+    let jobs = (0..3)
+        .map(|i| job(golden_case(i).0, 12, PrefillSource::Local))
+        .collect();
+    let gens = e.generate_all(jobs).unwrap();
+    for (i, g) in gens.into_iter().enumerate() {
+        let (toks, end) = collect(g).await;
+        assert_eq!(end, Ok(FinishReason::Length));
+        assert_eq!(toks, golden_case(i).1[..12], "request {i}");
+    }
+    let t = e.stats().await.unwrap().step_times;
+    assert_eq!((t.prompt.steps, t.decode.steps), (1, 11), "{t:?}");
+    assert_eq!(t.decode.sequences, 33, "{t:?}");
+    wait_idle(&e).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_shared_prefix_is_reused_not_recomputed() {
     let e = engine(128);

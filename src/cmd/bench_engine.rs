@@ -654,13 +654,10 @@ fn engine_run(
             .into_iter()
             .map(|p| job(p, args.decode_steps))
             .collect();
-        // The level's first `c` requests are all submitted before any client waits, so the
-        // engine sees `c` in flight from its first step (a client task spawned later could
-        // miss the first prompt step and split it in two).
-        let mut first = Vec::with_capacity(c);
-        for job in jobs.drain(..c.min(jobs.len())) {
-            first.push(engine.generate(job)?);
-        }
+        // The level's first `c` requests go in as one command, so the engine has all `c` in
+        // flight from its first step (sent one by one, the engine could start a prompt step
+        // between two sends and split the batch's prompts in two).
+        let first = engine.generate_all(jobs.drain(..c.min(jobs.len())).collect())?;
         // `c` clients, each taking the next request when its last one finished.
         let queue = std::sync::Arc::new(std::sync::Mutex::new(jobs));
         let mut clients = tokio::task::JoinSet::new();

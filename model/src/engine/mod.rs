@@ -718,6 +718,8 @@ pub(crate) enum Command {
         id: SeqId,
     },
     Stats(oneshot::Sender<EngineStats>),
+    /// Several commands handled together, before the next step ([`EngineHandle::generate_all`]).
+    All(Vec<Command>),
     DrainEvents(oneshot::Sender<Vec<KvEvent>>),
     Snapshot(oneshot::Sender<(Vec<ferry_proto::ids::BlockHash>, ferry_proto::ids::EventId)>),
 }
@@ -1051,6 +1053,40 @@ impl EngineHandle {
             events: rx,
             _in_flight: guard,
         })
+    }
+
+    /// Several requests submitted as one command: the engine admits all of them before its
+    /// next step, so they can share their first prompt step (a benchmark level's first batch,
+    /// or a client's list of prompts), which requests sent one by one cannot rely on: the
+    /// engine may step between two sends. Fails as a whole (nothing submitted) when the
+    /// engine is overloaded or stopped.
+    pub fn generate_all(&self, jobs: Vec<GenerateJob>) -> Result<Vec<Generation>, EngineError> {
+        let mut guards = Vec::with_capacity(jobs.len());
+        for _ in &jobs {
+            guards.push(self.admit()?);
+        }
+        let span = tracing::Span::current();
+        let mut cmds = Vec::with_capacity(jobs.len());
+        let mut generations = Vec::with_capacity(jobs.len());
+        for (job, guard) in jobs.into_iter().zip(guards) {
+            let id = SeqId(self.next_id.fetch_add(1, Ordering::Relaxed));
+            let (events, rx) = mpsc::unbounded_channel();
+            cmds.push(Command::Generate {
+                id,
+                job,
+                events,
+                options: GenerateOptions::default(),
+                span: span.clone(),
+                forks: Vec::new(),
+            });
+            generations.push(Generation {
+                id,
+                events: rx,
+                _in_flight: guard,
+            });
+        }
+        self.send(Command::All(cmds))?;
+        Ok(generations)
     }
 
     /// `n` samples of one prompt (`1 ≤ n ≤` [`MAX_SAMPLES`]), one [`Generation`] each, in

@@ -247,6 +247,11 @@ impl Scheduler {
             Command::Stats(tx) => {
                 let _ = tx.send(self.snapshot_stats());
             }
+            Command::All(cmds) => {
+                for cmd in cmds {
+                    self.handle(cmd);
+                }
+            }
             Command::DrainEvents(tx) => {
                 let _ = tx.send(self.kv.drain_events());
             }
