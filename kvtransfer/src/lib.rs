@@ -121,7 +121,7 @@ pub use layerwise::{LayerSink, LayerStreamer};
 pub use local::LocalTransport;
 pub use memory::{HostMemory, LayerMemory, Span};
 pub use tcp::TcpTransport;
-pub use ucx::UcxTransport;
+pub use ucx::{UcxOptions, UcxTransport};
 
 /// How a KV pool's rows are stored: the element type, and for fast-mode GPU caches where the
 /// RoPE key sits.

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use ferry_kvtransfer::{
     check_write, BlockWrite, Dtype, Fence, HostMemory, KvLayoutDesc, KvRegion, LayerMemory,
     LayerStreamer, LocalTransport, Payload, RemoteKey, RemoteWriter, TcpTransport, TransferError,
-    Transport, UcxTransport, WriteBatch,
+    Transport, UcxOptions, UcxTransport, WriteBatch,
 };
 use ferry_proto::auth::ClusterToken;
 
@@ -250,6 +250,18 @@ async fn ucx_pair() -> Arc<dyn Transport> {
         receiver: make(),
         writer: make(),
     })
+}
+
+/// As [`ucx_pair`], with a writer that spreads each transfer's layers over three lanes
+/// (layers 0 and 3 on its own thread, 1 and 2 on two more), each a connection of its own.
+async fn ucx_lanes() -> Arc<dyn Transport> {
+    let receiver = new_ucx();
+    let writer = UcxTransport::with_options(UcxOptions {
+        token: None,
+        lanes: 3,
+    })
+    .expect("UCX with three lanes");
+    Arc::new(Pair { receiver, writer })
 }
 
 /// A transport whose regions live on `receiver` and whose connections start from `writer`.
@@ -796,6 +808,71 @@ transport_contract!(ucx_pair_into_memory, ucx_pair, Exposed::Memory);
 transport_contract!(ucx_pair_staged, ucx_pair, Exposed::Staged);
 transport_contract!(ucx_shared_memory, ucx, Exposed::Shared);
 transport_contract!(ucx_pair_shared_memory, ucx_pair, Exposed::Shared);
+transport_contract!(ucx_lanes_into_memory, ucx_lanes, Exposed::Memory);
+transport_contract!(ucx_lanes_staged, ucx_lanes, Exposed::Staged);
+transport_contract!(ucx_lanes_shared_memory, ucx_lanes, Exposed::Shared);
+
+/// UCX only: a writer with three lanes opens a connection on each (one endpoint per lane to
+/// the receiver, kept for later transfers), sends each layer over its lane, and its flush
+/// sums what every lane's connection acknowledged; a refused connect closes every lane's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ucx_a_writer_spreads_its_layers_over_its_lanes() {
+    let receiver = new_ucx();
+    let writer = UcxTransport::with_options(UcxOptions {
+        token: None,
+        lanes: 3,
+    })
+    .unwrap();
+    assert_eq!(writer.lanes(), 3);
+    let layout = LAYOUT;
+    let region = TestRegion::new(layout, Exposed::Memory);
+    let reg = receiver.register(region.clone()).await.unwrap();
+    let mut expected = HashMap::new();
+    for seed in [1u32, 2] {
+        let mut w = writer
+            .connect(&reg.address, reg.key, Fence::NONE, &layout)
+            .await
+            .unwrap();
+        for layer in 0..layout.num_layers {
+            let blocks = [seed, seed + 4];
+            w.write(batch(seed, &layout, layer, &blocks)).await.unwrap();
+            for b in blocks {
+                expected.insert((layer, b), pattern(seed, layer, b, layout.block_bytes()));
+            }
+        }
+        let all = 2 * layout.num_layers as u64 * layout.block_bytes() as u64;
+        assert_eq!(w.flush().await.unwrap(), all, "transfer {seed}");
+        drop(w);
+        assert_eq!(
+            writer.endpoints(),
+            3,
+            "transfer {seed}: one endpoint per lane"
+        );
+    }
+    region.assert_only(&expected);
+    // Layers 0 and 3 on lane 0, layer 1 on lane 1, layer 2 on lane 2; two transfers.
+    assert_eq!(writer.writes_per_lane(), vec![4, 2, 2]);
+    let e = expect_err(
+        writer
+            .connect(&reg.address, RemoteKey(reg.key.0 ^ 1), Fence::NONE, &layout)
+            .await,
+    );
+    assert!(matches!(e, TransferError::UnknownRegion(_)), "{e}");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while writer.endpoints() != 0 && std::time::Instant::now() < deadline {
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        writer.endpoints(),
+        0,
+        "every lane's failed connection is closed"
+    );
+    let bad = UcxTransport::with_options(UcxOptions {
+        token: None,
+        lanes: 0,
+    });
+    assert!(bad.unwrap_err().to_string().contains("1 to 16"));
+}
 
 /// UCX only: connections (one per transfer) to one receiver share one endpoint, kept open
 /// between transfers; a failed connection retires it and the next transfer opens a new one.

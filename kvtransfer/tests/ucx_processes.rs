@@ -2,7 +2,8 @@
 //! writer process puts blocks into it, over shared memory (`UCX_TLS=posix,sysv,cma`) and over
 //! TCP on loopback (`UCX_TLS=tcp`, `UCX_NET_DEVICES=lo`), into a heap pool or one the
 //! transport allocated (`Transport::alloc_host`: UCX shared memory, which the writer maps and
-//! copies into); and a writer whose receiver died gets an error, not a hang.
+//! copies into), from a writer on one lane or three (`FERRY_UCX_LANES`); and a writer whose
+//! receiver died gets an error, not a hang.
 //!
 //! Each process is this test binary re-run on the ignored `role` test with `FERRY_UCX_ROLE`
 //! set, so both ends load UCX with exactly the environment the case gives.
@@ -243,6 +244,29 @@ fn a_transport_pool_without_shared_memory_takes_puts() {
         ("FERRY_UCX_POOL", "transport"),
     ];
     puts_land_between_processes(&env, 0);
+}
+
+/// A writer with three lanes (`FERRY_UCX_LANES`): each layer goes over its own lane's
+/// connection and endpoint, over TCP.
+#[test]
+fn a_writer_s_lanes_put_between_processes_over_tcp() {
+    let env = [
+        ("UCX_TLS", "tcp"),
+        ("UCX_NET_DEVICES", "lo"),
+        ("FERRY_UCX_LANES", "3"),
+    ];
+    puts_land_between_processes(&env, 0);
+}
+
+/// Three lanes copying into a shared-memory pool: each lane maps the pool for itself.
+#[test]
+fn a_writer_s_lanes_copy_into_a_shared_memory_pool() {
+    let env = [
+        ("UCX_TLS", "posix,sysv,cma"),
+        ("FERRY_UCX_POOL", "transport"),
+        ("FERRY_UCX_LANES", "3"),
+    ];
+    puts_land_between_processes(&env, 3);
 }
 
 /// The receiver is killed before the writer connects: the writer reports an error within the

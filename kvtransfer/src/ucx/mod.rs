@@ -50,7 +50,20 @@
 //! A UCP worker is single-threaded, so one thread per [`UcxTransport`] owns the context, the
 //! worker, every endpoint and registration, and runs the progress loop; the async side sends it
 //! commands and awaits one-shot replies, and wakes it with `ucp_worker_signal`. The thread sleeps
-//! on the worker's event fd when idle.
+//! on the worker's event fd when idle. A writer's further lanes (below) are threads of the same
+//! kind that only connect and write.
+//!
+//! ## Lanes
+//!
+//! Posting a put costs host time: 4.5–6.5 µs each in UCX 1.22's `cuda_ipc` (context check, IPC
+//! mapping lookup, `cuMemcpyDtoDAsync`, event record; BENCHMARKS.md), so one thread posting a
+//! 61-layer transfer spends about as long as the device copies themselves take at 1k–8k
+//! tokens. With [`UcxOptions::lanes`] > 1 (`FERRY_UCX_LANES`), a writer opens one connection
+//! per lane: lane 0 is the transport's own thread, the others are writer-only progress threads,
+//! each with its own UCP context, worker and endpoint to the receiver, started on the first
+//! connect. Layer `l`'s writes go over lane `l mod lanes`; the flush flushes every lane and
+//! sums their acknowledged bytes. The receiver sees one session per lane, each checked as any
+//! writer is (token, key, fence, layout).
 //!
 //! ## Fences and one-sided puts
 //!
@@ -103,64 +116,178 @@ pub const FLUSH_TIMEOUT: Duration = Duration::from_secs(60);
 pub const ADDRESS_PREFIX: &str = "ucx:";
 
 /// The UCX transport; see the module docs. Dropping the last clone's resources (the transport
-/// and every writer it made) stops the progress thread and releases every UCX resource.
+/// and every writer it made) stops the progress threads and releases every UCX resource.
 pub struct UcxTransport {
     shared: Arc<Shared>,
 }
 
-/// What the transport and its writers share.
-struct Shared {
-    cmds: mpsc::Sender<Cmd>,
-    handle: WorkerHandle,
-    registry: Arc<Registry>,
-    token: Option<ClusterToken>,
-    /// `ADDRESS_PREFIX` + hex worker address.
-    address: String,
-    thread: Option<std::thread::JoinHandle<()>>,
-    version: (u32, u32, u32),
+/// How a [`UcxTransport`] is made.
+#[derive(Debug, Clone)]
+pub struct UcxOptions {
+    /// The cluster token: the receiver accepts only writers that present it in their hello,
+    /// and this transport's writers present it.
+    pub token: Option<ClusterToken>,
+    /// Progress threads a writer spreads a transfer's layers over (see the module docs),
+    /// 1 to [`MAX_LANES`].
+    pub lanes: usize,
 }
 
-impl Shared {
+impl Default for UcxOptions {
+    fn default() -> Self {
+        Self {
+            token: None,
+            lanes: 1,
+        }
+    }
+}
+
+/// The environment variable [`UcxTransport::new`] and [`UcxTransport::with_token`] read the
+/// number of lanes from (default 1).
+pub const LANES_VAR: &str = "FERRY_UCX_LANES";
+
+/// Most lanes a writer may use.
+pub const MAX_LANES: usize = 16;
+
+/// The lanes `value` (of [`LANES_VAR`]) asks for: 1 when unset, an error naming the variable
+/// when it is not a whole number from 1 to [`MAX_LANES`].
+fn lanes_from(value: Option<String>) -> Result<usize, TransferError> {
+    let Some(v) = value else { return Ok(1) };
+    match v.trim().parse::<usize>() {
+        Ok(n) if (1..=MAX_LANES).contains(&n) => Ok(n),
+        _ => Err(TransferError::Io(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!(
+                "{LANES_VAR}={v}: the number of UCX lanes is a whole number from 1 to {MAX_LANES}"
+            ),
+        ))),
+    }
+}
+
+/// One progress thread (`worker.rs`): its command queue, and its worker's handle, which wakes
+/// it. Dropping it stops the thread.
+struct Lane {
+    cmds: mpsc::Sender<Cmd>,
+    handle: WorkerHandle,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Lane {
+    /// Starts a thread with its own context and worker; returns it and the worker's address.
+    fn start(
+        ucp: &'static sys::Ucp,
+        registry: Arc<Registry>,
+        token: Option<ClusterToken>,
+    ) -> Result<(Lane, Vec<u8>), TransferError> {
+        let (cmds, rx) = mpsc::channel();
+        let (handle, address, thread) = worker::spawn(ucp, registry, token, rx)?;
+        Ok((
+            Lane {
+                cmds,
+                handle,
+                thread: Some(thread),
+            },
+            address,
+        ))
+    }
+
     fn send(&self, cmd: Cmd) -> Result<(), TransferError> {
         self.cmds.send(cmd).map_err(|_| TransferError::Closed)?;
         self.handle.signal();
         Ok(())
     }
 
+    /// Sends the command `make` builds around a reply channel, and the reply's receiver.
+    fn ask<T>(
+        &self,
+        make: impl FnOnce(oneshot::Sender<Result<T, TransferError>>) -> Cmd,
+    ) -> Result<oneshot::Receiver<Result<T, TransferError>>, TransferError> {
+        let (tx, rx) = oneshot::channel();
+        self.send(make(tx))?;
+        Ok(rx)
+    }
+
     async fn call<T>(
         &self,
         make: impl FnOnce(oneshot::Sender<Result<T, TransferError>>) -> Cmd,
     ) -> Result<T, TransferError> {
-        let (tx, rx) = oneshot::channel();
-        self.send(make(tx))?;
-        rx.await.map_err(|_| TransferError::Closed)?
-    }
-
-    /// [`Shared::call`] bounded by `limit` (a timeout is an I/O error naming `what`).
-    async fn call_within<T>(
-        &self,
-        limit: Duration,
-        what: &str,
-        make: impl FnOnce(oneshot::Sender<Result<T, TransferError>>) -> Cmd,
-    ) -> Result<T, TransferError> {
-        tokio::time::timeout(limit, self.call(make))
-            .await
-            .map_err(|_| {
-                TransferError::Io(std::io::Error::new(
-                    std::io::ErrorKind::TimedOut,
-                    format!("UCX {what}: no answer from the receiver within {limit:?}"),
-                ))
-            })?
+        self.ask(make)?.await.map_err(|_| TransferError::Closed)?
     }
 }
 
-impl Drop for Shared {
+impl Drop for Lane {
     fn drop(&mut self) {
         let _ = self.cmds.send(Cmd::Shutdown);
         self.handle.signal();
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
+    }
+}
+
+/// The reply to a command sent with [`Lane::ask`], awaited until `deadline` (then an I/O
+/// error naming `what`, as a receiver that does not answer gets).
+async fn reply_by<T>(
+    rx: oneshot::Receiver<Result<T, TransferError>>,
+    deadline: tokio::time::Instant,
+    limit: Duration,
+    what: &str,
+) -> Result<T, TransferError> {
+    match tokio::time::timeout_at(deadline, rx).await {
+        Ok(reply) => reply.map_err(|_| TransferError::Closed)?,
+        Err(_) => Err(TransferError::Io(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!("UCX {what}: no answer from the receiver within {limit:?}"),
+        ))),
+    }
+}
+
+/// What the transport and its writers share.
+struct Shared {
+    /// The transport's own thread: registrations, sessions, lane 0 of every writer.
+    main: Lane,
+    /// Writers' further lanes (`lanes − 1` of them), started by the first connect.
+    extra: std::sync::Mutex<Option<Arc<[Lane]>>>,
+    lanes: usize,
+    ucp: &'static sys::Ucp,
+    registry: Arc<Registry>,
+    token: Option<ClusterToken>,
+    /// `ADDRESS_PREFIX` + hex worker address.
+    address: String,
+    version: (u32, u32, u32),
+}
+
+impl Shared {
+    /// The further lanes of a writer, started on first use (each a context and a worker of its
+    /// own, which takes milliseconds once).
+    fn extra_lanes(&self) -> Result<Arc<[Lane]>, TransferError> {
+        if self.lanes <= 1 {
+            return Ok(Arc::from(Vec::new()));
+        }
+        let mut extra = self.extra.lock().map_err(|_| TransferError::Closed)?;
+        if let Some(lanes) = extra.as_ref() {
+            return Ok(lanes.clone());
+        }
+        let lanes = (1..self.lanes)
+            .map(|_| {
+                // A lane only writes: no region is ever registered with it.
+                Lane::start(self.ucp, Arc::new(Registry::new()), self.token.clone())
+                    .map(|(lane, _)| lane)
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let lanes: Arc<[Lane]> = lanes.into();
+        *extra = Some(lanes.clone());
+        Ok(lanes)
+    }
+
+    /// `count` summed over the lanes started so far.
+    fn sum(&self, count: impl Fn(&WorkerHandle) -> usize) -> usize {
+        let extra = self.extra.lock().ok().and_then(|e| e.clone());
+        count(&self.main.handle)
+            + extra
+                .iter()
+                .flat_map(|lanes| lanes.iter())
+                .map(|l| count(&l.handle))
+                .sum::<usize>()
     }
 }
 
@@ -215,7 +342,8 @@ fn parse_memunits(value: &str) -> Option<u64> {
 impl UcxTransport {
     /// Loads UCX (see `sys.rs` for where from), creates a context and a worker with RMA and
     /// active messages, and starts the progress thread. Transports and devices follow UCX's
-    /// environment (`UCX_TLS`, `UCX_NET_DEVICES`, ...).
+    /// environment (`UCX_TLS`, `UCX_NET_DEVICES`, ...); the number of lanes follows
+    /// [`LANES_VAR`].
     pub fn new() -> Result<Self, TransferError> {
         Self::with_token(None)
     }
@@ -223,22 +351,50 @@ impl UcxTransport {
     /// [`UcxTransport::new`] whose receiver accepts only writers that present `token` (the
     /// cluster token) in their hello, and whose own writers present it.
     pub fn with_token(token: Option<ClusterToken>) -> Result<Self, TransferError> {
+        let lanes = lanes_from(std::env::var(LANES_VAR).ok())?;
+        Self::with_options(UcxOptions { token, lanes })
+    }
+
+    /// A transport made as `options` say (the environment's [`LANES_VAR`] is not read).
+    pub fn with_options(options: UcxOptions) -> Result<Self, TransferError> {
+        let UcxOptions { token, lanes } = options;
+        if !(1..=MAX_LANES).contains(&lanes) {
+            return Err(TransferError::Io(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!("{lanes} UCX lanes: a writer uses 1 to {MAX_LANES}"),
+            )));
+        }
         check_segment_settings(|name| std::env::var(name).ok())?;
         let ucp = sys::ucp().map_err(TransferError::Protocol)?;
         let registry = Arc::new(Registry::new());
-        let (cmds, rx) = mpsc::channel();
-        let (handle, address, thread) = worker::spawn(ucp, registry.clone(), token.clone(), rx)?;
+        let (main, address) = Lane::start(ucp, registry.clone(), token.clone())?;
         Ok(UcxTransport {
             shared: Arc::new(Shared {
-                cmds,
-                handle,
+                main,
+                extra: std::sync::Mutex::new(None),
+                lanes,
+                ucp,
                 registry,
                 token,
                 address: format!("{ADDRESS_PREFIX}{}", hex(&address)),
-                thread: Some(thread),
                 version: ucp.version,
             }),
         })
+    }
+
+    /// Lanes a writer of this transport spreads a transfer over.
+    pub fn lanes(&self) -> usize {
+        self.shared.lanes
+    }
+
+    /// Batches (one layer's blocks each, host or device) each started lane has written, lane
+    /// 0 first: how the writers' layers spread.
+    pub fn writes_per_lane(&self) -> Vec<usize> {
+        let load = |h: &WorkerHandle| h.writes.load(std::sync::atomic::Ordering::Relaxed);
+        let extra = self.shared.extra.lock().ok().and_then(|e| e.clone());
+        std::iter::once(load(&self.shared.main.handle))
+            .chain(extra.iter().flat_map(|l| l.iter()).map(|l| load(&l.handle)))
+            .collect()
     }
 
     /// Whether UCX can be loaded on this machine (`Err` says why not).
@@ -249,21 +405,19 @@ impl UcxTransport {
     /// Endpoints this transport holds open to receivers' workers: one per receiver written to
     /// recently, shared by every connection to it (connections come and go per transfer;
     /// endpoints stay, up to 64 idle ones, and are closed when they fail).
+    /// With several lanes, each lane holds its own endpoint to each receiver: this is their sum.
     pub fn endpoints(&self) -> usize {
         self.shared
-            .handle
-            .endpoints
-            .load(std::sync::atomic::Ordering::Relaxed)
+            .sum(|h| h.endpoints.load(std::sync::atomic::Ordering::Relaxed))
     }
 
     /// Receivers' memory regions this transport has mapped into its process (shared-memory
     /// pools on this machine, from [`Transport::alloc_host`]): writes into them are copies.
     /// Kept per receiver endpoint, released when the endpoint closes.
+    /// Each lane maps a receiver's memory for itself: this is the sum over lanes.
     pub fn mapped(&self) -> usize {
         self.shared
-            .handle
-            .mapped
-            .load(std::sync::atomic::Ordering::Relaxed)
+            .sum(|h| h.mapped.load(std::sync::atomic::Ordering::Relaxed))
     }
 
     /// The loaded UCX's version.
@@ -300,13 +454,13 @@ impl Drop for UcxAllocation {
 impl UcxTransport {
     fn alloc_ucx(&self, len: usize) -> Result<(HostMemory, bool), TransferError> {
         let (tx, rx) = mpsc::channel();
-        self.shared.send(Cmd::Alloc { len, done: tx })?;
+        self.shared.main.send(Cmd::Alloc { len, done: tx })?;
         let a = rx
             .recv_timeout(ALLOC_TIMEOUT)
             .map_err(|_| TransferError::Closed)??;
         let owner = UcxAllocation {
             addr: a.addr,
-            cmds: self.shared.cmds.clone(),
+            cmds: self.shared.main.cmds.clone(),
         };
         let ptr = std::ptr::NonNull::new(a.addr as *mut u8).ok_or(TransferError::Closed)?;
         // SAFETY: `len` zeroed, page-aligned bytes that UCX allocated (`State::alloc` checked
@@ -354,6 +508,7 @@ impl Transport for UcxTransport {
         let entry = self.shared.registry.get(key)?;
         let mapped = self
             .shared
+            .main
             .call(|done| Cmd::Register { key, entry, done })
             .await;
         if let Err(e) = mapped {
@@ -369,7 +524,10 @@ impl Transport for UcxTransport {
 
     async fn deregister(&self, key: RemoteKey) -> Result<(), TransferError> {
         self.shared.registry.remove(key)?;
-        self.shared.call(|done| Cmd::Deregister { key, done }).await
+        self.shared
+            .main
+            .call(|done| Cmd::Deregister { key, done })
+            .await
     }
 
     async fn connect(
@@ -401,34 +559,92 @@ impl Transport for UcxTransport {
                 .unwrap_or_default(),
             fence: fence.0,
         };
-        let (conn, remote, from_device) = self
-            .shared
-            .call_within(CONNECT_TIMEOUT, "connect", |done| Cmd::Connect {
-                address: worker_address,
-                hello,
+        // One connection per lane, their hellos in flight together.
+        let extra = self.shared.extra_lanes()?;
+        let mut writer = UcxWriter {
+            shared: self.shared.clone(),
+            extra,
+            conns: Vec::new(),
+            remote: *writer_layout,
+            from_device: Vec::new(),
+            failed: false,
+        };
+        let (mut pending, mut first_error) = (Vec::with_capacity(self.shared.lanes), None);
+        for lane in 0..self.shared.lanes {
+            let rx = writer.lane(lane).ask(|done| Cmd::Connect {
+                address: worker_address.clone(),
+                hello: hello.clone(),
                 key,
                 writer_layout: *writer_layout,
                 done,
-            })
-            .await?;
-        Ok(Box::new(UcxWriter {
-            shared: self.shared.clone(),
-            conn,
-            remote,
-            from_device,
-            failed: false,
-        }))
+            });
+            match rx {
+                Ok(rx) => pending.push((lane, rx)),
+                Err(e) => {
+                    first_error = Some(e);
+                    break;
+                }
+            }
+        }
+        // Every reply is awaited (by one deadline) so that no lane's connection is left open
+        // behind an error; dropping `writer` closes those that opened.
+        let deadline = tokio::time::Instant::now() + CONNECT_TIMEOUT;
+        for (lane, rx) in pending {
+            match reply_by(rx, deadline, CONNECT_TIMEOUT, "connect").await {
+                Ok((conn, remote, from_device)) => {
+                    if writer.conns.is_empty() {
+                        (writer.remote, writer.from_device) = (remote, from_device);
+                    } else if remote != writer.remote || from_device != writer.from_device {
+                        first_error.get_or_insert(TransferError::Protocol(
+                            "the receiver described its region differently to two lanes".into(),
+                        ));
+                    }
+                    writer.conns.push((lane, conn));
+                }
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        match first_error {
+            Some(e) => Err(e),
+            None => Ok(Box::new(writer)),
+        }
     }
 }
 
-/// One connection's writer: puts (or staged messages) on the progress thread.
+/// One transfer's writer: a connection on each lane, puts (or staged messages) on the lanes'
+/// progress threads.
 struct UcxWriter {
     shared: Arc<Shared>,
-    conn: u64,
+    /// Lanes 1.. (empty with one lane).
+    extra: Arc<[Lane]>,
+    /// (lane, connection) for every lane, in lane order: layer `l` goes over
+    /// `conns[l % conns.len()]`.
+    conns: Vec<(usize, u64)>,
     remote: KvLayoutDesc,
     /// Per destination layer: puts from this process's device memory land there.
     from_device: Vec<bool>,
     failed: bool,
+}
+
+impl UcxWriter {
+    fn lane(&self, lane: usize) -> &Lane {
+        match lane.checked_sub(1) {
+            None => &self.shared.main,
+            Some(i) => &self.extra[i],
+        }
+    }
+
+    /// Sends `make(conn)` to the lane that carries `layer`'s writes.
+    fn post(&mut self, layer: u32, make: impl FnOnce(u64) -> Cmd) -> Result<(), TransferError> {
+        let Some(&(lane, conn)) = self.conns.get(layer as usize % self.conns.len().max(1)) else {
+            return Err(TransferError::Closed);
+        };
+        let r = self.lane(lane).send(make(conn));
+        self.failed = r.is_err();
+        r
+    }
 }
 
 #[async_trait]
@@ -442,12 +658,7 @@ impl RemoteWriter for UcxWriter {
         // checked above, and an error there fails the connection, reported by the next write
         // or flush. Waiting for each batch's reply cost a thread round trip per layer (~40 ms
         // of a 90 ms 8k-token transfer on a 2-core machine, the copies themselves ~50 ms).
-        let r = self.shared.send(Cmd::Write {
-            conn: self.conn,
-            batch,
-        });
-        self.failed = r.is_err();
-        r
+        self.post(batch.layer, |conn| Cmd::Write { conn, batch })
     }
 
     /// Copies into a mapped pool and puts read the rows on the progress thread as they come.
@@ -476,31 +687,49 @@ impl RemoteWriter for UcxWriter {
         // Posted without waiting for the progress thread (device batches are checked above
         // and need no copy): the puts of consecutive layers go out back to back, and an error
         // there fails the connection, reported by the next flush.
-        let r = self.shared.send(Cmd::WriteDevice {
-            conn: self.conn,
-            batch,
-        });
-        self.failed = r.is_err();
-        r
+        self.post(batch.layer, |conn| Cmd::WriteDevice { conn, batch })
     }
 
+    /// Flushes every lane at once; the bytes the receiver acknowledged, summed.
     async fn flush(&mut self) -> Result<u64, TransferError> {
         if self.failed {
             return Err(TransferError::Closed);
         }
-        let conn = self.conn;
-        let r = self
-            .shared
-            .call_within(FLUSH_TIMEOUT, "flush", |done| Cmd::Flush { conn, done })
-            .await;
-        self.failed = r.is_err();
-        r
+        let mut pending = Vec::with_capacity(self.conns.len());
+        for &(lane, conn) in &self.conns {
+            match self.lane(lane).ask(|done| Cmd::Flush { conn, done }) {
+                Ok(rx) => pending.push(rx),
+                Err(e) => {
+                    self.failed = true;
+                    return Err(e);
+                }
+            }
+        }
+        let deadline = tokio::time::Instant::now() + FLUSH_TIMEOUT;
+        let (mut bytes, mut first_error) = (0, None);
+        for rx in pending {
+            match reply_by(rx, deadline, FLUSH_TIMEOUT, "flush").await {
+                Ok(b) => bytes += b,
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        match first_error {
+            Some(e) => {
+                self.failed = true;
+                Err(e)
+            }
+            None => Ok(bytes),
+        }
     }
 }
 
 impl Drop for UcxWriter {
     fn drop(&mut self) {
-        let _ = self.shared.send(Cmd::Close { conn: self.conn });
+        for &(lane, conn) in &self.conns {
+            let _ = self.lane(lane).send(Cmd::Close { conn });
+        }
     }
 }
 
@@ -528,6 +757,17 @@ mod tests {
         assert_eq!(unhex(&hex(&b)), Some(b));
         assert_eq!(unhex("abc"), None);
         assert_eq!(unhex("zz"), None);
+    }
+
+    #[test]
+    fn lanes_come_from_the_variable_or_are_one() {
+        assert_eq!(lanes_from(None).unwrap(), 1);
+        assert_eq!(lanes_from(Some(" 4 ".into())).unwrap(), 4);
+        assert_eq!(lanes_from(Some("16".into())).unwrap(), MAX_LANES);
+        for bad in ["0", "17", "two", ""] {
+            let e = lanes_from(Some(bad.into())).unwrap_err().to_string();
+            assert!(e.contains(&format!("{LANES_VAR}={bad}")), "{e}");
+        }
     }
 
     #[test]

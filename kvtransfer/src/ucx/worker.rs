@@ -187,6 +187,8 @@ pub(super) struct WorkerHandle {
     pub(super) endpoints: Arc<std::sync::atomic::AtomicUsize>,
     /// Receivers' memory mapped into this process (written by the thread).
     pub(super) mapped: Arc<std::sync::atomic::AtomicUsize>,
+    /// Write commands (host or device batches) the thread has handled.
+    pub(super) writes: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 // SAFETY: only `ucp_worker_signal` is called through it, which UCX documents as callable from
@@ -221,6 +223,7 @@ pub(super) fn spawn(
                     worker: state.worker,
                     endpoints: state.endpoints.clone(),
                     mapped: state.mapped_count.clone(),
+                    writes: state.writes.clone(),
                 };
                 let address = state.address.clone();
                 if ready_tx.send(Ok((worker, address))).is_ok() {
@@ -458,6 +461,8 @@ struct State {
     endpoints: Arc<std::sync::atomic::AtomicUsize>,
     /// Mapped keys over all peers, for [`UcxTransport::mapped`](super::UcxTransport::mapped).
     mapped_count: Arc<std::sync::atomic::AtomicUsize>,
+    /// For [`UcxTransport::writes_per_lane`](super::UcxTransport::writes_per_lane).
+    writes: Arc<std::sync::atomic::AtomicUsize>,
     inflight: Vec<InFlight>,
     /// Whether endpoints are still created with peer-failure detection (cleared the first
     /// time the transports refuse it).
@@ -562,6 +567,7 @@ impl State {
                 next_peer: 1,
                 endpoints: Arc::default(),
                 mapped_count: Arc::default(),
+                writes: Arc::default(),
                 inflight: Vec::new(),
                 peer_failure_detection: true,
                 cuda: false,
@@ -713,11 +719,15 @@ impl State {
                 done,
             } => self.connect(&address, hello, key, writer_layout, done),
             Cmd::Write { conn, batch } => {
+                self.writes
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 if let Err(e) = self.write(conn, batch) {
                     self.fail(conn, e);
                 }
             }
             Cmd::WriteDevice { conn, batch } => {
+                self.writes
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 if let Err(e) = self.write_device(conn, batch) {
                     self.fail(conn, e);
                 }
