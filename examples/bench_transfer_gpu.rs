@@ -10,10 +10,11 @@
 //! sender puts every layer as runs of `--run-mib` (one run per layer by default, as a fresh
 //! reservation's consecutive blocks coalesce), flushes, and times connect-to-flush-ack (and,
 //! separately, the puts and flush after the connect). Each case reports the median of `--runs`
-//! runs, each next to a copy measured right before it.
+//! runs, each next to a copy measured right before it; `--lanes 1,2,4` measures writers that
+//! spread the layers over that many progress threads, the arms taking turns run by run.
 //!
 //! ```text
-//! FERRY_UCX_LIB=…/libucp.so.0 bench_transfer_gpu --tokens 1024,8192,32768 --json out.json
+//! FERRY_UCX_LIB=…/libucp.so.0 bench_transfer_gpu --tokens 1024,8192,32768 --lanes 1,2,4 --json out.json
 //! ```
 //! (an example rather than a `ferry` subcommand: it hands raw device addresses to the
 //! transport, which takes `unsafe`, and the `ferry` binary has none).
@@ -28,7 +29,7 @@ use clap::Parser;
 use ferry_kernels::cuda::{CudaDevice, DeviceBuffer};
 use ferry_kvtransfer::{
     DeviceBatch, DeviceRun, Dtype, Fence, KvLayoutDesc, KvRegion, LayerMemory, RemoteKey,
-    Transport, UcxTransport,
+    Transport, UcxOptions, UcxTransport,
 };
 use serde_json::json;
 
@@ -40,6 +41,9 @@ struct Args {
     /// Largest put in MiB (0: one put per layer).
     #[arg(long, value_delimiter = ',', default_value = "0,1")]
     run_mib: Vec<usize>,
+    /// Lanes of the UCX writer (`UcxOptions::lanes`), one arm each, interleaved run by run.
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    lanes: Vec<usize>,
     /// Runs per case (the median is reported).
     #[arg(long, default_value_t = 5)]
     runs: usize,
@@ -200,67 +204,89 @@ fn main() -> anyhow::Result<()> {
             bail!("the receiver said {line:?}");
         };
         let key = RemoteKey(key.parse()?);
-        let transport = UcxTransport::new()?;
+        // One writer per lane count; the arms take turns within each run.
+        let arms = args
+            .lanes
+            .iter()
+            .map(|&lanes| {
+                UcxTransport::with_options(UcxOptions { token: None, lanes })
+                    .map(|t| (lanes, t))
+                    .with_context(|| format!("a UCX writer of {lanes} lanes"))
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?;
         for &mib in &args.run_mib {
             let run = if mib == 0 {
                 layer_bytes(&l)
             } else {
                 (mib << 20) / l.block_bytes() * l.block_bytes()
             };
-            let mut times = Vec::new();
-            let mut moves = Vec::new();
-            let mut copies = Vec::new();
+            // Per arm: connect → flush ack, puts + flush, and the copy measured right before.
+            let mut times = vec![Vec::new(); arms.len()];
+            let mut moves = vec![Vec::new(); arms.len()];
+            let mut copies = vec![Vec::new(); arms.len()];
             for _ in 0..args.runs {
-                copies.push(copy_once(&mut dst)?);
-                let started = Instant::now();
-                let mut w = rt.block_on(transport.connect(address, key, Fence::NONE, &l))?;
-                let connected = Instant::now();
-                anyhow::ensure!(
-                    w.puts_from_device(0),
-                    "the receiver's layers do not take device puts (is the loaded UCX CUDA-enabled?)"
-                );
-                for (layer, s) in src.iter().enumerate() {
-                    let runs = (0..layer_bytes(&l))
-                        .step_by(run)
-                        .map(|at| DeviceRun {
-                            block: (at / l.block_bytes()) as u32,
-                            src: s.ptr() + at as u64,
-                            len: run.min(layer_bytes(&l) - at),
-                        })
-                        .collect();
-                    // SAFETY: `src` outlives the transfer (flushed below) and nothing writes it.
-                    let batch = unsafe { DeviceBatch::new(layer as u32, 0, runs, Box::new(())) };
-                    rt.block_on(w.write_device(batch))?;
+                for (arm, (_, transport)) in arms.iter().enumerate() {
+                    copies[arm].push(copy_once(&mut dst)?);
+                    let started = Instant::now();
+                    let mut w = rt.block_on(transport.connect(address, key, Fence::NONE, &l))?;
+                    let connected = Instant::now();
+                    anyhow::ensure!(
+                        w.puts_from_device(0),
+                        "the receiver's layers do not take device puts (is the loaded UCX CUDA-enabled?)"
+                    );
+                    for (layer, s) in src.iter().enumerate() {
+                        let runs = (0..layer_bytes(&l))
+                            .step_by(run)
+                            .map(|at| DeviceRun {
+                                block: (at / l.block_bytes()) as u32,
+                                src: s.ptr() + at as u64,
+                                len: run.min(layer_bytes(&l) - at),
+                            })
+                            .collect();
+                        // SAFETY: `src` outlives the transfer (flushed below) and nothing
+                        // writes it.
+                        let batch =
+                            unsafe { DeviceBatch::new(layer as u32, 0, runs, Box::new(())) };
+                        rt.block_on(w.write_device(batch))?;
+                    }
+                    let n = rt.block_on(w.flush())?;
+                    times[arm].push(started.elapsed().as_secs_f64());
+                    moves[arm].push(connected.elapsed().as_secs_f64());
+                    anyhow::ensure!(n as usize == bytes, "flushed {n} of {bytes} bytes");
                 }
-                let n = rt.block_on(w.flush())?;
-                times.push(started.elapsed().as_secs_f64());
-                moves.push(connected.elapsed().as_secs_f64());
-                anyhow::ensure!(n as usize == bytes, "flushed {n} of {bytes} bytes");
             }
-            let (secs, copy, moved) = (median(times), median(copies), median(moves));
-            let gbs = bytes as f64 / secs / 1e9;
-            let move_gbs = bytes as f64 / moved / 1e9;
-            let copy_gbs = bytes as f64 / copy / 1e9;
-            let name = if mib == 0 {
-                "ucx put, layer runs".to_string()
-            } else {
-                format!("ucx put, {mib} MiB runs")
-            };
-            println!(
-                "{name:<22} {tokens:>7} {:>9.1} {:>9.3} {gbs:>9.1} {:>9.0}   puts+flush only: {:.3} ms, {move_gbs:.1} GB/s, {:.0} %",
-                bytes as f64 / 1e6,
-                secs * 1e3,
-                100.0 * gbs / copy_gbs,
-                moved * 1e3,
-                100.0 * move_gbs / copy_gbs
-            );
-            rows.push(json!({"case": name, "tokens": tokens, "bytes": bytes,
-                "put_bytes": run, "median_s": secs, "gb_per_s": gbs,
-                "puts_and_flush_median_s": moved, "puts_and_flush_gb_per_s": move_gbs,
-                "copy_interleaved_gb_per_s": copy_gbs, "of_copy": gbs / copy_gbs,
-                "puts_and_flush_of_copy": move_gbs / copy_gbs}));
+            for (arm, &(lanes, _)) in arms.iter().enumerate() {
+                let secs = median(std::mem::take(&mut times[arm]));
+                let copy = median(std::mem::take(&mut copies[arm]));
+                let moved = median(std::mem::take(&mut moves[arm]));
+                let gbs = bytes as f64 / secs / 1e9;
+                let move_gbs = bytes as f64 / moved / 1e9;
+                let copy_gbs = bytes as f64 / copy / 1e9;
+                let runs = if mib == 0 {
+                    "layer runs".to_string()
+                } else {
+                    format!("{mib} MiB runs")
+                };
+                let name = match lanes {
+                    1 => format!("ucx put, {runs}"),
+                    n => format!("ucx put, {runs}, {n} lanes"),
+                };
+                println!(
+                    "{name:<22} {tokens:>7} {:>9.1} {:>9.3} {gbs:>9.1} {:>9.0}   puts+flush only: {:.3} ms, {move_gbs:.1} GB/s, {:.0} %",
+                    bytes as f64 / 1e6,
+                    secs * 1e3,
+                    100.0 * gbs / copy_gbs,
+                    moved * 1e3,
+                    100.0 * move_gbs / copy_gbs
+                );
+                rows.push(json!({"case": name, "tokens": tokens, "bytes": bytes,
+                    "lanes": lanes, "put_bytes": run, "median_s": secs, "gb_per_s": gbs,
+                    "puts_and_flush_median_s": moved, "puts_and_flush_gb_per_s": move_gbs,
+                    "copy_interleaved_gb_per_s": copy_gbs, "of_copy": gbs / copy_gbs,
+                    "puts_and_flush_of_copy": move_gbs / copy_gbs}));
+            }
         }
-        drop(transport);
+        drop(arms);
         if let Some(mut stdin) = child.stdin.take() {
             let _ = stdin.write_all(b"done\n");
         }
@@ -270,9 +296,10 @@ fn main() -> anyhow::Result<()> {
         let doc = json!({
             "benchmark": "kv transfer between two processes (sender GPU -> receiver GPU): UCX puts device to device vs a copy of the same bytes in one process; DeepSeek-V3 layout (61 x 576 bf16 per token, 64-token blocks)",
             "gpus": [send_gpu, recv_gpu],
-            "command": format!("bench_transfer_gpu --gpus {send_gpu},{recv_gpu} --tokens {} --run-mib {} --runs {}",
+            "command": format!("bench_transfer_gpu --gpus {send_gpu},{recv_gpu} --tokens {} --run-mib {} --lanes {} --runs {}",
                 args.tokens.iter().map(usize::to_string).collect::<Vec<_>>().join(","),
                 args.run_mib.iter().map(usize::to_string).collect::<Vec<_>>().join(","),
+                args.lanes.iter().map(usize::to_string).collect::<Vec<_>>().join(","),
                 args.runs),
             "gpu": dev.name(),
             "ucx": format!("{}.{}.{}", ucx.0, ucx.1, ucx.2),

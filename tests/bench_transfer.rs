@@ -13,8 +13,9 @@ fn bench_transfer(args: &[&str]) -> Output {
 }
 
 /// 128 tokens of DeepSeek-V3's layout (61 layers × 576 bf16 a token) over the TCP transport and
-/// UCX shared memory: a row per case in the table and in the JSON, the bytes of the layout, and
-/// a success exit, which the bench gives only when the receiver found every block it was sent.
+/// UCX shared memory from a writer of one lane and of two: a row per case in the table and in
+/// the JSON, the bytes of the layout, and a success exit, which the bench gives only when the
+/// receiver found every block it was sent.
 #[test]
 fn every_transport_is_measured_and_what_arrived_is_checked() {
     let dir = tempfile::tempdir().expect("a temporary directory");
@@ -26,6 +27,8 @@ fn every_transport_is_measured_and_what_arrived_is_checked() {
         "2",
         "--transports",
         "tcp,ucx-shm",
+        "--ucx-lanes",
+        "1,2",
         "--json",
         json.to_str().expect("a UTF-8 path"),
     ]);
@@ -35,11 +38,18 @@ fn every_transport_is_measured_and_what_arrived_is_checked() {
         "{stdout}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    for case in ["memcpy", "tcp transport", "ucx shared memory"] {
+    let all = [
+        "memcpy",
+        "tcp transport",
+        "ucx shared memory",
+        "ucx shared memory, 2 lanes",
+    ];
+    for case in all {
         assert!(
             stdout
                 .lines()
-                .any(|l| l.starts_with(case) && l.split_whitespace().any(|w| w == "128")),
+                .any(|l| l.starts_with(case)
+                    && l[case.len()..].split_whitespace().next() == Some("128")),
             "no 128-token row for {case}: {stdout}"
         );
     }
@@ -51,7 +61,9 @@ fn every_transport_is_measured_and_what_arrived_is_checked() {
         .iter()
         .map(|r| r["transport"].as_str().expect("a transport"))
         .collect();
-    assert_eq!(cases, ["memcpy", "tcp transport", "ucx shared memory"]);
+    assert_eq!(cases, all);
+    let lanes: Vec<_> = results.iter().map(|r| r["lanes"].as_u64()).collect();
+    assert_eq!(lanes, [None, Some(1), Some(1), Some(2)]);
     for r in results {
         assert_eq!(r["tokens"], 128);
         assert_eq!(r["bytes"], 128 * 61 * 576 * 2, "{r}");
@@ -68,6 +80,13 @@ fn a_length_that_is_not_whole_blocks_is_refused() {
     assert!(!out.status.success(), "100 tokens were accepted");
     assert!(
         stderr.contains("--tokens") && stderr.contains("100"),
+        "{stderr}"
+    );
+    let out = bench_transfer(&["--tokens", "128", "--ucx-lanes", "0"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "0 lanes were accepted");
+    assert!(
+        stderr.contains("--ucx-lanes") && stderr.contains("got 0"),
         "{stderr}"
     );
 }

@@ -18,9 +18,10 @@ use std::time::Instant;
 
 use anyhow::{bail, Context};
 use clap::{Args, ValueEnum};
+use ferry_kvtransfer::ucx::MAX_LANES;
 use ferry_kvtransfer::{
     BlockWrite, Dtype, Fence, HostMemory, KvLayoutDesc, KvRegion, LayerMemory, RemoteKey,
-    TcpTransport, Transport, UcxTransport, WriteBatch, MAX_RUN_BYTES,
+    TcpTransport, Transport, UcxOptions, UcxTransport, WriteBatch, MAX_RUN_BYTES,
 };
 use serde_json::json;
 
@@ -44,6 +45,10 @@ pub struct BenchTransferArgs {
     /// Which transports to measure (memcpy, the peer, always runs).
     #[arg(long, value_enum, value_delimiter = ',', default_values_t = [Case::Tcp, Case::UcxShm, Case::UcxTcp])]
     pub transports: Vec<Case>,
+    /// Lanes of the UCX writer (`UcxOptions::lanes`: progress threads a transfer's layers are
+    /// spread over); each count is a row of every UCX case.
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    pub ucx_lanes: Vec<usize>,
     /// Where the receiver's pool lives: the transport's memory (`Transport::alloc_host`, as a
     /// decode worker's pool: UCX shared memory for UCX) or the heap (the comparison).
     #[arg(long, value_enum, default_value_t = PoolMemory::Transport)]
@@ -158,10 +163,29 @@ pub fn run(args: BenchTransferArgs) -> anyhow::Result<()> {
             bail!("`--tokens` must be positive multiples of `--page` {page}, got {t}");
         }
     }
-    let cases: Vec<_> = args.transports.iter().map(|c| c.setup()).collect();
+    if let Some(&n) = args.ucx_lanes.iter().find(|&&n| n == 0 || n > MAX_LANES) {
+        bail!("`--ucx-lanes` takes 1 to {MAX_LANES} lanes, got {n}");
+    }
+    // (name, wire, environment, writer lanes): a TCP case once, a UCX case per lane count.
+    let mut cases = Vec::new();
+    for c in &args.transports {
+        let (name, wire, env) = c.setup();
+        match wire {
+            Wire::Tcp => cases.push((name.to_owned(), wire, env, 1)),
+            Wire::Ucx => {
+                for &lanes in &args.ucx_lanes {
+                    let name = match lanes {
+                        1 => name.to_owned(),
+                        n => format!("{name}, {n} lanes"),
+                    };
+                    cases.push((name, wire, env, lanes));
+                }
+            }
+        }
+    }
     let mut rows = Vec::new();
     println!(
-        "{:<18} {:>7} {:>10} {:>10} {:>9} {:>9}",
+        "{:<27} {:>7} {:>10} {:>10} {:>9} {:>9}",
         "transport", "tokens", "MB", "ms", "GB/s", "% memcpy"
     );
     for &tokens in &args.tokens {
@@ -181,7 +205,7 @@ pub fn run(args: BenchTransferArgs) -> anyhow::Result<()> {
         let copy = median((0..args.runs).map(|_| limit()).collect());
         let copy_gbs = bytes as f64 / copy / 1e9;
         println!(
-            "{:<18} {tokens:>7} {:>10.1} {:>10.2} {copy_gbs:>9.2} {:>9}",
+            "{:<27} {tokens:>7} {:>10.1} {:>10.2} {copy_gbs:>9.2} {:>9}",
             "memcpy",
             bytes as f64 / 1e6,
             copy * 1e3,
@@ -191,19 +215,25 @@ pub fn run(args: BenchTransferArgs) -> anyhow::Result<()> {
             json!({"transport": "memcpy", "tokens": tokens, "bytes": bytes,
             "median_s": copy, "gb_per_s": copy_gbs}),
         );
-        for &(name, wire, env) in &cases {
-            let (secs, copy) =
-                rt.block_on(case((wire, env, args.pool), &l, &batches, args.runs, limit))?;
+        for (name, wire, env, lanes) in &cases {
+            let (wire, env, lanes) = (*wire, *env, *lanes);
+            let (secs, copy) = rt.block_on(case(
+                (wire, env, args.pool, lanes),
+                &l,
+                &batches,
+                args.runs,
+                limit,
+            ))?;
             let gbs = bytes as f64 / secs / 1e9;
             let copy_gbs = bytes as f64 / copy / 1e9;
             println!(
-                "{name:<18} {tokens:>7} {:>10.1} {:>10.2} {gbs:>9.2} {:>9.0}",
+                "{name:<27} {tokens:>7} {:>10.1} {:>10.2} {gbs:>9.2} {:>9.0}",
                 bytes as f64 / 1e6,
                 secs * 1e3,
                 100.0 * gbs / copy_gbs
             );
             rows.push(json!({"transport": name, "tokens": tokens, "bytes": bytes,
-                "median_s": secs, "gb_per_s": gbs,
+                "lanes": lanes, "median_s": secs, "gb_per_s": gbs,
                 "memcpy_interleaved_gb_per_s": copy_gbs, "of_memcpy": gbs / copy_gbs}));
         }
     }
@@ -211,10 +241,11 @@ pub fn run(args: BenchTransferArgs) -> anyhow::Result<()> {
         let doc = json!({
             "benchmark": "kv transfer between two processes, DeepSeek-V3 layout (61 x 576 bf16 per token, 64-token blocks)",
             "pool": args.pool.to_possible_value().map(|v| v.get_name().to_owned()),
-            "command": format!("ferry bench-transfer --tokens {} --page {page} --runs {}{} --transports {}",
+            "command": format!("ferry bench-transfer --tokens {} --page {page} --runs {}{} --transports {} --ucx-lanes {}",
                 args.tokens.iter().map(usize::to_string).collect::<Vec<_>>().join(","), args.runs,
                 args.run_blocks.map(|n| format!(" --run-blocks {n}")).unwrap_or_default(),
-                args.transports.iter().map(|c| c.to_possible_value().map(|v| v.get_name().to_owned()).unwrap_or_default()).collect::<Vec<_>>().join(",")),
+                args.transports.iter().map(|c| c.to_possible_value().map(|v| v.get_name().to_owned()).unwrap_or_default()).collect::<Vec<_>>().join(","),
+                args.ucx_lanes.iter().map(usize::to_string).collect::<Vec<_>>().join(",")),
             "ucx": UcxTransport::available().map(|(a, b, c)| format!("{a}.{b}.{c}")).unwrap_or_else(|e| e),
             "results": rows,
         });
@@ -286,7 +317,7 @@ fn memcpy_once(l: &KvLayoutDesc, batches: &[WriteBatch], dst: &HostMemory) -> f6
 /// a `limit()` (memcpy) measurement, so both see the same machine (this VM drifts by ±20 %
 /// between minutes); returns both medians.
 async fn case(
-    (wire, env, pool): (Wire, Env, PoolMemory),
+    (wire, env, pool, lanes): (Wire, Env, PoolMemory, usize),
     l: &KvLayoutDesc,
     batches: &[WriteBatch],
     runs: usize,
@@ -330,7 +361,10 @@ async fn case(
     }
     let transport: Arc<dyn Transport> = match wire {
         Wire::Tcp => Arc::new(TcpTransport::client()),
-        Wire::Ucx => Arc::new(UcxTransport::new()?),
+        Wire::Ucx => Arc::new(UcxTransport::with_options(UcxOptions {
+            token: None,
+            lanes,
+        })?),
     };
     let l = *l;
     let mut times = Vec::new();
