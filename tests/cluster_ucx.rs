@@ -3,8 +3,9 @@
 //! memory (`UCX_TLS=posix,sysv,cma`) and TCP on loopback (`UCX_TLS=tcp`). Greedy output equals
 //! `ferry generate`, both sides agree on the bytes moved, a prompt sharing a prefix the decode
 //! worker holds ships only the blocks past it, a SIGKILLed prefill worker's requests are
-//! recomputed, every block comes back, and a decode worker with no prefill worker speaking its
-//! transport prefills itself instead of hanging.
+//! recomputed, every block comes back (also from a writer of three lanes, `FERRY_UCX_LANES`),
+//! and a decode worker with no prefill worker speaking its transport prefills itself instead of
+//! hanging.
 mod cluster;
 
 use std::time::Duration;
@@ -22,17 +23,28 @@ const SHM: &str = "posix,sysv,cma";
 /// `tcp` cannot reach a decode worker on shared memory ("Destination is unreachable"), which
 /// is what a shared process environment used to let happen.
 fn ucx_spec(tls: &str) -> Spec {
+    ucx_spec_lanes(tls, 1)
+}
+
+/// As [`ucx_spec`], the prefill worker's writer spreading each transfer over `lanes` UCX
+/// progress threads (`FERRY_UCX_LANES`).
+fn ucx_spec_lanes(tls: &str, lanes: usize) -> Spec {
     let devices = if tls == "tcp" { "lo" } else { "all" };
+    let lanes = lanes.to_string();
     Spec::new(1, 1)
         .prefill(&["--transport", "ucx"])
         .decode(&["--transport", "ucx"])
-        .env(&[("UCX_TLS", tls), ("UCX_NET_DEVICES", devices)])
+        .env(&[
+            ("UCX_TLS", tls),
+            ("UCX_NET_DEVICES", devices),
+            ("FERRY_UCX_LANES", &lanes),
+        ])
 }
 
-async fn greedy_over(tls: &str) {
+async fn greedy_over(tls: &str, lanes: usize) {
     let prompt = cluster::long_prompt();
     let want = cluster::reference_generate(&prompt, MAX_TOKENS).await;
-    let cluster = Cluster::start(ucx_spec(tls)).await;
+    let cluster = Cluster::start(ucx_spec_lanes(tls, lanes)).await;
     let (prefill, decode) = (
         cluster.live(Role::Prefill)[0].clone(),
         cluster.live(Role::Decode)[0].clone(),
@@ -50,6 +62,17 @@ async fn greedy_over(tls: &str) {
     assert_eq!(
         d.kv_transfer_bytes, p.kv_transfer_bytes,
         "UCX_TLS={tls}: the decode worker counts what the prefill worker put"
+    );
+    // The prefill worker's transport thread, and each further lane started by its first
+    // transfer: one UCX worker each.
+    assert_eq!(
+        cluster
+            .log(&prefill)
+            .matches("kvtransfer: UCX worker started")
+            .count(),
+        lanes,
+        "{}",
+        cluster.log(&prefill)
     );
     if tls != "tcp" {
         // The decode worker's pool is UCX shared memory, which the prefill worker maps and
@@ -72,14 +95,27 @@ async fn greedy_over(tls: &str) {
 
 #[tokio::test]
 async fn greedy_output_over_ucx_equals_ferry_generate() {
-    greedy_over(SHM).await;
-    greedy_over("tcp").await;
+    greedy_over(SHM, 1).await;
+    greedy_over("tcp", 1).await;
+    // Three lanes: the prompt's layers over three connections, the bytes summed.
+    greedy_over(SHM, 3).await;
 }
 
 #[tokio::test]
 async fn killing_the_prefill_worker_mid_transfer_recomputes_and_frees_every_block() {
+    kill_mid_transfer(1).await;
+}
+
+/// The same with a writer of three lanes: the killed process held three connections per
+/// transfer, and every block still comes back.
+#[tokio::test]
+async fn killing_a_prefill_worker_with_three_lanes_recomputes_and_frees_every_block() {
+    kill_mid_transfer(3).await;
+}
+
+async fn kill_mid_transfer(lanes: usize) {
     let mut cluster = Cluster::start(
-        ucx_spec(SHM)
+        ucx_spec_lanes(SHM, lanes)
             .router(&["--heartbeat-timeout-ms", "60000"])
             .decode(&["--local-prefill-threshold", "0"]),
     )
