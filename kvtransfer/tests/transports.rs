@@ -812,6 +812,31 @@ transport_contract!(ucx_lanes_into_memory, ucx_lanes, Exposed::Memory);
 transport_contract!(ucx_lanes_staged, ucx_lanes, Exposed::Staged);
 transport_contract!(ucx_lanes_shared_memory, ucx_lanes, Exposed::Shared);
 
+/// A connect naming a key the receiver does not hold fails as `UnknownRegion`, and every
+/// endpoint `writer` held to that receiver is closed (failed connections retire theirs) within
+/// 5 s.
+async fn refused_connect_closes_the_endpoints(
+    writer: &UcxTransport,
+    reg: &ferry_kvtransfer::Registration,
+    layout: &KvLayoutDesc,
+) {
+    let e = expect_err(
+        writer
+            .connect(&reg.address, RemoteKey(reg.key.0 ^ 1), Fence::NONE, layout)
+            .await,
+    );
+    assert!(matches!(e, TransferError::UnknownRegion(_)), "{e}");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while writer.endpoints() != 0 && std::time::Instant::now() < deadline {
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        writer.endpoints(),
+        0,
+        "a failed connection's endpoints are closed"
+    );
+}
+
 /// UCX only: a writer with three lanes opens a connection on each (one endpoint per lane to
 /// the receiver, kept for later transfers), sends each layer over its lane, and its flush
 /// sums what every lane's connection acknowledged; a refused connect closes every lane's.
@@ -852,21 +877,7 @@ async fn ucx_a_writer_spreads_its_layers_over_its_lanes() {
     region.assert_only(&expected);
     // Layers 0 and 3 on lane 0, layer 1 on lane 1, layer 2 on lane 2; two transfers.
     assert_eq!(writer.writes_per_lane(), vec![4, 2, 2]);
-    let e = expect_err(
-        writer
-            .connect(&reg.address, RemoteKey(reg.key.0 ^ 1), Fence::NONE, &layout)
-            .await,
-    );
-    assert!(matches!(e, TransferError::UnknownRegion(_)), "{e}");
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
-    while writer.endpoints() != 0 && std::time::Instant::now() < deadline {
-        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-    }
-    assert_eq!(
-        writer.endpoints(),
-        0,
-        "every lane's failed connection is closed"
-    );
+    refused_connect_closes_the_endpoints(&writer, &reg, &layout).await;
     let bad = UcxTransport::with_options(UcxOptions {
         token: None,
         lanes: 0,
@@ -897,21 +908,7 @@ async fn ucx_transfers_to_one_receiver_share_one_endpoint() {
     }
     region.assert_only(&expected);
     // A refused connection (a key the receiver does not hold) retires the endpoint...
-    let e = expect_err(
-        writer
-            .connect(&reg.address, RemoteKey(reg.key.0 ^ 1), Fence::NONE, &layout)
-            .await,
-    );
-    assert!(matches!(e, TransferError::UnknownRegion(_)), "{e}");
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
-    while writer.endpoints() != 0 && std::time::Instant::now() < deadline {
-        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-    }
-    assert_eq!(
-        writer.endpoints(),
-        0,
-        "the endpoint of a failed connection is closed"
-    );
+    refused_connect_closes_the_endpoints(&writer, &reg, &layout).await;
     // ...and the next transfer opens a fresh one that works.
     let mut w = writer
         .connect(&reg.address, reg.key, Fence::NONE, &layout)

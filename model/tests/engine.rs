@@ -12,13 +12,18 @@ use ferry_model::kv::{BlockId, KvDtype, LayerRows, Lease};
 use common::{collect, golden_case, greedy, job, tokens, wait_idle};
 
 fn engine(blocks: usize) -> EngineHandle {
+    engine_with(blocks, 256)
+}
+
+/// The embedded model's engine with `blocks` KV blocks and a step budget of `max_batch_tokens`.
+fn engine_with(blocks: usize, max_batch_tokens: usize) -> EngineHandle {
     let dir = ferry_model::embedded::default_model_dir();
     let model = DeepseekModel::load(&dir).expect("model");
     EngineHandle::spawn(
         model,
         EngineConfig {
             num_blocks: blocks,
-            max_batch_tokens: 256,
+            max_batch_tokens,
             ..EngineConfig::default()
         },
     )
@@ -72,17 +77,8 @@ async fn steps_are_counted_and_timed_by_kind() {
 /// all three prompts are one prompt step, then every decode step carries all three.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_submitted_together_share_their_first_step() {
-    let dir = ferry_model::embedded::default_model_dir();
-    let model = DeepseekModel::load(&dir).expect("model");
-    let e = EngineHandle::spawn(
-        model,
-        EngineConfig {
-            num_blocks: 128,
-            max_batch_tokens: 2048,
-            ..EngineConfig::default()
-        },
-    )
-    .expect("engine");
+    // A step budget that holds all three prompts.
+    let e = engine_with(128, 2048);
     let jobs = (0..3)
         .map(|i| job(golden_case(i).0, 12, PrefillSource::Local))
         .collect();
