@@ -8,8 +8,9 @@
 #      context (`bench_gpu 1024 64`; BATCH, default 1, e.g. 1,32);
 #   2. unless ROUNDS_ENGINE=0, the serving engine on the DSpark lease target's shape with dummy
 #      weights (`ferry bench-engine --speculative`, c = 1, fixed:8): its plain step and its round.
-# Logs and the runs' JSON under $OUT (else ./gpu-logs). With FERRY_GRAPH_EDGES=1 set, it also
-# prints each arm's captured graphs' node, edge and programmatic-edge counts.
+# ROUNDS_GPU=0 skips step 1. Logs and the runs' JSON under $OUT (else ./gpu-logs). With
+# FERRY_GRAPH_EDGES=1 set, it also prints each arm's captured graphs' node, edge and
+# programmatic-edge counts.
 #   ARMS=... ROUNDS=3 BATCH=1 OUT=... bash scripts/bench_decode_arms.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -23,9 +24,14 @@ batch="${BATCH:-1}"
 # An arm's environment assignments, one per line, and a file-name tag for it.
 settings() { [ "$1" = default ] || echo "$1" | tr ',' '\n'; }
 tag() { echo "$1" | tr -c 'A-Za-z0-9_.\n-' '_'; }
-echo "| arm | round | batch | eager ms/step | graph ms/step | tok/s | % of copy |"
-echo "|---|---|---|---|---|---|---|"
-for round in $(seq "$rounds"); do
+if [ "${ROUNDS_GPU:-1}" = 0 ]; then
+  rounds_gpu=0
+else
+  rounds_gpu="$rounds"
+  echo "| arm | round | batch | eager ms/step | graph ms/step | tok/s | % of copy |"
+  echo "|---|---|---|---|---|---|---|"
+fi
+for round in $(seq "$rounds_gpu"); do
   for arm in $arms; do
     log="$out/bench_gpu_$(tag "$arm")_$round.log"
     # shellcheck disable=SC2046
@@ -36,7 +42,7 @@ for round in $(seq "$rounds"); do
   done
 done
 # With FERRY_GRAPH_EDGES=1 in the environment, what each arm's captured graphs held.
-if [ "${FERRY_GRAPH_EDGES:-}" = 1 ]; then
+if [ "${FERRY_GRAPH_EDGES:-}" = 1 ] && [ "$rounds_gpu" != 0 ]; then
   echo
   for arm in $arms; do
     echo "$arm: $(grep -h '^FERRY_GRAPH_EDGES' "$out/bench_gpu_$(tag "$arm")_1.log" | sort | uniq -c | tr -s ' ' | paste -sd ';' -)"

@@ -5,6 +5,9 @@
 # `lanes`, devpack/ucx.tar.xz (scripts/ucx_cuda_pack.sh).
 #   STAGES="check lanes" OUT=$OUT bash scripts/gpu_unrun.sh     # first call
 #   STAGES="arms" OUT=$OUT bash scripts/gpu_unrun.sh            # second call
+#   STAGES="rounds" OUT=$OUT bash scripts/gpu_unrun.sh          # third, with issue 15's lease
+# Each bench_gpu / bench-engine run draws a 31 GB random model first (tens of seconds), so the
+# arms are few: 5 arms × 2 rounds in `arms`, 2 × 2 in `rounds`; ARMS / ROUNDS override.
 # Stages:
 #   check  the kernel and engine tests with every opt-in switch of session 33 on (L2 warm-up,
 #          fused router + routing, staged writes, the shared expert beside the router in graphs),
@@ -12,7 +15,10 @@
 #          keep programmatic dependent launch?)
 #   lanes  issue 14: bench_transfer_gpu with writers of 1, 2 and 4 UCX lanes, then ucx_device and
 #          cluster_device with FERRY_UCX_LANES=4 (cuda_ipc puts from lane threads)
-#   arms   issue 13: scripts/bench_decode_arms.sh over each switch alone (batch 1 and 32)
+#   arms   issue 13: scripts/bench_decode_arms.sh, the decode step (batch 1 and 32) with each
+#          promising switch alone against the default
+#   rounds issue 15: a speculative round's phases (bench-engine, c = 1, fixed:8) with staged
+#          writes against the default
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-gpu-logs}"
@@ -53,12 +59,18 @@ for stage in $stages; do
       FERRY_UCX_LANES=4 OUT="$dir" bash scripts/gpu_tests.sh ucx_device cluster_device
       ;;
     arms)
-      ROUNDS="${ROUNDS:-2}" BATCH="${BATCH:-1,32}" OUT="$dir" \
-        ARMS="${ARMS:-default FERRY_SHARED_BESIDE=graphs FERRY_L2_WARM=gate_up FERRY_L2_WARM=shared FERRY_L2_WARM=shared,o_proj FERRY_L2_WARM=shared,o_proj,last FERRY_L2_WARM=next_attn,last FERRY_ROUTER_FUSED=1 FERRY_ASYNC_WRITES=1}" \
+      ROUNDS="${ROUNDS:-2}" BATCH="${BATCH:-1,32}" OUT="$dir" ROUNDS_ENGINE=0 RUN_TIMEOUT=90 \
+        ARMS="${ARMS:-default FERRY_SHARED_BESIDE=graphs FERRY_L2_WARM=shared,o_proj,last FERRY_L2_WARM=next_attn,last FERRY_ROUTER_FUSED=1}" \
         bash scripts/bench_decode_arms.sh | tee "$dir/arms.md"
       ;;
+    rounds)
+      # bench_decode_arms.sh's engine table only (ROUNDS_GPU=0 skips its bench_gpu runs).
+      ROUNDS="${ROUNDS:-2}" OUT="$dir" RUN_TIMEOUT=120 ROUNDS_GPU=0 \
+        ARMS="${ARMS:-default FERRY_ASYNC_WRITES=1}" \
+        bash scripts/bench_decode_arms.sh | tee "$dir/rounds.md"
+      ;;
     *)
-      echo "unknown stage $stage (check, lanes, arms)"
+      echo "unknown stage $stage (check, lanes, arms, rounds)"
       ;;
   esac
 done
