@@ -273,12 +273,21 @@ fn a_writer_s_lanes_copy_into_a_shared_memory_pool() {
 /// connect bound instead of waiting forever.
 #[test]
 fn a_dead_receiver_is_an_error_not_a_hang() {
-    let env = [("UCX_TLS", "posix,sysv,cma")];
-    let (mut rx, address, key) = start_receiver(&env);
+    dead_receiver(&[("UCX_TLS", "posix,sysv,cma")]);
+}
+
+/// The same for a writer of three lanes, each connecting on its own.
+#[test]
+fn a_dead_receiver_is_an_error_for_a_writer_of_three_lanes() {
+    dead_receiver(&[("UCX_TLS", "posix,sysv,cma"), ("FERRY_UCX_LANES", "3")]);
+}
+
+fn dead_receiver(env: &[(&str, &str)]) {
+    let (mut rx, address, key) = start_receiver(env);
     rx.kill().unwrap();
     rx.wait().unwrap();
     let started = Instant::now();
-    let out = run_writer(&env, &address, &key);
+    let out = run_writer(env, &address, &key);
     assert!(out.starts_with("FAILED "), "writer said {out:?}");
     assert!(
         started.elapsed() < ferry_kvtransfer::ucx::CONNECT_TIMEOUT + Duration::from_secs(20),
