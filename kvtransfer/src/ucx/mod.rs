@@ -275,6 +275,10 @@ impl Shared {
             })
             .collect::<Result<Vec<_>, _>>()?;
         let lanes: Arc<[Lane]> = lanes.into();
+        info!(
+            lanes = self.lanes,
+            "kvtransfer: UCX writer lanes started; each transfer's layers are spread over them"
+        );
         *extra = Some(lanes.clone());
         Ok(lanes)
     }
