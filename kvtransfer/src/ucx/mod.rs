@@ -246,7 +246,7 @@ struct Shared {
     /// The transport's own thread: registrations, sessions, lane 0 of every writer.
     main: Lane,
     /// Writers' further lanes (`lanes − 1` of them), started by the first connect.
-    extra: std::sync::Mutex<Option<Arc<[Lane]>>>,
+    extra: tokio::sync::OnceCell<Arc<[Lane]>>,
     lanes: usize,
     ucp: &'static sys::Ucp,
     registry: Arc<Registry>,
@@ -257,35 +257,39 @@ struct Shared {
 }
 
 impl Shared {
-    /// The further lanes of a writer, started on first use (each a context and a worker of its
-    /// own, which takes milliseconds once).
-    fn extra_lanes(&self) -> Result<Arc<[Lane]>, TransferError> {
+    /// The further lanes of a writer, started by the first connect that needs them (each a
+    /// UCP context and worker of its own: milliseconds, more with a CUDA-enabled UCX, so on a
+    /// blocking thread; concurrent connects wait for the same start, and a failed start is
+    /// tried again by the next connect).
+    async fn extra_lanes(&self) -> Result<Arc<[Lane]>, TransferError> {
         if self.lanes <= 1 {
             return Ok(Arc::from(Vec::new()));
         }
-        let mut extra = self.extra.lock().map_err(|_| TransferError::Closed)?;
-        if let Some(lanes) = extra.as_ref() {
-            return Ok(lanes.clone());
-        }
-        let lanes = (1..self.lanes)
-            .map(|_| {
-                // A lane only writes: no region is ever registered with it.
-                Lane::start(self.ucp, Arc::new(Registry::new()), self.token.clone())
-                    .map(|(lane, _)| lane)
+        let start = || async {
+            let (ucp, token, n) = (self.ucp, self.token.clone(), self.lanes - 1);
+            let lanes = tokio::task::spawn_blocking(move || {
+                (0..n)
+                    .map(|_| {
+                        // A lane only writes: no region is ever registered with it.
+                        Lane::start(ucp, Arc::new(Registry::new()), token.clone())
+                            .map(|(lane, _)| lane)
+                    })
+                    .collect::<Result<Vec<_>, _>>()
             })
-            .collect::<Result<Vec<_>, _>>()?;
-        let lanes: Arc<[Lane]> = lanes.into();
-        info!(
-            lanes = self.lanes,
-            "kvtransfer: UCX writer lanes started; each transfer's layers are spread over them"
-        );
-        *extra = Some(lanes.clone());
-        Ok(lanes)
+            .await
+            .map_err(|_| TransferError::Closed)??;
+            info!(
+                lanes = self.lanes,
+                "kvtransfer: UCX writer lanes started; each transfer's layers are spread over them"
+            );
+            Ok::<_, TransferError>(Arc::from(lanes))
+        };
+        self.extra.get_or_try_init(start).await.cloned()
     }
 
     /// `count` summed over the lanes started so far.
     fn sum(&self, count: impl Fn(&WorkerHandle) -> usize) -> usize {
-        let extra = self.extra.lock().ok().and_then(|e| e.clone());
+        let extra = self.extra.get();
         count(&self.main.handle)
             + extra
                 .iter()
@@ -375,7 +379,7 @@ impl UcxTransport {
         Ok(UcxTransport {
             shared: Arc::new(Shared {
                 main,
-                extra: std::sync::Mutex::new(None),
+                extra: tokio::sync::OnceCell::new(),
                 lanes,
                 ucp,
                 registry,
@@ -395,7 +399,7 @@ impl UcxTransport {
     /// 0 first: how the writers' layers spread.
     pub fn writes_per_lane(&self) -> Vec<usize> {
         let load = |h: &WorkerHandle| h.writes.load(std::sync::atomic::Ordering::Relaxed);
-        let extra = self.shared.extra.lock().ok().and_then(|e| e.clone());
+        let extra = self.shared.extra.get();
         std::iter::once(load(&self.shared.main.handle))
             .chain(extra.iter().flat_map(|l| l.iter()).map(|l| load(&l.handle)))
             .collect()
@@ -564,7 +568,7 @@ impl Transport for UcxTransport {
             fence: fence.0,
         };
         // One connection per lane, their hellos in flight together.
-        let extra = self.shared.extra_lanes()?;
+        let extra = self.shared.extra_lanes().await?;
         let mut writer = UcxWriter {
             shared: self.shared.clone(),
             extra,
