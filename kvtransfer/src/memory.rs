@@ -87,6 +87,26 @@ impl LayerMemory {
         }
     }
 
+    /// The host bytes `offset..offset + len` of this layer, to receive a block run into in
+    /// place; `None` for device or staged memory, or a range outside the span.
+    ///
+    /// # Safety
+    /// The caller must have admitted every block of the range for its transfer (so nothing else
+    /// reads or writes those bytes until the transfer's flush is acknowledged, as for
+    /// [`Self::land_host`]), and must drop the slice before then.
+    #[allow(clippy::mut_from_ref)] // the memory is the region's, not `self`'s: see above
+    pub(crate) unsafe fn host_slice_mut(&self, offset: usize, len: usize) -> Option<&mut [u8]> {
+        let LayerMemory::Host(span) = self else {
+            return None;
+        };
+        if offset.checked_add(len).is_none_or(|end| end > span.len) {
+            return None;
+        }
+        // SAFETY: in range of a span whose validity `LayerMemory::host`'s caller promised; this
+        // function's caller promises no other access to the range while the slice lives.
+        Some(unsafe { std::slice::from_raw_parts_mut((span.addr as *mut u8).add(offset), len) })
+    }
+
     /// Copies `data` to `offset` in host memory; `false` (nothing copied) for device or staged
     /// memory, or a range outside the span.
     ///

@@ -43,6 +43,41 @@ impl Entry {
         self.live.load(Ordering::Acquire)
     }
 
+    /// Where a received run of `len` bytes at `block` of a host layer goes, so that its
+    /// payload is read from the connection straight into the region: the run is checked
+    /// against the layout and the registration, and every block of it admitted under
+    /// `access.fence`, before the slice is handed out. `None` for a layer not in host memory:
+    /// read the payload into a buffer and [`Self::land`] it.
+    #[allow(clippy::mut_from_ref)] // the region's memory, admitted for this run: see below
+    pub(crate) fn host_destination(
+        &self,
+        access: Access,
+        layer: u32,
+        block: u32,
+        len: usize,
+    ) -> Result<Option<&mut [u8]>, TransferError> {
+        check_run(&self.layout, layer, block, len)?;
+        if !self.is_live() {
+            return Err(TransferError::UnknownRegion(access.key));
+        }
+        let Some(m @ LayerMemory::Host(_)) = self.memory.get(layer as usize) else {
+            return Ok(None);
+        };
+        let bb = self.layout.block_bytes();
+        for b in block..block + (len / bb) as u32 {
+            self.region.admit(b, access.fence)?;
+        }
+        // SAFETY: every block of the range was admitted for this transfer just above: the
+        // region's owner leaves them alone until the flush is acknowledged, and the one
+        // connection writing them holds the slice only while it reads this run.
+        match unsafe { m.host_slice_mut(block as usize * bb, len) } {
+            Some(dst) => Ok(Some(dst)),
+            None => Err(TransferError::Region(format!(
+                "layer {layer} block {block}: outside the layer's registered memory"
+            ))),
+        }
+    }
+
     /// Lands one received run of blocks (`block, block + 1, …`): checks it against the layout,
     /// the registration (`access.key`) and the region's admission of every block under
     /// `access.fence`, then copies it into the layer's host memory in one go, or hands it to

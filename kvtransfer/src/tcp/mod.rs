@@ -29,16 +29,18 @@
 //! ```
 //!
 //! Writes are applied on the receiving task, in order: each block is checked against the layout
-//! and admitted by the region under the hello's fence ([`KvRegion::admit`]), then copied into
+//! and admitted by the region under the hello's fence ([`KvRegion::admit`]), then read into
 //! the layer's registered host memory, or passed to [`KvRegion::write`] for a layer the region
 //! does not expose in host memory (which therefore must be cheap and non-blocking). On a bad frame or a refused write the receiver
 //! sends one failure frame, stops applying writes and discards the rest of the stream until the
 //! writer hangs up (so the writer reads the failure, not a connection reset); the writer sees it
 //! before its next write or at its flush. The listener and other connections are unaffected.
 //!
-//! Sockets use `TCP_NODELAY`. Payloads go out in `write_all` calls of at most [`MAX_WRITE`]
-//! bytes (single very large socket writes perform badly; see the UCX notes in
-//! `environment.md`); the receiver reads each block into one reused buffer.
+//! Sockets use `TCP_NODELAY`. A batch's frames go out in vectored writes of at most
+//! [`MAX_WRITE`] bytes straight from the batch's buffers (single very large socket writes
+//! perform badly; see the UCX notes in `environment.md`). The receiver admits a run's blocks
+//! when its header arrives and reads a host layer's payload straight into the region's memory;
+//! staged and device layers go through one reused buffer to [`KvRegion::write`].
 //!
 //! | file | owns |
 //! |---|---|

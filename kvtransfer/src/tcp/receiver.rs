@@ -243,6 +243,12 @@ async fn apply_data(
     let layer = conn.read_u32().await?;
     let block = conn.read_u32().await?;
     let payload = payload as usize;
+    // A host layer's blocks are admitted first and read straight into the region; others go
+    // through a buffer to `KvRegion::write`.
+    if let Some(dst) = entry.host_destination(access, layer, block, payload)? {
+        conn.read_exact(dst).await?;
+        return Ok((layer, payload as u64));
+    }
     check_run(&entry.layout, layer, block, payload)?;
     if !entry.is_live() {
         return Err(TransferError::UnknownRegion(access.key));

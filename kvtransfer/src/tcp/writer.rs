@@ -1,6 +1,6 @@
 //! Writer side of a TCP connection: batches out as data frames, failures and flush acks in.
 
-use std::io;
+use std::io::{self, IoSlice};
 
 use async_trait::async_trait;
 use ferry_proto::internal::{TransferFailure, TransferFlushAck};
@@ -22,8 +22,6 @@ pub(super) struct TcpWriter {
     remote: KvLayoutDesc,
     /// Block bytes sent so far.
     sent: u64,
-    /// Reused frame buffer.
-    wbuf: Vec<u8>,
     failed: bool,
 }
 
@@ -35,36 +33,35 @@ impl TcpWriter {
             key,
             remote,
             sent: 0,
-            wbuf: Vec::new(),
             failed: false,
         }
     }
 
+    /// Sends the batch's data frames with vectored writes straight from the batch's buffers
+    /// (headers and payloads side by side, no copy into a frame buffer), at most
+    /// [`MAX_WRITE`] bytes per write call.
     async fn send_batch(&mut self, batch: &WriteBatch) -> Result<(), TransferError> {
         self.check_incoming().await?;
-        let mut wbuf = std::mem::take(&mut self.wbuf);
-        wbuf.clear();
-        for w in &batch.writes {
-            let header = data_header(batch.layer, w.block, w.data.len())?;
-            if !wbuf.is_empty() && wbuf.len() + header.len() + w.data.len() > MAX_WRITE {
-                self.stream.write_all(&wbuf).await?;
-                wbuf.clear();
-            }
-            wbuf.extend_from_slice(&header);
-            if w.data.len() <= MAX_WRITE {
-                wbuf.extend_from_slice(&w.data);
-            } else {
-                self.stream.write_all(&wbuf).await?;
-                wbuf.clear();
-                for chunk in w.data.chunks(MAX_WRITE) {
-                    self.stream.write_all(chunk).await?;
+        let headers = batch
+            .writes
+            .iter()
+            .map(|w| data_header(batch.layer, w.block, w.data.len()))
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut slices: Vec<IoSlice<'_>> = Vec::new();
+        let mut pending = 0usize;
+        for (header, w) in headers.iter().zip(&batch.writes) {
+            slices.push(IoSlice::new(header));
+            pending += header.len();
+            for piece in w.data.chunks(MAX_WRITE) {
+                if pending + piece.len() > MAX_WRITE || slices.len() >= MAX_SLICES {
+                    write_all_vectored(&mut self.stream, &mut slices).await?;
+                    pending = 0;
                 }
+                slices.push(IoSlice::new(piece));
+                pending += piece.len();
             }
         }
-        if !wbuf.is_empty() {
-            self.stream.write_all(&wbuf).await?;
-        }
-        self.wbuf = wbuf;
+        write_all_vectored(&mut self.stream, &mut slices).await?;
         Ok(())
     }
 
@@ -134,6 +131,26 @@ impl RemoteWriter for TcpWriter {
         }
         result
     }
+}
+
+/// Slices per vectored write (Linux's `IOV_MAX` is 1,024).
+const MAX_SLICES: usize = 512;
+
+/// Writes every byte of `slices`, then empties it.
+async fn write_all_vectored(
+    stream: &mut TcpStream,
+    slices: &mut Vec<IoSlice<'_>>,
+) -> io::Result<()> {
+    let mut rest = &mut slices[..];
+    while !rest.is_empty() {
+        let n = stream.write_vectored(rest).await?;
+        if n == 0 {
+            return Err(io::ErrorKind::WriteZero.into());
+        }
+        IoSlice::advance_slices(&mut rest, n);
+    }
+    slices.clear();
+    Ok(())
 }
 
 /// Reads one frame that must be a failure and turns it into the error it reports.
