@@ -6,7 +6,9 @@ mod common;
 use std::sync::{Arc, Mutex};
 
 use ferry_model::deepseek::{BatchInputs, DeepseekModel, LogitsWanted, SeqInput};
-use ferry_model::engine::{EngineConfig, EngineEvent, EngineHandle, FinishReason, PrefillSource};
+use ferry_model::engine::{
+    EngineConfig, EngineError, EngineEvent, EngineHandle, FinishReason, PrefillSource,
+};
 use ferry_model::kv::{BlockId, KvDtype, LayerRows, Lease};
 
 use common::{collect, golden_case, greedy, job, tokens, wait_idle};
@@ -91,6 +93,42 @@ async fn requests_submitted_together_share_their_first_step() {
     let t = e.stats().await.unwrap().step_times;
     assert_eq!((t.prompt.steps, t.decode.steps), (1, 11), "{t:?}");
     assert_eq!(t.decode.sequences, 33, "{t:?}");
+    wait_idle(&e).await;
+}
+
+/// `generate_all` over the in-flight limit submits nothing and holds no slot afterwards: the
+/// same requests fit once fewer are asked for.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_submitted_together_over_the_limit_are_refused_whole() {
+    let dir = ferry_model::embedded::default_model_dir();
+    let model = DeepseekModel::load(&dir).expect("model");
+    let e = EngineHandle::spawn(
+        model,
+        EngineConfig {
+            num_blocks: 64,
+            max_batch_tokens: 2048,
+            max_in_flight: 2,
+            ..EngineConfig::default()
+        },
+    )
+    .expect("engine");
+    let jobs = |n: usize| {
+        (0..n)
+            .map(|i| job(golden_case(i).0, 4, PrefillSource::Local))
+            .collect()
+    };
+    let err = e
+        .generate_all(jobs(3))
+        .err()
+        .expect("three over a limit of two");
+    assert!(
+        matches!(err, EngineError::Overloaded { limit: 2, .. }),
+        "{err}"
+    );
+    for g in e.generate_all(jobs(2)).unwrap() {
+        let (toks, end) = collect(g).await;
+        assert_eq!((toks.len(), end), (4, Ok(FinishReason::Length)));
+    }
     wait_idle(&e).await;
 }
 
