@@ -14,22 +14,18 @@ use ferry_model::kv::{BlockId, KvDtype, LayerRows, Lease};
 use common::{collect, golden_case, greedy, job, tokens, wait_idle};
 
 fn engine(blocks: usize) -> EngineHandle {
-    engine_with(blocks, 256)
+    engine_with(EngineConfig {
+        num_blocks: blocks,
+        max_batch_tokens: 256,
+        ..EngineConfig::default()
+    })
 }
 
-/// The embedded model's engine with `blocks` KV blocks and a step budget of `max_batch_tokens`.
-fn engine_with(blocks: usize, max_batch_tokens: usize) -> EngineHandle {
+/// The embedded model's engine under `config`.
+fn engine_with(config: EngineConfig) -> EngineHandle {
     let dir = ferry_model::embedded::default_model_dir();
     let model = DeepseekModel::load(&dir).expect("model");
-    EngineHandle::spawn(
-        model,
-        EngineConfig {
-            num_blocks: blocks,
-            max_batch_tokens,
-            ..EngineConfig::default()
-        },
-    )
-    .expect("engine")
+    EngineHandle::spawn(model, config).expect("engine")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -80,7 +76,11 @@ async fn steps_are_counted_and_timed_by_kind() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_submitted_together_share_their_first_step() {
     // A step budget that holds all three prompts.
-    let e = engine_with(128, 2048);
+    let e = engine_with(EngineConfig {
+        num_blocks: 128,
+        max_batch_tokens: 2048,
+        ..EngineConfig::default()
+    });
     let jobs = (0..3)
         .map(|i| job(golden_case(i).0, 12, PrefillSource::Local))
         .collect();
@@ -100,18 +100,12 @@ async fn requests_submitted_together_share_their_first_step() {
 /// same requests fit once fewer are asked for.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_submitted_together_over_the_limit_are_refused_whole() {
-    let dir = ferry_model::embedded::default_model_dir();
-    let model = DeepseekModel::load(&dir).expect("model");
-    let e = EngineHandle::spawn(
-        model,
-        EngineConfig {
-            num_blocks: 64,
-            max_batch_tokens: 2048,
-            max_in_flight: 2,
-            ..EngineConfig::default()
-        },
-    )
-    .expect("engine");
+    let e = engine_with(EngineConfig {
+        num_blocks: 64,
+        max_batch_tokens: 2048,
+        max_in_flight: 2,
+        ..EngineConfig::default()
+    });
     let jobs = |n: usize| {
         (0..n)
             .map(|i| job(golden_case(i).0, 4, PrefillSource::Local))

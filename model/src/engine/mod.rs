@@ -1037,22 +1037,36 @@ impl EngineHandle {
         options: GenerateOptions,
     ) -> Result<Generation, EngineError> {
         let guard = self.admit()?;
+        let (cmd, generation) = self.request(job, options, guard, tracing::Span::current());
+        self.send(cmd)?;
+        Ok(generation)
+    }
+
+    /// One request's command (a fresh id, its event channel, no forks) and the caller's
+    /// [`Generation`] holding `guard`.
+    fn request(
+        &self,
+        job: GenerateJob,
+        options: GenerateOptions,
+        guard: InFlight,
+        span: tracing::Span,
+    ) -> (Command, Generation) {
         let id = SeqId(self.next_id.fetch_add(1, Ordering::Relaxed));
         let (events, rx) = mpsc::unbounded_channel();
-        let span = tracing::Span::current();
-        self.send(Command::Generate {
+        let cmd = Command::Generate {
             id,
             job,
             events,
             options,
             span,
             forks: Vec::new(),
-        })?;
-        Ok(Generation {
+        };
+        let generation = Generation {
             id,
             events: rx,
             _in_flight: guard,
-        })
+        };
+        (cmd, generation)
     }
 
     /// Several requests submitted as one command: the engine admits all of them before its
@@ -1066,25 +1080,11 @@ impl EngineHandle {
             guards.push(self.admit()?);
         }
         let span = tracing::Span::current();
-        let mut cmds = Vec::with_capacity(jobs.len());
-        let mut generations = Vec::with_capacity(jobs.len());
-        for (job, guard) in jobs.into_iter().zip(guards) {
-            let id = SeqId(self.next_id.fetch_add(1, Ordering::Relaxed));
-            let (events, rx) = mpsc::unbounded_channel();
-            cmds.push(Command::Generate {
-                id,
-                job,
-                events,
-                options: GenerateOptions::default(),
-                span: span.clone(),
-                forks: Vec::new(),
-            });
-            generations.push(Generation {
-                id,
-                events: rx,
-                _in_flight: guard,
-            });
-        }
+        let (cmds, generations): (Vec<_>, Vec<_>) = jobs
+            .into_iter()
+            .zip(guards)
+            .map(|(job, guard)| self.request(job, GenerateOptions::default(), guard, span.clone()))
+            .unzip();
         self.send(Command::All(cmds))?;
         Ok(generations)
     }
