@@ -46,8 +46,9 @@ impl Entry {
     /// Where a received run of `len` bytes at `block` of a host layer goes, so that its
     /// payload is read from the connection straight into the region: the run is checked
     /// against the layout and the registration, and every block of it admitted under
-    /// `access.fence`, before the slice is handed out. `None` for a layer not in host memory:
-    /// read the payload into a buffer and [`Self::land`] it.
+    /// `access.fence`, before the slice is handed out. `None` for a layer not in host memory
+    /// (after the same layout and registration checks): read the payload into a buffer and
+    /// [`Self::land`] it.
     #[allow(clippy::mut_from_ref)] // the region's memory, admitted for this run: see below
     pub(crate) fn host_destination(
         &self,
