@@ -25,6 +25,11 @@ const CACHE_VERSION: u32 = 1;
 /// Compiles `source` with the `-D` options among `options` (others, like `--offload-arch`, are
 /// for a GPU compiler and ignored). Returns the module's path or the compiler's log.
 pub fn compile(source: &str, options: &[String]) -> Result<PathBuf, String> {
+    compile_into(&cache_dir(), source, options)
+}
+
+/// [`compile`] with the module cache in `dir`.
+fn compile_into(dir: &Path, source: &str, options: &[String]) -> Result<PathBuf, String> {
     let defines: Vec<&String> = options
         .iter()
         .filter(|o| o.starts_with("-D") || o.starts_with("-U"))
@@ -37,16 +42,18 @@ pub fn compile(source: &str, options: &[String]) -> Result<PathBuf, String> {
     let mut h = std::collections::hash_map::DefaultHasher::new();
     (CACHE_VERSION, &cxx, &defines, &text).hash(&mut h);
     let key = format!("{:016x}", h.finish());
-    let dir = cache_dir();
-    std::fs::create_dir_all(&dir).map_err(|e| format!("cache dir {}: {e}", dir.display()))?;
+    std::fs::create_dir_all(dir).map_err(|e| format!("cache dir {}: {e}", dir.display()))?;
     let so = dir.join(format!("{key}.so"));
     if so.is_file() {
         return Ok(so);
     }
-    // Build under names of this process's own, then rename: processes compiling the same
-    // module side by side each produce a whole file.
-    let stem = dir.join(format!("{key}.{}", std::process::id()));
-    let cpp = stem.with_extension("cpp");
+    // Build under names of this call's own (process id and a per-process counter), then
+    // rename: processes and threads compiling the same module side by side each produce a
+    // whole file, and none removes a source another is still compiling.
+    static CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let stem = format!("{key}.{}.{call}", std::process::id());
+    let cpp = dir.join(format!("{stem}.cpp"));
     std::fs::write(&cpp, &text).map_err(|e| format!("{}: {e}", cpp.display()))?;
     let scanned = run(Command::new(&cxx)
         .args(["-std=c++17", "-E", "-P", "-x", "c++", "-DFERRY_EMU_SCAN"])
@@ -62,7 +69,7 @@ pub fn compile(source: &str, options: &[String]) -> Result<PathBuf, String> {
         ));
     }
     std::fs::write(&cpp, &full).map_err(|e| format!("{}: {e}", cpp.display()))?;
-    let tmp_so = stem.with_extension("so.tmp");
+    let tmp_so = dir.join(format!("{stem}.so.tmp"));
     run(Command::new(&cxx)
         .args([
             "-std=c++17",
@@ -183,5 +190,37 @@ mod tests {
     fn kernels_are_found_after_preprocessing() {
         let pre = "static inline float f(int);\nextern \"C\" FERRY_EMU_KERNEL void  argmax_rows (const float* x)\n{}\nextern \"C\" FERRY_EMU_KERNEL void k2(int)";
         assert_eq!(kernel_names(pre), vec!["argmax_rows", "k2"]);
+    }
+
+    /// CI once failed here: threads of one test binary compiling the same module shared one
+    /// source file, and the first to finish removed it under the others.
+    #[test]
+    fn threads_compiling_one_module_side_by_side_all_get_it() {
+        let dir = std::env::temp_dir().join(format!("ferry-hip-emu-race-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let source = "extern \"C\" __global__ void twice(float* x) { x[threadIdx.x] *= 2.0f; }";
+        let modules: Vec<Result<PathBuf, String>> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..6)
+                .map(|_| s.spawn(|| compile_into(&dir, source, &[])))
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().expect("compile thread"))
+                .collect()
+        });
+        let first = modules[0].clone().expect("module");
+        for m in &modules {
+            assert_eq!(m.as_ref().expect("every thread gets the module"), &first);
+        }
+        let left: Vec<String> = std::fs::read_dir(&dir)
+            .expect("cache dir")
+            .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(
+            left,
+            vec![first.file_name().unwrap().to_string_lossy().into_owned()],
+            "only the module is left"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }
