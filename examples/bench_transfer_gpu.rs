@@ -42,7 +42,8 @@ struct Args {
     #[arg(long, value_delimiter = ',', default_value = "0,1")]
     run_mib: Vec<usize>,
     /// Lanes of the UCX writer (`UcxOptions::lanes`), one arm each, interleaved run by run.
-    #[arg(long, value_delimiter = ',', default_value = "1")]
+    /// Default: one lane and the transport's default of two.
+    #[arg(long, value_delimiter = ',', default_value = "1,2")]
     lanes: Vec<usize>,
     /// Runs per case (the median is reported).
     #[arg(long, default_value_t = 5)]

@@ -22,7 +22,9 @@ arms="${ARMS:-default}"
 rounds="${ROUNDS:-3}"
 batch="${BATCH:-1}"
 # An arm's environment assignments, one per line, and a file-name tag for it.
-settings() { [ "$1" = default ] || echo "$1" | tr ',' '\n'; }
+# Settings are split at commas that start the next VAR=, so values may hold commas
+# (FERRY_L2_WARM=shared,o_proj,last is one setting).
+settings() { [ "$1" = default ] || echo "$1" | sed -E 's/,([A-Z][A-Z0-9_]*=)/\n\1/g'; }
 tag() { echo "$1" | tr -c 'A-Za-z0-9_.\n-' '_'; }
 if [ "${ROUNDS_GPU:-1}" = 0 ]; then
   rounds_gpu=0
@@ -38,7 +40,8 @@ for round in $(seq "$rounds_gpu"); do
     env $(settings "$arm") FERRY_BENCH_SKIP_KERNELS=1 FERRY_BENCH_PREFILL= \
       FERRY_BENCH_BATCH="$batch" timeout "${RUN_TIMEOUT:-120}" ./device-bin/bench_gpu 1024 64 >"$log" 2>&1
     grep -E '^\| [0-9]+ \|' "$log" | tail -n "$(echo "$batch" | tr ',' '\n' | wc -l)" |
-      awk -F'|' -v a="$arm" -v r="$round" '{print "| " a " | " r " |" $2 "|" $3 "|" $4 "|" $5 "|" $8 "|"}'
+      awk -F'|' -v a="$arm" -v r="$round" '{print "| " a " | " r " |" $2 "|" $3 "|" $4 "|" $5 "|" $8 "|"}' |
+      grep . || echo "| $arm | $round | (no result: $(tail -n 1 "$log")) | | | | |"
   done
 done
 # With FERRY_GRAPH_EDGES=1 in the environment, what each arm's captured graphs held.

@@ -226,6 +226,13 @@ async fn local() -> Arc<dyn Transport> {
 /// workers down while others connect; the tcp lanes are tested between two processes in
 /// `ucx_processes.rs`.
 fn new_ucx() -> UcxTransport {
+    new_ucx_with(1)
+}
+
+/// [`new_ucx`] with a writer of `lanes` lanes. The contract runs over one lane (`ucx`,
+/// `ucx_pair`) and three (`ucx_lanes`); the default of two runs between processes
+/// (`ucx_processes.rs`) and in the UCX clusters.
+fn new_ucx_with(lanes: usize) -> UcxTransport {
     static SHARED_MEMORY_ONLY: std::sync::Once = std::sync::Once::new();
     SHARED_MEMORY_ONLY.call_once(|| {
         if std::env::var_os("UCX_TLS").is_none() {
@@ -233,7 +240,8 @@ fn new_ucx() -> UcxTransport {
             std::env::set_var("UCX_TLS", "self,posix,sysv,cma");
         }
     });
-    UcxTransport::new().expect("UCX must be installed for these tests (libucx0)")
+    UcxTransport::with_options(UcxOptions { token: None, lanes })
+        .expect("UCX must be installed for these tests (libucx0)")
 }
 
 /// One UCX worker that both registers and writes (an endpoint to itself: UCX's `self`
@@ -256,11 +264,7 @@ async fn ucx_pair() -> Arc<dyn Transport> {
 /// (layers 0 and 3 on its own thread, 1 and 2 on two more), each a connection of its own.
 async fn ucx_lanes() -> Arc<dyn Transport> {
     let receiver = new_ucx();
-    let writer = UcxTransport::with_options(UcxOptions {
-        token: None,
-        lanes: 3,
-    })
-    .expect("UCX with three lanes");
+    let writer = new_ucx_with(3);
     Arc::new(Pair { receiver, writer })
 }
 

@@ -213,12 +213,24 @@ fn puts_land_between_processes_over_tcp() {
     puts_land_between_processes(&[("UCX_TLS", "tcp"), ("UCX_NET_DEVICES", "lo")], 0);
 }
 
-/// A pool in UCX shared memory: the writer maps it once and copies into it.
+/// A pool in UCX shared memory: the writer maps it once per lane (the default two) and copies
+/// into it.
 #[test]
 fn copies_land_in_a_shared_memory_pool() {
     let env = [
         ("UCX_TLS", "posix,sysv,cma"),
         ("FERRY_UCX_POOL", "transport"),
+    ];
+    puts_land_between_processes(&env, ferry_kvtransfer::ucx::DEFAULT_LANES);
+}
+
+/// The same with one lane (`FERRY_UCX_LANES=1`): one mapping.
+#[test]
+fn one_lane_copies_into_a_shared_memory_pool() {
+    let env = [
+        ("UCX_TLS", "posix,sysv,cma"),
+        ("FERRY_UCX_POOL", "transport"),
+        ("FERRY_UCX_LANES", "1"),
     ];
     puts_land_between_processes(&env, 1);
 }

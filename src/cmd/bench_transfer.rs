@@ -46,8 +46,9 @@ pub struct BenchTransferArgs {
     #[arg(long, value_enum, value_delimiter = ',', default_values_t = [Case::Tcp, Case::UcxShm, Case::UcxTcp])]
     pub transports: Vec<Case>,
     /// Lanes of the UCX writer (`UcxOptions::lanes`: progress threads a transfer's layers are
-    /// spread over); each count is a row of every UCX case.
-    #[arg(long, value_delimiter = ',', default_value = "1")]
+    /// spread over); each count is a row of every UCX case. Default: one lane and the
+    /// transport's default of two.
+    #[arg(long, value_delimiter = ',', default_value = "1,2")]
     pub ucx_lanes: Vec<usize>,
     /// Where the receiver's pool lives: the transport's memory (`Transport::alloc_host`, as a
     /// decode worker's pool: UCX shared memory for UCX) or the heap (the comparison).
