@@ -1561,3 +1561,63 @@ fn staged_writes_land_in_stream_order() {
         .expect_err("larger than a slot");
     assert!(err.to_string().contains(&SLOT_BYTES.to_string()), "{err}");
 }
+
+/// A graph's buffers come from its arena (unless `FERRY_GRAPH_ARENA=0`): the captured graph
+/// holds no memory nodes, the arena grows past its first chunk, a freed range is taken again,
+/// and replays move the right bytes through it, also after the capture's buffers were dropped.
+#[test]
+fn a_graph_s_buffers_come_from_its_arena() {
+    use ferry_kernels::cuda::{graph_arena_switch, ARENA_FIRST};
+    let Some(dev) = gpu("a_graph_s_buffers_come_from_its_arena") else {
+        return;
+    };
+    // Three buffers of 3/4 of the first chunk each: the arena must grow twice.
+    let n = ARENA_FIRST * 3 / 4 / 4;
+    let host: Vec<i32> = (0..n as i32).map(|i| i.wrapping_mul(7919)).collect();
+    let mut src = dev.upload(&host).expect("src");
+    let mut out = dev.zeros::<i32>(n).expect("out");
+    dev.synchronize().expect("sync");
+    dev.begin_capture().expect("begin capture");
+    let mut a = dev.alloc::<i32>(n).expect("a");
+    dev.copy(&src, &mut a, n).expect("src → a");
+    let mut b = dev.alloc::<i32>(n).expect("b");
+    dev.copy(&a, &mut b, n).expect("a → b");
+    let a_at = a.ptr();
+    drop(a);
+    // Taken from where `a` was: stream order makes that safe (its last reader ran before).
+    let mut c = dev.alloc::<i32>(n).expect("c");
+    if graph_arena_switch() {
+        assert_eq!(c.ptr(), a_at, "the freed range is taken again");
+    }
+    dev.copy(&b, &mut c, n).expect("b → c");
+    let mut d = dev.alloc::<i32>(n).expect("d");
+    dev.copy(&c, &mut d, n).expect("c → d");
+    dev.copy(&d, &mut out, n).expect("d → out");
+    drop((b, c, d));
+    let graph = dev.end_capture().expect("end capture");
+    let edges = graph.edges().expect("edges");
+    if graph_arena_switch() {
+        assert!(
+            !edges.kinds.contains("memory"),
+            "memory nodes left: {}",
+            edges.kinds
+        );
+    } else {
+        assert!(edges.kinds.contains("memory alloc"), "{}", edges.kinds);
+    }
+    for round in 0..2 {
+        graph.launch().expect("replay");
+        assert_eq!(dev.download(&out).expect("out"), host, "replay {round}");
+        // The next replay must move new bytes, not find the last ones still there.
+        let next: Vec<i32> = host.iter().map(|x| x ^ (round + 1)).collect();
+        dev.write(&mut src, 0, &next).expect("new src");
+        graph.launch().expect("replay");
+        assert_eq!(
+            dev.download(&out).expect("out"),
+            next,
+            "replay {round}, new bytes"
+        );
+        dev.write(&mut src, 0, &host).expect("src back");
+        dev.memset_zero(&out).expect("out cleared");
+    }
+}

@@ -4,9 +4,10 @@
 //! CPU: [`MoeLayer::forward`] (each expert once over the tokens routed to it). GPU (CUDA and
 //! ROCm, the same kernels): routing on the device, then two launches over every
 //! `(token, slot)` pair, the shared expert stacked as extra expert slots so it costs no
-//! separate pass, the weighted sum added straight into `h`. With `FERRY_SHARED_BESIDE`, one
-//! token launches its shared slots on CUDA's second stream beside the router and the routing
-//! (`gpu::ops::moe_token_beside`; the same kernels, so the same `h`).
+//! separate pass, the weighted sum added straight into `h`. In captured graphs (by default;
+//! `FERRY_SHARED_BESIDE=0` never, `=1` eager steps too), one token launches its shared slots on
+//! CUDA's second stream beside the router and the routing (`gpu::ops::moe_token_beside`; the
+//! same kernels, so the same `h`).
 
 use super::{Backend, Precision, Tensor};
 use crate::cpu::moe::MoeLayer;
@@ -257,8 +258,9 @@ fn moe_on<D: super::OnDevice>(
     } else {
         routing
     };
-    // One token (a single-stream decode step), where `FERRY_SHARED_BESIDE` asks: the shared
-    // slots stream their weights on the side stream while the router and the routing run.
+    // One token (a single-stream decode step) in a captured graph, unless `FERRY_SHARED_BESIDE`
+    // says otherwise: the shared slots stream their weights on the side stream while the router
+    // and the routing run.
     let beside = routing.n_shared > 0 && ops::SharedBeside::from_env().applies(dev);
     if let (1, true, Some(side)) = (t, beside, dev.side()) {
         let m = ops::MoeToken {

@@ -2,7 +2,9 @@
 //!
 //! [`CudaDevice`] is a cheap `Clone` handle over one context, one stream, one cuBLAS handle and
 //! the compiled-module cache. Memory is taken with stream-ordered allocation
-//! (`cuMemAllocAsync`, pool kept warm) so per-step scratch buffers cost microseconds.
+//! (`cuMemAllocAsync`, pool kept warm) so per-step scratch buffers cost microseconds, except
+//! while a graph is being captured: then from the graph's own [`Arena`], so that the graph
+//! holds kernels next to kernels (programmatic edges) rather than memory nodes between them.
 //! Kernels are launched with raw `cuLaunchKernel`: the typed launchers in [`super::ops`] and
 //! [`super::mla`] check every length before they build the argument list.
 
@@ -66,6 +68,8 @@ pub struct DeviceBuffer<T: DevicePod> {
     dev: CudaDevice,
     /// From `cuMemAlloc` ([`CudaDevice::zeros_shareable`]), not the stream-ordered pool.
     shareable: bool,
+    /// Taken from a graph capture's [`Arena`]: handed back to it on drop.
+    arena: Option<Arc<Arena>>,
     _t: PhantomData<T>,
 }
 
@@ -130,6 +134,10 @@ impl<T: DevicePod> DeviceMem for DeviceBuffer<T> {
 
 impl<T: DevicePod> Drop for DeviceBuffer<T> {
     fn drop(&mut self) {
+        if let Some(arena) = &self.arena {
+            arena.free(self.ptr, arena_bytes(self.bytes()));
+            return;
+        }
         let inner = &self.dev.inner;
         if inner.ctx.bind_to_thread().is_err() {
             return;
@@ -177,6 +185,8 @@ struct Inner {
     twice: Mutex<std::collections::HashSet<usize>>,
     /// Between [`CudaDevice::begin_capture`] and [`CudaDevice::end_capture`].
     capturing: std::sync::atomic::AtomicBool,
+    /// The running capture's arena (unless `FERRY_GRAPH_ARENA=0`), which its graph then owns.
+    arena: Mutex<Option<Arc<Arena>>>,
 }
 
 /// `FERRY_PROFILE_TWICE=name,name,...`: every launch of the named kernels is queued twice, so
@@ -322,6 +332,7 @@ impl CudaDevice {
                 smem_set: Mutex::new(HashMap::new()),
                 twice: Mutex::default(),
                 capturing: std::sync::atomic::AtomicBool::new(false),
+                arena: Mutex::new(None),
             }),
             on_side: false,
         })
@@ -415,6 +426,18 @@ impl CudaDevice {
     pub fn alloc<T: DevicePod>(&self, len: usize) -> Result<DeviceBuffer<T>, KernelError> {
         self.bind()?;
         let bytes = (len * std::mem::size_of::<T>()).max(256);
+        let arena = self.inner.arena.lock().ok().and_then(|a| a.clone());
+        if let Some(arena) = arena {
+            let ptr = arena.alloc(arena_bytes(bytes))?;
+            return Ok(DeviceBuffer {
+                ptr,
+                len,
+                dev: self.clone(),
+                shareable: false,
+                arena: Some(arena),
+                _t: PhantomData,
+            });
+        }
         // SAFETY: a plain stream-ordered allocation on this context's stream; the buffer owns
         // the pointer and frees it once.
         let ptr = unsafe { result::malloc_async(self.inner.stream.cu_stream(), bytes) }
@@ -424,6 +447,7 @@ impl CudaDevice {
             len,
             dev: self.clone(),
             shareable: false,
+            arena: None,
             _t: PhantomData,
         })
     }
@@ -446,6 +470,7 @@ impl CudaDevice {
             len,
             dev: self.clone(),
             shareable: true,
+            arena: None,
             _t: PhantomData,
         };
         self.memset_zero(&b)?;
@@ -791,13 +816,33 @@ impl CudaDevice {
     /// Starts recording the stream's work into a graph instead of running it (relaxed mode:
     /// stream-ordered allocations become graph memory nodes). Nothing may synchronise or copy
     /// host memory until [`Self::end_capture`].
+    ///
+    /// The buffers allocated while capturing come from an [`Arena`] the graph owns instead
+    /// (unless `FERRY_GRAPH_ARENA=0`), so the graph holds no memory nodes between its kernels.
     pub fn begin_capture(&self) -> Result<(), KernelError> {
-        self.inner
+        self.bind()?;
+        if graph_arena_switch() {
+            let arena = Arena::new(self.inner.ctx.clone(), self.inner.stream.clone())?;
+            if let Ok(mut slot) = self.inner.arena.lock() {
+                *slot = Some(Arc::new(arena));
+            }
+        }
+        let begun = self
+            .inner
             .stream
             .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
-            .map_err(gpu_err("cuStreamBeginCapture"))?;
+            .map_err(gpu_err("cuStreamBeginCapture"));
+        if begun.is_err() {
+            self.take_arena();
+        }
+        begun?;
         self.inner.capturing.store(true, Ordering::Relaxed);
         Ok(())
+    }
+
+    /// Ends the running capture's arena (no later allocation takes from it) and returns it.
+    fn take_arena(&self) -> Option<Arc<Arena>> {
+        self.inner.arena.lock().ok().and_then(|mut a| a.take())
     }
 
     /// Whether the stream's work is being recorded into a graph ([`Self::begin_capture`]).
@@ -808,6 +853,7 @@ impl CudaDevice {
     /// Ends a capture and instantiates the graph.
     pub fn end_capture(&self) -> Result<GpuGraph, KernelError> {
         self.inner.capturing.store(false, Ordering::Relaxed);
+        let arena = self.take_arena();
         let graph = self
             .inner
             .stream
@@ -817,12 +863,16 @@ impl CudaDevice {
                 op: "cuStreamEndCapture",
                 message: "the capture recorded nothing".into(),
             })?;
-        let graph = GpuGraph { graph };
+        let graph = GpuGraph {
+            graph,
+            _arena: arena,
+        };
         if graph_edges_switch() {
             match graph.edges() {
                 Ok(e) => eprintln!(
-                    "FERRY_GRAPH_EDGES: captured {} nodes, {} edges, {} programmatic",
-                    e.nodes, e.edges, e.programmatic
+                    "FERRY_GRAPH_EDGES: captured {} nodes, {} edges, {} programmatic; nodes: {}; \
+                     full edges between kernels: {}",
+                    e.nodes, e.edges, e.programmatic, e.kinds, e.full_kernel_edges
                 ),
                 Err(e) => eprintln!("FERRY_GRAPH_EDGES: {e}"),
             }
@@ -849,6 +899,9 @@ impl CudaDevice {
 /// An instantiated CUDA graph, replayed on the device's stream.
 pub struct GpuGraph {
     graph: cudarc::driver::CudaGraph,
+    /// The memory of the buffers allocated during its capture ([`Arena`]), freed
+    /// after the graph (fields drop in order) and after every buffer taken from it.
+    _arena: Option<Arc<Arena>>,
 }
 
 // SAFETY: cudarc's `CudaGraph` is `!Send` only because it holds the raw `CUgraph` /
@@ -876,6 +929,29 @@ impl GpuGraph {
         unsafe { sys::cuGraphGetNodes(g, std::ptr::null_mut(), &mut nodes) }
             .result()
             .map_err(gpu_err("cuGraphGetNodes"))?;
+        let mut all = vec![std::ptr::null_mut(); nodes];
+        // SAFETY: `all` holds `nodes` entries, the count just queried.
+        unsafe { sys::cuGraphGetNodes(g, all.as_mut_ptr(), &mut nodes) }
+            .result()
+            .map_err(gpu_err("cuGraphGetNodes"))?;
+        all.truncate(nodes);
+        let kind_of = |node: sys::CUgraphNode| -> Result<u32, KernelError> {
+            let mut t = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
+            // SAFETY: a query on a node of the live graph.
+            unsafe { sys::cuGraphNodeGetType(node, &mut t) }
+                .result()
+                .map_err(gpu_err("cuGraphNodeGetType"))?;
+            Ok(t as u32)
+        };
+        let mut kinds = std::collections::BTreeMap::<&'static str, usize>::new();
+        let mut kernels = std::collections::HashSet::new();
+        for &node in &all {
+            let t = kind_of(node)?;
+            if t == sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL as u32 {
+                kernels.insert(node as usize);
+            }
+            *kinds.entry(node_kind_name(t)).or_default() += 1;
+        }
         let mut n = 0usize;
         // SAFETY: as above, for the edges.
         unsafe {
@@ -907,19 +983,47 @@ impl GpuGraph {
         .result()
         .map_err(gpu_err("cuGraphGetEdges_v2"))?;
         let programmatic = sys::CUgraphDependencyType::CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC as u8;
+        let n = n.min(data.len());
+        let full_kernel_edges = (0..n)
+            .filter(|&i| {
+                data[i].type_ != programmatic
+                    && kernels.contains(&(from[i] as usize))
+                    && kernels.contains(&(to[i] as usize))
+            })
+            .count();
         Ok(GraphEdges {
             nodes,
             edges: n,
-            programmatic: data[..n.min(data.len())]
+            programmatic: data[..n].iter().filter(|d| d.type_ == programmatic).count(),
+            kinds: kinds
                 .iter()
-                .filter(|d| d.type_ == programmatic)
-                .count(),
+                .map(|(k, c)| format!("{c} {k}"))
+                .collect::<Vec<_>>()
+                .join(", "),
+            full_kernel_edges,
         })
     }
 }
 
+/// A graph node type's name, for [`GraphEdges::kinds`].
+fn node_kind_name(t: u32) -> &'static str {
+    match t {
+        0 => "kernel",
+        1 => "memcpy",
+        2 => "memset",
+        3 => "host",
+        4 => "child graph",
+        5 => "empty",
+        6 => "event wait",
+        7 => "event record",
+        10 => "memory alloc",
+        11 => "memory free",
+        _ => "other",
+    }
+}
+
 /// What [`GpuGraph::edges`] counts.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GraphEdges {
     /// Nodes (kernels, copies, memory nodes, event nodes).
     pub nodes: usize,
@@ -927,6 +1031,170 @@ pub struct GraphEdges {
     pub edges: usize,
     /// Of those, programmatic ones (programmatic dependent launch).
     pub programmatic: usize,
+    /// The nodes by type, e.g. `"12 kernel, 3 memset"`.
+    pub kinds: String,
+    /// Edges from a kernel to a kernel that are not programmatic (the second waits for the
+    /// whole first: cuBLAS's kernels, or launches without the attribute).
+    pub full_kernel_edges: usize,
+}
+
+/// Device memory for the buffers a graph capture allocates, owned by the captured graph
+/// (`FERRY_GRAPH_ARENA=0`: stream-ordered allocations, as before). Stream-ordered allocations made while capturing become memory nodes
+/// of the graph, and an edge into or out of a memory node is a full dependency: the kernel
+/// after it cannot start early under programmatic dependent launch. Taking the capture's
+/// buffers from memory reserved beforehand leaves kernels next to kernels.
+///
+/// Chunks come from `cuMemAlloc` (the first, [`ARENA_FIRST`], before the capture begins;
+/// later ones during it, which the relaxed capture mode allows, each at least as large as all
+/// before it, so an arena reserves less than twice what its capture needed at most at once). Within a capture a freed range is taken again by a later allocation (first fit):
+/// the graph is one chain on the main stream (the side stream forks from it and joins it
+/// before buffers it reads are freed), and a kernel writes only after `griddepcontrol.wait`
+/// (every kernel's `pdl_enter`), i.e. after all kernels before it have finished, so the later
+/// buffer's writes never meet the earlier one's reads.
+pub(crate) struct Arena {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    state: Mutex<ArenaState>,
+}
+
+#[derive(Default)]
+struct ArenaState {
+    /// (base, bytes) of each `cuMemAlloc` chunk.
+    chunks: Vec<(sys::CUdeviceptr, usize)>,
+    /// Free ranges (start, bytes), sorted by start, neighbours merged.
+    free: Vec<(u64, usize)>,
+}
+
+impl ArenaState {
+    /// The start of `bytes` taken from the first free range that holds them.
+    fn take(&mut self, bytes: usize) -> Option<u64> {
+        let i = self.free.iter().position(|&(_, len)| len >= bytes)?;
+        let (start, len) = self.free[i];
+        if len == bytes {
+            self.free.remove(i);
+        } else {
+            self.free[i] = (start + bytes as u64, len - bytes);
+        }
+        Some(start)
+    }
+
+    /// Makes `[start, start + bytes)` free again, merged with free neighbours.
+    fn give(&mut self, start: u64, bytes: usize) {
+        let at = self.free.partition_point(|&(s, _)| s < start);
+        self.free.insert(at, (start, bytes));
+        if at + 1 < self.free.len()
+            && self.free[at].0 + self.free[at].1 as u64 == self.free[at + 1].0
+        {
+            self.free[at].1 += self.free[at + 1].1;
+            self.free.remove(at + 1);
+        }
+        if at > 0 && self.free[at - 1].0 + self.free[at - 1].1 as u64 == self.free[at].0 {
+            self.free[at - 1].1 += self.free[at].1;
+            self.free.remove(at);
+        }
+    }
+}
+
+/// Bytes an arena hands out for a request: whole 256-byte units, as the pool aligns.
+fn arena_bytes(bytes: usize) -> usize {
+    bytes.max(1).div_ceil(256) * 256
+}
+
+/// Bytes of an arena's first chunk.
+pub const ARENA_FIRST: usize = 16 << 20;
+
+impl Arena {
+    fn new(ctx: Arc<CudaContext>, stream: Arc<CudaStream>) -> Result<Self, KernelError> {
+        let arena = Arena {
+            ctx,
+            stream,
+            state: Mutex::new(ArenaState::default()),
+        };
+        arena.grow(ARENA_FIRST)?;
+        Ok(arena)
+    }
+
+    fn lock(&self) -> Result<std::sync::MutexGuard<'_, ArenaState>, KernelError> {
+        self.state.lock().map_err(|_| KernelError::Gpu {
+            op: "graph_arena",
+            message: "arena lock poisoned".into(),
+        })
+    }
+
+    /// Adds a chunk of at least `bytes`.
+    fn grow(&self, bytes: usize) -> Result<(), KernelError> {
+        let bytes = arena_bytes(bytes);
+        self.ctx
+            .bind_to_thread()
+            .map_err(gpu_err("cuCtxSetCurrent"))?;
+        // SAFETY: a plain allocation on this context, freed once when the arena drops.
+        let base = unsafe { result::malloc_sync(bytes) }.map_err(gpu_err("cuMemAlloc"))?;
+        let mut st = self.lock()?;
+        st.chunks.push((base, bytes));
+        st.give(base, bytes);
+        Ok(())
+    }
+
+    /// `bytes` (a multiple of 256) from the first free range that holds them.
+    fn alloc(&self, bytes: usize) -> Result<sys::CUdeviceptr, KernelError> {
+        for attempt in 0..2 {
+            if let Some(ptr) = self.lock()?.take(bytes) {
+                return Ok(ptr);
+            }
+            if attempt == 0 {
+                self.grow(bytes.max(self.reserved()))?;
+            }
+        }
+        Err(KernelError::Gpu {
+            op: "graph_arena",
+            message: format!("no free range of {bytes} bytes after growing"),
+        })
+    }
+
+    /// Hands `[ptr, ptr + bytes)` back, merging it with free neighbours.
+    fn free(&self, ptr: sys::CUdeviceptr, bytes: usize) {
+        if let Ok(mut st) = self.state.lock() {
+            st.give(ptr, bytes);
+        }
+    }
+
+    /// Bytes of all chunks.
+    fn reserved(&self) -> usize {
+        self.state
+            .lock()
+            .map(|st| st.chunks.iter().map(|&(_, b)| b).sum())
+            .unwrap_or(0)
+    }
+}
+
+impl Drop for Arena {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_err() {
+            return;
+        }
+        let chunks = self
+            .state
+            .get_mut()
+            .map(|st| std::mem::take(&mut st.chunks))
+            .unwrap_or_default();
+        // SAFETY: each chunk came from cuMemAlloc and is freed once, after the stream's queued
+        // work (a replay of the graph that used it) has run.
+        unsafe {
+            let _ = result::stream::synchronize(self.stream.cu_stream());
+            for (base, _) in chunks {
+                let _ = result::free_sync(base);
+            }
+        }
+    }
+}
+
+/// Whether graph captures take their buffers from an [`Arena`] (read once): yes unless
+/// `FERRY_GRAPH_ARENA=0`. On an H100 the arena made every edge of a single-stream step's graph
+/// programmatic (355 kernels; before, 299 allocation and 299 free nodes left 187 of 1,003
+/// edges programmatic) and the step 5.6 % faster (BENCHMARKS.md, session 35).
+pub fn graph_arena_switch() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var("FERRY_GRAPH_ARENA").map_or(true, |v| v != "0"))
 }
 
 /// `FERRY_GRAPH_EDGES=1` (read once): print each captured graph's [`GraphEdges`] on stderr.
@@ -988,4 +1256,38 @@ fn keep_pool_warm(ctx: &Arc<CudaContext>) -> Result<(), KernelError> {
     }
     .result()
     .map_err(gpu_err("cuMemPoolSetAttribute"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// First fit, reuse of freed ranges, and merging, on made-up addresses (no GPU).
+    #[test]
+    fn an_arena_reuses_what_was_freed_and_merges_neighbours() {
+        let mut st = ArenaState::default();
+        st.give(0x1000, 4096);
+        let a = st.take(1024).unwrap();
+        let b = st.take(1024).unwrap();
+        let c = st.take(1024).unwrap();
+        assert_eq!((a, b, c), (0x1000, 0x1400, 0x1800));
+        assert_eq!(st.free, vec![(0x1c00, 1024)]);
+        assert_eq!(st.take(2048), None, "only 1 KiB is left");
+        st.give(b, 1024);
+        assert_eq!(
+            st.take(512),
+            Some(b),
+            "a freed range is taken first (first fit)"
+        );
+        st.give(b, 512);
+        st.give(a, 1024);
+        st.give(c, 1024);
+        assert_eq!(
+            st.free,
+            vec![(0x1000, 4096)],
+            "neighbours merge back into one range"
+        );
+        assert_eq!(arena_bytes(1), 256);
+        assert_eq!(arena_bytes(257), 512);
+    }
 }

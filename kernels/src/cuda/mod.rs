@@ -32,7 +32,8 @@ pub mod staging;
 pub mod upload;
 
 pub use context::{
-    CudaDevice, DeviceBuffer, GpuGraph, GpuTimer, GraphEdges, KernelArgs, LaunchDims,
+    graph_arena_switch, CudaDevice, DeviceBuffer, GpuGraph, GpuTimer, GraphEdges, KernelArgs,
+    LaunchDims, ARENA_FIRST,
 };
 pub use ops::{GpuMatrix, GpuMatrixData};
 pub use staging::{CopyStream, DeviceRange, Mark, PinnedBuffer};

@@ -2300,25 +2300,26 @@ pub fn moe_token_beside<D: Gpu>(dev: &D, side: &D, m: MoeToken<'_, D>) -> Result
 /// ([`moe_token_beside`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SharedBeside {
-    /// Never (the default, `FERRY_SHARED_BESIDE=0`): the router, routing, then all slots.
+    /// Never (`FERRY_SHARED_BESIDE=0`): the router, routing, then all slots.
     Never,
-    /// In captured graphs only (`FERRY_SHARED_BESIDE=graphs`): on the H200 a graph-replayed
-    /// V2-Lite-shaped step took 2.661 ms against 2.690 (four interleaved pairs), while an eager
-    /// step, which pays the two events' host calls every layer, took 2.81–2.86 ms against
-    /// 2.71–2.74. The default once this gate itself has run on a GPU (it has not).
+    /// In captured graphs only (the default; `FERRY_SHARED_BESIDE=graphs`): a graph-replayed
+    /// V2-Lite-shaped step took 2.661 ms against 2.690 on the H200 (session 32, four
+    /// interleaved pairs) and 1 % less on an H100 (session 35, six of seven pairs faster), while
+    /// an eager step, which pays the two events' host calls every layer, took 2.81–2.86 ms
+    /// against 2.71–2.74 on the H200.
     Graphs,
     /// Always (`FERRY_SHARED_BESIDE=1`), eager steps too.
     Always,
 }
 
 impl SharedBeside {
-    /// From `FERRY_SHARED_BESIDE` (read once): `1`, `graphs`, else [`SharedBeside::Never`].
+    /// From `FERRY_SHARED_BESIDE` (read once): `0`, `1`, else [`SharedBeside::Graphs`].
     pub fn from_env() -> Self {
         static MODE: std::sync::OnceLock<SharedBeside> = std::sync::OnceLock::new();
         *MODE.get_or_init(|| match std::env::var("FERRY_SHARED_BESIDE").as_deref() {
             Ok("1") => SharedBeside::Always,
-            Ok("graphs") => SharedBeside::Graphs,
-            _ => SharedBeside::Never,
+            Ok("0") => SharedBeside::Never,
+            _ => SharedBeside::Graphs,
         })
     }
 
