@@ -182,12 +182,12 @@ fn load_layer(
             shared,
         })))
     } else {
-        Ffn::Dense(Dense::Host(gated_mlp(
+        Ffn::Dense(Box::new(Dense::Host(gated_mlp(
             w,
             &format!("{p}.mlp"),
             hidden,
             c.intermediate_size,
-        )?))
+        )?)))
     };
     Ok(Layer {
         input_norm: vec(&format!("{p}.input_layernorm.weight"), hidden)?,

@@ -71,7 +71,7 @@ pub struct MlaWeights {
 #[derive(Debug)]
 pub enum Ffn {
     /// A dense SiLU-gated MLP (the first `first_k_dense_replace` layers).
-    Dense(Dense),
+    Dense(Box<Dense>),
     /// Routed + shared experts.
     Moe(Box<Moe>),
 }
@@ -212,7 +212,7 @@ impl DeepseekModel {
                 o: host(&w.o)?,
             };
             let ffn = match &layer.ffn {
-                Ffn::Dense(d) => Ffn::Dense(Dense::to_backend(d.host()?, backend)?),
+                Ffn::Dense(d) => Ffn::Dense(Box::new(Dense::to_backend(d.host()?, backend)?)),
                 Ffn::Moe(m) => Ffn::Moe(Box::new(Moe::to_backend(
                     m.host()?,
                     self.config.n_shared_experts,

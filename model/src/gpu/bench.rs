@@ -155,11 +155,11 @@ impl DeepseekModel {
                     },
                 }))
             } else {
-                Ffn::Dense(Dense::Cuda {
+                Ffn::Dense(Box::new(Dense::Cuda {
                     gate: draw.matrix(c.intermediate_size, h)?,
                     up: draw.matrix(c.intermediate_size, h)?,
                     down: draw.matrix(h, c.intermediate_size)?,
-                })
+                }))
             };
             layers.push(Layer {
                 input_norm: draw.ones(h)?,
