@@ -23,28 +23,31 @@ const SHM: &str = "posix,sysv,cma";
 /// `tcp` cannot reach a decode worker on shared memory ("Destination is unreachable"), which
 /// is what a shared process environment used to let happen.
 fn ucx_spec(tls: &str) -> Spec {
-    ucx_spec_lanes(tls, 1)
+    ucx_spec_lanes(tls, Some(1))
 }
 
 /// As [`ucx_spec`], the prefill worker's writer spreading each transfer over `lanes` UCX
-/// progress threads (`FERRY_UCX_LANES`).
-fn ucx_spec_lanes(tls: &str, lanes: usize) -> Spec {
+/// progress threads (`FERRY_UCX_LANES`; `None`: unset, the transport's default).
+fn ucx_spec_lanes(tls: &str, lanes: Option<usize>) -> Spec {
     let devices = if tls == "tcp" { "lo" } else { "all" };
-    let lanes = lanes.to_string();
-    Spec::new(1, 1)
+    let spec = Spec::new(1, 1)
         .prefill(&["--transport", "ucx"])
-        .decode(&["--transport", "ucx"])
-        .env(&[
+        .decode(&["--transport", "ucx"]);
+    match lanes {
+        Some(n) => spec.env(&[
             ("UCX_TLS", tls),
             ("UCX_NET_DEVICES", devices),
-            ("FERRY_UCX_LANES", &lanes),
-        ])
+            ("FERRY_UCX_LANES", &n.to_string()),
+        ]),
+        None => spec.env(&[("UCX_TLS", tls), ("UCX_NET_DEVICES", devices)]),
+    }
 }
 
-async fn greedy_over(tls: &str, lanes: usize) {
+async fn greedy_over(tls: &str, lanes: Option<usize>) {
     let prompt = cluster::long_prompt();
     let want = cluster::reference_generate(&prompt, MAX_TOKENS).await;
     let cluster = Cluster::start(ucx_spec_lanes(tls, lanes)).await;
+    let lanes = lanes.unwrap_or(ferry_kvtransfer::ucx::DEFAULT_LANES);
     let (prefill, decode) = (
         cluster.live(Role::Prefill)[0].clone(),
         cluster.live(Role::Decode)[0].clone(),
@@ -95,10 +98,11 @@ async fn greedy_over(tls: &str, lanes: usize) {
 
 #[tokio::test]
 async fn greedy_output_over_ucx_equals_ferry_generate() {
-    greedy_over(SHM, 1).await;
-    greedy_over("tcp", 1).await;
-    // Three lanes: the prompt's layers over three connections, the bytes summed.
-    greedy_over(SHM, 3).await;
+    // The default writer (two lanes), one lane over TCP, and three lanes: the prompt's layers
+    // over that many connections, the bytes summed.
+    greedy_over(SHM, None).await;
+    greedy_over("tcp", Some(1)).await;
+    greedy_over(SHM, Some(3)).await;
 }
 
 #[tokio::test]
@@ -115,7 +119,7 @@ async fn killing_a_prefill_worker_with_three_lanes_recomputes_and_frees_every_bl
 
 async fn kill_mid_transfer(lanes: usize) {
     let mut cluster = Cluster::start(
-        ucx_spec_lanes(SHM, lanes)
+        ucx_spec_lanes(SHM, Some(lanes))
             .router(&["--heartbeat-timeout-ms", "60000"])
             .decode(&["--local-prefill-threshold", "0"]),
     )
