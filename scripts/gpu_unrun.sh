@@ -19,6 +19,9 @@
 #          promising switch alone against the default
 #   rounds issue 15: a speculative round's phases (bench-engine, c = 1, fixed:8) with staged
 #          writes against the default
+#   arena  issue 13 on the card the bars are stated for (the H200): the graph arena (default
+#          since session 35) against FERRY_GRAPH_ARENA=0, batch 1-256 and the DSpark shape's
+#          engine rounds, then the graphs' node kinds (FERRY_GRAPH_EDGES=1)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-gpu-logs}"
@@ -69,8 +72,17 @@ for stage in $stages; do
         ARMS="${ARMS:-default FERRY_ASYNC_WRITES=1}" \
         bash scripts/bench_decode_arms.sh | tee "$dir/rounds.md"
       ;;
+    arena)
+      ROUNDS="${ROUNDS:-3}" BATCH="${BATCH:-1,32,128,256}" OUT="$dir" RUN_TIMEOUT=90 \
+        ARMS="${ARMS:-default FERRY_GRAPH_ARENA=0}" \
+        bash scripts/bench_decode_arms.sh | tee "$dir/arena.md"
+      # shellcheck disable=SC1091
+      source scripts/gpu_env.sh >/dev/null
+      FERRY_GRAPH_EDGES=1 FERRY_BENCH_SKIP_KERNELS=1 FERRY_BENCH_PREFILL= FERRY_BENCH_BATCH=1,32,128,256 \
+        timeout 120 ./device-bin/bench_gpu 1024 64 2>&1 | grep -h '^FERRY_GRAPH_EDGES' | sort | uniq -c
+      ;;
     *)
-      echo "unknown stage $stage (check, lanes, arms, rounds)"
+      echo "unknown stage $stage (check, lanes, arms, rounds, arena)"
       ;;
   esac
 done
