@@ -426,7 +426,11 @@ impl CudaDevice {
     pub fn alloc<T: DevicePod>(&self, len: usize) -> Result<DeviceBuffer<T>, KernelError> {
         self.bind()?;
         let bytes = (len * std::mem::size_of::<T>()).max(256);
-        let arena = self.inner.arena.lock().ok().and_then(|a| a.clone());
+        // Only while capturing is there an arena to look for (the flag spares eager steps the lock).
+        let arena = self
+            .capturing()
+            .then(|| self.inner.arena.lock().ok().and_then(|a| a.clone()))
+            .flatten();
         if let Some(arena) = arena {
             let ptr = arena.alloc(arena_bytes(bytes))?;
             return Ok(DeviceBuffer {
@@ -813,12 +817,13 @@ impl CudaDevice {
         Ok(())
     }
 
-    /// Starts recording the stream's work into a graph instead of running it (relaxed mode:
-    /// stream-ordered allocations become graph memory nodes). Nothing may synchronise or copy
+    /// Starts recording the stream's work into a graph instead of running it (relaxed mode, so
+    /// an arena may grow with `cuMemAlloc` while capturing). Nothing may synchronise or copy
     /// host memory until [`Self::end_capture`].
     ///
     /// The buffers allocated while capturing come from an [`Arena`] the graph owns instead
-    /// (unless `FERRY_GRAPH_ARENA=0`), so the graph holds no memory nodes between its kernels.
+    /// (unless `FERRY_GRAPH_ARENA=0`: then stream-ordered allocations, which become graph
+    /// memory nodes), so the graph holds no memory nodes between its kernels.
     pub fn begin_capture(&self) -> Result<(), KernelError> {
         self.bind()?;
         if graph_arena_switch() {
@@ -827,15 +832,13 @@ impl CudaDevice {
                 *slot = Some(Arc::new(arena));
             }
         }
-        let begun = self
-            .inner
+        self.inner
             .stream
             .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
-            .map_err(gpu_err("cuStreamBeginCapture"));
-        if begun.is_err() {
-            self.take_arena();
-        }
-        begun?;
+            .map_err(gpu_err("cuStreamBeginCapture"))
+            .inspect_err(|_| {
+                self.take_arena();
+            })?;
         self.inner.capturing.store(true, Ordering::Relaxed);
         Ok(())
     }
