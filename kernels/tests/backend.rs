@@ -470,15 +470,90 @@ fn linear_above_the_gemv_rows_matches_the_cpu_on_every_backend() {
     }
 }
 
+/// 2–16 rows (small decode batches, a speculative round's verify forward): on a CUDA card the
+/// tensor-core skinny GEMM takes bf16 weights whose width is a multiple of 32
+/// (`gemv_mma_bf16`), elsewhere the GEMV (≤ 8 rows) or the large GEMM. Every backend must match
+/// the CPU (1e-4: x enters the tensor cores as bf16 hi + lo, ~16 mantissa bits) for
+/// `linear` and for `linear_add` into a residual; and on CUDA a row's result must not depend
+/// on the rows beside it or on their count, so the verify rows of rounds of any length project
+/// alike. Negative control: one changed input row moves its own output row and no other.
+#[test]
+fn projections_of_two_to_sixteen_rows_match_the_cpu_and_keep_rows_apart() {
+    let mut rng = common::rng(29);
+    // 64 and 96: the skinny GEMM's widths; 70: not a multiple of 32 (GEMV / large GEMM).
+    for (k, n) in [(64, 40), (96, 19), (70, 24)] {
+        let wf = common::uniform(&mut rng, n * k, 0.3);
+        let weights = [
+            Matrix::from_f32(n, k, wf.clone()).expect("f32 w"),
+            Matrix::from_bf16(n, k, wf.iter().map(|&v| half::bf16::from_f32(v)).collect())
+                .expect("bf16 w"),
+        ];
+        let x = common::uniform(&mut rng, 16 * k, 1.0);
+        let h0 = common::uniform(&mut rng, 16 * n, 1.0);
+        for w in &weights {
+            let bf16 = w.bytes() == n * k * 2;
+            for b in backends() {
+                let w_t = b.weight(w).expect("w");
+                let project = |x: &[f32]| {
+                    let x_t = b.upload(x).expect("x");
+                    let p = Linear {
+                        x: &x_t,
+                        w: &w_t,
+                        precision: Precision::Exact,
+                    };
+                    linear(&b, p).expect("linear").to_host().expect("y")
+                };
+                let all = project(&x);
+                for m in [2, 5, 8, 9, 16] {
+                    let what = format!("{} k {k} m {m} bf16 {bf16}", b.name());
+                    let xs = &x[..m * k];
+                    let mut want = vec![0.0f32; m * n];
+                    ferry_kernels::cpu::gemm::linear(xs, w, &mut want).expect("cpu linear");
+                    let y = project(xs);
+                    check(&b, &format!("linear, {what}"), &y, &want);
+                    let mut h_t = b.upload(&h0[..m * n]).expect("h");
+                    let x_t = b.upload(xs).expect("x");
+                    let p = Linear {
+                        x: &x_t,
+                        w: &w_t,
+                        precision: Precision::Exact,
+                    };
+                    linear_add(&b, p, &mut h_t).expect("linear_add");
+                    let summed: Vec<f32> = h0.iter().zip(&want).map(|(a, c)| a + c).collect();
+                    let got = h_t.to_host().expect("h");
+                    check(&b, &format!("linear_add, {what}"), &got, &summed);
+                    #[cfg(feature = "cuda")]
+                    if matches!(b, Backend::Cuda(_)) && bf16 && k % 32 == 0 {
+                        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                        assert_eq!(bits(&y), bits(&all[..m * n]), "{what}: rows depend on m");
+                        let sum = bits(&y.iter().zip(&h0).map(|(a, c)| c + a).collect::<Vec<_>>());
+                        assert_eq!(bits(&got), sum, "{what}: linear_add is not h + linear");
+                        let mut x2 = xs.to_vec();
+                        x2[k] += 1.0;
+                        let y2 = project(&x2);
+                        let moved: Vec<usize> = (0..m)
+                            .filter(|r| {
+                                bits(&y[r * n..(r + 1) * n]) != bits(&y2[r * n..(r + 1) * n])
+                            })
+                            .collect();
+                        assert_eq!(moved, vec![1], "{what}: rows a changed input row moved");
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// Two projections of one input (an attention layer's first query projection and kv_a):
 /// `linear_pair` must give bitwise what two `linear` calls give on every backend — on a GPU
-/// one `gemv_pair` launch up to 8 rows, two launches above — for f32 and bf16 weights, widths
-/// on and off the GEMV's 8-wide vector path, and weights of different element types (which
-/// are never fused).
+/// one `gemv_mma_bf16` launch for 2–16 rows of bf16 weights where the skinny GEMM takes both
+/// (the first's rows a multiple of 8), else one `gemv_pair` launch up to 8 rows, two launches
+/// above — for f32 and bf16 weights, widths on and off the GEMV's 8-wide vector path and the
+/// skinny GEMM's, and weights of different element types (which are never fused).
 #[test]
 fn linear_pair_is_bitwise_two_linears_on_every_backend() {
     let mut rng = common::rng(19);
-    for (k, n1, n2) in [(64, 40, 9), (70, 33, 17)] {
+    for (k, n1, n2) in [(64, 40, 9), (96, 33, 17), (70, 33, 17)] {
         let w1 = common::uniform(&mut rng, n1 * k, 0.3);
         let w2 = common::uniform(&mut rng, n2 * k, 0.3);
         let bf = |v: &[f32]| {
@@ -500,7 +575,7 @@ fn linear_pair_is_bitwise_two_linears_on_every_backend() {
                 Matrix::from_f32(n2, k, w2.clone()).expect("w2"),
             ),
         ];
-        for m in [1, 3, 8, 9] {
+        for m in [1, 3, 8, 9, 16, 17] {
             let x = common::uniform(&mut rng, m * k, 1.0);
             for (a, c) in &pairs {
                 for b in backends() {

@@ -131,6 +131,9 @@ pub fn forward_kernels<D: Gpu>(k: AttnKernels, shape: &MlaShape, cc: (i32, i32))
         kernels: kernels.to_vec(),
     };
     let mut linear = vec!["gemv_f32", "gemv_bf16", "gemv_pair_f32", "gemv_pair_bf16"];
+    if D::TENSOR_CORES && cc >= (8, 0) {
+        linear.push("gemv_mma_bf16");
+    }
     if D::VENDOR_GEMM.is_none() {
         linear.extend(["gemm_tiled_f32", "gemm_tiled_bf16"]);
     }

@@ -1,7 +1,9 @@
 //! `y = x · Wᵀ`: the one linear op of every projection.
 //!
 //! CPU: the `gemm` crate over bf16 or f32 weights ([`crate::cpu::gemm::linear`]). CUDA: a GEMV
-//! kernel for ≤ 8 rows (decode), cuBLAS above, with the activations split into two bf16 halves
+//! kernel for one row (decode), a tensor-core skinny GEMM for 2–16 rows of bf16 weights (small
+//! decode batches, a speculative round's verify forward; `crate::gpu::ops::gemv_mma`), else
+//! the GEMV for ≤ 8 rows and cuBLAS above, with the activations split into two bf16 halves
 //! ([`Precision::Exact`]) or rounded to bf16 ([`Precision::Fast`]) against bf16 weights. ROCm:
 //! the same GEMV, and above it the portable tiled GEMM (`gemm_tiled_*`, f32 activations in
 //! both precisions).
@@ -71,9 +73,9 @@ fn on_gpu<D: super::OnDevice>(dev: &D, p: Linear<'_>, out: &Tensor) -> Result<()
 }
 
 /// `h += x · Wᵀ` (a sub-layer's output projection added into the residual stream): on a GPU
-/// the GEMV (up to 8 rows) or the large GEMM adds into `h` itself — for the GEMV bitwise
-/// `h + linear(x)` — with no separate add (unless fusion is off, [`super::fuse`]); on the CPU
-/// [`linear`] then the add.
+/// the GEMV, the skinny GEMM (2–16 rows) or the large GEMM adds into `h` itself — for the
+/// first two bitwise `h + linear(x)` — with no separate add (unless fusion is off,
+/// [`super::fuse`]); on the CPU [`linear`] then the add.
 pub fn linear_add(b: &Backend, p: Linear<'_>, h: &mut Tensor) -> Result<(), KernelError> {
     match b {
         #[cfg(feature = "cuda")]
@@ -123,9 +125,12 @@ pub struct LinearPair<'a> {
     pub precision: Precision,
 }
 
-/// `([rows][n1], [rows][n2])`, new tensors on `b`. On a GPU, up to 8 rows (decode) with both
-/// weights of one element type go through one `gemv_pair` launch — bitwise what two [`linear`]
-/// calls give — unless fusion is off ([`super::fuse`]); everything else is two [`linear`] calls.
+/// `([rows][n1], [rows][n2])`, new tensors on `b`. On a GPU, unless fusion is off
+/// ([`super::fuse`]), both projections go through one launch where a kernel takes them: 2–16
+/// rows of bf16 weights by the tensor-core skinny GEMM
+/// ([`crate::gpu::ops::gemv_mma_fits`], the first weight's rows a multiple of 8), else up to 8
+/// rows with both weights of one element type by `gemv_pair` — in both cases bitwise what two
+/// [`linear`] calls give. Everything else is two [`linear`] calls.
 pub fn linear_pair(b: &Backend, p: LinearPair<'_>) -> Result<(Tensor, Tensor), KernelError> {
     let one = |w| Linear {
         x: p.x,
@@ -139,44 +144,57 @@ pub fn linear_pair(b: &Backend, p: LinearPair<'_>) -> Result<(Tensor, Tensor), K
         let fits = k > 0
             && p.second.cols() == k
             && rows * k == p.x.len()
-            && rows <= crate::gpu::ops::GEMV_MAX_M
+            && rows <= crate::gpu::ops::GEMV_MMA_MAX_M
             && super::fuse();
         if fits {
-            let mut a = b.scratch(rows * p.first.rows())?;
-            let mut c = b.scratch(rows * p.second.rows())?;
             let fused = match b {
-                Backend::Cpu => false,
+                Backend::Cpu => None,
                 #[cfg(feature = "cuda")]
-                Backend::Cuda(dev) => pair_on_gpu(dev, p, &mut a, &mut c)?,
+                Backend::Cuda(dev) => pair_on_gpu(b, dev, p, rows)?,
                 #[cfg(feature = "rocm")]
-                Backend::Rocm(dev) => pair_on_gpu(dev, p, &mut a, &mut c)?,
+                Backend::Rocm(dev) => pair_on_gpu(b, dev, p, rows)?,
             };
-            if fused {
-                return Ok((a, c));
+            if let Some(pair) = fused {
+                return Ok(pair);
             }
         }
     }
     Ok((linear(b, one(p.first))?, linear(b, one(p.second))?))
 }
 
-/// The fused GPU arm: `false` (nothing launched) when the weights' element types differ.
+/// The fused GPU arm: `None` (nothing launched) where neither fused kernel takes the pair.
 #[cfg(any(feature = "cuda", feature = "rocm"))]
 fn pair_on_gpu<D: super::OnDevice>(
+    b: &Backend,
     dev: &D,
     p: LinearPair<'_>,
-    a: &mut Tensor,
-    c: &mut Tensor,
-) -> Result<bool, KernelError> {
+    rows: usize,
+) -> Result<Option<(Tensor, Tensor)>, KernelError> {
     use super::{tv, wv};
+    use crate::gpu::ops;
     let (w1, w2) = (
         wv::<D>(p.first, OP, "first")?,
         wv::<D>(p.second, OP, "second")?,
     );
-    if w1.is_bf16() != w2.is_bf16() {
-        return Ok(false);
-    }
     let x = tv::<D>(p.x, OP, "x")?;
-    let (o1, o2) = (tv::<D>(a, OP, "out")?, tv::<D>(c, OP, "out")?);
-    crate::gpu::ops::gemv_pair(dev, x, (w1, o1), (w2, o2))?;
-    Ok(true)
+    // Fused only where both projections alone would take the same kernel, so the pair is
+    // bitwise the two calls.
+    let (m1, m2) = (
+        ops::gemv_mma_fits(dev, rows, x, w1),
+        ops::gemv_mma_fits(dev, rows, x, w2),
+    );
+    let mma = m1 && m2 && w1.rows() % 8 == 0;
+    let gemv = !m1 && !m2 && rows <= ops::GEMV_MAX_M && w1.is_bf16() == w2.is_bf16();
+    if !mma && !gemv {
+        return Ok(None);
+    }
+    let a = b.scratch(rows * p.first.rows())?;
+    let c = b.scratch(rows * p.second.rows())?;
+    let (o1, o2) = (tv::<D>(&a, OP, "out")?, tv::<D>(&c, OP, "out")?);
+    if mma {
+        ops::gemv_mma(dev, x, (w1, o1), Some((w2, o2)), false)?;
+    } else {
+        ops::gemv_pair(dev, x, (w1, o1), (w2, o2))?;
+    }
+    Ok(Some((a, c)))
 }

@@ -1748,6 +1748,77 @@ extern "C" __global__ void moe_down_mma(const float* act, const int* order, cons
 #endif
 }
 
+// Projections of 2–16 rows on tensor cores ("skinny" GEMM): out[m][n] (+)= x[m][k] · W[n][k]ᵀ,
+// bf16 W, k a multiple of 32, x rows 16-byte aligned. A decode batch of a few sequences, or a
+// speculative round's verify forward (k drafts + 1 rows), where the GEMV re-reads each x row
+// per weight element from L1 (8 rows: 16 bytes of x per byte of weight; 2.5–4× a one-row
+// GEMV) and cuBLAS costs a cast launch and GEMM launches outside the PDL chain. Here a block of
+// 8 warps takes 8 weight rows (one n8 tile, so a grid as wide as the GEMV's) and splits k over
+// its warps (warp w: the 32-wide k steps w, w + 8, …, GEMV_MMA_U of them in flight); each
+// warp's m16n8 product (x rows past m are zero) goes through shared memory and is summed over
+// the warps in warp order, so a row's result depends on neither the other rows nor m. The x
+// fragments are split into bf16 hi + lo (moe_a_frag: ~16 mantissa bits, as exact-mode cuBLAS
+// does), and the k order is permuted alike in both operands (moe_mma) so each lane's weights
+// are one 16-byte load. With a second matrix (n2 > 0; linear_pair's q + kv_a) the blocks past
+// n1 / 8 take W2 → out2, so n1 must be a multiple of 8. Each warp pulls one of its block's
+// weight rows into L2 before waiting for the kernel ahead. Grid: ceil(n1 / 8) + ceil(n2 / 8);
+// block 256.
+#define GEMV_MMA_U 4
+extern "C" __global__ void __launch_bounds__(256)
+    gemv_mma_bf16(const float* x, int m, const bf16_t* w1, int n1, float* o1, const bf16_t* w2,
+                  int n2, float* o2, int k, int accumulate) {
+  int first = blockIdx.x * 8;
+  const bf16_t* w = first < n1 ? w1 : w2;
+  float* out = first < n1 ? o1 : o2;
+  int n = first < n1 ? n1 : n2, n0 = first < n1 ? first : first - n1;
+  int lane = threadIdx.x % WARP, wi = threadIdx.x / WARP, g = lane / 4, q = lane % 4;
+  if (n0 + wi < n) prefetch_l2(w + (size_t)(n0 + wi) * k, (size_t)k * sizeof(bf16_t));
+  pdl_enter();
+#if FERRY_MMA
+  __shared__ float part[8][WARP][4];
+  // Rows past the end repeat the last one (computed, never written).
+  const bf16_t* wr = w + (size_t)min(n0 + g, n - 1) * k + 8 * q;
+  const float* r0 = g < m ? x + (size_t)g * k + 8 * q : nullptr;
+  const float* r1 = g + 8 < m ? x + (size_t)(g + 8) * k + 8 * q : nullptr;
+  float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  int steps = k / 32;
+  for (int s0 = wi; s0 < steps; s0 += 8 * GEMV_MMA_U) {
+    uint4 wv[GEMV_MMA_U];
+#pragma unroll
+    for (int u = 0; u < GEMV_MMA_U; u++) {
+      int s = s0 + 8 * u;
+      if (s < steps) wv[u] = __ldg(reinterpret_cast<const uint4*>(wr + (size_t)s * 32));
+    }
+#pragma unroll
+    for (int u = 0; u < GEMV_MMA_U; u++) {
+      int s = s0 + 8 * u;
+      if (s < steps) {
+        MoeAFrag a;
+        moe_a_frag(r0 ? r0 + (size_t)s * 32 : nullptr, r1 ? r1 + (size_t)s * 32 : nullptr, a);
+        moe_mma(c, a, wv[u]);
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < 4; i++) part[wi][lane][i] = c[i];
+  __syncthreads();
+  // Thread t < 128 sums element t % 4 of lane t / 4's fragment: x row (lane / 4) (+ 8 for
+  // elements 2, 3), weight row n0 + 2 · (lane % 4) (+ 1 for elements 1, 3).
+  int t = threadIdx.x;
+  if (t < 4 * WARP) {
+    int l = t / 4, i = t % 4;
+    float sum = 0.0f;
+#pragma unroll
+    for (int v = 0; v < 8; v++) sum += part[v][l][i];
+    int row = l / 4 + (i >= 2 ? 8 : 0), col = n0 + 2 * (l % 4) + (i & 1);
+    if (row < m && col < n) {
+      float* o = out + (size_t)row * n + col;
+      *o = accumulate ? *o + sum : sum;
+    }
+  }
+#endif
+}
+
 // The two products again, with the weights streamed two k steps ahead (`FERRY_MOE_MMA=stream`;
 // `mma3` below adds an L2 prefetch; the kernels above are the "before" arm). Above, a warp issues one k step's
 // weights (4 KB a warp for gate/up) and waits for them before its MMAs, so a warp is bound by

@@ -16,8 +16,11 @@ use crate::error::{c_int as int, KernelError};
 use crate::gpu::{Defines, Source};
 
 /// Largest row count served by the GEMV kernel (decode); more rows go through the runtime's
-/// large GEMM ([`Gpu::gemm`]).
+/// large GEMM ([`Gpu::gemm`]), or up to [`GEMV_MMA_MAX_M`] through [`gemv_mma`] where it fits.
 pub const GEMV_MAX_M: usize = 8;
+
+/// Largest row count [`gemv_mma`] (the tensor-core skinny GEMM) takes: one m16 tile.
+pub const GEMV_MMA_MAX_M: usize = 16;
 
 /// `got >= needed`, or a shape error naming the buffer.
 pub(crate) fn need(
@@ -172,8 +175,9 @@ pub struct GemmOut {
     pub accumulate: bool,
 }
 
-/// `out[m][n] = x[m][k] · Wᵀ` (`m = x.len / k`); GEMV for `m <= 8`, the runtime's large GEMM
-/// above ([`Gpu::gemm`]: cuBLAS on CUDA, [`gemm_tiled`] on ROCm).
+/// `out[m][n] = x[m][k] · Wᵀ` (`m = x.len / k`): one row by the GEMV; 2–16 rows by the
+/// tensor-core skinny GEMM where it fits ([`gemv_mma_fits`]); else up to 8 rows by the GEMV and
+/// more by the runtime's large GEMM ([`Gpu::gemm`]: cuBLAS on CUDA, [`gemm_tiled`] on ROCm).
 pub fn linear<D: Gpu>(
     dev: &D,
     x: Dv<f32>,
@@ -231,10 +235,89 @@ fn project<D: Gpu>(
     if m == 0 {
         return Ok(());
     }
+    if gemv_mma_fits(dev, m, x, w) {
+        return gemv_mma(dev, x, (w, out.out), None, out.accumulate);
+    }
     if m <= GEMV_MAX_M {
         return gemv(dev, x, w, out.out, out.accumulate);
     }
     dev.gemm(x, w, out, precision)
+}
+
+/// `FERRY_GEMV_MMA`: `0` turns [`gemv_mma`] off, giving the rule before session 36 (the GEMV up
+/// to 8 rows, the large GEMM above) for A/B runs; anything else, or unset, leaves it on.
+fn gemv_mma_on() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("FERRY_GEMV_MMA").map_or(true, |v| v.trim() != "0"))
+}
+
+/// Whether [`gemv_mma`] takes `m` rows of `x` against `w` on `dev`: 2–16 rows (one row stays on
+/// the GEMV, bitwise the decode step it has always been), bf16 weights whose width is a
+/// multiple of 32, 16-byte-aligned rows, and tensor cores (CUDA sm_80+; not ROCm's builds).
+pub fn gemv_mma_fits<D: Gpu>(dev: &D, m: usize, x: Dv<f32>, w: &GpuMatrix<D>) -> bool {
+    D::TENSOR_CORES
+        && (2..=GEMV_MMA_MAX_M).contains(&m)
+        && w.is_bf16()
+        && w.cols % 32 == 0
+        && x.ptr % 16 == 0
+        && gemv_mma_on()
+        && dev.compute_capability() >= (8, 0)
+}
+
+/// `out1 (+)= x · W1ᵀ` (and, with `second`, `out2 (+)= x · W2ᵀ` in the same launch) for 2–16
+/// rows of `x` on tensor cores (`gemv_mma_bf16` in `common.cu`): what [`gemv_mma_fits`] admits;
+/// with a second matrix, `W1`'s rows must be a multiple of 8 and both widths equal. Each row's
+/// result is independent of the other rows and of their count (a speculative round's verify
+/// rows project alike whatever the round's length), but not bitwise the one-row GEMV's: `x`
+/// enters as bf16 hi + lo (~16 mantissa bits, as exact-mode cuBLAS takes it).
+pub fn gemv_mma<D: Gpu>(
+    dev: &D,
+    x: Dv<f32>,
+    (w1, out1): (&GpuMatrix<D>, Dv<f32>),
+    second: Option<(&GpuMatrix<D>, Dv<f32>)>,
+    accumulate: bool,
+) -> Result<(), KernelError> {
+    const OP: &str = "gpu_gemv_mma";
+    let k = w1.cols;
+    let m = x.len / k.max(1);
+    if !gemv_mma_fits(dev, m, x, w1) || m * k != x.len {
+        return Err(KernelError::InvalidParam {
+            op: OP,
+            field: "x rows",
+            limit: "2..=16 rows, bf16 weights of a width that is a multiple of 32, tensor cores",
+            value: format!("{} / {k}", x.len),
+        });
+    }
+    need(OP, "out1", m * w1.rows, out1.len)?;
+    let (w2, out2, n2) = match second {
+        Some((w2, out2)) => {
+            if w2.cols != k || !w2.is_bf16() || w1.rows % 8 != 0 {
+                return Err(KernelError::InvalidParam {
+                    op: OP,
+                    field: "w2",
+                    limit: "bf16, the width of w1, w1's rows a multiple of 8",
+                    value: format!("{} columns (w1: {k} x {})", w2.cols, w1.rows),
+                });
+            }
+            need(OP, "out2", m * w2.rows, out2.len)?;
+            (w2.ptr(), out2.ptr, w2.rows)
+        }
+        None => (0, 0, 0),
+    };
+    let f = kernel(dev, "gemv_mma_bf16")?;
+    let mut a = KernelArgs::new();
+    a.push(x.ptr)
+        .push(int(OP, "m", m)?)
+        .push(w1.ptr())
+        .push(int(OP, "n1", w1.rows)?)
+        .push(out1.ptr)
+        .push(w2)
+        .push(int(OP, "n2", n2)?)
+        .push(out2)
+        .push(int(OP, "k", k)?)
+        .push(i32::from(accumulate));
+    let blocks = w1.rows.div_ceil(8) + n2.div_ceil(8);
+    dev.launch(&f, LaunchDims::linear(blocks, 256), &mut a)
 }
 
 /// Rows and columns of one output tile of [`gemm_tiled`] (`GT_M` = `GT_N` in `common.cu`).
