@@ -994,7 +994,8 @@ fn warm_names_the_shared_experts<D: ferry_kernels::gpu::launch::Gpu>(
 /// `FERRY_ROUTER_FUSED`) give bitwise the logits, ids and weights of `linear` then
 /// `moe_route`: 1, 3 and 8 tokens; 64 experts (the two-register kernel) and 256 in groups (the
 /// eight-register one); sigmoid and softmax scoring; f32 and bf16 routers. The same counter
-/// serves three launches in a row, so the last block sets it back. Nine tokens (past the GEMV)
+/// serves three launches in a row, so the last block sets it back. Nine tokens (past the GEMV),
+/// and on CUDA 3 and 8 tokens of a bf16 router (which `linear` projects on the tensor cores),
 /// take the two launches through `router_and_route`.
 #[cfg(any(feature = "cuda", feature = "rocm"))]
 #[test]

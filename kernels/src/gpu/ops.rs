@@ -1860,9 +1860,9 @@ pub fn router_fused() -> bool {
 }
 
 /// `a`'s router logits and routes: one launch ([`moe_router_route`]) when `fused` and the
-/// batch is small enough (at most [`GEMV_MAX_M`] tokens, routing the register kernel takes),
-/// else [`linear`] then [`moe_route`]. Either way the same logits, ids and weights, bit for
-/// bit.
+/// batch is small enough (at most [`GEMV_MAX_M`] tokens whose projection [`linear`] gives to
+/// the GEMV — not to [`gemv_mma`] — and routing the register kernel takes), else [`linear`]
+/// then [`moe_route`]. Either way the same logits, ids and weights, bit for bit.
 pub fn router_and_route<D: Gpu>(
     dev: &D,
     a: RouterRoute<'_, D>,
@@ -1870,7 +1870,8 @@ pub fn router_and_route<D: Gpu>(
     gemm: GemmPrecision,
 ) -> Result<(), KernelError> {
     let t = a.x.len / a.router.cols().max(1);
-    if fused && (1..=GEMV_MAX_M).contains(&t) && RouteKernel::Registers.fits(&a.p) {
+    let by_gemv = (1..=GEMV_MAX_M).contains(&t) && !gemv_mma_fits(dev, t, a.x, a.router);
+    if fused && by_gemv && RouteKernel::Registers.fits(&a.p) {
         return moe_router_route(dev, a);
     }
     linear(dev, a.x, a.router, a.logits, gemm)?;
