@@ -16,8 +16,9 @@
 #   engine    the same pair in-process on the GPU, no cluster: `ferry bench-engine --speculative
 #             --device cuda` under goodput and fixed:B, plain in the same command, with the
 #             drafter pass / verify forward / decode step timed apart; ENGINE_REQUESTS (16)
-#             requests per level, c at a time, so c = 1 is not one prompt's luck
-#                                                                       -> $RUN/bench/engine_spec.json
+#             requests per level, c at a time, so c = 1 is not one prompt's luck; then the first
+#             verify length at ENGINE_TEMPS (0.7), and under ENGINE_AB (one VAR=value, unset:
+#             none) at ENGINE_AB_BATCH (1)                              -> $RUN/bench/engine_spec.json
 #   knobs     plain decoding of the trained target through the serving engine (`bench-engine
 #             --serving`: eager and graphs; batches 64, 96, 128; 512 steps) under session 23's open
 #             A/B switches: FERRY_GRAPH_MAX_BATCH=256 (graphs past 64 sequences) and
@@ -239,18 +240,36 @@ stage_engine() {
   set +u; source scripts/gpu_env.sh; set -u
   mkdir -p "$RUN/bench"
   : > "$RUN/bench/engine_spec.md"
-  local v parts=()
-  for v in ${ENGINE_VERIFY_LENS:-goodput fixed:8}; do
-    local f="$RUN/bench/.engine_spec_${v%%:*}.json"
-    echo "lease: engine: ferry bench-engine --speculative --device cuda --verify-len $v" | tee -a "$RUN/bench/engine_spec.md"
-    timeout "${ENGINE_SECONDS:-100}" "$ferry" bench-engine --speculative --device cuda --gpu-mode fast \
-      --model "$RUN/target" --drafter "$RUN/drafter" --batch "${ENGINE_BATCH:-1,16,64,128}" \
+  local v t parts=()
+  # One command: label, JSON file, verify length, batches, then `env` settings (may be none).
+  engine_run() {
+    local label=$1 f=$2 v=$3 batch=$4
+    shift 4
+    echo "lease: engine: $* ferry bench-engine --speculative --device cuda --verify-len $v --temperature ${ENGINE_T:-0} --batch $batch" \
+      | tee -a "$RUN/bench/engine_spec.md"
+    env "$@" timeout "${ENGINE_SECONDS:-100}" "$ferry" bench-engine --speculative --device cuda --gpu-mode fast \
+      --model "$RUN/target" --drafter "$RUN/drafter" --batch "$batch" --temperature "${ENGINE_T:-0}" \
       --prompt-len "${ENGINE_PROMPT_LEN:-1024}" --decode-steps "${ENGINE_DECODE_STEPS:-512}" --repeat 1 \
       --requests "${ENGINE_REQUESTS:-16}" --prompts "$RUN/prompts-$PROMPT_TOKENS.jsonl" \
       --verify-len "$v" --max-verify-tokens "${BENCH_MAX_VERIFY_TOKENS:-1024}" --json "$f" 2>&1 \
-      | grep '^|' | tee -a "$RUN/bench/engine_spec.md" || echo "lease: engine: $v did not finish (the levels it did are kept)"
-    [ -f "$f" ] && parts+=("$v=$f")
+      | grep '^|' | tee -a "$RUN/bench/engine_spec.md" || echo "lease: engine: $label did not finish (the levels it did are kept)"
+    [ -f "$f" ] && parts+=("$label=$f")
+  }
+  local lens=(${ENGINE_VERIFY_LENS:-goodput fixed:8}) batch=${ENGINE_BATCH:-1,16,64,128}
+  for v in "${lens[@]}"; do
+    engine_run "$v" "$RUN/bench/.engine_spec_${v%%:*}.json" "$v" "$batch"
   done
+  # Sampled requests (issue 15 asks for T = 0.7 as well): the first verify length at each of
+  # ENGINE_TEMPS (default 0.7; empty for none).
+  for t in ${ENGINE_TEMPS-0.7}; do
+    ENGINE_T=$t engine_run "${lens[0]}@T$t" "$RUN/bench/.engine_spec_t$t.json" "${lens[0]}" "$batch"
+  done
+  # One A/B setting (ENGINE_AB, e.g. FERRY_GEMV_MMA=0: the projections as before session 36),
+  # greedy, the first verify length, at ENGINE_AB_BATCH (default 1): the same binary's other arm.
+  if [ -n "${ENGINE_AB:-}" ]; then
+    engine_run "${lens[0]}@${ENGINE_AB//=/:}" "$RUN/bench/.engine_spec_ab.json" "${lens[0]}" \
+      "${ENGINE_AB_BATCH:-1}" "$ENGINE_AB"
+  fi
   "$PY" - "$RUN/bench/engine_spec.json" "${parts[@]}" <<'EOF2'
 import json, sys
 out = {"benchmark": "bench-engine --speculative --device cuda --gpu-mode fast, the lease's trained pair",
