@@ -183,6 +183,12 @@ fn speculative_bench_on_given_prompts_breaks_the_steps_down() {
         "{round}"
     );
 
+    // Sampled (`--temperature 0.7`): the requests go unseeded, so the speculating engine
+    // verifies rounds for them too (seeded sampled requests decode plainly by default).
+    let doc = run_doc(&["--batch", "2", "--temperature", "0.7"]);
+    let spec = &doc["rows"][0]["engine_steps"]["spec"];
+    assert!(n(&spec["spec_round"], "steps") > 0.0, "{spec}");
+
     // `--requests`: a level of one client runs three requests one after the other (closed
     // loop), each its own prompt step and 15 plain steps.
     let doc = run_doc(&["--batch", "1", "--requests", "3"]);

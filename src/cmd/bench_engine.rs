@@ -60,7 +60,8 @@ pub struct BenchEngineArgs {
     #[arg(long, default_value_t = 64)]
     pub max_verify_tokens: usize,
     /// Sampling temperature of the requests (with `--speculative`; with `--verify-cost`, of
-    /// the drafter pass's inputs; 0 = greedy).
+    /// the drafter pass's inputs; 0 = greedy). Sampled requests are unseeded, so they
+    /// speculate as a user's unseeded request does (a seeded one decodes plainly by default).
     #[arg(long, default_value_t = 0.0)]
     pub temperature: f32,
     /// Measure plain decoding through the serving engine on `--device`, decode steps replayed
@@ -614,9 +615,12 @@ fn engine_run(
     };
     let engine = EngineHandle::load(dir, drafter, config)?;
     let vocab = engine.model_config().vocab_size as u32;
+    // Sampled requests go unseeded, as most users send them: a seeded sampled request decodes
+    // plainly unless it asks to speculate (`GenerateOptions::speculates`), which would leave a
+    // speculating engine nothing to speculate on.
     let sampling = SamplingParams {
         temperature: args.temperature,
-        seed: Some(u64::from(salt)),
+        seed: (args.temperature <= 0.0).then_some(u64::from(salt)),
         ..SamplingParams::default()
     };
     let job = |prompt: Vec<u32>, max_tokens: usize| GenerateJob {
