@@ -5,8 +5,10 @@
 //!
 //! | op | CUDA | ROCm |
 //! |---|---|---|
-//! | `linear` ≤ 8 rows | `gemv_{f32,bf16}` (`gemv_pair_*` for two projections) | the same |
-//! | `linear` > 8 rows | cuBLAS (exact: split-bf16 activations, two GEMMs) | `gemm_tiled_{f32,bf16}` (f32 activations, both modes) |
+//! | `linear` 1 row | `gemv_{f32,bf16}` (`gemv_pair_*` for two projections) | the same |
+//! | `linear` 2–16 rows, bf16 weights of a width % 32 = 0 | `gemv_mma_bf16` (tensor cores, sm_80+; one launch for two projections) | the GEMV up to 8 rows, `gemm_tiled_bf16` above |
+//! | `linear` ≤ 8 rows otherwise | `gemv_{f32,bf16}` (`gemv_pair_*` for two projections) | the same |
+//! | `linear` > 8 rows otherwise | cuBLAS (exact: split-bf16 activations, two GEMMs) | `gemm_tiled_{f32,bf16}` (f32 activations, both modes) |
 //! | `embed`, `gather`, norms, RoPE, latent write, absorb / unabsorb, MLP, MoE | `common.cu` | the same kernels |
 //! | absorbed MLA, exact | `mla_generic_f32` | the same |
 //! | absorbed MLA, fast | tile (padded), packed, or `mla_generic_bf16` | `mla_generic_bf16` |

@@ -7,7 +7,7 @@
 //!
 //! | module | op | parameter struct |
 //! |---|---|---|
-//! | [`linear`] | `x · Wᵀ` (GEMV for ≤ 8 rows, GEMM above: cuBLAS with split-bf16 or bf16 inputs on CUDA, the portable tiled kernel on ROCm) | [`linear::Linear`] |
+//! | [`linear`] | `x · Wᵀ` (GEMV for one row; 2–16 rows of bf16 weights on CUDA's tensor-core skinny GEMM; else GEMV for ≤ 8 rows, GEMM above: cuBLAS with split-bf16 or bf16 inputs on CUDA, the portable tiled kernel on ROCm) | [`linear::Linear`] |
 //! | [`rows`] | embedding lookup, row gather | [`rows::Embed`], [`rows::Gather`] |
 //! | [`norm`] | RMSNorm, fused with the residual add; strided RMSNorm | [`norm::AddNorm`], [`norm::NormStrided`] |
 //! | [`rope`] | RoPE / YaRN rotation from per-batch tables | [`rope::ApplyRope`] |
