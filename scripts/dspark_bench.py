@@ -362,7 +362,11 @@ def run_level(cl: Cluster, prompts: Prompts, c: int, n: int, temp: float, out_to
         body = {"model": cl.model_name, "prompt": ids, "max_tokens": out_tokens,
                 "temperature": temp, "ignore_eos": True}
         if temp > 0:
+            # Seeded for run-to-run repeatable plain texts; a seeded sampled request decodes
+            # plainly unless it asks to speculate (docs/spec_decode.md), so it asks. On the plain
+            # arm (no drafter) that is plain decoding.
             body["seed"] = 1000 + k
+            body["speculative"] = True
         jobs.append((k, body))
     before = cl.scrape()
     skipped = [0]
@@ -752,7 +756,7 @@ def main() -> int:
             "prompt_tokens": prompts.tokens, "bos_prepended": bos is not None,
             "output_tokens": args.output_tokens, "ignore_eos": True,
             "concurrency": levels, "requests_per_level": {str(c): n for c, n in nreq.items()},
-            "temperatures": temps, "temperature_keys": tkeys, "seeded_sampling": "seed = 1000 + prompt serial",
+            "temperatures": temps, "temperature_keys": tkeys, "seeded_sampling": "seed = 1000 + prompt serial, with speculative: true",
             "gpu_mode": args.gpu_mode if args.device != "cpu" else None,
             "prefill_workers": args.prefill_workers, "decode_workers": 1,
             "max_running": args.max_running, "kv_blocks": args.kv_blocks,

@@ -44,7 +44,9 @@ pub struct BenchArgs {
     /// Vocabulary size to draw prompt tokens from (the embedded model's by default).
     #[arg(long, default_value_t = 2048)]
     pub vocab: u32,
-    /// Sampling temperature (0 = greedy).
+    /// Sampling temperature (0 = greedy). Sampled requests are unseeded, so a speculating
+    /// cluster speculates on them (a seeded sampled request decodes token by token unless it
+    /// asks to speculate).
     #[arg(long, default_value_t = 0.0)]
     pub temperature: f32,
     /// Prompt length of the long requests of a mix (0: no mix, every prompt is
@@ -220,9 +222,12 @@ fn request(args: &BenchArgs, prompt_tokens: usize, salt: u64) -> GenerateRequest
     GenerateRequest {
         model: String::new(),
         input: Some(Input::Tokens(TokenIds { ids })),
+        // Sampled requests go unseeded, as most users send them: a seeded sampled request
+        // decodes token by token unless it asks to speculate, so a seed would hide a
+        // speculating cluster's rounds from the benchmark.
         sampling: Some(SamplingParams {
             temperature: Some(args.temperature),
-            seed: Some(salt),
+            seed: (args.temperature <= 0.0).then_some(salt),
             ..Default::default()
         }),
         stop: Some(StopConditions {
@@ -278,4 +283,40 @@ fn pct(v: &mut [f64], p: f64) -> f64 {
     v.sort_by(f64::total_cmp);
     let rank = ((p / 100.0) * v.len() as f64).ceil() as usize;
     v[rank.clamp(1, v.len()) - 1]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        bench: BenchArgs,
+    }
+
+    fn args(extra: &[&str]) -> BenchArgs {
+        Cli::try_parse_from(["bench"].iter().chain(extra))
+            .expect("bench arguments")
+            .bench
+    }
+
+    /// A seeded sampled request decodes token by token unless it asks to speculate, so a
+    /// benchmark that seeded its sampled requests would measure a speculating cluster without
+    /// a single round: sampled requests go unseeded (as most users send them), greedy ones keep
+    /// their seed (it changes nothing there). Prompts stay seeded either way.
+    #[test]
+    fn sampled_requests_go_unseeded_so_a_speculating_cluster_speculates_on_them() {
+        let greedy = request(&args(&[]), 8, 3);
+        let sampled = request(&args(&["--temperature", "0.7"]), 8, 3);
+        let seed = |r: &GenerateRequest| r.sampling.as_ref().and_then(|s| s.seed);
+        assert_eq!(seed(&greedy), Some(3));
+        assert_eq!(seed(&sampled), None);
+        assert_eq!(sampled.speculative, None, "the worker's setting decides");
+        assert_eq!(
+            greedy.input, sampled.input,
+            "prompts are the salt's either way"
+        );
+    }
 }
