@@ -224,6 +224,22 @@ impl Plane {
         for (id, _, _, p) in &self.workers {
             out.push_str(&format!("--- {id}\n{}\n", p.log_tail(15)));
         }
+        // Where each process is waiting: one of these has been seen, rarely, making no
+        // progress at start-up for a minute (after its grammar compiler, before it served;
+        // not yet explained), so a timeout reports every thread's state and, where gdb
+        // exists, its stack.
+        let procs = self
+            .routers
+            .iter()
+            .filter_map(|r| r.proc.as_ref().map(|p| (r.name.as_str(), p)))
+            .chain(self.workers.iter().map(|(id, _, _, p)| (id.as_str(), p)));
+        for (id, p) in procs {
+            out.push_str(&format!(
+                "--- {id} threads (tid name state wait-channel)\n{}\n--- {id} stacks\n{}\n",
+                p.threads(),
+                p.stacks(24, 240)
+            ));
+        }
         let nats = std::fs::read_to_string(&self.nats.log).unwrap_or_default();
         let tail: Vec<&str> = nats.lines().rev().take(15).collect();
         out.push_str(&format!(

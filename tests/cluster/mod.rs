@@ -251,6 +251,31 @@ impl Proc {
         lines.join("\n")
     }
 
+    /// Every thread's backtrace (at most `frames` frames each) by `gdb -p` when `gdb` is on
+    /// the path (`.ci/run` installs it), cut to `max_lines` lines; empty otherwise. Where in
+    /// the code a child that stopped making progress is waiting, for a timeout's report.
+    #[allow(dead_code)] // not every test binary that includes this module reports stacks
+    pub fn stacks(&self, frames: usize, max_lines: usize) -> String {
+        let out = Command::new("timeout")
+            .arg("30")
+            .arg("gdb")
+            .args(["-p", &self.child.id().to_string(), "-batch", "-nx", "-q"])
+            .args(["-ex", "set pagination off"])
+            .args(["-ex", &format!("thread apply all bt {frames}")])
+            .stdin(Stdio::null())
+            .output();
+        let Ok(out) = out else {
+            return String::new();
+        };
+        let text = String::from_utf8_lossy(&out.stdout);
+        let lines: Vec<&str> = text
+            .lines()
+            .filter(|l| l.starts_with("Thread ") || l.starts_with('#'))
+            .take(max_lines)
+            .collect();
+        lines.join("\n")
+    }
+
     /// The last `lines` lines of the child's log.
     pub fn log_tail(&self, lines: usize) -> String {
         let text = std::fs::read_to_string(&self.log).unwrap_or_default();
