@@ -21,11 +21,9 @@ source scripts/gpu_env.sh >/dev/null
 arms="${ARMS:-default}"
 rounds="${ROUNDS:-3}"
 batch="${BATCH:-1}"
-# An arm's environment assignments, one per line, and a file-name tag for it.
-# Settings are split at commas that start the next VAR=, so values may hold commas
-# (FERRY_L2_WARM=shared,o_proj,last is one setting).
-settings() { [ "$1" = default ] || echo "$1" | sed -E 's/,([A-Z][A-Z0-9_]*=)/\n\1/g'; }
-tag() { echo "$1" | tr -c 'A-Za-z0-9_.\n-' '_'; }
+# settings (an arm's VAR=value lines) and tag (its file-name tag).
+# shellcheck disable=SC1091
+source scripts/arms.sh
 if [ "${ROUNDS_GPU:-1}" = 0 ]; then
   rounds_gpu=0
 else

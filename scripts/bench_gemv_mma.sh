@@ -19,8 +19,8 @@ mkdir -p "$out"
 arms="${ARMS:-default FERRY_GEMV_MMA=0}"
 rounds="${ROUNDS:-2}"
 ks="${VERIFY_K:-1,3,7,8,15}"
-settings() { [ "$1" = default ] || echo "$1" | sed -E 's/,([A-Z][A-Z0-9_]*=)/\n\1/g'; }
-tag() { echo "$1" | tr -c 'A-Za-z0-9_.\n-' '_'; }
+# shellcheck disable=SC1091
+source scripts/arms.sh
 if [ "${VERIFY:-1}" != 0 ]; then
   echo "| arm | round | shape | decode step ms | verify / step at k = $ks |"
   echo "|---|---|---|---|---|"
