@@ -213,6 +213,59 @@ pub fn verify_probs(
     })
 }
 
+/// [`verify`] for a greedy request with argmax drafts, from the argmaxes of its γ + 1 target
+/// rows alone (`best[k]`: row `k`'s argmax, by [`super::sample::argmax`]'s rule; negative where
+/// a device found none, every logit NaN). `p_k` is then a point mass at `best[k]` and `q_k` one
+/// at the draft, so a draft is accepted exactly when it is that argmax, and the correction or
+/// the bonus is the argmax of the row the round stops at: what [`verify`] returns for those
+/// logits whatever the uniforms. Rows after the first rejection are not read.
+///
+/// The engine verifies such rounds this way on every backend (one argmax over the batch's rows
+/// and one small download, as a plain greedy step samples) rather than building each row's
+/// distribution and running the general rule.
+pub fn verify_argmax(drafts: &[u32], best: &[i32], vocab: usize) -> Result<Verified, KernelError> {
+    let gamma = drafts.len();
+    if best.len() != gamma + 1 {
+        return Err(invalid(
+            "best.len()",
+            "drafts.len() + 1",
+            format!("{} for {gamma} drafts", best.len()),
+        ));
+    }
+    if let Some(&bad) = drafts.iter().find(|&&x| x as usize >= vocab) {
+        return Err(invalid(
+            "drafts",
+            "token ids below the vocabulary size",
+            format!("{bad} with vocab {vocab}"),
+        ));
+    }
+    let argmax = |k: usize| {
+        u32::try_from(best[k])
+            .ok()
+            .filter(|&y| (y as usize) < vocab)
+            .ok_or(KernelError::DegenerateDistribution {
+                op: "verify_argmax",
+                sum: f64::NAN,
+            })
+    };
+    let mut tokens = Vec::with_capacity(gamma + 1);
+    for (k, &x) in drafts.iter().enumerate() {
+        let y = argmax(k)?;
+        tokens.push(y);
+        if x != y {
+            return Ok(Verified {
+                accepted: k,
+                tokens,
+            });
+        }
+    }
+    tokens.push(argmax(gamma)?);
+    Ok(Verified {
+        accepted: gamma,
+        tokens,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -278,5 +331,68 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("uniforms"));
+    }
+
+    /// `verify_argmax` against the general rule (`verify` with a greedy `p` and argmax drafts)
+    /// on random rows with many ties and some `-inf`, drafts mostly the argmax so that every
+    /// acceptance length occurs, and random uniforms (the result must not depend on them).
+    #[test]
+    fn argmax_verification_is_the_general_rule_for_greedy_rounds() {
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        let params = greedy();
+        let mut by_accepted = [0usize; 9];
+        for _ in 0..3000 {
+            let vocab = 2 + (next() % 6) as usize;
+            let gamma = (next() % 9) as usize;
+            let logits: Vec<f32> = (0..(gamma + 1) * vocab)
+                .map(|_| match next() % 8 {
+                    0 => f32::NEG_INFINITY,
+                    v => (v % 4) as f32,
+                })
+                .collect();
+            let best: Vec<i32> = logits
+                .chunks_exact(vocab)
+                .map(|r| crate::cpu::sample::argmax(r) as i32)
+                .collect();
+            let drafts: Vec<u32> = (0..gamma)
+                .map(|k| match next() % 10 {
+                    0..=7 => best[k] as u32,
+                    _ => (next() % vocab as u64) as u32,
+                })
+                .collect();
+            let uniforms: Vec<f64> = (0..=gamma)
+                .map(|_| (next() >> 11) as f64 / (1u64 << 53) as f64)
+                .collect();
+            let want = verify(&VerifyRequest {
+                target_logits: &logits,
+                drafts: &drafts,
+                q: DraftProbs::Greedy,
+                params: &params,
+                uniforms: &uniforms,
+            })
+            .unwrap();
+            let got = verify_argmax(&drafts, &best, vocab).unwrap();
+            assert_eq!(got, want, "logits {logits:?} drafts {drafts:?}");
+            by_accepted[got.accepted] += 1;
+        }
+        assert!(by_accepted.iter().all(|&n| n > 0), "{by_accepted:?}");
+    }
+
+    #[test]
+    fn argmax_verification_refuses_what_the_general_rule_refuses() {
+        // A draft outside the vocabulary, and a row without an argmax once it is reached.
+        let err = verify_argmax(&[7], &[1, 0], 4).unwrap_err().to_string();
+        assert!(err.contains("drafts"), "{err}");
+        assert!(verify_argmax(&[1, 2], &[1, -1, 0], 4).is_err());
+        // Rows after the first rejection are never read.
+        let v = verify_argmax(&[1, 2], &[1, 3, -1], 4).unwrap();
+        assert_eq!((v.accepted, v.tokens), (1, vec![1, 3]));
+        assert!(verify_argmax(&[1], &[1], 4).is_err(), "one row too few");
     }
 }

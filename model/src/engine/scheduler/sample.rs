@@ -5,6 +5,13 @@
 //! rounds, and two small downloads (the tokens, the rounds' outcomes). On the CPU the same ops
 //! call the CPU sampler and verifier, so the CPU engine's numerics are unchanged.
 //!
+//! A batch whose rounds and plain rows are all greedy, with argmax drafts and no logits
+//! processing (the common greedy case), is decided by one `argmax` over its rows and one
+//! download, as a plain greedy step is; each round is then verified on the host from its rows'
+//! argmaxes (`cpu::verify::verify_argmax`, exactly the general rule for such rounds). On a GPU
+//! that removes, after the verify forward, the rounds' gather, four uploads, the distributions
+//! and the verify kernel (`FERRY_VERIFY_ARGMAX=0` keeps the general path: the A/B switch).
+//!
 //! Before any of that, rows of requests with penalties, `logit_bias` or a `min_tokens` mask
 //! go through the one logits-processing step, `backend::sample::apply_controls` (on a GPU a
 //! host round trip for those rows only); a verified position's row counts the drafts ahead of
@@ -34,7 +41,7 @@ use ferry_kernels::backend::verify::{verify_logits, VerifyLogits};
 use ferry_kernels::backend::Tensor;
 use ferry_kernels::cpu::logits::{LogitsControls, RowControls, RowLogprobs, TokenHistory};
 use ferry_kernels::cpu::sample::SamplingParams;
-use ferry_kernels::cpu::verify::Verified;
+use ferry_kernels::cpu::verify::{verify_argmax, Verified};
 use ferry_modelcard::grammar::{Grammar, GrammarError};
 
 use super::{Owner, Scheduler, Work};
@@ -188,7 +195,14 @@ impl Scheduler {
             })
             .collect();
         let mut out: Vec<Outcome> = work.iter().map(|_| Outcome::Nothing).collect();
-        let drawn = self.draw_plain(logits, &plain)?;
+        let (drawn, verified) = if self.argmax_decides(&plain, &rounds) {
+            decide_by_argmax(b, logits, &plain, &rounds)?
+        } else {
+            (
+                self.draw_plain(logits, &plain)?,
+                self.verify_rounds(logits, &rounds, q)?,
+            )
+        };
         for (((item, token), lp), r) in drawn.into_iter().zip(plain_lps).zip(&plain) {
             out[item] = match (lp.transpose(), &r.allowed) {
                 (_, Err(e)) => Outcome::Token(Err(e.clone()), None),
@@ -196,7 +210,6 @@ impl Scheduler {
                 (Ok(lp), Ok(_)) => Outcome::Token(token, lp),
             };
         }
-        let verified = self.verify_rounds(logits, &rounds, q)?;
         for (((item, round), lp), r) in verified.into_iter().zip(round_lps).zip(&rounds) {
             out[item] = match (lp, &r.allowed) {
                 (_, Err(e)) => Outcome::Round(Err(e.clone()), Vec::new()),
@@ -205,6 +218,33 @@ impl Scheduler {
             };
         }
         Ok(out)
+    }
+
+    /// Whether the batch's logits decide everything by their argmaxes alone: it has rounds
+    /// (a batch of plain draws keeps [`Self::draw_plain`]), every plain row and every round is
+    /// greedy with argmax drafts, and no row is processed (no controls, `min_tokens` mask or
+    /// grammar). Then [`decide_by_argmax`] gives what [`Self::draw_plain`] and
+    /// [`Self::verify_rounds`] would (`FERRY_VERIFY_ARGMAX=0` keeps those two: the A/B switch).
+    fn argmax_decides(&self, plain: &[PlainRow], rounds: &[RoundRows<'_>]) -> bool {
+        if rounds.is_empty() || !verify_argmax_on() {
+            return false;
+        }
+        let plain_ok = plain.iter().all(|r| {
+            r.params.is_greedy()
+                && matches!(r.allowed, Ok(None))
+                && self.controls_of(r.owner, 0, &[], None).is_none()
+        });
+        plain_ok
+            && rounds.iter().all(|r| {
+                r.params.is_greedy()
+                    && matches!(r.draft.q, DraftDist::Greedy)
+                    && r.allowed.as_ref().is_ok_and(Vec::is_empty)
+                    && (0..=r.draft.gamma()).all(|j| {
+                        let ahead = r.draft.tokens.get(1..=j).unwrap_or(&[]);
+                        self.controls_of(Owner::Running(r.seq), j, ahead, None)
+                            .is_none()
+                    })
+            })
     }
 
     /// How many alternatives `owner` wants per token, if it asked for log-probabilities.
@@ -298,18 +338,6 @@ impl Scheduler {
         }
         let b = self.backend.model().backend();
         let vocab = logits.vocab;
-        let rows: Vec<i32> = rounds
-            .iter()
-            .flat_map(|r| (r.first..=r.first + r.draft.gamma()).map(|x| x as i32))
-            .collect();
-        let mut x = gather(
-            b,
-            Gather {
-                src: &logits.logits,
-                rows: &b.ints(rows)?,
-                width: vocab,
-            },
-        )?;
         // Row j of a round follows the drafts d_1..d_j: they count as generated there.
         let mut controlled: Vec<(usize, RowCtl<'_>)> = Vec::new();
         let mut at = 0;
@@ -328,9 +356,35 @@ impl Scheduler {
             }
             at += r.draft.gamma() + 1;
         }
-        let list: Vec<(usize, RowControls<'_>)> =
-            controlled.iter().map(|(k, c)| (*k, c.row())).collect();
-        apply_controls(b, &mut x, vocab, &list)?;
+        let rows: Vec<i32> = rounds
+            .iter()
+            .flat_map(|r| (r.first..=r.first + r.draft.gamma()).map(|x| x as i32))
+            .collect();
+        // A batch of rounds only, without controls, verifies its logits as they are (every row,
+        // in order): no gather. Otherwise the rounds' rows are gathered into a copy the
+        // controls may change.
+        let total: usize = logits.rows_per_seq.iter().sum();
+        let in_order = controlled.is_empty()
+            && rows.len() == total
+            && rows.iter().enumerate().all(|(i, &r)| r as usize == i);
+        let mut picked = if in_order {
+            None
+        } else {
+            Some(gather(
+                b,
+                Gather {
+                    src: &logits.logits,
+                    rows: &b.ints(rows)?,
+                    width: vocab,
+                },
+            )?)
+        };
+        if let Some(x) = picked.as_mut() {
+            let list: Vec<(usize, RowControls<'_>)> =
+                controlled.iter().map(|(k, c)| (*k, c.row())).collect();
+            apply_controls(b, x, vocab, &list)?;
+        }
+        let x = picked.as_ref().unwrap_or(&logits.logits);
         let gammas: Vec<usize> = rounds.iter().map(|r| r.draft.gamma()).collect();
         let greedy: Vec<bool> = rounds
             .iter()
@@ -346,7 +400,7 @@ impl Scheduler {
         let verified = verify_logits(
             b,
             VerifyLogits {
-                logits: &x,
+                logits: x,
                 params: &RowParams::for_blocks(b, &params, &gammas)?,
                 q: q_rows.as_ref(),
                 greedy: &greedy,
@@ -484,6 +538,48 @@ impl Scheduler {
     }
 }
 
+/// Whether greedy rounds are verified from argmaxes ([`Scheduler::argmax_decides`]): unless
+/// `FERRY_VERIFY_ARGMAX=0` (read once; the benchmarks' A/B switch).
+fn verify_argmax_on() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("FERRY_VERIFY_ARGMAX").map_or(true, |v| v.trim() != "0"))
+}
+
+/// The plain draws and the rounds of a batch that [`Scheduler::argmax_decides`] admitted: one
+/// argmax over every logits row and one download, as a greedy plain step takes, then each
+/// round verified on the host by [`verify_argmax`] (exactly the general rule for greedy rounds:
+/// a draft is accepted when it is its row's argmax). On a GPU this replaces the rounds' gather,
+/// four uploads, the distributions and the verify kernel after the verify forward.
+fn decide_by_argmax(
+    b: &ferry_kernels::backend::Backend,
+    logits: &BatchLogits,
+    plain: &[PlainRow],
+    rounds: &[RoundRows<'_>],
+) -> Result<(Decided<u32>, Decided<Verified>), ModelError> {
+    let vocab = logits.vocab;
+    let best = argmax(b, &logits.logits, vocab)?.to_host()?;
+    let drawn = plain
+        .iter()
+        .map(|r| {
+            let token = best
+                .get(r.row)
+                .and_then(|&t| u32::try_from(t).ok())
+                .ok_or_else(|| "no token: every logit is NaN".to_string());
+            (r.item, token)
+        })
+        .collect();
+    let verified = rounds
+        .iter()
+        .map(|r| {
+            let rows = best.get(r.first..=r.first + r.draft.gamma()).unwrap_or(&[]);
+            let v = verify_argmax(&r.draft.tokens[1..], rows, vocab)
+                .map_err(|e| format!("speculative verification: {e}"));
+            (r.item, v)
+        })
+        .collect();
+    Ok((drawn, verified))
+}
+
 /// One row's logits processing, borrowed from its request (the mask is built per row).
 struct RowCtl<'s> {
     controls: &'s LogitsControls,
@@ -555,5 +651,131 @@ fn next_logprobs(
         Some(Ok(r)) => Ok(r),
         Some(Err(e)) => Err(format!("log-probabilities: {e}")),
         None => Err("log-probabilities: a row was not computed".into()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ferry_kernels::backend::Backend;
+
+    fn greedy() -> SamplingParams {
+        SamplingParams {
+            temperature: 0.0,
+            ..SamplingParams::default()
+        }
+    }
+
+    /// A batch of plain greedy rows and greedy rounds decided by one argmax gives what the
+    /// general path gives: the argmax kernel for the plain rows, `probs` + `verify` for the
+    /// rounds. Rows have ties, rounds accept every length from none to all.
+    #[test]
+    fn argmax_decisions_are_the_general_paths() {
+        let b = Backend::Cpu;
+        let vocab = 5;
+        // Rows: plain 0, round A 1..=3 (γ 2), plain 4, round B 5..=8 (γ 3), round C 9..=10 (γ 1).
+        let rows: [[f32; 5]; 11] = [
+            [0., 3., 3., 1., 0.],
+            [4., 1., 0., 0., 0.],
+            [0., 0., 2., 2., 1.],
+            [1., 1., 1., 1., 9.],
+            [0., 0., 0., 0., 1.],
+            [5., 0., 0., 0., 0.],
+            [0., 5., 0., 0., 0.],
+            [0., 0., 5., 0., 0.],
+            [0., 0., 0., 5., 5.],
+            [0., 1., 0., 0., 0.],
+            [2., 2., 2., 2., 2.],
+        ];
+        let logits = BatchLogits {
+            logits: Tensor::Host(rows.concat()),
+            rows_per_seq: vec![1, 3, 1, 4, 2],
+            vocab,
+            prompt: Vec::new(),
+        };
+        let draft = |tokens: Vec<u32>| Draft {
+            tokens,
+            q: DraftDist::Greedy,
+            predicted: 0.0,
+        };
+        // A: draft 0 accepted, draft 1 rejected for 2 (row 2's argmax, ties to the lowest);
+        // B: all 3 and the bonus; C: draft 3 rejected for 1.
+        let drafts = [
+            draft(vec![7, 0, 1]),
+            draft(vec![7, 0, 1, 2]),
+            draft(vec![7, 3]),
+        ];
+        let plain_row = |item, row| PlainRow {
+            item,
+            row,
+            owner: Owner::Running(item),
+            params: greedy(),
+            uniform: 0.5,
+            allowed: Ok(None),
+        };
+        fn round(item: usize, first: usize, d: &Draft) -> RoundRows<'_> {
+            RoundRows {
+                item,
+                first,
+                seq: item,
+                draft: d,
+                params: greedy(),
+                uniforms: vec![0.999; d.gamma() + 1],
+                allowed: Ok(Vec::new()),
+            }
+        }
+        let plain = [plain_row(0, 0), plain_row(2, 4)];
+        let rounds = [
+            round(1, 1, &drafts[0]),
+            round(3, 5, &drafts[1]),
+            round(4, 9, &drafts[2]),
+        ];
+        let (drawn, verified) = decide_by_argmax(&b, &logits, &plain, &rounds).unwrap();
+
+        let want_plain: Vec<(usize, Result<u32, String>)> = plain
+            .iter()
+            .map(|r| (r.item, Ok(ferry_kernels::cpu::sample::argmax(&rows[r.row]))))
+            .collect();
+        assert_eq!(drawn, want_plain);
+        let gammas: Vec<usize> = rounds.iter().map(|r| r.draft.gamma()).collect();
+        let params = vec![greedy(); rounds.len()];
+        let round_rows: Vec<f32> = rounds
+            .iter()
+            .flat_map(|r| rows[r.first..=r.first + r.draft.gamma()].concat())
+            .collect();
+        let general = verify_logits(
+            &b,
+            VerifyLogits {
+                logits: &Tensor::Host(round_rows),
+                params: &RowParams::for_blocks(&b, &params, &gammas).unwrap(),
+                q: None,
+                greedy: &[true; 3],
+                drafts: &b
+                    .ints(
+                        rounds
+                            .iter()
+                            .flat_map(|r| r.draft.tokens[1..].iter().map(|&t| t as i32))
+                            .collect(),
+                    )
+                    .unwrap(),
+                gammas: &gammas,
+                uniforms: &Uniforms::new(&b, &vec![0.999; 9]).unwrap(),
+                vocab,
+            },
+        )
+        .unwrap();
+        let general: Vec<(usize, Verified)> = rounds
+            .iter()
+            .zip(general)
+            .map(|(r, v)| (r.item, v.unwrap()))
+            .collect();
+        let got: Vec<(usize, Verified)> =
+            verified.into_iter().map(|(i, v)| (i, v.unwrap())).collect();
+        assert_eq!(got, general);
+        let accepted: Vec<usize> = got.iter().map(|(_, v)| v.accepted).collect();
+        assert_eq!(accepted, [1, 3, 0]);
+        assert_eq!(got[0].1.tokens, [0, 2]);
+        assert_eq!(got[1].1.tokens, [0, 1, 2, 3]);
+        assert_eq!(got[2].1.tokens, [1]);
     }
 }
