@@ -759,7 +759,7 @@ mod tests {
                     )
                     .unwrap(),
                 gammas: &gammas,
-                uniforms: &Uniforms::new(&b, &vec![0.999; 9]).unwrap(),
+                uniforms: &Uniforms::new(&b, &[0.999; 9]).unwrap(),
                 vocab,
             },
         )
