@@ -486,22 +486,28 @@ impl Speculator {
     ) -> (Vec<Option<Draft>>, Option<Tensor>) {
         let mut plan: Vec<Option<Draft>> = vec![None; running.len()];
         let block = self.drafter.block_size();
-        // Slots each sequence may verify at most: what the request still needs after this
-        // step's guaranteed token, what the context has room for, the block size.
+        // Slots each sequence may verify at most (`room`): what the request still needs after
+        // this step's guaranteed token, what the context has room for, the block size. A
+        // whole-block round verifies a sequence's whole block wherever the context has room for
+        // it (`ctx_room`), also past what the request still needs: the graph computes those
+        // rows anyway, and the commit stops emitting at the request's end. So a sequence in its
+        // last block keeps the batch in the graph's shape (it used to send the whole batch's
+        // round eager, and at 16–64 sequences most rounds had such a sequence).
+        let ctx_room: Vec<usize> = running
+            .iter()
+            .map(|s| max_pos.saturating_sub(s.table.len() + 1).min(block))
+            .collect();
         let room: Vec<usize> = running
             .iter()
-            .map(|s| {
-                let left = s.stop.max_tokens.saturating_sub(s.generated + 1);
-                let ctx = max_pos.saturating_sub(s.table.len() + 1);
-                left.min(ctx).min(block)
-            })
+            .zip(&ctx_room)
+            .map(|(s, &ctx)| s.stop.max_tokens.saturating_sub(s.generated + 1).min(ctx))
             .collect();
         // Rows whose context is deferred count as written: they are, before any drafting.
         let mut eligible: Vec<usize> = (0..running.len())
             .filter(|&i| {
                 let s = &running[i];
                 s.speculative
-                    && room[i] > 0
+                    && (room[i] > 0 || (self.fixed_width && ctx_room[i] >= block))
                     && s.draft_ctx + self.deferred_rows(s.id) == s.table.len()
                     && matches!(s.phase, Phase::Decoding { .. })
             })
@@ -521,7 +527,7 @@ impl Speculator {
             graph: self.fixed_width
                 && eligible.len() == running.len()
                 && eligible.len() * block <= step_budget
-                && eligible.iter().all(|&i| room[i] >= block),
+                && eligible.iter().all(|&i| ctx_room[i] >= block),
         };
         let goodput = self.config.verify_len == VerifyLen::Goodput;
         if goodput && !self.goodput.should_draft(shape) {
@@ -605,16 +611,16 @@ impl Speculator {
         let mut gamma: HashMap<usize, usize> = HashMap::new();
         let mut left = budget;
         // A round replayed from a graph computes B + 1 rows per sequence whatever γ is: when
-        // every running sequence drafted a whole block it has room for, each verifies all of
-        // it (more drafts can only lengthen what is accepted; the rows cost nothing more), so
-        // the step has the graph's shape. Otherwise the verify-length policy picks γ and the
-        // round runs eagerly.
+        // every running sequence drafted a whole block its context has room for, each verifies
+        // all of it (more drafts can only lengthen what is accepted; the rows cost nothing
+        // more), so the step has the graph's shape. Otherwise the verify-length policy picks γ
+        // (within `room`) and the round runs eagerly.
         let whole_blocks = self.fixed_width
             && props.len() == running.len()
             && props.len() * block <= step_budget
             && props
                 .iter()
-                .all(|(i, p)| p.drafts.len() == block && room[*i] >= block);
+                .all(|(i, p)| p.drafts.len() == block && ctx_room[*i] >= block);
         // The rule this step verifies by: `goodput` resolves to one of the other two.
         let mut policy = match (whole_blocks, self.config.verify_len) {
             (true, _) => Rule::Fixed(block),
@@ -648,7 +654,8 @@ impl Speculator {
         match policy {
             Rule::Fixed(n) => {
                 for (i, p) in &props {
-                    let g = n.min(p.drafts.len()).min(room[*i]).min(left);
+                    let cap = if whole_blocks { ctx_room[*i] } else { room[*i] };
+                    let g = n.min(p.drafts.len()).min(cap).min(left);
                     left -= g;
                     gamma.insert(*i, g);
                 }

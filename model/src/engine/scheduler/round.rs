@@ -67,12 +67,21 @@ impl Scheduler {
             .truncate(&mut s.table, start + kept)
             .map_err(|e| e.to_string())?;
         s.tokens.extend_from_slice(&draft.tokens[..kept]);
-        self.stats.spec_rounds += 1;
-        self.stats.spec_drafted_tokens += draft.gamma() as u64;
-        self.stats.spec_accepted_tokens += verified.accepted as u64;
-        s.spec.rounds += 1;
-        s.spec.drafted_tokens += draft.gamma() as u64;
-        s.spec.accepted_tokens += verified.accepted as u64;
+        // A whole-block round verifies past what the request still needs (`Speculator::plan`);
+        // it counts only the drafts the request could use, so the counts are a round's of
+        // that length (acceptance is a prefix: the first `useful` drafts are accepted as far as
+        // they would be alone), and with none it counts as the plain step it is for the
+        // request (its last token).
+        let useful = s.stop.max_tokens.saturating_sub(s.generated + 1);
+        let drafted = draft.gamma().min(useful);
+        let accepted = verified.accepted.min(drafted);
+        let round = u64::from(drafted > 0);
+        self.stats.spec_rounds += round;
+        self.stats.spec_drafted_tokens += drafted as u64;
+        self.stats.spec_accepted_tokens += accepted as u64;
+        s.spec.rounds += round;
+        s.spec.drafted_tokens += drafted as u64;
+        s.spec.accepted_tokens += accepted as u64;
         if let Some(sp) = self.spec.as_mut() {
             sp.observe_round(draft, verified.accepted);
         }
