@@ -16,7 +16,9 @@
 #   engine    the same pair in-process on the GPU, no cluster: `ferry bench-engine --speculative
 #             --device cuda` under goodput and fixed:B, plain in the same command, with the
 #             drafter pass / verify forward / decode step timed apart; ENGINE_REQUESTS (16)
-#             requests per level, c at a time, so c = 1 is not one prompt's luck; then the first
+#             requests per level, c at a time, so c = 1 is not one prompt's luck, and at least
+#             ENGINE_WAVES (3) times c, so a level is its steady state, not one wave's ramp and
+#             tail (one wave before session 37); then the first
 #             verify length at ENGINE_TEMPS (0.7), and under ENGINE_AB (one VAR=value, unset:
 #             none) at ENGINE_AB_BATCH (1)                              -> $RUN/bench/engine_spec.json
 #   knobs     plain decoding of the trained target through the serving engine (`bench-engine
@@ -247,10 +249,10 @@ stage_engine() {
     shift 4
     echo "lease: engine: $* ferry bench-engine --speculative --device cuda --verify-len $v --temperature ${ENGINE_T:-0} --batch $batch" \
       | tee -a "$RUN/bench/engine_spec.md"
-    env "$@" timeout "${ENGINE_SECONDS:-100}" "$ferry" bench-engine --speculative --device cuda --gpu-mode fast \
+    env "$@" timeout "${ENGINE_SECONDS:-150}" "$ferry" bench-engine --speculative --device cuda --gpu-mode fast \
       --model "$RUN/target" --drafter "$RUN/drafter" --batch "$batch" --temperature "${ENGINE_T:-0}" \
       --prompt-len "${ENGINE_PROMPT_LEN:-1024}" --decode-steps "${ENGINE_DECODE_STEPS:-512}" --repeat 1 \
-      --requests "${ENGINE_REQUESTS:-16}" --prompts "$RUN/prompts-$PROMPT_TOKENS.jsonl" \
+      --requests "${ENGINE_REQUESTS:-16}" --waves "${ENGINE_WAVES:-3}" --prompts "$RUN/prompts-$PROMPT_TOKENS.jsonl" \
       --verify-len "$v" --max-verify-tokens "${BENCH_MAX_VERIFY_TOKENS:-1024}" --json "$f" 2>&1 \
       | grep '^|' | tee -a "$RUN/bench/engine_spec.md" || echo "lease: engine: $label did not finish (the levels it did are kept)"
     [ -f "$f" ] && parts+=("$label=$f")

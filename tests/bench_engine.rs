@@ -199,6 +199,16 @@ fn speculative_bench_on_given_prompts_breaks_the_steps_down() {
     assert_eq!(plain["decode"]["steps"], 45, "{plain}");
     assert_eq!(n(&plain["decode"], "sequences_per_step"), 1.0, "{plain}");
 
+    // `--waves`: two clients, two waves: four requests, each client's second request starting
+    // as its first finishes (two prompt steps per engine at most: the second pair may arrive
+    // together or one at a time).
+    let doc = run_doc(&["--batch", "2", "--waves", "2"]);
+    let row = &doc["rows"][0];
+    assert_eq!(row["requests"], 4, "{row}");
+    let plain = &row["engine_steps"]["plain"];
+    let prompts_run = n(&plain["prompt"], "steps");
+    assert!((2.0..=4.0).contains(&prompts_run), "{plain}");
+
     for (bad, says) in [
         (
             r#"{"ids": [1, 2, 3]}"#,

@@ -95,6 +95,12 @@ pub struct BenchEngineArgs {
     /// (acceptance varies from text to text).
     #[arg(long, default_value_t = 0)]
     pub requests: usize,
+    /// With `--speculative`: at least this many times `c` requests per level (default 1). One
+    /// wave's requests start together, and speculation finishes them at different times, so
+    /// its tail runs below `c` in flight while plain decoding's does not; several waves measure
+    /// the level's steady state instead (the closed loop refills each client).
+    #[arg(long, default_value_t = 1)]
+    pub waves: usize,
     /// With `--speculative`: token-id prompts instead of synthetic ones — JSON lines, each with
     /// an `ids` array (scripts/heldout_prompts.py's output), cut to `--prompt-len`; a level's
     /// requests take them in turn. Acceptance depends on the text, so a trained pair is
@@ -104,6 +110,14 @@ pub struct BenchEngineArgs {
     /// With `--serving`, `--prefill-ship`, `--speculative` or `--verify-cost`: also write the results as JSON to this file.
     #[arg(long)]
     pub json: Option<PathBuf>,
+}
+
+impl BenchEngineArgs {
+    /// Requests in a `--speculative` level of `c` clients: `--requests`, at least `--waves`
+    /// times `c`, at least `c`.
+    fn level_requests(&self, c: usize) -> usize {
+        self.requests.max(self.waves.saturating_mul(c)).max(c)
+    }
 }
 
 /// Runs the benchmark.
@@ -368,7 +382,7 @@ fn run_speculative(args: &BenchEngineArgs, dir: &Path) -> anyhow::Result<()> {
             serde_json::Value::Object(out)
         };
         rows.push(serde_json::json!({
-            "concurrency": c, "requests": args.requests.max(c), "plain_tok_s": p, "spec_tok_s": s,
+            "concurrency": c, "requests": args.level_requests(c), "plain_tok_s": p, "spec_tok_s": s,
             "acceptance_length": acceptance,
             "drafts_per_round": drafted, "draft_pass_ms": d, "verify_pass_ms": v,
             "decode_step_ms": st,
@@ -634,7 +648,7 @@ fn engine_run(
         prefill: PrefillSource::Local,
         grammar: None,
     };
-    let n = args.requests.max(c);
+    let n = args.level_requests(c);
     let rt = tokio::runtime::Builder::new_current_thread().build()?;
     rt.block_on(async {
         // Warm-up: thread pools and first-touch allocations stay out of the measurement.
