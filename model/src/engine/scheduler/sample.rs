@@ -390,7 +390,7 @@ impl Scheduler {
             .iter()
             .map(|r| matches!(r.draft.q, DraftDist::Greedy))
             .collect();
-        let q_rows = self.round_q(rounds, q, vocab)?;
+        let q_rows = round_q(b, rounds, q, vocab)?;
         let params: Vec<SamplingParams> = rounds.iter().map(|r| r.params.clone()).collect();
         let drafts: Vec<i32> = rounds
             .iter()
@@ -402,7 +402,7 @@ impl Scheduler {
             VerifyLogits {
                 logits: x,
                 params: &RowParams::for_blocks(b, &params, &gammas)?,
-                q: q_rows.as_ref(),
+                q: q_rows.as_ref().map(QRows::tensor),
                 greedy: &greedy,
                 drafts: &b.ints(drafts)?,
                 gammas: &gammas,
@@ -459,82 +459,102 @@ impl Scheduler {
             allowed,
         })
     }
+}
 
-    /// The q rows of the rounds' sampled drafts, in round order, on the backend: gathered from
-    /// the drafter's shared rows, or (drafters that keep q on the host) uploaded.
-    fn round_q(
-        &self,
-        rounds: &[RoundRows<'_>],
-        q: Option<&Tensor>,
-        vocab: usize,
-    ) -> Result<Option<Tensor>, ModelError> {
-        let b = self.backend.model().backend();
-        let sampled: Vec<&RoundRows<'_>> = rounds
+/// The q rows of the rounds' sampled drafts, in round order, on the backend: the drafter's
+/// shared rows themselves when the rounds take every one of them in order (every sequence
+/// drafted and verifies its whole block: no gather), else gathered from them, or (drafters
+/// that keep q on the host) uploaded.
+fn round_q<'q>(
+    b: &ferry_kernels::backend::Backend,
+    rounds: &[RoundRows<'_>],
+    q: Option<&'q Tensor>,
+    vocab: usize,
+) -> Result<Option<QRows<'q>>, ModelError> {
+    let sampled: Vec<&RoundRows<'_>> = rounds
+        .iter()
+        .filter(|r| !matches!(r.draft.q, DraftDist::Greedy))
+        .collect();
+    if sampled.is_empty() {
+        return Ok(None);
+    }
+    if sampled
+        .iter()
+        .all(|r| matches!(r.draft.q, DraftDist::Rows { .. }))
+    {
+        let src = q.ok_or_else(|| {
+            ModelError::Invalid("drafts name q rows the drafter did not return".into())
+        })?;
+        let rows: Vec<i32> = sampled
             .iter()
-            .filter(|r| !matches!(r.draft.q, DraftDist::Greedy))
+            .flat_map(|r| {
+                let first = match r.draft.q {
+                    DraftDist::Rows { first } => first,
+                    _ => 0,
+                };
+                (first..first + r.draft.gamma()).map(|x| x as i32)
+            })
             .collect();
-        if sampled.is_empty() {
-            return Ok(None);
+        let all = src.len() / vocab.max(1);
+        if rows.len() == all && rows.iter().enumerate().all(|(i, &r)| r as usize == i) {
+            return Ok(Some(QRows::Shared(src)));
         }
-        if sampled
-            .iter()
-            .all(|r| matches!(r.draft.q, DraftDist::Rows { .. }))
-        {
-            let src = q.ok_or_else(|| {
-                ModelError::Invalid("drafts name q rows the drafter did not return".into())
-            })?;
-            let rows: Vec<i32> = sampled
-                .iter()
-                .flat_map(|r| {
-                    let first = match r.draft.q {
-                        DraftDist::Rows { first } => first,
-                        _ => 0,
-                    };
-                    (first..first + r.draft.gamma()).map(|x| x as i32)
-                })
-                .collect();
-            return Ok(Some(gather(
-                b,
-                Gather {
-                    src,
-                    rows: &b.ints(rows)?,
-                    width: vocab,
-                },
-            )?));
-        }
-        // Host rows (a drafter that computes q on the host), possibly mixed with shared rows.
-        let shared = match q {
-            Some(t) => Some(t.to_host()?),
-            None => None,
-        };
-        let mut host = Vec::new();
-        for r in sampled {
-            let g = r.draft.gamma();
-            match &r.draft.q {
-                DraftDist::Sampled(rows) => {
-                    host.extend_from_slice(rows.get(..g * vocab).ok_or_else(|| {
-                        ModelError::Invalid(format!(
-                            "a draft's q holds {} floats, {g} drafts need {}",
-                            rows.len(),
-                            g * vocab
-                        ))
-                    })?)
-                }
-                DraftDist::Rows { first } => host.extend_from_slice(
-                    shared
-                        .as_deref()
-                        .and_then(|s| s.get(first * vocab..(first + g) * vocab))
-                        .ok_or_else(|| {
-                            ModelError::Invalid(format!(
-                                "draft rows {first}..{} are outside the drafter's q",
-                                first + g
-                            ))
-                        })?,
-                ),
-                DraftDist::Greedy => {}
+        return Ok(Some(QRows::Own(gather(
+            b,
+            Gather {
+                src,
+                rows: &b.ints(rows)?,
+                width: vocab,
+            },
+        )?)));
+    }
+    // Host rows (a drafter that computes q on the host), possibly mixed with shared rows.
+    let shared = match q {
+        Some(t) => Some(t.to_host()?),
+        None => None,
+    };
+    let mut host = Vec::new();
+    for r in sampled {
+        let g = r.draft.gamma();
+        match &r.draft.q {
+            DraftDist::Sampled(rows) => {
+                host.extend_from_slice(rows.get(..g * vocab).ok_or_else(|| {
+                    ModelError::Invalid(format!(
+                        "a draft's q holds {} floats, {g} drafts need {}",
+                        rows.len(),
+                        g * vocab
+                    ))
+                })?)
             }
+            DraftDist::Rows { first } => host.extend_from_slice(
+                shared
+                    .as_deref()
+                    .and_then(|s| s.get(first * vocab..(first + g) * vocab))
+                    .ok_or_else(|| {
+                        ModelError::Invalid(format!(
+                            "draft rows {first}..{} are outside the drafter's q",
+                            first + g
+                        ))
+                    })?,
+            ),
+            DraftDist::Greedy => {}
         }
-        Ok(Some(b.take(host)?))
+    }
+    Ok(Some(QRows::Own(b.take(host)?)))
+}
+
+/// The q rows a batch's rounds verify against: the drafter's own tensor, or a copy.
+enum QRows<'q> {
+    Shared(&'q Tensor),
+    Own(Tensor),
+}
+
+impl QRows<'_> {
+    fn tensor(&self) -> &Tensor {
+        match self {
+            QRows::Shared(t) => t,
+            QRows::Own(t) => t,
+        }
     }
 }
 
@@ -777,5 +797,70 @@ mod tests {
         assert_eq!(got[0].1.tokens, [0, 2]);
         assert_eq!(got[1].1.tokens, [0, 1, 2, 3]);
         assert_eq!(got[2].1.tokens, [1]);
+    }
+
+    /// The rounds' q rows: the drafter's tensor itself when the rounds take all of its rows in
+    /// order, the rows they name (in round order) otherwise.
+    #[test]
+    fn round_q_takes_the_drafters_rows_whole_only_when_they_are_all_in_order() {
+        let b = Backend::Cpu;
+        let vocab = 2;
+        // Two inputs of a block of 2: rows 0–3.
+        let q = Tensor::Host(vec![0., 1., 2., 3., 4., 5., 6., 7.]);
+        let sampled = SamplingParams::default();
+        let d = |first: usize, n: usize| Draft {
+            tokens: vec![0; n + 1],
+            q: DraftDist::Rows { first },
+            predicted: 0.0,
+        };
+        fn round<'a>(first_row: usize, d: &'a Draft, params: &SamplingParams) -> RoundRows<'a> {
+            RoundRows {
+                item: 0,
+                first: first_row,
+                seq: 0,
+                draft: d,
+                params: params.clone(),
+                uniforms: Vec::new(),
+                allowed: Ok(Vec::new()),
+            }
+        }
+        let rows = |r: Option<QRows<'_>>| r.map(|r| r.tensor().to_host().unwrap());
+        let (a, c) = (d(0, 2), d(2, 2));
+        let whole = round_q(
+            &b,
+            &[round(0, &a, &sampled), round(3, &c, &sampled)],
+            Some(&q),
+            vocab,
+        )
+        .unwrap();
+        assert!(matches!(whole, Some(QRows::Shared(t)) if std::ptr::eq(t, &q)));
+        // The second input verifies one draft only: its row 3 is left out, so a copy.
+        let short = d(2, 1);
+        let part = round_q(
+            &b,
+            &[round(0, &a, &sampled), round(3, &short, &sampled)],
+            Some(&q),
+            vocab,
+        )
+        .unwrap();
+        assert!(matches!(part, Some(QRows::Own(_))));
+        assert_eq!(rows(part), Some(vec![0., 1., 2., 3., 4., 5.]));
+        // Out of order (the second input first): a copy in round order.
+        let swapped = round_q(
+            &b,
+            &[round(0, &c, &sampled), round(3, &a, &sampled)],
+            Some(&q),
+            vocab,
+        )
+        .unwrap();
+        assert_eq!(rows(swapped), Some(vec![4., 5., 6., 7., 0., 1., 2., 3.]));
+        // Greedy rounds have no q rows.
+        let g = Draft {
+            q: DraftDist::Greedy,
+            ..d(0, 2)
+        };
+        assert!(round_q(&b, &[round(0, &g, &greedy())], Some(&q), vocab)
+            .unwrap()
+            .is_none());
     }
 }
