@@ -276,29 +276,9 @@ impl Scheduler {
             })
             .collect();
         // A decode-only batch without controls samples every row in order: no gather.
-        let total: usize = logits.rows_per_seq.iter().sum();
-        let in_order = controlled.is_empty()
-            && rows.len() == total
-            && rows.iter().enumerate().all(|(i, r)| r.row == i);
-        let mut picked = if in_order {
-            None
-        } else {
-            let at = b.ints(rows.iter().map(|r| r.row as i32).collect())?;
-            Some(gather(
-                b,
-                Gather {
-                    src: &logits.logits,
-                    rows: &at,
-                    width: vocab,
-                },
-            )?)
-        };
-        if let Some(x) = picked.as_mut() {
-            let list: Vec<(usize, RowControls<'_>)> =
-                controlled.iter().map(|(k, c)| (*k, c.row())).collect();
-            apply_controls(b, x, vocab, &list)?;
-        }
-        let x = picked.as_ref().unwrap_or(&logits.logits);
+        let at: Vec<i32> = rows.iter().map(|r| r.row as i32).collect();
+        let picked = processed_rows(b, logits, at, &controlled)?;
+        let x = picked.tensor();
         // Greedy rows only (the common serving case): the argmax, nothing to upload.
         let tokens: Vec<Result<u32, String>> = if rows.iter().all(|r| r.params.is_greedy()) {
             argmax(b, x, vocab)?
@@ -360,31 +340,9 @@ impl Scheduler {
             .iter()
             .flat_map(|r| (r.first..=r.first + r.draft.gamma()).map(|x| x as i32))
             .collect();
-        // A batch of rounds only, without controls, verifies its logits as they are (every row,
-        // in order): no gather. Otherwise the rounds' rows are gathered into a copy the
-        // controls may change.
-        let total: usize = logits.rows_per_seq.iter().sum();
-        let in_order = controlled.is_empty()
-            && rows.len() == total
-            && rows.iter().enumerate().all(|(i, &r)| r as usize == i);
-        let mut picked = if in_order {
-            None
-        } else {
-            Some(gather(
-                b,
-                Gather {
-                    src: &logits.logits,
-                    rows: &b.ints(rows)?,
-                    width: vocab,
-                },
-            )?)
-        };
-        if let Some(x) = picked.as_mut() {
-            let list: Vec<(usize, RowControls<'_>)> =
-                controlled.iter().map(|(k, c)| (*k, c.row())).collect();
-            apply_controls(b, x, vocab, &list)?;
-        }
-        let x = picked.as_ref().unwrap_or(&logits.logits);
+        // A batch of rounds only, without controls, verifies its logits in place.
+        let picked = processed_rows(b, logits, rows, &controlled)?;
+        let x = picked.tensor();
         let gammas: Vec<usize> = rounds.iter().map(|r| r.draft.gamma()).collect();
         let greedy: Vec<bool> = rounds
             .iter()
@@ -402,7 +360,7 @@ impl Scheduler {
             VerifyLogits {
                 logits: x,
                 params: &RowParams::for_blocks(b, &params, &gammas)?,
-                q: q_rows.as_ref().map(QRows::tensor),
+                q: q_rows.as_ref().map(Rows::tensor),
                 greedy: &greedy,
                 drafts: &b.ints(drafts)?,
                 gammas: &gammas,
@@ -470,7 +428,7 @@ fn round_q<'q>(
     rounds: &[RoundRows<'_>],
     q: Option<&'q Tensor>,
     vocab: usize,
-) -> Result<Option<QRows<'q>>, ModelError> {
+) -> Result<Option<Rows<'q>>, ModelError> {
     let sampled: Vec<&RoundRows<'_>> = rounds
         .iter()
         .filter(|r| !matches!(r.draft.q, DraftDist::Greedy))
@@ -497,9 +455,9 @@ fn round_q<'q>(
             .collect();
         let all = src.len() / vocab.max(1);
         if rows.len() == all && rows.iter().enumerate().all(|(i, &r)| r as usize == i) {
-            return Ok(Some(QRows::Shared(src)));
+            return Ok(Some(Rows::Shared(src)));
         }
-        return Ok(Some(QRows::Own(gather(
+        return Ok(Some(Rows::Own(gather(
             b,
             Gather {
                 src,
@@ -540,22 +498,53 @@ fn round_q<'q>(
             DraftDist::Greedy => {}
         }
     }
-    Ok(Some(QRows::Own(b.take(host)?)))
+    Ok(Some(Rows::Own(b.take(host)?)))
 }
 
-/// The q rows a batch's rounds verify against: the drafter's own tensor, or a copy.
-enum QRows<'q> {
-    Shared(&'q Tensor),
+/// Rows on the backend: another tensor's, all of them in order (no copy), or a copy of some.
+enum Rows<'t> {
+    Shared(&'t Tensor),
     Own(Tensor),
 }
 
-impl QRows<'_> {
+impl Rows<'_> {
     fn tensor(&self) -> &Tensor {
         match self {
-            QRows::Shared(t) => t,
-            QRows::Own(t) => t,
+            Rows::Shared(t) => t,
+            Rows::Own(t) => t,
         }
     }
+}
+
+/// The batch's logits rows `rows`, in that order, with `controlled` (`(index into rows,
+/// processing)`) applied: the logits themselves when `rows` is every row in order and nothing
+/// is processed, else a gathered copy the processing changes.
+fn processed_rows<'l>(
+    b: &ferry_kernels::backend::Backend,
+    logits: &'l BatchLogits,
+    rows: Vec<i32>,
+    controlled: &[(usize, RowCtl<'_>)],
+) -> Result<Rows<'l>, ModelError> {
+    let total: usize = logits.rows_per_seq.iter().sum();
+    let in_order = controlled.is_empty()
+        && rows.len() == total
+        && rows.iter().enumerate().all(|(i, &r)| r as usize == i);
+    if in_order {
+        return Ok(Rows::Shared(&logits.logits));
+    }
+    let vocab = logits.vocab;
+    let mut x = gather(
+        b,
+        Gather {
+            src: &logits.logits,
+            rows: &b.ints(rows)?,
+            width: vocab,
+        },
+    )?;
+    let list: Vec<(usize, RowControls<'_>)> =
+        controlled.iter().map(|(k, c)| (*k, c.row())).collect();
+    apply_controls(b, &mut x, vocab, &list)?;
+    Ok(Rows::Own(x))
 }
 
 /// Whether greedy rounds are verified from argmaxes ([`Scheduler::argmax_decides`]): unless
@@ -824,7 +813,7 @@ mod tests {
                 allowed: Ok(Vec::new()),
             }
         }
-        let rows = |r: Option<QRows<'_>>| r.map(|r| r.tensor().to_host().unwrap());
+        let rows = |r: Option<Rows<'_>>| r.map(|r| r.tensor().to_host().unwrap());
         let (a, c) = (d(0, 2), d(2, 2));
         let whole = round_q(
             &b,
@@ -833,7 +822,7 @@ mod tests {
             vocab,
         )
         .unwrap();
-        assert!(matches!(whole, Some(QRows::Shared(t)) if std::ptr::eq(t, &q)));
+        assert!(matches!(whole, Some(Rows::Shared(t)) if std::ptr::eq(t, &q)));
         // The second input verifies one draft only: its row 3 is left out, so a copy.
         let short = d(2, 1);
         let part = round_q(
@@ -843,7 +832,7 @@ mod tests {
             vocab,
         )
         .unwrap();
-        assert!(matches!(part, Some(QRows::Own(_))));
+        assert!(matches!(part, Some(Rows::Own(_))));
         assert_eq!(rows(part), Some(vec![0., 1., 2., 3., 4., 5.]));
         // Out of order (the second input first): a copy in round order.
         let swapped = round_q(
