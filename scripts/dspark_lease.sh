@@ -19,8 +19,9 @@
 #             requests per level, c at a time, so c = 1 is not one prompt's luck, and at least
 #             ENGINE_WAVES (3) times c, so a level is its steady state, not one wave's ramp and
 #             tail (one wave before session 37); then the first
-#             verify length at ENGINE_TEMPS (0.7), and under ENGINE_AB (one VAR=value, unset:
-#             none) at ENGINE_AB_BATCH (1)                              -> $RUN/bench/engine_spec.json
+#             verify length at ENGINE_TEMPS (0.7), and under each arm of ENGINE_AB (VAR=value
+#             or VAR=value@levels, space-separated; unset: none) at its levels or
+#             ENGINE_AB_BATCH (1)                                     -> $RUN/bench/engine_spec.json
 #   knobs     plain decoding of the trained target through the serving engine (`bench-engine
 #             --serving`: eager and graphs; batches 64, 96, 128; 512 steps) under session 23's open
 #             A/B switches: FERRY_GRAPH_MAX_BATCH=256 (graphs past 64 sequences) and
@@ -266,12 +267,17 @@ stage_engine() {
   for t in ${ENGINE_TEMPS-0.7}; do
     ENGINE_T=$t engine_run "${lens[0]}@T$t" "$RUN/bench/.engine_spec_t$t.json" "${lens[0]}" "$batch"
   done
-  # One A/B setting (ENGINE_AB, e.g. FERRY_GEMV_MMA=0: the projections as before session 36),
-  # greedy, the first verify length, at ENGINE_AB_BATCH (default 1): the same binary's other arm.
-  if [ -n "${ENGINE_AB:-}" ]; then
-    engine_run "${lens[0]}@${ENGINE_AB//=/:}" "$RUN/bench/.engine_spec_ab.json" "${lens[0]}" \
-      "${ENGINE_AB_BATCH:-1}" "$ENGINE_AB"
-  fi
+  # A/B settings (ENGINE_AB: space-separated VAR=value arms, each optionally @levels, e.g.
+  # "FERRY_VERIFY_ARGMAX=0 FERRY_WHOLE_BLOCK_TAIL=0@16,64"), greedy, the first verify length, at
+  # the arm's levels or ENGINE_AB_BATCH (default 1): the same binary's other arm.
+  local arm ab_n=0
+  for arm in ${ENGINE_AB:-}; do
+    local setting=${arm%%@*} levels=${ENGINE_AB_BATCH:-1}
+    [ "$setting" != "$arm" ] && levels=${arm#*@}
+    ab_n=$((ab_n + 1))
+    engine_run "${lens[0]}@${setting//=/:}" "$RUN/bench/.engine_spec_ab$ab_n.json" "${lens[0]}" \
+      "$levels" "$setting"
+  done
   "$PY" - "$RUN/bench/engine_spec.json" "${parts[@]}" <<'EOF2'
 import json, sys
 out = {"benchmark": "bench-engine --speculative --device cuda --gpu-mode fast, the lease's trained pair",

@@ -502,6 +502,12 @@ impl Speculator {
             .zip(&ctx_room)
             .map(|(s, &ctx)| s.stop.max_tokens.saturating_sub(s.generated + 1).min(ctx))
             .collect();
+        // `FERRY_WHOLE_BLOCK_TAIL=0`: the rule before (the A/B switch).
+        let ctx_room = if whole_block_tail() {
+            ctx_room
+        } else {
+            room.clone()
+        };
         // Rows whose context is deferred count as written: they are, before any drafting.
         let mut eligible: Vec<usize> = (0..running.len())
             .filter(|&i| {
@@ -811,6 +817,13 @@ impl Speculator {
         self.drafter
             .extend_context(model, kv, &ContextRows { taps, segments })
     }
+}
+
+/// Whether whole-block rounds keep sequences in their last block ([`Speculator::plan`]): unless
+/// `FERRY_WHOLE_BLOCK_TAIL=0` (read once; the benchmarks' A/B switch).
+fn whole_block_tail() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("FERRY_WHOLE_BLOCK_TAIL").map_or(true, |v| v.trim() != "0"))
 }
 
 /// One draft slot a sequence could verify this step: position `k` of its block, and the
