@@ -520,7 +520,9 @@ impl Speculator {
             .collect();
         let step_budget = budget;
         let budget = budget.min(self.config.max_verify_tokens);
-        if eligible.is_empty() || budget == 0 {
+        // Sequences with no use for drafts only keep others' rounds in the graph's shape: with
+        // none that can use them, the step is plain (a lone request's last token, as before).
+        if !eligible.iter().any(|&i| room[i] > 0) || budget == 0 {
             return (plan, None);
         }
         // A whole-block round can be replayed from a graph only if every running sequence
