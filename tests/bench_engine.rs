@@ -182,6 +182,9 @@ fn speculative_bench_on_given_prompts_breaks_the_steps_down() {
         (1.0..=2.0).contains(&seqs) && rows > seqs && rows <= 5.0 * seqs,
         "{round}"
     );
+    // Steps replayed from CUDA graphs are counted per kind: none on the CPU.
+    assert_eq!(round["graphed_steps"], 0, "{round}");
+    assert_eq!(plain["decode"]["graphed_steps"], 0, "{plain}");
 
     // Sampled (`--temperature 0.7`): the requests go unseeded, so the speculating engine
     // verifies rounds for them too (seeded sampled requests decode plainly by default).

@@ -334,6 +334,13 @@ async fn speculative_greedy_on_a_gpu_equals_plain_and_the_cpu() {
     // (CUDA graphs; a ROCm engine runs its rounds eagerly).
     if matches!(device, Device::Cuda(_)) {
         assert!(st.graph_steps > 0, "no round replayed from a graph: {st:?}");
+        assert!(
+            st.step_times.round.graphed > 0,
+            "no round counted as graphed: {:?}",
+            st.step_times
+        );
+    } else {
+        assert_eq!(st.step_times.round.graphed, 0, "{:?}", st.step_times);
     }
     eprintln!(
         "speculative on {device}: {} rounds ({} steps from graphs), acceptance length {:.2}, tokens identical to plain decoding on the same device and the CPU",

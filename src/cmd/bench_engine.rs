@@ -376,6 +376,7 @@ fn run_speculative(args: &BenchEngineArgs, dir: &Path) -> anyhow::Result<()> {
                         "sample_ms": k.mean_ms(k.sample_us), "commit_ms": k.mean_ms(k.commit_us),
                         "sequences_per_step": (k.steps > 0).then(|| k.sequences as f64 / k.steps as f64),
                         "decode_rows_per_step": (k.steps > 0).then(|| k.decode_rows as f64 / k.steps as f64),
+                        "graphed_steps": k.graphed,
                     }),
                 );
             }

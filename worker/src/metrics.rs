@@ -139,6 +139,7 @@ struct EngineSeries {
     step_us: IntCounterVec,
     step_sequences: IntCounterVec,
     step_rows: IntCounterVec,
+    step_graphed: IntCounterVec,
     /// Decode workers only.
     decode: Option<DecodeSeries>,
 }
@@ -336,6 +337,12 @@ impl EngineSeries {
                 "Decode rows summed over engine steps by kind: one per running sequence plus the drafts it verified (prompt tokens not counted)",
                 &["kind"],
             )?,
+            step_graphed: counter_vec(
+                r,
+                "ferry_engine_steps_graphed_total",
+                "Engine steps by kind whose target forward was replayed from a CUDA graph (the rest ran eagerly); divide by ferry_engine_steps_total for the share",
+                &["kind"],
+            )?,
             decode,
         })
     }
@@ -376,6 +383,7 @@ impl EngineSeries {
             advance(&self.steps.with_label_values(&[kind]), k.steps);
             advance(&self.step_sequences.with_label_values(&[kind]), k.sequences);
             advance(&self.step_rows.with_label_values(&[kind]), k.decode_rows);
+            advance(&self.step_graphed.with_label_values(&[kind]), k.graphed);
             for (phase, us) in [
                 ("plan", k.plan_us),
                 ("launch", k.launch_us),
@@ -556,6 +564,7 @@ mod tests {
             commit_us,
             sequences: steps * 3,
             decode_rows: steps * 5,
+            graphed: steps,
         }
     }
 
@@ -598,6 +607,7 @@ mod tests {
             |v: &IntCounterVec| ["decode", "spec_round"].map(|k| v.with_label_values(&[k]).get());
         assert_eq!(per(&m.step_sequences), [30, 12]);
         assert_eq!(per(&m.step_rows), [50, 20]);
+        assert_eq!(per(&m.step_graphed), [10, 4]);
         assert_eq!(
             (
                 m.ship_forwards.get(),

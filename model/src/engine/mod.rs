@@ -591,6 +591,8 @@ pub struct StepKind {
     /// Decode rows, summed over the steps: one per sequence plus its drafts verified (prompt
     /// tokens not counted).
     pub decode_rows: u64,
+    /// Steps whose target forward was replayed from a CUDA graph (the rest ran eagerly).
+    pub graphed: u64,
 }
 
 impl StepKind {
@@ -614,6 +616,7 @@ impl StepKind {
             commit_us: self.commit_us.saturating_sub(before.commit_us),
             sequences: self.sequences.saturating_sub(before.sequences),
             decode_rows: self.decode_rows.saturating_sub(before.decode_rows),
+            graphed: self.graphed.saturating_sub(before.graphed),
         }
     }
 }
@@ -627,6 +630,8 @@ pub(crate) struct StepShape {
     pub sequences: usize,
     /// Drafts verified.
     pub drafts: usize,
+    /// Its target forward was replayed from a CUDA graph.
+    pub graph: bool,
 }
 
 /// Wall time of one step's phases, in seconds (see [`StepKind`]).
@@ -674,6 +679,7 @@ impl StepTimes {
         kind.commit_us += us(p.commit);
         kind.sequences += shape.sequences as u64;
         kind.decode_rows += (shape.sequences + shape.drafts) as u64;
+        kind.graphed += u64::from(shape.graph);
     }
 }
 

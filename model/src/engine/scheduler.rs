@@ -347,14 +347,15 @@ impl Scheduler {
             sample: (sampled - forwarded).as_secs_f64(),
             commit: (done - sampled).as_secs_f64(),
         };
+        let graph = self.backend.graph_steps() > graphs_before;
         let shape = StepShape {
             prompt: !decode_only,
             sequences: seqs,
             drafts: drafted,
+            graph,
         };
         self.stats.step_times.record(shape, phases);
         if let Some(sp) = self.spec.as_mut() {
-            let graph = self.backend.graph_steps() > graphs_before;
             let shape = decode_only.then_some((seqs, rows, drafted > 0, graph));
             sp.observe_step(shape, secs);
         }
