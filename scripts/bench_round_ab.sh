@@ -11,7 +11,7 @@
 # Per arm and level: the plain step, the round and its phases (plan / launch / sample / commit),
 # and the share of rounds replayed from a graph. Table on stdout; JSON per run under $OUT
 # (else ./gpu-logs), and $OUT/round_ab.json with every row.
-#   ROUNDS=2 OUT=... bash scripts/bench_round_ab.sh
+#   ROUNDS=2 OUT=... bash scripts/bench_round_ab.sh    (TEMPERATURE=0.7: sampled requests, unseeded)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-gpu-logs}"
@@ -35,7 +35,7 @@ for run in $(seq "$rounds"); do
       --load-format dummy --model models/dummy/dspark-h200 \
       --drafter models/dummy/dspark-h200-drafter --device "${DEVICE:-cuda}" --gpu-mode fast \
       --batch "$levels" --prompt-len "${PROMPT_LEN:-1024}" --decode-steps "${DECODE_STEPS:-256}" \
-      --waves "${WAVES:-2}" --verify-len fixed:8 --json "$out/$name.json" >"$out/$name.log" 2>&1
+      --waves "${WAVES:-2}" --temperature "${TEMPERATURE:-0}" --verify-len fixed:8 --json "$out/$name.json" >"$out/$name.log" 2>&1
     python3 - "$out/$name.json" "$arm" "$run" <<'PY' || echo "| $arm | $run | $levels | (no result) | | | |"
 import json, sys
 for r in json.load(open(sys.argv[1]))["rows"]:
