@@ -87,17 +87,21 @@ fn cuda_engine(test: &str, mode: GpuMode) -> Option<EngineHandle> {
     Some(engine(Device::Cuda(0), mode))
 }
 
-/// An engine on the first GPU that opens — cuda:0, else rocm:0 (in a `rocm` build; without an
-/// AMD GPU, the CPU HIP of scripts/hip_emu.sh) — or `None` after saying why `test` skips.
-fn gpu_engine(test: &str, mode: GpuMode) -> Option<EngineHandle> {
-    let Some(device) = [Device::Cuda(0), Device::Rocm(0)]
+/// The first GPU that opens — cuda:0, else rocm:0 (in a `rocm` build; without an AMD GPU, the
+/// CPU HIP of scripts/hip_emu.sh) — or `None` after saying why `test` skips.
+fn first_gpu(test: &str) -> Option<Device> {
+    let device = [Device::Cuda(0), Device::Rocm(0)]
         .into_iter()
-        .find(|d| d.probe().is_ok())
-    else {
+        .find(|d| d.probe().is_ok());
+    if device.is_none() {
         eprintln!("skipping {test}: no GPU opens");
-        return None;
-    };
-    Some(engine(device, mode))
+    }
+    device
+}
+
+/// An engine on [`first_gpu`], or `None` after saying why `test` skips.
+fn gpu_engine(test: &str, mode: GpuMode) -> Option<EngineHandle> {
+    first_gpu(test).map(|device| engine(device, mode))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -294,12 +298,7 @@ async fn a_batch_past_64_sequences_gives_the_eager_tokens_graphed_or_not() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a GPU: run on the GPU machine with --include-ignored (docs/gpu.md), or on the CPU HIP (scripts/hip_emu.sh)"]
 async fn speculative_greedy_on_a_gpu_equals_plain_and_the_cpu() {
-    // The first GPU that opens: cuda:0, else rocm:0.
-    let Some(device) = [Device::Cuda(0), Device::Rocm(0)]
-        .into_iter()
-        .find(|d| d.probe().is_ok())
-    else {
-        eprintln!("skipping speculative_greedy_on_a_gpu_equals_plain_and_the_cpu: no GPU opens");
+    let Some(device) = first_gpu("speculative_greedy_on_a_gpu_equals_plain_and_the_cpu") else {
         return;
     };
     let m = model();
@@ -363,13 +362,9 @@ async fn speculative_greedy_on_a_gpu_equals_plain_and_the_cpu() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a GPU (CUDA, or ROCm / the CPU HIP): run on the GPU machine with --include-ignored (docs/gpu.md)"]
 async fn whole_generations_on_a_gpu_accept_what_the_reference_drafter_accepts() {
-    let Some(device) = [Device::Cuda(0), Device::Rocm(0)]
-        .into_iter()
-        .find(|d| d.probe().is_ok())
+    let Some(device) =
+        first_gpu("whole_generations_on_a_gpu_accept_what_the_reference_drafter_accepts")
     else {
-        eprintln!(
-            "skipping whole_generations_on_a_gpu_accept_what_the_reference_drafter_accepts: no GPU opens"
-        );
         return;
     };
     let m = model();

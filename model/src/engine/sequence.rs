@@ -145,6 +145,13 @@ impl Sequence {
         }
     }
 
+    /// Drafts this request could still use in a round: the tokens it still needs after the one
+    /// every step emits. Planning bounds a round's drafts by it, and a commit counts no more
+    /// drafts than it.
+    pub(crate) fn usable_drafts(&self) -> usize {
+        self.stop.max_tokens.saturating_sub(self.generated + 1)
+    }
+
     /// Applies the stop rules to a freshly sampled token, emitting it (preceded by its
     /// `logprobs`, when given) when it is output, and advances the grammar past it (a
     /// stopped grammar finishes the request, reason stop).

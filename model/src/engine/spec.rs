@@ -500,7 +500,7 @@ impl Speculator {
         let room: Vec<usize> = running
             .iter()
             .zip(&ctx_room)
-            .map(|(s, &ctx)| s.stop.max_tokens.saturating_sub(s.generated + 1).min(ctx))
+            .map(|(s, &ctx)| s.usable_drafts().min(ctx))
             .collect();
         // `FERRY_WHOLE_BLOCK_TAIL=0`: the rule before (the A/B switch).
         let ctx_room = if whole_block_tail() {

@@ -72,7 +72,7 @@ impl Scheduler {
         // that length (acceptance is a prefix: the first `useful` drafts are accepted as far as
         // they would be alone), and with none it counts as the plain step it is for the
         // request (its last token).
-        let useful = s.stop.max_tokens.saturating_sub(s.generated + 1);
+        let useful = s.usable_drafts();
         let drafted = draft.gamma().min(useful);
         let accepted = verified.accepted.min(drafted);
         let round = u64::from(drafted > 0);
