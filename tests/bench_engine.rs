@@ -152,6 +152,8 @@ fn speculative_bench_on_given_prompts_breaks_the_steps_down() {
     };
     let doc = run_doc(&["--batch", "2"]);
     assert_eq!(doc["prompts"], path(&prompts));
+    // Each level is warmed by `c` requests of 32 tokens that the counters below leave out.
+    assert_eq!(doc["warmup_tokens"], 32, "{doc}");
     let row = &doc["rows"][0];
     let (plain, spec) = (&row["engine_steps"]["plain"], &row["engine_steps"]["spec"]);
     // Two requests of 16 tokens: one prompt step gives both first tokens, then 15 plain steps.

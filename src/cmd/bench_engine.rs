@@ -101,6 +101,14 @@ pub struct BenchEngineArgs {
     /// the level's steady state instead (the closed loop refills each client).
     #[arg(long, default_value_t = 1)]
     pub waves: usize,
+    /// With `--speculative`: before a level is timed, `c` requests of this many tokens run
+    /// together through the same engine, so the level is measured as a server that has been
+    /// serving at that width runs: the level's graphs captured (a capture costs ~10 ms, a
+    /// dozen steps of a small model), and `goodput`'s step costs and acceptance measured.
+    /// They take the prompt file's last prompts (or synthetic ones). 0: one 4-token request
+    /// only (kernel compiles and first-touch allocations), as before session 38.
+    #[arg(long, default_value_t = 32)]
+    pub warmup_tokens: usize,
     /// With `--speculative`: token-id prompts instead of synthetic ones — JSON lines, each with
     /// an `ids` array (scripts/heldout_prompts.py's output), cut to `--prompt-len`; a level's
     /// requests take them in turn. Acceptance depends on the text, so a trained pair is
@@ -402,6 +410,8 @@ fn run_speculative(args: &BenchEngineArgs, dir: &Path) -> anyhow::Result<()> {
                 "prompts": args.prompts.as_ref().map(|p| p.display().to_string()),
                 "decode_steps": args.decode_steps,
                 "repeat": args.repeat,
+                "waves": args.waves,
+                "warmup_tokens": args.warmup_tokens,
                 "rows": rows,
             }),
         )?;
@@ -652,12 +662,27 @@ fn engine_run(
     let n = args.level_requests(c);
     let rt = tokio::runtime::Builder::new_current_thread().build()?;
     rt.block_on(async {
-        // Warm-up: thread pools and first-touch allocations stay out of the measurement.
-        let warm = synthetic_prompts(vocab, 1, args.prompt_len, salt ^ 0xffff);
-        let mut g = engine.generate(job(warm[0].clone(), 4))?;
-        while let Some(e) = g.events.recv().await {
-            if matches!(e, EngineEvent::Finished(_) | EngineEvent::Failed(_)) {
-                break;
+        // Warm-up: thread pools, first-touch allocations and (with `--warmup-tokens`) the
+        // level's graphs and `goodput`'s estimates stay out of the measurement.
+        let (width, tokens) = match args.warmup_tokens {
+            0 => (1, 4),
+            t => (c.max(1), t),
+        };
+        let warm: Vec<Vec<u32>> = match prompts {
+            // From the file's end: the level's own requests take it from the start.
+            Some(file) => (0..width)
+                .map(|i| file[file.len() - 1 - i % file.len()].clone())
+                .collect(),
+            None => synthetic_prompts(vocab, width, args.prompt_len, salt ^ 0xffff),
+        };
+        let warm = engine.generate_all(warm.into_iter().map(|p| job(p, tokens)).collect())?;
+        for mut g in warm {
+            while let Some(e) = g.events.recv().await {
+                match e {
+                    EngineEvent::Finished(_) => break,
+                    EngineEvent::Failed(e) => bail!("a warm-up request failed: {e}"),
+                    _ => {}
+                }
             }
         }
         let before = engine.stats().await?;
