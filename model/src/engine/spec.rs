@@ -67,8 +67,9 @@ pub enum VerifyLen {
     /// ([`super::goodput`]): the confidence head's survivals, calibrated by what was
     /// accepted, against this engine's own step costs; no drafter pass at all when
     /// speculation would not pay. Until the costs are measured it verifies like
-    /// `confidence:0.3`. The default: it is the only policy measured never to cost much
-    /// against plain decoding (BENCHMARKS.md, sessions 19 and 27).
+    /// `confidence:0.3`. The default: sessions 19 and 27 measured it never to cost much
+    /// against plain decoding; on session 38's H200 pair it lost 29–43 % at 128 concurrent
+    /// requests (steps with prompt work, eager rounds; BENCHMARKS.md).
     #[default]
     Goodput,
 }
