@@ -21,8 +21,8 @@ use ferry_model::drafter::{
 };
 use ferry_model::engine::{
     EngineConfig, EngineEvent, EngineHandle, EngineStats, FinishReason, GenerateJob,
-    GenerateOptions, Generation, PrefillSource, PrefillWork, SpecConfig, SpecCounts, StopParams,
-    VerifyLen,
+    GenerateOptions, Generation, PrefillSource, PrefillWork, PromptSteps, SpecConfig, SpecCounts,
+    StopParams, VerifyLen,
 };
 use ferry_model::kv::KvPool;
 use ferry_model::kv::{BlockId, KvStore, LayerRows};
@@ -248,6 +248,73 @@ async fn whole_generations_accept_what_the_reference_drafter_accepts() {
         };
         assert_eq!(spec, Some(want), "{}: rounds, drafted, accepted", c.prompt);
     }
+}
+
+/// Requests 1 and 2 arrive while request 0 speculates, under `prompt_steps`: every request's
+/// greedy tokens are the reference's, and the engine's step counters.
+async fn late_arrivals(prompt_steps: PromptSteps) -> EngineStats {
+    let e = dspark_engine(EngineConfig {
+        prompt_steps,
+        ..config(128, 64, VerifyLen::Fixed(4))
+    });
+    let mut first = e.generate(job(golden_case(0).0, 32, greedy())).unwrap();
+    // Request 0 is decoding once its first token is out.
+    let head = loop {
+        match first.events.recv().await {
+            Some(EngineEvent::Token(t)) => break t,
+            Some(EngineEvent::Finished(_) | EngineEvent::Failed(_)) | None => {
+                panic!("request 0 ended before its first token")
+            }
+            Some(_) => {}
+        }
+    };
+    let late: Vec<_> = (1..3)
+        .map(|i| e.generate(job(golden_case(i).0, 32, greedy())).unwrap())
+        .collect();
+    let (rest, end, _) = collect_spec(first).await;
+    assert_eq!(end, Ok(FinishReason::Length));
+    let mut toks = vec![head];
+    toks.extend(rest);
+    assert_eq!(toks, golden_case(0).1, "request 0 ({prompt_steps:?})");
+    for (i, g) in late.into_iter().enumerate() {
+        let (toks, end, _) = collect_spec(g).await;
+        assert_eq!(end, Ok(FinishReason::Length));
+        assert_eq!(
+            toks,
+            golden_case(i + 1).1,
+            "request {} ({prompt_steps:?})",
+            i + 1
+        );
+    }
+    let s = e.stats().await.unwrap();
+    wait_idle(&e).await;
+    s
+}
+
+/// `PromptSteps::Apart`: prompts that arrive while others decode get a forward of their own,
+/// so no step with prompt work carries a decode row or a draft, and rounds stay decode-only
+/// steps (which a GPU replays from graphs); the tokens are the mixed engine's. The mixed
+/// engine, the control, carries request 0's rows in the late prompts' steps.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prompts_apart_from_rounds_keep_the_tokens_and_carry_no_decode_rows() {
+    let apart = late_arrivals(PromptSteps::Apart).await;
+    let t = apart.step_times;
+    assert!(
+        t.prompt.steps >= 2,
+        "the first prompt, then the late ones: {t:?}"
+    );
+    assert_eq!(
+        (t.prompt.sequences, t.prompt.decode_rows),
+        (0, 0),
+        "a prompt step carried decode rows or drafts: {t:?}"
+    );
+    assert!(t.round.steps > 0 && apart.spec_rounds > 0, "{apart:?}");
+    let mixed = late_arrivals(PromptSteps::Mixed).await;
+    let t = mixed.step_times;
+    assert!(
+        t.prompt.sequences > 0,
+        "the late prompts rode with request 0: {t:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -85,6 +85,49 @@ pub struct EngineConfig {
     /// Where a CPU engine's KV rows are allocated (`None`: the heap). A decode worker passes
     /// its KV transport's memory, which peers on the same machine write into directly.
     pub host_kv_memory: Option<HostKvMemory>,
+    /// Whether prompt work rides in the running sequences' step or gets a forward of its own
+    /// ([`PromptSteps`]; the default comes from `FERRY_PROMPT_STEPS`, else `Mixed`).
+    pub prompt_steps: PromptSteps,
+}
+
+/// How a step that has both prompt work and running sequences runs them.
+///
+/// `Mixed` (the default; vLLM's chunked prefill): one forward takes the decode rows — a
+/// speculating sequence's whole round — and the prompt chunks, so it runs eagerly, and a
+/// speculating engine also drafts over every running sequence and writes the drafter context
+/// of the prompts in it. `Apart` (SGLang's default): the running sequences first take a
+/// decode-only step, which a GPU replays from its graph as any other, then the prompts take a
+/// forward of their own in the same scheduler step, so nothing waits longer for its first
+/// token. Session 38's speculating engine on a small target spent 43 % of its time at 64
+/// sequences in mixed steps of 14–25 ms each, against a graphed round's 5.8 ms (BENCHMARKS.md);
+/// where a model's prefill GEMMs carry the decode rows for free, mixing reads the weights
+/// once. `Apart` is not the default until a GPU A/B says so (`FERRY_PROMPT_STEPS=apart`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PromptSteps {
+    /// Prompt chunks and decode rows in one forward.
+    #[default]
+    Mixed,
+    /// A decode-only step, then a prompt-only forward.
+    Apart,
+}
+
+impl PromptSteps {
+    /// `FERRY_PROMPT_STEPS` (`mixed` or `apart`), read once; unset or unknown: `Mixed` (an
+    /// unknown value is logged).
+    pub fn from_env() -> Self {
+        static FROM_ENV: std::sync::OnceLock<PromptSteps> = std::sync::OnceLock::new();
+        *FROM_ENV.get_or_init(|| match std::env::var("FERRY_PROMPT_STEPS").as_deref() {
+            Ok("apart") => PromptSteps::Apart,
+            Ok("mixed") | Err(_) => PromptSteps::Mixed,
+            Ok(other) => {
+                tracing::warn!(
+                    value = other,
+                    "FERRY_PROMPT_STEPS is `mixed` or `apart`; using `mixed`"
+                );
+                PromptSteps::Mixed
+            }
+        })
+    }
 }
 
 /// A [`RowMemory`](crate::kv::RowMemory) for [`EngineConfig::host_kv_memory`].
@@ -112,6 +155,7 @@ impl Default for EngineConfig {
             gpu_layerwise_shipping: true,
             load_format: crate::dummy::LoadFormat::Auto,
             host_kv_memory: None,
+            prompt_steps: PromptSteps::from_env(),
         }
     }
 }

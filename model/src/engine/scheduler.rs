@@ -26,8 +26,9 @@ use tracing::warn;
 use super::backend::Backend;
 use super::sequence::{PrefillTask, Sequence};
 use super::spec::{Draft, Speculator};
-use super::{Command, EngineConfig, EngineEvent, EngineStats, FinishReason, StepPhases, StepShape};
+use super::{Command, EngineConfig, EngineEvent, EngineStats, FinishReason, PromptSteps};
 use super::{Failure, FailureKind, GenerateJob, GenerateOptions, SeqId};
+use super::{StepPhases, StepShape};
 use crate::kv::{BlockId, KvManager, KvPool, RemoteFences};
 use ferry_kernels::cpu::logits::TokenLogprobs;
 
@@ -52,6 +53,17 @@ enum Work {
     Chunk(usize, usize),
     /// The whole uncached prompt of `prefills[i]`.
     Prefill(usize),
+}
+
+/// What one forward of a scheduler step takes ([`PromptSteps`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum StepWork {
+    /// The running sequences and the prompt work that fits beside them.
+    All,
+    /// The running sequences only.
+    Decode,
+    /// Prompt work only.
+    Prompts,
 }
 
 /// The state the engine thread owns.
@@ -263,12 +275,30 @@ impl Scheduler {
         }
     }
 
-    /// Builds and runs one batch.
+    /// Runs one scheduler step: one forward over the running sequences and the prompt work
+    /// that fits, or with [`PromptSteps::Apart`] and both kinds of work, a decode-only forward
+    /// and then a prompt-only one.
     fn step(&mut self) {
+        let prompts_waiting = !self.prefills.is_empty() || !self.waiting.is_empty();
+        if self.config.prompt_steps == PromptSteps::Apart
+            && !self.running.is_empty()
+            && prompts_waiting
+        {
+            self.forward_step(StepWork::Decode);
+            self.forward_step(StepWork::Prompts);
+        } else {
+            self.forward_step(StepWork::All);
+        }
+    }
+
+    /// Builds and runs one batch of `what`.
+    fn forward_step(&mut self, what: StepWork) {
+        let decode = what != StepWork::Prompts;
+        let prompts = what != StepWork::Decode;
         // Every decoding sequence needs room for one more position. One that cannot get it
         // fails alone (no preemption yet); the others go on.
         let mut i = 0;
-        while i < self.running.len() {
+        while decode && i < self.running.len() {
             let s = &mut self.running[i];
             let before = s.table.blocks().len();
             match self.kv.reserve(&mut s.table, 1) {
@@ -284,21 +314,23 @@ impl Scheduler {
                 }
             }
         }
-        let mut budget = self
-            .config
-            .max_batch_tokens
-            .saturating_sub(self.running.len());
+        let decoding = if decode { self.running.len() } else { 0 };
+        let mut budget = self.config.max_batch_tokens.saturating_sub(decoding);
         let started = std::time::Instant::now();
         let graphs_before = self.backend.graph_steps();
-        let (drafts, q) = self.plan_drafts(budget);
+        let (drafts, q) = if decode {
+            self.plan_drafts(budget)
+        } else {
+            (Vec::new(), None)
+        };
         let planned = std::time::Instant::now();
-        let mut work = Vec::new();
-        for i in 0..self.running.len() {
-            work.push(Work::Decode(i));
-        }
+        let mut work: Vec<Work> = (0..decoding).map(Work::Decode).collect();
         let drafted: usize = drafts.iter().flatten().map(Draft::gamma).sum();
         budget = budget.saturating_sub(drafted);
         for i in 0..self.prefills.len() {
+            if !prompts {
+                break;
+            }
             let need = self.prefills[i].job.prompt.len() - self.prefills[i].reused;
             if need > budget && !work.is_empty() {
                 break;
@@ -308,7 +340,7 @@ impl Scheduler {
         }
         let room = self.config.max_running.saturating_sub(self.running.len());
         for i in 0..self.waiting.len().min(room) {
-            if budget == 0 {
+            if budget == 0 || !prompts {
                 break;
             }
             let n = self.waiting[i].remaining_prompt().min(budget);
@@ -319,8 +351,9 @@ impl Scheduler {
                 sp.fresh(&seq.table.blocks()[before..]);
             }
             if let Err(e) = reserved {
-                if work.is_empty() {
-                    // Nothing else will ever free blocks for it: fail it now.
+                if work.is_empty() && self.running.is_empty() {
+                    // Nothing else will ever free blocks for it: fail it now (running
+                    // sequences out of this forward, `StepWork::Prompts`, still will).
                     if let Some(s) = self.waiting.remove(i) {
                         self.fail(s, &e.to_string());
                     }
@@ -336,7 +369,7 @@ impl Scheduler {
         }
         // A decode-only step's shape, for the `goodput` verify length's cost estimates.
         let decode_only = work.iter().all(|w| matches!(w, Work::Decode(_)));
-        let seqs = self.running.len();
+        let seqs = decoding;
         let rows = seqs + drafted;
         let (forwarded, sampled) = self.run_batch(work, drafts, q);
         let done = std::time::Instant::now();
