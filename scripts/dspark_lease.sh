@@ -527,6 +527,10 @@ if e.exists():
                   f"{x['spec_tok_s'] / x['plain_tok_s']:.2f}x ({x['spec_tok_s']:.0f} vs {x['plain_tok_s']:.0f} tok/s), "
                   f"tau {x['acceptance_length']:.2f}, {x['drafts_per_round']:.2f} drafts/round; draft "
                   f"{x['draft_pass_ms']:.3f} ms, verify {x['verify_pass_ms']:.3f} ms, decode step {x['decode_step_ms']:.3f} ms")
+            if x.get("plain_steady_tok_s"):
+                print(f"summary: engine on cuda {v} c{x['concurrency']}: steady (all c in flight) spec/plain "
+                      f"{x['spec_steady_tok_s'] / x['plain_steady_tok_s']:.2f}x "
+                      f"({x['spec_steady_tok_s']:.0f} vs {x['plain_steady_tok_s']:.0f} tok/s)")
             es = x.get("engine_steps") or {}
             for arm in ("plain", "spec"):
                 for kind, k in (es.get(arm) or {}).items():

@@ -213,6 +213,10 @@ fn speculative_bench_on_given_prompts_breaks_the_steps_down() {
     let plain = &row["engine_steps"]["plain"];
     let prompts_run = n(&plain["prompt"], "steps");
     assert!((2.0..=4.0).contains(&prompts_run), "{plain}");
+    // The steady rate: tokens until the first client found no request left, both engines.
+    for k in ["plain_steady_tok_s", "spec_steady_tok_s"] {
+        assert!(n(row, k) > 0.0, "{k}: {row}");
+    }
 
     for (bad, says) in [
         (

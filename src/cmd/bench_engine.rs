@@ -326,12 +326,12 @@ fn run_speculative(args: &BenchEngineArgs, dir: &Path) -> anyhow::Result<()> {
         .transpose()?;
     println!("engines on {device}\n");
     println!(
-        "| concurrency | no-spec tok/s | spec tok/s | speedup | acceptance length | drafts verified / round | draft pass ms | verify pass ms | decode step ms |\n|---|---|---|---|---|---|---|---|---|"
+        "| concurrency | no-spec tok/s | spec tok/s | speedup | acceptance length | drafts verified / round | draft pass ms | verify pass ms | decode step ms | steady speedup |\n|---|---|---|---|---|---|---|---|---|---|"
     );
     let mut rows = Vec::new();
     for &c in &args.batch {
-        let mut plain = Vec::new();
-        let mut spec = Vec::new();
+        let (mut plain, mut plain_steady) = (Vec::new(), Vec::new());
+        let (mut spec, mut spec_steady) = (Vec::new(), Vec::new());
         let mut stats = EngineStats::default();
         let mut plain_stats = EngineStats::default();
         for rep in 0..args.repeat.max(1) {
@@ -347,12 +347,14 @@ fn run_speculative(args: &BenchEngineArgs, dir: &Path) -> anyhow::Result<()> {
                 base: base.clone(),
                 prompts: file_prompts.as_deref(),
             };
-            let (tps, s) = engine_run(&plain_setup, c, args, rep as u32)?;
-            plain.push(tps);
-            plain_stats = s;
-            let (tps, s) = engine_run(&spec_setup, c, args, rep as u32)?;
-            spec.push(tps);
-            stats = s;
+            let run = engine_run(&plain_setup, c, args, rep as u32)?;
+            plain.push(run.tok_s);
+            plain_steady.push(run.steady_tok_s);
+            plain_stats = run.stats;
+            let run = engine_run(&spec_setup, c, args, rep as u32)?;
+            spec.push(run.tok_s);
+            spec_steady.push(run.steady_tok_s);
+            stats = run.stats;
         }
         let b = drafter.block_size();
         let mut passes = PassBench::new(&target, &drafter, c, args.prompt_len, b + 1)?
@@ -364,12 +366,14 @@ fn run_speculative(args: &BenchEngineArgs, dir: &Path) -> anyhow::Result<()> {
         );
         drop(passes);
         let (p, s) = (median(&mut plain), median(&mut spec));
+        let (p_steady, s_steady) = (median(&mut plain_steady), median(&mut spec_steady));
         let rounds = stats.spec_rounds.max(1) as f64;
         let acceptance = (stats.spec_accepted_tokens + stats.spec_rounds) as f64 / rounds;
         let drafted = stats.spec_drafted_tokens as f64 / rounds;
         println!(
-            "| {c} | {p:.1} | {s:.1} | {:.2}x | {acceptance:.2} | {drafted:.2} | {d:.2} | {v:.2} | {st:.2} |",
+            "| {c} | {p:.1} | {s:.1} | {:.2}x | {acceptance:.2} | {drafted:.2} | {d:.2} | {v:.2} | {st:.2} | {:.2}x |",
             s / p,
+            s_steady / p_steady,
         );
         // Where the last repetition's engines spent their steps: by kind, steps, mean ms per
         // step in all and by phase, and how full the steps were.
@@ -392,6 +396,7 @@ fn run_speculative(args: &BenchEngineArgs, dir: &Path) -> anyhow::Result<()> {
         };
         rows.push(serde_json::json!({
             "concurrency": c, "requests": args.level_requests(c), "plain_tok_s": p, "spec_tok_s": s,
+            "plain_steady_tok_s": p_steady, "spec_steady_tok_s": s_steady,
             "acceptance_length": acceptance,
             "drafts_per_round": drafted, "draft_pass_ms": d, "verify_pass_ms": v,
             "decode_step_ms": st,
@@ -452,10 +457,10 @@ fn run_serving(args: &BenchEngineArgs, dir: &Path) -> anyhow::Result<()> {
                     },
                     prompts: None,
                 };
-                let (tps, stats) = engine_run(&setup, c, args, rep as u32)?;
-                out.push(tps);
+                let run = engine_run(&setup, c, args, rep as u32)?;
+                out.push(run.tok_s);
                 if on {
-                    replayed = stats.graph_steps;
+                    replayed = run.stats.graph_steps;
                 }
             }
         }
@@ -597,8 +602,6 @@ fn run_prefill_ship(args: &BenchEngineArgs, dir: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `c` concurrent requests through a fresh engine (with the drafter in `drafter` when given);
-/// returns generated tokens per second of wall time and the engine's counters.
 /// Which engine [`engine_run`] starts: the model, the drafter (if any), and the device settings
 /// taken from `base`.
 struct EngineSetup<'a> {
@@ -609,12 +612,25 @@ struct EngineSetup<'a> {
     prompts: Option<&'a [Vec<u32>]>,
 }
 
+/// What one level of [`engine_run`] measured.
+struct LevelRun {
+    /// Generated tokens per second of the level's wall time.
+    tok_s: f64,
+    /// Generated tokens per second until the first client found no request left: the window
+    /// in which all `c` were in flight, without the drain that follows (requests that end at
+    /// different times, as speculative ones do, leave fewer than `c` running at the end).
+    steady_tok_s: f64,
+    /// The engine's counters over the level.
+    stats: EngineStats,
+}
+
+/// `c` concurrent requests through a fresh engine (with the drafter in `drafter` when given).
 fn engine_run(
     setup: &EngineSetup<'_>,
     c: usize,
     args: &BenchEngineArgs,
     salt: u32,
-) -> anyhow::Result<(f64, EngineStats)> {
+) -> anyhow::Result<LevelRun> {
     let EngineSetup {
         dir,
         drafter,
@@ -704,9 +720,13 @@ fn engine_run(
         let first = engine.generate_all(jobs.drain(..c.min(jobs.len())).collect())?;
         // `c` clients, each taking the next request when its last one finished.
         let queue = std::sync::Arc::new(std::sync::Mutex::new(jobs));
+        // Tokens so far, and (seconds, tokens) when the first client found the queue empty.
+        let generated = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let drained = std::sync::Arc::new(std::sync::OnceLock::<(f64, usize)>::new());
         let mut clients = tokio::task::JoinSet::new();
         for g in first {
             let (engine, queue) = (engine.clone(), queue.clone());
+            let (generated, drained) = (generated.clone(), drained.clone());
             clients.spawn(async move {
                 let mut tokens = 0usize;
                 let mut current = Some(g);
@@ -716,6 +736,8 @@ fn engine_run(
                         None => {
                             let next = queue.lock().ok().and_then(|mut q| q.pop_front());
                             let Some(job) = next else {
+                                let at = generated.load(std::sync::atomic::Ordering::Relaxed);
+                                drained.get_or_init(|| (start.elapsed().as_secs_f64(), at));
                                 return anyhow::Ok(tokens);
                             };
                             engine.generate(job)?
@@ -723,7 +745,10 @@ fn engine_run(
                     };
                     while let Some(e) = g.events.recv().await {
                         match e {
-                            EngineEvent::Token(_) => tokens += 1,
+                            EngineEvent::Token(_) => {
+                                tokens += 1;
+                                generated.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                            }
                             EngineEvent::Finished(_) => break,
                             EngineEvent::Failed(e) => bail!("a benchmark request failed: {e}"),
                             _ => {}
@@ -737,6 +762,7 @@ fn engine_run(
             tokens += done??;
         }
         let secs = start.elapsed().as_secs_f64();
+        let (steady_secs, steady_tokens) = drained.get().copied().unwrap_or((secs, tokens));
         let after = engine.stats().await?;
         let stats = EngineStats {
             spec_rounds: after.spec_rounds - before.spec_rounds,
@@ -746,7 +772,11 @@ fn engine_run(
             step_times: after.step_times.since(&before.step_times),
             ..after
         };
-        Ok((tokens as f64 / secs, stats))
+        Ok(LevelRun {
+            tok_s: tokens as f64 / secs,
+            steady_tok_s: steady_tokens as f64 / steady_secs.max(f64::MIN_POSITIVE),
+            stats,
+        })
     })
 }
 
