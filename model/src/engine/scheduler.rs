@@ -327,10 +327,8 @@ impl Scheduler {
         let mut work: Vec<Work> = (0..decoding).map(Work::Decode).collect();
         let drafted: usize = drafts.iter().flatten().map(Draft::gamma).sum();
         budget = budget.saturating_sub(drafted);
-        for i in 0..self.prefills.len() {
-            if !prompts {
-                break;
-            }
+        let prefills = if prompts { self.prefills.len() } else { 0 };
+        for i in 0..prefills {
             let need = self.prefills[i].job.prompt.len() - self.prefills[i].reused;
             if need > budget && !work.is_empty() {
                 break;
@@ -338,9 +336,13 @@ impl Scheduler {
             work.push(Work::Prefill(i));
             budget = budget.saturating_sub(need);
         }
-        let room = self.config.max_running.saturating_sub(self.running.len());
+        let room = if prompts {
+            self.config.max_running.saturating_sub(self.running.len())
+        } else {
+            0
+        };
         for i in 0..self.waiting.len().min(room) {
-            if budget == 0 || !prompts {
+            if budget == 0 {
                 break;
             }
             let n = self.waiting[i].remaining_prompt().min(budget);
