@@ -130,6 +130,17 @@ impl PromptSteps {
     }
 }
 
+/// The most sequences whose whole-block round (B + 1 rows each) `device` replays from a graph:
+/// CUDA's verify-graph limit; unbounded elsewhere (ROCm's fixed-width rounds run eagerly).
+#[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+fn verify_graph_seqs(device: Device, block: usize) -> usize {
+    match device {
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => crate::gpu::graph::graph_max_seqs(block + 1),
+        _ => usize::MAX,
+    }
+}
+
 /// A [`RowMemory`](crate::kv::RowMemory) for [`EngineConfig::host_kv_memory`].
 #[derive(Clone)]
 pub struct HostKvMemory(pub Arc<dyn crate::kv::RowMemory>);
@@ -927,12 +938,15 @@ impl EngineHandle {
         let device_kv = backend.device_kv();
         let fences = Arc::new(crate::kv::RemoteFences::new(layout.num_blocks));
         let kv_dtype = backend.kv_dtype();
-        // On a GPU with graphs, rounds are replayed at a fixed width (B + 1 rows per sequence).
+        // On a GPU with graphs, rounds run at a fixed width (B + 1 rows per sequence), replayed
+        // from graphs on CUDA for as many sequences as a verify graph holds (ROCm runs them
+        // eagerly, at any batch).
         let fixed_width = device.is_gpu() && config.cuda_graphs;
         let spec = drafter
             .map(|d| {
                 let b = backend.model().backend();
-                spec::Speculator::new(d, &layout, b, config.spec.clone(), fixed_width)
+                let width = fixed_width.then(|| verify_graph_seqs(device, d.block_size()));
+                spec::Speculator::new(d, &layout, b, config.spec.clone(), width)
             })
             .transpose()?;
         let draft_kv_layers = spec.as_ref().map_or(0, spec::Speculator::pool_layers);
@@ -1383,6 +1397,27 @@ impl EngineHandle {
 #[cfg(test)]
 mod tests {
     use super::{GenerateOptions, SamplingParams, SpecCounts};
+
+    /// The speculator plans a whole-block round as a graph round only for as many sequences as
+    /// the CUDA backend replays one for (`try_graph`'s bucket), so `goodput` costs a larger
+    /// batch's round as the eager round it is; ROCm and the CPU replay none, so no bound.
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn whole_block_rounds_are_graph_rounds_only_within_the_verify_graph_limit() {
+        use crate::gpu::graph::{graph_bucket, graph_max_seqs};
+        use ferry_kernels::Device;
+        let block = 8;
+        let limit = super::verify_graph_seqs(Device::Cuda(0), block);
+        assert_eq!(limit, graph_max_seqs(block + 1));
+        assert!(graph_bucket(limit, graph_max_seqs(block + 1)).is_some());
+        assert!(graph_bucket(limit + 1, graph_max_seqs(block + 1)).is_none());
+        if std::env::var_os("FERRY_GRAPH_MAX_BATCH").is_none() {
+            assert_eq!(limit, 64, "256 rows' worth, at least 64 sequences");
+        }
+        for d in [Device::Rocm(0), Device::Cpu] {
+            assert_eq!(super::verify_graph_seqs(d, block), usize::MAX, "{d}");
+        }
+    }
 
     #[test]
     fn seeded_sampled_requests_speculate_only_when_they_ask() {

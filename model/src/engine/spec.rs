@@ -182,6 +182,10 @@ pub(crate) struct Speculator {
     /// Rounds are replayed from CUDA graphs of a fixed width: when every running sequence can
     /// take a whole block, each verifies all B drafts (see [`Self::plan`]).
     fixed_width: bool,
+    /// The most running sequences such a round is replayed for (the backend's verify-graph
+    /// limit, `gpu::graph::graph_max_seqs(B + 1)` on CUDA): a larger batch's whole-block round
+    /// runs eagerly, and `goodput` costs it as the eager round it is.
+    graph_seqs: usize,
     /// The `goodput` policy's measurements (kept whatever the policy; used by `goodput`).
     goodput: Goodput,
     /// The last drafter pass: sequences and seconds, until the engine reports the step.
@@ -283,14 +287,18 @@ impl Deferred {
 
 impl Speculator {
     /// A speculator for an engine whose target pool has geometry `target` and whose model
-    /// runs on `backend`: the drafter moves there, and so does its KV.
+    /// runs on `backend`: the drafter moves there, and so does its KV. `fixed_width`: rounds
+    /// run at a fixed width (whole blocks) and are replayed from graphs for up to that many
+    /// running sequences; `None` on the CPU.
     pub fn new(
         mut drafter: Box<dyn Drafter>,
         target: &KvLayout,
         backend: &Backend,
         config: SpecConfig,
-        fixed_width: bool,
+        fixed_width: Option<usize>,
     ) -> Result<Self, ModelError> {
+        let graph_seqs = fixed_width.unwrap_or(0);
+        let fixed_width = fixed_width.is_some();
         drafter.to_backend(backend)?;
         drafter.set_graphs(fixed_width);
         let layout = drafter.kv_layout();
@@ -307,6 +315,7 @@ impl Speculator {
             stale: HashSet::new(),
             writes: HashMap::new(),
             fixed_width,
+            graph_seqs,
             goodput: Goodput::default(),
             last_pass: None,
             deferred: Deferred::default(),
@@ -509,6 +518,9 @@ impl Speculator {
         } else {
             room.clone()
         };
+        // Whether a whole-block round of this batch is replayed from a graph (past the verify
+        // graph's limit it runs eagerly: `goodput` costs it so; the rule stays the same).
+        let graphed = running.len() <= self.graph_seqs;
         // Rows whose context is deferred count as written: they are, before any drafting.
         let mut eligible: Vec<usize> = (0..running.len())
             .filter(|&i| {
@@ -534,6 +546,7 @@ impl Speculator {
             block,
             budget,
             graph: self.fixed_width
+                && graphed
                 && eligible.len() == running.len()
                 && eligible.len() * block <= step_budget
                 && eligible.iter().all(|&i| ctx_room[i] >= block),
@@ -642,7 +655,7 @@ impl Speculator {
             let survival: Vec<f32> = slots.iter().map(|s| s.survival).collect();
             let shape = Shape {
                 eligible: props.len(),
-                graph: whole_blocks,
+                graph: whole_blocks && graphed,
                 ..shape
             };
             policy = match self.goodput.choose(shape, &survival) {
