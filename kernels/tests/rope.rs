@@ -219,3 +219,39 @@ fn invalid_params_are_rejected() {
         "slice past head end"
     );
 }
+
+/// The cached rows are the evaluated ones, bit for bit: positions across chunk boundaries, in
+/// any order, from a clone (which shares the cache), and past the cache's bound (evaluated
+/// each time); a wrong length is still refused.
+#[test]
+fn cached_cos_sin_is_bitwise_the_evaluated_table() {
+    let rope = Rope::new(&params(RopeScaling::Yarn(deepseek_v3_yarn()), true)).expect("valid");
+    let twin = rope.clone();
+    let half = rope.dim() / 2;
+    let (mut c0, mut s0) = (vec![0.0f32; half], vec![0.0f32; half]);
+    let (mut c1, mut s1) = (vec![0.0f32; half], vec![0.0f32; half]);
+    // 2^22 is past 64 MB of rows at this width; 163,839 is DeepSeek-V3's last position.
+    let positions = [
+        0usize,
+        1,
+        255,
+        256,
+        257,
+        4095,
+        511,
+        163_839,
+        1 << 22,
+        3,
+        256,
+    ];
+    for (i, &p) in positions.iter().enumerate() {
+        let r = if i % 2 == 0 { &rope } else { &twin };
+        r.cos_sin(p, &mut c0, &mut s0).expect("lengths");
+        rope.cos_sin_uncached(p, &mut c1, &mut s1).expect("lengths");
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&c0), bits(&c1), "cos at {p}");
+        assert_eq!(bits(&s0), bits(&s1), "sin at {p}");
+    }
+    assert!(rope.cos_sin(7, &mut vec![0.0; half - 1], &mut s0).is_err());
+    assert_eq!(rope, twin);
+}

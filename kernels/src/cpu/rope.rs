@@ -5,6 +5,9 @@
 //! [`Rope::apply`] rotates query or key slices in place, in DeepSeek's interleaved pair layout
 //! (`apply_rotary_pos_emb_interleave`) or the `rotate_half` layout.
 
+use std::collections::HashMap;
+use std::sync::{Arc, RwLock};
+
 use super::gemm::check_len;
 use crate::error::KernelError;
 
@@ -24,12 +27,40 @@ pub struct RotaryLayout {
 }
 
 /// A rotary table: per-pair inverse frequencies and the cos/sin attention factor.
-#[derive(Debug, Clone, PartialEq)]
+///
+/// Each position's cos/sin rows are evaluated once (f64 `cos`/`sin`, ~13 ns a pair) and kept
+/// ([`RowCache`], shared by clones): a step's tables (every verify row and prompt token, on
+/// the target and on the drafter) are then copies of rows computed before.
+#[derive(Debug, Clone)]
 pub struct Rope {
     inv_freq: Vec<f32>,
     attention_factor: f32,
     dim: usize,
     interleaved: bool,
+    rows: Arc<RowCache>,
+}
+
+impl PartialEq for Rope {
+    /// The same table: frequencies, factor, width and layout (the cache is not compared).
+    fn eq(&self, other: &Self) -> bool {
+        self.inv_freq == other.inv_freq
+            && self.attention_factor == other.attention_factor
+            && self.dim == other.dim
+            && self.interleaved == other.interleaved
+    }
+}
+
+/// Positions per cached chunk of cos/sin rows.
+const CHUNK: usize = 256;
+
+/// Host memory the cache of one [`Rope`] may hold; positions past it are evaluated each time.
+const CACHE_BYTES: usize = 64 << 20;
+
+/// The cos/sin rows of a [`Rope`] computed so far: chunk `c` holds positions
+/// `c·CHUNK .. (c+1)·CHUNK`, each as `dim / 2` cos then `dim / 2` sin.
+#[derive(Debug, Default)]
+struct RowCache {
+    chunks: RwLock<HashMap<usize, Arc<[f32]>>>,
 }
 
 impl Rope {
@@ -59,6 +90,7 @@ impl Rope {
             attention_factor,
             dim,
             interleaved: params.interleaved,
+            rows: Arc::default(),
         })
     }
 
@@ -83,17 +115,66 @@ impl Rope {
     }
 
     /// Fills `cos`/`sin` (`dim / 2` each) for one position: `freq = pos · inv_freq` in f32,
-    /// then `cos(freq) · attention_factor` (the cos/sin are rounded once from f64).
+    /// then `cos(freq) · attention_factor` (the cos/sin are rounded once from f64). From the
+    /// cache: bitwise [`Self::cos_sin_uncached`].
     pub fn cos_sin(&self, pos: usize, cos: &mut [f32], sin: &mut [f32]) -> Result<(), KernelError> {
         check_len("rope_cos_sin", "cos", self.inv_freq.len(), cos.len())?;
         check_len("rope_cos_sin", "sin", self.inv_freq.len(), sin.len())?;
+        let half = self.inv_freq.len();
+        match self.chunk(pos / CHUNK) {
+            Some(rows) => {
+                let row = &rows[(pos % CHUNK) * 2 * half..][..2 * half];
+                cos.copy_from_slice(&row[..half]);
+                sin.copy_from_slice(&row[half..]);
+            }
+            None => self.evaluate(pos, cos, sin),
+        }
+        Ok(())
+    }
+
+    /// [`Self::cos_sin`] evaluated now, without the cache (what the cache holds; for tests
+    /// and benchmarks).
+    pub fn cos_sin_uncached(
+        &self,
+        pos: usize,
+        cos: &mut [f32],
+        sin: &mut [f32],
+    ) -> Result<(), KernelError> {
+        check_len("rope_cos_sin", "cos", self.inv_freq.len(), cos.len())?;
+        check_len("rope_cos_sin", "sin", self.inv_freq.len(), sin.len())?;
+        self.evaluate(pos, cos, sin);
+        Ok(())
+    }
+
+    /// `cos`/`sin` of `pos`, evaluated (lengths checked by the caller).
+    fn evaluate(&self, pos: usize, cos: &mut [f32], sin: &mut [f32]) {
         let p = pos as f32;
         for ((c, s), f) in cos.iter_mut().zip(sin.iter_mut()).zip(&self.inv_freq) {
             let freq = f64::from(p * f);
             *c = (freq.cos() as f32) * self.attention_factor;
             *s = (freq.sin() as f32) * self.attention_factor;
         }
-        Ok(())
+    }
+
+    /// Chunk `c`'s rows, computed on first use; `None` past [`CACHE_BYTES`] (or if the lock
+    /// was poisoned: the caller evaluates).
+    fn chunk(&self, c: usize) -> Option<Arc<[f32]>> {
+        let half = self.inv_freq.len();
+        let chunk_bytes = CHUNK * 2 * half * std::mem::size_of::<f32>();
+        if c.saturating_add(1).saturating_mul(chunk_bytes) > CACHE_BYTES {
+            return None;
+        }
+        if let Some(rows) = self.rows.chunks.read().ok()?.get(&c) {
+            return Some(rows.clone());
+        }
+        let mut rows = vec![0.0f32; CHUNK * 2 * half];
+        for (i, row) in rows.chunks_exact_mut(2 * half).enumerate() {
+            let (cos, sin) = row.split_at_mut(half);
+            self.evaluate(c * CHUNK + i, cos, sin);
+        }
+        let rows: Arc<[f32]> = rows.into();
+        let mut chunks = self.rows.chunks.write().ok()?;
+        Some(chunks.entry(c).or_insert(rows).clone())
     }
 
     /// Rotates `x[t][h][offset .. offset + dim]` in place for position `positions[t]`.
