@@ -54,11 +54,11 @@ use ferry_model::deepseek::DeepseekModel;
 use ferry_model::drafter::{Drafter, DsparkDrafter};
 use ferry_model::engine::{
     EngineConfig, EngineEvent, EngineHandle, FinishReason, GenerateJob, Generation, GpuMode,
-    LayerSinkFn, PrefillSource, PrefillWork, SpecConfig, StopParams, VerifyLen,
+    LayerSinkFn, PrefillSource, PrefillWork, PromptSteps, SpecConfig, StopParams, VerifyLen,
 };
 use ferry_model::kv::{BlockId, KvDtype, LayerRows};
 
-use common::{collect, collect_spec, golden_case, greedy, job, tokens, wait_idle};
+use common::{collect, collect_spec, golden_case, greedy, job, late_arrivals, tokens, wait_idle};
 
 fn model() -> DeepseekModel {
     DeepseekModel::load(&ferry_model::embedded::default_model_dir()).expect("model")
@@ -349,6 +349,41 @@ async fn speculative_greedy_on_a_gpu_equals_plain_and_the_cpu() {
     );
     wait_idle(&spec).await;
     wait_idle(&plain).await;
+}
+
+/// `PromptSteps::Apart` on the first GPU: requests arriving while another speculates get the
+/// CPU's golden tokens in exact mode, no step with prompt work carries a decode row, and (on
+/// CUDA) the rounds beside the late prompts are replayed from graphs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a GPU: run on the GPU machine with --include-ignored (docs/gpu.md), or on the CPU HIP (scripts/hip_emu.sh)"]
+async fn prompts_apart_on_a_gpu_keep_the_golden_tokens() {
+    let Some(device) = first_gpu("prompts_apart_on_a_gpu_keep_the_golden_tokens") else {
+        return;
+    };
+    let m = model();
+    let drafter =
+        DsparkDrafter::load(&ferry_model::drafter::embedded_dir(), m.config()).expect("drafter");
+    let e = EngineHandle::spawn_with(
+        m,
+        Some(Box::new(drafter) as Box<dyn Drafter>),
+        EngineConfig {
+            prompt_steps: PromptSteps::Apart,
+            ..config(device, GpuMode::Exact)
+        },
+    )
+    .expect("speculating GPU engine");
+    for (i, (toks, end)) in late_arrivals(&e, 32).await.into_iter().enumerate() {
+        assert_eq!(end, Ok(FinishReason::Length));
+        assert_eq!(toks, golden_case(i).1, "request {i} on {device}");
+    }
+    let st = e.stats().await.unwrap();
+    let t = st.step_times;
+    assert_eq!((t.prompt.sequences, t.prompt.decode_rows), (0, 0), "{t:?}");
+    assert!(st.spec_rounds > 0, "{st:?}");
+    if matches!(device, Device::Cuda(_)) {
+        assert!(t.round.graphed > 0, "no round replayed from a graph: {t:?}");
+    }
+    wait_idle(&e).await;
 }
 
 /// The reference's whole generations (`common::replay_cases`, see `spec_engine.rs`) on the

@@ -257,34 +257,9 @@ async fn late_arrivals(prompt_steps: PromptSteps) -> EngineStats {
         prompt_steps,
         ..config(128, 64, VerifyLen::Fixed(4))
     });
-    let mut first = e.generate(job(golden_case(0).0, 32, greedy())).unwrap();
-    // Request 0 is decoding once its first token is out.
-    let head = loop {
-        match first.events.recv().await {
-            Some(EngineEvent::Token(t)) => break t,
-            Some(EngineEvent::Finished(_) | EngineEvent::Failed(_)) | None => {
-                panic!("request 0 ended before its first token")
-            }
-            Some(_) => {}
-        }
-    };
-    let late: Vec<_> = (1..3)
-        .map(|i| e.generate(job(golden_case(i).0, 32, greedy())).unwrap())
-        .collect();
-    let (rest, end, _) = collect_spec(first).await;
-    assert_eq!(end, Ok(FinishReason::Length));
-    let mut toks = vec![head];
-    toks.extend(rest);
-    assert_eq!(toks, golden_case(0).1, "request 0 ({prompt_steps:?})");
-    for (i, g) in late.into_iter().enumerate() {
-        let (toks, end, _) = collect_spec(g).await;
+    for (i, (toks, end)) in common::late_arrivals(&e, 32).await.into_iter().enumerate() {
         assert_eq!(end, Ok(FinishReason::Length));
-        assert_eq!(
-            toks,
-            golden_case(i + 1).1,
-            "request {} ({prompt_steps:?})",
-            i + 1
-        );
+        assert_eq!(toks, golden_case(i).1, "request {i} ({prompt_steps:?})");
     }
     let s = e.stats().await.unwrap();
     wait_idle(&e).await;

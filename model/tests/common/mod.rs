@@ -72,6 +72,38 @@ pub async fn collect(mut g: Generation) -> (Vec<u32>, Result<FinishReason, Strin
     (toks, Err("stream ended".into()))
 }
 
+/// Golden case 0, then, once its first token is out (so it is decoding), golden cases 1 and
+/// 2 arriving late: `max_tokens` greedy tokens each. Returns each request's tokens and end.
+pub async fn late_arrivals(
+    e: &EngineHandle,
+    max_tokens: usize,
+) -> Vec<(Vec<u32>, Result<FinishReason, String>)> {
+    let mut first = e
+        .generate(job(golden_case(0).0, max_tokens, PrefillSource::Local))
+        .expect("request 0 admitted");
+    let head = loop {
+        match first.events.recv().await {
+            Some(EngineEvent::Token(t)) => break t,
+            Some(EngineEvent::Finished(_) | EngineEvent::Failed(_)) | None => {
+                panic!("request 0 ended before its first token")
+            }
+            Some(_) => {}
+        }
+    };
+    let late: Vec<_> = (1..3)
+        .map(|i| {
+            e.generate(job(golden_case(i).0, max_tokens, PrefillSource::Local))
+                .expect("a late request admitted")
+        })
+        .collect();
+    let (rest, end) = collect(first).await;
+    let mut out = vec![(std::iter::once(head).chain(rest).collect(), end)];
+    for g in late {
+        out.push(collect(g).await);
+    }
+    out
+}
+
 /// Waits (up to 5 s) until the engine holds no blocks and runs or queues nothing.
 pub async fn wait_idle(e: &EngineHandle) {
     for _ in 0..500 {
