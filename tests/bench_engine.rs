@@ -184,6 +184,13 @@ fn speculative_bench_on_given_prompts_breaks_the_steps_down() {
         (1.0..=2.0).contains(&seqs) && rows > seqs && rows <= 5.0 * seqs,
         "{round}"
     );
+    // The speculating engine's rounds by the head's prediction: eight bins from 0 up, with
+    // this level's rounds counted in them.
+    let bins = row["spec_by_prediction"].as_array().expect("bins");
+    assert_eq!(bins.len(), 8, "{row}");
+    assert_eq!(bins[0]["from"], 0.0, "{row}");
+    let binned: f64 = bins.iter().map(|b| n(b, "rounds")).sum();
+    assert!(binned > 0.0, "{row}");
     // Steps replayed from CUDA graphs are counted per kind: none on the CPU.
     assert_eq!(round["graphed_steps"], 0, "{round}");
     assert_eq!(plain["decode"]["graphed_steps"], 0, "{plain}");

@@ -22,7 +22,7 @@ use ferry_model::drafter::{
 use ferry_model::engine::{
     EngineConfig, EngineEvent, EngineHandle, EngineStats, FinishReason, GenerateJob,
     GenerateOptions, Generation, PrefillSource, PrefillWork, PromptSteps, SpecConfig, SpecCounts,
-    StopParams, VerifyLen,
+    StopParams, VerifyLen, PREDICTION_EDGES,
 };
 use ferry_model::kv::KvPool;
 use ferry_model::kv::{BlockId, KvStore, LayerRows};
@@ -333,10 +333,26 @@ async fn dspark_greedy_output_equals_plain_decoding() {
         s.spec_rounds > 0 && s.spec_drafted_tokens >= s.spec_rounds,
         "{s:?}"
     );
-    // The per-request counts add up to the engine's totals.
+    // The per-request counts add up to the engine's totals, and so do the rounds binned by
+    // what the confidence head predicted (each prediction inside its bin's bounds).
     assert_eq!(
         (sum.rounds, sum.drafted_tokens, sum.accepted_tokens),
         (s.spec_rounds, s.spec_drafted_tokens, s.spec_accepted_tokens)
+    );
+    let bins = &s.spec_by_prediction.0;
+    let binned: (u64, u64) = bins
+        .iter()
+        .fold((0, 0), |(r, a), b| (r + b.rounds, a + b.accepted));
+    assert_eq!(binned, (s.spec_rounds, s.spec_accepted_tokens), "{bins:?}");
+    for (i, b) in bins.iter().enumerate().filter(|(_, b)| b.rounds > 0) {
+        let mean = b.predicted_milli as f64 / 1e3 / b.rounds as f64;
+        let low = if i == 0 { 0.0 } else { PREDICTION_EDGES[i - 1] };
+        let high = PREDICTION_EDGES.get(i).copied().unwrap_or(f64::INFINITY);
+        assert!((low - 1e-3..high + 1e-3).contains(&mean), "bin {i}: {b:?}");
+    }
+    assert!(
+        bins.iter().filter(|b| b.rounds > 0).count() >= 2,
+        "the head's predictions differ from round to round: {bins:?}"
     );
     wait_idle(&e).await;
 }

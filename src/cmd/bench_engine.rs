@@ -404,6 +404,7 @@ fn run_speculative(args: &BenchEngineArgs, dir: &Path) -> anyhow::Result<()> {
                 "plain": steps(&plain_stats.step_times),
                 "spec": steps(&stats.step_times),
             },
+            "spec_by_prediction": by_prediction(&stats.spec_by_prediction),
         }));
         // Rewritten after every level: a run cut short (a device lease's time limit) keeps
         // the levels it finished.
@@ -602,6 +603,23 @@ fn run_prefill_ship(args: &BenchEngineArgs, dir: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The speculating engine's rounds by the head's prediction (`EngineStats::spec_by_prediction`):
+/// per bin its bounds, rounds, and mean predicted and accepted drafts.
+fn by_prediction(bins: &ferry_model::engine::PredictionBins) -> serde_json::Value {
+    use ferry_model::engine::PREDICTION_EDGES;
+    let bins = bins.0.iter().enumerate().map(|(i, b)| {
+        let per = |x: f64| (b.rounds > 0).then(|| x / b.rounds as f64);
+        serde_json::json!({
+            "from": if i == 0 { 0.0 } else { PREDICTION_EDGES[i - 1] },
+            "below": PREDICTION_EDGES.get(i),
+            "rounds": b.rounds,
+            "predicted_mean": per(b.predicted_milli as f64 / 1e3),
+            "accepted_mean": per(b.accepted as f64),
+        })
+    });
+    serde_json::Value::Array(bins.collect())
+}
+
 /// Which engine [`engine_run`] starts: the model, the drafter (if any), and the device settings
 /// taken from `base`.
 struct EngineSetup<'a> {
@@ -770,6 +788,7 @@ fn engine_run(
             spec_accepted_tokens: after.spec_accepted_tokens - before.spec_accepted_tokens,
             graph_steps: after.graph_steps - before.graph_steps,
             step_times: after.step_times.since(&before.step_times),
+            spec_by_prediction: after.spec_by_prediction.since(&before.spec_by_prediction),
             ..after
         };
         Ok(LevelRun {

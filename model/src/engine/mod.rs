@@ -586,6 +586,10 @@ pub struct EngineStats {
     pub spec_drafted_tokens: u64,
     /// Drafts accepted. Mean acceptance length = (accepted + rounds) / rounds.
     pub spec_accepted_tokens: u64,
+    /// Rounds by what the confidence head predicted they would accept, against what they did:
+    /// the evidence for `goodput`'s choice after drafting (a round predicted to accept little
+    /// is skipped there, so a policy that verifies every round, e.g. `fixed:8`, measures it).
+    pub spec_by_prediction: PredictionBins,
     /// Forwards replayed from a CUDA graph (decode-only steps on CUDA; 0 on the CPU).
     pub graph_steps: u64,
     /// On CUDA, prefill-job layers handed to their sink before the forward's last layer was
@@ -673,6 +677,50 @@ impl StepKind {
             decode_rows: self.decode_rows.saturating_sub(before.decode_rows),
             graphed: self.graphed.saturating_sub(before.graphed),
         }
+    }
+}
+
+/// Upper edges of [`PredictionBins`]' bins: the drafts the head predicted a round would accept
+/// (the sum of its verified drafts' cumulative survivals); the last bin is open.
+pub const PREDICTION_EDGES: [f64; 7] = [0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0];
+
+/// One bin of [`PredictionBins`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PredictionBin {
+    /// Rounds whose prediction fell in the bin.
+    pub rounds: u64,
+    /// Their predictions summed, in thousandths of a draft.
+    pub predicted_milli: u64,
+    /// Drafts they accepted.
+    pub accepted: u64,
+}
+
+/// Rounds binned by the head's prediction ([`PREDICTION_EDGES`], then one open bin).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PredictionBins(pub [PredictionBin; PREDICTION_EDGES.len() + 1]);
+
+impl PredictionBins {
+    /// A round the head predicted to accept `predicted` drafts accepted `accepted`.
+    pub(crate) fn record(&mut self, predicted: f64, accepted: usize) {
+        let i = PREDICTION_EDGES
+            .iter()
+            .position(|&e| predicted < e)
+            .unwrap_or(PREDICTION_EDGES.len());
+        let b = &mut self.0[i];
+        b.rounds += 1;
+        b.predicted_milli += (predicted.max(0.0) * 1e3).round() as u64;
+        b.accepted += accepted as u64;
+    }
+
+    /// The counts since `before`.
+    pub fn since(&self, before: &PredictionBins) -> PredictionBins {
+        let mut out = *self;
+        for (o, b) in out.0.iter_mut().zip(&before.0) {
+            o.rounds = o.rounds.saturating_sub(b.rounds);
+            o.predicted_milli = o.predicted_milli.saturating_sub(b.predicted_milli);
+            o.accepted = o.accepted.saturating_sub(b.accepted);
+        }
+        out
     }
 }
 

@@ -79,6 +79,11 @@ impl Scheduler {
         self.stats.spec_rounds += round;
         self.stats.spec_drafted_tokens += drafted as u64;
         self.stats.spec_accepted_tokens += accepted as u64;
+        if drafted > 0 {
+            self.stats
+                .spec_by_prediction
+                .record(draft.predicted, accepted);
+        }
         s.spec.rounds += round;
         s.spec.drafted_tokens += drafted as u64;
         s.spec.accepted_tokens += accepted as u64;
