@@ -275,6 +275,12 @@ pub(crate) struct Goodput {
 }
 
 impl Goodput {
+    /// The plain decode step's estimated seconds at `seqs` sequences (for tests).
+    #[cfg(test)]
+    pub fn plain_estimate(&self, seqs: usize) -> Option<f64> {
+        self.plain.estimate(seqs)
+    }
+
     /// Feeds a finished decode-only step into the cost curves.
     pub fn observe(&mut self, o: Observed) {
         let secs = if o.step_secs.is_finite() {

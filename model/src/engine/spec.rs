@@ -190,6 +190,10 @@ pub(crate) struct Speculator {
     goodput: Goodput,
     /// The last drafter pass: sequences and seconds, until the engine reports the step.
     last_pass: Option<(usize, f64)>,
+    /// Host seconds this step spent writing deferred drafter context ([`Self::flush`]): the
+    /// plain steps' deferred work, which `goodput`'s estimates leave out of the step that
+    /// happened to write it (a round after a run of plain steps would look that much dearer).
+    flush_secs: f64,
     /// Under `goodput`: committed rows of plain steps whose drafter context is written later.
     deferred: Deferred,
 }
@@ -318,6 +322,7 @@ impl Speculator {
             graph_seqs,
             goodput: Goodput::default(),
             last_pass: None,
+            flush_secs: 0.0,
             deferred: Deferred::default(),
         })
     }
@@ -724,10 +729,12 @@ impl Speculator {
 
     /// The engine ran a decode-only step (no prompt work) of `seqs` sequences and `rows` target
     /// rows, `round` if they verified drafts, replayed from a graph or not, in `step_secs`
-    /// (the drafter's pass of [`Self::plan`], if one ran, included): the `goodput` policy's
-    /// cost estimates learn from it. A step with prompt work only forgets the pass's time.
+    /// (the drafter's pass of [`Self::plan`], if one ran, included; deferred drafter context
+    /// it wrote, [`Self::flush`], left out): the `goodput` policy's cost estimates learn from
+    /// it. A step with prompt work only forgets the pass's time.
     pub fn observe_step(&mut self, step: Option<(usize, usize, bool, bool)>, step_secs: f64) {
         let pass = self.last_pass.take();
+        let step_secs = (step_secs - std::mem::take(&mut self.flush_secs)).max(0.0);
         let Some((seqs, rows, round, graph)) = step else {
             return;
         };
@@ -786,6 +793,7 @@ impl Speculator {
         let Some(kv) = self.kv.as_mut() else {
             return Ok(());
         };
+        let started = std::time::Instant::now();
         let segs: Vec<ContextSegment<'_>> = keep
             .iter()
             .map(|&(i, start, first, n)| ContextSegment {
@@ -804,6 +812,7 @@ impl Speculator {
             },
         )?;
         drop(segs);
+        self.flush_secs += started.elapsed().as_secs_f64();
         for (i, _, _, n) in keep {
             running[i].draft_ctx += n;
         }
@@ -891,6 +900,34 @@ pub(crate) fn verify_uniforms(s: &mut Sequence, gamma: usize) -> Vec<f64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Deferred drafter context written during a step (`flush`) is the plain steps' work
+    /// before it: `goodput`'s estimates leave it out of the step that wrote it, so a round
+    /// after a run of plain steps is not costed as that much dearer (session 38 at T = 0.7: a
+    /// ~1 ms flush in each exploratory round kept `goodput` off rounds that paid 1.19×).
+    #[test]
+    fn deferred_context_written_in_a_step_is_not_its_cost() {
+        let model = DeepseekModel::load(&crate::embedded::default_model_dir()).expect("model");
+        let drafter =
+            crate::drafter::DsparkDrafter::load(&crate::drafter::embedded_dir(), model.config())
+                .expect("drafter");
+        let layout = KvLayout::for_model(model.config(), 16, 16);
+        let config = SpecConfig {
+            verify_len: VerifyLen::Goodput,
+            ..SpecConfig::default()
+        };
+        let mut sp = Speculator::new(Box::new(drafter), &layout, &Backend::Cpu, config, None)
+            .expect("speculator");
+        // Three plain steps of one sequence, 1 ms each; each also wrote 4 ms of deferred
+        // context.
+        for _ in 0..3 {
+            sp.flush_secs += 0.004;
+            sp.observe_step(Some((1, 1, false, false)), 0.005);
+        }
+        let plain = sp.goodput.plain_estimate(1).expect("measured twice");
+        assert!((plain - 0.001).abs() < 1e-9, "{plain}");
+        assert_eq!(sp.flush_secs, 0.0);
+    }
 
     /// The slots of one sequence from its per-position confidences, as the planner forms them.
     fn block(seq: usize, confidence: &[f32]) -> Vec<Slot> {
