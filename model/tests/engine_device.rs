@@ -78,6 +78,15 @@ fn engine(device: Device, gpu_mode: GpuMode) -> EngineHandle {
     EngineHandle::spawn(model(), config(device, gpu_mode)).expect("engine")
 }
 
+/// The embedded target with the embedded DSpark drafter, under `config`.
+fn dspark_engine(config: EngineConfig) -> EngineHandle {
+    let m = model();
+    let drafter =
+        DsparkDrafter::load(&ferry_model::drafter::embedded_dir(), m.config()).expect("drafter");
+    EngineHandle::spawn_with(m, Some(Box::new(drafter) as Box<dyn Drafter>), config)
+        .expect("a speculating engine starts")
+}
+
 /// A CUDA engine, or `None` (with the reason printed) when no GPU opens here.
 fn cuda_engine(test: &str, mode: GpuMode) -> Option<EngineHandle> {
     if let Err(e) = Device::Cuda(0).probe() {
@@ -120,15 +129,7 @@ async fn an_unopenable_gpu_is_an_error_and_auto_picks_a_device_that_serves() {
     }
     // `auto`: the first GPU that opens (CUDA, then ROCm), else the CPU; either way it serves
     // the golden tokens.
-    let m = model();
-    let drafter =
-        DsparkDrafter::load(&ferry_model::drafter::embedded_dir(), m.config()).expect("drafter");
-    let e = EngineHandle::spawn_with(
-        m,
-        Some(Box::new(drafter) as Box<dyn Drafter>),
-        config(Device::Auto, GpuMode::Exact),
-    )
-    .expect("an engine on auto starts");
+    let e = dspark_engine(config(Device::Auto, GpuMode::Exact));
     let want = [Device::Cuda(0), Device::Rocm(0)]
         .into_iter()
         .find(|d| d.probe().is_ok())
@@ -301,15 +302,7 @@ async fn speculative_greedy_on_a_gpu_equals_plain_and_the_cpu() {
     let Some(device) = first_gpu("speculative_greedy_on_a_gpu_equals_plain_and_the_cpu") else {
         return;
     };
-    let m = model();
-    let drafter =
-        DsparkDrafter::load(&ferry_model::drafter::embedded_dir(), m.config()).expect("drafter");
-    let spec = EngineHandle::spawn_with(
-        m,
-        Some(Box::new(drafter) as Box<dyn Drafter>),
-        config(device, GpuMode::Exact),
-    )
-    .expect("speculating GPU engine");
+    let spec = dspark_engine(config(device, GpuMode::Exact));
     assert!(
         spec.draft_kv_layers() > 0,
         "the {device} engine kept its drafter"
@@ -360,18 +353,10 @@ async fn prompts_apart_on_a_gpu_keep_the_golden_tokens() {
     let Some(device) = first_gpu("prompts_apart_on_a_gpu_keep_the_golden_tokens") else {
         return;
     };
-    let m = model();
-    let drafter =
-        DsparkDrafter::load(&ferry_model::drafter::embedded_dir(), m.config()).expect("drafter");
-    let e = EngineHandle::spawn_with(
-        m,
-        Some(Box::new(drafter) as Box<dyn Drafter>),
-        EngineConfig {
-            prompt_steps: PromptSteps::Apart,
-            ..config(device, GpuMode::Exact)
-        },
-    )
-    .expect("speculating GPU engine");
+    let e = dspark_engine(EngineConfig {
+        prompt_steps: PromptSteps::Apart,
+        ..config(device, GpuMode::Exact)
+    });
     for (i, (toks, end)) in late_arrivals(&e, 32).await.into_iter().enumerate() {
         assert_eq!(end, Ok(FinishReason::Length));
         assert_eq!(toks, golden_case(i).1, "request {i} on {device}");
@@ -402,21 +387,13 @@ async fn whole_generations_on_a_gpu_accept_what_the_reference_drafter_accepts() 
     else {
         return;
     };
-    let m = model();
-    let drafter =
-        DsparkDrafter::load(&ferry_model::drafter::embedded_dir(), m.config()).expect("drafter");
-    let e = EngineHandle::spawn_with(
-        m,
-        Some(Box::new(drafter) as Box<dyn Drafter>),
-        EngineConfig {
-            spec: SpecConfig {
-                verify_len: VerifyLen::Fixed(4),
-                ..SpecConfig::default()
-            },
-            ..config(device, GpuMode::Exact)
+    let e = dspark_engine(EngineConfig {
+        spec: SpecConfig {
+            verify_len: VerifyLen::Fixed(4),
+            ..SpecConfig::default()
         },
-    )
-    .expect("speculating GPU engine");
+        ..config(device, GpuMode::Exact)
+    });
     for c in common::replay_cases() {
         let g = e
             .generate(job(
@@ -559,15 +536,7 @@ async fn logits_controls_on_a_gpu_equal_the_cpu_engine() {
             assert!((cl - gl).abs() <= 1e-3, "token {k}");
         }
     }
-    let m = model();
-    let drafter =
-        DsparkDrafter::load(&ferry_model::drafter::embedded_dir(), m.config()).expect("drafter");
-    let spec = EngineHandle::spawn_with(
-        m,
-        Some(Box::new(drafter) as Box<dyn Drafter>),
-        config(graphs.device(), GpuMode::Exact),
-    )
-    .expect("speculating GPU engine");
+    let spec = dspark_engine(config(graphs.device(), GpuMode::Exact));
     let (got, _) = controlled_runs(&spec).await;
     assert_eq!(
         got,
@@ -735,15 +704,7 @@ async fn json_schema_output_on_a_gpu_equals_the_cpu_engine() {
         "{} engine vs CPU engine",
         graphs.device()
     );
-    let m = model();
-    let drafter =
-        DsparkDrafter::load(&ferry_model::drafter::embedded_dir(), m.config()).expect("drafter");
-    let spec = EngineHandle::spawn_with(
-        m,
-        Some(Box::new(drafter) as Box<dyn Drafter>),
-        config(graphs.device(), GpuMode::Exact),
-    )
-    .expect("speculating GPU engine");
+    let spec = dspark_engine(config(graphs.device(), GpuMode::Exact));
     assert_eq!(
         grammar_runs(&spec).await,
         want,
