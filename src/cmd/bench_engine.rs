@@ -101,7 +101,7 @@ pub struct BenchEngineArgs {
     /// the level's steady state instead (the closed loop refills each client).
     #[arg(long, default_value_t = 1)]
     pub waves: usize,
-    /// With `--speculative`: before a level is timed, `c` requests of this many tokens run
+    /// With `--speculative` or `--serving`: before a level is timed, `c` requests of this many tokens run
     /// together through the same engine, so the level is measured as a server that has been
     /// serving at that width runs: the level's graphs captured (a capture costs ~10 ms, a
     /// dozen steps of a small model), and `goodput`'s step costs and acceptance measured.
