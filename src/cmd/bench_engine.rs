@@ -101,12 +101,12 @@ pub struct BenchEngineArgs {
     /// the level's steady state instead (the closed loop refills each client).
     #[arg(long, default_value_t = 1)]
     pub waves: usize,
-    /// With `--speculative` or `--serving`: before a level is timed, `c` requests of this many tokens run
-    /// together through the same engine, so the level is measured as a server that has been
-    /// serving at that width runs: the level's graphs captured (a capture costs ~10 ms, a
-    /// dozen steps of a small model), and `goodput`'s step costs and acceptance measured.
-    /// They take the prompt file's last prompts (or synthetic ones). 0: one 4-token request
-    /// only (kernel compiles and first-touch allocations), as before session 38.
+    /// With `--speculative` or `--serving`: before a level is timed, `c` requests of this many
+    /// tokens run together through the same engine, so the level is measured as a server that
+    /// has been serving at that width runs: the level's graphs captured (a capture costs
+    /// ~10 ms, a dozen steps of a small model), and `goodput`'s step costs and acceptance
+    /// measured. They take the prompt file's last prompts (or synthetic ones). 0: one 4-token
+    /// request only (kernel compiles and first-touch allocations), as before session 38.
     #[arg(long, default_value_t = 32)]
     pub warmup_tokens: usize,
     /// With `--speculative`: token-id prompts instead of synthetic ones — JSON lines, each with
