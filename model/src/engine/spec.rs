@@ -179,13 +179,12 @@ pub(crate) struct Speculator {
     stale: HashSet<BlockId>,
     /// Drafter wire layers a peer has written per reserved block.
     writes: HashMap<BlockId, usize>,
-    /// Rounds are replayed from CUDA graphs of a fixed width: when every running sequence can
-    /// take a whole block, each verifies all B drafts (see [`Self::plan`]).
-    fixed_width: bool,
-    /// The most running sequences such a round is replayed for (the backend's verify-graph
-    /// limit, `gpu::graph::graph_max_seqs(B + 1)` on CUDA): a larger batch's whole-block round
-    /// runs eagerly, and `goodput` costs it as the eager round it is.
-    graph_seqs: usize,
+    /// Rounds run at a fixed width on a GPU: when every running sequence can take a whole
+    /// block, each verifies all B drafts (see [`Self::plan`]). The count is the most running
+    /// sequences such a round is replayed for from a graph (the backend's verify-graph limit,
+    /// `gpu::graph::graph_max_seqs(B + 1)` on CUDA): a larger batch's whole-block round runs
+    /// eagerly, and `goodput` costs it as the eager round it is. `None` on the CPU.
+    fixed_width: Option<usize>,
     /// The `goodput` policy's measurements (kept whatever the policy; used by `goodput`).
     goodput: Goodput,
     /// The last drafter pass: sequences and seconds, until the engine reports the step.
@@ -301,10 +300,8 @@ impl Speculator {
         config: SpecConfig,
         fixed_width: Option<usize>,
     ) -> Result<Self, ModelError> {
-        let graph_seqs = fixed_width.unwrap_or(0);
-        let fixed_width = fixed_width.is_some();
         drafter.to_backend(backend)?;
-        drafter.set_graphs(fixed_width);
+        drafter.set_graphs(fixed_width.is_some());
         let layout = drafter.kv_layout();
         let kv = layout
             .map(|l| KvStore::new(backend, l.rows_layout(target)))
@@ -319,7 +316,6 @@ impl Speculator {
             stale: HashSet::new(),
             writes: HashMap::new(),
             fixed_width,
-            graph_seqs,
             goodput: Goodput::default(),
             last_pass: None,
             flush_secs: 0.0,
@@ -525,13 +521,13 @@ impl Speculator {
         };
         // Whether a whole-block round of this batch is replayed from a graph (past the verify
         // graph's limit it runs eagerly: `goodput` costs it so; the rule stays the same).
-        let graphed = running.len() <= self.graph_seqs;
+        let graphed = self.fixed_width.is_some_and(|n| running.len() <= n);
         // Rows whose context is deferred count as written: they are, before any drafting.
         let mut eligible: Vec<usize> = (0..running.len())
             .filter(|&i| {
                 let s = &running[i];
                 s.speculative
-                    && (room[i] > 0 || (self.fixed_width && ctx_room[i] >= block))
+                    && (room[i] > 0 || (self.fixed_width.is_some() && ctx_room[i] >= block))
                     && s.draft_ctx + self.deferred_rows(s.id) == s.table.len()
                     && matches!(s.phase, Phase::Decoding { .. })
             })
@@ -550,8 +546,7 @@ impl Speculator {
             eligible: eligible.len(),
             block,
             budget,
-            graph: self.fixed_width
-                && graphed
+            graph: graphed
                 && eligible.len() == running.len()
                 && eligible.len() * block <= step_budget
                 && eligible.iter().all(|&i| ctx_room[i] >= block),
@@ -642,7 +637,7 @@ impl Speculator {
         // all of it (more drafts can only lengthen what is accepted; the rows cost nothing
         // more), so the step has the graph's shape. Otherwise the verify-length policy picks γ
         // (within `room`) and the round runs eagerly.
-        let whole_blocks = self.fixed_width
+        let whole_blocks = self.fixed_width.is_some()
             && props.len() == running.len()
             && props.len() * block <= step_budget
             && props
