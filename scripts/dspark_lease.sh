@@ -531,12 +531,13 @@ if e.exists():
                 print(f"summary: engine on cuda {v} c{x['concurrency']}: steady (all c in flight) spec/plain "
                       f"{x['spec_steady_tok_s'] / x['plain_steady_tok_s']:.2f}x "
                       f"({x['spec_steady_tok_s']:.0f} vs {x['plain_steady_tok_s']:.0f} tok/s)")
-            bins = [b for b in x.get("spec_by_prediction") or [] if b.get("rounds")]
-            if bins:
-                print(f"summary: engine on cuda {v} c{x['concurrency']}: rounds by the head's prediction "
-                      + "; ".join(f"[{b['from']}, {b['below'] if b['below'] is not None else 'inf'}): "
-                                  f"{b['rounds']} rounds, predicted {b['predicted_mean']:.2f}, accepted {b['accepted_mean']:.2f}"
-                                  for b in bins))
+            for key, what in (("spec_by_prediction", "rounds"), ("spec_skipped_by_prediction", "skipped rounds")):
+                bins = [b for b in x.get(key) or [] if b.get("rounds")]
+                if bins:
+                    print(f"summary: engine on cuda {v} c{x['concurrency']}: {what} by the head's prediction "
+                          + "; ".join(f"[{b['from']}, {b['below'] if b['below'] is not None else 'inf'}): "
+                                      f"{b['rounds']} rounds, predicted {b['predicted_mean']:.2f}, accepted {b['accepted_mean']:.2f}"
+                                      for b in bins))
             es = x.get("engine_steps") or {}
             for arm in ("plain", "spec"):
                 for kind, k in (es.get(arm) or {}).items():

@@ -455,6 +455,54 @@ async fn wrong_drafts_are_all_rejected_and_their_kv_rolled_back() {
     wait_idle(&e).await;
 }
 
+/// Drafts a step does not verify are scored by what the target decodes after them (greedy
+/// verification accepts exactly the matching prefix): the `goodput` policy's evidence about
+/// the rounds it skips. A verify length of 0 drafts every step and verifies nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drafts_left_unverified_are_scored_by_the_tokens_decoded_after_them() {
+    for wrong in [false, true] {
+        let e = EngineHandle::spawn_with(
+            target(),
+            Some(Box::new(scripted(wrong))),
+            config(128, 64, VerifyLen::Fixed(0)),
+        )
+        .unwrap();
+        let (toks, end, _) =
+            collect_spec(e.generate(job(golden_case(2).0, 32, greedy())).unwrap()).await;
+        assert_eq!(end, Ok(FinishReason::Length));
+        assert_eq!(
+            toks,
+            golden_case(2).1,
+            "plain steps decode the golden tokens"
+        );
+        let s = e.stats().await.unwrap();
+        assert_eq!(s.spec_rounds, 0, "nothing was verified: {s:?}");
+        let (rounds, accepted) = s
+            .spec_skipped_by_prediction
+            .0
+            .iter()
+            .fold((0, 0), |(r, a), b| (r + b.rounds, a + b.accepted));
+        // Steps at generated = 1..=30 draft min(4, 31 − generated); the last few cannot be
+        // scored before the request ends (their tokens are its last ones).
+        assert!(
+            (26..=30).contains(&rounds),
+            "wrong = {wrong}: {rounds} scored"
+        );
+        if wrong {
+            assert_eq!(
+                accepted, 0,
+                "every scripted draft differs from the target's token"
+            );
+        } else {
+            assert!(
+                accepted >= 4 * (rounds - 3) && accepted <= 4 * rounds,
+                "the target's own tokens would all be accepted: {accepted} in {rounds} rounds"
+            );
+        }
+        wait_idle(&e).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_engine_without_a_drafter_sends_no_speculative_counts() {
     let e = EngineHandle::spawn(target(), config(64, 64, VerifyLen::Fixed(4))).unwrap();

@@ -405,6 +405,7 @@ fn run_speculative(args: &BenchEngineArgs, dir: &Path) -> anyhow::Result<()> {
                 "spec": steps(&stats.step_times),
             },
             "spec_by_prediction": by_prediction(&stats.spec_by_prediction),
+            "spec_skipped_by_prediction": by_prediction(&stats.spec_skipped_by_prediction),
         }));
         // Rewritten after every level: a run cut short (a device lease's time limit) keeps
         // the levels it finished.
@@ -789,6 +790,9 @@ fn engine_run(
             graph_steps: after.graph_steps - before.graph_steps,
             step_times: after.step_times.since(&before.step_times),
             spec_by_prediction: after.spec_by_prediction.since(&before.spec_by_prediction),
+            spec_skipped_by_prediction: after
+                .spec_skipped_by_prediction
+                .since(&before.spec_skipped_by_prediction),
             ..after
         };
         Ok(LevelRun {

@@ -590,6 +590,10 @@ pub struct EngineStats {
     /// the evidence for `goodput`'s choice after drafting (a round predicted to accept little
     /// is skipped there, so a policy that verifies every round, e.g. `fixed:8`, measures it).
     pub spec_by_prediction: PredictionBins,
+    /// Greedy sequences' drafts the step did not verify, binned the same way, with what
+    /// verification would have accepted (the tokens decoded after them tell exactly): what
+    /// `goodput`'s skipped rounds were worth. Not counted in the `spec_*` totals.
+    pub spec_skipped_by_prediction: PredictionBins,
     /// Forwards replayed from a CUDA graph (decode-only steps on CUDA; 0 on the CPU).
     pub graph_steps: u64,
     /// On CUDA, prefill-job layers handed to their sink before the forward's last layer was

@@ -393,6 +393,11 @@ impl Scheduler {
         if let Some(sp) = self.spec.as_mut() {
             let shape = decode_only.then_some((seqs, rows, drafted > 0, graph));
             sp.observe_step(shape, secs);
+            for (predicted, accepted) in sp.resolve_shadows(&self.running) {
+                self.stats
+                    .spec_skipped_by_prediction
+                    .record(predicted, accepted);
+            }
         }
     }
 
@@ -459,6 +464,7 @@ impl Scheduler {
             self.stats.requests_finished += 1;
         }
         if let Some(sp) = self.spec.as_mut() {
+            sp.forget_shadows(s.id);
             // Blocks whose drafter rows do not match their KV must not pass for valid context
             // when their prefix is reused.
             if s.draft_ctx < s.table.len() {

@@ -151,9 +151,9 @@ pub(crate) struct Draft {
     pub tokens: Vec<u32>,
     /// Their q (`[γ][vocab]` when sampled).
     pub q: DraftDist,
-    /// Accepted drafts the confidence head predicted (the sum of the γ slots' cumulative
-    /// survivals), for the `goodput` policy's calibration.
-    pub predicted: f64,
+    /// The γ drafts' cumulative survivals as the confidence head predicted them, for the
+    /// `goodput` policy's calibration.
+    pub survival: Vec<f32>,
 }
 
 impl Draft {
@@ -161,7 +161,46 @@ impl Draft {
     pub fn gamma(&self) -> usize {
         self.tokens.len() - 1
     }
+
+    /// Accepted drafts the head predicted: the sum of the slots' cumulative survivals.
+    pub fn predicted(&self) -> f64 {
+        self.survival.iter().map(|&p| f64::from(p)).sum()
+    }
 }
+
+/// Drafts of a greedy sequence that the step did not verify, waiting for the tokens decoded
+/// after them: greedy verification accepts exactly the drafts that match what the target
+/// decodes, so those tokens say how many this round would have accepted, at no cost (the
+/// `goodput` policy's evidence about the rounds it skips; see [`counterfactual`]).
+#[derive(Debug, Clone)]
+struct Shadow {
+    /// Index in the sequence's tokens where the round's anchor lands (drafts follow it).
+    anchor_at: usize,
+    drafts: Vec<u32>,
+    survival: Vec<f32>,
+}
+
+/// Pending shadows a sequence keeps at most (a plain step after every drafter pass makes one
+/// per step; each resolves within a block's worth of tokens).
+const MAX_SHADOWS: usize = 16;
+
+/// How many of `drafts` greedy verification would accept when the target goes on with
+/// `decoded` (its tokens after the anchor): the matching prefix. `None` while `decoded` is too
+/// short to tell.
+fn counterfactual(drafts: &[u32], decoded: &[u32]) -> Option<usize> {
+    for (k, &d) in drafts.iter().enumerate() {
+        match decoded.get(k) {
+            None => return None,
+            Some(&t) if t != d => return Some(k),
+            Some(_) => {}
+        }
+    }
+    Some(drafts.len())
+}
+
+/// A round that a shadow says the head promised `predicted` drafts for and would have
+/// accepted `accepted`, for [`super::EngineStats::spec_skipped_by_prediction`].
+pub(crate) type Resolved = (f64, usize);
 
 /// The drafter, its KV and the block bookkeeping of an engine.
 pub(crate) struct Speculator {
@@ -195,6 +234,8 @@ pub(crate) struct Speculator {
     flush_secs: f64,
     /// Under `goodput`: committed rows of plain steps whose drafter context is written later.
     deferred: Deferred,
+    /// Drafts of greedy sequences not verified, until the tokens after them resolve them.
+    shadows: HashMap<SeqId, Vec<Shadow>>,
 }
 
 /// Committed rows of plain decode steps whose drafter context is not written yet.
@@ -320,6 +361,7 @@ impl Speculator {
             last_pass: None,
             flush_secs: 0.0,
             deferred: Deferred::default(),
+            shadows: HashMap::new(),
         })
     }
 
@@ -688,19 +730,33 @@ impl Speculator {
         }
         for (i, p) in props {
             let g = gamma.get(&i).copied().unwrap_or(0);
-            if g == 0 {
-                continue;
-            }
-            let predicted = p
+            let usable = p.drafts.len().min(room[i]);
+            let survival: Vec<f32> = p
                 .confidence
                 .iter()
-                .take(g)
-                .scan(1.0f64, |reach, &c| {
-                    *reach *= f64::from(c);
+                .chain(std::iter::repeat(&0.0))
+                .take(if g == 0 { usable } else { g })
+                .scan(1.0f32, |reach, &c| {
+                    *reach *= c;
                     Some(*reach)
                 })
-                .sum();
-            let Phase::Decoding { next } = running[i].phase else {
+                .collect();
+            let s = &running[i];
+            if g == 0 {
+                if s.sampling.is_greedy() && usable > 0 {
+                    let pending = self.shadows.entry(s.id).or_default();
+                    if pending.len() >= MAX_SHADOWS {
+                        pending.remove(0);
+                    }
+                    pending.push(Shadow {
+                        anchor_at: s.tokens.len(),
+                        drafts: p.drafts[..usable].to_vec(),
+                        survival,
+                    });
+                }
+                continue;
+            }
+            let Phase::Decoding { next } = s.phase else {
                 continue;
             };
             let q = match p.q {
@@ -716,7 +772,7 @@ impl Speculator {
             plan[i] = Some(Draft {
                 tokens,
                 q,
-                predicted,
+                survival,
             });
         }
         (plan, q)
@@ -816,8 +872,50 @@ impl Speculator {
 
     /// A sequence's round verified `draft` and accepted `accepted` of its drafts.
     pub fn observe_round(&mut self, draft: &Draft, accepted: usize) {
-        self.goodput
-            .observe_round(draft.gamma(), accepted, draft.predicted);
+        self.goodput.observe_round(&draft.survival, accepted);
+    }
+
+    /// After a step's commits: the shadows of `running` whose outcome the decoded tokens now
+    /// tell feed the `goodput` policy's acceptance as rounds would. Returns them.
+    pub fn resolve_shadows(&mut self, running: &[Sequence]) -> Vec<Resolved> {
+        let mut out = Vec::new();
+        if self.shadows.is_empty() {
+            return out;
+        }
+        for s in running {
+            let Some(pending) = self.shadows.get_mut(&s.id) else {
+                continue;
+            };
+            // The tokens decoded after each anchor: the committed ones, then the next input.
+            let next = match s.phase {
+                Phase::Decoding { next } => Some(next),
+                _ => None,
+            };
+            let goodput = &mut self.goodput;
+            pending.retain(|sh| {
+                let after = s.tokens.get(sh.anchor_at + 1..).unwrap_or_default();
+                let mut decoded = after.to_vec();
+                decoded.extend(next);
+                match counterfactual(&sh.drafts, &decoded) {
+                    Some(accepted) => {
+                        goodput.observe_round(&sh.survival, accepted);
+                        out.push((sh.survival.iter().map(|&p| f64::from(p)).sum(), accepted));
+                        false
+                    }
+                    None => true,
+                }
+            });
+            if pending.is_empty() {
+                self.shadows.remove(&s.id);
+            }
+        }
+        out
+    }
+
+    /// `id` ended: shadows it cannot resolve any more are dropped (its last tokens would
+    /// tell only about drafts it no longer needed).
+    pub fn forget_shadows(&mut self, id: SeqId) {
+        self.shadows.remove(&id);
     }
 
     /// Writes context rows for the committed rows of a batch (`taps`: the tapped residual
@@ -900,6 +998,27 @@ mod tests {
     /// before it: `goodput`'s estimates leave it out of the step that wrote it, so a round
     /// after a run of plain steps is not costed as that much dearer (session 38 at T = 0.7: a
     /// ~1 ms flush in each exploratory round kept `goodput` off rounds that paid 1.19×).
+    #[test]
+    fn a_shadow_accepts_the_prefix_the_target_went_on_with() {
+        assert_eq!(counterfactual(&[5, 6, 7], &[5, 6, 9, 7]), Some(2));
+        assert_eq!(
+            counterfactual(&[5, 6, 7], &[5, 6, 7]),
+            Some(3),
+            "all of them"
+        );
+        assert_eq!(
+            counterfactual(&[5, 6, 7], &[4]),
+            Some(0),
+            "the first differs"
+        );
+        assert_eq!(
+            counterfactual(&[5, 6, 7], &[5, 6]),
+            None,
+            "the third is not decoded yet"
+        );
+        assert_eq!(counterfactual(&[5, 6, 7], &[]), None);
+    }
+
     #[test]
     fn deferred_context_written_in_a_step_is_not_its_cost() {
         let model = DeepseekModel::load(&crate::embedded::default_model_dir()).expect("model");

@@ -82,7 +82,7 @@ impl Scheduler {
         if drafted > 0 {
             self.stats
                 .spec_by_prediction
-                .record(draft.predicted, accepted);
+                .record(draft.predicted(), accepted);
         }
         s.spec.rounds += round;
         s.spec.drafted_tokens += drafted as u64;

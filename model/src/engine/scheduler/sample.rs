@@ -705,7 +705,7 @@ mod tests {
         let draft = |tokens: Vec<u32>| Draft {
             tokens,
             q: DraftDist::Greedy,
-            predicted: 0.0,
+            survival: Vec::new(),
         };
         // A: draft 0 accepted, draft 1 rejected for 2 (row 2's argmax, ties to the lowest);
         // B: all 3 and the bonus; C: draft 3 rejected for 1.
@@ -800,7 +800,7 @@ mod tests {
         let d = |first: usize, n: usize| Draft {
             tokens: vec![0; n + 1],
             q: DraftDist::Rows { first },
-            predicted: 0.0,
+            survival: Vec::new(),
         };
         fn round<'a>(first_row: usize, d: &'a Draft, params: &SamplingParams) -> RoundRows<'a> {
             RoundRows {
