@@ -344,6 +344,48 @@ async fn speculative_greedy_on_a_gpu_equals_plain_and_the_cpu() {
     wait_idle(&plain).await;
 }
 
+/// `fixed:2` on the first GPU with a drafter of block 4: every sequence of a round verifies
+/// the same 2 drafts (a uniform round, one graph's shape on CUDA: 3 rows per sequence), and the
+/// tokens are the CPU's golden ones in exact mode.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a GPU: run on the GPU machine with --include-ignored (docs/gpu.md), or on the CPU HIP (scripts/hip_emu.sh)"]
+async fn narrower_uniform_rounds_on_a_gpu_keep_the_golden_tokens() {
+    let Some(device) = first_gpu("narrower_uniform_rounds_on_a_gpu_keep_the_golden_tokens") else {
+        return;
+    };
+    let e = dspark_engine(EngineConfig {
+        spec: SpecConfig {
+            verify_len: VerifyLen::Fixed(2),
+            ..SpecConfig::default()
+        },
+        ..config(device, GpuMode::Exact)
+    });
+    let prompts: Vec<Vec<u32>> = (0..3).map(|i| golden_case(i).0).collect();
+    let (got, _) = greedy_runs(&e, &prompts).await;
+    for (i, g) in got.iter().take(3).enumerate() {
+        assert_eq!(*g, golden_case(i).1, "request {i} on {device}");
+    }
+    let st = e.stats().await.unwrap();
+    // Each round verifies 2 drafts of every sequence; a request's last rounds count only the
+    // drafts it could use.
+    assert!(st.spec_rounds > 0, "{st:?}");
+    assert!(
+        st.spec_drafted_tokens <= 2 * st.spec_rounds
+            && st.spec_drafted_tokens + 8 >= 2 * st.spec_rounds,
+        "{} drafts in {} rounds",
+        st.spec_drafted_tokens,
+        st.spec_rounds
+    );
+    if matches!(device, Device::Cuda(_)) {
+        assert!(
+            st.step_times.round.graphed > 0,
+            "no uniform round replayed from a graph: {:?}",
+            st.step_times
+        );
+    }
+    wait_idle(&e).await;
+}
+
 /// `PromptSteps::Apart` on the first GPU: requests arriving while another speculates get the
 /// CPU's golden tokens in exact mode, no step with prompt work carries a decode row, and (on
 /// CUDA) the rounds beside the late prompts are replayed from graphs.

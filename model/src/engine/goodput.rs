@@ -261,8 +261,28 @@ pub(crate) struct Shape {
     pub block: usize,
     /// Draft slots an eager round may verify (the step's verify budget).
     pub budget: usize,
-    /// Whether a whole-block round would be replayed from a graph.
-    pub graph: bool,
+    /// Bit γ set: a *uniform* round, every running sequence verifying its first γ drafts,
+    /// would be replayed from a graph (bit `block`: the whole-block round). Only the widths
+    /// of [`widths`] are offered.
+    pub graph_widths: u32,
+}
+
+impl Shape {
+    /// Whether a uniform round of `gamma` drafts per sequence is replayed from a graph.
+    pub fn graphs(&self, gamma: usize) -> bool {
+        gamma < 32 && self.graph_widths & (1 << gamma) != 0 && self.eligible == self.seqs
+    }
+}
+
+/// The uniform round widths (drafts per sequence) a graph may be captured for: the powers of
+/// two below the block, and the block. Each width is a graph per batch bucket, so the set is
+/// kept small; at a large batch a narrower round verifies the most likely drafts of every
+/// sequence for a fraction of the whole block's rows.
+pub(crate) fn widths(block: usize) -> impl Iterator<Item = usize> {
+    (0..usize::BITS)
+        .map(|i| 1usize << i)
+        .take_while(move |&w| w < block)
+        .chain((block > 0).then_some(block))
 }
 
 /// What the policy picked after drafting.
@@ -272,8 +292,9 @@ pub(crate) enum Choice {
     Plain,
     /// Verify the `r` most likely slots, eagerly.
     Slots(usize),
-    /// Verify every sequence's whole block (the graph round).
-    WholeBlocks,
+    /// Every sequence verifies its first γ drafts (a uniform round, replayed from a graph;
+    /// γ = the block: the whole-block round).
+    Uniform(usize),
     /// A cost is unknown: verify under the confidence rule, and measure.
     Explore,
 }
@@ -306,8 +327,9 @@ pub(crate) struct Goodput {
     draft: CostCurve,
     /// Eager rounds, drafter pass excluded, by rows.
     verify: CostCurve,
-    /// Whole-block rounds replayed from a graph, drafter pass excluded, by sequences.
-    graph_verify: CostCurve,
+    /// Uniform rounds replayed from a graph, drafter pass excluded, by sequences; indexed by
+    /// the drafts each sequence verified.
+    graph_verify: Vec<CostCurve>,
     acceptance: Acceptance,
     /// Acceptance by the head's per-slot survival.
     slots: SlotCalibration,
@@ -354,7 +376,13 @@ impl Goodput {
                 self.secs_since_plain = 0.0;
                 self.last_plain_secs = secs;
             }
-            (true, true) => self.graph_verify.record(o.seqs, rest),
+            (true, true) => {
+                let width = o.rows.saturating_sub(o.seqs) / o.seqs.max(1);
+                if self.graph_verify.len() <= width {
+                    self.graph_verify.resize(width + 1, CostCurve::default());
+                }
+                self.graph_verify[width].record(o.seqs, rest);
+            }
             (true, false) => self.verify.record(o.rows, rest),
         }
         if o.round {
@@ -363,13 +391,39 @@ impl Goodput {
         }
     }
 
+    /// The graph-replayed uniform rounds of `gamma` drafts per sequence, by sequences.
+    fn graph_curve(&self, gamma: usize) -> Option<&CostCurve> {
+        self.graph_verify.get(gamma)
+    }
+
+    /// Whether the whole-block graph round has been measured at `seqs` sequences.
+    fn knows_graph(&self, seqs: usize, block: usize) -> bool {
+        self.graph_curve(block).is_some_and(|c| c.knows(seqs))
+    }
+
+    /// Seconds of a graph-replayed uniform round of `gamma` drafts per sequence at `seqs`
+    /// sequences, drafter pass excluded: measured, or until this width has been measured at
+    /// this size, interpolated between the plain step and the whole-block round, linearly in
+    /// rows (what a batch large enough to be bound by its rows costs; a launch-bound small one
+    /// costs less than that, and the first measurement corrects it either way).
+    fn graph_cost(&self, seqs: usize, gamma: usize, block: usize) -> Option<f64> {
+        if let Some(c) = self.graph_curve(gamma).filter(|c| c.knows(seqs)) {
+            return c.estimate(seqs);
+        }
+        let whole = self.graph_curve(block)?.estimate(seqs)?;
+        if gamma >= block {
+            return Some(whole);
+        }
+        let plain = self.plain.estimate(seqs)?;
+        Some(plain + (whole - plain).max(0.0) * gamma as f64 / block as f64)
+    }
+
     /// The cheapest round this shape could run, drafter pass included (one draft per
-    /// sequence eagerly, or the graph round), from the estimates; the last round's time
-    /// before there are any.
+    /// sequence eagerly, or the whole-block graph round), from the estimates; the last
+    /// round's time before there are any.
     fn round_cost(&self, s: Shape) -> f64 {
-        let graph = s.graph && s.eligible == s.seqs;
-        let verify = if graph {
-            self.graph_verify.estimate(s.seqs)
+        let verify = if s.graphs(s.block) {
+            self.graph_cost(s.seqs, s.block, s.block)
         } else {
             self.verify.estimate(s.seqs + s.eligible)
         };
@@ -427,10 +481,10 @@ impl Goodput {
         if self.round_due(s) {
             return true;
         }
-        let graph = s.graph && s.eligible == s.seqs;
+        let graph = s.graphs(s.block);
         if !self.acceptance.known()
             || !self.draft.knows(s.eligible)
-            || (graph && !self.graph_verify.knows(s.seqs))
+            || (graph && !self.knows_graph(s.seqs, s.block))
             || (!graph && !self.verify.measured())
         {
             return true;
@@ -455,23 +509,27 @@ impl Goodput {
                 best = best.max(tokens / (draft + v));
             }
         }
-        if let Some(v) = self.graph_verify.estimate(s.seqs).filter(|_| graph) {
-            let tokens = n + m * self.acceptance.expected(s.block);
-            best = best.max(tokens / (draft + v));
+        for gamma in widths(s.block).filter(|&w| s.graphs(w)) {
+            if let Some(v) = self.graph_cost(s.seqs, gamma, s.block) {
+                let tokens = n + m * self.acceptance.expected(gamma);
+                best = best.max(tokens / (draft + v));
+            }
         }
         best > plain_rate
     }
 
     /// After drafting: how many of `survival` (every candidate slot's cumulative survival as
-    /// the head predicted it, sorted in decreasing order) to verify.
-    pub fn choose(&self, s: Shape, survival: &[f32]) -> Choice {
+    /// the head predicted it, sorted in decreasing order) to verify, or which uniform round
+    /// (`by_seq`: each drafting sequence's cumulative survivals in block order, the drafts it
+    /// can use).
+    pub fn choose(&self, s: Shape, survival: &[f32], by_seq: &[Vec<f32>]) -> Choice {
         let Some(plain) = self.plain.estimate(s.seqs) else {
             return Choice::Explore;
         };
-        let graph = s.graph && s.eligible == s.seqs && survival.len() == s.seqs * s.block;
+        let graph = s.graphs(s.block) && by_seq.len() == s.seqs;
         let eager_known = self.verify.measured();
         if self.round_due(s)
-            || (graph && !self.graph_verify.knows(s.seqs))
+            || (graph && !self.knows_graph(s.seqs, s.block))
             || (!graph && !eager_known)
         {
             return Choice::Explore;
@@ -490,11 +548,16 @@ impl Goodput {
                 }
             }
         }
-        if graph {
-            if let Some(t) = self.graph_verify.estimate(s.seqs) {
-                let all: f64 = survival.iter().map(|&p| self.slot_value(p, cal)).sum();
-                if (n + all) / t > best.1 {
-                    best = (Choice::WholeBlocks, (n + all) / t);
+        let uniform = widths(s.block).filter(|&w| by_seq.len() == s.seqs && s.graphs(w));
+        for gamma in uniform {
+            if let Some(t) = self.graph_cost(s.seqs, gamma, s.block) {
+                let value: f64 = by_seq
+                    .iter()
+                    .flat_map(|v| v.iter().take(gamma))
+                    .map(|&p| self.slot_value(p, cal))
+                    .sum();
+                if (n + value) / t > best.1 {
+                    best = (Choice::Uniform(gamma), (n + value) / t);
                 }
             }
         }
@@ -577,7 +640,7 @@ mod tests {
             eligible: seqs,
             block: 8,
             budget: 64,
-            graph: false,
+            graph_widths: 0,
         }
     }
 
@@ -632,7 +695,7 @@ mod tests {
         let g = trained(1e-3, 256, 1e-5, 0.3e-3, 0.8);
         assert!(g.should_draft(shape(1)));
         assert!(g.should_draft(shape(16)));
-        let c = g.choose(shape(16), &survivals(16, 8, 0.8));
+        let c = g.choose(shape(16), &survivals(16, 8, 0.8), &[]);
         assert_eq!(c, Choice::Slots(64), "the whole budget pays: {c:?}");
     }
 
@@ -645,7 +708,7 @@ mod tests {
             !g.should_draft(shape(64)),
             "plain decoding wins at batch 64"
         );
-        let c = g.choose(shape(64), &survivals(64, 8, 0.3));
+        let c = g.choose(shape(64), &survivals(64, 8, 0.3), &[]);
         assert_eq!(c, Choice::Plain);
     }
 
@@ -660,7 +723,7 @@ mod tests {
         // A step of n rows costs n·c past 32 rows: at batch 16 the first 16 slots are free,
         // later ones cost 1/16 of a step each; slots survive with 0.9, 0.81, ... per position.
         let g = trained(16e-4, 32, 1e-4, 0.2e-3, 0.9);
-        let c = g.choose(shape(16), &survivals(16, 8, 0.9));
+        let c = g.choose(shape(16), &survivals(16, 8, 0.9), &[]);
         match c {
             Choice::Slots(r) => assert!((16..64).contains(&r), "{r} slots"),
             other => panic!("expected some slots, got {other:?}"),
@@ -687,7 +750,7 @@ mod tests {
         let mut g = trained(1e-3, 1, 0.5e-3, 0.2e-3, 0.8);
         let low = survivals(1, 8, 0.2);
         assert_eq!(
-            g.choose(shape(1), &low),
+            g.choose(shape(1), &low, &[]),
             Choice::Plain,
             "taken at its word, nothing pays"
         );
@@ -697,7 +760,61 @@ mod tests {
         // One factor for every slot could not have found it: clamped, it still leaves the
         // first slot under half.
         assert!(0.2 * g.calibration() < 0.5, "{}", g.calibration());
-        assert_eq!(g.choose(shape(1), &low), Choice::Slots(8));
+        assert_eq!(g.choose(shape(1), &low, &[]), Choice::Slots(8));
+    }
+
+    #[test]
+    fn a_large_batch_verifies_a_narrower_uniform_round_than_a_small_one() {
+        // Rows cost little each past 64 (2 µs), so a whole block pays at batch 1 and still
+        // pays at 128, but there its last drafts (accepted 0.8^k) are not worth their rows. A
+        // round replayed from a graph costs 0.7 of an eager one.
+        let cost = |rows: usize| 1e-3 + 2e-6 * rows.saturating_sub(64) as f64;
+        let graphed = |rows: usize| 0.7 * cost(rows);
+        let mut g = trained(1e-3, 64, 2e-6, 0.2e-3, 0.8);
+        for n in [1usize, 128] {
+            for _ in 0..2 {
+                g.observe(Observed {
+                    seqs: n,
+                    drafted: n,
+                    rows: n * 9,
+                    round: true,
+                    graph: true,
+                    draft_secs: 0.2e-3,
+                    step_secs: 0.2e-3 + graphed(n * 9),
+                });
+            }
+        }
+        let all: u32 = widths(8).map(|w| 1 << w).sum();
+        assert_eq!(all, 0b1_0001_0110, "widths 1, 2, 4 and the block");
+        let by_seq = |n: usize| vec![(1..=8).map(|k| 0.8f32.powi(k)).collect::<Vec<_>>(); n];
+        let choose = |g: &Goodput, n: usize| {
+            let s = Shape {
+                graph_widths: all,
+                budget: 8 * n,
+                ..shape(n)
+            };
+            g.choose(s, &survivals(n, 8, 0.8), &by_seq(n))
+        };
+        assert_eq!(choose(&g, 1), Choice::Uniform(8));
+        // Width 4 was never measured: its cost is interpolated between the plain step and the
+        // whole block, 4/8 of the way.
+        let t4 = g.graph_cost(128, 4, 8).unwrap();
+        let want = cost(128) + (graphed(128 * 9) - cost(128)) / 2.0;
+        assert!((t4 - want).abs() < 1e-9, "{t4} vs {want}");
+        assert_eq!(choose(&g, 128), Choice::Uniform(4));
+        // Once measured as dear as the whole block, it gives way to it.
+        for _ in 0..2 {
+            g.observe(Observed {
+                seqs: 128,
+                drafted: 128,
+                rows: 128 * 5,
+                round: true,
+                graph: true,
+                draft_secs: 0.2e-3,
+                step_secs: 0.2e-3 + graphed(128 * 9),
+            });
+        }
+        assert_eq!(choose(&g, 128), Choice::Uniform(8));
     }
 
     #[test]
@@ -710,7 +827,10 @@ mod tests {
         g.observe(plain_step(4, 1e-3));
         // Plain known, rounds not: draft, and verify under the confidence rule.
         assert!(g.should_draft(shape(4)));
-        assert_eq!(g.choose(shape(4), &survivals(4, 8, 0.5)), Choice::Explore);
+        assert_eq!(
+            g.choose(shape(4), &survivals(4, 8, 0.5), &[]),
+            Choice::Explore
+        );
     }
 
     #[test]
@@ -732,7 +852,10 @@ mod tests {
             f64::from(steps) * step <= EXPLORE_RATIO * 18e-3 * 1.1,
             "{steps}"
         );
-        assert_eq!(g.choose(shape(64), &survivals(64, 8, 0.3)), Choice::Explore);
+        assert_eq!(
+            g.choose(shape(64), &survivals(64, 8, 0.3), &[]),
+            Choice::Explore
+        );
     }
 
     #[test]

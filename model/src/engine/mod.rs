@@ -130,13 +130,14 @@ impl PromptSteps {
     }
 }
 
-/// The most sequences whose whole-block round (B + 1 rows each) `device` replays from a graph:
-/// CUDA's verify-graph limit; unbounded elsewhere (ROCm's fixed-width rounds run eagerly).
+/// The most sequences whose uniform round of `gamma` drafts each (γ + 1 rows) `device`
+/// replays from a graph: CUDA's verify-graph limit; unbounded elsewhere (ROCm's uniform rounds
+/// run eagerly).
 #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
-fn verify_graph_seqs(device: Device, block: usize) -> usize {
+fn verify_graph_seqs(device: Device, gamma: usize) -> usize {
     match device {
         #[cfg(feature = "cuda")]
-        Device::Cuda(_) => crate::gpu::graph::graph_max_seqs(block + 1),
+        Device::Cuda(_) => crate::gpu::graph::graph_max_seqs(gamma + 1),
         _ => usize::MAX,
     }
 }
@@ -997,7 +998,8 @@ impl EngineHandle {
         let spec = drafter
             .map(|d| {
                 let b = backend.model().backend();
-                let width = fixed_width.then(|| verify_graph_seqs(device, d.block_size()));
+                let limit = |gamma: usize| verify_graph_seqs(device, gamma);
+                let width = fixed_width.then_some(&limit as &dyn Fn(usize) -> usize);
                 spec::Speculator::new(d, &layout, b, config.spec.clone(), width)
             })
             .transpose()?;

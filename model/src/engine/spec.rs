@@ -38,7 +38,7 @@ use std::str::FromStr;
 use ferry_kernels::backend::{Backend, Tensor};
 use ferry_kernels::KernelError;
 
-use super::goodput::{Choice, Goodput, Observed, Shape};
+use super::goodput::{widths, Choice, Goodput, Observed, Shape};
 use super::sequence::{round_uniforms, Phase, Sequence};
 use super::SeqId;
 use crate::deepseek::DeepseekModel;
@@ -83,6 +83,9 @@ const CONFIDENCE_FLOOR: f32 = 0.3;
 enum Rule {
     /// Up to `n` drafts per sequence.
     Fixed(usize),
+    /// Exactly `n` drafts for every sequence (all drafted `n` its context has room for): the
+    /// shape of one verify graph.
+    Uniform(usize),
     /// The most likely slots with cumulative survival at least this, within the budget.
     Confidence(f32),
 }
@@ -218,12 +221,13 @@ pub(crate) struct Speculator {
     stale: HashSet<BlockId>,
     /// Drafter wire layers a peer has written per reserved block.
     writes: HashMap<BlockId, usize>,
-    /// Rounds run at a fixed width on a GPU: when every running sequence can take a whole
-    /// block, each verifies all B drafts (see [`Self::plan`]). The count is the most running
-    /// sequences such a round is replayed for from a graph (the backend's verify-graph limit,
-    /// `gpu::graph::graph_max_seqs(B + 1)` on CUDA): a larger batch's whole-block round runs
-    /// eagerly, and `goodput` costs it as the eager round it is. `None` on the CPU.
-    fixed_width: Option<usize>,
+    /// Rounds run at a uniform width on a GPU: when every running sequence drafted, each
+    /// verifies the same γ drafts (the whole block unless the verify length picks fewer; see
+    /// [`Self::plan`]). Entry γ is the most running sequences such a round is replayed for
+    /// from a graph (the backend's verify-graph limit, `gpu::graph::graph_max_seqs(γ + 1)` on
+    /// CUDA): a larger batch's round runs eagerly, and `goodput` costs it as the eager round it
+    /// is. `None` on the CPU.
+    fixed_width: Option<Vec<usize>>,
     /// The `goodput` policy's measurements (kept whatever the policy; used by `goodput`).
     goodput: Goodput,
     /// The last drafter pass: sequences and seconds, until the engine reports the step.
@@ -332,15 +336,17 @@ impl Deferred {
 impl Speculator {
     /// A speculator for an engine whose target pool has geometry `target` and whose model
     /// runs on `backend`: the drafter moves there, and so does its KV. `fixed_width`: rounds
-    /// run at a fixed width (whole blocks) and are replayed from graphs for up to that many
-    /// running sequences; `None` on the CPU.
+    /// run at a uniform width, and one of γ drafts per sequence is replayed from a graph for
+    /// up to `limit(γ)` running sequences; `None` on the CPU.
     pub fn new(
         mut drafter: Box<dyn Drafter>,
         target: &KvLayout,
         backend: &Backend,
         config: SpecConfig,
-        fixed_width: Option<usize>,
+        fixed_width: Option<&dyn Fn(usize) -> usize>,
     ) -> Result<Self, ModelError> {
+        let block = drafter.block_size();
+        let fixed_width = fixed_width.map(|limit| (0..=block).map(limit).collect());
         drafter.to_backend(backend)?;
         drafter.set_graphs(fixed_width.is_some());
         let layout = drafter.kv_layout();
@@ -561,9 +567,17 @@ impl Speculator {
         } else {
             room.clone()
         };
-        // Whether a whole-block round of this batch is replayed from a graph (past the verify
-        // graph's limit it runs eagerly: `goodput` costs it so; the rule stays the same).
-        let graphed = self.fixed_width.is_some_and(|n| running.len() <= n);
+        // Whether a uniform round of γ drafts per sequence of this batch is replayed from a
+        // graph (past the verify graph's limit it runs eagerly: `goodput` costs it so; the rule
+        // stays the same).
+        let n_running = running.len();
+        let limits = self.fixed_width.clone();
+        let graphed = |gamma: usize| {
+            limits
+                .as_ref()
+                .and_then(|l| l.get(gamma))
+                .is_some_and(|&n| n_running <= n)
+        };
         // Rows whose context is deferred count as written: they are, before any drafting.
         let mut eligible: Vec<usize> = (0..running.len())
             .filter(|&i| {
@@ -581,17 +595,33 @@ impl Speculator {
         if !eligible.iter().any(|&i| room[i] > 0) || budget == 0 {
             return (plan, None);
         }
-        // A whole-block round can be replayed from a graph only if every running sequence
-        // drafts (checked again on the proposals below).
+        // A uniform round can be replayed from a graph only if every running sequence drafts
+        // (checked again on the proposals below).
+        let widths_for = |max: usize| -> u32 {
+            widths(block)
+                .filter(|&w| w <= max && graphed(w))
+                .fold(0, |bits, w| bits | (1 << w))
+        };
+        let pre_max = if eligible.len() == running.len() {
+            eligible
+                .iter()
+                .map(|&i| ctx_room[i])
+                .min()
+                .unwrap_or(0)
+                .min(step_budget / eligible.len().max(1))
+        } else {
+            0
+        };
         let shape = Shape {
             seqs: running.len(),
             eligible: eligible.len(),
             block,
             budget,
-            graph: graphed
-                && eligible.len() == running.len()
-                && eligible.len() * block <= step_budget
-                && eligible.iter().all(|&i| ctx_room[i] >= block),
+            graph_widths: if limits.is_some() {
+                widths_for(pre_max)
+            } else {
+                0
+            },
         };
         let goodput = self.config.verify_len == VerifyLen::Goodput;
         if goodput && !self.goodput.should_draft(shape) {
@@ -674,52 +704,75 @@ impl Speculator {
         }
         let mut gamma: HashMap<usize, usize> = HashMap::new();
         let mut left = budget;
-        // A round replayed from a graph computes B + 1 rows per sequence whatever γ is: when
-        // every running sequence drafted a whole block its context has room for, each verifies
-        // all of it (more drafts can only lengthen what is accepted; the rows cost nothing
-        // more), so the step has the graph's shape. Otherwise the verify-length policy picks γ
-        // (within `room`) and the round runs eagerly.
-        let whole_blocks = self.fixed_width.is_some()
-            && props.len() == running.len()
-            && props.len() * block <= step_budget
-            && props
+        // On a GPU, when every running sequence drafted, a round in which each verifies the
+        // same γ drafts its context has room for (`uniform_max`: the largest such γ) has one
+        // graph's shape: γ + 1 rows per sequence. A round of the whole block verifies all of
+        // it (more drafts can only lengthen what is accepted; the graph computes the rows
+        // anyway); `fixed:N` verifies N of every block, and `goodput` picks the width, or
+        // some slots eagerly, or none. Otherwise the verify-length policy picks γ (within
+        // `room`) and the round runs eagerly.
+        let uniform_max = if limits.is_some() && props.len() == running.len() {
+            props
                 .iter()
-                .all(|(i, p)| p.drafts.len() == block && ctx_room[*i] >= block);
-        // The rule this step verifies by: `goodput` resolves to one of the other two.
+                .map(|(i, p)| p.drafts.len().min(ctx_room[*i]))
+                .min()
+                .unwrap_or(0)
+                .min(step_budget / props.len().max(1))
+        } else {
+            0
+        };
+        let whole_blocks = uniform_max >= block;
+        // The rule this step verifies by: `goodput` resolves to one of the others.
         let mut policy = match (whole_blocks, self.config.verify_len) {
-            (true, _) => Rule::Fixed(block),
+            (_, VerifyLen::Fixed(0)) => Rule::Fixed(0),
+            (_, VerifyLen::Fixed(n)) if n.min(block) <= uniform_max => Rule::Uniform(n.min(block)),
+            (true, _) => Rule::Uniform(block),
             (false, VerifyLen::Fixed(n)) => Rule::Fixed(n),
             (false, VerifyLen::Confidence { min_survival }) => Rule::Confidence(min_survival),
             (false, VerifyLen::Goodput) => Rule::Confidence(CONFIDENCE_FLOOR),
         };
         if goodput {
+            // Each drafting sequence's cumulative survivals, block order (`slots` holds the
+            // drafts it can use, so a uniform round's value counts those only).
+            let mut by_seq: Vec<Vec<f32>> = vec![Vec::new(); props.len()];
+            let index: HashMap<usize, usize> = props
+                .iter()
+                .enumerate()
+                .map(|(j, (i, _))| (*i, j))
+                .collect();
+            for sl in &slots {
+                if let Some(&j) = index.get(&sl.seq) {
+                    by_seq[j].push(sl.survival);
+                }
+            }
             by_likelihood(&mut slots);
             let survival: Vec<f32> = slots.iter().map(|s| s.survival).collect();
             let shape = Shape {
                 eligible: props.len(),
-                graph: whole_blocks && graphed,
+                graph_widths: widths_for(uniform_max),
                 ..shape
             };
-            policy = match self.goodput.choose(shape, &survival) {
+            policy = match self.goodput.choose(shape, &survival, &by_seq) {
                 Choice::Plain => Rule::Fixed(0),
-                Choice::WholeBlocks => Rule::Fixed(block),
+                Choice::Uniform(g) => Rule::Uniform(g.min(uniform_max)),
                 // The r most likely slots: the confidence rule with no floor and a budget of r.
                 Choice::Slots(r) => {
                     left = r;
                     Rule::Confidence(0.0)
                 }
-                Choice::Explore if whole_blocks => Rule::Fixed(block),
+                Choice::Explore if whole_blocks => Rule::Uniform(block),
                 Choice::Explore => Rule::Confidence(CONFIDENCE_FLOOR),
             };
         }
-        if whole_blocks && policy == Rule::Fixed(block) {
-            left = props.len() * block;
-        }
         match policy {
+            Rule::Uniform(n) => {
+                for (i, _) in &props {
+                    gamma.insert(*i, n);
+                }
+            }
             Rule::Fixed(n) => {
                 for (i, p) in &props {
-                    let cap = if whole_blocks { ctx_room[*i] } else { room[*i] };
-                    let g = n.min(p.drafts.len()).min(cap).min(left);
+                    let g = n.min(p.drafts.len()).min(room[*i]).min(left);
                     left -= g;
                     gamma.insert(*i, g);
                 }
