@@ -3,7 +3,8 @@
 # GPU (ignored) tests, one log per binary under $OUT (else ./gpu-logs), and a one-line summary
 # each. Binaries that are not there are reported as missing, not run.
 #   scripts/gpu_tests.sh backend_sample backend_draft engine_device ...
-# Environment: FERRY_TEST_DEVICE=cuda runs tests/observability.rs's cluster on the GPU;
+# Environment: GPU_TEST_FILTER: a test-name filter for every binary (default: all tests);
+# GPU_TEST_TIMEOUT: seconds per binary (300); FERRY_TEST_DEVICE=cuda runs tests/observability.rs's cluster on the GPU;
 # ROTEL_AGENT=path its OTLP receiver (device-bin/rotel-agent when carried there).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -29,8 +30,9 @@ for t in "$@"; do
     continue
   fi
   start=$(date +%s)
-  timeout "${GPU_TEST_TIMEOUT:-300}" "./device-bin/$t" --include-ignored --test-threads=1 \
-    --nocapture >"$out/$t.log" 2>&1
+  # shellcheck disable=SC2086
+  timeout "${GPU_TEST_TIMEOUT:-300}" "./device-bin/$t" ${GPU_TEST_FILTER:-} --include-ignored \
+    --test-threads=1 --nocapture >"$out/$t.log" 2>&1
   rc=$?
   result=$(grep -E '^test result' "$out/$t.log" | tail -1)
   echo "$t: rc=$rc ${result:-no result} ($(($(date +%s) - start)) s)"
