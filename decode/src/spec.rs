@@ -27,7 +27,8 @@ pub struct SpecArgs {
     /// survivals against this engine's measured step costs at the batch's current size: as
     /// many drafts as pay, none — and no drafter pass — when speculation would not),
     /// `confidence[:MIN_SURVIVAL]` (the confidence head picks, non-anticipating, under
-    /// `--max-verify-tokens`; 0.3 when not given) or `fixed:N`.
+    /// `--max-verify-tokens`; 0.3 when not given) or `fixed:N` (on a GPU: N drafts of every
+    /// running sequence, one verify graph's shape).
     #[arg(long, default_value = "goodput")]
     pub verify_len: VerifyLen,
     /// Draft slots verified per step across the whole batch (the verify budget).

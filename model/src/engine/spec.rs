@@ -55,7 +55,11 @@ const VERIFY_SALT: u64 = 0x7665_7269_6679_0002;
 /// How many drafts each sequence has verified per step.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub enum VerifyLen {
-    /// Always `n` (capped by the block size and what the request still needs).
+    /// Always `n` (capped by the block size and what the request still needs). On a GPU,
+    /// when every running sequence drafted, each verifies `n` drafts its context has room
+    /// for, also past what its request needs (a uniform round: one graph's shape). `0`
+    /// drafts every step and verifies nothing (the drafter's cost alone; greedy sequences'
+    /// drafts are still scored by the tokens decoded after them).
     Fixed(usize),
     /// Admit draft slots in decreasing order of cumulative predicted survival
     /// `Π_{j≤k} c_j` while it is at least `min_survival` and the step's budget lasts.
