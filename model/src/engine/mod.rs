@@ -994,13 +994,13 @@ impl EngineHandle {
         // On a GPU with graphs, rounds run at a fixed width (B + 1 rows per sequence), replayed
         // from graphs on CUDA for as many sequences as a verify graph holds (ROCm runs them
         // eagerly, at any batch).
-        let fixed_width = device.is_gpu() && config.cuda_graphs;
+        let uniform = device.is_gpu() && config.cuda_graphs;
         let spec = drafter
             .map(|d| {
                 let b = backend.model().backend();
                 let limit = |gamma: usize| verify_graph_seqs(device, gamma);
-                let width = fixed_width.then_some(&limit as &dyn Fn(usize) -> usize);
-                spec::Speculator::new(d, &layout, b, config.spec.clone(), width)
+                let graphs = uniform.then_some(&limit as &dyn Fn(usize) -> usize);
+                spec::Speculator::new(d, &layout, b, config.spec.clone(), graphs)
             })
             .transpose()?;
         let draft_kv_layers = spec.as_ref().map_or(0, spec::Speculator::pool_layers);

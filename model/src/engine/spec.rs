@@ -231,7 +231,7 @@ pub(crate) struct Speculator {
     /// from a graph (the backend's verify-graph limit, `gpu::graph::graph_max_seqs(γ + 1)` on
     /// CUDA): a larger batch's round runs eagerly, and `goodput` costs it as the eager round it
     /// is. `None` on the CPU.
-    fixed_width: Option<Vec<usize>>,
+    uniform_graphs: Option<Vec<usize>>,
     /// The `goodput` policy's measurements (kept whatever the policy; used by `goodput`).
     goodput: Goodput,
     /// The last drafter pass: sequences and seconds, until the engine reports the step.
@@ -339,7 +339,7 @@ impl Deferred {
 
 impl Speculator {
     /// A speculator for an engine whose target pool has geometry `target` and whose model
-    /// runs on `backend`: the drafter moves there, and so does its KV. `fixed_width`: rounds
+    /// runs on `backend`: the drafter moves there, and so does its KV. `uniform_graphs`: rounds
     /// run at a uniform width, and one of γ drafts per sequence is replayed from a graph for
     /// up to `limit(γ)` running sequences; `None` on the CPU.
     pub fn new(
@@ -347,12 +347,12 @@ impl Speculator {
         target: &KvLayout,
         backend: &Backend,
         config: SpecConfig,
-        fixed_width: Option<&dyn Fn(usize) -> usize>,
+        uniform_graphs: Option<&dyn Fn(usize) -> usize>,
     ) -> Result<Self, ModelError> {
         let block = drafter.block_size();
-        let fixed_width = fixed_width.map(|limit| (0..=block).map(limit).collect());
+        let uniform_graphs = uniform_graphs.map(|limit| (0..=block).map(limit).collect());
         drafter.to_backend(backend)?;
-        drafter.set_graphs(fixed_width.is_some());
+        drafter.set_graphs(uniform_graphs.is_some());
         let layout = drafter.kv_layout();
         let kv = layout
             .map(|l| KvStore::new(backend, l.rows_layout(target)))
@@ -366,7 +366,7 @@ impl Speculator {
             config,
             stale: HashSet::new(),
             writes: HashMap::new(),
-            fixed_width,
+            uniform_graphs,
             goodput: Goodput::default(),
             last_pass: None,
             flush_secs: 0.0,
@@ -575,7 +575,7 @@ impl Speculator {
         // graph (past the verify graph's limit it runs eagerly: `goodput` costs it so; the rule
         // stays the same).
         let n_running = running.len();
-        let limits = self.fixed_width.clone();
+        let limits = self.uniform_graphs.clone();
         let graphed = |gamma: usize| {
             limits
                 .as_ref()
@@ -587,7 +587,7 @@ impl Speculator {
             .filter(|&i| {
                 let s = &running[i];
                 s.speculative
-                    && (room[i] > 0 || (self.fixed_width.is_some() && ctx_room[i] >= block))
+                    && (room[i] > 0 || (self.uniform_graphs.is_some() && ctx_room[i] >= block))
                     && s.draft_ctx + self.deferred_rows(s.id) == s.table.len()
                     && matches!(s.phase, Phase::Decoding { .. })
             })
