@@ -299,6 +299,7 @@ def one_request(host: str, port: int, body: dict, timeout: float) -> dict:
            "error": None, "e2e": None}
     conn = http.client.HTTPConnection(host, port, timeout=timeout)
     t0 = time.perf_counter()
+    res["start"] = t0
     try:
         conn.request("POST", "/v1/completions", body=payload,
                      headers={"Content-Type": "application/json", "Accept": "text/event-stream"})
@@ -395,6 +396,13 @@ def run_level(cl: Cluster, prompts: Prompts, c: int, n: int, temp: float, out_to
             tpot.append(span / (r["tokens"] - 1) * 1e3)
     tokens = sum(r["tokens"] for _, r in ok)
     chunks = sum(len(r["times"]) for _, r in ok)
+    # The steady rate: tokens until the last request started (until then all c were in flight;
+    # after it the level drains, and speculative requests, ending at different times, drain
+    # longer), each request's tokens spread over its chunks. None for a single wave.
+    last_start = max((r["start"] for _, r in ok), default=t0)
+    steady_tokens = sum(r["tokens"] * sum(1 for x in r["times"] if r["start"] + x <= last_start)
+                        / len(r["times"]) for _, r in ok if r["times"])
+    steady_s = last_start - t0
     if temp == 0:
         for k, r in ok:
             texts[k] = hashlib.sha256(r["text"].encode()).hexdigest()[:16]
@@ -408,6 +416,7 @@ def run_level(cl: Cluster, prompts: Prompts, c: int, n: int, temp: float, out_to
         "skipped_deadline": skipped[0], "errors": failed[:3],
         "output_tokens": tokens, "wall_s": r3(wall),
         "aggregate_tok_s": r3(tokens / wall if wall > 0 else None),
+        "steady_tok_s": r3(steady_tokens / steady_s if n > c and steady_s > 0 else None),
         "per_stream_tok_s": r3(mean(streams)), "per_stream_tok_s_p50": r3(pct(streams, 50)),
         "ttft_ms_p50": r3(pct(ttft, 50)), "ttft_ms_p99": r3(pct(ttft, 99)),
         "itl_ms_p50": r3(pct(itl, 50)), "itl_ms_p99": r3(pct(itl, 99)),
@@ -502,6 +511,7 @@ def compare(report: dict, base: str, arm: str) -> dict:
             ratio = lambda a, b: round(a / b, 3) if a and b else None  # noqa: E731
             rows.append({"concurrency": c,
                          "aggregate": ratio(s.get("aggregate_tok_s"), p.get("aggregate_tok_s")),
+                         "steady": ratio(s.get("steady_tok_s"), p.get("steady_tok_s")),
                          "per_stream": ratio(s.get("per_stream_tok_s"), p.get("per_stream_tok_s")),
                          "ttft_p50": ratio(s.get("ttft_ms_p50"), p.get("ttft_ms_p50")),
                          "comparable": p["ok"] == p["requests"] == s["ok"] == s["requests"]})
@@ -586,7 +596,9 @@ def markdown(report: dict) -> str:
         pk = report.get("speedup", {}).get(tkey, {})
         L += ["", f"Peak aggregate: plain {fmt(pk.get('plain_peak_aggregate_tok_s'))} tok/s (c = "
               f"{pk.get('plain_peak_at')}), spec {fmt(pk.get('spec_peak_aggregate_tok_s'))} tok/s (c = "
-              f"{pk.get('spec_peak_at')}): **{fmt(pk.get('peak_aggregate_ratio'), 2)}×**.", ""]
+              f"{pk.get('spec_peak_at')}): **{fmt(pk.get('peak_aggregate_ratio'), 2)}×**.",
+              "Steady (until the last request started, all c in flight) spec / plain: "
+              + ", ".join(f"c = {c} {fmt(r.get('steady'), 2)}×" for c, r in sorted(sp.items())) + ".", ""]
     L += ["### Where the decode worker's steps went (engine step counters, mean ms per step)", "",
           "Phases: plan (the drafter pass), launch (inputs and the forward's launches), sample "
           "(sampling or verification; on a GPU the wait for the forward), commit (tables, tokens, "
