@@ -764,7 +764,11 @@ impl Speculator {
                     left = r;
                     Rule::Confidence(0.0)
                 }
-                Choice::Explore if whole_blocks => Rule::Uniform(block),
+                // Exploring measures what the policy can use: the whole-block round where it
+                // is replayed from a graph; past the graph's limit an eager round under the
+                // confidence rule (a whole block of every sequence there would teach the eager
+                // curve only its largest size, and smaller rounds would look as dear).
+                Choice::Explore if whole_blocks && graphed(block) => Rule::Uniform(block),
                 Choice::Explore => Rule::Confidence(CONFIDENCE_FLOOR),
             };
         }
