@@ -991,9 +991,9 @@ impl EngineHandle {
         let device_kv = backend.device_kv();
         let fences = Arc::new(crate::kv::RemoteFences::new(layout.num_blocks));
         let kv_dtype = backend.kv_dtype();
-        // On a GPU with graphs, rounds run at a fixed width (B + 1 rows per sequence), replayed
-        // from graphs on CUDA for as many sequences as a verify graph holds (ROCm runs them
-        // eagerly, at any batch).
+        // On a GPU with graphs, rounds run at a uniform width (γ + 1 rows per sequence),
+        // replayed from graphs on CUDA for as many sequences as a verify graph of that width
+        // holds (ROCm runs them eagerly, at any batch).
         let uniform = device.is_gpu() && config.cuda_graphs;
         let spec = drafter
             .map(|d| {

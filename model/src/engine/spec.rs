@@ -194,11 +194,12 @@ const MAX_SHADOWS: usize = 16;
 /// How many of `drafts` greedy verification would accept when the target goes on with
 /// `decoded` (its tokens after the anchor): the matching prefix. `None` while `decoded` is too
 /// short to tell.
-fn counterfactual(drafts: &[u32], decoded: &[u32]) -> Option<usize> {
+fn counterfactual(drafts: &[u32], decoded: impl IntoIterator<Item = u32>) -> Option<usize> {
+    let mut decoded = decoded.into_iter();
     for (k, &d) in drafts.iter().enumerate() {
-        match decoded.get(k) {
+        match decoded.next() {
             None => return None,
-            Some(&t) if t != d => return Some(k),
+            Some(t) if t != d => return Some(k),
             Some(_) => {}
         }
     }
@@ -571,23 +572,23 @@ impl Speculator {
         } else {
             room.clone()
         };
-        // Whether a uniform round of γ drafts per sequence of this batch is replayed from a
+        // Bit γ: a uniform round of γ drafts per sequence of this batch is replayed from a
         // graph (past the verify graph's limit it runs eagerly: `goodput` costs it so; the rule
         // stays the same).
-        let n_running = running.len();
-        let limits = self.uniform_graphs.clone();
-        let graphed = |gamma: usize| {
-            limits
-                .as_ref()
-                .and_then(|l| l.get(gamma))
-                .is_some_and(|&n| n_running <= n)
-        };
+        let uniform = self.uniform_graphs.is_some();
+        let graphed: u32 = self.uniform_graphs.as_ref().map_or(0, |limits| {
+            widths(block)
+                .filter(|&w| w < 32 && limits.get(w).is_some_and(|&n| running.len() <= n))
+                .fold(0, |bits, w| bits | (1 << w))
+        });
+        // The graphed widths up to `max` drafts.
+        let widths_for = |max: usize| graphed & (1u32 << (max + 1).min(31)).wrapping_sub(1);
         // Rows whose context is deferred count as written: they are, before any drafting.
         let mut eligible: Vec<usize> = (0..running.len())
             .filter(|&i| {
                 let s = &running[i];
                 s.speculative
-                    && (room[i] > 0 || (self.uniform_graphs.is_some() && ctx_room[i] >= block))
+                    && (room[i] > 0 || (uniform && ctx_room[i] >= block))
                     && s.draft_ctx + self.deferred_rows(s.id) == s.table.len()
                     && matches!(s.phase, Phase::Decoding { .. })
             })
@@ -601,31 +602,17 @@ impl Speculator {
         }
         // A uniform round can be replayed from a graph only if every running sequence drafts
         // (checked again on the proposals below).
-        let widths_for = |max: usize| -> u32 {
-            widths(block)
-                .filter(|&w| w <= max && graphed(w))
-                .fold(0, |bits, w| bits | (1 << w))
-        };
-        let pre_max = if eligible.len() == running.len() {
-            eligible
-                .iter()
-                .map(|&i| ctx_room[i])
-                .min()
-                .unwrap_or(0)
-                .min(step_budget / eligible.len().max(1))
-        } else {
-            0
-        };
+        let pre_max = widest_uniform(
+            uniform && eligible.len() == running.len(),
+            eligible.iter().map(|&i| ctx_room[i]),
+            step_budget,
+        );
         let shape = Shape {
             seqs: running.len(),
             eligible: eligible.len(),
             block,
             budget,
-            graph_widths: if limits.is_some() {
-                widths_for(pre_max)
-            } else {
-                0
-            },
+            graph_widths: widths_for(pre_max),
         };
         let goodput = self.config.verify_len == VerifyLen::Goodput;
         if goodput && !self.goodput.should_draft(shape) {
@@ -715,16 +702,11 @@ impl Speculator {
         // anyway); `fixed:N` verifies N of every block, and `goodput` picks the width, or
         // some slots eagerly, or none. Otherwise the verify-length policy picks γ (within
         // `room`) and the round runs eagerly.
-        let uniform_max = if limits.is_some() && props.len() == running.len() {
-            props
-                .iter()
-                .map(|(i, p)| p.drafts.len().min(ctx_room[*i]))
-                .min()
-                .unwrap_or(0)
-                .min(step_budget / props.len().max(1))
-        } else {
-            0
-        };
+        let uniform_max = widest_uniform(
+            uniform && props.len() == running.len(),
+            props.iter().map(|(i, p)| p.drafts.len().min(ctx_room[*i])),
+            step_budget,
+        );
         let whole_blocks = uniform_max >= block;
         // The rule this step verifies by: `goodput` resolves to one of the others.
         let mut policy = match (whole_blocks, self.config.verify_len) {
@@ -768,7 +750,7 @@ impl Speculator {
                 // is replayed from a graph; past the graph's limit an eager round under the
                 // confidence rule (a whole block of every sequence there would teach the eager
                 // curve only its largest size, and smaller rounds would look as dear).
-                Choice::Explore if whole_blocks && graphed(block) => Rule::Uniform(block),
+                Choice::Explore if whole_blocks && shape.graphs(block) => Rule::Uniform(block),
                 Choice::Explore => Rule::Confidence(CONFIDENCE_FLOOR),
             };
         }
@@ -955,9 +937,7 @@ impl Speculator {
             let goodput = &mut self.goodput;
             pending.retain(|sh| {
                 let after = s.tokens.get(sh.anchor_at + 1..).unwrap_or_default();
-                let mut decoded = after.to_vec();
-                decoded.extend(next);
-                match counterfactual(&sh.drafts, &decoded) {
+                match counterfactual(&sh.drafts, after.iter().copied().chain(next)) {
                     Some(accepted) => {
                         goodput.observe_round(&sh.survival, accepted);
                         out.push((sh.survival.iter().map(|&p| f64::from(p)).sum(), accepted));
@@ -1000,6 +980,21 @@ impl Speculator {
 
 /// Whether whole-block rounds keep sequences in their last block ([`Speculator::plan`]): unless
 /// `FERRY_WHOLE_BLOCK_TAIL=0` (read once; the benchmarks' A/B switch).
+/// The most drafts every sequence of a uniform round can verify: the fewest any has room for
+/// (`rooms`), within the step's token budget; 0 when no uniform round is possible (`possible`:
+/// a GPU engine whose running sequences all draft).
+fn widest_uniform(
+    possible: bool,
+    rooms: impl ExactSizeIterator<Item = usize>,
+    budget: usize,
+) -> usize {
+    let seqs = rooms.len();
+    if !possible || seqs == 0 {
+        return 0;
+    }
+    rooms.min().unwrap_or(0).min(budget / seqs)
+}
+
 fn whole_block_tail() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("FERRY_WHOLE_BLOCK_TAIL").map_or(true, |v| v.trim() != "0"))
@@ -1061,23 +1056,23 @@ mod tests {
     /// ~1 ms flush in each exploratory round kept `goodput` off rounds that paid 1.19×).
     #[test]
     fn a_shadow_accepts_the_prefix_the_target_went_on_with() {
-        assert_eq!(counterfactual(&[5, 6, 7], &[5, 6, 9, 7]), Some(2));
+        assert_eq!(counterfactual(&[5, 6, 7], [5, 6, 9, 7]), Some(2));
         assert_eq!(
-            counterfactual(&[5, 6, 7], &[5, 6, 7]),
+            counterfactual(&[5, 6, 7], [5, 6, 7]),
             Some(3),
             "all of them"
         );
         assert_eq!(
-            counterfactual(&[5, 6, 7], &[4]),
+            counterfactual(&[5, 6, 7], [4]),
             Some(0),
             "the first differs"
         );
         assert_eq!(
-            counterfactual(&[5, 6, 7], &[5, 6]),
+            counterfactual(&[5, 6, 7], [5, 6]),
             None,
             "the third is not decoded yet"
         );
-        assert_eq!(counterfactual(&[5, 6, 7], &[]), None);
+        assert_eq!(counterfactual(&[5, 6, 7], []), None);
     }
 
     #[test]
