@@ -260,7 +260,8 @@ stage_engine() {
   }
   local lens=(${ENGINE_VERIFY_LENS:-goodput fixed:8}) batch=${ENGINE_BATCH:-1,16,64,128}
   for v in "${lens[@]}"; do
-    engine_run "$v" "$RUN/bench/.engine_spec_${v%%:*}.json" "$v" "$batch"
+    # One file per verify length (`fixed:4` and `fixed:8` apart: session 40 lost fixed:4 so).
+    engine_run "$v" "$RUN/bench/.engine_spec_${v//:/_}.json" "$v" "$batch"
   done
   # Sampled requests (issue 15 asks for T = 0.7 as well): the first verify length at each of
   # ENGINE_TEMPS (default 0.7; empty for none).

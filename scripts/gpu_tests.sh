@@ -25,9 +25,15 @@ if [ -x device-bin/rotel-agent ] && [ -z "${ROTEL_AGENT:-}" ]; then
   export ROTEL_AGENT="$PWD/device-bin/rotel-agent"
 fi
 for t in "$@"; do
+  # As cargo names it (`engine_device-<hash>`) when copied without renaming.
   if [ ! -x "device-bin/$t" ]; then
-    echo "$t: missing"
-    continue
+    hashed=(device-bin/"$t"-*)
+    if [ ${#hashed[@]} -eq 1 ] && [ -x "${hashed[0]}" ]; then
+      ln -sfn "$(basename "${hashed[0]}")" "device-bin/$t"
+    else
+      echo "$t: missing"
+      continue
+    fi
   fi
   start=$(date +%s)
   # shellcheck disable=SC2086

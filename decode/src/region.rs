@@ -35,7 +35,8 @@ impl RowMemory for TransportRows {
 ///   [`EngineHandle::device_kv`]), so a UCX peer with CUDA support puts blocks straight from its
 ///   own device cache into this one (`cuda_ipc` on one GPU or across NVLink). A transport that
 ///   cannot reach device memory (TCP, a UCX without CUDA) stages those blocks through
-///   [`KvRegion::write`] instead, and the engine copies them host → device.
+///   [`KvRegion::write_run`] instead (one engine command and one host → device copy per run of
+///   consecutive blocks).
 /// - **Everything else is staged** through [`KvRegion::write`] to the engine thread (the pool's
 ///   one owner), which applies writes in order before it processes the completion: the
 ///   drafter's context layers, and a ROCm engine's cache.
@@ -140,8 +141,14 @@ impl KvRegion for EngineRegion {
     }
 
     fn write(&self, layer: u32, block: u32, data: &[u8]) -> Result<(), TransferError> {
+        self.write_run(layer, block, data)
+    }
+
+    /// One engine command per run: the engine copies it into a device cache at once (one
+    /// host-to-device copy, not one per block).
+    fn write_run(&self, layer: u32, first: u32, data: &[u8]) -> Result<(), TransferError> {
         self.engine
-            .write_kv(layer as usize, BlockId(block), data.to_vec())
+            .write_kv(layer as usize, BlockId(first), data.to_vec())
             .map_err(|e| TransferError::Region(e.to_string()))
     }
 }

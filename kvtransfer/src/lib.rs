@@ -382,6 +382,17 @@ pub trait KvRegion: Send + Sync + 'static {
             "layer {layer} block {block}: this region takes writes only into its registered memory"
         )))
     }
+
+    /// Stores a run of whole consecutive blocks `first, first + 1, …` of a layer that is not
+    /// written in memory, as a receiver gets them (already admitted). The default hands them to
+    /// [`KvRegion::write`] one by one; a region whose store has a per-call cost (a copy to a
+    /// device, a hop to another thread) takes the run at once.
+    fn write_run(&self, layer: u32, first: u32, data: &[u8]) -> Result<(), TransferError> {
+        let bb = self.layout().block_bytes();
+        (first..)
+            .zip(data.chunks(bb.max(1)))
+            .try_for_each(|(b, bytes)| self.write(layer, b, bytes))
+    }
 }
 
 /// A way to move KV blocks into remote memory: TCP, in-process, UCX.

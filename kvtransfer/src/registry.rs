@@ -82,7 +82,7 @@ impl Entry {
     /// Lands one received run of blocks (`block, block + 1, …`): checks it against the layout,
     /// the registration (`access.key`) and the region's admission of every block under
     /// `access.fence`, then copies it into the layer's host memory in one go, or hands it to
-    /// [`KvRegion::write`] block by block (staged and device layers).
+    /// [`KvRegion::write_run`] (staged and device layers).
     pub(crate) fn land(
         &self,
         access: Access,
@@ -110,9 +110,7 @@ impl Entry {
                     )))
                 }
             }
-            _ => (block..)
-                .zip(data.chunks(bb))
-                .try_for_each(|(b, bytes)| self.region.write(layer, b, bytes)),
+            _ => self.region.write_run(layer, block, data),
         }
     }
 }

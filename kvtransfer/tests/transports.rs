@@ -1121,3 +1121,70 @@ mod tcp_only {
         ));
     }
 }
+
+/// A staged region that takes runs at once ([`KvRegion::write_run`]) and records each call.
+struct RunRegion {
+    runs: std::sync::Mutex<Vec<(u32, u32, Vec<u8>)>>,
+}
+
+impl KvRegion for RunRegion {
+    fn layout(&self) -> KvLayoutDesc {
+        LAYOUT
+    }
+
+    fn write(&self, layer: u32, block: u32, _: &[u8]) -> Result<(), TransferError> {
+        panic!("layer {layer} block {block}: a run region got a single-block write");
+    }
+
+    fn write_run(&self, layer: u32, first: u32, data: &[u8]) -> Result<(), TransferError> {
+        self.runs
+            .lock()
+            .unwrap()
+            .push((layer, first, data.to_vec()));
+        Ok(())
+    }
+}
+
+/// A run of consecutive blocks sent as one write reaches a staged region as one `write_run`
+/// (a decode worker's device cache then takes it in one copy); the default `write_run` hands
+/// a run to `write` block by block (the contract suite's staged regions).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tcp_a_run_lands_in_a_staged_region_as_one_call() {
+    let t = tcp().await;
+    let region = Arc::new(RunRegion {
+        runs: std::sync::Mutex::new(Vec::new()),
+    });
+    let reg = t.register(region.clone()).await.unwrap();
+    let mut writer = t
+        .connect(&reg.address, reg.key, Fence::NONE, &LAYOUT)
+        .await
+        .unwrap();
+    let bb = LAYOUT.block_bytes();
+    let run: Vec<u8> = [5, 6, 7]
+        .iter()
+        .flat_map(|&b| pattern(9, 2, b, bb))
+        .collect();
+    writer
+        .write(WriteBatch {
+            layer: 2,
+            writes: vec![
+                BlockWrite {
+                    block: 5,
+                    data: Payload::from(run.clone()),
+                },
+                BlockWrite {
+                    block: 12,
+                    data: Payload::from(pattern(9, 2, 12, bb)),
+                },
+            ],
+        })
+        .await
+        .unwrap();
+    assert_eq!(writer.flush().await.unwrap(), 4 * bb as u64);
+    let runs = region.runs.lock().unwrap().clone();
+    assert_eq!(
+        runs,
+        vec![(2, 5, run), (2, 12, pattern(9, 2, 12, bb))],
+        "one call per run, in order, with its bytes"
+    );
+}

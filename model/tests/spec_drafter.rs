@@ -18,7 +18,7 @@ use ferry_model::deepseek::{BatchInputs, DeepseekModel, FormPolicy, LogitsWanted
 use ferry_model::drafter::{
     ContextRows, ContextSegment, DraftCtx, DraftDist, DraftInput, Drafter, DsparkDrafter,
 };
-use ferry_model::kv::{BlockTable, KvPool, KvStore};
+use ferry_model::kv::{BlockId, BlockTable, KvLayout, KvPool, KvStore};
 
 struct Case {
     prompt: Vec<u32>,
@@ -598,4 +598,83 @@ fn drafter_passes_replayed_from_graphs_equal_eager_passes() {
         }
     }
     eprintln!("drafter graphs: {replays} replayed passes equal the eager ones");
+}
+
+/// Writes distinct rows into `blocks` of every layer of `store` with
+/// [`KvStore::write_blocks_of`] (runs of consecutive ids out of order: 5 6 | 2 | 9 | 3 4) and
+/// checks what a drafter context's shipping and landing rely on: reading the same list back
+/// gives those rows in that order, exactly (f32 storage); so do a read per block and a read of
+/// another order; blocks never written stay zero.
+fn scattered_blocks_round_trip(store: &mut KvStore) {
+    let layout = *store.layout();
+    let per_block = layout.block_floats();
+    let blocks: Vec<BlockId> = [5, 6, 2, 9, 3, 4].into_iter().map(BlockId).collect();
+    for l in 0..layout.num_layers {
+        let rows: Vec<f32> = (0..blocks.len() * per_block)
+            .map(|i| (l * 1_000_003 + i) as f32 * 0.25 - 7.0)
+            .collect();
+        store.write_blocks_of(l, &blocks, &rows).unwrap();
+        assert_eq!(store.read_blocks_of(l, &blocks).unwrap(), rows, "layer {l}");
+        for (j, &b) in blocks.iter().enumerate() {
+            assert_eq!(
+                store.read_block(l, b).unwrap(),
+                rows[j * per_block..(j + 1) * per_block],
+                "layer {l}, {b}"
+            );
+        }
+        let other: Vec<BlockId> = [9, 2, 3].into_iter().map(BlockId).collect();
+        let want: Vec<f32> = [3, 2, 4]
+            .iter()
+            .flat_map(|&j| rows[j * per_block..(j + 1) * per_block].iter().copied())
+            .collect();
+        assert_eq!(store.read_blocks_of(l, &other).unwrap(), want, "layer {l}");
+        for b in [0, 1, 7, 8] {
+            assert!(
+                store
+                    .read_block(l, BlockId(b))
+                    .unwrap()
+                    .iter()
+                    .all(|&x| x == 0.0),
+                "layer {l}: block {b} was never written"
+            );
+        }
+    }
+    assert!(
+        store.write_blocks_of(0, &blocks, &[0.0; 3]).is_err(),
+        "a short write is refused"
+    );
+}
+
+#[test]
+fn scattered_drafter_blocks_round_trip_on_the_host() {
+    let layout = KvLayout {
+        num_layers: 2,
+        num_blocks: 12,
+        page_size: 4,
+        width: 24,
+    };
+    let mut store = KvStore::new(&ferry_kernels::backend::Backend::Cpu, layout).unwrap();
+    scattered_blocks_round_trip(&mut store);
+}
+
+#[test]
+#[ignore = "needs a GPU: run on the GPU machine with --include-ignored (docs/gpu.md), or on the CPU HIP (scripts/hip_emu.sh)"]
+fn scattered_drafter_blocks_round_trip_on_a_gpu() {
+    // The device path: runs gathered / scattered on the device around one copy per layer.
+    let gpu = match common::first_gpu() {
+        Ok(b) => b,
+        Err(e) => {
+            eprintln!("skipping scattered_drafter_blocks_round_trip_on_a_gpu: {e}");
+            return;
+        }
+    };
+    let layout = KvLayout {
+        num_layers: 2,
+        num_blocks: 12,
+        page_size: 4,
+        width: 24,
+    };
+    let mut store = KvStore::new(&gpu, layout).unwrap();
+    scattered_blocks_round_trip(&mut store);
+    eprintln!("scattered drafter blocks round-trip on {}", gpu.name());
 }

@@ -1101,10 +1101,24 @@ async fn remote_prefill(
         let counted = landed.clone();
         Box::new(
             move |layer: usize, blocks: &[BlockId], rows: &LayerRows<'_>| -> Result<(), String> {
+                // As a transport sends them: runs of consecutive destination blocks, one
+                // write each.
+                let mut runs: Vec<(BlockId, Vec<u8>)> = Vec::new();
                 for (j, b) in blocks.iter().enumerate() {
-                    let data = rows.block(*b).map_err(|e| e.to_string())?.to_vec();
+                    let data = rows.block(*b).map_err(|e| e.to_string())?;
                     counted.fetch_add(data.len() as u64, std::sync::atomic::Ordering::Relaxed);
-                    d.write_kv(offset + layer, dest[first_dest + j], data)
+                    let to = dest[first_dest + j];
+                    match runs.last_mut() {
+                        Some((first, run))
+                            if first.0 as usize + run.len() / data.len() == to.0 as usize =>
+                        {
+                            run.extend_from_slice(data)
+                        }
+                        _ => runs.push((to, data.to_vec())),
+                    }
+                }
+                for (first, run) in runs {
+                    d.write_kv(offset + layer, first, run)
                         .map_err(|e| e.to_string())?;
                 }
                 Ok(())
@@ -1139,6 +1153,13 @@ async fn drafter_context_shipped_with_a_remote_prefill_lets_decode_speculate_at_
     let p = dspark_engine(config(64, 64, VerifyLen::Fixed(4)));
     let d = dspark_engine(config(64, 64, VerifyLen::Fixed(4)));
     let (prompt, expected) = golden_case(2);
+    // The same request prefilled where it decodes: the shipped context must be that one, so
+    // the rounds, drafts and acceptances are the same, not just "some".
+    let local = dspark_engine(config(64, 64, VerifyLen::Fixed(4)));
+    let (_, _, want) =
+        collect_spec(local.generate(job(prompt.clone(), 32, greedy())).unwrap()).await;
+    let want = want.expect("a local prefill speculates");
+    wait_idle(&local).await;
     for ship in [true, false] {
         let before = d.stats().await.unwrap();
         let mut g = d
@@ -1171,6 +1192,7 @@ async fn drafter_context_shipped_with_a_remote_prefill_lets_decode_speculate_at_
                 rounds >= 8,
                 "decode speculated from its first step: {after:?}"
             );
+            assert_eq!(spec, Some(want), "as if prefilled here");
         } else {
             assert_eq!(rounds, 0, "no drafter context, no speculation: {after:?}");
         }

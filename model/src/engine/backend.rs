@@ -333,28 +333,40 @@ impl Backend {
         Ok(bytes)
     }
 
+    /// A peer's consecutive blocks of layer `layer` from `first` on (`data`: whole blocks in
+    /// the cache's dtype): decoded into the host pool, or copied into a device cache in one go.
     pub(crate) fn write_kv(
         &mut self,
         pool: &mut KvPool,
         layer: usize,
-        block: BlockId,
+        first: BlockId,
         data: &[u8],
     ) -> Result<(), ModelError> {
         match &mut self.rows {
             Rows::Host => {
-                let width = pool.layout().width;
-                let dst = pool.block_mut(layer, block)?;
-                KvDtype::F32.widen_into(data, width, dst)
+                let layout = *pool.layout();
+                let block = KvDtype::F32.block_bytes(&layout).max(1);
+                if data.is_empty() || data.len() % block != 0 {
+                    return Err(ModelError::Kv(format!(
+                        "a block write must be whole blocks of {block} bytes, got {}",
+                        data.len()
+                    )));
+                }
+                for (i, bytes) in data.chunks_exact(block).enumerate() {
+                    let dst = pool.block_mut(layer, BlockId(first.0 + i as u32))?;
+                    KvDtype::F32.widen_into(bytes, layout.width, dst)?;
+                }
+                Ok(())
             }
             #[cfg(feature = "cuda")]
             Rows::Cuda(c) => {
                 let _ = pool;
-                c.write_kv(layer, block, data)
+                c.write_kv(layer, first, data)
             }
             #[cfg(feature = "rocm")]
             Rows::Rocm(r) => {
                 let _ = pool;
-                r.write_kv(layer, block, data)
+                r.write_kv(layer, first, data)
             }
         }
     }

@@ -805,10 +805,11 @@ pub(crate) enum Command {
         forks: Vec<(SeqId, mpsc::UnboundedSender<EngineEvent>)>,
     },
     Prefill(PrefillJob),
-    /// One block of one layer from a peer, in the engine's cache dtype.
+    /// Consecutive blocks of one layer from a peer, from `first` on, in the engine's cache
+    /// dtype.
     WriteKv {
         layer: usize,
-        block: BlockId,
+        first: BlockId,
         data: Vec<u8>,
     },
     RemoteDone {
@@ -1320,14 +1321,16 @@ impl EngineHandle {
             .map_err(EngineError::Job)
     }
 
-    /// Writes one block of one layer received from a peer (only into blocks reserved for a
-    /// remote prefill; anything else is dropped with a warning). `data` is the block's
-    /// `[page][width]` rows as little-endian elements of [`Self::kv_dtype`], for the drafter's
-    /// context layers (`layer ≥` the target's layers) too; a write of the wrong size is dropped
-    /// with a warning. On the CPU it lands in the host pool; on a GPU it is copied straight into
-    /// the device cache.
-    pub fn write_kv(&self, layer: usize, block: BlockId, data: Vec<u8>) -> Result<(), EngineError> {
-        self.send(Command::WriteKv { layer, block, data })
+    /// Writes blocks of one layer received from a peer: `first` and the blocks after it, as
+    /// many as `data` holds (a transport's run of consecutive blocks; one block is a run of
+    /// one), only into blocks reserved for a remote prefill (a run with any other block is
+    /// dropped with a warning). `data` is the blocks' `[block][page][width]` rows as
+    /// little-endian elements of [`Self::kv_dtype`], for the drafter's context layers (`layer
+    /// ≥` the target's layers) too; a write that is not whole blocks is dropped with a warning.
+    /// On the CPU it lands in the host pool; on a GPU it is copied straight into the device
+    /// cache, one copy per run.
+    pub fn write_kv(&self, layer: usize, first: BlockId, data: Vec<u8>) -> Result<(), EngineError> {
+        self.send(Command::WriteKv { layer, first, data })
     }
 
     /// The peer finished the prompt KV of `id` and sampled `first_token`, having landed `bytes`

@@ -240,7 +240,7 @@ impl Scheduler {
                 })
             }
             Command::Prefill(job) => self.admit_prefill(job),
-            Command::WriteKv { layer, block, data } => self.write_kv(layer, block, &data),
+            Command::WriteKv { layer, first, data } => self.write_kv(layer, first, &data),
             Command::RemoteDone { id, first, bytes } => self.remote_done(id, first, bytes),
             Command::RemoteFailed {
                 id,

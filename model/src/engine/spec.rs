@@ -400,9 +400,10 @@ impl Speculator {
     }
 
     /// Ships the drafter context of `blocks` through `sink`, one wire layer at a time: each
-    /// drafter layer's rows are read from the drafter KV (downloaded from a device), split
-    /// into wire rows in the f32 wire pool, and handed over as layer `l · chunks + c`, a
-    /// [`LayerRows`] view of that pool (f32: a sink converts to its destination's dtype).
+    /// drafter layer's rows of `blocks` are read from the drafter KV at once (on a device, one
+    /// gather and one download per layer), split into wire rows in the f32 wire pool, and
+    /// handed over as layer `l · chunks + c`, a [`LayerRows`] view of that pool (f32: a sink
+    /// converts to its destination's dtype).
     pub fn ship(
         &mut self,
         blocks: &[BlockId],
@@ -412,26 +413,22 @@ impl Speculator {
             return Ok(());
         };
         let chunks = layout.chunks();
-        let natural: Vec<Vec<Vec<f32>>> = {
+        let natural: Vec<Vec<f32>> = {
             let kv = self
                 .kv
                 .as_ref()
                 .ok_or("this engine's drafter keeps no KV")?;
             (0..layout.layers)
-                .map(|l| {
-                    blocks
-                        .iter()
-                        .map(|&b| kv.read_block(l, b))
-                        .collect::<Result<Vec<_>, _>>()
-                })
+                .map(|l| kv.read_blocks_of(l, blocks))
                 .collect::<Result<_, _>>()
                 .map_err(|e| e.to_string())?
         };
+        let per_block = layout.rows_layout(&self.target).block_floats();
         let wire = self.wire().map_err(|e| e.to_string())?;
         for (l, rows) in natural.iter().enumerate() {
             for c in 0..chunks {
                 let layer = l * chunks + c;
-                for (&b, block) in blocks.iter().zip(rows) {
+                for (&b, block) in blocks.iter().zip(rows.chunks_exact(per_block.max(1))) {
                     let dst = wire.block_mut(layer, b).map_err(|e| e.to_string())?;
                     layout.to_wire(block, c, dst).map_err(|e| e.to_string())?;
                 }
@@ -511,21 +508,25 @@ impl Speculator {
         }
     }
 
-    /// Moves `blocks` from the wire pool into the drafter KV.
+    /// Moves `blocks` from the wire pool into the drafter KV: per drafter layer, every block's
+    /// rows assembled on the host, then written at once (to a device, one upload per layer).
     fn land(&mut self, blocks: &[BlockId]) -> Result<(), ModelError> {
         let (Some(layout), Some(wire), Some(kv)) = (self.layout, &self.wire, self.kv.as_mut())
         else {
             return Err(ModelError::Kv("no drafter KV to land peer rows in".into()));
         };
-        let rows = layout.rows_layout(&self.target).block_floats();
-        let mut natural = vec![0.0f32; rows];
-        for &b in blocks {
-            for l in 0..layout.layers {
+        let per_block = layout.rows_layout(&self.target).block_floats();
+        let mut natural = vec![0.0f32; blocks.len() * per_block];
+        for l in 0..layout.layers {
+            for (&b, rows) in blocks
+                .iter()
+                .zip(natural.chunks_exact_mut(per_block.max(1)))
+            {
                 for c in 0..layout.chunks() {
-                    layout.from_wire(wire.block(l * layout.chunks() + c, b)?, c, &mut natural)?;
+                    layout.from_wire(wire.block(l * layout.chunks() + c, b)?, c, rows)?;
                 }
-                kv.write_block(l, b, &natural)?;
             }
+            kv.write_blocks_of(l, blocks, &natural)?;
         }
         Ok(())
     }

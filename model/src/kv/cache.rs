@@ -270,6 +270,55 @@ impl KvStore {
         }
     }
 
+    /// Blocks `blocks` of layer `l`, in that order, as f32 rows `[block][page][width]` (from a
+    /// device: one gather and one download, not one per block).
+    pub fn read_blocks_of(&self, l: usize, blocks: &[BlockId]) -> Result<Vec<f32>, ModelError> {
+        match self {
+            KvStore::Host(p) => {
+                let mut out = Vec::with_capacity(blocks.len() * p.layout().block_floats());
+                for &b in blocks {
+                    out.extend_from_slice(p.block(l, b)?);
+                }
+                Ok(out)
+            }
+            #[cfg(feature = "cuda")]
+            KvStore::Cuda(c) => c.read_blocks_of(l, blocks),
+            #[cfg(feature = "rocm")]
+            KvStore::Rocm(c) => c.read_blocks_of(l, blocks),
+        }
+    }
+
+    /// Overwrites blocks `blocks` of layer `l` with f32 rows `[block][page][width]`, one block
+    /// per entry, in that order (to a device: one upload, not one per block).
+    pub fn write_blocks_of(
+        &mut self,
+        l: usize,
+        blocks: &[BlockId],
+        rows: &[f32],
+    ) -> Result<(), ModelError> {
+        match self {
+            KvStore::Host(_) => {
+                let per_block = self.layout().block_floats();
+                if rows.len() != blocks.len() * per_block {
+                    return Err(ModelError::Kv(format!(
+                        "writing {} blocks of layer {l} takes {} floats, got {}",
+                        blocks.len(),
+                        blocks.len() * per_block,
+                        rows.len()
+                    )));
+                }
+                for (&b, block) in blocks.iter().zip(rows.chunks_exact(per_block.max(1))) {
+                    self.write_block(l, b, block)?;
+                }
+                Ok(())
+            }
+            #[cfg(feature = "cuda")]
+            KvStore::Cuda(c) => c.write_blocks_of(l, blocks, rows),
+            #[cfg(feature = "rocm")]
+            KvStore::Rocm(c) => c.write_blocks_of(l, blocks, rows),
+        }
+    }
+
     /// Overwrites one block of layer `l` with f32 rows `[page][width]`.
     pub fn write_block(
         &mut self,

@@ -8,13 +8,13 @@
 //! cache and events keep working unchanged.
 //!
 //! Rows cross to and from the host either in the cache's own dtype — a peer's block written as
-//! it arrived ([`DeviceKvCache::write_block_bytes`]), shipped blocks copied out by address
+//! it arrived ([`DeviceKvCache::write_run_bytes`]), shipped blocks copied out by address
 //! ([`DeviceKvCache::block_bytes`], the CUDA engine's staging ring) — or as f32 (a drafter's
 //! context, tests): [`DeviceKvCache::write_blocks`] encodes them as the cache stores them and
 //! [`DeviceKvCache::read_blocks`] widens them back (`hi + lo`), so a stored row survives the
 //! round trip exactly.
 
-use ferry_kernels::gpu::launch::{DeviceMem, Gpu};
+use ferry_kernels::gpu::launch::{DeviceMem, DevicePod, Gpu};
 use ferry_kernels::gpu::ops::PagesView;
 
 use super::{BlockId, KvDtype, KvLayout};
@@ -175,24 +175,25 @@ impl<D: Gpu> DeviceKvCache<D> {
         Ok(())
     }
 
-    /// Writes one whole block of layer `l` from `bytes`: its `[page][row]` stored elements as
-    /// little-endian bytes of the cache's own dtype ([`Self::dtype`]), copied as they are (no
-    /// rounding). One host-to-device copy; returns once it is done.
-    pub fn write_block_bytes(
+    /// Writes whole consecutive blocks of layer `l` from block `first` on from `bytes`: their
+    /// `[block][page][row]` stored elements as little-endian bytes of the cache's own dtype
+    /// ([`Self::dtype`]), copied as they are (no rounding). One host-to-device copy however many
+    /// blocks (a peer's run); returns once it is done.
+    pub fn write_run_bytes(
         &mut self,
         l: usize,
-        block: BlockId,
+        first: BlockId,
         bytes: &[u8],
     ) -> Result<(), ModelError> {
-        let want = self.block_elems() * self.dtype.elem_size();
-        if bytes.len() != want {
+        let block = self.block_elems() * self.dtype.elem_size();
+        if bytes.is_empty() || bytes.len() % block != 0 {
             return Err(ModelError::Kv(format!(
-                "a block write into a {} cache must be {want} bytes, got {}",
+                "a block write into a {} cache must be whole blocks of {block} bytes, got {}",
                 self.dtype,
                 bytes.len()
             )));
         }
-        let offset = self.block_range(l, block, 1)?;
+        let offset = self.block_range(l, first, bytes.len() / block)?;
         match self.layers.get_mut(l) {
             Some(Region::F32(b)) => match bytemuck::try_cast_slice::<u8, f32>(bytes) {
                 Ok(rows) => self.dev.write(b, offset, rows)?,
@@ -229,6 +230,88 @@ impl<D: Gpu> DeviceKvCache<D> {
         }
     }
 
+    /// Blocks `blocks` of layer `l`, in that order, as f32 rows `[block][page][width]`: each
+    /// run of consecutive ids gathered on the device (in stream order), then one device-to-host
+    /// copy. A sequence's blocks need not be consecutive; this costs one wait, where a read per
+    /// block would wait once per block.
+    pub fn read_blocks_of(&self, l: usize, blocks: &[BlockId]) -> Result<Vec<f32>, ModelError> {
+        let runs = super::block_runs(blocks);
+        if let [(first, count)] = runs[..] {
+            return self.read_blocks(l, first, count);
+        }
+        match self.region(l)? {
+            Region::F32(b) => self.gather(l, b, &runs),
+            Region::Bf16(b) => self.widen(&self.gather(l, b, &runs)?),
+        }
+    }
+
+    /// `runs` of layer `l`'s region `src`, one after another, on the host.
+    fn gather<T: DevicePod>(
+        &self,
+        l: usize,
+        src: &D::Buffer<T>,
+        runs: &[(BlockId, usize)],
+    ) -> Result<Vec<T>, ModelError> {
+        let per_block = self.block_elems();
+        let total: usize = runs.iter().map(|&(_, n)| n * per_block).sum();
+        if total == 0 {
+            return Ok(Vec::new());
+        }
+        let mut scratch = self.dev.alloc::<T>(total)?;
+        let mut at = 0;
+        for &(first, n) in runs {
+            let from = self.block_range(l, first, n)?;
+            self.dev
+                .copy_range((src, from), (&mut scratch, at), n * per_block)?;
+            at += n * per_block;
+        }
+        Ok(self.dev.download(&scratch)?)
+    }
+
+    /// Writes f32 `rows` (`[block][page][width]`, one block per entry of `blocks`, in that
+    /// order) into layer `l`, encoded as the cache stores them: one host-to-device copy, then
+    /// each run of consecutive ids copied into place on the device, in stream order before any
+    /// later work (the staging buffer is freed in that order too).
+    pub fn write_blocks_of(
+        &mut self,
+        l: usize,
+        blocks: &[BlockId],
+        rows: &[f32],
+    ) -> Result<(), ModelError> {
+        let per_block = self.layout.block_floats();
+        if rows.len() != blocks.len() * per_block {
+            return Err(ModelError::Kv(format!(
+                "writing {} blocks of layer {l} takes {} floats, got {}",
+                blocks.len(),
+                blocks.len() * per_block,
+                rows.len()
+            )));
+        }
+        let runs = super::block_runs(blocks);
+        if let [(first, _)] = runs[..] {
+            return self.write_blocks(l, first, rows);
+        }
+        let per_block = self.block_elems();
+        let mut offsets = Vec::with_capacity(runs.len());
+        for &(first, n) in &runs {
+            offsets.push((self.block_range(l, first, n)?, n * per_block));
+        }
+        let (dtype, width) = (self.dtype, self.layout.width);
+        match self.layers.get_mut(l) {
+            Some(Region::F32(dst)) => {
+                let staged = self.dev.upload(rows)?;
+                copy_runs(&self.dev, &staged, dst, &offsets)
+            }
+            Some(Region::Bf16(dst)) => {
+                let mut bytes = Vec::new();
+                dtype.encode_into(rows, width, &mut bytes);
+                let staged = self.dev.upload(&bf16_bits(&bytes))?;
+                copy_runs(&self.dev, &staged, dst, &offsets)
+            }
+            None => Err(ModelError::Kv(format!("layer {l} is outside the cache"))),
+        }
+    }
+
     /// Layer `l` copied back as f32 rows `[block][page][width]` (tests).
     pub fn download_layer(&self, l: usize) -> Result<Vec<f32>, ModelError> {
         match self.region(l)? {
@@ -251,6 +334,21 @@ impl<D: Gpu> DeviceKvCache<D> {
         self.dtype
             .widen(bytemuck::cast_slice(bits), self.layout.width)
     }
+}
+
+/// Copies `staged` (runs one after another) to `(offset, len)` of `dst` each, in stream order.
+fn copy_runs<D: Gpu, T: DevicePod>(
+    dev: &D,
+    staged: &D::Buffer<T>,
+    dst: &mut D::Buffer<T>,
+    offsets: &[(usize, usize)],
+) -> Result<(), ModelError> {
+    let mut at = 0;
+    for &(to, len) in offsets {
+        dev.copy_range((staged, at), (&mut *dst, to), len)?;
+        at += len;
+    }
+    Ok(())
 }
 
 /// Little-endian bytes as bf16 bit patterns.

@@ -45,7 +45,7 @@ pub use hash::{block_hashes, chain_hash, BLOCK_HASH_SEED};
 pub use layout::KvLayout;
 pub use lease::{Lease, Leases, LEASE_TIMEOUT};
 pub use manager::KvManager;
-pub use pool::{BlockId, HostRows, KvPool, RowBuffer, RowMemory};
+pub use pool::{block_runs, BlockId, HostRows, KvPool, RowBuffer, RowMemory};
 pub use prefix::PrefixCache;
 pub use rows::{DeviceRows, KvDtype, LayerRows};
 pub use table::BlockTable;

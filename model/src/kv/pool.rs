@@ -42,6 +42,19 @@ impl fmt::Display for BlockId {
     }
 }
 
+/// `blocks` as runs of consecutive ids, in their order: `(first, count)` each. Memory copies
+/// of a run are one copy (a device read or write, a shipped span).
+pub fn block_runs(blocks: &[BlockId]) -> Vec<(BlockId, usize)> {
+    let mut runs: Vec<(BlockId, usize)> = Vec::new();
+    for &b in blocks {
+        match runs.last_mut() {
+            Some((first, n)) if b.0 as usize == first.0 as usize + *n => *n += 1,
+            _ => runs.push((b, 1)),
+        }
+    }
+    runs
+}
+
 /// Where a host pool's rows are allocated instead of the heap (see the module docs).
 pub trait RowMemory: Send + Sync {
     /// `bytes` zeroed bytes, aligned to at least 4 bytes, alive as long as the buffer.
@@ -397,6 +410,22 @@ fn no_rows() -> ModelError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn block_runs_group_consecutive_ids_in_their_order() {
+        let ids = |v: &[u32]| v.iter().map(|&b| BlockId(b)).collect::<Vec<_>>();
+        assert_eq!(block_runs(&[]), vec![]);
+        assert_eq!(
+            block_runs(&ids(&[3, 4, 5, 9, 11, 12])),
+            vec![(BlockId(3), 3), (BlockId(9), 1), (BlockId(11), 2)]
+        );
+        assert_eq!(block_runs(&ids(&[7])), vec![(BlockId(7), 1)]);
+        assert_eq!(
+            block_runs(&ids(&[5, 6, 2, 3, 4])),
+            vec![(BlockId(5), 2), (BlockId(2), 3)],
+            "runs follow the given order, unsorted"
+        );
+    }
 
     fn pool(blocks: usize) -> KvPool {
         KvPool::new(KvLayout {

@@ -35,7 +35,7 @@ use crate::deepseek::{
 };
 use crate::gpu::graph::{graph_bucket, graph_max_seqs, DecodeGraph};
 use crate::gpu::GpuKvCache;
-use crate::kv::{BlockId, KvDtype, KvLayout, LayerRows};
+use crate::kv::{block_runs, BlockId, KvDtype, KvLayout, LayerRows};
 use crate::ModelError;
 
 /// The smallest context a graph is planned for.
@@ -329,19 +329,24 @@ impl CudaRows {
         self.ring.as_ref().map_or(0, PinnedBuffer::len)
     }
 
-    /// A peer's block of layer `layer`, `data` in the cache's dtype: one host-to-device copy
-    /// into the cache (done when this returns, so it is ordered before the next forward).
+    /// A peer's consecutive blocks of layer `layer` from `first` on, `data` in the cache's
+    /// dtype: one host-to-device copy into the cache however many blocks (done when this
+    /// returns, so it is ordered before the next forward).
     pub(crate) fn write_kv(
         &mut self,
         layer: usize,
-        block: BlockId,
+        first: BlockId,
         data: &[u8],
     ) -> Result<(), ModelError> {
-        if block.0 as usize >= self.cache.layout().num_blocks - 1 {
+        let block = self.cache.dtype().block_bytes(self.cache.layout()).max(1);
+        let end = first.0 as usize + data.len() / block;
+        if end > self.cache.layout().num_blocks - 1 {
             // The last block is the graphs' scratch block, never a pool block.
-            return Err(ModelError::Kv(format!("{block} is outside the pool")));
+            return Err(ModelError::Kv(format!(
+                "blocks {first}..block#{end} reach outside the pool"
+            )));
         }
-        self.cache.write_block_bytes(layer, block, data)
+        self.cache.write_run_bytes(layer, first, data)
     }
 
     /// The forward; per layer, `after_layer` sees that layer's rows of the staged blocks, in
@@ -578,19 +583,6 @@ impl CudaRows {
     }
 }
 
-/// Runs of consecutive ids in `blocks` (sorted, distinct): `(first, count)`, so each run is
-/// one copy.
-fn block_runs(blocks: &[BlockId]) -> Vec<(BlockId, usize)> {
-    let mut runs: Vec<(BlockId, usize)> = Vec::new();
-    for &b in blocks {
-        match runs.last_mut() {
-            Some((first, n)) if b.0 as usize == first.0 as usize + *n => *n += 1,
-            _ => runs.push((b, 1)),
-        }
-    }
-    runs
-}
-
 /// How many layers' rows may be in flight between the device and the host sink.
 const RING_LAYERS: usize = 4;
 
@@ -731,21 +723,5 @@ impl Shipper {
             bytes,
         )?;
         sink(layer, &rows)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn block_runs_group_consecutive_ids() {
-        let ids = |v: &[u32]| v.iter().map(|&b| BlockId(b)).collect::<Vec<_>>();
-        assert_eq!(block_runs(&[]), vec![]);
-        assert_eq!(
-            block_runs(&ids(&[3, 4, 5, 9, 11, 12])),
-            vec![(BlockId(3), 3), (BlockId(9), 1), (BlockId(11), 2)]
-        );
-        assert_eq!(block_runs(&ids(&[7])), vec![(BlockId(7), 1)]);
     }
 }

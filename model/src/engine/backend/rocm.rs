@@ -125,14 +125,15 @@ impl RocmRows {
         self.cache.download_layer_bytes(layer)
     }
 
-    /// One block of one layer from a peer, `data` in the cache's dtype: copied into the device
-    /// cache as it is (the shared device cache's byte write, as on CUDA).
+    /// Consecutive blocks of one layer from a peer, from `first` on, `data` in the cache's
+    /// dtype: copied into the device cache as it is, in one copy (the shared device cache's
+    /// byte write, as on CUDA).
     pub(crate) fn write_kv(
         &mut self,
         layer: usize,
-        block: BlockId,
+        first: BlockId,
         data: &[u8],
     ) -> Result<(), ModelError> {
-        self.cache.write_block_bytes(layer, block, data)
+        self.cache.write_run_bytes(layer, first, data)
     }
 }

@@ -155,31 +155,40 @@ impl Scheduler {
         }
     }
 
-    pub(super) fn write_kv(&mut self, layer: usize, block: BlockId, data: &[u8]) {
-        if !self.fences.is_reserved(block) {
-            warn!(%block, layer, "dropping a KV write into a block not reserved for a peer");
+    /// A peer's run of blocks `first..` of `layer` (see [`super::super::EngineHandle::write_kv`]).
+    pub(super) fn write_kv(&mut self, layer: usize, first: BlockId, data: &[u8]) {
+        let target_layers = self.kv.pool().layout().num_layers;
+        let dtype = self.backend.kv_dtype();
+        // The drafter's wire pool is shaped like the target's, so its blocks are as long.
+        let block = dtype.block_bytes(self.kv.pool().layout()).max(1);
+        if data.is_empty() || data.len() % block != 0 {
+            warn!(%first, layer, bytes = data.len(), block, "dropping a KV write that is not whole blocks");
+            return;
+        }
+        let blocks = (0..data.len() / block).map(|i| BlockId(first.0 + i as u32));
+        if let Some(b) = blocks.clone().find(|&b| !self.fences.is_reserved(b)) {
+            warn!(block = %b, %first, layer, "dropping a KV write into a block not reserved for a peer");
             return;
         }
         // Layers past the target's are the drafter's context (see `docs/spec_decode.md`).
-        let target_layers = self.kv.pool().layout().num_layers;
         if layer >= target_layers {
-            let dtype = self.backend.kv_dtype();
-            let written = match self.spec.as_mut() {
-                Some(sp) => sp.write_kv(layer - target_layers, block, data, dtype),
-                None => Err("this engine has no drafter".into()),
+            let Some(sp) = self.spec.as_mut() else {
+                warn!(%first, layer, "dropping a drafter KV write: this engine has no drafter");
+                return;
             };
-            match written {
-                Ok(()) => {}
-                Err(e) => warn!(%block, layer, error = %e, "dropping a drafter KV write"),
+            for (b, bytes) in blocks.zip(data.chunks_exact(block)) {
+                if let Err(e) = sp.write_kv(layer - target_layers, b, bytes, dtype) {
+                    warn!(block = %b, layer, error = %e, "dropping a drafter KV write");
+                }
             }
             return;
         }
         // In the cache's dtype: into the host pool on the CPU, the device cache on a GPU.
         if let Err(e) = self
             .backend
-            .write_kv(self.kv.pool_mut(), layer, block, data)
+            .write_kv(self.kv.pool_mut(), layer, first, data)
         {
-            warn!(%block, layer, bytes = data.len(), error = %e, "dropping a KV write");
+            warn!(%first, layer, bytes = data.len(), error = %e, "dropping a KV write");
         }
     }
 
