@@ -299,14 +299,8 @@ impl KvStore {
         match self {
             KvStore::Host(_) => {
                 let per_block = self.layout().block_floats();
-                if rows.len() != blocks.len() * per_block {
-                    return Err(ModelError::Kv(format!(
-                        "writing {} blocks of layer {l} takes {} floats, got {}",
-                        blocks.len(),
-                        blocks.len() * per_block,
-                        rows.len()
-                    )));
-                }
+                self.layout()
+                    .check_block_rows(l, blocks.len(), rows.len())?;
                 for (&b, block) in blocks.iter().zip(rows.chunks_exact(per_block.max(1))) {
                     self.write_block(l, b, block)?;
                 }

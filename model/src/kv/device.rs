@@ -278,15 +278,7 @@ impl<D: Gpu> DeviceKvCache<D> {
         blocks: &[BlockId],
         rows: &[f32],
     ) -> Result<(), ModelError> {
-        let per_block = self.layout.block_floats();
-        if rows.len() != blocks.len() * per_block {
-            return Err(ModelError::Kv(format!(
-                "writing {} blocks of layer {l} takes {} floats, got {}",
-                blocks.len(),
-                blocks.len() * per_block,
-                rows.len()
-            )));
-        }
+        self.layout.check_block_rows(l, blocks.len(), rows.len())?;
         let runs = super::block_runs(blocks);
         if let [(first, _)] = runs[..] {
             return self.write_blocks(l, first, rows);

@@ -59,6 +59,18 @@ impl KvLayout {
         self.page_size * self.width
     }
 
+    /// That `rows` f32 are exactly `blocks` whole blocks of layer `l` (a multi-block write).
+    pub fn check_block_rows(&self, l: usize, blocks: usize, rows: usize) -> Result<(), ModelError> {
+        let want = blocks * self.block_floats();
+        if rows == want {
+            Ok(())
+        } else {
+            Err(ModelError::Kv(format!(
+                "writing {blocks} blocks of layer {l} takes {want} floats, got {rows}"
+            )))
+        }
+    }
+
     /// Floats in one layer's region.
     pub fn layer_floats(&self) -> usize {
         self.num_blocks * self.block_floats()
