@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use ferry_kvtransfer::error::TransferError;
 use ferry_kvtransfer::{Dtype, Fence, KvLayoutDesc, KvRegion, LayerMemory, Transport};
-use ferry_model::engine::{DeviceKv, EngineHandle};
+use ferry_model::engine::{DeviceKv, DeviceKvWriter, EngineHandle};
 use ferry_model::kv::{BlockId, HostRows, KvDtype, RemoteFences, RowBuffer, RowMemory};
 
 /// A CPU engine's KV rows in the KV transport's memory ([`Transport::alloc_host`]): with UCX,
@@ -34,9 +34,12 @@ impl RowMemory for TransportRows {
 /// - **A CUDA engine's target layers are exposed as device memory** ([`LayerMemory::Cuda`]:
 ///   [`EngineHandle::device_kv`]), so a UCX peer with CUDA support puts blocks straight from its
 ///   own device cache into this one (`cuda_ipc` on one GPU or across NVLink). A transport that
-///   cannot reach device memory (TCP, a UCX without CUDA) stages those blocks through
-///   [`KvRegion::write_run`] instead (one engine command and one host → device copy per run of
-///   consecutive blocks).
+///   cannot reach device memory (TCP, a UCX without CUDA) hands each run of consecutive blocks
+///   to [`KvRegion::write_run`] instead, which copies it into the device cache from the
+///   receiving thread ([`DeviceKvWriter`]: a copy stream of its own, waited for before the
+///   receiver goes on, as a host layer's copy is), not through the engine thread: one command
+///   and one synchronous copy per run there stopped decode steps for ~6 ms per 1,024-token
+///   prompt of a small model (docs/transfer.md).
 /// - **Everything else is staged** through [`KvRegion::write`] to the engine thread (the pool's
 ///   one owner), which applies writes in order before it processes the completion: the
 ///   drafter's context layers, and a ROCm engine's cache.
@@ -64,6 +67,8 @@ pub struct EngineRegion {
     /// A CUDA engine's device cache (kept alive by `engine`: the engine thread runs while
     /// any handle does).
     device: Option<DeviceKv>,
+    /// Copies staged runs of target layers into that cache from the receiving thread.
+    writer: Option<Arc<DeviceKvWriter>>,
     /// Target layers (the rest are the drafter's context, staged).
     target_layers: u32,
     fences: Arc<RemoteFences>,
@@ -91,12 +96,21 @@ impl EngineRegion {
         Self {
             rows,
             device: engine.device_kv(),
+            writer: engine.device_kv_writer().filter(|_| direct_device_writes()),
             target_layers: u(l.num_layers),
             fences: engine.remote_fences(),
             engine,
             layout,
         }
     }
+}
+
+/// Whether staged runs of a CUDA engine's target layers are copied from the receiving thread:
+/// unless `FERRY_DIRECT_KV_WRITES=0` (read once; the benchmarks' A/B switch for the hop through
+/// the engine thread it replaced).
+fn direct_device_writes() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("FERRY_DIRECT_KV_WRITES").map_or(true, |v| v.trim() != "0"))
 }
 
 impl KvRegion for EngineRegion {
@@ -144,9 +158,19 @@ impl KvRegion for EngineRegion {
         self.write_run(layer, block, data)
     }
 
-    /// One engine command per run: the engine copies it into a device cache at once (one
-    /// host-to-device copy, not one per block).
+    /// A CUDA engine's target layer: one host-to-device copy from this thread. Anything else
+    /// (the drafter's context, a ROCm cache): one engine command per run, applied in order
+    /// before the transfer's completion.
     fn write_run(&self, layer: u32, first: u32, data: &[u8]) -> Result<(), TransferError> {
+        if let Some(writer) = self.writer.as_ref().filter(|_| layer < self.target_layers) {
+            // SAFETY: the transfer registry admitted every block of this run under its
+            // transfer's fence before handing it here (`KvRegion::admit`), so the engine keeps
+            // off those blocks until the transfer completes (or quarantines them if it gives
+            // up: docs/transfer.md, Fences); `self.engine` keeps the device cache alive.
+            #[allow(unsafe_code)]
+            return unsafe { writer.write_run(layer as usize, BlockId(first), data) }
+                .map_err(|e| TransferError::Region(e.to_string()));
+        }
         self.engine
             .write_kv(layer as usize, BlockId(first), data.to_vec())
             .map_err(|e| TransferError::Region(e.to_string()))

@@ -971,26 +971,51 @@ fn direct_fast_cache(prompt: &[u32], page: usize) -> Vec<(usize, usize, Vec<u8>)
 }
 
 /// Plays the transport: runs a prefill job on `p` and writes each shipped block into `d`, in
-/// `d`'s cache dtype.
-async fn remote_prefill(
+/// `d`'s cache dtype: block by block through the engine thread (`EngineHandle::write_kv`), or
+/// with `direct` as a decode worker's TCP receiver does: runs of
+/// consecutive destination blocks copied into the device cache from this thread
+/// (`EngineHandle::device_kv_writer`).
+async fn remote_prefill_via(
     p: &EngineHandle,
     d: &EngineHandle,
     prompt: Vec<u32>,
-    dest: Vec<BlockId>,
-    skip_tokens: usize,
+    (dest, skip_tokens): (Vec<BlockId>, usize),
+    direct: bool,
 ) -> (u32, u64) {
     let d2 = d.clone();
+    let writer = direct.then(|| d.device_kv_writer().expect("a CUDA engine's writer"));
     let landed = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
     let counted = landed.clone();
     let first_dest = skip_tokens / p.kv_layout().page_size;
     // In the destination's dtype, as a prefill worker sends it (the wire's rule).
     let to = d.kv_dtype();
     let sink: LayerSinkFn = Box::new(move |layer, blocks, rows| {
+        let mut run: Option<(BlockId, Vec<u8>)> = None;
         for (j, b) in blocks.iter().enumerate() {
             let data = as_dtype(rows, *b, to)?;
             counted.fetch_add(data.len() as u64, std::sync::atomic::Ordering::Relaxed);
-            d2.write_kv(layer, dest[first_dest + j], data)
-                .map_err(|e| e.to_string())?;
+            let at = dest[first_dest + j];
+            let Some(w) = writer.as_ref() else {
+                d2.write_kv(layer, at, data).map_err(|e| e.to_string())?;
+                continue;
+            };
+            let block = data.len();
+            match run.as_mut() {
+                Some((first, bytes)) if first.0 as usize + bytes.len() / block == at.0 as usize => {
+                    bytes.extend_from_slice(&data)
+                }
+                _ => {
+                    if let Some((first, bytes)) = run.replace((at, data)) {
+                        // SAFETY: the destination blocks are reserved for this remote prefill
+                        // (the engine's `Reserved` event), which has not completed.
+                        unsafe { w.write_run(layer, first, &bytes) }.map_err(|e| e.to_string())?;
+                    }
+                }
+            }
+        }
+        if let (Some(w), Some((first, bytes))) = (writer.as_ref(), run) {
+            // SAFETY: as above.
+            unsafe { w.write_run(layer, first, &bytes) }.map_err(|e| e.to_string())?;
         }
         Ok(())
     });
@@ -1004,6 +1029,16 @@ async fn remote_prefill(
 
 /// Decodes `prompt` on `d` with its KV prefilled by `p`; returns the tokens.
 async fn disaggregated(p: &EngineHandle, d: &EngineHandle, prompt: Vec<u32>) -> Vec<u32> {
+    disaggregated_via(p, d, prompt, false).await
+}
+
+/// [`disaggregated`], the KV landed as [`remote_prefill_via`] says.
+async fn disaggregated_via(
+    p: &EngineHandle,
+    d: &EngineHandle,
+    prompt: Vec<u32>,
+    direct: bool,
+) -> Vec<u32> {
     let mut g = d
         .generate(job(
             prompt.clone(),
@@ -1018,7 +1053,7 @@ async fn disaggregated(p: &EngineHandle, d: &EngineHandle, prompt: Vec<u32>) -> 
     else {
         panic!("expected a reservation");
     };
-    let (first, bytes) = remote_prefill(p, d, prompt, blocks, cached_tokens).await;
+    let (first, bytes) = remote_prefill_via(p, d, prompt, (blocks, cached_tokens), direct).await;
     d.remote_done(g.id, first, bytes).unwrap();
     let (toks, end) = collect(g).await;
     assert_eq!(end, Ok(FinishReason::Length));
@@ -1052,6 +1087,60 @@ async fn kv_crosses_between_cpu_and_cuda_engines_both_ways() {
         "CUDA prefill → CPU decode (shipped blocks downloaded)"
     );
     for e in [&gpu_p, &gpu_d, &cpu_p, &cpu_d] {
+        wait_idle(e).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an NVIDIA GPU: run on the GPU machine with --include-ignored (docs/gpu.md)"]
+async fn peer_runs_copied_from_the_receiving_thread_decode_like_a_local_prefill() {
+    let test = "peer_runs_copied_from_the_receiving_thread_decode_like_a_local_prefill";
+    let (Some(fast_d), Some(exact_d)) = (
+        cuda_engine(test, GpuMode::Fast),
+        cuda_engine(test, GpuMode::Exact),
+    ) else {
+        return;
+    };
+    let cpu_p = engine(Device::Cpu, GpuMode::Exact);
+    assert!(
+        cpu_p.device_kv_writer().is_none(),
+        "a CPU engine has no device cache to copy into"
+    );
+    let (prompt, expected) = golden_case(2);
+    // Exact mode: f32 rows from a CPU peer decode the CPU's golden tokens, as through the
+    // engine thread (`kv_crosses_between_cpu_and_cuda_engines_both_ways`).
+    let toks = disaggregated_via(&cpu_p, &exact_d, prompt.clone(), true).await;
+    assert_eq!(
+        toks, expected,
+        "runs copied off the engine thread (exact mode)"
+    );
+    // Fast mode (bf16 cache): the same tokens whichever way the same bytes land.
+    let fast_p = cuda_engine(test, GpuMode::Fast).expect("a second fast engine");
+    let via_engine = disaggregated_via(&cpu_p, &fast_p, prompt.clone(), false).await;
+    let direct = disaggregated_via(&cpu_p, &fast_d, prompt, true).await;
+    assert_eq!(
+        direct, via_engine,
+        "fast mode: direct copies == engine-thread writes"
+    );
+    // A run that is not whole blocks, or reaches the graphs' scratch block past the pool,
+    // writes nothing and says why.
+    let w = fast_d.device_kv_writer().expect("writer");
+    let layout = fast_d.kv_layout();
+    let block = fast_d.kv_dtype().block_bytes(&layout);
+    let last = BlockId(layout.num_blocks as u32 - 1);
+    // SAFETY: both runs are refused before any copy (the bounds checks), so no block is written.
+    let past = unsafe { w.write_run(0, last, &vec![0u8; 2 * block]) };
+    assert!(
+        past.is_err_and(|e| e.to_string().contains("outside")),
+        "past the pool"
+    );
+    // SAFETY: as above.
+    let ragged = unsafe { w.write_run(0, BlockId(0), &vec![0u8; block + 1]) };
+    assert!(
+        ragged.is_err_and(|e| e.to_string().contains("whole blocks")),
+        "ragged run"
+    );
+    for e in [&fast_d, &exact_d, &fast_p, &cpu_p] {
         wait_idle(e).await;
     }
 }

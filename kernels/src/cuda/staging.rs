@@ -97,7 +97,7 @@ pub struct DeviceRange {
     pub len: usize,
 }
 
-/// A second stream for copies out of device memory.
+/// A second stream for copies between the host and device memory, beside the device's own.
 pub struct CopyStream {
     dev: CudaDevice,
     stream: Arc<CudaStream>,
@@ -186,6 +186,28 @@ impl CopyStream {
         // SAFETY: as above; the copy is ordered on this stream after `after`.
         unsafe { result::memcpy_dtoh_async(out, src, self.stream.cu_stream()) }
             .map_err(gpu_err("cuMemcpyDtoHAsync"))
+    }
+
+    /// Copies `host` to device address `dst` on this stream and waits for it: a host → device
+    /// copy that neither queues behind the device's own stream nor holds it up, made from
+    /// whatever thread calls (a decode worker's KV receiver lands a peer's blocks with it while
+    /// the engine thread computes). Several threads may call at once; each waits for the
+    /// copies queued before its own.
+    ///
+    /// # Safety
+    /// `dst .. dst + host.len()` lies in a live device allocation that no queued or later
+    /// work reads or writes until this returns.
+    pub unsafe fn write_and_wait(&self, dst: u64, host: &[u8]) -> Result<(), KernelError> {
+        if host.is_empty() {
+            return Ok(());
+        }
+        self.dev.bind()?;
+        // SAFETY: the caller's contract above; `host` outlives the copy (waited for below).
+        unsafe { result::memcpy_htod_async(dst, host, self.stream.cu_stream()) }
+            .map_err(gpu_err("cuMemcpyHtoDAsync"))?;
+        self.stream
+            .synchronize()
+            .map_err(gpu_err("cuStreamSynchronize"))
     }
 
     /// A mark after every copy queued so far on this stream.

@@ -236,6 +236,21 @@ impl Backend {
         }
     }
 
+    /// A writer of peers' runs straight into a CUDA engine's device cache (`None` elsewhere).
+    pub(crate) fn device_kv_writer(&self) -> Option<crate::engine::DeviceKvWriter> {
+        match &self.rows {
+            #[cfg(feature = "cuda")]
+            Rows::Cuda(c) => match c.device_kv_writer() {
+                Ok(w) => Some(w),
+                Err(e) => {
+                    tracing::warn!(error = %e, "no copy stream for peers' KV writes; they go through the engine thread");
+                    None
+                }
+            },
+            _ => None,
+        }
+    }
+
     /// Page-locked host bytes staging shipped layers (0 on the CPU).
     pub(crate) fn staging_bytes(&self) -> usize {
         match &self.rows {

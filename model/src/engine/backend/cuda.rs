@@ -300,6 +300,16 @@ impl CudaRows {
         Ok(Some(out))
     }
 
+    /// A writer of peers' runs into the device cache on a copy stream of its own, for the
+    /// decode worker's receiving threads.
+    pub(crate) fn device_kv_writer(&self) -> Result<crate::engine::DeviceKvWriter, ModelError> {
+        Ok(crate::engine::DeviceKvWriter {
+            copy: self.dev.copy_stream()?,
+            layers: self.device_kv()?.layers,
+            block_bytes: self.cache.dtype().block_bytes(self.cache.layout()),
+        })
+    }
+
     /// The cache's element type.
     pub(crate) fn kv_dtype(&self) -> KvDtype {
         self.cache.dtype()
