@@ -345,6 +345,12 @@ mod tests {
             push(&rows, &blocks, 0, wire_split).await,
             vec![(0, 6, encode(&a)), (0, 7, encode(&b))]
         );
+        // A staged view keeps its blocks in id order (the drafter's context, `Speculator::ship`);
+        // the prompt's own order decides where each goes.
+        assert_eq!(
+            push(&rows, &[BlockId(3), BlockId(1)], 0, wire_split).await,
+            vec![(0, 6, encode(&b)), (0, 7, encode(&a))]
+        );
         // Latent elements widen from bf16; the split ones come back within 2⁻¹⁶.
         let widened = |v: &[f32]| -> Vec<f32> {
             let mut w = Vec::new();

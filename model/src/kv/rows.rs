@@ -71,9 +71,7 @@ impl KvDtype {
                 dst.len()
             )));
         }
-        let bf = |b: &[u8], i: usize| {
-            half::bf16::from_bits(u16::from_le_bytes([b[2 * i], b[2 * i + 1]])).to_f32()
-        };
+        let bf = |c: &[u8]| half::bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32();
         for (src, out) in bytes.chunks_exact(row).zip(dst.chunks_exact_mut(width)) {
             match self {
                 KvDtype::F32 => {
@@ -82,12 +80,14 @@ impl KvDtype {
                     }
                 }
                 KvDtype::Bf16Split { rope } => {
-                    for (i, d) in out.iter_mut().enumerate() {
-                        *d = if i + rope < width {
-                            bf(src, i)
-                        } else {
-                            bf(src, i) + bf(src, i + rope)
-                        };
+                    // `width` bf16 (the his), then the lo halves of the last `rope` elements.
+                    let (hi, lo) = src.split_at(2 * width);
+                    for (d, c) in out.iter_mut().zip(hi.chunks_exact(2)) {
+                        *d = bf(c);
+                    }
+                    let split = width.saturating_sub(rope);
+                    for (d, c) in out[split..].iter_mut().zip(lo.chunks_exact(2)) {
+                        *d += bf(c);
                     }
                 }
             }
@@ -105,19 +105,33 @@ impl KvDtype {
 
     /// Encodes f32 `rows` (whole rows of `width`) as this dtype's bytes, appended to `out`:
     /// a split pair is `hi = bf16(x)`, `lo = bf16(x − hi)`, as the fast-mode cache writes it.
+    /// The bytes are sized once and filled in place (a push per element cost ~3.5 ns of a
+    /// prefill worker's drafter shipping, session 41).
     pub fn encode_into(self, rows: &[f32], width: usize, out: &mut Vec<u8>) {
-        let push = |out: &mut Vec<u8>, x: f32| {
-            out.extend_from_slice(&half::bf16::from_f32(x).to_bits().to_le_bytes())
-        };
+        let width = width.max(1);
+        let n = rows.len() / width;
+        let start = out.len();
+        out.resize(start + n * self.row_bytes(width), 0);
+        let dst = &mut out[start..];
+        let bf16 = |x: f32| half::bf16::from_f32(x).to_bits().to_le_bytes();
         match self {
-            KvDtype::F32 => rows
-                .iter()
-                .for_each(|x| out.extend_from_slice(&x.to_le_bytes())),
+            KvDtype::F32 => {
+                for (x, o) in rows.iter().zip(dst.chunks_exact_mut(4)) {
+                    o.copy_from_slice(&x.to_le_bytes());
+                }
+            }
             KvDtype::Bf16Split { rope } => {
-                for row in rows.chunks_exact(width.max(1)) {
-                    row.iter().for_each(|&x| push(out, x));
-                    for &x in &row[width.saturating_sub(rope)..] {
-                        push(out, x - half::bf16::from_f32(x).to_f32());
+                let split = width.saturating_sub(rope);
+                for (row, o) in rows
+                    .chunks_exact(width)
+                    .zip(dst.chunks_exact_mut(self.row_bytes(width)))
+                {
+                    let (hi, lo) = o.split_at_mut(2 * width);
+                    for (&x, o) in row.iter().zip(hi.chunks_exact_mut(2)) {
+                        o.copy_from_slice(&bf16(x));
+                    }
+                    for (&x, o) in row[split..].iter().zip(lo.chunks_exact_mut(2)) {
+                        o.copy_from_slice(&bf16(x - half::bf16::from_f32(x).to_f32()));
                     }
                 }
             }

@@ -166,7 +166,13 @@ impl Scheduler {
                 rows,
             });
         }
+        let started = std::time::Instant::now();
         let extended = sp.extend(model, taps, &segments);
+        tracing::debug!(
+            segments = segments.len(),
+            ms = started.elapsed().as_secs_f64() * 1e3,
+            "drafter context extended"
+        );
         drop(segments);
         if let Err(e) = &extended {
             warn!(error = %e, "extending the drafter context failed; those sequences stop speculating");
@@ -186,7 +192,7 @@ impl Scheduler {
                     }
                     let skip = (t.job.skip_tokens / page).min(t.table.blocks().len());
                     let blocks = &t.table.blocks()[skip..];
-                    if let Err(e) = sp.ship(blocks, &mut sink) {
+                    if let Err(e) = sp.ship(blocks, self.backend.kv_dtype(), &mut sink) {
                         errors.insert(i, e);
                     }
                 }
