@@ -39,10 +39,10 @@ impl RowMemory for TransportRows {
 ///   receiving thread ([`DeviceKvWriter`]: a copy stream of its own, waited for before the
 ///   receiver goes on, as a host layer's copy is), not through the engine thread: one command
 ///   and one synchronous copy per run there stopped decode steps for ~6 ms per 1,024-token
-///   prompt of a small model (docs/transfer.md).
+///   prompt of a small model (docs/transfer.md). A ROCm engine's cache is written the same way.
 /// - **Everything else is staged** through [`KvRegion::write`] to the engine thread (the pool's
 ///   one owner), which applies writes in order before it processes the completion: the
-///   drafter's context layers, and a ROCm engine's cache.
+///   drafter's context layers.
 /// - **Every block a receiver sees is admitted only under its request's fence**
 ///   ([`RemoteFences`]: reserved by the engine for exactly that remote prefill), so a peer
 ///   whose request was abandoned cannot write into blocks since recomputed or reused. A
@@ -67,7 +67,8 @@ pub struct EngineRegion {
     /// A CUDA engine's device cache (kept alive by `engine`: the engine thread runs while
     /// any handle does).
     device: Option<DeviceKv>,
-    /// Copies staged runs of target layers into that cache from the receiving thread.
+    /// Copies staged runs of target layers into a GPU engine's cache (CUDA or ROCm) from the
+    /// receiving thread.
     writer: Option<Arc<DeviceKvWriter>>,
     /// Target layers (the rest are the drafter's context, staged).
     target_layers: u32,
@@ -105,7 +106,7 @@ impl EngineRegion {
     }
 }
 
-/// Whether staged runs of a CUDA engine's target layers are copied from the receiving thread:
+/// Whether staged runs of a GPU engine's target layers are copied from the receiving thread:
 /// unless `FERRY_DIRECT_KV_WRITES=0` (read once; the benchmarks' A/B switch for the hop through
 /// the engine thread it replaced).
 fn direct_device_writes() -> bool {
@@ -158,9 +159,9 @@ impl KvRegion for EngineRegion {
         self.write_run(layer, block, data)
     }
 
-    /// A CUDA engine's target layer: one host-to-device copy from this thread. Anything else
-    /// (the drafter's context, a ROCm cache): one engine command per run, applied in order
-    /// before the transfer's completion.
+    /// A GPU engine's target layer: one host-to-device copy from this thread. Anything else
+    /// (the drafter's context, a CPU engine's staged layers): one engine command per run,
+    /// applied in order before the transfer's completion.
     fn write_run(&self, layer: u32, first: u32, data: &[u8]) -> Result<(), TransferError> {
         if let Some(writer) = self.writer.as_ref().filter(|_| layer < self.target_layers) {
             // SAFETY: the transfer registry admitted every block of this run under its

@@ -983,7 +983,7 @@ async fn remote_prefill_via(
     direct: bool,
 ) -> (u32, u64) {
     let d2 = d.clone();
-    let writer = direct.then(|| d.device_kv_writer().expect("a CUDA engine's writer"));
+    let writer = direct.then(|| d.device_kv_writer().expect("a GPU engine's writer"));
     let landed = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
     let counted = landed.clone();
     let first_dest = skip_tokens / p.kv_layout().page_size;
@@ -1362,6 +1362,16 @@ async fn rocm_engine_serves_the_cpu_engines_tokens() {
         "rocm prefill job: shipped rows within {:.2e} of the CPU's",
         max(&worst)
     );
+    // A CPU peer's KV copied into a ROCm cache from this thread, as a decode worker's receiver
+    // does (`DeviceKvWriter`), decodes the golden tokens.
+    let d = engine(Device::Rocm(0), GpuMode::Exact);
+    let (prompt, expected) = golden_case(2);
+    let toks = disaggregated_via(&cpu, &d, prompt, true).await;
+    assert_eq!(
+        toks, expected,
+        "CPU prefill → ROCm decode, runs copied off the engine thread"
+    );
+    wait_idle(&d).await;
     wait_idle(&e).await;
     wait_idle(&cpu).await;
 }

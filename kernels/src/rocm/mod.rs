@@ -378,6 +378,24 @@ impl RocmDevice {
         })
     }
 
+    /// Copies `host` to device address `dst` and returns once it is done (ordered after the
+    /// null stream's queued work, like [`Self::write`]), from whatever thread calls: a decode
+    /// worker's KV receiver lands a peer's blocks with it while the engine thread computes.
+    ///
+    /// # Safety
+    /// `dst .. dst + host.len()` lies in a live device allocation that no queued or later work
+    /// reads or writes until this returns.
+    pub unsafe fn write_to(&self, dst: u64, host: &[u8]) -> Result<(), KernelError> {
+        if host.is_empty() {
+            return Ok(());
+        }
+        self.bind()?;
+        // SAFETY: the caller's contract above; the copy is synchronous with respect to the host.
+        check("hipMemcpyHtoD", unsafe {
+            hip::hipMemcpyHtoD(dst as *mut c_void, host.as_ptr() as *mut c_void, host.len())
+        })
+    }
+
     /// Copies the whole buffer back to the host (waits for queued work).
     pub fn download<T: DevicePod>(&self, src: &HipBuffer<T>) -> Result<Vec<T>, KernelError> {
         self.download_range(src, 0, src.len)

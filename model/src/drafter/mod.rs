@@ -86,7 +86,8 @@ impl DraftKvLayout {
         self.layers * self.chunks()
     }
 
-    /// The wire staging pool's geometry next to a target pool of geometry `target`.
+    /// The wire layers' geometry next to a target pool of geometry `target` (what a transfer
+    /// carries: rows of the target's width).
     pub fn pool_layout(&self, target: &KvLayout) -> KvLayout {
         KvLayout {
             num_layers: self.pool_layers(),

@@ -236,19 +236,18 @@ impl Backend {
         }
     }
 
-    /// A writer of peers' runs straight into a CUDA engine's device cache (`None` elsewhere).
+    /// A writer of peers' runs straight into a GPU engine's device cache (`None` on the CPU).
     pub(crate) fn device_kv_writer(&self) -> Option<crate::engine::DeviceKvWriter> {
-        match &self.rows {
+        let writer: Result<crate::engine::DeviceKvWriter, ModelError> = match &self.rows {
             #[cfg(feature = "cuda")]
-            Rows::Cuda(c) => match c.device_kv_writer() {
-                Ok(w) => Some(w),
-                Err(e) => {
-                    tracing::warn!(error = %e, "no copy stream for peers' KV writes; they go through the engine thread");
-                    None
-                }
-            },
+            Rows::Cuda(c) => Some(c.device_kv_writer()),
+            #[cfg(feature = "rocm")]
+            Rows::Rocm(r) => Some(r.device_kv_writer()),
             _ => None,
-        }
+        }?;
+        writer
+            .inspect_err(|e| tracing::warn!(error = %e, "peers' KV writes go through the engine thread: no writer of the device cache"))
+            .ok()
     }
 
     /// Page-locked host bytes staging shipped layers (0 on the CPU).

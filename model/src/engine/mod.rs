@@ -510,19 +510,27 @@ pub struct DeviceKv {
     pub layers: Vec<(u64, usize)>,
 }
 
-/// Lands a peer's runs of KV blocks straight in a CUDA engine's device cache, from the calling
-/// thread, on a copy stream of its own ([`EngineHandle::device_kv_writer`]). A decode worker's
-/// TCP receiver copies each received run with it, so landing a prompt's KV (20+ MB for 1,024
-/// tokens of a small model, ~0.3 ms per layer's run of pageable host → device copy on an H100)
-/// no longer stops the engine thread between steps, as one engine command per run did.
+/// Lands a peer's runs of KV blocks straight in a GPU engine's device cache, from the calling
+/// thread ([`EngineHandle::device_kv_writer`]): on CUDA on a copy stream of its own, on ROCm
+/// ordered after the device's queued work. A decode worker's TCP receiver copies each received
+/// run with it, so landing a prompt's KV (6 MB for 1,024 tokens of session 41's 20-layer
+/// target; a pageable host → device copy of 20 × 1.25 MB took 5.9 ms on an H100) no longer
+/// stops the engine thread between steps, as one engine command per run did.
 pub struct DeviceKvWriter {
-    #[cfg(feature = "cuda")]
-    copy: ferry_kernels::cuda::CopyStream,
+    lane: CopyLane,
     /// Per target layer: device address and length in bytes of the pool's blocks (the graphs'
     /// scratch block is outside).
     layers: Vec<(u64, usize)>,
     /// Bytes of one block of one layer, in the cache's dtype.
     block_bytes: usize,
+}
+
+/// How a [`DeviceKvWriter`] reaches device memory (no variant without a GPU backend).
+enum CopyLane {
+    #[cfg(feature = "cuda")]
+    Cuda(ferry_kernels::cuda::CopyStream),
+    #[cfg(feature = "rocm")]
+    Rocm(ferry_kernels::rocm::RocmDevice),
 }
 
 impl std::fmt::Debug for DeviceKvWriter {
@@ -569,17 +577,24 @@ impl DeviceKvWriter {
                 data.len()
             )));
         }
-        #[cfg(feature = "cuda")]
-        {
-            // SAFETY: the range lies in the layer's pool blocks (checked above), which live
-            // while the engine does; the caller's blocks are its transfer's alone (above).
-            unsafe { self.copy.write_and_wait(addr + offset as u64, data) }
-                .map_err(ModelError::from)
-        }
-        #[cfg(not(feature = "cuda"))]
-        {
-            let _ = addr;
-            Err(ModelError::Kv("this build has no CUDA backend".into()))
+        let dst = addr + offset as u64;
+        match &self.lane {
+            #[cfg(feature = "cuda")]
+            CopyLane::Cuda(copy) => {
+                // SAFETY: the range lies in the layer's pool blocks (checked above), which live
+                // while the engine does; the caller's blocks are its transfer's alone (above).
+                unsafe { copy.write_and_wait(dst, data) }.map_err(ModelError::from)
+            }
+            #[cfg(feature = "rocm")]
+            CopyLane::Rocm(dev) => {
+                // SAFETY: as for CUDA.
+                unsafe { dev.write_to(dst, data) }.map_err(ModelError::from)
+            }
+            #[allow(unreachable_patterns)]
+            _ => {
+                let _ = dst;
+                Err(ModelError::Kv("this build has no GPU backend".into()))
+            }
         }
     }
 }
@@ -951,7 +966,7 @@ pub struct EngineHandle {
     host_rows: Option<Arc<crate::kv::HostRows>>,
     /// The device cache's layers (CUDA engines), for a transfer region to expose.
     device_kv: Option<DeviceKv>,
-    /// Copies peers' runs into the device cache off the engine thread (CUDA engines).
+    /// Copies peers' runs into the device cache off the engine thread (GPU engines).
     device_kv_writer: Option<Arc<DeviceKvWriter>>,
     /// Which remote prefill each block is reserved for (written by the engine thread).
     fences: Arc<crate::kv::RemoteFences>,
@@ -1187,8 +1202,8 @@ impl EngineHandle {
     }
 
     /// Copies peers' runs of target-layer blocks into the device cache from the caller's
-    /// thread (CUDA engines; `None` elsewhere): what a decode worker's transfer region uses for
-    /// a transport that cannot put into device memory itself (TCP), instead of
+    /// thread (CUDA and ROCm engines; `None` on the CPU): what a decode worker's transfer
+    /// region uses for a transport that cannot put into device memory itself (TCP), instead of
     /// [`Self::write_kv`]'s hop through the engine thread.
     pub fn device_kv_writer(&self) -> Option<Arc<DeviceKvWriter>> {
         self.device_kv_writer.clone()

@@ -401,7 +401,7 @@ impl Speculator {
     /// pool: page faults on first use) and the sink converted each block on its own: 4.4 of a
     /// 1,024-token prompt's 5.6 ms of shipping on an H100, on the prefill worker's engine thread.
     pub fn ship(
-        &mut self,
+        &self,
         blocks: &[BlockId],
         dtype: KvDtype,
         sink: &mut crate::engine::LayerSinkFn,

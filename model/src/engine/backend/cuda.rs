@@ -304,7 +304,7 @@ impl CudaRows {
     /// decode worker's receiving threads.
     pub(crate) fn device_kv_writer(&self) -> Result<crate::engine::DeviceKvWriter, ModelError> {
         Ok(crate::engine::DeviceKvWriter {
-            copy: self.dev.copy_stream()?,
+            lane: crate::engine::CopyLane::Cuda(self.dev.copy_stream()?),
             layers: self.device_kv()?.layers,
             block_bytes: self.cache.dtype().block_bytes(self.cache.layout()),
         })
