@@ -14,7 +14,8 @@
 # TARGET_DIR needs config.json and the tokenizer (the lease's trained target, or any model
 # directory); DRAFTER_DIR a DSpark drafter's config.json. PROMPTS: held-out prompts (JSON lines
 # with `ids`); unset, 256 seeded random 1,024-token prompts are written under $OUT.
-# CONC (64,128 for land, 1,64 for ship), SECS (90 per run), FERRY (device-bin/ferry),
+# CONC (64,128 for land, 1,64 for ship), SECS (90 per run), FERRY (device-bin/ferry), DEVICE
+# (cuda; cpu for a dry run of the script on the embedded model, models/tiny-k3 and -dspark),
 # OUT (bench-paths). Output: one line per level and the hook's JSON / markdown under $OUT/run_*.
 set -u
 cd "$(dirname "$0")/.."
