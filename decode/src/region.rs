@@ -38,8 +38,8 @@ impl RowMemory for TransportRows {
 ///   to [`KvRegion::write_run`] instead, which copies it into the device cache from the
 ///   receiving thread ([`DeviceKvWriter`]: a copy stream of its own, waited for before the
 ///   receiver goes on, as a host layer's copy is), not through the engine thread: one command
-///   and one synchronous copy per run there stopped decode steps for ~6 ms per 1,024-token
-///   prompt of a small model (docs/transfer.md). A ROCm engine's cache is written the same way.
+///   and one synchronous pageable copy per run there stopped decode steps for every prompt
+///   landed (~8 MB for 1,024 tokens of session 41's small target; docs/transfer.md). A ROCm engine's cache is written the same way.
 /// - **Everything else is staged** through [`KvRegion::write`] to the engine thread (the pool's
 ///   one owner), which applies writes in order before it processes the completion: the
 ///   drafter's context layers.
