@@ -2,9 +2,11 @@
 # The cluster's KV paths on a GPU, with seeded random weights of a model's shape (no training):
 # runs issue 15's benchmark hook (scripts/dspark_bench.sh) with `--load-format dummy`.
 #
-#   MODE=land  (default) the plain arm once per value of ORDER (default "0 1 0 1") of
+#   MODE=land  (default) arm ARM (plain; spec: with the dummy drafter, whose context ships and
+#              lands whatever it accepts) once per value of ORDER (default "0 1 0 1") of
 #              FERRY_DIRECT_KV_WRITES: a decode worker's peer runs copied through its engine
-#              thread (0) or from the receiving thread (1); one line per level.
+#              thread (0), from the receiving thread (1), or only the target's layers from
+#              there (target); one line per level.
 #   MODE=ship  the speculating arm (dummy drafter: acceptance means nothing, the paths' costs
 #              do) with FERRY_LOG=ferry_model::engine::spec=debug; the mean read / encode / sink
 #              time of the prefill worker's drafter shipping per prompt.
@@ -55,14 +57,15 @@ PY
 
 case "$MODE" in
 land)
-  export BENCH_ARMS=plain BENCH_CONCURRENCY=${CONC:-64,128}
+  ARM=${ARM:-plain}
+  export BENCH_ARMS=$ARM BENCH_CONCURRENCY=${CONC:-64,128}
   n=0
   for direct in ${ORDER:-0 1 0 1}; do
     n=$((n + 1))
     run=$OUT/run_${n}_direct$direct
     FERRY_DIRECT_KV_WRITES=$direct RUN=$run bash scripts/dspark_bench.sh >"$OUT/run_$n.log" 2>&1
     echo "FERRY_DIRECT_KV_WRITES=$direct (exit $?):"
-    summary "$run" plain
+    summary "$run" "$ARM"
   done
   ;;
 ship)

@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use ferry_kvtransfer::error::TransferError;
 use ferry_kvtransfer::{Dtype, Fence, KvLayoutDesc, KvRegion, LayerMemory, Transport};
-use ferry_model::engine::{DeviceKv, DeviceKvWriter, EngineHandle};
+use ferry_model::engine::{DeviceKv, DeviceKvWriter, DraftLanding, EngineHandle};
 use ferry_model::kv::{BlockId, HostRows, KvDtype, RemoteFences, RowBuffer, RowMemory};
 
 /// A CPU engine's KV rows in the KV transport's memory ([`Transport::alloc_host`]): with UCX,
@@ -40,9 +40,14 @@ impl RowMemory for TransportRows {
 ///   receiver goes on, as a host layer's copy is), not through the engine thread: one command
 ///   and one synchronous pageable copy per run there stopped decode steps for every prompt
 ///   landed (~8 MB for 1,024 tokens of session 41's small target; docs/transfer.md). A ROCm engine's cache is written the same way.
+/// - **The drafter's context layers** are landed from the receiving thread too
+///   ([`DraftLanding`]): widened, put together per block in the drafter's own layout and, on a
+///   GPU, copied into the drafter KV as each block completes; a CPU engine writes the
+///   assembled rows into its host pool at the completion.
 /// - **Everything else is staged** through [`KvRegion::write`] to the engine thread (the pool's
-///   one owner), which applies writes in order before it processes the completion: the
-///   drafter's context layers.
+///   one owner), which applies writes in order before it processes the completion: a CPU
+///   engine's target layers where its rows are not the wire's dtype, and what
+///   `FERRY_DIRECT_KV_WRITES` keeps on the engine thread ([`direct_writes`]).
 /// - **Every block a receiver sees is admitted only under its request's fence**
 ///   ([`RemoteFences`]: reserved by the engine for exactly that remote prefill), so a peer
 ///   whose request was abandoned cannot write into blocks since recomputed or reused. A
@@ -70,7 +75,9 @@ pub struct EngineRegion {
     /// Copies staged runs of target layers into a GPU engine's cache (CUDA or ROCm) from the
     /// receiving thread.
     writer: Option<Arc<DeviceKvWriter>>,
-    /// Target layers (the rest are the drafter's context, staged).
+    /// Lands the drafter's context layers from the receiving thread.
+    draft: Option<Arc<DraftLanding>>,
+    /// Target layers (the rest are the drafter's context).
     target_layers: u32,
     fences: Arc<RemoteFences>,
 }
@@ -97,7 +104,8 @@ impl EngineRegion {
         Self {
             rows,
             device: engine.device_kv(),
-            writer: engine.device_kv_writer().filter(|_| direct_device_writes()),
+            writer: engine.device_kv_writer().filter(|_| direct_writes().target),
+            draft: engine.draft_landing().filter(|_| direct_writes().drafter),
             target_layers: u(l.num_layers),
             fences: engine.remote_fences(),
             engine,
@@ -106,12 +114,38 @@ impl EngineRegion {
     }
 }
 
-/// Whether staged runs of a GPU engine's target layers are copied from the receiving thread:
-/// unless `FERRY_DIRECT_KV_WRITES=0` (read once; the benchmarks' A/B switch for the hop through
-/// the engine thread it replaced).
-fn direct_device_writes() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("FERRY_DIRECT_KV_WRITES").map_or(true, |v| v.trim() != "0"))
+/// Which layers a region lands from the receiving thread ([`direct_writes`]).
+#[derive(Debug, Clone, Copy)]
+struct DirectWrites {
+    /// A GPU engine's target layers ([`DeviceKvWriter`]).
+    target: bool,
+    /// Every engine's drafter layers ([`DraftLanding`]).
+    drafter: bool,
+}
+
+/// `FERRY_DIRECT_KV_WRITES` (read once), the benchmarks' A/B switch for the hop through the
+/// engine thread that direct writes replaced: unset (or anything else), both kinds of layers
+/// land from the receiving thread; `0`, neither (every write is an engine command); `target`,
+/// only the target's (session 41's rule, before the drafter's landing moved too).
+fn direct_writes() -> DirectWrites {
+    static ON: std::sync::OnceLock<DirectWrites> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| {
+        let v = std::env::var("FERRY_DIRECT_KV_WRITES").unwrap_or_default();
+        match v.trim() {
+            "0" => DirectWrites {
+                target: false,
+                drafter: false,
+            },
+            "target" => DirectWrites {
+                target: true,
+                drafter: false,
+            },
+            _ => DirectWrites {
+                target: true,
+                drafter: true,
+            },
+        }
+    })
 }
 
 impl KvRegion for EngineRegion {
@@ -159,10 +193,20 @@ impl KvRegion for EngineRegion {
         self.write_run(layer, block, data)
     }
 
-    /// A GPU engine's target layer: one host-to-device copy from this thread. Anything else
-    /// (the drafter's context, a CPU engine's staged layers): one engine command per run,
-    /// applied in order before the transfer's completion.
+    /// A GPU engine's target layer: one host-to-device copy from this thread. A drafter layer:
+    /// landed from this thread ([`DraftLanding::write`]). Anything else (a CPU engine's staged
+    /// layers): one engine command per run, applied in order before the transfer's
+    /// completion.
     fn write_run(&self, layer: u32, first: u32, data: &[u8]) -> Result<(), TransferError> {
+        if let Some(draft) = self.draft.as_ref().filter(|_| layer >= self.target_layers) {
+            // SAFETY: as for the target's layers below: every block of the run was admitted
+            // under its transfer's fence, and `self.engine` keeps the drafter KV alive.
+            #[allow(unsafe_code)]
+            return unsafe {
+                draft.write((layer - self.target_layers) as usize, BlockId(first), data)
+            }
+            .map_err(|e| TransferError::Region(e.to_string()));
+        }
         if let Some(writer) = self.writer.as_ref().filter(|_| layer < self.target_layers) {
             // SAFETY: the transfer registry admitted every block of this run under its
             // transfer's fence before handing it here (`KvRegion::admit`), so the engine keeps

@@ -349,6 +349,30 @@ async fn speculative_greedy_on_a_gpu_equals_plain_and_the_cpu() {
 /// tokens are the CPU's golden ones in exact mode.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a GPU: run on the GPU machine with --include-ignored (docs/gpu.md), or on the CPU HIP (scripts/hip_emu.sh)"]
+async fn drafter_context_landed_off_the_engine_thread_speculates_as_a_local_prefill_on_a_gpu() {
+    let test =
+        "drafter_context_landed_off_the_engine_thread_speculates_as_a_local_prefill_on_a_gpu";
+    let Some(device) = first_gpu(test) else {
+        return;
+    };
+    // A fixed verify length: `goodput` picks by measured time, so two engines could differ.
+    let spec = || {
+        dspark_engine(EngineConfig {
+            spec: SpecConfig {
+                verify_len: VerifyLen::Fixed(4),
+                ..SpecConfig::default()
+            },
+            ..config(device, GpuMode::Exact)
+        })
+    };
+    let (p, d, local) = (spec(), spec(), spec());
+    // The landing copies whole blocks into the drafter's device KV from the sink's thread;
+    // the engine thread then only sees them complete.
+    common::drafter_context_lands_as_a_local_prefill(&p, &d, &local).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a GPU: run on the GPU machine with --include-ignored (docs/gpu.md), or on the CPU HIP (scripts/hip_emu.sh)"]
 async fn narrower_uniform_rounds_on_a_gpu_keep_the_golden_tokens() {
     let Some(device) = first_gpu("narrower_uniform_rounds_on_a_gpu_keep_the_golden_tokens") else {
         return;

@@ -25,11 +25,13 @@ use ferry_model::engine::{
     StopParams, VerifyLen, PREDICTION_EDGES,
 };
 use ferry_model::kv::KvPool;
-use ferry_model::kv::{BlockId, KvStore, LayerRows};
+use ferry_model::kv::KvStore;
 use ferry_model::session::Session;
 use ferry_model::ModelError;
 
-use common::{collect_spec, golden_case, greedy, wait_idle};
+use common::{
+    collect_spec, drafter_context_lands_as_a_local_prefill, golden_case, greedy, wait_idle,
+};
 
 fn target() -> DeepseekModel {
     DeepseekModel::load(&ferry_model::embedded::default_model_dir()).expect("model")
@@ -1085,122 +1087,12 @@ impl Drafter for TargetArgmax {
     }
 }
 
-/// Plays the prefill peer: a prefill job on `p` whose target layers and (when `ship_drafter`)
-/// drafter pool layers are copied into the decode engine `d` (the in-process equivalent of a
-/// transport that sends the drafter layers as transfer layers after the target's).
-async fn remote_prefill(
-    p: &EngineHandle,
-    d: &EngineHandle,
-    prompt: Vec<u32>,
-    (dest, skip_tokens): (Vec<BlockId>, usize),
-    ship_drafter: bool,
-) -> (u32, u64) {
-    let first_dest = skip_tokens / p.kv_layout().page_size;
-    let landed = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
-    let copy = |offset: usize, d: EngineHandle, dest: Vec<BlockId>| {
-        let counted = landed.clone();
-        Box::new(
-            move |layer: usize, blocks: &[BlockId], rows: &LayerRows<'_>| -> Result<(), String> {
-                // As a transport sends them: runs of consecutive destination blocks, one
-                // write each.
-                let mut runs: Vec<(BlockId, Vec<u8>)> = Vec::new();
-                for (j, b) in blocks.iter().enumerate() {
-                    let data = rows.block(*b).map_err(|e| e.to_string())?;
-                    counted.fetch_add(data.len() as u64, std::sync::atomic::Ordering::Relaxed);
-                    let to = dest[first_dest + j];
-                    match runs.last_mut() {
-                        Some((first, run))
-                            if first.0 as usize + run.len() / data.len() == to.0 as usize =>
-                        {
-                            run.extend_from_slice(data)
-                        }
-                        _ => runs.push((to, data.to_vec())),
-                    }
-                }
-                for (first, run) in runs {
-                    d.write_kv(offset + layer, first, run)
-                        .map_err(|e| e.to_string())?;
-                }
-                Ok(())
-            },
-        ) as ferry_model::engine::LayerSinkFn
-    };
-    let layers = p.kv_layout().num_layers;
-    let out = p
-        .prefill_work(PrefillWork {
-            prompt,
-            sampling: greedy(),
-            controls: Default::default(),
-            stop: StopParams::max_tokens(1),
-            logprobs: None,
-            prompt_logprobs: None,
-            skip_tokens,
-            on_layer: copy(0, d.clone(), dest.clone()),
-            on_draft_layer: ship_drafter.then(|| copy(layers, d.clone(), dest)),
-            grammar: None,
-            rows_on_device: false,
-        })
-        .await
-        .unwrap();
-    (
-        out.first_token,
-        landed.load(std::sync::atomic::Ordering::Relaxed),
-    )
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn drafter_context_shipped_with_a_remote_prefill_lets_decode_speculate_at_once() {
     let p = dspark_engine(config(64, 64, VerifyLen::Fixed(4)));
     let d = dspark_engine(config(64, 64, VerifyLen::Fixed(4)));
-    let (prompt, expected) = golden_case(2);
-    // The same request prefilled where it decodes: the shipped context must be that one, so
-    // the rounds, drafts and acceptances are the same, not just "some".
     let local = dspark_engine(config(64, 64, VerifyLen::Fixed(4)));
-    let (_, _, want) =
-        collect_spec(local.generate(job(prompt.clone(), 32, greedy())).unwrap()).await;
-    let want = want.expect("a local prefill speculates");
-    wait_idle(&local).await;
-    for ship in [true, false] {
-        let before = d.stats().await.unwrap();
-        let mut g = d
-            .generate(GenerateJob {
-                prefill: PrefillSource::Remote { local_threshold: 0 },
-                grammar: None,
-                ..job(prompt.clone(), 32, greedy())
-            })
-            .unwrap();
-        let Some(EngineEvent::Reserved {
-            blocks,
-            cached_tokens,
-        }) = g.events.recv().await
-        else {
-            panic!("expected a reservation");
-        };
-        let (first, bytes) =
-            remote_prefill(&p, &d, prompt.clone(), (blocks, cached_tokens), ship).await;
-        d.remote_done(g.id, first, bytes).unwrap();
-        let (toks, end, spec) = collect_spec(g).await;
-        assert_eq!(end, Ok(FinishReason::Length));
-        assert_eq!(toks, expected, "ship drafter context: {ship}");
-        let after = d.stats().await.unwrap();
-        let rounds = after.spec_rounds - before.spec_rounds;
-        // Allowed to speculate either way, so the counts come (zero rounds without context).
-        assert_eq!(spec.map(|c| c.rounds), Some(rounds));
-        if ship {
-            // 31 tokens after the peer's first one; every step drafts.
-            assert!(
-                rounds >= 8,
-                "decode speculated from its first step: {after:?}"
-            );
-            assert_eq!(spec, Some(want), "as if prefilled here");
-        } else {
-            assert_eq!(rounds, 0, "no drafter context, no speculation: {after:?}");
-        }
-        wait_idle(&d).await;
-        // The second run reuses the first's 3 cached blocks (valid drafter rows) and gets the
-        // 19-token tail from the peer without drafter rows: still no speculation.
-    }
-    wait_idle(&p).await;
+    drafter_context_lands_as_a_local_prefill(&p, &d, &local).await;
 }
 
 /// The schema of the structured-output tests: bounded so a tiny model always finishes.

@@ -22,6 +22,7 @@
 //! a finished, failed or cancelled (receiver dropped) request frees them in the same step.
 pub mod backend;
 mod goodput;
+mod landing;
 pub mod scheduler;
 pub mod sequence;
 pub mod spec;
@@ -44,6 +45,7 @@ use crate::ModelError;
 pub use backend::open_cuda;
 pub use backend::GpuMode;
 pub use ferry_kernels::cpu::logits::TokenLogprobs;
+pub use landing::DraftLanding;
 pub use spec::{SpecConfig, VerifyLen};
 
 /// Identifies a request inside one engine.
@@ -543,6 +545,49 @@ impl std::fmt::Debug for DeviceKvWriter {
 }
 
 impl DeviceKvWriter {
+    /// A writer into the first `blocks` blocks of each of `cache`'s layers, through `lane`.
+    #[cfg(any(feature = "cuda", feature = "rocm"))]
+    fn over<D: ferry_kernels::gpu::launch::Gpu>(
+        lane: CopyLane,
+        cache: &crate::kv::device::DeviceKvCache<D>,
+        blocks: usize,
+    ) -> Result<Self, ModelError> {
+        let layout = *cache.layout();
+        let layers = (0..layout.num_layers)
+            .map(|l| cache.block_bytes(l, BlockId(0), blocks))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Self {
+            lane,
+            layers,
+            block_bytes: cache.dtype().block_bytes(&layout),
+        })
+    }
+
+    /// A writer of a GPU engine's target cache (its first `blocks` blocks: CUDA keeps the
+    /// graphs' scratch block after the pool's) on a copy stream of its own.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn cuda(cache: &crate::gpu::GpuKvCache, blocks: usize) -> Result<Self, ModelError> {
+        Self::over(CopyLane::Cuda(cache.device().copy_stream()?), cache, blocks)
+    }
+
+    /// A writer of a ROCm engine's target cache (every block: ROCm keeps no scratch block).
+    #[cfg(feature = "rocm")]
+    pub(crate) fn rocm(cache: &crate::rocm::RocmKvCache) -> Result<Self, ModelError> {
+        let blocks = cache.layout().num_blocks;
+        Self::over(CopyLane::Rocm(cache.device().clone()), cache, blocks)
+    }
+
+    /// A writer of a drafter's context rows where they live on a GPU (`None` on the host).
+    pub(crate) fn of_store(store: &crate::kv::KvStore) -> Option<Result<Self, ModelError>> {
+        match store {
+            crate::kv::KvStore::Host(_) => None,
+            #[cfg(feature = "cuda")]
+            crate::kv::KvStore::Cuda(c) => Some(Self::cuda(c, c.layout().num_blocks)),
+            #[cfg(feature = "rocm")]
+            crate::kv::KvStore::Rocm(c) => Some(Self::rocm(c)),
+        }
+    }
+
     /// Copies `data`, whole consecutive blocks of layer `layer` from `first` on in the cache's
     /// dtype, into the device cache, and waits for the copy. Errors (nothing written) for a
     /// run that is not whole blocks or reaches outside the layer's pool blocks.
@@ -968,6 +1013,9 @@ pub struct EngineHandle {
     device_kv: Option<DeviceKv>,
     /// Copies peers' runs into the device cache off the engine thread (GPU engines).
     device_kv_writer: Option<Arc<DeviceKvWriter>>,
+    /// Assembles peers' drafter context rows off the engine thread (engines with a drafter
+    /// that keeps KV).
+    draft_landing: Option<Arc<DraftLanding>>,
     /// Which remote prefill each block is reserved for (written by the engine thread).
     fences: Arc<crate::kv::RemoteFences>,
     /// The engine thread, waited for when the last handle goes (declared after `tx`, whose
@@ -1093,9 +1141,10 @@ impl EngineHandle {
                 let b = backend.model().backend();
                 let limit = |gamma: usize| verify_graph_seqs(device, gamma);
                 let graphs = uniform.then_some(&limit as &dyn Fn(usize) -> usize);
-                spec::Speculator::new(d, &layout, b, config.spec.clone(), graphs)
+                spec::Speculator::new(d, &layout, b, kv_dtype, config.spec.clone(), graphs)
             })
             .transpose()?;
+        let draft_landing = spec.as_ref().and_then(spec::Speculator::landing);
         let draft_kv_layers = spec.as_ref().map_or(0, spec::Speculator::pool_layers);
         let (tx, rx) = mpsc::unbounded_channel();
         let max_in_flight = config.max_in_flight;
@@ -1127,6 +1176,7 @@ impl EngineHandle {
             host_rows,
             device_kv,
             device_kv_writer,
+            draft_landing,
             fences,
             thread,
         })
@@ -1207,6 +1257,15 @@ impl EngineHandle {
     /// [`Self::write_kv`]'s hop through the engine thread.
     pub fn device_kv_writer(&self) -> Option<Arc<DeviceKvWriter>> {
         self.device_kv_writer.clone()
+    }
+
+    /// Lands peers' writes of the drafter's context layers (transfer layers from
+    /// [`Self::kv_layout`]'s `num_layers` on) from the caller's thread: widened, assembled per
+    /// block and, on a GPU, copied into the drafter KV (`None` without a drafter that keeps
+    /// KV). What a decode worker's transfer region uses instead of [`Self::write_kv`]'s hop
+    /// through the engine thread for those layers.
+    pub fn draft_landing(&self) -> Option<Arc<DraftLanding>> {
+        self.draft_landing.clone()
     }
 
     /// Which remote prefill each block is reserved for: a block written by a peer must be

@@ -34,13 +34,15 @@
 use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::str::FromStr;
+use std::sync::Arc;
 
 use ferry_kernels::backend::{Backend, Tensor};
 use ferry_kernels::KernelError;
 
 use super::goodput::{widths, Choice, Goodput, Observed, Shape};
+use super::landing::{DraftLanding, Landed};
 use super::sequence::{round_uniforms, Phase, Sequence};
-use super::SeqId;
+use super::{DeviceKvWriter, SeqId};
 use crate::deepseek::DeepseekModel;
 use crate::drafter::{
     ContextRows, ContextSegment, DraftCtx, DraftDist, DraftInput, DraftKvLayout, Drafter, Proposals,
@@ -210,13 +212,6 @@ fn counterfactual(drafts: &[u32], decoded: impl IntoIterator<Item = u32>) -> Opt
 /// accepted `accepted`, for [`super::EngineStats::spec_skipped_by_prediction`].
 pub(crate) type Resolved = (f64, usize);
 
-/// One block's drafter rows from a peer, natural layout (`[layer][page][kv_width]`), and how
-/// many of its wire layers have arrived.
-struct Landing {
-    rows: Vec<f32>,
-    written: usize,
-}
-
 /// The drafter, its KV and the block bookkeeping of an engine.
 pub(crate) struct Speculator {
     drafter: Box<dyn Drafter>,
@@ -229,8 +224,10 @@ pub(crate) struct Speculator {
     /// Blocks whose drafter rows do not match their target KV.
     stale: HashSet<BlockId>,
     /// A peer's drafter rows per reserved block, assembled in the natural layout as its wire
-    /// layers arrive, until [`Self::remote_landed`] writes them into the drafter KV.
-    landing: HashMap<BlockId, Landing>,
+    /// layers arrive (from the decode worker's receiving thread, or [`Self::write_kv`]) and, on
+    /// a GPU, stored in the drafter KV as each block completes; [`Self::remote_landed`] takes
+    /// them. `None` without drafter KV.
+    landing: Option<Arc<DraftLanding>>,
     /// Rounds run at a uniform width on a GPU: when every running sequence drafted, each
     /// verifies the same γ drafts (the whole block unless the verify length picks fewer; see
     /// [`Self::plan`]). Entry γ is the most running sequences such a round is replayed for
@@ -352,6 +349,7 @@ impl Speculator {
         mut drafter: Box<dyn Drafter>,
         target: &KvLayout,
         backend: &Backend,
+        wire_dtype: KvDtype,
         config: SpecConfig,
         uniform_graphs: Option<&dyn Fn(usize) -> usize>,
     ) -> Result<Self, ModelError> {
@@ -363,6 +361,8 @@ impl Speculator {
         let kv = layout
             .map(|l| KvStore::new(backend, l.rows_layout(target)))
             .transpose()?;
+        let writer = kv.as_ref().and_then(DeviceKvWriter::of_store).transpose()?;
+        let landing = layout.map(|l| Arc::new(DraftLanding::new(l, target, wire_dtype, writer)));
         Ok(Self {
             drafter,
             layout,
@@ -370,7 +370,7 @@ impl Speculator {
             target: *target,
             config,
             stale: HashSet::new(),
-            landing: HashMap::new(),
+            landing,
             uniform_graphs,
             goodput: Goodput::default(),
             last_pass: None,
@@ -388,6 +388,11 @@ impl Speculator {
     /// Drafter wire layers (extra transfer layers after the target's).
     pub fn pool_layers(&self) -> usize {
         self.layout.map_or(0, |l| l.pool_layers())
+    }
+
+    /// Where peers' drafter wire layers land (see [`Self::landing`]'s field).
+    pub fn landing(&self) -> Option<Arc<DraftLanding>> {
+        self.landing.clone()
     }
 
     /// Ships the drafter context of `blocks` through `sink`, one wire layer at a time, in
@@ -466,7 +471,9 @@ impl Speculator {
     pub fn fresh(&mut self, blocks: &[BlockId]) {
         for b in blocks {
             self.stale.remove(b);
-            self.landing.remove(b);
+        }
+        if let Some(landing) = &self.landing {
+            landing.forget(blocks);
         }
     }
 
@@ -484,73 +491,39 @@ impl Speculator {
         self.stale.extend(blocks.iter().skip(valid / page).copied());
     }
 
-    /// A peer's write of drafter wire layer `layer` into `block`, little-endian elements of
-    /// `dtype` (the wire's: the engine's cache dtype), widened into the block's natural rows
-    /// (its piece of them: wire layer `l · chunks + c` is chunk `c` of drafter layer `l`) and
-    /// kept until [`Self::remote_landed`] writes whole blocks into the drafter KV.
-    pub fn write_kv(
-        &mut self,
-        layer: usize,
-        block: BlockId,
-        data: &[u8],
-        dtype: KvDtype,
-    ) -> Result<(), String> {
-        let Some(layout) = self.layout else {
+    /// A peer's run of drafter wire layer `layer` from block `first` on, whole blocks of
+    /// little-endian elements of the engine's cache dtype, handed over by the engine thread
+    /// (the transfer region's hop when `FERRY_DIRECT_KV_WRITES=0`, or a region without the
+    /// landing): the same [`DraftLanding::write`] a receiving thread calls.
+    pub fn write_kv(&mut self, layer: usize, first: BlockId, data: &[u8]) -> Result<(), String> {
+        let Some(landing) = &self.landing else {
             return Err("this engine's drafter keeps no KV".into());
         };
-        let wire_layout = layout.pool_layout(&self.target);
-        let block_bytes = dtype.block_bytes(&wire_layout);
-        if data.len() != block_bytes {
-            return Err(format!(
-                "drafter KV write of {} bytes, a block is {block_bytes} of {dtype}",
-                data.len(),
-            ));
-        }
-        let (l, c) = (
-            layer / layout.chunks().max(1),
-            layer % layout.chunks().max(1),
-        );
-        if l >= layout.layers {
-            return Err(format!(
-                "drafter wire layer {layer} is past the drafter's {} layers of {} chunks",
-                layout.layers,
-                layout.chunks()
-            ));
-        }
-        let mut wire = vec![0.0f32; wire_layout.block_floats()];
-        dtype
-            .widen_into(data, wire_layout.width, &mut wire)
-            .map_err(|e| e.to_string())?;
-        let per_block = layout.rows_layout(&self.target).block_floats();
-        let landing = self.landing.entry(block).or_insert_with(|| Landing {
-            rows: vec![0.0; layout.layers * per_block],
-            written: 0,
-        });
-        layout
-            .from_wire(
-                &wire,
-                c,
-                &mut landing.rows[l * per_block..(l + 1) * per_block],
-            )
-            .map_err(|e| e.to_string())?;
-        landing.written += 1;
-        Ok(())
+        // SAFETY: the scheduler checked that every block of the run is reserved for a peer,
+        // and this engine is alive (it is the caller).
+        #[allow(unsafe_code)]
+        unsafe { landing.write(layer, first, data) }.map_err(|e| e.to_string())
     }
 
     /// The peer finished: whether every block of `blocks` received every drafter wire layer;
-    /// if so their rows are written into the drafter KV (on a device, one upload per layer).
+    /// if so, rows not yet stored on a device are written into the drafter KV (one upload per
+    /// layer).
     pub fn remote_landed(&mut self, blocks: &[BlockId]) -> bool {
-        let want = self.pool_layers();
-        let landed: Vec<Option<Landing>> = blocks.iter().map(|b| self.landing.remove(b)).collect();
-        if want == 0
-            || landed
-                .iter()
-                .any(|l| l.as_ref().is_none_or(|l| l.written < want))
-        {
+        let Some(landed) = self.landing.as_ref().and_then(|l| l.take(blocks)) else {
             return false;
+        };
+        let rows: Vec<(BlockId, Vec<f32>)> = blocks
+            .iter()
+            .zip(landed)
+            .filter_map(|(&b, l)| match l {
+                Landed::Rows(rows) => Some((b, rows)),
+                Landed::Stored => None,
+            })
+            .collect();
+        if rows.is_empty() {
+            return true;
         }
-        let landed: Vec<Landing> = landed.into_iter().flatten().collect();
-        match self.land(blocks, &landed) {
+        match self.land(&rows) {
             Ok(()) => true,
             Err(e) => {
                 tracing::warn!(error = %e, "drafter context from a peer could not be stored; those sequences do not speculate");
@@ -559,28 +532,31 @@ impl Speculator {
         }
     }
 
-    /// Writes `landed` (one per block of `blocks`) into the drafter KV: per drafter layer, every
-    /// block's rows at once.
-    fn land(&mut self, blocks: &[BlockId], landed: &[Landing]) -> Result<(), ModelError> {
-        let (Some(layout), Some(kv)) = (self.layout, self.kv.as_mut()) else {
+    /// Writes `rows` (per block, natural rows `[layer][page][kv_width]`) into the drafter KV:
+    /// per drafter layer, every block's rows at once.
+    fn land(&mut self, rows: &[(BlockId, Vec<f32>)]) -> Result<(), ModelError> {
+        let (Some(layout), Some(landing), Some(kv)) =
+            (self.layout, self.landing.as_ref(), self.kv.as_mut())
+        else {
             return Err(ModelError::Kv("no drafter KV to land peer rows in".into()));
         };
-        let per_block = layout.rows_layout(&self.target).block_floats();
-        let mut natural = Vec::with_capacity(blocks.len() * per_block);
+        let per_block = landing.per_block();
+        let blocks: Vec<BlockId> = rows.iter().map(|(b, _)| *b).collect();
+        let mut natural = Vec::with_capacity(rows.len() * per_block);
         for l in 0..layout.layers {
             natural.clear();
-            for landing in landed {
-                natural.extend_from_slice(&landing.rows[l * per_block..(l + 1) * per_block]);
+            for (_, r) in rows {
+                natural.extend_from_slice(&r[l * per_block..(l + 1) * per_block]);
             }
-            kv.write_blocks_of(l, blocks, &natural)?;
+            kv.write_blocks_of(l, &blocks, &natural)?;
         }
         Ok(())
     }
 
     /// Forgets a failed peer's partial writes.
     pub fn forget_writes(&mut self, blocks: &[BlockId]) {
-        for b in blocks {
-            self.landing.remove(b);
+        if let Some(landing) = &self.landing {
+            landing.forget(blocks);
         }
     }
 
@@ -1133,8 +1109,15 @@ mod tests {
             verify_len: VerifyLen::Goodput,
             ..SpecConfig::default()
         };
-        let mut sp = Speculator::new(Box::new(drafter), &layout, &Backend::Cpu, config, None)
-            .expect("speculator");
+        let mut sp = Speculator::new(
+            Box::new(drafter),
+            &layout,
+            &Backend::Cpu,
+            KvDtype::F32,
+            config,
+            None,
+        )
+        .expect("speculator");
         // Three plain steps of one sequence, 1 ms each; each also wrote 4 ms of deferred
         // context.
         for _ in 0..3 {

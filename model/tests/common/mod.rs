@@ -2,13 +2,16 @@
 //! helper, hence the `dead_code` allowance.
 #![allow(dead_code)]
 
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use ferry_kernels::cpu::sample::SamplingParams;
 use ferry_model::engine::{
-    EngineEvent, EngineHandle, FinishReason, GenerateJob, Generation, PrefillSource, SpecCounts,
-    StopParams, TokenLogprobs,
+    EngineEvent, EngineHandle, FinishReason, GenerateJob, Generation, LayerSinkFn, PrefillSource,
+    PrefillWork, SpecCounts, StopParams, TokenLogprobs,
 };
+use ferry_model::kv::{BlockId, LayerRows};
 use ferry_model::tokenizer::Tokenizer;
 
 /// Greedy sampling.
@@ -209,4 +212,152 @@ pub fn first_gpu() -> Result<ferry_kernels::backend::Backend, String> {
         Err(e) => why = format!("{why}; {e}"),
     }
     Err(why)
+}
+
+/// How a test's prefill peer sends the drafter's context layers ([`remote_prefill`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ship {
+    /// Not at all: the decode engine gets only the target's layers.
+    Nothing,
+    /// Through the engine thread (`EngineHandle::write_kv`, the layers after the target's).
+    EngineThread,
+    /// Landed from the sink's thread (`EngineHandle::draft_landing`), as a decode worker's
+    /// receiving thread does.
+    Landing,
+}
+
+/// Plays the prefill peer: a prefill job on `p` whose target layers are copied into the
+/// decode engine `d` through its engine thread, and whose drafter pool layers go as `ship`
+/// says (the in-process equivalent of a transport that sends the drafter layers as transfer
+/// layers after the target's), as runs of consecutive destination blocks, one write each.
+/// Returns the first token and the bytes sent.
+pub async fn remote_prefill(
+    p: &EngineHandle,
+    d: &EngineHandle,
+    prompt: Vec<u32>,
+    (dest, skip_tokens): (Vec<BlockId>, usize),
+    ship: Ship,
+) -> (u32, u64) {
+    let first_dest = skip_tokens / p.kv_layout().page_size;
+    let landed = Arc::new(AtomicU64::new(0));
+    let landing = (ship == Ship::Landing).then(|| d.draft_landing().expect("a drafter landing"));
+    let target_layers = p.kv_layout().num_layers;
+    let copy = |drafter: bool| {
+        let (counted, d, dest, landing) =
+            (landed.clone(), d.clone(), dest.clone(), landing.clone());
+        Box::new(
+            move |layer: usize, blocks: &[BlockId], rows: &LayerRows<'_>| -> Result<(), String> {
+                let mut runs: Vec<(BlockId, Vec<u8>)> = Vec::new();
+                for (j, b) in blocks.iter().enumerate() {
+                    let data = rows.block(*b).map_err(|e| e.to_string())?;
+                    counted.fetch_add(data.len() as u64, Ordering::Relaxed);
+                    let to = dest[first_dest + j];
+                    match runs.last_mut() {
+                        Some((first, run))
+                            if first.0 as usize + run.len() / data.len() == to.0 as usize =>
+                        {
+                            run.extend_from_slice(data)
+                        }
+                        _ => runs.push((to, data.to_vec())),
+                    }
+                }
+                for (first, run) in runs {
+                    match (&landing, drafter) {
+                        // SAFETY: the destination blocks are reserved for this remote prefill
+                        // (the engine's `Reserved` event), which has not completed; `d` is alive.
+                        (Some(l), true) => {
+                            unsafe { l.write(layer, first, &run) }.map_err(|e| e.to_string())?
+                        }
+                        _ => d
+                            .write_kv(layer + if drafter { target_layers } else { 0 }, first, run)
+                            .map_err(|e| e.to_string())?,
+                    }
+                }
+                Ok(())
+            },
+        ) as LayerSinkFn
+    };
+    let out = p
+        .prefill_work(PrefillWork {
+            prompt,
+            sampling: greedy(),
+            controls: Default::default(),
+            stop: StopParams::max_tokens(1),
+            logprobs: None,
+            prompt_logprobs: None,
+            skip_tokens,
+            on_layer: copy(false),
+            on_draft_layer: (ship != Ship::Nothing).then(|| copy(true)),
+            grammar: None,
+            rows_on_device: false,
+        })
+        .await
+        .unwrap();
+    (out.first_token, landed.load(Ordering::Relaxed))
+}
+
+/// A decode engine `d` speculates from its first step on a prompt prefilled by `p` with the
+/// drafter's context shipped (through the engine thread or landed from the sink's thread),
+/// exactly as `local` does with the prompt prefilled itself (same rounds, drafts, acceptances,
+/// tokens); without the context it does not speculate. The three engines are DSpark engines
+/// of one config and device.
+pub async fn drafter_context_lands_as_a_local_prefill(
+    p: &EngineHandle,
+    d: &EngineHandle,
+    local: &EngineHandle,
+) {
+    let (prompt, expected) = golden_case(2);
+    // The same request prefilled where it decodes: the shipped context must be that one, so
+    // the rounds, drafts and acceptances are the same, not just "some".
+    let (toks, _, want) = collect_spec(
+        local
+            .generate(job(prompt.clone(), 32, PrefillSource::Local))
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(toks, expected, "a local prefill");
+    let want = want.expect("a local prefill speculates");
+    wait_idle(local).await;
+    // The first run lands the whole prompt's context from this thread; the later ones reuse
+    // its cached whole blocks (valid drafter rows) and get the tail from the peer, with its
+    // drafter rows through the engine thread, then without them (no speculation).
+    for ship in [Ship::Landing, Ship::EngineThread, Ship::Nothing] {
+        let before = d.stats().await.unwrap();
+        let mut g = d
+            .generate(job(
+                prompt.clone(),
+                32,
+                PrefillSource::Remote { local_threshold: 0 },
+            ))
+            .unwrap();
+        let Some(EngineEvent::Reserved {
+            blocks,
+            cached_tokens,
+        }) = g.events.recv().await
+        else {
+            panic!("expected a reservation");
+        };
+        let (first, bytes) =
+            remote_prefill(p, d, prompt.clone(), (blocks, cached_tokens), ship).await;
+        d.remote_done(g.id, first, bytes).unwrap();
+        let (toks, end, spec) = collect_spec(g).await;
+        assert_eq!(end, Ok(FinishReason::Length));
+        assert_eq!(toks, expected, "drafter context: {ship:?}");
+        let after = d.stats().await.unwrap();
+        let rounds = after.spec_rounds - before.spec_rounds;
+        // Allowed to speculate either way, so the counts come (zero rounds without context).
+        assert_eq!(spec.map(|c| c.rounds), Some(rounds));
+        if ship == Ship::Nothing {
+            assert_eq!(rounds, 0, "no drafter context, no speculation: {after:?}");
+        } else {
+            // 31 tokens after the peer's first one; every step drafts.
+            assert!(
+                rounds >= 8,
+                "{ship:?}: decode speculated from its first step: {after:?}"
+            );
+            assert_eq!(spec, Some(want), "{ship:?}: as if prefilled here");
+        }
+        wait_idle(d).await;
+    }
+    wait_idle(p).await;
 }

@@ -303,11 +303,8 @@ impl CudaRows {
     /// A writer of peers' runs into the device cache on a copy stream of its own, for the
     /// decode worker's receiving threads.
     pub(crate) fn device_kv_writer(&self) -> Result<crate::engine::DeviceKvWriter, ModelError> {
-        Ok(crate::engine::DeviceKvWriter {
-            lane: crate::engine::CopyLane::Cuda(self.dev.copy_stream()?),
-            layers: self.device_kv()?.layers,
-            block_bytes: self.cache.dtype().block_bytes(self.cache.layout()),
-        })
+        let pool_blocks = self.cache.layout().num_blocks - 1;
+        crate::engine::DeviceKvWriter::cuda(&self.cache, pool_blocks)
     }
 
     /// The cache's element type.

@@ -128,15 +128,7 @@ impl RocmRows {
     /// A writer of peers' runs into the device cache from the decode worker's receiving
     /// threads (every block of the cache is a pool block: ROCm keeps no graph scratch block).
     pub(crate) fn device_kv_writer(&self) -> Result<crate::engine::DeviceKvWriter, ModelError> {
-        let layout = *self.cache.layout();
-        let layers = (0..layout.num_layers)
-            .map(|l| self.cache.block_bytes(l, BlockId(0), layout.num_blocks))
-            .collect::<Result<Vec<_>, _>>()?;
-        Ok(crate::engine::DeviceKvWriter {
-            lane: crate::engine::CopyLane::Rocm(self.cache.device().clone()),
-            layers,
-            block_bytes: self.cache.dtype().block_bytes(&layout),
-        })
+        crate::engine::DeviceKvWriter::rocm(&self.cache)
     }
 
     /// Consecutive blocks of one layer from a peer, from `first` on, `data` in the cache's

@@ -176,10 +176,8 @@ impl Scheduler {
                 warn!(%first, layer, "dropping a drafter KV write: this engine has no drafter");
                 return;
             };
-            for (b, bytes) in blocks.zip(data.chunks_exact(block)) {
-                if let Err(e) = sp.write_kv(layer - target_layers, b, bytes, dtype) {
-                    warn!(block = %b, layer, error = %e, "dropping a drafter KV write");
-                }
+            if let Err(e) = sp.write_kv(layer - target_layers, first, data) {
+                warn!(%first, layer, error = %e, "dropping a drafter KV write");
             }
             return;
         }
