@@ -4,9 +4,9 @@
 #
 #   MODE=land  (default) arm ARM (plain; spec: with the dummy drafter, whose context ships and
 #              lands whatever it accepts) once per value of ORDER (default "0 1 0 1") of
-#              FERRY_DIRECT_KV_WRITES: a decode worker's peer runs copied through its engine
-#              thread (0), from the receiving thread (1), or only the target's layers from
-#              there (target); one line per level.
+#              FERRY_DIRECT_KV_WRITES: a decode worker's peer runs written through its engine
+#              thread (0), the target's layers from the receiving thread (1, the default), or
+#              the drafter's too (all); one line per level.
 #   MODE=ship  the speculating arm (dummy drafter: acceptance means nothing, the paths' costs
 #              do) with FERRY_LOG=ferry_model::engine::spec=debug; the mean read / encode / sink
 #              time of the prefill worker's drafter shipping per prompt.

@@ -40,14 +40,13 @@ impl RowMemory for TransportRows {
 ///   receiver goes on, as a host layer's copy is), not through the engine thread: one command
 ///   and one synchronous pageable copy per run there stopped decode steps for every prompt
 ///   landed (~8 MB for 1,024 tokens of session 41's small target; docs/transfer.md). A ROCm engine's cache is written the same way.
-/// - **The drafter's context layers** are landed from the receiving thread too
-///   ([`DraftLanding`]): widened, put together per block in the drafter's own layout and, on a
-///   GPU, copied into the drafter KV as each block completes; a CPU engine writes the
-///   assembled rows into its host pool at the completion.
 /// - **Everything else is staged** through [`KvRegion::write`] to the engine thread (the pool's
-///   one owner), which applies writes in order before it processes the completion: a CPU
-///   engine's target layers where its rows are not the wire's dtype, and what
-///   `FERRY_DIRECT_KV_WRITES` keeps on the engine thread ([`direct_writes`]).
+///   one owner), which applies writes in order before it processes the completion: the
+///   drafter's context layers (its [`DraftLanding`] widens them, puts them together per block
+///   in the drafter's own layout and, on a GPU, copies each completed block into the drafter
+///   KV), and a CPU engine's target layers where its rows are not the wire's dtype. With
+///   `FERRY_DIRECT_KV_WRITES=all` the drafter's layers land from the receiving thread instead
+///   (measured slower on one shared GPU: [`direct_writes`]).
 /// - **Every block a receiver sees is admitted only under its request's fence**
 ///   ([`RemoteFences`]: reserved by the engine for exactly that remote prefill), so a peer
 ///   whose request was abandoned cannot write into blocks since recomputed or reused. A
@@ -75,7 +74,7 @@ pub struct EngineRegion {
     /// Copies staged runs of target layers into a GPU engine's cache (CUDA or ROCm) from the
     /// receiving thread.
     writer: Option<Arc<DeviceKvWriter>>,
-    /// Lands the drafter's context layers from the receiving thread.
+    /// Lands the drafter's context layers from the receiving thread (`FERRY_DIRECT_KV_WRITES=all`).
     draft: Option<Arc<DraftLanding>>,
     /// Target layers (the rest are the drafter's context).
     target_layers: u32,
@@ -124,9 +123,16 @@ struct DirectWrites {
 }
 
 /// `FERRY_DIRECT_KV_WRITES` (read once), the benchmarks' A/B switch for the hop through the
-/// engine thread that direct writes replaced: unset (or anything else), both kinds of layers
-/// land from the receiving thread; `0`, neither (every write is an engine command); `target`,
-/// only the target's (session 41's rule, before the drafter's landing moved too).
+/// engine thread: unset (or anything else), a GPU engine's target layers land from the
+/// receiving thread and the drafter's go through the engine thread (the default); `all`, the
+/// drafter's land from the receiving thread too; `0`, every write is an engine command.
+///
+/// Why the drafter's layers stay on the engine thread by default: moving them off (session 42,
+/// `all`) kept a speculating decode worker stepping all the time (busy 0.85–0.91 → 0.97–0.99)
+/// but made the one-GPU cluster 4–5 % slower at c = 64 / 128 (four interleaved pairs,
+/// BENCHMARKS.md session 42): with both workers on one GPU, a decode worker that never pauses
+/// takes GPU time from the prefill worker, and its steps carry fewer sequences (81–86 against
+/// 97–106 at c = 128). Where the decode worker has its own GPU it may pay; not measured.
 fn direct_writes() -> DirectWrites {
     static ON: std::sync::OnceLock<DirectWrites> = std::sync::OnceLock::new();
     *ON.get_or_init(|| {
@@ -136,13 +142,13 @@ fn direct_writes() -> DirectWrites {
                 target: false,
                 drafter: false,
             },
-            "target" => DirectWrites {
+            "all" => DirectWrites {
                 target: true,
-                drafter: false,
+                drafter: true,
             },
             _ => DirectWrites {
                 target: true,
-                drafter: true,
+                drafter: false,
             },
         }
     })
@@ -193,10 +199,10 @@ impl KvRegion for EngineRegion {
         self.write_run(layer, block, data)
     }
 
-    /// A GPU engine's target layer: one host-to-device copy from this thread. A drafter layer:
-    /// landed from this thread ([`DraftLanding::write`]). Anything else (a CPU engine's staged
-    /// layers): one engine command per run, applied in order before the transfer's
-    /// completion.
+    /// A GPU engine's target layer: one host-to-device copy from this thread. A drafter layer
+    /// under `FERRY_DIRECT_KV_WRITES=all`: landed from this thread ([`DraftLanding::write`]).
+    /// Anything else (the drafter's layers, a CPU engine's staged layers): one engine command
+    /// per run, applied in order before the transfer's completion.
     fn write_run(&self, layer: u32, first: u32, data: &[u8]) -> Result<(), TransferError> {
         if let Some(draft) = self.draft.as_ref().filter(|_| layer >= self.target_layers) {
             // SAFETY: as for the target's layers below: every block of the run was admitted

@@ -13,11 +13,13 @@
 //!   thread, which writes them into its host pool when the transfer completes
 //!   ([`DraftLanding::take`]).
 //!
-//! The decode worker's transfer region calls [`DraftLanding::write`] from its receiving thread
-//! (`ferry_decode::region`), so none of this stops the engine's steps. Until session 42 every
-//! wire layer of every block was an engine command (widen, assemble, and at completion one
-//! synchronous pageable upload per drafter layer, between steps), as the target's layers were
-//! until session 41 (`docs/transfer.md`).
+//! The engine thread calls [`DraftLanding::write`] for a peer's writes it is handed (the
+//! decode worker's transfer region's default route for these layers); with
+//! `FERRY_DIRECT_KV_WRITES=all` the region calls it from its receiving thread instead, so none
+//! of this stops the engine's steps. That was measured slower on one GPU shared by a prefill
+//! and a decode worker (`ferry_decode::region`, BENCHMARKS.md session 42), so it is not the
+//! default. Either way a block reaches the device as soon as it is whole, not at the transfer's
+//! completion.
 
 use std::collections::HashMap;
 use std::sync::{Mutex, PoisonError};
@@ -27,9 +29,9 @@ use crate::drafter::DraftKvLayout;
 use crate::kv::{BlockId, KvDtype, KvLayout};
 use crate::ModelError;
 
-/// Assembles peers' drafter wire layers into the drafter KV (see the module doc). Shared by
-/// the engine thread (its [`super::spec::Speculator`]) and the decode worker's receiving
-/// threads ([`super::EngineHandle::draft_landing`]).
+/// Assembles peers' drafter wire layers into the drafter KV (see the module doc). Owned by the
+/// engine's [`super::spec::Speculator`], shared with whichever thread receives them
+/// ([`super::EngineHandle::draft_landing`]).
 pub struct DraftLanding {
     layout: DraftKvLayout,
     /// The wire layers' geometry: the target pool's, rows of `layout.row_width`.

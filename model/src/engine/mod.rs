@@ -1262,8 +1262,8 @@ impl EngineHandle {
     /// Lands peers' writes of the drafter's context layers (transfer layers from
     /// [`Self::kv_layout`]'s `num_layers` on) from the caller's thread: widened, assembled per
     /// block and, on a GPU, copied into the drafter KV (`None` without a drafter that keeps
-    /// KV). What a decode worker's transfer region uses instead of [`Self::write_kv`]'s hop
-    /// through the engine thread for those layers.
+    /// KV). What a decode worker's transfer region uses under `FERRY_DIRECT_KV_WRITES=all`
+    /// instead of [`Self::write_kv`]'s hop through the engine thread for those layers.
     pub fn draft_landing(&self) -> Option<Arc<DraftLanding>> {
         self.draft_landing.clone()
     }

@@ -493,8 +493,9 @@ impl Speculator {
 
     /// A peer's run of drafter wire layer `layer` from block `first` on, whole blocks of
     /// little-endian elements of the engine's cache dtype, handed over by the engine thread
-    /// (the transfer region's hop when `FERRY_DIRECT_KV_WRITES=0`, or a region without the
-    /// landing): the same [`DraftLanding::write`] a receiving thread calls.
+    /// (the transfer region's route for the drafter's layers unless
+    /// `FERRY_DIRECT_KV_WRITES=all`): the same [`DraftLanding::write`] a receiving thread may
+    /// call.
     pub fn write_kv(&mut self, layer: usize, first: BlockId, data: &[u8]) -> Result<(), String> {
         let Some(landing) = &self.landing else {
             return Err("this engine's drafter keeps no KV".into());
