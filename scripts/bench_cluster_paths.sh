@@ -6,7 +6,9 @@
 #              lands whatever it accepts) once per value of ORDER (default "0 1 0 1") of
 #              FERRY_DIRECT_KV_WRITES: a decode worker's peer runs written through its engine
 #              thread (0), the target's layers from the receiving thread (1, the default), or
-#              the drafter's too (all); one line per level.
+#              the drafter's too (all); one line per level. AB_VAR names another variable
+#              to alternate instead (e.g. AB_VAR=FERRY_PROMPT_STEPS ORDER="mixed auto mixed
+#              auto" ARM=spec_fixed: a speculating arm whose rounds always run, at fixed:4).
 #   MODE=ship  the speculating arm (dummy drafter: acceptance means nothing, the paths' costs
 #              do) with FERRY_LOG=ferry_model::engine::spec=debug; the mean read / encode / sink
 #              time of the prefill worker's drafter shipping per prompt.
@@ -58,13 +60,16 @@ PY
 case "$MODE" in
 land)
   ARM=${ARM:-plain}
+  AB_VAR=${AB_VAR:-FERRY_DIRECT_KV_WRITES}
   export BENCH_ARMS=$ARM BENCH_CONCURRENCY=${CONC:-64,128}
+  # The spec_fixed arm at the same levels, at fixed:4 (the hook's own default is the block).
+  export BENCH_FIXED_CONCURRENCY=${CONC:-64,128} BENCH_FIXED_VERIFY_LEN=${BENCH_FIXED_VERIFY_LEN:-fixed:4}
   n=0
-  for direct in ${ORDER:-0 1 0 1}; do
+  for value in ${ORDER:-0 1 0 1}; do
     n=$((n + 1))
-    run=$OUT/run_${n}_direct$direct
-    FERRY_DIRECT_KV_WRITES=$direct RUN=$run bash scripts/dspark_bench.sh >"$OUT/run_$n.log" 2>&1
-    echo "FERRY_DIRECT_KV_WRITES=$direct (exit $?):"
+    run=$OUT/run_${n}_$value
+    env "$AB_VAR=$value" RUN="$run" bash scripts/dspark_bench.sh >"$OUT/run_$n.log" 2>&1
+    echo "$AB_VAR=$value (exit $?):"
     summary "$run" "$ARM"
   done
   ;;

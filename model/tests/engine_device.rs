@@ -437,6 +437,77 @@ async fn prompts_apart_on_a_gpu_keep_the_golden_tokens() {
     wait_idle(&e).await;
 }
 
+/// `PromptSteps::Auto` on CUDA: a prompt arriving beside a graphed round whose uncached tail
+/// (one token: its other blocks are request 0's cached prompt) is fewer rows than the round's
+/// drafts gets a forward of its own, and the round stays graphed; under `Mixed`, the control,
+/// it rides in the round's step. The tokens are the same either way, request 0's the CPU's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an NVIDIA GPU: run on the GPU machine with --include-ignored (docs/gpu.md)"]
+async fn a_cache_hit_beside_a_graphed_round_gets_a_forward_of_its_own_on_cuda() {
+    let test = "a_cache_hit_beside_a_graphed_round_gets_a_forward_of_its_own_on_cuda";
+    if let Err(e) = Device::Cuda(0).probe() {
+        eprintln!("skipping {test}: {e}");
+        return;
+    }
+    let run = |prompt_steps: PromptSteps| async move {
+        let e = dspark_engine(EngineConfig {
+            prompt_steps,
+            spec: SpecConfig {
+                verify_len: VerifyLen::Fixed(4),
+                ..SpecConfig::default()
+            },
+            ..config(Device::Cuda(0), GpuMode::Exact)
+        });
+        let (prompt, golden) = golden_case(0);
+        let page = e.kv_layout().page_size;
+        assert!(prompt.len() > page, "a prompt of a whole block and more");
+        let hit = prompt[..(prompt.len() - 1) / page * page + 1].to_vec();
+        let mut first = e
+            .generate(job(prompt, 32, PrefillSource::Local))
+            .expect("request 0");
+        let head = loop {
+            match first.events.recv().await {
+                Some(EngineEvent::Token(t)) => break t,
+                Some(EngineEvent::Finished(_) | EngineEvent::Failed(_)) | None => {
+                    panic!("request 0 ended before its first token")
+                }
+                Some(_) => {}
+            }
+        };
+        let late = e
+            .generate(job(hit, 8, PrefillSource::Local))
+            .expect("request 1");
+        let (rest, end) = collect(first).await;
+        assert_eq!(end, Ok(FinishReason::Length));
+        let toks: Vec<u32> = std::iter::once(head).chain(rest).collect();
+        assert_eq!(toks, golden, "request 0 ({prompt_steps:?})");
+        let (late, end) = collect(late).await;
+        assert_eq!(end, Ok(FinishReason::Length));
+        let st = e.stats().await.unwrap();
+        wait_idle(&e).await;
+        (late, st)
+    };
+    let (auto, st) = run(PromptSteps::Auto).await;
+    let t = st.step_times;
+    assert!(
+        t.prompt.steps >= 2,
+        "request 0's prompt, then the hit's: {t:?}"
+    );
+    assert_eq!(
+        (t.prompt.sequences, t.prompt.decode_rows),
+        (0, 0),
+        "the hit's prompt rode in a round: {t:?}"
+    );
+    assert!(t.round.graphed > 0, "no round replayed from a graph: {t:?}");
+    let (mixed, st) = run(PromptSteps::Mixed).await;
+    assert!(
+        st.step_times.prompt.sequences > 0,
+        "the control: the hit arrived beside request 0's rounds: {:?}",
+        st.step_times
+    );
+    assert_eq!(auto, mixed, "the hit's tokens, apart or mixed");
+}
+
 /// The reference's whole generations (`common::replay_cases`, see `spec_engine.rs`) on the
 /// first GPU (CUDA, else ROCm: the CPU HIP of `scripts/hip_emu.sh`) in exact mode: the same
 /// greedy tokens, and round for round the drafts the reference drafter accepted, so the device

@@ -88,45 +88,54 @@ pub struct EngineConfig {
     /// its KV transport's memory, which peers on the same machine write into directly.
     pub host_kv_memory: Option<HostKvMemory>,
     /// Whether prompt work rides in the running sequences' step or gets a forward of its own
-    /// ([`PromptSteps`]; the default comes from `FERRY_PROMPT_STEPS`, else `Mixed`).
+    /// ([`PromptSteps`]; the default comes from `FERRY_PROMPT_STEPS`, else `Auto`).
     pub prompt_steps: PromptSteps,
 }
 
 /// How a step that has both prompt work and running sequences runs them.
 ///
-/// `Mixed` (the default; vLLM's chunked prefill): one forward takes the decode rows — a
-/// speculating sequence's whole round — and the prompt chunks, so it runs eagerly, and a
-/// speculating engine also drafts over every running sequence and writes the drafter context
-/// of the prompts in it. `Apart` (SGLang's default): the running sequences first take a
-/// decode-only step, which a GPU replays from its graph as any other, then the prompts take a
-/// forward of their own in the same scheduler step, so nothing waits longer for its first
-/// token. Session 38's speculating engine on a small target spent 43 % of its time at 64
-/// sequences in mixed steps of 14–25 ms each, against a graphed round's 5.8 ms (BENCHMARKS.md);
-/// where a model's prefill GEMMs carry the decode rows for free, mixing reads the weights
-/// once. `Apart` is not the default until a GPU A/B says so (`FERRY_PROMPT_STEPS=apart`).
+/// `Mixed` (vLLM's chunked prefill): one forward takes the decode rows — a speculating
+/// sequence's whole round — and the prompt chunks, so it runs eagerly, and a speculating engine
+/// also drafts over every running sequence and writes the drafter context of the prompts in it.
+/// `Apart` (SGLang's default): the running sequences first take a decode-only step, which a GPU
+/// replays from its graph as any other, then the prompts take a forward of their own in the same
+/// scheduler step, so nothing waits longer for its first token. `Auto` (the default) mixes,
+/// except that a speculating round whose graph would be lost to fewer prompt rows than it has
+/// drafts runs apart (see [`PromptSteps::Auto`]).
+///
+/// Measured on a small target (H100, sessions 38–42): a whole 1,024-token prompt is cheaper
+/// mixed into a round (`Apart` lost, 1.03× against 1.12× at c = 128: the decode-only rounds it
+/// adds cost more than the rows the mixed steps carried), but a prefix-cache hit's few prompt
+/// rows made a mixed step of a 128-sequence round cost 24.6 ms against the graphed round's 9.3.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum PromptSteps {
-    /// Prompt chunks and decode rows in one forward.
+    /// Mixed, except where a speculating round is replayed from a graph and the prompt work
+    /// beside it is fewer rows than its drafts (a cache hit's uncached tail, a chunk's end):
+    /// then apart, as the eager forward of every draft row to carry a few prompt rows costs more
+    /// than a separate prompt forward. Without graphs (the CPU, ROCm) it is `Mixed`.
     #[default]
+    Auto,
+    /// Prompt chunks and decode rows in one forward.
     Mixed,
     /// A decode-only step, then a prompt-only forward.
     Apart,
 }
 
 impl PromptSteps {
-    /// `FERRY_PROMPT_STEPS` (`mixed` or `apart`), read once; unset or unknown: `Mixed` (an
-    /// unknown value is logged).
+    /// `FERRY_PROMPT_STEPS` (`auto`, `mixed` or `apart`), read once; unset or unknown: `Auto`
+    /// (an unknown value is logged).
     pub fn from_env() -> Self {
         static FROM_ENV: std::sync::OnceLock<PromptSteps> = std::sync::OnceLock::new();
         *FROM_ENV.get_or_init(|| match std::env::var("FERRY_PROMPT_STEPS").as_deref() {
             Ok("apart") => PromptSteps::Apart,
-            Ok("mixed") | Err(_) => PromptSteps::Mixed,
+            Ok("mixed") => PromptSteps::Mixed,
+            Ok("auto") | Err(_) => PromptSteps::Auto,
             Ok(other) => {
                 tracing::warn!(
                     value = other,
-                    "FERRY_PROMPT_STEPS is `mixed` or `apart`; using `mixed`"
+                    "FERRY_PROMPT_STEPS is `auto`, `mixed` or `apart`; using `auto`"
                 );
-                PromptSteps::Mixed
+                PromptSteps::Auto
             }
         })
     }

@@ -277,7 +277,8 @@ impl Scheduler {
 
     /// Runs one scheduler step: one forward over the running sequences and the prompt work
     /// that fits, or with [`PromptSteps::Apart`] and both kinds of work, a decode-only forward
-    /// and then a prompt-only one.
+    /// and then a prompt-only one ([`PromptSteps::Auto`] decides after drafting, in
+    /// [`Self::forward_step`]).
     fn step(&mut self) {
         let prompts_waiting = !self.prefills.is_empty() || !self.waiting.is_empty();
         if self.config.prompt_steps == PromptSteps::Apart
@@ -326,6 +327,13 @@ impl Scheduler {
         let planned = std::time::Instant::now();
         let mut work: Vec<Work> = (0..decoding).map(Work::Decode).collect();
         let drafted: usize = drafts.iter().flatten().map(Draft::gamma).sum();
+        // `Auto`: a graphed round keeps its graph when the prompt work beside it is fewer rows
+        // than its drafts; the prompts then get a forward of their own after it.
+        let apart = what == StepWork::All
+            && self.config.prompt_steps == PromptSteps::Auto
+            && self.round_replays(&drafts)
+            && (1..=drafted).contains(&self.prompt_rows(budget));
+        let prompts = prompts && !apart;
         budget = budget.saturating_sub(drafted);
         let prefills = if prompts { self.prefills.len() } else { 0 };
         for i in 0..prefills {
@@ -399,6 +407,31 @@ impl Scheduler {
                     .record(predicted, accepted);
             }
         }
+        if apart {
+            self.forward_step(StepWork::Prompts);
+        }
+    }
+
+    /// Whether a round of `drafts` (one entry per running sequence) is replayed from a CUDA
+    /// graph when it runs alone; elsewhere rounds run eagerly.
+    fn round_replays(&self, drafts: &[Option<Draft>]) -> bool {
+        matches!(self.backend.device(), ferry_kernels::Device::Cuda(_))
+            && self.config.cuda_graphs
+            && self.spec.as_ref().is_some_and(|sp| sp.replays(drafts))
+    }
+
+    /// Prompt rows waiting to be computed, at most `budget`: the queued prefill jobs' and the
+    /// admissible waiting sequences' (what a mixed step would carry, before the drafts take
+    /// their share of the budget).
+    fn prompt_rows(&self, budget: usize) -> usize {
+        let room = self.config.max_running.saturating_sub(self.running.len());
+        let jobs = self.prefills.iter().map(|p| p.job.prompt.len() - p.reused);
+        let chunks = self
+            .waiting
+            .iter()
+            .take(room)
+            .map(Sequence::remaining_prompt);
+        jobs.chain(chunks).sum::<usize>().min(budget)
     }
 
     fn finish(&mut self, s: Sequence, reason: FinishReason) {

@@ -390,6 +390,23 @@ impl Speculator {
         self.layout.map_or(0, |l| l.pool_layers())
     }
 
+    /// Whether `drafts` (one entry per running sequence) make a round a graph replays: every
+    /// sequence verifies the same γ drafts, γ a width with graphs, the batch within its
+    /// verify-graph limit. That is on CUDA with graphs; ROCm's uniform rounds have no limit but
+    /// run eagerly, and the CPU has none: the caller checks the device.
+    pub fn replays(&self, drafts: &[Option<Draft>]) -> bool {
+        let Some(limits) = &self.uniform_graphs else {
+            return false;
+        };
+        let mut gammas = drafts.iter().map(|d| d.as_ref().map(Draft::gamma));
+        let Some(Some(gamma)) = gammas.next() else {
+            return false;
+        };
+        gammas.all(|g| g == Some(gamma))
+            && widths(self.drafter.block_size()).any(|w| w == gamma)
+            && limits.get(gamma).is_some_and(|&n| drafts.len() <= n)
+    }
+
     /// Where peers' drafter wire layers land (see [`Self::landing`]'s field).
     pub fn landing(&self) -> Option<Arc<DraftLanding>> {
         self.landing.clone()
