@@ -1150,7 +1150,7 @@ impl EngineHandle {
                 let b = backend.model().backend();
                 let limit = |gamma: usize| verify_graph_seqs(device, gamma);
                 let graphs = uniform.then_some(&limit as &dyn Fn(usize) -> usize);
-                spec::Speculator::new(d, &layout, b, kv_dtype, config.spec.clone(), graphs)
+                spec::Speculator::new(d, (&layout, kv_dtype), b, config.spec.clone(), graphs)
             })
             .transpose()?;
         let draft_landing = spec.as_ref().and_then(spec::Speculator::landing);

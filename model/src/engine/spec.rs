@@ -341,15 +341,15 @@ impl Deferred {
 }
 
 impl Speculator {
-    /// A speculator for an engine whose target pool has geometry `target` and whose model
-    /// runs on `backend`: the drafter moves there, and so does its KV. `uniform_graphs`: rounds
-    /// run at a uniform width, and one of γ drafts per sequence is replayed from a graph for
-    /// up to `limit(γ)` running sequences; `None` on the CPU.
+    /// A speculator for an engine whose target pool has geometry `target` and stores its rows
+    /// as `wire_dtype` (what peers' drafter layers arrive in), and whose model runs on
+    /// `backend`: the drafter moves there, and so does its KV. `uniform_graphs`: rounds run at
+    /// a uniform width, and one of γ drafts per sequence is replayed from a graph for up to
+    /// `limit(γ)` running sequences; `None` on the CPU.
     pub fn new(
         mut drafter: Box<dyn Drafter>,
-        target: &KvLayout,
+        (target, wire_dtype): (&KvLayout, KvDtype),
         backend: &Backend,
-        wire_dtype: KvDtype,
         config: SpecConfig,
         uniform_graphs: Option<&dyn Fn(usize) -> usize>,
     ) -> Result<Self, ModelError> {
@@ -1129,9 +1129,8 @@ mod tests {
         };
         let mut sp = Speculator::new(
             Box::new(drafter),
-            &layout,
+            (&layout, KvDtype::F32),
             &Backend::Cpu,
-            KvDtype::F32,
             config,
             None,
         )
