@@ -263,9 +263,10 @@ pub async fn remote_prefill(
                 }
                 for (first, run) in runs {
                     match (&landing, drafter) {
-                        // SAFETY: the destination blocks are reserved for this remote prefill
-                        // (the engine's `Reserved` event), which has not completed; `d` is alive.
                         (Some(l), true) => {
+                            // SAFETY: the destination blocks are reserved for this remote
+                            // prefill (the engine's `Reserved` event), which has not completed;
+                            // `d` is alive.
                             unsafe { l.write(layer, first, &run) }.map_err(|e| e.to_string())?
                         }
                         _ => d
