@@ -438,9 +438,10 @@ async fn prompts_apart_on_a_gpu_keep_the_golden_tokens() {
 }
 
 /// `PromptSteps::Auto` on CUDA: a prompt arriving beside a graphed round whose uncached tail
-/// (one token: its other blocks are request 0's cached prompt) is fewer rows than the round's
-/// drafts gets a forward of its own, and the round stays graphed; under `Mixed`, the control,
-/// it rides in the round's step. The tokens are the same either way, request 0's the CPU's.
+/// (one token: its three whole blocks are an earlier, finished request's, in the prefix cache)
+/// is fewer rows than the round's drafts gets a forward of its own, and the round stays
+/// graphed; under `Mixed`, the control, it rides in the round's step. The tokens are the same
+/// either way, the running request's the CPU's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs an NVIDIA GPU: run on the GPU machine with --include-ignored (docs/gpu.md)"]
 async fn a_cache_hit_beside_a_graphed_round_gets_a_forward_of_its_own_on_cuda() {
@@ -458,29 +459,39 @@ async fn a_cache_hit_beside_a_graphed_round_gets_a_forward_of_its_own_on_cuda() 
             },
             ..config(Device::Cuda(0), GpuMode::Exact)
         });
-        let (prompt, golden) = golden_case(0);
+        // 211 tokens: three whole blocks of 64 and a tail, cached when the request ends.
+        let (cached, golden) = golden_case(2);
+        let (toks, _) = collect(
+            e.generate(job(cached.clone(), 32, PrefillSource::Local))
+                .unwrap(),
+        )
+        .await;
+        assert_eq!(
+            toks, golden,
+            "the request whose blocks are cached ({prompt_steps:?})"
+        );
         let page = e.kv_layout().page_size;
-        assert!(prompt.len() > page, "a prompt of a whole block and more");
-        let hit = prompt[..(prompt.len() - 1) / page * page + 1].to_vec();
+        let hit = cached[..(cached.len() - 1) / page * page + 1].to_vec();
+        let (prompt, golden) = golden_case(1);
         let mut first = e
             .generate(job(prompt, 32, PrefillSource::Local))
-            .expect("request 0");
+            .expect("the running request");
         let head = loop {
             match first.events.recv().await {
                 Some(EngineEvent::Token(t)) => break t,
                 Some(EngineEvent::Finished(_) | EngineEvent::Failed(_)) | None => {
-                    panic!("request 0 ended before its first token")
+                    panic!("the running request ended before its first token")
                 }
                 Some(_) => {}
             }
         };
         let late = e
             .generate(job(hit, 8, PrefillSource::Local))
-            .expect("request 1");
+            .expect("the hit");
         let (rest, end) = collect(first).await;
         assert_eq!(end, Ok(FinishReason::Length));
         let toks: Vec<u32> = std::iter::once(head).chain(rest).collect();
-        assert_eq!(toks, golden, "request 0 ({prompt_steps:?})");
+        assert_eq!(toks, golden, "the running request ({prompt_steps:?})");
         let (late, end) = collect(late).await;
         assert_eq!(end, Ok(FinishReason::Length));
         let st = e.stats().await.unwrap();
@@ -490,8 +501,8 @@ async fn a_cache_hit_beside_a_graphed_round_gets_a_forward_of_its_own_on_cuda() 
     let (auto, st) = run(PromptSteps::Auto).await;
     let t = st.step_times;
     assert!(
-        t.prompt.steps >= 2,
-        "request 0's prompt, then the hit's: {t:?}"
+        t.prompt.steps >= 3,
+        "two requests' prompts, then the hit's: {t:?}"
     );
     assert_eq!(
         (t.prompt.sequences, t.prompt.decode_rows),
@@ -502,7 +513,7 @@ async fn a_cache_hit_beside_a_graphed_round_gets_a_forward_of_its_own_on_cuda() 
     let (mixed, st) = run(PromptSteps::Mixed).await;
     assert!(
         st.step_times.prompt.sequences > 0,
-        "the control: the hit arrived beside request 0's rounds: {:?}",
+        "the control: the hit arrived beside the running request's rounds: {:?}",
         st.step_times
     );
     assert_eq!(auto, mixed, "the hit's tokens, apart or mixed");
