@@ -198,20 +198,7 @@ async fn remote_prefill(
 async fn remote_prefill_gives_the_same_tokens_as_local() {
     let (p, d) = (engine(64), engine(64));
     let (prompt_ids, expected) = golden_case(2);
-    let mut g = d
-        .generate(job(
-            prompt_ids.clone(),
-            32,
-            PrefillSource::Remote { local_threshold: 0 },
-        ))
-        .unwrap();
-    let Some(EngineEvent::Reserved {
-        blocks,
-        cached_tokens,
-    }) = g.events.recv().await
-    else {
-        panic!("expected a reservation");
-    };
+    let (g, (blocks, cached_tokens)) = common::awaiting_remote(&d, prompt_ids.clone(), 32).await;
     assert_eq!(cached_tokens, 0);
     let (first, bytes) = remote_prefill(&p, &d, prompt_ids, blocks, cached_tokens)
         .await

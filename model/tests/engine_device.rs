@@ -1145,21 +1145,8 @@ async fn disaggregated_via(
     prompt: Vec<u32>,
     direct: bool,
 ) -> Vec<u32> {
-    let mut g = d
-        .generate(job(
-            prompt.clone(),
-            32,
-            PrefillSource::Remote { local_threshold: 0 },
-        ))
-        .unwrap();
-    let Some(EngineEvent::Reserved {
-        blocks,
-        cached_tokens,
-    }) = g.events.recv().await
-    else {
-        panic!("expected a reservation");
-    };
-    let (first, bytes) = remote_prefill_via(p, d, prompt, (blocks, cached_tokens), direct).await;
+    let (g, reserved) = common::awaiting_remote(d, prompt.clone(), 32).await;
+    let (first, bytes) = remote_prefill_via(p, d, prompt, reserved, direct).await;
     d.remote_done(g.id, first, bytes).unwrap();
     let (toks, end) = collect(g).await;
     assert_eq!(end, Ok(FinishReason::Length));

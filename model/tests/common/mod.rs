@@ -214,6 +214,30 @@ pub fn first_gpu() -> Result<ferry_kernels::backend::Backend, String> {
     Err(why)
 }
 
+/// A greedy request of `max_tokens` on `d` whose prompt a peer prefills: its generation and
+/// what the engine reserved for the peer (the blocks and how many prompt tokens were cached).
+pub async fn awaiting_remote(
+    d: &EngineHandle,
+    prompt: Vec<u32>,
+    max_tokens: usize,
+) -> (Generation, (Vec<BlockId>, usize)) {
+    let mut g = d
+        .generate(job(
+            prompt,
+            max_tokens,
+            PrefillSource::Remote { local_threshold: 0 },
+        ))
+        .unwrap();
+    let Some(EngineEvent::Reserved {
+        blocks,
+        cached_tokens,
+    }) = g.events.recv().await
+    else {
+        panic!("expected a reservation");
+    };
+    (g, (blocks, cached_tokens))
+}
+
 /// How a test's prefill peer sends the drafter's context layers ([`remote_prefill`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Ship {
@@ -324,22 +348,8 @@ pub async fn drafter_context_lands_as_a_local_prefill(
     // drafter rows through the engine thread, then without them (no speculation).
     for ship in [Ship::Landing, Ship::EngineThread, Ship::Nothing] {
         let before = d.stats().await.unwrap();
-        let mut g = d
-            .generate(job(
-                prompt.clone(),
-                32,
-                PrefillSource::Remote { local_threshold: 0 },
-            ))
-            .unwrap();
-        let Some(EngineEvent::Reserved {
-            blocks,
-            cached_tokens,
-        }) = g.events.recv().await
-        else {
-            panic!("expected a reservation");
-        };
-        let (first, bytes) =
-            remote_prefill(p, d, prompt.clone(), (blocks, cached_tokens), ship).await;
+        let (g, reserved) = awaiting_remote(d, prompt.clone(), 32).await;
+        let (first, bytes) = remote_prefill(p, d, prompt.clone(), reserved, ship).await;
         d.remote_done(g.id, first, bytes).unwrap();
         let (toks, end, spec) = collect_spec(g).await;
         assert_eq!(end, Ok(FinishReason::Length));
