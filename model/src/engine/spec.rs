@@ -224,9 +224,10 @@ pub(crate) struct Speculator {
     /// Blocks whose drafter rows do not match their target KV.
     stale: HashSet<BlockId>,
     /// A peer's drafter rows per reserved block, assembled in the natural layout as its wire
-    /// layers arrive (from the decode worker's receiving thread, or [`Self::write_kv`]) and, on
-    /// a GPU, stored in the drafter KV as each block completes; [`Self::remote_landed`] takes
-    /// them. `None` without drafter KV.
+    /// layers arrive (through [`Self::write_kv`] on the engine thread, or from the decode
+    /// worker's receiving thread under `FERRY_DIRECT_KV_WRITES=all`) and, on a GPU, stored in
+    /// the drafter KV as each block completes; [`Self::remote_landed`] takes them. `None`
+    /// without drafter KV.
     landing: Option<Arc<DraftLanding>>,
     /// Rounds run at a uniform width on a GPU: when every running sequence drafted, each
     /// verifies the same γ drafts (the whole block unless the verify length picks fewer; see
