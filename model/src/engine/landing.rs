@@ -137,43 +137,48 @@ impl DraftLanding {
         let piece = l * self.per_block..(l + 1) * self.per_block;
         let mut wire = vec![0.0f32; self.wire.block_floats()];
         let mut complete: Vec<(BlockId, Vec<f32>)> = Vec::new();
-        for (i, bytes) in data.chunks_exact(block_bytes).enumerate() {
-            let block = BlockId(first.0 + i as u32);
-            self.dtype
-                .widen_into(bytes, self.wire.width, &mut wire)
-                .map_err(|e| ModelError::Kv(e.to_string()))?;
-            let mut pending = self.pending.lock().unwrap_or_else(PoisonError::into_inner);
-            let landing = pending.entry(block).or_insert_with(|| Landing {
-                rows: vec![0.0; self.layout.layers * self.per_block],
-                written: 0,
-                stored: false,
+        // Blocks completed before a bad block are still stored (they are marked so).
+        let assembled = data
+            .chunks_exact(block_bytes)
+            .enumerate()
+            .try_for_each(|(i, bytes)| {
+                let block = BlockId(first.0 + i as u32);
+                self.dtype
+                    .widen_into(bytes, self.wire.width, &mut wire)
+                    .map_err(|e| ModelError::Kv(e.to_string()))?;
+                let mut pending = self.pending.lock().unwrap_or_else(PoisonError::into_inner);
+                let landing = pending.entry(block).or_insert_with(|| Landing {
+                    rows: vec![0.0; self.layout.layers * self.per_block],
+                    written: 0,
+                    stored: false,
+                });
+                if landing.stored || landing.written >= self.want() {
+                    return Err(ModelError::Kv(format!(
+                        "drafter wire layer {layer} of block {block} arrived after all {} of them",
+                        self.want()
+                    )));
+                }
+                self.layout
+                    .from_wire(&wire, c, &mut landing.rows[piece.clone()])?;
+                landing.written += 1;
+                if landing.written == self.want() && self.writer.is_some() {
+                    landing.stored = true;
+                    complete.push((block, std::mem::take(&mut landing.rows)));
+                }
+                Ok(())
             });
-            if landing.stored || landing.written >= self.want() {
-                return Err(ModelError::Kv(format!(
-                    "drafter wire layer {layer} of block {block} arrived after all {} of them",
-                    self.want()
-                )));
-            }
-            self.layout
-                .from_wire(&wire, c, &mut landing.rows[piece.clone()])?;
-            landing.written += 1;
-            if landing.written == self.want() && self.writer.is_some() {
-                landing.stored = true;
-                complete.push((block, std::mem::take(&mut landing.rows)));
+        if !complete.is_empty() {
+            // SAFETY: the caller's contract (the blocks are its transfer's, the engine is
+            // alive).
+            if let Err(e) = unsafe { self.store(&complete) } {
+                let mut pending = self.pending.lock().unwrap_or_else(PoisonError::into_inner);
+                for (b, _) in &complete {
+                    pending.remove(b);
+                }
+                return Err(e);
             }
         }
-        if complete.is_empty() {
-            return Ok(());
-        }
-        // SAFETY: the caller's contract (the blocks are its transfer's, the engine is alive).
-        let stored = unsafe { self.store(&complete) };
-        if stored.is_err() {
-            let mut pending = self.pending.lock().unwrap_or_else(PoisonError::into_inner);
-            for (b, _) in &complete {
-                pending.remove(b);
-            }
-        }
-        stored
+        assembled
     }
 
     /// Copies complete blocks (in id order, as a run's are) into the drafter's device KV: per
