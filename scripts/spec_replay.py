@@ -98,7 +98,8 @@ class Reference:
         # there may go either way in another implementation's float32.
         k = min(a, g - 1)
         margin = float(top2[k, 0] - top2[k, 1])
-        return {"position": p, "gamma": g, "accepted": a, "tie": margin < self.tie}
+        return {"position": p, "gamma": g, "accepted": a, "tie": margin < self.tie,
+                "margin": round(margin, 6)}
 
 
 def simulate(ref: Reference, n0: int, max_tokens: int, gamma: int) -> list[dict]:
