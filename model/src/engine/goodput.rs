@@ -42,6 +42,10 @@ pub(crate) const EXPLORE_RATIO: f64 = 50.0;
 /// Weight of a new observation in a cost estimate once it has a few.
 const COST_ALPHA: f64 = 0.1;
 
+/// With [`Goodput::probe_widths`]: an unmeasured graphed width is tried while its
+/// interpolated rate is at least this share of the best option's.
+const PROBE_MARGIN: f64 = 0.9;
+
 /// Weight of a new round in the acceptance estimates.
 const ACCEPT_ALPHA: f64 = 0.02;
 
@@ -343,9 +347,28 @@ pub(crate) struct Goodput {
     /// option before it has an estimate of its own).
     last_round_secs: f64,
     last_plain_secs: f64,
+    /// Try a graphed width below the block that has no measurement at this batch size when
+    /// its interpolated estimate comes within [`PROBE_MARGIN`] of the best option, so the
+    /// estimate becomes a measurement (`FERRY_GOODPUT_PROBE=1`, off by default until a GPU
+    /// A/B says so). Without it such a width is only ever interpolated between the plain step
+    /// and the whole block, and a width that interpolation makes look dearer than it is is
+    /// never tried: session 42's pair verified 7.6 drafts a round at c = 64, and its rounds
+    /// gave 8 % fewer tokens a second than `fixed:4`'s.
+    pub probe_widths: bool,
 }
 
 impl Goodput {
+    /// A policy with no measurements; `probe_widths` from `FERRY_GOODPUT_PROBE` (read once).
+    pub fn from_env() -> Self {
+        static PROBE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        let probe_widths = *PROBE
+            .get_or_init(|| std::env::var("FERRY_GOODPUT_PROBE").is_ok_and(|v| v.trim() == "1"));
+        Self {
+            probe_widths,
+            ..Self::default()
+        }
+    }
+
     /// The plain decode step's estimated seconds at `seqs` sequences (for tests).
     #[cfg(test)]
     pub fn plain_estimate(&self, seqs: usize) -> Option<f64> {
@@ -548,17 +571,29 @@ impl Goodput {
                 }
             }
         }
-        let uniform = widths(s.block).filter(|&w| by_seq.len() == s.seqs && s.graphs(w));
-        for gamma in uniform {
-            if let Some(t) = self.graph_cost(s.seqs, gamma, s.block) {
-                let value: f64 = by_seq
-                    .iter()
-                    .flat_map(|v| v.iter().take(gamma))
-                    .map(|&p| self.slot_value(p, cal))
-                    .sum();
-                if (n + value) / t > best.1 {
-                    best = (Choice::Uniform(gamma), (n + value) / t);
-                }
+        let uniform = || widths(s.block).filter(|&w| by_seq.len() == s.seqs && s.graphs(w));
+        // Tokens a second of a uniform round of `gamma` drafts a sequence, from the estimates.
+        let rate = |gamma: usize| {
+            let t = self.graph_cost(s.seqs, gamma, s.block)?;
+            let value: f64 = by_seq
+                .iter()
+                .flat_map(|v| v.iter().take(gamma))
+                .map(|&p| self.slot_value(p, cal))
+                .sum();
+            Some((n + value) / t)
+        };
+        for gamma in uniform() {
+            if let Some(r) = rate(gamma).filter(|&r| r > best.1) {
+                best = (Choice::Uniform(gamma), r);
+            }
+        }
+        if self.probe_widths {
+            let measured = |g: usize| self.graph_curve(g).is_some_and(|c| c.knows(s.seqs));
+            let probe = uniform()
+                .filter(|&w| w < s.block && !measured(w) && best.0 != Choice::Uniform(w))
+                .find(|&w| rate(w).is_some_and(|r| r >= PROBE_MARGIN * best.1));
+            if let Some(gamma) = probe {
+                return Choice::Uniform(gamma);
             }
         }
         best.0
@@ -815,6 +850,64 @@ mod tests {
             });
         }
         assert_eq!(choose(&g, 128), Choice::Uniform(8));
+    }
+
+    #[test]
+    fn probing_measures_a_narrower_width_that_interpolation_leaves_close_behind() {
+        // Rows past 64 cost 3 µs each, graphed rounds 0.7 of eager ones: at 64 sequences the
+        // interpolated width 4 comes within 10 % of the whole block (0.98 of its rate), at one
+        // sequence far behind (0.53).
+        let cost = |rows: usize| 1e-3 + 3e-6 * rows.saturating_sub(64) as f64;
+        let graphed = |rows: usize| 0.7 * cost(rows);
+        let round = |n: usize, gamma: usize, secs: f64| Observed {
+            seqs: n,
+            drafted: n,
+            rows: n * (gamma + 1),
+            round: true,
+            graph: true,
+            draft_secs: 0.2e-3,
+            step_secs: 0.2e-3 + secs,
+        };
+        let mut g = trained(1e-3, 64, 3e-6, 0.2e-3, 0.8);
+        for n in [1usize, 64] {
+            for _ in 0..2 {
+                g.observe(round(n, 8, graphed(n * 9)));
+            }
+        }
+        let all: u32 = widths(8).map(|w| 1 << w).sum();
+        let choose = |g: &Goodput, n: usize| {
+            let s = Shape {
+                graph_widths: all,
+                budget: 8 * n,
+                ..shape(n)
+            };
+            let by_seq = vec![(1..=8).map(|k| 0.8f32.powi(k)).collect::<Vec<_>>(); n];
+            g.choose(s, &survivals(n, 8, 0.8), &by_seq)
+        };
+        assert_eq!(choose(&g, 64), Choice::Uniform(8), "probing off");
+        g.probe_widths = true;
+        assert_eq!(
+            choose(&g, 64),
+            Choice::Uniform(4),
+            "within the margin: probed"
+        );
+        assert_eq!(choose(&g, 1), Choice::Uniform(8), "far behind: not probed");
+        // Measured cheaper than interpolated (launch-bound rows), width 4 wins on its own.
+        let mut cheap = g.clone();
+        for _ in 0..2 {
+            cheap.observe(round(64, 4, graphed(64 * 5)));
+        }
+        cheap.probe_widths = false;
+        assert_eq!(choose(&cheap, 64), Choice::Uniform(4), "measured cheap");
+        // Measured as dear as the whole block, it is not tried again.
+        for _ in 0..2 {
+            g.observe(round(64, 4, graphed(64 * 9)));
+        }
+        assert_eq!(
+            choose(&g, 64),
+            Choice::Uniform(8),
+            "measured dear: no probe"
+        );
     }
 
     #[test]

@@ -373,7 +373,7 @@ impl Speculator {
             stale: HashSet::new(),
             landing,
             uniform_graphs,
-            goodput: Goodput::default(),
+            goodput: Goodput::from_env(),
             last_pass: None,
             flush_secs: 0.0,
             deferred: Deferred::default(),
