@@ -128,10 +128,10 @@ struct DirectWrites {
 /// drafter's land from the receiving thread too; `0`, every write is an engine command.
 ///
 /// Why the drafter's layers stay on the engine thread by default: moving them off (session 42,
-/// `all`) kept a speculating decode worker stepping all the time (busy 0.85–0.91 → 0.97–0.99)
+/// `all`) kept a speculating decode worker stepping all the time (busy 0.84–0.91 → 0.97–0.99)
 /// but made the one-GPU cluster 4–5 % slower at c = 64 / 128 (four interleaved pairs,
 /// BENCHMARKS.md session 42): with both workers on one GPU, a decode worker that never pauses
-/// takes GPU time from the prefill worker, and its steps carry fewer sequences (81–86 against
+/// takes GPU time from the prefill worker, and its steps carry fewer sequences (82–86 against
 /// 97–106 at c = 128). Where the decode worker has its own GPU it may pay; not measured.
 fn direct_writes() -> DirectWrites {
     static ON: std::sync::OnceLock<DirectWrites> = std::sync::OnceLock::new();
