@@ -539,6 +539,10 @@ if e.exists():
                           + "; ".join(f"[{b['from']}, {b['below'] if b['below'] is not None else 'inf'}): "
                                       f"{b['rounds']} rounds, predicted {b['predicted_mean']:.2f}, accepted {b['accepted_mean']:.2f}"
                                       for b in bins))
+            widths = x.get("spec_rounds_by_width") or []
+            if any(widths):
+                print(f"summary: engine on cuda {v} c{x['concurrency']}: rounds by drafts verified "
+                      + ", ".join(f"{g}: {n}" for g, n in enumerate(widths) if n))
             es = x.get("engine_steps") or {}
             for arm in ("plain", "spec"):
                 for kind, k in (es.get(arm) or {}).items():

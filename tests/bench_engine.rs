@@ -191,6 +191,11 @@ fn speculative_bench_on_given_prompts_breaks_the_steps_down() {
     assert_eq!(bins[0]["from"], 0.0, "{row}");
     let binned: f64 = bins.iter().map(|b| n(b, "rounds")).sum();
     assert!(binned > 0.0, "{row}");
+    // ...and by the drafts they verified: fixed:4, so 4 or fewer, as many rounds as binned.
+    let widths = row["spec_rounds_by_width"].as_array().expect("widths");
+    assert!((2..=5).contains(&widths.len()), "{row}");
+    let by_width: f64 = widths.iter().map(|w| w.as_f64().unwrap_or(0.0)).sum();
+    assert_eq!(by_width, binned, "{row}");
     // Steps replayed from CUDA graphs are counted per kind: none on the CPU.
     assert_eq!(round["graphed_steps"], 0, "{round}");
     assert_eq!(plain["decode"]["graphed_steps"], 0, "{plain}");

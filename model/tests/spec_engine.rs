@@ -286,6 +286,10 @@ async fn prompts_apart_from_rounds_keep_the_tokens_and_carry_no_decode_rows() {
         "a prompt step carried decode rows or drafts: {t:?}"
     );
     assert!(t.round.steps > 0 && apart.spec_rounds > 0, "{apart:?}");
+    // `fixed:4`: every round verified 4 drafts, or fewer where the request needed fewer.
+    let widths = &apart.spec_rounds_by_width;
+    assert_eq!(widths.iter().sum::<u64>(), apart.spec_rounds, "{widths:?}");
+    assert!(widths.len() <= 5 && widths[4] > 0, "{widths:?}");
     let mixed = late_arrivals(PromptSteps::Mixed).await;
     let t = mixed.step_times;
     assert!(

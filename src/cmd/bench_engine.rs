@@ -406,6 +406,7 @@ fn run_speculative(args: &BenchEngineArgs, dir: &Path) -> anyhow::Result<()> {
             },
             "spec_by_prediction": by_prediction(&stats.spec_by_prediction),
             "spec_skipped_by_prediction": by_prediction(&stats.spec_skipped_by_prediction),
+            "spec_rounds_by_width": &stats.spec_rounds_by_width,
         }));
         // Rewritten after every level: a run cut short (a device lease's time limit) keeps
         // the levels it finished.
@@ -787,6 +788,14 @@ fn engine_run(
             spec_rounds: after.spec_rounds - before.spec_rounds,
             spec_drafted_tokens: after.spec_drafted_tokens - before.spec_drafted_tokens,
             spec_accepted_tokens: after.spec_accepted_tokens - before.spec_accepted_tokens,
+            spec_rounds_by_width: after
+                .spec_rounds_by_width
+                .iter()
+                .enumerate()
+                .map(|(g, n)| {
+                    n.saturating_sub(before.spec_rounds_by_width.get(g).copied().unwrap_or(0))
+                })
+                .collect(),
             graph_steps: after.graph_steps - before.graph_steps,
             step_times: after.step_times.since(&before.step_times),
             spec_by_prediction: after.spec_by_prediction.since(&before.spec_by_prediction),

@@ -730,6 +730,11 @@ pub struct EngineStats {
     pub spec_drafted_tokens: u64,
     /// Drafts accepted. Mean acceptance length = (accepted + rounds) / rounds.
     pub spec_accepted_tokens: u64,
+    /// Rounds by the drafts each verified (entry γ: a sequence's rounds of γ drafts it could
+    /// use; entry 0 unused): which widths a verify-length policy picked, e.g. whether
+    /// `goodput` ever ran a narrower graphed width at load (session 42). Sums to
+    /// `spec_rounds`.
+    pub spec_rounds_by_width: Vec<u64>,
     /// Rounds by what the confidence head predicted they would accept, against what they did:
     /// the evidence for `goodput`'s choice after drafting (a round predicted to accept little
     /// is skipped there, so a policy that verifies every round, e.g. `fixed:8`, measures it).

@@ -80,6 +80,11 @@ impl Scheduler {
         self.stats.spec_drafted_tokens += drafted as u64;
         self.stats.spec_accepted_tokens += accepted as u64;
         if drafted > 0 {
+            let widths = &mut self.stats.spec_rounds_by_width;
+            if widths.len() <= drafted {
+                widths.resize(drafted + 1, 0);
+            }
+            widths[drafted] += 1;
             self.stats
                 .spec_by_prediction
                 .record(draft.predicted(), accepted);
