@@ -476,15 +476,7 @@ async fn a_cache_hit_beside_a_graphed_round_gets_a_forward_of_its_own_on_cuda() 
         let mut first = e
             .generate(job(prompt, 32, PrefillSource::Local))
             .expect("the running request");
-        let head = loop {
-            match first.events.recv().await {
-                Some(EngineEvent::Token(t)) => break t,
-                Some(EngineEvent::Finished(_) | EngineEvent::Failed(_)) | None => {
-                    panic!("the running request ended before its first token")
-                }
-                Some(_) => {}
-            }
-        };
+        let head = common::first_token(&mut first, "the running request").await;
         let late = e
             .generate(job(hit, 8, PrefillSource::Local))
             .expect("the hit");
@@ -1096,32 +1088,22 @@ async fn remote_prefill_via(
     // In the destination's dtype, as a prefill worker sends it (the wire's rule).
     let to = d.kv_dtype();
     let sink: LayerSinkFn = Box::new(move |layer, blocks, rows| {
-        let mut run: Option<(BlockId, Vec<u8>)> = None;
+        let mut runs: Vec<(BlockId, Vec<u8>)> = Vec::new();
         for (j, b) in blocks.iter().enumerate() {
             let data = as_dtype(rows, *b, to)?;
             counted.fetch_add(data.len() as u64, std::sync::atomic::Ordering::Relaxed);
             let at = dest[first_dest + j];
-            let Some(w) = writer.as_ref() else {
-                d2.write_kv(layer, at, data).map_err(|e| e.to_string())?;
-                continue;
-            };
-            let block = data.len();
-            match run.as_mut() {
-                Some((first, bytes)) if first.0 as usize + bytes.len() / block == at.0 as usize => {
-                    bytes.extend_from_slice(&data)
-                }
-                _ => {
-                    if let Some((first, bytes)) = run.replace((at, data)) {
-                        // SAFETY: the destination blocks are reserved for this remote prefill
-                        // (the engine's `Reserved` event), which has not completed.
-                        unsafe { w.write_run(layer, first, &bytes) }.map_err(|e| e.to_string())?;
-                    }
-                }
+            match writer.as_ref() {
+                Some(_) => common::push_block(&mut runs, at, &data),
+                None => d2.write_kv(layer, at, data).map_err(|e| e.to_string())?,
             }
         }
-        if let (Some(w), Some((first, bytes))) = (writer.as_ref(), run) {
-            // SAFETY: as above.
-            unsafe { w.write_run(layer, first, &bytes) }.map_err(|e| e.to_string())?;
+        if let Some(w) = writer.as_ref() {
+            for (first, bytes) in runs {
+                // SAFETY: the destination blocks are reserved for this remote prefill (the
+                // engine's `Reserved` event), which has not completed.
+                unsafe { w.write_run(layer, first, &bytes) }.map_err(|e| e.to_string())?;
+            }
         }
         Ok(())
     });

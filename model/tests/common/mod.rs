@@ -84,15 +84,7 @@ pub async fn late_arrivals(
     let mut first = e
         .generate(job(golden_case(0).0, max_tokens, PrefillSource::Local))
         .expect("request 0 admitted");
-    let head = loop {
-        match first.events.recv().await {
-            Some(EngineEvent::Token(t)) => break t,
-            Some(EngineEvent::Finished(_) | EngineEvent::Failed(_)) | None => {
-                panic!("request 0 ended before its first token")
-            }
-            Some(_) => {}
-        }
-    };
+    let head = first_token(&mut first, "request 0").await;
     let late: Vec<_> = (1..3)
         .map(|i| {
             e.generate(job(golden_case(i).0, max_tokens, PrefillSource::Local))
@@ -105,6 +97,30 @@ pub async fn late_arrivals(
         out.push(collect(g).await);
     }
     out
+}
+
+/// The first token `g` streams (`what` names the request if it ends before one).
+pub async fn first_token(g: &mut Generation, what: &str) -> u32 {
+    loop {
+        match g.events.recv().await {
+            Some(EngineEvent::Token(t)) => return t,
+            Some(EngineEvent::Finished(_) | EngineEvent::Failed(_)) | None => {
+                panic!("{what} ended before its first token")
+            }
+            Some(_) => {}
+        }
+    }
+}
+
+/// Adds block `data` for destination block `at` to `runs`: onto the last run when `at`
+/// follows it, else as a new run (what a transport sends as one write).
+pub fn push_block(runs: &mut Vec<(BlockId, Vec<u8>)>, at: BlockId, data: &[u8]) {
+    match runs.last_mut() {
+        Some((first, run)) if first.0 as usize + run.len() / data.len() == at.0 as usize => {
+            run.extend_from_slice(data)
+        }
+        _ => runs.push((at, data.to_vec())),
+    }
 }
 
 /// Waits (up to 5 s) until the engine holds no blocks and runs or queues nothing.
@@ -275,15 +291,7 @@ pub async fn remote_prefill(
                 for (j, b) in blocks.iter().enumerate() {
                     let data = rows.block(*b).map_err(|e| e.to_string())?;
                     counted.fetch_add(data.len() as u64, Ordering::Relaxed);
-                    let to = dest[first_dest + j];
-                    match runs.last_mut() {
-                        Some((first, run))
-                            if first.0 as usize + run.len() / data.len() == to.0 as usize =>
-                        {
-                            run.extend_from_slice(data)
-                        }
-                        _ => runs.push((to, data.to_vec())),
-                    }
+                    push_block(&mut runs, dest[first_dest + j], data);
                 }
                 for (first, run) in runs {
                     match (&landing, drafter) {
