@@ -47,6 +47,19 @@ fn loopback(port: u16) -> SocketAddr {
     SocketAddr::from(([127, 0, 0, 1], port))
 }
 
+/// Sets the value after `flag` in `args` to `value`.
+fn set_flag(args: &mut [String], flag: &str, value: impl ToString) {
+    let at = args
+        .iter()
+        .position(|a| a == flag)
+        .expect("the flag is set")
+        + 1;
+    args[at] = value.to_string();
+}
+
+/// Times the plane restarts a process that exited at start-up (a port taken under it).
+const START_ATTEMPTS: usize = 4;
+
 /// The real NATS server, JetStream on, storing under a directory that outlives a restart.
 struct Nats {
     port: u16,
@@ -126,10 +139,19 @@ struct RouterProc {
     proc: Option<Proc>,
 }
 
+/// One worker: its id, role, gRPC address, flags and process.
+struct WorkerProc {
+    id: String,
+    role: Role,
+    addr: SocketAddr,
+    args: Vec<String>,
+    proc: Proc,
+}
+
 /// The whole plane. Dropping it kills every process.
 struct Plane {
     routers: Vec<RouterProc>,
-    workers: Vec<(String, Role, SocketAddr, Proc)>,
+    workers: Vec<WorkerProc>,
     http: reqwest::Client,
     nats: Nats,
     logs: tempfile::TempDir,
@@ -206,38 +228,110 @@ impl Plane {
                 args.extend(["--local-prefill-threshold".into(), "0".into()]);
             }
             let proc = Proc::spawn(id, &args, plane.logs.path());
-            plane.workers.push((id.into(), role, addr, proc));
+            plane.workers.push(WorkerProc {
+                id: id.into(),
+                role,
+                addr,
+                args,
+                proc,
+            });
         }
-        for r in 0..plane.routers.len() {
-            plane.wait_healthy(r).await;
-        }
+        plane.wait_started().await;
         plane
     }
 
-    fn report(&self) -> String {
-        let mut out = String::new();
-        for r in &self.routers {
-            if let Some(p) = &r.proc {
-                out.push_str(&format!("--- {}\n{}\n", r.name, p.log_tail(30)));
+    /// Waits until every running router sees every worker. A process that exits meanwhile is started
+    /// again on new ports (up to [`START_ATTEMPTS`] times each): a port [`free_port`] picked can
+    /// be taken by another process before the child binds it, and then the child exits saying
+    /// so.
+    async fn wait_started(&mut self) {
+        let deadline = Instant::now() + WAIT;
+        let mut restarts = 0;
+        loop {
+            restarts += self.restart_exited(restarts);
+            let mut healthy = true;
+            for r in 0..self.routers.len() {
+                if self.routers[r].proc.is_some() {
+                    healthy &= self.health(r).await == Some((2, 2));
+                }
             }
+            if healthy {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "still not every router seeing 2 + 2 workers after {WAIT:?}\n{}",
+                self.report()
+            );
+            tokio::time::sleep(POLL).await;
         }
-        for (id, _, _, p) in &self.workers {
-            out.push_str(&format!("--- {id}\n{}\n", p.log_tail(15)));
+    }
+
+    /// Starts every router or worker that has exited again on new ports; how many it started.
+    /// Panics, with the process's log, once the plane has restarted [`START_ATTEMPTS`].
+    fn restart_exited(&mut self, restarts_so_far: usize) -> usize {
+        let mut restarts = restarts_so_far;
+        let mut exited = |p: &mut Proc| -> Option<usize> {
+            let code = p.exited()?;
+            assert!(
+                restarts < START_ATTEMPTS,
+                "{} exited ({code}) at start-up, after {restarts} restarts\n{}",
+                p.name(),
+                p.log_tail(20)
+            );
+            restarts += 1;
+            Some(restarts)
+        };
+        let logs = self.logs.path().to_path_buf();
+        for r in &mut self.routers {
+            let Some(n) = r.proc.as_mut().and_then(&mut exited) else {
+                continue;
+            };
+            (r.grpc, r.http) = (loopback(free_port()), loopback(free_port()));
+            set_flag(&mut r.args, "--grpc-addr", r.grpc);
+            set_flag(&mut r.args, "--http-addr", r.http);
+            r.proc = Some(Proc::spawn(&format!("{}-{n}", r.name), &r.args, &logs));
         }
+        for w in &mut self.workers {
+            let Some(n) = exited(&mut w.proc) else {
+                continue;
+            };
+            w.addr = loopback(free_port());
+            set_flag(&mut w.args, "--grpc-addr", w.addr);
+            w.proc = Proc::spawn(&format!("{}-{n}", w.id), &w.args, &logs);
+        }
+        restarts - restarts_so_far
+    }
+
+    /// Every process's log tail, threads and (where gdb exists) busy stacks; processes that
+    /// never logged that they were up come first, since CI shows only a failure's head.
+    fn report(&self) -> String {
         // Where each process is waiting: one of these has been seen, rarely, making no
-        // progress at start-up for a minute (after its grammar compiler, before it served;
-        // not yet explained), so a timeout reports every thread's state and, where gdb
-        // exists, its stack.
-        let procs = self
+        // progress at start-up for a minute (a prefill worker after its grammar compiler,
+        // before it served; not yet explained).
+        let procs: Vec<(&str, &Proc)> = self
             .routers
             .iter()
             .filter_map(|r| r.proc.as_ref().map(|p| (r.name.as_str(), p)))
-            .chain(self.workers.iter().map(|(id, _, _, p)| (id.as_str(), p)));
-        for (id, p) in procs {
+            .chain(self.workers.iter().map(|w| (w.id.as_str(), &w.proc)))
+            .collect();
+        let up = |p: &Proc| {
+            let log = p.log_tail(usize::MAX);
+            log.contains("worker serving") || log.contains("router listening")
+        };
+        let (down, up): (Vec<_>, Vec<_>) = procs.into_iter().partition(|(_, p)| !up(p));
+        let mut out = String::new();
+        for (id, p) in down.iter().chain(&up) {
+            let state = if down.iter().any(|(d, _)| d == id) {
+                "NOT UP"
+            } else {
+                "up"
+            };
             out.push_str(&format!(
-                "--- {id} threads (tid name state wait-channel)\n{}\n--- {id} stacks\n{}\n",
+                "--- {id} ({state}) log\n{}\n--- {id} threads (tid name state wait-channel)\n{}\n--- {id} stacks\n{}\n",
+                p.log_tail(12),
                 p.threads(),
-                p.stacks(24, 240)
+                p.stacks(24, 120)
             ));
         }
         let nats = std::fs::read_to_string(&self.nats.log).unwrap_or_default();
@@ -276,14 +370,6 @@ impl Plane {
         ))
     }
 
-    async fn wait_healthy(&self, r: usize) {
-        self.wait_until(
-            &format!("{} seeing 2 + 2 workers", self.routers[r].name),
-            || async move { self.health(r).await == Some((2, 2)) },
-        )
-        .await;
-    }
-
     async fn metrics(&self, r: usize) -> String {
         let url = format!("http://{}/metrics", self.routers[r].http);
         match self.http.get(url).send().await {
@@ -303,19 +389,19 @@ impl Plane {
     }
 
     async fn stats(&self, id: &str) -> WorkerStats {
-        let (_, role, addr, _) = self
+        let w = self
             .workers
             .iter()
-            .find(|w| w.0 == id)
+            .find(|w| w.id == id)
             .unwrap_or_else(|| panic!("no worker {id}"));
-        cluster::worker_stats(*role, *addr)
+        cluster::worker_stats(w.role, w.addr)
             .await
             .unwrap_or_else(|e| panic!("GetStats on {id}: {e}"))
     }
 
     /// Every router's index equals every worker's cache (block counts), once no request runs.
     async fn wait_indexes_exact(&self) {
-        let ids: Vec<String> = self.workers.iter().map(|w| w.0.clone()).collect();
+        let ids: Vec<String> = self.workers.iter().map(|w| w.id.clone()).collect();
         self.wait_until("every router's index equal to the workers' caches", || {
             let ids = ids.clone();
             async move {
@@ -374,15 +460,16 @@ impl Plane {
         }
     }
 
+    /// Starts router `r` again with its flags (on new ports if its old ones were taken).
     async fn restart_router(&mut self, r: usize) {
         let name = self.routers[r].name.clone();
         let proc = Proc::spawn(
-            &format!("{name}-2"),
+            &format!("{name}-again"),
             &self.routers[r].args,
             self.logs.path(),
         );
         self.routers[r].proc = Some(proc);
-        self.wait_healthy(r).await;
+        self.wait_started().await;
     }
 
     async fn events_connected(&self, r: usize) -> f64 {
@@ -567,9 +654,7 @@ async fn a_shared_prefix_burst_over_two_routers_spreads_over_the_prefill_workers
     // The same routers with sharing on (restarted with the flag flipped).
     for r in 0..2 {
         plane.kill_router(r);
-        let args = &mut plane.routers[r].args;
-        let at = args.iter().position(|a| a == "--share-load").expect("flag") + 1;
-        args[at] = "true".into();
+        set_flag(&mut plane.routers[r].args, "--share-load", true);
         plane.restart_router(r).await;
     }
     plane.generate(0, &prefix("Second.")).await;

@@ -516,3 +516,55 @@ async fn a_client_that_disconnects_mid_stream_cancels_its_request_and_frees_its_
 
     cluster.assert_kv_blocks_released().await;
 }
+
+/// A role whose port is taken exits at once, naming the address, though its parent still holds
+/// its stdin open as `ferry up` does (`--exit-on-stdin-close`). It used to hang there without a
+/// word: the stdin watch read on tokio's blocking pool, and dropping the runtime waited for
+/// that read (the "start-up stall" the events tests met when a picked port was taken).
+#[tokio::test]
+async fn a_role_whose_port_is_taken_exits_naming_the_address_while_its_stdin_stays_open() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("a loopback port");
+    let addr = taken.local_addr().expect("its address").to_string();
+    let logs = tempfile::tempdir().expect("a log directory");
+    let roles: [(&str, Vec<&str>); 3] = [
+        (
+            "router",
+            vec!["--grpc-addr", &addr, "--http-addr", "127.0.0.1:0"],
+        ),
+        ("prefill", vec!["--grpc-addr", &addr]),
+        ("decode", vec!["--grpc-addr", &addr]),
+    ];
+    for (role, flags) in roles {
+        let mut args = vec![role.to_string(), "--internal-addr".into()];
+        if role == "router" {
+            args.push("127.0.0.1:0".into());
+        } else {
+            // Workers take `--router`; nothing listens there, and nothing needs to.
+            args.pop();
+            args.extend(["--router".into(), "127.0.0.1:1".into()]);
+        }
+        args.extend(flags.iter().map(|f| f.to_string()));
+        let mut proc = cluster::Proc::spawn(role, &args, logs.path());
+        let deadline = std::time::Instant::now() + cluster::START_TIMEOUT;
+        let status = loop {
+            if let Some(status) = proc.exited() {
+                break status;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "`ferry {role}` on a taken port still running after {:?}\n{}\n{}",
+                cluster::START_TIMEOUT,
+                proc.log_tail(20),
+                proc.threads()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        let log = proc.log_tail(20);
+        assert!(!status.success(), "`ferry {role}` exited with {status}");
+        assert!(
+            log.contains(&addr) && log.contains("Address already in use"),
+            "`ferry {role}` says which address it could not bind and why:\n{log}"
+        );
+    }
+    drop(taken);
+}

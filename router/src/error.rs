@@ -313,7 +313,7 @@ pub enum RouterError {
     },
 
     /// A listening socket could not be bound.
-    #[error("cannot bind the {server} server to {addr}: {source}")]
+    #[error("cannot bind the {server} server to {addr}")]
     Bind {
         /// `grpc` or `http`.
         server: &'static str,

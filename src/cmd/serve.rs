@@ -20,12 +20,22 @@ pub struct RouterArgs {
     pub exit_on_stdin_close: bool,
 }
 
-fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
-    tokio::runtime::Builder::new_multi_thread()
+/// Runs `role` (a role's whole life: start-up, serving, shutdown) on a multi-threaded runtime.
+/// Once it returns, the process is done: work still on the runtime's blocking pool gets
+/// [`BLOCKING_GRACE`], not a wait without end, so a role that failed at start-up exits and
+/// says why.
+fn run_role(role: impl std::future::Future<Output = anyhow::Result<()>>) -> anyhow::Result<()> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
-        .context("starting the async runtime")
+        .context("starting the async runtime")?;
+    let result = runtime.block_on(role);
+    runtime.shutdown_timeout(BLOCKING_GRACE);
+    result
 }
+
+/// How long a finished role waits for its blocking pool's tasks before it exits.
+const BLOCKING_GRACE: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// Runs a router until Ctrl-C / SIGTERM.
 pub fn router(mut args: RouterArgs) -> anyhow::Result<()> {
@@ -36,7 +46,7 @@ pub fn router(mut args: RouterArgs) -> anyhow::Result<()> {
             args.config.served_model_name = embedded::EMBEDDED_MODEL_NAME.into();
         }
     }
-    runtime()?.block_on(async move {
+    run_role(async move {
         let shutdown = shutdown_token(args.exit_on_stdin_close);
         let bound = Router::load(args.config).await?.bind().await?;
         bound.run(shutdown).await?;
@@ -47,7 +57,7 @@ pub fn router(mut args: RouterArgs) -> anyhow::Result<()> {
 /// Runs a prefill worker until Ctrl-C / SIGTERM.
 pub fn prefill(args: PrefillArgs) -> anyhow::Result<()> {
     let dir = embedded::model_dir(args.worker.model.as_deref())?;
-    runtime()?.block_on(async move {
+    run_role(async move {
         let shutdown = shutdown_token(args.worker.exit_on_stdin_close);
         let server = PrefillServer::bind(args, dir).await?;
         server.run(shutdown).await?;
@@ -58,7 +68,7 @@ pub fn prefill(args: PrefillArgs) -> anyhow::Result<()> {
 /// Runs a decode worker until Ctrl-C / SIGTERM.
 pub fn decode(args: DecodeArgs) -> anyhow::Result<()> {
     let dir = embedded::model_dir(args.worker.model.as_deref())?;
-    runtime()?.block_on(async move {
+    run_role(async move {
         let shutdown = shutdown_token(args.worker.exit_on_stdin_close);
         let server = DecodeServer::bind(args, dir).await?;
         server.run(shutdown).await?;

@@ -203,6 +203,12 @@ impl Proc {
         }
     }
 
+    /// The name it was started under (its log file's stem).
+    #[allow(dead_code)] // not every test binary that includes this module names its children
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
     /// Exit status, if the child has exited.
     pub fn exited(&mut self) -> Option<std::process::ExitStatus> {
         self.child.try_wait().ok().flatten()
@@ -251,9 +257,13 @@ impl Proc {
         lines.join("\n")
     }
 
-    /// Every thread's backtrace (at most `frames` frames each) by `gdb -p` when `gdb` is on
-    /// the path (`.ci/run` installs it), cut to `max_lines` lines; empty otherwise. Where in
+    /// Every busy thread's backtrace (at most `frames` frames each) by `gdb -p` when `gdb` is
+    /// on the path (`.ci/run` installs it), cut to `max_lines` lines; empty otherwise. Where in
     /// the code a child that stopped making progress is waiting, for a timeout's report.
+    ///
+    /// Compact, because CI shows only the head of a long failure message: a frame is its
+    /// function's name alone, and threads parked idle in tokio's scheduler (the runtime's
+    /// workers, its blocking pool, its I/O driver) are counted, not listed.
     #[allow(dead_code)] // not every test binary that includes this module reports stacks
     pub fn stacks(&self, frames: usize, max_lines: usize) -> String {
         let out = Command::new("timeout")
@@ -267,13 +277,7 @@ impl Proc {
         let Ok(out) = out else {
             return String::new();
         };
-        let text = String::from_utf8_lossy(&out.stdout);
-        let lines: Vec<&str> = text
-            .lines()
-            .filter(|l| l.starts_with("Thread ") || l.starts_with('#'))
-            .take(max_lines)
-            .collect();
-        lines.join("\n")
+        compact_stacks(&String::from_utf8_lossy(&out.stdout), max_lines)
     }
 
     /// The last `lines` lines of the child's log.
@@ -288,6 +292,57 @@ impl Drop for Proc {
     fn drop(&mut self) {
         self.kill();
     }
+}
+
+/// `gdb`'s `thread apply all bt` output cut down for a failure message: each thread a header
+/// line and its frames' function names; threads idle in tokio's scheduler (parked workers,
+/// the blocking pool waiting for work, the I/O driver in `epoll_wait`) only counted.
+#[allow(dead_code)] // only the binaries that report stacks call it
+fn compact_stacks(gdb: &str, max_lines: usize) -> String {
+    // A thread is idle when the innermost frame past the waiting itself (syscalls, futexes,
+    // condvars, epoll) is tokio's scheduler; a blocking-pool thread running a task, or a worker
+    // stuck on a lock in our code, has our code there instead.
+    const WAITING: [&str; 8] = [
+        "syscall",
+        "std::sys::",
+        "std::sync::",
+        "std::thread::",
+        "parking_lot",
+        "__",
+        "epoll_wait",
+        "pthread_",
+    ];
+    let is_idle = |frames: &[String]| {
+        frames
+            .iter()
+            .find(|f| !WAITING.iter().any(|w| f.starts_with(w)))
+            .is_some_and(|f| f.starts_with("tokio::runtime::"))
+    };
+    let mut threads: Vec<(String, Vec<String>)> = Vec::new();
+    for line in gdb.lines() {
+        if line.starts_with("Thread ") {
+            // "Thread 4 (Thread 0x… (LWP 20902) \"tokio-rt-worker\"):" → "Thread 4 tokio-rt-worker"
+            let name = line.split('"').nth(1).unwrap_or("");
+            let number = line.split_whitespace().nth(1).unwrap_or("?");
+            threads.push((format!("Thread {number} {name}"), Vec::new()));
+        } else if let (Some(rest), Some((_, frames))) = (line.strip_prefix('#'), threads.last_mut())
+        {
+            // "#3  0x… in foo::bar<T> () at src/x.rs:12" or "#0  foo () at …"
+            let body = rest.split_once(' ').map_or(rest, |(_, b)| b).trim_start();
+            let body = body.split_once(" in ").map_or(body, |(_, f)| f);
+            let function = body.split(" (").next().unwrap_or(body);
+            frames.push(function.to_string());
+        }
+    }
+    let (idle, busy): (Vec<_>, Vec<_>) =
+        threads.into_iter().partition(|(_, frames)| is_idle(frames));
+    let mut lines = vec![format!("{} threads idle in tokio (not listed)", idle.len())];
+    for (header, frames) in busy {
+        lines.push(header);
+        lines.extend(frames.into_iter().map(|f| format!("  {f}")));
+    }
+    lines.truncate(max_lines);
+    lines.join("\n")
 }
 
 /// A worker process and its addresses.

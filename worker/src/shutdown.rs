@@ -1,6 +1,7 @@
 //! Process shutdown: Ctrl-C, SIGTERM, or (for children of `ferry up`) stdin reaching EOF.
 
-use tokio::io::AsyncReadExt;
+use std::io::Read;
+
 use tokio_util::sync::CancellationToken;
 use tracing::info;
 
@@ -26,11 +27,32 @@ pub fn shutdown_token(watch_stdin: bool) -> CancellationToken {
             if !watch_stdin {
                 return std::future::pending::<()>().await;
             }
-            let mut buf = [0u8; 64];
-            let mut stdin = tokio::io::stdin();
-            while let Ok(n) = stdin.read(&mut buf).await {
-                if n == 0 {
-                    break;
+            let (closed, on_close) = tokio::sync::oneshot::channel::<()>();
+            // A plain thread, not `tokio::io::stdin`: that reads on the runtime's blocking
+            // pool, and dropping the runtime waits for the read — so a process whose start-up
+            // failed (say, its port was taken) hung, unreported, until its parent closed stdin.
+            // A thread blocked here does not keep the process from exiting.
+            let watcher = std::thread::Builder::new()
+                .name("stdin-watch".into())
+                .spawn(move || {
+                    let mut buf = [0u8; 64];
+                    let mut stdin = std::io::stdin().lock();
+                    loop {
+                        match stdin.read(&mut buf) {
+                            Ok(0) => break,
+                            Err(e) if e.kind() != std::io::ErrorKind::Interrupted => break,
+                            _ => {}
+                        }
+                    }
+                    let _ = closed.send(());
+                });
+            match watcher {
+                Ok(_) => {
+                    let _ = on_close.await;
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot watch stdin: the parent going away will not stop this process");
+                    std::future::pending::<()>().await
                 }
             }
         };
