@@ -25,7 +25,7 @@ use tracing::warn;
 
 use super::backend::Backend;
 use super::sequence::{PrefillTask, Sequence};
-use super::spec::{Draft, Speculator};
+use super::spec::{Draft, ObservedStep, Speculator, StepBudget};
 use super::{Command, EngineConfig, EngineEvent, EngineStats, FinishReason, PromptSteps};
 use super::{Failure, FailureKind, GenerateJob, GenerateOptions, SeqId};
 use super::{StepPhases, StepShape};
@@ -320,7 +320,11 @@ impl Scheduler {
         let started = std::time::Instant::now();
         let graphs_before = self.backend.graph_steps();
         let (drafts, q) = if decode {
-            self.plan_drafts(budget)
+            self.plan_drafts(StepBudget {
+                tokens: budget,
+                prompt_rows: if prompts { self.prompt_rows(budget) } else { 0 },
+                split_graphed: what == StepWork::All && self.splits_graphed_rounds(),
+            })
         } else {
             (Vec::new(), None)
         };
@@ -330,18 +334,21 @@ impl Scheduler {
         // `Auto`: a graphed round keeps its graph when the prompt work beside it is fewer rows
         // than its drafts; the prompts then get a forward of their own after it.
         let apart = what == StepWork::All
-            && self.config.prompt_steps == PromptSteps::Auto
+            && self.splits_graphed_rounds()
             && self.round_replays(&drafts)
             && (1..=drafted).contains(&self.prompt_rows(budget));
         let prompts = prompts && !apart;
         budget = budget.saturating_sub(drafted);
         let prefills = if prompts { self.prefills.len() } else { 0 };
+        // Prompt rows this forward computes (for `goodput`'s estimates of mixed forwards).
+        let mut prompt_rows = 0;
         for i in 0..prefills {
             let need = self.prefills[i].job.prompt.len() - self.prefills[i].reused;
             if need > budget && !work.is_empty() {
                 break;
             }
             work.push(Work::Prefill(i));
+            prompt_rows += need;
             budget = budget.saturating_sub(need);
         }
         let room = if prompts {
@@ -372,6 +379,7 @@ impl Scheduler {
                 break;
             }
             work.push(Work::Chunk(i, n));
+            prompt_rows += n;
             budget -= n;
         }
         if work.is_empty() {
@@ -399,8 +407,21 @@ impl Scheduler {
         };
         self.stats.step_times.record(shape, phases);
         if let Some(sp) = self.spec.as_mut() {
-            let shape = decode_only.then_some((seqs, rows, drafted > 0, graph));
-            sp.observe_step(shape, secs);
+            let step = if decode_only {
+                ObservedStep::DecodeOnly {
+                    seqs,
+                    rows,
+                    round: drafted > 0,
+                    graph,
+                }
+            } else if seqs > 0 {
+                ObservedStep::Mixed {
+                    rows: rows + prompt_rows,
+                }
+            } else {
+                ObservedStep::Prompts
+            };
+            sp.observe_step(step, secs);
             for (predicted, accepted) in sp.resolve_shadows(&self.running) {
                 self.stats
                     .spec_skipped_by_prediction
@@ -410,6 +431,14 @@ impl Scheduler {
         if apart {
             self.forward_step(StepWork::Prompts);
         }
+    }
+
+    /// Whether a step's round replayed from a graph has the step's prompt rows run apart
+    /// when they are at most its drafts (`PromptSteps::Auto` on CUDA with graphs).
+    fn splits_graphed_rounds(&self) -> bool {
+        matches!(self.backend.device(), ferry_kernels::Device::Cuda(_))
+            && self.config.cuda_graphs
+            && self.config.prompt_steps == PromptSteps::Auto
     }
 
     /// Whether a round of `drafts` (one entry per running sequence) is replayed from a CUDA

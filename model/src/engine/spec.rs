@@ -579,17 +579,19 @@ impl Speculator {
         }
     }
 
-    /// Drafts for every eligible running sequence and picks its verify length; `budget` is the
-    /// step's token budget left for draft slots, `max_pos` the context length. One entry per
-    /// running sequence (`None`: a plain decode step), and the drafter's shared q rows
-    /// (on the model's backend) that [`DraftDist::Rows`] drafts name.
+    /// Drafts for every eligible running sequence and picks its verify length; `step` holds
+    /// the step's token budget left for draft slots and the prompt work it would carry beside
+    /// (told to `goodput` with [`Goodput::price_mixed`]), `max_pos` is the context length. One
+    /// entry per running sequence (`None`: a plain decode step), and the drafter's shared q
+    /// rows (on the model's backend) that [`DraftDist::Rows`] drafts name.
     pub fn plan(
         &mut self,
         model: &DeepseekModel,
         running: &mut [Sequence],
-        budget: usize,
+        step: StepBudget,
         max_pos: usize,
     ) -> (Vec<Option<Draft>>, Option<Tensor>) {
+        let budget = step.tokens;
         let mut plan: Vec<Option<Draft>> = vec![None; running.len()];
         let block = self.drafter.block_size();
         // Slots each sequence may verify at most (`room`): what the request still needs after
@@ -649,12 +651,15 @@ impl Speculator {
             eligible.iter().map(|&i| ctx_room[i]),
             step_budget,
         );
+        let told = self.goodput.price_mixed;
         let shape = Shape {
             seqs: running.len(),
             eligible: eligible.len(),
             block,
             budget,
             graph_widths: widths_for(pre_max),
+            prompt_rows: if told { step.prompt_rows } else { 0 },
+            split_prompts: step.split_graphed,
         };
         let goodput = self.config.verify_len == VerifyLen::Goodput;
         if goodput && !self.goodput.should_draft(shape) {
@@ -863,18 +868,28 @@ impl Speculator {
         (plan, q)
     }
 
-    /// The engine ran a decode-only step (no prompt work) of `seqs` sequences and `rows` target
-    /// rows, `round` if they verified drafts, replayed from a graph or not, in `step_secs`
-    /// (the drafter's pass of [`Self::plan`], if one ran, included; deferred drafter context
-    /// it wrote, [`Self::flush`], left out): the `goodput` policy's cost estimates learn from
-    /// it. A step with prompt work only forgets the pass's time.
-    pub fn observe_step(&mut self, step: Option<(usize, usize, bool, bool)>, step_secs: f64) {
+    /// The engine ran a step in `step_secs` (the drafter's pass of [`Self::plan`], if one
+    /// ran, included; deferred drafter context it wrote, [`Self::flush`], left out): the
+    /// `goodput` policy's cost estimates learn from a decode-only one (`seqs` sequences, `rows`
+    /// target rows, `round` if they verified drafts, replayed from a graph or not) and, with
+    /// [`Goodput::price_mixed`], from one whose forward also carried prompt rows.
+    pub fn observe_step(&mut self, step: ObservedStep, step_secs: f64) {
         let pass = self.last_pass.take();
         let step_secs = (step_secs - std::mem::take(&mut self.flush_secs)).max(0.0);
-        let Some((seqs, rows, round, graph)) = step else {
-            return;
-        };
         let (drafted, draft_secs) = pass.unwrap_or((0, 0.0));
+        let (seqs, rows, round, graph) = match step {
+            ObservedStep::DecodeOnly {
+                seqs,
+                rows,
+                round,
+                graph,
+            } => (seqs, rows, round, graph),
+            ObservedStep::Mixed { rows } => {
+                self.goodput.observe_mixed(rows, step_secs - draft_secs);
+                return;
+            }
+            ObservedStep::Prompts => return,
+        };
         self.goodput.observe(Observed {
             seqs,
             drafted,
@@ -1025,6 +1040,36 @@ impl Speculator {
 /// The most drafts every sequence of a uniform round can verify: the fewest any has room for
 /// (`rooms`), within the step's token budget; 0 when no uniform round is possible (`possible`:
 /// a GPU engine whose running sequences all draft).
+/// What a step leaves for drafts, for [`Speculator::plan`]: its token budget, and the prompt
+/// work it would carry beside its decode rows.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct StepBudget {
+    /// Tokens of the step's batch left for draft slots.
+    pub tokens: usize,
+    /// Prompt rows (prefill jobs' and waiting sequences' chunks) the forward would take.
+    pub prompt_rows: usize,
+    /// A round replayed from a graph has them run in a forward of their own after it when it
+    /// verifies at least as many drafts (`PromptSteps::Auto` on CUDA with graphs).
+    pub split_graphed: bool,
+}
+
+/// What a finished step was, for [`Speculator::observe_step`].
+#[derive(Debug, Clone, Copy)]
+pub enum ObservedStep {
+    /// Decode rows only: `seqs` sequences, `rows` target rows, `round` if they verified
+    /// drafts, `graph` if replayed from a graph.
+    DecodeOnly {
+        seqs: usize,
+        rows: usize,
+        round: bool,
+        graph: bool,
+    },
+    /// Decode rows and prompt rows in one eager forward of `rows` rows in all.
+    Mixed { rows: usize },
+    /// Prompt rows only.
+    Prompts,
+}
+
 fn widest_uniform(
     possible: bool,
     rooms: impl ExactSizeIterator<Item = usize>,
@@ -1140,7 +1185,15 @@ mod tests {
         // context.
         for _ in 0..3 {
             sp.flush_secs += 0.004;
-            sp.observe_step(Some((1, 1, false, false)), 0.005);
+            sp.observe_step(
+                ObservedStep::DecodeOnly {
+                    seqs: 1,
+                    rows: 1,
+                    round: false,
+                    graph: false,
+                },
+                0.005,
+            );
         }
         let plain = sp.goodput.plain_estimate(1).expect("measured twice");
         assert!((plain - 0.001).abs() < 1e-9, "{plain}");
