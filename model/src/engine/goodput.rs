@@ -358,6 +358,9 @@ pub(crate) struct Goodput {
     /// Eager forwards that carried prompt rows beside decode rows (plain or verifying),
     /// drafter pass excluded, by all their rows; fed and read only with `price_mixed`.
     mixed: CostCurve,
+    /// Forwards of prompt rows alone (run apart after a graphed round, or with nothing
+    /// decoding), by rows; fed and read only with `price_mixed`.
+    prompts: CostCurve,
     /// Uniform rounds replayed from a graph, drafter pass excluded, by sequences; indexed by
     /// the drafts each sequence verified.
     graph_verify: Vec<CostCurve>,
@@ -467,6 +470,24 @@ impl Goodput {
         }
     }
 
+    /// Feeds a finished forward of `rows` prompt rows alone that took `secs`. Only with
+    /// [`Goodput::price_mixed`].
+    pub fn observe_prompts(&mut self, rows: usize, secs: f64) {
+        if self.price_mixed {
+            self.prompts.record(rows, secs);
+        }
+    }
+
+    /// Seconds of prompt rows' forward of their own: measured, else as an eager forward of
+    /// as many rows.
+    fn prompts_cost(&self, rows: usize) -> Option<f64> {
+        if self.prompts.knows(rows) {
+            self.prompts.estimate(rows)
+        } else {
+            self.eager_cost(rows)
+        }
+    }
+
     /// Seconds of an eager forward of `rows` rows, some of them prompt rows: from the forwards
     /// that carried prompts once there are any, else from the eager rounds.
     fn eager_cost(&self, rows: usize) -> Option<f64> {
@@ -511,8 +532,8 @@ impl Goodput {
     /// time's worth at `rate`. `None` until the eager forwards have estimates.
     fn mixed_costs(&self, s: Shape) -> Option<MixedCosts> {
         let base = self.eager_cost(s.seqs + s.prompt_rows)?;
-        // A graphed round has the prompt rows run apart: an eager forward of theirs alone.
-        let prompts_apart = self.eager_cost(s.prompt_rows)?;
+        // A graphed round has the prompt rows run apart: a forward of theirs alone.
+        let prompts_apart = self.prompts_cost(s.prompt_rows)?;
         Some(MixedCosts {
             base,
             prompts_apart,
@@ -1212,6 +1233,54 @@ mod tests {
             "as many drafts as prompt rows: apart"
         );
         assert!(split.decode_only().graphs(1));
+    }
+
+    #[test]
+    fn a_cache_hits_few_prompt_rows_run_apart_after_a_graphed_round_when_that_is_cheaper() {
+        // Measured here: the whole-block round at 64 sequences replayed from a graph (half
+        // its eager cost), a mixed forward of 64 decode rows and 16 prompt rows (eager, 2.6
+        // ms), and those 16 prompt rows alone (0.3 ms).
+        let cost = |rows: usize| 1e-3 + 3e-6 * rows.saturating_sub(64) as f64;
+        let mut g = trained(1e-3, 64, 3e-6, 0.2e-3, 0.8);
+        g.price_mixed = true;
+        for _ in 0..2 {
+            g.observe(Observed {
+                seqs: 64,
+                drafted: 64,
+                rows: 64 * 9,
+                round: true,
+                graph: true,
+                draft_secs: 0.2e-3,
+                step_secs: 0.2e-3 + 0.5 * cost(64 * 9),
+            });
+            g.observe_mixed(80, 2.5 * cost(80));
+            g.observe_prompts(16, 0.3e-3);
+        }
+        let survival = survivals(64, 8, 0.8);
+        let by_seq = vec![(1..=8).map(|k| 0.8f32.powi(k)).collect::<Vec<_>>(); 64];
+        let split = Shape {
+            graph_widths: widths(8).map(|w| 1 << w).sum(),
+            budget: 8 * 64,
+            prompt_rows: 16,
+            split_prompts: true,
+            ..shape(64)
+        };
+        assert!(g.should_draft(split));
+        assert_eq!(
+            g.choose(split, &survival, &by_seq),
+            Choice::Uniform(8),
+            "the graphed whole block, then the 16 rows apart"
+        );
+        // Without the split every option is the mixed forward, dearer per row than the
+        // graph: no graphed width is offered.
+        let mixed = Shape {
+            split_prompts: false,
+            ..split
+        };
+        assert!(!matches!(
+            g.choose(mixed, &survival, &by_seq),
+            Choice::Uniform(_)
+        ));
     }
 
     #[test]

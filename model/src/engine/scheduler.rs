@@ -419,7 +419,7 @@ impl Scheduler {
                     rows: rows + prompt_rows,
                 }
             } else {
-                ObservedStep::Prompts
+                ObservedStep::Prompts { rows: prompt_rows }
             };
             sp.observe_step(step, secs);
             for (predicted, accepted) in sp.resolve_shadows(&self.running) {

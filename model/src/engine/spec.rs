@@ -888,7 +888,10 @@ impl Speculator {
                 self.goodput.observe_mixed(rows, step_secs - draft_secs);
                 return;
             }
-            ObservedStep::Prompts => return,
+            ObservedStep::Prompts { rows } => {
+                self.goodput.observe_prompts(rows, step_secs);
+                return;
+            }
         };
         self.goodput.observe(Observed {
             seqs,
@@ -1037,9 +1040,6 @@ impl Speculator {
 
 /// Whether whole-block rounds keep sequences in their last block ([`Speculator::plan`]): unless
 /// `FERRY_WHOLE_BLOCK_TAIL=0` (read once; the benchmarks' A/B switch).
-/// The most drafts every sequence of a uniform round can verify: the fewest any has room for
-/// (`rooms`), within the step's token budget; 0 when no uniform round is possible (`possible`:
-/// a GPU engine whose running sequences all draft).
 /// What a step leaves for drafts, for [`Speculator::plan`]: its token budget, and the prompt
 /// work it would carry beside its decode rows.
 #[derive(Debug, Clone, Copy, Default)]
@@ -1066,10 +1066,13 @@ pub enum ObservedStep {
     },
     /// Decode rows and prompt rows in one eager forward of `rows` rows in all.
     Mixed { rows: usize },
-    /// Prompt rows only.
-    Prompts,
+    /// `rows` prompt rows alone.
+    Prompts { rows: usize },
 }
 
+/// The most drafts every sequence of a uniform round can verify: the fewest any has room for
+/// (`rooms`), within the step's token budget; 0 when no uniform round is possible (`possible`:
+/// a GPU engine whose running sequences all draft).
 fn widest_uniform(
     possible: bool,
     rooms: impl ExactSizeIterator<Item = usize>,
