@@ -873,6 +873,20 @@ mod tests {
         }
     }
 
+    /// A uniform round of `gamma` drafts for each of `seqs` sequences, replayed from a graph
+    /// in `secs`, after a 0.2 ms drafter pass.
+    fn graph_round(seqs: usize, gamma: usize, secs: f64) -> Observed {
+        Observed {
+            seqs,
+            drafted: seqs,
+            rows: seqs * (gamma + 1),
+            round: true,
+            graph: true,
+            draft_secs: 0.2e-3,
+            step_secs: 0.2e-3 + secs,
+        }
+    }
+
     fn survivals(seqs: usize, block: usize, c: f32) -> Vec<f32> {
         let mut v: Vec<f32> = (0..seqs)
             .flat_map(|_| (1..=block).map(move |k| c.powi(k as i32)))
@@ -1073,19 +1087,10 @@ mod tests {
         // sequence far behind (0.53).
         let cost = |rows: usize| 1e-3 + 3e-6 * rows.saturating_sub(64) as f64;
         let graphed = |rows: usize| 0.7 * cost(rows);
-        let round = |n: usize, gamma: usize, secs: f64| Observed {
-            seqs: n,
-            drafted: n,
-            rows: n * (gamma + 1),
-            round: true,
-            graph: true,
-            draft_secs: 0.2e-3,
-            step_secs: 0.2e-3 + secs,
-        };
         let mut g = trained(1e-3, 64, 3e-6, 0.2e-3, 0.8);
         for n in [1usize, 64] {
             for _ in 0..2 {
-                g.observe(round(n, 8, graphed(n * 9)));
+                g.observe(graph_round(n, 8, graphed(n * 9)));
             }
         }
         let all: u32 = widths(8).map(|w| 1 << w).sum();
@@ -1109,13 +1114,13 @@ mod tests {
         // Measured cheaper than interpolated (launch-bound rows), width 4 wins on its own.
         let mut cheap = g.clone();
         for _ in 0..2 {
-            cheap.observe(round(64, 4, graphed(64 * 5)));
+            cheap.observe(graph_round(64, 4, graphed(64 * 5)));
         }
         cheap.probe_widths = false;
         assert_eq!(choose(&cheap, 64), Choice::Uniform(4), "measured cheap");
         // Measured as dear as the whole block, it is not tried again.
         for _ in 0..2 {
-            g.observe(round(64, 4, graphed(64 * 9)));
+            g.observe(graph_round(64, 4, graphed(64 * 9)));
         }
         assert_eq!(
             choose(&g, 64),
@@ -1132,15 +1137,7 @@ mod tests {
             let cost = |rows: usize| 1e-3 + per_row * rows.saturating_sub(64) as f64;
             let mut g = trained(1e-3, 64, per_row, 0.2e-3, 0.8);
             for _ in 0..2 {
-                g.observe(Observed {
-                    seqs: 64,
-                    drafted: 64,
-                    rows: 64 * 9,
-                    round: true,
-                    graph: true,
-                    draft_secs: 0.2e-3,
-                    step_secs: 0.2e-3 + 0.5 * cost(64 * 9),
-                });
+                g.observe(graph_round(64, 8, 0.5 * cost(64 * 9)));
             }
             g
         };
@@ -1244,15 +1241,7 @@ mod tests {
         let mut g = trained(1e-3, 64, 3e-6, 0.2e-3, 0.8);
         g.price_mixed = true;
         for _ in 0..2 {
-            g.observe(Observed {
-                seqs: 64,
-                drafted: 64,
-                rows: 64 * 9,
-                round: true,
-                graph: true,
-                draft_secs: 0.2e-3,
-                step_secs: 0.2e-3 + 0.5 * cost(64 * 9),
-            });
+            g.observe(graph_round(64, 8, 0.5 * cost(64 * 9)));
             g.observe_mixed(80, 2.5 * cost(80));
             g.observe_prompts(16, 0.3e-3);
         }
