@@ -315,11 +315,11 @@ impl Plane {
             .filter_map(|r| r.proc.as_ref().map(|p| (r.name.as_str(), p)))
             .chain(self.workers.iter().map(|w| (w.id.as_str(), &w.proc)))
             .collect();
-        let up = |p: &Proc| {
+        let is_up = |p: &Proc| {
             let log = p.log_tail(usize::MAX);
             log.contains("worker serving") || log.contains("router listening")
         };
-        let (down, up): (Vec<_>, Vec<_>) = procs.into_iter().partition(|(_, p)| !up(p));
+        let (down, up): (Vec<_>, Vec<_>) = procs.into_iter().partition(|(_, p)| !is_up(p));
         let mut out = String::new();
         for (id, p) in down.iter().chain(&up) {
             let state = if down.iter().any(|(d, _)| d == id) {

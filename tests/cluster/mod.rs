@@ -296,13 +296,15 @@ impl Drop for Proc {
 
 /// `gdb`'s `thread apply all bt` output cut down for a failure message: each thread a header
 /// line and its frames' function names; threads idle in tokio's scheduler (parked workers,
-/// the blocking pool waiting for work, the I/O driver in `epoll_wait`) only counted.
+/// the blocking pool waiting for work, the I/O driver in `epoll_wait`), in rayon's, and the
+/// stdin watch only counted.
 #[allow(dead_code)] // only the binaries that report stacks call it
 fn compact_stacks(gdb: &str, max_lines: usize) -> String {
     // A thread is idle when the innermost frame past the waiting itself (syscalls, futexes,
-    // condvars, epoll) is tokio's scheduler; a blocking-pool thread running a task, or a worker
-    // stuck on a lock in our code, has our code there instead.
-    const WAITING: [&str; 8] = [
+    // condvars, epoll) is a scheduler's; a blocking-pool thread running a task, or a worker
+    // stuck on a lock in our code, has our code there instead. The stdin watch of
+    // `--exit-on-stdin-close` (`ferry_worker::shutdown`) always waits.
+    const WAITING: [&str; 9] = [
         "syscall",
         "std::sys::",
         "std::sync::",
@@ -311,12 +313,16 @@ fn compact_stacks(gdb: &str, max_lines: usize) -> String {
         "__",
         "epoll_wait",
         "pthread_",
+        "mio::",
     ];
-    let is_idle = |frames: &[String]| {
-        frames
-            .iter()
-            .find(|f| !WAITING.iter().any(|w| f.starts_with(w)))
-            .is_some_and(|f| f.starts_with("tokio::runtime::"))
+    // Schedulers whose threads wait there for work: tokio's, and rayon's (the CPU forward).
+    const IDLE_IN: [&str; 2] = ["tokio::runtime::", "rayon_core::sleep::"];
+    let is_idle = |(header, frames): &(String, Vec<String>)| {
+        header.ends_with(" stdin-watch")
+            || frames
+                .iter()
+                .find(|f| !WAITING.iter().any(|w| f.starts_with(w)))
+                .is_some_and(|f| IDLE_IN.iter().any(|i| f.starts_with(i)))
     };
     let mut threads: Vec<(String, Vec<String>)> = Vec::new();
     for line in gdb.lines() {
@@ -334,9 +340,11 @@ fn compact_stacks(gdb: &str, max_lines: usize) -> String {
             frames.push(function.to_string());
         }
     }
-    let (idle, busy): (Vec<_>, Vec<_>) =
-        threads.into_iter().partition(|(_, frames)| is_idle(frames));
-    let mut lines = vec![format!("{} threads idle in tokio (not listed)", idle.len())];
+    let (idle, busy): (Vec<_>, Vec<_>) = threads.into_iter().partition(is_idle);
+    let mut lines = vec![format!(
+        "{} threads idle in tokio, rayon or the stdin watch (not listed)",
+        idle.len()
+    )];
     for (header, frames) in busy {
         lines.push(header);
         lines.extend(frames.into_iter().map(|f| format!("  {f}")));
