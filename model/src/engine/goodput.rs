@@ -1036,15 +1036,7 @@ mod tests {
         let mut g = trained(1e-3, 64, 2e-6, 0.2e-3, 0.8);
         for n in [1usize, 128] {
             for _ in 0..2 {
-                g.observe(Observed {
-                    seqs: n,
-                    drafted: n,
-                    rows: n * 9,
-                    round: true,
-                    graph: true,
-                    draft_secs: 0.2e-3,
-                    step_secs: 0.2e-3 + graphed(n * 9),
-                });
+                g.observe(graph_round(n, 8, graphed(n * 9)));
             }
         }
         let all: u32 = widths(8).map(|w| 1 << w).sum();
@@ -1067,15 +1059,7 @@ mod tests {
         assert_eq!(choose(&g, 128), Choice::Uniform(4));
         // Once measured as dear as the whole block, it gives way to it.
         for _ in 0..2 {
-            g.observe(Observed {
-                seqs: 128,
-                drafted: 128,
-                rows: 128 * 5,
-                round: true,
-                graph: true,
-                draft_secs: 0.2e-3,
-                step_secs: 0.2e-3 + graphed(128 * 9),
-            });
+            g.observe(graph_round(128, 4, graphed(128 * 9)));
         }
         assert_eq!(choose(&g, 128), Choice::Uniform(8));
     }

@@ -319,11 +319,14 @@ impl Scheduler {
         let mut budget = self.config.max_batch_tokens.saturating_sub(decoding);
         let started = std::time::Instant::now();
         let graphs_before = self.backend.graph_steps();
+        // Prompt rows a mixed step would carry, and whether a graphed round has them run apart.
+        let waiting_rows = if prompts { self.prompt_rows(budget) } else { 0 };
+        let splits = what == StepWork::All && self.splits_graphed_rounds();
         let (drafts, q) = if decode {
             self.plan_drafts(StepBudget {
                 tokens: budget,
-                prompt_rows: if prompts { self.prompt_rows(budget) } else { 0 },
-                split_graphed: what == StepWork::All && self.splits_graphed_rounds(),
+                prompt_rows: waiting_rows,
+                split_graphed: splits,
             })
         } else {
             (Vec::new(), None)
@@ -333,10 +336,9 @@ impl Scheduler {
         let drafted: usize = drafts.iter().flatten().map(Draft::gamma).sum();
         // `Auto`: a graphed round keeps its graph when the prompt work beside it is fewer rows
         // than its drafts; the prompts then get a forward of their own after it.
-        let apart = what == StepWork::All
-            && self.splits_graphed_rounds()
-            && self.round_replays(&drafts)
-            && (1..=drafted).contains(&self.prompt_rows(budget));
+        let apart = splits
+            && self.spec.as_ref().is_some_and(|sp| sp.replays(&drafts))
+            && (1..=drafted).contains(&waiting_rows);
         let prompts = prompts && !apart;
         budget = budget.saturating_sub(drafted);
         let prefills = if prompts { self.prefills.len() } else { 0 };
@@ -434,19 +436,12 @@ impl Scheduler {
     }
 
     /// Whether a step's round replayed from a graph has the step's prompt rows run apart
-    /// when they are at most its drafts (`PromptSteps::Auto` on CUDA with graphs).
+    /// when they are at most its drafts (`PromptSteps::Auto` on CUDA with graphs; elsewhere
+    /// rounds run eagerly, and the prompts with them).
     fn splits_graphed_rounds(&self) -> bool {
         matches!(self.backend.device(), ferry_kernels::Device::Cuda(_))
             && self.config.cuda_graphs
             && self.config.prompt_steps == PromptSteps::Auto
-    }
-
-    /// Whether a round of `drafts` (one entry per running sequence) is replayed from a CUDA
-    /// graph when it runs alone; elsewhere rounds run eagerly.
-    fn round_replays(&self, drafts: &[Option<Draft>]) -> bool {
-        matches!(self.backend.device(), ferry_kernels::Device::Cuda(_))
-            && self.config.cuda_graphs
-            && self.spec.as_ref().is_some_and(|sp| sp.replays(drafts))
     }
 
     /// Prompt rows waiting to be computed, at most `budget`: the queued prefill jobs' and the
