@@ -722,6 +722,8 @@ fn engine_run(
             }
         }
         let before = engine.stats().await?;
+        // `FERRY_SYNC_SITES=1`: the level's host waits only, not the warm-up's.
+        let _ = ferry_kernels::cuda::sync_sites::take();
         let start = Instant::now();
         let batch: Vec<Vec<u32>> = match prompts {
             // The level's requests take the file's prompts in turn, each repetition the next n.
@@ -804,12 +806,39 @@ fn engine_run(
                 .since(&before.spec_skipped_by_prediction),
             ..after
         };
+        print_sync_sites(if drafter.is_some() { "spec" } else { "plain" }, c, &stats);
         Ok(LevelRun {
             tok_s: tokens as f64 / secs,
             steady_tok_s: steady_tokens as f64 / steady_secs.max(f64::MIN_POSITIVE),
             stats,
         })
     })
+}
+
+/// With `FERRY_SYNC_SITES=1`: where the level's engine made the host wait on the GPU
+/// (`ferry_kernels::cuda::sync_sites`), per call site, next to its step count.
+fn print_sync_sites(arm: &str, c: usize, stats: &EngineStats) {
+    if !ferry_kernels::cuda::sync_sites::enabled() {
+        return;
+    }
+    let steps: u64 = stats
+        .step_times
+        .kinds()
+        .into_iter()
+        .map(|(_, k)| k.steps)
+        .sum();
+    println!("\nhost waits on the GPU, {arm} engine at c = {c} ({steps} steps):\n");
+    println!("| waits | a step | ms waited | call site |\n|---|---|---|---|");
+    for s in ferry_kernels::cuda::sync_sites::take().iter().take(20) {
+        println!(
+            "| {} | {:.2} | {:.1} | `{}` |",
+            s.count,
+            s.count as f64 / steps.max(1) as f64,
+            s.waited_s * 1e3,
+            s.site
+        );
+    }
+    println!();
 }
 
 /// `--prompts`: every line's `ids`, cut to `len` tokens; a line that is not JSON with an `ids`

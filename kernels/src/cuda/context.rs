@@ -671,10 +671,16 @@ impl CudaDevice {
 
     /// Waits for all queued work.
     pub fn synchronize(&self) -> Result<(), KernelError> {
-        self.inner
+        let start = super::sync_sites::enabled().then(std::time::Instant::now);
+        let done = self
+            .inner
             .stream
             .synchronize()
-            .map_err(gpu_err("cuStreamSynchronize"))
+            .map_err(gpu_err("cuStreamSynchronize"));
+        if let Some(start) = start {
+            super::sync_sites::record(start.elapsed());
+        }
+        done
     }
 
     /// The compiled function `name` from `source` built with `defines` for this card.

@@ -14,6 +14,7 @@
 //! | [`sample`] | launchers for `gpu/sample.cu`: sampling distributions, draws, argmax, speculative verification |
 //! | [`draft`] | launchers for `gpu/draft.cu`: the drafter's block attention, row scatter, tap concatenation, confidence head |
 //! | [`staging`] | device → host copies on a second stream into page-locked memory, ordered by marks (layer-wise KV shipping) |
+//! | [`sync_sites`] | where the host waits on the stream, by caller (`FERRY_SYNC_SITES=1`, a diagnostic) |
 //! | [`upload`] | small host → device writes staged in page-locked slots, queued without waiting (`FERRY_ASYNC_WRITES=1`) |
 //!
 //! All compute goes on the device's one stream, in order; host reads synchronise. Only
@@ -29,6 +30,7 @@ pub mod nvrtc;
 pub mod ops;
 pub mod sample;
 pub mod staging;
+pub mod sync_sites;
 pub mod upload;
 
 pub use context::{
