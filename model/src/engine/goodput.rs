@@ -42,10 +42,6 @@ pub(crate) const EXPLORE_RATIO: f64 = 50.0;
 /// Weight of a new observation in a cost estimate once it has a few.
 const COST_ALPHA: f64 = 0.1;
 
-/// With [`Goodput::probe_widths`]: an unmeasured graphed width is tried while its
-/// interpolated rate is at least this share of the best option's.
-const PROBE_MARGIN: f64 = 0.9;
-
 /// Weight of a new round in the acceptance estimates.
 const ACCEPT_ALPHA: f64 = 0.02;
 
@@ -269,36 +265,12 @@ pub(crate) struct Shape {
     /// would be replayed from a graph (bit `block`: the whole-block round). Only the widths
     /// of [`widths`] are offered.
     pub graph_widths: u32,
-    /// Prompt rows the step carries in the same forward as its decode rows (0: a decode-only
-    /// step, or prompts the policy is not told of, [`Goodput::price_mixed`] off). Such a
-    /// forward runs eagerly, unless a graphed uniform round of at least as many drafts has
-    /// the prompts run apart (`split_prompts`, `PromptSteps::Auto`).
-    pub prompt_rows: usize,
-    /// A graphed round of at least `prompt_rows` drafts has the prompt rows run in a forward
-    /// of their own after it.
-    pub split_prompts: bool,
 }
 
 impl Shape {
-    /// Whether a uniform round of `gamma` drafts per sequence is replayed from a graph: a
-    /// graph exists for it, and prompt rows beside it (if any) run apart.
+    /// Whether a uniform round of `gamma` drafts per sequence is replayed from a graph.
     pub fn graphs(&self, gamma: usize) -> bool {
-        self.graph_exists(gamma)
-            && (self.prompt_rows == 0
-                || (self.split_prompts && self.seqs * gamma >= self.prompt_rows))
-    }
-
-    /// Whether a uniform round of `gamma` drafts per sequence has a graph when it runs alone.
-    fn graph_exists(&self, gamma: usize) -> bool {
         gamma < 32 && self.graph_widths & (1 << gamma) != 0 && self.eligible == self.seqs
-    }
-
-    /// This step without its prompt rows (what a decode-only step of it would be).
-    fn decode_only(self) -> Shape {
-        Shape {
-            prompt_rows: 0,
-            ..self
-        }
     }
 }
 
@@ -355,12 +327,6 @@ pub(crate) struct Goodput {
     draft: CostCurve,
     /// Eager rounds, drafter pass excluded, by rows.
     verify: CostCurve,
-    /// Eager forwards that carried prompt rows beside decode rows (plain or verifying),
-    /// drafter pass excluded, by all their rows; fed and read only with `price_mixed`.
-    mixed: CostCurve,
-    /// Forwards of prompt rows alone (run apart after a graphed round, or with nothing
-    /// decoding), by rows; fed and read only with `price_mixed`.
-    prompts: CostCurve,
     /// Uniform rounds replayed from a graph, drafter pass excluded, by sequences; indexed by
     /// the drafts each sequence verified.
     graph_verify: Vec<CostCurve>,
@@ -377,45 +343,9 @@ pub(crate) struct Goodput {
     /// option before it has an estimate of its own).
     last_round_secs: f64,
     last_plain_secs: f64,
-    /// Try a graphed width below the block that has no measurement at this batch size when
-    /// its interpolated estimate comes within [`PROBE_MARGIN`] of the best option, so the
-    /// estimate becomes a measurement (`FERRY_GOODPUT_PROBE=1`, off by default until a GPU
-    /// A/B says so). Without it such a width is only ever interpolated between the plain step
-    /// and the whole block, and a width that interpolation makes look dearer than it is is
-    /// never tried: session 42's pair verified 7.6 drafts a round at c = 64, and its rounds
-    /// gave 7 % fewer tokens a second than `fixed:4`'s.
-    pub probe_widths: bool,
-    /// Price a step that carries prompt rows as what it is (`FERRY_GOODPUT_MIXED=eager`, off
-    /// by default until a GPU A/B says so): an eager forward of its decode rows, its drafts
-    /// and the prompt rows, unless a graphed round has the prompts run apart
-    /// ([`Shape::prompt_rows`]). Its drafts are then worth their time only if they yield more
-    /// than that time would in decode-only steps: a draft slot is verified when its expected
-    /// tokens exceed the best decode-only rate times what it adds to the step
-    /// ([`Goodput::choose`]). Without it such a step is priced as a decode-only one: graphed
-    /// widths and their graph costs are offered though the forward runs eagerly, and session
-    /// 42's pair verified 478 rows beside whole prompts at c = 64 where `fixed:4` verified
-    /// 285 (0.38 s of the 0.53 s it lost to `fixed:4` there).
-    pub price_mixed: bool,
 }
 
 impl Goodput {
-    /// A policy with no measurements; `probe_widths` from `FERRY_GOODPUT_PROBE=1` and
-    /// `price_mixed` from `FERRY_GOODPUT_MIXED=eager` (each read once).
-    pub fn from_env() -> Self {
-        static PROBE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        static MIXED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        let probe_widths = *PROBE
-            .get_or_init(|| std::env::var("FERRY_GOODPUT_PROBE").is_ok_and(|v| v.trim() == "1"));
-        let price_mixed = *MIXED.get_or_init(|| {
-            std::env::var("FERRY_GOODPUT_MIXED").is_ok_and(|v| v.trim() == "eager")
-        });
-        Self {
-            probe_widths,
-            price_mixed,
-            ..Self::default()
-        }
-    }
-
     /// The plain decode step's estimated seconds at `seqs` sequences (for tests).
     #[cfg(test)]
     pub fn plain_estimate(&self, seqs: usize) -> Option<f64> {
@@ -459,86 +389,6 @@ impl Goodput {
             self.since_plain = self.since_plain.saturating_add(1);
             self.secs_since_plain += secs;
         }
-    }
-
-    /// Feeds a finished eager forward that carried prompt rows: `rows` in all (decode rows,
-    /// drafts verified, prompt rows), `secs` without the drafter pass. Only with
-    /// [`Goodput::price_mixed`], whose pricing is the only reader.
-    pub fn observe_mixed(&mut self, rows: usize, secs: f64) {
-        if self.price_mixed {
-            self.mixed.record(rows, secs);
-        }
-    }
-
-    /// Feeds a finished forward of `rows` prompt rows alone that took `secs`. Only with
-    /// [`Goodput::price_mixed`].
-    pub fn observe_prompts(&mut self, rows: usize, secs: f64) {
-        if self.price_mixed {
-            self.prompts.record(rows, secs);
-        }
-    }
-
-    /// Seconds of prompt rows' forward of their own: measured, else as an eager forward of
-    /// as many rows.
-    fn prompts_cost(&self, rows: usize) -> Option<f64> {
-        if self.prompts.knows(rows) {
-            self.prompts.estimate(rows)
-        } else {
-            self.eager_cost(rows)
-        }
-    }
-
-    /// Seconds of an eager forward of `rows` rows, some of them prompt rows: from the forwards
-    /// that carried prompts once there are any, else from the eager rounds.
-    fn eager_cost(&self, rows: usize) -> Option<f64> {
-        if self.mixed.measured() {
-            self.mixed.estimate(rows)
-        } else {
-            self.verify.estimate(rows)
-        }
-    }
-
-    /// Tokens a second of the best decode-only step at this shape's size, from the estimates:
-    /// the plain step, an eager round of γ drafts a sequence, or a graphed uniform round
-    /// (expected acceptance from the calibrated head). What time taken from decode-only steps
-    /// is worth.
-    fn decode_rate(&self, s: Shape) -> Option<f64> {
-        let s = s.decode_only();
-        let n = s.seqs as f64;
-        let m = s.eligible as f64;
-        let mut best = n / self.plain.estimate(s.seqs)?;
-        let Some(draft) = self.draft.estimate(s.eligible) else {
-            return Some(best);
-        };
-        for gamma in 1..=s.block {
-            let slots = s.eligible * gamma;
-            if slots > s.budget {
-                break;
-            }
-            if let Some(v) = self.verify.estimate(s.seqs + slots) {
-                best = best.max((n + m * self.acceptance.expected(gamma)) / (draft + v));
-            }
-        }
-        for gamma in widths(s.block).filter(|&w| s.graphs(w)) {
-            if let Some(v) = self.graph_cost(s.seqs, gamma, s.block) {
-                best = best.max((n + m * self.acceptance.expected(gamma)) / (draft + v));
-            }
-        }
-        Some(best)
-    }
-
-    /// For a step with prompt rows ([`Goodput::price_mixed`]): the seconds each option adds
-    /// to the step's plain forward (its decode rows and prompt rows, eagerly), and its
-    /// time's worth at `rate`. `None` until the eager forwards have estimates.
-    fn mixed_costs(&self, s: Shape) -> Option<MixedCosts> {
-        let base = self.eager_cost(s.seqs + s.prompt_rows)?;
-        // A graphed round has the prompt rows run apart: a forward of theirs alone.
-        let prompts_apart = self.prompts_cost(s.prompt_rows)?;
-        Some(MixedCosts {
-            base,
-            prompts_apart,
-            rate: self.decode_rate(s)?,
-        })
     }
 
     /// The graph-replayed uniform rounds of `gamma` drafts per sequence, by sequences.
@@ -645,11 +495,6 @@ impl Goodput {
         let Some(draft) = self.draft.estimate(s.eligible) else {
             return true;
         };
-        if s.prompt_rows > 0 {
-            if let Some(c) = self.mixed_costs(s) {
-                return self.mixed_round_pays(s, &c, draft);
-            }
-        }
         let n = s.seqs as f64;
         let m = s.eligible as f64;
         let plain_rate = n / plain;
@@ -681,11 +526,6 @@ impl Goodput {
         let Some(plain) = self.plain.estimate(s.seqs) else {
             return Choice::Explore;
         };
-        if s.prompt_rows > 0 && !self.round_due(s) {
-            if let Some(c) = self.mixed_costs(s) {
-                return self.choose_mixed(s, &c, survival, by_seq);
-            }
-        }
         let graph = s.graphs(s.block) && by_seq.len() == s.seqs;
         let eager_known = self.verify.measured();
         if self.round_due(s)
@@ -708,92 +548,6 @@ impl Goodput {
                 }
             }
         }
-        let uniform = || widths(s.block).filter(|&w| by_seq.len() == s.seqs && s.graphs(w));
-        // Tokens a second of a uniform round of `gamma` drafts a sequence, from the estimates.
-        let rate = |gamma: usize| {
-            let t = self.graph_cost(s.seqs, gamma, s.block)?;
-            let value: f64 = by_seq
-                .iter()
-                .flat_map(|v| v.iter().take(gamma))
-                .map(|&p| self.slot_value(p, cal))
-                .sum();
-            Some((n + value) / t)
-        };
-        for gamma in uniform() {
-            if let Some(r) = rate(gamma).filter(|&r| r > best.1) {
-                best = (Choice::Uniform(gamma), r);
-            }
-        }
-        if self.probe_widths {
-            let measured = |g: usize| self.graph_curve(g).is_some_and(|c| c.knows(s.seqs));
-            let probe = uniform()
-                .filter(|&w| w < s.block && !measured(w) && best.0 != Choice::Uniform(w))
-                .find(|&w| rate(w).is_some_and(|r| r >= PROBE_MARGIN * best.1));
-            if let Some(gamma) = probe {
-                return Choice::Uniform(gamma);
-            }
-        }
-        best.0
-    }
-}
-
-/// What a step with prompt rows costs beyond its decode-only self, for
-/// [`Goodput::price_mixed`].
-#[derive(Debug, Clone, Copy)]
-struct MixedCosts {
-    /// Seconds of the plain step: its decode rows and prompt rows in one eager forward.
-    base: f64,
-    /// Seconds of the prompt rows' forward of their own (after a graphed round).
-    prompts_apart: f64,
-    /// Tokens a second of the best decode-only step ([`Goodput::decode_rate`]): what the
-    /// seconds an option adds would yield there.
-    rate: f64,
-}
-
-impl Goodput {
-    /// Before drafting, for a step with prompt rows: whether some round yields more tokens
-    /// than the seconds it adds to the plain step (drafter pass included) would in
-    /// decode-only steps, at the expected acceptance.
-    fn mixed_round_pays(&self, s: Shape, c: &MixedCosts, draft: f64) -> bool {
-        let m = s.eligible as f64;
-        let net = |gamma: usize, added: f64| {
-            m * self.acceptance.expected(gamma) - c.rate * (draft + added - c.base)
-        };
-        let eager = (1..=s.block)
-            .take_while(|&g| s.eligible * g <= s.budget)
-            .filter_map(|g| {
-                let t = self.eager_cost(s.seqs + s.eligible * g + s.prompt_rows)?;
-                Some(net(g, t))
-            });
-        let graphed = widths(s.block).filter(|&w| s.graphs(w)).filter_map(|g| {
-            let t = self.graph_cost(s.seqs, g, s.block)?;
-            Some(net(g, t + c.prompts_apart))
-        });
-        eager.chain(graphed).any(|v| v > 0.0)
-    }
-
-    /// After drafting, for a step with prompt rows: the option whose expected tokens beyond
-    /// the plain step's exceed, by the most, what its added seconds would yield in
-    /// decode-only steps (the drafter pass is paid). A plain step when none does.
-    fn choose_mixed(
-        &self,
-        s: Shape,
-        c: &MixedCosts,
-        survival: &[f32],
-        by_seq: &[Vec<f32>],
-    ) -> Choice {
-        let cal = self.calibration();
-        let mut best = (Choice::Plain, 0.0f64);
-        let mut value = 0.0;
-        for (r, &p) in survival.iter().take(s.budget).enumerate() {
-            value += self.slot_value(p, cal);
-            if let Some(t) = self.eager_cost(s.seqs + r + 1 + s.prompt_rows) {
-                let net = value - c.rate * (t - c.base);
-                if net > best.1 {
-                    best = (Choice::Slots(r + 1), net);
-                }
-            }
-        }
         let uniform = widths(s.block).filter(|&w| by_seq.len() == s.seqs && s.graphs(w));
         for gamma in uniform {
             if let Some(t) = self.graph_cost(s.seqs, gamma, s.block) {
@@ -802,9 +556,8 @@ impl Goodput {
                     .flat_map(|v| v.iter().take(gamma))
                     .map(|&p| self.slot_value(p, cal))
                     .sum();
-                let net = value - c.rate * (t + c.prompts_apart - c.base);
-                if net > best.1 {
-                    best = (Choice::Uniform(gamma), net);
+                if (n + value) / t > best.1 {
+                    best = (Choice::Uniform(gamma), (n + value) / t);
                 }
             }
         }
@@ -902,8 +655,6 @@ mod tests {
             block: 8,
             budget: 64,
             graph_widths: 0,
-            prompt_rows: 0,
-            split_prompts: false,
         }
     }
 
@@ -1062,198 +813,6 @@ mod tests {
             g.observe(graph_round(128, 4, graphed(128 * 9)));
         }
         assert_eq!(choose(&g, 128), Choice::Uniform(8));
-    }
-
-    #[test]
-    fn probing_measures_a_narrower_width_that_interpolation_leaves_close_behind() {
-        // Rows past 64 cost 3 µs each, graphed rounds 0.7 of eager ones: at 64 sequences the
-        // interpolated width 4 comes within 10 % of the whole block (0.98 of its rate), at one
-        // sequence far behind (0.53).
-        let cost = |rows: usize| 1e-3 + 3e-6 * rows.saturating_sub(64) as f64;
-        let graphed = |rows: usize| 0.7 * cost(rows);
-        let mut g = trained(1e-3, 64, 3e-6, 0.2e-3, 0.8);
-        for n in [1usize, 64] {
-            for _ in 0..2 {
-                g.observe(graph_round(n, 8, graphed(n * 9)));
-            }
-        }
-        let all: u32 = widths(8).map(|w| 1 << w).sum();
-        let choose = |g: &Goodput, n: usize| {
-            let s = Shape {
-                graph_widths: all,
-                budget: 8 * n,
-                ..shape(n)
-            };
-            let by_seq = vec![(1..=8).map(|k| 0.8f32.powi(k)).collect::<Vec<_>>(); n];
-            g.choose(s, &survivals(n, 8, 0.8), &by_seq)
-        };
-        assert_eq!(choose(&g, 64), Choice::Uniform(8), "probing off");
-        g.probe_widths = true;
-        assert_eq!(
-            choose(&g, 64),
-            Choice::Uniform(4),
-            "within the margin: probed"
-        );
-        assert_eq!(choose(&g, 1), Choice::Uniform(8), "far behind: not probed");
-        // Measured cheaper than interpolated (launch-bound rows), width 4 wins on its own.
-        let mut cheap = g.clone();
-        for _ in 0..2 {
-            cheap.observe(graph_round(64, 4, graphed(64 * 5)));
-        }
-        cheap.probe_widths = false;
-        assert_eq!(choose(&cheap, 64), Choice::Uniform(4), "measured cheap");
-        // Measured as dear as the whole block, it is not tried again.
-        for _ in 0..2 {
-            g.observe(graph_round(64, 4, graphed(64 * 9)));
-        }
-        assert_eq!(
-            choose(&g, 64),
-            Choice::Uniform(8),
-            "measured dear: no probe"
-        );
-    }
-
-    #[test]
-    fn beside_prompt_rows_a_draft_is_verified_only_when_it_beats_decode_only_steps_for_its_rows() {
-        // Rows past 64 cost 3 µs each eagerly; the whole-block round at 64 sequences is
-        // replayed from a graph for half its eager cost.
-        let world = |per_row: f64| {
-            let cost = |rows: usize| 1e-3 + per_row * rows.saturating_sub(64) as f64;
-            let mut g = trained(1e-3, 64, per_row, 0.2e-3, 0.8);
-            for _ in 0..2 {
-                g.observe(graph_round(64, 8, 0.5 * cost(64 * 9)));
-            }
-            g
-        };
-        let per_row = 3e-6;
-        let g = world(per_row);
-        let survival = survivals(64, 8, 0.8);
-        let by_seq = vec![(1..=8).map(|k| 0.8f32.powi(k)).collect::<Vec<_>>(); 64];
-        let decode_only = Shape {
-            graph_widths: widths(8).map(|w| 1 << w).sum(),
-            budget: 8 * 64,
-            ..shape(64)
-        };
-        assert_eq!(
-            g.choose(decode_only, &survival, &by_seq),
-            Choice::Uniform(8),
-            "decode-only: the graphed whole block"
-        );
-        // 512 prompt rows in the same forward, which no graph replays (`PromptSteps::Mixed`):
-        // a slot is worth its row while its expected tokens beat what 3 µs yield in the best
-        // decode-only step.
-        let mixed = Shape {
-            prompt_rows: 512,
-            ..decode_only
-        };
-        let Choice::Slots(r) = g.choose(mixed, &survival, &by_seq) else {
-            panic!("an eager round beside the prompts")
-        };
-        let rate = g.decode_rate(mixed).expect("estimates");
-        let cal = g.calibration();
-        let tokens_a_second = |k: usize| g.slot_value(survival[k], cal) / per_row;
-        assert!(
-            tokens_a_second(r - 1) >= rate,
-            "slot {r} yields {} tok/s, decode-only {rate}",
-            tokens_a_second(r - 1)
-        );
-        assert!(
-            tokens_a_second(r) < rate,
-            "slot {} would have paid too: {} tok/s, decode-only {rate}",
-            r + 1,
-            tokens_a_second(r)
-        );
-        // The first draft of each sequence (survival 0.8: 246k tok/s a row against 181k); the
-        // second (0.64) falls just short (178k). Decode-only, the graph verified all eight.
-        assert_eq!(r, 64, "the first draft of each sequence");
-        // Before drafting the pass is part of the price too (0.2 ms): 64 drafts' 51 tokens
-        // against the 71 its time and their rows would yield decode-only.
-        assert!(!g.should_draft(mixed));
-        // Rows a third as dear: the drafter pass pays, and the slots verified are again
-        // those worth their row, fewer than the graph's 512.
-        let cheap = world(per_row / 3.0);
-        assert!(cheap.should_draft(mixed));
-        let Choice::Slots(r) = cheap.choose(mixed, &survival, &by_seq) else {
-            panic!("an eager round beside the prompts")
-        };
-        let rate = cheap.decode_rate(mixed).expect("estimates");
-        let worth = |k: usize| cheap.slot_value(survival[k], cheap.calibration()) / (per_row / 3.0);
-        assert!(worth(r - 1) >= rate && worth(r) < rate && r < 512, "{r}");
-        // Rows ten times dearer: no draft beside the prompts pays, nor does the drafter pass.
-        let dear = world(10.0 * per_row);
-        let mixed = Shape {
-            graph_widths: 0,
-            ..mixed
-        };
-        assert_eq!(dear.choose(mixed, &survival, &by_seq), Choice::Plain);
-        assert!(!dear.should_draft(mixed));
-    }
-
-    #[test]
-    fn a_graphed_round_is_offered_beside_prompts_only_when_they_run_apart() {
-        let s = Shape {
-            graph_widths: widths(8).map(|w| 1 << w).sum(),
-            ..shape(16)
-        };
-        assert!(s.graphs(1) && s.graphs(8), "decode-only");
-        let mixed = Shape {
-            prompt_rows: 32,
-            ..s
-        };
-        assert!(!mixed.graphs(8), "prompts in the same forward: eager");
-        let split = Shape {
-            split_prompts: true,
-            ..mixed
-        };
-        assert!(
-            !split.graphs(1),
-            "16 drafts < 32 prompt rows: the step runs mixed"
-        );
-        assert!(
-            split.graphs(2) && split.graphs(8),
-            "as many drafts as prompt rows: apart"
-        );
-        assert!(split.decode_only().graphs(1));
-    }
-
-    #[test]
-    fn a_cache_hits_few_prompt_rows_run_apart_after_a_graphed_round_when_that_is_cheaper() {
-        // Measured here: the whole-block round at 64 sequences replayed from a graph (half
-        // its eager cost), a mixed forward of 64 decode rows and 16 prompt rows (eager, 2.6
-        // ms), and those 16 prompt rows alone (0.3 ms).
-        let cost = |rows: usize| 1e-3 + 3e-6 * rows.saturating_sub(64) as f64;
-        let mut g = trained(1e-3, 64, 3e-6, 0.2e-3, 0.8);
-        g.price_mixed = true;
-        for _ in 0..2 {
-            g.observe(graph_round(64, 8, 0.5 * cost(64 * 9)));
-            g.observe_mixed(80, 2.5 * cost(80));
-            g.observe_prompts(16, 0.3e-3);
-        }
-        let survival = survivals(64, 8, 0.8);
-        let by_seq = vec![(1..=8).map(|k| 0.8f32.powi(k)).collect::<Vec<_>>(); 64];
-        let split = Shape {
-            graph_widths: widths(8).map(|w| 1 << w).sum(),
-            budget: 8 * 64,
-            prompt_rows: 16,
-            split_prompts: true,
-            ..shape(64)
-        };
-        assert!(g.should_draft(split));
-        assert_eq!(
-            g.choose(split, &survival, &by_seq),
-            Choice::Uniform(8),
-            "the graphed whole block, then the 16 rows apart"
-        );
-        // Without the split every option is the mixed forward, dearer per row than the
-        // graph: no graphed width is offered.
-        let mixed = Shape {
-            split_prompts: false,
-            ..split
-        };
-        assert!(!matches!(
-            g.choose(mixed, &survival, &by_seq),
-            Choice::Uniform(_)
-        ));
     }
 
     #[test]

@@ -25,7 +25,7 @@ use tracing::warn;
 
 use super::backend::Backend;
 use super::sequence::{PrefillTask, Sequence};
-use super::spec::{Draft, ObservedStep, Speculator, StepBudget};
+use super::spec::{Draft, ObservedStep, Speculator};
 use super::{Command, EngineConfig, EngineEvent, EngineStats, FinishReason, PromptSteps};
 use super::{Failure, FailureKind, GenerateJob, GenerateOptions, SeqId};
 use super::{StepPhases, StepShape};
@@ -323,11 +323,7 @@ impl Scheduler {
         let waiting_rows = if prompts { self.prompt_rows(budget) } else { 0 };
         let splits = what == StepWork::All && self.splits_graphed_rounds();
         let (drafts, q) = if decode {
-            self.plan_drafts(StepBudget {
-                tokens: budget,
-                prompt_rows: waiting_rows,
-                split_graphed: splits,
-            })
+            self.plan_drafts(budget)
         } else {
             (Vec::new(), None)
         };
@@ -342,15 +338,12 @@ impl Scheduler {
         let prompts = prompts && !apart;
         budget = budget.saturating_sub(drafted);
         let prefills = if prompts { self.prefills.len() } else { 0 };
-        // Prompt rows this forward computes (for `goodput`'s estimates of mixed forwards).
-        let mut prompt_rows = 0;
         for i in 0..prefills {
             let need = self.prefills[i].job.prompt.len() - self.prefills[i].reused;
             if need > budget && !work.is_empty() {
                 break;
             }
             work.push(Work::Prefill(i));
-            prompt_rows += need;
             budget = budget.saturating_sub(need);
         }
         let room = if prompts {
@@ -381,7 +374,6 @@ impl Scheduler {
                 break;
             }
             work.push(Work::Chunk(i, n));
-            prompt_rows += n;
             budget -= n;
         }
         if work.is_empty() {
@@ -416,12 +408,8 @@ impl Scheduler {
                     round: drafted > 0,
                     graph,
                 }
-            } else if seqs > 0 {
-                ObservedStep::Mixed {
-                    rows: rows + prompt_rows,
-                }
             } else {
-                ObservedStep::Prompts { rows: prompt_rows }
+                ObservedStep::WithPrompts
             };
             sp.observe_step(step, secs);
             for (predicted, accepted) in sp.resolve_shadows(&self.running) {

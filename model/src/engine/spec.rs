@@ -373,7 +373,7 @@ impl Speculator {
             stale: HashSet::new(),
             landing,
             uniform_graphs,
-            goodput: Goodput::from_env(),
+            goodput: Goodput::default(),
             last_pass: None,
             flush_secs: 0.0,
             deferred: Deferred::default(),
@@ -579,19 +579,17 @@ impl Speculator {
         }
     }
 
-    /// Drafts for every eligible running sequence and picks its verify length; `step` holds
-    /// the step's token budget left for draft slots and the prompt work it would carry beside
-    /// (told to `goodput` with [`Goodput::price_mixed`]), `max_pos` is the context length. One
-    /// entry per running sequence (`None`: a plain decode step), and the drafter's shared q
-    /// rows (on the model's backend) that [`DraftDist::Rows`] drafts name.
+    /// Drafts for every eligible running sequence and picks its verify length; `budget` is the
+    /// step's token budget left for draft slots, `max_pos` the context length. One entry per
+    /// running sequence (`None`: a plain decode step), and the drafter's shared q rows
+    /// (on the model's backend) that [`DraftDist::Rows`] drafts name.
     pub fn plan(
         &mut self,
         model: &DeepseekModel,
         running: &mut [Sequence],
-        step: StepBudget,
+        budget: usize,
         max_pos: usize,
     ) -> (Vec<Option<Draft>>, Option<Tensor>) {
-        let budget = step.tokens;
         let mut plan: Vec<Option<Draft>> = vec![None; running.len()];
         let block = self.drafter.block_size();
         // Slots each sequence may verify at most (`room`): what the request still needs after
@@ -651,15 +649,12 @@ impl Speculator {
             eligible.iter().map(|&i| ctx_room[i]),
             step_budget,
         );
-        let told = self.goodput.price_mixed;
         let shape = Shape {
             seqs: running.len(),
             eligible: eligible.len(),
             block,
             budget,
             graph_widths: widths_for(pre_max),
-            prompt_rows: if told { step.prompt_rows } else { 0 },
-            split_prompts: step.split_graphed,
         };
         let goodput = self.config.verify_len == VerifyLen::Goodput;
         if goodput && !self.goodput.should_draft(shape) {
@@ -871,28 +866,21 @@ impl Speculator {
     /// The engine ran a step in `step_secs` (the drafter's pass of [`Self::plan`], if one
     /// ran, included; deferred drafter context it wrote, [`Self::flush`], left out): the
     /// `goodput` policy's cost estimates learn from a decode-only one (`seqs` sequences, `rows`
-    /// target rows, `round` if they verified drafts, replayed from a graph or not) and, with
-    /// [`Goodput::price_mixed`], from one whose forward also carried prompt rows.
+    /// target rows, `round` if they verified drafts, replayed from a graph or not). A step
+    /// with prompt work only forgets the pass's time.
     pub fn observe_step(&mut self, step: ObservedStep, step_secs: f64) {
         let pass = self.last_pass.take();
         let step_secs = (step_secs - std::mem::take(&mut self.flush_secs)).max(0.0);
-        let (drafted, draft_secs) = pass.unwrap_or((0, 0.0));
-        let (seqs, rows, round, graph) = match step {
-            ObservedStep::DecodeOnly {
-                seqs,
-                rows,
-                round,
-                graph,
-            } => (seqs, rows, round, graph),
-            ObservedStep::Mixed { rows } => {
-                self.goodput.observe_mixed(rows, step_secs - draft_secs);
-                return;
-            }
-            ObservedStep::Prompts { rows } => {
-                self.goodput.observe_prompts(rows, step_secs);
-                return;
-            }
+        let ObservedStep::DecodeOnly {
+            seqs,
+            rows,
+            round,
+            graph,
+        } = step
+        else {
+            return;
         };
+        let (drafted, draft_secs) = pass.unwrap_or((0, 0.0));
         self.goodput.observe(Observed {
             seqs,
             drafted,
@@ -1038,21 +1026,6 @@ impl Speculator {
     }
 }
 
-/// Whether whole-block rounds keep sequences in their last block ([`Speculator::plan`]): unless
-/// `FERRY_WHOLE_BLOCK_TAIL=0` (read once; the benchmarks' A/B switch).
-/// What a step leaves for drafts, for [`Speculator::plan`]: its token budget, and the prompt
-/// work it would carry beside its decode rows.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct StepBudget {
-    /// Tokens of the step's batch left for draft slots.
-    pub tokens: usize,
-    /// Prompt rows (prefill jobs' and waiting sequences' chunks) the forward would take.
-    pub prompt_rows: usize,
-    /// A round replayed from a graph has them run in a forward of their own after it when it
-    /// verifies at least as many drafts (`PromptSteps::Auto` on CUDA with graphs).
-    pub split_graphed: bool,
-}
-
 /// What a finished step was, for [`Speculator::observe_step`].
 #[derive(Debug, Clone, Copy)]
 pub enum ObservedStep {
@@ -1064,10 +1037,9 @@ pub enum ObservedStep {
         round: bool,
         graph: bool,
     },
-    /// Decode rows and prompt rows in one eager forward of `rows` rows in all.
-    Mixed { rows: usize },
-    /// `rows` prompt rows alone.
-    Prompts { rows: usize },
+    /// Prompt rows, alone or beside decode rows: the `goodput` policy learns nothing from it,
+    /// and only forgets the drafter pass's time.
+    WithPrompts,
 }
 
 /// The most drafts every sequence of a uniform round can verify: the fewest any has room for
@@ -1085,6 +1057,8 @@ fn widest_uniform(
     rooms.min().unwrap_or(0).min(budget / seqs)
 }
 
+/// Whether whole-block rounds keep sequences in their last block ([`Speculator::plan`]): unless
+/// `FERRY_WHOLE_BLOCK_TAIL=0` (read once; the benchmarks' A/B switch).
 fn whole_block_tail() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("FERRY_WHOLE_BLOCK_TAIL").map_or(true, |v| v.trim() != "0"))
