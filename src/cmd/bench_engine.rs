@@ -722,8 +722,9 @@ fn engine_run(
             }
         }
         let before = engine.stats().await?;
-        // `FERRY_SYNC_SITES=1`: the level's host waits only, not the warm-up's.
+        // `FERRY_SYNC_SITES=1` / `FERRY_HOST_TIME=1`: the level's only, not the warm-up's.
         let _ = ferry_kernels::cuda::sync_sites::take();
+        let _ = ferry_kernels::cuda::host_time::take();
         let start = Instant::now();
         let batch: Vec<Vec<u32>> = match prompts {
             // The level's requests take the file's prompts in turn, each repetition the next n.
@@ -806,7 +807,9 @@ fn engine_run(
                 .since(&before.spec_skipped_by_prediction),
             ..after
         };
-        print_sync_sites(if drafter.is_some() { "spec" } else { "plain" }, c, &stats);
+        let arm = if drafter.is_some() { "spec" } else { "plain" };
+        print_sync_sites(arm, c, &stats);
+        print_host_time(arm, c, &stats);
         Ok(LevelRun {
             tok_s: tokens as f64 / secs,
             steady_tok_s: steady_tokens as f64 / steady_secs.max(f64::MIN_POSITIVE),
@@ -836,6 +839,40 @@ fn print_sync_sites(arm: &str, c: usize, stats: &EngineStats) {
             s.count as f64 / steps.max(1) as f64,
             s.waited_s * 1e3,
             s.site
+        );
+    }
+    println!();
+}
+
+/// With `FERRY_HOST_TIME=1`: the level's host time by CUDA call (`ferry_kernels::cuda::host_time`):
+/// the host work before each kind of call and inside it, next to the step count.
+fn print_host_time(arm: &str, c: usize, stats: &EngineStats) {
+    if !ferry_kernels::cuda::host_time::enabled() {
+        return;
+    }
+    let steps: u64 = stats
+        .step_times
+        .kinds()
+        .into_iter()
+        .map(|(_, k)| k.steps)
+        .sum();
+    let rows = ferry_kernels::cuda::host_time::take();
+    let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+    let total: f64 = rows.iter().map(|r| ms(r.gap + r.call)).sum();
+    println!(
+        "\nhost time by CUDA call, {arm} engine at c = {c} ({steps} steps, {total:.1} ms in all, gaps of 1 ms or more left out):\n"
+    );
+    println!("| call | calls | a step | ms before (host work) | ms inside | µs a call, before + inside | gaps ≥ 1 ms |\n|---|---|---|---|---|---|---|");
+    for r in rows.iter().take(30) {
+        println!(
+            "| `{}` | {} | {:.2} | {:.1} | {:.1} | {:.1} | {} |",
+            r.name,
+            r.count,
+            r.count as f64 / steps.max(1) as f64,
+            ms(r.gap),
+            ms(r.call),
+            (ms(r.gap) + ms(r.call)) * 1e3 / r.count.max(1) as f64,
+            r.long_gaps
         );
     }
     println!();

@@ -138,6 +138,7 @@ impl<T: DevicePod> Drop for DeviceBuffer<T> {
             arena.free(self.ptr, arena_bytes(self.bytes()));
             return;
         }
+        let _host = super::host_time::span("free");
         let inner = &self.dev.inner;
         if inner.ctx.bind_to_thread().is_err() {
             return;
@@ -424,6 +425,7 @@ impl CudaDevice {
 
     /// `len` elements of uninitialised device memory.
     pub fn alloc<T: DevicePod>(&self, len: usize) -> Result<DeviceBuffer<T>, KernelError> {
+        let _host = super::host_time::span("alloc");
         self.bind()?;
         let bytes = (len * std::mem::size_of::<T>()).max(256);
         // Only while capturing is there an arena to look for (the flag spares eager steps the lock).
@@ -513,6 +515,7 @@ impl CudaDevice {
         offset: usize,
         host: &[T],
     ) -> Result<(), KernelError> {
+        let _host = super::host_time::span("write");
         if super::upload::enabled()
             && std::mem::size_of_val(host) <= super::upload::SLOT_BYTES
             && !self.capturing()
@@ -594,6 +597,7 @@ impl CudaDevice {
                 got: src.len,
             });
         }
+        let _host = super::host_time::span("download");
         let mut out = vec![T::default(); len];
         if len == 0 {
             return Ok(out);
@@ -616,6 +620,7 @@ impl CudaDevice {
         dst: &mut DeviceBuffer<T>,
         len: usize,
     ) -> Result<(), KernelError> {
+        let _host = super::host_time::span("copy");
         if len > src.len || len > dst.len {
             return Err(KernelError::ShapeMismatch {
                 op: "cuda_copy",
@@ -645,6 +650,7 @@ impl CudaDevice {
         (dst, dst_at): (&mut DeviceBuffer<T>, usize),
         len: usize,
     ) -> Result<(), KernelError> {
+        let _host = super::host_time::span("copy");
         if src_at + len > src.len || dst_at + len > dst.len {
             return Err(KernelError::ShapeMismatch {
                 op: "cuda_copy_range",
@@ -671,6 +677,7 @@ impl CudaDevice {
 
     /// Waits for all queued work.
     pub fn synchronize(&self) -> Result<(), KernelError> {
+        let _host = super::host_time::span("synchronize");
         let start = super::sync_sites::enabled().then(std::time::Instant::now);
         let done = self
             .inner
@@ -695,6 +702,9 @@ impl CudaDevice {
             self.inner
                 .modules
                 .function(&self.inner.ctx, self.inner.cc, (source, defines, name))?;
+        if super::host_time::enabled() {
+            super::host_time::name_kernel(f.cu_function() as usize, name);
+        }
         if let Some(names) = Twice::names() {
             Twice::seen(name, names.contains(name));
             if names.contains(name) {
@@ -721,6 +731,11 @@ impl CudaDevice {
         dims: LaunchDims,
         args: &mut KernelArgs,
     ) -> Result<(), KernelError> {
+        let _host = super::host_time::enabled()
+            .then(|| {
+                super::host_time::span(super::host_time::kernel_name(f.cu_function() as usize))
+            })
+            .flatten();
         if Twice::names().is_some()
             && self
                 .inner
@@ -924,6 +939,7 @@ unsafe impl Send for GpuGraph {}
 impl GpuGraph {
     /// Queues one replay.
     pub fn launch(&self) -> Result<(), KernelError> {
+        let _host = super::host_time::span("cuGraphLaunch");
         self.graph.launch().map_err(gpu_err("cuGraphLaunch"))
     }
 

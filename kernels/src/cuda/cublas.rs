@@ -67,6 +67,7 @@ pub(crate) fn gemm(
     };
     let alpha = 1.0f32;
     let beta = if accumulate { 1.0f32 } else { 0.0f32 };
+    let _host = super::host_time::span("cublasGemmEx");
     dev.bind()?;
     // SAFETY: the handle is bound to the device's stream; the caller guarantees the operand
     // sizes; alpha/beta are host f32 scalars matching CUBLAS_COMPUTE_32F.
@@ -134,6 +135,7 @@ pub(crate) fn gemm_heads_bf16(
     let lda = dim(g.w_ld, "w_ld")?;
     let alpha = 1.0f32;
     let beta = if accumulate { 1.0f32 } else { 0.0f32 };
+    let _host = super::host_time::span("cublasGemmStridedBatchedEx");
     dev.bind()?;
     // SAFETY: the handle is bound to the device's stream; the caller guarantees the operands'
     // extents; alpha/beta are host f32 scalars matching CUBLAS_COMPUTE_32F.

@@ -10,6 +10,7 @@
 //! | [`cublas`] | `y = x · Wᵀ` through cuBLAS (f32, or bf16 weights with a split-bf16 activation) |
 //! | [`ops`] | typed launchers for `common.cu` and the device-resident weight type [`GpuMatrix`] |
 //! | [`mla`] | MLA attention launchers: the absorbed tile / head-packed / per-head kernels, the 12 → 16 pad dispatcher, MHA-form prefill |
+//! | [`host_time`] | a thread's host time between and inside its CUDA calls, by kernel or call (`FERRY_HOST_TIME=1`, a diagnostic) |
 //! | [`mha_ws`] | the warp-specialised Hopper prefill kernel's tiling and TMA descriptors |
 //! | [`sample`] | launchers for `gpu/sample.cu`: sampling distributions, draws, argmax, speculative verification |
 //! | [`draft`] | launchers for `gpu/draft.cu`: the drafter's block attention, row scatter, tap concatenation, confidence head |
@@ -24,6 +25,7 @@ pub mod bench;
 pub mod context;
 pub mod cublas;
 pub mod draft;
+pub mod host_time;
 pub mod mha_ws;
 pub mod mla;
 pub mod nvrtc;
