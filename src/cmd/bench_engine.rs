@@ -807,9 +807,7 @@ fn engine_run(
                 .since(&before.spec_skipped_by_prediction),
             ..after
         };
-        let arm = if drafter.is_some() { "spec" } else { "plain" };
-        print_sync_sites(arm, c, &stats);
-        print_host_time(arm, c, &stats);
+        print_host_diagnostics(if drafter.is_some() { "spec" } else { "plain" }, c, &stats);
         Ok(LevelRun {
             tok_s: tokens as f64 / secs,
             steady_tok_s: steady_tokens as f64 / steady_secs.max(f64::MIN_POSITIVE),
@@ -818,10 +816,14 @@ fn engine_run(
     })
 }
 
-/// With `FERRY_SYNC_SITES=1`: where the level's engine made the host wait on the GPU
-/// (`ferry_kernels::cuda::sync_sites`), per call site, next to its step count.
-fn print_sync_sites(arm: &str, c: usize, stats: &EngineStats) {
-    if !ferry_kernels::cuda::sync_sites::enabled() {
+/// The level's host diagnostics, each when switched on, per step of the level's engine:
+/// where it made the host wait on the GPU (`FERRY_SYNC_SITES=1`,
+/// `ferry_kernels::cuda::sync_sites`, by call site) and its host time by CUDA call
+/// (`FERRY_HOST_TIME=1`, `ferry_kernels::cuda::host_time`: the host work before each kind of
+/// call and inside it).
+fn print_host_diagnostics(arm: &str, c: usize, stats: &EngineStats) {
+    use ferry_kernels::cuda::{host_time, sync_sites};
+    if !sync_sites::enabled() && !host_time::enabled() {
         return;
     }
     let steps: u64 = stats
@@ -830,50 +832,38 @@ fn print_sync_sites(arm: &str, c: usize, stats: &EngineStats) {
         .into_iter()
         .map(|(_, k)| k.steps)
         .sum();
-    println!("\nhost waits on the GPU, {arm} engine at c = {c} ({steps} steps):\n");
-    println!("| waits | a step | ms waited | call site |\n|---|---|---|---|");
-    for s in ferry_kernels::cuda::sync_sites::take().iter().take(20) {
-        println!(
-            "| {} | {:.2} | {:.1} | `{}` |",
-            s.count,
-            s.count as f64 / steps.max(1) as f64,
-            s.waited_s * 1e3,
-            s.site
-        );
+    let per_step = |n: u64| n as f64 / steps.max(1) as f64;
+    if sync_sites::enabled() {
+        println!("\nhost waits on the GPU, {arm} engine at c = {c} ({steps} steps):\n");
+        println!("| waits | a step | ms waited | call site |\n|---|---|---|---|");
+        for s in sync_sites::take().iter().take(20) {
+            let (waits, ms) = (s.count, s.waited_s * 1e3);
+            println!(
+                "| {waits} | {:.2} | {ms:.1} | `{}` |",
+                per_step(waits),
+                s.site
+            );
+        }
     }
-    println!();
-}
-
-/// With `FERRY_HOST_TIME=1`: the level's host time by CUDA call (`ferry_kernels::cuda::host_time`):
-/// the host work before each kind of call and inside it, next to the step count.
-fn print_host_time(arm: &str, c: usize, stats: &EngineStats) {
-    if !ferry_kernels::cuda::host_time::enabled() {
-        return;
-    }
-    let steps: u64 = stats
-        .step_times
-        .kinds()
-        .into_iter()
-        .map(|(_, k)| k.steps)
-        .sum();
-    let rows = ferry_kernels::cuda::host_time::take();
-    let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
-    let total: f64 = rows.iter().map(|r| ms(r.gap + r.call)).sum();
-    println!(
-        "\nhost time by CUDA call, {arm} engine at c = {c} ({steps} steps, {total:.1} ms in all, gaps of 1 ms or more left out):\n"
-    );
-    println!("| call | calls | a step | ms before (host work) | ms inside | µs a call, before + inside | gaps ≥ 1 ms |\n|---|---|---|---|---|---|---|");
-    for r in rows.iter().take(30) {
+    if host_time::enabled() {
+        let rows = host_time::take();
+        let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+        let total: f64 = rows.iter().map(|r| ms(r.gap + r.call)).sum();
         println!(
-            "| `{}` | {} | {:.2} | {:.1} | {:.1} | {:.1} | {} |",
-            r.name,
-            r.count,
-            r.count as f64 / steps.max(1) as f64,
-            ms(r.gap),
-            ms(r.call),
-            (ms(r.gap) + ms(r.call)) * 1e3 / r.count.max(1) as f64,
-            r.long_gaps
+            "\nhost time by CUDA call, {arm} engine at c = {c} ({steps} steps, {total:.1} ms in all, gaps of 1 ms or more left out):\n"
         );
+        println!("| call | calls | a step | ms before (host work) | ms inside | µs a call, before + inside | gaps ≥ 1 ms |\n|---|---|---|---|---|---|---|");
+        for r in rows.iter().take(30) {
+            let (before, inside) = (ms(r.gap), ms(r.call));
+            println!(
+                "| `{}` | {} | {:.2} | {before:.1} | {inside:.1} | {:.1} | {} |",
+                r.name,
+                r.count,
+                per_step(r.count),
+                (before + inside) * 1e3 / r.count.max(1) as f64,
+                r.long_gaps
+            );
+        }
     }
     println!();
 }
