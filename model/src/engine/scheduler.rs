@@ -319,9 +319,6 @@ impl Scheduler {
         let mut budget = self.config.max_batch_tokens.saturating_sub(decoding);
         let started = std::time::Instant::now();
         let graphs_before = self.backend.graph_steps();
-        // Prompt rows a mixed step would carry, and whether a graphed round has them run apart.
-        let waiting_rows = if prompts { self.prompt_rows(budget) } else { 0 };
-        let splits = what == StepWork::All && self.splits_graphed_rounds();
         let (drafts, q) = if decode {
             self.plan_drafts(budget)
         } else {
@@ -332,9 +329,10 @@ impl Scheduler {
         let drafted: usize = drafts.iter().flatten().map(Draft::gamma).sum();
         // `Auto`: a graphed round keeps its graph when the prompt work beside it is fewer rows
         // than its drafts; the prompts then get a forward of their own after it.
-        let apart = splits
+        let apart = what == StepWork::All
+            && self.splits_graphed_rounds()
             && self.spec.as_ref().is_some_and(|sp| sp.replays(&drafts))
-            && (1..=drafted).contains(&waiting_rows);
+            && (1..=drafted).contains(&self.prompt_rows(budget));
         let prompts = prompts && !apart;
         budget = budget.saturating_sub(drafted);
         let prefills = if prompts { self.prefills.len() } else { 0 };
