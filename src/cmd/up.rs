@@ -80,6 +80,12 @@ pub struct UpArgs {
     /// its queue.
     #[arg(long, default_value_t = 64)]
     pub max_running: usize,
+    /// New tokens per forward on every worker (the workers' `--max-batch-tokens`): prompt
+    /// chunks, decode rows and a speculating decode worker's verified drafts together. A
+    /// larger budget admits more waiting prompts into one step (fewer steps that carry
+    /// prompts, each longer).
+    #[arg(long, default_value_t = 2048)]
+    pub max_batch_tokens: usize,
     /// How prefill workers ship KV caches to decode workers: `tcp`, or `ucx` (one-sided puts
     /// into the decode workers' registered memory; needs UCX's libucp, e.g. Debian's
     /// `libucx0`, and follows `UCX_TLS` / `UCX_NET_DEVICES`, which every worker inherits).
@@ -176,6 +182,52 @@ fn write_nats_config(
         quote(&store.to_string_lossy()),
     )?;
     Ok(path)
+}
+
+/// Where every worker of the cluster finds the model, the router and the KV-event bus.
+#[derive(Debug, Clone, Copy)]
+struct ClusterAddrs<'a> {
+    model: &'a str,
+    router: SocketAddr,
+    events: Option<&'a str>,
+}
+
+/// The flags worker `i` of `role` (`prefill` or `decode`) starts with, whatever its role: the
+/// model, the router's internal address, its id, the engine's sizing, the transport and its
+/// device; each role adds its own after them.
+fn worker_argv(
+    args: &UpArgs,
+    cluster: ClusterAddrs<'_>,
+    role: &str,
+    i: usize,
+    device: Device,
+) -> Vec<String> {
+    let mut argv: Vec<String> = vec![
+        role.into(),
+        "--model".into(),
+        cluster.model.into(),
+        "--router".into(),
+        cluster.router.to_string(),
+        "--worker-id".into(),
+        format!("{role}-{i}"),
+        "--kv-blocks".into(),
+        args.kv_blocks.to_string(),
+        "--max-running".into(),
+        args.max_running.to_string(),
+        "--max-batch-tokens".into(),
+        args.max_batch_tokens.to_string(),
+        "--transport".into(),
+        args.transport.as_str().into(),
+    ];
+    if let Some(url) = cluster.events {
+        argv.extend(["--events".into(), url.into()]);
+    }
+    let device = DeviceArgs {
+        device,
+        ..args.device.clone()
+    };
+    argv.extend(device.to_args());
+    argv
 }
 
 /// The device of worker `i` of a role: its list's entry `i mod len`, or `default` when the
@@ -453,32 +505,13 @@ async fn up(args: UpArgs, exe: PathBuf, model: PathBuf, served: String) -> anyho
         ChildSpec::new("router", router_argv, &token),
     )?);
     wait_for_port(internal_addr, deadline, &mut procs).await?;
-    let common = |role: &str, i: usize, device: Device| -> Vec<String> {
-        let mut argv: Vec<String> = vec![
-            role.into(),
-            "--model".into(),
-            model_s.clone(),
-            "--router".into(),
-            internal_addr.to_string(),
-            "--worker-id".into(),
-            format!("{role}-{i}"),
-            "--kv-blocks".into(),
-            args.kv_blocks.to_string(),
-            "--max-running".into(),
-            args.max_running.to_string(),
-            "--transport".into(),
-            args.transport.as_str().into(),
-        ];
-        if let Some(url) = &events_url {
-            argv.extend(["--events".into(), url.clone()]);
-        }
-        let device = DeviceArgs {
-            device,
-            ..args.device.clone()
-        };
-        argv.extend(device.to_args());
-        argv
+    let cluster = ClusterAddrs {
+        model: &model_s,
+        router: internal_addr,
+        events: events_url.as_deref(),
     };
+    let common =
+        |role: &str, i: usize, device: Device| worker_argv(&args, cluster, role, i, device);
     let prefill_device = |i| role_device(&args.prefill_devices, args.device.device, i);
     let decode_device = |i| role_device(&args.decode_devices, args.device.device, i);
     let mut metrics = vec![("router".to_string(), args.http_addr)];
@@ -693,6 +726,62 @@ mod tests {
             "worker i gets entry i mod len"
         );
         assert_eq!(role_device(&[], Device::Cuda(3), 7), Device::Cuda(3));
+    }
+
+    /// The engine sizing given to `ferry up` reaches every worker's engine.
+    #[test]
+    fn every_worker_gets_the_clusters_engine_sizing() {
+        #[derive(clap::Parser)]
+        struct Up {
+            #[command(flatten)]
+            up: UpArgs,
+        }
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(subcommand)]
+            role: Role,
+        }
+        #[derive(clap::Subcommand)]
+        enum Role {
+            Prefill(ferry_prefill::PrefillArgs),
+            Decode(ferry_decode::DecodeArgs),
+        }
+        use clap::Parser;
+        let flags = [
+            "up",
+            "--max-batch-tokens",
+            "8192",
+            "--max-running",
+            "96",
+            "--kv-blocks",
+            "300",
+        ];
+        let up = Up::try_parse_from(flags).expect("ferry up's flags").up;
+        let cluster = ClusterAddrs {
+            model: "models/m",
+            router: "127.0.0.1:4000".parse().expect("an address"),
+            events: None,
+        };
+        for role in ["prefill", "decode"] {
+            let argv = worker_argv(&up, cluster, role, 1, Device::Cpu);
+            let worker = match Cli::try_parse_from(
+                std::iter::once("ferry").chain(argv.iter().map(String::as_str)),
+            )
+            .unwrap_or_else(|e| panic!("{role}'s argv {argv:?} parses: {e}"))
+            .role
+            {
+                Role::Prefill(a) => a.worker,
+                Role::Decode(a) => a.worker,
+            };
+            let engine = worker.engine_config();
+            assert_eq!(engine.max_batch_tokens, 8192, "{role}");
+            assert_eq!(engine.max_running, 96, "{role}");
+            assert_eq!(engine.num_blocks, 300, "{role}");
+            assert_eq!(
+                worker.worker_id.as_deref(),
+                Some(format!("{role}-1").as_str())
+            );
+        }
     }
 
     #[test]
