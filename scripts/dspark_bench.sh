@@ -28,6 +28,11 @@
 #   that lets every one of 128 sequences verify a whole block of 8, so the policy decides, not the cap)
 #   BENCH_UP_ARGS: more `ferry up` flags for both arms   BENCH_WARMUP_TOKENS=16 (0: no warm-up)
 #   BENCH_READY_SECONDS=240  BENCH_REQUEST_SECONDS=180   PY=python3
+#   BENCH_REPEATS=1: run the whole bench (every arm and level) this many times, each with its own
+#     BENCH_SECONDS; the first writes $RUN/bench/dspark_bench.{json,md} as before, repeat N also
+#     $RUN/bench/dspark_bench_rN.{json,md}. One cluster run of a level differs from the next by
+#     up to ~8 % (plain) and ~16 % (spec) on an H100 (BENCHMARKS.md, session 45): repeat before
+#     reading a ratio near a bar.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -51,9 +56,10 @@ fi
 mkdir -p "$RUN/bench"
 export PYTHONUNBUFFERED=1
 block=$("$PY" -c 'import json,sys; print(json.load(open(sys.argv[1]))["block_size"])' "$DRAFTER_DIR/config.json")
-exec timeout -k 20 "$((BENCH_SECONDS + BENCH_GRACE))" "$PY" scripts/dspark_bench.py \
+bench_once() {  # $1: output directory
+timeout -k 20 "$((BENCH_SECONDS + BENCH_GRACE))" "$PY" scripts/dspark_bench.py \
   --ferry "$FERRY" --target "$TARGET_DIR" --drafter "$DRAFTER_DIR" --prompts "$PROMPTS" \
-  --device "$DEVICE" --out "$RUN/bench" \
+  --device "$DEVICE" --out "$1" \
   --arms "${BENCH_ARMS:-plain,spec,spec_fixed}" \
   --fixed-verify-len "${BENCH_FIXED_VERIFY_LEN:-fixed:$block}" \
   --fixed-concurrency "${BENCH_FIXED_CONCURRENCY:-1,16,64}" \
@@ -73,3 +79,34 @@ exec timeout -k 20 "$((BENCH_SECONDS + BENCH_GRACE))" "$PY" scripts/dspark_bench
   --ready-seconds "${BENCH_READY_SECONDS:-240}" \
   --request-seconds "${BENCH_REQUEST_SECONDS:-180}" \
   --warmup-tokens "${BENCH_WARMUP_TOKENS:-16}"
+}
+
+repeats=${BENCH_REPEATS:-1}
+status=0
+for r in $(seq 1 "$repeats"); do
+  if [ "$r" = 1 ]; then
+    bench_once "$RUN/bench" || status=$?
+  else
+    echo "dspark-bench: repeat $r of $repeats"
+    bench_once "$RUN/bench/repeat$r" || status=$?
+    for ext in json md; do
+      cp "$RUN/bench/repeat$r/dspark_bench.$ext" "$RUN/bench/dspark_bench_r$r.$ext" 2>/dev/null || true
+    done
+  fi
+done
+if [ "$repeats" -gt 1 ]; then
+  "$PY" - "$RUN/bench" "$repeats" <<'EOF' || true
+import json, sys
+from pathlib import Path
+out, n = Path(sys.argv[1]), int(sys.argv[2])
+for r in range(1, n + 1):
+    p = out / ("dspark_bench.json" if r == 1 else f"dspark_bench_r{r}.json")
+    if not p.exists():
+        print(f"dspark-bench: repeat {r}: no report")
+        continue
+    for t, sp in json.loads(p.read_text()).get("speedup", {}).items():
+        print(f"dspark-bench: repeat {r} T={t}: peak aggregate ratio {sp.get('peak_aggregate_ratio')} "
+              f"(plain {sp.get('plain_peak_aggregate_tok_s')}, spec {sp.get('spec_peak_aggregate_tok_s')})")
+EOF
+fi
+exit "$status"

@@ -109,6 +109,12 @@ pub struct BenchEngineArgs {
     /// request only (kernel compiles and first-touch allocations), as before session 38.
     #[arg(long, default_value_t = 32)]
     pub warmup_tokens: usize,
+    /// With `--speculative`: the engine's new tokens per step (prompt chunks, decode rows and
+    /// verified drafts together). 4,096 by default, as every `--speculative` figure before
+    /// session 45 used; a cluster's workers default to 2,048 (`ferry up --max-batch-tokens`),
+    /// so pass that to measure the engine as a decode worker runs it.
+    #[arg(long, default_value_t = 4096)]
+    pub max_batch_tokens: usize,
     /// With `--speculative`: token-id prompts instead of synthetic ones — JSON lines, each with
     /// an `ids` array (scripts/heldout_prompts.py's output), cut to `--prompt-len`; a level's
     /// requests take them in turn. Acceptance depends on the text, so a trained pair is
@@ -420,6 +426,7 @@ fn run_speculative(args: &BenchEngineArgs, dir: &Path) -> anyhow::Result<()> {
                 "repeat": args.repeat,
                 "waves": args.waves,
                 "warmup_tokens": args.warmup_tokens,
+                "max_batch_tokens": args.max_batch_tokens,
                 "rows": rows,
             }),
         )?;
@@ -661,7 +668,7 @@ fn engine_run(
     let per_seq = (args.prompt_len + args.decode_steps + 16).div_ceil(DEFAULT_PAGE_SIZE) + 1;
     let config = EngineConfig {
         num_blocks: per_seq * (c + 1),
-        max_batch_tokens: 4096,
+        max_batch_tokens: args.max_batch_tokens.max(1),
         max_running: c.max(1),
         max_in_flight: c + 1,
         spec: SpecConfig {
