@@ -859,11 +859,35 @@ fn print_host_diagnostics(arm: &str, c: usize, stats: &EngineStats) {
         println!(
             "\nhost time by CUDA call, {arm} engine at c = {c} ({steps} steps, {total:.1} ms in all, gaps of 1 ms or more left out):\n"
         );
-        println!("| call | calls | a step | ms before (host work) | ms inside | µs a call, before + inside | gaps ≥ 1 ms |\n|---|---|---|---|---|---|---|");
-        for r in rows.iter().take(30) {
+        // The engine thread's phases (the scheduler names them), dearest first.
+        let mut phases: Vec<(&str, u64, f64, f64)> = Vec::new();
+        for r in &rows {
+            match phases.iter_mut().find(|p| p.0 == r.phase) {
+                Some(p) => {
+                    p.1 += r.count;
+                    p.2 += ms(r.gap);
+                    p.3 += ms(r.call);
+                }
+                None => phases.push((r.phase, r.count, ms(r.gap), ms(r.call))),
+            }
+        }
+        phases.sort_by(|a, b| (b.2 + b.3).total_cmp(&(a.2 + a.3)));
+        println!("| phase | calls | ms before (host work) | ms inside |\n|---|---|---|---|");
+        for (phase, calls, before, inside) in &phases {
+            let phase = if phase.is_empty() {
+                "(none named)"
+            } else {
+                phase
+            };
+            println!("| {phase} | {calls} | {before:.1} | {inside:.1} |");
+        }
+        println!();
+        println!("| phase | call | calls | a step | ms before (host work) | ms inside | µs a call, before + inside | gaps ≥ 1 ms |\n|---|---|---|---|---|---|---|---|");
+        for r in rows.iter().take(40) {
             let (before, inside) = (ms(r.gap), ms(r.call));
             println!(
-                "| `{}` | {} | {:.2} | {before:.1} | {inside:.1} | {:.1} | {} |",
+                "| {} | `{}` | {} | {:.2} | {before:.1} | {inside:.1} | {:.1} | {} |",
+                r.phase,
                 r.name,
                 r.count,
                 per_step(r.count),

@@ -11,7 +11,9 @@
 //! [`LONG_GAP`] or more are counted apart (`long`): a thread waiting for work between steps,
 //! not a forward's own host work. Calls made inside another recorded call (a `write`'s
 //! `synchronize`) belong to the outer one. Two clock reads a call: cheap enough to leave the
-//! timing it measures nearly as it was.
+//! timing it measures nearly as it was. A thread may name the phase it is in ([`set_phase`]:
+//! the engine's scheduler names each step's plan, launch, sample and commit phases by the
+//! step's kind), and every record then counts under its phase as well.
 
 use std::cell::Cell;
 use std::collections::HashMap;
@@ -31,7 +33,8 @@ struct Spans {
 }
 
 struct State {
-    by_name: Mutex<HashMap<&'static str, Spans>>,
+    /// By phase, then by what was called.
+    by_name: Mutex<HashMap<(&'static str, &'static str), Spans>>,
     /// Kernel names by `CUfunction` address (filled as functions are looked up).
     kernels: Mutex<HashMap<usize, &'static str>>,
 }
@@ -53,6 +56,16 @@ thread_local! {
     static LAST_END: Cell<Option<Instant>> = const { Cell::new(None) };
     /// Recorded calls this thread is inside.
     static DEPTH: Cell<u32> = const { Cell::new(0) };
+    /// The phase this thread said it is in ([`set_phase`]).
+    static PHASE: Cell<&'static str> = const { Cell::new("") };
+}
+
+/// Files this thread's next calls under `phase` (e.g. `round launch`), until it names another;
+/// nothing when recording is off.
+pub fn set_phase(phase: &'static str) {
+    if enabled() {
+        PHASE.with(|p| p.set(phase));
+    }
 }
 
 /// Whether host time is being recorded (`FERRY_HOST_TIME=1`).
@@ -79,6 +92,7 @@ pub(crate) fn kernel_name(function: usize) -> &'static str {
 /// One recorded call: made by [`span`], recorded when dropped.
 pub(crate) struct Span {
     name: &'static str,
+    phase: &'static str,
     start: Instant,
     gap: Option<Duration>,
 }
@@ -94,6 +108,7 @@ pub(crate) fn span(name: &'static str) -> Option<Span> {
     if depth > 0 {
         return Some(Span {
             name: "",
+            phase: "",
             start: Instant::now(),
             gap: None,
         });
@@ -104,6 +119,7 @@ pub(crate) fn span(name: &'static str) -> Option<Span> {
         .map(|e| start.saturating_duration_since(e));
     Some(Span {
         name,
+        phase: PHASE.with(Cell::get),
         start,
         gap: Some(gap.unwrap_or_default()),
     })
@@ -117,7 +133,11 @@ impl Drop for Span {
         LAST_END.with(|e| e.set(Some(end)));
         if let Some(s) = state() {
             if let Ok(mut m) = s.by_name.lock() {
-                add(m.entry(self.name).or_default(), gap, end - self.start);
+                add(
+                    m.entry((self.phase, self.name)).or_default(),
+                    gap,
+                    end - self.start,
+                );
             }
         }
     }
@@ -136,6 +156,8 @@ fn add(s: &mut Spans, gap: Duration, call: Duration) {
 /// What one kind of call cost the host since the last [`take`].
 #[derive(Debug, Clone, PartialEq)]
 pub struct HostTime {
+    /// The phase the calling thread was in ([`set_phase`]; empty if it named none).
+    pub phase: &'static str,
     /// A kernel's name, or the call (`cublasGemmEx`, `alloc`, …).
     pub name: &'static str,
     /// Calls recorded.
@@ -162,10 +184,11 @@ pub fn take() -> Vec<HostTime> {
     sorted(drained)
 }
 
-fn sorted(by_name: HashMap<&'static str, Spans>) -> Vec<HostTime> {
+fn sorted(by_name: HashMap<(&'static str, &'static str), Spans>) -> Vec<HostTime> {
     let mut out: Vec<HostTime> = by_name
         .into_iter()
-        .map(|(name, s)| HostTime {
+        .map(|((phase, name), s)| HostTime {
+            phase,
             name,
             count: s.count,
             gap: s.gap,
@@ -185,9 +208,9 @@ mod tests {
     fn long_gaps_are_counted_apart_and_the_dearest_call_comes_first() {
         let mut m = HashMap::new();
         let us = Duration::from_micros;
-        add(m.entry("cheap").or_default(), us(2), us(3));
-        add(m.entry("dear").or_default(), us(40), us(5));
-        add(m.entry("dear").or_default(), LONG_GAP, us(5));
+        add(m.entry(("", "cheap")).or_default(), us(2), us(3));
+        add(m.entry(("", "dear")).or_default(), us(40), us(5));
+        add(m.entry(("", "dear")).or_default(), LONG_GAP, us(5));
         let out = sorted(m);
         assert_eq!(out[0].name, "dear");
         assert_eq!(out[0].count, 2);
@@ -198,9 +221,38 @@ mod tests {
     }
 
     #[test]
+    fn one_call_in_two_phases_is_two_rows() {
+        let mut m = HashMap::new();
+        let us = Duration::from_micros;
+        add(
+            m.entry(("round launch", "write")).or_default(),
+            us(1),
+            us(9),
+        );
+        add(
+            m.entry(("round commit", "write")).or_default(),
+            us(1),
+            us(4),
+        );
+        add(
+            m.entry(("round launch", "write")).or_default(),
+            us(1),
+            us(9),
+        );
+        let out = sorted(m);
+        let rows: Vec<_> = out.iter().map(|h| (h.phase, h.name, h.count)).collect();
+        assert_eq!(
+            rows,
+            [("round launch", "write", 2), ("round commit", "write", 1)]
+        );
+    }
+
+    #[test]
     fn nothing_is_recorded_unless_switched_on() {
         // The test process does not set FERRY_HOST_TIME.
         if !enabled() {
+            set_phase("round launch");
+            assert_eq!(PHASE.with(Cell::get), "", "no phase is kept when off");
             assert!(span("alloc").is_none());
             assert!(take().is_empty());
             assert_eq!(kernel_name(1), "(unnamed kernel)");

@@ -318,6 +318,7 @@ impl Scheduler {
         let decoding = if decode { self.running.len() } else { 0 };
         let mut budget = self.config.max_batch_tokens.saturating_sub(decoding);
         let started = std::time::Instant::now();
+        host_phase("plan (drafter pass)");
         let graphs_before = self.backend.graph_steps();
         let (drafts, q) = if decode {
             self.plan_drafts(budget)
@@ -381,8 +382,11 @@ impl Scheduler {
         let decode_only = work.iter().all(|w| matches!(w, Work::Decode(_)));
         let seqs = decoding;
         let rows = seqs + drafted;
-        let (forwarded, sampled) = self.run_batch(work, drafts, q);
+        let phases = HostPhases::of(!decode_only, drafted);
+        host_phase(phases.launch);
+        let (forwarded, sampled) = self.run_batch(work, drafts, q, phases);
         let done = std::time::Instant::now();
+        host_phase("between steps");
         let secs = (done - started).as_secs_f64();
         let phases = StepPhases {
             plan: (planned - started).as_secs_f64(),
@@ -551,5 +555,59 @@ impl Scheduler {
             kv_host_staging_bytes: self.backend.staging_bytes() as u64,
             ..self.stats.clone()
         }
+    }
+}
+
+/// The names `FERRY_HOST_TIME=1` files a step's CUDA calls under, by the step's kind and phase
+/// (`ferry_kernels::cuda::host_time::set_phase`), so a round's launch is told from a prompt
+/// step's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct HostPhases {
+    pub(super) launch: &'static str,
+    pub(super) sample: &'static str,
+    pub(super) commit: &'static str,
+}
+
+impl HostPhases {
+    /// A step that carries prompt work, else a round (it verifies drafts), else a decode step.
+    fn of(prompt: bool, drafted: usize) -> Self {
+        match (prompt, drafted > 0) {
+            (true, _) => Self {
+                launch: "prompt step: launch",
+                sample: "prompt step: sample",
+                commit: "prompt step: commit",
+            },
+            (false, true) => Self {
+                launch: "round: launch",
+                sample: "round: sample",
+                commit: "round: commit",
+            },
+            (false, false) => Self {
+                launch: "decode step: launch",
+                sample: "decode step: sample",
+                commit: "decode step: commit",
+            },
+        }
+    }
+}
+
+/// Names the phase the engine thread's next CUDA calls belong to (`FERRY_HOST_TIME=1`);
+/// nothing when that is off or without CUDA.
+pub(super) fn host_phase(phase: &'static str) {
+    #[cfg(feature = "cuda")]
+    ferry_kernels::cuda::host_time::set_phase(phase);
+    #[cfg(not(feature = "cuda"))]
+    let _ = phase;
+}
+
+#[cfg(test)]
+mod host_phase_tests {
+    use super::HostPhases;
+
+    #[test]
+    fn a_steps_calls_are_filed_by_its_kind() {
+        assert_eq!(HostPhases::of(true, 40).launch, "prompt step: launch");
+        assert_eq!(HostPhases::of(false, 40).sample, "round: sample");
+        assert_eq!(HostPhases::of(false, 0).commit, "decode step: commit");
     }
 }

@@ -26,6 +26,7 @@ impl Scheduler {
         work: Vec<Work>,
         drafts: Vec<Option<Draft>>,
         q: Option<ferry_kernels::backend::Tensor>,
+        phases: super::HostPhases,
     ) -> (Instant, Instant) {
         // One span per batch, linked to the span of every request it serves (their `queue`
         // spans end here, the first time a request is scheduled).
@@ -172,6 +173,7 @@ impl Scheduler {
         };
         let result = self.backend.forward(&batch, self.kv.pool_mut(), pass);
         let forwarded = Instant::now();
+        super::host_phase(phases.sample);
         drop(batch);
         // Every token the logits decide, drawn and verified where the logits are.
         let result = result.and_then(|mut logits| {
@@ -183,6 +185,7 @@ impl Scheduler {
             Ok((outcomes, prompt))
         });
         let sampled = Instant::now();
+        super::host_phase(phases.commit);
         match result {
             Ok((outcomes, prompt)) => {
                 // In the drafter's tap order (a layer tapped twice is copied once).
