@@ -382,9 +382,9 @@ impl Scheduler {
         let decode_only = work.iter().all(|w| matches!(w, Work::Decode(_)));
         let seqs = decoding;
         let rows = seqs + drafted;
-        let phases = HostPhases::of(!decode_only, drafted);
-        host_phase(phases.launch);
-        let (forwarded, sampled) = self.run_batch(work, drafts, q, phases);
+        let host_phases = HostPhases::of(!decode_only, drafted);
+        host_phase(host_phases.launch);
+        let (forwarded, sampled) = self.run_batch(work, drafts, q, host_phases);
         let done = std::time::Instant::now();
         host_phase("between steps");
         let secs = (done - started).as_secs_f64();
