@@ -113,7 +113,7 @@ pub struct BenchEngineArgs {
     /// verified drafts together). 4,096 by default, as every `--speculative` figure before
     /// session 45 used; a cluster's workers default to 2,048 (`ferry up --max-batch-tokens`),
     /// so pass that to measure the engine as a decode worker runs it.
-    #[arg(long, default_value_t = 4096)]
+    #[arg(long, default_value_t = 4096, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     pub max_batch_tokens: usize,
     /// With `--speculative`: token-id prompts instead of synthetic ones — JSON lines, each with
     /// an `ids` array (scripts/heldout_prompts.py's output), cut to `--prompt-len`; a level's
@@ -668,7 +668,7 @@ fn engine_run(
     let per_seq = (args.prompt_len + args.decode_steps + 16).div_ceil(DEFAULT_PAGE_SIZE) + 1;
     let config = EngineConfig {
         num_blocks: per_seq * (c + 1),
-        max_batch_tokens: args.max_batch_tokens.max(1),
+        max_batch_tokens: args.max_batch_tokens,
         max_running: c.max(1),
         max_in_flight: c + 1,
         spec: SpecConfig {

@@ -84,7 +84,7 @@ pub struct UpArgs {
     /// chunks, decode rows and a speculating decode worker's verified drafts together. A
     /// larger budget admits more waiting prompts into one step (fewer steps that carry
     /// prompts, each longer).
-    #[arg(long, default_value_t = 2048)]
+    #[arg(long, default_value_t = 2048, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     pub max_batch_tokens: usize,
     /// How prefill workers ship KV caches to decode workers: `tcp`, or `ucx` (one-sided puts
     /// into the decode workers' registered memory; needs UCX's libucp, e.g. Debian's
@@ -782,6 +782,22 @@ mod tests {
                 Some(format!("{role}-1").as_str())
             );
         }
+    }
+
+    /// A budget of no tokens would never schedule a prompt: refused, naming the flag.
+    #[test]
+    fn a_zero_token_budget_is_refused() {
+        #[derive(clap::Parser)]
+        struct Up {
+            #[command(flatten)]
+            up: UpArgs,
+        }
+        use clap::Parser;
+        let err = match Up::try_parse_from(["up", "--max-batch-tokens", "0"]) {
+            Ok(_) => panic!("--max-batch-tokens 0 was accepted"),
+            Err(e) => e.to_string(),
+        };
+        assert!(err.contains("--max-batch-tokens"), "{err}");
     }
 
     #[test]

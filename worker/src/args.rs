@@ -55,8 +55,8 @@ pub struct WorkerArgs {
     /// KV blocks in the pool.
     #[arg(long, default_value_t = 1024)]
     pub kv_blocks: usize,
-    /// New tokens per forward.
-    #[arg(long, default_value_t = 2048)]
+    /// New tokens per forward (at least 1: with none, no prompt would ever be scheduled).
+    #[arg(long, default_value_t = 2048, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     pub max_batch_tokens: usize,
     /// Sequences decoding at once.
     #[arg(long, default_value_t = 64)]
