@@ -277,8 +277,9 @@ fn attention_ops_match_the_cpu_kernels_on_every_backend() {
 
 /// Three new tokens' latent rows (positions 19, 9 and 5 of three sequences) normalised,
 /// rotated and written at their cache slots; every other row untouched. The same op rotates
-/// the tokens' queries (3 heads of 40 floats, the rope part at 24) exactly as the CPU's RoPE
-/// does: on a GPU in the latent's launch, bitwise what the rope kernel gives.
+/// the tokens' queries (3 or 37 heads of 40 floats, the rope part at 24) exactly as the CPU's
+/// RoPE does: on a GPU in the latent's launch, bitwise what the rope kernel gives. A GPU block
+/// rotates 32 heads of this rope dim, so 37 heads take two blocks, the second partly idle.
 #[test]
 fn latent_write_lands_each_row_at_its_slot_on_every_backend() {
     let width = DIMS.latent_width();
@@ -317,32 +318,54 @@ fn latent_write_lands_each_row_at_its_slot_on_every_backend() {
         let s = s as usize;
         want[s * width..(s + 1) * width].copy_from_slice(row);
     }
-    let q_layout = RotaryLayout {
-        heads: 3,
-        head_stride: 40,
-        offset: 24,
-    };
-    let queries = common::uniform(&mut rng, 3 * 3 * 40, 1.0);
-    let mut want_q = queries.clone();
-    rope.apply(&mut want_q, &positions, q_layout).expect("rope");
+    for heads in [3, 37] {
+        let q_layout = RotaryLayout {
+            heads,
+            head_stride: 40,
+            offset: 24,
+        };
+        let queries = common::uniform(&mut rng, 3 * heads * 40, 1.0);
+        let mut want_q = queries.clone();
+        rope.apply(&mut want_q, &positions, q_layout).expect("rope");
+        latent_write_on_every_backend(
+            (&cache, &want),
+            (&latent, &norm, &rope, &positions, &slots),
+            (&queries, q_layout, &want_q),
+        );
+    }
+}
 
+/// One case of [`latent_write_lands_each_row_at_its_slot_on_every_backend`] on every backend:
+/// `(cache, want)`, `(latent, norm, rope, positions, slots)`, `(queries, layout, want_q)`.
+type LatentInputs<'a> = (&'a [f32], &'a [f32], &'a Rope, &'a [usize], &'a [i64]);
+fn latent_write_on_every_backend(
+    (cache, want): (&[f32], &[f32]),
+    (latent, norm, rope, positions, slots): LatentInputs<'_>,
+    (queries, q_layout, want_q): (&[f32], RotaryLayout, &[f32]),
+) {
     for b in backends() {
-        let mut store = PageStore::new(&b, &cache);
-        let mut lat = b.upload(&latent).expect("latent");
-        let mut q = b.upload(&queries).expect("queries");
-        let table = RopeTable::new(&b, &rope, &positions).expect("rope table");
+        let mut store = PageStore::new(&b, cache);
+        let mut lat = b.upload(latent).expect("latent");
+        let mut q = b.upload(queries).expect("queries");
+        let table = RopeTable::new(&b, rope, positions).expect("rope table");
         let p = LatentWrite {
             latent: &mut lat,
-            norm: &b.upload(&norm).expect("norm"),
+            norm: &b.upload(norm).expect("norm"),
             eps: 1e-6,
             rope: &table,
-            slots: &b.slots(slots.clone()).expect("slots"),
+            slots: &b.slots(slots.to_vec()).expect("slots"),
             pages: store.pages_mut(),
             queries: Some((&mut q, q_layout)),
         };
         latent_write(&b, p).expect("latent write");
-        check(&b, "latent write", &store.to_host(), &want);
-        check(&b, "queries' rope", &q.to_host().expect("q"), &want_q);
+        check(&b, "latent write", &store.to_host(), want);
+        let heads = q_layout.heads;
+        check(
+            &b,
+            &format!("queries' rope, {heads} heads"),
+            &q.to_host().expect("q"),
+            want_q,
+        );
     }
 }
 

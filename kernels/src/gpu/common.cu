@@ -147,27 +147,34 @@ extern "C" __global__ void rope_apply(float* x, const float* cos_t, const float*
 // (split > 0, fast mode; mla.cu's top comment) stores the row's last `split` elements again
 // after it as the lo half of a bf16 pair: [c_kv | k_pe hi | k_pe lo]. With `q` (not null) the
 // same launch also rotates the queries' rope parts (rope_apply's work for q_heads heads of
-// q_stride floats, the rope part at q_offset): blocks (t, 0) write the latent, blocks (t, 1 + h)
-// rotate query head h — two independent jobs that a decode step used to launch apart.
-// Grid: (tokens, 1 + q_heads); block 256.
+// q_stride floats, the rope part at q_offset): blocks (t, 0) write the latent, blocks (t, 1 + b)
+// rotate query heads b·hpb … b·hpb + hpb − 1, hpb = blockDim / (dim / 2) heads a block (a thread
+// per rotated pair) — two independent jobs that a decode step used to launch apart. A block per
+// head left 240 of its 256 threads idle at DeepSeek's rope dim of 64 and made a 1,024-token
+// prompt launch 13 blocks a token, 12 of them for the queries.
+// Grid: (tokens, 1 + ceil(q_heads / hpb)); block 256.
 template <typename KV>
 __device__ void latent_finish_impl(float* lat, int width, int kv_lora, const float* norm_w,
                                    float eps, const float* cos_t, const float* sin_t,
                                    int interleaved, const long long* slots, KV* pages,
-                                   int split, float* q, int q_stride, int q_offset) {
+                                   int split, float* q, int q_stride, int q_offset,
+                                   int q_heads) {
   __shared__ float red[32];
   __shared__ float rot[1024];
   int t = blockIdx.x, dim = width - kv_lora, half = dim / 2;
   if (blockIdx.y > 0) {
-    // rope_apply's body for query head blockIdx.y − 1 of token t.
-    int q_heads = gridDim.y - 1, h = blockIdx.y - 1, j = threadIdx.x;
+    // rope_apply's body for pair j of query head h of token t. A head's pairs are all in this
+    // block, so the barrier orders every read of a head before any write into it.
+    int hpb = blockDim.x / half, h = (blockIdx.y - 1) * hpb + threadIdx.x / half;
+    int j = threadIdx.x % half;
+    bool live = threadIdx.x < hpb * half && h < q_heads;
     float* v = q + ((size_t)t * q_heads + h) * q_stride + q_offset;
     float x1 = 0.0f, x2 = 0.0f;
-    if (j < half) {
+    if (live) {
       if (interleaved) { x1 = v[2 * j]; x2 = v[2 * j + 1]; } else { x1 = v[j]; x2 = v[j + half]; }
     }
     __syncthreads();
-    if (j >= half) return;
+    if (!live) return;
     float c = cos_t[(size_t)t * half + j], s = sin_t[(size_t)t * half + j];
     v[j] = x1 * c + (-x2) * s;
     v[j + half] = x2 * c + x1 * s;
@@ -200,18 +207,19 @@ __device__ void latent_finish_impl(float* lat, int width, int kv_lora, const flo
 extern "C" __global__ void latent_finish_f32(float* lat, int width, int kv_lora, const float* nw,
                                              float eps, const float* c, const float* s, int il,
                                              const long long* slots, float* pages, float* q,
-                                             int q_stride, int q_offset) {
+                                             int q_stride, int q_offset, int q_heads) {
   pdl_enter();
   latent_finish_impl(lat, width, kv_lora, nw, eps, c, s, il, slots, pages, 0, q, q_stride,
-                     q_offset);
+                     q_offset, q_heads);
 }
 extern "C" __global__ void latent_finish_bf16(float* lat, int width, int kv_lora, const float* nw,
                                               float eps, const float* c, const float* s, int il,
                                               const long long* slots, bf16_t* pages, int split,
-                                              float* q, int q_stride, int q_offset) {
+                                              float* q, int q_stride, int q_offset,
+                                              int q_heads) {
   pdl_enter();
   latent_finish_impl(lat, width, kv_lora, nw, eps, c, s, il, slots, pages, split, q, q_stride,
-                     q_offset);
+                     q_offset, q_heads);
 }
 
 // ---------------------------------------------------------------------------------------------

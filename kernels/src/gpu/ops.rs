@@ -791,21 +791,26 @@ pub fn latent_finish<D: Gpu>(
         Some((q, layout)) => {
             a.push(q.ptr)
                 .push(int(OP, "queries head_stride", layout.head_stride)?)
-                .push(int(OP, "queries offset", layout.offset)?);
+                .push(int(OP, "queries offset", layout.offset)?)
+                .push(int(OP, "queries heads", layout.heads)?);
             layout.heads
         }
         None => {
-            a.push(0u64).push(0i32).push(0i32);
+            a.push(0u64).push(0i32).push(0i32).push(0i32);
             0
         }
     };
+    // A thread per rotated pair, whole heads to a block (the kernel's barrier orders a head's
+    // reads before its writes); the rope dim is at most 512, so at least one head fits.
+    const THREADS: usize = 256;
+    let heads_per_block = (THREADS / (p.rope.dim / 2).max(1)).max(1);
     let dims = LaunchDims {
         grid: (
             int(OP, "tokens", t)? as u32,
-            1 + int(OP, "queries heads", heads)? as u32,
+            1 + int(OP, "queries blocks", heads.div_ceil(heads_per_block))? as u32,
             1,
         ),
-        block: (256, 1, 1),
+        block: (THREADS as u32, 1, 1),
         smem: 0,
     };
     dev.launch(&f, dims, &mut a)
