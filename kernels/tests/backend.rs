@@ -807,6 +807,7 @@ fn beside_equals_per_pair<D: ferry_kernels::gpu::launch::Gpu>(
                 routes,
                 experts,
                 h: h_d.v(),
+                x_split: None,
             };
             ops::moe_experts_per_pair(dev, a, PerPairKernels::from_env()).expect("experts");
         } else {
@@ -1086,6 +1087,7 @@ fn router_route_is_bitwise<D: ferry_kernels::gpu::launch::Gpu>(dev: &D) {
                             slots,
                         },
                         done: done.v(),
+                        x_split: None,
                     };
                     ops::router_and_route(dev, a, fused, GemmPrecision::Exact).expect("route");
                     let bits = |v: Vec<f32>| v.iter().map(|f| f.to_bits()).collect();

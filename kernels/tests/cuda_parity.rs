@@ -1168,6 +1168,7 @@ impl MoeInputs {
             routes,
             experts,
             h: h.v(),
+            x_split: None,
         });
         dev.download(&h)
             .expect("h")
@@ -1317,6 +1318,107 @@ fn moe_pipelined_kernels_match_the_grouped_ones() {
             worst <= 1e-4 * scale,
             "{t} tokens, skewed {skewed}: max |Δ| {worst} against max |h added| {scale}"
         );
+    }
+}
+
+/// One split of a MoE layer's input (`moe_input_split`) read by the shared experts' GEMM, the
+/// pipelined routed experts and the router's large GEMM gives each bitwise what it gave
+/// converting the input itself: 200 tokens of the DSpark lease target's MoE shape (hidden
+/// 512, experts 256 wide, 8 routed + 2 shared chunks, top-4), the router in both precisions.
+#[test]
+#[ignore = "needs an NVIDIA GPU: run on the GPU machine with --include-ignored (docs/gpu.md)"]
+fn one_split_of_a_moe_layers_input_is_bitwise_its_three_conversions() {
+    let Some(dev) = gpu("one_split_of_a_moe_layers_input_is_bitwise_its_three_conversions") else {
+        return;
+    };
+    let mut rng = common::rng(53);
+    let (hidden, inter, routed, n_shared, top_k, t) = (512, 256, 8, 2, 4, 200);
+    let experts = random_experts(&dev, &mut rng, (hidden, inter, routed + n_shared), true);
+    assert!(ops::moe_pipe_fits(&experts));
+    let ids = grouped_ids(t, top_k, routed, false);
+    let inputs = MoeInputs::new(&dev, &mut rng, hidden, top_k, &ids);
+    let split = ops::moe_input_split(&dev, inputs.x.v(), &experts, n_shared, true)
+        .expect("split")
+        .expect("a split where the shared experts run as a GEMM");
+    let xs = Some(split.v());
+
+    let shared = |x_split| {
+        inputs.run(&dev, &experts, |a| {
+            let ran = ops::shared_experts_gemm(&dev, (a.x, x_split), a.experts, n_shared, a.h)
+                .expect("shared experts");
+            assert!(ran, "bf16 experts on cuBLAS");
+        })
+    };
+    let alone = shared(None);
+    assert_ne!(
+        alone,
+        inputs.h0.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+        "the shared experts added something"
+    );
+    assert_eq!(shared(xs), alone, "shared experts");
+
+    let routed_experts = |x_split| {
+        inputs.run(&dev, &experts, |a| {
+            ops::moe_experts(&dev, MoeArgs { x_split, ..a }).expect("routed experts")
+        })
+    };
+    assert_eq!(routed_experts(xs), routed_experts(None), "routed experts");
+
+    let e = 16;
+    let router = GpuMatrix::upload(
+        &dev,
+        &Matrix::from_bf16(
+            e,
+            hidden,
+            common::uniform(&mut rng, e * hidden, 0.05)
+                .iter()
+                .map(|&v| bf16::from_f32(v))
+                .collect(),
+        )
+        .expect("router"),
+    )
+    .expect("upload");
+    let bias = dev.upload(&vec![0.0f32; e]).expect("bias");
+    let done = dev.zeros::<u32>(1).expect("counter");
+    let p = RouteParams {
+        n_experts: e as i32,
+        top_k: top_k as i32,
+        n_group: 1,
+        topk_group: 1,
+        norm_topk: 1,
+        n_shared: 0,
+        scale: 1.0,
+        softmax: 0,
+    };
+    for gemm in [GemmPrecision::Fast, GemmPrecision::Exact] {
+        let route = |x_split| -> (Vec<u32>, Vec<i32>) {
+            let logits = dev.zeros::<f32>(t * e).expect("logits");
+            let ids = dev.zeros::<i32>(t * top_k).expect("ids");
+            let w = dev.zeros::<f32>(t * top_k).expect("weights");
+            let a = ops::RouterRoute {
+                x: inputs.x.v(),
+                router: &router,
+                bias: bias.v(),
+                p,
+                logits: logits.v(),
+                out: Routes {
+                    ids: ids.v(),
+                    weights: w.v(),
+                    slots: top_k,
+                },
+                done: done.v(),
+                x_split,
+            };
+            ops::router_and_route(&dev, a, false, gemm).expect("route");
+            let logits = dev.download(&logits).expect("logits");
+            (
+                logits.iter().map(|v| v.to_bits()).collect(),
+                dev.download(&ids).expect("ids"),
+            )
+        };
+        let want = route(None);
+        assert!(want.0.iter().any(|&b| b != 0), "{gemm:?}: logits written");
+        assert_eq!(route(xs), want, "router, {gemm:?}");
     }
 }
 

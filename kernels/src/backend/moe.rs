@@ -248,16 +248,19 @@ fn moe_on<D: super::OnDevice>(
     // A batch's shared expert as one dense MLP on the vendor BLAS, the routed slots alone
     // through the expert kernels (where the runtime has no BLAS the shared expert stays slots).
     let n_shared = routing.n_shared.max(0) as usize;
-    let routing = if t >= ops::shared_gemm_min_tokens()
-        && ops::shared_experts_gemm(dev, x, experts, n_shared, h)?
-    {
-        crate::gpu::ops::RouteParams {
-            n_shared: 0,
-            ..routing
-        }
-    } else {
-        routing
-    };
+    let shared_gemm = t >= ops::shared_gemm_min_tokens();
+    // Those products, the router's and the pipelined experts' read one split of x.
+    let split = ops::moe_input_split(dev, x, experts, n_shared, shared_gemm)?;
+    let x_split = split.as_ref().map(|s| s.v());
+    let routing =
+        if shared_gemm && ops::shared_experts_gemm(dev, (x, x_split), experts, n_shared, h)? {
+            crate::gpu::ops::RouteParams {
+                n_shared: 0,
+                ..routing
+            }
+        } else {
+            routing
+        };
     // One token (a single-stream decode step) in a captured graph, unless `FERRY_SHARED_BESIDE`
     // says otherwise: the shared slots stream their weights on the side stream while the router
     // and the routing run.
@@ -292,9 +295,17 @@ fn moe_on<D: super::OnDevice>(
         logits: logits.v(),
         out: routes,
         done: experts.route_done.v(),
+        x_split,
     };
     ops::router_and_route(dev, rr, ops::router_fused(), gemm)?;
-    ops::moe_experts(dev, x, routes, experts, h)
+    let a = ops::MoeArgs {
+        x,
+        routes,
+        experts,
+        h,
+        x_split,
+    };
+    ops::moe_experts(dev, a)
 }
 
 /// Expert stacking for the device kernels.

@@ -174,6 +174,47 @@ impl Gpu for CudaDevice {
         }
     }
 
+    fn gemm_split(
+        &self,
+        xs: Dv<u16>,
+        w: &GpuMatrix,
+        out: GemmOut,
+        precision: GemmPrecision,
+    ) -> Result<bool, KernelError> {
+        if !w.is_bf16() {
+            return Ok(false);
+        }
+        let GemmOut { out, accumulate } = out;
+        let (n, k) = (w.rows(), w.cols());
+        let len = xs.len / 2;
+        let m = len / k.max(1);
+        if xs.len != 2 * m * k {
+            return Err(KernelError::NotDivisible {
+                op: "gemm_split",
+                what: "xs",
+                len: xs.len,
+                width: 2 * k,
+            });
+        }
+        let shape = GemmShape { m, n, k };
+        let halves: &[(u64, bool)] = match precision {
+            GemmPrecision::Fast => &[(xs.ptr, accumulate)],
+            GemmPrecision::Exact => &[
+                (xs.ptr, accumulate),
+                (xs.ptr + (len * std::mem::size_of::<u16>()) as u64, true),
+            ],
+        };
+        for &(x, acc) in halves {
+            let p = GemmPtrs {
+                x,
+                w: w.ptr(),
+                out: out.ptr,
+            };
+            gemm(self, GemmInputs::Bf16, p, shape, acc)?;
+        }
+        Ok(true)
+    }
+
     fn gemm_heads(
         &self,
         g: &crate::gpu::ops::HeadGemm,
@@ -203,6 +244,19 @@ impl Gpu for CudaDevice {
                         value: format!("{} (m {}, x_ld {})", x.len, g.m, g.x_ld),
                     });
                 }
+                let rows = crate::gpu::ops::HeadGemm { m: 2 * g.m, ..*g };
+                if let Some(xs) = g.x_split {
+                    if xs.len != 2 * x.len {
+                        return Err(KernelError::InvalidParam {
+                            op: "gemm_heads",
+                            field: "x_split",
+                            limit: "2 · x.len elements ([hi | lo])",
+                            value: format!("{} (x: {})", xs.len, x.len),
+                        });
+                    }
+                    super::cublas::gemm_heads_bf16(self, &rows, xs.ptr, g.accumulate)?;
+                    return Ok(true);
+                }
                 let both = CudaDevice::alloc::<u16>(self, 2 * x.len)?;
                 split_bf16(
                     self,
@@ -210,7 +264,6 @@ impl Gpu for CudaDevice {
                     both.v().sub(0, x.len)?,
                     both.v().sub(x.len, x.len)?,
                 )?;
-                let rows = crate::gpu::ops::HeadGemm { m: 2 * g.m, ..*g };
                 super::cublas::gemm_heads_bf16(self, &rows, both.ptr(), g.accumulate)?;
             }
             GemmPrecision::Exact => {

@@ -363,6 +363,23 @@ pub trait Gpu: Clone + std::fmt::Debug + Send + Sync + Sized + 'static {
         precision: GemmPrecision,
     ) -> Result<(), KernelError>;
 
+    /// [`Gpu::gemm`] from activations the caller already split ([`super::ops::split_bf16`]'s
+    /// hi rows then lo rows, `xs` = `[hi | lo]`, `2·m·k` elements): the same products as
+    /// `gemm` of the f32 rows, bitwise — fast mode reads the hi rows (a cast's rounding), exact
+    /// mode both halves. `Ok(false)`, with nothing launched, where the runtime's large GEMM
+    /// does not read bf16 activations (ROCm's tiled kernel) or the weights are not bf16: the
+    /// caller then calls `gemm`.
+    fn gemm_split(
+        &self,
+        xs: Dv<u16>,
+        w: &GpuMatrix<Self>,
+        out: super::ops::GemmOut,
+        precision: GemmPrecision,
+    ) -> Result<bool, KernelError> {
+        let _ = (xs, w, out, precision);
+        Ok(false)
+    }
+
     /// Per-head products on the vendor BLAS's tensor cores ([`super::ops::HeadGemm`]; the
     /// activations rounded to bf16, or split into bf16 hi + lo, as [`Gpu::gemm`] does).
     /// `Ok(false)` where the runtime has no vendor BLAS (ROCm) or the weights are not bf16:

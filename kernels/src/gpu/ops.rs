@@ -1092,6 +1092,10 @@ pub struct HeadGemm {
     /// after the hi ones), so the weights are read once; `out` then gets `2m` rows per head
     /// and the caller adds the halves. Needs `x.len == m · x_ld`.
     pub stacked: bool,
+    /// With `stacked`: `x` already split by [`split_bf16`] into `[hi | lo]` rows (`2 · x.len`
+    /// elements), read instead of splitting `x` again (one MoE layer's input feeds several
+    /// products, [`MoeInput`]). Ignored otherwise.
+    pub x_split: Option<Dv<u16>>,
 }
 
 /// Tokens from which the query absorption and the output un-absorption run as per-head
@@ -1197,6 +1201,7 @@ pub fn absorb_gemm<D: Gpu>(
         heads: s.heads,
         accumulate: false,
         stacked: false,
+        x_split: None,
     };
     if !dev.gemm_heads(&g, precision)? {
         return Ok(false);
@@ -1256,6 +1261,7 @@ pub fn unabsorb_gemm<D: Gpu>(
         heads: s.heads,
         accumulate: false,
         stacked: false,
+        x_split: None,
     };
     dev.gemm_heads(&g, precision)
 }
@@ -1272,17 +1278,41 @@ pub fn shared_gemm_min_tokens() -> usize {
     *MIN.get_or_init(|| env_count("FERRY_SHARED_GEMM_MIN", SHARED_GEMM_MIN_TOKENS))
 }
 
+/// One MoE layer's input split once into bf16 rows `[hi | lo]` ([`split_bf16`]; `2 · x.len`
+/// elements) where the layer's products would otherwise convert the same rows three times:
+/// the shared experts' gate and up products ([`shared_experts_gemm`], a split each), the
+/// pipelined routed-expert kernels (a split) and the router's large GEMM (a cast: the hi
+/// rows). Each reads this instead, with bitwise the same products. `None`, with nothing
+/// launched, unless the shared experts run as that GEMM (`shared_gemm`: the batch is past
+/// [`shared_gemm_min_tokens`]), on a runtime with a vendor BLAS, with bf16 experts.
+pub fn moe_input_split<D: Gpu>(
+    dev: &D,
+    x: Dv<f32>,
+    experts: &GpuExperts<D>,
+    n_shared: usize,
+    shared_gemm: bool,
+) -> Result<Option<D::Buffer<u16>>, KernelError> {
+    if !shared_gemm || D::VENDOR_GEMM.is_none() || !experts.gate.is_bf16() || n_shared == 0 {
+        return Ok(None);
+    }
+    let xs = dev.alloc::<u16>(2 * x.len)?;
+    split_bf16(dev, x, xs.v().sub(0, x.len)?, xs.v().sub(x.len, x.len)?)?;
+    Ok(Some(xs))
+}
+
 /// `h[t] += shared(x[t])` for the `n_shared` shared-expert chunks stacked last in `experts`, as
 /// one dense MLP on the vendor BLAS: `g = x · W_gateᵀ`, `u = x · W_upᵀ` over the chunks' rows
 /// together (`[n_shared · inter]` wide), `g = silu(g) · u`, then each chunk's down projection
 /// added into `h`. The activations are split into bf16 hi + lo in both modes: the grouped
 /// expert kernels the shared expert leaves keep ~16 mantissa bits of them, and fast mode's
 /// logits stay within their bound only so (rounding them to bf16 here measured outside it on
-/// the golden prompts). `Ok(false)`, with nothing launched, where the runtime has no vendor
-/// BLAS or the experts are not bf16: route the shared experts as slots instead.
+/// the golden prompts). `x_split`, where the caller split `x` already ([`moe_input_split`]),
+/// is read instead of splitting it again. `Ok(false)`, with nothing launched, where the
+/// runtime has no vendor BLAS or the experts are not bf16: route the shared experts as slots
+/// instead.
 pub fn shared_experts_gemm<D: Gpu>(
     dev: &D,
-    x: Dv<f32>,
+    (x, x_split): (Dv<f32>, Option<Dv<u16>>),
     experts: &GpuExperts<D>,
     n_shared: usize,
     h: Dv<f32>,
@@ -1332,6 +1362,7 @@ pub fn shared_experts_gemm<D: Gpu>(
             heads: 1,
             accumulate: false,
             stacked: true,
+            x_split,
         };
         if !dev.gemm_heads(&p, precision)? {
             return Ok(false);
@@ -1364,6 +1395,7 @@ pub fn shared_experts_gemm<D: Gpu>(
         heads: n_shared,
         accumulate: false,
         stacked: true,
+        x_split: None,
     };
     dev.gemm_heads(&p, precision)?;
     let f = kernel(dev, "add_parts")?;
@@ -1879,7 +1911,22 @@ pub fn router_and_route<D: Gpu>(
     if fused && by_gemv && RouteKernel::Registers.fits(&a.p) {
         return moe_router_route(dev, a);
     }
-    linear(dev, a.x, a.router, a.logits, gemm)?;
+    // `linear`'s rule: past the GEMV and the skinny GEMM, the large GEMM.
+    let large = t > GEMV_MAX_M && !gemv_mma_fits(dev, t, a.x, a.router);
+    let out = GemmOut {
+        out: a.logits,
+        accumulate: false,
+    };
+    let done = match a.x_split {
+        Some(xs) if large => {
+            need("gpu_router", "logits", t * a.router.rows(), a.logits.len)?;
+            dev.gemm_split(xs, a.router, out, gemm)?
+        }
+        _ => false,
+    };
+    if !done {
+        linear(dev, a.x, a.router, a.logits, gemm)?;
+    }
     moe_route(dev, a.logits, a.bias, a.p, a.out)
 }
 
@@ -1900,6 +1947,9 @@ pub struct RouterRoute<'a, D: Gpu> {
     pub out: Routes,
     /// The call site's counter (one `u32`, zero; [`GpuExperts::route_done`]).
     pub done: Dv<u32>,
+    /// `x` split already ([`moe_input_split`]): a batch past the GEMV's rows reads its hi
+    /// rows (fast mode) or both halves (exact) instead of converting `x` again.
+    pub x_split: Option<Dv<u16>>,
 }
 
 /// The router GEMV and the routing in one launch (`moe_router_route_w{2,8}_*`): every block
@@ -2079,31 +2129,23 @@ pub struct MoeArgs<'a, D: Gpu> {
     pub experts: &'a GpuExperts<D>,
     /// `[T][hidden]` residual, added to.
     pub h: Dv<f32>,
+    /// `x` split already ([`moe_input_split`]): the pipelined kernels read it instead of
+    /// splitting `x` again; the other kernels read `x`.
+    pub x_split: Option<Dv<u16>>,
 }
 
 /// Gate/up rows per warp of `moe_gate_up_*` (common.cu's `moe_gate_up_impl<2>`).
 const MOE_GATE_UP_R: usize = 2;
 
 /// `h[t] += Σ_slots w · expert(x[t])` for routed slots (shared experts included as slots).
-pub fn moe_experts<D: Gpu>(
-    dev: &D,
-    x: Dv<f32>,
-    routes: Routes,
-    experts: &GpuExperts<D>,
-    h: Dv<f32>,
-) -> Result<(), KernelError> {
-    let t = x.len / experts.hidden.max(1);
-    if moe_grouped(t, routes.slots, experts) {
-        experts.check("gpu_moe_experts")?;
-        need("gpu_moe_experts", "h", t * experts.hidden, h.len)?;
-        return moe_experts_grouped(dev, x, routes, experts, h);
+pub fn moe_experts<D: Gpu>(dev: &D, a: MoeArgs<'_, D>) -> Result<(), KernelError> {
+    let t = a.x.len / a.experts.hidden.max(1);
+    if moe_grouped(t, a.routes.slots, a.experts) {
+        a.experts.check("gpu_moe_experts")?;
+        need("gpu_moe_experts", "h", t * a.experts.hidden, a.h.len)?;
+        let which = GroupedKernels::pick(dev, a.experts);
+        return moe_experts_grouped_by(dev, a, which);
     }
-    let a = MoeArgs {
-        x,
-        routes,
-        experts,
-        h,
-    };
     moe_experts_per_pair(dev, a, PerPairKernels::from_env())
 }
 
@@ -2120,6 +2162,7 @@ pub fn moe_experts_per_pair<D: Gpu>(
         routes,
         experts,
         h,
+        ..
     } = a;
     experts.check(OP)?;
     let (hidden, inter, k) = (experts.hidden, experts.inter, routes.slots);
@@ -2363,6 +2406,7 @@ pub fn moe_token_beside<D: Gpu>(dev: &D, side: &D, m: MoeToken<'_, D>) -> Result
         logits: logits.v(),
         out: routes,
         done: experts.route_done.v(),
+        x_split: None,
     };
     router_and_route(dev, rr, router_fused(), gemm)?;
     let routed = GateUpAt {
@@ -2625,7 +2669,7 @@ impl std::fmt::Display for MoeMma {
     }
 }
 
-/// Which grouped kernels [`moe_experts_grouped`] runs.
+/// Which grouped kernels [`moe_experts_grouped_by`] runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum GroupedKernels {
     /// Tensor cores (CUDA sm_80+, bf16 experts, widths multiples of 32): [`MoeMma`]'s pick.
@@ -2722,25 +2766,7 @@ pub fn moe_experts_grouped_mma<D: Gpu>(
 /// slot order. The chunk count is known only on the device, so the grids are sized for the most
 /// chunks the pass can have (`pairs / chunk` rounded up, plus one partial chunk per expert
 /// touched) and the extra blocks return at once; nothing waits for the host, so a captured
-/// decode graph replays it.
-fn moe_experts_grouped<D: Gpu>(
-    dev: &D,
-    x: Dv<f32>,
-    routes: Routes,
-    experts: &GpuExperts<D>,
-    h: Dv<f32>,
-) -> Result<(), KernelError> {
-    let which = GroupedKernels::pick(dev, experts);
-    let a = MoeArgs {
-        x,
-        routes,
-        experts,
-        h,
-    };
-    moe_experts_grouped_by(dev, a, which)
-}
-
-/// [`moe_experts_grouped`] by the kernels `which`.
+/// decode graph replays it. `which`: the kernels.
 fn moe_experts_grouped_by<D: Gpu>(
     dev: &D,
     a: MoeArgs<'_, D>,
@@ -2762,6 +2788,7 @@ fn moe_experts_grouped_by<D: Gpu>(
         routes,
         experts,
         h,
+        ..
     } = a;
     let (hidden, inter, k) = (experts.hidden, experts.inter, routes.slots);
     let pairs_max = passes.per_pass * k;
@@ -2835,7 +2862,7 @@ pub fn moe_pipe_fits<D: Gpu>(experts: &GpuExperts<D>) -> bool {
     experts.gate.is_bf16() && experts.inter % 64 == 0 && experts.hidden % MOE_PIPE_ROWS == 0
 }
 
-/// [`moe_experts_grouped`] by the pipelined kernels (`moe_{gate_up,down}_pipe`, common.cu):
+/// [`moe_experts_grouped_by`] by the pipelined kernels (`moe_{gate_up,down}_pipe`, common.cu):
 /// `x` split once into bf16 hi and lo rows, then per pass `moe_group` into chunks of 32 pairs,
 /// gate/up writing each pair's activation as bf16 hi and lo rows in `order`'s positions, down
 /// reading them there, and the slot sum.
@@ -2847,11 +2874,23 @@ fn moe_experts_pipelined<D: Gpu>(dev: &D, a: MoeArgs<'_, D>) -> Result<(), Kerne
         routes,
         experts,
         h,
+        x_split,
     } = a;
     let (hidden, inter, k) = (experts.hidden, experts.inter, routes.slots);
     let t = x.len / hidden.max(1);
-    let xs = dev.alloc::<u16>(2 * x.len)?;
-    split_bf16(dev, x, xs.v().sub(0, x.len)?, xs.v().sub(x.len, x.len)?)?;
+    // The caller's split of x, or one made here; `_own` keeps the latter alive.
+    let (_own, xs) = match x_split {
+        Some(xs) => {
+            need(OP, "x_split", 2 * x.len, xs.len)?;
+            (None, xs.ptr)
+        }
+        None => {
+            let own = dev.alloc::<u16>(2 * x.len)?;
+            split_bf16(dev, x, own.v().sub(0, x.len)?, own.v().sub(x.len, x.len)?)?;
+            let ptr = own.ptr();
+            (Some(own), ptr)
+        }
+    };
     let pairs_max = passes.per_pass * k;
     let act = dev.alloc::<u16>(2 * pairs_max * inter)?;
     let y = dev.alloc::<f32>(pairs_max * hidden)?;
@@ -2871,7 +2910,7 @@ fn moe_experts_pipelined<D: Gpu>(dev: &D, a: MoeArgs<'_, D>) -> Result<(), Kerne
         passes.group(dev, routes, t0..t0 + n)?;
         // A pass's pairs index tokens from t0: its hi rows start there, its lo rows x_lo on.
         let mut a = KernelArgs::new();
-        a.push(xs.ptr() + (t0 * hidden * 2) as u64)
+        a.push(xs + (t0 * hidden * 2) as u64)
             .push(x_lo)
             .push(passes.order.ptr())
             .push(passes.chunks.ptr())
