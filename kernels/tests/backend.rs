@@ -571,8 +571,9 @@ fn projections_of_two_to_sixteen_rows_match_the_cpu_and_keep_rows_apart() {
 /// `linear_pair` must give bitwise what two `linear` calls give on every backend — on a GPU
 /// one `gemv_mma_bf16` launch for 2–16 rows of bf16 weights where the skinny GEMM takes both
 /// (the first's rows a multiple of 8), else one `gemv_pair` launch up to 8 rows, two launches
-/// above — for f32 and bf16 weights, widths on and off the GEMV's 8-wide vector path and the
-/// skinny GEMM's, and weights of different element types (which are never fused).
+/// above (on CUDA, bf16 weights: both on cuBLAS from one conversion of `x`) — for f32 and bf16
+/// weights, widths on and off the GEMV's 8-wide vector path and the skinny GEMM's, weights of
+/// different element types (which are never fused), and both GEMM precisions.
 #[test]
 fn linear_pair_is_bitwise_two_linears_on_every_backend() {
     let mut rng = common::rng(19);
@@ -598,7 +599,10 @@ fn linear_pair_is_bitwise_two_linears_on_every_backend() {
                 Matrix::from_f32(n2, k, w2.clone()).expect("w2"),
             ),
         ];
-        for m in [1, 3, 8, 9, 16, 17] {
+        for (m, precision) in [1, 3, 8, 9, 16, 17, 64]
+            .into_iter()
+            .flat_map(|m| [(m, Precision::Exact), (m, Precision::Fast)])
+        {
             let x = common::uniform(&mut rng, m * k, 1.0);
             for (a, c) in &pairs {
                 for b in backends() {
@@ -611,7 +615,7 @@ fn linear_pair_is_bitwise_two_linears_on_every_backend() {
                         let p = Linear {
                             x: &x_t,
                             w,
-                            precision: Precision::Exact,
+                            precision,
                         };
                         linear(&b, p).expect("linear").to_host().expect("y")
                     };
@@ -619,11 +623,11 @@ fn linear_pair_is_bitwise_two_linears_on_every_backend() {
                         x: &x_t,
                         first: &a_t,
                         second: &c_t,
-                        precision: Precision::Exact,
+                        precision,
                     };
                     let (y1, y2) = linear_pair(&b, p).expect("linear_pair");
                     let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
-                    let what = format!("{} k {k} m {m}", b.name());
+                    let what = format!("{} k {k} m {m} {precision:?}", b.name());
                     assert_eq!(
                         bits(y1.to_host().expect("y1")),
                         bits(one(&a_t)),

@@ -130,7 +130,9 @@ pub struct LinearPair<'a> {
 /// rows of bf16 weights by the tensor-core skinny GEMM
 /// ([`crate::gpu::ops::gemv_mma_fits`], the first weight's rows a multiple of 8), else up to 8
 /// rows with both weights of one element type by `gemv_pair` — in both cases bitwise what two
-/// [`linear`] calls give. Everything else is two [`linear`] calls.
+/// [`linear`] calls give. More rows on CUDA: both on cuBLAS from one conversion of `x` to bf16
+/// (a cast, or a hi/lo split in exact mode), also bitwise the two calls. Everything else is two
+/// [`linear`] calls.
 pub fn linear_pair(b: &Backend, p: LinearPair<'_>) -> Result<(Tensor, Tensor), KernelError> {
     let one = |w| Linear {
         x: p.x,
@@ -141,11 +143,7 @@ pub fn linear_pair(b: &Backend, p: LinearPair<'_>) -> Result<(Tensor, Tensor), K
     {
         let k = p.first.cols();
         let rows = p.x.len() / k.max(1);
-        let fits = k > 0
-            && p.second.cols() == k
-            && rows * k == p.x.len()
-            && rows <= crate::gpu::ops::GEMV_MMA_MAX_M
-            && super::fuse();
+        let fits = k > 0 && p.second.cols() == k && rows * k == p.x.len() && super::fuse();
         if fits {
             let fused = match b {
                 Backend::Cpu => None,
@@ -162,7 +160,7 @@ pub fn linear_pair(b: &Backend, p: LinearPair<'_>) -> Result<(Tensor, Tensor), K
     Ok((linear(b, one(p.first))?, linear(b, one(p.second))?))
 }
 
-/// The fused GPU arm: `None` (nothing launched) where neither fused kernel takes the pair.
+/// The fused GPU arm: `None` (nothing launched) where no fused path takes the pair.
 #[cfg(any(feature = "cuda", feature = "rocm"))]
 fn pair_on_gpu<D: super::OnDevice>(
     b: &Backend,
@@ -171,6 +169,7 @@ fn pair_on_gpu<D: super::OnDevice>(
     rows: usize,
 ) -> Result<Option<(Tensor, Tensor)>, KernelError> {
     use super::{tv, wv};
+    use crate::gpu::launch::DeviceMem;
     use crate::gpu::ops;
     let (w1, w2) = (
         wv::<D>(p.first, OP, "first")?,
@@ -185,7 +184,10 @@ fn pair_on_gpu<D: super::OnDevice>(
     );
     let mma = m1 && m2 && w1.rows() % 8 == 0;
     let gemv = !m1 && !m2 && rows <= ops::GEMV_MAX_M && w1.is_bf16() == w2.is_bf16();
-    if !mma && !gemv {
+    // Past the skinny GEMM both go to the vendor GEMM: convert x for it once.
+    let large =
+        rows > ops::GEMV_MMA_MAX_M && D::VENDOR_GEMM.is_some() && w1.is_bf16() && w2.is_bf16();
+    if !mma && !gemv && !large {
         return Ok(None);
     }
     let a = b.scratch(rows * p.first.rows())?;
@@ -193,8 +195,25 @@ fn pair_on_gpu<D: super::OnDevice>(
     let (o1, o2) = (tv::<D>(&a, OP, "out")?, tv::<D>(&c, OP, "out")?);
     if mma {
         ops::gemv_mma(dev, x, (w1, o1), Some((w2, o2)), false)?;
-    } else {
+    } else if gemv {
         ops::gemv_pair(dev, x, (w1, o1), (w2, o2))?;
+    } else {
+        let gemm = p.precision.gemm();
+        let xs = ops::bf16_rows(dev, x, gemm)?;
+        for (w, out) in [(w1, o1), (w2, o2)] {
+            let out = ops::GemmOut {
+                out,
+                accumulate: false,
+            };
+            if !dev.gemm_split((xs.v(), rows), w, out, gemm)? {
+                return Err(KernelError::InvalidParam {
+                    op: OP,
+                    field: "w",
+                    limit: "bf16 weights on a runtime with a vendor GEMM",
+                    value: "refused by gemm_split".into(),
+                });
+            }
+        }
     }
     Ok(Some((a, c)))
 }

@@ -176,7 +176,7 @@ impl Gpu for CudaDevice {
 
     fn gemm_split(
         &self,
-        xs: Dv<u16>,
+        (xs, m): (Dv<u16>, usize),
         w: &GpuMatrix,
         out: GemmOut,
         precision: GemmPrecision,
@@ -186,14 +186,18 @@ impl Gpu for CudaDevice {
         }
         let GemmOut { out, accumulate } = out;
         let (n, k) = (w.rows(), w.cols());
-        let len = xs.len / 2;
-        let m = len / k.max(1);
-        if xs.len != 2 * m * k {
-            return Err(KernelError::NotDivisible {
+        let len = m * k;
+        let halves = if precision == GemmPrecision::Exact {
+            2
+        } else {
+            1
+        };
+        if xs.len < halves * len || (xs.len != len && xs.len != 2 * len) || out.len < m * n {
+            return Err(KernelError::InvalidParam {
                 op: "gemm_split",
-                what: "xs",
-                len: xs.len,
-                width: 2 * k,
+                field: "xs",
+                limit: "m·k hi elements, then m·k lo ones (exact mode needs both)",
+                value: format!("{} (m {m}, k {k}, {precision:?})", xs.len),
             });
         }
         let shape = GemmShape { m, n, k };

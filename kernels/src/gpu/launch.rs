@@ -363,20 +363,21 @@ pub trait Gpu: Clone + std::fmt::Debug + Send + Sync + Sized + 'static {
         precision: GemmPrecision,
     ) -> Result<(), KernelError>;
 
-    /// [`Gpu::gemm`] from activations the caller already split ([`super::ops::split_bf16`]'s
-    /// hi rows then lo rows, `xs` = `[hi | lo]`, `2·m·k` elements): the same products as
-    /// `gemm` of the f32 rows, bitwise — fast mode reads the hi rows (a cast's rounding), exact
-    /// mode both halves. `Ok(false)`, with nothing launched, where the runtime's large GEMM
-    /// does not read bf16 activations (ROCm's tiled kernel) or the weights are not bf16: the
-    /// caller then calls `gemm`.
+    /// [`Gpu::gemm`] of `m` rows the caller already converted ([`super::ops::bf16_rows`]): `xs`
+    /// holds their bf16 hi rows (`m·k` elements; a cast's rounding) and, after them, their lo
+    /// rows (`2·m·k`: [`super::ops::split_bf16`]'s halves). The same products as `gemm` of the
+    /// f32 rows, bitwise: fast mode reads the hi rows, exact mode both halves (so it needs
+    /// them). `Ok(false)`, with nothing launched, where the runtime's large GEMM does not read
+    /// bf16 activations (ROCm's tiled kernel) or the weights are not bf16: the caller then
+    /// calls `gemm`.
     fn gemm_split(
         &self,
-        xs: Dv<u16>,
+        (xs, m): (Dv<u16>, usize),
         w: &GpuMatrix<Self>,
         out: super::ops::GemmOut,
         precision: GemmPrecision,
     ) -> Result<bool, KernelError> {
-        let _ = (xs, w, out, precision);
+        let _ = (xs, m, w, out, precision);
         Ok(false)
     }
 

@@ -909,6 +909,28 @@ pub fn split_bf16<D: Gpu>(
     elementwise(dev, "split_bf16", &[x.ptr, hi.ptr, lo.ptr], x.len)
 }
 
+/// `x`'s rows converted once for several large GEMMs against bf16 weights ([`Gpu::gemm_split`]):
+/// rounded to bf16 in fast mode (what [`Gpu::gemm`]'s cast gives), split into bf16 hi then lo
+/// rows in exact mode ([`split_bf16`]).
+pub fn bf16_rows<D: Gpu>(
+    dev: &D,
+    x: Dv<f32>,
+    precision: GemmPrecision,
+) -> Result<D::Buffer<u16>, KernelError> {
+    match precision {
+        GemmPrecision::Fast => {
+            let hi = dev.alloc::<u16>(x.len)?;
+            cast_f32_bf16(dev, x, hi.v())?;
+            Ok(hi)
+        }
+        GemmPrecision::Exact => {
+            let xs = dev.alloc::<u16>(2 * x.len)?;
+            split_bf16(dev, x, xs.v().sub(0, x.len)?, xs.v().sub(x.len, x.len)?)?;
+            Ok(xs)
+        }
+    }
+}
+
 /// `out = f32(x)`.
 pub fn widen_bf16<D: Gpu>(dev: &D, x: Dv<u16>, out: Dv<f32>) -> Result<(), KernelError> {
     need("gpu_widen", "out", x.len, out.len)?;
@@ -1920,7 +1942,7 @@ pub fn router_and_route<D: Gpu>(
     let done = match a.x_split {
         Some(xs) if large => {
             need("gpu_router", "logits", t * a.router.rows(), a.logits.len)?;
-            dev.gemm_split(xs, a.router, out, gemm)?
+            dev.gemm_split((xs, t), a.router, out, gemm)?
         }
         _ => false,
     };
