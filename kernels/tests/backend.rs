@@ -15,7 +15,7 @@ mod common;
 use ferry_kernels::backend::latent::{latent_write, LatentWrite};
 use ferry_kernels::backend::linear::{linear, linear_add, linear_pair, Linear, LinearPair};
 use ferry_kernels::backend::mla_absorbed::{mla_absorbed, AbsorbedRun};
-use ferry_kernels::backend::mla_mha::{mla_mha, MhaRun};
+use ferry_kernels::backend::mla_mha::{mla_mha, MhaRun, MhaSeq};
 use ferry_kernels::backend::moe::{moe, Moe, MoeFfn};
 use ferry_kernels::backend::norm::{add_norm, rms_norm_into, AddNorm, RowNorm};
 use ferry_kernels::backend::rope::RopeTable;
@@ -157,8 +157,9 @@ fn kv_b(seed: u64) -> Matrix {
 }
 
 /// Two sequences decoding one token each in one absorbed run (rows 1 and 2 of a three-row
-/// batch, block tables of different lengths padded to one stride), and one sequence's 4-token
-/// chunk after 5 cached positions in the MHA form.
+/// batch, block tables of different lengths padded to one stride), and an MHA-form run of two
+/// sequences (rows 1–11 of twelve): a 4-token chunk after 5 cached positions, then a fresh
+/// 7-token prompt over three blocks — each equal to its own reference, row 0 untouched.
 #[test]
 fn attention_ops_match_the_cpu_kernels_on_every_backend() {
     let width = DIMS.latent_width();
@@ -197,23 +198,40 @@ fn attention_ops_match_the_cpu_kernels_on_every_backend() {
         )
         .expect("reference absorbed");
     }
-    // Sequence C: blocks [3, 4], 4 queries after 5 cached positions, MHA form.
-    let q_c = common::uniform(&mut rng, 4 * qk, 1.0);
-    let mut want_c = vec![0.0f32; 4 * hv];
-    let lc = LatentContext {
-        pages: LatentPages {
-            data: &cache,
-            page_size: PAGE,
-            width,
-        },
-        seq: SeqAttn {
-            block_table: &[3, 4],
-            start_pos: 5,
-            num_queries: 4,
-        },
-        scale,
-    };
-    mla_mha_attention(&q_c, &DIMS, &kv_b_m, &lc, &mut want_c).expect("reference mha");
+    // MHA form, one run: C on blocks [3, 4], 4 queries after 5 cached positions; D on blocks
+    // [10, 6, 11], a fresh prompt of 7 (its table the longer: the run's stride is 3).
+    let mha_seqs = [
+        (&[3u32, 4][..], MhaSeq { sq: 4, start: 5 }),
+        (&[10u32, 6, 11][..], MhaSeq { sq: 7, start: 0 }),
+    ];
+    let mha_rows: usize = mha_seqs.iter().map(|(_, s)| s.sq).sum();
+    let q_c = common::uniform(&mut rng, (1 + mha_rows) * qk, 1.0);
+    let mut want_c = vec![0.0f32; (1 + mha_rows) * hv];
+    let mut row = 1;
+    for (table, s) in &mha_seqs {
+        let lc = LatentContext {
+            pages: LatentPages {
+                data: &cache,
+                page_size: PAGE,
+                width,
+            },
+            seq: SeqAttn {
+                block_table: table,
+                start_pos: s.start,
+                num_queries: s.sq,
+            },
+            scale,
+        };
+        mla_mha_attention(
+            &q_c[row * qk..(row + s.sq) * qk],
+            &DIMS,
+            &kv_b_m,
+            &lc,
+            &mut want_c[row * hv..(row + s.sq) * hv],
+        )
+        .expect("reference mha");
+        row += s.sq;
+    }
 
     for b in backends() {
         let store = PageStore::new(&b, &cache);
@@ -248,16 +266,19 @@ fn attention_ops_match_the_cpu_kernels_on_every_backend() {
         check(&b, "absorbed run of 2 sequences", &got, &want);
 
         let q_t = b.upload(&q_c).expect("q");
-        let mut out = b.zeros(4 * hv).expect("out");
+        let mut out = b.zeros((1 + mha_rows) * hv).expect("out");
+        let seqs = mha_seqs.map(|(_, s)| s);
         let run = MhaRun {
             q: &q_t,
-            first_row: 0,
-            sq: 4,
-            start: 5,
-            table: &b.ints(vec![3, 4]).expect("table"),
-            cu_q: &b.ints(vec![0, 4]).expect("cu_q"),
-            cu_k: &b.ints(vec![0, 9]).expect("cu_k"),
-            q_seq: &b.ints(vec![0; 4]).expect("q_seq"),
+            first_row: 1,
+            seqs: &seqs,
+            tables: &b.ints(vec![3, 4, 0, 10, 6, 11]).expect("tables"),
+            stride: 3,
+            cu_q: &b.ints(vec![0, 4, 11]).expect("cu_q"),
+            cu_k: &b.ints(vec![0, 9, 16]).expect("cu_k"),
+            q_seq: &b
+                .ints([[0; 4].as_slice(), &[1; 7]].concat())
+                .expect("q_seq"),
             kv_b: &w,
             pages: store.pages(),
             dims: DIMS,
@@ -266,12 +287,12 @@ fn attention_ops_match_the_cpu_kernels_on_every_backend() {
             out: &mut out,
         };
         mla_mha(&b, run).expect("mha run");
-        check(
-            &b,
-            "MHA-form chunk",
-            &out.to_host().expect("download"),
-            &want_c,
+        let got = out.to_host().expect("download");
+        assert!(
+            got[..hv].iter().all(|&v| v == 0.0),
+            "row 0 is not the MHA run's"
         );
+        check(&b, "MHA-form run of a chunk and a prompt", &got, &want_c);
     }
 }
 

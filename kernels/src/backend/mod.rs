@@ -13,7 +13,7 @@
 //! | [`rope`] | RoPE / YaRN rotation from per-batch tables | [`rope::ApplyRope`] |
 //! | [`latent`] | the new latent rows: norm, RoPE, write into the paged cache | [`latent::LatentWrite`] |
 //! | [`mla_absorbed`] | MLA in the absorbed form for a run of sequences (16-row head tiles, 12 → 16 padding, head packing) | [`mla_absorbed::AbsorbedRun`] |
-//! | [`mla_mha`] | MLA in the MHA form (decompress, causal flash attention) for one sequence | [`mla_mha::MhaRun`] |
+//! | [`mla_mha`] | MLA in the MHA form (decompress, causal flash attention) for a run of sequences | [`mla_mha::MhaRun`] |
 //! | [`mlp`] | dense SwiGLU MLP added into the residual | [`mlp::DenseFfn`] |
 //! | [`moe`] | MoE routing + routed and shared experts added into the residual | [`moe::MoeFfn`] |
 //! | [`sample`] | the sampling distribution of a batch of rows (softmax at temperature, top-k / top-p with pivot ties, min-p), inverse-CDF draws, argmax; per-row parameters and uniforms on the backend | [`sample::Probs`], [`sample::Draw`], [`sample::Sample`], [`sample::RowParams`], [`sample::Uniforms`] |

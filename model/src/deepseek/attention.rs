@@ -180,20 +180,20 @@ impl DeepseekModel {
                     mla_absorbed(b, p)?;
                 }
                 RunPlan::Mha {
-                    seq,
-                    sq,
-                    start,
+                    first,
+                    seqs,
                     table,
+                    stride,
                     cu_q,
                     cu_k,
                     q_seq,
                 } => {
                     let p = MhaRun {
                         q: &q,
-                        first_row: plan.geo.spans[*seq].0,
-                        sq: *sq,
-                        start: *start,
-                        table,
+                        first_row: plan.geo.spans[*first].0,
+                        seqs,
+                        tables: table,
+                        stride: *stride,
                         cu_q,
                         cu_k,
                         q_seq,

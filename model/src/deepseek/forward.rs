@@ -15,6 +15,7 @@
 
 use ferry_kernels::backend::l2::warm_next_attention;
 use ferry_kernels::backend::linear::{linear_add, linear_into, Linear};
+use ferry_kernels::backend::mla_mha::MhaSeq;
 use ferry_kernels::backend::mlp::{dense, DenseFfn};
 use ferry_kernels::backend::moe::{moe, MoeFfn};
 use ferry_kernels::backend::norm::{add_norm, rms_norm_into, AddNorm, RowNorm};
@@ -92,17 +93,22 @@ pub(crate) enum RunPlan {
         ctx: Ints,
         max_ctx: usize,
     },
-    /// Sequence `seq` (`sq` queries after `start` cached positions) in the MHA form.
+    /// Sequences `first..end` in the MHA form, one launch group (each one's own query count).
     Mha {
-        seq: usize,
-        sq: usize,
-        start: usize,
+        first: usize,
+        seqs: Vec<MhaSeq>,
         table: Ints,
+        stride: usize,
         cu_q: Ints,
         cu_k: Ints,
         q_seq: Ints,
     },
 }
+
+/// Keys (whole contexts) one MHA-form run decompresses at most, unless a single sequence has
+/// more: the run's K, V and `kv_b` products live at once, ~4 KB a key at a K3 rank's shape, so
+/// 16,384 keys hold ~70 MB, while a step's fresh prompts share one attention launch.
+pub(crate) const MHA_RUN_MAX_KEYS: usize = 16_384;
 
 /// Host-side inputs of one batch, computed before anything is uploaded.
 pub(crate) struct HostInputs {
@@ -468,7 +474,8 @@ impl DeepseekModel {
     }
 
     /// Groups the batch into attention launches: runs of consecutive sequences that take the
-    /// absorbed form with equal query counts share one launch; MHA-form sequences go alone.
+    /// absorbed form with equal query counts share one launch, and so do runs of consecutive
+    /// MHA-form sequences (fresh prompts, long chunks) up to [`MHA_RUN_MAX_KEYS`] keys.
     fn plan_runs(
         &self,
         seqs: &[SeqInput<'_>],
@@ -488,18 +495,29 @@ impl DeepseekModel {
             }
             let form = policy.choose(d, s0.start_pos, s0.tokens.len());
             if form == AttentionForm::Mha {
-                let (flat, _) = flat_tables_min(std::slice::from_ref(s0), page, 0);
-                let (sq, l) = (s0.tokens.len(), s0.start_pos + s0.tokens.len());
-                runs.push(RunPlan::Mha {
-                    seq: i,
-                    sq,
-                    start: s0.start_pos,
-                    table: b.ints(flat)?,
-                    cu_q: b.ints(vec![0, sq as i32])?,
-                    cu_k: b.ints(vec![0, l as i32])?,
-                    q_seq: b.ints(vec![0; sq])?,
+                let group = mha_group(&seqs[i..], |s| {
+                    policy.choose(d, s.start_pos, s.tokens.len()) == AttentionForm::Mha
                 });
-                i += 1;
+                let (flat, stride) = flat_tables_min(&seqs[i..i + group.len()], page, 0);
+                let mut cu_q = vec![0i32];
+                let mut cu_k = vec![0i32];
+                let mut q_seq = Vec::new();
+                for (n, g) in group.iter().enumerate() {
+                    cu_q.push(cu_q[n] + g.sq as i32);
+                    cu_k.push(cu_k[n] + g.keys() as i32);
+                    q_seq.extend(std::iter::repeat_n(n as i32, g.sq));
+                }
+                let next = i + group.len();
+                runs.push(RunPlan::Mha {
+                    first: i,
+                    seqs: group,
+                    table: b.ints(flat)?,
+                    stride,
+                    cu_q: b.ints(cu_q)?,
+                    cu_k: b.ints(cu_k)?,
+                    q_seq: b.ints(q_seq)?,
+                });
+                i = next;
                 continue;
             }
             let mut j = i + 1;
@@ -582,6 +600,27 @@ impl DeepseekModel {
     }
 }
 
+/// The MHA-form run that starts at `seqs[0]`: it and the sequences after it that have tokens
+/// and take the MHA form (`mha`), while their keys fit [`MHA_RUN_MAX_KEYS`] (the first always
+/// goes, however long).
+fn mha_group(seqs: &[SeqInput<'_>], mha: impl Fn(&SeqInput<'_>) -> bool) -> Vec<MhaSeq> {
+    let mut group: Vec<MhaSeq> = Vec::new();
+    let mut keys = 0;
+    for s in seqs {
+        let seq = MhaSeq {
+            sq: s.tokens.len(),
+            start: s.start_pos,
+        };
+        let first = group.is_empty();
+        if !first && (seq.sq == 0 || !mha(s) || keys + seq.keys() > MHA_RUN_MAX_KEYS) {
+            break;
+        }
+        keys += seq.keys();
+        group.push(seq);
+    }
+    group
+}
+
 /// Block tables of `seqs` as one `[n][stride]` i32 array, rows covering at least
 /// `min_positions` positions (missing entries 0).
 pub(crate) fn flat_tables_min(
@@ -603,4 +642,59 @@ pub(crate) fn flat_tables_min(
         }
     }
     (flat, stride)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::deepseek::batch::LogitsWanted;
+
+    fn seq(tokens: &[u32], start_pos: usize) -> SeqInput<'_> {
+        SeqInput {
+            tokens,
+            start_pos,
+            block_table: &[],
+            logits: LogitsWanted::Last,
+        }
+    }
+
+    /// Fresh prompts share a run up to the key cap; a decode row, an empty sequence or the
+    /// cap ends it; a first sequence past the cap still goes, alone.
+    #[test]
+    fn consecutive_mha_sequences_share_a_run_up_to_the_key_cap() {
+        let long = vec![0u32; MHA_RUN_MAX_KEYS];
+        let prompt = vec![0u32; 1024];
+        let mha = |s: &SeqInput<'_>| s.tokens.len() > 1;
+        let keys = |g: &[MhaSeq]| g.iter().map(MhaSeq::keys).collect::<Vec<_>>();
+
+        let batch = [
+            seq(&prompt, 0),
+            seq(&prompt, 24),
+            seq(&[1], 99),
+            seq(&prompt, 0),
+        ];
+        assert_eq!(
+            keys(&mha_group(&batch, mha)),
+            [1024, 1048],
+            "a decode row ends it"
+        );
+
+        let batch = [seq(&prompt, 0), seq(&[], 5), seq(&prompt, 0)];
+        assert_eq!(
+            keys(&mha_group(&batch, mha)),
+            [1024],
+            "an empty sequence ends it"
+        );
+
+        let many: Vec<_> = (0..17).map(|_| seq(&prompt, 0)).collect();
+        let g = mha_group(&many, mha);
+        assert_eq!(g.len(), MHA_RUN_MAX_KEYS / 1024, "the cap ends it");
+
+        let batch = [seq(&long, 8), seq(&prompt, 0)];
+        assert_eq!(
+            keys(&mha_group(&batch, mha)),
+            [MHA_RUN_MAX_KEYS + 8],
+            "past the cap, alone"
+        );
+    }
 }
