@@ -93,7 +93,8 @@ pub(crate) enum RunPlan {
         ctx: Ints,
         max_ctx: usize,
     },
-    /// Sequences `first..end` in the MHA form, one launch group (each one's own query count).
+    /// Sequences `first..first + seqs.len()` in the MHA form, one launch group (each with its
+    /// own query count).
     Mha {
         first: usize,
         seqs: Vec<MhaSeq>,
@@ -106,8 +107,9 @@ pub(crate) enum RunPlan {
 }
 
 /// Keys (whole contexts) one MHA-form run decompresses at most, unless a single sequence has
-/// more: the run's K, V and `kv_b` products live at once, ~4 KB a key at a K3 rank's shape, so
-/// 16,384 keys hold ~70 MB, while a step's fresh prompts share one attention launch.
+/// more: the run's gathered latents, `kv_b` products and K / V live at once, ~25 KB a key at a
+/// K3 rank's shape (the f32 `kv_b` product alone is 12 KB), so a run holds at most the ~400 MB
+/// of scratch one 16k-token prompt needed on its own.
 pub(crate) const MHA_RUN_MAX_KEYS: usize = 16_384;
 
 /// Host-side inputs of one batch, computed before anything is uploaded.
