@@ -13,7 +13,7 @@
 #   FERRY_A=device-bin/ferry-main FERRY_B=device-bin/ferry-branch OUT=... bash scripts/bench_binary_ab.sh
 # Settings: ROUNDS (2), PROMPT_LEN (1024), MAX_BATCH_TOKENS (2048: a cluster worker's budget),
 # PROMPT_LEVELS (1,4), ROUND_LEVELS (64,128), ROUND_STEPS (128), RUN_TIMEOUT (150 s a run),
-# DEVICE (cuda).
+# DEVICE (cuda), WORKLOADS ("prompt rounds": either alone measures that workload only).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-gpu-logs}"
@@ -29,7 +29,7 @@ echo "|---|---|---|---|---|---|---|---|"
 for run in $(seq "$rounds"); do
   for which in A B; do
     if [ "$which" = A ]; then ferry=$FERRY_A; else ferry=$FERRY_B; fi
-    for workload in prompt rounds; do
+    for workload in ${WORKLOADS:-prompt rounds}; do
       if [ "$workload" = prompt ]; then
         levels=${PROMPT_LEVELS:-1,4} steps=4 waves=4
       else
