@@ -13,7 +13,9 @@
 #   FERRY_A=device-bin/ferry-main FERRY_B=device-bin/ferry-branch OUT=... bash scripts/bench_binary_ab.sh
 # Settings: ROUNDS (2), PROMPT_LEN (1024), MAX_BATCH_TOKENS (2048: a cluster worker's budget),
 # PROMPT_LEVELS (1,4), ROUND_LEVELS (64,128), ROUND_STEPS (128), RUN_TIMEOUT (150 s a run),
-# DEVICE (cuda), WORKLOADS ("prompt rounds": either alone measures that workload only).
+# DEVICE (cuda), WORKLOADS ("prompt rounds": either alone measures that workload only),
+# FERRY_A_ENV / FERRY_B_ENV (VAR=value ... for that binary's runs only: one binary against
+# itself under a switch, e.g. FERRY_A=$F FERRY_B=$F FERRY_A_ENV=FERRY_QUEUED_DRAFTS=0).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-gpu-logs}"
@@ -28,7 +30,7 @@ echo "| binary | run | workload | c | step kind | steps | ms | plan / launch / s
 echo "|---|---|---|---|---|---|---|---|"
 for run in $(seq "$rounds"); do
   for which in A B; do
-    if [ "$which" = A ]; then ferry=$FERRY_A; else ferry=$FERRY_B; fi
+    if [ "$which" = A ]; then ferry=$FERRY_A envs=${FERRY_A_ENV:-}; else ferry=$FERRY_B envs=${FERRY_B_ENV:-}; fi
     for workload in ${WORKLOADS:-prompt rounds}; do
       if [ "$workload" = prompt ]; then
         levels=${PROMPT_LEVELS:-1,4} steps=4 waves=4
@@ -36,7 +38,8 @@ for run in $(seq "$rounds"); do
         levels=${ROUND_LEVELS:-64,128} steps=${ROUND_STEPS:-128} waves=2
       fi
       name="ab_${which}_${workload}_$run"
-      timeout "${RUN_TIMEOUT:-150}" "$ferry" bench-engine --speculative \
+      # shellcheck disable=SC2086
+      env $envs timeout "${RUN_TIMEOUT:-150}" "$ferry" bench-engine --speculative \
         --load-format dummy --model models/dummy/dspark-h200 \
         --drafter models/dummy/dspark-h200-drafter --device "${DEVICE:-cuda}" --gpu-mode fast \
         --batch "$levels" --prompt-len "${PROMPT_LEN:-1024}" --decode-steps "$steps" \
@@ -58,13 +61,13 @@ PY
     done
   done
 done
-python3 - "$runs" "$out/binary_ab.json" "$FERRY_A" "$FERRY_B" <<'PY'
+python3 - "$runs" "$out/binary_ab.json" "${FERRY_A_ENV:-} $FERRY_A" "${FERRY_B_ENV:-} $FERRY_B" <<'PY'
 import glob, json, os, sys
 rows = []
 for f in sorted(glob.glob(os.path.join(sys.argv[1], "ab_*.json"))):
     for r in json.load(open(f))["rows"]:
         rows.append({"file": os.path.basename(f), **r})
-json.dump({"benchmark": "scripts/bench_binary_ab.sh", "A": sys.argv[3], "B": sys.argv[4], "rows": rows},
+json.dump({"benchmark": "scripts/bench_binary_ab.sh", "A": sys.argv[3].strip(), "B": sys.argv[4].strip(), "rows": rows},
           open(sys.argv[2], "w"), indent=1)
 PY
 tar -C "$out" -cJf "$out/runs.tar.xz" runs && rm -rf "$runs"
