@@ -7,9 +7,10 @@
 #            (one and four prompts a step): the eager prompt step, plain and speculating arm
 #   rounds   c = 64 and 128, 128 tokens each, two waves: the plain decode step, the speculating
 #            round and the steps that carry prompts beside running sequences
-# Per binary, run and level: each step kind's ms (plan / launch / sample / commit). Table on
-# stdout; $OUT (else ./gpu-logs) gets binary_ab.json with every row and runs.tar.xz with each
-# run's JSON and log (the device tool brings back at most 8 files).
+# Per binary, run and level: each step kind's ms (plan / launch / sample / commit), then the
+# medians of B against A. Tables on stdout; $OUT (else ./gpu-logs) gets binary_ab.json with
+# every row and runs.tar.xz with each run's JSON and log (the device tool brings back at most
+# 8 files).
 #   FERRY_A=device-bin/ferry-main FERRY_B=device-bin/ferry-branch OUT=... bash scripts/bench_binary_ab.sh
 # Settings: ROUNDS (2), PROMPT_LEN (1024), MAX_BATCH_TOKENS (2048: a cluster worker's budget),
 # PROMPT_LEVELS (1,4), ROUND_LEVELS (64,128), ROUND_STEPS (128), RUN_TIMEOUT (150 s a run),
@@ -69,5 +70,25 @@ for f in sorted(glob.glob(os.path.join(sys.argv[1], "ab_*.json"))):
         rows.append({"file": os.path.basename(f), **r})
 json.dump({"benchmark": "scripts/bench_binary_ab.sh", "A": sys.argv[3].strip(), "B": sys.argv[4].strip(), "rows": rows},
           open(sys.argv[2], "w"), indent=1)
+PY
+# Medians per level and step kind, B against A (steps a run took more than twice only).
+python3 - "$out/binary_ab.json" <<'PY'
+import json, statistics, sys
+d = json.load(open(sys.argv[1]))
+acc = {}
+for r in d["rows"]:
+    which = r["file"].split("_")[1]
+    for arm, kinds in r["engine_steps"].items():
+        for kind, k in kinds.items():
+            if k["steps"] and k["steps"] > 2:
+                acc.setdefault((r["concurrency"], f"{arm} {kind}"), {}).setdefault(which, []).append(k["ms"])
+print(f"\nmedian ms, A = {d['A']}, B = {d['B']}")
+print("| c | step kind | A ms | B ms | B vs A |")
+print("|---|---|---|---|---|")
+for (c, kind), v in sorted(acc.items()):
+    a, b = (statistics.median(v[w]) if v.get(w) else None for w in ("A", "B"))
+    ch = f"{100 * (b / a - 1):+.1f} %" if a and b else ""
+    fmt = lambda x: f"{x:.3f}" if x is not None else "–"
+    print(f"| {c} | {kind} | {fmt(a)} | {fmt(b)} | {ch} |")
 PY
 tar -C "$out" -cJf "$out/runs.tar.xz" runs && rm -rf "$runs"
