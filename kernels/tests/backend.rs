@@ -156,6 +156,29 @@ fn kv_b(seed: u64) -> Matrix {
     Matrix::from_f32(rows, DIMS.kv_lora_rank, data).expect("kv_b")
 }
 
+/// The CPU reference's view of one sequence in the test cache (pages of `PAGE` rows of the
+/// latent width): `queries` new tokens after `start` cached positions.
+fn latent_context<'a>(
+    cache: &'a [f32],
+    table: &'a [u32],
+    (start, queries): (usize, usize),
+    scale: f32,
+) -> LatentContext<'a> {
+    LatentContext {
+        pages: LatentPages {
+            data: cache,
+            page_size: PAGE,
+            width: DIMS.latent_width(),
+        },
+        seq: SeqAttn {
+            block_table: table,
+            start_pos: start,
+            num_queries: queries,
+        },
+        scale,
+    }
+}
+
 /// Two sequences decoding one token each in one absorbed run (rows 1 and 2 of a three-row
 /// batch, block tables of different lengths padded to one stride), and an MHA-form run of two
 /// sequences (rows 1–11 of twelve): a 4-token chunk after 5 cached positions, then a fresh
@@ -175,19 +198,7 @@ fn attention_ops_match_the_cpu_kernels_on_every_backend() {
     let ctx = [20usize, 10];
     let mut want = vec![0.0f32; 3 * hv];
     for i in 0..2 {
-        let lc = LatentContext {
-            pages: LatentPages {
-                data: &cache,
-                page_size: PAGE,
-                width,
-            },
-            seq: SeqAttn {
-                block_table: tables[i],
-                start_pos: ctx[i] - 1,
-                num_queries: 1,
-            },
-            scale,
-        };
+        let lc = latent_context(&cache, tables[i], (ctx[i] - 1, 1), scale);
         let row = 1 + i;
         mla_absorbed_form(
             &q[row * qk..(row + 1) * qk],
@@ -209,19 +220,7 @@ fn attention_ops_match_the_cpu_kernels_on_every_backend() {
     let mut want_c = vec![0.0f32; (1 + mha_rows) * hv];
     let mut row = 1;
     for (table, s) in &mha_seqs {
-        let lc = LatentContext {
-            pages: LatentPages {
-                data: &cache,
-                page_size: PAGE,
-                width,
-            },
-            seq: SeqAttn {
-                block_table: table,
-                start_pos: s.start,
-                num_queries: s.sq,
-            },
-            scale,
-        };
+        let lc = latent_context(&cache, table, (s.start, s.sq), scale);
         mla_mha_attention(
             &q_c[row * qk..(row + s.sq) * qk],
             &DIMS,
