@@ -18,8 +18,8 @@ if [ -f device-bin/pack.tar.xz ]; then
   tar xJf device-bin/pack.tar.xz -C device-bin || exit 1
 fi
 nvidia-smi --query-gpu=name,memory.total --format=csv
-GPU_TEST_TIMEOUT=240 GPU_TEST_FILTER="narrower_uniform whole_generations queued_drafts speculative_greedy" \
-  OUT="$out/tests" bash scripts/gpu_tests.sh engine_device
+first="narrower_uniform whole_generations queued_drafts speculative_greedy"
+GPU_TEST_TIMEOUT=240 GPU_TEST_FILTER="$first" OUT="$out/tests" bash scripts/gpu_tests.sh engine_device
 export WORKLOADS=rounds ROUND_LEVELS=${ROUND_LEVELS:-64,128} FERRY_GRAPH_MAX_BATCH=1152 \
   ROUNDS=${ROUNDS:-2} RUN_TIMEOUT=100
 ab() {  # name, then VAR=value settings for both binaries
@@ -32,4 +32,6 @@ ab staged FERRY_ASYNC_WRITES=1 FERRY_A=device-bin/ferry-main FERRY_B=device-bin/
 ab queued FERRY_ASYNC_WRITES=1 FERRY_A=device-bin/ferry FERRY_B=device-bin/ferry \
   FERRY_A_ENV=FERRY_QUEUED_DRAFTS=0
 ab default FERRY_A=device-bin/ferry-main FERRY_B=device-bin/ferry
-GPU_TEST_TIMEOUT=400 OUT="$out/tests" bash scripts/gpu_tests.sh backend cuda_parity engine_device
+# The rest: every test but the four that ran first.
+GPU_TEST_TIMEOUT=400 GPU_TEST_FILTER="$(printf -- '--skip %s ' $first)" OUT="$out/tests_rest" \
+  bash scripts/gpu_tests.sh backend cuda_parity engine_device
