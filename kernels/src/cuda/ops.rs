@@ -147,31 +147,11 @@ impl Gpu for CudaDevice {
             };
             return gemm(self, GemmInputs::F32, p, shape, accumulate);
         }
-        let hi = CudaDevice::alloc::<u16>(self, m * k)?;
-        match precision {
-            GemmPrecision::Fast => {
-                cast_f32_bf16(self, x, hi.v())?;
-                let p = GemmPtrs {
-                    x: hi.ptr(),
-                    w: w.ptr(),
-                    out: out.ptr,
-                };
-                gemm(self, GemmInputs::Bf16, p, shape, accumulate)
-            }
-            GemmPrecision::Exact => {
-                let lo = CudaDevice::alloc::<u16>(self, m * k)?;
-                split_bf16(self, x, hi.v(), lo.v())?;
-                for (part, acc) in [(&hi, accumulate), (&lo, true)] {
-                    let p = GemmPtrs {
-                        x: part.ptr(),
-                        w: w.ptr(),
-                        out: out.ptr,
-                    };
-                    gemm(self, GemmInputs::Bf16, p, shape, acc)?;
-                }
-                Ok(())
-            }
-        }
+        // One conversion of x (a bf16 cast, or hi + lo rows in exact mode), then the products
+        // `gemm_split` makes of any caller's conversion.
+        let xs = bf16_rows(self, x, precision)?;
+        self.gemm_split((xs.v(), m), w, GemmOut { out, accumulate }, precision)?;
+        Ok(())
     }
 
     fn gemm_split(
@@ -235,8 +215,7 @@ impl Gpu for CudaDevice {
                 });
             }
             GemmPrecision::Fast => {
-                let hi = CudaDevice::alloc::<u16>(self, x.len)?;
-                cast_f32_bf16(self, x, hi.v())?;
+                let hi = bf16_rows(self, x, precision)?;
                 super::cublas::gemm_heads_bf16(self, g, hi.ptr(), g.accumulate)?;
             }
             GemmPrecision::Exact if g.stacked => {
@@ -261,21 +240,14 @@ impl Gpu for CudaDevice {
                     super::cublas::gemm_heads_bf16(self, &rows, xs.ptr, g.accumulate)?;
                     return Ok(true);
                 }
-                let both = CudaDevice::alloc::<u16>(self, 2 * x.len)?;
-                split_bf16(
-                    self,
-                    x,
-                    both.v().sub(0, x.len)?,
-                    both.v().sub(x.len, x.len)?,
-                )?;
+                let both = bf16_rows(self, x, GemmPrecision::Exact)?;
                 super::cublas::gemm_heads_bf16(self, &rows, both.ptr(), g.accumulate)?;
             }
             GemmPrecision::Exact => {
-                let hi = CudaDevice::alloc::<u16>(self, x.len)?;
-                let lo = CudaDevice::alloc::<u16>(self, x.len)?;
-                split_bf16(self, x, hi.v(), lo.v())?;
-                super::cublas::gemm_heads_bf16(self, g, hi.ptr(), g.accumulate)?;
-                super::cublas::gemm_heads_bf16(self, g, lo.ptr(), true)?;
+                let both = bf16_rows(self, x, precision)?;
+                let lo = both.ptr() + (x.len * std::mem::size_of::<u16>()) as u64;
+                super::cublas::gemm_heads_bf16(self, g, both.ptr(), g.accumulate)?;
+                super::cublas::gemm_heads_bf16(self, g, lo, true)?;
             }
         }
         Ok(true)

@@ -1317,9 +1317,7 @@ pub fn moe_input_split<D: Gpu>(
     if !shared_gemm || D::VENDOR_GEMM.is_none() || !experts.gate.is_bf16() || n_shared == 0 {
         return Ok(None);
     }
-    let xs = dev.alloc::<u16>(2 * x.len)?;
-    split_bf16(dev, x, xs.v().sub(0, x.len)?, xs.v().sub(x.len, x.len)?)?;
-    Ok(Some(xs))
+    bf16_rows(dev, x, GemmPrecision::Exact).map(Some)
 }
 
 /// `h[t] += shared(x[t])` for the `n_shared` shared-expert chunks stacked last in `experts`, as
@@ -2907,8 +2905,7 @@ fn moe_experts_pipelined<D: Gpu>(dev: &D, a: MoeArgs<'_, D>) -> Result<(), Kerne
             (None, xs.ptr)
         }
         None => {
-            let own = dev.alloc::<u16>(2 * x.len)?;
-            split_bf16(dev, x, own.v().sub(0, x.len)?, own.v().sub(x.len, x.len)?)?;
+            let own = bf16_rows(dev, x, GemmPrecision::Exact)?;
             let ptr = own.ptr();
             (Some(own), ptr)
         }
