@@ -1049,6 +1049,7 @@ fn direct_fast_cache(prompt: &[u32], page: usize) -> Vec<(usize, usize, Vec<u8>)
     let table: Vec<BlockId> = (0..blocks as u32).map(BlockId).collect();
     let batch = BatchInputs {
         prompt_logprobs: Vec::new(),
+        drafts_on_device: None,
         seqs: vec![SeqInput {
             tokens: prompt,
             start_pos: 0,

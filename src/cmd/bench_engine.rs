@@ -219,6 +219,7 @@ fn measure(model: &DeepseekModel, b: EngineBench) -> anyhow::Result<(f64, f64)> 
 
     let inputs = BatchInputs {
         prompt_logprobs: Vec::new(),
+        drafts_on_device: None,
         seqs: prompts
             .iter()
             .zip(&tables)
@@ -241,6 +242,7 @@ fn measure(model: &DeepseekModel, b: EngineBench) -> anyhow::Result<(f64, f64)> 
     for step in 0..b.decode_steps {
         let inputs = BatchInputs {
             prompt_logprobs: Vec::new(),
+            drafts_on_device: None,
             seqs: next
                 .iter()
                 .zip(&tables)

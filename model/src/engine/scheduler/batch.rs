@@ -66,6 +66,24 @@ impl Scheduler {
                 sinks.push((i, sink, blocks));
             }
         }
+        // Drafts the drafter left on the device (`Speculator::plan`) stay there when this batch
+        // is their round alone (every running sequence, in order, each its anchor and γ
+        // drafts): the forward puts them into its inputs itself. Any other batch needs them on
+        // the host first.
+        let mut drafts = drafts;
+        let round_width = drafts.first().and_then(Option::as_ref).map(Draft::gamma);
+        let round_alone = work.len() == self.running.len()
+            && work
+                .iter()
+                .enumerate()
+                .all(|(k, w)| matches!(*w, Work::Decode(i) if i == k))
+            && drafts.len() == self.running.len()
+            && drafts
+                .iter()
+                .all(|d| d.as_ref().map(Draft::gamma) == round_width);
+        if !round_alone {
+            self.fill_queued_drafts(&mut drafts);
+        }
         // A drafting sequence feeds its anchor and drafts and wants every row's logits.
         let decode_inputs: Vec<Vec<u32>> = self
             .running
@@ -140,6 +158,10 @@ impl Scheduler {
         }
         let batch = BatchInputs {
             prompt_logprobs,
+            drafts_on_device: self
+                .spec
+                .as_ref()
+                .and_then(|sp| sp.queued_ids(round_width.unwrap_or(0))),
             seqs,
         };
 
@@ -196,6 +218,8 @@ impl Scheduler {
         };
         let forwarded = Instant::now();
         super::host_phase(phases.sample);
+        // The round's drafts, read after its forward was queued (the download waits for it).
+        self.fill_queued_drafts(&mut drafts);
         // Every token the logits decide, drawn and verified where the logits are.
         let result = result.and_then(|mut logits| {
             let prompt: HashMap<usize, _> = prompt_items
@@ -221,6 +245,18 @@ impl Scheduler {
             Err(e) => self.fail_batch(work, &e.to_string()),
         }
         (forwarded, sampled)
+    }
+
+    /// Brings drafts the drafter left on the device to the host (nothing when there are
+    /// none). After a failed download those sequences' verification refuses their drafts
+    /// ([`crate::engine::spec::Speculator::fill_queued`]).
+    fn fill_queued_drafts(&mut self, drafts: &mut [Option<Draft>]) {
+        let vocab = self.backend.config().vocab_size;
+        if let Some(sp) = self.spec.as_mut() {
+            if let Err(e) = sp.fill_queued(drafts, vocab) {
+                warn!(error = %e, "reading the drafts back failed");
+            }
+        }
     }
 
     /// Commits a successful forward: advance tables, sample, emit, finish.
