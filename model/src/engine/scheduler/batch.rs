@@ -193,6 +193,7 @@ impl Scheduler {
             staged: &staged,
             rows_on_device: rows_on_device && !staged.is_empty(),
         };
+        self.stats.spec_queued_steps += u64::from(batch.drafts_on_device.is_some());
         let result = self.backend.forward(&batch, self.kv.pool_mut(), pass);
         drop(batch);
         // In the drafter's tap order (a layer tapped twice is copied once).
