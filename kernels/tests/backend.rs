@@ -1278,10 +1278,19 @@ fn drafts_land_after_each_anchor_on_every_backend() {
             gamma,
         };
         scatter_drafts(&b, p, &mut ids).expect("scatter");
-        assert_eq!(ids.to_host().expect("download"), want, "on the {}", b.name());
+        assert_eq!(
+            ids.to_host().expect("download"),
+            want,
+            "on the {}",
+            b.name()
+        );
         // A pass narrower than the round, or ids too short for it, is refused.
         let narrow = DraftIds { width: 2, ..p };
-        assert!(scatter_drafts(&b, narrow, &mut ids).is_err(), "{}", b.name());
+        assert!(
+            scatter_drafts(&b, narrow, &mut ids).is_err(),
+            "{}",
+            b.name()
+        );
         let mut short = b.ints(vec![0; 8]).expect("ids");
         assert!(scatter_drafts(&b, p, &mut short).is_err(), "{}", b.name());
     }

@@ -409,7 +409,10 @@ async fn narrower_uniform_rounds_on_a_gpu_keep_the_golden_tokens() {
     }
     // Greedy rounds of a fixed width keep their drafts on the device unless switched off.
     if std::env::var("FERRY_QUEUED_DRAFTS").map_or(true, |v| v.trim() != "0") {
-        assert!(st.spec_queued_steps > 0, "no round read its drafts on the device: {st:?}");
+        assert!(
+            st.spec_queued_steps > 0,
+            "no round read its drafts on the device: {st:?}"
+        );
     }
     wait_idle(&e).await;
 }

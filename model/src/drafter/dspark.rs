@@ -844,10 +844,11 @@ impl DsparkDrafter {
         #[cfg(feature = "cuda")]
         let finish = {
             let mut finish = Some(finish);
-            let graphed = self.propose_graphed(ctx.target, kv, inputs, |out| match finish.take() {
-                Some(f) => f(out),
-                None => Err(ModelError::Invalid("a drafter pass finished twice".into())),
-            })?;
+            let graphed =
+                self.propose_graphed(ctx.target, kv, inputs, |out| match finish.take() {
+                    Some(f) => f(out),
+                    None => Err(ModelError::Invalid("a drafter pass finished twice".into())),
+                })?;
             if let Some(done) = graphed {
                 return Ok(done);
             }

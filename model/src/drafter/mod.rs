@@ -242,7 +242,11 @@ pub struct QueuedDrafts {
 
 impl QueuedDrafts {
     /// `[block][width]` drafts and confidences of which the first `seqs` of each row are real.
-    pub fn new(drafts: Ints, confidence: Tensor, (width, seqs, block): (usize, usize, usize)) -> Self {
+    pub fn new(
+        drafts: Ints,
+        confidence: Tensor,
+        (width, seqs, block): (usize, usize, usize),
+    ) -> Self {
         Self {
             drafts,
             confidence,
@@ -274,7 +278,12 @@ impl QueuedDrafts {
         let drafts = self.drafts.to_host()?;
         let confidence = self.confidence.to_host()?;
         let greedy = vec![false; self.seqs];
-        Ok(proposals_from((&drafts, &confidence), self.width, self.block, &greedy))
+        Ok(proposals_from(
+            (&drafts, &confidence),
+            self.width,
+            self.block,
+            &greedy,
+        ))
     }
 }
 

@@ -46,8 +46,8 @@ use super::sequence::{round_uniforms, Phase, Sequence};
 use super::{DeviceKvWriter, SeqId};
 use crate::deepseek::DeepseekModel;
 use crate::drafter::{
-    ContextRows, ContextSegment, DraftCtx, DraftDist, DraftInput, DraftKvLayout, Drafter, Proposals,
-    QueuedDrafts,
+    ContextRows, ContextSegment, DraftCtx, DraftDist, DraftInput, DraftKvLayout, Drafter,
+    Proposals, QueuedDrafts,
 };
 use crate::kv::{BlockId, KvDtype, KvLayout, KvStore, LayerRows};
 use crate::ModelError;
