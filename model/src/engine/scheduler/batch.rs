@@ -66,22 +66,23 @@ impl Scheduler {
                 sinks.push((i, sink, blocks));
             }
         }
-        // Drafts the drafter left on the device (`Speculator::plan`) stay there when this batch
-        // is their round alone (every running sequence, in order, each its anchor and γ
-        // drafts): the forward puts them into its inputs itself. Any other batch needs them on
-        // the host first.
+        // Drafts the drafter left on the device (`Speculator::plan`) stay there when the batch
+        // opens with their round (every running sequence, in order, each its anchor and γ
+        // drafts; prompt work may follow): the forward puts them into its inputs itself. Any
+        // other batch needs them on the host first.
         let mut drafts = drafts;
         let round_width = drafts.first().and_then(Option::as_ref).map(Draft::gamma);
-        let round_alone = work.len() == self.running.len()
+        let round_first = drafts.len() == self.running.len()
+            && work.len() >= drafts.len()
             && work
                 .iter()
+                .take(drafts.len())
                 .enumerate()
                 .all(|(k, w)| matches!(*w, Work::Decode(i) if i == k))
-            && drafts.len() == self.running.len()
             && drafts
                 .iter()
                 .all(|d| d.as_ref().map(Draft::gamma) == round_width);
-        if !round_alone {
+        if !round_first {
             self.fill_queued_drafts(&mut drafts);
         }
         // A drafting sequence feeds its anchor and drafts and wants every row's logits.
