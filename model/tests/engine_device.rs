@@ -444,6 +444,47 @@ async fn prompts_apart_on_a_gpu_keep_the_golden_tokens() {
     wait_idle(&e).await;
 }
 
+/// Greedy `fixed:2` rounds with late prompts mixed into their steps on the first GPU: each
+/// step's round keeps its drafts on the device, the steps that carry prompt chunks included
+/// (their eager forward scatters the drafts before the prompts' rows), and every request gets
+/// the CPU's golden tokens in exact mode.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a GPU: run on the GPU machine with --include-ignored (docs/gpu.md), or on the CPU HIP (scripts/hip_emu.sh)"]
+async fn queued_drafts_beside_late_prompts_on_a_gpu_keep_the_golden_tokens() {
+    let test = "queued_drafts_beside_late_prompts_on_a_gpu_keep_the_golden_tokens";
+    let Some(device) = first_gpu(test) else {
+        return;
+    };
+    let e = dspark_engine(EngineConfig {
+        prompt_steps: PromptSteps::Mixed,
+        spec: SpecConfig {
+            verify_len: VerifyLen::Fixed(2),
+            ..SpecConfig::default()
+        },
+        ..config(device, GpuMode::Exact)
+    });
+    for (i, (toks, end)) in late_arrivals(&e, 32).await.into_iter().enumerate() {
+        assert_eq!(end, Ok(FinishReason::Length));
+        assert_eq!(toks, golden_case(i).1, "request {i} on {device}");
+    }
+    let st = e.stats().await.unwrap();
+    let t = st.step_times;
+    assert!(
+        t.prompt.decode_rows > 0,
+        "no prompt step carried a round: {t:?}"
+    );
+    // Queued steps beyond the decode-only rounds are steps with prompt work.
+    if std::env::var("FERRY_QUEUED_DRAFTS").map_or(true, |v| v.trim() != "0") {
+        assert!(
+            st.spec_queued_steps > t.round.steps,
+            "{} queued steps, {} decode-only rounds: {t:?}",
+            st.spec_queued_steps,
+            t.round.steps
+        );
+    }
+    wait_idle(&e).await;
+}
+
 /// `PromptSteps::Auto` on CUDA: a prompt arriving beside a graphed round whose uncached tail
 /// (one token: its three whole blocks are an earlier, finished request's, in the prefix cache)
 /// is fewer rows than the round's drafts gets a forward of its own, and the round stays
