@@ -596,6 +596,8 @@ impl Speculator {
         budget: usize,
         max_pos: usize,
     ) -> (Vec<Option<Draft>>, Option<Tensor>) {
+        // A step that never ran its batch must not leave its drafts to this one.
+        self.queued = None;
         let mut plan: Vec<Option<Draft>> = vec![None; running.len()];
         let block = self.drafter.block_size();
         // Slots each sequence may verify at most (`room`): what the request still needs after

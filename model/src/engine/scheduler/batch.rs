@@ -464,7 +464,6 @@ impl Scheduler {
         }
     }
 
-    /// A forward failed: every request in it fails and frees its blocks.
     /// Per work item, the rows the forward computed: (who, first position, first batch row,
     /// rows). A round's are its anchor and every draft; a plain decode step's its one token
     /// (a sequence not decoding computes a row no one keeps, and is left out).
@@ -504,6 +503,7 @@ impl Scheduler {
         rows
     }
 
+    /// A forward failed: every request in it fails and frees its blocks.
     fn fail_batch(&mut self, work: Vec<Work>, err: &str) {
         warn!(error = err, requests = work.len(), "batch failed");
         let mut running = Vec::new();
