@@ -46,7 +46,7 @@ use super::sequence::{round_uniforms, Phase, Sequence};
 use super::{DeviceKvWriter, SeqId};
 use crate::deepseek::DeepseekModel;
 use crate::drafter::{
-    ContextRows, ContextSegment, DraftCtx, DraftDist, DraftInput, DraftKvLayout, Drafter,
+    ContextRows, ContextSegment, DraftCtx, DraftDist, DraftInput, DraftKvLayout, Drafter, Proposal,
     Proposals, QueuedDrafts,
 };
 use crate::kv::{BlockId, KvDtype, KvLayout, KvStore, LayerRows};
@@ -925,45 +925,23 @@ impl Speculator {
     /// sets them when it reads the drafts first. The downloads wait for whatever was queued
     /// behind the drafter's pass (the verify forward). Nothing without queued drafts. A
     /// sequence whose drafts failed, or every one when the download failed (the error
-    /// returned), gets ids past the vocabulary, which its verification refuses: that request
-    /// fails alone.
-    pub fn fill_queued(
-        &mut self,
-        drafts: &mut [Option<Draft>],
-        vocab: usize,
-    ) -> Result<(), ModelError> {
+    /// returned), keeps its anchor alone ([`fill_draft`]).
+    pub fn fill_queued(&mut self, drafts: &mut [Option<Draft>]) -> Result<(), ModelError> {
         let Some(queued) = self.queued.take() else {
             return Ok(());
         };
-        // Never left as placeholders: those are valid ids that the forward did not compute.
-        let refused = u32::try_from(vocab).unwrap_or(u32::MAX);
         let proposals = match queued.collect() {
             Ok(p) => p,
             Err(e) => {
                 for d in drafts.iter_mut().flatten() {
-                    d.tokens[1..].fill(refused);
+                    fill_draft(d, Err(ModelError::Invalid("no drafts came back".into())));
                 }
                 return Err(e);
             }
         };
         for (d, p) in drafts.iter_mut().zip(proposals) {
-            let Some(d) = d.as_mut() else { continue };
-            let g = d.gamma();
-            match p {
-                Ok(p) => {
-                    d.tokens[1..].copy_from_slice(&p.drafts[..g]);
-                    d.survival = p.confidence[..g]
-                        .iter()
-                        .scan(1.0f32, |reach, &c| {
-                            *reach *= c;
-                            Some(*reach)
-                        })
-                        .collect();
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, "a queued draft failed; its request fails");
-                    d.tokens[1..].fill(refused);
-                }
+            if let Some(d) = d.as_mut() {
+                fill_draft(d, p);
             }
         }
         Ok(())
@@ -1165,6 +1143,45 @@ fn widest_uniform(
 
 /// Whether whole-block rounds keep sequences in their last block ([`Speculator::plan`]): unless
 /// `FERRY_WHOLE_BLOCK_TAIL=0` (read once; the benchmarks' A/B switch).
+/// One queued round's drafts into `d` (its anchor, then γ placeholders): the proposal's first
+/// γ drafts and their cumulative survivals. Without a proposal (the drafter failed, or the
+/// download did) the round keeps its anchor alone: γ = 0, the plain step of that sequence. Its
+/// row 0 was computed from the anchor as always, the placeholders' rows are never read, and
+/// the commit rolls their positions back, so nothing wrong is ever accepted and the request
+/// goes on.
+fn fill_draft(d: &mut Draft, p: Result<Proposal, ModelError>) {
+    match p {
+        Ok(p) if p.drafts.len() >= d.gamma() => {
+            let g = d.gamma();
+            d.tokens[1..].copy_from_slice(&p.drafts[..g]);
+            d.survival = p
+                .confidence
+                .iter()
+                .chain(std::iter::repeat(&0.0))
+                .take(g)
+                .scan(1.0f32, |reach, &c| {
+                    *reach *= c;
+                    Some(*reach)
+                })
+                .collect();
+        }
+        Ok(p) => {
+            tracing::warn!(
+                drafts = p.drafts.len(),
+                gamma = d.gamma(),
+                "a queued round came back short; its anchor alone"
+            );
+            d.tokens.truncate(1);
+            d.survival.clear();
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "a queued draft failed; its anchor alone");
+            d.tokens.truncate(1);
+            d.survival.clear();
+        }
+    }
+}
+
 /// `FERRY_QUEUED_DRAFTS=0`: every round's drafts come to the host before its verify forward
 /// is queued (the rule before; the A/B switch).
 fn queued_drafts() -> bool {
@@ -1351,6 +1368,37 @@ mod tests {
         assert!(gamma.is_empty(), "{gamma:?}");
         assert!(confidence_lengths(Vec::new(), 0.0, 4).is_empty());
         assert!(confidence_lengths(block(0, &[0.9]), 0.0, 0).is_empty());
+    }
+
+    #[test]
+    fn a_queued_round_takes_its_drafts_or_keeps_its_anchor_alone() {
+        let placeholder = || Draft {
+            tokens: vec![7, 0, 0, 0],
+            q: DraftDist::Greedy,
+            survival: Vec::new(),
+        };
+        let mut d = placeholder();
+        let p = Proposal {
+            drafts: vec![5, 6, 8, 9],
+            q: DraftDist::Greedy,
+            confidence: vec![0.5, 0.5, 0.5, 0.5],
+        };
+        fill_draft(&mut d, Ok(p.clone()));
+        assert_eq!(d.tokens, [7, 5, 6, 8]);
+        assert_eq!(d.survival, [0.5, 0.25, 0.125]);
+        // A failed proposal, or one shorter than the round: the anchor's plain step.
+        for bad in [
+            Err(ModelError::Invalid("no valid distribution".into())),
+            Ok(Proposal {
+                drafts: vec![5, 6],
+                ..p
+            }),
+        ] {
+            let mut d = placeholder();
+            fill_draft(&mut d, bad);
+            assert_eq!((d.tokens.as_slice(), d.gamma()), (&[7u32][..], 0));
+            assert!(d.survival.is_empty());
+        }
     }
 
     #[test]

@@ -250,13 +250,12 @@ impl Scheduler {
     }
 
     /// Brings drafts the drafter left on the device to the host (nothing when there are
-    /// none). After a failed download those sequences' verification refuses their drafts
+    /// none). After a failed download those rounds keep their anchors alone
     /// ([`crate::engine::spec::Speculator::fill_queued`]).
     fn fill_queued_drafts(&mut self, drafts: &mut [Option<Draft>]) {
-        let vocab = self.backend.config().vocab_size;
         if let Some(sp) = self.spec.as_mut() {
-            if let Err(e) = sp.fill_queued(drafts, vocab) {
-                warn!(error = %e, "reading the drafts back failed");
+            if let Err(e) = sp.fill_queued(drafts) {
+                warn!(error = %e, "reading the drafts back failed; those rounds keep their anchors alone");
             }
         }
     }
