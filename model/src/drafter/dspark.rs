@@ -718,7 +718,7 @@ impl DsparkDrafter {
         target: &DeepseekModel,
         kv: &KvStore,
         inputs: &[DraftInput<'_>],
-        finish: impl FnOnce(&PassOut) -> Result<T, ModelError>,
+        finish: &impl Fn(&PassOut) -> Result<T, ModelError>,
     ) -> Result<Option<T>, ModelError> {
         let Backend::Cuda(dev) = &self.backend else {
             return Ok(None);
@@ -809,7 +809,7 @@ impl DsparkDrafter {
         target: &DeepseekModel,
         kv: &KvStore,
         inputs: &[DraftInput<'_>],
-        finish: impl FnOnce(&PassOut) -> Result<T, ModelError>,
+        finish: &impl Fn(&PassOut) -> Result<T, ModelError>,
     ) -> Result<T, ModelError> {
         let host = self.host_pass(inputs, kv.layout().page_size, None)?;
         let plan = self.upload_pass(&host)?;
@@ -835,29 +835,17 @@ impl DsparkDrafter {
         &self,
         ctx: &DraftCtx<'_>,
         inputs: &[DraftInput<'_>],
-        finish: impl FnOnce(&PassOut) -> Result<T, ModelError>,
+        finish: impl Fn(&PassOut) -> Result<T, ModelError>,
     ) -> Result<T, ModelError> {
         self.check_target(ctx.target)?;
         let kv = ctx
             .kv
             .ok_or_else(|| ModelError::Invalid("the DSpark drafter needs its KV".into()))?;
         #[cfg(feature = "cuda")]
-        let finish = {
-            let mut finish = Some(finish);
-            let graphed =
-                self.propose_graphed(ctx.target, kv, inputs, |out| match finish.take() {
-                    Some(f) => f(out),
-                    None => Err(ModelError::Invalid("a drafter pass finished twice".into())),
-                })?;
-            if let Some(done) = graphed {
-                return Ok(done);
-            }
-            match finish {
-                Some(f) => f,
-                None => return Err(ModelError::Invalid("a drafter pass finished twice".into())),
-            }
-        };
-        self.propose_eager(ctx.target, kv, inputs, finish)
+        if let Some(done) = self.propose_graphed(ctx.target, kv, inputs, &finish)? {
+            return Ok(done);
+        }
+        self.propose_eager(ctx.target, kv, inputs, &finish)
     }
 
     /// Context feature `RMSNorm(fc(concat taps))` for the rows named by `rows`, `[R][hidden]`,
