@@ -57,8 +57,9 @@ if [ "${1:-}" = "--engine" ]; then
   # The serving engine on rocm:0: golden tokens and a prefix-cache hit, a prefill job's shipped
   # rows, `auto` picking it, speculative decoding equal to plain decoding (and round for round
   # the reference's counts), the CPU engine's tokens under logits controls, prompt
-  # log-probabilities and a JSON schema, late prompts in forwards of their own, and uniform
-  # rounds narrower than the block.
+  # log-probabilities and a JSON schema, late prompts in forwards of their own, uniform
+  # rounds narrower than the block, and rounds whose drafts stay on the device beside late
+  # prompts.
   cargo test -q -p ferry-model --features rocm --locked --test engine_device -- \
     --include-ignored rocm_engine_serves_the_cpu_engines_tokens \
     an_unopenable_gpu_is_an_error_and_auto_picks_a_device_that_serves \
@@ -66,5 +67,6 @@ if [ "${1:-}" = "--engine" ]; then
     whole_generations_on_a_gpu_accept_what_the_reference_drafter_accepts \
     gpu_engine_greedy_equals_the_cpu_engine logits_controls_on_a_gpu_equal_the_cpu_engine \
     prompt_logprobs_on_a_gpu_equal_the_cpu_engine json_schema_output_on_a_gpu_equals_the_cpu_engine \
-    prompts_apart_on_a_gpu_keep_the_golden_tokens narrower_uniform_rounds_on_a_gpu_keep_the_golden_tokens
+    prompts_apart_on_a_gpu_keep_the_golden_tokens narrower_uniform_rounds_on_a_gpu_keep_the_golden_tokens \
+    queued_drafts_beside_late_prompts_on_a_gpu_keep_the_golden_tokens
 fi

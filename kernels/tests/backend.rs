@@ -19,7 +19,7 @@ use ferry_kernels::backend::mla_mha::{mla_mha, MhaRun, MhaSeq};
 use ferry_kernels::backend::moe::{moe, Moe, MoeFfn};
 use ferry_kernels::backend::norm::{add_norm, rms_norm_into, AddNorm, RowNorm};
 use ferry_kernels::backend::rope::RopeTable;
-use ferry_kernels::backend::rows::{embed, gather, Embed, Gather};
+use ferry_kernels::backend::rows::{embed, gather, scatter_drafts, DraftIds, Embed, Gather};
 use ferry_kernels::backend::{AttnKernels, Backend, Pages, PagesMut, Precision, Tensor, Weight};
 use ferry_kernels::cpu::gemm::Matrix;
 use ferry_kernels::cpu::mla::{
@@ -1248,5 +1248,50 @@ fn gather_copies_rows_exactly_at_every_width() {
             .expect("download");
             assert!(got == want, "width {width} on the {}", b.name());
         }
+    }
+}
+
+#[test]
+fn drafts_land_after_each_anchor_on_every_backend() {
+    // A pass of 5 inputs (the last two padding) and blocks of 4: draft k of input s is
+    // 100·k + s; a round of the first 3 sequences verifies 2 drafts each.
+    let (width, block, seqs, gamma) = (5, 4, 3, 2);
+    let drafts: Vec<i32> = (0..block)
+        .flat_map(|k| (0..width).map(move |s| (100 * k + s) as i32))
+        .collect();
+    let anchors = [7, 8, 9];
+    let mut host_ids = Vec::new();
+    for a in anchors {
+        host_ids.push(a);
+        host_ids.extend([-1; 2]);
+    }
+    // A padding sequence's rows after the round's must be left alone.
+    host_ids.extend([-5, -5, -5]);
+    let want = [7, 0, 100, 8, 1, 101, 9, 2, 102, -5, -5, -5];
+    for b in backends() {
+        let src = b.ints(drafts.clone()).expect("drafts");
+        let mut ids = b.ints(host_ids.clone()).expect("ids");
+        let p = DraftIds {
+            drafts: &src,
+            width,
+            seqs,
+            gamma,
+        };
+        scatter_drafts(&b, p, &mut ids).expect("scatter");
+        assert_eq!(
+            ids.to_host().expect("download"),
+            want,
+            "on the {}",
+            b.name()
+        );
+        // A pass narrower than the round, or ids too short for it, is refused.
+        let narrow = DraftIds { width: 2, ..p };
+        assert!(
+            scatter_drafts(&b, narrow, &mut ids).is_err(),
+            "{}",
+            b.name()
+        );
+        let mut short = b.ints(vec![0; 8]).expect("ids");
+        assert!(scatter_drafts(&b, p, &mut short).is_err(), "{}", b.name());
     }
 }

@@ -1632,10 +1632,11 @@ fn head_gemms_match_the_absorb_kernels() {
 /// own pattern into the same small buffer and each followed by a device copy of that buffer
 /// into its own place, leave every pattern in its place — so no write overtook the copy
 /// queued before it, and no slot was refilled while its last copy had yet to read it. A write
-/// larger than a slot is refused with the limit named.
+/// larger than a slot lands whole from consecutive slots; one past `MAX_STAGED_BYTES` is
+/// refused with the limit named.
 #[test]
 fn staged_writes_land_in_stream_order() {
-    use ferry_kernels::cuda::upload::{SLOTS, SLOT_BYTES};
+    use ferry_kernels::cuda::upload::{MAX_STAGED_BYTES, SLOTS, SLOT_BYTES};
     let Some(dev) = gpu("staged_writes_land_in_stream_order") else {
         return;
     };
@@ -1657,11 +1658,25 @@ fn staged_writes_land_in_stream_order() {
         .find(|&(i, &v)| v != i as i32)
         .map(|(i, _)| i / n);
     assert_eq!(bad, None, "the first place holding another round's pattern");
-    let mut big = dev.alloc::<i32>(n + 1).expect("big");
+    // Past a slot: consecutive slots, each piece at its own offset, the last one partial,
+    // written at an offset into the buffer; a write past the bound is refused.
+    let m = 3 * n + 7;
+    let mut big = dev.zeros::<i32>(m + 5).expect("big");
+    let pattern: Vec<i32> = (0..m as i32).map(|i| i.wrapping_mul(7919)).collect();
+    dev.write_staged(&mut big, 5, &pattern)
+        .expect("staged write of several slots");
+    let got = dev.download(&big).expect("download");
+    assert_eq!(&got[..5], &[0; 5]);
+    assert!(got[5..] == pattern[..], "a multi-slot write landed wrong");
+    let too_big = MAX_STAGED_BYTES / 4 + 1;
+    let mut huge = dev.alloc::<i32>(too_big).expect("huge");
     let err = dev
-        .write_staged(&mut big, 0, &vec![0i32; n + 1])
-        .expect_err("larger than a slot");
-    assert!(err.to_string().contains(&SLOT_BYTES.to_string()), "{err}");
+        .write_staged(&mut huge, 0, &vec![0i32; too_big])
+        .expect_err("larger than the staged bound");
+    assert!(
+        err.to_string().contains(&MAX_STAGED_BYTES.to_string()),
+        "{err}"
+    );
 }
 
 /// A graph's buffers come from its arena (unless `FERRY_GRAPH_ARENA=0`): the captured graph

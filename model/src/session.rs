@@ -76,6 +76,7 @@ impl Session {
         self.table.reserve(pool, new.len())?;
         let batch = BatchInputs {
             prompt_logprobs: Vec::new(),
+            drafts_on_device: None,
             seqs: vec![SeqInput {
                 tokens: new,
                 start_pos: self.table.len(),

@@ -18,6 +18,7 @@ fn logits(model: &DeepseekModel, prompt: &[u32]) -> Vec<f32> {
     table.reserve(&mut pool, prompt.len()).expect("blocks");
     let batch = BatchInputs {
         prompt_logprobs: Vec::new(),
+        drafts_on_device: None,
         seqs: vec![SeqInput {
             tokens: prompt,
             start_pos: 0,
@@ -136,6 +137,7 @@ fn every_backend_gives_the_cpus_logits_on_a_golden_prompt() {
                 };
                 let batch = BatchInputs {
                     prompt_logprobs: Vec::new(),
+                    drafts_on_device: None,
                     seqs: vec![SeqInput {
                         tokens: &tokens[start..],
                         start_pos: start,
@@ -215,6 +217,7 @@ fn kv_rows_must_live_where_the_weights_do() {
     table.reserve(&mut pool, 3).expect("blocks");
     let batch = BatchInputs {
         prompt_logprobs: Vec::new(),
+        drafts_on_device: None,
         seqs: vec![SeqInput {
             tokens: &[1, 2, 3],
             start_pos: 0,

@@ -256,6 +256,7 @@ async fn a_prefill_job_ships_the_pool_rows_as_f32_bytes_through_the_view() {
     let table: Vec<BlockId> = (0..blocks as u32).map(BlockId).collect();
     let batch = BatchInputs {
         prompt_logprobs: Vec::new(),
+        drafts_on_device: None,
         seqs: vec![SeqInput {
             tokens: &prompt,
             start_pos: 0,

@@ -53,8 +53,9 @@ use ferry_kernels::Device;
 use ferry_model::deepseek::DeepseekModel;
 use ferry_model::drafter::{Drafter, DsparkDrafter};
 use ferry_model::engine::{
-    EngineConfig, EngineEvent, EngineHandle, FinishReason, GenerateJob, Generation, GpuMode,
-    LayerSinkFn, PrefillSource, PrefillWork, PromptSteps, SpecConfig, StopParams, VerifyLen,
+    EngineConfig, EngineEvent, EngineHandle, EngineStats, FinishReason, GenerateJob, Generation,
+    GpuMode, LayerSinkFn, PrefillSource, PrefillWork, PromptSteps, SpecConfig, StopParams,
+    VerifyLen,
 };
 use ferry_model::kv::{BlockId, KvDtype, LayerRows};
 
@@ -407,7 +408,29 @@ async fn narrower_uniform_rounds_on_a_gpu_keep_the_golden_tokens() {
             st.step_times
         );
     }
+    // Greedy rounds of a fixed width keep their drafts on the device unless switched off.
+    if queued_drafts_on() {
+        assert!(
+            st.spec_queued_steps > 0,
+            "no round read its drafts on the device: {st:?}"
+        );
+    }
     wait_idle(&e).await;
+}
+
+/// Requests arriving while another speculates on `device` ([`late_arrivals`]): each must end
+/// by length with the CPU's golden tokens. The engine's statistics after them.
+async fn late_golden(e: &EngineHandle, device: Device) -> EngineStats {
+    for (i, (toks, end)) in late_arrivals(e, 32).await.into_iter().enumerate() {
+        assert_eq!(end, Ok(FinishReason::Length));
+        assert_eq!(toks, golden_case(i).1, "request {i} on {device}");
+    }
+    e.stats().await.unwrap()
+}
+
+/// Rounds may keep their drafts on the device (`FERRY_QUEUED_DRAFTS` is not `0`).
+fn queued_drafts_on() -> bool {
+    std::env::var("FERRY_QUEUED_DRAFTS").map_or(true, |v| v.trim() != "0")
 }
 
 /// `PromptSteps::Apart` on the first GPU: requests arriving while another speculates get the
@@ -423,16 +446,49 @@ async fn prompts_apart_on_a_gpu_keep_the_golden_tokens() {
         prompt_steps: PromptSteps::Apart,
         ..config(device, GpuMode::Exact)
     });
-    for (i, (toks, end)) in late_arrivals(&e, 32).await.into_iter().enumerate() {
-        assert_eq!(end, Ok(FinishReason::Length));
-        assert_eq!(toks, golden_case(i).1, "request {i} on {device}");
-    }
-    let st = e.stats().await.unwrap();
+    let st = late_golden(&e, device).await;
     let t = st.step_times;
     assert_eq!((t.prompt.sequences, t.prompt.decode_rows), (0, 0), "{t:?}");
     assert!(st.spec_rounds > 0, "{st:?}");
     if matches!(device, Device::Cuda(_)) {
         assert!(t.round.graphed > 0, "no round replayed from a graph: {t:?}");
+    }
+    wait_idle(&e).await;
+}
+
+/// Greedy `fixed:2` rounds with late prompts mixed into their steps on the first GPU: each
+/// step's round keeps its drafts on the device, the steps that carry prompt chunks included
+/// (their eager forward scatters the drafts before the prompts' rows), and every request gets
+/// the CPU's golden tokens in exact mode.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a GPU: run on the GPU machine with --include-ignored (docs/gpu.md), or on the CPU HIP (scripts/hip_emu.sh)"]
+async fn queued_drafts_beside_late_prompts_on_a_gpu_keep_the_golden_tokens() {
+    let test = "queued_drafts_beside_late_prompts_on_a_gpu_keep_the_golden_tokens";
+    let Some(device) = first_gpu(test) else {
+        return;
+    };
+    let e = dspark_engine(EngineConfig {
+        prompt_steps: PromptSteps::Mixed,
+        spec: SpecConfig {
+            verify_len: VerifyLen::Fixed(2),
+            ..SpecConfig::default()
+        },
+        ..config(device, GpuMode::Exact)
+    });
+    let st = late_golden(&e, device).await;
+    let t = st.step_times;
+    assert!(
+        t.prompt.decode_rows > 0,
+        "no prompt step carried a round: {t:?}"
+    );
+    // Queued steps beyond the decode-only rounds are steps with prompt work.
+    if queued_drafts_on() {
+        assert!(
+            st.spec_queued_steps > t.round.steps,
+            "{} queued steps, {} decode-only rounds: {t:?}",
+            st.spec_queued_steps,
+            t.round.steps
+        );
     }
     wait_idle(&e).await;
 }
@@ -1049,6 +1105,7 @@ fn direct_fast_cache(prompt: &[u32], page: usize) -> Vec<(usize, usize, Vec<u8>)
     let table: Vec<BlockId> = (0..blocks as u32).map(BlockId).collect();
     let batch = BatchInputs {
         prompt_logprobs: Vec::new(),
+        drafts_on_device: None,
         seqs: vec![SeqInput {
             tokens: prompt,
             start_pos: 0,

@@ -64,6 +64,7 @@ fn run(
     let mut step = |tokens: &[u32], start: usize, wanted| {
         let batch = BatchInputs {
             prompt_logprobs: Vec::new(),
+            drafts_on_device: None,
             seqs: vec![SeqInput {
                 tokens,
                 start_pos: start,
@@ -212,6 +213,7 @@ fn mixed_batch_matches_cpu() {
     let batch = BatchInputs {
         seqs,
         prompt_logprobs: Vec::new(),
+        drafts_on_device: None,
     };
     let c = model.forward(&batch, &mut pool).expect("cpu");
     let g = gpu.forward(&batch, &mut cache).expect("gpu");
@@ -223,6 +225,7 @@ fn mixed_batch_matches_cpu() {
     let (d0, d1, chunk) = ([7u32], [9u32], [3u32, 4, 5, 6, 7]);
     let batch = BatchInputs {
         prompt_logprobs: Vec::new(),
+        drafts_on_device: None,
         seqs: vec![
             SeqInput {
                 tokens: &d0,
@@ -293,6 +296,7 @@ fn graph_replayed_decode_step_equals_the_eager_step() {
             .collect();
         let prefill = BatchInputs {
             prompt_logprobs: Vec::new(),
+            drafts_on_device: None,
             seqs: prompts
                 .iter()
                 .zip(&tables)
@@ -311,6 +315,7 @@ fn graph_replayed_decode_step_equals_the_eager_step() {
             let toks: Vec<[u32; 1]> = (0..3u32).map(|s| [100 + s + step as u32]).collect();
             let batch = BatchInputs {
                 prompt_logprobs: Vec::new(),
+                drafts_on_device: None,
                 seqs: toks
                     .iter()
                     .zip(&prompts)

@@ -194,6 +194,7 @@ fn mixed_length_batch_equals_each_sequence_alone() {
     }
     let batch = BatchInputs {
         prompt_logprobs: Vec::new(),
+        drafts_on_device: None,
         seqs: cases
             .iter()
             .zip(&tables)
@@ -271,6 +272,7 @@ fn bad_batches_are_rejected_before_touching_the_cache() {
     let bad_token = [model.config().vocab_size as u32];
     let batch = BatchInputs {
         prompt_logprobs: Vec::new(),
+        drafts_on_device: None,
         seqs: vec![SeqInput {
             tokens: &bad_token,
             start_pos: 0,
@@ -284,6 +286,7 @@ fn bad_batches_are_rejected_before_touching_the_cache() {
     let too_long = vec![5u32; 65];
     let batch = BatchInputs {
         prompt_logprobs: Vec::new(),
+        drafts_on_device: None,
         seqs: vec![SeqInput {
             tokens: &too_long,
             start_pos: 0,

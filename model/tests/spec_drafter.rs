@@ -84,6 +84,7 @@ fn prefill_taps(
     {
         let batch = BatchInputs {
             prompt_logprobs: Vec::new(),
+            drafts_on_device: None,
             seqs: vec![SeqInput {
                 tokens: prompt,
                 start_pos: 0,
@@ -288,6 +289,7 @@ fn draft_on<K: ferry_model::kv::KvRows>(
     let mut tapped = Vec::new();
     let batch = BatchInputs {
         prompt_logprobs: Vec::new(),
+        drafts_on_device: None,
         seqs: vec![SeqInput {
             tokens: &case.prompt,
             start_pos: 0,
@@ -495,6 +497,7 @@ fn drafter_passes_replayed_from_graphs_equal_eager_passes() {
     let mut tapped = Vec::new();
     let batch = BatchInputs {
         prompt_logprobs: Vec::new(),
+        drafts_on_device: None,
         seqs: cases
             .iter()
             .zip(&tables)

@@ -219,6 +219,7 @@ fn measure(model: &DeepseekModel, b: EngineBench) -> anyhow::Result<(f64, f64)> 
 
     let inputs = BatchInputs {
         prompt_logprobs: Vec::new(),
+        drafts_on_device: None,
         seqs: prompts
             .iter()
             .zip(&tables)
@@ -241,6 +242,7 @@ fn measure(model: &DeepseekModel, b: EngineBench) -> anyhow::Result<(f64, f64)> 
     for step in 0..b.decode_steps {
         let inputs = BatchInputs {
             prompt_logprobs: Vec::new(),
+            drafts_on_device: None,
             seqs: next
                 .iter()
                 .zip(&tables)
@@ -413,6 +415,7 @@ fn run_speculative(args: &BenchEngineArgs, dir: &Path) -> anyhow::Result<()> {
             "spec_by_prediction": by_prediction(&stats.spec_by_prediction),
             "spec_skipped_by_prediction": by_prediction(&stats.spec_skipped_by_prediction),
             "spec_rounds_by_width": &stats.spec_rounds_by_width,
+            "spec_queued_steps": stats.spec_queued_steps,
         }));
         // Rewritten after every level: a run cut short (a device lease's time limit) keeps
         // the levels it finished.
@@ -806,6 +809,7 @@ fn engine_run(
                     n.saturating_sub(before.spec_rounds_by_width.get(g).copied().unwrap_or(0))
                 })
                 .collect(),
+            spec_queued_steps: after.spec_queued_steps - before.spec_queued_steps,
             graph_steps: after.graph_steps - before.graph_steps,
             step_times: after.step_times.since(&before.step_times),
             spec_by_prediction: after.spec_by_prediction.since(&before.spec_by_prediction),

@@ -236,6 +236,7 @@ pub fn batch_of<'a>(
 ) -> BatchInputs<'a> {
     BatchInputs {
         prompt_logprobs: Vec::new(),
+        drafts_on_device: None,
         seqs: tokens
             .iter()
             .zip(tables)

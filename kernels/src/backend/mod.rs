@@ -372,6 +372,19 @@ impl Backend {
         Ok(out)
     }
 
+    /// A copy of `t` on this backend (device to device on a GPU, in stream order).
+    pub fn copy_ints(&self, t: &Ints) -> Result<Ints, KernelError> {
+        let mut out = match self {
+            Backend::Cpu => Ints::Host(vec![0; t.len()]),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(d) => Ints::Cuda(d.alloc(t.len())?),
+            #[cfg(feature = "rocm")]
+            Backend::Rocm(d) => Ints::Rocm(d.alloc(t.len())?),
+        };
+        self.copy_ints_into(t, &mut out, 0)?;
+        Ok(out)
+    }
+
     /// Copies all of `src` into `dst` from element `at` on (index arrays; stream-ordered on a
     /// GPU).
     pub fn copy_ints_into(&self, src: &Ints, dst: &mut Ints, at: usize) -> Result<(), KernelError> {
@@ -967,6 +980,22 @@ impl Ints {
             Ints::Host(v) => Ok(v),
             #[cfg(any(feature = "cuda", feature = "rocm"))]
             t => Err(mismatch(op, what, &Backend::Cpu, t.place())),
+        }
+    }
+
+    /// The host slice, mutable, or a mismatch error.
+    pub fn host_mut(
+        &mut self,
+        op: &'static str,
+        what: &'static str,
+    ) -> Result<&mut [i32], KernelError> {
+        match self {
+            Ints::Host(v) => Ok(v),
+            #[cfg(any(feature = "cuda", feature = "rocm"))]
+            t => {
+                let got = t.place();
+                Err(mismatch(op, what, &Backend::Cpu, got))
+            }
         }
     }
 

@@ -44,6 +44,74 @@ fn embed_on<D: super::OnDevice>(dev: &D, p: Embed<'_>, out: &Tensor) -> Result<(
     crate::gpu::ops::embed(dev, super::wv::<D>(p.table, OP, "table")?, ids, dst)
 }
 
+/// A verify round's drafts, left on the backend by the drafter's pass: block position `k`'s
+/// ids for every sequence of the pass at `drafts[k·width ..]` (step-major).
+#[derive(Debug, Clone, Copy)]
+pub struct DraftIds<'a> {
+    /// `[block][width]` draft ids.
+    pub drafts: &'a Ints,
+    /// Sequences of the drafter's pass (its output's row stride).
+    pub width: usize,
+    /// Sequences of the verify batch: the pass's first `seqs`, in order.
+    pub seqs: usize,
+    /// Drafts each sequence verifies.
+    pub gamma: usize,
+}
+
+/// Puts `p`'s drafts into a uniform verify batch's token ids (`ids[s·(γ+1) + 1 + k]`, after
+/// each sequence's anchor), where they are: the host never reads them before the forward.
+pub fn scatter_drafts(b: &Backend, p: DraftIds<'_>, ids: &mut Ints) -> Result<(), KernelError> {
+    const OP: &str = "scatter_drafts";
+    let DraftIds {
+        drafts,
+        width,
+        seqs: n,
+        gamma: g,
+    } = p;
+    match b {
+        Backend::Cpu => {
+            let src = drafts.host(OP, "drafts")?;
+            let dst = ids.host_mut(OP, "ids")?;
+            if width < n || src.len() < g * width || dst.len() < n * (g + 1) {
+                return Err(KernelError::InvalidParam {
+                    op: OP,
+                    field: "ids",
+                    limit: "n·(γ+1) ids from γ·width drafts, width ≥ n",
+                    value: format!(
+                        "{} ids, {} drafts (n {n}, γ {g}, width {width})",
+                        dst.len(),
+                        src.len()
+                    ),
+                });
+            }
+            for s in 0..n {
+                for k in 0..g {
+                    dst[s * (g + 1) + 1 + k] = src[k * width + s];
+                }
+            }
+            Ok(())
+        }
+        #[cfg(feature = "cuda")]
+        Backend::Cuda(dev) => scatter_drafts_on(dev, p, ids),
+        #[cfg(feature = "rocm")]
+        Backend::Rocm(dev) => scatter_drafts_on(dev, p, ids),
+    }
+}
+
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+fn scatter_drafts_on<D: super::OnDevice>(
+    dev: &D,
+    p: DraftIds<'_>,
+    ids: &Ints,
+) -> Result<(), KernelError> {
+    const OP: &str = "scatter_drafts";
+    let (src, dst) = (
+        super::iv::<D>(p.drafts, OP, "drafts")?,
+        super::iv::<D>(ids, OP, "ids")?,
+    );
+    crate::gpu::ops::scatter_drafts(dev, src, dst, (p.seqs, p.gamma, p.width))
+}
+
 /// Rows `rows` of `src`.
 #[derive(Debug, Clone, Copy)]
 pub struct Gather<'a> {

@@ -517,7 +517,7 @@ impl CudaDevice {
     ) -> Result<(), KernelError> {
         let _host = super::host_time::span("write");
         if super::upload::enabled()
-            && std::mem::size_of_val(host) <= super::upload::SLOT_BYTES
+            && std::mem::size_of_val(host) <= super::upload::MAX_STAGED_BYTES
             && !self.capturing()
         {
             return self.write_staged(dst, offset, host);
@@ -537,8 +537,8 @@ impl CudaDevice {
     }
 
     /// [`Self::write`] without waiting ([`super::upload`]): `host` (at most
-    /// [`super::upload::SLOT_BYTES`]) is copied into a page-locked slot, its copy into `dst`
-    /// queued on the stream, and the call returns; kernels queued later see the data. Refused
+    /// [`super::upload::MAX_STAGED_BYTES`]) is copied into page-locked slots, a slot's worth
+    /// each, their copies into `dst` queued on the stream, and the call returns; kernels queued later see the data. Refused
     /// under a graph capture, where the copy would replay from a slot since reused.
     pub fn write_staged<T: DevicePod>(
         &self,
@@ -572,9 +572,22 @@ impl CudaDevice {
         let raw = unsafe {
             std::slice::from_raw_parts(host.as_ptr().cast::<u8>(), std::mem::size_of_val(host))
         };
-        // SAFETY: the destination range is inside `dst` (checked above), whose free is queued
-        // on this stream behind the copy.
-        unsafe { ring.write(dst.ptr_at(offset), raw, &self.inner.stream) }
+        if raw.len() > super::upload::MAX_STAGED_BYTES {
+            return Err(KernelError::ShapeMismatch {
+                op: "cuda_write_staged",
+                what: "bytes",
+                expected: super::upload::MAX_STAGED_BYTES,
+                got: raw.len(),
+            });
+        }
+        // A slot's worth at a time, each piece to its own place in `dst`.
+        for (k, piece) in raw.chunks(super::upload::SLOT_BYTES).enumerate() {
+            let at = dst.ptr_at(offset) + (k * super::upload::SLOT_BYTES) as u64;
+            // SAFETY: the piece's destination lies inside `dst`'s checked range, whose free is
+            // queued on this stream behind the copy.
+            unsafe { ring.write(at, piece, &self.inner.stream) }?;
+        }
+        Ok(())
     }
 
     /// Copies the whole buffer back to the host (waits for queued work).

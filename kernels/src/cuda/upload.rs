@@ -6,7 +6,9 @@
 //! inputs) costs a round trip to an idle device, and the host cannot queue anything behind
 //! work still running. With the switch on, a write of at most [`SLOT_BYTES`] is staged in one
 //! of [`SLOTS`] page-locked slots, its copy queued on the stream, and an event recorded behind
-//! it; the call returns at once. The stream runs the copy before anything queued later, so
+//! it; the call returns at once. A write of up to [`MAX_STAGED_BYTES`] (a verify graph's block
+//! tables at a hundred sequences and more, a large model's rotary rows) is staged in
+//! consecutive slots, a slot's worth each. The stream runs the copy before anything queued later, so
 //! kernels see the data exactly as before; the slot is written again only after its event
 //! says its last copy has run. Larger writes, and writes while the stream is being captured
 //! into a graph (a captured copy would replay from a slot since reused), take the
@@ -24,6 +26,9 @@ use crate::error::KernelError;
 pub const SLOT_BYTES: usize = 64 << 10;
 /// Staging slots, used in turn: a slot is reused after this many later writes.
 pub const SLOTS: usize = 64;
+/// The largest write staged, in [`SLOT_BYTES`] pieces (a quarter of the slots, so that one
+/// write never waits on its own earlier pieces).
+pub const MAX_STAGED_BYTES: usize = SLOTS / 4 * SLOT_BYTES;
 
 /// Whether `FERRY_ASYNC_WRITES=1` (read once).
 pub fn enabled() -> bool {

@@ -284,6 +284,17 @@ extern "C" __global__ void widen_bf16(const bf16_t* x, float* out, long long n) 
   long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (i < n) out[i] = bf2f(x[i]);
 }
+// A verify round's drafts put into its token ids on the device, without the host:
+// ids[s·(g+1) + 1 + k] = drafts[k·width + s] for s < n, k < g. `drafts` is the drafter's
+// step-major output (block position k's ids for every sequence of its pass, `width` of them);
+// row s·(g+1) of `ids`, sequence s's anchor, is the host's.
+extern "C" __global__ void scatter_drafts(const int* drafts, int* ids, int n, int g, int width) {
+  pdl_enter();
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n * g) return;
+  int s = i / g, k = i - s * g;
+  ids[s * (g + 1) + 1 + k] = drafts[k * width + s];
+}
 // dst[i][:] = src[rows[i]][:]. Grid: (rows, ⌈width / (GATHER_U · blockDim)⌉): a block copies
 // GATHER_U · blockDim columns of one row, each thread issuing its loads before its stores (a
 // block looping over a whole vocabulary row paid one memory round trip per trip).

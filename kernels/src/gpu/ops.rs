@@ -931,6 +931,40 @@ pub fn bf16_rows<D: Gpu>(
     }
 }
 
+/// A verify round's drafts put into its token ids on the device: `ids[s·(g+1) + 1 + k] =
+/// drafts[k·width + s]` for the first `n` sequences and `g` drafts each (the drafter's
+/// step-major output, `width` sequences a block position). Each sequence's anchor row is left
+/// as the host wrote it.
+pub fn scatter_drafts<D: Gpu>(
+    dev: &D,
+    drafts: Dv<i32>,
+    ids: Dv<i32>,
+    (n, g, width): (usize, usize, usize),
+) -> Result<(), KernelError> {
+    const OP: &str = "gpu_scatter_drafts";
+    if width < n {
+        return Err(KernelError::InvalidParam {
+            op: OP,
+            field: "width",
+            limit: "at least the sequences placed",
+            value: format!("{width} (n {n})"),
+        });
+    }
+    need(OP, "ids", n * (g + 1), ids.len)?;
+    need(OP, "drafts", g * width, drafts.len)?;
+    if n * g == 0 {
+        return Ok(());
+    }
+    let f = kernel(dev, "scatter_drafts")?;
+    let mut a = KernelArgs::new();
+    a.push(drafts.ptr)
+        .push(ids.ptr)
+        .push(int(OP, "n", n)?)
+        .push(int(OP, "g", g)?)
+        .push(int(OP, "width", width)?);
+    dev.launch(&f, LaunchDims::linear(n * g, 256), &mut a)
+}
+
 /// `out = f32(x)`.
 pub fn widen_bf16<D: Gpu>(dev: &D, x: Dv<u16>, out: Dv<f32>) -> Result<(), KernelError> {
     need("gpu_widen", "out", x.len, out.len)?;

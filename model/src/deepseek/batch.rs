@@ -1,6 +1,7 @@
 //! The contract between a scheduler and the forward.
 
-use ferry_kernels::backend::Tensor;
+use ferry_kernels::backend::rows::{scatter_drafts, DraftIds};
+use ferry_kernels::backend::{Backend, Ints, Tensor};
 use ferry_kernels::cpu::logits::TokenLogprobs;
 
 use crate::config::ModelConfig;
@@ -60,6 +61,13 @@ pub struct BatchInputs<'a> {
     /// Rows reduced to log-probabilities in the forward (prompt log-probabilities); empty for
     /// most batches.
     pub prompt_logprobs: Vec<PromptRows<'a>>,
+    /// A uniform verify round's drafts where the drafter left them, on the model's backend:
+    /// every sequence's tokens are its anchor then γ placeholders, and the forward puts the
+    /// drafts over the placeholders on the device ([`scatter_drafts`]) before its first op, so
+    /// the host never waits for the drafter's pass. `None` for every other batch.
+    ///
+    /// [`scatter_drafts`]: ferry_kernels::backend::rows::scatter_drafts
+    pub drafts_on_device: Option<DraftIds<'a>>,
 }
 
 /// Per-token positions and the row range of each sequence in the flattened batch: the same on
@@ -157,6 +165,27 @@ impl BatchOutput {
 }
 
 impl BatchInputs<'_> {
+    /// Puts [`Self::drafts_on_device`] over the placeholders of the batch's token ids `ids`
+    /// (uploaded from the host just before, in stream order); nothing without them. The round's
+    /// sequences must come first, each with its anchor and γ drafts.
+    pub(crate) fn place_drafts(&self, b: &Backend, ids: &mut Ints) -> Result<(), ModelError> {
+        let Some(p) = self.drafts_on_device else {
+            return Ok(());
+        };
+        let uniform = self
+            .seqs
+            .get(..p.seqs)
+            .is_some_and(|s| s.iter().all(|s| s.tokens.len() == p.gamma + 1));
+        if !uniform {
+            return Err(ModelError::Invalid(format!(
+                "drafts on the device: the batch's first {} sequences must each feed an anchor \
+                 and {} drafts",
+                p.seqs, p.gamma
+            )));
+        }
+        Ok(scatter_drafts(b, p, ids)?)
+    }
+
     /// [`Self::check_seqs`] after checking that the cache's geometry (`layout`) is the model's
     /// (`layers` attention layers of `config.latent_width()`): what every backend's forward
     /// validates before writing any cache row.

@@ -328,10 +328,12 @@ impl DeepseekModel {
     ) -> Result<Plan, ModelError> {
         let b = &self.backend;
         let hi = host_inputs(batch, page);
+        let mut ids = b.ints(hi.tokens)?;
+        batch.place_drafts(b, &mut ids)?;
         Ok(Plan {
             rope: RopeTable::new(b, &self.rope, &hi.geo.positions)?,
             slots: b.slots(hi.slots)?,
-            ids: b.ints(hi.tokens)?,
+            ids,
             runs: self.plan_runs(&batch.seqs, page, plan_ctx, policy)?,
             picked: b.ints(hi.rows)?,
             rows_per_seq: hi.rows_per_seq,

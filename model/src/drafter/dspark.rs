@@ -49,8 +49,8 @@ use ferry_kernels::cpu::rope::{Rope, RopeParams, RopeScaling, RotaryLayout};
 
 use super::heads::{ConfidenceHead, MarkovHead};
 use super::{
-    ContextRows, DraftCtx, DraftDist, DraftInput, DraftKvLayout, Drafter, DrafterConfig, Proposal,
-    Proposals,
+    ContextRows, DraftCtx, DraftInput, DraftKvLayout, Drafter, DrafterConfig, Proposals,
+    QueuedDrafts,
 };
 use crate::config::ModelConfig;
 use crate::deepseek::DeepseekModel;
@@ -703,39 +703,23 @@ impl DsparkDrafter {
             }
             _ => None,
         };
-        let each = (0..n)
-            .map(|s| {
-                let ids: Vec<i32> = (0..blk).map(|k| drafts[k * w + s]).collect();
-                if let Some(k) = ids.iter().position(|&t| t < 0) {
-                    return Err(ModelError::Invalid(format!(
-                        "drafter Markov head: block position {k} has no valid distribution"
-                    )));
-                }
-                Ok(Proposal {
-                    drafts: ids.iter().map(|&t| t as u32).collect(),
-                    q: if sampled[s] {
-                        DraftDist::Rows { first: s * blk }
-                    } else {
-                        DraftDist::Greedy
-                    },
-                    confidence: (0..blk).map(|k| confidence[k * w + s]).collect(),
-                })
-            })
-            .collect();
+        let each = super::proposals_from((&drafts, &confidence), w, blk, &sampled);
         Ok(Proposals { each, q })
     }
 
     /// A pass replayed from a CUDA graph for `inputs`' batch-size bucket (captured on first
     /// use, recaptured when a context outgrows the graph's plan), or `None` when graphs do not
     /// apply (off, not on CUDA, too many inputs, a failed capture: the caller runs eagerly).
-    /// The inputs are padded to the bucket with empty ones (anchor 0, no context).
+    /// The inputs are padded to the bucket with empty ones (anchor 0, no context). `finish`
+    /// takes what the caller needs from the pass's outputs before anything overwrites them.
     #[cfg(feature = "cuda")]
-    fn propose_graphed(
+    fn propose_graphed<T>(
         &self,
         target: &DeepseekModel,
         kv: &KvStore,
         inputs: &[DraftInput<'_>],
-    ) -> Result<Option<Proposals>, ModelError> {
+        finish: &impl Fn(&PassOut) -> Result<T, ModelError>,
+    ) -> Result<Option<T>, ModelError> {
         let Backend::Cuda(dev) = &self.backend else {
             return Ok(None);
         };
@@ -782,14 +766,14 @@ impl DsparkDrafter {
             };
             self.refresh_pass(&mut g.plan, &host)?;
             g.graph.launch()?;
-            return Ok(Some(self.collect(inputs, &g.out)?));
+            return Ok(Some(finish(&g.out)?));
         }
         graphs.remove(&key);
         // Run once eagerly (compiling every kernel; its outputs are this call's), then capture.
         let plan = self.upload_pass(&host)?;
         let mut out = self.new_out(bucket, !greedy)?;
         self.run_pass(target, kv, &plan, &mut out)?;
-        let proposals = self.collect(inputs, &out)?;
+        let proposals = finish(&out)?;
         dev.synchronize()?;
         dev.begin_capture()?;
         let run = self.run_pass(target, kv, &plan, &mut out);
@@ -819,18 +803,49 @@ impl DsparkDrafter {
         Ok(Some(proposals))
     }
 
-    /// One eager pass over `inputs`: uploads, ops, downloads.
-    fn propose_eager(
+    /// One eager pass over `inputs`: uploads, ops, then `finish` of its outputs.
+    fn propose_eager<T>(
         &self,
         target: &DeepseekModel,
         kv: &KvStore,
         inputs: &[DraftInput<'_>],
-    ) -> Result<Proposals, ModelError> {
+        finish: &impl Fn(&PassOut) -> Result<T, ModelError>,
+    ) -> Result<T, ModelError> {
         let host = self.host_pass(inputs, kv.layout().page_size, None)?;
         let plan = self.upload_pass(&host)?;
         let mut out = self.new_out(inputs.len(), !host.greedy)?;
         self.run_pass(target, kv, &plan, &mut out)?;
-        self.collect(inputs, &out)
+        finish(&out)
+    }
+
+    /// A pass's drafts and confidences copied on the backend (a graph's buffers are
+    /// overwritten by its next replay), for the first `n` inputs.
+    fn queue(&self, n: usize, out: &PassOut) -> Result<QueuedDrafts, ModelError> {
+        let b = &self.backend;
+        Ok(QueuedDrafts::new(
+            b.copy_ints(&out.drafts)?,
+            b.copy(&out.confidence)?,
+            (out.width, n, self.config.block_size),
+        ))
+    }
+
+    /// The pass for `inputs` (replayed from a graph where one applies), then `finish` of its
+    /// outputs.
+    fn pass_with<T>(
+        &self,
+        ctx: &DraftCtx<'_>,
+        inputs: &[DraftInput<'_>],
+        finish: impl Fn(&PassOut) -> Result<T, ModelError>,
+    ) -> Result<T, ModelError> {
+        self.check_target(ctx.target)?;
+        let kv = ctx
+            .kv
+            .ok_or_else(|| ModelError::Invalid("the DSpark drafter needs its KV".into()))?;
+        #[cfg(feature = "cuda")]
+        if let Some(done) = self.propose_graphed(ctx.target, kv, inputs, &finish)? {
+            return Ok(done);
+        }
+        self.propose_eager(ctx.target, kv, inputs, &finish)
     }
 
     /// Context feature `RMSNorm(fc(concat taps))` for the rows named by `rows`, `[R][hidden]`,
@@ -1024,20 +1039,22 @@ impl Drafter for DsparkDrafter {
         if inputs.is_empty() {
             return Proposals::host(Vec::new());
         }
-        let run = || {
-            self.check_target(ctx.target)?;
-            let kv = ctx
-                .kv
-                .ok_or_else(|| ModelError::Invalid("the DSpark drafter needs its KV".into()))?;
-            #[cfg(feature = "cuda")]
-            if let Some(p) = self.propose_graphed(ctx.target, kv, inputs)? {
-                return Ok(p);
-            }
-            self.propose_eager(ctx.target, kv, inputs)
-        };
-        match run() {
+        match self.pass_with(ctx, inputs, |out| self.collect(inputs, out)) {
             Ok(p) => p,
             Err(e) => Proposals::failed(inputs.len(), &format!("drafter forward: {e}")),
         }
+    }
+
+    fn propose_queued(
+        &self,
+        ctx: &DraftCtx<'_>,
+        inputs: &[DraftInput<'_>],
+    ) -> Option<Result<QueuedDrafts, ModelError>> {
+        // Sampled drafts fail on the host when a position has no valid distribution, and
+        // their rows of q are the verifier's: only greedy passes stay queued.
+        if inputs.is_empty() || !inputs.iter().all(|i| i.params.is_greedy()) {
+            return None;
+        }
+        Some(self.pass_with(ctx, inputs, |out| self.queue(inputs.len(), out)))
     }
 }

@@ -34,7 +34,8 @@ pub use dspark::DsparkDrafter;
 
 use std::path::PathBuf;
 
-use ferry_kernels::backend::{Backend, Tensor};
+use ferry_kernels::backend::rows::DraftIds;
+use ferry_kernels::backend::{Backend, Ints, Tensor};
 use ferry_kernels::cpu::sample::SamplingParams;
 
 use crate::deepseek::DeepseekModel;
@@ -225,6 +226,100 @@ pub struct Proposal {
     pub confidence: Vec<f32>,
 }
 
+/// A pass's greedy drafts and confidences still on the drafter's backend
+/// ([`Drafter::propose_queued`]), step-major like the pass writes them: block position `k`'s
+/// for every input at `[k · width ..]`.
+#[derive(Debug)]
+pub struct QueuedDrafts {
+    drafts: Ints,
+    confidence: Tensor,
+    /// Inputs of the pass, padding included (the row stride).
+    width: usize,
+    /// The real inputs: the first `seqs` of each row.
+    seqs: usize,
+    block: usize,
+}
+
+impl QueuedDrafts {
+    /// `[block][width]` drafts and confidences of which the first `seqs` of each row are real.
+    pub fn new(
+        drafts: Ints,
+        confidence: Tensor,
+        (width, seqs, block): (usize, usize, usize),
+    ) -> Self {
+        Self {
+            drafts,
+            confidence,
+            width,
+            seqs,
+            block,
+        }
+    }
+
+    /// The inputs drafted for.
+    pub fn seqs(&self) -> usize {
+        self.seqs
+    }
+
+    /// What a verify batch of these inputs, in order, `gamma` drafts each, takes as
+    /// [`crate::deepseek::BatchInputs::drafts_on_device`].
+    pub fn ids(&self, gamma: usize) -> DraftIds<'_> {
+        DraftIds {
+            drafts: &self.drafts,
+            width: self.width,
+            seqs: self.seqs,
+            gamma: gamma.min(self.block),
+        }
+    }
+
+    /// Each input's proposal, as [`Drafter::propose`] would have returned it (two downloads,
+    /// which wait for whatever was queued behind the pass).
+    pub fn collect(&self) -> Result<Vec<Result<Proposal, ModelError>>, ModelError> {
+        let drafts = self.drafts.to_host()?;
+        let confidence = self.confidence.to_host()?;
+        let greedy = vec![false; self.seqs];
+        Ok(proposals_from(
+            (&drafts, &confidence),
+            self.width,
+            self.block,
+            &greedy,
+        ))
+    }
+}
+
+/// Each input's proposal from a pass's step-major host outputs (`[block][width]` drafts and
+/// confidences), one per entry of `sampled` (whether that input's drafts were sampled, so its
+/// distributions are rows of the pass's q, or greedy). A draft of -1 (no valid distribution)
+/// fails its input's proposal.
+pub(crate) fn proposals_from(
+    (drafts, confidence): (&[i32], &[f32]),
+    width: usize,
+    block: usize,
+    sampled: &[bool],
+) -> Vec<Result<Proposal, ModelError>> {
+    sampled
+        .iter()
+        .enumerate()
+        .map(|(s, &sampled)| {
+            let ids: Vec<i32> = (0..block).map(|k| drafts[k * width + s]).collect();
+            if let Some(k) = ids.iter().position(|&t| t < 0) {
+                return Err(ModelError::Invalid(format!(
+                    "drafter Markov head: block position {k} has no valid distribution"
+                )));
+            }
+            Ok(Proposal {
+                drafts: ids.iter().map(|&t| t as u32).collect(),
+                q: if sampled {
+                    DraftDist::Rows { first: s * block }
+                } else {
+                    DraftDist::Greedy
+                },
+                confidence: (0..block).map(|k| confidence[k * width + s]).collect(),
+            })
+        })
+        .collect()
+}
+
 /// What one [`Drafter::propose`] call drafted.
 #[derive(Debug)]
 pub struct Proposals {
@@ -295,6 +390,20 @@ pub trait Drafter: Send {
 
     /// Drafts a block for each input, in one batched pass; one result per input.
     fn propose(&self, ctx: &DraftCtx<'_>, inputs: &[DraftInput<'_>]) -> Proposals;
+
+    /// [`Self::propose`] for greedy inputs, with the drafts and confidences left where the
+    /// pass ran: nothing is downloaded and nothing waits for the pass, so a verify forward can
+    /// be queued behind it ([`QueuedDrafts::ids`]) and the drafts read after it
+    /// ([`QueuedDrafts::collect`]). `None` where this drafter or these inputs cannot (the
+    /// caller proposes as usual).
+    fn propose_queued(
+        &self,
+        ctx: &DraftCtx<'_>,
+        inputs: &[DraftInput<'_>],
+    ) -> Option<Result<QueuedDrafts, ModelError>> {
+        let _ = (ctx, inputs);
+        None
+    }
 }
 
 #[cfg(test)]

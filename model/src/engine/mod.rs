@@ -735,6 +735,10 @@ pub struct EngineStats {
     /// `goodput` ever ran a narrower graphed width at load (session 42). Sums to
     /// `spec_rounds`.
     pub spec_rounds_by_width: Vec<u64>,
+    /// Steps whose verify forward read the drafts where the drafter left them, on the device
+    /// (a round whose width was known before drafting: `fixed:N` or a whole block under
+    /// `confidence`, every running sequence greedy; `FERRY_QUEUED_DRAFTS=0` turns it off).
+    pub spec_queued_steps: u64,
     /// Rounds by what the confidence head predicted they would accept, against what they did:
     /// the evidence for `goodput`'s choice after drafting (a round predicted to accept little
     /// is skipped there, so a policy that verifies every round, e.g. `fixed:8`, measures it).

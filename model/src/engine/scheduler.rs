@@ -38,7 +38,7 @@ mod round;
 mod sample;
 
 /// Which container a committed row range belongs to.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Owner {
     Running(usize),
     Waiting(usize),
@@ -147,9 +147,18 @@ struct BatchResult {
     hook_errors: HashMap<usize, String>,
     /// Per running sequence, the drafts it verified (empty without a drafter).
     drafts: Vec<Option<Draft>>,
-    /// Hidden states after the drafter's tap layers, `[tap][batch rows · hidden]`, on the
-    /// model's backend.
-    taps: Vec<ferry_kernels::backend::Tensor>,
+    /// The drafter's context from this batch: written before the sampling, or still to write.
+    drafter: DrafterStage,
+}
+
+/// Where a batch's drafter context stands when its sampling is done.
+enum DrafterStage {
+    /// On a GPU: every computed row written behind the forward, before the sampling waited
+    /// for it ([`Scheduler::extend_drafter`]); the commit keeps what each request kept.
+    Written(round::DrafterRows),
+    /// On the CPU, whose forward is done when it returns (nothing to overlap): the taps, from
+    /// which the commit writes only the kept rows.
+    Pending(Vec<ferry_kernels::backend::Tensor>),
 }
 
 impl Scheduler {

@@ -36,6 +36,7 @@ use std::fmt;
 use std::str::FromStr;
 use std::sync::Arc;
 
+use ferry_kernels::backend::rows::DraftIds;
 use ferry_kernels::backend::{Backend, Tensor};
 use ferry_kernels::KernelError;
 
@@ -45,7 +46,8 @@ use super::sequence::{round_uniforms, Phase, Sequence};
 use super::{DeviceKvWriter, SeqId};
 use crate::deepseek::DeepseekModel;
 use crate::drafter::{
-    ContextRows, ContextSegment, DraftCtx, DraftDist, DraftInput, DraftKvLayout, Drafter, Proposals,
+    ContextRows, ContextSegment, DraftCtx, DraftDist, DraftInput, DraftKvLayout, Drafter, Proposal,
+    Proposals, QueuedDrafts,
 };
 use crate::kv::{BlockId, KvDtype, KvLayout, KvStore, LayerRows};
 use crate::ModelError;
@@ -248,6 +250,9 @@ pub(crate) struct Speculator {
     deferred: Deferred,
     /// Drafts of greedy sequences not verified, until the tokens after them resolve them.
     shadows: HashMap<SeqId, Vec<Shadow>>,
+    /// This step's round, when its drafts stayed on the device ([`Self::plan`]): the verify
+    /// forward reads them there, and [`Self::fill_queued`] brings them to the host after it.
+    queued: Option<QueuedDrafts>,
 }
 
 /// Committed rows of plain decode steps whose drafter context is not written yet.
@@ -378,6 +383,7 @@ impl Speculator {
             flush_secs: 0.0,
             deferred: Deferred::default(),
             shadows: HashMap::new(),
+            queued: None,
         })
     }
 
@@ -590,6 +596,8 @@ impl Speculator {
         budget: usize,
         max_pos: usize,
     ) -> (Vec<Option<Draft>>, Option<Tensor>) {
+        // A step that never ran its batch must not leave its drafts to this one.
+        self.queued = None;
         let mut plan: Vec<Option<Draft>> = vec![None; running.len()];
         let block = self.drafter.block_size();
         // Slots each sequence may verify at most (`room`): what the request still needs after
@@ -700,6 +708,48 @@ impl Speculator {
             kv: self.kv.as_ref(),
         };
         let started = std::time::Instant::now();
+        // A round whose width is known before drafting keeps its drafts on the device: the
+        // verify forward is queued right behind the drafter's pass, and the host reads the
+        // drafts after it (`fill_queued`), not between the two. That needs every running
+        // sequence drafting greedily at one width the rule fixes without the confidences:
+        // `fixed:N` within every context's room, or the whole block under `confidence`.
+        // (`goodput` picks after reading the confidences.)
+        let queued_width = match self.config.verify_len {
+            VerifyLen::Fixed(n) if n > 0 && n.min(block) <= pre_max => Some(n.min(block)),
+            VerifyLen::Confidence { .. } if pre_max >= block => Some(block),
+            _ => None,
+        }
+        .filter(|_| {
+            queued_drafts()
+                && uniform
+                && eligible.len() == running.len()
+                && model.backend().device().is_gpu()
+                && running.iter().all(|s| s.sampling.is_greedy())
+        });
+        if let Some(g) = queued_width {
+            match self.drafter.propose_queued(&ctx, &inputs) {
+                Some(Ok(queued)) => {
+                    self.last_pass = Some((eligible.len(), started.elapsed().as_secs_f64()));
+                    for (i, input) in inputs.iter().enumerate() {
+                        // Placeholders (a valid id) that the forward overwrites on the device.
+                        let mut tokens = vec![0; g + 1];
+                        tokens[0] = input.anchor;
+                        plan[i] = Some(Draft {
+                            tokens,
+                            q: DraftDist::Greedy,
+                            survival: Vec::new(),
+                        });
+                    }
+                    self.queued = Some(queued);
+                    return (plan, None);
+                }
+                Some(Err(e)) => {
+                    tracing::warn!(error = %e, "drafting failed; plain decode step");
+                    return (plan, None);
+                }
+                None => {}
+            }
+        }
         // On the CPU the pass runs on rayon's threads, as the target's forward does
         // (`Backend::forward`); a GPU pass stays on the engine thread, whose device it uses.
         let proposals = if model.backend().device().is_gpu() {
@@ -861,6 +911,40 @@ impl Speculator {
             });
         }
         (plan, q)
+    }
+
+    /// Where this step's queued drafts are ([`Self::plan`] left them on the device): what the
+    /// verify batch of the running sequences, `gamma` drafts each, takes as
+    /// [`crate::deepseek::BatchInputs::drafts_on_device`]. `None` for any other step.
+    pub fn queued_ids(&self, gamma: usize) -> Option<DraftIds<'_>> {
+        self.queued.as_ref().map(|q| q.ids(gamma))
+    }
+
+    /// Brings this step's queued drafts to the host, into the running sequences' `drafts`
+    /// (in order): each one's tokens after its anchor and its survivals, as [`Self::plan`]
+    /// sets them when it reads the drafts first. The downloads wait for whatever was queued
+    /// behind the drafter's pass (the verify forward). Nothing without queued drafts. A
+    /// sequence whose drafts failed, or every one when the download failed (the error
+    /// returned), keeps its anchor alone ([`fill_draft`]).
+    pub fn fill_queued(&mut self, drafts: &mut [Option<Draft>]) -> Result<(), ModelError> {
+        let Some(queued) = self.queued.take() else {
+            return Ok(());
+        };
+        let proposals = match queued.collect() {
+            Ok(p) => p,
+            Err(e) => {
+                for d in drafts.iter_mut().flatten() {
+                    fill_draft(d, Err(ModelError::Invalid("no drafts came back".into())));
+                }
+                return Err(e);
+            }
+        };
+        for (d, p) in drafts.iter_mut().zip(proposals) {
+            if let Some(d) = d.as_mut() {
+                fill_draft(d, p);
+            }
+        }
+        Ok(())
     }
 
     /// The engine ran a step in `step_secs` (the drafter's pass of [`Self::plan`], if one
@@ -1059,6 +1143,52 @@ fn widest_uniform(
 
 /// Whether whole-block rounds keep sequences in their last block ([`Speculator::plan`]): unless
 /// `FERRY_WHOLE_BLOCK_TAIL=0` (read once; the benchmarks' A/B switch).
+/// One queued round's drafts into `d` (its anchor, then γ placeholders): the proposal's first
+/// γ drafts and their cumulative survivals. Without a proposal (the drafter failed, or the
+/// download did) the round keeps its anchor alone: γ = 0, the plain step of that sequence. Its
+/// row 0 was computed from the anchor as always, the placeholders' rows are never read, and
+/// the commit rolls their positions back, so nothing wrong is ever accepted and the request
+/// goes on.
+fn fill_draft(d: &mut Draft, p: Result<Proposal, ModelError>) {
+    match p {
+        Ok(p) if p.drafts.len() >= d.gamma() => {
+            let g = d.gamma();
+            d.tokens[1..].copy_from_slice(&p.drafts[..g]);
+            d.survival = p
+                .confidence
+                .iter()
+                .chain(std::iter::repeat(&0.0))
+                .take(g)
+                .scan(1.0f32, |reach, &c| {
+                    *reach *= c;
+                    Some(*reach)
+                })
+                .collect();
+        }
+        Ok(p) => {
+            tracing::warn!(
+                drafts = p.drafts.len(),
+                gamma = d.gamma(),
+                "a queued round came back short; its anchor alone"
+            );
+            d.tokens.truncate(1);
+            d.survival.clear();
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "a queued draft failed; its anchor alone");
+            d.tokens.truncate(1);
+            d.survival.clear();
+        }
+    }
+}
+
+/// `FERRY_QUEUED_DRAFTS=0`: every round's drafts come to the host before its verify forward
+/// is queued (the rule before; the A/B switch).
+fn queued_drafts() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("FERRY_QUEUED_DRAFTS").map_or(true, |v| v.trim() != "0"))
+}
+
 fn whole_block_tail() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("FERRY_WHOLE_BLOCK_TAIL").map_or(true, |v| v.trim() != "0"))
@@ -1238,6 +1368,37 @@ mod tests {
         assert!(gamma.is_empty(), "{gamma:?}");
         assert!(confidence_lengths(Vec::new(), 0.0, 4).is_empty());
         assert!(confidence_lengths(block(0, &[0.9]), 0.0, 0).is_empty());
+    }
+
+    #[test]
+    fn a_queued_round_takes_its_drafts_or_keeps_its_anchor_alone() {
+        let placeholder = || Draft {
+            tokens: vec![7, 0, 0, 0],
+            q: DraftDist::Greedy,
+            survival: Vec::new(),
+        };
+        let mut d = placeholder();
+        let p = Proposal {
+            drafts: vec![5, 6, 8, 9],
+            q: DraftDist::Greedy,
+            confidence: vec![0.5, 0.5, 0.5, 0.5],
+        };
+        fill_draft(&mut d, Ok(p.clone()));
+        assert_eq!(d.tokens, [7, 5, 6, 8]);
+        assert_eq!(d.survival, [0.5, 0.25, 0.125]);
+        // A failed proposal, or one shorter than the round: the anchor's plain step.
+        for bad in [
+            Err(ModelError::Invalid("no valid distribution".into())),
+            Ok(Proposal {
+                drafts: vec![5, 6],
+                ..p
+            }),
+        ] {
+            let mut d = placeholder();
+            fill_draft(&mut d, bad);
+            assert_eq!((d.tokens.as_slice(), d.gamma()), (&[7u32][..], 0));
+            assert!(d.survival.is_empty());
+        }
     }
 
     #[test]

@@ -267,6 +267,7 @@ fn routed_expert_bytes(model: &DeepseekModel) -> (f64, f64, f64, usize) {
 fn batch_inputs<'a>(seqs: &'a [(Vec<u32>, usize)], tables: &'a [Vec<BlockId>]) -> BatchInputs<'a> {
     BatchInputs {
         prompt_logprobs: Vec::new(),
+        drafts_on_device: None,
         seqs: seqs
             .iter()
             .zip(tables)
@@ -387,6 +388,7 @@ pub fn prefill_seconds(
         .collect();
     let batch = BatchInputs {
         prompt_logprobs: Vec::new(),
+        drafts_on_device: None,
         seqs: vec![SeqInput {
             tokens: &ids,
             start_pos: 0,

@@ -263,6 +263,7 @@ impl DeepseekModel {
         let hi = host_inputs(batch, g.page);
         let plan = &mut g.plan;
         plan.ids.write(&hi.tokens)?;
+        batch.place_drafts(&self.backend, &mut plan.ids)?;
         plan.slots.write(&hi.slots)?;
         plan.rope.refresh(&self.rope, &hi.geo.positions)?;
         if let [RunPlan::Absorbed {

@@ -153,6 +153,7 @@ impl CudaRows {
             }
             let batch = BatchInputs {
                 prompt_logprobs: Vec::new(),
+                drafts_on_device: None,
                 seqs: vec![SeqInput {
                     tokens: &tokens[start..end],
                     start_pos: start,
@@ -170,6 +171,7 @@ impl CudaRows {
         let last = positions - 1;
         let batch = BatchInputs {
             prompt_logprobs: Vec::new(),
+            drafts_on_device: None,
             seqs: (0..8)
                 .map(|_| SeqInput {
                     tokens: &tokens[last..positions],
@@ -266,6 +268,8 @@ impl CudaRows {
         let padded = BatchInputs {
             seqs,
             prompt_logprobs: Vec::new(),
+            // The round's sequences come first; the padding's are left as they are.
+            drafts_on_device: batch.drafts_on_device,
         };
         let key = (bucket, sq);
         let stale = graphs.get(&key).is_some_and(|g| g.plan_ctx() < plan_ctx);

@@ -9,7 +9,7 @@ use tracing::warn;
 use ferry_kernels::cpu::logits::RowLogprobs;
 
 use super::sample::Outcome;
-use super::{BatchResult, Owner, Scheduler, Work};
+use super::{BatchResult, DrafterStage, Owner, Scheduler, Work};
 use crate::deepseek::{BatchInputs, LogitsWanted, PromptRows, SeqInput};
 use crate::engine::backend::Pass;
 use crate::engine::sequence::{Next, Origin, Phase};
@@ -65,6 +65,25 @@ impl Scheduler {
                 let sink = std::mem::replace(&mut t.job.on_layer, Box::new(|_, _, _| Ok(())));
                 sinks.push((i, sink, blocks));
             }
+        }
+        // Drafts the drafter left on the device (`Speculator::plan`) stay there when the batch
+        // opens with their round (every running sequence, in order, each its anchor and γ
+        // drafts; prompt work may follow): the forward puts them into its inputs itself. Any
+        // other batch needs them on the host first.
+        let mut drafts = drafts;
+        let round_width = drafts.first().and_then(Option::as_ref).map(Draft::gamma);
+        let round_first = drafts.len() == self.running.len()
+            && work.len() >= drafts.len()
+            && work
+                .iter()
+                .take(drafts.len())
+                .enumerate()
+                .all(|(k, w)| matches!(*w, Work::Decode(i) if i == k))
+            && drafts
+                .iter()
+                .all(|d| d.as_ref().map(Draft::gamma) == round_width);
+        if !round_first {
+            self.fill_queued_drafts(&mut drafts);
         }
         // A drafting sequence feeds its anchor and drafts and wants every row's logits.
         let decode_inputs: Vec<Vec<u32>> = self
@@ -140,6 +159,10 @@ impl Scheduler {
         }
         let batch = BatchInputs {
             prompt_logprobs,
+            drafts_on_device: self
+                .spec
+                .as_ref()
+                .and_then(|sp| sp.queued_ids(round_width.unwrap_or(0))),
             seqs,
         };
 
@@ -171,10 +194,34 @@ impl Scheduler {
             staged: &staged,
             rows_on_device: rows_on_device && !staged.is_empty(),
         };
+        self.stats.spec_queued_steps += u64::from(batch.drafts_on_device.is_some());
         let result = self.backend.forward(&batch, self.kv.pool_mut(), pass);
+        drop(batch);
+        // In the drafter's tap order (a layer tapped twice is copied once).
+        let order: Vec<usize> = taps
+            .iter()
+            .filter_map(|l| tapped.iter().position(|(t, _)| t == l))
+            .collect();
+        let mut slots: Vec<Option<ferry_kernels::backend::Tensor>> =
+            tapped.into_iter().map(|(_, t)| Some(t)).collect();
+        let taps: Vec<_> = order
+            .into_iter()
+            .filter_map(|i| slots.get_mut(i).and_then(Option::take))
+            .collect();
+        // On a GPU every row the forward computed becomes drafter context before anything
+        // waits for the forward (`extend_drafter`), and the commit keeps the rows each request
+        // kept; on the CPU the commit writes the kept rows only. (Timed as the launch's: on a
+        // GPU these are launches queued behind the forward's.)
+        let drafter = if self.backend.model().backend().device().is_gpu() && result.is_ok() {
+            let rows = self.computed_rows(&work, &drafts);
+            DrafterStage::Written(self.extend_drafter(&rows, &taps, plain_decode(&work, &drafts)))
+        } else {
+            DrafterStage::Pending(taps)
+        };
         let forwarded = Instant::now();
         super::host_phase(phases.sample);
-        drop(batch);
+        // The round's drafts, read after its forward was queued (the download waits for it).
+        self.fill_queued_drafts(&mut drafts);
         // Every token the logits decide, drawn and verified where the logits are.
         let result = result.and_then(|mut logits| {
             let prompt: HashMap<usize, _> = prompt_items
@@ -187,32 +234,30 @@ impl Scheduler {
         let sampled = Instant::now();
         super::host_phase(phases.commit);
         match result {
-            Ok((outcomes, prompt)) => {
-                // In the drafter's tap order (a layer tapped twice is copied once).
-                let taps = taps
-                    .iter()
-                    .filter_map(|l| tapped.iter().position(|(t, _)| t == l))
-                    .collect::<Vec<_>>();
-                let mut slots: Vec<Option<ferry_kernels::backend::Tensor>> =
-                    tapped.into_iter().map(|(_, t)| Some(t)).collect();
-                let taps = taps
-                    .into_iter()
-                    .filter_map(|i| slots.get_mut(i).and_then(Option::take))
-                    .collect();
-                self.apply(
-                    work,
-                    BatchResult {
-                        outcomes,
-                        prompt,
-                        hook_errors,
-                        drafts,
-                        taps,
-                    },
-                )
-            }
+            Ok((outcomes, prompt)) => self.apply(
+                work,
+                BatchResult {
+                    outcomes,
+                    prompt,
+                    hook_errors,
+                    drafts,
+                    drafter,
+                },
+            ),
             Err(e) => self.fail_batch(work, &e.to_string()),
         }
         (forwarded, sampled)
+    }
+
+    /// Brings drafts the drafter left on the device to the host (nothing when there are
+    /// none). After a failed download those rounds keep their anchors alone
+    /// ([`crate::engine::spec::Speculator::fill_queued`]).
+    fn fill_queued_drafts(&mut self, drafts: &mut [Option<Draft>]) {
+        if let Some(sp) = self.spec.as_mut() {
+            if let Err(e) = sp.fill_queued(drafts) {
+                warn!(error = %e, "reading the drafts back failed; those rounds keep their anchors alone");
+            }
+        }
     }
 
     /// Commits a successful forward: advance tables, sample, emit, finish.
@@ -222,7 +267,7 @@ impl Scheduler {
             mut prompt,
             hook_errors,
             drafts,
-            taps,
+            drafter,
         } = result;
         // The forward just run shipped the batch's prefill jobs (if any).
         let ship_tail_us = self.backend.ship_stats().last_tail_us;
@@ -356,11 +401,15 @@ impl Scheduler {
                 }
             }
         }
-        // Before anything is released: the committed rows become drafter context, and prefill
-        // jobs ship it.
-        let plain_decode =
-            drafts.iter().all(Option::is_none) && work.iter().all(|w| matches!(w, Work::Decode(_)));
-        let mut draft_errors = self.extend_drafter(&committed, &taps, plain_decode);
+        // Before anything is released: the committed rows are (or stay) drafter context, and
+        // prefill jobs ship it.
+        let written = match drafter {
+            DrafterStage::Written(rows) => rows,
+            DrafterStage::Pending(taps) => {
+                self.extend_drafter(&committed, &taps, plain_decode(&work, &drafts))
+            }
+        };
+        let mut draft_errors = self.commit_drafter(written, &committed);
         // Remove from the highest index down so earlier indices stay valid.
         finished_running.sort_by_key(|e| std::cmp::Reverse(e.0));
         for (i, r) in finished_running {
@@ -414,6 +463,45 @@ impl Scheduler {
         }
     }
 
+    /// Per work item, the rows the forward computed: (who, first position, first batch row,
+    /// rows). A round's are its anchor and every draft; a plain decode step's its one token
+    /// (a sequence not decoding computes a row no one keeps, and is left out).
+    fn computed_rows(
+        &self,
+        work: &[Work],
+        drafts: &[Option<Draft>],
+    ) -> Vec<(Owner, usize, usize, usize)> {
+        let mut rows = Vec::with_capacity(work.len());
+        let mut first_row = 0;
+        for w in work {
+            let (entry, n) = match *w {
+                Work::Decode(i) => {
+                    let s = &self.running[i];
+                    let n = drafts
+                        .get(i)
+                        .and_then(Option::as_ref)
+                        .map_or(1, |d| d.tokens.len());
+                    let decoding = matches!(s.phase, Phase::Decoding { .. });
+                    let entry =
+                        decoding.then_some((Owner::Running(i), s.table.len(), first_row, n));
+                    (entry, n)
+                }
+                Work::Chunk(i, n) => {
+                    let s = &self.waiting[i];
+                    (Some((Owner::Waiting(i), s.table.len(), first_row, n)), n)
+                }
+                Work::Prefill(i) => {
+                    let t = &self.prefills[i];
+                    let n = t.job.prompt.len() - t.reused;
+                    (Some((Owner::Prefill(i), t.reused, first_row, n)), n)
+                }
+            };
+            rows.extend(entry);
+            first_row += n;
+        }
+        rows
+    }
+
     /// A forward failed: every request in it fails and frees its blocks.
     fn fail_batch(&mut self, work: Vec<Work>, err: &str) {
         warn!(error = err, requests = work.len(), "batch failed");
@@ -457,4 +545,10 @@ fn token(outcome: Outcome) -> (Result<u32, String>, Option<RowLogprobs>) {
             (Err("no token was sampled for this row".into()), None)
         }
     }
+}
+
+/// A batch of plain decode steps only: no drafts, no prompt work (an engine that defers keeps
+/// its drafter rows for later).
+fn plain_decode(work: &[Work], drafts: &[Option<Draft>]) -> bool {
+    drafts.iter().all(Option::is_none) && work.iter().all(|w| matches!(w, Work::Decode(_)))
 }

@@ -113,24 +113,27 @@ impl Scheduler {
         Ok((kept, None))
     }
 
-    /// Turns the rows a batch committed into drafter context (sequences whose context was
-    /// complete so far; prefill jobs always) and ships prefill jobs' drafter layers. Returns the
-    /// prefill jobs whose drafter shipping failed. A plain decode step (`plain_decode`: no
+    /// Turns the rows a batch computed into drafter context, queued on the backend right behind
+    /// the forward, before anything waits for the forward (so with `FERRY_ASYNC_WRITES=1` its
+    /// launches overlap the forward on a GPU). `rows` holds every row the forward computed per
+    /// work item: a round's anchor and all of its drafts, although the verification may reject
+    /// some. A rejected draft's row lands past the context the sequence keeps, which advances
+    /// by the kept rows only ([`Self::commit_drafter`]), and the next round writes that
+    /// position again before the drafter reads it. A plain decode step (`plain_decode`: no
     /// drafts, no prompt work) of an engine that defers (`goodput`) only keeps its rows for
     /// later; any other step first writes what was kept.
     pub(super) fn extend_drafter(
         &mut self,
-        committed: &[(Owner, usize, usize, usize)],
+        rows: &[(Owner, usize, usize, usize)],
         taps: &[Tensor],
         plain_decode: bool,
-    ) -> HashMap<usize, String> {
-        let mut errors = HashMap::new();
+    ) -> DrafterRows {
         let Some(sp) = self.spec.as_mut() else {
-            return errors;
+            return DrafterRows::default();
         };
         let model = self.backend.model();
         if plain_decode && sp.defers() {
-            let segments: Option<Vec<_>> = committed
+            let segments: Option<Vec<_>> = rows
                 .iter()
                 .map(|&(owner, start, first, rows)| match owner {
                     Owner::Running(i) => Some((self.running[i].id, start, first, rows)),
@@ -140,7 +143,7 @@ impl Scheduler {
             if let Some(segments) = segments {
                 let hidden = model.config().hidden_size;
                 match sp.defer(model.backend(), hidden, taps, &segments) {
-                    Ok(true) => return errors,
+                    Ok(true) => return DrafterRows::default(),
                     Ok(false) => {}
                     Err(e) => {
                         warn!(error = %e, "keeping drafter context rows for later failed; writing them now");
@@ -151,10 +154,9 @@ impl Scheduler {
         if let Err(e) = sp.flush(model, &mut self.running) {
             warn!(error = %e, "writing deferred drafter context failed; those sequences stop speculating");
         }
-        let page = self.kv.page_size();
-        let mut keep = Vec::with_capacity(committed.len());
-        let mut segments = Vec::with_capacity(committed.len());
-        for &(owner, start, first_row, rows) in committed {
+        let mut extended = Vec::with_capacity(rows.len());
+        let mut segments = Vec::with_capacity(rows.len());
+        for &(owner, start, first_row, rows) in rows {
             let (table, ctx) = match owner {
                 Owner::Running(i) => (&self.running[i].table, Some(self.running[i].draft_ctx)),
                 Owner::Waiting(i) => (&self.waiting[i].table, Some(self.waiting[i].draft_ctx)),
@@ -163,7 +165,9 @@ impl Scheduler {
             if ctx.is_some_and(|c| c != start) {
                 continue; // a gap in this sequence's context: it no longer speculates
             }
-            keep.push((owner, rows));
+            extended.push(owner);
+            // A round's rows past its table (the drafts' reserved positions) are in the
+            // reservation's blocks, which the table lists.
             segments.push(ContextSegment {
                 block_table: table.blocks(),
                 start_pos: start,
@@ -172,27 +176,57 @@ impl Scheduler {
             });
         }
         let started = std::time::Instant::now();
-        let extended = sp.extend(model, taps, &segments);
+        let result = sp.extend(model, taps, &segments);
         tracing::debug!(
             segments = segments.len(),
             ms = started.elapsed().as_secs_f64() * 1e3,
             "drafter context extended"
         );
         drop(segments);
-        if let Err(e) = &extended {
+        if let Err(e) = &result {
             warn!(error = %e, "extending the drafter context failed; those sequences stop speculating");
         }
-        for (owner, rows) in keep {
+        DrafterRows {
+            extended,
+            failed: result.err().map(|e| e.to_string()),
+        }
+    }
+
+    /// After the batch committed: the sequences [`Self::extend_drafter`] extended keep the rows
+    /// they committed (`committed`: who, first position, first batch row, rows kept) as drafter
+    /// context, and prefill jobs ship their drafter layers. Returns the prefill jobs whose
+    /// drafter shipping failed.
+    pub(super) fn commit_drafter(
+        &mut self,
+        written: DrafterRows,
+        committed: &[(Owner, usize, usize, usize)],
+    ) -> HashMap<usize, String> {
+        let mut errors = HashMap::new();
+        let Some(sp) = self.spec.as_mut() else {
+            return errors;
+        };
+        let page = self.kv.page_size();
+        let kept = |owner: Owner| {
+            committed
+                .iter()
+                .find(|(o, ..)| *o == owner)
+                .map(|&(.., rows)| rows)
+        };
+        for owner in written.extended {
             match owner {
-                Owner::Running(i) if extended.is_ok() => self.running[i].draft_ctx += rows,
-                Owner::Waiting(i) if extended.is_ok() => self.waiting[i].draft_ctx += rows,
+                Owner::Running(i) if written.failed.is_none() => {
+                    self.running[i].draft_ctx += kept(owner).unwrap_or(0);
+                }
+                Owner::Waiting(i) if written.failed.is_none() => {
+                    self.waiting[i].draft_ctx += kept(owner).unwrap_or(0);
+                }
                 Owner::Prefill(i) => {
                     let t = &mut self.prefills[i];
                     let Some(mut sink) = t.job.on_draft_layer.take() else {
                         continue;
                     };
-                    if let Err(e) = &extended {
-                        errors.insert(i, e.to_string());
+                    if let Some(e) = &written.failed {
+                        errors.insert(i, e.clone());
                         continue;
                     }
                     let skip = (t.job.skip_tokens / page).min(t.table.blocks().len());
@@ -206,4 +240,13 @@ impl Scheduler {
         }
         errors
     }
+}
+
+/// What [`Scheduler::extend_drafter`] wrote, for [`Scheduler::commit_drafter`]: the work items
+/// whose rows became drafter context (none when they were deferred or there is no drafter),
+/// and why the write failed, if it did.
+#[derive(Debug, Default)]
+pub(super) struct DrafterRows {
+    extended: Vec<Owner>,
+    failed: Option<String>,
 }
