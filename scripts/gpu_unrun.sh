@@ -18,7 +18,7 @@
 #   arms   issue 13: scripts/bench_decode_arms.sh, the decode step (batch 1 and 32) with each
 #          promising switch alone against the default
 #   rounds issue 15: a speculative round's phases (bench-engine, c = 1, fixed:8) with staged
-#          writes against the default
+#          writes (the default since session 48) against FERRY_ASYNC_WRITES=0
 #   arena  issue 13 on the card the bars are stated for (the H200): the graph arena (default
 #          since session 35) against FERRY_GRAPH_ARENA=0, batch 1-256 and the DSpark shape's
 #          engine rounds, then the graphs' node kinds (FERRY_GRAPH_EDGES=1)
@@ -26,8 +26,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-gpu-logs}"
 stages="${STAGES:-check lanes}"
-# Session 33's switches, all on (the arms stage measures each alone).
-ALL_ON="FERRY_L2_WARM=shared,o_proj,next_attn,last FERRY_ROUTER_FUSED=1 FERRY_ASYNC_WRITES=1 FERRY_SHARED_BESIDE=graphs"
+# Session 33's opt-in switches, all on (the arms stage measures each alone; staged writes are
+# the default since session 48).
+ALL_ON="FERRY_L2_WARM=shared,o_proj,next_attn,last FERRY_ROUTER_FUSED=1 FERRY_SHARED_BESIDE=graphs"
 
 ucx_env() {
   mkdir -p /tmp/ucx && tar xJf devpack/ucx.tar.xz -C /tmp/ucx || return 1
@@ -69,7 +70,7 @@ for stage in $stages; do
     rounds)
       # bench_decode_arms.sh's engine table only (ROUNDS_GPU=0 skips its bench_gpu runs).
       ROUNDS="${ROUNDS:-2}" OUT="$dir" RUN_TIMEOUT=120 ROUNDS_GPU=0 \
-        ARMS="${ARMS:-default FERRY_ASYNC_WRITES=1}" \
+        ARMS="${ARMS:-default FERRY_ASYNC_WRITES=0}" \
         bash scripts/bench_decode_arms.sh | tee "$dir/rounds.md"
       ;;
     arena)

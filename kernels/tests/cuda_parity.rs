@@ -1627,7 +1627,7 @@ fn head_gemms_match_the_absorb_kernels() {
     }
 }
 
-/// Staged writes (`CudaDevice::write_staged`, what `FERRY_ASYNC_WRITES=1` gives small writes)
+/// Staged writes (`CudaDevice::write_staged`, what small writes take unless `FERRY_ASYNC_WRITES=0`)
 /// land in stream order: three times as many writes as there are staging slots, each of its
 /// own pattern into the same small buffer and each followed by a device copy of that buffer
 /// into its own place, leave every pattern in its place — so no write overtook the copy

@@ -159,7 +159,7 @@ impl<T: DevicePod> Drop for DeviceBuffer<T> {
 }
 
 struct Inner {
-    /// Page-locked staging for small writes (`FERRY_ASYNC_WRITES=1`, [`super::upload`]),
+    /// Page-locked staging for small writes ([`super::upload`]; off with `FERRY_ASYNC_WRITES=0`),
     /// made at the first such write. First, so it is dropped (waiting for its copies) first.
     uploads: Mutex<Option<super::upload::UploadRing>>,
     ctx: Arc<CudaContext>,
@@ -506,9 +506,10 @@ impl CudaDevice {
     }
 
     /// Copies `host` into `dst[offset..offset + host.len()]`; `host` may be reused on return.
-    /// The copy is done on return, except that with `FERRY_ASYNC_WRITES=1` a write of up to
-    /// [`super::upload::SLOT_BYTES`] outside a graph capture takes [`Self::write_staged`] and
-    /// is only queued (stream order still puts it before anything queued later).
+    /// The copy is done on return, except that a write of up to
+    /// [`super::upload::MAX_STAGED_BYTES`] outside a graph capture takes [`Self::write_staged`]
+    /// and is only queued (stream order still puts it before anything queued later), unless
+    /// `FERRY_ASYNC_WRITES=0`.
     pub fn write<T: DevicePod>(
         &self,
         dst: &mut DeviceBuffer<T>,

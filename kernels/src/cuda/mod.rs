@@ -16,7 +16,7 @@
 //! | [`draft`] | launchers for `gpu/draft.cu`: the drafter's block attention, row scatter, tap concatenation, confidence head |
 //! | [`staging`] | device → host copies on a second stream into page-locked memory, ordered by marks (layer-wise KV shipping) |
 //! | [`sync_sites`] | where the host waits on the stream, by caller (`FERRY_SYNC_SITES=1`, a diagnostic) |
-//! | [`upload`] | small host → device writes staged in page-locked slots, queued without waiting (`FERRY_ASYNC_WRITES=1`) |
+//! | [`upload`] | small host → device writes staged in page-locked slots, queued without waiting (off with `FERRY_ASYNC_WRITES=0`) |
 //!
 //! All compute goes on the device's one stream, in order; host reads synchronise. Only
 //! [`staging`]'s copies run on a second stream, behind explicit marks.

@@ -1,10 +1,11 @@
-//! Small host → device writes that do not wait for the device (`FERRY_ASYNC_WRITES=1`).
+//! Small host → device writes that do not wait for the device (on by default;
+//! `FERRY_ASYNC_WRITES=0` turns them off).
 //!
 //! [`CudaDevice::write`] copies from pageable host memory and then synchronises the stream, so
 //! that the caller may reuse its slice: every per-step input a decode step or a speculative
 //! round refreshes (positions, cache slots, block tables, sampling parameters, a graph's
 //! inputs) costs a round trip to an idle device, and the host cannot queue anything behind
-//! work still running. With the switch on, a write of at most [`SLOT_BYTES`] is staged in one
+//! work still running. Here a write of at most [`SLOT_BYTES`] is staged in one
 //! of [`SLOTS`] page-locked slots, its copy queued on the stream, and an event recorded behind
 //! it; the call returns at once. A write of up to [`MAX_STAGED_BYTES`] (a verify graph's block
 //! tables at a hundred sequences and more, a large model's rotary rows) is staged in
@@ -14,7 +15,9 @@
 //! into a graph (a captured copy would replay from a slot since reused), take the
 //! synchronous path.
 //!
-//! Off by default until an H200 run shows it pays (docs/gpu.md).
+//! On by default since session 48: with the engine's early drafter context and queued drafts,
+//! a speculative round took 5.7–11.6 % less on an H100 at c = 1 / 64 / 128, and the steps that
+//! carry prompts beside rounds ~10 % less (BENCHMARKS.md, session 48); plain steps did not move.
 
 use cudarc::driver::{result, CudaEvent, CudaStream};
 
@@ -22,7 +25,7 @@ use super::context::{gpu_err, CudaDevice};
 use super::staging::PinnedBuffer;
 use crate::error::KernelError;
 
-/// The largest write staged (bigger ones synchronise as before).
+/// One staging slot's bytes: a write is staged a slot's worth at a time.
 pub const SLOT_BYTES: usize = 64 << 10;
 /// Staging slots, used in turn: a slot is reused after this many later writes.
 pub const SLOTS: usize = 64;
@@ -30,10 +33,10 @@ pub const SLOTS: usize = 64;
 /// write never waits on its own earlier pieces).
 pub const MAX_STAGED_BYTES: usize = SLOTS / 4 * SLOT_BYTES;
 
-/// Whether `FERRY_ASYNC_WRITES=1` (read once).
+/// Whether small writes are staged: unless `FERRY_ASYNC_WRITES=0` (read once).
 pub fn enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("FERRY_ASYNC_WRITES").is_ok_and(|v| v == "1"))
+    *ON.get_or_init(|| std::env::var("FERRY_ASYNC_WRITES").map_or(true, |v| v != "0"))
 }
 
 /// The staging slots of one device, used in turn: one page-locked allocation of

@@ -114,10 +114,10 @@ impl Scheduler {
     }
 
     /// Turns the rows a batch computed into drafter context, queued on the backend right behind
-    /// the forward, before anything waits for the forward (so with `FERRY_ASYNC_WRITES=1` its
-    /// launches overlap the forward on a GPU). `rows` holds every row the forward computed per
-    /// work item: a round's anchor and all of its drafts, although the verification may reject
-    /// some. A rejected draft's row lands past the context the sequence keeps, which advances
+    /// the forward, before anything waits for the forward (so, with small writes staged as
+    /// they are by default on CUDA, its launches overlap the forward). `rows` holds every row
+    /// the forward computed per work item: a round's anchor and all of its drafts, although
+    /// the verification may reject some. A rejected draft's row lands past the context the sequence keeps, which advances
     /// by the kept rows only ([`Self::commit_drafter`]), and the next round writes that
     /// position again before the drafter reads it. A plain decode step (`plain_decode`: no
     /// drafts, no prompt work) of an engine that defers (`goodput`) only keeps its rows for
