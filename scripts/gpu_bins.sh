@@ -3,6 +3,10 @@
 # into device-bin/ (git-ignored; pass it as `carry`). See docs/gpu.md.
 #   scripts/gpu_bins.sh            # build + copy
 #   scripts/gpu_bins.sh --no-build # copy what target/ already holds
+#   scripts/gpu_bins.sh --pack     # build + copy, then one device-bin/pack.tar.xz instead
+#                                  # (xz -9: the binaries share most of their code, so the
+#                                  # pack is a fraction of their sum; scripts/gpu_tests.sh
+#                                  # unpacks it)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 target="${CARGO_TARGET_DIR:-target}"
@@ -25,4 +29,11 @@ for t in $TESTS; do strip "device-bin/$t"; done
 # Test binaries find the embedded model through the absolute source path they were built in;
 # the device command links that path to its copy of the tree.
 pwd > device-bin/SRC_ROOT
+if [ "${1:-}" = "--pack" ]; then
+  files=$(cd device-bin && ls | grep -v '^pack\.tar\.xz$')
+  # shellcheck disable=SC2086
+  tar cf - -C device-bin $files | xz -9 -T2 > device-bin/pack.tar.xz
+  # shellcheck disable=SC2086
+  (cd device-bin && rm -f $files)
+fi
 ls -la device-bin

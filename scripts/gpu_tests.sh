@@ -8,6 +8,16 @@
 # ROTEL_AGENT=path its OTLP receiver (device-bin/rotel-agent when carried there).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# This links target/release/ferry to device-bin/ferry: on a machine where cargo built a real
+# one it would replace it (the device machine has no target/).
+if [ -f target/release/ferry ] && [ ! -L target/release/ferry ]; then
+  echo "gpu_tests.sh: target/release/ferry is a build of this machine's; run this on the GPU machine" >&2
+  exit 2
+fi
+# A packed device-bin/ (scripts/gpu_bins.sh --pack): `carry` brings the pack on every call.
+if [ -f device-bin/pack.tar.xz ] && [ ! -f device-bin/SRC_ROOT ]; then
+  tar xJf device-bin/pack.tar.xz -C device-bin || exit 1
+fi
 out="${OUT:-gpu-logs}"
 mkdir -p "$out"
 # shellcheck disable=SC1091
