@@ -38,7 +38,7 @@ mod round;
 mod sample;
 
 /// Which container a committed row range belongs to.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 enum Owner {
     Running(usize),
     Waiting(usize),

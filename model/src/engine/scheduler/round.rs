@@ -117,9 +117,9 @@ impl Scheduler {
     /// the forward, before anything waits for the forward (so, with small writes staged as
     /// they are by default on CUDA, its launches overlap the forward). `rows` holds every row
     /// the forward computed per work item: a round's anchor and all of its drafts, although
-    /// the verification may reject some. A rejected draft's row lands past the context the sequence keeps, which advances
-    /// by the kept rows only ([`Self::commit_drafter`]), and the next round writes that
-    /// position again before the drafter reads it. A plain decode step (`plain_decode`: no
+    /// the verification may reject some. A rejected draft's row lands past the context the
+    /// sequence keeps, which advances by the kept rows only ([`Self::commit_drafter`]), and
+    /// the next round writes that position again before the drafter reads it. A plain decode step (`plain_decode`: no
     /// drafts, no prompt work) of an engine that defers (`goodput`) only keeps its rows for
     /// later; any other step first writes what was kept.
     pub(super) fn extend_drafter(
@@ -206,12 +206,12 @@ impl Scheduler {
             return errors;
         };
         let page = self.kv.page_size();
-        let kept = |owner: Owner| {
-            committed
-                .iter()
-                .find(|(o, ..)| *o == owner)
-                .map(|&(.., rows)| rows)
-        };
+        // Rows each owner kept, looked up once per extended owner.
+        let kept: HashMap<Owner, usize> = committed
+            .iter()
+            .map(|&(owner, .., rows)| (owner, rows))
+            .collect();
+        let kept = |owner: Owner| kept.get(&owner).copied();
         for owner in written.extended {
             match owner {
                 Owner::Running(i) if written.failed.is_none() => {
