@@ -19,6 +19,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TARGET=${CARGO_TARGET_DIR:-target}
+# Absolute, so the library path below is right for an absolute CARGO_TARGET_DIR too (a relative
+# one was the only kind that worked: "$PWD/$TARGET" of an absolute path named nothing, the
+# system's HIP loaded, and every GPU test skipped as "no device").
+case $TARGET in /*) ;; *) TARGET=$PWD/$TARGET ;; esac
 if [ ! -f /usr/include/hip/hip_runtime_api.h ]; then
   echo "hip_emu.sh: needs Debian's libamdhip64-dev (apt-get install libamdhip64-dev)" >&2
   exit 2
@@ -29,8 +33,8 @@ mkdir -p "$TARGET/hip-emu/lib"
 ${CC:-cc} -shared -o "$TARGET/hip-emu/lib/libamdhip64.so.5" \
   -Wl,--whole-archive "$TARGET/debug/libferry_hip_emu.a" -Wl,--no-whole-archive \
   -Wl,--version-script=tools/hip-emu/hip.map -Wl,-soname,libamdhip64.so.5 -lpthread -ldl -lm
-export LD_LIBRARY_PATH="$PWD/$TARGET/hip-emu/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-export FERRY_HIP_EMU_CACHE=${FERRY_HIP_EMU_CACHE:-$PWD/$TARGET/hip-emu/modules}
+export LD_LIBRARY_PATH="$TARGET/hip-emu/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export FERRY_HIP_EMU_CACHE=${FERRY_HIP_EMU_CACHE:-$TARGET/hip-emu/modules}
 export HIP_PATH=/usr
 
 if [ "${1:-}" = "--" ]; then
