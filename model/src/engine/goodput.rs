@@ -549,6 +549,8 @@ impl Goodput {
             }
         }
         let uniform = widths(s.block).filter(|&w| by_seq.len() == s.seqs && s.graphs(w));
+        // (γ, expected tokens, estimated ms) of each uniform round, for the trace below.
+        let mut rounds: Vec<(usize, f64, f64)> = Vec::new();
         for gamma in uniform {
             if let Some(t) = self.graph_cost(s.seqs, gamma, s.block) {
                 let value: f64 = by_seq
@@ -556,11 +558,26 @@ impl Goodput {
                     .flat_map(|v| v.iter().take(gamma))
                     .map(|&p| self.slot_value(p, cal))
                     .sum();
+                rounds.push((gamma, n + value, t * 1e3));
                 if (n + value) / t > best.1 {
                     best = (Choice::Uniform(gamma), (n + value) / t);
                 }
             }
         }
+        // Why a step verified what it did, at the policy's own estimates (session 49: at 128
+        // sequences it kept verifying 6–8 drafts where fixed lengths of 3–4 served more).
+        // `FERRY_LOG=ferry_model::engine::goodput=debug` prints one line a step.
+        tracing::debug!(
+            seqs = s.seqs,
+            eligible = s.eligible,
+            budget = s.budget,
+            plain_ms = plain * 1e3,
+            calibration = cal,
+            choice = ?best.0,
+            tokens_per_ms = best.1 / 1e3,
+            ?rounds,
+            "goodput choice"
+        );
         best.0
     }
 }
