@@ -119,9 +119,9 @@ impl Scheduler {
     /// the forward computed per work item: a round's anchor and all of its drafts, although
     /// the verification may reject some. A rejected draft's row lands past the context the
     /// sequence keeps, which advances by the kept rows only ([`Self::commit_drafter`]), and
-    /// the next round writes that position again before the drafter reads it. A plain decode step (`plain_decode`: no
-    /// drafts, no prompt work) of an engine that defers (`goodput`) only keeps its rows for
-    /// later; any other step first writes what was kept.
+    /// the next round writes that position again before the drafter reads it. A plain decode
+    /// step (`plain_decode`: no drafts, no prompt work) of an engine that defers (`goodput`)
+    /// only keeps its rows for later; any other step first writes what was kept.
     pub(super) fn extend_drafter(
         &mut self,
         rows: &[(Owner, usize, usize, usize)],
