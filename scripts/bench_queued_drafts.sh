@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine: the first call for branch session47-queued-drafts (session 48 ran
 # it, then merged the branch: BENCHMARKS.md, session 48); a template for measuring a branch.
-# The branch's GPU tests, then its speculative rounds against main's on the DSpark shape at c = 64 / 128 (scripts/bench_binary_ab.sh, rounds workload): with staged
-# writes (FERRY_ASYNC_WRITES=1) on both, then queued drafts off against on in the branch's binary
+# The branch's GPU tests, then its speculative rounds against main's on the DSpark shape at
+# c = 64 / 128 (scripts/bench_binary_ab.sh, rounds workload): with staged writes
+# (FERRY_ASYNC_WRITES=1) on both, then queued drafts off against on in the branch's binary
 # (staged writes on), then the two binaries with default writes. Each step's log and JSON go
 # under $OUT (else ./gpu-logs); the steps come in order of value, so a call cut short keeps the
 # first ones.
