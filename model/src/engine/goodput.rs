@@ -20,6 +20,18 @@
 //!                    plain step (T_plain(n)), or the graph round
 //! ```
 //!
+//! When prompt rows wait to join the step (a closed loop at high concurrency admits a prompt
+//! nearly every step), the step runs eagerly with them and the costs above are not the step's:
+//! its decode part then costs `a + b·rows` ([`RowFit`], fitted to the steps that carried
+//! prompts), and a graph round that leaves the prompts a forward of their own pays that
+//! forward's intercept `a`. Only uniform rounds are offered there, of any width (the forward is
+//! eager, so no graph limits them). The prompts' own `b·P` is left out of every option: the same prompt
+//! rows are owed whatever this step verifies, and every token the loop serves brings the same
+//! prompt rows with it, so the option with the most tokens per second of decode work is the
+//! one with the most per second of all work. (Session 49: costed as decode-only rounds, the
+//! policy verified 6–8 drafts a sequence at 128 sequences, where fixed lengths of 3–4 served
+//! more; every draft row there is a prompt row the step does not take.)
+//!
 //! `n` is the number of running sequences (each commits at least one token per step), `m` the
 //! number that may draft. Unknown costs are measured, not guessed: while a shape has no
 //! estimate the policy tries it (a plain step, or a round under the confidence rule), and now
@@ -53,6 +65,74 @@ const SLOT_ALPHA: f64 = 0.02;
 
 /// Outcomes (decayed weight) a bin needs before its own rate replaces the global calibration.
 const SLOT_MIN_WEIGHT: f64 = 8.0;
+
+/// Weight of a new step in [`RowFit`].
+const FIT_ALPHA: f64 = 0.05;
+
+/// Steps (decayed weight) [`RowFit`] needs before it speaks.
+const FIT_MIN_WEIGHT: f64 = 8.0;
+
+/// How widely the fitted steps' rows must spread (standard deviation over mean) before the fit
+/// tells a slope from an intercept.
+const FIT_MIN_SPREAD: f64 = 0.05;
+
+/// Seconds of an eager step as an affine function of its rows, `a + b·rows`, fitted online
+/// (decayed least squares) to the steps that carried prompts: `a` is what any eager forward
+/// pays (weights read, launches, the host), `b` what each row adds. One line rather than a
+/// [`CostCurve`]: such steps are nearly always large (a prompt chunk beside the batch), and
+/// the decode part of one is priced at rows the curve never saw on their own.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct RowFit {
+    /// Decayed sums: weight, Σrows, Σsecs, Σrows², Σrows·secs.
+    w: f64,
+    x: f64,
+    y: f64,
+    xx: f64,
+    xy: f64,
+}
+
+impl RowFit {
+    /// A step of `rows` took `secs`. A first step that paid one-off costs (kernel compiles)
+    /// gives way to a cheaper second; later ones count at most 3× the seconds per row seen so
+    /// far.
+    pub fn record(&mut self, rows: usize, secs: f64) {
+        if rows == 0 || !secs.is_finite() || secs <= 0.0 {
+            return;
+        }
+        let x = rows as f64;
+        let per_row = (self.x > 0.0).then(|| self.y / self.x);
+        if self.w <= 1.0 && per_row.is_some_and(|r| secs / x < r) {
+            *self = Self::default();
+        }
+        let secs = match per_row {
+            Some(r) if self.w > 1.0 => secs.min(3.0 * r * x),
+            _ => secs,
+        };
+        let keep = 1.0 - FIT_ALPHA;
+        self.w = self.w * keep + 1.0;
+        self.x = self.x * keep + x;
+        self.y = self.y * keep + secs;
+        self.xx = self.xx * keep + x * x;
+        self.xy = self.xy * keep + x * secs;
+    }
+
+    /// `(a, b)`, both at least 0, once [`FIT_MIN_WEIGHT`] steps whose rows spread by
+    /// [`FIT_MIN_SPREAD`] were seen; `None` before.
+    pub fn line(&self) -> Option<(f64, f64)> {
+        if self.w < FIT_MIN_WEIGHT {
+            return None;
+        }
+        let (mx, my) = (self.x / self.w, self.y / self.w);
+        let var = self.xx / self.w - mx * mx;
+        if !(var > (FIT_MIN_SPREAD * mx).powi(2)) {
+            return None;
+        }
+        let b = ((self.xy / self.w - mx * my) / var).max(0.0);
+        let a = my - b * mx;
+        // A line through negative seconds at zero rows: the steps are all rows, no intercept.
+        Some(if a >= 0.0 { (a, b) } else { (0.0, my / mx) })
+    }
+}
 
 /// One bucket of a [`CostCurve`]: the running mean of the sizes and seconds seen in it.
 #[derive(Debug, Clone, Copy)]
@@ -265,6 +345,15 @@ pub(crate) struct Shape {
     /// would be replayed from a graph (bit `block`: the whole-block round). Only the widths
     /// of [`widths`] are offered.
     pub graph_widths: u32,
+    /// The widest uniform round this step can run, every running sequence verifying as many
+    /// drafts (0: none; on the CPU, or when a sequence does not draft).
+    pub uniform: usize,
+    /// Prompt rows waiting to join this step (0: a decode-only step).
+    pub prompt_rows: usize,
+    /// Whether a graph round of at least `prompt_rows` drafts keeps its graph and leaves the
+    /// prompts a forward of their own (`PromptSteps::Auto` on CUDA); otherwise the prompts join
+    /// it and the step runs eagerly.
+    pub splits: bool,
 }
 
 impl Shape {
@@ -292,8 +381,8 @@ pub(crate) enum Choice {
     Plain,
     /// Verify the `r` most likely slots, eagerly.
     Slots(usize),
-    /// Every sequence verifies its first γ drafts (a uniform round, replayed from a graph;
-    /// γ = the block: the whole-block round).
+    /// Every sequence verifies its first γ drafts (a uniform round, replayed from a graph, or
+    /// beside waiting prompts run eagerly with them; γ = the block: the whole-block round).
     Uniform(usize),
     /// A cost is unknown: verify under the confidence rule, and measure.
     Explore,
@@ -330,6 +419,8 @@ pub(crate) struct Goodput {
     /// Uniform rounds replayed from a graph, drafter pass excluded, by sequences; indexed by
     /// the drafts each sequence verified.
     graph_verify: Vec<CostCurve>,
+    /// Eager steps that carried prompts, drafter pass excluded, by all their rows.
+    with_prompts: RowFit,
     acceptance: Acceptance,
     /// Acceptance by the head's per-slot survival.
     slots: SlotCalibration,
@@ -388,6 +479,54 @@ impl Goodput {
         if o.round {
             self.since_plain = self.since_plain.saturating_add(1);
             self.secs_since_plain += secs;
+        }
+    }
+
+    /// Feeds a finished step that carried prompts: `rows` of every kind, `secs` without the
+    /// drafter pass.
+    pub fn observe_prompt_step(&mut self, rows: usize, secs: f64) {
+        self.with_prompts.record(rows, secs);
+    }
+
+    /// The line of [`RowFit`] when prompts wait to join this step, it is known, and uniform
+    /// rounds are possible: beside prompts the policy offers only those (every sequence
+    /// verifying as many drafts, as `fixed:N` does; session 44's pricing that verified the
+    /// most likely slots there made those steps 2–2.6× dearer on the host).
+    fn prompt_line(&self, s: Shape) -> Option<(f64, f64)> {
+        (s.prompt_rows > 0 && s.uniform > 0 && s.eligible == s.seqs)
+            .then(|| self.with_prompts.line())
+            .flatten()
+    }
+
+    /// Seconds of a plain step of this shape: beside waiting prompts its decode part
+    /// `a + b·n`, else the decode-only step.
+    fn plain_cost(&self, s: Shape) -> Option<f64> {
+        match self.prompt_line(s) {
+            Some((a, b)) => Some(a + b * s.seqs as f64),
+            None => self.plain.estimate(s.seqs),
+        }
+    }
+
+    /// Seconds of a uniform round of `gamma` drafts per sequence, drafter pass excluded:
+    /// decode-only, the graph round; beside waiting prompts, a graph round that leaves them a
+    /// forward of their own plus that forward's intercept, or else an eager round with them.
+    fn uniform_cost(&self, s: Shape, gamma: usize) -> Option<f64> {
+        match self.prompt_line(s) {
+            None => self.graph_cost(s.seqs, gamma, s.block),
+            Some((a, _)) if s.graphs(gamma) && s.splits && s.prompt_rows <= s.seqs * gamma => {
+                Some(self.graph_cost(s.seqs, gamma, s.block)? + a)
+            }
+            Some((a, b)) => Some(a + b * (s.seqs * (1 + gamma)) as f64),
+        }
+    }
+
+    /// The uniform widths this step offers: beside waiting prompts every width up to the
+    /// widest (the forward is eager, so any width runs), else the graphed ones.
+    fn uniform_widths(&self, s: Shape) -> Vec<usize> {
+        if self.prompt_line(s).is_some() {
+            (1..=s.uniform.min(s.block)).collect()
+        } else {
+            widths(s.block).filter(|&w| s.graphs(w)).collect()
         }
     }
 
@@ -489,7 +628,7 @@ impl Goodput {
         {
             return true;
         }
-        let Some(plain) = self.plain.estimate(s.seqs) else {
+        let Some(plain) = self.plain_cost(s) else {
             return true;
         };
         let Some(draft) = self.draft.estimate(s.eligible) else {
@@ -501,7 +640,7 @@ impl Goodput {
         let mut best = 0.0f64;
         for gamma in 1..=s.block {
             let slots = s.eligible * gamma;
-            if slots > s.budget {
+            if slots > s.budget || self.prompt_line(s).is_some() {
                 break;
             }
             if let Some(v) = self.verify.estimate(s.seqs + slots) {
@@ -509,8 +648,8 @@ impl Goodput {
                 best = best.max(tokens / (draft + v));
             }
         }
-        for gamma in widths(s.block).filter(|&w| s.graphs(w)) {
-            if let Some(v) = self.graph_cost(s.seqs, gamma, s.block) {
+        for gamma in self.uniform_widths(s) {
+            if let Some(v) = self.uniform_cost(s, gamma) {
                 let tokens = n + m * self.acceptance.expected(gamma);
                 best = best.max(tokens / (draft + v));
             }
@@ -523,7 +662,7 @@ impl Goodput {
     /// (`by_seq`: each drafting sequence's cumulative survivals in block order, the drafts it
     /// can use).
     pub fn choose(&self, s: Shape, survival: &[f32], by_seq: &[Vec<f32>]) -> Choice {
-        let Some(plain) = self.plain.estimate(s.seqs) else {
+        let Some(plain) = self.plain_cost(s) else {
             return Choice::Explore;
         };
         let graph = s.graphs(s.block) && by_seq.len() == s.seqs;
@@ -538,7 +677,12 @@ impl Goodput {
         let n = s.seqs as f64;
         let mut best = (Choice::Plain, n / plain);
         let mut tokens = n;
-        for (r, &p) in survival.iter().take(s.budget).enumerate() {
+        let slots = if self.prompt_line(s).is_some() {
+            0
+        } else {
+            s.budget
+        };
+        for (r, &p) in survival.iter().take(slots).enumerate() {
             tokens += self.slot_value(p, cal);
             // Widths never tried are estimated pessimistically (flat below what was seen,
             // proportional above), so the policy reaches them only when they look worth it.
@@ -548,11 +692,14 @@ impl Goodput {
                 }
             }
         }
-        let uniform = widths(s.block).filter(|&w| by_seq.len() == s.seqs && s.graphs(w));
+        let uniform = self
+            .uniform_widths(s)
+            .into_iter()
+            .filter(|_| by_seq.len() == s.seqs);
         // (γ, expected tokens, estimated ms) of each uniform round, for the trace below.
         let mut rounds: Vec<(usize, f64, f64)> = Vec::new();
         for gamma in uniform {
-            if let Some(t) = self.graph_cost(s.seqs, gamma, s.block) {
+            if let Some(t) = self.uniform_cost(s, gamma) {
                 let value: f64 = by_seq
                     .iter()
                     .flat_map(|v| v.iter().take(gamma))
@@ -571,6 +718,8 @@ impl Goodput {
             seqs = s.seqs,
             eligible = s.eligible,
             budget = s.budget,
+            prompt_rows = s.prompt_rows,
+            prompt_line = ?self.prompt_line(s).map(|(a, b)| (a * 1e3, b * 1e6)),
             plain_ms = plain * 1e3,
             calibration = cal,
             choice = ?best.0,
@@ -672,6 +821,9 @@ mod tests {
             block: 8,
             budget: 64,
             graph_widths: 0,
+            uniform: 0,
+            prompt_rows: 0,
+            splits: false,
         }
     }
 
@@ -830,6 +982,88 @@ mod tests {
             g.observe(graph_round(128, 4, graphed(128 * 9)));
         }
         assert_eq!(choose(&g, 128), Choice::Uniform(8));
+    }
+
+    #[test]
+    fn a_row_fit_finds_the_line_once_the_rows_spread() {
+        let line = |rows: usize| 2e-3 + 5e-6 * rows as f64;
+        let mut f = RowFit::default();
+        f.record(1536, 3.0); // a first step that compiled kernels
+        for _ in 0..20 {
+            f.record(1536, line(1536));
+        }
+        assert_eq!(f.line(), None, "one size tells no slope");
+        for i in 0..40 {
+            let rows = 1100 + 37 * (i % 26);
+            f.record(rows, line(rows));
+        }
+        let (a, b) = f.line().expect("a known line");
+        assert!((a - 2e-3).abs() < 1e-5 && (b - 5e-6).abs() < 1e-8, "{a} {b}");
+    }
+
+    /// A device on which a decode-only step costs 1 ms whatever its rows (launch-bound; graph
+    /// rounds 0.7 ms at every width) and a step that carries prompts `2 ms + 5.6 µs a row`,
+    /// drafts accepted 0.8^k.
+    fn with_prompt_steps() -> Goodput {
+        let mut g = trained(1e-3, 1 << 20, 0.0, 0.2e-3, 0.8);
+        for gamma in [1, 2, 4, 8] {
+            for _ in 0..2 {
+                g.observe(graph_round(128, gamma, 0.7e-3));
+            }
+        }
+        for i in 0..40 {
+            let rows = 1100 + 37 * (i % 26);
+            g.observe_prompt_step(rows, 2e-3 + 5.6e-6 * rows as f64);
+        }
+        g
+    }
+
+    fn choose_at_128(g: &Goodput, prompt_rows: usize, splits: bool) -> Choice {
+        let by_seq = vec![(1..=8).map(|k| 0.8f32.powi(k)).collect::<Vec<_>>(); 128];
+        let s = Shape {
+            graph_widths: widths(8).map(|w| 1 << w).sum(),
+            uniform: 8,
+            budget: 8 * 128,
+            prompt_rows,
+            splits,
+            ..shape(128)
+        };
+        g.choose(s, &survivals(128, 8, 0.8), &by_seq)
+    }
+
+    #[test]
+    fn beside_waiting_prompts_a_draft_costs_its_row() {
+        let g = with_prompt_steps();
+        // Decode-only, rows are free: the whole block.
+        assert_eq!(choose_at_128(&g, 0, false), Choice::Uniform(8));
+        // Beside 1,024 prompt rows the step runs eagerly and each row costs 5.6 µs: a draft
+        // pays while it is accepted more often than 5.6 µs × the step's ~77 tokens a ms (0.43):
+        // the first three of every sequence (0.8, 0.64, 0.51), the fourth (0.41) about even
+        // (77.6 against 77.1 tokens a ms at the head's values; the learnt bins decide), and
+        // never the whole block (65.6). Any width runs eagerly, so 3 is offered though no
+        // graph holds it.
+        let c = choose_at_128(&g, 1024, false);
+        assert!(matches!(c, Choice::Uniform(3 | 4)), "{c:?}");
+        let beside = Shape {
+            uniform: 8,
+            prompt_rows: 1024,
+            ..shape(128)
+        };
+        assert!(g.should_draft(beside), "speculation still pays beside prompts");
+        // No line for a step whose sequences cannot all verify alike: priced as before.
+        let uneven = Shape {
+            eligible: 127,
+            ..beside
+        };
+        assert_eq!(g.prompt_line(uneven), None);
+    }
+
+    #[test]
+    fn a_graph_round_that_leaves_prompts_their_own_forward_pays_one_more_intercept() {
+        let g = with_prompt_steps();
+        // 512 prompt rows run apart from a round of at least 512 drafts: 0.7 ms + 2 ms for
+        // the whole block's 554 tokens beats the eager rounds' ~77 tokens a ms.
+        assert_eq!(choose_at_128(&g, 512, true), Choice::Uniform(8));
     }
 
     #[test]

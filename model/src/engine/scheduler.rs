@@ -25,7 +25,7 @@ use tracing::warn;
 
 use super::backend::Backend;
 use super::sequence::{PrefillTask, Sequence};
-use super::spec::{Draft, ObservedStep, Speculator};
+use super::spec::{Draft, ObservedStep, PromptLoad, Speculator};
 use super::{Command, EngineConfig, EngineEvent, EngineStats, FinishReason, PromptSteps};
 use super::{Failure, FailureKind, GenerateJob, GenerateOptions, SeqId};
 use super::{StepPhases, StepShape};
@@ -330,7 +330,11 @@ impl Scheduler {
         host_phase("plan (drafter pass)");
         let graphs_before = self.backend.graph_steps();
         let (drafts, q) = if decode {
-            self.plan_drafts(budget)
+            let load = PromptLoad {
+                rows: if prompts { self.prompt_rows(budget) } else { 0 },
+                splits: what == StepWork::All && self.splits_graphed_rounds(),
+            };
+            self.plan_drafts(budget, load)
         } else {
             (Vec::new(), None)
         };
@@ -389,6 +393,14 @@ impl Scheduler {
         }
         // A decode-only step's shape, for the `goodput` verify length's cost estimates.
         let decode_only = work.iter().all(|w| matches!(w, Work::Decode(_)));
+        let prompt_rows: usize = work
+            .iter()
+            .map(|w| match *w {
+                Work::Decode(_) => 0,
+                Work::Prefill(i) => self.prefills[i].job.prompt.len() - self.prefills[i].reused,
+                Work::Chunk(_, n) => n,
+            })
+            .sum();
         let seqs = decoding;
         let rows = seqs + drafted;
         let host_phases = HostPhases::of(!decode_only, drafted);
@@ -420,7 +432,9 @@ impl Scheduler {
                     graph,
                 }
             } else {
-                ObservedStep::WithPrompts
+                ObservedStep::WithPrompts {
+                    rows: rows + prompt_rows,
+                }
             };
             sp.observe_step(step, secs);
             for (predicted, accepted) in sp.resolve_shadows(&self.running) {

@@ -586,7 +586,8 @@ impl Speculator {
     }
 
     /// Drafts for every eligible running sequence and picks its verify length; `budget` is the
-    /// step's token budget left for draft slots, `max_pos` the context length. One entry per
+    /// step's token budget left for draft slots, `prompts` the prompt work waiting beside the
+    /// step (the `goodput` policy costs its options with it), `max_pos` the context length. One entry per
     /// running sequence (`None`: a plain decode step), and the drafter's shared q rows
     /// (on the model's backend) that [`DraftDist::Rows`] drafts name.
     pub fn plan(
@@ -594,6 +595,7 @@ impl Speculator {
         model: &DeepseekModel,
         running: &mut [Sequence],
         budget: usize,
+        prompts: PromptLoad,
         max_pos: usize,
     ) -> (Vec<Option<Draft>>, Option<Tensor>) {
         // A step that never ran its batch must not leave its drafts to this one.
@@ -663,6 +665,10 @@ impl Speculator {
             block,
             budget,
             graph_widths: widths_for(pre_max),
+            uniform: pre_max,
+            // `FERRY_GOODPUT_PROMPTS=0`: costed as decode-only steps (the A/B switch).
+            prompt_rows: if goodput_prompts() { prompts.rows } else { 0 },
+            splits: prompts.splits,
         };
         let goodput = self.config.verify_len == VerifyLen::Goodput;
         if goodput && !self.goodput.should_draft(shape) {
@@ -828,6 +834,7 @@ impl Speculator {
             let shape = Shape {
                 eligible: props.len(),
                 graph_widths: widths_for(uniform_max),
+                uniform: uniform_max,
                 ..shape
             };
             policy = match self.goodput.choose(shape, &survival, &by_seq) {
@@ -950,21 +957,25 @@ impl Speculator {
     /// The engine ran a step in `step_secs` (the drafter's pass of [`Self::plan`], if one
     /// ran, included; deferred drafter context it wrote, [`Self::flush`], left out): the
     /// `goodput` policy's cost estimates learn from a decode-only one (`seqs` sequences, `rows`
-    /// target rows, `round` if they verified drafts, replayed from a graph or not). A step
-    /// with prompt work only forgets the pass's time.
+    /// target rows, `round` if they verified drafts, replayed from a graph or not), and the
+    /// price of rows beside prompts from one that carried prompts (its drafter pass left out).
     pub fn observe_step(&mut self, step: ObservedStep, step_secs: f64) {
         let pass = self.last_pass.take();
         let step_secs = (step_secs - std::mem::take(&mut self.flush_secs)).max(0.0);
-        let ObservedStep::DecodeOnly {
-            seqs,
-            rows,
-            round,
-            graph,
-        } = step
-        else {
-            return;
-        };
         let (drafted, draft_secs) = pass.unwrap_or((0, 0.0));
+        let (seqs, rows, round, graph) = match step {
+            ObservedStep::DecodeOnly {
+                seqs,
+                rows,
+                round,
+                graph,
+            } => (seqs, rows, round, graph),
+            ObservedStep::WithPrompts { rows } => {
+                self.goodput
+                    .observe_prompt_step(rows, (step_secs - draft_secs).max(0.0));
+                return;
+            }
+        };
         self.goodput.observe(Observed {
             seqs,
             drafted,
@@ -1121,9 +1132,19 @@ pub enum ObservedStep {
         round: bool,
         graph: bool,
     },
-    /// Prompt rows, alone or beside decode rows: the `goodput` policy learns nothing from it,
-    /// and only forgets the drafter pass's time.
-    WithPrompts,
+    /// Prompt rows, alone or beside decode rows: `rows` of every kind, which the `goodput`
+    /// policy prices the decode part of steps beside prompts by.
+    WithPrompts { rows: usize },
+}
+
+/// The prompt work waiting beside a step's decode rows, for the `goodput` policy's costs.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct PromptLoad {
+    /// Prompt rows waiting to join the step, within its token budget.
+    pub rows: usize,
+    /// Whether a graph round of at least that many drafts keeps its graph and leaves the
+    /// prompts a forward of their own (`PromptSteps::Auto` on CUDA with graphs).
+    pub splits: bool,
 }
 
 /// The most drafts every sequence of a uniform round can verify: the fewest any has room for
@@ -1187,6 +1208,13 @@ fn fill_draft(d: &mut Draft, p: Result<Proposal, ModelError>) {
 fn queued_drafts() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("FERRY_QUEUED_DRAFTS").map_or(true, |v| v.trim() != "0"))
+}
+
+/// Whether `goodput` costs a step beside waiting prompts as such: unless
+/// `FERRY_GOODPUT_PROMPTS=0` (read once; the benchmarks' A/B switch, session 50).
+fn goodput_prompts() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("FERRY_GOODPUT_PROMPTS").map_or(true, |v| v.trim() != "0"))
 }
 
 fn whole_block_tail() -> bool {

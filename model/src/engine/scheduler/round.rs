@@ -12,21 +12,26 @@ use tracing::{trace, warn};
 use super::{Owner, Scheduler};
 use crate::drafter::ContextSegment;
 use crate::engine::sequence::{Next, Phase};
-use crate::engine::spec::Draft;
+use crate::engine::spec::{Draft, PromptLoad};
 use crate::engine::FinishReason;
 
 impl Scheduler {
     /// Drafts for the running sequences (one entry each; empty without a drafter) and reserves
     /// KV for every draft kept; a sequence whose reservation fails takes a plain step. Also
-    /// returns the drafter's shared q rows, on the model's backend.
-    pub(super) fn plan_drafts(&mut self, budget: usize) -> (Vec<Option<Draft>>, Option<Tensor>) {
+    /// returns the drafter's shared q rows, on the model's backend. `prompts`: the prompt work
+    /// waiting beside this step.
+    pub(super) fn plan_drafts(
+        &mut self,
+        budget: usize,
+        prompts: PromptLoad,
+    ) -> (Vec<Option<Draft>>, Option<Tensor>) {
         // The drafter runs where the target does, sharing its embedding and LM head.
         let Some(sp) = self.spec.as_mut() else {
             return (Vec::new(), None);
         };
         let model = self.backend.model();
         let max_pos = model.config().max_position_embeddings;
-        let (mut drafts, q) = sp.plan(model, &mut self.running, budget, max_pos);
+        let (mut drafts, q) = sp.plan(model, &mut self.running, budget, prompts, max_pos);
         for (s, d) in self.running.iter_mut().zip(drafts.iter_mut()) {
             let Some(draft) = d else { continue };
             let before = s.table.blocks().len();
