@@ -587,9 +587,9 @@ impl Speculator {
 
     /// Drafts for every eligible running sequence and picks its verify length; `budget` is the
     /// step's token budget left for draft slots, `prompts` the prompt work waiting beside the
-    /// step (the `goodput` policy costs its options with it), `max_pos` the context length. One entry per
-    /// running sequence (`None`: a plain decode step), and the drafter's shared q rows
-    /// (on the model's backend) that [`DraftDist::Rows`] drafts name.
+    /// step (the `goodput` policy costs its options with it), `max_pos` the context length.
+    /// One entry per running sequence (`None`: a plain decode step), and the drafter's shared
+    /// q rows (on the model's backend) that [`DraftDist::Rows`] drafts name.
     pub fn plan(
         &mut self,
         model: &DeepseekModel,
