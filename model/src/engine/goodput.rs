@@ -124,7 +124,7 @@ impl RowFit {
         }
         let (mx, my) = (self.x / self.w, self.y / self.w);
         let var = self.xx / self.w - mx * mx;
-        if !(var > (FIT_MIN_SPREAD * mx).powi(2)) {
+        if var.is_nan() || var <= (FIT_MIN_SPREAD * mx).powi(2) {
             return None;
         }
         let b = ((self.xy / self.w - mx * my) / var).max(0.0);
@@ -998,7 +998,10 @@ mod tests {
             f.record(rows, line(rows));
         }
         let (a, b) = f.line().expect("a known line");
-        assert!((a - 2e-3).abs() < 1e-5 && (b - 5e-6).abs() < 1e-8, "{a} {b}");
+        assert!(
+            (a - 2e-3).abs() < 1e-5 && (b - 5e-6).abs() < 1e-8,
+            "{a} {b}"
+        );
     }
 
     /// A device on which a decode-only step costs 1 ms whatever its rows (launch-bound; graph
@@ -1049,7 +1052,10 @@ mod tests {
             prompt_rows: 1024,
             ..shape(128)
         };
-        assert!(g.should_draft(beside), "speculation still pays beside prompts");
+        assert!(
+            g.should_draft(beside),
+            "speculation still pays beside prompts"
+        );
         // No line for a step whose sequences cannot all verify alike: priced as before.
         let uneven = Shape {
             eligible: 127,

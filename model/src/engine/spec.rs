@@ -587,17 +587,17 @@ impl Speculator {
 
     /// Drafts for every eligible running sequence and picks its verify length; `budget` is the
     /// step's token budget left for draft slots, `prompts` the prompt work waiting beside the
-    /// step (the `goodput` policy costs its options with it), `max_pos` the context length.
-    /// One entry per running sequence (`None`: a plain decode step), and the drafter's shared
-    /// q rows (on the model's backend) that [`DraftDist::Rows`] drafts name.
+    /// step (the `goodput` policy costs its options with it). One entry per running sequence
+    /// (`None`: a plain decode step), and the drafter's shared q rows (on the model's backend)
+    /// that [`DraftDist::Rows`] drafts name.
     pub fn plan(
         &mut self,
         model: &DeepseekModel,
         running: &mut [Sequence],
         budget: usize,
         prompts: PromptLoad,
-        max_pos: usize,
     ) -> (Vec<Option<Draft>>, Option<Tensor>) {
+        let max_pos = model.config().max_position_embeddings;
         // A step that never ran its batch must not leave its drafts to this one.
         self.queued = None;
         let mut plan: Vec<Option<Draft>> = vec![None; running.len()];

@@ -30,8 +30,7 @@ impl Scheduler {
             return (Vec::new(), None);
         };
         let model = self.backend.model();
-        let max_pos = model.config().max_position_embeddings;
-        let (mut drafts, q) = sp.plan(model, &mut self.running, budget, prompts, max_pos);
+        let (mut drafts, q) = sp.plan(model, &mut self.running, budget, prompts);
         for (s, d) in self.running.iter_mut().zip(drafts.iter_mut()) {
             let Some(draft) = d else { continue };
             let before = s.table.blocks().len();
