@@ -666,7 +666,7 @@ impl Speculator {
             budget,
             graph_widths: widths_for(pre_max),
             uniform: pre_max,
-            // `FERRY_GOODPUT_PROMPTS=0`: costed as decode-only steps (the A/B switch).
+            // Without `FERRY_GOODPUT_PROMPTS=1`: costed as decode-only steps.
             prompt_rows: if goodput_prompts() { prompts.rows } else { 0 },
             splits: prompts.splits,
         };
@@ -1210,11 +1210,13 @@ fn queued_drafts() -> bool {
     *ON.get_or_init(|| std::env::var("FERRY_QUEUED_DRAFTS").map_or(true, |v| v.trim() != "0"))
 }
 
-/// Whether `goodput` costs a step beside waiting prompts as such: unless
-/// `FERRY_GOODPUT_PROMPTS=0` (read once; the benchmarks' A/B switch, session 50).
+/// Whether `goodput` costs a step beside waiting prompts as such (`Goodput`'s line of the steps
+/// that carried prompts): with `FERRY_GOODPUT_PROMPTS=1` (read once). Off by default until a
+/// GPU A/B against the decode-only pricing says it pays (written in session 50, which got no
+/// GPU machine).
 fn goodput_prompts() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("FERRY_GOODPUT_PROMPTS").map_or(true, |v| v.trim() != "0"))
+    *ON.get_or_init(|| std::env::var("FERRY_GOODPUT_PROMPTS").is_ok_and(|v| v.trim() == "1"))
 }
 
 fn whole_block_tail() -> bool {
