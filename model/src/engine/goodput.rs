@@ -23,9 +23,9 @@
 //! With `FERRY_GOODPUT_PROMPTS=1` (opt-in until measured on a GPU; `Shape::prompt_rows` is 0
 //! otherwise): when prompt rows wait to join the step (a closed loop at high concurrency
 //! admits a prompt nearly every step), the step runs eagerly with them and the costs above are
-//! not the step's: its decode part then costs `a + b·rows` ([`RowFit`], fitted to the steps that carried
-//! prompts), and a graph round that leaves the prompts a forward of their own pays that
-//! forward's intercept `a`. Only uniform rounds are offered there, of any width (the forward
+//! not the step's: its decode part then costs `a + b·rows` ([`RowFit`], fitted to the steps
+//! that carried prompts), and a graph round that leaves the prompts a forward of their own
+//! pays that forward's intercept `a`. Only uniform rounds are offered there, of any width (the forward
 //! is eager, so no graph limits them). The prompts' own `b·P` is left out of every option: the
 //! same prompt rows are owed whatever this step verifies, and every token the loop serves
 //! brings the same prompt rows with it, so the option with the most tokens per second of
