@@ -25,8 +25,8 @@
 //! admits a prompt nearly every step), the step runs eagerly with them and the costs above are
 //! not the step's: its decode part then costs `a + b·rows` ([`RowFit`], fitted to the steps
 //! that carried prompts), and a graph round that leaves the prompts a forward of their own
-//! pays that forward's intercept `a`. Only uniform rounds are offered there, of any width (the forward
-//! is eager, so no graph limits them). The prompts' own `b·P` is left out of every option: the
+//! pays that forward's intercept `a`. Only uniform rounds are offered there, of any width
+//! (the forward is eager, so no graph limits them). The prompts' own `b·P` is left out of every option: the
 //! same prompt rows are owed whatever this step verifies, and every token the loop serves
 //! brings the same prompt rows with it, so the option with the most tokens per second of
 //! decode work is the one with the most per second of all work. (Session 49: costed as
