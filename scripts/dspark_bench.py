@@ -125,8 +125,22 @@ class Prompts:
 # Arms with the drafter: `spec` verifies as `--verify-len` says (`goodput` by default: the
 # confidence head against the engine's measured costs); `spec_fixed` is the same cluster with a fixed verify length
 # (`--fixed-verify-len`), the comparison issue 15's item 3 asks for. It runs only at
-# `--fixed-concurrency`, greedy, on half an arm's share of the budget.
-SPEC_ARMS = ("spec", "spec_fixed")
+# `--fixed-concurrency`, greedy, on half an arm's share of the budget. `spec_env` is the `spec`
+# arm's cluster with `--env-arm`'s variables set (a switch read from the environment, e.g.
+# `FERRY_GOODPUT_PROMPTS=1`), at the same levels and share as `spec_fixed`: a switch measured
+# against its default in the same run, on the same trained pair.
+SPEC_ARMS = ("spec", "spec_fixed", "spec_env")
+
+
+def env_assignments(text: str) -> dict[str, str]:
+    """`VAR=value VAR2=value2` as a dict (what `--env-arm` sets for the `spec_env` arm)."""
+    out = {}
+    for item in text.split():
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise SystemExit(f"dspark-bench: --env-arm wants VAR=value items, got {item!r}")
+        out[name] = value
+    return out
 
 
 class Cluster:
@@ -150,7 +164,7 @@ class Cluster:
         if a.device != "cpu":
             argv += ["--gpu-mode", a.gpu_mode]
         if self.arm in SPEC_ARMS:
-            verify_len = a.verify_len if self.arm == "spec" else a.fixed_verify_len
+            verify_len = a.fixed_verify_len if self.arm == "spec_fixed" else a.verify_len
             argv += ["--drafter", a.drafter, "--speculative", "on", "--verify-len", verify_len,
                      "--max-verify-tokens", str(a.max_verify_tokens)]
         else:
@@ -162,8 +176,12 @@ class Cluster:
         argv = self.argv()
         log(f"{self.arm}: {' '.join(argv)}")
         self.logf = open(self.log_path, "w")
+        env = dict(os.environ)
+        if self.arm == "spec_env":
+            env.update(env_assignments(self.args.env_arm))
+            log(f"{self.arm}: environment {self.args.env_arm}")
         self.proc = subprocess.Popen(argv, stdout=self.logf, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+                                     stdin=subprocess.DEVNULL, start_new_session=True, env=env)
 
     def log_text(self) -> str:
         try:
@@ -533,6 +551,9 @@ def speedups(report: dict) -> None:
         # Both against plain; the confidence-scheduled arm against the fixed one.
         report["speedup_fixed"] = compare(report, "plain", "spec_fixed")
         report["confidence_vs_fixed"] = compare(report, "spec_fixed", "spec")
+    if "spec_env" in arms:
+        report["speedup_env"] = compare(report, "plain", "spec_env")
+        report["env_vs_spec"] = compare(report, "spec", "spec_env")
     plain, spec = arms.get("plain", {}), arms.get("spec", {})
     pt, st = plain.get("greedy_texts", {}), spec.get("greedy_texts", {})
     common = set(pt) & set(st)
@@ -645,6 +666,23 @@ def markdown(report: dict) -> str:
                      f"{fmt(f.get('tau'), 2)} | {fmt(q.get('tau'), 2)} | "
                      f"{fmt(f.get('drafts_verified_per_round'), 2)} | {fmt(q.get('drafts_verified_per_round'), 2)} |")
         L.append("")
+    if "spec_env" in report["arms"]:
+        L += [f"### The `spec` arm with `{s.get('env_arm')}` against it, greedy", "",
+              "| c | plain agg tok/s | spec agg tok/s | spec_env agg tok/s | **spec_env / spec** |"
+              " spec_env / plain | spec τ | spec_env τ | spec drafts / round | spec_env drafts / round |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+        tkey = s["temperature_keys"][0]
+        by = lambda arm: {l["concurrency"]: l for l in report["arms"].get(arm, {}).get("results", {}).get(tkey, [])}  # noqa: E731
+        pl, sl, el = by("plain"), by("spec"), by("spec_env")
+        es = {r["concurrency"]: r for r in report.get("env_vs_spec", {}).get(tkey, {}).get("per_level", [])}
+        ep = {r["concurrency"]: r for r in report.get("speedup_env", {}).get(tkey, {}).get("per_level", [])}
+        for c in sorted(el):
+            p, q, e = pl.get(c, {}), sl.get(c, {}), el.get(c, {})
+            L.append(f"| {c} | {fmt(p.get('aggregate_tok_s'))} | {fmt(q.get('aggregate_tok_s'))} | "
+                     f"{fmt(e.get('aggregate_tok_s'))} | **{fmt(es.get(c, {}).get('aggregate'), 2)}** | "
+                     f"{fmt(ep.get(c, {}).get('aggregate'), 2)} | {fmt(q.get('tau'), 2)} | {fmt(e.get('tau'), 2)} | "
+                     f"{fmt(q.get('drafts_verified_per_round'), 2)} | {fmt(e.get('drafts_verified_per_round'), 2)} |")
+        L.append("")
     g = report.get("greedy_identity", {})
     by = ", ".join(f"{x['identical']}/{x['compared']} at c = {x['concurrency']}" for x in g.get("per_level", []))
     L += [f"Greedy identity: {g.get('identical')} of {g.get('compared')} greedy requests gave the same"
@@ -722,7 +760,10 @@ def main() -> int:
     p.add_argument("--identity-probe", type=int, default=16,
                    help="plain arm: re-run this many greedy prompts of its largest level one at a "
                         "time and compare the texts (batch-shape numerics; 0: off)")
-    p.add_argument("--fixed-concurrency", default="1,16,64", help="the spec_fixed arm's levels (greedy only)")
+    p.add_argument("--fixed-concurrency", default="1,16,64",
+                   help="the spec_fixed and spec_env arms' levels (greedy only)")
+    p.add_argument("--env-arm", default="",
+                   help="the spec_env arm's environment: VAR=value ... on top of this one's")
     p.add_argument("--up-args", default="", help="more `ferry up` flags, both arms")
     p.add_argument("--seconds", type=float, default=480, help="budget of the whole run")
     p.add_argument("--ready-seconds", type=float, default=240)
@@ -743,12 +784,14 @@ def main() -> int:
     arms = [a for a in args.arms.split(",") if a]
     unknown = [a for a in arms if a not in ("plain",) + SPEC_ARMS]
     if unknown:
-        raise SystemExit(f"dspark-bench: unknown arm(s) {unknown}: plain, spec, spec_fixed")
+        raise SystemExit(f"dspark-bench: unknown arm(s) {unknown}: plain, spec, spec_fixed, spec_env")
+    if "spec_env" in arms and not env_assignments(args.env_arm):
+        raise SystemExit("dspark-bench: the spec_env arm needs --env-arm VAR=value ...")
     fixed_levels = [int(x) for x in args.fixed_concurrency.split(",") if x.strip()]
     for c in fixed_levels:
         nreq.setdefault(c, parse_requests(args.requests, [c])[c])
-    # A spec_fixed arm weighs half: its levels and temperatures are fewer.
-    weight = {a: (0.5 if a == "spec_fixed" else 1.0) for a in arms}
+    # A spec_fixed or spec_env arm weighs half: its levels and temperatures are fewer.
+    weight = {a: (0.5 if a in ("spec_fixed", "spec_env") else 1.0) for a in arms}
 
     cfg = json.loads((Path(args.target) / "config.json").read_text())
     ctx = int(cfg.get("max_position_embeddings", 4096))
@@ -773,7 +816,7 @@ def main() -> int:
             "prefill_workers": args.prefill_workers, "decode_workers": 1,
             "max_running": args.max_running, "kv_blocks": args.kv_blocks,
             "verify_len": args.verify_len, "max_verify_tokens": args.max_verify_tokens,
-            "fixed_verify_len": args.fixed_verify_len,
+            "fixed_verify_len": args.fixed_verify_len, "env_arm": args.env_arm,
             "up_args": args.up_args, "budget_s": args.seconds, "warmup_tokens": args.warmup_tokens,
             "endpoint": "/v1/completions (stream, token-id prompts)", "load": "closed loop, c clients",
         },
@@ -807,8 +850,9 @@ def main() -> int:
         # Each arm gets its share of what is left, so a slow first arm cannot eat the others'.
         left = sum(weight[x] for x in arms[ai:])
         arm_deadline = time.monotonic() + (end - time.monotonic()) * weight[arm] / left
-        arm_levels = fixed_levels if arm == "spec_fixed" else levels
-        arm_temps = list(zip(temps, tkeys))[:1] if arm == "spec_fixed" else list(zip(temps, tkeys))
+        side = arm in ("spec_fixed", "spec_env")
+        arm_levels = fixed_levels if side else levels
+        arm_temps = list(zip(temps, tkeys))[:1] if side else list(zip(temps, tkeys))
         a = report["arms"][arm] = {"results": {k: [] for k in tkeys}, "error": None, "greedy_texts": {}}
         cl = Cluster(args, arm, out / "logs")
         CURRENT[:] = [cl]

@@ -17,7 +17,9 @@
 #   BENCH_CONCURRENCY=1,4,16,64,128   BENCH_TEMPERATURES=0,0.7   BENCH_ARMS=plain,spec,spec_fixed
 #   BENCH_FIXED_VERIFY_LEN=fixed:B (B: the drafter's block size; the spec_fixed arm: the same
 #     drafter verifying every draft of a block, the comparison for the confidence-scheduled arm)
-#   BENCH_FIXED_CONCURRENCY=1,16,64 (the spec_fixed arm's levels, greedy only)
+#   BENCH_FIXED_CONCURRENCY=1,16,64 (the spec_fixed and spec_env arms' levels, greedy only)
+#   BENCH_ENV_ARM="VAR=value ..." (the spec_env arm: the spec arm's cluster with these set, e.g.
+#     FERRY_GOODPUT_PROMPTS=1; add spec_env to BENCH_ARMS: a switch against its default in one run)
 #   BENCH_REQUESTS=auto (per level: max(16, 2c); or one number; or c:n,c:n)
 #   BENCH_PROMPT_TOKENS=1024 (cut to the model's context - output - 1)   BENCH_OUTPUT_TOKENS=400
 #   BENCH_SECONDS=480: budget of both arms together (each arm gets half of what is left: start-up,
@@ -63,6 +65,7 @@ timeout -k 20 "$((BENCH_SECONDS + BENCH_GRACE))" "$PY" scripts/dspark_bench.py \
   --arms "${BENCH_ARMS:-plain,spec,spec_fixed}" \
   --fixed-verify-len "${BENCH_FIXED_VERIFY_LEN:-fixed:$block}" \
   --fixed-concurrency "${BENCH_FIXED_CONCURRENCY:-1,16,64}" \
+  --env-arm "${BENCH_ENV_ARM:-}" \
   --concurrency "${BENCH_CONCURRENCY:-1,4,16,64,128}" \
   --requests "${BENCH_REQUESTS:-auto}" \
   --temperatures "${BENCH_TEMPERATURES:-0,0.7}" \
