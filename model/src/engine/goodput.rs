@@ -444,6 +444,12 @@ impl Goodput {
         self.plain.estimate(seqs)
     }
 
+    /// The line of the steps that carried prompts, `(a, b)` (for tests).
+    #[cfg(test)]
+    pub fn prompt_fit(&self) -> Option<(f64, f64)> {
+        self.with_prompts.line()
+    }
+
     /// Feeds a finished decode-only step into the cost curves.
     pub fn observe(&mut self, o: Observed) {
         let secs = if o.step_secs.is_finite() {

@@ -1337,6 +1337,42 @@ mod tests {
         assert_eq!(sp.flush_secs, 0.0);
     }
 
+    #[test]
+    fn a_step_with_prompts_prices_rows_without_its_drafter_pass() {
+        let model = DeepseekModel::load(&crate::embedded::default_model_dir()).expect("model");
+        let drafter =
+            crate::drafter::DsparkDrafter::load(&crate::drafter::embedded_dir(), model.config())
+                .expect("drafter");
+        let layout = KvLayout::for_model(model.config(), 16, 16);
+        let config = SpecConfig {
+            verify_len: VerifyLen::Goodput,
+            ..SpecConfig::default()
+        };
+        let mut sp = Speculator::new(
+            Box::new(drafter),
+            (&layout, KvDtype::F32),
+            &Backend::Cpu,
+            config,
+            None,
+        )
+        .expect("speculator");
+        // Steps of 1,100–2,025 rows beside prompts, each after a 3 ms drafter pass and with 1 ms
+        // of deferred context written: the forward itself costs 2 ms + 5 µs a row.
+        for i in 0..40 {
+            let rows = 1100 + 37 * (i % 26);
+            sp.last_pass = Some((64, 0.003));
+            sp.flush_secs += 0.001;
+            let forward = 2e-3 + 5e-6 * rows as f64;
+            sp.observe_step(ObservedStep::WithPrompts { rows }, 0.004 + forward);
+        }
+        let (a, b) = sp.goodput.prompt_fit().expect("a line");
+        assert!(
+            (a - 2e-3).abs() < 1e-6 && (b - 5e-6).abs() < 1e-9,
+            "{a} {b}"
+        );
+        assert!(sp.last_pass.is_none() && sp.flush_secs == 0.0);
+    }
+
     /// The slots of one sequence from its per-position confidences, as the planner forms them.
     fn block(seq: usize, confidence: &[f32]) -> Vec<Slot> {
         let mut survival = 1.0f32;
