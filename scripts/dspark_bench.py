@@ -577,6 +577,28 @@ def fmt(x, nd=1) -> str:
     return f"{x:.{nd}f}" if isinstance(x, float) else str(x)
 
 
+def side_by_side(report: dict, title: str, base: tuple, other: tuple, ratios: str) -> list[str]:
+    """A Markdown table of two speculating arms at `other`'s greedy levels: plain's aggregate for
+    reference, both arms' aggregates, their ratio (`report[ratios]`), τ and drafts per round.
+    `base` and `other` are (arm, label)."""
+    (b, bl), (o, ol) = base, other
+    tkey = report["settings"]["temperature_keys"][0]
+    by = lambda arm: {l["concurrency"]: l for l in report["arms"].get(arm, {}).get("results", {}).get(tkey, [])}  # noqa: E731
+    pl, bs, os_ = by("plain"), by(b), by(o)
+    ratio = {r["concurrency"]: r for r in report.get(ratios, {}).get(tkey, {}).get("per_level", [])}
+    L = [title, "",
+         f"| c | plain agg tok/s | {bl} agg tok/s | {ol} agg tok/s | **{ol} / {bl}** |"
+         f" {bl} τ | {ol} τ | {bl} drafts / round | {ol} drafts / round |",
+         "|---|---|---|---|---|---|---|---|---|"]
+    for c in sorted(set(bs) & set(os_)):
+        p, x, y = pl.get(c, {}), bs.get(c, {}), os_.get(c, {})
+        L.append(f"| {c} | {fmt(p.get('aggregate_tok_s'))} | {fmt(x.get('aggregate_tok_s'))} | "
+                 f"{fmt(y.get('aggregate_tok_s'))} | **{fmt(ratio.get(c, {}).get('aggregate'), 2)}** | "
+                 f"{fmt(x.get('tau'), 2)} | {fmt(y.get('tau'), 2)} | "
+                 f"{fmt(x.get('drafts_verified_per_round'), 2)} | {fmt(y.get('drafts_verified_per_round'), 2)} |")
+    return L + [""]
+
+
 def markdown(report: dict) -> str:
     s = report["settings"]
     L = [f"## DSpark: speculative vs plain decoding through the cluster ({report['date']})", "",
@@ -650,39 +672,12 @@ def markdown(report: dict) -> str:
                          f"{fmt(l.get('decode_busy_share'), 2)} | {fmt(l.get('prefill_busy_share'), 2)} |")
     L.append("")
     if "spec_fixed" in report["arms"]:
-        L += [f"### Verify length: `{s['verify_len']}` against fixed "
-              f"(`{s['fixed_verify_len']}`), greedy", "",
-              "| c | plain agg tok/s | fixed agg tok/s | confidence agg tok/s | **confidence / fixed** |"
-              " fixed τ | confidence τ | fixed drafts / round | confidence drafts / round |",
-              "|---|---|---|---|---|---|---|---|---|"]
-        tkey = s["temperature_keys"][0]
-        by = lambda arm: {l["concurrency"]: l for l in report["arms"].get(arm, {}).get("results", {}).get(tkey, [])}  # noqa: E731
-        pl, fl, cl = by("plain"), by("spec_fixed"), by("spec")
-        cf = {r["concurrency"]: r for r in report.get("confidence_vs_fixed", {}).get(tkey, {}).get("per_level", [])}
-        for c in sorted(fl):
-            p, f, q = pl.get(c, {}), fl.get(c, {}), cl.get(c, {})
-            L.append(f"| {c} | {fmt(p.get('aggregate_tok_s'))} | {fmt(f.get('aggregate_tok_s'))} | "
-                     f"{fmt(q.get('aggregate_tok_s'))} | **{fmt(cf.get(c, {}).get('aggregate'), 2)}** | "
-                     f"{fmt(f.get('tau'), 2)} | {fmt(q.get('tau'), 2)} | "
-                     f"{fmt(f.get('drafts_verified_per_round'), 2)} | {fmt(q.get('drafts_verified_per_round'), 2)} |")
-        L.append("")
+        L += side_by_side(report, f"### Verify length: `{s['verify_len']}` against fixed "
+                          f"(`{s['fixed_verify_len']}`), greedy",
+                          ("spec_fixed", "fixed"), ("spec", "confidence"), "confidence_vs_fixed")
     if "spec_env" in report["arms"]:
-        L += [f"### The `spec` arm with `{s.get('env_arm')}` against it, greedy", "",
-              "| c | plain agg tok/s | spec agg tok/s | spec_env agg tok/s | **spec_env / spec** |"
-              " spec_env / plain | spec τ | spec_env τ | spec drafts / round | spec_env drafts / round |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
-        tkey = s["temperature_keys"][0]
-        by = lambda arm: {l["concurrency"]: l for l in report["arms"].get(arm, {}).get("results", {}).get(tkey, [])}  # noqa: E731
-        pl, sl, el = by("plain"), by("spec"), by("spec_env")
-        es = {r["concurrency"]: r for r in report.get("env_vs_spec", {}).get(tkey, {}).get("per_level", [])}
-        ep = {r["concurrency"]: r for r in report.get("speedup_env", {}).get(tkey, {}).get("per_level", [])}
-        for c in sorted(el):
-            p, q, e = pl.get(c, {}), sl.get(c, {}), el.get(c, {})
-            L.append(f"| {c} | {fmt(p.get('aggregate_tok_s'))} | {fmt(q.get('aggregate_tok_s'))} | "
-                     f"{fmt(e.get('aggregate_tok_s'))} | **{fmt(es.get(c, {}).get('aggregate'), 2)}** | "
-                     f"{fmt(ep.get(c, {}).get('aggregate'), 2)} | {fmt(q.get('tau'), 2)} | {fmt(e.get('tau'), 2)} | "
-                     f"{fmt(q.get('drafts_verified_per_round'), 2)} | {fmt(e.get('drafts_verified_per_round'), 2)} |")
-        L.append("")
+        L += side_by_side(report, f"### The `spec` arm with `{s.get('env_arm')}` against it, greedy",
+                          ("spec", "spec"), ("spec_env", "spec_env"), "env_vs_spec")
     g = report.get("greedy_identity", {})
     by = ", ".join(f"{x['identical']}/{x['compared']} at c = {x['concurrency']}" for x in g.get("per_level", []))
     L += [f"Greedy identity: {g.get('identical')} of {g.get('compared')} greedy requests gave the same"

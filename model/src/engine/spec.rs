@@ -1299,8 +1299,8 @@ mod tests {
         assert_eq!(counterfactual(&[5, 6, 7], []), None);
     }
 
-    #[test]
-    fn deferred_context_written_in_a_step_is_not_its_cost() {
+    /// A speculator of the embedded pair on the CPU under `goodput`.
+    fn goodput_speculator() -> Speculator {
         let model = DeepseekModel::load(&crate::embedded::default_model_dir()).expect("model");
         let drafter =
             crate::drafter::DsparkDrafter::load(&crate::drafter::embedded_dir(), model.config())
@@ -1310,14 +1310,19 @@ mod tests {
             verify_len: VerifyLen::Goodput,
             ..SpecConfig::default()
         };
-        let mut sp = Speculator::new(
+        Speculator::new(
             Box::new(drafter),
             (&layout, KvDtype::F32),
             &Backend::Cpu,
             config,
             None,
         )
-        .expect("speculator");
+        .expect("speculator")
+    }
+
+    #[test]
+    fn deferred_context_written_in_a_step_is_not_its_cost() {
+        let mut sp = goodput_speculator();
         // Three plain steps of one sequence, 1 ms each; each also wrote 4 ms of deferred
         // context.
         for _ in 0..3 {
@@ -1339,23 +1344,7 @@ mod tests {
 
     #[test]
     fn a_step_with_prompts_prices_rows_without_its_drafter_pass() {
-        let model = DeepseekModel::load(&crate::embedded::default_model_dir()).expect("model");
-        let drafter =
-            crate::drafter::DsparkDrafter::load(&crate::drafter::embedded_dir(), model.config())
-                .expect("drafter");
-        let layout = KvLayout::for_model(model.config(), 16, 16);
-        let config = SpecConfig {
-            verify_len: VerifyLen::Goodput,
-            ..SpecConfig::default()
-        };
-        let mut sp = Speculator::new(
-            Box::new(drafter),
-            (&layout, KvDtype::F32),
-            &Backend::Cpu,
-            config,
-            None,
-        )
-        .expect("speculator");
+        let mut sp = goodput_speculator();
         // Steps of 1,100–2,025 rows beside prompts, each after a 3 ms drafter pass and with 1 ms
         // of deferred context written: the forward itself costs 2 ms + 5 µs a row.
         for i in 0..40 {
