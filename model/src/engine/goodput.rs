@@ -21,17 +21,16 @@
 //! ```
 //!
 //! With `FERRY_GOODPUT_PROMPTS=1` (opt-in until measured on a GPU; `Shape::prompt_rows` is 0
-//! otherwise): when prompt rows wait to join the step (a closed loop at high concurrency
-//! admits a prompt nearly every step), the step runs eagerly with them and the costs above are
-//! not the step's: its decode part then costs `a + b·rows` ([`RowFit`], fitted to the steps
-//! that carried prompts), and a graph round that leaves the prompts a forward of their own
-//! pays that forward's intercept `a`. Only uniform rounds are offered there, of any width
-//! (the forward is eager, so no graph limits them). The prompts' own `b·P` is left out of every option: the
-//! same prompt rows are owed whatever this step verifies, and every token the loop serves
-//! brings the same prompt rows with it, so the option with the most tokens per second of
-//! decode work is the one with the most per second of all work. (Session 49: costed as
-//! decode-only rounds, the policy verified 6–8 drafts a sequence at 128 sequences, where fixed
-//! lengths of 3–4 served more.)
+//! otherwise): when prompt rows wait to join the step (a closed loop at high concurrency admits a
+//! prompt nearly every step), the step runs eagerly with them and the costs above are not the
+//! step's: its decode part then costs `a + b·rows` ([`RowFit`], fitted to the steps that carried
+//! prompts), and a graph round that leaves the prompts a forward of their own pays that forward's
+//! intercept `a`. Only uniform rounds are offered there, of any width (the forward is eager, so no
+//! graph limits them). The prompts' own `b·P` is left out of every option: the same prompt rows are
+//! owed whatever this step verifies, and every token the loop serves brings the same prompt rows
+//! with it, so the option with the most tokens per second of decode work is the one with the most
+//! per second of all work. (Session 49: costed as decode-only rounds, the policy verified 6–8
+//! drafts a sequence at 128 sequences, where fixed lengths of 3–4 served more.)
 //!
 //! `n` is the number of running sequences (each commits at least one token per step), `m` the
 //! number that may draft. Unknown costs are measured, not guessed: while a shape has no
