@@ -130,6 +130,8 @@ class Prompts:
 # `FERRY_GOODPUT_PROMPTS=1`), at the same levels and share as `spec_fixed`: a switch measured
 # against its default in the same run, on the same trained pair.
 SPEC_ARMS = ("spec", "spec_fixed", "spec_env")
+# The arms that run greedy only, at `--fixed-concurrency`, on half a full arm's share.
+SIDE_ARMS = ("spec_fixed", "spec_env")
 
 
 def env_assignments(text: str) -> dict[str, str]:
@@ -578,7 +580,7 @@ def fmt(x, nd=1) -> str:
 
 
 def side_by_side(report: dict, title: str, base: tuple, other: tuple, ratios: str) -> list[str]:
-    """A Markdown table of two speculating arms at `other`'s greedy levels: plain's aggregate for
+    """A Markdown table of two speculating arms at the greedy levels both ran: plain's aggregate for
     reference, both arms' aggregates, their ratio (`report[ratios]`), τ and drafts per round.
     `base` and `other` are (arm, label)."""
     (b, bl), (o, ol) = base, other
@@ -786,7 +788,7 @@ def main() -> int:
     for c in fixed_levels:
         nreq.setdefault(c, parse_requests(args.requests, [c])[c])
     # A spec_fixed or spec_env arm weighs half: its levels and temperatures are fewer.
-    weight = {a: (0.5 if a in ("spec_fixed", "spec_env") else 1.0) for a in arms}
+    weight = {a: (0.5 if a in SIDE_ARMS else 1.0) for a in arms}
 
     cfg = json.loads((Path(args.target) / "config.json").read_text())
     ctx = int(cfg.get("max_position_embeddings", 4096))
@@ -845,7 +847,7 @@ def main() -> int:
         # Each arm gets its share of what is left, so a slow first arm cannot eat the others'.
         left = sum(weight[x] for x in arms[ai:])
         arm_deadline = time.monotonic() + (end - time.monotonic()) * weight[arm] / left
-        side = arm in ("spec_fixed", "spec_env")
+        side = arm in SIDE_ARMS
         arm_levels = fixed_levels if side else levels
         arm_temps = list(zip(temps, tkeys))[:1] if side else list(zip(temps, tkeys))
         a = report["arms"][arm] = {"results": {k: [] for k in tkeys}, "error": None, "greedy_texts": {}}

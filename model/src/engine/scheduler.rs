@@ -393,7 +393,7 @@ impl Scheduler {
         }
         // A decode-only step's shape, for the `goodput` verify length's cost estimates.
         let decode_only = work.iter().all(|w| matches!(w, Work::Decode(_)));
-        let prompt_rows: usize = work
+        let prompt_work: usize = work
             .iter()
             .map(|w| match *w {
                 Work::Decode(_) => 0,
@@ -433,7 +433,7 @@ impl Scheduler {
                 }
             } else {
                 ObservedStep::WithPrompts {
-                    rows: rows + prompt_rows,
+                    rows: rows + prompt_work,
                 }
             };
             sp.observe_step(step, secs);
