@@ -329,7 +329,10 @@ impl Scheduler {
         let started = std::time::Instant::now();
         host_phase("plan (drafter pass)");
         let graphs_before = self.backend.graph_steps();
-        let (drafts, q) = if decode {
+        // Only a drafter plans: without one the step has no plan phase (its waiting prompt
+        // rows are not even counted), so none of its time is filed there.
+        let drafting = decode && self.spec.is_some();
+        let (drafts, q) = if drafting {
             let load = PromptLoad {
                 rows: if prompts { self.prompt_rows(budget) } else { 0 },
                 splits: what == StepWork::All && self.splits_graphed_rounds(),
@@ -338,7 +341,11 @@ impl Scheduler {
         } else {
             (Vec::new(), None)
         };
-        let planned = std::time::Instant::now();
+        let planned = if drafting {
+            std::time::Instant::now()
+        } else {
+            started
+        };
         let mut work: Vec<Work> = (0..decoding).map(Work::Decode).collect();
         let drafted: usize = drafts.iter().flatten().map(Draft::gamma).sum();
         // `Auto`: a graphed round keeps its graph when the prompt work beside it is fewer rows
