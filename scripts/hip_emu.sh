@@ -37,6 +37,11 @@ export LD_LIBRARY_PATH="$TARGET/hip-emu/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 export FERRY_HIP_EMU_CACHE=${FERRY_HIP_EMU_CACHE:-$TARGET/hip-emu/modules}
 export HIP_PATH=/usr
 
+# The test targets below by name over the whole workspace with the ROCm rows on: dependencies
+# then resolve as for README's `cargo test --workspace`, so that build (CI runs it next) reuses
+# them rather than rebuilding every crate whose features a `-p` selection would change.
+ROCM="--workspace --features ferry/rocm"
+
 if [ "${1:-}" = "--" ]; then
   shift
   exec cargo test --locked "$@"
@@ -48,14 +53,14 @@ fi
 # (chi-square over 40,000 sequences each) take over ten minutes here; the CPU and the GPUs run
 # them.
 for order in forward reverse; do
-  FERRY_HIP_EMU_ORDER=$order cargo test -q -p ferry-kernels --features rocm --locked \
+  FERRY_HIP_EMU_ORDER=$order cargo test -q $ROCM --locked \
     --test backend --test backend_draft --test backend_sample -- --skip lossless
 done
 FERRY_HIP_EMU_ORDER=reverse cargo test -q -p ferry-hip-emu --locked
 # The model over Backend::Rocm: golden-prompt logits against the CPU backend.
-cargo test -q -p ferry-model --features rocm --locked --test backend_model
+cargo test -q $ROCM --locked --test backend_model
 # The DSpark drafter on the device (its Markov steps, sampling, draws) against the CPU drafter.
-cargo test -q -p ferry-model --features rocm --locked --test spec_drafter -- \
+cargo test -q $ROCM --locked --test spec_drafter -- \
   --include-ignored drafter_on_a_gpu_matches_the_cpu_drafter
 if [ "${1:-}" = "--engine" ]; then
   # The serving engine on rocm:0: golden tokens and a prefix-cache hit, a prefill job's shipped
@@ -64,7 +69,7 @@ if [ "${1:-}" = "--engine" ]; then
   # log-probabilities and a JSON schema, late prompts in forwards of their own, uniform
   # rounds narrower than the block, and rounds whose drafts stay on the device beside late
   # prompts.
-  cargo test -q -p ferry-model --features rocm --locked --test engine_device -- \
+  cargo test -q $ROCM --locked --test engine_device -- \
     --include-ignored rocm_engine_serves_the_cpu_engines_tokens \
     an_unopenable_gpu_is_an_error_and_auto_picks_a_device_that_serves \
     speculative_greedy_on_a_gpu_equals_plain_and_the_cpu \

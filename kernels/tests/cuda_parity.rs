@@ -67,175 +67,183 @@ fn nvrtc_compiles_every_source() {
         eprintln!("skipping nvrtc_compiles_every_source: libnvrtc.so not on the library path");
         return;
     }
-    for cc in [(9, 0), (8, 0)] {
-        let v3 = MlaShape::DEEPSEEK_V3;
-        for shape in [
-            v3,
-            TINY,
-            v3.with_tile(32, 2),
-            v3.with_tile(32, 3),
-            v3.with_tile(32, 4),
-            v3.with_tile8(4),
-            v3.with_tile(64, 2),
-            v3.with_tile_ws(2),
-            v3.with_tile_ws(4),
-            // Fast mode's split rows (the RoPE key as a bf16 pair).
-            v3.with_split(64),
-            v3.with_split(64).with_tile(64, 2),
-            v3.with_split(64).with_tile8(4),
-            v3.with_split(64).with_tile_ws(2),
-            TINY.with_split(16),
-        ] {
-            let ptx = compile_ptx(Source::Mla, &shape.defines(), cc).expect("mla.cu compiles");
-            for k in [
-                "mla_tile_bf16",
-                "mla_packed_bf16",
-                "mla_generic_f32",
-                "mha_flash_bf16",
-            ] {
-                assert!(ptx.contains(k), "{k} missing for sm_{}{}", cc.0, cc.1);
-            }
-            assert!(ptx.contains("mma.sync"), "tensor-core path compiled");
-            if shape.tile_warps == 8 {
-                assert!(ptx.contains("mla_tile8_bf16") && ptx.contains("mla_packed8_bf16"));
-            }
-            // The bulk-copy tile kernel exists for sm_90 only (where the shape allows it).
-            let ws = cc == (9, 0)
-                && shape.krow() % 32 == 0
-                && shape.split % 32 == 0
-                && shape.tile_bk == 32;
-            assert_eq!(ptx.contains("mla_tile_ws_bf16"), ws);
-            assert_eq!(ptx.contains("mla_packed_ws_bf16"), ws);
-            // Hopper (compiled as sm_90a) gets the warpgroup-MMA prefill kernel, others not.
-            let hopper = cc == (9, 0) && shape.wgmma_ok();
-            assert_eq!(
-                ptx.contains("wgmma.mma_async"),
-                hopper,
-                "sm_{}{}",
-                cc.0,
-                cc.1
-            );
-            assert_eq!(ptx.contains("mha_wgmma_bf16"), hopper);
-            assert_eq!(
-                ptx.contains("mha_ws_bf16"),
-                hopper && MhaWsConfig::shape_ok(shape)
-            );
-            if let Ok(dir) = std::env::var("FERRY_PTX_DIR") {
-                let f = format!(
-                    "{dir}/mla_{}s{}_w{}_bk{}x{}_sm{}{}.ptx",
-                    shape.latent,
-                    shape.split,
-                    shape.tile_warps,
-                    shape.tile_bk,
-                    shape.tile_stages,
-                    cc.0,
-                    cc.1
-                );
-                std::fs::write(f, &ptx).expect("write ptx");
-            }
+    // The two architectures compile on threads of their own (NVRTC is single-threaded per
+    // compile; CI's two cores take both at once). A failed assertion fails the test when the
+    // scope joins its thread.
+    std::thread::scope(|s| {
+        for cc in [(9, 0), (8, 0)] {
+            s.spawn(move || compiles_every_source_for(cc));
         }
-        if cc == (9, 0) {
-            // Every warp-specialised tiling the benchmarks sweep (ptxas checks them in CI).
-            let v3 = MlaShape::DEEPSEEK_V3;
-            let d = MhaWsConfig::default();
-            for (i, c) in [
-                d,
-                MhaWsConfig {
-                    pingpong: false,
-                    ..d
-                },
-                MhaWsConfig { pv_cols: 64, ..d },
-                MhaWsConfig {
-                    keys: 96,
-                    overlap: true,
-                    ..d
-                },
-                MhaWsConfig {
-                    keys: 64,
-                    overlap: true,
-                    stages: 3,
-                    ..d
-                },
-            ]
-            .into_iter()
-            .enumerate()
-            {
-                assert!(c.valid(v3), "{c:?}");
-                let ptx = compile_ptx(Source::Mla, &c.defines(v3.defines()), cc)
-                    .unwrap_or_else(|e| panic!("{c:?}: {e}"));
-                assert!(ptx.contains("mha_ws_bf16"), "{c:?}");
-                if let Ok(dir) = std::env::var("FERRY_PTX_DIR") {
-                    std::fs::write(format!("{dir}/mla_ws{i}_sm90.ptx"), &ptx).expect("write ptx");
-                }
-            }
-        }
-        let ptx = compile_ptx(Source::Common, &Default::default(), cc).expect("common.cu compiles");
-        assert!(ptx.contains("moe_route") && ptx.contains("gemv_bf16"));
+    });
+}
+
+/// [`nvrtc_compiles_every_source`] for one compute capability: every source with the model
+/// shapes the tests use, and the kernels each PTX must hold.
+fn compiles_every_source_for(cc: (i32, i32)) {
+    let v3 = MlaShape::DEEPSEEK_V3;
+    for shape in [
+        v3,
+        TINY,
+        v3.with_tile(32, 2),
+        v3.with_tile(32, 3),
+        v3.with_tile(32, 4),
+        v3.with_tile8(4),
+        v3.with_tile(64, 2),
+        v3.with_tile_ws(2),
+        v3.with_tile_ws(4),
+        // Fast mode's split rows (the RoPE key as a bf16 pair).
+        v3.with_split(64),
+        v3.with_split(64).with_tile(64, 2),
+        v3.with_split(64).with_tile8(4),
+        v3.with_split(64).with_tile_ws(2),
+        TINY.with_split(16),
+    ] {
+        let ptx = compile_ptx(Source::Mla, &shape.defines(), cc).expect("mla.cu compiles");
         for k in [
-            "moe_route_w2",
-            "moe_route_w8",
-            "moe_down8_bf16",
-            "moe_down16_f32",
+            "mla_tile_bf16",
+            "mla_packed_bf16",
+            "mla_generic_f32",
+            "mha_flash_bf16",
         ] {
             assert!(ptx.contains(k), "{k} missing for sm_{}{}", cc.0, cc.1);
         }
-        // The portable GEMM (ROCm's large GEMM) compiles for CUDA too: its contract test runs
-        // here (`gemm_tiled_matches_cpu`).
-        assert!(ptx.contains("gemm_tiled_f32") && ptx.contains("gemm_tiled_bf16"));
-        if let Ok(dir) = std::env::var("FERRY_PTX_DIR") {
-            std::fs::write(format!("{dir}/common_sm{}{}.ptx", cc.0, cc.1), &ptx).expect("write");
+        assert!(ptx.contains("mma.sync"), "tensor-core path compiled");
+        if shape.tile_warps == 8 {
+            assert!(ptx.contains("mla_tile8_bf16") && ptx.contains("mla_packed8_bf16"));
         }
-        // The sources compiled without model-shape defines: sampling and the drafter's ops.
-        for source in [Source::Sample, Source::Draft] {
-            let ptx = compile_ptx(source, &Default::default(), cc)
-                .unwrap_or_else(|e| panic!("{} does not compile: {e}", source.name()));
-            if source == Source::Draft {
-                let mut names = vec![
-                    "draft_scatter_f32".to_string(),
-                    "draft_scatter_bf16".into(),
-                    "draft_attn_combine".into(),
-                    "draft_concat".into(),
-                    "draft_confidence".into(),
-                    "draft_markov_f32".into(),
-                    "draft_markov_bf16".into(),
-                ];
-                for kv in ["f32", "bf16"] {
-                    for q in [4, 8, 16] {
-                        for d in [32, 64, 128] {
-                            names.push(format!("draft_attn_{kv}_q{q}_d{d}"));
-                        }
+        // The bulk-copy tile kernel exists for sm_90 only (where the shape allows it).
+        let ws =
+            cc == (9, 0) && shape.krow() % 32 == 0 && shape.split % 32 == 0 && shape.tile_bk == 32;
+        assert_eq!(ptx.contains("mla_tile_ws_bf16"), ws);
+        assert_eq!(ptx.contains("mla_packed_ws_bf16"), ws);
+        // Hopper (compiled as sm_90a) gets the warpgroup-MMA prefill kernel, others not.
+        let hopper = cc == (9, 0) && shape.wgmma_ok();
+        assert_eq!(
+            ptx.contains("wgmma.mma_async"),
+            hopper,
+            "sm_{}{}",
+            cc.0,
+            cc.1
+        );
+        assert_eq!(ptx.contains("mha_wgmma_bf16"), hopper);
+        assert_eq!(
+            ptx.contains("mha_ws_bf16"),
+            hopper && MhaWsConfig::shape_ok(shape)
+        );
+        if let Ok(dir) = std::env::var("FERRY_PTX_DIR") {
+            let f = format!(
+                "{dir}/mla_{}s{}_w{}_bk{}x{}_sm{}{}.ptx",
+                shape.latent,
+                shape.split,
+                shape.tile_warps,
+                shape.tile_bk,
+                shape.tile_stages,
+                cc.0,
+                cc.1
+            );
+            std::fs::write(f, &ptx).expect("write ptx");
+        }
+    }
+    if cc == (9, 0) {
+        // Every warp-specialised tiling the benchmarks sweep (ptxas checks them in CI).
+        let v3 = MlaShape::DEEPSEEK_V3;
+        let d = MhaWsConfig::default();
+        for (i, c) in [
+            d,
+            MhaWsConfig {
+                pingpong: false,
+                ..d
+            },
+            MhaWsConfig { pv_cols: 64, ..d },
+            MhaWsConfig {
+                keys: 96,
+                overlap: true,
+                ..d
+            },
+            MhaWsConfig {
+                keys: 64,
+                overlap: true,
+                stages: 3,
+                ..d
+            },
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            assert!(c.valid(v3), "{c:?}");
+            let ptx = compile_ptx(Source::Mla, &c.defines(v3.defines()), cc)
+                .unwrap_or_else(|e| panic!("{c:?}: {e}"));
+            assert!(ptx.contains("mha_ws_bf16"), "{c:?}");
+            if let Ok(dir) = std::env::var("FERRY_PTX_DIR") {
+                std::fs::write(format!("{dir}/mla_ws{i}_sm90.ptx"), &ptx).expect("write ptx");
+            }
+        }
+    }
+    let ptx = compile_ptx(Source::Common, &Default::default(), cc).expect("common.cu compiles");
+    assert!(ptx.contains("moe_route") && ptx.contains("gemv_bf16"));
+    for k in [
+        "moe_route_w2",
+        "moe_route_w8",
+        "moe_down8_bf16",
+        "moe_down16_f32",
+    ] {
+        assert!(ptx.contains(k), "{k} missing for sm_{}{}", cc.0, cc.1);
+    }
+    // The portable GEMM (ROCm's large GEMM) compiles for CUDA too: its contract test runs
+    // here (`gemm_tiled_matches_cpu`).
+    assert!(ptx.contains("gemm_tiled_f32") && ptx.contains("gemm_tiled_bf16"));
+    if let Ok(dir) = std::env::var("FERRY_PTX_DIR") {
+        std::fs::write(format!("{dir}/common_sm{}{}.ptx", cc.0, cc.1), &ptx).expect("write");
+    }
+    // The sources compiled without model-shape defines: sampling and the drafter's ops.
+    for source in [Source::Sample, Source::Draft] {
+        let ptx = compile_ptx(source, &Default::default(), cc)
+            .unwrap_or_else(|e| panic!("{} does not compile: {e}", source.name()));
+        if source == Source::Draft {
+            let mut names = vec![
+                "draft_scatter_f32".to_string(),
+                "draft_scatter_bf16".into(),
+                "draft_attn_combine".into(),
+                "draft_concat".into(),
+                "draft_confidence".into(),
+                "draft_markov_f32".into(),
+                "draft_markov_bf16".into(),
+            ];
+            for kv in ["f32", "bf16"] {
+                for q in [4, 8, 16] {
+                    for d in [32, 64, 128] {
+                        names.push(format!("draft_attn_{kv}_q{q}_d{d}"));
                     }
                 }
-                for k in names {
-                    assert!(ptx.contains(&k), "{k} missing for sm_{}{}", cc.0, cc.1);
-                }
             }
-            if source == Source::Sample {
-                for k in [
-                    "sample_probs",
-                    "sample_argmax",
-                    "sample_argmax_part",
-                    "sample_argmax_merge",
-                    "sample_softmax_max",
-                    "sample_softmax_exp",
-                    "sample_softmax_norm",
-                    "sample_probs_finish",
-                    "sample_draw",
-                    "sample_draw_part",
-                    "sample_draw_pick",
-                    "spec_verify_accept",
-                    "spec_verify_part",
-                    "spec_verify_pick",
-                    "spec_verify",
-                ] {
-                    assert!(ptx.contains(k), "{k} missing for sm_{}{}", cc.0, cc.1);
-                }
+            for k in names {
+                assert!(ptx.contains(&k), "{k} missing for sm_{}{}", cc.0, cc.1);
             }
-            if let Ok(dir) = std::env::var("FERRY_PTX_DIR") {
-                let stem = source.name().trim_end_matches(".cu");
-                std::fs::write(format!("{dir}/{stem}_sm{}{}.ptx", cc.0, cc.1), &ptx)
-                    .expect("write");
+        }
+        if source == Source::Sample {
+            for k in [
+                "sample_probs",
+                "sample_argmax",
+                "sample_argmax_part",
+                "sample_argmax_merge",
+                "sample_softmax_max",
+                "sample_softmax_exp",
+                "sample_softmax_norm",
+                "sample_probs_finish",
+                "sample_draw",
+                "sample_draw_part",
+                "sample_draw_pick",
+                "spec_verify_accept",
+                "spec_verify_part",
+                "spec_verify_pick",
+                "spec_verify",
+            ] {
+                assert!(ptx.contains(k), "{k} missing for sm_{}{}", cc.0, cc.1);
             }
+        }
+        if let Ok(dir) = std::env::var("FERRY_PTX_DIR") {
+            let stem = source.name().trim_end_matches(".cu");
+            std::fs::write(format!("{dir}/{stem}_sm{}{}.ptx", cc.0, cc.1), &ptx).expect("write");
         }
     }
 }
