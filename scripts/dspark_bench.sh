@@ -25,7 +25,9 @@
 #   BENCH_SECONDS=480: budget of both arms together (each arm gets half of what is left: start-up,
 #     warm-up, levels; a level that does not fit is recorded as skipped); the hook is killed at
 #     BENCH_SECONDS + BENCH_GRACE (default 120: requests in flight, the last cluster's stop)
-#   BENCH_MAX_RUNNING=128  BENCH_KV_BLOCKS=4096  BENCH_PREFILL_WORKERS=1  BENCH_GPU_MODE=fast
+#   BENCH_MAX_RUNNING=max(128, the largest level)  BENCH_KV_BLOCKS=max(4096, 32 per running
+#     sequence: 2,048 tokens of 64-token blocks, a 1,024 + 400 request and its drafts)
+#   BENCH_PREFILL_WORKERS=1  BENCH_GPU_MODE=fast
 #   BENCH_VERIFY_LEN=goodput  BENCH_MAX_VERIFY_TOKENS=1024  (the spec arms' ferry up flags: a budget
 #   that lets every one of 128 sequences verify a whole block of 8, so the policy decides, not the cap)
 #   BENCH_UP_ARGS: more `ferry up` flags for both arms   BENCH_WARMUP_TOKENS=16 (0: no warm-up)
@@ -57,6 +59,13 @@ if [ "$DEVICE" != cpu ] && [ -z "${DSPARK_BENCH_NO_GPU_ENV:-}" ]; then
 fi
 mkdir -p "$RUN/bench"
 export PYTHONUNBUFFERED=1
+# Every level's clients decode at once: the largest level sets the workers' running limit and
+# KV pool unless they are given (a level above the limit would measure the queue instead).
+levels="${BENCH_CONCURRENCY:-1,4,16,64,128},${BENCH_FIXED_CONCURRENCY:-1,16,64}"
+largest=$(tr ',' '\n' <<<"$levels" | grep -E '^[0-9]+$' | sort -n | tail -1)
+largest=${largest:-128}
+max_running=${BENCH_MAX_RUNNING:-$((largest > 128 ? largest : 128))}
+kv_blocks=${BENCH_KV_BLOCKS:-$((32 * max_running > 4096 ? 32 * max_running : 4096))}
 block=$("$PY" -c 'import json,sys; print(json.load(open(sys.argv[1]))["block_size"])' "$DRAFTER_DIR/config.json")
 bench_once() {  # $1: output directory
 timeout -k 20 "$((BENCH_SECONDS + BENCH_GRACE))" "$PY" scripts/dspark_bench.py \
@@ -71,8 +80,8 @@ timeout -k 20 "$((BENCH_SECONDS + BENCH_GRACE))" "$PY" scripts/dspark_bench.py \
   --temperatures "${BENCH_TEMPERATURES:-0,0.7}" \
   --prompt-tokens "${BENCH_PROMPT_TOKENS:-1024}" \
   --output-tokens "${BENCH_OUTPUT_TOKENS:-400}" \
-  --max-running "${BENCH_MAX_RUNNING:-128}" \
-  --kv-blocks "${BENCH_KV_BLOCKS:-4096}" \
+  --max-running "$max_running" \
+  --kv-blocks "$kv_blocks" \
   --prefill-workers "${BENCH_PREFILL_WORKERS:-1}" \
   --gpu-mode "${BENCH_GPU_MODE:-fast}" \
   --verify-len "${BENCH_VERIFY_LEN:-goodput}" \
