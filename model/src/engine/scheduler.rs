@@ -332,11 +332,17 @@ impl Scheduler {
         // Only a drafter plans: without one the step has no plan phase (its waiting prompt
         // rows are not even counted), so none of its time is filed there.
         let drafting = decode && self.spec.is_some();
+        // What waits beside the drafts: the drafter's policy prices it, and `Auto`'s split
+        // below reads it.
+        let load = PromptLoad {
+            rows: if drafting && prompts {
+                self.prompt_rows(budget)
+            } else {
+                0
+            },
+            splits: what == StepWork::All && self.splits_graphed_rounds(),
+        };
         let (drafts, q) = if drafting {
-            let load = PromptLoad {
-                rows: if prompts { self.prompt_rows(budget) } else { 0 },
-                splits: what == StepWork::All && self.splits_graphed_rounds(),
-            };
             self.plan_drafts(budget, load)
         } else {
             (Vec::new(), None)
@@ -350,10 +356,11 @@ impl Scheduler {
         let drafted: usize = drafts.iter().flatten().map(Draft::gamma).sum();
         // `Auto`: a graphed round keeps its graph when the prompt work beside it is fewer rows
         // than its drafts; the prompts then get a forward of their own after it.
-        let apart = what == StepWork::All
-            && self.splits_graphed_rounds()
+        // (`load.rows` was counted whenever a drafter planned, and only a drafter's round
+        // replays.)
+        let apart = load.splits
             && self.spec.as_ref().is_some_and(|sp| sp.replays(&drafts))
-            && (1..=drafted).contains(&self.prompt_rows(budget));
+            && (1..=drafted).contains(&load.rows);
         let prompts = prompts && !apart;
         budget = budget.saturating_sub(drafted);
         let prefills = if prompts { self.prefills.len() } else { 0 };
