@@ -645,8 +645,19 @@ impl Speculator {
                     && matches!(s.phase, Phase::Decoding { .. })
             })
             .collect();
-        let step_budget = budget;
-        let budget = budget.min(self.config.max_verify_tokens);
+        let goodput = self.config.verify_len == VerifyLen::Goodput;
+        // With `FERRY_GOODPUT_PROMPTS=1`, `goodput` also leaves the prompt rows waiting beside
+        // this step their room in its token budget: drafts take rows before prompts do, so a
+        // wide round would push those prompts to a later step and their sequences would join
+        // the batch later (session 49: 79 sequences a round at c = 128 against `fixed:4`'s
+        // 100). With no room left the step is plain and the prompts fill it.
+        let prompt_rows = if goodput && goodput_prompts() {
+            prompts.rows
+        } else {
+            0
+        };
+        let step_budget = budget.saturating_sub(prompt_rows);
+        let budget = step_budget.min(self.config.max_verify_tokens);
         // Sequences with no use for drafts only keep others' rounds in the graph's shape: with
         // none that can use them, the step is plain (a lone request's last token, as before).
         if !eligible.iter().any(|&i| room[i] > 0) || budget == 0 {
@@ -667,10 +678,9 @@ impl Speculator {
             graph_widths: widths_for(pre_max),
             uniform: pre_max,
             // Without `FERRY_GOODPUT_PROMPTS=1`: costed as decode-only steps.
-            prompt_rows: if goodput_prompts() { prompts.rows } else { 0 },
+            prompt_rows,
             splits: prompts.splits,
         };
-        let goodput = self.config.verify_len == VerifyLen::Goodput;
         if goodput && !self.goodput.should_draft(shape) {
             return (plan, None);
         }
