@@ -30,17 +30,18 @@ and OUT/dspark_bench.md. Run by scripts/dspark_bench.sh (which documents the env
 from __future__ import annotations
 
 import argparse
-import concurrent.futures as cf
 import datetime as dt
 import hashlib
 import http.client
 import json
+import multiprocessing as mp
 import os
 import re
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -366,6 +367,164 @@ def one_request(host: str, port: int, body: dict, timeout: float) -> dict:
     return res
 
 
+# ---------------------------------------------------------------- the load generator
+
+
+def default_client_procs() -> int:
+    """Load-generator processes: one Python process parses ~40-50k streamed chunks a second
+    (the GIL; BENCHMARKS.md, session 52), below what the cluster serves at c >= 64 on a GPU."""
+    return max(1, min(8, (os.cpu_count() or 2) // 2))
+
+
+def client_proc(port: int, timeout: float, deadline: float, threads: int, jobs, results,
+                ready, go) -> None:
+    """One load-generator process: `threads` closed-loop clients, each taking the next job
+    (index, body) from the shared queue when its last request ended, until a None."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+    def client() -> None:
+        go.wait()
+        while True:
+            job = jobs.get()
+            if job is None:
+                return
+            i, body = job
+            # Past the deadline a job is skipped (None), not sent.
+            r = None if time.monotonic() > deadline else one_request("127.0.0.1", port, body, timeout)
+            results.put((i, r))
+
+    ts = [threading.Thread(target=client, daemon=True) for _ in range(threads)]
+    for t in ts:
+        t.start()
+    ready.release()
+    for t in ts:
+        t.join()
+
+
+def drive(port: int, bodies: list[dict], c: int, procs: int, timeout: float,
+          deadline: float) -> tuple[list, float, float]:
+    """A closed loop of `c` clients spread over `procs` processes (forked), all taking jobs from
+    one queue: the results in job order (None: skipped at the deadline), the start (perf_counter;
+    CLOCK_MONOTONIC, the same clock in every process) and the wall. The processes start before
+    the clock does and the clients wait until all are up."""
+    procs = max(1, min(procs, c))
+    ctx = mp.get_context("fork")
+    jobs, results, ready, go = ctx.Queue(), ctx.Queue(), ctx.Semaphore(0), ctx.Event()
+    for job in enumerate(bodies):
+        jobs.put(job)
+    for _ in range(c):
+        jobs.put(None)
+    workers = [ctx.Process(target=client_proc, daemon=True,
+                           args=(port, timeout, deadline, c // procs + (p < c % procs), jobs,
+                                 results, ready, go))
+               for p in range(procs)]
+    for w in workers:
+        w.start()
+    for _ in workers:
+        ready.acquire()
+    t0 = time.perf_counter()
+    go.set()
+    out: list = [None] * len(bodies)
+    try:
+        for _ in bodies:
+            i, r = results.get()
+            out[i] = r
+    finally:
+        wall = time.perf_counter() - t0
+        for w in workers:
+            w.join(timeout=5)
+            if w.is_alive():
+                w.kill()
+    return out, t0, wall
+
+
+def standin_stream(out_tokens: int) -> bytes:
+    """What ferry's router sends for one streamed completion of `out_tokens` tokens: one SSE
+    chunk per token shaped like its `text_completion` chunks, the usage chunk, `[DONE]`."""
+    head = '{"id":"cmpl-0123456789abcdef0123456789abcdef","object":"text_completion","created":1765000000,"model":"target","choices":['
+    tok = 'data: ' + head + '{"index":0,"text":" tok","logprobs":null,"finish_reason":null}],"usage":null}\n\n'
+    last = 'data: ' + head + '{"index":0,"text":" tok","logprobs":null,"finish_reason":"length"}],"usage":null}\n\n'
+    usage = ('data: ' + head + '],"usage":{"prompt_tokens":1025,"completion_tokens":%d,"total_tokens":%d}}\n\n'
+             % (out_tokens, out_tokens + 1025))
+    return (tok * (out_tokens - 1) + last + usage + "data: [DONE]\n\n").encode()
+
+
+def standin_server(port: int, out_tokens: int, step_s: float, ready) -> None:
+    """A stand-in for the router with no model behind it: each POST gets its stream one chunk
+    per `step_s` tick, every stream's chunk written apart, as a decode step's tokens reach the
+    router's streams. Several of these share the port (SO_REUSEPORT), so that they offer more
+    than the load generator can take."""
+    import asyncio
+
+    lines = standin_stream(out_tokens).split(b"\n\n")
+    chunk, tail = lines[0] + b"\n\n", b"\n\n".join(lines[out_tokens - 1:])
+
+    async def main() -> None:
+        active: list = []  # [writer, chunks left, done]
+
+        async def handle(reader, writer) -> None:
+            head = await reader.readuntil(b"\r\n\r\n")
+            n = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length:")), 0)
+            await reader.readexactly(n)
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                         b"Connection: close\r\n\r\n")
+            done = asyncio.get_running_loop().create_future()
+            active.append([writer, out_tokens - 1, done])
+            await done
+            writer.write(tail)
+            await writer.drain()
+            writer.close()
+
+        async def ticker() -> None:
+            while True:
+                await asyncio.sleep(step_s)
+                for a in active:
+                    a[0].write(chunk)
+                    a[1] -= 1
+                    if a[1] == 0:
+                        a[2].set_result(None)
+                active[:] = [a for a in active if a[1] > 0]
+
+        srv = await asyncio.start_server(handle, "127.0.0.1", port, backlog=4096, reuse_port=True)
+        asyncio.get_running_loop().create_task(ticker())
+        ready.release()
+        await srv.serve_forever()
+
+    asyncio.run(main())
+
+
+def client_ceiling(c: int, n: int, out_tokens: int, procs: list[int], step_s: float = 1e-3) -> dict:
+    """The load generator's own ceiling: `n` streamed requests of `out_tokens` chunks at `c`
+    clients against stand-in servers that offer each stream a chunk every `step_s` (256k tok/s
+    at c = 256, more than ferry serves), once per process count in `procs`: tok/s each. A level
+    whose aggregate nears it measured the client, not ferry."""
+    ctx = mp.get_context("fork")
+    port, ready, servers = free_port(), ctx.Semaphore(0), max(procs)
+    srvs = [ctx.Process(target=standin_server, args=(port, out_tokens, step_s, ready), daemon=True)
+            for _ in range(servers)]
+    for p in srvs:
+        p.start()
+    try:
+        if not all(ready.acquire(timeout=10) for _ in srvs):
+            return {"error": "the stand-in server did not start"}
+        res = {"concurrency": c, "requests": n, "output_tokens": out_tokens, "step_ms": step_s * 1e3,
+               "standin_processes": servers, "offered_tok_s": round(c / step_s), "tok_s": {}}
+        body = {"prompt": [1] * 1025, "max_tokens": out_tokens}
+        for p in procs:
+            got, _, wall = drive(port, [body] * n, c, p, 60, time.monotonic() + 600)
+            ok = [r for r in got if r is not None and r["error"] is None]
+            res["tok_s"][str(min(p, c))] = round(sum(r["tokens"] for r in ok) / wall, 1) if wall > 0 else None
+            if len(ok) < n:
+                res.setdefault("errors", []).extend(r["error"] for r in got if r and r["error"])
+        return res
+    finally:
+        for p in srvs:
+            p.kill()
+            p.join(5)
+
+
 # ---------------------------------------------------------------- one level
 
 
@@ -390,19 +549,10 @@ def run_level(cl: Cluster, prompts: Prompts, c: int, n: int, temp: float, out_to
             body["speculative"] = True
         jobs.append((k, body))
     before = cl.scrape()
-    skipped = [0]
-
-    def work(job):
-        k, body = job
-        if time.monotonic() > deadline:
-            skipped[0] += 1
-            return k, None
-        return k, one_request("127.0.0.1", cl.http_port, body, args.request_seconds)
-
-    t0 = time.perf_counter()
-    with cf.ThreadPoolExecutor(max_workers=c) as pool:
-        results = list(pool.map(work, jobs))
-    wall = time.perf_counter() - t0
+    got, t0, wall = drive(cl.http_port, [body for _, body in jobs], c, args.client_procs,
+                          args.request_seconds, deadline)
+    results = [(k, r) for (k, _), r in zip(jobs, got)]
+    skipped = [sum(1 for r in got if r is None)]
     after = cl.scrape()
     ok = [(k, r) for k, r in results if r is not None and r["error"] is None]
     failed = [r["error"] for _, r in results if r is not None and r["error"] is not None]
@@ -441,6 +591,11 @@ def run_level(cl: Cluster, prompts: Prompts, c: int, n: int, temp: float, out_to
         "ttft_ms_p50": r3(pct(ttft, 50)), "ttft_ms_p99": r3(pct(ttft, 99)),
         "itl_ms_p50": r3(pct(itl, 50)), "itl_ms_p99": r3(pct(itl, 99)),
         "tpot_ms_mean": r3(mean(tpot)),
+        # Where a client's time went: the share of c × wall spent inside requests (near 1: the
+        # clients kept c in flight; below it, the load generator was the limit), and the mean time
+        # from a request's last token chunk to the end of its stream (usage chunk, [DONE]).
+        "in_request_share": r3(sum(r["e2e"] for _, r in ok) / (c * wall) if wall > 0 else None),
+        "tail_ms_mean": r3(mean([(r["e2e"] - r["times"][-1]) * 1e3 for _, r in ok if r["times"]])),
         "tokens_per_chunk": r3(tokens / chunks if chunks else None),
         "short_outputs": sum(1 for _, r in ok if r["tokens"] < out_tokens),
         "cached_prompt_tokens": sum(r["cached"] for _, r in ok),
@@ -612,6 +767,16 @@ def markdown(report: dict) -> str:
          f" {s['max_verify_tokens']}`; plain arm: `--speculative off`, no drafter) · held-out prompts"
          f" `{s['prompts']}`: {s['prompt_tokens']} tokens (+ BOS), {s['output_tokens']} output tokens"
          f" (`ignore_eos`), closed loop, `/v1/completions` streamed · JSON: `dspark_bench.json`", ""]
+    cc = report.get("client_ceiling") or {}
+    if cc.get("tok_s"):
+        L.append(f"- **The load generator's own ceiling** ({s.get('client_procs')} client processes): "
+                 + ", ".join(f"{fmt(v)} tok/s with {p} process{'es' if p != '1' else ''}"
+                             for p, v in cc["tok_s"].items())
+                 + f" at c = {cc['concurrency']} against stand-in servers with no model, which offer"
+                 f" each stream a chunk every {fmt(cc.get('step_ms'), 1)} ms ({fmt(cc.get('offered_tok_s'))}"
+                 " tok/s in all); a level whose aggregate nears it measured the client, not ferry.")
+    elif cc.get("error"):
+        L.append(f"- The load generator's ceiling was not measured: {cc['error']}")
     for arm, a in report["arms"].items():
         if a.get("error"):
             L.append(f"- **{arm} arm failed**: {a['error']}")
@@ -620,8 +785,9 @@ def markdown(report: dict) -> str:
         L += [f"### {'greedy' if float(tkey) == 0 else 'T = ' + tkey}", "",
               "| c | requests | plain agg tok/s | spec agg tok/s | **agg ×** | plain per-stream tok/s |"
               " spec per-stream tok/s | **per-stream ×** | TTFT p50 / p99 ms plain | spec |"
-              " ITL p50 / p99 ms plain | spec | TPOT ms plain | spec | τ | drafts / round |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              " ITL p50 / p99 ms plain | spec | TPOT ms plain | spec | τ | drafts / round |"
+              " clients in a request plain / spec |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         pl = {l["concurrency"]: l for l in report["arms"].get("plain", {}).get("results", {}).get(tkey, [])}
         sl = {l["concurrency"]: l for l in report["arms"].get("spec", {}).get("results", {}).get(tkey, [])}
         sp = {r["concurrency"]: r for r in report.get("speedup", {}).get(tkey, {}).get("per_level", [])}
@@ -637,7 +803,8 @@ def markdown(report: dict) -> str:
                 f"{fmt(p.get('itl_ms_p50'), 2)} / {fmt(p.get('itl_ms_p99'), 2)} | "
                 f"{fmt(q.get('itl_ms_p50'), 2)} / {fmt(q.get('itl_ms_p99'), 2)} | "
                 f"{fmt(p.get('tpot_ms_mean'), 2)} | {fmt(q.get('tpot_ms_mean'), 2)} | "
-                f"{fmt(q.get('tau'), 2)} | {fmt(q.get('drafts_verified_per_round'), 2)} |")
+                f"{fmt(q.get('tau'), 2)} | {fmt(q.get('drafts_verified_per_round'), 2)} | "
+                f"{fmt(p.get('in_request_share'), 2)} / {fmt(q.get('in_request_share'), 2)} |")
         pk = report.get("speedup", {}).get(tkey, {})
         L += ["", f"Peak aggregate: plain {fmt(pk.get('plain_peak_aggregate_tok_s'))} tok/s (c = "
               f"{pk.get('plain_peak_at')}), spec {fmt(pk.get('spec_peak_aggregate_tok_s'))} tok/s (c = "
@@ -696,7 +863,9 @@ def markdown(report: dict) -> str:
           " router streams one chunk per token, so a round's tokens arrive as a burst of near-zero gaps"
           " and its cost shows in the tail); τ = (accepted + rounds) / rounds and drafts /"
           " round = drafted / rounds from the decode worker's `ferry_spec_decode_*` counters over"
-          " the level.", ""]
+          " the level; clients in a request: the time clients spent inside requests over c × wall"
+          f" (the clients run on {s.get('client_procs')} processes; below ~0.9 the load generator,"
+          " not ferry, set the level's rate).", ""]
     return "\n".join(L)
 
 
@@ -735,12 +904,18 @@ def parse_requests(spec: str, levels: list[int]) -> dict[int, int]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--ferry", required=True)
-    p.add_argument("--target", required=True)
-    p.add_argument("--drafter", required=True)
-    p.add_argument("--prompts", required=True)
+    p.add_argument("--ferry")
+    p.add_argument("--target")
+    p.add_argument("--drafter")
+    p.add_argument("--prompts")
     p.add_argument("--device", default="cuda")
-    p.add_argument("--out", required=True, help="results directory ($RUN/bench)")
+    p.add_argument("--out", help="results directory ($RUN/bench)")
+    p.add_argument("--client-procs", type=int, default=default_client_procs(),
+                   help="load-generator processes the clients are spread over (one Python process "
+                        "parses ~40-50k chunks a second)")
+    p.add_argument("--ceiling-only", action="store_true",
+                   help="only measure the load generator's ceiling at the largest level (with 1 and "
+                        "--client-procs processes) against a stand-in server, print it as JSON")
     p.add_argument("--arms", default="plain,spec")
     p.add_argument("--concurrency", default="1,4,16,64,128")
     p.add_argument("--requests", default="auto")
@@ -771,20 +946,29 @@ def main() -> int:
     args = p.parse_args()
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
+    fixed_levels = [int(x) for x in args.fixed_concurrency.split(",") if x.strip()]
+    arms = [a for a in args.arms.split(",") if a]
+    # The ceiling at the largest level any arm runs, two requests a client.
+    cmax = max(levels + (fixed_levels if set(arms) & set(SIDE_ARMS) else []), default=1)
+    procs = sorted({1, max(1, args.client_procs)})
+    if args.ceiling_only:
+        print(json.dumps(client_ceiling(cmax, 2 * cmax, args.output_tokens, procs), indent=1))
+        return 0
+    missing = [f"--{k}" for k in ("ferry", "target", "drafter", "prompts", "out") if not getattr(args, k)]
+    if missing:
+        raise SystemExit(f"dspark-bench: {', '.join(missing)} required")
 
     out = Path(args.out)
     (out / "logs").mkdir(parents=True, exist_ok=True)
-    levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
     nreq = parse_requests(args.requests, levels)
     temps = [float(x) for x in args.temperatures.split(",") if x.strip()]
     tkeys = [f"{t:g}" for t in temps]
-    arms = [a for a in args.arms.split(",") if a]
     unknown = [a for a in arms if a not in ("plain",) + SPEC_ARMS]
     if unknown:
         raise SystemExit(f"dspark-bench: unknown arm(s) {unknown}: plain, spec, spec_fixed, spec_env")
     if "spec_env" in arms and not env_assignments(args.env_arm):
         raise SystemExit("dspark-bench: the spec_env arm needs --env-arm VAR=value ...")
-    fixed_levels = [int(x) for x in args.fixed_concurrency.split(",") if x.strip()]
     for c in fixed_levels:
         nreq.setdefault(c, parse_requests(args.requests, [c])[c])
     # A spec_fixed or spec_env arm weighs half: its levels and temperatures are fewer.
@@ -816,9 +1000,13 @@ def main() -> int:
             "fixed_verify_len": args.fixed_verify_len, "env_arm": args.env_arm,
             "up_args": args.up_args, "budget_s": args.seconds, "warmup_tokens": args.warmup_tokens,
             "endpoint": "/v1/completions (stream, token-id prompts)", "load": "closed loop, c clients",
+            "client_procs": args.client_procs,
         },
         "arms": {},
     }
+    # What the load generator alone sustains here (seconds): the limit of the measurement.
+    report["client_ceiling"] = client_ceiling(cmax, 2 * cmax, args.output_tokens, procs)
+    log(f"load generator ceiling at c={cmax}: {report['client_ceiling'].get('tok_s')} tok/s by processes")
     try:
         report["git_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                               text=True, timeout=10).stdout.strip() or None
@@ -879,7 +1067,8 @@ def main() -> int:
                     a["results"][tkey].append(lv)
                     log(f"{arm}: T={tkey} c={c}: {lv['ok']}/{lv['requests']} ok, agg {lv['aggregate_tok_s']} tok/s, "
                         f"per-stream {lv['per_stream_tok_s']}, TTFT p50 {lv['ttft_ms_p50']} ms, "
-                        f"ITL p50 {lv['itl_ms_p50']} ms, tau {lv['tau']}, drafts/round {lv['drafts_verified_per_round']}"
+                        f"ITL p50 {lv['itl_ms_p50']} ms, tau {lv['tau']}, drafts/round {lv['drafts_verified_per_round']}, "
+                        f"in request {lv['in_request_share']}, tail {lv['tail_ms_mean']} ms"
                         + (f", errors {lv['errors']}" if lv["errors"] else ""))
                     save()
             if arm == "plain" and args.identity_probe > 0 and temps and temps[0] == 0.0:

@@ -32,6 +32,10 @@
 #   that lets every one of 128 sequences verify a whole block of 8, so the policy decides, not the cap)
 #   BENCH_UP_ARGS: more `ferry up` flags for both arms   BENCH_WARMUP_TOKENS=16 (0: no warm-up)
 #   BENCH_READY_SECONDS=240  BENCH_REQUEST_SECONDS=180   PY=python3
+#   BENCH_CLIENT_PROCS=min(8, cores / 2): the processes the clients run on. One Python process
+#     parses only ~40-50k streamed chunks a second, and the cluster served more than that at
+#     c >= 64 on an H100 (BENCHMARKS.md, session 52). Every run first measures what the load
+#     generator alone sustains at the largest level (`client_ceiling` in the JSON).
 #   BENCH_REPEATS=1: run the whole bench (every arm and level) this many times, each with its own
 #     BENCH_SECONDS; the first writes $RUN/bench/dspark_bench.{json,md} as before, repeat N also
 #     $RUN/bench/dspark_bench_rN.{json,md}. One cluster run of a level differs from the next by
@@ -90,7 +94,8 @@ timeout -k 20 "$((BENCH_SECONDS + BENCH_GRACE))" "$PY" scripts/dspark_bench.py \
   --seconds "$BENCH_SECONDS" \
   --ready-seconds "${BENCH_READY_SECONDS:-240}" \
   --request-seconds "${BENCH_REQUEST_SECONDS:-180}" \
-  --warmup-tokens "${BENCH_WARMUP_TOKENS:-16}"
+  --warmup-tokens "${BENCH_WARMUP_TOKENS:-16}" \
+  ${BENCH_CLIENT_PROCS:+--client-procs "$BENCH_CLIENT_PROCS"}
 }
 
 repeats=${BENCH_REPEATS:-1}
