@@ -92,6 +92,9 @@ pub struct DsparkDrafter {
     /// The captured passes, by (batch-size bucket, every input greedy).
     #[cfg(feature = "cuda")]
     graphs: std::cell::RefCell<std::collections::HashMap<(usize, bool), DraftGraph>>,
+    /// Passes captured so far ([`Drafter::graph_captures`]).
+    #[cfg(feature = "cuda")]
+    captures: std::cell::Cell<u64>,
 }
 
 /// The smallest context a pass graph is planned for.
@@ -297,6 +300,8 @@ impl DsparkDrafter {
             use_graphs: false,
             #[cfg(feature = "cuda")]
             graphs: Default::default(),
+            #[cfg(feature = "cuda")]
+            captures: Default::default(),
         })
     }
 
@@ -781,6 +786,7 @@ impl DsparkDrafter {
         match (run, graph) {
             (Ok(()), Ok(graph)) => {
                 tracing::debug!(bucket, greedy, plan_ctx, "captured a drafter graph");
+                self.captures.set(self.captures.get() + 1);
                 graphs.insert(
                     key,
                     DraftGraph {
@@ -980,6 +986,8 @@ impl Drafter for DsparkDrafter {
             use_graphs: self.use_graphs,
             #[cfg(feature = "cuda")]
             graphs: Default::default(),
+            #[cfg(feature = "cuda")]
+            captures: Default::default(),
         };
         Ok(())
     }
@@ -988,6 +996,13 @@ impl Drafter for DsparkDrafter {
         self.use_graphs = on;
         #[cfg(feature = "cuda")]
         self.graphs.get_mut().clear();
+    }
+
+    fn graph_captures(&self) -> u64 {
+        #[cfg(feature = "cuda")]
+        return self.captures.get();
+        #[cfg(not(feature = "cuda"))]
+        0
     }
 
     fn extend_context(

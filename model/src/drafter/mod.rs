@@ -379,6 +379,12 @@ pub trait Drafter: Send {
         let _ = on;
     }
 
+    /// Pass graphs captured so far (a recapture counts again; drafters without graphs keep
+    /// this default): a pass during which this grew paid the capture.
+    fn graph_captures(&self) -> u64 {
+        0
+    }
+
     /// Turns committed rows' tapped hidden states into context K/V in `kv` (natural rows on the
     /// target's backend, [`DraftKvLayout::rows_layout`]).
     fn extend_context(

@@ -191,6 +191,18 @@ impl Backend {
         }
     }
 
+    /// CUDA graphs captured so far (0 on the CPU): a step during which this grew paid a
+    /// capture, a one-off cost that says nothing about what its shape costs.
+    pub(crate) fn graph_captures(&self) -> u64 {
+        match &self.rows {
+            Rows::Host => 0,
+            #[cfg(feature = "cuda")]
+            Rows::Cuda(c) => c.graph_captures(),
+            #[cfg(feature = "rocm")]
+            Rows::Rocm(_) => 0,
+        }
+    }
+
     /// The device the forward runs on.
     pub(crate) fn device(&self) -> Device {
         self.model.backend().device()

@@ -405,6 +405,9 @@ pub(crate) struct Observed {
     pub draft_secs: f64,
     /// Seconds of the whole step.
     pub step_secs: f64,
+    /// Whether the step captured a CUDA graph (the target's or the drafter's): it then paid a
+    /// one-off cost that says nothing about its shape, and teaches the cost curves nothing.
+    pub captured: bool,
 }
 
 /// The `goodput` policy's state: cost curves, acceptance, exploration counters.
@@ -456,8 +459,13 @@ impl Goodput {
         } else {
             0.0
         };
+        // Session 52: captures recorded at 64-127 sequences left the whole-block round's
+        // estimate at 28 ms against the ~6 it cost, and the policy ran plain steps for whole
+        // benchmark levels (exploring pulls an estimate back only 10 % a round).
         if o.drafted > 0 {
-            self.draft.record(o.drafted, o.draft_secs);
+            if !o.captured {
+                self.draft.record(o.drafted, o.draft_secs);
+            }
             self.since_round = 0;
             self.secs_since_round = 0.0;
             self.last_round_secs = secs;
@@ -468,7 +476,9 @@ impl Goodput {
         let rest = o.step_secs - o.draft_secs;
         match (o.round, o.graph) {
             (false, _) => {
-                self.plain.record(o.seqs, rest);
+                if !o.captured {
+                    self.plain.record(o.seqs, rest);
+                }
                 self.since_plain = 0;
                 self.secs_since_plain = 0.0;
                 self.last_plain_secs = secs;
@@ -478,9 +488,12 @@ impl Goodput {
                 if self.graph_verify.len() <= width {
                     self.graph_verify.resize(width + 1, CostCurve::default());
                 }
-                self.graph_verify[width].record(o.seqs, rest);
+                if !o.captured {
+                    self.graph_verify[width].record(o.seqs, rest);
+                }
             }
-            (true, false) => self.verify.record(o.rows, rest),
+            (true, false) if !o.captured => self.verify.record(o.rows, rest),
+            (true, false) => {}
         }
         if o.round {
             self.since_plain = self.since_plain.saturating_add(1);
@@ -757,6 +770,7 @@ mod tests {
                     graph: false,
                     draft_secs: draft,
                     step_secs: draft + cost(n * (1 + gamma)),
+                    captured: false,
                 });
             }
         }
@@ -795,6 +809,7 @@ mod tests {
             graph: false,
             draft_secs: 0.0,
             step_secs: secs,
+            captured: false,
         }
     }
 
@@ -809,7 +824,45 @@ mod tests {
             graph: true,
             draft_secs: 0.2e-3,
             step_secs: 0.2e-3 + secs,
+            captured: false,
         }
+    }
+
+    #[test]
+    fn steps_that_captured_a_graph_teach_the_curves_nothing() {
+        // Session 52's lease: captures recorded at 64-127 sequences left the whole-block
+        // round's estimate at 28 ms against the ~6 it cost, and `goodput` ran plain steps
+        // through whole benchmark levels.
+        let mut g = Goodput::default();
+        for secs in [0.030, 0.040, 0.035] {
+            g.observe(Observed {
+                captured: true,
+                ..graph_round(100, 8, secs)
+            });
+            g.observe(Observed {
+                captured: true,
+                ..plain_step(100, secs)
+            });
+        }
+        let curve = |g: &Goodput| g.graph_curve(8).and_then(|c| c.estimate(100));
+        assert_eq!(curve(&g), None, "captures alone measure nothing");
+        assert_eq!(g.plain_estimate(100), None);
+        assert!(!g.draft.measured());
+        for _ in 0..2 {
+            g.observe(graph_round(100, 8, 0.006));
+            g.observe(plain_step(100, 0.002));
+        }
+        // A capture after the shape is known moves nothing either.
+        g.observe(Observed {
+            captured: true,
+            ..graph_round(100, 8, 0.040)
+        });
+        let round = curve(&g).expect("measured twice");
+        assert!((round - 0.006).abs() < 1e-12, "{round}");
+        let plain = g.plain_estimate(100).expect("measured twice");
+        assert!((plain - 0.002).abs() < 1e-12, "{plain}");
+        let draft = g.draft.estimate(100).expect("measured twice");
+        assert!((draft - 0.2e-3).abs() < 1e-12, "{draft}");
     }
 
     fn survivals(seqs: usize, block: usize, c: f32) -> Vec<f32> {
@@ -1138,6 +1191,7 @@ mod tests {
                 graph: false,
                 draft_secs: draft,
                 step_secs: draft + verify,
+                captured: false,
             });
             g.observe_round(&[0.5], 0);
         }

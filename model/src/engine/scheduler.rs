@@ -329,6 +329,7 @@ impl Scheduler {
         let started = std::time::Instant::now();
         host_phase("plan (drafter pass)");
         let graphs_before = self.backend.graph_steps();
+        let captures_before = self.backend.graph_captures();
         // Only a drafter plans: without one the step has no plan phase (its waiting prompt
         // rows are not even counted), so none of its time is filed there.
         let drafting = decode && self.spec.is_some();
@@ -450,7 +451,7 @@ impl Scheduler {
                     rows: rows + prompt_work,
                 }
             };
-            sp.observe_step(step, secs);
+            sp.observe_step(step, secs, self.backend.graph_captures() != captures_before);
             for (predicted, accepted) in sp.resolve_shadows(&self.running) {
                 self.stats
                     .spec_skipped_by_prediction

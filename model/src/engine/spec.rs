@@ -242,6 +242,9 @@ pub(crate) struct Speculator {
     goodput: Goodput,
     /// The last drafter pass: sequences and seconds, until the engine reports the step.
     last_pass: Option<(usize, f64)>,
+    /// The drafter's graph captures when the last step was reported: a step after which it
+    /// grew paid a capture ([`Self::observe_step`]).
+    drafter_captures: u64,
     /// Host seconds this step spent writing deferred drafter context ([`Self::flush`]): the
     /// plain steps' deferred work, which `goodput`'s estimates leave out of the step that
     /// happened to write it (a round after a run of plain steps would look that much dearer).
@@ -380,6 +383,7 @@ impl Speculator {
             uniform_graphs,
             goodput: Goodput::default(),
             last_pass: None,
+            drafter_captures: 0,
             flush_secs: 0.0,
             deferred: Deferred::default(),
             shadows: HashMap::new(),
@@ -969,10 +973,15 @@ impl Speculator {
     /// `goodput` policy's cost estimates learn from a decode-only one (`seqs` sequences, `rows`
     /// target rows, `round` if they verified drafts, replayed from a graph or not), and the
     /// price of rows beside prompts from one that carried prompts (its drafter pass left out).
-    pub fn observe_step(&mut self, step: ObservedStep, step_secs: f64) {
+    /// A step that captured a CUDA graph (`captured`: the target's; the drafter's is read here)
+    /// teaches them nothing: the capture is a one-off cost.
+    pub fn observe_step(&mut self, step: ObservedStep, step_secs: f64, captured: bool) {
         let pass = self.last_pass.take();
         let step_secs = (step_secs - std::mem::take(&mut self.flush_secs)).max(0.0);
         let (drafted, draft_secs) = pass.unwrap_or((0, 0.0));
+        let drafter_captures = self.drafter.graph_captures();
+        let captured = captured || drafter_captures != self.drafter_captures;
+        self.drafter_captures = drafter_captures;
         let (seqs, rows, round, graph) = match step {
             ObservedStep::DecodeOnly {
                 seqs,
@@ -981,8 +990,10 @@ impl Speculator {
                 graph,
             } => (seqs, rows, round, graph),
             ObservedStep::WithPrompts { rows } => {
-                self.goodput
-                    .observe_prompt_step(rows, (step_secs - draft_secs).max(0.0));
+                if !captured {
+                    self.goodput
+                        .observe_prompt_step(rows, (step_secs - draft_secs).max(0.0));
+                }
                 return;
             }
         };
@@ -994,6 +1005,7 @@ impl Speculator {
             graph,
             draft_secs,
             step_secs,
+            captured,
         });
     }
 
@@ -1345,6 +1357,7 @@ mod tests {
                     graph: false,
                 },
                 0.005,
+                false,
             );
         }
         let plain = sp.goodput.plain_estimate(1).expect("measured twice");
@@ -1362,7 +1375,7 @@ mod tests {
             sp.last_pass = Some((64, 0.003));
             sp.flush_secs += 0.001;
             let forward = 2e-3 + 5e-6 * rows as f64;
-            sp.observe_step(ObservedStep::WithPrompts { rows }, 0.004 + forward);
+            sp.observe_step(ObservedStep::WithPrompts { rows }, 0.004 + forward, false);
         }
         let (a, b) = sp.goodput.prompt_fit().expect("a line");
         assert!(

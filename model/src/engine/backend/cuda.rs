@@ -52,6 +52,8 @@ pub(crate) struct CudaRows {
     graphs: Option<HashMap<(usize, usize), DecodeGraph>>,
     /// Steps replayed from a graph (the engine's `graph_steps`).
     graph_steps: u64,
+    /// Graphs captured (or recaptured) so far: a step that captured one paid the capture.
+    graph_captures: u64,
     /// The second stream shipped layers are copied on (made on first use).
     copy: Option<CopyStream>,
     /// The page-locked staging ring, kept between forwards (grown when a job needs more).
@@ -117,6 +119,7 @@ impl CudaRows {
             cache,
             graphs: options.cuda_graphs.then(HashMap::new),
             graph_steps: 0,
+            graph_captures: 0,
             copy: None,
             ring: None,
             layerwise: options.layerwise_shipping,
@@ -199,6 +202,11 @@ impl CudaRows {
         self.graph_steps
     }
 
+    /// Graphs captured so far (a recapture counts again).
+    pub(crate) fn graph_captures(&self) -> u64 {
+        self.graph_captures
+    }
+
     /// The scratch block graph padding writes into (never one of the host pool's).
     fn scratch_block(&self) -> BlockId {
         BlockId((self.cache.layout().num_blocks - 1) as u32)
@@ -279,6 +287,7 @@ impl CudaRows {
                 Ok(g) => {
                     tracing::debug!(bucket, sq, plan_ctx, "captured a decode graph");
                     graphs.insert(key, g);
+                    self.graph_captures += 1;
                 }
                 Err(e) => {
                     // Serving goes on eagerly: a capture that fails says nothing about the
