@@ -12,9 +12,9 @@ before the next arm. Standard library only (the GPU machine has no network).
 Per arm, temperature and concurrency it records: requests (ok / failed), output tokens, wall,
 aggregate tok/s (output tokens / wall of the level), per-stream tok/s (mean over requests of
 (tokens - 1) / (last chunk - first chunk): the decode rate a client sees after its first token),
-TTFT p50/p99, ITL p50/p99 (gaps between streamed chunks, as `ferry bench` measures them; the
-router streams one chunk per token, so a speculative round's k tokens arrive as a burst of
-near-zero gaps and the round's cost shows in the tail), TPOT (mean time per output token
+TTFT p50/p99, ITL p50/p99 (gaps between streamed chunks, as `ferry bench` measures them; a
+speculative round's tokens of one sequence arrive as one chunk since session 52, a burst of
+near-zero gaps before it, so ITL is a gap between rounds there), TPOT (mean time per output token
 after the first), tokens per chunk, prompt tokens served from the cache, and from the decode
 worker's Prometheus counters (deltas over the level): speculative rounds, drafts verified,
 drafts accepted, tau = (accepted + rounds) / rounds, drafts verified per round, the remote /
@@ -440,8 +440,9 @@ def drive(port: int, bodies: list[dict], c: int, procs: int, timeout: float,
 
 
 def standin_stream(out_tokens: int) -> bytes:
-    """What ferry's router sends for one streamed completion of `out_tokens` tokens: one SSE
-    chunk per token shaped like its `text_completion` chunks, the usage chunk, `[DONE]`."""
+    """What ferry's router sends for one plainly decoded, streamed completion of `out_tokens`
+    tokens: one SSE chunk per token (a step's) shaped like its `text_completion` chunks, the usage
+    chunk, `[DONE]`. The most chunks a request can bring, so the client's worst case."""
     head = '{"id":"cmpl-0123456789abcdef0123456789abcdef","object":"text_completion","created":1765000000,"model":"target","choices":['
     tok = 'data: ' + head + '{"index":0,"text":" tok","logprobs":null,"finish_reason":null}],"usage":null}\n\n'
     last = 'data: ' + head + '{"index":0,"text":" tok","logprobs":null,"finish_reason":"length"}],"usage":null}\n\n'
@@ -860,8 +861,8 @@ def markdown(report: dict) -> str:
           "Per-stream tok/s: (output tokens − 1) / (last chunk − first chunk), mean over requests;"
           " aggregate: output tokens / wall of the level; TPOT: (last chunk − first chunk) / (output"
           " tokens − 1), mean over requests; ITL: gaps between streamed chunks, over all requests (the"
-          " router streams one chunk per token, so a round's tokens arrive as a burst of near-zero gaps"
-          " and its cost shows in the tail); τ = (accepted + rounds) / rounds and drafts /"
+          " router streams a sequence's tokens of one step as one chunk, so under speculation a gap is"
+          " a round's); τ = (accepted + rounds) / rounds and drafts /"
           " round = drafted / rounds from the decode worker's `ferry_spec_decode_*` counters over"
           " the level; clients in a request: the time clients spent inside requests over c × wall"
           f" (the clients run on {s.get('client_procs')} processes; below ~0.9 the load generator,"

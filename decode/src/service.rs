@@ -1,6 +1,7 @@
 //! The `DecodeWorker` gRPC service.
 
 use ferry_proto::auth::AttachToken;
+use std::collections::VecDeque;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -406,6 +407,44 @@ impl Progress {
     }
 }
 
+/// Gathers the tokens the engine has already queued after the one in hand into `ids` (each
+/// with its log-probabilities into `logprobs` when the request asked): a speculative round
+/// commits several tokens of a sequence in one step, and they go out as one message, so one
+/// SSE chunk at the router, as vLLM streams one delta per engine step. Takes only what is
+/// already queued, never waits; the first other event (and a token's log-probabilities whose
+/// token is not queued yet) goes to `held`, to be handled next.
+fn queued_tokens(
+    events: &mut mpsc::UnboundedReceiver<EngineEvent>,
+    ids: &mut Vec<u32>,
+    logprobs: &mut Vec<ferry_proto::v1::TokenLogprob>,
+    held: &mut VecDeque<EngineEvent>,
+) {
+    while let Ok(event) = events.try_recv() {
+        match event {
+            EngineEvent::Token(t) => ids.push(t),
+            // A token's log-probabilities come right before it.
+            EngineEvent::Logprobs(lp) => match events.try_recv() {
+                Ok(EngineEvent::Token(t)) => {
+                    logprobs.push(logprobs_to_wire(&lp));
+                    ids.push(t);
+                }
+                Ok(other) => {
+                    held.extend([EngineEvent::Logprobs(lp), other]);
+                    return;
+                }
+                Err(_) => {
+                    held.push_back(EngineEvent::Logprobs(lp));
+                    return;
+                }
+            },
+            other => {
+                held.push_back(other);
+                return;
+            }
+        }
+    }
+}
+
 /// Records how a request ended on its span and in the metrics.
 fn record_end(ctx: &Drive, p: &Progress, outcome: Result<&'static str, (&'static str, &str)>) {
     let span = Span::current();
@@ -448,19 +487,24 @@ async fn drive(
         tokens: 0,
         last_token: None,
     };
+    // Events taken while gathering a step's tokens, handled next.
+    let mut held = VecDeque::new();
     loop {
-        let event = tokio::select! {
-            _ = tx.closed() => {
-                debug!("client went away; cancelling");
-                record_end(&ctx, &progress, Err(("cancelled", "the client went away")));
-                return;
-            }
-            _ = stopped(ctx.slot.as_ref()) => {
-                debug!("the router stopped sample 0; cancelling it");
-                record_end(&ctx, &progress, Err(("cancelled", "the router stopped the sample")));
-                return;
-            }
-            e = generation.events.recv() => e,
+        let event = match held.pop_front() {
+            Some(e) => Some(e),
+            None => tokio::select! {
+                _ = tx.closed() => {
+                    debug!("client went away; cancelling");
+                    record_end(&ctx, &progress, Err(("cancelled", "the client went away")));
+                    return;
+                }
+                _ = stopped(ctx.slot.as_ref()) => {
+                    debug!("the router stopped sample 0; cancelling it");
+                    record_end(&ctx, &progress, Err(("cancelled", "the router stopped the sample")));
+                    return;
+                }
+                e = generation.events.recv() => e,
+            },
         };
         let msg = match event {
             None => Err(Status::internal(
@@ -529,10 +573,15 @@ async fn drive(
                 continue;
             }
             Some(EngineEvent::Token(t)) => {
-                progress.token(&ctx.metrics, ctx.started);
+                let mut ids = vec![t];
+                let mut logprobs: Vec<_> = pending_logprobs.take().into_iter().collect();
+                queued_tokens(&mut generation.events, &mut ids, &mut logprobs, &mut held);
+                for _ in &ids {
+                    progress.token(&ctx.metrics, ctx.started);
+                }
                 Ok(DecodeResponse {
-                    token_ids: vec![t],
-                    logprobs: pending_logprobs.take().into_iter().collect(),
+                    token_ids: ids,
+                    logprobs,
                     prompt_logprobs: std::mem::take(&mut pending_prompt),
                     ..Default::default()
                 })
@@ -607,14 +656,18 @@ async fn drive_fork(
 ) {
     let mut pending_logprobs = None;
     let mut first = true;
+    let mut held = VecDeque::new();
     loop {
-        let event = tokio::select! {
-            _ = tx.closed() => return,
-            _ = fork.slot.stop.cancelled() => {
-                debug!(index = fork.index, "the router stopped the sample; cancelling it");
-                return;
-            }
-            e = generation.events.recv() => e,
+        let event = match held.pop_front() {
+            Some(e) => Some(e),
+            None => tokio::select! {
+                _ = tx.closed() => return,
+                _ = fork.slot.stop.cancelled() => {
+                    debug!(index = fork.index, "the router stopped the sample; cancelling it");
+                    return;
+                }
+                e = generation.events.recv() => e,
+            },
         };
         let msg = match event {
             None => DecodeResponse {
@@ -632,10 +685,13 @@ async fn drive_fork(
                 continue;
             }
             Some(EngineEvent::Token(t)) => {
-                fork.metrics.generation_tokens.inc();
+                let mut ids = vec![t];
+                let mut logprobs: Vec<_> = pending_logprobs.take().into_iter().collect();
+                queued_tokens(&mut generation.events, &mut ids, &mut logprobs, &mut held);
+                fork.metrics.generation_tokens.inc_by(ids.len() as u64);
                 DecodeResponse {
-                    token_ids: vec![t],
-                    logprobs: pending_logprobs.take().into_iter().collect(),
+                    token_ids: ids,
+                    logprobs,
                     ..Default::default()
                 }
             }
@@ -712,5 +768,75 @@ fn failure_code(kind: FailureKind) -> Code {
     match kind {
         FailureKind::PeerUnavailable => Code::Unavailable,
         FailureKind::Internal => Code::Internal,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ferry_model::engine::TokenLogprobs;
+
+    fn lp(token: u32) -> EngineEvent {
+        EngineEvent::Logprobs(TokenLogprobs {
+            token,
+            logprob: -0.5,
+            top: Vec::new(),
+        })
+    }
+
+    /// What a round's commit queues for one sequence, after the first token the caller holds.
+    fn queue(events: Vec<EngineEvent>) -> mpsc::UnboundedReceiver<EngineEvent> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        for e in events {
+            tx.send(e).expect("open");
+        }
+        rx
+    }
+
+    #[test]
+    fn a_rounds_tokens_go_out_in_one_message_and_what_follows_is_kept() {
+        let mut rx = queue(vec![
+            EngineEvent::Token(11),
+            EngineEvent::Token(12),
+            EngineEvent::Finished(FinishReason::Length),
+            EngineEvent::Token(99),
+        ]);
+        let (mut ids, mut logprobs, mut held) = (vec![10], Vec::new(), VecDeque::new());
+        queued_tokens(&mut rx, &mut ids, &mut logprobs, &mut held);
+        assert_eq!(ids, [10, 11, 12]);
+        assert!(logprobs.is_empty());
+        assert!(matches!(
+            held.pop_front(),
+            Some(EngineEvent::Finished(FinishReason::Length))
+        ));
+        assert!(held.is_empty());
+        // Nothing past the first other event was taken.
+        assert!(matches!(rx.try_recv(), Ok(EngineEvent::Token(99))));
+    }
+
+    #[test]
+    fn each_token_keeps_its_log_probabilities_and_a_lone_one_waits_for_its_token() {
+        let mut rx = queue(vec![lp(21), EngineEvent::Token(21), lp(22)]);
+        let mut ids = vec![20];
+        let mut logprobs = vec![logprobs_to_wire(&TokenLogprobs {
+            token: 20,
+            logprob: -0.5,
+            top: Vec::new(),
+        })];
+        let mut held = VecDeque::new();
+        queued_tokens(&mut rx, &mut ids, &mut logprobs, &mut held);
+        assert_eq!(ids, [20, 21]);
+        assert_eq!(
+            logprobs.iter().map(|l| l.token_id).collect::<Vec<_>>(),
+            [20, 21],
+            "aligned with the ids"
+        );
+        // Token 22's log-probabilities arrived without it: handled next, before its token.
+        assert!(matches!(held.pop_front(), Some(EngineEvent::Logprobs(l)) if l.token == 22));
+        // And an empty queue takes nothing.
+        let (mut ids, mut held) = (vec![1], VecDeque::new());
+        queued_tokens(&mut queue(vec![]), &mut ids, &mut Vec::new(), &mut held);
+        assert_eq!(ids, [1]);
+        assert!(held.is_empty());
     }
 }

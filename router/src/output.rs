@@ -152,13 +152,16 @@ impl OutputState {
         self.usage.cached_prompt_tokens = n;
     }
 
-    /// Feeds one worker message: `ids` and, on the last one, `finish`. The returned event has
-    /// `finish` set when the request is over (the worker finished, or a stop string matched:
-    /// the caller then drops the worker stream, which cancels the request there).
+    /// Feeds one worker message: `ids` (several when a speculative round committed them
+    /// together) and, on the last one, `finish`. The returned event has `finish` set when the
+    /// request is over (the worker finished, or a stop string matched: the caller then drops
+    /// the worker stream, which cancels the request there). Stop strings are matched token by
+    /// token, so a message of several tokens ends where the same tokens one a message would:
+    /// tokens after the one that completed a stop string are not returned or counted.
     pub fn on_tokens(
         &mut self,
         ids: &[u32],
-        logprobs: Vec<TokenLogprob>,
+        mut logprobs: Vec<TokenLogprob>,
         finish: Option<FinishReason>,
     ) -> Result<GenerationEvent, RequestError> {
         if self.prompt_only {
@@ -168,30 +171,34 @@ impl OutputState {
                 ..GenerationEvent::default()
             });
         }
-        let added = u32::try_from(ids.len()).unwrap_or(u32::MAX);
-        self.usage.completion_tokens = self.usage.completion_tokens.saturating_add(added);
         let mut text = String::new();
+        let mut taken = 0;
+        let mut stopped = false;
         for &id in ids {
-            if let Some(piece) = self.decoder.step(&self.tokenizer, id).map_err(detok)? {
-                text.push_str(&piece);
+            taken += 1;
+            let piece = self.decoder.step(&self.tokenizer, id).map_err(detok)?;
+            if self.push(piece.as_deref().unwrap_or_default(), &mut text) {
+                stopped = true;
+                break;
             }
         }
-        if finish.is_some() {
-            if let Some(rest) = self.decoder.finish(&self.tokenizer).map_err(detok)? {
-                text.push_str(&rest);
+        if finish.is_some() && !stopped {
+            let rest = self.decoder.finish(&self.tokenizer).map_err(detok)?;
+            stopped = self.push(rest.as_deref().unwrap_or_default(), &mut text);
+            if !stopped {
+                text.push_str(&self.stop.finish());
             }
         }
-        let (text, finish) = match self.stop.push(&text) {
-            StopOutcome::Stopped(before) => (before, Some(FinishReason::Stop)),
-            StopOutcome::Continue(mut safe) => {
-                if finish.is_some() {
-                    safe.push_str(&self.stop.finish());
-                }
-                (safe, finish)
-            }
+        let added = u32::try_from(taken).unwrap_or(u32::MAX);
+        self.usage.completion_tokens = self.usage.completion_tokens.saturating_add(added);
+        logprobs.truncate(taken);
+        let finish = if stopped {
+            Some(FinishReason::Stop)
+        } else {
+            finish
         };
         Ok(GenerationEvent {
-            token_ids: ids.to_vec(),
+            token_ids: ids[..taken].to_vec(),
             logprobs,
             text,
             finish,
@@ -199,6 +206,21 @@ impl OutputState {
             index: 0,
             prompt_logprobs: None,
         })
+    }
+
+    /// Runs `piece` through the stop strings, appending what may go out to `text`; true when a
+    /// stop string matched (`text` then ends before it).
+    fn push(&mut self, piece: &str, text: &mut String) -> bool {
+        match self.stop.push(piece) {
+            StopOutcome::Stopped(before) => {
+                text.push_str(&before);
+                true
+            }
+            StopOutcome::Continue(safe) => {
+                text.push_str(&safe);
+                false
+            }
+        }
     }
 }
 
@@ -261,5 +283,54 @@ mod tests {
         }
         assert_eq!(finished, Some(FinishReason::Stop));
         assert_eq!(text, "one two");
+    }
+
+    /// What one message per token gives: each event's text, and the last one's finish and usage.
+    fn one_by_one(ids: &[u32], stops: &[String]) -> (String, Option<FinishReason>, Option<Usage>) {
+        let mut out = OutputState::new(tokenizer(), stops, 3);
+        let mut text = String::new();
+        for (k, &id) in ids.iter().enumerate() {
+            let last = (k + 1 == ids.len()).then_some(FinishReason::Length);
+            let e = out.on_tokens(&[id], Vec::new(), last).expect("step");
+            text.push_str(&e.text);
+            if e.finish.is_some() {
+                return (text, e.finish, e.usage);
+            }
+        }
+        (text, None, None)
+    }
+
+    #[test]
+    fn a_round_of_tokens_in_one_message_streams_what_one_a_message_would() {
+        // A speculative round's tokens reach the router as one message (one SSE chunk).
+        let tok = tokenizer();
+        let ids = tok
+            .encode("one two three four five six", false)
+            .expect("encode");
+        for stops in [vec![], vec![" three".to_string()], vec!["f".to_string()]] {
+            let want = one_by_one(&ids, &stops);
+            let mut out = OutputState::new(tok.clone(), &stops, 3);
+            let mut text = String::new();
+            let mut got = (String::new(), None, None);
+            for (k, round) in ids.chunks(4).enumerate() {
+                let last = ((k + 1) * 4 >= ids.len()).then_some(FinishReason::Length);
+                let lps = round
+                    .iter()
+                    .map(|&t| TokenLogprob {
+                        token: t,
+                        logprob: -1.0,
+                        top: Vec::new(),
+                    })
+                    .collect();
+                let e = out.on_tokens(round, lps, last).expect("round");
+                text.push_str(&e.text);
+                assert_eq!(e.logprobs.len(), e.token_ids.len(), "one per token kept");
+                if e.finish.is_some() {
+                    got = (text.clone(), e.finish, e.usage);
+                    break;
+                }
+            }
+            assert_eq!(got, want, "stops {stops:?}");
+        }
     }
 }
