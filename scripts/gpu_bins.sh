@@ -29,17 +29,19 @@ for t in $TESTS; do strip "device-bin/$t"; done
 # Test binaries find the embedded model through the absolute source path they were built in;
 # the device command links that path to its copy of the tree.
 pwd > device-bin/SRC_ROOT
-# tests/observability.rs's OTLP receiver (the `rotel` wheel's agent, ~7 MB in the pack): the
-# GPU machine has no network to install it, and without it that test returns early (session 52).
-# ROTEL_AGENT=none leaves it out.
+# tests/observability.rs's OTLP receiver, the `rotel` wheel's agent: the GPU machine has no
+# network to install it, and without it that test returns early (session 52). It goes apart,
+# as device-bin/rotel-agent.xz (7 MB; never in the pack), so that a call carries it only when it
+# runs that test: the pack, the corpus and the tree of a training lease leave no room for it
+# under the 64 MiB carry. ROTEL_AGENT=none leaves it out.
 agent=${ROTEL_AGENT:-$(python3 -c 'import os, rotel; print(os.path.join(os.path.dirname(rotel.__file__), "rotel-agent"))' 2>/dev/null || true)}
 if [ "$agent" != none ] && [ -x "$agent" ]; then
-  cp "$agent" device-bin/rotel-agent
+  xz -9 -T2 -c "$agent" > device-bin/rotel-agent.xz
 else
   echo "gpu_bins.sh: no rotel-agent (pip install rotel): observability's GPU test will not run" >&2
 fi
 if [ "${1:-}" = "--pack" ]; then
-  files=$(cd device-bin && ls | grep -v '^pack\.tar\.xz$')
+  files=$(cd device-bin && ls | grep -v -e '^pack\.tar\.xz$' -e '^rotel-agent\.xz$')
   # shellcheck disable=SC2086
   tar cf - -C device-bin $files | xz -9 -T2 > device-bin/pack.tar.xz
   # shellcheck disable=SC2086

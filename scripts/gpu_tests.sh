@@ -5,7 +5,7 @@
 #   scripts/gpu_tests.sh backend_sample backend_draft engine_device ...
 # Environment: GPU_TEST_FILTER: a test-name filter for every binary (default: all tests);
 # GPU_TEST_TIMEOUT: seconds per binary (300); FERRY_TEST_DEVICE=cuda runs tests/observability.rs's cluster on the GPU;
-# ROTEL_AGENT=path its OTLP receiver (device-bin/rotel-agent when carried there).
+# ROTEL_AGENT=path its OTLP receiver (device-bin/rotel-agent, or .xz, when carried there).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # This links target/release/ferry to device-bin/ferry: on a machine where cargo built a real
@@ -31,6 +31,10 @@ if [ "$root" != "$PWD" ]; then
 fi
 mkdir -p target/release
 ln -sfn "$PWD/device-bin/ferry" target/release/ferry
+# The OTLP receiver, carried apart (scripts/gpu_bins.sh).
+if [ -f device-bin/rotel-agent.xz ] && [ ! -x device-bin/rotel-agent ]; then
+  xz -dc device-bin/rotel-agent.xz > device-bin/rotel-agent && chmod +x device-bin/rotel-agent
+fi
 if [ -x device-bin/rotel-agent ] && [ -z "${ROTEL_AGENT:-}" ]; then
   export ROTEL_AGENT="$PWD/device-bin/rotel-agent"
 fi
