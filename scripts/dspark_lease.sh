@@ -556,7 +556,8 @@ EOF
 copy_out() {
   [ -n "${OUT:-}" ] && [ -d "${OUT:-}" ] || return 0
   # At most 8 files come back from a device command: every JSON report travels in one file
-  # (bench reports under "bench/NAME"), the markdown tables (≤ 4) next to it.
+  # (bench reports under "bench/NAME"), the markdown tables (≤ 4) next to it, and the benchmark
+  # clusters' logs in one archive.
   cp "$RUN/lease.log" "$OUT/" 2>/dev/null || true
   "$PY" - "$RUN" "$OUT/lease_reports.json" <<'EOF2' 2>/dev/null || true
 import json, sys
@@ -574,6 +575,9 @@ Path(sys.argv[2]).write_text(json.dumps(out, indent=1) + "\n")
 EOF2
   mkdir -p "$OUT/bench"
   cp "$RUN"/bench/*.md "$OUT/bench/" 2>/dev/null || true
+  # `ferry up`'s logs of every arm and repeat (with FERRY_LOG's debug lines, e.g. each
+  # `goodput choice`): 13 MB of them came to 1.8 MB in session 52.
+  (cd "$RUN/bench" 2>/dev/null && ls -d logs repeat*/logs 2>/dev/null | xargs -r tar cJf "$OUT/bench/logs.tar.xz") 2>/dev/null || true
 }
 
 stage_wait() {
