@@ -411,16 +411,18 @@ def drive(port: int, bodies: list[dict], c: int, procs: int, timeout: float,
     procs = max(1, min(procs, c))
     ctx = mp.get_context("fork")
     jobs, results, ready, go = ctx.Queue(), ctx.Queue(), ctx.Semaphore(0), ctx.Event()
-    for job in enumerate(bodies):
-        jobs.put(job)
-    for _ in range(c):
-        jobs.put(None)
     workers = [ctx.Process(target=client_proc, daemon=True,
                            args=(port, timeout, deadline, c // procs + (p < c % procs), jobs,
                                  results, ready, go))
                for p in range(procs)]
     for w in workers:
         w.start()
+    # Queued after the forks: a queue's first put starts its feeder thread, and a process should
+    # not fork while it has threads.
+    for job in enumerate(bodies):
+        jobs.put(job)
+    for _ in range(c):
+        jobs.put(None)
     for _ in workers:
         ready.acquire()
     t0 = time.perf_counter()
