@@ -36,6 +36,7 @@ import http.client
 import json
 import multiprocessing as mp
 import os
+import queue
 import re
 import signal
 import socket
@@ -405,7 +406,8 @@ def client_proc(port: int, timeout: float, deadline: float, threads: int, jobs, 
 def drive(port: int, bodies: list[dict], c: int, procs: int, timeout: float,
           deadline: float) -> tuple[list, float, float]:
     """A closed loop of `c` clients spread over `procs` processes (forked), all taking jobs from
-    one queue: the results in job order (None: skipped at the deadline), the start (perf_counter;
+    one queue: the results in job order (None: skipped at the deadline, or lost with a client
+    process that died), the start (perf_counter;
     CLOCK_MONOTONIC, the same clock in every process) and the wall. The processes start before
     the clock does and the clients wait until all are up."""
     procs = max(1, min(procs, c))
@@ -429,9 +431,17 @@ def drive(port: int, bodies: list[dict], c: int, procs: int, timeout: float,
     go.set()
     out: list = [None] * len(bodies)
     try:
-        for _ in bodies:
-            i, r = results.get()
+        left = len(bodies)
+        while left:
+            try:
+                i, r = results.get(timeout=1)
+            except queue.Empty:
+                # A client process that died takes its requests with it: they stay None.
+                if not any(w.is_alive() for w in workers):
+                    break
+                continue
             out[i] = r
+            left -= 1
     finally:
         wall = time.perf_counter() - t0
         for w in workers:
