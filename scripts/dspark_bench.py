@@ -407,9 +407,9 @@ def drive(port: int, bodies: list[dict], c: int, procs: int, timeout: float,
           deadline: float) -> tuple[list, float, float]:
     """A closed loop of `c` clients spread over `procs` processes (forked), all taking jobs from
     one queue: the results in job order (None: skipped at the deadline, or lost with a client
-    process that died), the start (perf_counter;
-    CLOCK_MONOTONIC, the same clock in every process) and the wall. The processes start before
-    the clock does and the clients wait until all are up."""
+    process that died), the start (perf_counter; CLOCK_MONOTONIC, the same clock in every
+    process) and the wall. The processes start before the clock does and the clients wait until
+    all are up."""
     procs = max(1, min(procs, c))
     ctx = mp.get_context("fork")
     jobs, results, ready, go = ctx.Queue(), ctx.Queue(), ctx.Semaphore(0), ctx.Event()
