@@ -459,13 +459,8 @@ impl Goodput {
         } else {
             0.0
         };
-        // Session 52: captures recorded at 64-127 sequences left the whole-block round's
-        // estimate at 28 ms against the ~6 it cost, and the policy ran plain steps for whole
-        // benchmark levels (exploring pulls an estimate back only 10 % a round).
+        // What was run and when: kept for every step.
         if o.drafted > 0 {
-            if !o.captured {
-                self.draft.record(o.drafted, o.draft_secs);
-            }
             self.since_round = 0;
             self.secs_since_round = 0.0;
             self.last_round_secs = secs;
@@ -473,31 +468,35 @@ impl Goodput {
             self.since_round = self.since_round.saturating_add(1);
             self.secs_since_round += secs;
         }
+        if o.round {
+            self.since_plain = self.since_plain.saturating_add(1);
+            self.secs_since_plain += secs;
+        } else {
+            self.since_plain = 0;
+            self.secs_since_plain = 0.0;
+            self.last_plain_secs = secs;
+        }
+        // What it cost: not from a step that captured a graph. Session 52: captures recorded at
+        // 64-127 sequences left the whole-block round's estimate at 28 ms against the ~6 it
+        // cost, and the policy ran plain steps for whole benchmark levels (exploring pulls an
+        // estimate back only 10 % a round).
+        if o.captured {
+            return;
+        }
+        if o.drafted > 0 {
+            self.draft.record(o.drafted, o.draft_secs);
+        }
         let rest = o.step_secs - o.draft_secs;
         match (o.round, o.graph) {
-            (false, _) => {
-                if !o.captured {
-                    self.plain.record(o.seqs, rest);
-                }
-                self.since_plain = 0;
-                self.secs_since_plain = 0.0;
-                self.last_plain_secs = secs;
-            }
+            (false, _) => self.plain.record(o.seqs, rest),
             (true, true) => {
                 let width = o.rows.saturating_sub(o.seqs) / o.seqs.max(1);
                 if self.graph_verify.len() <= width {
                     self.graph_verify.resize(width + 1, CostCurve::default());
                 }
-                if !o.captured {
-                    self.graph_verify[width].record(o.seqs, rest);
-                }
+                self.graph_verify[width].record(o.seqs, rest);
             }
-            (true, false) if !o.captured => self.verify.record(o.rows, rest),
-            (true, false) => {}
-        }
-        if o.round {
-            self.since_plain = self.since_plain.saturating_add(1);
-            self.secs_since_plain += secs;
+            (true, false) => self.verify.record(o.rows, rest),
         }
     }
 
