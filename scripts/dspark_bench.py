@@ -565,7 +565,7 @@ def run_level(cl: Cluster, prompts: Prompts, c: int, n: int, temp: float, out_to
     got, t0, wall = drive(cl.http_port, [body for _, body in jobs], c, args.client_procs,
                           args.request_seconds, deadline)
     results = [(k, r) for (k, _), r in zip(jobs, got)]
-    skipped = [sum(1 for r in got if r is None)]
+    skipped = sum(1 for r in got if r is None)
     after = cl.scrape()
     ok = [(k, r) for k, r in results if r is not None and r["error"] is None]
     failed = [r["error"] for _, r in results if r is not None and r["error"] is not None]
@@ -596,7 +596,7 @@ def run_level(cl: Cluster, prompts: Prompts, c: int, n: int, temp: float, out_to
     r3 = lambda x: None if x is None else round(x, 3)  # noqa: E731
     level = {
         "concurrency": c, "requests": n, "ok": len(ok), "failed": len(failed),
-        "skipped_deadline": skipped[0], "errors": failed[:3],
+        "skipped_deadline": skipped, "errors": failed[:3],
         "output_tokens": tokens, "wall_s": r3(wall),
         "aggregate_tok_s": r3(tokens / wall if wall > 0 else None),
         "steady_tok_s": r3(steady_tokens / steady_s if n > c and steady_s > 0 else None),

@@ -505,10 +505,12 @@ if b.exists():
     # Whether the load generator, not ferry, set a level's rate (session 52): its own ceiling,
     # and the lowest share of client time inside requests of each arm.
     cc = r.get("client_ceiling") or {}
-    low = {arm: min((lv["in_request_share"], lv["concurrency"]) for res in a["results"].values()
-                    for lv in res if lv.get("in_request_share") is not None)
-           for arm, a in r["arms"].items()
-           if any(lv.get("in_request_share") is not None for res in a["results"].values() for lv in res)}
+    low = {}
+    for arm, a in r["arms"].items():
+        shares = [(lv["in_request_share"], lv["concurrency"]) for res in a["results"].values()
+                  for lv in res if lv.get("in_request_share") is not None]
+        if shares:
+            low[arm] = min(shares)
     print(f"summary: bench load generator: ceiling {cc.get('tok_s')} tok/s by processes at c={cc.get('concurrency')}; "
           "lowest share in a request " + ", ".join(f"{arm} {s} (c{c})" for arm, (s, c) in low.items())
           + " (below ~0.9: the client set that level's rate)")
