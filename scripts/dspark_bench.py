@@ -38,6 +38,7 @@ import multiprocessing as mp
 import os
 import queue
 import re
+import resource
 import signal
 import socket
 import subprocess
@@ -541,6 +542,50 @@ def client_ceiling(c: int, n: int, out_tokens: int, procs: list[int], step_s: fl
 # ---------------------------------------------------------------- one level
 
 
+CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def cluster_cpu_s(pgid: int | None) -> dict[str, float]:
+    """CPU seconds used so far by each process of the cluster (`ferry up`'s process group), summed
+    by role: `router`, `decode`, `prefill` (the subcommand in its argv) or `up` (the supervisor).
+    Empty where /proc is not readable. A process that exits mid-level takes its seconds along."""
+    out: dict[str, float] = {}
+    if pgid is None:
+        return out
+    for d in Path("/proc").glob("[0-9]*"):
+        try:
+            stat = (d / "stat").read_text()
+            argv = (d / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        # Fields after the parenthesised command name (which may hold spaces): state, ppid,
+        # pgrp, ..., utime and stime are the 12th and 13th.
+        rest = stat[stat.rfind(")") + 2:].split()
+        if len(rest) < 13 or int(rest[2]) != pgid:
+            continue
+        role = argv[1].decode(errors="replace") if len(argv) > 1 else "?"
+        role = role if role in ("router", "decode", "prefill") else "up"
+        out[role] = out.get(role, 0.0) + (int(rest[11]) + int(rest[12])) / CLK_TCK
+    return out
+
+
+def machine_cpu_s() -> tuple[float, float]:
+    """(busy, total) CPU seconds of the whole machine so far, over all cores (/proc/stat's first
+    line; idle and iowait count as not busy). (0, 0) where it is not readable."""
+    try:
+        f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    except (OSError, ValueError):
+        return 0.0, 0.0
+    return (sum(f) - f[3] - f[4]) / CLK_TCK, sum(f) / CLK_TCK
+
+
+def children_cpu_s() -> float:
+    """CPU seconds of this process's reaped children: the load generator's client processes once
+    `drive` joined them (`ferry up`, still running, is not reaped until its arm ends)."""
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
 def run_level(cl: Cluster, prompts: Prompts, c: int, n: int, temp: float, out_tokens: int,
               deadline: float, args, texts: dict, serials: list[int] | None = None) -> dict:
     """One closed-loop level: n requests by c clients (the next prompts, or the prompts of
@@ -562,10 +607,13 @@ def run_level(cl: Cluster, prompts: Prompts, c: int, n: int, temp: float, out_to
             body["speculative"] = True
         jobs.append((k, body))
     before = cl.scrape()
+    pgid = cl.proc.pid if cl.proc is not None else None
+    cpu0, mach0, kids0 = cluster_cpu_s(pgid), machine_cpu_s(), children_cpu_s()
     got, t0, wall = drive(cl.http_port, [body for _, body in jobs], c, args.client_procs,
                           args.request_seconds, deadline)
     results = [(k, r) for (k, _), r in zip(jobs, got)]
     skipped = sum(1 for r in got if r is None)
+    cpu1, mach1, kids1 = cluster_cpu_s(pgid), machine_cpu_s(), children_cpu_s()
     after = cl.scrape()
     ok = [(k, r) for k, r in results if r is not None and r["error"] is None]
     failed = [r["error"] for _, r in results if r is not None and r["error"] is not None]
@@ -627,6 +675,14 @@ def run_level(cl: Cluster, prompts: Prompts, c: int, n: int, temp: float, out_to
         "prefill_engine_steps": step_breakdown(d, "prefill/"),
         "prefill_busy_share": r3(busy_s(d, "prefill/") / wall / max(after.get("prefill/workers", 1.0), 1.0)
                                  if wall > 0 else None),
+        # Where the host's CPU went over the level, in cores busy on average: each role of the
+        # cluster, the load generator's client processes, and the whole machine's busy share
+        # (near 1: the host, not the GPU, may have set the rate; docs/spec_decode.md).
+        "cpu_cores": {role: r3((cpu1.get(role, 0.0) - cpu0.get(role, 0.0)) / wall)
+                      for role in sorted(set(cpu0) | set(cpu1))} if wall > 0 else {},
+        "client_cpu_cores": r3((kids1 - kids0) / wall if wall > 0 else None),
+        "machine_busy_share": r3((mach1[0] - mach0[0]) / (mach1[1] - mach0[1])
+                                 if mach1[1] > mach0[1] else None),
         "serials": [k for k, _ in jobs],
     }
     return level
@@ -828,11 +884,15 @@ def markdown(report: dict) -> str:
           "Phases: plan (the drafter pass), launch (inputs and the forward's launches), sample "
           "(sampling or verification; on a GPU the wait for the forward), commit (tables, tokens, "
           "drafter context). Busy: the share of the level's wall time the decode worker's engine "
-          "(and each prefill worker's, on average) spent in steps; near 1 is the bottleneck.", "",
+          "(and each prefill worker's, on average) spent in steps; near 1 is the bottleneck. CPU "
+          "cores: CPU seconds over the level's wall time of the router, the decode worker (all its "
+          "threads) and the load generator's client processes; machine CPU busy: the whole host's "
+          f"share of its {s.get('host_cpus')} cores (near 1, the host CPU may have set the rate).", "",
           "| arm | T | c | decode steps | decode ms (plan / launch / sample / commit) | seqs / decode step |"
           " round steps | round ms (plan / launch / sample / commit) | seqs / round | rows / round |"
-          " prompt steps | prompt ms | decode busy | prefill busy |",
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+          " prompt steps | prompt ms | decode busy | prefill busy | CPU cores router / decode / clients |"
+          " machine CPU busy |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def split(k: dict) -> str:
         if not k.get("steps"):
@@ -847,11 +907,14 @@ def markdown(report: dict) -> str:
                 if not e:
                     continue
                 d, r, p = (e.get(k, {}) for k in ("decode", "spec_round", "prompt"))
+                cores = l.get("cpu_cores") or {}
                 L.append(f"| {arm} | {tkey} | {l['concurrency']} | {d.get('steps')} | {split(d)} | "
                          f"{fmt(d.get('sequences_per_step'), 1)} | {r.get('steps')} | {split(r)} | "
                          f"{fmt(r.get('sequences_per_step'), 1)} | {fmt(r.get('decode_rows_per_step'), 1)} | "
                          f"{p.get('steps')} | {fmt(p.get('mean_ms'), 3)} | "
-                         f"{fmt(l.get('decode_busy_share'), 2)} | {fmt(l.get('prefill_busy_share'), 2)} |")
+                         f"{fmt(l.get('decode_busy_share'), 2)} | {fmt(l.get('prefill_busy_share'), 2)} | "
+                         f"{fmt(cores.get('router'), 1)} / {fmt(cores.get('decode'), 1)} / "
+                         f"{fmt(l.get('client_cpu_cores'), 1)} | {fmt(l.get('machine_busy_share'), 2)} |")
     L.append("")
     if "spec_fixed" in report["arms"]:
         L += side_by_side(report, f"### Verify length: `{s['verify_len']}` against fixed "
@@ -1013,7 +1076,7 @@ def main() -> int:
             "fixed_verify_len": args.fixed_verify_len, "env_arm": args.env_arm,
             "up_args": args.up_args, "budget_s": args.seconds, "warmup_tokens": args.warmup_tokens,
             "endpoint": "/v1/completions (stream, token-id prompts)", "load": "closed loop, c clients",
-            "client_procs": args.client_procs,
+            "client_procs": args.client_procs, "host_cpus": os.cpu_count(),
         },
         "arms": {},
     }
@@ -1081,7 +1144,9 @@ def main() -> int:
                     log(f"{arm}: T={tkey} c={c}: {lv['ok']}/{lv['requests']} ok, agg {lv['aggregate_tok_s']} tok/s, "
                         f"per-stream {lv['per_stream_tok_s']}, TTFT p50 {lv['ttft_ms_p50']} ms, "
                         f"ITL p50 {lv['itl_ms_p50']} ms, tau {lv['tau']}, drafts/round {lv['drafts_verified_per_round']}, "
-                        f"in request {lv['in_request_share']}, tail {lv['tail_ms_mean']} ms"
+                        f"in request {lv['in_request_share']}, tail {lv['tail_ms_mean']} ms, "
+                        f"CPU cores {lv['cpu_cores']} + clients {lv['client_cpu_cores']}, "
+                        f"machine busy {lv['machine_busy_share']}"
                         + (f", errors {lv['errors']}" if lv["errors"] else ""))
                     save()
             if arm == "plain" and args.identity_probe > 0 and temps and temps[0] == 0.0:

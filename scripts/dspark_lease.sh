@@ -505,15 +505,25 @@ if b.exists():
     # Whether the load generator, not ferry, set a level's rate (session 52): its own ceiling,
     # and the lowest share of client time inside requests of each arm.
     cc = r.get("client_ceiling") or {}
-    low = {}
+    low, busy = {}, {}
     for arm, a in r["arms"].items():
-        shares = [(lv["in_request_share"], lv["concurrency"]) for res in a["results"].values()
-                  for lv in res if lv.get("in_request_share") is not None]
+        levels = [lv for res in a["results"].values() for lv in res]
+        shares = [(lv["in_request_share"], lv["concurrency"]) for lv in levels
+                  if lv.get("in_request_share") is not None]
         if shares:
             low[arm] = min(shares)
+        # The host's busiest level (its whole CPU, and the router's cores there).
+        host = [(lv["machine_busy_share"], lv["concurrency"], (lv.get("cpu_cores") or {}).get("router"))
+                for lv in levels if lv.get("machine_busy_share") is not None]
+        if host:
+            busy[arm] = max(host)
     print(f"summary: bench load generator: ceiling {cc.get('tok_s')} tok/s by processes at c={cc.get('concurrency')}; "
           "lowest share in a request " + ", ".join(f"{arm} {s} (c{c})" for arm, (s, c) in low.items())
           + " (below ~0.9: the client set that level's rate)")
+    if busy:
+        print("summary: bench host CPU: busiest level " + ", ".join(
+            f"{arm} {b} of the machine, router {rc} cores (c{c})" for arm, (b, c, rc) in busy.items())
+            + " (near 1: the host CPU may have set that level's rate)")
     for t, sp in r.get("speedup", {}).items():
         lv = " ".join(f"c{x['concurrency']}:{x['aggregate']}x" for x in sp["per_level"])
         print(f"summary: bench T={t}: spec/plain aggregate {lv}; peak {sp['spec_peak_aggregate_tok_s']} vs "
