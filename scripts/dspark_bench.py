@@ -113,13 +113,16 @@ class Prompts:
         return k, self.ids_for(k)
 
     def ids_for(self, k: int) -> list[int]:
-        """The prompt of serial `k` (what `take` gives the k-th time after a reset)."""
+        """The prompt of serial `k` (what `take` gives the k-th time after a reset): row
+        k mod rows. A serial past the last row reuses a prompt, which the cluster then serves
+        from its prefix cache (the level's `reused_prompts` and `prompt_cached_share` say how
+        much): the lease asks for as many prompts as a run's requests (PROMPT_COUNT)."""
         row = self.rows[k % len(self.rows)]
-        use = k // len(self.rows)
-        ids = row[use : use + self.tokens]
-        if len(ids) < self.tokens:  # a row used more times than it has spare tokens
-            ids = row[-self.tokens :]
-        return ([self.bos] if self.bos is not None else []) + ids
+        return ([self.bos] if self.bos is not None else []) + row[: self.tokens]
+
+    def reused(self, serials: list[int]) -> int:
+        """How many of `serials` reuse a prompt (past the last row)."""
+        return sum(1 for k in serials if k >= len(self.rows))
 
 
 # ---------------------------------------------------------------- the cluster
@@ -660,6 +663,12 @@ def run_level(cl: Cluster, prompts: Prompts, c: int, n: int, temp: float, out_to
         "tokens_per_chunk": r3(tokens / chunks if chunks else None),
         "short_outputs": sum(1 for _, r in ok if r["tokens"] < out_tokens),
         "cached_prompt_tokens": sum(r["cached"] for _, r in ok),
+        # The share of the level's prompt tokens served from the prefix cache: near 0 the level
+        # prefilled its prompts, as the reference shape asks; near 1 it measured decoding alone
+        # (before session 54 the lease's 256 prompts were reused and the warm-up cached them all).
+        "prompt_cached_share": r3(sum(r["cached"] for _, r in ok)
+                                  / (len(ok) * prompts.tokens) if ok and prompts.tokens else None),
+        "reused_prompts": prompts.reused([k for k, _ in jobs]),
         "spec_rounds": int(rounds), "spec_drafted_tokens": int(drafted),
         "spec_accepted_tokens": int(accepted),
         "tau": r3((accepted + rounds) / rounds if rounds else None),
@@ -855,8 +864,8 @@ def markdown(report: dict) -> str:
               "| c | requests | plain agg tok/s | spec agg tok/s | **agg ×** | plain per-stream tok/s |"
               " spec per-stream tok/s | **per-stream ×** | TTFT p50 / p99 ms plain | spec |"
               " ITL p50 / p99 ms plain | spec | TPOT ms plain | spec | τ | drafts / round |"
-              " clients in a request plain / spec |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              " clients in a request plain / spec | prompts from cache plain / spec |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         pl = {l["concurrency"]: l for l in report["arms"].get("plain", {}).get("results", {}).get(tkey, [])}
         sl = {l["concurrency"]: l for l in report["arms"].get("spec", {}).get("results", {}).get(tkey, [])}
         sp = {r["concurrency"]: r for r in report.get("speedup", {}).get(tkey, {}).get("per_level", [])}
@@ -873,7 +882,8 @@ def markdown(report: dict) -> str:
                 f"{fmt(q.get('itl_ms_p50'), 2)} / {fmt(q.get('itl_ms_p99'), 2)} | "
                 f"{fmt(p.get('tpot_ms_mean'), 2)} | {fmt(q.get('tpot_ms_mean'), 2)} | "
                 f"{fmt(q.get('tau'), 2)} | {fmt(q.get('drafts_verified_per_round'), 2)} | "
-                f"{fmt(p.get('in_request_share'), 2)} / {fmt(q.get('in_request_share'), 2)} |")
+                f"{fmt(p.get('in_request_share'), 2)} / {fmt(q.get('in_request_share'), 2)} | "
+                f"{fmt(p.get('prompt_cached_share'), 2)} / {fmt(q.get('prompt_cached_share'), 2)} |")
         pk = report.get("speedup", {}).get(tkey, {})
         L += ["", f"Peak aggregate: plain {fmt(pk.get('plain_peak_aggregate_tok_s'))} tok/s (c = "
               f"{pk.get('plain_peak_at')}), spec {fmt(pk.get('spec_peak_aggregate_tok_s'))} tok/s (c = "
@@ -941,7 +951,9 @@ def markdown(report: dict) -> str:
           " round = drafted / rounds from the decode worker's `ferry_spec_decode_*` counters over"
           " the level; clients in a request: the time clients spent inside requests over c × wall"
           f" (the clients run on {s.get('client_procs')} processes; below ~0.9 the load generator,"
-          " not ferry, set the level's rate).", ""]
+          " not ferry, set the level's rate); prompts from cache: the share of the level's prompt"
+          " tokens the cluster served from its prefix cache (near 0: every prompt was prefilled, as"
+          " the reference shape asks; near 1: the level measured decoding alone).", ""]
     return "\n".join(L)
 
 
@@ -1146,7 +1158,8 @@ def main() -> int:
                         f"ITL p50 {lv['itl_ms_p50']} ms, tau {lv['tau']}, drafts/round {lv['drafts_verified_per_round']}, "
                         f"in request {lv['in_request_share']}, tail {lv['tail_ms_mean']} ms, "
                         f"CPU cores {lv['cpu_cores']} + clients {lv['client_cpu_cores']}, "
-                        f"machine busy {lv['machine_busy_share']}"
+                        f"machine busy {lv['machine_busy_share']}, prompts from cache "
+                        f"{lv['prompt_cached_share']} ({lv['reused_prompts']} reused)"
                         + (f", errors {lv['errors']}" if lv["errors"] else ""))
                     save()
             if arm == "plain" and args.identity_probe > 0 and temps and temps[0] == 0.0:

@@ -64,7 +64,9 @@
 #   TARGET_MINUTES (h200 6, tiny 1.5)   DRAFTER_SECONDS: drafter training loop budget (h200 200)
 #   DRAFTER_ARGS: extra make_tiny_k3.py train-drafter options (e.g. --drafter-block-size 16)
 #   FERRY: a ferry binary (default: device-bin/ferry, device-bin/ferry.xz unpacked, target/release/ferry)
-#   PROMPT_TOKENS (h200 1024, tiny 64), PROMPT_COUNT (256)
+#   PROMPT_TOKENS (h200 1024, tiny 64), PROMPT_COUNT (8192: at least a bench run's requests, warm-up
+#     included, so that no request finds its prompt in the prefix cache; the held-out split gives
+#     that many 1,024-token windows by overlapping them, scripts/heldout_prompts.py)
 #   BENCH_HOOK=scripts/dspark_bench.sh: run as `bash $BENCH_HOOK` with TARGET_DIR, DRAFTER_DIR,
 #     PROMPTS, FERRY, RUN, DEVICE exported; it writes its results under $RUN/bench/ (its own
 #     BENCH_* settings: scripts/dspark_bench.sh); a failed hook is reported, the chain goes on
@@ -78,7 +80,7 @@ RUN=${RUN:-train-out}
 PY=${PY:-python3}
 BENCH_HOOK=${BENCH_HOOK:-scripts/dspark_bench.sh}
 WAIT_SECONDS=${WAIT_SECONDS:-570}
-PROMPT_COUNT=${PROMPT_COUNT:-256}
+PROMPT_COUNT=${PROMPT_COUNT:-8192}
 if [ "$PRESET" = tiny ]; then
   TARGET_MINUTES=${TARGET_MINUTES:-1.5}
   DRAFTER_SECONDS=${DRAFTER_SECONDS:-60}
@@ -520,6 +522,17 @@ if b.exists():
     print(f"summary: bench load generator: ceiling {cc.get('tok_s')} tok/s by processes at c={cc.get('concurrency')}; "
           "lowest share in a request " + ", ".join(f"{arm} {s} (c{c})" for arm, (s, c) in low.items())
           + " (below ~0.9: the client set that level's rate)")
+    # How much of the prompts the prefix cache served (session 54: the lease's 256 prompts,
+    # reused and cached by the warm-up, made every earlier greedy level decode-only).
+    cached = {arm: max((lv["prompt_cached_share"], lv["concurrency"])
+                       for res in a["results"].values() for lv in res
+                       if lv.get("prompt_cached_share") is not None)
+              for arm, a in r["arms"].items()
+              if any(lv.get("prompt_cached_share") is not None for res in a["results"].values() for lv in res)}
+    if cached:
+        print("summary: bench prompts from the prefix cache: most " + ", ".join(
+            f"{arm} {sh} (c{c})" for arm, (sh, c) in cached.items())
+            + " (near 0: every prompt prefilled; near 1: the level measured decoding alone)")
     if busy:
         print("summary: bench host CPU: busiest level " + ", ".join(
             f"{arm} {b} of the machine, router {rc} cores (c{c})" for arm, (b, c, rc) in busy.items())

@@ -9,6 +9,11 @@ each exactly --tokens tokens of the target's tokenizer (after its BOS), as JSON 
 
 Windows start at file beginnings, then every --tokens + --room tokens inside long files (room for
 the generated tokens the benchmark asks for); files are taken in sha256 order (deterministic).
+When the held-out split has fewer such windows than --count, the stride shrinks to the largest
+one that gives --count (the windows then overlap, but no two start at the same token, so no two
+share a prefix-cache block and every benchmark request prefills its whole prompt); the stride
+used is printed. A benchmark that needs more prompts than the file holds reuses them, and a
+reused prompt is served from the prefix cache: give --count at least the requests of a run.
 The text is the decoded window: re-encoding it gives the same ids for byte-level BPE in nearly
 every case; `ids` are what the target saw, `prompt_tokens` their count.
 """
@@ -39,10 +44,12 @@ def main() -> None:
     tok = Tokenizer.from_file(str(Path(args.model) / "tokenizer.json"))
     docs = make_corpus.read_docs(Path(args.corpus) / "heldout.txt.xz")
     order = sorted(range(len(docs)), key=lambda i: hashlib.sha256(docs[i].encode()).hexdigest())
+    encoded = [(i, tok.encode(docs[i], add_special_tokens=False).ids) for i in order]
+    lengths = [len(ids) for _, ids in encoded]
+    stride = window_stride(lengths, args.tokens, args.tokens + args.room, args.count)
     rows = []
-    for i in order:
-        ids = tok.encode(docs[i], add_special_tokens=False).ids
-        for off in range(0, len(ids) - args.tokens + 1, args.tokens + args.room):
+    for i, ids in encoded:
+        for off in range(0, len(ids) - args.tokens + 1, stride):
             w = ids[off : off + args.tokens]
             rows.append({"prompt": tok.decode(w), "prompt_tokens": len(w), "ids": w,
                          "source": f"heldout[{i}]@{off}"})
@@ -54,7 +61,28 @@ def main() -> None:
     with open(args.out, "w") as fh:
         for r in rows:
             fh.write(json.dumps(r) + "\n")
-    print(f"heldout-prompts: {len(rows)} prompts of {args.tokens} tokens -> {args.out}")
+    short = f" (asked for {args.count}: the held-out split holds no more)" if len(rows) < args.count else ""
+    print(f"heldout-prompts: {len(rows)} prompts of {args.tokens} tokens, windows every {stride} "
+          f"tokens{short} -> {args.out}")
+
+
+def windows(lengths: list[int], tokens: int, stride: int) -> int:
+    """Windows of `tokens` tokens starting every `stride` tokens, over files of `lengths`."""
+    return sum((n - tokens) // stride + 1 for n in lengths if n >= tokens)
+
+
+def window_stride(lengths: list[int], tokens: int, widest: int, count: int) -> int:
+    """The widest stride, at most `widest`, that gives `count` windows (1 if none does)."""
+    if windows(lengths, tokens, widest) >= count:
+        return widest
+    lo, hi = 1, widest  # windows(lo) >= count > windows(hi), or lo is the best there is
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if windows(lengths, tokens, mid) >= count:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 if __name__ == "__main__":
