@@ -37,11 +37,20 @@ pwd > device-bin/SRC_ROOT
 agent=${ROTEL_AGENT:-$(python3 -c 'import os, rotel; print(os.path.join(os.path.dirname(rotel.__file__), "rotel-agent"))' 2>/dev/null || true)}
 if [ "$agent" != none ] && [ -x "$agent" ]; then
   xz -9 -T2 -c "$agent" > device-bin/rotel-agent.xz
+  # The agent links the wheel's Python (libpython3.11), which the GPU machine lacks (session 54:
+  # the receiver never listened until it was carried): its libpython goes beside it, in
+  # device-bin/rotel-libs.tar.xz (2 MB), put on LD_LIBRARY_PATH by scripts/gpu_tests.sh.
+  libs=$(ldd "$agent" | awk '/libpython/ && $3 ~ /^\// {print $3}')
+  if [ -n "$libs" ]; then
+    # shellcheck disable=SC2086
+    tar chf - -C / $(for l in $libs; do echo "${l#/}"; done) --transform 's,.*/,,' \
+      | xz -9 -T2 > device-bin/rotel-libs.tar.xz
+  fi
 else
   echo "gpu_bins.sh: no rotel-agent (pip install rotel): observability's GPU test will not run" >&2
 fi
 if [ "${1:-}" = "--pack" ]; then
-  files=$(cd device-bin && ls | grep -v -e '^pack\.tar\.xz$' -e '^rotel-agent\.xz$')
+  files=$(cd device-bin && ls | grep -v -e '^pack\.tar\.xz$' -e '^rotel-agent\.xz$' -e '^rotel-libs\.tar\.xz$')
   # shellcheck disable=SC2086
   tar cf - -C device-bin $files | xz -9 -T2 > device-bin/pack.tar.xz
   # shellcheck disable=SC2086

@@ -38,6 +38,11 @@ fi
 if [ -x device-bin/rotel-agent ] && [ -z "${ROTEL_AGENT:-}" ]; then
   export ROTEL_AGENT="$PWD/device-bin/rotel-agent"
 fi
+# The libraries the agent links that the GPU machine lacks (libpython3.11), carried beside it.
+if [ -f device-bin/rotel-libs.tar.xz ]; then
+  mkdir -p device-bin/rotel-libs && tar xJf device-bin/rotel-libs.tar.xz -C device-bin/rotel-libs
+  export LD_LIBRARY_PATH="$PWD/device-bin/rotel-libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
 for t in "$@"; do
   # As cargo names it (`engine_device-<hash>`) when copied without renaming.
   if [ ! -x "device-bin/$t" ]; then
