@@ -546,6 +546,38 @@ if b.exists():
             continue
         lv = " ".join(f"c{x['concurrency']}:{x['aggregate']}x" for x in sp["per_level"])
         print(f"summary: bench T={t}: spec arm / fixed verify length, aggregate {lv}")
+# What `goodput` chose, by running sequences, from the spec arm's debug lines (the lease's
+# FERRY_LOG=…goodput=debug; session 54 read them by hand to see it verify whole blocks at
+# c = 128 where fixed:4 served more): the share of each choice per batch-size band, over the
+# steps that drafted (a step it decided not to draft for prints no line; the bench table's
+# plain steps against rounds count those).
+g = run / "bench" / "logs" / "ferry_up_spec.log"
+if g.exists():
+    import collections, re
+    ansi = re.compile(r"\x1b\[[0-9;]*m")
+    bands = ((1, 1), (2, 63), (64, 127), (128, 191), (192, 255), (256, 1 << 30))
+    seen = collections.defaultdict(collections.Counter)
+    with open(g, errors="replace") as fh:
+        for line in fh:
+            if "goodput choice" not in line:
+                continue
+            line = ansi.sub("", line)
+            m, ch = re.search(r"\bseqs=(\d+)", line), re.search(r"\bchoice=(\S+)", line)
+            if m and ch:
+                n = int(m.group(1))
+                band = next((b for b in bands if b[0] <= n <= b[1]), None)
+                if band:
+                    seen[band][ch.group(1)] += 1
+    if seen:
+        parts = []
+        for band in bands:
+            cnt = seen.get(band)
+            if not cnt:
+                continue
+            total = sum(cnt.values())
+            label = str(band[0]) if band[0] == band[1] else (f"{band[0]}+" if band[1] > 4096 else f"{band[0]}-{band[1]}")
+            parts.append(f"{label}: " + " ".join(f"{k} {v / total:.0%}" for k, v in cnt.most_common(4)) + f" ({total})")
+        print("summary: goodput choices by running sequences: " + "; ".join(parts))
 c = run / "bench" / "cpu_spec.json"
 if c.exists():
     r = json.loads(c.read_text())
