@@ -5,7 +5,7 @@ each exactly --tokens tokens of the target's tokenizer (after its BOS), as JSON 
 {"prompt": text, "prompt_tokens": n, "ids": [...], "source": "heldout[i]@offset"}.
 
     python3 scripts/heldout_prompts.py --corpus corpus --model train-out/target \\
-        --tokens 1024 --count 256 --out train-out/prompts-1024.jsonl
+        --tokens 1024 --count 8192 --out train-out/prompts-1024.jsonl
 
 Windows start at file beginnings, then every --tokens + --room tokens inside long files (room for
 the generated tokens the benchmark asks for); files are taken in sha256 order (deterministic).
