@@ -645,6 +645,7 @@ def run_level(cl: Cluster, prompts: Prompts, c: int, n: int, temp: float, out_to
     drafted = d.get("ferry_spec_decode_num_draft_tokens_total", 0.0)
     accepted = d.get("ferry_spec_decode_num_accepted_tokens_total", 0.0)
     r3 = lambda x: None if x is None else round(x, 3)  # noqa: E731
+    cached = sum(r["cached"] for _, r in ok)
     level = {
         "concurrency": c, "requests": n, "ok": len(ok), "failed": len(failed),
         "skipped_deadline": skipped, "errors": failed[:3],
@@ -662,12 +663,12 @@ def run_level(cl: Cluster, prompts: Prompts, c: int, n: int, temp: float, out_to
         "tail_ms_mean": r3(mean([(r["e2e"] - r["times"][-1]) * 1e3 for _, r in ok if r["times"]])),
         "tokens_per_chunk": r3(tokens / chunks if chunks else None),
         "short_outputs": sum(1 for _, r in ok if r["tokens"] < out_tokens),
-        "cached_prompt_tokens": sum(r["cached"] for _, r in ok),
+        "cached_prompt_tokens": cached,
         # The share of the level's prompt tokens served from the prefix cache: near 0 the level
         # prefilled its prompts, as the reference shape asks; near 1 it measured decoding alone
         # (before session 54 the lease's 256 prompts were reused and the warm-up cached them all).
-        "prompt_cached_share": r3(sum(r["cached"] for _, r in ok)
-                                  / (len(ok) * prompts.tokens) if ok and prompts.tokens else None),
+        "prompt_cached_share": r3(cached / (len(ok) * prompts.tokens)
+                                  if ok and prompts.tokens else None),
         "reused_prompts": prompts.reused([k for k, _ in jobs]),
         "spec_rounds": int(rounds), "spec_drafted_tokens": int(drafted),
         "spec_accepted_tokens": int(accepted),

@@ -524,11 +524,11 @@ if b.exists():
           + " (below ~0.9: the client set that level's rate)")
     # How much of the prompts the prefix cache served (session 54: the lease's 256 prompts,
     # reused and cached by the warm-up, made every earlier greedy level decode-only).
-    cached = {arm: max((lv["prompt_cached_share"], lv["concurrency"])
-                       for res in a["results"].values() for lv in res
-                       if lv.get("prompt_cached_share") is not None)
-              for arm, a in r["arms"].items()
-              if any(lv.get("prompt_cached_share") is not None for res in a["results"].values() for lv in res)}
+    shares = {arm: [(lv["prompt_cached_share"], lv["concurrency"])
+                    for res in a["results"].values() for lv in res
+                    if lv.get("prompt_cached_share") is not None]
+              for arm, a in r["arms"].items()}
+    cached = {arm: max(s) for arm, s in shares.items() if s}
     if cached:
         print("summary: bench prompts from the prefix cache: most " + ", ".join(
             f"{arm} {sh} (c{c})" for arm, (sh, c) in cached.items())
