@@ -13,6 +13,7 @@
 # 8 files).
 #   FERRY_A=device-bin/ferry-main FERRY_B=device-bin/ferry-branch OUT=... bash scripts/bench_binary_ab.sh
 # Settings: ROUNDS (2), PROMPT_LEN (1024), MAX_BATCH_TOKENS (2048: a cluster worker's budget),
+# VERIFY_LEN (fixed:4; e.g. fixed:2 for c = 256, where session 54's cluster bench ran it),
 # PROMPT_LEVELS (1,4), ROUND_LEVELS (64,128), ROUND_STEPS (128), RUN_TIMEOUT (150 s a run),
 # DEVICE (cuda), WORKLOADS ("prompt rounds": either alone measures that workload only),
 # FERRY_A_ENV / FERRY_B_ENV (VAR=value ... for that binary's runs only: one binary against
@@ -44,7 +45,7 @@ for run in $(seq "$rounds"); do
         --load-format dummy --model models/dummy/dspark-h200 \
         --drafter models/dummy/dspark-h200-drafter --device "${DEVICE:-cuda}" --gpu-mode fast \
         --batch "$levels" --prompt-len "${PROMPT_LEN:-1024}" --decode-steps "$steps" \
-        --waves "$waves" --warmup-tokens 16 --verify-len fixed:4 \
+        --waves "$waves" --warmup-tokens 16 --verify-len "${VERIFY_LEN:-fixed:4}" \
         --max-batch-tokens "${MAX_BATCH_TOKENS:-2048}" --repeat 1 \
         --json "$runs/$name.json" >"$runs/$name.log" 2>&1
       python3 - "$runs/$name.json" "$which" "$run" "$workload" <<'PY' || echo "| $which | $run | $workload | (no result) | | | | |"
@@ -78,12 +79,15 @@ d = json.load(open(sys.argv[1]))
 acc = {}
 for r in d["rows"]:
     which = r["file"].split("_")[1]
+    if r["file"].split("_")[2] == "rounds":
+        for arm in ("plain", "spec"):
+            acc.setdefault((r["concurrency"], f"{arm} tok/s"), {}).setdefault(which, []).append(r[f"{arm}_tok_s"])
     for arm, kinds in r["engine_steps"].items():
         for kind, k in kinds.items():
             if k["steps"] and k["steps"] > 2:
                 acc.setdefault((r["concurrency"], f"{arm} {kind}"), {}).setdefault(which, []).append(k["ms"])
-print(f"\nmedian ms, A = {d['A']}, B = {d['B']}")
-print("| c | step kind | A ms | B ms | B vs A |")
+print(f"\nmedians (ms a step; tok/s for the rounds workload), A = {d['A']}, B = {d['B']}")
+print("| c | step kind | A | B | B vs A |")
 print("|---|---|---|---|---|")
 for (c, kind), v in sorted(acc.items()):
     a, b = (statistics.median(v[w]) if v.get(w) else None for w in ("A", "B"))

@@ -59,6 +59,11 @@ fn bits(x: &[f32]) -> Vec<u16> {
 }
 
 const TINY: MlaShape = MlaShape::new(80, 64, 48, 32);
+/// The DSpark lease target's attention (12 heads, kv_lora 128, rope 32) on the packed
+/// warp-specialised kernel with up to four tiles of a sequence per block, as sm_90 runs it.
+const DSPARK_WS: MlaShape = MlaShape::new(160, 128, 96, 64)
+    .with_tile_ws(2)
+    .with_tile_groups(4);
 
 #[test]
 #[ignore = "needs libnvrtc (no GPU): CI runs it with the pip wheel, then ptxas on the PTX (.ci/run)"]
@@ -97,6 +102,11 @@ fn compiles_every_source_for(cc: (i32, i32)) {
         v3.with_split(64).with_tile8(4),
         v3.with_split(64).with_tile_ws(2),
         TINY.with_split(16),
+        // The DSpark lease target's shape (12 heads, kv_lora 128) as fast mode tunes it.
+        MlaShape::new(160, 128, 96, 64)
+            .with_split(32)
+            .with_tile_ws(2)
+            .with_tile_groups(4),
     ] {
         let ptx = compile_ptx(Source::Mla, &shape.defines(), cc).expect("mla.cu compiles");
         for k in [
@@ -115,7 +125,14 @@ fn compiles_every_source_for(cc: (i32, i32)) {
         let ws =
             cc == (9, 0) && shape.krow() % 32 == 0 && shape.split % 32 == 0 && shape.tile_bk == 32;
         assert_eq!(ptx.contains("mla_tile_ws_bf16"), ws);
-        assert_eq!(ptx.contains("mla_packed_ws_bf16"), ws);
+        for k in [
+            "mla_packed_ws_bf16",
+            "mla_packed_ws2_bf16",
+            "mla_packed_ws3_bf16",
+            "mla_packed_ws4_bf16",
+        ] {
+            assert_eq!(ptx.contains(k), ws, "{k}");
+        }
         // Hopper (compiled as sm_90a) gets the warpgroup-MMA prefill kernel, others not.
         let hopper = cc == (9, 0) && shape.wgmma_ok();
         assert_eq!(
@@ -543,6 +560,45 @@ fn absorbed_kernels_match_cpu() {
             ctx: vec![1, 70, 3000],
             page: 64,
         },
+        // Verify steps: a sequence's rows span several tiles, grouped into blocks that read
+        // its keys once — 5 tiles in groups of 2 (the last block's second group has no rows),
+        // 4 tiles in one group of 4, 3 in one of 3, 6 in two of 3, 1 ungrouped; short and
+        // split contexts, causal limits inside the step.
+        AbsorbedCase {
+            shape: v3.with_tile_ws(2).with_tile_groups(2),
+            heads: 16,
+            sq: 5,
+            ctx: vec![9, 1300, 3000],
+            page: 64,
+        },
+        AbsorbedCase {
+            shape: DSPARK_WS,
+            heads: 12,
+            sq: 5,
+            ctx: vec![6, 700, 2100],
+            page: 16,
+        },
+        AbsorbedCase {
+            shape: DSPARK_WS,
+            heads: 12,
+            sq: 3,
+            ctx: vec![3, 1025],
+            page: 16,
+        },
+        AbsorbedCase {
+            shape: DSPARK_WS,
+            heads: 12,
+            sq: 7,
+            ctx: vec![8, 700, 2100, 64],
+            page: 16,
+        },
+        AbsorbedCase {
+            shape: DSPARK_WS,
+            heads: 12,
+            sq: 1,
+            ctx: vec![1, 700],
+            page: 16,
+        },
         AbsorbedCase {
             shape: v3.with_tile_ws(3),
             heads: 12,
@@ -728,6 +784,7 @@ fn split_rows_keep_the_rope_part_precise() {
         (case(v3.with_tile8(4), 16, 1, vec![1, 70, 3000], 64), 64),
         (case(v3.with_tile_ws(2), 12, 3, vec![9, 1300], 16), 64),
         (case(v3.with_tile_ws(3), 16, 1, vec![2, 5000], 32), 64),
+        (case(DSPARK_WS, 12, 5, vec![6, 700, 2100], 16), 32),
         (case(TINY, 12, 2, vec![3, 300], 8), 16),
         // A whole prompt's prefill in the absorbed form (every query of it in one launch).
         (case(TINY, 12, 211, vec![211], 16), 16),

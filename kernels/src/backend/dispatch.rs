@@ -144,6 +144,19 @@ pub fn forward_kernels<D: Gpu>(k: AttnKernels, shape: &MlaShape, cc: (i32, i32))
     if plan == AbsorbedPlan::TilePadded {
         attn.extend(["pad_heads_bf16", "unpad_heads_f32"]);
     }
+    // Steps of several tiles a sequence run the grouped packed kernels (`mla_absorbed.rs`).
+    if plan != AbsorbedPlan::GenericF32 && plan != AbsorbedPlan::GenericBf16 {
+        let grouped = [
+            "mla_packed_ws2_bf16",
+            "mla_packed_ws3_bf16",
+            "mla_packed_ws4_bf16",
+        ];
+        let most = (2..=4)
+            .map(|tiles| shape.packed_groups(tiles))
+            .max()
+            .unwrap_or(1);
+        attn.extend(grouped.iter().take(most.saturating_sub(1)));
+    }
     let abs_out = if plan.bf16() {
         ["absorb_f32_bf16", "absorb_bf16_bf16"]
     } else {

@@ -165,7 +165,16 @@ fn absorbed_on<D: super::OnDevice>(dev: &D, p: AbsorbedRun<'_>) -> Result<(), Ke
     };
     // The kernel leaves its split-K partials unmerged, and for a token or two the output
     // un-absorption merges them (one launch fewer per layer; bitwise the same).
-    let parts = match dispatch::absorbed::<D>(p.kernels, &shape) {
+    // A step of several query tokens a sequence (a verify step: drafts + 1 rows × heads)
+    // spans several 16-row tiles; where the tuned kernel groups tiles, the packed kernel runs
+    // them in blocks that stream the sequence's keys once instead of once per tile (and needs
+    // no padded copy of the queries). `FERRY_MLA_TILE_GROUPS=1` keeps the padded tiles.
+    let tiles = (p.sq * d.heads).div_ceil(crate::ops::mla_plan::TILE_ROWS);
+    let plan = match dispatch::absorbed::<D>(p.kernels, &shape) {
+        AbsorbedPlan::TilePadded if shape.packed_groups(tiles) > 1 => AbsorbedPlan::Packed,
+        plan => plan,
+    };
+    let parts = match plan {
         AbsorbedPlan::GenericF32 => {
             let q_abs = dev.alloc::<f32>(rows * d.heads * lw)?;
             absorb(AbsorbedOut::F32(q_abs.v()))?;

@@ -426,33 +426,43 @@ __device__ __forceinline__ void l2_prefetch_keys(const MlaArgs& a, const bf16_t*
 // The tile kernels' common start: each row's global index and causal limit into shared memory
 // (with a barrier), the keys [start, end) this split covers, and the tile's queries staged in
 // shared memory (zero rows for padding; no barrier after: the pipeline's first one covers it).
+// G tile groups (packed kernels only): group gi takes tile blockIdx.y·G + gi, its row info and
+// queries `stride` bytes after group gi − 1's, and the span covers every group's rows.
 struct TileSpan {
   int start, end;
 };
-template <int PACKED>
+template <int PACKED, int G = 1>
 __device__ __forceinline__ TileSpan tile_setup(const MlaArgs& a, int* s_lim, long long* s_row,
-                                               bf16_t* s_q) {
+                                               bf16_t* s_q, int stride = 0) {
+  static_assert(PACKED || G == 1, "tile groups take packed tiles only");
+  auto lim_of = [&](int gi) { return (int*)((unsigned char*)s_lim + gi * stride); };
+  auto row_of = [&](int gi) { return (long long*)((unsigned char*)s_row + gi * stride); };
   int tid = threadIdx.x, b = blockIdx.z;
-  if (tid < TROWS) {
+  if (tid < G * TROWS) {
+    int gi = tid / TROWS, r = tid % TROWS;
     long long gr;
     int lim;
-    tile_row(a, PACKED, blockIdx.y, b, tid, &gr, &lim);
-    s_row[tid] = gr;
-    s_lim[tid] = lim;
+    tile_row(a, PACKED, blockIdx.y * G + gi, b, r, &gr, &lim);
+    row_of(gi)[r] = gr;
+    lim_of(gi)[r] = lim;
   }
   __syncthreads();
   int lim_max = 0;
 #pragma unroll
-  for (int r = 0; r < TROWS; r++) lim_max = max(lim_max, s_lim[r]);
+  for (int gi = 0; gi < G; gi++)
+#pragma unroll
+    for (int r = 0; r < TROWS; r++) lim_max = max(lim_max, lim_of(gi)[r]);
   int start = blockIdx.x * a.keys_per_split;
   TileSpan sp = {start, min(lim_max, start + a.keys_per_split)};
   const bf16_t* q = (const bf16_t*)a.q;
-  for (int idx = tid; idx < TROWS * (MLA_QROW / 8); idx += blockDim.x) {
-    int r = idx / (MLA_QROW / 8), seg = idx % (MLA_QROW / 8);
-    long long gr = s_row[r];
+  for (int idx = tid; idx < G * TROWS * (MLA_QROW / 8); idx += blockDim.x) {
+    int gr_ = idx / (MLA_QROW / 8), seg = idx % (MLA_QROW / 8);
+    int gi = gr_ / TROWS, r = gr_ % TROWS;
+    long long gr = row_of(gi)[r];
     uint4 v = make_uint4(0, 0, 0, 0);
     if (gr >= 0) v = *reinterpret_cast<const uint4*>(q + (size_t)gr * MLA_QROW + seg * 8);
-    *reinterpret_cast<uint4*>(s_q + r * QSTR + seg * 8) = v;
+    bf16_t* dst = (bf16_t*)((unsigned char*)s_q + gi * stride);
+    *reinterpret_cast<uint4*>(dst + r * QSTR + seg * 8) = v;
   }
   return sp;
 }
@@ -478,9 +488,11 @@ __device__ __forceinline__ void tile_load_keys(const MlaArgs& a, bf16_t* dst, in
   }
 }
 
-// The 4-warp tile kernels' shared memory: a ring of STAGES key steps, the staged queries, P,
-// the cross-warp row maxima and sums, each row's causal limit and global index; `end` is the
-// first byte past them (the warp-specialised kernel puts its mbarriers there).
+// The 4-warp tile kernels' shared memory: a ring of STAGES key steps, then per tile group (one
+// for the cp.async kernel; one per 16-row tile sharing the ring in the grouped warp-specialised
+// kernel) the staged queries, P, the cross-warp row maxima and sums, each row's causal limit
+// and global index; `end` is the first byte past all groups (the warp-specialised kernel puts
+// its mbarriers there). A group's share is TILE_GROUP_BYTES, a multiple of 16.
 struct TileSmem {
   bf16_t* k;       // [STAGES][BK][KSTR]
   bf16_t* q;       // [16][QSTR]
@@ -491,18 +503,27 @@ struct TileSmem {
   long long* row;  // [16]
   void* end;
 };
+#define TILE_GROUP_BYTES \
+  (TROWS * QSTR * 2 + TROWS * PSTR * 2 + 2 * NWT * TROWS * 4 + TROWS * 4 + TROWS * 8)
 template <int STAGES>
-__device__ __forceinline__ TileSmem tile_smem(unsigned char* base) {
+__device__ __forceinline__ TileSmem tile_smem(unsigned char* base, int group = 0,
+                                              int groups = 1) {
   TileSmem t;
   t.k = (bf16_t*)base;
-  t.q = t.k + STAGES * BK * KSTR;
+  unsigned char* gb = base + STAGES * BK * KSTR * 2;
+  t.q = (bf16_t*)(gb + group * TILE_GROUP_BYTES);
   t.p = t.q + TROWS * QSTR;
   t.red = (float*)(t.p + TROWS * PSTR);
   t.l = t.red + NWT * TROWS;
   t.lim = (int*)(t.l + NWT * TROWS);
   t.row = (long long*)(t.lim + TROWS);
-  t.end = t.row + TROWS;
+  t.end = gb + groups * TILE_GROUP_BYTES;
   return t;
+}
+
+// Row `row` of ring slot `st` of the key ring at k ([STAGES][BK][KSTR]).
+__device__ __forceinline__ bf16_t* s_k_row(bf16_t* k, int st, int row) {
+  return k + (st * BK + row) * KSTR;
 }
 
 // The 4-warp tile's running state per thread: O for this warp's output columns and the online
@@ -521,7 +542,8 @@ template <typename Sync>
 __device__ __forceinline__ void tile_step(const MlaArgs& a, const bf16_t* kb, const bf16_t* s_q,
                                           bf16_t* s_p, float* s_red, int c0, int end, int lim0,
                                           int lim1, TileAcc& acc, Sync sync) {
-  int lane = threadIdx.x % WARP, w = threadIdx.x / WARP, g = lane / 4, c = lane % 4;
+  // w: the warp within its 4-warp group (a grouped block runs several).
+  int lane = threadIdx.x % WARP, w = (threadIdx.x / WARP) % NWT, g = lane / 4, c = lane % 4;
   const int NT = MLA_DV / (8 * NWT);
   // S = Q · Kᵀ for this warp's KPW keys (NPW 8-key tiles); two accumulator sets so
   // consecutive mma do not wait on each other.
@@ -644,7 +666,7 @@ __device__ __forceinline__ void tile_step(const MlaArgs& a, const bf16_t* kb, co
 template <typename Sync>
 __device__ __forceinline__ void tile_finish(const MlaArgs& a, int split, const TileAcc& acc,
                                             float* s_l, const long long* s_row, Sync sync) {
-  int lane = threadIdx.x % WARP, w = threadIdx.x / WARP, g = lane / 4, c = lane % 4;
+  int lane = threadIdx.x % WARP, w = (threadIdx.x / WARP) % NWT, g = lane / 4, c = lane % 4;
   int total_rows = gridDim.z * a.sq * a.heads;
   float l0 = acc.l0, l1 = acc.l1;
   l0 += SHFL_XOR(l0, 1);
@@ -833,59 +855,64 @@ extern "C" __global__ void __launch_bounds__(128) mla_packed_bf16(MlaArgs a) {
 
 // ---------------------------------------------------------------------------------------------
 // Absorbed tile kernel, warp-specialised (sm_90): the 4-warp kernel's tiling and math, with the
-// loads taken off the compute warps. A fifth warp produces: for each 32-key step it waits
-// until the ring slot is free (an `empty` mbarrier the 128 compute threads arrive on), then
-// each lane issues one bulk copy of one 1,152-byte latent row (page-table lookup included)
-// into the padded slot, completing on the slot's `full` mbarrier; rows past the split's end
-// are zero-filled by plain stores. The compute warps wait on `full`, and meet only at the two
-// barriers the softmax needs (row maxima, then P), named so the producer is not held: the
-// third barrier of the cp.async kernel (stage reuse) is the `empty` mbarrier.
+// loads taken off the compute warps. A producer warp (the last) fills the key ring: for each
+// 32-key step it waits until the ring slot is free (an `empty` mbarrier every compute thread
+// arrives on), then each lane issues one bulk copy of one latent row (page-table lookup
+// included) into the padded slot, completing on the slot's `full` mbarrier; rows past the
+// split's end are zero-filled by plain stores. The compute warps wait on `full`, and meet only
+// at the two barriers the softmax needs (row maxima, then P), named so the producer is not
+// held: the third barrier of the cp.async kernel (stage reuse) is the `empty` mbarrier.
+//
+// G tile groups (packed tiles only): G sets of 4 compute warps, each on its own 16-row tile of
+// the same sequence (tiles blockIdx.y·G … +G−1), read one key ring. A verify step's sequence
+// spans several tiles ((drafts + 1) × heads rows): one block streams its keys once instead of
+// once per tile. A group past the sequence's rows only keeps the ring's count.
 // Needs 32-key steps (one latent row per producer lane).
-// Grid: (splits, tiles, B); block 160; smem: MlaShape::tile_smem() (tile_warps 5).
+// Grid: (splits, ceil(tiles / G), B); block 32·(4G + 1); smem: MlaShape::tile_smem_groups(G).
 #if FERRY_SM90 && MLA_KROW % 32 == 0 && MLA_SPLIT % 32 == 0 && MLA_BK == 32
 #define FERRY_TILE_WS 1
 #ifndef MLA_WS_ST
 #define MLA_WS_ST 2
 #endif
-template <int PACKED>
+template <int PACKED, int G>
 __device__ void mla_tile_ws(const MlaArgs& a) {
   extern __shared__ __align__(16) unsigned char smem[];
-  TileSmem sm = tile_smem<MLA_WS_ST>(smem);
-  bf16_t *s_k = sm.k, *s_q = sm.q, *s_p = sm.p;
-  float *s_red = sm.red, *s_l = sm.l;
-  int* s_lim = sm.lim;
-  long long* s_row = sm.row;
+  int split = blockIdx.x, b = blockIdx.z;
+  int tid = threadIdx.x, lane = tid % WARP, w = tid / WARP, g = lane / 4;
+  const int PRODUCER = G * NWT;
+  int gi = w < PRODUCER ? w / NWT : 0;  // this warp's tile group (the producer: none)
+  TileSmem sm = tile_smem<MLA_WS_ST>(smem, gi, G);
+  TileSmem sm0 = tile_smem<MLA_WS_ST>(smem, 0, G);
   u32 bars = smem_u32(sm.end);  // full[MLA_WS_ST], empty[MLA_WS_ST]
   auto full = [&](int i) { return bars + 8 * i; };
   auto empty = [&](int i) { return bars + 8 * (MLA_WS_ST + i); };
 
-  int split = blockIdx.x, b = blockIdx.z;
-  int tid = threadIdx.x, lane = tid % WARP, w = tid / WARP, g = lane / 4;
   if (tid == 0) {
     for (int i = 0; i < MLA_WS_ST; i++) {
       mbar_init(full(i), WARP);
-      mbar_init(empty(i), NWT * WARP);
+      mbar_init(empty(i), PRODUCER * WARP);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
-  TileSpan sp = tile_setup<PACKED>(a, s_lim, s_row, s_q);  // its barrier covers the inits
-  __syncthreads();                                          // the staged queries
+  // Its barrier covers the inits.
+  TileSpan sp = tile_setup<PACKED, G>(a, sm0.lim, sm0.row, sm0.q, TILE_GROUP_BYTES);
+  __syncthreads();  // the staged queries
   int start = sp.start, end = sp.end;
   int nchunks = start < end ? (end - start + BK - 1) / BK : 0;
 
-  if (w == NWT) {
+  if (w == PRODUCER) {
     // Producer: lane l moves key row l of every step.
     const bf16_t* pages = (const bf16_t*)a.pages;
     for (int it = 0; it < nchunks; it++) {
       int st = it % MLA_WS_ST, use = it / MLA_WS_ST;
       if (use > 0) mbar_wait(empty(st), (use - 1) & 1);
       int c0 = start + it * BK, p = c0 + lane;
-      u32 dst = smem_u32(s_k + (st * BK + lane) * KSTR);
+      u32 dst = smem_u32(s_k_row(sm.k, st, lane));
       if (p < end) {
         bulk_g2s(dst, pages + key_offset_pow2(a, b, p), MLA_KROW * 2, full(st));
       } else {
         // Masked keys get probability 0, but 0 · (stale bits) could be NaN: zero the row.
-        uint4* row = (uint4*)(s_k + (st * BK + lane) * KSTR);
+        uint4* row = (uint4*)s_k_row(sm.k, st, lane);
         for (int x = 0; x < MLA_KROW / 8; x++) row[x] = make_uint4(0, 0, 0, 0);
       }
       int bytes = (min(end - c0, BK)) * MLA_KROW * 2;
@@ -894,27 +921,32 @@ __device__ void mla_tile_ws(const MlaArgs& a) {
     return;
   }
 
-  int lim0 = s_lim[g], lim1 = s_lim[g + 8];
+  // Packed rows fill tiles from row 0, so a group whose row 0 is padding has no rows at all.
+  bool live = sm.row[0] >= 0;
+  int lim0 = sm.lim[g], lim1 = sm.lim[g + 8];
   TileAcc acc;
   tile_acc_init(acc);
-  auto sync = [] { named_sync(1, NWT * WARP); };  // the compute warps only
+  auto sync = [gi] { named_sync(1 + gi, NWT * WARP); };  // this group's compute warps only
   for (int it = 0; it < nchunks; it++) {
     int st = it % MLA_WS_ST;
     mbar_wait(full(st), (it / MLA_WS_ST) & 1);
-    tile_step(a, s_k + st * BK * KSTR, s_q, s_p, s_red, start + it * BK, end, lim0, lim1, acc,
-              sync);
+    if (live)
+      tile_step(a, s_k_row(sm.k, st, 0), sm.q, sm.p, sm.red, start + it * BK, end, lim0, lim1,
+                acc, sync);
     mbar_arrive(empty(st));  // this thread is done reading the slot
   }
-  tile_finish(a, split, acc, s_l, s_row, sync);
+  if (live) tile_finish(a, split, acc, sm.l, sm.row, sync);
 }
-extern "C" __global__ void __launch_bounds__(160) mla_tile_ws_bf16(MlaArgs a) {
-  pdl_enter();
-  mla_tile_ws<0>(a);
-}
-extern "C" __global__ void __launch_bounds__(160) mla_packed_ws_bf16(MlaArgs a) {
-  pdl_enter();
-  mla_tile_ws<1>(a);
-}
+#define WS_KERNEL(name, P, G)                                                       \
+  extern "C" __global__ void __launch_bounds__(32 * (NWT * G + 1)) name(MlaArgs a) { \
+    pdl_enter();                                                                     \
+    mla_tile_ws<P, G>(a);                                                            \
+  }
+WS_KERNEL(mla_tile_ws_bf16, 0, 1)
+WS_KERNEL(mla_packed_ws_bf16, 1, 1)
+WS_KERNEL(mla_packed_ws2_bf16, 1, 2)
+WS_KERNEL(mla_packed_ws3_bf16, 1, 3)
+WS_KERNEL(mla_packed_ws4_bf16, 1, 4)
 #endif
 
 // ---------------------------------------------------------------------------------------------

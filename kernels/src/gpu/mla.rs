@@ -7,7 +7,7 @@
 //! |---|---|---|
 //! | [`mla_absorbed`] with [`AbsorbedKernel::Tile`] | 16-row head tiles, tensor cores | 4, 8, 16k |
 //! | [`mla_absorbed_padded`] | the dispatcher: tile kernel directly, or zero-pad to [`HeadPadPlan::padded`] heads, run, slice back | any |
-//! | [`mla_absorbed`] with [`AbsorbedKernel::Packed`] | (query token × head) rows packed into 16-row tiles | any |
+//! | [`mla_absorbed`] with [`AbsorbedKernel::Packed`] | (query token × head) rows packed into 16-row tiles; on sm_90 a sequence's tiles grouped into blocks that read its keys once ([`MlaShape::packed_groups`]) | any |
 //! | [`mla_absorbed`] with [`AbsorbedKernel::Generic`] | one block per (token, head), f32 math, f32 or bf16 cache | any |
 //! | [`mha_prefill`] | MHA form, causal, variable length: f32 or tensor-core flash | any |
 //!
@@ -54,6 +54,11 @@ pub struct MlaShape {
     /// Steps ahead of the `cp.async` pipeline at which the tile kernels ask L2 for key rows
     /// (0 = no prefetch).
     pub l2_prefetch: usize,
+    /// The most 16-row tiles of one sequence a block of the packed warp-specialised kernel
+    /// takes, each on its own four compute warps, all reading one key ring (1..=4; 1 = a
+    /// block per tile). A verify step's (drafts + 1) × heads rows span several tiles; grouped,
+    /// the sequence's keys stream once per block instead of once per tile.
+    pub tile_groups: usize,
 }
 
 impl MlaShape {
@@ -74,6 +79,7 @@ impl MlaShape {
             tile_stages: 2,
             tile_warps: 4,
             l2_prefetch: 0,
+            tile_groups: 1,
         }
     }
 
@@ -136,17 +142,60 @@ impl MlaShape {
         }
     }
 
+    /// The same shape with at most `groups` 16-row tiles of a sequence per block of the
+    /// packed warp-specialised kernel (clamped to 1..=4; other tilings ignore it).
+    pub const fn with_tile_groups(self, groups: usize) -> Self {
+        Self {
+            tile_groups: if groups < 1 {
+                1
+            } else if groups > 4 {
+                4
+            } else {
+                groups
+            },
+            ..self
+        }
+    }
+
     /// The fastest measured tile pipeline for a card of compute capability `cc`: the
     /// warp-specialised kernel, double-buffered, on sm_90 where the shape allows it (91–100 %
-    /// of copy bandwidth against 63 % for the 4-warp kernel on the H200, BENCHMARKS.md), else
-    /// this shape unchanged.
+    /// of copy bandwidth against 63 % for the 4-warp kernel on the H200, BENCHMARKS.md), with
+    /// [`Self::default_tile_groups`]; else this shape unchanged.
     pub fn tuned_for(self, cc: (i32, i32)) -> Self {
         let ws = self.with_tile_ws(2);
         if cc >= (9, 0) && ws.tile_ok() {
-            ws
+            ws.with_tile_groups(ws.default_tile_groups())
         } else {
             self
         }
+    }
+
+    /// Tile groups per packed block by default: 4 where a compute warp's share of the output
+    /// is small (`kv_lora` ≤ 256: 544 threads keep their accumulators in registers), else 2;
+    /// `FERRY_MLA_TILE_GROUPS` overrides it (1 = a block per tile, the A/B's other arm).
+    pub fn default_tile_groups(&self) -> usize {
+        static ENV: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+        let env = *ENV.get_or_init(|| {
+            std::env::var("FERRY_MLA_TILE_GROUPS")
+                .ok()
+                .and_then(|v| v.parse().ok())
+        });
+        env.unwrap_or(if self.kv_lora <= 256 { 4 } else { 2 })
+    }
+
+    /// The tile groups one packed block takes for a sequence of `tiles` 16-row tiles: as few
+    /// blocks as [`Self::tile_groups`] allows, the tiles spread evenly over them (3 tiles: one
+    /// block of 3; 5 tiles: two of 3), fewer where the groups' shared memory would not fit.
+    /// 1 on every kernel but the warp-specialised one.
+    pub fn packed_groups(&self, tiles: usize) -> usize {
+        if self.tile_warps != 5 || tiles <= 1 {
+            return 1;
+        }
+        let most = (1..=self.tile_groups.clamp(1, 4))
+            .rev()
+            .find(|&g| self.tile_smem_groups(g) <= 227 * 1024)
+            .unwrap_or(1);
+        tiles.div_ceil(tiles.div_ceil(most))
     }
 
     /// Whether this tiling needs an sm_90 card (the bulk-copy producer).
@@ -215,6 +264,13 @@ impl MlaShape {
     /// Whether the tensor-core flash kernel takes this shape.
     pub fn flash_ok(&self) -> bool {
         self.mha_qkb() % 16 == 0 && self.mha_v % 16 == 0
+    }
+
+    /// Dynamic shared memory of a packed warp-specialised block of `groups` tile groups: the
+    /// key ring once, each group's queries, P and row state, the mbarriers.
+    pub fn tile_smem_groups(&self, groups: usize) -> usize {
+        let group = TILE_ROWS * (self.qrow() + 8) * 2 + TILE_ROWS * self.tile_bk * 4 + 1024;
+        self.tile_smem() + groups.saturating_sub(1) * group
     }
 
     /// Dynamic shared memory of the tile kernel (either path: mma or scalar).
@@ -539,6 +595,14 @@ pub fn mla_absorbed_parts<D: Gpu>(
         AbsorbedKernel::Packed => (b.sq * b.heads).div_ceil(TILE_ROWS),
         _ => b.sq * (b.heads / b.heads.clamp(1, TILE_ROWS)),
     };
+    // A packed sequence of several tiles (a verify step's rows) in blocks of `groups` tiles
+    // that read its keys once.
+    let groups = if kernel == AbsorbedKernel::Packed {
+        shape.packed_groups(tiles)
+    } else {
+        1
+    };
+    let tiles = tiles.div_ceil(groups);
     let shape = if shape.tile_warps == 5 && shape.tile_stages == 2 && b.batch * tiles < 8 {
         shape.with_tile_ws(3)
     } else {
@@ -564,14 +628,17 @@ pub fn mla_absorbed_parts<D: Gpu>(
             )
         }
         AbsorbedKernel::Packed => (
-            match shape.tile_warps {
-                8 => "mla_packed8_bf16",
-                5 => "mla_packed_ws_bf16",
+            match (shape.tile_warps, groups) {
+                (8, _) => "mla_packed8_bf16",
+                (5, 1) => "mla_packed_ws_bf16",
+                (5, 2) => "mla_packed_ws2_bf16",
+                (5, 3) => "mla_packed_ws3_bf16",
+                (5, _) => "mla_packed_ws4_bf16",
                 _ => "mla_packed_bf16",
             },
             tiles,
             dev.sm_count() as usize,
-            shape.tile_smem(),
+            shape.tile_smem_groups(groups),
         ),
         AbsorbedKernel::Generic => {
             let name = if b.q.is_bf16() {
@@ -583,7 +650,10 @@ pub fn mla_absorbed_parts<D: Gpu>(
         }
     };
     let tile = matches!(kernel, AbsorbedKernel::Tile | AbsorbedKernel::Packed);
-    let threads = if tile {
+    // (A grouped block: four compute warps per group and the producer.)
+    let threads = if tile && groups > 1 {
+        32 * (4 * groups as u32 + 1)
+    } else if tile {
         32 * shape.tile_warps as u32
     } else {
         128
@@ -1060,6 +1130,37 @@ mod tests {
         assert!(!MlaShape::new(80, 64, 48, 32).with_tile(32, 2).tile_ok());
         assert!(s.flash_smem() <= 227 * 1024 / 2, "{}", s.flash_smem());
         assert!(s.tile_ok() && s.flash_ok() && s.wgmma_ok());
+    }
+
+    #[test]
+    fn a_verify_steps_tiles_are_grouped_evenly_into_blocks_that_fit() {
+        let dspark = MlaShape::new(160, 128, 96, 64)
+            .with_split(32)
+            .with_tile_ws(2);
+        let four = dspark.with_tile_groups(4);
+        // (tiles of a sequence, groups per block): as few blocks as 4 groups allow, the
+        // tiles spread evenly (6 tiles: two blocks of 3, not 4 + 2).
+        for (tiles, want) in [(1, 1), (2, 2), (3, 3), (4, 4), (5, 3), (6, 3), (8, 4), (9, 3)] {
+            assert_eq!(four.packed_groups(tiles), want, "{tiles} tiles");
+        }
+        assert_eq!(dspark.packed_groups(4), 1, "one tile a block unless asked");
+        assert_eq!(four.with_tile_groups(9).tile_groups, 4, "clamped");
+        // Only the warp-specialised kernel groups.
+        assert_eq!(four.with_tile(32, 2).packed_groups(4), 1);
+        // The family's wide rows at four ring stages: the groups shrink to what fits.
+        let wide = MlaShape::DEEPSEEK_V3
+            .with_split(64)
+            .with_tile_ws(4)
+            .with_tile_groups(4);
+        let g = wide.packed_groups(4);
+        assert!(g < 4 && wide.tile_smem_groups(g) <= 227 * 1024, "{g}");
+        assert!(four.tile_smem_groups(4) <= 227 * 1024);
+        // The default: four groups for a narrow latent, two for the family's 512.
+        if std::env::var_os("FERRY_MLA_TILE_GROUPS").is_none() {
+            assert_eq!(dspark.tuned_for((9, 0)).tile_groups, 4);
+            assert_eq!(MlaShape::DEEPSEEK_V3.tuned_for((9, 0)).tile_groups, 2);
+            assert_eq!(MlaShape::DEEPSEEK_V3.tuned_for((8, 0)).tile_groups, 1);
+        }
     }
 
     #[test]
