@@ -1140,7 +1140,16 @@ mod tests {
         let four = dspark.with_tile_groups(4);
         // (tiles of a sequence, groups per block): as few blocks as 4 groups allow, the
         // tiles spread evenly (6 tiles: two blocks of 3, not 4 + 2).
-        for (tiles, want) in [(1, 1), (2, 2), (3, 3), (4, 4), (5, 3), (6, 3), (8, 4), (9, 3)] {
+        for (tiles, want) in [
+            (1, 1),
+            (2, 2),
+            (3, 3),
+            (4, 4),
+            (5, 3),
+            (6, 3),
+            (8, 4),
+            (9, 3),
+        ] {
             assert_eq!(four.packed_groups(tiles), want, "{tiles} tiles");
         }
         assert_eq!(dspark.packed_groups(4), 1, "one tile a block unless asked");
