@@ -210,6 +210,8 @@ fn the_tensor_core_kernels_are_absent_from_the_hip_code_object() {
         "mha_wgmma_bf16",
         "mha_ws_bf16",
         "mla_tile_ws_bf16",
+        "mla_packed_ws2_bf16",
+        "mla_packed_ws4_bf16",
     ] {
         assert!(!has_symbol(&code, absent), "{absent} compiled for {ARCH}");
     }
