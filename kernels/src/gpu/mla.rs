@@ -160,7 +160,7 @@ impl MlaShape {
     /// The fastest measured tile pipeline for a card of compute capability `cc`: the
     /// warp-specialised kernel, double-buffered, on sm_90 where the shape allows it (91–100 %
     /// of copy bandwidth against 63 % for the 4-warp kernel on the H200, BENCHMARKS.md), with
-    /// [`Self::default_tile_groups`]; else this shape unchanged.
+    /// [`Self::default_tile_groups`] tile groups; else this shape unchanged.
     pub fn tuned_for(self, cc: (i32, i32)) -> Self {
         let ws = self.with_tile_ws(2);
         if cc >= (9, 0) && ws.tile_ok() {
@@ -170,9 +170,9 @@ impl MlaShape {
         }
     }
 
-    /// Tile groups per packed block by default: 4 where a compute warp's share of the output
-    /// is small (`kv_lora` ≤ 256: 544 threads keep their accumulators in registers), else 2;
-    /// `FERRY_MLA_TILE_GROUPS` overrides it (1 = a block per tile, the A/B's other arm).
+    /// Tile groups per packed block: `FERRY_MLA_TILE_GROUPS` (2–4 turns grouping on), else 1.
+    /// Grouping stays opt-in until a GPU has run its parity tests and its A/B against the
+    /// padded tiles (docs/spec_decode.md, session 55).
     pub fn default_tile_groups(&self) -> usize {
         static ENV: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
         let env = *ENV.get_or_init(|| {
@@ -180,7 +180,18 @@ impl MlaShape {
                 .ok()
                 .and_then(|v| v.parse().ok())
         });
-        env.unwrap_or(if self.kv_lora <= 256 { 4 } else { 2 })
+        env.unwrap_or(1)
+    }
+
+    /// The most tile groups a packed block of this shape takes: 4 where a compute warp's share
+    /// of the output is small (`kv_lora` ≤ 256), else 3 (ptxas: at the family's 512 columns
+    /// four groups' 544 threads spill their accumulators; three's 416 do not).
+    pub const fn max_tile_groups(&self) -> usize {
+        if self.kv_lora <= 256 {
+            4
+        } else {
+            3
+        }
     }
 
     /// The tile groups one packed block takes for a sequence of `tiles` 16-row tiles: as few
@@ -191,7 +202,7 @@ impl MlaShape {
         if self.tile_warps != 5 || tiles <= 1 {
             return 1;
         }
-        let most = (1..=self.tile_groups.clamp(1, 4))
+        let most = (1..=self.tile_groups.clamp(1, self.max_tile_groups()))
             .rev()
             .find(|&g| self.tile_smem_groups(g) <= 227 * 1024)
             .unwrap_or(1);
@@ -1162,13 +1173,23 @@ mod tests {
             .with_tile_ws(4)
             .with_tile_groups(4);
         let g = wide.packed_groups(4);
-        assert!(g < 4 && wide.tile_smem_groups(g) <= 227 * 1024, "{g}");
+        assert_eq!(
+            g, 2,
+            "three groups' queries beside a four-stage ring exceed 227 KiB"
+        );
+        assert!(wide.tile_smem_groups(2) <= 227 * 1024 && wide.tile_smem_groups(3) > 227 * 1024);
         assert!(four.tile_smem_groups(4) <= 227 * 1024);
-        // The default: four groups for a narrow latent, two for the family's 512.
+        // The family's 512 columns take three groups at most (four spill).
+        let v3 = MlaShape::DEEPSEEK_V3.with_tile_ws(2).with_tile_groups(4);
+        assert_eq!(
+            v3.packed_groups(4),
+            2,
+            "4 tiles: two blocks of 2, not 3 + 1"
+        );
+        assert_eq!(v3.packed_groups(3), 3);
+        // Opt-in until measured on a GPU.
         if std::env::var_os("FERRY_MLA_TILE_GROUPS").is_none() {
-            assert_eq!(dspark.tuned_for((9, 0)).tile_groups, 4);
-            assert_eq!(MlaShape::DEEPSEEK_V3.tuned_for((9, 0)).tile_groups, 2);
-            assert_eq!(MlaShape::DEEPSEEK_V3.tuned_for((8, 0)).tile_groups, 1);
+            assert_eq!(dspark.tuned_for((9, 0)).tile_groups, 1);
         }
     }
 
