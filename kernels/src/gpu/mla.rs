@@ -614,7 +614,11 @@ pub fn mla_absorbed_parts<D: Gpu>(
         1
     };
     let tiles = tiles.div_ceil(groups);
-    let shape = if shape.tile_warps == 5 && shape.tile_stages == 2 && b.batch * tiles < 8 {
+    let shape = if shape.tile_warps == 5
+        && shape.tile_stages == 2
+        && b.batch * tiles < 8
+        && shape.with_tile_ws(3).tile_smem_groups(groups) <= 227 * 1024
+    {
         shape.with_tile_ws(3)
     } else {
         shape
