@@ -151,11 +151,7 @@ pub fn forward_kernels<D: Gpu>(k: AttnKernels, shape: &MlaShape, cc: (i32, i32))
             "mla_packed_ws3_bf16",
             "mla_packed_ws4_bf16",
         ];
-        let most = (2..=4)
-            .map(|tiles| shape.packed_groups(tiles))
-            .max()
-            .unwrap_or(1);
-        attn.extend(grouped.iter().take(most.saturating_sub(1)));
+        attn.extend(grouped.iter().take(shape.most_packed_groups() - 1));
     }
     let abs_out = if plan.bf16() {
         ["absorb_f32_bf16", "absorb_bf16_bf16"]

@@ -174,13 +174,8 @@ impl MlaShape {
     /// Grouping stays opt-in until a GPU has run its parity tests and its A/B against the
     /// padded tiles (docs/spec_decode.md, session 55).
     pub fn default_tile_groups(&self) -> usize {
-        static ENV: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-        let env = *ENV.get_or_init(|| {
-            std::env::var("FERRY_MLA_TILE_GROUPS")
-                .ok()
-                .and_then(|v| v.parse().ok())
-        });
-        env.unwrap_or(1)
+        static GROUPS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+        *GROUPS.get_or_init(|| super::ops::env_count("FERRY_MLA_TILE_GROUPS", 1))
     }
 
     /// The most tile groups a packed block of this shape takes: 4 where a compute warp's share
@@ -199,14 +194,24 @@ impl MlaShape {
     /// block of 3; 5 tiles: two of 3), fewer where the groups' shared memory would not fit.
     /// 1 on every kernel but the warp-specialised one.
     pub fn packed_groups(&self, tiles: usize) -> usize {
-        if self.tile_warps != 5 || tiles <= 1 {
+        let most = self.most_packed_groups();
+        if tiles <= 1 || most == 1 {
             return 1;
         }
-        let most = (1..=self.tile_groups.clamp(1, self.max_tile_groups()))
+        tiles.div_ceil(tiles.div_ceil(most))
+    }
+
+    /// The most tile groups one packed block of this shape takes: [`Self::tile_groups`] within
+    /// [`Self::max_tile_groups`] and shared memory; 1 on every kernel but the warp-specialised
+    /// one.
+    pub fn most_packed_groups(&self) -> usize {
+        if self.tile_warps != 5 {
+            return 1;
+        }
+        (1..=self.tile_groups.clamp(1, self.max_tile_groups()))
             .rev()
             .find(|&g| self.tile_smem_groups(g) <= 227 * 1024)
-            .unwrap_or(1);
-        tiles.div_ceil(tiles.div_ceil(most))
+            .unwrap_or(1)
     }
 
     /// Whether this tiling needs an sm_90 card (the bulk-copy producer).

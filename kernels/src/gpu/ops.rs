@@ -1168,7 +1168,7 @@ pub fn head_gemm_min_tokens() -> usize {
 
 /// A threshold (tokens, bytes) from environment variable `name` (an A/B switch), else
 /// `default`; a value that is not a whole number is logged and ignored.
-fn env_count(name: &str, default: usize) -> usize {
+pub(crate) fn env_count(name: &str, default: usize) -> usize {
     match std::env::var(name) {
         Ok(v) => v.trim().parse().unwrap_or_else(|_| {
             tracing::warn!(value = %v, "{name} is not a whole number; using {default}");
