@@ -562,13 +562,20 @@ fn absorbed_kernels_match_cpu() {
         },
         // Verify steps: a sequence's rows span several tiles, grouped into blocks that read
         // its keys once — 5 tiles in groups of 2 (the last block's second group has no rows),
-        // 4 tiles in one group of 4, 3 in one of 3, 6 in two of 3, 1 ungrouped; short and
-        // split contexts, causal limits inside the step.
+        // 4 tiles in one group of 4, 3 in one of 3 (at the family's 512 columns too), 6 in two
+        // of 3, 1 ungrouped; short and split contexts, causal limits inside the step.
         AbsorbedCase {
             shape: v3.with_tile_ws(2).with_tile_groups(2),
             heads: 16,
             sq: 5,
             ctx: vec![9, 1300, 3000],
+            page: 64,
+        },
+        AbsorbedCase {
+            shape: v3.with_tile_ws(2).with_tile_groups(3),
+            heads: 12,
+            sq: 4,
+            ctx: vec![5, 1300, 2900],
             page: 64,
         },
         AbsorbedCase {
@@ -727,8 +734,13 @@ fn absorbed_kernels_match_cpu() {
             let got = dev.download(&out).expect("down");
             let e = rel_err(&got, &want);
             eprintln!(
-                "absorbed {name} H={h} sq={sq} ctx={:?} dims={} tile {}w {}x{}: rel err {e:.2e}",
-                case.ctx, w, case.shape.tile_warps, case.shape.tile_bk, case.shape.tile_stages
+                "absorbed {name} H={h} sq={sq} ctx={:?} dims={} tile {}w {}x{} g{}: rel err {e:.2e}",
+                case.ctx,
+                w,
+                case.shape.tile_warps,
+                case.shape.tile_bk,
+                case.shape.tile_stages,
+                case.shape.tile_groups
             );
             assert!(
                 e < tol,
@@ -857,8 +869,8 @@ fn split_rows_keep_the_rope_part_precise() {
             .unwrap_or_else(|e| panic!("{name}: {e}"));
             let e = rel_err(&dev.download(&out).expect("down"), &want);
             eprintln!(
-                "split {name} H={h} sq={sq} ctx={:?} dims={w}+{rope} tile {}w {}x{}: rel err {e:.2e}",
-                case.ctx, sh.tile_warps, sh.tile_bk, sh.tile_stages
+                "split {name} H={h} sq={sq} ctx={:?} dims={w}+{rope} tile {}w {}x{} g{}: rel err {e:.2e}",
+                case.ctx, sh.tile_warps, sh.tile_bk, sh.tile_stages, sh.tile_groups
             );
             assert!(
                 e < tol,

@@ -170,12 +170,22 @@ impl MlaShape {
         }
     }
 
-    /// Tile groups per packed block: `FERRY_MLA_TILE_GROUPS` (2–4 turns grouping on), else 1.
-    /// Grouping stays opt-in until a GPU has run its parity tests and its A/B against the
-    /// padded tiles (docs/spec_decode.md, session 55).
+    /// Tile groups per packed block: `FERRY_MLA_TILE_GROUPS` where set (1 turns grouping off),
+    /// else the most this shape takes where grouping was measured to pay: `kv_lora` ≤ 256, the
+    /// DSpark target's width (H100, session 56: verify rounds 3–12 % shorter at c ≥ 128, even
+    /// at c ≤ 64; BENCHMARKS.md). At the family's 512 columns it stays 1 until three groups
+    /// there have run on a GPU and been measured.
     pub fn default_tile_groups(&self) -> usize {
-        static GROUPS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-        *GROUPS.get_or_init(|| super::ops::env_count("FERRY_MLA_TILE_GROUPS", 1))
+        static GROUPS: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+        let set = GROUPS.get_or_init(|| {
+            std::env::var_os("FERRY_MLA_TILE_GROUPS")
+                .map(|_| super::ops::env_count("FERRY_MLA_TILE_GROUPS", 1))
+        });
+        match set {
+            Some(groups) => *groups,
+            None if self.kv_lora <= 256 => self.max_tile_groups(),
+            None => 1,
+        }
     }
 
     /// The most tile groups a packed block of this shape takes: 4 where a compute warp's share
@@ -1196,9 +1206,11 @@ mod tests {
             "4 tiles: two blocks of 2, not 3 + 1"
         );
         assert_eq!(v3.packed_groups(3), 3);
-        // Opt-in until measured on a GPU.
+        // On by default where measured (the DSpark width), off at 512 columns until measured.
         if std::env::var_os("FERRY_MLA_TILE_GROUPS").is_none() {
-            assert_eq!(dspark.tuned_for((9, 0)).tile_groups, 1);
+            assert_eq!(dspark.tuned_for((9, 0)).tile_groups, 4);
+            assert_eq!(MlaShape::DEEPSEEK_V3.tuned_for((9, 0)).tile_groups, 1);
+            assert_eq!(dspark.tuned_for((8, 0)).packed_groups(4), 1, "sm_90 only");
         }
     }
 
