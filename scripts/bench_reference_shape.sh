@@ -7,7 +7,8 @@
 #   scripts/bench_reference_shape.sh 1,4,16,64
 # Environment: FERRY (default ./device-bin/ferry), MODEL, PROMPT (1024), OUTPUT (400),
 # REQUESTS (per level, default 16), TRANSPORT (tcp), MODES ("disaggregated aggregated"),
-# MAX_RUNNING (sequences a worker decodes at once, default 64).
+# MAX_RUNNING (sequences a worker decodes at once, default 64), VOCAB (prompt token ids are drawn
+# below it, default 100000; a CPU dry run with UP_DEVICE="--device cpu" takes 2000).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 FERRY=${FERRY:-./device-bin/ferry}
@@ -25,7 +26,7 @@ for mode in ${MODES:-disaggregated aggregated}; do
   echo "### $mode ($MODEL, dummy weights, fast mode; ${PROMPT:-1024} in / ${OUTPUT:-400} out)"
   "$FERRY" bench --grpc-addr 127.0.0.1:18051 --concurrency "$LEVELS" \
     --requests-per-level "${REQUESTS:-16}" --prompt-tokens "${PROMPT:-1024}" \
-    --output-tokens "${OUTPUT:-400}" --vocab 100000
+    --output-tokens "${OUTPUT:-400}" --vocab "${VOCAB:-100000}"
   sed 's/\x1b\[[0-9;]*m//g' "$log" | grep -E "WARN|ERROR" | grep -v tokenizer | tail -5
   kill "$pid"; wait "$pid" 2>/dev/null || true
   rm -f "$log"
