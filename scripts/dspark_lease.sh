@@ -694,7 +694,7 @@ for stage in "$@"; do
       stage_wait ;;
     wait) stage_wait ;;
     smoke)
-      PRESET=tiny CORPUS=$CORPUS RUN=$RUN bash "$0" target drafter prompts check \
+      PRESET=tiny CORPUS=$CORPUS RUN=$RUN DEVICE=${DEVICE:-cpu} bash "$0" target drafter prompts check \
         $([ -n "${FERRY:-}" ] && echo bench) summary ;;
     *) echo "lease: unknown stage $stage"; exit 2 ;;
   esac
