@@ -172,8 +172,8 @@ impl MlaShape {
 
     /// Tile groups per packed block: `FERRY_MLA_TILE_GROUPS` where set (1 turns grouping off),
     /// else the most this shape takes where grouping was measured to pay: `kv_lora` ≤ 256, the
-    /// DSpark target's width (H100, session 56: verify rounds 3–12 % shorter at c ≥ 128, even
-    /// at c ≤ 64; BENCHMARKS.md). At the family's 512 columns it stays 1 until three groups
+    /// DSpark target's width (H100, session 56: the verify forward 16–18 % shorter at c = 128
+    /// and 256, neutral at c ≤ 64; BENCHMARKS.md). At the family's 512 columns it stays 1 until three groups
     /// there have run on a GPU and been measured.
     pub fn default_tile_groups(&self) -> usize {
         static GROUPS: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
