@@ -680,17 +680,31 @@ impl Goodput {
     /// (`by_seq`: each drafting sequence's cumulative survivals in block order, the drafts it
     /// can use).
     pub fn choose(&self, s: Shape, survival: &[f32], by_seq: &[Vec<f32>]) -> Choice {
-        let Some(plain) = self.plain_cost(s) else {
+        let graph = s.graphs(s.block) && by_seq.len() == s.seqs;
+        // Which cost is unknown, if any (the trace names it: session 57's lease showed a
+        // stretch of steps at c = 256 with no "goodput choice" line at all).
+        let unknown = match self.plain_cost(s) {
+            None => Some("plain step"),
+            Some(_) if self.round_due(s) => Some("round due"),
+            Some(_) if graph && !self.knows_graph(s.seqs, s.block) => Some("graph round"),
+            // Beside priced prompts only uniform rounds are offered, priced by the prompt
+            // steps' line: the eager curve is not used, and a round there would not teach it
+            // (session 57, c = 256: every step carried prompts, so every round explored).
+            Some(_) if !graph && !self.verify.measured() && self.prompt_line(s).is_none() => {
+                Some("eager round")
+            }
+            Some(_) => None,
+        };
+        let (Some(plain), None) = (self.plain_cost(s), unknown) else {
+            tracing::debug!(
+                seqs = s.seqs,
+                eligible = s.eligible,
+                prompt_rows = s.prompt_rows,
+                unknown = unknown.unwrap_or_default(),
+                "goodput explores"
+            );
             return Choice::Explore;
         };
-        let graph = s.graphs(s.block) && by_seq.len() == s.seqs;
-        let eager_known = self.verify.measured();
-        if self.round_due(s)
-            || (graph && !self.knows_graph(s.seqs, s.block))
-            || (!graph && !eager_known)
-        {
-            return Choice::Explore;
-        }
         let cal = self.calibration();
         let n = s.seqs as f64;
         let mut best = (Choice::Plain, n / plain);
@@ -1120,6 +1134,49 @@ mod tests {
             ..beside
         };
         assert_eq!(g.prompt_line(uneven), None);
+    }
+
+    #[test]
+    fn beside_priced_prompts_an_unmeasured_eager_round_is_not_explored() {
+        // Session 57's lease at c = 256: whole-block rounds past the graphs' rows, and prompts
+        // beside nearly every step, so no decode-only eager round ever measured the eager curve
+        // and every round explored (the confidence rule, up to the whole verify budget).
+        let mut g = Goodput::default();
+        for _ in 0..3 {
+            g.observe(plain_step(256, 3.5e-3));
+        }
+        for gamma in [1, 2, 4, 8] {
+            for _ in 0..2 {
+                g.observe(graph_round(128, gamma, 0.7e-3));
+            }
+        }
+        for i in 0..40 {
+            let rows = 1100 + 37 * (i % 26);
+            g.observe_prompt_step(rows, 2e-3 + 5.6e-6 * rows as f64);
+        }
+        for _ in 0..50 {
+            let survival: Vec<f32> = (1..=8).map(|k| 0.8f32.powi(k)).collect();
+            g.observe_round(&survival, 3);
+        }
+        let by_seq = vec![(1..=8).map(|k| 0.8f32.powi(k)).collect::<Vec<_>>(); 256];
+        let beside = Shape {
+            graph_widths: (1 << 1) | (1 << 2),
+            uniform: 8,
+            budget: 1024,
+            prompt_rows: 1024,
+            ..shape(256)
+        };
+        let c = g.choose(beside, &survivals(256, 8, 0.8), &by_seq);
+        assert!(matches!(c, Choice::Uniform(1..=8)), "{c:?}");
+        // Decode-only, the same round still explores: it runs eagerly and is measured.
+        let alone = Shape {
+            prompt_rows: 0,
+            ..beside
+        };
+        assert_eq!(
+            g.choose(alone, &survivals(256, 8, 0.8), &by_seq),
+            Choice::Explore
+        );
     }
 
     #[test]

@@ -354,6 +354,7 @@ impl Scheduler {
             started
         };
         let mut work: Vec<Work> = (0..decoding).map(Work::Decode).collect();
+        by_width(&mut work, &drafts);
         let drafted: usize = drafts.iter().flatten().map(Draft::gamma).sum();
         // `Auto`: a graphed round keeps its graph when the prompt work beside it is fewer rows
         // than its drafts; the prompts then get a forward of their own after it.
@@ -596,6 +597,27 @@ impl Scheduler {
     }
 }
 
+/// Orders a step's decode items by how many drafts each verifies, widest first (stable, so
+/// a uniform round and a plain step keep the running order). The forward gives consecutive
+/// sequences with as many query rows one attention launch (`plan_runs`), so a round whose
+/// widths differ (the confidence rule, `goodput` exploring past the graphs) launches at most
+/// one run per width a layer instead of one per change of width along the batch. Session 57's
+/// lease saw such steps beside prompts at c = 256 (~110 sequences, 7.3 rows each) spend 21 ms
+/// of 26.5 in their launch phase where uniform ones spent 6 of 13: launching a run per
+/// sequence is the likely cause, not yet measured apart. Every later stage of the step finds
+/// its rows through the work item, not the running index.
+fn by_width(work: &mut [Work], drafts: &[Option<Draft>]) {
+    work.sort_by_key(|w| match *w {
+        Work::Decode(i) => std::cmp::Reverse(
+            drafts
+                .get(i)
+                .and_then(Option::as_ref)
+                .map_or(0, Draft::gamma),
+        ),
+        Work::Chunk(..) | Work::Prefill(_) => std::cmp::Reverse(0),
+    });
+}
+
 /// The names `FERRY_HOST_TIME=1` files a step's CUDA calls under, by the step's kind and phase
 /// (`ferry_kernels::cuda::host_time::set_phase`), so a round's launch is told from a prompt
 /// step's.
@@ -639,8 +661,44 @@ pub(super) fn host_phase(phase: &'static str) {
 }
 
 #[cfg(test)]
-mod host_phase_tests {
-    use super::HostPhases;
+mod tests {
+    use super::{by_width, HostPhases, Work};
+    use crate::drafter::DraftDist;
+    use crate::engine::spec::Draft;
+
+    #[test]
+    fn a_ragged_round_groups_its_sequences_by_width() {
+        let draft = |gamma: usize| {
+            Some(Draft {
+                tokens: vec![7; gamma + 1],
+                q: DraftDist::Greedy,
+                survival: Vec::new(),
+            })
+        };
+        // Widths 2, none, 3, 2, none, 3, 1 along the running sequences.
+        let drafts = [draft(2), None, draft(3), draft(2), None, draft(3), draft(1)];
+        let mut work: Vec<Work> = (0..drafts.len()).map(Work::Decode).collect();
+        by_width(&mut work, &drafts);
+        let order: Vec<usize> = work
+            .iter()
+            .map(|w| match *w {
+                Work::Decode(i) => i,
+                _ => usize::MAX,
+            })
+            .collect();
+        // Widest first, the running order kept within a width: four runs, not seven.
+        assert_eq!(order, [2, 5, 0, 3, 6, 1, 4]);
+        // A uniform round and a plain step keep the running order (a queued round's drafts
+        // on the device are in that order).
+        for drafts in [vec![draft(4); 5], vec![None; 5]] {
+            let mut work: Vec<Work> = (0..5).map(Work::Decode).collect();
+            by_width(&mut work, &drafts);
+            assert!(work
+                .iter()
+                .enumerate()
+                .all(|(k, w)| matches!(*w, Work::Decode(i) if i == k)));
+        }
+    }
 
     #[test]
     fn a_steps_calls_are_filed_by_its_kind() {
