@@ -173,8 +173,9 @@ impl MlaShape {
     /// Tile groups per packed block: `FERRY_MLA_TILE_GROUPS` where set (1 turns grouping off),
     /// else the most this shape takes where grouping was measured to pay: `kv_lora` ≤ 256, the
     /// DSpark target's width (H100, session 56: the verify forward 16–18 % shorter at c = 128
-    /// and 256, neutral at c ≤ 64; BENCHMARKS.md). At the family's 512 columns it stays 1 until three groups
-    /// there have run on a GPU and been measured.
+    /// and 256, neutral at c ≤ 64; BENCHMARKS.md). At the family's 512 columns it stays 1:
+    /// three groups there were neutral at 2–4 rows a sequence and 2–3.5 % slower at 8 (V2-Lite's
+    /// verify forward, H100, session 57).
     pub fn default_tile_groups(&self) -> usize {
         static GROUPS: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
         let set = GROUPS.get_or_init(|| {
