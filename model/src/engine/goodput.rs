@@ -348,8 +348,11 @@ pub(crate) struct Shape {
     /// The widest uniform round this step can run, every running sequence verifying as many
     /// drafts (0: none; on the CPU, or when a sequence does not draft).
     pub uniform: usize,
-    /// Prompt rows waiting to join this step (0: a decode-only step).
+    /// Prompt rows waiting to join this step, priced (`FERRY_GOODPUT_PROMPTS=1`; else 0).
     pub prompt_rows: usize,
+    /// Prompt work joins this step, priced or not: a round here is timed with it, so it
+    /// teaches the decode-only curves nothing and is not run to explore them.
+    pub beside_prompts: bool,
     /// Whether a graph round of at least `prompt_rows` drafts keeps its graph and leaves the
     /// prompts a forward of their own (`PromptSteps::Auto` on CUDA); otherwise the prompts join
     /// it and the step runs eagerly.
@@ -642,7 +645,7 @@ impl Goodput {
         if !self.acceptance.known()
             || !self.draft.knows(s.eligible)
             || (graph && !self.knows_graph(s.seqs, s.block))
-            || (!graph && !self.verify.measured())
+            || (!graph && !self.verify.measured() && !s.beside_prompts)
         {
             return true;
         }
@@ -687,10 +690,11 @@ impl Goodput {
             None => Some("plain step"),
             Some(_) if self.round_due(s) => Some("round due"),
             Some(_) if graph && !self.knows_graph(s.seqs, s.block) => Some("graph round"),
-            // Beside priced prompts only uniform rounds are offered, priced by the prompt
-            // steps' line: the eager curve is not used, and a round there would not teach it
-            // (session 57, c = 256: every step carried prompts, so every round explored).
-            Some(_) if !graph && !self.verify.measured() && self.prompt_line(s).is_none() => {
+            // The eager curve is learnt from decode-only eager rounds: a round beside prompts
+            // would not teach it, so there the options it prices are left out instead
+            // (session 57, c = 256: nearly every step carried prompts, so every round
+            // explored, under the confidence rule with the whole verify budget).
+            Some(_) if !graph && !self.verify.measured() && !s.beside_prompts => {
                 Some("eager round")
             }
             Some(_) => None,
@@ -700,6 +704,7 @@ impl Goodput {
                 seqs = s.seqs,
                 eligible = s.eligible,
                 prompt_rows = s.prompt_rows,
+                beside_prompts = s.beside_prompts,
                 unknown = unknown.unwrap_or_default(),
                 "goodput explores"
             );
@@ -895,6 +900,7 @@ mod tests {
             graph_widths: 0,
             uniform: 0,
             prompt_rows: 0,
+            beside_prompts: false,
             splits: false,
         }
     }
@@ -1159,24 +1165,32 @@ mod tests {
             g.observe_round(&survival, 3);
         }
         let by_seq = vec![(1..=8).map(|k| 0.8f32.powi(k)).collect::<Vec<_>>(); 256];
-        let beside = Shape {
+        let alone = Shape {
             graph_widths: (1 << 1) | (1 << 2),
             uniform: 8,
             budget: 1024,
-            prompt_rows: 1024,
             ..shape(256)
         };
-        let c = g.choose(beside, &survivals(256, 8, 0.8), &by_seq);
-        assert!(matches!(c, Choice::Uniform(1..=8)), "{c:?}");
-        // Decode-only, the same round still explores: it runs eagerly and is measured.
-        let alone = Shape {
-            prompt_rows: 0,
-            ..beside
+        let choose = |s: Shape| g.choose(s, &survivals(256, 8, 0.8), &by_seq);
+        // Decode-only, the eager round explores: it is measured.
+        assert_eq!(choose(alone), Choice::Explore);
+        assert!(g.should_draft(alone));
+        // Beside prompts it would not be. Priced (`FERRY_GOODPUT_PROMPTS=1`): a uniform round
+        // at the prompt line's price. Unpriced: the options whose costs are known, here a
+        // width a graph holds at 256 sequences (1 or 2), from the graph rounds' curves.
+        let priced = Shape {
+            prompt_rows: 1024,
+            beside_prompts: true,
+            ..alone
         };
-        assert_eq!(
-            g.choose(alone, &survivals(256, 8, 0.8), &by_seq),
-            Choice::Explore
-        );
+        let c = choose(priced);
+        assert!(matches!(c, Choice::Uniform(1..=8)), "{c:?}");
+        let unpriced = Shape {
+            beside_prompts: true,
+            ..alone
+        };
+        assert!(matches!(choose(unpriced), Choice::Uniform(1 | 2)));
+        assert!(g.should_draft(unpriced));
     }
 
     #[test]

@@ -683,6 +683,7 @@ impl Speculator {
             uniform: pre_max,
             // Without `FERRY_GOODPUT_PROMPTS=1`: costed as decode-only steps.
             prompt_rows,
+            beside_prompts: prompts.rows > 0,
             splits: prompts.splits,
         };
         if goodput && !self.goodput.should_draft(shape) {
