@@ -1143,7 +1143,7 @@ mod tests {
     }
 
     #[test]
-    fn beside_priced_prompts_an_unmeasured_eager_round_is_not_explored() {
+    fn beside_prompts_an_unmeasured_eager_round_is_not_explored() {
         // Session 57's lease at c = 256: whole-block rounds past the graphs' rows, and prompts
         // beside nearly every step, so no decode-only eager round ever measured the eager curve
         // and every round explored (the confidence rule, up to the whole verify budget).
