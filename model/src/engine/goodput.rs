@@ -1087,6 +1087,13 @@ mod tests {
     /// drafts accepted 0.8^k.
     fn with_prompt_steps() -> Goodput {
         let mut g = trained(1e-3, 1 << 20, 0.0, 0.2e-3, 0.8);
+        graph_rounds_and_prompt_steps(&mut g);
+        g
+    }
+
+    /// Graph rounds of every width at 128 sequences (0.7 ms) and forty steps with prompts
+    /// (`2 ms + 5.6 µs a row`).
+    fn graph_rounds_and_prompt_steps(g: &mut Goodput) {
         for gamma in [1, 2, 4, 8] {
             for _ in 0..2 {
                 g.observe(graph_round(128, gamma, 0.7e-3));
@@ -1096,7 +1103,6 @@ mod tests {
             let rows = 1100 + 37 * (i % 26);
             g.observe_prompt_step(rows, 2e-3 + 5.6e-6 * rows as f64);
         }
-        g
     }
 
     fn choose_at_128(g: &Goodput, prompt_rows: usize, splits: bool) -> Choice {
@@ -1151,15 +1157,7 @@ mod tests {
         for _ in 0..3 {
             g.observe(plain_step(256, 3.5e-3));
         }
-        for gamma in [1, 2, 4, 8] {
-            for _ in 0..2 {
-                g.observe(graph_round(128, gamma, 0.7e-3));
-            }
-        }
-        for i in 0..40 {
-            let rows = 1100 + 37 * (i % 26);
-            g.observe_prompt_step(rows, 2e-3 + 5.6e-6 * rows as f64);
-        }
+        graph_rounds_and_prompt_steps(&mut g);
         for _ in 0..50 {
             let survival: Vec<f32> = (1..=8).map(|k| 0.8f32.powi(k)).collect();
             g.observe_round(&survival, 3);
