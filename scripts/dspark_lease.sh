@@ -550,7 +550,8 @@ if b.exists():
 # FERRY_LOG=…goodput=debug; session 54 read them by hand to see it verify whole blocks at
 # c = 128 where fixed:4 served more): the share of each choice per batch-size band, over the
 # steps that drafted (a step it decided not to draft for prints no line; the bench table's
-# plain steps against rounds count those).
+# plain steps against rounds count those). A step that explored (`goodput explores`, session
+# 57) counts as Explore(the unknown cost), "+prompts" when prompt work was beside it.
 g = run / "bench" / "logs" / "ferry_up_spec.log"
 if g.exists():
     import collections, re
@@ -559,15 +560,23 @@ if g.exists():
     seen = collections.defaultdict(collections.Counter)
     with open(g, errors="replace") as fh:
         for line in fh:
-            if "goodput choice" not in line:
+            if "goodput choice" in line:
+                line = ansi.sub("", line)
+                ch = re.search(r"\bchoice=(\S+)", line)
+                choice = ch.group(1) if ch else None
+            elif "goodput explores" in line:
+                line = ansi.sub("", line)
+                u = re.search(r'\bunknown="?([^"=]*?)"?(?: \w+=|\s*$)', line)
+                beside = "+prompts" if "beside_prompts=true" in line else ""
+                choice = f"Explore({u.group(1).strip() if u else '?'}{beside})"
+            else:
                 continue
-            line = ansi.sub("", line)
-            m, ch = re.search(r"\bseqs=(\d+)", line), re.search(r"\bchoice=(\S+)", line)
-            if m and ch:
+            m = re.search(r"\bseqs=(\d+)", line)
+            if m and choice:
                 n = int(m.group(1))
                 band = next((b for b in bands if b[0] <= n <= b[1]), None)
                 if band:
-                    seen[band][ch.group(1)] += 1
+                    seen[band][choice] += 1
     if seen:
         parts = []
         for band in bands:
