@@ -686,7 +686,8 @@ impl Goodput {
         let graph = s.graphs(s.block) && by_seq.len() == s.seqs;
         // Which cost is unknown, if any (the trace names it: session 57's lease showed a
         // stretch of steps at c = 256 with no "goodput choice" line at all).
-        let unknown = match self.plain_cost(s) {
+        let plain = self.plain_cost(s);
+        let unknown = match plain {
             None => Some("plain step"),
             Some(_) if self.round_due(s) => Some("round due"),
             Some(_) if graph && !self.knows_graph(s.seqs, s.block) => Some("graph round"),
@@ -699,7 +700,7 @@ impl Goodput {
             }
             Some(_) => None,
         };
-        let (Some(plain), None) = (self.plain_cost(s), unknown) else {
+        let (Some(plain), None) = (plain, unknown) else {
             tracing::debug!(
                 seqs = s.seqs,
                 eligible = s.eligible,
