@@ -12,7 +12,7 @@
 use std::path::{Path, PathBuf};
 
 use clap::Args;
-use ferry_model::engine::{EngineConfig, EngineHandle, SpecConfig, VerifyLen};
+use ferry_model::engine::{DraftBudget, EngineConfig, EngineHandle, SpecConfig, VerifyLen};
 use ferry_worker::args::{DrafterArgs, SpecMode};
 use ferry_worker::serve::ServeError;
 use tracing::info;
@@ -34,6 +34,11 @@ pub struct SpecArgs {
     /// Draft slots verified per step across the whole batch (the verify budget).
     #[arg(long, default_value_t = 64)]
     pub max_verify_tokens: usize,
+    /// Where a step's drafts take their rows: `shared` (from `--max-batch-tokens`, before the
+    /// prompts waiting beside them) or `beside` (a budget of their own, so prompts keep what
+    /// plain decoding gives them and a step may carry up to twice `--max-batch-tokens` rows).
+    #[arg(long, default_value_t = DraftBudget::Shared, env = "FERRY_DRAFT_BUDGET")]
+    pub draft_budget: DraftBudget,
 }
 
 impl Default for SpecArgs {
@@ -42,6 +47,7 @@ impl Default for SpecArgs {
             drafter: DrafterArgs::default(),
             verify_len: VerifyLen::default(),
             max_verify_tokens: 64,
+            draft_budget: DraftBudget::default(),
         }
     }
 }
@@ -62,6 +68,7 @@ impl SpecArgs {
         SpecConfig {
             verify_len: self.verify_len,
             max_verify_tokens: self.max_verify_tokens,
+            draft_budget: self.draft_budget,
         }
     }
 
@@ -73,6 +80,8 @@ impl SpecArgs {
             self.verify_len.to_string(),
             "--max-verify-tokens".into(),
             self.max_verify_tokens.to_string(),
+            "--draft-budget".into(),
+            self.draft_budget.to_string(),
         ]);
         v
     }

@@ -37,6 +37,7 @@ fn config() -> EngineConfig {
         spec: SpecConfig {
             verify_len: VerifyLen::Fixed(3),
             max_verify_tokens: 64,
+            ..SpecConfig::default()
         },
         ..EngineConfig::default()
     }

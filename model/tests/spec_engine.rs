@@ -20,7 +20,7 @@ use ferry_model::drafter::{
     Proposals,
 };
 use ferry_model::engine::{
-    EngineConfig, EngineEvent, EngineHandle, EngineStats, FinishReason, GenerateJob,
+    DraftBudget, EngineConfig, EngineEvent, EngineHandle, EngineStats, FinishReason, GenerateJob,
     GenerateOptions, Generation, PrefillSource, PrefillWork, PromptSteps, SpecConfig, SpecCounts,
     StopParams, VerifyLen, PREDICTION_EDGES,
 };
@@ -56,6 +56,7 @@ fn config(blocks: usize, page_size: usize, verify_len: VerifyLen) -> EngineConfi
         spec: SpecConfig {
             verify_len,
             max_verify_tokens: 256,
+            ..SpecConfig::default()
         },
         ..EngineConfig::default()
     }
@@ -295,6 +296,52 @@ async fn prompts_apart_from_rounds_keep_the_tokens_and_carry_no_decode_rows() {
     assert!(
         t.prompt.sequences > 0,
         "the late prompts rode with request 0: {t:?}"
+    );
+}
+
+/// `late_arrivals` at a 24-row step budget with request 0 verifying 4 drafts a round, the late
+/// prompts (18 and 211 tokens) riding with its rounds, drafts taking their rows under
+/// `draft_budget`.
+async fn late_arrivals_beside(draft_budget: DraftBudget) -> EngineStats {
+    let mut c = config(128, 64, VerifyLen::Fixed(4));
+    c.max_batch_tokens = 24;
+    c.prompt_steps = PromptSteps::Mixed;
+    c.spec.draft_budget = draft_budget;
+    let e = dspark_engine(c);
+    for (i, (toks, end)) in common::late_arrivals(&e, 32).await.into_iter().enumerate() {
+        assert_eq!(end, Ok(FinishReason::Length));
+        assert_eq!(toks, golden_case(i).1, "request {i} ({draft_budget})");
+    }
+    let s = e.stats().await.unwrap();
+    wait_idle(&e).await;
+    s
+}
+
+/// `DraftBudget::Beside`: drafts no longer take the rows of the prompts waiting beside them, so
+/// the late prompts are computed in fewer steps than when drafts come first (`Shared`, the
+/// control), while both verify drafts in the steps that carry prompts and keep the reference's
+/// greedy tokens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drafts_beside_the_budget_leave_waiting_prompts_their_rows() {
+    let shared = late_arrivals_beside(DraftBudget::Shared).await;
+    let beside = late_arrivals_beside(DraftBudget::Beside).await;
+    for (s, name) in [(&shared, "shared"), (&beside, "beside")] {
+        let t = s.step_times.prompt;
+        assert!(
+            t.decode_rows > t.sequences,
+            "{name}: no drafts were verified beside prompts: {t:?}"
+        );
+    }
+    let (a, b) = (shared.step_times.prompt, beside.step_times.prompt);
+    assert!(
+        b.steps < a.steps,
+        "prompt steps beside ({}) not fewer than shared ({}): {b:?} / {a:?}",
+        b.steps,
+        a.steps
+    );
+    assert_eq!(
+        shared.prefill_computed_tokens,
+        beside.prefill_computed_tokens
     );
 }
 

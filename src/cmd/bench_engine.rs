@@ -19,8 +19,8 @@ use ferry_kernels::cpu::sample::{argmax, SamplingParams};
 use ferry_model::deepseek::{BatchInputs, DeepseekModel, LogitsWanted, SeqInput};
 use ferry_model::drafter::{Drafter, DsparkDrafter};
 use ferry_model::engine::{
-    EngineConfig, EngineEvent, EngineHandle, EngineStats, GenerateJob, PrefillSource, SpecConfig,
-    StepTimes, StopParams, VerifyLen,
+    DraftBudget, EngineConfig, EngineEvent, EngineHandle, EngineStats, GenerateJob, PrefillSource,
+    SpecConfig, StepTimes, StopParams, VerifyLen,
 };
 use ferry_model::kv::layout::DEFAULT_PAGE_SIZE;
 use ferry_model::kv::BlockTable;
@@ -59,6 +59,10 @@ pub struct BenchEngineArgs {
     /// Draft slots verified per engine step across the batch (with `--speculative`).
     #[arg(long, default_value_t = 64)]
     pub max_verify_tokens: usize,
+    /// Where drafts take their rows (with `--speculative`): `shared` with prompts, or `beside`
+    /// them (`ferry decode --draft-budget`).
+    #[arg(long, default_value_t = DraftBudget::Shared, env = "FERRY_DRAFT_BUDGET")]
+    pub draft_budget: DraftBudget,
     /// Sampling temperature of the requests (with `--speculative`; with `--verify-cost`, of
     /// the drafter pass's inputs; 0 = greedy). Sampled requests are unseeded, so they
     /// speculate as a user's unseeded request does (a seeded one decodes plainly by default).
@@ -677,6 +681,7 @@ fn engine_run(
         spec: SpecConfig {
             verify_len: args.verify_len,
             max_verify_tokens: args.max_verify_tokens,
+            draft_budget: args.draft_budget,
         },
         device: base.device,
         gpu_mode: base.gpu_mode,

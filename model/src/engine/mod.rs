@@ -46,7 +46,7 @@ pub use backend::open_cuda;
 pub use backend::GpuMode;
 pub use ferry_kernels::cpu::logits::TokenLogprobs;
 pub use landing::DraftLanding;
-pub use spec::{SpecConfig, VerifyLen};
+pub use spec::{DraftBudget, SpecConfig, VerifyLen};
 
 /// Identifies a request inside one engine.
 #[repr(transparent)]

@@ -25,7 +25,7 @@ use tracing::warn;
 
 use super::backend::Backend;
 use super::sequence::{PrefillTask, Sequence};
-use super::spec::{Draft, ObservedStep, PromptLoad, Speculator};
+use super::spec::{Draft, DraftBudget, ObservedStep, PromptLoad, Speculator};
 use super::{Command, EngineConfig, EngineEvent, EngineStats, FinishReason, PromptSteps};
 use super::{Failure, FailureKind, GenerateJob, GenerateOptions, SeqId};
 use super::{StepPhases, StepShape};
@@ -364,7 +364,10 @@ impl Scheduler {
             && self.spec.as_ref().is_some_and(|sp| sp.replays(&drafts))
             && (1..=drafted).contains(&load.rows);
         let prompts = prompts && !apart;
-        budget = budget.saturating_sub(drafted);
+        // Drafts take their rows from the prompts' budget unless they have one of their own.
+        if self.spec.as_ref().map(Speculator::draft_budget) != Some(DraftBudget::Beside) {
+            budget = budget.saturating_sub(drafted);
+        }
         let prefills = if prompts { self.prefills.len() } else { 0 };
         for i in 0..prefills {
             let need = self.prefills[i].job.prompt.len() - self.prefills[i].reused;

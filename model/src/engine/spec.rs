@@ -136,14 +136,60 @@ impl FromStr for VerifyLen {
     }
 }
 
+/// Where a step's draft rows come from: the step's token budget (`--max-batch-tokens`), which
+/// prompts share, or a budget of their own beside it.
+///
+/// Under [`DraftBudget::Shared`] a speculating step's drafts take their rows first and the
+/// prompts waiting beside it get what is left: at 256 sequences a `fixed:4` round's 1,024
+/// drafts leave a 2,048-row step ~770 prompt rows against plain decoding's ~1,800, so prompts
+/// wait for more steps, each of which pays attention over every running sequence's context
+/// (session 57: TTFT 1.1 s against plain's 52 ms at c = 256). Under [`DraftBudget::Beside`]
+/// prompts keep the budget plain decoding gives them and drafts are bounded as before but
+/// apart (the same size, and `--max-verify-tokens` for eager slots), so a step carries up to
+/// twice `--max-batch-tokens` rows; the `goodput` policy then prices every step beside waiting
+/// prompts by the rows its decode part adds (the line of `goodput`'s steps with prompts).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DraftBudget {
+    /// Drafts and prompts share the step's token budget, drafts first (the rule so far).
+    #[default]
+    Shared,
+    /// Drafts have a budget of their own; prompts keep the step's.
+    Beside,
+}
+
+impl fmt::Display for DraftBudget {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            DraftBudget::Shared => "shared",
+            DraftBudget::Beside => "beside",
+        })
+    }
+}
+
+impl FromStr for DraftBudget {
+    type Err = String;
+
+    /// `shared` or `beside`.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim() {
+            "shared" => Ok(DraftBudget::Shared),
+            "beside" => Ok(DraftBudget::Beside),
+            _ => Err(format!(
+                "draft budget must be `shared` or `beside`, got {s:?}"
+            )),
+        }
+    }
+}
+
 /// Speculation policy of an engine.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SpecConfig {
     /// Verify length per sequence.
     pub verify_len: VerifyLen,
-    /// Draft slots verified per step across the batch (the verify budget; the rest of the
-    /// step's token budget goes to decode steps and prefill).
+    /// Draft slots verified per step across the batch (the verify budget for eager slots).
     pub max_verify_tokens: usize,
+    /// Whether drafts share the step's token budget with prompts.
+    pub draft_budget: DraftBudget,
 }
 
 impl Default for SpecConfig {
@@ -151,6 +197,7 @@ impl Default for SpecConfig {
         Self {
             verify_len: VerifyLen::default(),
             max_verify_tokens: 64,
+            draft_budget: DraftBudget::default(),
         }
     }
 }
@@ -399,6 +446,11 @@ impl Speculator {
     /// Drafter wire layers (extra transfer layers after the target's).
     pub fn pool_layers(&self) -> usize {
         self.layout.map_or(0, |l| l.pool_layers())
+    }
+
+    /// Whether this engine's drafts share the step's token budget with prompts.
+    pub fn draft_budget(&self) -> DraftBudget {
+        self.config.draft_budget
     }
 
     /// Whether `drafts` (one entry per running sequence) make a round a graph replays: every
@@ -655,12 +707,20 @@ impl Speculator {
         // wide round would push those prompts to a later step and their sequences would join
         // the batch later (session 49: 79 sequences a round at c = 128 against `fixed:4`'s
         // 100). With no room left the step is plain and the prompts fill it.
-        let prompt_rows = if goodput && goodput_prompts() {
+        // With drafts beside the prompts' budget (`DraftBudget::Beside`) the prompts join the
+        // step whatever it verifies, so `goodput` always prices them and the drafts keep the
+        // whole budget.
+        let beside = self.config.draft_budget == DraftBudget::Beside;
+        let prompt_rows = if goodput && (beside || goodput_prompts()) {
             prompts.rows
         } else {
             0
         };
-        let step_budget = budget.saturating_sub(prompt_rows);
+        let step_budget = if beside {
+            budget
+        } else {
+            budget.saturating_sub(prompt_rows)
+        };
         let budget = step_budget.min(self.config.max_verify_tokens);
         // Sequences with no use for drafts only keep others' rounds in the graph's shape: with
         // none that can use them, the step is plain (a lone request's last token, as before).
@@ -1185,8 +1245,6 @@ fn widest_uniform(
     rooms.min().unwrap_or(0).min(budget / seqs)
 }
 
-/// Whether whole-block rounds keep sequences in their last block ([`Speculator::plan`]): unless
-/// `FERRY_WHOLE_BLOCK_TAIL=0` (read once; the benchmarks' A/B switch).
 /// One queued round's drafts into `d` (its anchor, then γ placeholders): the proposal's first
 /// γ drafts and their cumulative survivals. Without a proposal (the drafter failed, or the
 /// download did) the round keeps its anchor alone: γ = 0, the plain step of that sequence. Its
@@ -1242,6 +1300,8 @@ fn goodput_prompts() -> bool {
     *ON.get_or_init(|| std::env::var("FERRY_GOODPUT_PROMPTS").is_ok_and(|v| v.trim() == "1"))
 }
 
+/// Whether whole-block rounds keep sequences in their last block ([`Speculator::plan`]): unless
+/// `FERRY_WHOLE_BLOCK_TAIL=0` (read once; the benchmarks' A/B switch).
 fn whole_block_tail() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("FERRY_WHOLE_BLOCK_TAIL").map_or(true, |v| v.trim() != "0"))
