@@ -34,10 +34,11 @@ pub struct SpecArgs {
     /// Draft slots verified per step across the whole batch (the verify budget).
     #[arg(long, default_value_t = 64)]
     pub max_verify_tokens: usize,
-    /// Where a step's drafts take their rows: `shared` (from `--max-batch-tokens`, before the
-    /// prompts waiting beside them) or `beside` (a budget of their own, so prompts keep what
-    /// plain decoding gives them and a step may carry up to twice `--max-batch-tokens` rows).
-    #[arg(long, default_value_t = DraftBudget::Shared, env = "FERRY_DRAFT_BUDGET")]
+    /// Where a step's drafts take their rows: `beside` (the default: a budget of their own, so
+    /// prompts keep what plain decoding gives them and a step may carry up to twice
+    /// `--max-batch-tokens` rows) or `shared` (from `--max-batch-tokens`, before the prompts
+    /// waiting beside them; the rule before session 58).
+    #[arg(long, default_value_t = DraftBudget::Beside, env = "FERRY_DRAFT_BUDGET")]
     pub draft_budget: DraftBudget,
 }
 

@@ -317,10 +317,10 @@ async fn late_arrivals_beside(draft_budget: DraftBudget) -> EngineStats {
     s
 }
 
-/// `DraftBudget::Beside`: drafts no longer take the rows of the prompts waiting beside them, so
-/// the late prompts are computed in fewer steps than when drafts come first (`Shared`, the
-/// control), while both verify drafts in the steps that carry prompts and keep the reference's
-/// greedy tokens.
+/// `DraftBudget::Beside` (the default): drafts do not take the rows of the prompts waiting
+/// beside them, so the late prompts are computed in fewer steps than when drafts come first
+/// (`Shared`, the control), while both verify drafts in the steps that carry prompts and keep
+/// the reference's greedy tokens.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn drafts_beside_the_budget_leave_waiting_prompts_their_rows() {
     let shared = late_arrivals_beside(DraftBudget::Shared).await;

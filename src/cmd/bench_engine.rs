@@ -61,7 +61,7 @@ pub struct BenchEngineArgs {
     pub max_verify_tokens: usize,
     /// Where drafts take their rows (with `--speculative`): `shared` with prompts, or `beside`
     /// them (`ferry decode --draft-budget`).
-    #[arg(long, default_value_t = DraftBudget::Shared, env = "FERRY_DRAFT_BUDGET")]
+    #[arg(long, default_value_t = DraftBudget::Beside, env = "FERRY_DRAFT_BUDGET")]
     pub draft_budget: DraftBudget,
     /// Sampling temperature of the requests (with `--speculative`; with `--verify-cost`, of
     /// the drafter pass's inputs; 0 = greedy). Sampled requests are unseeded, so they

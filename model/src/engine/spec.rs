@@ -136,8 +136,8 @@ impl FromStr for VerifyLen {
     }
 }
 
-/// Where a step's draft rows come from: the step's token budget (`--max-batch-tokens`), which
-/// prompts share, or a budget of their own beside it.
+/// Where a step's draft rows come from: a budget of their own beside the step's token budget
+/// (`--max-batch-tokens`, which prompts then keep), or that budget, shared with prompts.
 ///
 /// Under [`DraftBudget::Shared`] a speculating step's drafts take their rows first and the
 /// prompts waiting beside it get what is left: at 256 sequences a `fixed:4` round's 1,024
@@ -148,12 +148,16 @@ impl FromStr for VerifyLen {
 /// apart (the same size, and `--max-verify-tokens` for eager slots), so a step carries up to
 /// twice `--max-batch-tokens` rows; the `goodput` policy then prices every step beside waiting
 /// prompts by the rows its decode part adds (the line of `goodput`'s steps with prompts).
+/// `Beside` is the default since session 58's lease (an H100, the trained pair, every prompt
+/// prefilled): `goodput` served 1.02× / 1.05× / 1.12× of `Shared` at c = 128 / 192 / 256, with
+/// TTFT p50 59 / 419 / 865 ms against 400 / 1,051 / 1,718 (BENCHMARKS.md, session 58).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum DraftBudget {
-    /// Drafts and prompts share the step's token budget, drafts first (the rule so far).
-    #[default]
+    /// Drafts and prompts share the step's token budget, drafts first (the rule before
+    /// session 58; the A/B's control).
     Shared,
     /// Drafts have a budget of their own; prompts keep the step's.
+    #[default]
     Beside,
 }
 
