@@ -546,17 +546,21 @@ if b.exists():
             continue
         lv = " ".join(f"c{x['concurrency']}:{x['aggregate']}x" for x in sp["per_level"])
         print(f"summary: bench T={t}: spec arm / fixed verify length, aggregate {lv}")
-# What `goodput` chose, by running sequences, from the spec arm's debug lines (the lease's
+# What `goodput` chose, by running sequences, from the spec arms' debug lines (the lease's
 # FERRY_LOG=…goodput=debug; session 54 read them by hand to see it verify whole blocks at
 # c = 128 where fixed:4 served more): the share of each choice per batch-size band, over the
 # steps that drafted (a step it decided not to draft for prints no line; the bench table's
 # plain steps against rounds count those). A step that explored (`goodput explores`, session
-# 57) counts as Explore(the unknown cost), "+prompts" when prompt work was beside it.
-g = run / "bench" / "logs" / "ferry_up_spec.log"
-if g.exists():
-    import collections, re
-    ansi = re.compile(r"\x1b\[[0-9;]*m")
-    bands = ((1, 1), (2, 63), (64, 127), (128, 191), (192, 255), (256, 1 << 30))
+# 57) counts as Explore(the unknown cost), "+prompts" when prompt work was beside it; a width
+# picked before drafting (`queued=true`, FERRY_GOODPUT_QUEUED=1, session 58) as "<choice>q".
+# One line for the `spec` arm and, when it ran, one for `spec_env`.
+import collections, re
+ansi = re.compile(r"\x1b\[[0-9;]*m")
+bands = ((1, 1), (2, 63), (64, 127), (128, 191), (192, 255), (256, 1 << 30))
+for arm in ("spec", "spec_env"):
+    g = run / "bench" / "logs" / f"ferry_up_{arm}.log"
+    if not g.exists():
+        continue
     seen = collections.defaultdict(collections.Counter)
     with open(g, errors="replace") as fh:
         for line in fh:
@@ -564,6 +568,8 @@ if g.exists():
                 line = ansi.sub("", line)
                 ch = re.search(r"\bchoice=(\S+)", line)
                 choice = ch.group(1) if ch else None
+                if choice and "queued=true" in line:
+                    choice += "q"
             elif "goodput explores" in line:
                 line = ansi.sub("", line)
                 u = re.search(r'\bunknown="?([^"=]*?)"?(?: \w+=|\s*$)', line)
@@ -586,7 +592,7 @@ if g.exists():
             total = sum(cnt.values())
             label = str(band[0]) if band[0] == band[1] else (f"{band[0]}+" if band[1] > 4096 else f"{band[0]}-{band[1]}")
             parts.append(f"{label}: " + " ".join(f"{k} {v / total:.0%}" for k, v in cnt.most_common(4)) + f" ({total})")
-        print("summary: goodput choices by running sequences: " + "; ".join(parts))
+        print(f"summary: goodput choices ({arm}) by running sequences: " + "; ".join(parts))
 c = run / "bench" / "cpu_spec.json"
 if c.exists():
     r = json.loads(c.read_text())

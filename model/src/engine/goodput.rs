@@ -678,6 +678,48 @@ impl Goodput {
         best > plain_rate
     }
 
+    /// Beside waiting prompts, the uniform round to verify chosen *before* drafting, from the
+    /// acceptance estimates rather than this step's confidences, so that the drafter's pass can
+    /// be queued on the device right ahead of the verify forward instead of the host waiting for
+    /// its drafts and confidences in between (session 58: 2.1 ms of a 16.5 ms prompt step at
+    /// c = 256 went to that wait, against `fixed:4`'s queued 0.33). `None` where the step is not
+    /// beside priced prompts, where something is still unmeasured or due to be explored, or where
+    /// no round beats a plain step: the caller then drafts on the host and [`Self::choose`]
+    /// decides as before. Call only after [`Self::should_draft`] said to draft.
+    pub fn width_before_drafting(&self, s: Shape) -> Option<usize> {
+        self.prompt_line(s)?;
+        if self.round_due(s) || !self.acceptance.known() || !self.draft.knows(s.eligible) {
+            return None;
+        }
+        let plain = self.plain_cost(s)?;
+        let draft = self.draft.estimate(s.eligible)?;
+        let n = s.seqs as f64;
+        let m = s.eligible as f64;
+        let mut best: Option<(usize, f64)> = None;
+        for gamma in self.uniform_widths(s) {
+            let Some(v) = self.uniform_cost(s, gamma) else {
+                continue;
+            };
+            let rate = (n + m * self.acceptance.expected(gamma)) / (draft + v);
+            if best.is_none_or(|(_, r)| rate > r) {
+                best = Some((gamma, rate));
+            }
+        }
+        let (gamma, rate) = best.filter(|&(_, r)| r > n / plain)?;
+        tracing::debug!(
+            seqs = s.seqs,
+            eligible = s.eligible,
+            budget = s.budget,
+            prompt_rows = s.prompt_rows,
+            plain_ms = plain * 1e3,
+            choice = ?Choice::Uniform(gamma),
+            tokens_per_ms = rate / 1e3,
+            queued = true,
+            "goodput choice"
+        );
+        Some(gamma)
+    }
+
     /// After drafting: how many of `survival` (every candidate slot's cumulative survival as
     /// the head predicted it, sorted in decreasing order) to verify, or which uniform round
     /// (`by_seq`: each drafting sequence's cumulative survivals in block order, the drafts it
@@ -1147,6 +1189,43 @@ mod tests {
             ..beside
         };
         assert_eq!(g.prompt_line(uneven), None);
+    }
+
+    #[test]
+    fn beside_waiting_prompts_the_width_is_picked_before_drafting() {
+        let g = with_prompt_steps();
+        let beside = Shape {
+            graph_widths: widths(8).map(|w| 1 << w).sum(),
+            uniform: 8,
+            budget: 8 * 128,
+            prompt_rows: 1024,
+            ..shape(128)
+        };
+        // The same prices as `choose` beside prompts, from the acceptance estimates (0.8 a
+        // slot): a narrow round, never the whole block (each row costs 5.6 µs there).
+        let w = g.width_before_drafting(beside);
+        assert!(matches!(w, Some(2..=4)), "{w:?}");
+        // Decode-only steps keep drafting on the host: `choose` reads the confidences there.
+        assert_eq!(
+            g.width_before_drafting(Shape {
+                prompt_rows: 0,
+                ..beside
+            }),
+            None
+        );
+        // Nor before the acceptance is known: the round explores through `choose`.
+        let mut fresh = Goodput::default();
+        graph_rounds_and_prompt_steps(&mut fresh);
+        for _ in 0..8 {
+            fresh.observe(plain_step(128, 1e-3));
+        }
+        assert_eq!(fresh.width_before_drafting(beside), None);
+        // Where drafts cost more than they bring (a slot accepted 1 time in 20), no round:
+        // the caller drafts on the host and `choose` decides (a plain step).
+        let poor = trained(1e-3, 1 << 20, 0.0, 0.2e-3, 0.05);
+        let mut poor = poor;
+        graph_rounds_and_prompt_steps(&mut poor);
+        assert_eq!(poor.width_before_drafting(beside), None);
     }
 
     #[test]

@@ -798,10 +798,17 @@ impl Speculator {
         // drafts after it (`fill_queued`), not between the two. That needs every running
         // sequence drafting greedily at one width the rule fixes without the confidences:
         // `fixed:N` within every context's room, or the whole block under `confidence`.
-        // (`goodput` picks after reading the confidences.)
+        // (`goodput` picks after reading the confidences, except beside waiting prompts under
+        // `FERRY_GOODPUT_QUEUED=1`, where it picks from its acceptance estimates first.)
         let queued_width = match self.config.verify_len {
             VerifyLen::Fixed(n) if n > 0 && n.min(block) <= pre_max => Some(n.min(block)),
             VerifyLen::Confidence { .. } if pre_max >= block => Some(block),
+            // Beside waiting prompts `goodput` may pick its uniform width before drafting
+            // (`FERRY_GOODPUT_QUEUED=1`, opt-in until a GPU lease measures it).
+            VerifyLen::Goodput if goodput_queued() => self
+                .goodput
+                .width_before_drafting(shape)
+                .filter(|&g| g <= pre_max),
             _ => None,
         }
         .filter(|_| {
@@ -1286,6 +1293,15 @@ fn fill_draft(d: &mut Draft, p: Result<Proposal, ModelError>) {
             d.survival.clear();
         }
     }
+}
+
+/// Whether `goodput` picks a uniform width before drafting beside waiting prompts, so that the
+/// drafter's pass is queued ahead of the verify forward ([`Goodput::width_before_drafting`]):
+/// with `FERRY_GOODPUT_QUEUED=1` (read once). Off until a GPU lease measures it (written in
+/// session 58 after its lease).
+fn goodput_queued() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("FERRY_GOODPUT_QUEUED").is_ok_and(|v| v.trim() == "1"))
 }
 
 /// `FERRY_QUEUED_DRAFTS=0`: every round's drafts come to the host before its verify forward
