@@ -561,6 +561,17 @@ impl Goodput {
         self.graph_curve(block).is_some_and(|c| c.knows(seqs))
     }
 
+    /// Whether a whole-block graph round run in a step of this shape would be timed alone, and
+    /// so teach the graph curve what it costs: in a decode-only step, or beside prompts that it
+    /// leaves a forward of their own (`splits`, at most its drafts). Beside more prompt rows it
+    /// runs eagerly with them and feeds only the prompt line, so exploring it there would be
+    /// repeated step after step (session 58: 44 % of `goodput`'s steps at 2–63 sequences beside
+    /// prompts). Where the prompt rows are not priced (`prompt_rows` 0) it is not known whether
+    /// they split, and the round explores as before.
+    fn graph_round_teaches(&self, s: Shape) -> bool {
+        !s.beside_prompts || s.prompt_rows == 0 || (s.splits && s.prompt_rows <= s.seqs * s.block)
+    }
+
     /// Seconds of a graph-replayed uniform round of `gamma` drafts per sequence at `seqs`
     /// sequences, drafter pass excluded: measured, or until this width has been measured at
     /// this size, interpolated between the plain step and the whole-block round, linearly in
@@ -644,7 +655,7 @@ impl Goodput {
         let graph = s.graphs(s.block);
         if !self.acceptance.known()
             || !self.draft.knows(s.eligible)
-            || (graph && !self.knows_graph(s.seqs, s.block))
+            || (graph && !self.knows_graph(s.seqs, s.block) && self.graph_round_teaches(s))
             || (!graph && !self.verify.measured() && !s.beside_prompts)
         {
             return true;
@@ -732,7 +743,11 @@ impl Goodput {
         let unknown = match plain {
             None => Some("plain step"),
             Some(_) if self.round_due(s) => Some("round due"),
-            Some(_) if graph && !self.knows_graph(s.seqs, s.block) => Some("graph round"),
+            Some(_)
+                if graph && !self.knows_graph(s.seqs, s.block) && self.graph_round_teaches(s) =>
+            {
+                Some("graph round")
+            }
             // The eager curve is learnt from decode-only eager rounds: a round beside prompts
             // would not teach it, so there the options it prices are left out instead
             // (session 57, c = 256: nearly every step carried prompts, so every round
@@ -1189,6 +1204,49 @@ mod tests {
             ..beside
         };
         assert_eq!(g.prompt_line(uneven), None);
+    }
+
+    #[test]
+    fn beside_priced_prompts_an_unmeasured_graph_round_explores_only_where_it_splits() {
+        // Session 58's lease, drafts beside the budget: at 2-63 sequences with ~1,800 prompt
+        // rows waiting, the whole-block graph round at that size was unmeasured, so nearly half
+        // the steps explored it; with the prompts joining (more rows than its drafts) the round
+        // ran eagerly and its timing fed only the prompt line.
+        let mut g = with_prompt_steps();
+        for _ in 0..3 {
+            g.observe(plain_step(32, 0.9e-3));
+        }
+        let by_seq = vec![(1..=8).map(|k| 0.8f32.powi(k)).collect::<Vec<_>>(); 32];
+        let beside = Shape {
+            graph_widths: widths(8).map(|w| 1 << w).sum(),
+            uniform: 8,
+            budget: 8 * 32,
+            prompt_rows: 1800,
+            beside_prompts: true,
+            splits: true,
+            ..shape(32)
+        };
+        assert!(!g.knows_graph(32, 8));
+        let choose = |s: Shape| g.choose(s, &survivals(32, 8, 0.8), &by_seq);
+        // 1,800 prompt rows against 256 drafts: no split, so no exploring; an eager uniform
+        // round at the prompt line's price, or a plain step.
+        let c = choose(beside);
+        assert!(matches!(c, Choice::Uniform(_) | Choice::Plain), "{c:?}");
+        // Prompt rows the whole block's drafts cover: the round keeps its graph, which its
+        // timing then teaches.
+        let splits = Shape {
+            prompt_rows: 200,
+            ..beside
+        };
+        assert_eq!(choose(splits), Choice::Explore);
+        assert!(g.should_draft(splits));
+        // Decode-only, as before.
+        let alone = Shape {
+            prompt_rows: 0,
+            beside_prompts: false,
+            ..beside
+        };
+        assert_eq!(choose(alone), Choice::Explore);
     }
 
     #[test]
