@@ -253,20 +253,29 @@ async fn whole_generations_accept_what_the_reference_drafter_accepts() {
     }
 }
 
-/// Requests 1 and 2 arrive while request 0 speculates, under `prompt_steps`: every request's
-/// greedy tokens are the reference's, and the engine's step counters.
-async fn late_arrivals(prompt_steps: PromptSteps) -> EngineStats {
-    let e = dspark_engine(EngineConfig {
-        prompt_steps,
-        ..config(128, 64, VerifyLen::Fixed(4))
-    });
+/// Requests 1 and 2 arrive while request 0 speculates (`fixed:4`) under `prompt_steps`, on an
+/// engine of `config` (`late_config`): every request's greedy tokens are the reference's, and
+/// the engine's step counters.
+async fn late_arrivals(config: EngineConfig) -> EngineStats {
+    let what = format!(
+        "{:?}, drafts {}",
+        config.prompt_steps, config.spec.draft_budget
+    );
+    let e = dspark_engine(config);
     for (i, (toks, end)) in common::late_arrivals(&e, 32).await.into_iter().enumerate() {
         assert_eq!(end, Ok(FinishReason::Length));
-        assert_eq!(toks, golden_case(i).1, "request {i} ({prompt_steps:?})");
+        assert_eq!(toks, golden_case(i).1, "request {i} ({what})");
     }
     let s = e.stats().await.unwrap();
     wait_idle(&e).await;
     s
+}
+
+fn late_config(prompt_steps: PromptSteps) -> EngineConfig {
+    EngineConfig {
+        prompt_steps,
+        ..config(128, 64, VerifyLen::Fixed(4))
+    }
 }
 
 /// `PromptSteps::Apart`: prompts that arrive while others decode get a forward of their own,
@@ -275,7 +284,7 @@ async fn late_arrivals(prompt_steps: PromptSteps) -> EngineStats {
 /// engine, the control, carries request 0's rows in the late prompts' steps.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prompts_apart_from_rounds_keep_the_tokens_and_carry_no_decode_rows() {
-    let apart = late_arrivals(PromptSteps::Apart).await;
+    let apart = late_arrivals(late_config(PromptSteps::Apart)).await;
     let t = apart.step_times;
     assert!(
         t.prompt.steps >= 2,
@@ -291,7 +300,7 @@ async fn prompts_apart_from_rounds_keep_the_tokens_and_carry_no_decode_rows() {
     let widths = &apart.spec_rounds_by_width;
     assert_eq!(widths.iter().sum::<u64>(), apart.spec_rounds, "{widths:?}");
     assert!(widths.len() <= 5 && widths[4] > 0, "{widths:?}");
-    let mixed = late_arrivals(PromptSteps::Mixed).await;
+    let mixed = late_arrivals(late_config(PromptSteps::Mixed)).await;
     let t = mixed.step_times;
     assert!(
         t.prompt.sequences > 0,
@@ -299,22 +308,13 @@ async fn prompts_apart_from_rounds_keep_the_tokens_and_carry_no_decode_rows() {
     );
 }
 
-/// `late_arrivals` at a 24-row step budget with request 0 verifying 4 drafts a round, the late
-/// prompts (18 and 211 tokens) riding with its rounds, drafts taking their rows under
-/// `draft_budget`.
+/// `late_arrivals` at a 24-row step budget, the late prompts (18 and 211 tokens) riding with
+/// request 0's rounds, drafts taking their rows under `draft_budget`.
 async fn late_arrivals_beside(draft_budget: DraftBudget) -> EngineStats {
-    let mut c = config(128, 64, VerifyLen::Fixed(4));
+    let mut c = late_config(PromptSteps::Mixed);
     c.max_batch_tokens = 24;
-    c.prompt_steps = PromptSteps::Mixed;
     c.spec.draft_budget = draft_budget;
-    let e = dspark_engine(c);
-    for (i, (toks, end)) in common::late_arrivals(&e, 32).await.into_iter().enumerate() {
-        assert_eq!(end, Ok(FinishReason::Length));
-        assert_eq!(toks, golden_case(i).1, "request {i} ({draft_budget})");
-    }
-    let s = e.stats().await.unwrap();
-    wait_idle(&e).await;
-    s
+    late_arrivals(c).await
 }
 
 /// `DraftBudget::Beside` (the default): drafts do not take the rows of the prompts waiting
