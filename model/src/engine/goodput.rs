@@ -680,13 +680,28 @@ impl Goodput {
                 best = best.max(tokens / (draft + v));
             }
         }
-        for gamma in self.uniform_widths(s) {
-            if let Some(v) = self.uniform_cost(s, gamma) {
-                let tokens = n + m * self.acceptance.expected(gamma);
-                best = best.max(tokens / (draft + v));
-            }
+        if let Some((_, rate)) = self.best_uniform(s, draft) {
+            best = best.max(rate);
         }
         best > plain_rate
+    }
+
+    /// The uniform width with the most expected tokens a second at the acceptance estimates,
+    /// and that rate, given the drafter pass's `draft` seconds (`None` with no width priced).
+    fn best_uniform(&self, s: Shape, draft: f64) -> Option<(usize, f64)> {
+        let n = s.seqs as f64;
+        let m = s.eligible as f64;
+        let mut best: Option<(usize, f64)> = None;
+        for gamma in self.uniform_widths(s) {
+            let Some(v) = self.uniform_cost(s, gamma) else {
+                continue;
+            };
+            let rate = (n + m * self.acceptance.expected(gamma)) / (draft + v);
+            if best.is_none_or(|(_, r)| rate > r) {
+                best = Some((gamma, rate));
+            }
+        }
+        best
     }
 
     /// Beside waiting prompts, the uniform round to verify chosen *before* drafting, from the
@@ -704,19 +719,9 @@ impl Goodput {
         }
         let plain = self.plain_cost(s)?;
         let draft = self.draft.estimate(s.eligible)?;
-        let n = s.seqs as f64;
-        let m = s.eligible as f64;
-        let mut best: Option<(usize, f64)> = None;
-        for gamma in self.uniform_widths(s) {
-            let Some(v) = self.uniform_cost(s, gamma) else {
-                continue;
-            };
-            let rate = (n + m * self.acceptance.expected(gamma)) / (draft + v);
-            if best.is_none_or(|(_, r)| rate > r) {
-                best = Some((gamma, rate));
-            }
-        }
-        let (gamma, rate) = best.filter(|&(_, r)| r > n / plain)?;
+        let (gamma, rate) = self
+            .best_uniform(s, draft)
+            .filter(|&(_, r)| r > s.seqs as f64 / plain)?;
         tracing::debug!(
             seqs = s.seqs,
             eligible = s.eligible,
@@ -1280,8 +1285,7 @@ mod tests {
         assert_eq!(fresh.width_before_drafting(beside), None);
         // Where drafts cost more than they bring (a slot accepted 1 time in 20), no round:
         // the caller drafts on the host and `choose` decides (a plain step).
-        let poor = trained(1e-3, 1 << 20, 0.0, 0.2e-3, 0.05);
-        let mut poor = poor;
+        let mut poor = trained(1e-3, 1 << 20, 0.0, 0.2e-3, 0.05);
         graph_rounds_and_prompt_steps(&mut poor);
         assert_eq!(poor.width_before_drafting(beside), None);
     }
